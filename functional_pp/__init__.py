@@ -1,0 +1,21 @@
+"""functional_pp: functional training on PyTorch with layouts derived from named axes."""
+from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
+                          psum, psum_scatter, pvary, split_invariant)
+from .comm import CommReport, comm_report
+from .init import init, init_params
+from .launch import DeviceError, launch
+from .layout import P, Rules
+from .mesh import Mesh
+from .runtime import current_mesh, current_rank, device_coords
+from .shard_map import shard_map, use_rules
+from .tree import Param, count_params, leaves_with_paths, map_with_path, param
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh", "Rules", "P", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
+    "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
+    "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
+    "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",
+    "leaves_with_paths",
+]

@@ -1,0 +1,103 @@
+"""Real devices through torch.distributed functional collectives (gloo on CPU, NCCL on CUDA).
+
+Functional collectives are traced by ``torch.compile(fullgraph=True)``. Process groups are
+created once per set of mesh axes; torch orders a group's ranks ascending, so results are
+reordered where our group order (first axis major) differs.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..mesh import Mesh
+
+
+class DistBackend:
+    """Backend of one torch.distributed rank."""
+
+    name = "torch.distributed"
+
+    def __init__(self, mesh: Mesh, rank: int):
+        self.mesh = mesh
+        self.rank = rank
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+        # Every rank creates every group in the same order (new_group is collective).
+        for k in range(1, len(axes) + 1):
+            for subset in itertools.combinations(axes, k):
+                for g in mesh.groups(subset):
+                    key = tuple(sorted(g))
+                    if key not in self._groups:
+                        self._groups[key] = dist.new_group(list(key))
+
+    def _pg(self, group: tuple[int, ...]):
+        return self._groups[tuple(sorted(group))]
+
+    @staticmethod
+    def _order(group: tuple[int, ...]) -> list[int]:
+        """For each group index, its position in torch's ascending group."""
+        srt = sorted(group)
+        return [srt.index(r) for r in group]
+
+    def all_reduce(self, x, op, group):
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group)))
+
+    def all_gather(self, x, dim, group):
+        out = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, self._pg(group)))
+        order = self._order(group)
+        if order != sorted(order):
+            parts = out.chunk(len(group), dim=dim)
+            out = torch.cat([parts[p] for p in order], dim=dim)
+        return out
+
+    def reduce_scatter(self, x, dim, group, op="sum"):
+        order = self._order(group)
+        if order != sorted(order):
+            parts = x.chunk(len(group), dim=dim)
+            inv = [0] * len(order)
+            for i, p in enumerate(order):
+                inv[p] = i
+            x = torch.cat([parts[inv[p]] for p in range(len(group))], dim=dim)
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), op, dim, self._pg(group)))
+
+    def all_to_all(self, x, split_dim, concat_dim, group):
+        n = len(group)
+        order = self._order(group)
+        inv = [0] * n
+        for i, p in enumerate(order):
+            inv[p] = i
+        # torch's all_to_all_single splits dim 0 among ascending ranks.
+        parts = x.chunk(n, dim=split_dim)
+        send = torch.stack([parts[inv[p]].contiguous() for p in range(n)])
+        recv = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, self._pg(group)))
+        recv_parts = recv.unbind(0)
+        return torch.cat([recv_parts[order[i]] for i in range(n)], dim=concat_dim)
+
+    def permute(self, x, pairs, group):
+        # funcol.permute_tensor takes, for each source position in torch's group, its destination.
+        n = len(group)
+        order = self._order(group)
+        src_dst = list(range(n))
+        sources = set()
+        for src, dst in pairs:
+            src_dst[order[src]] = order[dst]
+            sources.add(order[src])
+        dests = {order[dst] for _, dst in pairs}
+        # Positions that neither send nor receive keep to themselves; a full permutation is needed.
+        free_src = [p for p in range(n) if p not in sources]
+        free_dst = [p for p in range(n) if p not in dests]
+        for s, d in zip(free_src, free_dst):
+            src_dst[s] = d
+        out = funcol.wait_tensor(funcol.permute_tensor(x.contiguous(), src_dst, self._pg(group)))
+        me = order[group.index(self.rank)]
+        if me not in dests:
+            return torch.zeros_like(x)
+        return out
+
+    def exchange_objects(self, obj, group):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return [out[r] for r in group]

@@ -1,0 +1,343 @@
+"""Collectives over named mesh axes (JAX names), differentiable with the transposes of
+GUIDE §2, counted in the communication report.
+
+``axis_name`` is one mesh axis or a tuple of them; a tuple forms one group whose index is
+first-axis-major (``("dp_shard", "cp")``: index = dp_shard_index * cp_size + cp_index).
+These work on plain local tensors (manual mode): like ``shard_map`` with ``check_vma=False``,
+the caller says where an invariant value meets varying data by calling :func:`pvary`.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from . import comm
+from .mesh import as_axes
+from .runtime import current_context
+
+AxisName = str | Sequence[str]
+
+
+# --------------------------------------------------------------------------- raw layer
+def _group(axis_name: AxisName, where: str):
+    ctx = current_context()
+    axes = ctx.mesh.check_axes(axis_name, where)
+    return ctx, axes, ctx.mesh.group(ctx.rank, axes)
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def raw_all_reduce(x: torch.Tensor, axes: AxisName, op: str = "sum") -> torch.Tensor:
+    ctx, axes, group = _group(axes, f"p{op}")
+    if len(group) == 1:
+        return x
+    comm.record("all_reduce", axes, len(group), x)
+    return ctx.backend.all_reduce(x, op, group)
+
+
+def raw_all_gather(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+    ctx, axes, group = _group(axes, "all_gather")
+    if len(group) == 1:
+        return x
+    comm.record("all_gather", axes, len(group), x)
+    return ctx.backend.all_gather(x, _norm_dim(dim, x.ndim), group)
+
+
+def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+    ctx, axes, group = _group(axes, "psum_scatter")
+    if len(group) == 1:
+        return x
+    dim = _norm_dim(dim, x.ndim)
+    if x.shape[dim] % len(group):
+        raise ValueError(f"psum_scatter over {axes}: dimension {dim} of size {x.shape[dim]} is not "
+                         f"divisible by the group size {len(group)}")
+    comm.record("reduce_scatter", axes, len(group), x)
+    return ctx.backend.reduce_scatter(x, dim, group)
+
+
+def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: int) -> torch.Tensor:
+    ctx, axes, group = _group(axes, "all_to_all")
+    if len(group) == 1:
+        return x
+    split_dim, concat_dim = _norm_dim(split_dim, x.ndim), _norm_dim(concat_dim, x.ndim)
+    if x.shape[split_dim] % len(group):
+        raise ValueError(f"all_to_all over {axes}: split dimension {split_dim} of size "
+                         f"{x.shape[split_dim]} is not divisible by the group size {len(group)}")
+    comm.record("all_to_all", axes, len(group), x)
+    return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
+
+
+def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:
+    ctx, axes, group = _group(axes, "ppermute")
+    pairs = tuple((int(s), int(d)) for s, d in pairs)
+    n = len(group)
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"ppermute over {axes}: perm {list(pairs)} must be pairs (source, destination) "
+                         f"of distinct indices in range({n})")
+    me = group.index(ctx.rank)
+    if any(s == me and d != me for s, d in pairs):
+        comm.record("permute", axes, n, x)
+    if n == 1:
+        return x if pairs else torch.zeros_like(x)
+    return ctx.backend.permute(x, pairs, group)
+
+
+def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+    ctx, axes, group = _group(axes, "slice")
+    n = len(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} over mesh axes {axes} "
+                         f"of size {n}")
+    return x.chunk(n, dim=dim)[group.index(ctx.rank)].contiguous()
+
+
+# ------------------------------------------------------------------ autograd functions
+class _PSum(torch.autograd.Function):
+    """psum: all-reduce forward; the result is invariant so its backward is identity."""
+
+    @staticmethod
+    def forward(x, axes):
+        return raw_all_reduce(x, axes, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _PVary(torch.autograd.Function):
+    """pvary: invariant -> varying cast; identity forward, psum backward."""
+
+    @staticmethod
+    def forward(x, axes):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_all_reduce(g, ctx.axes, "sum"), None
+
+
+class _PMax(torch.autograd.Function):
+    @staticmethod
+    def forward(x, axes):
+        return raw_all_reduce(x, axes, "max")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, out = ctx.saved_tensors
+        return g * (x == out).to(g.dtype), None
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather (varying result): backward is psum_scatter on the same dimension."""
+
+    @staticmethod
+    def forward(x, axes, dim):
+        return raw_all_gather(x, axes, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.dim = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_reduce_scatter(g, ctx.axes, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """psum_scatter: backward is all_gather on the same dimension."""
+
+    @staticmethod
+    def forward(x, axes, dim):
+        return raw_reduce_scatter(x, axes, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.dim = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_all_gather(g, ctx.axes, ctx.dim), None, None
+
+
+class _AllGatherInvariant(torch.autograd.Function):
+    """all_gather whose result is invariant (every device uses it identically): backward
+    takes this device's slice of the (invariant) cotangent."""
+
+    @staticmethod
+    def forward(x, axes, dim):
+        return raw_all_gather(x, axes, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.dim = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _local_chunk(g, ctx.axes, ctx.dim), None, None
+
+
+class _SplitInvariant(torch.autograd.Function):
+    """Take this device's slice of an invariant value (free); backward all-gathers."""
+
+    @staticmethod
+    def forward(x, axes, dim):
+        return _local_chunk(x, axes, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.dim = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_all_gather(g, ctx.axes, ctx.dim), None, None
+
+
+class _PPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, axes, pairs):
+        return raw_permute(x, axes, pairs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.pairs = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_permute(g, ctx.axes, tuple((d, s) for s, d in ctx.pairs)), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, axes, split_dim, concat_dim):
+        return raw_all_to_all(x, axes, split_dim, concat_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.split, ctx.concat = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, g):
+        with comm.in_backward():
+            return raw_all_to_all(g, ctx.axes, ctx.concat, ctx.split), None, None, None
+
+
+# ------------------------------------------------------------------------- public API
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+    axes = as_axes(axis_name)
+    if not axes:
+        raise ValueError("a collective needs at least one mesh axis name")
+    return axes
+
+
+def _trivial(axes: tuple[str, ...]) -> bool:
+    mesh = current_context().mesh
+    return mesh.axis_size(mesh.check_axes(axes, "collective")) == 1
+
+
+def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Sum over the devices of ``axis_name``; the result is invariant (backward: identity)."""
+    axes = _axes(axis_name)
+    return x if _trivial(axes) else _PSum.apply(x, axes)
+
+
+def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Mean over the devices of ``axis_name``."""
+    axes = _axes(axis_name)
+    return psum(x, axes) / axis_size(axes)
+
+
+def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Maximum over the devices of ``axis_name`` (gradient flows to the maximal entries)."""
+    axes = _axes(axis_name)
+    return x if _trivial(axes) else _PMax.apply(x, axes)
+
+
+def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Cast an invariant value to varying over ``axis_name``: identity forward, psum backward."""
+    axes = _axes(axis_name)
+    return x if _trivial(axes) else _PVary.apply(x, axes)
+
+
+def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+               invariant: bool = False) -> torch.Tensor:
+    """Gather the blocks of every device along ``axis`` (a new stacked axis unless ``tiled``).
+
+    The result is varying (its backward is ``psum_scatter``). With ``invariant=True`` the
+    caller promises every device uses the result identically, and the backward only takes
+    this device's slice (JAX's ``all_gather_invariant``)."""
+    axes = _axes(axis_name)
+    if not tiled:
+        x = x.unsqueeze(axis)
+    if _trivial(axes):
+        return x
+    fn = _AllGatherInvariant if invariant else _AllGather
+    return fn.apply(x, axes, _norm_dim(axis, x.ndim))
+
+
+def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,
+                 tiled: bool = False) -> torch.Tensor:
+    """Sum over ``axis_name`` and keep this device's block of ``scatter_dimension``.
+    Without ``tiled`` the dimension must have the group's size and is removed."""
+    axes = _axes(axis_name)
+    dim = _norm_dim(scatter_dimension, x.ndim)
+    n = axis_size(axes)
+    if not tiled and x.shape[dim] != n:
+        raise ValueError(f"psum_scatter over {axes} (size {n}) with tiled=False needs dimension "
+                         f"{dim} of size {n}, got {x.shape[dim]}; pass tiled=True to split it in blocks")
+    out = x if _trivial(axes) else _ReduceScatter.apply(x, axes, dim)
+    return out if tiled else out.squeeze(dim)
+
+
+def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """Send this device's ``x`` to the device given by ``perm`` (pairs of axis indices
+    (source, destination)); devices that receive nothing get zeros."""
+    axes = _axes(axis_name)
+    return _PPermute.apply(x, axes, tuple((int(s), int(d)) for s, d in perm))
+
+
+def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int) -> torch.Tensor:
+    """Split ``split_axis`` into one block per device, send block j to device j, and
+    concatenate the received blocks along ``concat_axis`` (tiled semantics)."""
+    axes = _axes(axis_name)
+    if _trivial(axes):
+        return x
+    return _AllToAll.apply(x, axes, _norm_dim(split_axis, x.ndim), _norm_dim(concat_axis, x.ndim))
+
+
+def axis_index(axis_name: AxisName) -> int:
+    """This device's index along ``axis_name`` (a tuple: first axis major)."""
+    ctx = current_context()
+    return ctx.mesh.axis_index(ctx.rank, ctx.mesh.check_axes(_axes(axis_name), "axis_index"))
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Number of devices along ``axis_name``."""
+    mesh = current_context().mesh
+    return mesh.axis_size(mesh.check_axes(_axes(axis_name), "axis_size"))
+
+
+def split_invariant(x: torch.Tensor, axis_name: AxisName, dim: int) -> torch.Tensor:
+    """This device's block of an invariant ``x`` along ``dim`` (free; backward all-gathers)."""
+    axes = _axes(axis_name)
+    return x if _trivial(axes) else _SplitInvariant.apply(x, axes, _norm_dim(dim, x.ndim))

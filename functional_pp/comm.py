@@ -1,0 +1,127 @@
+"""Communication accounting: every collective records its kind, mesh axes and the bytes one
+device sends by the ring formulas of GUIDE §3."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    kind: str                 # all_reduce, all_gather, reduce_scatter, all_to_all, permute
+    axes: tuple[str, ...]
+    group_size: int
+    bytes_sent: int           # per device
+    shape: tuple[int, ...]    # local input shape
+    dtype: str
+    backward: bool            # issued while computing gradients
+
+
+def ring_bytes(kind: str, numel_in: int, n: int, itemsize: int) -> int:
+    """Bytes one device sends for a collective whose local input has ``numel_in`` elements."""
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * numel_in * itemsize // n
+    if kind == "all_gather":           # input is the local block: (n-1)/n of the full tensor
+        return (n - 1) * numel_in * itemsize
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (n - 1) * numel_in * itemsize // n
+    if kind == "permute":
+        return numel_in * itemsize
+    raise ValueError(kind)
+
+
+class CommReport:
+    """Collectives issued on this device while the report was active."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+
+    def by_axis(self) -> dict[tuple[str, ...], dict[str, dict[str, int]]]:
+        """``{axes: {kind: {"count": c, "bytes": b}}}``."""
+        out: dict = {}
+        for e in self.events:
+            slot = out.setdefault(e.axes, {}).setdefault(e.kind, {"count": 0, "bytes": 0})
+            slot["count"] += 1
+            slot["bytes"] += e.bytes_sent
+        return out
+
+    def bytes(self, kind: str | None = None, axes: tuple[str, ...] | str | None = None,
+              backward: bool | None = None) -> int:
+        """Total bytes sent, optionally filtered by kind, exact mesh axes and pass."""
+        if isinstance(axes, str):
+            axes = (axes,)
+        return sum(e.bytes_sent for e in self.events
+                   if (kind is None or e.kind == kind) and (axes is None or e.axes == tuple(axes))
+                   and (backward is None or e.backward == backward))
+
+    def count(self, kind: str | None = None, axes=None) -> int:
+        if isinstance(axes, str):
+            axes = (axes,)
+        return sum(1 for e in self.events
+                   if (kind is None or e.kind == kind) and (axes is None or e.axes == tuple(axes)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.bytes_sent for e in self.events)
+
+    def as_dict(self) -> dict:
+        return {"+".join(k) or "-": v for k, v in self.by_axis().items()}
+
+    def table(self) -> str:
+        """A readable table: one row per (mesh axes, kind)."""
+        rows = [("mesh axes", "kind", "count", "bytes/device")]
+        for axes, kinds in sorted(self.by_axis().items()):
+            for kind, v in sorted(kinds.items()):
+                rows.append(("+".join(axes), kind, str(v["count"]), f"{v['bytes']:,}"))
+        rows.append(("total", "", str(len(self.events)), f"{self.total_bytes:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@contextmanager
+def comm_report() -> Iterator[CommReport]:
+    """Record the collectives this device issues inside the block (eager execution)."""
+    report = CommReport()
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(report)
+    try:
+        yield report
+    finally:
+        stack.remove(report)
+
+
+@contextmanager
+def in_backward() -> Iterator[None]:
+    prev = getattr(_local, "backward", False)
+    _local.backward = True
+    try:
+        yield
+    finally:
+        _local.backward = prev
+
+
+def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
+    stack = getattr(_local, "stack", None)
+    if not stack or torch.compiler.is_compiling():
+        return
+    event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
+                      tuple(x.shape), str(x.dtype).replace("torch.", ""),
+                      getattr(_local, "backward", False))
+    for report in stack:
+        report.events.append(event)

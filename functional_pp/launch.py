@@ -1,0 +1,163 @@
+"""Run a function on every device of a mesh: simulated threads, local processes, or torchrun."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from .backends.sim import SimAborted, SimBackend, SimWorld
+from .mesh import Mesh
+from .runtime import DeviceContext, current_context, set_process_context, thread_context
+
+
+class DeviceError(RuntimeError):
+    """A device failed; names its rank and mesh coordinates."""
+
+    def __init__(self, rank: int, coords: dict[str, int], exc: BaseException, tb: str = ""):
+        where = ", ".join(f"{a}={i}" for a, i in coords.items())
+        super().__init__(f"device {rank} ({where}) failed: {type(exc).__name__}: {exc}"
+                         + (f"\n--- traceback on device {rank} ---\n{tb}" if tb else ""))
+        self.rank, self.coords, self.original = rank, coords, exc
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
+           processes: bool = False, timeout: float = 300.0) -> Any:
+    """Run ``fn()`` on every device of ``mesh``.
+
+    - ``simulate=True`` (the default outside torchrun): one thread per device in this process,
+      with exact collective semantics; returns the results in rank order. A failure on any
+      device stops all of them and raises :class:`DeviceError` naming the rank.
+    - under ``torchrun`` (``simulate=False``): this process is one rank (gloo on CPU, NCCL on
+      CUDA); returns this rank's result.
+    - ``processes=True``: fork one gloo process per device on this machine; returns the results
+      in rank order (they must be picklable).
+    """
+    if processes:
+        return _launch_processes(fn, mesh, timeout)
+    if simulate is None:
+        simulate = not under_torchrun()
+    if simulate:
+        return _launch_threads(fn, mesh, timeout)
+    return _launch_distributed(fn, mesh)
+
+
+def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
+    if current_context(required=False) is not None:
+        raise RuntimeError("functional_pp.launch cannot be nested inside another launch")
+    world = SimWorld(mesh.size, timeout)
+    results: list = [None] * mesh.size
+    errors: list = [None] * mesh.size
+
+    def run(rank: int) -> None:
+        ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)
+        with thread_context(ctx):
+            try:
+                results[rank] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank
+                errors[rank] = (exc, traceback.format_exc())
+                world.abort(rank, exc)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=run, args=(r,), name=f"fpp-device-{r}", daemon=True)
+                   for r in range(mesh.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    if world.failure is not None:
+        rank = world.failure[0]
+        exc, tb = errors[rank] if errors[rank] else (world.failure[1], "")
+        if isinstance(exc, SimAborted):  # pick the first real failure
+            for r, e in enumerate(errors):
+                if e and not isinstance(e[0], SimAborted):
+                    rank, (exc, tb) = r, e
+                    break
+        raise DeviceError(rank, mesh.coords(rank), exc, tb) from exc
+    return results
+
+
+def _launch_distributed(fn, mesh: Mesh):
+    import torch.distributed as dist
+
+    from .backends.dist import DistBackend
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    mesh.validate_world_size(dist.get_world_size())
+    rank = dist.get_rank()
+    ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank), simulated=False)
+    set_process_context(ctx)
+    try:
+        return fn()
+    finally:
+        set_process_context(None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_main(fn, mesh: Mesh, rank: int, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(mesh.size), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=mesh.size)
+        result = _launch_distributed(fn, mesh)
+        queue.put((rank, True, result, ""))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put((rank, False, repr(exc), traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        os._exit(0)
+
+
+def _launch_processes(fn, mesh: Mesh, timeout: float) -> list:
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, q), daemon=True)
+             for r in range(mesh.size)]
+    for p in procs:
+        p.start()
+    results: list = [None] * mesh.size
+    try:
+        for _ in range(mesh.size):
+            try:
+                rank, ok, value, tb = q.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise TimeoutError(f"processes did not finish within {timeout:.0f}s") from None
+            if not ok:
+                raise DeviceError(rank, mesh.coords(rank), RuntimeError(value), tb)
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return results
