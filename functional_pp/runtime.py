@@ -29,7 +29,7 @@ _process_context: DeviceContext | None = None
 
 def current_context(required: bool = True) -> DeviceContext | None:
     """The context of the device this code runs on."""
-    ctx = getattr(_local, "ctx", None) or _process_context
+    ctx = _process_context or getattr(_local, "ctx", None)
     if ctx is None and required:
         raise RuntimeError(
             "No device context: this function communicates between devices and must run inside "

@@ -79,7 +79,7 @@ def shard_map(f: Callable, in_specs: Any, out_specs: Any, *, rules: Rules | None
     that every output declared replicated over a mesh axis is equal on all its devices."""
     if check_rep is None:
         check_rep = os.environ.get("FPP_CHECK_REP", "0") not in ("", "0")
-    if not isinstance(in_specs, tuple):
+    if _is_spec(in_specs) or not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
 
     def wrapped(*args):

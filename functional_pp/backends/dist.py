@@ -46,7 +46,7 @@ class DistBackend:
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group)))
 
     def all_gather(self, x, dim, group):
-        out = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, self._pg(group)))
+        out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group)))
         order = self._order(group)
         if order != sorted(order):
             parts = out.chunk(len(group), dim=dim)
@@ -61,7 +61,7 @@ class DistBackend:
             for i, p in enumerate(order):
                 inv[p] = i
             x = torch.cat([parts[inv[p]] for p in range(len(group))], dim=dim)
-        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), op, dim, self._pg(group)))
+        return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), op, dim, self._pg(group)))
 
     def all_to_all(self, x, split_dim, concat_dim, group):
         n = len(group)

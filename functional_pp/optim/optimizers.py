@@ -1,0 +1,177 @@
+"""Ready-made optimizers (``sgd``, ``adamw``) and ``from_config``."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Optional
+
+from . import schedules as _sched
+from .transform import (
+    GradientTransformation,
+    MaskOrFn,
+    ScalarOrSchedule,
+    add_decayed_weights,
+    chain,
+    clip_by_global_norm,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
+
+
+def _maybe_clip(clip_norm: Optional[float]) -> list:
+    return [clip_by_global_norm(clip_norm)] if clip_norm is not None else []
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    mask: MaskOrFn = None,
+    clip_norm: Optional[float] = None,
+) -> GradientTransformation:
+    """SGD equivalent to ``torch.optim.SGD`` (coupled L2 weight decay, dampening 0).
+
+    Chain: [clip_by_global_norm] -> add_decayed_weights -> trace -> scale(-lr).
+    """
+    if nesterov and momentum <= 0.0:
+        raise ValueError("nesterov momentum requires momentum > 0")
+    parts = _maybe_clip(clip_norm)
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay, mask))
+    if momentum:
+        parts.append(trace(momentum, nesterov))
+    parts.append(scale_by_learning_rate(lr))
+    return chain(*parts)
+
+
+def adamw(
+    lr: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: MaskOrFn = None,
+    clip_norm: Optional[float] = None,
+) -> GradientTransformation:
+    """AdamW equivalent to ``torch.optim.AdamW`` (decoupled decay scaled by lr).
+
+    Chain: [clip_by_global_norm] -> scale_by_adam -> add_decayed_weights(mask)
+    -> scale(-lr), i.e. ``p <- p - lr * (adam_update + wd * p)``.
+    """
+    return chain(
+        *_maybe_clip(clip_norm),
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(lr),
+    )
+
+
+# --------------------------------------------------------------------------- #
+# config
+# --------------------------------------------------------------------------- #
+_SCHEDULES = ("constant", "cosine", "linear")
+_COMMON_KEYS = (
+    "learning_rate",
+    "weight_decay",
+    "max_grad_norm",
+    "lr_schedule",
+    "warmup_steps",
+    "total_steps",
+    "min_lr",
+    "mask",
+)
+_OPT_KEYS = {
+    "sgd": _COMMON_KEYS + ("momentum", "nesterov"),
+    "adamw": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
+}
+CONFIG_KEYS = tuple(sorted({k for ks in _OPT_KEYS.values() for k in ks}))
+
+
+def _closest(word: str, options) -> str:
+    m = difflib.get_close_matches(word, list(options), n=1, cutoff=0.0)
+    return m[0] if m else ""
+
+
+def make_schedule(
+    learning_rate: float,
+    lr_schedule: Optional[str] = "constant",
+    warmup_steps: int = 0,
+    total_steps: Optional[int] = None,
+    min_lr: float = 0.0,
+) -> ScalarOrSchedule:
+    """Build an lr (float or schedule) from config values.
+
+    ``constant`` (+ optional linear warmup; ``min_lr``/``total_steps`` ignored),
+    ``cosine`` or ``linear`` (warmup then decay to ``min_lr`` at ``total_steps``).
+    """
+    kind = (lr_schedule or "constant").lower()
+    warmup_steps = int(warmup_steps or 0)
+    if kind not in _SCHEDULES:
+        raise ValueError(
+            f"unknown lr_schedule {lr_schedule!r}; did you mean {_closest(kind, _SCHEDULES)!r}? "
+            f"(valid: {', '.join(_SCHEDULES)})"
+        )
+    if kind == "constant":
+        return float(learning_rate) if warmup_steps == 0 else _sched.linear_warmup(learning_rate, warmup_steps)
+    if total_steps is None:
+        raise ValueError(f"lr_schedule {kind!r} requires total_steps")
+    fn = _sched.warmup_cosine_decay if kind == "cosine" else _sched.warmup_linear_decay
+    return fn(float(learning_rate), warmup_steps, int(total_steps), float(min_lr or 0.0))
+
+
+def from_config(name: str, **kwargs: Any) -> GradientTransformation:
+    """Build an optimizer from a config dict (e.g. ``from_config(**cfg["optimizer"])``).
+
+    ``name``: ``sgd`` or ``adamw``.  Keys: ``learning_rate`` (required),
+    ``weight_decay``, ``max_grad_norm``, ``lr_schedule`` (constant|cosine|linear),
+    ``warmup_steps``, ``total_steps``, ``min_lr``, ``mask``; sgd: ``momentum``,
+    ``nesterov``; adamw: ``betas`` (pair) or ``b1``/``b2``, ``eps``.
+    Unknown keys raise ``ValueError`` naming the closest valid key; a known key
+    that does not apply to ``name`` raises too unless its value is ``None``.
+    """
+    opt = str(name).lower()
+    if opt not in _OPT_KEYS:
+        raise ValueError(f"unknown optimizer name {name!r}; did you mean {_closest(opt, _OPT_KEYS)!r}?")
+    valid = _OPT_KEYS[opt]
+    for key, value in kwargs.items():
+        if key in valid:
+            continue
+        if key not in CONFIG_KEYS:
+            raise ValueError(f"unknown optimizer config key {key!r}; did you mean {_closest(key, CONFIG_KEYS)!r}?")
+        if value is not None:
+            raise ValueError(
+                f"optimizer config key {key!r} does not apply to {opt!r}; "
+                f"did you mean {_closest(key, valid)!r}? (valid: {', '.join(valid)})"
+            )
+    cfg = {k: v for k, v in kwargs.items() if v is not None}
+    if "learning_rate" not in cfg:
+        raise ValueError("optimizer config requires 'learning_rate'")
+    lr = make_schedule(
+        cfg["learning_rate"],
+        cfg.get("lr_schedule", "constant"),
+        cfg.get("warmup_steps", 0),
+        cfg.get("total_steps"),
+        cfg.get("min_lr", 0.0),
+    )
+    common = dict(
+        weight_decay=float(cfg.get("weight_decay", 0.0)),
+        mask=cfg.get("mask"),
+        clip_norm=float(cfg["max_grad_norm"]) if "max_grad_norm" in cfg else None,
+    )
+    if opt == "sgd":
+        return sgd(lr, momentum=float(cfg.get("momentum", 0.0)), nesterov=bool(cfg.get("nesterov", False)), **common)
+    b1, b2 = 0.9, 0.95
+    if "betas" in cfg:
+        if "b1" in cfg or "b2" in cfg:
+            raise ValueError("give either 'betas' or 'b1'/'b2', not both")
+        betas = tuple(cfg["betas"])
+        if len(betas) != 2:
+            raise ValueError(f"'betas' must have two values, got {cfg['betas']!r}")
+        b1, b2 = float(betas[0]), float(betas[1])
+    b1 = float(cfg.get("b1", b1))
+    b2 = float(cfg.get("b2", b2))
+    return adamw(lr, b1=b1, b2=b2, eps=float(cfg.get("eps", 1e-8)), **common)
