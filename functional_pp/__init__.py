@@ -8,6 +8,9 @@ from .layout import P, Rules
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords
 from .shard_map import shard_map, use_rules
+from .named import Named, configure, named, wrap
+from .ops import (attention, cross_entropy, einsum, embed, layer_norm, logsumexp, merge_dims, positions,
+                  rearrange, rename, rms_norm, rotary, silu, softmax, split_dim)
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
 
 __version__ = "0.1.0"
@@ -17,5 +20,7 @@ __all__ = [
     "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",
-    "leaves_with_paths",
+    "leaves_with_paths", "Named", "named", "wrap", "configure", "einsum", "silu", "rms_norm",
+    "layer_norm", "attention", "rotary", "positions", "embed", "cross_entropy", "rename", "split_dim",
+    "merge_dims", "rearrange", "logsumexp", "softmax",
 ]

@@ -41,7 +41,13 @@ class Rules:
                 )
             self.table[logical] = axes
 
+    # Logical axes that follow another one unless given a rule of their own: the residual
+    # stream's sequence ("res_seq") is laid out like "seq" unless sequence parallelism splits it.
+    INHERIT = {"res_seq": "seq"}
+
     def __getitem__(self, logical: str) -> AxisNames:
+        if logical not in self.table and logical in self.INHERIT:
+            return self[self.INHERIT[logical]]
         return self.table.get(logical, ())
 
     def replace(self, **rules) -> "Rules":

@@ -118,3 +118,12 @@ def gather(local: Any, decls: Any, rules: Rules) -> Any:
 
 def local_shapes(decls: Any, mesh: Mesh, rules: Rules) -> Any:
     return map_with_path(lambda p, d: local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, p), mesh), decls)
+
+
+def named_tree(local: Any, decls: Any) -> Any:
+    """Wrap this device's shards as named arrays laid out by the active rules."""
+    from .named import Named, env
+
+    mesh, rules = env()
+    return map_with_path(lambda p, x, d: Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p)),
+                         local, decls)

@@ -252,7 +252,14 @@ def _bwd_kernel(
     raise ValueError(f"unknown kernel {name!r}")
 
 
-def _run_with_fallback(kernel: str, q, k, v, fused: Callable[[str], tuple], math_fn: Callable[[], tuple]):
+def _run_with_fallback(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fused: Callable[[str], tuple],
+    math_fn: Callable[[], tuple],
+) -> tuple:
     """Run ``fused(name)`` for the chosen kernel; under ``auto`` fall back on CUDA kernel errors."""
     if kernel == "math":
         return math_fn()
@@ -380,7 +387,7 @@ def _block_plan(
       src <  rank -> all q vs first kv half, full
       src >  rank -> second q half vs all kv, full
     """
-    full = slice(0, seq)
+    full = slice(None)
     if not causal:
         return [(full, full, False)]
     if src == rank:

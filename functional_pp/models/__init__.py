@@ -1,0 +1,1 @@
+"""Model definitions as pure functions over named parameter pytrees."""

@@ -1,0 +1,182 @@
+"""Llama 3 as pure functions over a parameter pytree whose every dimension is named.
+
+Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
+``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
+head_dim as separate dimensions (see ``functional_pp.checkpoint.hf`` for the table)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import ops
+from ..named import Named
+from ..ops.rotary import Llama3Scaling
+from ..tree import param
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 128256
+    hidden: int = 4096
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 8
+    mlp: int = 14336
+    head_dim: int | None = None
+    rope_theta: float = 500000.0
+    rope_scaling: Llama3Scaling | None = field(default_factory=Llama3Scaling)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    max_seq: int = 8192
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @classmethod
+    def tiny(cls, **kw) -> "Config":
+        """A two-layer model for tests: byte vocabulary, GQA, small widths."""
+        base = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, rope_theta=10000.0,
+                    rope_scaling=None, norm_eps=1e-5, max_seq=512)
+        return cls(**{**base, **kw})
+
+    @classmethod
+    def llama3_1b(cls, **kw) -> "Config":
+        return cls(**{**dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, mlp=8192,
+                             head_dim=64, tie_embeddings=True,
+                             rope_scaling=Llama3Scaling(32.0, 1.0, 4.0, 8192), max_seq=131072), **kw})
+
+    @classmethod
+    def llama3_8b(cls, **kw) -> "Config":
+        return cls(**{**dict(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
+                             max_seq=131072), **kw})
+
+    @classmethod
+    def llama3_70b(cls, **kw) -> "Config":
+        return cls(**{**dict(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, mlp=28672,
+                             max_seq=131072), **kw})
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> "Config":
+        table = {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        if name not in table:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(table)}")
+        return table[name](**kw)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = Llama3Scaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """Parameter declarations (shapes, logical axes, initializers)."""
+    D, std = cfg.dim_head, cfg.init_std
+    out_std = std / (2 * cfg.layers) ** 0.5
+
+    def w(shape, axes, s=std):
+        return param(shape, axes, init="normal", scale=s, dtype=dtype)
+
+    def norm():
+        return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
+
+    layers = [{
+        "input_layernorm": norm(),
+        "self_attn": {
+            "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
+            "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
+            "v_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
+            "o_proj": w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
+        },
+        "post_attention_layernorm": norm(),
+        "mlp": {
+            "gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+            "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+            "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std),
+        },
+    } for _ in range(cfg.layers)]
+    tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
+    if not cfg.tie_embeddings:
+        tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
+    return tree
+
+
+def attention_block(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
+    h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
+    h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
+    a = p["self_attn"]
+    q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
+    k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
+    v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
+    q = ops.rotary(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    k = ops.rotary(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    o = ops.attention(q, k, v, causal=True)
+    out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
+    return ops.rename(out, seq="res_seq")                 # sequence parallelism: reduce-scatter
+
+
+def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
+    h = ops.rms_norm(x, p["post_attention_layernorm"], eps=cfg.norm_eps)
+    h = ops.rename(h, res_seq="seq")
+    m = p["mlp"]
+    gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+    up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
+    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.silu(gate) * up, m["down_proj"])
+    return ops.rename(out, seq="res_seq")
+
+
+def layer(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
+    x = x + attention_block(p, x, pos, cfg)
+    return x + mlp_block(p, x, cfg)
+
+
+def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
+    """Logits (batch seq vocab) for integer ``tokens`` (batch seq)."""
+    layer_fn = layer_fn or layer
+    pos = ops.positions("seq", tokens.size("seq"))
+    x = ops.embed(params["embed_tokens"], tokens)
+    x = ops.rename(x, seq="res_seq")
+    for p in params["layers"]:
+        x = layer_fn(p, x, pos, cfg)
+    x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
+    x = ops.rename(x, res_seq="seq")
+    head = params["embed_tokens"] if cfg.tie_embeddings else params["lm_head"]
+    return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
+
+
+def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
+    """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels``."""
+    logits = forward(params, batch["tokens"], cfg, layer_fn)
+    return ops.cross_entropy(logits, batch["labels"])
+
+
+def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
+    """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp,
+    heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
+    from ..layout import Rules
+    rules = dict(batch=("dp_replicate", "dp_shard"), seq="cp")
+    if tp:
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+    if fsdp:
+        rules["hidden"] = ("dp_shard", "cp")
+    if sequence_parallel:
+        rules["res_seq"] = ("cp", "tp")
+    return Rules(rules)
+
+
+def flops_per_token(cfg: Config, seq: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), attention included."""
+    D = cfg.dim_head
+    per_layer = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D) + 2 * 3 * cfg.hidden * cfg.mlp
+    attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
+    fwd = cfg.layers * (per_layer + attn) + 2 * cfg.hidden * cfg.vocab
+    return 3.0 * fwd

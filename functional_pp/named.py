@@ -1,0 +1,290 @@
+"""Named arrays: a local block plus the names of its dimensions and its layout type.
+
+For every mesh axis a named array is, in the terms of JAX's varying/invariant types:
+  * split over it along one dimension (it varies over the axis),
+  * varying over it without a split (e.g. a gathered weight, or a pvary'd value),
+  * partial over it: a pending sum (the local result of contracting a split dimension),
+  * or invariant over it.
+Ops reconcile the layouts of their operands by inserting collectives (GUIDE §2); the
+transposes of those collectives give every gradient its reduction exactly once.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from . import collectives as C
+from .layout import Layout, Rules, check_divisible
+from .mesh import Mesh
+from .runtime import current_context
+from .shard_map import active_rules
+
+_EMPTY: frozenset[str] = frozenset()
+_TRIVIAL_MESH = Mesh()
+_opts = threading.local()
+
+
+@dataclass
+class Options:
+    keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
+    cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
+
+
+def options() -> Options:
+    o = getattr(_opts, "value", None)
+    if o is None:
+        o = _opts.value = Options()
+    return o
+
+
+@contextmanager
+def configure(**kw) -> Iterator[Options]:
+    """Temporarily change op options: ``keep_gathered``, ``cp_attention``."""
+    old = options()
+    new = Options(**{**old.__dict__, **kw})
+    _opts.value = new
+    try:
+        yield new
+    finally:
+        _opts.value = old
+
+
+def env() -> tuple[Mesh, Rules]:
+    ctx = current_context(required=False)
+    mesh = ctx.mesh if ctx is not None else _TRIVIAL_MESH
+    rules = active_rules(required=False) or Rules()
+    return mesh, rules
+
+
+class Named:
+    """A local block with named dimensions, a layout and a varying/partial type."""
+
+    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from")
+
+    def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
+                 vary: Iterable[str] = (), partial: Iterable[str] = ()):
+        dims = tuple(dims)
+        if data.ndim != len(dims):
+            raise ValueError(f"tensor of shape {tuple(data.shape)} has {data.ndim} dimensions but "
+                             f"{len(dims)} names {dims}")
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"dimension names must be unique, got {dims}")
+        self.data = data
+        self.dims = dims
+        self.split = tuple(tuple(s) for s in split) if split is not None else ((),) * len(dims)
+        used = frozenset(a for s in self.split for a in s)
+        self.partial = frozenset(partial)
+        self.vary = frozenset(vary) | used | self.partial
+        self._cache: dict = {}
+        self.gathered_from = None   # (shard tensor, axes, dim) when this is a gathered parameter
+
+    # ------------------------------------------------------------------ info
+    @property
+    def shape(self) -> dict[str, int]:
+        """Global size of every dimension."""
+        mesh, _ = env()
+        return {d: n * (mesh.axis_size(s) if s else 1) for d, n, s in zip(self.dims, self.data.shape, self.split)}
+
+    def size(self, dim: str) -> int:
+        return self.shape[self._check_dim(dim, "size")]
+
+    def _check_dim(self, dim: str, op: str) -> str:
+        if dim not in self.dims:
+            raise ValueError(f"{op}: dimension {dim!r} is not one of {self.dims}")
+        return dim
+
+    def __repr__(self) -> str:
+        parts = [f"{d}={n}" + (f"/{'+'.join(s)}" if s else "") for d, n, s in zip(self.dims, self.shape.values(), self.split)]
+        extra = "" if not (self.vary - {a for s in self.split for a in s}) else f", vary={sorted(self.vary)}"
+        extra += "" if not self.partial else f", partial={sorted(self.partial)}"
+        return f"Named({', '.join(parts)}{extra}, dtype={self.data.dtype})"
+
+    # ------------------------------------------------------------- operators
+    def __add__(self, o): from .ops.elementwise import add; return add(self, o)
+    def __radd__(self, o): from .ops.elementwise import add; return add(o, self)
+    def __sub__(self, o): from .ops.elementwise import sub; return sub(self, o)
+    def __rsub__(self, o): from .ops.elementwise import sub; return sub(o, self)
+    def __mul__(self, o): from .ops.elementwise import mul; return mul(self, o)
+    def __rmul__(self, o): from .ops.elementwise import mul; return mul(o, self)
+    def __truediv__(self, o): from .ops.elementwise import div; return div(self, o)
+    def __rtruediv__(self, o): from .ops.elementwise import div; return div(o, self)
+    def __neg__(self): return self.map(torch.neg, linear=True)
+    def __pow__(self, p): return self.map(lambda t: t ** p)
+
+    def map(self, fn, linear: bool = False) -> "Named":
+        """Apply an elementwise function to the local block (settles pending sums unless linear)."""
+        x = self if linear else settle(self)
+        return Named(fn(x.data), x.dims, x.split, x.vary, x.partial)
+
+    def astype(self, dtype: torch.dtype) -> "Named":
+        return self.map(lambda t: t.to(dtype), linear=True)
+
+    def value(self) -> torch.Tensor:
+        """The local block with pending sums completed."""
+        return settle(self).data
+
+
+# ----------------------------------------------------------------- relayout
+def _mesh_size(mesh: Mesh, axes) -> int:
+    return mesh.axis_size(axes) if axes else 1
+
+
+def settle(x: Named, target: Layout | None = None) -> Named:
+    """Complete pending sums: psum_scatter onto a dimension whose ``target`` wants the axis,
+    otherwise psum."""
+    if not x.partial:
+        return x
+    key = ("settle", target)
+    if key in x._cache:
+        return x._cache[key]
+    data, split, vary = x.data, list(x.split), set(x.vary)
+    remaining = set(x.partial)
+    mesh = env()[0]
+    for d, want in enumerate(target or ()):
+        for j, a in enumerate(want):
+            if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
+                data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
+                split[d] = split[d] + (a,)
+                remaining.discard(a)
+    if remaining:
+        axes = tuple(a for a in mesh.axis_names if a in remaining)
+        data = C.psum(data, axes)
+        vary -= remaining
+    out = Named(data, x.dims, tuple(split), vary)
+    x._cache[key] = out
+    return out
+
+
+def pvary(x: Named, axes: Iterable[str]) -> Named:
+    """Cast ``x`` to varying over ``axes`` (identity forward, psum backward); cached per value
+    so that one value used by several ops is reduced once in backward."""
+    mesh = env()[0]
+    axes = tuple(a for a in mesh.axis_names if a in set(axes) and a not in x.vary)
+    if not axes:
+        return x
+    key = ("pvary", axes)
+    if key not in x._cache:
+        out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
+        out.gathered_from = x.gathered_from
+        x._cache[key] = out
+    return x._cache[key]
+
+
+def relayout(x: Named, target: Layout) -> Named:
+    """Change the splits of ``x`` to ``target`` (one entry per dimension): all-gather what is
+    split but should not be (backward: reduce-scatter), slice what should be split (free)."""
+    x = settle(x, target)
+    target = tuple(tuple(t) for t in target)
+    if x.split == target:
+        return x
+    key = ("relayout", target)
+    if key in x._cache:
+        return x._cache[key]
+    data, split, vary = x.data, list(x.split), set(x.vary)
+    gathers = []
+    # gather the axes beyond the common prefix (inner axes first: one collective per dim)
+    for d, (have, want) in enumerate(zip(x.split, target)):
+        k = 0
+        while k < min(len(have), len(want)) and have[k] == want[k]:
+            k += 1
+        extra = have[k:]
+        if extra:
+            gathers.append((data, extra, d))
+            data = C.all_gather(data, extra, axis=d, tiled=True)
+            split[d] = have[:k]
+    sliced = False
+    for d, want in enumerate(target):
+        extra = want[len(split[d]):]
+        if not extra:
+            continue
+        sliced = True
+        used_elsewhere = [a for dd, s in enumerate(split) if dd != d for a in s if a in extra]
+        if used_elsewhere:
+            raise ValueError(f"relayout: mesh axis {used_elsewhere[0]!r} cannot split dimension "
+                             f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
+        for a in extra:
+            n = env()[0].shape[a]
+            if data.shape[d] % n:
+                raise ValueError(f"dimension {x.dims[d]!r} of local size {data.shape[d]} cannot be split "
+                                 f"over mesh axis {a!r} of size {n}")
+            if a in vary:
+                data = _slice_varying(data, a, d)
+            else:
+                data = C.split_invariant(data, a, d)
+                vary.add(a)
+            split[d] = split[d] + (a,)
+    out = Named(data, x.dims, tuple(split), vary)
+    if len(gathers) == 1 and data.requires_grad and not sliced:
+        out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
+    x._cache[key] = out
+    return out
+
+
+class _SliceVarying(torch.autograd.Function):
+    """This device's slice of a value that varies (unsplit) over the axis; backward pads with zeros."""
+
+    @staticmethod
+    def forward(x, axis, dim):
+        return C._local_chunk(x, axis, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.axis, ctx.dim, ctx.full = inputs[1], inputs[2], inputs[0].shape[inputs[2]]
+
+    @staticmethod
+    def backward(ctx, g):
+        n = C.axis_size(ctx.axis)
+        i = C.axis_index(ctx.axis)
+        size = ctx.full // n
+        pad = [0, 0] * (g.ndim - ctx.dim - 1) + [i * size, ctx.full - (i + 1) * size]
+        return torch.nn.functional.pad(g, pad), None, None
+
+
+def _slice_varying(data: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _SliceVarying.apply(data, axis, dim)
+
+
+def target_layout(dims: Sequence[str], shape: Sequence[int], name: str = "tensor") -> Layout:
+    """Layout the rules give to a tensor with these dimension names and global sizes."""
+    mesh, rules = env()
+    return rules.resolve(dims, shape, mesh, name=name)
+
+
+def unify_vary(operands: Sequence[Named], after: Sequence[set]) -> list[Named]:
+    """Cast every operand to varying over the union of the axes any operand varies over."""
+    union = set().union(*after) if after else set()
+    return [pvary(x, union - a) for x, a in zip(operands, after)]
+
+
+def varying_after(x: Named, target: Layout) -> set:
+    """The axes ``x`` varies over once relayouted to ``target``."""
+    return set(x.vary - x.partial) | {a for t in target for a in t} | {
+        a for d, (have, want) in enumerate(zip(x.split, target)) for a in have}
+
+
+def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:
+    """Wrap a local block as a named array with the given (or the rules') layout; its type
+    varies over exactly the axes that split it."""
+    if isinstance(dims, str):
+        dims = dims.split()
+    mesh, rules = env()
+    if split is None:
+        split = rules.resolve(dims, None, mesh)
+    return Named(data, dims, split)
+
+
+def named(data: torch.Tensor, dims: Sequence[str] | str) -> Named:
+    """Wrap a FULL (replicated, invariant) tensor and take this device's block per the rules."""
+    if isinstance(dims, str):
+        dims = dims.split()
+    x = Named(data, dims)
+    return relayout(x, target_layout(x.dims, data.shape))
+
+
+def check_local(x: Named, name: str) -> None:
+    mesh = env()[0]
+    check_divisible(tuple(x.shape.values()), x.split, mesh, name, x.dims)

@@ -1,0 +1,16 @@
+"""Named-axis ops: communication derived from layouts."""
+from .attention import attention, positions
+from .einsum import einsum
+from .elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where
+from .embedding import embed
+from .loss import IGNORE_INDEX, cross_entropy
+from .norms import layer_norm, rms_norm
+from .reduce import logsumexp, max, mean, softmax, sum  # noqa: A004
+from .rotary import Llama3Scaling, inverse_frequencies, rotary
+from .shape import merge_dims, rearrange, rename, split_dim, transpose
+
+__all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
+           "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "IGNORE_INDEX",
+           "rms_norm", "layer_norm", "logsumexp", "max", "mean", "softmax", "sum", "rotary",
+           "Llama3Scaling", "inverse_frequencies", "rename", "split_dim", "merge_dims", "rearrange",
+           "transpose"]

@@ -1,0 +1,106 @@
+"""Attention over named arrays, with the sequence split across context-parallel devices.
+
+Convention: a sequence dimension split over mesh axes is laid out load-balanced over its
+first axis (device i holds chunks i and 2c-1-i of 2c), then contiguous over the rest; the
+data loader (``functional_pp.data.shard_batch``) lays batches out this way and
+:func:`positions` gives every device the global positions it holds."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import collectives as C
+from ..data.loader import balanced_chunk_indices
+from ..named import Named, env, options, pvary, relayout, settle, target_layout, varying_after
+from .attention_kernels import ring_attention
+
+
+def positions(dim: str = "seq", size: int | None = None) -> Named:
+    """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``)."""
+    if size is None:
+        raise ValueError("positions: give the global sequence size")
+    split = target_layout([dim], [size], name=f"positions {dim}")[0]
+    return Named(_local_positions(size, split), [dim], [split])
+
+
+def _local_positions(size: int, split: tuple[str, ...]) -> torch.Tensor:
+    if not split:
+        return torch.arange(size)
+    first, rest = split[0], split[1:]
+    c = C.axis_size(first)
+    base = balanced_chunk_indices(size, c, C.axis_index(first)) if c > 1 else torch.arange(size)
+    if rest:
+        base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
+    return base
+
+
+def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
+              batch: str = "batch", seq: str = "seq", heads: str = "heads", kv_heads: str = "kv_heads",
+              head_dim: str = "head_dim") -> Named:
+    """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
+    (grouped-query when kv_heads < heads). With ``seq`` split across ``cp``: ring attention
+    (``configure(cp_attention="allgather")`` all-gathers K/V instead)."""
+    q, k, v = settle(q), settle(k), settle(v)
+    for name, x, want in (("q", q, (batch, seq, heads, head_dim)), ("k", k, (batch, seq, kv_heads, head_dim)),
+                          ("v", v, (batch, seq, kv_heads, head_dim))):
+        if sorted(x.dims) != sorted(want):
+            raise ValueError(f"attention: {name} has dimensions {x.dims}, expected {want}")
+    H, K = q.size(heads), k.size(kv_heads)
+    if H % K:
+        raise ValueError(f"attention: heads ({H}) must be a multiple of kv_heads ({K})")
+    qs = dict(zip(q.dims, q.split))
+    if qs[head_dim]:
+        raise ValueError(f"attention: {head_dim!r} must not be split (it is split over {qs[head_dim]})")
+    seq_axes = qs[seq]
+    kv_target_of = {batch: qs[batch], seq: seq_axes, kv_heads: qs[heads], head_dim: ()}
+    if qs[heads]:
+        n = C.axis_size(qs[heads])
+        if K % n:
+            raise ValueError(f"attention: kv_heads ({K}) is not divisible by the {n} devices of "
+                             f"{qs[heads]} that split heads ({H}); use kv_heads divisible by {n}")
+    tk = tuple(kv_target_of[d] for d in k.dims)
+    tv = tuple(kv_target_of[d] for d in v.dims)
+    after = [set(q.vary - q.partial), varying_after(k, tk), varying_after(v, tv)]
+    union = set().union(*after)
+    q = pvary(q, union - after[0])
+    k = relayout(pvary(k, union - after[1]), tk)
+    v = relayout(pvary(v, union - after[2]), tv)
+    order = lambda x, h: [x.dims.index(d) for d in (batch, h, seq, head_dim)]  # noqa: E731
+    qt = q.data.permute(order(q, heads))
+    kt = k.data.permute(order(k, kv_heads))
+    vt = v.data.permute(order(v, kv_heads))
+    scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
+    if seq_axes:
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq))
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
+                                             enable_gqa=qt.shape[1] != kt.shape[1])
+    back = [(batch, heads, seq, head_dim).index(d) for d in q.dims]
+    return Named(out.permute(back), q.dims, q.split, union)
+
+
+def _context_parallel(q, k, v, axes, causal, scale, seq_size):
+    if len(axes) != 1:
+        raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
+                         f"it is split over {axes}")
+    n, i = C.axis_size(axes), C.axis_index(axes)
+    if causal and seq_size % (2 * n):
+        raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
+                         f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
+    if options().cp_attention == "allgather":
+        kf = C.all_gather(k, axes, axis=2, tiled=True)
+        vf = C.all_gather(v, axes, axis=2, tiled=True)
+        mask = None
+        if causal:
+            qpos = balanced_chunk_indices(seq_size, n, i)
+            kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)])
+            mask = qpos[:, None] >= kpos[None, :]
+        return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != kf.shape[1])
+    pairs = tuple((j, (j + 1) % n) for j in range(n))
+
+    def shift(tensors):
+        return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
+    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=True, shift=shift)

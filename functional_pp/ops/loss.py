@@ -1,0 +1,44 @@
+"""Cross-entropy with the vocabulary split across devices: no full-vocabulary gather."""
+from __future__ import annotations
+
+import torch
+
+from .. import collectives as C
+from ..named import Named, relayout, settle
+from . import reduce as R
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
+                  ignore_index: int = IGNORE_INDEX) -> Named:
+    """Mean token cross-entropy over every non-ignored label, with the global token count.
+
+    ``logits`` has the labels' dimensions plus ``vocab``; the vocabulary may be split (the
+    max and the sum of exponentials are reduced across the split)."""
+    logits = settle(logits)
+    if logits.data.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.astype(torch.float32)
+    logits._check_dim(vocab, "cross_entropy")
+    other = tuple(d for d in logits.dims if d != vocab)
+    if sorted(other) != sorted(labels.dims):
+        raise ValueError(f"cross_entropy: labels have dimensions {labels.dims} but the logits have "
+                         f"{logits.dims} (expected the logits' dimensions without {vocab!r})")
+    lse = R.logsumexp(logits, vocab)                      # dims: other
+    vi = logits.dims.index(vocab)
+    v_axes = logits.split[vi]
+    labels = relayout(labels, tuple(logits.split[logits.dims.index(d)] for d in labels.dims))
+    order = [labels.dims.index(d) for d in other]
+    lab = labels.data.permute(order) if order != sorted(order) else labels.data
+    n_local = logits.data.shape[vi]
+    local = lab - (C.axis_index(v_axes) * n_local if v_axes else 0)
+    inside = (local >= 0) & (local < n_local)
+    idx = torch.where(inside, local, torch.zeros_like(local)).unsqueeze(vi)
+    picked = logits.data.gather(vi, idx).squeeze(vi) * inside.to(logits.data.dtype)
+    split_other = tuple(logits.split[logits.dims.index(d)] for d in other)
+    picked = Named(picked, other, split_other, logits.vary, v_axes)
+    valid = Named((lab != ignore_index).to(lse.data.dtype), other, split_other, labels.vary)
+    nll = (lse - picked.astype(lse.data.dtype)) * valid
+    count = R.sum(valid)
+    count = settle(Named(count.data.detach(), count.dims, count.split, count.vary, count.partial))
+    return R.sum(nll) / count.map(lambda t: t.clamp_min(1))

@@ -1,0 +1,40 @@
+"""RMSNorm and LayerNorm over a named dimension (computed in float32)."""
+from __future__ import annotations
+
+import torch
+
+from ..named import Named, settle
+from . import reduce as R
+
+
+def _normalize(x: Named, dim: str, eps: float, center: bool) -> Named:
+    x = settle(x)
+    x._check_dim(dim, "norm")
+    i = x.dims.index(dim)
+    if not x.split[i]:     # the whole dimension is local: one fused computation
+        def f(t):
+            t32 = t.float()
+            if center:
+                t32 = t32 - t32.mean(dim=i, keepdim=True)
+            return (t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)).to(t.dtype)
+        return x.map(f)
+    xf = x.astype(torch.float32)
+    if center:
+        xf = xf - R.mean(xf, dim)
+    out = xf * (R.mean(xf * xf, dim) + eps).map(torch.rsqrt)
+    return out.astype(x.data.dtype)
+
+
+def rms_norm(x: Named, weight: Named | None = None, dim: str = "hidden", eps: float = 1e-6) -> Named:
+    """x / rms(x) * weight over ``dim``; a weight split by the rules is gathered as needed."""
+    y = _normalize(x, dim, eps, center=False)
+    return y if weight is None else y * weight
+
+
+def layer_norm(x: Named, weight: Named | None = None, bias: Named | None = None, dim: str = "hidden",
+               eps: float = 1e-5) -> Named:
+    """(x - mean) / std * weight + bias over ``dim``."""
+    y = _normalize(x, dim, eps, center=True)
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias

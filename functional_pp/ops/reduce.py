@@ -1,0 +1,84 @@
+"""Reductions over named dimensions. A sum over a split dimension leaves a pending sum that
+the next consumer completes (psum, or psum_scatter where it wants the axis split)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import collectives as C
+from ..named import Named, env, settle
+
+
+def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
+    dims = (dims,) if isinstance(dims, str) else tuple(x.dims if dims is None else dims)
+    for d in dims:
+        x._check_dim(d, op)
+    return dims
+
+
+def _reduced(x: Named, dims, data: torch.Tensor, partial=()) -> Named:
+    keep = [i for i, d in enumerate(x.dims) if d not in dims]
+    return Named(data, [x.dims[i] for i in keep], [x.split[i] for i in keep], x.vary, set(x.partial) | set(partial))
+
+
+def _split_axes(x: Named, dims) -> tuple[str, ...]:
+    mesh = env()[0]
+    axes = {a for d in dims for a in x.split[x.dims.index(d)]}
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def sum(x: Named, dims: str | Sequence[str] | None = None) -> Named:  # noqa: A001
+    """Sum over ``dims`` (all when None)."""
+    dims = _dims(x, dims, "sum")
+    idx = [x.dims.index(d) for d in dims]
+    data = x.data.sum(dim=idx) if idx else x.data
+    return _reduced(x, dims, data, _split_axes(x, dims))
+
+
+def mean(x: Named, dims: str | Sequence[str] | None = None) -> Named:
+    """Mean over ``dims`` (global sizes)."""
+    dims = _dims(x, dims, "mean")
+    n = 1
+    for d in dims:
+        n *= x.size(d)
+    return sum(x, dims) / n
+
+
+def max(x: Named, dims: str | Sequence[str] | None = None) -> Named:  # noqa: A001
+    """Maximum over ``dims`` (pmax across the axes splitting them)."""
+    dims = _dims(x, dims, "max")
+    x = settle(x)
+    idx = [x.dims.index(d) for d in dims]
+    data = x.data.amax(dim=idx) if idx else x.data
+    axes = _split_axes(x, dims)
+    if axes:
+        data = C.pmax(data, axes)
+    out = _reduced(x, dims, data)
+    out.vary = out.vary - set(axes)
+    return out
+
+
+def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:
+    """log(sum(exp(x))) over ``dims``, stable and exact across splits."""
+    dims = _dims(x, dims, "logsumexp")
+    x = settle(x)
+    idx = [x.dims.index(d) for d in dims]
+    axes = _split_axes(x, dims)
+    m = x.data.detach().amax(dim=idx, keepdim=True)
+    if axes:
+        m = C.raw_all_reduce(m, axes, "max")
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp(x.data - m).sum(dim=idx)
+    if axes:
+        s = C.psum(s, axes)
+    data = torch.log(s) + m.squeeze(idx) if idx else torch.log(s) + m
+    out = _reduced(x, dims, data)
+    out.vary = out.vary - set(axes)
+    return out
+
+
+def softmax(x: Named, dim: str) -> Named:
+    """Softmax over ``dim``."""
+    from .elementwise import exp
+    return exp(x - logsumexp(x, dim))

@@ -1,0 +1,114 @@
+"""Renaming, splitting and merging named dimensions."""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from ..named import Named, env, relayout, settle, target_layout
+
+
+def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
+    """Rename dimensions (``rename(x, seq="res_seq")``) and move to the new names' layout:
+    this is where sequence parallelism scatters or gathers the residual stream."""
+    mapping = {**(mapping or {}), **kw}
+    for old in mapping:
+        x._check_dim(old, "rename")
+    dims = tuple(mapping.get(d, d) for d in x.dims)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"rename {mapping}: the result {dims} names a dimension twice")
+    sizes = list(x.shape.values())
+    y = Named(x.data, dims, x.split, x.vary, x.partial)
+    y.gathered_from = x.gathered_from
+    return relayout(y, target_layout(dims, sizes, name=f"rename {mapping}"))
+
+
+def split_dim(x: Named, dim: str, into: Mapping[str, int]) -> Named:
+    """Split ``dim`` into new dimensions, e.g. ``split_dim(x, "qkv", {"heads": 8, "head_dim": 64})``;
+    the mesh axes splitting ``dim`` go to the first new dimension."""
+    x = settle(x)
+    x._check_dim(dim, "split_dim")
+    i = x.dims.index(dim)
+    names, sizes = list(into), list(into.values())
+    total = 1
+    for s in sizes:
+        total *= s
+    if total != x.size(dim):
+        raise ValueError(f"split_dim: {dim!r} has size {x.size(dim)} but {dict(into)} multiplies to {total}")
+    mesh = env()[0]
+    k = mesh.axis_size(x.split[i]) if x.split[i] else 1
+    if sizes[0] % k:
+        x = relayout(x, tuple(() if j == i else s for j, s in enumerate(x.split)))
+        k = 1
+    local = [sizes[0] // k] + sizes[1:]
+    shape = list(x.data.shape[:i]) + local + list(x.data.shape[i + 1:])
+    dims = x.dims[:i] + tuple(names) + x.dims[i + 1:]
+    split = x.split[:i] + (x.split[i],) + ((),) * (len(names) - 1) + x.split[i + 1:]
+    y = Named(x.data.reshape(shape), dims, split, x.vary)
+    return relayout(y, target_layout(dims, [y.shape[d] for d in dims], name=f"split_dim {dim}"))
+
+
+def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
+    """Merge adjacent dimensions ``dims`` (in order) into one named ``into``."""
+    x = settle(x)
+    idx = [x.dims.index(x._check_dim(d, "merge_dims")) for d in dims]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        x = transpose(x, *[d for d in x.dims if d not in dims][:idx[0]], *dims,
+                      *[d for d in x.dims if d not in dims][idx[0]:])
+        idx = [x.dims.index(d) for d in dims]
+    i = idx[0]
+    # only the first merged dimension may stay split
+    need = tuple(s if j not in idx[1:] else () for j, s in enumerate(x.split))
+    x = relayout(x, need)
+    n = 1
+    for j in idx:
+        n *= x.data.shape[j]
+    shape = list(x.data.shape[:i]) + [n] + list(x.data.shape[idx[-1] + 1:])
+    new_dims = x.dims[:i] + (into,) + x.dims[idx[-1] + 1:]
+    split = x.split[:i] + (x.split[i],) + x.split[idx[-1] + 1:]
+    y = Named(x.data.reshape(shape), new_dims, split, x.vary)
+    return relayout(y, target_layout(new_dims, [y.shape[d] for d in new_dims], name=f"merge_dims {into}"))
+
+
+def transpose(x: Named, *dims: str) -> Named:
+    """Reorder the local dimensions (a no-op for the named semantics)."""
+    if sorted(dims) != sorted(x.dims):
+        raise ValueError(f"transpose: {dims} is not a permutation of {x.dims}")
+    order = [x.dims.index(d) for d in dims]
+    y = Named(x.data.permute(order), dims, [x.split[i] for i in order], x.vary, x.partial)
+    y.gathered_from = x.gathered_from if order == sorted(order) else None
+    return y
+
+
+_GROUP = re.compile(r"\(([^)]*)\)|(\S+)")
+
+
+def _parse_side(side: str) -> list[list[str]]:
+    return [m.group(1).split() if m.group(1) is not None else [m.group(2)] for m in _GROUP.finditer(side)]
+
+
+def rearrange(x: Named, pattern: str, **sizes: int) -> Named:
+    """einops-style regrouping by name: ``rearrange(x, "b s (heads hd) -> b s heads hd", heads=8)``
+    or the reverse; groups are named ``a*b`` after merging unless the output names them."""
+    lhs, rhs = (_parse_side(s) for s in pattern.split("->"))
+    for group in lhs:
+        if len(group) > 1:
+            merged = "*".join(group)
+            total = x.size(merged) if merged in x.dims else None
+            if merged not in x.dims:
+                raise ValueError(f"rearrange: input has no dimension {merged!r} for group {group}")
+            known = {g: sizes[g] for g in group if g in sizes}
+            missing = [g for g in group if g not in known]
+            if len(missing) > 1:
+                raise ValueError(f"rearrange: give the sizes of {missing[1:]} for group {group}")
+            prod = 1
+            for v in known.values():
+                prod *= v
+            if missing:
+                known[missing[0]] = total // prod
+            x = split_dim(x, merged, {g: known[g] for g in group})
+    flat = [d for g in rhs for d in g]
+    x = transpose(x, *flat)
+    for group in rhs:
+        if len(group) > 1:
+            x = merge_dims(x, tuple(group), "*".join(group))
+    return x
