@@ -63,7 +63,7 @@ def env() -> tuple[Mesh, Rules]:
 class Named:
     """A local block with named dimensions, a layout and a varying/partial type."""
 
-    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from")
+    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param")
 
     def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
                  vary: Iterable[str] = (), partial: Iterable[str] = ()):
@@ -81,6 +81,7 @@ class Named:
         self.vary = frozenset(vary) | used | self.partial
         self._cache: dict = {}
         self.gathered_from = None   # (shard tensor, axes, dim) when this is a gathered parameter
+        self.is_param = False       # parameters are re-gathered in backward (FSDP), activations not
 
     # ------------------------------------------------------------------ info
     @property
@@ -169,7 +170,7 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     key = ("pvary", axes)
     if key not in x._cache:
         out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
-        out.gathered_from = x.gathered_from
+        out.gathered_from, out.is_param = x.gathered_from, x.is_param
         x._cache[key] = out
     return x._cache[key]
 
@@ -218,7 +219,7 @@ def relayout(x: Named, target: Layout) -> Named:
                 vary.add(a)
             split[d] = split[d] + (a,)
     out = Named(data, x.dims, tuple(split), vary)
-    if len(gathers) == 1 and data.requires_grad and not sliced:
+    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
     x._cache[key] = out
     return out

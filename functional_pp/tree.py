@@ -125,5 +125,9 @@ def named_tree(local: Any, decls: Any) -> Any:
     from .named import Named, env
 
     mesh, rules = env()
-    return map_with_path(lambda p, x, d: Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p)),
-                         local, decls)
+
+    def wrap(p, x, d):
+        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
+        n.is_param = True
+        return n
+    return map_with_path(wrap, local, decls)
