@@ -122,6 +122,6 @@ def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
         return
     event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
-                      getattr(_local, "backward", False))
+                      getattr(_local, "backward", False) or torch._C._current_autograd_node() is not None)
     for report in stack:
         report.events.append(event)

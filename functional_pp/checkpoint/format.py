@@ -22,7 +22,7 @@ import secrets
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -299,7 +299,3 @@ def remove_tree(path: Path) -> None:
     """Best-effort recursive delete (used for temporary and pruned checkpoints)."""
     import shutil
     shutil.rmtree(path, ignore_errors=True)
-
-
-def iter_pickle_files(paths: Iterable[Path]) -> list[Path]:
-    return [p for p in paths if p.suffix.lower() in PICKLE_SUFFIXES]

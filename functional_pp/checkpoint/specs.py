@@ -74,6 +74,21 @@ def specs_like(decls: Any, dtype: torch.dtype | None = None) -> Any:
     return decls
 
 
+def state_specs(state: Any, decls: Any, dtype: torch.dtype | None = None) -> Any:
+    """Specs for an optimizer state: fields a namedtuple lists in ``param_like_fields`` (Adam's
+    ``mu``/``nu``, momentum ``trace``) mirror ``decls`` and are sharded like the params; every
+    other leaf (step counts) gets ``None`` (replicated)."""
+    if is_namedtuple(state):
+        like = getattr(type(state), "param_like_fields", ())
+        return type(state)(*(specs_like(decls, dtype) if f in like else state_specs(v, decls, dtype)
+                             for f, v in zip(type(state)._fields, state)))
+    if isinstance(state, dict):
+        return {k: state_specs(v, decls, dtype) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(state_specs(v, decls, dtype) for v in state)
+    return None
+
+
 def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
 
