@@ -125,8 +125,7 @@ class _PVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_all_reduce(g, ctx.axes, "sum"), None
+        return raw_all_reduce(g, ctx.axes, "sum"), None
 
 
 class _PMax(torch.autograd.Function):
@@ -157,8 +156,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_reduce_scatter(g, ctx.axes, ctx.dim), None, None
+        return raw_reduce_scatter(g, ctx.axes, ctx.dim), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -174,8 +172,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_all_gather(g, ctx.axes, ctx.dim), None, None
+        return raw_all_gather(g, ctx.axes, ctx.dim), None, None
 
 
 class _AllGatherInvariant(torch.autograd.Function):
@@ -208,8 +205,7 @@ class _SplitInvariant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_all_gather(g, ctx.axes, ctx.dim), None, None
+        return raw_all_gather(g, ctx.axes, ctx.dim), None, None
 
 
 class _PPermute(torch.autograd.Function):
@@ -223,8 +219,7 @@ class _PPermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_permute(g, ctx.axes, tuple((d, s) for s, d in ctx.pairs)), None, None
+        return raw_permute(g, ctx.axes, tuple((d, s) for s, d in ctx.pairs)), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -238,8 +233,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with comm.in_backward():
-            return raw_all_to_all(g, ctx.axes, ctx.concat, ctx.split), None, None, None
+        return raw_all_to_all(g, ctx.axes, ctx.concat, ctx.split), None, None, None
 
 
 # ------------------------------------------------------------------------- public API

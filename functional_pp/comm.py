@@ -106,22 +106,12 @@ def comm_report() -> Iterator[CommReport]:
         stack.remove(report)
 
 
-@contextmanager
-def in_backward() -> Iterator[None]:
-    prev = getattr(_local, "backward", False)
-    _local.backward = True
-    try:
-        yield
-    finally:
-        _local.backward = prev
-
-
 def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
     stack = getattr(_local, "stack", None)
     if not stack or torch.compiler.is_compiling():
         return
     event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
-                      getattr(_local, "backward", False) or torch._C._current_autograd_node() is not None)
+                      torch._C._current_autograd_node() is not None)
     for report in stack:
         report.events.append(event)

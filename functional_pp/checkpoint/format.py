@@ -157,6 +157,7 @@ def write_safetensors(path: Path, items: Sequence[TensorItem],
                     raise CheckpointError(f"{path}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, "
                                           f"expected {dtype} {tuple(shape)}")
                 f.write(raw_bytes(t))
+                del t  # let it go before the next one is produced
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:

@@ -26,8 +26,7 @@ def _hooks(recipes) -> Iterator[None]:
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-regather":
             _, shard, axes, dim, shape, stride, offset = p
-            with comm.in_backward():
-                full = raw_all_gather(shard, axes, dim)
+            full = raw_all_gather(shard, axes, dim)
             return full.as_strided(shape, stride, offset)
         return p
 
