@@ -65,6 +65,8 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
                 errors[rank] = (exc, traceback.format_exc())
                 world.abort(rank, exc)
 
+    from .backends.sim import _unregister
+    _raise_compile_cache_limits(mesh.size)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -76,6 +78,7 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
             t.join()
     finally:
         torch.set_num_threads(threads_before)
+        _unregister(world)
     if world.failure is not None:
         rank = world.failure[0]
         exc, tb = errors[rank] if errors[rank] else (world.failure[1], "")
@@ -86,6 +89,15 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
                     break
         raise DeviceError(rank, mesh.coords(rank), exc, tb) from exc
     return results
+
+
+def _raise_compile_cache_limits(n_devices: int) -> None:
+    """Simulated devices share one process: torch.compile keeps one graph per device (each
+    has its own rank baked in), so allow that many entries per function."""
+    import torch._dynamo.config as dcfg
+
+    dcfg.cache_size_limit = max(dcfg.cache_size_limit, 2 * n_devices + 8)
+    dcfg.accumulated_cache_size_limit = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
 
 
 def _launch_distributed(fn, mesh: Mesh):

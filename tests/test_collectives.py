@@ -109,7 +109,7 @@ def test_mismatched_collectives_are_reported():
     def fn():
         x = torch.ones(2 + fpp.axis_index("tp"))
         return fpp.psum(x, "tp")
-    with pytest.raises(fpp.DeviceError, match=r"devices disagree on collective #0.*rank 0: \('all_reduce', \(2,\)"):
+    with pytest.raises(fpp.DeviceError, match=r"devices disagree on collective #0.*rank 0: \('all_reduce_sum', \(2,\)"):
         fpp.launch(fn, mesh)
 
 

@@ -85,6 +85,62 @@ class SimWorld:
         return data
 
 
+_WORLDS: dict[int, SimWorld] = {}
+
+
+def _register(world: SimWorld) -> int:
+    key = id(world)
+    _WORLDS[key] = world
+    return key
+
+
+def _unregister(world: SimWorld) -> None:
+    _WORLDS.pop(id(world), None)
+
+
+def _compute(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    if kind in ("all_reduce_sum", "all_reduce_max", "all_reduce_min"):
+        out = reduce(_REDUCE[kind.rsplit("_", 1)[1]], data)
+        return out.clone() if n == 1 else out
+    if kind == "all_gather":
+        return torch.cat(data, dim=args[0])
+    if kind == "reduce_scatter":
+        parts = [t.chunk(n, dim=args[0])[idx] for t in data]
+        return reduce(torch.add, parts).contiguous().clone()
+    if kind == "all_to_all":
+        return torch.cat([t.chunk(n, dim=args[0])[idx] for t in data], dim=args[1])
+    if kind == "permute":   # args: flattened (src, dst) pairs
+        for src, dst in zip(args[0::2], args[1::2]):
+            if dst == idx:
+                return data[src].clone()
+        return torch.zeros_like(data[idx])
+    raise ValueError(kind)
+
+
+@torch.library.custom_op("fpp_sim::collective", mutates_args=())
+def _sim_collective(x: torch.Tensor, kind: str, group: list[int], rank: int, world: int,
+                    args: list[int]) -> torch.Tensor:
+    """One simulated collective (an opaque op, so torch.compile traces it)."""
+    w = _WORLDS[world]
+    group = tuple(group)
+    data = w.exchange(rank, group, x, (kind, tuple(x.shape), str(x.dtype), tuple(args)))
+    return _compute(kind, data, group.index(rank), len(group), list(args))
+
+
+@_sim_collective.register_fake
+def _(x, kind, group, rank, world, args):
+    n = len(group)
+    shape = list(x.shape)
+    if kind == "all_gather":
+        shape[args[0]] *= n
+    elif kind == "reduce_scatter":
+        shape[args[0]] //= n
+    elif kind == "all_to_all":
+        shape[args[0]] //= n
+        shape[args[1]] *= n
+    return x.new_empty(shape)
+
+
 class SimBackend:
     """Backend of one simulated rank."""
 
@@ -93,36 +149,25 @@ class SimBackend:
     def __init__(self, world: SimWorld, rank: int):
         self.world = world
         self.rank = rank
+        self._key = _register(world)
 
-    def _meta(self, kind: str, x: torch.Tensor, *args) -> tuple:
-        return (kind, tuple(x.shape), str(x.dtype)) + args
+    def _op(self, x, kind, group, args=()):
+        return torch.ops.fpp_sim.collective(x, kind, list(group), self.rank, self._key, list(args))
 
     def all_reduce(self, x: torch.Tensor, op: str, group: tuple[int, ...]) -> torch.Tensor:
-        data = self.world.exchange(self.rank, group, x, self._meta("all_reduce", x, op))
-        return reduce(_REDUCE[op], data).clone() if len(data) == 1 else reduce(_REDUCE[op], data)
+        return self._op(x, f"all_reduce_{op}", group)
 
     def all_gather(self, x: torch.Tensor, dim: int, group: tuple[int, ...]) -> torch.Tensor:
-        data = self.world.exchange(self.rank, group, x, self._meta("all_gather", x, dim))
-        return torch.cat(data, dim=dim)
+        return self._op(x, "all_gather", group, (dim,))
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, group: tuple[int, ...], op: str = "sum") -> torch.Tensor:
-        data = self.world.exchange(self.rank, group, x, self._meta("reduce_scatter", x, dim, op))
-        idx = group.index(self.rank)
-        parts = [t.chunk(len(group), dim=dim)[idx] for t in data]
-        return reduce(_REDUCE[op], parts).contiguous().clone()
+        return self._op(x, "reduce_scatter", group, (dim,))
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int, group: tuple[int, ...]) -> torch.Tensor:
-        data = self.world.exchange(self.rank, group, x, self._meta("all_to_all", x, split_dim, concat_dim))
-        idx = group.index(self.rank)
-        return torch.cat([t.chunk(len(group), dim=split_dim)[idx] for t in data], dim=concat_dim)
+        return self._op(x, "all_to_all", group, (split_dim, concat_dim))
 
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], group: tuple[int, ...]) -> torch.Tensor:
-        data = self.world.exchange(self.rank, group, x, self._meta("permute", x, pairs))
-        idx = group.index(self.rank)
-        for src, dst in pairs:
-            if dst == idx:
-                return data[src].clone()
-        return torch.zeros_like(x)
+        return self._op(x, "permute", group, [i for pair in pairs for i in pair])
 
     def exchange_objects(self, obj, group: tuple[int, ...]) -> list:
         """Non-tensor exchange for checks (not counted as communication)."""

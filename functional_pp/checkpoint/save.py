@@ -75,7 +75,7 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
             writer = per_rank or rank == 0
             start, stop = [0] * len(local), list(local)
             if not per_rank and mesh is not None and mesh.size > 1:
-                pass
+                digests[leaf.path] = (list(local), dtype, fmt.crc32(t))
         if writer:
             chunk = {"file": fmt.rank_file(rank), "start": start, "stop": stop}
             if leaf.spec is PER_RANK:
