@@ -1,4 +1,5 @@
 """functional_pp: functional training on PyTorch with layouts derived from named axes."""
+from . import optim
 from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
                           psum, psum_scatter, pvary, split_invariant)
 from .comm import CommReport, comm_report
@@ -11,6 +12,8 @@ from .shard_map import shard_map, use_rules
 from .named import Named, configure, named, wrap
 from .ops import (attention, cross_entropy, einsum, embed, layer_norm, logsumexp, merge_dims, positions,
                   rearrange, rename, rms_norm, rotary, silu, softmax, split_dim)
+from .remat import remat
+from .train import TrainStep, train_step
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
 
 __version__ = "0.1.0"
@@ -22,5 +25,5 @@ __all__ = [
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",
     "leaves_with_paths", "Named", "named", "wrap", "configure", "einsum", "silu", "rms_norm",
     "layer_norm", "attention", "rotary", "positions", "embed", "cross_entropy", "rename", "split_dim",
-    "merge_dims", "rearrange", "logsumexp", "softmax",
+    "merge_dims", "rearrange", "logsumexp", "softmax", "optim", "train_step", "TrainStep", "remat",
 ]

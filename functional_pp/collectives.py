@@ -30,12 +30,22 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def _reduce_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Mixed precision: the dtype in which 16-bit values are summed (None: their own)."""
+    from .named import options
+    want = options().reduce_dtype
+    return want if want is not None and x.dtype in (torch.bfloat16, torch.float16) else None
+
+
 def raw_all_reduce(x: torch.Tensor, axes: AxisName, op: str = "sum") -> torch.Tensor:
     ctx, axes, group = _group(axes, f"p{op}")
     if len(group) == 1:
         return x
-    comm.record("all_reduce", axes, len(group), x)
-    return ctx.backend.all_reduce(x, op, group)
+    wide = _reduce_dtype(x) if op == "sum" else None
+    y = x.to(wide) if wide else x
+    comm.record("all_reduce", axes, len(group), y)
+    out = ctx.backend.all_reduce(y, op, group)
+    return out.to(x.dtype) if wide else out
 
 
 def raw_all_gather(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
@@ -54,8 +64,11 @@ def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tenso
     if x.shape[dim] % len(group):
         raise ValueError(f"psum_scatter over {axes}: dimension {dim} of size {x.shape[dim]} is not "
                          f"divisible by the group size {len(group)}")
-    comm.record("reduce_scatter", axes, len(group), x)
-    return ctx.backend.reduce_scatter(x, dim, group)
+    wide = _reduce_dtype(x)
+    y = x.to(wide) if wide else x
+    comm.record("reduce_scatter", axes, len(group), y)
+    out = ctx.backend.reduce_scatter(y, dim, group)
+    return out.to(x.dtype) if wide else out
 
 
 def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: int) -> torch.Tensor:

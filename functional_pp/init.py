@@ -83,6 +83,16 @@ def init_params(decls: Any, *, seed: int = 0, mesh: Mesh | None = None, rules: R
 def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = None,
          rules: Rules | None = None, device=None, **kwargs) -> Any:
     """``init(llama.init, cfg, mesh=mesh, rules=rules, seed=0)``: call ``init_fn`` for the
-    declarations and build this device's shards (the full tree when ``mesh`` is None)."""
+    declarations and build this device's shards as named arrays (the full tree when ``mesh``
+    is None); ``functional_pp.init_params`` gives plain tensors."""
+    from .named import Named
+
     decls = init_fn(*args, **kwargs)
-    return init_params(decls, seed=seed, mesh=mesh, rules=rules, device=device)
+    tensors = init_params(decls, seed=seed, mesh=mesh, rules=rules, device=device)
+    rules = rules or Rules()
+
+    def wrap(p, x, d):
+        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p) if mesh is not None else None)
+        n.is_param = True
+        return n
+    return map_with_path(wrap, tensors, decls)

@@ -96,7 +96,9 @@ def _raise_compile_cache_limits(n_devices: int) -> None:
     has its own rank baked in), so allow that many entries per function."""
     import torch._dynamo.config as dcfg
 
-    dcfg.cache_size_limit = max(dcfg.cache_size_limit, 2 * n_devices + 8)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), 2 * n_devices + 8))
     dcfg.accumulated_cache_size_limit = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
 
 

@@ -32,6 +32,8 @@ _opts = threading.local()
 class Options:
     keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
     cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
+    remat: bool = False             # recompute each model layer in backward (activation checkpointing)
+    reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
 
 
 def options() -> Options:

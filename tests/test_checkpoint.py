@@ -252,7 +252,7 @@ def test_consolidate_holds_one_full_tensor_at_a_time(saved8, tmp_path, monkeypat
         def wrap(produce):
             def inner():
                 t = produce()
-                alive.append(weakref.ref(t))
+                alive.append(weakref.ref(t.untyped_storage()))  # outlives aliases of t
                 peak[0] = max(peak[0], sum(r() is not None for r in alive))
                 return t
             return inner

@@ -141,7 +141,10 @@ def layer(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
 
 def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq)."""
-    layer_fn = layer_fn or layer
+    if layer_fn is None:
+        from ..named import options
+        from ..remat import remat
+        layer_fn = remat(layer) if options().remat else layer
     pos = ops.positions("seq", tokens.size("seq"))
     x = ops.embed(params["embed_tokens"], tokens)
     x = ops.rename(x, seq="res_seq")

@@ -1,0 +1,237 @@
+"""The training step: loss -> gradients (torch.autograd) -> optimizer update, on every device.
+
+``step = train_step(loss_fn, optimizer, mesh=mesh, rules=rules)``; inside a launched
+function ``state = step.init(params)`` and ``state, metrics = step(state, batch)``. The
+gradients of sharded parameters arrive reduced exactly once over every mesh axis where the
+data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import optim
+from .collectives import psum
+from .layout import Layout, Rules
+from .mesh import Mesh
+from .named import Named, configure, env, settle, wrap
+from .runtime import current_context
+from .shard_map import use_rules
+from .tree import leaves_with_paths, tree_map
+
+DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ParamSpec:
+    """Static description of the parameter tree: logical axes and layout of every leaf."""
+    paths: list[str]
+    dims: list[tuple[str, ...]]
+    layouts: list[Layout]
+    treespec: Any
+
+
+class NonFiniteError(FloatingPointError):
+    pass
+
+
+@dataclass
+class TrainStep:
+    loss_fn: Callable[[Any, dict], Named]
+    optimizer: optim.GradientTransformation
+    mesh: Mesh | None = None
+    rules: Rules = field(default_factory=Rules)
+    compile: bool | str = False           # False, True (inductor) or a backend name ("aot_eager")
+    grad_accum: int = 1
+    precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
+    remat: bool = False                   # activation checkpointing per layer
+    on_nonfinite: str = "skip"            # skip | raise
+    lr_schedule: Callable | None = None   # reported in the metrics
+    batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
+    flops_per_token: float | None = None
+    peak_flops_per_device: float | None = None
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
+        if self.on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        self.spec: ParamSpec | None = None
+        self._compiled = None
+
+    # -------------------------------------------------------------------- init
+    def init(self, params: Any) -> dict:
+        """Training state from a tree of named parameters (``functional_pp.init``): fp32
+        master shards, optimizer state (sharded like the parameters), step counters."""
+        import optree
+        leaves, treespec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+        bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
+        if bad:
+            raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
+                            f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
+        paths = [p for p, _ in leaves_with_paths(params)]
+        self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        master = optree.tree_unflatten(treespec, [x.data.detach().to(torch.float32) if x.data.is_floating_point()
+                                                  else x.data for x in leaves])
+        return {"params": master, "opt_state": self.optimizer.init(master),
+                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
+
+    # ------------------------------------------------------------- the step
+    def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before the first step")
+        if self.mesh is not None and current_context(required=False) is not None:
+            mesh = current_context().mesh
+            if mesh != self.mesh:
+                raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
+        batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
+        unknown = [k for k in batch if k not in self.batch_dims]
+        if unknown:
+            raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
+                             f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
+        fn = self._device_step
+        if self.compile:
+            if self._compiled is None:
+                import torch._dynamo.config as dcfg
+                dcfg.trace_autograd_ops = True
+                backend = "inductor" if self.compile is True else self.compile
+                self._compiled = torch.compile(self._device_step, backend=backend, fullgraph=True)
+            fn = self._compiled
+        t0 = time.perf_counter()
+        compute = PRECISIONS[self.precision]
+        # thread-local settings are set outside the compiled region
+        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), \
+                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
+            params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
+                                                     state["skipped"], batch)
+        loss = float(m["loss"])
+        seconds = time.perf_counter() - t0
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics["step"] = int(step)
+        metrics["step_time_s"] = seconds
+        metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
+        if self.flops_per_token and self.peak_flops_per_device:
+            n = (self.mesh.size if self.mesh else 1)
+            metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
+        metrics["peak_memory_bytes"] = _peak_memory()
+        if metrics["skipped"] and self.on_nonfinite == "raise":
+            raise NonFiniteError(f"step {int(state['step'])}: loss {loss} / gradient norm "
+                                 f"{metrics['grad_norm']} is not finite; training stopped (set "
+                                 f"on_nonfinite='skip' to skip such steps)")
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped}, metrics
+
+    def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
+        import optree
+        compute = PRECISIONS[self.precision]
+        named = []
+        for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts):
+            n = Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout)
+            n.is_param = True
+            named.append(n)
+        return optree.tree_unflatten(treespec, named)
+
+    def _device_step(self, params, opt_state, step, skipped, batch):
+        import optree
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        micro = _split_micro(batch, self.grad_accum)
+        weights, tokens = self._micro_weights(micro)
+        grads = [torch.zeros_like(x) for x in leaves]
+        total = torch.zeros((), dtype=torch.float32)
+        for mb, w in zip(micro, weights):
+            xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+            named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
+            loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
+            _check_invariant(loss_named)
+            loss = loss_named.data.float() * w
+            diff = [x for x in xs if x.requires_grad]
+            gs = iter(torch.autograd.grad(loss, diff))
+            grads = [g + next(gs).float() if x.requires_grad else g for g, x in zip(grads, xs)]
+            total = total + loss.detach()
+        grad_tree = optree.tree_unflatten(treespec, grads)
+        grad_norm = optim.global_norm(grad_tree)
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
+        new_params = optim.apply_updates(params, updates)
+        keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
+        new_params = tree_map(keep, new_params, params)
+        new_opt = tree_map(keep, new_opt, opt_state)
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": (~finite).to(torch.int64)}
+        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
+
+    def _micro_weights(self, micro: list[dict]):
+        """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
+        accumulation equals one large batch. Also returns the global token count."""
+        from .ops import sum as nsum
+        counts = []
+        for mb in micro:
+            key = "labels" if "labels" in mb else next(iter(mb))
+            valid = (mb[key] != -100) if key == "labels" else torch.ones_like(mb[key])
+            counts.append(settle(nsum(wrap(valid.to(torch.float32), self.batch_dims[key]))).data)
+        total = sum(counts[1:], counts[0])
+        return [c / total for c in counts], total
+
+    def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
+        """Complete per-leaf sums of squares across the devices that split each leaf."""
+        import optree
+        mesh, _ = env()
+        groups: dict[tuple[str, ...], torch.Tensor] = {}
+        for sq, layout in zip(optree.tree_leaves(sq_sums, none_is_leaf=False), self.spec.layouts):
+            axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
+            groups[axes] = groups[axes] + sq if axes in groups else sq
+        total = torch.zeros((), dtype=torch.float32)
+        for axes, value in groups.items():
+            total = total + (psum(value.float(), axes) if axes else value.float())
+        return total
+
+
+def _check_invariant(loss: Named) -> None:
+    if loss.dims:
+        raise ValueError(f"the loss must be a scalar; it has dimensions {loss.dims} (reduce them with "
+                         f"functional_pp.ops.mean/sum)")
+    if loss.vary:
+        raise ValueError(f"the loss varies over mesh axes {sorted(loss.vary)}: every device would "
+                         f"seed a different gradient. Reduce it over those axes (e.g. a mean over the "
+                         f"batch dimensions) before returning it")
+
+
+def _split_micro(batch: dict, k: int) -> list[dict]:
+    if k == 1:
+        return [batch]
+    out = [dict() for _ in range(k)]
+    for key, v in batch.items():
+        if key == "positions":
+            for o in out:
+                o[key] = v
+            continue
+        if v.shape[0] % k:
+            raise ValueError(f"batch[{key!r}] has {v.shape[0]} rows on this device, not divisible by "
+                             f"gradient_accumulation_steps={k}")
+        for o, part in zip(out, v.chunk(k, dim=0)):
+            o[key] = part
+    return out
+
+
+def _peak_memory() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
+               mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
+    """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
+    precision, remat, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...)."""
+    if rules is not None and mesh is not None:
+        rules.check(mesh)
+    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **options)
