@@ -79,8 +79,7 @@ class TrainStep:
                             f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
         paths = [p for p, _ in leaves_with_paths(params)]
         self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
-        master = optree.tree_unflatten(treespec, [x.data.detach().to(torch.float32) if x.data.is_floating_point()
-                                                  else x.data for x in leaves])
+        master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
 
@@ -144,16 +143,17 @@ class TrainStep:
         micro = _split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
         grads = [torch.zeros_like(x) for x in leaves]
-        total = torch.zeros((), dtype=torch.float32)
+        acc = _acc_dtype(leaves)
+        total = torch.zeros((), dtype=acc)
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
             _check_invariant(loss_named)
-            loss = loss_named.data.float() * w
+            loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
             gs = iter(torch.autograd.grad(loss, diff))
-            grads = [g + next(gs).float() if x.requires_grad else g for g, x in zip(grads, xs)]
+            grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             total = total + loss.detach()
         grad_tree = optree.tree_unflatten(treespec, grads)
         grad_norm = optim.global_norm(grad_tree)
@@ -176,7 +176,7 @@ class TrainStep:
         for mb in micro:
             key = "labels" if "labels" in mb else next(iter(mb))
             valid = (mb[key] != -100) if key == "labels" else torch.ones_like(mb[key])
-            counts.append(settle(nsum(wrap(valid.to(torch.float32), self.batch_dims[key]))).data)
+            counts.append(settle(nsum(wrap(valid.to(torch.float64), self.batch_dims[key]))).data)
         total = sum(counts[1:], counts[0])
         return [c / total for c in counts], total
 
@@ -188,10 +188,21 @@ class TrainStep:
         for sq, layout in zip(optree.tree_leaves(sq_sums, none_is_leaf=False), self.spec.layouts):
             axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
             groups[axes] = groups[axes] + sq if axes in groups else sq
-        total = torch.zeros((), dtype=torch.float32)
+        acc = torch.float64 if any(v.dtype == torch.float64 for v in groups.values()) else torch.float32
+        total = torch.zeros((), dtype=acc)
         for axes, value in groups.items():
-            total = total + (psum(value.float(), axes) if axes else value.float())
+            total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
+
+
+def _acc_dtype(leaves) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+
+
+def _master(x: torch.Tensor) -> torch.Tensor:
+    """Master weights are at least fp32 (16-bit parameters are upcast)."""
+    x = x.detach()
+    return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _check_invariant(loss: Named) -> None:
