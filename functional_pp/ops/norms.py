@@ -7,18 +7,22 @@ from ..named import Named, settle
 from . import reduce as R
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _normalize(x: Named, dim: str, eps: float, center: bool) -> Named:
     x = settle(x)
     x._check_dim(dim, "norm")
     i = x.dims.index(dim)
     if not x.split[i]:     # the whole dimension is local: one fused computation
         def f(t):
-            t32 = t.float()
+            t32 = t.to(_wide(t.dtype))
             if center:
                 t32 = t32 - t32.mean(dim=i, keepdim=True)
             return (t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)).to(t.dtype)
         return x.map(f)
-    xf = x.astype(torch.float32)
+    xf = x.astype(_wide(x.data.dtype))
     if center:
         xf = xf - R.mean(xf, dim)
     out = xf * (R.mean(xf * xf, dim) + eps).map(torch.rsqrt)
