@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from . import collectives as C
-from .layout import Layout, Rules, check_divisible
+from .layout import Layout, Rules
 from .mesh import Mesh
 from .runtime import current_context
 from .shard_map import active_rules
@@ -132,8 +132,6 @@ class Named:
 
 
 # ----------------------------------------------------------------- relayout
-def _mesh_size(mesh: Mesh, axes) -> int:
-    return mesh.axis_size(axes) if axes else 1
 
 
 def settle(x: Named, target: Layout | None = None) -> Named:
@@ -257,10 +255,6 @@ def target_layout(dims: Sequence[str], shape: Sequence[int], name: str = "tensor
     return rules.resolve(dims, shape, mesh, name=name)
 
 
-def unify_vary(operands: Sequence[Named], after: Sequence[set]) -> list[Named]:
-    """Cast every operand to varying over the union of the axes any operand varies over."""
-    union = set().union(*after) if after else set()
-    return [pvary(x, union - a) for x, a in zip(operands, after)]
 
 
 def varying_after(x: Named, target: Layout) -> set:
@@ -287,7 +281,3 @@ def named(data: torch.Tensor, dims: Sequence[str] | str) -> Named:
     x = Named(data, dims)
     return relayout(x, target_layout(x.dims, data.shape))
 
-
-def check_local(x: Named, name: str) -> None:
-    mesh = env()[0]
-    check_divisible(tuple(x.shape.values()), x.split, mesh, name, x.dims)

@@ -77,20 +77,6 @@ def count_params(tree: Any) -> int:
     return total
 
 
-def layouts(decls: Any, mesh: Mesh, rules: Rules) -> Any:
-    """Tree of layouts (one per :class:`Param`), checking divisibility with the param's path."""
-    return map_with_path(lambda p, d: _LayoutLeaf(rules.resolve(d.axes, d.shape, mesh, name=p)), decls)
-
-
-@dataclass(frozen=True)
-class _LayoutLeaf:
-    layout: Layout
-
-
-def layout_of(leaf) -> Layout:
-    return leaf.layout if isinstance(leaf, _LayoutLeaf) else leaf
-
-
 def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
     """Cut a full tree into the shards of ``rank`` (views, no copies)."""
     def cut(p, x, d):
@@ -116,8 +102,6 @@ def gather(local: Any, decls: Any, rules: Rules) -> Any:
     return map_with_path(full, local, decls)
 
 
-def local_shapes(decls: Any, mesh: Mesh, rules: Rules) -> Any:
-    return map_with_path(lambda p, d: local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, p), mesh), decls)
 
 
 def named_tree(local: Any, decls: Any) -> Any:

@@ -1,0 +1,7 @@
+"""``python -m functional_pp train CONFIG.yaml``: see :mod:`functional_pp.cli`."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

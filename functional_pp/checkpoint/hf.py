@@ -1,0 +1,617 @@
+"""Hugging Face Llama checkpoints <-> the functional Llama (``functional_pp.models.llama``).
+
+The mapping is one table, :data:`LLAMA_TABLE`: HF tensor name pattern -> our tree path, and
+the kind of transform between the two layouts. HF stores ``nn.Linear`` weights ``[out, in]``;
+we store input-dimension first with heads and head_dim as separate dimensions:
+
+    HF name (shape)                                       our path (shape)                  kind
+    model.embed_tokens.weight               [V, H]        embed_tokens           [V, H]     copy
+    model.layers.{i}.input_layernorm.weight [H]           layers.{i}.input_layernorm [H]    copy
+    model.layers.{i}.self_attn.q_proj.weight [N*D, H]     layers.{i}.self_attn.q_proj [H, N, D]  heads_out
+    model.layers.{i}.self_attn.k_proj.weight [K*D, H]     layers.{i}.self_attn.k_proj [H, K, D]  heads_out
+    model.layers.{i}.self_attn.v_proj.weight [K*D, H]     layers.{i}.self_attn.v_proj [H, K, D]  heads_out
+    model.layers.{i}.self_attn.o_proj.weight [H, N*D]     layers.{i}.self_attn.o_proj [N, D, H]  heads_in
+    model.layers.{i}.post_attention_layernorm.weight [H]  layers.{i}.post_attention_layernorm   copy
+    model.layers.{i}.mlp.gate_proj.weight   [F, H]        layers.{i}.mlp.gate_proj [H, F]   linear
+    model.layers.{i}.mlp.up_proj.weight     [F, H]        layers.{i}.mlp.up_proj   [H, F]   linear
+    model.layers.{i}.mlp.down_proj.weight   [H, F]        layers.{i}.mlp.down_proj [F, H]   linear
+    model.norm.weight                       [H]           norm                   [H]        copy
+    lm_head.weight (absent when tied)       [V, H]        lm_head                [H, V]     linear
+
+Rotary convention: HF Llama q/k weights are already in the rotate-half order (HF's conversion
+script permuted Meta's interleaved weights), which is what ``ops.rotary`` uses, so they map
+without permutation. For Meta-format (interleaved) weights use :func:`permute_for_rotate_half`
+(and :func:`unpermute_from_rotate_half` to go back).
+
+Import reads, on every device inside :func:`functional_pp.launch`, only the rows/columns of
+each HF tensor that its shard needs (``safe_open(...).get_slice``). Pickle files are refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from ..layout import Rules, block_slices
+from ..mesh import Mesh
+from ..runtime import current_context
+from ..shard_map import active_rules
+from ..tree import leaves_with_paths, map_with_path
+from . import format as fmt
+from .format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                     CheckpointNotFoundError, UnsafeFormatError)
+
+__all__ = [
+    "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
+    "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
+    "permute_for_rotate_half", "unpermute_from_rotate_half",
+]
+
+# --------------------------------------------------------------------------- the table
+LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens", "copy"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm", "copy"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj", "heads_out"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj", "heads_out"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj", "heads_out"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj", "heads_in"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm",
+     "copy"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
+    ("model.norm.weight", "norm", "copy"),
+    ("lm_head.weight", "lm_head", "linear"),
+)
+"""``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
+
+IGNORED_HF: tuple[str, ...] = (r"model\.rotary_emb\.inv_freq",
+                                r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+"""HF tensors that carry no parameters (old checkpoints saved rotary buffers)."""
+
+
+def _pattern(p: str) -> re.Pattern:
+    return re.compile("^" + re.escape(p).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_TO_HF = [(_pattern(ours), hf, kind) for hf, ours, kind in LLAMA_TABLE]
+_FROM_HF = [(_pattern(hf), ours, kind) for hf, ours, kind in LLAMA_TABLE]
+
+
+def _lookup(name: str, table: list) -> tuple[str, str] | None:
+    for pat, target, kind in table:
+        m = pat.match(name)
+        if m:
+            return target.format(**m.groupdict()), kind
+    return None
+
+
+def hf_name(path: str) -> str | None:
+    """Our tree path (``layers.0.self_attn.q_proj``) -> HF tensor name (``None``: unmapped).
+    Usable as ``name_map`` for :func:`~functional_pp.checkpoint.consolidate`."""
+    r = _lookup(path, _TO_HF)
+    return r[0] if r else None
+
+
+def our_path(name: str) -> str | None:
+    """HF tensor name -> our tree path (``None``: unmapped)."""
+    r = _lookup(name, _FROM_HF)
+    return r[0] if r else None
+
+
+def _kind_of(path: str) -> str:
+    r = _lookup(path, _TO_HF)
+    if r is None:
+        raise CheckpointMismatchError(f"{path}: no entry of the HF Llama table maps this parameter")
+    return r[1]
+
+
+# --------------------------------------------------------------------------- transforms
+class _Kind:
+    """How one tensor moves between our layout and HF's (shapes, whole tensors, slices)."""
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def to_hf(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read(self, sl: Any, region: tuple[slice, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Our ``region`` (global coordinates of our tensor) from HF slice handle ``sl``."""
+        raise NotImplementedError
+
+
+class _Copy(_Kind):
+    def hf_shape(self, shape):
+        return tuple(shape)
+
+    def to_hf(self, t):
+        return t
+
+    def read(self, sl, region, shape):
+        return sl[region]
+
+
+class _Linear(_Kind):                  # ours [in, out] = HF [out, in].T
+    def hf_shape(self, shape):
+        return (shape[1], shape[0])
+
+    def to_hf(self, t):
+        return t.T
+
+    def read(self, sl, region, shape):
+        return sl[region[1], region[0]].T
+
+
+class _HeadsOut(_Kind):                # ours [H, N, D] = HF [N*D, H].T reshaped
+    def hf_shape(self, shape):
+        return (shape[1] * shape[2], shape[0])
+
+    def to_hf(self, t):
+        return t.reshape(t.shape[0], -1).T
+
+    def read(self, sl, region, shape):
+        rh, rn, rd = region
+        D = shape[2]
+        x = sl[rn.start * D:rn.stop * D, rh]                    # [n*D, h]
+        x = x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
+        return x.permute(2, 0, 1)
+
+
+class _HeadsIn(_Kind):                 # ours [N, D, H] = HF [H, N*D].T reshaped
+    def hf_shape(self, shape):
+        return (shape[2], shape[0] * shape[1])
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[2]).T
+
+    def read(self, sl, region, shape):
+        rn, rd, rh = region
+        D = shape[1]
+        x = sl[rh, rn.start * D:rn.stop * D]                    # [h, n*D]
+        x = x.reshape(-1, rn.stop - rn.start, D)[:, :, rd]
+        return x.permute(1, 2, 0)
+
+
+KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
+                           "heads_in": _HeadsIn()}
+
+
+# --------------------------------------------------------------------------- rotary
+def _rotary_perm(n: int, head_dim: int | None, inverse: bool) -> torch.Tensor:
+    D = head_dim or n
+    if n % D or D % 2:
+        raise ValueError(f"rotary permutation: dimension of size {n} is not a multiple of an even "
+                         f"head_dim {D}")
+    # rotate-half position j*D/2 + i holds interleaved position 2i + j
+    one = torch.arange(D).reshape(D // 2, 2).T.reshape(-1)
+    if inverse:
+        one = torch.argsort(one)
+    return (torch.arange(0, n, D)[:, None] + one[None, :]).reshape(-1)
+
+
+def permute_for_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | None = None) -> torch.Tensor:
+    """Reorder dimension ``dim`` of a q/k weight (or activation) from Meta's interleaved rotary
+    order (pairs ``(2i, 2i+1)``) to the rotate-half order (pairs ``(i, i + D/2)``) used by HF
+    and ``ops.rotary``. ``dim`` is head_dim itself, or heads*head_dim flattened (as in Meta's
+    ``[out, in]`` weights) when ``head_dim`` is given. Same as HF's ``permute`` in
+    ``convert_llama_weights_to_hf.py``."""
+    return w.index_select(dim, _rotary_perm(w.shape[dim], head_dim, False).to(w.device))
+
+
+def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`permute_for_rotate_half` (rotate-half order -> Meta interleaved)."""
+    return w.index_select(dim, _rotary_perm(w.shape[dim], head_dim, True).to(w.device))
+
+
+# --------------------------------------------------------------------------- config
+def config_from_hf(hf: dict | str | os.PathLike):
+    """``llama.Config`` from an HF ``config.json`` dict (or its path, or the model directory);
+    accepts both ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x)."""
+    from ..models.llama import Config
+    from ..ops.rotary import Llama3Scaling
+
+    if not isinstance(hf, dict):
+        p = Path(hf)
+        p = p / "config.json" if p.is_dir() else p
+        try:
+            hf = json.loads(p.read_text())
+        except OSError as exc:
+            raise CheckpointNotFoundError(f"cannot read {p}: {exc.strerror or exc}") from exc
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{p} is not valid JSON: {exc}") from exc
+    where = "HF config"
+    if hf.get("model_type", "llama") != "llama":
+        raise CheckpointMismatchError(f"{where}: model_type is {hf['model_type']!r}, not 'llama'")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, ok) != ok:
+            raise CheckpointMismatchError(f"{where}: {key}={hf[key]!r} is not supported "
+                                          f"(the functional Llama needs {ok!r})")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise CheckpointMismatchError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if rope_type in ("default", None):
+        scaling = None
+    elif rope_type == "llama3":
+        scaling = Llama3Scaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope.get("original_max_position_embeddings",
+                                               hf.get("max_position_embeddings", 8192))))
+    else:
+        raise CheckpointMismatchError(f"{where}: rope type {rope_type!r} is not supported "
+                                      f"(only 'default' and 'llama3')")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) == hidden // heads:
+        head_dim = None
+    return Config(
+        vocab=int(hf["vocab_size"]), hidden=hidden, layers=int(hf["num_hidden_layers"]),
+        heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
+        mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        max_seq=int(hf.get("max_position_embeddings", 2048)))
+
+
+def config_to_hf(cfg, dtype: torch.dtype = torch.float32) -> dict:
+    """HF ``config.json`` contents for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    s = cfg.rope_scaling
+    if s is not None:
+        rope = {"rope_type": "llama3", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
+                "low_freq_factor": float(s.low_freq_factor),
+                "high_freq_factor": float(s.high_freq_factor),
+                "original_max_position_embeddings": int(s.original_max_position)}
+    dname = fmt.dtype_name(dtype)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq, "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "pretraining_tp": 1, "use_cache": True,
+        "rope_parameters": rope,                                    # transformers 5
+        "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
+        "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
+        "dtype": dname, "torch_dtype": dname,
+    }
+
+
+# --------------------------------------------------------------------------- import
+def _refuse_pickles(p: Path) -> None:
+    pickles = sorted(c.name for c in p.iterdir() if c.suffix.lower() in fmt.PICKLE_SUFFIXES
+                     or c.name == "pytorch_model.bin.index.json")
+    hint = (f"Convert it once to safetensors in an environment where you trust the files, e.g. "
+            f"`transformers.LlamaForCausalLM.from_pretrained({str(p)!r})"
+            f".save_pretrained(OUT_DIR, safe_serialization=True)`, then import OUT_DIR.")
+    if pickles:
+        raise UnsafeFormatError(
+            f"{p} holds only pickle-based weights {pickles}: refusing to load them (unpickling "
+            f"can execute arbitrary code, so functional_pp never calls torch.load). {hint}")
+    raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {p}")
+
+
+def _hf_files(p: Path) -> tuple[Path, dict[str, str] | None, list[str]]:
+    """(root, weight_map or None, safetensors files) of an HF model directory or file."""
+    if p.is_file():
+        if p.suffix.lower() in fmt.PICKLE_SUFFIXES:
+            raise fmt.pickle_refusal(p)
+        if p.name.endswith(".index.json"):
+            p = p.parent
+        else:
+            return p.parent, None, [p.name]
+    if not p.is_dir():
+        raise CheckpointNotFoundError(f"no Hugging Face checkpoint at {p}: the path does not exist")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{index} is not a valid safetensors index: {exc}") from exc
+        return p, weight_map, sorted(set(weight_map.values()))
+    if (p / "model.safetensors").is_file():
+        return p, None, ["model.safetensors"]
+    _refuse_pickles(p)
+    raise AssertionError  # unreachable
+
+
+class _HFReader:
+    """Lazily opened safetensors files of one HF checkpoint; headers describe every tensor."""
+
+    def __init__(self, root: Path, weight_map: dict[str, str] | None, files: list[str]):
+        self.root, self.weight_map, self.files = root, weight_map, files
+        self.stack = ExitStack()
+        self.handles: dict[str, Any] = {}
+        self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}   # name -> file, shape, dtype
+
+    def __enter__(self) -> "_HFReader":
+        try:
+            for f in self.files:
+                h = self._open(f)
+                for key in h.keys():
+                    if self.weight_map is not None and self.weight_map.get(key) != f:
+                        continue
+                    sl = h.get_slice(key)
+                    self.entries[key] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        except BaseException:
+            self.stack.close()
+            raise
+        if self.weight_map is not None:
+            lost = sorted(k for k in self.weight_map if k not in self.entries)
+            if lost:
+                raise CheckpointCorruptError(
+                    f"{self.root / 'model.safetensors.index.json'} lists tensors its files lack: "
+                    f"{lost[:6]}{' ...' if len(lost) > 6 else ''}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def _open(self, f: str):
+        if f not in self.handles:
+            path = self.root / f
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path}: listed in the index but missing")
+            try:
+                self.handles[f] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as exc:  # SafetensorError, OSError
+                raise CheckpointCorruptError(f"cannot read {path}: not a valid safetensors file "
+                                             f"(truncated or corrupted?): {exc}") from exc
+        return self.handles[f]
+
+    def slice(self, name: str):
+        return self._open(self.entries[name][0]).get_slice(name)
+
+
+def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
+    ctx = current_context(required=False)
+    if mesh is None and ctx is not None:
+        mesh = ctx.mesh
+    if mesh is not None and rank is None:
+        if ctx is None:
+            raise CheckpointError("loading for a mesh outside functional_pp.launch needs rank=")
+        rank = ctx.rank
+    if rules is None:
+        rules = active_rules(required=False)
+    return mesh, rules, rank or 0
+
+
+def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: torch.dtype | None = None,
+                   mesh: Mesh | None = None, rules: Rules | None = None, rank: int | None = None,
+                   device: torch.device | str | None = None, strict: bool = True) -> dict:
+    """The parameter tree of ``llama.init(cfg)`` (or ``decls``) from an HF Llama checkpoint.
+
+    Without a mesh (or without rules) tensors come back whole; inside ``launch`` (mesh and rank
+    default to the running device's, rules to the active ones) each device gets its own shards,
+    reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype).
+    ``strict`` refuses HF tensors the table does not map (e.g. biases)."""
+    from ..models import llama
+
+    if decls is None:
+        decls = llama.init(cfg, dtype or torch.float32)
+    mesh, rules, rank = _placement(mesh, rules, rank)
+    root, weight_map, files = _hf_files(Path(path))
+    with _HFReader(root, weight_map, files) as reader:
+        plan, missing, problems, used = {}, [], [], set()
+        for p, d in leaves_with_paths(decls):
+            name = hf_name(p)
+            if name is None:
+                raise CheckpointMismatchError(f"{p}: no entry of the HF Llama table maps this parameter")
+            kind = KINDS[_kind_of(p)]
+            want = kind.hf_shape(tuple(d.shape))
+            if name not in reader.entries:
+                missing.append(f"{name} (for {p})")
+                continue
+            used.add(name)
+            have = reader.entries[name][1]
+            if have != want:
+                problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for {p} "
+                                f"{tuple(d.shape)} [{' '.join(d.axes)}] from the config)")
+            plan[p] = (name, kind, d)
+        ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
+        if cfg.tie_embeddings:
+            ignorable.append(re.compile(r"^lm_head\.weight$"))
+        unexpected = sorted(n for n in reader.entries
+                            if n not in used and not any(r.match(n) for r in ignorable))
+        if missing or problems or (strict and unexpected):
+            msg = f"Hugging Face checkpoint {root} does not match the Llama config:"
+            if missing:
+                msg += f"\n  missing tensors ({len(missing)}): " + ", ".join(missing[:12])
+            if strict and unexpected:
+                msg += (f"\n  unexpected tensors ({len(unexpected)}, not in the mapping table): "
+                        + ", ".join(unexpected[:12]))
+            raise CheckpointMismatchError(msg + "".join(f"\n  {x}" for x in problems))
+
+        def read(p: str, d: Any) -> torch.Tensor:
+            name, kind, _ = plan[p]
+            shape = tuple(d.shape)
+            if mesh is not None and rules is not None:
+                region = block_slices(shape, rules.resolve(d.axes, shape, mesh, name=p), mesh, rank)
+            else:
+                region = tuple(slice(0, n) for n in shape)
+            try:
+                t = kind.read(reader.slice(name), region, shape)
+            except Exception as exc:
+                raise CheckpointCorruptError(f"{root}: cannot read tensor {name!r}: {exc}") from exc
+            t = t.contiguous()
+            if dtype is not None:
+                t = t.to(dtype)
+            return t.to(device) if device is not None else t
+        return map_with_path(read, decls)
+
+
+def load_hf_llama(path: str | os.PathLike, *, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
+                  rules: Rules | None = None, rank: int | None = None,
+                  device: torch.device | str | None = None, strict: bool = True):
+    """``(cfg, params)`` from an HF Llama directory (``config.json`` + ``model.safetensors`` or a
+    sharded set with ``model.safetensors.index.json``); sharded like :func:`load_hf_params`."""
+    p = Path(path)
+    root = p if p.is_dir() else p.parent
+    cfg = config_from_hf(root / "config.json")
+    return cfg, load_hf_params(p, cfg, dtype=dtype, mesh=mesh, rules=rules, rank=rank, device=device,
+                               strict=strict)
+
+
+# --------------------------------------------------------------------------- export
+def _parse_size(size: int | str | None) -> int | None:
+    if size is None or isinstance(size, int):
+        if size is not None and size <= 0:
+            raise CheckpointError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
+    if not m:
+        raise CheckpointError(f"cannot parse max_shard_size {size!r} (use bytes, '500MB', '2GiB')")
+    unit = m.group(2) or "B"
+    base = 1024 if "I" in unit else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(unit[0] if unit != "B" else " "))
+
+
+def _write_hf(out: Path, cfg, items: list[tuple[str, torch.dtype, tuple, Callable]],
+              max_shard_size: int | str | None, dtype: torch.dtype) -> Path:
+    """Write ``config.json`` and the tensors (one file, or shards + index) into ``out``,
+    replacing any ``model*.safetensors`` / index already there."""
+    limit = _parse_size(max_shard_size)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt"}
+    shards: list[list] = [[]]
+    size = 0
+    for item in items:
+        n = fmt.tensor_nbytes(item[2], item[1])
+        if limit is not None and shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += n
+    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        if stale.is_file():
+            stale.unlink()
+    if len(shards) == 1:
+        _write_atomic(out / "model.safetensors", shards[0], meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _write_atomic(out / fname, shard, meta)
+            for name, dt, shape, _ in shard:
+                weight_map[name] = fname
+                total += fmt.tensor_nbytes(shape, dt)
+        fmt.write_text_atomic(out / "model.safetensors.index.json", json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    fmt.write_text_atomic(out / "config.json", json.dumps(config_to_hf(cfg, dtype), indent=2))
+    return out
+
+
+def _write_atomic(path: Path, items: list, meta: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        fmt.write_safetensors(tmp, items, meta)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],
+           dtype: torch.dtype | None) -> tuple[list, torch.dtype]:
+    """HF-named lazy tensor items for every parameter of ``llama.init(cfg)``, in table order."""
+    from ..models import llama
+
+    items, dtypes = [], set()
+    for p, d in leaves_with_paths(llama.init(cfg)):
+        shape, have, produce = get(p)
+        if tuple(shape) != tuple(d.shape):
+            raise CheckpointMismatchError(f"{p}: shape {tuple(shape)} but the config declares "
+                                          f"{tuple(d.shape)} [{' '.join(d.axes)}]")
+        kind = KINDS[_kind_of(p)]
+        dt = dtype or have
+        dtypes.add(dt)
+        items.append((hf_name(p), dt, kind.hf_shape(tuple(shape)),
+                      lambda produce=produce, kind=kind, dt=dt: kind.to_hf(produce()).to(dt)))
+    return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
+
+
+def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
+                  dtype: torch.dtype | None = None) -> Path:
+    """Write a FULL parameter tree (single device, or ``tree.gather``-ed) as an HF directory
+    loadable by ``transformers.LlamaForCausalLM.from_pretrained``; sharded with an index when
+    ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
+    flat = dict(leaves_with_paths(params))
+
+    def get(p: str):
+        if p not in flat:
+            raise CheckpointMismatchError(f"parameter {p} (HF {hf_name(p)}) is missing from the tree")
+        t = flat[p]
+        t = getattr(t, "data", t) if not isinstance(t, torch.Tensor) else t
+        return tuple(t.shape), t.dtype, (lambda t=t: t.detach())
+    items, dt = _items(cfg, get, dtype)
+    return _write_hf(Path(out), cfg, items, max_shard_size, dt)
+
+
+def _config_from_index(index: dict):
+    from dataclasses import fields
+
+    from ..models.llama import Config
+
+    names = {f.name for f in fields(Config)}
+    saved = index.get("config")
+    for c in (saved, (saved or {}).get("model") if isinstance(saved, dict) else None):
+        if isinstance(c, dict) and c and set(c) <= names:
+            return Config.from_dict(c)
+    raise CheckpointError("the checkpoint's config is not a llama.Config dict; pass cfg=")
+
+
+def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, cfg=None, *,
+                            key: str = "params", step: int | None = None,
+                            max_shard_size: int | str | None = None,
+                            dtype: torch.dtype | None = None) -> Path:
+    """Export a sharded functional_pp checkpoint (a step directory or a root) as an HF
+    directory: :func:`~functional_pp.checkpoint.consolidate` (with :func:`hf_name` as name map)
+    into a scratch folder, then each tensor is transformed to HF's layout one at a time.
+    ``cfg`` defaults to the ``config`` saved with the checkpoint (``cfg.to_dict()``, or under
+    ``"model"``)."""
+    from .consolidate import consolidate
+
+    ckpt = fmt.resolve_checkpoint(checkpoint, step)
+    if cfg is None:
+        cfg = _config_from_index(fmt.read_index(ckpt))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = out / f".consolidate-{secrets.token_hex(4)}"
+    try:
+        merged = consolidate(ckpt, scratch, key=key, name_map=hf_name)
+        with safe_open(str(merged), framework="pt") as h:
+            names = set(h.keys())
+
+            def get(p: str):
+                name = hf_name(p)
+                if name not in names:
+                    raise CheckpointMismatchError(f"{ckpt}: parameter {key}.{p} (HF {name}) is "
+                                                  f"missing from the checkpoint")
+                sl = h.get_slice(name)
+                return (tuple(sl.get_shape()), fmt.dtype_from_name(_st_name(sl.get_dtype())),
+                        lambda name=name: h.get_tensor(name))
+            items, dt = _items(cfg, get, dtype)
+            return _write_hf(out, cfg, items, max_shard_size, dt)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _st_name(code: str) -> str:
+    for dt in fmt._ST_DTYPES:
+        if fmt.st_dtype_code(dt) == code:
+            return fmt.dtype_name(dt)
+    raise CheckpointError(f"unsupported safetensors dtype {code}")

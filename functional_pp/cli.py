@@ -1,0 +1,75 @@
+"""Command line: ``functional-pp train CONFIG.yaml`` (or ``python -m functional_pp train ...``).
+
+Examples::
+
+    functional-pp train examples/configs/fsdp.yaml                 # simulated devices on a CPU machine
+    functional-pp train cfg.yaml --simulate 8 --max-steps 20 --output runs/try
+    functional-pp train cfg.yaml --set learning_rate=1e-3 --set data.path=corpus.txt
+    functional-pp train cfg.yaml --resume                           # continue from the newest checkpoint
+    torchrun --nproc_per_node 8 -m functional_pp train cfg.yaml     # one process per device
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``functional-pp`` command."""
+    parser = argparse.ArgumentParser(
+        prog="functional-pp",
+        description="Functional training on PyTorch: layouts from named axes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    t = sub.add_parser(
+        "train", help="train a model from a YAML config",
+        description="Train a Llama model as a YAML config says (Accelerate / Axolotl key names). "
+                    "Outside torchrun, on a machine without accelerators, a multi-device mesh "
+                    "runs on simulated devices in this process.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys: " + ", ".join(TrainConfig.valid_keys()))
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("--simulate", type=int, metavar="N", default=None,
+                   help="run the mesh on N simulated devices in this process (default outside "
+                        "torchrun without accelerators: the mesh's size)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in the output directory")
+    t.add_argument("--max-steps", type=int, metavar="N", default=None,
+                   help="override max_steps (also the length of the lr schedule)")
+    t.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (dotted keys for sections, YAML values), "
+                        "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 config error)."""
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .trainer import train
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        overrides.append(f"max_steps={args.max_steps}")
+    if args.output is not None:
+        overrides.append(f"logging.output_dir={args.output}")
+    try:
+        cfg = TrainConfig.from_yaml(args.config, overrides)
+        train(cfg, simulate=args.simulate, resume=args.resume)
+    except ConfigError as exc:
+        print(f"functional-pp: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
