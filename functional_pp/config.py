@@ -334,7 +334,9 @@ class TrainConfig:
                               f"{_suggest(sched, SCHEDULERS)} (choose {', '.join(SCHEDULERS)})")
         self.lr_scheduler = sched
         if self.lr_scheduler != "constant" and self.warmup_steps > self.max_steps:
-            raise ConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}")
+            raise ConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps} "
+                              f"(the {self.lr_scheduler} schedule decays after warmup); lower it, "
+                              f"e.g. --set warmup_steps={self.max_steps // 2}")
         self.precision = self.resolved_precision()
         if self.on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")

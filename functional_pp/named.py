@@ -221,7 +221,8 @@ def relayout(x: Named, target: Layout) -> Named:
     out = Named(data, x.dims, tuple(split), vary)
     if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
-    x._cache[key] = out
+    if not (x.is_param and gathers):      # a cached gathered weight would stay alive (FSDP memory)
+        x._cache[key] = out
     return out
 
 

@@ -7,18 +7,20 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .. import comm
 from ..collectives import raw_all_gather
 from ..named import Named, options
 
 
 @contextmanager
 def _hooks(recipes) -> Iterator[None]:
-    ptrs = {full.untyped_storage().data_ptr(): (full, shard, axes, dim) for full, (shard, axes, dim) in recipes}
+    # Autograd keeps the pack hook alive with every saved tensor: hold no reference to the
+    # gathered tensors here, only their storage address, dtype and how to rebuild them.
+    ptrs = {full.untyped_storage().data_ptr(): (full.dtype, shard, axes, dim)
+            for full, (shard, axes, dim) in recipes}
 
     def pack(t: torch.Tensor):
         hit = ptrs.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if hit is not None and t.dtype == hit[0].dtype:
+        if hit is not None and t.dtype == hit[0]:
             _, shard, axes, dim = hit
             return ("fpp-regather", shard.detach(), axes, dim, tuple(t.shape), t.stride(), t.storage_offset())
         return t
