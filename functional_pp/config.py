@@ -521,7 +521,8 @@ class TrainConfig:
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict:
         """A JSON-able dict that :meth:`from_dict` reads back."""
-        out = {k: getattr(self, k) for k in _TOP_TYPES}
+        foreign = SGD_KEYS if self.optimizer == "adamw" else ADAM_KEYS
+        out = {k: getattr(self, k) for k in _TOP_TYPES if k not in foreign}
         out["model"] = self.model.to_dict()
         out["data"] = {f.name: getattr(self.data, f.name) for f in dataclasses.fields(DataConfig)}
         out["rules"] = dict(self.rules)

@@ -403,7 +403,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                                    keys=["params", "opt", "step", "skipped"], device=device)
             state = {"params": r.tree["params"], "opt_state": r.tree["opt"],
                      "step": r.tree["step"], "skipped": r.tree["skipped"]}
-            loader.load_state_dict(r.metadata["loader"])
+            pass
             start = int(r.step)
             try:
                 ck.set_rng_state(ck.load_checkpoint(ckpt_dir, step=latest, keys=["rng"]).tree["rng"])

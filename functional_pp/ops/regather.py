@@ -2,6 +2,7 @@
 again when backward needs it (ZeRO-3), instead of saving the full weight."""
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Sequence
 
@@ -13,14 +14,17 @@ from ..named import Named, options
 
 @contextmanager
 def _hooks(recipes) -> Iterator[None]:
-    # Autograd keeps the pack hook alive with every saved tensor: hold no reference to the
-    # gathered tensors here, only their storage address, dtype and how to rebuild them.
-    ptrs = {full.untyped_storage().data_ptr(): (full.dtype, shard, axes, dim)
-            for full, (shard, axes, dim) in recipes}
+    def root(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
+
+    # Autograd keeps the pack hook alive with every saved tensor: hold only weak references
+    # to the gathered tensors here, and how to rebuild them.
+    gathered = {id(root(full)): (weakref.ref(root(full)), shard, axes, dim) for full, (shard, axes, dim) in recipes}
 
     def pack(t: torch.Tensor):
-        hit = ptrs.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if hit is not None and t.dtype == hit[0]:
+        base = root(t)
+        hit = gathered.get(id(base))
+        if hit is not None and hit[0]() is base:
             _, shard, axes, dim = hit
             return ("fpp-regather", shard.detach(), axes, dim, tuple(t.shape), t.stride(), t.storage_offset())
         return t

@@ -42,8 +42,9 @@ def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama
         raise ValueError(f"rotary: {head_dim!r} must not be split")
     pos = relayout(positions, (x.split[si],)).data
     d = x.data.shape[di]
-    inv = inverse_frequencies(d, theta, scaling)
-    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    dev = x.data.device
+    inv = inverse_frequencies(d, theta, scaling).to(dev)
+    ang = pos.to(device=dev, dtype=torch.float64)[:, None] * inv[None, :]
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.float32)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.float32)
     shape = [1] * x.data.ndim
