@@ -22,11 +22,14 @@ def _hooks(recipes) -> Iterator[None]:
     gathered = {id(root(full)): (weakref.ref(root(full)), shard, axes, dim) for full, (shard, axes, dim) in recipes}
 
     def pack(t: torch.Tensor):
+        from ..plan import count_saved
         base = root(t)
         hit = gathered.get(id(base))
         if hit is not None and hit[0]() is base:
             _, shard, axes, dim = hit
+            count_saved(shard)
             return ("fpp-regather", shard.detach(), axes, dim, tuple(t.shape), t.stride(), t.storage_offset())
+        count_saved(t)
         return t
 
     def unpack(p):
