@@ -58,7 +58,7 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
 
     def run(rank: int) -> None:
         ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)
-        with thread_context(ctx):
+        with thread_context(ctx), _compile_cache_limits(mesh.size):
             try:
                 results[rank] = fn()
             except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank
@@ -66,7 +66,6 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
                 world.abort(rank, exc)
 
     from .backends.sim import _unregister
-    _raise_compile_cache_limits(mesh.size)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -91,15 +90,16 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
     return results
 
 
-def _raise_compile_cache_limits(n_devices: int) -> None:
+def _compile_cache_limits(n_devices: int):
     """Simulated devices share one process: torch.compile keeps one graph per device (each
-    has its own rank baked in), so allow that many entries per function."""
+    has its own rank baked in), so allow that many entries per function. Dynamo's settings
+    are thread-local, so each device thread sets its own."""
     import torch._dynamo.config as dcfg
 
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dcfg, name):
-            setattr(dcfg, name, max(getattr(dcfg, name), 2 * n_devices + 8))
-    dcfg.accumulated_cache_size_limit = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
+    limits = {name: max(getattr(dcfg, name), 2 * n_devices + 8)
+              for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
+    limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
+    return dcfg.patch(**limits)
 
 
 def _launch_distributed(fn, mesh: Mesh):

@@ -99,15 +99,13 @@ class TrainStep:
         fn = self._device_step
         if self.compile:
             if self._compiled is None:
-                import torch._dynamo.config as dcfg
-                dcfg.trace_autograd_ops = True
                 backend = "inductor" if self.compile is True else self.compile
                 self._compiled = torch.compile(self._device_step, backend=backend, fullgraph=True)
             fn = self._compiled
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), \
+        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), _compile_settings(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -193,6 +191,15 @@ class TrainStep:
         for axes, value in groups.items():
             total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
+
+
+def _compile_settings(enabled: bool):
+    """Backward inside the compiled step needs dynamo to trace torch.autograd.grad."""
+    import contextlib
+    if not enabled:
+        return contextlib.nullcontext()
+    import torch._dynamo.config as dcfg
+    return dcfg.patch(trace_autograd_ops=True)
 
 
 def _acc_dtype(leaves) -> torch.dtype:
