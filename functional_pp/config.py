@@ -346,6 +346,11 @@ class TrainConfig:
             if self.compile not in backends:
                 raise ConfigError(f"compile: unknown torch.compile backend {self.compile!r}"
                                   f"{_suggest(self.compile, backends)}")
+        if self.compile and self.activation_checkpointing:
+            raise ConfigError("activation_checkpointing with compile is not supported yet: "
+                              "torch.compile(fullgraph=True) refuses functional_pp.remat (its "
+                              "checkpointed function records the output layout in a Python dict); "
+                              "set one of them to false")
         if self.logging.log_every < 1:
             raise ConfigError(f"logging.log_every must be >= 1, got {self.logging.log_every}")
         if self.checkpoint.save_every < 0:
@@ -446,6 +451,7 @@ class TrainConfig:
         ``world_size`` devices (``launcher`` names where that number comes from), the batch and
         sequence split evenly, the model's dimensions divide by their mesh axes, the data and
         tokenizer paths exist. Raises :class:`ConfigError`."""
+        self._check_values()            # again, for configs built without from_dict
         sizes = self.mesh_sizes(world_size)
         product = math.prod(sizes.values())
         if world_size is not None and product != world_size:
@@ -491,8 +497,8 @@ class TrainConfig:
         model = self.model.build()
         try:
             micro_global = self.micro_batch_size * dp
-            for dims, shape in ((("batch", "seq", "hidden"), (micro_global, self.sequence_len, model.hidden)),
-                                (("batch", "res_seq", "hidden"), (micro_global, self.sequence_len, model.hidden))):
+            shape = (micro_global, self.sequence_len, model.hidden)
+            for dims in (("batch", "seq", "hidden"), ("batch", "res_seq", "hidden")):
                 rules.resolve(dims, shape, mesh, name=f"activations ({' '.join(dims)})")
             from .models import llama
             from .tree import leaves_with_paths

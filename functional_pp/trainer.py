@@ -220,8 +220,8 @@ def plot_losses(metrics: list[dict], path: str | os.PathLike, title: str = "") -
     ax.plot(steps, [m["loss"] for m in metrics], lw=1.2, label="loss")
     if len(metrics) >= 20:
         k = max(len(metrics) // 20, 2)
-        smooth = [sum(m["loss"] for m in metrics[max(0, i - k + 1):i + 1]) / len(metrics[max(0, i - k + 1):i + 1])
-                  for i in range(len(metrics))]
+        window = [metrics[max(0, i - k + 1):i + 1] for i in range(len(metrics))]
+        smooth = [sum(m["loss"] for m in w) / len(w) for w in window]
         ax.plot(steps, smooth, lw=2, label=f"mean of {k}")
         ax.legend()
     ax.set_xlabel("step")
@@ -403,7 +403,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                                    keys=["params", "opt", "step", "skipped"], device=device)
             state = {"params": r.tree["params"], "opt_state": r.tree["opt"],
                      "step": r.tree["step"], "skipped": r.tree["skipped"]}
-            pass
+            loader.load_state_dict(r.metadata["loader"])
             start = int(r.step)
             try:
                 ck.set_rng_state(ck.load_checkpoint(ckpt_dir, step=latest, keys=["rng"]).tree["rng"])
@@ -450,7 +450,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if lead:
                     progress.message(f"saved checkpoint {saved_path}")
             if lead and stopped:
-                why = f"received {stop.signal}" if stop.signal else f"asked to stop after step {stop_after}"
+                why = (f"received {stop.signal}" if stop.signal else "asked to stop"
+                       + (f" after step {stop_after}" if stop_after is not None else ""))
                 progress.message(f"{why}: stopped at step {step} with checkpoint "
                                  f"{manager.path(step)}; continue with --resume")
         finally:
