@@ -16,14 +16,26 @@ def _flatten(tree: Any):
     return optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
 
 
-def remat(fn: Callable[..., Named]) -> Callable[..., Named]:
+def _meta(x: Named) -> tuple:
+    return (x.dims, x.split, x.vary, x.partial)
+
+
+def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[..., Named]:
     """Wrap ``fn(*args) -> Named`` so that backward recomputes it instead of keeping its
-    activations. Named arguments (anywhere in pytrees) keep their layouts."""
+    activations. Named arguments (anywhere in pytrees) keep their layouts.
+
+    ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
+    residual block); it is checked, and it lets ``torch.compile`` trace the region, which
+    cannot pass the result's layout out of the checkpointed function otherwise."""
     @functools.wraps(fn)
     def wrapped(*args):
         leaves, spec = _flatten(args)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, Named)]
-        meta: dict = {}
+        expected = _meta(args[out_like]) if out_like is not None else None
+        if expected is None and torch.compiler.is_compiling():
+            raise RuntimeError(f"remat({getattr(fn, '__name__', fn)}) under torch.compile needs out_like=<index "
+                               f"of the argument laid out like the result>")
+        found: dict = {}
 
         def inner(*datas):
             rebuilt = list(leaves)
@@ -33,9 +45,13 @@ def remat(fn: Callable[..., Named]) -> Callable[..., Named]:
                 y.is_param = x.is_param
                 rebuilt[i] = y
             out = fn(*optree.tree_unflatten(spec, rebuilt))
-            meta["out"] = (out.dims, out.split, out.vary, out.partial)
+            if expected is None:
+                found["meta"] = _meta(out)
+            elif _meta(out) != expected:
+                raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
+                                 f"argument {out_like} as {expected}")
             return out.data
         data = checkpoint(inner, *[leaves[i].data for i in slots], use_reentrant=False)
-        dims, split, vary, partial = meta["out"]
+        dims, split, vary, partial = expected if expected is not None else found["meta"]
         return Named(data, dims, split, vary, partial)
     return wrapped

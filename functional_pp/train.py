@@ -62,6 +62,10 @@ class TrainStep:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        if self.remat and self.compile:
+            raise ValueError("remat=True with compile: torch 2.13 cannot yet recompute checkpointed "
+                             "regions inside a compiled step whose backward is traced (attention's "
+                             "random-number state in the recompute region); use one or the other")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         self.spec: ParamSpec | None = None

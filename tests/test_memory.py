@@ -26,12 +26,18 @@ def full_weights_alive_after_forward(keep_gathered):
         with fpp.use_rules(rules), fpp.configure(keep_gathered=keep_gathered):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
                                   tree.shard(full, decls, mesh, rules, fpp.current_rank()))
+            shapes = {(CFG.hidden, CFG.mlp), (CFG.mlp, CFG.hidden), (CFG.hidden, CFG.heads, CFG.dim_head)}
+
+            def count():                                         # gathered weights carry a grad_fn
+                gc.collect()
+                return sum(1 for o in gc.get_objects()
+                           if isinstance(o, torch.Tensor) and o.grad_fn is not None and tuple(o.shape) in shapes)
+            barrier.wait()
+            before = count()           # tensors left over by earlier tests (e.g. compiled graphs)
+            barrier.wait()
             loss = llama.loss(tree.named_tree(local, decls), local_batch(batch, mesh, rules), CFG).value()
             barrier.wait()
-            gc.collect()
-            shapes = {(CFG.hidden, CFG.mlp), (CFG.mlp, CFG.hidden), (CFG.hidden, CFG.heads, CFG.dim_head)}
-            alive = sum(1 for o in gc.get_objects()                # gathered weights carry a grad_fn
-                        if isinstance(o, torch.Tensor) and o.grad_fn is not None and tuple(o.shape) in shapes)
+            alive = count() - before
             barrier.wait()
             loss.backward()
         return alive

@@ -147,3 +147,8 @@ def test_loss_that_still_varies_is_refused():
 def _varying_scalar(x):
     from functional_pp.named import Named
     return Named(x.data.sum(), (), (), x.vary)          # a per-device value claiming to be the loss
+
+
+def test_activation_checkpointing_with_compile_is_refused_up_front():
+    with pytest.raises(ValueError, match="remat=True with compile"):
+        fpp.train_step(LOSS, fpp.optim.sgd(0.1), remat=True, compile="aot_eager")

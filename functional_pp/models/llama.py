@@ -144,7 +144,7 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
     if layer_fn is None:
         from ..named import options
         from ..remat import remat
-        layer_fn = remat(layer) if options().remat else layer
+        layer_fn = remat(layer, out_like=1) if options().remat else layer
     pos = ops.positions("seq", tokens.size("seq"))
     x = ops.embed(params["embed_tokens"], tokens)
     x = ops.rename(x, seq="res_seq")
