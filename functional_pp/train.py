@@ -144,7 +144,7 @@ class TrainStep:
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         micro = _split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
-        grads = [torch.zeros_like(x) for x in leaves]
+        grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
         acc = _acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
         for mb, w in zip(micro, weights):
@@ -155,16 +155,23 @@ class TrainStep:
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
             gs = iter(torch.autograd.grad(loss, diff))
-            grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+            if len(micro) == 1:          # no accumulation buffer needed
+                grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+            else:
+                grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+            del gs
             total = total + loss.detach()
         grad_tree = optree.tree_unflatten(treespec, grads)
         grad_norm = optim.global_norm(grad_tree)
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
         updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
         new_params = optim.apply_updates(params, updates)
-        keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
-        new_params = tree_map(keep, new_params, params)
-        new_opt = tree_map(keep, new_opt, opt_state)
+        if torch.compiler.is_compiling():    # branch-free inside a graph
+            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
+            new_params = tree_map(keep, new_params, params)
+            new_opt = tree_map(keep, new_opt, opt_state)
+        elif not bool(finite):               # eager: one check instead of a select per tensor
+            new_params, new_opt = params, opt_state
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64)}

@@ -65,6 +65,8 @@ def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:
     x = settle(x)
     idx = [x.dims.index(d) for d in dims]
     axes = _split_axes(x, dims)
+    if not axes:                      # nothing split: torch's fused kernel
+        return _reduced(x, dims, torch.logsumexp(x.data, dim=idx))
     m = x.data.detach().amax(dim=idx, keepdim=True)
     if axes:
         m = C.raw_all_reduce(m, axes, "max")
