@@ -402,3 +402,17 @@ def test_from_config_errors():
         optim.from_config("sgd", learning_rate=1e-3, lr_schedule="linear")
     with pytest.raises(ValueError, match="learning_rate"):
         optim.from_config("sgd")
+
+
+def test_adam_with_mixed_state_dtypes_matches_uniform_path():
+    """Leaves of different dtypes take the per-leaf path; it equals the fused one."""
+    import functional_pp.optim as O
+    p64 = {"a": torch.randn(3, dtype=torch.float64), "b": torch.randn(2, dtype=torch.float64)}
+    mixed = {"a": p64["a"].clone(), "b": p64["b"].float()}
+    g64 = {"a": torch.randn(3, dtype=torch.float64), "b": torch.randn(2, dtype=torch.float64)}
+    gmixed = {"a": g64["a"].clone(), "b": g64["b"].float()}
+    opt = O.adamw(0.1, weight_decay=0.0)
+    u1, _ = opt.update(g64, opt.init(p64), p64)
+    u2, _ = opt.update(gmixed, opt.init(mixed), mixed)
+    torch.testing.assert_close(u2["a"], u1["a"])
+    torch.testing.assert_close(u2["b"], u1["b"].float())

@@ -239,21 +239,38 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None):
         count = state.count + 1
-        mu = tree_map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
-        nu = tree_map(
-            lambda g, v: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), updates, state.nu
-        )
-
-        def _precondition(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            c = count.to(device=m.device, dtype=m.dtype)
-            bc1 = 1.0 - torch.pow(b1, c)
-            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, c))
-            return (m / bc1) / (torch.sqrt(v) / bc2_sqrt + eps)
-
-        new_updates = tree_map(_precondition, mu, nu)
-        return new_updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+        mu_leaves, spec = optree.tree_flatten(state.mu, none_is_leaf=False)
+        nu_leaves = optree.tree_leaves(state.nu, none_is_leaf=False)
+        grads = [g.to(m.dtype) for g, m in zip(optree.tree_leaves(updates, none_is_leaf=False), mu_leaves)]
+        dtypes = {m.dtype for m in mu_leaves}
+        if len(dtypes) != 1 or not mu_leaves:   # mixed state dtypes: per-leaf arithmetic
+            return _adam_per_leaf(updates, state, count, b1, b2, eps)
+        # one fused (foreach) kernel per stage over all leaves; bias corrections computed once
+        c = count.to(device=mu_leaves[0].device, dtype=mu_leaves[0].dtype)
+        bc1 = 1.0 - torch.pow(b1, c)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, c))
+        mu = torch._foreach_lerp(mu_leaves, grads, 1.0 - b1)
+        nu = torch._foreach_addcmul(torch._foreach_mul(nu_leaves, b2), grads, grads, value=1.0 - b2)
+        denom = torch._foreach_div(torch._foreach_sqrt(nu), bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        new_updates = torch._foreach_div(torch._foreach_div(mu, bc1), denom)
+        unflat = lambda leaves: optree.tree_unflatten(spec, list(leaves))  # noqa: E731
+        return unflat(new_updates), ScaleByAdamState(count=count, mu=unflat(mu), nu=unflat(nu))
 
     return GradientTransformation(init, update)
+
+
+def _adam_per_leaf(updates, state, count, b1, b2, eps):
+    mu = tree_map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
+    nu = tree_map(lambda g, v: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), updates, state.nu)
+
+    def precondition(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = count.to(device=m.device, dtype=m.dtype)
+        bc1 = 1.0 - torch.pow(b1, c)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, c))
+        return (m / bc1) / (torch.sqrt(v) / bc2_sqrt + eps)
+
+    return tree_map(precondition, mu, nu), ScaleByAdamState(count=count, mu=mu, nu=nu)
 
 
 # --------------------------------------------------------------------------- #
