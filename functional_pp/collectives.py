@@ -156,69 +156,35 @@ class _PMax(torch.autograd.Function):
         return g * (x == out).to(g.dtype), None
 
 
-class _AllGather(torch.autograd.Function):
-    """all_gather (varying result): backward is psum_scatter on the same dimension."""
+def _dim_collective(name: str, doc: str, forward, backward):
+    """An autograd Function ``(x, axes, dim) -> forward(x, axes, dim)`` whose backward is
+    ``backward(g, axes, dim)``: the collectives along one dimension and their transposes."""
+    def fwd(x, axes, dim):
+        return forward(x, axes, dim)
 
-    @staticmethod
-    def forward(x, axes, dim):
-        return raw_all_gather(x, axes, dim)
-
-    @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.axes, ctx.dim = inputs[1], inputs[2]
 
-    @staticmethod
-    def backward(ctx, g):
-        return raw_reduce_scatter(g, ctx.axes, ctx.dim), None, None
+    def bwd(ctx, g):
+        return backward(g, ctx.axes, ctx.dim), None, None
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": doc, "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(bwd)})
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """psum_scatter: backward is all_gather on the same dimension."""
-
-    @staticmethod
-    def forward(x, axes, dim):
-        return raw_reduce_scatter(x, axes, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, ctx.dim = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        return raw_all_gather(g, ctx.axes, ctx.dim), None, None
-
-
-class _AllGatherInvariant(torch.autograd.Function):
-    """all_gather whose result is invariant (every device uses it identically): backward
-    takes this device's slice of the (invariant) cotangent."""
-
-    @staticmethod
-    def forward(x, axes, dim):
-        return raw_all_gather(x, axes, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, ctx.dim = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        return _local_chunk(g, ctx.axes, ctx.dim), None, None
-
-
-class _SplitInvariant(torch.autograd.Function):
-    """Take this device's slice of an invariant value (free); backward all-gathers."""
-
-    @staticmethod
-    def forward(x, axes, dim):
-        return _local_chunk(x, axes, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes, ctx.dim = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        return raw_all_gather(g, ctx.axes, ctx.dim), None, None
+_AllGather = _dim_collective(
+    "_AllGather", "all_gather (varying result): backward is psum_scatter on the same dimension.",
+    raw_all_gather, raw_reduce_scatter)
+_ReduceScatter = _dim_collective(
+    "_ReduceScatter", "psum_scatter: backward is all_gather on the same dimension.",
+    raw_reduce_scatter, raw_all_gather)
+_AllGatherInvariant = _dim_collective(
+    "_AllGatherInvariant", "all_gather whose result every device uses identically (invariant): "
+    "backward takes this device's slice of the invariant cotangent.", raw_all_gather, _local_chunk)
+_SplitInvariant = _dim_collective(
+    "_SplitInvariant", "This device's slice of an invariant value (free); backward all-gathers.",
+    _local_chunk, raw_all_gather)
 
 
 class _PPermute(torch.autograd.Function):

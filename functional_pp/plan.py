@@ -19,7 +19,7 @@ from .layout import Rules, local_shape
 from .mesh import DEFAULT_AXES, Mesh
 from .named import configure, wrap
 from .shard_map import use_rules
-from .tree import Param, count_params, leaves_with_paths, map_with_path, named_tree
+from .tree import leaves_with_paths, map_with_path, named_tree
 
 _counter = threading.local()
 
@@ -68,7 +68,6 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     e.g. ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
     ``bandwidth`` (bytes/s, per mesh axis or one number) turns bytes into seconds."""
     rules.check(mesh)
-    sizes = {}
 
     def device():
         with use_rules(rules), configure(**(options or {})):
@@ -92,7 +91,6 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
                 _counter.seen = None
             params = sum(x.numel() * x.element_size() for _, x in leaves_with_paths(local))
             n = sum(x.numel() for _, x in leaves_with_paths(local))
-            sizes[mesh.size] = n
         return rep, params, n, saved
     rep, param_bytes, n_local, saved = launch(device, mesh)[0]
     est = LayoutEstimate(mesh, rules, rep, param_bytes, 16 * n_local, saved)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 
-from .collectives import all_gather, raw_all_gather, split_invariant
-from .layout import P, Layout, Rules, check_divisible, spec_to_layout
+from .collectives import all_gather, split_invariant
+from .layout import P, Layout, Rules, spec_to_layout
 from .runtime import current_context
 
 _rules_local = threading.local()

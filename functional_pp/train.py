@@ -6,7 +6,6 @@ gradients of sharded parameters arrive reduced exactly once over every mesh axis
 data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time

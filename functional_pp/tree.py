@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .layout import Layout, Rules, block_slices, local_shape
+from .layout import Rules, block_slices
 from .mesh import Mesh
 
 

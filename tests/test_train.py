@@ -8,7 +8,6 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.train import NonFiniteError
 
 from harness import local_batch, make_batch
 

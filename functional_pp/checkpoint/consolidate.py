@@ -57,26 +57,37 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             return out
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        out.mkdir(parents=True, exist_ok=True)
-        shards: list[list] = [[]]
-        size = 0
-        for item in items:
-            n = fmt.tensor_nbytes(item[2], item[1])
-            if shards[-1] and size + n > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(item)
-            size += n
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _write_atomic(out / fname, shard, meta)
-            for name, dtype, shape, _ in shard:
-                weight_map[name] = fname
-                total += fmt.tensor_nbytes(shape, dtype)
-        fmt.write_text_atomic(out / "model.safetensors.index.json", json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_sharded_set(out, items, meta, max_shard_bytes)
         return out
+
+
+def write_sharded_set(out: Path, items: list, meta: dict, max_shard_bytes: int | None,
+                      single_file: bool = False) -> None:
+    """Write lazy tensor ``items`` (name, dtype, shape, read) into ``out`` as Hugging Face style
+    shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (or one
+    ``model.safetensors`` when ``single_file`` and everything fits one shard)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[list] = [[]]
+    size = 0
+    for item in items:
+        n = fmt.tensor_nbytes(item[2], item[1])
+        if max_shard_bytes is not None and shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += n
+    if single_file and len(shards) == 1:
+        _write_atomic(out / "model.safetensors", shards[0], meta)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_atomic(out / fname, shard, meta)
+        for name, dtype, shape, _ in shard:
+            weight_map[name] = fname
+            total += fmt.tensor_nbytes(shape, dtype)
+    fmt.write_text_atomic(out / "model.safetensors.index.json", json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def _write_atomic(path: Path, items: list, meta: dict) -> None:

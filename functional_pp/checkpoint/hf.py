@@ -42,10 +42,11 @@ from safetensors import safe_open
 
 from ..layout import Rules, block_slices
 from ..mesh import Mesh
-from ..runtime import current_context
 from ..shard_map import active_rules
 from ..tree import leaves_with_paths, map_with_path
 from . import format as fmt
+from .consolidate import write_sharded_set
+from .load import _where
 from .format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                      CheckpointNotFoundError, UnsafeFormatError)
 
@@ -378,16 +379,8 @@ class _HFReader:
 
 
 def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
-    ctx = current_context(required=False)
-    if mesh is None and ctx is not None:
-        mesh = ctx.mesh
-    if mesh is not None and rank is None:
-        if ctx is None:
-            raise CheckpointError("loading for a mesh outside functional_pp.launch needs rank=")
-        rank = ctx.rank
-    if rules is None:
-        rules = active_rules(required=False)
-    return mesh, rules, rank or 0
+    mesh, rank = _where(mesh, rank)
+    return mesh, rules if rules is not None else active_rules(required=False), rank
 
 
 def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: torch.dtype | None = None,
@@ -486,43 +479,12 @@ def _write_hf(out: Path, cfg, items: list[tuple[str, torch.dtype, tuple, Callabl
     replacing any ``model*.safetensors`` / index already there."""
     limit = _parse_size(max_shard_size)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt"}
-    shards: list[list] = [[]]
-    size = 0
-    for item in items:
-        n = fmt.tensor_nbytes(item[2], item[1])
-        if limit is not None and shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += n
     for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         if stale.is_file():
             stale.unlink()
-    if len(shards) == 1:
-        _write_atomic(out / "model.safetensors", shards[0], meta)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _write_atomic(out / fname, shard, meta)
-            for name, dt, shape, _ in shard:
-                weight_map[name] = fname
-                total += fmt.tensor_nbytes(shape, dt)
-        fmt.write_text_atomic(out / "model.safetensors.index.json", json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_sharded_set(out, items, {"format": "pt"}, limit, single_file=True)
     fmt.write_text_atomic(out / "config.json", json.dumps(config_to_hf(cfg, dtype), indent=2))
     return out
-
-
-def _write_atomic(path: Path, items: list, meta: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        fmt.write_safetensors(tmp, items, meta)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],

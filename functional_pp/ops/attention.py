@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..data.loader import balanced_chunk_indices
-from ..named import Named, env, options, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, options, pvary, relayout, settle, target_layout, varying_after
 from .attention_kernels import ring_attention
 
 
