@@ -158,7 +158,7 @@ class TrainStep:
                 grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
-            del gs
+            gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
         grad_tree = optree.tree_unflatten(treespec, grads)
         grad_norm = optim.global_norm(grad_tree)
