@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import collectives as C
 from ..named import Named, relayout, settle
@@ -24,21 +25,31 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     if sorted(other) != sorted(labels.dims):
         raise ValueError(f"cross_entropy: labels have dimensions {labels.dims} but the logits have "
                          f"{logits.dims} (expected the logits' dimensions without {vocab!r})")
-    lse = R.logsumexp(logits, vocab)                      # dims: other
     vi = logits.dims.index(vocab)
     v_axes = logits.split[vi]
     labels = relayout(labels, tuple(logits.split[logits.dims.index(d)] for d in labels.dims))
     order = [labels.dims.index(d) for d in other]
     lab = labels.data.permute(order) if order != sorted(order) else labels.data
+    split_other = tuple(logits.split[logits.dims.index(d)] for d in other)
+    if not v_axes:                 # whole vocabulary here: torch's fused kernel
+        nll = F.cross_entropy(logits.data.movedim(vi, -1).reshape(-1, logits.data.shape[vi]), lab.reshape(-1),
+                              ignore_index=ignore_index, reduction="none").reshape(lab.shape)
+        valid = Named((lab != ignore_index).to(nll.dtype), other, split_other, labels.vary)
+        return R.sum(Named(nll, other, split_other, logits.vary)) / _count(valid)
+    lse = R.logsumexp(logits, vocab)                      # dims: other
     n_local = logits.data.shape[vi]
     local = lab - (C.axis_index(v_axes) * n_local if v_axes else 0)
     inside = (local >= 0) & (local < n_local)
     idx = torch.where(inside, local, torch.zeros_like(local)).unsqueeze(vi)
     picked = logits.data.gather(vi, idx).squeeze(vi) * inside.to(logits.data.dtype)
-    split_other = tuple(logits.split[logits.dims.index(d)] for d in other)
     picked = Named(picked, other, split_other, logits.vary, v_axes)
     valid = Named((lab != ignore_index).to(lse.data.dtype), other, split_other, labels.vary)
     nll = (lse - picked.astype(lse.data.dtype)) * valid
+    return R.sum(nll) / _count(valid)
+
+
+def _count(valid: Named) -> Named:
+    """The global number of non-ignored labels (at least 1), without gradient."""
     count = R.sum(valid)
     count = settle(Named(count.data.detach(), count.dims, count.split, count.vary, count.partial))
-    return R.sum(nll) / count.map(lambda t: t.clamp_min(1))
+    return count.map(lambda t: t.clamp_min(1))

@@ -13,7 +13,7 @@ from .transform import (
     add_decayed_weights,
     chain,
     clip_by_global_norm,
-    scale_by_adam,
+    scale_by_adamw,
     scale_by_learning_rate,
     trace,
 )
@@ -59,15 +59,10 @@ def adamw(
 ) -> GradientTransformation:
     """AdamW equivalent to ``torch.optim.AdamW`` (decoupled decay scaled by lr).
 
-    Chain: [clip_by_global_norm] -> scale_by_adam -> add_decayed_weights(mask)
-    -> scale(-lr), i.e. ``p <- p - lr * (adam_update + wd * p)``.
+    Chain: [clip_by_global_norm] -> scale_by_adamw (scale_by_adam, add_decayed_weights(mask)
+    and scale(-lr) fused), i.e. ``p <- p - lr * (adam_update + wd * p)``.
     """
-    return chain(
-        *_maybe_clip(clip_norm),
-        scale_by_adam(b1, b2, eps),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(lr),
-    )
+    return chain(*_maybe_clip(clip_norm), scale_by_adamw(lr, b1, b2, eps, weight_decay, mask))
 
 
 # --------------------------------------------------------------------------- #

@@ -260,6 +260,59 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     return GradientTransformation(init, update)
 
 
+def scale_by_adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   weight_decay: float = 0.0, mask: "MaskOrFn" = None) -> GradientTransformation:
+    """AdamW in one fused pass per stage (foreach kernels over all leaves): equal to
+    ``chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate)`` with fewer
+    passes over the parameters. The learning rate (float or schedule of the step count
+    before this update) scales the weight decay too, as in ``torch.optim.AdamW``."""
+    per_leaf = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+                     scale_by_learning_rate(learning_rate))
+
+    def init(params: PyTree) -> ScaleByAdamState:
+        return ScaleByAdamState(count=_new_count(params), mu=tree_map(_zeros_state, params),
+                                nu=tree_map(_zeros_state, params))
+
+    def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None):
+        mu_leaves, spec = optree.tree_flatten(state.mu, none_is_leaf=False)
+        if len({m.dtype for m in mu_leaves}) != 1:       # mixed dtypes: the per-leaf chain
+            sub = (ScaleByAdamState(state.count, state.mu, state.nu), EmptyState(),
+                   ScaleByScheduleState(state.count) if callable(learning_rate) else EmptyState())
+            new_updates, (adam, _, _) = per_leaf.update(updates, sub, params)
+            return new_updates, adam
+        if weight_decay and params is None:
+            raise ValueError("adamw with weight_decay needs params in update(grads, state, params)")
+        count = state.count + 1
+        nu_leaves = optree.tree_leaves(state.nu, none_is_leaf=False)
+        grads = [g.to(m.dtype) for g, m in zip(optree.tree_leaves(updates, none_is_leaf=False), mu_leaves)]
+        dtype, device = mu_leaves[0].dtype, mu_leaves[0].device
+        c = count.to(device=device, dtype=dtype)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = torch.as_tensor(lr, dtype=dtype, device=device)
+        mu = torch._foreach_lerp(mu_leaves, grads, 1.0 - b1)
+        nu = torch._foreach_addcmul(torch._foreach_mul(nu_leaves, b2), grads, grads, value=1.0 - b2)
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_div_(denom, torch.sqrt(1.0 - torch.pow(b2, c)))
+        torch._foreach_add_(denom, eps)
+        new_updates = list(torch._foreach_div(mu, denom))
+        torch._foreach_mul_(new_updates, -lr / (1.0 - torch.pow(b1, c)))
+        if weight_decay:
+            p_leaves = optree.tree_leaves(params, none_is_leaf=False)
+            m = resolve_mask(mask, params)
+            keep = [True] * len(p_leaves) if m is None else optree.tree_leaves(m, none_is_leaf=False)
+            idx = [i for i, k in enumerate(keep) if k]
+            if idx:
+                decay = torch._foreach_mul([p_leaves[i].to(dtype) for i in idx], -lr * weight_decay)
+                sel = [new_updates[i] for i in idx]
+                torch._foreach_add_(sel, decay)
+                for i, u in zip(idx, sel):
+                    new_updates[i] = u
+        unflat = lambda leaves: optree.tree_unflatten(spec, list(leaves))  # noqa: E731
+        return unflat(new_updates), ScaleByAdamState(count=count, mu=unflat(mu), nu=unflat(nu))
+
+    return GradientTransformation(init, update)
+
+
 def _adam_per_leaf(updates, state, count, b1, b2, eps):
     mu = tree_map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
     nu = tree_map(lambda g, v: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), updates, state.nu)
