@@ -210,3 +210,23 @@ def test_existing_checkpoints_need_resume(tmp_path, capsys):
 def test_missing_config_file(tmp_path, capsys):
     err = run_error(capsys, ["train", str(tmp_path / "nope.yaml")])
     assert "nope.yaml" in err and "does not exist" in err
+
+
+@pytest.mark.slow
+def test_torchrun_resume_is_bit_exact(tmp_path):
+    """On real gloo processes: 4 steps straight == 2 steps, then --resume to 4."""
+    cfg = write_config(tmp_path / "fsdp.yaml", dp_shard_size=2, max_steps=4, lr_scheduler="constant",
+                       checkpoint={"save_every": 2})
+
+    def torchrun(out, *extra):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", "2", "-m", "functional_pp", "train", str(cfg),
+                               "--output", str(out), *extra],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(tmp_path / "full")
+    torchrun(tmp_path / "split", "--max-steps", "2")
+    torchrun(tmp_path / "split", "--resume")
+    assert len(losses(tmp_path / "full")) == 4
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")

@@ -151,3 +151,12 @@ def _varying_scalar(x):
 def test_activation_checkpointing_with_compile_is_refused_up_front():
     with pytest.raises(ValueError, match="remat=True with compile"):
         fpp.train_step(LOSS, fpp.optim.sgd(0.1), remat=True, compile="aot_eager")
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step_equals_eager():
+    """The suite compiles with aot_eager; this one proves inductor on the same step."""
+    data = DATA[:3]
+    eager = single(data)                 # fp64: AdamW's first steps amplify fp32 rounding
+    compiled = single(data, compile=True)
+    assert_same_training([compiled], ref=eager, rtol=1e-7, atol=1e-9)

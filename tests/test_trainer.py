@@ -298,3 +298,19 @@ def test_tiny_model_learns_the_standard_library(tmp_path):
     assert sum(last) / len(last) < 3.0, f"mean loss of the last 20 steps: {sum(last) / len(last):.3f}"
     assert all(math.isfinite(x) for x in r.losses)
     assert (tmp_path / "run" / "loss.png").is_file()
+
+
+def test_resume_on_a_different_mesh_continues_the_single_device_run(tmp_path):
+    """Stop after 3 steps on 4 devices (FSDP x TP), resume on 2 (CP) and on 1: the losses
+    continue the uninterrupted single-device run within floating-point tolerance."""
+    one = dict(dp_shard_size=1, tp_size=1, micro_batch_size=4)
+    reference = train(config(tmp_path / "ref", **one), stream=io.StringIO())
+    for name, resumed in (("cp", dict(dp_shard_size=1, tp_size=1, cp_size=2, micro_batch_size=4)),
+                          ("one", one)):
+        out = tmp_path / name
+        train(config(out), stop_after=3, stream=io.StringIO())
+        second = train(config(out, **resumed), resume=True, stream=io.StringIO())
+        assert second.start_step == 3 and second.final_step == 6
+        torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(tmp_path / "ref")),
+                                   rtol=2e-5, atol=2e-5)
+    assert reference.final_step == 6
