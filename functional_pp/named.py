@@ -175,9 +175,10 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     return x._cache[key]
 
 
-def relayout(x: Named, target: Layout) -> Named:
+def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     """Change the splits of ``x`` to ``target`` (one entry per dimension): all-gather what is
-    split but should not be (backward: reduce-scatter), slice what should be split (free)."""
+    split but should not be (backward: reduce-scatter), slice what should be split (free).
+    ``op`` names the operation in errors."""
     x = settle(x, target)
     target = tuple(tuple(t) for t in target)
     if x.split == target:
@@ -205,7 +206,7 @@ def relayout(x: Named, target: Layout) -> Named:
         sliced = True
         used_elsewhere = [a for dd, s in enumerate(split) if dd != d for a in s if a in extra]
         if used_elsewhere:
-            raise ValueError(f"relayout: mesh axis {used_elsewhere[0]!r} cannot split dimension "
+            raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
                              f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
         for a in extra:
             n = env()[0].shape[a]

@@ -133,3 +133,23 @@ def test_incompatible_layouts_raise():
         fpp.named(torch.ones(2), "hidden") + torch.ones(2)
     with pytest.raises(ValueError, match="dimension 'hidden' has size 2 and 3"):
         fpp.named(torch.ones(2), "hidden") + fpp.named(torch.ones(3), "hidden")
+
+
+def test_unreconcilable_layouts_name_the_op_dimension_and_axis():
+    def fn():
+        with fpp.use_rules(fpp.Rules(batch="tp", hidden="tp")):
+            # an explicit layout that splits hidden over tp meets rules that want batch over tp
+            x = fpp.wrap(torch.ones(4, 3), "batch hidden", split=((), ("tp",)))
+            y = fpp.wrap(torch.ones(4, 6), "batch hidden", split=((), ()))
+            return ops.einsum("batch hidden, batch hidden -> batch", x, y)
+    out = fpp.launch(fn, fpp.Mesh(tp=2))          # reconcilable: gathered, then re-split by batch
+    assert out[0].split == (("tp",),)
+    with pytest.raises(fpp.DeviceError, match=r"einsum 'batch hidden -> batch' output: logical axis 'batch' has "
+                                              r"size 3, which is not divisible by its mesh axes \('tp',\)"):
+        fpp.launch(_odd_batch, fpp.Mesh(tp=2))
+
+
+def _odd_batch():
+    with fpp.use_rules(fpp.Rules(batch="tp")):
+        x = fpp.wrap(torch.ones(3, 2), "batch hidden", split=((), ()))
+        return ops.einsum("batch hidden -> batch", x)

@@ -71,7 +71,7 @@ def einsum(pattern: str, *operands: Named) -> Named:
     targets = [tuple(t_loc_of[d] if d in t_loc_of else a_c[d] for d in x.dims) for x in operands]
     after = [varying_after(x, t) for x, t in zip(operands, targets)]
     union = set().union(*after)
-    ready = [relayout(pvary(x, union - a), t) for x, a, t in zip(operands, after, targets)]
+    ready = [relayout(pvary(x, union - a), t, what) for x, a, t in zip(operands, after, targets)]
     letters = {d: chr(ord("a") + i) for i, d in enumerate(sizes)}
     spec = ",".join("".join(letters[d] for d in x.dims) for x in ready) + "->" + "".join(letters[d] for d in out)
     with regather_scope(ready):

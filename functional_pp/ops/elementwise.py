@@ -40,8 +40,8 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
-    a = relayout(pvary(a, union - after[0]), ta)
-    b = relayout(pvary(b, union - after[1]), tb)
+    a = relayout(pvary(a, union - after[0]), ta, name)
+    b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
         data = fn(_align(a, dims), _align(b, dims))
     return Named(data, dims, tuple(target[d] for d in dims), union)

@@ -25,10 +25,10 @@ def embed(table: Named, ids: Named, vocab: str = "vocab") -> Named:
     t_table = tuple(v_axes if d == vocab else t_loc[d] for d in table.dims)
     t_ids = tuple(t_loc[d] for d in ids.dims)
     table = settle(table)
-    ids = relayout(ids, t_ids)
+    ids = relayout(ids, t_ids, "embed")
     after_t = varying_after(table, t_table)
     union = after_t | ids.vary
-    table = relayout(pvary(table, union - after_t), t_table)
+    table = relayout(pvary(table, union - after_t), t_table, "embed")
     n_local = table.data.shape[table.dims.index(vocab)]
     ids_data = ids.data
     if v_axes:
