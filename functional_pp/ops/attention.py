@@ -96,7 +96,7 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
         if causal:
             qpos = balanced_chunk_indices(seq_size, n, i)
             kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)])
-            mask = qpos[:, None] >= kpos[None, :]
+            mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != kf.shape[1])
     pairs = tuple((j, (j + 1) % n) for j in range(n))
