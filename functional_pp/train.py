@@ -103,7 +103,8 @@ class TrainStep:
         if self.compile:
             if self._compiled is None:
                 backend = "inductor" if self.compile is True else self.compile
-                self._compiled = torch.compile(self._device_step, backend=backend, fullgraph=True)
+                self._compiled = torch.compile(self._device_step, backend=backend, fullgraph=True,
+                                               dynamic=False)   # training shapes are static
             fn = self._compiled
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]

@@ -76,7 +76,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq))
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
-                                             enable_gqa=qt.shape[1] != kt.shape[1])
+                                             enable_gqa=bool(qt.shape[1] != kt.shape[1]))
     back = [(batch, heads, seq, head_dim).index(d) for d in q.dims]
     return Named(out.permute(back), q.dims, q.split, union)
 
@@ -98,7 +98,7 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
             kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)])
             mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
-                                              enable_gqa=q.shape[1] != kf.shape[1])
+                                              enable_gqa=bool(q.shape[1] != kf.shape[1]))
     pairs = tuple((j, (j + 1) % n) for j in range(n))
 
     def shift(tensors):
