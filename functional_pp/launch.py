@@ -92,11 +92,11 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
 
 def _compile_cache_limits(n_devices: int):
     """Simulated devices share one process: torch.compile keeps one graph per device (each
-    has its own rank baked in), so allow that many entries per function. Dynamo's settings
-    are thread-local, so each device thread sets its own."""
+    has its own rank baked in) and per training step built in the process, so allow many
+    entries per function. Dynamo's settings are thread-local: each device thread sets its own."""
     import torch._dynamo.config as dcfg
 
-    limits = {name: max(getattr(dcfg, name), 2 * n_devices + 8)
+    limits = {name: max(getattr(dcfg, name), 8 * n_devices + 64)
               for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
     limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
     return dcfg.patch(**limits)

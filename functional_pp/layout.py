@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, Mapping, Sequence
 
+import torch
+
 from .mesh import AxisNames, Mesh, as_axes
 
 Layout = tuple[AxisNames, ...]  # per dimension, the mesh axes splitting it (major first)
@@ -40,6 +42,7 @@ class Rules:
                     f"({axes}); a mesh axis can split a dimension only once."
                 )
             self.table[logical] = axes
+        self._resolved: dict = {}
 
     # Logical axes that follow another one unless given a rule of their own: the residual
     # stream's sequence ("res_seq") is laid out like "seq" unless sequence parallelism splits it.
@@ -72,6 +75,11 @@ class Rules:
         """Layout of a tensor whose dimensions are named ``dims`` (GUIDE §2): each dimension
         takes its rule's mesh axes except those an earlier dimension already took; axes of
         size 1 are dropped. Checks divisibility when ``shape`` (global) is given."""
+        key = (tuple(dims), None if shape is None else tuple(shape), mesh)
+        compiling = torch.compiler.is_compiling()     # a cache would add guards to compiled code
+        cached = None if compiling else self._resolved.get(key)
+        if cached is not None:
+            return cached
         self.check(mesh)
         taken: set[str] = set()
         layout = []
@@ -82,6 +90,8 @@ class Rules:
         layout = tuple(layout)
         if shape is not None:
             check_divisible(shape, layout, mesh, name, dims)
+        if not compiling:
+            self._resolved[key] = layout    # rules are immutable: resolve each shape once
         return layout
 
     def __repr__(self) -> str:
