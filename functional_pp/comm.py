@@ -9,6 +9,8 @@ from typing import Iterator
 
 import torch
 
+from .torch_private import in_backward
+
 _local = threading.local()
 
 
@@ -112,6 +114,6 @@ def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
         return
     event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
-                      torch._C._current_autograd_node() is not None)
+                      in_backward())
     for report in stack:
         report.events.append(event)

@@ -11,6 +11,7 @@ import torch
 
 from .backends.sim import SimAborted, SimBackend, SimWorld
 from .mesh import Mesh
+from .torch_private import compile_cache_limits
 from .runtime import DeviceContext, current_context, set_process_context, thread_context
 
 
@@ -94,12 +95,7 @@ def _compile_cache_limits(n_devices: int):
     """Simulated devices share one process: torch.compile keeps one graph per device (each
     has its own rank baked in) and per training step built in the process, so allow many
     entries per function. Dynamo's settings are thread-local: each device thread sets its own."""
-    import torch._dynamo.config as dcfg
-
-    limits = {name: max(getattr(dcfg, name), 8 * n_devices + 64)
-              for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
-    limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 64 * n_devices)
-    return dcfg.patch(**limits)
+    return compile_cache_limits(8 * n_devices + 64)
 
 
 def _launch_distributed(fn, mesh: Mesh):

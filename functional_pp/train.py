@@ -21,6 +21,7 @@ from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
 from .runtime import current_context
 from .shard_map import use_rules
+from .torch_private import trace_backward
 from .tree import leaves_with_paths, tree_map
 
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
@@ -109,7 +110,7 @@ class TrainStep:
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), _compile_settings(bool(self.compile)), \
+        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -202,15 +203,6 @@ class TrainStep:
         for axes, value in groups.items():
             total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
-
-
-def _compile_settings(enabled: bool):
-    """Backward inside the compiled step needs dynamo to trace torch.autograd.grad."""
-    import contextlib
-    if not enabled:
-        return contextlib.nullcontext()
-    import torch._dynamo.config as dcfg
-    return dcfg.patch(trace_autograd_ops=True)
 
 
 def _acc_dtype(leaves) -> torch.dtype:
