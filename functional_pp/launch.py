@@ -141,6 +141,10 @@ def _process_main(fn, mesh: Mesh, rank: int, port: int, queue) -> None:
                 dist.destroy_process_group()
         except Exception:
             pass
+        # os._exit skips the queue's feeder thread: flush the result first, or a large one
+        # arrives truncated and the parent blocks reading it (docs/real_processes.md).
+        queue.close()
+        queue.join_thread()
         os._exit(0)
 
 

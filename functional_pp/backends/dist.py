@@ -77,27 +77,33 @@ class DistBackend:
         return torch.cat([recv_parts[order[i]] for i in range(n)], dim=concat_dim)
 
     def permute(self, x, pairs, group):
-        # funcol.permute_tensor takes, for each source position in torch's group, its destination.
+        """Send ``x`` along ``pairs`` (group indices (source, destination)); a device that
+        receives nothing gets zeros. One all-to-all of the flattened tensor whose split sizes
+        are the element count towards this device's destination and from its source (zero
+        elsewhere), so any shape, dim order and dtype travels and idle devices send nothing
+        (see docs/real_processes.md)."""
         n = len(group)
         order = self._order(group)
-        src_dst = list(range(n))
-        sources = set()
+        me = group.index(self.rank)
+        flat = x.contiguous().reshape(-1)
+        send = [0] * n
+        recv = [0] * n
         for src, dst in pairs:
-            src_dst[order[src]] = order[dst]
-            sources.add(order[src])
-        dests = {order[dst] for _, dst in pairs}
-        # Positions that neither send nor receive keep to themselves; a full permutation is needed.
-        free_src = [p for p in range(n) if p not in sources]
-        free_dst = [p for p in range(n) if p not in dests]
-        for s, d in zip(free_src, free_dst):
-            src_dst[s] = d
-        out = funcol.wait_tensor(funcol.permute_tensor(x.contiguous(), src_dst, self._pg(group)))
-        me = order[group.index(self.rank)]
-        if me not in dests:
+            if src == me:
+                send[order[dst]] = flat.numel()
+            if dst == me:
+                recv[order[src]] = flat.numel()
+        payload = flat if any(send) else flat[:0]     # the input must be exactly what is sent
+        out = funcol.wait_tensor(funcol.all_to_all_single(payload, recv, send, self._pg(group)))
+        if not any(recv):
             return torch.zeros_like(x)
-        return out
+        return out.reshape(x.shape)
 
     def exchange_objects(self, obj, group):
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return [out[r] for r in group]
+        """Every group member's ``obj`` in group order (only the group's ranks take part)."""
+        if len(group) == 1:
+            return [obj]
+        whole = len(group) == dist.get_world_size()
+        out = [None] * len(group)
+        dist.all_gather_object(out, obj, group=None if whole else self._pg(group))
+        return [out[p] for p in self._order(group)]
