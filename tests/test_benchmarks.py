@@ -1,0 +1,37 @@
+"""benchmarks/gpu.py: ``--smoke`` runs the whole benchmark on CPU with a tiny model and prints
+one JSON line whose numbers are consistent; without a GPU the real run says so."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu  # noqa: E402
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_smoke_prints_one_consistent_json_line(capsys):
+    result = gpu.main(["--smoke"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1]) == json.loads(json.dumps(result))      # the last line is the result
+    assert result["matmul_peak_tflops"] > 0
+    assert result["first_loss_rel_diff"] < 2e-2                          # same model, same weights
+    for side in ("functional", "plain"):
+        r = result[side]
+        assert r["tokens_per_s"] == pytest.approx(result["tokens_per_step"] / r["median_step_s"])
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * result["flops_per_token"]
+                                         / (result["matmul_peak_tflops"] * 1e12))
+        assert r["peak_memory_bytes"] is None                            # CPU: not measured
+        assert len(r["losses"]) == 3 and r["losses"][2] < r["losses"][0]  # it trains
+    assert result["tokens_per_s_ratio"] == pytest.approx(
+        result["functional"]["tokens_per_s"] / result["plain"]["tokens_per_s"])
+
+
+def test_gpu_benchmark_without_cuda_says_so(capsys):
+    if gpu.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit):
+        gpu.parse_args([])
+    assert "no CUDA device" in capsys.readouterr().err
