@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -124,7 +126,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process_main(fn, mesh: Mesh, rank: int, port: int, queue) -> None:
+def _process_main(fn, mesh: Mesh, rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.size), LOCAL_RANK=str(rank))
@@ -132,46 +134,75 @@ def _process_main(fn, mesh: Mesh, rank: int, port: int, queue) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=mesh.size)
         result = _launch_distributed(fn, mesh)
-        queue.put((rank, True, result, ""))
+        try:
+            payload = pickle.dumps((True, result, ""))
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"the launched function's result cannot be pickled ({exc}); return "
+                            f"tensors, numbers or other picklable values") from exc
     except BaseException as exc:  # noqa: BLE001
-        queue.put((rank, False, repr(exc), traceback.format_exc()))
+        payload = pickle.dumps((False, repr(exc), traceback.format_exc()))
+    try:
+        _write_result(outdir, rank, payload)
     finally:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
             pass
-        # os._exit skips the queue's feeder thread: flush the result first, or a large one
-        # arrives truncated and the parent blocks reading it (docs/real_processes.md).
-        queue.close()
-        queue.join_thread()
         os._exit(0)
+
+
+def _write_result(outdir: str, rank: int, payload: bytes) -> None:
+    """Results travel as files written whole and then renamed, by value (plain pickle): the
+    parent never reads a partial result, and no tensor is shared through a file descriptor
+    that vanishes with this process (docs/real_processes.md)."""
+    tmp = os.path.join(outdir, f"{rank}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, os.path.join(outdir, f"{rank}.pkl"))
 
 
 def _launch_processes(fn, mesh: Mesh, timeout: float) -> list:
     import multiprocessing as mp
-    import queue as queue_mod
+    import shutil
+    import tempfile
 
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
+    outdir = tempfile.mkdtemp(prefix="fpp-launch-")
     port = _free_port()
-    procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, q), daemon=True)
+    procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, outdir), daemon=True)
              for r in range(mesh.size)]
     for p in procs:
         p.start()
     results: list = [None] * mesh.size
+    pending = set(range(mesh.size))
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(mesh.size):
-            try:
-                rank, ok, value, tb = q.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"processes did not finish within {timeout:.0f}s") from None
-            if not ok:
-                raise DeviceError(rank, mesh.coords(rank), RuntimeError(value), tb)
-            results[rank] = value
+        while pending:
+            # read exit states first: a process writes its result before it exits
+            exited = {r for r in pending if procs[r].exitcode is not None}
+            arrived = [(os.path.getmtime(path), r, path) for r in pending
+                       if os.path.exists(path := os.path.join(outdir, f"{r}.pkl"))]
+            for _, rank, path in sorted(arrived):        # the earliest failure is the cause
+                with open(path, "rb") as f:
+                    ok, value, tb = pickle.load(f)
+                if not ok:
+                    raise DeviceError(rank, mesh.coords(rank), RuntimeError(value), tb)
+                results[rank] = value
+                pending.discard(rank)
+            for rank in sorted(exited & pending):
+                raise DeviceError(rank, mesh.coords(rank), RuntimeError(
+                    f"its process exited with code {procs[rank].exitcode} without a result "
+                    f"(killed, out of memory, or crashed)"))
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"processes did not finish within {timeout:.0f}s: ranks "
+                                   f"{sorted(pending)} never returned")
+            if pending:
+                time.sleep(0.05)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(outdir, ignore_errors=True)
     return results
