@@ -27,10 +27,10 @@ if os.environ.get("FPP_FULL_PARITY") == "1":
 
 
 def _params():
-    """Eager for every layout (the 16-process one marked slow); compiled ones, slow, in a
-    launch of their own (a process group for all of a layout's compiled modes)."""
+    """Eager for every layout; compiled ones, slow, in a launch of their own (a process group
+    for all of a layout's compiled modes)."""
     for name in parity.LAYOUTS:
-        yield pytest.param(name, (None,), id=name, marks=[pytest.mark.slow] if name == "2x2x2x2" else [])
+        yield pytest.param(name, (None,), id=name)
         if name in COMPILED:
             yield pytest.param(name, COMPILED[name], id=name + "-" + "-".join(COMPILED[name]),
                                marks=[pytest.mark.slow])
