@@ -110,3 +110,20 @@ def test_compiled_permute_and_all_to_all_on_gloo():
         assert frames == 1                                  # one graph, no breaks
         assert e == c == se
         assert np.array_equal(ge, gc) and np.array_equal(ge, sge)
+
+
+def _check_rep_over_tp():
+    """Replicated over dp_shard, not over tp: the check exchanges objects within each tp group
+    and each dp_shard group only (sub-groups of the world)."""
+    x = torch.arange(8.0)
+    f = fpp.shard_map(lambda b: fpp.psum(b.sum(), "dp_shard"), fpp.P(("dp_shard", "tp")), fpp.P(),
+                      check_rep=True)
+    return f(x)
+
+
+def test_replication_check_on_gloo_subgroups():
+    with pytest.raises(fpp.DeviceError, match=r"declared replicated over mesh axis 'tp'"):
+        fpp.launch(_check_rep_over_tp, MESH, processes=True, timeout=300)
+    ok = fpp.shard_map(lambda b: fpp.psum(b.sum(), ("dp_shard", "tp")), fpp.P(("dp_shard", "tp")), fpp.P(),
+                       check_rep=True)
+    assert [v.item() for v in fpp.launch(lambda: ok(torch.arange(8.0)), MESH, processes=True, timeout=300)] == [28.0] * 4
