@@ -96,9 +96,20 @@ class Named:
 # ----------------------------------------------------------------- relayout
 
 
+def require_named(op: str, **operands) -> None:
+    """Raise a TypeError naming ``op`` and the operand unless every operand is a :class:`Named`."""
+    for name, x in operands.items():
+        if not isinstance(x, Named):
+            raise TypeError(f"{op}: {name} is a {type(x).__name__}, not a named array; wrap it "
+                            f"with functional_pp.named(tensor, 'dim names') (a full tensor) or "
+                            f"functional_pp.wrap(block, 'dim names') (this device's block)")
+
+
 def settle(x: Named, target: Layout | None = None) -> Named:
     """Complete pending sums: psum_scatter onto a dimension whose ``target`` wants the axis,
     otherwise psum."""
+    if not isinstance(x, Named):
+        require_named("settle", value=x)
     if not x.partial:
         return x
     key = ("settle", target)
