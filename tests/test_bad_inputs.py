@@ -650,3 +650,37 @@ def test_the_process_exit_status_and_stderr_of_a_runtime_error(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 1, res.stderr
     assert_one_line(res.stderr, "functional-pp: error: CheckpointCorruptError:", "index.json is not valid JSON")
+
+
+_TORCHRUN_STALL = """
+import os, signal, torch, functional_pp as fpp
+def fn():
+    x = fpp.psum(torch.ones(2), "dp_shard")
+    if fpp.current_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)             # stalled: alive, never answers
+    return float(fpp.psum(x, "dp_shard").sum())
+fpp.launch(fn, fpp.Mesh(dp_shard=2), timeout=5)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torchrun_a_stalled_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(_TORCHRUN_STALL)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:                          # the agent waits for the stopped rank
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "CollectiveTimeoutError: rank 0: a collective failed after waiting up to the collective " \
+           "timeout (5s)" in out, out[-3000:]
+    assert "ranks [1] did not check in" in out
+    assert time.monotonic() - t0 < 240
