@@ -91,6 +91,15 @@ def test_out_of_range_ids_give_the_same_error_on_every_layout(case, layout):
     assert "model.vocab" in str(err)             # how to fix
 
 
+@pytest.mark.slow
+def test_out_of_range_ids_are_caught_inside_a_compiled_step():
+    """The deferred check is traced by torch.compile(fullgraph=True): no graph break, same error."""
+    with pytest.raises(fpp.DeviceError) as info:
+        run_steps(fpp.Mesh(), fpp.Rules(), [with_bad("labels", (0, 1), CFG.vocab + 1)], compile="aot_eager")
+    assert type(info.value.original) is TokenIdError
+    assert "cross_entropy: label 257 at position [batch 0, seq 1]" in str(info.value.original)
+
+
 def test_ignore_index_labels_are_not_errors_and_all_ignored_is_a_zero_weight_step():
     b = {k: v.clone() for k, v in BATCH.items()}
     b["labels"][:] = fpp.ops.IGNORE_INDEX
