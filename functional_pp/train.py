@@ -242,7 +242,7 @@ def _nonfinite_what(metrics: dict) -> str:
     """What was not finite in a skipped step, for messages."""
     values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
     if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
-        return values + (" (and the optimizer update)" if metrics.get("nonfinite_update") else "")
+        return values                    # (the update follows from them)
     return f"optimizer update (with a finite {values})"
 
 
