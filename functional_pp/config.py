@@ -268,6 +268,9 @@ class TrainConfig:
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
             d = yaml.safe_load(p.read_text()) or {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc}; save it as UTF-8 text "
+                              f"readable by this user") from exc
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
         if not isinstance(d, dict):
