@@ -110,7 +110,7 @@ class TrainStep:
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
+        with use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -162,11 +162,17 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        grad_tree = optree.tree_unflatten(treespec, grads)
-        grad_norm = optim.global_norm(grad_tree)
+        # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
+        donate = not torch.compiler.is_compiling()
+        grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
+        grads = None
+        grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
-        new_params = optim.apply_updates(params, updates)
+        updates, new_opt = optim.update_with(self.optimizer, grad_tree, opt_state, params,
+                                             norm_reducer=self._sq_reducer, donate_updates=donate)
+        grad_tree = None
+        new_params = optim.apply_updates(params, updates,
+                                         donate_updates=optim.returns_fresh(self.optimizer, donate))
         if torch.compiler.is_compiling():    # branch-free inside a graph
             keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
             new_params = tree_map(keep, new_params, params)
@@ -203,6 +209,22 @@ class TrainStep:
         for axes, value in groups.items():
             total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
+
+
+def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
+    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
+    (an expanded gradient) is copied first."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out
 
 
 def _acc_dtype(leaves) -> torch.dtype:
