@@ -62,7 +62,18 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``optree.tree_map`` with ``None`` as an empty subtree (the package's convention)."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False)
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree, none_is_leaf=False)
 
 
 def count_params(tree: Any) -> int:

@@ -256,3 +256,28 @@ def test_train_step_gradients_shared_by_two_parameters_are_not_corrupted():
         torch.testing.assert_close(state["params"][k], full[k].detach(), rtol=1e-5, atol=1e-6)
     assert not torch.equal(state["params"]["a"], state["params"]["b"])
     assert math.isfinite(float(state["params"]["a"].sum()))
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("adam_beta1", 1.5, ["b1=1.5", "[0, 1)", "config key: adam_beta1"]),
+    ("adam_beta2", -1.0, ["b2=-1.0", "config key: adam_beta2"]),
+    ("adam_epsilon", -1.0, ["eps=-1.0", "config key: adam_epsilon"]),
+    ("learning_rate", float("nan"), ["learning_rate=nan", "config key: learning_rate"]),
+    ("min_learning_rate", 1.0, ["above the peak", "config key: min_learning_rate"]),
+])
+def test_config_settings_the_optimizer_refuses_name_the_config_key(tmp_path, key, value, words):
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.trainer import _optimizer
+    d = {"learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "max_steps": 10, "model": "tiny",
+         "logging": {"output_dir": str(tmp_path)}}
+    d[key] = value
+    try:
+        cfg = TrainConfig.from_dict(d, name="t")
+    except ConfigError as exc:                 # the config itself may refuse it first: also fine
+        assert key in str(exc)
+        return
+    with pytest.raises(ConfigError) as err:
+        _optimizer(cfg)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    assert not any(tmp_path.iterdir())         # nothing written

@@ -22,6 +22,8 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
+from ..tree import tree_flatten, tree_leaves, tree_map  # noqa: F401 (tree_map re-exported)
+
 PyTree = Any
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 ScalarOrSchedule = Union[float, Schedule]
@@ -30,22 +32,6 @@ ScalarOrSchedule = Union[float, Schedule]
 FRESH = "fresh"        # new tensors it allocated: the next transformation may overwrite them
 INHERIT = "inherit"    # the tensors it was given (possibly modified in place when donated)
 ALIASED = "aliased"    # tensors that are also kept elsewhere (e.g. in its state): never overwrite
-
-
-# --------------------------------------------------------------------------- tree helpers
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rests: PyTree) -> PyTree:
-    """``optree.tree_map`` with ``none_is_leaf=False`` (the package convention)."""
-    return optree.tree_map(fn, tree, *rests, none_is_leaf=False)
-
-
-def tree_leaves(tree: PyTree) -> list:
-    """The leaves of ``tree`` (``None`` is an empty subtree)."""
-    return optree.tree_leaves(tree, none_is_leaf=False)
-
-
-def tree_flatten(tree: PyTree) -> tuple[list, Any]:
-    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree)."""
-    return optree.tree_flatten(tree, none_is_leaf=False)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

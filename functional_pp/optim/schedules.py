@@ -57,6 +57,16 @@ def check_end_value(owner: str, name: str, end_value: Any, peak: float) -> float
     return v
 
 
+def _check_decay(owner: str, peak: Any, warmup_steps: Any, total_steps: Any, end_value: Any):
+    """The checked arguments of a warmup-then-decay schedule."""
+    peak = check_peak(owner, peak)
+    warmup_steps = check_steps(owner, "warmup_steps", warmup_steps)
+    total_steps = check_steps(owner, "total_steps", total_steps)
+    if total_steps < warmup_steps:
+        raise ValueError(f"{owner}: total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    return peak, warmup_steps, total_steps, check_end_value(owner, "end_value", end_value, peak)
+
+
 def _as_step(step: StepLike) -> torch.Tensor:
     """Step as a float32 tensor (Python numbers are converted)."""
     if isinstance(step, torch.Tensor):
@@ -103,12 +113,7 @@ def warmup_cosine_decay(peak: float, warmup_steps: int, total_steps: int, end_va
     ``end + (peak - end) * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))``;
     ``end_value`` for ``step >= total_steps``.
     """
-    peak = check_peak("warmup_cosine_decay", peak)
-    warmup_steps = check_steps("warmup_cosine_decay", "warmup_steps", warmup_steps)
-    total_steps = check_steps("warmup_cosine_decay", "total_steps", total_steps)
-    end_value = check_end_value("warmup_cosine_decay", "end_value", end_value, peak)
-    if total_steps < warmup_steps:
-        raise ValueError(f"warmup_cosine_decay: total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    peak, warmup_steps, total_steps, end_value = _check_decay("warmup_cosine_decay", peak, warmup_steps, total_steps, end_value)
 
     def schedule(step: StepLike) -> torch.Tensor:
         s = _as_step(step)
@@ -125,12 +130,7 @@ def warmup_linear_decay(peak: float, warmup_steps: int, total_steps: int, end_va
     For ``warmup_steps <= step``:
     ``end + (peak - end) * (1 - (step - warmup) / (total - warmup))``, clamped.
     """
-    peak = check_peak("warmup_linear_decay", peak)
-    warmup_steps = check_steps("warmup_linear_decay", "warmup_steps", warmup_steps)
-    total_steps = check_steps("warmup_linear_decay", "total_steps", total_steps)
-    end_value = check_end_value("warmup_linear_decay", "end_value", end_value, peak)
-    if total_steps < warmup_steps:
-        raise ValueError(f"warmup_linear_decay: total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    peak, warmup_steps, total_steps, end_value = _check_decay("warmup_linear_decay", peak, warmup_steps, total_steps, end_value)
 
     def schedule(step: StepLike) -> torch.Tensor:
         s = _as_step(step)
