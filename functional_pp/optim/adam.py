@@ -65,8 +65,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             torch._foreach_addcmul_(v_new, grads, grads, value=1.0 - b2)
             if in_place:                    # the denominator, then the update, in the gradients
                 denom = grads
-                torch._foreach_copy_(denom, v_new)
-                torch._foreach_sqrt_(denom)
+                for v, d in zip(v_new, denom):
+                    torch.sqrt(v, out=d)
             else:
                 denom = torch._foreach_sqrt(v_new)
             torch._foreach_div_(denom, bc2_sqrt)
