@@ -120,7 +120,7 @@ class TrainStep:
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
+        with use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
@@ -182,15 +182,24 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        grad_tree = optree.tree_unflatten(treespec, grads)
-        grad_norm = optim.global_norm(grad_tree)
+        # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
+        donate = not torch.compiler.is_compiling()
+        grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
+        grads = None
+        grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
-        update_ok = self._update_finite(updates)
+        updates, new_opt = optim.update_with(self.optimizer, grad_tree, opt_state, params,
+                                             norm_reducer=self._sq_reducer, donate_updates=donate)
+        grad_tree = None
+        new_params = optim.apply_updates(params, updates,
+                                         donate_updates=optim.returns_fresh(self.optimizer, donate))
+        updates = None
+        # a non-finite update (or one that overflows the parameters) is not applied either; with
+        # donated buffers the update already sits in the new parameters, so check those
+        update_ok = self._update_finite(new_params)
         nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
                      "nonfinite_update": ~update_ok}
         finite = finite & update_ok
-        new_params = optim.apply_updates(params, updates)
         if torch.compiler.is_compiling():    # branch-free inside a graph
             keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
             new_params = tree_map(keep, new_params, params)
@@ -203,9 +212,9 @@ class TrainStep:
                    **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
         return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
 
-    def _update_finite(self, updates: Any) -> torch.Tensor:
-        """Whether every element of the update is finite on every device: a NaN update (e.g. a
-        zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
+    def _update_finite(self, new_params: Any) -> torch.Tensor:
+        """Whether every element of the updated parameters is finite on every device: a NaN
+        update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
         (docs/bad_inputs.md §2)."""
         return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), updates)))
@@ -256,6 +265,22 @@ def _check_batch(batch: dict) -> None:
         if v.numel() == 0:
             raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
                              f"least one row and one position; check the data loader and batch size")
+
+
+def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
+    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
+    (an expanded gradient) is copied first."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out
 
 
 def _acc_dtype(leaves) -> torch.dtype:

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -290,7 +291,24 @@ def _load_corpus(cfg: TrainConfig):
         raise ConfigError(f"data: {exc}") from exc
 
 
+# optimizer argument -> config key, so that a refused setting is named as the user wrote it
+_OPTIMIZER_CONFIG_KEYS = {"b1": "adam_beta1", "b2": "adam_beta2", "eps": "adam_epsilon", "min_lr": "min_learning_rate",
+                          "end_value": "min_learning_rate", "max_norm": "max_grad_norm", "total_steps": "max_steps",
+                          "peak": "learning_rate", "value": "learning_rate"}
+
+
 def _optimizer(cfg: TrainConfig):
+    """The optimizer and the learning-rate schedule of ``cfg``; a setting the optimizer
+    constructors refuse is a ConfigError naming the config key."""
+    try:
+        return _build_optimizer(cfg)
+    except (TypeError, ValueError) as exc:
+        found = re.search(r": (\w+)=", str(exc))
+        key = _OPTIMIZER_CONFIG_KEYS.get(found.group(1), found.group(1)) if found else None
+        raise ConfigError(f"optimizer settings: {exc}" + (f" [config key: {key}]" if key else "")) from exc
+
+
+def _build_optimizer(cfg: TrainConfig):
     from . import optim
     kw = dict(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
               max_grad_norm=cfg.max_grad_norm, lr_schedule=cfg.lr_scheduler,
