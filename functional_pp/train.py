@@ -217,7 +217,7 @@ class TrainStep:
         update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
         (docs/bad_inputs.md §2)."""
-        return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), updates)))
+        return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), new_params)))
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
