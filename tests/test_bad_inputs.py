@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import optree
 import torch
 import yaml
 
@@ -193,7 +194,7 @@ def _nan_update_after(n_good: int):
         calls["n"] += 1
         updates, state = base.update(grads, state, params)
         if calls["n"] > n_good:
-            updates = fpp.optim.transform.tree_map(lambda u: u * float("nan"), updates)
+            updates = optree.tree_map(lambda u: u * float("nan"), updates)
         return updates, state
     return fpp.optim.GradientTransformation(base.init, update)
 
