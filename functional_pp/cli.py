@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, TrainConfig
+from . import __version__
+from .config import ConfigError, TrainConfig, config_help
 
 __all__ = ["main", "build_parser"]
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="functional-pp",
         description="Functional training on PyTorch: layouts from named axes.")
+    parser.add_argument("--version", action="version", version=f"functional-pp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     t = sub.add_parser(
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Outside torchrun, on a machine without accelerators, a multi-device mesh "
                     "runs on simulated devices in this process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(TrainConfig.valid_keys()))
+        epilog="config keys (generated from functional_pp.config's schema):\n" + config_help())
     t.add_argument("config", help="YAML config file")
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
