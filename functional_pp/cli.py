@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys for sections, YAML values), "
                         "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    from .commands import add_commands
+    add_commands(sub)
     return parser
 
 
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    from .commands import run_command
+    status = run_command(args)
+    return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
 
 
 def _train(args: argparse.Namespace) -> int:

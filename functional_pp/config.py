@@ -541,7 +541,12 @@ class TrainConfig:
                 f"sequence_len={self.sequence_len} is not divisible by 2 x cp_size = {2 * cp} "
                 f"(context parallelism with causal load balancing cuts the sequence into "
                 f"2 x cp_size chunks); use a multiple of {2 * cp}")
-        model = self.model.build()
+        if self.base_model is not None and not (Path(self.base_model) / "config.json").is_file():
+            raise ConfigError(f"base_model {self.base_model!r} is not a Hugging Face model directory "
+                              f"(no {Path(self.base_model).resolve() / 'config.json'}); give a local "
+                              f"directory with config.json and safetensors (nothing is downloaded)")
+        from .finetune import model_config
+        model = model_config(self)
         try:
             micro_global = self.micro_batch_size * dp
             shape = (micro_global, self.sequence_len, model.hidden)
@@ -676,4 +681,21 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"--set {item!r}: {'.'.join(parts[:i + 1])!r} is not a section")
             node = child
         node[parts[-1]] = value
+        _drop_other_spellings(out, key)
     return out
+
+
+def _drop_other_spellings(d: dict, key: str) -> None:
+    """An override replaces the key under any of its names (``output_dir`` and
+    ``logging.output_dir`` are one key)."""
+    from .config_aliases import ALIASES
+    canonical = ALIASES[key][0] if key in ALIASES else key
+    for name in [a for a, (c, _) in ALIASES.items() if c == canonical] + [canonical]:
+        if name == key:
+            continue
+        parts = name.split(".")
+        node = d
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
