@@ -26,6 +26,7 @@ def add_commands(sub) -> None:
                    help="check against N devices (default: the mesh's size)")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, as for train")
+    v.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
     e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory",
                        description="Export the newest checkpoint of RUN_DIR (or a checkpoint "
                                    "directory) as config.json + safetensors shards with an index "
@@ -52,7 +53,10 @@ def _validate(args: argparse.Namespace) -> int:
     from .launch import under_torchrun
     from .trainer import describe, resolve_world
     try:
-        cfg = TrainConfig.from_yaml(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.output is not None:
+            overrides.append(f"logging.output_dir={args.output}")
+        cfg = TrainConfig.from_yaml(args.config, overrides)
         world = resolve_world(cfg, args.simulate)
         cfg.validate(world.size, launcher=world.launcher)
         mesh = cfg.mesh(world.size)

@@ -557,7 +557,8 @@ class TrainConfig:
             for path, decl in leaves_with_paths(llama.init(model)):
                 rules.resolve(decl.axes, decl.shape, mesh, name=f"parameter {path}")
         except ValueError as exc:
-            raise ConfigError(f"{exc} (model preset {self.model.preset!r}, mesh "
+            what = f"base_model {self.base_model!r}" if self.base_model else f"model preset {self.model.preset!r}"
+            raise ConfigError(f"{exc} ({what}, mesh "
                               f"{dict(mesh.shape)})") from exc
         issues = Issues()
         if self.data.path is not None and not Path(self.data.path).exists():
