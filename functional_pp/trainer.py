@@ -366,6 +366,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         raise ConfigError(f"data{' (held-out part)' if 'probe' in locals() else ''}: {exc}") from exc
     opt, schedule = _optimizer(cfg)
     device = select_device(world.simulate, world.size, under_torchrun())
+    if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
     batch_dims = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq",
                   "segments": "batch seq"}
     step_fn = train_step(functools.partial(llama.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,

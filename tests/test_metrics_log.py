@@ -71,3 +71,22 @@ def test_device_selection_and_peak_flops():
     assert peak_flops(None, "NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops(None, "NVIDIA A100-SXM4-40GB") == 312e12
     assert peak_flops(None, "Some CPU") is None and peak_flops(None) is None
+
+
+def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
+    from functional_pp.trainer import read_metrics
+    out = tmp_path / "run"
+    d = {**RUN, "logging": {"output_dir": str(out), "log_every": 1}, "max_steps": 4}
+    train(TrainConfig.from_dict(d), stop_after=2, stream=io.StringIO())
+    r = train(TrainConfig.from_dict(d), resume=True, stream=io.StringIO())
+    assert r.start_step == 2 and r.final_step == 4
+    lines = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4]
+    assert [m.get("resumed_from") for m in lines if "loss" in m] == [None, None, 2, None]
+    assert (out / "loss.png").is_file()
+    cfg = TrainConfig.from_dict({"num_epochs": 2})
+    cfg.set_epochs(7)
+    assert cfg.max_steps == 14
+    both = TrainConfig.from_dict({"num_epochs": 2, "max_steps": 5})
+    both.set_epochs(7)
+    assert both.max_steps == 5                                     # max_steps wins (Axolotl)

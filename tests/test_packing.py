@@ -1,7 +1,6 @@
 """Packed documents: EOS between them, labels -100 at document ends and on untrained tokens,
 and a block-diagonal causal mask — the packed loss equals the documents run one by one, on one
 device and with the sequence split over context parallelism."""
-import functools
 
 import numpy as np
 import pytest

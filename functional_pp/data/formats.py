@@ -16,7 +16,6 @@ mapped, never loaded whole).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
