@@ -176,7 +176,7 @@ class TrainConfig:
         if not isinstance(d, Mapping):
             raise ConfigError(f"the config must be a mapping of keys to values, got {d!r}")
         issues = Issues(source)
-        raw, unused = normalize(dict(d), issues)
+        raw, notes = normalize(dict(d), issues)
         skip = ("model", "data", "rules", "logging", "checkpoint", "datasets")
         top = parse_section(cls, raw, "", issues, skip=skip)
         if "name" in raw:
@@ -205,7 +205,7 @@ class TrainConfig:
                   rules={str(k): (list(v) if isinstance(v, (list, tuple)) else v) for k, v in rules.items()},
                   name=name)
         cfg._given = set(raw)
-        cfg.unused_launcher_keys = unused
+        cfg.notes = notes
         if "model" in raw and cfg.base_model is not None:
             issues.add("give either base_model (start from a Hugging Face directory) or model "
                        "(a preset, trained from scratch), not both")
@@ -502,7 +502,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._given: set[str] = set()
-        self.unused_launcher_keys: list[str] = []
+        self.notes: list[str] = []      # keys accepted without effect, and why
 
 
 def _bf16_supported() -> bool:

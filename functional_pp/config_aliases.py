@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from .config_schema import Issues
 
-__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "ACCELERATE_LAUNCHER", "normalize"]
+__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
+           "NOT_USED", "normalize"]
 
 _same: Callable[[Any], Any] = lambda v: v  # noqa: E731
 
@@ -40,6 +41,21 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
     "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
                      "cosine_with_min_lr": "cosine"},
+}
+
+_EIGHT_BIT = ("8-bit / paged optimizers (bitsandbytes) are not supported: use optimizer: adamw "
+             "(fp32 moments, sharded like the parameters)")
+
+#: values refused with the reason (another optimizer, not a spelling of ours)
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "optimizer": {**{k: _EIGHT_BIT for k in ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit",
+                                             "paged_adamw_32bit", "paged_lion_8bit", "lion_8bit")},
+                  **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
+                     for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
+                               "muon", "adopt_adamw", "ao_adamw_8bit", "ao_adamw_fp8")}},
+    "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"
+                     for k in ("polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "one_cycle",
+                               "rex", "log_sweep", "warmup_stable_decay")},
 }
 
 _ATTENTION = ("the attention kernel is chosen by torch's scaled_dot_product_attention (ring "
@@ -70,7 +86,6 @@ UNSUPPORTED: dict[str, str] = {
     "trust_remote_code": "only Llama-architecture models are loaded, never remote code: remove it",
     "strict": "loading is always strict (every tensor must match): remove it",
     "group_by_length": "batches are packed windows, not grouped by length: remove it",
-    "dataset_prepared_path": "datasets are tokenized on start, not cached: remove it",
     "early_stopping_patience": "early stopping is not supported: set max_steps or num_epochs",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "rl": "RL / preference training is not supported (causal LM fine-tuning only): remove it",
@@ -81,6 +96,17 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
     "unfrozen_parameters": "every parameter is trained: remove it",
+    "eval_table_size": "sample-generation tables are not supported: remove it",
+    "eval_max_new_tokens": "sample generation is not supported: remove it",
+    "do_bench_eval": "benchmark evaluation is not supported: remove it",
+    "max_packed_sequence_len": "packing always fills sequence_len: remove it",
+    "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
+}
+
+#: keys accepted without effect, each with the reason shown in the start-up summary
+NOT_USED: dict[str, str] = {
+    "dataset_prepared_path": "datasets are tokenized at start, not cached",
+    "eval_sample_packing": "held-out data is packed like the training data",
 }
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
@@ -96,6 +122,7 @@ _PARALLELISM = {"dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_s
 
 #: Axolotl keys accepted when their value means what this trainer does anyway
 _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False},),   # what remat does
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
                        "PreTrainedTokenizerFast"),
@@ -127,22 +154,35 @@ def _put(out: dict, key: str, value: Any, source: str, issues: Issues) -> None:
     node[last] = value
 
 
+def _off(value: Any) -> bool:
+    """A value that asks for nothing (``false``, ``null``, empty)."""
+    return value is None or value is False or value in ("", [], {})
+
+
 def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
-    """``(canonical mapping, launcher keys not used)``: aliases rewritten, unsupported keys
-    and contradicting duplicates recorded in ``issues``."""
+    """``(canonical mapping, notes on keys accepted without effect)``: aliases rewritten,
+    unsupported keys (unless switched off) and contradicting duplicates recorded in ``issues``."""
     out: dict = {}
     aliased: list[tuple[str, str, Any]] = []
     unused: list[str] = []
+    launcher: list[str] = []
     for key, value in d.items():
-        if key in UNSUPPORTED:
+        if key in UNSUPPORTED and _off(value):
+            continue                                 # switched off: nothing is asked for
+        if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
+            unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
+                          "are padded with EOS whose labels are ignored)")
+        elif key in UNSUPPORTED:
             issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
+        elif key in NOT_USED:
+            unused.append(f"{key} ({NOT_USED[key]})")
         elif key in _ACCEPTED_VALUES:
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
-                issues.add(f"{key}: {value!r} is not supported (only Llama models are trained "
-                           f"here; accepted: {ok}): remove it")
+                issues.add(f"{key}: {value!r} is not supported here (accepted: {ok}; only "
+                           f"Llama-architecture models are trained): remove it")
         elif key in ACCELERATE_LAUNCHER:
-            unused.append(key)
+            launcher.append(key)
         elif key == "parallelism_config":
             if not isinstance(value, dict):
                 issues.add(f"parallelism_config must be a mapping, got {value!r}")
@@ -165,4 +205,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         v = out.get(key)
         if isinstance(v, str) and v.lower() in table:
             out[key] = table[v.lower()]
+        elif isinstance(v, str) and v.lower() in REFUSED_VALUES.get(key, {}):
+            issues.add(f"{key}: {REFUSED_VALUES[key][v.lower()]}")
+            out.pop(key)
+    if launcher:
+        unused.append(f"{', '.join(launcher)} (accelerate launcher settings: this run is launched "
+                      f"by torchrun or --simulate)")
     return out, unused

@@ -141,9 +141,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
         lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
-    if cfg.unused_launcher_keys:
-        lines.append(f"not used:   {', '.join(cfg.unused_launcher_keys)} (accelerate launcher "
-                     f"settings; this run is launched by {world.launcher})")
+    for note in cfg.notes:
+        lines.append(f"not used:   {note}")
     lines.append(f"output:     {cfg.output_dir()}")
     return "\n".join(lines)
 

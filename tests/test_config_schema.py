@@ -23,7 +23,8 @@ def test_axolotl_and_accelerate_aliases_mean_the_same_as_our_keys():
         "parallelism_config_tp_size": 2, "parallelism_config_cp_size": 1},
         "num_processes": 8, "distributed_type": "MULTI_GPU"})
     assert dict(acc.mesh(8).shape) == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
-    assert acc.unused_launcher_keys == ["distributed_type"]
+    assert acc.notes == ["distributed_type (accelerate launcher settings: this run is launched by "
+                         "torchrun or --simulate)"]
     with pytest.raises(ConfigError, match="num_processes: 8 but the world size gives 4"):
         acc.validate(4)
     cos = TrainConfig.from_dict({"lr_scheduler": "cosine_with_restarts", "max_steps": 10,
@@ -102,3 +103,79 @@ def test_train_help_lists_every_key_with_its_default(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("functional-pp ")
+
+
+AXOLOTL = """
+base_model: ./Meta-Llama-3-8B
+model_type: LlamaForCausalLM
+tokenizer_type: AutoTokenizer
+load_in_8bit: false
+load_in_4bit: false
+strict: false
+datasets:
+  - path: data/alpaca.jsonl
+    type: alpaca
+dataset_prepared_path: last_run_prepared
+val_set_size: 0.05
+output_dir: ./outputs/out
+sequence_len: 8192
+sample_packing: true
+pad_to_sequence_len: true
+wandb_project:
+wandb_entity:
+wandb_watch:
+wandb_name:
+wandb_log_model:
+gradient_accumulation_steps: 8
+micro_batch_size: 1
+num_epochs: 1
+optimizer: paged_adamw_8bit
+lr_scheduler: cosine
+learning_rate: 2e-5
+train_on_inputs: false
+group_by_length: false
+bf16: auto
+fp16:
+tf32: false
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+early_stopping_patience:
+resume_from_checkpoint:
+logging_steps: 1
+xformers_attention:
+flash_attention: true
+warmup_steps: 100
+evals_per_epoch: 2
+eval_table_size:
+saves_per_epoch: 1
+debug:
+deepspeed:
+weight_decay: 0.0
+fsdp:
+fsdp_config:
+special_tokens:
+  pad_token: <|end_of_text|>
+"""
+
+
+def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_path):
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(AXOLOTL)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_yaml(path)
+    assert sorted(p.split(":")[0].split("'")[1] if p.startswith("'") else p.split(":")[0]
+                  for p in info.value.problems) == ["evals_per_epoch", "flash_attention", "optimizer",
+                                                    "saves_per_epoch"]
+    assert "8-bit / paged optimizers (bitsandbytes) are not supported" in str(info.value)
+    fixed = "\n".join(line for line in AXOLOTL.splitlines() if not line.startswith(
+        ("optimizer", "flash_attention", "evals_per_epoch", "saves_per_epoch")))
+    path.write_text(fixed + "\noptimizer: adamw_torch\neval_steps: 50\nsave_steps: 100\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.learning_rate, cfg.num_epochs, cfg.activation_checkpointing) == (2e-5, 1, True)
+    assert cfg.logging.output_dir == "./outputs/out" and cfg.checkpoint.save_every == 100
+    assert cfg.datasets[0].type == "alpaca" and cfg.val_set_size == 0.05 and cfg.tf32 is False
+    assert any(n.startswith("dataset_prepared_path") for n in cfg.notes)
+    assert any(n.startswith("special_tokens.pad_token") for n in cfg.notes)
+    with pytest.raises(ConfigError, match="base_model './Meta-Llama-3-8B' is not a Hugging Face model directory"):
+        cfg.validate(1)
