@@ -91,7 +91,6 @@ UNSUPPORTED: dict[str, str] = {
     "rl": "RL / preference training is not supported (causal LM fine-tuning only): remove it",
     "evals_per_epoch": "give eval_steps (every N steps) instead",
     "saves_per_epoch": "give save_steps (every N steps) instead",
-    "gradient_checkpointing_kwargs": "activation checkpointing has no options: remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
