@@ -15,7 +15,7 @@ CFG = llama.Config.tiny(vocab=64)
 DIMS = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}
 
 
-def _loss_sum(params, batch, mesh=None, rules=None):
+def _loss_sum(params, batch, mesh=None, rules=None, processes=False):
     """Summed token NLL (loss x valid labels) of ``batch`` on ``mesh`` (one device if None)."""
     mesh = mesh or fpp.Mesh()
     rules = rules or llama.default_rules()
@@ -30,6 +30,8 @@ def _loss_sum(params, batch, mesh=None, rules=None):
             named = {k: fpp.wrap(v, DIMS[k]) for k, v in local.items() if k != "positions"}
             from functional_pp.named import settle
             return float(settle(llama.loss(p, named, CFG)).data)
+    if processes:
+        return fpp.launch(device, mesh, processes=True, timeout=240)[0] * n_valid
     return fpp.launch(device, mesh)[0] * n_valid
 
 
@@ -68,3 +70,20 @@ def test_packed_loss_equals_the_documents_one_by_one(cp):
     no_mask = dict(packed)
     no_mask.pop("segments")
     assert abs(_loss_sum(None, no_mask, mesh, rules) - alone) > 1e-3   # the mask matters
+
+
+@pytest.mark.multiprocess
+def test_packed_context_parallel_attention_on_real_gloo_processes():
+    """Under CP the segment ids (int64) are all-gathered with K/V: the same on gloo processes
+    as on simulated devices."""
+    eos = 0
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 64, (n,), generator=g) for n in (7, 10, 4)]
+    stream = torch.cat([torch.cat([d, torch.tensor([eos])]) for d in docs] + [torch.tensor([eos, 3])])
+    batch = DataLoader(stream.numpy(), global_batch_size=1, seq_len=24, eos_id=eos).global_batch(0)
+    mesh = fpp.Mesh(cp=2, tp=2)
+    rules = llama.default_rules(fsdp=False)
+    simulated = _loss_sum(None, batch, mesh, rules)
+    real = _loss_sum(None, batch, mesh, rules, processes=True)
+    assert real == pytest.approx(simulated, rel=1e-6)
+    assert real == pytest.approx(_loss_sum(None, batch), rel=1e-5)
