@@ -66,6 +66,14 @@ def _validate(args: argparse.Namespace) -> int:
         if data.vocab_size > model_cfg.vocab:
             raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only "
                               f"{model_cfg.vocab}")
+        from .data import DataLoader
+        for part, tokens in (("", data.train), (" (held-out part)", data.val)):
+            if tokens is not None:
+                try:
+                    DataLoader(tokens, global_batch_size=cfg.global_batch(mesh, rules),
+                               seq_len=cfg.sequence_len, drop_last=not part)
+                except ValueError as exc:
+                    raise ConfigError(f"data{part}: {exc}") from exc
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size), val=data.val))

@@ -112,6 +112,8 @@ def test_validate_prints_the_plan_and_trains_nothing(inputs, tmp_path, capsys):
     assert cli.main(["validate", str(CONFIG), *_overrides(inputs, out), "--set", "tp_size=3"]) == 2
     err = capsys.readouterr().err
     assert "'vocab' has size 320" in err and "base_model" in err and "tp': 3" in err
+    assert cli.main(["validate", str(CONFIG), *_overrides(inputs, out), "--set", "micro_batch_size=64"]) == 2
+    assert "fewer than global_batch_size=128" in capsys.readouterr().err
 
 
 def test_export_of_a_cli_checkpoint_needs_no_config(inputs, tmp_path):
