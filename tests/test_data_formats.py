@@ -42,6 +42,8 @@ def test_mixed_entries_text_jsonl_alpaca_chat(tmp_path):
                              message_field_content="value")]
     train, val = build_streams(entries, None, seq_len=16)
     assert val is None and train.documents == 5
+    spilled = build_streams(entries, None, seq_len=16, spill_bytes=32)[0]          # on disk, mapped
+    assert isinstance(spilled.trained, np.memmap) and spilled.trained.tolist() == train.trained.tolist()
     docs = _docs(train)
     assert [d[0] for d in docs[:3]] == ["first file", "second file", "a completion"]
     assert all(all(d[1]) for d in docs[:3])                      # plain text: every token trained
@@ -97,6 +99,9 @@ def test_held_out_examples_and_unpacked_rows(tmp_path):
     texts = sorted(d[0] for d in _docs(train) + _docs(val))
     assert texts == sorted(r["text"] for r in rows)              # a partition of the examples
     assert build_streams([entry], None, seq_len=32, val_set_size=0.2, seed=1)[1].tokens.tolist() == val.tokens.tolist()
+    spilled, spilled_val = build_streams([entry], None, seq_len=32, val_set_size=0.2, seed=1, spill_bytes=64)
+    assert isinstance(spilled.tokens, np.memmap) and isinstance(spilled.trained, type(None))
+    assert spilled.tokens.tolist() == train.tokens.tolist() and spilled_val.tokens.tolist() == val.tokens.tolist()
     rows_only, _ = build_streams([entry], None, seq_len=32, sample_packing=False)
     loader = DataLoader(rows_only, global_batch_size=10, seq_len=32)
     assert loader.num_windows == 10 and loader._slack == 0

@@ -74,17 +74,18 @@ def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterato
     """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
     if kind in ("jsonl", "json"):
-        text = path.read_text(encoding="utf-8")
-        if kind == "json" and text.lstrip().startswith("["):
-            rows = json.loads(text)
-            yield from rows
-            return
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+        with open(path, encoding="utf-8") as f:
+            if kind == "json" and f.read(4096).lstrip().startswith("["):
+                f.seek(0)
+                yield from json.load(f)                   # a JSON array: read whole
+                return
+            f.seek(0)
+            for lineno, line in enumerate(f, start=1):    # JSON lines: one record at a time
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{where}: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
     elif kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -172,8 +173,8 @@ def _text_files(path: Path, pattern: str | None) -> list[Path]:
     return sorted(p for p in path.rglob(pattern or "*.txt") if p.is_file())
 
 
-def _examples(entry, tok, train_inputs: bool, default_template: str | None,
-              where: str) -> Iterator[Example]:
+def _items(entry, where: str) -> Iterator[Any]:
+    """An entry's raw examples: files (``text``) or records."""
     path = Path(entry.path)
     kind = entry.type or _guess_type(path, entry.ds_type)
     if kind not in TYPES:
@@ -182,10 +183,19 @@ def _examples(entry, tok, train_inputs: bool, default_template: str | None,
         files = _text_files(path, entry.pattern)
         if not files:
             raise ValueError(f"{where}: no files matching {entry.pattern or '*.txt'!r} in {path}")
-        for f in files:
+        yield from files
+    else:
+        yield from _records(path, entry.ds_type, entry.split, where)
+
+
+def _examples(entry, tok, train_inputs: bool, default_template: str | None,
+              where: str) -> Iterator[Example]:
+    kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
+    if kind == "text":
+        for f in _items(entry, where):
             yield _with_bos(tok, tok.encode(f.read_text(encoding="utf-8", errors="replace")), None)
         return
-    for n, rec in enumerate(_records(path, entry.ds_type, entry.split, where), start=1):
+    for n, rec in enumerate(_items(entry, where), start=1):
         if kind == "completion":
             text = _field(rec, entry.field, where, n)
             if not isinstance(text, str):
@@ -221,25 +231,64 @@ def _memmap(entry, where: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- streams
-def _join(examples: list[Example], eos: int, vocab: int, seq_len: int | None, name: str) -> TokenStream:
-    """Examples back to back, EOS after each; ``seq_len``: one example per row (padded)."""
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    ids_parts, mask_parts = [], []
-    for ids, mask in examples:
-        m = [1] * len(ids) if mask is None else mask
-        ids, m = list(ids) + [eos], list(m) + [1]
-        if seq_len is not None:                   # a row of its own: truncate, pad with EOS
-            ids, m = ids[:seq_len - 1] + [eos], m[:seq_len - 1] + [1]
-            pad = seq_len - len(ids)
-            ids, m = ids + [eos] * pad, m + [0] * pad
-        ids_parts.append(np.asarray(ids, dtype=dtype))
-        mask_parts.append(np.asarray(m, dtype=np.uint8))
-    if seq_len is not None:                       # the loader's windows overlap by one token
-        ids_parts.append(np.asarray([eos], dtype=dtype))
-        mask_parts.append(np.zeros(1, dtype=np.uint8))
-    tokens = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype)
-    trained = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
-    return TokenStream(tokens, None if trained.all() else trained, eos, vocab, name, len(examples))
+class _StreamWriter:
+    """Appends examples (EOS after each; ``row``: one example per row of that many tokens,
+    padded with EOS) to token / trained-flag buffers that spill to an unlinked temporary file
+    past ``spill_bytes``, so memory stays bounded whatever the corpus size."""
+
+    def __init__(self, eos: int, vocab: int, row: int | None, name: str, spill_bytes: int):
+        self.eos, self.row, self.name, self.vocab = eos, row, name, vocab
+        self.dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        self.spill = spill_bytes
+        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending = 0
+        self.files = None
+        self.n = 0
+        self.documents = 0
+        self.all_trained = True
+
+    def add(self, ids: list[int], mask: list[int] | None) -> None:
+        m = [1] * len(ids) if mask is None else list(mask)
+        ids, m = list(ids) + [self.eos], m + [1]
+        if self.row is not None:
+            ids, m = ids[:self.row - 1] + [self.eos], m[:self.row - 1] + [1]
+            pad = self.row - len(ids)
+            ids, m = ids + [self.eos] * pad, m + [0] * pad
+        self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
+        self.documents += 1
+
+    def _put(self, ids: np.ndarray, m: np.ndarray) -> None:
+        self.all_trained &= bool(m.all())
+        self.parts.append((ids, m))
+        self.pending += ids.nbytes + m.nbytes
+        self.n += len(ids)
+        if self.pending >= self.spill:
+            self._flush()
+
+    def _flush(self) -> None:
+        import tempfile
+        if not self.parts:
+            return
+        if self.files is None:
+            self.files = [tempfile.TemporaryFile(prefix="fpp-tokens-"), tempfile.TemporaryFile(prefix="fpp-mask-")]
+        for f, k in zip(self.files, (0, 1)):
+            f.write(np.concatenate([p[k] for p in self.parts]).tobytes())
+        self.parts, self.pending = [], 0
+
+    def finish(self) -> TokenStream:
+        if self.row is not None:                  # the loader's windows overlap by one token
+            self._put(np.asarray([self.eos], self.dtype), np.zeros(1, np.uint8))
+        if self.files is None:
+            tokens = np.concatenate([p[0] for p in self.parts]) if self.parts else np.zeros(0, self.dtype)
+            trained = np.concatenate([p[1] for p in self.parts]) if self.parts else np.zeros(0, np.uint8)
+        else:
+            self._flush()
+            for f in self.files:
+                f.flush()
+            tokens = np.memmap(self.files[0], dtype=self.dtype, mode="r", shape=(self.n,))
+            trained = np.memmap(self.files[1], dtype=np.uint8, mode="r", shape=(self.n,))
+        return TokenStream(tokens, None if self.all_trained else trained, self.eos, self.vocab,
+                           self.name, self.documents)
 
 
 def _split_count(val_set_size: float, n: int) -> int:
@@ -250,8 +299,11 @@ def _split_count(val_set_size: float, n: int) -> int:
 
 def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing: bool = True,
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
-                  chat_template: str | None = None) -> tuple[TokenStream, TokenStream | None]:
-    """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig)."""
+                  chat_template: str | None = None, spill_bytes: int = 64 << 20,
+                  ) -> tuple[TokenStream, TokenStream | None]:
+    """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
+    Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
+    temporary files, memory-mapped (bounded memory for corpora of any size)."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -273,23 +325,24 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         train = TokenStream(arr[:cut], None, eos, vocab, names, n_docs - n_val)
         val = TokenStream(arr[cut:], None, eos, vocab, f"{names}[val]", n_val) if n_val else None
         return train, val
-    examples: list[Example] = []
-    for i, entry in enumerate(entries):
-        examples.extend(_examples(entry, tok, train_on_inputs, chat_template, f"datasets[{i}]"))
-    if not examples:
+    counts = [sum(1 for _ in _items(e, f"datasets[{i}]")) for i, e in enumerate(entries)]
+    n = sum(counts)
+    if n == 0:
         raise ValueError(f"datasets ({names}) hold no examples")
-    n_val = _split_count(val_set_size, len(examples))
-    if n_val >= len(examples):
-        raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {len(examples)} "
-                         f"examples: nothing is left to train on")
-    order = np.random.default_rng([seed, 7]).permutation(len(examples)) if n_val else np.arange(len(examples))
-    val_idx = set(order[len(examples) - n_val:].tolist())
-    train_ex = [e for j, e in enumerate(examples) if j not in val_idx]
-    val_ex = [e for j, e in enumerate(examples) if j in val_idx]
-    row = None if sample_packing else seq_len + 1
-    train = _join(train_ex, eos, vocab, row and seq_len, names)
-    val = _join(val_ex, eos, vocab, row and seq_len, f"{names}[val]") if val_ex else None
-    return train, val
+    n_val = _split_count(val_set_size, n)
+    if n_val >= n:
+        raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {n} examples: "
+                         f"nothing is left to train on")
+    val_idx = set(np.random.default_rng([seed, 7]).permutation(n)[n - n_val:].tolist()) if n_val else set()
+    row = None if sample_packing else seq_len
+    train = _StreamWriter(eos, vocab, row, names, spill_bytes)
+    val = _StreamWriter(eos, vocab, row, f"{names}[val]", spill_bytes) if n_val else None
+    j = 0
+    for i, entry in enumerate(entries):
+        for ids, mask in _examples(entry, tok, train_on_inputs, chat_template, f"datasets[{i}]"):
+            (val if j in val_idx else train).add(ids, mask)
+            j += 1
+    return train.finish(), (val.finish() if val is not None else None)
 
 
 def _count(arr: np.ndarray, eos: int, chunk: int = 1 << 24) -> int:
