@@ -127,3 +127,15 @@ def test_parquet_records(tmp_path):
                    tmp_path / "d.parquet")
     train, _ = build_streams([DatasetConfig(path=str(tmp_path / "d.parquet"), type="alpaca")], None, seq_len=8)
     assert train.documents == 2 and [d[0][-1] for d in _docs(train)] == ["x", "y"]
+
+
+def test_hf_datasets_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"text": "one doc"}, {"text": "two doc"}])
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dd"))
+    ds.save_to_disk(str(tmp_path / "d"))
+    for path in ("dd", "d"):
+        train, _ = build_streams([DatasetConfig(path=str(tmp_path / path))], None, seq_len=8)
+        assert [d[0] for d in _docs(train)] == ["one doc", "two doc"]
+    with pytest.raises(ValueError, match=r"has splits \['train'\], not 'test'; set split"):
+        build_streams([DatasetConfig(path=str(tmp_path / "dd"), split="test")], None, seq_len=8)
