@@ -49,7 +49,7 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .finetune import describe_device, load_data, model_config, select_device
+    from .finetune import check_batches, describe_device, load_data, model_config, select_device
     from .launch import under_torchrun
     from .trainer import describe, resolve_world
     try:
@@ -66,14 +66,7 @@ def _validate(args: argparse.Namespace) -> int:
         if data.vocab_size > model_cfg.vocab:
             raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only "
                               f"{model_cfg.vocab}")
-        from .data import DataLoader
-        for part, tokens in (("", data.train), (" (held-out part)", data.val)):
-            if tokens is not None:
-                try:
-                    DataLoader(tokens, global_batch_size=cfg.global_batch(mesh, rules),
-                               seq_len=cfg.sequence_len, drop_last=not part)
-                except ValueError as exc:
-                    raise ConfigError(f"data{part}: {exc}") from exc
+        cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size), val=data.val))

@@ -12,8 +12,8 @@ import torch
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "base_params", "select_device",
-           "peak_flops"]
+__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params",
+           "select_device", "peak_flops", "describe_device"]
 
 
 def model_config(cfg: TrainConfig):
@@ -84,6 +84,23 @@ def load_data(cfg: TrainConfig) -> RunData:
         return RunData(corpus, val, tok)
     except (FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
         raise ConfigError(f"data: {exc}") from exc
+
+
+def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:
+    """Steps per epoch of the training data; raises :class:`ConfigError` when the training or
+    held-out tokens cannot fill a batch of ``global_batch`` sequences."""
+    from .data import DataLoader
+    steps = 0
+    for part, tokens in (("", data.train), (" (held-out part)", data.val)):
+        if tokens is None:
+            continue
+        try:
+            loader = DataLoader(tokens, global_batch_size=global_batch, seq_len=cfg.sequence_len,
+                                seed=cfg.seed, drop_last=not part)
+        except ValueError as exc:
+            raise ConfigError(f"data{part}: {exc}") from exc
+        steps = steps or loader.steps_per_epoch
+    return steps
 
 
 def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=None) -> Any:

@@ -280,16 +280,6 @@ class TrainResult:
     comm_report: str | None = None
 
 
-def _load_corpus(cfg: TrainConfig):
-    from .data import load_corpus
-    try:
-        return load_corpus(cfg.data.path, kind=cfg.data.kind, tokenizer=cfg.data.tokenizer,
-                           max_bytes=cfg.data.max_bytes, pattern=cfg.data.pattern,
-                           text_field=cfg.data.text_field)
-    except (FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
-        raise ConfigError(f"data: {exc}") from exc
-
-
 def _optimizer(cfg: TrainConfig):
     from . import optim
     kw = dict(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -318,11 +308,12 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     from .collectives import axis_index, axis_size
     from .data import DataLoader
     from .init import init as init_named
-    from .runtime import current_context
     from .evaluate import evaluate
-    from .train import train_step
+    from .finetune import (base_params, check_batches, describe_device, load_data, model_config,
+                           peak_flops, select_device)
+    from .runtime import current_context
+    from .train import DEFAULT_BATCH_DIMS, train_step
 
-    from .finetune import base_params, describe_device, load_data, model_config, peak_flops, select_device
     world = resolve_world(cfg, simulate)
     cfg.validate(world.size, launcher=world.launcher)
     main = _is_main_process()
@@ -356,20 +347,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                           f"{model_cfg.vocab}; set model.vocab >= {corpus.vocab_size}")
     gb = cfg.global_batch(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
-    try:
-        probe = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed)
-        cfg.set_epochs(probe.steps_per_epoch)
-        if data.val is not None:
-            DataLoader(data.val, global_batch_size=gb, seq_len=cfg.sequence_len, drop_last=False)
-    except ValueError as exc:
-        raise ConfigError(f"data{' (held-out part)' if 'probe' in locals() else ''}: {exc}") from exc
+    cfg.set_epochs(check_batches(cfg, data, gb))
     opt, schedule = _optimizer(cfg)
     device = select_device(world.simulate, world.size, under_torchrun())
     if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    batch_dims = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq",
-                  "segments": "batch seq"}
+    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
     step_fn = train_step(functools.partial(llama.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
                          grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,

@@ -101,6 +101,12 @@ def test_finetune_example_matches_transformers_and_exports(inputs, tmp_path, cap
     assert not torch.allclose(base(input_ids=toks).logits, theirs, atol=1e-2)     # it trained
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     assert tok.eos_token == "</s>"
+    sharded = tmp_path / "hf-sharded"                 # shards + index above --max-shard-size
+    assert cli.main(["export", str(out / "checkpoints"), str(sharded), "--max-shard-size", "200KB"]) == 0
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("model-*.safetensors"))) > 1
+    again = transformers.LlamaForCausalLM.from_pretrained(sharded).float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=toks).logits, theirs)
 
 
 def test_validate_prints_the_plan_and_trains_nothing(inputs, tmp_path, capsys):
