@@ -139,3 +139,20 @@ def test_hf_datasets_saved_to_disk(tmp_path):
         assert [d[0] for d in _docs(train)] == ["one doc", "two doc"]
     with pytest.raises(ValueError, match=r"has splits \['train'\], not 'test'; set split"):
         build_streams([DatasetConfig(path=str(tmp_path / "dd"), split="test")], None, seq_len=8)
+
+
+@pytest.mark.parametrize("record, entry, message", [
+    ({"instruction": "x"}, {"type": "alpaca"}, "datasets[0]: record 1 has no field 'output' (it has ['instruction'])"),
+    ({"txt": "x"}, {}, "datasets[0]: record 1 has no field 'text' (it has ['txt'])"),
+    ({"text": 3}, {}, "datasets[0]: record 1: field 'text' is int, not text"),
+    ({"messages": "hi"}, {"type": "chat_template"}, "'messages' must be a list of messages"),
+    ({"text": "x"}, {"type": "sharegpt"}, "datasets[0].type 'sharegpt' is not supported (choose text, completion"),
+])
+def test_bad_records_are_named_with_their_place(tmp_path, record, entry, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    cfg = TrainConfig.from_dict({"datasets": [{"path": str(path), **entry}]})
+    from functional_pp.config import ConfigError
+    with pytest.raises(ConfigError) as info:
+        load_data(cfg)
+    assert message in str(info.value)

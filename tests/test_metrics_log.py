@@ -90,3 +90,16 @@ def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
     both = TrainConfig.from_dict({"num_epochs": 2, "max_steps": 5})
     both.set_epochs(7)
     assert both.max_steps == 5                                     # max_steps wins (Axolotl)
+
+
+def test_progress_line_shows_eval_lr_grad_norm_mfu_and_elapsed():
+    from functional_pp.trainer import Progress
+    p = Progress(total=10, stream=io.StringIO(), tty=False)
+    p.update(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.123,
+                 "eval_loss": 1.75})
+    p.update(2, {"loss": 1.9, "tokens_per_s": 200.0})
+    p.update(3, {"loss": 1.8, "tokens_per_s": 100.0})
+    line = p.line(3, {"loss": 1.8, "lr": 1e-3, "grad_norm": 0.5, "mfu": 0.123})
+    for part in ("loss 1.8000", "eval 1.7500", "lr 1.00e-03", "gnorm 0.5", "MFU 12.3%", "elapsed"):
+        assert part in line, part
+    assert "190 tok/s" in line                     # smoothed: 0.9 x 200 + 0.1 x 100
