@@ -137,3 +137,27 @@ def test_export_of_a_cli_checkpoint_needs_no_config(inputs, tmp_path):
     assert cli.main(["train", str(ROOT / "examples" / "configs" / "single.yaml"), "--max-steps", "1",
                      "--output", str(preset), "--set", "data.max_bytes=20000", "--set", "warmup_steps=0"]) == 0
     assert export_checkpoint_to_hf(preset / "checkpoints", tmp_path / "hf2").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_finetune_under_torchrun_equals_simulation(inputs, tmp_path):
+    """Two gloo processes (TP 2): base model slices, packed documents, held-out loss."""
+    import os
+    import subprocess
+    import sys
+    short = ["--max-steps", "3", "--set", "dp_shard_size=1", "--set", "eval_steps=3",
+             "--set", "save_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "functional_pp", "train", str(CONFIG),
+                           *_overrides(inputs, tmp_path / "torchrun"), *short],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert cli.main(["train", str(CONFIG), *_overrides(inputs, tmp_path / "sim"), *short]) == 0
+    real, sim = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("torchrun", "sim"))
+    assert [m["step"] for m in real] == [m["step"] for m in sim] == [0, 1, 2, 3]
+    for a, b in zip(real, sim):
+        for key in ("loss", "eval_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
