@@ -42,7 +42,6 @@ MESH_KEYS = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
              "cp_size": "cp", "tp_size": "tp"}
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 SGD_KEYS = ("momentum",)
-_suggest = suggest          # kept for callers of the old private name
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "logging": LoggingConfig,
@@ -209,8 +208,7 @@ class TrainConfig:
         if "model" in raw and cfg.base_model is not None:
             issues.add("give either base_model (start from a Hugging Face directory) or model "
                        "(a preset, trained from scratch), not both")
-        if not issues:
-            cfg._check_values(issues)
+        cfg._check_values(issues)         # values that parsed are range-checked too
         issues.raise_if_any()
         return cfg
 
@@ -401,7 +399,7 @@ class TrainConfig:
         for logical in self.rules:
             if logical not in known:
                 raise ConfigError(f"rules: unknown logical axis '{logical}'"
-                                  f"{_suggest(logical, sorted(known))}")
+                                  f"{suggest(logical, sorted(known))}")
         b_axes = self.batch_axes(mesh, rules)
         dp = self.dp_size(mesh, rules)
         if self.global_batch_size is not None:

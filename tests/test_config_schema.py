@@ -57,11 +57,12 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     path.write_text(yaml.safe_dump({
         "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "adapter": "lora",
         "load_in_8bit": True, "deepspeed": "ds.json", "tp_size": "two",
-        "logging": {"outputdir": "x"}, "datasets": [{"path": "a.jsonl", "typ": "alpaca"}]}))
+        "logging": {"outputdir": "x"}, "datasets": [{"path": "a.jsonl", "typ": "alpaca"}],
+        "max_steps": 0}))
     with pytest.raises(ConfigError) as info:
         TrainConfig.from_yaml(path)
     text = str(info.value)
-    assert text.startswith(f"9 problems in {path}:") and len(info.value.problems) == 9
+    assert text.startswith(f"10 problems in {path}:") and len(info.value.problems) == 10
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
                  "'flash_attention' is not supported: the attention kernel is chosen by torch",
@@ -69,7 +70,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
                  "'load_in_8bit' is not supported: quantized", "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
-                 "unknown key 'datasets[0].typ'; did you mean 'type'?"):
+                 "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
         assert want in text, want
     assert "did you mean" not in text.split("flash_attention")[1].splitlines()[0]
 
