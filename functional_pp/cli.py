@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__
+from .version import __version__
 from .cli_errors import run_reporting_errors
 from .config import ConfigError, TrainConfig, config_help
 

@@ -444,7 +444,6 @@ class TrainConfig:
             raise ConfigError(f"base_model {self.base_model!r} is not a Hugging Face model directory "
                               f"(no {Path(self.base_model).resolve() / 'config.json'}); give a local "
                               f"directory with config.json and safetensors (nothing is downloaded)")
-        from .finetune import model_config
         model = model_config(self)
         try:
             micro_global = self.micro_batch_size * dp
@@ -599,3 +598,15 @@ def _drop_other_spellings(d: dict, key: str) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(parts[-1], None)
+
+
+def model_config(cfg: TrainConfig):
+    """The ``llama.Config``: from ``base_model/config.json``, or the preset and overrides."""
+    if cfg.base_model is None:
+        return cfg.model.build()
+    from .checkpoint import hf
+    from .checkpoint.format import CheckpointError
+    try:
+        return hf.config_from_hf(Path(cfg.base_model))
+    except (CheckpointError, KeyError) as exc:
+        raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc

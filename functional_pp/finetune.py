@@ -10,22 +10,10 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, model_config
 
 __all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params",
            "select_device", "peak_flops", "describe_device"]
-
-
-def model_config(cfg: TrainConfig):
-    """The ``llama.Config``: from ``base_model/config.json``, or the preset and overrides."""
-    if cfg.base_model is None:
-        return cfg.model.build()
-    from .checkpoint import hf
-    from .checkpoint.format import CheckpointError
-    try:
-        return hf.config_from_hf(Path(cfg.base_model))
-    except (CheckpointError, KeyError) as exc:
-        raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
 
 
 def load_tokenizer(cfg: TrainConfig):
