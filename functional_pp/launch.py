@@ -174,6 +174,8 @@ def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -
                 dist.destroy_process_group()
         except Exception:
             pass
+        queue.close()
+        queue.join_thread()              # the result reaches the parent before this process ends
         os._exit(0)
 
 
