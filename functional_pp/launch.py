@@ -174,8 +174,10 @@ def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -
                 dist.destroy_process_group()
         except Exception:
             pass
+        # os._exit skips the queue's feeder thread: flush the result into the pipe first, so a
+        # parent that sees this process gone always finds its report.
         queue.close()
-        queue.join_thread()              # the result reaches the parent before this process ends
+        queue.join_thread()
         os._exit(0)
 
 
