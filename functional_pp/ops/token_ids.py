@@ -48,8 +48,6 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
     if ids.is_meta:
         return ids      # shapes only (layout planning): there are no values to check
     code = next(c for c, (k, _) in _KINDS.items() if k == kind)
-    if ids.device.type == "meta":
-        return ids      # shapes only (functional_pp.plan): there are no values to check
     flat = ids.reshape(-1)
     bad = (flat < 0) | (flat >= vocab)
     if ignore_index is not None:
