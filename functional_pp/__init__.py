@@ -5,7 +5,7 @@ from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, p
 from .comm import CommReport, comm_report
 from .init import init, init_params
 from .launch import DeviceError, launch
-from .layout import P, Rules
+from .layout import P, Rules, balanced, inherit
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords
 from .shard_map import shard_map, use_rules
@@ -19,7 +19,7 @@ from .tree import Param, count_params, leaves_with_paths, map_with_path, param
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "Rules", "P", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
+    "Mesh", "Rules", "P", "balanced", "inherit", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
     "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",

@@ -20,6 +20,7 @@ import torch
 from . import collectives as C
 from .layout import Layout, Rules
 from .mesh import Mesh
+from .order import from_balanced, to_balanced
 from .runtime import current_context
 from .shard_map import active_rules
 
@@ -144,10 +145,12 @@ def settle(x: Named, target: Layout | None = None) -> Named:
         return x._cache[key]
     data, split, vary = x.data, list(x.split), set(x.vary)
     remaining = set(x.partial)
-    mesh = env()[0]
+    mesh, rules = env()
     for d, want in enumerate(target or ()):
         for j, a in enumerate(want):
             if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
+                if j == 0 and rules.is_balanced(x.dims[d]):    # scatter in the dim's order
+                    data = to_balanced(data, d, mesh.shape[a], x.dims[d])
                 data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
                 split[d] = split[d] + (a,)
                 remaining.discard(a)
@@ -187,8 +190,11 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     if key in x._cache:
         return x._cache[key]
     data, split, vary = x.data, list(x.split), set(x.vary)
+    mesh, rules = env()
     gathers = []
-    # gather the axes beyond the common prefix (inner axes first: one collective per dim)
+    reordered = False
+    # gather the axes beyond the common prefix (inner axes first: one collective per dim);
+    # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
     for d, (have, want) in enumerate(zip(x.split, target)):
         k = 0
         while k < min(len(have), len(want)) and have[k] == want[k]:
@@ -198,6 +204,9 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             gathers.append((data, extra, d))
             data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
+            if k == 0 and rules.is_balanced(x.dims[d]):
+                data = from_balanced(data, d, mesh.shape[have[0]], x.dims[d])
+                reordered = True
     sliced = False
     for d, want in enumerate(target):
         extra = want[len(split[d]):]
@@ -208,8 +217,10 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         if used_elsewhere:
             raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
                              f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
+        if not split[d] and rules.is_balanced(x.dims[d]):
+            data = to_balanced(data, d, mesh.shape[extra[0]], x.dims[d])
         for a in extra:
-            n = env()[0].shape[a]
+            n = mesh.shape[a]
             if data.shape[d] % n:
                 raise ValueError(f"dimension {x.dims[d]!r} of local size {data.shape[d]} cannot be split "
                                  f"over mesh axis {a!r} of size {n}")
@@ -220,7 +231,8 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
                 vary.add(a)
             split[d] = split[d] + (a,)
     out = Named(data, x.dims, tuple(split), vary)
-    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced:
+    out.is_param = x.is_param
+    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced and not reordered:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
     if not (x.is_param and gathers):      # a cached gathered weight would stay alive (FSDP memory)
         x._cache[key] = out

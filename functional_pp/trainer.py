@@ -396,7 +396,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         dp = (axis_index(b_axes), axis_size(b_axes)) if b_axes else (0, 1)
         cp = (axis_index(s_axes), axis_size(s_axes)) if s_axes else (0, 1)
         loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed,
-                            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1])
+                            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1],
+                            cp_balanced=rules.is_balanced("seq"))    # the rules own the order
         start = 0
         if latest is not None:
             r = ck.load_checkpoint(ckpt_dir, specs(state), rules=rules, step=latest,

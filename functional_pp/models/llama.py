@@ -163,16 +163,17 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
 
 
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
-    """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp,
+    """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
+    (load-balanced for causal attention; the residual stream's res_seq inherits it),
     heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
-    from ..layout import Rules
-    rules = dict(batch=("dp_replicate", "dp_shard"), seq="cp")
+    from ..layout import Rules, balanced, inherit
+    rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
         rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:
-        rules["res_seq"] = ("cp", "tp")
+        rules["res_seq"] = inherit("seq", "tp")
     return Rules(rules)
 
 

@@ -1,9 +1,9 @@
 """Attention over named arrays, with the sequence split across context-parallel devices.
 
-Convention: a sequence dimension split over mesh axes is laid out load-balanced over its
-first axis (device i holds chunks i and 2c-1-i of 2c), then contiguous over the rest; the
-data loader (``functional_pp.data.shard_batch``) lays batches out this way and
-:func:`positions` gives every device the global positions it holds."""
+The order of a split sequence belongs to its rule (docs/layouts.md): contiguous, or
+load-balanced over its first mesh axis (``Rules(seq=balanced("cp"))``: device i holds chunks
+i and 2c-1-i of 2c, evening out causal attention's work), then contiguous over the rest.
+Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
 import math
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..data.loader import balanced_chunk_indices
-from ..named import Named, options, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, env, options, pvary, relayout, settle, target_layout, varying_after
+from ..order import balanced_indices
 from .attention_kernels import ring_attention
 
 
@@ -22,15 +22,16 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
-    return Named(_local_positions(size, split), [dim], [split])
+    return Named(_local_positions(size, split, env()[1].is_balanced(dim)), [dim], [split])
 
 
-def _local_positions(size: int, split: tuple[str, ...]) -> torch.Tensor:
+def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
     if not split:
         return torch.arange(size)
+    if not balanced:
+        return torch.arange(size).chunk(C.axis_size(split))[C.axis_index(split)]
     first, rest = split[0], split[1:]
-    c = C.axis_size(first)
-    base = balanced_chunk_indices(size, c, C.axis_index(first)) if c > 1 else torch.arange(size)
+    base = balanced_indices(size, C.axis_size(first), C.axis_index(first))
     if rest:
         base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
     return base
@@ -73,7 +74,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     vt = v.data.permute(order(v, kv_heads))
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
     if seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq))
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), env()[1].is_balanced(seq))
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -81,12 +82,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     return Named(out.permute(back), q.dims, q.split, union)
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size):
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
     n, i = C.axis_size(axes), C.axis_index(axes)
-    if causal and seq_size % (2 * n):
+    if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
     if options().cp_attention == "allgather":
@@ -94,8 +95,10 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
         if causal:
-            qpos = balanced_chunk_indices(seq_size, n, i)
-            kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)])
+            qpos = _local_positions(seq_size, axes, balanced)
+            kpos = torch.arange(seq_size)
+            if balanced:
+                kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
             mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=bool(q.shape[1] != kf.shape[1]))
@@ -103,4 +106,4 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
 
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
-    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=True, shift=shift)
+    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced, shift=shift)
