@@ -136,13 +136,9 @@ class Rules:
         return out
 
     def replace(self, **rules) -> "Rules":
-        """A copy with some rules changed (None removes a rule). A plain new rule for a
-        balanced dimension keeps it balanced."""
+        """A copy with some rules changed (None removes a rule; a plain rule is contiguous)."""
         merged = self.entries()
-        for k, v in rules.items():
-            if k in self.balanced_dims and v is not None and not isinstance(v, (balanced, inherit)):
-                v = balanced(v)
-            merged[k] = v
+        merged.update(rules)
         return Rules({k: v for k, v in merged.items() if v is not None})
 
     def check(self, mesh: Mesh) -> None:

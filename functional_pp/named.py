@@ -66,7 +66,7 @@ def env() -> tuple[Mesh, Rules]:
 class Named:
     """A local block with named dimensions, a layout and a varying/partial type."""
 
-    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param")
+    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param", "tied")
 
     def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
                  vary: Iterable[str] = (), partial: Iterable[str] = ()):
@@ -85,6 +85,7 @@ class Named:
         self._cache: dict = {}
         self.gathered_from = None   # (shard tensor, axes, dim) when this is a gathered parameter
         self.is_param = False       # parameters are re-gathered in backward (FSDP), activations not
+        self.tied = False           # a parameter used at several sites: gathered once for all
 
     # ------------------------------------------------------------------ info
     @property
@@ -173,7 +174,7 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     key = ("pvary", axes)
     if key not in x._cache:
         out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
-        out.gathered_from, out.is_param = x.gathered_from, x.is_param
+        out.gathered_from, out.is_param, out.tied = x.gathered_from, x.is_param, x.tied
         x._cache[key] = out
     return x._cache[key]
 
@@ -234,7 +235,9 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     out.is_param = x.is_param
     if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced and not reordered:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
-    if not (x.is_param and gathers):      # a cached gathered weight would stay alive (FSDP memory)
+    # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
+    # whose use sites share one gather (docs/layouts.md)
+    if not (x.is_param and gathers) or x.tied:
         x._cache[key] = out
     return out
 
@@ -275,6 +278,18 @@ def varying_after(x: Named, target: Layout) -> set:
     """The axes ``x`` varies over once relayouted to ``target``."""
     return set(x.vary - x.partial) | {a for t in target for a in t} | {
         a for d, (have, want) in enumerate(zip(x.split, target)) for a in have}
+
+
+def tied(x: Named) -> Named:
+    """A parameter used at several sites (tied embeddings): every use of the returned value
+    shares one FSDP all-gather in forward, one re-gather and one reduce-scatter in backward.
+    Call it once per step and use the result at every site; the gathered weight lives from
+    the first use until the result is dropped (the end of the forward)."""
+    if not isinstance(x, Named):
+        raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
+    y = Named(x.data, x.dims, x.split, x.vary, x.partial)
+    y.is_param, y.gathered_from, y.tied = x.is_param, x.gathered_from, True
+    return y
 
 
 def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:

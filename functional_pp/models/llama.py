@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import ops
-from ..named import Named
+from ..named import Named, tied
 from ..ops.rotary import Llama3Scaling
 from ..tree import param
 
@@ -146,13 +146,14 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
         from ..remat import remat
         layer_fn = remat(layer, out_like=1) if options().remat else layer
     pos = ops.positions("seq", tokens.size("seq"))
-    x = ops.embed(params["embed_tokens"], tokens)
+    emb = tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
+    x = ops.embed(emb, tokens)
     x = ops.rename(x, seq="res_seq")
     for p in params["layers"]:
         x = layer_fn(p, x, pos, cfg)
     x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
     x = ops.rename(x, res_seq="seq")
-    head = params["embed_tokens"] if cfg.tie_embeddings else params["lm_head"]
+    head = emb if cfg.tie_embeddings else params["lm_head"]
     return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
 
 

@@ -34,7 +34,7 @@ def _root(t):
 def _keep_param(x: Named, y: Named) -> Named:
     """``y`` (a view of ``x``'s data under other names or shape) stays a parameter: FSDP
     re-gathers it in backward instead of keeping it gathered (docs/layouts.md)."""
-    y.is_param = x.is_param
+    y.is_param, y.tied = x.is_param, x.tied
     if x.gathered_from is not None and _root(y.data) is _root(x.data):
         y.gathered_from = x.gathered_from
     return y
