@@ -279,3 +279,20 @@ def test_gpt2_on_four_gloo_processes_fsdp_cp_matches_one_device():
         assert loss == pytest.approx(loss0.item(), rel=1e-12)
         for (p, g0) in fpp.leaves_with_paths(grads0):
             torch.testing.assert_close(torch.from_numpy(grads[p]), g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"{p}: {m}")
+
+
+def test_step_gradients_are_the_reduced_gradients():
+    """step.gradients(state, batch): what the training step hands its optimizer, per device,
+    laid out like the parameters; gathered they equal one device's gradients."""
+    mesh, rules = LAYOUTS["fsdp_cp_tp_sp"]
+    mesh = fpp.Mesh(**mesh)
+    step = fpp.train_step(functools.partial(gpt2.loss, cfg=CFG), fpp.optim.sgd(0.1), mesh=mesh, rules=rules,
+                          batch_dims=gpt2.BATCH_DIMS)
+
+    def device():
+        state = step.init(fpp.init(gpt2.init, CFG, torch.float64, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            local = {k: fpp.named(v, gpt2.BATCH_DIMS[k]).data for k, v in DATA.items()}
+            loss, grads = step.gradients(state, local)
+            return loss, fpp.gather_tree(grads), None
+    assert_matches(fpp.launch(device, mesh))
