@@ -116,7 +116,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
-    rules_txt = ", ".join(f"{k}={'+'.join(v) if v else '-'}" for k, v in rules.table.items())
+    rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
                           ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
     lines = [
