@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli_errors import run_reporting_errors
 from .config import ConfigError, TrainConfig
 
 __all__ = ["main", "build_parser"]
@@ -44,14 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys for sections, YAML values), "
                         "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even if the config changes the results "
+                        "(model, data, optimizer, batch, schedule...)")
+    t.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (default: one line)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 2 config error)."""
+    """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 config error,
+    3 training stopped on non-finite values; see :mod:`functional_pp.cli_errors`)."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        return _train(args)
+        return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -64,7 +71,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"logging.output_dir={args.output}")
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
-        train(cfg, simulate=args.simulate, resume=args.resume)
+        train(cfg, simulate=args.simulate, resume=args.resume,
+              allow_config_change=args.allow_config_change)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2

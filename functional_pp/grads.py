@@ -19,7 +19,6 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
     tree of named parameters (``functional_pp.init``), ``batch`` what ``loss_fn`` takes. The
     gradients are named arrays laid out like the parameters and reduced exactly once over
     every mesh axis where the data varied: what the training step hands its optimizer."""
-    from .train import _check_invariant
     leaves, spec = optree.tree_flatten(params, is_leaf=_is_named, none_is_leaf=False)
     bad = [type(x).__name__ for x in leaves if not isinstance(x, Named)]
     if bad:
@@ -31,7 +30,7 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
         n.is_param = True
         named.append(n)
     loss = settle(loss_fn(optree.tree_unflatten(spec, named), batch))
-    _check_invariant(loss)
+    _check_scalar_invariant(loss)
     diff = [x for x in xs if x.requires_grad]
     gs = iter(torch.autograd.grad(loss.data, diff, allow_unused=True))
     grads = []
@@ -40,6 +39,15 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
         g = torch.zeros_like(x) if g is None else g
         grads.append(Named(g, leaf.dims, leaf.split, leaf.vary))
     return loss.data.detach(), optree.tree_unflatten(spec, grads)
+
+
+def _check_scalar_invariant(loss: Named) -> None:
+    if loss.dims:
+        raise ValueError(f"value_and_grad: the loss must be a scalar; it has dimensions {loss.dims} "
+                         f"(reduce them with functional_pp.ops.mean/sum)")
+    if loss.vary:
+        raise ValueError(f"value_and_grad: the loss varies over mesh axes {sorted(loss.vary)}: every "
+                         f"device would seed a different gradient; reduce it over those axes first")
 
 
 def gather_tree(tree: Any, decls: Any = None) -> Any:
