@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .version import __version__
 from .cli_errors import run_reporting_errors
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, config_help
 
 __all__ = ["main", "build_parser"]
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="functional-pp",
         description="Functional training on PyTorch: layouts from named axes.")
+    parser.add_argument("--version", action="version", version=f"functional-pp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     t = sub.add_parser(
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Outside torchrun, on a machine without accelerators, a multi-device mesh "
                     "runs on simulated devices in this process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(TrainConfig.valid_keys()))
+        epilog="config keys (generated from functional_pp.config's schema):\n" + config_help())
     t.add_argument("config", help="YAML config file")
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(model, data, optimizer, batch, schedule...)")
     t.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")
+    from .commands import add_commands
+    add_commands(sub)
     return parser
 
 
@@ -59,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    from .commands import run_command
+    status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
+    return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
 
 
 def _train(args: argparse.Namespace) -> int:
