@@ -5,13 +5,15 @@ from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, p
 from .comm import CommReport, comm_report
 from .init import init, init_params
 from .launch import DeviceError, launch
-from .layout import P, Rules
+from .layout import P, Rules, balanced, inherit
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords
 from .shard_map import shard_map, use_rules
-from .named import Named, configure, named, wrap
-from .ops import (attention, cross_entropy, einsum, embed, layer_norm, logsumexp, merge_dims, positions,
-                  rearrange, rename, rms_norm, rotary, silu, softmax, split_dim)
+from .named import Named, configure, named, tied, wrap
+from .ops import (attention, concat, cross_entropy, cumsum, dropout, einsum, embed, gelu, layer_norm,
+                  logsumexp, merge_dims, positions, rearrange, rename, rms_norm, rotary, silu, slice_dim,
+                  softmax, split_dim, take, tanh, unbind, where)
+from .grads import gather_tree, value_and_grad
 from .remat import remat
 from .train import TrainStep, train_step
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
@@ -23,11 +25,13 @@ tree.shard, tree.gather, tree.named_tree = sharding.shard, sharding.gather, shar
 from .version import __version__
 
 __all__ = [
-    "Mesh", "Rules", "P", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
+    "Mesh", "Rules", "P", "balanced", "inherit", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
     "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",
-    "leaves_with_paths", "Named", "named", "wrap", "configure", "einsum", "silu", "rms_norm",
+    "leaves_with_paths", "Named", "named", "tied", "wrap", "configure", "einsum", "silu", "rms_norm",
     "layer_norm", "attention", "rotary", "positions", "embed", "cross_entropy", "rename", "split_dim",
-    "merge_dims", "rearrange", "logsumexp", "softmax", "optim", "train_step", "TrainStep", "remat",
+    "merge_dims", "rearrange", "logsumexp", "softmax", "gelu", "tanh", "where", "dropout", "concat",
+    "cumsum", "slice_dim", "take", "unbind", "optim", "train_step", "TrainStep", "remat",
+    "gather_tree", "value_and_grad",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import Rules, block_slices
+from .layout import Rules, block_slices, require_contiguous
 from .mesh import Mesh
 from .seeds import check_seed
 from .tree import Param, map_with_path
@@ -76,8 +76,9 @@ def init_params(decls: Any, *, seed: int = 0, mesh: Mesh | None = None, rules: R
         if mesh is None:
             slices = tuple(slice(0, n) for n in d.shape)
         else:
-            slices = block_slices(d.shape, (rules or Rules()).resolve(d.axes, d.shape, mesh, name=p),
-                                  mesh, rank)
+            layout = (rules or Rules()).resolve(d.axes, d.shape, mesh, name=p)
+            require_contiguous(rules or Rules(), d.axes, layout, p)
+            slices = block_slices(d.shape, layout, mesh, rank)
         return init_block(d, p, seed, slices, device)
     return map_with_path(make, decls)
 

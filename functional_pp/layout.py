@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -22,45 +23,131 @@ class P(tuple):
         return "P(" + ", ".join(repr(e) for e in self) + ")"
 
 
+class inherit:
+    """A derived logical name: laid out like ``parent`` (its mesh axes and its order), followed
+    by ``extra`` mesh axes. ``Rules(seq="cp", res_seq=inherit("seq", "tp"))`` splits the
+    residual stream's sequence like ``seq`` and further over ``tp`` (sequence parallelism).
+    See docs/layouts.md."""
+
+    def __init__(self, parent: str, *extra: str):
+        self.parent, self.extra = parent, tuple(extra)
+
+    def __repr__(self) -> str:
+        return f"inherit({', '.join(repr(a) for a in (self.parent,) + self.extra)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, inherit) and (self.parent, self.extra) == (other.parent, other.extra)
+
+
+class balanced:
+    """A rule whose dimension is laid out load-balanced over its first mesh axis (c devices:
+    device i holds chunks i and 2c-1-i of 2c), contiguous over the others. The order causal
+    attention wants for a sequence; every gather, slice, ``named()`` and loader follows it.
+    ``Rules(seq=balanced("cp"))``. See docs/layouts.md."""
+
+    def __init__(self, axes: str | Sequence[str]):
+        self.axes = as_axes(axes)
+
+    def __repr__(self) -> str:
+        return f"balanced({self.axes!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, balanced) and self.axes == other.axes
+
+
 class Rules:
     """Map logical axis names to ordered tuples of mesh axes.
 
-    ``Rules(batch=("dp_replicate", "dp_shard"), seq="cp", heads="tp", hidden="dp_shard")``.
-    A logical axis without a rule is never split.
+    ``Rules(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), heads="tp", hidden="dp_shard",
+    res_seq=inherit("seq"))``. A logical axis without a rule is never split. A split dimension
+    is contiguous (device i holds block i) unless its rule is :class:`balanced`; a name given
+    :class:`inherit` follows its parent's axes and order.
     """
+
+    # Derived names that exist without being declared (the residual stream of the built-in
+    # models); any other derived name is declared with inherit(...).
+    DEFAULT_DERIVED = {"res_seq": ("seq", ())}
 
     def __init__(self, mapping: Mapping[str, str | Sequence[str] | None] | None = None, **rules):
         merged = dict(mapping or {})
         merged.update(rules)
         self.table: dict[str, AxisNames] = {}
+        self.derived: dict[str, tuple[str, AxisNames]] = {}
+        self.balanced_dims: set[str] = set()
         for logical, axes in merged.items():
+            if isinstance(axes, inherit):
+                self.derived[logical] = (axes.parent, axes.extra)
+                self._check_dup(logical, axes.extra)
+                continue
+            if isinstance(axes, balanced):
+                self.balanced_dims.add(logical)
+                axes = axes.axes
             axes = as_axes(axes)
-            dup = {a for a in axes if axes.count(a) > 1}
-            if dup:
-                raise ValueError(
-                    f"Rule for logical axis {logical!r} names mesh axis {sorted(dup)[0]!r} twice "
-                    f"({axes}); a mesh axis can split a dimension only once."
-                )
+            self._check_dup(logical, axes)
             self.table[logical] = axes
+        for logical in self.derived:
+            seen, d = [logical], logical
+            while d in self.derived:
+                d = self.derived[d][0]
+                if d in seen:
+                    raise ValueError(f"Rules: derived names form a cycle {' -> '.join(seen + [d])}; "
+                                     f"one of them needs a rule of its own")
+                seen.append(d)
         self._resolved: dict = {}
+        self._warned: set = set()
 
-    # Logical axes that follow another one unless given a rule of their own: the residual
-    # stream's sequence ("res_seq") is laid out like "seq" unless sequence parallelism splits it.
-    INHERIT = {"res_seq": "seq"}
+    @staticmethod
+    def _check_dup(logical: str, axes: AxisNames) -> None:
+        dup = {a for a in axes if axes.count(a) > 1}
+        if dup:
+            raise ValueError(
+                f"Rule for logical axis {logical!r} names mesh axis {sorted(dup)[0]!r} twice "
+                f"({axes}); a mesh axis can split a dimension only once."
+            )
+
+    def parent(self, logical: str) -> str | None:
+        """The name ``logical`` is derived from (inherit), or None."""
+        if logical in self.table:
+            return None
+        if logical in self.derived:
+            return self.derived[logical][0]
+        return self.DEFAULT_DERIVED.get(logical, (None,))[0]
 
     def __getitem__(self, logical: str) -> AxisNames:
-        if logical not in self.table and logical in self.INHERIT:
-            return self[self.INHERIT[logical]]
-        return self.table.get(logical, ())
+        if logical in self.table:
+            return self.table[logical]
+        rel = self.derived.get(logical) or self.DEFAULT_DERIVED.get(logical)
+        if rel is None:
+            return ()
+        base = self[rel[0]]
+        return base + tuple(a for a in rel[1] if a not in base)
+
+    def is_balanced(self, logical: str) -> bool:
+        """Whether a split of ``logical`` is load-balanced over its first mesh axis."""
+        if logical in self.balanced_dims:
+            return True
+        p = self.parent(logical)
+        return p is not None and self.is_balanced(p)
+
+    def entries(self) -> dict:
+        """Every declared rule as given: mesh axes, ``balanced`` or ``inherit``."""
+        out: dict = {k: (balanced(v) if k in self.balanced_dims else v) for k, v in self.table.items()}
+        out.update({k: inherit(p, *e) for k, (p, e) in self.derived.items()})
+        return out
 
     def replace(self, **rules) -> "Rules":
-        """A copy with some rules changed (None removes a rule)."""
-        merged = dict(self.table)
+        """A copy with some rules changed (None removes a rule; a plain rule is contiguous)."""
+        merged = self.entries()
         merged.update(rules)
         return Rules({k: v for k, v in merged.items() if v is not None})
 
     def check(self, mesh: Mesh) -> None:
         """Raise if a rule names a mesh axis that ``mesh`` does not have."""
+        for logical, (_, extra) in self.derived.items():
+            for a in extra:
+                if a not in mesh.shape:
+                    raise ValueError(f"Rule {logical}=inherit(..., {a!r}) names mesh axis {a!r}, but "
+                                     f"the mesh has axes {mesh.axis_names}.")
         for logical, axes in self.table.items():
             for a in axes:
                 if a not in mesh.shape:
@@ -90,15 +177,42 @@ class Rules:
         layout = tuple(layout)
         if shape is not None:
             check_divisible(shape, layout, mesh, name, dims)
+            for d, axes in zip(dims, layout):
+                if axes and self.is_balanced(d):
+                    n = shape[list(dims).index(d)]
+                    if n % (2 * mesh.shape[axes[0]]):
+                        raise ValueError(
+                            f"{name}: logical axis {d!r} of size {n} is load-balanced over "
+                            f"{axes[0]!r} ({mesh.shape[axes[0]]} devices, 2 chunks each) and needs "
+                            f"a size divisible by {2 * mesh.shape[axes[0]]}; change the size or "
+                            f"make the rule contiguous")
         if not compiling:
+            self._warn_underived(dims, mesh)
             self._resolved[key] = layout    # rules are immutable: resolve each shape once
         return layout
 
+    def _warn_underived(self, dims: Sequence[str], mesh: Mesh) -> None:
+        """Warn once per name when a dimension without a rule looks derived from one that this
+        mesh splits (``res_tok`` next to a split ``tok``): it stays whole, probably by mistake."""
+        for d in dims:
+            if d in self._warned or d in self.table or self.parent(d) is not None:
+                continue
+            for p in self.table:
+                if p != d and (d.endswith("_" + p) or d.startswith(p + "_")) and \
+                        any(mesh.shape.get(a, 1) > 1 for a in self.table[p]):
+                    self._warned.add(d)
+                    warnings.warn(
+                        f"logical axis {d!r} has no rule and stays whole, while {p!r} is split over "
+                        f"{self.table[p]}; if {d!r} is derived from {p!r}, declare "
+                        f"Rules(..., {d}=inherit({p!r})), or give it a rule (None to silence)",
+                        stacklevel=3)
+                    break
+
     def __repr__(self) -> str:
-        return "Rules(" + ", ".join(f"{k}={v!r}" for k, v in self.table.items()) + ")"
+        return "Rules(" + ", ".join(f"{k}={v!r}" for k, v in self.entries().items()) + ")"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Rules) and self.table == other.table
+        return isinstance(other, Rules) and self.entries() == other.entries()
 
 
 def spec_to_layout(spec: Sequence, ndim: int, mesh: Mesh, name: str = "tensor",
@@ -158,8 +272,18 @@ def layout_axes(layout: Iterable[AxisNames]) -> frozenset[str]:
     return frozenset(a for axes in layout for a in axes)
 
 
+def require_contiguous(rules: Rules, dims: Sequence[str], layout: Layout, name: str) -> None:
+    """Refuse a load-balanced split where only contiguous blocks are supported (parameters,
+    checkpoints): name the dimension and the fix."""
+    for d, axes in zip(dims, layout):
+        if axes and rules.is_balanced(d):
+            raise ValueError(f"{name}: dimension {d!r} is split over {axes} in load-balanced order, "
+                             f"which parameters do not support; give parameters their own "
+                             f"dimension name (e.g. 'pos' for a position table) or a contiguous rule")
+
+
 def block_slices(shape: Sequence[int], layout: Layout, mesh: Mesh, rank: int) -> tuple[slice, ...]:
-    """The slice of the global tensor that ``rank`` holds under ``layout``."""
+    """The slice of the global tensor that ``rank`` holds under a contiguous ``layout``."""
     out = []
     for n, axes in zip(shape, layout):
         if not axes:

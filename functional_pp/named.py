@@ -17,6 +17,7 @@ import torch
 from . import collectives as C
 from .layout import Layout, Rules
 from .mesh import Mesh
+from .order import from_balanced, to_balanced
 from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
@@ -33,7 +34,7 @@ def env() -> tuple[Mesh, Rules]:
 class Named:
     """A local block with named dimensions, a layout and a varying/partial type."""
 
-    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param")
+    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param", "tied")
 
     def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
                  vary: Iterable[str] = (), partial: Iterable[str] = ()):
@@ -52,6 +53,7 @@ class Named:
         self._cache: dict = {}
         self.gathered_from = None   # (shard tensor, axes, dim) when this is a gathered parameter
         self.is_param = False       # parameters are re-gathered in backward (FSDP), activations not
+        self.tied = False           # a parameter used at several sites: gathered once for all
 
     # ------------------------------------------------------------------ info
     @property
@@ -117,10 +119,12 @@ def settle(x: Named, target: Layout | None = None) -> Named:
         return x._cache[key]
     data, split, vary = x.data, list(x.split), set(x.vary)
     remaining = set(x.partial)
-    mesh = env()[0]
+    mesh, rules = env()
     for d, want in enumerate(target or ()):
         for j, a in enumerate(want):
             if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
+                if j == 0 and rules.is_balanced(x.dims[d]):    # scatter in the dim's order
+                    data = to_balanced(data, d, mesh.shape[a], x.dims[d])
                 data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
                 split[d] = split[d] + (a,)
                 remaining.discard(a)
@@ -143,7 +147,7 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     key = ("pvary", axes)
     if key not in x._cache:
         out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
-        out.gathered_from, out.is_param = x.gathered_from, x.is_param
+        out.gathered_from, out.is_param, out.tied = x.gathered_from, x.is_param, x.tied
         x._cache[key] = out
     return x._cache[key]
 
@@ -160,8 +164,11 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     if key in x._cache:
         return x._cache[key]
     data, split, vary = x.data, list(x.split), set(x.vary)
+    mesh, rules = env()
     gathers = []
-    # gather the axes beyond the common prefix (inner axes first: one collective per dim)
+    reordered = False
+    # gather the axes beyond the common prefix (inner axes first: one collective per dim);
+    # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
     for d, (have, want) in enumerate(zip(x.split, target)):
         k = 0
         while k < min(len(have), len(want)) and have[k] == want[k]:
@@ -171,6 +178,9 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             gathers.append((data, extra, d))
             data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
+            if k == 0 and rules.is_balanced(x.dims[d]):
+                data = from_balanced(data, d, mesh.shape[have[0]], x.dims[d])
+                reordered = True
     sliced = False
     for d, want in enumerate(target):
         extra = want[len(split[d]):]
@@ -181,8 +191,10 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         if used_elsewhere:
             raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
                              f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
+        if not split[d] and rules.is_balanced(x.dims[d]):
+            data = to_balanced(data, d, mesh.shape[extra[0]], x.dims[d])
         for a in extra:
-            n = env()[0].shape[a]
+            n = mesh.shape[a]
             if data.shape[d] % n:
                 raise ValueError(f"dimension {x.dims[d]!r} of local size {data.shape[d]} cannot be split "
                                  f"over mesh axis {a!r} of size {n}")
@@ -193,9 +205,12 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
                 vary.add(a)
             split[d] = split[d] + (a,)
     out = Named(data, x.dims, tuple(split), vary)
-    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced:
+    out.is_param = x.is_param
+    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced and not reordered:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
-    if not (x.is_param and gathers):      # a cached gathered weight would stay alive (FSDP memory)
+    # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
+    # whose use sites share one gather (docs/layouts.md)
+    if not (x.is_param and gathers) or x.tied:
         x._cache[key] = out
     return out
 
@@ -236,6 +251,18 @@ def varying_after(x: Named, target: Layout) -> set:
     """The axes ``x`` varies over once relayouted to ``target``."""
     return set(x.vary - x.partial) | {a for t in target for a in t} | {
         a for d, (have, want) in enumerate(zip(x.split, target)) for a in have}
+
+
+def tied(x: Named) -> Named:
+    """A parameter used at several sites (tied embeddings): every use of the returned value
+    shares one FSDP all-gather in forward, one re-gather and one reduce-scatter in backward.
+    Call it once per step and use the result at every site; the gathered weight lives from
+    the first use until the result is dropped (the end of the forward)."""
+    if not isinstance(x, Named):
+        raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
+    y = Named(x.data, x.dims, x.split, x.vary, x.partial)
+    y.is_param, y.gathered_from, y.tied = x.is_param, x.gathered_from, True
+    return y
 
 
 def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .collectives import raw_all_gather
-from .layout import Rules, block_slices
+from .layout import Rules, block_slices, require_contiguous
 from .mesh import Mesh
 from .named import Named, env
 from .runtime import current_mesh
@@ -19,7 +19,9 @@ def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
     def cut(p, x, d):
         if tuple(x.shape) != d.shape:
             raise ValueError(f"{p}: tensor has shape {tuple(x.shape)} but is declared {d.shape}")
-        return x[block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh, name=p), mesh, rank)]
+        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
+        require_contiguous(rules, d.axes, layout, p)
+        return x[block_slices(d.shape, layout, mesh, rank)]
     return map_with_path(cut, full, decls)
 
 

@@ -150,6 +150,18 @@ class TrainStep:
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
+    def gradients(self, state: dict, batch: dict) -> tuple[torch.Tensor, Any]:
+        """The loss and the reduced gradients (named, laid out like the parameters) this step
+        would compute for ``batch``, without updating anything (functional_pp.value_and_grad)."""
+        import optree
+        from .grads import value_and_grad
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before step.gradients")
+        leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
+        with use_rules(self.rules):
+            named_batch = {k: v if isinstance(v, Named) else wrap(v, self.batch_dims[k]) for k, v in batch.items()}
+            return value_and_grad(self.loss_fn, self._named_params(leaves, treespec), named_batch)
+
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree
         compute = PRECISIONS[self.precision]

@@ -120,7 +120,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
-    rules_txt = ", ".join(f"{k}={'+'.join(v) if v else '-'}" for k, v in rules.table.items())
+    rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
                           ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
     lines = [
@@ -448,10 +448,11 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         dp = (axis_index(b_axes), axis_size(b_axes)) if b_axes else (0, 1)
         cp = (axis_index(s_axes), axis_size(s_axes)) if s_axes else (0, 1)
         loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed,
-                            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1])
+                            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1],
+                            cp_balanced=rules.is_balanced("seq"))    # the rules own the order
         val_loader = None if data.val is None else DataLoader(
             data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False,
-            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1])
+            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], cp_balanced=rules.is_balanced("seq"))
         start = 0
         if latest is not None:
             r = ck.load_checkpoint(load_dir, specs(state), rules=rules, step=latest,

@@ -5,7 +5,6 @@ import torch
 
 import functional_pp as fpp
 from functional_pp import tree
-from functional_pp.data import shard_batch
 from functional_pp.models import llama
 
 
@@ -20,15 +19,8 @@ def batch_axes(mesh, rules):
 
 
 def local_batch(full, mesh, rules):
-    """This device's block of a global batch (dp rows, load-balanced cp chunks)."""
-    b_axes = batch_axes(mesh, rules)
-    s_axes = rules.resolve(("batch", "seq"), None, mesh)[1]
-    dp = (fpp.axis_index(b_axes), fpp.axis_size(b_axes)) if b_axes else (0, 1)
-    cp = (fpp.axis_index(s_axes[0]), fpp.axis_size(s_axes[0])) if s_axes else (0, 1)
-    local = shard_batch({k: v for k, v in full.items()}, dp[0], dp[1], cp[0], cp[1], True)
-    if len(s_axes) > 1:
-        raise NotImplementedError
-    return {k: fpp.wrap(v, "batch seq") for k, v in local.items()}
+    """This device's block of a global batch, laid out (and ordered) by the rules."""
+    return {k: fpp.named(v, "batch seq") for k, v in full.items()}
 
 
 def single_device(cfg, full_params, batch, loss_fn=llama.loss, dtype=torch.float64):

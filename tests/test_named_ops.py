@@ -115,7 +115,7 @@ def test_rotary_matches_reference_formula():
 
 def test_positions_follow_the_load_balanced_layout():
     def fn():
-        with fpp.use_rules(fpp.Rules(seq="cp", res_seq=("cp", "tp"))):
+        with fpp.use_rules(fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq", "tp"))):
             return ops.positions("seq", 16).data.tolist(), ops.positions("res_seq", 16).data.tolist()
     out = fpp.launch(fn, fpp.Mesh(cp=2, tp=2))
     assert out[0][0] == [0, 1, 2, 3, 12, 13, 14, 15] and out[2][0] == [4, 5, 6, 7, 8, 9, 10, 11]

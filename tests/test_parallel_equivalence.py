@@ -106,13 +106,13 @@ def test_heads_not_divisible_by_tp():
 
 def test_sequence_not_divisible_by_2cp():
     batch = make_batch(CFG, batch=2, seq=12)
-    with pytest.raises(fpp.DeviceError, match=r"seq_len=12 is not divisible by 2\*cp_size=8"):
-        _run(dict(cp=4), R(seq="cp"), batch=batch)      # the loader's batch layout refuses it
+    with pytest.raises(fpp.DeviceError, match=r"'seq' of size 12 is load-balanced over 'cp'.*divisible by 8"):
+        _run(dict(cp=4), R(seq=fpp.balanced("cp")), batch=batch)   # the batch layout refuses it
 
     def attend():                                       # and so does the attention op itself
-        with fpp.use_rules(R(seq="cp")):
-            q = fpp.named(torch.ones(1, 12, 2, 4), "batch seq heads head_dim")
-            k = fpp.named(torch.ones(1, 12, 2, 4), "batch seq kv_heads head_dim")
+        with fpp.use_rules(R(seq=fpp.balanced("cp"))):
+            q = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq heads head_dim")
+            k = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq kv_heads head_dim")
             return fpp.attention(q, k, k, causal=True)
     with pytest.raises(fpp.DeviceError, match=r"sequence length \(12\) divisible by 2 x cp = 8"):
         fpp.launch(attend, fpp.Mesh(cp=4))

@@ -103,6 +103,12 @@ def _unregister(world: SimWorld) -> None:
 
 
 def _compute(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    """The collective's result from every member's snapshot; always a fresh contiguous
+    tensor, as the fake kernel below promises (torch.compile relies on it)."""
+    return _compute_any(kind, data, idx, n, args).contiguous()
+
+
+def _compute_any(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
     if kind in ("all_reduce_sum", "all_reduce_max", "all_reduce_min"):
         out = reduce(_REDUCE[kind.rsplit("_", 1)[1]], data)
         return out.clone() if n == 1 else out
@@ -116,8 +122,8 @@ def _compute(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.
     if kind == "permute":   # args: flattened (src, dst) pairs
         for src, dst in zip(args[0::2], args[1::2]):
             if dst == idx:
-                return data[src].clone()
-        return torch.zeros_like(data[idx])
+                return data[src].clone(memory_format=torch.contiguous_format)
+        return torch.zeros_like(data[idx], memory_format=torch.contiguous_format)
     raise ValueError(kind)
 
 
@@ -127,7 +133,10 @@ def _sim_collective(x: torch.Tensor, kind: str, group: list[int], rank: int, wor
     """One simulated collective (an opaque op, so torch.compile traces it)."""
     w = _WORLDS[world]
     group = tuple(group)
-    data = w.exchange(rank, group, x, (kind, tuple(x.shape), str(x.dtype), tuple(args)))
+    # Peers read the deposit after this device has returned (and may overwrite x in place,
+    # as inductor does with its buffers): hand them a snapshot, never the live tensor.
+    snapshot = x.detach().clone(memory_format=torch.contiguous_format)
+    data = w.exchange(rank, group, snapshot, (kind, tuple(x.shape), str(x.dtype), tuple(args)))
     return _compute(kind, data, group.index(rank), len(group), list(args))
 
 
@@ -142,7 +151,7 @@ def _(x, kind, group, rank, world, args):
     elif kind == "all_to_all":
         shape[args[0]] //= n
         shape[args[1]] *= n
-    return x.new_empty(shape)
+    return x.new_empty(shape)     # contiguous, like every real result (see _compute)
 
 
 class SimBackend:

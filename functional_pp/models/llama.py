@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import ops
-from ..named import Named
+from ..named import Named, tied
 from ..ops.rotary import Llama3Scaling
 from ..tree import param
 
@@ -147,14 +147,15 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
         from ..remat import remat
         layer_fn = remat(layer, out_like=1) if options().remat else layer
     pos = ops.positions("seq", tokens.size("seq"))
-    x = ops.embed(params["embed_tokens"], tokens)
+    emb = tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
+    x = ops.embed(emb, tokens)
     x = ops.rename(x, seq="res_seq")
     extra = () if segments is None else (segments,)
     for p in params["layers"]:
         x = layer_fn(p, x, pos, cfg, *extra)
     x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
     x = ops.rename(x, res_seq="seq")
-    head = params["embed_tokens"] if cfg.tie_embeddings else params["lm_head"]
+    head = emb if cfg.tie_embeddings else params["lm_head"]
     return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
 
 
@@ -166,16 +167,17 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
 
 
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
-    """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp,
+    """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
+    (load-balanced for causal attention; the residual stream's res_seq inherits it),
     heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
-    from ..layout import Rules
-    rules = dict(batch=("dp_replicate", "dp_shard"), seq="cp")
+    from ..layout import Rules, balanced, inherit
+    rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
         rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:
-        rules["res_seq"] = ("cp", "tp")
+        rules["res_seq"] = inherit("seq", "tp")
     return Rules(rules)
 
 

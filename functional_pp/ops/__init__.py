@@ -2,7 +2,9 @@
 from .attention import attention, positions
 from .einsum import einsum
 from .elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where
+from .dropout import dropout
 from .embedding import embed
+from .indexing import concat, cumsum, slice_dim, take, unbind
 from .loss import IGNORE_INDEX, cross_entropy
 from .norms import layer_norm, rms_norm
 from .reduce import logsumexp, max, mean, softmax, sum  # noqa: A004
@@ -13,4 +15,4 @@ __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp"
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "softmax", "sum", "rotary",
            "Llama3Scaling", "inverse_frequencies", "rename", "split_dim", "merge_dims", "rearrange",
-           "transpose"]
+           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind"]

@@ -1,9 +1,9 @@
 """Attention over named arrays, with the sequence split across context-parallel devices.
 
-Convention: a sequence dimension split over mesh axes is laid out load-balanced over its
-first axis (device i holds chunks i and 2c-1-i of 2c), then contiguous over the rest; the
-data loader (``functional_pp.data.shard_batch``) lays batches out this way and
-:func:`positions` gives every device the global positions it holds."""
+The order of a split sequence belongs to its rule (docs/layouts.md): contiguous, or
+load-balanced over its first mesh axis (``Rules(seq=balanced("cp"))``: device i holds chunks
+i and 2c-1-i of 2c, evening out causal attention's work), then contiguous over the rest.
+Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
 import math
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..data.loader import balanced_chunk_indices
-from ..named import Named, options, require_named, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
+from ..order import balanced_indices
 from .attention_kernels import ring_attention
 
 
@@ -22,15 +22,16 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
-    return Named(_local_positions(size, split), [dim], [split])
+    return Named(_local_positions(size, split, env()[1].is_balanced(dim)), [dim], [split])
 
 
-def _local_positions(size: int, split: tuple[str, ...]) -> torch.Tensor:
+def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
     if not split:
         return torch.arange(size)
+    if not balanced:
+        return torch.arange(size).chunk(C.axis_size(split))[C.axis_index(split)]
     first, rest = split[0], split[1:]
-    c = C.axis_size(first)
-    base = balanced_chunk_indices(size, c, C.axis_index(first)) if c > 1 else torch.arange(size)
+    base = balanced_indices(size, C.axis_size(first), C.axis_index(first))
     if rest:
         base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
     return base
@@ -77,11 +78,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k.data.permute(order(k, kv_heads))
     vt = v.data.permute(order(v, kv_heads))
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
+    balanced = env()[1].is_balanced(seq)
     if segments is not None:
         seg = _segment_ids(segments, qs[batch], seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq))
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq))
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -89,12 +91,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     return Named(out.permute(back), q.dims, q.split, union)
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size):
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
     n, i = C.axis_size(axes), C.axis_index(axes)
-    if causal and seq_size % (2 * n):
+    if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
     if options().cp_attention == "allgather":
@@ -102,8 +104,10 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
         if causal:
-            qpos = balanced_chunk_indices(seq_size, n, i)
-            kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)])
+            qpos = _local_positions(seq_size, axes, balanced)
+            kpos = torch.arange(seq_size)
+            if balanced:
+                kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
             mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=bool(q.shape[1] != kf.shape[1]))
@@ -111,7 +115,7 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
 
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
-    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=True, shift=shift)
+    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced, shift=shift)
 
 
 def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, device) -> torch.Tensor:
@@ -125,7 +129,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     return data.to(device)
 
 
-def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size):
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced):
     """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
     context parallelism K/V and the segment ids are all-gathered."""
     kseg, qpos, kpos = seg, None, None
@@ -137,8 +141,11 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size):
         k = C.all_gather(k, seq_axes, axis=2, tiled=True)
         v = C.all_gather(v, seq_axes, axis=2, tiled=True)
         kseg = C.raw_all_gather(seg.contiguous(), seq_axes, 1)
-        qpos = balanced_chunk_indices(seq_size, n, i).to(q.device)
-        kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)]).to(q.device)
+        qpos = _local_positions(seq_size, seq_axes, balanced).to(q.device)
+        kpos = torch.arange(seq_size)
+        if balanced:
+            kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
+        kpos = kpos.to(q.device)
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
     if causal:
         if qpos is None:

@@ -65,16 +65,57 @@ def div(a, b) -> Named:
     return broadcast_binary(torch.div, a, b, "div", keep_partial=keep)
 
 
-def where(cond: Named, a: Named, b) -> Named:
-    return broadcast_binary(lambda m, x: torch.where(m.bool(), x, torch.as_tensor(b, dtype=x.dtype)), cond, a, "where")
+def broadcast(fn, operands: list, name: str) -> Named:
+    """Apply ``fn`` to the blocks of several named arrays (numbers pass through), broadcast by
+    name to the union of their dimensions and laid out by the rules."""
+    named_ops = [x for x in operands if isinstance(x, Named)]
+    if not named_ops:
+        raise TypeError(f"{name}: needs at least one named array")
+    for x in operands:
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            raise TypeError(f"{name}: cannot combine a named array with an unnamed tensor of shape "
+                            f"{tuple(x.shape)}; wrap it with functional_pp.named(tensor, 'dims')")
+    dims: tuple[str, ...] = ()
+    sizes: dict[str, int] = {}
+    for x in named_ops:
+        for d, n in x.shape.items():
+            if sizes.setdefault(d, n) != n:
+                raise ValueError(f"{name}: dimension {d!r} has size {sizes[d]} and {n}")
+        dims += tuple(d for d in x.dims if d not in dims)
+    mesh, rules = env()
+    target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
+    ts = [tuple(target[d] for d in x.dims) for x in named_ops]
+    named_ops = [settle(x, t) for x, t in zip(named_ops, ts)]
+    after = [varying_after(x, t) for x, t in zip(named_ops, ts)]
+    union = set().union(*after)
+    ready = iter([relayout(pvary(x, union - a), t, name) for x, a, t in zip(named_ops, after, ts)])
+    operands = [next(ready) if isinstance(x, Named) else x for x in operands]
+    with regather_scope([x for x in operands if isinstance(x, Named)]):
+        data = fn(*[_align(x, dims) if isinstance(x, Named) else x for x in operands])
+    return Named(data, dims, tuple(target[d] for d in dims), union)
+
+
+def where(cond: Named, a, b) -> Named:
+    """``a`` where ``cond`` is true, else ``b`` (named arrays or numbers, broadcast by name)."""
+    def fn(m, x, y):
+        ref = x if isinstance(x, torch.Tensor) else y
+        x = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=ref.dtype)
+        y = y if isinstance(y, torch.Tensor) else torch.as_tensor(y, dtype=ref.dtype)
+        return torch.where(m.bool(), x, y)
+    if not isinstance(a, Named) and not isinstance(b, Named):
+        raise TypeError("where: a or b must be a named array")
+    return broadcast(fn, [cond, a, b], "where")
 
 
 def silu(x: Named) -> Named:
     return x.map(torch.nn.functional.silu)
 
 
-def gelu(x: Named) -> Named:
-    return x.map(torch.nn.functional.gelu)
+def gelu(x: Named, approximate: str = "none") -> Named:
+    """GELU; ``approximate="tanh"`` is GPT-2's tanh approximation."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return x.map(lambda t: torch.nn.functional.gelu(t, approximate=approximate))
 
 
 def relu(x: Named) -> Named:

@@ -18,9 +18,36 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     if len(set(dims)) != len(dims):
         raise ValueError(f"rename {mapping}: the result {dims} names a dimension twice")
     sizes = list(x.shape.values())
-    y = Named(x.data, dims, x.split, x.vary, x.partial)
-    y.gathered_from = x.gathered_from
+    _, rules = env()
+    reorder = [i for i, d in enumerate(x.dims)
+               if x.split[i] and rules.is_balanced(d) != rules.is_balanced(dims[i])]
+    if reorder:     # the two names order the dimension differently: gather it under the old one
+        x = relayout(x, tuple(() if i in reorder else s for i, s in enumerate(x.split)),
+                     f"rename {mapping}")
+    y = _keep_param(x, Named(x.data, dims, x.split, x.vary, x.partial))
     return relayout(y, target_layout(dims, sizes, name=f"rename {mapping}"))
+
+
+def _root(t):
+    return t._base if t._base is not None else t
+
+
+def _keep_param(x: Named, y: Named) -> Named:
+    """``y`` (a view of ``x``'s data under other names or shape) stays a parameter: FSDP
+    re-gathers it in backward instead of keeping it gathered (docs/layouts.md)."""
+    y.is_param, y.tied = x.is_param, x.tied
+    if x.gathered_from is not None and _root(y.data) is _root(x.data):
+        y.gathered_from = x.gathered_from
+    return y
+
+
+def _contiguous_split(x: Named, i: int, what: str) -> Named:
+    """``x`` with dimension ``i`` whole if it is split in load-balanced order (a reshape of
+    such a dimension would mix its chunks)."""
+    _, rules = env()
+    if x.split[i] and rules.is_balanced(x.dims[i]):
+        x = relayout(x, tuple(() if j == i else s for j, s in enumerate(x.split)), what)
+    return x
 
 
 def split_dim(x: Named, dim: str, into: Mapping[str, int]) -> Named:
@@ -29,22 +56,23 @@ def split_dim(x: Named, dim: str, into: Mapping[str, int]) -> Named:
     x = settle(x)
     x._check_dim(dim, "split_dim")
     i = x.dims.index(dim)
+    x = _contiguous_split(x, i, f"split_dim {dim}")
     names, sizes = list(into), list(into.values())
     total = 1
     for s in sizes:
         total *= s
     if total != x.size(dim):
         raise ValueError(f"split_dim: {dim!r} has size {x.size(dim)} but {dict(into)} multiplies to {total}")
-    mesh = env()[0]
+    mesh, rules = env()
     k = mesh.axis_size(x.split[i]) if x.split[i] else 1
-    if sizes[0] % k:
+    if sizes[0] % k or (k > 1 and rules.is_balanced(names[0])):
         x = relayout(x, tuple(() if j == i else s for j, s in enumerate(x.split)))
         k = 1
     local = [sizes[0] // k] + sizes[1:]
     shape = list(x.data.shape[:i]) + local + list(x.data.shape[i + 1:])
     dims = x.dims[:i] + tuple(names) + x.dims[i + 1:]
     split = x.split[:i] + (x.split[i],) + ((),) * (len(names) - 1) + x.split[i + 1:]
-    y = Named(x.data.reshape(shape), dims, split, x.vary)
+    y = _keep_param(x, Named(x.data.reshape(shape), dims, split, x.vary))
     return relayout(y, target_layout(dims, [y.shape[d] for d in dims], name=f"split_dim {dim}"))
 
 
@@ -57,8 +85,11 @@ def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
                       *[d for d in x.dims if d not in dims][idx[0]:])
         idx = [x.dims.index(d) for d in dims]
     i = idx[0]
-    # only the first merged dimension may stay split
-    need = tuple(s if j not in idx[1:] else () for j, s in enumerate(x.split))
+    # only the first merged dimension may stay split, and only in contiguous order
+    _, rules = env()
+    keep_first = not (rules.is_balanced(x.dims[idx[0]]) or rules.is_balanced(into))
+    need = tuple(s if j not in idx[1:] and (j != idx[0] or keep_first) else ()
+                 for j, s in enumerate(x.split))
     x = relayout(x, need)
     n = 1
     for j in idx:
@@ -66,7 +97,7 @@ def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
     shape = list(x.data.shape[:i]) + [n] + list(x.data.shape[idx[-1] + 1:])
     new_dims = x.dims[:i] + (into,) + x.dims[idx[-1] + 1:]
     split = x.split[:i] + (x.split[i],) + x.split[idx[-1] + 1:]
-    y = Named(x.data.reshape(shape), new_dims, split, x.vary)
+    y = _keep_param(x, Named(x.data.reshape(shape), new_dims, split, x.vary))
     return relayout(y, target_layout(new_dims, [y.shape[d] for d in new_dims], name=f"merge_dims {into}"))
 
 
@@ -76,8 +107,7 @@ def transpose(x: Named, *dims: str) -> Named:
         raise ValueError(f"transpose: {dims} is not a permutation of {x.dims}")
     order = [x.dims.index(d) for d in dims]
     y = Named(x.data.permute(order), dims, [x.split[i] for i in order], x.vary, x.partial)
-    y.gathered_from = x.gathered_from if order == sorted(order) else None
-    return y
+    return _keep_param(x, y)
 
 
 _GROUP = re.compile(r"\(([^)]*)\)|(\S+)")

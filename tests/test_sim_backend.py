@@ -1,0 +1,78 @@
+"""Simulated collectives behave like real ones where torch.compile can tell: peers read a
+snapshot of each input (never the live tensor, which the caller may overwrite as soon as
+the collective returns), and results have the strides the fake kernel promises."""
+import pytest
+import torch
+
+import functional_pp as fpp
+
+N = 2
+
+
+def test_input_overwritten_right_after_a_collective_does_not_reach_peers():
+    """Eager code that overwrites a collective's input as soon as it returns (what inductor
+    does with its buffers): every peer must still see the value sent."""
+    def fn():
+        r = fpp.current_rank()
+        bad = 0
+        for step in range(150):
+            x = torch.full((200_000,), float(r + 1 + step))
+            y = fpp.all_gather(x, "dp_shard", axis=0, tiled=True)
+            x.fill_(-1.0)                      # reuse the buffer at once
+            z = fpp.psum(x.fill_(float(r + step)), "dp_shard")
+            x.zero_()
+            expected_y = torch.cat([torch.full((200_000,), float(i + 1 + step)) for i in range(N)])
+            bad += int(not torch.equal(y, expected_y)) + int(not bool((z == 2 * step + 1).all()))
+        return bad
+    assert fpp.launch(fn, fpp.Mesh(dp_shard=N)) == [0] * N
+
+
+def _every_collective(x):
+    """Each collective on a non-contiguous input (a transposed view), followed by in-place
+    use of the results so that strides matter to the compiled code."""
+    xt = x.t()                                                   # non-contiguous (8, 4)
+    outs = [
+        fpp.psum(xt, "dp_shard"),
+        fpp.pmax(xt, "dp_shard"),
+        fpp.all_gather(xt, "dp_shard", axis=1, tiled=True),
+        fpp.psum_scatter(xt, "dp_shard", scatter_dimension=0, tiled=True),
+        fpp.all_to_all(xt, "dp_shard", split_axis=0, concat_axis=1),
+        fpp.ppermute(xt, "dp_shard", [(0, 1), (1, 0)]),
+    ]
+    return [o * 2 + 1 for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_collectives_equal_eager_on_non_contiguous_inputs(backend):
+    def fn():
+        x = torch.arange(32, dtype=torch.float64).reshape(4, 8) * (fpp.current_rank() + 1)
+        eager = _every_collective(x)
+        compiled = torch.compile(_every_collective, backend=backend, fullgraph=True)(x)
+        return [(e, c) for e, c in zip(eager, compiled)]
+    for rank, pairs in enumerate(fpp.launch(fn, fpp.Mesh(dp_shard=N))):
+        for i, (e, c) in enumerate(pairs):
+            torch.testing.assert_close(c, e, rtol=0, atol=0, msg=lambda m: f"rank {rank} collective {i}: {m}")
+            assert c.stride() == e.stride() or c.is_contiguous(), (rank, i, c.stride(), e.stride())
+
+
+def test_fake_kernel_strides_equal_real_kernel_strides():
+    """The fake (meta) result of every simulated collective has the real result's strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fn():
+        x = torch.arange(32, dtype=torch.float64).reshape(4, 8).t()
+        real = _raw_results(x)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = _raw_results(mode.from_tensor(x))
+        return [(r.shape, r.stride(), f.shape, f.stride()) for r, f in zip(real, fake)]
+    for rows in fpp.launch(fn, fpp.Mesh(dp_shard=N)):
+        for rs, rst, fs, fst in rows:
+            assert (rs, rst) == (fs, fst)
+
+
+def _raw_results(x):
+    ctx = fpp.runtime.current_context()
+    b, g = ctx.backend, ctx.mesh.group(ctx.rank, ("dp_shard",))
+    return [b.all_reduce(x, "sum", g), b.all_reduce(x, "max", g), b.all_gather(x, 0, g),
+            b.reduce_scatter(x, 0, g), b.all_to_all(x, 0, 1, g), b.permute(x, ((0, 1), (1, 0)), g)]
