@@ -58,6 +58,10 @@ class LayoutEstimate:
         """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))."""
         return extrapolate([fn(r) for r in self.runs], self.layers)
 
+    def extrapolate_values(self, values) -> float:
+        """f(L) from f's values on the runs."""
+        return extrapolate(list(values), self.layers)
+
     def describe(self) -> str:
         """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
         mesh = "x".join(f"{a}={s}" for a, s in self.mesh.shape.items() if s > 1) or "1 device"

@@ -113,7 +113,7 @@ class MemoryTracker(TorchDispatchMode):
         self.run.peak_breakdown = dict(self._totals)
         self._live: dict[int, _Alloc] = {}
         self._param_ids = {id(t.untyped_storage()) for t in param_tensors}
-        self._weight_shapes: set = set()
+        self._weight_shapes: set = {tuple(t.shape) for t in param_tensors}
         self._report = report
         self._n_events = 0
         self._seq = 0
@@ -188,7 +188,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _tag_events(self, op: str, derived: bool, inputs) -> None:
         for e in self._report.events[self._n_events:]:
-            weight = derived if self.phase == "forward" else (e.shape, e.dtype) in self._weight_shapes
+            weight = derived if self.phase == "forward" else e.shape in self._weight_shapes
             if self.phase == "update":
                 weight = False     # gradient-norm and token-count sums: scalars
             self.run.events.append(TaggedEvent(e.kind, e.axes, e.group_size, e.bytes_sent, e.shape, e.dtype,
@@ -203,7 +203,7 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         if derived:
             category = "weights in flight"
-            self._weight_shapes.add((tuple(t.shape), str(t.dtype).replace("torch.", "")))
+            self._weight_shapes.add(tuple(t.shape))
         elif func in _LOGITS_GRAD:
             category = "logits grad"
         elif self.phase == "forward":
