@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys for sections, YAML values), "
                         "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    t.add_argument("--layout", choices=("manual", "auto"), default=None,
+                   help="auto: choose the mesh and rules with functional_pp.plan (prints why)")
+    t.add_argument("--cluster", default="h100x8",
+                   help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
+    from .plan.command import add_parser as add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
@@ -52,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "plan":
+        from .plan.command import run as plan_run
+        return plan_run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -64,6 +73,9 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"logging.output_dir={args.output}")
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
+        if (args.layout or cfg.layout) == "auto":
+            from .plan.command import auto_layout_for_run
+            cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)

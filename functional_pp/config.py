@@ -200,6 +200,7 @@ _TOP_TYPES: dict[str, tuple] = {
     "seed": (int,), "precision": (str,), "bf16": (bool, _NONE), "fp16": (bool, _NONE),
     "activation_checkpointing": (bool,), "compile": (bool, str), "on_nonfinite": (str,),
     "peak_flops_per_device": (float, _NONE),
+    "layout": (str,),      # manual | auto (functional_pp.plan picks the mesh and rules)
 }
 _SECTIONS = ("model", "data", "rules", "logging", "checkpoint")
 
@@ -241,6 +242,7 @@ class TrainConfig:
     compile: bool | str = False
     on_nonfinite: str = "skip"
     peak_flops_per_device: float | None = None
+    layout: str = "manual"         # manual | auto: functional_pp.plan picks the layout (docs/planning.md)
     # sections
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,6 +342,8 @@ class TrainConfig:
         self.precision = self.resolved_precision()
         if self.on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")
+        if self.layout not in ("manual", "auto"):
+            raise ConfigError(f"layout must be 'manual' or 'auto', got {self.layout!r}")
         if isinstance(self.compile, str):
             import torch._dynamo
             backends = torch._dynamo.list_backends(exclude_tags=())

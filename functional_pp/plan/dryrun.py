@@ -65,7 +65,8 @@ class LayoutEstimate:
     def describe(self) -> str:
         """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
         mesh = "x".join(f"{a}={s}" for a, s in self.mesh.shape.items() if s > 1) or "1 device"
-        extra = [f"{k}={v}" for k, v in self.settings.items() if k != "label" and v not in (None, False, 1, "fp32")]
+        extra = [k if v is True else f"{k}={v}" for k, v in self.settings.items()
+                 if k not in ("label", "fits", "precision") and v not in (None, False, 1)]
         label = self.settings.get("label")
         return " ".join([mesh] + ([label] if label else []) + extra)
 
@@ -83,7 +84,7 @@ class LayoutEstimate:
 
 
 def _rules_dict(rules: Rules) -> dict:
-    return {k: list(v) for k, v in getattr(rules, "_map", {}).items()} if hasattr(rules, "_map") else {"repr": repr(rules)}
+    return {k: list(v) if isinstance(v, (tuple, list)) else v for k, v in getattr(rules, "table", {}).items()}
 
 
 def extrapolate(values: Sequence[float], layers: int) -> float:

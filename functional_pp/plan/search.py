@@ -244,7 +244,7 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
     """A readable ranking: step time, MFU, exposed communication, peak memory and its parts."""
     if not estimates:
         return "(no layout fits)"
-    head = (f"{'#':>3} {'layout':<58} {'step s':>8} {'MFU':>5} {'exposed s':>9} {'comm GB':>8} "
+    head = (f"{'#':>3} {'layout':<66} {'step s':>8} {'MFU':>5} {'exposed s':>9} {'comm GB':>8} "
             f"{'peak GB':>8} {'act GB':>7} {'state GB':>8}  note")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates):
@@ -255,7 +255,7 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
         if pareto and id(e) in pareto:
             note.append("pareto")
         step = f"{t.step_s:8.3f}" if t else f"{e.comm_time_s:8.3f}"
-        lines.append(f"{i + 1:>3} {e.describe()[:58]:<58} {step} {(t.mfu if t else 0):5.2f} "
+        lines.append(f"{i + 1:>3} {e.describe()[:66]:<66} {step} {(t.mfu if t else 0):5.2f} "
                      f"{(t.exposed_comm_s if t else 0):9.3f} {e.comm_bytes / 1e9:8.2f} {e.peak_bytes / 1e9:8.2f} "
                      f"{e.activation_bytes / 1e9:7.2f} {e.state_bytes / 1e9:8.2f}  {', '.join(note)}")
     return "\n".join(lines)
