@@ -20,7 +20,6 @@ from ..torch_private import trace_backward
 from ..train import PRECISIONS, train_step
 from ..tree import leaves_with_paths, map_with_path
 from .device import representative_device
-from .standins import FlashOnMeta
 from .tracker import DeviceRun, MemoryTracker
 
 BatchSpec = dict[str, tuple[Sequence[int], str]]
@@ -66,7 +65,7 @@ class LayoutEstimate:
         """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
         mesh = "x".join(f"{a}={s}" for a, s in self.mesh.shape.items() if s > 1) or "1 device"
         extra = [k if v is True else f"{k}={v}" for k, v in self.settings.items()
-                 if k not in ("label", "fits", "precision") and v not in (None, False, 1)]
+                 if k not in ("label", "fits", "precision") and (v is True or v not in (None, False, 1))]
         label = self.settings.get("label")
         return " ".join([mesh] + ([label] if label else []) + extra)
 
@@ -162,7 +161,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             tracker = MemoryTracker(baseline, masters, rep, timeline)
             step.loss_fn = _instrumented(loss_fn, tracker, repeated)
             compute = PRECISIONS[precision]
-            with FlashOnMeta(), tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
+            with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     optim.norm_reducer(step._sq_reducer), trace_backward(False), \
                     configure(remat=remat, reduce_dtype=torch.float32 if compute else None):
                 out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
