@@ -34,6 +34,7 @@ class Options:
     cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
     remat: bool = False             # recompute each model layer in backward (activation checkpointing)
     reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
+    regather_activations: bool = False  # keep gathered activations' shards for backward, re-gather there (Megatron SP)
 
 
 def options() -> Options:
@@ -220,7 +221,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
                 vary.add(a)
             split[d] = split[d] + (a,)
     out = Named(data, x.dims, tuple(split), vary)
-    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced:
+    if (x.is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad and not sliced:
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
     if not (x.is_param and gathers):      # a cached gathered weight would stay alive (FSDP memory)
         x._cache[key] = out

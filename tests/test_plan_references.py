@@ -19,11 +19,11 @@ def _per_layer(est, fn):
     return fn(two) - fn(one)
 
 
-def _activations_per_layer(mesh, rules, s=4096, b=1):
+def _activations_per_layer(mesh, rules, s=4096, b=1, options=None):
     cfg = llama.Config.llama3_8b(layers=3)
     batch = {"tokens": ((b, s), "batch seq"), "labels": ((b, s), "batch seq")}
     est = plan.estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh, rules,
-                        batch, precision="bf16")
+                        batch, precision="bf16", options=options)
     return _per_layer(est, lambda r: r.saved_bytes) / (s * b * cfg.hidden)
 
 
@@ -31,16 +31,21 @@ def test_korthikanti_activations_per_layer_adapted_to_llama():
     """Korthikanti: 34 s.b.h (16-bit, dropout, s x s softmax) + 5 a.s^2.b; without dropout and
     with flash attention, for SwiGLU (mlp = 3.5 h), GQA (kv = h/4) and fp32 RMSNorm inputs:
     2 + 4 x 2 x 3.5 (mlp input, gate, up, silu, product) + 2 + 2 + 1 + 2 (attention input, q,
-    k and v, out) + 2 x 6 (norms) = 49.5 s.b.h; no a.s^2.b term."""
+    k and v, out) + 2 x 6 (norms: fp32 input copy, bf16 cast) + 0.5 (rotary cos/sin in fp32,
+    4 x s x head_dim per layer) = 49.5 s.b.h; no a.s^2.b term."""
     assert _activations_per_layer(fpp.Mesh(), fpp.Rules()) == pytest.approx(49.5, rel=0.005)
 
 
 @pytest.mark.slow
 def test_korthikanti_with_tensor_and_sequence_parallelism():
-    """With TP+SP Korthikanti divides everything by t. Here 45 s.b.h divide and 4.5 do not: the
-    all-gathered full-sequence inputs of the projections (2 x 2 s.b.h) are kept, where Megatron
-    keeps the sharded ones and re-gathers in backward (docs/planning.md)."""
+    """With TP+SP Korthikanti divides everything by t. By default 45 s.b.h divide and 4.5 do not:
+    the all-gathered full-sequence inputs of the projections (2 x 2 s.b.h) are kept, and the
+    rotary tables (0.5). ``regather_activations=True`` keeps the sharded inputs and re-gathers
+    them in backward as Megatron does: 49/t + 0.5 (docs/planning.md)."""
     for t in (2, 4, 8):
+        got = _activations_per_layer(fpp.Mesh(tp=t), llama.default_rules(fsdp=False, sequence_parallel=True),
+                                     options={"regather_activations": True})
+        assert got == pytest.approx(49.0 / t + 0.5, rel=0.01), t
         got = _activations_per_layer(fpp.Mesh(tp=t), llama.default_rules(fsdp=False, sequence_parallel=True))
         assert got == pytest.approx(45.0 / t + 4.5, rel=0.01), t
         # TP without SP: Korthikanti's 10 + 24/t becomes 16.5 + 33/t (norms and their inputs replicated)
@@ -83,7 +88,8 @@ def _best(cfg, n, b, s, space):
     return ranking, [e for e in ranking if e.settings["fits"]]
 
 
-SPACE = dict(keep_gathered=(False,), cp_attention=("ring",), sequence_parallel=(True,), remat=(False,))
+SPACE = dict(keep_gathered=(False,), cp_attention=("ring",), sequence_parallel=(True,), remat=(False,),
+             regather_activations=(False,))
 
 
 @pytest.mark.slow

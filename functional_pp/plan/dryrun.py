@@ -117,6 +117,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
     settings = dict(precision=precision, grad_accum=grad_accum, remat=remat,
                     keep_gathered=bool(options.get("keep_gathered", False)),
+                    regather_activations=bool(options.get("regather_activations", False)),
                     cp_attention=options.get("cp_attention", "ring") if mesh.shape.get("cp", 1) > 1 else None,
                     label=label)
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None

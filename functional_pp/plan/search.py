@@ -43,6 +43,7 @@ class Space:
     axes: Sequence[str] = DEFAULT_AXES
     fsdp: Sequence[tuple[str, ...]] = (("dp_shard", "cp"), ("dp_shard",), ())
     sequence_parallel: Sequence[bool] = (True, False)
+    regather_activations: Sequence[bool] = (False, True)   # with SP: Megatron's re-gather in backward
     cp_attention: Sequence[str] = ("ring", "allgather")
     remat: Sequence[bool] = (False, True)
     keep_gathered: Sequence[bool] = (False, True)
@@ -92,29 +93,32 @@ def _orders(mesh: Mesh, how: str, cl: Cluster) -> list[Mesh]:
 
 def candidates(n_devices: int, space: Space, cl: Cluster) -> list[Candidate]:
     """Every candidate of ``space`` on ``n_devices``, without duplicates that differ only in
-    names (a dp_shard axis without FSDP is dp_replicate)."""
+    names (a dp_shard axis without FSDP is dp_replicate) or in options that do nothing there
+    (SP without tp, CP modes without cp, keep_gathered without FSDP)."""
     out, seen = [], set()
     for mesh in factorizations(n_devices, space.axes):
-        if any(mesh.shape.get(a, 1) > m for a, m in space.max_axis.items()):
-            continue
         s = mesh.shape
+        if any(s.get(a, 1) > m for a, m in space.max_axis.items()):
+            continue
+        tp, cp = s.get("tp", 1) > 1, s.get("cp", 1) > 1
         for fsdp in space.fsdp:
             fsdp = tuple(a for a in fsdp if s.get(a, 1) > 1)
             if s.get("dp_shard", 1) > 1 and "dp_shard" not in fsdp:
                 continue                                   # plain DP: use dp_replicate
-            for sp in space.sequence_parallel if s.get("tp", 1) > 1 else (False,):
-                for cpa in space.cp_attention if s.get("cp", 1) > 1 else ("ring",):
-                    for keep in space.keep_gathered if fsdp else (False,):
-                        for remat in space.remat:
-                            for ga in space.grad_accum:
-                                for m in _orders(mesh, space.orders, cl):
-                                    label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
-                                    opts = (("cp_attention", cpa),) if s.get("cp", 1) > 1 else ()
-                                    opts += (("keep_gathered", True),) if keep else ()
-                                    c = Candidate(m, standard_rules(fsdp, sp), label, opts, space.precision, ga, remat)
-                                    if hash(c) not in seen:
-                                        seen.add(hash(c))
-                                        out.append(c)
+            choices = itertools.product(space.sequence_parallel if tp else (False,), space.regather_activations,
+                                        space.cp_attention if cp else ("ring",),
+                                        space.keep_gathered if fsdp else (False,), space.remat, space.grad_accum,
+                                        _orders(mesh, space.orders, cl))
+            for sp, regather, cpa, keep, remat, ga, ordered in choices:
+                if regather and not sp:
+                    continue
+                label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
+                opts = ((("cp_attention", cpa),) if cp else ()) + ((("keep_gathered", True),) if keep else ()) \
+                    + ((("regather_activations", True),) if regather else ())
+                c = Candidate(ordered, standard_rules(fsdp, sp), label, opts, space.precision, ga, remat)
+                if hash(c) not in seen:
+                    seen.add(hash(c))
+                    out.append(c)
     return out
 
 
