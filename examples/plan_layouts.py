@@ -1,6 +1,6 @@
-"""Rank the layouts of a Llama 3 8B slice (4 layers, extrapolated exactly to 32) on 8 H100s
-without running it: one representative device on meta tensors per layout, a time model of
-the node, the Pareto front of (step time, memory). Runs in well under a minute."""
+"""Rank the layouts of Llama 3 8B (32 layers: 1 and 2 are run, the rest extrapolated exactly)
+on 8 H100s without running it: one representative device on meta tensors per layout, a time
+model of the node, the Pareto front of (step time, memory). Runs in well under a minute."""
 import functools
 import sys
 

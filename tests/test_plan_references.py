@@ -113,6 +113,16 @@ def test_practice_fsdp_for_8b_on_one_node():
 
 
 @pytest.mark.slow
+def test_practice_tp_inside_nodes_fsdp_across_for_70b():
+    """Practice: TP inside a node, FSDP/HSDP across nodes. 70B on 8 nodes of 8 H100s, 8 x 4k
+    tokens: the best fitting layout has tp=8 within each node and shards over the nodes."""
+    _, fits = _best(llama.Config.llama3_70b(), 64, 8, 4096, plan.Space(max_axis={"cp": 1}, **SPACE))
+    best = fits[0]
+    assert best.mesh.shape["tp"] == 8 and best.time.placement["tp"] == "intra"
+    assert best.time.placement["dp_shard"] == "inter" and best.rules.table["hidden"] == ("dp_shard",)
+
+
+@pytest.mark.slow
 def test_practice_disagreement_tp_inside_a_node_for_a_small_model():
     """Practice puts TP inside a node; for Llama 3.2 1B on 2 nodes of 8 the planner disagrees:
     the model fits with FSDP/HSDP alone, and TP's activation collectives sit on the critical
