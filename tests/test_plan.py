@@ -93,3 +93,22 @@ def test_remat_under_fsdp_keeps_only_the_layer_inputs():
     assert saved["fsdp remat=True"] == saved["dp remat=True"] < saved["fsdp remat=False"] / 4
     est = plan.estimate(LOSS3, llama.init(CFG3), mesh, fsdp, BATCH3, remat=True)
     assert est.activation_bytes == saved["fsdp remat=True"]
+
+
+def test_the_tracker_counts_storages_from_creation_to_free():
+    """The measuring instrument itself: live bytes, peak and its categories on known tensors."""
+    from functional_pp.plan.tracker import MemoryTracker
+    w = torch.zeros(10)                                   # 40 bytes held before: "weights"
+    with MemoryTracker({"weights": 40}, [w]) as tr:
+        a = torch.ones(100)                               # 400
+        b = a * 2                                         # 400 -> 840 live
+        v = b.view(10, 10)                                # a view: no new storage
+        del a                                             # -> 440
+        c = w + 1                                         # derived from the weights only: 40, "weights in flight"
+        d = torch.ones(50, dtype=torch.float64)           # 400 -> 880 live: the peak
+        peak_parts = dict(tr.run.peak_breakdown)
+        del b, v, c, d
+        e = torch.ones(10)                                # 40 -> 80 live
+    assert tr.run.peak_bytes == 880
+    assert peak_parts == {"weights": 40, "forward temporaries": 800, "weights in flight": 40}
+    assert tr._current == 80 and e.numel() == 10

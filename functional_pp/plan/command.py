@@ -57,13 +57,19 @@ def explain(ranking: Ranking, top: int = 3) -> str:
         return "no layout could be estimated:\n" + "\n".join(f"  {m}: {w}" for m, w in ranking.rejected[:10])
     best = ranking[0]
     t = best.time
-    lines = [f"chose {best.describe()}: step {t.step_s:.3f} s (compute {t.compute_s:.3f}, exposed communication "
-             f"{t.exposed_comm_s:.3f}, hidden {t.hidden_comm_s:.3f}), MFU {t.mfu:.2f}, peak memory "
-             f"{best.peak_bytes / 1e9:.1f} GB of {ranking.memory_limit_bytes / 1e9:.0f} GB"
+    lines = [f"chose {best.describe()}: step {t.step_s:.4g} s (compute {t.compute_s:.4g}, exposed communication "
+             f"{t.exposed_comm_s:.4g}, hidden {t.hidden_comm_s:.4g}), MFU {t.mfu:.2f}, peak memory "
+             f"{best.peak_bytes / 1e9:.4g} GB of {ranking.memory_limit_bytes / 1e9:.0f} GB"
              f"; axes {', '.join(f'{a}: {w}-node' for a, w in t.placement.items()) or 'none'}"]
+    busiest = sorted(t.by_collective.items(), key=lambda kv: -kv[1])[:4]
+    if busiest:
+        lines.append("  its collectives (s per step): " + ", ".join(f"{k} {v:.3g}" for k, v in busiest))
+    parts = sorted(best.memory.items(), key=lambda kv: -kv[1])[:5]
+    lines.append("  its peak memory (GB): " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts)
+                 + f" (at {best.runs[-1].peak_at})")
     for e in ranking[1:top]:
         over = " (over memory)" if e.peak_bytes > (ranking.memory_limit_bytes or float("inf")) else ""
-        lines.append(f"  vs {e.describe()}: {e.time.step_s:.3f} s, {e.peak_bytes / 1e9:.1f} GB{over}")
+        lines.append(f"  vs {e.describe()}: {e.time.step_s:.4g} s, {e.peak_bytes / 1e9:.4g} GB{over}")
     return "\n".join(lines)
 
 
@@ -138,6 +144,9 @@ def run(args) -> int:
           f"(memory limit {ranking.memory_limit_bytes / 1e9:.0f} GB per device), best first:")
     print(ranking.table(args.top))
     print(explain(ranking))
+    front = ranking.pareto()
+    print("Pareto front (time, memory): " + "; ".join(
+        f"{e.describe()} {e.time.step_s:.4g} s {e.peak_bytes / 1e9:.4g} GB" for e in front))
     if ranking.rejected:
         print(f"{len(ranking.rejected)} layouts rejected, e.g. {ranking.rejected[0][0]}: {ranking.rejected[0][1]}")
     if args.json:
