@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import collectives as C
 from ..data.loader import balanced_chunk_indices
