@@ -3,7 +3,6 @@ import functools
 import json
 
 import pytest
-import torch
 
 import functional_pp as fpp
 from functional_pp import plan

@@ -11,7 +11,7 @@ from typing import IO
 import torch
 
 from .cluster import cluster as as_cluster
-from .search import Candidate, Ranking, Space, beam, exhaustive, search
+from .search import Ranking, Space, beam, exhaustive, search
 
 LAYOUT_MODES = ("manual", "auto")
 

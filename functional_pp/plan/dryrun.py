@@ -11,7 +11,7 @@ import optree
 import torch
 
 from .. import optim
-from ..comm import CommEvent, CommReport, comm_report
+from ..comm import CommReport, comm_report
 from ..layout import Rules, local_shape
 from ..mesh import Mesh
 from ..named import Named, configure, wrap

@@ -16,7 +16,7 @@ from ..init import init
 from ..launch import launch
 from ..layout import Rules, local_shape
 from ..mesh import Mesh
-from ..named import configure, wrap
+from ..named import configure
 from ..runtime import current_rank
 from ..shard_map import use_rules
 from ..train import train_step

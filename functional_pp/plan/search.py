@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
