@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli_errors import run_reporting_errors
 from .config import ConfigError, TrainConfig
 
 __all__ = ["main", "build_parser"]
@@ -44,22 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys for sections, YAML values), "
                         "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even if the config changes the results "
+                        "(model, data, optimizer, batch, schedule...)")
+    t.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (default: one line)")
     t.add_argument("--layout", choices=("manual", "auto"), default=None,
                    help="auto: choose the mesh and rules with functional_pp.plan (prints why)")
     t.add_argument("--cluster", default="h100x8",
                    help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
-    from .plan.command import add_parser as add_plan_parser
+    from .cli_plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 2 config error)."""
+    """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 config error,
+    3 training stopped on non-finite values; see :mod:`functional_pp.cli_errors`)."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        return _train(args)
+        return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
     if args.command == "plan":
-        from .plan.command import run as plan_run
+        from .cli_plan import run as plan_run
         return plan_run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
@@ -74,9 +81,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
         if (args.layout or cfg.layout) == "auto":
-            from .plan.command import auto_layout_for_run
+            from .cli_plan import auto_layout_for_run
             cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
-        train(cfg, simulate=args.simulate, resume=args.resume)
+        train(cfg, simulate=args.simulate, resume=args.resume,
+              allow_config_change=args.allow_config_change)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2

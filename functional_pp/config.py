@@ -200,6 +200,7 @@ _TOP_TYPES: dict[str, tuple] = {
     "seed": (int,), "precision": (str,), "bf16": (bool, _NONE), "fp16": (bool, _NONE),
     "activation_checkpointing": (bool,), "compile": (bool, str), "on_nonfinite": (str,),
     "peak_flops_per_device": (float, _NONE),
+    "max_consecutive_skips": (int, _NONE), "collective_timeout": (float, _NONE),
     "layout": (str,),      # manual | auto (functional_pp.plan picks the mesh and rules)
 }
 _SECTIONS = ("model", "data", "rules", "logging", "checkpoint")
@@ -242,6 +243,8 @@ class TrainConfig:
     compile: bool | str = False
     on_nonfinite: str = "skip"
     peak_flops_per_device: float | None = None
+    max_consecutive_skips: int | None = 10   # stop after this many non-finite steps in a row
+    collective_timeout: float | None = None  # seconds a device waits for a peer (launch(timeout=))
     layout: str = "manual"         # manual | auto: functional_pp.plan picks the layout (docs/planning.md)
     # sections
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -340,6 +343,12 @@ class TrainConfig:
                               f"(the {self.lr_scheduler} schedule decays after warmup); lower it, "
                               f"e.g. --set warmup_steps={self.max_steps // 2}")
         self.precision = self.resolved_precision()
+        if self.max_consecutive_skips is not None and self.max_consecutive_skips < 1:
+            raise ConfigError(f"max_consecutive_skips must be >= 1 (or null: never stop), got "
+                              f"{self.max_consecutive_skips}")
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            raise ConfigError(f"collective_timeout must be a positive number of seconds (or null: "
+                              f"the default), got {self.collective_timeout}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")
         if self.layout not in ("manual", "auto"):

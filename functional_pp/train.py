@@ -19,6 +19,7 @@ from .collectives import psum
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
+from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import current_context
 from .shard_map import use_rules
 from .torch_private import trace_backward
@@ -38,7 +39,8 @@ class ParamSpec:
 
 
 class NonFiniteError(FloatingPointError):
-    pass
+    """A step's loss, gradient norm or update is not finite (``on_nonfinite="raise"``), or too
+    many consecutive steps were skipped (``max_consecutive_skips``)."""
 
 
 @dataclass
@@ -52,6 +54,7 @@ class TrainStep:
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
     remat: bool = False                   # activation checkpointing per layer
     on_nonfinite: str = "skip"            # skip | raise
+    max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
     flops_per_token: float | None = None
@@ -68,6 +71,11 @@ class TrainStep:
                              "random-number state in the recompute region); use one or the other")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.max_consecutive_skips is not None and (
+                isinstance(self.max_consecutive_skips, bool) or not isinstance(self.max_consecutive_skips, int)
+                or self.max_consecutive_skips < 1):
+            raise ValueError(f"max_consecutive_skips must be an integer >= 1 (or None: never stop), got "
+                             f"{self.max_consecutive_skips!r}")
         self.spec: ParamSpec | None = None
         self._compiled = None
 
@@ -85,7 +93,8 @@ class TrainStep:
         self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
         master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
-                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
+                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
+                "consecutive_skips": torch.zeros((), dtype=torch.int64)}
 
     # ------------------------------------------------------------- the step
     def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
@@ -96,6 +105,7 @@ class TrainStep:
             if mesh != self.mesh:
                 raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
         batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
+        _check_batch(batch)
         unknown = [k for k in batch if k not in self.batch_dims]
         if unknown:
             raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
@@ -112,8 +122,9 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
-            params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
-                                                     state["skipped"], batch)
+            params, opt_state, step, skipped, m, id_checks = fn(state["params"], state["opt_state"],
+                                                                state["step"], state["skipped"], batch)
+        raise_if_bad(id_checks)          # out-of-range token ids / labels (docs/bad_inputs.md §1)
         loss = float(m["loss"])
         seconds = time.perf_counter() - t0
         metrics = {k: float(v) for k, v in m.items()}
@@ -125,10 +136,18 @@ class TrainStep:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
         metrics["peak_memory_bytes"] = _peak_memory()
         if metrics["skipped"] and self.on_nonfinite == "raise":
-            raise NonFiniteError(f"step {int(state['step'])}: loss {loss} / gradient norm "
-                                 f"{metrics['grad_norm']} is not finite; training stopped (set "
-                                 f"on_nonfinite='skip' to skip such steps)")
-        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped}, metrics
+            raise NonFiniteError(f"step {int(state['step'])}: {_nonfinite_what(metrics)} is not finite; "
+                                 f"training stopped (set on_nonfinite='skip' to skip such steps)")
+        run = int(state.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
+        metrics["consecutive_skips"] = run
+        if self.max_consecutive_skips is not None and run >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {int(state['step'])}: {run} consecutive steps were skipped because the "
+                f"{_nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
+                f"{self.max_consecutive_skips}). Lower the learning rate, check the data, or resume "
+                f"from an earlier checkpoint")
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
+                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree
@@ -148,6 +167,34 @@ class TrainStep:
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
         acc = _acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
+        with deferred_checks() as id_checks:
+            grads, total = self._accumulate(leaves, treespec, micro, weights, grads, total, acc)
+        grad_tree = optree.tree_unflatten(treespec, grads)
+        grad_norm = optim.global_norm(grad_tree)
+        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
+        # a NaN update (e.g. a zero second moment with eps=0) must not be applied either; the
+        # check is combined across the devices that split each parameter (docs/bad_inputs.md §2)
+        update_ok = torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), updates)))
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+        new_params = optim.apply_updates(params, updates)
+        bad_parts = torch.stack([~torch.isfinite(total), ~torch.isfinite(grad_norm), ~update_ok])
+        finite = finite & update_ok
+        if torch.compiler.is_compiling():    # branch-free inside a graph
+            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
+            new_params = tree_map(keep, new_params, params)
+            new_opt = tree_map(keep, new_opt, opt_state)
+        elif not bool(finite):               # eager: one check instead of a select per tensor
+            new_params, new_opt = params, opt_state
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": (~finite).to(torch.int64),
+                   "nonfinite_loss": bad_parts[0].to(torch.int64),
+                   "nonfinite_grad": bad_parts[1].to(torch.int64),
+                   "nonfinite_update": bad_parts[2].to(torch.int64)}
+        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics, id_checks
+
+    def _accumulate(self, leaves, treespec, micro, weights, grads, total, acc):
+        """Gradients and weighted loss summed over the micro-batches."""
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
@@ -162,21 +209,7 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        grad_tree = optree.tree_unflatten(treespec, grads)
-        grad_norm = optim.global_norm(grad_tree)
-        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
-        new_params = optim.apply_updates(params, updates)
-        if torch.compiler.is_compiling():    # branch-free inside a graph
-            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
-            new_params = tree_map(keep, new_params, params)
-            new_opt = tree_map(keep, new_opt, opt_state)
-        elif not bool(finite):               # eager: one check instead of a select per tensor
-            new_params, new_opt = params, opt_state
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
-        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
-                   "tokens": tokens, "skipped": (~finite).to(torch.int64)}
-        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
+        return grads, total
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -188,7 +221,8 @@ class TrainStep:
             valid = (mb[key] != -100) if key == "labels" else torch.ones_like(mb[key])
             counts.append(settle(nsum(wrap(valid.to(torch.float64), self.batch_dims[key]))).data)
         total = sum(counts[1:], counts[0])
-        return [c / total for c in counts], total
+        # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
+        return [c / total.clamp_min(1) for c in counts], total
 
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
@@ -203,6 +237,26 @@ class TrainStep:
         for axes, value in groups.items():
             total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
+
+
+def _nonfinite_what(metrics: dict) -> str:
+    """What was not finite in a skipped step, for messages."""
+    values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
+    if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
+        return values + (" (and the optimizer update)" if metrics.get("nonfinite_update") else "")
+    return f"optimizer update (with a finite {values})"
+
+
+def _check_batch(batch: dict) -> None:
+    """Refuse empty batches before any work (they would give a 0/0 loss)."""
+    if not batch:
+        raise ValueError("the batch is empty: pass a dict such as {'tokens': ..., 'labels': ...}")
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"batch[{k!r}] is a {type(v).__name__}, not a tensor")
+        if v.numel() == 0:
+            raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
+                             f"least one row and one position; check the data loader and batch size")
 
 
 def _acc_dtype(leaves) -> torch.dtype:

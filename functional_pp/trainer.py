@@ -31,6 +31,7 @@ import torch
 
 from . import checkpoint as ck
 from .config import ConfigError, TrainConfig
+from .seeds import check_seed
 from .launch import launch, under_torchrun
 from .layout import local_shape
 from .models import llama
@@ -307,12 +308,14 @@ def _optimizer(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False,
-          stop_after: int | None = None, stream: IO[str] | None = None) -> TrainResult | None:
+          stop_after: int | None = None, stream: IO[str] | None = None,
+          allow_config_change: bool = False) -> TrainResult | None:
     """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
     (default: the mesh's size outside torchrun). ``resume``: continue from the newest
     checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
-    arrived (checkpoint, clean exit). Returns the main process's :class:`TrainResult` (None on
-    other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
+    differs from the checkpoint's in a way that breaks exact resumption. Returns the main
+    process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
     from . import comm
     from .collectives import axis_index, axis_size
     from .data import DataLoader
@@ -336,7 +339,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     if latest is not None and not resume:
         raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
                           f"--resume to continue from it, or choose another --output")
+    if latest is not None and not allow_config_change:
+        _check_resume_config(manager.path(latest), cfg, cfg.global_batch(mesh, rules))
 
+    try:
+        check_seed(cfg.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     corpus = _load_corpus(cfg)
     if corpus.vocab_size > model_cfg.vocab:
         raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
@@ -352,6 +361,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                          grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
+                         max_consecutive_skips=cfg.max_consecutive_skips,
                          flops_per_token=llama.flops_per_token(model_cfg, cfg.sequence_len),
                          peak_flops_per_device=cfg.peak_flops_per_device)
     b_axes = cfg.batch_axes(mesh, rules)
@@ -361,6 +371,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     metrics_path = out_dir / METRICS
 
     if main:
+        _check_writable(out_dir)         # before the summary: fail before any work
         print(describe(cfg, world, mesh, rules, model_cfg, corpus), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
@@ -461,7 +472,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 "checkpoint": saved_path, "comm_report": report_text}
 
     with stop:
-        results = launch(device_fn, mesh, simulate=world.simulate)
+        results = launch(device_fn, mesh, simulate=world.simulate, timeout=cfg.collective_timeout)
     if not world.simulate:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -482,6 +493,40 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
     return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                        r["comm_report"])
+
+
+def _check_resume_config(ckpt: Path, cfg: TrainConfig, global_batch: int) -> None:
+    """Refuse a resume whose config changes what the run computes (docs/bad_inputs.md §7)."""
+    from .checkpoint.format import read_index
+    from .resume_check import config_changes
+    index = read_index(ckpt)
+    saved = index.get("config")
+    try:                                 # the saved run's global batch, on its own world size
+        old = TrainConfig.from_dict(saved)
+        old_mesh = old.mesh(index.get("world_size"))
+        derived = ({"global batch (sequences per step)": old.global_batch(old_mesh, old.build_rules(old_mesh))},
+                   {"global batch (sequences per step)": global_batch})
+    except Exception:  # noqa: BLE001 - an older or foreign config: compare the keys as written
+        derived = (None, None)
+    changes = config_changes(saved, cfg.to_dict(), *derived)
+    if changes:
+        raise ConfigError(f"--resume: the config differs from the one saved in {ckpt} in "
+                          f"{len(changes)} key(s) that change the results: " + "; ".join(changes)
+                          + ". Restore them, or pass --allow-config-change to continue anyway "
+                            "(the run will not equal an uninterrupted one)")
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Create ``out_dir`` and check that files can be written there, before any work."""
+    probe = out_dir / f".fpp-write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output directory {out_dir} is not writable ({exc.strerror or exc}); "
+                          f"fix its permissions or choose another with --output DIR "
+                          f"(logging.output_dir)") from exc
 
 
 def mesh_label(mesh) -> str:

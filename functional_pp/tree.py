@@ -1,4 +1,8 @@
-"""Parameter pytrees: declarations with logical axes, path utilities, sharding and gathering.
+"""Parameter pytrees: declarations with logical axes and path utilities.
+
+Cutting a tree into shards, gathering it back and wrapping shards as named values live in
+:mod:`functional_pp.sharding` (``tree.shard``/``tree.gather``/``tree.named_tree`` remain as
+aliases, set by the package).
 
 Containers are plain dicts/lists/tuples, which both optree and torch's pytree utilities
 (and so torch.compile) understand."""
@@ -10,8 +14,6 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .layout import Rules, block_slices
-from .mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -75,43 +77,3 @@ def count_params(tree: Any) -> int:
         elif isinstance(leaf, torch.Tensor):
             total += leaf.numel()
     return total
-
-
-def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
-    """Cut a full tree into the shards of ``rank`` (views, no copies)."""
-    def cut(p, x, d):
-        if tuple(x.shape) != d.shape:
-            raise ValueError(f"{p}: tensor has shape {tuple(x.shape)} but is declared {d.shape}")
-        return x[block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh, name=p), mesh, rank)]
-    return map_with_path(cut, full, decls)
-
-
-def gather(local: Any, decls: Any, rules: Rules) -> Any:
-    """Inside a launched function: gather every device's shards back into full tensors."""
-    from .collectives import raw_all_gather
-    from .runtime import current_mesh
-
-    mesh = current_mesh()
-
-    def full(p, x, d):
-        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
-        for dim, axes in enumerate(layout):
-            if axes:
-                x = raw_all_gather(x.detach(), axes, dim)
-        return x
-    return map_with_path(full, local, decls)
-
-
-
-
-def named_tree(local: Any, decls: Any) -> Any:
-    """Wrap this device's shards as named arrays laid out by the active rules."""
-    from .named import Named, env
-
-    mesh, rules = env()
-
-    def wrap(p, x, d):
-        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
-        n.is_param = True
-        return n
-    return map_with_path(wrap, local, decls)

@@ -364,7 +364,7 @@ class _HFReader:
 
     def _open(self, f: str):
         if f not in self.handles:
-            path = self.root / f
+            path = fmt.inside(self.root, f, str(self.root / "model.safetensors.index.json"))
             if not path.is_file():
                 raise CheckpointNotFoundError(f"{path}: listed in the index but missing")
             try:

@@ -215,7 +215,8 @@ class DataLoader:
 
         self.global_batch_size = int(global_batch_size)
         self.seq_len = int(seq_len)
-        self.seed = int(seed)
+        from ..seeds import check_seed
+        self.seed = check_seed(seed, "DataLoader: seed")
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.cp_rank, self.cp_size = int(cp_rank), int(cp_size)
         self.cp_balanced = bool(cp_balanced)

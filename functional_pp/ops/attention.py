@@ -12,7 +12,7 @@ import torch
 
 from .. import collectives as C
 from ..data.loader import balanced_chunk_indices
-from ..named import Named, options, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, options, require_named, pvary, relayout, settle, target_layout, varying_after
 from .attention_kernels import ring_attention
 from .meta_attention import sdpa_for
 
@@ -42,6 +42,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads). With ``seq`` split across ``cp``: ring attention
     (``configure(cp_attention="allgather")`` all-gathers K/V instead)."""
+    require_named("attention", q=q, k=k, v=v)
     q, k, v = settle(q), settle(k), settle(v)
     for name, x, want in (("q", q, (batch, seq, heads, head_dim)), ("k", k, (batch, seq, kv_heads, head_dim)),
                           ("v", v, (batch, seq, kv_heads, head_dim))):

@@ -99,3 +99,19 @@ def rsqrt(x: Named) -> Named:
 
 def square(x: Named) -> Named:
     return x.map(torch.square)
+
+
+def _attach_operators(cls: type) -> None:
+    """Give the named value type its arithmetic operators. They live here, in the ops layer
+    that defines them, so that ``named`` does not import upwards (docs/architecture.md)."""
+    cls.__add__ = lambda self, o: add(self, o)
+    cls.__radd__ = lambda self, o: add(o, self)
+    cls.__sub__ = lambda self, o: sub(self, o)
+    cls.__rsub__ = lambda self, o: sub(o, self)
+    cls.__mul__ = lambda self, o: mul(self, o)
+    cls.__rmul__ = lambda self, o: mul(o, self)
+    cls.__truediv__ = lambda self, o: div(self, o)
+    cls.__rtruediv__ = lambda self, o: div(o, self)
+
+
+_attach_operators(Named)

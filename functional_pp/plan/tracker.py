@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..comm import CommReport
+from ..observers import on_saved_for_backward
 from ..torch_private import in_backward
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
@@ -89,9 +90,10 @@ class DeviceRun:
 _active = threading.local()
 
 
+@on_saved_for_backward
 def count_saved(t: torch.Tensor) -> None:
     """Report a tensor saved for backward by a pack hook that replaces ours (inner
-    ``saved_tensors_hooks`` win: FSDP re-gathering calls this)."""
+    ``saved_tensors_hooks`` win: FSDP re-gathering announces it, :mod:`functional_pp.observers`)."""
     tracker = getattr(_active, "tracker", None)
     if tracker is not None:
         tracker.pack(t)
