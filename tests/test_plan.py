@@ -90,9 +90,11 @@ def test_remat_under_fsdp_keeps_only_the_layer_inputs():
         for remat in (False, True):
             run = measure(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, remat=remat)[0]
             saved[f"{name} remat={remat}"] = run.saved_bytes
-    assert saved["fsdp remat=True"] == saved["dp remat=True"] < saved["fsdp remat=False"] / 4
+    assert saved["fsdp remat=True"] == saved["dp remat=True"]
+    assert saved["fsdp remat=True"] < saved["fsdp remat=False"] / 4
     est = plan.estimate(LOSS3, llama.init(CFG3), mesh, fsdp, BATCH3, remat=True)
-    assert est.activation_bytes == saved["fsdp remat=True"]
+    # (real runs also keep the token-id range check's small tensors, which meta runs skip)
+    assert est.activation_bytes == pytest.approx(saved["fsdp remat=True"], rel=0.01)
 
 
 def test_the_tracker_counts_storages_from_creation_to_free():
