@@ -20,7 +20,7 @@ from . import sharding, tree
 # moved to functional_pp.sharding; the old names keep working (docs/architecture.md)
 tree.shard, tree.gather, tree.named_tree = sharding.shard, sharding.gather, sharding.named_tree
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Mesh", "Rules", "P", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .version import __version__
 from .cli_errors import run_reporting_errors
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, config_help
 
 __all__ = ["main", "build_parser"]
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="functional-pp",
         description="Functional training on PyTorch: layouts from named axes.")
+    parser.add_argument("--version", action="version", version=f"functional-pp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     t = sub.add_parser(
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Outside torchrun, on a machine without accelerators, a multi-device mesh "
                     "runs on simulated devices in this process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(TrainConfig.valid_keys()))
+        epilog="config keys (generated from functional_pp.config's schema):\n" + config_help())
     t.add_argument("config", help="YAML config file")
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: choose the mesh and rules with functional_pp.plan (prints why)")
     t.add_argument("--cluster", default="h100x8",
                    help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
+    from .commands import add_commands
+    add_commands(sub)
     from .cli_plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     return parser
@@ -68,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from .cli_plan import run as plan_run
         return plan_run(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    from .commands import run_command
+    status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
+    return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
     results: list = [None] * size
     reported: set[int] = set()
     stopped_since: dict[int, float] = {}
+    exited_at: dict[int, float] = {}
     while len(reported) < size:
         try:
             rank, ok, value, tb = q.get(timeout=0.5)
@@ -76,7 +77,7 @@ def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
             for r, p in enumerate(procs):
                 if r in reported:
                     continue
-                if p.exitcode is not None and _late(q, p):
+                if p.exitcode is not None and _lost(p, exited_at.setdefault(r, now), now):
                     raise on_error(r, RankDiedError(
                         f"the process of rank {r} (pid {p.pid}) {_exit_text(p.exitcode)} without "
                         f"reporting a result; the other ranks were stopped. Processes:\n"
@@ -114,12 +115,10 @@ def _with_note(exc: BaseException | str, note: str) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}{note}")
 
 
-def _late(q, p) -> bool:
-    """A process that exited normally put its result first: give the queue a moment."""
-    if p.exitcode == 0:
-        time.sleep(0.5)
-        return q.empty()
-    return True
+def _lost(p, exited_at: float, now: float) -> bool:
+    """A process that ended without reporting: at once when killed or failed; after a few
+    seconds' grace when it exited normally (its result may still be in the queue's pipe)."""
+    return p.exitcode != 0 or now - exited_at > 5.0
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -120,10 +120,11 @@ class TrainStep:
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
-                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
-            params, opt_state, step, skipped, m, id_checks = fn(state["params"], state["opt_state"],
-                                                                state["step"], state["skipped"], batch)
+        with use_rules(self.rules), trace_backward(bool(self.compile)), \
+                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
+                deferred_checks() as id_checks:     # token-id checks, raised after the step
+            params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
+                                                     state["skipped"], batch)
         raise_if_bad(id_checks)          # out-of-range token ids / labels (docs/bad_inputs.md §1)
         loss = float(m["loss"])
         seconds = time.perf_counter() - t0
@@ -167,34 +168,6 @@ class TrainStep:
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
         acc = _acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
-        with deferred_checks() as id_checks:
-            grads, total = self._accumulate(leaves, treespec, micro, weights, grads, total, acc)
-        grad_tree = optree.tree_unflatten(treespec, grads)
-        grad_norm = optim.global_norm(grad_tree)
-        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
-        # a NaN update (e.g. a zero second moment with eps=0) must not be applied either; the
-        # check is combined across the devices that split each parameter (docs/bad_inputs.md §2)
-        update_ok = torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), updates)))
-        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        new_params = optim.apply_updates(params, updates)
-        bad_parts = torch.stack([~torch.isfinite(total), ~torch.isfinite(grad_norm), ~update_ok])
-        finite = finite & update_ok
-        if torch.compiler.is_compiling():    # branch-free inside a graph
-            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
-            new_params = tree_map(keep, new_params, params)
-            new_opt = tree_map(keep, new_opt, opt_state)
-        elif not bool(finite):               # eager: one check instead of a select per tensor
-            new_params, new_opt = params, opt_state
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
-        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
-                   "tokens": tokens, "skipped": (~finite).to(torch.int64),
-                   "nonfinite_loss": bad_parts[0].to(torch.int64),
-                   "nonfinite_grad": bad_parts[1].to(torch.int64),
-                   "nonfinite_update": bad_parts[2].to(torch.int64)}
-        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics, id_checks
-
-    def _accumulate(self, leaves, treespec, micro, weights, grads, total, acc):
-        """Gradients and weighted loss summed over the micro-batches."""
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
@@ -209,7 +182,42 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        return grads, total
+        # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
+        donate = not torch.compiler.is_compiling()
+        grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
+        grads = None
+        grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
+        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
+        updates, new_opt = optim.update_with(self.optimizer, grad_tree, opt_state, params,
+                                             norm_reducer=self._sq_reducer, donate_updates=donate)
+        grad_tree = None
+        new_params = optim.apply_updates(params, updates,
+                                         donate_updates=optim.returns_fresh(self.optimizer, donate))
+        updates = None
+        # a non-finite update (or one that overflows the parameters) is not applied either; with
+        # donated buffers the update already sits in the new parameters, so check those
+        update_ok = self._update_finite(new_params)
+        nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
+                     "nonfinite_update": ~update_ok}
+        finite = finite & update_ok
+        if torch.compiler.is_compiling():    # branch-free inside a graph
+            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
+            new_params = tree_map(keep, new_params, params)
+            new_opt = tree_map(keep, new_opt, opt_state)
+        elif not bool(finite):               # eager: one check instead of a select per tensor
+            new_params, new_opt = params, opt_state
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": (~finite).to(torch.int64),
+                   **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
+        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
+
+    def _update_finite(self, new_params: Any) -> torch.Tensor:
+        """Whether every element of the updated parameters is finite on every device: a NaN
+        update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
+        ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
+        (docs/bad_inputs.md §2)."""
+        return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), new_params)))
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -243,7 +251,7 @@ def _nonfinite_what(metrics: dict) -> str:
     """What was not finite in a skipped step, for messages."""
     values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
     if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
-        return values + (" (and the optimizer update)" if metrics.get("nonfinite_update") else "")
+        return values                    # (the update follows from them)
     return f"optimizer update (with a finite {values})"
 
 
@@ -257,6 +265,22 @@ def _check_batch(batch: dict) -> None:
         if v.numel() == 0:
             raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
                              f"least one row and one position; check the data loader and batch size")
+
+
+def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
+    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
+    (an expanded gradient) is copied first."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out
 
 
 def _acc_dtype(leaves) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""Parameter pytrees: declarations with logical axes and path utilities.
+"""Parameter pytrees: declarations (global shape and dimension names) and path utilities.
 
 Cutting a tree into shards, gathering it back and wrapping shards as named values live in
 :mod:`functional_pp.sharding` (``tree.shard``/``tree.gather``/``tree.named_tree`` remain as
@@ -15,10 +15,10 @@ import optree
 import torch
 
 
-
 @dataclass(frozen=True)
 class Param:
-    """Declaration of one parameter: global shape, logical axes and initializer."""
+    """Declaration of one parameter: global shape, the names of its dimensions (``axes``, the
+    field's historical name: dimension names, not mesh axes; docs/README.md) and initializer."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
@@ -29,8 +29,8 @@ class Param:
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
-            raise ValueError(f"param of shape {self.shape} needs one logical axis per dimension, "
-                             f"got axes {self.axes}")
+            raise ValueError(f"param of shape {self.shape} needs one name per dimension, "
+                             f"got dimension names {self.axes}")
 
 
 def param(shape: Sequence[int], axes: Sequence[str] | str, init: str = "normal", scale: float = 0.02,
@@ -62,7 +62,18 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``optree.tree_map`` with ``None`` as an empty subtree (the package's convention)."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False)
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree, none_is_leaf=False)
 
 
 def count_params(tree: Any) -> int:

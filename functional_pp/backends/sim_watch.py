@@ -44,6 +44,7 @@ class Watch:
         self.finished: set[int] = set()
         self.cpu: dict[int, float] = {}
         self.last_progress = time.monotonic()
+        self._process = (time.monotonic(), time.process_time())
 
     def started(self, rank: int) -> None:
         """Called on the device's own thread when it starts."""
@@ -90,8 +91,14 @@ class Watch:
                   "legitimately this slow")
 
     def _cpu_moved(self) -> bool:
-        """Whether a device outside a collective used CPU time since the last look."""
-        moved = False
+        """Whether a device outside a collective used CPU time since the last look (or, where
+        per-thread clocks are missing or work runs on helper threads, the process used more
+        than 5% of a core: waiting devices use far less)."""
+        wall, cpu = time.monotonic(), time.process_time()
+        busy = cpu - self._process[1] >= 0.05 * max(wall - self._process[0], 1e-3)
+        if wall - self._process[0] >= 0.5:
+            self._process = (wall, cpu)
+        moved = busy
         for r, ident in self.threads.items():
             if r in self.waiting or r in self.finished:
                 continue

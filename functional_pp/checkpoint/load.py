@@ -37,8 +37,9 @@ class Restored:
 class _Reader:
     """Open safetensors files lazily and read (parts of) chunks, checking them against the index."""
 
-    def __init__(self, root: Path, files: dict[str, dict] | None):
+    def __init__(self, root: Path, files: dict[str, dict] | None, index: Path | None = None):
         self.root, self.files = root, files
+        self.index = index or root / fmt.INDEX     # names the files (for messages)
         self.stack = ExitStack()
         self.handles: dict[str, Any] = {}
         self.keys: dict[str, set] = {}
@@ -54,8 +55,7 @@ class _Reader:
     def handle(self, name: str):
         if name in self.handles:
             return self.handles[name]
-        path = fmt.inside(self.root, name, f"{self.root / fmt.INDEX}" if self.files is not None
-                          else f"the index in {self.root}")
+        path = fmt.inside(self.root, name, str(self.index))
         if not path.is_file():
             raise CheckpointCorruptError(f"{path}: listed in the checkpoint index but missing")
         if self.files is not None:
@@ -286,12 +286,13 @@ def load_safetensors(path: str | os.PathLike, specs: Any, *, mesh: Mesh | None =
             raise fmt.CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json "
                                               f"in {p}")
         root = p
+        index_path = hf_index if hf_index.is_file() else None
     elif p.is_file():
-        root, files = p.parent, [p.name]
+        root, files, index_path = p.parent, [p.name], None
     else:
         raise fmt.CheckpointNotFoundError(f"no safetensors file at {p}")
     mesh, rank = _where(mesh, rank)
-    with _Reader(root, None) as reader:
+    with _Reader(root, None, index_path) as reader:
         entries: dict[str, dict] = {}
         for name in files:
             h = reader.handle(name)

@@ -104,14 +104,13 @@ def square(x: Named) -> Named:
 def _attach_operators(cls: type) -> None:
     """Give the named value type its arithmetic operators. They live here, in the ops layer
     that defines them, so that ``named`` does not import upwards (docs/architecture.md)."""
-    cls.__add__ = lambda self, o: add(self, o)
-    cls.__radd__ = lambda self, o: add(o, self)
-    cls.__sub__ = lambda self, o: sub(self, o)
-    cls.__rsub__ = lambda self, o: sub(o, self)
-    cls.__mul__ = lambda self, o: mul(self, o)
-    cls.__rmul__ = lambda self, o: mul(o, self)
-    cls.__truediv__ = lambda self, o: div(self, o)
-    cls.__rtruediv__ = lambda self, o: div(o, self)
+    for name, fn, reflected in (("add", add, False), ("radd", add, True), ("sub", sub, False),
+                                ("rsub", sub, True), ("mul", mul, False), ("rmul", mul, True),
+                                ("truediv", div, False), ("rtruediv", div, True)):
+        def operator(self, other, fn=fn, reflected=reflected):
+            return fn(other, self) if reflected else fn(self, other)
+        operator.__name__ = operator.__qualname__ = f"__{name}__"
+        setattr(cls, f"__{name}__", operator)
 
 
 _attach_operators(Named)
