@@ -17,6 +17,7 @@ from ..mesh import Mesh
 from ..named import Named, configure, wrap
 from ..shard_map import use_rules
 from ..torch_private import trace_backward
+from ..ops.token_ids import deferred_checks
 from ..train import PRECISIONS, train_step
 from ..tree import leaves_with_paths, map_with_path
 from .device import representative_device
@@ -163,8 +164,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             step.loss_fn = _instrumented(loss_fn, tracker, repeated)
             compute = PRECISIONS[precision]
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
-                    optim.norm_reducer(step._sq_reducer), trace_backward(False), \
-                    configure(remat=remat, reduce_dtype=torch.float32 if compute else None):
+                    trace_backward(False), configure(remat=remat, reduce_dtype=torch.float32 if compute else None), \
+                    deferred_checks():
                 out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
                                         named_batch)
             del out
