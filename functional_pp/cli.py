@@ -52,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(model, data, optimizer, batch, schedule...)")
     t.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")
+    t.add_argument("--layout", choices=("manual", "auto"), default=None,
+                   help="auto: choose the mesh and rules with functional_pp.plan (prints why)")
+    t.add_argument("--cluster", default="h100x8",
+                   help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
     from .commands import add_commands
     add_commands(sub)
+    from .cli_plan import add_parser as add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
@@ -63,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
+    if args.command == "plan":
+        from .cli_plan import run as plan_run
+        return plan_run(args)
     from .commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
     return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
@@ -77,6 +86,9 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"logging.output_dir={args.output}")
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
+        if (args.layout or cfg.layout) == "auto":
+            from .cli_plan import auto_layout_for_run
+            cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume,
               allow_config_change=args.allow_config_change)
     except ConfigError as exc:

@@ -114,6 +114,8 @@ class TrainConfig:
                                                 "in a row; null: never stop")
     collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
                                                  "collective before the run fails naming it")
+    layout: Literal["manual", "auto"] = fld("manual", "auto: functional_pp.plan picks the mesh and "
+                                                      "rules for the devices at hand (docs/planning.md)")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")

@@ -206,7 +206,8 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             split[d] = split[d] + (a,)
     out = Named(data, x.dims, tuple(split), vary)
     out.is_param = x.is_param
-    if x.is_param and len(gathers) == 1 and data.requires_grad and not sliced and not reordered:
+    if ((x.is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
+            and not sliced and not reordered):
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
     # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
     # whose use sites share one gather (docs/layouts.md)

@@ -9,7 +9,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .named import Named
+from .named import Named, configure
 
 
 def _flatten(tree: Any):
@@ -44,7 +44,10 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
                 y = Named(data, x.dims, x.split, x.vary, x.partial)
                 y.is_param = x.is_param
                 rebuilt[i] = y
-            out = fn(*optree.tree_unflatten(spec, rebuilt))
+            # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
+            # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
+            with configure(keep_gathered=True):
+                out = fn(*optree.tree_unflatten(spec, rebuilt))
             if expected is None:
                 found["meta"] = _meta(out)
             elif _meta(out) != expected:

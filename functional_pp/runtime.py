@@ -107,6 +107,7 @@ class Options:
     cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
     remat: bool = False             # recompute each model layer in backward (activation checkpointing)
     reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
+    regather_activations: bool = False  # keep gathered activations' shards for backward, re-gather there (Megatron SP)
 
 
 def options() -> Options:

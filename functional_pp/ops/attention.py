@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import collectives as C
 from ..named import Named, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
 from ..order import balanced_indices
 from .attention_kernels import ring_attention
+from .meta_attention import sdpa_for
 
 
 def positions(dim: str = "seq", size: int | None = None) -> Named:
@@ -85,7 +85,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
+        out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
     back = [(batch, heads, seq, head_dim).index(d) for d in q.dims]
     return Named(out.permute(back), q.dims, q.split, union)
@@ -109,7 +109,7 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
             if balanced:
                 kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
             mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
-        return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
+        return sdpa_for(q)(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=bool(q.shape[1] != kf.shape[1]))
     pairs = tuple((j, (j + 1) % n) for j in range(n))
 

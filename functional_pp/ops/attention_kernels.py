@@ -87,7 +87,7 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 def select_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """Name of the kernel ``kernel="auto"`` uses for these inputs (one of ``KERNELS``)."""
     d, dv = q.shape[-1], v.shape[-1]
-    if q.device.type == "cpu":
+    if q.device.type in ("cpu", "meta"):      # meta: planning dry-runs save what flash saves
         if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) and d == dv:
             if "cpu_flash" not in _DISABLED_KERNELS:
                 return "cpu_flash"

@@ -1,0 +1,79 @@
+"""What the devices are and how they are wired: a :class:`Cluster`, presets for common GPU
+nodes, and the placement of a mesh's axes on nodes (docs/planning.md, "Time model")."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..mesh import Mesh
+
+#: ring steps of a collective over g devices (latency terms)
+STEPS = {"all_reduce": lambda g: 2 * (g - 1), "all_gather": lambda g: g - 1, "reduce_scatter": lambda g: g - 1,
+         "all_to_all": lambda g: g - 1, "permute": lambda g: 1}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-device numbers of a cluster of identical nodes.
+
+    Bandwidths are bytes/s one device can send (NVLink inside a node, its NIC across
+    nodes); latencies are seconds per ring step; ``efficiency`` scales the bandwidth per
+    collective kind (e.g. ``{"all_to_all": 0.6}``); ``compute_efficiency`` is the fraction of
+    ``peak_flops`` matrix products reach."""
+    name: str
+    devices_per_node: int
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 15e-6
+    peak_flops: float = 989e12
+    memory_bytes: float = 80e9
+    memory_bandwidth: float = 3.35e12
+    compute_efficiency: float = 0.6
+    efficiency: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def with_(self, **kw) -> "Cluster":
+        """A copy with some numbers changed."""
+        return replace(self, **kw)
+
+    def link(self, mesh: Mesh, axes: tuple[str, ...], rank: int = 0) -> tuple[str, float, float]:
+        """(``"intra"``/``"inter"``, bandwidth, latency) of a collective over ``axes``: inside a
+        node when every member of ``rank``'s group is on the node of ``rank`` (ranks fill nodes
+        in mesh order, last axis fastest)."""
+        group = mesh.group(rank, axes)
+        nodes = {r // self.devices_per_node for r in group}
+        if len(nodes) == 1:
+            return "intra", self.intra_bandwidth, self.intra_latency
+        return "inter", self.inter_bandwidth, self.inter_latency
+
+    def collective_seconds(self, kind: str, bytes_sent: int, group_size: int, link: tuple[str, float, float]) -> float:
+        """Alpha-beta time of one collective: latency x ring steps + bytes / bandwidth."""
+        if group_size <= 1:
+            return 0.0
+        _, bw, lat = link
+        return STEPS[kind](group_size) * lat + bytes_sent / (bw * self.efficiency.get(kind, 1.0))
+
+    def placement(self, mesh: Mesh) -> dict[str, str]:
+        """Which mesh axes stay inside a node (``"intra"``) and which cross nodes."""
+        return {a: self.link(mesh, (a,))[0] for a in mesh.axis_names if mesh.shape[a] > 1}
+
+
+PRESETS = {
+    # NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU, bf16 dense peak
+    "h100x8": Cluster("h100x8", 8, 450e9, 50e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12),
+    "h200x8": Cluster("h200x8", 8, 450e9, 50e9, peak_flops=989e12, memory_bytes=141e9, memory_bandwidth=4.8e12),
+    # NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU
+    "a100x8": Cluster("a100x8", 8, 300e9, 25e9, peak_flops=312e12, memory_bytes=80e9, memory_bandwidth=2.0e12),
+    # PCIe nodes without NVLink: 4 GPUs, 64 GB/s PCIe 5, 100 Gb/s Ethernet
+    "l40sx4": Cluster("l40sx4", 4, 25e9, 12.5e9, intra_latency=10e-6, inter_latency=30e-6, peak_flops=362e12,
+                      memory_bytes=48e9, memory_bandwidth=0.864e12),
+}
+
+
+def cluster(name_or_cluster: "str | Cluster") -> Cluster:
+    """A preset by name (``h100x8``, ``h200x8``, ``a100x8``, ``l40sx4``) or the cluster itself."""
+    if isinstance(name_or_cluster, Cluster):
+        return name_or_cluster
+    if name_or_cluster not in PRESETS:
+        raise ValueError(f"unknown cluster {name_or_cluster!r}; choose one of {sorted(PRESETS)} or build "
+                         f"functional_pp.plan.Cluster(...)")
+    return PRESETS[name_or_cluster]

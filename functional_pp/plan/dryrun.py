@@ -1,0 +1,245 @@
+"""The dry-run: one training step of one representative device on meta tensors, exactly as
+``functional_pp.train_step`` runs it (same precision, reductions, optimizer, accumulation),
+with repeated layers run once and twice and extrapolated (docs/planning.md)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from .. import optim
+from ..comm import CommReport, comm_report
+from ..layout import Rules, local_shape
+from ..mesh import Mesh
+from ..named import Named, configure, wrap
+from ..shard_map import use_rules
+from ..torch_private import trace_backward
+from ..ops.token_ids import deferred_checks
+from ..train import PRECISIONS, train_step
+from ..tree import leaves_with_paths, map_with_path
+from .device import representative_device
+from .tracker import DeviceRun, MemoryTracker
+
+BatchSpec = dict[str, tuple[Sequence[int], str]]
+
+
+@dataclass
+class LayoutEstimate:
+    """One layout's step on one device: communication (exact), memory at the peak by
+    category, FLOPs; ``time`` is filled by a cost model (:mod:`functional_pp.plan.timing`)."""
+    mesh: Mesh
+    rules: Rules
+    comm: CommReport
+    param_bytes: int                 # weights held (fp32 master shards)
+    state_bytes: int                 # weights + gradients + optimizer state
+    activation_bytes: int            # tensors saved for backward (parameters excluded)
+    peak_bytes: int                  # highest live memory during the step
+    memory: dict[str, int]           # the peak by category
+    flops: float                     # FLOPs of this device's matrix products in one step
+    layers: int                      # repeated layers in the model (1 when none)
+    runs: tuple[DeviceRun, ...]      # the measured runs (1 or 2 layers, or the whole model)
+    settings: dict = field(default_factory=dict)
+    comm_time_s: float = 0.0
+    time: Any = None                 # a timing.StepTime once costed
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.comm.total_bytes
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.peak_bytes
+
+    def extrapolate(self, fn: Callable[[DeviceRun], float]) -> float:
+        """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))."""
+        return extrapolate([fn(r) for r in self.runs], self.layers)
+
+    def extrapolate_values(self, values) -> float:
+        """f(L) from f's values on the runs."""
+        return extrapolate(list(values), self.layers)
+
+    def describe(self) -> str:
+        """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
+        mesh = "x".join(f"{a}={s}" for a, s in self.mesh.shape.items() if s > 1) or "1 device"
+        extra = [k if v is True else f"{k}={v}" for k, v in self.settings.items()
+                 if k not in ("label", "fits", "precision") and (v is True or v not in (None, False, 1))]
+        label = self.settings.get("label")
+        return " ".join([mesh] + ([label] if label else []) + extra)
+
+    def row(self) -> dict:
+        """The numbers of one table row (JSON-ready)."""
+        row = {"layout": self.describe(), "mesh": dict(self.mesh.shape), "rules": _rules_dict(self.rules),
+               "settings": {k: v for k, v in self.settings.items()}, "comm_GB": self.comm_bytes / 1e9,
+               "peak_GB": self.peak_bytes / 1e9, "state_GB": self.state_bytes / 1e9,
+               "activations_GB": self.activation_bytes / 1e9,
+               "memory_GB": {k: v / 1e9 for k, v in self.memory.items()}, "tflops": self.flops / 1e12,
+               "comm_s": self.comm_time_s}
+        if self.time is not None:
+            row.update(self.time.row())
+        return row
+
+
+def _rules_dict(rules: Rules) -> dict:
+    return {k: list(v) if isinstance(v, (tuple, list)) else v for k, v in getattr(rules, "table", {}).items()}
+
+
+def extrapolate(values: Sequence[float], layers: int) -> float:
+    """f(L) from f(1) and f(2) (exact for quantities additive over identical layers)."""
+    if len(values) == 1:
+        return values[0]
+    one, two = values
+    return one + (layers - 1) * (two - one)
+
+
+def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
+             batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
+             precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
+             bandwidth: dict[str, float] | float | None = None, rank: int = 0, timeline: bool = True,
+             label: str | None = None) -> LayoutEstimate:
+    """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
+    ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
+    ``train_step``'s step on meta tensors.
+
+    ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
+    ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
+    ``precision``, ``grad_accum``, ``remat`` and ``optimizer`` (default AdamW) are the
+    training step's; ``options`` the ops' (``keep_gathered``, ``cp_attention``).
+    ``repeated`` names the list of identical layers in ``decls``: with L > 2 layers the
+    model is run with 1 and 2 of them and the rest extrapolated (exact to the byte).
+    ``bandwidth`` (bytes/s, per mesh axis or one number) sets ``comm_time_s``; the full time
+    model is :func:`functional_pp.plan.cost`."""
+    rules.check(mesh)
+    options = dict(options or {})
+    remat = bool(options.pop("remat", remat))
+    options.pop("reduce_dtype", None)          # the training step decides, as in a real run
+    settings = dict(precision=precision, grad_accum=grad_accum, remat=remat,
+                    keep_gathered=bool(options.get("keep_gathered", False)),
+                    regather_activations=bool(options.get("regather_activations", False)),
+                    cp_attention=options.get("cp_attention", "ring") if mesh.shape.get("cp", 1) > 1 else None,
+                    label=label)
+    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
+    n_layers = len(layers_list) if isinstance(layers_list, list) else 1
+    if n_layers > 2:
+        variants = [{**decls, repeated: layers_list[:1]}, {**decls, repeated: layers_list[:2]}]
+    else:
+        variants, n_layers = [decls], 1
+    results = [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
+                           repeated, rank, timeline) for d in variants]
+    runs = tuple(r[0] for r in results)
+    comm = _extrapolate_report([r[1] for r in results], n_layers)
+    ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers)))  # noqa: E731
+    weights = ext(lambda r: r[0].baseline["weights"])
+    opt_state = ext(lambda r: r[0].baseline["optimizer state"])
+    memory = {}
+    for cat in set().union(*(r.peak_breakdown for r in runs)):
+        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers)
+        if v:
+            memory[cat] = int(round(v))
+    est = LayoutEstimate(
+        mesh, rules, comm, param_bytes=weights, state_bytes=2 * weights + opt_state,
+        activation_bytes=ext(lambda r: r[0].saved_bytes), peak_bytes=ext(lambda r: r[0].peak_bytes),
+        memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers),
+        layers=n_layers, runs=runs, settings=settings)
+    est.comm_time_s = _bandwidth_time(comm, bandwidth)
+    return est
+
+
+def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
+                repeated, rank, timeline):
+    step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
+                      grad_accum=grad_accum, remat=remat)
+    with representative_device(mesh, rank), use_rules(rules), configure(**options):
+        params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
+        named_batch = _meta_batch(batch, rules, mesh)
+        state = step.init(params)
+        masters = [x for _, x in leaves_with_paths(state["params"])]
+        baseline = {"weights": _nbytes(masters),
+                    "optimizer state": _nbytes(optree.tree_leaves(state["opt_state"], none_is_leaf=False))}
+        with comm_report() as rep:
+            tracker = MemoryTracker(baseline, masters, rep, timeline)
+            step.loss_fn = _instrumented(loss_fn, tracker, repeated)
+            compute = PRECISIONS[precision]
+            with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
+                    trace_backward(False), configure(remat=remat, reduce_dtype=torch.float32 if compute else None), \
+                    deferred_checks():
+                out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
+                                        named_batch)
+            del out
+    return tracker.run, rep
+
+
+def _instrumented(loss_fn, tracker: MemoryTracker, repeated: str | None):
+    def loss(params, batch):
+        tracker.phase, tracker.layer = "forward", None
+        if repeated and isinstance(params, dict) and isinstance(params.get(repeated), list):
+            params = {**params, repeated: _Layers(params[repeated], tracker)}
+        out = loss_fn(params, batch)
+        tracker.layer = None
+        return out
+    return loss
+
+
+class _Layers(list):
+    """The repeated layers; iterating tells the tracker which layer runs."""
+
+    def __init__(self, items, tracker: MemoryTracker):
+        super().__init__(items)
+        self._tracker = tracker
+
+    def __iter__(self):
+        for i in range(len(self)):
+            self._tracker.layer = i
+            yield list.__getitem__(self, i)
+        self._tracker.layer = None
+
+    def __getitem__(self, i):
+        if isinstance(i, int):
+            self._tracker.layer = i % len(self)
+        return list.__getitem__(self, i)
+
+
+def _meta_param(d, rules: Rules, mesh: Mesh, path: str) -> Named:
+    layout = rules.resolve(d.axes, d.shape, mesh, path)
+    x = Named(torch.empty(local_shape(d.shape, layout, mesh), dtype=d.dtype, device="meta"), d.axes, layout)
+    return x
+
+
+def _meta_batch(batch: BatchSpec, rules: Rules, mesh: Mesh) -> dict:
+    out = {}
+    for key, (shape, dims) in batch.items():
+        dims = dims.split() if isinstance(dims, str) else list(dims)
+        layout = rules.resolve(dims, shape, mesh, name=f"batch[{key!r}]")
+        out[key] = wrap(torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long, device="meta"), dims, layout).data
+    return out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _extrapolate_report(reports: list[CommReport], layers: int) -> CommReport:
+    """The whole model's collectives: the 1-layer run's plus (L-1) times what a second layer adds."""
+    out = CommReport()
+    out.events = list(reports[0].events)
+    if len(reports) == 2:
+        extra = Counter(reports[1].events) - Counter(reports[0].events)
+        if Counter(reports[0].events) - Counter(reports[1].events):
+            raise RuntimeError("plan: the 2-layer run does not contain the 1-layer run's collectives; the "
+                               "repeated layers are not identical (pass repeated=None)")
+        for _ in range(layers - 1):
+            out.events.extend(extra.elements())
+    return out
+
+
+def _bandwidth_time(rep: CommReport, bandwidth) -> float:
+    if bandwidth is None:
+        return 0.0
+    total = 0.0
+    for e in rep.events:
+        bw = bandwidth if isinstance(bandwidth, (int, float)) else min(bandwidth.get(a, float("inf")) for a in e.axes)
+        total += e.bytes_sent / bw
+    return total

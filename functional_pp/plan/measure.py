@@ -1,0 +1,66 @@
+"""Measure a real step the way the dry-run estimates it: every device of a simulated mesh
+trains one step on real CPU tensors while device ``rank``'s allocations, saved tensors and
+collectives are recorded. The reference the estimates are tested against, and the input of
+:func:`functional_pp.plan.timing.fit_cluster`."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import optree
+import torch
+
+from .. import optim
+from ..comm import CommReport, comm_report
+from ..init import init
+from ..launch import launch
+from ..layout import Rules, local_shape
+from ..mesh import Mesh
+from ..named import configure
+from ..runtime import current_rank
+from ..shard_map import use_rules
+from ..train import train_step
+from ..tree import leaves_with_paths
+from .dryrun import BatchSpec, _instrumented
+from .tracker import DeviceRun, MemoryTracker
+
+
+def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,
+            options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
+            precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
+            rank: int = 0, seed: int = 0) -> tuple[DeviceRun, CommReport, float]:
+    """Run one real training step on simulated devices; returns device ``rank``'s recorded
+    run, its communication report and the step's wall time in seconds."""
+    options = dict(options or {})
+
+    def device():
+        step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
+                          grad_accum=grad_accum, remat=remat)
+        with use_rules(rules), configure(**options):
+            params = init(lambda: decls, mesh=mesh, rules=rules, seed=seed)
+            state = step.init(params)
+            local = {}
+            for key, (shape, dims) in batch.items():
+                dims = dims.split() if isinstance(dims, str) else list(dims)
+                layout = rules.resolve(dims, shape, mesh, name=f"batch[{key!r}]")
+                local[key] = torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long)
+            me = current_rank() == rank
+            masters = [x for _, x in leaves_with_paths(state["params"])]
+            baseline = {"weights": sum(x.numel() * x.element_size() for x in masters),
+                        "optimizer state": sum(x.numel() * x.element_size()
+                                               for x in optree.tree_leaves(state["opt_state"], none_is_leaf=False)
+                                               if isinstance(x, torch.Tensor))}
+            tracker = MemoryTracker(baseline, masters, None, timeline=False) if me else None
+            with comm_report() as rep:
+                if tracker is not None:
+                    step.loss_fn = _instrumented(loss_fn, tracker, repeated)
+                    tracker._report = rep
+                t0 = time.perf_counter()
+                if tracker is not None:
+                    with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+                        step(state, local)
+                else:
+                    step(state, local)
+                seconds = time.perf_counter() - t0
+        return (tracker.run, rep, seconds) if me else None
+    return launch(device, mesh)[rank]

@@ -1,0 +1,261 @@
+"""Watch one device run a training step: live memory by category, its peak, the tensors
+autograd saves, FLOPs of the matrix products and the collectives, each tagged with the op,
+the phase (forward, backward, update) and the model layer (docs/planning.md, "Memory").
+
+Works on meta tensors (the dry-run) and on real ones (the measurement it is checked
+against): a storage counts from the op that creates it until it is freed."""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..comm import CommReport
+from ..observers import on_saved_for_backward
+from ..torch_private import in_backward
+
+CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
+              "logits grad", "forward temporaries", "gradients and backward temporaries",
+              "update temporaries")
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.default: "addmm",
+            _aten.baddbmm.default: "baddbmm"}
+_LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
+                _aten.nll_loss2d_backward.default}
+_FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
+          _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
+
+
+@dataclass
+class _Alloc:
+    nbytes: int
+    category: str
+    op: str
+    layer: int | None
+    phase: str
+    param_derived: bool
+
+
+@dataclass
+class SavedTensor:
+    """A tensor autograd keeps for backward."""
+    op: str
+    layer: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    category: str
+
+
+@dataclass
+class TaggedEvent:
+    """A collective with where it was issued."""
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    bytes_sent: int
+    shape: tuple[int, ...]
+    dtype: str
+    phase: str
+    layer: int | None
+    op: str
+    weight_traffic: bool      # gathers weights or reduces weight gradients: may overlap compute
+
+
+@dataclass
+class DeviceRun:
+    """What one device did in one step (exact for the model it ran)."""
+    baseline: dict[str, int]
+    peak_bytes: int = 0
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+    peak_at: str = ""
+    flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
+    flops_by_layer: dict = field(default_factory=dict)
+    saved: list[SavedTensor] = field(default_factory=list)
+    events: list[TaggedEvent] = field(default_factory=list)
+    timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd keeps for backward, parameters and their copies excluded."""
+        return sum(s.nbytes for s in self.saved if s.category in ("activations", "logits"))
+
+
+_active = threading.local()
+
+
+@on_saved_for_backward
+def count_saved(t: torch.Tensor) -> None:
+    """Report a tensor saved for backward by a pack hook that replaces ours (inner
+    ``saved_tensors_hooks`` win: FSDP re-gathering announces it, :mod:`functional_pp.observers`)."""
+    tracker = getattr(_active, "tracker", None)
+    if tracker is not None:
+        tracker.pack(t)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts storages created while active (see module docstring). ``baseline``: bytes alive
+    before (weights, optimizer state); ``param_storages``: storages of the parameters, whose
+    casts, views and gathers are "weights in flight"."""
+
+    def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
+                 timeline: bool = True):
+        super().__init__()
+        self.run = DeviceRun(dict(baseline))
+        self._totals = {c: 0 for c in CATEGORIES}
+        self._totals.update(baseline)
+        self._current = sum(baseline.values())
+        self.run.peak_bytes = self._current
+        self.run.peak_breakdown = dict(self._totals)
+        self._live: dict[int, _Alloc] = {}
+        self._param_ids = {id(t.untyped_storage()) for t in param_tensors}
+        self._weight_shapes: set = {tuple(t.shape) for t in param_tensors}
+        self._report = report
+        self._n_events = 0
+        self._seq = 0
+        self._keep_timeline = timeline
+        self.layer: int | None = None
+        self.phase = "forward"
+        self._seen_backward = False
+
+    def __enter__(self):
+        self._outer = getattr(_active, "tracker", None)
+        _active.tracker = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.tracker = self._outer
+        return super().__exit__(*exc)
+
+    # -------------------------------------------------------------- autograd hooks
+    def pack(self, t: torch.Tensor):
+        alloc = self._live.get(id(t.untyped_storage()))
+        if alloc is not None and alloc.phase == "forward" and not getattr(alloc, "_saved", False):
+            alloc._saved = True
+            if alloc.category == "forward temporaries":
+                self._move(alloc, "activations")
+            self.run.saved.append(SavedTensor(alloc.op, alloc.layer, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                              alloc.nbytes, alloc.category))
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def _move(self, alloc: _Alloc, category: str) -> None:
+        self._totals[alloc.category] -= alloc.nbytes
+        alloc.category = category
+        self._totals[category] += alloc.nbytes
+
+    # -------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return False if args[0].dtype == torch.bool else 0     # meta has no values: checks pass
+        backward = in_backward()
+        if backward:
+            self.phase, self._seen_backward = "backward", True
+        elif self._seen_backward and self.phase == "backward":
+            self.phase = "update"
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        in_allocs = [self._live.get(id(a.untyped_storage())) for a in inputs]
+        if backward:
+            layers = [a.layer for a in in_allocs if a is not None and a.phase == "forward" and a.layer is not None]
+            if layers:
+                self.layer = max(layers)
+        out = func(*args, **kwargs)
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        self._count_flops(func, args, out)
+        derived = self.phase != "update" and bool(inputs) and all(
+            id(a.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
+            for a, al in zip(inputs, in_allocs))
+        if self._report is not None and len(self._report.events) > self._n_events:
+            self._tag_events(name, derived, inputs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._allocate(t, name, derived, func)
+        if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
+            self.mark_logits(args[0])
+            self.mark_logits(out)
+        if self._keep_timeline:
+            self.run.timeline.append((self._seq, name, self.phase, self.layer, self._current))
+        self._seq += 1
+        return out
+
+    def _tag_events(self, op: str, derived: bool, inputs) -> None:
+        for e in self._report.events[self._n_events:]:
+            weight = derived if self.phase == "forward" else e.shape in self._weight_shapes
+            if self.phase == "update":
+                weight = False     # gradient-norm and token-count sums: scalars
+            self.run.events.append(TaggedEvent(e.kind, e.axes, e.group_size, e.bytes_sent, e.shape, e.dtype,
+                                               self.phase, self.layer, op, weight))
+        self._n_events = len(self._report.events)
+
+    def _allocate(self, t: torch.Tensor, op: str, derived: bool, func) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._live or key in self._param_ids:
+            return
+        nbytes = storage.nbytes()
+        if derived:
+            category = "weights in flight"
+            self._weight_shapes.add(tuple(t.shape))
+        elif func in _LOGITS_GRAD:
+            category = "logits grad"
+        elif self.phase == "forward":
+            category = "forward temporaries"
+        elif self.phase == "backward":
+            category = "gradients and backward temporaries"
+        else:
+            category = "update temporaries"
+        alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived)
+        self._live[key] = alloc
+        self._totals[category] += nbytes
+        self._current += nbytes
+        weakref.finalize(storage, self._free, key)
+        if self._current > self.run.peak_bytes:
+            self.run.peak_bytes = self._current
+            self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
+            self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    def mark_logits(self, t: torch.Tensor) -> None:
+        """Report ``t``'s storage as logits (the loss's input)."""
+        alloc = self._live.get(id(t.untyped_storage()))
+        if alloc is not None and alloc.category in ("forward temporaries", "activations"):
+            self._move(alloc, "logits")
+
+    def _free(self, key: int) -> None:
+        alloc = self._live.pop(key, None)
+        if alloc is not None:
+            self._totals[alloc.category] -= alloc.nbytes
+            self._current -= alloc.nbytes
+
+    # -------------------------------------------------------------- flops
+    def _count_flops(self, func, args, out) -> None:
+        flops = 0.0
+        if func in _MATMULS:
+            a, b = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
+            flops = 2.0 * math.prod(a.shape) * b.shape[-1]
+        elif func in _FLASH:
+            q, k = args[1], args[2]
+            if func is _aten._scaled_dot_product_flash_attention_for_cpu.default:
+                q, k = args[0], args[1]
+            causal = _flash_causal(func, args)
+            b, h, sq, d = q.shape
+            flops = 4.0 * b * h * sq * k.shape[2] * d * (0.5 if causal else 1.0) * _FLASH[func]
+        if flops:
+            self.run.flops[self.phase] = self.run.flops.get(self.phase, 0.0) + flops
+            key = self.layer if self.phase != "update" else None
+            self.run.flops_by_layer[key] = self.run.flops_by_layer.get(key, 0.0) + flops
+
+
+def _flash_causal(func, args) -> bool:
+    if func is _aten._scaled_dot_product_flash_attention_for_cpu.default:
+        return bool(args[4]) if len(args) > 4 else False
+    return bool(args[7]) if len(args) > 7 else False
