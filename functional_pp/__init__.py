@@ -12,7 +12,7 @@ from .shard_map import shard_map, use_rules
 from .named import Named, configure, named, wrap
 from .ops import (attention, cross_entropy, einsum, embed, layer_norm, logsumexp, merge_dims, positions,
                   rearrange, rename, rms_norm, rotary, silu, softmax, split_dim)
-from .remat import remat
+from .remat import layer, remat
 from .train import TrainStep, train_step
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
 
@@ -26,4 +26,5 @@ __all__ = [
     "leaves_with_paths", "Named", "named", "wrap", "configure", "einsum", "silu", "rms_norm",
     "layer_norm", "attention", "rotary", "positions", "embed", "cross_entropy", "rename", "split_dim",
     "merge_dims", "rearrange", "logsumexp", "softmax", "optim", "train_step", "TrainStep", "remat",
+    "layer",
 ]

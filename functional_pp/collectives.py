@@ -43,8 +43,8 @@ def raw_all_reduce(x: torch.Tensor, axes: AxisName, op: str = "sum") -> torch.Te
         return x
     wide = _reduce_dtype(x) if op == "sum" else None
     y = x.to(wide) if wide else x
-    comm.record("all_reduce", axes, len(group), y)
-    out = ctx.backend.all_reduce(y, op, group)
+    with comm.recording("all_reduce", axes, len(group), y):
+        out = ctx.backend.all_reduce(y, op, group)
     return out.to(x.dtype) if wide else out
 
 
@@ -52,8 +52,8 @@ def raw_all_gather(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
     ctx, axes, group = _group(axes, "all_gather")
     if len(group) == 1:
         return x
-    comm.record("all_gather", axes, len(group), x)
-    return ctx.backend.all_gather(x, _norm_dim(dim, x.ndim), group)
+    with comm.recording("all_gather", axes, len(group), x):
+        return ctx.backend.all_gather(x, _norm_dim(dim, x.ndim), group)
 
 
 def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
@@ -66,8 +66,8 @@ def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tenso
                          f"divisible by the group size {len(group)}")
     wide = _reduce_dtype(x)
     y = x.to(wide) if wide else x
-    comm.record("reduce_scatter", axes, len(group), y)
-    out = ctx.backend.reduce_scatter(y, dim, group)
+    with comm.recording("reduce_scatter", axes, len(group), y):
+        out = ctx.backend.reduce_scatter(y, dim, group)
     return out.to(x.dtype) if wide else out
 
 
@@ -79,8 +79,8 @@ def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: 
     if x.shape[split_dim] % len(group):
         raise ValueError(f"all_to_all over {axes}: split dimension {split_dim} of size "
                          f"{x.shape[split_dim]} is not divisible by the group size {len(group)}")
-    comm.record("all_to_all", axes, len(group), x)
-    return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
+    with comm.recording("all_to_all", axes, len(group), x):
+        return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
 
 
 def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:
@@ -92,11 +92,10 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
         raise ValueError(f"ppermute over {axes}: perm {list(pairs)} must be pairs (source, destination) "
                          f"of distinct indices in range({n})")
     me = group.index(ctx.rank)
-    if any(s == me and d != me for s, d in pairs):
-        comm.record("permute", axes, n, x)
     if n == 1:
         return x if pairs else torch.zeros_like(x)
-    return ctx.backend.permute(x, pairs, group)
+    with comm.recording("permute", axes, n, x, sends=any(s == me and d != me for s, d in pairs)):
+        return ctx.backend.permute(x, pairs, group)
 
 
 def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:

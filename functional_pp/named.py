@@ -20,6 +20,7 @@ import torch
 from . import collectives as C
 from .layout import Layout, Rules
 from .mesh import Mesh
+from .recompute import regather_region
 from .runtime import current_context
 from .shard_map import active_rules
 
@@ -196,7 +197,8 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         extra = have[k:]
         if extra:
             gathers.append((data, extra, d))
-            data = C.all_gather(data, extra, axis=d, tiled=True)
+            with regather_region(x.is_param and not options().keep_gathered):   # ZeRO-3 under compile
+                data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
     sliced = False
     for d, want in enumerate(target):
