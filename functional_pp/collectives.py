@@ -14,6 +14,7 @@ import torch
 
 from . import comm
 from .mesh import as_axes
+from .recompute import traced_as_backward
 from .runtime import current_context
 
 AxisName = str | Sequence[str]
@@ -120,6 +121,7 @@ class _PSum(torch.autograd.Function):
         pass
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return g, None
 
@@ -136,6 +138,7 @@ class _PVary(torch.autograd.Function):
         ctx.axes = inputs[1]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_all_reduce(g, ctx.axes, "sum"), None
 
@@ -150,6 +153,7 @@ class _PMax(torch.autograd.Function):
         ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         x, out = ctx.saved_tensors
         return g * (x == out).to(g.dtype), None
@@ -169,7 +173,7 @@ def _dim_collective(name: str, doc: str, forward, backward):
 
     return type(name, (torch.autograd.Function,), {
         "__doc__": doc, "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(bwd)})
+        "backward": staticmethod(traced_as_backward(bwd))})
 
 
 _AllGather = _dim_collective(
@@ -196,6 +200,7 @@ class _PPermute(torch.autograd.Function):
         ctx.axes, ctx.pairs = inputs[1], inputs[2]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_permute(g, ctx.axes, tuple((d, s) for s, d in ctx.pairs)), None, None
 
@@ -210,6 +215,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.axes, ctx.split, ctx.concat = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_all_to_all(g, ctx.axes, ctx.concat, ctx.split), None, None, None
 

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from .recompute import BACKWARD
 from .torch_private import annotate, in_backward
 
 TRACED = "fpp_comm"    # node.meta["custom"] key of a collective traced under torch.compile
@@ -131,7 +132,10 @@ def recording(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, sends: 
         yield
         return
     nbytes = ring_bytes(kind, x.numel(), n, x.element_size()) if sends else 0
-    with annotate({TRACED: (kind, tuple(axes), n, nbytes, tuple(x.shape), str(x.dtype).replace("torch.", ""))}):
+    meta = {TRACED: (kind, tuple(axes), n, nbytes, tuple(x.shape), str(x.dtype).replace("torch.", ""))}
+    if in_backward():               # a transpose traced by torch.autograd.grad
+        meta[BACKWARD] = True
+    with annotate(meta):
         yield
 
 

@@ -24,8 +24,8 @@ import torch
 
 from . import comm
 from .overlap import overlap_communication
-from .recompute import reissue_for_backward
-from .torch_private import compile_backend, is_backward_node
+from .recompute import in_backward_region, reissue_for_backward
+from .torch_private import compile_backend
 
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
@@ -46,12 +46,11 @@ def _is_collective(node: torch.fx.Node) -> bool:
 
 def graph_collectives(graph: torch.fx.Graph) -> list[tuple[tuple, bool]]:
     """``(tag, in_backward)`` of every tagged collective of a traced step, in graph order."""
-    out, backward = [], False
+    out = []
     for node in graph.nodes:
-        backward = backward or is_backward_node(node)
         tag = (node.meta.get("custom") or {}).get(comm.TRACED)
         if tag is not None and _is_collective(node):
-            out.append((tag, backward))
+            out.append((tag, in_backward_region(node)))
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .recompute import REGATHER
+from .recompute import _VIEW_OR_CAST, REGATHER, _op_name
 from .torch_private import is_backward_node
 
 _FUNCOL = "_c10d_functional"
@@ -41,6 +41,28 @@ def _first_consumer(graph_pos: dict, launch: torch.fx.Node) -> torch.fx.Node | N
     """The first node that reads the collective's result (through its wait)."""
     consumers = [c for u in launch.users for c in (u.users if _is_wait(u) else [u])]
     return min(consumers, key=graph_pos.__getitem__) if consumers else None
+
+
+def _sink(wait: torch.fx.Node) -> int:
+    """Move a wait, with the views and casts of its result, down to the first other node
+    that reads them."""
+    pos = {n: i for i, n in enumerate(wait.graph.nodes)}
+    group, frontier = [wait], [wait]
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in group and _op_name(u) in _VIEW_OR_CAST and all(
+                    a in group or pos[a] < pos[wait] for a in u.all_input_nodes):
+                group.append(u)
+                frontier.append(u)
+    consumers = [u for n in group for u in n.users if u not in group]
+    if not consumers:
+        return 0
+    first = min(consumers, key=pos.__getitem__)
+    if all(pos[n] >= pos[first] - len(group) for n in group):
+        return 0                                  # already right before its reader
+    for n in sorted(group, key=pos.__getitem__):
+        first.prepend(n)
+    return 1
 
 
 def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) -> bool:
@@ -68,12 +90,7 @@ def overlap_communication(graph: torch.fx.Graph) -> int:
     moved = 0
     # late waits
     for wait in [n for n in graph.nodes if _is_wait(n)]:
-        if wait.users:
-            pos = {n: i for i, n in enumerate(graph.nodes)}
-            first = min(wait.users, key=pos.__getitem__)
-            if first is not wait.next:
-                first.prepend(wait)
-                moved += 1
+        moved += _sink(wait)
     # prefetch, separately in forward and in backward
     nodes = list(graph.nodes)
     first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), len(nodes))

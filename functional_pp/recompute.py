@@ -17,6 +17,7 @@ forward/backward partition.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from contextlib import nullcontext
@@ -28,6 +29,7 @@ from .torch_private import annotate, is_backward_node
 REGATHER = "fpp_regather"
 REMAT = "fpp_remat"
 RECOMPUTED = "fpp_recomputed"
+BACKWARD = "fpp_backward"      # set on everything torch.autograd.grad traces in a step
 
 _ids = itertools.count()
 _local = threading.local()
@@ -54,6 +56,28 @@ def regather_region(enabled: bool = True):
 def remat_region():
     """Context for a region whose activations backward recomputes (under compile)."""
     return _tag(REMAT)
+
+
+def backward_region():
+    """Context around a step's ``torch.autograd.grad``: under compile, its nodes (collectives
+    included) are marked as backward."""
+    if not torch.compiler.is_compiling():
+        return nullcontext()
+    return annotate({BACKWARD: True})       # a constant: no side effect inside dynamo's HOPs
+
+
+def traced_as_backward(backward):
+    """Decorator for an autograd Function's ``backward``: dynamo traces it while tracing the
+    forward, so its collectives are marked as backward explicitly."""
+    @functools.wraps(backward)
+    def wrapped(*args):
+        with backward_region():
+            return backward(*args)
+    return wrapped
+
+
+def in_backward_region(node: torch.fx.Node) -> bool:
+    return BACKWARD in (node.meta.get("custom") or {})
 
 
 def _region(node: torch.fx.Node):
@@ -119,6 +143,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
                 new = graph.node_copy(n, clone)
                 new.meta = dict(n.meta)
                 new.meta[RECOMPUTED] = True
+                new.meta["custom"] = {**(n.meta.get("custom") or {}), BACKWARD: True}
                 copies[n] = new
             return copies[n]
         with graph.inserting_before(anchor):

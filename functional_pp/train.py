@@ -18,6 +18,7 @@ from . import optim
 from .barrier import materialize
 from .collectives import psum
 from .compiler import step_backend
+from .recompute import backward_region
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
@@ -152,7 +153,8 @@ class TrainStep:
             _check_invariant(loss_named)
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            gs = iter(torch.autograd.grad(loss, diff))
+            with backward_region():      # marks the traced backward (compiled comm counting)
+                gs = iter(torch.autograd.grad(loss, diff))
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
