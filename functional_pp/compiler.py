@@ -5,7 +5,8 @@ and run two passes on it before it executes:
 
 1. :func:`functional_pp.recompute.reissue_for_backward`: FSDP weights are gathered again in
    backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values;
-2. :func:`functional_pp.overlap.overlap_communication` (torch.distributed only): all-gathers
+2. :func:`functional_pp.overlap.overlap_communication` (torch.distributed only, opt-in with
+   ``FPP_OVERLAP=1`` until verified on real processes): all-gathers
    are prefetched one weight ahead and waits sink to the first use of their result;
 3. the collectives of the final graph (recomputed gathers included) are read from their
    tags, and every run of the compiled graph records them in the active
@@ -16,6 +17,7 @@ Other backend names are passed to ``torch.compile`` unchanged (no passes, no cou
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -72,7 +74,8 @@ def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
 
 def _step_pass(graph: torch.fx.Graph):
     reissue_for_backward(graph)
-    overlap_communication(graph)
+    if os.environ.get("FPP_OVERLAP") == "1":      # experimental until verified on processes
+        overlap_communication(graph)
     if getattr(_local, "graphs", None) is not None:
         _local.graphs.append(graph)
     events = comm.traced_events(graph_collectives(graph))
