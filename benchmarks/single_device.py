@@ -26,7 +26,9 @@ MKL/oneDNN), so it is comparable between the two sides but is not the process RS
 Differences that are part of what is measured (the functional step does them, the plain one
 does not): the functional step also computes the global gradient norm and guards every
 parameter/optimizer-state update with a non-finite check (``torch.where``), and it returns new
-parameter/optimizer tensors instead of updating in place.
+parameter and moment tensors instead of updating in place (eager: the new parameters are written
+into the step's own gradient buffers, so nothing parameter-sized is allocated beyond the moments;
+docs/memory.md).
 """
 from __future__ import annotations
 

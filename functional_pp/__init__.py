@@ -15,8 +15,12 @@ from .ops import (attention, cross_entropy, einsum, embed, layer_norm, logsumexp
 from .remat import layer, remat
 from .train import TrainStep, train_step
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
+from . import sharding, tree
 
-__version__ = "0.1.0"
+# moved to functional_pp.sharding; the old names keep working (docs/architecture.md)
+tree.shard, tree.gather, tree.named_tree = sharding.shard, sharding.gather, sharding.named_tree
+
+from .version import __version__
 
 __all__ = [
     "Mesh", "Rules", "P", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",

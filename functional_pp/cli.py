@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, TrainConfig
+from .version import __version__
+from .cli_errors import run_reporting_errors
+from .config import ConfigError, TrainConfig, config_help
 
 __all__ = ["main", "build_parser"]
 
@@ -23,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="functional-pp",
         description="Functional training on PyTorch: layouts from named axes.")
+    parser.add_argument("--version", action="version", version=f"functional-pp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     t = sub.add_parser(
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Outside torchrun, on a machine without accelerators, a multi-device mesh "
                     "runs on simulated devices in this process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(TrainConfig.valid_keys()))
+        epilog="config keys (generated from functional_pp.config's schema):\n" + config_help())
     t.add_argument("config", help="YAML config file")
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
@@ -44,15 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys for sections, YAML values), "
                         "e.g. --set tp_size=2 --set data.path=corpus.txt; repeatable")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even if the config changes the results "
+                        "(model, data, optimizer, batch, schedule...)")
+    t.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (default: one line)")
+    from .commands import add_commands
+    add_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 2 config error)."""
+    """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 config error,
+    3 training stopped on non-finite values; see :mod:`functional_pp.cli_errors`)."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        return _train(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+        return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
+    from .commands import run_command
+    status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
+    return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -64,7 +77,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"logging.output_dir={args.output}")
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
-        train(cfg, simulate=args.simulate, resume=args.resume)
+        train(cfg, simulate=args.simulate, resume=args.resume,
+              allow_config_change=args.allow_config_change)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2

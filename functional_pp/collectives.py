@@ -1,5 +1,5 @@
 """Collectives over named mesh axes (JAX names), differentiable with the transposes of
-GUIDE §2, counted in the communication report.
+docs/semantics.md, counted in the communication report.
 
 ``axis_name`` is one mesh axis or a tuple of them; a tuple forms one group whose index is
 first-axis-major (``("dp_shard", "cp")``: index = dp_shard_index * cp_size + cp_index).
@@ -15,7 +15,7 @@ import torch
 from . import comm
 from .mesh import as_axes
 from .recompute import traced_as_backward
-from .runtime import current_context
+from .runtime import current_context, options
 
 AxisName = str | Sequence[str]
 
@@ -33,7 +33,6 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 def _reduce_dtype(x: torch.Tensor) -> torch.dtype | None:
     """Mixed precision: the dtype in which 16-bit values are summed (None: their own)."""
-    from .named import options
     want = options().reduce_dtype
     return want if want is not None and x.dtype in (torch.bfloat16, torch.float16) else None
 

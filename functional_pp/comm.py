@@ -1,5 +1,5 @@
 """Communication accounting: every collective records its kind, mesh axes and the bytes one
-device sends by the ring formulas of GUIDE §3."""
+device sends by the ring formulas of docs/communication.md."""
 from __future__ import annotations
 
 import threading

@@ -13,6 +13,7 @@ import torch
 
 from .layout import Rules, block_slices
 from .mesh import Mesh
+from .seeds import check_seed
 from .tree import Param, map_with_path
 
 _M32 = 0xFFFFFFFF
@@ -66,6 +67,7 @@ def init_params(decls: Any, *, seed: int = 0, mesh: Mesh | None = None, rules: R
                 rank: int | None = None, device=None) -> Any:
     """Materialise a tree of :class:`Param` declarations: the full tree without a mesh, or
     the shards of ``rank`` (default: the running device) under ``mesh`` and ``rules``."""
+    seed = check_seed(seed, "init: seed")
     if mesh is not None and rank is None:
         from .runtime import current_rank
         rank = current_rank()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -11,6 +12,7 @@ import torch
 
 from .backends.sim import SimAborted, SimBackend, SimWorld
 from .mesh import Mesh
+from .process_watch import DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure, supervise
 from .torch_private import compile_cache_limits
 from .runtime import DeviceContext, current_context, set_process_context, thread_context
 
@@ -30,7 +32,7 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
-           processes: bool = False, timeout: float = 300.0) -> Any:
+           processes: bool = False, timeout: float | None = None) -> Any:
     """Run ``fn()`` on every device of ``mesh``.
 
     - ``simulate=True`` (the default outside torchrun): one thread per device in this process,
@@ -40,14 +42,21 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
       CUDA); returns this rank's result.
     - ``processes=True``: fork one gloo process per device on this machine; returns the results
       in rank order (they must be picklable).
+
+    ``timeout`` (seconds) bounds every wait for a peer: simulated devices fail when no device
+    made progress for that long (default 300; a device returning early fails its peers at
+    once), real processes pass it to the process group (default 600) and name the ranks
+    that did not take part (docs/bad_inputs.md §4).
     """
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
     if processes:
-        return _launch_processes(fn, mesh, timeout)
+        return _launch_processes(fn, mesh, timeout or DEFAULT_PROCESS_TIMEOUT)
     if simulate is None:
         simulate = not under_torchrun()
     if simulate:
-        return _launch_threads(fn, mesh, timeout)
-    return _launch_distributed(fn, mesh)
+        return _launch_threads(fn, mesh, timeout or 300.0)
+    return _launch_distributed(fn, mesh, timeout or DEFAULT_PROCESS_TIMEOUT)
 
 
 def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
@@ -59,9 +68,11 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
 
     def run(rank: int) -> None:
         ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)
+        world.watch.started(rank)
         with thread_context(ctx), _compile_cache_limits(mesh.size):
             try:
                 results[rank] = fn()
+                world.finish(rank)       # peers still waiting for this device fail at once
             except BaseException as exc:  # noqa: BLE001 - re-raised below with the rank
                 errors[rank] = (exc, traceback.format_exc())
                 world.abort(rank, exc)
@@ -74,8 +85,7 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
                    for r in range(mesh.size)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        _join(threads, world)
     finally:
         torch.set_num_threads(threads_before)
         _unregister(world)
@@ -91,6 +101,20 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
     return results
 
 
+def _join(threads: list, world: SimWorld, grace: float = 10.0) -> None:
+    """Wait for the device threads; once a device failed, wait at most ``grace`` seconds for
+    the others (a device blocked outside any collective can never be interrupted: its daemon
+    thread is abandoned rather than hanging the caller)."""
+    failed_at = None
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(timeout=0.2)
+        if world.failure is not None:
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > grace:
+                return
+
+
 def _compile_cache_limits(n_devices: int):
     """Simulated devices share one process: torch.compile keeps one graph per device (each
     has its own rank baked in) and per training step built in the process, so allow many
@@ -98,7 +122,9 @@ def _compile_cache_limits(n_devices: int):
     return compile_cache_limits(8 * n_devices + 64)
 
 
-def _launch_distributed(fn, mesh: Mesh):
+def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT):
+    import datetime
+
     import torch.distributed as dist
 
     from .backends.dist import DistBackend
@@ -107,13 +133,17 @@ def _launch_distributed(fn, mesh: Mesh):
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     mesh.validate_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank), simulated=False)
+    ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank, timeout=timeout), simulated=False)
     set_process_context(ctx)
     try:
         return fn()
+    except Exception as exc:
+        if is_comm_failure(exc):         # name the ranks that do not answer
+            raise explain_comm_failure(exc, rank, dist.get_world_size(), timeout) from exc
+        raise
     finally:
         set_process_context(None)
 
@@ -124,50 +154,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process_main(fn, mesh: Mesh, rank: int, port: int, queue) -> None:
+def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.size), LOCAL_RANK=str(rank))
+    import datetime
+
     import torch.distributed as dist
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=mesh.size)
-        result = _launch_distributed(fn, mesh)
+        dist.init_process_group("gloo", rank=rank, world_size=mesh.size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = _launch_distributed(fn, mesh, timeout)
         queue.put((rank, True, result, ""))
     except BaseException as exc:  # noqa: BLE001
-        queue.put((rank, False, repr(exc), traceback.format_exc()))
+        queue.put((rank, False, _picklable(exc), traceback.format_exc()))
     finally:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
             pass
+        # os._exit skips the queue's feeder thread: flush the result into the pipe first, so a
+        # parent that sees this process gone always finds its report.
+        queue.close()
+        queue.join_thread()
         os._exit(0)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (its type reaches the parent), else a
+    RuntimeError with its type and message."""
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _launch_processes(fn, mesh: Mesh, timeout: float) -> list:
     import multiprocessing as mp
-    import queue as queue_mod
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, q), daemon=True)
+    procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, q, timeout), daemon=True)
              for r in range(mesh.size)]
     for p in procs:
         p.start()
-    results: list = [None] * mesh.size
+    results = None
     try:
-        for _ in range(mesh.size):
-            try:
-                rank, ok, value, tb = q.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"processes did not finish within {timeout:.0f}s") from None
-            if not ok:
-                raise DeviceError(rank, mesh.coords(rank), RuntimeError(value), tb)
-            results[rank] = value
+        results = supervise(procs, q, mesh.size, timeout,
+                            lambda rank, exc, tb: DeviceError(rank, mesh.coords(rank), exc, tb))
     finally:
-        for p in procs:
-            p.join(timeout=5)
+        for p in procs:                  # after a failure the others are stopped at once
+            p.join(timeout=5 if results is not None else 0.1)
             if p.is_alive():
                 p.kill()
     return results

@@ -72,7 +72,7 @@ class Rules:
 
     def resolve(self, dims: Sequence[str], shape: Sequence[int] | None, mesh: Mesh,
                 name: str = "tensor") -> Layout:
-        """Layout of a tensor whose dimensions are named ``dims`` (GUIDE §2): each dimension
+        """Layout of a tensor whose dimensions are named ``dims`` (docs/semantics.md): each dimension
         takes its rule's mesh axes except those an earlier dimension already took; axes of
         size 1 are dropped. Checks divisibility when ``shape`` (global) is given."""
         key = (tuple(dims), None if shape is None else tuple(shape), mesh)

@@ -5,15 +5,12 @@ For every mesh axis a named array is, in the terms of JAX's varying/invariant ty
   * varying over it without a split (e.g. a gathered weight, or a pvary'd value),
   * partial over it: a pending sum (the local result of contracting a split dimension),
   * or invariant over it.
-Ops reconcile the layouts of their operands by inserting collectives (GUIDE §2); the
+Ops reconcile the layouts of their operands by inserting collectives (docs/semantics.md); the
 transposes of those collectives give every gradient its reduction exactly once.
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -21,39 +18,10 @@ from . import collectives as C
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .recompute import regather_region
-from .runtime import current_context
-from .shard_map import active_rules
+from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
 _TRIVIAL_MESH = Mesh()
-_opts = threading.local()
-
-
-@dataclass
-class Options:
-    keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
-    cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
-    remat: bool = False             # recompute each model layer in backward (activation checkpointing)
-    reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
-
-
-def options() -> Options:
-    o = getattr(_opts, "value", None)
-    if o is None:
-        o = _opts.value = Options()
-    return o
-
-
-@contextmanager
-def configure(**kw) -> Iterator[Options]:
-    """Temporarily change op options: ``keep_gathered``, ``cp_attention``."""
-    old = options()
-    new = Options(**{**old.__dict__, **kw})
-    _opts.value = new
-    try:
-        yield new
-    finally:
-        _opts.value = old
 
 
 def env() -> tuple[Mesh, Rules]:
@@ -108,14 +76,8 @@ class Named:
         return f"Named({', '.join(parts)}{extra}, dtype={self.data.dtype})"
 
     # ------------------------------------------------------------- operators
-    def __add__(self, o): from .ops.elementwise import add; return add(self, o)
-    def __radd__(self, o): from .ops.elementwise import add; return add(o, self)
-    def __sub__(self, o): from .ops.elementwise import sub; return sub(self, o)
-    def __rsub__(self, o): from .ops.elementwise import sub; return sub(o, self)
-    def __mul__(self, o): from .ops.elementwise import mul; return mul(self, o)
-    def __rmul__(self, o): from .ops.elementwise import mul; return mul(o, self)
-    def __truediv__(self, o): from .ops.elementwise import div; return div(self, o)
-    def __rtruediv__(self, o): from .ops.elementwise import div; return div(o, self)
+    # + - * / (and their reflections) are attached by functional_pp.ops.elementwise, the layer
+    # that defines them (docs/architecture.md).
     def __neg__(self): return self.map(torch.neg, linear=True)
     def __pow__(self, p): return self.map(lambda t: t ** p)
 
@@ -135,9 +97,20 @@ class Named:
 # ----------------------------------------------------------------- relayout
 
 
+def require_named(op: str, **operands) -> None:
+    """Raise a TypeError naming ``op`` and the operand unless every operand is a :class:`Named`."""
+    for name, x in operands.items():
+        if not isinstance(x, Named):
+            raise TypeError(f"{op}: {name} is a {type(x).__name__}, not a named array; wrap it "
+                            f"with functional_pp.named(tensor, 'dim names') (a full tensor) or "
+                            f"functional_pp.wrap(block, 'dim names') (this device's block)")
+
+
 def settle(x: Named, target: Layout | None = None) -> Named:
     """Complete pending sums: psum_scatter onto a dimension whose ``target`` wants the axis,
     otherwise psum."""
+    if not isinstance(x, Named):
+        require_named("settle", value=x)
     if not x.partial:
         return x
     key = ("settle", target)

@@ -18,14 +18,18 @@ from .launch import launch
 from .layout import Rules, local_shape
 from .mesh import DEFAULT_AXES, Mesh
 from .named import configure, wrap
+from .observers import on_saved_for_backward
 from .shard_map import use_rules
-from .tree import leaves_with_paths, map_with_path, named_tree
+from .sharding import named_tree
+from .tree import leaves_with_paths, map_with_path
 
 _counter = threading.local()
 
 
+@on_saved_for_backward
 def count_saved(t: torch.Tensor) -> None:
-    """Record a tensor saved for backward (called by every pack hook while planning)."""
+    """Record a tensor saved for backward while planning (the planner's pack hook calls it; ops
+    with their own hooks reach it as an observer, :mod:`functional_pp.observers`)."""
     seen = getattr(_counter, "seen", None)
     if seen is None:
         return

@@ -1,13 +1,20 @@
-"""The device context: which mesh, which rank and which communication backend the running
-code belongs to. Simulated devices are threads, so the context is thread-local."""
+"""The ambient context, at the bottom of the package: which mesh, rank and communication
+backend the running code belongs to, the active rules, and the op options. Simulated devices
+are threads, so all of it is thread-local. Every other layer reads it from here
+(docs/architecture.md)."""
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
 
 from .mesh import Mesh
+
+if TYPE_CHECKING:
+    from .layout import Rules
 
 
 @dataclass
@@ -65,3 +72,59 @@ def thread_context(ctx: DeviceContext) -> Iterator[DeviceContext]:
 def set_process_context(ctx: DeviceContext | None) -> None:
     global _process_context
     _process_context = ctx
+
+
+# ------------------------------------------------------------------------ active rules
+_rules_local = threading.local()
+
+
+@contextmanager
+def use_rules(rules: "Rules") -> Iterator["Rules"]:
+    """Make ``rules`` the active rules for logical specs inside the block."""
+    prev = getattr(_rules_local, "rules", None)
+    _rules_local.rules = rules
+    try:
+        yield rules
+    finally:
+        _rules_local.rules = prev
+
+
+def active_rules(required: bool = True) -> "Rules | None":
+    """The rules installed by :func:`use_rules` on this thread (None, or an error, if none)."""
+    rules = getattr(_rules_local, "rules", None)
+    if rules is None and required:
+        raise RuntimeError("Logical specs need rules: pass rules= or use `with functional_pp.use_rules(rules):`")
+    return rules
+
+
+# ------------------------------------------------------------------------- op options
+_opts = threading.local()
+
+
+@dataclass
+class Options:
+    keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
+    cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
+    remat: bool = False             # recompute each model layer in backward (activation checkpointing)
+    reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
+
+
+def options() -> Options:
+    """The op options in force on this thread."""
+    o = getattr(_opts, "value", None)
+    if o is None:
+        o = _opts.value = Options()
+    return o
+
+
+@contextmanager
+def configure(**kw) -> Iterator[Options]:
+    """Temporarily change op options: ``keep_gathered``, ``cp_attention``, ``remat``,
+    ``reduce_dtype``."""
+    old = options()
+    new = Options(**{**old.__dict__, **kw})
+    _opts.value = new
+    try:
+        yield new
+    finally:
+        _opts.value = old

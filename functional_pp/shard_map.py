@@ -7,38 +7,15 @@ values by their out_specs. Inputs replicated over an axis are invariant over it.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import optree
 import torch
 
 from .collectives import all_gather, split_invariant
 from .layout import P, Layout, Rules, spec_to_layout
-from .runtime import current_context
-
-_rules_local = threading.local()
-
-
-@contextlib.contextmanager
-def use_rules(rules: Rules) -> Iterator[Rules]:
-    """Make ``rules`` the active rules for logical specs inside the block."""
-    prev = getattr(_rules_local, "rules", None)
-    _rules_local.rules = rules
-    try:
-        yield rules
-    finally:
-        _rules_local.rules = prev
-
-
-def active_rules(required: bool = True) -> Rules | None:
-    rules = getattr(_rules_local, "rules", None)
-    if rules is None and required:
-        raise RuntimeError("Logical specs need rules: pass rules= or use `with functional_pp.use_rules(rules):`")
-    return rules
-
+from .runtime import active_rules, current_context, use_rules  # noqa: F401 (re-exported)
 
 def _is_spec(s) -> bool:
     return s is None or isinstance(s, (P, str))

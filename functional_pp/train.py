@@ -22,6 +22,7 @@ from .recompute import backward_region
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
+from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import current_context
 from .shard_map import use_rules
 from .torch_private import trace_backward
@@ -41,7 +42,8 @@ class ParamSpec:
 
 
 class NonFiniteError(FloatingPointError):
-    pass
+    """A step's loss, gradient norm or update is not finite (``on_nonfinite="raise"``), or too
+    many consecutive steps were skipped (``max_consecutive_skips``)."""
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainStep:
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
     remat: bool = False                   # activation checkpointing per layer
     on_nonfinite: str = "skip"            # skip | raise
+    max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
     flops_per_token: float | None = None
@@ -67,6 +70,11 @@ class TrainStep:
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.max_consecutive_skips is not None and (
+                isinstance(self.max_consecutive_skips, bool) or not isinstance(self.max_consecutive_skips, int)
+                or self.max_consecutive_skips < 1):
+            raise ValueError(f"max_consecutive_skips must be an integer >= 1 (or None: never stop), got "
+                             f"{self.max_consecutive_skips!r}")
         self.spec: ParamSpec | None = None
         self._compiled = None
 
@@ -84,7 +92,8 @@ class TrainStep:
         self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
         master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
-                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
+                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
+                "consecutive_skips": torch.zeros((), dtype=torch.int64)}
 
     # ------------------------------------------------------------- the step
     def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
@@ -95,6 +104,7 @@ class TrainStep:
             if mesh != self.mesh:
                 raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
         batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
+        _check_batch(batch)
         unknown = [k for k in batch if k not in self.batch_dims]
         if unknown:
             raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
@@ -108,10 +118,12 @@ class TrainStep:
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with optim.norm_reducer(self._sq_reducer), use_rules(self.rules), trace_backward(bool(self.compile)), \
-                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None):
+        with use_rules(self.rules), trace_backward(bool(self.compile)), \
+                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
+                deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
+        raise_if_bad(id_checks)          # out-of-range token ids / labels (docs/bad_inputs.md §1)
         loss = float(m["loss"])
         seconds = time.perf_counter() - t0
         metrics = {k: float(v) for k, v in m.items()}
@@ -123,10 +135,18 @@ class TrainStep:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
         metrics["peak_memory_bytes"] = _peak_memory()
         if metrics["skipped"] and self.on_nonfinite == "raise":
-            raise NonFiniteError(f"step {int(state['step'])}: loss {loss} / gradient norm "
-                                 f"{metrics['grad_norm']} is not finite; training stopped (set "
-                                 f"on_nonfinite='skip' to skip such steps)")
-        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped}, metrics
+            raise NonFiniteError(f"step {int(state['step'])}: {_nonfinite_what(metrics)} is not finite; "
+                                 f"training stopped (set on_nonfinite='skip' to skip such steps)")
+        run = int(state.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
+        metrics["consecutive_skips"] = run
+        if self.max_consecutive_skips is not None and run >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {int(state['step'])}: {run} consecutive steps were skipped because the "
+                f"{_nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
+                f"{self.max_consecutive_skips}). Lower the learning rate, check the data, or resume "
+                f"from an earlier checkpoint")
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
+                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree
@@ -163,11 +183,24 @@ class TrainStep:
             total = total + loss.detach()
         if torch.compiler.is_compiling() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
-        grad_tree = optree.tree_unflatten(treespec, grads)
-        grad_norm = optim.global_norm(grad_tree)
+        # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
+        donate = not torch.compiler.is_compiling()
+        grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
+        grads = None
+        grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        updates, new_opt = self.optimizer.update(grad_tree, opt_state, params)
-        new_params = optim.apply_updates(params, updates)
+        updates, new_opt = optim.update_with(self.optimizer, grad_tree, opt_state, params,
+                                             norm_reducer=self._sq_reducer, donate_updates=donate)
+        grad_tree = None
+        new_params = optim.apply_updates(params, updates,
+                                         donate_updates=optim.returns_fresh(self.optimizer, donate))
+        updates = None
+        # a non-finite update (or one that overflows the parameters) is not applied either; with
+        # donated buffers the update already sits in the new parameters, so check those
+        update_ok = self._update_finite(new_params)
+        nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
+                     "nonfinite_update": ~update_ok}
+        finite = finite & update_ok
         if torch.compiler.is_compiling():    # branch-free inside a graph
             keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
             new_params = tree_map(keep, new_params, params)
@@ -176,8 +209,16 @@ class TrainStep:
             new_params, new_opt = params, opt_state
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
-                   "tokens": tokens, "skipped": (~finite).to(torch.int64)}
+                   "tokens": tokens, "skipped": (~finite).to(torch.int64),
+                   **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
         return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
+
+    def _update_finite(self, new_params: Any) -> torch.Tensor:
+        """Whether every element of the updated parameters is finite on every device: a NaN
+        update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
+        ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
+        (docs/bad_inputs.md §2)."""
+        return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), new_params)))
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -189,7 +230,8 @@ class TrainStep:
             valid = (mb[key] != -100) if key == "labels" else torch.ones_like(mb[key])
             counts.append(settle(nsum(wrap(valid.to(torch.float64), self.batch_dims[key]))).data)
         total = sum(counts[1:], counts[0])
-        return [c / total for c in counts], total
+        # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
+        return [c / total.clamp_min(1) for c in counts], total
 
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
@@ -204,6 +246,42 @@ class TrainStep:
         for axes, value in groups.items():
             total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
         return total
+
+
+def _nonfinite_what(metrics: dict) -> str:
+    """What was not finite in a skipped step, for messages."""
+    values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
+    if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
+        return values                    # (the update follows from them)
+    return f"optimizer update (with a finite {values})"
+
+
+def _check_batch(batch: dict) -> None:
+    """Refuse empty batches before any work (they would give a 0/0 loss)."""
+    if not batch:
+        raise ValueError("the batch is empty: pass a dict such as {'tokens': ..., 'labels': ...}")
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"batch[{k!r}] is a {type(v).__name__}, not a tensor")
+        if v.numel() == 0:
+            raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
+                             f"least one row and one position; check the data loader and batch size")
+
+
+def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
+    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
+    (an expanded gradient) is copied first."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out
 
 
 def _acc_dtype(leaves) -> torch.dtype:

@@ -1,4 +1,8 @@
-"""Parameter pytrees: declarations with logical axes, path utilities, sharding and gathering.
+"""Parameter pytrees: declarations (global shape and dimension names) and path utilities.
+
+Cutting a tree into shards, gathering it back and wrapping shards as named values live in
+:mod:`functional_pp.sharding` (``tree.shard``/``tree.gather``/``tree.named_tree`` remain as
+aliases, set by the package).
 
 Containers are plain dicts/lists/tuples, which both optree and torch's pytree utilities
 (and so torch.compile) understand."""
@@ -10,13 +14,11 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .layout import Rules, block_slices
-from .mesh import Mesh
-
 
 @dataclass(frozen=True)
 class Param:
-    """Declaration of one parameter: global shape, logical axes and initializer."""
+    """Declaration of one parameter: global shape, the names of its dimensions (``axes``, the
+    field's historical name: dimension names, not mesh axes; docs/README.md) and initializer."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
@@ -27,8 +29,8 @@ class Param:
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
-            raise ValueError(f"param of shape {self.shape} needs one logical axis per dimension, "
-                             f"got axes {self.axes}")
+            raise ValueError(f"param of shape {self.shape} needs one name per dimension, "
+                             f"got dimension names {self.axes}")
 
 
 def param(shape: Sequence[int], axes: Sequence[str] | str, init: str = "normal", scale: float = 0.02,
@@ -60,7 +62,18 @@ def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``optree.tree_map`` with ``None`` as an empty subtree (the package's convention)."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False)
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree, none_is_leaf=False)
 
 
 def count_params(tree: Any) -> int:
@@ -75,43 +88,3 @@ def count_params(tree: Any) -> int:
         elif isinstance(leaf, torch.Tensor):
             total += leaf.numel()
     return total
-
-
-def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
-    """Cut a full tree into the shards of ``rank`` (views, no copies)."""
-    def cut(p, x, d):
-        if tuple(x.shape) != d.shape:
-            raise ValueError(f"{p}: tensor has shape {tuple(x.shape)} but is declared {d.shape}")
-        return x[block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh, name=p), mesh, rank)]
-    return map_with_path(cut, full, decls)
-
-
-def gather(local: Any, decls: Any, rules: Rules) -> Any:
-    """Inside a launched function: gather every device's shards back into full tensors."""
-    from .collectives import raw_all_gather
-    from .runtime import current_mesh
-
-    mesh = current_mesh()
-
-    def full(p, x, d):
-        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
-        for dim, axes in enumerate(layout):
-            if axes:
-                x = raw_all_gather(x.detach(), axes, dim)
-        return x
-    return map_with_path(full, local, decls)
-
-
-
-
-def named_tree(local: Any, decls: Any) -> Any:
-    """Wrap this device's shards as named arrays laid out by the active rules."""
-    from .named import Named, env
-
-    mesh, rules = env()
-
-    def wrap(p, x, d):
-        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
-        n.is_param = True
-        return n
-    return map_with_path(wrap, local, decls)

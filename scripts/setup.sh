@@ -1,10 +1,60 @@
 #!/usr/bin/env bash
-# Install functional_pp with its test dependencies. torch is pinned to 2.13.0 first: on this
-# project's CPU machines that resolves to the local CPU wheel (an open range would pull the
-# multi-GB CUDA build). Elsewhere, for a CPU-only install, add
-# `--index-url https://download.pytorch.org/whl/cpu` to the first command.
+# Install functional_pp with its test dependencies.
+#
+#   bash scripts/setup.sh                                   # CPU or whatever torch is already here
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # a CUDA build
+#   TORCH_VERSION=2.13.0 bash scripts/setup.sh              # pin another torch version
+#   PYTHON=/path/to/python bash scripts/setup.sh            # a specific interpreter
+#
+# - torch: an installed torch that satisfies the requirement (>= TORCH_VERSION, default
+#   2.13.0) is kept; otherwise torch==TORCH_VERSION is installed (from TORCH_INDEX_URL if set).
+# - works with only `python3` on the PATH.
+# - if the interpreter is "externally managed" (PEP 668: Debian/Ubuntu system Python), a venv is
+#   created (or reused) in .venv and everything goes there; activate it with
+#   `source .venv/bin/activate`. Set FPP_VENV=1 to always use a venv, FPP_VENV_DIR to place it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-$PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q -e ".[test,plot]"
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if command -v python >/dev/null 2>&1; then PY=python
+  elif command -v python3 >/dev/null 2>&1; then PY=python3
+  else echo "setup.sh: no python or python3 on the PATH" >&2; exit 1; fi
+fi
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+EXTRAS=${FPP_EXTRAS:-test,plot,hf}
+
+managed=$("$PY" -c 'import os, sysconfig; print(int(os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))')
+in_venv=$("$PY" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
+VENV=${FPP_VENV_DIR:-.venv}
+if { [ "$managed" = 1 ] && [ "$in_venv" = 0 ]; } || [ "${FPP_VENV:-0}" = 1 ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup.sh: creating a virtual environment in $VENV ($PY is externally managed: PEP 668)"
+    "$PY" -m venv "$VENV"
+  fi
+  PY=$VENV/bin/python
+  echo "setup.sh: installing into $VENV (activate with: source $VENV/bin/activate)"
+fi
+
+have=$("$PY" - "$TORCH_VERSION" <<'PYEOF'
+import sys
+try:
+    import torch
+except ImportError:
+    print("none"); sys.exit()
+def key(v):
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return out
+print("ok" if key(torch.__version__) >= key(sys.argv[1]) else "old:" + torch.__version__)
+PYEOF
+)
+if [ "$have" = ok ]; then
+  echo "setup.sh: keeping the installed torch ($("$PY" -c 'import torch; print(torch.__version__)'))"
+else
+  echo "setup.sh: installing torch==$TORCH_VERSION${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL} (found: $have)"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+fi
+"$PY" -m pip install -q -e ".[$EXTRAS]"

@@ -1,4 +1,4 @@
-"""Communication per step equals the analytic formulas of GUIDE §3, byte for byte.
+"""Communication per step equals the analytic formulas of docs/communication.md, byte for byte.
 
 Per device, ring algorithms, B bytes per element (fp64 here: B = 8). Where the code moves a
 different amount than a formula, the reason is stated next to the assertion."""

@@ -98,7 +98,8 @@ def test_adamw_with_ndim_mask_matches_torch_param_groups():
         ]
 
     ref = _run_torch(lambda gs: torch.optim.AdamW(gs, lr=1e-2, betas=(0.9, 0.95)), params, groups=groups)
-    for mask in (optim.decay_mask_by_ndim, lambda path, leaf: path[-1] not in ("b", 0), optim.decay_mask_by_ndim(params)):
+    for mask in (optim.decay_mask_by_ndim, optim.mask_by_path(lambda path, leaf: path[-1] not in ("b", 0)),
+                 optim.decay_mask_by_ndim(params)):
         ours, _ = _run_functional(optim.adamw(1e-2, weight_decay=wd, mask=mask), params)
         _assert_trees_close(ours, ref)
     # without the mask the result differs (1-D leaves are decayed)
@@ -191,42 +192,47 @@ def test_norm_reducer_doubling_and_structure():
         assert all(t.ndim == 0 for t in _leaves(sq))
         return 2 * sum(_leaves(sq))
 
-    with optim.norm_reducer(doubling):
-        assert optim.get_norm_reducer() is doubling
-        assert optim.global_norm(tree).item() == pytest.approx(5.0 * math.sqrt(2))
-        # clip uses global_norm, so it sees the doubled norm: coef = 5 / (5*sqrt2)
-        out, _ = optim.clip_by_global_norm(5.0).update(tree, optim.EmptyState())
-        torch.testing.assert_close(out["x"], tree["x"] / math.sqrt(2), rtol=1e-5, atol=1e-6)
+    assert optim.global_norm(tree, doubling).item() == pytest.approx(5.0 * math.sqrt(2))
+    # clip uses global_norm, so it sees the doubled norm: coef = 5 / (5*sqrt2); the reducer is an
+    # argument of the transform or of update
+    out, _ = optim.clip_by_global_norm(5.0, reducer=doubling).update(tree, optim.EmptyState())
+    torch.testing.assert_close(out["x"], tree["x"] / math.sqrt(2), rtol=1e-5, atol=1e-6)
+    clip = optim.chain(optim.clip_by_global_norm(5.0))
+    out, _ = clip.update(tree, clip.init(tree), norm_reducer=doubling)
+    torch.testing.assert_close(out["x"], tree["x"] / math.sqrt(2), rtol=1e-5, atol=1e-6)
     assert seen and seen[0] == optree.tree_structure(tree, none_is_leaf=False)
-    assert optim.get_norm_reducer() is None
+    # nothing ambient is left behind
     assert optim.global_norm(tree).item() == pytest.approx(5.0)
+    out, _ = optim.clip_by_global_norm(5.0).update(tree, optim.EmptyState())
+    torch.testing.assert_close(out["x"], tree["x"])
 
 
-def test_norm_reducer_is_per_thread():
+def test_norm_reducer_is_explicit_per_call_in_threads():
+    """Two threads with different reducers at the same time: each call uses its own."""
     tree = {"x": torch.tensor([3.0, 4.0])}
     barrier = threading.Barrier(2, timeout=10)
     results = {}
 
-    def tripling(sq):
-        return 3 * sum(_leaves(sq))
-
     def worker():
-        results["thread_default"] = optim.global_norm(tree).item()  # main's reducer is set now
-        with optim.norm_reducer(tripling):
-            barrier.wait()  # main checks while ours is installed
-            barrier.wait()
-            results["thread_own"] = optim.global_norm(tree).item()
+        barrier.wait()
+        results["thread"] = optim.global_norm(tree, lambda sq: 3 * sum(_leaves(sq))).item()
+        results["thread_default"] = optim.global_norm(tree).item()
 
-    with optim.norm_reducer(lambda sq: 2 * sum(_leaves(sq))):
-        th = threading.Thread(target=worker)
-        th.start()
-        barrier.wait()
-        results["main"] = optim.global_norm(tree).item()
-        barrier.wait()
-        th.join()
+    th = threading.Thread(target=worker)
+    th.start()
+    barrier.wait()
+    results["main"] = optim.global_norm(tree, lambda sq: 2 * sum(_leaves(sq))).item()
+    th.join(timeout=30)
     assert results["thread_default"] == pytest.approx(5.0)
     assert results["main"] == pytest.approx(5.0 * math.sqrt(2))
-    assert results["thread_own"] == pytest.approx(5.0 * math.sqrt(3))
+    assert results["thread"] == pytest.approx(5.0 * math.sqrt(3))
+
+
+def test_removed_ambient_reducer_names_say_what_to_do():
+    with pytest.raises(AttributeError, match="norm_reducer=fn"):
+        optim.norm_reducer  # noqa: B018
+    with pytest.raises(AttributeError, match="no longer ambient"):
+        optim.get_norm_reducer  # noqa: B018
 
 
 # --------------------------------------------------------------------------- #
@@ -322,8 +328,7 @@ def test_compiled_global_norm_honours_reducer():
     gn = torch.compile(optim.global_norm, backend=counter, fullgraph=True)
     tree = {"x": torch.tensor([3.0, 4.0])}
     assert gn(tree).item() == pytest.approx(5.0)
-    with optim.norm_reducer(lambda sq: 4 * sum(_leaves(sq))):
-        assert gn(tree).item() == pytest.approx(10.0)
+    assert gn(tree, lambda sq: 4 * sum(_leaves(sq))).item() == pytest.approx(10.0)
     assert gn(tree).item() == pytest.approx(5.0)
 
 

@@ -20,7 +20,8 @@ class DistBackend:
 
     name = "torch.distributed"
 
-    def __init__(self, mesh: Mesh, rank: int):
+    def __init__(self, mesh: Mesh, rank: int, timeout: float | None = None):
+        import datetime
         self.mesh = mesh
         self.rank = rank
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -31,7 +32,8 @@ class DistBackend:
                 for g in mesh.groups(subset):
                     key = tuple(sorted(g))
                     if key not in self._groups:
-                        self._groups[key] = dist.new_group(list(key))
+                        self._groups[key] = dist.new_group(
+                            list(key), timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
 
     def _pg(self, group: tuple[int, ...]):
         return self._groups[tuple(sorted(group))]

@@ -7,11 +7,12 @@ all ranks. A failure on any rank aborts every pending and future rendezvous, so 
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from functools import reduce
 
 import torch
+
+from .sim_watch import CollectiveTimeout, DeviceFinishedError, Watch  # noqa: F401 (re-exported)
 
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -20,8 +21,6 @@ class SimAborted(RuntimeError):
     """Raised on a simulated device because another device failed."""
 
 
-class CollectiveTimeout(RuntimeError):
-    pass
 
 
 class SimWorld:
@@ -34,6 +33,13 @@ class SimWorld:
         self._slots: dict = {}
         self._seq = [defaultdict(int) for _ in range(size)]
         self.failure: tuple[int, BaseException] | None = None
+        self.watch = Watch(size, timeout)    # early returns, no-progress timeout
+
+    def finish(self, rank: int) -> None:
+        """``rank`` returned from the launched function: collectives waiting for it fail."""
+        with self._cond:
+            self.watch.finish(rank)
+            self._cond.notify_all()
 
     def abort(self, rank: int, exc: BaseException) -> None:
         with self._cond:
@@ -49,7 +55,6 @@ class SimWorld:
         seq = self._seq[rank][group]
         self._seq[rank][group] = seq + 1
         key = (group, seq)
-        deadline = time.monotonic() + self.timeout
         with self._cond:
             slot = self._slots.get(key)
             if slot is None:
@@ -57,21 +62,20 @@ class SimWorld:
             slot["data"][idx] = payload
             slot["meta"][idx] = meta
             slot["arrived"] += 1
+            self.watch.enter(rank, meta[0], seq, group)
             self._cond.notify_all()
             while slot["arrived"] < n:
                 if self.failure is not None:
                     raise SimAborted(f"device {self.failure[0]} failed")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [group[i] for i, m in enumerate(slot["meta"]) if m is None]
-                    err = CollectiveTimeout(
-                        f"collective {meta[0]} #{seq} over ranks {group} timed out after "
-                        f"{self.timeout:.0f}s: ranks {missing} never reached it (did the devices "
-                        f"run different code?)")
+                missing = [group[i] for i, m in enumerate(slot["meta"]) if m is None]
+                try:
+                    self.watch.check(rank, meta[0], seq, group, missing)
+                except (CollectiveTimeout, DeviceFinishedError) as err:
                     self.failure = self.failure or (rank, err)
                     self._cond.notify_all()
-                    raise err
-                self._cond.wait(timeout=min(remaining, 1.0))
+                    raise
+                self._cond.wait(timeout=min(self.timeout, 1.0))
+            self.watch.leave(rank)
             if self.failure is not None and not isinstance(self.failure[1], SimAborted):
                 pass  # the rendezvous completed; let the rank carry on to its next check
             metas = slot["meta"]

@@ -32,6 +32,8 @@ INDEX = "index.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_RE = re.compile(r"^step-(\d+)\.(tmp|old)-[0-9a-f]+$")
+FILE_TMP_RE = re.compile(r"^(latest|index\.json)\.tmp-[0-9a-f]+$")   # of write_text_atomic
+CHUNKS_KEY = "functional_pp.chunks"   # safetensors metadata: {tensor path: [start, stop]}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -183,6 +185,24 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise CheckpointError(f"could not write {path}: {exc.strerror or exc} "
                               f"(errno {exc.errno})") from exc
     fsync_dir(path.parent)
+
+
+def inside(root: Path, name: Any, what: str) -> Path:
+    """``root / name``, refusing names that lead outside ``root`` (absolute paths, ``..``,
+    symbolic links): a checkpoint's index may only point at files inside its directory."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointCorruptError(f"{what} names file {name!r}, which is not a file name")
+    path = root / name
+    try:
+        ok = Path(name).is_absolute() is False and path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(
+            f"{what} names file {name!r}, which is outside the checkpoint directory {root}; only "
+            f"files inside it are read (was the index edited by hand, or copied from elsewhere?). "
+            f"Put the file inside {root} and name it relative to it")
+    return path
 
 
 def fsync_dir(path: Path) -> None:

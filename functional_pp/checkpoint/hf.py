@@ -364,7 +364,7 @@ class _HFReader:
 
     def _open(self, f: str):
         if f not in self.handles:
-            path = self.root / f
+            path = fmt.inside(self.root, f, str(self.root / "model.safetensors.index.json"))
             if not path.is_file():
                 raise CheckpointNotFoundError(f"{path}: listed in the index but missing")
             try:
@@ -530,10 +530,15 @@ def _config_from_index(index: dict):
 
     names = {f.name for f in fields(Config)}
     saved = index.get("config")
-    for c in (saved, (saved or {}).get("model") if isinstance(saved, dict) else None):
+    meta = index.get("metadata") or {}
+    model = (saved or {}).get("model") if isinstance(saved, dict) else None
+    for c in (meta.get("model_config") if isinstance(meta, dict) else None, saved, model):
         if isinstance(c, dict) and c and set(c) <= names:
             return Config.from_dict(c)
-    raise CheckpointError("the checkpoint's config is not a llama.Config dict; pass cfg=")
+    if isinstance(model, dict) and "preset" in model and set(model) - {"preset"} <= names:
+        return Config.preset(model["preset"], **{k: v for k, v in model.items() if k != "preset"})
+    raise CheckpointError("the checkpoint's config does not describe a Llama model (no "
+                          "metadata.model_config, llama.Config dict or model preset); pass cfg=")
 
 
 def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, cfg=None, *,

@@ -37,11 +37,14 @@ class Restored:
 class _Reader:
     """Open safetensors files lazily and read (parts of) chunks, checking them against the index."""
 
-    def __init__(self, root: Path, files: dict[str, dict] | None):
+    def __init__(self, root: Path, files: dict[str, dict] | None, index: Path | None = None):
         self.root, self.files = root, files
+        self.index = index or root / fmt.INDEX     # names the files (for messages)
         self.stack = ExitStack()
         self.handles: dict[str, Any] = {}
         self.keys: dict[str, set] = {}
+        self.recorded: dict[str, dict] = {}    # file -> {tensor: [start, stop]} from its metadata
+        self.verified: set[tuple[str, str]] = set()   # (file, tensor) whose checksum passed
 
     def __enter__(self) -> "_Reader":
         return self
@@ -52,7 +55,7 @@ class _Reader:
     def handle(self, name: str):
         if name in self.handles:
             return self.handles[name]
-        path = self.root / name
+        path = fmt.inside(self.root, name, str(self.index))
         if not path.is_file():
             raise CheckpointCorruptError(f"{path}: listed in the checkpoint index but missing")
         if self.files is not None:
@@ -65,9 +68,16 @@ class _Reader:
         try:
             h = self.stack.enter_context(safe_open(str(path), framework="pt"))
             self.keys[name] = set(h.keys())
+            meta = h.metadata() or {}
         except Exception as exc:  # SafetensorError, OSError
             raise CheckpointCorruptError(f"cannot read {path}: not a valid safetensors file "
                                          f"(truncated or corrupted?): {exc}") from exc
+        if fmt.CHUNKS_KEY in meta:
+            try:
+                self.recorded[name] = json.loads(meta[fmt.CHUNKS_KEY])
+            except ValueError as exc:
+                raise CheckpointCorruptError(f"{path}: its metadata {fmt.CHUNKS_KEY!r} is not valid "
+                                             f"JSON (corrupted file)") from exc
         self.handles[name] = h
         return h
 
@@ -82,6 +92,12 @@ class _Reader:
             shape, code = list(sl.get_shape()), sl.get_dtype()
         except Exception as exc:
             raise CheckpointCorruptError(f"{where}: cannot read tensor {path!r}: {exc}") from exc
+        recorded = self.recorded.get(chunk["file"], {}).get(path)
+        if recorded is not None and recorded != [chunk["start"], chunk["stop"]]:
+            raise CheckpointCorruptError(
+                f"{where}: index.json says tensor {path!r} in this file is the region "
+                f"start={chunk['start']} stop={chunk['stop']}, but the file records start={recorded[0]} "
+                f"stop={recorded[1]}; index.json was edited or belongs to another checkpoint")
         want = [b - a for a, b in zip(chunk["start"], chunk["stop"])]
         if shape != want or _ST_TO_DTYPE.get(code) != dtype:
             raise CheckpointCorruptError(
@@ -98,9 +114,14 @@ class _Reader:
         if "crc32" in chunk and fmt.crc32(t) != chunk["crc32"]:
             raise CheckpointCorruptError(f"{where}: tensor {path!r} fails its checksum (the file "
                                          f"is corrupted)")
+        self.verified.add((chunk["file"], path))
         return t
 
     def part(self, path: str, chunk: dict, dtype: torch.dtype, local: tuple) -> torch.Tensor:
+        """A region of a chunk. The first read of a chunk reads all of it to verify its
+        checksum: every byte used is checked, on any layout (docs/bad_inputs.md §3)."""
+        if "crc32" in chunk and (chunk["file"], path) not in self.verified:
+            return self.whole(path, chunk, dtype)[local]
         _, sl, where = self._open_slice(path, chunk, dtype)
         try:
             return sl[local]
@@ -265,12 +286,13 @@ def load_safetensors(path: str | os.PathLike, specs: Any, *, mesh: Mesh | None =
             raise fmt.CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json "
                                               f"in {p}")
         root = p
+        index_path = hf_index if hf_index.is_file() else None
     elif p.is_file():
-        root, files = p.parent, [p.name]
+        root, files, index_path = p.parent, [p.name], None
     else:
         raise fmt.CheckpointNotFoundError(f"no safetensors file at {p}")
     mesh, rank = _where(mesh, rank)
-    with _Reader(root, None) as reader:
+    with _Reader(root, None, index_path) as reader:
         entries: dict[str, dict] = {}
         for name in files:
             h = reader.handle(name)

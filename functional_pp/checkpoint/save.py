@@ -138,8 +138,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tree: dict[str, Any
             for _, t, chunk in writes:
                 chunk["crc32"] = fmt.crc32(t)
             items = [(path, t.dtype, tuple(t.shape), (lambda t=t: t)) for path, t, _ in writes]
+            # what each tensor of this file is, so a loader can cross-check index.json
+            recorded = {path: [chunk["start"], chunk["stop"]] for path, _, chunk in writes}
             size = fmt.write_safetensors(tmp / fmt.rank_file(peers.rank), items,
-                                         {"format": "pt", "step": str(step)})
+                                         {"format": "pt", "step": str(step),
+                                          fmt.CHUNKS_KEY: json.dumps(recorded, separators=(",", ":"))})
             for path, _, chunk in writes:
                 chunks.setdefault(path, []).append(chunk)
         report = {"chunks": chunks, "digests": digests, "size": size,
@@ -236,6 +239,11 @@ def _prune(root: Path, keep_last: int | None, step: int) -> None:
     for child in root.iterdir():
         if fmt.TMP_RE.match(child.name) and child.is_dir():
             fmt.remove_tree(child)
+        elif fmt.FILE_TMP_RE.match(child.name) and child.is_file():   # an interrupted pointer write
+            try:
+                child.unlink()
+            except OSError:
+                pass
     if keep_last is None:
         return
     steps = fmt.complete_steps(root)

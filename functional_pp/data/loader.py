@@ -16,6 +16,12 @@ Batch layout (one device): ``{"tokens": int64 [b_local, s_local], "labels":
 int64 [b_local, s_local], "positions": int64 [s_local]}``, where ``positions``
 are the global sequence positions of the local tokens (for rotary embeddings).
 
+Documents (``eos_id`` given): a label whose input token is EOS (the next
+document's first token) is -100, tokens not ``trained`` are -100 as labels, and
+``"segments": int64 [b_local, s_local]`` numbers the documents of each row (the
+count of EOS tokens before a position) so attention stays inside a document
+(``docs/data.md``).
+
 Context parallelism with ``balanced=True`` (causal load balancing) cuts the
 sequence into ``2 * cp_size`` chunks; rank ``i`` holds chunks ``i`` and
 ``2 * cp_size - 1 - i``.  With ``balanced=False`` rank ``i`` holds chunk ``i``
@@ -189,8 +195,14 @@ class DataLoader:
     def __init__(self, corpus_tokens: Any, *, global_batch_size: int, seq_len: int,
                  seed: int = 0, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
                  cp_size: int = 1, cp_balanced: bool = True, drop_last: bool = True,
-                 num_epochs: int | None = None) -> None:
+                 num_epochs: int | None = None, eos_id: int | None = None,
+                 trained: np.ndarray | None = None) -> None:
         self.tokens = _as_numpy_tokens(corpus_tokens)
+        self.eos_id = eos_id if eos_id is not None else getattr(corpus_tokens, "eos_id", None)
+        self.trained = trained if trained is not None else getattr(corpus_tokens, "trained", None)
+        if self.trained is not None and len(self.trained) != len(self.tokens):
+            raise ValueError(f"trained flags ({len(self.trained)}) and tokens ({len(self.tokens)}) "
+                             f"differ in length")
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if seq_len < 1:
@@ -215,7 +227,8 @@ class DataLoader:
 
         self.global_batch_size = int(global_batch_size)
         self.seq_len = int(seq_len)
-        self.seed = int(seed)
+        from ..seeds import check_seed
+        self.seed = check_seed(seed, "DataLoader: seed")
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.cp_rank, self.cp_size = int(cp_rank), int(cp_size)
         self.cp_balanced = bool(cp_balanced)
@@ -260,28 +273,34 @@ class DataLoader:
         idx = (i * self.global_batch_size + np.arange(self.global_batch_size)) % self.num_windows
         return starts[idx]
 
-    def _gather(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, starts: np.ndarray) -> dict[str, torch.Tensor]:
         idx = starts[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)[None, :]
-        windows = torch.from_numpy(self.tokens[idx].astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        windows = self.tokens[idx].astype(np.int64)
+        tokens, labels = windows[:, :-1], windows[:, 1:].copy()
+        out = {}
+        if self.trained is not None:
+            labels[self.trained[idx][:, 1:] == 0] = IGNORE_INDEX
+        if self.eos_id is not None:
+            is_eos = tokens == self.eos_id
+            labels[is_eos] = IGNORE_INDEX                 # the next document's first token
+            out["segments"] = torch.from_numpy(np.cumsum(is_eos, axis=1) - is_eos)
+        return {"tokens": torch.from_numpy(np.ascontiguousarray(tokens)),
+                "labels": torch.from_numpy(labels), **out}
 
     def global_batch(self, step: int) -> dict[str, torch.Tensor]:
         """The full, unsharded batch of ``step`` (single-device oracle)."""
-        tokens, labels = self._gather(self.window_starts(step))
-        positions = torch.arange(self.seq_len, dtype=torch.long)
-        return {"tokens": tokens, "labels": labels, "positions": positions}
+        out = self._gather(self.window_starts(step))
+        out["positions"] = torch.arange(self.seq_len, dtype=torch.long)
+        return out
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This device's batch of ``step``; equals ``shard_batch(global_batch(step), ...)``."""
         starts = self.window_starts(step)
         starts = starts[self._row_start:self._row_start + self.local_batch_size]
-        tokens, labels = self._gather(starts)
         cp = (self.cp_size, self.cp_rank, self.cp_balanced)
-        return {
-            "tokens": shard_sequence(tokens, 1, *cp).contiguous(),
-            "labels": shard_sequence(labels, 1, *cp).contiguous(),
-            "positions": self._positions.clone(),
-        }
+        out = {k: shard_sequence(v, 1, *cp).contiguous() for k, v in self._gather(starts).items()}
+        out["positions"] = self._positions.clone()
+        return out
 
     # -- iteration -------------------------------------------------------------
 

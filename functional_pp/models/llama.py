@@ -111,7 +111,7 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     return tree
 
 
-def attention_block(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
+def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
     h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
     a = p["self_attn"]
@@ -120,7 +120,7 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
     q = ops.rotary(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
     k = ops.rotary(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    o = ops.attention(q, k, v, causal=True)
+    o = ops.attention(q, k, v, causal=True, segments=segments)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     return ops.rename(out, seq="res_seq")                 # sequence parallelism: reduce-scatter
 
@@ -136,20 +136,22 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
 
 
 @remat_layer
-def layer(p: dict, x: Named, pos: Named, cfg: Config) -> Named:
+def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
     """One decoder layer; recomputed in backward under ``train_step(remat=True)``."""
-    x = x + attention_block(p, x, pos, cfg)
+    x = x + attention_block(p, x, pos, cfg, segments)
     return x + mlp_block(p, x, cfg)
 
 
-def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
-    """Logits (batch seq vocab) for integer ``tokens`` (batch seq)."""
+def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
+    """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
+    document ids of packed rows) keeps attention inside each document."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
     x = ops.embed(params["embed_tokens"], tokens)
     x = ops.rename(x, seq="res_seq")
+    extra = () if segments is None else (segments,)
     for p in params["layers"]:
-        x = layer_fn(p, x, pos, cfg)
+        x = layer_fn(p, x, pos, cfg, *extra)
     x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
     x = ops.rename(x, res_seq="seq")
     head = params["embed_tokens"] if cfg.tie_embeddings else params["lm_head"]
@@ -157,8 +159,9 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None) -> Named:
 
 
 def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
-    """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels``."""
-    logits = forward(params, batch["tokens"], cfg, layer_fn)
+    """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (and
+    ``segments`` for packed documents)."""
+    logits = forward(params, batch["tokens"], cfg, layer_fn, segments=batch.get("segments"))
     return ops.cross_entropy(logits, batch["labels"])
 
 

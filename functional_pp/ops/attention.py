@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..data.loader import balanced_chunk_indices
-from ..named import Named, options, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, options, require_named, pvary, relayout, settle, target_layout, varying_after
 from .attention_kernels import ring_attention
 
 
@@ -38,10 +38,15 @@ def _local_positions(size: int, split: tuple[str, ...]) -> torch.Tensor:
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str = "batch", seq: str = "seq", heads: str = "heads", kv_heads: str = "kv_heads",
-              head_dim: str = "head_dim") -> Named:
+              head_dim: str = "head_dim", segments: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads). With ``seq`` split across ``cp``: ring attention
-    (``configure(cp_attention="allgather")`` all-gathers K/V instead)."""
+    (``configure(cp_attention="allgather")`` all-gathers K/V instead).
+
+    ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
+    positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context
+    parallelism this uses the K/V all-gather path with the gathered segment ids."""
+    require_named("attention", q=q, k=k, v=v)
     q, k, v = settle(q), settle(k), settle(v)
     for name, x, want in (("q", q, (batch, seq, heads, head_dim)), ("k", k, (batch, seq, kv_heads, head_dim)),
                           ("v", v, (batch, seq, kv_heads, head_dim))):
@@ -72,7 +77,10 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k.data.permute(order(k, kv_heads))
     vt = v.data.permute(order(v, kv_heads))
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
-    if seq_axes:
+    if segments is not None:
+        seg = _segment_ids(segments, qs[batch], seq_axes, batch, seq, qt.device)
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq))
+    elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq))
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
@@ -104,3 +112,37 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size):
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
     return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=True, shift=shift)
+
+
+def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, device) -> torch.Tensor:
+    """This device's segment ids (batch, seq) laid out like the queries."""
+    segments = settle(segments)
+    if sorted(segments.dims) != sorted((batch, seq)):
+        raise ValueError(f"attention: segments must have dimensions ({batch}, {seq}), got {segments.dims}")
+    want = {batch: batch_split, seq: seq_axes}
+    seg = relayout(segments, tuple(want[d] for d in segments.dims), "attention segments")
+    data = seg.data if seg.dims == (batch, seq) else seg.data.t()
+    return data.to(device)
+
+
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size):
+    """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
+    context parallelism K/V and the segment ids are all-gathered."""
+    kseg, qpos, kpos = seg, None, None
+    if seq_axes:
+        if len(seq_axes) != 1:
+            raise ValueError(f"context-parallel attention needs the sequence split over one mesh "
+                             f"axis; it is split over {seq_axes}")
+        n, i = C.axis_size(seq_axes), C.axis_index(seq_axes)
+        k = C.all_gather(k, seq_axes, axis=2, tiled=True)
+        v = C.all_gather(v, seq_axes, axis=2, tiled=True)
+        kseg = C.raw_all_gather(seg.contiguous(), seq_axes, 1)
+        qpos = balanced_chunk_indices(seq_size, n, i).to(q.device)
+        kpos = torch.cat([balanced_chunk_indices(seq_size, n, j) for j in range(n)]).to(q.device)
+    mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
+    if causal:
+        if qpos is None:
+            qpos = kpos = torch.arange(q.shape[2], device=q.device)
+        mask = mask & (qpos[:, None] >= kpos[None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=bool(q.shape[1] != k.shape[1]))

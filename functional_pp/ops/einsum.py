@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, env, pvary, relayout, settle, varying_after
+from ..named import Named, env, require_named, pvary, relayout, settle, varying_after
 from .regather import regather_scope
 
 
@@ -51,6 +51,7 @@ def einsum(pattern: str, *operands: Named) -> Named:
     cast to varying (their gradient is summed over that axis)."""
     what = f"einsum {pattern!r}"
     ins, out = parse_pattern(pattern, len(operands))
+    require_named(what, **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) for x in operands]
     sizes = global_sizes(operands, ins, what)
     unknown = [d for d in out if d not in sizes]

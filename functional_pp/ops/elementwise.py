@@ -99,3 +99,18 @@ def rsqrt(x: Named) -> Named:
 
 def square(x: Named) -> Named:
     return x.map(torch.square)
+
+
+def _attach_operators(cls: type) -> None:
+    """Give the named value type its arithmetic operators. They live here, in the ops layer
+    that defines them, so that ``named`` does not import upwards (docs/architecture.md)."""
+    for name, fn, reflected in (("add", add, False), ("radd", add, True), ("sub", sub, False),
+                                ("rsub", sub, True), ("mul", mul, False), ("rmul", mul, True),
+                                ("truediv", div, False), ("rtruediv", div, True)):
+        def operator(self, other, fn=fn, reflected=reflected):
+            return fn(other, self) if reflected else fn(self, other)
+        operator.__name__ = operator.__qualname__ = f"__{name}__"
+        setattr(cls, f"__{name}__", operator)
+
+
+_attach_operators(Named)

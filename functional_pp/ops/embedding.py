@@ -4,16 +4,18 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
-from ..named import Named, env, pvary, relayout, settle, varying_after
+from ..named import Named, env, require_named, pvary, relayout, settle, varying_after
 from .regather import regather_scope
+from .token_ids import check_ids
 
 
 def embed(table: Named, ids: Named, vocab: str = "vocab") -> Named:
     """Rows of ``table`` (dims ``vocab x hidden``) for integer ``ids``; the result has the
     ids' dimensions followed by the table's other dimension."""
+    require_named("embed", table=table, ids=ids)
     table._check_dim(vocab, "embed")
     if ids.data.dtype.is_floating_point:
-        raise TypeError("embed: ids must be an integer tensor")
+        raise TypeError(f"embed: ids must be an integer tensor, got {ids.data.dtype}")
     other = [d for d in table.dims if d != vocab]
     out_dims = ids.dims + tuple(other)
     sizes = {**table.shape, **ids.shape}
@@ -26,11 +28,12 @@ def embed(table: Named, ids: Named, vocab: str = "vocab") -> Named:
     t_ids = tuple(t_loc[d] for d in ids.dims)
     table = settle(table)
     ids = relayout(ids, t_ids, "embed")
+    checked = check_ids(ids.data, table.shape[vocab], "embed", ids.dims)   # before the vocabulary split
     after_t = varying_after(table, t_table)
     union = after_t | ids.vary
     table = relayout(pvary(table, union - after_t), t_table, "embed")
     n_local = table.data.shape[table.dims.index(vocab)]
-    ids_data = ids.data
+    ids_data = checked
     if v_axes:
         lo = C.axis_index(v_axes) * n_local
         local = ids_data - lo

@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, relayout, settle
+from ..named import Named, relayout, require_named, settle
 from . import reduce as R
+from .token_ids import check_ids
 
 IGNORE_INDEX = -100
 
@@ -17,6 +18,7 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
 
     ``logits`` has the labels' dimensions plus ``vocab``; the vocabulary may be split (the
     max and the sum of exponentials are reduced across the split)."""
+    require_named("cross_entropy", logits=logits, labels=labels)
     logits = settle(logits)
     if logits.data.dtype in (torch.float16, torch.bfloat16):
         logits = logits.astype(torch.float32)
@@ -30,6 +32,7 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     labels = relayout(labels, tuple(logits.split[logits.dims.index(d)] for d in labels.dims))
     order = [labels.dims.index(d) for d in other]
     lab = labels.data.permute(order) if order != sorted(order) else labels.data
+    lab = check_ids(lab, logits.shape[vocab], "cross_entropy", other, ignore_index)   # before the split
     split_other = tuple(logits.split[logits.dims.index(d)] for d in other)
     if not v_axes:                 # whole vocabulary here: torch's fused kernel
         nll = F.cross_entropy(logits.data.movedim(vi, -1).reshape(-1, logits.data.shape[vi]), lab.reshape(-1),

@@ -7,10 +7,11 @@ from typing import Sequence
 import torch
 
 from .. import collectives as C
-from ..named import Named, env, settle
+from ..named import Named, env, require_named, settle
 
 
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
+    require_named(op, x=x)
     dims = (dims,) if isinstance(dims, str) else tuple(x.dims if dims is None else dims)
     for d in dims:
         x._check_dim(d, op)

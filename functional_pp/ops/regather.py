@@ -10,6 +10,7 @@ import torch
 
 from ..collectives import raw_all_gather
 from ..named import Named, options
+from ..observers import saved_for_backward
 
 
 @contextmanager
@@ -22,14 +23,13 @@ def _hooks(recipes) -> Iterator[None]:
     gathered = {id(root(full)): (weakref.ref(root(full)), shard, axes, dim) for full, (shard, axes, dim) in recipes}
 
     def pack(t: torch.Tensor):
-        from ..plan import count_saved
         base = root(t)
         hit = gathered.get(id(base))
         if hit is not None and hit[0]() is base:
             _, shard, axes, dim = hit
-            count_saved(shard)
+            saved_for_backward(shard)
             return ("fpp-regather", shard.detach(), axes, dim, tuple(t.shape), t.stride(), t.storage_offset())
-        count_saved(t)
+        saved_for_backward(t)
         return t
 
     def unpack(p):

@@ -4,13 +4,14 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ..named import Named, env, relayout, settle, target_layout
+from ..named import Named, env, relayout, require_named, settle, target_layout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
     """Rename dimensions (``rename(x, seq="res_seq")``) and move to the new names' layout:
     this is where sequence parallelism scatters or gathers the residual stream."""
     mapping = {**(mapping or {}), **kw}
+    require_named("rename", x=x)
     for old in mapping:
         x._check_dim(old, "rename")
     dims = tuple(mapping.get(d, d) for d in x.dims)

@@ -1,65 +1,37 @@
-"""optax-style functional optimizers over pytrees of torch tensors.
+"""optax-shaped functional optimizers over pytrees of torch tensors (docs/optim.md).
 
-See :mod:`functional_pp.optim.transform` for the conventions (purity,
-compile-friendliness, fp32 state mirroring the param tree).
-"""
+``base`` (the transformation type, scaling, momentum, applying updates), ``combine``
+(``chain``), ``adam`` (``scale_by_adam``), ``clipping`` (global norm), ``masking`` (masks,
+weight decay), ``schedules`` (learning-rate schedules), ``optimizers`` (``sgd``, ``adamw``,
+``from_config``)."""
 
 from . import schedules
-from .optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, sgd
-from .transform import (
-    EmptyState,
-    GradientTransformation,
-    ScaleByAdamState,
-    ScaleByScheduleState,
-    TraceState,
-    add_decayed_weights,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    decay_mask_by_ndim,
-    get_norm_reducer,
-    global_norm,
-    identity,
-    norm_reducer,
-    resolve_mask,
-    scale,
-    scale_by_adam,
-    scale_by_adamw,
-    scale_by_learning_rate,
-    scale_by_schedule,
-    state_like_params,
-    trace,
-    tree_map,
-)
+from .adam import ScaleByAdamState, scale_by_adam
+from .base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState, apply_updates, identity,
+                   returns_fresh, scale, scale_by_learning_rate, scale_by_schedule, state_like_params, trace,
+                   tree_map, update_with)
+from .clipping import NormReducer, clip_by_global_norm, global_norm
+from .combine import chain
+from .masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
+from .optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by_adamw, sgd
 
 __all__ = [
-    "schedules",
-    "GradientTransformation",
-    "EmptyState",
-    "ScaleByAdamState",
-    "ScaleByScheduleState",
-    "TraceState",
-    "tree_map",
-    "apply_updates",
-    "chain",
-    "identity",
-    "scale",
-    "scale_by_schedule",
-    "scale_by_learning_rate",
-    "scale_by_adam",
-    "scale_by_adamw",
-    "add_decayed_weights",
-    "trace",
-    "clip_by_global_norm",
-    "global_norm",
-    "norm_reducer",
-    "get_norm_reducer",
-    "decay_mask_by_ndim",
-    "resolve_mask",
-    "state_like_params",
-    "sgd",
-    "adamw",
-    "make_schedule",
-    "from_config",
-    "CONFIG_KEYS",
+    "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
+    "NormReducer", "tree_map", "apply_updates", "update_with", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
+    "scale_by_learning_rate", "scale_by_adam", "scale_by_adamw", "add_decayed_weights", "trace",
+    "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
+    "state_like_params", "sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS",
 ]
+
+_REMOVED = {
+    "norm_reducer": "pass the reducer explicitly: optim.global_norm(tree, reducer) or "
+                    "opt.update(grads, state, params, norm_reducer=fn)",
+    "get_norm_reducer": "the reducer is no longer ambient: it is an argument of global_norm / clip_by_global_norm "
+                        "or the norm_reducer= extra argument of update",
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:
+        raise AttributeError(f"functional_pp.optim.{name} was removed: {_REMOVED[name]} (docs/optim.md)")
+    raise AttributeError(f"module 'functional_pp.optim' has no attribute {name!r}")

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Any, Optional
 
 from . import schedules as _sched
-from .transform import (
-    GradientTransformation,
-    MaskOrFn,
-    ScalarOrSchedule,
-    add_decayed_weights,
-    chain,
-    clip_by_global_norm,
-    scale_by_adamw,
-    scale_by_learning_rate,
-    trace,
-)
+from .adam import scale_by_adam
+from .base import GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number, scale_by_learning_rate, \
+    trace
+from .clipping import clip_by_global_norm
+from .combine import chain
+from .masking import Mask, add_decayed_weights
 
 __all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
 
 
-def _maybe_clip(clip_norm: Optional[float]) -> list:
+def _maybe_clip(clip_norm: Optional[float]) -> list[GradientTransformation]:
     return [clip_by_global_norm(clip_norm)] if clip_norm is not None else []
 
 
@@ -30,15 +26,19 @@ def sgd(
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
-    mask: MaskOrFn = None,
+    mask: Mask = None,
     clip_norm: Optional[float] = None,
 ) -> GradientTransformation:
     """SGD equivalent to ``torch.optim.SGD`` (coupled L2 weight decay, dampening 0).
 
     Chain: [clip_by_global_norm] -> add_decayed_weights -> trace -> scale(-lr).
+    Arguments are range-checked here (a ``ValueError`` names the bad one).
     """
+    lr = check_learning_rate("sgd", lr)
+    momentum = check_number("sgd", "momentum", momentum, low=0.0, high=1.0, high_open=True,
+                            hint=" (e.g. 0.9, or 0 for none)")
     if nesterov and momentum <= 0.0:
-        raise ValueError("nesterov momentum requires momentum > 0")
+        raise ValueError("sgd: nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
     parts = _maybe_clip(clip_norm)
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay, mask))
@@ -54,15 +54,19 @@ def adamw(
     b2: float = 0.95,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    mask: MaskOrFn = None,
+    mask: Mask = None,
     clip_norm: Optional[float] = None,
 ) -> GradientTransformation:
-    """AdamW equivalent to ``torch.optim.AdamW`` (decoupled decay scaled by lr).
+    """AdamW equivalent to ``torch.optim.AdamW`` (decoupled decay scaled by lr):
+    ``p <- p - lr * (adam_update + wd * p)``.
 
-    Chain: [clip_by_global_norm] -> scale_by_adamw (scale_by_adam, add_decayed_weights(mask)
-    and scale(-lr) fused), i.e. ``p <- p - lr * (adam_update + wd * p)``.
+    Chain: [clip_by_global_norm] -> scale_by_adam -> add_decayed_weights(mask) ->
+    scale_by_learning_rate. Arguments are range-checked here (a ``ValueError`` names the bad
+    one). Given donated gradients (the training step's), the chain works in place on them.
     """
-    return chain(*_maybe_clip(clip_norm), scale_by_adamw(lr, b1, b2, eps, weight_decay, mask))
+    lr = check_learning_rate("adamw", lr)
+    return chain(*_maybe_clip(clip_norm), scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(lr))
 
 
 # --------------------------------------------------------------------------- #
@@ -102,20 +106,23 @@ def make_schedule(
 
     ``constant`` (+ optional linear warmup; ``min_lr``/``total_steps`` ignored),
     ``cosine`` or ``linear`` (warmup then decay to ``min_lr`` at ``total_steps``).
+    Values are range-checked (``min_lr`` may not exceed ``learning_rate``).
     """
     kind = (lr_schedule or "constant").lower()
-    warmup_steps = int(warmup_steps or 0)
+    learning_rate = check_learning_rate("make_schedule", learning_rate)
+    warmup_steps = _sched.check_steps("make_schedule", "warmup_steps", warmup_steps or 0)
     if kind not in _SCHEDULES:
         raise ValueError(
             f"unknown lr_schedule {lr_schedule!r}; did you mean {_closest(kind, _SCHEDULES)!r}? "
             f"(valid: {', '.join(_SCHEDULES)})"
         )
+    min_lr = _sched.check_end_value("make_schedule", "min_lr", min_lr or 0.0, learning_rate)
     if kind == "constant":
-        return float(learning_rate) if warmup_steps == 0 else _sched.linear_warmup(learning_rate, warmup_steps)
+        return learning_rate if warmup_steps == 0 else _sched.linear_warmup(learning_rate, warmup_steps)
     if total_steps is None:
         raise ValueError(f"lr_schedule {kind!r} requires total_steps")
     fn = _sched.warmup_cosine_decay if kind == "cosine" else _sched.warmup_linear_decay
-    return fn(float(learning_rate), warmup_steps, int(total_steps), float(min_lr or 0.0))
+    return fn(learning_rate, warmup_steps, total_steps, min_lr)
 
 
 def from_config(name: str, **kwargs: Any) -> GradientTransformation:
@@ -170,3 +177,13 @@ def from_config(name: str, **kwargs: Any) -> GradientTransformation:
     b1 = float(cfg.get("b1", b1))
     b2 = float(cfg.get("b2", b2))
     return adamw(lr, b1=b1, b2=b2, eps=float(cfg.get("eps", 1e-8)), **common)
+
+
+def scale_by_adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   weight_decay: float = 0.0, mask: Mask = None) -> GradientTransformation:
+    """Deprecated name: ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay,
+    mask), scale_by_learning_rate(learning_rate))``, which is what it computed."""
+    warnings.warn("optim.scale_by_adamw is deprecated: use optim.adamw(...) or chain(scale_by_adam, "
+                  "add_decayed_weights, scale_by_learning_rate)", DeprecationWarning, stacklevel=2)
+    return chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(learning_rate))

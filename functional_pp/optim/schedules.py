@@ -14,12 +14,17 @@ linear from ``0`` at step ``0`` to ``peak`` at step ``warmup_steps``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Union
+import numbers
+from typing import Any, Callable, Union
 
 import torch
 
+from .base import check_number
+
 __all__ = [
     "Schedule",
+    "check_steps",
+    "check_end_value",
     "constant",
     "linear_warmup",
     "warmup_cosine_decay",
@@ -28,6 +33,38 @@ __all__ = [
 
 StepLike = Union[int, float, torch.Tensor]
 Schedule = Callable[[StepLike], torch.Tensor]
+
+
+def check_steps(owner: str, name: str, value: Any) -> int:
+    """``int(value)`` after checking it is a whole number of steps >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value != int(value) or value < 0:
+        raise ValueError(f"{owner}: {name}={value!r} must be a whole number of steps >= 0")
+    return int(value)
+
+
+def check_peak(owner: str, peak: Any) -> float:
+    """The peak learning rate: a finite number >= 0."""
+    return check_number(owner, "peak", peak, low=0.0, hint=" (the learning rate after warmup, e.g. 3e-4)")
+
+
+def check_end_value(owner: str, name: str, end_value: Any, peak: float) -> float:
+    """The final learning rate of a decay: a finite number in [0, peak]."""
+    v = check_number(owner, name, end_value, low=0.0, hint=" (the learning rate at the end of the decay)")
+    if v > peak:
+        raise ValueError(f"{owner}: {name}={end_value!r} is above the peak learning rate {peak!r}; the schedule "
+                         f"would rise while decaying. Set it to at most the learning rate (usually 0 or ~10% of it)")
+    return v
+
+
+def _check_decay(owner: str, peak: Any, warmup_steps: Any, total_steps: Any, end_value: Any):
+    """The checked arguments of a warmup-then-decay schedule."""
+    peak = check_peak(owner, peak)
+    warmup_steps = check_steps(owner, "warmup_steps", warmup_steps)
+    total_steps = check_steps(owner, "total_steps", total_steps)
+    if total_steps < warmup_steps:
+        raise ValueError(f"{owner}: total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    return peak, warmup_steps, total_steps, check_end_value(owner, "end_value", end_value, peak)
 
 
 def _as_step(step: StepLike) -> torch.Tensor:
@@ -39,6 +76,7 @@ def _as_step(step: StepLike) -> torch.Tensor:
 
 def constant(value: float) -> Schedule:
     """``lr(step) = value``."""
+    value = check_number("constant", "value", value, low=0.0, hint=" (a learning rate is a finite number >= 0)")
 
     def schedule(step: StepLike) -> torch.Tensor:
         return torch.full_like(_as_step(step), float(value))
@@ -54,6 +92,7 @@ def _warmup(s: torch.Tensor, peak: float, warmup_steps: int) -> torch.Tensor:
 
 def linear_warmup(peak: float, warmup_steps: int) -> Schedule:
     """``peak * min(step / warmup_steps, 1)`` (constant ``peak`` afterwards)."""
+    peak, warmup_steps = check_peak("linear_warmup", peak), check_steps("linear_warmup", "warmup_steps", warmup_steps)
 
     def schedule(step: StepLike) -> torch.Tensor:
         return _warmup(_as_step(step), peak, warmup_steps)
@@ -74,8 +113,7 @@ def warmup_cosine_decay(peak: float, warmup_steps: int, total_steps: int, end_va
     ``end + (peak - end) * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))``;
     ``end_value`` for ``step >= total_steps``.
     """
-    if total_steps < warmup_steps:
-        raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    peak, warmup_steps, total_steps, end_value = _check_decay("warmup_cosine_decay", peak, warmup_steps, total_steps, end_value)
 
     def schedule(step: StepLike) -> torch.Tensor:
         s = _as_step(step)
@@ -92,8 +130,7 @@ def warmup_linear_decay(peak: float, warmup_steps: int, total_steps: int, end_va
     For ``warmup_steps <= step``:
     ``end + (peak - end) * (1 - (step - warmup) / (total - warmup))``, clamped.
     """
-    if total_steps < warmup_steps:
-        raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    peak, warmup_steps, total_steps, end_value = _check_decay("warmup_linear_decay", peak, warmup_steps, total_steps, end_value)
 
     def schedule(step: StepLike) -> torch.Tensor:
         s = _as_step(step)

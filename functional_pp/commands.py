@@ -1,0 +1,92 @@
+"""The ``validate`` and ``export`` subcommands of ``functional-pp`` (``train`` is in
+:mod:`functional_pp.cli`)::
+
+    functional-pp validate CONFIG.yaml [--simulate N]     # check, print the resolved plan, no training
+    functional-pp export RUN_DIR|CHECKPOINT OUT_DIR        # a Hugging Face directory
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["add_commands", "run_command"]
+
+
+def add_commands(sub) -> None:
+    """Register ``validate`` and ``export`` on the ``functional-pp`` subparsers."""
+    v = sub.add_parser("validate", help="check a config and print the resolved plan without training",
+                       description="Check a config (keys, values, mesh against the world size, "
+                                   "model, data) and print the start-up summary: device, mesh, "
+                                   "rules, memory per device, batch, data. Nothing is trained or "
+                                   "written.")
+    v.add_argument("config", help="YAML config file")
+    v.add_argument("--simulate", type=int, metavar="N", default=None,
+                   help="check against N devices (default: the mesh's size)")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, as for train")
+    v.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
+    e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory",
+                       description="Export the newest checkpoint of RUN_DIR (or a checkpoint "
+                                   "directory) as config.json + safetensors shards with an index "
+                                   "+ the base model's tokenizer files, loadable by transformers.")
+    e.add_argument("source", help="run directory, checkpoint root or step directory")
+    e.add_argument("out", help="output directory")
+    e.add_argument("--step", type=int, default=None, help="export this step (default: the newest)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast the weights (default: as saved, fp32)")
+    e.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
+
+
+def run_command(args: argparse.Namespace) -> int | None:
+    """Run ``validate`` / ``export``; None for other commands."""
+    if args.command == "validate":
+        return _validate(args)
+    if args.command == "export":
+        return _export(args)
+    return None
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .finetune import check_batches, describe_device, load_data, model_config, select_device
+    from .launch import under_torchrun
+    from .trainer import describe, resolve_world
+    try:
+        overrides = list(args.overrides)
+        if args.output is not None:
+            overrides.append(f"logging.output_dir={args.output}")
+        cfg = TrainConfig.from_yaml(args.config, overrides)
+        world = resolve_world(cfg, args.simulate)
+        cfg.validate(world.size, launcher=world.launcher)
+        mesh = cfg.mesh(world.size)
+        rules = cfg.build_rules(mesh)
+        data = load_data(cfg)
+        model_cfg = model_config(cfg)
+        if data.vocab_size > model_cfg.vocab:
+            raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only "
+                              f"{model_cfg.vocab}")
+        cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
+        device = select_device(world.simulate, world.size, under_torchrun())
+        print(describe(cfg, world, mesh, rules, model_cfg, data.train,
+                       device_text=describe_device(device, world.simulate, world.size), val=data.val))
+    except ConfigError as exc:
+        print(f"functional-pp: config error: {exc}", file=sys.stderr)
+        return 2
+    print(f"config ok: {args.config} (nothing was trained or written)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .export import export_run
+    try:
+        out = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
+                         dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except CheckpointError as exc:
+        print(f"functional-pp export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.source} to {out} (Hugging Face directory)")
+    return 0

@@ -1,0 +1,213 @@
+"""Names users already type (Axolotl, Accelerate) mapped onto the config's own keys, and the
+keys that have no meaning here (each refused with the reason, never ignored).
+
+:func:`normalize` rewrites a raw config mapping before it is checked: ``alias: value`` becomes
+``canonical: translated value`` (a section key like ``logging.output_dir`` for ``output_dir``);
+giving an alias and its key with different values is a problem; Accelerate's
+``parallelism_config`` section becomes the mesh sizes. See ``docs/config.md``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .config_schema import Issues
+
+__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
+           "NOT_USED", "normalize"]
+
+_same: Callable[[Any], Any] = lambda v: v  # noqa: E731
+
+#: alias -> (canonical key, dotted for a section; value translation)
+ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "tensor_parallel_size": ("tp_size", _same),
+    "context_parallel_size": ("cp_size", _same),
+    "gradient_checkpointing": ("activation_checkpointing", _same),
+    "torch_compile": ("compile", lambda v: _auto_compile() if v == "auto" else v),
+    "torch_compile_backend": ("compile", _same),
+    "output_dir": ("logging.output_dir", _same),
+    "logging_steps": ("logging.log_every", _same),
+    "save_steps": ("checkpoint.save_every", _same),
+    "save_total_limit": ("checkpoint.keep_last", _same),
+    "mixed_precision": ("precision", lambda v: {"no": "fp32"}.get(v, v)),
+    "auto_resume_from_checkpoints": ("resume_from_checkpoint", _same),
+    "seq_len": ("sequence_len", _same),
+    "max_seq_length": ("sequence_len", _same),
+}
+
+#: choices written the Axolotl / Hugging Face way -> ours (same meaning)
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "optimizer": {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                  "adam_w": "adamw"},
+    # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
+    "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
+                     "cosine_with_min_lr": "cosine"},
+}
+
+_EIGHT_BIT = ("8-bit / paged optimizers (bitsandbytes) are not supported: use optimizer: adamw "
+             "(fp32 moments, sharded like the parameters)")
+
+#: values refused with the reason (another optimizer, not a spelling of ours)
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "optimizer": {**{k: _EIGHT_BIT for k in ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit",
+                                             "paged_adamw_32bit", "paged_lion_8bit", "lion_8bit")},
+                  **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
+                     for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
+                               "muon", "adopt_adamw", "ao_adamw_8bit", "ao_adamw_fp8")}},
+    "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"
+                     for k in ("polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "one_cycle",
+                               "rex", "log_sweep", "warmup_stable_decay")},
+}
+
+_ATTENTION = ("the attention kernel is chosen by torch's scaled_dot_product_attention (ring "
+              "attention under context parallelism); there is no switch: remove it")
+_ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
+_QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
+_SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
+             "tp_size, cp_size): remove it")
+_HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
+        "RUN_DIR OUT_DIR` and upload it yourself; remove it")
+
+#: keys with no meaning here -> why, and what to do instead
+UNSUPPORTED: dict[str, str] = {
+    **{k: _ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
+                               "flex_attention", "s2_attention", "eager_attention",
+                               "flash_attn_cross_entropy", "flash_attn_rms_norm")},
+    **{k: _ADAPTER for k in ("adapter", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
+                             "lora_target_modules", "lora_target_linear", "lora_fan_in_fan_out",
+                             "lora_modules_to_save", "peft_use_dora", "peft_use_rslora")},
+    **{k: _QUANT for k in ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs")},
+    **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
+                              "fsdp_final_state_dict_type")},
+    **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
+                         "push_dataset_to_hub")},
+    "special_tokens": "adding or replacing special tokens is not supported: BOS/EOS come from "
+                      "the base model's config; remove it",
+    "tokens": "adding tokens to the vocabulary is not supported: remove it",
+    "trust_remote_code": "only Llama-architecture models are loaded, never remote code: remove it",
+    "strict": "loading is always strict (every tensor must match): remove it",
+    "group_by_length": "batches are packed windows, not grouped by length: remove it",
+    "early_stopping_patience": "early stopping is not supported: set max_steps or num_epochs",
+    "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
+    "rl": "RL / preference training is not supported (causal LM fine-tuning only): remove it",
+    "evals_per_epoch": "give eval_steps (every N steps) instead",
+    "saves_per_epoch": "give save_steps (every N steps) instead",
+    "wandb_watch": "gradient watching is not supported: remove it",
+    "wandb_log_model": "model upload is not supported: remove it",
+    "lr_quadratic_warmup": "only linear warmup is supported: remove it",
+    "unfrozen_parameters": "every parameter is trained: remove it",
+    "eval_table_size": "sample-generation tables are not supported: remove it",
+    "eval_max_new_tokens": "sample generation is not supported: remove it",
+    "do_bench_eval": "benchmark evaluation is not supported: remove it",
+    "max_packed_sequence_len": "packing always fills sequence_len: remove it",
+    "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
+}
+
+#: keys accepted without effect, each with the reason shown in the start-up summary
+NOT_USED: dict[str, str] = {
+    "dataset_prepared_path": "datasets are tokenized at start, not cached",
+    "eval_sample_packing": "held-out data is packed like the training data",
+}
+
+#: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
+#: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
+ACCELERATE_LAUNCHER = ("compute_environment", "distributed_type", "machine_rank",
+                       "main_training_function", "num_machines", "rdzv_backend", "same_network",
+                       "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "downcast_bf16",
+                       "enable_cpu_affinity", "gpu_ids", "main_process_ip", "main_process_port",
+                       "debug")
+
+_PARALLELISM = {"dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_shard_size",
+                "tp_size": "tp_size", "cp_size": "cp_size"}
+
+#: Axolotl keys accepted when their value means what this trainer does anyway
+_ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False},),   # what remat does
+    "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM"),
+    "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
+                       "PreTrainedTokenizerFast"),
+    "pad_to_sequence_len": (True, False),          # packed windows always fill sequence_len
+    "is_llama_derived_model": (True,),
+}
+
+
+def _auto_compile() -> bool:
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+def _put(out: dict, key: str, value: Any, source: str, issues: Issues) -> None:
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            issues.add(f"{source}: '{part}' must be a mapping to hold {key}")
+            return
+        node = child
+    last = parts[-1]
+    if last in node and node[last] != value:
+        issues.add(f"{source}: {value!r} contradicts {key}: {node[last]!r}; give one of them")
+        return
+    node[last] = value
+
+
+def _off(value: Any) -> bool:
+    """A value that asks for nothing (``false``, ``null``, empty)."""
+    return value is None or value is False or value in ("", [], {})
+
+
+def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
+    """``(canonical mapping, notes on keys accepted without effect)``: aliases rewritten,
+    unsupported keys (unless switched off) and contradicting duplicates recorded in ``issues``."""
+    out: dict = {}
+    aliased: list[tuple[str, str, Any]] = []
+    unused: list[str] = []
+    launcher: list[str] = []
+    for key, value in d.items():
+        if key in UNSUPPORTED and _off(value):
+            continue                                 # switched off: nothing is asked for
+        if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
+            unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
+                          "are padded with EOS whose labels are ignored)")
+        elif key in UNSUPPORTED:
+            issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
+        elif key in NOT_USED:
+            unused.append(f"{key} ({NOT_USED[key]})")
+        elif key in _ACCEPTED_VALUES:
+            if value not in _ACCEPTED_VALUES[key]:
+                ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
+                issues.add(f"{key}: {value!r} is not supported here (accepted: {ok}; only "
+                           f"Llama-architecture models are trained): remove it")
+        elif key in ACCELERATE_LAUNCHER:
+            launcher.append(key)
+        elif key == "parallelism_config":
+            if not isinstance(value, dict):
+                issues.add(f"parallelism_config must be a mapping, got {value!r}")
+                continue
+            for k, v in value.items():
+                short = k.removeprefix("parallelism_config_")
+                if short in _PARALLELISM:
+                    aliased.append((k, _PARALLELISM[short], v))
+                else:
+                    issues.add(f"unknown key 'parallelism_config.{k}' (valid: "
+                               f"{', '.join('parallelism_config_' + p for p in _PARALLELISM)})")
+        elif key in ALIASES:
+            canonical, translate = ALIASES[key]
+            aliased.append((key, canonical, translate(value)))
+        else:
+            out[key] = value
+    for alias, canonical, value in aliased:
+        _put(out, canonical, value, alias, issues)
+    for key, table in VALUE_ALIASES.items():
+        v = out.get(key)
+        if isinstance(v, str) and v.lower() in table:
+            out[key] = table[v.lower()]
+        elif isinstance(v, str) and v.lower() in REFUSED_VALUES.get(key, {}):
+            issues.add(f"{key}: {REFUSED_VALUES[key][v.lower()]}")
+            out.pop(key)
+    if launcher:
+        unused.append(f"{', '.join(launcher)} (accelerate launcher settings: this run is launched "
+                      f"by torchrun or --simulate)")
+    return out, unused

@@ -1,0 +1,127 @@
+"""The sections of the training config (``model``, one ``datasets`` entry, ``data``,
+``logging``, ``checkpoint``), declared as dataclasses whose fields carry their help text;
+read by :mod:`functional_pp.config` with the validator of :mod:`functional_pp.config_schema`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from .config_schema import ConfigError, Issues, check_value, fld, parse_section, suggest
+
+__all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS"]
+
+PRESETS = ("tiny", "1b", "8b", "70b")
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    """``preset`` (tiny | 1b | 8b | 70b) plus overrides of :class:`llama.Config` fields
+    (training from scratch; ``base_model`` starts from a Hugging Face directory instead)."""
+
+    preset: str = fld("tiny", "model preset: tiny | 1b | 8b | 70b; other keys of this section "
+                              "override fields of functional_pp.models.llama.Config")
+    overrides: dict = fld(help="", factory=dict)
+
+    @classmethod
+    def from_value(cls, value: Any, issues: Issues | None = None) -> "ModelConfig":
+        own = issues is None
+        issues = issues if issues is not None else Issues()
+        out = cls._parse(value, issues)
+        if own:
+            issues.raise_if_any()
+        return out
+
+    @classmethod
+    def _parse(cls, value: Any, issues: Issues) -> "ModelConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            value = {"preset": value}
+        if not isinstance(value, Mapping):
+            issues.add(f"'model' must be a preset name or a mapping, got {value!r}")
+            return cls()
+        from .models import llama
+        d = dict(value)
+        preset = d.pop("preset", "tiny")
+        if preset not in PRESETS:
+            issues.add(f"model.preset {preset!r} is not a preset{suggest(str(preset), PRESETS)} "
+                       f"(presets: {', '.join(PRESETS)})")
+            preset = "tiny"
+        kwargs = parse_section(llama.Config, d, "model", issues)
+        if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
+            kwargs["rope_scaling"] = check_value("model.rope_scaling", kwargs["rope_scaling"],
+                                                 dict, issues)
+        return cls(preset, kwargs)
+
+    def build(self):
+        """The :class:`functional_pp.models.llama.Config`."""
+        from .models import llama
+        from .ops.rotary import Llama3Scaling
+        kw = dict(self.overrides)
+        if isinstance(kw.get("rope_scaling"), Mapping):
+            kw["rope_scaling"] = Llama3Scaling(**kw["rope_scaling"])
+        try:
+            return llama.Config.preset(self.preset, **kw)
+        except TypeError as exc:
+            raise ConfigError(f"model: {exc}") from exc
+
+    def to_dict(self) -> dict:
+        return {"preset": self.preset, **self.overrides}
+
+
+@dataclass
+class DatasetConfig:
+    """One entry of ``datasets:`` (Axolotl's shape); see ``functional_pp.data.formats``."""
+
+    path: str = fld(None, "a file or directory: .txt files, .jsonl/.json, .parquet, a HF "
+                          "`datasets` save_to_disk directory, or pre-tokenized .npy/.bin")
+    type: str | None = fld(None, "text | completion | alpaca | chat_template | pretokenized "
+                                 "(default: from the file: text files -> text, jsonl -> "
+                                 "completion, .npy/.bin -> pretokenized)")
+    field: str = fld("text", "completion/text: the field that holds each record's text")
+    field_messages: str = fld("messages", "chat_template: the field with the list of messages")
+    message_field_role: str = fld("role", "chat_template: a message's role key")
+    message_field_content: str = fld("content", "chat_template: a message's content key")
+    roles_to_train: list = fld(help="chat_template: roles whose tokens are trained",
+                               factory=lambda: ["assistant"])
+    chat_template: str | None = fld(None, "chat_template: 'tokenizer_default' (the base "
+                                          "model's template), 'chatml' (the built-in default)")
+    split: str = fld("train", "HF `datasets` on disk: the split to read")
+    pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
+    dtype: str = fld("uint16", "pretokenized .bin: the token dtype (uint16 | uint32 | int32)")
+    ds_type: str | None = fld(None, "json | parquet | text | arrow: the file format when the "
+                                    "extension does not say")
+
+
+@dataclass
+class DataConfig:
+    """The single corpus used when there is no ``datasets:`` list."""
+
+    path: str | None = fld(None, "text file, directory of *.txt or .jsonl; null: the Python "
+                                 "standard library's source, as bytes")
+    kind: Literal["auto", "stdlib", "text", "dir", "jsonl"] = fld("auto", "how to read path")
+    tokenizer: str | None = fld(None, "a tokenizer.json (default: bytes, or base_model's)")
+    max_bytes: int | None = fld(None, "cap on the raw text read (null: no cap)")
+    pattern: str | None = fld(None, "directories: the file pattern")
+    text_field: str = fld("text", "jsonl: the field with each record's text")
+
+
+@dataclass
+class LoggingConfig:
+    """Where outputs go and how often the progress line is printed."""
+
+    output_dir: str | None = fld(None, "run directory (default runs/<config name>); alias "
+                                       "output_dir at the top level")
+    log_every: int = fld(10, "print the progress line every N steps (alias logging_steps)")
+    plot: bool = fld(True, "write loss.png at the end (needs matplotlib)")
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept."""
+
+    save_every: int = fld(0, "save every N steps, 0: never periodically (alias save_steps)")
+    keep_last: int | None = fld(3, "keep the newest K checkpoints, null: all (alias "
+                                   "save_total_limit)")
+    save_final: bool = fld(True, "also save when training ends")

@@ -1,0 +1,365 @@
+"""``datasets:`` entries (Axolotl's shape) read into one token stream for the loader.
+
+Each entry yields *examples*: token ids and, for instruction data, which tokens are trained.
+:func:`build_streams` tokenizes them, holds out ``val_set_size`` examples, and joins each
+split into a :class:`TokenStream`: the examples back to back with EOS after each (packing),
+or each one alone in a row of ``sequence_len`` tokens padded with EOS (no packing). The loader
+turns a stream into batches whose labels are -100 on untrained tokens and at document ends,
+and whose ``segments`` keep attention inside each document (``docs/data.md``).
+
+Formats: ``text`` (a file or a directory of files, each one document), ``completion`` (jsonl /
+json / parquet / HF ``load_from_disk`` records, ``field``), ``alpaca`` (instruction, input,
+output; only the output is trained), ``chat_template`` (a list of messages; only the roles in
+``roles_to_train`` are trained), ``pretokenized`` (``.npy`` or raw ``.bin`` token ids, memory
+mapped, never loaded whole).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .tokenizer import CHATML
+
+__all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
+
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides "
+                 "further context. Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that "
+                          "appropriately completes the request.\n\n### Instruction:\n{instruction}"
+                          "\n\n### Response:\n")
+TYPES = ("text", "completion", "alpaca", "chat_template", "pretokenized")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (vocabulary 256); byte 0 is the end-of-document token."""
+
+    vocab_size, bos_id, eos_id, add_bos, chat_template = 256, None, 0, False, None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Any) -> str:
+        return bytes(int(i) for i in np.asarray(ids).reshape(-1)).decode("utf-8", errors="replace")
+
+    def render(self, messages: list[dict], template: str | None) -> str:
+        from .tokenizer import HFTokenizer
+        return HFTokenizer.render(self, messages, template)   # type: ignore[arg-type]
+
+    special_tokens: dict = {}
+
+
+@dataclass
+class TokenStream:
+    """Token ids back to back (``tokens``, possibly a memory map), which of them are trained
+    as labels (``trained``, None: all), and the end-of-document id."""
+
+    tokens: np.ndarray
+    trained: np.ndarray | None
+    eos_id: int | None
+    vocab_size: int
+    name: str
+    documents: int
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+# --------------------------------------------------------------------------- records
+def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterator[dict]:
+    """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
+    kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
+    if kind in ("jsonl", "json"):
+        with open(path, encoding="utf-8") as f:
+            if kind == "json" and f.read(4096).lstrip().startswith("["):
+                f.seek(0)
+                yield from json.load(f)                   # a JSON array: read whole
+                return
+            f.seek(0)
+            for lineno, line in enumerate(f, start=1):    # JSON lines: one record at a time
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{where}: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+    elif kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ImportError(f"{where}: reading {path} needs pyarrow: pip install pyarrow") from exc
+        yield from pq.read_table(str(path)).to_pylist()
+    elif kind == "arrow":
+        try:
+            from datasets import load_from_disk
+        except ImportError as exc:
+            raise ImportError(f"{where}: {path} is a directory of a HF dataset (load_from_disk); "
+                              f"that needs the datasets package: pip install datasets") from exc
+        ds = load_from_disk(str(path))
+        if hasattr(ds, "keys"):
+            if split not in ds:
+                raise ValueError(f"{where}: {path} has splits {list(ds.keys())}, not {split!r}; set split")
+            ds = ds[split]
+        yield from ds
+    else:
+        raise ValueError(f"{where}: cannot read records from {path} (ds_type {kind!r}); use "
+                         f".jsonl, .json, .parquet or a datasets directory, or set ds_type")
+
+
+def _field(rec: Any, key: str, where: str, n: int) -> Any:
+    if not isinstance(rec, dict) or key not in rec:
+        have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        raise ValueError(f"{where}: record {n} has no field {key!r} (it has {have})")
+    return rec[key]
+
+
+# --------------------------------------------------------------------------- examples
+Example = tuple[list[int], list[int] | None]        # ids, trained flags (None: all)
+
+
+def _with_bos(tok, ids: list[int], mask: list[int] | None) -> Example:
+    if tok.add_bos and tok.bos_id is not None:
+        return [tok.bos_id, *ids], (None if mask is None else [0, *mask])
+    return ids, mask
+
+
+def _alpaca(tok, rec: dict, entry, train_inputs: bool, where: str, n: int) -> Example:
+    instruction = _field(rec, "instruction", where, n)
+    inp = rec.get("input") or ""
+    prompt = (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=inp)
+    p, r = tok.encode(prompt), tok.encode(str(_field(rec, "output", where, n)))
+    return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
+
+
+def _chat(tok, rec: dict, entry, train_inputs: bool, default_template: str | None,
+          where: str, n: int) -> Example:
+    messages = _field(rec, entry.field_messages, where, n)
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: record {n}: {entry.field_messages!r} must be a list of messages")
+    msgs = [{"role": _field(m, entry.message_field_role, where, n),
+             "content": _field(m, entry.message_field_content, where, n)} for m in messages]
+    choice = entry.chat_template or default_template or "tokenizer_default"
+    if choice == "tokenizer_default":
+        template = tok.chat_template or CHATML
+    elif choice == "chatml":
+        template = CHATML
+    else:
+        template = choice                                   # a Jinja template given inline
+    ids: list[int] = []
+    mask: list[int] = []
+    before = ""
+    for i, m in enumerate(msgs):
+        text = tok.render(msgs[:i + 1], template)
+        if not text.startswith(before):
+            raise ValueError(f"{where}: record {n}: the chat template does not render message "
+                             f"prefixes as prefixes; use chat_template: chatml")
+        delta, before = text[len(before):], text
+        train = train_inputs or m["role"] in entry.roles_to_train
+        at = delta.find(m["content"]) if train and m["content"] else -1
+        head, tail = (delta[:at], delta[at:]) if at >= 0 else ("", delta)
+        h, t = tok.encode(head) if head else [], tok.encode(tail)
+        ids += h + t
+        mask += [int(train_inputs)] * len(h) + [int(train)] * len(t)
+    has_bos = template is not CHATML and tok.bos_id is not None and ids[:1] == [tok.bos_id]
+    return (ids, mask) if has_bos else _with_bos(tok, ids, mask)
+
+
+def _text_files(path: Path, pattern: str | None) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob(pattern or "*.txt") if p.is_file())
+
+
+def _items(entry, where: str) -> Iterator[Any]:
+    """An entry's raw examples: files (``text``) or records."""
+    path = Path(entry.path)
+    kind = entry.type or _guess_type(path, entry.ds_type)
+    if kind not in TYPES:
+        raise ValueError(f"{where}.type {kind!r} is not supported (choose {', '.join(TYPES)})")
+    if kind == "text":
+        files = _text_files(path, entry.pattern)
+        if not files:
+            raise ValueError(f"{where}: no files matching {entry.pattern or '*.txt'!r} in {path}")
+        yield from files
+    else:
+        yield from _records(path, entry.ds_type, entry.split, where)
+
+
+def _examples(entry, tok, train_inputs: bool, default_template: str | None,
+              where: str) -> Iterator[Example]:
+    kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
+    if kind == "text":
+        for f in _items(entry, where):
+            yield _with_bos(tok, tok.encode(f.read_text(encoding="utf-8", errors="replace")), None)
+        return
+    for n, rec in enumerate(_items(entry, where), start=1):
+        if kind == "completion":
+            text = _field(rec, entry.field, where, n)
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: record {n}: field {entry.field!r} is "
+                                 f"{type(text).__name__}, not text")
+            yield _with_bos(tok, tok.encode(text), None)
+        elif kind == "alpaca":
+            yield _alpaca(tok, rec, entry, train_inputs, where, n)
+        else:
+            yield _chat(tok, rec, entry, train_inputs, default_template, where, n)
+
+
+def _guess_type(path: Path, ds_type: str | None) -> str:
+    if path.suffix.lower() in (".npy", ".bin"):
+        return "pretokenized"
+    if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
+        return "text"
+    if path.suffix.lower() in (".txt", ".md") or ds_type == "text":
+        return "text"
+    return "completion"
+
+
+def _memmap(entry, where: str) -> np.ndarray:
+    path = Path(entry.path)
+    if path.suffix.lower() == ".npy":
+        arr = np.load(path, mmap_mode="r")
+    else:
+        arr = np.memmap(path, dtype=np.dtype(entry.dtype), mode="r")
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{where}: {path} must hold a 1-D integer array of token ids, got "
+                         f"{arr.dtype} {arr.shape}")
+    return arr
+
+
+# --------------------------------------------------------------------------- streams
+class _StreamWriter:
+    """Appends examples (EOS after each; ``row``: one example per row of that many tokens,
+    padded with EOS) to token / trained-flag buffers that spill to an unlinked temporary file
+    past ``spill_bytes``, so memory stays bounded whatever the corpus size."""
+
+    def __init__(self, eos: int, vocab: int, row: int | None, name: str, spill_bytes: int):
+        self.eos, self.row, self.name, self.vocab = eos, row, name, vocab
+        self.dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        self.spill = spill_bytes
+        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending = 0
+        self.files = None
+        self.n = 0
+        self.documents = 0
+        self.all_trained = True
+
+    def add(self, ids: list[int], mask: list[int] | None) -> None:
+        m = [1] * len(ids) if mask is None else list(mask)
+        ids, m = list(ids) + [self.eos], m + [1]
+        if self.row is not None:
+            ids, m = ids[:self.row - 1] + [self.eos], m[:self.row - 1] + [1]
+            pad = self.row - len(ids)
+            ids, m = ids + [self.eos] * pad, m + [0] * pad
+        self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
+        self.documents += 1
+
+    def _put(self, ids: np.ndarray, m: np.ndarray) -> None:
+        self.all_trained &= bool(m.all())
+        self.parts.append((ids, m))
+        self.pending += ids.nbytes + m.nbytes
+        self.n += len(ids)
+        if self.pending >= self.spill:
+            self._flush()
+
+    def _flush(self) -> None:
+        import tempfile
+        if not self.parts:
+            return
+        if self.files is None:
+            self.files = [tempfile.TemporaryFile(prefix="fpp-tokens-"), tempfile.TemporaryFile(prefix="fpp-mask-")]
+        for f, k in zip(self.files, (0, 1)):
+            f.write(np.concatenate([p[k] for p in self.parts]).tobytes())
+        self.parts, self.pending = [], 0
+
+    def finish(self) -> TokenStream:
+        if self.row is not None:                  # the loader's windows overlap by one token
+            self._put(np.asarray([self.eos], self.dtype), np.zeros(1, np.uint8))
+        if self.files is None:
+            tokens = np.concatenate([p[0] for p in self.parts]) if self.parts else np.zeros(0, self.dtype)
+            trained = np.concatenate([p[1] for p in self.parts]) if self.parts else np.zeros(0, np.uint8)
+        else:
+            self._flush()
+            for f in self.files:
+                f.flush()
+            tokens = np.memmap(self.files[0], dtype=self.dtype, mode="r", shape=(self.n,))
+            trained = np.memmap(self.files[1], dtype=np.uint8, mode="r", shape=(self.n,))
+        return TokenStream(tokens, None if self.all_trained else trained, self.eos, self.vocab,
+                           self.name, self.documents)
+
+
+def _split_count(val_set_size: float, n: int) -> int:
+    if val_set_size <= 0:
+        return 0
+    return int(val_set_size) if val_set_size >= 1 else max(1, int(round(n * val_set_size)))
+
+
+def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing: bool = True,
+                  val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
+                  chat_template: str | None = None, spill_bytes: int = 64 << 20,
+                  ) -> tuple[TokenStream, TokenStream | None]:
+    """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
+    Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
+    temporary files, memory-mapped (bounded memory for corpora of any size)."""
+    tok = tokenizer or ByteTokenizer()
+    eos = tok.eos_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token (eos_token_id in config.json or "
+                         "eos_token in tokenizer_config.json): documents could not be separated")
+    vocab = int(tok.vocab_size)
+    names = ", ".join(Path(e.path).name for e in entries)
+    memmaps = [i for i, e in enumerate(entries)
+               if (e.type or _guess_type(Path(e.path), e.ds_type)) == "pretokenized"]
+    if memmaps:
+        if len(entries) > 1:
+            raise ValueError("a pretokenized (.npy / .bin) dataset must be the only entry of "
+                             "datasets (it is memory-mapped, not copied); concatenate the others "
+                             "into it")
+        arr = _memmap(entries[0], "datasets[0]")
+        n_docs = _count(arr, eos)
+        n_val = _split_count(val_set_size, max(n_docs, 1))
+        cut = _cut_before_last_docs(arr, eos, n_val) if n_val else len(arr)
+        train = TokenStream(arr[:cut], None, eos, vocab, names, n_docs - n_val)
+        val = TokenStream(arr[cut:], None, eos, vocab, f"{names}[val]", n_val) if n_val else None
+        return train, val
+    counts = [sum(1 for _ in _items(e, f"datasets[{i}]")) for i, e in enumerate(entries)]
+    n = sum(counts)
+    if n == 0:
+        raise ValueError(f"datasets ({names}) hold no examples")
+    n_val = _split_count(val_set_size, n)
+    if n_val >= n:
+        raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {n} examples: "
+                         f"nothing is left to train on")
+    val_idx = set(np.random.default_rng([seed, 7]).permutation(n)[n - n_val:].tolist()) if n_val else set()
+    row = None if sample_packing else seq_len
+    train = _StreamWriter(eos, vocab, row, names, spill_bytes)
+    val = _StreamWriter(eos, vocab, row, f"{names}[val]", spill_bytes) if n_val else None
+    j = 0
+    for i, entry in enumerate(entries):
+        for ids, mask in _examples(entry, tok, train_on_inputs, chat_template, f"datasets[{i}]"):
+            (val if j in val_idx else train).add(ids, mask)
+            j += 1
+    return train.finish(), (val.finish() if val is not None else None)
+
+
+def _count(arr: np.ndarray, eos: int, chunk: int = 1 << 24) -> int:
+    return int(sum(np.count_nonzero(arr[i:i + chunk] == eos) for i in range(0, len(arr), chunk)))
+
+
+def _cut_before_last_docs(arr: np.ndarray, eos: int, k: int, chunk: int = 1 << 24) -> int:
+    """Position after the EOS that precedes the last ``k`` documents."""
+    seen, end = 0, len(arr)
+    while end > 0:
+        start = max(0, end - chunk)
+        hits = np.flatnonzero(arr[start:end] == eos) + start
+        for h in hits[::-1]:
+            if h == len(arr) - 1:
+                continue
+            seen += 1
+            if seen == k:
+                return int(h) + 1
+        end = start
+    raise ValueError(f"val_set_size: the token file has fewer than {k + 1} documents")

@@ -1,0 +1,101 @@
+"""A Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``) read with
+the ``tokenizers`` package (the ``[hf]`` extra), with BOS/EOS from the model's config and the
+chat template rendered with Jinja2 (sandboxed) when the tokenizer has one.
+
+Without a template, chats use the documented default (ChatML)::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n          (one block per message)
+
+See ``docs/data.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HFTokenizer", "CHATML", "find_tokenizer_file"]
+
+#: the default chat template (ChatML), used when the tokenizer has none
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}")
+
+
+def find_tokenizer_file(path: str | os.PathLike) -> Path:
+    """``path`` itself (a ``tokenizer.json``) or ``path/tokenizer.json``."""
+    p = Path(path)
+    f = p / "tokenizer.json" if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {p} (give a tokenizer.json or a Hugging Face "
+                                f"directory holding one)")
+    return f
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except ValueError as exc:
+        raise ValueError(f"{p} is not valid JSON: {exc}") from exc
+
+
+def _token_text(v: Any) -> str | None:
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class HFTokenizer:
+    """Encode text (and chats) to token ids; ``bos_id`` / ``eos_id`` from the model's
+    ``config.json`` (``generation_config.json``, ``tokenizer_config.json`` as fallbacks)."""
+
+    def __init__(self, path: str | os.PathLike, model_dir: str | os.PathLike | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise ImportError("reading a Hugging Face tokenizer needs the 'tokenizers' package: "
+                              "pip install 'functional_pp[hf]'") from exc
+        self.file = find_tokenizer_file(path)
+        self.dir = self.file.parent
+        self.tok = Tokenizer.from_file(str(self.file))
+        tcfg = _read_json(self.dir / "tokenizer_config.json")
+        model_dir = Path(model_dir) if model_dir is not None else self.dir
+        mcfg = {**_read_json(model_dir / "generation_config.json"), **_read_json(model_dir / "config.json")}
+        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")))
+        self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")))
+        self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
+        self.chat_template: str | None = tcfg.get("chat_template") if isinstance(
+            tcfg.get("chat_template"), str) else None
+        self.special_tokens = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token")
+                               if _token_text(tcfg.get(k))}
+
+    def _special(self, token_id: Any, text: str | None) -> int | None:
+        if isinstance(token_id, list):
+            token_id = token_id[0] if token_id else None
+        if token_id is not None:
+            return int(token_id)
+        if text is not None:
+            return self.tok.token_to_id(text)
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Any) -> str:
+        return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+    def render(self, messages: list[dict], template: str | None) -> str:
+        """A chat rendered with ``template`` (Jinja2, sandboxed, as transformers does)."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(template).render(messages=messages, add_generation_prompt=False,
+                                                **self.special_tokens)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.file)!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"

@@ -1,0 +1,51 @@
+"""Held-out loss on the training mesh: the step's loss function without gradients, over every
+batch of the validation loader, weighted by each batch's number of labels (so the result is
+the mean token loss of the whole held-out set, whatever the layout). ``docs/finetune.md``."""
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .named import Named, settle, wrap
+from .shard_map import use_rules
+from .train import PRECISIONS, TrainStep
+
+__all__ = ["evaluate", "eval_batches"]
+
+
+def eval_batches(loader) -> int:
+    """Batches that cover the held-out windows once (at least one)."""
+    return max(1, -(-loader.num_windows // loader.global_batch_size))
+
+
+def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> float:
+    """Mean token loss of ``state``'s parameters over the first ``n_batches`` batches of
+    ``loader`` (default: all its windows once). Runs on every device of the mesh."""
+    from .ops import sum as nsum
+    if step.spec is None:
+        raise RuntimeError("evaluate: call step.init(params) first")
+    n_batches = eval_batches(loader) if n_batches is None else n_batches
+    compute = PRECISIONS[step.precision]
+    leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
+    total, count = 0.0, 0.0
+    with torch.no_grad(), use_rules(step.rules):
+        named = []
+        for x, dims, layout in zip(leaves, step.spec.dims, step.spec.layouts):
+            n = Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout)
+            n.is_param = True
+            named.append(n)
+        params: Any = optree.tree_unflatten(treespec, named)
+        device = leaves[0].device if leaves else None
+        for i in range(n_batches):
+            batch = loader.batch(i)
+            if device is not None:
+                batch = {k: v.to(device) for k, v in batch.items()}
+            nb = {k: wrap(v, step.batch_dims[k]) for k, v in batch.items()}
+            loss = float(settle(step.loss_fn(params, nb)).data)
+            valid = (batch["labels"] != -100).to(torch.float64)
+            n = float(settle(nsum(wrap(valid, step.batch_dims["labels"]))).data)
+            total += loss * n
+            count += n
+    return total / max(count, 1.0)

@@ -1,0 +1,113 @@
+"""Metrics loggers behind one small protocol: ``log(step, metrics)`` and ``close()``.
+
+``metrics.jsonl`` (always), TensorBoard (``use_tensorboard: true``, the ``tensorboard``
+package) and Weights & Biases (``wandb_project``; ``wandb_mode: offline`` needs no network).
+The trainer logs training metrics and, at eval steps, ``eval_loss`` (``docs/finetune.md``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "make_loggers",
+           "MultiLogger"]
+
+
+class MetricsLogger(Protocol):
+    """Receives the metrics of each step (numbers), on the main process only."""
+
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _numbers(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+
+
+class JsonlLogger:
+    """One JSON line per ``log`` call (``step`` and the metrics)."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self.file = open(self.path, "a" if append else "w")
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({**metrics, "step": int(step)}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardLogger:
+    """Scalars under ``train/<name>`` (``eval/loss`` for the held-out loss)."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError("use_tensorboard needs the tensorboard package: pip install "
+                              "'functional_pp[tensorboard]'") from exc
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in _numbers(metrics).items():
+            tag = "eval/loss" if k == "eval_loss" else f"train/{k}"
+            self.writer.add_scalar(tag, v, int(step))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A W&B run (``mode="offline"`` writes under ``dir`` and needs no network)."""
+
+    def __init__(self, project: str, run_dir: Path, *, mode: str | None = None, name: str | None = None,
+                 entity: str | None = None, config: dict | None = None):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("wandb_project needs the wandb package: pip install "
+                              "'functional_pp[wandb]'") from exc
+        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, name=name, entity=entity,
+                              config=config, reinit=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        values = _numbers(metrics)
+        if "eval_loss" in values:
+            values["eval/loss"] = values.pop("eval_loss")
+        self.run.log({(k if "/" in k else f"train/{k}"): v for k, v in values.items()}, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MultiLogger:
+    """Sends every call to each logger."""
+
+    def __init__(self, loggers: list):
+        self.loggers = loggers
+
+    def log(self, step: int, metrics: dict) -> None:
+        for lg in self.loggers:
+            lg.log(step, metrics)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()
+
+
+def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> MultiLogger:
+    """The loggers the config asks for (JSONL always)."""
+    loggers: list = [JsonlLogger(metrics_path, append=append)]
+    if cfg.use_tensorboard:
+        loggers.append(TensorBoardLogger(out_dir / "tensorboard"))
+    if cfg.wandb_project:
+        loggers.append(WandbLogger(cfg.wandb_project, out_dir, mode=cfg.wandb_mode,
+                                   name=cfg.wandb_name, entity=cfg.wandb_entity, config=cfg.to_dict()))
+    return MultiLogger(loggers)

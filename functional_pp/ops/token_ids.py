@@ -1,0 +1,109 @@
+"""Range checks of token ids and labels, identical on every layout (docs/bad_inputs.md §1).
+
+A vocabulary split across devices would otherwise turn an out-of-range id into a zero row
+(embedding) or a zero logit (cross-entropy): a wrong loss and no error. The check runs on the
+whole id tensor this device holds, against the *global* vocabulary size, before any split.
+
+Eager code outside a training step raises at once. Inside a training step the check is one
+fused reduction whose small summary tensor is returned with the step's metrics and raised
+after the step (no host sync inside the step, traceable by ``torch.compile(fullgraph=True)``).
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+_state = threading.local()
+_MAX_DIMS = 4
+_KINDS = {0: ("embed", "token id"), 1: ("cross_entropy", "label")}
+
+
+class TokenIdError(ValueError):
+    """A token id or label lies outside the vocabulary (names the id, its position and the
+    vocabulary size)."""
+
+
+@contextmanager
+def deferred_checks() -> Iterator[list]:
+    """Collect the summaries of the checks run inside (training step) instead of raising."""
+    prev = getattr(_state, "pending", None)
+    _state.pending = pending = []
+    try:
+        yield pending
+    finally:
+        _state.pending = prev
+
+
+def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
+              ignore_index: int | None = None) -> torch.Tensor:
+    """Check that every entry of ``ids`` is in ``[0, vocab)`` (or equals ``ignore_index``);
+    returns the ids to use (inside a training step bad entries are replaced by a harmless
+    value so the step completes, and the error is raised right after it).
+
+    ``kind`` is ``"embed"`` or ``"cross_entropy"``; ``dims`` names the dimensions of ``ids``
+    (for the position in the message)."""
+    if ids.is_meta:
+        return ids      # shapes only (layout planning): there are no values to check
+    code = next(c for c, (k, _) in _KINDS.items() if k == kind)
+    flat = ids.reshape(-1)
+    bad = (flat < 0) | (flat >= vocab)
+    if ignore_index is not None:
+        bad = bad & (flat != ignore_index)
+    pending = getattr(_state, "pending", None)
+    if pending is None and torch.compiler.is_compiling():
+        return ids      # a user's own compiled function: no place to report; train_step checks
+    if pending is None:
+        if flat.numel() and bool(bad.any()):
+            first = int(bad.to(torch.int64).argmax())
+            raise TokenIdError(_message(code, int(flat[first]), _unravel(first, ids.shape), dims,
+                                        vocab, ignore_index))
+        return ids
+    if flat.numel() == 0:
+        return ids
+    first = bad.to(torch.int64).argmax()
+    value = flat.gather(0, first.unsqueeze(0)).squeeze(0).to(torch.int64)
+    coords = [(first // _stride(ids.shape, d)) % ids.shape[d] for d in range(ids.ndim)]
+    coords += [torch.zeros_like(first)] * (_MAX_DIMS - len(coords))
+    ignore = ignore_index if ignore_index is not None else -(2 ** 62)
+    const = lambda v: torch.full((), v, dtype=torch.int64, device=flat.device)  # noqa: E731
+    summary = torch.stack([bad.any().to(torch.int64), const(code), value, const(vocab), const(ignore),
+                           *[c.to(torch.int64) for c in coords[:_MAX_DIMS]]])
+    pending.append((summary, tuple(dims)))
+    harmless = 0 if ignore_index is None else ignore_index
+    return torch.where(bad, torch.full_like(flat, harmless), flat).reshape(ids.shape)
+
+
+def raise_if_bad(summaries: list[tuple[torch.Tensor, tuple[str, ...]]]) -> None:
+    """Raise :class:`TokenIdError` for the first failed summary of :func:`deferred_checks`."""
+    for summary, dims in summaries:
+        s = summary.tolist()
+        if s[0]:
+            code, value, vocab, ignore = s[1], s[2], s[3], s[4]
+            coords = s[5:5 + min(len(dims), _MAX_DIMS)]
+            raise TokenIdError(_message(code, value, coords, dims, vocab,
+                                        None if ignore == -(2 ** 62) else ignore))
+
+
+def _stride(shape: Sequence[int], d: int) -> int:
+    n = 1
+    for s in shape[d + 1:]:
+        n *= int(s)
+    return n
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
+    return [(flat // _stride(shape, d)) % int(shape[d]) for d in range(len(shape))]
+
+
+def _message(code: int, value: int, coords: Sequence[int], dims: Sequence[str], vocab: int,
+             ignore_index: int | None) -> str:
+    op, what = _KINDS[code]
+    where = ", ".join(f"{d} {c}" for d, c in zip(dims, coords))
+    valid = f"0..{vocab - 1}" + (f" or the ignore index {ignore_index}" if ignore_index is not None else "")
+    fix = ("make the model's vocabulary larger than every id (model.vocab), or fix the data / "
+           "tokenizer that produced it")
+    return (f"{op}: {what} {value} at position [{where}] of this device's block is outside the "
+            f"vocabulary of size {vocab} (valid: {valid}); {fix}")

@@ -1,0 +1,56 @@
+"""``--resume`` compares the config saved with the checkpoint with the new one
+(docs/bad_inputs.md §7): a change that would make the continued run differ from an
+uninterrupted one (model, data, optimizer, batch, schedule, precision, mesh...) is refused,
+naming every changed key, unless the user allows it."""
+from __future__ import annotations
+
+from typing import Any
+
+# Keys that change where outputs go or how the run is watched, never the numbers.
+NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "max_consecutive_skips", "on_nonfinite",
+           "peak_flops_per_device")
+# Keys that only reshard the same computation (any mesh loads any checkpoint); the batch keys
+# are per data-parallel rank, so the global batch (compared instead) is what must not change.
+RESHARD = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "sequence_parallel", "rules.",
+           "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and scalars are leaves)."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def _neutral(key: str, saved: dict, new: dict) -> bool:
+    if any(key == n or (n.endswith(".") and key.startswith(n)) for n in NEUTRAL + RESHARD):
+        return True
+    # a longer run with a constant learning rate continues exactly
+    return key == "max_steps" and new.get("lr_scheduler") == saved.get("lr_scheduler") == "constant"
+
+
+def config_changes(saved: dict | None, new: dict, saved_derived: dict | None = None,
+                   new_derived: dict | None = None) -> list[str]:
+    """``"key: checkpoint X, now Y"`` for each key whose change breaks exact resumption;
+    ``*_derived`` hold values computed from the configs (the global batch size)."""
+    if not isinstance(saved, dict):
+        return []
+    a, b = flatten(saved), flatten(new)
+    if saved_derived is not None and new_derived is not None:
+        a.update(saved_derived)
+        b.update(new_derived)
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        old, now = a.get(key, missing), b.get(key, missing)
+        if old == now or _neutral(key, a, b):
+            continue
+        if (old is missing or now is missing) and not key.startswith("model."):
+            continue            # a key one functional_pp version does not write
+        old = "<preset default>" if old is missing else old
+        now = "<preset default>" if now is missing else now
+        out.append(f"{key}: checkpoint {old!r}, now {now!r}")
+    return out

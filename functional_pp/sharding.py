@@ -1,0 +1,47 @@
+"""Parameter trees across devices: cut a full tree into one device's shards, gather the shards
+back, and wrap shards as named values laid out by the rules."""
+from __future__ import annotations
+
+from typing import Any
+
+from .collectives import raw_all_gather
+from .layout import Rules, block_slices
+from .mesh import Mesh
+from .named import Named, env
+from .runtime import current_mesh
+from .tree import map_with_path
+
+__all__ = ["shard", "gather", "named_tree"]
+
+
+def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
+    """Cut a full tree into the shards of ``rank`` (views, no copies)."""
+    def cut(p, x, d):
+        if tuple(x.shape) != d.shape:
+            raise ValueError(f"{p}: tensor has shape {tuple(x.shape)} but is declared {d.shape}")
+        return x[block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh, name=p), mesh, rank)]
+    return map_with_path(cut, full, decls)
+
+
+def gather(local: Any, decls: Any, rules: Rules) -> Any:
+    """Inside a launched function: gather every device's shards back into full tensors."""
+    mesh = current_mesh()
+
+    def full(p, x, d):
+        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
+        for dim, axes in enumerate(layout):
+            if axes:
+                x = raw_all_gather(x.detach(), axes, dim)
+        return x
+    return map_with_path(full, local, decls)
+
+
+def named_tree(local: Any, decls: Any) -> Any:
+    """Wrap this device's shards as named arrays laid out by the active rules."""
+    mesh, rules = env()
+
+    def wrap(p, x, d):
+        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
+        n.is_param = True
+        return n
+    return map_with_path(wrap, local, decls)

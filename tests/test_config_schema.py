@@ -1,0 +1,182 @@
+"""The declared config schema: Axolotl / Accelerate aliases, keys refused with their reason,
+every problem of a file at once, YAML 1.1 numbers, and help generated from the schema."""
+import pytest
+import yaml
+
+from functional_pp import cli
+from functional_pp.config import ConfigError, TrainConfig, config_help
+
+
+def test_axolotl_and_accelerate_aliases_mean_the_same_as_our_keys():
+    ours = TrainConfig.from_dict({
+        "tp_size": 2, "cp_size": 2, "activation_checkpointing": True, "optimizer": "adamw",
+        "lr_scheduler": "constant", "logging": {"output_dir": "o", "log_every": 5},
+        "checkpoint": {"save_every": 7, "keep_last": 2}, "precision": "bf16"})
+    theirs = TrainConfig.from_dict({
+        "tensor_parallel_size": 2, "context_parallel_size": 2, "gradient_checkpointing": True,
+        "optimizer": "adamw_torch_fused", "lr_scheduler": "constant_with_warmup",
+        "output_dir": "o", "logging_steps": 5, "save_steps": 7, "save_total_limit": 2,
+        "mixed_precision": "bf16"})
+    assert theirs.to_dict() == ours.to_dict()
+    acc = TrainConfig.from_dict({"parallelism_config": {
+        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 2, "parallelism_config_cp_size": 1},
+        "num_processes": 8, "distributed_type": "MULTI_GPU"})
+    assert dict(acc.mesh(8).shape) == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert acc.notes == ["distributed_type (accelerate launcher settings: this run is launched by "
+                         "torchrun or --simulate)"]
+    with pytest.raises(ConfigError, match="num_processes: 8 but the world size gives 4"):
+        acc.validate(4)
+    cos = TrainConfig.from_dict({"lr_scheduler": "cosine_with_restarts", "max_steps": 10,
+                                 "warmup_ratio": 0.25, "cosine_min_lr_ratio": 0.1,
+                                 "learning_rate": "2e-4"})
+    assert cos.lr_scheduler == "cosine" and cos.warmup() == 3
+    assert cos.min_lr() == pytest.approx(2e-5)
+    assert TrainConfig.from_dict(cos.to_dict()).to_dict() == cos.to_dict()
+    assert TrainConfig.from_dict({"bf16": "auto"}).precision in ("bf16", "fp32")
+
+
+def test_yaml_1_1_exponent_strings_are_numbers_for_numeric_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-3\npeak_flops_per_device: 5e10\nmin_learning_rate: 2e-5\n"
+                    "max_steps: 1e2\n")
+    assert yaml.safe_load(path.read_text())["learning_rate"] == "1e-3"     # what PyYAML gives
+    cfg = TrainConfig.from_yaml(path)
+    assert cfg.learning_rate == 1e-3 and cfg.peak_flops_per_device == 5e10
+    assert cfg.min_learning_rate == 2e-5 and cfg.max_steps == 100
+    for bad, msg in (({"tp_size": "2"}, "tp_size must be an integer, got '2'"),
+                     ({"learning_rate": "fast"}, "learning_rate must be a number, got 'fast'"),
+                     ({"max_steps": "1.5e0"}, "max_steps must be an integer"),
+                     ({"sequence_parallel": "1e0"}, "sequence_parallel must be true/false")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig.from_dict(bad)
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    path = tmp_path / "pasted.yaml"
+    path.write_text(yaml.safe_dump({
+        "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "adapter": "lora",
+        "load_in_8bit": True, "deepspeed": "ds.json", "tp_size": "two",
+        "logging": {"outputdir": "x"}, "datasets": [{"path": "a.jsonl", "typ": "alpaca"}],
+        "max_steps": 0}))
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_yaml(path)
+    text = str(info.value)
+    assert text.startswith(f"10 problems in {path}:") and len(info.value.problems) == 10
+    for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
+                 "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
+                 "'flash_attention' is not supported: the attention kernel is chosen by torch",
+                 "'adapter' is not supported: LoRA / QLoRA adapters are not supported",
+                 "'load_in_8bit' is not supported: quantized", "'deepspeed' is not supported",
+                 "tp_size must be an integer, got 'two'",
+                 "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
+                 "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
+        assert want in text, want
+    assert "did you mean" not in text.split("flash_attention")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"model_type": "MistralForCausalLM"}, "model_type: 'MistralForCausalLM' is not supported"),
+    ({"tp_size": 2, "tensor_parallel_size": 4}, "tensor_parallel_size: 4 contradicts tp_size: 2"),
+    ({"warmup_steps": 2, "warmup_ratio": 0.1}, "give warmup_steps or warmup_ratio, not both"),
+    ({"val_set_size": 2.5}, "val_set_size must be a fraction in [0, 1) or a whole count"),
+    ({"base_model": "x", "model": "tiny"}, "give either base_model"),
+    ({"datasets": [{"type": "alpaca"}]}, "datasets[0] needs a path"),
+    ({"parallelism_config": {"parallelism_config_pp_size": 2}}, "unknown key 'parallelism_config."),
+    ({"torch_compile": True, "gradient_checkpointing": True}, "activation_checkpointing with compile"),
+])
+def test_alias_and_value_errors(d, message):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict(d)
+    assert message in str(info.value)
+
+
+def test_train_help_lists_every_key_with_its_default(capsys):
+    text = config_help()
+    for key in ("learning_rate", "base_model", "val_set_size", "sample_packing", "wandb_project",
+                "save_every", "field_messages"):
+        assert f"\n  {key}\n" in text, key
+    assert "(default: 0.0003)" in text and "tensor_parallel_size -> tp_size" in text
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--help"])
+    assert info.value.code == 0
+    assert "sample_packing" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("functional-pp ")
+
+
+AXOLOTL = """
+base_model: ./Meta-Llama-3-8B
+model_type: LlamaForCausalLM
+tokenizer_type: AutoTokenizer
+load_in_8bit: false
+load_in_4bit: false
+strict: false
+datasets:
+  - path: data/alpaca.jsonl
+    type: alpaca
+dataset_prepared_path: last_run_prepared
+val_set_size: 0.05
+output_dir: ./outputs/out
+sequence_len: 8192
+sample_packing: true
+pad_to_sequence_len: true
+wandb_project:
+wandb_entity:
+wandb_watch:
+wandb_name:
+wandb_log_model:
+gradient_accumulation_steps: 8
+micro_batch_size: 1
+num_epochs: 1
+optimizer: paged_adamw_8bit
+lr_scheduler: cosine
+learning_rate: 2e-5
+train_on_inputs: false
+group_by_length: false
+bf16: auto
+fp16:
+tf32: false
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+early_stopping_patience:
+resume_from_checkpoint:
+logging_steps: 1
+xformers_attention:
+flash_attention: true
+warmup_steps: 100
+evals_per_epoch: 2
+eval_table_size:
+saves_per_epoch: 1
+debug:
+deepspeed:
+weight_decay: 0.0
+fsdp:
+fsdp_config:
+special_tokens:
+  pad_token: <|end_of_text|>
+"""
+
+
+def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_path):
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(AXOLOTL)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_yaml(path)
+    assert sorted(p.split(":")[0].split("'")[1] if p.startswith("'") else p.split(":")[0]
+                  for p in info.value.problems) == ["evals_per_epoch", "flash_attention", "optimizer",
+                                                    "saves_per_epoch"]
+    assert "8-bit / paged optimizers (bitsandbytes) are not supported" in str(info.value)
+    fixed = "\n".join(line for line in AXOLOTL.splitlines() if not line.startswith(
+        ("optimizer", "flash_attention", "evals_per_epoch", "saves_per_epoch")))
+    path.write_text(fixed + "\noptimizer: adamw_torch\neval_steps: 50\nsave_steps: 100\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.learning_rate, cfg.num_epochs, cfg.activation_checkpointing) == (2e-5, 1, True)
+    assert cfg.logging.output_dir == "./outputs/out" and cfg.checkpoint.save_every == 100
+    assert cfg.datasets[0].type == "alpaca" and cfg.val_set_size == 0.05 and cfg.tf32 is False
+    assert any(n.startswith("dataset_prepared_path") for n in cfg.notes)
+    assert any(n.startswith("special_tokens.pad_token") for n in cfg.notes)
+    with pytest.raises(ConfigError, match="base_model './Meta-Llama-3-8B' is not a Hugging Face model directory"):
+        cfg.validate(1)

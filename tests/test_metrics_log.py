@@ -1,0 +1,105 @@
+"""Metrics loggers behind one protocol: JSONL always, TensorBoard and Weights & Biases (offline)
+with the real packages, from a short training run with a held-out set."""
+import io
+import json
+
+import pytest
+
+from functional_pp.config import TrainConfig
+from functional_pp.finetune import peak_flops, select_device
+from functional_pp.metrics_log import JsonlLogger, MultiLogger
+from functional_pp.trainer import train
+
+RUN = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "max_steps": 4,
+       "warmup_steps": 0, "model": "tiny", "data": {"max_bytes": 60_000}, "val_set_size": 0.1,
+       "eval_steps": 2, "logging": {"log_every": 1}, "checkpoint": {"save_final": False}}
+
+
+def test_jsonl_logger_and_fan_out(tmp_path):
+    a, b = JsonlLogger(tmp_path / "a.jsonl"), JsonlLogger(tmp_path / "b.jsonl")
+    multi = MultiLogger([a, b])
+    multi.log(3, {"loss": 1.5})
+    multi.close()
+    for f in ("a.jsonl", "b.jsonl"):
+        assert json.loads((tmp_path / f).read_text()) == {"loss": 1.5, "step": 3}
+
+
+def test_tensorboard_and_wandb_offline_receive_train_and_eval_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_dict({**RUN, "use_tensorboard": True, "wandb_project": "fpp-test",
+                                 "wandb_mode": "offline", "logging": {"output_dir": str(out), "log_every": 1}})
+    text = io.StringIO()
+    train(cfg, stream=text)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [0, 2, 4] and "eval " in text.getvalue()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval/loss")] == [0, 2, 4]
+    assert acc.Scalars("eval/loss")[-1].value == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert wandb.run is None                                       # finished
+
+
+def test_missing_logger_package_is_a_config_error(tmp_path, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    from functional_pp.config import ConfigError
+    cfg = TrainConfig.from_dict({**RUN, "wandb_project": "p", "logging": {"output_dir": str(tmp_path / "r")}})
+    with pytest.raises(ConfigError, match=r"wandb_project needs the wandb package: pip install"):
+        train(cfg, stream=io.StringIO())
+
+
+def test_device_selection_and_peak_flops():
+    import torch
+    assert select_device(True, 1, False, cuda_available=True) == torch.device("cuda", 0)
+    assert select_device(True, 4, False, cuda_available=True) is None      # simulated mesh: CPU
+    assert select_device(True, 1, False, cuda_available=False) is None
+    assert select_device(False, 8, True, cuda_available=True).type == "cuda"
+    assert peak_flops(None, "NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops(None, "NVIDIA A100-SXM4-40GB") == 312e12
+    assert peak_flops(None, "Some CPU") is None and peak_flops(None) is None
+
+
+def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
+    from functional_pp.trainer import read_metrics
+    out = tmp_path / "run"
+    d = {**RUN, "logging": {"output_dir": str(out), "log_every": 1}, "max_steps": 4}
+    train(TrainConfig.from_dict(d), stop_after=2, stream=io.StringIO())
+    r = train(TrainConfig.from_dict(d), resume=True, stream=io.StringIO())
+    assert r.start_step == 2 and r.final_step == 4
+    lines = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4]
+    assert [m.get("resumed_from") for m in lines if "loss" in m] == [None, None, 2, None]
+    assert (out / "loss.png").is_file()
+    cfg = TrainConfig.from_dict({"num_epochs": 2})
+    cfg.set_epochs(7)
+    assert cfg.max_steps == 14
+    both = TrainConfig.from_dict({"num_epochs": 2, "max_steps": 5})
+    both.set_epochs(7)
+    assert both.max_steps == 5                                     # max_steps wins (Axolotl)
+
+
+def test_progress_line_shows_eval_lr_grad_norm_mfu_and_elapsed():
+    from functional_pp.trainer import Progress
+    p = Progress(total=10, stream=io.StringIO(), tty=False)
+    p.update(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.123,
+                 "eval_loss": 1.75})
+    p.update(2, {"loss": 1.9, "tokens_per_s": 200.0})
+    p.update(3, {"loss": 1.8, "tokens_per_s": 100.0})
+    line = p.line(3, {"loss": 1.8, "lr": 1e-3, "grad_norm": 0.5, "mfu": 0.123})
+    for part in ("loss 1.8000", "eval 1.7500", "lr 1.00e-03", "gnorm 0.5", "MFU 12.3%", "elapsed"):
+        assert part in line, part
+    assert "190 tok/s" in line                     # smoothed: 0.9 x 200 + 0.1 x 100

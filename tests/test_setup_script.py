@@ -1,0 +1,47 @@
+"""scripts/setup.sh's decisions, with a stand-in interpreter that records pip and venv calls
+(nothing is installed): keep a torch that satisfies the requirement, honour TORCH_VERSION /
+TORCH_INDEX_URL, create and use a venv when asked (as for an externally managed Python)."""
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = """#!/usr/bin/env bash
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$0 PIP ${*:3}" >> "$LOG"; exit 0; fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; echo "VENV $3" >> "$LOG"; exit 0; fi
+exec python3 "$@"
+"""
+
+
+def run(tmp_path, **env):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    log = tmp_path / "log"
+    log.write_text("")
+    full = {**os.environ, "PYTHON": str(fake), "LOG": str(log), **env}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=full, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, log.read_text().splitlines()
+
+
+def test_keeps_a_torch_that_satisfies_the_requirement(tmp_path):
+    out, calls = run(tmp_path, TORCH_VERSION="2.0")
+    assert "keeping the installed torch" in out
+    assert len(calls) == 1 and "-e .[test,plot,hf]" in calls[0]
+
+
+def test_installs_the_requested_torch_from_the_index(tmp_path):
+    out, calls = run(tmp_path, TORCH_VERSION="99.1", TORCH_INDEX_URL="https://example.invalid/whl/cu128")
+    assert "installing torch==99.1" in out
+    assert calls[0].endswith("PIP install -q torch==99.1 --index-url https://example.invalid/whl/cu128")
+
+
+def test_creates_and_uses_a_venv(tmp_path):
+    venv = tmp_path / "venv"
+    out, calls = run(tmp_path, FPP_VENV="1", FPP_VENV_DIR=str(venv), TORCH_VERSION="2.0")
+    assert calls[0] == f"VENV {venv}" and "activate with: source" in out
+    assert calls[1].startswith(f"{venv}/bin/python PIP install -q -e")
+    out, calls = run(tmp_path, FPP_VENV="1", FPP_VENV_DIR=str(venv), TORCH_VERSION="2.0")
+    assert not any(c.startswith("VENV") for c in calls)               # reused
