@@ -14,7 +14,7 @@ from .ops import (attention, concat, cross_entropy, cumsum, dropout, einsum, emb
                   logsumexp, merge_dims, positions, rearrange, rename, rms_norm, rotary, silu, slice_dim,
                   softmax, split_dim, take, tanh, unbind, where)
 from .grads import gather_tree, value_and_grad
-from .remat import remat
+from .remat import layer, remat
 from .train import TrainStep, train_step
 from .tree import Param, count_params, leaves_with_paths, map_with_path, param
 from . import sharding, tree
@@ -33,5 +33,5 @@ __all__ = [
     "layer_norm", "attention", "rotary", "positions", "embed", "cross_entropy", "rename", "split_dim",
     "merge_dims", "rearrange", "logsumexp", "softmax", "gelu", "tanh", "where", "dropout", "concat",
     "cumsum", "slice_dim", "take", "unbind", "optim", "train_step", "TrainStep", "remat",
-    "gather_tree", "value_and_grad",
+    "gather_tree", "value_and_grad", "layer",
 ]

@@ -14,6 +14,7 @@ import torch
 
 from . import comm
 from .mesh import as_axes
+from .recompute import traced_as_backward
 from .runtime import current_context, options
 
 AxisName = str | Sequence[str]
@@ -42,8 +43,8 @@ def raw_all_reduce(x: torch.Tensor, axes: AxisName, op: str = "sum") -> torch.Te
         return x
     wide = _reduce_dtype(x) if op == "sum" else None
     y = x.to(wide) if wide else x
-    comm.record("all_reduce", axes, len(group), y)
-    out = ctx.backend.all_reduce(y, op, group)
+    with comm.recording("all_reduce", axes, len(group), y):
+        out = ctx.backend.all_reduce(y, op, group)
     return out.to(x.dtype) if wide else out
 
 
@@ -51,8 +52,8 @@ def raw_all_gather(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
     ctx, axes, group = _group(axes, "all_gather")
     if len(group) == 1:
         return x
-    comm.record("all_gather", axes, len(group), x)
-    return ctx.backend.all_gather(x, _norm_dim(dim, x.ndim), group)
+    with comm.recording("all_gather", axes, len(group), x):
+        return ctx.backend.all_gather(x, _norm_dim(dim, x.ndim), group)
 
 
 def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
@@ -65,8 +66,8 @@ def raw_reduce_scatter(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tenso
                          f"divisible by the group size {len(group)}")
     wide = _reduce_dtype(x)
     y = x.to(wide) if wide else x
-    comm.record("reduce_scatter", axes, len(group), y)
-    out = ctx.backend.reduce_scatter(y, dim, group)
+    with comm.recording("reduce_scatter", axes, len(group), y):
+        out = ctx.backend.reduce_scatter(y, dim, group)
     return out.to(x.dtype) if wide else out
 
 
@@ -78,8 +79,8 @@ def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: 
     if x.shape[split_dim] % len(group):
         raise ValueError(f"all_to_all over {axes}: split dimension {split_dim} of size "
                          f"{x.shape[split_dim]} is not divisible by the group size {len(group)}")
-    comm.record("all_to_all", axes, len(group), x)
-    return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
+    with comm.recording("all_to_all", axes, len(group), x):
+        return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
 
 
 def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:
@@ -91,11 +92,10 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
         raise ValueError(f"ppermute over {axes}: perm {list(pairs)} must be pairs (source, destination) "
                          f"of distinct indices in range({n})")
     me = group.index(ctx.rank)
-    if any(s == me and d != me for s, d in pairs):
-        comm.record("permute", axes, n, x)
     if n == 1:
         return x if pairs else torch.zeros_like(x)
-    return ctx.backend.permute(x, pairs, group)
+    with comm.recording("permute", axes, n, x, sends=any(s == me and d != me for s, d in pairs)):
+        return ctx.backend.permute(x, pairs, group)
 
 
 def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
@@ -120,6 +120,7 @@ class _PSum(torch.autograd.Function):
         pass
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return g, None
 
@@ -136,6 +137,7 @@ class _PVary(torch.autograd.Function):
         ctx.axes = inputs[1]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_all_reduce(g, ctx.axes, "sum"), None
 
@@ -150,6 +152,7 @@ class _PMax(torch.autograd.Function):
         ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         x, out = ctx.saved_tensors
         return g * (x == out).to(g.dtype), None
@@ -169,7 +172,7 @@ def _dim_collective(name: str, doc: str, forward, backward):
 
     return type(name, (torch.autograd.Function,), {
         "__doc__": doc, "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(bwd)})
+        "backward": staticmethod(traced_as_backward(bwd))})
 
 
 _AllGather = _dim_collective(
@@ -196,6 +199,7 @@ class _PPermute(torch.autograd.Function):
         ctx.axes, ctx.pairs = inputs[1], inputs[2]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_permute(g, ctx.axes, tuple((d, s) for s, d in ctx.pairs)), None, None
 
@@ -210,6 +214,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.axes, ctx.split, ctx.concat = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
+    @traced_as_backward
     def backward(ctx, g):
         return raw_all_to_all(g, ctx.axes, ctx.concat, ctx.split), None, None, None
 

@@ -9,7 +9,10 @@ from typing import Iterator
 
 import torch
 
-from .torch_private import in_backward
+from .recompute import BACKWARD
+from .torch_private import annotate, in_backward
+
+TRACED = "fpp_comm"    # node.meta["custom"] key of a collective traced under torch.compile
 
 _local = threading.local()
 
@@ -117,3 +120,34 @@ def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
                       in_backward())
     for report in stack:
         report.events.append(event)
+
+
+@contextmanager
+def recording(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, sends: bool = True) -> Iterator[None]:
+    """Around a collective: record it now (eager), or, under ``torch.compile``, tag the graph
+    nodes it traces so each run of the compiled graph records it (:func:`replay`)."""
+    if not torch.compiler.is_compiling():
+        if sends:
+            record(kind, axes, n, x)
+        yield
+        return
+    nbytes = ring_bytes(kind, x.numel(), n, x.element_size()) if sends else 0
+    meta = {TRACED: (kind, tuple(axes), n, nbytes, tuple(x.shape), str(x.dtype).replace("torch.", ""))}
+    if in_backward():               # a transpose traced by torch.autograd.grad
+        meta[BACKWARD] = True
+    with annotate(meta):
+        yield
+
+
+def traced_events(tagged: list[tuple[tuple, bool]]) -> list[CommEvent]:
+    """Events of a compiled graph from its collectives' tags and whether each runs in backward."""
+    return [CommEvent(kind, axes, n, nbytes, shape, dtype, backward)
+            for (kind, axes, n, nbytes, shape, dtype), backward in tagged if nbytes or kind != "permute"]
+
+
+def replay(events: list[CommEvent]) -> None:
+    """Record the collectives of one run of a compiled graph in the active reports."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        for report in stack:
+            report.events.extend(events)

@@ -272,10 +272,6 @@ class TrainConfig:
             if self.compile not in backends:
                 add(f"compile: unknown torch.compile backend {self.compile!r}"
                     f"{suggest(self.compile, backends)}")
-        if self.compile and self.activation_checkpointing:
-            add("activation_checkpointing with compile is not supported yet: "
-                "torch.compile(fullgraph=True) refuses functional_pp.remat (its checkpointed "
-                "function records the output layout in a Python dict); set one of them to false")
         if self.logging.log_every < 1:
             add(f"logging.log_every must be >= 1, got {self.logging.log_every}")
         if self.checkpoint.save_every < 0:

@@ -18,6 +18,7 @@ from . import collectives as C
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .order import from_balanced, to_balanced
+from .recompute import regather_region
 from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
@@ -176,7 +177,8 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         extra = have[k:]
         if extra:
             gathers.append((data, extra, d))
-            data = C.all_gather(data, extra, axis=d, tiled=True)
+            with regather_region(x.is_param and not options().keep_gathered):   # ZeRO-3 under compile
+                data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
             if k == 0 and rules.is_balanced(x.dims[d]):
                 data = from_balanced(data, d, mesh.shape[have[0]], x.dims[d])

@@ -1,5 +1,11 @@
 """Activation checkpointing for functions over named arrays: keep only the inputs and
-recompute the function (its collectives included) in backward."""
+recompute the function (its collectives included) in backward.
+
+Two public hooks (docs/compile.md): :func:`remat` always recomputes a function;
+:func:`layer` declares a model's repeated layer, recomputed when the training step asks for
+it (``train_step(remat=True)``). Eagerly the recomputation is ``torch.utils.checkpoint``;
+under ``torch.compile`` the region is tagged and the compiled graph recomputes it
+(:mod:`functional_pp.recompute`)."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +15,8 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .named import Named, configure
+from .named import Named, configure, options
+from .recompute import remat_region
 
 
 def _flatten(tree: Any):
@@ -25,16 +32,19 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
     activations. Named arguments (anywhere in pytrees) keep their layouts.
 
     ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
-    residual block); it is checked, and it lets ``torch.compile`` trace the region, which
-    cannot pass the result's layout out of the checkpointed function otherwise."""
+    residual block); it is checked."""
     @functools.wraps(fn)
     def wrapped(*args):
+        if torch.compiler.is_compiling():
+            with remat_region():            # the compiled graph recomputes the region
+                out = fn(*args)
+            if out_like is not None and _meta(out) != _meta(args[out_like]):
+                raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
+                                 f"argument {out_like} as {_meta(args[out_like])}")
+            return out
         leaves, spec = _flatten(args)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, Named)]
         expected = _meta(args[out_like]) if out_like is not None else None
-        if expected is None and torch.compiler.is_compiling():
-            raise RuntimeError(f"remat({getattr(fn, '__name__', fn)}) under torch.compile needs out_like=<index "
-                               f"of the argument laid out like the result>")
         found: dict = {}
 
         def inner(*datas):
@@ -57,4 +67,18 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
         data = checkpoint(inner, *[leaves[i].data for i in slots], use_reentrant=False)
         dims, split, vary, partial = expected if expected is not None else found["meta"]
         return Named(data, dims, split, vary, partial)
+    return wrapped
+
+
+def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare ``fn`` as one layer of a model (called once per layer, e.g.
+    ``x = layer(p, x, ...)``). With ``train_step(remat=True)`` (or
+    ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
+    eagerly or compiled; otherwise it runs as is."""
+    recomputed = remat(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        return recomputed(*args) if options().remat else fn(*args)
+    wrapped.__wrapped_layer__ = fn
     return wrapped

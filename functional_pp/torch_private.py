@@ -30,3 +30,49 @@ def trace_backward(enabled: bool = True):
         return contextlib.nullcontext()
     import torch._dynamo.config as dcfg
     return dcfg.patch(trace_autograd_ops=True)
+
+
+def annotate(meta: dict):
+    """Attach ``meta`` to every graph node traced inside the block (``node.meta["custom"]``)."""
+    import torch.fx.traceback as fx_traceback
+    return fx_traceback.annotate(meta)
+
+
+def is_backward_node(node) -> bool:
+    """Whether a node of a traced step was produced by ``torch.autograd.grad``'s backward."""
+    return bool(node.meta.get("autograd_backward"))
+
+
+def compile_backend(name: str, graph_pass):
+    """A ``torch.compile`` backend: ``name`` ("inductor" or an AOT-eager-like backend) with
+    ``graph_pass(graph)`` run on the ATen graph that will execute. ``graph_pass`` may return a
+    function ``wrap(compiled) -> compiled`` applied to the compiled callable."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        def backend(gm, example_inputs):
+            box = {}
+
+            class Pass(CustomGraphPass):
+                def __call__(self, graph):
+                    box["wrap"] = graph_pass(graph)
+
+                def uuid(self):
+                    return None          # never reuse a cached graph: the pass must see it
+
+            compiled = compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": Pass()})
+            wrap = box.get("wrap")
+            return wrap(compiled) if wrap else compiled
+        return backend
+    if name not in ("aot_eager", "eager_with_passes"):
+        return None
+    from functorch.compile import make_boxed_func
+
+    def fw(gm, example_inputs):
+        wrap = graph_pass(gm.graph)
+        gm.recompile()
+        return make_boxed_func(wrap(gm) if wrap is not None else gm)
+    return aot_autograd(fw_compiler=fw, inference_compiler=fw)

@@ -15,7 +15,10 @@ from typing import Any, Callable
 import torch
 
 from . import optim
+from .barrier import materialize
 from .collectives import psum
+from .compiler import step_backend
+from .recompute import backward_region
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
@@ -65,10 +68,6 @@ class TrainStep:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
-        if self.remat and self.compile:
-            raise ValueError("remat=True with compile: torch 2.13 cannot yet recompute checkpointed "
-                             "regions inside a compiled step whose backward is traced (attention's "
-                             "random-number state in the recompute region); use one or the other")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_consecutive_skips is not None and (
@@ -113,8 +112,7 @@ class TrainStep:
         fn = self._device_step
         if self.compile:
             if self._compiled is None:
-                backend = "inductor" if self.compile is True else self.compile
-                self._compiled = torch.compile(self._device_step, backend=backend, fullgraph=True,
+                self._compiled = torch.compile(self._device_step, backend=step_backend(self.compile), fullgraph=True,
                                                dynamic=False)   # training shapes are static
             fn = self._compiled
         t0 = time.perf_counter()
@@ -187,13 +185,16 @@ class TrainStep:
             _check_invariant(loss_named)
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            gs = iter(torch.autograd.grad(loss, diff))
+            with backward_region():      # marks the traced backward (compiled comm counting)
+                gs = iter(torch.autograd.grad(loss, diff))
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
+        if torch.compiler.is_compiling() and PRECISIONS[self.precision] is not None:
+            grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
         donate = not torch.compiler.is_compiling()
         grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)

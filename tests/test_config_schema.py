@@ -83,7 +83,6 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     ({"base_model": "x", "model": "tiny"}, "give either base_model"),
     ({"datasets": [{"type": "alpaca"}]}, "datasets[0] needs a path"),
     ({"parallelism_config": {"parallelism_config_pp_size": 2}}, "unknown key 'parallelism_config."),
-    ({"torch_compile": True, "gradient_checkpointing": True}, "activation_checkpointing with compile"),
 ])
 def test_alias_and_value_errors(d, message):
     with pytest.raises(ConfigError) as info:

@@ -148,11 +148,6 @@ def _varying_scalar(x):
     return Named(x.data.sum(), (), (), x.vary)          # a per-device value claiming to be the loss
 
 
-def test_activation_checkpointing_with_compile_is_refused_up_front():
-    with pytest.raises(ValueError, match="remat=True with compile"):
-        fpp.train_step(LOSS, fpp.optim.sgd(0.1), remat=True, compile="aot_eager")
-
-
 @pytest.mark.slow
 def test_inductor_compiled_step_equals_eager():
     """The suite compiles with aot_eager; this one proves inductor on the same step."""

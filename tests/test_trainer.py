@@ -195,7 +195,6 @@ def test_config_parses_accelerate_and_axolotl_names():
     ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
     ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps=50 exceeds max_steps=10"),
     ({"data": {"kind": "jsonl"}}, "data.kind 'jsonl' needs data.path"),
-    ({"compile": True, "activation_checkpointing": True}, "activation_checkpointing with compile"),
 ])
 def test_config_errors_while_parsing(d, message):
     with pytest.raises(ConfigError) as info:

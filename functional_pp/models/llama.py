@@ -12,6 +12,7 @@ import torch
 from .. import ops
 from ..named import Named, tied
 from ..ops.rotary import Llama3Scaling
+from ..remat import layer as remat_layer
 from ..tree import param
 
 
@@ -134,7 +135,9 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     return ops.rename(out, seq="res_seq")
 
 
+@remat_layer
 def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
+    """One decoder layer; recomputed in backward under ``train_step(remat=True)``."""
     x = x + attention_block(p, x, pos, cfg, segments)
     return x + mlp_block(p, x, cfg)
 
@@ -142,10 +145,7 @@ def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = N
 def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
-    if layer_fn is None:
-        from ..named import options
-        from ..remat import remat
-        layer_fn = remat(layer, out_like=1) if options().remat else layer
+    layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
     emb = tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
     x = ops.embed(emb, tokens)

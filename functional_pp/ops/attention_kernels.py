@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..recompute import traced_as_backward
+
 __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",
@@ -469,6 +471,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @traced_as_backward
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, cp_size, cp_rank, balanced, shift, kernel = ctx.args

@@ -1,0 +1,105 @@
+"""Communication/computation overlap in a compiled step on torch.distributed (docs/compile.md).
+
+torch.distributed's functional collectives are split in the graph into a launch
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...) and a ``wait_tensor``. Two moves
+let the network work while the CPU/GPU computes:
+
+* prefetch: the launch of each FSDP weight's all-gather moves before the computation that
+  uses the previous gathered weight, in forward and again for the backward re-gathers, so
+  layer i+1's weights are on their way while layer i computes;
+* late waits: every wait moves down to just before the first node that reads its result, so
+  a gradient's reduce-scatter runs while the backward of the next layers computes.
+
+Simulated collectives are one synchronous op each; there is nothing to overlap, so the
+simulated graph is left in trace order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .recompute import _VIEW_OR_CAST, REGATHER, _op_name
+from .torch_private import is_backward_node
+
+_FUNCOL = "_c10d_functional"
+
+
+def _is_launch(node: torch.fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and getattr(t, "namespace", None) == _FUNCOL and "wait" not in t.__name__
+
+
+def _is_wait(node: torch.fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and getattr(t, "namespace", None) == _FUNCOL and "wait" in t.__name__
+
+
+def _region(node: torch.fx.Node):
+    return (node.meta.get("custom") or {}).get(REGATHER)
+
+
+def _first_consumer(graph_pos: dict, launch: torch.fx.Node) -> torch.fx.Node | None:
+    """The first node that reads the collective's result (through its wait)."""
+    consumers = [c for u in launch.users for c in (u.users if _is_wait(u) else [u])]
+    return min(consumers, key=graph_pos.__getitem__) if consumers else None
+
+
+def _sink(wait: torch.fx.Node) -> int:
+    """Move a wait, with the views and casts of its result, down to the first other node
+    that reads them."""
+    pos = {n: i for i, n in enumerate(wait.graph.nodes)}
+    group, frontier = [wait], [wait]
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in group and _op_name(u) in _VIEW_OR_CAST and all(
+                    a in group or pos[a] < pos[wait] for a in u.all_input_nodes):
+                group.append(u)
+                frontier.append(u)
+    consumers = [u for n in group for u in n.users if u not in group]
+    if not consumers:
+        return 0
+    first = min(consumers, key=pos.__getitem__)
+    if all(pos[n] >= pos[first] - len(group) for n in group):
+        return 0                                  # already right before its reader
+    for n in sorted(group, key=pos.__getitem__):
+        first.prepend(n)
+    return 1
+
+
+def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) -> bool:
+    """Move ``node`` and the inputs it needs that come after ``anchor`` to just before
+    ``anchor``; refuse (False) if that would need more than cheap, input-only nodes."""
+    chain, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if graph_pos[n] < graph_pos[anchor] or n in chain:
+            continue
+        if n is not node and (n.op != "call_function" or len(chain) > 8):
+            return False
+        chain.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(chain, key=graph_pos.__getitem__):
+        anchor.prepend(n)
+    return True
+
+
+def overlap_communication(graph: torch.fx.Graph) -> int:
+    """Prefetch FSDP all-gathers and sink waits in a graph of torch.distributed collectives.
+    Returns the number of nodes moved."""
+    if not any(_is_launch(n) for n in graph.nodes):
+        return 0
+    moved = 0
+    # late waits
+    for wait in [n for n in graph.nodes if _is_wait(n)]:
+        moved += _sink(wait)
+    # prefetch, separately in forward and in backward
+    nodes = list(graph.nodes)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), len(nodes))
+    for part in (nodes[:first_bwd], nodes[first_bwd:]):
+        launches = [n for n in part if _is_launch(n) and _region(n) is not None and "all_gather" in n.target.__name__]
+        for prev, cur in zip(launches, launches[1:]):
+            pos = {n: i for i, n in enumerate(graph.nodes)}
+            consumer = _first_consumer(pos, prev)
+            if consumer is not None and pos[consumer] < pos[cur] and _move_before(pos, cur, consumer):
+                moved += 1
+    graph.lint()
+    return moved
