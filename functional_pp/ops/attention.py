@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .. import collectives as C
 from ..named import Named, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
