@@ -31,7 +31,6 @@ REMAT = "fpp_remat"
 RECOMPUTED = "fpp_recomputed"
 BACKWARD = "fpp_backward"      # set on everything torch.autograd.grad traces in a step
 
-_ids = itertools.count()
 _local = threading.local()
 
 # ops that only view or convert a value: they join the region of their (single) input
@@ -42,10 +41,20 @@ _VIEW_OR_CAST = {
 }
 
 
+def reset_region_ids() -> None:
+    """Number this thread's regions from 0 again. Called before each call of a compiled step
+    (outside the graph): dynamo guards on the counter's state, so a counter that kept running
+    would recompile the step on every call."""
+    _local.ids = itertools.count()
+
+
 def _tag(key: str, enabled: bool = True):
     if not (enabled and torch.compiler.is_compiling()):
         return nullcontext()
-    return annotate({key: next(_ids)})
+    ids = getattr(_local, "ids", None)
+    if ids is None:
+        ids = _local.ids = itertools.count()
+    return annotate({key: next(ids)})
 
 
 def regather_region(enabled: bool = True):

@@ -18,7 +18,7 @@ from . import optim
 from .barrier import materialize
 from .collectives import psum
 from .compiler import step_backend
-from .recompute import backward_region
+from .recompute import backward_region, reset_region_ids
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
@@ -115,6 +115,7 @@ class TrainStep:
                 self._compiled = torch.compile(self._device_step, backend=step_backend(self.compile), fullgraph=True,
                                                dynamic=False)   # training shapes are static
             fn = self._compiled
+            reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
         compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
