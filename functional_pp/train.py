@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -77,6 +78,7 @@ class TrainStep:
                              f"{self.max_consecutive_skips!r}")
         self.spec: ParamSpec | None = None
         self._compiled = None
+        self._compile_lock = threading.Lock()   # simulated devices share one compiled step
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -111,9 +113,10 @@ class TrainStep:
                              f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
         fn = self._device_step
         if self.compile:
-            if self._compiled is None:
-                self._compiled = torch.compile(self._device_step, backend=step_backend(self.compile), fullgraph=True,
-                                               dynamic=False)   # training shapes are static
+            with self._compile_lock:     # one wrapper (one backend) for every device thread
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._device_step, backend=step_backend(self.compile),
+                                                   fullgraph=True, dynamic=False)   # static shapes
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()

@@ -95,8 +95,9 @@ class Watch:
         per-thread clocks are missing or work runs on helper threads, the process used more
         than 5% of a core: waiting devices use far less)."""
         wall, cpu = time.monotonic(), time.process_time()
-        busy = cpu - self._process[1] >= 0.05 * max(wall - self._process[0], 1e-3)
-        if wall - self._process[0] >= 0.5:
+        busy = False
+        if wall - self._process[0] >= 0.5:          # judge the process over windows >= 0.5 s only
+            busy = cpu - self._process[1] >= 0.05 * (wall - self._process[0])
             self._process = (wall, cpu)
         moved = busy
         for r, ident in self.threads.items():
