@@ -10,6 +10,11 @@ DEFAULT_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AxisNames = tuple[str, ...]
 
 
+def _compiling() -> bool:
+    import torch        # (imported on first use: the mesh itself needs no torch)
+    return torch.compiler.is_compiling()
+
+
 def as_axes(axes: str | Iterable[str] | None) -> AxisNames:
     """Normalise one axis name, a sequence of names or None to a tuple."""
     if axes is None:
@@ -61,6 +66,7 @@ class Mesh:
                 )
         self.axis_names: AxisNames = tuple(names)
         self.shape: dict[str, int] = dict(items)
+        self._memo: dict = {}     # (what, rank, axes) -> group / index: collectives ask every call
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -121,14 +127,34 @@ class Mesh:
 
     def axis_index(self, rank: int, axes: str | Iterable[str]) -> int:
         """Index of ``rank`` inside its group along ``axes`` (first axis major)."""
+        return self._memoised("index", rank, axes, self._axis_index)
+
+    def group(self, rank: int, axes: str | Iterable[str]) -> tuple[int, ...]:
+        """Ranks of the group of ``rank`` along ``axes``, ordered by group index."""
+        return self._memoised("group", rank, axes, self._group)
+
+    def _memoised(self, what: str, rank: int, axes, compute):
+        """``compute(rank, axes)`` once per (rank, axes) of this mesh; not while torch.compile
+        traces (a lookup in the memo would become guards on its contents)."""
+        axes = as_axes(axes)
+        key = (what, rank, axes)
+        if not _compiling():
+            found = self._memo.get(key)
+            if found is not None:
+                return found
+        value = compute(rank, axes)
+        if not _compiling():
+            self._memo[key] = value
+        return value
+
+    def _axis_index(self, rank: int, axes: AxisNames) -> int:
         c = self.coords(rank)
         idx = 0
         for a in self.check_axes(axes, "Mesh.axis_index"):
             idx = idx * self.shape[a] + c[a]
         return idx
 
-    def group(self, rank: int, axes: str | Iterable[str]) -> tuple[int, ...]:
-        """Ranks of the group of ``rank`` along ``axes``, ordered by group index."""
+    def _group(self, rank: int, axes: AxisNames) -> tuple[int, ...]:
         axes = self.check_axes(axes, "Mesh.group")
         base = self.coords(rank)
         ranks = []

@@ -76,3 +76,13 @@ def compile_backend(name: str, graph_pass):
         gm.recompile()
         return make_boxed_func(wrap(gm) if wrap is not None else gm)
     return aot_autograd(fw_compiler=fw, inference_compiler=fw)
+
+
+def runs_eagerly(x: torch.Tensor) -> bool:
+    """Whether an op on ``x`` runs as plain eager code: not traced by torch.compile, no
+    dispatch mode active (FakeTensorMode, ...), ``x`` a real tensor (not fake, not wrapped by
+    functorch). Where this is False an opaque custom op must be used instead of Python."""
+    return (not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and type(x) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))

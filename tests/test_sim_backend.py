@@ -76,3 +76,58 @@ def _raw_results(x):
     b, g = ctx.backend, ctx.mesh.group(ctx.rank, ("dp_shard",))
     return [b.all_reduce(x, "sum", g), b.all_reduce(x, "max", g), b.all_gather(x, 0, g),
             b.reduce_scatter(x, 0, g), b.all_to_all(x, 0, 1, g), b.permute(x, ((0, 1), (1, 0)), g)]
+
+
+def test_every_rank_gets_its_own_result_tensor_bitwise_equal_to_a_left_to_right_sum():
+    """The sum is computed once per group (by the last device to arrive) in the order of
+    ``functools.reduce(torch.add, inputs)``; every rank gets a separate tensor, so one rank
+    writing its result in place (as AdamW does with its gradient buffers) changes no other."""
+    import functools
+    n = 5
+    inputs = [torch.randn(60, dtype=torch.float32, generator=torch.Generator().manual_seed(r)) * 10 ** r
+              for r in range(n)]                            # magnitudes where the order of a sum matters
+
+    def fn():
+        r = fpp.current_rank()
+        s = fpp.psum(inputs[r], "dp_shard")
+        g = fpp.all_gather(inputs[r], "dp_shard", axis=0, tiled=True)
+        rs = fpp.psum_scatter(inputs[r].reshape(n, -1), "dp_shard", scatter_dimension=0, tiled=True)
+        fpp.psum(torch.zeros(()), "dp_shard")               # every rank holds its results now
+        if r == 0:
+            s.fill_(float("nan"))
+            g.fill_(float("nan"))
+        fpp.psum(torch.zeros(()), "dp_shard")               # rank 0 has written before the others look
+        return s.clone(), g.clone(), rs.clone(), s.data_ptr(), g.data_ptr(), inputs[r].data_ptr()
+
+    out = fpp.launch(fn, fpp.Mesh(dp_shard=n))
+    expected = functools.reduce(torch.add, inputs)
+    assert not torch.equal(expected, functools.reduce(torch.add, inputs[::-1]))   # the order shows
+    for r, (s, g, rs, *_) in enumerate(out[1:], start=1):
+        assert torch.equal(s, expected), r
+        assert torch.equal(g, torch.cat(inputs)), r
+        assert torch.equal(rs, expected.reshape(n, -1)[r:r + 1]), r
+    pointers = [p for *_, sp, gp, ip in out for p in (sp, gp, ip)]
+    assert len(set(pointers)) == len(pointers)              # no two ranks share a result or an input
+
+
+def test_eager_collectives_run_without_the_custom_op_and_compiled_ones_with_it():
+    """Eager code calls the simulated collective directly (no custom-op dispatch: the cost of
+    simulating many devices, docs/simulation.md); anything traced or faked uses the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def ops_called(fn):            # one thread of a process may profile at a time: rank 0
+        if fpp.current_rank() != 0:
+            return fn()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.name == "fpp_sim::collective" for e in prof.events())
+
+    def fn():
+        x = torch.ones(4)
+        eager = ops_called(lambda: fpp.psum(x, "dp_shard"))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_x = mode.from_tensor(x)
+            faked = ops_called(lambda: fpp.runtime.current_context().backend.all_reduce(fake_x, "sum", (0, 1)))
+        return eager, faked
+    eager, faked = fpp.launch(fn, fpp.Mesh(dp_shard=N))[0]
+    assert eager == 0 and faked >= 1

@@ -1,26 +1,41 @@
 """Simulated devices in one process: one thread per rank, collectives by rendezvous.
 
-Every rank of a group deposits its tensor and waits until all have arrived; each then
-computes the result from the same list in the same order, so results are bitwise equal on
-all ranks. A failure on any rank aborts every pending and future rendezvous, so nothing hangs.
+Every rank of a group deposits its tensor and waits; the last to arrive checks that all
+agree on the collective, computes the shared part of the result once (the sum, the
+concatenation) and wakes the others, who each take their own copy. Every rank therefore gets
+a bitwise equal result at the cost of one reduction per group, not one per rank
+(docs/simulation.md). A failure on any rank aborts every pending and future rendezvous, so
+nothing hangs.
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from functools import reduce
+from typing import Any, Callable
 
 import torch
 
+from ..torch_private import runs_eagerly
 from .sim_watch import CollectiveTimeout, DeviceFinishedError, Watch  # noqa: F401 (re-exported)
-
-_REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 class SimAborted(RuntimeError):
     """Raised on a simulated device because another device failed."""
 
 
+class _Slot:
+    """One rendezvous in progress: what each member deposited, and the shared result."""
+
+    __slots__ = ("data", "meta", "arrived", "left", "ready", "shared", "error", "cond")
+
+    def __init__(self, n: int, lock: threading.Lock):
+        self.data: list = [None] * n
+        self.meta: list = [None] * n
+        self.arrived = self.left = 0
+        self.ready = False
+        self.shared: Any = None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition(lock)      # only this rendezvous's members wait on it
 
 
 class SimWorld:
@@ -29,64 +44,102 @@ class SimWorld:
     def __init__(self, size: int, timeout: float = 300.0):
         self.size = size
         self.timeout = timeout
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._slots: dict = {}
         self._seq = [defaultdict(int) for _ in range(size)]
         self.failure: tuple[int, BaseException] | None = None
         self.watch = Watch(size, timeout)    # early returns, no-progress timeout
 
+    def _wake_all(self) -> None:
+        for slot in self._slots.values():
+            slot.cond.notify_all()
+
     def finish(self, rank: int) -> None:
         """``rank`` returned from the launched function: collectives waiting for it fail."""
-        with self._cond:
+        with self._lock:
             self.watch.finish(rank)
-            self._cond.notify_all()
+            self._wake_all()
 
     def abort(self, rank: int, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self.failure is None:
                 self.failure = (rank, exc)
-            self._cond.notify_all()
+            self._wake_all()
 
     def exchange(self, rank: int, group: tuple[int, ...], payload, meta: tuple) -> list:
         """Give ``payload`` to the group and return every member's payload in group order.
         ``meta`` (collective kind and arguments) must agree across the group."""
+        return list(self.rendezvous(rank, group, payload, meta, list))
+
+    def rendezvous(self, rank: int, group: tuple[int, ...], payload, meta: tuple,
+                   combine: Callable[[list], Any]) -> Any:
+        """Deposit ``payload`` and wait for the group. The last member to arrive checks that
+        every ``meta`` (collective kind and arguments) agrees and computes
+        ``combine(payloads in group order)`` once; every member gets that value (to read, not
+        to modify). Payloads are read only while every member is still inside the rendezvous."""
         n = len(group)
         idx = group.index(rank)
         seq = self._seq[rank][group]
         self._seq[rank][group] = seq + 1
         key = (group, seq)
-        with self._cond:
+        with self._lock:
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = {"data": [None] * n, "meta": [None] * n, "arrived": 0, "left": 0}
-            slot["data"][idx] = payload
-            slot["meta"][idx] = meta
-            slot["arrived"] += 1
+                slot = self._slots[key] = _Slot(n, self._lock)
+            slot.data[idx] = payload
+            slot.meta[idx] = meta
+            slot.arrived += 1
             self.watch.enter(rank, meta[0], seq, group)
-            self._cond.notify_all()
-            while slot["arrived"] < n:
-                if self.failure is not None:
-                    raise SimAborted(f"device {self.failure[0]} failed")
-                missing = [group[i] for i, m in enumerate(slot["meta"]) if m is None]
-                try:
-                    self.watch.check(rank, meta[0], seq, group, missing)
-                except (CollectiveTimeout, DeviceFinishedError) as err:
-                    self.failure = self.failure or (rank, err)
-                    self._cond.notify_all()
-                    raise
-                self._cond.wait(timeout=min(self.timeout, 1.0))
-            self.watch.leave(rank)
-            if self.failure is not None and not isinstance(self.failure[1], SimAborted):
-                pass  # the rendezvous completed; let the rank carry on to its next check
-            metas = slot["meta"]
-            slot["left"] += 1
-            if slot["left"] == n:
-                del self._slots[key]
-            data = list(slot["data"])
-        if any(m != metas[0] for m in metas):
-            detail = "; ".join(f"rank {group[i]}: {m}" for i, m in enumerate(metas))
-            raise RuntimeError(f"devices disagree on collective #{seq} over ranks {group}: {detail}")
-        return data
+            owner = slot.arrived == n
+            if not owner:
+                self._wait(slot, rank, meta[0], seq, group)
+                self._leave(slot, key, rank)
+        if owner:                      # compute outside the lock: others may enter other groups
+            try:
+                metas = slot.meta
+                if any(m != metas[0] for m in metas):
+                    detail = "; ".join(f"rank {group[i]}: {m}" for i, m in enumerate(metas))
+                    raise RuntimeError(f"devices disagree on collective #{seq} over ranks {group}: {detail}")
+                shared, error = combine(slot.data), None
+            except Exception as exc:  # noqa: BLE001 - every member raises it
+                shared, error = None, exc
+            with self._lock:
+                slot.shared, slot.error, slot.ready, slot.data = shared, error, True, None
+                slot.cond.notify_all()
+                self._leave(slot, key, rank)
+        if slot.error is not None:
+            raise _own_copy(slot.error) from slot.error
+        return slot.shared
+
+    def _leave(self, slot: _Slot, key: tuple, rank: int) -> None:
+        self.watch.leave(rank)
+        slot.left += 1
+        if slot.left == len(slot.meta):
+            del self._slots[key]
+
+    def _wait(self, slot: _Slot, rank: int, kind: str, seq: int, group: tuple[int, ...]) -> None:
+        """Wait (lock held) until ``slot`` is ready; raise if another device failed, a member
+        already returned, or nothing progressed for the timeout (``sim_watch``)."""
+        while not slot.ready:
+            if self.failure is not None:
+                raise SimAborted(f"device {self.failure[0]} failed")
+            missing = [group[i] for i, m in enumerate(slot.meta) if m is None]
+            try:
+                self.watch.check(rank, kind, seq, group, missing)
+            except (CollectiveTimeout, DeviceFinishedError) as err:
+                self.failure = self.failure or (rank, err)
+                self._wake_all()
+                raise
+            slot.cond.wait(timeout=min(self.timeout, 1.0))
+
+
+def _own_copy(exc: Exception) -> Exception:
+    """A new exception like ``exc`` for one device to raise (one instance raised on several
+    threads would collect all their tracebacks)."""
+    try:
+        return type(exc)(*exc.args)
+    except Exception:  # noqa: BLE001 - a type with another constructor
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 _WORLDS: dict[int, SimWorld] = {}
@@ -102,42 +155,87 @@ def _unregister(world: SimWorld) -> None:
     _WORLDS.pop(id(world), None)
 
 
-def _compute(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
-    """The collective's result from every member's snapshot; always a fresh contiguous
-    tensor, as the fake kernel below promises (torch.compile relies on it)."""
-    return _compute_any(kind, data, idx, n, args).contiguous()
+def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
-def _compute_any(kind: str, data: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
-    if kind in ("all_reduce_sum", "all_reduce_max", "all_reduce_min"):
-        out = reduce(_REDUCE[kind.rsplit("_", 1)[1]], data)
-        return out.clone() if n == 1 else out
-    if kind == "all_gather":
-        return torch.cat(data, dim=args[0])
-    if kind == "reduce_scatter":
-        parts = [t.chunk(n, dim=args[0])[idx] for t in data]
-        return reduce(torch.add, parts).contiguous().clone()
-    if kind == "all_to_all":
-        return torch.cat([t.chunk(n, dim=args[0])[idx] for t in data], dim=args[1])
-    if kind == "permute":   # args: flattened (src, dst) pairs
-        for src, dst in zip(args[0::2], args[1::2]):
-            if dst == idx:
-                return data[src].clone(memory_format=torch.contiguous_format)
-        return torch.zeros_like(data[idx], memory_format=torch.contiguous_format)
-    raise ValueError(kind)
+def _reduction(op: str) -> Callable[[list, list[int]], torch.Tensor]:
+    """Left-to-right reduction of the group's tensors into a copy of the first (the order, and
+    so the rounding, of ``functools.reduce(torch.add, data)``)."""
+    def combine(data: list, args: list[int]) -> torch.Tensor:
+        out = _contiguous_copy(data[0])
+        for t in data[1:]:
+            if op == "sum":
+                out.add_(t)
+            else:
+                (torch.maximum if op == "max" else torch.minimum)(out, t, out=out)
+        return out
+    return combine
+
+
+def _whole(shared: torch.Tensor, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    """Every member's result is a copy of the whole shared tensor (also the member that computed
+    it: it could write its result in place before the others have copied theirs)."""
+    return _contiguous_copy(shared)
+
+
+def _my_block(shared: torch.Tensor, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    return _contiguous_copy(shared.chunk(n, dim=args[0])[idx])
+
+
+def _blocks(data: list, args: list[int]) -> list:
+    return [t.chunk(len(data), dim=args[0]) for t in data]
+
+
+def _my_blocks(shared: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    return torch.cat([blocks[idx] for blocks in shared], dim=args[1])
+
+
+def _permuted(shared: list, idx: int, n: int, args: list[int]) -> torch.Tensor:
+    """ppermute's result on member ``idx`` (args: flattened (source, destination) pairs;
+    a member that receives nothing gets zeros)."""
+    for src, dst in zip(args[0::2], args[1::2]):
+        if dst == idx:
+            return _contiguous_copy(shared[src])
+    return torch.zeros_like(shared[idx], memory_format=torch.contiguous_format)
+
+
+# kind -> (peers read a snapshot of the input after its owner may have left, the part of the
+# result computed once per group, each member's result from it). Every result is a fresh
+# contiguous tensor, as the fake kernel below promises (torch.compile relies on it), allocated
+# on its member's own thread (per-thread memory accounting); the shared part is read-only.
+_KINDS: dict[str, tuple[bool, Callable, Callable]] = {
+    "all_reduce_sum": (False, _reduction("sum"), _whole),
+    "all_reduce_max": (False, _reduction("max"), _whole),
+    "all_reduce_min": (False, _reduction("min"), _whole),
+    "all_gather": (False, lambda data, args: torch.cat(data, dim=args[0]), _whole),
+    "reduce_scatter": (False, _reduction("sum"), _my_block),
+    "all_to_all": (True, _blocks, _my_blocks),
+    "permute": (True, lambda data, args: data, _permuted),
+}
+
+
+def run_collective(world: SimWorld, rank: int, x: torch.Tensor, kind: str, group: tuple[int, ...],
+                   args: list[int]) -> torch.Tensor:
+    """One simulated collective of ``rank`` over ``group`` (plain Python; the custom op below
+    wraps it for torch.compile)."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown simulated collective {kind!r}")
+    snapshot, shared_part, mine = _KINDS[kind]
+    # A snapshot where peers read the input after this device has returned (it may overwrite
+    # x in place at once, as inductor does with its buffers); otherwise the combined result is
+    # computed while every member still waits inside the rendezvous.
+    payload = _contiguous_copy(x.detach()) if snapshot else x.detach()
+    meta = (kind, tuple(x.shape), x.dtype, tuple(args))
+    shared = world.rendezvous(rank, group, payload, meta, lambda data: shared_part(data, args))
+    return mine(shared, group.index(rank), len(group), args)
 
 
 @torch.library.custom_op("fpp_sim::collective", mutates_args=())
 def _sim_collective(x: torch.Tensor, kind: str, group: list[int], rank: int, world: int,
                     args: list[int]) -> torch.Tensor:
     """One simulated collective (an opaque op, so torch.compile traces it)."""
-    w = _WORLDS[world]
-    group = tuple(group)
-    # Peers read the deposit after this device has returned (and may overwrite x in place,
-    # as inductor does with its buffers): hand them a snapshot, never the live tensor.
-    snapshot = x.detach().clone(memory_format=torch.contiguous_format)
-    data = w.exchange(rank, group, snapshot, (kind, tuple(x.shape), str(x.dtype), tuple(args)))
-    return _compute(kind, data, group.index(rank), len(group), list(args))
+    return run_collective(_WORLDS[world], rank, x, kind, tuple(group), list(args))
 
 
 @_sim_collective.register_fake
@@ -165,6 +263,9 @@ class SimBackend:
         self._key = _register(world)
 
     def _op(self, x, kind, group, args=()):
+        if runs_eagerly(x):              # plain Python: no custom-op dispatch in eager code
+            with torch.no_grad():
+                return run_collective(self.world, self.rank, x, kind, tuple(group), list(args))
         return torch.ops.fpp_sim.collective(x, kind, list(group), self.rank, self._key, list(args))
 
     def all_reduce(self, x: torch.Tensor, op: str, group: tuple[int, ...]) -> torch.Tensor:

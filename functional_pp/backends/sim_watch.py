@@ -35,6 +35,7 @@ class Watch:
     :meth:`started` are called with the world's lock held."""
 
     CPU_EPSILON = 0.05     # seconds of CPU time that count as progress
+    CPU_LOOK_EVERY = 0.25  # seconds between two reads of the threads' CPU clocks (a syscall each)
 
     def __init__(self, size: int, timeout: float):
         self.size, self.timeout = size, timeout
@@ -45,6 +46,7 @@ class Watch:
         self.cpu: dict[int, float] = {}
         self.last_progress = time.monotonic()
         self._process = (time.monotonic(), time.process_time())
+        self._last_look = 0.0
 
     def started(self, rank: int) -> None:
         """Called on the device's own thread when it starts."""
@@ -78,8 +80,11 @@ class Watch:
                 f"the launched function; every device of a group must run the same collectives "
                 f"(a return or break taken on some devices only?). Where the devices are:\n"
                 + self.describe())
-        if self._cpu_moved():
-            self.progress()
+        now = time.monotonic()
+        if now - self._last_look >= self.CPU_LOOK_EVERY:   # waiters check often: look at most this often
+            self._last_look = now
+            if self._cpu_moved():
+                self.progress()
         idle = time.monotonic() - self.last_progress
         if idle >= self.timeout:
             raise CollectiveTimeout(

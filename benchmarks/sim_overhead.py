@@ -1,0 +1,103 @@
+"""What simulating devices costs: one training step of the same tiny Llama and the same global
+batch on 1, 8 and 16 simulated devices (eager), as ratios to one device, in one JSON line.
+
+    python benchmarks/sim_overhead.py                 # tiny Llama, global batch 16 x 64, 10 steps
+    python benchmarks/sim_overhead.py --steps 5 --devices 1,16
+
+Meshes: 8 = dp_shard 2 x cp 2 x tp 2, 16 = dp_replicate 2 x dp_shard 2 x cp 2 x tp 2, with
+``llama.default_rules(sequence_parallel=True)`` (FSDP, TP+SP, ring attention). The step time
+is measured on device 0 between two barriers (all devices have finished the warm-up steps
+before, and the timed steps after); medians over ``--repeats`` runs of ``--steps`` steps.
+Process CPU time per step is reported too (less sensitive to other jobs on a shared machine).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import torch
+
+import functional_pp as fpp
+from functional_pp.data import DataLoader
+from functional_pp.models import llama
+
+MESHES = {1: dict(), 2: dict(dp_shard=2), 4: dict(dp_shard=2, tp=2), 8: dict(dp_shard=2, cp=2, tp=2),
+          16: dict(dp_replicate=2, dp_shard=2, cp=2, tp=2)}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", default="1,8,16", help="comma-separated device counts (1, 2, 4, 8, 16)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args(argv)
+    args.devices = [int(d) for d in args.devices.split(",")]
+    for d in args.devices:
+        if d not in MESHES:
+            ap.error(f"--devices: {d} is not one of {sorted(MESHES)}")
+    return args
+
+
+def _barrier(mesh: fpp.Mesh) -> None:
+    if mesh.size > 1:
+        fpp.psum(torch.zeros(()), tuple(a for a, s in mesh.shape.items() if s > 1))
+
+
+def measure(n_devices: int, args) -> dict:
+    """Seconds (wall and process CPU) per step on ``n_devices`` simulated devices."""
+    cfg = llama.Config.tiny()
+    mesh = fpp.Mesh(**MESHES[n_devices])
+    rules = llama.default_rules(sequence_parallel=True)
+    opt = fpp.optim.adamw(1e-3, weight_decay=0.1, clip_norm=1.0)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules)
+    corpus = torch.randint(0, cfg.vocab, (args.batch * args.seq * 64 + 1,), generator=torch.Generator().manual_seed(0))
+
+    def device():
+        state = step.init(fpp.init(llama.init, cfg, mesh=mesh, rules=rules, seed=0))
+        dp = tuple(a for a in ("dp_replicate", "dp_shard") if mesh.shape[a] > 1) or ("dp_shard",)
+        loader = iter(DataLoader(corpus.numpy(), global_batch_size=args.batch, seq_len=args.seq, seed=0,
+                                 dp_rank=fpp.axis_index(dp), dp_size=fpp.axis_size(dp),
+                                 cp_rank=fpp.axis_index("cp"), cp_size=fpp.axis_size("cp")))
+        for _ in range(args.warmup):
+            state, metrics = step(state, next(loader))
+        walls, cpus = [], []
+        for _ in range(args.repeats):
+            _barrier(mesh)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.steps):
+                state, metrics = step(state, next(loader))
+            _barrier(mesh)
+            walls.append((time.perf_counter() - t0) / args.steps)
+            cpus.append((time.process_time() - c0) / args.steps)
+        return statistics.median(walls), statistics.median(cpus), float(metrics["loss"])
+
+    wall, cpu, loss = fpp.launch(device, mesh)[0]
+    return {"wall_s": wall, "cpu_s": cpu, "last_loss": loss}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)               # simulated devices run one intra-op thread each
+    try:
+        results = {n: measure(n, args) for n in args.devices}
+    finally:
+        torch.set_num_threads(threads)
+    base = results[min(results)]
+    out = {"model": "llama tiny", "global_batch": [args.batch, args.seq], "steps": args.steps,
+           "devices": {str(n): r for n, r in results.items()},
+           "ratio_wall": {str(n): r["wall_s"] / base["wall_s"] for n, r in results.items()},
+           "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in results.items()}}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
