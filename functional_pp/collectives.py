@@ -16,6 +16,7 @@ from . import comm
 from .mesh import as_axes
 from .recompute import traced_as_backward
 from .runtime import current_context, options
+from .torch_private import apply_function
 
 AxisName = str | Sequence[str]
 
@@ -235,7 +236,7 @@ def _trivial(axes: tuple[str, ...]) -> bool:
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum over the devices of ``axis_name``; the result is invariant (backward: identity)."""
     axes = _axes(axis_name)
-    return x if _trivial(axes) else _PSum.apply(x, axes)
+    return x if _trivial(axes) else apply_function(_PSum, x, axes)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -247,13 +248,13 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Maximum over the devices of ``axis_name`` (gradient flows to the maximal entries)."""
     axes = _axes(axis_name)
-    return x if _trivial(axes) else _PMax.apply(x, axes)
+    return x if _trivial(axes) else apply_function(_PMax, x, axes)
 
 
 def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Cast an invariant value to varying over ``axis_name``: identity forward, psum backward."""
     axes = _axes(axis_name)
-    return x if _trivial(axes) else _PVary.apply(x, axes)
+    return x if _trivial(axes) else apply_function(_PVary, x, axes)
 
 
 def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -269,7 +270,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     if _trivial(axes):
         return x
     fn = _AllGatherInvariant if invariant else _AllGather
-    return fn.apply(x, axes, _norm_dim(axis, x.ndim))
+    return apply_function(fn, x, axes, _norm_dim(axis, x.ndim))
 
 
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,
@@ -282,7 +283,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     if not tiled and x.shape[dim] != n:
         raise ValueError(f"psum_scatter over {axes} (size {n}) with tiled=False needs dimension "
                          f"{dim} of size {n}, got {x.shape[dim]}; pass tiled=True to split it in blocks")
-    out = x if _trivial(axes) else _ReduceScatter.apply(x, axes, dim)
+    out = x if _trivial(axes) else apply_function(_ReduceScatter, x, axes, dim)
     return out if tiled else out.squeeze(dim)
 
 
@@ -290,7 +291,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Iterable[tuple[int, int
     """Send this device's ``x`` to the device given by ``perm`` (pairs of axis indices
     (source, destination)); devices that receive nothing get zeros."""
     axes = _axes(axis_name)
-    return _PPermute.apply(x, axes, tuple((int(s), int(d)) for s, d in perm))
+    return apply_function(_PPermute, x, axes, tuple((int(s), int(d)) for s, d in perm))
 
 
 def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int) -> torch.Tensor:
@@ -299,7 +300,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     axes = _axes(axis_name)
     if _trivial(axes):
         return x
-    return _AllToAll.apply(x, axes, _norm_dim(split_axis, x.ndim), _norm_dim(concat_axis, x.ndim))
+    return apply_function(_AllToAll, x, axes, _norm_dim(split_axis, x.ndim), _norm_dim(concat_axis, x.ndim))
 
 
 def axis_index(axis_name: AxisName) -> int:
@@ -317,4 +318,4 @@ def axis_size(axis_name: AxisName) -> int:
 def split_invariant(x: torch.Tensor, axis_name: AxisName, dim: int) -> torch.Tensor:
     """This device's block of an invariant ``x`` along ``dim`` (free; backward all-gathers)."""
     axes = _axes(axis_name)
-    return x if _trivial(axes) else _SplitInvariant.apply(x, axes, _norm_dim(dim, x.ndim))
+    return x if _trivial(axes) else apply_function(_SplitInvariant, x, axes, _norm_dim(dim, x.ndim))

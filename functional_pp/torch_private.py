@@ -86,3 +86,16 @@ def runs_eagerly(x: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0
             and type(x) in (torch.Tensor, torch.nn.Parameter)
             and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def apply_function(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` without ``Function.apply``'s per-call ``inspect.signature`` binding
+    (tens of microseconds, paid by every collective on every simulated device). Only for
+    functions whose ``forward`` takes exactly ``args``, positionally, with no defaults. Under
+    torch.compile or functorch transforms: ``fn.apply`` itself."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return _FUNCTION_APPLY.__get__(None, fn)(*args)

@@ -35,3 +35,26 @@ def test_dynamo_settings_are_thread_local_and_restored():
         t.start()
         t.join()
     assert other == [before] and dcfg.trace_autograd_ops == before
+
+
+def test_apply_function_equals_function_apply_with_gradients():
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(x, k):
+            return x * k
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.k = inputs[1]
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.k, None
+
+    x = torch.arange(3.0, requires_grad=True)
+    y = torch_private.apply_function(Scale, x, 3.0)
+    assert type(y.grad_fn).__name__ == "ScaleBackward"
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(y, x * 3) and torch.equal(g, torch.full((3,), 3.0))
+    compiled = torch.compile(lambda t: torch_private.apply_function(Scale, t, 2.0), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), x * 2)
