@@ -1,8 +1,11 @@
 """Mesh-independent parameter initialisation that builds only this device's shards.
 
-Values come from a counter-based hash of (seed, parameter path, global element index), so a
-shard equals the matching slice of the single-device init, whatever the mesh, and the full
-tensor is never materialised."""
+Each parameter is cut, in row-major order of its *global* shape, into tiles of ``TILE``
+elements; every tile is drawn from its own pair of generator streams seeded by a hash of
+(seed, parameter path, tile index). A device generates the tiles its shard overlaps and takes
+its elements, so a shard equals the matching slice of the single-device init whatever the
+mesh, and the full tensor is never materialised (docs/init.md).
+"""
 from __future__ import annotations
 
 import math
@@ -16,51 +19,74 @@ from .mesh import Mesh
 from .seeds import check_seed
 from .tree import Param, map_with_path
 
-_M32 = 0xFFFFFFFF
+TILE = 1 << 16          # elements per tile: per-tile seeding costs ~1% of generating it
+_M64 = (1 << 64) - 1
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 integer hash on int64 tensors holding 32-bit values (no overflow)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijective 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
-def _global_index(shape: tuple[int, ...], slices: tuple[slice, ...]) -> torch.Tensor:
-    idx = torch.zeros((), dtype=torch.int64)
-    stride = 1
-    for n, sl in reversed(list(zip(shape, slices))):
-        r = torch.arange(sl.start, sl.stop, dtype=torch.int64) * stride
-        idx = r.reshape(-1, *([1] * idx.ndim)) + idx
-        stride *= n
-    return idx
+def _param_key(seed: int, path: str) -> int:
+    return _mix64(_mix64(seed) ^ zlib.crc32(path.encode()))
 
 
-def _uniform(idx: torch.Tensor, key: int, stream: int) -> torch.Tensor:
-    k = _hash32(torch.tensor((key * 0x9E3779B1 + stream * 0x85EBCA77) & _M32))
-    h = _hash32(_hash32((idx & _M32) ^ k) ^ ((idx >> 32) & _M32))
-    return ((h >> 8).double() + 0.5) / float(1 << 24)
+def _fill_tiles(buf: torch.Tensor, first_tile: int, numel: int, key: int, kind: str) -> None:
+    """Fill ``buf`` (global flat elements from ``first_tile * TILE``) tile by tile. Each tile
+    is the sum of two draws from torch's CPU generator (mt19937 takes 32-bit seeds: two
+    independent streams make two tiles equal only if 64 bits of their hashes collide):
+    normal: ``a + b`` of two standard normals (variance 2, rescaled by the caller); uniform:
+    ``(a + b) mod 1`` of two U[0, 1) (uniform again)."""
+    gen, tmp = torch.Generator(), None
+    for i, start in enumerate(range(0, buf.numel(), TILE)):
+        tile = first_tile + i
+        size = min(TILE, numel - tile * TILE)          # the last tile of a tensor is shorter
+        out = buf[start:start + size]
+        h = _mix64(key ^ _mix64(tile))
+        if tmp is None or tmp.numel() != size:
+            tmp = torch.empty(size, dtype=buf.dtype)
+        for target, seed in ((out, h & 0xFFFFFFFF), (tmp, h >> 32)):
+            gen.manual_seed(seed)
+            if kind == "uniform":
+                target.uniform_(0.0, 1.0, generator=gen)
+            else:
+                target.normal_(generator=gen)
+        out.add_(tmp)
+        if kind == "uniform":
+            out.frac_()
 
 
 def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
                device: torch.device | str | None = None) -> torch.Tensor:
-    """The block ``slices`` of parameter ``path`` initialised with ``seed``."""
+    """The block ``slices`` of parameter ``path`` initialised with ``seed`` (the same values
+    as the same elements of the whole parameter's init)."""
     shape = tuple(sl.stop - sl.start for sl in slices)
     if decl.init == "zeros":
         return torch.zeros(shape, dtype=decl.dtype, device=device)
     if decl.init == "ones":
         return torch.ones(shape, dtype=decl.dtype, device=device)
-    key = (zlib.crc32(path.encode()) ^ (seed * 0x27D4EB2F)) & _M32
-    idx = _global_index(decl.shape, slices)
-    u1 = _uniform(idx, key, 1)
+    if any(n == 0 for n in shape):
+        return torch.empty(shape, dtype=decl.dtype, device=device)
+    strides = [1] * len(decl.shape)
+    for d in range(len(decl.shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * decl.shape[d + 1]
+    first = sum(sl.start * st for sl, st in zip(slices, strides))          # flat index range
+    last = sum((sl.stop - 1) * st for sl, st in zip(slices, strides))      # of the block
+    t0, t1 = first // TILE, last // TILE
+    numel = math.prod(decl.shape)
+    buf = torch.empty(min((t1 + 1) * TILE, numel) - t0 * TILE, dtype=torch.float32)
+    _fill_tiles(buf, t0, numel, _param_key(seed, path), decl.init)
+    block = buf.as_strided(shape, strides, first - t0 * TILE).clone(memory_format=torch.contiguous_format)
+    del buf
     if decl.init == "uniform":
-        out = (2 * u1 - 1) * decl.scale
+        block.mul_(2.0).sub_(1.0).mul_(decl.scale)
     else:
-        u2 = _uniform(idx, key, 2)
-        out = torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2) * decl.scale
-    return out.to(dtype=decl.dtype, device=device).reshape(shape)
+        block.mul_(decl.scale / math.sqrt(2.0))                 # a + b has variance 2
+    return block.to(dtype=decl.dtype, device=device)
 
 
 def init_params(decls: Any, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None,
