@@ -35,13 +35,15 @@ def _param_key(seed: int, path: str) -> int:
     return _mix64(_mix64(seed) ^ zlib.crc32(path.encode()))
 
 
-def _fill_tiles(buf: torch.Tensor, first_tile: int, numel: int, key: int, kind: str) -> None:
+def _fill_tiles(buf: torch.Tensor, first_tile: int, numel: int, key: int, decl: Param) -> None:
     """Fill ``buf`` (global flat elements from ``first_tile * TILE``) tile by tile. Each tile
     is the sum of two draws from torch's CPU generator (mt19937 takes 32-bit seeds: two
     independent streams make two tiles equal only if 64 bits of their hashes collide):
-    normal: ``a + b`` of two standard normals (variance 2, rescaled by the caller); uniform:
-    ``(a + b) mod 1`` of two U[0, 1) (uniform again)."""
+    normal: ``(a + b) / sqrt(2)`` of two standard normals; uniform: ``(a + b) mod 1`` of two
+    U[0, 1) (uniform again), mapped to [-1, 1); then times the declared scale, while the tile
+    is in cache."""
     gen, tmp = torch.Generator(), None
+    uniform = decl.init == "uniform"
     for i, start in enumerate(range(0, buf.numel(), TILE)):
         tile = first_tile + i
         size = min(TILE, numel - tile * TILE)          # the last tile of a tensor is shorter
@@ -51,13 +53,15 @@ def _fill_tiles(buf: torch.Tensor, first_tile: int, numel: int, key: int, kind: 
             tmp = torch.empty(size, dtype=buf.dtype)
         for target, seed in ((out, h & 0xFFFFFFFF), (tmp, h >> 32)):
             gen.manual_seed(seed)
-            if kind == "uniform":
+            if uniform:
                 target.uniform_(0.0, 1.0, generator=gen)
             else:
                 target.normal_(generator=gen)
         out.add_(tmp)
-        if kind == "uniform":
-            out.frac_()
+        if uniform:
+            out.frac_().mul_(2.0).sub_(1.0).mul_(decl.scale)
+        else:
+            out.mul_(decl.scale / math.sqrt(2.0))      # a + b has variance 2
 
 
 def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
@@ -78,14 +82,13 @@ def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
     last = sum((sl.stop - 1) * st for sl, st in zip(slices, strides))      # of the block
     t0, t1 = first // TILE, last // TILE
     numel = math.prod(decl.shape)
-    buf = torch.empty(min((t1 + 1) * TILE, numel) - t0 * TILE, dtype=torch.float32)
-    _fill_tiles(buf, t0, numel, _param_key(seed, path), decl.init)
-    block = buf.as_strided(shape, strides, first - t0 * TILE).clone(memory_format=torch.contiguous_format)
-    del buf
-    if decl.init == "uniform":
-        block.mul_(2.0).sub_(1.0).mul_(decl.scale)
+    start = t0 * TILE
+    buf = torch.empty(min((t1 + 1) * TILE, numel) - start, dtype=torch.float32)
+    _fill_tiles(buf, t0, numel, _param_key(seed, path), decl)
+    if first == start and last - first + 1 == buf.numel() == math.prod(shape):
+        block = buf.view(shape)                          # the block is the generated range
     else:
-        block.mul_(decl.scale / math.sqrt(2.0))                 # a + b has variance 2
+        block = buf.as_strided(shape, strides, first - start).clone(memory_format=torch.contiguous_format)
     return block.to(dtype=decl.dtype, device=device)
 
 
