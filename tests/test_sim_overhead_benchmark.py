@@ -1,0 +1,19 @@
+"""benchmarks/sim_overhead.py runs and prints ratios consistent with its own timings."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import sim_overhead  # noqa: E402
+
+
+def test_sim_overhead_benchmark_smoke(capsys):
+    out = sim_overhead.main(["--devices", "1,2", "--steps", "1", "--repeats", "1", "--warmup", "1",
+                             "--batch", "4", "--seq", "16"])
+    assert capsys.readouterr().out.strip().startswith("{")
+    one, two = out["devices"]["1"], out["devices"]["2"]
+    assert out["ratio_cpu"]["2"] == pytest.approx(two["cpu_s"] / one["cpu_s"])
+    assert out["ratio_wall"]["1"] == 1.0
+    assert one["last_loss"] == pytest.approx(two["last_loss"], rel=1e-5)   # same model, same batch
