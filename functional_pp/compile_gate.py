@@ -1,0 +1,42 @@
+"""One compilation for every simulated device: the first device to call a ``torch.compile``d
+function compiles it while the others wait, then they run the cached graph (docs/compile.md).
+
+Without the gate, device threads that call before the first compilation is cached each
+compile (dynamo compiles under a global lock, one after the other) even when the graph does
+not depend on the device."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .torch_private import cached_graph_count
+
+
+class CompileGate:
+    """Wraps a compiled function ``fn`` (traced from ``code``): the first caller runs it at
+    once; other callers wait until its graph is in dynamo's cache (its compilation is over,
+    it now runs, and may wait for them in a collective) or its call has ended."""
+
+    def __init__(self, fn: Callable[..., Any], code) -> None:
+        self._fn, self._code = fn, code
+        self._lock = threading.Lock()
+        self._leader: int | None = None
+        self._cached_before = 0
+        self._done = threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._done.is_set():
+            return self._fn(*args)
+        me = threading.get_ident()
+        with self._lock:
+            if self._leader is None:
+                self._leader, self._cached_before = me, cached_graph_count(self._code)
+        if self._leader != me:
+            while not self._done.wait(0.05):
+                if cached_graph_count(self._code) > self._cached_before:
+                    break
+            return self._fn(*args)
+        try:
+            return self._fn(*args)
+        finally:
+            self._done.set()
