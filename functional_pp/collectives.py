@@ -22,9 +22,26 @@ AxisName = str | Sequence[str]
 
 
 # --------------------------------------------------------------------------- raw layer
+class AxesGroup:
+    """The group along ``axes`` of whichever device runs the code: what a collective traced
+    on simulated devices names instead of a tuple of ranks, so the traced graph does not
+    depend on the tracing device's rank and every device reuses one compilation
+    (docs/compile.md). The simulated collective resolves the ranks when it runs."""
+
+    __slots__ = ("axes", "size")
+
+    def __init__(self, axes: tuple[str, ...], size: int):
+        self.axes, self.size = axes, size
+
+    def __len__(self) -> int:
+        return self.size
+
+
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
     axes = ctx.mesh.check_axes(axis_name, where)
+    if ctx.simulated and torch.compiler.is_compiling():
+        return ctx, axes, AxesGroup(axes, ctx.mesh.axis_size(axes))
     return ctx, axes, ctx.mesh.group(ctx.rank, axes)
 
 
@@ -92,7 +109,7 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
     if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(f"ppermute over {axes}: perm {list(pairs)} must be pairs (source, destination) "
                          f"of distinct indices in range({n})")
-    me = group.index(ctx.rank)
+    me = ctx.mesh.axis_index(ctx.rank, axes)
     if n == 1:
         return x if pairs else torch.zeros_like(x)
     with comm.recording("permute", axes, n, x, sends=any(s == me and d != me for s, d in pairs)):
@@ -105,7 +122,7 @@ def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
     if x.shape[dim] % n:
         raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} over mesh axes {axes} "
                          f"of size {n}")
-    return x.chunk(n, dim=dim)[group.index(ctx.rank)].contiguous()
+    return x.chunk(n, dim=dim)[ctx.mesh.axis_index(ctx.rank, axes)].contiguous()
 
 
 # ------------------------------------------------------------------ autograd functions

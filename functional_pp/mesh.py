@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from functools import cached_property
 from typing import Iterable, Mapping, Sequence
+
+import torch
 
 DEFAULT_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AxisNames = tuple[str, ...]
 
 
 def _compiling() -> bool:
-    import torch        # (imported on first use: the mesh itself needs no torch)
     return torch.compiler.is_compiling()
 
 
@@ -67,6 +67,11 @@ class Mesh:
         self.axis_names: AxisNames = tuple(names)
         self.shape: dict[str, int] = dict(items)
         self._memo: dict = {}     # (what, rank, axes) -> group / index: collectives ask every call
+        self._strides: dict[str, int] = {}   # row-major (computed here, not lazily: traced code reads it)
+        stride = 1
+        for a in reversed(self.axis_names):
+            self._strides[a] = stride
+            stride *= self.shape[a]
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -104,14 +109,6 @@ class Mesh:
             )
 
     # ----------------------------------------------------------- coordinates
-    @cached_property
-    def _strides(self) -> dict[str, int]:
-        strides, s = {}, 1
-        for a in reversed(self.axis_names):
-            strides[a] = s
-            s *= self.shape[a]
-        return strides
-
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` along every axis."""
         if not 0 <= rank < self.size:

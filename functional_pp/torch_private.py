@@ -99,3 +99,9 @@ def apply_function(fn: type[torch.autograd.Function], *args):
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return _FUNCTION_APPLY.__get__(None, fn)(*args)
+
+
+def cached_graph_count(code) -> int:
+    """How many compiled graphs dynamo's cache holds for the code object ``code``."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(code))

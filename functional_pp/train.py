@@ -18,6 +18,7 @@ import torch
 from . import optim
 from .barrier import materialize
 from .collectives import psum
+from .compile_gate import CompileGate
 from .compiler import step_backend
 from .recompute import backward_region, reset_region_ids
 from .layout import Layout, Rules
@@ -115,8 +116,10 @@ class TrainStep:
         if self.compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
-                    self._compiled = torch.compile(self._device_step, backend=step_backend(self.compile),
-                                                   fullgraph=True, dynamic=False)   # static shapes
+                    self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
+                        torch.compile(self._device_step, backend=step_backend(self.compile),
+                                      fullgraph=True, dynamic=False),   # static shapes
+                        type(self)._device_step.__code__)
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()

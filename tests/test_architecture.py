@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("named", ("named", "sharding", "init")),
     ("ops", ("ops", "ops.*", "remat")),
     ("models", ("models", "models.*")),
-    ("training", ("train", "compiler", "overlap", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",
+    ("training", ("train", "compiler", "compile_gate", "overlap", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",
                   "data", "data.*")),
     ("application", ("cli", "trainer", "config", "__main__")),
 ]

@@ -238,9 +238,19 @@ def _sim_collective(x: torch.Tensor, kind: str, group: list[int], rank: int, wor
     return run_collective(_WORLDS[world], rank, x, kind, tuple(group), list(args))
 
 
-@_sim_collective.register_fake
-def _(x, kind, group, rank, world, args):
-    n = len(group)
+@torch.library.custom_op("fpp_sim::collective_axes", mutates_args=())
+def _sim_collective_axes(x: torch.Tensor, kind: str, axes: str, n: int, world: int,
+                         args: list[int]) -> torch.Tensor:
+    """One simulated collective over the group along ``axes`` (space-separated mesh axes) of
+    the device running it (the running thread's device context): a compiled graph with this
+    op serves every device."""
+    from ..runtime import current_context
+    ctx = current_context()
+    group = ctx.mesh.group(ctx.rank, tuple(axes.split()))
+    return run_collective(_WORLDS[world], ctx.rank, x, kind, group, list(args))
+
+
+def _fake_result(x: torch.Tensor, kind: str, n: int, args: list[int]) -> torch.Tensor:
     shape = list(x.shape)
     if kind == "all_gather":
         shape[args[0]] *= n
@@ -249,7 +259,17 @@ def _(x, kind, group, rank, world, args):
     elif kind == "all_to_all":
         shape[args[0]] //= n
         shape[args[1]] *= n
-    return x.new_empty(shape)     # contiguous, like every real result (see _compute)
+    return x.new_empty(shape)     # contiguous, like every real result (see _KINDS)
+
+
+@_sim_collective.register_fake
+def _(x, kind, group, rank, world, args):
+    return _fake_result(x, kind, len(group), args)
+
+
+@_sim_collective_axes.register_fake
+def _(x, kind, axes, n, world, args):
+    return _fake_result(x, kind, n, args)
 
 
 class SimBackend:
@@ -266,6 +286,9 @@ class SimBackend:
         if runs_eagerly(x):              # plain Python: no custom-op dispatch in eager code
             with torch.no_grad():
                 return run_collective(self.world, self.rank, x, kind, tuple(group), list(args))
+        if hasattr(group, "axes"):       # traced: the group of whichever device runs the graph
+            return torch.ops.fpp_sim.collective_axes(x, kind, " ".join(group.axes), len(group), self._key,
+                                                     list(args))
         return torch.ops.fpp_sim.collective(x, kind, list(group), self.rank, self._key, list(args))
 
     def all_reduce(self, x: torch.Tensor, op: str, group: tuple[int, ...]) -> torch.Tensor:
