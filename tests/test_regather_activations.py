@@ -40,9 +40,6 @@ def _check(results):
                                        msg=lambda m: f"{path}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason="since issue 14's split-order rules, the SP residual inherits seq's balanced "
-                   "order and its tp gather is followed by a reorder, which the backward re-gather recipe "
-                   "cannot replay, so the inputs are kept instead of re-gathered; open in issue 12")
 def test_regathered_inputs_give_the_same_gradients_and_regather_in_backward():
     plain = fpp.launch(_step(False), MESH)
     again = fpp.launch(_step(True), MESH)

@@ -23,7 +23,7 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
-    return Named(_local_positions(size, split, env()[1].is_balanced(dim)), [dim], [split])
+    return Named(_local_positions(size, split, env()[1].splits_balanced(dim, split)), [dim], [split])
 
 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
@@ -79,7 +79,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k.data.permute(order(k, kv_heads))
     vt = v.data.permute(order(v, kv_heads))
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
-    balanced = env()[1].is_balanced(seq)
+    balanced = env()[1].splits_balanced(seq, seq_axes)
     if segments is not None:
         seg = _segment_ids(segments, qs[batch], seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
