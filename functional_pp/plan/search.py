@@ -260,6 +260,8 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
             note.append("over memory")
         if pareto and id(e) in pareto:
             note.append("pareto")
+        if any(n.startswith("uneven work") for n in e.notes):
+            note.append(f"uneven work: device {e.rank} estimated")
         step = f"{t.step_s:8.4g}" if t else f"{e.comm_time_s:8.4g}"
         lines.append(f"{i + 1:>3} {e.describe()[:66]:<66} {step} {(t.mfu if t else 0):5.2f} "
                      f"{(t.exposed_comm_s if t else 0):9.3g} {e.comm_bytes / 1e9:8.4g} {e.peak_bytes / 1e9:8.4g} "
