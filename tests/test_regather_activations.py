@@ -57,6 +57,7 @@ def test_regathered_inputs_give_the_same_gradients_and_regather_in_backward(mesh
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rules", [RULES, BALANCED_RESIDUAL], ids=["tp", "balanced-residual"])
-def test_regathered_inputs_on_gloo_processes(rules):
-    _check(fpp.launch(_step(True, MESH, rules), MESH, processes=True, timeout=120))
+@pytest.mark.parametrize("mesh, rules", [(MESH, RULES), (CP_MESH, RULES), (MESH, BALANCED_RESIDUAL)],
+                         ids=["tp", "cp-tp", "balanced-residual"])
+def test_regathered_inputs_on_gloo_processes(mesh, rules):
+    _check(fpp.launch(_step(True, mesh, rules), mesh, processes=True, timeout=180))
