@@ -35,9 +35,10 @@ def test_estimate_equals_a_measured_cpu_step(name):
     equal in practice) of a real step on CPU tensors, for DP, FSDP, TP+SP, CP and composed."""
     mesh, rules = LAYOUTS[name]
     est = plan.estimate(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16")
-    run, rep, _ = measure(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16")
+    run, rep, _ = measure(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16", rank=est.rank)
     assert est.layers == 3 and len(est.runs) == 2
     assert est.comm.by_axis() == rep.by_axis()
+    assert est.flops == pytest.approx(sum(run.flops.values()), rel=1e-9)     # the same device's work
     assert abs(est.peak_bytes / run.peak_bytes - 1) < 0.10, (est.memory, run.peak_breakdown)
     assert abs(est.activation_bytes / run.saved_bytes - 1) < 0.10
 
@@ -130,3 +131,5 @@ def test_uneven_work_is_estimated_on_the_busiest_device():
     assert contiguous.flops - rank0.flops == pytest.approx(2 * (even.flops - rank0.flops), rel=1e-12)
     assert even.flops > rank0.flops
     assert contiguous.comm.by_axis() == rank0.comm.by_axis()
+    busiest = measure(LOSS, decls, mesh, fpp.Rules(seq="cp"), BATCH, rank=3)[0]     # a real step, device 3
+    assert sum(busiest.flops.values()) == pytest.approx(contiguous.flops, rel=1e-9)
