@@ -41,9 +41,10 @@ class inherit:
 
 class balanced:
     """A rule whose dimension is laid out load-balanced over its first mesh axis (c devices:
-    device i holds chunks i and 2c-1-i of 2c), contiguous over the others. The order causal
-    attention wants for a sequence; every gather, slice, ``named()`` and loader follows it.
-    ``Rules(seq=balanced("cp"))``. See docs/layouts.md."""
+    device i holds chunks i and 2c-1-i of 2c), contiguous over the others; a split that does
+    not start with that axis (it has size 1, or another dimension took it) is contiguous. The
+    order causal attention wants for a sequence; every gather, slice, ``named()`` and loader
+    follows it. ``Rules(seq=balanced("cp"))``. See docs/layouts.md."""
 
     def __init__(self, axes: str | Sequence[str]):
         self.axes = as_axes(axes)
