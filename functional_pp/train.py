@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -24,7 +24,7 @@ from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
-from .runtime import current_context
+from .runtime import Options, current_context
 from .shard_map import use_rules
 from .torch_private import trace_backward
 from .tree import leaves_with_paths, tree_map
@@ -57,6 +57,10 @@ class TrainStep:
     grad_accum: int = 1
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
     remat: bool = False                   # activation checkpointing per layer
+    # op policy of the step (docs/policy.md); None: the ambient default of functional_pp.configure
+    keep_gathered: bool | None = None     # keep FSDP-gathered weights for backward (no re-gather)
+    cp_attention: str | None = None       # "ring" | "allgather": attention over a cp-split sequence
+    regather_activations: bool | None = None  # save gathered activations' shards, re-gather in backward
     on_nonfinite: str = "skip"            # skip | raise
     max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
@@ -69,6 +73,9 @@ class TrainStep:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        if self.cp_attention not in (None, "ring", "allgather"):
+            raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
+                             f"the functional_pp.configure default)")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_consecutive_skips is not None and (
@@ -91,7 +98,17 @@ class TrainStep:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
                             f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
         paths = [p for p, _ in leaves_with_paths(params)]
-        self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        with self._compile_lock:     # set once, read by every device: never changed under a running step
+            if self.spec is None:
+                self.spec = spec
+            elif (self.spec.paths, self.spec.dims, self.spec.layouts) != (spec.paths, spec.dims, spec.layouts):
+                where = next((f"{p}: dims {a} layout {la} vs {b} {lb}" for p, a, la, b, lb in zip(
+                    spec.paths, self.spec.dims, self.spec.layouts, spec.dims, spec.layouts) if (a, la) != (b, lb)),
+                    f"parameter paths {self.spec.paths[:3]}... vs {spec.paths[:3]}...")
+                raise ValueError(f"step.init: this step was initialised with other parameters ({where}); "
+                                 f"every device must pass the same tree, and another model needs its own "
+                                 f"train_step")
         master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
@@ -120,10 +137,8 @@ class TrainStep:
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
-        compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with use_rules(self.rules), trace_backward(bool(self.compile)), \
-                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
+        with use_rules(self.rules), trace_backward(bool(self.compile)), self.policy(), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -152,6 +167,15 @@ class TrainStep:
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
+    def policy(self) -> ContextManager[Options]:
+        """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
+        fp32 reduction of 16-bit gradients) in force for the ops it runs; the fields left None
+        keep the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
+        explicit = {k: getattr(self, k) for k in ("keep_gathered", "cp_attention", "regather_activations")
+                    if getattr(self, k) is not None}
+        return configure(remat=self.remat, reduce_dtype=torch.float32 if PRECISIONS[self.precision] else None,
+                         **explicit)
+
     def gradients(self, state: dict, batch: dict) -> tuple[torch.Tensor, Any]:
         """The loss and the reduced gradients (named, laid out like the parameters) this step
         would compute for ``batch``, without updating anything (functional_pp.value_and_grad)."""
@@ -160,9 +184,16 @@ class TrainStep:
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.gradients")
         leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
-        with use_rules(self.rules):
+        with use_rules(self.rules), self.policy():
             named_batch = {k: v if isinstance(v, Named) else wrap(v, self.batch_dims[k]) for k, v in batch.items()}
             return value_and_grad(self.loss_fn, self._named_params(leaves, treespec), named_batch)
+
+    def named_params(self, params: Any) -> Any:
+        """The training state's fp32 master ``params`` as the named values the loss sees (cast to
+        the compute precision, laid out as at :meth:`init`)."""
+        import optree
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        return self._named_params(leaves, treespec)
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree

@@ -1,5 +1,6 @@
 """The training loop behind ``functional-pp train``: a :class:`~functional_pp.config.TrainConfig`
-in, a trained (and checkpointed) Llama model out.
+in, a trained (and checkpointed) Llama model out. (:mod:`functional_pp.train` is the training
+*step*; this module runs it in a loop with data, checkpoints, logging and signals.)
 
 ``train(cfg, simulate=8)`` checks the config against the world size, loads the corpus, prints
 the mesh, the rules, the parameter count and the per-device memory, then runs on every device
@@ -16,8 +17,6 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import re
 import signal
@@ -26,19 +25,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
-from . import checkpoint as ck
-from .config import ConfigError, TrainConfig
-from .seeds import check_seed
-from .launch import launch, under_torchrun
-from .layout import local_shape
-from .models import llama
+from .. import checkpoint as ck
+from ..config import ConfigError, TrainConfig
+from ..seeds import check_seed
+from ..launch import launch, under_torchrun
+from ..models import llama
+from .metrics import read_metrics, trim_metrics
 from .plot import plot_losses
-from .tree import count_params, leaves_with_paths
+from .progress import Progress
+from .report import comm_report_text, describe, mesh_label, param_memory
+from .world import World, is_main_process, resolve_world
 
+# World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
            "param_memory", "read_metrics", "plot_losses"]
 
@@ -46,203 +48,6 @@ METRICS = "metrics.jsonl"
 PLOT = "loss.png"
 COMM_REPORT = "comm_report.txt"
 CHECKPOINTS = "checkpoints"
-
-
-# ----------------------------------------------------------------------------- world
-@dataclass(frozen=True)
-class World:
-    """How many devices run and how: simulated threads, or one rank per process (torchrun)."""
-
-    size: int
-    simulate: bool
-    launcher: str          # where the device count comes from, for messages
-
-
-def resolve_world(cfg: TrainConfig, simulate: int | None = None) -> World:
-    """The world the run will use: torchrun's ``WORLD_SIZE``, ``--simulate N``, or (outside
-    torchrun, without accelerators) the mesh's own size on simulated devices."""
-    if under_torchrun():
-        n = int(os.environ["WORLD_SIZE"])
-        if simulate is not None:
-            raise ConfigError(f"--simulate {simulate} cannot be used under torchrun (which already "
-                              f"runs {n} processes); drop one of them")
-        return World(n, False, f"torchrun (WORLD_SIZE={n})")
-    if simulate is not None:
-        if simulate < 1:
-            raise ConfigError(f"--simulate needs a device count >= 1, got {simulate}")
-        return World(simulate, True, f"--simulate {simulate}")
-    n = math.prod(cfg.mesh_sizes(None).values())
-    if n > 1 and torch.cuda.is_available():
-        raise ConfigError(f"the mesh needs {n} devices: launch with `torchrun --nproc_per_node {n} "
-                          f"-m functional_pp train ...`, or pass --simulate {n} to run them as "
-                          f"simulated devices in this process")
-    return World(n, True, "simulated devices" if n > 1 else "one device")
-
-
-def _is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0" if under_torchrun() else True
-
-
-# ----------------------------------------------------------------------------- reporting
-def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
-    """(global parameter count, parameters held by each device) for ``decls`` under the rules
-    (every device holds equal blocks)."""
-    local = 0
-    for path, d in leaves_with_paths(decls):
-        local += math.prod(local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, name=path), mesh))
-    return count_params(decls), local
-
-
-def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
-    if cfg.optimizer == "adamw":
-        return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
-    if cfg.momentum:
-        return 12, "fp32 SGD with momentum: weights 4 + grads 4 + momentum 4"
-    return 8, "fp32 SGD: weights 4 + grads 4"
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n}"
-
-
-def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *,
-             device_text: str | None = None, val=None) -> str:
-    """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
-    memory, batch, data and output."""
-    decls = llama.init(model_cfg)
-    total, local = param_memory(decls, mesh, rules)
-    per, what = _state_bytes_per_param(cfg)
-    dp = cfg.dp_size(mesh, rules)
-    accum = cfg.grad_accum(mesh, rules)
-    gb = cfg.global_batch(mesh, rules)
-    mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
-    rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
-    model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
-                          ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
-    lines = [
-        f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
-        f"mesh:       {mesh_txt} = {mesh.size} devices",
-        f"rules:      {rules_txt}",
-        f"model:      llama {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
-        f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
-        f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)",
-        f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
-        f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
-        f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
-        f"{cfg.warmup()}), {cfg.max_steps} steps, precision {cfg.precision}"
-        + (", activation checkpointing" if cfg.activation_checkpointing else "")
-        + (f", compile={cfg.compile}" if cfg.compile else ""),
-    ]
-    if device_text is not None:
-        lines.insert(1, f"device:     {device_text}")
-    if corpus is not None:
-        docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
-        held = f"; held out: {len(val):,} tokens" if val is not None else ""
-        lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
-    for note in cfg.notes:
-        lines.append(f"not used:   {note}")
-    lines.append(f"output:     {cfg.output_dir()}")
-    return "\n".join(lines)
-
-
-def _fmt_time(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-class Progress:
-    """Plain-text progress: ``\\r``-updated on a terminal, one line per ``log_every`` steps
-    otherwise; shows loss, held-out loss (once known), lr, gradient norm, tokens/s (smoothed),
-    MFU (when the peak FLOP/s are known), ETA and elapsed time."""
-
-    def __init__(self, total: int, start: int = 0, log_every: int = 10,
-                 stream: IO[str] | None = None, tty: bool | None = None, width: int = 20):
-        self.total, self.start, self.log_every, self.width = total, start, log_every, width
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty() if tty is None else tty
-        self._t0: float | None = None
-        self._s0 = start
-        self._open = False
-        self._tps: float | None = None          # exponential moving average of tokens/s
-        self.eval_loss: float | None = None
-        self._started = time.perf_counter()
-
-    def line(self, step: int, metrics: dict, now: float | None = None) -> str:
-        """The progress text after ``step``."""
-        now = time.perf_counter() if now is None else now
-        if self._t0 is None or step <= self._s0:
-            eta = float("nan")
-        else:   # time per step measured after the first step (compilation, warm-up)
-            eta = (now - self._t0) / (step - self._s0) * (self.total - step)
-        done = int(self.width * step / max(self.total, 1))
-        bar = "#" * done + "." * (self.width - done)
-        tps = self._tps if self._tps is not None else metrics.get("tokens_per_s", float("nan"))
-        parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {metrics['loss']:.4f}"]
-        if self.eval_loss is not None:
-            parts.append(f"eval {self.eval_loss:.4f}")
-        if "lr" in metrics:
-            parts.append(f"lr {metrics['lr']:.2e}")
-        if "grad_norm" in metrics:
-            parts.append(f"gnorm {metrics['grad_norm']:.3g}")
-        parts.append(f"{tps:,.0f} tok/s")
-        if metrics.get("mfu") is not None:
-            parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
-        parts.append(f"ETA {_fmt_time(eta)}")
-        parts.append(f"{_fmt_time(now - self._started)} elapsed")
-        return " | ".join(parts)
-
-    def update(self, step: int, metrics: dict) -> None:
-        now = time.perf_counter()
-        if "eval_loss" in metrics:
-            self.eval_loss = metrics["eval_loss"]
-        tps = metrics.get("tokens_per_s")
-        if tps is not None and math.isfinite(tps) and step > self.start + 1:   # skip warm-up
-            self._tps = tps if self._tps is None else 0.9 * self._tps + 0.1 * tps
-        text = self.line(step, metrics, now)
-        if self._t0 is None:
-            self._t0, self._s0 = now, step
-        if self.tty:
-            self.stream.write("\r" + text + " " * 4)
-            self._open = True
-            if step >= self.total:
-                self.stream.write("\n")
-                self._open = False
-        elif step % self.log_every == 0 or step >= self.total or step == self.start + 1:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def message(self, text: str) -> None:
-        """Print a line without garbling the progress line."""
-        if self._open:
-            self.stream.write("\n")
-            self._open = False
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The lines of a ``metrics.jsonl`` file."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps <= ``last_step`` (a resumed run rewrites the later ones)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 # ----------------------------------------------------------------------------- SIGTERM
@@ -300,7 +105,7 @@ def _optimizer(cfg: TrainConfig):
 
 
 def _build_optimizer(cfg: TrainConfig):
-    from . import optim
+    from .. import optim
     kw = dict(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
               max_grad_norm=cfg.max_grad_norm, lr_schedule=cfg.lr_scheduler,
               warmup_steps=cfg.warmup(), total_steps=cfg.max_steps,
@@ -325,19 +130,18 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
-    from . import comm
-    from .collectives import axis_index, axis_size
-    from .data import DataLoader
-    from .init import init as init_named
+    from .. import comm
+    from ..data import DataLoader, batch_shard
+    from ..init import init as init_named
     from .evaluate import evaluate
-    from .finetune import (base_params, check_batches, describe_device, load_data, model_config,
-                           peak_flops, select_device)
-    from .runtime import current_context
-    from .train import DEFAULT_BATCH_DIMS, train_step
+    from .inputs import base_params, check_batches, load_data, model_config
+    from .world import describe_device, peak_flops, select_device
+    from ..runtime import current_context
+    from ..train import DEFAULT_BATCH_DIMS, train_step
 
     world = resolve_world(cfg, simulate)
     cfg.validate(world.size, launcher=world.launcher)
-    main = _is_main_process()
+    main = is_main_process()
     out = stream or sys.stdout
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
@@ -389,8 +193,6 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                          flops_per_token=llama.flops_per_token(model_cfg, cfg.sequence_len),
                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
                          batch_dims=batch_dims)
-    b_axes = cfg.batch_axes(mesh, rules)
-    s_axes = cfg.seq_axes(mesh, rules)
     metrics_path = out_dir / METRICS
     eval_every = cfg.eval_steps or cfg.logging.log_every
 
@@ -402,13 +204,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
               file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
-            _trim_metrics(metrics_path, latest)
+            trim_metrics(metrics_path, latest)
             where = manager.path(latest) if load_dir == ckpt_dir else load_dir
             print(f"resuming from {where} (step {latest})", file=out, flush=True)
         elif resume:
             print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", file=out, flush=True)
         try:
-            from .metrics_log import make_loggers
+            from .metrics import make_loggers
             loggers = make_loggers(cfg, out_dir, metrics_path, append=latest is not None)
         except ImportError as exc:
             raise ConfigError(str(exc)) from exc
@@ -445,14 +247,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             params = init_named(llama.init, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
                                 device=device)
         state = step_fn.init(params)
-        dp = (axis_index(b_axes), axis_size(b_axes)) if b_axes else (0, 1)
-        cp = (axis_index(s_axes), axis_size(s_axes)) if s_axes else (0, 1)
-        loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed,
-                            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1],
-                            cp_balanced=rules.is_balanced("seq"))    # the rules own the order
+        shard = batch_shard(mesh, rules).loader_args()      # the rules own the split and order
+        loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard)
         val_loader = None if data.val is None else DataLoader(
-            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False,
-            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], cp_balanced=rules.is_balanced("seq"))
+            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard)
         start = 0
         if latest is not None:
             r = ck.load_checkpoint(load_dir, specs(state), rules=rules, step=latest,
@@ -488,7 +286,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if lead and report_text is None:
                     with comm.comm_report() as rep:
                         state, m = step_fn(state, batch)
-                    report_text = _comm_report_text(rep, m["step"], mesh, cfg)
+                    report_text = comm_report_text(rep, m["step"], mesh, cfg)
                     (out_dir / COMM_REPORT).write_text(report_text + "\n")
                     progress.message(report_text)
                 else:
@@ -549,7 +347,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
 
 def _check_resume_config(ckpt: Path, cfg: TrainConfig, global_batch: int) -> None:
     """Refuse a resume whose config changes what the run computes (docs/bad_inputs.md §7)."""
-    from .checkpoint.format import read_index
+    from ..checkpoint.format import read_index
     from .resume_check import config_changes
     index = read_index(ckpt)
     saved = index.get("config")
@@ -581,15 +379,3 @@ def _check_writable(out_dir: Path) -> None:
                           f"(logging.output_dir)") from exc
 
 
-def mesh_label(mesh) -> str:
-    """``dp_shard=2 x tp=2`` (axes of size > 1) or ``1 device``."""
-    parts = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1]
-    return " x ".join(parts) or "1 device"
-
-
-def _comm_report_text(rep, step: int, mesh, cfg: TrainConfig) -> str:
-    head = f"communication of training step {step} on device 0 ({mesh_label(mesh)}), per mesh axis:"
-    if cfg.compile:
-        head += ("\n(note: compiled steps are not counted; set compile: false to see every "
-                 "collective)")
-    return head + "\n" + rep.table()
