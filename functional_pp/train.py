@@ -19,6 +19,7 @@ from . import optim
 from .barrier import materialize
 from .collectives import psum
 from .compiler import step_backend
+from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
 from .layout import Layout, Rules
 from .mesh import Mesh
@@ -217,7 +218,7 @@ class TrainStep:
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
-            _check_invariant(loss_named)
+            check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
             with backward_region():      # marks the traced backward (compiled comm counting)
@@ -339,16 +340,6 @@ def _master(x: torch.Tensor) -> torch.Tensor:
     """Master weights are at least fp32 (16-bit parameters are upcast)."""
     x = x.detach()
     return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def _check_invariant(loss: Named) -> None:
-    if loss.dims:
-        raise ValueError(f"the loss must be a scalar; it has dimensions {loss.dims} (reduce them with "
-                         f"functional_pp.ops.mean/sum)")
-    if loss.vary:
-        raise ValueError(f"the loss varies over mesh axes {sorted(loss.vary)}: every device would "
-                         f"seed a different gradient. Reduce it over those axes (e.g. a mean over the "
-                         f"batch dimensions) before returning it")
 
 
 def _split_micro(batch: dict, k: int) -> list[dict]:
