@@ -50,6 +50,11 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass
 class TrainStep:
+    """One training step of ``loss_fn`` (built by :func:`train_step`). The fields are its
+    settings: numerics (``precision``, ``grad_accum``, ``on_nonfinite``), compilation, and the op
+    policy (``remat``, ``keep_gathered``, ``cp_attention``, ``regather_activations``;
+    docs/policy.md). Shared by every device thread: ``spec`` is set once by :meth:`init`."""
+
     loss_fn: Callable[[Any, dict], Named]
     optimizer: optim.GradientTransformation
     mesh: Mesh | None = None
@@ -369,7 +374,8 @@ def _peak_memory() -> int:
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
                mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
-    precision, remat, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...)."""
+    precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ..., and the op policy
+    remat, keep_gathered, cp_attention, regather_activations: docs/policy.md)."""
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **options)
