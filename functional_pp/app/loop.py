@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import signal
 import sys
 import threading
@@ -35,9 +34,11 @@ from ..seeds import check_seed
 from ..launch import launch, under_torchrun
 from ..models import llama
 from .metrics import read_metrics, trim_metrics
+from .optimizer import optimizer_from_config
 from .plot import plot_losses
 from .progress import Progress
 from .report import comm_report_text, describe, mesh_label, param_memory
+from .resume_check import check_resume_config
 from .world import World, is_main_process, resolve_world
 
 # World ... plot_losses: imported from here before the application modules were split
@@ -87,40 +88,6 @@ class TrainResult:
     comm_report: str | None = None
 
 
-# optimizer argument -> config key, so that a refused setting is named as the user wrote it
-_OPTIMIZER_CONFIG_KEYS = {"b1": "adam_beta1", "b2": "adam_beta2", "eps": "adam_epsilon", "min_lr": "min_learning_rate",
-                          "end_value": "min_learning_rate", "max_norm": "max_grad_norm", "total_steps": "max_steps",
-                          "peak": "learning_rate", "value": "learning_rate"}
-
-
-def _optimizer(cfg: TrainConfig):
-    """The optimizer and the learning-rate schedule of ``cfg``; a setting the optimizer
-    constructors refuse is a ConfigError naming the config key."""
-    try:
-        return _build_optimizer(cfg)
-    except (TypeError, ValueError) as exc:
-        found = re.search(r": (\w+)=", str(exc))
-        key = _OPTIMIZER_CONFIG_KEYS.get(found.group(1), found.group(1)) if found else None
-        raise ConfigError(f"optimizer settings: {exc}" + (f" [config key: {key}]" if key else "")) from exc
-
-
-def _build_optimizer(cfg: TrainConfig):
-    from .. import optim
-    kw = dict(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-              max_grad_norm=cfg.max_grad_norm, lr_schedule=cfg.lr_scheduler,
-              warmup_steps=cfg.warmup(), total_steps=cfg.max_steps,
-              min_lr=cfg.min_lr(), mask=optim.decay_mask_by_ndim)
-    if cfg.optimizer == "adamw":
-        kw.update(b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon)
-    else:
-        kw.update(momentum=cfg.momentum)
-    schedule = optim.make_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup(),
-                                   cfg.max_steps, cfg.min_lr())
-    if not callable(schedule):
-        schedule = optim.schedules.constant(schedule)
-    return optim.from_config(cfg.optimizer, **kw), schedule
-
-
 def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False,
           stop_after: int | None = None, stream: IO[str] | None = None,
           allow_config_change: bool = False) -> TrainResult | None:
@@ -165,7 +132,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
                           f"--resume to continue from it, or choose another --output")
     if latest is not None and not allow_config_change:
-        _check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
+        check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
 
     try:
         check_seed(cfg.seed)
@@ -179,7 +146,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     gb = cfg.global_batch(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     cfg.set_epochs(check_batches(cfg, data, gb))
-    opt, schedule = _optimizer(cfg)
+    opt, schedule = optimizer_from_config(cfg)
     device = select_device(world.simulate, world.size, under_torchrun())
     if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
@@ -343,27 +310,6 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
     return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                        r["comm_report"])
-
-
-def _check_resume_config(ckpt: Path, cfg: TrainConfig, global_batch: int) -> None:
-    """Refuse a resume whose config changes what the run computes (docs/bad_inputs.md §7)."""
-    from ..checkpoint.format import read_index
-    from .resume_check import config_changes
-    index = read_index(ckpt)
-    saved = index.get("config")
-    try:                                 # the saved run's global batch, on its own world size
-        old = TrainConfig.from_dict(saved)
-        old_mesh = old.mesh(index.get("world_size"))
-        derived = ({"global batch (sequences per step)": old.global_batch(old_mesh, old.build_rules(old_mesh))},
-                   {"global batch (sequences per step)": global_batch})
-    except Exception:  # noqa: BLE001 - an older or foreign config: compare the keys as written
-        derived = (None, None)
-    changes = config_changes(saved, cfg.to_dict(), *derived)
-    if changes:
-        raise ConfigError(f"--resume: the config differs from the one saved in {ckpt} in "
-                          f"{len(changes)} key(s) that change the results: " + "; ".join(changes)
-                          + ". Restore them, or pass --allow-config-change to continue anyway "
-                            "(the run will not equal an uninterrupted one)")
 
 
 def _check_writable(out_dir: Path) -> None:
