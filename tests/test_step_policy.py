@@ -81,3 +81,15 @@ def test_a_step_refuses_a_second_different_parameter_tree():
             step.init(fpp.init(llama.init, llama.Config.tiny(layers=3), mesh=mesh, rules=rules, seed=0))
         return True
     assert all(fpp.launch(device, mesh))
+
+
+def test_ops_outside_a_mesh_refuse_rules_that_split():
+    x = torch.ones(4, 3)
+    with fpp.use_rules(fpp.Rules(batch="dp_shard")):
+        with pytest.raises(RuntimeError, match=r"split dimension 'batch' over mesh axes \('dp_shard',\), but no "
+                                               r"mesh is running: call the op inside functional_pp.launch"):
+            fpp.named(x, "batch hidden")
+    with fpp.use_rules(fpp.Rules()):                  # rules that split nothing: one device
+        assert fpp.named(x, "batch hidden").data.shape == (4, 3)
+    from functional_pp.ops import sum as nsum
+    assert nsum(fpp.named(x, "batch hidden")).data.item() == 12      # no rules at all
