@@ -26,10 +26,24 @@ _TRIVIAL_MESH = Mesh()
 
 
 def env() -> tuple[Mesh, Rules]:
+    """The running device's mesh and the active rules. Outside any device, rules that split a
+    dimension have no mesh to split it over: an error, not a silent one-device layout
+    (docs/policy.md, "Outside a mesh")."""
     ctx = current_context(required=False)
-    mesh = ctx.mesh if ctx is not None else _TRIVIAL_MESH
     rules = active_rules(required=False) or Rules()
-    return mesh, rules
+    if ctx is None:
+        _require_no_split(rules)
+        return _TRIVIAL_MESH, rules
+    return ctx.mesh, rules
+
+
+def _require_no_split(rules: Rules) -> None:
+    split = {dim: axes for dim, axes in rules.table.items() if axes}
+    if split:
+        dim, axes = next(iter(split.items()))
+        raise RuntimeError(f"the active rules split dimension {dim!r} over mesh axes {tuple(axes)}, but no "
+                           f"mesh is running: call the op inside functional_pp.launch(fn, mesh) (or a "
+                           f"shard_map), or leave use_rules(...) for a one-device run")
 
 
 class Named:

@@ -14,11 +14,11 @@ from .. import optim
 from ..comm import CommReport, comm_report
 from ..layout import Rules, local_shape
 from ..mesh import Mesh
-from ..named import Named, configure, wrap
+from ..named import Named, wrap
 from ..shard_map import use_rules
 from ..torch_private import trace_backward
 from ..ops.token_ids import deferred_checks
-from ..train import PRECISIONS, train_step
+from ..train import train_step
 from ..tree import leaves_with_paths, map_with_path
 from .device import representative_device
 from .tracker import DeviceRun, MemoryTracker
@@ -119,6 +119,10 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     options = dict(options or {})
     remat = bool(options.pop("remat", remat))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
+    unknown = sorted(set(options) - {"keep_gathered", "cp_attention", "regather_activations"})
+    if unknown:
+        raise ValueError(f"estimate: options {unknown} are not settings of the step's op policy; use "
+                         f"keep_gathered, cp_attention, regather_activations or remat (docs/policy.md)")
     settings = dict(precision=precision, grad_accum=grad_accum, remat=remat,
                     keep_gathered=bool(options.get("keep_gathered", False)),
                     regather_activations=bool(options.get("regather_activations", False)),
@@ -164,8 +168,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline):
     step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                      grad_accum=grad_accum, remat=remat)
-    with representative_device(mesh, rank), use_rules(rules), configure(**options):
+                      grad_accum=grad_accum, remat=remat, **options)     # the step's own policy (docs/policy.md)
+    with representative_device(mesh, rank), use_rules(rules), step.policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)
         state = step.init(params)
@@ -175,10 +179,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
         with comm_report() as rep:
             tracker = MemoryTracker(baseline, masters, rep, timeline)
             step.loss_fn = _instrumented(loss_fn, tracker, repeated)
-            compute = PRECISIONS[precision]
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
-                    trace_backward(False), configure(remat=remat, reduce_dtype=torch.float32 if compute else None), \
-                    deferred_checks():
+                    trace_backward(False), deferred_checks():
                 out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
                                         named_batch)
             del out
