@@ -48,6 +48,8 @@ def _follows(node: torch.fx.Node) -> bool:
     """Cheap ops that move with a wait: views, casts and elementwise math (a reduce-scattered
     gradient's scaling, its accumulation into the shard's gradient)."""
     t = node.target
+    if _is_wait(node):          # a wait on a waited value (funcol waits twice): a no-op
+        return True
     return node.op == "call_function" and (_op_name(node) in _VIEW_OR_CAST or (
         isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
 
