@@ -5,10 +5,12 @@ and run two passes on it before it executes:
 
 1. :func:`functional_pp.recompute.reissue_for_backward`: FSDP weights are gathered again in
    backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values;
-2. :func:`functional_pp.overlap.overlap_communication` (torch.distributed only, opt-in with
-   ``FPP_OVERLAP=1`` until verified on real processes): all-gathers
-   are prefetched one weight ahead and waits sink to the first use of their result;
-3. the collectives of the final graph (recomputed gathers included) are read from their
+2. :func:`functional_pp.overlap.overlap_communication` (torch.distributed only; on by
+   default, ``FPP_OVERLAP=0`` keeps trace order): all-gathers are prefetched one weight ahead
+   and waits sink to the first use of their result;
+3. :func:`functional_pp.reinplace.reinplace` (graphs run op by op, not inductor):
+   elementwise results are written into the buffers that die there;
+4. the collectives of the final graph (recomputed gathers included) are read from their
    tags, and every run of the compiled graph records them in the active
    :func:`functional_pp.comm_report`, as eager execution does.
 
@@ -27,6 +29,7 @@ import torch
 from . import comm
 from .overlap import overlap_communication
 from .recompute import in_backward_region, reissue_for_backward
+from .reinplace import reinplace
 from .runtime import thread_local_value
 from .torch_private import compile_backend
 
@@ -37,7 +40,8 @@ _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 def step_backend(compile: bool | str) -> str | Callable:
     """The backend to hand ``torch.compile`` for ``train_step(compile=...)``."""
     name = "inductor" if compile is True else compile
-    return compile_backend(name, _step_pass) or name
+    # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
+    return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor")) or name
 
 
 def _is_collective(node: torch.fx.Node) -> bool:
@@ -68,10 +72,12 @@ def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
         yield graphs
 
 
-def _step_pass(graph: torch.fx.Graph):
+def _step_pass(graph: torch.fx.Graph, in_place: bool = False):
     reissue_for_backward(graph)
-    if os.environ.get("FPP_OVERLAP") == "1":      # experimental until verified on processes
+    if os.environ.get("FPP_OVERLAP", "1") != "0":     # FPP_OVERLAP=0: trace order (debugging)
         overlap_communication(graph)
+    if in_place:
+        reinplace(graph)
     if getattr(_local, "graphs", None) is not None:
         _local.graphs.append(graph)
     events = comm.traced_events(graph_collectives(graph))

@@ -7,8 +7,9 @@ let the network work while the CPU/GPU computes:
 * prefetch: the launch of each FSDP weight's all-gather moves before the computation that
   uses the previous gathered weight, in forward and again for the backward re-gathers, so
   layer i+1's weights are on their way while layer i computes;
-* late waits: every wait moves down to just before the first node that reads its result, so
-  a gradient's reduce-scatter runs while the backward of the next layers computes.
+* late waits: every wait, with the views, casts and elementwise ops that only transform its
+  result, moves down to just before the first other node that reads them, so a gradient's
+  reduce-scatter runs while the backward of the next layers computes.
 
 Simulated collectives are one synchronous op each; there is nothing to overlap, so the
 simulated graph is left in trace order.
@@ -43,14 +44,26 @@ def _first_consumer(graph_pos: dict, launch: torch.fx.Node) -> torch.fx.Node | N
     return min(consumers, key=graph_pos.__getitem__) if consumers else None
 
 
+def _follows(node: torch.fx.Node) -> bool:
+    """Cheap ops that move with a wait: views, casts and elementwise math (a reduce-scattered
+    gradient's scaling, its accumulation into the shard's gradient)."""
+    t = node.target
+    if _is_wait(node):          # a wait on a waited value (funcol waits twice): a no-op
+        return True
+    return node.op == "call_function" and (_op_name(node) in _VIEW_OR_CAST or (
+        isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
+
+
 def _sink(wait: torch.fx.Node) -> int:
-    """Move a wait, with the views and casts of its result, down to the first other node
-    that reads them."""
+    """Move a wait, with the cheap ops that only transform its result (views, casts,
+    elementwise math on it and on values computed before the wait), down to the first other
+    node that reads them: for a gradient's reduce-scatter, the optimizer, after the rest of
+    backward."""
     pos = {n: i for i, n in enumerate(wait.graph.nodes)}
     group, frontier = [wait], [wait]
     while frontier:
         for u in frontier.pop().users:
-            if u not in group and _op_name(u) in _VIEW_OR_CAST and all(
+            if u not in group and _follows(u) and all(
                     a in group or pos[a] < pos[wait] for a in u.all_input_nodes):
                 group.append(u)
                 frontier.append(u)

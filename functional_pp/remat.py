@@ -15,8 +15,9 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .layer_compile import CompiledLayer, layer_backend
 from .named import Named, configure, options
-from .recompute import remat_region
+from .recompute import remat_region, reset_region_ids
 
 
 def _flatten(tree: Any):
@@ -74,11 +75,18 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Declare ``fn`` as one layer of a model (called once per layer, e.g.
     ``x = layer(p, x, ...)``). With ``train_step(remat=True)`` (or
     ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
-    eagerly or compiled; otherwise it runs as is."""
+    eagerly or compiled; otherwise it runs as is. Under ``train_step(compile="per_layer")``
+    one compilation of ``fn`` runs every layer (:mod:`functional_pp.layer_compile`)."""
     recomputed = remat(fn)
+    compiled = CompiledLayer(fn)
 
     @functools.wraps(fn)
     def wrapped(*args):
+        backend = layer_backend()
+        if backend is not None:
+            body = compiled.get(backend)
+            reset_region_ids()         # same guard state for every layer: one graph for all
+            return remat(body)(*args) if options().remat else body(*args)
         return recomputed(*args) if options().remat else fn(*args)
     wrapped.__wrapped_layer__ = fn
     return wrapped

@@ -22,6 +22,7 @@ from .compile_gate import CompileGate
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
+from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
@@ -60,7 +61,8 @@ class TrainStep:
     optimizer: optim.GradientTransformation
     mesh: Mesh | None = None
     rules: Rules = field(default_factory=Rules)
-    compile: bool | str = False           # False, True (inductor) or a backend name ("aot_eager")
+    compile: bool | str = False           # False, True (inductor), a backend name ("aot_eager"), or
+    #                                       "per_layer[:backend]": compile each @fpp.layer once
     grad_accum: int = 1
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
     remat: bool = False                   # activation checkpointing per layer
@@ -136,18 +138,20 @@ class TrainStep:
             raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
                              f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
         fn = self._device_step
-        if self.compile:
+        step_compile, layer_compile = split_mode(self.compile)   # compile="per_layer": layers only
+        if step_compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
                     self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
-                        torch.compile(self._device_step, backend=step_backend(self.compile),
+                        torch.compile(self._device_step, backend=step_backend(step_compile),
                                       fullgraph=True, dynamic=False),   # static shapes
                         type(self)._device_step.__code__)
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
         # thread-local settings are set outside the compiled region
-        with use_rules(self.rules), trace_backward(bool(self.compile)), self.policy(), \
+        with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
+                compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)

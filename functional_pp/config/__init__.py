@@ -268,10 +268,12 @@ class TrainConfig:
                 f"got {self.collective_timeout}")
         if isinstance(self.compile, str):
             import torch._dynamo
+            from .layer_compile import split_mode
             backends = torch._dynamo.list_backends(exclude_tags=())
-            if self.compile not in backends:
-                add(f"compile: unknown torch.compile backend {self.compile!r}"
-                    f"{suggest(self.compile, backends)}")
+            name = next((m for m in split_mode(self.compile) if isinstance(m, str)), None)  # "per_layer:x"
+            if name is not None and name not in backends:
+                add(f"compile: unknown torch.compile backend {name!r}{suggest(name, backends)} "
+                    f"(or \"per_layer\" / \"per_layer:<backend>\")")
         if self.logging.log_every < 1:
             add(f"logging.log_every must be >= 1, got {self.logging.log_every}")
         if self.checkpoint.save_every < 0:
