@@ -33,9 +33,8 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
     with torch.no_grad(), use_rules(step.rules):
         named = []
         for x, dims, layout in zip(leaves, step.spec.dims, step.spec.layouts):
-            n = Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout)
-            n.is_param = True
-            named.append(n)
+            named.append(Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout,
+                               is_param=True))
         params: Any = optree.tree_unflatten(treespec, named)
         device = leaves[0].device if leaves else None
         for i in range(n_batches):

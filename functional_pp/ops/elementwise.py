@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, env, pvary, relayout, settle, varying_after
+from ..named import Named, _make, env, pvary, relayout, settle, varying_after
 from .regather import regather_scope
 
 
 def _align(x: Named, dims: tuple[str, ...]) -> torch.Tensor:
     """x's block with its dimensions permuted to the order of ``dims`` and size-1 dims added."""
-    order = [x.dims.index(d) for d in dims if d in x.dims]
-    data = x.data.permute(order) if order != sorted(order) else x.data
+    order = [x._dims.index(d) for d in dims if d in x._dims]
+    data = x._data.permute(order) if order != sorted(order) else x._data
     shape, it = [], iter(data.shape)
     for d in dims:
-        shape.append(next(it) if d in x.dims else 1)
+        shape.append(next(it) if d in x._dims else 1)
     return data.reshape(shape)
 
 
@@ -25,18 +25,18 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
             raise TypeError(f"{name}: cannot combine a named array with an unnamed tensor of shape "
                             f"{tuple(other.shape)}; wrap it with functional_pp.named(tensor, 'dims')")
         x = x if keep_partial else settle(x)
-        data = fn(x.data, other) if left else fn(other, x.data)
-        return Named(data, x.dims, x.split, x.vary, x.partial)
-    dims = a.dims + tuple(d for d in b.dims if d not in a.dims)
+        data = fn(x._data, other) if left else fn(other, x._data)
+        return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
+    dims = a._dims + tuple(d for d in b._dims if d not in a._dims)
     sa, sb = a.shape, b.shape
-    for d in set(a.dims) & set(b.dims):
+    for d in set(a._dims) & set(b._dims):
         if sa[d] != sb[d]:
             raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
     sizes = {**sb, **sa}
     mesh, rules = env()
     target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    ta = tuple(target[d] for d in a.dims)
-    tb = tuple(target[d] for d in b.dims)
+    ta = tuple(target[d] for d in a._dims)
+    tb = tuple(target[d] for d in b._dims)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
@@ -44,7 +44,7 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
     b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
         data = fn(_align(a, dims), _align(b, dims))
-    return Named(data, dims, tuple(target[d] for d in dims), union)
+    return _make(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
 
 
 def add(a, b) -> Named:
@@ -81,10 +81,10 @@ def broadcast(fn, operands: list, name: str) -> Named:
         for d, n in x.shape.items():
             if sizes.setdefault(d, n) != n:
                 raise ValueError(f"{name}: dimension {d!r} has size {sizes[d]} and {n}")
-        dims += tuple(d for d in x.dims if d not in dims)
+        dims += tuple(d for d in x._dims if d not in dims)
     mesh, rules = env()
     target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    ts = [tuple(target[d] for d in x.dims) for x in named_ops]
+    ts = [tuple(target[d] for d in x._dims) for x in named_ops]
     named_ops = [settle(x, t) for x, t in zip(named_ops, ts)]
     after = [varying_after(x, t) for x, t in zip(named_ops, ts)]
     union = set().union(*after)
@@ -92,7 +92,7 @@ def broadcast(fn, operands: list, name: str) -> Named:
     operands = [next(ready) if isinstance(x, Named) else x for x in operands]
     with regather_scope([x for x in operands if isinstance(x, Named)]):
         data = fn(*[_align(x, dims) if isinstance(x, Named) else x for x in operands])
-    return Named(data, dims, tuple(target[d] for d in dims), union)
+    return _make(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
 
 
 def where(cond: Named, a, b) -> Named:
