@@ -200,7 +200,7 @@ class TrainStep:
             with backward_region():      # marks the traced backward (compiled comm counting)
                 gs = iter(torch.autograd.grad(loss, diff))
             if len(micro) == 1:          # no accumulation buffer needed
-                grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+                grads = [_as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
@@ -282,6 +282,10 @@ class TrainStep:
         return total if total is not None else torch.zeros((), dtype=acc)
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
     """``new`` where the step is finite, else ``old``; in place in ``new`` (a buffer the step owns)
     when ``in_place``."""
@@ -295,10 +299,10 @@ def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
 def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
     """The step's metrics as Python numbers and whether a token-id check failed, read from the
     device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
-    scalars = [v.detach().reshape(()).to(torch.float64) for v in m.values()]
-    scalars.append(step.detach().reshape(()).to(torch.float64))
-    scalars += [summary[0].to(torch.float64) for summary, _ in id_checks]
-    values = torch.stack(scalars).tolist()
+    scalars = [*m.values(), step, *[summary[0] for summary, _ in id_checks]]
+    scalars = [v.detach() if v.ndim == 0 else v.detach().reshape(()) for v in scalars]
+    # stack(out=float64) converts each value exactly (int64 counters included), in one op
+    values = torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64)).tolist()
     metrics = dict(zip(m, values))
     metrics["step"] = int(values[len(m)])
     return metrics, any(values[len(m) + 1:])

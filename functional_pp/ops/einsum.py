@@ -27,6 +27,19 @@ def _parsed(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...],
     return ins, tuple(rhs.split())
 
 
+def _matmul_depth(dims: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> int:
+    """``k`` when the contraction is ``a @ b`` over the last ``k`` dimensions of ``a`` and the
+    first ``k`` of ``b`` (in the same order) and the output is ``a``'s others then ``b``'s:
+    then einsum is one ``torch.mm`` of two reshapes, the cheapest form eagerly. 0 otherwise."""
+    if len(dims) != 2:
+        return 0
+    a, b = dims
+    k = len(set(a) & set(b))
+    if k == 0 or a[len(a) - k:] != b[:k] or out != a[:len(a) - k] + b[k:]:
+        return 0
+    return k
+
+
 @functools.lru_cache(maxsize=4096)
 def _torch_spec(dims_per_operand: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> str:
     """torch.einsum's one-letter equation for operands and output named by dimension names."""
@@ -80,7 +93,12 @@ def einsum(pattern: str, *operands: Named) -> Named:
     ready = [relayout(pvary(x, c), t, f"einsum {pattern!r}") if (c or t != x._split) else x
              for x, c, t in zip(operands, casts, targets)]
     with regather_scope(ready):
-        data = torch.einsum(spec, *[x._data for x in ready])
+        if isinstance(spec, int):      # a matrix product (docs/eager_overhead.md)
+            a, w = ready[0]._data, ready[1]._data
+            k = a.shape[a.ndim - spec:].numel()
+            data = torch.mm(a.reshape(-1, k), w.reshape(k, -1)).view(*a.shape[:a.ndim - spec], *w.shape[spec:])
+        else:
+            data = torch.einsum(spec, *[x._data for x in ready])
     return _make(data, _parsed(pattern, len(operands))[1], t_loc, vary, used, out_sizes)
 
 
@@ -122,5 +140,5 @@ def _derive_plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
     after = [varying_after(x, t) for x, t in zip(operands, targets)]
     union = set().union(*after)
     casts = [frozenset(union - a) for a in after]
-    spec = _torch_spec(tuple(x._dims for x in operands), out)
+    spec = _matmul_depth(tuple(x._dims for x in operands), out) or _torch_spec(tuple(x._dims for x in operands), out)
     return (targets, casts, tuple(t_loc), frozenset(union | used), frozenset(used), out_sizes, spec)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, _make, env, pvary, relayout, settle, varying_after
+from ..named import Named, _make, _memo_beside, env, pvary, relayout, settle, varying_after
 from .regather import regather_scope
 
 
@@ -27,16 +27,8 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
         x = x if keep_partial else settle(x)
         data = fn(x._data, other) if left else fn(other, x._data)
         return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
-    dims = a._dims + tuple(d for d in b._dims if d not in a._dims)
-    sa, sb = a.shape, b.shape
-    for d in set(a._dims) & set(b._dims):
-        if sa[d] != sb[d]:
-            raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
-    sizes = {**sb, **sa}
     mesh, rules = env()
-    target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    ta = tuple(target[d] for d in a._dims)
-    tb = tuple(target[d] for d in b._dims)
+    dims, ta, tb, out_split, out_sizes = _binary_layout(a, b, name, mesh, rules)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
@@ -44,7 +36,30 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
     b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
         data = fn(_align(a, dims), _align(b, dims))
-    return _make(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
+    return _make(data, dims, out_split, frozenset(union), sizes=out_sizes)
+
+
+def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
+    """The dimensions of ``a op b`` (a's, then b's others), the operands' target layouts, the
+    result's layout and global sizes; derived once per operand dims and sizes, kept beside the
+    rules when eager (docs/named_value.md)."""
+    key = ("binary", a._dims, a._sizes, b._dims, b._sizes, mesh)
+    memo = None if torch.compiler.is_compiling() or a._sizes is None or b._sizes is None else _memo_beside(rules)
+    plan = None if memo is None else memo.get(key)
+    if plan is not None:
+        return plan
+    dims = a._dims + tuple(d for d in b._dims if d not in a._dims)
+    sa, sb = a.shape, b.shape
+    for d in set(a._dims) & set(b._dims):
+        if sa[d] != sb[d]:
+            raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
+    sizes = {**sb, **sa}
+    target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
+    plan = (dims, tuple(target[d] for d in a._dims), tuple(target[d] for d in b._dims),
+            tuple(target[d] for d in dims), tuple(sizes[d] for d in dims))
+    if memo is not None:
+        memo[key] = plan
+    return plan
 
 
 def add(a, b) -> Named:

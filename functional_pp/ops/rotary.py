@@ -53,7 +53,9 @@ def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama
         tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
         x1, x2 = tf.chunk(2, dim=di)
         rot = torch.cat([-x2, x1], dim=di)
-        return (tf * cos.to(tf.dtype) + rot * sin.to(tf.dtype)).to(t.dtype)
+        c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
+        out = tf * c + rot * s
+        return out if out.dtype == t.dtype else out.to(t.dtype)
     return x.map(apply)
 
 
