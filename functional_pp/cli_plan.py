@@ -78,7 +78,7 @@ def apply_layout(cfg, est, n_devices: int):
     sequence parallelism, FSDP axes, activation checkpointing, micro batch)."""
     s = est.mesh.shape
     hidden = tuple(est.rules.table.get("hidden") or ())
-    sp = bool(est.rules.table.get("res_seq"))
+    sp = "tp" in est.rules["res_seq"]     # sequence parallelism: the residual also split over tp
     gb = global_batch_for(cfg, n_devices)
     dp = s.get("dp_replicate", 1) * s.get("dp_shard", 1)
     ga = est.settings.get("grad_accum", 1)

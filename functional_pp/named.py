@@ -60,7 +60,7 @@ class Named:
     axes of a pending sum) and the global sizes are fixed at construction, and so is its
     origin: ``is_param`` (a parameter: FSDP re-gathers it in backward instead of saving it),
     ``tied`` (a parameter used at several sites, gathered once for all) and ``gathered_from``
-    (``(shard, axes, dim)`` for a gathered parameter, so backward can re-gather it). Setting an
+    (``(shard, axes, dim, order)`` for a gathered parameter, so backward can re-gather it). Setting an
     attribute raises; :meth:`replace` returns a changed copy. Operations return new values."""
 
     __slots__ = ("_data", "_dims", "_split", "_vary", "_partial", "_sizes", "_is_param", "_tied",
@@ -162,7 +162,7 @@ for _name, _get, _doc in (
         ("partial", lambda self: self._partial, "mesh axes of a pending sum"),
         ("is_param", lambda self: self._is_param, "a parameter (FSDP re-gathers it)"),
         ("tied", lambda self: self._tied, "a parameter used at several sites"),
-        ("gathered_from", lambda self: self._gathered_from, "(shard, axes, dim) of a gathered parameter, else None")):
+        ("gathered_from", lambda self: self._gathered_from, "(shard, axes, dim, order) of a gathered parameter, else None")):
     setattr(Named, _name, property(_get, _refuse(_name), _refuse(_name), _doc))
 
 
@@ -251,7 +251,7 @@ def settle(x: Named, target: Layout | None = None) -> Named:
     for d, want in enumerate(target or ()):
         for j, a in enumerate(want):
             if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
-                if j == 0 and rules.is_balanced(x._dims[d]):    # scatter in the dim's order
+                if j == 0 and rules.splits_balanced(x._dims[d], want):    # scatter in the dim's order
                     data = to_balanced(data, d, mesh.shape[a], x._dims[d])
                 data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
                 split[d] = split[d] + (a,)
@@ -302,7 +302,6 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     data, split, vary = x._data, list(x._split), set(x._vary)
     mesh, rules = env()
     gathers = []
-    reordered = False
     # gather the axes beyond the common prefix (inner axes first: one collective per dim);
     # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
     for d, (have, want) in enumerate(zip(x._split, target)):
@@ -311,13 +310,15 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             k += 1
         extra = have[k:]
         if extra:
-            gathers.append((data, extra, d))
+            shard = data
             with regather_region(x._is_param and not options().keep_gathered):   # ZeRO-3 under compile
                 data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
-            if k == 0 and rules.is_balanced(x._dims[d]):
-                data = from_balanced(data, d, mesh.shape[have[0]], x._dims[d])
-                reordered = True
+            order = 1                       # the recipe replays the reorder (docs/layouts.md)
+            if k == 0 and rules.splits_balanced(x._dims[d], have):
+                order = mesh.shape[have[0]]
+                data = from_balanced(data, d, order, x._dims[d])
+            gathers.append((shard, extra, d, order))
     sliced = False
     for d, want in enumerate(target):
         extra = want[len(split[d]):]
@@ -328,7 +329,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         if used_elsewhere:
             raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
                              f"{x._dims[d]!r}; it already splits another dimension of {x._dims}")
-        if not split[d] and rules.is_balanced(x._dims[d]):
+        if not split[d] and rules.splits_balanced(x._dims[d], want):
             data = to_balanced(data, d, mesh.shape[extra[0]], x._dims[d])
         for a in extra:
             n = mesh.shape[a]
@@ -343,7 +344,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             split[d] = split[d] + (a,)
     # a gathered parameter remembers its shard: ops re-gather it in backward instead of saving it
     regather = ((x._is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
-                and not sliced and not reordered)
+                and not sliced)
     out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes, x._is_param,
                 gathered_from=gathers[0] if regather else None)
     # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,

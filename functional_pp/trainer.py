@@ -449,10 +449,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         cp = (axis_index(s_axes), axis_size(s_axes)) if s_axes else (0, 1)
         loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed,
                             dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1],
-                            cp_balanced=rules.is_balanced("seq"))    # the rules own the order
+                            cp_balanced=rules.splits_balanced("seq", s_axes))    # the rules own the order
         val_loader = None if data.val is None else DataLoader(
             data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False,
-            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], cp_balanced=rules.is_balanced("seq"))
+            dp_rank=dp[0], dp_size=dp[1], cp_rank=cp[0], cp_size=cp[1], cp_balanced=rules.splits_balanced("seq", s_axes))
         start = 0
         if latest is not None:
             r = ck.load_checkpoint(load_dir, specs(state), rules=rules, step=latest,

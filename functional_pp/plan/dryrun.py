@@ -45,6 +45,7 @@ class LayoutEstimate:
     comm_time_s: float = 0.0
     time: Any = None                 # a timing.StepTime once costed
     notes: list[str] = field(default_factory=list)
+    rank: int = 0                    # the device that ran (the busiest when work is uneven)
 
     @property
     def comm_bytes(self) -> int:
@@ -98,11 +99,13 @@ def extrapolate(values: Sequence[float], layers: int) -> float:
 def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
              batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
              precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
-             bandwidth: dict[str, float] | float | None = None, rank: int = 0, timeline: bool = True,
+             bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
-    ``train_step``'s step on meta tensors.
+    ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
+    that its work depends on the device (contiguous causal context parallelism, noted in
+    ``notes``); ``rank=`` picks one.
 
     ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
     ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
@@ -127,8 +130,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         variants = [{**decls, repeated: layers_list[:1]}, {**decls, repeated: layers_list[:2]}]
     else:
         variants, n_layers = [decls], 1
-    results = [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                           repeated, rank, timeline) for d in variants]
+    def run_on(device: int) -> list:
+        return [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
+                            repeated, device, timeline) for d in variants]
+    device = 0 if rank is None else rank
+    results = run_on(device)
+    uneven = {what: busiest for r in results for what, busiest in r[0].uneven.items()}
+    if uneven and rank is None:      # the step waits for the busiest device: estimate that one
+        busiest = {a: i for coords in uneven.values() for a, i in coords.items()}
+        if mesh.rank_of(busiest) != device:
+            device = mesh.rank_of(busiest)
+            results = run_on(device)
+    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
     runs = tuple(r[0] for r in results)
     comm = _extrapolate_report([r[1] for r in results], n_layers)
     ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers)))  # noqa: E731
@@ -143,7 +156,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         mesh, rules, comm, param_bytes=weights, state_bytes=2 * weights + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes), peak_bytes=ext(lambda r: r[0].peak_bytes),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers),
-        layers=n_layers, runs=runs, settings=settings)
+        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
 
