@@ -215,9 +215,7 @@ def _clone_named(tree):
 
 
 def _named_clone(x):
-    n = fpp.Named(x.data.detach().clone(), x.dims, x.split)
-    n.is_param = True
-    return n
+    return x.replace(data=x.data.detach().clone(), is_param=True)
 
 
 class PlainRunner:

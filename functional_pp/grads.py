@@ -26,9 +26,7 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
     xs = [x.data.detach().requires_grad_(x.data.is_floating_point()) for x in leaves]
     named = []
     for x, leaf in zip(xs, leaves):
-        n = Named(x, leaf.dims, leaf.split, leaf.vary)
-        n.is_param = True
-        named.append(n)
+        named.append(Named(x, leaf.dims, leaf.split, leaf.vary, sizes=leaf._sizes, is_param=True))
     loss = settle(loss_fn(optree.tree_unflatten(spec, named), batch))
     check_scalar_loss(loss, "value_and_grad")
     diff = [x for x in xs if x.requires_grad]

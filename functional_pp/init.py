@@ -124,7 +124,6 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     rules = rules or Rules()
 
     def wrap(p, x, d):
-        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p) if mesh is not None else None)
-        n.is_param = True
-        return n
+        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p) if mesh is not None else None,
+                     sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)

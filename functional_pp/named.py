@@ -7,14 +7,21 @@ For every mesh axis a named array is, in the terms of JAX's varying/invariant ty
   * or invariant over it.
 Ops reconcile the layouts of their operands by inserting collectives (docs/semantics.md); the
 transposes of those collectives give every gradient its reduction exactly once.
+
+A :class:`Named` is an immutable value (docs/named_value.md): everything about it is fixed
+when it is built; memoised derived values (its settled or relayouted forms) live in a private
+table (:func:`_memo`) that is not part of the value.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
+import optree
 import torch
 
 from . import collectives as C
+from . import runtime as _runtime
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .order import from_balanced, to_balanced
@@ -23,6 +30,7 @@ from .runtime import Options, active_rules, configure, current_context, options 
 
 _EMPTY: frozenset[str] = frozenset()
 _TRIVIAL_MESH = Mesh()
+_NO_RULES = Rules()
 
 
 def env() -> tuple[Mesh, Rules]:
@@ -30,7 +38,7 @@ def env() -> tuple[Mesh, Rules]:
     dimension have no mesh to split it over: an error, not a silent one-device layout
     (docs/policy.md, "Outside a mesh")."""
     ctx = current_context(required=False)
-    rules = active_rules(required=False) or Rules()
+    rules = active_rules(required=False) or _NO_RULES
     if ctx is None:
         _require_no_split(rules)
         return _TRIVIAL_MESH, rules
@@ -46,38 +54,80 @@ def _require_no_split(rules: Rules) -> None:
                            f"shard_map), or leave use_rules(...) for a one-device run")
 
 
-class Named:
-    """A local block with named dimensions, a layout and a varying/partial type."""
+def _global_sizes(shape: Sequence[int], split: Layout) -> tuple[int, ...] | None:
+    """Global sizes from the local ``shape`` and the current mesh (None when the mesh does not
+    know a splitting axis: then :attr:`Named.shape` asks the mesh current when it is read)."""
+    if not any(split):
+        return tuple(shape)
+    mesh = env()[0]
+    if not all(a in mesh.shape for s in split for a in s):
+        return None
+    return tuple(n * mesh.axis_size(s) if s else n for n, s in zip(shape, split))
 
-    __slots__ = ("data", "dims", "split", "vary", "partial", "_cache", "gathered_from", "is_param", "tied")
+
+class Named:
+    """A local block with named dimensions, a layout and a varying/partial type.
+
+    Immutable (docs/named_value.md): ``data`` (this device's block), ``dims`` (unique names),
+    ``split`` (per dimension, the mesh axes splitting it, outer first), ``vary`` (the axes the
+    value varies over: always a superset of the splitting and partial axes), ``partial`` (the
+    axes of a pending sum) and the global sizes are fixed at construction, and so is its
+    origin: ``is_param`` (a parameter: FSDP re-gathers it in backward instead of saving it),
+    ``tied`` (a parameter used at several sites, gathered once for all) and ``gathered_from``
+    (``(shard, axes, dim, order)`` for a gathered parameter, so backward can re-gather it). Setting an
+    attribute raises; :meth:`replace` returns a changed copy. Operations return new values."""
+
+    __slots__ = ("_data", "_dims", "_split", "_vary", "_partial", "_sizes", "_is_param", "_tied",
+                 "_gathered_from", "_derived", "__weakref__")
 
     def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
-                 vary: Iterable[str] = (), partial: Iterable[str] = ()):
+                 vary: Iterable[str] = (), partial: Iterable[str] = (), *, sizes: Sequence[int] | None = None,
+                 is_param: bool = False, tied: bool = False, gathered_from: tuple | None = None):
         dims = tuple(dims)
         if data.ndim != len(dims):
             raise ValueError(f"tensor of shape {tuple(data.shape)} has {data.ndim} dimensions but "
                              f"{len(dims)} names {dims}")
         if len(set(dims)) != len(dims):
             raise ValueError(f"dimension names must be unique, got {dims}")
-        self.data = data
-        self.dims = dims
-        self.split = tuple(tuple(s) for s in split) if split is not None else ((),) * len(dims)
-        used = frozenset(a for s in self.split for a in s)
-        self.partial = frozenset(partial)
-        self.vary = frozenset(vary) | used | self.partial
-        self._cache: dict = {}
-        self.gathered_from = None   # (shard, axes, dim, balanced order c or 1) when gathered (ops/regather.py)
-        self.is_param = False       # parameters are re-gathered in backward (FSDP), activations not
-        self.tied = False           # a parameter used at several sites: gathered once for all
+        split = tuple(tuple(s) for s in split) if split is not None else ((),) * len(dims)
+        if len(split) != len(dims):
+            raise ValueError(f"layout {split} needs one entry per dimension of {dims}")
+        partial = frozenset(partial)
+        vary = frozenset(vary).union(partial, *split)
+        if sizes is not None and len(sizes) != len(dims):
+            raise ValueError(f"sizes {tuple(sizes)} need one entry per dimension of {dims}")
+        sizes = tuple(sizes) if sizes is not None else _global_sizes(data.shape, split)
+        self._data, self._dims, self._split, self._vary, self._partial = data, dims, split, vary, partial
+        self._sizes, self._is_param, self._tied, self._gathered_from = sizes, bool(is_param), bool(tied), gathered_from
+        self._derived = None
+
+    def replace(self, **changes) -> "Named":
+        """A copy with some fields changed (``x.replace(is_param=True)``); layout fields are
+        validated as by the constructor."""
+        fields = dict(data=self.data, dims=self.dims, split=self.split, vary=self.vary, partial=self.partial,
+                      is_param=self.is_param, tied=self.tied, gathered_from=self.gathered_from)
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Named.replace: unknown field {sorted(unknown)[0]!r}; fields are {sorted(fields)}")
+        if not ({"data", "dims", "split"} & set(changes)) or (
+                "data" in changes and set(changes) <= {"data", "is_param", "tied", "gathered_from"}
+                and tuple(changes["data"].shape) == tuple(self.data.shape)):
+            changes.setdefault("sizes", self._sizes)
+        fields.update(changes)
+        return Named(**fields)
 
     # ------------------------------------------------------------------ info
     @property
     def shape(self) -> dict[str, int]:
         """Global size of every dimension."""
-        mesh, _ = env()
-        return {d: n * (mesh.axis_size(s) if s else 1) for d, n, s in zip(self.dims, self.data.shape, self.split)}
+        sizes = self._sizes
+        if sizes is None:      # built outside the mesh that splits it: ask the current one
+            mesh = env()[0]
+            sizes = [n * (mesh.axis_size(s) if s else 1) for n, s in zip(self.data.shape, self.split)]
+        return dict(zip(self.dims, sizes))
 
     def size(self, dim: str) -> int:
+        """Global size of ``dim``."""
         return self.shape[self._check_dim(dim, "size")]
 
     def _check_dim(self, dim: str, op: str) -> str:
@@ -100,7 +150,7 @@ class Named:
     def map(self, fn, linear: bool = False) -> "Named":
         """Apply an elementwise function to the local block (settles pending sums unless linear)."""
         x = self if linear else settle(self)
-        return Named(fn(x.data), x.dims, x.split, x.vary, x.partial)
+        return _make(fn(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
 
     def astype(self, dtype: torch.dtype) -> "Named":
         return self.map(lambda t: t.to(dtype), linear=True)
@@ -108,6 +158,82 @@ class Named:
     def value(self) -> torch.Tensor:
         """The local block with pending sums completed."""
         return settle(self).data
+
+
+def _refuse(name: str):
+    def refuse(self, *value):
+        raise AttributeError(f"Named is immutable: cannot set {name!r}; build a new value, e.g. "
+                             f"x.replace({name}=...) (docs/named_value.md)")
+    return refuse
+
+
+# read-only fields (a plain getter per field: torch.compile traces these, not operator.attrgetter)
+for _name, _get, _doc in (
+        ("data", lambda self: self._data, "this device's block"),
+        ("dims", lambda self: self._dims, "dimension names"),
+        ("split", lambda self: self._split, "per dimension, the mesh axes splitting it"),
+        ("vary", lambda self: self._vary, "mesh axes the value varies over (contains split and partial axes)"),
+        ("partial", lambda self: self._partial, "mesh axes of a pending sum"),
+        ("is_param", lambda self: self._is_param, "a parameter (FSDP re-gathers it)"),
+        ("tied", lambda self: self._tied, "a parameter used at several sites"),
+        ("gathered_from", lambda self: self._gathered_from, "(shard, axes, dim, order) of a gathered parameter, else None")):
+    setattr(Named, _name, property(_get, _refuse(_name), _refuse(_name), _doc))
+
+
+def _make(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...], ...], vary: frozenset,
+          partial: frozenset = _EMPTY, sizes: tuple[int, ...] | None = None, is_param: bool = False,
+          tied: bool = False, gathered_from: tuple | None = None) -> Named:
+    """The ops' constructor: no validation or conversion. The caller guarantees what
+    :class:`Named` checks (tuples, frozensets, ``vary`` covering split and partial axes); a
+    ``sizes`` of None is computed here."""
+    if sizes is None:
+        sizes = _global_sizes(data.shape, split)
+    x = object.__new__(Named)
+    x._data, x._dims, x._split, x._vary, x._partial = data, dims, split, vary, partial
+    x._sizes, x._is_param, x._tied, x._gathered_from = sizes, is_param, tied, gathered_from
+    x._derived = None
+    return x
+
+
+# Named is a pytree node in the "functional_pp" optree namespace (its block is the one child;
+# the rest is metadata), e.g. optree.tree_map(f, tree, namespace="functional_pp") maps the
+# blocks of a tree of named values. In the default namespace it stays a leaf (docs/named_value.md).
+optree.register_pytree_node(
+    Named,
+    lambda x: ((x.data,), (x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)),
+    lambda meta, children: _make(children[0], *meta[:4], meta[4], *meta[5:]),
+    namespace="functional_pp")
+
+
+# ------------------------------------------------------------------ memo tables
+def _memo(x: Named) -> dict:
+    """Derived values of ``x`` (its settled, pvary'd, relayouted forms, the rotary tables of a
+    positions value), kept while ``x`` lives so that one value used by several ops is converted
+    (and reduced in backward) once. The table is not part of the value (docs/named_value.md):
+    it sits in a private slot because torch.compile cannot trace an identity-keyed side table."""
+    table = x._derived
+    if table is None:
+        table = x._derived = {}
+    return table
+
+
+_SIDE: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _memo_beside(obj) -> dict:
+    """A table of values derived from ``obj`` (e.g. einsum plans per rules object), kept beside
+    it while it lives; eager only (callers skip it under torch.compile)."""
+    key = id(obj)
+    entry = _SIDE.get(key)
+    if entry is not None and entry[0]() is obj:
+        return entry[1]
+    table: dict = {}
+
+    def drop(ref, key=key):
+        if _SIDE.get(key, (None,))[0] is ref:
+            _SIDE.pop(key, None)
+    _SIDE[key] = (weakref.ref(obj, drop), table)
+    return table
 
 
 # ----------------------------------------------------------------- relayout
@@ -127,19 +253,20 @@ def settle(x: Named, target: Layout | None = None) -> Named:
     otherwise psum."""
     if not isinstance(x, Named):
         require_named("settle", value=x)
-    if not x.partial:
+    if not x._partial:
         return x
     key = ("settle", target)
-    if key in x._cache:
-        return x._cache[key]
-    data, split, vary = x.data, list(x.split), set(x.vary)
-    remaining = set(x.partial)
+    memo = _memo(x)
+    if key in memo:
+        return memo[key]
+    data, split, vary = x._data, list(x._split), set(x._vary)
+    remaining = set(x._partial)
     mesh, rules = env()
     for d, want in enumerate(target or ()):
         for j, a in enumerate(want):
             if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
-                if j == 0 and rules.splits_balanced(x.dims[d], want):    # scatter in the dim's order
-                    data = to_balanced(data, d, mesh.shape[a], x.dims[d])
+                if j == 0 and rules.splits_balanced(x._dims[d], want):    # scatter in the dim's order
+                    data = to_balanced(data, d, mesh.shape[a], x._dims[d])
                 data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
                 split[d] = split[d] + (a,)
                 remaining.discard(a)
@@ -147,24 +274,29 @@ def settle(x: Named, target: Layout | None = None) -> Named:
         axes = tuple(a for a in mesh.axis_names if a in remaining)
         data = C.psum(data, axes)
         vary -= remaining
-    out = Named(data, x.dims, tuple(split), vary)
-    x._cache[key] = out
+    out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes)
+    memo[key] = out
     return out
 
 
 def pvary(x: Named, axes: Iterable[str]) -> Named:
     """Cast ``x`` to varying over ``axes`` (identity forward, psum backward); cached per value
     so that one value used by several ops is reduced once in backward."""
+    if not axes:
+        return x
+    wanted = set(axes)
+    if wanted <= x._vary:
+        return x
     mesh = env()[0]
-    axes = tuple(a for a in mesh.axis_names if a in set(axes) and a not in x.vary)
+    axes = tuple(a for a in mesh.axis_names if a in wanted and a not in x._vary)
     if not axes:
         return x
     key = ("pvary", axes)
-    if key not in x._cache:
-        out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
-        out.gathered_from, out.is_param, out.tied = x.gathered_from, x.is_param, x.tied
-        x._cache[key] = out
-    return x._cache[key]
+    memo = _memo(x)
+    if key not in memo:
+        memo[key] = _make(C.pvary(x._data, axes), x._dims, x._split, x._vary.union(axes), x._partial, x._sizes,
+                          x._is_param, x._tied, x._gathered_from)
+    return memo[key]
 
 
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
@@ -172,31 +304,34 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     split but should not be (backward: reduce-scatter), slice what should be split (free).
     ``op`` names the operation in errors."""
     x = settle(x, target)
+    if x._split == target:
+        return x
     target = tuple(tuple(t) for t in target)
-    if x.split == target:
+    if x._split == target:
         return x
     key = ("relayout", target)
-    if key in x._cache:
-        return x._cache[key]
-    data, split, vary = x.data, list(x.split), set(x.vary)
+    memo = _memo(x)
+    if key in memo:
+        return memo[key]
+    data, split, vary = x._data, list(x._split), set(x._vary)
     mesh, rules = env()
     gathers = []
     # gather the axes beyond the common prefix (inner axes first: one collective per dim);
     # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
-    for d, (have, want) in enumerate(zip(x.split, target)):
+    for d, (have, want) in enumerate(zip(x._split, target)):
         k = 0
         while k < min(len(have), len(want)) and have[k] == want[k]:
             k += 1
         extra = have[k:]
         if extra:
             shard = data
-            with regather_region(x.is_param and not options().keep_gathered):   # ZeRO-3 under compile
+            with regather_region(x._is_param and not options().keep_gathered):   # ZeRO-3 under compile
                 data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
             order = 1                       # the recipe replays the reorder (docs/layouts.md)
-            if k == 0 and rules.splits_balanced(x.dims[d], have):
+            if k == 0 and rules.splits_balanced(x._dims[d], have):
                 order = mesh.shape[have[0]]
-                data = from_balanced(data, d, order, x.dims[d])
+                data = from_balanced(data, d, order, x._dims[d])
             gathers.append((shard, extra, d, order))
     sliced = False
     for d, want in enumerate(target):
@@ -207,13 +342,13 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         used_elsewhere = [a for dd, s in enumerate(split) if dd != d for a in s if a in extra]
         if used_elsewhere:
             raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
-                             f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
-        if not split[d] and rules.splits_balanced(x.dims[d], want):
-            data = to_balanced(data, d, mesh.shape[extra[0]], x.dims[d])
+                             f"{x._dims[d]!r}; it already splits another dimension of {x._dims}")
+        if not split[d] and rules.splits_balanced(x._dims[d], want):
+            data = to_balanced(data, d, mesh.shape[extra[0]], x._dims[d])
         for a in extra:
             n = mesh.shape[a]
             if data.shape[d] % n:
-                raise ValueError(f"dimension {x.dims[d]!r} of local size {data.shape[d]} cannot be split "
+                raise ValueError(f"dimension {x._dims[d]!r} of local size {data.shape[d]} cannot be split "
                                  f"over mesh axis {a!r} of size {n}")
             if a in vary:
                 data = _slice_varying(data, a, d)
@@ -221,15 +356,15 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
                 data = C.split_invariant(data, a, d)
                 vary.add(a)
             split[d] = split[d] + (a,)
-    out = Named(data, x.dims, tuple(split), vary)
-    out.is_param = x.is_param
-    if ((x.is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
-            and not sliced):
-        out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
+    # a gathered parameter remembers its shard: ops re-gather it in backward instead of saving it
+    regather = ((x._is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
+                and not sliced)
+    out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes, x._is_param,
+                gathered_from=gathers[0] if regather else None)
     # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
     # whose use sites share one gather (docs/layouts.md)
-    if not (x.is_param and gathers) or x.tied:
-        x._cache[key] = out
+    if not (x._is_param and gathers) or x._tied:
+        memo[key] = out
     return out
 
 
@@ -267,8 +402,8 @@ def target_layout(dims: Sequence[str], shape: Sequence[int], name: str = "tensor
 
 def varying_after(x: Named, target: Layout) -> set:
     """The axes ``x`` varies over once relayouted to ``target``."""
-    return set(x.vary - x.partial) | {a for t in target for a in t} | {
-        a for d, (have, want) in enumerate(zip(x.split, target)) for a in have}
+    return set(x._vary - x._partial) | {a for t in target for a in t} | {
+        a for d, (have, want) in enumerate(zip(x._split, target)) for a in have}
 
 
 def tied(x: Named) -> Named:
@@ -278,9 +413,7 @@ def tied(x: Named) -> Named:
     the first use until the result is dropped (the end of the forward)."""
     if not isinstance(x, Named):
         raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
-    y = Named(x.data, x.dims, x.split, x.vary, x.partial)
-    y.is_param, y.gathered_from, y.tied = x.is_param, x.gathered_from, True
-    return y
+    return _make(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, x._is_param, True, x._gathered_from)
 
 
 def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:
@@ -299,5 +432,5 @@ def named(data: torch.Tensor, dims: Sequence[str] | str) -> Named:
     if isinstance(dims, str):
         dims = dims.split()
     x = Named(data, dims)
-    return relayout(x, target_layout(x.dims, data.shape))
+    return relayout(x, target_layout(x._dims, data.shape))
 

@@ -52,9 +52,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
             rebuilt = list(leaves)
             for i, data in zip(slots, datas):
                 x = leaves[i]
-                y = Named(data, x.dims, x.split, x.vary, x.partial)
-                y.is_param = x.is_param
-                rebuilt[i] = y
+                rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
             # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
             # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
             with configure(keep_gathered=True):

@@ -43,7 +43,5 @@ def named_tree(local: Any, decls: Any) -> Any:
     mesh, rules = env()
 
     def wrap(p, x, d):
-        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
-        n.is_param = True
-        return n
+        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, local, decls)

@@ -30,7 +30,7 @@ from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
 from .torch_private import trace_backward
-from .tree import leaves_with_paths, tree_map
+from .tree import leaves_with_paths, tree_leaves, tree_map
 
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +43,16 @@ class ParamSpec:
     dims: list[tuple[str, ...]]
     layouts: list[Layout]
     treespec: Any
+    _axes: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def split_axes(self, mesh) -> list[tuple[str, ...]]:
+        """Per leaf, the mesh axes (in mesh order) that split it; derived once per mesh."""
+        cached = None if torch.compiler.is_compiling() else self._axes.get(mesh)
+        if cached is None:
+            cached = [tuple(a for a in mesh.axis_names if any(a in s for s in layout)) for layout in self.layouts]
+            if not torch.compiler.is_compiling():
+                self._axes[mesh] = cached
+        return cached
 
 
 class NonFiniteError(FloatingPointError):
@@ -155,11 +165,10 @@ class TrainStep:
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
-        raise_if_bad(id_checks)          # out-of-range token ids / labels (docs/bad_inputs.md §1)
-        loss = float(m["loss"])
+        metrics, bad_ids = _read_metrics(m, step, id_checks)    # the step's one device-to-host read
+        if bad_ids:
+            raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
         seconds = time.perf_counter() - t0
-        metrics = {k: float(v) for k, v in m.items()}
-        metrics["step"] = int(step)
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
         if self.flops_per_token and self.peak_flops_per_device:
@@ -213,9 +222,8 @@ class TrainStep:
         compute = PRECISIONS[self.precision]
         named = []
         for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts):
-            n = Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout)
-            n.is_param = True
-            named.append(n)
+            named.append(Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout,
+                               is_param=True))
         return optree.tree_unflatten(treespec, named)
 
     def _device_step(self, params, opt_state, step, skipped, batch):
@@ -236,7 +244,7 @@ class TrainStep:
             with backward_region():      # marks the traced backward (compiled comm counting)
                 gs = iter(torch.autograd.grad(loss, diff))
             if len(micro) == 1:          # no accumulation buffer needed
-                grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+                grads = [_as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
@@ -261,12 +269,10 @@ class TrainStep:
         nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
                      "nonfinite_update": ~update_ok}
         finite = finite & update_ok
-        if torch.compiler.is_compiling():    # branch-free inside a graph
-            keep = lambda new, old: torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new  # noqa: E731
-            new_params = tree_map(keep, new_params, params)
-            new_opt = tree_map(keep, new_opt, opt_state)
-        elif not bool(finite):               # eager: one check instead of a select per tensor
-            new_params, new_opt = params, opt_state
+        # branch-free (no host sync inside the step, docs/eager_overhead.md): a select per tensor,
+        # written into the step's own new buffers when eager (no parameter-sized temporaries)
+        new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
+        new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
@@ -278,7 +284,18 @@ class TrainStep:
         update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
         (docs/bad_inputs.md §2)."""
-        return torch.isfinite(self._sq_reducer(tree_map(lambda u: (u * 0).sum(), new_params)))
+        leaves = tree_leaves(new_params)
+        if torch.compiler.is_compiling():
+            return torch.isfinite(self._sq_reducer([(u * 0).sum() for u in leaves]))
+        # eager: one foreach max-|u| (NaN or inf iff the leaf holds one) for all leaves, times 0
+        full = [i for i, u in enumerate(leaves) if u.numel()]
+        zero = torch.zeros((), dtype=leaves[0].dtype if leaves else torch.float32)
+        per_leaf = [zero] * len(leaves)
+        if full:
+            maxabs = torch.stack(torch._foreach_norm([leaves[i] for i in full], float("inf"))).mul_(0)
+            for i, v in zip(full, maxabs.unbind()):
+                per_leaf[i] = v
+        return torch.isfinite(self._sq_reducer(per_leaf))
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -297,15 +314,42 @@ class TrainStep:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
         import optree
         mesh, _ = env()
-        groups: dict[tuple[str, ...], torch.Tensor] = {}
-        for sq, layout in zip(optree.tree_leaves(sq_sums, none_is_leaf=False), self.spec.layouts):
-            axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
-            groups[axes] = groups[axes] + sq if axes in groups else sq
-        acc = torch.float64 if any(v.dtype == torch.float64 for v in groups.values()) else torch.float32
-        total = torch.zeros((), dtype=acc)
-        for axes, value in groups.items():
-            total = total + (psum(value.to(acc), axes) if axes else value.to(acc))
-        return total
+        groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for sq, axes in zip(optree.tree_leaves(sq_sums, none_is_leaf=False), self.spec.split_axes(mesh)):
+            groups.setdefault(axes, []).append(sq)
+        acc = torch.float64 if any(v.dtype == torch.float64 for vs in groups.values() for v in vs) else torch.float32
+        total = None
+        for axes, values in groups.items():
+            value = (torch.stack(values).sum() if len(values) > 1 else values[0]).to(acc)
+            value = psum(value, axes) if axes else value
+            total = value if total is None else total + value
+        return total if total is not None else torch.zeros((), dtype=acc)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
+    """``new`` where the step is finite, else ``old``; in place in ``new`` (a buffer the step owns)
+    when ``in_place``."""
+    if not isinstance(new, torch.Tensor):
+        return new
+    if in_place and new is not old and new.dtype == old.dtype and new.shape == old.shape:
+        return torch.where(finite, new, old, out=new)
+    return torch.where(finite, new, old)
+
+
+def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
+    """The step's metrics as Python numbers and whether a token-id check failed, read from the
+    device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
+    scalars = [*m.values(), step, *[summary[0] for summary, _ in id_checks]]
+    scalars = [v.detach() if v.ndim == 0 else v.detach().reshape(()) for v in scalars]
+    # stack(out=float64) converts each value exactly (int64 counters included), in one op
+    values = torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64)).tolist()
+    metrics = dict(zip(m, values))
+    metrics["step"] = int(values[len(m)])
+    return metrics, any(values[len(m) + 1:])
 
 
 def _nonfinite_what(metrics: dict) -> str:

@@ -229,8 +229,7 @@ def _fsdp_weight_through(shape_op):
     def fn():
         with fpp.use_rules(rules):
             wl = wf.chunk(2)[fpp.current_rank()].clone().requires_grad_()
-            w = fpp.Named(wl, ("hidden", "out"), (("dp_shard",), ()))
-            w.is_param = True
+            w = fpp.Named(wl, ("hidden", "out"), (("dp_shard",), ()), is_param=True)
             x = fpp.named(xf.clone().requires_grad_(), "batch hidden")   # backward needs the weight
             _SEEN.d = {}
             with fpp.comm_report() as rep:

@@ -98,7 +98,5 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
                                 rules=rules, device=device)
 
     def wrap(p, x, d):
-        n = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p))
-        n.is_param = True
-        return n
+        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
 from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention
@@ -90,7 +90,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
     back = [(batch, heads, seq, head_dim).index(d) for d in q.dims]
-    return Named(out.permute(back), q.dims, q.split, union)
+    return _make(out.permute(back), q.dims, q.split, frozenset(union).union(*q.split), sizes=q._sizes)
 
 
 def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):

@@ -1,20 +1,54 @@
 """Named einsum: contractions whose communication is derived from the operands' layouts."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..named import Named, env, require_named, pvary, relayout, settle, varying_after
+from ..named import Named, _make, _memo_beside, env, require_named, pvary, relayout, settle, varying_after
 from .regather import regather_scope
 
 
 def parse_pattern(pattern: str, n_operands: int) -> tuple[list[list[str]], list[str]]:
+    """``("a b, b c -> a c", 2)`` -> ``([["a", "b"], ["b", "c"]], ["a", "c"])`` (fresh lists)."""
+    ins, out = _parsed(pattern, n_operands)
+    return [list(names) for names in ins], list(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """The parse of a pattern, once per pattern (a model repeats a handful of them)."""
     if "->" not in pattern:
         raise ValueError(f"einsum pattern {pattern!r} needs '->' before the output dimensions")
     lhs, rhs = pattern.split("->")
-    ins = [part.split() for part in lhs.split(",")]
+    ins = tuple(tuple(part.split()) for part in lhs.split(","))
     if len(ins) != n_operands:
         raise ValueError(f"einsum pattern {pattern!r} names {len(ins)} operands but got {n_operands}")
-    return ins, rhs.split()
+    return ins, tuple(rhs.split())
+
+
+def _matmul_depth(dims: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> int:
+    """``k`` when the contraction is ``a @ b`` over the last ``k`` dimensions of ``a`` and the
+    first ``k`` of ``b`` (in the same order) and the output is ``a``'s others then ``b``'s:
+    then einsum is one ``torch.mm`` of two reshapes, the cheapest form eagerly. 0 otherwise."""
+    if len(dims) != 2:
+        return 0
+    a, b = dims
+    k = len(set(a) & set(b))
+    if k == 0 or a[len(a) - k:] != b[:k] or out != a[:len(a) - k] + b[k:]:
+        return 0
+    return k
+
+
+@functools.lru_cache(maxsize=4096)
+def _torch_spec(dims_per_operand: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> str:
+    """torch.einsum's one-letter equation for operands and output named by dimension names."""
+    letters: dict[str, str] = {}
+    for dims in dims_per_operand:
+        for d in dims:
+            letters.setdefault(d, chr(ord("a") + len(letters)))
+    return (",".join("".join(letters[d] for d in dims) for dims in dims_per_operand) + "->"
+            + "".join(letters[d] for d in out))
 
 
 def global_sizes(operands, names_per_operand, what: str) -> dict[str, int]:
@@ -23,8 +57,8 @@ def global_sizes(operands, names_per_operand, what: str) -> dict[str, int]:
         if not isinstance(x, Named):
             raise TypeError(f"{what}: operand {i} is a {type(x).__name__}, not a named array; wrap it "
                             f"with functional_pp.named(tensor, 'dim names')")
-        if sorted(names) != sorted(x.dims):
-            raise ValueError(f"{what}: operand {i} has dimensions {x.dims} but the pattern names "
+        if sorted(names) != sorted(x._dims):
+            raise ValueError(f"{what}: operand {i} has dimensions {x._dims} but the pattern names "
                              f"{tuple(names)}")
         for d, n in x.shape.items():
             if sizes.setdefault(d, n) != n:
@@ -49,32 +83,62 @@ def einsum(pattern: str, *operands: Named) -> Named:
     mesh axes give a pending sum (completed by psum, or psum_scatter when the consumer wants
     that axis split: sequence parallelism), and invariant operands meeting varying ones are
     cast to varying (their gradient is summed over that axis)."""
-    what = f"einsum {pattern!r}"
-    ins, out = parse_pattern(pattern, len(operands))
-    require_named(what, **{f"operand {i}": x for i, x in enumerate(operands)})
+    for x in operands:
+        if not isinstance(x, Named):
+            require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) for x in operands]
+    mesh, rules = env()
+    plan = _plan(pattern, operands, mesh, rules)
+    targets, casts, t_loc, vary, used, out_sizes, spec = plan
+    ready = [relayout(pvary(x, c), t, f"einsum {pattern!r}") if (c or t != x._split) else x
+             for x, c, t in zip(operands, casts, targets)]
+    with regather_scope(ready):
+        if isinstance(spec, int):      # a matrix product (docs/eager_overhead.md)
+            a, w = ready[0]._data, ready[1]._data
+            k = a.shape[a.ndim - spec:].numel()
+            data = torch.mm(a.reshape(-1, k), w.reshape(k, -1)).view(*a.shape[:a.ndim - spec], *w.shape[spec:])
+        else:
+            data = torch.einsum(spec, *[x._data for x in ready])
+    return _make(data, _parsed(pattern, len(operands))[1], t_loc, vary, used, out_sizes)
+
+
+def _plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
+    """What einsum does with operands of these types, derived once per pattern and operand types
+    and memoised beside the rules (docs/named_value.md): per operand its target layout and the
+    axes it is cast to varying over; the output's layout, type and global sizes; torch's equation."""
+    compiling = torch.compiler.is_compiling()       # a memo would add guards to compiled code
+    key = ("einsum", pattern, mesh, tuple((x._dims, x._split, x._vary, x._sizes) for x in operands))
+    memo = None if compiling else _memo_beside(rules)
+    plan = None if memo is None else memo.get(key)
+    if plan is None:
+        plan = _derive_plan(pattern, operands, mesh, rules)
+        if memo is not None and all(x._sizes is not None for x in operands):
+            memo[key] = plan
+    return plan
+
+
+def _derive_plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
+    ins, out = _parsed(pattern, len(operands))
+    what = f"einsum {pattern!r}"
     sizes = global_sizes(operands, ins, what)
     unknown = [d for d in out if d not in sizes]
     if unknown:
         raise ValueError(f"{what}: output dimension {unknown[0]!r} appears in no operand")
     if len(set(out)) != len(out):
         raise ValueError(f"{what}: output names a dimension twice")
-    mesh, rules = env()
-    t_out = rules.resolve(out, [sizes[d] for d in out], mesh, name=f"{what} output")
+    out_sizes = tuple(sizes[d] for d in out)
+    t_out = rules.resolve(out, out_sizes, mesh, name=f"{what} output")
     contracted = [d for d in sizes if d not in out]
-    a_c = {c: _common_prefix([x.split[x.dims.index(c)] for x in operands if c in x.dims]) for c in contracted}
+    a_c = {c: _common_prefix([x._split[x._dims.index(c)] for x in operands if c in x._dims]) for c in contracted}
     used = {a for axes in a_c.values() for a in axes}
     t_loc = []
     for axes in t_out:
         cut = next((i for i, a in enumerate(axes) if a in used), len(axes))
         t_loc.append(axes[:cut])
     t_loc_of = dict(zip(out, t_loc))
-    targets = [tuple(t_loc_of[d] if d in t_loc_of else a_c[d] for d in x.dims) for x in operands]
+    targets = [tuple(t_loc_of[d] if d in t_loc_of else a_c[d] for d in x._dims) for x in operands]
     after = [varying_after(x, t) for x, t in zip(operands, targets)]
     union = set().union(*after)
-    ready = [relayout(pvary(x, union - a), t, what) for x, a, t in zip(operands, after, targets)]
-    letters = {d: chr(ord("a") + i) for i, d in enumerate(sizes)}
-    spec = ",".join("".join(letters[d] for d in x.dims) for x in ready) + "->" + "".join(letters[d] for d in out)
-    with regather_scope(ready):
-        data = torch.einsum(spec, *[x.data for x in ready])
-    return Named(data, out, tuple(t_loc), union, used)
+    casts = [frozenset(union - a) for a in after]
+    spec = _matmul_depth(tuple(x._dims for x in operands), out) or _torch_spec(tuple(x._dims for x in operands), out)
+    return (targets, casts, tuple(t_loc), frozenset(union | used), frozenset(used), out_sizes, spec)

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, env, pvary, relayout, settle, varying_after
+from ..named import Named, _make, _memo_beside, env, pvary, relayout, settle, varying_after
 from .regather import regather_scope
 
 
 def _align(x: Named, dims: tuple[str, ...]) -> torch.Tensor:
     """x's block with its dimensions permuted to the order of ``dims`` and size-1 dims added."""
-    order = [x.dims.index(d) for d in dims if d in x.dims]
-    data = x.data.permute(order) if order != sorted(order) else x.data
+    order = [x._dims.index(d) for d in dims if d in x._dims]
+    data = x._data.permute(order) if order != sorted(order) else x._data
     shape, it = [], iter(data.shape)
     for d in dims:
-        shape.append(next(it) if d in x.dims else 1)
+        shape.append(next(it) if d in x._dims else 1)
     return data.reshape(shape)
 
 
@@ -25,18 +25,10 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
             raise TypeError(f"{name}: cannot combine a named array with an unnamed tensor of shape "
                             f"{tuple(other.shape)}; wrap it with functional_pp.named(tensor, 'dims')")
         x = x if keep_partial else settle(x)
-        data = fn(x.data, other) if left else fn(other, x.data)
-        return Named(data, x.dims, x.split, x.vary, x.partial)
-    dims = a.dims + tuple(d for d in b.dims if d not in a.dims)
-    sa, sb = a.shape, b.shape
-    for d in set(a.dims) & set(b.dims):
-        if sa[d] != sb[d]:
-            raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
-    sizes = {**sb, **sa}
+        data = fn(x._data, other) if left else fn(other, x._data)
+        return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
     mesh, rules = env()
-    target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    ta = tuple(target[d] for d in a.dims)
-    tb = tuple(target[d] for d in b.dims)
+    dims, ta, tb, out_split, out_sizes = _binary_layout(a, b, name, mesh, rules)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
@@ -44,7 +36,30 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
     b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
         data = fn(_align(a, dims), _align(b, dims))
-    return Named(data, dims, tuple(target[d] for d in dims), union)
+    return _make(data, dims, out_split, frozenset(union), sizes=out_sizes)
+
+
+def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
+    """The dimensions of ``a op b`` (a's, then b's others), the operands' target layouts, the
+    result's layout and global sizes; derived once per operand dims and sizes, kept beside the
+    rules when eager (docs/named_value.md)."""
+    key = ("binary", a._dims, a._sizes, b._dims, b._sizes, mesh)
+    memo = None if torch.compiler.is_compiling() or a._sizes is None or b._sizes is None else _memo_beside(rules)
+    plan = None if memo is None else memo.get(key)
+    if plan is not None:
+        return plan
+    dims = a._dims + tuple(d for d in b._dims if d not in a._dims)
+    sa, sb = a.shape, b.shape
+    for d in set(a._dims) & set(b._dims):
+        if sa[d] != sb[d]:
+            raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
+    sizes = {**sb, **sa}
+    target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
+    plan = (dims, tuple(target[d] for d in a._dims), tuple(target[d] for d in b._dims),
+            tuple(target[d] for d in dims), tuple(sizes[d] for d in dims))
+    if memo is not None:
+        memo[key] = plan
+    return plan
 
 
 def add(a, b) -> Named:
@@ -81,10 +96,10 @@ def broadcast(fn, operands: list, name: str) -> Named:
         for d, n in x.shape.items():
             if sizes.setdefault(d, n) != n:
                 raise ValueError(f"{name}: dimension {d!r} has size {sizes[d]} and {n}")
-        dims += tuple(d for d in x.dims if d not in dims)
+        dims += tuple(d for d in x._dims if d not in dims)
     mesh, rules = env()
     target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    ts = [tuple(target[d] for d in x.dims) for x in named_ops]
+    ts = [tuple(target[d] for d in x._dims) for x in named_ops]
     named_ops = [settle(x, t) for x, t in zip(named_ops, ts)]
     after = [varying_after(x, t) for x, t in zip(named_ops, ts)]
     union = set().union(*after)
@@ -92,7 +107,7 @@ def broadcast(fn, operands: list, name: str) -> Named:
     operands = [next(ready) if isinstance(x, Named) else x for x in operands]
     with regather_scope([x for x in operands if isinstance(x, Named)]):
         data = fn(*[_align(x, dims) if isinstance(x, Named) else x for x in operands])
-    return Named(data, dims, tuple(target[d] for d in dims), union)
+    return _make(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
 
 
 def where(cond: Named, a, b) -> Named:

@@ -17,10 +17,12 @@ def _normalize(x: Named, dim: str, eps: float, center: bool) -> Named:
     i = x.dims.index(dim)
     if not x.split[i]:     # the whole dimension is local: one fused computation
         def f(t):
-            t32 = t.to(_wide(t.dtype))
+            wide = _wide(t.dtype)
+            t32 = t if t.dtype == wide else t.to(wide)
             if center:
                 t32 = t32 - t32.mean(dim=i, keepdim=True)
-            return (t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)).to(t.dtype)
+            out = t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)
+            return out if out.dtype == t.dtype else out.to(t.dtype)
         return x.map(f)
     xf = x.astype(_wide(x.data.dtype))
     if center:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .. import collectives as C
-from ..named import Named, env, require_named, settle
+from ..named import _EMPTY, Named, _make, env, require_named, settle
 
 
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
@@ -18,9 +18,14 @@ def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
     return dims
 
 
-def _reduced(x: Named, dims, data: torch.Tensor, partial=()) -> Named:
+def _reduced(x: Named, dims, data: torch.Tensor, partial=(), settled=()) -> Named:
+    """The result of reducing ``dims`` of ``x``: pending sums over ``partial`` added, the axes
+    ``settled`` (already reduced over, e.g. by pmax) no longer varying."""
     keep = [i for i, d in enumerate(x.dims) if d not in dims]
-    return Named(data, [x.dims[i] for i in keep], [x.split[i] for i in keep], x.vary, set(x.partial) | set(partial))
+    sizes = None if x._sizes is None else tuple(x._sizes[i] for i in keep)
+    vary = x.vary.difference(settled) if settled else x.vary
+    return _make(data, tuple(x.dims[i] for i in keep), tuple(x.split[i] for i in keep), vary.union(partial),
+                 x.partial.union(partial) if partial else x.partial, sizes)
 
 
 def _split_axes(x: Named, dims) -> tuple[str, ...]:
@@ -55,9 +60,7 @@ def max(x: Named, dims: str | Sequence[str] | None = None) -> Named:  # noqa: A0
     axes = _split_axes(x, dims)
     if axes:
         data = C.pmax(data, axes)
-    out = _reduced(x, dims, data)
-    out.vary = out.vary - set(axes)
-    return out
+    return _reduced(x, dims, data, settled=axes)
 
 
 def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:
@@ -76,9 +79,7 @@ def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:
     if axes:
         s = C.psum(s, axes)
     data = torch.log(s) + m.squeeze(idx) if idx else torch.log(s) + m
-    out = _reduced(x, dims, data)
-    out.vary = out.vary - set(axes)
-    return out
+    return _reduced(x, dims, data, settled=axes)
 
 
 def softmax(x: Named, dim: str) -> Named:

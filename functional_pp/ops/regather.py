@@ -48,9 +48,12 @@ def _hooks(recipes) -> Iterator[None]:
         yield
 
 
+_NOTHING = nullcontext()
+
+
 def regather_scope(operands: Sequence[Named]):
     """Context for computing with ``operands``: gathered weights among them are not saved."""
-    if options().keep_gathered or torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return nullcontext()
     recipes = [(x.data, x.gathered_from) for x in operands if isinstance(x, Named) and x.gathered_from]
-    return _hooks(recipes) if recipes else nullcontext()
+    if not recipes or options().keep_gathered or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return _NOTHING
+    return _hooks(recipes)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..named import Named, relayout, settle
+from ..named import Named, _memo, relayout, settle
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,9 @@ def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama
     si, di = x.dims.index(seq), x.dims.index(head_dim)
     if x.split[di]:
         raise ValueError(f"rotary: {head_dim!r} must not be split")
-    pos = relayout(positions, (x.split[si],)).data
+    pos = relayout(positions, (x.split[si],))
     d = x.data.shape[di]
-    dev = x.data.device
-    inv = inverse_frequencies(d, theta, scaling).to(dev)
-    ang = pos.to(device=dev, dtype=torch.float64)[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.float32)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.float32)
+    cos, sin = _tables(pos, d, theta, scaling, x.data.device)
     shape = [1] * x.data.ndim
     shape[si], shape[di] = cos.shape[0], d
     if si > di:
@@ -57,5 +53,24 @@ def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama
         tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
         x1, x2 = tf.chunk(2, dim=di)
         rot = torch.cat([-x2, x1], dim=di)
-        return (tf * cos.to(tf.dtype) + rot * sin.to(tf.dtype)).to(t.dtype)
+        c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
+        out = tf * c + rot * s
+        return out if out.dtype == t.dtype else out.to(t.dtype)
     return x.map(apply)
+
+
+def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (seq, d), float32, of the angles position * inv_freq computed in float64;
+    built once per positions value and reused by q and k of every layer (memoised beside the
+    positions value, docs/named_value.md)."""
+    key = ("rotary", d, theta, scaling, device, pos.data._version)
+    memo = None if torch.compiler.is_compiling() else _memo(pos)     # no tensors kept across traces
+    if memo is not None and key in memo:
+        return memo[key]
+    inv = inverse_frequencies(d, theta, scaling).to(device)
+    ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    tables = (torch.cat([cos, cos], -1).to(torch.float32), torch.cat([sin, sin], -1).to(torch.float32))
+    if memo is not None:
+        memo[key] = tables
+    return tables

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ..named import Named, env, relayout, require_named, settle, target_layout
+from ..named import Named, _make, env, relayout, require_named, settle, target_layout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
@@ -24,7 +24,7 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     if reorder:     # the two names order the dimension differently: gather it under the old one
         x = relayout(x, tuple(() if i in reorder else s for i, s in enumerate(x.split)),
                      f"rename {mapping}")
-    y = _keep_param(x, Named(x.data, dims, x.split, x.vary, x.partial))
+    y = _keep_param(x, x.data, dims, x.split, x.partial, tuple(sizes))
     return relayout(y, target_layout(dims, sizes, name=f"rename {mapping}"))
 
 
@@ -32,13 +32,12 @@ def _root(t):
     return t._base if t._base is not None else t
 
 
-def _keep_param(x: Named, y: Named) -> Named:
-    """``y`` (a view of ``x``'s data under other names or shape) stays a parameter: FSDP
-    re-gathers it in backward instead of keeping it gathered (docs/layouts.md)."""
-    y.is_param, y.tied = x.is_param, x.tied
-    if x.gathered_from is not None and _root(y.data) is _root(x.data):
-        y.gathered_from = x.gathered_from
-    return y
+def _keep_param(x: Named, data, dims, split, partial=frozenset(), sizes=None) -> Named:
+    """A value of ``data`` (a view of ``x``'s data under other names or shape), typed like
+    ``x``, that stays a parameter if ``x`` is one: FSDP re-gathers it in backward instead of
+    keeping it gathered (docs/layouts.md)."""
+    gathered = x.gathered_from if x.gathered_from is not None and _root(data) is _root(x.data) else None
+    return _make(data, tuple(dims), tuple(split), x.vary, partial, sizes, x.is_param, x.tied, gathered)
 
 
 def _contiguous_split(x: Named, i: int, what: str) -> Named:
@@ -72,8 +71,10 @@ def split_dim(x: Named, dim: str, into: Mapping[str, int]) -> Named:
     shape = list(x.data.shape[:i]) + local + list(x.data.shape[i + 1:])
     dims = x.dims[:i] + tuple(names) + x.dims[i + 1:]
     split = x.split[:i] + (x.split[i],) + ((),) * (len(names) - 1) + x.split[i + 1:]
-    y = _keep_param(x, Named(x.data.reshape(shape), dims, split, x.vary))
-    return relayout(y, target_layout(dims, [y.shape[d] for d in dims], name=f"split_dim {dim}"))
+    sizes = x.shape
+    sizes = [sizes[d] for d in x.dims[:i]] + list(into.values()) + [sizes[d] for d in x.dims[i + 1:]]
+    y = _keep_param(x, x.data.reshape(shape), dims, split, sizes=tuple(sizes))
+    return relayout(y, target_layout(dims, sizes, name=f"split_dim {dim}"))
 
 
 def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
@@ -98,7 +99,7 @@ def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
     shape = list(x.data.shape[:i]) + [n] + list(x.data.shape[idx[-1] + 1:])
     new_dims = x.dims[:i] + (into,) + x.dims[idx[-1] + 1:]
     split = x.split[:i] + (x.split[i],) + x.split[idx[-1] + 1:]
-    y = _keep_param(x, Named(x.data.reshape(shape), new_dims, split, x.vary))
+    y = _keep_param(x, x.data.reshape(shape), new_dims, split)
     return relayout(y, target_layout(new_dims, [y.shape[d] for d in new_dims], name=f"merge_dims {into}"))
 
 
@@ -107,8 +108,8 @@ def transpose(x: Named, *dims: str) -> Named:
     if sorted(dims) != sorted(x.dims):
         raise ValueError(f"transpose: {dims} is not a permutation of {x.dims}")
     order = [x.dims.index(d) for d in dims]
-    y = Named(x.data.permute(order), dims, [x.split[i] for i in order], x.vary, x.partial)
-    return _keep_param(x, y)
+    sizes = None if x._sizes is None else tuple(x._sizes[i] for i in order)
+    return _keep_param(x, x.data.permute(order), dims, [x.split[i] for i in order], x.partial, sizes)
 
 
 _GROUP = re.compile(r"\(([^)]*)\)|(\S+)")

@@ -63,17 +63,39 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
         return ids
     if flat.numel() == 0:
         return ids
+    harmless = 0 if ignore_index is None else ignore_index
+    checked = torch.where(bad, torch.full_like(flat, harmless), flat).reshape(ids.shape)
+    if not torch.compiler.is_compiling():
+        # eager: only the flag now; the position and value are looked up if it is set
+        pending.append((_LazySummary(bad.any(), flat, bad, ids.shape, code, vocab, ignore_index), tuple(dims)))
+        return checked
+    pending.append((_summary(flat, bad, ids.shape, code, vocab, ignore_index), tuple(dims)))
+    return checked
+
+
+class _LazySummary:
+    """A failed-check flag whose full summary (:func:`_summary`) is built only when read."""
+
+    def __init__(self, flag: torch.Tensor, *args):
+        self.flag, self.args = flag, args
+
+    def __getitem__(self, i):
+        return self.flag if i == 0 else self.tolist()[i]
+
+    def tolist(self) -> list:
+        return _summary(*self.args).tolist()
+
+
+def _summary(flat: torch.Tensor, bad: torch.Tensor, shape, code: int, vocab: int, ignore_index: int | None):
+    """One int64 vector: failed?, kind, the first bad value, vocabulary, ignore index, its position."""
     first = bad.to(torch.int64).argmax()
     value = flat.gather(0, first.unsqueeze(0)).squeeze(0).to(torch.int64)
-    coords = [(first // _stride(ids.shape, d)) % ids.shape[d] for d in range(ids.ndim)]
+    coords = [(first // _stride(shape, d)) % shape[d] for d in range(len(shape))]
     coords += [torch.zeros_like(first)] * (_MAX_DIMS - len(coords))
     ignore = ignore_index if ignore_index is not None else -(2 ** 62)
     const = lambda v: torch.full((), v, dtype=torch.int64, device=flat.device)  # noqa: E731
-    summary = torch.stack([bad.any().to(torch.int64), const(code), value, const(vocab), const(ignore),
-                           *[c.to(torch.int64) for c in coords[:_MAX_DIMS]]])
-    pending.append((summary, tuple(dims)))
-    harmless = 0 if ignore_index is None else ignore_index
-    return torch.where(bad, torch.full_like(flat, harmless), flat).reshape(ids.shape)
+    return torch.stack([bad.any().to(torch.int64), const(code), value, const(vocab), const(ignore),
+                        *[c.to(torch.int64) for c in coords[:_MAX_DIMS]]])
 
 
 def raise_if_bad(summaries: list[tuple[torch.Tensor, tuple[str, ...]]]) -> None:
