@@ -17,6 +17,7 @@ import torch
 
 from . import optim
 from .barrier import materialize
+from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
 from .collectives import psum
 from .compiler import step_backend
 from .recompute import backward_region, reset_region_ids
@@ -63,12 +64,14 @@ class TrainStep:
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
+    bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        check_bucket_mb(self.bucket_mb)
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_consecutive_skips is not None and (
@@ -189,8 +192,9 @@ class TrainStep:
             _check_invariant(loss_named)
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            with backward_region():      # marks the traced backward (compiled comm counting)
-                gs = iter(torch.autograd.grad(loss, diff))
+            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
+                gs = torch.autograd.grad(loss, diff)
+                gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 # bottom to top; a module may import its own layer (without a cycle) and the layers below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("context", ("mesh", "layout", "order", "runtime", "comm", "observers", "torch_private", "tree", "seeds", "recompute", "barrier")),
-    ("collectives", ("collectives", "backends", "backends.*", "launch", "process_watch", "shard_map")),
+    ("collectives", ("collectives", "buckets", "backends", "backends.*", "launch", "process_watch", "shard_map")),
     ("named", ("named", "sharding", "init")),
     ("ops", ("ops", "ops.*", "remat")),
     ("models", ("models", "models.*")),

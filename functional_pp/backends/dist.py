@@ -47,6 +47,16 @@ class DistBackend:
     def all_reduce(self, x, op, group):
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group)))
 
+    def start_all_reduce(self, x, group):
+        """Launch a sum all-reduce of the contiguous ``x`` in place, asynchronously; returns a
+        function that waits and gives ``x`` back (gradient buckets, functional_pp.buckets)."""
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return x
+        return wait
+
     def all_gather(self, x, dim, group):
         out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group)))
         order = self._order(group)
