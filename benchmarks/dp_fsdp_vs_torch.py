@@ -11,7 +11,8 @@ Every rank builds both sides from the same initial weights (the plain ``nn.Modul
 are interleaved (ours, torch's, ours, ...) with a barrier before each, so machine noise hits
 both alike; the median step time per side and the ratio ours / torch are reported. Our DP
 runs twice: ``bucket_mb=None`` (one synchronous all-reduce per gradient, the old path) and
-the default buckets. The first-step losses (global means) of each pair are printed and must
+the default buckets; our FSDP twice: ``fsdp_units=False`` (one all-gather / reduce-scatter per
+weight) and the default per-layer units. The first-step losses (global means) of each pair are printed and must
 agree within 1e-4 relative. Rank 0 prints one JSON line at the end.
 """
 from __future__ import annotations
@@ -128,7 +129,8 @@ def device(args) -> dict:
                          "ours_dp": Ours(cfg, mesh, rules, local),
                          "ddp": Torch(cfg, full, local, seq, "ddp")}, args.steps, args.warmup)
     mesh, rules = fpp.current_mesh(), llama.default_rules(tp=False)
-    return _compare({"ours_fsdp": Ours(cfg, mesh, rules, local),
+    return _compare({"ours_fsdp_per_weight": Ours(cfg, mesh, rules, local, fsdp_units=False),
+                     "ours_fsdp": Ours(cfg, mesh, rules, local),
                      "fsdp2": Torch(cfg, full, local, seq, "fsdp2")}, args.steps, args.warmup)
 
 
@@ -136,7 +138,8 @@ def summarize(res: dict, args, n: int) -> dict:
     summary = {"processes": n, "preset": args.preset, "steps": args.steps,
                "median_ms": {k: round(v["median_s"] * 1e3, 1) for k, v in res.items()},
                "first_loss": {k: v["first_loss"] for k, v in res.items()}}
-    pairs = [("ours_dp_unbucketed", "ddp"), ("ours_dp", "ddp"), ("ours_fsdp", "fsdp2")]
+    pairs = [("ours_dp_unbucketed", "ddp"), ("ours_dp", "ddp"), ("ours_fsdp_per_weight", "fsdp2"),
+             ("ours_fsdp", "fsdp2")]
     for ours, theirs in pairs:
         if ours in res:
             a, b = res[ours], res[theirs]

@@ -1,7 +1,7 @@
 """Bucketed, asynchronous data-parallel gradient reduction (docs/communication.md, "Buckets").
 
-A parameter that meets data varying over data-parallel axes is cast to varying with
-:func:`pvary_param`; the transpose of that cast is the gradient's all-reduce. Inside
+A parameter that meets data varying over data-parallel axes is cast to varying
+(``collectives.pvary``); the transpose of that cast is the gradient's all-reduce. Inside
 :func:`grad_buckets` (the training step's backward), that transpose does not reduce at
 once: it copies the local gradient into a bucket and hands autograd a :class:`PendingGrad`
 placeholder. A bucket whose size reaches ``bucket_mb`` is launched as one asynchronous
@@ -15,7 +15,6 @@ A pure dtype cast stays lazy (mixed precision casts the gradient back to the fp3
 """
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,11 +22,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import comm
-from .collectives import _group, _reduce_dtype, pvary, raw_all_reduce
+from .collectives import _group, _reduce_dtype, set_gradient_sink
 
 DEFAULT_BUCKET_MB = 25.0
-
-_local = threading.local()
 
 
 class _Bucket:
@@ -171,11 +168,6 @@ def check_bucket_mb(bucket_mb: float | None) -> None:
                          f"got {bucket_mb!r}")
 
 
-def active() -> GradBuckets | None:
-    """The buckets collecting this thread's gradient reductions (None outside a step)."""
-    return getattr(_local, "buckets", None)
-
-
 @contextmanager
 def grad_buckets(bucket_mb: float | None) -> Iterator[GradBuckets | None]:
     """Collect the data-parallel gradient all-reduces of the backward passes inside the block
@@ -184,39 +176,9 @@ def grad_buckets(bucket_mb: float | None) -> Iterator[GradBuckets | None]:
     if bucket_mb is None or torch.compiler.is_compiling():
         yield None
         return
-    previous = active()
-    _local.buckets = GradBuckets(bucket_mb)
+    buckets = GradBuckets(bucket_mb)
+    set_gradient_sink(buckets.add)
     try:
-        yield _local.buckets
+        yield buckets
     finally:
-        _local.buckets = previous
-
-
-class _PVaryParam(torch.autograd.Function):
-    """pvary of a parameter: identity forward; backward the gradient's all-reduce, bucketed
-    when :func:`grad_buckets` is active on this thread."""
-
-    @staticmethod
-    def forward(x, axes):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axes = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        buckets = active()
-        if buckets is None:
-            return raw_all_reduce(g, ctx.axes, "sum"), None
-        return buckets.add(g, ctx.axes), None
-
-
-def pvary_param(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-    """``collectives.pvary`` for a parameter whose gradient may be reduced in buckets."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return pvary(x, axes)
-    ctx, axes, group = _group(axes, "pvary")
-    if len(group) == 1:
-        return x
-    return _PVaryParam.apply(x, axes)
+        set_gradient_sink(None)

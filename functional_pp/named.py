@@ -15,7 +15,6 @@ from typing import Iterable, Sequence
 import torch
 
 from . import collectives as C
-from .buckets import pvary_param
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .order import from_balanced, to_balanced
@@ -148,8 +147,7 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
         return x
     key = ("pvary", axes)
     if key not in x._cache:
-        cast = pvary_param if x.is_param else C.pvary    # parameters: bucketed gradient all-reduce
-        out = Named(cast(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
+        out = Named(C.pvary(x.data, axes), x.dims, x.split, x.vary | set(axes), x.partial)
         out.gathered_from, out.is_param, out.tied = x.gathered_from, x.is_param, x.tied
         x._cache[key] = out
     return x._cache[key]

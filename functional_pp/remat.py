@@ -15,6 +15,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .fsdp_units import gather_unit
 from .named import Named, configure, options
 from .recompute import remat_region
 
@@ -75,10 +76,14 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``x = layer(p, x, ...)``). With ``train_step(remat=True)`` (or
     ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
     eagerly or compiled; otherwise it runs as is."""
-    recomputed = remat(fn)
+    def unit(*args):
+        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (fsdp_units.py)
+        with context:
+            return fn(*args)
+    recomputed = remat(unit)
 
     @functools.wraps(fn)
     def wrapped(*args):
-        return recomputed(*args) if options().remat else fn(*args)
+        return recomputed(*args) if options().remat else unit(*args)
     wrapped.__wrapped_layer__ = fn
     return wrapped

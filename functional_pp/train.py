@@ -18,6 +18,7 @@ import torch
 from . import optim
 from .barrier import materialize
 from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
+from .fsdp_units import fsdp_units as layer_units
 from .collectives import psum
 from .compiler import step_backend
 from .recompute import backward_region, reset_region_ids
@@ -65,6 +66,7 @@ class TrainStep:
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
     bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
+    fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -127,6 +129,7 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
+                layer_units(self.fsdp_units), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)

@@ -1,55 +1,33 @@
 """Bucketed asynchronous DP gradient all-reduce (functional_pp/buckets.py): the same numbers
 as the per-gradient reduction and the single device, one all-reduce event per bucket, the
 analytic bytes, buckets launched during backward, and the same on real gloo processes."""
-import functools
-
 import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.buckets import PendingGrad, grad_buckets, pvary_param
+from functional_pp.buckets import PendingGrad, grad_buckets
 from functional_pp.models import llama
 
-from harness import local_batch, make_batch
+from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()
-LOSS = functools.partial(llama.loss, cfg=CFG)
 P = fpp.count_params(llama.init(CFG))
 DATA = [make_batch(CFG, batch=8, seq=16, seed=i) for i in range(2)]
 
 
 def _train(mesh, rules, dtype=torch.float64, **step_kw):
-    """Two AdamW steps; per device: losses, the gathered parameters, the gradient all-reduces
-    of the first step (scalars excluded) and the number of elements in each."""
-    step = fpp.train_step(LOSS, fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0),
-                          mesh=mesh, rules=rules, **step_kw)
+    """Two steps; per device: losses, parameters, and the first step's gradient all-reduces
+    (scalars excluded) as (axes, shape, backward, bytes)."""
+    run = train_steps(CFG, DATA, mesh, rules, dtype, **step_kw)
 
     def device():
-        state = step.init(fpp.init(llama.init, CFG, dtype, mesh=mesh, rules=rules, seed=0))
-        losses, reductions = [], None
-        for b in DATA:
-            with fpp.use_rules(rules):
-                local = {k: v.data for k, v in local_batch(b, mesh, rules).items()}
-            with fpp.comm_report() as rep:
-                state, m = step(state, local)
-            losses.append(m["loss"])
-            if reductions is None:
-                reductions = [(e.axes, e.shape, e.backward, e.bytes_sent) for e in rep.events
-                              if e.kind == "all_reduce" and e.shape != ()]
-        with fpp.use_rules(rules):
-            full = fpp.tree.gather(state["params"], llama.init(CFG, dtype), rules)
-        return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, reductions
+        losses, params, events = run()
+        return losses, params, [(e.axes, e.shape, e.backward, e.bytes_sent) for e in events
+                                if e.kind == "all_reduce" and e.shape != ()]
     return device
 
 
-def _assert_equal(a, b, rtol=0.0, atol=0.0):
-    la, pa, _ = a
-    lb, pb, _ = b
-    torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=rtol, atol=atol)
-    assert pa.keys() == pb.keys()
-    for p in pa:
-        torch.testing.assert_close(torch.from_numpy(pa[p]), torch.from_numpy(pb[p]), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{p}: {m}")
+_assert_equal = assert_same_run
 
 
 def _numel(shape):
@@ -131,9 +109,9 @@ def _overlap_probe(bucket_mb):
     x = torch.arange(256, dtype=torch.float64) * (fpp.current_rank() + 1)
     seen = []
     with fpp.comm_report() as rep, grad_buckets(bucket_mb) as buckets:
-        h = x * pvary_param(w1, ("dp_replicate",))
+        h = x * fpp.pvary(w1, "dp_replicate")
         h = _Marker.apply(h, lambda: seen.append(rep.count("all_reduce")))
-        loss = (h * pvary_param(w2, ("dp_replicate",))).sum()
+        loss = (h * fpp.pvary(w2, "dp_replicate")).sum()
         grads = torch.autograd.grad(loss, [w1, w2])
         pending = [isinstance(g, PendingGrad) for g in grads]
         grads = buckets.finish(grads)
@@ -153,9 +131,9 @@ def test_buckets_launch_during_backward():
 
 def test_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_mb must be a size in megabytes"):
-        fpp.train_step(LOSS, fpp.optim.adamw(1e-3), bucket_mb=-1)
+        fpp.train_step(llama.loss, fpp.optim.adamw(1e-3), bucket_mb=-1)
     with pytest.raises(ValueError, match="bucket_mb"):
-        fpp.train_step(LOSS, fpp.optim.adamw(1e-3), bucket_mb="25")
+        fpp.train_step(llama.loss, fpp.optim.adamw(1e-3), bucket_mb="25")
 
 
 def _gloo_variants():
