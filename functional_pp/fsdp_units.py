@@ -20,20 +20,34 @@ import optree
 import torch
 
 from .collectives import raw_all_gather, raw_reduce_scatter
-from .named import Named, env, options, pvary
+from .named import Named, configure, env, options, pvary
 
 _local = threading.local()
 
 
 @contextmanager
-def fsdp_units(enabled: bool = True) -> Iterator[None]:
-    """Gather each layer's parameters as one unit inside the block (see the module docstring)."""
-    previous = getattr(_local, "enabled", False)
+def fsdp_units(enabled: bool = True, keep_root: bool = False) -> Iterator[None]:
+    """Gather each layer's parameters as one unit inside the block (see the module docstring).
+    ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
+    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root)."""
+    previous = getattr(_local, "enabled", False), getattr(_local, "root_options", None)
     _local.enabled = enabled
     try:
-        yield
+        if enabled and keep_root and not options().keep_gathered:
+            with configure(keep_gathered=True) as root_options:
+                _local.root_options = root_options
+                yield
+        else:
+            _local.root_options = None
+            yield
     finally:
-        _local.enabled = previous
+        _local.enabled, _local.root_options = previous
+
+
+def _keep_gathered() -> bool:
+    """Whether the weights of a layer are kept for backward: the caller's ``keep_gathered``
+    (or remat's), not the root's."""
+    return options().keep_gathered and options() is not getattr(_local, "root_options", None)
 
 
 def _data_axes() -> tuple[set[str], Any, Any]:
@@ -173,5 +187,15 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
             y.is_param = True
             leaves[i] = y
         units.append((unit, list(fulls)))
-    context = _regather_hooks(units) if units and not options().keep_gathered else nullcontext()
-    return optree.tree_unflatten(spec, leaves), context
+    return optree.tree_unflatten(spec, leaves), _layer_context(units)
+
+
+@contextmanager
+def _layer_context(units: list) -> Iterator[None]:
+    keep = _keep_gathered()
+    with configure(keep_gathered=keep):        # the root's setting does not reach the layer
+        if units and not keep:
+            with _regather_hooks(units):
+                yield
+        else:
+            yield

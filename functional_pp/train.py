@@ -67,6 +67,7 @@ class TrainStep:
     peak_flops_per_device: float | None = None
     bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
+    fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -129,7 +130,7 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with use_rules(self.rules), trace_backward(bool(self.compile)), \
                 configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
-                layer_units(self.fsdp_units), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)

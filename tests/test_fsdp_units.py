@@ -25,15 +25,17 @@ def _numel(e):
     return n
 
 
-def _check(mesh, rules, step_kw=(), ranks_equal_one=True):
-    step_kw = dict(step_kw)
+def _check(mesh, rules, step_kw=()):
+    """Units against per-weight collectives (bitwise) and one device; with the root re-gathered
+    (``fsdp_keep_root=False`` unless given) both send the same bytes."""
+    step_kw = {"fsdp_keep_root": False, **dict(step_kw)}
     per_weight = fpp.launch(train_steps(CFG, DATA, mesh, rules, fsdp_units=False, **step_kw), mesh)
     units = fpp.launch(train_steps(CFG, DATA, mesh, rules, **step_kw), mesh)
     for a, b in zip(units, per_weight):
         assert_same_run(a, b)                                 # bitwise: same elements, same sums
-        if ranks_equal_one:
-            assert_same_run(a, ONE, rtol=1e-9, atol=1e-11)
-        assert sum(e.bytes_sent for e in a[2]) == sum(e.bytes_sent for e in b[2])
+        assert_same_run(a, ONE, rtol=1e-9, atol=1e-11)
+        if not step_kw["fsdp_keep_root"]:
+            assert sum(e.bytes_sent for e in a[2]) == sum(e.bytes_sent for e in b[2])
     return units[0][2], per_weight[0][2]
 
 
@@ -71,6 +73,19 @@ def test_fsdp_units_with_remat_and_hsdp():
     replicate = [e for e in hsdp if e.axes == ("dp_replicate",) and e.shape != ()]
     P = fpp.count_params(llama.init(CFG))
     assert sum(e.bytes_sent for e in replicate) == 2 * (2 - 1) * (P // 2) * B // 2
+
+
+def test_root_kept_gathered_is_not_regathered():
+    """FSDP2-style root (the default): the LM head and final norm gathered in forward are kept
+    for backward; only the layers are re-gathered, (n-1)/n · P_layer · B each."""
+    n = 2
+    units, per_weight = _check(fpp.Mesh(dp_shard=n), llama.default_rules(tp=False), dict(fsdp_keep_root=True))
+    regathered = sum(e.bytes_sent for e in units if e.kind == "all_gather" and e.backward)
+    assert regathered == CFG.layers * ((n - 1) * P_LAYER * B // n)
+    saved = sum(e.bytes_sent for e in per_weight) - sum(e.bytes_sent for e in units)
+    head_and_norm = CFG.hidden * CFG.vocab + CFG.hidden
+    assert saved == (n - 1) * CFG.hidden * CFG.vocab * B // n + (n - 1) * CFG.hidden * B // n == \
+        (n - 1) * head_and_norm * B // n
 
 
 @pytest.mark.slow
