@@ -60,7 +60,7 @@ def events(rep):
     return collections.Counter((e.kind, e.axes, e.bytes_sent, e.backward) for e in rep.events)
 
 
-FSDP_CFG = llama.Config.tiny(layers=3, hidden=128, mlp=1024)   # peak set by 3 gathered layers when kept
+FSDP_CFG = llama.Config.tiny(layers=1, hidden=128, mlp=1024)
 
 
 @pytest.mark.slow
@@ -88,10 +88,9 @@ def test_compiled_fsdp_regathers_weights_in_backward():
     graph, graph_kept = compiled[0][2][0], kept[0][2][0]
     assert count_recomputed(graph) > 0 and count_recomputed(graph_kept) == 0
     assert saved_bytes(graph_kept) - saved_bytes(graph) > 0.9 * layer_weights
-    peak_eager, peak, peak_kept = eager[0][3], compiled[0][3], kept[0][3]
-    # (eager updates in place on donated gradient buffers, the compiled step out of place: its
-    # peak is set by the update, so peak vs eager is a benchmark question, not checked here)
-    assert peak < peak_kept, (peak, peak_kept)    # this small step peaks in the update, not between passes
+    # (the step's overall peak is not asserted here: the out-of-place compiled update sets it, and
+    # on simulated devices a thread's profiler also counts snapshots its peers free, so the peak
+    # moves with thread timing; the saved bytes above are exact)
 
 
 REMAT_CFG = llama.Config.tiny(layers=4)
