@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from . import comm
 from .collectives import _group, _reduce_dtype, set_gradient_sink
+from .runtime import current_context
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -177,7 +178,8 @@ def grad_buckets(bucket_mb: float | None) -> Iterator[GradBuckets | None]:
         yield None
         return
     buckets = GradBuckets(bucket_mb)
-    set_gradient_sink(buckets.add)
+    ctx = current_context(required=False)
+    set_gradient_sink(buckets.add, process_wide=ctx is not None and not ctx.simulated)
     try:
         yield buckets
     finally:

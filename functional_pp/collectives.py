@@ -127,13 +127,17 @@ class _PSum(torch.autograd.Function):
 
 
 _sink = threading.local()
+_process_sink: list = [None]
 
 
-def set_gradient_sink(sink: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor] | None) -> None:
+def set_gradient_sink(sink: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor] | None,
+                      process_wide: bool = False) -> None:
     """On this thread, hand the psum of a pvary'd leaf's gradient (a parameter's data-parallel
     reduction) to ``sink(g, axes)`` instead of all-reducing it at once (functional_pp/buckets.py);
-    None restores the immediate all-reduce."""
+    None restores the immediate all-reduce. ``process_wide`` (one device per process) also
+    reaches backward functions that autograd runs on its own device threads (CUDA)."""
     _sink.value = sink
+    _process_sink[0] = sink if process_wide else None
 
 
 def _feeds_leaf(x: torch.Tensor) -> bool:
@@ -161,7 +165,7 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     @traced_as_backward
     def backward(ctx, g):
-        sink = getattr(_sink, "value", None) if ctx.param else None
+        sink = (getattr(_sink, "value", None) or _process_sink[0]) if ctx.param else None
         if sink is not None:
             return sink(g, ctx.axes), None
         return raw_all_reduce(g, ctx.axes, "sum"), None
