@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import optree
 import torch
 
-from .collectives import raw_all_gather, raw_reduce_scatter
+from . import comm
+from .collectives import _group, raw_all_gather, raw_reduce_scatter
 from .named import Named, configure, env, options, pvary
 
 _local = threading.local()
@@ -32,6 +33,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False) -> Iterator[None]:
     gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root)."""
     previous = getattr(_local, "enabled", False), getattr(_local, "root_options", None)
     _local.enabled = enabled
+    _local.last_unit = None
     try:
         if enabled and keep_root and not options().keep_gathered:
             with configure(keep_gathered=True) as root_options:
@@ -80,6 +82,9 @@ class _Unit:
         self.shapes = [s.shape for s in shards]
         self.numels = [s.numel() for s in shards]
         self.regathered: list[torch.Tensor] | None = None
+        self.prev: _Unit | None = None       # the unit gathered before this one (backward: next)
+        self._pending = None                 # waits for a launched re-gather
+        self._done = False
 
     def flat(self) -> torch.Tensor:
         return torch.cat([s.reshape(-1) for s in self.shards])
@@ -96,12 +101,42 @@ class _Unit:
             offset += numel
         return out
 
+    def start_regather(self) -> None:
+        """Launch the backward re-gather (asynchronously where the backend can)."""
+        if self.regathered is None and self._pending is None and not self._done:
+            self._pending = _start_all_gather(self.flat(), self.axes)
+
     def regather(self) -> list[torch.Tensor]:
         """The full parameters again in backward: one flat all-gather, kept until the unit's
-        gradients are reduce-scattered."""
+        gradients are reduce-scattered. Launching it also prefetches the unit backward
+        reaches next (the one gathered before this one in forward)."""
         if self.regathered is None:
-            self.regathered = self.unflatten(raw_all_gather(self.flat(), self.axes, 0))
+            self.start_regather()
+            if self.prev is not None:
+                self.prev.start_regather()
+            wait, self._pending = self._pending, None
+            self.regathered = self.unflatten(wait())
         return self.regathered
+
+    def release(self) -> None:
+        """The unit's backward is done: drop the re-gathered weights (waiting for a prefetch
+        nobody used, so collectives stay matched)."""
+        if self._pending is not None:
+            self._pending()
+            self._pending = None
+        self.regathered, self._done = None, True
+
+
+def _start_all_gather(flat: torch.Tensor, axes: tuple[str, ...]):
+    """Launch an all-gather of ``flat`` along dim 0 over ``axes``; returns a function that
+    waits for it. Backends without asynchronous collectives (simulated) gather at once."""
+    ctx, axes, group = _group(axes, "all_gather")
+    with comm.recording("all_gather", axes, len(group), flat):
+        start = getattr(ctx.backend, "start_all_gather", None)
+        if start is not None:
+            return start(flat, group)
+        out = ctx.backend.all_gather(flat, 0, group)
+    return lambda: out
 
 
 class _UnitGather(torch.autograd.Function):
@@ -115,7 +150,7 @@ class _UnitGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         unit = ctx.unit
-        unit.regathered = None               # every use of the re-gathered weights is done
+        unit.release()                       # every use of the re-gathered weights is done
         n = None
         chunks = []
         for g, dim in zip(grads, unit.dims):
@@ -187,6 +222,9 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
             y.is_param = True
             leaves[i] = y
         units.append((unit, list(fulls)))
+    if units and not _keep_gathered():             # re-gathered in backward: chain for prefetch
+        for unit, _ in units:
+            unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
     return optree.tree_unflatten(spec, leaves), _layer_context(units)
 
 

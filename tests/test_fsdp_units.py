@@ -58,6 +58,10 @@ def test_fsdp_one_flat_collective_per_layer_and_direction():
                     ("reduce_scatter", True): [P_LAYER] * CFG.layers}          # gradients
     per_unit = (n - 1) * P_LAYER * B // n
     assert {e.bytes_sent for e in units if len(e.shape) == 1 and _numel(e) > CFG.hidden} == {per_unit}
+    # backward: re-gathering the last layer prefetches the one before it, ahead of the
+    # last layer's reduce-scatter (two layers)
+    order = [e.kind for e in units if e.backward and len(e.shape) == 1 and _numel(e) > CFG.hidden]
+    assert order == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
     weights_per_layer = 9
     count = lambda ev, kind: sum(1 for e in ev if e.kind == kind)  # noqa: E731
     assert count(per_weight, "reduce_scatter") - count(units, "reduce_scatter") == CFG.layers * (weights_per_layer - 1)
@@ -112,3 +116,5 @@ def test_fsdp_units_on_gloo_processes():
         assert_same_run(runs["units"], ONE, rtol=1e-9, atol=1e-11)
         flat = [e for e in runs["units"][2] if e[0] == "reduce_scatter" and e[1] == (P_LAYER,)]
         assert len(flat) == CFG.layers
+        order = [e[0] for e in runs["units"][2] if e[2] and e[1] in ((P_LAYER,), (P_LAYER // 2,))]
+        assert order == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]   # prefetch
