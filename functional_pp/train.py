@@ -31,6 +31,9 @@ from .shard_map import use_rules
 from .torch_private import trace_backward
 from .tree import leaves_with_paths, tree_map
 
+# the step without gradient buckets and FSDP units: one collective per weight, layer by layer
+# (the planner's dry runs count collectives per layer; docs/communication.md)
+PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
