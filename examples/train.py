@@ -6,7 +6,7 @@ import sys
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ckpt
-from functional_pp.data import DataLoader, load_corpus
+from functional_pp.data import DataLoader, batch_shard, load_corpus
 from functional_pp.models import llama
 
 STEPS, GLOBAL_BATCH, SEQ = 30, 8, 64
@@ -24,10 +24,8 @@ corpus = load_corpus(max_bytes=2_000_000)                # stdlib *.py as bytes:
 def device():
     """Runs on every device: build this device's shards, train, save."""
     state = step.init(fpp.init(llama.init, cfg, mesh=mesh, rules=rules, seed=0))
-    dp_axes = tuple(a for a in rules["batch"] if mesh.shape[a] > 1)
     loader = DataLoader(corpus, global_batch_size=GLOBAL_BATCH, seq_len=SEQ, seed=0,
-                        dp_rank=fpp.axis_index(dp_axes), dp_size=fpp.axis_size(dp_axes),
-                        cp_rank=fpp.axis_index("cp"), cp_size=fpp.axis_size("cp"))
+                        **batch_shard(mesh, rules).loader_args())   # this device's block, by the rules
     losses = []
     for _, batch in zip(range(STEPS), loader):           # batch: this device's block
         state, metrics = step(state, batch)

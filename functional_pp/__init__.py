@@ -23,6 +23,9 @@ from . import sharding, tree
 tree.shard, tree.gather, tree.named_tree = sharding.shard, sharding.gather, sharding.named_tree
 
 from .version import __version__
+from . import moved_modules
+
+moved_modules.install(__name__)   # old paths of the application modules (docs/architecture.md)
 
 __all__ = [
     "Mesh", "Rules", "P", "balanced", "inherit", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",

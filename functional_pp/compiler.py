@@ -27,6 +27,7 @@ import torch
 from . import comm
 from .overlap import overlap_communication
 from .recompute import in_backward_region, reissue_for_backward
+from .runtime import thread_local_value
 from .torch_private import compile_backend
 
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
@@ -63,13 +64,8 @@ _local = threading.local()
 def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
     """Collect the final graphs of the steps compiled on this thread inside the block (for
     inspecting what a compiled step keeps, recomputes and communicates)."""
-    graphs: list[torch.fx.Graph] = []
-    prev = getattr(_local, "graphs", None)
-    _local.graphs = graphs
-    try:
+    with thread_local_value(_local, "graphs", []) as graphs:
         yield graphs
-    finally:
-        _local.graphs = prev
 
 
 def _step_pass(graph: torch.fx.Graph):

@@ -30,7 +30,7 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
         n.is_param = True
         named.append(n)
     loss = settle(loss_fn(optree.tree_unflatten(spec, named), batch))
-    _check_scalar_invariant(loss)
+    check_scalar_loss(loss, "value_and_grad")
     diff = [x for x in xs if x.requires_grad]
     gs = iter(torch.autograd.grad(loss.data, diff, allow_unused=True))
     grads = []
@@ -41,13 +41,16 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
     return loss.data.detach(), optree.tree_unflatten(spec, grads)
 
 
-def _check_scalar_invariant(loss: Named) -> None:
+def check_scalar_loss(loss: Named, where: str) -> None:
+    """Refuse a loss that is not a scalar invariant over the mesh (``where`` names the caller):
+    differentiating it would seed a different gradient on each device (docs/semantics.md)."""
     if loss.dims:
-        raise ValueError(f"value_and_grad: the loss must be a scalar; it has dimensions {loss.dims} "
-                         f"(reduce them with functional_pp.ops.mean/sum)")
+        raise ValueError(f"{where}: the loss must be a scalar; it has dimensions {loss.dims} (reduce "
+                         f"them with functional_pp.ops.mean/sum)")
     if loss.vary:
-        raise ValueError(f"value_and_grad: the loss varies over mesh axes {sorted(loss.vary)}: every "
-                         f"device would seed a different gradient; reduce it over those axes first")
+        raise ValueError(f"{where}: the loss varies over mesh axes {sorted(loss.vary)}: every device "
+                         f"would seed a different gradient. Reduce it over those axes (e.g. a mean over "
+                         f"the batch dimensions) before returning it")
 
 
 def gather_tree(tree: Any, decls: Any = None) -> Any:

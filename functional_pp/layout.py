@@ -41,9 +41,10 @@ class inherit:
 
 class balanced:
     """A rule whose dimension is laid out load-balanced over its first mesh axis (c devices:
-    device i holds chunks i and 2c-1-i of 2c), contiguous over the others. The order causal
-    attention wants for a sequence; every gather, slice, ``named()`` and loader follows it.
-    ``Rules(seq=balanced("cp"))``. See docs/layouts.md."""
+    device i holds chunks i and 2c-1-i of 2c), contiguous over the others; a split that does
+    not start with that axis (it has size 1, or another dimension took it) is contiguous. The
+    order causal attention wants for a sequence; every gather, slice, ``named()`` and loader
+    follows it. ``Rules(seq=balanced("cp"))``. See docs/layouts.md."""
 
     def __init__(self, axes: str | Sequence[str]):
         self.axes = as_axes(axes)
@@ -123,11 +124,26 @@ class Rules:
         return base + tuple(a for a in rel[1] if a not in base)
 
     def is_balanced(self, logical: str) -> bool:
-        """Whether a split of ``logical`` is load-balanced over its first mesh axis."""
-        if logical in self.balanced_dims:
-            return True
-        p = self.parent(logical)
-        return p is not None and self.is_balanced(p)
+        """Whether the rule of ``logical`` (or of the name it inherits) asks for load-balanced
+        order; whether a given split honours it is :meth:`splits_balanced`."""
+        return self.balanced_axis(logical) is not None
+
+    def balanced_axis(self, logical: str) -> str | None:
+        """The mesh axis a ``balanced(...)`` rule balances ``logical`` over (the rule's first
+        axis, inherited by derived names), or None for a contiguous rule."""
+        while logical not in self.table:
+            logical = self.parent(logical)
+            if logical is None:
+                return None
+        axes = self.table[logical]
+        return axes[0] if logical in self.balanced_dims and axes else None
+
+    def splits_balanced(self, logical: str, split: Sequence[str]) -> bool:
+        """Whether ``split`` (the mesh axes splitting ``logical``, major first) lays it out in
+        load-balanced order: only when its first axis is the one the balanced rule names. A
+        dimension split over other axes alone (the residual's tp under sequence parallelism
+        with cp=1) is contiguous (docs/layouts.md)."""
+        return bool(split) and split[0] == self.balanced_axis(logical)
 
     def entries(self) -> dict:
         """Every declared rule as given: mesh axes, ``balanced`` or ``inherit``."""
@@ -178,7 +194,7 @@ class Rules:
         if shape is not None:
             check_divisible(shape, layout, mesh, name, dims)
             for d, axes in zip(dims, layout):
-                if axes and self.is_balanced(d):
+                if self.splits_balanced(d, axes):
                     n = shape[list(dims).index(d)]
                     if n % (2 * mesh.shape[axes[0]]):
                         raise ValueError(
@@ -276,7 +292,7 @@ def require_contiguous(rules: Rules, dims: Sequence[str], layout: Layout, name: 
     """Refuse a load-balanced split where only contiguous blocks are supported (parameters,
     checkpoints): name the dimension and the fix."""
     for d, axes in zip(dims, layout):
-        if axes and rules.is_balanced(d):
+        if rules.splits_balanced(d, axes):
             raise ValueError(f"{name}: dimension {d!r} is split over {axes} in load-balanced order, "
                              f"which parameters do not support; give parameters their own "
                              f"dimension name (e.g. 'pos' for a position table) or a contiguous rule")

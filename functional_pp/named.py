@@ -26,10 +26,24 @@ _TRIVIAL_MESH = Mesh()
 
 
 def env() -> tuple[Mesh, Rules]:
+    """The running device's mesh and the active rules. Outside any device, rules that split a
+    dimension have no mesh to split it over: an error, not a silent one-device layout
+    (docs/policy.md, "Outside a mesh")."""
     ctx = current_context(required=False)
-    mesh = ctx.mesh if ctx is not None else _TRIVIAL_MESH
     rules = active_rules(required=False) or Rules()
-    return mesh, rules
+    if ctx is None:
+        _require_no_split(rules)
+        return _TRIVIAL_MESH, rules
+    return ctx.mesh, rules
+
+
+def _require_no_split(rules: Rules) -> None:
+    split = {dim: axes for dim, axes in rules.table.items() if axes}
+    if split:
+        dim, axes = next(iter(split.items()))
+        raise RuntimeError(f"the active rules split dimension {dim!r} over mesh axes {tuple(axes)}, but no "
+                           f"mesh is running: call the op inside functional_pp.launch(fn, mesh) (or a "
+                           f"shard_map), or leave use_rules(...) for a one-device run")
 
 
 class Named:
@@ -52,7 +66,7 @@ class Named:
         self.partial = frozenset(partial)
         self.vary = frozenset(vary) | used | self.partial
         self._cache: dict = {}
-        self.gathered_from = None   # (shard tensor, axes, dim) when this is a gathered parameter
+        self.gathered_from = None   # (shard, axes, dim, balanced order c or 1) when gathered (ops/regather.py)
         self.is_param = False       # parameters are re-gathered in backward (FSDP), activations not
         self.tied = False           # a parameter used at several sites: gathered once for all
 
@@ -124,7 +138,7 @@ def settle(x: Named, target: Layout | None = None) -> Named:
     for d, want in enumerate(target or ()):
         for j, a in enumerate(want):
             if a in remaining and tuple(want[:j]) == split[d] and data.shape[d] % mesh.shape[a] == 0:
-                if j == 0 and rules.is_balanced(x.dims[d]):    # scatter in the dim's order
+                if j == 0 and rules.splits_balanced(x.dims[d], want):    # scatter in the dim's order
                     data = to_balanced(data, d, mesh.shape[a], x.dims[d])
                 data = C.psum_scatter(data, a, scatter_dimension=d, tiled=True)
                 split[d] = split[d] + (a,)
@@ -167,7 +181,6 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     data, split, vary = x.data, list(x.split), set(x.vary)
     mesh, rules = env()
     gathers = []
-    reordered = False
     # gather the axes beyond the common prefix (inner axes first: one collective per dim);
     # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
     for d, (have, want) in enumerate(zip(x.split, target)):
@@ -176,13 +189,15 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
             k += 1
         extra = have[k:]
         if extra:
-            gathers.append((data, extra, d))
+            shard = data
             with regather_region(x.is_param and not options().keep_gathered):   # ZeRO-3 under compile
                 data = C.all_gather(data, extra, axis=d, tiled=True)
             split[d] = have[:k]
-            if k == 0 and rules.is_balanced(x.dims[d]):
-                data = from_balanced(data, d, mesh.shape[have[0]], x.dims[d])
-                reordered = True
+            order = 1                       # the recipe replays the reorder (docs/layouts.md)
+            if k == 0 and rules.splits_balanced(x.dims[d], have):
+                order = mesh.shape[have[0]]
+                data = from_balanced(data, d, order, x.dims[d])
+            gathers.append((shard, extra, d, order))
     sliced = False
     for d, want in enumerate(target):
         extra = want[len(split[d]):]
@@ -193,7 +208,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
         if used_elsewhere:
             raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
                              f"{x.dims[d]!r}; it already splits another dimension of {x.dims}")
-        if not split[d] and rules.is_balanced(x.dims[d]):
+        if not split[d] and rules.splits_balanced(x.dims[d], want):
             data = to_balanced(data, d, mesh.shape[extra[0]], x.dims[d])
         for a in extra:
             n = mesh.shape[a]
@@ -209,7 +224,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     out = Named(data, x.dims, tuple(split), vary)
     out.is_param = x.is_param
     if ((x.is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
-            and not sliced and not reordered):
+            and not sliced):
         out.gathered_from = gathers[0]    # lets ops re-gather in backward instead of saving it
     # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
     # whose use sites share one gather (docs/layouts.md)

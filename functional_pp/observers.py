@@ -1,16 +1,19 @@
 """Instrumentation as observers: low layers announce events, higher layers subscribe.
 
-Today one event: a tensor saved for backward by an op's own saved-tensor hook (FSDP
-re-gathering), which the planner counts to measure activation memory. Ops announce it with
-:func:`saved_for_backward`; the planner subscribes with :func:`on_saved_for_backward`. The
-collectives' counterpart is :mod:`functional_pp.comm` (docs/architecture.md)."""
+Two events: a tensor saved for backward by an op's own saved-tensor hook (FSDP
+re-gathering), which the planner counts to measure activation memory (ops announce it with
+:func:`saved_for_backward`; the planner subscribes with :func:`on_saved_for_backward`); and
+work that depends on the device's position in the mesh (:func:`uneven_work`), which tells
+the planner that one device does not stand for all (docs/planning.md). The collectives'
+counterpart is :mod:`functional_pp.comm` (docs/architecture.md)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 _saved_observers: list[Callable[[torch.Tensor], None]] = []
+_uneven_observers: list[Callable[[str, Mapping[str, int]], None]] = []
 
 
 def on_saved_for_backward(observer: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -25,3 +28,17 @@ def saved_for_backward(t: torch.Tensor) -> None:
     """Announce that ``t`` is saved for backward (calls every subscribed observer)."""
     for observer in _saved_observers:
         observer(t)
+
+
+def on_uneven_work(observer: Callable[[str, Mapping[str, int]], None]) -> Callable[[str, Mapping[str, int]], None]:
+    """Subscribe ``observer(what, busiest)`` to announcements of uneven work; returns it."""
+    if observer not in _uneven_observers:
+        _uneven_observers.append(observer)
+    return observer
+
+
+def uneven_work(what: str, busiest: Mapping[str, int]) -> None:
+    """Announce that this op's work depends on the device's coordinates (``what`` says how)
+    and that the device at mesh coordinates ``busiest`` (e.g. ``{"cp": 3}``) does the most."""
+    for observer in _uneven_observers:
+        observer(what, dict(busiest))

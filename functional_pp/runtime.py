@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, TypeVar
 
 import torch
 
@@ -15,6 +15,8 @@ from .mesh import Mesh
 
 if TYPE_CHECKING:
     from .layout import Rules
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,13 +62,20 @@ def device_coords() -> dict[str, int]:
 
 
 @contextmanager
-def thread_context(ctx: DeviceContext) -> Iterator[DeviceContext]:
-    prev = getattr(_local, "ctx", None)
-    _local.ctx = ctx
+def thread_local_value(local: threading.local, name: str, value: T) -> Iterator[T]:
+    """Set ``local.<name>`` to ``value`` on this thread for the block, then restore the previous
+    value (the one mechanism behind the ambient context's ``with`` blocks)."""
+    prev = getattr(local, name, None)
+    setattr(local, name, value)
     try:
-        yield ctx
+        yield value
     finally:
-        _local.ctx = prev
+        setattr(local, name, prev)
+
+
+def thread_context(ctx: DeviceContext) -> ContextManager[DeviceContext]:
+    """Make ``ctx`` the running device of this thread for the block."""
+    return thread_local_value(_local, "ctx", ctx)
 
 
 def set_process_context(ctx: DeviceContext | None) -> None:
@@ -78,15 +87,9 @@ def set_process_context(ctx: DeviceContext | None) -> None:
 _rules_local = threading.local()
 
 
-@contextmanager
-def use_rules(rules: "Rules") -> Iterator["Rules"]:
+def use_rules(rules: "Rules") -> ContextManager["Rules"]:
     """Make ``rules`` the active rules for logical specs inside the block."""
-    prev = getattr(_rules_local, "rules", None)
-    _rules_local.rules = rules
-    try:
-        yield rules
-    finally:
-        _rules_local.rules = prev
+    return thread_local_value(_rules_local, "rules", rules)
 
 
 def active_rules(required: bool = True) -> "Rules | None":
@@ -120,12 +123,8 @@ def options() -> Options:
 
 @contextmanager
 def configure(**kw) -> Iterator[Options]:
-    """Temporarily change op options: ``keep_gathered``, ``cp_attention``, ``remat``,
-    ``reduce_dtype``."""
-    old = options()
-    new = Options(**{**old.__dict__, **kw})
-    _opts.value = new
-    try:
+    """Temporarily change the ambient op options: ``keep_gathered``, ``cp_attention``,
+    ``remat``, ``regather_activations``, ``reduce_dtype``. A training step's own arguments
+    override them (docs/policy.md)."""
+    with thread_local_value(_opts, "value", Options(**{**options().__dict__, **kw})) as new:
         yield new
-    finally:
-        _opts.value = old

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -21,12 +21,13 @@ from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
 from .fsdp_units import fsdp_units as layer_units
 from .collectives import psum
 from .compiler import step_backend
+from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
-from .runtime import current_context
+from .runtime import Options, current_context
 from .shard_map import use_rules
 from .torch_private import trace_backward
 from .tree import leaves_with_paths, tree_map
@@ -54,6 +55,11 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass
 class TrainStep:
+    """One training step of ``loss_fn`` (built by :func:`train_step`). The fields are its
+    settings: numerics (``precision``, ``grad_accum``, ``on_nonfinite``), compilation, and the op
+    policy (``remat``, ``keep_gathered``, ``cp_attention``, ``regather_activations``;
+    docs/policy.md). Shared by every device thread: ``spec`` is set once by :meth:`init`."""
+
     loss_fn: Callable[[Any, dict], Named]
     optimizer: optim.GradientTransformation
     mesh: Mesh | None = None
@@ -62,6 +68,10 @@ class TrainStep:
     grad_accum: int = 1
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
     remat: bool = False                   # activation checkpointing per layer
+    # op policy of the step (docs/policy.md); None: the ambient default of functional_pp.configure
+    keep_gathered: bool | None = None     # keep FSDP-gathered weights for backward (no re-gather)
+    cp_attention: str | None = None       # "ring" | "allgather": attention over a cp-split sequence
+    regather_activations: bool | None = None  # save gathered activations' shards, re-gather in backward
     on_nonfinite: str = "skip"            # skip | raise
     max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
@@ -78,6 +88,9 @@ class TrainStep:
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
         check_bucket_mb(self.bucket_mb)
+        if self.cp_attention not in (None, "ring", "allgather"):
+            raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
+                             f"the functional_pp.configure default)")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_consecutive_skips is not None and (
@@ -100,7 +113,17 @@ class TrainStep:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
                             f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
         paths = [p for p, _ in leaves_with_paths(params)]
-        self.spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        with self._compile_lock:     # set once, read by every device: never changed under a running step
+            if self.spec is None:
+                self.spec = spec
+            elif (self.spec.paths, self.spec.dims, self.spec.layouts) != (spec.paths, spec.dims, spec.layouts):
+                where = next((f"{p}: dims {a} layout {la} vs {b} {lb}" for p, a, la, b, lb in zip(
+                    spec.paths, self.spec.dims, self.spec.layouts, spec.dims, spec.layouts) if (a, la) != (b, lb)),
+                    f"parameter paths {self.spec.paths[:3]}... vs {spec.paths[:3]}...")
+                raise ValueError(f"step.init: this step was initialised with other parameters ({where}); "
+                                 f"every device must pass the same tree, and another model needs its own "
+                                 f"train_step")
         master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
@@ -129,10 +152,8 @@ class TrainStep:
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
-        compute = PRECISIONS[self.precision]
         # thread-local settings are set outside the compiled region
-        with use_rules(self.rules), trace_backward(bool(self.compile)), \
-                configure(remat=self.remat, reduce_dtype=torch.float32 if compute else None), \
+        with use_rules(self.rules), trace_backward(bool(self.compile)), self.policy(), \
                 layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
@@ -162,6 +183,15 @@ class TrainStep:
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
+    def policy(self) -> ContextManager[Options]:
+        """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
+        fp32 reduction of 16-bit gradients) in force for the ops it runs; the fields left None
+        keep the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
+        explicit = {k: getattr(self, k) for k in ("keep_gathered", "cp_attention", "regather_activations")
+                    if getattr(self, k) is not None}
+        return configure(remat=self.remat, reduce_dtype=torch.float32 if PRECISIONS[self.precision] else None,
+                         **explicit)
+
     def gradients(self, state: dict, batch: dict) -> tuple[torch.Tensor, Any]:
         """The loss and the reduced gradients (named, laid out like the parameters) this step
         would compute for ``batch``, without updating anything (functional_pp.value_and_grad)."""
@@ -170,9 +200,16 @@ class TrainStep:
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.gradients")
         leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
-        with use_rules(self.rules):
+        with use_rules(self.rules), self.policy():
             named_batch = {k: v if isinstance(v, Named) else wrap(v, self.batch_dims[k]) for k, v in batch.items()}
             return value_and_grad(self.loss_fn, self._named_params(leaves, treespec), named_batch)
+
+    def named_params(self, params: Any) -> Any:
+        """The training state's fp32 master ``params`` as the named values the loss sees (cast to
+        the compute precision, laid out as at :meth:`init`)."""
+        import optree
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        return self._named_params(leaves, treespec)
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree
@@ -196,7 +233,7 @@ class TrainStep:
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
-            _check_invariant(loss_named)
+            check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
@@ -321,16 +358,6 @@ def _master(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _check_invariant(loss: Named) -> None:
-    if loss.dims:
-        raise ValueError(f"the loss must be a scalar; it has dimensions {loss.dims} (reduce them with "
-                         f"functional_pp.ops.mean/sum)")
-    if loss.vary:
-        raise ValueError(f"the loss varies over mesh axes {sorted(loss.vary)}: every device would "
-                         f"seed a different gradient. Reduce it over those axes (e.g. a mean over the "
-                         f"batch dimensions) before returning it")
-
-
 def _split_micro(batch: dict, k: int) -> list[dict]:
     if k == 1:
         return [batch]
@@ -358,7 +385,8 @@ def _peak_memory() -> int:
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
                mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
-    precision, remat, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...)."""
+    precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ..., and the op policy
+    remat, keep_gathered, cp_attention, regather_activations: docs/policy.md)."""
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **options)

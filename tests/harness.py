@@ -14,10 +14,6 @@ def make_batch(cfg, batch=4, seq=16, seed=0):
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 
-def batch_axes(mesh, rules):
-    return tuple(a for a in rules["batch"] if mesh.shape.get(a, 1) > 1)
-
-
 def local_batch(full, mesh, rules):
     """This device's block of a global batch, laid out (and ordered) by the rules."""
     return {k: fpp.named(v, "batch seq") for k, v in full.items()}

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models", "models.*")),
     ("training", ("train", "compiler", "overlap", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",
                   "data", "data.*")),
-    ("application", ("cli", "trainer", "config", "__main__")),
+    ("application", ("cli", "cli.*", "config", "config.*", "app", "app.*", "moved_modules", "__main__")),
 ]
 UNLISTED_LAYER = "application"   # a module not listed above may import anything below it
 

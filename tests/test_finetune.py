@@ -15,9 +15,9 @@ from functional_pp import checkpoint as ck
 from functional_pp import cli, tree
 from functional_pp.config import TrainConfig
 from functional_pp.data import DataLoader
-from functional_pp.finetune import load_data
+from functional_pp.app.inputs import load_data
 from functional_pp.models import llama
-from functional_pp.trainer import read_metrics
+from functional_pp.app.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

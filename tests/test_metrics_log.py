@@ -6,9 +6,9 @@ import json
 import pytest
 
 from functional_pp.config import TrainConfig
-from functional_pp.finetune import peak_flops, select_device
-from functional_pp.metrics_log import JsonlLogger, MultiLogger
-from functional_pp.trainer import train
+from functional_pp.app.world import peak_flops, select_device
+from functional_pp.app.metrics import JsonlLogger, MultiLogger
+from functional_pp.app.loop import train
 
 RUN = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "max_steps": 4,
        "warmup_steps": 0, "model": "tiny", "data": {"max_bytes": 60_000}, "val_set_size": 0.1,
@@ -74,7 +74,7 @@ def test_device_selection_and_peak_flops():
 
 
 def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
-    from functional_pp.trainer import read_metrics
+    from functional_pp.app.metrics import read_metrics
     out = tmp_path / "run"
     d = {**RUN, "logging": {"output_dir": str(out), "log_every": 1}, "max_steps": 4}
     train(TrainConfig.from_dict(d), stop_after=2, stream=io.StringIO())
@@ -93,7 +93,7 @@ def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
 
 
 def test_progress_line_shows_eval_lr_grad_norm_mfu_and_elapsed():
-    from functional_pp.trainer import Progress
+    from functional_pp.app.progress import Progress
     p = Progress(total=10, stream=io.StringIO(), tty=False)
     p.update(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.123,
                  "eval_loss": 1.75})

@@ -35,9 +35,10 @@ def test_estimate_equals_a_measured_cpu_step(name):
     equal in practice) of a real step on CPU tensors, for DP, FSDP, TP+SP, CP and composed."""
     mesh, rules = LAYOUTS[name]
     est = plan.estimate(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16")
-    run, rep, _ = measure(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16")
+    run, rep, _ = measure(LOSS3, llama.init(CFG3), mesh, rules, BATCH3, precision="bf16", rank=est.rank)
     assert est.layers == 3 and len(est.runs) == 2
     assert est.comm.by_axis() == rep.by_axis()
+    assert est.flops == pytest.approx(sum(run.flops.values()), rel=1e-9)     # the same device's work
     assert abs(est.peak_bytes / run.peak_bytes - 1) < 0.10, (est.memory, run.peak_breakdown)
     assert abs(est.activation_bytes / run.saved_bytes - 1) < 0.10
 
@@ -114,3 +115,21 @@ def test_the_tracker_counts_storages_from_creation_to_free():
     assert tr.run.peak_bytes == 880
     assert peak_parts == {"weights": 40, "forward temporaries": 800, "weights in flight": 40}
     assert tr._current == 80 and e.numel() == 10
+
+
+def test_uneven_work_is_estimated_on_the_busiest_device():
+    """Causal ring attention over a contiguous cp split: device i of c computes i + 1/2 of the
+    c^2/2 unmasked blocks, so rank 0 would flatter the layout; the dry-run estimates the
+    announced busiest device (cp=3) and says so. Load-balanced: every device does 2 blocks."""
+    decls, mesh = llama.init(CFG), fpp.Mesh(cp=4)
+    contiguous = plan.estimate(LOSS, decls, mesh, fpp.Rules(seq="cp"), BATCH)
+    rank0 = plan.estimate(LOSS, decls, mesh, fpp.Rules(seq="cp"), BATCH, rank=0)
+    even = plan.estimate(LOSS, decls, mesh, fpp.Rules(seq=fpp.balanced("cp")), BATCH)
+    assert contiguous.rank == 3 and rank0.rank == 0 and even.rank == 0
+    assert any("uneven work: causal ring attention" in n for n in contiguous.notes) and not even.notes
+    # attention FLOPs beyond rank 0's half block: 3 blocks on device 3, 1.5 when balanced
+    assert contiguous.flops - rank0.flops == pytest.approx(2 * (even.flops - rank0.flops), rel=1e-12)
+    assert even.flops > rank0.flops
+    assert contiguous.comm.by_axis() == rank0.comm.by_axis()
+    busiest = measure(LOSS, decls, mesh, fpp.Rules(seq="cp"), BATCH, rank=3)[0]     # a real step, device 3
+    assert sum(busiest.flops.values()) == pytest.approx(contiguous.flops, rel=1e-9)

@@ -37,9 +37,6 @@ def test_korthikanti_activations_per_layer_adapted_to_llama():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="since issue 14's split-order rules, res_seq inherits seq's balanced order, "
-                   "so with cp=1 the SP residual is gathered over tp with a reorder, which "
-                   "regather_activations cannot re-issue (27.0 s.b.h kept at t=2, not 25.0); open in issue 12")
 def test_korthikanti_with_tensor_and_sequence_parallelism():
     """With TP+SP Korthikanti divides everything by t. By default 45 s.b.h divide and 4.5 do not:
     the all-gathered full-sequence inputs of the projections (2 x 2 s.b.h) are kept, and the
@@ -96,8 +93,6 @@ SPACE = dict(keep_gathered=(False,), cp_attention=("ring",), sequence_parallel=(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="after merging issue 14's balanced sequence order the search picks cp=2 "
-                   "for 4k tokens (cp=1 expected); open in issue 12")
 def test_practice_cp_for_long_sequences():
     """Practice: CP only for long sequences. 8B, one 128k-token sequence on 16 H100s: only
     context parallelism fits 80 GB, and the planner picks it."""

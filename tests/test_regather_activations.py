@@ -1,5 +1,7 @@
 """``configure(regather_activations=True)``: with sequence parallelism the projections keep
-their sharded inputs and re-gather them in backward (Megatron); results are unchanged."""
+their sharded inputs and re-gather them in backward (Megatron); results are unchanged, with
+or without context parallelism, and when the gathered residual is in load-balanced order
+(the re-gather replays the reorder; docs/layouts.md)."""
 import pytest
 import torch
 
@@ -13,19 +15,22 @@ CFG = llama.Config.tiny()
 FULL = fpp.init_params(llama.init(CFG, torch.float64), seed=0)
 BATCH = make_batch(CFG, batch=4, seq=16)
 MESH, RULES = fpp.Mesh(tp=2), llama.default_rules(fsdp=False, sequence_parallel=True)
+# the residual stream load-balanced over tp: every SP gather is followed by a reorder
+BALANCED_RESIDUAL = RULES.replace(res_seq=fpp.balanced("tp"))
+CP_MESH = fpp.Mesh(cp=2, tp=2)     # seq balanced over cp; the SP residual over (cp, tp)
 
 
-def _step(regather: bool):
+def _step(regather: bool, mesh=MESH, rules=RULES):
     decls = llama.init(CFG, torch.float64)
 
     def fn():
-        with fpp.use_rules(RULES), fpp.configure(regather_activations=regather):
+        with fpp.use_rules(rules), fpp.configure(regather_activations=regather):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
-                                  tree.shard(FULL, decls, MESH, RULES, fpp.current_rank()))
+                                  tree.shard(FULL, decls, mesh, rules, fpp.current_rank()))
             with fpp.comm_report() as rep:
-                loss = llama.loss(tree.named_tree(local, decls), local_batch(BATCH, MESH, RULES), CFG).value()
+                loss = llama.loss(tree.named_tree(local, decls), local_batch(BATCH, mesh, rules), CFG).value()
                 loss.backward()
-            grads = tree.gather(tree.tree_map(lambda p: p.grad, local), decls, RULES)
+            grads = tree.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
         flat = {p: g.detach().numpy() for p, g in tree.leaves_with_paths(grads)}   # picklable by value
         return float(loss), flat, rep.count("all_gather", "tp")
     return fn
@@ -40,12 +45,11 @@ def _check(results):
                                        msg=lambda m: f"{path}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason="since issue 14's split-order rules, the SP residual inherits seq's balanced "
-                   "order and its tp gather is followed by a reorder, which the backward re-gather recipe "
-                   "cannot replay, so the inputs are kept instead of re-gathered; open in issue 12")
-def test_regathered_inputs_give_the_same_gradients_and_regather_in_backward():
-    plain = fpp.launch(_step(False), MESH)
-    again = fpp.launch(_step(True), MESH)
+@pytest.mark.parametrize("mesh, rules", [(MESH, RULES), (CP_MESH, RULES), (MESH, BALANCED_RESIDUAL)],
+                         ids=["tp", "cp-tp", "balanced-residual"])
+def test_regathered_inputs_give_the_same_gradients_and_regather_in_backward(mesh, rules):
+    plain = fpp.launch(_step(False, mesh, rules), mesh)
+    again = fpp.launch(_step(True, mesh, rules), mesh)
     _check(plain)
     _check(again)
     # per layer q, k, v, gate and up re-gather their input, and the head its: 5 x layers + 1
@@ -53,5 +57,7 @@ def test_regathered_inputs_give_the_same_gradients_and_regather_in_backward():
 
 
 @pytest.mark.multiprocess
-def test_regathered_inputs_on_gloo_processes():
-    _check(fpp.launch(_step(True), MESH, processes=True, timeout=120))
+@pytest.mark.parametrize("mesh, rules", [(MESH, RULES), (CP_MESH, RULES), (MESH, BALANCED_RESIDUAL)],
+                         ids=["tp", "cp-tp", "balanced-residual"])
+def test_regathered_inputs_on_gloo_processes(mesh, rules):
+    _check(fpp.launch(_step(True, mesh, rules), mesh, processes=True, timeout=180))

@@ -112,6 +112,30 @@ def test_inherit_declares_derived_names_and_missing_ones_warn():
         fpp.Rules(x="cp").resolve(("batch", "res_x"), None, fpp.Mesh(tp=2))        # x not split here
 
 
+def test_balanced_order_applies_only_over_the_axis_the_rule_names():
+    """``seq=balanced("cp")``, ``res_seq=inherit("seq", "tp")`` (sequence parallelism): with
+    cp=1 the residual is split over tp alone, contiguously; with cp=2 it is load-balanced over
+    cp and each cp block split contiguously over tp (docs/layouts.md)."""
+    r = fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq", "tp"), both=fpp.balanced(("cp", "tp")))
+    assert r.balanced_axis("res_seq") == "cp" and r.balanced_axis("both") == "cp" and r.balanced_axis("x") is None
+    assert not r.splits_balanced("res_seq", ("tp",)) and r.splits_balanced("res_seq", ("cp", "tp"))
+    assert not r.splits_balanced("both", ("tp",)) and not r.splits_balanced("seq", ())
+    full = torch.arange(S)
+
+    def fn():
+        with fpp.use_rules(r):
+            x = fpp.named(full, "res_seq")
+            back = fpp.rename(x, res_seq="seq")          # the SP all-gather: no reorder needed
+            return x.data, fpp.positions("res_seq", S).data, fpp.gather_tree(back)
+    for j, (block, pos, back) in enumerate(launch(fn, tp=2)):
+        assert torch.equal(block, full.chunk(2)[j]) and torch.equal(pos, full.chunk(2)[j])
+        assert torch.equal(back, full)
+    for rank, (block, pos, back) in enumerate(launch(fn, cp=2, tp=2)):
+        i, j = divmod(rank, 2)
+        want = shard_sequence(full, 0, 2, i, True).chunk(2)[j]
+        assert torch.equal(block, want) and torch.equal(pos, want) and torch.equal(back, full)
+
+
 # ------------------------------------------------------------------ ops a model author reaches for
 def _both(fn, rules, **mesh):
     """fn() on one device and on the mesh: results must agree."""

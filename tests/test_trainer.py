@@ -15,7 +15,10 @@ import torch
 from functional_pp import checkpoint as ck
 from functional_pp import cli
 from functional_pp.config import ConfigError, TrainConfig
-from functional_pp.trainer import Progress, World, read_metrics, resolve_world, train
+from functional_pp.app.loop import train
+from functional_pp.app.metrics import read_metrics
+from functional_pp.app.progress import Progress
+from functional_pp.app.world import World, resolve_world
 
 BASE = {"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
         "sequence_len": 32, "learning_rate": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 2,
@@ -136,7 +139,7 @@ def test_devices_agree_on_the_step_to_stop_at(tmp_path, monkeypatch):
     """A stop request seen by device 0 only (SIGTERM reaching torchrun ranks at different
     times) stops every device at the same step boundary, with one checkpoint."""
     import functional_pp as fpp
-    from functional_pp import trainer
+    from functional_pp.app import loop as trainer
 
     class RankZeroFromItsThirdLook:
         def __init__(self):

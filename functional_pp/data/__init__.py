@@ -8,6 +8,7 @@ from .corpus import (
     load_corpus,
     stdlib_dir,
 )
+from .device_batch import BatchShard, batch_shard
 from .loader import (
     IGNORE_INDEX,
     DataLoader,
@@ -18,6 +19,8 @@ from .loader import (
 )
 
 __all__ = [
+    "BatchShard",
+    "batch_shard",
     "DEFAULT_MAX_BYTES",
     "IGNORE_INDEX",
     "ByteCorpus",

@@ -2,7 +2,7 @@
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
-head_dim as separate dimensions (see ``functional_pp.checkpoint.hf`` for the table)."""
+head_dim as separate dimensions (see ``functional_pp.models.llama_hf`` for the table)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..named import Named, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
+from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention
 from .meta_attention import sdpa_for
@@ -23,7 +24,7 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
-    return Named(_local_positions(size, split, env()[1].is_balanced(dim)), [dim], [split])
+    return Named(_local_positions(size, split, env()[1].splits_balanced(dim, split)), [dim], [split])
 
 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
@@ -79,7 +80,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k.data.permute(order(k, kv_heads))
     vt = v.data.permute(order(v, kv_heads))
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
-    balanced = env()[1].is_balanced(seq)
+    balanced = env()[1].splits_balanced(seq, seq_axes)
     if segments is not None:
         seg = _segment_ids(segments, qs[batch], seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
@@ -112,6 +113,10 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
             mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
         return sdpa_for(q)(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=bool(q.shape[1] != kf.shape[1]))
+    if causal and not balanced:
+        uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
+                    f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
+                    f"(device {n - 1} the most); balanced({axes[0]!r}) evens it out", {axes[0]: n - 1})
     pairs = tuple((j, (j + 1) % n) for j in range(n))
 
     def shift(tensors):

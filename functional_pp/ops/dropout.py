@@ -34,7 +34,7 @@ def _global_index(x: Named, dim: str) -> torch.Tensor:
     from .attention import _local_positions
     i = x.dims.index(dim)
     split = x.split[i]
-    return _local_positions(x.size(dim), split, env()[1].is_balanced(dim))
+    return _local_positions(x.size(dim), split, env()[1].splits_balanced(dim, split))
 
 
 def dropout(x: Named, rate: float, seed: int | torch.Tensor, training: bool = True) -> Named:

@@ -1,5 +1,8 @@
-"""FSDP re-gathering: keep only the shard of a gathered weight for backward and all-gather it
-again when backward needs it (ZeRO-3), instead of saving the full weight."""
+"""Re-gathering: keep only the shard of a gathered weight (FSDP, ZeRO-3) or of a gathered
+activation (sequence parallelism, ``regather_activations``) for backward and all-gather it again
+when backward needs it, instead of saving the full tensor. A gather of a load-balanced
+dimension is followed by a reorder into natural order; the recipe replays it
+(docs/layouts.md)."""
 from __future__ import annotations
 
 import weakref
@@ -10,6 +13,7 @@ import torch
 
 from ..collectives import raw_all_gather
 from ..named import Named, options
+from ..order import from_balanced
 from ..observers import saved_for_backward
 
 
@@ -20,22 +24,23 @@ def _hooks(recipes) -> Iterator[None]:
 
     # Autograd keeps the pack hook alive with every saved tensor: hold only weak references
     # to the gathered tensors here, and how to rebuild them.
-    gathered = {id(root(full)): (weakref.ref(root(full)), shard, axes, dim) for full, (shard, axes, dim) in recipes}
+    gathered = {id(root(full)): (weakref.ref(root(full)), *recipe) for full, recipe in recipes}
 
     def pack(t: torch.Tensor):
         base = root(t)
         hit = gathered.get(id(base))
         if hit is not None and hit[0]() is base:
-            _, shard, axes, dim = hit
+            _, shard, axes, dim, order = hit
             saved_for_backward(shard)
-            return ("fpp-regather", shard.detach(), axes, dim, tuple(t.shape), t.stride(), t.storage_offset())
+            return ("fpp-regather", shard.detach(), axes, dim, order, tuple(t.shape), t.stride(),
+                    t.storage_offset())
         saved_for_backward(t)
         return t
 
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-regather":
-            _, shard, axes, dim, shape, stride, offset = p
-            full = raw_all_gather(shard, axes, dim)
+            _, shard, axes, dim, order, shape, stride, offset = p
+            full = from_balanced(raw_all_gather(shard, axes, dim), dim, order)
             return full.as_strided(shape, stride, offset)
         return p
 

@@ -20,7 +20,7 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     sizes = list(x.shape.values())
     _, rules = env()
     reorder = [i for i, d in enumerate(x.dims)
-               if x.split[i] and rules.is_balanced(d) != rules.is_balanced(dims[i])]
+               if rules.splits_balanced(d, x.split[i]) != rules.splits_balanced(dims[i], x.split[i])]
     if reorder:     # the two names order the dimension differently: gather it under the old one
         x = relayout(x, tuple(() if i in reorder else s for i, s in enumerate(x.split)),
                      f"rename {mapping}")
@@ -45,7 +45,7 @@ def _contiguous_split(x: Named, i: int, what: str) -> Named:
     """``x`` with dimension ``i`` whole if it is split in load-balanced order (a reshape of
     such a dimension would mix its chunks)."""
     _, rules = env()
-    if x.split[i] and rules.is_balanced(x.dims[i]):
+    if rules.splits_balanced(x.dims[i], x.split[i]):
         x = relayout(x, tuple(() if j == i else s for j, s in enumerate(x.split)), what)
     return x
 
@@ -65,7 +65,7 @@ def split_dim(x: Named, dim: str, into: Mapping[str, int]) -> Named:
         raise ValueError(f"split_dim: {dim!r} has size {x.size(dim)} but {dict(into)} multiplies to {total}")
     mesh, rules = env()
     k = mesh.axis_size(x.split[i]) if x.split[i] else 1
-    if sizes[0] % k or (k > 1 and rules.is_balanced(names[0])):
+    if sizes[0] % k or (k > 1 and rules.splits_balanced(names[0], x.split[i])):
         x = relayout(x, tuple(() if j == i else s for j, s in enumerate(x.split)))
         k = 1
     local = [sizes[0] // k] + sizes[1:]
@@ -87,7 +87,8 @@ def merge_dims(x: Named, dims: tuple[str, ...], into: str) -> Named:
     i = idx[0]
     # only the first merged dimension may stay split, and only in contiguous order
     _, rules = env()
-    keep_first = not (rules.is_balanced(x.dims[idx[0]]) or rules.is_balanced(into))
+    first = x.split[idx[0]]
+    keep_first = not (rules.splits_balanced(x.dims[idx[0]], first) or rules.splits_balanced(into, first))
     need = tuple(s if j not in idx[1:] and (j != idx[0] or keep_first) else ()
                  for j, s in enumerate(x.split))
     x = relayout(x, need)

@@ -14,11 +14,15 @@ from .. import optim
 from ..comm import CommReport, comm_report
 from ..layout import Rules, local_shape
 from ..mesh import Mesh
-from ..named import Named, configure, wrap
+from ..named import Named, wrap
 from ..shard_map import use_rules
 from ..torch_private import trace_backward
 from ..ops.token_ids import deferred_checks
+<<<<<<< HEAD
 from ..train import PER_WEIGHT, PRECISIONS, train_step
+=======
+from ..train import train_step
+>>>>>>> main
 from ..tree import leaves_with_paths, map_with_path
 from .device import representative_device
 from .tracker import DeviceRun, MemoryTracker
@@ -45,6 +49,7 @@ class LayoutEstimate:
     comm_time_s: float = 0.0
     time: Any = None                 # a timing.StepTime once costed
     notes: list[str] = field(default_factory=list)
+    rank: int = 0                    # the device that ran (the busiest when work is uneven)
 
     @property
     def comm_bytes(self) -> int:
@@ -98,11 +103,13 @@ def extrapolate(values: Sequence[float], layers: int) -> float:
 def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
              batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
              precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
-             bandwidth: dict[str, float] | float | None = None, rank: int = 0, timeline: bool = True,
+             bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
-    ``train_step``'s step on meta tensors.
+    ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
+    that its work depends on the device (contiguous causal context parallelism, noted in
+    ``notes``); ``rank=`` picks one.
 
     ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
     ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
@@ -116,6 +123,10 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     options = dict(options or {})
     remat = bool(options.pop("remat", remat))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
+    unknown = sorted(set(options) - {"keep_gathered", "cp_attention", "regather_activations"})
+    if unknown:
+        raise ValueError(f"estimate: options {unknown} are not settings of the step's op policy; use "
+                         f"keep_gathered, cp_attention, regather_activations or remat (docs/policy.md)")
     settings = dict(precision=precision, grad_accum=grad_accum, remat=remat,
                     keep_gathered=bool(options.get("keep_gathered", False)),
                     regather_activations=bool(options.get("regather_activations", False)),
@@ -127,8 +138,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         variants = [{**decls, repeated: layers_list[:1]}, {**decls, repeated: layers_list[:2]}]
     else:
         variants, n_layers = [decls], 1
-    results = [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                           repeated, rank, timeline) for d in variants]
+    def run_on(device: int) -> list:
+        return [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
+                            repeated, device, timeline) for d in variants]
+    device = 0 if rank is None else rank
+    results = run_on(device)
+    uneven = {what: busiest for r in results for what, busiest in r[0].uneven.items()}
+    if uneven and rank is None:      # the step waits for the busiest device: estimate that one
+        busiest = {a: i for coords in uneven.values() for a, i in coords.items()}
+        if mesh.rank_of(busiest) != device:
+            device = mesh.rank_of(busiest)
+            results = run_on(device)
+    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
     runs = tuple(r[0] for r in results)
     comm = _extrapolate_report([r[1] for r in results], n_layers)
     ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers)))  # noqa: E731
@@ -143,7 +164,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         mesh, rules, comm, param_bytes=weights, state_bytes=2 * weights + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes), peak_bytes=ext(lambda r: r[0].peak_bytes),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers),
-        layers=n_layers, runs=runs, settings=settings)
+        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
 
@@ -151,8 +172,13 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline):
     step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
+<<<<<<< HEAD
                       grad_accum=grad_accum, remat=remat, **PER_WEIGHT)
     with representative_device(mesh, rank), use_rules(rules), configure(**options):
+=======
+                      grad_accum=grad_accum, remat=remat, **options)     # the step's own policy (docs/policy.md)
+    with representative_device(mesh, rank), use_rules(rules), step.policy():
+>>>>>>> main
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)
         state = step.init(params)
@@ -162,10 +188,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
         with comm_report() as rep:
             tracker = MemoryTracker(baseline, masters, rep, timeline)
             step.loss_fn = _instrumented(loss_fn, tracker, repeated)
-            compute = PRECISIONS[precision]
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
-                    trace_backward(False), configure(remat=remat, reduce_dtype=torch.float32 if compute else None), \
-                    deferred_checks():
+                    trace_backward(False), deferred_checks():
                 out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
                                         named_batch)
             del out

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..layout import Rules
+from ..layout import Rules, balanced, inherit
 from ..mesh import DEFAULT_AXES, Mesh
 from .cluster import Cluster, cluster as as_cluster
 from .dryrun import BatchSpec, LayoutEstimate, estimate
@@ -65,13 +65,16 @@ def factorizations(n_devices: int, axes: Sequence[str] = DEFAULT_AXES) -> Iterab
 
 def standard_rules(fsdp: Sequence[str] = ("dp_shard", "cp"), sequence_parallel: bool = False) -> Rules:
     """Accelerate-style rules for models named like ``models/llama.py``: batch over
-    dp_replicate x dp_shard, seq over cp, heads/kv_heads/mlp/vocab over tp, parameters split
-    along ``hidden`` over ``fsdp``, the residual stream's sequence over cp x tp with SP."""
-    rules = dict(batch=("dp_replicate", "dp_shard"), seq="cp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+    dp_replicate x dp_shard, seq over cp in load-balanced order (every device does the same
+    causal-attention work, so the representative device stands for all: docs/planning.md),
+    heads/kv_heads/mlp/vocab over tp, parameters split along ``hidden`` over ``fsdp``, the
+    residual stream's sequence like seq and further over tp with SP."""
+    rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"),
+                 heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     if fsdp:
         rules["hidden"] = tuple(fsdp)
     if sequence_parallel:
-        rules["res_seq"] = ("cp", "tp")
+        rules["res_seq"] = inherit("seq", "tp")
     return Rules(rules)
 
 
@@ -257,6 +260,8 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
             note.append("over memory")
         if pareto and id(e) in pareto:
             note.append("pareto")
+        if any(n.startswith("uneven work") for n in e.notes):
+            note.append(f"uneven work: device {e.rank} estimated")
         step = f"{t.step_s:8.4g}" if t else f"{e.comm_time_s:8.4g}"
         lines.append(f"{i + 1:>3} {e.describe()[:66]:<66} {step} {(t.mfu if t else 0):5.2f} "
                      f"{(t.exposed_comm_s if t else 0):9.3g} {e.comm_bytes / 1e9:8.4g} {e.peak_bytes / 1e9:8.4g} "

@@ -15,6 +15,7 @@ def trace(est: LayoutEstimate) -> dict:
     run = est.runs[-1]
     return {
         "mesh": dict(est.mesh.shape), "rules": repr(est.rules), "settings": dict(est.settings),
+        "device": est.rank, "notes": list(est.notes),
         "layers_in_model": est.layers, "layers_in_run": (2 if len(est.runs) == 2 else est.layers),
         "repeats": "layer 1 stands for layers 1..L-1" if len(est.runs) == 2 else "whole model",
         "collectives": [asdict(e) for e in run.events],

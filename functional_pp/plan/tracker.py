@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..comm import CommReport
-from ..observers import on_saved_for_backward
+from ..observers import on_saved_for_backward, on_uneven_work
 from ..torch_private import in_backward
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
@@ -80,6 +80,7 @@ class DeviceRun:
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
+    uneven: dict[str, dict] = field(default_factory=dict)    # what -> busiest coordinates (observers.uneven_work)
 
     @property
     def saved_bytes(self) -> int:
@@ -97,6 +98,14 @@ def count_saved(t: torch.Tensor) -> None:
     tracker = getattr(_active, "tracker", None)
     if tracker is not None:
         tracker.pack(t)
+
+
+@on_uneven_work
+def note_uneven(what: str, busiest) -> None:
+    """Record that an op's work depends on the device (the representative is not typical)."""
+    tracker = getattr(_active, "tracker", None)
+    if tracker is not None:
+        tracker.run.uneven[what] = dict(busiest)
 
 
 class MemoryTracker(TorchDispatchMode):

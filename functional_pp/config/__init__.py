@@ -3,8 +3,8 @@ before any work is done.
 
 The schema is declared once: the dataclasses below, each field with its type and help text
 (``functional-pp train --help`` prints it, see :func:`config_help`). ``TrainConfig.from_yaml``
-(or ``from_dict``) rewrites Axolotl / Accelerate aliases (``config_aliases``), checks every key
-and value with the generic validator of ``config_schema`` and reports *all* problems of a file
+(or ``from_dict``) rewrites Axolotl / Accelerate aliases (``config.aliases``), checks every key
+and value with the generic validator of ``config.schema`` and reports *all* problems of a file
 at once; ``cfg.validate(world_size)`` checks what depends on the device count, the model and
 the data. Every problem raises :class:`ConfigError` saying what to change (``docs/config.md``).
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from .config_aliases import normalize
-from .config_schema import ConfigError, Issues, fld, help_text, parse_section, suggest
-from .config_sections import (PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig,
+from .aliases import normalize
+from .schema import ConfigError, Issues, fld, help_text, parse_section, suggest
+from .sections import (PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig,
                               ModelConfig)
 
 __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "DatasetConfig",
@@ -346,14 +346,14 @@ class TrainConfig:
 
     def mesh(self, world_size: int | None = None):
         """The :class:`functional_pp.Mesh`."""
-        from .mesh import Mesh
+        from ..mesh import Mesh
         return Mesh(**self.mesh_sizes(world_size))
 
     def build_rules(self, mesh=None):
         """``llama.default_rules`` with the config's ``rules`` entries replacing (null: removing)
         the defaults."""
-        from .layout import Rules
-        from .models import llama
+        from ..layout import Rules
+        from ..models import llama
         rules = llama.default_rules(sequence_parallel=self.sequence_parallel)
         try:
             rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)
@@ -448,8 +448,8 @@ class TrainConfig:
             shape = (micro_global, self.sequence_len, model.hidden)
             for dims in (("batch", "seq", "hidden"), ("batch", "res_seq", "hidden")):
                 rules.resolve(dims, shape, mesh, name=f"activations ({' '.join(dims)})")
-            from .models import llama
-            from .tree import leaves_with_paths
+            from ..models import llama
+            from ..tree import leaves_with_paths
             for path, decl in leaves_with_paths(llama.init(model)):
                 rules.resolve(decl.axes, decl.shape, mesh, name=f"parameter {path}")
         except ValueError as exc:
@@ -477,8 +477,8 @@ class TrainConfig:
 
     @staticmethod
     def _logical_axes() -> set[str]:
-        from .models import llama
-        from .tree import leaves_with_paths
+        from ..models import llama
+        from ..tree import leaves_with_paths
         axes = {"batch", "seq", "res_seq"}
         for _, decl in leaves_with_paths(llama.init(llama.Config.tiny())):
             axes.update(decl.axes)
@@ -541,7 +541,7 @@ def _parse_datasets(value: Any, issues: Issues) -> list[DatasetConfig] | None:
 
 def config_help() -> str:
     """Every config key with its type, default and help (``functional-pp train --help``)."""
-    from .config_aliases import ALIASES, UNSUPPORTED
+    from .aliases import ALIASES, UNSUPPORTED
     text = help_text([("top-level keys", TrainConfig), ("model (training from scratch)", ModelConfig),
                       ("datasets entries", DatasetConfig), ("data", DataConfig),
                       ("logging", LoggingConfig), ("checkpoint", CheckpointConfig)])
@@ -585,7 +585,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
 def _drop_other_spellings(d: dict, key: str) -> None:
     """An override replaces the key under any of its names (``output_dir`` and
     ``logging.output_dir`` are one key)."""
-    from .config_aliases import ALIASES
+    from .aliases import ALIASES
     canonical = ALIASES[key][0] if key in ALIASES else key
     for name in [a for a, (c, _) in ALIASES.items() if c == canonical] + [canonical]:
         if name == key:
@@ -602,8 +602,8 @@ def model_config(cfg: TrainConfig):
     """The ``llama.Config``: from ``base_model/config.json``, or the preset and overrides."""
     if cfg.base_model is None:
         return cfg.model.build()
-    from .checkpoint import hf
-    from .checkpoint.format import CheckpointError
+    from ..checkpoint import hf
+    from ..checkpoint.format import CheckpointError
     try:
         return hf.config_from_hf(Path(cfg.base_model))
     except (CheckpointError, KeyError) as exc:

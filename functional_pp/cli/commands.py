@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 
 __all__ = ["add_commands", "run_command"]
 
@@ -49,9 +49,10 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .finetune import check_batches, describe_device, load_data, model_config, select_device
-    from .launch import under_torchrun
-    from .trainer import describe, resolve_world
+    from ..app.inputs import check_batches, load_data, model_config
+    from ..app.report import describe
+    from ..app.world import describe_device, resolve_world, select_device
+    from ..launch import under_torchrun
     try:
         overrides = list(args.overrides)
         if args.output is not None:
@@ -80,8 +81,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import CheckpointError
-    from .export import export_run
+    from ..checkpoint import CheckpointError
+    from ..app.export import export_run
     try:
         out = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
                          dtype=getattr(torch, args.dtype) if args.dtype else None)

@@ -2,17 +2,19 @@
 
 ``metrics.jsonl`` (always), TensorBoard (``use_tensorboard: true``, the ``tensorboard``
 package) and Weights & Biases (``wandb_project``; ``wandb_mode: offline`` needs no network).
-The trainer logs training metrics and, at eval steps, ``eval_loss`` (``docs/finetune.md``).
+The training loop logs training metrics and, at eval steps, ``eval_loss``; :func:`read_metrics`
+reads ``metrics.jsonl`` back (``docs/finetune.md``).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Protocol
 
 __all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "make_loggers",
-           "MultiLogger"]
+           "MultiLogger", "read_metrics", "trim_metrics"]
 
 
 class MetricsLogger(Protocol):
@@ -111,3 +113,20 @@ def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> Mul
         loggers.append(WandbLogger(cfg.wandb_project, out_dir, mode=cfg.wandb_mode,
                                    name=cfg.wandb_name, entity=cfg.wandb_entity, config=cfg.to_dict()))
     return MultiLogger(loggers)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The lines of a ``metrics.jsonl`` file."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of steps <= ``last_step`` (a resumed run rewrites the later ones)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import format as fmt
-from .checkpoint.hf import export_checkpoint_to_hf
+from ..checkpoint import format as fmt
+from ..checkpoint.hf import export_checkpoint_to_hf
 
 __all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES"]
 

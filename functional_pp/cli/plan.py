@@ -10,14 +10,14 @@ from typing import IO
 
 import torch
 
-from .plan.cluster import cluster as as_cluster
-from .plan.search import Ranking, Space, beam, exhaustive, search
+from ..plan.cluster import cluster as as_cluster
+from ..plan.search import Ranking, Space, beam, exhaustive, search
 
 LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from .models import llama
+    from ..models import llama
     model_cfg = cfg.model.build()
     dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
     return functools.partial(llama.loss, cfg=model_cfg), llama.init(model_cfg, dtype)
@@ -78,7 +78,7 @@ def apply_layout(cfg, est, n_devices: int):
     sequence parallelism, FSDP axes, activation checkpointing, micro batch)."""
     s = est.mesh.shape
     hidden = tuple(est.rules.table.get("hidden") or ())
-    sp = bool(est.rules.table.get("res_seq"))
+    sp = "tp" in est.rules["res_seq"]     # sequence parallelism: the residual also split over tp
     gb = global_batch_for(cfg, n_devices)
     dp = s.get("dp_replicate", 1) * s.get("dp_shard", 1)
     ga = est.settings.get("grad_accum", 1)
@@ -102,7 +102,7 @@ def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = 
     ranking = rank_layouts(cfg, n_devices, cl, space=space, stream=out)
     fitting = [e for e in ranking if e.settings.get("fits", True)]
     if not fitting:
-        from .config import ConfigError
+        from ..config import ConfigError
         raise ConfigError(f"layout: auto found no layout of {n_devices} devices within {cl.memory_bytes / 1e9:.0f} GB "
                           f"per device (smallest peak: {min((e.peak_bytes for e in ranking), default=0) / 1e9:.1f} GB); "
                           f"use more devices, a smaller micro batch or activation_checkpointing")
@@ -129,7 +129,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """``functional-pp plan``: returns the exit status."""
-    from .config import ConfigError, TrainConfig
+    from ..config import ConfigError, TrainConfig
     try:
         cfg = TrainConfig.from_yaml(args.config, list(getattr(args, "overrides", []) or []))
         if args.devices < 1:
@@ -161,8 +161,8 @@ def auto_layout_for_run(cfg, simulate: int | None, cluster: str = "h100x8"):
     ``--simulate N``; the chosen layout replaces the config's mesh and rules."""
     import os
 
-    from .config import ConfigError
-    from .launch import under_torchrun
+    from ..config import ConfigError
+    from ..launch import under_torchrun
     n = int(os.environ["WORLD_SIZE"]) if under_torchrun() else simulate
     if n is None:
         raise ConfigError("layout: auto needs the device count: run under torchrun or pass --simulate N")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .version import __version__
-from .cli_errors import run_reporting_errors
-from .config import ConfigError, TrainConfig, config_help
+from ..version import __version__
+from .errors import run_reporting_errors
+from ..config import ConfigError, TrainConfig, config_help
 
 __all__ = ["main", "build_parser"]
 
@@ -58,19 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
     from .commands import add_commands
     add_commands(sub)
-    from .cli_plan import add_parser as add_plan_parser
+    from .plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 runtime error, 2 config error,
-    3 training stopped on non-finite values; see :mod:`functional_pp.cli_errors`)."""
+    3 training stopped on non-finite values; see :mod:`functional_pp.cli.errors`)."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
     if args.command == "plan":
-        from .cli_plan import run as plan_run
+        from .plan import run as plan_run
         return plan_run(args)
     from .commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .trainer import train
+    from ..app.loop import train
     overrides = list(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"max_steps={args.max_steps}")
@@ -87,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
         if (args.layout or cfg.layout) == "auto":
-            from .cli_plan import auto_layout_for_run
+            from .plan import auto_layout_for_run
             cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume,
               allow_config_change=args.allow_config_change)

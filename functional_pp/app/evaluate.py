@@ -8,9 +8,9 @@ from typing import Any
 import optree
 import torch
 
-from .named import Named, settle, wrap
-from .shard_map import use_rules
-from .train import PRECISIONS, TrainStep
+from ..named import settle, wrap
+from ..shard_map import use_rules
+from ..train import TrainStep
 
 __all__ = ["evaluate", "eval_batches"]
 
@@ -23,20 +23,14 @@ def eval_batches(loader) -> int:
 def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> float:
     """Mean token loss of ``state``'s parameters over the first ``n_batches`` batches of
     ``loader`` (default: all its windows once). Runs on every device of the mesh."""
-    from .ops import sum as nsum
+    from ..ops import sum as nsum
     if step.spec is None:
         raise RuntimeError("evaluate: call step.init(params) first")
     n_batches = eval_batches(loader) if n_batches is None else n_batches
-    compute = PRECISIONS[step.precision]
-    leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
+    leaves = optree.tree_leaves(state["params"], none_is_leaf=False)
     total, count = 0.0, 0.0
-    with torch.no_grad(), use_rules(step.rules):
-        named = []
-        for x, dims, layout in zip(leaves, step.spec.dims, step.spec.layouts):
-            n = Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout)
-            n.is_param = True
-            named.append(n)
-        params: Any = optree.tree_unflatten(treespec, named)
+    with torch.no_grad(), use_rules(step.rules), step.policy():       # the step's ops, same policy
+        params: Any = step.named_params(state["params"])
         device = leaves[0].device if leaves else None
         for i in range(n_batches):
             batch = loader.batch(i)

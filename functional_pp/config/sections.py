@@ -1,12 +1,12 @@
 """The sections of the training config (``model``, one ``datasets`` entry, ``data``,
 ``logging``, ``checkpoint``), declared as dataclasses whose fields carry their help text;
-read by :mod:`functional_pp.config` with the validator of :mod:`functional_pp.config_schema`."""
+read by :mod:`functional_pp.config` with the validator of :mod:`functional_pp.config.schema`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from .config_schema import ConfigError, Issues, check_value, fld, parse_section, suggest
+from .schema import ConfigError, Issues, check_value, fld, parse_section, suggest
 
 __all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS"]
 
@@ -41,7 +41,7 @@ class ModelConfig:
         if not isinstance(value, Mapping):
             issues.add(f"'model' must be a preset name or a mapping, got {value!r}")
             return cls()
-        from .models import llama
+        from ..models import llama
         d = dict(value)
         preset = d.pop("preset", "tiny")
         if preset not in PRESETS:
@@ -56,8 +56,8 @@ class ModelConfig:
 
     def build(self):
         """The :class:`functional_pp.models.llama.Config`."""
-        from .models import llama
-        from .ops.rotary import Llama3Scaling
+        from ..models import llama
+        from ..ops.rotary import Llama3Scaling
         kw = dict(self.overrides)
         if isinstance(kw.get("rope_scaling"), Mapping):
             kw["rope_scaling"] = Llama3Scaling(**kw["rope_scaling"])

@@ -4,7 +4,10 @@ uninterrupted one (model, data, optimizer, batch, schedule, precision, mesh...) 
 naming every changed key, unless the user allows it."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from ..config import ConfigError, TrainConfig
 
 # Keys that change where outputs go or how the run is watched, never the numbers.
 NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "max_consecutive_skips", "on_nonfinite",
@@ -54,3 +57,23 @@ def config_changes(saved: dict | None, new: dict, saved_derived: dict | None = N
         now = "<preset default>" if now is missing else now
         out.append(f"{key}: checkpoint {old!r}, now {now!r}")
     return out
+
+
+def check_resume_config(ckpt: Path, cfg: TrainConfig, global_batch: int) -> None:
+    """Refuse a resume whose config changes what the run computes (docs/bad_inputs.md §7)."""
+    from ..checkpoint.format import read_index
+    index = read_index(ckpt)
+    saved = index.get("config")
+    try:                                 # the saved run's global batch, on its own world size
+        old = TrainConfig.from_dict(saved)
+        old_mesh = old.mesh(index.get("world_size"))
+        derived = ({"global batch (sequences per step)": old.global_batch(old_mesh, old.build_rules(old_mesh))},
+                   {"global batch (sequences per step)": global_batch})
+    except Exception:  # noqa: BLE001 - an older or foreign config: compare the keys as written
+        derived = (None, None)
+    changes = config_changes(saved, cfg.to_dict(), *derived)
+    if changes:
+        raise ConfigError(f"--resume: the config differs from the one saved in {ckpt} in "
+                          f"{len(changes)} key(s) that change the results: " + "; ".join(changes)
+                          + ". Restore them, or pass --allow-config-change to continue anyway "
+                            "(the run will not equal an uninterrupted one)")

@@ -1,0 +1,327 @@
+"""The training loop behind ``functional-pp train``: a :class:`~functional_pp.config.TrainConfig`
+in, a trained (and checkpointed) Llama model out. (:mod:`functional_pp.train` is the training
+*step*; this module runs it in a loop with data, checkpoints, logging and signals.)
+
+``train(cfg, simulate=8)`` checks the config against the world size, loads the corpus, prints
+the mesh, the rules, the parameter count and the per-device memory, then runs on every device
+(simulated threads, or this process's rank under torchrun):
+
+- a progress line (loss, tokens/s, ETA) and ``metrics.jsonl`` (one JSON line per step) from
+  rank 0; the communication of the first step per mesh axis in ``comm_report.txt``;
+- checkpoints (params, optimizer state, step, RNG, loader position, config) every
+  ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM;
+- ``resume=True`` continues from the newest checkpoint in the output directory, with losses
+  bitwise equal to an uninterrupted run on the same mesh;
+- ``loss.png`` at the end (matplotlib, Agg; skipped with a note without matplotlib).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from .. import checkpoint as ck
+from ..config import ConfigError, TrainConfig
+from ..seeds import check_seed
+from ..launch import launch, under_torchrun
+from ..models import llama
+from .metrics import read_metrics, trim_metrics
+from .optimizer import optimizer_from_config
+from .plot import plot_losses
+from .progress import Progress
+from .report import comm_report_text, describe, mesh_label, param_memory
+from .resume_check import check_resume_config
+from .world import World, is_main_process, resolve_world
+
+# World ... plot_losses: imported from here before the application modules were split
+__all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
+           "param_memory", "read_metrics", "plot_losses"]
+
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+COMM_REPORT = "comm_report.txt"
+CHECKPOINTS = "checkpoints"
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+class _StopRequest:
+    """A flag set by SIGTERM (handler installed from the main thread only)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signal: str | None = None
+        self._old = None
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+# ----------------------------------------------------------------------------- training
+@dataclass
+class TrainResult:
+    """What :func:`train` returns (on the main process)."""
+
+    output_dir: Path
+    start_step: int                        # 0, or the checkpoint step resumed from
+    final_step: int
+    losses: list[float] = field(default_factory=list)   # this run's steps
+    stopped: bool = False                  # stopped early by SIGTERM (checkpoint saved)
+    checkpoint: Path | None = None         # the newest checkpoint written
+    comm_report: str | None = None
+
+
+def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False,
+          stop_after: int | None = None, stream: IO[str] | None = None,
+          allow_config_change: bool = False) -> TrainResult | None:
+    """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
+    (default: the mesh's size outside torchrun). ``resume``: continue from the newest
+    checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
+    arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
+    differs from the checkpoint's in a way that breaks exact resumption. Returns the main
+    process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    from .. import comm
+    from ..data import DataLoader, batch_shard
+    from ..init import init as init_named
+    from .evaluate import evaluate
+    from .inputs import base_params, check_batches, load_data, model_config
+    from .world import describe_device, peak_flops, select_device
+    from ..runtime import current_context
+    from ..train import DEFAULT_BATCH_DIMS, train_step
+
+    world = resolve_world(cfg, simulate)
+    cfg.validate(world.size, launcher=world.launcher)
+    main = is_main_process()
+    out = stream or sys.stdout
+    mesh = cfg.mesh(world.size)
+    rules = cfg.build_rules(mesh)
+    model_cfg = model_config(cfg)
+    decls = llama.init(model_cfg)
+    out_dir = cfg.output_dir()
+    ckpt_dir = out_dir / CHECKPOINTS
+    keep = cfg.checkpoint.keep_last
+    manager = ck.CheckpointManager(ckpt_dir, keep_last=keep, rules=rules)
+    resume = resume or cfg.resume_from_checkpoint is True
+    load_dir = ckpt_dir
+    if isinstance(cfg.resume_from_checkpoint, str):      # a checkpoint (root or step) elsewhere
+        try:
+            found = ck.format.resolve_checkpoint(cfg.resume_from_checkpoint)
+        except ck.CheckpointError as exc:
+            raise ConfigError(f"resume_from_checkpoint: {exc}") from exc
+        load_dir, latest = found.parent, int(ck.format.read_index(found)["step"])
+    else:
+        latest = manager.latest() if ckpt_dir.is_dir() else None
+    if latest is not None and not resume and load_dir == ckpt_dir:
+        raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
+                          f"--resume to continue from it, or choose another --output")
+    if latest is not None and not allow_config_change:
+        check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
+
+    try:
+        check_seed(cfg.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    data = load_data(cfg)
+    corpus = data.train
+    if corpus.vocab_size > model_cfg.vocab:
+        raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
+                          f"{model_cfg.vocab}; set model.vocab >= {corpus.vocab_size}")
+    gb = cfg.global_batch(mesh, rules)
+    accum = cfg.grad_accum(mesh, rules)
+    cfg.set_epochs(check_batches(cfg, data, gb))
+    opt, schedule = optimizer_from_config(cfg)
+    device = select_device(world.simulate, world.size, under_torchrun())
+    if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
+    step_fn = train_step(functools.partial(llama.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
+                         grad_accum=accum, precision=cfg.precision,
+                         remat=cfg.activation_checkpointing, compile=cfg.compile,
+                         on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
+                         max_consecutive_skips=cfg.max_consecutive_skips,
+                         flops_per_token=llama.flops_per_token(model_cfg, cfg.sequence_len),
+                         peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
+                         batch_dims=batch_dims)
+    metrics_path = out_dir / METRICS
+    eval_every = cfg.eval_steps or cfg.logging.log_every
+
+    loggers = None
+    if main:
+        _check_writable(out_dir)         # before the summary: fail before any work
+        print(describe(cfg, world, mesh, rules, model_cfg, corpus,
+                       device_text=describe_device(device, world.simulate, world.size), val=data.val),
+              file=out, flush=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if latest is not None:
+            trim_metrics(metrics_path, latest)
+            where = manager.path(latest) if load_dir == ckpt_dir else load_dir
+            print(f"resuming from {where} (step {latest})", file=out, flush=True)
+        elif resume:
+            print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", file=out, flush=True)
+        try:
+            from .metrics import make_loggers
+            loggers = make_loggers(cfg, out_dir, metrics_path, append=latest is not None)
+        except ImportError as exc:
+            raise ConfigError(str(exc)) from exc
+    torch.manual_seed(cfg.seed)
+    config_dict = cfg.to_dict()
+    stop = _StopRequest()
+
+    def specs(state: dict) -> dict:
+        return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
+
+    export_info = {"model_config": model_cfg.to_dict(),
+                   "tokenizer_dir": str(data.tokenizer.dir.resolve()) if data.tokenizer is not None
+                   and hasattr(data.tokenizer, "dir") else None,
+                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
+
+    def save(state: dict, loader, step: int) -> Path:
+        tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"],
+                "skipped": state["skipped"], "rng": ck.rng_state()}
+        return manager.save(step, tree, specs(state),
+                            metadata={"loader": loader.state_dict(), **export_info},
+                            config=config_dict)
+
+    def agree_to_stop(local: bool) -> bool:
+        """Every device stops at the same step boundary if any of them was asked to."""
+        if mesh.size == 1:
+            return local
+        return any(current_context().backend.exchange_objects(local, tuple(range(mesh.size))))
+
+    def device_fn() -> dict:
+        lead = current_context().rank == 0
+        if cfg.base_model is not None and latest is None:
+            params = base_params(cfg, model_cfg, decls, mesh, rules, device)
+        else:
+            params = init_named(llama.init, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
+                                device=device)
+        state = step_fn.init(params)
+        shard = batch_shard(mesh, rules).loader_args()      # the rules own the split and order
+        loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard)
+        val_loader = None if data.val is None else DataLoader(
+            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard)
+        start = 0
+        if latest is not None:
+            r = ck.load_checkpoint(load_dir, specs(state), rules=rules, step=latest,
+                                   keys=["params", "opt", "step", "skipped"], device=device)
+            state = {"params": r.tree["params"], "opt_state": r.tree["opt"],
+                     "step": r.tree["step"], "skipped": r.tree["skipped"]}
+            loader.load_state_dict(r.metadata["loader"])
+            start = int(r.step)
+            try:
+                ck.set_rng_state(ck.load_checkpoint(load_dir, step=latest, keys=["rng"]).tree["rng"])
+            except ck.CheckpointMismatchError:   # saved from another world size: keep ours
+                pass
+        progress = Progress(cfg.max_steps, start, cfg.logging.log_every, out) if lead else None
+        if val_loader is not None and start == 0:
+            e0 = evaluate(step_fn, state, val_loader)
+            if lead:
+                loggers.log(0, {"eval_loss": e0})
+                progress.eval_loss = e0
+        losses: list[float] = []
+        report_text = None
+        last_saved, saved_path, stopped = start, None, False
+        step = start
+        t0 = time.perf_counter()
+        try:
+            while step < cfg.max_steps:
+                asked = stop.event.is_set() or (stop_after is not None and step >= stop_after)
+                if agree_to_stop(asked):
+                    stopped = True
+                    break
+                batch = next(loader)
+                if device is not None:
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                if lead and report_text is None:
+                    with comm.comm_report() as rep:
+                        state, m = step_fn(state, batch)
+                    report_text = comm_report_text(rep, m["step"], mesh, cfg)
+                    (out_dir / COMM_REPORT).write_text(report_text + "\n")
+                    progress.message(report_text)
+                else:
+                    state, m = step_fn(state, batch)
+                step = int(m["step"])
+                losses.append(m["loss"])
+                if val_loader is not None and (step % eval_every == 0 or step == cfg.max_steps):
+                    m = dict(m, eval_loss=evaluate(step_fn, state, val_loader))
+                if lead:
+                    m = dict(m, elapsed_s=time.perf_counter() - t0)
+                    if latest is not None and step == start + 1:
+                        m["resumed_from"] = start
+                    loggers.log(step, m)
+                    progress.update(step, m)
+                if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                    saved_path, last_saved = save(state, loader, step), step
+                    if lead:
+                        progress.message(f"saved checkpoint {saved_path}")
+            final = stopped or cfg.checkpoint.save_final
+            if final and step != last_saved:
+                saved_path, last_saved = save(state, loader, step), step
+                if lead:
+                    progress.message(f"saved checkpoint {saved_path}")
+            if lead and stopped:
+                why = (f"received {stop.signal}" if stop.signal else "asked to stop"
+                       + (f" after step {stop_after}" if stop_after is not None else ""))
+                progress.message(f"{why}: stopped at step {step} with checkpoint "
+                                 f"{manager.path(step)}; continue with --resume")
+        finally:
+            if lead and loggers is not None:
+                loggers.close()
+        return {"start": start, "step": step, "losses": losses, "stopped": stopped,
+                "checkpoint": saved_path, "comm_report": report_text}
+
+    with stop:
+        results = launch(device_fn, mesh, simulate=world.simulate, timeout=cfg.collective_timeout)
+    if not world.simulate:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if not main:
+        return None
+    r = results[0] if world.simulate else results
+    if cfg.logging.plot:
+        metrics = read_metrics(metrics_path)
+        if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
+            print(f"loss curve: {out_dir / PLOT}", file=out)
+        elif metrics:
+            print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
+    if r["losses"]:
+        print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
+              f"{metrics_path}", file=out, flush=True)
+    else:
+        print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
+    return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
+                       r["comm_report"])
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Create ``out_dir`` and check that files can be written there, before any work."""
+    probe = out_dir / f".fpp-write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output directory {out_dir} is not writable ({exc.strerror or exc}); "
+                          f"fix its permissions or choose another with --output DIR "
+                          f"(logging.output_dir)") from exc
+
+

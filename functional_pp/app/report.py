@@ -1,0 +1,98 @@
+"""The start-up summary of a run (device, mesh, rules, model, memory per device, batch,
+optimizer, data, output) and the text of the first step's communication report.
+
+The memory line counts the parameters each device holds times the bytes of its training
+state (docs/memory.md). It does not call :func:`functional_pp.plan.estimate`: that dry run
+(activations and peak included) took ~9 s for the tiny test model on a loaded 2-core machine,
+too slow for every start and ``validate``; ``functional-pp plan CONFIG`` prints it."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import TrainConfig
+from ..layout import local_shape
+from ..models import llama
+from ..tree import count_params, leaves_with_paths
+from .world import World
+
+__all__ = ["describe", "param_memory", "mesh_label", "comm_report_text"]
+
+
+def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
+    """(global parameter count, parameters held by each device) for ``decls`` under the rules
+    (every device holds equal blocks)."""
+    local = 0
+    for path, d in leaves_with_paths(decls):
+        local += math.prod(local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, name=path), mesh))
+    return count_params(decls), local
+
+
+def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
+    if cfg.optimizer == "adamw":
+        return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
+    if cfg.momentum:
+        return 12, "fp32 SGD with momentum: weights 4 + grads 4 + momentum 4"
+    return 8, "fp32 SGD: weights 4 + grads 4"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *,
+             device_text: str | None = None, val=None) -> str:
+    """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
+    memory, batch, data and output."""
+    decls = llama.init(model_cfg)
+    total, local = param_memory(decls, mesh, rules)
+    per, what = _state_bytes_per_param(cfg)
+    dp = cfg.dp_size(mesh, rules)
+    accum = cfg.grad_accum(mesh, rules)
+    gb = cfg.global_batch(mesh, rules)
+    mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+    rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
+    model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
+                          ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
+    lines = [
+        f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
+        f"mesh:       {mesh_txt} = {mesh.size} devices",
+        f"rules:      {rules_txt}",
+        f"model:      llama {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
+        f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
+        f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)",
+        f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
+        f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
+        f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
+        f"{cfg.warmup()}), {cfg.max_steps} steps, precision {cfg.precision}"
+        + (", activation checkpointing" if cfg.activation_checkpointing else "")
+        + (f", compile={cfg.compile}" if cfg.compile else ""),
+    ]
+    if device_text is not None:
+        lines.insert(1, f"device:     {device_text}")
+    if corpus is not None:
+        docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
+        held = f"; held out: {len(val):,} tokens" if val is not None else ""
+        lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
+    for note in cfg.notes:
+        lines.append(f"not used:   {note}")
+    lines.append(f"output:     {cfg.output_dir()}")
+    return "\n".join(lines)
+
+
+def mesh_label(mesh) -> str:
+    """``dp_shard=2 x tp=2`` (axes of size > 1) or ``1 device``."""
+    parts = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1]
+    return " x ".join(parts) or "1 device"
+
+
+def comm_report_text(rep, step: int, mesh, cfg: TrainConfig) -> str:
+    head = f"communication of training step {step} on device 0 ({mesh_label(mesh)}), per mesh axis:"
+    if cfg.compile:
+        head += ("\n(note: compiled steps are not counted; set compile: false to see every "
+                 "collective)")
+    return head + "\n" + rep.table()
