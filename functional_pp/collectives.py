@@ -8,7 +8,8 @@ the caller says where an invariant value meets varying data by calling :func:`pv
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import threading
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -143,8 +144,32 @@ class _PSum(torch.autograd.Function):
         return g, None
 
 
+_sink = threading.local()
+_process_sink: list = [None]
+
+
+def set_gradient_sink(sink: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor] | None,
+                      process_wide: bool = False) -> None:
+    """On this thread, hand the psum of a pvary'd leaf's gradient (a parameter's data-parallel
+    reduction) to ``sink(g, axes)`` instead of all-reducing it at once (functional_pp/buckets.py);
+    None restores the immediate all-reduce. ``process_wide`` (one device per process) also
+    reaches backward functions that autograd runs on its own device threads (CUDA)."""
+    _sink.value = sink
+    _process_sink[0] = sink if process_wide else None
+
+
+def _feeds_leaf(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a leaf that requires grad (a parameter) or a dtype cast of one."""
+    if x.is_leaf:
+        return x.requires_grad
+    fn = x.grad_fn
+    return (type(fn).__name__ == "ToCopyBackward0" and len(fn.next_functions) == 1
+            and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad")
+
+
 class _PVary(torch.autograd.Function):
-    """pvary: invariant -> varying cast; identity forward, psum backward."""
+    """pvary: invariant -> varying cast; identity forward, psum backward (deferred to the
+    gradient sink for a parameter, see :func:`set_gradient_sink`)."""
 
     @staticmethod
     def forward(x, axes):
@@ -153,10 +178,14 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.axes = inputs[1]
+        ctx.param = not torch.compiler.is_compiling() and _feeds_leaf(inputs[0])
 
     @staticmethod
     @traced_as_backward
     def backward(ctx, g):
+        sink = (getattr(_sink, "value", None) or _process_sink[0]) if ctx.param else None
+        if sink is not None:
+            return sink(g, ctx.axes), None
         return raw_all_reduce(g, ctx.axes, "sum"), None
 
 

@@ -111,24 +111,27 @@ def comm_report() -> Iterator[CommReport]:
         stack.remove(report)
 
 
-def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor) -> None:
+def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, backward: bool | None = None) -> None:
+    """Record one collective (``backward``: whether it belongs to the backward pass; by
+    default, whether autograd is running a backward function now)."""
     stack = getattr(_local, "stack", None)
     if not stack or torch.compiler.is_compiling():
         return
     event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
-                      in_backward())
+                      in_backward() if backward is None else backward)
     for report in stack:
         report.events.append(event)
 
 
 @contextmanager
-def recording(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, sends: bool = True) -> Iterator[None]:
+def recording(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, sends: bool = True,
+              backward: bool | None = None) -> Iterator[None]:
     """Around a collective: record it now (eager), or, under ``torch.compile``, tag the graph
     nodes it traces so each run of the compiled graph records it (:func:`replay`)."""
     if not torch.compiler.is_compiling():
         if sends:
-            record(kind, axes, n, x)
+            record(kind, axes, n, x, backward)
         yield
         return
     nbytes = ring_bytes(kind, x.numel(), n, x.element_size()) if sends else 0

@@ -16,6 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .layer_compile import CompiledLayer, layer_backend
+from .fsdp_units import gather_unit
 from .named import Named, configure, options
 from .recompute import remat_region, reset_region_ids
 
@@ -75,7 +76,11 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
     eagerly or compiled; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.layer_compile`)."""
-    recomputed = remat(fn)
+    def unit(*args):
+        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (fsdp_units.py)
+        with context:
+            return fn(*args)
+    recomputed = remat(unit)
     compiled = CompiledLayer(fn)
 
     @functools.wraps(fn)
@@ -85,6 +90,6 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
             body = compiled.get(backend)
             reset_region_ids()         # same guard state for every layer: one graph for all
             return remat(body)(*args) if options().remat else body(*args)
-        return recomputed(*args) if options().remat else fn(*args)
+        return recomputed(*args) if options().remat else unit(*args)
     wrapped.__wrapped_layer__ = fn
     return wrapped

@@ -17,6 +17,8 @@ import torch
 
 from . import optim
 from .barrier import materialize
+from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
+from .fsdp_units import fsdp_units as layer_units
 from .collectives import psum
 from .compile_gate import CompileGate
 from .compiler import step_backend
@@ -32,6 +34,9 @@ from .shard_map import use_rules
 from .torch_private import trace_backward
 from .tree import leaves_with_paths, tree_leaves, tree_map
 
+# the step without gradient buckets and FSDP units: one collective per weight, layer by layer
+# (the planner's dry runs count collectives per layer; docs/communication.md)
+PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,12 +91,16 @@ class TrainStep:
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
+    bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
+    fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
+    fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        check_bucket_mb(self.bucket_mb)
         if self.cp_attention not in (None, "ring", "allgather"):
             raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
                              f"the functional_pp.configure default)")
@@ -162,6 +171,7 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -241,8 +251,9 @@ class TrainStep:
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            with backward_region():      # marks the traced backward (compiled comm counting)
-                gs = iter(torch.autograd.grad(loss, diff))
+            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
+                gs = torch.autograd.grad(loss, diff)
+                gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [_as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:

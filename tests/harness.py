@@ -45,3 +45,37 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
             full = tree.gather(grads, decls, rules) if gather else grads
         return loss.detach(), full, rep
     return fpp.launch(fn, mesh)
+
+
+def train_steps(cfg, data, mesh, rules, dtype=torch.float64, **step_kw):
+    """A launchable function: ``len(data)`` AdamW steps of ``fpp.train_step``; per device the
+    losses, the gathered parameters (numpy) and the collectives of the first step."""
+    import functools
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0),
+                          mesh=mesh, rules=rules, **step_kw)
+
+    def device():
+        state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0))
+        losses, events = [], None
+        for b in data:
+            with fpp.use_rules(rules):
+                local = {k: v.data for k, v in local_batch(b, mesh, rules).items()}
+            with fpp.comm_report() as rep:
+                state, m = step(state, local)
+            losses.append(m["loss"])
+            events = rep.events if events is None else events
+        with fpp.use_rules(rules):
+            full = fpp.tree.gather(state["params"], llama.init(cfg, dtype), rules)
+        return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, events
+    return device
+
+
+def assert_same_run(a, b, rtol=0.0, atol=0.0):
+    """Losses and parameters of two ``train_steps`` results agree (bitwise by default)."""
+    la, pa, _ = a
+    lb, pb, _ = b
+    torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=rtol, atol=atol)
+    assert pa.keys() == pb.keys()
+    for p in pa:
+        torch.testing.assert_close(torch.from_numpy(pa[p]), torch.from_numpy(pb[p]), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{p}: {m}")

@@ -41,3 +41,21 @@ def test_gpu_benchmark_without_cuda_says_so(capsys):
     with pytest.raises(SystemExit):
         gpu.parse_args([])
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dp_fsdp_benchmark_smoke_prints_ratios_and_equal_first_losses():
+    """benchmarks/dp_fsdp_vs_torch.py on 2 gloo processes, tiny model, one timed step."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "dp_fsdp_vs_torch.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "1", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=1200, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    losses = result["first_loss"]
+    assert set(losses) == {"ours_dp_unbucketed", "ours_dp", "ddp", "ours_fsdp_per_weight", "ours_fsdp", "fsdp2"}
+    assert max(losses.values()) - min(losses.values()) < 1e-4 * abs(losses["ddp"])
+    for ours, theirs in [("ours_dp", "ddp"), ("ours_fsdp", "fsdp2")]:
+        ms = result["median_ms"]
+        assert result[f"{ours}/{theirs}"] == pytest.approx(ms[ours] / ms[theirs], rel=0.02)

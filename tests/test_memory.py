@@ -7,6 +7,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp import tree
+from functional_pp.fsdp_units import fsdp_units
 from functional_pp.models import llama
 
 from harness import local_batch, make_batch
@@ -14,7 +15,7 @@ from harness import local_batch, make_batch
 CFG = llama.Config.tiny()
 
 
-def full_weights_alive_after_forward(keep_gathered):
+def full_weights_alive_after_forward(keep_gathered, units=False):
     mesh = fpp.Mesh(dp_shard=2)
     rules = fpp.Rules(batch="dp_shard", hidden="dp_shard")
     decls = llama.init(CFG)
@@ -23,7 +24,7 @@ def full_weights_alive_after_forward(keep_gathered):
     barrier = __import__("threading").Barrier(mesh.size)
 
     def fn():
-        with fpp.use_rules(rules), fpp.configure(keep_gathered=keep_gathered):
+        with fpp.use_rules(rules), fpp.configure(keep_gathered=keep_gathered), fsdp_units(units):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
                                   tree.shard(full, decls, mesh, rules, fpp.current_rank()))
             shapes = {(CFG.hidden, CFG.mlp), (CFG.mlp, CFG.hidden), (CFG.hidden, CFG.heads, CFG.dim_head)}
@@ -49,3 +50,10 @@ def test_fsdp_keeps_no_gathered_weight_between_forward_and_backward():
     assert full_weights_alive_after_forward(keep_gathered=False) == 0
     # the same check sees them when they are kept: 2 devices x layers x (q, gate, up, down)
     assert full_weights_alive_after_forward(keep_gathered=True) == 2 * CFG.layers * 4
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fsdp_units_keep_no_gathered_weight_between_forward_and_backward():
+    """Layers gathered as one unit (functional_pp/fsdp_units.py) are re-gathered too."""
+    assert full_weights_alive_after_forward(keep_gathered=False, units=True) == 0
+    assert full_weights_alive_after_forward(keep_gathered=True, units=True) == 2 * CFG.layers * 4

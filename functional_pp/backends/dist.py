@@ -47,6 +47,33 @@ class DistBackend:
     def all_reduce(self, x, op, group):
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group)))
 
+    def start_all_reduce(self, x, group):
+        """Launch a sum all-reduce of the contiguous ``x`` in place, asynchronously; returns a
+        function that waits and gives ``x`` back (gradient buckets, functional_pp.buckets)."""
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return x
+        return wait
+
+    def start_all_gather(self, x, group):
+        """Launch an all-gather of ``x`` along dim 0, asynchronously; returns a function that
+        waits and gives the blocks in group order (FSDP unit prefetch, functional_pp.fsdp_units)."""
+        n = len(group)
+        x = x.contiguous()
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        work = dist.all_gather_into_tensor(out, x, group=self._pg(group), async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            order = self._order(group)
+            if order == sorted(order):
+                return out
+            parts = out.chunk(n, dim=0)
+            return torch.cat([parts[p] for p in order], dim=0)
+        return wait
+
     def all_gather(self, x, dim, group):
         out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group)))
         order = self._order(group)

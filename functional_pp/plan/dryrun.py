@@ -18,7 +18,7 @@ from ..named import Named, wrap
 from ..shard_map import use_rules
 from ..torch_private import trace_backward
 from ..ops.token_ids import deferred_checks
-from ..train import train_step
+from ..train import PER_WEIGHT, train_step
 from ..tree import leaves_with_paths, map_with_path
 from .device import representative_device
 from .tracker import DeviceRun, MemoryTracker
@@ -168,7 +168,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline):
     step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                      grad_accum=grad_accum, remat=remat, **options)     # the step's own policy (docs/policy.md)
+                      grad_accum=grad_accum, remat=remat, **options, **PER_WEIGHT)   # policy: docs/policy.md
     with representative_device(mesh, rank), use_rules(rules), step.policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)

@@ -19,7 +19,7 @@ from ..mesh import Mesh
 from ..named import configure
 from ..runtime import current_rank
 from ..shard_map import use_rules
-from ..train import train_step
+from ..train import PER_WEIGHT, train_step
 from ..tree import leaves_with_paths
 from .dryrun import BatchSpec, _instrumented
 from .tracker import DeviceRun, MemoryTracker
@@ -35,7 +35,7 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
 
     def device():
         step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                          grad_accum=grad_accum, remat=remat)
+                          grad_accum=grad_accum, remat=remat, **PER_WEIGHT)
         with use_rules(rules), configure(**options):
             params = init(lambda: decls, mesh=mesh, rules=rules, seed=seed)
             state = step.init(params)
