@@ -29,10 +29,10 @@ def full_weights_alive_after_forward(keep_gathered, units=False):
                                   tree.shard(full, decls, mesh, rules, fpp.current_rank()))
             shapes = {(CFG.hidden, CFG.mlp), (CFG.mlp, CFG.hidden), (CFG.hidden, CFG.heads, CFG.dim_head)}
 
-            def count():                                         # gathered weights carry a grad_fn
+            def count():              # gathered weights carry a grad_fn; views share their storage
                 gc.collect()
-                return sum(1 for o in gc.get_objects()
-                           if isinstance(o, torch.Tensor) and o.grad_fn is not None and tuple(o.shape) in shapes)
+                return len({o.untyped_storage().data_ptr() for o in gc.get_objects()
+                            if isinstance(o, torch.Tensor) and o.grad_fn is not None and tuple(o.shape) in shapes})
             barrier.wait()
             before = count()           # tensors left over by earlier tests (e.g. compiled graphs)
             barrier.wait()
