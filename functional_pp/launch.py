@@ -13,7 +13,7 @@ import torch
 from .backends.sim import SimAborted, SimBackend, SimWorld
 from .mesh import Mesh
 from .process_watch import DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure, supervise
-from .torch_private import compile_cache_limits
+from .torch_private import compile_cache_limits, reset_compile_workers_after_fork
 from .runtime import DeviceContext, current_context, set_process_context, thread_context
 
 
@@ -156,6 +156,7 @@ def _free_port() -> int:
 
 def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -> None:
     torch.set_num_threads(1)
+    reset_compile_workers_after_fork()   # the parent's compile threads did not come along
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.size), LOCAL_RANK=str(rank))
     import datetime

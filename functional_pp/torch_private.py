@@ -4,6 +4,7 @@ one module (tested in tests/test_torch_private.py). Functional collectives are u
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -105,3 +106,12 @@ def cached_graph_count(code) -> int:
     """How many compiled graphs dynamo's cache holds for the code object ``code``."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     return len(_debug_get_cache_entry_list(code))
+
+
+def reset_compile_workers_after_fork() -> None:
+    """Forget inductor's compile thread pool in a forked child. The pool is cached per process
+    and a child inherits the cache but not its threads, so the child's first compilation would
+    wait forever for a worker (torch resets its process pool after a fork, not this one)."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is not None:
+        module.AsyncCompile.pool.cache_clear()

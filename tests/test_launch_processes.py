@@ -30,3 +30,23 @@ def test_process_killed_without_result_is_named():
     # undetected, this would end in a TimeoutError after 120 s instead
     with pytest.raises(fpp.DeviceError, match=r"device 1 .*killed by SIGKILL without reporting a result"):
         fpp.launch(_killed_on_rank_1, fpp.Mesh(dp_shard=2), processes=True, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_a_forked_rank_gets_a_working_inductor_compile_pool():
+    """A parent that already compiled with inductor holds a compile thread pool; its forked
+    ranks inherit the cached pool without its threads. Each rank must get a working pool, or
+    its first compilation waits forever."""
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    old = config.compile_threads
+    config.compile_threads = 2
+    try:
+        assert AsyncCompile.pool().submit(int).result(timeout=60) == 0    # live threads here
+
+        def fn():
+            return AsyncCompile.pool().submit(lambda: 7).result(timeout=60)
+        assert fpp.launch(fn, fpp.Mesh(dp_shard=2), processes=True, timeout=120) == [7, 7]
+    finally:
+        config.compile_threads = old
