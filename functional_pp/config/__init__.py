@@ -268,7 +268,7 @@ class TrainConfig:
                 f"got {self.collective_timeout}")
         if isinstance(self.compile, str):
             import torch._dynamo
-            from .layer_compile import split_mode
+            from ..layer_compile import split_mode
             backends = torch._dynamo.list_backends(exclude_tags=())
             name = next((m for m in split_mode(self.compile) if isinstance(m, str)), None)  # "per_layer:x"
             if name is not None and name not in backends:
