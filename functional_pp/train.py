@@ -24,7 +24,7 @@ from .compile_gate import CompileGate
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
-from .layer_compile import compiled_layers, split_mode
+from .layer_compile import compiled_layers, layer_backend, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
@@ -251,7 +251,9 @@ class TrainStep:
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
+            # compiled layers hand back their gradients in a device-dependent order: per weight
+            bucket_mb = None if layer_backend() is not None else self.bucket_mb
+            with backward_region(), grad_buckets(bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed

@@ -13,6 +13,13 @@ from functional_pp.models import llama
 from harness import local_batch, make_batch
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Compiled layer graphs stay in dynamo's cache: later tests of the suite start clean."""
+    yield
+    torch._dynamo.reset()
+
+
 def _train(cfg, compile, mesh=None, rules=None, remat=False, steps=2):
     mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-2), mesh=mesh, rules=rules,
