@@ -1,6 +1,9 @@
 """Simulated collectives behave like real ones where torch.compile can tell: peers read a
 snapshot of each input (never the live tensor, which the caller may overwrite as soon as
 the collective returns), and results have the strides the fake kernel promises."""
+import sys
+import time
+
 import pytest
 import torch
 
@@ -131,3 +134,85 @@ def test_eager_collectives_run_without_the_custom_op_and_compiled_ones_with_it()
         return eager, faked
     eager, faked = fpp.launch(fn, fpp.Mesh(dp_shard=N))[0]
     assert eager == 0 and faked >= 1
+
+
+def test_sleeping_devices_that_time_out_and_wake_late_keep_the_rendezvous_consistent(monkeypatch):
+    """A device waiting in a collective sleeps on its own lock and looks at the watchdog every
+    ``SimWorld.POLL`` seconds. With a tiny poll interval, sleeps time out all the time and
+    releases land just after a timeout: every exchange must still deliver the right values, and
+    afterwards every device's wake-up lock is held again with nobody left registered asleep
+    (a lost or duplicated release would show here, or raise 'release unlocked lock')."""
+    import random
+    import threading
+
+    from functional_pp.backends.sim import SimWorld
+    monkeypatch.setattr(SimWorld, "POLL", 1e-4)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                 # switch threads between any two bytecodes
+    n, rounds = 3, 400
+    world = SimWorld(n, timeout=60)
+    got, errors = [[] for _ in range(n)], []
+
+    def device(rank):
+        rng = random.Random(rank)
+        try:
+            for i in range(rounds):
+                if rng.random() < 0.3:
+                    time.sleep(rng.random() * 1e-3)     # arrive late: the others time out waiting
+                got[rank].append(world.exchange(rank, tuple(range(n)), (rank, i), ("exchange", i)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            world.abort(rank, exc)
+
+    threads = [threading.Thread(target=device, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    for rank in range(n):
+        assert got[rank] == [[(r, i) for r in range(n)] for i in range(rounds)]
+    assert not world._asleep and not world._slots
+    assert all(lock.locked() for lock in world._wake)
+
+
+def test_a_release_landing_just_after_a_sleep_timed_out_is_taken_once():
+    """The interleaving the stress test above only meets by chance, forced: device 0's sleep
+    times out just as device 1 completes the rendezvous and releases it. Device 0 must take
+    that release (its lock held again afterwards), or its next sleep would return at once and
+    a later release would fail on an unlocked lock."""
+    import threading
+
+    from functional_pp.backends.sim import SimWorld
+    world = SimWorld(2, timeout=60)
+    real = world._wake[0]
+    released = threading.Event()
+
+    class TimesOutAfterTheRelease:
+        first = True
+
+        def acquire(self, blocking=True, timeout=-1):
+            if timeout != -1 and self.first:           # the first sleep: "times out" after the release
+                self.first = False
+                released.wait(30)
+                return False
+            return real.acquire(blocking, timeout)
+
+        def release(self):
+            real.release()
+            released.set()
+
+    world._wake[0] = TimesOutAfterTheRelease()
+    out = []
+    t = threading.Thread(target=lambda: out.append(world.exchange(0, (0, 1), "a", ("x",))), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while 0 not in world._asleep and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert world.exchange(1, (0, 1), "b", ("x",)) == ["a", "b"]
+    t.join(timeout=30)
+    assert out == [["a", "b"]]
+    assert real.locked() and not world._asleep

@@ -26,20 +26,36 @@ class SimAborted(RuntimeError):
 class _Slot:
     """One rendezvous in progress: what each member deposited, and the shared result."""
 
-    __slots__ = ("data", "meta", "arrived", "left", "ready", "shared", "error", "cond")
+    __slots__ = ("data", "meta", "arrived", "waiters", "ready", "shared", "error")
 
-    def __init__(self, n: int, lock: threading.Lock):
+    def __init__(self, n: int):
         self.data: list = [None] * n
         self.meta: list = [None] * n
-        self.arrived = self.left = 0
+        self.arrived = 0
+        self.waiters: list[int] = []        # ranks asleep on this rendezvous
         self.ready = False
         self.shared: Any = None
         self.error: BaseException | None = None
-        self.cond = threading.Condition(lock)      # only this rendezvous's members wait on it
+
+
+def _asleep_lock() -> Any:
+    """A device's wake-up call: a held lock that the device blocks on and another releases."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 class SimWorld:
-    """Shared state of a set of simulated devices."""
+    """Shared state of a set of simulated devices.
+
+    A device waiting in a collective sleeps on its own held lock (the cheapest blocking call
+    in CPython: one futex, no condition variable, no shared lock to retake on waking); the
+    device that completes the rendezvous, a failing device and a returning one release the
+    sleepers they concern. ``_asleep`` (guarded by ``_lock``) holds the devices whose lock is
+    held and that nobody has released yet, so each sleep is released exactly once
+    (docs/simulation.md)."""
+
+    POLL = 1.0      # seconds between two looks of a sleeping device at the watchdog
 
     def __init__(self, size: int, timeout: float = 300.0):
         self.size = size
@@ -47,12 +63,20 @@ class SimWorld:
         self._lock = threading.Lock()
         self._slots: dict = {}
         self._seq = [defaultdict(int) for _ in range(size)]
+        self._wake = [_asleep_lock() for _ in range(size)]
+        self._asleep: set[int] = set()
         self.failure: tuple[int, BaseException] | None = None
         self.watch = Watch(size, timeout)    # early returns, no-progress timeout
 
+    def _release(self, ranks) -> None:
+        """Wake the sleeping devices among ``ranks`` (lock held)."""
+        for r in ranks:
+            if r in self._asleep:
+                self._asleep.discard(r)
+                self._wake[r].release()
+
     def _wake_all(self) -> None:
-        for slot in self._slots.values():
-            slot.cond.notify_all()
+        self._release(list(self._asleep))
 
     def finish(self, rank: int) -> None:
         """``rank`` returned from the launched function: collectives waiting for it fail."""
@@ -79,21 +103,24 @@ class SimWorld:
         to modify). Payloads are read only while every member is still inside the rendezvous."""
         n = len(group)
         idx = group.index(rank)
-        seq = self._seq[rank][group]
-        self._seq[rank][group] = seq + 1
+        seqs = self._seq[rank]
+        seq = seqs[group]
+        seqs[group] = seq + 1
         key = (group, seq)
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = _Slot(n, self._lock)
+                slot = self._slots[key] = _Slot(n)
             slot.data[idx] = payload
             slot.meta[idx] = meta
             slot.arrived += 1
             self.watch.enter(rank, meta[0], seq, group)
             owner = slot.arrived == n
-            if not owner:
-                self._wait(slot, rank, meta[0], seq, group)
-                self._leave(slot, key, rank)
+            if owner:
+                del self._slots[key]           # complete: every member holds the slot itself
+            else:
+                slot.waiters.append(rank)
+                self._asleep.add(rank)
         if owner:                      # compute outside the lock: others may enter other groups
             try:
                 metas = slot.meta
@@ -105,32 +132,40 @@ class SimWorld:
                 shared, error = None, exc
             with self._lock:
                 slot.shared, slot.error, slot.ready, slot.data = shared, error, True, None
-                slot.cond.notify_all()
-                self._leave(slot, key, rank)
+                self.watch.leave_all(group)
+                self._release(slot.waiters)
+        else:
+            self._wait(slot, rank, meta[0], seq, group)
         if slot.error is not None:
             raise _own_copy(slot.error) from slot.error
         return slot.shared
 
-    def _leave(self, slot: _Slot, key: tuple, rank: int) -> None:
-        self.watch.leave(rank)
-        slot.left += 1
-        if slot.left == len(slot.meta):
-            del self._slots[key]
-
     def _wait(self, slot: _Slot, rank: int, kind: str, seq: int, group: tuple[int, ...]) -> None:
-        """Wait (lock held) until ``slot`` is ready; raise if another device failed, a member
-        already returned, or nothing progressed for the timeout (``sim_watch``)."""
-        while not slot.ready:
-            if self.failure is not None:
-                raise SimAborted(f"device {self.failure[0]} failed")
-            missing = [group[i] for i, m in enumerate(slot.meta) if m is None]
-            try:
-                self.watch.check(rank, kind, seq, group, missing)
-            except (CollectiveTimeout, DeviceFinishedError) as err:
-                self.failure = self.failure or (rank, err)
-                self._wake_all()
-                raise
-            slot.cond.wait(timeout=min(self.timeout, 1.0))
+        """Sleep until ``slot`` is ready; raise if another device failed, a member already
+        returned, or nothing progressed for the timeout (``sim_watch``)."""
+        wake = self._wake[rank]
+        poll = min(self.timeout, self.POLL)
+        while True:
+            woke = wake.acquire(timeout=poll)
+            if woke and slot.ready:                # the usual way: released by the last member
+                return
+            with self._lock:
+                if rank in self._asleep:           # timed out and nobody released it
+                    self._asleep.discard(rank)
+                elif not woke:                     # released just after the timeout: take it
+                    wake.acquire(blocking=False)
+                if slot.ready:
+                    return
+                if self.failure is not None:
+                    raise SimAborted(f"device {self.failure[0]} failed")
+                missing = [group[i] for i, m in enumerate(slot.meta) if m is None]
+                try:
+                    self.watch.check(rank, kind, seq, group, missing)
+                except (CollectiveTimeout, DeviceFinishedError) as err:
+                    self.failure = self.failure or (rank, err)
+                    self._wake_all()
+                    raise
+                self._asleep.add(rank)             # sleep again
 
 
 def _own_copy(exc: Exception) -> Exception:
@@ -284,8 +319,8 @@ class SimBackend:
 
     def _op(self, x, kind, group, args=()):
         if runs_eagerly(x):              # plain Python: no custom-op dispatch in eager code
-            with torch.no_grad():
-                return run_collective(self.world, self.rank, x, kind, tuple(group), list(args))
+            # (no autograd either: run_collective computes from detached inputs only)
+            return run_collective(self.world, self.rank, x, kind, group if type(group) is tuple else tuple(group), args)
         if hasattr(group, "axes"):       # traced: the group of whichever device runs the graph
             return torch.ops.fpp_sim.collective_axes(x, kind, " ".join(group.axes), len(group), self._key,
                                                      list(args))

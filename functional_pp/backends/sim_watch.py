@@ -56,13 +56,15 @@ class Watch:
         self.last_progress = time.monotonic()
 
     def enter(self, rank: int, kind: str, seq: int, group: tuple[int, ...]) -> None:
-        self.waiting[rank] = (kind, seq, group, time.monotonic())
-        self.progress()
+        self.last_progress = now = time.monotonic()
+        self.waiting[rank] = (kind, seq, group, now)
 
-    def leave(self, rank: int) -> None:
-        kind, seq, _, _ = self.waiting.pop(rank, ("?", -1, (), 0.0))
-        self.last_done[rank] = f"{kind} #{seq}"
-        self.cpu.pop(rank, None)
+    def leave_all(self, ranks) -> None:
+        """The collective that ``ranks`` wait in is complete."""
+        for rank in ranks:
+            kind, seq, _, _ = self.waiting.pop(rank, ("?", -1, (), 0.0))
+            self.last_done[rank] = (kind, seq)
+            self.cpu.pop(rank, None)
         self.progress()
 
     def finish(self, rank: int) -> None:
@@ -105,7 +107,7 @@ class Watch:
             busy = cpu - self._process[1] >= 0.05 * (wall - self._process[0])
             self._process = (wall, cpu)
         moved = busy
-        for r, ident in self.threads.items():
+        for r, ident in list(self.threads.items()):   # a device may be starting
             if r in self.waiting or r in self.finished:
                 continue
             now = _cpu_seconds(ident)
@@ -129,6 +131,6 @@ class Watch:
                 state = f"waiting in {kind} #{seq} over devices {group} for {now - since:.0f}s"
             else:
                 after = self.last_done.get(r)
-                state = "running " + (f"(last collective: {after})" if after else "(no collective yet)")
+                state = "running " + (f"(last collective: {after[0]} #{after[1]})" if after else "(no collective yet)")
             lines.append(f"  device {r}: {state}")
         return "\n".join(lines)
