@@ -195,15 +195,17 @@ def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reduction(op: str) -> Callable[[list, list[int]], torch.Tensor]:
-    """Left-to-right reduction of the group's tensors into a copy of the first (the order, and
-    so the rounding, of ``functools.reduce(torch.add, data)``)."""
+    """Left-to-right reduction of the group's tensors into a new tensor (the order, and so the
+    rounding, of ``functools.reduce(torch.add, data)``): the first two combined out of place,
+    the others into that result."""
+    fn = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+
     def combine(data: list, args: list[int]) -> torch.Tensor:
-        out = _contiguous_copy(data[0])
-        for t in data[1:]:
-            if op == "sum":
-                out.add_(t)
-            else:
-                (torch.maximum if op == "max" else torch.minimum)(out, t, out=out)
+        if len(data) == 1:
+            return _contiguous_copy(data[0])
+        out = fn(data[0], data[1])
+        for t in data[2:]:
+            fn(out, t, out=out)
         return out
     return combine
 
