@@ -9,6 +9,13 @@ Meshes: 8 = dp_shard 2 x cp 2 x tp 2, 16 = dp_replicate 2 x dp_shard 2 x cp 2 x 
 is measured on device 0 between two barriers (all devices have finished the warm-up steps
 before, and the timed steps after); medians over ``--repeats`` runs of ``--steps`` steps.
 Process CPU time per step is reported too (less sensitive to other jobs on a shared machine).
+
+Where the time goes (docs/simulation.md): ``device_cpu_s`` is one device thread's CPU time per
+step (median over the devices), ``collectives_cpu_s`` the part of it inside simulated
+collectives (one more run of ``--steps`` steps with the collectives timed), and
+``ratio_without_collectives`` is N x (device_cpu_s - collectives_cpu_s) / one device's CPU
+time: the ratio if simulated collectives cost nothing and the devices' Python ran one at a
+time, as CPython's global interpreter lock makes it run.
 """
 from __future__ import annotations
 
@@ -16,11 +23,13 @@ import argparse
 import functools
 import json
 import statistics
+import threading
 import time
 
 import torch
 
 import functional_pp as fpp
+from functional_pp.backends import sim
 from functional_pp.data import DataLoader
 from functional_pp.models import llama
 
@@ -49,6 +58,26 @@ def _barrier(mesh: fpp.Mesh) -> None:
         fpp.psum(torch.zeros(()), tuple(a for a, s in mesh.shape.items() if s > 1))
 
 
+class _CollectiveClock(threading.local):
+    """Per device thread: whether simulated collectives are timed now, and their CPU seconds."""
+    on = False
+    seconds = 0.0
+
+
+_clock = _CollectiveClock()
+_run_collective = sim.run_collective
+
+
+def _timed_run_collective(*args):
+    if not _clock.on:
+        return _run_collective(*args)
+    t0 = time.thread_time()
+    try:
+        return _run_collective(*args)
+    finally:
+        _clock.seconds += time.thread_time() - t0
+
+
 def measure(n_devices: int, args) -> dict:
     """Seconds (wall and process CPU) per step on ``n_devices`` simulated devices."""
     cfg = llama.Config.tiny()
@@ -66,19 +95,32 @@ def measure(n_devices: int, args) -> dict:
                                  cp_rank=fpp.axis_index("cp"), cp_size=fpp.axis_size("cp")))
         for _ in range(args.warmup):
             state, metrics = step(state, next(loader))
-        walls, cpus = [], []
+        walls, cpus, mine = [], [], []
         for _ in range(args.repeats):
             _barrier(mesh)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, d0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(args.steps):
                 state, metrics = step(state, next(loader))
+            mine.append((time.thread_time() - d0) / args.steps)
             _barrier(mesh)
             walls.append((time.perf_counter() - t0) / args.steps)
             cpus.append((time.process_time() - c0) / args.steps)
-        return statistics.median(walls), statistics.median(cpus), float(metrics["loss"])
+        _clock.on, _clock.seconds = True, 0.0          # one more run, its collectives timed
+        for _ in range(args.steps):
+            state, metrics = step(state, next(loader))
+        _clock.on = False
+        return (statistics.median(walls), statistics.median(cpus), float(metrics["loss"]),
+                statistics.median(mine), _clock.seconds / args.steps)
 
-    wall, cpu, loss = fpp.launch(device, mesh)[0]
-    return {"wall_s": wall, "cpu_s": cpu, "last_loss": loss}
+    sim.run_collective = _timed_run_collective
+    try:
+        results = fpp.launch(device, mesh)
+    finally:
+        sim.run_collective = _run_collective
+    wall, cpu, loss = results[0][:3]
+    return {"wall_s": wall, "cpu_s": cpu, "last_loss": loss,
+            "device_cpu_s": statistics.median(r[3] for r in results),
+            "collectives_cpu_s": statistics.median(r[4] for r in results)}
 
 
 def main(argv=None) -> dict:
@@ -94,7 +136,9 @@ def main(argv=None) -> dict:
     out = {"model": "llama tiny", "global_batch": [args.batch, args.seq], "steps": args.steps,
            "devices": {str(n): r for n, r in results.items()},
            "ratio_wall": {str(n): r["wall_s"] / base["wall_s"] for n, r in results.items()},
-           "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in results.items()}}
+           "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in results.items()},
+           "ratio_without_collectives": {str(n): n * (r["device_cpu_s"] - r["collectives_cpu_s"]) / base["cpu_s"]
+                                         for n, r in results.items()}}
     print(json.dumps(out))
     return out
 

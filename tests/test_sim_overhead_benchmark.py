@@ -17,3 +17,7 @@ def test_sim_overhead_benchmark_smoke(capsys):
     assert out["ratio_cpu"]["2"] == pytest.approx(two["cpu_s"] / one["cpu_s"])
     assert out["ratio_wall"]["1"] == 1.0
     assert one["last_loss"] == pytest.approx(two["last_loss"], rel=1e-5)   # same model, same batch
+    # where the time goes: one device's thread time, the part in simulated collectives
+    assert one["collectives_cpu_s"] == 0 < two["collectives_cpu_s"] < two["device_cpu_s"]
+    assert out["ratio_without_collectives"]["2"] == pytest.approx(
+        2 * (two["device_cpu_s"] - two["collectives_cpu_s"]) / one["cpu_s"])
