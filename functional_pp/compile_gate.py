@@ -7,7 +7,8 @@ not depend on the device."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from .torch_private import cached_graph_count
 
@@ -42,14 +43,30 @@ class CompileGate:
         if done.is_set():
             return self._fn(*args)
         if not leader:
-            while not done.wait(0.05):
-                if cached_graph_count(self._code) > self._cached_before:
-                    break
+            with _turn_given_up(launch):      # the leader compiles meanwhile
+                while not done.wait(0.05):
+                    if cached_graph_count(self._code) > self._cached_before:
+                        break
             return self._fn(*args)
         try:
             return self._fn(*args)
         finally:
             done.set()
+
+
+@contextmanager
+def _turn_given_up(world: Any) -> Iterator[None]:
+    """Let other simulated devices run while this one waits (backends/sim_turns.py)."""
+    if world is None:
+        yield
+        return
+    from .runtime import current_context
+    rank = current_context().rank
+    world.turns.give(rank)
+    try:
+        yield
+    finally:
+        world.turns.take(rank)
 
 
 def _current_launch() -> Any:

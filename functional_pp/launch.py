@@ -68,7 +68,7 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
 
     def run(rank: int) -> None:
         ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)
-        world.watch.started(rank)
+        world.start(rank)
         with thread_context(ctx), _compile_cache_limits(mesh.size):
             try:
                 results[rank] = fn()

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..torch_private import runs_eagerly
+from .sim_turns import Turns
 from .sim_watch import CollectiveTimeout, DeviceFinishedError, Watch  # noqa: F401 (re-exported)
 
 
@@ -56,6 +57,7 @@ class SimWorld:
     (docs/simulation.md)."""
 
     POLL = 1.0      # seconds between two looks of a sleeping device at the watchdog
+    RUNNING = 1     # devices that run at once (sim_turns.py; docs/simulation.md)
 
     def __init__(self, size: int, timeout: float = 300.0):
         self.size = size
@@ -67,6 +69,7 @@ class SimWorld:
         self._asleep: set[int] = set()
         self.failure: tuple[int, BaseException] | None = None
         self.watch = Watch(size, timeout)    # early returns, no-progress timeout
+        self.turns = Turns(size, self.RUNNING)
 
     def _release(self, ranks) -> None:
         """Wake the sleeping devices among ``ranks`` (lock held)."""
@@ -78,13 +81,20 @@ class SimWorld:
     def _wake_all(self) -> None:
         self._release(list(self._asleep))
 
+    def start(self, rank: int) -> None:
+        """``rank`` starts running the launched function (on its own thread)."""
+        self.watch.started(rank)
+        self.turns.take(rank)
+
     def finish(self, rank: int) -> None:
         """``rank`` returned from the launched function: collectives waiting for it fail."""
+        self.turns.give(rank)
         with self._lock:
             self.watch.finish(rank)
             self._wake_all()
 
     def abort(self, rank: int, exc: BaseException) -> None:
+        self.turns.give(rank)
         with self._lock:
             if self.failure is None:
                 self.failure = (rank, exc)
@@ -135,7 +145,9 @@ class SimWorld:
                 self.watch.leave_all(group)
                 self._release(slot.waiters)
         else:
+            self.turns.give(rank)              # another device runs while this one sleeps
             self._wait(slot, rank, meta[0], seq, group)
+            self.turns.take(rank)
         if slot.error is not None:
             raise _own_copy(slot.error) from slot.error
         return slot.shared

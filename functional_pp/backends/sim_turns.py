@@ -1,0 +1,94 @@
+"""Turns for simulated devices: at most ``limit`` device threads run at once (docs/simulation.md).
+
+Simulated devices are threads of one process, so CPython's global interpreter lock lets only
+one of them run Python at a time anyway. When many can run, every torch op (which releases
+the lock) wakes a waiting thread on another core that mostly finds the lock taken again: on
+an idle 2-core machine 16 devices then spent about 3x the CPU time of the same devices taking
+turns. A device gives its turn up while it sleeps in a collective (or waits for a compilation)
+and takes one before running again; turns go to waiting devices first come, first served.
+
+A device that holds a turn but is blocked outside any collective (a barrier of its own, a
+sleep, a lock) would keep the others waiting: a device waiting for a turn looks every
+``patience`` seconds at the CPU clocks of the devices holding one, and runs without a turn
+when none of them used CPU time since its last look. Turns never decide what runs, only when.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+def _cpu_seconds(ident: int | None) -> float | None:
+    """CPU time of the thread ``ident`` (None where the platform cannot tell)."""
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, ValueError, OverflowError):
+        return None
+
+
+class Turns:
+    """At most ``limit`` of ``size`` devices hold a turn; :meth:`take` waits for one (first
+    come, first served, handed over directly by :meth:`give`)."""
+
+    def __init__(self, size: int, limit: int = 1, patience: float = 0.02):
+        self.limit, self.patience = limit, patience
+        self._lock = threading.Lock()
+        self._free = limit
+        self._queue: deque[int] = deque()
+        self._holding = [False] * size
+        self._threads: list[int | None] = [None] * size
+        self._wake = [threading.Lock() for _ in range(size)]
+        for lock in self._wake:
+            lock.acquire()                   # held: a waiting device blocks on its own lock
+
+    def take(self, rank: int) -> None:
+        """Wait for a turn for ``rank`` (running on its own thread)."""
+        self._threads[rank] = threading.get_ident()
+        with self._lock:
+            if self._holding[rank]:
+                return
+            if self._free > 0:
+                self._free -= 1
+                self._holding[rank] = True
+                return
+            self._queue.append(rank)
+        wake = self._wake[rank]
+        seen = self._holders_cpu()
+        while not wake.acquire(timeout=self.patience):
+            with self._lock:
+                if rank not in self._queue:          # handed a turn just after the timeout
+                    wake.acquire(blocking=False)
+                    return
+                now = self._holders_cpu()
+                if now is None or now == seen:       # the holders are blocked: run anyway
+                    self._queue.remove(rank)
+                    return
+                seen = now
+
+    def give(self, rank: int) -> None:
+        """``rank`` stops running for now (sleeps, waits, returns): its turn goes to the device
+        that has waited longest."""
+        with self._lock:
+            if not self._holding[rank]:
+                return
+            self._holding[rank] = False
+            if self._queue:
+                nxt = self._queue.popleft()
+                self._holding[nxt] = True
+                self._wake[nxt].release()
+            else:
+                self._free += 1
+
+    def _holders_cpu(self) -> tuple | None:
+        """CPU seconds of the devices holding a turn, rounded to 1 ms (None: unknown)."""
+        seconds = []
+        for r, holding in enumerate(self._holding):
+            if holding:
+                cpu = _cpu_seconds(self._threads[r])
+                if cpu is None:
+                    return None
+                seconds.append(round(cpu, 3))
+        return tuple(seconds)
