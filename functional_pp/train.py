@@ -120,7 +120,7 @@ class TrainStep:
         """Training state from a tree of named parameters (``functional_pp.init``): fp32
         master shards, optimizer state (sharded like the parameters), step counters."""
         import optree
-        leaves, treespec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
         if bad:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "

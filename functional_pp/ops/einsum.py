@@ -5,8 +5,8 @@ import functools
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, require_named, pvary, relayout, settle, varying_after
-from .regather import regather_scope
+from ..named import Named, _make, _memo_beside, env, require_named, pvary, settle, varying_after
+from .regather import regather_scope, relayout
 
 
 def parse_pattern(pattern: str, n_operands: int) -> tuple[list[list[str]], list[str]]:
