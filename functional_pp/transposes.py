@@ -13,9 +13,9 @@ from .raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gathe
 from .recompute import traced_as_backward
 
 
-# One Function per collective, its forward and its transpose (the backward) written out; the
-# table of transposes is docs/collectives.md. The non-tensor arguments (mesh axes, dimensions,
-# pairs) are kept for backward by _Collective.setup_context as ``ctx.args``.
+# One Function per collective, its forward and its transpose (the backward) named in the class;
+# the table of transposes is docs/collectives.md. The non-tensor arguments (mesh axes,
+# dimensions, pairs) are kept for backward by _Collective.setup_context as ``ctx.args``.
 class _Collective(torch.autograd.Function):
     """Base of the collectives' autograd functions: ``forward(x, *args)`` with one tensor;
     ``setup_context`` keeps ``args`` for the backward."""
@@ -149,9 +149,7 @@ class _SliceVarying(_Collective):
     Transpose: the cotangent zero-padded back to the whole dimension (the other blocks did not
     reach this device's output, so their gradient here is zero)."""
 
-    @staticmethod
-    def forward(x, axes, dim):
-        return _local_chunk(x, axes, dim)
+    forward = staticmethod(_local_chunk)
 
     @staticmethod
     def backward(ctx, g):
