@@ -27,6 +27,8 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     shard (``gathered_from``), so that backward re-gathers it instead of saving it; under
     torch.compile a parameter's all-gather is tagged for the re-gather (functional_pp/recompute.py)
     unless ``keep_gathered``. ``op`` names the operation in errors."""
+    if isinstance(x, Named) and x._split == target and not x._partial:   # already there (common)
+        return x
     return relayout_with(x, target, lambda x, target: _reshard_keeping_shard(x, target, op))
 
 
