@@ -17,6 +17,7 @@ def _most_running_at_once(n_devices: int) -> int:
     a = torch.randn(96, 96)
 
     def fn():
+        fpp.psum(torch.ones(()), "dp_shard")          # first calls (lazy set-up) may take long
         for _ in range(20):
             with lock:
                 state["now"] += 1
@@ -30,7 +31,9 @@ def _most_running_at_once(n_devices: int) -> int:
     return state["most"]
 
 
-def test_one_device_runs_at_a_time():
+def test_one_device_runs_at_a_time(monkeypatch):
+    from functional_pp.backends.sim_turns import Turns
+    monkeypatch.setattr(Turns, "GIVE_UP", 120.0)    # a holder slowed down by a busy machine waits
     assert SimWorld.RUNNING == 1
     assert _most_running_at_once(4) == 1
 
@@ -88,3 +91,27 @@ def test_take_and_give_keep_count(limit):
     turns.give(0)
     turns.give(0)                                   # giving twice gives once
     assert turns._free == 1
+
+
+def test_a_holder_spinning_while_it_waits_for_another_device_holds_it_up_for_give_up_seconds_only():
+    """A turn holder busy-waiting (its CPU clock moves) for a device without a turn: that
+    device runs anyway once it has waited ``give_up`` seconds."""
+    import time
+
+    from functional_pp.backends.sim_turns import Turns
+    turns = Turns(2, limit=1, patience=0.01, give_up=0.3)
+    turns.take(0)
+    flag = threading.Event()
+
+    def other():
+        turns.take(1)
+        flag.set()
+    t = threading.Thread(target=other, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    while not flag.is_set() and time.monotonic() - t0 < 30:
+        sum(range(1000))                             # spin: the holder's CPU clock moves
+    waited = time.monotonic() - t0
+    assert flag.is_set() and 0.25 < waited < 10, waited
+    turns.give(0)
+    t.join(timeout=10)
