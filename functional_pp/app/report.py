@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..config import TrainConfig
+from ..config import TrainConfig, model_family
 from ..layout import local_shape
-from ..models import llama
 from ..tree import count_params, leaves_with_paths
 from .world import World
 
@@ -48,7 +47,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
              device_text: str | None = None, val=None) -> str:
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
-    decls = llama.init(model_cfg)
+    family = model_family(cfg)
+    decls = family.param_decls(model_cfg)
     total, local = param_memory(decls, mesh, rules)
     per, what = _state_bytes_per_param(cfg)
     dp = cfg.dp_size(mesh, rules)
@@ -57,12 +57,12 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
     rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
-                          ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
+                          family.summary_fields)
     lines = [
         f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
         f"mesh:       {mesh_txt} = {mesh.size} devices",
         f"rules:      {rules_txt}",
-        f"model:      llama {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
+        f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
         f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
         f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "

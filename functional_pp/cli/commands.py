@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, model_family
 
 __all__ = ["add_commands", "run_command"]
 
@@ -64,9 +64,9 @@ def _validate(args: argparse.Namespace) -> int:
         rules = cfg.build_rules(mesh)
         data = load_data(cfg)
         model_cfg = model_config(cfg)
-        if data.vocab_size > model_cfg.vocab:
-            raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only "
-                              f"{model_cfg.vocab}")
+        vocab = model_family(cfg).vocab_size(model_cfg)
+        if data.vocab_size > vocab:
+            raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only {vocab}")
         cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,

@@ -17,10 +17,10 @@ LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from ..models import llama
-    model_cfg = cfg.model.build()
+    from ..config import model_family
+    family, model_cfg = model_family(cfg), cfg.model.build()
     dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
-    return functools.partial(llama.loss, cfg=model_cfg), llama.init(model_cfg, dtype)
+    return functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg, dtype)
 
 
 def global_batch_for(cfg, n_devices: int) -> int:
