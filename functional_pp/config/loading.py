@@ -72,7 +72,7 @@ def _parse_rules(value: Any, issues: Issues) -> dict:
     """``rules``: dimension name -> mesh axis, list of mesh axes, or null."""
     rules = value or {}
     if not isinstance(rules, Mapping):
-        issues.add(f"'rules' must map logical axes to mesh axes, got {rules!r}")
+        issues.add(f"'rules' must map dimension names to mesh axes, got {rules!r}")
         return {}
     for k, v in rules.items():
         ok = v is None or isinstance(v, str) or (isinstance(v, (list, tuple))

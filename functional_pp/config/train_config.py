@@ -115,7 +115,7 @@ class TrainConfig:
                              factory=ModelConfig)
     data: DataConfig = fld(help="a single corpus (when there is no datasets list)",
                            factory=DataConfig)
-    rules: dict = fld(help="logical axis -> mesh axis / list / null, replacing the defaults",
+    rules: dict = fld(help="dimension name -> mesh axis / list / null, replacing the defaults",
                       factory=dict)
     logging: LoggingConfig = fld(help="output directory and progress line", factory=LoggingConfig)
     checkpoint: CheckpointConfig = fld(help="checkpoint saving", factory=CheckpointConfig)

@@ -86,7 +86,7 @@ class Config:
 
 
 def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
-    """Parameter declarations (shapes, logical axes, initializers)."""
+    """Parameter declarations (shapes, dimension names, initializers)."""
     D, std = cfg.dim_head, cfg.init_std
     out_std = std / (2 * cfg.layers) ** 0.5
 
