@@ -12,8 +12,8 @@ from .schema import ConfigError, Issues, fld, parse_section, suggest
 __all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS",
            "DEFAULT_FAMILY"]
 
-PRESETS = ("tiny", "1b", "8b", "70b")       # the llama family's presets (functional_pp.models)
 DEFAULT_FAMILY = "llama"
+PRESETS = tuple(get_family(DEFAULT_FAMILY).presets)     # llama's: tiny, 1b, 8b, 70b
 
 
 # ----------------------------------------------------------------------------- sections

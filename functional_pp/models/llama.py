@@ -90,8 +90,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     D, std = cfg.dim_head, cfg.init_std
     out_std = std / (2 * cfg.layers) ** 0.5
 
-    def w(shape, axes, s=std):
-        return param(shape, axes, init="normal", scale=s, dtype=dtype)
+    def w(shape, dims, s=std):
+        return param(shape, dims, init="normal", scale=s, dtype=dtype)
 
     def norm():
         return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
