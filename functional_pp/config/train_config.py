@@ -111,7 +111,7 @@ class TrainConfig:
     wandb_name: str | None = fld(None, "W&B run name")
     wandb_entity: str | None = fld(None, "W&B entity")
     # sections
-    model: ModelConfig = fld(help="model preset and overrides (training from scratch)",
+    model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
                              factory=ModelConfig)
     data: DataConfig = fld(help="a single corpus (when there is no datasets list)",
                            factory=DataConfig)
