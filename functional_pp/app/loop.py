@@ -1,7 +1,8 @@
 """The training loop behind ``functional-pp train``: a :class:`~functional_pp.config.TrainConfig`
-in, a trained (and checkpointed) model out; the model is the config's family
-(:mod:`functional_pp.models.family`: Llama unless ``model.family`` names another). (:mod:`functional_pp.train` is the training
-*step*; this module runs it in a loop with data, checkpoints, logging and signals.)
+in, a trained (and checkpointed) model out: the config's model family
+(:mod:`functional_pp.models.family`; Llama unless ``model.family`` names another, docs/models.md).
+(:mod:`functional_pp.train` is the training *step*; this module runs it in a loop with data,
+checkpoints, logging and signals.)
 
 ``train(cfg, simulate=8)`` checks the config against the world size, loads the corpus, prints
 the mesh, the rules, the parameter count and the per-device memory, then runs on every device
@@ -30,7 +31,7 @@ from typing import IO
 import torch
 
 from .. import checkpoint as ck
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, model_family
 from ..seeds import check_seed
 from ..launch import launch, under_torchrun
 from .metrics import read_metrics, trim_metrics
@@ -101,7 +102,6 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     from ..data import DataLoader, batch_shard
     from ..init import init as init_named
     from .evaluate import evaluate
-    from ..config import model_family
     from .inputs import base_params, check_batches, load_data, model_config
     from .world import describe_device, peak_flops, select_device
     from ..runtime import current_context
