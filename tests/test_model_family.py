@@ -103,6 +103,13 @@ def test_family_config_is_checked_against_the_mesh_and_its_names(mlp_family):
         model_config(cfg)
 
 
+def test_layout_search_refuses_a_family_without_llamas_dimension_names(mlp_family):
+    from functional_pp.cli.plan import rank_layouts
+    cfg = TrainConfig.from_dict({"model": {"family": "mlp_lm"}, "layout": "auto"})
+    with pytest.raises(ConfigError, match="model family 'mlp_lm' has no res_seq, hidden, heads, kv_heads, mlp: give"):
+        rank_layouts(cfg, 2)
+
+
 def test_unknown_family_names_the_known_ones(mlp_family):
     with pytest.raises(UnknownFamilyError, match=r"unknown model family 'gpt'; known families: llama, mlp_lm"):
         get_family("gpt")
