@@ -27,6 +27,9 @@ def add_commands(sub) -> None:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, as for train")
     v.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
+    v.add_argument("--memory", action="store_true",
+                   help="also dry-run one training step (functional_pp.plan.estimate) and print the "
+                        "peak memory per device with activations and temporaries (a few seconds)")
     e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory",
                        description="Export the newest checkpoint of RUN_DIR (or a checkpoint "
                                    "directory) as config.json + safetensors shards with an index "
@@ -50,7 +53,7 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 def _validate(args: argparse.Namespace) -> int:
     from ..app.inputs import check_batches, load_data, model_config
-    from ..app.report import describe
+    from ..app.report import describe, planned_memory
     from ..app.world import describe_device, resolve_world, select_device
     from ..launch import under_torchrun
     try:
@@ -71,6 +74,8 @@ def _validate(args: argparse.Namespace) -> int:
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size), val=data.val))
+        if args.memory:
+            print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2
