@@ -5,6 +5,7 @@ the same ``functional-pp train`` loop, on one device and with FSDP over two simu
 ones named (functional_pp/models/family.py)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from dataclasses import dataclass
@@ -117,7 +118,9 @@ def test_unknown_family_names_the_known_ones(mlp_family):
                                           r"llama, mlp_lm"):
         TrainConfig.from_dict({"model": {"family": "gtp2", "preset": "tiny"}})
     with pytest.raises(ValueError, match="'mlp_lm' is already registered"):
-        register(ModelFamily(**{**MLP_LM.__dict__, "presets": {}}))
+        register(dataclasses.replace(MLP_LM, summary_fields=()))
+    with pytest.raises(ValueError, match="ModelFamily 'other': give at least one preset"):
+        dataclasses.replace(MLP_LM, name="other", presets={})
     assert family_names() == ["llama", "mlp_lm"]
 
 

@@ -44,6 +44,13 @@ class ModelFamily:
     vocab_size: Callable[[Any], int] = field(default=lambda cfg: cfg.vocab)
     hf_config_from_dict: Callable[[dict], Any] | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ModelFamily: name must be a non-empty string, got {self.name!r}")
+        if not self.presets:
+            raise ValueError(f"ModelFamily {self.name!r}: give at least one preset (a name -> a "
+                             f"function of field overrides returning a {self.config_class.__name__})")
+
     def build_config(self, preset: str, **overrides: Any) -> Any:
         """The config of ``preset`` with ``overrides`` (field values) applied."""
         if preset not in self.presets:
