@@ -160,7 +160,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                          max_consecutive_skips=cfg.max_consecutive_skips,
                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
-                         batch_dims=batch_dims)
+                         batch_dims=batch_dims,
+                         donate_state=True)   # the loop never reads a step's input state again
     metrics_path = out_dir / METRICS
     eval_every = cfg.eval_steps or cfg.logging.log_every
 
