@@ -134,7 +134,7 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     known = known_dims(cfg)
     for dim in cfg.rules:
         if dim not in known:
-            raise ConfigError(f"rules: unknown logical axis '{dim}'{suggest(dim, sorted(known))}")
+            raise ConfigError(f"rules: unknown dim name '{dim}'{suggest(dim, sorted(known))}")
     _check_batch_and_sequence(cfg, mesh, rules)
     _check_model_layout(cfg, mesh, rules)
     _check_paths(cfg)
