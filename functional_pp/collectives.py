@@ -17,7 +17,7 @@ from . import comm
 from .mesh import as_axes
 from .recompute import traced_as_backward
 from .runtime import current_context, options
-from .torch_private import apply_function
+from .torch_private import apply_function, is_tracing
 
 AxisName = str | Sequence[str]
 
@@ -41,7 +41,7 @@ class AxesGroup:
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
     axes = ctx.mesh.check_axes(axis_name, where)
-    if ctx.simulated and torch.compiler.is_compiling():
+    if ctx.simulated and is_tracing():
         return ctx, axes, AxesGroup(axes, ctx.mesh.axis_size(axes))
     return ctx, axes, ctx.mesh.group(ctx.rank, axes)
 
@@ -178,7 +178,7 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.axes = inputs[1]
-        ctx.param = not torch.compiler.is_compiling() and _feeds_leaf(inputs[0])
+        ctx.param = not is_tracing() and _feeds_leaf(inputs[0])
 
     @staticmethod
     @traced_as_backward

@@ -22,6 +22,7 @@ import torch
 from . import comm
 from .collectives import _group, raw_all_gather, raw_reduce_scatter
 from .named import Named, configure, env, options, pvary
+from .torch_private import is_tracing
 
 _local = threading.local()
 
@@ -193,7 +194,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     replaced by their gathered values (one flat all-gather per group of axes and dtype), and
     the context to run the layer in (re-gather hooks). Unchanged outside :func:`fsdp_units`."""
     from contextlib import nullcontext
-    if not getattr(_local, "enabled", False) or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
         return args, nullcontext()
     data_axes, mesh, rules = _data_axes()
     leaves, spec = optree.tree_flatten(args, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)

@@ -24,14 +24,14 @@ from .compile_gate import CompileGate
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
-from .layer_compile import compiled_layers, layer_backend, split_mode
+from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
-from .torch_private import trace_backward
+from .torch_private import is_tracing, trace_backward
 from .tree import leaves_with_paths, tree_leaves, tree_map
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
@@ -52,10 +52,10 @@ class ParamSpec:
 
     def split_axes(self, mesh) -> list[tuple[str, ...]]:
         """Per leaf, the mesh axes (in mesh order) that split it; derived once per mesh."""
-        cached = None if torch.compiler.is_compiling() else self._axes.get(mesh)
+        cached = None if is_tracing() else self._axes.get(mesh)
         if cached is None:
             cached = [tuple(a for a in mesh.axis_names if any(a in s for s in layout)) for layout in self.layouts]
-            if not torch.compiler.is_compiling():
+            if not is_tracing():
                 self._axes[mesh] = cached
         return cached
 
@@ -251,9 +251,7 @@ class TrainStep:
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            # compiled layers hand back their gradients in a device-dependent order: per weight
-            bucket_mb = None if layer_backend() is not None else self.bucket_mb
-            with backward_region(), grad_buckets(bucket_mb) as buckets:   # docs/communication.md
+            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed
@@ -262,10 +260,10 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        if torch.compiler.is_compiling() and PRECISIONS[self.precision] is not None:
+        if is_tracing() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
-        donate = not torch.compiler.is_compiling()
+        donate = not is_tracing()
         grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
         grads = None
         grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
@@ -298,7 +296,7 @@ class TrainStep:
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
         (docs/bad_inputs.md §2)."""
         leaves = tree_leaves(new_params)
-        if torch.compiler.is_compiling():
+        if is_tracing():
             return torch.isfinite(self._sq_reducer([(u * 0).sum() for u in leaves]))
         # eager: one foreach max-|u| (NaN or inf iff the leaf holds one) for all leaves, times 0
         full = [i for i, u in enumerate(leaves) if u.numel()]

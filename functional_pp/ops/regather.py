@@ -15,6 +15,7 @@ from ..collectives import raw_all_gather
 from ..named import Named, options
 from ..order import from_balanced
 from ..observers import saved_for_backward
+from ..torch_private import is_tracing
 
 
 @contextmanager
@@ -54,6 +55,6 @@ _NOTHING = nullcontext()
 def regather_scope(operands: Sequence[Named]):
     """Context for computing with ``operands``: gathered weights among them are not saved."""
     recipes = [(x.data, x.gathered_from) for x in operands if isinstance(x, Named) and x.gathered_from]
-    if not recipes or options().keep_gathered or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if not recipes or options().keep_gathered or is_tracing() or not torch.is_grad_enabled():
         return _NOTHING
     return _hooks(recipes)
