@@ -18,7 +18,8 @@ import torch
 from . import optim
 from .barrier import materialize
 from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
-from .fsdp_units import fsdp_units as layer_units
+from .fsdp_order import UnitOrder
+from .fsdp_units import begin_forward, fsdp_units as layer_units
 from .collectives import psum
 from .compile_gate import CompileGate
 from .compiler import step_backend
@@ -94,6 +95,7 @@ class TrainStep:
     bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
     fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
+    fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -114,6 +116,7 @@ class TrainStep:
         self.spec: ParamSpec | None = None
         self._compiled = None
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
+        self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -171,7 +174,8 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
-                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
+                            prefetch=self.fsdp_prefetch, order=self._unit_order), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -247,7 +251,10 @@ class TrainStep:
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
-            loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
+            named_params = self._named_params(xs, treespec)
+            begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
+            loss_named = settle(self.loss_fn(named_params, named_batch))
+            named_params = None
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
