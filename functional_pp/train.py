@@ -96,6 +96,9 @@ class TrainStep:
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
     fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
     fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
+    donate_state: bool = False            # write the new parameters and optimizer state into the
+    #                                       state passed in (the caller's old state is overwritten;
+    #                                       docs/memory.md "Donated state")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -123,7 +126,7 @@ class TrainStep:
         """Training state from a tree of named parameters (``functional_pp.init``): fp32
         master shards, optimizer state (sharded like the parameters), step counters."""
         import optree
-        leaves, treespec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
         if bad:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
@@ -292,6 +295,8 @@ class TrainStep:
         new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
         new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        if self.donate_state:            # the caller gave up the old state: update it in place
+            new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
                    **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
@@ -356,6 +361,18 @@ def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
     if in_place and new is not old and new.dtype == old.dtype and new.shape == old.shape:
         return torch.where(finite, new, old, out=new)
     return torch.where(finite, new, old)
+
+
+def _write_into(old: Any, new: Any) -> Any:
+    """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
+    shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
+    input mutations that inductor stores straight into the inputs (docs/memory.md)."""
+    def write(o: Any, n: Any) -> Any:
+        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+                and o.shape == n.shape and o.dtype == n.dtype):
+            return o.copy_(n)
+        return n
+    return tree_map(write, old, new)
 
 
 def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, _make, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, env, options, pvary, require_named, settle, target_layout, varying_after
+from .regather import relayout
 from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, pvary, relayout, settle, varying_after
-from .regather import regather_scope
+from ..named import Named, _make, _memo_beside, env, pvary, settle, varying_after
+from .regather import regather_scope, relayout
 from ..torch_private import is_tracing
 
 

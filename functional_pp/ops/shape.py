@@ -4,7 +4,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ..named import Named, _make, env, relayout, require_named, settle, target_layout
+from ..named import Named, _make, env, require_named, settle, target_layout
+from .regather import relayout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
