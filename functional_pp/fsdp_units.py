@@ -49,6 +49,9 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
         else:
             _local.root_options = None
             yield
+    except BaseException:
+        _local.pending = None     # the step failed: do not wait for peers that may be gone
+        raise
     finally:
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
