@@ -112,3 +112,16 @@ def test_forward_prefetch_on_gloo_processes():
             _assert_prefetched(events, CFG.layers)
         for events in t0:
             _assert_not_prefetched(events, CFG.layers)
+
+
+def test_forward_prefetch_with_accumulation_remat_and_hsdp_is_bitwise():
+    """Micro-batches replay the previous micro-batch's order; remat's recomputation in
+    backward gathers without prefetching; HSDP's replicate sums are unchanged."""
+    from harness import assert_same_run, train_steps
+    data = DATA[:2]
+    for mesh, kw in [(MESH, dict(grad_accum=2, remat=True)), (fpp.Mesh(dp_replicate=2, dp_shard=2), {})]:
+        on = fpp.launch(train_steps(CFG, data, mesh, RULES, fsdp_prefetch=True, **kw), mesh)
+        off = fpp.launch(train_steps(CFG, data, mesh, RULES, fsdp_prefetch=False, **kw), mesh)
+        for a, b in zip(on, off):
+            assert_same_run(a, b)
+            assert sorted(map(repr, a[2])) == sorted(map(repr, b[2]))
