@@ -3,6 +3,8 @@ all-gather per group of mesh axes when the layer starts, their gradients reduce-
 one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
+The gather of the next unit is launched before a unit computes: in backward the re-gather of
+the layer before, in forward the unit the last forward called next (``fsdp_order.py``).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -24,7 +26,6 @@ from .collectives import _group, raw_reduce_scatter
 from .fsdp_order import UnitOrder, trace
 from .named import Named, configure, env, options, pvary
 from .torch_private import in_backward, is_tracing
-from .torch_private import is_tracing
 
 _local = threading.local()
 
