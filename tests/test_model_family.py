@@ -92,7 +92,7 @@ def test_family_config_is_checked_against_the_mesh_and_its_names(mlp_family):
     with pytest.raises(ConfigError, match="'embd' has size 16"):
         cfg.validate(3)                          # embd (16) does not split over 3 devices
     cfg = TrainConfig.from_dict({"model": {"family": "mlp_lm"}, "rules": {"hidden": "dp_shard"}})
-    with pytest.raises(ConfigError, match="unknown logical axis 'hidden'"):
+    with pytest.raises(ConfigError, match="unknown dim name 'hidden'"):
         cfg.validate(1)                          # a Llama name, not this family's
     with pytest.raises(ConfigError, match=r"unknown key 'model.layers' \(valid: embd, ff, vocab\)"):
         TrainConfig.from_dict({"model": {"family": "mlp_lm", "layers": 2}})

@@ -24,7 +24,7 @@ def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
     (every device holds equal blocks)."""
     local = 0
     for path, d in leaves_with_paths(decls):
-        local += math.prod(local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, name=path), mesh))
+        local += math.prod(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, name=path), mesh))
     return count_params(decls), local
 
 

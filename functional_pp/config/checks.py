@@ -134,7 +134,7 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     known = known_dims(cfg)
     for dim in cfg.rules:
         if dim not in known:
-            raise ConfigError(f"rules: unknown logical axis '{dim}'{suggest(dim, sorted(known))}")
+            raise ConfigError(f"rules: unknown dim name '{dim}'{suggest(dim, sorted(known))}")
     _check_batch_and_sequence(cfg, mesh, rules)
     _check_model_layout(cfg, mesh, rules)
     _check_paths(cfg)
@@ -190,7 +190,7 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
         for dims, shape in family.activations(model, micro_global, cfg.sequence_len).items():
             rules.resolve(tuple(dims.split()), shape, mesh, name=f"activations ({dims})")
         for path, decl in leaves_with_paths(family.param_decls(model)):
-            rules.resolve(decl.axes, decl.shape, mesh, name=f"parameter {path}")
+            rules.resolve(decl.dims, decl.shape, mesh, name=f"parameter {path}")
     except ValueError as exc:
         what = f"base_model {cfg.base_model!r}" if cfg.base_model else f"model preset {cfg.model.preset!r}"
         raise ConfigError(f"{exc} ({what}, mesh {dict(mesh.shape)})") from exc
