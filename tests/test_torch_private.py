@@ -96,3 +96,13 @@ def test_is_tracing_belongs_to_the_compiling_thread():
     def traced(x):
         return x + 1 if torch_private.is_tracing() else x - 1
     assert traced(torch.zeros(1)).item() == 1.0           # inside dynamo's trace: True
+
+
+def test_the_package_asks_is_tracing_not_the_process_wide_flag():
+    """Every "am I traced?" test of the package goes through torch_private.is_tracing (see
+    above); a direct torch.compiler.is_compiling() would misfire on simulated devices."""
+    import pathlib
+    root = pathlib.Path(torch_private.__file__).parent
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "torch_private.py" and "torch.compiler.is_compiling(" in p.read_text()]
+    assert not offenders, f"use functional_pp.torch_private.is_tracing() in {offenders}"
