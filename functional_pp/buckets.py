@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from . import comm
 from .collectives import _group, _reduce_dtype, set_gradient_sink
 from .runtime import current_context
+from .torch_private import is_tracing
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -174,7 +175,7 @@ def grad_buckets(bucket_mb: float | None) -> Iterator[GradBuckets | None]:
     """Collect the data-parallel gradient all-reduces of the backward passes inside the block
     into buckets of ``bucket_mb`` megabytes (None: reduce every gradient at once, unbucketed).
     Call ``finish`` on the yielded object with the gradients before leaving the block."""
-    if bucket_mb is None or torch.compiler.is_compiling():
+    if bucket_mb is None or is_tracing():
         yield None
         return
     buckets = GradBuckets(bucket_mb)

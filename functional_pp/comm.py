@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from .recompute import BACKWARD
-from .torch_private import annotate, in_backward
+from .torch_private import annotate, in_backward, is_tracing
 
 TRACED = "fpp_comm"    # node.meta["custom"] key of a collective traced under torch.compile
 
@@ -115,7 +115,7 @@ def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, backward: 
     """Record one collective (``backward``: whether it belongs to the backward pass; by
     default, whether autograd is running a backward function now)."""
     stack = getattr(_local, "stack", None)
-    if not stack or torch.compiler.is_compiling():
+    if not stack or is_tracing():
         return
     event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
@@ -129,7 +129,7 @@ def recording(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, sends: 
               backward: bool | None = None) -> Iterator[None]:
     """Around a collective: record it now (eager), or, under ``torch.compile``, tag the graph
     nodes it traces so each run of the compiled graph records it (:func:`replay`)."""
-    if not torch.compiler.is_compiling():
+    if not is_tracing():
         if sends:
             record(kind, axes, n, x, backward)
         yield

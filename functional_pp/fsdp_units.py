@@ -3,6 +3,8 @@ all-gather per group of mesh axes when the layer starts, their gradients reduce-
 one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
+The gather of the next unit is launched before a unit computes: in backward the re-gather of
+the layer before, in forward the unit the last forward called next (``fsdp_order.py``).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -13,26 +15,32 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import optree
 import torch
 
 from . import comm
-from .collectives import _group, raw_all_gather, raw_reduce_scatter
+from .collectives import _group, raw_reduce_scatter
+from .fsdp_order import UnitOrder, trace
 from .named import Named, configure, env, options, pvary
+from .torch_private import in_backward, is_tracing
 
 _local = threading.local()
 
 
 @contextmanager
-def fsdp_units(enabled: bool = True, keep_root: bool = False) -> Iterator[None]:
+def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
+               order: UnitOrder | None = None) -> Iterator[None]:
     """Gather each layer's parameters as one unit inside the block (see the module docstring).
     ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
-    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root)."""
-    previous = getattr(_local, "enabled", False), getattr(_local, "root_options", None)
-    _local.enabled = enabled
+    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
+    ``prefetch``: launch the next unit's gather before the current one computes, in backward
+    and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
+    previous = (getattr(_local, "enabled", False), getattr(_local, "root_options", None),
+                getattr(_local, "prefetch", True), getattr(_local, "order", None))
+    _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
     _local.last_unit = None
     try:
         if enabled and keep_root and not options().keep_gathered:
@@ -42,8 +50,36 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False) -> Iterator[None]:
         else:
             _local.root_options = None
             yield
+    except BaseException:
+        _local.pending = None     # the step failed: do not wait for peers that may be gone
+        raise
     finally:
-        _local.enabled, _local.root_options = previous
+        _drop_prefetch()
+        _local.params = _local.index = None          # keep no parameters alive between steps
+        _local.enabled, _local.root_options, _local.prefetch, _local.order = previous
+
+
+def begin_forward(params: Any) -> None:
+    """A forward of the step starts with the named parameters ``params``: unit calls are
+    numbered from 0 and identified by the positions of their parameters in ``params``, so
+    the next forward can prefetch them (functional_pp.fsdp_order)."""
+    order = getattr(_local, "order", None)
+    if is_tracing() or not getattr(_local, "enabled", False) or order is None:
+        return
+    _drop_prefetch()
+    leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+    _local.params = [x.data if isinstance(x, Named) else x for x in leaves]
+    _local.index = {id(t): i for i, t in enumerate(_local.params)}
+    order.begin()
+
+
+def _drop_prefetch() -> None:
+    """Wait for a prefetched gather nobody used (so collectives stay matched) and forget it."""
+    pending = getattr(_local, "pending", None)
+    _local.pending = None
+    if pending is not None:
+        for _, wait in pending[1]:
+            wait()
 
 
 def _keep_gathered() -> bool:
@@ -85,6 +121,8 @@ class _Unit:
         self.prev: _Unit | None = None       # the unit gathered before this one (backward: next)
         self._pending = None                 # waits for a launched re-gather
         self._done = False
+        self.incoming = None                 # forward: waits for the unit's launched gather
+        self.prefetch = getattr(_local, "prefetch", True)   # backward: re-gather the next unit early
 
     def flat(self) -> torch.Tensor:
         return torch.cat([s.reshape(-1) for s in self.shards])
@@ -112,7 +150,7 @@ class _Unit:
         reaches next (the one gathered before this one in forward)."""
         if self.regathered is None:
             self.start_regather()
-            if self.prev is not None:
+            if self.prev is not None and self.prefetch:
                 self.prev.start_regather()
             wait, self._pending = self._pending, None
             self.regathered = self.unflatten(wait())
@@ -131,12 +169,19 @@ def _start_all_gather(flat: torch.Tensor, axes: tuple[str, ...]):
     """Launch an all-gather of ``flat`` along dim 0 over ``axes``; returns a function that
     waits for it. Backends without asynchronous collectives (simulated) gather at once."""
     ctx, axes, group = _group(axes, "all_gather")
-    with comm.recording("all_gather", axes, len(group), flat):
+    # outside autograd (the gathered weights enter it through _UnitGather), launched and
+    # awaited in the same grad mode: torch.distributed writes into views of the output
+    with torch.no_grad(), comm.recording("all_gather", axes, len(group), flat):
         start = getattr(ctx.backend, "start_all_gather", None)
-        if start is not None:
-            return start(flat, group)
-        out = ctx.backend.all_gather(flat, 0, group)
-    return lambda: out
+        if start is None:
+            out = ctx.backend.all_gather(flat.detach(), 0, group)
+            return lambda: out
+        wait = start(flat.detach(), group)
+
+    def waited() -> torch.Tensor:
+        with torch.no_grad():
+            return wait()
+    return waited
 
 
 class _UnitGather(torch.autograd.Function):
@@ -145,7 +190,8 @@ class _UnitGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: _Unit, *shards: torch.Tensor):
         ctx.unit = unit
-        return tuple(unit.unflatten(raw_all_gather(unit.flat(), unit.axes, 0)))
+        wait, unit.incoming = unit.incoming, None
+        return tuple(unit.unflatten(wait()))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -191,9 +237,10 @@ def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[N
 def gather_unit(args: tuple) -> tuple[tuple, Any]:
     """``(args, context)``: the named parameters in ``args`` split over data-parallel axes
     replaced by their gathered values (one flat all-gather per group of axes and dtype), and
-    the context to run the layer in (re-gather hooks). Unchanged outside :func:`fsdp_units`."""
-    from contextlib import nullcontext
-    if not getattr(_local, "enabled", False) or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    the context to run the layer in (re-gather hooks). In a step's forward the next unit's
+    gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
+    Unchanged outside :func:`fsdp_units`."""
+    if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
         return args, nullcontext()
     data_axes, mesh, rules = _data_axes()
     leaves, spec = optree.tree_flatten(args, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
@@ -208,14 +255,19 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
             continue
         d, k = plan
         axes = x.split[d][k:]
+        source = x.data
         # the gradient's sums over the other axes (HSDP's replicate, SP's tp) run on the shard
         x = pvary(x, meets - set(x.vary))
-        groups.setdefault((axes, x.data.dtype), []).append((i, x, d, k))
+        groups.setdefault((axes, x.data.dtype), []).append((i, x, d, k, source))
+    if not groups:
+        return args, nullcontext()
+    call, incoming = _launch_gathers(groups)
     units = []
-    for (axes, _), members in groups.items():
-        unit = _Unit(axes, [d for _, _, d, _ in members], [x.data for _, x, _, _ in members])
-        fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _ in members])
-        for (i, x, d, k), full in zip(members, fulls):
+    for ((axes, _), members), wait in zip(groups.items(), incoming):
+        unit = _Unit(axes, [d for _, _, d, _, _ in members], [x.data for _, x, _, _, _ in members])
+        unit.incoming = wait
+        fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
+        for (i, x, d, k, _), full in zip(members, fulls):
             split = list(x.split)
             split[d] = split[d][:k]
             y = Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
@@ -224,12 +276,62 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     if units and not _keep_gathered():             # re-gathered in backward: chain for prefetch
         for unit, _ in units:
             unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
-    return optree.tree_unflatten(spec, leaves), _layer_context(units)
+    return optree.tree_unflatten(spec, leaves), _layer_context(units, call)
+
+
+def _launch_gathers(groups: dict) -> tuple[int | None, list]:
+    """Issue this unit call's flat all-gathers (or take the ones prefetched for it), then
+    launch the next call's as recorded by the last forward; returns the call's index in
+    this forward (None outside a recorded forward) and a wait per group."""
+    order = getattr(_local, "order", None)
+    forward = order is not None and getattr(_local, "params", None) is not None and not in_backward()
+    sources = [[src for _, _, _, _, src in members] for members in groups.values()]
+    signature = None
+    if forward:
+        index = _local.index
+        positions = [[index.get(id(t)) for t in srcs] for srcs in sources]
+        if all(p is not None for ps in positions for p in ps):
+            signature = tuple((axes, dtype, tuple(ps), tuple(d for _, _, d, _, _ in members))
+                              for ((axes, dtype), members), ps in zip(groups.items(), positions))
+    pending, _local.pending = getattr(_local, "pending", None), None
+    if pending is not None and pending[0] == signature:
+        waits = [wait for _, wait in pending[1]]      # prefetched by the previous call
+    else:
+        if pending is not None:                       # the model changed: the prefetch is wasted
+            _local.pending = pending
+            _drop_prefetch()
+        waits = [_start_all_gather(torch.cat([t.reshape(-1) for t in srcs]), axes)
+                 for srcs, (axes, _) in zip(sources, groups)]
+    call = order.record(signature) if forward else None
+    if call is not None:
+        if pending is None or pending[0] != signature:
+            trace("launch", call)
+        nxt = order.expected(call + 1)
+        if nxt is not None and _local.prefetch:
+            params = _local.params
+            launched = [(axes, _start_all_gather(torch.cat([params[p].reshape(-1) for p in ps]), axes))
+                        for axes, _, ps, _ in nxt]
+            _local.pending = (nxt, launched)
+            trace("launch", call + 1)
+    return call, [_traced_wait(wait, call) for wait in waits]
+
+
+def _traced_wait(wait, call: int | None):
+    if call is None:
+        return wait
+
+    def traced():
+        out = wait()
+        trace("wait", call)
+        return out
+    return traced
 
 
 @contextmanager
-def _layer_context(units: list) -> Iterator[None]:
+def _layer_context(units: list, call: int | None = None) -> Iterator[None]:
     keep = _keep_gathered()
+    if call is not None:
+        trace("compute", call)
     with configure(keep_gathered=keep):        # the root's setting does not reach the layer
         if units and not keep:
             with _regather_hooks(units):

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .torch_private import is_tracing
+
 PER_LAYER = "per_layer"
 
 _local = threading.local()
@@ -43,7 +45,7 @@ def compiled_layers(backend: Callable | str | None) -> Iterator[None]:
 
 def layer_backend() -> Callable | str | None:
     """The backend declared layers compile with on this thread, or None (run as written)."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return None                         # inside a compiled step: part of its graph
     return getattr(_local, "backend", None)
 

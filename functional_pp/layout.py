@@ -8,6 +8,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from .mesh import AxisNames, Mesh, as_axes
+from .torch_private import is_tracing
 
 Layout = tuple[AxisNames, ...]  # per dimension, the mesh axes splitting it (major first)
 
@@ -179,7 +180,7 @@ class Rules:
         takes its rule's mesh axes except those an earlier dimension already took; axes of
         size 1 are dropped. Checks divisibility when ``shape`` (global) is given."""
         key = (tuple(dims), None if shape is None else tuple(shape), mesh)
-        compiling = torch.compiler.is_compiling()     # a cache would add guards to compiled code
+        compiling = is_tracing()     # a cache would add guards to compiled code
         cached = None if compiling else self._resolved.get(key)
         if cached is not None:
             return cached

@@ -6,13 +6,14 @@ import itertools
 from typing import Iterable, Mapping, Sequence
 
 import torch
+from .torch_private import is_tracing
 
 DEFAULT_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AxisNames = tuple[str, ...]
 
 
 def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+    return is_tracing()
 
 
 def as_axes(axes: str | Iterable[str] | None) -> AxisNames:

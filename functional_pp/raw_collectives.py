@@ -14,6 +14,7 @@ import torch
 from . import comm
 from .mesh import as_axes
 from .runtime import current_context, options
+from .torch_private import is_tracing
 
 AxisName = str | Sequence[str]
 
@@ -36,7 +37,7 @@ class AxesGroup:
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
     axes = ctx.mesh.check_axes(axis_name, where)
-    if ctx.simulated and torch.compiler.is_compiling():
+    if ctx.simulated and is_tracing():
         return ctx, axes, AxesGroup(axes, ctx.mesh.axis_size(axes))
     return ctx, axes, ctx.mesh.group(ctx.rank, axes)
 

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .torch_private import annotate, is_backward_node
+from .torch_private import annotate, is_backward_node, is_tracing
 
 REGATHER = "fpp_regather"
 REMAT = "fpp_remat"
@@ -49,7 +49,7 @@ def reset_region_ids() -> None:
 
 
 def _tag(key: str, enabled: bool = True):
-    if not (enabled and torch.compiler.is_compiling()):
+    if not (enabled and is_tracing()):
         return nullcontext()
     ids = getattr(_local, "ids", None)
     if ids is None:
@@ -70,7 +70,7 @@ def remat_region():
 def backward_region():
     """Context around a step's ``torch.autograd.grad``: under compile, its nodes (collectives
     included) are marked as backward."""
-    if not torch.compiler.is_compiling():
+    if not is_tracing():
         return nullcontext()
     return annotate({BACKWARD: True})       # a constant: no side effect inside dynamo's HOPs
 

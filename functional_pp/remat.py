@@ -19,6 +19,7 @@ from .layer_compile import CompiledLayer, layer_backend
 from .fsdp_units import gather_unit
 from .named import Named, configure, options
 from .recompute import remat_region, reset_region_ids
+from .torch_private import is_tracing
 
 
 def _flatten(tree: Any):
@@ -37,7 +38,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
     residual block); it is checked."""
     @functools.wraps(fn)
     def wrapped(*args):
-        if torch.compiler.is_compiling():
+        if is_tracing():
             with remat_region():            # the compiled graph recomputes the region
                 out = fn(*args)
             if out_like is not None and _meta(out) != _meta(args[out_like]):

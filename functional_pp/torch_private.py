@@ -9,6 +9,26 @@ import sys
 import torch
 
 
+def is_tracing() -> bool:
+    """Whether this thread is being traced by torch.compile (or runs code of its compilation).
+
+    ``torch.compiler.is_compiling()`` reads one process-wide flag that dynamo holds True for
+    the whole compilation: while one simulated device thread compiles, every other device
+    thread's eager code would take its traced branch (run a compiled layer's function eagerly,
+    skip FSDP units or gradient buckets) and issue other collectives than its peers
+    (docs/compile.md, "Per-layer compilation"). Dynamo compiles under its global compile
+    lock, so the flag counts for the thread that holds that lock; inside dynamo's trace both
+    calls below fold to True."""
+    if not torch.compiler.is_compiling():
+        return False
+    return torch.compiler.is_dynamo_compiling() or _compile_lock_owned()
+
+
+def _compile_lock_owned() -> bool:
+    from torch._dynamo.convert_frame import compile_lock
+    return compile_lock._is_owned()
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward function on this thread."""
     return torch._C._current_autograd_node() is not None
@@ -83,7 +103,7 @@ def runs_eagerly(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` runs as plain eager code: not traced by torch.compile, no
     dispatch mode active (FakeTensorMode, ...), ``x`` a real tensor (not fake, not wrapped by
     functorch). Where this is False an opaque custom op must be used instead of Python."""
-    return (not torch.compiler.is_compiling()
+    return (not is_tracing()
             and torch._C._len_torch_dispatch_stack() == 0
             and type(x) in (torch.Tensor, torch.nn.Parameter)
             and not torch._C._functorch.is_functorch_wrapped_tensor(x))
@@ -97,7 +117,7 @@ def apply_function(fn: type[torch.autograd.Function], *args):
     (tens of microseconds, paid by every collective on every simulated device). Only for
     functions whose ``forward`` takes exactly ``args``, positionally, with no defaults. Under
     torch.compile or functorch transforms: ``fn.apply`` itself."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if is_tracing() or torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return _FUNCTION_APPLY.__get__(None, fn)(*args)
 

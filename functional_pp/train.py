@@ -18,20 +18,21 @@ import torch
 from . import optim
 from .barrier import materialize
 from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
-from .fsdp_units import fsdp_units as layer_units
+from .fsdp_order import UnitOrder
+from .fsdp_units import begin_forward, fsdp_units as layer_units
 from .collectives import psum
 from .compile_gate import CompileGate
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
-from .layer_compile import compiled_layers, layer_backend, split_mode
+from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
-from .torch_private import trace_backward
+from .torch_private import is_tracing, trace_backward
 from .tree import leaves_with_paths, tree_leaves, tree_map
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
@@ -52,10 +53,10 @@ class ParamSpec:
 
     def split_axes(self, mesh) -> list[tuple[str, ...]]:
         """Per leaf, the mesh axes (in mesh order) that split it; derived once per mesh."""
-        cached = None if torch.compiler.is_compiling() else self._axes.get(mesh)
+        cached = None if is_tracing() else self._axes.get(mesh)
         if cached is None:
             cached = [tuple(a for a in mesh.axis_names if any(a in s for s in layout)) for layout in self.layouts]
-            if not torch.compiler.is_compiling():
+            if not is_tracing():
                 self._axes[mesh] = cached
         return cached
 
@@ -94,6 +95,7 @@ class TrainStep:
     bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
     fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
+    fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
     donate_state: bool = False            # write the new parameters and optimizer state into the
     #                                       state passed in (the caller's old state is overwritten;
     #                                       docs/memory.md "Donated state")
@@ -117,6 +119,7 @@ class TrainStep:
         self.spec: ParamSpec | None = None
         self._compiled = None
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
+        self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -174,7 +177,8 @@ class TrainStep:
         # thread-local settings are set outside the compiled region
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
-                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
+                            prefetch=self.fsdp_prefetch, order=self._unit_order), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
@@ -250,13 +254,14 @@ class TrainStep:
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
-            loss_named = settle(self.loss_fn(self._named_params(xs, treespec), named_batch))
+            named_params = self._named_params(xs, treespec)
+            begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
+            loss_named = settle(self.loss_fn(named_params, named_batch))
+            named_params = None
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             diff = [x for x in xs if x.requires_grad]
-            # compiled layers hand back their gradients in a device-dependent order: per weight
-            bucket_mb = None if layer_backend() is not None else self.bucket_mb
-            with backward_region(), grad_buckets(bucket_mb) as buckets:   # docs/communication.md
+            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed
@@ -265,10 +270,10 @@ class TrainStep:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        if torch.compiler.is_compiling() and PRECISIONS[self.precision] is not None:
+        if is_tracing() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
-        donate = not torch.compiler.is_compiling()
+        donate = not is_tracing()
         grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
         grads = None
         grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
@@ -303,7 +308,7 @@ class TrainStep:
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
         (docs/bad_inputs.md §2)."""
         leaves = tree_leaves(new_params)
-        if torch.compiler.is_compiling():
+        if is_tracing():
             return torch.isfinite(self._sq_reducer([(u * 0).sum() for u in leaves]))
         # eager: one foreach max-|u| (NaN or inf iff the leaf holds one) for all leaves, times 0
         full = [i for i, u in enumerate(leaves) if u.numel()]

@@ -11,6 +11,7 @@ import torch
 from .raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
                               raw_all_to_all, raw_permute, raw_reduce_scatter)
 from .recompute import traced_as_backward
+from .torch_private import is_tracing
 
 
 # One Function per collective, its forward and its transpose (the backward) named in the class;
@@ -83,7 +84,7 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.axes = inputs[1]
-        ctx.param = not torch.compiler.is_compiling() and _feeds_leaf(inputs[0])
+        ctx.param = not is_tracing() and _feeds_leaf(inputs[0])
 
     @staticmethod
     @traced_as_backward

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("context", ("mesh", "layout", "order", "runtime", "comm", "observers", "torch_private", "tree", "seeds", "recompute", "barrier", "layer_compile")),
     ("collectives", ("raw_collectives", "transposes", "collectives", "buckets", "backends", "backends.*", "launch", "process_watch", "shard_map")),
-    ("named", ("named", "reshard", "sharding", "init", "fsdp_units")),
+    ("named", ("named", "reshard", "sharding", "init", "fsdp_units", "fsdp_order")),
     ("ops", ("ops", "ops.*", "remat")),
     ("models", ("models", "models.*")),
     ("training", ("train", "compiler", "compile_gate", "overlap", "reinplace", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",

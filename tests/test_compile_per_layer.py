@@ -20,7 +20,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _train(cfg, compile, mesh=None, rules=None, remat=False, steps=2):
+def _train(cfg, compile, mesh=None, rules=None, remat=False, steps=2, processes=False):
     mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-2), mesh=mesh, rules=rules,
                           compile=compile, remat=remat)
@@ -35,7 +35,7 @@ def _train(cfg, compile, mesh=None, rules=None, remat=False, steps=2):
             state, m = step(state, local)
             losses.append(m["loss"])
         return losses, state["params"]
-    return fpp.launch(device, mesh, timeout=1800)
+    return fpp.launch(device, mesh, timeout=1800, processes=processes)
 
 
 def _assert_equal(got, want):
@@ -66,7 +66,27 @@ def test_per_layer_compiles_one_graph_for_all_layers_and_equals_eager():
 @pytest.mark.slow
 def test_per_layer_on_a_composed_mesh_equals_eager():
     cfg = llama.Config.tiny()
-    # (with FSDP shards, simulated devices disagree on the backward collectives' order under
-    # per-layer compilation: not supported yet, docs/compile.md)
     mesh, rules = fpp.Mesh(dp_replicate=2, tp=2), llama.default_rules(sequence_parallel=True)
     _assert_equal(_train(cfg, "per_layer:aot_eager", mesh, rules), _train(cfg, False, mesh, rules))
+
+
+@pytest.mark.slow
+def test_per_layer_with_fsdp_shards_equals_eager_fsdp():
+    """FSDP x TP+SP on simulated devices: the devices compile their layer graphs one after the
+    other while the others run eager code, which must not take the traced branch
+    (torch_private.is_tracing; docs/compile.md). Bitwise equal to the eager FSDP step."""
+    cfg = llama.Config.tiny()
+    mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True)
+    _assert_equal(_train(cfg, "per_layer:aot_eager", mesh, rules), _train(cfg, False, mesh, rules))
+
+
+def _fsdp_on_gloo(compile):
+    cfg = llama.Config.tiny()
+    mesh, rules = fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)
+    return _train(cfg, compile, mesh, rules, processes=True)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_per_layer_with_fsdp_on_gloo_processes_equals_eager():
+    _assert_equal(_fsdp_on_gloo("per_layer:aot_eager"), _fsdp_on_gloo(False))

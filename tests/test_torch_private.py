@@ -58,3 +58,51 @@ def test_apply_function_equals_function_apply_with_gradients():
     assert torch.equal(y, x * 3) and torch.equal(g, torch.full((3,), 3.0))
     compiled = torch.compile(lambda t: torch_private.apply_function(Scale, t, 2.0), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), x * 2)
+
+
+def test_is_tracing_belongs_to_the_compiling_thread():
+    """torch.compiler.is_compiling() is one process-wide flag, True for every thread while any
+    thread compiles; is_tracing() is True only on the thread that compiles (and inside
+    dynamo's trace), so the other simulated devices keep running their eager code
+    (docs/compile.md, "Per-layer compilation")."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    from functional_pp.layer_compile import compiled_layers, layer_backend
+
+    compiling, release, seen = threading.Event(), threading.Event(), {}
+
+    def compiler_thread():          # what dynamo does while it compiles a frame
+        with compile_lock, torch.compiler._compile_session_context():
+            seen["compiler"] = torch_private.is_tracing()
+            compiling.set()
+            release.wait(60)
+
+    t = threading.Thread(target=compiler_thread)
+    t.start()
+    try:
+        assert compiling.wait(60)
+        assert torch.compiler.is_compiling()            # torch's flag leaks into this thread
+        assert not torch_private.is_tracing()
+        assert torch_private.runs_eagerly(torch.ones(1))
+        with compiled_layers("aot_eager"):
+            assert layer_backend() == "aot_eager"       # layers still run compiled here
+    finally:
+        release.set()
+        t.join(60)
+    assert seen["compiler"] is True
+    assert not torch.compiler.is_compiling() and not torch_private.is_tracing()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        return x + 1 if torch_private.is_tracing() else x - 1
+    assert traced(torch.zeros(1)).item() == 1.0           # inside dynamo's trace: True
+
+
+def test_the_package_asks_is_tracing_not_the_process_wide_flag():
+    """Every "am I traced?" test of the package goes through torch_private.is_tracing (see
+    above); a direct torch.compiler.is_compiling() would misfire on simulated devices."""
+    import pathlib
+    root = pathlib.Path(torch_private.__file__).parent
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "torch_private.py" and "torch.compiler.is_compiling(" in p.read_text()]
+    assert not offenders, f"use functional_pp.torch_private.is_tracing() in {offenders}"

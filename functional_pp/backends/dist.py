@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..mesh import Mesh
+from ..torch_private import is_tracing
+from .slow_link import SlowLink, from_env as slow_link_from_env
 
 
 class DistBackend:
@@ -25,6 +27,7 @@ class DistBackend:
         self.mesh = mesh
         self.rank = rank
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.link = slow_link_from_env()     # FPP_SLOW_LINK_MS: an artificially slow link (benchmarks)
         axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
         # Every rank creates every group in the same order (new_group is collective).
         for k in range(1, len(axes) + 1):
@@ -44,17 +47,30 @@ class DistBackend:
         srt = sorted(group)
         return [srt.index(r) for r in group]
 
+    def _slow(self, kind: str, x, group) -> float | None:
+        """With a slow link: when the collective of ``x`` issued now completes (else None)."""
+        if self.link is None or is_tracing():
+            return None
+        return self.link.reserve(kind, x.numel(), len(group), x.element_size())
+
+    def _sync(self, done_at: float | None, out):
+        if done_at is not None:
+            SlowLink.until(done_at)
+        return out
+
     def all_reduce(self, x, op, group):
-        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group)))
+        done_at = self._slow("all_reduce", x, group)
+        return self._sync(done_at, funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, self._pg(group))))
 
     def start_all_reduce(self, x, group):
         """Launch a sum all-reduce of the contiguous ``x`` in place, asynchronously; returns a
         function that waits and gives ``x`` back (gradient buckets, functional_pp.buckets)."""
+        done_at = self._slow("all_reduce", x, group)
         work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
 
         def wait() -> torch.Tensor:
             work.wait()
-            return x
+            return self._sync(done_at, x)
         return wait
 
     def start_all_gather(self, x, group):
@@ -63,10 +79,12 @@ class DistBackend:
         n = len(group)
         x = x.contiguous()
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        done_at = self._slow("all_gather", x, group)
         work = dist.all_gather_into_tensor(out, x, group=self._pg(group), async_op=True)
 
         def wait() -> torch.Tensor:
             work.wait()
+            self._sync(done_at, None)
             order = self._order(group)
             if order == sorted(order):
                 return out
@@ -75,7 +93,8 @@ class DistBackend:
         return wait
 
     def all_gather(self, x, dim, group):
-        out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group)))
+        done_at = self._slow("all_gather", x, group)
+        out = self._sync(done_at, funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group))))
         order = self._order(group)
         if order != sorted(order):
             parts = out.chunk(len(group), dim=dim)
@@ -90,7 +109,9 @@ class DistBackend:
             for i, p in enumerate(order):
                 inv[p] = i
             x = torch.cat([parts[inv[p]] for p in range(len(group))], dim=dim)
-        return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), op, dim, self._pg(group)))
+        done_at = self._slow("reduce_scatter", x, group)
+        return self._sync(done_at, funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), op, dim,
+                                                                                   self._pg(group))))
 
     def all_to_all(self, x, split_dim, concat_dim, group):
         n = len(group)
@@ -101,7 +122,8 @@ class DistBackend:
         # torch's all_to_all_single splits dim 0 among ascending ranks.
         parts = x.chunk(n, dim=split_dim)
         send = torch.stack([parts[inv[p]].contiguous() for p in range(n)])
-        recv = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, self._pg(group)))
+        done_at = self._slow("all_to_all", send, group)
+        recv = self._sync(done_at, funcol.wait_tensor(funcol.all_to_all_single(send, None, None, self._pg(group))))
         recv_parts = recv.unbind(0)
         return torch.cat([recv_parts[order[i]] for i in range(n)], dim=concat_dim)
 
@@ -123,7 +145,8 @@ class DistBackend:
             if dst == me:
                 recv[order[src]] = flat.numel()
         payload = flat if any(send) else flat[:0]     # the input must be exactly what is sent
-        out = funcol.wait_tensor(funcol.all_to_all_single(payload, recv, send, self._pg(group)))
+        done_at = self._slow("permute", payload, group)
+        out = self._sync(done_at, funcol.wait_tensor(funcol.all_to_all_single(payload, recv, send, self._pg(group))))
         if not any(recv):
             return torch.zeros_like(x)
         return out.reshape(x.shape)

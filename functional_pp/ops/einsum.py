@@ -7,6 +7,7 @@ import torch
 
 from ..named import Named, _make, _memo_beside, env, require_named, pvary, settle, varying_after
 from .regather import regather_scope, relayout
+from ..torch_private import is_tracing
 
 
 def _cache(maxsize: int):
@@ -18,7 +19,7 @@ def _cache(maxsize: int):
 
         @functools.wraps(fn)
         def call(*args):
-            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+            return fn(*args) if is_tracing() else cached(*args)
         call.cache_info = cached.cache_info
         return call
     return decorate
@@ -121,7 +122,7 @@ def _plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
     """What einsum does with operands of these types, derived once per pattern and operand types
     and memoised beside the rules (docs/named_value.md): per operand its target layout and the
     axes it is cast to varying over; the output's layout, type and global sizes; torch's equation."""
-    compiling = torch.compiler.is_compiling()       # a memo would add guards to compiled code
+    compiling = is_tracing()       # a memo would add guards to compiled code
     key = ("einsum", pattern, mesh, tuple((x._dims, x._split, x._vary, x._sizes) for x in operands))
     memo = None if compiling else _memo_beside(rules)
     plan = None if memo is None else memo.get(key)

@@ -5,6 +5,7 @@ import torch
 
 from ..named import Named, _make, _memo_beside, env, pvary, settle, varying_after
 from .regather import regather_scope, relayout
+from ..torch_private import is_tracing
 
 
 def _align(x: Named, dims: tuple[str, ...]) -> torch.Tensor:
@@ -44,7 +45,7 @@ def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
     result's layout and global sizes; derived once per operand dims and sizes, kept beside the
     rules when eager (docs/named_value.md)."""
     key = ("binary", a._dims, a._sizes, b._dims, b._sizes, mesh)
-    memo = None if torch.compiler.is_compiling() or a._sizes is None or b._sizes is None else _memo_beside(rules)
+    memo = None if is_tracing() or a._sizes is None or b._sizes is None else _memo_beside(rules)
     plan = None if memo is None else memo.get(key)
     if plan is not None:
         return plan

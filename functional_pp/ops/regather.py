@@ -19,6 +19,7 @@ from ..order import from_balanced
 from ..observers import saved_for_backward
 from ..recompute import regather_region
 from ..reshard import Reshard, _all_gather, relayout_with, reshard
+from ..torch_private import is_tracing
 
 
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
@@ -85,6 +86,6 @@ _NOTHING = nullcontext()
 def regather_scope(operands: Sequence[Named]):
     """Context for computing with ``operands``: gathered weights among them are not saved."""
     recipes = [(x.data, x.gathered_from) for x in operands if isinstance(x, Named) and x.gathered_from]
-    if not recipes or options().keep_gathered or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if not recipes or options().keep_gathered or is_tracing() or not torch.is_grad_enabled():
         return _NOTHING
     return _hooks(recipes)

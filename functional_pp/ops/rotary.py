@@ -9,6 +9,7 @@ import torch
 
 from ..named import Named, _memo, settle
 from .regather import relayout
+from ..torch_private import is_tracing
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     built once per positions value and reused by q and k of every layer (memoised beside the
     positions value, docs/named_value.md)."""
     key = ("rotary", d, theta, scaling, device, pos.data._version)
-    memo = None if torch.compiler.is_compiling() else _memo(pos)     # no tensors kept across traces
+    memo = None if is_tracing() else _memo(pos)     # no tensors kept across traces
     if memo is not None and key in memo:
         return memo[key]
     inv = inverse_frequencies(d, theta, scaling).to(device)

@@ -16,6 +16,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..torch_private import is_tracing
+
 _state = threading.local()
 _MAX_DIMS = 4
 _KINDS = {0: ("embed", "token id"), 1: ("cross_entropy", "label")}
@@ -53,7 +55,7 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
     if ignore_index is not None:
         bad = bad & (flat != ignore_index)
     pending = getattr(_state, "pending", None)
-    if pending is None and torch.compiler.is_compiling():
+    if pending is None and is_tracing():
         return ids      # a user's own compiled function: no place to report; train_step checks
     if pending is None:
         if flat.numel() and bool(bad.any()):
@@ -65,7 +67,7 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
         return ids
     harmless = 0 if ignore_index is None else ignore_index
     checked = torch.where(bad, torch.full_like(flat, harmless), flat).reshape(ids.shape)
-    if not torch.compiler.is_compiling():
+    if not is_tracing():
         # eager: only the flag now; the position and value are looked up if it is set
         pending.append((_LazySummary(bad.any(), flat, bad, ids.shape, code, vocab, ignore_index), tuple(dims)))
         return checked

@@ -10,6 +10,7 @@ import torch
 
 from .base import FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count, transform, \
     tree_flatten, tree_leaves, tree_map, zeros_state
+from ..torch_private import is_tracing
 
 
 class ScaleByAdamState(NamedTuple):
@@ -52,7 +53,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if len(g_leaves) != len(mu_leaves):
             raise ValueError(f"scale_by_adam: {len(g_leaves)} updates for a state of {len(mu_leaves)} parameters; "
                              f"was the state made by init() of the same parameter tree?")
-        in_place = donate_updates and not torch.compiler.is_compiling()   # the compiler plans buffers itself
+        in_place = donate_updates and not is_tracing()   # the compiler plans buffers itself
         mu, nu, out = list(mu_leaves), list(nu_leaves), list(g_leaves)
         for group in dtype_groups(mu_leaves):
             m_old, v_old = [mu_leaves[i] for i in group], [nu_leaves[i] for i in group]

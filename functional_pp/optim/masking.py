@@ -7,6 +7,7 @@ import optree
 import torch
 
 from .base import INHERIT, EmptyState, GradientTransformation, PyTree, check_number, tree_leaves, transform
+from ..torch_private import is_tracing
 
 Mask = Union[PyTree, Callable[[PyTree], PyTree], None]
 MaskOrFn = Mask   # the earlier name
@@ -45,7 +46,7 @@ def resolve_mask(mask: Mask, params: PyTree) -> Optional[PyTree]:
         tree = mask
     flags = tree_leaves(tree)
     same = len(flags) == len(tree_leaves(params)) and all(isinstance(b, bool) for b in flags)
-    if same and not torch.compiler.is_compiling():        # (tree structures are not traceable)
+    if same and not is_tracing():        # (tree structures are not traceable)
         same = optree.tree_structure(tree, none_is_leaf=False) == optree.tree_structure(params, none_is_leaf=False)
     if not same:
         made = "mask(params) returned" if callable(mask) else "the mask is"

@@ -1,0 +1,127 @@
+"""FSDP forward prefetch (functional_pp/fsdp_units.py, fsdp_order.py; docs/communication.md):
+from the second forward on, unit k+1's flat all-gather is launched before unit k computes;
+results are bitwise those of the step without prefetch, on simulated devices and on two gloo
+processes, also when the model calls its layers in another order than the last forward."""
+import functools
+
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.fsdp_order import trace_units
+from functional_pp.models import llama
+
+from harness import local_batch, make_batch
+
+CFG = llama.Config.tiny(layers=3)
+DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
+MESH, RULES = fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)
+
+
+def _permuted_loss(params, batch, orders, calls):
+    """llama.loss with the layers called in ``orders[i]`` on this device's i-th call."""
+    rank = fpp.current_rank()
+    i = calls[rank] = calls.get(rank, -1) + 1
+    order = orders[min(i, len(orders) - 1)]
+    return llama.loss({**params, "layers": [params["layers"][j] for j in order]}, batch, CFG)
+
+
+def _run(prefetch, orders=((0, 1, 2),)):
+    """A launchable function: three AdamW steps; per device the losses, the parameters, the
+    collectives of every step and the unit events of every step."""
+    loss = functools.partial(_permuted_loss, orders=orders, calls={})
+    step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=MESH, rules=RULES, fsdp_prefetch=prefetch)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, torch.float64, mesh=MESH, rules=RULES, seed=0))
+        losses, comms, traces = [], [], []
+        for b in DATA:
+            with fpp.use_rules(RULES):
+                local = {k: v.data for k, v in local_batch(b, MESH, RULES).items()}
+            with fpp.comm_report() as rep, trace_units() as events:
+                state, m = step(state, local)
+            losses.append(m["loss"])
+            comms.append([(e.kind, e.shape, e.backward, e.bytes_sent) for e in rep.events])
+            traces.append(list(events))
+        return losses, {p: x.clone() for p, x in fpp.leaves_with_paths(state["params"])}, comms, traces
+    return device
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys()
+    for path in a[1]:
+        assert torch.equal(a[1][path], b[1][path]), path
+
+
+def _assert_prefetched(events, layers):
+    """Unit k+1's gather launched before unit k computes, awaited after it started."""
+    at = {e: i for i, e in enumerate(events)}
+    for k in range(layers - 1):
+        assert at[("launch", k + 1)] < at[("compute", k)] < at[("wait", k + 1)], events
+
+
+def _assert_not_prefetched(events, layers):
+    at = {e: i for i, e in enumerate(events)}
+    for k in range(layers - 1):
+        assert at[("compute", k)] < at[("launch", k + 1)], events
+
+
+def test_forward_prefetch_on_simulated_devices_is_bitwise_and_issued_early():
+    on = fpp.launch(_run(True), MESH)
+    off = fpp.launch(_run(False), MESH)
+    for a, b in zip(on, off):
+        _assert_same(a, b)
+        # the same collectives and bytes each step (in another order)
+        assert [sorted(c, key=repr) for c in a[2]] == [sorted(c, key=repr) for c in b[2]]
+        _assert_not_prefetched(a[3][0], CFG.layers)     # the first forward records the order
+        for events in a[3][1:]:
+            _assert_prefetched(events, CFG.layers)
+        for events in b[3]:
+            _assert_not_prefetched(events, CFG.layers)
+
+
+def test_a_forward_that_changes_its_layer_order_wastes_the_prefetch_not_the_result():
+    orders = [(0, 1, 2), (0, 2, 1), (0, 2, 1)]
+    on = fpp.launch(_run(True, orders), MESH)
+    off = fpp.launch(_run(False, orders), MESH)
+    for a, b in zip(on, off):
+        _assert_same(a, b)
+        # step 2 calls layer 2 where step 1 called layer 1, then layer 1 where it called layer 2:
+        # both prefetches are dropped (awaited, unused) and each layer gathered when called
+        gathers = [[c for c in comm if c[0] == "all_gather" and not c[2]] for comm in a[2]]
+        assert len(gathers[1]) == len(gathers[0]) + 2 and len(gathers[2]) == len(gathers[0])
+        _assert_prefetched(a[3][2], CFG.layers)         # step 3 replays step 2's order
+
+
+def _gloo(prefetch):
+    losses, params, _, traces = _run(prefetch)()
+    return losses, {p: x.numpy() for p, x in params.items()}, traces
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_forward_prefetch_on_gloo_processes():
+    on = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
+    off = fpp.launch(functools.partial(_gloo, False), MESH, processes=True, timeout=300)
+    for (l1, p1, t1), (l0, p0, t0) in zip(on, off):
+        assert l1 == l0
+        for path in p0:
+            assert (p1[path] == p0[path]).all(), path
+        for events in t1[1:]:
+            _assert_prefetched(events, CFG.layers)
+        for events in t0:
+            _assert_not_prefetched(events, CFG.layers)
+
+
+def test_forward_prefetch_with_accumulation_remat_and_hsdp_is_bitwise():
+    """Micro-batches replay the previous micro-batch's order; remat's recomputation in
+    backward gathers without prefetching; HSDP's replicate sums are unchanged."""
+    from harness import assert_same_run, train_steps
+    data = DATA[:2]
+    for mesh, kw in [(MESH, dict(grad_accum=2, remat=True)), (fpp.Mesh(dp_replicate=2, dp_shard=2), {})]:
+        on = fpp.launch(train_steps(CFG, data, mesh, RULES, fsdp_prefetch=True, **kw), mesh)
+        off = fpp.launch(train_steps(CFG, data, mesh, RULES, fsdp_prefetch=False, **kw), mesh)
+        for a, b in zip(on, off):
+            assert_same_run(a, b)
+            assert sorted(map(repr, a[2])) == sorted(map(repr, b[2]))
