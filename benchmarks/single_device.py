@@ -191,11 +191,11 @@ def sync(device: str) -> None:
 class FunctionalRunner:
     name = "functional"
 
-    def __init__(self, cfg, params, compile_, precision, device):
+    def __init__(self, cfg, params, compile_, precision, device, donate_state=True):
         opt = fpp.optim.adamw(OPT["lr"], b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
                               weight_decay=OPT["weight_decay"])
         self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, compile=compile_,
-                                      precision=precision)
+                                      precision=precision, donate_state=donate_state)
         self.state = self.step_fn.init(_clone_named(params))
         self.device = device
 
@@ -316,7 +316,8 @@ def make_batch(cfg, batch, seq, device, seed=1234):
 def run_mode(mode, cfg, params, batch, args) -> list[Result]:
     compile_ = False if mode == "eager" else (True if args.compile_backend == "inductor" else args.compile_backend)
     precision = args.dtype
-    runners = [FunctionalRunner(cfg, params, compile_, precision, args.device),
+    runners = [FunctionalRunner(cfg, params, compile_, precision, args.device,
+                                donate_state=not args.no_donate_state),
                PlainRunner(cfg, params, compile_, precision, args.device, args.seq,
                            compile_optimizer=not args.no_compile_optimizer)]
     losses = {r.name: [] for r in runners}
@@ -422,6 +423,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="override the preset's batch size")
     ap.add_argument("--seq", type=int, default=None, help="override the preset's sequence length")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--no-donate-state", action="store_true",
+                    help="functional: return new parameter/moment tensors instead of updating the "
+                         "state in place (the plain side updates in place)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     ap.add_argument("--json", default=None, help="write all results to this file")
     args = ap.parse_args(argv)

@@ -9,7 +9,8 @@ from .layout import P, Rules, balanced, inherit
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords
 from .shard_map import shard_map, use_rules
-from .named import Named, configure, named, tied, wrap
+from .named import Named, configure, tied, wrap
+from .reshard import named
 from .ops import (attention, concat, cross_entropy, cumsum, dropout, einsum, embed, gelu, layer_norm,
                   logsumexp, merge_dims, positions, rearrange, rename, rms_norm, rotary, silu, slice_dim,
                   softmax, split_dim, take, tanh, unbind, where)

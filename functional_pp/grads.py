@@ -7,11 +7,8 @@ from typing import Any, Callable
 import optree
 import torch
 
-from .named import Named, env, relayout, settle
-
-
-def _is_named(x: Any) -> bool:
-    return isinstance(x, Named)
+from .named import Named, env, settle
+from .reshard import relayout
 
 
 def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any) -> tuple[torch.Tensor, Any]:
@@ -19,7 +16,7 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
     tree of named parameters (``functional_pp.init``), ``batch`` what ``loss_fn`` takes. The
     gradients are named arrays laid out like the parameters and reduced exactly once over
     every mesh axis where the data varied: what the training step hands its optimizer."""
-    leaves, spec = optree.tree_flatten(params, is_leaf=_is_named, none_is_leaf=False)
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=False)
     bad = [type(x).__name__ for x in leaves if not isinstance(x, Named)]
     if bad:
         raise TypeError(f"value_and_grad: params must be named arrays (functional_pp.init); found a {bad[0]}")
@@ -65,5 +62,5 @@ def gather_tree(tree: Any, decls: Any = None) -> Any:
         with torch.no_grad():
             return relayout(x, ((),) * len(x.dims), "gather_tree").data.detach()
     if decls is None:
-        return optree.tree_map(full, tree, is_leaf=_is_named, none_is_leaf=False)
+        return optree.tree_map(full, tree, none_is_leaf=False)
     return optree.tree_map(full, tree, decls, none_is_leaf=False)

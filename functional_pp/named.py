@@ -24,8 +24,7 @@ from . import collectives as C
 from . import runtime as _runtime
 from .layout import Layout, Rules
 from .mesh import Mesh
-from .order import from_balanced, to_balanced
-from .recompute import regather_region
+from .order import to_balanced
 from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
@@ -77,7 +76,12 @@ class Named:
     origin: ``is_param`` (a parameter: FSDP re-gathers it in backward instead of saving it),
     ``tied`` (a parameter used at several sites, gathered once for all) and ``gathered_from``
     (``(shard, axes, dim, order)`` for a gathered parameter, so backward can re-gather it). Setting an
-    attribute raises; :meth:`replace` returns a changed copy. Operations return new values."""
+    attribute raises; :meth:`replace` returns a changed copy. Operations return new values.
+
+    A pytree leaf in optree's default namespace, so ``tree_map`` over parameters hands over the
+    named values; a node (its block the child) in the ``"functional_pp"`` namespace. A global
+    node would silently turn every caller's named values into bare blocks (docs/named_value.md,
+    "Pytrees")."""
 
     __slots__ = ("_data", "_dims", "_split", "_vary", "_partial", "_sizes", "_is_param", "_tied",
                  "_gathered_from", "_derived", "__weakref__")
@@ -199,7 +203,8 @@ def _make(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...
 
 # Named is a pytree node in the "functional_pp" optree namespace (its block is the one child;
 # the rest is metadata), e.g. optree.tree_map(f, tree, namespace="functional_pp") maps the
-# blocks of a tree of named values. In the default namespace it stays a leaf (docs/named_value.md).
+# blocks of a tree of named values. In the default namespace it stays a leaf, on purpose: see
+# docs/named_value.md, "Pytrees".
 optree.register_pytree_node(
     Named,
     lambda x: ((x.data,), (x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)),
@@ -238,7 +243,7 @@ def _memo_beside(obj) -> dict:
     return table
 
 
-# ----------------------------------------------------------------- relayout
+# ---------------------------------------------------------- settle and pvary
 
 
 def require_named(op: str, **operands) -> None:
@@ -301,99 +306,6 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     return memo[key]
 
 
-def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
-    """Change the splits of ``x`` to ``target`` (one entry per dimension): all-gather what is
-    split but should not be (backward: reduce-scatter), slice what should be split (free).
-    ``op`` names the operation in errors."""
-    x = settle(x, target)
-    if x._split == target:
-        return x
-    target = tuple(tuple(t) for t in target)
-    if x._split == target:
-        return x
-    key = ("relayout", target)
-    memo = _memo(x)
-    if key in memo:
-        return memo[key]
-    data, split, vary = x._data, list(x._split), set(x._vary)
-    mesh, rules = env()
-    gathers = []
-    # gather the axes beyond the common prefix (inner axes first: one collective per dim);
-    # a load-balanced dimension gathered whole is put back in natural order (docs/layouts.md)
-    for d, (have, want) in enumerate(zip(x._split, target)):
-        k = 0
-        while k < min(len(have), len(want)) and have[k] == want[k]:
-            k += 1
-        extra = have[k:]
-        if extra:
-            shard = data
-            with regather_region(x._is_param and not options().keep_gathered):   # ZeRO-3 under compile
-                data = C.all_gather(data, extra, axis=d, tiled=True)
-            split[d] = have[:k]
-            order = 1                       # the recipe replays the reorder (docs/layouts.md)
-            if k == 0 and rules.splits_balanced(x._dims[d], have):
-                order = mesh.shape[have[0]]
-                data = from_balanced(data, d, order, x._dims[d])
-            gathers.append((shard, extra, d, order))
-    sliced = False
-    for d, want in enumerate(target):
-        extra = want[len(split[d]):]
-        if not extra:
-            continue
-        sliced = True
-        used_elsewhere = [a for dd, s in enumerate(split) if dd != d for a in s if a in extra]
-        if used_elsewhere:
-            raise ValueError(f"{op}: mesh axis {used_elsewhere[0]!r} cannot split dimension "
-                             f"{x._dims[d]!r}; it already splits another dimension of {x._dims}")
-        if not split[d] and rules.splits_balanced(x._dims[d], want):
-            data = to_balanced(data, d, mesh.shape[extra[0]], x._dims[d])
-        for a in extra:
-            n = mesh.shape[a]
-            if data.shape[d] % n:
-                raise ValueError(f"dimension {x._dims[d]!r} of local size {data.shape[d]} cannot be split "
-                                 f"over mesh axis {a!r} of size {n}")
-            if a in vary:
-                data = _slice_varying(data, a, d)
-            else:
-                data = C.split_invariant(data, a, d)
-                vary.add(a)
-            split[d] = split[d] + (a,)
-    # a gathered parameter remembers its shard: ops re-gather it in backward instead of saving it
-    regather = ((x._is_param or options().regather_activations) and len(gathers) == 1 and data.requires_grad
-                and not sliced)
-    out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes, x._is_param,
-                gathered_from=gathers[0] if regather else None)
-    # a cached gathered weight stays alive as long as x (FSDP memory): only for tied parameters,
-    # whose use sites share one gather (docs/layouts.md)
-    if not (x._is_param and gathers) or x._tied:
-        memo[key] = out
-    return out
-
-
-class _SliceVarying(torch.autograd.Function):
-    """This device's slice of a value that varies (unsplit) over the axis; backward pads with zeros."""
-
-    @staticmethod
-    def forward(x, axis, dim):
-        return C._local_chunk(x, axis, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.axis, ctx.dim, ctx.full = inputs[1], inputs[2], inputs[0].shape[inputs[2]]
-
-    @staticmethod
-    def backward(ctx, g):
-        n = C.axis_size(ctx.axis)
-        i = C.axis_index(ctx.axis)
-        size = ctx.full // n
-        pad = [0, 0] * (g.ndim - ctx.dim - 1) + [i * size, ctx.full - (i + 1) * size]
-        return torch.nn.functional.pad(g, pad), None, None
-
-
-def _slice_varying(data: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    return _SliceVarying.apply(data, axis, dim)
-
-
 def target_layout(dims: Sequence[str], shape: Sequence[int], name: str = "tensor") -> Layout:
     """Layout the rules give to a tensor with these dimension names and global sizes."""
     mesh, rules = env()
@@ -427,12 +339,3 @@ def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = N
     if split is None:
         split = rules.resolve(dims, None, mesh)
     return Named(data, dims, split)
-
-
-def named(data: torch.Tensor, dims: Sequence[str] | str) -> Named:
-    """Wrap a FULL (replicated, invariant) tensor and take this device's block per the rules."""
-    if isinstance(dims, str):
-        dims = dims.split()
-    x = Named(data, dims)
-    return relayout(x, target_layout(x._dims, data.shape))
-

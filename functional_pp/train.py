@@ -121,6 +121,9 @@ class TrainStep:
     bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
     fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
+    donate_state: bool = False            # write the new parameters and optimizer state into the
+    #                                       state passed in (the caller's old state is overwritten;
+    #                                       docs/memory.md "Donated state")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -147,7 +150,7 @@ class TrainStep:
         """Training state from a tree of named parameters (``functional_pp.init``): fp32
         master shards, optimizer state (sharded like the parameters), step counters."""
         import optree
-        leaves, treespec = optree.tree_flatten(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
         if bad:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
@@ -207,7 +210,7 @@ class TrainStep:
         metrics, bad_ids = _read_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
-        if metrics["skipped"] and not step_compile:
+        if metrics["skipped"] and not step_compile and not self.donate_state:
             # eager: a skipped step keeps the old state, chosen here after the one read instead of
             # a select per tensor inside the step (docs/eager_overhead.md)
             params, opt_state = state["params"], state["opt_state"]
@@ -319,13 +322,16 @@ class TrainStep:
         nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
                      "nonfinite_update": ~update_ok}
         finite = finite & update_ok
-        if not donate:
-            # compiled: a branch-free select per tensor (fused into the update's kernels); eager
-            # steps choose between the new and the old state on the host, after the step's one
-            # read of its metrics (__call__, docs/eager_overhead.md)
-            new_params = tree_map(lambda new, old: _keep_if(finite, new, old), new_params, params)
-            new_opt = tree_map(lambda new, old: _keep_if(finite, new, old), new_opt, opt_state)
+        if not donate or self.donate_state:
+            # compiled: a branch-free select per tensor (fused into the update's kernels), as when
+            # the new state overwrites the old one (eager: in the step's own new buffers). Other
+            # eager steps choose between the new and the old state on the host, after the step's
+            # one read of its metrics (__call__, docs/eager_overhead.md)
+            new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
+            new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        if self.donate_state:            # the caller gave up the old state: update it in place
+            new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
                    **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
@@ -383,11 +389,26 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _keep_if(finite: torch.Tensor, new: Any, old: Any) -> Any:
-    """``new`` where the step is finite, else ``old`` (tensors; other leaves pass through)."""
+def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
+    """``new`` where the step is finite, else ``old``; in place in ``new`` (a buffer the step owns)
+    when ``in_place``."""
     if not isinstance(new, torch.Tensor):
         return new
+    if in_place and new is not old and new.dtype == old.dtype and new.shape == old.shape:
+        return torch.where(finite, new, old, out=new)
     return torch.where(finite, new, old)
+
+
+def _write_into(old: Any, new: Any) -> Any:
+    """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
+    shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
+    input mutations that inductor stores straight into the inputs (docs/memory.md)."""
+    def write(o: Any, n: Any) -> Any:
+        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+                and o.shape == n.shape and o.dtype == n.dtype):
+            return o.copy_(n)
+        return n
+    return tree_map(write, old, new)
 
 
 def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:

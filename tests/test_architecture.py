@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 # bottom to top; a module may import its own layer (without a cycle) and the layers below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("context", ("mesh", "layout", "order", "runtime", "comm", "observers", "torch_private", "tree", "seeds", "recompute", "barrier", "layer_compile")),
-    ("collectives", ("collectives", "buckets", "backends", "backends.*", "launch", "process_watch", "shard_map")),
-    ("named", ("named", "sharding", "init", "fsdp_units")),
+    ("collectives", ("raw_collectives", "transposes", "collectives", "buckets", "backends", "backends.*", "launch", "process_watch", "shard_map")),
+    ("named", ("named", "reshard", "sharding", "init", "fsdp_units")),
     ("ops", ("ops", "ops.*", "remat")),
     ("models", ("models", "models.*")),
     ("training", ("train", "compiler", "compile_gate", "overlap", "reinplace", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import functional_pp as fpp
+from functional_pp import collectives as C
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,6 +44,13 @@ def _cases(n):
     for d in range(3):
         cases.append((f"gather_dim{d}", None, lambda x, a, d=d: fpp.all_gather(x, a, axis=d, tiled=True)))
         cases.append((f"scatter_dim{d}", d, lambda x, a, d=d: fpp.psum_scatter(x, a, scatter_dimension=d, tiled=True)))
+    # the transposes that take no collective of their own in forward (docs/collectives.md)
+    cases.append(("pvary", None, lambda x, a: fpp.pvary(x, a)))
+    for d in range(3):
+        cases.append((f"gather_invariant_dim{d}", None,
+                      lambda x, a, d=d: fpp.all_gather(x, a, axis=d, tiled=True, invariant=True)))
+        cases.append((f"split_invariant_dim{d}", d, lambda x, a, d=d: C.split_invariant(x, a, d)))
+        cases.append((f"slice_varying_dim{d}", d, lambda x, a, d=d: C.slice_varying(x, a, d)))
     for s, c in [(0, 1), (2, 0), (1, 1), (0, 2), (-1, -2)]:
         cases.append((f"a2a_{s}_{c}", s, lambda x, a, s=s, c=c: fpp.all_to_all(x, a, s, c)))
     return cases

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, _make, current_context, env, options, pvary, relayout, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, current_context, env, options, pvary, require_named, settle, target_layout, varying_after
+from .regather import relayout
 from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention

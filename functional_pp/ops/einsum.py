@@ -5,8 +5,23 @@ import functools
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, require_named, pvary, relayout, settle, varying_after
-from .regather import regather_scope
+from ..named import Named, _make, _memo_beside, env, require_named, pvary, settle, varying_after
+from .regather import regather_scope, relayout
+
+
+def _cache(maxsize: int):
+    """``functools.lru_cache`` that torch.compile traces around quietly: dynamo ignores an
+    lru_cache and warns at every cached call, so a compiling caller runs the plain function
+    (once per graph: the trace is cached instead)."""
+    def decorate(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+        call.cache_info = cached.cache_info
+        return call
+    return decorate
 
 
 def parse_pattern(pattern: str, n_operands: int) -> tuple[list[list[str]], list[str]]:
@@ -15,7 +30,7 @@ def parse_pattern(pattern: str, n_operands: int) -> tuple[list[list[str]], list[
     return [list(names) for names in ins], list(out)
 
 
-@functools.lru_cache(maxsize=1024)
+@_cache(1024)
 def _parsed(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     """The parse of a pattern, once per pattern (a model repeats a handful of them)."""
     if "->" not in pattern:
@@ -40,7 +55,7 @@ def _matmul_depth(dims: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> in
     return k
 
 
-@functools.lru_cache(maxsize=4096)
+@_cache(4096)
 def _torch_spec(dims_per_operand: tuple[tuple[str, ...], ...], out: tuple[str, ...]) -> str:
     """torch.einsum's one-letter equation for operands and output named by dimension names."""
     letters: dict[str, str] = {}

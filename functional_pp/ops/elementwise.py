@@ -1,15 +1,14 @@
 """Elementwise ops on named arrays, broadcasting by name."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..named import Named, _make, _memo_beside, env, pvary, relayout, settle, varying_after
-from .regather import regather_scope
+from ..named import Named, _make, _memo_beside, env, pvary, settle, varying_after
+from .einsum import _cache
+from .regather import regather_scope, relayout
 
 
-@functools.lru_cache(maxsize=1024)
+@_cache(1024)
 def _align_plan(have: tuple[str, ...], dims: tuple[str, ...]) -> tuple:
     """How :func:`_align` moves dimensions ``have`` to ``dims``: the permutation (None: keep)
     and, per dimension of ``dims``, the source dimension or -1 for a new size-1 one (None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
-from ..named import Named, env, require_named, pvary, relayout, settle, varying_after
-from .regather import regather_scope
+from ..named import Named, env, require_named, pvary, settle, varying_after
+from .regather import regather_scope, relayout
 from .token_ids import check_ids
 
 

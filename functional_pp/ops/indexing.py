@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from ..named import Named, pvary, relayout, settle, target_layout, varying_after
+from ..named import Named, pvary, settle, target_layout, varying_after
+from .regather import relayout
 
 
 def _whole_along(x: Named, dim: str, op: str) -> tuple[Named, int]:

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import _EMPTY, Named, _make, relayout, require_named, settle
+from ..named import _EMPTY, Named, _make, require_named, settle
+from .regather import relayout
 from . import reduce as R
 from .token_ids import check_ids
 

@@ -2,7 +2,8 @@
 activation (sequence parallelism, ``regather_activations``) for backward and all-gather it again
 when backward needs it, instead of saving the full tensor. A gather of a load-balanced
 dimension is followed by a reorder into natural order; the recipe replays it
-(docs/layouts.md)."""
+(docs/layouts.md). :func:`relayout` is the ops' relayout: the layout change of
+functional_pp/reshard.py plus this bookkeeping."""
 from __future__ import annotations
 
 import weakref
@@ -12,9 +13,39 @@ from typing import Iterator, Sequence
 import torch
 
 from ..collectives import raw_all_gather
-from ..named import Named, options
+from ..layout import Layout
+from ..named import Named, _make, options
 from ..order import from_balanced
 from ..observers import saved_for_backward
+from ..recompute import regather_region
+from ..reshard import Reshard, _all_gather, relayout_with, reshard
+
+
+def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
+    """:func:`functional_pp.reshard.relayout` for the ops: a parameter (or, with
+    ``regather_activations``, an activation) gathered whole along one dimension remembers its
+    shard (``gathered_from``), so that backward re-gathers it instead of saving it; under
+    torch.compile a parameter's all-gather is tagged for the re-gather (functional_pp/recompute.py)
+    unless ``keep_gathered``. ``op`` names the operation in errors."""
+    if isinstance(x, Named) and x._split == target and not x._partial:   # already there (common)
+        return x
+    return relayout_with(x, target, lambda x, target: _reshard_keeping_shard(x, target, op))
+
+
+def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
+    tagged = x.is_param and not options().keep_gathered
+    done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
+    out = done.value
+    if ((x.is_param or options().regather_activations) and len(done.gathers) == 1
+            and out.data.requires_grad and not done.sliced):
+        out = _make(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
+                    out.tied, done.gathers[0])
+    return done._replace(value=out)
+
+
+def _regathered_in_backward(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
+    with regather_region():                 # ZeRO-3 under compile
+        return _all_gather(data, axes, dim)
 
 
 @contextmanager

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..named import Named, _memo, relayout, settle
+from ..named import Named, _memo, settle
+from .regather import relayout
 
 
 @dataclass(frozen=True)

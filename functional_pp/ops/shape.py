@@ -6,7 +6,8 @@ from typing import Mapping
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, relayout, require_named, settle, target_layout
+from ..named import Named, _make, _memo_beside, env, require_named, settle, target_layout
+from .regather import relayout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
