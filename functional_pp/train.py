@@ -210,10 +210,11 @@ class TrainStep:
         metrics, bad_ids = _read_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
-        if metrics["skipped"] and not step_compile and not self.donate_state:
-            # eager: a skipped step keeps the old state, chosen here after the one read instead of
-            # a select per tensor inside the step (docs/eager_overhead.md)
-            params, opt_state = state["params"], state["opt_state"]
+        if not step_compile:     # eager: the state to keep, chosen after the one read (docs/eager_overhead.md)
+            if metrics["skipped"]:      # the old state itself (never written)
+                params, opt_state = state["params"], state["opt_state"]
+            elif self.donate_state:     # the caller gave up the old state: the new one written into it
+                params, opt_state = _write_into(state["params"], params), _write_into(state["opt_state"], opt_state)
         seconds = time.perf_counter() - t0
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
@@ -322,16 +323,15 @@ class TrainStep:
         nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
                      "nonfinite_update": ~update_ok}
         finite = finite & update_ok
-        if not donate or self.donate_state:
-            # compiled: a branch-free select per tensor (fused into the update's kernels), as when
-            # the new state overwrites the old one (eager: in the step's own new buffers). Other
-            # eager steps choose between the new and the old state on the host, after the step's
-            # one read of its metrics (__call__, docs/eager_overhead.md)
+        if not donate:
+            # compiled: a branch-free select per tensor (fused into the update's kernels). Eager
+            # steps choose between the new and the old state on the host, after the step's one
+            # read of its metrics (__call__, docs/eager_overhead.md)
             new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
             new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
+            if self.donate_state:        # the caller gave up the old state: update it in place
+                new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
-        if self.donate_state:            # the caller gave up the old state: update it in place
-            new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
                    **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
@@ -403,12 +403,20 @@ def _write_into(old: Any, new: Any) -> Any:
     """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
     shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
     input mutations that inductor stores straight into the inputs (docs/memory.md)."""
-    def write(o: Any, n: Any) -> Any:
-        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-                and o.shape == n.shape and o.dtype == n.dtype):
-            return o.copy_(n)
-        return n
-    return tree_map(write, old, new)
+    def writable(o: Any, n: Any) -> bool:
+        return (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+                and o.shape == n.shape and o.dtype == n.dtype)
+    if torch.compiler.is_compiling():
+        return tree_map(lambda o, n: o.copy_(n) if writable(o, n) else n, old, new)
+    import optree
+    olds, spec = optree.tree_flatten(old, none_is_leaf=False)       # eager: one foreach copy
+    news = optree.tree_leaves(new, none_is_leaf=False)
+    if len(olds) != len(news):
+        raise ValueError(f"donate_state: the new state has {len(news)} leaves, the old one {len(olds)}")
+    keep = [writable(o, n) for o, n in zip(olds, news)]
+    if any(keep):
+        torch._foreach_copy_([o for o, k in zip(olds, keep) if k], [n for n, k in zip(news, keep) if k])
+    return optree.tree_unflatten(spec, [o if k else n for o, n, k in zip(olds, news, keep)])
 
 
 def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:

@@ -60,9 +60,10 @@ def transfers(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("donate_state", [False, True], ids=["new-state", "donated-state"])
 @pytest.mark.parametrize("nan_loss", [False, True], ids=["finite", "skipped"])
-def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss):
-    step, state = _step(max_consecutive_skips=None)
+def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss, donate_state):
+    step, state = _step(max_consecutive_skips=None, donate_state=donate_state)
     loss_fn = step.loss_fn
     if nan_loss:      # a skipped step: the guard and the choice of the old state make no read either
         step.loss_fn = lambda p, b: loss_fn(p, b) * float("nan")
@@ -77,15 +78,18 @@ def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss):
         inner.append((len(mode.reads), len(transfers) - n))
         return out
     step._device_step = watched
+    before = [t.clone() for t in optree.tree_leaves(state["params"])]
     del transfers[:]
     with _HostReads() as mode:
         new_state, metrics = step(state, _batch(2))
     assert inner == [(0, 0)], "the step's own work reads nothing on the host"
     assert mode.reads == [] and transfers == ["tolist"], "one transfer of the metrics after the step"
     assert metrics["skipped"] == (1 if nan_loss else 0)
-    kept = [torch.equal(a, b) for a, b in zip(optree.tree_leaves(new_state["params"]),
-                                              optree.tree_leaves(state["params"]))]
+    kept = [torch.equal(a, b) for a, b in zip(optree.tree_leaves(new_state["params"]), before)]
     assert all(kept) if nan_loss else not any(kept)
+    if donate_state:       # the new state was written into the old buffers (or left them as they were)
+        assert all(a is b for a, b in zip(optree.tree_leaves(new_state["params"]),
+                                          optree.tree_leaves(state["params"])))
 
 
 def test_a_skipped_eager_step_returns_the_old_state_itself():
