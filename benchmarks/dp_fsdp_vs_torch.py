@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from single_device import OPT, PRESETS, PlainLlama, load_from_functional, make_config, plain_loss  # noqa: E402
+from single_device import (OPT, PRESETS, PlainLlama, load_from_functional, make_config, peak_memory,  # noqa: E402
+                           plain_loss)
 
 
 def _adamw():
@@ -53,9 +54,12 @@ class Ours:
         self.state = self.step_fn.init(fpp.init(llama.init, cfg, mesh=mesh, rules=rules, seed=0))
         self.batch = local_batch
 
-    def step(self) -> float:
+    def step(self, batch=None) -> float:
         self.state, m = self.step_fn(self.state, self.batch)
         return m["loss"]
+
+    def live_state(self):
+        return self.state
 
 
 class Torch:
@@ -77,7 +81,13 @@ class Torch:
             fully_shard(model, mesh=mesh)
         self.model, self.opt, self.batch = model, _torch_adamw(model.parameters()), local_batch
 
-    def step(self) -> float:
+    def live_state(self):
+        import optree
+        tree = [list(self.model.parameters()), list(self.opt.state.values())]
+        # FSDP2's DTensors: count the local shards
+        return optree.tree_map(lambda t: t.to_local() if hasattr(t, "to_local") else t, tree)
+
+    def step(self, batch=None) -> float:
         import torch.distributed as dist
         loss = plain_loss(self.model, self.batch["tokens"], self.batch["labels"])
         loss.backward()
@@ -97,7 +107,9 @@ def _timed(runner) -> tuple[float, float]:
 
 
 def _compare(pairs: dict, steps: int, warmup: int) -> dict:
-    """Interleave the runners' steps; per runner the first-step loss and the median step time."""
+    """Interleave the runners' steps; per runner the first-step loss, the median step time and
+    the peak memory of one more step (single_device.peak_memory: live state + the CPU
+    allocator's high-water mark during the step, on this rank)."""
     times = {name: [] for name in pairs}
     first = {}
     for i in range(warmup + steps):
@@ -107,7 +119,13 @@ def _compare(pairs: dict, steps: int, warmup: int) -> dict:
                 first[name] = loss
             elif i >= warmup:
                 times[name].append(seconds)
-    return {name: {"first_loss": first[name], "median_s": statistics.median(times[name])} for name in pairs}
+    peak = {}
+    for name, runner in pairs.items():
+        import torch.distributed as dist
+        dist.barrier()
+        peak[name] = peak_memory(runner, runner.batch, "cpu")["peak_bytes"]
+    return {name: {"first_loss": first[name], "median_s": statistics.median(times[name]), "peak_bytes": peak[name]}
+            for name in pairs}
 
 
 def device(args) -> dict:
@@ -137,7 +155,8 @@ def device(args) -> dict:
 def summarize(res: dict, args, n: int) -> dict:
     summary = {"processes": n, "preset": args.preset, "steps": args.steps,
                "median_ms": {k: round(v["median_s"] * 1e3, 1) for k, v in res.items()},
-               "first_loss": {k: v["first_loss"] for k, v in res.items()}}
+               "first_loss": {k: v["first_loss"] for k, v in res.items()},
+               "peak_mib": {k: round(v["peak_bytes"] / 2**20, 1) for k, v in res.items()}}
     pairs = [("ours_dp_unbucketed", "ddp"), ("ours_dp", "ddp"), ("ours_fsdp_per_weight", "fsdp2"),
              ("ours_fsdp", "fsdp2")]
     for ours, theirs in pairs:
@@ -148,6 +167,7 @@ def summarize(res: dict, args, n: int) -> dict:
                 raise SystemExit(f"first-step losses differ: {ours} {a['first_loss']} vs {theirs} "
                                  f"{b['first_loss']} (relative {rel:.2e})")
             summary[f"{ours}/{theirs}"] = round(a["median_s"] / b["median_s"], 3)
+            summary[f"{ours}/{theirs} peak memory"] = round(a["peak_bytes"] / b["peak_bytes"], 3)
     return summary
 
 
@@ -173,7 +193,8 @@ def main(argv=None) -> dict:
         args.layout = layout
         results.update(fpp.launch(functools.partial(device, args), mesh, processes=True, timeout=1800)[0])
     for name, r in results.items():
-        print(f"{name:20s} first-step loss {r['first_loss']:.7f}  median {r['median_s'] * 1e3:8.1f} ms")
+        print(f"{name:20s} first-step loss {r['first_loss']:.7f}  median {r['median_s'] * 1e3:8.1f} ms  "
+              f"peak {r['peak_bytes'] / 2**20:8.1f} MiB")
     summary = summarize(results, args, args.processes)
     print(json.dumps(summary))
     return summary

@@ -56,7 +56,7 @@ def gather_tree(tree: Any, decls: Any = None) -> Any:
 
     def full(x: Any, d: Any = None) -> Any:
         if d is not None and not isinstance(x, Named):
-            x = Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name="gather_tree"))
+            x = Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name="gather_tree"))
         if not isinstance(x, Named):
             return x
         with torch.no_grad():

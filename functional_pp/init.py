@@ -105,8 +105,8 @@ def init_params(decls: Any, *, seed: int = 0, mesh: Mesh | None = None, rules: R
         if mesh is None:
             slices = tuple(slice(0, n) for n in d.shape)
         else:
-            layout = (rules or Rules()).resolve(d.axes, d.shape, mesh, name=p)
-            require_contiguous(rules or Rules(), d.axes, layout, p)
+            layout = (rules or Rules()).resolve(d.dims, d.shape, mesh, name=p)
+            require_contiguous(rules or Rules(), d.dims, layout, p)
             slices = block_slices(d.shape, layout, mesh, rank)
         return init_block(d, p, seed, slices, device)
     return map_with_path(make, decls)
@@ -124,6 +124,6 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     rules = rules or Rules()
 
     def wrap(p, x, d):
-        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p) if mesh is not None else None,
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p) if mesh is not None else None,
                      sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)

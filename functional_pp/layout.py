@@ -57,10 +57,10 @@ class balanced:
 
 
 class Rules:
-    """Map logical axis names to ordered tuples of mesh axes.
+    """Map dim names to ordered tuples of mesh axes.
 
     ``Rules(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), heads="tp", hidden="dp_shard",
-    res_seq=inherit("seq"))``. A logical axis without a rule is never split. A split dimension
+    res_seq=inherit("seq"))``. A dim without a rule is never split. A split dimension
     is contiguous (device i holds block i) unless its rule is :class:`balanced`; a name given
     :class:`inherit` follows its parent's axes and order.
     """
@@ -102,7 +102,7 @@ class Rules:
         dup = {a for a in axes if axes.count(a) > 1}
         if dup:
             raise ValueError(
-                f"Rule for logical axis {logical!r} names mesh axis {sorted(dup)[0]!r} twice "
+                f"Rule for dim {logical!r} names mesh axis {sorted(dup)[0]!r} twice "
                 f"({axes}); a mesh axis can split a dimension only once."
             )
 
@@ -198,7 +198,7 @@ class Rules:
                     n = shape[list(dims).index(d)]
                     if n % (2 * mesh.shape[axes[0]]):
                         raise ValueError(
-                            f"{name}: logical axis {d!r} of size {n} is load-balanced over "
+                            f"{name}: dim {d!r} of size {n} is load-balanced over "
                             f"{axes[0]!r} ({mesh.shape[axes[0]]} devices, 2 chunks each) and needs "
                             f"a size divisible by {2 * mesh.shape[axes[0]]}; change the size or "
                             f"make the rule contiguous")
@@ -218,7 +218,7 @@ class Rules:
                         any(mesh.shape.get(a, 1) > 1 for a in self.table[p]):
                     self._warned.add(d)
                     warnings.warn(
-                        f"logical axis {d!r} has no rule and stays whole, while {p!r} is split over "
+                        f"dim {d!r} has no rule and stays whole, while {p!r} is split over "
                         f"{self.table[p]}; if {d!r} is derived from {p!r}, declare "
                         f"Rules(..., {d}=inherit({p!r})), or give it a rule (None to silence)",
                         stacklevel=3)
@@ -267,7 +267,7 @@ def check_divisible(shape: Sequence[int], layout: Layout, mesh: Mesh, name: str,
     for i, (n, axes) in enumerate(zip(shape, layout)):
         k = mesh.axis_size(axes) if axes else 1
         if n % k:
-            label = f"logical axis {dims[i]!r}" if dims else f"dimension {i}"
+            label = f"dim {dims[i]!r}" if dims else f"dimension {i}"
             sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise ValueError(
                 f"{name}: {label} has size {n}, which is not divisible by its mesh axes "

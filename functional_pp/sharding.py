@@ -19,8 +19,8 @@ def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
     def cut(p, x, d):
         if tuple(x.shape) != d.shape:
             raise ValueError(f"{p}: tensor has shape {tuple(x.shape)} but is declared {d.shape}")
-        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
-        require_contiguous(rules, d.axes, layout, p)
+        layout = rules.resolve(d.dims, d.shape, mesh, name=p)
+        require_contiguous(rules, d.dims, layout, p)
         return x[block_slices(d.shape, layout, mesh, rank)]
     return map_with_path(cut, full, decls)
 
@@ -30,7 +30,7 @@ def gather(local: Any, decls: Any, rules: Rules) -> Any:
     mesh = current_mesh()
 
     def full(p, x, d):
-        layout = rules.resolve(d.axes, d.shape, mesh, name=p)
+        layout = rules.resolve(d.dims, d.shape, mesh, name=p)
         for dim, axes in enumerate(layout):
             if axes:
                 x = raw_all_gather(x.detach(), axes, dim)
@@ -43,5 +43,5 @@ def named_tree(local: Any, decls: Any) -> Any:
     mesh, rules = env()
 
     def wrap(p, x, d):
-        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, local, decls)

@@ -43,7 +43,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class ParamSpec:
-    """Static description of the parameter tree: logical axes and layout of every leaf."""
+    """Static description of the parameter tree: dim names and layout of every leaf."""
     paths: list[str]
     dims: list[tuple[str, ...]]
     layouts: list[Layout]

@@ -8,40 +8,59 @@ Containers are plain dicts/lists/tuples, which both optree and torch's pytree ut
 (and so torch.compile) understand."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import optree
+
 import torch
 
 
 @dataclass(frozen=True)
 class Param:
-    """Declaration of one parameter: global shape, the names of its dimensions (``axes``, the
-    field's historical name: dimension names, not mesh axes; docs/README.md) and initializer."""
+    """Declaration of one parameter: global shape, the names of its dimensions (``dims``;
+    docs/names.md) and initializer."""
 
     shape: tuple[int, ...]
-    axes: tuple[str, ...]
+    dims: tuple[str, ...]
     init: str = "normal"          # normal | zeros | ones | uniform
     scale: float = 0.02           # std for normal, half-width for uniform
     dtype: torch.dtype = torch.float32
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        if len(self.shape) != len(self.axes):
+        if len(self.shape) != len(self.dims):
             raise ValueError(f"param of shape {self.shape} needs one name per dimension, "
-                             f"got dimension names {self.axes}")
+                             f"got dimension names {self.dims}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`dims` (*axis* means a mesh axis; docs/names.md)."""
+        warnings.warn("Param.axes is deprecated: use Param.dims (dimension names; docs/names.md)",
+                      DeprecationWarning, stacklevel=2)
+        return self.dims
 
 
-def param(shape: Sequence[int], axes: Sequence[str] | str, init: str = "normal", scale: float = 0.02,
-          dtype: torch.dtype = torch.float32) -> Param:
-    """Declare a parameter: ``param((hidden, mlp), axes=("hidden", "mlp"), init="normal", scale=0.02)``.
-    ``axes`` may also be a space-separated string ``"hidden mlp"``."""
-    if isinstance(axes, str):
-        axes = tuple(axes.split())
+def param(shape: Sequence[int], dims: Sequence[str] | str | None = None, init: str = "normal",
+          scale: float = 0.02, dtype: torch.dtype = torch.float32, *, axes: Sequence[str] | str | None = None
+          ) -> Param:
+    """Declare a parameter: ``param((hidden, mlp), dims=("hidden", "mlp"), init="normal", scale=0.02)``.
+    ``dims`` may also be a space-separated string ``"hidden mlp"`` (``axes=`` is its deprecated
+    name)."""
+    if axes is not None:
+        if dims is not None:
+            raise TypeError("param: pass the dimension names once, as dims= (axes= is its deprecated name)")
+        warnings.warn("param(axes=...) is deprecated: use param(dims=...) (docs/names.md)", DeprecationWarning,
+                      stacklevel=2)
+        dims = axes
+    if dims is None:
+        raise TypeError("param: missing the dimension names, e.g. param((512, 1024), dims='hidden mlp')")
+    if isinstance(dims, str):
+        dims = tuple(dims.split())
     if init not in ("normal", "zeros", "ones", "uniform"):
         raise ValueError(f"unknown init {init!r}; use normal, zeros, ones or uniform")
-    return Param(tuple(int(s) for s in shape), tuple(axes), init, float(scale), dtype)
+    return Param(tuple(int(s) for s in shape), tuple(dims), init, float(scale), dtype)
 
 
 def path_str(path: Sequence[Any]) -> str:

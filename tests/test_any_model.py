@@ -215,7 +215,7 @@ def _sizes(cfg):
         n = 1
         for s in d.shape:
             n *= s
-        if "embd" in d.axes:
+        if "embd" in d.dims:
             sharded += n
         else:
             replicated += n

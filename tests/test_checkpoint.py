@@ -61,7 +61,7 @@ def specs(state):
 def expected_shards(tree_full, mesh, rules, rank):
     """The oracle: slices of the full single-device tensors."""
     def cut(p, d, x):
-        return x[block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh, p), mesh, rank)]
+        return x[block_slices(d.shape, rules.resolve(d.dims, d.shape, mesh, p), mesh, rank)]
     return fpp.map_with_path(cut, D, tree_full)
 
 

@@ -36,7 +36,7 @@ def test_every_shard_is_the_slice_of_the_single_device_init(full, case):
     for rank in range(mesh.size):
         local = fpp.init_params(DECLS, seed=7, mesh=mesh, rules=rules, rank=rank)
         for path, d in fpp.leaves_with_paths(DECLS):
-            slices = block_slices(d.shape, rules.resolve(d.axes, d.shape, mesh), mesh, rank)
+            slices = block_slices(d.shape, rules.resolve(d.dims, d.shape, mesh), mesh, rank)
             got = dict(fpp.leaves_with_paths(local))[path]
             want = dict(fpp.leaves_with_paths(full))[path][slices]
             assert torch.equal(got, want), (case, rank, path)

@@ -61,7 +61,7 @@ def test_rules_errors():
         fpp.Rules(heads=("tp", "tp"))
     with pytest.raises(ValueError, match=r"Rule heads=\('tpp',\).*Did you mean 'tp'"):
         fpp.Rules(heads="tpp").resolve(("heads",), (4,), mesh)
-    with pytest.raises(ValueError, match=r"layers\.0\.wq: logical axis 'heads' has size 3.*\('tp',\)"):
+    with pytest.raises(ValueError, match=r"layers\.0\.wq: dim 'heads' has size 3.*\('tp',\)"):
         fpp.Rules(heads="tp").resolve(("hidden", "heads"), (4, 3), mesh, name="layers.0.wq")
 
 

@@ -144,7 +144,7 @@ def test_unreconcilable_layouts_name_the_op_dimension_and_axis():
             return ops.einsum("batch hidden, batch hidden -> batch", x, y)
     out = fpp.launch(fn, fpp.Mesh(tp=2))          # reconcilable: gathered, then re-split by batch
     assert out[0].split == (("tp",),)
-    with pytest.raises(fpp.DeviceError, match=r"einsum 'batch hidden -> batch' output: logical axis 'batch' has "
+    with pytest.raises(fpp.DeviceError, match=r"einsum 'batch hidden -> batch' output: dim 'batch' has "
                                               r"size 3, which is not divisible by its mesh axes \('tp',\)"):
         fpp.launch(_odd_batch, fpp.Mesh(tp=2))
 

@@ -97,10 +97,10 @@ def _run(mesh_kw, rules, cfg=CFG, batch=BATCH):
 
 
 def test_heads_not_divisible_by_tp():
-    with pytest.raises(fpp.DeviceError, match=r"layers\.0\.self_attn\.k_proj: logical axis 'kv_heads' has size 2.*tp"):
+    with pytest.raises(fpp.DeviceError, match=r"layers\.0\.self_attn\.k_proj: dim 'kv_heads' has size 2.*tp"):
         _run(dict(tp=4), llama.default_rules(fsdp=False))
     cfg = llama.Config.tiny(heads=6, kv_heads=6, hidden=48)
-    with pytest.raises(fpp.DeviceError, match=r"_proj: logical axis '(kv_)?heads' has size 6, which is not divisible.*tp=4"):
+    with pytest.raises(fpp.DeviceError, match=r"_proj: dim '(kv_)?heads' has size 6, which is not divisible.*tp=4"):
         _run(dict(tp=4), llama.default_rules(fsdp=False), cfg=cfg)
 
 

@@ -47,7 +47,7 @@ def test_state_bytes_and_fp32_reductions_of_bf16():
     mesh, rules = fpp.Mesh(dp_shard=2, cp=2, tp=2), llama.default_rules(sequence_parallel=True)
     decls = llama.init(CFG, torch.bfloat16)
     est = plan.estimate(LOSS, decls, mesh, rules, BATCH, precision="bf16")
-    n_local = sum(torch.Size(local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh), mesh)).numel()
+    n_local = sum(torch.Size(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh), mesh)).numel()
                   for _, d in fpp.leaves_with_paths(decls))
     assert est.param_bytes == 4 * n_local                 # fp32 master shards
     assert 0 <= est.state_bytes - 16 * n_local <= 16      # + fp32 gradients + two Adam moments (+ step count)

@@ -98,5 +98,5 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
                                 rules=rules, device=device)
 
     def wrap(p, x, d):
-        return Named(x, d.axes, rules.resolve(d.axes, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)

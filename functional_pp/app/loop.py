@@ -1,6 +1,8 @@
 """The training loop behind ``functional-pp train``: a :class:`~functional_pp.config.TrainConfig`
-in, a trained (and checkpointed) Llama model out. (:mod:`functional_pp.train` is the training
-*step*; this module runs it in a loop with data, checkpoints, logging and signals.)
+in, a trained (and checkpointed) model out: the config's model family
+(:mod:`functional_pp.models.family`; Llama unless ``model.family`` names another, docs/models.md).
+(:mod:`functional_pp.train` is the training *step*; this module runs it in a loop with data,
+checkpoints, logging and signals.)
 
 ``train(cfg, simulate=8)`` checks the config against the world size, loads the corpus, prints
 the mesh, the rules, the parameter count and the per-device memory, then runs on every device
@@ -29,10 +31,9 @@ from typing import IO
 import torch
 
 from .. import checkpoint as ck
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, model_family
 from ..seeds import check_seed
 from ..launch import launch, under_torchrun
-from ..models import llama
 from .metrics import read_metrics, trim_metrics
 from .optimizer import optimizer_from_config
 from .plot import plot_losses
@@ -112,8 +113,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     out = stream or sys.stdout
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
-    model_cfg = model_config(cfg)
-    decls = llama.init(model_cfg)
+    family, model_cfg = model_family(cfg), model_config(cfg)
+    decls = family.param_decls(model_cfg)
     out_dir = cfg.output_dir()
     ckpt_dir = out_dir / CHECKPOINTS
     keep = cfg.checkpoint.keep_last
@@ -140,9 +141,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         raise ConfigError(str(exc)) from exc
     data = load_data(cfg)
     corpus = data.train
-    if corpus.vocab_size > model_cfg.vocab:
+    if corpus.vocab_size > family.vocab_size(model_cfg):
         raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
-                          f"{model_cfg.vocab}; set model.vocab >= {corpus.vocab_size}")
+                          f"{family.vocab_size(model_cfg)}; set model.vocab >= {corpus.vocab_size}")
     gb = cfg.global_batch(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     cfg.set_epochs(check_batches(cfg, data, gb))
@@ -152,14 +153,15 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
-    step_fn = train_step(functools.partial(llama.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
+    step_fn = train_step(functools.partial(family.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
                          grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                          max_consecutive_skips=cfg.max_consecutive_skips,
-                         flops_per_token=llama.flops_per_token(model_cfg, cfg.sequence_len),
+                         flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
-                         batch_dims=batch_dims)
+                         batch_dims=batch_dims,
+                         donate_state=True)   # the loop never reads a step's input state again
     metrics_path = out_dir / METRICS
     eval_every = cfg.eval_steps or cfg.logging.log_every
 
@@ -188,7 +190,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def specs(state: dict) -> dict:
         return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
 
-    export_info = {"model_config": model_cfg.to_dict(),
+    export_info = {"model_config": family.config_to_dict(model_cfg),
                    "tokenizer_dir": str(data.tokenizer.dir.resolve()) if data.tokenizer is not None
                    and hasattr(data.tokenizer, "dir") else None,
                    "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
@@ -211,7 +213,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         if cfg.base_model is not None and latest is None:
             params = base_params(cfg, model_cfg, decls, mesh, rules, device)
         else:
-            params = init_named(llama.init, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
+            params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
                                 device=device)
         state = step_fn.init(params)
         shard = batch_shard(mesh, rules).loader_args()      # the rules own the split and order

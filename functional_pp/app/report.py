@@ -2,21 +2,21 @@
 optimizer, data, output) and the text of the first step's communication report.
 
 The memory line counts the parameters each device holds times the bytes of its training
-state (docs/memory.md). It does not call :func:`functional_pp.plan.estimate`: that dry run
-(activations and peak included) took ~9 s for the tiny test model on a loaded 2-core machine,
-too slow for every start and ``validate``; ``functional-pp plan CONFIG`` prints it."""
+state (docs/memory.md). The peak with activations and temporaries is
+:func:`functional_pp.plan.estimate`'s dry run of the config's own step (:func:`planned_memory`,
+``functional-pp validate --memory``): not at every start, as it costs about one to five
+CPU-seconds even for the tiny test model on the 2-core machine."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from ..config import TrainConfig
+from ..config import TrainConfig, model_family
 from ..layout import local_shape
-from ..models import llama
 from ..tree import count_params, leaves_with_paths
 from .world import World
 
-__all__ = ["describe", "param_memory", "mesh_label", "comm_report_text"]
+__all__ = ["describe", "param_memory", "planned_memory", "mesh_label", "comm_report_text"]
 
 
 def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
@@ -24,7 +24,7 @@ def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
     (every device holds equal blocks)."""
     local = 0
     for path, d in leaves_with_paths(decls):
-        local += math.prod(local_shape(d.shape, rules.resolve(d.axes, d.shape, mesh, name=path), mesh))
+        local += math.prod(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, name=path), mesh))
     return count_params(decls), local
 
 
@@ -48,7 +48,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
              device_text: str | None = None, val=None) -> str:
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
-    decls = llama.init(model_cfg)
+    family = model_family(cfg)
+    decls = family.param_decls(model_cfg)
     total, local = param_memory(decls, mesh, rules)
     per, what = _state_bytes_per_param(cfg)
     dp = cfg.dp_size(mesh, rules)
@@ -57,12 +58,12 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
     rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
-                          ("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"))
+                          family.summary_fields)
     lines = [
         f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
         f"mesh:       {mesh_txt} = {mesh.size} devices",
         f"rules:      {rules_txt}",
-        f"model:      llama {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
+        f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
         f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
         f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
@@ -82,6 +83,25 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         lines.append(f"not used:   {note}")
     lines.append(f"output:     {cfg.output_dir()}")
     return "\n".join(lines)
+
+
+def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
+    """The ``peak:`` line: the per-device peak of one training step of ``cfg`` and its split,
+    from :func:`functional_pp.plan.estimate` (the real step on meta tensors: same optimizer,
+    precision, accumulation and remat; docs/planning.md)."""
+    import functools
+
+    from ..plan import estimate
+    from .optimizer import optimizer_from_config
+    family = model_family(cfg)
+    gb = cfg.global_batch(mesh, rules)
+    batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
+    est = estimate(functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg), mesh,
+                   rules, batch, optimizer=optimizer_from_config(cfg)[0], precision=cfg.precision,
+                   grad_accum=cfg.grad_accum(mesh, rules), remat=cfg.activation_checkpointing,
+                   timeline=False)
+    split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
+    return f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
 
 
 def mesh_label(mesh) -> str:

@@ -1,7 +1,7 @@
 """Sharded, pickle-free checkpoints of train states (params, optimizer state, RNG, loader).
 
 Every device writes one replica of its own shards to ``rank-NNNNN.safetensors``; rank 0 writes
-``index.json`` (per tensor: path, logical axes, global shape, dtype, which file holds which
+``index.json`` (per tensor: path, dim names, global shape, dtype, which file holds which
 slice) and publishes ``step-NNNNNN`` atomically. Loading reads only the slices the current
 mesh and rules need, so a checkpoint loads on any mesh, or whole on one device::
 

@@ -188,7 +188,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
             have = reader.entries[name][1]
             if have != want:
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for {p} "
-                                f"{tuple(d.shape)} [{' '.join(d.axes)}] from the config)")
+                                f"{tuple(d.shape)} [{' '.join(d.dims)}] from the config)")
             plan[p] = (name, kind, d)
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
@@ -208,7 +208,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
             name, kind, _ = plan[p]
             shape = tuple(d.shape)
             if mesh is not None and rules is not None:
-                region = block_slices(shape, rules.resolve(d.axes, shape, mesh, name=p), mesh, rank)
+                region = block_slices(shape, rules.resolve(d.dims, shape, mesh, name=p), mesh, rank)
             else:
                 region = tuple(slice(0, n) for n in shape)
             try:
@@ -272,7 +272,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
         shape, have, produce = get(p)
         if tuple(shape) != tuple(d.shape):
             raise CheckpointMismatchError(f"{p}: shape {tuple(shape)} but the config declares "
-                                          f"{tuple(d.shape)} [{' '.join(d.axes)}]")
+                                          f"{tuple(d.shape)} [{' '.join(d.dims)}]")
         kind = KINDS[_kind_of(p)]
         dt = dtype or have
         dtypes.add(dt)

@@ -185,7 +185,7 @@ def _where(mesh: Mesh | None, rank: int | None) -> tuple[Mesh | None, int]:
 def _target(spec: Any, shape: list[int], path: str, mesh: Mesh | None, rules: Rules | None,
             rank: int) -> tuple[slice, ...]:
     if is_param_like(spec) and mesh is not None and rules is not None:
-        layout = rules.resolve(tuple(spec.axes), tuple(shape), mesh, name=path)
+        layout = rules.resolve(tuple(spec.dims), tuple(shape), mesh, name=path)
         return block_slices(tuple(shape), layout, mesh, rank)
     return tuple(slice(0, n) for n in shape)
 

@@ -48,7 +48,7 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
         if is_param_like(leaf.spec):
             shape = tuple(int(s) for s in leaf.spec.shape)
             if mesh is not None:
-                layout = rules.resolve(tuple(leaf.spec.axes), shape, mesh, name=leaf.path)
+                layout = rules.resolve(tuple(leaf.spec.dims), shape, mesh, name=leaf.path)
                 slices = block_slices(shape, layout, mesh, rank)
                 used = layout_axes(layout)
                 writer = all(c == 0 for a, c in coords.items() if a not in used)
@@ -60,11 +60,11 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
             if local != block:
                 raise CheckpointError(
                     f"{leaf.path}: this device's tensor has shape {local}, but global shape "
-                    f"{shape} with axes {tuple(leaf.spec.axes)} under layout {layout} gives rank "
+                    f"{shape} with axes {tuple(leaf.spec.dims)} under layout {layout} gives rank "
                     f"{rank} a block of shape {block} (wrong rules, or a full tensor where a "
                     f"shard was expected?)")
             entries[leaf.path] = {"kind": "sharded", "shape": list(shape), "dtype": dtype,
-                                  "axes": list(leaf.spec.axes),
+                                  "axes": list(leaf.spec.dims),
                                   "layout": [list(a) for a in layout]}
             start, stop = [s.start for s in slices], [s.stop for s in slices]
         else:

@@ -3,7 +3,7 @@
 A spec tree mirrors (a prefix of) the saved tree. Its leaves are
 
 - a Param-like object (``fpp.param(...)``, :class:`Spec`: anything with ``.shape`` and
-  ``.axes``): the leaf is sharded by the rules along those logical axes (global ``shape``);
+  ``.dims``): the leaf is sharded by the rules along those named dims (global ``shape``);
 - ``None``: the leaf (or the whole subtree) is replicated and written once, by rank 0;
 - :data:`PER_RANK`: every rank holds its own value (e.g. a per-device RNG state) and writes it.
 
@@ -12,6 +12,8 @@ indices and namedtuple field names. A skeleton is the JSON description of a save
 containers, so a loaded tree has the saved structure even where no spec describes it.
 """
 from __future__ import annotations
+
+import warnings
 
 import collections
 from dataclasses import dataclass
@@ -26,20 +28,28 @@ PathT = tuple  # components: str | int
 
 @dataclass(frozen=True)
 class Spec:
-    """A Param-like description of a tensor leaf: global shape, logical axes, and optionally
-    the dtype it must have on load (``None``: whatever was saved)."""
+    """A Param-like description of a tensor leaf: global shape, dimension names (``dims``;
+    docs/names.md), and optionally the dtype it must have on load (``None``: whatever was
+    saved)."""
 
     shape: tuple[int, ...]
-    axes: tuple[str, ...]
+    dims: tuple[str, ...]
     dtype: torch.dtype | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        axes = tuple(self.axes.split()) if isinstance(self.axes, str) else tuple(self.axes)
-        object.__setattr__(self, "axes", axes)
-        if len(self.shape) != len(self.axes):
-            raise ValueError(f"Spec of shape {self.shape} needs one logical axis per dimension, "
-                             f"got {self.axes}")
+        dims = tuple(self.dims.split()) if isinstance(self.dims, str) else tuple(self.dims)
+        object.__setattr__(self, "dims", dims)
+        if len(self.shape) != len(self.dims):
+            raise ValueError(f"Spec of shape {self.shape} needs one dimension name per dimension, "
+                             f"got {self.dims}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`dims` (docs/names.md)."""
+        warnings.warn("Spec.axes is deprecated: use Spec.dims (dimension names; docs/names.md)",
+                      DeprecationWarning, stacklevel=2)
+        return self.dims
 
 
 class _PerRank:
@@ -53,7 +63,7 @@ PER_RANK = _PerRank()
 
 def is_param_like(x: Any) -> bool:
     return (not isinstance(x, (torch.Tensor, dict, list, tuple, str, bytes))
-            and hasattr(x, "shape") and hasattr(x, "axes"))
+            and hasattr(x, "shape") and hasattr(x, "dims"))
 
 
 def is_namedtuple(x: Any) -> bool:
@@ -64,7 +74,7 @@ def specs_like(decls: Any, dtype: torch.dtype | None = None) -> Any:
     """Specs for a tree that mirrors ``decls`` (optimizer moments): same shapes and axes,
     dtype ``dtype`` (``None``: accept any saved dtype)."""
     if is_param_like(decls):
-        return Spec(tuple(decls.shape), tuple(decls.axes), dtype)
+        return Spec(tuple(decls.shape), tuple(decls.dims), dtype)
     if isinstance(decls, dict):
         return {k: specs_like(v, dtype) for k, v in decls.items()}
     if is_namedtuple(decls):

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``functional-pp`` command."""
     parser = argparse.ArgumentParser(
         prog="functional-pp",
-        description="Functional training on PyTorch: layouts from named axes.")
+        description="Functional training on PyTorch: layouts from named dimensions.")
     parser.add_argument("--version", action="version", version=f"functional-pp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, model_family
 
 __all__ = ["add_commands", "run_command"]
 
@@ -27,6 +27,9 @@ def add_commands(sub) -> None:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, as for train")
     v.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
+    v.add_argument("--memory", action="store_true",
+                   help="also dry-run one training step (functional_pp.plan.estimate) and print the "
+                        "peak memory per device with activations and temporaries (a few seconds)")
     e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory",
                        description="Export the newest checkpoint of RUN_DIR (or a checkpoint "
                                    "directory) as config.json + safetensors shards with an index "
@@ -50,7 +53,7 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 def _validate(args: argparse.Namespace) -> int:
     from ..app.inputs import check_batches, load_data, model_config
-    from ..app.report import describe
+    from ..app.report import describe, planned_memory
     from ..app.world import describe_device, resolve_world, select_device
     from ..launch import under_torchrun
     try:
@@ -64,13 +67,15 @@ def _validate(args: argparse.Namespace) -> int:
         rules = cfg.build_rules(mesh)
         data = load_data(cfg)
         model_cfg = model_config(cfg)
-        if data.vocab_size > model_cfg.vocab:
-            raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only "
-                              f"{model_cfg.vocab}")
+        vocab = model_family(cfg).vocab_size(model_cfg)
+        if data.vocab_size > vocab:
+            raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only {vocab}")
         cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size), val=data.val))
+        if args.memory:
+            print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2

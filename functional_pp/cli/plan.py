@@ -17,10 +17,10 @@ LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from ..models import llama
-    model_cfg = cfg.model.build()
+    from ..config import model_family
+    family, model_cfg = model_family(cfg), cfg.model.build()
     dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
-    return functools.partial(llama.loss, cfg=model_cfg), llama.init(model_cfg, dtype)
+    return functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg, dtype)
 
 
 def global_batch_for(cfg, n_devices: int) -> int:
@@ -35,6 +35,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                  strategy: str = "auto", orders: str = "default", space: Space | None = None,
                  stream: IO[str] | None = None) -> Ranking:
     """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster``."""
+    _check_searchable(cfg)
     loss, decls = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
     batch = {"tokens": ((gb, cfg.sequence_len), "batch seq"), "labels": ((gb, cfg.sequence_len), "batch seq")}
@@ -89,6 +90,21 @@ def apply_layout(cfg, est, n_devices: int):
                                sequence_parallel=sp, rules=rules, global_batch_size=gb,
                                micro_batch_size=gb // (dp * ga), gradient_accumulation_steps=ga,
                                activation_checkpointing=bool(est.settings.get("remat")))
+
+
+# the dimension names the search's rules split (plan/search.py's rules for Llama-named models)
+SEARCHED_DIMS = ("batch", "seq", "res_seq", "hidden", "heads", "kv_heads", "mlp", "vocab")
+
+
+def _check_searchable(cfg) -> None:
+    """``layout: auto`` needs a model whose dimensions are named as the search's rules expect."""
+    from ..config import ConfigError
+    from ..config.checks import known_dims
+    missing = [d for d in SEARCHED_DIMS if d not in known_dims(cfg)]
+    if missing:
+        raise ConfigError(f"layout: auto ranks rules over Llama's dimension names; model family "
+                          f"{cfg.model.family!r} has no {', '.join(missing)}: give the mesh sizes and "
+                          f"rules by hand (layout: manual)")
 
 
 def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = None):

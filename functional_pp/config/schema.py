@@ -2,9 +2,10 @@
 
 A section is a ``@dataclass`` whose fields carry their help text in ``metadata["help"]``;
 the field's type annotation is the schema (``int``, ``float``, ``bool``, ``str``, ``dict``,
-``list``, ``Literal[...]``, unions with ``None``). :func:`parse_section` checks a mapping
-against it and records *every* problem in an :class:`Issues` list instead of stopping at the
-first, so a file's errors are reported at once (see ``docs/config.md``).
+``list``, ``Literal[...]``, unions with ``None``, a nested dataclass given as a mapping of its
+fields). :func:`parse_section` checks a mapping against it and records *every* problem in an
+:class:`Issues` list instead of stopping at the first, so a file's errors are reported at once
+(see ``docs/config.md``).
 
 Numbers: YAML 1.1 (PyYAML) reads ``1e-3`` and ``5e10`` as strings; for numeric fields such
 strings are accepted as numbers. Booleans are never numbers and numbers never booleans.
@@ -128,6 +129,9 @@ def _coerce(value: Any, tp: Any) -> Any:
         return dict(value) if isinstance(value, Mapping) else _FAIL
     if tp is list or origin is list:
         return list(value) if isinstance(value, (list, tuple)) else _FAIL
+    if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(tp)}        # a nested section (rope_scaling)
+        return dict(value) if set(value) <= names else _FAIL
     return value if isinstance(value, tp) else _FAIL
 
 

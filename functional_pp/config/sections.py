@@ -6,22 +6,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from .schema import ConfigError, Issues, check_value, fld, parse_section, suggest
+from ..models.family import UnknownFamilyError, get_family
+from .schema import ConfigError, Issues, fld, parse_section, suggest
 
-__all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS"]
+__all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS",
+           "DEFAULT_FAMILY"]
 
-PRESETS = ("tiny", "1b", "8b", "70b")
+DEFAULT_FAMILY = "llama"
+PRESETS = tuple(get_family(DEFAULT_FAMILY).presets)     # llama's: tiny, 1b, 8b, 70b
 
 
 # ----------------------------------------------------------------------------- sections
 @dataclass
 class ModelConfig:
-    """``preset`` (tiny | 1b | 8b | 70b) plus overrides of :class:`llama.Config` fields
-    (training from scratch; ``base_model`` starts from a Hugging Face directory instead)."""
+    """``family`` (a registered model family, :mod:`functional_pp.models.family`), its
+    ``preset`` and overrides of the family's config fields (training from scratch;
+    ``base_model`` starts from a Hugging Face directory instead)."""
 
-    preset: str = fld("tiny", "model preset: tiny | 1b | 8b | 70b; other keys of this section "
-                              "override fields of functional_pp.models.llama.Config")
+    preset: str = fld("tiny", "model preset (llama: tiny | 1b | 8b | 70b); other keys of this "
+                              "section override fields of the family's config "
+                              "(llama: functional_pp.models.llama.Config)")
     overrides: dict = fld(help="", factory=dict)
+    family: str = fld(DEFAULT_FAMILY, "the model family (registered in functional_pp.models)")
 
     @classmethod
     def from_value(cls, value: Any, issues: Issues | None = None) -> "ModelConfig":
@@ -41,33 +47,31 @@ class ModelConfig:
         if not isinstance(value, Mapping):
             issues.add(f"'model' must be a preset name or a mapping, got {value!r}")
             return cls()
-        from ..models import llama
         d = dict(value)
+        name = d.pop("family", DEFAULT_FAMILY)
+        try:
+            family = get_family(name)
+        except UnknownFamilyError as exc:
+            issues.add(f"model.family: {exc}")
+            return cls()
         preset = d.pop("preset", "tiny")
-        if preset not in PRESETS:
-            issues.add(f"model.preset {preset!r} is not a preset{suggest(str(preset), PRESETS)} "
-                       f"(presets: {', '.join(PRESETS)})")
-            preset = "tiny"
-        kwargs = parse_section(llama.Config, d, "model", issues)
-        if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
-            kwargs["rope_scaling"] = check_value("model.rope_scaling", kwargs["rope_scaling"],
-                                                 dict, issues)
-        return cls(preset, kwargs)
+        if preset not in family.presets:
+            presets = tuple(family.presets)
+            issues.add(f"model.preset {preset!r} is not a preset{suggest(str(preset), presets)} "
+                       f"(presets: {', '.join(presets)})")
+            preset = presets[0]
+        return cls(preset, parse_section(family.config_class, d, "model", issues), name)
 
     def build(self):
-        """The :class:`functional_pp.models.llama.Config`."""
-        from ..models import llama
-        from ..ops.rotary import Llama3Scaling
-        kw = dict(self.overrides)
-        if isinstance(kw.get("rope_scaling"), Mapping):
-            kw["rope_scaling"] = Llama3Scaling(**kw["rope_scaling"])
+        """The family's model config (:class:`functional_pp.models.llama.Config` for llama)."""
         try:
-            return llama.Config.preset(self.preset, **kw)
-        except TypeError as exc:
+            return get_family(self.family).build_config(self.preset, **self.overrides)
+        except (TypeError, ValueError, UnknownFamilyError) as exc:
             raise ConfigError(f"model: {exc}") from exc
 
     def to_dict(self) -> dict:
-        return {"preset": self.preset, **self.overrides}
+        family = {} if self.family == DEFAULT_FAMILY else {"family": self.family}
+        return {**family, "preset": self.preset, **self.overrides}
 
 
 @dataclass

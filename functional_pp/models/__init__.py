@@ -1,1 +1,15 @@
-"""Model definitions as pure functions over named parameter pytrees."""
+"""Model definitions as pure functions over named parameter pytrees, and the registry of model
+families the training loop looks them up in (:mod:`functional_pp.models.family`); Llama is
+registered here as ``"llama"``."""
+from . import llama, llama_hf
+from .family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
+
+__all__ = ["llama", "llama_hf", "ModelFamily", "UnknownFamilyError", "register", "unregister",
+           "get_family", "family_names", "LLAMA"]
+
+LLAMA = register(ModelFamily(
+    name="llama", config_class=llama.Config, presets=llama.Config.presets(), param_decls=llama.init,
+    loss=llama.loss, flops_per_token=llama.flops_per_token, default_rules=llama.default_rules,
+    activations=llama.activations,
+    summary_fields=("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
+    hf_config_from_dict=llama_hf.config_from_hf_dict))

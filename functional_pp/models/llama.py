@@ -32,6 +32,10 @@ class Config:
     init_std: float = 0.02
     max_seq: int = 8192
 
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):          # from YAML / JSON
+            object.__setattr__(self, "rope_scaling", Llama3Scaling(**self.rope_scaling))
+
     @property
     def dim_head(self) -> int:
         return self.head_dim or self.hidden // self.heads
@@ -60,8 +64,13 @@ class Config:
                              max_seq=131072), **kw})
 
     @classmethod
+    def presets(cls) -> dict:
+        """Preset name -> constructor taking field overrides."""
+        return {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+
+    @classmethod
     def preset(cls, name: str, **kw) -> "Config":
-        table = {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        table = cls.presets()
         if name not in table:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(table)}")
         return table[name](**kw)
@@ -73,19 +82,16 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        d = dict(d)
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = Llama3Scaling(**d["rope_scaling"])
-        return cls(**d)
+        return cls(**d)                              # __post_init__ reads rope_scaling
 
 
 def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
-    """Parameter declarations (shapes, logical axes, initializers)."""
+    """Parameter declarations (shapes, dimension names, initializers)."""
     D, std = cfg.dim_head, cfg.init_std
     out_std = std / (2 * cfg.layers) ** 0.5
 
-    def w(shape, axes, s=std):
-        return param(shape, axes, init="normal", scale=s, dtype=dtype)
+    def w(shape, dims, s=std):
+        return param(shape, dims, init="normal", scale=s, dtype=dtype)
 
     def norm():
         return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
@@ -188,3 +194,9 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
     fwd = cfg.layers * (per_layer + attn) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
+
+
+def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+    """The residual stream's layouts (global sizes) that must split evenly on the mesh: the
+    sequence gathered for attention and the MLP, and split again (sequence parallelism)."""
+    return {"batch seq hidden": (batch, seq, cfg.hidden), "batch res_seq hidden": (batch, seq, cfg.hidden)}

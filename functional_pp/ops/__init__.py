@@ -1,4 +1,4 @@
-"""Named-axis ops: communication derived from layouts."""
+"""Named-dimension ops: communication derived from layouts (docs/names.md: dims vs mesh axes)."""
 from .attention import attention, positions
 from .einsum import einsum
 from .elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where

@@ -15,6 +15,12 @@ Only this module chooses the attention kernel (:func:`select_attention_kernel`):
   ``aten._scaled_dot_product_efficient_attention`` (fp32/fp16/bf16) (+ backwards).
 * anything else (other devices/dtypes/shapes): :func:`_math_attention_with_lse`,
   a pure-torch implementation that is also the test oracle.
+
+Why one file of ~500 lines: it has one concern, attention on plain blocks with log-sum-exp.
+The fused kernels, the math oracle, the LSE merge and the ring that merges block results all
+rest on the conventions above (layout, GQA head mapping, lse dtype, ``-inf`` rows), which
+tests/test_attention_kernels.py checks together; the named op that chooses ring or all-gather
+attention is ops/attention.py.
 """
 
 from __future__ import annotations
@@ -122,56 +128,46 @@ def select_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------- math fallback
 
 
+def _math_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """``(q, k, v, scores)``: q/k/v in the accumulation dtype with k/v repeated to q's heads,
+    and the scaled scores ``[B, H, Lq, Lk]`` with the causal mask applied (``-inf``)."""
+    _check_shapes(q, k, v, causal)
+    acc, h = _acc_dtype(q.dtype), q.shape[1]
+    qf, kf, vf = q.to(acc), _expand_kv(k, h).to(acc), _expand_kv(v, h).to(acc)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return qf, kf, vf, s
+
+
+def _math_probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities ``exp(s - lse)``; fully masked rows (``lse == -inf``) give 0."""
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(s - lse_safe.unsqueeze(-1))
+
+
 def _math_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch attention returning ``(out, lse)``; differentiable; the test oracle."""
-    _check_shapes(q, k, v, causal)
-    acc = _acc_dtype(q.dtype)
-    h = q.shape[1]
-    qf = q.to(acc)
-    kf = _expand_kv(k, h).to(acc)
-    vf = _expand_kv(v, h).to(acc)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
+    _, _, vf, s = _math_scores(q, k, v, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - lse_safe.unsqueeze(-1))
-    out = torch.matmul(p, vf)
+    out = torch.matmul(_math_probs(s, lse), vf)
     return out.to(q.dtype), lse
 
 
 def _math_attention_with_lse_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool,
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch flash-style backward given ``out`` and ``lse`` (which may be global)."""
-    _check_shapes(q, k, v, causal)
-    acc = _acc_dtype(q.dtype)
-    h, hkv = q.shape[1], k.shape[1]
-    qf = q.to(acc)
-    kf = _expand_kv(k, h).to(acc)
-    vf = _expand_kv(v, h).to(acc)
+    qf, kf, vf, s = _math_scores(q, k, v, scale, causal)
+    acc, hkv = qf.dtype, k.shape[1]
     gf = grad_out.to(acc)
     of = out.to(acc)
-    lse = lse.to(acc)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - lse_safe.unsqueeze(-1))
+    p = _math_probs(s, lse.to(acc))
     dv = torch.matmul(p.transpose(-1, -2), gf)
     dp = torch.matmul(gf, vf.transpose(-1, -2))
     delta = (gf * of).sum(dim=-1, keepdim=True)
@@ -209,15 +205,8 @@ def _fwd_kernel(
 
 
 def _bwd_kernel(
-    name: str,
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    causal: bool,
+    name: str, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel backward on same-head-count tensors; ``lse`` may come from a merged forward."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -254,12 +243,8 @@ def _bwd_kernel(
 
 
 def _run_with_fallback(
-    kernel: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    fused: Callable[[str], tuple],
-    math_fn: Callable[[], tuple],
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: Callable[[str], tuple],
+    math_fn: Callable[[], tuple]
 ) -> tuple:
     """Run ``fused(name)`` for the chosen kernel; under ``auto`` fall back on CUDA kernel errors."""
     if kernel == "math":
@@ -289,13 +274,8 @@ def _run_with_fallback(
 
 
 def attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    causal: bool = False, kernel: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention returning ``(out [B,H,Lq,Dv] in q.dtype, lse [B,H,Lq] float32/float64)``.
 
@@ -317,16 +297,8 @@ def attention_with_lse(
 
 
 def attention_with_lse_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    kernel: str = "auto",
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *, scale: float | None = None, causal: bool = False, kernel: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` (dk/dv with kv_heads) of attention given ``out`` and ``lse``.
 

@@ -139,8 +139,22 @@ def where(cond: Named, a, b) -> Named:
     return broadcast(fn, [cond, a, b], "where")
 
 
-def silu(x: Named) -> Named:
-    return x.map(torch.nn.functional.silu)
+def _unary(fn, name: str):
+    """The named op applying torch's elementwise ``fn`` to the block (no communication)."""
+    def op(x: Named) -> Named:
+        return x.map(fn)
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"Elementwise ``{name}`` of a named array (same dims and layout)."
+    return op
+
+
+silu = _unary(torch.nn.functional.silu, "silu")
+relu = _unary(torch.relu, "relu")
+exp = _unary(torch.exp, "exp")
+log = _unary(torch.log, "log")
+tanh = _unary(torch.tanh, "tanh")
+rsqrt = _unary(torch.rsqrt, "rsqrt")
+square = _unary(torch.square, "square")
 
 
 def gelu(x: Named, approximate: str = "none") -> Named:
@@ -148,30 +162,6 @@ def gelu(x: Named, approximate: str = "none") -> Named:
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return x.map(lambda t: torch.nn.functional.gelu(t, approximate=approximate))
-
-
-def relu(x: Named) -> Named:
-    return x.map(torch.relu)
-
-
-def exp(x: Named) -> Named:
-    return x.map(torch.exp)
-
-
-def log(x: Named) -> Named:
-    return x.map(torch.log)
-
-
-def tanh(x: Named) -> Named:
-    return x.map(torch.tanh)
-
-
-def rsqrt(x: Named) -> Named:
-    return x.map(torch.rsqrt)
-
-
-def square(x: Named) -> Named:
-    return x.map(torch.square)
 
 
 def _attach_operators(cls: type) -> None:

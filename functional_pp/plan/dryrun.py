@@ -218,8 +218,8 @@ class _Layers(list):
 
 
 def _meta_param(d, rules: Rules, mesh: Mesh, path: str) -> Named:
-    layout = rules.resolve(d.axes, d.shape, mesh, path)
-    x = Named(torch.empty(local_shape(d.shape, layout, mesh), dtype=d.dtype, device="meta"), d.axes, layout)
+    layout = rules.resolve(d.dims, d.shape, mesh, path)
+    x = Named(torch.empty(local_shape(d.shape, layout, mesh), dtype=d.dtype, device="meta"), d.dims, layout)
     return x
 
 

@@ -1,0 +1,218 @@
+"""The checks of a training config: :func:`check_values` (ranges and consistency of the
+values, run while parsing so that all problems of a file are reported at once) and
+:func:`check_world` (what depends on the device count, the model and the data, run before any
+work). Every problem raises :class:`ConfigError` saying what to change (``docs/config.md``)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .keys import MESH_KEYS
+from .models import model_config, model_family
+from .schema import ConfigError, Issues, suggest
+
+__all__ = ["check_values", "check_world", "resolved_precision"]
+
+
+def check_values(cfg: Any, issues: Issues | None = None) -> None:
+    """Range and consistency checks of the values that parsed; problems go to ``issues`` (raised
+    here when none is given)."""
+    own = issues is None
+    issues = issues if issues is not None else Issues()
+    add = issues.add
+    for k in MESH_KEYS:
+        v = getattr(cfg, k)
+        if v < 1 and not (k == "dp_shard_size" and v == -1):
+            add(f"{k} must be >= 1 (or -1 for dp_shard_size: the rest of the world), got {v}")
+    for k in ("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "max_steps"):
+        if getattr(cfg, k) < 1:
+            add(f"{k} must be >= 1, got {getattr(cfg, k)}")
+    for k in ("global_batch_size", "num_epochs", "eval_steps", "num_processes"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
+            add(f"{k} must be >= 1, got {getattr(cfg, k)}")
+    if cfg.warmup_steps < 0:
+        add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    if not cfg.learning_rate > 0 or not math.isfinite(cfg.learning_rate):
+        add(f"learning_rate must be a finite number > 0, got {cfg.learning_rate}")
+    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
+        add(f"max_grad_norm must be > 0 (or null to disable clipping), got {cfg.max_grad_norm}")
+    for k in ("warmup_ratio", "cosine_min_lr_ratio"):
+        v = getattr(cfg, k)
+        if v is not None and not 0 <= v <= 1:
+            add(f"{k} must be in [0, 1], got {v}")
+    if cfg.warmup_ratio is not None and "warmup_steps" in cfg._given:
+        add("give warmup_steps or warmup_ratio, not both")
+    if cfg.cosine_min_lr_ratio is not None and "min_learning_rate" in cfg._given:
+        add("give min_learning_rate or cosine_min_lr_ratio, not both")
+    if not 0 <= cfg.val_set_size or (cfg.val_set_size >= 1 and not float(cfg.val_set_size).is_integer()):
+        add(f"val_set_size must be a fraction in [0, 1) or a whole count of sequences, got "
+            f"{cfg.val_set_size}")
+    if cfg.lr_scheduler != "constant" and cfg.warmup() > cfg.max_steps:
+        add(f"warmup_steps={cfg.warmup()} exceeds max_steps={cfg.max_steps} (the "
+            f"{cfg.lr_scheduler} schedule decays after warmup); lower it, e.g. --set "
+            f"warmup_steps={cfg.max_steps // 2}")
+    try:
+        cfg.precision = resolved_precision(cfg)
+    except ConfigError as exc:
+        add(str(exc))
+    if cfg.max_consecutive_skips is not None and cfg.max_consecutive_skips < 1:
+        add(f"max_consecutive_skips must be >= 1 (or null: never stop), got "
+            f"{cfg.max_consecutive_skips}")
+    if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
+        add(f"collective_timeout must be a positive number of seconds (or null: the default), "
+            f"got {cfg.collective_timeout}")
+    if isinstance(cfg.compile, str):
+        import torch._dynamo
+        from ..layer_compile import split_mode
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        name = next((m for m in split_mode(cfg.compile) if isinstance(m, str)), None)  # "per_layer:x"
+        if name is not None and name not in backends:
+            add(f"compile: unknown torch.compile backend {name!r}{suggest(name, backends)} "
+                f"(or \"per_layer\" / \"per_layer:<backend>\")")
+    if cfg.logging.log_every < 1:
+        add(f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
+    if cfg.checkpoint.save_every < 0:
+        add(f"checkpoint.save_every must be >= 0 (0: no periodic saves), got "
+            f"{cfg.checkpoint.save_every}")
+    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last < 1:
+        add(f"checkpoint.keep_last must be >= 1 (or null: keep all), got {cfg.checkpoint.keep_last}")
+    if cfg.data.max_bytes is not None and cfg.data.max_bytes < 1:
+        add(f"data.max_bytes must be >= 1 (or null: no cap), got {cfg.data.max_bytes}")
+    if cfg.data.kind in ("text", "dir", "jsonl") and cfg.data.path is None:
+        add(f"data.kind {cfg.data.kind!r} needs data.path")
+    if cfg.datasets and cfg.data.path is not None:
+        add("give either datasets (a list) or data.path, not both")
+    if own:
+        issues.raise_if_any()
+
+
+def resolved_precision(cfg: Any) -> str:
+    """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""
+    p = cfg.precision.lower()
+    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "no": "fp32"}
+    p = aliases.get(p, p)
+    if p not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"precision {cfg.precision!r} is not supported"
+                          f"{suggest(p, ('fp32', 'bf16', 'fp16'))} (choose fp32, bf16, fp16)")
+    bf16 = _bf16_supported() if cfg.bf16 == "auto" else cfg.bf16
+    flags = [f for f, on in (("bf16", bf16), ("fp16", cfg.fp16)) if on]
+    if len(flags) > 1:
+        raise ConfigError("bf16 and fp16 are both true; choose one")
+    if flags:
+        if "precision" in cfg._given and p != flags[0]:
+            raise ConfigError(f"{flags[0]}: true contradicts precision: {cfg.precision}")
+        p = flags[0]
+    return p
+
+# ------------------------------------------------------------------ derived values
+
+def _bf16_supported() -> bool:
+    import torch
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> None:
+    """Check everything that must hold before training starts: the mesh covers
+    ``world_size`` devices (``launcher`` names where that number comes from), the batch and
+    sequence split evenly, the model's dimensions divide by their mesh axes, the data and
+    tokenizer paths exist. Raises :class:`ConfigError`."""
+    check_values(cfg)            # again, for configs built without from_dict
+    if cfg.num_processes is not None and world_size is not None and cfg.num_processes != world_size:
+        raise ConfigError(f"num_processes: {cfg.num_processes} but {launcher or 'the world size'} "
+                          f"gives {world_size} devices; fix one of them")
+    sizes = cfg.mesh_sizes(world_size)
+    product = math.prod(sizes.values())
+    if world_size is not None and product != world_size:
+        dims = " x ".join(f"{k}={getattr(cfg, k) if getattr(cfg, k) != -1 else sizes[a]}"
+                          for k, a in MESH_KEYS.items())
+        raise ConfigError(f"the mesh needs {product} devices ({dims} = {product}) but "
+                          f"{launcher or 'the world size'} gives {world_size}; choose sizes "
+                          f"whose product is {world_size}")
+    mesh = cfg.mesh(world_size)
+    rules = cfg.build_rules(mesh)
+    known = known_dims(cfg)
+    for dim in cfg.rules:
+        if dim not in known:
+            raise ConfigError(f"rules: unknown dim name '{dim}'{suggest(dim, sorted(known))}")
+    _check_batch_and_sequence(cfg, mesh, rules)
+    _check_model_layout(cfg, mesh, rules)
+    _check_paths(cfg)
+
+
+def known_dims(cfg: Any) -> set[str]:
+    """Dimension names ``rules`` may map: the batch's and the model family's (its parameters'
+    and checked activations', for the family's first preset)."""
+    family = model_family(cfg)
+    return {"batch", "seq"} | family.dim_names(family.build_config(next(iter(family.presets))))
+
+
+def _check_batch_and_sequence(cfg: Any, mesh, rules) -> None:
+    b_axes = cfg.batch_axes(mesh, rules)
+    dp = cfg.dp_size(mesh, rules)
+    if cfg.global_batch_size is not None:
+        per = cfg.micro_batch_size * dp
+        if cfg.global_batch_size % per:
+            raise ConfigError(
+                f"global_batch_size={cfg.global_batch_size} is not divisible by "
+                f"micro_batch_size x dp = {cfg.micro_batch_size} x {dp} = {per} (dp = "
+                f"{' x '.join(f'{a}={mesh.shape[a]}' for a in b_axes) or '1'})")
+        accum = cfg.global_batch_size // per
+        if "gradient_accumulation_steps" in cfg._given and accum != cfg.gradient_accumulation_steps:
+            raise ConfigError(
+                f"global_batch_size={cfg.global_batch_size} != micro_batch_size x "
+                f"gradient_accumulation_steps x dp = {cfg.micro_batch_size} x "
+                f"{cfg.gradient_accumulation_steps} x {dp} = "
+                f"{cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp}; give one of "
+                f"global_batch_size and gradient_accumulation_steps")
+    s_axes = cfg.seq_axes(mesh, rules)
+    if len(s_axes) > 1:
+        raise ConfigError(f"rules: the sequence may be split over one mesh axis (context "
+                          f"parallelism), not {s_axes}")
+    cp = mesh.shape[s_axes[0]] if s_axes else 1
+    if cp > 1 and cfg.sequence_len % (2 * cp):
+        raise ConfigError(
+            f"sequence_len={cfg.sequence_len} is not divisible by 2 x cp_size = {2 * cp} "
+            f"(context parallelism with causal load balancing cuts the sequence into "
+            f"2 x cp_size chunks); use a multiple of {2 * cp}")
+
+
+def _check_model_layout(cfg: Any, mesh, rules) -> None:
+    """The model's parameters and activations split evenly on the mesh."""
+    from ..tree import leaves_with_paths
+    if cfg.base_model is not None and not (Path(cfg.base_model) / "config.json").is_file():
+        raise ConfigError(f"base_model {cfg.base_model!r} is not a Hugging Face model directory "
+                          f"(no {Path(cfg.base_model).resolve() / 'config.json'}); give a local "
+                          f"directory with config.json and safetensors (nothing is downloaded)")
+    family, model = model_family(cfg), model_config(cfg)
+    try:
+        micro_global = cfg.micro_batch_size * cfg.dp_size(mesh, rules)
+        for dims, shape in family.activations(model, micro_global, cfg.sequence_len).items():
+            rules.resolve(tuple(dims.split()), shape, mesh, name=f"activations ({dims})")
+        for path, decl in leaves_with_paths(family.param_decls(model)):
+            rules.resolve(decl.dims, decl.shape, mesh, name=f"parameter {path}")
+    except ValueError as exc:
+        what = f"base_model {cfg.base_model!r}" if cfg.base_model else f"model preset {cfg.model.preset!r}"
+        raise ConfigError(f"{exc} ({what}, mesh {dict(mesh.shape)})") from exc
+
+
+def _check_paths(cfg: Any) -> None:
+    """The data, tokenizer and base model paths exist (all missing ones reported at once)."""
+    issues = Issues()
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():
+        issues.add(f"data.path {cfg.data.path!r} does not exist (looked for "
+                   f"{Path(cfg.data.path).resolve()}); fix the path or remove it to train "
+                   f"on the Python standard library")
+    if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_file():
+        issues.add(f"data.tokenizer {cfg.data.tokenizer!r} does not exist (looked for "
+                   f"{Path(cfg.data.tokenizer).resolve()})")
+    for i, entry in enumerate(cfg.datasets or []):
+        if not Path(entry.path).exists():
+            issues.add(f"datasets[{i}].path {entry.path!r} does not exist (looked for "
+                       f"{Path(entry.path).resolve()})")
+    for key in ("base_model", "tokenizer"):
+        v = getattr(cfg, key)
+        if v is not None and not Path(v).exists():
+            issues.add(f"{key} {v!r} does not exist (looked for {Path(v).resolve()}); "
+                       f"give a local Hugging Face directory (nothing is downloaded)")
+    issues.raise_if_any()

@@ -1,0 +1,16 @@
+"""Groups of top-level config keys that several config modules read: the mesh sizes
+(Accelerate's names -> mesh axes), each optimizer's own keys, the sections."""
+from __future__ import annotations
+
+__all__ = ["MESH_KEYS", "ADAM_KEYS", "SGD_KEYS", "SECTION_KEYS"]
+
+MESH_KEYS = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
+             "cp_size": "cp", "tp_size": "tp"}
+ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_epsilon")
+SGD_KEYS = ("momentum",)
+SECTION_KEYS = ("model", "data", "logging", "checkpoint")
+
+
+def foreign_optimizer_keys(optimizer: str) -> tuple[str, ...]:
+    """The keys of the optimizer *not* chosen (they are refused, and left out of a dump)."""
+    return SGD_KEYS if optimizer == "adamw" else ADAM_KEYS

@@ -1,0 +1,242 @@
+"""The training config's top level, :class:`TrainConfig`: every key declared once as a field
+with its type and help text (``functional-pp train --help`` prints them), and the values
+derived from them (mesh, rules, batch, schedule). Reading is in ``config.loading``, checking
+in ``config.checks``, the sections in ``config.sections`` (``docs/config.md``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from .checks import check_values, check_world, resolved_precision
+from .keys import MESH_KEYS
+from .loading import build_from_dict, config_to_dict, read_yaml
+from .models import model_family
+from .schema import ConfigError, Issues, fld
+from .sections import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Build with :meth:`from_yaml` / :meth:`from_dict`;
+    call :meth:`validate` with the world size before doing any work."""
+
+    # mesh (Accelerate's ParallelismConfig names)
+    dp_replicate_size: int = fld(1, "replicated data parallelism (the HSDP outer axis)")
+    dp_shard_size: int = fld(1, "sharded data parallelism: FSDP / ZeRO-3 over N devices; -1: "
+                                "the rest of the world")
+    cp_size: int = fld(1, "context parallelism: the sequence split over N devices (ring "
+                          "attention); alias context_parallel_size")
+    tp_size: int = fld(1, "tensor parallelism over N devices; alias tensor_parallel_size")
+    sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
+    num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
+                                          "(checked against torchrun / --simulate)")
+    # batch (Axolotl names)
+    micro_batch_size: int = fld(1, "sequences per data-parallel rank per micro-step")
+    gradient_accumulation_steps: int = fld(1, "micro-steps per optimizer step")
+    global_batch_size: int | None = fld(None, "sequences per optimizer step (derives "
+                                              "gradient_accumulation_steps)")
+    sequence_len: int = fld(128, "tokens per sequence")
+    sample_packing: bool = fld(True, "pack documents into full sequences, EOS between them, "
+                                     "attention never crossing a document boundary; false: one "
+                                     "document per row, padded")
+    # optimization
+    learning_rate: float = fld(3e-4, "peak learning rate")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = fld(
+        "cosine", "constant | cosine | linear (aliases constant_with_warmup, "
+                  "cosine_with_restarts)")
+    warmup_steps: int = fld(0, "linear warmup steps")
+    warmup_ratio: float | None = fld(None, "warmup as a fraction of max_steps (instead of "
+                                           "warmup_steps)")
+    min_learning_rate: float = fld(0.0, "learning rate at the end of the decay")
+    cosine_min_lr_ratio: float | None = fld(None, "min_learning_rate as a fraction of "
+                                                  "learning_rate")
+    max_steps: int = fld(100, "optimizer steps (wins over num_epochs)")
+    num_epochs: int | None = fld(None, "epochs over the training data when max_steps is not "
+                                       "given")
+    weight_decay: float = fld(0.0, "decoupled weight decay (matrices only)")
+    max_grad_norm: float | None = fld(1.0, "clip the global gradient norm; null: no clipping")
+    optimizer: Literal["adamw", "sgd"] = fld("adamw", "adamw | sgd (aliases adamw_torch, "
+                                                      "adamw_torch_fused)")
+    adam_beta1: float = fld(0.9, "AdamW beta1")
+    adam_beta2: float = fld(0.95, "AdamW beta2")
+    adam_epsilon: float = fld(1e-8, "AdamW epsilon")
+    momentum: float = fld(0.0, "SGD momentum")
+    seed: int = fld(0, "seed of initialization and data order")
+    precision: str = fld("fp32", "fp32 | bf16 | fp16 (bf16: fp32 master weights; alias "
+                                 "mixed_precision)")
+    bf16: bool | Literal["auto"] | None = fld(None, "Axolotl: true = precision bf16; auto: bf16 "
+                                                    "where the GPU supports it, else fp32")
+    fp16: bool | None = fld(None, "Axolotl: true = precision fp16")
+    tf32: bool | None = fld(None, "allow TF32 matmuls on CUDA")
+    activation_checkpointing: bool = fld(False, "recompute each layer in backward (alias "
+                                                "gradient_checkpointing)")
+    compile: bool | str = fld(False, "torch.compile the step: true, or a backend name (alias "
+                                     "torch_compile, torch_compile_backend)")
+    on_nonfinite: Literal["skip", "raise"] = fld("skip", "a non-finite loss/gradient: skip the "
+                                                         "step or stop")
+    peak_flops_per_device: float | None = fld(None, "peak FLOP/s of one device, for MFU "
+                                                    "(known GPUs are detected)")
+    max_consecutive_skips: int | None = fld(10, "stop the run after this many non-finite steps "
+                                                "in a row; null: never stop")
+    collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
+                                                 "collective before the run fails naming it")
+    layout: Literal["manual", "auto"] = fld("manual", "auto: functional_pp.plan picks the mesh and "
+                                                      "rules for the devices at hand (docs/planning.md)")
+    # model and data
+    base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
+                                       "safetensors) to start from; its tokenizer is used")
+    tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
+                                      "base_model's)")
+    chat_template: str | None = fld(None, "default chat template of chat_template datasets: "
+                                          "tokenizer_default | chatml")
+    train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
+    datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
+                                      "the datasets keys below")
+    val_set_size: float = fld(0.0, "held-out share of the data: a fraction < 1 or a count of "
+                                   "sequences")
+    eval_steps: int | None = fld(None, "held-out loss every N steps (default: at log steps "
+                                       "and at the end when val_set_size > 0)")
+    resume_from_checkpoint: bool | str | None = fld(None, "true: continue from the newest "
+                                                          "checkpoint of the output directory; "
+                                                          "a path: from that checkpoint")
+    # metrics
+    use_tensorboard: bool = fld(False, "also log to TensorBoard (output_dir/tensorboard)")
+    wandb_project: str | None = fld(None, "also log to Weights & Biases in this project")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = fld(
+        None, "W&B mode (offline needs no network)")
+    wandb_name: str | None = fld(None, "W&B run name")
+    wandb_entity: str | None = fld(None, "W&B entity")
+    # sections
+    model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
+                             factory=ModelConfig)
+    data: DataConfig = fld(help="a single corpus (when there is no datasets list)",
+                           factory=DataConfig)
+    rules: dict = fld(help="dimension name -> mesh axis / list / null, replacing the defaults",
+                      factory=dict)
+    logging: LoggingConfig = fld(help="output directory and progress line", factory=LoggingConfig)
+    checkpoint: CheckpointConfig = fld(help="checkpoint saving", factory=CheckpointConfig)
+    name: str = "train"            # from the YAML file name; names the default output dir
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        """Top-level keys a config may have (besides aliases)."""
+        return [f.name for f in fields(cls) if f.name != "name"]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "TrainConfig":
+        """Read a YAML config; ``overrides`` are ``key=value`` strings (dotted keys for
+        sections, values parsed as YAML) applied before checking."""
+        return cls.from_dict(read_yaml(path, overrides), name=Path(path).stem, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], name: str = "train", source: str = "") -> "TrainConfig":
+        """Build from a mapping, checking key names and value types; every problem is
+        reported at once."""
+        return build_from_dict(cls, d, name, source)
+
+    def _check_values(self, issues: Issues | None = None) -> None:
+        check_values(self, issues)
+
+    def resolved_precision(self) -> str:
+        """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""
+        return resolved_precision(self)
+
+    def warmup(self) -> int:
+        """Warmup steps: ``warmup_steps``, or ``ceil(warmup_ratio x max_steps)``."""
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * self.max_steps)
+        return self.warmup_steps
+
+    def min_lr(self) -> float:
+        """``min_learning_rate``, or ``cosine_min_lr_ratio x learning_rate``."""
+        if self.cosine_min_lr_ratio is not None:
+            return self.cosine_min_lr_ratio * self.learning_rate
+        return self.min_learning_rate
+
+    def set_epochs(self, steps_per_epoch: int) -> None:
+        """``max_steps = num_epochs x steps_per_epoch`` when ``num_epochs`` is given and
+        ``max_steps`` is not (as Axolotl: max_steps wins)."""
+        if self.num_epochs is not None and "max_steps" not in self._given:
+            self.max_steps = max(1, self.num_epochs * steps_per_epoch)
+            self._given.add("max_steps")
+            self._check_values()
+
+    def output_dir(self) -> Path:
+        """``logging.output_dir``, or ``runs/<config name>``."""
+        return Path(self.logging.output_dir or f"runs/{self.name}")
+
+    def mesh_sizes(self, world_size: int | None = None) -> dict[str, int]:
+        """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves."""
+        sizes = {axis: getattr(self, key) for key, axis in MESH_KEYS.items()}
+        if sizes["dp_shard"] == -1:
+            rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+            if world_size is None:
+                raise ConfigError("dp_shard_size: -1 needs a known world size (torchrun or --simulate N)")
+            if world_size % rest:
+                raise ConfigError(f"dp_shard_size: -1 cannot fill a world of {world_size} devices: "
+                                  f"dp_replicate_size x cp_size x tp_size = {rest} does not divide it")
+            sizes["dp_shard"] = world_size // rest
+        return sizes
+
+    def mesh(self, world_size: int | None = None):
+        """The :class:`functional_pp.Mesh`."""
+        from ..mesh import Mesh
+        return Mesh(**self.mesh_sizes(world_size))
+
+    def build_rules(self, mesh=None):
+        """The model family's default rules (``llama.default_rules``) with the config's
+        ``rules`` entries replacing (null: removing) the defaults."""
+        from ..layout import Rules
+        rules = model_family(self).default_rules(sequence_parallel=self.sequence_parallel)
+        try:
+            rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)
+                                     for k, v in self.rules.items()})
+            if mesh is not None:
+                rules.check(mesh)
+        except ValueError as exc:
+            raise ConfigError(f"rules: {exc}") from exc
+        assert isinstance(rules, Rules)
+        return rules
+
+    def batch_axes(self, mesh, rules) -> tuple[str, ...]:
+        """Mesh axes that split the batch (size > 1)."""
+        return tuple(a for a in rules["batch"] if mesh.shape[a] > 1)
+
+    def seq_axes(self, mesh, rules) -> tuple[str, ...]:
+        """Mesh axes that split the sequence (context parallelism)."""
+        return rules.resolve(("batch", "seq"), None, mesh)[1]
+
+    def dp_size(self, mesh, rules) -> int:
+        return math.prod(mesh.shape[a] for a in self.batch_axes(mesh, rules))
+
+    def grad_accum(self, mesh, rules) -> int:
+        """Micro-batches per step (derived from ``global_batch_size`` if that is given)."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size(mesh, rules))
+
+    def global_batch(self, mesh, rules) -> int:
+        """Sequences per optimizer step: micro_batch_size x gradient_accumulation_steps x dp."""
+        return self.micro_batch_size * self.grad_accum(mesh, rules) * self.dp_size(mesh, rules)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, world_size: int | None = None, *, launcher: str = "") -> None:
+        """Check everything that must hold before training starts: the mesh covers
+        ``world_size`` devices (``launcher`` names where that number comes from), the batch and
+        sequence split evenly, the model's dimensions divide by their mesh axes, the data and
+        tokenizer paths exist. Raises :class:`ConfigError`."""
+        check_world(self, world_size, launcher)
+
+    # ------------------------------------------------------------------ output
+    def to_dict(self) -> dict:
+        """A JSON-able dict that :meth:`from_dict` reads back."""
+        return config_to_dict(self)
+
+    def __post_init__(self) -> None:
+        self._given: set[str] = set()
+        self.notes: list[str] = []      # keys accepted without effect, and why
