@@ -413,7 +413,8 @@ def _write_into(old: Any, new: Any) -> Any:
     news = optree.tree_leaves(new, none_is_leaf=False)
     if len(olds) != len(news):
         raise ValueError(f"donate_state: the new state has {len(news)} leaves, the old one {len(olds)}")
-    keep = [writable(o, n) for o, n in zip(olds, news)]
+    keep = [isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+            and o.shape == n.shape and o.dtype == n.dtype for o, n in zip(olds, news)]
     if any(keep):
         torch._foreach_copy_([o for o, k in zip(olds, keep) if k], [n for n, k in zip(news, keep) if k])
     return optree.tree_unflatten(spec, [o if k else n for o, n, k in zip(olds, news, keep)])
