@@ -28,7 +28,7 @@ from .recompute import backward_region, reset_region_ids
 from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
-from .named import Named, configure, env, settle, wrap
+from .named import Named, _make, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
@@ -58,6 +58,33 @@ class ParamSpec:
             cached = [tuple(a for a in mesh.axis_names if any(a in s for s in layout)) for layout in self.layouts]
             if not is_tracing():
                 self._axes[mesh] = cached
+        return cached
+
+    def named_types(self, mesh, shapes: tuple) -> list[tuple]:
+        """Per leaf of local shape ``shapes[i]``: dims, split, vary, partial and global sizes of
+        its named value (the fields :class:`Named` derives), once per mesh and shapes (eager)."""
+        key = ("types", mesh, shapes)
+        cached = self._axes.get(key)
+        if cached is None:
+            cached = []
+            for shape, dims, layout in zip(shapes, self.dims, self.layouts):
+                x = Named(torch.empty(shape, device="meta"), dims, layout)
+                cached.append((x.dims, x.split, x.vary, x.partial, x._sizes))
+            self._axes[key] = cached
+        return cached
+
+    def axis_groups(self, mesh) -> list[tuple[tuple[str, ...], list[int]]]:
+        """The leaves' indices grouped by the mesh axes that split them (groups in order of their
+        first leaf): what one reduction per group completes; derived once per mesh."""
+        key = ("groups", mesh)
+        cached = None if torch.compiler.is_compiling() else self._axes.get(key)
+        if cached is None:
+            groups: dict[tuple[str, ...], list[int]] = {}
+            for i, axes in enumerate(self.split_axes(mesh)):
+                groups.setdefault(axes, []).append(i)
+            cached = list(groups.items())
+            if not torch.compiler.is_compiling():
+                self._axes[key] = cached
         return cached
 
 
@@ -182,9 +209,16 @@ class TrainStep:
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
                                                      state["skipped"], batch)
+        if "consecutive_skips" in state:     # read with the metrics: one transfer
+            m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
         metrics, bad_ids = _read_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
+        if not step_compile:     # eager: the state to keep, chosen after the one read (docs/eager_overhead.md)
+            if metrics["skipped"]:      # the old state itself (never written)
+                params, opt_state = state["params"], state["opt_state"]
+            elif self.donate_state:     # the caller gave up the old state: the new one written into it
+                params, opt_state = _write_into(state["params"], params), _write_into(state["opt_state"], opt_state)
         seconds = time.perf_counter() - t0
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
@@ -195,7 +229,7 @@ class TrainStep:
         if metrics["skipped"] and self.on_nonfinite == "raise":
             raise NonFiniteError(f"step {int(state['step'])}: {_nonfinite_what(metrics)} is not finite; "
                                  f"training stopped (set on_nonfinite='skip' to skip such steps)")
-        run = int(state.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
+        run = int(metrics.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
         metrics["consecutive_skips"] = run
         if self.max_consecutive_skips is not None and run >= self.max_consecutive_skips:
             raise NonFiniteError(
@@ -237,10 +271,14 @@ class TrainStep:
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
         import optree
         compute = PRECISIONS[self.precision]
-        named = []
-        for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts):
-            named.append(Named(x.to(compute) if compute is not None and x.is_floating_point() else x, dims, layout,
-                               is_param=True))
+        if compute is not None:
+            leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
+        if torch.compiler.is_compiling():
+            named = [Named(x, dims, layout, is_param=True)
+                     for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts)]
+        else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
+            types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
+            named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
         return optree.tree_unflatten(treespec, named)
 
     def _device_step(self, params, opt_state, step, skipped, batch):
@@ -290,13 +328,15 @@ class TrainStep:
         nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
                      "nonfinite_update": ~update_ok}
         finite = finite & update_ok
-        # branch-free (no host sync inside the step, docs/eager_overhead.md): a select per tensor,
-        # written into the step's own new buffers when eager (no parameter-sized temporaries)
-        new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
-        new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
+        if not donate:
+            # compiled: a branch-free select per tensor (fused into the update's kernels). Eager
+            # steps choose between the new and the old state on the host, after the step's one
+            # read of its metrics (__call__, docs/eager_overhead.md)
+            new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
+            new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
+            if self.donate_state:        # the caller gave up the old state: update it in place
+                new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
-        if self.donate_state:            # the caller gave up the old state: update it in place
-            new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
                    **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
@@ -306,19 +346,23 @@ class TrainStep:
         """Whether every element of the updated parameters is finite on every device: a NaN
         update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
         ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
-        (docs/bad_inputs.md §2)."""
+        (docs/bad_inputs.md §2). Eager steps use a leaf's 2-norm instead (also NaN or inf when
+        the norm overflows fp32, beyond 1.8e19, as the gradient norm then does)."""
         leaves = tree_leaves(new_params)
         if is_tracing():
             return torch.isfinite(self._sq_reducer([(u * 0).sum() for u in leaves]))
-        # eager: one foreach max-|u| (NaN or inf iff the leaf holds one) for all leaves, times 0
-        full = [i for i, u in enumerate(leaves) if u.numel()]
-        zero = torch.zeros((), dtype=leaves[0].dtype if leaves else torch.float32)
-        per_leaf = [zero] * len(leaves)
-        if full:
-            maxabs = torch.stack(torch._foreach_norm([leaves[i] for i in full], float("inf"))).mul_(0)
-            for i, v in zip(full, maxabs.unbind()):
-                per_leaf[i] = v
-        return torch.isfinite(self._sq_reducer(per_leaf))
+        # eager: per group of leaves split over the same mesh axes, one foreach 2-norm (the
+        # cheapest foreach reduction; NaN or inf iff a leaf holds one or its norm overflows, as
+        # the gradient norm does), times 0, summed and completed over the group's axes
+        acc = _acc_dtype(leaves)
+        total = None
+        for axes, group in self.spec.axis_groups(env()[0]):
+            full = [leaves[i] for i in group if leaves[i].numel()]
+            value = (torch.stack(torch._foreach_norm(full, 2)).mul_(0).sum().to(acc) if full
+                     else torch.zeros((), dtype=acc))
+            value = psum(value, axes) if axes else value
+            total = value if total is None else total + value
+        return torch.isfinite(total) if total is not None else torch.ones((), dtype=torch.bool)
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -335,14 +379,11 @@ class TrainStep:
 
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
-        import optree
-        mesh, _ = env()
-        groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-        for sq, axes in zip(optree.tree_leaves(sq_sums, none_is_leaf=False), self.spec.split_axes(mesh)):
-            groups.setdefault(axes, []).append(sq)
-        acc = torch.float64 if any(v.dtype == torch.float64 for vs in groups.values() for v in vs) else torch.float32
+        sq = tree_leaves(sq_sums)
+        acc = _acc_dtype(sq)
         total = None
-        for axes, values in groups.items():
+        for axes, group in self.spec.axis_groups(env()[0]):
+            values = [sq[i] for i in group]
             value = (torch.stack(values).sum() if len(values) > 1 else values[0]).to(acc)
             value = psum(value, axes) if axes else value
             total = value if total is None else total + value
@@ -367,12 +408,21 @@ def _write_into(old: Any, new: Any) -> Any:
     """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
     shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
     input mutations that inductor stores straight into the inputs (docs/memory.md)."""
-    def write(o: Any, n: Any) -> Any:
-        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-                and o.shape == n.shape and o.dtype == n.dtype):
-            return o.copy_(n)
-        return n
-    return tree_map(write, old, new)
+    def writable(o: Any, n: Any) -> bool:
+        return (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+                and o.shape == n.shape and o.dtype == n.dtype)
+    if torch.compiler.is_compiling():
+        return tree_map(lambda o, n: o.copy_(n) if writable(o, n) else n, old, new)
+    import optree
+    olds, spec = optree.tree_flatten(old, none_is_leaf=False)       # eager: one foreach copy
+    news = optree.tree_leaves(new, none_is_leaf=False)
+    if len(olds) != len(news):
+        raise ValueError(f"donate_state: the new state has {len(news)} leaves, the old one {len(olds)}")
+    keep = [isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+            and o.shape == n.shape and o.dtype == n.dtype for o, n in zip(olds, news)]
+    if any(keep):
+        torch._foreach_copy_([o for o, k in zip(olds, keep) if k], [n for n, k in zip(news, keep) if k])
+    return optree.tree_unflatten(spec, [o if k else n for o, n, k in zip(olds, news, keep)])
 
 
 def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
@@ -424,7 +474,7 @@ def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[
 
 
 def _acc_dtype(leaves) -> torch.dtype:
-    return torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    return torch.float64 if torch.float64 in {x.dtype for x in leaves} else torch.float32
 
 
 def _master(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The named value is immutable and self-describing (docs/named_value.md); the eager fast paths
 (einsum as one matrix product, memoised plans and rotary tables, one metrics read per step)
 give the same numbers as the general ones (docs/eager_overhead.md)."""
+import importlib
+
 import optree
 import pytest
 import torch
@@ -59,6 +61,9 @@ def test_named_is_a_pytree_node_in_the_package_namespace_only():
     ("b s h, v h -> b s v", [(2, 3, 4), (7, 4)], 0),            # b's contracted dim is last
     ("b s h, h v -> b v s", [(2, 3, 4), (4, 7)], 0),            # output not in a-then-b order
     ("b n s d, b n t d -> b n s t", [(2, 3, 4, 5), (2, 3, 6, 5)], 0),
+    ("h, h v -> v", [(4,), (4, 7)], 1),                         # no leading dimension
+    ("s a b, a b -> s", [(3, 4, 5), (4, 5)], 2),               # nothing left of the second operand
+    ("s a b, a b v w -> s v w", [(3, 4, 5), (4, 5, 2, 6)], 2),
 ])
 def test_einsum_as_a_matrix_product_equals_torch_einsum(pattern, shapes, depth):
     ins, out = pattern.split("->")
@@ -77,13 +82,15 @@ def test_einsum_as_a_matrix_product_equals_torch_einsum(pattern, shapes, depth):
 
 
 def test_rotary_tables_are_built_once_per_positions_value():
+    importlib.import_module("functional_pp.ops.attention")._cached_positions.cache_clear()
     pos = ops.positions("seq", 8)
     g = torch.Generator().manual_seed(0)
     q = Named(torch.randn(2, 8, 4, 6, generator=g), ("batch", "seq", "heads", "head_dim"))
     k = Named(torch.randn(2, 8, 2, 6, generator=g), ("batch", "seq", "kv_heads", "head_dim"))
     rq, rk = ops.rotary(q, pos), ops.rotary(k, pos)
     assert len([key for key in _memo(pos) if key[0] == "rotary"]) == 1
-    fresh = ops.positions("seq", 8)                    # same positions, nothing memoised
+    assert ops.positions("seq", 8) is pos               # eager: one positions value per layout
+    fresh = Named(torch.arange(8), ("seq",))            # same positions, nothing memoised
     assert torch.equal(ops.rotary(q, fresh).data, rq.data) and torch.equal(ops.rotary(k, fresh).data, rk.data)
 
 

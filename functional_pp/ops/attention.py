@@ -6,13 +6,14 @@ i and 2c-1-i of 2c, evening out causal attention's work), then contiguous over t
 Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, _make, env, options, pvary, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, current_context, env, options, pvary, require_named, settle, target_layout, varying_after
 from .regather import relayout
 from ..observers import uneven_work
 from ..order import balanced_indices
@@ -25,7 +26,20 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
-    return Named(_local_positions(size, split, env()[1].splits_balanced(dim, split)), [dim], [split])
+    balanced = env()[1].splits_balanced(dim, split)
+    if torch.compiler.is_compiling():
+        return Named(_local_positions(size, split, balanced), [dim], [split])
+    ctx = current_context(required=False)
+    where = None if ctx is None else (ctx.mesh, ctx.rank)
+    # eager: one value per device and layout, so that what is derived from it (the rotary
+    # tables) is computed once, not every step (docs/eager_overhead.md)
+    return _cached_positions(dim, size, split, balanced, where)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_positions(dim: str, size: int, split: tuple[str, ...], balanced: bool, where) -> Named:
+    """The positions value of one device (``where``: its mesh and rank) and layout."""
+    return Named(_local_positions(size, split, balanced), [dim], [split])
 
 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:

@@ -111,8 +111,14 @@ def einsum(pattern: str, *operands: Named) -> Named:
     with regather_scope(ready):
         if isinstance(spec, int):      # a matrix product (docs/eager_overhead.md)
             a, w = ready[0]._data, ready[1]._data
-            k = a.shape[a.ndim - spec:].numel()
-            data = torch.mm(a.reshape(-1, k), w.reshape(k, -1)).view(*a.shape[:a.ndim - spec], *w.shape[spec:])
+            lead, tail = a.shape[:a.ndim - spec], w.shape[spec:]
+            if spec > 1:
+                a = a.reshape(*lead, -1)
+            if spec > 1 or w.ndim != 2:
+                w = w.reshape(a.shape[-1], -1)
+            data = torch.matmul(a, w)            # one mm of the folded leading dimensions
+            if len(tail) != 1:
+                data = data.view(*lead, *tail)
         else:
             data = torch.einsum(spec, *[x._data for x in ready])
     return _make(data, _parsed(pattern, len(operands))[1], t_loc, vary, used, out_sizes)

@@ -4,18 +4,31 @@ from __future__ import annotations
 import torch
 
 from ..named import Named, _make, _memo_beside, env, pvary, settle, varying_after
+from .einsum import _cache
 from .regather import regather_scope, relayout
 from ..torch_private import is_tracing
 
 
+@_cache(1024)
+def _align_plan(have: tuple[str, ...], dims: tuple[str, ...]) -> tuple:
+    """How :func:`_align` moves dimensions ``have`` to ``dims``: the permutation (None: keep)
+    and, per dimension of ``dims``, the source dimension or -1 for a new size-1 one (None:
+    ``have`` permuted are the trailing dimensions of ``dims``, which torch broadcasts as is)."""
+    order = [have.index(d) for d in dims if d in have]
+    kept = [d for d in dims if d in have]
+    where = [kept.index(d) if d in have else -1 for d in dims]
+    trailing = tuple(kept) == dims[len(dims) - len(kept):]
+    return (order if order != sorted(order) else None), (None if trailing else where)
+
+
 def _align(x: Named, dims: tuple[str, ...]) -> torch.Tensor:
-    """x's block with its dimensions permuted to the order of ``dims`` and size-1 dims added."""
-    order = [x._dims.index(d) for d in dims if d in x._dims]
-    data = x._data.permute(order) if order != sorted(order) else x._data
-    shape, it = [], iter(data.shape)
-    for d in dims:
-        shape.append(next(it) if d in x._dims else 1)
-    return data.reshape(shape)
+    """x's block with its dimensions permuted to the order of ``dims`` and size-1 dims added
+    (none when x's dimensions, permuted, are the trailing ones of ``dims``: torch broadcasts)."""
+    order, where = _align_plan(x._dims, dims)
+    data = x._data.permute(order) if order is not None else x._data
+    if where is None:
+        return data
+    return data.reshape([data.shape[i] if i >= 0 else 1 for i in where])
 
 
 def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
@@ -30,6 +43,10 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
         return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
     mesh, rules = env()
     dims, ta, tb, out_split, out_sizes = _binary_layout(a, b, name, mesh, rules)
+    if (a._split == ta and b._split == tb and a._vary == b._vary and not a._partial and not b._partial
+            and a._gathered_from is None and b._gathered_from is None):
+        # already laid out and typed alike: nothing to reconcile (docs/eager_overhead.md)
+        return _make(fn(_align(a, dims), _align(b, dims)), dims, out_split, a._vary, sizes=out_sizes)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]

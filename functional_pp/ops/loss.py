@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, require_named, settle
+from ..named import _EMPTY, Named, _make, require_named, settle
 from .regather import relayout
 from . import reduce as R
 from .token_ids import check_ids
@@ -38,6 +38,11 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     if not v_axes:                 # whole vocabulary here: torch's fused kernel
         nll = F.cross_entropy(logits.data.movedim(vi, -1).reshape(-1, logits.data.shape[vi]), lab.reshape(-1),
                               ignore_index=ignore_index, reduction="none").reshape(lab.shape)
+        if not any(split_other) and not logits.vary and not labels.vary:
+            # nothing split or varying: the same sums and division without named bookkeeping
+            every = list(range(nll.ndim))
+            count = (lab != ignore_index).to(nll.dtype).sum(dim=every).detach().clamp_min(1)
+            return _make(nll.sum(dim=every) / count, (), (), _EMPTY, sizes=())
         valid = Named((lab != ignore_index).to(nll.dtype), other, split_other, labels.vary)
         return R.sum(Named(nll, other, split_other, logits.vary)) / _count(valid)
     lse = R.logsumexp(logits, vocab)                      # dims: other

@@ -4,7 +4,9 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ..named import Named, _make, env, require_named, settle, target_layout
+import torch
+
+from ..named import Named, _make, _memo_beside, env, require_named, settle, target_layout
 from .regather import relayout
 
 
@@ -13,20 +15,35 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     this is where sequence parallelism scatters or gathers the residual stream."""
     mapping = {**(mapping or {}), **kw}
     require_named("rename", x=x)
+    mesh, rules = env()
+    # eager: what a rename does is derived once per value type and kept beside the rules
+    key = ("rename", x._dims, x._split, x._sizes, tuple(mapping.items()), mesh)
+    memo = None if torch.compiler.is_compiling() or x._sizes is None else _memo_beside(rules)
+    plan = None if memo is None else memo.get(key)
+    if plan is None:
+        plan = _rename_plan(x, mapping, rules)
+        if memo is not None:
+            memo[key] = plan
+    dims, reorder, sizes, target = plan
+    if reorder is not None:     # the two names order the dimension differently: gather it under the old one
+        x = relayout(x, reorder, f"rename {mapping}")
+    y = _keep_param(x, x.data, dims, x.split, x.partial, sizes)
+    return y if not y.partial and y.split == target else relayout(y, target, f"rename {mapping}")
+
+
+def _rename_plan(x: Named, mapping: dict, rules) -> tuple:
+    """The new dimensions, the layout to gather a differently ordered dimension into (or None),
+    the global sizes and the layout of the result."""
     for old in mapping:
         x._check_dim(old, "rename")
     dims = tuple(mapping.get(d, d) for d in x.dims)
     if len(set(dims)) != len(dims):
         raise ValueError(f"rename {mapping}: the result {dims} names a dimension twice")
-    sizes = list(x.shape.values())
-    _, rules = env()
+    sizes = tuple(x.shape.values())
     reorder = [i for i, d in enumerate(x.dims)
                if rules.splits_balanced(d, x.split[i]) != rules.splits_balanced(dims[i], x.split[i])]
-    if reorder:     # the two names order the dimension differently: gather it under the old one
-        x = relayout(x, tuple(() if i in reorder else s for i, s in enumerate(x.split)),
-                     f"rename {mapping}")
-    y = _keep_param(x, x.data, dims, x.split, x.partial, tuple(sizes))
-    return relayout(y, target_layout(dims, sizes, name=f"rename {mapping}"))
+    layout = tuple(() if i in reorder else s for i, s in enumerate(x.split)) if reorder else None
+    return dims, layout, sizes, target_layout(dims, sizes, name=f"rename {mapping}")
 
 
 def _root(t):

@@ -51,7 +51,8 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
         return ids      # shapes only (layout planning): there are no values to check
     code = next(c for c, (k, _) in _KINDS.items() if k == kind)
     flat = ids.reshape(-1)
-    bad = (flat < 0) | (flat >= vocab)
+    clamped = flat.clamp(0, vocab - 1)
+    bad = clamped != flat               # outside [0, vocab)
     if ignore_index is not None:
         bad = bad & (flat != ignore_index)
     pending = getattr(_state, "pending", None)
@@ -65,8 +66,8 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
         return ids
     if flat.numel() == 0:
         return ids
-    harmless = 0 if ignore_index is None else ignore_index
-    checked = torch.where(bad, torch.full_like(flat, harmless), flat).reshape(ids.shape)
+    # bad entries replaced by harmless in-range ones (the step raises after it completes)
+    checked = (clamped if ignore_index is None else flat.masked_fill(bad, ignore_index)).reshape(ids.shape)
     if not is_tracing():
         # eager: only the flag now; the position and value are looked up if it is set
         pending.append((_LazySummary(bad.any(), flat, bad, ids.shape, code, vocab, ignore_index), tuple(dims)))

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import optree
 import torch
 
 from .base import (FRESH, EmptyState, GradientTransformation, PyTree, _scale_leaves, check_number, state_dtype,
-                   tree_leaves, tree_map, transform)
+                   tree_flatten, tree_leaves, transform)
 
 NormReducer = Callable[[PyTree], torch.Tensor]
-
-
-def _sum_sq(x: torch.Tensor) -> torch.Tensor:
-    x = x.to(state_dtype(x.dtype))
-    return torch.sum(x * x)
+_WIDE = (torch.float32, torch.float64)     # dtypes that are their own state dtype
 
 
 def global_norm(tree: PyTree, reducer: Optional[NormReducer] = None) -> torch.Tensor:
@@ -26,7 +23,10 @@ def global_norm(tree: PyTree, reducer: Optional[NormReducer] = None) -> torch.Te
     ``reducer(sq_sums)`` receives a tree (the structure of ``tree``) of 0-dim local sums of
     squares and returns the 0-dim global total (e.g. an all-reduce over the devices that
     split each leaf); without one, the local sums are added."""
-    sq = tree_map(_sum_sq, tree)
+    leaves, spec = tree_flatten(tree)
+    # per leaf sum(x * x) in the state dtype (>= fp32); no dtype query for fp32/fp64 leaves
+    wide = [x if x.dtype in _WIDE else x.to(state_dtype(x.dtype)) for x in leaves]
+    sq = optree.tree_unflatten(spec, [torch.sum(x * x) for x in wide])
     if reducer is not None:
         return torch.sqrt(reducer(sq))
     leaves = tree_leaves(sq)

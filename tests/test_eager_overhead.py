@@ -1,0 +1,130 @@
+"""The eager step's low-overhead mechanisms (docs/eager_overhead.md): no host read inside the
+step (one transfer after it), skipped steps keep the old state chosen on the host, positions
+and rotary tables built once across steps."""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import optree
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functional_pp as fpp
+from functional_pp.models import llama
+
+attention_ops = importlib.import_module("functional_pp.ops.attention")    # (the package exports
+rotary_ops = importlib.import_module("functional_pp.ops.rotary")          # functions of these names)
+
+CFG = llama.Config(vocab=64, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16,
+                   tie_embeddings=False, rope_scaling=None)
+
+
+def _batch(seed: int = 1) -> dict:
+    ids = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _step(**options):
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2, weight_decay=0.1,
+                                                                                   clip_norm=1.0), **options)
+    return step, step.init(fpp.init(llama.init, CFG, seed=0))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the aten ops that copy a tensor's value to the host (``.item()``, ``float()``,
+    ``bool()``, ``int()`` all end in ``_local_scalar_dense``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def transfers(monkeypatch):
+    """Counts whole-tensor transfers to the host (``tolist``, ``numpy``), which do not dispatch."""
+    seen = []
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            seen.append(_name)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("donate_state", [False, True], ids=["new-state", "donated-state"])
+@pytest.mark.parametrize("nan_loss", [False, True], ids=["finite", "skipped"])
+def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss, donate_state):
+    step, state = _step(max_consecutive_skips=None, donate_state=donate_state)
+    loss_fn = step.loss_fn
+    if nan_loss:      # a skipped step: the guard and the choice of the old state make no read either
+        step.loss_fn = lambda p, b: loss_fn(p, b) * float("nan")
+    state, _ = step(state, _batch())            # warm: plans and memos built
+    inner = []
+    device_step = step._device_step
+
+    def watched(*args):
+        n = len(transfers)
+        with _HostReads() as mode:
+            out = device_step(*args)
+        inner.append((len(mode.reads), len(transfers) - n))
+        return out
+    step._device_step = watched
+    before = [t.clone() for t in optree.tree_leaves(state["params"])]
+    del transfers[:]
+    with _HostReads() as mode:
+        new_state, metrics = step(state, _batch(2))
+    assert inner == [(0, 0)], "the step's own work reads nothing on the host"
+    assert mode.reads == [] and transfers == ["tolist"], "one transfer of the metrics after the step"
+    assert metrics["skipped"] == (1 if nan_loss else 0)
+    kept = [torch.equal(a, b) for a, b in zip(optree.tree_leaves(new_state["params"]), before)]
+    assert all(kept) if nan_loss else not any(kept)
+    if donate_state:       # the new state was written into the old buffers (or left them as they were)
+        assert all(a is b for a, b in zip(optree.tree_leaves(new_state["params"]),
+                                          optree.tree_leaves(state["params"])))
+
+
+def test_a_skipped_eager_step_returns_the_old_state_itself():
+    step, state = _step(max_consecutive_skips=None)
+    loss_fn = step.loss_fn
+    step.loss_fn = lambda p, b: loss_fn(p, b) * float("nan")
+    new_state, metrics = step(state, _batch())
+    assert metrics["skipped"] == 1 and metrics["nonfinite_loss"] == 1
+    assert new_state["params"] is state["params"] and new_state["opt_state"] is state["opt_state"]
+    assert int(new_state["step"]) == 1 and int(new_state["skipped"]) == 1
+
+
+def test_an_infinite_update_of_one_element_is_refused_with_finite_gradients():
+    base = fpp.optim.sgd(0.1)
+
+    def update(grads, state, params=None):         # one element of one leaf's update is -inf
+        updates, state = base.update(grads, state, params)
+        leaves, spec = optree.tree_flatten(updates)
+        leaves[3] = leaves[3].clone()
+        leaves[3].view(-1)[5] = -float("inf")
+        return optree.tree_unflatten(spec, leaves), state
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.GradientTransformation(base.init, update),
+                          max_consecutive_skips=None)
+    state = step.init(fpp.init(llama.init, CFG, seed=0))
+    after, m = step(state, _batch())
+    assert (m["nonfinite_update"], m["nonfinite_grad"], m["nonfinite_loss"], m["skipped"]) == (1, 0, 0, 1)
+    assert after["params"] is state["params"]
+
+
+def test_positions_and_rotary_tables_are_built_once_across_steps(monkeypatch):
+    calls = []
+    original = rotary_ops.inverse_frequencies
+    monkeypatch.setattr(rotary_ops, "inverse_frequencies", lambda *a, **k: calls.append(a) or original(*a, **k))
+    attention_ops._cached_positions.cache_clear()
+    step, state = _step()
+    for seed in range(3):
+        state, _ = step(state, _batch(seed))
+    assert len(calls) == 1, "one table for every layer, q and k, and step"
