@@ -77,13 +77,13 @@ class ParamSpec:
         """The leaves' indices grouped by the mesh axes that split them (groups in order of their
         first leaf): what one reduction per group completes; derived once per mesh."""
         key = ("groups", mesh)
-        cached = None if torch.compiler.is_compiling() else self._axes.get(key)
+        cached = None if is_tracing() else self._axes.get(key)
         if cached is None:
             groups: dict[tuple[str, ...], list[int]] = {}
             for i, axes in enumerate(self.split_axes(mesh)):
                 groups.setdefault(axes, []).append(i)
             cached = list(groups.items())
-            if not torch.compiler.is_compiling():
+            if not is_tracing():
                 self._axes[key] = cached
         return cached
 
@@ -273,7 +273,7 @@ class TrainStep:
         compute = PRECISIONS[self.precision]
         if compute is not None:
             leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
-        if torch.compiler.is_compiling():
+        if is_tracing():
             named = [Named(x, dims, layout, is_param=True)
                      for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts)]
         else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
@@ -411,7 +411,7 @@ def _write_into(old: Any, new: Any) -> Any:
     def writable(o: Any, n: Any) -> bool:
         return (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
                 and o.shape == n.shape and o.dtype == n.dtype)
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return tree_map(lambda o, n: o.copy_(n) if writable(o, n) else n, old, new)
     import optree
     olds, spec = optree.tree_flatten(old, none_is_leaf=False)       # eager: one foreach copy

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .. import collectives as C
 from ..named import Named, _make, current_context, env, options, pvary, require_named, settle, target_layout, varying_after
 from .regather import relayout
+from ..torch_private import is_tracing
 from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention
@@ -27,7 +28,7 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
     balanced = env()[1].splits_balanced(dim, split)
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return Named(_local_positions(size, split, balanced), [dim], [split])
     ctx = current_context(required=False)
     where = None if ctx is None else (ctx.mesh, ctx.rank)

@@ -8,6 +8,7 @@ import torch
 
 from ..named import Named, _make, _memo_beside, env, require_named, settle, target_layout
 from .regather import relayout
+from ..torch_private import is_tracing
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
@@ -18,7 +19,7 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     mesh, rules = env()
     # eager: what a rename does is derived once per value type and kept beside the rules
     key = ("rename", x._dims, x._split, x._sizes, tuple(mapping.items()), mesh)
-    memo = None if torch.compiler.is_compiling() or x._sizes is None else _memo_beside(rules)
+    memo = None if is_tracing() or x._sizes is None else _memo_beside(rules)
     plan = None if memo is None else memo.get(key)
     if plan is None:
         plan = _rename_plan(x, mapping, rules)
