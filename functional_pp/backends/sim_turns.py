@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 
+from .sim_watch import _cpu_seconds
+
 
 def _thread_state(native_id: int | None) -> str | None:
     """The Linux state letter of a thread of this process (R runnable, S sleeping, ...)."""
@@ -32,16 +34,6 @@ def _thread_state(native_id: int | None) -> str | None:
             stat = f.read()
         return chr(stat[stat.rindex(b")") + 2])
     except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cpu_seconds(ident: int | None) -> float | None:
-    """CPU time of the thread ``ident`` (None where the platform cannot tell)."""
-    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
-        return None
-    try:
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-    except (OSError, ValueError, OverflowError):
         return None
 
 
