@@ -6,8 +6,6 @@ gradients of sharded parameters arrive reduced exactly once over every mesh axis
 data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
 from __future__ import annotations
 
-import resource
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +30,8 @@ from .named import Named, _make, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
+from .step_buffers import acc_dtype, as_dtype, keep_if, master_copy, own_buffers, write_into
+from .step_io import check_batch, nonfinite_what, peak_memory, read_step_metrics, split_micro
 from .torch_private import is_tracing, trace_backward
 from .tree import leaves_with_paths, tree_leaves, tree_map
 
@@ -170,7 +170,7 @@ class TrainStep:
                 raise ValueError(f"step.init: this step was initialised with other parameters ({where}); "
                                  f"every device must pass the same tree, and another model needs its own "
                                  f"train_step")
-        master = optree.tree_unflatten(treespec, [_master(x.data) for x in leaves])
+        master = optree.tree_unflatten(treespec, [master_copy(x.data) for x in leaves])
         return {"params": master, "opt_state": self.optimizer.init(master),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
                 "consecutive_skips": torch.zeros((), dtype=torch.int64)}
@@ -184,7 +184,7 @@ class TrainStep:
             if mesh != self.mesh:
                 raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
         batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
-        _check_batch(batch)
+        check_batch(batch)
         unknown = [k for k in batch if k not in self.batch_dims]
         if unknown:
             raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
@@ -211,30 +211,30 @@ class TrainStep:
                                                      state["skipped"], batch)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
-        metrics, bad_ids = _read_metrics(m, step, id_checks)    # the step's one device-to-host read
+        metrics, bad_ids = read_step_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
         if not step_compile:     # eager: the state to keep, chosen after the one read (docs/eager_overhead.md)
             if metrics["skipped"]:      # the old state itself (never written)
                 params, opt_state = state["params"], state["opt_state"]
             elif self.donate_state:     # the caller gave up the old state: the new one written into it
-                params, opt_state = _write_into(state["params"], params), _write_into(state["opt_state"], opt_state)
+                params, opt_state = write_into(state["params"], params), write_into(state["opt_state"], opt_state)
         seconds = time.perf_counter() - t0
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
         if self.flops_per_token and self.peak_flops_per_device:
             n = (self.mesh.size if self.mesh else 1)
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
-        metrics["peak_memory_bytes"] = _peak_memory()
+        metrics["peak_memory_bytes"] = peak_memory()
         if metrics["skipped"] and self.on_nonfinite == "raise":
-            raise NonFiniteError(f"step {int(state['step'])}: {_nonfinite_what(metrics)} is not finite; "
+            raise NonFiniteError(f"step {int(state['step'])}: {nonfinite_what(metrics)} is not finite; "
                                  f"training stopped (set on_nonfinite='skip' to skip such steps)")
         run = int(metrics.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
         metrics["consecutive_skips"] = run
         if self.max_consecutive_skips is not None and run >= self.max_consecutive_skips:
             raise NonFiniteError(
                 f"step {int(state['step'])}: {run} consecutive steps were skipped because the "
-                f"{_nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
+                f"{nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
                 f"{self.max_consecutive_skips}). Lower the learning rate, check the data, or resume "
                 f"from an earlier checkpoint")
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
@@ -284,10 +284,10 @@ class TrainStep:
     def _device_step(self, params, opt_state, step, skipped, batch):
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
-        micro = _split_micro(batch, self.grad_accum)
+        micro = split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
-        acc = _acc_dtype(leaves)
+        acc = acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
         for mb, w in zip(micro, weights):
             xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
@@ -303,7 +303,7 @@ class TrainStep:
                 gs = torch.autograd.grad(loss, diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else gs)
             if len(micro) == 1:          # no accumulation buffer needed
-                grads = [_as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+                grads = [as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
@@ -312,7 +312,7 @@ class TrainStep:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
         donate = not is_tracing()
-        grad_tree = optree.tree_unflatten(treespec, _own_buffers(grads, leaves) if donate else grads)
+        grad_tree = optree.tree_unflatten(treespec, own_buffers(grads, leaves) if donate else grads)
         grads = None
         grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
         finite = torch.isfinite(total) & torch.isfinite(grad_norm)
@@ -332,10 +332,10 @@ class TrainStep:
             # compiled: a branch-free select per tensor (fused into the update's kernels). Eager
             # steps choose between the new and the old state on the host, after the step's one
             # read of its metrics (__call__, docs/eager_overhead.md)
-            new_params = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_params, params)
-            new_opt = tree_map(lambda new, old: _keep_if(finite, new, old, donate), new_opt, opt_state)
+            new_params = tree_map(lambda new, old: keep_if(finite, new, old, donate), new_params, params)
+            new_opt = tree_map(lambda new, old: keep_if(finite, new, old, donate), new_opt, opt_state)
             if self.donate_state:        # the caller gave up the old state: update it in place
-                new_params, new_opt = _write_into(params, new_params), _write_into(opt_state, new_opt)
+                new_params, new_opt = write_into(params, new_params), write_into(opt_state, new_opt)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": (~finite).to(torch.int64),
@@ -354,7 +354,7 @@ class TrainStep:
         # eager: per group of leaves split over the same mesh axes, one foreach 2-norm (the
         # cheapest foreach reduction; NaN or inf iff a leaf holds one or its norm overflows, as
         # the gradient norm does), times 0, summed and completed over the group's axes
-        acc = _acc_dtype(leaves)
+        acc = acc_dtype(leaves)
         total = None
         for axes, group in self.spec.axis_groups(env()[0]):
             full = [leaves[i] for i in group if leaves[i].numel()]
@@ -380,7 +380,7 @@ class TrainStep:
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
         sq = tree_leaves(sq_sums)
-        acc = _acc_dtype(sq)
+        acc = acc_dtype(sq)
         total = None
         for axes, group in self.spec.axis_groups(env()[0]):
             values = [sq[i] for i in group]
@@ -388,123 +388,6 @@ class TrainStep:
             value = psum(value, axes) if axes else value
             total = value if total is None else total + value
         return total if total is not None else torch.zeros((), dtype=acc)
-
-
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
-    """``new`` where the step is finite, else ``old``; in place in ``new`` (a buffer the step owns)
-    when ``in_place``."""
-    if not isinstance(new, torch.Tensor):
-        return new
-    if in_place and new is not old and new.dtype == old.dtype and new.shape == old.shape:
-        return torch.where(finite, new, old, out=new)
-    return torch.where(finite, new, old)
-
-
-def _write_into(old: Any, new: Any) -> Any:
-    """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
-    shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
-    input mutations that inductor stores straight into the inputs (docs/memory.md)."""
-    def writable(o: Any, n: Any) -> bool:
-        return (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-                and o.shape == n.shape and o.dtype == n.dtype)
-    if is_tracing():
-        return tree_map(lambda o, n: o.copy_(n) if writable(o, n) else n, old, new)
-    import optree
-    olds, spec = optree.tree_flatten(old, none_is_leaf=False)       # eager: one foreach copy
-    news = optree.tree_leaves(new, none_is_leaf=False)
-    if len(olds) != len(news):
-        raise ValueError(f"donate_state: the new state has {len(news)} leaves, the old one {len(olds)}")
-    keep = [isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-            and o.shape == n.shape and o.dtype == n.dtype for o, n in zip(olds, news)]
-    if any(keep):
-        torch._foreach_copy_([o for o, k in zip(olds, keep) if k], [n for n, k in zip(news, keep) if k])
-    return optree.tree_unflatten(spec, [o if k else n for o, n, k in zip(olds, news, keep)])
-
-
-def _read_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
-    """The step's metrics as Python numbers and whether a token-id check failed, read from the
-    device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
-    scalars = [*m.values(), step, *[summary[0] for summary, _ in id_checks]]
-    scalars = [v.detach() if v.ndim == 0 else v.detach().reshape(()) for v in scalars]
-    # stack(out=float64) converts each value exactly (int64 counters included), in one op
-    values = torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64)).tolist()
-    metrics = dict(zip(m, values))
-    metrics["step"] = int(values[len(m)])
-    return metrics, any(values[len(m) + 1:])
-
-
-def _nonfinite_what(metrics: dict) -> str:
-    """What was not finite in a skipped step, for messages."""
-    values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
-    if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
-        return values                    # (the update follows from them)
-    return f"optimizer update (with a finite {values})"
-
-
-def _check_batch(batch: dict) -> None:
-    """Refuse empty batches before any work (they would give a 0/0 loss)."""
-    if not batch:
-        raise ValueError("the batch is empty: pass a dict such as {'tokens': ..., 'labels': ...}")
-    for k, v in batch.items():
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"batch[{k!r}] is a {type(v).__name__}, not a tensor")
-        if v.numel() == 0:
-            raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
-                             f"least one row and one position; check the data loader and batch size")
-
-
-def _own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
-    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
-    (an expanded gradient) is copied first."""
-    seen = {p.untyped_storage().data_ptr() for p in params}
-    out = []
-    for g in grads:
-        ptr = g.untyped_storage().data_ptr()
-        if ptr in seen or not g.is_contiguous():
-            g = g.clone(memory_format=torch.contiguous_format)
-            ptr = g.untyped_storage().data_ptr()
-        seen.add(ptr)
-        out.append(g)
-    return out
-
-
-def _acc_dtype(leaves) -> torch.dtype:
-    return torch.float64 if torch.float64 in {x.dtype for x in leaves} else torch.float32
-
-
-def _master(x: torch.Tensor) -> torch.Tensor:
-    """Master weights are at least fp32 (16-bit parameters are upcast)."""
-    x = x.detach()
-    return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def _split_micro(batch: dict, k: int) -> list[dict]:
-    if k == 1:
-        return [batch]
-    out = [dict() for _ in range(k)]
-    for key, v in batch.items():
-        if key == "positions":
-            for o in out:
-                o[key] = v
-            continue
-        if v.shape[0] % k:
-            raise ValueError(f"batch[{key!r}] has {v.shape[0]} rows on this device, not divisible by "
-                             f"gradient_accumulation_steps={k}")
-        for o, part in zip(out, v.chunk(k, dim=0)):
-            o[key] = part
-    return out
-
-
-def _peak_memory() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,

@@ -11,7 +11,7 @@ import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.named import Named, _memo
 from functional_pp.ops.einsum import _matmul_depth
-from functional_pp.train import _read_metrics
+from functional_pp.step_io import read_step_metrics
 
 
 def test_every_field_is_read_only_and_the_error_names_it():
@@ -98,9 +98,9 @@ def test_metrics_are_read_in_one_exact_transfer():
     m = {"loss": torch.tensor(2.5, dtype=torch.float32), "tokens": torch.tensor(128.0, dtype=torch.float64),
          "skipped": torch.tensor(0, dtype=torch.int64)}
     failed = (torch.tensor([1, 0, 7]), ("seq",))           # (summary: failed?, ...; dims)
-    metrics, bad = _read_metrics(m, torch.tensor(2 ** 40 + 1, dtype=torch.int64), [failed])
+    metrics, bad = read_step_metrics(m, torch.tensor(2 ** 40 + 1, dtype=torch.int64), [failed])
     assert metrics == {"loss": 2.5, "tokens": 128.0, "skipped": 0.0, "step": 2 ** 40 + 1} and bad
-    _, bad = _read_metrics(m, torch.tensor(3), [(torch.tensor([0, 0, 7]), ("seq",))])
+    _, bad = read_step_metrics(m, torch.tensor(3), [(torch.tensor([0, 0, 7]), ("seq",))])
     assert not bad
 
 
