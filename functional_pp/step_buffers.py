@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from .torch_private import is_tracing
 from .tree import tree_map
 
 
@@ -14,35 +13,24 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def keep_if(finite: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
-    """``new`` where the step is finite, else ``old``; in place in ``new`` (a buffer the step owns)
-    when ``in_place``."""
+def keep_if(finite: torch.Tensor, new: Any, old: Any) -> Any:
+    """``new`` where the step is finite, else ``old`` (a branch-free select: compiled steps)."""
     if not isinstance(new, torch.Tensor):
         return new
-    if in_place and new is not old and new.dtype == old.dtype and new.shape == old.shape:
-        return torch.where(finite, new, old, out=new)
     return torch.where(finite, new, old)
 
 
 def write_into(old: Any, new: Any) -> Any:
-    """``new`` written into the buffers of ``old`` (a tree of the same structure) wherever the
-    shapes and dtypes agree; the tree of ``old``'s tensors. Under torch.compile the copies are
-    input mutations that inductor stores straight into the inputs (docs/memory.md)."""
-    def writable(o: Any, n: Any) -> bool:
-        return (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-                and o.shape == n.shape and o.dtype == n.dtype)
-    if is_tracing():
-        return tree_map(lambda o, n: o.copy_(n) if writable(o, n) else n, old, new)
-    import optree
-    olds, spec = optree.tree_flatten(old, none_is_leaf=False)       # eager: one foreach copy
-    news = optree.tree_leaves(new, none_is_leaf=False)
-    if len(olds) != len(news):
-        raise ValueError(f"donate_state: the new state has {len(news)} leaves, the old one {len(olds)}")
-    keep = [isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
-            and o.shape == n.shape and o.dtype == n.dtype for o, n in zip(olds, news)]
-    if any(keep):
-        torch._foreach_copy_([o for o, k in zip(olds, keep) if k], [n for n, k in zip(news, keep) if k])
-    return optree.tree_unflatten(spec, [o if k else n for o, n, k in zip(olds, news, keep)])
+    """``new`` copied into the buffers of ``old`` (a tree of the same structure) wherever the
+    shapes and dtypes agree; the tree of ``old``'s tensors. Compiled steps with donated state:
+    the copies are input mutations that inductor stores straight into the inputs
+    (docs/memory.md "Donated state")."""
+    def write(o: Any, n: Any) -> Any:
+        if (isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n
+                and o.shape == n.shape and o.dtype == n.dtype):
+            return o.copy_(n)
+        return n
+    return tree_map(write, old, new)
 
 
 def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -123,8 +123,8 @@ class TrainStep:
     fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
     fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
     fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
-    donate_state: bool = False            # write the new parameters and optimizer state into the
-    #                                       state passed in (the caller's old state is overwritten;
+    donate_state: bool = False            # the caller gives up the state passed in: compiled steps
+    #                                       write the new state into it (the old state may be overwritten;
     #                                       docs/memory.md "Donated state")
 
     def __post_init__(self):
@@ -217,8 +217,8 @@ class TrainStep:
         if not step_compile:     # eager: the state to keep, chosen after the one read (docs/eager_overhead.md)
             if metrics["skipped"]:      # the old state itself (never written)
                 params, opt_state = state["params"], state["opt_state"]
-            elif self.donate_state:     # the caller gave up the old state: the new one written into it
-                params, opt_state = write_into(state["params"], params), write_into(state["opt_state"], opt_state)
+            # donate_state: nothing to copy back, the new state already lives in the step's own
+            # buffers (the donated gradients and the new moments; docs/memory.md "Donated state")
         seconds = time.perf_counter() - t0
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
@@ -332,8 +332,8 @@ class TrainStep:
             # compiled: a branch-free select per tensor (fused into the update's kernels). Eager
             # steps choose between the new and the old state on the host, after the step's one
             # read of its metrics (__call__, docs/eager_overhead.md)
-            new_params = tree_map(lambda new, old: keep_if(finite, new, old, donate), new_params, params)
-            new_opt = tree_map(lambda new, old: keep_if(finite, new, old, donate), new_opt, opt_state)
+            new_params = tree_map(lambda new, old: keep_if(finite, new, old), new_params, params)
+            new_opt = tree_map(lambda new, old: keep_if(finite, new, old), new_opt, opt_state)
             if self.donate_state:        # the caller gave up the old state: update it in place
                 new_params, new_opt = write_into(params, new_params), write_into(opt_state, new_opt)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
