@@ -123,7 +123,7 @@ def test_positions_and_rotary_tables_are_built_once_across_steps(monkeypatch):
     calls = []
     original = rotary_ops.inverse_frequencies
     monkeypatch.setattr(rotary_ops, "inverse_frequencies", lambda *a, **k: calls.append(a) or original(*a, **k))
-    attention_ops._cached_positions.cache_clear()
+    attention_ops._OUTSIDE_A_MESH.clear()
     step, state = _step()
     for seed in range(3):
         state, _ = step(state, _batch(seed))

@@ -82,7 +82,7 @@ def test_einsum_as_a_matrix_product_equals_torch_einsum(pattern, shapes, depth):
 
 
 def test_rotary_tables_are_built_once_per_positions_value():
-    importlib.import_module("functional_pp.ops.attention")._cached_positions.cache_clear()
+    importlib.import_module("functional_pp.ops.attention")._OUTSIDE_A_MESH.clear()
     pos = ops.positions("seq", 8)
     g = torch.Generator().manual_seed(0)
     q = Named(torch.randn(2, 8, 4, 6, generator=g), ("batch", "seq", "heads", "head_dim"))

@@ -6,7 +6,6 @@ i and 2c-1-i of 2c, evening out causal attention's work), then contiguous over t
 Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -31,16 +30,18 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
     if is_tracing():
         return Named(_local_positions(size, split, balanced), [dim], [split])
     ctx = current_context(required=False)
-    where = None if ctx is None else (ctx.mesh, ctx.rank)
-    # eager: one value per device and layout, so that what is derived from it (the rotary
-    # tables) is computed once, not every step (docs/eager_overhead.md)
-    return _cached_positions(dim, size, split, balanced, where)
+    # eager: one value per device, launch and layout, so that what is derived from it (the rotary
+    # tables) is computed once, not every step (docs/eager_overhead.md); kept in the device's
+    # context, so a new launch (e.g. each dry run of the planner) starts afresh
+    cache = _OUTSIDE_A_MESH if ctx is None else ctx.extras.setdefault("positions", {})
+    key = (dim, size, split, balanced)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = Named(_local_positions(size, split, balanced), [dim], [split])
+    return value
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_positions(dim: str, size: int, split: tuple[str, ...], balanced: bool, where) -> Named:
-    """The positions value of one device (``where``: its mesh and rank) and layout."""
-    return Named(_local_positions(size, split, balanced), [dim], [split])
+_OUTSIDE_A_MESH: dict = {}     # positions values of code that runs outside any launch (one device)
 
 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
