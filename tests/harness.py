@@ -79,3 +79,14 @@ def assert_same_run(a, b, rtol=0.0, atol=0.0):
     for p in pa:
         torch.testing.assert_close(torch.from_numpy(pa[p]), torch.from_numpy(pb[p]), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{p}: {m}")
+
+
+def nan_on_second_call(loss_fn):
+    """``loss_fn`` whose second call returns a NaN loss (a step to be skipped)."""
+    calls = {"n": 0}
+
+    def wrapped(params, batch):
+        calls["n"] += 1
+        loss = loss_fn(params, batch)
+        return loss * float("nan") if calls["n"] == 2 else loss
+    return wrapped

@@ -11,22 +11,12 @@ import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.tree import tree_leaves
 
-from harness import local_batch, make_batch
+from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
 DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
 FSDP = (fpp.Mesh(dp_shard=2), llama.default_rules())
-
-
-def _nan_on_second_call():
-    calls = {"n": 0}
-
-    def loss_fn(params, batch):
-        calls["n"] += 1
-        loss = LOSS(params, batch)
-        return loss * float("nan") if calls["n"] == 2 else loss
-    return loss_fn
 
 
 def _train(donate, mesh=None, rules=None, loss_fn=LOSS, processes=False, **kw):
@@ -71,7 +61,7 @@ def test_eager_donated_step_equals_the_out_of_place_step_without_copying_back():
 
 @pytest.mark.timeout(600)
 def test_donated_skipped_step_keeps_the_old_values():
-    donated, kept = _train(True, loss_fn=_nan_on_second_call()), _train(False, loss_fn=_nan_on_second_call())
+    donated, kept = _train(True, loss_fn=nan_on_second_call(LOSS)), _train(False, loss_fn=nan_on_second_call(LOSS))
     assert donated[0][1] == [0, 1, 0]
     _assert_same(donated, kept)
 

@@ -9,7 +9,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.models import llama
 
-from harness import local_batch, make_batch
+from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
@@ -106,18 +106,8 @@ def test_activation_checkpointing_changes_nothing():
     assert_same_training(train(*COMPOSED, DATA, remat=True))
 
 
-def _nan_on_second_call():
-    calls = {"n": 0}
-
-    def loss_fn(params, batch):
-        calls["n"] += 1
-        loss = LOSS(params, batch)
-        return loss * float("nan") if calls["n"] == 2 else loss
-    return loss_fn
-
-
 def test_nonfinite_step_is_skipped_and_reported():
-    losses, params, metrics = single(DATA[:3], loss_fn=_nan_on_second_call())
+    losses, params, metrics = single(DATA[:3], loss_fn=nan_on_second_call(LOSS))
     assert [m["skipped"] for m in metrics] == [0, 1, 0]
     assert math.isnan(metrics[1]["loss"])
     skip_ref = single([DATA[0], DATA[2]])           # the skipped step changed nothing
@@ -127,7 +117,7 @@ def test_nonfinite_step_is_skipped_and_reported():
 
 def test_nonfinite_step_can_stop_training():
     with pytest.raises(fpp.DeviceError, match=r"step 1: loss nan / gradient norm nan is not finite"):
-        single(DATA[:3], loss_fn=_nan_on_second_call(), on_nonfinite="raise")
+        single(DATA[:3], loss_fn=nan_on_second_call(LOSS), on_nonfinite="raise")
 
 
 def test_loss_that_still_varies_is_refused():
