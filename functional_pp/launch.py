@@ -157,6 +157,9 @@ def _free_port() -> int:
 def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -> None:
     torch.set_num_threads(1)
     reset_compile_workers_after_fork()   # the parent's compile threads did not come along
+    # a fresh rank, as under torchrun: the parent's compiled code (counted against dynamo's
+    # recompile limit, built for its own devices) does not come along either
+    torch.compiler.reset()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.size), LOCAL_RANK=str(rank))
     import datetime

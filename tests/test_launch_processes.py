@@ -50,3 +50,27 @@ def test_a_forked_rank_gets_a_working_inductor_compile_pool():
         assert fpp.launch(fn, fpp.Mesh(dp_shard=2), processes=True, timeout=120) == [7, 7]
     finally:
         config.compile_threads = old
+
+
+def _add_one(x):
+    return x + 1
+
+
+def test_a_forked_rank_starts_without_the_parents_compiled_code():
+    """Compiled code is cached on the code object and counted against dynamo's recompile
+    limit; a forked rank must start afresh (as under torchrun), or a parent that compiled a
+    function for many shapes leaves its ranks no recompilation (fullgraph: a hard failure)."""
+    import torch._dynamo.config as dynamo_config
+
+    compiled = torch.compile(_add_one, fullgraph=True, dynamic=False, backend="eager")
+    limit = dynamo_config.recompile_limit
+    for n in range(1, limit + 1):            # the parent uses up every recompilation
+        compiled(torch.zeros(n))
+
+    def fn():
+        return float(compiled(torch.zeros(limit + 1 + fpp.current_rank())).sum())
+    try:
+        assert fpp.launch(fn, fpp.Mesh(dp_shard=2), processes=True, timeout=300) == [float(limit + 1),
+                                                                                      float(limit + 2)]
+    finally:
+        torch.compiler.reset()
