@@ -64,8 +64,8 @@ def begin_forward(params: Any) -> None:
     numbered from 0 and identified by the positions of their parameters in ``params``, so
     the next forward can prefetch them (functional_pp.fsdp_order)."""
     order = getattr(_local, "order", None)
-    if is_tracing() or not getattr(_local, "enabled", False) or order is None:
-        return
+    if is_tracing() or not getattr(_local, "enabled", False) or order is None or not _data_axes()[0]:
+        return      # (no data-parallel axis: no unit is ever gathered)
     _drop_prefetch()
     leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
     _local.params = [x.data if isinstance(x, Named) else x for x in leaves]
@@ -243,6 +243,8 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
         return args, nullcontext()
     data_axes, mesh, rules = _data_axes()
+    if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
+        return args, nullcontext()
     leaves, spec = optree.tree_flatten(args, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
     # the weights meet activations varying over the data axes and over every axis that splits
     # the layer's inputs (sequence parallelism's tp): cast the shards (docs/communication.md)

@@ -36,12 +36,17 @@ def env() -> tuple[Mesh, Rules]:
     """The running device's mesh and the active rules. Outside any device, rules that split a
     dimension have no mesh to split it over: an error, not a silent one-device layout
     (docs/policy.md, "Outside a mesh")."""
-    ctx = current_context(required=False)
-    rules = active_rules(required=False) or _NO_RULES
+    # (current_context / active_rules inlined: every op calls this, docs/eager_overhead.md)
+    ctx = _runtime._process_context or getattr(_CONTEXT_LOCAL, "ctx", None)
+    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
     if ctx is None:
-        _require_no_split(rules)
+        if rules is not _NO_RULES:
+            _require_no_split(rules)
         return _TRIVIAL_MESH, rules
     return ctx.mesh, rules
+
+
+_CONTEXT_LOCAL, _RULES_LOCAL = _runtime._local, _runtime._rules_local
 
 
 def _require_no_split(rules: Rules) -> None:
