@@ -160,7 +160,7 @@ class Named:
 
     def map(self, fn, linear: bool = False) -> "Named":
         """Apply an elementwise function to the local block (settles pending sums unless linear)."""
-        x = self if linear else settle(self)
+        x = self if linear or not self._partial else settle(self)
         return _make(fn(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
 
     def astype(self, dtype: torch.dtype) -> "Named":

@@ -102,39 +102,54 @@ def einsum(pattern: str, *operands: Named) -> Named:
     for x in operands:
         if not isinstance(x, Named):
             require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
-    operands = [settle(x) for x in operands]
+    operands = [settle(x) if x._partial else x for x in operands]
     mesh, rules = env()
-    plan = _plan(pattern, operands, mesh, rules)
-    targets, casts, t_loc, vary, used, out_sizes, spec = plan
+    targets, casts, t_loc, vary, used, out_sizes, spec, out_dims = _plan(pattern, operands, mesh, rules)
     ready = [relayout(pvary(x, c), t, f"einsum {pattern!r}") if (c or t != x._split) else x
              for x, c, t in zip(operands, casts, targets)]
-    with regather_scope(ready):
-        if isinstance(spec, int):      # a matrix product (docs/eager_overhead.md)
-            a, w = ready[0]._data, ready[1]._data
-            lead, tail = a.shape[:a.ndim - spec], w.shape[spec:]
-            if spec > 1:
-                a = a.reshape(*lead, -1)
-            if spec > 1 or w.ndim != 2:
-                w = w.reshape(a.shape[-1], -1)
-            data = torch.matmul(a, w)            # one mm of the folded leading dimensions
-            if len(tail) != 1:
-                data = data.view(*lead, *tail)
-        else:
-            data = torch.einsum(spec, *[x._data for x in ready])
-    return _make(data, _parsed(pattern, len(operands))[1], t_loc, vary, used, out_sizes)
+    gathered = False
+    for x in ready:
+        gathered = gathered or x._gathered_from is not None
+    if gathered:        # a gathered weight: not saved for backward (ops/regather.py)
+        with regather_scope(ready):
+            data = _contract(spec, ready)
+    else:
+        data = _contract(spec, ready)
+    return _make(data, out_dims, t_loc, vary, used, out_sizes)
+
+
+def _contract(spec, ready: list[Named]) -> torch.Tensor:
+    """The local contraction: one matrix product when ``spec`` is a depth (docs/eager_overhead.md),
+    else ``torch.einsum`` with the equation ``spec``."""
+    if isinstance(spec, int):
+        a, w = ready[0]._data, ready[1]._data
+        lead, tail = a.shape[:a.ndim - spec], w.shape[spec:]
+        if spec > 1:
+            a = a.reshape(*lead, -1)
+        if spec > 1 or w.ndim != 2:
+            w = w.reshape(a.shape[-1], -1)
+        data = torch.matmul(a, w)            # one mm of the folded leading dimensions
+        return data.view(*lead, *tail) if len(tail) != 1 else data
+    return torch.einsum(spec, *[x._data for x in ready])
 
 
 def _plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
     """What einsum does with operands of these types, derived once per pattern and operand types
     and memoised beside the rules (docs/named_value.md): per operand its target layout and the
-    axes it is cast to varying over; the output's layout, type and global sizes; torch's equation."""
-    compiling = is_tracing()       # a memo would add guards to compiled code
-    key = ("einsum", pattern, mesh, tuple((x._dims, x._split, x._vary, x._sizes) for x in operands))
-    memo = None if compiling else _memo_beside(rules)
-    plan = None if memo is None else memo.get(key)
+    axes it is cast to varying over; the output's layout, type and global sizes; torch's
+    equation; the output's dimensions."""
+    if is_tracing():       # a memo would add guards to compiled code
+        return _derive_plan(pattern, operands, mesh, rules)
+    if len(operands) == 2:     # (the common case without a generator's frames)
+        a, b = operands
+        key = ("einsum", pattern, mesh, a._dims, a._split, a._vary, a._sizes, b._dims, b._split, b._vary, b._sizes)
+    else:
+        key = ("einsum", pattern, mesh, tuple([(x._dims, x._split, x._vary, x._sizes) for x in operands]))
+    memo = _memo_beside(rules)
+    plan = memo.get(key)
     if plan is None:
         plan = _derive_plan(pattern, operands, mesh, rules)
-        if memo is not None and all(x._sizes is not None for x in operands):
+        if all(x._sizes is not None for x in operands):
             memo[key] = plan
     return plan
 
@@ -163,4 +178,4 @@ def _derive_plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
     union = set().union(*after)
     casts = [frozenset(union - a) for a in after]
     spec = _matmul_depth(tuple(x._dims for x in operands), out) or _torch_spec(tuple(x._dims for x in operands), out)
-    return (targets, casts, tuple(t_loc), frozenset(union | used), frozenset(used), out_sizes, spec)
+    return (targets, casts, tuple(t_loc), frozenset(union | used), frozenset(used), out_sizes, spec, out)

@@ -21,10 +21,13 @@ def _align_plan(have: tuple[str, ...], dims: tuple[str, ...]) -> tuple:
     return (order if order != sorted(order) else None), (None if trailing else where)
 
 
-def _align(x: Named, dims: tuple[str, ...]) -> torch.Tensor:
+def _align(x: Named, dims: tuple[str, ...], plan: tuple | None = None) -> torch.Tensor:
     """x's block with its dimensions permuted to the order of ``dims`` and size-1 dims added
-    (none when x's dimensions, permuted, are the trailing ones of ``dims``: torch broadcasts)."""
-    order, where = _align_plan(x._dims, dims)
+    (none when x's dimensions, permuted, are the trailing ones of ``dims``: torch broadcasts);
+    ``plan``: :func:`_align_plan` of them, when the caller has it."""
+    order, where = plan if plan is not None else _align_plan(x._dims, dims)
+    if order is None and where is None:
+        return x._data
     data = x._data.permute(order) if order is not None else x._data
     if where is None:
         return data
@@ -42,25 +45,27 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
         data = fn(x._data, other) if left else fn(other, x._data)
         return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
     mesh, rules = env()
-    dims, ta, tb, out_split, out_sizes = _binary_layout(a, b, name, mesh, rules)
+    dims, ta, tb, out_split, out_sizes, align_a, align_b = _binary_layout(a, b, name, mesh, rules)
     if (a._split == ta and b._split == tb and a._vary == b._vary and not a._partial and not b._partial
             and a._gathered_from is None and b._gathered_from is None):
         # already laid out and typed alike: nothing to reconcile (docs/eager_overhead.md)
-        return _make(fn(_align(a, dims), _align(b, dims)), dims, out_split, a._vary, sizes=out_sizes)
+        return _make(fn(_align(a, dims, align_a), _align(b, dims, align_b)), dims, out_split, a._vary,
+                     sizes=out_sizes)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
     a = relayout(pvary(a, union - after[0]), ta, name)
     b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
-        data = fn(_align(a, dims), _align(b, dims))
+        data = fn(_align(a, dims, align_a), _align(b, dims, align_b))
     return _make(data, dims, out_split, frozenset(union), sizes=out_sizes)
 
 
 def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
     """The dimensions of ``a op b`` (a's, then b's others), the operands' target layouts, the
-    result's layout and global sizes; derived once per operand dims and sizes, kept beside the
-    rules when eager (docs/named_value.md)."""
+    result's layout and global sizes, and how each operand is aligned to the result
+    (:func:`_align_plan`); derived once per operand dims and sizes, kept beside the rules when
+    eager (docs/named_value.md)."""
     key = ("binary", a._dims, a._sizes, b._dims, b._sizes, mesh)
     memo = None if is_tracing() or a._sizes is None or b._sizes is None else _memo_beside(rules)
     plan = None if memo is None else memo.get(key)
@@ -74,7 +79,8 @@ def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
     sizes = {**sb, **sa}
     target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
     plan = (dims, tuple(target[d] for d in a._dims), tuple(target[d] for d in b._dims),
-            tuple(target[d] for d in dims), tuple(sizes[d] for d in dims))
+            tuple(target[d] for d in dims), tuple(sizes[d] for d in dims),
+            _align_plan(a._dims, dims), _align_plan(b._dims, dims))
     if memo is not None:
         memo[key] = plan
     return plan

@@ -14,18 +14,21 @@ from ..torch_private import is_tracing
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
     """Rename dimensions (``rename(x, seq="res_seq")``) and move to the new names' layout:
     this is where sequence parallelism scatters or gathers the residual stream."""
-    mapping = {**(mapping or {}), **kw}
-    require_named("rename", x=x)
+    mapping = {**mapping, **kw} if mapping else kw
+    if not isinstance(x, Named):
+        require_named("rename", x=x)
     mesh, rules = env()
     # eager: what a rename does is derived once per value type and kept beside the rules
     key = ("rename", x._dims, x._split, x._sizes, tuple(mapping.items()), mesh)
-    memo = None if is_tracing() or x._sizes is None else _memo_beside(rules)
+    memo = None if x._sizes is None or is_tracing() else _memo_beside(rules)
     plan = None if memo is None else memo.get(key)
     if plan is None:
         plan = _rename_plan(x, mapping, rules)
         if memo is not None:
             memo[key] = plan
     dims, reorder, sizes, target = plan
+    if reorder is None and not x._partial and x._split == target:   # a new name, nothing to move
+        return _make(x._data, dims, x._split, x._vary, x._partial, sizes, x._is_param, x._tied, x._gathered_from)
     if reorder is not None:     # the two names order the dimension differently: gather it under the old one
         x = relayout(x, reorder, f"rename {mapping}")
     y = _keep_param(x, x.data, dims, x.split, x.partial, sizes)
