@@ -25,6 +25,7 @@ from . import runtime as _runtime
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .order import to_balanced
+from .torch_private import is_tracing
 from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
@@ -47,6 +48,27 @@ def env() -> tuple[Mesh, Rules]:
 
 
 _CONTEXT_LOCAL, _RULES_LOCAL = _runtime._local, _runtime._rules_local
+_LAST_MESH = object()      # key of (mesh, plans) last used with a rules object
+
+
+def op_env() -> tuple[Mesh, Rules, dict | None]:
+    """:func:`env` for an op, plus the table of the op plans derived under these rules and mesh
+    (eager; None while torch.compile traces: a memo would add guards to compiled code). Plans
+    are keyed by what they depend on besides the rules and the mesh (docs/eager_overhead.md)."""
+    ctx = _runtime._process_context or getattr(_CONTEXT_LOCAL, "ctx", None)
+    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
+    mesh = _TRIVIAL_MESH if ctx is None else ctx.mesh
+    if is_tracing():
+        if ctx is None and rules is not _NO_RULES:
+            _require_no_split(rules)
+        return mesh, rules, None
+    side = _memo_beside(rules)
+    last = side.get(_LAST_MESH)
+    if last is None or last[0] is not mesh:     # (the mesh object changes between launches only)
+        if ctx is None and rules is not _NO_RULES:
+            _require_no_split(rules)            # checked once per rules object outside a mesh
+        last = side[_LAST_MESH] = (mesh, side.setdefault(("plans", mesh), {}))
+    return mesh, rules, last[1]
 
 
 def _require_no_split(rules: Rules) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, _make, current_context, env, options, pvary, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
 from .regather import relayout
 from ..torch_private import is_tracing
 from ..observers import uneven_work
@@ -66,8 +66,48 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
     positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context
     parallelism this uses the K/V all-gather path with the gathered segment ids."""
-    require_named("attention", q=q, k=k, v=v)
-    q, k, v = settle(q), settle(k), settle(v)
+    for x in (q, k, v):
+        if not isinstance(x, Named):
+            require_named("attention", q=q, k=k, v=v)
+    q, k, v = [settle(x) if x._partial else x for x in (q, k, v)]
+    mesh, rules, plans = op_env()
+    names = (batch, seq, heads, kv_heads, head_dim)
+    if plans is None or q._sizes is None or k._sizes is None or v._sizes is None:
+        plan = _attention_plan(q, k, v, names, mesh, rules)
+    else:      # eager: derived once per operand types and kept with the rules' plans (docs/eager_overhead.md)
+        key = ("attention", names, q._dims, q._split, q._vary, q._sizes, k._dims, k._split, k._vary,
+               k._sizes, v._dims, v._split, v._vary, v._sizes)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _attention_plan(q, k, v, names, mesh, rules)
+    cast_q, cast_k, cast_v, tk, tv, vary, orders, back, batch_split, seq_axes, balanced = plan
+    if cast_q:
+        q = pvary(q, cast_q)
+    if cast_k or k._split != tk:
+        k = relayout(pvary(k, cast_k), tk, "attention")
+    if cast_v or v._split != tv:
+        v = relayout(pvary(v, cast_v), tv, "attention")
+    qt = q._data.permute(orders[0])
+    kt = k._data.permute(orders[1])
+    vt = v._data.permute(orders[2])
+    scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
+    if segments is not None:
+        seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
+    elif seq_axes:
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
+    else:
+        out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
+                                             enable_gqa=bool(qt.shape[1] != kt.shape[1]))
+    return _make(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
+
+
+def _attention_plan(q: Named, k: Named, v: Named, names: tuple[str, ...], mesh, rules) -> tuple:
+    """What attention does with operands of these types (checked here): the axes q, k and v are
+    cast to varying over, k's and v's target layouts, the output's varying axes, the permutations
+    to (batch, heads, seq, head_dim) and back, q's batch and sequence splits and whether the
+    sequence is split load-balanced."""
+    batch, seq, heads, kv_heads, head_dim = names
     for name, x, want in (("q", q, (batch, seq, heads, head_dim)), ("k", k, (batch, seq, kv_heads, head_dim)),
                           ("v", v, (batch, seq, kv_heads, head_dim))):
         if sorted(x.dims) != sorted(want):
@@ -89,25 +129,11 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     tv = tuple(kv_target_of[d] for d in v.dims)
     after = [set(q.vary - q.partial), varying_after(k, tk), varying_after(v, tv)]
     union = set().union(*after)
-    q = pvary(q, union - after[0])
-    k = relayout(pvary(k, union - after[1]), tk, "attention")
-    v = relayout(pvary(v, union - after[2]), tv, "attention")
-    order = lambda x, h: [x.dims.index(d) for d in (batch, h, seq, head_dim)]  # noqa: E731
-    qt = q.data.permute(order(q, heads))
-    kt = k.data.permute(order(k, kv_heads))
-    vt = v.data.permute(order(v, kv_heads))
-    scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
-    balanced = env()[1].splits_balanced(seq, seq_axes)
-    if segments is not None:
-        seg = _segment_ids(segments, qs[batch], seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
-    elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
-    else:
-        out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
-                                             enable_gqa=bool(qt.shape[1] != kt.shape[1]))
+    casts = [frozenset(union - a) for a in after]
+    orders = tuple([x.dims.index(d) for d in (batch, h, seq, head_dim)] for x, h in ((q, heads), (k, kv_heads), (v, kv_heads)))
     back = [(batch, heads, seq, head_dim).index(d) for d in q.dims]
-    return _make(out.permute(back), q.dims, q.split, frozenset(union).union(*q.split), sizes=q._sizes)
+    balanced = rules.splits_balanced(seq, seq_axes)
+    return (*casts, tk, tv, frozenset(union).union(*q.split), orders, back, qs[batch], seq_axes, balanced)
 
 
 def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, require_named, pvary, settle, varying_after
+from ..named import Named, _make, op_env, require_named, pvary, settle, varying_after
 from .regather import regather_scope, relayout
 from ..torch_private import is_tracing
 
@@ -103,8 +103,8 @@ def einsum(pattern: str, *operands: Named) -> Named:
         if not isinstance(x, Named):
             require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) if x._partial else x for x in operands]
-    mesh, rules = env()
-    targets, casts, t_loc, vary, used, out_sizes, spec, out_dims = _plan(pattern, operands, mesh, rules)
+    mesh, rules, plans = op_env()
+    targets, casts, t_loc, vary, used, out_sizes, spec, out_dims = _plan(pattern, operands, mesh, rules, plans)
     ready = [relayout(pvary(x, c), t, f"einsum {pattern!r}") if (c or t != x._split) else x
              for x, c, t in zip(operands, casts, targets)]
     gathered = False
@@ -133,24 +133,23 @@ def _contract(spec, ready: list[Named]) -> torch.Tensor:
     return torch.einsum(spec, *[x._data for x in ready])
 
 
-def _plan(pattern: str, operands: list[Named], mesh, rules) -> tuple:
+def _plan(pattern: str, operands: list[Named], mesh, rules, plans: dict | None) -> tuple:
     """What einsum does with operands of these types, derived once per pattern and operand types
-    and memoised beside the rules (docs/named_value.md): per operand its target layout and the
-    axes it is cast to varying over; the output's layout, type and global sizes; torch's
-    equation; the output's dimensions."""
-    if is_tracing():       # a memo would add guards to compiled code
+    and kept in the eager ``plans`` of the rules and mesh (:func:`functional_pp.named.op_env`):
+    per operand its target layout and the axes it is cast to varying over; the output's
+    layout, type and global sizes; torch's equation; the output's dimensions."""
+    if plans is None:       # traced: nothing is kept
         return _derive_plan(pattern, operands, mesh, rules)
     if len(operands) == 2:     # (the common case without a generator's frames)
         a, b = operands
-        key = ("einsum", pattern, mesh, a._dims, a._split, a._vary, a._sizes, b._dims, b._split, b._vary, b._sizes)
+        key = ("einsum", pattern, a._dims, a._split, a._vary, a._sizes, b._dims, b._split, b._vary, b._sizes)
     else:
-        key = ("einsum", pattern, mesh, tuple([(x._dims, x._split, x._vary, x._sizes) for x in operands]))
-    memo = _memo_beside(rules)
-    plan = memo.get(key)
+        key = ("einsum", pattern, tuple([(x._dims, x._split, x._vary, x._sizes) for x in operands]))
+    plan = plans.get(key)
     if plan is None:
         plan = _derive_plan(pattern, operands, mesh, rules)
         if all(x._sizes is not None for x in operands):
-            memo[key] = plan
+            plans[key] = plan
     return plan
 
 

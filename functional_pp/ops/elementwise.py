@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, pvary, settle, varying_after
+from ..named import Named, _make, env, op_env, pvary, settle, varying_after
 from .einsum import _cache
 from .regather import regather_scope, relayout
-from ..torch_private import is_tracing
 
 
 @_cache(1024)
@@ -26,8 +25,6 @@ def _align(x: Named, dims: tuple[str, ...], plan: tuple | None = None) -> torch.
     (none when x's dimensions, permuted, are the trailing ones of ``dims``: torch broadcasts);
     ``plan``: :func:`_align_plan` of them, when the caller has it."""
     order, where = plan if plan is not None else _align_plan(x._dims, dims)
-    if order is None and where is None:
-        return x._data
     data = x._data.permute(order) if order is not None else x._data
     if where is None:
         return data
@@ -44,33 +41,36 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
         x = x if keep_partial else settle(x)
         data = fn(x._data, other) if left else fn(other, x._data)
         return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
-    mesh, rules = env()
-    dims, ta, tb, out_split, out_sizes, align_a, align_b = _binary_layout(a, b, name, mesh, rules)
+    mesh, rules, plans = op_env()
+    plan = None
+    if plans is not None and a._sizes is not None and b._sizes is not None:   # eager: memoised
+        key = ("binary", a._dims, a._sizes, b._dims, b._sizes)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _binary_layout(a, b, name, mesh, rules)
+    dims, ta, tb, out_split, out_sizes, align_a, align_b = plan or _binary_layout(a, b, name, mesh, rules)
     if (a._split == ta and b._split == tb and a._vary == b._vary and not a._partial and not b._partial
             and a._gathered_from is None and b._gathered_from is None):
         # already laid out and typed alike: nothing to reconcile (docs/eager_overhead.md)
-        return _make(fn(_align(a, dims, align_a), _align(b, dims, align_b)), dims, out_split, a._vary,
-                     sizes=out_sizes)
+        data = fn(a._data if align_a is None else _align(a, dims, align_a),
+                  b._data if align_b is None else _align(b, dims, align_b))
+        return _make(data, dims, out_split, a._vary, sizes=out_sizes)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
     a = relayout(pvary(a, union - after[0]), ta, name)
     b = relayout(pvary(b, union - after[1]), tb, name)
     with regather_scope([a, b]):
-        data = fn(_align(a, dims, align_a), _align(b, dims, align_b))
+        data = fn(a._data if align_a is None else _align(a, dims, align_a),
+                  b._data if align_b is None else _align(b, dims, align_b))
     return _make(data, dims, out_split, frozenset(union), sizes=out_sizes)
 
 
 def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
     """The dimensions of ``a op b`` (a's, then b's others), the operands' target layouts, the
     result's layout and global sizes, and how each operand is aligned to the result
-    (:func:`_align_plan`); derived once per operand dims and sizes, kept beside the rules when
-    eager (docs/named_value.md)."""
-    key = ("binary", a._dims, a._sizes, b._dims, b._sizes, mesh)
-    memo = None if is_tracing() or a._sizes is None or b._sizes is None else _memo_beside(rules)
-    plan = None if memo is None else memo.get(key)
-    if plan is not None:
-        return plan
+    (:func:`_align_plan`, None: its block as is); derived once per operand dims and sizes and
+    kept beside the rules when eager (:func:`broadcast_binary`, docs/named_value.md)."""
     dims = a._dims + tuple(d for d in b._dims if d not in a._dims)
     sa, sb = a.shape, b.shape
     for d in set(a._dims) & set(b._dims):
@@ -78,12 +78,10 @@ def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
             raise ValueError(f"{name}: dimension {d!r} has size {sa[d]} and {sb[d]}")
     sizes = {**sb, **sa}
     target = dict(zip(dims, rules.resolve(dims, [sizes[d] for d in dims], mesh, name=f"{name} output")))
-    plan = (dims, tuple(target[d] for d in a._dims), tuple(target[d] for d in b._dims),
+    aligns = [_align_plan(x._dims, dims) for x in (a, b)]
+    return (dims, tuple(target[d] for d in a._dims), tuple(target[d] for d in b._dims),
             tuple(target[d] for d in dims), tuple(sizes[d] for d in dims),
-            _align_plan(a._dims, dims), _align_plan(b._dims, dims))
-    if memo is not None:
-        memo[key] = plan
-    return plan
+            *[None if align == (None, None) else align for align in aligns])
 
 
 def add(a, b) -> Named:
@@ -174,11 +172,16 @@ def gelu(x: Named, approximate: str = "none") -> Named:
 def _attach_operators(cls: type) -> None:
     """Give the named value type its arithmetic operators. They live here, in the ops layer
     that defines them, so that ``named`` does not import upwards (docs/architecture.md)."""
-    for name, fn, reflected in (("add", add, False), ("radd", add, True), ("sub", sub, False),
-                                ("rsub", sub, True), ("mul", mul, False), ("rmul", mul, True),
-                                ("truediv", div, False), ("rtruediv", div, True)):
-        def operator(self, other, fn=fn, reflected=reflected):
-            return fn(other, self) if reflected else fn(self, other)
+    # (name, torch function, op name, reflected, whether a pending sum is kept with a number:
+    # as add/sub/mul/div above, inlined to spare a frame per operator)
+    for name, fn, op, reflected, keep in (("add", torch.add, "add", False, False), ("radd", torch.add, "add", True, False),
+                                          ("sub", torch.sub, "sub", False, False), ("rsub", torch.sub, "sub", True, False),
+                                          ("mul", torch.mul, "mul", False, True), ("rmul", torch.mul, "mul", True, True),
+                                          ("truediv", torch.div, "div", False, True),
+                                          ("rtruediv", torch.div, "div", True, False)):
+        def operator(self, other, fn=fn, op=op, reflected=reflected, keep=keep):
+            keep = keep and not isinstance(other, Named)
+            return broadcast_binary(fn, other, self, op, keep) if reflected else broadcast_binary(fn, self, other, op, keep)
         operator.__name__ = operator.__qualname__ = f"__{name}__"
         setattr(cls, f"__{name}__", operator)
 

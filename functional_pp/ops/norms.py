@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, settle
+from ..named import Named, _make, settle
 from . import reduce as R
 
 
@@ -11,19 +11,24 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _fused(t: torch.Tensor, i: int, eps: float, center: bool) -> torch.Tensor:
+    """Normalise ``t`` over its whole local dimension ``i`` (in float32 for 16-bit blocks)."""
+    wide = _wide(t.dtype)
+    t32 = t if t.dtype == wide else t.to(wide)
+    if center:
+        t32 = t32 - t32.mean(dim=i, keepdim=True)
+    out = t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)
+    return out if out.dtype == t.dtype else out.to(t.dtype)
+
+
 def _normalize(x: Named, dim: str, eps: float, center: bool) -> Named:
-    x = settle(x)
-    x._check_dim(dim, "norm")
-    i = x.dims.index(dim)
-    if not x.split[i]:     # the whole dimension is local: one fused computation
-        def f(t):
-            wide = _wide(t.dtype)
-            t32 = t if t.dtype == wide else t.to(wide)
-            if center:
-                t32 = t32 - t32.mean(dim=i, keepdim=True)
-            out = t32 * torch.rsqrt(t32.pow(2).mean(dim=i, keepdim=True) + eps)
-            return out if out.dtype == t.dtype else out.to(t.dtype)
-        return x.map(f)
+    if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
+        x = settle(x)
+    if dim not in x._dims:
+        x._check_dim(dim, "norm")
+    i = x._dims.index(dim)
+    if not x._split[i]:     # the whole dimension is local: one fused computation
+        return _make(_fused(x._data, i, eps, center), x._dims, x._split, x._vary, x._partial, x._sizes)
     xf = x.astype(_wide(x.data.dtype))
     if center:
         xf = xf - R.mean(xf, dim)

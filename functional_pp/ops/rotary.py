@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..named import Named, _memo, settle
+from ..named import Named, _make, _memo, settle
 from .regather import relayout
 from ..torch_private import is_tracing
 
@@ -38,41 +38,47 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3Scaling | No
 def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama3Scaling | None = None,
            seq: str = "seq", head_dim: str = "head_dim") -> Named:
     """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i."""
-    x = settle(x)
-    si, di = x.dims.index(seq), x.dims.index(head_dim)
-    if x.split[di]:
+    if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
+        x = settle(x)
+    dims, split, data = x._dims, x._split, x._data
+    si, di = dims.index(seq), dims.index(head_dim)
+    if split[di]:
         raise ValueError(f"rotary: {head_dim!r} must not be split")
-    pos = relayout(positions, (x.split[si],))
-    d = x.data.shape[di]
-    cos, sin = _tables(pos, d, theta, scaling, x.data.device)
-    shape = [1] * x.data.ndim
-    shape[si], shape[di] = cos.shape[0], d
-    if si > di:
-        cos, sin = cos.T, sin.T
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-
-    def apply(t):
-        tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        x1, x2 = tf.chunk(2, dim=di)
-        rot = torch.cat([-x2, x1], dim=di)
-        c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
-        out = tf * c + rot * s
-        return out if out.dtype == t.dtype else out.to(t.dtype)
-    return x.map(apply)
+    pos = relayout(positions, (split[si],))
+    cos, sin = _tables(pos, data.shape[di], theta, scaling, data.device, si, di, data.ndim)
+    return _make(_rotate(data, cos, sin, di), dims, split, x._vary, x._partial, x._sizes)
 
 
-def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (seq, d), float32, of the angles position * inv_freq computed in float64;
-    built once per positions value and reused by q and k of every layer (memoised beside the
-    positions value, docs/named_value.md)."""
-    key = ("rotary", d, theta, scaling, device, pos.data._version)
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int) -> torch.Tensor:
+    tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    x1, x2 = tf.chunk(2, dim=di)
+    rot = torch.cat([-x2, x1], dim=di)
+    c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
+    out = tf * c + rot * s
+    return out if out.dtype == t.dtype else out.to(t.dtype)
+
+
+def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, device, si: int, di: int,
+            ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles position * inv_freq computed in float64, float32, shaped to
+    broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
+    dimension at ``di``; built once per positions value and reused by q and k of every layer
+    (memoised beside the positions value, docs/named_value.md)."""
+    key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim)
     memo = None if is_tracing() else _memo(pos)     # no tensors kept across traces
-    if memo is not None and key in memo:
-        return memo[key]
+    if memo is not None:
+        tables = memo.get(key)
+        if tables is not None:
+            return tables
     inv = inverse_frequencies(d, theta, scaling).to(device)
     ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
-    tables = (torch.cat([cos, cos], -1).to(torch.float32), torch.cat([sin, sin], -1).to(torch.float32))
+    cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([sin, sin], -1).to(torch.float32)
+    shape = [1] * ndim
+    shape[si], shape[di] = cos.shape[0], d
+    if si > di:
+        cos, sin = cos.T, sin.T
+    tables = cos.reshape(shape), sin.reshape(shape)
     if memo is not None:
         memo[key] = tables
     return tables

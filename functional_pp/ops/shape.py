@@ -6,9 +6,8 @@ from typing import Mapping
 
 import torch
 
-from ..named import Named, _make, _memo_beside, env, require_named, settle, target_layout
+from ..named import Named, _make, env, op_env, require_named, settle, target_layout
 from .regather import relayout
-from ..torch_private import is_tracing
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
@@ -17,10 +16,10 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
     mapping = {**mapping, **kw} if mapping else kw
     if not isinstance(x, Named):
         require_named("rename", x=x)
-    mesh, rules = env()
-    # eager: what a rename does is derived once per value type and kept beside the rules
-    key = ("rename", x._dims, x._split, x._sizes, tuple(mapping.items()), mesh)
-    memo = None if x._sizes is None or is_tracing() else _memo_beside(rules)
+    mesh, rules, plans = op_env()
+    # eager: what a rename does is derived once per value type and kept with the rules' plans
+    key = ("rename", x._dims, x._split, x._sizes, tuple(mapping.items()))
+    memo = None if x._sizes is None else plans
     plan = None if memo is None else memo.get(key)
     if plan is None:
         plan = _rename_plan(x, mapping, rules)
