@@ -362,7 +362,17 @@ def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = N
     varies over exactly the axes that split it."""
     if isinstance(dims, str):
         dims = dims.split()
-    mesh, rules = env()
-    if split is None:
-        split = rules.resolve(dims, None, mesh)
-    return Named(data, dims, split)
+    if split is not None:
+        env()
+        return Named(data, dims, split)
+    mesh, rules, plans = op_env()
+    # eager: the names' layout, type and size factors derived (and validated) once per names
+    key = ("wrap", tuple(dims))
+    typed = None if plans is None else plans.get(key)
+    if typed is None or data.ndim != len(typed[0]):
+        x = Named(data, dims, rules.resolve(dims, None, mesh))
+        if plans is not None and x._sizes is not None:
+            plans[key] = (x._dims, x._split, x._vary, tuple(mesh.axis_size(a) if a else 1 for a in x._split))
+        return x
+    dims, split, vary, factors = typed
+    return _make(data, dims, split, vary, _EMPTY, tuple([n * f for n, f in zip(data.shape, factors)]))

@@ -128,3 +128,35 @@ def test_positions_and_rotary_tables_are_built_once_across_steps(monkeypatch):
     for seed in range(3):
         state, _ = step(state, _batch(seed))
     assert len(calls) == 1, "one table for every layer, q and k, and step"
+
+
+def test_a_repeated_step_derives_no_op_plan(monkeypatch):
+    """Every op's layout decisions (einsum, elementwise, attention, rename, wrap) are derived on
+    the first step and replayed afterwards: the second step derives nothing."""
+    einsum_ops = importlib.import_module("functional_pp.ops.einsum")
+    elementwise_ops = importlib.import_module("functional_pp.ops.elementwise")
+    shape_ops = importlib.import_module("functional_pp.ops.shape")
+    derived = []
+    for module, name in ((einsum_ops, "_derive_plan"), (elementwise_ops, "_binary_layout"),
+                         (attention_ops, "_attention_plan"), (shape_ops, "_rename_plan")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: derived.append(_n) or _o(*a, **k))
+    step, state = _step()
+    state, _ = step(state, _batch(1))
+    assert {"_derive_plan", "_binary_layout", "_attention_plan", "_rename_plan"} <= set(derived)
+    derived.clear()
+    state, _ = step(state, _batch(2))
+    assert derived == []
+
+
+def test_op_plans_keep_the_outside_a_mesh_error_and_bad_input_errors():
+    """The plan tables do not skip validation: splitting rules outside a mesh raise at every
+    call, and a cached wrap still rejects a block whose rank does not match the names."""
+    split = fpp.Rules(batch="dp_shard")
+    x = fpp.named(torch.ones(2, 3), "batch hidden")
+    for _ in range(2):
+        with fpp.use_rules(split), pytest.raises(RuntimeError, match="no mesh is running"):
+            x * x
+    fpp.wrap(torch.ones(2, 3), "batch seq")          # a plan for these names
+    with pytest.raises(ValueError, match="has 3 dimensions but 2 names"):
+        fpp.wrap(torch.ones(2, 3, 4), "batch seq")
