@@ -136,12 +136,13 @@ class Mesh:
         traces (a lookup in the memo would become guards on its contents)."""
         axes = as_axes(axes)
         key = (what, rank, axes)
-        if not _compiling():
+        compiling = _compiling()          # (asked once: collectives call this every time)
+        if not compiling:
             found = self._memo.get(key)
             if found is not None:
                 return found
         value = compute(rank, axes)
-        if not _compiling():
+        if not compiling:
             self._memo[key] = value
         return value
 
