@@ -37,8 +37,9 @@ def env() -> tuple[Mesh, Rules]:
     """The running device's mesh and the active rules. Outside any device, rules that split a
     dimension have no mesh to split it over: an error, not a silent one-device layout
     (docs/policy.md, "Outside a mesh")."""
-    # (current_context / active_rules inlined: every op calls this, docs/eager_overhead.md)
-    ctx = _runtime._process_context or getattr(_CONTEXT_LOCAL, "ctx", None)
+    # (current_context / active_rules inlined: every op calls this, docs/eager_overhead.md; a
+    # thread-local's __dict__.get, not getattr: a missing attribute would raise and catch)
+    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
     rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
     if ctx is None:
         if rules is not _NO_RULES:
@@ -55,7 +56,7 @@ def op_env() -> tuple[Mesh, Rules, dict | None]:
     """:func:`env` for an op, plus the table of the op plans derived under these rules and mesh
     (eager; None while torch.compile traces: a memo would add guards to compiled code). Plans
     are keyed by what they depend on besides the rules and the mesh (docs/eager_overhead.md)."""
-    ctx = _runtime._process_context or getattr(_CONTEXT_LOCAL, "ctx", None)
+    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
     rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
     mesh = _TRIVIAL_MESH if ctx is None else ctx.mesh
     if is_tracing():
