@@ -12,16 +12,23 @@ FUNCOL = torch.ops._c10d_functional
 N_GRADS = 4
 
 
-def _backward_graph() -> torch.fx.Graph:
-    """Per gradient: its matmul, the reduce-scatter launch and its two waits (as funcol traces
-    them); the optimizer (one subtraction per shard) after the whole backward."""
+LAUNCHES = {
+    "reduce_scatter": lambda grad: (FUNCOL.reduce_scatter_tensor.default, (grad, "sum", 2, "0")),
+    "all_gather": lambda grad: (FUNCOL.all_gather_into_tensor.default, (grad, 2, "0")),
+}
+
+
+def _backward_graph(kind: str = "reduce_scatter") -> torch.fx.Graph:
+    """Per gradient: its matmul, the collective's launch (a reduce-scatter, or any other kind)
+    and its two waits (as funcol traces them); the optimizer (one subtraction per shard) after
+    the whole backward."""
     g = torch.fx.Graph()
     x, dy = g.placeholder("x"), g.placeholder("dy")
     shards = [g.placeholder(f"w{i}") for i in range(N_GRADS)]
     reduced = []
     for _ in range(N_GRADS):
         grad = g.call_function(torch.ops.aten.mm.default, (x, dy))
-        launch = g.call_function(FUNCOL.reduce_scatter_tensor.default, (grad, "sum", 2, "0"))
+        launch = g.call_function(*LAUNCHES[kind](grad))
         reduced.append(g.call_function(FUNCOL.wait_tensor.default,
                                        (g.call_function(FUNCOL.wait_tensor.default, (launch,)),)))
     new = [g.call_function(torch.ops.aten.sub.Tensor, (w, r)) for w, r in zip(shards, reduced)]
@@ -29,11 +36,15 @@ def _backward_graph() -> torch.fx.Graph:
     return g
 
 
+def _is_launch(n: torch.fx.Node) -> bool:
+    return n.target in (FUNCOL.reduce_scatter_tensor.default, FUNCOL.all_gather_into_tensor.default)
+
+
 def _max_in_flight(graph: torch.fx.Graph) -> int:
-    """The most reduce-scatters launched and not yet waited for, walking the graph in order."""
+    """The most collectives launched and not yet waited for, walking the graph in order."""
     live, most = set(), 0
     for n in graph.nodes:
-        if n.target is FUNCOL.reduce_scatter_tensor.default:
+        if _is_launch(n):
             live.add(n)
         elif n.target is FUNCOL.wait_tensor.default:
             live.discard(n.args[0])
@@ -42,24 +53,25 @@ def _max_in_flight(graph: torch.fx.Graph) -> int:
 
 
 def _matmuls_overlapped(graph: torch.fx.Graph) -> list[int]:
-    """For each reduce-scatter: the matmuls between its launch and its first wait."""
+    """For each collective: the matmuls between its launch and its first wait."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     mms = [pos[n] for n in nodes if n.target is torch.ops.aten.mm.default]
     out = []
     for n in nodes:
-        if n.target is FUNCOL.reduce_scatter_tensor.default:
+        if _is_launch(n):
             wait = next(iter(n.users))
             out.append(sum(pos[n] < i < pos[wait] for i in mms))
     return out
 
 
+@pytest.mark.parametrize("kind", list(LAUNCHES))
 @pytest.mark.parametrize("limit", [1, 2, 3])
-def test_at_most_limit_reduce_scatters_in_flight_and_each_still_overlaps(limit):
-    g = _backward_graph()
+def test_at_most_limit_collectives_in_flight_and_each_still_overlaps(limit, kind):
+    g = _backward_graph(kind)
     overlap_communication(g, in_flight=limit)
     assert _max_in_flight(g) == limit
-    # every reduce-scatter but the last still runs while the next gradient's matmul computes
+    # every collective but the last still runs while the next gradient's matmul computes
     assert all(b >= 1 for b in _matmuls_overlapped(g)[:-1]), _matmuls_overlapped(g)
 
 
