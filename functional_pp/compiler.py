@@ -7,7 +7,8 @@ and run two passes on it before it executes:
    backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values;
 2. :func:`functional_pp.overlap.overlap_communication` (torch.distributed only; on by
    default, ``FPP_OVERLAP=0`` keeps trace order): all-gathers are prefetched one weight ahead
-   and waits sink to the first use of their result;
+   and waits sink to the first use of their result, with at most ``FPP_COLLECTIVES_IN_FLIGHT``
+   (default 2) collectives of a kind in flight;
 3. :func:`functional_pp.reinplace.reinplace` (graphs run op by op, not inductor):
    elementwise results are written into the buffers that die there;
 4. the collectives of the final graph (recomputed gathers included) are read from their

@@ -2,19 +2,27 @@
 
 torch.distributed's functional collectives are split in the graph into a launch
 (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...) and a ``wait_tensor``. Two moves
-let the network work while the CPU/GPU computes:
+let the network work while the CPU/GPU computes, and a bound keeps what they hold in check:
 
 * prefetch: the launch of each FSDP weight's all-gather moves before the computation that
   uses the previous gathered weight, in forward and again for the backward re-gathers, so
   layer i+1's weights are on their way while layer i computes;
 * late waits: every wait, with the views, casts and elementwise ops that only transform its
   result, moves down to just before the first other node that reads them, so a gradient's
-  reduce-scatter runs while the backward of the next layers computes.
+  reduce-scatter runs while the backward of the next layers computes;
+* a bound on collectives in flight: an asynchronous collective holds its input until its
+  wait, so late waits alone would keep every layer's unsharded gradient alive until the
+  optimizer. The wait of the k-th collective of a kind moves up before the launch of the
+  (k+N)-th (N = ``FPP_COLLECTIVES_IN_FLIGHT``, default 2; 0: no bound), as FSDP2 waits for
+  one reduce-scatter before it issues the next ones (docs/compile.md, "Peak memory of
+  compiled FSDP").
 
 Simulated collectives are one synchronous op each; there is nothing to overlap, so the
 simulated graph is left in trace order.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +30,8 @@ from .recompute import _VIEW_OR_CAST, REGATHER, _op_name
 from .torch_private import is_backward_node
 
 _FUNCOL = "_c10d_functional"
+IN_FLIGHT_ENV = "FPP_COLLECTIVES_IN_FLIGHT"
+DEFAULT_IN_FLIGHT = 2
 
 
 def _is_launch(node: torch.fx.Node) -> bool:
@@ -95,11 +105,63 @@ def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) ->
     return True
 
 
-def overlap_communication(graph: torch.fx.Graph) -> int:
-    """Prefetch FSDP all-gathers and sink waits in a graph of torch.distributed collectives.
-    Returns the number of nodes moved."""
+def in_flight_limit() -> int:
+    """How many collectives of one kind a compiled step may have in flight
+    (``FPP_COLLECTIVES_IN_FLIGHT``; 0: no bound)."""
+    raw = os.environ.get(IN_FLIGHT_ENV, str(DEFAULT_IN_FLIGHT))
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{IN_FLIGHT_ENV}={raw!r}: expected a whole number of collectives of one kind in "
+                         f"flight at once (>= 1), or 0 for no bound; the default is {DEFAULT_IN_FLIGHT}")
+    return limit
+
+
+def _kind(launch: torch.fx.Node) -> str:
+    return launch.target.__name__.split(".")[0]
+
+
+def _waits(launch: torch.fx.Node) -> list[torch.fx.Node]:
+    """The waits of a launch: its ``wait_tensor`` and the waits on that (funcol waits twice)."""
+    out, frontier = [], [u for u in launch.users if _is_wait(u)]
+    while frontier:
+        w = frontier.pop()
+        out.append(w)
+        frontier.extend(u for u in w.users if _is_wait(u))
+    return out
+
+
+def bound_in_flight(graph: torch.fx.Graph, limit: int) -> int:
+    """Move waits up so that at most ``limit`` collectives of each kind are in flight: the
+    waits of the k-th launch of a kind come before the (k+limit)-th launch. Waits depend only
+    on their launch, so the move keeps every dependency. Returns the number of waits moved."""
+    if limit <= 0:
+        return 0
+    launches: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if _is_launch(n):
+            launches.setdefault(_kind(n), []).append(n)
+    moved, pos = 0, None
+    for same in launches.values():
+        for earlier, later in zip(same, same[limit:]):
+            pos = pos or {n: i for i, n in enumerate(graph.nodes)}
+            late = sorted((w for w in _waits(earlier) if pos[w] > pos[later]), key=pos.__getitem__)
+            for w in late:
+                later.prepend(w)
+            if late:
+                moved, pos = moved + len(late), None      # positions changed
+    return moved
+
+
+def overlap_communication(graph: torch.fx.Graph, in_flight: int | None = None) -> int:
+    """Prefetch FSDP all-gathers and sink waits in a graph of torch.distributed collectives,
+    with at most ``in_flight`` collectives of a kind in flight (default:
+    :func:`in_flight_limit`). Returns the number of nodes moved."""
     if not any(_is_launch(n) for n in graph.nodes):
         return 0
+    limit = in_flight_limit() if in_flight is None else in_flight
     moved = 0
     # late waits
     for wait in [n for n in graph.nodes if _is_wait(n)]:
@@ -114,5 +176,6 @@ def overlap_communication(graph: torch.fx.Graph) -> int:
             consumer = _first_consumer(pos, prev)
             if consumer is not None and pos[consumer] < pos[cur] and _move_before(pos, cur, consumer):
                 moved += 1
+    moved += bound_in_flight(graph, limit)
     graph.lint()
     return moved

@@ -43,6 +43,18 @@ def _order(graph):
     return out
 
 
+def _most_in_flight(graph, kind):
+    """The most collectives of ``kind`` launched and not yet waited for, in graph order."""
+    live, most = set(), 0
+    for n in graph.nodes:
+        if _kind(n) == kind:
+            live.add(n)
+        elif _kind(n) == "wait":
+            live.discard(n.args[0])
+        most = max(most, len(live))
+    return most
+
+
 def _device(overlap):
     os.environ["FPP_OVERLAP"] = "1" if overlap else "0"
     mesh, rules = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard")
@@ -57,7 +69,8 @@ def _device(overlap):
         for _ in range(2):
             state, m = step(state, batch)
             losses.append(m["loss"])
-    return losses, state["params"], _order(graphs[0])
+    in_flight = {k: _most_in_flight(graphs[0], k) for k in ("all_gather_into_tensor", "reduce_scatter_tensor")}
+    return losses, state["params"], _order(graphs[0]), in_flight
 
 
 @pytest.mark.timeout(1500)
@@ -65,7 +78,7 @@ def test_compiled_fsdp_prefetches_gathers_and_overlaps_reduce_scatters_on_gloo()
     mesh = fpp.Mesh(dp_shard=2)
     plain = fpp.launch(functools.partial(_device, False), mesh, processes=True, timeout=900)
     over = fpp.launch(functools.partial(_device, True), mesh, processes=True, timeout=900)
-    for (l0, p0, _), (l1, p1, order) in zip(plain, over):
+    for (l0, p0, _, _), (l1, p1, _, _) in zip(plain, over):
         assert l1 == l0
         for (path, a), (_, b) in zip(fpp.leaves_with_paths(p1), fpp.leaves_with_paths(p0)):
             assert torch.equal(a, b), path
@@ -80,3 +93,7 @@ def test_compiled_fsdp_prefetches_gathers_and_overlaps_reduce_scatters_on_gloo()
     scatters = [b for k, b in order if k.startswith("reduce_scatter")]
     assert sum(b > 0 for b in gathers) >= len(gathers) * 2 // 3, order
     assert sum(b > 0 for b in scatters) >= len(scatters) // 2, order
+    # ... but at most two of a kind at a time (FPP_COLLECTIVES_IN_FLIGHT's default): a
+    # reduce-scatter holds its unsharded gradient until its wait (docs/compile.md)
+    assert plain[0][3] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, plain[0][3]
+    assert over[0][3] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, over[0][3]
