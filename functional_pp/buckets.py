@@ -163,9 +163,10 @@ class GradBuckets:
 
 
 def resolve_pending(grads: Sequence[Any]) -> list[Any]:
-    """``grads`` with every :class:`PendingGrad` waited for and copied out of its flat buffer
-    (each gradient its own storage: the optimizer updates it in place)."""
-    return [g.resolve().clone() if isinstance(g, PendingGrad) else g for g in grads]
+    """``grads`` with every :class:`PendingGrad` waited for: a view of its reduced flat
+    buffer, not a copy (as DDP's ``gradient_as_bucket_view``); the views of one buffer are
+    disjoint, so the optimizer may update each in place (step_buffers.own_buffers)."""
+    return [g.resolve() if isinstance(g, PendingGrad) else g for g in grads]
 
 
 def check_bucket_mb(bucket_mb: float | None) -> None:

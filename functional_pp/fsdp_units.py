@@ -4,7 +4,9 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
-the layer before, in forward the unit the last forward called next (``fsdp_order.py``).
+the layer before, in forward the unit the last forward called next (``fsdp_order.py``). A
+unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
+before the optimizer (at most two in flight).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
