@@ -6,7 +6,7 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
 the layer before, in forward the unit the last forward called next (``fsdp_order.py``). A
 unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
-before the optimizer (at most two in flight).
+before the optimizer (one in flight at a time).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -31,6 +31,7 @@ from .named import Named, configure, env, options, pvary
 from .torch_private import in_backward, is_tracing
 
 _local = threading.local()
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 1     # unit gradient reduce-scatters launched and not yet awaited
 
 
 @contextmanager
@@ -236,9 +237,9 @@ class _ReduceScatter:
 
 def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
     """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
-    as placeholders (waited for before the optimizer, functional_pp.buckets); at most two
-    are in flight per step: launching one waits for the one before the last, so a unit's
-    full-size gradients live until the next unit's backward is done, as FSDP2 bounds them.
+    as placeholders (waited for before the optimizer, functional_pp.buckets); one is in
+    flight at a time: launching one waits for the one before, so a unit's full-size
+    gradients live until the next unit's backward is done, as FSDP2 bounds them.
     None where the backend reduces at once (simulated devices)."""
     ctx, axes, group = _group(unit.axes, "psum_scatter")
     start = getattr(ctx.backend, "start_reduce_scatter", None)
@@ -252,7 +253,7 @@ def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] 
         trace("reduce_scatter", unit.call)
     flight = _local.__dict__.setdefault("in_flight", [])
     flight.append(source)
-    while len(flight) > 2:
+    while len(flight) > MAX_REDUCE_SCATTERS_IN_FLIGHT:
         flight.pop(0).result()
     out, offset = [], 0
     for shape, numel in zip(unit.shapes, unit.numels):
