@@ -116,10 +116,13 @@ def test_forward_prefetch_on_gloo_processes():
 
 def _assert_reduce_scatter_overlapped(events, layers):
     """Unit k's gradient reduce-scatter issued before unit k-1's backward needs its weights,
-    and awaited only after that backward started (asynchronous, overlapped)."""
+    and awaited only after that backward started (asynchronous, overlapped), and before unit
+    k-2's is issued (one in flight at a time, as FSDP2)."""
     at = {e: i for i, e in enumerate(events)}
     for k in range(1, layers):
         assert at[("reduce_scatter", k)] < at[("backward", k - 1)] < at[("reduce_scatter_wait", k)], events
+        if k >= 2:
+            assert at[("reduce_scatter_wait", k)] < at[("reduce_scatter", k - 2)], events
 
 
 @pytest.mark.multiprocess
