@@ -9,7 +9,7 @@ FSDP2 (``fully_shard`` on every block and on the root), on real gloo processes.
 Every rank builds both sides from the same initial weights (the plain ``nn.Module`` of
 ``single_device.py`` loaded from the functional parameters) and the same batch rows. Steps
 are interleaved (ours, torch's, ours, ...) with a barrier before each, so machine noise hits
-both alike; the median step time per side and the ratio ours / torch are reported. Our DP
+both alike; the median step time (wall, and CPU time of the rank's process) per side and the ratio ours / torch are reported. Our DP
 runs twice: ``bucket_mb=None`` (one synchronous all-reduce per gradient, the old path) and
 the default buckets; our FSDP twice: ``fsdp_units=False`` (one all-gather / reduce-scatter per
 weight) and the default per-layer units. The first-step losses (global means) of each pair are printed and must
@@ -98,12 +98,13 @@ class Torch:
         return float(value) / dist.get_world_size()
 
 
-def _timed(runner) -> tuple[float, float]:
+def _timed(runner) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of this process (all its threads, gloo's included), loss)."""
     import torch.distributed as dist
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     loss = runner.step()
-    return time.perf_counter() - t0, loss
+    return time.perf_counter() - t0, time.process_time() - c0, loss
 
 
 def _compare(pairs: dict, steps: int, warmup: int) -> dict:
@@ -111,20 +112,23 @@ def _compare(pairs: dict, steps: int, warmup: int) -> dict:
     the peak memory of one more step (single_device.peak_memory: live state + the CPU
     allocator's high-water mark during the step, on this rank)."""
     times = {name: [] for name in pairs}
+    cpu = {name: [] for name in pairs}
     first = {}
     for i in range(warmup + steps):
         for name, runner in pairs.items():
-            seconds, loss = _timed(runner)
+            seconds, cpu_seconds, loss = _timed(runner)
             if i == 0:
                 first[name] = loss
             elif i >= warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     peak = {}
     for name, runner in pairs.items():
         import torch.distributed as dist
         dist.barrier()
         peak[name] = peak_memory(runner, runner.batch, "cpu")["peak_bytes"]
-    return {name: {"first_loss": first[name], "median_s": statistics.median(times[name]), "peak_bytes": peak[name]}
+    return {name: {"first_loss": first[name], "median_s": statistics.median(times[name]),
+                   "median_cpu_s": statistics.median(cpu[name]), "peak_bytes": peak[name]}
             for name in pairs}
 
 
@@ -155,6 +159,7 @@ def device(args) -> dict:
 def summarize(res: dict, args, n: int) -> dict:
     summary = {"processes": n, "preset": args.preset, "steps": args.steps,
                "median_ms": {k: round(v["median_s"] * 1e3, 1) for k, v in res.items()},
+               "median_cpu_ms": {k: round(v["median_cpu_s"] * 1e3, 1) for k, v in res.items()},
                "first_loss": {k: v["first_loss"] for k, v in res.items()},
                "peak_mib": {k: round(v["peak_bytes"] / 2**20, 1) for k, v in res.items()}}
     pairs = [("ours_dp_unbucketed", "ddp"), ("ours_dp", "ddp"), ("ours_fsdp_per_weight", "fsdp2"),
@@ -167,6 +172,7 @@ def summarize(res: dict, args, n: int) -> dict:
                 raise SystemExit(f"first-step losses differ: {ours} {a['first_loss']} vs {theirs} "
                                  f"{b['first_loss']} (relative {rel:.2e})")
             summary[f"{ours}/{theirs}"] = round(a["median_s"] / b["median_s"], 3)
+            summary[f"{ours}/{theirs} cpu"] = round(a["median_cpu_s"] / b["median_cpu_s"], 3)
             summary[f"{ours}/{theirs} peak memory"] = round(a["peak_bytes"] / b["peak_bytes"], 3)
     return summary
 
@@ -194,7 +200,7 @@ def main(argv=None) -> dict:
         results.update(fpp.launch(functools.partial(device, args), mesh, processes=True, timeout=1800)[0])
     for name, r in results.items():
         print(f"{name:20s} first-step loss {r['first_loss']:.7f}  median {r['median_s'] * 1e3:8.1f} ms  "
-              f"peak {r['peak_bytes'] / 2**20:8.1f} MiB")
+              f"cpu {r['median_cpu_s'] * 1e3:8.1f} ms  peak {r['peak_bytes'] / 2**20:8.1f} MiB")
     summary = summarize(results, args, args.processes)
     print(json.dumps(summary))
     return summary

@@ -8,11 +8,13 @@ behind computation, with and without prefetching the next FSDP unit (issue 10 it
 Each process's ``torch.distributed`` backend delays every eager collective as a link that
 carries one collective at a time would (``FPP_SLOW_LINK_MS`` / ``FPP_SLOW_LINK_MBPS``,
 functional_pp/backends/slow_link.py): a synchronous collective blocks until it is through,
-an asynchronous one (a prefetched unit gather) only when its result is awaited. The same
+an asynchronous one (a prefetched unit gather, a unit's gradient reduce-scatter) only when
+its result is awaited. The same
 FSDP step (``dp_shard`` over the processes, weights split along ``hidden``, per-layer units)
 runs with ``fsdp_prefetch=False`` (each unit gathered when its layer starts, re-gathered
 when its backward starts) and ``fsdp_prefetch=True`` (the next unit's gather launched
-before the current one computes, forward and backward), interleaved step by step from the
+before the current one computes, forward and backward, and each unit's gradient
+reduce-scatter launched asynchronously, awaited before the optimizer), interleaved step by step from the
 same weights and batch; optionally also per-weight collectives (``fsdp_units=False``), and
 ``no_link``: the prefetching step with the link's delay switched off in the same processes
 (compute and real communication only). Prints per variant the first-step loss (equal:

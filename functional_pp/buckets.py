@@ -76,11 +76,13 @@ def start_all_reduce(backend, flat: torch.Tensor, group: tuple[int, ...]) -> Cal
     return lambda: out
 
 
-class _Slot:
-    """Where one gradient sits in its bucket."""
+class Slot:
+    """Where one gradient sits in the flat result of an asynchronous collective: a bucket's
+    all-reduce, or an FSDP unit's reduce-scatter (``source``: anything with ``result()``, the
+    awaited flat tensor, and ``device``)."""
     __slots__ = ("bucket", "offset", "numel", "shape", "dtype")
 
-    def __init__(self, bucket: _Bucket, offset: int, numel: int, shape: torch.Size, dtype: torch.dtype):
+    def __init__(self, bucket, offset: int, numel: int, shape: torch.Size, dtype: torch.dtype):
         self.bucket, self.offset, self.numel, self.shape, self.dtype = bucket, offset, numel, shape, dtype
 
     def value(self) -> torch.Tensor:
@@ -94,7 +96,7 @@ class PendingGrad(torch.Tensor):
     reduction first; a cast to another dtype stays pending (applied after the wait)."""
 
     @staticmethod
-    def __new__(cls, slot: _Slot, casts: tuple[torch.dtype, ...] = ()):
+    def __new__(cls, slot: Slot, casts: tuple[torch.dtype, ...] = ()):
         dtype = casts[-1] if casts else slot.dtype
         r = torch.Tensor._make_wrapper_subclass(cls, slot.shape, dtype=dtype, device=slot.bucket.device)
         r.slot, r.casts = slot, casts
@@ -142,7 +144,7 @@ class GradBuckets:
             bucket = self.open[key] = _Bucket(ctx, axes, group, y.device)
             self.buckets.append(bucket)
         offset, numel = bucket.append(y)
-        slot = _Slot(bucket, offset, numel, g.shape, g.dtype)
+        slot = Slot(bucket, offset, numel, g.shape, g.dtype)
         if bucket.nbytes >= self.capacity:
             del self.open[key]
             bucket.launch()
@@ -155,9 +157,16 @@ class GradBuckets:
             if not bucket.launched:
                 bucket.launch()
         self.open.clear()
-        out = [g.resolve().clone() if isinstance(g, PendingGrad) else g for g in grads]
+        out = resolve_pending(grads)
         self.buckets = []          # release the flat buffers
         return out
+
+
+def resolve_pending(grads: Sequence[Any]) -> list[Any]:
+    """``grads`` with every :class:`PendingGrad` waited for: a view of its reduced flat
+    buffer, not a copy (as DDP's ``gradient_as_bucket_view``); the views of one buffer are
+    disjoint, so the optimizer may update each in place (step_buffers.own_buffers)."""
+    return [g.resolve() if isinstance(g, PendingGrad) else g for g in grads]
 
 
 def check_bucket_mb(bucket_mb: float | None) -> None:

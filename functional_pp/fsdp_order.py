@@ -50,7 +50,9 @@ class UnitOrder:
 def trace_units() -> Iterator[list[tuple[str, int]]]:
     """Inside the block, this thread's FSDP unit events in order: ``("launch", k)`` (call k's
     flat all-gather issued), ``("wait", k)`` (its result awaited), ``("compute", k)`` (its
-    layer starts computing)."""
+    layer starts computing); in backward ``("backward", k)`` (its re-gathered weights first
+    needed), ``("reduce_scatter", k)`` / ``("reduce_scatter_wait", k)`` (its gradients'
+    asynchronous reduce-scatter issued / awaited)."""
     events: list[tuple[str, int]] = []
     previous = getattr(_trace, "events", None)
     _trace.events = events

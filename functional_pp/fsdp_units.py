@@ -4,7 +4,9 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
-the layer before, in forward the unit the last forward called next (``fsdp_order.py``).
+the layer before, in forward the unit the last forward called next (``fsdp_order.py``). A
+unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
+before the optimizer (one in flight at a time).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -22,12 +24,14 @@ import optree
 import torch
 
 from . import comm
-from .collectives import _group, raw_reduce_scatter
+from .buckets import PendingGrad, Slot
+from .collectives import _group, _reduce_dtype, raw_reduce_scatter
 from .fsdp_order import UnitOrder, trace
 from .named import Named, configure, env, options, pvary
 from .torch_private import in_backward, is_tracing
 
 _local = threading.local()
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 1     # unit gradient reduce-scatters launched and not yet awaited
 
 
 @contextmanager
@@ -41,7 +45,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     previous = (getattr(_local, "enabled", False), getattr(_local, "root_options", None),
                 getattr(_local, "prefetch", True), getattr(_local, "order", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
-    _local.last_unit = None
+    _local.last_unit, _local.in_flight = None, []
     try:
         if enabled and keep_root and not options().keep_gathered:
             with configure(keep_gathered=True) as root_options:
@@ -56,6 +60,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     finally:
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
+        _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
         _local.enabled, _local.root_options, _local.prefetch, _local.order = previous
 
 
@@ -123,6 +128,7 @@ class _Unit:
         self._done = False
         self.incoming = None                 # forward: waits for the unit's launched gather
         self.prefetch = getattr(_local, "prefetch", True)   # backward: re-gather the next unit early
+        self.call: int | None = None         # the unit's call in this forward (events, fsdp_order)
 
     def flat(self) -> torch.Tensor:
         return torch.cat([s.reshape(-1) for s in self.shards])
@@ -149,6 +155,8 @@ class _Unit:
         gradients are reduce-scattered. Launching it also prefetches the unit backward
         reaches next (the one gathered before this one in forward)."""
         if self.regathered is None:
+            if self.call is not None:
+                trace("backward", self.call)
             self.start_regather()
             if self.prev is not None and self.prefetch:
                 self.prev.start_regather()
@@ -204,8 +212,54 @@ class _UnitGather(torch.autograd.Function):
             n = len(parts)
             chunks.append(parts)
         send = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in range(len(chunks))])
+        if unit.prefetch:
+            pending = _start_reduce_scatter(send, unit)
+            if pending is not None:
+                return (None, *pending)
         flat = raw_reduce_scatter(send, unit.axes, 0)
         return (None, *[t.view(shape) for t, shape in zip(flat.split(unit.numels), unit.shapes)])
+
+
+class _ReduceScatter:
+    """A unit's flat gradient reduce-scatter in flight (the source of its gradients' slots)."""
+
+    def __init__(self, wait, device: torch.device, call: int | None):
+        self._wait, self.device, self.call = wait, device, call
+        self.flat: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat, self._wait = self._wait(), None       # the sent gradients are released
+            if self.call is not None:
+                trace("reduce_scatter_wait", self.call)
+        return self.flat
+
+
+def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
+    """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
+    as placeholders (waited for before the optimizer, functional_pp.buckets); one is in
+    flight at a time: launching one waits for the one before, so a unit's full-size
+    gradients live until the next unit's backward is done, as FSDP2 bounds them.
+    None where the backend reduces at once (simulated devices)."""
+    ctx, axes, group = _group(unit.axes, "psum_scatter")
+    start = getattr(ctx.backend, "start_reduce_scatter", None)
+    if start is None or len(group) == 1:
+        return None
+    wide = _reduce_dtype(send)
+    y = send.to(wide) if wide else send
+    with torch.no_grad(), comm.recording("reduce_scatter", axes, len(group), y, backward=True):
+        source = _ReduceScatter(start(y, group), y.device, unit.call)
+    if unit.call is not None:
+        trace("reduce_scatter", unit.call)
+    flight = _local.__dict__.setdefault("in_flight", [])
+    flight.append(source)
+    while len(flight) > MAX_REDUCE_SCATTERS_IN_FLIGHT:
+        flight.pop(0).result()
+    out, offset = [], 0
+    for shape, numel in zip(unit.shapes, unit.numels):
+        out.append(PendingGrad(Slot(source, offset, numel, shape, send.dtype)))
+        offset += numel
+    return out
 
 
 @contextmanager
@@ -267,7 +321,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     units = []
     for ((axes, _), members), wait in zip(groups.items(), incoming):
         unit = _Unit(axes, [d for _, _, d, _, _ in members], [x.data for _, x, _, _, _ in members])
-        unit.incoming = wait
+        unit.incoming, unit.call = wait, call
         fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
         for (i, x, d, k, _), full in zip(members, fulls):
             split = list(x.split)

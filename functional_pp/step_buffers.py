@@ -2,6 +2,7 @@
 master weights, the non-finite select and the donated-state copy."""
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -35,18 +36,36 @@ def write_into(old: Any, new: Any) -> Any:
 
 def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
-    parameter or another gradient (autograd may hand one tensor to two inputs) or is not dense
-    (an expanded gradient) is copied first."""
-    seen = {p.untyped_storage().data_ptr() for p in params}
+    parameter, overlaps another gradient (autograd may hand one tensor to two inputs) or is not
+    dense (an expanded gradient) is copied first. Disjoint views of one buffer (the gradients
+    of one all-reduce bucket, functional_pp/buckets.py) are kept as they are."""
+    params_at = {p.untyped_storage().data_ptr() for p in params}
+    taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []
     for g in grads:
         ptr = g.untyped_storage().data_ptr()
-        if ptr in seen or not g.is_contiguous():
+        span = _byte_span(g)
+        if ptr in params_at or not g.is_contiguous() or _overlaps(taken.get(ptr, ()), span):
             g = g.clone(memory_format=torch.contiguous_format)
-            ptr = g.untyped_storage().data_ptr()
-        seen.add(ptr)
+            ptr, span = g.untyped_storage().data_ptr(), _byte_span(g)
+        if span[0] < span[1]:
+            bisect.insort(taken.setdefault(ptr, []), span)
         out.append(g)
     return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) of its storage a contiguous tensor occupies."""
+    start = t.storage_offset() * t.element_size()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(spans: list[tuple[int, int]], span: tuple[int, int]) -> bool:
+    """Whether ``span`` meets one of the sorted disjoint ``spans`` (empty spans meet nothing)."""
+    if span[0] == span[1]:
+        return False
+    i = bisect.bisect_left(spans, span)
+    return any(s < span[1] and span[0] < e for s, e in spans[max(i - 1, 0):i + 1])
 
 
 def acc_dtype(leaves) -> torch.dtype:

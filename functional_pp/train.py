@@ -15,7 +15,7 @@ import torch
 
 from . import optim
 from .barrier import materialize
-from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets
+from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
 from .fsdp_order import UnitOrder
 from .fsdp_units import begin_forward, fsdp_units as layer_units
 from .collectives import psum
@@ -301,7 +301,7 @@ class TrainStep:
             diff = [x for x in xs if x.requires_grad]
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
-                gs = iter(buckets.finish(gs) if buckets is not None else gs)
+                gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:

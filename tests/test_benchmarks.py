@@ -59,6 +59,9 @@ def test_dp_fsdp_benchmark_smoke_prints_ratios_and_equal_first_losses():
     for ours, theirs in [("ours_dp", "ddp"), ("ours_fsdp", "fsdp2")]:
         ms = result["median_ms"]
         assert result[f"{ours}/{theirs}"] == pytest.approx(ms[ours] / ms[theirs], rel=0.02)
+        cpu = result["median_cpu_ms"]     # CPU time of each rank's process, both sides
+        assert cpu[ours] > 0 and cpu[theirs] > 0
+        assert result[f"{ours}/{theirs} cpu"] == pytest.approx(cpu[ours] / cpu[theirs], rel=0.02)
         mib = result["peak_mib"]          # per-rank peak memory of one more step, both sides
         assert mib[ours] > 0 and mib[theirs] > 0
         assert result[f"{ours}/{theirs} peak memory"] == pytest.approx(mib[ours] / mib[theirs], rel=0.05)

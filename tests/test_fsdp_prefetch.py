@@ -26,11 +26,11 @@ def _permuted_loss(params, batch, orders, calls):
     return llama.loss({**params, "layers": [params["layers"][j] for j in order]}, batch, CFG)
 
 
-def _run(prefetch, orders=((0, 1, 2),)):
+def _run(prefetch, orders=((0, 1, 2),), **kw):
     """A launchable function: three AdamW steps; per device the losses, the parameters, the
     collectives of every step and the unit events of every step."""
     loss = functools.partial(_permuted_loss, orders=orders, calls={})
-    step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=MESH, rules=RULES, fsdp_prefetch=prefetch)
+    step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=MESH, rules=RULES, fsdp_prefetch=prefetch, **kw)
 
     def device():
         state = step.init(fpp.init(llama.init, CFG, torch.float64, mesh=MESH, rules=RULES, seed=0))
@@ -94,8 +94,8 @@ def test_a_forward_that_changes_its_layer_order_wastes_the_prefetch_not_the_resu
         _assert_prefetched(a[3][2], CFG.layers)         # step 3 replays step 2's order
 
 
-def _gloo(prefetch):
-    losses, params, _, traces = _run(prefetch)()
+def _gloo(prefetch, **kw):
+    losses, params, _, traces = _run(prefetch, **kw)()
     return losses, {p: x.numpy() for p, x in params.items()}, traces
 
 
@@ -112,6 +112,49 @@ def test_forward_prefetch_on_gloo_processes():
             _assert_prefetched(events, CFG.layers)
         for events in t0:
             _assert_not_prefetched(events, CFG.layers)
+
+
+def _assert_reduce_scatter_overlapped(events, layers):
+    """Unit k's gradient reduce-scatter issued before unit k-1's backward needs its weights,
+    and awaited only after that backward started (asynchronous, overlapped), and before unit
+    k-2's is issued (one in flight at a time, as FSDP2)."""
+    at = {e: i for i, e in enumerate(events)}
+    for k in range(1, layers):
+        assert at[("reduce_scatter", k)] < at[("backward", k - 1)] < at[("reduce_scatter_wait", k)], events
+        if k >= 2:
+            assert at[("reduce_scatter_wait", k)] < at[("reduce_scatter", k - 2)], events
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes():
+    """With prefetch, each unit's flat reduce-scatter is launched when backward produces its
+    gradients and overlaps the previous unit's backward; without, it is waited at once."""
+    on = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
+    off = fpp.launch(functools.partial(_gloo, False), MESH, processes=True, timeout=300)
+    for (l1, p1, t1), (l0, p0, t0) in zip(on, off):
+        assert l1 == l0
+        for path in p0:
+            assert (p1[path] == p0[path]).all(), path
+        for events in t1:
+            _assert_reduce_scatter_overlapped(events, CFG.layers)
+        for events in t0:
+            assert ("backward", 0) in events and not any(e[0].startswith("reduce_scatter") for e in events)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_asynchronous_reduce_scatter_without_buckets_in_bf16_on_gloo_processes():
+    """The unit gradients still in flight are awaited before the optimizer also without DP
+    buckets (``bucket_mb=None``); 16-bit gradients are summed in fp32 as before."""
+    kw = dict(bucket_mb=None, precision="bf16")
+    on = fpp.launch(functools.partial(_gloo, True, **kw), MESH, processes=True, timeout=300)
+    off = fpp.launch(functools.partial(_gloo, False, **kw), MESH, processes=True, timeout=300)
+    for (l1, p1, t1), (l0, p0, t0) in zip(on, off):
+        assert l1 == l0
+        for path in p0:
+            assert (p1[path] == p0[path]).all(), path
+        assert ("reduce_scatter", 2) in t1[-1]
 
 
 def test_forward_prefetch_with_accumulation_remat_and_hsdp_is_bitwise():

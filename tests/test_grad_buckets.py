@@ -129,6 +129,30 @@ def test_buckets_launch_during_backward():
     assert seen == [0] and events == 1                           # one bucket, launched at the end
 
 
+def test_reduced_gradients_are_views_of_their_bucket_and_owned_by_the_step():
+    """finish hands out the reduced gradients as disjoint views of the bucket's flat buffer
+    (no copy out, as DDP's gradient_as_bucket_view); own_buffers keeps them and copies only a
+    gradient that overlaps another or shares memory with a parameter."""
+    from functional_pp.step_buffers import own_buffers
+
+    def views():
+        w = [torch.ones(8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        x = torch.arange(8, dtype=torch.float64)
+        with grad_buckets(25) as buckets:
+            loss = sum((x * fpp.pvary(v, "dp_replicate")).sum() for v in w)
+            grads = buckets.finish(torch.autograd.grad(loss, w))
+        return [(g.untyped_storage().data_ptr(), g.storage_offset()) for g in grads]
+    (p0, o0), (p1, o1) = fpp.launch(views, DP[0])[0]
+    assert p0 == p1 and {o0, o1} == {0, 8}                 # one bucket, two disjoint views
+
+    flat, param = torch.zeros(10), torch.zeros(3)
+    a, b, c = flat[:4], flat[4:10], flat[2:6]
+    out = own_buffers([a, b, c, param[:2], flat[4:4]], [param])
+    assert out[0] is a and out[1] is b and out[4].numel() == 0
+    assert out[2] is not c and out[2].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    assert out[3].untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+
+
 def test_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_mb must be a size in megabytes"):
         fpp.train_step(llama.loss, fpp.optim.adamw(1e-3), bucket_mb=-1)

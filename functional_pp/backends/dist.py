@@ -92,6 +92,28 @@ class DistBackend:
             return torch.cat([parts[p] for p in order], dim=0)
         return wait
 
+    def start_reduce_scatter(self, x, group):
+        """Launch a sum reduce-scatter of ``x`` along dim 0, asynchronously (``x`` holds the
+        group's blocks in group order); returns a function that waits and gives this rank's
+        block (FSDP units' gradients, functional_pp.fsdp_units)."""
+        n = len(group)
+        order = self._order(group)
+        if order != sorted(order):        # torch's group is ascending: send the blocks in its order
+            parts = x.chunk(n, dim=0)
+            inv = [0] * n
+            for i, p in enumerate(order):
+                inv[p] = i
+            x = torch.cat([parts[inv[p]] for p in range(n)], dim=0)
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        done_at = self._slow("reduce_scatter", x, group)
+        work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return self._sync(done_at, out)
+        return wait
+
     def all_gather(self, x, dim, group):
         done_at = self._slow("all_gather", x, group)
         out = self._sync(done_at, funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group))))
