@@ -19,25 +19,29 @@ from functional_pp.models import llama
 from harness import local_batch, make_batch
 from memtrack import peak_memory
 
-CFG = llama.Config.tiny(layers=3, hidden=128, mlp=1024)
+CFG = llama.Config.tiny(layers=4, hidden=128, mlp=1024)
 MESH, RULES = fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")
-DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(2)]
+DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
 COMPILED = dict(compile="aot_eager", donate_state=True)
 RUNS = {"eager": {}, "compiled": COMPILED, "compiled_keep_gathered": dict(COMPILED, keep_gathered=True)}
 
 
 def _peak(step) -> tuple[int, float]:
-    """The second step's peak bytes beyond what was live before it, and its loss."""
+    """The lower of the last two steps' peak bytes beyond what was live before the step (on a
+    loaded machine one step's peak can come out a few hundred kB to 2 MB higher: the timing
+    of gloo's threads), and the last loss."""
     state = step.init(fpp.init(llama.init, CFG, mesh=MESH, rules=RULES, seed=0))
+    peaks = []
     for i, b in enumerate(DATA):
         with fpp.use_rules(RULES):
             batch = {k: v.data for k, v in local_batch(b, MESH, RULES).items()}
-        if i == len(DATA) - 1:
-            with peak_memory() as p:
-                state, m = step(state, batch)
-        else:
+        if i == 0:
             state, m = step(state, batch)       # (compiles)
-    return p.bytes, m["loss"]
+            continue
+        with peak_memory() as p:
+            state, m = step(state, batch)
+        peaks.append(p.bytes)
+    return min(peaks), m["loss"]
 
 
 def _device() -> dict:
@@ -55,6 +59,7 @@ def _device() -> dict:
 def test_compiled_fsdp_peak_on_gloo_processes_is_at_most_eagers_and_well_below_keeping_weights():
     for rank, runs in enumerate(fpp.launch(_device, MESH, processes=True, timeout=1800)):
         (e, le), (c, lc), (k, lk) = (runs[name] for name in RUNS)
+        print(f"rank {rank}: peak MB eager {e / 1e6:.2f}, compiled {c / 1e6:.2f}, compiled keeping {k / 1e6:.2f}")
         assert lc == pytest.approx(le, rel=1e-5) and lk == lc, (rank, runs)
         assert 0 < c <= 1.1 * e, f"rank {rank}: compiled peak {c} vs eager {e}"
         assert c <= 0.8 * k, f"rank {rank}: compiled peak {c} vs compiled keeping gathered weights {k}"
