@@ -1,13 +1,15 @@
 """Mesh-independent parameter initialisation that builds only this device's shards.
 
-Each parameter is cut, in row-major order of its *global* shape, into tiles of ``TILE``
-elements; every tile is drawn from its own pair of generator streams seeded by a hash of
-(seed, parameter path, tile index). A device generates the tiles its shard overlaps and takes
-its elements, so a shard equals the matching slice of the single-device init whatever the
-mesh, and the full tensor is never materialised (docs/init.md).
+Each parameter's *global* shape is cut into a grid of blocks ("tiles", at most ``TILE``
+elements, about an eighth of each dim); every tile is drawn from its own pair of generator
+streams seeded by a hash of (seed, parameter path, tile index). A device generates the tiles
+its shard overlaps and takes its elements, so a shard equals the matching slice of the
+single-device init whatever the mesh, the full tensor is never materialised, and a shard that
+splits a dim up to 8 ways generates only what it keeps (docs/init.md).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from typing import Any, Callable
@@ -19,7 +21,9 @@ from .mesh import Mesh
 from .seeds import check_seed
 from .tree import Param, map_with_path
 
-TILE = 1 << 16          # elements per tile: per-tile seeding costs ~1% of generating it
+TILE = 1 << 16          # at most this many elements per tile: per-tile seeding is then ~1%
+TILE_SPLITS = 8         # a dim is cut into at least this many tile rows where it can be,
+INNER_TILE = 256        # and an inner dim into pieces of at most this many elements
 _M64 = (1 << 64) - 1
 
 
@@ -35,39 +39,51 @@ def _param_key(seed: int, path: str) -> int:
     return _mix64(_mix64(seed) ^ zlib.crc32(path.encode()))
 
 
-def _fill_tiles(buf: torch.Tensor, first_tile: int, numel: int, key: int, decl: Param) -> None:
-    """Fill ``buf`` (global flat elements from ``first_tile * TILE``) tile by tile. Each tile
-    is the sum of two draws from torch's CPU generator (mt19937 takes 32-bit seeds: two
-    independent streams make two tiles equal only if 64 bits of their hashes collide):
-    normal: ``(a + b) / sqrt(2)`` of two standard normals; uniform: ``(a + b) mod 1`` of two
-    U[0, 1) (uniform again), mapped to [-1, 1); then times the declared scale, while the tile
-    is in cache."""
-    gen, tmp = torch.Generator(), None
+def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The extent of a tile along each dim of a parameter of global ``shape``: about an eighth
+    of the dim (so a shard that splits any dim up to 8 ways starts and ends on tile borders
+    and generates only what it keeps), inner dims at most ``INNER_TILE``, and at most ``TILE``
+    elements in all; a parameter of at most ``TILE`` elements is one tile (docs/init.md)."""
+    if math.prod(shape) <= TILE:
+        return tuple(shape)
+    budget, out = TILE, []
+    for i in range(len(shape) - 1, -1, -1):
+        n = shape[i]
+        t = min(max(n // TILE_SPLITS, 1), budget)
+        if i > 0:
+            t = min(t, INNER_TILE)
+        t = max(t, 1)
+        out.append(t)
+        budget = max(budget // t, 1)
+    return tuple(reversed(out))
+
+
+def _fill_tile(out: torch.Tensor, tmp: torch.Tensor, gen: torch.Generator, h: int, decl: Param) -> None:
+    """Fill the flat ``out`` with tile values from the 64-bit hash ``h``. Two draws from
+    torch's CPU generator (mt19937 takes 32-bit seeds: two independent streams make two tiles
+    equal only if 64 bits of their hashes collide): normal: ``(a + b) / sqrt(2)`` of two
+    standard normals; uniform: ``(a + b) mod 1`` of two U[0, 1) (uniform again), mapped to
+    [-1, 1); then times the declared scale, while the tile is in cache."""
     uniform = decl.init == "uniform"
-    for i, start in enumerate(range(0, buf.numel(), TILE)):
-        tile = first_tile + i
-        size = min(TILE, numel - tile * TILE)          # the last tile of a tensor is shorter
-        out = buf[start:start + size]
-        h = _mix64(key ^ _mix64(tile))
-        if tmp is None or tmp.numel() != size:
-            tmp = torch.empty(size, dtype=buf.dtype)
-        for target, seed in ((out, h & 0xFFFFFFFF), (tmp, h >> 32)):
-            gen.manual_seed(seed)
-            if uniform:
-                target.uniform_(0.0, 1.0, generator=gen)
-            else:
-                target.normal_(generator=gen)
-        out.add_(tmp)
+    for target, seed in ((out, h & 0xFFFFFFFF), (tmp, h >> 32)):
+        gen.manual_seed(seed)
         if uniform:
-            out.frac_().mul_(2.0).sub_(1.0).mul_(decl.scale)
+            target.uniform_(0.0, 1.0, generator=gen)
         else:
-            out.mul_(decl.scale / math.sqrt(2.0))      # a + b has variance 2
+            target.normal_(generator=gen)
+    out.add_(tmp)
+    if uniform:
+        out.frac_().mul_(2.0).sub_(1.0).mul_(decl.scale)
+    else:
+        out.mul_(decl.scale / math.sqrt(2.0))      # a + b has variance 2
 
 
 def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
                device: torch.device | str | None = None) -> torch.Tensor:
     """The block ``slices`` of parameter ``path`` initialised with ``seed`` (the same values
-    as the same elements of the whole parameter's init)."""
+    as the same elements of the whole parameter's init): the tiles of the global tensor's
+    tile grid that the block overlaps are generated whole, each from its own seeds, and the
+    block copies its part of each (docs/init.md)."""
     shape = tuple(sl.stop - sl.start for sl in slices)
     if decl.init == "zeros":
         return torch.zeros(shape, dtype=decl.dtype, device=device)
@@ -75,20 +91,27 @@ def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
         return torch.ones(shape, dtype=decl.dtype, device=device)
     if any(n == 0 for n in shape):
         return torch.empty(shape, dtype=decl.dtype, device=device)
-    strides = [1] * len(decl.shape)
-    for d in range(len(decl.shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * decl.shape[d + 1]
-    first = sum(sl.start * st for sl, st in zip(slices, strides))          # flat index range
-    last = sum((sl.stop - 1) * st for sl, st in zip(slices, strides))      # of the block
-    t0, t1 = first // TILE, last // TILE
-    numel = math.prod(decl.shape)
-    start = t0 * TILE
-    buf = torch.empty(min((t1 + 1) * TILE, numel) - start, dtype=torch.float32)
-    _fill_tiles(buf, t0, numel, _param_key(seed, path), decl)
-    if first == start and last - first + 1 == buf.numel() == math.prod(shape):
-        block = buf.view(shape)                          # the block is the generated range
-    else:
-        block = buf.as_strided(shape, strides, first - start).clone(memory_format=torch.contiguous_format)
+    tiles = tile_shape(tuple(decl.shape))
+    grid = [-(-n // t) for n, t in zip(decl.shape, tiles)]
+    key = _param_key(seed, path)
+    block = torch.empty(shape, dtype=torch.float32)
+    size = math.prod(tiles)
+    buf, tmp, gen = torch.empty(size), torch.empty(size), torch.Generator()
+    ranges = [range(sl.start // t, (sl.stop - 1) // t + 1) for sl, t in zip(slices, tiles)]
+    for index in itertools.product(*ranges):
+        flat = 0
+        for i, g in zip(index, grid):
+            flat = flat * g + i
+        lo = [i * t for i, t in zip(index, tiles)]
+        extent = [min(t, n - a) for t, n, a in zip(tiles, decl.shape, lo)]   # edge tiles are short
+        count = math.prod(extent)
+        tile = buf[:count]
+        _fill_tile(tile, tmp[:count], gen, _mix64(key ^ _mix64(flat)), decl)
+        src = tuple(slice(max(sl.start, a) - a, min(sl.stop, a + e) - a)
+                    for sl, a, e in zip(slices, lo, extent))
+        dst = tuple(slice(max(sl.start, a) - sl.start, min(sl.stop, a + e) - sl.start)
+                    for sl, a, e in zip(slices, lo, extent))
+        block[dst].copy_(tile.view(extent)[src])
     return block.to(dtype=decl.dtype, device=device)
 
 

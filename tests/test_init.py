@@ -2,6 +2,7 @@
 slice of the single-device init, also where shards start or end inside a tile), reproducible,
 distinct across seeds/paths/tiles, and have the declared distribution."""
 import math
+import sys
 
 import pytest
 import torch
@@ -96,3 +97,25 @@ def test_other_dtypes_hold_the_float32_values():
     for dtype in (torch.float64, torch.bfloat16):
         got = fpp.init_params({"w": fpp.param((5, 7), "a b", dtype=dtype)}, seed=3)["w"]
         assert got.dtype == dtype and torch.equal(got, base.to(dtype))
+
+
+@pytest.mark.parametrize("dims, rules", [("a b", fpp.Rules(b="tp")), ("a b", fpp.Rules(a="tp")),
+                                         ("a h d", fpp.Rules(h="tp")), ("h d a", fpp.Rules(a="tp"))])
+def test_a_shard_generates_only_the_tiles_it_keeps(monkeypatch, dims, rules):
+    """A shard that splits any dim up to 8 ways starts and ends on tile borders, so its device
+    draws no element it does not keep (row-major tiles made an inner split draw every row)."""
+    init_module = sys.modules["functional_pp.init"]    # the package's `init` is the function
+    drawn = []
+    real = init_module._fill_tile
+    monkeypatch.setattr(init_module, "_fill_tile",
+                        lambda out, *a: (drawn.append(out.numel()), real(out, *a))[1])
+    shape = {"a b": (512, 2048), "a h d": (512, 32, 64), "h d a": (32, 64, 512)}[dims]
+    decls = {"w": fpp.param(shape, dims)}
+    mesh = fpp.Mesh(tp=8)
+    whole = fpp.init_params(decls, seed=3)["w"]
+    for rank in (0, 5):
+        drawn.clear()
+        local = fpp.init_params(decls, seed=3, mesh=mesh, rules=rules, rank=rank)["w"]
+        assert sum(drawn) == local.numel() == whole.numel() // 8
+        slices = block_slices(shape, rules.resolve(decls["w"].dims, shape, mesh), mesh, rank)
+        assert torch.equal(local, whole[slices])
