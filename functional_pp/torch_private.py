@@ -74,6 +74,8 @@ def compile_backend(name: str, graph_pass):
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
+        from .kernel_order import INDUCTOR_PATCHES
+
         def backend(gm, example_inputs):
             box = {}
 
@@ -84,7 +86,9 @@ def compile_backend(name: str, graph_pass):
                 def uuid(self):
                     return None          # never reuse a cached graph: the pass must see it
 
-            compiled = compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": Pass()})
+            # kernels in graph order: weight gradients not sunk to the optimizer (docs/compile.md)
+            patches = {"post_grad_custom_pre_pass": Pass(), **INDUCTOR_PATCHES}
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
             wrap = box.get("wrap")
             return wrap(compiled) if wrap else compiled
         return backend
