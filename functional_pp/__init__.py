@@ -1,11 +1,4 @@
 """functional_pp: functional training on PyTorch with layouts derived from named axes."""
-import os
-
-# MKL's own memory manager is not fork-safe: a rank forked by launch(processes=True) while a
-# thread of the parent was inside it spun forever in its first matmul. Plain malloc instead,
-# unless the user chose; read at MKL's first allocation (docs/real_processes.md).
-os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
-
 from . import optim
 from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
                           psum, psum_scatter, pvary, split_invariant)

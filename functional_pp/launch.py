@@ -113,6 +113,20 @@ def _join(threads: list, world: SimWorld, grace: float = 10.0) -> None:
             failed_at = failed_at or time.monotonic()
             if time.monotonic() - failed_at > grace:
                 return
+    _wait_until_exited(threads)
+
+
+def _wait_until_exited(threads: list, limit: float = 2.0) -> None:
+    """Wait (at most ``limit`` seconds) until the OS threads behind finished device threads are
+    gone. ``Thread.join`` returns before a thread runs its native thread-local destructors
+    (MKL frees its per-thread buffers there, under its allocator's lock); a process forked in
+    that window (``launch(processes=True)`` right after a simulated run) inherits the lock held
+    and its first matrix product spins forever (docs/real_processes.md). Linux only."""
+    deadline = time.monotonic() + limit
+    for t in threads:
+        task = f"/proc/self/task/{t.native_id}"
+        while t.native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _compile_cache_limits(n_devices: int):
