@@ -99,15 +99,24 @@ def _gloo(prefetch, **kw):
     return losses, {p: x.numpy() for p, x in params.items()}, traces
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_forward_prefetch_on_gloo_processes():
+@pytest.fixture(scope="module")
+def gloo_on_off():
+    """The same FSDP steps on 2 gloo processes with prefetch on and off (run once for the
+    tests below)."""
     on = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
     off = fpp.launch(functools.partial(_gloo, False), MESH, processes=True, timeout=300)
-    for (l1, p1, t1), (l0, p0, t0) in zip(on, off):
+    for (l1, p1, _), (l0, p0, _) in zip(on, off):
         assert l1 == l0
         for path in p0:
             assert (p1[path] == p0[path]).all(), path
+    return on, off
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_forward_prefetch_on_gloo_processes(gloo_on_off):
+    on, off = gloo_on_off
+    for (_, _, t1), (_, _, t0) in zip(on, off):
         for events in t1[1:]:
             _assert_prefetched(events, CFG.layers)
         for events in t0:
@@ -127,15 +136,11 @@ def _assert_reduce_scatter_overlapped(events, layers):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes():
+def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes(gloo_on_off):
     """With prefetch, each unit's flat reduce-scatter is launched when backward produces its
     gradients and overlaps the previous unit's backward; without, it is waited at once."""
-    on = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
-    off = fpp.launch(functools.partial(_gloo, False), MESH, processes=True, timeout=300)
-    for (l1, p1, t1), (l0, p0, t0) in zip(on, off):
-        assert l1 == l0
-        for path in p0:
-            assert (p1[path] == p0[path]).all(), path
+    on, off = gloo_on_off
+    for (_, _, t1), (_, _, t0) in zip(on, off):
         for events in t1:
             _assert_reduce_scatter_overlapped(events, CFG.layers)
         for events in t0:
