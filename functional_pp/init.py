@@ -22,7 +22,7 @@ from .seeds import check_seed
 from .tree import Param, map_with_path
 
 TILE = 1 << 16          # at most this many elements per tile: per-tile seeding is then ~1%
-TILE_SPLITS = 8         # a dim is cut into at least this many tile rows where it can be,
+TILE_SPLITS = 8         # a dim is cut into at least this many tiles where it can be,
 INNER_TILE = 256        # and an inner dim into pieces of at most this many elements
 _M64 = (1 << 64) - 1
 
@@ -52,7 +52,6 @@ def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         t = min(max(n // TILE_SPLITS, 1), budget)
         if i > 0:
             t = min(t, INNER_TILE)
-        t = max(t, 1)
         out.append(t)
         budget = max(budget // t, 1)
     return tuple(reversed(out))
