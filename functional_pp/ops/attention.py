@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..named import Named, _make, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
+from ..named import Named, _make, _memo, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
 from .regather import relayout
 from ..torch_private import is_tracing
 from ..observers import uneven_work
 from ..order import balanced_indices
 from .attention_kernels import ring_attention
 from .meta_attention import sdpa_for
+from .rotary import TRACED_POSITIONS
 
 
 def positions(dim: str = "seq", size: int | None = None) -> Named:
@@ -27,8 +28,10 @@ def positions(dim: str = "seq", size: int | None = None) -> Named:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
     balanced = env()[1].splits_balanced(dim, split)
-    if is_tracing():
-        return Named(_local_positions(size, split, balanced), [dim], [split])
+    if is_tracing():     # a fresh value per trace: what is derived from it lives as long as the trace
+        value = Named(_local_positions(size, split, balanced), [dim], [split])
+        _memo(value)[TRACED_POSITIONS] = True
+        return value
     ctx = current_context(required=False)
     # eager: one value per device, launch and layout, so that what is derived from it (the rotary
     # tables) is computed once, not every step (docs/eager_overhead.md); kept in the device's

@@ -7,9 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..barrier import materialize
 from ..named import Named, _make, _memo, settle
 from .regather import relayout
 from ..torch_private import is_tracing
+
+# marks a positions value built while torch.compile traces: its rotary tables may be memoised on
+# it for that trace (the value dies with the trace; docs/rotary.md)
+TRACED_POSITIONS = "traced positions"
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,16 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     """cos and sin of the angles position * inv_freq computed in float64, float32, shaped to
     broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
     dimension at ``di``; built once per positions value and reused by q and k of every layer
-    (memoised beside the positions value, docs/named_value.md)."""
-    key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim)
-    memo = None if is_tracing() else _memo(pos)     # no tensors kept across traces
+    (memoised beside the positions value, docs/named_value.md). Traced (torch.compile), they are
+    built once per trace of a positions value made in that trace and materialised, so that the
+    compiled step computes them once and every layer reads them (docs/rotary.md)."""
+    tracing = is_tracing()
+    if not tracing:
+        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim)
+        memo = _memo(pos)
+    else:   # only a value built in this trace holds tables (no tensors kept across traces)
+        key = ("rotary", d, theta, scaling, device, si, di, ndim)
+        memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None
     if memo is not None:
         tables = memo.get(key)
         if tables is not None:
@@ -79,6 +91,8 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     if si > di:
         cos, sin = cos.T, sin.T
     tables = cos.reshape(shape), sin.reshape(shape)
+    if tracing:     # an opaque copy: the compiler cannot fuse (recompute) the tables into each use
+        tables = materialize(tables[0]), materialize(tables[1])
     if memo is not None:
         memo[key] = tables
     return tables
