@@ -13,7 +13,7 @@ def read_step_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dic
     """The step's metrics as Python numbers and whether a token-id check failed, read from the
     device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
     scalars = [*m.values(), step, *[summary[0] for summary, _ in id_checks]]
-    scalars = [v.detach() if v.ndim == 0 else v.detach().reshape(()) for v in scalars]
+    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
     # stack(out=float64) converts each value exactly (int64 counters included), in one op
     values = torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64)).tolist()
     metrics = dict(zip(m, values))

@@ -367,15 +367,26 @@ class TrainStep:
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
         accumulation equals one large batch. Also returns the global token count."""
-        from .ops import sum as nsum
-        counts = []
-        for mb in micro:
-            key = "labels" if "labels" in mb else next(iter(mb))
-            valid = (mb[key] != -100) if key == "labels" else torch.ones_like(mb[key])
-            counts.append(settle(nsum(wrap(valid.to(torch.float64), self.batch_dims[key]))).data)
+        counts = [self._token_count(mb) for mb in micro]
+        if len(counts) == 1:
+            # c / max(c, 1) in one op: 1, or 0 when every label is ignored (docs/eager_overhead.md)
+            return [counts[0].clamp_max(1)], counts[0]
         total = sum(counts[1:], counts[0])
         # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
         return [c / total.clamp_min(1) for c in counts], total
+
+    def _token_count(self, mb: dict) -> torch.Tensor:
+        """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
+        first entry without labels): counted here, summed over the mesh axes splitting it."""
+        key = "labels" if "labels" in mb else next(iter(mb))
+        x = wrap(mb[key], self.batch_dims[key])
+        n = (torch.count_nonzero(x.data != -100) if key == "labels"
+             else torch.tensor(x.data.numel())).to(torch.float64)
+        axes = {a for s in x.split for a in s}
+        if not axes:
+            return n
+        from .collectives import psum as sum_over
+        return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes))
 
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""

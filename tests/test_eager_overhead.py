@@ -160,3 +160,45 @@ def test_op_plans_keep_the_outside_a_mesh_error_and_bad_input_errors():
     fpp.wrap(torch.ones(2, 3), "batch seq")          # a plan for these names
     with pytest.raises(ValueError, match="has 3 dimensions but 2 names"):
         fpp.wrap(torch.ones(2, 3, 4), "batch seq")
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops that compute (views, which move no data, are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket is not torch.ops.aten._unsafe_view:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_token_bookkeeping_of_a_step_takes_a_few_ops():
+    """The ids check (clamp, compare, any), the labels check (clamp, compare, where, compare,
+    any), the loss's token count and a single micro-batch's weight and count are a handful of
+    torch ops (docs/eager_overhead.md), with the same results."""
+    from functional_pp.ops.token_ids import check_ids, deferred_checks
+    step, _ = _step()
+    b = _batch()
+    labels = b["labels"].clone()
+    labels[0, :3] = fpp.ops.IGNORE_INDEX
+    with fpp.use_rules(step.rules), deferred_checks() as pending:
+        with _Ops() as ids_ops:
+            ids = check_ids(b["tokens"], CFG.vocab, "embed", ("batch", "seq"))
+        with _Ops() as label_ops:
+            checked = check_ids(labels, CFG.vocab, "cross_entropy", ("batch", "seq"), fpp.ops.IGNORE_INDEX)
+        with _Ops() as weight_ops:
+            (w,), tokens = step._micro_weights([{"tokens": b["tokens"], "labels": labels}])
+        logits = fpp.named(torch.randn(2, 8, CFG.vocab), "batch seq vocab")
+        with _Ops() as loss_ops:
+            loss = fpp.ops.cross_entropy(logits, fpp.named(labels, "batch seq"))
+    assert torch.equal(ids, b["tokens"]) and torch.equal(checked, labels) and not any(s[0] for s, _ in pending)
+    assert len(ids_ops.ops) <= 3 and len(label_ops.ops) <= 5, (ids_ops.ops, label_ops.ops)
+    assert float(tokens) == 13 and float(w) == 1.0 and len(weight_ops.ops) <= 4, weight_ops.ops
+    # the check (5), the fused loss (log_softmax, nll), the count (3), the sum and the division
+    assert len(loss_ops.ops) <= 12, " ".join(loss_ops.ops)
+    expected = torch.nn.functional.cross_entropy(logits.data.reshape(-1, CFG.vocab), labels.reshape(-1),
+                                                 reduction="sum") / 13
+    torch.testing.assert_close(loss.data, expected)

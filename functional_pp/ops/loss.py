@@ -40,9 +40,9 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
                               ignore_index=ignore_index, reduction="none").reshape(lab.shape)
         if not any(split_other) and not logits.vary and not labels.vary:
             # nothing split or varying: the same sums and division without named bookkeeping
-            every = list(range(nll.ndim))
-            count = (lab != ignore_index).to(nll.dtype).sum(dim=every).detach().clamp_min(1)
-            return _make(nll.sum(dim=every) / count, (), (), _EMPTY, sizes=())
+            # the count as an integer (exact; the division converts it as a float count would)
+            count = torch.count_nonzero(lab != ignore_index).clamp_min(1)
+            return _make(nll.sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
         valid = Named((lab != ignore_index).to(nll.dtype), other, split_other, labels.vary)
         return R.sum(Named(nll, other, split_other, logits.vary)) / _count(valid)
     lse = R.logsumexp(logits, vocab)                      # dims: other

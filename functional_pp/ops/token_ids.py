@@ -52,9 +52,11 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
     code = next(c for c, (k, _) in _KINDS.items() if k == kind)
     flat = ids.reshape(-1)
     clamped = flat.clamp(0, vocab - 1)
-    bad = clamped != flat               # outside [0, vocab)
-    if ignore_index is not None:
-        bad = bad & (flat != ignore_index)
+    # the ids to use: in range as they are, else the nearest id (no ignore index) or the ignore
+    # index (which is outside [0, vocab), so it is kept as it is); bad = changed by that
+    # (3 ops for ids with the flag, 5 for labels; docs/eager_overhead.md)
+    checked = clamped if ignore_index is None else flat.masked_fill(clamped != flat, ignore_index)
+    bad = checked != flat
     pending = getattr(_state, "pending", None)
     if pending is None and is_tracing():
         return ids      # a user's own compiled function: no place to report; train_step checks
@@ -66,8 +68,8 @@ def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
         return ids
     if flat.numel() == 0:
         return ids
-    # bad entries replaced by harmless in-range ones (the step raises after it completes)
-    checked = (clamped if ignore_index is None else flat.masked_fill(bad, ignore_index)).reshape(ids.shape)
+    # bad entries replaced by harmless ones (the step raises after it completes)
+    checked = checked.reshape(ids.shape)
     if not is_tracing():
         # eager: only the flag now; the position and value are looked up if it is set
         pending.append((_LazySummary(bad.any(), flat, bad, ids.shape, code, vocab, ignore_index), tuple(dims)))
