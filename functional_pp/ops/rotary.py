@@ -91,8 +91,8 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     if si > di:
         cos, sin = cos.T, sin.T
     tables = cos.reshape(shape), sin.reshape(shape)
-    if tracing:     # an opaque copy: the compiler cannot fuse (recompute) the tables into each use
-        tables = materialize(tables[0]), materialize(tables[1])
     if memo is not None:
+        if tracing:     # shared by every layer: an opaque copy, that the compiler cannot inline into each use
+            tables = materialize(tables[0]), materialize(tables[1])
         memo[key] = tables
     return tables
