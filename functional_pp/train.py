@@ -378,15 +378,13 @@ class TrainStep:
     def _token_count(self, mb: dict) -> torch.Tensor:
         """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
         first entry without labels): counted here, summed over the mesh axes splitting it."""
+        from .collectives import psum as sum_over
         key = "labels" if "labels" in mb else next(iter(mb))
         x = wrap(mb[key], self.batch_dims[key])
-        n = (torch.count_nonzero(x.data != -100) if key == "labels"
-             else torch.tensor(x.data.numel())).to(torch.float64)
+        n = (torch.count_nonzero(x.data != -100) if key == "labels" else
+             torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)
         axes = {a for s in x.split for a in s}
-        if not axes:
-            return n
-        from .collectives import psum as sum_over
-        return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes))
+        return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes)) if axes else n
 
     def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
         """Complete per-leaf sums of squares across the devices that split each leaf."""
