@@ -45,3 +45,18 @@ def test_a_traced_forward_builds_the_rotary_tables_once_and_equals_eager():
     assert _count(graph, "cos") == 1 and _count(graph, "sin") == 1, "one table for 3 layers x (q, k)"
     assert _count(graph, "materialize") == 2, "cos and sin behind an opaque copy (inductor cannot inline them)"
     assert torch.equal(traced, eager)
+
+
+def test_rotate_half_as_a_roll_gives_the_bits_of_chunk_neg_cat():
+    """x * cos + roll(x, d/2) * (sin with its first half negated) is bitwise the rotate-half
+    formula x * cos + cat(-x2, x1) * sin (docs/rotary.md)."""
+    x = torch.randn(2, 6, 3, 8, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(6)
+    with fpp.use_rules(fpp.Rules()):
+        out = fpp.ops.rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq"), theta=100.0).data
+    inv = fpp.ops.inverse_frequencies(8, 100.0)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    assert torch.equal(out, x * cos + torch.cat([-x2, x1], dim=-1) * sin)

@@ -56,8 +56,9 @@ def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int) -> torch.Tensor:
     tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-    x1, x2 = tf.chunk(2, dim=di)
-    rot = torch.cat([-x2, x1], dim=di)
+    # rotate-half, (x1, x2) -> (-x2, x1): a roll by d/2 with the sign in the sin table (one op
+    # forward and backward instead of chunk, neg and cat; the same values, docs/rotary.md)
+    rot = tf.roll(tf.shape[di] // 2, di)
     c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
     out = tf * c + rot * s
     return out if out.dtype == t.dtype else out.to(t.dtype)
@@ -65,7 +66,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int) -> t
 
 def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, device, si: int, di: int,
             ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles position * inv_freq computed in float64, float32, shaped to
+    """cos and sin of the angles position * inv_freq computed in float64, float32 (sin negated in
+    the first half: the sign of rotate-half, :func:`_rotate`), shaped to
     broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
     dimension at ``di``; built once per positions value and reused by q and k of every layer
     (memoised beside the positions value, docs/named_value.md). Traced (torch.compile), they are
@@ -85,7 +87,7 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     inv = inverse_frequencies(d, theta, scaling).to(device)
     ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
-    cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([sin, sin], -1).to(torch.float32)
+    cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([-sin, sin], -1).to(torch.float32)
     shape = [1] * ndim
     shape[si], shape[di] = cos.shape[0], d
     if si > di:
