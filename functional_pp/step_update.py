@@ -113,12 +113,13 @@ def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
 
 
 def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
-    """Whether every element of ``leaves`` is finite on every device (0-dim bool). Traced:
-    ``(u * 0).sum()`` per leaf, NaN iff ``u`` holds a NaN or inf, fused by the compiler into
-    the loop that computes ``u``. Eager: one foreach 2-norm per group of leaves (NaN or inf
+    """Whether every element of ``leaves`` is finite on every device (0-dim bool). Traced: the
+    count of non-finite elements per leaf (``(u * 0).sum()``, NaN iff ``u`` holds a NaN or inf,
+    was folded to 0 by inductor, which then applied infinite updates:
+    tests/test_nonfinite_guard.py). Eager: one foreach 2-norm per group of leaves (NaN or inf
     iff a leaf holds one or its norm overflows, as the gradient norm then does), times 0."""
     if is_tracing():
-        return torch.isfinite(complete([(u * 0).sum() for u in leaves], groups))
+        return complete([(~torch.isfinite(u)).sum() for u in leaves], groups) == 0
     acc = acc_dtype(leaves)
     total = None
     for axes, group in groups:
