@@ -6,7 +6,7 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
 the layer before, in forward the unit the last forward called next (``fsdp_order.py``). A
 unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
-before the optimizer (one in flight at a time).
+before the optimizer (at most ``FPP_COLLECTIVES_IN_FLIGHT`` in flight, functional_pp.in_flight).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -27,11 +27,11 @@ from . import comm
 from .buckets import PendingGrad, Slot
 from .collectives import _group, _reduce_dtype, raw_reduce_scatter
 from .fsdp_order import UnitOrder, trace
+from .in_flight import in_flight_limit
 from .named import Named, configure, env, options, pvary
 from .torch_private import in_backward, is_tracing
 
 _local = threading.local()
-MAX_REDUCE_SCATTERS_IN_FLIGHT = 1     # unit gradient reduce-scatters launched and not yet awaited
 
 
 @contextmanager
@@ -46,6 +46,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
                 getattr(_local, "prefetch", True), getattr(_local, "order", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
     _local.last_unit, _local.in_flight = None, []
+    _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
     try:
         if enabled and keep_root and not options().keep_gathered:
             with configure(keep_gathered=True) as root_options:
@@ -237,9 +238,10 @@ class _ReduceScatter:
 
 def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
     """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
-    as placeholders (waited for before the optimizer, functional_pp.buckets); one is in
-    flight at a time: launching one waits for the one before, so a unit's full-size
-    gradients live until the next unit's backward is done, as FSDP2 bounds them.
+    as placeholders (waited for before the optimizer, functional_pp.buckets). Once
+    ``FPP_COLLECTIVES_IN_FLIGHT`` (default 2) are outstanding the oldest is awaited at once:
+    by default launching one waits for the one before, so a unit's full-size gradients live
+    until the next unit's backward is done, as FSDP2 bounds them (functional_pp.in_flight).
     None where the backend reduces at once (simulated devices)."""
     ctx, axes, group = _group(unit.axes, "psum_scatter")
     start = getattr(ctx.backend, "start_reduce_scatter", None)
@@ -253,7 +255,9 @@ def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] 
         trace("reduce_scatter", unit.call)
     flight = _local.__dict__.setdefault("in_flight", [])
     flight.append(source)
-    while len(flight) > MAX_REDUCE_SCATTERS_IN_FLIGHT:
+    limit = getattr(_local, "in_flight_limit", None)
+    limit = in_flight_limit() if limit is None else limit
+    while limit and len(flight) >= limit:
         flight.pop(0).result()
     out, offset = [], 0
     for shape, numel in zip(unit.shapes, unit.numels):

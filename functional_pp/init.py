@@ -14,11 +14,13 @@ import math
 import zlib
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .layout import Rules, block_slices, require_contiguous
 from .mesh import Mesh
 from .seeds import check_seed
+from .torch_private import check_mt19937_state_layout, mt19937_state
 from .tree import Param, map_with_path
 
 TILE = 1 << 16          # at most this many elements per tile: per-tile seeding is then ~1%
@@ -57,24 +59,29 @@ def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _fill_tile(out: torch.Tensor, tmp: torch.Tensor, gen: torch.Generator, h: int, decl: Param) -> None:
-    """Fill the flat ``out`` with tile values from the 64-bit hash ``h``. Two draws from
-    torch's CPU generator (mt19937 takes 32-bit seeds: two independent streams make two tiles
-    equal only if 64 bits of their hashes collide): normal: ``(a + b) / sqrt(2)`` of two
-    standard normals; uniform: ``(a + b) mod 1`` of two U[0, 1) (uniform again), mapped to
-    [-1, 1); then times the declared scale, while the tile is in cache."""
-    uniform = decl.init == "uniform"
-    for target, seed in ((out, h & 0xFFFFFFFF), (tmp, h >> 32)):
-        gen.manual_seed(seed)
-        if uniform:
-            target.uniform_(0.0, 1.0, generator=gen)
-        else:
-            target.normal_(generator=gen)
-    out.add_(tmp)
-    if uniform:
-        out.frac_().mul_(2.0).sub_(1.0).mul_(decl.scale)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_WORD_STEPS = np.arange(1, 625, dtype=np.uint64) * _GOLDEN
+
+
+def _tile_words(h: int) -> np.ndarray:
+    """624 words from the splitmix64 stream of the 64-bit tile hash ``h``: a full mt19937
+    state, so two tiles draw the same values only if their 64-bit hashes are equal."""
+    x = np.uint64(h) + _WORD_STEPS
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _fill_tile(out: torch.Tensor, gen: torch.Generator, h: int, decl: Param) -> None:
+    """Fill the flat ``out`` with tile values from the 64-bit hash ``h``: torch's CPU
+    generator (mt19937) is given a whole state derived from ``h`` (``manual_seed`` keeps only
+    32 bits) and draws each element once, already scaled: ``normal_(0, scale)`` or
+    ``uniform_(-scale, scale)`` (docs/init.md)."""
+    gen.set_state(mt19937_state(_tile_words(h), h))
+    if decl.init == "uniform":
+        out.uniform_(-decl.scale, decl.scale, generator=gen)
     else:
-        out.mul_(decl.scale / math.sqrt(2.0))      # a + b has variance 2
+        out.normal_(0.0, decl.scale, generator=gen)
 
 
 def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
@@ -90,12 +97,13 @@ def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
         return torch.ones(shape, dtype=decl.dtype, device=device)
     if any(n == 0 for n in shape):
         return torch.empty(shape, dtype=decl.dtype, device=device)
+    check_mt19937_state_layout()
     tiles = tile_shape(tuple(decl.shape))
     grid = [-(-n // t) for n, t in zip(decl.shape, tiles)]
     key = _param_key(seed, path)
     block = torch.empty(shape, dtype=torch.float32)
     size = math.prod(tiles)
-    buf, tmp, gen = torch.empty(size), torch.empty(size), torch.Generator()
+    buf, gen = torch.empty(size), torch.Generator()
     ranges = [range(sl.start // t, (sl.stop - 1) // t + 1) for sl, t in zip(slices, tiles)]
     for index in itertools.product(*ranges):
         flat = 0
@@ -105,7 +113,7 @@ def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
         extent = [min(t, n - a) for t, n, a in zip(tiles, decl.shape, lo)]   # edge tiles are short
         count = math.prod(extent)
         tile = buf[:count]
-        _fill_tile(tile, tmp[:count], gen, _mix64(key ^ _mix64(flat)), decl)
+        _fill_tile(tile, gen, _mix64(key ^ _mix64(flat)), decl)
         src = tuple(slice(max(sl.start, a) - a, min(sl.stop, a + e) - a)
                     for sl, a, e in zip(slices, lo, extent))
         dst = tuple(slice(max(sl.start, a) - sl.start, min(sl.stop, a + e) - sl.start)

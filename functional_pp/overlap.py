@@ -13,7 +13,8 @@ let the network work while the CPU/GPU computes, and a bound keeps what they hol
 * a bound on collectives in flight: an asynchronous collective holds its input until its
   wait, so late waits alone would keep every layer's unsharded gradient alive until the
   optimizer. The wait of the k-th collective of a kind moves up before the launch of the
-  (k+N)-th (N = ``FPP_COLLECTIVES_IN_FLIGHT``, default 2; 0: no bound), as FSDP2 waits for
+  (k+N)-th (N = ``FPP_COLLECTIVES_IN_FLIGHT``, default 2; 0: no bound; functional_pp.in_flight, the
+  same bound as eager steps'), as FSDP2 waits for
   one reduce-scatter before it issues the next ones (docs/compile.md, "Peak memory of
   compiled FSDP").
 
@@ -26,12 +27,11 @@ import os
 
 import torch
 
+from .in_flight import DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV, in_flight_limit  # noqa: F401 (re-exported)
 from .recompute import _VIEW_OR_CAST, REGATHER, _op_name
 from .torch_private import is_backward_node
 
 _FUNCOL = "_c10d_functional"
-IN_FLIGHT_ENV = "FPP_COLLECTIVES_IN_FLIGHT"
-DEFAULT_IN_FLIGHT = 2
 
 
 def _is_launch(node: torch.fx.Node) -> bool:
@@ -103,20 +103,6 @@ def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) ->
     for n in sorted(chain, key=graph_pos.__getitem__):
         anchor.prepend(n)
     return True
-
-
-def in_flight_limit() -> int:
-    """How many collectives of one kind a compiled step may have in flight
-    (``FPP_COLLECTIVES_IN_FLIGHT``; 0: no bound)."""
-    raw = os.environ.get(IN_FLIGHT_ENV, str(DEFAULT_IN_FLIGHT))
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{IN_FLIGHT_ENV}={raw!r}: expected a whole number of collectives of one kind in "
-                         f"flight at once (>= 1), or 0 for no bound; the default is {DEFAULT_IN_FLIGHT}")
-    return limit
 
 
 def _kind(launch: torch.fx.Node) -> str:

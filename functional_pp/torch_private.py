@@ -4,6 +4,7 @@ one module (tested in tests/test_torch_private.py). Functional collectives are u
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -139,3 +140,49 @@ def reset_compile_workers_after_fork() -> None:
     module = sys.modules.get("torch._inductor.async_compile")
     if module is not None:
         module.AsyncCompile.pool.cache_clear()
+
+
+# Byte layout of torch's CPU generator state (``CPUGeneratorImplState`` in
+# aten/src/ATen/CPUGeneratorImpl.cpp): u64 initial seed, i32 left, i32 seeded, u64 next,
+# u64 state[624], 3 doubles and an i32 for the cached double normal, then the cached float
+# normal (f32) and its valid flag (bool), padded to 5056 bytes.
+_MT_STATE_BYTES = 5056
+_MT_WORDS_OFFSET = 24
+_MT_WORDS = 624
+_MT_DOUBLE_NORMAL_VALID = _MT_WORDS_OFFSET + 8 * _MT_WORDS + 24
+_MT_FLOAT_NORMAL_VALID = _MT_DOUBLE_NORMAL_VALID + 8
+
+
+def mt19937_state(words, initial_seed: int = 0) -> torch.Tensor:
+    """A CPU ``torch.Generator`` state whose mt19937 holds the 624 32-bit ``words`` (a numpy
+    uint32/uint64 array, not all zero), ready to twist on its first draw and with no cached
+    normal sample: ``gen.set_state(mt19937_state(words))`` seeds a generator with 19968 bits
+    where ``manual_seed`` takes 32 (docs/init.md)."""
+    import numpy as np
+
+    words = np.asarray(words, dtype=np.uint64)
+    if words.shape != (_MT_WORDS,):
+        raise ValueError(f"mt19937_state: need {_MT_WORDS} words, got shape {words.shape}")
+    buf = np.zeros(_MT_STATE_BYTES, dtype=np.uint8)
+    np.frombuffer(buf, dtype=np.uint64, count=1)[0] = initial_seed & ((1 << 64) - 1)
+    np.frombuffer(buf, dtype=np.int32, count=2, offset=8)[:] = (1, 1)   # left = 1: twist first
+    np.frombuffer(buf, dtype=np.uint64, count=_MT_WORDS, offset=_MT_WORDS_OFFSET)[:] = \
+        words & np.uint64(0xFFFFFFFF)
+    return torch.from_numpy(buf)
+
+
+@functools.cache
+def check_mt19937_state_layout() -> None:
+    """Raise if this torch's CPU generator state is not the layout ``mt19937_state`` writes
+    (checked against a ``manual_seed`` state, whose first word is the seed itself)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(12345)
+    state = gen.get_state().numpy()
+    ok = (state.size == _MT_STATE_BYTES
+          and np.frombuffer(state, dtype=np.uint64, count=1, offset=_MT_WORDS_OFFSET)[0] == 12345
+          and tuple(np.frombuffer(state, dtype=np.int32, count=2, offset=8)) == (1, 1))
+    if not ok:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s CPU generator state is not the layout functional_pp's "
+            "init writes (torch_private.mt19937_state): update that function for this torch")

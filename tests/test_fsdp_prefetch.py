@@ -149,6 +149,30 @@ def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes(gloo_on_off):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_the_in_flight_bound_governs_eager_reduce_scatters_on_gloo_processes(gloo_on_off, monkeypatch):
+    """``FPP_COLLECTIVES_IN_FLIGHT`` bounds eager units' reduce-scatters as it bounds compiled
+    graphs' (functional_pp.in_flight): with 1, each is awaited right after its launch, before
+    the previous unit's backward; with 3, unit k's waits until unit k-2's is launched. The
+    numbers stay bitwise those of the default run."""
+    on, _ = gloo_on_off
+    for limit in (1, 3):
+        monkeypatch.setenv("FPP_COLLECTIVES_IN_FLIGHT", str(limit))     # forked ranks inherit it
+        bounded = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
+        for (l1, p1, _), (lb, pb, tb) in zip(on, bounded):
+            assert lb == l1
+            for path in p1:
+                assert (pb[path] == p1[path]).all(), path
+            for events in tb:
+                at = {e: i for i, e in enumerate(events)}
+                for k in range(1, CFG.layers):
+                    if limit == 1:
+                        assert at[("reduce_scatter", k)] < at[("reduce_scatter_wait", k)] < at[("backward", k - 1)], events
+                    elif k >= 2:
+                        assert at[("reduce_scatter", k - 2)] < at[("reduce_scatter_wait", k)], events
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_asynchronous_reduce_scatter_without_buckets_in_bf16_on_gloo_processes():
     """The unit gradients still in flight are awaited before the optimizer also without DP
     buckets (``bucket_mb=None``); 16-bit gradients are summed in fp32 as before."""

@@ -1,6 +1,7 @@
 """The private torch APIs we depend on still behave as we use them."""
 import threading
 
+import pytest
 import torch
 
 from functional_pp import torch_private
@@ -106,3 +107,24 @@ def test_the_package_asks_is_tracing_not_the_process_wide_flag():
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if p.name != "torch_private.py" and "torch.compiler.is_compiling(" in p.read_text()]
     assert not offenders, f"use functional_pp.torch_private.is_tracing() in {offenders}"
+
+
+def test_mt19937_state_reproduces_manual_seed_and_keeps_every_word():
+    """``mt19937_state`` writes the generator layout this torch reads: the words of a
+    ``manual_seed`` state give the same draws, and changing one word changes them."""
+    import numpy as np
+    from functional_pp.torch_private import check_mt19937_state_layout, mt19937_state
+
+    check_mt19937_state_layout()
+    seeded = torch.Generator().manual_seed(77)
+    words = np.frombuffer(seeded.get_state().numpy().tobytes(), dtype=np.uint64, count=624, offset=24).copy()
+    ours = torch.Generator()
+    ours.set_state(mt19937_state(words, 77))
+    for shape in [(5,), (1000,)]:               # torch's scalar and vectorised normal paths
+        assert torch.equal(torch.randn(shape, generator=ours), torch.randn(shape, generator=seeded))
+    words[600] ^= 1
+    ours.set_state(mt19937_state(words, 77))
+    assert not torch.equal(torch.randn(1000, generator=ours),
+                           torch.randn(1000, generator=torch.Generator().manual_seed(77)))
+    with pytest.raises(ValueError, match="624 words"):
+        mt19937_state(words[:10])
