@@ -13,7 +13,9 @@ both alike; the median step time (wall, and CPU time of the rank's process) per 
 runs twice: ``bucket_mb=None`` (one synchronous all-reduce per gradient, the old path) and
 the default buckets; our FSDP twice: ``fsdp_units=False`` (one all-gather / reduce-scatter per
 weight) and the default per-layer units. The first-step losses (global means) of each pair are printed and must
-agree within 1e-4 relative. Rank 0 prints one JSON line at the end.
+agree within 1e-4 relative. Rank 0 prints one JSON line at the end. Our steps donate their state
+(``donate_state=True``, as the trainer loop does and as torch's optimizers update in place:
+AdamW is then one fused pass, docs/optim.md); ``--no-donate-state`` keeps the state passed in.
 """
 from __future__ import annotations
 
@@ -145,19 +147,20 @@ def device(args) -> dict:
     rank = fpp.current_rank()
     rows = slice(rank * per_rank, (rank + 1) * per_rank)       # batch over one DP axis: rank-major
     local = {"tokens": ids[rows, :-1].contiguous(), "labels": ids[rows, 1:].contiguous()}
+    donate = not args.no_donate_state
     if args.layout == "dp":
         mesh, rules = fpp.current_mesh(), llama.default_rules(tp=False, fsdp=False)
-        return _compare({"ours_dp_unbucketed": Ours(cfg, mesh, rules, local, bucket_mb=None),
-                         "ours_dp": Ours(cfg, mesh, rules, local),
+        return _compare({"ours_dp_unbucketed": Ours(cfg, mesh, rules, local, bucket_mb=None, donate_state=donate),
+                         "ours_dp": Ours(cfg, mesh, rules, local, donate_state=donate),
                          "ddp": Torch(cfg, full, local, seq, "ddp")}, args.steps, args.warmup)
     mesh, rules = fpp.current_mesh(), llama.default_rules(tp=False)
-    return _compare({"ours_fsdp_per_weight": Ours(cfg, mesh, rules, local, fsdp_units=False),
-                     "ours_fsdp": Ours(cfg, mesh, rules, local),
+    return _compare({"ours_fsdp_per_weight": Ours(cfg, mesh, rules, local, fsdp_units=False, donate_state=donate),
+                     "ours_fsdp": Ours(cfg, mesh, rules, local, donate_state=donate),
                      "fsdp2": Torch(cfg, full, local, seq, "fsdp2")}, args.steps, args.warmup)
 
 
 def summarize(res: dict, args, n: int) -> dict:
-    summary = {"processes": n, "preset": args.preset, "steps": args.steps,
+    summary = {"processes": n, "preset": args.preset, "steps": args.steps, "donate_state": not args.no_donate_state,
                "median_ms": {k: round(v["median_s"] * 1e3, 1) for k, v in res.items()},
                "median_cpu_ms": {k: round(v["median_cpu_s"] * 1e3, 1) for k, v in res.items()},
                "first_loss": {k: v["first_loss"] for k, v in res.items()},
@@ -187,6 +190,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     ap.add_argument("--layouts", default="dp,fsdp", help="comma-separated: dp, fsdp")
+    ap.add_argument("--no-donate-state", action="store_true", help="our steps keep the state passed in")
     args = ap.parse_args(argv)
     args.layouts = args.layouts.split(",")
     if not set(args.layouts) <= {"dp", "fsdp"}:

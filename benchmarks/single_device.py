@@ -24,11 +24,12 @@ tensors from torch's CPU allocator only (not Python objects, not the allocator c
 MKL/oneDNN), so it is comparable between the two sides but is not the process RSS.
 
 Differences that are part of what is measured (the functional step does them, the plain one
-does not): the functional step also computes the global gradient norm and guards every
-parameter/optimizer-state update with a non-finite check (``torch.where``), and it returns new
-parameter and moment tensors instead of updating in place (eager: the new parameters are written
-into the step's own gradient buffers, so nothing parameter-sized is allocated beyond the moments;
-docs/memory.md).
+does not): the functional step also computes the global gradient norm and guards the update
+against non-finite values (a scalar skip of the fused AdamW kernel in eager, one scalar select in
+compiled steps, plus a check of the update's finiteness; docs/optim.md "In place",
+functional_pp/step_update.py). With ``--no-donate-state`` it returns new parameter and moment
+tensors instead of updating in place (eager: the new parameters are written into the step's own
+gradient buffers, so nothing parameter-sized is allocated beyond the moments; docs/memory.md).
 """
 from __future__ import annotations
 

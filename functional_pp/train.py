@@ -18,7 +18,6 @@ from .barrier import materialize
 from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
 from .fsdp_order import UnitOrder
 from .fsdp_units import begin_forward, fsdp_units as layer_units
-from .collectives import psum
 from .compile_gate import CompileGate
 from .compiler import step_backend
 from .grads import check_scalar_loss
@@ -30,10 +29,12 @@ from .named import Named, _make, configure, env, settle, wrap
 from .ops.token_ids import deferred_checks, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
-from .step_buffers import acc_dtype, as_dtype, keep_if, master_copy, own_buffers, write_into
-from .step_io import check_batch, nonfinite_what, peak_memory, read_step_metrics, split_micro
+from .nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
+from .step_buffers import acc_dtype, as_dtype, master_copy
+from .step_io import check_batch, peak_memory, read_step_metrics, split_micro
+from .step_update import redo_held, update_phase
 from .torch_private import is_tracing, trace_backward
-from .tree import leaves_with_paths, tree_leaves, tree_map
+from .tree import leaves_with_paths
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
@@ -51,15 +52,6 @@ class ParamSpec:
     treespec: Any
     _axes: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def split_axes(self, mesh) -> list[tuple[str, ...]]:
-        """Per leaf, the mesh axes (in mesh order) that split it; derived once per mesh."""
-        cached = None if is_tracing() else self._axes.get(mesh)
-        if cached is None:
-            cached = [tuple(a for a in mesh.axis_names if any(a in s for s in layout)) for layout in self.layouts]
-            if not is_tracing():
-                self._axes[mesh] = cached
-        return cached
-
     def named_types(self, mesh, shapes: tuple) -> list[tuple]:
         """Per leaf of local shape ``shapes[i]``: dims, split, vary, partial and global sizes of
         its named value (the fields :class:`Named` derives), once per mesh and shapes (eager)."""
@@ -74,23 +66,20 @@ class ParamSpec:
         return cached
 
     def axis_groups(self, mesh) -> list[tuple[tuple[str, ...], list[int]]]:
-        """The leaves' indices grouped by the mesh axes that split them (groups in order of their
-        first leaf): what one reduction per group completes; derived once per mesh."""
+        """The leaves' indices grouped by the mesh axes (in mesh order) that split them (groups
+        in order of their first leaf): what one reduction per group completes; derived once per
+        mesh."""
         key = ("groups", mesh)
         cached = None if is_tracing() else self._axes.get(key)
         if cached is None:
             groups: dict[tuple[str, ...], list[int]] = {}
-            for i, axes in enumerate(self.split_axes(mesh)):
+            for i, layout in enumerate(self.layouts):
+                axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
                 groups.setdefault(axes, []).append(i)
             cached = list(groups.items())
             if not is_tracing():
                 self._axes[key] = cached
         return cached
-
-
-class NonFiniteError(FloatingPointError):
-    """A step's loss, gradient norm or update is not finite (``on_nonfinite="raise"``), or too
-    many consecutive steps were skipped (``max_consecutive_skips``)."""
 
 
 @dataclass
@@ -207,18 +196,20 @@ class TrainStep:
                 layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
                             prefetch=self.fsdp_prefetch, order=self._unit_order), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
-            params, opt_state, step, skipped, m = fn(state["params"], state["opt_state"], state["step"],
-                                                     state["skipped"], batch)
+            params, opt_state, step, skipped, m, (written, retry) = fn(
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
         metrics, bad_ids = read_step_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
-        if not step_compile:     # eager: the state to keep, chosen after the one read (docs/eager_overhead.md)
-            if metrics["skipped"]:      # the old state itself (never written)
-                params, opt_state = state["params"], state["opt_state"]
-            # donate_state: nothing to copy back, the new state already lives in the step's own
-            # buffers (the donated gradients and the new moments; docs/memory.md "Donated state")
+        if metrics.pop("update_held", 0):     # rare: nothing written in place; update in new buffers
+            params, opt_state, skipped, metrics = redo_held(retry, state["skipped"], metrics)
+            written = False
+        # the state to return, or a NonFiniteError: chosen after the one read (nonfinite.py)
+        params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,
+                                               on_nonfinite=self.on_nonfinite,
+                                               max_consecutive_skips=self.max_consecutive_skips)
         seconds = time.perf_counter() - t0
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
@@ -226,17 +217,7 @@ class TrainStep:
             n = (self.mesh.size if self.mesh else 1)
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
         metrics["peak_memory_bytes"] = peak_memory()
-        if metrics["skipped"] and self.on_nonfinite == "raise":
-            raise NonFiniteError(f"step {int(state['step'])}: {nonfinite_what(metrics)} is not finite; "
-                                 f"training stopped (set on_nonfinite='skip' to skip such steps)")
-        run = int(metrics.get("consecutive_skips", 0)) + 1 if metrics["skipped"] else 0
         metrics["consecutive_skips"] = run
-        if self.max_consecutive_skips is not None and run >= self.max_consecutive_skips:
-            raise NonFiniteError(
-                f"step {int(state['step'])}: {run} consecutive steps were skipped because the "
-                f"{nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
-                f"{self.max_consecutive_skips}). Lower the learning rate, check the data, or resume "
-                f"from an earlier checkpoint")
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
 
@@ -310,59 +291,14 @@ class TrainStep:
             total = total + loss.detach()
         if is_tracing() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
-        # eager: the optimizer works in place on the step's own gradient buffers (docs/memory.md)
-        donate = not is_tracing()
-        grad_tree = optree.tree_unflatten(treespec, own_buffers(grads, leaves) if donate else grads)
-        grads = None
-        grad_norm = optim.global_norm(grad_tree, self._sq_reducer)
-        finite = torch.isfinite(total) & torch.isfinite(grad_norm)
-        updates, new_opt = optim.update_with(self.optimizer, grad_tree, opt_state, params,
-                                             norm_reducer=self._sq_reducer, donate_updates=donate)
-        grad_tree = None
-        new_params = optim.apply_updates(params, updates,
-                                         donate_updates=optim.returns_fresh(self.optimizer, donate))
-        updates = None
-        # a non-finite update (or one that overflows the parameters) is not applied either; with
-        # donated buffers the update already sits in the new parameters, so check those
-        update_ok = self._update_finite(new_params)
-        nonfinite = {"nonfinite_loss": ~torch.isfinite(total), "nonfinite_grad": ~torch.isfinite(grad_norm),
-                     "nonfinite_update": ~update_ok}
-        finite = finite & update_ok
-        if not donate:
-            # compiled: a branch-free select per tensor (fused into the update's kernels). Eager
-            # steps choose between the new and the old state on the host, after the step's one
-            # read of its metrics (__call__, docs/eager_overhead.md)
-            new_params = tree_map(lambda new, old: keep_if(finite, new, old), new_params, params)
-            new_opt = tree_map(lambda new, old: keep_if(finite, new, old), new_opt, opt_state)
-            if self.donate_state:        # the caller gave up the old state: update it in place
-                new_params, new_opt = write_into(params, new_params), write_into(opt_state, new_opt)
+        # norm, optimizer and the device side of the non-finite guard (step_update.py)
+        up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
+                          self.spec.axis_groups(env()[0]), donate_state=self.donate_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
-        metrics = {"loss": total, "grad_norm": grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
-                   "tokens": tokens, "skipped": (~finite).to(torch.int64),
-                   **{k: v.to(torch.int64) for k, v in nonfinite.items()}}
-        return new_params, new_opt, step + 1, skipped + (~finite).to(torch.int64), metrics
-
-    def _update_finite(self, new_params: Any) -> torch.Tensor:
-        """Whether every element of the updated parameters is finite on every device: a NaN
-        update (e.g. a zero second moment with eps=0) must not be applied either. ``(u * 0).sum()`` is NaN iff
-        ``u`` holds a NaN or inf; the per-leaf values are combined like the gradient norm's
-        (docs/bad_inputs.md §2). Eager steps use a leaf's 2-norm instead (also NaN or inf when
-        the norm overflows fp32, beyond 1.8e19, as the gradient norm then does)."""
-        leaves = tree_leaves(new_params)
-        if is_tracing():
-            return torch.isfinite(self._sq_reducer([(u * 0).sum() for u in leaves]))
-        # eager: per group of leaves split over the same mesh axes, one foreach 2-norm (the
-        # cheapest foreach reduction; NaN or inf iff a leaf holds one or its norm overflows, as
-        # the gradient norm does), times 0, summed and completed over the group's axes
-        acc = acc_dtype(leaves)
-        total = None
-        for axes, group in self.spec.axis_groups(env()[0]):
-            full = [leaves[i] for i in group if leaves[i].numel()]
-            value = (torch.stack(torch._foreach_norm(full, 2)).mul_(0).sum().to(acc) if full
-                     else torch.zeros((), dtype=acc))
-            value = psum(value, axes) if axes else value
-            total = value if total is None else total + value
-        return torch.isfinite(total) if total is not None else torch.ones((), dtype=torch.bool)
+        skip = (~up.finite).to(torch.int64)
+        metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
+        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry)
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
@@ -385,18 +321,6 @@ class TrainStep:
              torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)
         axes = {a for s in x.split for a in s}
         return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes)) if axes else n
-
-    def _sq_reducer(self, sq_sums: Any) -> torch.Tensor:
-        """Complete per-leaf sums of squares across the devices that split each leaf."""
-        sq = tree_leaves(sq_sums)
-        acc = acc_dtype(sq)
-        total = None
-        for axes, group in self.spec.axis_groups(env()[0]):
-            values = [sq[i] for i in group]
-            value = (torch.stack(values).sum() if len(values) > 1 else values[0]).to(acc)
-            value = psum(value, axes) if axes else value
-            total = value if total is None else total + value
-        return total if total is not None else torch.zeros((), dtype=acc)
 
 
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,

@@ -96,11 +96,26 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple]
 
 
-def transform(init: Callable[[PyTree], PyTree], update: Callable[..., tuple], returns: str) -> GradientTransformation:
+def transform(init: Callable[[PyTree], PyTree], update: Callable[..., tuple], returns: str,
+              in_place: Callable[..., None] | None = None) -> GradientTransformation:
     """A transformation whose ``update`` accepts the extra keyword arguments (``**extra``) and
-    returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`)."""
+    returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`).
+    ``in_place``: an optional implementation of update *and* apply that writes the new
+    parameters and state into the tensors given (:func:`in_place_step`, docs/optim.md)."""
     update.fpp_returns = returns
+    update.fpp_in_place = in_place
     return GradientTransformation(init, update)
+
+
+def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
+    """The transformation's in-place step, or None. ``step(grads, state, params, *, skip,
+    grad_norm)`` (lists of tensors for ``grads``/``params``, ``state`` as ``t.init`` made it)
+    does what ``update`` followed by :func:`apply_updates` would, writing the new parameters
+    into ``params`` and the new state into ``state``'s tensors, and leaves everything as it was
+    where the 0-dim bool ``skip`` is true. ``grads`` are donated; ``grad_norm`` is their global
+    norm (for clipping). For callers whose state is theirs to overwrite (a donated training
+    state); results equal the pure path's within rounding (docs/optim.md "In place")."""
+    return getattr(t.update, "fpp_in_place", None)
 
 
 def update_with(t: GradientTransformation, updates: PyTree, state: PyTree, params: PyTree = None,

@@ -11,7 +11,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     with one entry per transformation. Extra keyword arguments of ``update`` reach every
     transformation that accepts them; ``donate_updates`` reaches the first one as given and
     each later one when the updates it receives are new tensors of an earlier one
-    (docs/optim.md), so a chain of foreach transformations allocates its updates once."""
+    (docs/optim.md), so a chain of foreach transformations allocates its updates once.
+    ``grad_norm`` (the norm of the updates as given) reaches the first transformation only."""
 
     def init(params: PyTree) -> tuple:
         return tuple(t.init(params) for t in transforms)
@@ -26,6 +27,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         for t, s in zip(transforms, state):
             updates, s = update_with(t, updates, s, params, donate_updates=donated, **extra)
             donated = returns_fresh(t, donated)
+            extra.pop("grad_norm", None)     # the next transformation sees other updates
             new_state.append(s)
         return updates, tuple(new_state)
 

@@ -12,6 +12,7 @@ from .base import GradientTransformation, ScalarOrSchedule, check_learning_rate,
     trace
 from .clipping import clip_by_global_norm
 from .combine import chain
+from .fused import adamw_in_place
 from .masking import Mask, add_decayed_weights
 
 __all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
@@ -63,10 +64,15 @@ def adamw(
     Chain: [clip_by_global_norm] -> scale_by_adam -> add_decayed_weights(mask) ->
     scale_by_learning_rate. Arguments are range-checked here (a ``ValueError`` names the bad
     one). Given donated gradients (the training step's), the chain works in place on them.
+    Its in-place step (``optim.in_place_step``: a training step with donated state) is one
+    fused kernel pass (``optim.fused``).
     """
     lr = check_learning_rate("adamw", lr)
-    return chain(*_maybe_clip(clip_norm), scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
-                 scale_by_learning_rate(lr))
+    opt = chain(*_maybe_clip(clip_norm), scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+                scale_by_learning_rate(lr))
+    opt.update.fpp_in_place = adamw_in_place(lr, float(b1), float(b2), float(eps), float(weight_decay), mask,
+                                             None if clip_norm is None else float(clip_norm))
+    return opt
 
 
 # --------------------------------------------------------------------------- #

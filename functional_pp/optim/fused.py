@@ -1,0 +1,96 @@
+"""In-place steps (:func:`functional_pp.optim.base.in_place_step`) on torch's fused kernels:
+AdamW as one pass over parameters, gradients and moments (``torch._fused_adamw_``) where the
+pure chain makes about twenty (docs/optim.md "In place")."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
+from .masking import Mask, resolve_mask
+
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay: float, mask: Mask,
+                   clip_norm: Optional[float]) -> Callable[..., bool]:
+    """The in-place step of ``optim.adamw(lr, b1, b2, eps, weight_decay, mask, clip_norm)``:
+    clipping by the given ``grad_norm`` (in the donated gradients), then one
+    ``torch._fused_adamw_`` call per (device, dtype, decayed) group of leaves with the
+    step's ``skip`` as its ``found_inf`` (the kernel leaves every tensor as it was), then the
+    step counters advanced unless skipped.
+
+    A written state cannot be taken back, so the step first bounds what it would write
+    (:func:`_finite_bound`) and holds itself back, changing nothing, where it cannot show the
+    new parameters finite. It returns that ``held`` flag (0-dim bool; the caller then makes the
+    update another way), or None, touching nothing, where the kernel does not apply (a device
+    other than cpu/cuda, a non-float leaf, moments of another dtype)."""
+
+    def step(grads: PyTree, state: tuple, params: PyTree, *, skip: torch.Tensor,
+             grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None) -> Optional[torch.Tensor]:
+        adam, schedule = state[-3], state[-1]     # chain: [clip], adam, decay, learning rate
+        ps, gs = tree_leaves(params), tree_leaves(grads)
+        mus, nus = tree_leaves(adam.mu), tree_leaves(adam.nu)
+        if not ps or not _applies(ps, gs, mus, nus):
+            return None
+        rate = torch.as_tensor(lr(schedule.count)) if callable(lr) else lr
+        bound = _finite_bound(ps, mus, grad_norm, rate, adam.count, b1, eps, weight_decay, norm_reducer)
+        held = ~skip & ~(bound < min(torch.finfo(p.dtype).max for p in ps) ** 0.5 / 4)
+        skip = skip | held
+        if clip_norm is not None:    # clip_by_global_norm's formula, in the donated gradients
+            coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)
+            coef = torch.where(skip, torch.ones_like(coef), coef)     # a held step leaves them as given
+            for group in _groups(gs, [True] * len(gs)):
+                sel = [gs[i] for i in group]
+                torch._foreach_mul_(sel, coef.to(device=sel[0].device, dtype=sel[0].dtype))
+        decay = tree_leaves(resolve_mask(mask, params)) if mask is not None else [True] * len(ps)
+        for group in _groups(ps, decay):
+            p0 = ps[group[0]]
+            found_inf = skip.to(device=p0.device, dtype=torch.float32)
+            steps = [(adam.count + 1).to(device=p0.device, dtype=torch.float32)] * len(group)
+            group_lr = rate.to(p0.device) if isinstance(rate, torch.Tensor) else rate
+            torch._fused_adamw_([ps[i] for i in group], [gs[i] for i in group], [mus[i] for i in group],
+                                [nus[i] for i in group], [], steps, lr=group_lr, beta1=b1, beta2=b2,
+                                weight_decay=weight_decay if decay[group[0]] else 0.0, eps=eps,
+                                amsgrad=False, maximize=False, found_inf=found_inf)
+        advance = (~skip).to(adam.count.dtype)
+        adam.count.add_(advance)
+        if isinstance(schedule, ScaleByScheduleState):    # (a constant rate has no counter)
+            schedule.count.add_(advance)
+        return held
+
+    return step
+
+
+def _finite_bound(ps: list, mus: list, grad_norm: torch.Tensor, rate: Any, count: torch.Tensor, b1: float,
+                  eps: float, weight_decay: float, norm_reducer: Optional[Callable]) -> torch.Tensor:
+    """An upper bound (fp64, 0-dim, equal on every device) of the 2-norm of any leaf of the new
+    parameters the kernel would write: ``|1 - lr wd| |p| + lr / (1 - b1^t) (|m| + |g|) / eps``
+    from the global 2-norms of the parameters, the first moments and the gradients (the new
+    first moment is a convex combination of the old one and the gradient, the denominator is
+    at least ``eps``). Loose by Adam's normalisation (up to about ``|g| / eps``), so it stays far
+    below the limit in any usual training; a learning rate such as 1e30 crosses it."""
+    from .clipping import sq_sums
+    reduce = norm_reducer if norm_reducer is not None else (lambda sq: torch.stack(tree_leaves(sq)).sum())
+    f64 = torch.float64
+    p_norm = reduce(sq_sums(ps)).to(f64).sqrt()
+    m_norm = reduce(sq_sums(mus)).to(f64).sqrt()
+    lr = torch.as_tensor(rate, dtype=f64)
+    bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=f64), (count + 1).to(f64))
+    shrink = torch.clamp((1.0 - lr * weight_decay).abs(), min=1.0)     # (masked leaves: no decay)
+    return shrink * p_norm + lr / bc1 * (m_norm + grad_norm.to(f64)) / eps
+
+
+def _applies(ps: list, gs: list, mus: list, nus: list) -> bool:
+    return all(isinstance(p, torch.Tensor) and p.is_floating_point() and p.device.type in FUSED_DEVICES
+               and g.dtype == m.dtype == v.dtype == p.dtype and g.shape == p.shape and g.device == p.device
+               for p, g, m, v in zip(ps, gs, mus, nus)) and len(ps) == len(gs) == len(mus) == len(nus)
+
+
+def _groups(leaves: list[torch.Tensor], flags: list[Any]) -> list[list[int]]:
+    """Indices grouped by (device, dtype, flag): one fused kernel call each."""
+    groups: dict = {}
+    for i, (x, f) in enumerate(zip(leaves, flags)):
+        groups.setdefault((x.device, x.dtype, bool(f)), []).append(i)
+    return list(groups.values())

@@ -1,0 +1,143 @@
+"""The update phase of a training step: the global gradient norm, the optimizer and the device
+side of the non-finite guard (docs/eager_overhead.md "Update phase").
+
+One of three ways, per step:
+
+* **in place** (eager, ``donate_state=True``, an optimizer with an in-place step such as
+  ``optim.adamw``): one fused pass writes the new parameters and optimizer state into the
+  state passed in, unless the loss or the gradient norm is not finite (a scalar skip);
+* **new buffers** (other eager steps): the optimizer works in the step's own gradient buffers
+  (docs/memory.md); the state passed in is untouched, and the host returns it for a skipped
+  step after the step's one metrics read (``nonfinite.keep_or_raise``);
+* **traced**: the pure update, returned as new tensors the host chooses between as above, or,
+  with donated state, written into the state passed in under the same scalar guard. Nothing
+  the writes depend on needs the whole update first, so the compiler makes one pass over the
+  state (docs/compile.md "Step time").
+
+The update's own finiteness is checked after it is computed (a reduction that does not hold
+the writes back); an in-place step that finds it non-finite has already written it, and the
+host stops the run (``nonfinite.keep_or_raise``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optree
+import torch
+
+from . import optim
+from .collectives import psum
+from .nonfinite import nonfinite_flags
+from .step_buffers import acc_dtype, keep_if, own_buffers, write_into
+from .torch_private import is_tracing
+from .tree import tree_leaves, tree_map
+
+AxisGroups = list   # [(mesh axes, leaf indices)]: the leaves split over exactly those axes
+
+
+@dataclass
+class Updated:
+    """What the update phase returns: the new parameters and optimizer state (the very tensors
+    passed in when ``written``), the global gradient norm, the non-finite flags and whether
+    the step counts as finite. ``retry`` (eager in place only): makes the update in new
+    buffers instead, for a step whose in-place step held itself back (``flags["update_held"]``)."""
+    params: Any
+    opt_state: Any
+    grad_norm: torch.Tensor
+    flags: dict
+    finite: torch.Tensor
+    written: bool
+    retry: Callable[[], "Updated"] | None = None
+
+
+def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tensor], treespec: Any, params: Any,
+                 opt_state: Any, loss: torch.Tensor, groups: AxisGroups, *, donate_state: bool) -> Updated:
+    """Apply ``optimizer`` to the reduced gradients ``grads`` (leaves in ``treespec`` order; the
+    list is consumed: emptied, so that only the update holds them) of ``params``; ``loss`` is
+    the step's loss and ``groups`` the leaves grouped by the mesh axes that split them (what
+    completes a norm across devices)."""
+    leaves = tree_leaves(params)
+    tracing = is_tracing()
+
+    def sq_reducer(sq_sums: Any) -> torch.Tensor:
+        return complete(tree_leaves(sq_sums), groups)
+
+    # eager: the optimizer may overwrite the step's own gradient buffers
+    grad_tree = optree.tree_unflatten(treespec, grads if tracing else own_buffers(grads, leaves))
+    grads.clear()
+    grad_norm = optim.global_norm(grad_tree, sq_reducer)
+    ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
+    in_place = optim.in_place_step(optimizer) if donate_state and not tracing else None
+    held = (in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm, norm_reducer=sq_reducer)
+            if in_place is not None else None)
+    if held is not None:        # written in place, or held back where it could not be shown finite
+
+        def retry() -> Updated:
+            return _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
+                                   sq_reducer)
+        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)), "update_held": held}
+        return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
+    up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer)
+    if tracing and donate_state:
+        # the scalar guard only: the writes wait for no reduction over the update (one pass)
+        up.params = write_into(params, tree_map(lambda new, old: keep_if(ok, new, old), up.params, params))
+        up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(ok, new, old), up.opt_state,
+                                                      opt_state))
+        up.written = True
+    return up
+
+
+def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer) -> Updated:
+    """The pure update (eager: in the step's own gradient buffers), then its finiteness."""
+    donate = not is_tracing()
+    updates, new_opt = optim.update_with(optimizer, grad_tree, opt_state, params, norm_reducer=sq_reducer,
+                                         donate_updates=donate, grad_norm=grad_norm)
+    new_params = optim.apply_updates(params, updates, donate_updates=optim.returns_fresh(optimizer, donate))
+    updates = None
+    update_ok = all_finite(tree_leaves(new_params), groups)
+    return Updated(new_params, new_opt, grad_norm, nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok,
+                   False)
+
+
+def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
+    """The sum of per-leaf 0-dim ``values``, each group's partial sum completed over the mesh
+    axes that split its leaves (one all-reduce per group)."""
+    acc = acc_dtype(values)
+    total = None
+    for axes, group in groups:
+        part = [values[i] for i in group]
+        value = (torch.stack(part).sum() if len(part) > 1 else part[0]).to(acc)
+        value = psum(value, axes) if axes else value
+        total = value if total is None else total + value
+    return total if total is not None else torch.zeros((), dtype=acc)
+
+
+def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
+    """Whether every element of ``leaves`` is finite on every device (0-dim bool). Traced: the
+    count of non-finite elements per leaf (``(u * 0).sum()``, NaN iff ``u`` holds a NaN or inf,
+    was folded to 0 by inductor, which then applied infinite updates:
+    tests/test_nonfinite_guard.py). Eager: one foreach 2-norm per group of leaves (NaN or inf
+    iff a leaf holds one or its norm overflows, as the gradient norm then does), times 0."""
+    if is_tracing():
+        return complete([(~torch.isfinite(u)).sum() for u in leaves], groups) == 0
+    acc = acc_dtype(leaves)
+    total = None
+    for axes, group in groups:
+        full = [leaves[i] for i in group if leaves[i].numel()]
+        value = (torch.stack(torch._foreach_norm(full, 2)).mul_(0).sum().to(acc) if full
+                 else torch.zeros((), dtype=acc))
+        value = psum(value, axes) if axes else value
+        total = value if total is None else total + value
+    return torch.isfinite(total) if total is not None else torch.ones((), dtype=torch.bool)
+
+
+def redo_held(retry: Callable[[], Updated], skipped_before: torch.Tensor, metrics: dict) -> tuple:
+    """Host side, after the step's metrics read, for a step whose in-place step held itself
+    back (nothing was written): the update made in new buffers instead, as an eager step
+    without donation makes it, and its flags read (a second transfer, for such steps only).
+    Returns the new parameters, optimizer state, skipped-step counter and metrics."""
+    up = retry()
+    skip = (~up.finite).to(torch.int64)
+    skipped, nonfinite_update = torch.stack([skip, up.flags["nonfinite_update"].to(torch.int64)]).tolist()
+    metrics = {**metrics, "skipped": skipped, "nonfinite_update": nonfinite_update}
+    return up.params, up.opt_state, skipped_before + skip, metrics

@@ -1,0 +1,91 @@
+"""The step's non-finite guard (functional_pp/nonfinite.py, step_update.py) in each way the update
+is made: new buffers chosen on the host (eager, and compiled without donation: the graph
+returns the new state and a skipped step returns the old one); in place (eager, donated),
+where AdamW's step holds back what it cannot show finite and the update is made in new
+buffers; written into a donated state (compiled), where an update found non-finite only after
+it was written stops the run instead of being silently kept."""
+from __future__ import annotations
+
+import functools
+
+import optree
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.models import llama
+from functional_pp.train import NonFiniteError
+
+CFG = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=32, max_seq=16,
+                   tie_embeddings=False, rope_scaling=None)
+LOSS = functools.partial(llama.loss, cfg=CFG)
+
+
+def _batch(seed: int = 1) -> dict:
+    ids = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _pure_with_an_infinite_update():
+    """SGD whose update holds one -inf (loss and gradients finite), written without in-place ops."""
+    base = fpp.optim.sgd(0.1)
+
+    def update(grads, state, params=None):
+        updates, state = base.update(grads, state, params)
+        leaves, spec = optree.tree_flatten(updates)
+        leaves[1] = leaves[1] - torch.nn.functional.one_hot(torch.tensor(2), leaves[1].numel()).reshape(
+            leaves[1].shape).to(leaves[1].dtype) * float("inf")
+        return optree.tree_unflatten(spec, leaves), state
+    return fpp.optim.GradientTransformation(base.init, update)
+
+
+def _run(opt, **options):
+    step = fpp.train_step(LOSS, opt, max_consecutive_skips=None, **options)
+    state = step.init(fpp.init(llama.init, CFG, seed=0))
+    before = [t.clone() for t in optree.tree_leaves(state["params"])]
+    new_state, metrics = step(state, _batch())
+    return state, new_state, metrics, before
+
+
+@pytest.mark.parametrize("donate_state", [False, True], ids=["new-buffers", "in-place-held-back"])
+def test_an_overflowing_adamw_update_is_skipped_and_the_old_state_kept(donate_state):
+    # lr 1e30: the in-place step cannot show its result finite, writes nothing, and the step makes
+    # the update in new buffers, as without donation: found non-finite (its norm overflows), skipped
+    state, new_state, metrics, before = _run(fpp.optim.adamw(1e30, weight_decay=0.1), donate_state=donate_state)
+    assert (metrics["nonfinite_update"], metrics["nonfinite_grad"], metrics["skipped"]) == (1, 0, 1)
+    assert "update_held" not in metrics
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(new_state["params"]), before))
+    assert int(new_state["skipped"]) == 1 and int(new_state["step"]) == 1
+    counts = [int(x) for x in optree.tree_leaves(new_state["opt_state"]) if x.dim() == 0]
+    assert counts == [0], "the optimizer's step counter did not advance"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["aot_eager", True], ids=["aot_eager", "inductor"])
+def test_compiled_step_without_donation_returns_the_old_state_of_a_skipped_step(backend):
+    # inductor folded the former check (u * 0).sum() to 0 and applied the infinite update
+    state, new_state, metrics, before = _run(_pure_with_an_infinite_update(), compile=backend)
+    assert (metrics["nonfinite_update"], metrics["nonfinite_grad"], metrics["skipped"]) == (1, 0, 1)
+    assert new_state["params"] is state["params"] and new_state["opt_state"] is state["opt_state"]
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(state["params"]), before))
+    assert int(new_state["step"]) == 1 and int(new_state["skipped"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compiled_donated_step_keeps_the_state_of_a_non_finite_loss_and_stops_on_a_written_update():
+    def nan_loss(params, batch):
+        return LOSS(params, batch) * float("nan")
+    step = fpp.train_step(nan_loss, fpp.optim.adamw(1e-2), compile="aot_eager", donate_state=True,
+                          max_consecutive_skips=None)
+    state = step.init(fpp.init(llama.init, CFG, seed=0))
+    given = optree.tree_leaves([state["params"], state["opt_state"]])
+    before = [t.clone() for t in given]
+    new_state, metrics = step(state, _batch())
+    assert metrics["skipped"] == 1 and metrics["nonfinite_loss"] == 1
+    returned = optree.tree_leaves([new_state["params"], new_state["opt_state"]])
+    assert all(a is b for a, b in zip(returned, given) if a.dim())       # written into the state passed in
+    assert all(torch.equal(a, b) for a, b in zip(returned, before))       # ... with its old values
+    with pytest.raises(NonFiniteError, match="already written into the donated state"):
+        _run(_pure_with_an_infinite_update(), compile="aot_eager", donate_state=True)

@@ -1,0 +1,165 @@
+"""In-place steps (``optim.in_place_step``): ``optim.adamw``'s, one ``torch._fused_adamw_`` pass,
+equals ``torch.optim.AdamW`` and the pure chain, skips bitwise, and declines what the kernel
+cannot take; the precomputed gradient norm reaches only the transformation that sees the
+gradients as given (docs/optim.md "In place")."""
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import functional_pp.optim as optim
+from functional_pp.optim import schedules
+
+STEPS = 5
+
+
+def _params(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return {"emb": torch.randn(6, 3, generator=g, dtype=dtype), "w": torch.randn(4, 3, generator=g, dtype=dtype),
+            "b": torch.randn(4, generator=g, dtype=dtype)}
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(100 + step)
+    return optree.tree_map(lambda p: scale * torch.randn(p.shape, generator=g, dtype=p.dtype), params)
+
+
+def _run_in_place(opt, params, skip_at=(), scale=1.0):
+    params = optree.tree_map(torch.clone, params)
+    state = opt.init(params)
+    step = optim.in_place_step(opt)
+    for i in range(STEPS):
+        grads = _grads(params, i, scale)
+        norm = optim.global_norm(grads)
+        held = step(grads, state, params, skip=torch.tensor(i in skip_at), grad_norm=norm)
+        assert held is not None and not held
+    return params, state
+
+
+def _run_pure(opt, params, skip_at=(), scale=1.0):
+    state = opt.init(params)
+    for i in range(STEPS):
+        if i in skip_at:
+            continue
+        updates, state = opt.update(_grads(params, i, scale), state, params)
+        params = optim.apply_updates(params, updates)
+    return params, state
+
+
+def _run_torch(params, lr, wd, clip=None, scale=1.0, lr_at=None, decay=lambda name: True):
+    names = list(params)
+    tensors = {k: params[k].clone().requires_grad_() for k in names}
+    groups = [{"params": [tensors[k] for k in names if decay(k)], "weight_decay": wd},
+              {"params": [tensors[k] for k in names if not decay(k)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr or 0.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for i in range(STEPS):
+        for k, g in _grads(params, i, scale).items():
+            tensors[k].grad = g
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(tensors.values()), clip)
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = float(lr_at(i))
+        opt.step()
+    return {k: t.detach() for k, t in tensors.items()}
+
+
+def _close(a, b, rtol=1e-10, atol=1e-12):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_in_place_adamw_matches_torch_adamw(clip):
+    params = _params()
+    got, _ = _run_in_place(optim.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=clip), params, scale=2.0)
+    _close(got, _run_torch(params, 1e-2, 0.1, clip=clip, scale=2.0))
+
+
+def test_in_place_adamw_with_a_schedule_and_a_mask_matches_torch_and_the_pure_chain():
+    params = _params()
+    sched = schedules.warmup_cosine_decay(1e-2, 2, STEPS, 1e-4)
+    opt = optim.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=optim.decay_mask_by_ndim)
+    got, state = _run_in_place(opt, params)
+    _close(got, _run_torch(params, None, 0.1, lr_at=sched, decay=lambda k: params[k].ndim >= 2))
+    pure, pure_state = _run_pure(opt, params)
+    _close(got, pure)
+    for x, y in zip(optree.tree_leaves(state), optree.tree_leaves(pure_state)):   # moments and counters
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_a_skipped_in_place_step_changes_nothing_not_even_the_counters():
+    params = _params()
+    sched = schedules.warmup_linear_decay(1e-2, 1, STEPS)
+    opt = optim.adamw(sched, weight_decay=0.1, clip_norm=1.0)
+    got, state = _run_in_place(opt, params, skip_at=(1, 3))
+    pure, pure_state = _run_pure(opt, params, skip_at=(1, 3))
+    _close(got, pure)
+    counts = [int(x) for x in optree.tree_leaves(state) if x.dim() == 0]
+    assert counts == [int(x) for x in optree.tree_leaves(pure_state) if x.dim() == 0] == [3, 3]
+
+    before = optree.tree_map(torch.clone, (got, state))
+    grads = _grads(params, 0)
+    optim.in_place_step(opt)(grads, state, got, skip=torch.tensor(True), grad_norm=optim.global_norm(grads))
+    for x, y in zip(optree.tree_leaves((got, state)), optree.tree_leaves(before)):
+        assert torch.equal(x, y)
+
+
+def test_in_place_step_declines_what_the_fused_kernel_cannot_take_and_touches_nothing():
+    params = {"w": torch.randn(3, 2), "n": torch.arange(3)}       # an integer leaf
+    opt = optim.adamw(1e-2)
+    state = opt.init(params)
+    before = optree.tree_map(torch.clone, (params, state))
+    grads = {"w": torch.randn(3, 2), "n": torch.zeros(3)}
+    assert optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False), grad_norm=torch.tensor(1.0)) is None
+    for x, y in zip(optree.tree_leaves((params, state)), optree.tree_leaves(before)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_in_place_step_that_cannot_show_its_result_finite_holds_back_and_touches_nothing(dtype):
+    params = _params(dtype)
+    opt = optim.adamw(1e30 if dtype == torch.float32 else 1e200, clip_norm=1.0)   # the new parameters overflow
+    state = opt.init(params)
+    before = optree.tree_map(torch.clone, (params, state))
+    grads = _grads(params, 0)
+    given = optree.tree_map(torch.clone, grads)
+    held = optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False), grad_norm=optim.global_norm(grads))
+    assert held
+    for x, y in zip(optree.tree_leaves((params, state, grads)), optree.tree_leaves((*before, given))):
+        assert torch.equal(x, y)
+    # a usual learning rate is far inside the bound
+    ok = optim.adamw(1.0, clip_norm=1.0)
+    state = ok.init(params)
+    assert not optim.in_place_step(ok)(grads, state, params, skip=torch.tensor(False),
+                                       grad_norm=optim.global_norm(grads))
+
+
+def test_only_optimizers_that_have_one_offer_an_in_place_step():
+    assert optim.in_place_step(optim.adamw(1e-3)) is not None
+    assert optim.in_place_step(optim.sgd(1e-3, momentum=0.9)) is None
+    assert optim.in_place_step(optim.chain(optim.scale_by_adam(), optim.scale(-1e-3))) is None
+
+
+def test_the_given_gradient_norm_reaches_only_the_first_transformation_of_a_chain():
+    params = _params()
+    grads = _grads(params, 0, scale=3.0)
+    norm = optim.global_norm(grads)
+    first = optim.clip_by_global_norm(1.0)
+    upd, _ = first.update(grads, first.init(params), params, grad_norm=norm * 2)   # used as given
+    torch.testing.assert_close(optim.global_norm(upd), torch.tensor(0.5, dtype=torch.float64), rtol=1e-5, atol=0)
+    # after a scaling the norm is no longer the updates': the clip computes its own
+    later = optim.chain(optim.scale(2.0), optim.clip_by_global_norm(1.0))
+    upd, _ = later.update(grads, later.init(params), params, grad_norm=norm)
+    torch.testing.assert_close(optim.global_norm(upd), torch.tensor(1.0, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_the_eager_global_norm_equals_the_sum_of_squares_within_rounding():
+    tree = {"a": torch.randn(100, 7), "b": torch.randn(3, dtype=torch.float64), "c": torch.randn(5).bfloat16()}
+    ref = torch.sqrt(sum(torch.sum(x.double() ** 2) for x in optree.tree_leaves(tree)))
+    got = optim.global_norm(tree)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    assert not torch.isfinite(optim.global_norm({"a": torch.tensor([1.0, float("nan")])}))
+    assert not torch.isfinite(optim.global_norm({"a": torch.tensor([1.0, float("inf")])}))
