@@ -77,24 +77,30 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
                                    sq_reducer)
         flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)), "update_held": held}
         return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
-    up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer)
-    if tracing and donate_state:
+    written = tracing and donate_state
+    up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
+                         check=not written)
+    if written:
         # the scalar guard only: the writes wait for no reduction over the update (one pass)
         up.params = write_into(params, tree_map(lambda new, old: keep_if(ok, new, old), up.params, params))
         up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(ok, new, old), up.opt_state,
                                                       opt_state))
-        up.written = True
+        # checked as written (the old values where skipped): a reduction that reads the stored
+        # parameters instead of computing the update a second time
+        update_ok = all_finite(tree_leaves(up.params), groups)
+        up.flags, up.finite, up.written = nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok, True
     return up
 
 
-def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer) -> Updated:
-    """The pure update (eager: in the step's own gradient buffers), then its finiteness."""
+def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
+                    check: bool = True) -> Updated:
+    """The pure update (eager: in the step's own gradient buffers), then (``check``) its finiteness."""
     donate = not is_tracing()
     updates, new_opt = optim.update_with(optimizer, grad_tree, opt_state, params, norm_reducer=sq_reducer,
                                          donate_updates=donate, grad_norm=grad_norm)
     new_params = optim.apply_updates(params, updates, donate_updates=optim.returns_fresh(optimizer, donate))
     updates = None
-    update_ok = all_finite(tree_leaves(new_params), groups)
+    update_ok = all_finite(tree_leaves(new_params), groups) if check else torch.ones((), dtype=torch.bool)
     return Updated(new_params, new_opt, grad_norm, nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok,
                    False)
 
@@ -114,12 +120,13 @@ def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
 
 def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
     """Whether every element of ``leaves`` is finite on every device (0-dim bool). Traced: the
-    count of non-finite elements per leaf (``(u * 0).sum()``, NaN iff ``u`` holds a NaN or inf,
-    was folded to 0 by inductor, which then applied infinite updates:
-    tests/test_nonfinite_guard.py). Eager: one foreach 2-norm per group of leaves (NaN or inf
-    iff a leaf holds one or its norm overflows, as the gradient norm then does), times 0."""
+    sum of each leaf, NaN or inf iff it holds a NaN or inf or its sum overflows (``(u * 0).sum()``
+    was folded to 0 by inductor, which then applied infinite updates, and a count of non-finite
+    elements cost 10% of the 20 M model's compiled step: tests/test_nonfinite_guard.py,
+    docs/compile.md). Eager: one foreach 2-norm per group of leaves (NaN or inf iff a leaf
+    holds one or its norm overflows, as the gradient norm then does), times 0."""
     if is_tracing():
-        return complete([(~torch.isfinite(u)).sum() for u in leaves], groups) == 0
+        return torch.isfinite(complete([u.sum() for u in leaves], groups))
     acc = acc_dtype(leaves)
     total = None
     for axes, group in groups:
