@@ -32,24 +32,37 @@ def keep_or_raise(metrics: dict, old: dict, params: Any, opt_state: Any, *, writ
     update found non-finite only after it was written, the run stops here with a
     :class:`NonFiniteError` (the state passed in was donated and now holds that update)."""
     skipped = bool(metrics["skipped"])
-    step = int(metrics["step"]) - 1
+    run = int(metrics.get("consecutive_skips", 0)) + 1 if skipped else 0
+    raise_if_stopping(metrics, run, written=written, on_nonfinite=on_nonfinite,
+                      max_consecutive_skips=max_consecutive_skips)
     if skipped:
-        if written and metrics.get("nonfinite_update") and not (
-                metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad")):
-            raise NonFiniteError(
-                f"step {step}: the {nonfinite_what(metrics)} is not finite and was already written "
-                f"into the donated state (train_step(donate_state=True) updates it in place); training "
-                f"stopped. Resume from a checkpoint with a lower learning rate, or use "
-                f"donate_state=False to skip such steps")
         params, opt_state = old["params"], old["opt_state"]
+    return params, opt_state, run
+
+
+def raise_if_stopping(metrics: dict, run: int, *, written: bool, on_nonfinite: str,
+                      max_consecutive_skips: int | None) -> None:
+    """Raise :class:`NonFiniteError` where a step read from the device (``metrics``: Python
+    numbers, ``step`` the counter after it; ``run``: the consecutive skipped steps up to and
+    including it) stops the run: an update found non-finite after it was ``written`` into a
+    donated state, a skipped step with ``on_nonfinite="raise"``, or ``max_consecutive_skips``
+    reached. Used after every step's read, and for each step of a deferred read in order
+    (functional_pp/deferred_metrics.py), so the error names the step it is about."""
+    skipped = bool(metrics["skipped"])
+    step = int(metrics["step"]) - 1
+    if skipped and written and metrics.get("nonfinite_update") and not (
+            metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad")):
+        raise NonFiniteError(
+            f"step {step}: the {nonfinite_what(metrics)} is not finite and was already written "
+            f"into the donated state (train_step(donate_state=True) updates it in place); training "
+            f"stopped. Resume from a checkpoint with a lower learning rate, or use "
+            f"donate_state=False to skip such steps")
     if skipped and on_nonfinite == "raise":
         raise NonFiniteError(f"step {step}: {nonfinite_what(metrics)} is not finite; "
                              f"training stopped (set on_nonfinite='skip' to skip such steps)")
-    run = int(metrics.get("consecutive_skips", 0)) + 1 if skipped else 0
     if max_consecutive_skips is not None and run >= max_consecutive_skips:
         raise NonFiniteError(
             f"step {step}: {run} consecutive steps were skipped because the "
             f"{nonfinite_what(metrics)} is not finite; training stopped (max_consecutive_skips="
             f"{max_consecutive_skips}). Lower the learning rate, check the data, or resume "
             f"from an earlier checkpoint")
-    return params, opt_state, run

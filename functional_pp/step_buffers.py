@@ -21,6 +21,19 @@ def keep_if(finite: torch.Tensor, new: Any, old: Any) -> Any:
     return torch.where(finite, new, old)
 
 
+def select_finite(finite: torch.Tensor, new: list, old: list) -> list:
+    """``new[i]`` where the step is ``finite``, else ``old[i]``, chosen on the device (the list
+    ``new`` is replaced item by item, so each new buffer can be freed once its select is made:
+    eager, at most one leaf more than the step's own buffers). Deferred metrics' steps that make
+    their state in new buffers (docs/eager_overhead.md "Host synchronisation")."""
+    for i, o in enumerate(old):
+        n = new[i]
+        if isinstance(n, torch.Tensor) and n is not o:
+            new[i] = torch.where(finite, n, o)
+        n = None
+    return new
+
+
 def write_into(old: Any, new: Any) -> Any:
     """``new`` copied into the buffers of ``old`` (a tree of the same structure) wherever the
     shapes and dtypes agree; the tree of ``old``'s tensors. Compiled steps with donated state:

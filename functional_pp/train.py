@@ -26,21 +26,23 @@ from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
 from .named import Named, _make, configure, env, settle, wrap
-from .ops.token_ids import deferred_checks, raise_if_bad
+from .ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
 from .runtime import Options, current_context
 from .shard_map import use_rules
 from .nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
-from .step_buffers import acc_dtype, as_dtype, master_copy
+from .deferred_metrics import PendingSteps, StepMetrics
+from .step_buffers import acc_dtype, as_dtype, master_copy, select_finite
 from .step_io import check_batch, peak_memory, read_step_metrics, split_micro
 from .step_update import redo_held, update_phase
 from .torch_private import is_tracing, trace_backward
-from .tree import leaves_with_paths
+from .tree import leaves_with_paths, tree_leaves
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+METRICS_MODES = ("per_step", "deferred")
 
 
 @dataclass
@@ -115,12 +117,18 @@ class TrainStep:
     donate_state: bool = False            # the caller gives up the state passed in: compiled steps
     #                                       write the new state into it (the old state may be overwritten;
     #                                       docs/memory.md "Donated state")
+    metrics: str = "per_step"             # per_step: each call reads its metrics (one transfer) | deferred:
+    #                                       none does; StepMetrics read at step.read() or first use
+    #                                       (docs/eager_overhead.md "Host synchronisation")
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        if self.metrics not in METRICS_MODES:
+            raise ValueError(f"metrics {self.metrics!r}: choose 'per_step' (read after every step) or 'deferred' "
+                             f"(read at step.read() or when a value is used)")
         check_bucket_mb(self.bucket_mb)
         if self.cp_attention not in (None, "ring", "allgather"):
             raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
@@ -136,6 +144,7 @@ class TrainStep:
         self._compiled = None
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
+        self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -165,7 +174,11 @@ class TrainStep:
                 "consecutive_skips": torch.zeros((), dtype=torch.int64)}
 
     # ------------------------------------------------------------- the step
-    def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
+    def __call__(self, state: dict, batch: dict) -> tuple[dict, dict | StepMetrics]:
+        """One step: ``(new state, metrics)``. With ``metrics="per_step"`` the metrics are Python
+        numbers, read after the step (one transfer) and the host checks done; with
+        ``metrics="deferred"`` a :class:`StepMetrics` read later with every unread step
+        (:meth:`read`), skipped steps chosen on the device (docs/eager_overhead.md)."""
         if self.spec is None:
             raise RuntimeError("call step.init(params) before the first step")
         if self.mesh is not None and current_context(required=False) is not None:
@@ -198,6 +211,8 @@ class TrainStep:
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m, (written, retry) = fn(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+        if self.metrics == "deferred":
+            return self._defer(state, params, opt_state, step, skipped, m, written, id_checks, t0)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
         metrics, bad_ids = read_step_metrics(m, step, id_checks)    # the step's one device-to-host read
@@ -210,16 +225,40 @@ class TrainStep:
         params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,
                                                on_nonfinite=self.on_nonfinite,
                                                max_consecutive_skips=self.max_consecutive_skips)
-        seconds = time.perf_counter() - t0
+        self._host_values(metrics, time.perf_counter() - t0)
+        metrics["peak_memory_bytes"] = peak_memory()
+        metrics["consecutive_skips"] = run
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
+                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
+
+    def _host_values(self, metrics: dict, seconds: float) -> None:
+        """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu."""
         metrics["step_time_s"] = seconds
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
         if self.flops_per_token and self.peak_flops_per_device:
             n = (self.mesh.size if self.mesh else 1)
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
-        metrics["peak_memory_bytes"] = peak_memory()
-        metrics["consecutive_skips"] = run
+
+    def _defer(self, state, params, opt_state, step, skipped, m, written, id_checks, t0) -> tuple[dict, StepMetrics]:
+        """metrics="deferred": the new state (a skipped step's already chosen on the device) and
+        the step's metrics kept unread; the run of skipped steps counted on the device."""
+        run = state.get("consecutive_skips")
+        skip = m["skipped"]
+        run = skip if run is None else (torch.as_tensor(run) + skip) * skip    # +1, or 0 after a taken step
+        window = getattr(self._unread, "steps", None)
+        if window is None:
+            window = self._unread.steps = PendingSteps(self._host_values, on_nonfinite=self.on_nonfinite,
+                                                       max_consecutive_skips=self.max_consecutive_skips)
+        metrics = window.add(m, step, run, id_checks, written=written, started=t0)
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
-                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
+                "consecutive_skips": run}, metrics
+
+    def read(self) -> list[StepMetrics]:
+        """metrics="deferred": read this device's unread steps in one transfer and run their host
+        checks in order (raising for the first failing step: NonFiniteError, TokenIdError);
+        returns their metrics. Nothing to do (an empty list) in the per-step mode."""
+        window = getattr(self._unread, "steps", None)
+        return window.read() if window is not None else []
 
     def policy(self) -> ContextManager[Options]:
         """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
@@ -275,10 +314,13 @@ class TrainStep:
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
+            checked = checks_so_far()
             loss_named = settle(self.loss_fn(named_params, named_batch))
             named_params = None
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
+            if self.metrics == "deferred":
+                loss = self._nan_if_bad_ids(loss, checked)
             diff = [x for x in xs if x.requires_grad]
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
@@ -294,11 +336,29 @@ class TrainStep:
         # norm, optimizer and the device side of the non-finite guard (step_update.py)
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
                           self.spec.axis_groups(env()[0]), donate_state=self.donate_state)
+        if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
+            new = [*tree_leaves(up.params), *tree_leaves(up.opt_state)]
+            n_params, tree_p, tree_o = len(leaves), up.params, up.opt_state
+            up.params = up.opt_state = None
+            new = select_finite(up.finite, new, [*leaves, *tree_leaves(opt_state)])
+            up.params = optree.tree_unflatten(optree.tree_structure(tree_p, none_is_leaf=False), new[:n_params])
+            up.opt_state = optree.tree_unflatten(optree.tree_structure(tree_o, none_is_leaf=False), new[n_params:])
+            tree_p = tree_o = new = None
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry)
+
+    @staticmethod
+    def _nan_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:
+        """metrics="deferred": the loss times NaN where a token-id check of this micro-batch
+        failed, so its gradient is NaN and the step is skipped on every device by the non-finite
+        guard (the error is raised at the read; docs/bad_inputs.md §1)."""
+        bad = failed_flag(since)
+        if bad is None:
+            return loss
+        return loss * torch.where(bad, float("nan"), 1.0)   # (a factor without gradient of its own)
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_pp as fpp
 from functional_pp.models import llama
+from host_reads import HostReads as _HostReads, transfers  # noqa: F401 (a fixture)
 
 attention_ops = importlib.import_module("functional_pp.ops.attention")    # (the package exports
 rotary_ops = importlib.import_module("functional_pp.ops.rotary")          # functions of these names)
@@ -30,34 +31,6 @@ def _step(**options):
     step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2, weight_decay=0.1,
                                                                                    clip_norm=1.0), **options)
     return step, step.init(fpp.init(llama.init, CFG, seed=0))
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts the aten ops that copy a tensor's value to the host (``.item()``, ``float()``,
-    ``bool()``, ``int()`` all end in ``_local_scalar_dense``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def transfers(monkeypatch):
-    """Counts whole-tensor transfers to the host (``tolist``, ``numpy``), which do not dispatch."""
-    seen = []
-    for name in ("tolist", "numpy"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _original=original, _name=name, **k):
-            seen.append(_name)
-            return _original(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return seen
 
 
 @pytest.mark.parametrize("donate_state", [False, True], ids=["new-state", "donated-state"])

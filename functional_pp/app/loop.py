@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Mapping
 
 import torch
 
@@ -161,7 +161,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
                          batch_dims=batch_dims,
-                         donate_state=True)   # the loop never reads a step's input state again
+                         donate_state=True,   # the loop never reads a step's input state again
+                         metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
     metrics_path = out_dir / METRICS
     eval_every = cfg.eval_steps or cfg.logging.log_every
 
@@ -243,6 +244,35 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         last_saved, saved_path, stopped = start, None, False
         step = start
         t0 = time.perf_counter()
+        unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
+
+        def read_and_log(with_eval: bool = False) -> None:
+            """Read the unread steps' metrics (one transfer: the step's host checks raise here,
+            naming the first failing step, once the steps before it are logged), evaluate if asked
+            and log them (docs/eager_overhead.md "Host synchronisation")."""
+            error = None
+            try:
+                step_fn.read()
+            except Exception as exc:   # noqa: BLE001 (re-raised below)
+                error = exc
+            eval_loss = evaluate(step_fn, state, val_loader) if with_eval and error is None else None
+            for i, (s, m, elapsed) in enumerate(unread):
+                if getattr(m, "error", None) is not None:
+                    break                    # the failing step and those after it
+                m = dict(m)
+                losses.append(m["loss"])
+                if eval_loss is not None and i == len(unread) - 1:
+                    m["eval_loss"] = eval_loss
+                if lead:
+                    m["elapsed_s"] = elapsed
+                    if latest is not None and s == start + 1:
+                        m["resumed_from"] = start
+                    loggers.log(s, m)
+                    progress.update(s, m)
+            unread.clear()
+            if error is not None:
+                raise error
+
         try:
             while step < cfg.max_steps:
                 asked = stop.event.is_set() or (stop_after is not None and step >= stop_after)
@@ -255,25 +285,24 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if lead and report_text is None:
                     with comm.comm_report() as rep:
                         state, m = step_fn(state, batch)
-                    report_text = comm_report_text(rep, m["step"], mesh, cfg)
+                    report_text = comm_report_text(rep, step + 1, mesh, cfg)
                     (out_dir / COMM_REPORT).write_text(report_text + "\n")
                     progress.message(report_text)
                 else:
                     state, m = step_fn(state, batch)
-                step = int(m["step"])
-                losses.append(m["loss"])
-                if val_loader is not None and (step % eval_every == 0 or step == cfg.max_steps):
-                    m = dict(m, eval_loss=evaluate(step_fn, state, val_loader))
-                if lead:
-                    m = dict(m, elapsed_s=time.perf_counter() - t0)
-                    if latest is not None and step == start + 1:
-                        m["resumed_from"] = start
-                    loggers.log(step, m)
-                    progress.update(step, m)
-                if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                step += 1
+                unread.append((step, m, time.perf_counter() - t0))
+                with_eval = val_loader is not None and (step % eval_every == 0 or step == cfg.max_steps)
+                save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
+                # read every log_every steps, after the first one, and before an evaluation or a
+                # checkpoint: no checkpoint holds a state past an unreported error
+                if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
+                    read_and_log(with_eval)
+                if save_now:
                     saved_path, last_saved = save(state, loader, step), step
                     if lead:
                         progress.message(f"saved checkpoint {saved_path}")
+            read_and_log()
             final = stopped or cfg.checkpoint.save_final
             if final and step != last_saved:
                 saved_path, last_saved = save(state, loader, step), step

@@ -105,13 +105,37 @@ def _summary(flat: torch.Tensor, bad: torch.Tensor, shape, code: int, vocab: int
 
 def raise_if_bad(summaries: list[tuple[torch.Tensor, tuple[str, ...]]]) -> None:
     """Raise :class:`TokenIdError` for the first failed summary of :func:`deferred_checks`."""
+    message = bad_id_message(summaries)
+    if message is not None:
+        raise TokenIdError(message)
+
+
+def bad_id_message(summaries: list[tuple[torch.Tensor, tuple[str, ...]]]) -> str | None:
+    """The error message of the first failed summary of :func:`deferred_checks` (read from the
+    device), or None when every check passed."""
     for summary, dims in summaries:
         s = summary.tolist()
         if s[0]:
             code, value, vocab, ignore = s[1], s[2], s[3], s[4]
             coords = s[5:5 + min(len(dims), _MAX_DIMS)]
-            raise TokenIdError(_message(code, value, coords, dims, vocab,
-                                        None if ignore == -(2 ** 62) else ignore))
+            return _message(code, value, coords, dims, vocab, None if ignore == -(2 ** 62) else ignore)
+    return None
+
+
+def failed_flag(since: int = 0) -> torch.Tensor | None:
+    """Whether a check collected by the enclosing :func:`deferred_checks` (those from index
+    ``since`` on) failed, as a 0-dim bool on the device (no host read); None without checks."""
+    pending = getattr(_state, "pending", None) or []
+    flags = [summary.flag if isinstance(summary, _LazySummary) else summary[0] != 0
+             for summary, _ in pending[since:]]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+def checks_so_far() -> int:
+    """How many checks the enclosing :func:`deferred_checks` has collected (0 outside one)."""
+    return len(getattr(_state, "pending", None) or [])
 
 
 def _stride(shape: Sequence[int], d: int) -> int:
