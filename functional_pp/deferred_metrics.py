@@ -158,7 +158,7 @@ class PendingSteps:
         step = metrics["step"] - 1
         if bad_ids:
             message = bad_id_message(s.id_checks)     # a second transfer, for a failing step only
-            return TokenIdError(f"step {step}: {message} (the step was skipped: its gradient was made NaN)")
+            return TokenIdError(f"step {step}: {message} (the step was skipped: its gradient was made non-finite)")
         if metrics.get("update_held") and self.on_nonfinite == "raise":
             return NonFiniteError(f"step {step}: the {nonfinite_what(metrics)} was skipped; training stopped "
                                   f"(on_nonfinite='raise'; metrics='per_step' redoes such updates in new "

@@ -352,13 +352,12 @@ class TrainStep:
 
     @staticmethod
     def _nan_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:
-        """metrics="deferred": the loss times NaN where a token-id check of this micro-batch
-        failed, so its gradient is NaN and the step is skipped on every device by the non-finite
-        guard (the error is raised at the read; docs/bad_inputs.md §1)."""
+        """metrics="deferred": the loss divided by 0 where a token-id check of this micro-batch
+        failed (by 1 otherwise), so its gradient is not finite and reaches every device through
+        the gradient reductions: the non-finite guard skips the step everywhere (the error is
+        raised at the read; docs/bad_inputs.md §1)."""
         bad = failed_flag(since)
-        if bad is None:
-            return loss
-        return loss * torch.where(bad, float("nan"), 1.0)   # (a factor without gradient of its own)
+        return loss if bad is None else loss / ~bad
 
     def _micro_weights(self, micro: list[dict]):
         """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
