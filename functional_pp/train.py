@@ -320,7 +320,7 @@ class TrainStep:
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
             if self.metrics == "deferred":
-                loss = self._nan_if_bad_ids(loss, checked)
+                loss = self._non_finite_if_bad_ids(loss, checked)
             diff = [x for x in xs if x.requires_grad]
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
@@ -337,13 +337,7 @@ class TrainStep:
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
                           self.spec.axis_groups(env()[0]), donate_state=self.donate_state)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
-            new = [*tree_leaves(up.params), *tree_leaves(up.opt_state)]
-            n_params, tree_p, tree_o = len(leaves), up.params, up.opt_state
-            up.params = up.opt_state = None
-            new = select_finite(up.finite, new, [*leaves, *tree_leaves(opt_state)])
-            up.params = optree.tree_unflatten(optree.tree_structure(tree_p, none_is_leaf=False), new[:n_params])
-            up.opt_state = optree.tree_unflatten(optree.tree_structure(tree_o, none_is_leaf=False), new[n_params:])
-            tree_p = tree_o = new = None
+            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
@@ -351,7 +345,22 @@ class TrainStep:
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry)
 
     @staticmethod
-    def _nan_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:
+    def _keep_old_if_skipped(up, old_params: list, old_opt_state: Any) -> tuple[Any, Any]:
+        """metrics="deferred", a state made in new buffers: the new parameters and optimizer
+        state of ``up`` where the step is finite, else the old ones, selected on the device
+        (``up``'s references are dropped first, so each new buffer is freed once its select is
+        made; docs/eager_overhead.md "Host synchronisation")."""
+        import optree
+        trees = (optree.tree_structure(up.params, none_is_leaf=False),
+                 optree.tree_structure(up.opt_state, none_is_leaf=False))
+        new = [*tree_leaves(up.params), *tree_leaves(up.opt_state)]
+        up.params = up.opt_state = None
+        new = select_finite(up.finite, new, [*old_params, *tree_leaves(old_opt_state)])
+        n = len(old_params)
+        return optree.tree_unflatten(trees[0], new[:n]), optree.tree_unflatten(trees[1], new[n:])
+
+    @staticmethod
+    def _non_finite_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:
         """metrics="deferred": the loss divided by 0 where a token-id check of this micro-batch
         failed (by 1 otherwise), so its gradient is not finite and reaches every device through
         the gradient reductions: the non-finite guard skips the step everywhere (the error is

@@ -97,9 +97,10 @@ def test_deferred_steps_read_nothing_until_the_one_read(transfers, mode, reads_p
     assert transfers == ["tolist"] * (3 * reads_per_step + (1 - reads_per_step))
 
 
-@pytest.mark.parametrize("options", [{}, {"donate_state": True}, {"compile": "aot_eager"},
-                                     {"compile": "aot_eager", "donate_state": True}],
-                         ids=["eager", "eager-donated", "aot_eager", "aot_eager-donated"])
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="eager"), pytest.param({"donate_state": True}, id="eager-donated"),
+    pytest.param({"compile": "aot_eager"}, id="aot_eager", marks=pytest.mark.slow),
+    pytest.param({"compile": "aot_eager", "donate_state": True}, id="aot_eager-donated", marks=pytest.mark.slow)])
 def test_deferred_and_per_step_runs_agree_and_a_nonfinite_step_is_skipped_on_the_device(options):
     batches = _batches(4, nan_at=(1,))
     per_step, m_per_step, _ = _run("per_step", batches, **options)
@@ -112,6 +113,29 @@ def test_deferred_and_per_step_runs_agree_and_a_nonfinite_step_is_skipped_on_the
     assert [m["consecutive_skips"] for m in m_deferred] == [0, 1, 0, 0]
     assert m_deferred[1]["step"] == 2 and m_deferred[1]["nonfinite_loss"] == 1
     assert int(last["skipped"]) == 1 and int(last["step"]) == 4
+
+
+@pytest.mark.parametrize("donate_state", [True, False], ids=["donated", "new-buffers"])
+def test_a_deferred_step_needs_no_more_memory_than_a_per_step_one_but_one_leaf_for_its_selects(donate_state):
+    from memtrack import peak_memory
+    cfg = llama.Config(vocab=256, hidden=64, layers=1, heads=4, kv_heads=2, mlp=128, max_seq=16,
+                       tie_embeddings=False, rope_scaling=None)
+    ids = torch.randint(0, cfg.vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    peaks = {}
+    for mode in ("per_step", "deferred"):
+        step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-2), metrics=mode,
+                              donate_state=donate_state)
+        state = step.init(fpp.init(llama.init, cfg, seed=0))
+        state, _ = step(state, batch)                    # warm
+        step.read()
+        with peak_memory() as peak:
+            state, _ = step(state, batch)
+        step.read()
+        peaks[mode] = peak.bytes
+    leaf = max(x.numel() * x.element_size() for x in optree.tree_leaves(state["params"]))   # 64 KiB
+    extra = peaks["deferred"] - peaks["per_step"]
+    assert extra <= (1024 if donate_state else leaf + 1024), (peaks, leaf)
 
 
 def test_host_figures_are_filled_at_the_read():
