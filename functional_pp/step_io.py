@@ -27,8 +27,8 @@ def nonfinite_what(metrics: dict) -> str:
     if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
         return values                    # (the update follows from them)
     if metrics.get("update_held"):       # deferred metrics: a held in-place update is not redone
-        return (f"in-place optimizer update (with a finite {values}; held back unwritten because it "
-                f"could not be shown finite, docs/eager_overhead.md \"Host synchronisation\")")
+        return (f"in-place optimizer update (with a finite {values}; it could not be shown finite, so "
+                f"it was held back unwritten: docs/eager_overhead.md \"Host synchronisation\")")
     return f"optimizer update (with a finite {values})"
 
 
