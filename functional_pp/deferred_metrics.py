@@ -65,6 +65,9 @@ class StepMetrics(Mapping):
     def __len__(self) -> int:
         return len(self._read())
 
+    def __reduce__(self):
+        return dict, (dict(self._read()),)      # pickled (e.g. from a process launch) as its values
+
     def __repr__(self) -> str:
         if self.pending:
             return "StepMetrics(<on the device until read>)"

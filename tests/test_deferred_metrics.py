@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import pickle
 import re
 import warnings
 
@@ -154,7 +155,8 @@ def test_host_figures_are_filled_at_the_read():
         assert m["peak_memory_bytes"] > 0
 
 
-@pytest.mark.parametrize("case", ["raise", "max_consecutive_skips", "bad_token_id", "bad_token_id-donated"])
+@pytest.mark.parametrize("case", ["raise", "max_consecutive_skips", "bad_token_id", "bad_token_id-donated",
+                                  "bad_token_id-grad_accum"])
 def test_host_checks_raise_at_the_read_naming_the_first_offending_step(case):
     options, nan_at, bad_id_at, error, first = {
         "raise": ({"on_nonfinite": "raise"}, (1, 2), (), NonFiniteError, "step 1: loss nan"),
@@ -162,6 +164,8 @@ def test_host_checks_raise_at_the_read_naming_the_first_offending_step(case):
                                   "step 2: 2 consecutive steps were skipped"),
         "bad_token_id": ({}, (), (2, 3), TokenIdError, "step 2: embed: token id 69 at position [batch 1, seq 4]"),
         "bad_token_id-donated": ({"donate_state": True}, (), (2, 3), TokenIdError, "step 2: embed: token id 69"),
+        "bad_token_id-grad_accum": ({"grad_accum": 2}, (), (2,), TokenIdError,    # in the second micro-batch
+                                    "step 2: embed: token id 69 at position [batch 0, seq 4]"),
     }[case]
     offending = int(first.split(":")[0].split()[1])
     step, state = _step("deferred", **options)
@@ -179,6 +183,7 @@ def test_host_checks_raise_at_the_read_naming_the_first_offending_step(case):
         with pytest.raises(error, match=re.escape(first)):
             m["loss"]
     assert step.read() == []
+    assert pickle.loads(pickle.dumps(metrics[0])) == dict(metrics[0])
 
 
 def test_a_held_in_place_update_is_counted_as_skipped_and_reported_at_the_read():
