@@ -25,8 +25,9 @@ MAX_PENDING_STEPS = 256
 
 class StepMetrics(Mapping):
     """One step's metrics (the keys of the per-step mode's dict). Asking for any value reads
-    every pending step of the device in one transfer (:meth:`PendingSteps.read`); a value
-    of a step at or after the first failed host check raises that error instead."""
+    every pending step of the device in one transfer (:meth:`PendingSteps.read`). The read's
+    error (the first failed host check) is raised by the access that made the read, and then by
+    every access to the failing step's or a later step's values; earlier steps stay readable."""
 
     def __init__(self) -> None:
         self._values: dict | None = None

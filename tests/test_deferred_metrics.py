@@ -63,6 +63,14 @@ def _run(mode: str, batches: list[dict], **options):
     return states, [dict(m) for m in metrics], state
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled steps' graphs dropped afterwards: each TrainStep adds a cache entry to
+    ``_device_step``'s code, and dynamo allows only a few per code object."""
+    yield
+    torch._dynamo.reset()
+
+
 def _same_metrics(a: dict, b: dict) -> bool:
     keys = set(a) - set(HOST_KEYS)
     return keys == set(b) - set(HOST_KEYS) and all(
@@ -102,7 +110,7 @@ def test_deferred_steps_read_nothing_until_the_one_read(transfers, mode, reads_p
     pytest.param({}, id="eager"), pytest.param({"donate_state": True}, id="eager-donated"),
     pytest.param({"compile": "aot_eager"}, id="aot_eager", marks=pytest.mark.slow),
     pytest.param({"compile": "aot_eager", "donate_state": True}, id="aot_eager-donated", marks=pytest.mark.slow)])
-def test_deferred_and_per_step_runs_agree_and_a_nonfinite_step_is_skipped_on_the_device(options):
+def test_deferred_and_per_step_runs_agree_and_a_nonfinite_step_is_skipped_on_the_device(options, fresh_dynamo):
     batches = _batches(4, nan_at=(1,))
     per_step, m_per_step, _ = _run("per_step", batches, **options)
     deferred, m_deferred, last = _run("deferred", batches, **options)

@@ -9,7 +9,10 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
 (simulated threads, or this process's rank under torchrun):
 
 - a progress line (loss, tokens/s, ETA) and ``metrics.jsonl`` (one JSON line per step) from
-  rank 0; the communication of the first step per mesh axis in ``comm_report.txt``;
+  rank 0, written when the steps' metrics are read from the device: after the first step,
+  every ``logging.log_every`` steps, before evaluations and checkpoints, and at the end
+  (``metrics="deferred"``: no step waits for the device; docs/eager_overhead.md);
+  the communication of the first step per mesh axis in ``comm_report.txt``;
 - checkpoints (params, optimizer state, step, RNG, loader position, config) every
   ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM;
 - ``resume=True`` continues from the newest checkpoint in the output directory, with losses
