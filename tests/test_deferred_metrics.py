@@ -9,7 +9,9 @@ import io
 import math
 import pickle
 import re
+import sys
 import warnings
+from pathlib import Path
 
 import optree
 import pytest
@@ -227,6 +229,17 @@ def test_a_device_reads_once_it_holds_the_most_unread_steps(monkeypatch, transfe
 def test_the_metrics_mode_is_checked():
     with pytest.raises(ValueError, match="metrics 'lazy': choose 'per_step'"):
         fpp.train_step(_loss, fpp.optim.sgd(0.1), metrics="lazy")
+
+
+def test_the_host_sync_benchmark_trains_both_modes_alike():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import host_sync
+    finally:
+        sys.path.pop(0)
+    r = host_sync.run(steps=4, read_every=2, donate=False)     # (it checks that the losses are equal)
+    assert r["steps"] == 4 and r["per_step_cpu_ms"] > 0 and r["deferred_cpu_ms"] > 0
+    assert r["ratio_deferred_per_step"] == pytest.approx(r["deferred_cpu_ms"] / r["per_step_cpu_ms"])
 
 
 def _gloo_runs():
