@@ -307,14 +307,16 @@ def _train(out, monkeypatch, per_step: bool = False, **overrides):
         monkeypatch.setattr(train_module, "train_step", per_step_train_step)
     cfg = {**LOOP, **overrides}
     cfg["logging"] = {**cfg["logging"], "output_dir": str(out)}
-    train(TrainConfig.from_dict(cfg, name="t"), simulate=1, stream=io.StringIO())
+    train(TrainConfig.from_dict(cfg, name="t"), stream=io.StringIO())
     monkeypatch.undo()
     return [{k: v for k, v in m.items() if k not in LOOP_HOST_KEYS} for m in read_metrics(out / "metrics.jsonl")]
 
 
 @pytest.mark.slow
-def test_the_trainer_loop_reads_every_log_every_steps_and_logs_what_the_per_step_loop_logs(tmp_path, monkeypatch):
-    per_step = _train(tmp_path / "per_step", monkeypatch, per_step=True)
+@pytest.mark.parametrize("mesh", [{}, {"dp_shard_size": 2}], ids=["one-device", "fsdp-2-simulated"])
+def test_the_trainer_loop_reads_every_log_every_steps_and_logs_what_the_per_step_loop_logs(tmp_path, monkeypatch,
+                                                                                            mesh):
+    per_step = _train(tmp_path / "per_step", monkeypatch, per_step=True, **mesh)
     reads = []
     original = deferred_metrics._one_transfer
 
@@ -323,11 +325,13 @@ def test_the_trainer_loop_reads_every_log_every_steps_and_logs_what_the_per_step
         reads.append(len(values))
         return values
     monkeypatch.setattr(deferred_metrics, "_one_transfer", counted)
-    deferred = _train(tmp_path / "deferred", monkeypatch)
+    deferred = _train(tmp_path / "deferred", monkeypatch, **mesh)
     assert [m["step"] for m in deferred] == [1, 2, 3, 4, 5]
     assert deferred == per_step and all(math.isfinite(m["loss"]) for m in deferred)
     per_read = reads[0]                                  # the values of one step
-    assert reads == [per_read, per_read, 2 * per_read, per_read], "steps 1, 2, 3-4, 5 read together"
+    devices = 1 + bool(mesh)                             # (each device reads its own)
+    assert reads == [x for x in [per_read, per_read, 2 * per_read, per_read] for _ in range(devices)], \
+        "steps 1, 2, 3-4, 5 read together"
 
 
 class _BadSecondBatch:
