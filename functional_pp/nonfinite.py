@@ -29,8 +29,10 @@ def keep_or_raise(metrics: dict, old: dict, params: Any, opt_state: Any, *, writ
     return and the run of consecutive skipped steps. A skipped step returns the old state
     ``old`` itself, except where the step ``written`` its result into that state: then the
     state was kept by the step's scalar guard (a non-finite loss or gradient), or, for an
-    update found non-finite only after it was written, the run stops here with a
-    :class:`NonFiniteError` (the state passed in was donated and now holds that update)."""
+    update found non-finite only after it was written (a compiled donated step of an optimizer
+    without a pre-update bound, ``optim.update_bound``; one with a bound holds such a step and
+    the host redoes it in new buffers), the run stops here with a :class:`NonFiniteError` (the
+    state passed in was donated and now holds that update)."""
     skipped = bool(metrics["skipped"])
     step = int(metrics["step"]) - 1
     if skipped:
@@ -38,9 +40,10 @@ def keep_or_raise(metrics: dict, old: dict, params: Any, opt_state: Any, *, writ
                 metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad")):
             raise NonFiniteError(
                 f"step {step}: the {nonfinite_what(metrics)} is not finite and was already written "
-                f"into the donated state (train_step(donate_state=True) updates it in place); training "
-                f"stopped. Resume from a checkpoint with a lower learning rate, or use "
-                f"donate_state=False to skip such steps")
+                f"into the donated state (train_step(donate_state=True) updates it in place, and this "
+                f"optimizer has no pre-update bound, optim.update_bound, to hold such a step back); "
+                f"training stopped. Resume from a checkpoint with a lower learning rate, or use "
+                f"donate_state=False (or optim.adamw, which has a bound) to skip such steps")
         params, opt_state = old["params"], old["opt_state"]
     if skipped and on_nonfinite == "raise":
         raise NonFiniteError(f"step {step}: {nonfinite_what(metrics)} is not finite; "
