@@ -30,8 +30,10 @@ def keep_or_raise(metrics: dict, old: dict, params: Any, opt_state: Any, *, writ
     return and the run of consecutive skipped steps. A skipped step returns the old state
     ``old`` itself, except where the step ``written`` its result into that state: then the
     state was kept by the step's scalar guard (a non-finite loss or gradient), or, for an
-    update found non-finite only after it was written, the run stops here with a
-    :class:`NonFiniteError` (the state passed in was donated and now holds that update)."""
+    update found non-finite only after it was written (a compiled donated step of an optimizer
+    without a pre-update bound, ``optim.update_bound``; one with a bound holds such a step and
+    the host redoes it in new buffers), the run stops here with a :class:`NonFiniteError` (the
+    state passed in was donated and now holds that update)."""
     skipped = bool(metrics["skipped"])
     run = int(metrics.get("consecutive_skips", 0)) + 1 if skipped else 0
     raise_if_stopping(metrics, run, written=written, on_nonfinite=on_nonfinite,
@@ -55,9 +57,10 @@ def raise_if_stopping(metrics: dict, run: int, *, written: bool, on_nonfinite: s
             metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad")):
         raise NonFiniteError(
             f"step {step}: the {nonfinite_what(metrics)} is not finite and was already written "
-            f"into the donated state (train_step(donate_state=True) updates it in place); training "
-            f"stopped. Resume from a checkpoint with a lower learning rate, or use "
-            f"donate_state=False to skip such steps")
+            f"into the donated state (train_step(donate_state=True) updates it in place, and this "
+            f"optimizer has no pre-update bound, optim.update_bound, to hold such a step back); "
+            f"training stopped. Resume from a checkpoint with a lower learning rate, or use "
+            f"donate_state=False (or optim.adamw, which has a bound) to skip such steps")
     if skipped and on_nonfinite == "raise":
         raise NonFiniteError(f"step {step}: {nonfinite_what(metrics)} is not finite; "
                              f"training stopped (set on_nonfinite='skip' to skip such steps)")

@@ -10,13 +10,15 @@ One of three ways, per step:
   (docs/memory.md); the state passed in is untouched, and the host returns it for a skipped
   step after the step's one metrics read (``nonfinite.keep_or_raise``);
 * **traced**: the pure update, returned as new tensors the host chooses between as above, or,
-  with donated state, written into the state passed in under the same scalar guard. Nothing
-  the writes depend on needs the whole update first, so the compiler makes one pass over the
-  state (docs/compile.md "Step time").
+  with donated state, written into the state passed in under the same scalar guard and, where
+  the optimizer has one, its pre-update bound (``optim.update_bound``): a step the bound
+  cannot show finite is held (nothing written) and redone by the host in new buffers, as an
+  in-place step is. Nothing the writes depend on needs the whole update first, so the
+  compiler makes one pass over the state (docs/compile.md "Step time").
 
-The update's own finiteness is checked after it is computed (a reduction that does not hold
-the writes back); an in-place step that finds it non-finite has already written it, and the
-host stops the run (``nonfinite.keep_or_raise``)."""
+A step that returns new buffers checks the update's finiteness after computing it. A donated
+compiled step of an optimizer without a bound checks the values written; one found non-finite
+has already been written, and the host stops the run (``nonfinite.keep_or_raise``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ import torch
 from . import optim
 from .collectives import psum
 from .nonfinite import nonfinite_flags
+from .optim.bounds import grad_and_bound_norms
 from .step_buffers import acc_dtype, keep_if, own_buffers, write_into
 from .torch_private import is_tracing
 from .tree import tree_leaves, tree_map
@@ -40,7 +43,8 @@ class Updated:
     """What the update phase returns: the new parameters and optimizer state (the very tensors
     passed in when ``written``), the global gradient norm, the non-finite flags and whether
     the step counts as finite. ``retry`` (eager in place only): makes the update in new
-    buffers instead, for a step whose in-place step held itself back (``flags["update_held"]``)."""
+    buffers instead, for a step whose in-place step held itself back (``flags["update_held"]``;
+    a held compiled step has none: the host runs the whole step again without donation)."""
     params: Any
     opt_state: Any
     grad_norm: torch.Tensor
@@ -65,7 +69,12 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
     # eager: the optimizer may overwrite the step's own gradient buffers
     grad_tree = optree.tree_unflatten(treespec, grads if tracing else own_buffers(grads, leaves))
     grads.clear()
-    grad_norm = optim.global_norm(grad_tree, sq_reducer)
+    written = tracing and donate_state
+    bound = optim.update_bound(optimizer) if written else None
+    if bound is not None:   # the bound's norm, known before the update, read with the gradients' (one loop)
+        grad_norm, bound_n = grad_and_bound_norms(bound, tree_leaves(grad_tree), opt_state, params, sq_reducer)
+    else:
+        grad_norm = optim.global_norm(grad_tree, sq_reducer)
     ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
     in_place = optim.in_place_step(optimizer) if donate_state and not tracing else None
     held = (in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm, norm_reducer=sq_reducer)
@@ -77,16 +86,25 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
                                    sq_reducer)
         flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)), "update_held": held}
         return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
-    written = tracing and donate_state
+    shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
     up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
                          check=not written)
     if written:
-        # the scalar guard only: the writes wait for no reduction over the update (one pass)
-        up.params = write_into(params, tree_map(lambda new, old: keep_if(ok, new, old), up.params, params))
-        up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(ok, new, old), up.opt_state,
+        # scalars only: the writes wait for no reduction over the update (one pass)
+        write = ok & shown if shown is not None else ok
+        up.params = write_into(params, tree_map(lambda new, old: keep_if(write, new, old), up.params, params))
+        up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(write, new, old), up.opt_state,
                                                       opt_state))
-        # checked as written (the old values where skipped): a reduction that reads the stored
-        # parameters instead of computing the update a second time
+        if shown is not None:
+            # held (nothing written) where the bound could not show the update finite: the host
+            # makes it in new buffers, as after the eager in-place step (docs/optim.md "Bound
+            # before the update")
+            flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)),
+                     "update_held": ok & ~shown}
+            up.flags, up.finite, up.written = flags, write, True
+            return up
+        # no bound: checked as written (the old values where skipped), a reduction that reads the
+        # stored parameters instead of computing the update a second time
         update_ok = all_finite(tree_leaves(up.params), groups)
         up.flags, up.finite, up.written = nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok, True
     return up

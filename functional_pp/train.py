@@ -6,10 +6,12 @@ gradients of sharded parameters arrive reduced exactly once over every mesh axis
 data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -33,7 +35,7 @@ from .nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteErr
 from .deferred_metrics import PendingSteps, StepMetrics
 from .step_buffers import acc_dtype, as_dtype, master_copy, select_finite
 from .step_io import check_batch, peak_memory, read_step_metrics, split_micro
-from .step_update import redo_held, update_phase
+from .step_update import Updated, redo_held, update_phase
 from .torch_private import is_tracing, trace_backward
 from .tree import leaves_with_paths, tree_leaves
 
@@ -142,6 +144,7 @@ class TrainStep:
                              f"{self.max_consecutive_skips!r}")
         self.spec: ParamSpec | None = None
         self._compiled = None
+        self._compiled_new_buffers = None       # a held compiled donated step's redo (_redo_without_donation)
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
         self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
@@ -203,11 +206,7 @@ class TrainStep:
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
-        # thread-local settings are set outside the compiled region
-        with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
-                compiled_layers(step_backend(layer_compile) if layer_compile else None), \
-                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
-                            prefetch=self.fsdp_prefetch, order=self._unit_order), \
+        with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m, (written, retry) = fn(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch)
@@ -219,6 +218,8 @@ class TrainStep:
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
         if metrics.pop("update_held", 0):     # rare: nothing written in place; update in new buffers
+            if retry is None:    # a compiled step: run again without donation (docs/compile.md)
+                retry = functools.partial(self._redo_without_donation, state, batch)
             params, opt_state, skipped, metrics = redo_held(retry, state["skipped"], metrics)
             written = False
         # the state to return, or a NonFiniteError: chosen after the one read (nonfinite.py)
@@ -259,6 +260,36 @@ class TrainStep:
         returns their metrics. Nothing to do (an empty list) in the per-step mode."""
         window = getattr(self._unread, "steps", None)
         return window.read() if window is not None else []
+
+    @contextmanager
+    def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
+        """The step's thread-local settings, set outside the compiled region."""
+        with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
+                compiled_layers(step_backend(layer_compile) if layer_compile else None), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
+                            prefetch=self.fsdp_prefetch, order=self._unit_order):
+            yield
+
+    def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
+        """A held compiled donated step (its state passed in untouched: nothing was written) made
+        again by the compiled step without donation (a second graph, compiled at the first held
+        step): the update in new buffers, checked as such a step checks it."""
+        step_compile, layer_compile = split_mode(self.compile)
+        with self._compile_lock:
+            if self._compiled_new_buffers is None:
+                self._compiled_new_buffers = CompileGate(
+                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile),
+                                  fullgraph=True, dynamic=False),
+                    type(self)._device_step_new_buffers.__code__)
+        reset_region_ids()
+        with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
+            params, opt_state, _, _, m, _ = self._compiled_new_buffers(
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+        return Updated(params, opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+                       m["skipped"] == 0, False)
+
+    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch):
+        return self._device_step(params, opt_state, step, skipped, batch, donate_state=False)
 
     def policy(self) -> ContextManager[Options]:
         """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
@@ -301,7 +332,7 @@ class TrainStep:
             named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
         return optree.tree_unflatten(treespec, named)
 
-    def _device_step(self, params, opt_state, step, skipped, batch):
+    def _device_step(self, params, opt_state, step, skipped, batch, donate_state: bool | None = None):
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         micro = split_micro(batch, self.grad_accum)
@@ -335,7 +366,8 @@ class TrainStep:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # norm, optimizer and the device side of the non-finite guard (step_update.py)
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
-                          self.spec.axis_groups(env()[0]), donate_state=self.donate_state)
+                          self.spec.axis_groups(env()[0]),
+                          donate_state=self.donate_state if donate_state is None else donate_state)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())

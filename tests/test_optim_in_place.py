@@ -10,6 +10,7 @@ import torch
 
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
+from functional_pp.optim.bounds import grad_and_bound_norms
 
 STEPS = 5
 
@@ -134,6 +135,51 @@ def test_an_in_place_step_that_cannot_show_its_result_finite_holds_back_and_touc
     state = ok.init(params)
     assert not optim.in_place_step(ok)(grads, state, params, skip=torch.tensor(False),
                                        grad_norm=optim.global_norm(grads))
+
+
+@pytest.mark.parametrize("lr, shown", [(1.0, True), (1e12, False), (1e30, False), (float("inf"), False)])
+def test_adamw_bound_shows_the_new_parameters_finite_before_the_update_as_its_in_place_step_decides(lr, shown):
+    params = _params(torch.float32)
+    opt = optim.adamw((lambda count: torch.tensor(lr)) if lr == float("inf") else lr, weight_decay=0.1)
+    state = opt.init(params)
+    grads = _grads(params, 0)
+    norm = optim.global_norm(grads)
+    before = optree.tree_map(torch.clone, (params, state, grads))
+    bound = optim.update_bound(opt)
+    grad_norm, n = grad_and_bound_norms(bound, optree.tree_leaves(grads), state, params, _add_up)
+    torch.testing.assert_close(grad_norm, norm)
+    assert bool(bound.shows_finite(n, state, params)) is shown
+    for x, y in zip(optree.tree_leaves((params, state, grads)), optree.tree_leaves(before)):
+        assert torch.equal(x, y)                        # reductions only: nothing written
+    held = optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False), grad_norm=norm)
+    assert bool(held) is not shown
+    if shown:       # and what the bound let through is finite
+        assert all(torch.isfinite(x).all() for x in optree.tree_leaves(params))
+
+
+def _add_up(sums):
+    return torch.stack(optree.tree_leaves(sums)).sum()
+
+
+def test_the_bound_norm_is_the_norm_of_gradients_parameters_and_first_moments_traced_or_not():
+    params = _params(torch.float32)
+    opt = optim.adamw(1e-3)
+    state = opt.init(params)
+    state[0].mu.update({k: torch.full_like(v, 0.5) for k, v in params.items()})
+    grads = _grads(params, 0)
+    expected = torch.cat([x.flatten() for x in optree.tree_leaves((grads, params, state[0].mu))]).double().norm()
+    eager = grad_and_bound_norms(optim.update_bound(opt), optree.tree_leaves(grads), state, params, _add_up)
+    traced = torch.compile(lambda g, s, p: grad_and_bound_norms(optim.update_bound(opt), optree.tree_leaves(g), s, p,
+                                                                _add_up), backend="eager", fullgraph=True)
+    for grad_norm, n in (eager, traced(grads, state, params)):
+        torch.testing.assert_close(n, expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad_norm, optim.global_norm(grads), rtol=1e-6, atol=0)
+
+
+def test_only_adamw_offers_a_bound():
+    assert optim.update_bound(optim.adamw(1e-3, clip_norm=1.0)) is not None
+    assert optim.update_bound(optim.sgd(1e-3, momentum=0.9)) is None
+    assert optim.update_bound(optim.chain(optim.scale_by_adam(), optim.scale(-1e-3))) is None
 
 
 def test_only_optimizers_that_have_one_offer_an_in_place_step():

@@ -3,12 +3,13 @@
 ``base`` (the transformation type, scaling, momentum, applying updates), ``combine``
 (``chain``), ``adam`` (``scale_by_adam``), ``clipping`` (global norm), ``masking`` (masks,
 weight decay), ``schedules`` (learning-rate schedules), ``optimizers`` (``sgd``, ``adamw``,
-``from_config``), ``fused`` (in-place steps on torch's fused kernels)."""
+``from_config``), ``fused`` (in-place steps on torch's fused kernels), ``bounds`` (pre-update
+bounds: new parameters shown finite before they are written)."""
 
 from . import schedules
 from .adam import ScaleByAdamState, scale_by_adam
 from .base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState, apply_updates, identity,
-                   in_place_step, returns_fresh, scale, scale_by_learning_rate, scale_by_schedule, state_like_params, trace,
+                   in_place_step, returns_fresh, update_bound, scale, scale_by_learning_rate, scale_by_schedule, state_like_params, trace,
                    tree_map, update_with)
 from .clipping import NormReducer, clip_by_global_norm, global_norm
 from .combine import chain
@@ -17,7 +18,7 @@ from .optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by
 
 __all__ = [
     "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
-    "NormReducer", "tree_map", "apply_updates", "update_with", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
+    "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
     "scale_by_learning_rate", "scale_by_adam", "scale_by_adamw", "add_decayed_weights", "trace",
     "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
     "state_like_params", "sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS",

@@ -97,13 +97,15 @@ class GradientTransformation(NamedTuple):
 
 
 def transform(init: Callable[[PyTree], PyTree], update: Callable[..., tuple], returns: str,
-              in_place: Callable[..., None] | None = None) -> GradientTransformation:
+              in_place: Callable[..., None] | None = None, bound: Any = None) -> GradientTransformation:
     """A transformation whose ``update`` accepts the extra keyword arguments (``**extra``) and
     returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`).
     ``in_place``: an optional implementation of update *and* apply that writes the new
-    parameters and state into the tensors given (:func:`in_place_step`, docs/optim.md)."""
+    parameters and state into the tensors given (:func:`in_place_step`, docs/optim.md);
+    ``bound``: an optional pre-update bound (:func:`update_bound`)."""
     update.fpp_returns = returns
     update.fpp_in_place = in_place
+    update.fpp_bound = bound
     return GradientTransformation(init, update)
 
 
@@ -116,6 +118,16 @@ def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
     norm (for clipping). For callers whose state is theirs to overwrite (a donated training
     state); results equal the pure path's within rounding (docs/optim.md "In place")."""
     return getattr(t.update, "fpp_in_place", None)
+
+
+def update_bound(t: GradientTransformation) -> Any:
+    """The transformation's pre-update bound (an :class:`functional_pp.optim.bounds.UpdateBound`),
+    or None: from one global norm of the gradients and tensors of ``params`` and the state, a
+    0-dim bool, true only where the parameters ``update`` followed by :func:`apply_updates`
+    would make are certainly finite, known before the update is computed and equal on every
+    device. A step that writes into its state writes only where it is true (docs/optim.md
+    "Bound before the update")."""
+    return getattr(t.update, "fpp_bound", None)
 
 
 def update_with(t: GradientTransformation, updates: PyTree, state: PyTree, params: PyTree = None,

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
+from .bounds import adamw_bound, bound_norm
 from .masking import Mask, resolve_mask
 
 FUSED_DEVICES = ("cpu", "cuda")
@@ -21,11 +22,13 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
     step's ``skip`` as its ``found_inf`` (the kernel leaves every tensor as it was), then the
     step counters advanced unless skipped.
 
-    A written state cannot be taken back, so the step first bounds what it would write
-    (:func:`_finite_bound`) and holds itself back, changing nothing, where it cannot show the
-    new parameters finite. It returns that ``held`` flag (0-dim bool; the caller then makes the
+    A written state cannot be taken back, so the step first bounds what it would write (the
+    optimizer's pre-update bound, :func:`functional_pp.optim.bounds.adamw_bound`) and holds
+    itself back, changing nothing, where it cannot show the new parameters finite. It returns that ``held`` flag (0-dim bool; the caller then makes the
     update another way), or None, touching nothing, where the kernel does not apply (a device
     other than cpu/cuda, a non-float leaf, moments of another dtype)."""
+
+    bound = adamw_bound(lr, b1, eps, weight_decay)
 
     def step(grads: PyTree, state: tuple, params: PyTree, *, skip: torch.Tensor,
              grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None) -> Optional[torch.Tensor]:
@@ -35,8 +38,7 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
         if not ps or not _applies(ps, gs, mus, nus):
             return None
         rate = torch.as_tensor(lr(schedule.count)) if callable(lr) else lr
-        bound = _finite_bound(ps, mus, grad_norm, rate, adam.count, b1, eps, weight_decay, norm_reducer)
-        held = ~skip & ~(bound < min(torch.finfo(p.dtype).max for p in ps) ** 0.5 / 4)
+        held = ~skip & ~bound.shows_finite(bound_norm(bound, state, params, grad_norm, norm_reducer), state, params)
         skip = skip | held
         if clip_norm is not None:    # clip_by_global_norm's formula, in the donated gradients
             coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)
@@ -61,25 +63,6 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
         return held
 
     return step
-
-
-def _finite_bound(ps: list, mus: list, grad_norm: torch.Tensor, rate: Any, count: torch.Tensor, b1: float,
-                  eps: float, weight_decay: float, norm_reducer: Optional[Callable]) -> torch.Tensor:
-    """An upper bound (fp64, 0-dim, equal on every device) of the 2-norm of any leaf of the new
-    parameters the kernel would write: ``|1 - lr wd| |p| + lr / (1 - b1^t) (|m| + |g|) / eps``
-    from the global 2-norms of the parameters, the first moments and the gradients (the new
-    first moment is a convex combination of the old one and the gradient, the denominator is
-    at least ``eps``). Loose by Adam's normalisation (up to about ``|g| / eps``), so it stays far
-    below the limit in any usual training; a learning rate such as 1e30 crosses it."""
-    from .clipping import sq_sums
-    reduce = norm_reducer if norm_reducer is not None else (lambda sq: torch.stack(tree_leaves(sq)).sum())
-    f64 = torch.float64
-    p_norm = reduce(sq_sums(ps)).to(f64).sqrt()
-    m_norm = reduce(sq_sums(mus)).to(f64).sqrt()
-    lr = torch.as_tensor(rate, dtype=f64)
-    bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=f64), (count + 1).to(f64))
-    shrink = torch.clamp((1.0 - lr * weight_decay).abs(), min=1.0)     # (masked leaves: no decay)
-    return shrink * p_norm + lr / bc1 * (m_norm + grad_norm.to(f64)) / eps
 
 
 def _applies(ps: list, gs: list, mus: list, nus: list) -> bool:

@@ -10,6 +10,7 @@ from . import schedules as _sched
 from .adam import scale_by_adam
 from .base import GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number, scale_by_learning_rate, \
     trace
+from .bounds import adamw_bound
 from .clipping import clip_by_global_norm
 from .combine import chain
 from .fused import adamw_in_place
@@ -65,13 +66,15 @@ def adamw(
     scale_by_learning_rate. Arguments are range-checked here (a ``ValueError`` names the bad
     one). Given donated gradients (the training step's), the chain works in place on them.
     Its in-place step (``optim.in_place_step``: a training step with donated state) is one
-    fused kernel pass (``optim.fused``).
+    fused kernel pass (``optim.fused``); its pre-update bound (``optim.update_bound``) lets a
+    step that writes into its state show the result finite first (``optim.bounds``).
     """
     lr = check_learning_rate("adamw", lr)
     opt = chain(*_maybe_clip(clip_norm), scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
                 scale_by_learning_rate(lr))
     opt.update.fpp_in_place = adamw_in_place(lr, float(b1), float(b2), float(eps), float(weight_decay), mask,
                                              None if clip_norm is None else float(clip_norm))
+    opt.update.fpp_bound = adamw_bound(lr, float(b1), float(eps), float(weight_decay))
     return opt
 
 
