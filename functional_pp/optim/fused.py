@@ -24,9 +24,10 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
 
     A written state cannot be taken back, so the step first bounds what it would write (the
     optimizer's pre-update bound, :func:`functional_pp.optim.bounds.adamw_bound`) and holds
-    itself back, changing nothing, where it cannot show the new parameters finite. It returns that ``held`` flag (0-dim bool; the caller then makes the
-    update another way), or None, touching nothing, where the kernel does not apply (a device
-    other than cpu/cuda, a non-float leaf, moments of another dtype)."""
+    itself back, changing nothing, where it cannot show the new parameters finite. It returns
+    that ``held`` flag (0-dim bool; the caller then makes the update another way), or None,
+    touching nothing, where the kernel does not apply (a device other than cpu/cuda, a
+    non-float leaf, moments of another dtype)."""
 
     bound = adamw_bound(lr, b1, eps, weight_decay)
 
