@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -36,7 +36,7 @@ from .deferred_metrics import PendingSteps, StepMetrics
 from .step_buffers import acc_dtype, as_dtype, master_copy, select_finite
 from .step_io import check_batch, peak_memory, read_step_metrics, split_micro
 from .step_update import Updated, redo_held, update_phase
-from .torch_private import is_tracing, trace_backward
+from .torch_private import compile_cache_limits, is_tracing, trace_backward
 from .tree import leaves_with_paths, tree_leaves
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
@@ -44,6 +44,10 @@ from .tree import leaves_with_paths, tree_leaves
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# every compiled TrainStep of a process adds graphs to the cache of the same function
+# (_device_step): dynamo's default of 8 per function would refuse the ninth step built in a
+# process (a sweep, a notebook, a test session); docs/compile.md "Many steps in one process"
+COMPILED_STEPS_PER_PROCESS = 64
 METRICS_MODES = ("per_step", "deferred")
 
 
@@ -264,7 +268,9 @@ class TrainStep:
     @contextmanager
     def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
         """The step's thread-local settings, set outside the compiled region."""
+        compiling = bool(step_compile or layer_compile)
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
+                compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
                             prefetch=self.fsdp_prefetch, order=self._unit_order):

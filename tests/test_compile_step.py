@@ -126,3 +126,30 @@ def test_compiled_remat_on_a_composed_mesh_equals_one_device():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-6, atol=0)
         for (path, a), (_, b) in zip(fpp.leaves_with_paths(params), fpp.leaves_with_paths(ref[4])):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m: f"{path}: {m}")
+
+
+def test_more_compiled_steps_than_dynamos_default_limit_in_one_process():
+    """Every compiled TrainStep adds a graph to the cache of the same function
+    (``TrainStep._device_step``): the ninth one built in a process must compile too, not fail
+    on dynamo's default limit of 8 entries per function (docs/compile.md "Many steps in one
+    process"). Each step trains like its eager twin."""
+    torch._dynamo.reset()
+    decls = {"w": fpp.param((4, 3), "x y", init="normal")}
+
+    def loss_fn(p, batch):
+        return fpp.ops.sum(p["w"] * p["w"])
+
+    params = fpp.init(lambda: decls, seed=0)
+    batch = {"tokens": torch.ones(2, 2, dtype=torch.long)}
+    try:
+        for i in range(12):
+            lr = 0.01 * (i + 1)
+            results = []
+            for compile in ("aot_eager", False):
+                step = fpp.train_step(loss_fn, fpp.optim.sgd(lr), compile=compile)
+                state, metrics = step(step.init(params), batch)
+                results.append(state["params"]["w"])
+            torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+            torch.testing.assert_close(results[0], params["w"].data * (1 - 2 * lr))
+    finally:
+        torch._dynamo.reset()
