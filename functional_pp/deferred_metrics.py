@@ -16,7 +16,7 @@ import torch
 
 from .nonfinite import NonFiniteError, raise_if_stopping
 from .ops.token_ids import TokenIdError, bad_id_message
-from .step_io import nonfinite_what, peak_memory
+from .step_io import nonfinite_what, one_transfer, peak_memory
 
 # a device keeps at most this many unread steps; the step that reaches it reads them (their
 # 0-dim metrics and, eager, the token-id checks' views of their batches stay alive until read)
@@ -121,7 +121,7 @@ class PendingSteps:
         if not steps:
             return []
         try:
-            values = _one_transfer([v for s in steps for v in s.scalars])
+            values = one_transfer([v for s in steps for v in s.scalars])
         except BaseException as exc:
             for s in steps:
                 s.metrics._error = exc
@@ -174,11 +174,3 @@ class PendingSteps:
             return exc
         return None
 
-
-def _one_transfer(scalars: list[torch.Tensor]) -> list[float]:
-    """The 0-dim tensors ``scalars`` as Python numbers, in one device-to-host transfer."""
-    device = scalars[0].device
-    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
-    scalars = [v if v.device == device else v.to(device) for v in scalars]
-    # stack(out=float64) converts each value exactly (int64 counters included), in one op
-    return torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64, device=device)).tolist()

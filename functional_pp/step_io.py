@@ -12,13 +12,20 @@ import torch
 def read_step_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
     """The step's metrics as Python numbers and whether a token-id check failed, read from the
     device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
-    scalars = [*m.values(), step, *[summary[0] for summary, _ in id_checks]]
-    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
-    # stack(out=float64) converts each value exactly (int64 counters included), in one op
-    values = torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64)).tolist()
+    values = one_transfer([*m.values(), step, *[summary[0] for summary, _ in id_checks]])
     metrics = dict(zip(m, values))
     metrics["step"] = int(values[len(m)])
     return metrics, any(values[len(m) + 1:])
+
+
+def one_transfer(scalars: list[torch.Tensor]) -> list[float]:
+    """The 0-dim (or one-element) tensors ``scalars`` as Python numbers, in one device-to-host
+    transfer (per-step metrics here, deferred ones in deferred_metrics.py)."""
+    device = scalars[0].device
+    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
+    scalars = [v if v.device == device else v.to(device) for v in scalars]
+    # stack(out=float64) converts each value exactly (int64 counters included), in one op
+    return torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64, device=device)).tolist()
 
 
 def nonfinite_what(metrics: dict) -> str:

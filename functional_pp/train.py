@@ -21,6 +21,7 @@ from .buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_p
 from .fsdp_order import UnitOrder
 from .fsdp_units import begin_forward, fsdp_units as layer_units
 from .compile_gate import CompileGate
+from .collectives import psum as sum_over
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
@@ -420,7 +421,6 @@ class TrainStep:
     def _token_count(self, mb: dict) -> torch.Tensor:
         """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
         first entry without labels): counted here, summed over the mesh axes splitting it."""
-        from .collectives import psum as sum_over
         key = "labels" if "labels" in mb else next(iter(mb))
         x = wrap(mb[key], self.batch_dims[key])
         n = (torch.count_nonzero(x.data != -100) if key == "labels" else

@@ -318,13 +318,13 @@ def test_the_trainer_loop_reads_every_log_every_steps_and_logs_what_the_per_step
                                                                                             mesh):
     per_step = _train(tmp_path / "per_step", monkeypatch, per_step=True, **mesh)
     reads = []
-    original = deferred_metrics._one_transfer
+    original = deferred_metrics.one_transfer
 
     def counted(scalars):
         values = original(scalars)
         reads.append(len(values))
         return values
-    monkeypatch.setattr(deferred_metrics, "_one_transfer", counted)
+    monkeypatch.setattr(deferred_metrics, "one_transfer", counted)
     deferred = _train(tmp_path / "deferred", monkeypatch, **mesh)
     assert [m["step"] for m in deferred] == [1, 2, 3, 4, 5]
     assert deferred == per_step and all(math.isfinite(m["loss"]) for m in deferred)
