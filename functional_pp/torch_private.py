@@ -75,6 +75,7 @@ def compile_backend(name: str, graph_pass):
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
+        from .buffer_reuse import reuse_past_ordering_deps
         from .kernel_order import INDUCTOR_PATCHES
 
         def backend(gm, example_inputs):
@@ -89,7 +90,9 @@ def compile_backend(name: str, graph_pass):
 
             # kernels in graph order: weight gradients not sunk to the optimizer (docs/compile.md)
             patches = {"post_grad_custom_pre_pass": Pass(), **INDUCTOR_PATCHES}
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            # matmul outputs overwritten in place past the donated update (docs/compile.md)
+            with reuse_past_ordering_deps():
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
             wrap = box.get("wrap")
             return wrap(compiled) if wrap else compiled
         return backend
