@@ -56,12 +56,5 @@ def restore_graph_order(nodes: list[Any]) -> list[Any]:
     return out
 
 
-def after_fusion(nodes: list[Any]) -> list[Any]:
-    """The compiled step's pass on inductor's fused kernels: graph order restored, then the
-    buffers' ordering-only users dropped (weak_users.py: dying buffers written in place)."""
-    from .weak_users import drop_ordering_only_users
-    return drop_ordering_only_users(restore_graph_order(nodes))
-
-
 # inductor config for a compiled training step (torch._inductor.config names)
-INDUCTOR_PATCHES = {"reorder_for_locality": False, "_post_fusion_custom_pass": after_fusion}
+INDUCTOR_PATCHES = {"reorder_for_locality": False, "_post_fusion_custom_pass": restore_graph_order}

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 
 # bottom to top; a module may import its own layer (without a cycle) and the layers below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("context", ("mesh", "layout", "order", "runtime", "comm", "observers", "torch_private", "in_flight", "kernel_order", "weak_users", "tree", "seeds", "recompute", "barrier", "layer_compile")),
+    ("context", ("mesh", "layout", "order", "runtime", "comm", "observers", "torch_private", "in_flight", "kernel_order", "tree", "seeds", "recompute", "barrier", "layer_compile")),
     ("collectives", ("raw_collectives", "transposes", "collectives", "buckets", "backends", "backends.*", "launch", "process_watch", "shard_map")),
     ("named", ("named", "reshard", "sharding", "init", "fsdp_units", "fsdp_order")),
     ("ops", ("ops", "ops.*", "remat")),
