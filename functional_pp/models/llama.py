@@ -137,7 +137,7 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     m = p["mlp"]
     gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
-    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.silu(gate) * up, m["down_proj"])
+    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), m["down_proj"])
     return ops.rename(out, seq="res_seq")
 
 

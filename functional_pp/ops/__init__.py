@@ -10,9 +10,10 @@ from .norms import layer_norm, rms_norm
 from .reduce import logsumexp, max, mean, softmax, sum  # noqa: A004
 from .rotary import Llama3Scaling, inverse_frequencies, rotary
 from .shape import merge_dims, rearrange, rename, split_dim, transpose
+from .swiglu import swiglu
 
 __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "softmax", "sum", "rotary",
            "Llama3Scaling", "inverse_frequencies", "rename", "split_dim", "merge_dims", "rearrange",
-           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind"]
+           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu"]
