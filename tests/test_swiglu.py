@@ -63,7 +63,7 @@ def _mlp_decls(dtype=torch.float64):
 
 
 def _mlp_loss(params, batch, swiglu=True):
-    x = batch["x"]
+    x = batch["x"].astype(params["w_gate"].data.dtype)       # (the compute dtype under precision="bf16")
     gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", x, params["w_gate"])
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", x, params["w_up"])
     h = ops.swiglu(gate, up) if swiglu else ops.silu(gate) * up
@@ -71,14 +71,15 @@ def _mlp_loss(params, batch, swiglu=True):
     return ops.mean(out * out, ("batch", "seq", "hidden"))
 
 
-def _mlp_steps(mesh, rules, swiglu, compile, steps=2):
+def _mlp_steps(mesh, rules, swiglu, compile, steps=2, precision="fp32"):
     """Per device: the losses and the gathered parameters after ``steps`` SGD steps."""
-    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    dtype = torch.float64 if precision == "fp32" else torch.float32      # (fp32 master weights)
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(2), dtype=dtype)
     step = fpp.train_step(functools.partial(_mlp_loss, swiglu=swiglu), fpp.optim.sgd(0.5), mesh=mesh,
-                          rules=rules, compile=compile, batch_dims={"x": "batch seq hidden"})
+                          rules=rules, compile=compile, batch_dims={"x": "batch seq hidden"}, precision=precision)
 
     def device():
-        state = step.init(fpp.init(_mlp_decls, mesh=mesh, rules=rules, seed=0))
+        state = step.init(fpp.init(_mlp_decls, dtype, mesh=mesh, rules=rules, seed=0))
         losses = []
         for _ in range(steps):
             state, m = step(state, {"x": x})
@@ -86,7 +87,7 @@ def _mlp_steps(mesh, rules, swiglu, compile, steps=2):
         if mesh is None:
             return losses, state["params"]
         with fpp.use_rules(rules):
-            return losses, fpp.sharding.gather(state["params"], _mlp_decls(), rules)
+            return losses, fpp.sharding.gather(state["params"], _mlp_decls(dtype), rules)
     return fpp.launch(device, mesh) if mesh is not None else [device()]
 
 
@@ -103,6 +104,18 @@ def test_swiglu_on_a_tp_mesh_matches_one_device_silu_times_up(compile):
         for k in ref_params:
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-12, atol=1e-14)
         assert ref_params["w_gate"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_bf16_swiglu_on_a_tp_mesh_matches_one_device_silu_times_up(compile):
+    """Mixed precision (bf16 compute, fp32 master weights): within bf16 rounding of the
+    one-device eager bf16 step written as silu(gate) * up."""
+    ref_losses, ref_params = _mlp_steps(None, fpp.Rules(), swiglu=False, compile=False, precision="bf16")[0]
+    for losses, params in _mlp_steps(fpp.Mesh(tp=2), fpp.Rules(mlp="tp"), swiglu=True, compile=compile,
+                                     precision="bf16"):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        for k in ref_params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=2e-2, atol=2e-3)
 
 
 def test_a_compiled_llama_step_keeps_no_silu_for_backward():
