@@ -37,11 +37,15 @@ class UpdateBound(NamedTuple):
 
 
 def params_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Whether every element of these (local) tensors is finite: a 0-dim bool from their largest
-    magnitude (NaN or inf iff one is; no overflow, no host read)."""
+    """Whether every element of these (local) tensors is finite: a 0-dim bool from their extreme
+    values (NaN or inf iff one is; no overflow, no host read; eager ``aminmax``, one pass without
+    temporaries, where the foreach infinity-norm is 5x slower on the CPU)."""
     if not leaves:
         return torch.ones((), dtype=torch.bool)
-    peaks = [x.abs().amax() for x in leaves] if is_tracing() else torch._foreach_norm(leaves, math.inf)
+    if is_tracing():
+        peaks = [x.abs().amax() for x in leaves]
+    else:
+        peaks = [v for x in leaves for v in torch.aminmax(x)]
     return torch.stack([torch.isfinite(x) for x in peaks]).all()
 
 
