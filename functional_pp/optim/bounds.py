@@ -163,6 +163,7 @@ def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: fl
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
+        step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
         room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(state[-3].mu)])
         return ((bc1 > 0) & (rate >= 0) & (rate * weight_decay <= MAX_DECAY)
                 & (step * torch.clamp(rate, min=1.0) < room))
