@@ -189,3 +189,9 @@ def check_mt19937_state_layout() -> None:
         raise RuntimeError(
             f"torch {torch.__version__}'s CPU generator state is not the layout functional_pp's "
             "init writes (torch_private.mt19937_state): update that function for this torch")
+
+
+def version_counter(x: torch.Tensor) -> int:
+    """The tensor's version counter: advanced by every in-place operation on it (or a view of it)
+    made through torch's ops (``Tensor._version``)."""
+    return x._version

@@ -25,6 +25,7 @@ from .collectives import psum as sum_over
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
+from .known_finite import KnownFinite
 from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
@@ -153,6 +154,7 @@ class TrainStep:
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
         self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
+        self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (known_finite.py)
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -211,11 +213,13 @@ class TrainStep:
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
+        finite = self._params_finite(state["params"])
         with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m, (written, retry) = fn(
-                state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite)
         if self.metrics == "deferred":
+            self._known_finite.remember(tree_leaves(params), finite)
             return self._defer(state, params, opt_state, step, skipped, m, written, id_checks, t0)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
@@ -231,11 +235,19 @@ class TrainStep:
         params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,
                                                on_nonfinite=self.on_nonfinite,
                                                max_consecutive_skips=self.max_consecutive_skips)
+        self._known_finite.remember(tree_leaves(params), finite)
         self._host_values(metrics, time.perf_counter() - t0)
         metrics["peak_memory_bytes"] = peak_memory()
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
+
+    def _params_finite(self, params: Any) -> torch.Tensor | None:
+        """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
+        (0-dim bool, read only for a state no step returned; docs/optim.md "Bound before the
+        update"); else None."""
+        bound = optim.update_bound(self.optimizer) if self.donate_state else None
+        return self._known_finite.flag(tree_leaves(params)) if getattr(bound, "needs_finite_params", False) else None
 
     def _host_values(self, metrics: dict, seconds: float) -> None:
         """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu."""
@@ -339,7 +351,8 @@ class TrainStep:
             named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
         return optree.tree_unflatten(treespec, named)
 
-    def _device_step(self, params, opt_state, step, skipped, batch, donate_state: bool | None = None):
+    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None,
+                     donate_state: bool | None = None):
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         micro = split_micro(batch, self.grad_accum)
@@ -374,7 +387,8 @@ class TrainStep:
         # norm, optimizer and the device side of the non-finite guard (step_update.py)
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
                           self.spec.axis_groups(env()[0]),
-                          donate_state=self.donate_state if donate_state is None else donate_state)
+                          donate_state=self.donate_state if donate_state is None else donate_state,
+                          params_finite=params_finite)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("named", ("named", "reshard", "sharding", "init", "fsdp_units", "fsdp_order")),
     ("ops", ("ops", "ops.*", "remat")),
     ("models", ("models", "models.*")),
-    ("training", ("train", "step_buffers", "step_io", "step_update", "nonfinite", "deferred_metrics", "compiler", "compile_gate", "overlap", "reinplace", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",
+    ("training", ("train", "step_buffers", "step_io", "step_update", "nonfinite", "known_finite", "deferred_metrics", "compiler", "compile_gate", "overlap", "reinplace", "grads", "optim", "optim.*", "checkpoint", "checkpoint.*", "plan", "plan.*", "plan_*",
                   "data", "data.*")),
     ("application", ("cli", "cli.*", "config", "config.*", "app", "app.*", "moved_modules", "__main__")),
 ]

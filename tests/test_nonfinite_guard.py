@@ -49,9 +49,9 @@ def _run(opt, **options):
 
 @pytest.mark.parametrize("donate_state", [False, True], ids=["new-buffers", "in-place-held-back"])
 def test_an_overflowing_adamw_update_is_skipped_and_the_old_state_kept(donate_state):
-    # lr 1e30: the in-place step cannot show its result finite, writes nothing, and the step makes
-    # the update in new buffers, as without donation: found non-finite (its norm overflows), skipped
-    state, new_state, metrics, before = _run(fpp.optim.adamw(1e30, weight_decay=0.1), donate_state=donate_state)
+    # lr 1e39 (inf in fp32): the in-place step cannot show its result finite, writes nothing, and
+    # the step makes the update in new buffers, as without donation: found non-finite, skipped
+    state, new_state, metrics, before = _run(fpp.optim.adamw(1e39, weight_decay=0.1), donate_state=donate_state)
     assert (metrics["nonfinite_update"], metrics["nonfinite_grad"], metrics["skipped"]) == (1, 0, 1)
     assert "update_held" not in metrics
     assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(new_state["params"]), before))
@@ -92,16 +92,17 @@ def test_compiled_donated_step_keeps_the_state_of_a_non_finite_loss_and_stops_on
 
 
 def _rates(count):
-    """With eps 1e-30, AdamW's bound (about 2 lr |p, m, g| / eps) lets 1e-30 through, not 1e-9
-    (whose update is finite and small), nor inf (whose update is not finite): one compiled graph
-    for the three steps (a skipped step does not advance the count)."""
-    return torch.where(count == 0, 1e-30, torch.where(count == 1, 1e-9, float("inf"))).to(torch.float32)
+    """AdamW's bound (docs/optim.md "Bound before the update") lets lr 1e-3 through, not 20 (lr wd
+    = 2: the decay factor 1 - lr wd leaves [0, 1]; its update is finite and small), nor inf (whose
+    update is not finite): one compiled graph for the three steps (a skipped step does not
+    advance the count)."""
+    return torch.where(count == 0, 1e-3, torch.where(count == 1, 20.0, float("inf"))).to(torch.float32)
 
 
 def _three_steps(donate_state, mesh=None, rules=None, processes=False, **options):
     """Per step: the metrics read, and whether the step returned the very tensors it was given."""
     mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
-    step = fpp.train_step(LOSS, fpp.optim.adamw(_rates, eps=1e-30, weight_decay=0.1), mesh=mesh, rules=rules,
+    step = fpp.train_step(LOSS, fpp.optim.adamw(_rates, weight_decay=0.1), mesh=mesh, rules=rules,
                           donate_state=donate_state, max_consecutive_skips=None, **options)
 
     def device():

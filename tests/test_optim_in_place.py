@@ -121,7 +121,8 @@ def test_in_place_step_declines_what_the_fused_kernel_cannot_take_and_touches_no
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_an_in_place_step_that_cannot_show_its_result_finite_holds_back_and_touches_nothing(dtype):
     params = _params(dtype)
-    opt = optim.adamw(1e30 if dtype == torch.float32 else 1e200, clip_norm=1.0)   # the new parameters overflow
+    # lr |g| / eps beyond the bound's margin (fp32: 2**101, fp64: 2**968)
+    opt = optim.adamw(1e30 if dtype == torch.float32 else 1e300, clip_norm=1.0)
     state = opt.init(params)
     before = optree.tree_map(torch.clone, (params, state))
     grads = _grads(params, 0)
@@ -161,19 +162,48 @@ def _add_up(sums):
     return torch.stack(optree.tree_leaves(sums)).sum()
 
 
-def test_the_bound_norm_is_the_norm_of_gradients_parameters_and_first_moments_traced_or_not():
+@pytest.mark.parametrize("weight_decay, kinds", [(0.1, "gm"), (2.0, "gpm")], ids=["decay<=1", "decay>1"])
+def test_the_bound_norm_is_the_norm_of_gradients_and_first_moments_and_parameters_only_above_unit_decay(
+        weight_decay, kinds):
+    # weight decay <= 1: no read of the parameters (their finiteness is a flag, docs/optim.md
+    # "Bound before the update"); above, the joint norm of gradients, parameters and first moments
     params = _params(torch.float32)
-    opt = optim.adamw(1e-3)
+    opt = optim.adamw(1e-3, weight_decay=weight_decay)
     state = opt.init(params)
     state[0].mu.update({k: torch.full_like(v, 0.5) for k, v in params.items()})
     grads = _grads(params, 0)
-    expected = torch.cat([x.flatten() for x in optree.tree_leaves((grads, params, state[0].mu))]).double().norm()
-    eager = grad_and_bound_norms(optim.update_bound(opt), optree.tree_leaves(grads), state, params, _add_up)
+    named = {"g": grads, "p": params, "m": state[0].mu}
+    expected = torch.cat([x.flatten() for k in kinds for x in optree.tree_leaves(named[k])]).double().norm()
+    bound = optim.update_bound(opt)
+    assert bound.needs_finite_params is (kinds == "gm")
+    eager = grad_and_bound_norms(bound, optree.tree_leaves(grads), state, params, _add_up)
     traced = torch.compile(lambda g, s, p: grad_and_bound_norms(optim.update_bound(opt), optree.tree_leaves(g), s, p,
                                                                 _add_up), backend="eager", fullgraph=True)
     for grad_norm, n in (eager, traced(grads, state, params)):
         torch.testing.assert_close(n, expected, rtol=1e-6, atol=0)
         torch.testing.assert_close(grad_norm, optim.global_norm(grads), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_the_bound_norm_is_infinite_for_non_finite_parameters_read_or_flagged(traced):
+    # a parameter that is not finite makes n infinite (the bound shows nothing), whether the
+    # bound reads the parameters (no flag given) or is told by the caller's flag (then it reads
+    # nothing: a wrong flag is believed)
+    params = _params(torch.float32)
+    opt = optim.adamw(1e-3, weight_decay=0.1)
+    state = opt.init(params)
+    grads = _grads(params, 0)
+    bad = optree.tree_map(torch.clone, params)
+    bad["w"][1, 2] = float("nan")
+    fn = lambda g, s, p, f: grad_and_bound_norms(optim.update_bound(opt), optree.tree_leaves(g), s, p,  # noqa: E731
+                                                 _add_up, f)
+    if traced:
+        fn = torch.compile(fn, backend="eager", fullgraph=True)
+    yes, no = torch.tensor(True), torch.tensor(False)
+    assert torch.isfinite(fn(grads, state, params, None)[1]) and torch.isfinite(fn(grads, state, params, yes)[1])
+    assert fn(grads, state, bad, None)[1] == float("inf") and fn(grads, state, params, no)[1] == float("inf")
+    assert torch.isfinite(fn(grads, state, bad, yes)[1])
+    assert not bool(optim.update_bound(opt).shows_finite(fn(grads, state, bad, None)[1], state, bad))
 
 
 def test_only_adamw_offers_a_bound():

@@ -24,7 +24,8 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
 
     A written state cannot be taken back, so the step first bounds what it would write (the
     optimizer's pre-update bound, :func:`functional_pp.optim.bounds.adamw_bound`) and holds
-    itself back, changing nothing, where it cannot show the new parameters finite. It returns
+    itself back, changing nothing, where it cannot show the new parameters finite (given
+    ``params_finite``, whether the parameters are, it does not read them). It returns
     that ``held`` flag (0-dim bool; the caller then makes the update another way), or None,
     touching nothing, where the kernel does not apply (a device other than cpu/cuda, a
     non-float leaf, moments of another dtype)."""
@@ -32,14 +33,16 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
     bound = adamw_bound(lr, b1, eps, weight_decay)
 
     def step(grads: PyTree, state: tuple, params: PyTree, *, skip: torch.Tensor,
-             grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None) -> Optional[torch.Tensor]:
+             grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None,
+             params_finite: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         adam, schedule = state[-3], state[-1]     # chain: [clip], adam, decay, learning rate
         ps, gs = tree_leaves(params), tree_leaves(grads)
         mus, nus = tree_leaves(adam.mu), tree_leaves(adam.nu)
         if not ps or not _applies(ps, gs, mus, nus):
             return None
         rate = torch.as_tensor(lr(schedule.count)) if callable(lr) else lr
-        held = ~skip & ~bound.shows_finite(bound_norm(bound, state, params, grad_norm, norm_reducer), state, params)
+        n = bound_norm(bound, state, params, grad_norm, norm_reducer, params_finite)
+        held = ~skip & ~bound.shows_finite(n, state, params)
         skip = skip | held
         if clip_norm is not None:    # clip_by_global_norm's formula, in the donated gradients
             coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)

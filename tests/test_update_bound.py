@@ -1,0 +1,228 @@
+"""AdamW's pre-update bound without a read of the parameters (functional_pp/optim/bounds.py,
+functional_pp/known_finite.py; docs/optim.md "Bound before the update"): finite parameters up to
+the dtype's largest value are updated where the Adam term stays below the margin, an update that
+would overflow is held, non-finite parameters are never written over, and a donated step (eager
+in place, compiled) decides as the step without donation."""
+from __future__ import annotations
+
+import functools
+
+import optree
+import pytest
+import torch
+
+import functional_pp as fpp
+import functional_pp.optim as optim
+from functional_pp import known_finite
+from functional_pp.models import llama
+from functional_pp.optim.bounds import grad_and_bound_norms, margin
+
+MAX32 = torch.finfo(torch.float32).max
+
+
+def _add_up(sums):
+    return torch.stack(optree.tree_leaves(sums)).sum()
+
+
+def _setup(dtype=torch.float32, lr=1e-3, weight_decay=0.0, b1=0.9, p_at=MAX32, m_at=0.0, eps=1e-8):
+    """One leaf whose element [0] is ``p_at`` with first moment ``m_at`` and gradient 0 (the
+    others of order 1), AdamW at its first step."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, generator=g).to(dtype)}
+    params["w"][0] = p_at
+    opt = optim.adamw(lr, b1=b1, eps=eps, weight_decay=weight_decay)
+    state = opt.init(params)
+    state[0].mu["w"][0] = m_at
+    grads = {"w": torch.randn(8, generator=g).to(dtype)}
+    grads["w"][0] = 0.0
+    return opt, params, state, grads
+
+
+def _decide(opt, params, state, grads, flag=None):
+    bound = optim.update_bound(opt)
+    _, n = grad_and_bound_norms(bound, optree.tree_leaves(grads), state, params, _add_up, flag)
+    return bool(bound.shows_finite(n, state, params))
+
+
+def _in_place(opt, params, state, grads):
+    """The in-place step's held flag, and the parameters after it."""
+    held = optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False),
+                                    grad_norm=optim.global_norm(grads))
+    return bool(held), params["w"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_parameter_at_the_dtypes_largest_value_with_a_small_update_is_shown_finite_and_written(dtype):
+    # the old joint bound (|p| in the norm, below sqrt(max) / 4) held this step
+    big = torch.finfo(dtype).max
+    opt, params, state, grads = _setup(dtype, weight_decay=0.1, p_at=big)
+    assert _decide(opt, params, state, grads)
+    if dtype == torch.bfloat16:        # (the fused kernel takes no bf16 parameters with fp32 moments)
+        return
+    held, w = _in_place(opt, params, state, grads)
+    assert not held and torch.isfinite(w).all() and w[0] == torch.tensor(big * (1 - 1e-4), dtype=dtype)
+
+
+@pytest.mark.parametrize("m_at, lr, weight_decay, eps, shown", [
+    (-1e27, 1e-3, 0.0, 1e-8, False), (-1e3, 1e-3, 0.0, 1e-8, True), (-1e3, 1e23, 0.0, 1e-8, False),
+    (0.0, 1e23, 0.0, 1e-8, False), (10.0, 1e-9, 1.0, 1e-30, False), (10.0, 1e-9, 1.0, 1e-20, True)])
+def test_an_update_that_could_overflow_the_largest_parameter_is_not_shown_and_held(m_at, lr, weight_decay, eps,
+                                                                                   shown):
+    # p = max: lr (|m|, |g|) / ((1 - b1) eps) beyond the margin (2**101) could round past it, and so
+    # could the pure chain's a + wd p before it is scaled by a small lr (hence max(1, lr))
+    opt, params, state, grads = _setup(lr=lr, m_at=m_at, weight_decay=weight_decay, eps=eps)
+    assert _decide(opt, params, state, grads) is shown
+    before = params["w"].clone()
+    held, w = _in_place(opt, params, state, grads)
+    assert held is not shown
+    if held:
+        assert torch.equal(w, before)          # nothing written
+    else:
+        assert torch.isfinite(w).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", ["large moment", "a + wd p", "b1 rounds to 1"])
+def test_the_updates_the_bound_holds_do_overflow_in_the_pure_chain(case):
+    # the held cases are real: the step without donation makes a non-finite parameter there
+    # (eager and compiled pure chain), so these conditions are not merely loose
+    if case == "large moment":
+        opt, params, state, grads = _setup(m_at=-1e27)
+    elif case == "a + wd p":
+        opt, params, state, grads = _setup(m_at=10.0, lr=1e-9, weight_decay=1.0, eps=1e-30)
+    else:       # 1 - 2**-25 is 1.0 in fp32: the fp32 bias correction 1 - b1^t is 0 at any step
+        opt, params, state, grads = _setup(b1=1 - 2 ** -25, p_at=1.0, m_at=1.0)
+        state[0].count.fill_(10 ** 6)      # (in fp64, 1 - b1^t is 0.03 there)
+    assert not _decide(opt, params, state, grads)
+
+    def pure(p, s, g):
+        updates, _ = opt.update(g, s, p)
+        return optim.apply_updates(p, updates)
+    for fn in (pure, torch.compile(pure, backend="inductor", fullgraph=True)):
+        assert not torch.isfinite(fn(params, state, grads)["w"][0])
+
+
+@pytest.mark.parametrize("lr, weight_decay, shown", [(1e-3, 0.1, True), (5.0, 0.19, True), (10.0, 0.1, False),
+                                                     (20.0, 0.1, False), (1e-3, 1.0, True)])
+def test_decay_beyond_one_minus_a_margin_is_held(lr, weight_decay, shown):
+    # lr wd > 1 - 2**-10: the decay factor 1 - lr wd may leave [0, 1] (|p (1 - lr wd)| > |p| at max)
+    opt, params, state, grads = _setup(lr=lr, weight_decay=weight_decay, p_at=1.0)
+    assert _decide(opt, params, state, grads) is shown
+
+
+def test_decay_above_one_keeps_the_bound_that_reads_the_parameters():
+    # wd > 1: the pure chain's wd * p overflows for p near max, so the bound needs |p| (the norm)
+    opt, params, state, grads = _setup(lr=1e-3, weight_decay=2.0, p_at=1.0)
+    assert not optim.update_bound(opt).needs_finite_params and _decide(opt, params, state, grads)
+    opt, params, state, grads = _setup(lr=1e-3, weight_decay=2.0, p_at=MAX32)
+    assert not _decide(opt, params, state, grads)
+
+
+def test_a_first_moment_decay_that_rounds_to_one_in_fp32_is_held():
+    # b1 = 1 - 1e-9 is 1.0 in fp32: the fp32 kernels' bias correction 1 - b1^t is 0
+    opt, params, state, grads = _setup(b1=1 - 1e-9, p_at=1.0)
+    assert not _decide(opt, params, state, grads)
+    opt, params, state, grads = _setup(b1=1 - 1e-6, p_at=1.0)
+    assert _decide(opt, params, state, grads)
+
+
+def test_the_margin_is_an_eighth_of_the_spacing_at_the_largest_value():
+    assert margin([torch.float32]) == 2.0 ** 101
+    assert margin([torch.float32, torch.bfloat16]) == 2.0 ** 101
+    assert margin([torch.bfloat16]) == 2.0 ** 117
+    assert margin([torch.float16]) == 4.0
+    assert margin([torch.float64]) == 2.0 ** 968
+    assert torch.tensor(MAX32) + 4 * margin([torch.float32]) * (1 - 2 ** -20) == MAX32    # below half a spacing
+    assert torch.isinf(torch.tensor(MAX32) + 8 * margin([torch.float32]))
+
+
+def test_non_finite_parameters_are_not_shown_finite_without_a_flag_or_with_a_false_one():
+    opt, params, state, grads = _setup(p_at=float("nan"))
+    assert not _decide(opt, params, state, grads)
+    opt, params, state, grads = _setup(p_at=1.0)
+    assert _decide(opt, params, state, grads) and not _decide(opt, params, state, grads, torch.tensor(False))
+
+
+# ----------------------------------------------------------------------------- training steps
+CFG = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=32, max_seq=16,
+                   tie_embeddings=False, rope_scaling=None)
+UNUSED = 2      # a token id the batch does not hold: its embedding row has gradient 0
+
+
+def _batch() -> dict:
+    ids = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert UNUSED not in ids[:, :-1]
+    return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _three_edited_steps(donate_state: bool, compile):
+    """Three steps of AdamW (lr 1e-3, no decay), the state edited by hand before each: an unused
+    embedding element set to fp32's largest value (written: stays finite); then to NaN (never
+    written over: skipped); then to the largest value with a first moment that makes it
+    overflow (held, redone, skipped). Per step: the metrics, whether the step returned the
+    tensors it was given, the edited element and the state after it."""
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), optim.adamw(1e-3), compile=compile,
+                          donate_state=donate_state, max_consecutive_skips=None)
+    state = step.init(fpp.init(llama.init, CFG, seed=0))
+    out = []
+    for value, moment in ((MAX32, None), (float("nan"), None), (MAX32, -1e27)):
+        state["params"]["embed_tokens"][UNUSED, 0] = value
+        if moment is not None:
+            state["opt_state"][-3].mu["embed_tokens"][UNUSED, 0] = moment
+        given = optree.tree_leaves(state["params"])
+        state, m = step(state, _batch())
+        new = optree.tree_leaves(state["params"])
+        out.append(({k: m[k] for k in ("skipped", "nonfinite_update", "nonfinite_grad")},
+                    all(a is b for a, b in zip(given, new)), float(state["params"]["embed_tokens"][UNUSED, 0]),
+                    [t.clone() for t in optree.tree_leaves([state["params"], state["opt_state"]])]))
+    return out
+
+
+def _assert_written_then_never_over_nan_then_held(donated):
+    (m0, same0, e0, _), (m1, _, e1, _), (m2, _, e2, _) = donated
+    assert m0 == {"skipped": 0, "nonfinite_update": 0, "nonfinite_grad": 0} and same0    # written, not held
+    assert e0 == MAX32                                     # (lr * 0 added, no decay)
+    assert m1["skipped"] == 1 and m1["nonfinite_update"] == 1 and m2 == m1          # held, redone, skipped
+    assert e1 != e1 and e2 == MAX32                        # (NaN, then the old value)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("compile", ["aot_eager", pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["aot_eager", "inductor"])
+def test_a_compiled_donated_step_writes_the_largest_value_holds_an_overflow_and_never_writes_over_nan(compile):
+    # as the compiled step without donation decides (its check: each leaf's largest magnitude)
+    donated, plain = _three_edited_steps(True, compile), _three_edited_steps(False, compile)
+    _assert_written_then_never_over_nan_then_held(donated)
+    for (md, _, _, sd), (mp, _, _, sp) in zip(donated, plain):
+        assert md == mp
+        for x, y in zip(sd, sp):
+            exact = compile == "aot_eager"        # (inductor rounds the donated step's graph otherwise)
+            torch.testing.assert_close(x, y, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6, equal_nan=True)
+
+
+def test_the_eager_in_place_step_writes_the_largest_value_holds_an_overflow_and_never_writes_over_nan():
+    # (the eager step without donation checks a 2-norm, which overflows here: docs/optim.md)
+    donated = _three_edited_steps(True, False)
+    _assert_written_then_never_over_nan_then_held(donated)
+    compiled = _three_edited_steps(True, "aot_eager")
+    for (md, _, _, sd), (mc, _, _, sc) in zip(donated, compiled):
+        assert md == mc
+        for x, y in zip(sd, sc):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_donated_state_returned_by_a_step_is_not_read_again(monkeypatch):
+    # the flag is carried: the parameters are read at the first step and after an edit only
+    reads = []
+    real = known_finite.params_finite
+    monkeypatch.setattr(known_finite, "params_finite", lambda leaves: reads.append(1) or real(leaves))
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), optim.adamw(1e-3), donate_state=True)
+    state = step.init(fpp.init(llama.init, CFG, seed=0))
+    counts = []
+    for i in range(4):
+        if i == 2:
+            state["params"]["norm"].mul_(1.0)      # an in-place edit: read again
+        state, _ = step(state, _batch())
+        counts.append(len(reads))
+    assert counts == [1, 1, 2, 2]
