@@ -87,7 +87,7 @@ def test_a_donated_inductor_step_writes_the_logits_gradient_into_the_logits():
     gradient; two without the reuse), and the same losses and parameters as the eager step."""
     from torch._inductor.utils import run_and_get_code
     batch = _batch()
-    opt = fpp.optim.adamw(1e-2, weight_decay=0.1)
+    opt = fpp.optim.sgd(0.5, momentum=0.9)
     compiled = fpp.train_step(_loss, opt, compile=True, donate_state=True)
     eager = fpp.train_step(_loss, opt, donate_state=True)
     cs, es = compiled.init(_init()), eager.init(_init())

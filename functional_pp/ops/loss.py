@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import collectives as C
 from ..named import _EMPTY, Named, _make, require_named, settle
 from .regather import relayout
 from . import reduce as R
 from .token_ids import check_ids
+from .xent_rows import nll_rows
 
 IGNORE_INDEX = -100
 
@@ -18,7 +18,8 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     """Mean token cross-entropy over every non-ignored label, with the global token count.
 
     ``logits`` has the labels' dimensions plus ``vocab``; the vocabulary may be split (the
-    max and the sum of exponentials are reduced across the split)."""
+    max and the sum of exponentials are reduced across the split). Each row's gradient is
+    written out, one pass over the logits (``ops/xent_rows.py``)."""
     require_named("cross_entropy", logits=logits, labels=labels)
     logits = settle(logits)
     if logits.data.dtype in (torch.float16, torch.bfloat16):
@@ -35,26 +36,37 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     lab = labels.data.permute(order) if order != sorted(order) else labels.data
     lab = check_ids(lab, logits.shape[vocab], "cross_entropy", other, ignore_index)   # before the split
     split_other = tuple(logits.split[logits.dims.index(d)] for d in other)
-    if not v_axes:                 # whole vocabulary here: torch's fused kernel
-        nll = F.cross_entropy(logits.data.movedim(vi, -1).reshape(-1, logits.data.shape[vi]), lab.reshape(-1),
-                              ignore_index=ignore_index, reduction="none").reshape(lab.shape)
+    x = logits.data.movedim(vi, -1)                         # the vocabulary last (a view)
+    valid = lab != ignore_index
+    if v_axes:
+        nll = _split_nll_rows(logits, x, lab, vocab, other, split_other)
+    else:
+        # one pass over the logits in backward too (ops/xent_rows.py); an ignored row's index
+        # is any index, its row masked below
+        nll = nll_rows(x, lab.clamp(0, x.shape[-1] - 1), torch.logsumexp(x.detach(), -1))
         if not any(split_other) and not logits.vary and not labels.vary:
             # nothing split or varying: the same sums and division without named bookkeeping
             # the count as an integer (exact; the division converts it as a float count would)
-            count = torch.count_nonzero(lab != ignore_index).clamp_min(1)
-            return _make(nll.sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
-        valid = Named((lab != ignore_index).to(nll.dtype), other, split_other, labels.vary)
-        return R.sum(Named(nll, other, split_other, logits.vary)) / _count(valid)
-    lse = R.logsumexp(logits, vocab)                      # dims: other
-    n_local = logits.data.shape[vi]
-    local = lab - (C.axis_index(v_axes) * n_local if v_axes else 0)
-    inside = (local >= 0) & (local < n_local)
-    idx = torch.where(inside, local, torch.zeros_like(local)).unsqueeze(vi)
-    picked = logits.data.gather(vi, idx).squeeze(vi) * inside.to(logits.data.dtype)
-    picked = Named(picked, other, split_other, logits.vary, v_axes)
-    valid = Named((lab != ignore_index).to(lse.data.dtype), other, split_other, labels.vary)
-    nll = (lse - picked.astype(lse.data.dtype)) * valid
-    return R.sum(nll) / _count(valid)
+            count = torch.count_nonzero(valid).clamp_min(1)
+            return _make((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
+        nll = Named(nll, other, split_other, logits.vary)
+    weight = Named(valid.to(x.dtype), other, split_other, labels.vary)
+    return R.sum(nll * weight) / _count(weight)
+
+
+def _split_nll_rows(logits: Named, x: torch.Tensor, lab: torch.Tensor, vocab: str, other: tuple,
+                    split_other: tuple) -> Named:
+    """Each row's cross-entropy (ignored rows not masked) with the vocabulary split: the
+    log-sum-exp completed over the split, plus the psum of the blocks' ``-x[label]``
+    (:func:`xent_rows.nll_rows`, whose backward needs no collective); ``x`` is this device's
+    block of logits with the vocabulary last."""
+    v_axes = logits.split[logits.dims.index(vocab)]
+    with torch.no_grad():       # the log-sum-exp's gradient is in nll_rows' backward
+        lse = R.logsumexp(Named(x, other + (vocab,), split_other + (v_axes,), logits.vary), vocab)
+    local = lab - C.axis_index(v_axes) * x.shape[-1]
+    inside = (local >= 0) & (local < x.shape[-1])
+    share = nll_rows(x, torch.where(inside, local, 0), lse.data, inside)     # -x[label] or 0
+    return lse + Named(share, other, split_other, logits.vary, v_axes)      # the shares' psum
 
 
 def _count(valid: Named) -> Named:
