@@ -30,6 +30,9 @@ compiled steps, plus a check of the update's finiteness; docs/optim.md "In place
 functional_pp/step_update.py). With ``--no-donate-state`` it returns new parameter and moment
 tensors instead of updating in place (eager: the new parameters are written into the step's own
 gradient buffers, so nothing parameter-sized is allocated beyond the moments; docs/memory.md).
+With ``--clip-norm X`` both sides clip the gradients by their global norm (plain torch:
+``clip_grad_norm_(foreach=True)`` compiled with ``AdamW.step``), so plain torch computes the
+gradient norm too, as LLM training usually does (torchtitan clips at 1.0 by default).
 """
 from __future__ import annotations
 
@@ -192,9 +195,9 @@ def sync(device: str) -> None:
 class FunctionalRunner:
     name = "functional"
 
-    def __init__(self, cfg, params, compile_, precision, device, donate_state=True):
+    def __init__(self, cfg, params, compile_, precision, device, donate_state=True, clip_norm=None):
         opt = fpp.optim.adamw(OPT["lr"], b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
-                              weight_decay=OPT["weight_decay"])
+                              weight_decay=OPT["weight_decay"], clip_norm=clip_norm)
         self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, compile=compile_,
                                       precision=precision, donate_state=donate_state)
         self.state = self.step_fn.init(_clone_named(params))
@@ -222,7 +225,7 @@ def _named_clone(x):
 class PlainRunner:
     name = "plain"
 
-    def __init__(self, cfg, params, compile_, precision, device, seq, compile_optimizer=True):
+    def __init__(self, cfg, params, compile_, precision, device, seq, compile_optimizer=True, clip_norm=None):
         self.model = PlainLlama(cfg, max_seq=seq).to(device)
         load_from_functional(self.model, params, cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=OPT["lr"], betas=(OPT["b1"], OPT["b2"]),
@@ -231,10 +234,16 @@ class PlainRunner:
         self.autocast = precision == "bf16"
         loss_fn = functools.partial(plain_loss, self.model)
         opt_step = self.opt.step
+        if clip_norm is not None:      # torchtitan's idiom: clip by the global norm, then step
+            params_list = list(self.model.parameters())
+
+            def opt_step():
+                torch.nn.utils.clip_grad_norm_(params_list, clip_norm, foreach=True)
+                self.opt.step()
         if compile_:
             loss_fn = torch.compile(loss_fn, backend=compile_ if isinstance(compile_, str) else "inductor")
             if compile_optimizer:
-                opt_step = torch.compile(self.opt.step, backend=compile_ if isinstance(compile_, str) else "inductor")
+                opt_step = torch.compile(opt_step, backend=compile_ if isinstance(compile_, str) else "inductor")
         self.loss_fn, self.opt_step = loss_fn, opt_step
 
     def step(self, batch) -> float:
@@ -318,9 +327,9 @@ def run_mode(mode, cfg, params, batch, args) -> list[Result]:
     compile_ = False if mode == "eager" else (True if args.compile_backend == "inductor" else args.compile_backend)
     precision = args.dtype
     runners = [FunctionalRunner(cfg, params, compile_, precision, args.device,
-                                donate_state=not args.no_donate_state),
+                                donate_state=not args.no_donate_state, clip_norm=args.clip_norm),
                PlainRunner(cfg, params, compile_, precision, args.device, args.seq,
-                           compile_optimizer=not args.no_compile_optimizer)]
+                           compile_optimizer=not args.no_compile_optimizer, clip_norm=args.clip_norm)]
     losses = {r.name: [] for r in runners}
     first = {}
     # first step of each (compiles when compiled) + the loss check
@@ -424,6 +433,10 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="override the preset's batch size")
     ap.add_argument("--seq", type=int, default=None, help="override the preset's sequence length")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="both sides clip gradients by their global norm (ours: adamw(clip_norm=); plain: "
+                         "clip_grad_norm_(foreach=True) before AdamW.step, compiled with it): plain torch then "
+                         "computes the gradient norm too, as LLM training does (torchtitan: max_norm 1.0)")
     ap.add_argument("--no-donate-state", action="store_true",
                     help="functional: return new parameter/moment tensors instead of updating the "
                          "state in place (the plain side updates in place)")
