@@ -154,7 +154,8 @@ def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
     NaN or inf or its norm overflows, beyond about 1.8e19 in fp32: conservative there; the
     infinity-norm is 10-15x slower on the CPU, docs/eager_overhead.md)."""
     if is_tracing():
-        values = [torch.where(torch.isfinite(u.abs().amax()), 0.0, math.inf) for u in leaves]
+        values = [torch.where(torch.isfinite(u.abs().amax()), 0.0, math.inf) if u.numel()
+                  else torch.zeros((), device=u.device) for u in leaves]      # (empty: no amax)
     else:
         values = list(torch._foreach_mul(torch._foreach_norm(leaves, 2), 0.0)) if leaves else []
     return torch.isfinite(complete(values, groups))

@@ -226,3 +226,18 @@ def test_a_donated_state_returned_by_a_step_is_not_read_again(monkeypatch):
         state, _ = step(state, _batch())
         counts.append(len(reads))
     assert counts == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_empty_leaves_are_finite_in_the_parameter_flag_and_the_update_check(backend):
+    # an empty leaf has no extreme value (amax / aminmax of nothing raise): it counts as finite
+    from functional_pp.optim.bounds import params_finite
+    from functional_pp.step_update import all_finite
+    empty, full = torch.zeros(0, 3), torch.ones(4)
+
+    def flags(leaves):
+        return params_finite(leaves), all_finite(leaves, [((), [0, 1])])
+
+    fn = flags if backend is None else torch.compile(flags, backend=backend, fullgraph=True)
+    assert [bool(x) for x in fn([empty, full])] == [True, True]
+    assert [bool(x) for x in fn([empty, torch.tensor([1.0, float("nan")])])] == [False, False]

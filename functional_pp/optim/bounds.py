@@ -40,6 +40,7 @@ def params_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
     """Whether every element of these (local) tensors is finite: a 0-dim bool from their extreme
     values (NaN or inf iff one is; no overflow, no host read; eager ``aminmax``, one pass without
     temporaries, where the foreach infinity-norm is 5x slower on the CPU)."""
+    leaves = [x for x in leaves if x.numel()]       # (an empty leaf has no extreme value)
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     if is_tracing():
