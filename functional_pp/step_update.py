@@ -31,7 +31,7 @@ import torch
 from . import optim
 from .collectives import psum
 from .nonfinite import nonfinite_flags
-from .optim.bounds import grad_and_bound_norms
+from .optim.bounds import carried_norms, grad_and_bound_norms
 from .step_buffers import acc_dtype, keep_if, own_buffers, write_into
 from .torch_private import is_tracing
 from .tree import tree_leaves, tree_map
@@ -53,17 +53,21 @@ class Updated:
     finite: torch.Tensor
     written: bool
     retry: Callable[[], "Updated"] | None = None
+    peaks: list | None = None     # the carried peaks of the bound's terms after this step (given ``peaks``)
 
 
 def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tensor], treespec: Any, params: Any,
                  opt_state: Any, loss: torch.Tensor, groups: AxisGroups, *, donate_state: bool,
-                 params_finite: torch.Tensor | None = None) -> Updated:
+                 params_finite: torch.Tensor | None = None, peaks: list | None = None) -> Updated:
     """Apply ``optimizer`` to the reduced gradients ``grads`` (leaves in ``treespec`` order; the
     list is consumed: emptied, so that only the update holds them) of ``params``; ``loss`` is
     the step's loss and ``groups`` the leaves grouped by the mesh axes that split them (what
     completes a norm across devices). ``params_finite``: whether this device's ``params`` are
     all finite, where the caller knows (``known_finite.py``; else a bound that needs it reads
-    them)."""
+    them). ``peaks``: per leaf, a bound of the largest magnitude of the optimizer's bound terms on
+    this device (``optim.bounds.term_peaks``, carried from step to step: a traced donated step
+    then reads no term; docs/optim.md "Peaks carried instead of read"); the result's ``peaks``
+    are those after this step."""
     leaves = tree_leaves(params)
     tracing = is_tracing()
 
@@ -75,7 +79,11 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
     grads.clear()
     written = tracing and donate_state
     bound = optim.update_bound(optimizer) if written else None
-    if bound is not None:   # the bound's norm, known before the update, read with the gradients' (one loop)
+    carry = bound is not None and peaks is not None and bound.carried is not None
+    if carry:               # the bound's norm from the gradients' sums and the carried peaks: no other read
+        grad_norm, bound_n, grad_sq = carried_norms(bound, tree_leaves(grad_tree), peaks, params, sq_reducer,
+                                                    params_finite)
+    elif bound is not None:   # the bound's norm, known before the update, read with the gradients' (one loop)
         grad_norm, bound_n = grad_and_bound_norms(bound, tree_leaves(grad_tree), opt_state, params, sq_reducer,
                                                   params_finite)
     else:
@@ -108,6 +116,9 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
             flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)),
                      "update_held": ok & ~shown}
             up.flags, up.finite, up.written = flags, write, True
+            if carry:     # advanced where written; a held or skipped step leaves the terms as they were
+                up.peaks = [torch.where(write, new, old)
+                            for new, old in zip(bound.carried.advance(peaks, grad_sq, opt_state), peaks)]
             return up
         # no bound: checked as written (the old values where skipped), a reduction that reads the
         # stored parameters instead of computing the update a second time

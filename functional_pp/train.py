@@ -25,7 +25,7 @@ from .collectives import psum as sum_over
 from .compiler import step_backend
 from .grads import check_scalar_loss
 from .recompute import backward_region, reset_region_ids
-from .known_finite import KnownFinite
+from .known_finite import KnownFinite, KnownPeaks
 from .layer_compile import compiled_layers, split_mode
 from .layout import Layout, Rules
 from .mesh import Mesh
@@ -155,6 +155,7 @@ class TrainStep:
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (fsdp_order.py)
         self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (known_finite.py)
+        self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -214,12 +215,15 @@ class TrainStep:
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
         finite = self._params_finite(state["params"])
+        bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
         with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
-            params, opt_state, step, skipped, m, (written, retry) = fn(
-                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite)
+            params, opt_state, step, skipped, m, (written, retry, peaks) = fn(
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks)
         if self.metrics == "deferred":
             self._known_finite.remember(tree_leaves(params), finite)
+            if bound is not None:
+                self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
             return self._defer(state, params, opt_state, step, skipped, m, written, id_checks, t0)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
@@ -230,12 +234,14 @@ class TrainStep:
             if retry is None:    # a compiled step: run again without donation (docs/compile.md)
                 retry = functools.partial(self._redo_without_donation, state, batch)
             params, opt_state, skipped, metrics = redo_held(retry, state["skipped"], metrics)
-            written = False
+            written, peaks = False, None     # (new buffers, or the old state: read at the next step)
         # the state to return, or a NonFiniteError: chosen after the one read (nonfinite.py)
         params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,
                                                on_nonfinite=self.on_nonfinite,
                                                max_consecutive_skips=self.max_consecutive_skips)
         self._known_finite.remember(tree_leaves(params), finite)
+        if bound is not None:
+            self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
         self._host_values(metrics, time.perf_counter() - t0)
         metrics["peak_memory_bytes"] = peak_memory()
         metrics["consecutive_skips"] = run
@@ -248,6 +254,16 @@ class TrainStep:
         update"); else None."""
         bound = optim.update_bound(self.optimizer) if self.donate_state else None
         return self._known_finite.flag(tree_leaves(params)) if getattr(bound, "needs_finite_params", False) else None
+
+    def _carried_peaks(self, state: dict) -> tuple[Any, list[torch.Tensor] | None]:
+        """A compiled donated step whose optimizer's bound carries its terms' peaks (AdamW's first
+        moments): the bound and the peaks of ``state`` (remembered, or read on the device for a
+        state no step returned; docs/optim.md "Peaks carried instead of read"); else (None, None)."""
+        bound = optim.update_bound(self.optimizer) if self.donate_state else None
+        carried = getattr(bound, "carried", None)
+        if carried is None or not carried.applies(state["opt_state"]):
+            return None, None
+        return bound, self._known_peaks.peaks(bound, state["opt_state"], state["params"])
 
     def _host_values(self, metrics: dict, seconds: float) -> None:
         """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu."""
@@ -351,7 +367,7 @@ class TrainStep:
             named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
         return optree.tree_unflatten(treespec, named)
 
-    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None,
+    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      donate_state: bool | None = None):
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
@@ -388,14 +404,14 @@ class TrainStep:
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
                           self.spec.axis_groups(env()[0]),
                           donate_state=self.donate_state if donate_state is None else donate_state,
-                          params_finite=params_finite)
+                          params_finite=params_finite, peaks=peaks)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
-        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry)
+        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
 
     @staticmethod
     def _keep_old_if_skipped(up, old_params: list, old_opt_state: Any) -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ result finite and is "held" (writes nothing) elsewhere; the caller then makes th
 buffers. An optimizer offers its bound with :func:`functional_pp.optim.update_bound`."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -20,8 +21,23 @@ Reducer = Callable[[PyTree], torch.Tensor]   # per-leaf 0-dim sums -> their glob
 # relative slack on the computed norm for the rounding of the few operations between it and the
 # update (docs/optim.md "Bound before the update": a few hundred units in the last place of fp32)
 ROUNDING_SLACK = 2.0 ** -16
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# added to a leaf's gradient norm in a carried peak: above every |g| whose square underflows (below
+# fp32's smallest normal, 2**-126), and far above any absolute rounding of subnormal values
+SMALL_GRAD = 2.0 ** -62
 # the largest lr * weight_decay whose decay factor (1 - lr wd) stays within [0, 1] through rounding
 MAX_DECAY = 1.0 - 2.0 ** -10
+
+
+class CarriedPeaks(NamedTuple):
+    """Upper bounds of each leaf's largest magnitude of the bound's terms (one 0-dim tensor per
+    parameter leaf, local to the device), carried from step to step instead of read
+    (docs/optim.md "Peaks carried instead of read"). ``applies(state)``: whether the carried
+    bound holds for this state (its dtypes; static); ``advance(peaks, grad_sq, state)``: the
+    peaks after a written update whose gradients had the local per-leaf sums of squares
+    ``grad_sq`` (before clipping)."""
+    applies: Callable[[Any], bool]
+    advance: Callable[[list[torch.Tensor], list[torch.Tensor], Any], list[torch.Tensor]]
 
 
 class UpdateBound(NamedTuple):
@@ -30,10 +46,13 @@ class UpdateBound(NamedTuple):
     ``shows_finite(n, state, params)`` is a 0-dim bool, true only where the new parameters are
     certainly finite (NaN or inf ``n``: false). With ``needs_finite_params`` it holds only for
     finite parameters: the caller folds whether they are into ``n`` (inf where not), from a flag
-    it knows (``params_finite``) or, without one, from a read of the parameters."""
+    it knows (``params_finite``) or, without one, from a read of the parameters. ``carried``:
+    how a caller that keeps each leaf's peak of its terms (:func:`term_peaks`) carries it to
+    the next step, so that ``n`` needs no read of the terms (:func:`carried_norms`)."""
     terms: Callable[[Any, Any], list[list[torch.Tensor]]]
     shows_finite: Callable[[torch.Tensor, Any, Any], torch.Tensor]
     needs_finite_params: bool = False
+    carried: Optional[CarriedPeaks] = None
 
 
 def params_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
@@ -73,6 +92,45 @@ def grad_and_bound_norms(bound: UpdateBound, grads: list[torch.Tensor], state: A
         joint.append(torch.sum(total))
     joint = _unless_params_finite(bound, joint, params, params_finite)
     return torch.sqrt(reducer(g_sq)), torch.sqrt(reducer(joint).to(torch.float64))
+
+
+def term_peaks(bound: UpdateBound, state: Any, params: Any) -> list[torch.Tensor]:
+    """Per parameter leaf, the largest magnitude of its bound terms on this device (0-dim, the
+    terms' dtype; 0 for an empty leaf; NaN where a term holds one), read exactly: where a state
+    enters that no step returned (docs/optim.md "Peaks carried instead of read"). Eager: each
+    term's ``aminmax`` (one pass, no temporary; no host read)."""
+    peaks = []
+    for ts in bound.terms(state, params):
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in ts])
+        values = [torch.zeros((), dtype=dtype, device=ts[0].device)]
+        for t in ts:
+            if not t.numel():
+                continue
+            if is_tracing():
+                values.append(t.abs().amax().to(dtype))
+            else:
+                low, high = torch.aminmax(t)
+                values.append(torch.maximum(-low, high).to(dtype))
+        peaks.append(functools.reduce(torch.maximum, values))
+    return peaks
+
+
+def carried_norms(bound: UpdateBound, grads: list[torch.Tensor], peaks: list[torch.Tensor], params: Any,
+                  reducer: Reducer, params_finite: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The gradients' global norm, the bound's ``n`` from the carried ``peaks`` of its terms (no
+    read of the terms: ``sum(g * g) + peak ** 2`` per leaf, at least the leaf's share of the
+    joint norm's square of :func:`grad_and_bound_norms` where each peak bounds its terms) and
+    the local per-leaf sums of squares of the gradients (for ``bound.carried.advance``)."""
+    g_sq = sq_sums(grads)
+    joint = []
+    for s, m in zip(g_sq, peaks):
+        dtype = torch.promote_types(s.dtype, m.dtype)
+        m = m.to(device=s.device, dtype=dtype)
+        joint.append(s.to(dtype) + m * m)
+    joint = _unless_params_finite(bound, joint, params, params_finite)
+    grad_norm = torch.sqrt(reducer(g_sq))
+    return grad_norm, torch.sqrt(reducer(joint).to(torch.float64)), g_sq
 
 
 def bound_norm(bound: UpdateBound, state: Any, params: Any, grad_norm: torch.Tensor,
@@ -135,9 +193,11 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
     2-norm at most ``(|1 - lr wd| + 2 lr / (1 - b1^t) / eps) n`` with ``n`` the global norm of the
     gradients, parameters and first moments, below :func:`limit`. Clipping only shrinks the
     gradients (docs/optim.md "Bound before the update" gives the rounding argument)."""
+    carried = first_moment_peaks(b1)      # (the weights from b1 as given: 1 - b1 is the gradient's)
     b1 = max(b1, float(torch.tensor(b1, dtype=torch.float32)))    # as fp32 kernels round it (near 1: up)
     if weight_decay <= 1.0:
-        return UpdateBound(_first_moments, _decay_bounded(lr, b1, eps, weight_decay), needs_finite_params=True)
+        return UpdateBound(_first_moments, _decay_bounded(lr, b1, eps, weight_decay), needs_finite_params=True,
+                           carried=carried)
 
     def terms(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
         return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(state[-3].mu))]
@@ -151,6 +211,62 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
         return (bc1 > 0) & ((shrink + 2.0 * rate.abs() / bc1 / eps) * n.to(torch.float64) < limit(ps))
 
     return UpdateBound(terms, shows_finite)
+
+
+def first_moment_peaks(b1: float) -> CarriedPeaks:
+    """Adam's first moments' peaks carried from step to step (docs/optim.md "Peaks carried instead
+    of read"): after a written update, ``M' = (A M + C G) (1 + s)`` per leaf, with ``M`` the
+    peak before, ``G = sqrt(sum(g * g)) + 2**-62`` from the leaf's local gradient sum of squares
+    before clipping (at least its largest ``|g|`` up to two roundings, also where ``g * g``
+    underflows; clipping only shrinks ``g``), ``A`` and ``C`` the largest weights any kernel
+    gives the old moment and the gradient (from ``b1``, ``1 - b1`` and their fp32 roundings; ``A``
+    plus 4 units of rounding for the cancellation in ``m + w (g - m)``; both rounded up to the
+    moment dtype) and ``s`` (:func:`peak_slack`) the relative rounding of the moment's update and
+    of this recurrence. It applies where ``A (1 + s) <= (1 + A) / 2``: the peaks then stay within
+    about twice the gradients' norm (no compounding of the slack)."""
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))     # noqa: E731 (fp32 rounding)
+    a = max(b1, f32(b1), 1.0 - f32(1.0 - b1))
+    c = max(1.0 - b1, f32(1.0 - b1), 1.0 - f32(b1), f32(1.0 - f32(b1)))
+    # per moment dtype, computed here (not while traced): (A, C, 1 + s), or None where the slack
+    # would compound (A (1 + s) > (1 + A) / 2: 16-bit moments, b1 within ~2**-18 of 1)
+    weights = {}
+    for d in FLOAT_DTYPES:
+        u = _unit_roundoff(d)
+        a_d, c_d, grow = _round_up(a + 4 * u, d), _round_up(c, d), 1.0 + peak_slack(d)
+        weights[d] = (a_d, c_d, grow) if a_d * grow <= (1.0 + a_d) / 2 else None
+
+    def applies(state: tuple) -> bool:
+        return all(weights.get(m.dtype) is not None for m in tree_leaves(state[-3].mu))
+
+    def advance(peaks: list[torch.Tensor], grad_sq: list[torch.Tensor], state: tuple) -> list[torch.Tensor]:
+        out = []
+        for m, s in zip(peaks, grad_sq):
+            a_d, c_d, grow = weights[m.dtype]
+            g = torch.sqrt(s).to(device=m.device, dtype=m.dtype) + SMALL_GRAD
+            out.append((m * a_d + g * c_d) * grow)
+        return out
+
+    return CarriedPeaks(applies, advance)
+
+
+def peak_slack(dtype: torch.dtype) -> float:
+    """The relative slack ``s`` of a carried first-moment peak of ``dtype``: 32 units of rounding
+    of it or of fp32 (the narrowest a gradient's sum of squares is computed in), whichever is
+    larger; fp32: 2**-19."""
+    return 32.0 * _unit_roundoff(dtype)
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the spacing at 1 of ``dtype``, or of fp32 where that is larger."""
+    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) / 2
+
+
+def _round_up(x: float, dtype: torch.dtype) -> float:
+    """The least value of ``dtype`` at or above ``x`` (a Python float: exact in fp64 and wider)."""
+    y = torch.tensor(x, dtype=torch.float64).to(dtype)
+    if float(y) < x:
+        y = torch.nextafter(y, torch.tensor(math.inf, dtype=dtype))
+    return float(y)
 
 
 def _first_moments(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
