@@ -441,3 +441,73 @@ def test_the_peaks_of_a_state_no_step_returned_are_read_and_an_overflow_there_is
     state, m = step(state, _batch_seeded(4))
     assert m["skipped"] == 0
     _assert_bounds(*_carried(step, state))
+
+
+CFG_TP = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=2, mlp=32, max_seq=16,
+                      tie_embeddings=False, rope_scaling=None)
+FSDP_TP = (fpp.Mesh(dp_shard=2, tp=2), fpp.Rules(batch="dp_shard", heads="tp", kv_heads="tp", mlp="tp",
+                                                  hidden="dp_shard"))
+FSDP = (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard"))
+
+
+def _mesh_steps(mesh, rules, donate_state, processes=False):
+    """Four compiled (aot_eager) AdamW steps on ``mesh``; before the third, the device at the last
+    coordinate of every axis sets one element of its shard of a split first moment (the MLP's
+    gate, split over every axis) to -1e31, which no other device holds. Per device and step: the
+    metrics, whether the step returned the tensors it was given, whether the carried peaks
+    (donated) bounded the local moments, and the state."""
+    from functional_pp.runtime import device_coords
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG_TP), optim.adamw(1e-3, weight_decay=0.1),
+                          mesh=mesh, rules=rules, compile="aot_eager", donate_state=donate_state,
+                          max_consecutive_skips=None)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG_TP, mesh=mesh, rules=rules, seed=0))
+        last = all(c == mesh.shape[a] - 1 for a, c in device_coords().items())
+        out = []
+        for i in range(4):
+            if i == 2 and last:
+                state["opt_state"][-3].mu["layers"][0]["mlp"]["gate_proj"][0, 0] = -1e31
+            with fpp.use_rules(rules):
+                batch = {k: fpp.named(v, "batch seq").data for k, v in _batch_seeded(i).items()}
+            given = optree.tree_leaves(state["opt_state"])
+            state, m = step(state, batch)
+            bounded = None
+            if donate_state:
+                carried, exact = _carried(step, state)
+                bounded = carried is None or all(bool(c >= e) for c, e in zip(carried, exact))
+            out.append(({k: m[k] for k in ("loss", "skipped", "nonfinite_update")},
+                        all(a is b for a, b in zip(given, optree.tree_leaves(state["opt_state"])) if a.dim()),
+                        bounded, [t.clone() for t in optree.tree_leaves([state["params"], state["opt_state"]])]))
+        return out
+    return fpp.launch(device, mesh, processes=processes, timeout=600)
+
+
+def _assert_every_device_held_the_edited_step(donated, plain):
+    for dev_d, dev_p in zip(donated, plain):
+        # held from the edit on (the moment stays near 1e31: its square overflows): redone, new buffers
+        assert [same for _, same, _, _ in dev_d] == [True, True, False, False]
+        assert all(b for _, _, b, _ in dev_d)
+        for (md, _, _, sd), (mp, _, _, sp) in zip(dev_d, dev_p):
+            assert md == mp
+            for x, y in zip(sd, sp):
+                assert torch.equal(x, y)
+
+
+@pytest.mark.timeout(900)
+def test_the_carried_peaks_complete_over_the_mesh_like_the_sums_on_simulated_fsdp_and_tp():
+    # each device carries the peaks of its own shards; the bound's per-leaf partial sums (gradient
+    # sums plus squared peaks) are completed over the axes that split each leaf, so a huge moment on
+    # one device's shard holds the step on every device, which then redo it as the step without
+    # donation makes it (bitwise, aot_eager)
+    donated, plain = _mesh_steps(*FSDP_TP, True), _mesh_steps(*FSDP_TP, False)
+    assert len(donated) == 4
+    _assert_every_device_held_the_edited_step(donated, plain)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_the_carried_peaks_complete_over_the_mesh_on_two_gloo_processes():
+    real, simulated = _mesh_steps(*FSDP, True, processes=True), _mesh_steps(*FSDP, False)
+    assert len(real) == 2
+    _assert_every_device_held_the_edited_step(real, simulated)
