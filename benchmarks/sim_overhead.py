@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--compile", default="", help="compile the step on every side: 'inductor' or a backend "
+                    "name (one compilation shared by the simulated devices); default eager")
     args = ap.parse_args(argv)
     args.devices = [int(d) for d in args.devices.split(",")]
     for d in args.devices:
@@ -84,7 +86,9 @@ def measure(n_devices: int, args) -> dict:
     mesh = fpp.Mesh(**MESHES[n_devices])
     rules = llama.default_rules(sequence_parallel=True)
     opt = fpp.optim.adamw(1e-3, weight_decay=0.1, clip_norm=1.0)
-    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules)
+    compile_mode = True if args.compile == "inductor" else (args.compile or False)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules,
+                          compile=compile_mode)
     corpus = torch.randint(0, cfg.vocab, (args.batch * args.seq * 64 + 1,), generator=torch.Generator().manual_seed(0))
 
     def device():
@@ -133,7 +137,7 @@ def main(argv=None) -> dict:
     finally:
         torch.set_num_threads(threads)
     base = results[min(results)]
-    out = {"model": "llama tiny", "global_batch": [args.batch, args.seq], "steps": args.steps,
+    out = {"model": "llama tiny", "compile": args.compile or "eager", "global_batch": [args.batch, args.seq], "steps": args.steps,
            "devices": {str(n): r for n, r in results.items()},
            "ratio_wall": {str(n): r["wall_s"] / base["wall_s"] for n, r in results.items()},
            "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in results.items()},

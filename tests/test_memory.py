@@ -22,6 +22,18 @@ def _storage(t):
         return None
 
 
+def _tracked(obj, shapes) -> bool:
+    """A live tensor of one of these shapes with a grad_fn. gc also walks objects earlier tests
+    left half torn down (an undefined tensor inside a compiled graph's cache raises on any
+    attribute): those are not weights of this step."""
+    if not isinstance(obj, torch.Tensor):
+        return False
+    try:
+        return obj.grad_fn is not None and tuple(obj.shape) in shapes
+    except RuntimeError:
+        return False
+
+
 def full_weights_alive_after_forward(keep_gathered, units=False):
     mesh = fpp.Mesh(dp_shard=2)
     rules = fpp.Rules(batch="dp_shard", hidden="dp_shard")
@@ -38,8 +50,7 @@ def full_weights_alive_after_forward(keep_gathered, units=False):
 
             def count():              # gathered weights carry a grad_fn; views share their storage
                 gc.collect()
-                return {_storage(o) for o in gc.get_objects()
-                        if isinstance(o, torch.Tensor) and o.grad_fn is not None and tuple(o.shape) in shapes} - {None}
+                return {_storage(o) for o in gc.get_objects() if _tracked(o, shapes)} - {None}
             barrier.wait()
             before = count()           # tensors left over by earlier tests (e.g. compiled graphs)
             barrier.wait()
