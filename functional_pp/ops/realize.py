@@ -33,8 +33,9 @@ def realized(x: Named) -> Named:
     """``x`` itself; in a compiled step, computed once into a buffer that every user reads (and
     its gradient likewise) instead of recomputed inside each user: for a value many kernels read,
     such as a decoder's residual stream."""
-    if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
+    if not isinstance(x, Named):       # (settle names an unnamed operand)
         x = settle(x)
     if not is_tracing():
         return x
+    # a pending sum stays pending: this device's block of it is what is written once
     return _make(_Realized.apply(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
