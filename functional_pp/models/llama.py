@@ -143,9 +143,10 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
 
 @remat_layer
 def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
-    """One decoder layer; recomputed in backward under ``train_step(remat=True)``."""
-    x = x + attention_block(p, x, pos, cfg, segments)
-    return x + mlp_block(p, x, cfg)
+    """One decoder layer; recomputed in backward under ``train_step(remat=True)``. The residual
+    stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
+    x = ops.realized(x + attention_block(p, x, pos, cfg, segments))
+    return ops.realized(x + mlp_block(p, x, cfg))
 
 
 def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
@@ -154,7 +155,7 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
     emb = tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
-    x = ops.embed(emb, tokens)
+    x = ops.realized(ops.embed(emb, tokens))
     x = ops.rename(x, seq="res_seq")
     extra = () if segments is None else (segments,)
     for p in params["layers"]:

@@ -7,6 +7,7 @@ from .embedding import embed
 from .indexing import concat, cumsum, slice_dim, take, unbind
 from .loss import IGNORE_INDEX, cross_entropy
 from .norms import layer_norm, rms_norm
+from .realize import realized
 from .reduce import logsumexp, max, mean, softmax, sum  # noqa: A004
 from .rotary import Llama3Scaling, inverse_frequencies, rotary
 from .shape import merge_dims, rearrange, rename, split_dim, transpose
@@ -16,4 +17,4 @@ __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp"
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "softmax", "sum", "rotary",
            "Llama3Scaling", "inverse_frequencies", "rename", "split_dim", "merge_dims", "rearrange",
-           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu"]
+           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized"]
