@@ -156,6 +156,8 @@ class TrainStep:
         self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
+        # the bound a donated step writes under (docs/optim.md "Bound before the update"), looked up once
+        self._donated_bound = optim.update_bound(self.optimizer) if self.donate_state else None
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -252,14 +254,14 @@ class TrainStep:
         """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
         (0-dim bool, read only for a state no step returned; docs/optim.md "Bound before the
         update"); else None."""
-        bound = optim.update_bound(self.optimizer) if self.donate_state else None
+        bound = self._donated_bound
         return self._known_finite.flag(tree_leaves(params)) if getattr(bound, "needs_finite_params", False) else None
 
     def _carried_peaks(self, state: dict) -> tuple[Any, list[torch.Tensor] | None]:
         """A compiled donated step whose optimizer's bound carries its terms' peaks (AdamW's first
         moments): the bound and the peaks of ``state`` (remembered, or read on the device for a
         state no step returned; docs/optim.md "Peaks carried instead of read"); else (None, None)."""
-        bound = optim.update_bound(self.optimizer) if self.donate_state else None
+        bound = self._donated_bound
         carried = getattr(bound, "carried", None)
         if carried is None or not carried.applies(state["opt_state"]):
             return None, None

@@ -2,7 +2,9 @@
 gloo processes the peak memory of a compiled FSDP step is at most 1.1x the eager FSDP step's
 and well below (<= 0.8x) the same compiled step that keeps its gathered weights for backward
 (``keep_gathered=True``, no re-gather). Each process measures its own steps
-(tests/memtrack.py), so no other device's allocations are counted. The model's weights
+(tests/memtrack.py), so no other device's allocations are counted, in one profiler session per
+process (``window_peaks``: starting and stopping the profiler around every step while gloo's
+threads finish their collectives crashed a process once). The model's weights
 (1.77 MB per layer unsharded) outweigh its activations (one sequence of 16 tokens per rank), so
 what a step keeps of the weights sets its peak. That the compiled step gathers again instead of
 keeping the weights is asserted from its graph in tests/test_compile_step.py; the bound on
@@ -17,7 +19,7 @@ import functional_pp as fpp
 from functional_pp.models import llama
 
 from harness import local_batch, make_batch
-from memtrack import peak_memory
+from memtrack import window_peaks
 
 CFG = llama.Config.tiny(layers=4, hidden=128, mlp=1024)
 MESH, RULES = fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")
@@ -26,32 +28,33 @@ COMPILED = dict(compile="aot_eager", donate_state=True)
 RUNS = {"eager": {}, "compiled": COMPILED, "compiled_keep_gathered": dict(COMPILED, keep_gathered=True)}
 
 
-def _peak(step) -> tuple[int, float]:
-    """The lower of the last two steps' peak bytes beyond what was live before the step (on a
-    loaded machine one step's peak can come out a few hundred kB to 2 MB higher: the timing
-    of gloo's threads), and the last loss."""
-    state = step.init(fpp.init(llama.init, CFG, mesh=MESH, rules=RULES, seed=0))
-    peaks = []
-    for i, b in enumerate(DATA):
-        with fpp.use_rules(RULES):
-            batch = {k: v.data for k, v in local_batch(b, MESH, RULES).items()}
-        if i == 0:
-            state, m = step(state, batch)       # (compiles)
-            continue
-        with peak_memory() as p:
-            state, m = step(state, batch)
-        peaks.append(p.bytes)
-    return min(peaks), m["loss"]
+def _batch(b) -> dict:
+    with fpp.use_rules(RULES):
+        return {k: v.data for k, v in local_batch(b, MESH, RULES).items()}
 
 
 def _device() -> dict:
-    """Per rank: every run's (peak bytes, loss), one after the other in this process."""
-    out = {}
+    """Per rank: every run's (peak bytes, loss). Each run's step is built and takes its first
+    (compiling) step, then all runs' last two steps are measured in one profiler session. A
+    run's peak is the lower of its last two steps' peak bytes beyond what was live before the
+    step (on a loaded machine one step's peak can come out a few hundred kB to 2 MB higher: the
+    timing of gloo's threads)."""
+    steps, states = {}, {}
     for name, kw in RUNS.items():
-        step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.sgd(0.1), mesh=MESH,
-                              rules=RULES, **kw)
-        out[name] = _peak(step)
-    return out
+        steps[name] = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.sgd(0.1), mesh=MESH,
+                                     rules=RULES, **kw)
+        state = steps[name].init(fpp.init(llama.init, CFG, mesh=MESH, rules=RULES, seed=0))
+        states[name], _ = steps[name](state, _batch(DATA[0]))
+    out = {}
+    with window_peaks() as windows:
+        for name, step in steps.items():
+            first = windows.count
+            for b in DATA[1:]:
+                with windows.window():
+                    states[name], m = step(states[name], _batch(b))
+            out[name] = (first, m["loss"])
+        del states
+    return {name: (min(windows.peaks[first:first + len(DATA) - 1]), loss) for name, (first, loss) in out.items()}
 
 
 @pytest.mark.slow
