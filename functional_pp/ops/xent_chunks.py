@@ -21,6 +21,19 @@ def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int) -> int:
     return max(1, min(n_rows, chunk_bytes // max(1, 4 * n_vocab)))
 
 
+@torch.library.custom_op("fpp::addmm_into", mutates_args=("acc",))
+def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place (one GEMM reading and writing ``acc``). An op of its own so a
+    compiled step keeps it in place: inductor makes ``acc + a @ b`` an out-of-place ``addmm``
+    that first copies ``acc`` into a fresh buffer (docs/compile.md, seventh round)."""
+    acc.addmm_(a, b)
+
+
+@addmm_into.register_fake
+def _addmm_into_fake(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the logits are reduced in: fp32 for 16-bit inputs (as ``ops/loss.py``), else their own."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -78,7 +91,13 @@ class _LinearXent(torch.autograd.Function):
                 hot = hot if inside is None else hot & inside[i:i + rows].unsqueeze(-1)
                 dl = ((torch.exp(logits - lc.unsqueeze(-1)) - hot.to(logits.dtype)) * rw.unsqueeze(-1)).to(x.dtype)
                 dx_parts.append(torch.mm(dl, w.t()))
-                dw = torch.mm(xc.t(), dl) if dw is None else dw + torch.mm(xc.t(), dl)
+                if low:        # the weight's gradient summed in fp32
+                    part = torch.mm(xc.t(), dl).to(cdt)
+                    dw32 = part if dw32 is None else dw32 + part
+                elif dw is None:
+                    dw = torch.mm(xc.t(), dl)
+                else:
+                    addmm_into(dw, xc.t(), dl)
                 continue
             # eager: the chunk's logits buffer becomes its gradient in place
             dl = logits.sub_(lc.unsqueeze(-1)).exp_()
@@ -98,7 +117,7 @@ class _LinearXent(torch.autograd.Function):
         if need_grad:
             if tracing:
                 dx = dx_parts[0] if len(dx_parts) == 1 else torch.cat(dx_parts)
-            elif low:
+            if low:
                 dw = dw32.to(w.dtype)
             ctx.save_for_backward(dx, dw)
         ctx.need_grad = need_grad
