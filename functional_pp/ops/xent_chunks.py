@@ -21,6 +21,39 @@ def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int) -> int:
     return max(1, min(n_rows, chunk_bytes // max(1, 4 * n_vocab)))
 
 
+def _chunk_traced(logits, idx, rw, lse, inside, need_grad):
+    """A chunk's weighted loss and logits' gradient (None without ``need_grad``), as fused
+    expressions for inductor (one loop over the chunk, as ops/xent_rows.py's traced backward)."""
+    lse = torch.logsumexp(logits, -1) if lse is None else lse
+    picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    loss = (rw * (lse - picked)).sum() if inside is None else -(rw * torch.where(inside, picked, 0)).sum()
+    if not need_grad:
+        return loss, None
+    hot = torch.arange(logits.shape[-1], device=logits.device) == idx.unsqueeze(-1)
+    hot = hot if inside is None else hot & inside.unsqueeze(-1)
+    return loss, (torch.exp(logits - lse.unsqueeze(-1)) - hot.to(logits.dtype)) * rw.unsqueeze(-1)
+
+
+def _chunk_eager(logits, idx, rw, lse, inside, need_grad):
+    """:func:`_chunk_traced` eagerly: the chunk's logits buffer becomes its gradient in place,
+    with no temporary of its size (``torch.logsumexp`` would allocate one)."""
+    picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    if lse is None:
+        shift = logits.amax(-1, keepdim=True)
+        e = logits.sub_(shift).exp_()
+        sums = e.sum(-1)
+        loss = (rw * (sums.log() + shift.squeeze(-1) - picked)).sum()
+        scale = rw / sums                     # softmax = e / sums
+    else:
+        e = logits.sub_(lse.unsqueeze(-1)).exp_()
+        loss = -(rw * torch.where(inside, picked, 0)).sum()
+        scale = rw
+    if not need_grad:
+        return loss, None
+    minus = -rw if inside is None else -(rw * inside.to(rw.dtype))
+    return loss, e.mul_(scale.unsqueeze(-1)).scatter_add_(-1, idx.unsqueeze(-1), minus.unsqueeze(-1))
+
+
 @torch.library.custom_op("fpp::addmm_into", mutates_args=("acc",))
 def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` in place (one GEMM reading and writing ``acc``). An op of its own so a
@@ -67,51 +100,32 @@ class _LinearXent(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, idx, row_weight, rows, need_grad, lse, inside):
         tracing = is_tracing()
-        n, v = x.shape[0], w.shape[1]
         cdt = loss_dtype(x.dtype)
+        low = x.dtype != cdt
         total = x.new_zeros((), dtype=cdt)
         dx_parts, dw, dw32 = [], None, None
         dx = None if tracing or not need_grad else torch.empty_like(x)
-        low = x.dtype != cdt
-        cols = torch.arange(v, device=x.device)
-        for i in range(0, n, rows):
+        for i in range(0, x.shape[0], rows):
             xc, ic, rw = x[i:i + rows], idx[i:i + rows], row_weight[i:i + rows]
-            logits = torch.mm(xc, w).to(cdt)
-            lc = torch.logsumexp(logits, -1) if lse is None else lse[i:i + rows]
-            picked = logits.gather(-1, ic.unsqueeze(-1)).squeeze(-1)
-            if inside is None:
-                total = total + (rw * (lc - picked)).sum()
-            else:
-                total = total - (rw * torch.where(inside[i:i + rows], picked, 0)).sum()
-            if not need_grad:
+            inc = None if inside is None else inside[i:i + rows]
+            lc = None if lse is None else lse[i:i + rows]
+            chunk = _chunk_traced if tracing else _chunk_eager
+            loss, dl = chunk(torch.mm(xc, w).to(cdt), ic, rw, lc, inc, need_grad)
+            total = total + loss
+            if dl is None:
                 continue
-            if tracing:
-                # one fused loop over the chunk (as ops/xent_rows.py's traced backward)
-                hot = cols == ic.unsqueeze(-1)
-                hot = hot if inside is None else hot & inside[i:i + rows].unsqueeze(-1)
-                dl = ((torch.exp(logits - lc.unsqueeze(-1)) - hot.to(logits.dtype)) * rw.unsqueeze(-1)).to(x.dtype)
-                dx_parts.append(torch.mm(dl, w.t()))
-                if low:        # the weight's gradient summed in fp32
-                    part = torch.mm(xc.t(), dl).to(cdt)
-                    dw32 = part if dw32 is None else dw32 + part
-                elif dw is None:
-                    dw = torch.mm(xc.t(), dl)
-                else:
-                    addmm_into(dw, xc.t(), dl)
-                continue
-            # eager: the chunk's logits buffer becomes its gradient in place
-            dl = logits.sub_(lc.unsqueeze(-1)).exp_()
-            minus = (torch.full_like(rw, -1.0) if inside is None
-                     else -inside[i:i + rows].to(dl.dtype))
-            dl.scatter_add_(-1, ic.unsqueeze(-1), minus.unsqueeze(-1))
-            dl.mul_(rw.unsqueeze(-1))
             dl = dl.to(x.dtype) if low else dl
-            torch.mm(dl, w.t(), out=dx[i:i + rows])
-            if low:            # accumulate the weight's gradient in fp32
+            if tracing:
+                dx_parts.append(torch.mm(dl, w.t()))
+            else:
+                torch.mm(dl, w.t(), out=dx[i:i + rows])
+            if low:            # the weight's gradient summed in fp32
                 part = torch.mm(xc.t(), dl).to(cdt)
-                dw32 = part if dw32 is None else dw32.add_(part)
+                dw32 = part if dw32 is None else dw32 + part if tracing else dw32.add_(part)
             elif dw is None:
                 dw = torch.mm(xc.t(), dl)
+            elif tracing:
+                addmm_into(dw, xc.t(), dl)
             else:
                 dw.addmm_(xc.t(), dl)
         if need_grad:
@@ -119,8 +133,12 @@ class _LinearXent(torch.autograd.Function):
                 dx = dx_parts[0] if len(dx_parts) == 1 else torch.cat(dx_parts)
             if low:
                 dw = dw32.to(w.dtype)
-            ctx.save_for_backward(dx, dw)
-        ctx.need_grad = need_grad
+            if tracing:
+                ctx.save_for_backward(dx, dw)
+            else:
+                # eager: held by this node only, scaled in place and released by its one backward
+                ctx.grads = (dx, dw)
+        ctx.need_grad, ctx.traced = need_grad, tracing
         return total
 
     @staticmethod
@@ -129,5 +147,13 @@ class _LinearXent(torch.autograd.Function):
         if not ctx.need_grad:
             raise RuntimeError("linear_cross_entropy: backward through a loss computed without gradient "
                                "(need_grad=False); compute it with gradients enabled")
-        dx, dw = ctx.saved_tensors
-        return (dx * g).to(dx.dtype), (dw * g).to(dw.dtype), None, None, None, None, None, None
+        if ctx.traced:
+            dx, dw = ctx.saved_tensors
+            return (dx * g).to(dx.dtype), (dw * g).to(dw.dtype), None, None, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: a second backward through the same loss; its "
+                               "gradients were formed in forward and handed over by the first backward. "
+                               "Compute the loss again for another backward")
+        dx, dw = ctx.grads
+        ctx.grads = None
+        return dx.mul_(g), dw.mul_(g), None, None, None, None, None, None
