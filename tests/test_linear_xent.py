@@ -78,6 +78,18 @@ def test_without_gradient_the_loss_is_the_same_and_no_gradient_work_is_saved():
     assert not loss.requires_grad
 
 
+def test_a_second_backward_through_the_same_loss_is_refused():
+    """The gradients are formed in forward and handed over (scaled in place) by the first
+    backward: a second one (``retain_graph``) would be wrong, so it raises."""
+    x, w, labels = _inputs()
+    x.requires_grad_()
+    loss = ops.linear_cross_entropy(fpp.named(x, "batch seq hidden"), fpp.named(w, "hidden vocab"),
+                                    fpp.named(labels, "batch seq"), chunk_bytes=5 * V * 4).value()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward through the same loss"):
+        loss.backward()
+
+
 def test_eager_holds_no_full_logits_buffer():
     """Forward + backward with 64-row chunks of a 1024 x 2048 logits problem: the peak
     allocation stays well below one full fp32 logits tensor (8 MiB), which the unchunked
