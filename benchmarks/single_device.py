@@ -66,10 +66,12 @@ PRESETS = {
 OPT = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def make_config(preset: str, seq: int) -> llama.Config:
+def make_config(preset: str, seq: int, loss_chunk_bytes: int | None = -1) -> llama.Config:
+    """The preset's model; ``loss_chunk_bytes`` -1 keeps the model's default head + loss."""
     m = PRESETS[preset]["model"]
+    chunk = {} if loss_chunk_bytes == -1 else {"loss_chunk_bytes": loss_chunk_bytes}
     return llama.Config(**m, rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5,
-                        tie_embeddings=False, max_seq=max(seq, 512))
+                        tie_embeddings=False, max_seq=max(seq, 512), **chunk)
 
 
 # --------------------------------------------------------------------------- plain model
@@ -440,6 +442,9 @@ def main(argv=None):
     ap.add_argument("--no-donate-state", action="store_true",
                     help="functional: return new parameter/moment tensors instead of updating the "
                          "state in place (the plain side updates in place)")
+    ap.add_argument("--loss-chunk-bytes", type=int, default=-1,
+                    help="functional: the LM head + cross-entropy over chunks of this many bytes of fp32 "
+                         "logits (llama.Config.loss_chunk_bytes; 0: whole logits; -1: the model's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     ap.add_argument("--json", default=None, help="write all results to this file")
     args = ap.parse_args(argv)
@@ -456,11 +461,11 @@ def main(argv=None):
         if m not in ("eager", "compiled"):
             ap.error(f"unknown mode {m!r}")
 
-    cfg = make_config(args.preset, args.seq)
+    cfg = make_config(args.preset, args.seq, args.loss_chunk_bytes)
     n_params = fpp.count_params(llama.init(cfg))
     print(f"functional_pp single-device benchmark: preset {args.preset} ({n_params / 1e6:.2f} M params: "
           f"hidden {cfg.hidden}, layers {cfg.layers}, heads {cfg.heads}/{cfg.kv_heads}, mlp {cfg.mlp}, "
-          f"vocab {cfg.vocab}), batch {args.batch} x seq {args.seq}, {args.dtype}, {args.device}")
+          f"vocab {cfg.vocab}, loss chunk {cfg.loss_chunk_bytes} B), batch {args.batch} x seq {args.seq}, {args.dtype}, {args.device}")
     print(f"torch {torch.__version__}, python {platform.python_version()}, {torch.get_num_threads()} threads, "
           f"steps {args.steps}, warmup {args.warmup}, AdamW {OPT}")
     load0 = os.getloadavg()

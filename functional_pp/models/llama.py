@@ -31,6 +31,9 @@ class Config:
     tie_embeddings: bool = False
     init_std: float = 0.02
     max_seq: int = 8192
+    # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
+    # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, seventh round)
+    loss_chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON
@@ -149,28 +152,48 @@ def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = N
     return ops.realized(x + mlp_block(p, x, cfg))
 
 
-def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
-    """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
-    document ids of packed rows) keeps attention inside each document."""
+def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
+                  emb: Named | None = None) -> Named:
+    """The final normed hidden states (batch seq hidden), the LM head's input; ``emb`` the
+    embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
-    emb = tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
-    x = ops.realized(ops.embed(emb, tokens))
+    x = ops.realized(ops.embed(embedding(params, cfg) if emb is None else emb, tokens))
     x = ops.rename(x, seq="res_seq")
     extra = () if segments is None else (segments,)
     for p in params["layers"]:
         x = layer_fn(p, x, pos, cfg, *extra)
     x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
-    x = ops.rename(x, res_seq="seq")
-    head = emb if cfg.tie_embeddings else params["lm_head"]
+    return ops.rename(x, res_seq="seq")
+
+
+def embedding(params: dict, cfg: Config) -> Named:
+    """The embedding table, marked tied when it is also the LM head."""
+    return tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
+
+
+def _trunk_and_head(params: dict, tokens: Named, cfg: Config, layer_fn, segments) -> tuple[Named, Named]:
+    emb = embedding(params, cfg)
+    x = hidden_states(params, tokens, cfg, layer_fn, segments, emb)
+    return x, (emb if cfg.tie_embeddings else params["lm_head"])
+
+
+def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
+    """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
+    document ids of packed rows) keeps attention inside each document."""
+    x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
     return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
 
 
 def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (and
-    ``segments`` for packed documents)."""
-    logits = forward(params, batch["tokens"], cfg, layer_fn, segments=batch.get("segments"))
-    return ops.cross_entropy(logits, batch["labels"])
+    ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` the head and the loss
+    run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
+    x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
+    if not cfg.loss_chunk_bytes:
+        logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
+        return ops.cross_entropy(logits, batch["labels"])
+    return ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
 
 
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
