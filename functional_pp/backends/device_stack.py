@@ -71,7 +71,26 @@ class DeviceStack(torch.Tensor):
             return _foreach_call(func, args, kwargs)
         if out is not None:
             return _out_call(func, args, kwargs)
+        rule = _FOLDED.get(func)
+        if rule is not None and all(type(a) is DeviceStack for a in args[:rule]) \
+                and kwargs.get("attn_mask") is None:
+            return _folded_call(func, rule, args, kwargs)
         return _batched_call(func, args, kwargs)
+
+
+_aten = torch.ops.aten
+# ops that treat their leading (batch) dimension independently: the devices are folded into it
+# (one kernel call instead of functorch's per-device fallback); value: how many leading
+# arguments are batched tensors
+_FOLDED = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 6}
+
+
+def _folded_call(func, n_batched, args, kwargs):
+    n = args[0].stacked.shape[0]
+    folded = [a.stacked.reshape(-1, *a.stacked.shape[2:]) for a in args[:n_batched]]
+    result = func(*folded, *args[n_batched:], **kwargs)
+    return tuple(DeviceStack(r.reshape(n, -1, *r.shape[1:])) for r in result)
 
 
 _FUNCTIONAL: dict = {}
