@@ -33,6 +33,12 @@ class AxesGroup:
     def __len__(self) -> int:
         return self.size
 
+    def __eq__(self, other: object) -> bool:      # one group per axes (gradient buckets key on it)
+        return isinstance(other, AxesGroup) and (self.axes, self.size) == (other.axes, other.size)
+
+    def __hash__(self) -> int:
+        return hash((self.axes, self.size))
+
 
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
