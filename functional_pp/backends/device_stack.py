@@ -211,8 +211,12 @@ def same_on_all_devices(stacked: torch.Tensor, what: str) -> torch.Tensor:
     :class:`DevicesDisagree` naming ``what``)."""
     first = stacked[0]
     if stacked.shape[0] > 1 and not torch.equal(stacked, first.expand_as(stacked)):
-        if not (stacked.is_floating_point() and torch.isnan(stacked).all()):
-            diff = (stacked != first).flatten(1).any(1).nonzero().flatten().tolist()
+        same = stacked == first
+        if stacked.is_floating_point() or stacked.is_complex():    # NaN where device 0 has NaN: the same
+            same |= stacked.isnan() & first.isnan()
+        differ = (~same).reshape(stacked.shape[0], -1).any(1)
+        if differ.any():
+            diff = differ.nonzero().flatten().tolist()
             raise DevicesDisagree(
                 f"batched simulation: {what} reads a value to the host that differs between devices "
                 f"(devices {diff[:8]} differ from device 0); a batched run runs the host code once for "
