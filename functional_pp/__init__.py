@@ -5,7 +5,7 @@ from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, p
 from .comm import CommReport, comm_report
 from .init import init, init_params
 from .launch import DeviceError, launch
-from .batched_run import per_device
+from .backends.batched_run import per_device
 from .layout import P, Rules, balanced, inherit
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords

@@ -152,7 +152,7 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
 
     ctx = current_context(required=False)
     if mesh is not None and ctx is not None and ctx.batched:   # every device's shards, stacked
-        from .batched_run import per_device
+        from .backends.batched_run import per_device
         return per_device(lambda: init(init_fn, *args, seed=seed, mesh=mesh, rules=rules, device=device, **kwargs))
     decls = init_fn(*args, **kwargs)
     tensors = init_params(decls, seed=seed, mesh=mesh, rules=rules, device=device)

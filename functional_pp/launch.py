@@ -58,7 +58,7 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | str | None = N
     if simulate is None:
         simulate = not under_torchrun()
     if simulate == "batched":
-        from .batched_run import launch_batched
+        from .backends.batched_run import launch_batched
         return launch_batched(fn, mesh)
     if simulate not in (True, False):
         raise ValueError(f"launch: simulate must be True (one thread per device), False (torchrun) or "

@@ -1,7 +1,10 @@
 """Batched simulation: ``launch(fn, mesh, simulate="batched")`` runs ``fn`` once for every
 device of the mesh, each tensor holding all devices' blocks (backends/device_stack.py), the
 collectives computed over the device dimension (backends/batched.py); docs/simulation.md,
-"Batched simulation". :func:`per_device` builds per-device inputs (data, parameters)."""
+"Batched simulation". :func:`per_device` builds per-device inputs (data, parameters).
+
+Values that wrap a device's block (named arrays) are stacked and split through
+:func:`register_block_type`, which their module calls (this layer does not import it)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -9,11 +12,20 @@ from typing import Any, Callable
 import optree
 import torch
 
-from .backends.batched import BatchedBackend, BatchedRank
-from .backends.device_stack import DeviceStack, stack_blocks
-from .mesh import Mesh
-from .named import Named, _make
-from .runtime import DeviceContext, current_context, thread_context
+from ..mesh import Mesh
+from ..runtime import DeviceContext, current_context, thread_context
+from .batched import BatchedBackend, BatchedRank
+from .device_stack import DeviceStack, stack_blocks
+
+# type -> (its block of one device, the same value around another block)
+_BLOCK_TYPES: dict[type, tuple[Callable[[Any], torch.Tensor], Callable[[Any, torch.Tensor], Any]]] = {}
+
+
+def register_block_type(cls: type, block: Callable[[Any], torch.Tensor],
+                        rebuild: Callable[[Any, torch.Tensor], Any]) -> None:
+    """Let :func:`per_device` stack values of ``cls`` (and ``launch`` split them per device):
+    ``block(x)`` is the device's tensor inside ``x``, ``rebuild(x, t)`` the same value around ``t``."""
+    _BLOCK_TYPES[cls] = (block, rebuild)
 
 
 class _OneDeviceOnly:
@@ -60,7 +72,7 @@ def per_device(fn: Callable[[], Any]) -> Any:
 
 
 def _is_leaf(x: Any) -> bool:
-    return isinstance(x, (Named, torch.Tensor))
+    return isinstance(x, torch.Tensor) or type(x) in _BLOCK_TYPES
 
 
 def _stack(results: list) -> Any:
@@ -73,10 +85,9 @@ def _stack(results: list) -> Any:
     out = []
     for j, first in enumerate(flat[0][0]):
         column = [leaves[j] for leaves, _ in flat]
-        if isinstance(first, Named):
-            data = stack_blocks([x.data for x in column])
-            out.append(_make(data, first.dims, first.split, first.vary, first.partial, first._sizes,
-                             is_param=first._is_param))
+        kind = _BLOCK_TYPES.get(type(first))
+        if kind is not None:
+            out.append(kind[1](first, stack_blocks([kind[0](x) for x in column])))
         elif isinstance(first, torch.Tensor):
             out.append(stack_blocks(column))
         else:
@@ -91,9 +102,9 @@ def _stack(results: list) -> Any:
 def _block_of(tree: Any, rank: int) -> Any:
     """Device ``rank``'s view of a batched run's result."""
     def one(x):
-        if isinstance(x, Named) and type(x.data) is DeviceStack:
-            return _make(x.data.stacked[rank].clone(), x.dims, x.split, x.vary, x.partial, x._sizes,
-                         is_param=x._is_param)
+        kind = _BLOCK_TYPES.get(type(x))
+        if kind is not None and type(kind[0](x)) is DeviceStack:
+            return kind[1](x, kind[0](x).stacked[rank].clone())
         if type(x) is DeviceStack:
             return x.stacked[rank].clone()
         return x
