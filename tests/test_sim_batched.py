@@ -119,3 +119,19 @@ def test_per_device_refuses_collectives_and_unequal_plain_values():
 def test_unknown_simulate_value_is_refused():
     with pytest.raises(ValueError, match="simulate must be True .* or 'batched'"):
         fpp.launch(lambda: None, fpp.Mesh(tp=2), simulate="fast")
+
+
+def test_compiled_step_is_refused():
+    mesh = fpp.Mesh(tp=2)
+    with pytest.raises(ValueError, match="cannot run in a batched simulation"):
+        fpp.launch(train_steps(CFG, DATA[:1], mesh, SP, compile="aot_eager"), mesh, simulate="batched")
+
+
+def test_fused_in_place_adamw_matches_threaded_bitwise():
+    """donate_state: AdamW's fused in-place kernel on the stacked blocks, its step counter (an
+    ordinary tensor) advanced once with the value every device agrees on."""
+    mesh = fpp.Mesh(dp_shard=2, tp=2)
+    threaded = fpp.launch(train_steps(CFG, DATA, mesh, SP, donate_state=True), mesh)
+    batched = fpp.launch(train_steps(CFG, DATA, mesh, SP, donate_state=True), mesh, simulate="batched")
+    for a, b in zip(threaded, batched):
+        assert_same_run(a, b)

@@ -69,8 +69,12 @@ class DeviceStack(torch.Tensor):
             return _into_plain(func, args, kwargs)
         if func.__name__.startswith("_foreach_"):
             return _foreach_call(func, args, kwargs)
+        if func.__name__.startswith("_fused_"):
+            return _fused_call(func, args, kwargs)
         if out is not None:
             return _out_call(func, args, kwargs)
+        if args and type(args[0]) is not DeviceStack and isinstance(args[0], torch.Tensor) and _writes_self(func):
+            return _in_place_into_plain(func, args, kwargs)
         rule = _FOLDED.get(func)
         if rule is not None and all(type(a) is DeviceStack for a in args[:rule]) \
                 and kwargs.get("attn_mask") is None:
@@ -94,6 +98,26 @@ def _folded_call(func, n_batched, args, kwargs):
 
 
 _FUNCTIONAL: dict = {}
+_WRITES_SELF: dict = {}
+
+
+def _writes_self(func) -> bool:
+    """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ...)."""
+    found = _WRITES_SELF.get(func)
+    if found is None:
+        arguments = func._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        found = _WRITES_SELF[func] = bool(alias is not None and alias.is_write)
+    return found
+
+
+def _in_place_into_plain(func, args, kwargs):
+    """An in-place op on an ordinary tensor with per-device arguments (a step counter advanced by
+    a per-device flag): computed for every device, then written once, if every device agrees."""
+    target = args[0]
+    every = as_device_stack(target, n_devices(list(args) + list(kwargs.values())))
+    _batched_call(func, (every, *args[1:]), kwargs)
+    return target.copy_(same_on_all_devices(every.stacked, f"{func} into an ordinary tensor"))
 
 
 def _functional_overload(func):
@@ -136,6 +160,26 @@ def _foreach_call(func, args, kwargs):
         result = func(*phys, **kwargs)
         return None if result is None else [DeviceStack(r) for r in result]
     return _unrolled_foreach(func, args, kwargs)
+
+
+def _fused_call(func, args, kwargs):
+    """A fused optimizer kernel (``_fused_adamw_``): elementwise over its tensor lists, so run
+    once on the stacked blocks; its per-step scalars (step counts, ``lr``, ``found_inf``,
+    ``grad_scale``) must agree on every device, as they do in a data-parallel step."""
+    def plain(a, what):
+        return same_on_all_devices(a.stacked, f"{func} ({what})") if type(a) is DeviceStack else a
+    n_lists = sum(isinstance(a, (list, tuple)) for a in args)
+    phys = []
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)) and i == n_lists - 1 and a and func.__name__.startswith("_fused_adam"):
+            phys.append([plain(x, "step") for x in a])          # state_steps: one scalar per tensor
+        elif isinstance(a, (list, tuple)):
+            if not all(type(x) is DeviceStack for x in a):
+                raise RuntimeError(f"batched simulation: {func} on tensors that are not all per-device values")
+            phys.append([x.stacked for x in a])
+        else:
+            phys.append(plain(a, "argument"))
+    return func(*phys, **{k: plain(v, k) for k, v in kwargs.items()})
 
 
 def _unrolled_foreach(func, args, kwargs):
