@@ -75,6 +75,12 @@ class DeviceStack(torch.Tensor):
             return _out_call(func, args, kwargs)
         if args and type(args[0]) is not DeviceStack and isinstance(args[0], torch.Tensor) and _writes_self(func):
             return _in_place_into_plain(func, args, kwargs)
+        view = _VIEWS.get(func)
+        if view is not None and type(args[0]) is DeviceStack and args[0].ndim > 0:
+            try:
+                return _wrap_views(view(args[0].stacked, args[0].ndim, *args[1:], **kwargs))
+            except (RuntimeError, IndexError):
+                pass                      # functorch's rule runs it (and raises the op's own error)
         rule = _FOLDED.get(func)
         if rule is not None and all(type(a) is DeviceStack for a in args[:rule]) \
                 and kwargs.get("attn_mask") is None:
@@ -83,6 +89,45 @@ class DeviceStack(torch.Tensor):
 
 
 _aten = torch.ops.aten
+
+
+def _d(dim: int, ndim: int) -> int:
+    """A device's dimension ``dim`` (of ``ndim``) as a dimension of the stacked blocks."""
+    return (dim + ndim if dim < 0 else dim) + 1
+
+
+def _expand(s, ndim, size, implicit=False):
+    extra = len(size) - ndim
+    if extra:
+        s = s.view(s.shape[0], *[1] * extra, *s.shape[1:])
+    return s.expand(s.shape[0], *size)
+
+
+# the view ops (half of a step's ops), taken directly on the stacked blocks: the device
+# dimension stays the leading one, the device's dimensions move one up (what functorch's rules
+# do for them, without entering a vmap level)
+_VIEWS = {
+    _aten.view.default: lambda s, nd, size: s.view(s.shape[0], *size),
+    _aten._unsafe_view.default: lambda s, nd, size: _aten._unsafe_view.default(s, [s.shape[0], *size]),
+    _aten.expand.default: _expand,
+    _aten.t.default: lambda s, nd: s.transpose(1, 2) if nd == 2 else _aten.alias.default(s),
+    _aten.transpose.int: lambda s, nd, d0, d1: s.transpose(_d(d0, nd), _d(d1, nd)),
+    _aten.permute.default: lambda s, nd, dims: s.permute(0, *[_d(d, nd) for d in dims]),
+    _aten.unsqueeze.default: lambda s, nd, d: s.unsqueeze(_d(d, nd + 1)),
+    _aten.squeeze.dim: lambda s, nd, d: s.squeeze(_d(d, nd)),
+    _aten.select.int: lambda s, nd, d, i: s.select(_d(d, nd), i),
+    _aten.slice.Tensor: lambda s, nd, d=0, start=None, end=None, step=1:
+        _aten.slice.Tensor(s, _d(d, nd), start, end, step),
+    _aten.split.Tensor: lambda s, nd, size, d=0: _aten.split.Tensor(s, size, _d(d, nd)),
+    _aten.detach.default: lambda s, nd: _aten.detach.default(s),
+    _aten.alias.default: lambda s, nd: _aten.alias.default(s),
+}
+
+
+def _wrap_views(out):
+    if isinstance(out, torch.Tensor):
+        return DeviceStack(out)
+    return [DeviceStack(o) for o in out]
 # ops that treat their leading (batch) dimension independently: the devices are folded into it
 # (one kernel call instead of functorch's per-device fallback); value: how many leading
 # arguments are batched tensors
