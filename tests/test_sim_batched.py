@@ -135,3 +135,14 @@ def test_fused_in_place_adamw_matches_threaded_bitwise():
     batched = fpp.launch(train_steps(CFG, DATA, mesh, SP, donate_state=True), mesh, simulate="batched")
     for a, b in zip(threaded, batched):
         assert_same_run(a, b)
+
+
+def test_torch_equal_answers_per_device():
+    def fn():
+        x = fpp.per_device(lambda: torch.full((3,), float(fpp.current_rank())))
+        y = fpp.per_device(lambda: torch.full((3,), float(fpp.current_rank())))
+        same = torch.equal(x, y)                     # True on every device
+        with pytest.raises(DevicesDisagree, match="torch.equal answers"):
+            torch.equal(x, torch.zeros(3))           # True on device 0 only
+        return same
+    assert fpp.launch(fn, fpp.Mesh(tp=2), simulate="batched") == [True, True]

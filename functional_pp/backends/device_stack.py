@@ -315,6 +315,15 @@ def same_on_all_devices(stacked: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _host_read(func, args, kwargs):
+    if func is torch.ops.aten.equal.default:       # each device's answer; they must agree
+        n = n_devices(args)
+        blocks = [[a.stacked[r] if type(a) is DeviceStack else a for a in args] for r in range(n)]
+        answers = [func(*b) for b in blocks]
+        if len(set(answers)) > 1:
+            raise DevicesDisagree(f"batched simulation: torch.equal answers {answers[:8]} on the devices; a "
+                                  f"batched run runs the host code once, so it can only read what every "
+                                  f"device agrees on. Run it with launch(simulate=True) instead")
+        return answers[0]
     plain = [same_on_all_devices(a.stacked, f"{func.__name__}") if type(a) is DeviceStack else a
              for a in args]
     return func(*plain, **kwargs)
