@@ -276,7 +276,7 @@ def _batched_call(func, args, kwargs):
             try:
                 result = func(*b_args, **b_kwargs)
             except RuntimeError as exc:
-                if "randomness" in str(exc) or "random" in str(exc):
+                if "called random operation while in randomness error mode" in str(exc):
                     raise RuntimeError(f"batched simulation: {func} draws random numbers, which a batched "
                                        f"run does not simulate per device; use launch(simulate=True)") from exc
                 raise
