@@ -14,6 +14,7 @@ import torch
 
 from ..mesh import Mesh
 from ..runtime import DeviceContext, current_context, thread_context
+from . import device_stack_ops  # noqa: F401 (installs the dispatch of the ops with rules of their own)
 from .batched import BatchedBackend, BatchedRank
 from .device_stack import DeviceStack, stack_blocks
 
