@@ -3,6 +3,7 @@ batch on 1, 8 and 16 simulated devices (eager), as ratios to one device, in one 
 
     python benchmarks/sim_overhead.py                 # tiny Llama, global batch 16 x 64, 10 steps
     python benchmarks/sim_overhead.py --steps 5 --devices 1,16
+    python benchmarks/sim_overhead.py --devices 1,16 --batched   # threaded and batched side by side
 
 Meshes: 8 = dp_shard 2 x cp 2 x tp 2, 16 = dp_replicate 2 x dp_shard 2 x cp 2 x tp 2, with
 ``llama.default_rules(sequence_parallel=True)`` (FSDP, TP+SP, ring attention). The step time
@@ -16,6 +17,11 @@ collectives (one more run of ``--steps`` steps with the collectives timed), and
 ``ratio_without_collectives`` is N x (device_cpu_s - collectives_cpu_s) / one device's CPU
 time: the ratio if simulated collectives cost nothing and the devices' Python ran one at a
 time, as CPython's global interpreter lock makes it run.
+
+``--batched`` also measures every device count above 1 with ``launch(simulate="batched")`` (all
+devices in one run, every op batched over a device dimension; docs/simulation.md): its ratios
+are reported under ``batched`` next to the threaded ones, with ``same_params``: whether both
+simulations ended with bitwise the same parameters on every device.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--compile", default="", help="compile the step on every side: 'inductor' or a backend "
                     "name (one compilation shared by the simulated devices); default eager")
+    ap.add_argument("--batched", action="store_true",
+                    help="also run the device counts above 1 as one batched simulation (simulate='batched')")
     args = ap.parse_args(argv)
     args.devices = [int(d) for d in args.devices.split(",")]
     for d in args.devices:
@@ -80,8 +88,9 @@ def _timed_run_collective(*args):
         _clock.seconds += time.thread_time() - t0
 
 
-def measure(n_devices: int, args) -> dict:
-    """Seconds (wall and process CPU) per step on ``n_devices`` simulated devices."""
+def measure(n_devices: int, args, batched: bool = False) -> dict:
+    """Seconds (wall and process CPU) per step on ``n_devices`` simulated devices (one thread
+    each, or with ``batched`` all in one batched run)."""
     cfg = llama.Config.tiny()
     mesh = fpp.Mesh(**MESHES[n_devices])
     rules = llama.default_rules(sequence_parallel=True)
@@ -92,11 +101,23 @@ def measure(n_devices: int, args) -> dict:
     corpus = torch.randint(0, cfg.vocab, (args.batch * args.seq * 64 + 1,), generator=torch.Generator().manual_seed(0))
 
     def device():
-        state = step.init(fpp.init(llama.init, cfg, mesh=mesh, rules=rules, seed=0))
+        # per_device: each device's own value (a batched run builds them all and stacks them)
+        state = step.init(fpp.per_device(lambda: fpp.init(llama.init, cfg, mesh=mesh, rules=rules, seed=0)))
         dp = tuple(a for a in ("dp_replicate", "dp_shard") if mesh.shape[a] > 1) or ("dp_shard",)
-        loader = iter(DataLoader(corpus.numpy(), global_batch_size=args.batch, seq_len=args.seq, seed=0,
-                                 dp_rank=fpp.axis_index(dp), dp_size=fpp.axis_size(dp),
-                                 cp_rank=fpp.axis_index("cp"), cp_size=fpp.axis_size("cp")))
+        loaders = {}
+
+        def my_batch():
+            rank = fpp.current_rank()
+            if rank not in loaders:
+                loaders[rank] = iter(DataLoader(corpus.numpy(), global_batch_size=args.batch, seq_len=args.seq,
+                                                seed=0, dp_rank=fpp.axis_index(dp), dp_size=fpp.axis_size(dp),
+                                                cp_rank=fpp.axis_index("cp"), cp_size=fpp.axis_size("cp")))
+            return next(loaders[rank])
+
+        class _Loader:
+            def __next__(self):
+                return fpp.per_device(my_batch)
+        loader = _Loader()
         for _ in range(args.warmup):
             state, metrics = step(state, next(loader))
         walls, cpus, mine = [], [], []
@@ -114,17 +135,25 @@ def measure(n_devices: int, args) -> dict:
             state, metrics = step(state, next(loader))
         _clock.on = False
         return (statistics.median(walls), statistics.median(cpus), float(metrics["loss"]),
-                statistics.median(mine), _clock.seconds / args.steps)
+                statistics.median(mine), _clock.seconds / args.steps, state["params"])
 
     sim.run_collective = _timed_run_collective
     try:
-        results = fpp.launch(device, mesh)
+        results = fpp.launch(device, mesh, simulate="batched" if batched else True)
     finally:
         sim.run_collective = _run_collective
     wall, cpu, loss = results[0][:3]
     return {"wall_s": wall, "cpu_s": cpu, "last_loss": loss,
             "device_cpu_s": statistics.median(r[3] for r in results),
-            "collectives_cpu_s": statistics.median(r[4] for r in results)}
+            "collectives_cpu_s": statistics.median(r[4] for r in results),
+            "params": [r[5] for r in results]}
+
+
+def _same_params(a: list, b: list) -> bool:
+    """Whether two runs ended with bitwise the same parameters on every device."""
+    import optree
+    return all(torch.equal(x, y) for pa, pb in zip(a, b)
+               for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb)))
 
 
 def main(argv=None) -> dict:
@@ -133,16 +162,29 @@ def main(argv=None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)               # simulated devices run one intra-op thread each
     try:
-        results = {n: measure(n, args) for n in args.devices}
+        results, batched = {}, {}
+        for n in args.devices:
+            results[n] = measure(n, args)
+            if args.batched and n > 1:     # the same step, batched, right after the threaded one
+                batched[n] = measure(n, args, batched=True)
     finally:
         torch.set_num_threads(threads)
     base = results[min(results)]
+    same = {str(n): _same_params(results[n].pop("params"), r.pop("params")) for n, r in batched.items()}
+    for r in results.values():
+        r.pop("params", None)
     out = {"model": "llama tiny", "compile": args.compile or "eager", "global_batch": [args.batch, args.seq], "steps": args.steps,
            "devices": {str(n): r for n, r in results.items()},
            "ratio_wall": {str(n): r["wall_s"] / base["wall_s"] for n, r in results.items()},
            "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in results.items()},
            "ratio_without_collectives": {str(n): n * (r["device_cpu_s"] - r["collectives_cpu_s"]) / base["cpu_s"]
                                          for n, r in results.items()}}
+    if args.batched:
+        out["batched"] = {"devices": {str(n): {k: r[k] for k in ("wall_s", "cpu_s", "last_loss")}
+                                      for n, r in batched.items()},
+                          "ratio_wall": {str(n): r["wall_s"] / base["wall_s"] for n, r in batched.items()},
+                          "ratio_cpu": {str(n): r["cpu_s"] / base["cpu_s"] for n, r in batched.items()},
+                          "same_params": same}
     print(json.dumps(out))
     return out
 

@@ -5,6 +5,7 @@ from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, p
 from .comm import CommReport, comm_report
 from .init import init, init_params
 from .launch import DeviceError, launch
+from .backends.batched_run import per_device
 from .layout import P, Rules, balanced, inherit
 from .mesh import Mesh
 from .runtime import current_mesh, current_rank, device_coords
@@ -29,7 +30,7 @@ from . import moved_modules
 moved_modules.install(__name__)   # old paths of the application modules (docs/architecture.md)
 
 __all__ = [
-    "Mesh", "Rules", "P", "balanced", "inherit", "launch", "DeviceError", "current_mesh", "current_rank", "device_coords",
+    "Mesh", "Rules", "P", "balanced", "inherit", "launch", "per_device", "DeviceError", "current_mesh", "current_rank", "device_coords",
     "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",

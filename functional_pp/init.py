@@ -148,7 +148,12 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     declarations and build this device's shards as named arrays (the full tree when ``mesh``
     is None); ``functional_pp.init_params`` gives plain tensors."""
     from .named import Named
+    from .runtime import current_context
 
+    ctx = current_context(required=False)
+    if mesh is not None and ctx is not None and ctx.batched:   # every device's shards, stacked
+        from .backends.batched_run import per_device
+        return per_device(lambda: init(init_fn, *args, seed=seed, mesh=mesh, rules=rules, device=device, **kwargs))
     decls = init_fn(*args, **kwargs)
     tensors = init_params(decls, seed=seed, mesh=mesh, rules=rules, device=device)
     rules = rules or Rules()

@@ -31,7 +31,7 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
+def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | str | None = None,
            processes: bool = False, timeout: float | None = None) -> Any:
     """Run ``fn()`` on every device of ``mesh``.
 
@@ -40,6 +40,9 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
       device stops all of them and raises :class:`DeviceError` naming the rank.
     - under ``torchrun`` (``simulate=False``): this process is one rank (gloo on CPU, NCCL on
       CUDA); returns this rank's result.
+    - ``simulate="batched"``: ``fn`` runs once for all devices, every op batched over a device
+      dimension (docs/simulation.md, "Batched simulation"); build per-device inputs with
+      :func:`functional_pp.per_device`. Returns the results in rank order.
     - ``processes=True``: fork one gloo process per device on this machine; returns the results
       in rank order (they must be picklable).
 
@@ -54,6 +57,12 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | None = None,
         return _launch_processes(fn, mesh, timeout or DEFAULT_PROCESS_TIMEOUT)
     if simulate is None:
         simulate = not under_torchrun()
+    if simulate == "batched":
+        from .backends.batched_run import launch_batched
+        return launch_batched(fn, mesh)
+    if simulate not in (True, False):
+        raise ValueError(f"launch: simulate must be True (one thread per device), False (torchrun) or "
+                         f"'batched' (all devices in one batched run), got {simulate!r}")
     if simulate:
         return _launch_threads(fn, mesh, timeout or 300.0)
     return _launch_distributed(fn, mesh, timeout or DEFAULT_PROCESS_TIMEOUT)

@@ -26,6 +26,7 @@ from .layout import Layout, Rules
 from .mesh import Mesh
 from .order import to_balanced
 from .torch_private import is_tracing
+from .backends.batched_run import register_block_type
 from .runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
 
 _EMPTY: frozenset[str] = frozenset()
@@ -377,3 +378,12 @@ def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = N
         return x
     dims, split, vary, factors = typed
     return _make(data, dims, split, vary, _EMPTY, tuple([n * f for n, f in zip(data.shape, factors)]))
+
+
+def _with_block(x: Named, data: torch.Tensor) -> Named:
+    """``x`` around another block of the same shape (a batched simulation stacks and splits the
+    blocks of every device: backends/batched_run.py)."""
+    return _make(data, x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)
+
+
+register_block_type(Named, lambda x: x.data, _with_block)

@@ -33,11 +33,17 @@ class AxesGroup:
     def __len__(self) -> int:
         return self.size
 
+    def __eq__(self, other: object) -> bool:      # one group per axes (gradient buckets key on it)
+        return isinstance(other, AxesGroup) and (self.axes, self.size) == (other.axes, other.size)
+
+    def __hash__(self) -> int:
+        return hash((self.axes, self.size))
+
 
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
     axes = ctx.mesh.check_axes(axis_name, where)
-    if ctx.simulated and is_tracing():
+    if ctx.batched or (ctx.simulated and is_tracing()):
         return ctx, axes, AxesGroup(axes, ctx.mesh.axis_size(axes))
     return ctx, axes, ctx.mesh.group(ctx.rank, axes)
 
@@ -106,10 +112,14 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
     if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(f"ppermute over {axes}: perm {list(pairs)} must be pairs (source, destination) "
                          f"of distinct indices in range({n})")
-    me = ctx.mesh.axis_index(ctx.rank, axes)
     if n == 1:
         return x if pairs else torch.zeros_like(x)
-    with comm.recording("permute", axes, n, x, sends=any(s == me and d != me for s, d in pairs)):
+    if ctx.batched:          # every device at once: recorded as a device that sends
+        sends = any(s != d for s, d in pairs)
+    else:
+        me = ctx.mesh.axis_index(ctx.rank, axes)
+        sends = any(s == me and d != me for s, d in pairs)
+    with comm.recording("permute", axes, n, x, sends=sends):
         return ctx.backend.permute(x, pairs, group)
 
 
@@ -119,6 +129,8 @@ def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
     if x.shape[dim] % n:
         raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} over mesh axes {axes} "
                          f"of size {n}")
+    if ctx.batched:
+        return ctx.backend.local_chunk(x, axes, dim)
     return x.chunk(n, dim=dim)[ctx.mesh.axis_index(ctx.rank, axes)].contiguous()
 
 
@@ -130,9 +142,17 @@ def _axes(axis_name: AxisName) -> tuple[str, ...]:
 
 
 def axis_index(axis_name: AxisName) -> int:
-    """This device's index along ``axis_name`` (a tuple: first axis major)."""
+    """This device's index along ``axis_name`` (a tuple: first axis major). In a batched
+    simulation: an int64 0-dim tensor holding every device's index (docs/simulation.md)."""
     ctx = current_context()
-    return ctx.mesh.axis_index(ctx.rank, ctx.mesh.check_axes(_axes(axis_name), "axis_index"))
+    axes = ctx.mesh.check_axes(_axes(axis_name), "axis_index")
+    if ctx.batched:
+        key = ("axis_index", axes)
+        found = ctx.extras.get(key)
+        if found is None:
+            found = ctx.extras[key] = ctx.backend.axis_index(axes)
+        return found
+    return ctx.mesh.axis_index(ctx.rank, axes)
 
 
 def axis_size(axis_name: AxisName) -> int:

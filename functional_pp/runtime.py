@@ -26,6 +26,7 @@ class DeviceContext:
     backend: Any  # functional_pp.backends.Backend
     simulated: bool
     extras: dict = field(default_factory=dict)
+    batched: bool = False     # one context for every device: launch(simulate="batched")
 
     @property
     def coords(self) -> dict[str, int]:

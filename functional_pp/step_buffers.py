@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .tree import tree_map
+from .backends.device_stack import physical
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,15 +53,15 @@ def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[t
     parameter, overlaps another gradient (autograd may hand one tensor to two inputs) or is not
     dense (an expanded gradient) is copied first. Disjoint views of one buffer (the gradients
     of one all-reduce bucket, functional_pp/buckets.py) are kept as they are."""
-    params_at = {p.untyped_storage().data_ptr() for p in params}
+    params_at = {physical(p).untyped_storage().data_ptr() for p in params}
     taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []
     for g in grads:
-        ptr = g.untyped_storage().data_ptr()
-        span = _byte_span(g)
-        if ptr in params_at or not g.is_contiguous() or _overlaps(taken.get(ptr, ()), span):
+        ptr = physical(g).untyped_storage().data_ptr()
+        span = _byte_span(physical(g))
+        if ptr in params_at or not physical(g).is_contiguous() or _overlaps(taken.get(ptr, ()), span):
             g = g.clone(memory_format=torch.contiguous_format)
-            ptr, span = g.untyped_storage().data_ptr(), _byte_span(g)
+            ptr, span = physical(g).untyped_storage().data_ptr(), _byte_span(physical(g))
         if span[0] < span[1]:
             bisect.insort(taken.setdefault(ptr, []), span)
         out.append(g)

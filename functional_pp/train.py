@@ -206,6 +206,10 @@ class TrainStep:
                              f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
         fn = self._device_step
         step_compile, layer_compile = split_mode(self.compile)   # compile="per_layer": layers only
+        if (step_compile or layer_compile) and getattr(current_context(required=False), "batched", False):
+            raise ValueError(f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it "
+                             f"runs eager ops over a device dimension; docs/simulation.md): use compile=False "
+                             f"there, or launch(simulate=True) to simulate the compiled step")
         if step_compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:

@@ -11,6 +11,7 @@ import torch
 from .raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
                               raw_all_to_all, raw_permute, raw_reduce_scatter)
 from .recompute import traced_as_backward
+from .runtime import current_context
 from .torch_private import is_tracing
 
 
@@ -155,6 +156,9 @@ class _SliceVarying(_Collective):
     @staticmethod
     def backward(ctx, g):
         axes, dim = ctx.args
+        device = current_context()
+        if device.batched:        # every device's block placed at its own index (backends/batched.py)
+            return device.backend.pad_block(g, axes, dim), None, None
         i, size = axis_index(axes), g.shape[dim]
         pad = [0, 0] * (g.ndim - dim - 1) + [i * size, (axis_size(axes) - i - 1) * size]
         return torch.nn.functional.pad(g, pad), None, None

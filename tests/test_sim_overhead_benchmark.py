@@ -21,3 +21,16 @@ def test_sim_overhead_benchmark_smoke(capsys):
     assert one["collectives_cpu_s"] == 0 < two["collectives_cpu_s"] < two["device_cpu_s"]
     assert out["ratio_without_collectives"]["2"] == pytest.approx(
         2 * (two["device_cpu_s"] - two["collectives_cpu_s"]) / one["cpu_s"])
+
+
+def test_sim_overhead_benchmark_batched_side_by_side(capsys):
+    """--batched: the same steps as one batched simulation, next to the threaded ratios, ending
+    with bitwise the threaded run's parameters."""
+    out = sim_overhead.main(["--devices", "1,4", "--steps", "1", "--repeats", "1", "--warmup", "1",
+                             "--batch", "4", "--seq", "16", "--batched"])
+    capsys.readouterr()
+    batched, one = out["batched"], out["devices"]["1"]
+    assert set(batched["ratio_cpu"]) == {"4"} and "4" in out["ratio_cpu"]
+    assert batched["ratio_cpu"]["4"] == pytest.approx(batched["devices"]["4"]["cpu_s"] / one["cpu_s"])
+    assert batched["same_params"] == {"4": True}
+    assert batched["devices"]["4"]["last_loss"] == out["devices"]["4"]["last_loss"]

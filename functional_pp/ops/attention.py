@@ -50,6 +50,9 @@ _OUTSIDE_A_MESH: dict = {}     # positions values of code that runs outside any 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
     if not split:
         return torch.arange(size)
+    ctx = current_context(required=False)
+    if ctx is not None and ctx.batched:
+        return _batched_local_positions(size, split, balanced)
     if not balanced:
         return torch.arange(size).chunk(C.axis_size(split))[C.axis_index(split)]
     first, rest = split[0], split[1:]
@@ -57,6 +60,19 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch
     if rest:
         base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
     return base
+
+
+def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
+    """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
+    the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
+    from ..raw_collectives import _local_chunk
+    if not balanced:
+        return _local_chunk(torch.arange(size), split, 0)
+    first, rest = split[0], split[1:]
+    n = C.axis_size(first)
+    table = torch.stack([balanced_indices(size, n, j) for j in range(n)])
+    base = _local_chunk(table, (first,), 0).squeeze(0)
+    return _local_chunk(base, rest, 0) if rest else base
 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
@@ -167,6 +183,10 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
 
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
+    if current_context().batched:     # every ring position at once (ops/ring_batched.py)
+        from .ring_batched import batched_ring_attention
+        return batched_ring_attention(q, k, v, scale=scale, causal=causal, axes=tuple(axes), cp_size=n,
+                                      balanced=balanced, shift=shift)
     return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced, shift=shift)
 
 
