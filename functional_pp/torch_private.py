@@ -8,6 +8,8 @@ import functools
 import sys
 
 import torch
+from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,
+                                 _vmap_increment_nesting)
 
 
 def is_tracing() -> bool:
@@ -195,3 +197,41 @@ def version_counter(x: torch.Tensor) -> int:
     """The tensor's version counter: advanced by every in-place operation on it (or a view of it)
     made through torch's ops (``Tensor._version``)."""
     return x._version
+
+
+def _functorch_keys():
+    """The dispatch keys torch excludes while a ``__torch_dispatch__`` runs that functorch's
+    batching needs back."""
+    return _FUNCTORCH_KEYS
+
+
+_K = torch._C.DispatchKey
+_FUNCTORCH_KEYS = torch._C.DispatchKeySet(_K.FuncTorchDynamicLayerBackMode)
+for _key in (_K.FuncTorchBatched, _K.FuncTorchVmapMode, _K.FuncTorchDynamicLayerFrontMode,
+             _K.FuncTorchGradWrapper, _K.ADInplaceOrView):
+    _FUNCTORCH_KEYS = _FUNCTORCH_KEYS.add(_key)
+
+
+@contextlib.contextmanager
+def vmap_level(batch_size: int, randomness: str = "error"):
+    """Enter one functorch vmap level of ``batch_size`` (also from inside a
+    ``__torch_dispatch__``, where torch switches off the keys vmap needs); yields the level for
+    :func:`add_batch_dim` / :func:`remove_batch_dim`. The batched simulation runs each op this
+    way (backends/device_stack.py, docs/simulation.md)."""
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set() - _functorch_keys()):
+        level = _vmap_increment_nesting(batch_size, randomness)
+        try:
+            yield level
+        finally:
+            _vmap_decrement_nesting()
+
+
+def add_batch_dim(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` (leading dimension the batch) as a batched tensor of vmap level ``level``."""
+    return _add_batch_dim(t, 0, level)
+
+
+def remove_batch_dim(t: torch.Tensor, level: int, batch_size: int) -> torch.Tensor:
+    """A batched tensor of vmap level ``level`` as a plain tensor, the batch leading."""
+    return _remove_batch_dim(t, level, batch_size, 0)

@@ -128,3 +128,24 @@ def test_mt19937_state_reproduces_manual_seed_and_keeps_every_word():
                            torch.randn(1000, generator=torch.Generator().manual_seed(77)))
     with pytest.raises(ValueError, match="624 words"):
         mt19937_state(words[:10])
+
+
+def test_vmap_level_batches_an_op_from_inside_a_torch_dispatch():
+    """The batched simulation enters a vmap level inside ``__torch_dispatch__`` (where torch
+    switches off functorch's keys): an op on the batched tensor runs once over the batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.arange(6.0).reshape(3, 2)
+    seen = []
+
+    class Once(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.sum.default and not seen:
+                with torch_private.vmap_level(3) as level:
+                    seen.append(torch_private.remove_batch_dim(func(torch_private.add_batch_dim(args[0], level)),
+                                                               level, 3))
+            return func(*args, **(kwargs or {}))
+
+    with Once():
+        x.sum()
+    assert torch.equal(seen[0], x.sum(1))

@@ -18,15 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,
-                                 _vmap_increment_nesting)
 
-_K = torch._C.DispatchKey
-# the keys torch excludes while a __torch_dispatch__ runs that functorch's batching needs back
-_FUNCTORCH_KEYS = torch._C.DispatchKeySet(_K.FuncTorchDynamicLayerBackMode)
-for _key in (_K.FuncTorchBatched, _K.FuncTorchVmapMode, _K.FuncTorchDynamicLayerFrontMode,
-             _K.FuncTorchGradWrapper, _K.ADInplaceOrView):
-    _FUNCTORCH_KEYS = _FUNCTORCH_KEYS.add(_key)
+from ..torch_private import add_batch_dim, remove_batch_dim, vmap_level
+
 
 _HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
                torch.ops.aten.is_nonzero.default}
@@ -91,44 +85,38 @@ def batched_call(func, args, kwargs):
     """``func`` run once for all devices by functorch's batching rule (the stacked blocks enter
     a vmap level as batched tensors, the op runs, its results leave it as ``DeviceStack``s)."""
     n = n_devices(list(args) + list(kwargs.values()))
-    guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                             torch._C._dispatch_tls_local_exclude_set() - _FUNCTORCH_KEYS)
-    with guard:
-        level = _vmap_increment_nesting(n, "error")
+    with vmap_level(n, "error") as level:
+        inputs: dict[int, DeviceStack] = {}
+
+        def unwrap(a):
+            if type(a) is DeviceStack:
+                b = add_batch_dim(a.stacked, level)
+                inputs[id(b)] = (b, a)
+                return b
+            if isinstance(a, (list, tuple)) and a and any(type(x) is DeviceStack for x in a):
+                return type(a)(unwrap(x) for x in a)
+            return a
+
+        b_args = tuple(unwrap(a) for a in args)
+        b_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
         try:
-            inputs: dict[int, DeviceStack] = {}
+            result = func(*b_args, **b_kwargs)
+        except RuntimeError as exc:
+            if "called random operation while in randomness error mode" in str(exc):
+                raise RuntimeError(f"batched simulation: {func} draws random numbers, which a batched "
+                                   f"run does not simulate per device; use launch(simulate=True)") from exc
+            raise
 
-            def unwrap(a):
-                if type(a) is DeviceStack:
-                    b = _add_batch_dim(a.stacked, 0, level)
-                    inputs[id(b)] = (b, a)
-                    return b
-                if isinstance(a, (list, tuple)) and a and any(type(x) is DeviceStack for x in a):
-                    return type(a)(unwrap(x) for x in a)
-                return a
-
-            b_args = tuple(unwrap(a) for a in args)
-            b_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
-            try:
-                result = func(*b_args, **b_kwargs)
-            except RuntimeError as exc:
-                if "called random operation while in randomness error mode" in str(exc):
-                    raise RuntimeError(f"batched simulation: {func} draws random numbers, which a batched "
-                                       f"run does not simulate per device; use launch(simulate=True)") from exc
-                raise
-
-            def wrap(o):
-                if isinstance(o, torch.Tensor):
-                    same = inputs.get(id(o))
-                    if same is not None and same[0] is o:
-                        return same[1]          # an in-place op: the very tensor written
-                    return DeviceStack(_remove_batch_dim(o, level, n, 0))
-                if isinstance(o, (list, tuple)):
-                    return type(o)(wrap(x) for x in o)
-                return o
-            return wrap(result)
-        finally:
-            _vmap_decrement_nesting()
+        def wrap(o):
+            if isinstance(o, torch.Tensor):
+                same = inputs.get(id(o))
+                if same is not None and same[0] is o:
+                    return same[1]          # an in-place op: the very tensor written
+                return DeviceStack(remove_batch_dim(o, level, n))
+            if isinstance(o, (list, tuple)):
+                return type(o)(wrap(x) for x in o)
+            return o
+        return wrap(result)
 
 
 def same_on_all_devices(stacked: torch.Tensor, what: str) -> torch.Tensor:
