@@ -43,6 +43,7 @@ from .plot import plot_losses
 from .progress import Progress
 from .report import comm_report_text, describe, mesh_label, param_memory
 from .resume_check import check_resume_config
+from .host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from .world import World, is_main_process, resolve_world
 
 # World ... plot_losses: imported from here before the application modules were split
@@ -102,12 +103,12 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
     from .. import comm
-    from ..data import DataLoader, batch_shard
+    from ..backends.batched_run import per_device
+    from ..data import DataLoader
     from ..init import init as init_named
     from .evaluate import evaluate
     from .inputs import base_params, check_batches, load_data, model_config
     from .world import describe_device, peak_flops, select_device
-    from ..runtime import current_context
     from ..train import DEFAULT_BATCH_DIMS, train_step
 
     world = resolve_world(cfg, simulate)
@@ -206,34 +207,35 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                             metadata={"loader": loader.state_dict(), **export_info},
                             config=config_dict)
 
-    def agree_to_stop(local: bool) -> bool:
-        """Every device stops at the same step boundary if any of them was asked to."""
-        if mesh.size == 1:
-            return local
-        return any(current_context().backend.exchange_objects(local, tuple(range(mesh.size))))
-
     def device_fn() -> dict:
-        lead = current_context().rank == 0
+        lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
         if cfg.base_model is not None and latest is None:
-            params = base_params(cfg, model_cfg, decls, mesh, rules, device)
+            params = per_device(lambda: base_params(cfg, model_cfg, decls, mesh, rules, device))
         else:
             params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
                                 device=device)
         state = step_fn.init(params)
-        shard = batch_shard(mesh, rules).loader_args()      # the rules own the split and order
-        loader = DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard)
-        val_loader = None if data.val is None else DataLoader(
-            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard)
+        # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
+        loader = device_loader(lambda shard: DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,
+                                                        seed=cfg.seed, **shard), mesh, rules)
+        val_loader = None if data.val is None else device_loader(lambda shard: DataLoader(
+            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
+            mesh, rules)
         start = 0
         if latest is not None:
-            r = ck.load_checkpoint(load_dir, specs(state), rules=rules, step=latest,
-                                   keys=["params", "opt", "step", "skipped"], device=device)
-            state = {"params": r.tree["params"], "opt_state": r.tree["opt"],
-                     "step": r.tree["step"], "skipped": r.tree["skipped"]}
-            loader.load_state_dict(r.metadata["loader"])
-            start = int(r.step)
+            want = specs(state)
+
+            def restore() -> tuple:      # this device's shards (per device in a batched run)
+                r = ck.load_checkpoint(load_dir, want, rules=rules, step=latest,
+                                       keys=["params", "opt", "step", "skipped"], device=device)
+                return r.tree, r.metadata["loader"], int(r.step)
+            tree, loader_state, start = per_device(restore)
+            state = {"params": tree["params"], "opt_state": tree["opt"],
+                     "step": tree["step"], "skipped": tree["skipped"]}
+            loader.load_state_dict(loader_state)
             try:
-                ck.set_rng_state(ck.load_checkpoint(load_dir, step=latest, keys=["rng"]).tree["rng"])
+                ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest,
+                                                                       keys=["rng"]).tree["rng"]))
             except ck.CheckpointMismatchError:   # saved from another world size: keep ours
                 pass
         progress = Progress(cfg.max_steps, start, cfg.logging.log_every, out) if lead else None
@@ -302,13 +304,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
                     read_and_log(with_eval)
                 if save_now:
-                    saved_path, last_saved = save(state, loader, step), step
+                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                     if lead:
                         progress.message(f"saved checkpoint {saved_path}")
             read_and_log()
             final = stopped or cfg.checkpoint.save_final
             if final and step != last_saved:
-                saved_path, last_saved = save(state, loader, step), step
+                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                 if lead:
                     progress.message(f"saved checkpoint {saved_path}")
             if lead and stopped:

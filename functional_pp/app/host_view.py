@@ -1,0 +1,119 @@
+"""The training loop's view of the devices it runs for (docs/simulation.md, "Eighth round").
+
+Under the threaded simulator and torchrun the loop's device function runs once per device,
+each with its integer rank; under the batched simulator (``launch(simulate="batched")``) it
+runs once for all devices, and the Python of the loop is the host of every one of them. The
+loop asks this module instead of reading the rank:
+
+- :func:`is_lead`: whether this code speaks for rank 0 (prints, logs, writes reports);
+- :func:`agree_to_stop`: every device stops at the same step boundary;
+- :func:`lead_value`: a value read as rank 0 reads it (a saved RNG state);
+- :func:`device_loader`: this device's data loader, or one loader per device whose batches are
+  stacked (:class:`StackedLoader`);
+- :func:`save_on_devices`: a checkpoint save, on one thread per device in a batched run.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from ..backends.batched_run import per_device
+from ..backends.device_threads import on_device_threads
+from ..layout import Rules
+from ..mesh import Mesh
+from ..runtime import DeviceContext, current_context, current_rank, thread_context
+
+__all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
+           "StackedLoader", "save_on_devices"]
+
+
+def runs_all_devices() -> bool:
+    """Whether the running code runs once for every device (a batched simulation)."""
+    ctx = current_context(required=False)
+    return ctx is not None and ctx.batched
+
+
+def is_lead() -> bool:
+    """Whether the running code does rank 0's host work: rank 0 under threads and torchrun,
+    always in a batched run (the one host of all devices), and outside any launch."""
+    ctx = current_context(required=False)
+    return ctx is None or ctx.batched or ctx.rank == 0
+
+
+def agree_to_stop(local: bool) -> bool:
+    """True on every device if any device's ``local`` is (a batched run has one host: its own
+    answer is every device's)."""
+    ctx = current_context(required=False)
+    if ctx is None or ctx.batched or ctx.mesh.size == 1:
+        return local
+    return any(ctx.backend.exchange_objects(local, tuple(range(ctx.mesh.size))))
+
+
+def lead_value(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on this device; in a batched run, ``fn()`` as device 0 (integer rank, no
+    collectives), for host values every device holds alike."""
+    ctx = current_context(required=False)
+    if ctx is None or not ctx.batched:
+        return fn()
+    return per_device_call(ctx, 0, fn)
+
+
+def per_device_call(ctx: DeviceContext, rank: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` as device ``rank`` of the batched run ``ctx`` (what :func:`per_device` does for
+    each device, for one of them)."""
+    from ..backends.batched_run import _OneDeviceOnly
+    one = DeviceContext(ctx.mesh, rank, _OneDeviceOnly(), simulated=True,
+                        extras=ctx.extras.setdefault(("per_device", rank), {}))
+    with thread_context(one):
+        return fn()
+
+
+class StackedLoader:
+    """One data loader per device of a batched run, read together: each batch is every
+    device's own batch stacked (:func:`functional_pp.per_device`). The loaders move in
+    lockstep, so the position (``state_dict``, ``step``, ``epoch``) is device 0's."""
+
+    def __init__(self, loaders: list):
+        self.loaders = loaders
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return per_device(lambda: next(self.loaders[current_rank()]))
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """Batch ``step`` of every device, stacked."""
+        return per_device(lambda: self.loaders[current_rank()].batch(step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loaders[0].state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for loader in self.loaders:
+            loader.load_state_dict(state)
+
+    def __len__(self) -> int:
+        return len(self.loaders[0])
+
+    def __getattr__(self, name: str) -> Any:     # step, epoch, num_windows, global_batch_size...
+        if name == "loaders":
+            raise AttributeError(name)
+        return getattr(self.loaders[0], name)
+
+
+def device_loader(build: Callable[[dict], Any], mesh: Mesh, rules: Rules):
+    """``build(loader_args)`` for this device's block of the batch (``batch_shard``'s
+    ``loader_args``); in a batched run a :class:`StackedLoader` of one per device."""
+    from ..data import batch_shard
+    if not runs_all_devices():
+        return build(batch_shard(mesh, rules).loader_args())
+    return StackedLoader([build(batch_shard(mesh, rules, r).loader_args()) for r in range(mesh.size)])
+
+
+def save_on_devices(save: Callable[[Any], Any], state: Any) -> Any:
+    """``save(state)`` on every device (a checkpoint save: per-rank files, rank 0's index);
+    in a batched run on one thread per device, each with its block of ``state``. Returns
+    what ``save`` returned (rank 0's in a batched run)."""
+    return on_device_threads(save, state)[0]
