@@ -174,7 +174,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     if main:
         _check_writable(out_dir)         # before the summary: fail before any work
         print(describe(cfg, world, mesh, rules, model_cfg, corpus,
-                       device_text=describe_device(device, world.simulate, world.size), val=data.val),
+                       device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
+                       val=data.val),
               file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
@@ -325,7 +326,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 "checkpoint": saved_path, "comm_report": report_text}
 
     with stop:
-        results = launch(device_fn, mesh, simulate=world.simulate, timeout=cfg.collective_timeout)
+        results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
     if not world.simulate:
         import torch.distributed as dist
         if dist.is_initialized():

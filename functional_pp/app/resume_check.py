@@ -10,7 +10,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 
 # Keys that change where outputs go or how the run is watched, never the numbers.
-NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "max_consecutive_skips", "on_nonfinite",
+NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_consecutive_skips", "on_nonfinite",
            "peak_flops_per_device")
 # Keys that only reshard the same computation (any mesh loads any checkpoint); the batch keys
 # are per data-parallel rank, so the global batch (compared instead) is what must not change.

@@ -5,23 +5,31 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ConfigError, TrainConfig
 from ..launch import under_torchrun
+from .sim_mode import simulation_mode
 
 __all__ = ["World", "resolve_world", "is_main_process", "select_device", "peak_flops", "describe_device",
            "PEAK_BF16"]
 
 @dataclass(frozen=True)
 class World:
-    """How many devices run and how: simulated threads, or one rank per process (torchrun)."""
+    """How many devices run and how: simulated (batched or threads), or one rank per process
+    (torchrun)."""
 
     size: int
     simulate: bool
     launcher: str          # where the device count comes from, for messages
+    sim_mode: str | None = field(default=None, compare=False)   # "batched" | "threaded" (app/sim_mode.py)
+
+    @property
+    def launch_mode(self) -> bool | str:
+        """``launch``'s ``simulate=``: ``"batched"``, True (threads) or False (torchrun)."""
+        return "batched" if self.simulate and self.sim_mode == "batched" else self.simulate
 
 
 def resolve_world(cfg: TrainConfig, simulate: int | None = None) -> World:
@@ -36,13 +44,13 @@ def resolve_world(cfg: TrainConfig, simulate: int | None = None) -> World:
     if simulate is not None:
         if simulate < 1:
             raise ConfigError(f"--simulate needs a device count >= 1, got {simulate}")
-        return World(simulate, True, f"--simulate {simulate}")
+        return World(simulate, True, f"--simulate {simulate}", simulation_mode(cfg, simulate))
     n = math.prod(cfg.mesh_sizes(None).values())
     if n > 1 and torch.cuda.is_available():
         raise ConfigError(f"the mesh needs {n} devices: launch with `torchrun --nproc_per_node {n} "
                           f"-m functional_pp train ...`, or pass --simulate {n} to run them as "
                           f"simulated devices in this process")
-    return World(n, True, "simulated devices" if n > 1 else "one device")
+    return World(n, True, "simulated devices" if n > 1 else "one device", simulation_mode(cfg, n))
 
 
 def is_main_process() -> bool:
@@ -81,10 +89,13 @@ def peak_flops(device: torch.device | None, name: str | None = None) -> float | 
     return None
 
 
-def describe_device(device: torch.device | None, simulate: bool, world_size: int) -> str:
-    """``cuda:0 (NVIDIA H100 ...)`` / ``cpu`` / ``N simulated devices on the CPU``."""
+def describe_device(device: torch.device | None, simulate: bool, world_size: int,
+                    sim_mode: str | None = None) -> str:
+    """``cuda:0 (NVIDIA H100 ...)`` / ``cpu`` / ``N simulated devices on the CPU (batched)``."""
     if device is not None and device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if simulate and world_size > 1:
-        return f"{world_size} simulated devices on the CPU"
+        how = {"batched": " (batched: one run for all devices)",
+               "threaded": " (threaded: one thread per device)"}.get(sim_mode or "", "")
+        return f"{world_size} simulated devices on the CPU{how}"
     return "cpu"

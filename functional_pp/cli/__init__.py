@@ -17,7 +17,15 @@ from ..version import __version__
 from .errors import run_reporting_errors
 from ..config import ConfigError, TrainConfig, config_help
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "add_sim_mode_flag"]
+
+
+def add_sim_mode_flag(parser: argparse.ArgumentParser) -> None:
+    """``--sim-mode``: the config's ``simulation`` key (app/sim_mode.py)."""
+    parser.add_argument("--sim-mode", choices=("auto", "batched", "threaded"), default=None,
+                        help="how simulated devices run (config key simulation): batched = all "
+                             "devices in one batched run (fast), threaded = one thread per device; "
+                             "auto (default): batched unless the config needs threads (compile)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
                         "torchrun without accelerators: the mesh's size)")
+    add_sim_mode_flag(t)
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the output directory")
     t.add_argument("--max-steps", type=int, metavar="N", default=None,
@@ -84,6 +93,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"max_steps={args.max_steps}")
     if args.output is not None:
         overrides.append(f"logging.output_dir={args.output}")
+    if args.sim_mode is not None:
+        overrides.append(f"simulation={args.sim_mode}")
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
         if (args.layout or cfg.layout) == "auto":

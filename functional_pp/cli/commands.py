@@ -24,6 +24,8 @@ def add_commands(sub) -> None:
     v.add_argument("config", help="YAML config file")
     v.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="check against N devices (default: the mesh's size)")
+    from . import add_sim_mode_flag
+    add_sim_mode_flag(v)
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, as for train")
     v.add_argument("--output", metavar="DIR", default=None, help="override logging.output_dir")
@@ -60,6 +62,8 @@ def _validate(args: argparse.Namespace) -> int:
         overrides = list(args.overrides)
         if args.output is not None:
             overrides.append(f"logging.output_dir={args.output}")
+        if args.sim_mode is not None:
+            overrides.append(f"simulation={args.sim_mode}")
         cfg = TrainConfig.from_yaml(args.config, overrides)
         world = resolve_world(cfg, args.simulate)
         cfg.validate(world.size, launcher=world.launcher)
@@ -73,7 +77,8 @@ def _validate(args: argparse.Namespace) -> int:
         cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
-                       device_text=describe_device(device, world.simulate, world.size), val=data.val))
+                       device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
+                       val=data.val))
         if args.memory:
             print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:

@@ -1,0 +1,36 @@
+"""Which simulator runs a simulated training run: the batched one (every device in one batched
+run, ``launch(simulate="batched")``) or the threaded one (one thread per device), from the
+config's ``simulation`` key or ``--sim-mode`` (docs/simulation.md, "Eighth round")."""
+from __future__ import annotations
+
+from ..config import ConfigError, TrainConfig
+
+__all__ = ["needs_threads", "simulation_mode", "BATCHED", "THREADED"]
+
+BATCHED, THREADED = "batched", "threaded"
+
+
+def needs_threads(cfg: TrainConfig) -> list[str]:
+    """What in ``cfg`` the batched simulator cannot run (empty: nothing), as config keys."""
+    reasons = []
+    if cfg.compile:
+        reasons.append(f"compile: {cfg.compile} (a batched run is eager: torch.compile does not "
+                       f"trace its per-device tensors)")
+    return reasons
+
+
+def simulation_mode(cfg: TrainConfig, world_size: int) -> str:
+    """``"batched"`` or ``"threaded"`` for ``cfg`` on ``world_size`` simulated devices.
+    ``simulation: auto`` is batched where the config runs eagerly and uses nothing the batched
+    simulator refuses, and on more than one device; ``simulation: batched`` with a config that
+    needs threads raises a :class:`ConfigError` naming the keys."""
+    reasons = needs_threads(cfg)
+    if cfg.simulation == THREADED:
+        return THREADED
+    if cfg.simulation == BATCHED:
+        if reasons:
+            raise ConfigError("simulation: batched cannot run this config: " + "; ".join(reasons)
+                              + ". Use simulation: threaded (--sim-mode threaded), or change "
+                              + ("that key" if len(reasons) == 1 else "those keys"))
+        return BATCHED
+    return BATCHED if world_size > 1 and not reasons else THREADED
