@@ -136,3 +136,18 @@ def test_host_view_in_a_batched_run(tmp_path):
     assert not torch.equal(batched[0]["batch"], batched[2]["batch"])       # dp_shard 0 and 1 differ
     assert batched[3]["rank0"] == 0 and batched[0]["saved"][0] == 0        # rank 0's value
     assert torch.equal(batched[0]["saved"][1], threaded[0]["batch"])
+
+
+def test_cli_sim_benchmark_smoke(capsys):
+    """benchmarks/cli_sim.py: the loop's step time, one device / threaded / batched, with ratios
+    consistent with its own timings and the batched losses bitwise the threaded ones."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cli_sim
+    out = cli_sim.main(["--devices", "2", "--steps", "1", "--warmup", "1", "--repeats", "1",
+                        "--batch", "4", "--seq", "16"])
+    assert capsys.readouterr().out.strip().startswith("{")
+    med = out["median"]
+    assert out["ratio_cpu"]["batched"] == pytest.approx(med["batched"]["cpu_s"] / med["one"]["cpu_s"])
+    assert all(med[k]["wall_s"] > 0 and med[k]["cpu_s"] > 0 for k in ("one", "threaded", "batched"))
+    assert out["same_losses"] is True
