@@ -151,3 +151,12 @@ def test_cli_sim_benchmark_smoke(capsys):
     assert out["ratio_cpu"]["batched"] == pytest.approx(med["batched"]["cpu_s"] / med["one"]["cpu_s"])
     assert all(med[k]["wall_s"] > 0 and med[k]["cpu_s"] > 0 for k in ("one", "threaded", "batched"))
     assert out["same_losses"] is True
+
+
+def test_batched_rank_compared_to_an_int_is_refused():
+    """``current_rank() == 0`` in a batched run was silently False (the lead's work skipped on
+    every device): refused like the rank's other integer uses."""
+    mesh = fpp.Mesh(dp_shard=2)
+    with pytest.raises(RuntimeError, match="asked for the running device's rank as one integer"):
+        fpp.launch(lambda: fpp.current_rank() == 0, mesh, simulate="batched")
+    assert fpp.launch(lambda: fpp.current_rank() == 0, mesh) == [True, False]

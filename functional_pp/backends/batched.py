@@ -29,6 +29,18 @@ class BatchedRank:
     __index__ = __int__ = __lt__ = __le__ = __gt__ = __ge__ = __add__ = __radd__ = __mul__ = __rmul__ = \
         __floordiv__ = __mod__ = __sub__ = __rsub__ = _refuse
 
+    def __eq__(self, other):
+        # ``rank == 0`` would otherwise be silently False on every device (the lead device's
+        # work skipped without a word): refused like the other integer uses
+        if isinstance(other, int):
+            self._refuse()
+        return NotImplemented
+
+    def __ne__(self, other):
+        if isinstance(other, int):
+            self._refuse()
+        return NotImplemented
+
     def __hash__(self) -> int:
         return id(self)
 
