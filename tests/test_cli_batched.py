@@ -86,18 +86,19 @@ def test_batched_save_and_resume_with_ring_cp_equals_threaded_uninterrupted(tmp_
         assert torch.equal(ta[k], tb[k]), k
 
 
-def test_cli_sim_mode_flag_and_auto_default(tmp_path, capsys):
+def test_cli_sim_mode_flag_threaded_default_and_auto(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**BASE, "dp_shard_size": 2, "max_steps": 2}))
-    assert cli.main(["train", str(path), "--output", str(tmp_path / "auto")]) == 0
-    assert "2 simulated devices on the CPU (batched" in capsys.readouterr().out     # auto: eager -> batched
-    assert cli.main(["train", str(path), "--sim-mode", "threaded", "--output", str(tmp_path / "t")]) == 0
-    assert "(threaded" in capsys.readouterr().out
-    assert metrics(tmp_path / "auto") == metrics(tmp_path / "t")
-    cfg = TrainConfig.from_yaml(path, ["compile=true"])
-    assert resolve_world(cfg).sim_mode == "threaded"          # auto: compile needs threads
-    assert resolve_world(TrainConfig.from_yaml(path)).sim_mode == "batched"
-    assert resolve_world(TrainConfig.from_yaml(path, ["dp_shard_size=1"])).sim_mode == "threaded"  # one device
+    assert cli.main(["train", str(path), "--output", str(tmp_path / "default")]) == 0
+    assert "2 simulated devices on the CPU (threaded" in capsys.readouterr().out   # the default
+    assert cli.main(["train", str(path), "--sim-mode", "auto", "--output", str(tmp_path / "auto")]) == 0
+    assert "2 simulated devices on the CPU (batched" in capsys.readouterr().out    # auto: eager -> batched
+    assert metrics(tmp_path / "auto") == metrics(tmp_path / "default")
+    assert resolve_world(TrainConfig.from_yaml(path)).sim_mode == "threaded"
+    assert resolve_world(TrainConfig.from_yaml(path, ["simulation=auto"])).sim_mode == "batched"
+    assert resolve_world(TrainConfig.from_yaml(path, ["simulation=auto", "compile=true"])).sim_mode == "threaded"
+    assert resolve_world(TrainConfig.from_yaml(path, ["simulation=auto", "dp_shard_size=1"])).sim_mode == "threaded"
+    assert resolve_world(TrainConfig.from_yaml(path, ["simulation=batched"]), 2).sim_mode == "batched"
 
 
 def test_batched_with_compile_is_refused_by_name(tmp_path, capsys):

@@ -21,9 +21,10 @@ def needs_threads(cfg: TrainConfig) -> list[str]:
 
 def simulation_mode(cfg: TrainConfig, world_size: int) -> str:
     """``"batched"`` or ``"threaded"`` for ``cfg`` on ``world_size`` simulated devices.
-    ``simulation: auto`` is batched where the config runs eagerly and uses nothing the batched
-    simulator refuses, and on more than one device; ``simulation: batched`` with a config that
-    needs threads raises a :class:`ConfigError` naming the keys."""
+    ``simulation: threaded`` (the default: docs/simulation.md, "Eighth round", says why) is
+    threaded; ``auto`` is batched where the config runs eagerly and uses nothing the batched
+    simulator refuses, on more than one device; ``batched`` with a config that needs threads
+    raises a :class:`ConfigError` naming the keys."""
     reasons = needs_threads(cfg)
     if cfg.simulation == THREADED:
         return THREADED

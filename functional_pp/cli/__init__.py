@@ -22,10 +22,11 @@ __all__ = ["main", "build_parser", "add_sim_mode_flag"]
 
 def add_sim_mode_flag(parser: argparse.ArgumentParser) -> None:
     """``--sim-mode``: the config's ``simulation`` key (app/sim_mode.py)."""
-    parser.add_argument("--sim-mode", choices=("auto", "batched", "threaded"), default=None,
-                        help="how simulated devices run (config key simulation): batched = all "
-                             "devices in one batched run (fast), threaded = one thread per device; "
-                             "auto (default): batched unless the config needs threads (compile)")
+    parser.add_argument("--sim-mode", choices=("threaded", "batched", "auto"), default=None,
+                        help="how simulated devices run (config key simulation): threaded = one "
+                             "thread per device (default), batched = all devices in one batched "
+                             "run (same numbers, faster), auto = batched unless the config needs "
+                             "threads (compile)")
 
 
 def build_parser() -> argparse.ArgumentParser:

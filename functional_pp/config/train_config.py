@@ -84,11 +84,11 @@ class TrainConfig:
                                                 "in a row; null: never stop")
     collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
                                                  "collective before the run fails naming it")
-    simulation: Literal["auto", "batched", "threaded"] = fld(
-        "auto", "how simulated devices run (--simulate N, or a multi-device mesh on a CPU "
-                "machine): batched (all devices in one batched run, ~4x faster for 16 devices), "
-                "threaded (one thread per device), auto: batched unless the config needs threads "
-                "(compile); docs/simulation.md")
+    simulation: Literal["threaded", "batched", "auto"] = fld(
+        "threaded", "how simulated devices run (--simulate N, or a multi-device mesh on a CPU "
+                    "machine): threaded (one thread per device), batched (all devices in one "
+                    "batched run: same numbers, ~4x faster for 16 devices), auto: batched unless "
+                    "the config needs threads (compile); alias --sim-mode; docs/simulation.md")
     layout: Literal["manual", "auto"] = fld("manual", "auto: functional_pp.plan picks the mesh and "
                                                       "rules for the devices at hand (docs/planning.md)")
     # model and data
