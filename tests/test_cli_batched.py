@@ -99,6 +99,7 @@ def test_cli_sim_mode_flag_threaded_default_and_auto(tmp_path, capsys):
     assert resolve_world(TrainConfig.from_yaml(path, ["simulation=auto", "compile=true"])).sim_mode == "threaded"
     assert resolve_world(TrainConfig.from_yaml(path, ["simulation=auto", "dp_shard_size=1"])).sim_mode == "threaded"
     assert resolve_world(TrainConfig.from_yaml(path, ["simulation=batched"]), 2).sim_mode == "batched"
+    assert resolve_world(TrainConfig.from_yaml(path, ["simulation=batched"]), 1).sim_mode == "threaded"
 
 
 def test_batched_with_compile_is_refused_by_name(tmp_path, capsys):

@@ -37,13 +37,13 @@ from .. import checkpoint as ck
 from ..config import ConfigError, TrainConfig, model_family
 from ..seeds import check_seed
 from ..launch import launch, under_torchrun
+from .host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from .metrics import read_metrics, trim_metrics
 from .optimizer import optimizer_from_config
 from .plot import plot_losses
 from .progress import Progress
 from .report import comm_report_text, describe, mesh_label, param_memory
 from .resume_check import check_resume_config
-from .host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from .world import World, is_main_process, resolve_world
 
 # World ... plot_losses: imported from here before the application modules were split

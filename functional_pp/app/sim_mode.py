@@ -22,16 +22,16 @@ def needs_threads(cfg: TrainConfig) -> list[str]:
 def simulation_mode(cfg: TrainConfig, world_size: int) -> str:
     """``"batched"`` or ``"threaded"`` for ``cfg`` on ``world_size`` simulated devices.
     ``simulation: threaded`` (the default: docs/simulation.md, "Eighth round", says why) is
-    threaded; ``auto`` is batched where the config runs eagerly and uses nothing the batched
-    simulator refuses, on more than one device; ``batched`` with a config that needs threads
+    threaded, and so is every one-device run; ``auto`` is batched where the config runs eagerly
+    and uses nothing the batched simulator refuses; ``batched`` with a config that needs threads
     raises a :class:`ConfigError` naming the keys."""
-    reasons = needs_threads(cfg)
-    if cfg.simulation == THREADED:
+    if world_size == 1 or cfg.simulation == THREADED:     # one device: the plain run, as always
         return THREADED
+    reasons = needs_threads(cfg)
     if cfg.simulation == BATCHED:
         if reasons:
             raise ConfigError("simulation: batched cannot run this config: " + "; ".join(reasons)
                               + ". Use simulation: threaded (--sim-mode threaded), or change "
                               + ("that key" if len(reasons) == 1 else "those keys"))
         return BATCHED
-    return BATCHED if world_size > 1 and not reasons else THREADED
+    return THREADED if reasons else BATCHED
