@@ -4,6 +4,7 @@ Examples::
 
     functional-pp train examples/configs/fsdp.yaml                 # simulated devices on a CPU machine
     functional-pp train cfg.yaml --simulate 8 --max-steps 20 --output runs/try
+    functional-pp train cfg.yaml --sim-mode batched                 # all simulated devices in one batched run
     functional-pp train cfg.yaml --set learning_rate=1e-3 --set data.path=corpus.txt
     functional-pp train cfg.yaml --resume                           # continue from the newest checkpoint
     torchrun --nproc_per_node 8 -m functional_pp train cfg.yaml     # one process per device
