@@ -56,10 +56,10 @@ def lead_value(fn: Callable[[], Any]) -> Any:
     ctx = current_context(required=False)
     if ctx is None or not ctx.batched:
         return fn()
-    return per_device_call(ctx, 0, fn)
+    return _as_device(ctx, 0, fn)
 
 
-def per_device_call(ctx: DeviceContext, rank: int, fn: Callable[[], Any]) -> Any:
+def _as_device(ctx: DeviceContext, rank: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` as device ``rank`` of the batched run ``ctx`` (what :func:`per_device` does for
     each device, for one of them)."""
     from ..backends.batched_run import _OneDeviceOnly
