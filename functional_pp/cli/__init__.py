@@ -18,16 +18,8 @@ from ..version import __version__
 from .errors import run_reporting_errors
 from ..config import ConfigError, TrainConfig, config_help
 
-__all__ = ["main", "build_parser", "add_sim_mode_flag"]
+__all__ = ["main", "build_parser"]
 
-
-def add_sim_mode_flag(parser: argparse.ArgumentParser) -> None:
-    """``--sim-mode``: the config's ``simulation`` key (app/sim_mode.py)."""
-    parser.add_argument("--sim-mode", choices=("threaded", "batched", "auto"), default=None,
-                        help="how simulated devices run (config key simulation): threaded = one "
-                             "thread per device (default), batched = all devices in one batched "
-                             "run (same numbers, faster), auto = batched unless the config needs "
-                             "threads (compile)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
                         "torchrun without accelerators: the mesh's size)")
+    from .commands import add_sim_mode_flag
     add_sim_mode_flag(t)
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the output directory")

@@ -11,7 +11,16 @@ import sys
 
 from ..config import ConfigError, TrainConfig, model_family
 
-__all__ = ["add_commands", "run_command"]
+__all__ = ["add_commands", "run_command", "add_sim_mode_flag"]
+
+
+def add_sim_mode_flag(parser: argparse.ArgumentParser) -> None:
+    """``--sim-mode`` (of ``train`` and ``validate``): the config's ``simulation`` key (app/sim_mode.py)."""
+    parser.add_argument("--sim-mode", choices=("threaded", "batched", "auto"), default=None,
+                        help="how simulated devices run (config key simulation): threaded = one "
+                             "thread per device (default), batched = all devices in one batched "
+                             "run (same numbers, faster), auto = batched unless the config needs "
+                             "threads (compile)")
 
 
 def add_commands(sub) -> None:
@@ -24,7 +33,6 @@ def add_commands(sub) -> None:
     v.add_argument("config", help="YAML config file")
     v.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="check against N devices (default: the mesh's size)")
-    from . import add_sim_mode_flag
     add_sim_mode_flag(v)
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, as for train")
