@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from contextlib import contextmanager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -70,17 +71,34 @@ def build_shim(directory: str) -> str:
     return lib
 
 
-# --------------------------------------------------------------------------- inside valgrind
-def inner(args) -> None:
-    """Build both steps, warm them up uninstrumented, then count single steps alternately."""
+# --------------------------------------------------------------------------- capture, natively
+@contextmanager
+def captured_calls(into: list):
+    """Record every compiled graph run inside the block: its output-code file and a copy of its
+    inputs (taken before the run, which may write into them: donated state)."""
+    import torch
+    from torch._inductor.output_code import CompiledFxGraph
+    original = CompiledFxGraph.__call__
+
+    def recording(self, inputs):
+        fn = self.current_callable
+        path = getattr(fn, "__globals__", {}).get("__file__")
+        into.append((path, [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]))
+        return original(self, inputs)
+    CompiledFxGraph.__call__ = recording
+    try:
+        yield into
+    finally:
+        CompiledFxGraph.__call__ = original
+
+
+def capture(args) -> None:
+    """Natively: compile both steps, warm them up, then save what one step of each runs (the
+    output code of every compiled graph it calls, with that call's real inputs)."""
     import torch
     import torch._inductor.config as inductor_config
     torch.set_num_threads(1)
     inductor_config.cpp.simdlen = 256          # AVX2 kernels: valgrind does not run AVX-512
-    shim = ctypes.CDLL(args.shim)
-    counting = bool(shim.fpp_on_valgrind())
-    if not counting and not args.native:
-        raise SystemExit("--inner must run under valgrind --tool=callgrind (run without --inner)")
     import single_device as sd
     import functional_pp as fpp
     from functional_pp.models import llama
@@ -97,19 +115,58 @@ def inner(args) -> None:
     print(f"[instr_count] first-step loss functional {lf:.7f} plain {lp:.7f}", flush=True)
     if abs(lf - lp) > 1e-4 * abs(lp):
         raise SystemExit(f"first-step losses differ: functional {lf} vs plain {lp}")
-    if not counting:        # the native warm-up: compiled artifacts are now in inductor's caches
-        return
-    from torch._inductor.codecache import PyCodeCache
-    with open(os.path.join(os.path.dirname(args.shim), "output_code.json"), "w") as f:
-        json.dump(sorted({m.__file__ for m in PyCodeCache.modules if getattr(m, "__file__", None)}), f)
+    steps = {}
+    for name, r in runners.items():
+        with captured_calls([]) as calls:
+            r.step(batch)
+        if not calls or any(path is None for path, _ in calls):
+            raise SystemExit(f"{name}: no compiled graph (or one without output code) ran in a step")
+        steps[name] = calls
+        print(f"[instr_count] {name}: {len(calls)} compiled graph(s) per step: "
+              + ", ".join(os.path.basename(p) for p, _ in calls), flush=True)
+    torch.save(steps, os.path.join(args.out, "steps.pt"))
+    with open(os.path.join(args.out, "output_code.json"), "w") as f:
+        json.dump(sorted({p for calls in steps.values() for p, _ in calls}), f)
+
+
+# --------------------------------------------------------------------------- inside valgrind
+def replay(args) -> None:
+    """Under callgrind: load the saved output code and inputs, run each side's graphs once
+    uninstrumented, then count single steps alternately."""
+    import importlib.util
+
+    import torch
+    torch.set_num_threads(1)
+    import functional_pp  # noqa: F401  (registers the fpp:: custom ops the output code calls)
+    shim = ctypes.CDLL(args.shim)
+    if not shim.fpp_on_valgrind():
+        raise SystemExit("--replay must run under valgrind --tool=callgrind (run without it)")
+    steps = torch.load(os.path.join(args.out, "steps.pt"), weights_only=False)
+    modules = {}
+    for calls in steps.values():
+        for path, _ in calls:
+            if path not in modules:
+                spec = importlib.util.spec_from_file_location(f"graph_{len(modules)}", path)
+                modules[path] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(modules[path])
+
+    def fresh(calls):
+        return [(modules[p], [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]) for p, inputs in calls]
+
+    for name, calls in steps.items():              # once, uninstrumented (first-touch, lazy init)
+        for mod, inputs in fresh(calls):
+            mod.call(inputs)
     order = ["functional", "plain"]
     for i in range(args.repeats):
         for name in (order if i % 2 == 0 else order[::-1]):
+            runs = fresh(steps[name])
             shim.fpp_zero()
             shim.fpp_start()
-            runners[name].step(batch)
+            for mod, inputs in runs:
+                mod.call(inputs)
             shim.fpp_stop()
             shim.fpp_dump(f"{name}-{i}".encode())
+            runs = None
             print(f"[instr_count] counted {name} step {i}", flush=True)
 
 
@@ -290,15 +347,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="directory for the callgrind dumps (default: a temporary one)")
     ap.add_argument("--annotate", default=None, metavar="DIR", help="only summarise the dumps in DIR")
     ap.add_argument("--json", default=None, help="write the summary to this file")
-    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--capture", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--replay", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shim", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--native", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first step compiles)")
-    if args.inner:
+    if args.capture or args.replay:
         sys.path.insert(0, HERE)
-        return inner(args)
+        return capture(args) if args.capture else replay(args)
     if args.annotate:
         return annotate(args.annotate, args.top, args.json)
     if shutil.which("valgrind") is None:
@@ -306,19 +363,17 @@ def main(argv=None) -> None:
     out = args.out or tempfile.mkdtemp(prefix="instr_count_")
     os.makedirs(out, exist_ok=True)
     shim = build_shim(out)
-    step = [sys.executable, os.path.abspath(__file__), "--inner", "--shim", shim, "--preset", args.preset,
-            "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    me = [sys.executable, os.path.abspath(__file__), "--out", out, "--preset", args.preset,
+          "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
     if args.batch:
-        step += ["--batch", str(args.batch)]
+        me += ["--batch", str(args.batch)]
     if args.seq:
-        step += ["--seq", str(args.seq)]
+        me += ["--seq", str(args.seq)]
     env = dict(os.environ, **AVX2_ENV)
-    # natively first, the same build: under valgrind, dynamo then finds the graphs in inductor's
-    # caches instead of lowering and compiling them again at valgrind's speed
-    print("warming inductor's caches natively: " + " ".join(step + ["--native"]), flush=True)
-    subprocess.run(step + ["--native"], check=True, env=env)
+    print("compiling and capturing one step of each side natively: " + " ".join(me + ["--capture"]), flush=True)
+    subprocess.run(me + ["--capture"], check=True, env=env)
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/callgrind.out",
-           f"--cache-sim={'yes' if args.cache_sim else 'no'}", "--error-limit=no"] + step
+           f"--cache-sim={'yes' if args.cache_sim else 'no'}", "--error-limit=no"] + me + ["--replay", "--shim", shim]
     print("running: " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=env)
     print(f"dumps in {out}")
