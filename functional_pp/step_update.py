@@ -31,6 +31,7 @@ import torch
 from . import optim
 from .collectives import psum
 from .nonfinite import nonfinite_flags
+from .ops.realize import computed_once
 from .optim.bounds import carried_norms, grad_and_bound_norms
 from .step_buffers import acc_dtype, keep_if, own_buffers, write_into
 from .torch_private import is_tracing
@@ -106,6 +107,8 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
     if written:
         # scalars only: the writes wait for no reduction over the update (one pass)
         write = ok & shown if shown is not None else ok
+        # computed once, not inside every leaf's update loop (docs/compile.md "Eighth round")
+        write = computed_once(write)
         up.params = write_into(params, tree_map(lambda new, old: keep_if(write, new, old), up.params, params))
         up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(write, new, old), up.opt_state,
                                                       opt_state))
