@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import optree
 import torch
 
 from . import optim
@@ -35,7 +34,7 @@ from .ops.realize import computed_once
 from .optim.bounds import carried_norms, grad_and_bound_norms
 from .step_buffers import acc_dtype, keep_if, own_buffers, write_into
 from .torch_private import is_tracing
-from .tree import tree_leaves, tree_map
+from .tree import tree_leaves, tree_map, tree_unflatten
 
 AxisGroups = list   # [(mesh axes, leaf indices)]: the leaves split over exactly those axes
 
@@ -76,7 +75,7 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
         return complete(tree_leaves(sq_sums), groups)
 
     # eager: the optimizer may overwrite the step's own gradient buffers
-    grad_tree = optree.tree_unflatten(treespec, grads if tracing else own_buffers(grads, leaves))
+    grad_tree = tree_unflatten(treespec, grads if tracing else own_buffers(grads, leaves))
     grads.clear()
     written = tracing and donate_state
     bound = optim.update_bound(optimizer) if written else None

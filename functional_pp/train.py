@@ -39,7 +39,7 @@ from .step_buffers import acc_dtype, as_dtype, master_copy, select_finite
 from .step_io import check_batch, peak_memory, read_step_metrics, split_micro
 from .step_update import Updated, redo_held, update_phase
 from .torch_private import compile_cache_limits, is_tracing, trace_backward
-from .tree import leaves_with_paths, tree_leaves
+from .tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
@@ -361,7 +361,6 @@ class TrainStep:
         return self._named_params(leaves, treespec)
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
-        import optree
         compute = PRECISIONS[self.precision]
         if compute is not None:
             leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
@@ -371,12 +370,11 @@ class TrainStep:
         else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
             named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
-        return optree.tree_unflatten(treespec, named)
+        return tree_unflatten(treespec, named)
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      donate_state: bool | None = None):
-        import optree
-        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        leaves, treespec = tree_flatten(params)
         micro = split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
@@ -425,14 +423,13 @@ class TrainStep:
         state of ``up`` where the step is finite, else the old ones, selected on the device
         (``up``'s references are dropped first, so each new buffer is freed once its select is
         made; docs/eager_overhead.md "Host synchronisation")."""
-        import optree
-        trees = (optree.tree_structure(up.params, none_is_leaf=False),
-                 optree.tree_structure(up.opt_state, none_is_leaf=False))
-        new = [*tree_leaves(up.params), *tree_leaves(up.opt_state)]
-        up.params = up.opt_state = None
+        new_params, params_spec = tree_flatten(up.params)
+        new_state, state_spec = tree_flatten(up.opt_state)
+        new = [*new_params, *new_state]
+        up.params = up.opt_state = new_params = new_state = None
         new = select_finite(up.finite, new, [*old_params, *tree_leaves(old_opt_state)])
         n = len(old_params)
-        return optree.tree_unflatten(trees[0], new[:n]), optree.tree_unflatten(trees[1], new[n:])
+        return tree_unflatten(params_spec, new[:n]), tree_unflatten(state_spec, new[n:])
 
     @staticmethod
     def _non_finite_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:

@@ -16,6 +16,8 @@ import optree
 
 import torch
 
+from .torch_private import is_tracing
+
 
 @dataclass(frozen=True)
 class Param:
@@ -87,12 +89,101 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 def tree_leaves(tree: Any) -> list:
     """The leaves of ``tree`` (``None`` is an empty subtree)."""
+    if is_tracing():
+        leaves: list = []
+        if _plain_leaves(tree, leaves):
+            return leaves
     return optree.tree_leaves(tree, none_is_leaf=False)
 
 
 def tree_flatten(tree: Any) -> tuple[list, Any]:
-    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree)."""
+    """``(leaves, treespec)`` of ``tree`` (``None`` is an empty subtree); the spec is for
+    :func:`tree_unflatten`."""
+    if is_tracing():
+        leaves: list = []
+        if _plain_leaves(tree, leaves):
+            return leaves, PlainSpec(tree)
     return optree.tree_flatten(tree, none_is_leaf=False)
+
+
+def tree_unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
+    """The tree of ``spec`` (from :func:`tree_flatten`) with these leaves."""
+    if isinstance(spec, PlainSpec):
+        return spec.unflatten(leaves)
+    return optree.tree_unflatten(spec, leaves)
+
+
+# Traced by torch.compile, optree's flatten runs as dynamo's Python model of optree, which made up
+# about a third of the time dynamo spent tracing a training step (docs/compile.md "Tracing
+# time"). Trees of plain dicts, lists and tuples with tensor leaves, what parameters, gradients
+# and optimizer states are, are flattened here in the same order (dict keys sorted, as optree
+# sorts them) by a few lines dynamo traces quickly; anything else goes to optree.
+_PLAIN_LEAVES = (torch.Tensor,)
+
+
+def _plain_leaves(tree: Any, out: list) -> bool:
+    """Append ``tree``'s leaves to ``out`` if it is a plain tree (dicts with str keys, lists,
+    tuples, None, tensor leaves); False (``out`` then unusable) otherwise."""
+    kind = type(tree)
+    if kind is dict:
+        keys = list(tree)
+        if not all(type(k) is str for k in keys):
+            return False
+        return all(_plain_leaves(tree[k], out) for k in sorted(keys))
+    if kind is list or kind is tuple:
+        return all(_plain_leaves(x, out) for x in tree)
+    if tree is None:
+        return True
+    if isinstance(tree, _PLAIN_LEAVES):
+        out.append(tree)
+        return True
+    return False
+
+
+class PlainSpec:
+    """The structure of a plain tree (see :func:`_plain_leaves`), for :func:`tree_unflatten`."""
+
+    def __init__(self, tree: Any):
+        self._tree = _skeleton(tree)      # no reference to the leaves: they may be freed
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        it = iter(leaves)
+        out = _rebuild(self._tree, it)
+        if next(it, _END) is not _END:
+            raise ValueError("tree_unflatten: more leaves than the tree has")
+        return out
+
+
+_END = object()
+_LEAF = object()
+
+
+def _skeleton(tree: Any) -> Any:
+    kind = type(tree)
+    if kind is dict:
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if kind is list:
+        return [_skeleton(x) for x in tree]
+    if kind is tuple:
+        return tuple(_skeleton(x) for x in tree)
+    return None if tree is None else _LEAF
+
+
+def _rebuild(tree: Any, it) -> Any:
+    kind = type(tree)
+    if kind is dict:
+        new = {k: _rebuild(tree[k], it) for k in sorted(tree)}
+        return {k: new[k] for k in tree}          # the original insertion order, as optree keeps it
+    if kind is list:
+        return [_rebuild(x, it) for x in tree]
+    if kind is tuple:
+        return tuple(_rebuild(x, it) for x in tree)
+    if tree is None:
+        return None
+    leaf = next(it, _END)
+    if leaf is _END:
+        raise ValueError("tree_unflatten: fewer leaves than the tree has")
+    return leaf
 
 
 def count_params(tree: Any) -> int:

@@ -11,21 +11,6 @@ class Peak:
     bytes: int = 0
 
 
-@contextmanager
-def peak_memory():
-    """``with peak_memory() as p: ...``; then ``p.bytes`` is the largest amount of memory
-    allocated at once inside the block beyond what was allocated before it."""
-    result = Peak()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield result
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
-    result.bytes = peak
-
-
 class Windows:
     """The blocks measured in one profiler session (:func:`window_peaks`)."""
 
@@ -55,7 +40,7 @@ def window_peaks():
     A process with other threads doing torch work (gloo's worker threads finish a collective
     after its waiter has returned) starts and stops the profiler once this way instead of once
     per block: stopping it while another thread still reports allocations to it can crash the
-    process: one of 4 gloo processes of tests/test_compiled_zero3_memory.py died with SIGSEGV
+    process: one of the 4 gloo processes tests/test_compiled_zero3_memory.py then used died with SIGSEGV
     right after a stop once in CI, and 11 stress runs of 40 stops per process left a rank stuck
     outside any collective once (the same class of race as pytorch/pytorch#132331). Fewer stops,
     each after the measured work, narrow that window."""
@@ -79,3 +64,15 @@ def window_peaks():
             i += 1
         peaks[k] = peak - base
     w.peaks = peaks
+
+
+@contextmanager
+def peak_memory():
+    """``with peak_memory() as p: ...``; then ``p.bytes`` is the largest amount of memory
+    allocated at once inside the block beyond what was allocated before it (one window of
+    :func:`window_peaks`)."""
+    result = Peak()
+    with window_peaks() as w:
+        with w.window():
+            yield result
+    result.bytes = w.peaks[0]

@@ -1,4 +1,4 @@
-"""Compiled ZeRO-3 on real processes (docs/compile.md, "Peak memory of compiled FSDP"): on 4
+"""Compiled ZeRO-3 on real processes (docs/compile.md, "Peak memory of compiled FSDP"): on 2
 gloo processes the peak memory of a compiled FSDP step is at most 1.1x the eager FSDP step's
 and well below (<= 0.8x) the same compiled step that keeps its gathered weights for backward
 (``keep_gathered=True``, no re-gather). Each process measures its own steps
@@ -22,7 +22,7 @@ from harness import local_batch, make_batch
 from memtrack import window_peaks
 
 CFG = llama.Config.tiny(layers=4, hidden=128, mlp=1024)
-MESH, RULES = fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")
+MESH, RULES = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard")
 DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
 COMPILED = dict(compile="aot_eager", donate_state=True)
 RUNS = {"eager": {}, "compiled": COMPILED, "compiled_keep_gathered": dict(COMPILED, keep_gathered=True)}

@@ -431,15 +431,18 @@ def _ring_backward(grad_out, q, k, v, out, lse, scale, causal, cp_size, cp_rank,
     return dq.to(q.dtype), dk_buf.to(k.dtype), dv_buf.to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
+class SavedOutLseAttention(torch.autograd.Function):
+    """The autograd shell of attention computed by a custom forward/backward pair that keeps
+    ``(out, lse)``: ``forward_fn(q, k, v, *args) -> (out, lse)`` runs without grad, and
+    ``backward_fn(grad_out, q, k, v, out, lse, *args) -> (dq, dk, dv)`` once, differentiable no
+    further. Used by the per-device ring below and the batched simulation's ring
+    (``ops/ring_batched.py``)."""
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, cp_size, cp_rank, balanced, shift, kernel):
+    def forward(ctx, q, k, v, forward_fn, backward_fn, *args):
         with torch.no_grad():
-            out, lse = _ring_forward(
-                q.detach(), k.detach(), v.detach(), scale, causal, cp_size, cp_rank, balanced, shift, kernel
-            )
+            out, lse = forward_fn(q.detach(), k.detach(), v.detach(), *args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, cp_size, cp_rank, balanced, shift, kernel)
+        ctx.backward_fn, ctx.args = backward_fn, args
         return out
 
     @staticmethod
@@ -447,11 +450,8 @@ class _RingAttention(torch.autograd.Function):
     @traced_as_backward
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, cp_size, cp_rank, balanced, shift, kernel = ctx.args
-        dq, dk, dv = _ring_backward(
-            grad_out, q, k, v, out, lse, scale, causal, cp_size, cp_rank, balanced, shift, kernel
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = ctx.backward_fn(grad_out, q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv, None, None) + (None,) * len(ctx.args)
 
 
 def ring_attention(
@@ -489,7 +489,7 @@ def ring_attention(
     if causal and balanced and cp_size > 1 and q.shape[2] % 2:
         raise ValueError("balanced causal ring attention needs an even local sequence length")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, scale, bool(causal), int(cp_size), int(cp_rank), bool(balanced), shift, kernel)
+    return SavedOutLseAttention.apply(q, k, v, _ring_forward, _ring_backward, scale, bool(causal), int(cp_size), int(cp_rank), bool(balanced), shift, kernel)
 
 
 def ring_attention_comm_bytes(k: torch.Tensor, v: torch.Tensor, cp_size: int) -> tuple[int, int]:

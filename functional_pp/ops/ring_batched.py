@@ -13,9 +13,8 @@ import math
 
 import torch
 
-from ..recompute import traced_as_backward
 from ..runtime import current_context
-from .attention_kernels import (_acc_dtype, _block_plan, _check_shapes, _shift, attention_with_lse,
+from .attention_kernels import (SavedOutLseAttention, _acc_dtype, _block_plan, _check_shapes, _shift, attention_with_lse,
                                 attention_with_lse_backward, merge_partials)
 
 
@@ -24,7 +23,7 @@ def _fold(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _forward(backend, axes, q, k, v, scale, causal, n, balanced, shift, kernel):
+def _forward(q, k, v, backend, axes, scale, causal, n, balanced, shift, kernel):
     qg = backend.group_major(q, axes)                         # ring position, R, B, H, S, D
     seq, acc = qg.shape[4], _acc_dtype(q.dtype)
     out = torch.zeros(qg.shape[:5] + (v.shape[-1],), dtype=acc)
@@ -46,7 +45,7 @@ def _forward(backend, axes, q, k, v, scale, causal, n, balanced, shift, kernel):
     return (backend.from_group_major(out.to(q.dtype), axes), backend.from_group_major(lse, axes))
 
 
-def _backward(backend, axes, grad_out, q, k, v, out, lse, scale, causal, n, balanced, shift, kernel):
+def _backward(grad_out, q, k, v, out, lse, backend, axes, scale, causal, n, balanced, shift, kernel):
     gg, qg, og, lg = (backend.group_major(t, axes) for t in (grad_out, q, out, lse))
     seq, acc = qg.shape[4], _acc_dtype(q.dtype)
     dq = torch.zeros(qg.shape, dtype=acc)
@@ -74,28 +73,6 @@ def _backward(backend, axes, grad_out, q, k, v, out, lse, scale, causal, n, bala
     return (backend.from_group_major(dq.to(q.dtype), axes), dk_buf.to(k.dtype), dv_buf.to(v.dtype))
 
 
-class _BatchedRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, axes, n, balanced, shift, kernel):
-        backend = current_context().backend
-        with torch.no_grad():
-            out, lse = _forward(backend, axes, q.detach(), k.detach(), v.detach(), scale, causal, n,
-                                balanced, shift, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (backend, axes, scale, causal, n, balanced, shift, kernel)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @traced_as_backward
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        backend, axes, scale, causal, n, balanced, shift, kernel = ctx.args
-        dq, dk, dv = _backward(backend, axes, grad_out, q, k, v, out, lse, scale, causal, n, balanced,
-                               shift, kernel)
-        return dq, dk, dv, None, None, None, None, None, None, None
-
-
 def batched_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
                            causal: bool, axes: tuple[str, ...], cp_size: int, balanced: bool, shift,
                            kernel: str = "auto") -> torch.Tensor:
@@ -105,5 +82,6 @@ def batched_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if causal and balanced and cp_size > 1 and q.shape[2] % 2:
         raise ValueError("balanced causal ring attention needs an even local sequence length")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _BatchedRingAttention.apply(q, k, v, scale, bool(causal), tuple(axes), int(cp_size),
-                                       bool(balanced), shift, kernel)
+    return SavedOutLseAttention.apply(q, k, v, _forward, _backward, current_context().backend,
+                                      tuple(axes), scale, bool(causal), int(cp_size), bool(balanced),
+                                      shift, kernel)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from .base import FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count, transform, \
-    tree_flatten, tree_leaves, tree_map, zeros_state
+    tree_flatten, tree_leaves, tree_map, tree_unflatten, zeros_state
 from ..torch_private import is_tracing
 
 
@@ -81,7 +80,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             torch._foreach_div_(upd, bc1)
             for k, i in enumerate(group):
                 mu[i], nu[i], out[i] = m_new[k], v_new[k], upd[k]
-        unflat = lambda leaves: optree.tree_unflatten(spec, leaves)  # noqa: E731
+        unflat = lambda leaves: tree_unflatten(spec, leaves)  # noqa: E731
         new_updates = updates if in_place and all(o is g for o, g in zip(out, g_leaves)) else unflat(out)
         return new_updates, ScaleByAdamState(count=count, mu=unflat(mu), nu=unflat(nu))
 

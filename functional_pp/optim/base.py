@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from ..tree import tree_flatten, tree_leaves, tree_map  # noqa: F401 (tree_map re-exported)
+from ..tree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 (tree_map re-exported)
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], torch.Tensor]
@@ -185,7 +185,7 @@ def _scale_leaves(updates: PyTree, factor: Any, donated: bool) -> PyTree:
         else:
             for i, y in zip(group, torch._foreach_mul(sel, f)):
                 out[i] = y
-    return optree.tree_unflatten(spec, out) if not donated else updates
+    return tree_unflatten(spec, out) if not donated else updates
 
 
 def identity() -> GradientTransformation:
@@ -261,7 +261,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate_updates: bool = Fal
     if same:
         torch._foreach_add_([u_leaves[i] for i in same], [p_leaves[i] for i in same])
     out = [u if i in set(same) else (p + u).to(p.dtype) for i, (p, u) in enumerate(zip(p_leaves, u_leaves))]
-    return optree.tree_unflatten(spec, out)
+    return tree_unflatten(spec, out)
 
 
 def _is_namedtuple(x: Any) -> bool:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import optree
 import torch
 
 from .base import (FRESH, EmptyState, GradientTransformation, PyTree, _scale_leaves, check_number, dtype_groups,
-                   state_dtype, tree_flatten, tree_leaves, transform)
+                   state_dtype, tree_flatten, tree_leaves, tree_unflatten, transform)
 from ..torch_private import is_tracing
 
 NormReducer = Callable[[PyTree], torch.Tensor]
@@ -25,7 +24,7 @@ def global_norm(tree: PyTree, reducer: Optional[NormReducer] = None) -> torch.Te
     squares and returns the 0-dim global total (e.g. an all-reduce over the devices that
     split each leaf); without one, the local sums are added."""
     leaves, spec = tree_flatten(tree)
-    sq = optree.tree_unflatten(spec, sq_sums(leaves))
+    sq = tree_unflatten(spec, sq_sums(leaves))
     if reducer is not None:
         return torch.sqrt(reducer(sq))
     leaves = tree_leaves(sq)
