@@ -130,11 +130,23 @@ def capture(args) -> None:
 
 
 # --------------------------------------------------------------------------- inside valgrind
+def load_graph_modules(step_lists) -> dict:
+    """The captured steps' output-code modules, each loaded once: ``{path: module}`` for every
+    ``(path, inputs)`` call of every list in ``step_lists``."""
+    import importlib.util
+    modules = {}
+    for calls in step_lists:
+        for path, _ in calls:
+            if path not in modules:
+                spec = importlib.util.spec_from_file_location(f"graph_{len(modules)}", path)
+                modules[path] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(modules[path])
+    return modules
+
+
 def replay(args) -> None:
     """Under callgrind: load the saved output code and inputs, run each side's graphs once
     uninstrumented, then count single steps alternately."""
-    import importlib.util
-
     import torch
     torch.set_num_threads(1)
     import functional_pp  # noqa: F401  (registers the fpp:: custom ops the output code calls)
@@ -142,13 +154,7 @@ def replay(args) -> None:
     if not shim.fpp_on_valgrind():
         raise SystemExit("--replay must run under valgrind --tool=callgrind (run without it)")
     steps = torch.load(os.path.join(args.out, "steps.pt"), weights_only=False)
-    modules = {}
-    for calls in steps.values():
-        for path, _ in calls:
-            if path not in modules:
-                spec = importlib.util.spec_from_file_location(f"graph_{len(modules)}", path)
-                modules[path] = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(modules[path])
+    modules = load_graph_modules(steps.values())
 
     def fresh(calls):
         return [(modules[p], [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]) for p, inputs in calls]

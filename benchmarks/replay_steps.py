@@ -16,7 +16,6 @@ TORCHINDUCTOR_CPP_MARCH=x86-64-v3``), so that the kernels load from inductor's c
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import functional_pp  # noqa: E402,F401  (registers the fpp:: custom ops the output code calls)
+from instr_count import load_graph_modules  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -44,13 +44,7 @@ def main(argv=None) -> None:
         sides[f"functional[{os.path.basename(d.rstrip('/'))}]"] = steps["functional"]
         if i == 0:
             sides["plain"] = steps["plain"]
-    modules = {}
-    for calls in sides.values():
-        for p, _ in calls:
-            if p not in modules:
-                spec = importlib.util.spec_from_file_location(f"graph_{len(modules)}", p)
-                modules[p] = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(modules[p])
+    modules = load_graph_modules(sides.values())
 
     def run(calls):
         runs = [(modules[p], [x.clone() if isinstance(x, torch.Tensor) else x for x in a]) for p, a in calls]
