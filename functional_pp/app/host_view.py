@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..backends.batched_run import per_device
+from ..backends.batched_run import as_device, per_device
 from ..backends.device_threads import on_device_threads
 from ..layout import Rules
 from ..mesh import Mesh
-from ..runtime import DeviceContext, current_context, current_rank, thread_context
+from ..runtime import current_context, current_rank
 
 __all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
            "StackedLoader", "save_on_devices"]
@@ -56,17 +56,7 @@ def lead_value(fn: Callable[[], Any]) -> Any:
     ctx = current_context(required=False)
     if ctx is None or not ctx.batched:
         return fn()
-    return _as_device(ctx, 0, fn)
-
-
-def _as_device(ctx: DeviceContext, rank: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` as device ``rank`` of the batched run ``ctx`` (what :func:`per_device` does for
-    each device, for one of them)."""
-    from ..backends.batched_run import _OneDeviceOnly
-    one = DeviceContext(ctx.mesh, rank, _OneDeviceOnly(), simulated=True,
-                        extras=ctx.extras.setdefault(("per_device", rank), {}))
-    with thread_context(one):
-        return fn()
+    return as_device(0, fn)
 
 
 class StackedLoader:

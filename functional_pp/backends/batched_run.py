@@ -63,13 +63,17 @@ def per_device(fn: Callable[[], Any]) -> Any:
     ctx = current_context()
     if not ctx.batched:
         return fn()
-    results = []
-    for rank in range(ctx.mesh.size):
-        one = DeviceContext(ctx.mesh, rank, _OneDeviceOnly(), simulated=True,
-                            extras=ctx.extras.setdefault(("per_device", rank), {}))
-        with thread_context(one):
-            results.append(fn())
-    return _stack(results)
+    return _stack([as_device(rank, fn) for rank in range(ctx.mesh.size)])
+
+
+def as_device(rank: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` as device ``rank`` of the running batched simulation: that device's integer rank
+    and ``axis_index`` values, no collectives (one device's share of :func:`per_device`)."""
+    ctx = current_context()
+    one = DeviceContext(ctx.mesh, rank, _OneDeviceOnly(), simulated=True,
+                        extras=ctx.extras.setdefault(("per_device", rank), {}))
+    with thread_context(one):
+        return fn()
 
 
 def _is_leaf(x: Any) -> bool:

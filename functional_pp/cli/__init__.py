@@ -21,7 +21,6 @@ from ..config import ConfigError, TrainConfig, config_help
 __all__ = ["main", "build_parser"]
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``functional-pp`` command."""
     parser = argparse.ArgumentParser(
