@@ -1,6 +1,6 @@
 """Compile time against depth: the whole step compiled (``compile=True``) versus one
 compilation of the layer reused by every layer (``compile="per_layer"``,
-functional_pp/layer_compile.py). The first step's wall time (compilation included) minus the
+functional_pp/compile/layer_compile.py). The first step's wall time (compilation included) minus the
 second's, for a shallow and a deep Llama, each in a fresh process (no shared caches).
 
     python benchmarks/compile_depth.py                       # 2 vs 16 layers, inductor
@@ -28,7 +28,6 @@ def one(mode: str, layers: int) -> dict:
 
     import functional_pp as fpp
     from functional_pp.models import llama
-
     torch.set_num_threads(1)
     cfg = llama.Config.tiny(layers=layers, hidden=128, mlp=256)
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-3), compile=mode)

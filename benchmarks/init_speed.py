@@ -18,8 +18,6 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3_1b", help="a llama.Config preset: llama3_1b, llama3_8b, ...")
@@ -59,8 +57,7 @@ def main(argv=None) -> dict:
         del full
     shard_wall, shard_cpu, shards = _timed(
         lambda: fpp.init_params(decls, seed=0, mesh=mesh, rules=rules, rank=args.rank), args.repeats)
-    local = sum(t.numel() for t in fpp.tree.leaves(shards)) if hasattr(fpp.tree, "leaves") else \
-        sum(t.numel() for _, t in fpp.leaves_with_paths(shards))
+    local = sum(t.numel() for _, t in fpp.leaves_with_paths(shards))
     out = {"model": f"{args.model} shape, {args.layers} layers", "params": total,
            "full": {"wall_s": wall, "cpu_s": cpu, "params_per_cpu_s": total / cpu},
            "shard": {"mesh": repr(mesh), "rank": args.rank, "params": local, "wall_s": shard_wall,

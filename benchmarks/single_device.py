@@ -27,7 +27,7 @@ Differences that are part of what is measured (the functional step does them, th
 does not): the functional step also computes the global gradient norm and guards the update
 against non-finite values (a scalar skip of the fused AdamW kernel in eager, one scalar select in
 compiled steps, plus a check of the update's finiteness; docs/optim.md "In place",
-functional_pp/step_update.py). With ``--no-donate-state`` it returns new parameter and moment
+functional_pp/step/update.py). With ``--no-donate-state`` it returns new parameter and moment
 tensors instead of updating in place (eager: the new parameters are written into the step's own
 gradient buffers, so nothing parameter-sized is allocated beyond the moments; docs/memory.md).
 With ``--clip-norm X`` both sides clip the gradients by their global norm (plain torch:
@@ -55,7 +55,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-
 # --------------------------------------------------------------------------- presets
 PRESETS = {
     # model config overrides + batch shape

@@ -7,7 +7,7 @@ behind computation, with and without prefetching the next FSDP unit (issue 10 it
 
 Each process's ``torch.distributed`` backend delays every eager collective as a link that
 carries one collective at a time would (``FPP_SLOW_LINK_MS`` / ``FPP_SLOW_LINK_MBPS``,
-functional_pp/backends/slow_link.py): a synchronous collective blocks until it is through,
+functional_pp/devices/slow_link.py): a synchronous collective blocks until it is through,
 an asynchronous one (a prefetched unit gather, a unit's gradient reduce-scatter) only when
 its result is awaited. The same
 FSDP step (``dp_shard`` over the processes, weights split along ``hidden``, per-layer units)
@@ -38,10 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import functional_pp as fpp  # noqa: E402
-from functional_pp.backends.slow_link import ENV_MBPS, ENV_MS  # noqa: E402
+from functional_pp.devices.slow_link import ENV_MBPS, ENV_MS  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from functional_pp.runtime import current_context  # noqa: E402
-
+from functional_pp.core.runtime import current_context  # noqa: E402
 PRESETS = {
     "tiny": dict(model=dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128), batch=2, seq=32),
     # layers whose compute (a few tens of ms per layer on one CPU thread) can cover a 20 ms link

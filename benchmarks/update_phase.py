@@ -24,7 +24,7 @@ import optree  # noqa: E402
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from functional_pp.step_update import update_phase  # noqa: E402
+from functional_pp.step.update import update_phase  # noqa: E402
 from single_device import OPT, make_config  # noqa: E402
 
 

@@ -1,33 +1,28 @@
 """functional_pp: functional training on PyTorch with layouts derived from named axes."""
-from . import optim
-from .collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
+from functional_pp import optim
+from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
                           psum, psum_scatter, pvary, split_invariant)
-from .comm import CommReport, comm_report
-from .init import init, init_params
-from .launch import DeviceError, launch
-from .backends.batched_run import per_device
-from .layout import P, Rules, balanced, inherit
-from .mesh import Mesh
-from .runtime import current_mesh, current_rank, device_coords
-from .shard_map import shard_map, use_rules
-from .named import Named, configure, tied, wrap
-from .reshard import named
-from .ops import (attention, concat, cross_entropy, cumsum, dropout, einsum, embed, gelu, layer_norm,
+from functional_pp.core.comm import CommReport, comm_report
+from functional_pp.parallel.init import init, init_params
+from functional_pp.devices.launch import DeviceError, launch
+from functional_pp.devices.batched_run import per_device
+from functional_pp.core.layout import P, Rules, balanced, inherit
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.runtime import current_mesh, current_rank, device_coords
+from functional_pp.parallel.shard_map import shard_map, use_rules
+from functional_pp.parallel.named import Named, configure, tied, wrap
+from functional_pp.parallel.reshard import named
+from functional_pp.ops import (attention, concat, cross_entropy, cumsum, dropout, einsum, embed, gelu, layer_norm,
                   logsumexp, merge_dims, positions, rearrange, rename, rms_norm, rotary, silu, slice_dim,
                   softmax, split_dim, take, tanh, unbind, where)
-from .grads import gather_tree, value_and_grad
-from .remat import layer, remat
-from .train import TrainStep, train_step
-from .tree import Param, count_params, leaves_with_paths, map_with_path, param
-from . import sharding, tree
+from functional_pp.parallel.grads import gather_tree, value_and_grad
+from functional_pp.ops.layer import layer, remat
+from functional_pp.step.train import TrainStep, train_step
+from functional_pp.core.tree import Param, count_params, leaves_with_paths, map_with_path, param
+from functional_pp.parallel import sharding
+from functional_pp.core import tree
 
-# moved to functional_pp.sharding; the old names keep working (docs/architecture.md)
-tree.shard, tree.gather, tree.named_tree = sharding.shard, sharding.gather, sharding.named_tree
-
-from .version import __version__
-from . import moved_modules
-
-moved_modules.install(__name__)   # old paths of the application modules (docs/architecture.md)
+from functional_pp.version import __version__
 
 __all__ = [
     "Mesh", "Rules", "P", "balanced", "inherit", "launch", "per_device", "DeviceError", "current_mesh", "current_rank", "device_coords",

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp import tree
+from functional_pp.core import tree
 from functional_pp.models import llama
-
-
 def make_batch(cfg, batch=4, seq=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g)
@@ -22,7 +21,7 @@ def local_batch(full, mesh, rules):
 def single_device(cfg, full_params, batch, loss_fn=llama.loss, dtype=torch.float64):
     decls = llama.init(cfg, dtype)
     params = tree.tree_map(lambda x: x.clone().requires_grad_(), full_params)
-    named = tree.named_tree(params, decls)
+    named = sharding.named_tree(params, decls)
     b = {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}
     loss = loss_fn(named, b, cfg).value()
     loss.backward()
@@ -36,13 +35,13 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
     def fn():
         with fpp.use_rules(rules), fpp.configure(**(options or {})):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
-                                  tree.shard(full_params, decls, mesh, rules, fpp.current_rank()))
-            named = tree.named_tree(local, decls)
+                                  sharding.shard(full_params, decls, mesh, rules, fpp.current_rank()))
+            named = sharding.named_tree(local, decls)
             with fpp.comm_report() as rep:
                 loss = loss_fn(named, local_batch(batch, mesh, rules), cfg).value()
                 loss.backward()
             grads = tree.tree_map(lambda p: p.grad, local)
-            full = tree.gather(grads, decls, rules) if gather else grads
+            full = sharding.gather(grads, decls, rules) if gather else grads
         return loss.detach(), full, rep
     return fpp.launch(fn, mesh)
 
@@ -65,7 +64,7 @@ def train_steps(cfg, data, mesh, rules, dtype=torch.float64, **step_kw):
             losses.append(m["loss"])
             events = rep.events if events is None else events
         with fpp.use_rules(rules):
-            full = fpp.tree.gather(state["params"], llama.init(cfg, dtype), rules)
+            full = sharding.gather(state["params"], llama.init(cfg, dtype), rules)
         return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, events
     return device
 

@@ -8,10 +8,11 @@ import functools
 
 import torch
 
+from functional_pp.core import tree
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.optim.transform import GradientTransformation, chain
-
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()
@@ -40,7 +41,7 @@ def capture_gradients() -> GradientTransformation:
     """An optimizer stage that keeps the gradients it receives in its state (so a compiled
     step returns them) and passes them on unchanged."""
     def init(params):
-        return fpp.tree.tree_map(torch.zeros_like, params)
+        return tree.tree_map(torch.zeros_like, params)
 
     def update(grads, state, params=None):
         return grads, grads
@@ -67,10 +68,10 @@ def train(layout: str, compile_mode) -> dict:
             state, metrics = step(state, local)
             out["loss"].append(metrics["loss"])
             with fpp.use_rules(rules):
-                grads = fpp.tree.gather(state["opt_state"][0], decls, rules)
+                grads = sharding.gather(state["opt_state"][0], decls, rules)
             out["grads"].append({p: g.numpy() for p, g in fpp.leaves_with_paths(grads)})
         with fpp.use_rules(rules):
-            params = fpp.tree.gather(state["params"], decls, rules)
+            params = sharding.gather(state["params"], decls, rules)
     out["params"] = {p: x.numpy() for p, x in fpp.leaves_with_paths(params)}
     return out
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp import tree
-
+from functional_pp.core import tree
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 import gpt2  # noqa: E402  (examples/gpt2.py: the model under test)
 
@@ -39,7 +39,7 @@ def run(mesh, rules, cfg=CFG, full=FULL, data=DATA, options=None, seed=0):
 
     def fn():
         with fpp.use_rules(rules), fpp.configure(**(options or {})):
-            params = tree.named_tree(tree.shard(full, decls, mesh, rules, fpp.current_rank()), decls)
+            params = sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls)
             batch = {k: fpp.named(v, gpt2.BATCH_DIMS[k]) for k, v in data.items()}
             with fpp.comm_report() as rep:
                 loss, grads = fpp.value_and_grad(loss_fn, params, batch)
@@ -278,7 +278,7 @@ def test_gpt2_on_four_gloo_processes_matches_one_device(name):
 
     def fn():
         with fpp.use_rules(rules), fpp.configure(**options):
-            params = tree.named_tree(tree.shard(FULL, decls, mesh, rules, fpp.current_rank()), decls)
+            params = sharding.named_tree(sharding.shard(FULL, decls, mesh, rules, fpp.current_rank()), decls)
             batch = {k: fpp.named(v, gpt2.BATCH_DIMS[k]) for k, v in DATA.items()}
             loss, grads = fpp.value_and_grad(loss_fn, params, batch)
             return loss.item(), {p: g.numpy() for p, g in fpp.leaves_with_paths(fpp.gather_tree(grads))}

@@ -22,13 +22,12 @@ import yaml
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import cli
-from functional_pp.backends.sim_watch import CollectiveTimeout, DeviceFinishedError
+from functional_pp.devices.sim_watch import CollectiveTimeout, DeviceFinishedError
 from functional_pp.data import DataLoader
 from functional_pp.models import llama
 from functional_pp.ops.token_ids import TokenIdError
-from functional_pp.process_watch import CollectiveTimeoutError, RankDiedError
-from functional_pp.train import NonFiniteError
-
+from functional_pp.devices.process_watch import CollectiveTimeoutError, RankDiedError
+from functional_pp.step.train import NonFiniteError
 from harness import local_batch, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +267,7 @@ def test_a_device_returning_early_fails_its_peers_at_once():
 
 _BLOCKED_DEVICE = """
 import time, torch, functional_pp as fpp
-from functional_pp.backends.sim_watch import CollectiveTimeout
+from functional_pp.devices.sim_watch import CollectiveTimeout
 def fn():
     if fpp.current_rank() == 2:
         time.sleep(30)                               # blocked, no CPU time used (abandoned after 10 s)

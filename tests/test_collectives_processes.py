@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp import collectives as C
-
+from functional_pp.parallel import collectives as C
 pytestmark = pytest.mark.multiprocess
 
 MESH = fpp.Mesh(dp_shard=2, tp=2)

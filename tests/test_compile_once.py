@@ -5,9 +5,7 @@ per device, with the right values."""
 import torch
 
 import functional_pp as fpp
-from functional_pp.compile_gate import CompileGate
-
-
+from functional_pp.compile.gate import CompileGate
 def _counting_backend(compiled: list):
     def backend(gm, example_inputs):
         compiled.append(gm)

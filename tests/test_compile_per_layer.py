@@ -1,5 +1,5 @@
 """``compile="per_layer"``: one compilation of the declared layer runs every layer
-(functional_pp/layer_compile.py, docs/compile.md), equal to eager exactly (aot_eager)."""
+(functional_pp/compile/layer_compile.py, docs/compile.md), equal to eager exactly (aot_eager)."""
 import functools
 
 import pytest
@@ -7,9 +7,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import functional_pp as fpp
-from functional_pp.layer_compile import split_mode
+from functional_pp.compile.layer_compile import split_mode
 from functional_pp.models import llama
-
 from harness import local_batch, make_batch
 
 

@@ -17,10 +17,11 @@ import optree
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp import deferred_metrics
+from functional_pp.step import deferred_metrics
 from functional_pp.models import llama
-from functional_pp.nonfinite import NonFiniteError
+from functional_pp.step.nonfinite import NonFiniteError
 from functional_pp.ops.token_ids import TokenIdError
 from host_reads import HostReads, transfers  # noqa: F401 (a fixture)
 
@@ -268,7 +269,7 @@ def _gloo_runs():
             losses = [m["loss"] if m.get("skipped", 0) == 0 else "skipped" for m in metrics[:1 if error else 3]]
             skipped = [m["skipped"] for m in metrics] if error is None else None
             with fpp.use_rules(rules):
-                full = fpp.tree.gather(state["params"], llama.init(CFG), rules)
+                full = sharding.gather(state["params"], llama.init(CFG), rules)
             out[mode] = (losses, skipped, error, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)})
         return out
     return fpp.launch(device, mesh, processes=True, timeout=120)
@@ -297,7 +298,7 @@ LOOP_HOST_KEYS = HOST_KEYS + ("mfu", "elapsed_s")
 
 
 def _train(out, monkeypatch, per_step: bool = False, **overrides):
-    from functional_pp import train as train_module
+    from functional_pp.step import train as train_module
     from functional_pp.app.loop import train
     from functional_pp.app.metrics import read_metrics
     from functional_pp.config import TrainConfig

@@ -10,8 +10,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.tree import tree_leaves
-
+from functional_pp.core.tree import tree_leaves
 from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()

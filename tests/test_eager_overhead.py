@@ -173,7 +173,7 @@ def test_token_bookkeeping_of_a_step_takes_a_few_ops():
     assert len(ids_ops.ops) <= 3 and len(label_ops.ops) <= 5, (ids_ops.ops, label_ops.ops)
     assert float(tokens) == 13 and float(w) == 1.0 and len(weight_ops.ops) <= 4, weight_ops.ops
     # the check (5), the loss (valid, clamp, logsumexp, gather, sub, mask; its backward is
-    # written out: ops/xent_rows.py), the count (2), the sum and the division
+    # written out: ops/xent/rows.py), the count (2), the sum and the division
     assert len(loss_ops.ops) <= 15, " ".join(loss_ops.ops)
     expected = torch.nn.functional.cross_entropy(logits.data.reshape(-1, CFG.vocab), labels.reshape(-1),
                                                  reduction="sum") / 13

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
-from functional_pp import cli, tree
+from functional_pp import cli
+from functional_pp.core import tree
 from functional_pp.config import TrainConfig
 from functional_pp.data import DataLoader
 from functional_pp.app.inputs import load_data
 from functional_pp.models import llama
 from functional_pp.app.metrics import read_metrics
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""FSDP forward prefetch (functional_pp/fsdp_units.py, fsdp_order.py; docs/communication.md):
+"""FSDP forward prefetch (functional_pp/parallel/fsdp_units.py, parallel/fsdp_order.py; docs/communication.md):
 from the second forward on, unit k+1's flat all-gather is launched before unit k computes;
 results are bitwise those of the step without prefetch, on simulated devices and on two gloo
 processes, also when the model calls its layers in another order than the last forward."""
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.fsdp_order import trace_units
+from functional_pp.parallel.fsdp_order import trace_units
 from functional_pp.models import llama
-
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny(layers=3)
@@ -151,7 +150,7 @@ def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes(gloo_on_off):
 @pytest.mark.slow
 def test_the_in_flight_bound_governs_eager_reduce_scatters_on_gloo_processes(gloo_on_off, monkeypatch):
     """``FPP_COLLECTIVES_IN_FLIGHT`` bounds eager units' reduce-scatters as it bounds compiled
-    graphs' (functional_pp.in_flight): with 1, each is awaited right after its launch, before
+    graphs' (functional_pp.compile.in_flight): with 1, each is awaited right after its launch, before
     the previous unit's backward; with 3, unit k's waits until unit k-2's is launched. The
     numbers stay bitwise those of the default run."""
     on, _ = gloo_on_off

@@ -1,13 +1,12 @@
-"""Bucketed asynchronous DP gradient all-reduce (functional_pp/buckets.py): the same numbers
+"""Bucketed asynchronous DP gradient all-reduce (functional_pp/parallel/buckets.py): the same numbers
 as the per-gradient reduction and the single device, one all-reduce event per bucket, the
 analytic bytes, buckets launched during backward, and the same on real gloo processes."""
 import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.buckets import PendingGrad, grad_buckets
+from functional_pp.parallel.buckets import PendingGrad, grad_buckets
 from functional_pp.models import llama
-
 from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()
@@ -133,8 +132,7 @@ def test_reduced_gradients_are_views_of_their_bucket_and_owned_by_the_step():
     """finish hands out the reduced gradients as disjoint views of the bucket's flat buffer
     (no copy out, as DDP's gradient_as_bucket_view); own_buffers keeps them and copies only a
     gradient that overlaps another or shares memory with a parameter."""
-    from functional_pp.step_buffers import own_buffers
-
+    from functional_pp.step.buffers import own_buffers
     def views():
         w = [torch.ones(8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
         x = torch.arange(8, dtype=torch.float64)

@@ -9,13 +9,13 @@ from safetensors.torch import save_file
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
-from functional_pp import ops, tree
+from functional_pp import ops
+from functional_pp.core import tree
 from functional_pp.checkpoint import hf
-from functional_pp.layout import block_slices
+from functional_pp.core.layout import block_slices
 from functional_pp.models import llama
-from functional_pp.named import settle
+from functional_pp.parallel.named import settle
 from functional_pp.ops.rotary import Llama3Scaling, inverse_frequencies
-
 transformers = pytest.importorskip("transformers")
 
 MESH = fpp.Mesh(dp_shard=2, tp=2)

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.init import TILE
-from functional_pp.layout import block_slices
-
+from functional_pp.parallel.init import TILE
+from functional_pp.core.layout import block_slices
 T = TILE
 DECLS = {
     "long": fpp.param((3 * T + 124,), "a"),                       # several tiles, short last tile

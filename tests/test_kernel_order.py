@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp import kernel_order
+from functional_pp._torch import kernel_order
 from functional_pp.models import llama
-
 from harness import make_batch
 
 CFG = llama.Config.tiny()

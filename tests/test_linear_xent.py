@@ -1,4 +1,4 @@
-"""The LM head and cross-entropy over token chunks (functional_pp/ops/linear_xent.py,
+"""The LM head and cross-entropy over token chunks (functional_pp/ops/xent/linear.py,
 docs/compile.md "Seventh round (2026-12-01, lmce)"): loss, gradients and updated parameters
 equal the unchunked ``cross_entropy(einsum(...))`` on one device, under simulated layouts
 (vocabulary split over tp, tokens over dp/cp, FSDP-sharded and tied head weights), compiled,
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp import ops, tree
+from functional_pp import ops
+from functional_pp.core import tree
 from functional_pp.models import llama
-from functional_pp.ops import linear_xent
-from functional_pp.torch_private import trace_backward
-
+from functional_pp.ops.xent import linear as linear_xent
+from functional_pp._torch import trace_backward
 from harness import assert_same_run, local_batch, make_batch, parallel, single_device, train_steps
 from memtrack import peak_memory
 

@@ -5,11 +5,11 @@ import gc
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp import tree
-from functional_pp.fsdp_units import fsdp_units
+from functional_pp.core import tree
+from functional_pp.parallel.fsdp_units import fsdp_units
 from functional_pp.models import llama
-
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()
@@ -45,7 +45,7 @@ def full_weights_alive_after_forward(keep_gathered, units=False):
     def fn():
         with fpp.use_rules(rules), fpp.configure(keep_gathered=keep_gathered), fsdp_units(units):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
-                                  tree.shard(full, decls, mesh, rules, fpp.current_rank()))
+                                  sharding.shard(full, decls, mesh, rules, fpp.current_rank()))
             shapes = {(CFG.hidden, CFG.mlp), (CFG.mlp, CFG.hidden), (CFG.hidden, CFG.heads, CFG.dim_head)}
 
             def count():              # gathered weights carry a grad_fn; views share their storage
@@ -54,7 +54,7 @@ def full_weights_alive_after_forward(keep_gathered, units=False):
             barrier.wait()
             before = count()           # tensors left over by earlier tests (e.g. compiled graphs)
             barrier.wait()
-            loss = llama.loss(tree.named_tree(local, decls), local_batch(batch, mesh, rules), CFG).value()
+            loss = llama.loss(sharding.named_tree(local, decls), local_batch(batch, mesh, rules), CFG).value()
             barrier.wait()
             alive = len(count() - before)    # new storages only: earlier tests' tensors may go meanwhile
             barrier.wait()
@@ -72,6 +72,6 @@ def test_fsdp_keeps_no_gathered_weight_between_forward_and_backward():
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_fsdp_units_keep_no_gathered_weight_between_forward_and_backward():
-    """Layers gathered as one unit (functional_pp/fsdp_units.py) are re-gathered too."""
+    """Layers gathered as one unit (functional_pp/parallel/fsdp_units.py) are re-gathered too."""
     assert full_weights_alive_after_forward(keep_gathered=False, units=True) == 0
     assert full_weights_alive_after_forward(keep_gathered=True, units=True) == 2 * CFG.layers * 4

@@ -1,10 +1,9 @@
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp.layout import spec_to_layout
-
-
+from functional_pp.core.layout import spec_to_layout
 def test_mesh_default_order_and_coords():
     mesh = fpp.Mesh(dp_replicate=2, dp_shard=2, cp=2, tp=2)
     assert mesh.axis_names == ("dp_replicate", "dp_shard", "cp", "tp")
@@ -89,11 +88,11 @@ def test_param_tree_utils_and_mesh_independent_init():
 
     def run():
         local = fpp.init_params(decls, seed=3, mesh=mesh, rules=rules)
-        from functional_pp import tree
-        return local, tree.gather(local, decls, rules)
+        from functional_pp.core import tree
+        return local, sharding.gather(local, decls, rules)
 
     for r, (local, gathered) in enumerate(fpp.launch(run, mesh)):
-        expect = fpp.tree.shard(full, decls, mesh, rules, r)
+        expect = sharding.shard(full, decls, mesh, rules, r)
         for (p, a), (_, b) in zip(fpp.leaves_with_paths(local), fpp.leaves_with_paths(expect)):
             assert torch.equal(a, b), p
         for (p, a), (_, b) in zip(fpp.leaves_with_paths(gathered), fpp.leaves_with_paths(full)):

@@ -1,4 +1,4 @@
-"""The step's non-finite guard (functional_pp/nonfinite.py, step_update.py) in each way the update
+"""The step's non-finite guard (functional_pp/step/nonfinite.py, step/update.py) in each way the update
 is made: new buffers chosen on the host (eager, and compiled without donation: the graph
 returns the new state and a skipped step returns the old one); in place (eager, donated),
 where AdamW's step holds back what it cannot show finite and the update is made in new
@@ -14,8 +14,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.train import NonFiniteError
-
+from functional_pp.step.train import NonFiniteError
 CFG = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)
 LOSS = functools.partial(llama.loss, cfg=CFG)

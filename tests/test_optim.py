@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
-
 STEPS = 5
 
 

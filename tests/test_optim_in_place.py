@@ -11,7 +11,6 @@ import torch
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
 from functional_pp.optim.bounds import grad_and_bound_norms
-
 STEPS = 5
 
 

@@ -1,4 +1,4 @@
-"""The bound on collectives in flight of the overlap pass (functional_pp/overlap.py,
+"""The bound on collectives in flight of the overlap pass (functional_pp/compile/overlap.py,
 docs/compile.md "Peak memory of compiled FSDP"), on a hand-built graph of torch.distributed
 functional collectives: a backward that reduce-scatters four gradients and an optimizer that
 reads them all at the end, the shape whose late waits used to keep every unsharded gradient
@@ -6,8 +6,7 @@ alive at once."""
 import pytest
 import torch
 
-from functional_pp.overlap import IN_FLIGHT_ENV, in_flight_limit, overlap_communication
-
+from functional_pp.compile.overlap import IN_FLIGHT_ENV, in_flight_limit, overlap_communication
 FUNCOL = torch.ops._c10d_functional
 N_GRADS = 4
 

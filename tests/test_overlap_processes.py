@@ -1,4 +1,4 @@
-"""Communication overlap in a compiled FSDP step on torch.distributed (functional_pp/overlap.py,
+"""Communication overlap in a compiled FSDP step on torch.distributed (functional_pp/compile/overlap.py,
 docs/compile.md): read from the compiled graph's node order on two real gloo processes, with
 results equal to the step compiled without the pass."""
 import functools
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.compiler import capture_graphs
+from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
-
 from harness import make_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -9,8 +9,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.data import DataLoader, shard_batch
 from functional_pp.models import llama
-from functional_pp.train import DEFAULT_BATCH_DIMS
-
+from functional_pp.step.train import DEFAULT_BATCH_DIMS
 CFG = llama.Config.tiny(vocab=64)
 DIMS = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}
 
@@ -28,7 +27,7 @@ def _loss_sum(params, batch, mesh=None, rules=None, processes=False):
         with fpp.use_rules(rules):
             p = fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=3)
             named = {k: fpp.wrap(v, DIMS[k]) for k, v in local.items() if k != "positions"}
-            from functional_pp.named import settle
+            from functional_pp.parallel.named import settle
             return float(settle(llama.loss(p, named, CFG)).data)
     if processes:
         return fpp.launch(device, mesh, processes=True, timeout=240)[0] * n_valid

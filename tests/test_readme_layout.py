@@ -75,10 +75,10 @@ def test_readme_layout_names_no_missing_module():
 
 
 def test_checker_sees_a_missing_module_and_a_stale_name():
-    section = ("## Layout of the code\n\n| module | job |\n|---|---|\n| `mesh.py` | mesh |\n"
+    section = ("## Layout of the code\n\n| module | job |\n|---|---|\n| `core/mesh.py` | mesh |\n"
                "| `ops/` | `einsum`, `attention` |\n| `__init__.py` (each package) | exports |\n"
                "| `old.py` | gone |\n\nChecked by `tests/test_readme_layout.py`.\n")
-    files = ["mesh.py", "ops/einsum.py", "ops/attention.py", "ops/__init__.py", "ops/rotary.py",
+    files = ["core/mesh.py", "ops/einsum.py", "ops/attention.py", "ops/__init__.py", "ops/rotary.py",
              "app/loop.py", "__init__.py"]
     assert unlisted(section, files) == ["ops/rotary.py", "app/loop.py"]
     assert stale(section, files) == ["old.py"]

@@ -7,10 +7,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import functional_pp as fpp
-from functional_pp.compiler import capture_graphs
+from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
 from functional_pp.ops.realize import _Realized
-
 from harness import make_batch
 
 

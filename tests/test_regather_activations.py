@@ -5,10 +5,10 @@ or without context parallelism, and when the gathered residual is in load-balanc
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
-from functional_pp import tree
+from functional_pp.core import tree
 from functional_pp.models import llama
-
 from harness import local_batch, make_batch, single_device
 
 CFG = llama.Config.tiny()
@@ -26,11 +26,11 @@ def _step(regather: bool, mesh=MESH, rules=RULES):
     def fn():
         with fpp.use_rules(rules), fpp.configure(regather_activations=regather):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
-                                  tree.shard(FULL, decls, mesh, rules, fpp.current_rank()))
+                                  sharding.shard(FULL, decls, mesh, rules, fpp.current_rank()))
             with fpp.comm_report() as rep:
-                loss = llama.loss(tree.named_tree(local, decls), local_batch(BATCH, mesh, rules), CFG).value()
+                loss = llama.loss(sharding.named_tree(local, decls), local_batch(BATCH, mesh, rules), CFG).value()
                 loss.backward()
-            grads = tree.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
         flat = {p: g.detach().numpy() for p, g in tree.leaves_with_paths(grads)}   # picklable by value
         return float(loss), flat, rep.count("all_gather", "tp")
     return fn

@@ -1,4 +1,4 @@
-"""The compiled step writes its elementwise math into dying buffers (functional_pp/reinplace.py,
+"""The compiled step writes its elementwise math into dying buffers (functional_pp/compile/reinplace.py,
 docs/compile.md): a compiled AdamW step peaks no higher than the eager step, which updates in
 place on its donated gradients, and the rewrite never touches a buffer something else reads."""
 import functools
@@ -7,10 +7,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functional_pp as fpp
-from functional_pp.compiler import capture_graphs
+from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
-from functional_pp.reinplace import reinplace
-
+from functional_pp.compile.reinplace import reinplace
 from harness import make_batch
 from memtrack import peak_memory
 

@@ -1,13 +1,12 @@
-"""relayout changes layouts only (functional_pp/reshard.py); the FSDP bookkeeping of a gathered
+"""relayout changes layouts only (functional_pp/parallel/reshard.py); the FSDP bookkeeping of a gathered
 parameter or activation (its shard kept for a re-gather in backward, no memo of an untied
 gathered weight) is the ops' relayout (functional_pp/ops/regather.py), docs/layouts.md."""
 import torch
 
 import functional_pp as fpp
-from functional_pp import reshard
-from functional_pp.named import Named
+from functional_pp.parallel import reshard
+from functional_pp.parallel.named import Named
 from functional_pp.ops import regather
-
 MESH = fpp.Mesh(dp_shard=2)
 WHOLE = ((), ())
 

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from functional_pp.core import runtime
 import functional_pp as fpp
 
 N = 2
@@ -75,7 +76,7 @@ def test_fake_kernel_strides_equal_real_kernel_strides():
 
 
 def _raw_results(x):
-    ctx = fpp.runtime.current_context()
+    ctx = runtime.current_context()
     b, g = ctx.backend, ctx.mesh.group(ctx.rank, ("dp_shard",))
     return [b.all_reduce(x, "sum", g), b.all_reduce(x, "max", g), b.all_gather(x, 0, g),
             b.reduce_scatter(x, 0, g), b.all_to_all(x, 0, 1, g), b.permute(x, ((0, 1), (1, 0)), g)]
@@ -130,7 +131,7 @@ def test_eager_collectives_run_without_the_custom_op_and_compiled_ones_with_it()
         eager = ops_called(lambda: fpp.psum(x, "dp_shard"))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake_x = mode.from_tensor(x)
-            faked = ops_called(lambda: fpp.runtime.current_context().backend.all_reduce(fake_x, "sum", (0, 1)))
+            faked = ops_called(lambda: runtime.current_context().backend.all_reduce(fake_x, "sum", (0, 1)))
         return eager, faked
     eager, faked = fpp.launch(fn, fpp.Mesh(dp_shard=N))[0]
     assert eager == 0 and faked >= 1
@@ -145,7 +146,7 @@ def test_sleeping_devices_that_time_out_and_wake_late_keep_the_rendezvous_consis
     import random
     import threading
 
-    from functional_pp.backends.sim import SimWorld
+    from functional_pp.devices.sim import SimWorld
     monkeypatch.setattr(SimWorld, "POLL", 1e-4)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)                 # switch threads between any two bytecodes
@@ -186,7 +187,7 @@ def test_a_release_landing_just_after_a_sleep_timed_out_is_taken_once():
     a later release would fail on an unlocked lock."""
     import threading
 
-    from functional_pp.backends.sim import SimWorld
+    from functional_pp.devices.sim import SimWorld
     world = SimWorld(2, timeout=60)
     real = world._wake[0]
     released = threading.Event()

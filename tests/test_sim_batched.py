@@ -4,10 +4,10 @@ ops on the same blocks, sums in the same order) and the single-device run."""
 import pytest
 import torch
 
+from functional_pp.parallel import collectives
 import functional_pp as fpp
-from functional_pp.backends.device_stack import DevicesDisagree
+from functional_pp.devices.device_stack import DevicesDisagree
 from functional_pp.models import llama
-
 from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()
@@ -52,7 +52,7 @@ def _collectives():
         "ppermute": fpp.ppermute(x, "cp", [(0, 1)]),
         "split_invariant": fpp.split_invariant(fpp.psum(x, "tp"), "tp", 1),
         "pvary": fpp.pvary(x.sum(), "dp_shard") * x,
-        "slice_varying": fpp.collectives.slice_varying(x, "cp", 0),
+        "slice_varying": collectives.slice_varying(x, "cp", 0),
         "offset": x * fpp.axis_index(("dp_shard", "tp")),
     }
     loss = sum((o * w[: o.shape[0], : o.shape[1]].sum()).sum() * (i + 1) for i, o in enumerate(outs.values()))

@@ -1,4 +1,4 @@
-"""Simulated devices take turns (functional_pp/backends/sim_turns.py): one runs at a time,
+"""Simulated devices take turns (functional_pp/devices/sim_turns.py): one runs at a time,
 switching when it sleeps in a collective, and a device blocked outside collectives while
 holding its turn does not stop the others."""
 import threading
@@ -7,9 +7,7 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.backends.sim import SimWorld
-
-
+from functional_pp.devices.sim import SimWorld
 def _most_running_at_once(n_devices: int) -> int:
     """Devices that were between two collectives at the same moment, at most, while each
     spends its stretches in torch ops (which release the interpreter lock)."""
@@ -32,7 +30,7 @@ def _most_running_at_once(n_devices: int) -> int:
 
 
 def test_one_device_runs_at_a_time(monkeypatch):
-    from functional_pp.backends.sim_turns import Turns
+    from functional_pp.devices.sim_turns import Turns
     monkeypatch.setattr(Turns, "GIVE_UP", 120.0)    # a holder slowed down by a busy machine waits
     assert SimWorld.RUNNING == 1
     assert _most_running_at_once(4) == 1
@@ -57,7 +55,7 @@ def test_a_device_blocked_outside_collectives_with_its_turn_does_not_stop_the_ot
 
 
 def test_turns_are_handed_over_first_come_first_served():
-    from functional_pp.backends.sim_turns import Turns
+    from functional_pp.devices.sim_turns import Turns
     turns = Turns(3, limit=1, patience=30)
     order, started = [], []
     turns.take(0)
@@ -83,7 +81,7 @@ def test_turns_are_handed_over_first_come_first_served():
 
 @pytest.mark.parametrize("limit", [1, 2])
 def test_take_and_give_keep_count(limit):
-    from functional_pp.backends.sim_turns import Turns
+    from functional_pp.devices.sim_turns import Turns
     turns = Turns(4, limit=limit)
     for r in range(limit):
         turns.take(r)
@@ -98,7 +96,7 @@ def test_a_holder_spinning_while_it_waits_for_another_device_holds_it_up_for_giv
     device runs anyway once it has waited ``give_up`` seconds."""
     import time
 
-    from functional_pp.backends.sim_turns import Turns
+    from functional_pp.devices.sim_turns import Turns
     turns = Turns(2, limit=1, patience=0.01, give_up=0.3)
     turns.take(0)
     flag = threading.Event()

@@ -1,4 +1,4 @@
-"""The artificially slow link of functional_pp/backends/slow_link.py (benchmarks/slow_link.py):
+"""The artificially slow link of functional_pp/devices/slow_link.py (benchmarks/slow_link.py):
 one collective at a time, latency plus bytes over bandwidth, configured from the environment
 with a clear error; on gloo processes a synchronous collective takes at least the latency and
 an asynchronous one is complete no earlier than its launch plus the latency."""
@@ -8,9 +8,7 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.backends.slow_link import ENV_MBPS, ENV_MS, SlowLink, from_env
-
-
+from functional_pp.devices.slow_link import ENV_MBPS, ENV_MS, SlowLink, from_env
 def test_the_link_carries_one_collective_at_a_time():
     link = SlowLink(0.5, bandwidth=1000.0)                  # 0.5 s + bytes / (1000 bytes/s)
     t0 = time.monotonic()
@@ -36,7 +34,7 @@ def test_link_settings_from_the_environment(monkeypatch):
 
 
 def _timings():
-    from functional_pp.runtime import current_context
+    from functional_pp.core.runtime import current_context
     backend = current_context().backend
     group = (0, 1)
     x = torch.ones(8)

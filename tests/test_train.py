@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.models import llama
-
 from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()
@@ -34,7 +34,7 @@ def train(mesh, rules, data, opt=None, loss_fn=LOSS, dtype=torch.float64, **step
             losses.append(m["loss"])
             metrics.append(m)
         with fpp.use_rules(rules):
-            full = fpp.tree.gather(state["params"], llama.init(CFG, dtype), rules)
+            full = sharding.gather(state["params"], llama.init(CFG, dtype), rules)
         return losses, full, metrics
     return fpp.launch(device, mesh)
 
@@ -139,7 +139,7 @@ def test_loss_that_still_varies_is_refused():
 
 
 def _varying_scalar(x):
-    from functional_pp.named import Named
+    from functional_pp.parallel.named import Named
     return Named(x.data.sum(), (), (), x.vary)          # a per-device value claiming to be the loss
 
 

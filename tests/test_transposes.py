@@ -1,4 +1,4 @@
-"""The transposes of docs/collectives.md, one autograd function each (functional_pp/transposes.py):
+"""The transposes of docs/collectives.md, one autograd function each (functional_pp/parallel/transposes.py):
 every row of the table against the single-device oracle, and the table against the code."""
 import inspect
 import pathlib
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp import collectives as C
-from functional_pp import transposes
-
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel import transposes
 AXES = ("dp_shard", "tp")
 N = 4
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "collectives.md"

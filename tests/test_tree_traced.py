@@ -1,4 +1,4 @@
-"""Pytree flattening inside torch.compile (functional_pp/tree.py; docs/compile.md "Tracing
+"""Pytree flattening inside torch.compile (functional_pp/core/tree.py; docs/compile.md "Tracing
 time"): plain trees (dicts with str keys, lists, tuples, None, tensor leaves) are flattened by the
 package's own few lines while traced, in optree's order, and rebuilt with the original key order;
 any other tree goes to optree. The results must equal optree's, traced or not."""
@@ -7,8 +7,7 @@ from collections import namedtuple
 import optree
 import torch
 
-from functional_pp import tree as T
-
+from functional_pp.core import tree as T
 Pair = namedtuple("Pair", "a b")
 
 

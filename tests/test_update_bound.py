@@ -1,5 +1,5 @@
 """AdamW's pre-update bound without a read of the parameters (functional_pp/optim/bounds.py,
-functional_pp/known_finite.py; docs/optim.md "Bound before the update"): finite parameters up to
+functional_pp/step/known_finite.py; docs/optim.md "Bound before the update"): finite parameters up to
 the dtype's largest value are updated where the Adam term stays below the margin, an update that
 would overflow is held, non-finite parameters are never written over, and a donated step (eager
 in place, compiled) decides as the step without donation."""
@@ -13,10 +13,9 @@ import torch
 
 import functional_pp as fpp
 import functional_pp.optim as optim
-from functional_pp import known_finite
+from functional_pp.step import known_finite
 from functional_pp.models import llama
 from functional_pp.optim.bounds import grad_and_bound_norms, margin
-
 MAX32 = torch.finfo(torch.float32).max
 
 
@@ -232,7 +231,7 @@ def test_a_donated_state_returned_by_a_step_is_not_read_again(monkeypatch):
 def test_empty_leaves_are_finite_in_the_parameter_flag_and_the_update_check(backend):
     # an empty leaf has no extreme value (amax / aminmax of nothing raise): it counts as finite
     from functional_pp.optim.bounds import params_finite
-    from functional_pp.step_update import all_finite
+    from functional_pp.step.update import all_finite
     empty, full = torch.zeros(0, 3), torch.ones(4)
 
     def flags(leaves):
@@ -319,7 +318,7 @@ def test_a_constant_gradient_keeps_the_carried_peak_near_the_gradient_norm():
 def _carried(step, state):
     """The peaks the step would use for ``state`` without reading it (None: it would read), and
     each leaf's exact largest |m| (local)."""
-    from functional_pp.known_finite import _terms
+    from functional_pp.step.known_finite import _terms
     from functional_pp.optim.bounds import term_peaks
     bound = optim.update_bound(step.optimizer)
     carried = step._known_peaks.get(_terms(bound, state["opt_state"], state["params"]), lambda _: None)
@@ -456,7 +455,7 @@ def _mesh_steps(mesh, rules, donate_state, processes=False):
     gate, split over every axis) to -1e31, which no other device holds. Per device and step: the
     metrics, whether the step returned the tensors it was given, whether the carried peaks
     (donated) bounded the local moments, and the state."""
-    from functional_pp.runtime import device_coords
+    from functional_pp.core.runtime import device_coords
     step = fpp.train_step(functools.partial(llama.loss, cfg=CFG_TP), optim.adamw(1e-3, weight_decay=0.1),
                           mesh=mesh, rules=rules, compile="aot_eager", donate_state=donate_state,
                           max_consecutive_skips=None)

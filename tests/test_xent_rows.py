@@ -1,4 +1,4 @@
-"""The cross-entropy's own backward (functional_pp/ops/xent_rows.py, docs/compile.md "The
+"""The cross-entropy's own backward (functional_pp/ops/xent/rows.py, docs/compile.md "The
 cross-entropy's own backward"): loss and logits' gradient equal autograd of the plain formula
 (``torch.nn.functional.cross_entropy``), with ignored labels, on one device (eager and
 traced) and with the vocabulary split over simulated devices."""
@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 import functional_pp as fpp
 from functional_pp import ops
-from functional_pp.torch_private import trace_backward
-
+from functional_pp._torch import trace_backward
 B, V, S = 4, 16, 6       # logits "batch vocab seq": the vocabulary is not the last dimension
 
 
@@ -84,7 +83,7 @@ def test_vocabulary_split_over_simulated_devices_equals_autograd_of_the_plain_fo
 def test_the_rows_function_alone_eager_whole_vocabulary():
     """``nll_rows`` called eagerly with the whole vocabulary (the in-place backward) equals the
     plain formula's rows and gradient, with a weight per row."""
-    from functional_pp.ops.xent_rows import nll_rows
+    from functional_pp.ops.xent.rows import nll_rows
     logits, labels = _inputs()
     x = logits.movedim(1, -1).reshape(-1, V)
     lab = labels.reshape(-1).clamp(0, V - 1)

@@ -8,10 +8,9 @@ from typing import Any
 import optree
 import torch
 
-from ..named import settle, wrap
-from ..shard_map import use_rules
-from ..train import TrainStep
-
+from functional_pp.parallel.named import settle, wrap
+from functional_pp.parallel.shard_map import use_rules
+from functional_pp.step.train import TrainStep
 __all__ = ["evaluate", "eval_batches"]
 
 
@@ -23,7 +22,7 @@ def eval_batches(loader) -> int:
 def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> float:
     """Mean token loss of ``state``'s parameters over the first ``n_batches`` batches of
     ``loader`` (default: all its windows once). Runs on every device of the mesh."""
-    from ..ops import sum as nsum
+    from functional_pp.ops import sum as nsum
     if step.spec is None:
         raise RuntimeError("evaluate: call step.init(params) first")
     n_batches = eval_batches(loader) if n_batches is None else n_batches

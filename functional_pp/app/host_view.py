@@ -18,12 +18,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..backends.batched_run import as_device, per_device
-from ..backends.device_threads import on_device_threads
-from ..layout import Rules
-from ..mesh import Mesh
-from ..runtime import current_context, current_rank
-
+from functional_pp.devices.batched_run import as_device, per_device
+from functional_pp.devices.device_threads import on_device_threads
+from functional_pp.core.layout import Rules
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.runtime import current_context, current_rank
 __all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
            "StackedLoader", "save_on_devices"]
 
@@ -96,7 +95,7 @@ class StackedLoader:
 def device_loader(build: Callable[[dict], Any], mesh: Mesh, rules: Rules):
     """``build(loader_args)`` for this device's block of the batch (``batch_shard``'s
     ``loader_args``); in a batched run a :class:`StackedLoader` of one per device."""
-    from ..data import batch_shard
+    from functional_pp.data import batch_shard
     if not runs_all_devices():
         return build(batch_shard(mesh, rules).loader_args())
     return StackedLoader([build(batch_shard(mesh, rules, r).loader_args()) for r in range(mesh.size)])

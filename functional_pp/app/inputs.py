@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, TrainConfig, model_config
-
+from functional_pp.config import ConfigError, TrainConfig, model_config
 __all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params"]
 
 
@@ -24,7 +23,7 @@ def load_tokenizer(cfg: TrainConfig):
             raise ConfigError(f"base_model {cfg.base_model!r} has no tokenizer.json: give tokenizer: "
                               f"PATH (a tokenizer.json or a directory holding one)")
         return None
-    from ..data.tokenizer import HFTokenizer
+    from functional_pp.data.tokenizer import HFTokenizer
     try:
         return HFTokenizer(path, model_dir=cfg.base_model)
     except (FileNotFoundError, ValueError, ImportError) as exc:
@@ -49,14 +48,14 @@ def load_data(cfg: TrainConfig) -> RunData:
     tok = load_tokenizer(cfg)
     try:
         if cfg.datasets:
-            from ..data.formats import build_streams
+            from functional_pp.data.formats import build_streams
             train, val = build_streams(cfg.datasets, tok, seq_len=cfg.sequence_len,
                                        sample_packing=cfg.sample_packing,
                                        val_set_size=cfg.val_set_size, seed=cfg.seed,
                                        train_on_inputs=cfg.train_on_inputs,
                                        chat_template=cfg.chat_template)
             return RunData(train, val, tok)
-        from ..data import load_corpus
+        from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,
                              tokenizer=tok.tok if tok is not None else None,
                              max_bytes=cfg.data.max_bytes, pattern=cfg.data.pattern,
@@ -74,7 +73,7 @@ def load_data(cfg: TrainConfig) -> RunData:
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:
     """Steps per epoch of the training data; raises :class:`ConfigError` when the training or
     held-out tokens cannot fill a batch of ``global_batch`` sequences."""
-    from ..data import DataLoader
+    from functional_pp.data import DataLoader
     steps = 0
     for part, tokens in (("", data.train), (" (held-out part)", data.val)):
         if tokens is None:
@@ -91,9 +90,9 @@ def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:
 def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=None) -> Any:
     """This device's shards of ``base_model``'s weights as named parameters (inside
     :func:`functional_pp.launch`: only the rows / columns of each tensor it holds are read)."""
-    from ..checkpoint import hf
-    from ..named import Named
-    from ..tree import map_with_path
+    from functional_pp.checkpoint import hf
+    from functional_pp.parallel.named import Named
+    from functional_pp.core.tree import map_with_path
     tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
                                 rules=rules, device=device)
 

@@ -33,19 +33,18 @@ from typing import IO, Mapping
 
 import torch
 
-from .. import checkpoint as ck
-from ..config import ConfigError, TrainConfig, model_family
-from ..seeds import check_seed
-from ..launch import launch, under_torchrun
-from .host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
-from .metrics import read_metrics, trim_metrics
-from .optimizer import optimizer_from_config
-from .plot import plot_losses
-from .progress import Progress
-from .report import comm_report_text, describe, mesh_label, param_memory
-from .resume_check import check_resume_config
-from .world import World, is_main_process, resolve_world
-
+from functional_pp import checkpoint as ck
+from functional_pp.config import ConfigError, TrainConfig, model_family
+from functional_pp.core.seeds import check_seed
+from functional_pp.devices.launch import launch, under_torchrun
+from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
+from functional_pp.app.metrics import read_metrics, trim_metrics
+from functional_pp.app.optimizer import optimizer_from_config
+from functional_pp.app.plot import plot_losses
+from functional_pp.app.progress import Progress
+from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
+from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.world import World, is_main_process, resolve_world
 # World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
            "param_memory", "read_metrics", "plot_losses"]
@@ -102,15 +101,14 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
-    from .. import comm
-    from ..backends.batched_run import per_device
-    from ..data import DataLoader
-    from ..init import init as init_named
-    from .evaluate import evaluate
-    from .inputs import base_params, check_batches, load_data, model_config
-    from .world import describe_device, peak_flops, select_device
-    from ..train import DEFAULT_BATCH_DIMS, train_step
-
+    from functional_pp.core import comm
+    from functional_pp.devices.batched_run import per_device
+    from functional_pp.data import DataLoader
+    from functional_pp.parallel.init import init as init_named
+    from functional_pp.app.evaluate import evaluate
+    from functional_pp.app.inputs import base_params, check_batches, load_data, model_config
+    from functional_pp.app.world import describe_device, peak_flops, select_device
+    from functional_pp.step.train import DEFAULT_BATCH_DIMS, train_step
     world = resolve_world(cfg, simulate)
     cfg.validate(world.size, launcher=world.launcher)
     main = is_main_process()
@@ -185,7 +183,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         elif resume:
             print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", file=out, flush=True)
         try:
-            from .metrics import make_loggers
+            from functional_pp.app.metrics import make_loggers
             loggers = make_loggers(cfg, out_dir, metrics_path, append=latest is not None)
         except ImportError as exc:
             raise ConfigError(str(exc)) from exc

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 
-from .. import optim
-from ..config import ConfigError, TrainConfig
-
+from functional_pp import optim
+from functional_pp.config import ConfigError, TrainConfig
 __all__ = ["optimizer_from_config"]
 
 

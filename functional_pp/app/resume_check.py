@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, TrainConfig
-
+from functional_pp.config import ConfigError, TrainConfig
 # Keys that change where outputs go or how the run is watched, never the numbers.
 NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_consecutive_skips", "on_nonfinite",
            "peak_flops_per_device")
@@ -61,7 +60,7 @@ def config_changes(saved: dict | None, new: dict, saved_derived: dict | None = N
 
 def check_resume_config(ckpt: Path, cfg: TrainConfig, global_batch: int) -> None:
     """Refuse a resume whose config changes what the run computes (docs/bad_inputs.md §7)."""
-    from ..checkpoint.format import read_index
+    from functional_pp.checkpoint.format import read_index
     index = read_index(ckpt)
     saved = index.get("config")
     try:                                 # the saved run's global batch, on its own world size

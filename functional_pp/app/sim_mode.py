@@ -3,8 +3,7 @@ run, ``launch(simulate="batched")``) or the threaded one (one thread per device)
 config's ``simulation`` key or ``--sim-mode`` (docs/simulation.md, "Eighth round")."""
 from __future__ import annotations
 
-from ..config import ConfigError, TrainConfig
-
+from functional_pp.config import ConfigError, TrainConfig
 __all__ = ["needs_threads", "simulation_mode", "BATCHED", "THREADED"]
 
 BATCHED, THREADED = "batched", "threaded"

@@ -11,14 +11,13 @@ mesh and rules need, so a checkpoint loads on any mesh, or whole on one device::
     r = ckpt.load_checkpoint(root, {"params": decls, "opt": opt_specs}, rules=rules)
     params, opt_state, step = r.tree["params"], r.tree["opt"], r.step
 """
-from .consolidate import consolidate
-from .format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+from functional_pp.checkpoint.consolidate import consolidate
+from functional_pp.checkpoint.format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                      CheckpointNotFoundError, UnsafeFormatError)
-from .load import Restored, load_checkpoint, load_safetensors
-from .manager import CheckpointManager, rng_state, set_rng_state
-from .save import save_checkpoint
-from .specs import PER_RANK, Spec, specs_like, state_specs
-
+from functional_pp.checkpoint.load import Restored, load_checkpoint, load_safetensors
+from functional_pp.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
+from functional_pp.checkpoint.save import save_checkpoint
+from functional_pp.checkpoint.specs import PER_RANK, Spec, specs_like, state_specs
 __all__ = [
     "save_checkpoint", "load_checkpoint", "load_safetensors", "consolidate", "CheckpointManager",
     "Restored", "Spec", "PER_RANK", "specs_like", "state_specs", "rng_state", "set_rng_state",

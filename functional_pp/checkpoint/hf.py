@@ -20,14 +20,14 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from ..layout import Rules, block_slices
-from ..mesh import Mesh
-from ..shard_map import active_rules
-from ..tree import leaves_with_paths, map_with_path
-from . import format as fmt
-from .consolidate import write_sharded_set
-from .load import _where
-from .format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+from functional_pp.core.layout import Rules, block_slices
+from functional_pp.core.mesh import Mesh
+from functional_pp.parallel.shard_map import active_rules
+from functional_pp.core.tree import leaves_with_paths, map_with_path
+from functional_pp.checkpoint import format as fmt
+from functional_pp.checkpoint.consolidate import write_sharded_set
+from functional_pp.checkpoint.load import _where
+from functional_pp.checkpoint.format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                      CheckpointNotFoundError, UnsafeFormatError)
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "permute_for_rotate_half", "unpermute_from_rotate_half",
 ]
 
-from ..models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, config_from_hf_dict,
+from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, config_from_hf_dict,
                                 config_to_hf, hf_kind, hf_name, our_path, permute_for_rotate_half,
                                 unpermute_from_rotate_half)
 
@@ -167,8 +167,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
     default to the running device's, rules to the active ones) each device gets its own shards,
     reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype).
     ``strict`` refuses HF tensors the table does not map (e.g. biases)."""
-    from ..models import llama
-
+    from functional_pp.models import llama
     if decls is None:
         decls = llama.init(cfg, dtype or torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
@@ -265,8 +264,7 @@ def _write_hf(out: Path, cfg, items: list[tuple[str, torch.dtype, tuple, Callabl
 def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],
            dtype: torch.dtype | None) -> tuple[list, torch.dtype]:
     """HF-named lazy tensor items for every parameter of ``llama.init(cfg)``, in table order."""
-    from ..models import llama
-
+    from functional_pp.models import llama
     items, dtypes = [], set()
     for p, d in leaves_with_paths(llama.init(cfg)):
         shape, have, produce = get(p)
@@ -301,8 +299,7 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
 def _config_from_index(index: dict):
     from dataclasses import fields
 
-    from ..models.llama import Config
-
+    from functional_pp.models.llama import Config
     names = {f.name for f in fields(Config)}
     saved = index.get("config")
     meta = index.get("metadata") or {}
@@ -325,8 +322,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLik
     into a scratch folder, then each tensor is transformed to HF's layout one at a time.
     ``cfg`` defaults to the ``config`` saved with the checkpoint (``cfg.to_dict()``, or under
     ``"model"``)."""
-    from .consolidate import consolidate
-
+    from functional_pp.checkpoint.consolidate import consolidate
     ckpt = fmt.resolve_checkpoint(checkpoint, step)
     if cfg is None:
         cfg = _config_from_index(fmt.read_index(ckpt))

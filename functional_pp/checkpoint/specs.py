@@ -21,8 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .format import CheckpointError
-
+from functional_pp.checkpoint.format import CheckpointError
 PathT = tuple  # components: str | int
 
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..version import __version__
-from .errors import run_reporting_errors
-from ..config import ConfigError, TrainConfig, config_help
-
+from functional_pp.version import __version__
+from functional_pp.cli.errors import run_reporting_errors
+from functional_pp.config import ConfigError, TrainConfig, config_help
 __all__ = ["main", "build_parser"]
 
 
@@ -40,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--simulate", type=int, metavar="N", default=None,
                    help="run the mesh on N simulated devices in this process (default outside "
                         "torchrun without accelerators: the mesh's size)")
-    from .commands import add_sim_mode_flag
+    from functional_pp.cli.commands import add_sim_mode_flag
     add_sim_mode_flag(t)
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the output directory")
@@ -59,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: choose the mesh and rules with functional_pp.plan (prints why)")
     t.add_argument("--cluster", default="h100x8",
                    help="cluster preset the auto layout is chosen for (h100x8, h200x8, a100x8, l40sx4)")
-    from .commands import add_commands
+    from functional_pp.cli.commands import add_commands
     add_commands(sub)
-    from .plan import add_parser as add_plan_parser
+    from functional_pp.cli.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     return parser
 
@@ -73,15 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
     if args.command == "plan":
-        from .plan import run as plan_run
+        from functional_pp.cli.plan import run as plan_run
         return plan_run(args)
-    from .commands import run_command
+    from functional_pp.cli.commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
     return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..app.loop import train
+    from functional_pp.app.loop import train
     overrides = list(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"max_steps={args.max_steps}")
@@ -92,7 +91,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides)
         if (args.layout or cfg.layout) == "auto":
-            from .plan import auto_layout_for_run
+            from functional_pp.cli.plan import auto_layout_for_run
             cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume,
               allow_config_change=args.allow_config_change)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, TrainConfig, model_family
-
+from functional_pp.config import ConfigError, TrainConfig, model_family
 __all__ = ["add_commands", "run_command", "add_sim_mode_flag"]
 
 
@@ -62,10 +61,10 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from ..app.inputs import check_batches, load_data, model_config
-    from ..app.report import describe, planned_memory
-    from ..app.world import describe_device, resolve_world, select_device
-    from ..launch import under_torchrun
+    from functional_pp.app.inputs import check_batches, load_data, model_config
+    from functional_pp.app.report import describe, planned_memory
+    from functional_pp.app.world import describe_device, resolve_world, select_device
+    from functional_pp.devices.launch import under_torchrun
     try:
         overrides = list(args.overrides)
         if args.output is not None:
@@ -99,8 +98,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from ..checkpoint import CheckpointError
-    from ..app.export import export_run
+    from functional_pp.checkpoint import CheckpointError
+    from functional_pp.app.export import export_run
     try:
         out = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
                          dtype=getattr(torch, args.dtype) if args.dtype else None)

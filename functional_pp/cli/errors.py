@@ -27,8 +27,8 @@ def _root(exc: BaseException) -> BaseException:
 
 
 def exit_status(exc: BaseException) -> int:
-    from ..config import ConfigError
-    from ..train import NonFiniteError
+    from functional_pp.config import ConfigError
+    from functional_pp.step.train import NonFiniteError
     root = _root(exc)
     if isinstance(root, ConfigError) or isinstance(exc, ConfigError):
         return EXIT_CONFIG
@@ -42,7 +42,7 @@ def exit_status(exc: BaseException) -> int:
 def run_reporting_errors(fn: Callable[[], int], *, debug: bool = False, stream=None) -> int:
     """Run ``fn`` (returns an exit status); turn an exception into one line on ``stream``
     (stderr) and its exit status, or re-raise it with ``debug``."""
-    from ..config import ConfigError
+    from functional_pp.config import ConfigError
     stream = stream or sys.stderr
     try:
         return fn()

@@ -10,14 +10,13 @@ from typing import IO
 
 import torch
 
-from ..plan.cluster import cluster as as_cluster
-from ..plan.search import Ranking, Space, beam, exhaustive, search
-
+from functional_pp.plan.cluster import cluster as as_cluster
+from functional_pp.plan.search import Ranking, Space, beam, exhaustive, search
 LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from ..config import model_family
+    from functional_pp.config import model_family
     family, model_cfg = model_family(cfg), cfg.model.build()
     dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
     return functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg, dtype)
@@ -98,8 +97,8 @@ SEARCHED_DIMS = ("batch", "seq", "res_seq", "hidden", "heads", "kv_heads", "mlp"
 
 def _check_searchable(cfg) -> None:
     """``layout: auto`` needs a model whose dimensions are named as the search's rules expect."""
-    from ..config import ConfigError
-    from ..config.checks import known_dims
+    from functional_pp.config import ConfigError
+    from functional_pp.config.checks import known_dims
     missing = [d for d in SEARCHED_DIMS if d not in known_dims(cfg)]
     if missing:
         raise ConfigError(f"layout: auto ranks rules over Llama's dimension names; model family "
@@ -118,7 +117,7 @@ def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = 
     ranking = rank_layouts(cfg, n_devices, cl, space=space, stream=out)
     fitting = [e for e in ranking if e.settings.get("fits", True)]
     if not fitting:
-        from ..config import ConfigError
+        from functional_pp.config import ConfigError
         raise ConfigError(f"layout: auto found no layout of {n_devices} devices within {cl.memory_bytes / 1e9:.0f} GB "
                           f"per device (smallest peak: {min((e.peak_bytes for e in ranking), default=0) / 1e9:.1f} GB); "
                           f"use more devices, a smaller micro batch or activation_checkpointing")
@@ -145,7 +144,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """``functional-pp plan``: returns the exit status."""
-    from ..config import ConfigError, TrainConfig
+    from functional_pp.config import ConfigError, TrainConfig
     try:
         cfg = TrainConfig.from_yaml(args.config, list(getattr(args, "overrides", []) or []))
         if args.devices < 1:
@@ -177,8 +176,8 @@ def auto_layout_for_run(cfg, simulate: int | None, cluster: str = "h100x8"):
     ``--simulate N``; the chosen layout replaces the config's mesh and rules."""
     import os
 
-    from ..config import ConfigError
-    from ..launch import under_torchrun
+    from functional_pp.config import ConfigError
+    from functional_pp.devices.launch import under_torchrun
     n = int(os.environ["WORLD_SIZE"]) if under_torchrun() else simulate
     if n is None:
         raise ConfigError("layout: auto needs the device count: run under torchrun or pass --simulate N")

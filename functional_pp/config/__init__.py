@@ -31,13 +31,12 @@ Example::
 """
 from __future__ import annotations
 
-from .keys import ADAM_KEYS, MESH_KEYS, SGD_KEYS
-from .models import model_config, model_family
-from .overrides import apply_overrides
-from .schema import ConfigError, help_text
-from .sections import PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
-from .train_config import TrainConfig
-
+from functional_pp.config.keys import ADAM_KEYS, MESH_KEYS, SGD_KEYS
+from functional_pp.config.models import model_config, model_family
+from functional_pp.config.overrides import apply_overrides
+from functional_pp.config.schema import ConfigError, help_text
+from functional_pp.config.sections import PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
+from functional_pp.config.train_config import TrainConfig
 __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "DatasetConfig",
            "LoggingConfig", "CheckpointConfig", "MESH_KEYS", "PRESETS", "apply_overrides",
            "config_help", "model_config", "model_family", "ADAM_KEYS", "SGD_KEYS"]
@@ -45,7 +44,7 @@ __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "DatasetCo
 
 def config_help() -> str:
     """Every config key with its type, default and help (``functional-pp train --help``)."""
-    from .aliases import ALIASES, UNSUPPORTED
+    from functional_pp.config.aliases import ALIASES, UNSUPPORTED
     text = help_text([("top-level keys", TrainConfig), ("model (training from scratch)", ModelConfig),
                       ("datasets entries", DatasetConfig), ("data", DataConfig),
                       ("logging", LoggingConfig), ("checkpoint", CheckpointConfig)])

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .schema import Issues
-
+from functional_pp.config.schema import Issues
 __all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
            "NOT_USED", "normalize"]
 

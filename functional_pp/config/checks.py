@@ -8,10 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .keys import MESH_KEYS
-from .models import model_config, model_family
-from .schema import ConfigError, Issues, suggest
-
+from functional_pp.config.keys import MESH_KEYS
+from functional_pp.config.models import model_config, model_family
+from functional_pp.config.schema import ConfigError, Issues, suggest
 __all__ = ["check_values", "check_world", "resolved_precision"]
 
 
@@ -63,9 +62,9 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add(f"collective_timeout must be a positive number of seconds (or null: the default), "
             f"got {cfg.collective_timeout}")
     if isinstance(cfg.compile, str):
-        import torch._dynamo
-        from ..layer_compile import split_mode
-        backends = torch._dynamo.list_backends(exclude_tags=())
+        from functional_pp._torch import compile_backend_names
+        from functional_pp.compile.layer_compile import split_mode
+        backends = compile_backend_names()
         name = next((m for m in split_mode(cfg.compile) if isinstance(m, str)), None)  # "per_layer:x"
         if name is not None and name not in backends:
             add(f"compile: unknown torch.compile backend {name!r}{suggest(name, backends)} "
@@ -179,7 +178,7 @@ def _check_batch_and_sequence(cfg: Any, mesh, rules) -> None:
 
 def _check_model_layout(cfg: Any, mesh, rules) -> None:
     """The model's parameters and activations split evenly on the mesh."""
-    from ..tree import leaves_with_paths
+    from functional_pp.core.tree import leaves_with_paths
     if cfg.base_model is not None and not (Path(cfg.base_model) / "config.json").is_file():
         raise ConfigError(f"base_model {cfg.base_model!r} is not a Hugging Face model directory "
                           f"(no {Path(cfg.base_model).resolve() / 'config.json'}); give a local "

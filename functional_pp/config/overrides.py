@@ -7,9 +7,8 @@ import copy
 
 import yaml
 
-from .aliases import ALIASES
-from .schema import ConfigError
-
+from functional_pp.config.aliases import ALIASES
+from functional_pp.config.schema import ConfigError
 __all__ = ["apply_overrides"]
 
 

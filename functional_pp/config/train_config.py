@@ -9,13 +9,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from .checks import check_values, check_world, resolved_precision
-from .keys import MESH_KEYS
-from .loading import build_from_dict, config_to_dict, read_yaml
-from .models import model_family
-from .schema import ConfigError, Issues, fld
-from .sections import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig
-
+from functional_pp.config.checks import check_values, check_world, resolved_precision
+from functional_pp.config.keys import MESH_KEYS
+from functional_pp.config.loading import build_from_dict, config_to_dict, read_yaml
+from functional_pp.config.models import model_family
+from functional_pp.config.schema import ConfigError, Issues, fld
+from functional_pp.config.sections import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig
 __all__ = ["TrainConfig"]
 
 
@@ -190,13 +189,13 @@ class TrainConfig:
 
     def mesh(self, world_size: int | None = None):
         """The :class:`functional_pp.Mesh`."""
-        from ..mesh import Mesh
+        from functional_pp.core.mesh import Mesh
         return Mesh(**self.mesh_sizes(world_size))
 
     def build_rules(self, mesh=None):
         """The model family's default rules (``llama.default_rules``) with the config's
         ``rules`` entries replacing (null: removing) the defaults."""
-        from ..layout import Rules
+        from functional_pp.core.layout import Rules
         rules = model_family(self).default_rules(sequence_parallel=self.sequence_parallel)
         try:
             rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)

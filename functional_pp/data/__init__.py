@@ -1,6 +1,6 @@
 """Data: download-free token corpora and a deterministic, mesh-independent loader."""
 
-from .corpus import (
+from functional_pp.data.corpus import (
     DEFAULT_MAX_BYTES,
     ByteCorpus,
     Corpus,
@@ -8,8 +8,8 @@ from .corpus import (
     load_corpus,
     stdlib_dir,
 )
-from .device_batch import BatchShard, batch_shard
-from .loader import (
+from functional_pp.data.device_batch import BatchShard, batch_shard
+from functional_pp.data.loader import (
     IGNORE_INDEX,
     DataLoader,
     balanced_chunk_indices,

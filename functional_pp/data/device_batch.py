@@ -10,11 +10,10 @@ from typing import Mapping
 
 import torch
 
-from ..layout import Rules
-from ..mesh import Mesh
-from ..runtime import current_context
-from .loader import shard_batch
-
+from functional_pp.core.layout import Rules
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.runtime import current_context
+from functional_pp.data.loader import shard_batch
 __all__ = ["BatchShard", "batch_shard"]
 
 

@@ -22,8 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .tokenizer import CHATML
-
+from functional_pp.data.tokenizer import CHATML
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides "
@@ -47,7 +46,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in np.asarray(ids).reshape(-1)).decode("utf-8", errors="replace")
 
     def render(self, messages: list[dict], template: str | None) -> str:
-        from .tokenizer import HFTokenizer
+        from functional_pp.data.tokenizer import HFTokenizer
         return HFTokenizer.render(self, messages, template)   # type: ignore[arg-type]
 
     special_tokens: dict = {}

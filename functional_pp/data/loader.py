@@ -227,7 +227,7 @@ class DataLoader:
 
         self.global_batch_size = int(global_batch_size)
         self.seq_len = int(seq_len)
-        from ..seeds import check_seed
+        from functional_pp.core.seeds import check_seed
         self.seed = check_seed(seed, "DataLoader: seed")
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.cp_rank, self.cp_size = int(cp_rank), int(cp_size)

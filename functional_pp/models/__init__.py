@@ -1,9 +1,8 @@
 """Model definitions as pure functions over named parameter pytrees, and the registry of model
 families the training loop looks them up in (:mod:`functional_pp.models.family`); Llama is
 registered here as ``"llama"``."""
-from . import llama, llama_hf
-from .family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
-
+from functional_pp.models import llama, llama_hf
+from functional_pp.models.family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
 __all__ = ["llama", "llama_hf", "ModelFamily", "UnknownFamilyError", "register", "unregister",
            "get_family", "family_names", "LLAMA"]
 

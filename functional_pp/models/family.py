@@ -65,7 +65,7 @@ class ModelFamily:
 
     def dim_names(self, cfg: Any) -> set[str]:
         """Every dimension name of the parameters and of the checked activations."""
-        from ..tree import leaves_with_paths
+        from functional_pp.core.tree import leaves_with_paths
         names = {d for _, decl in leaves_with_paths(self.param_decls(cfg)) for d in decl.dims}
         for dims in self.activations(cfg, 1, 1):
             names.update(dims.split())

@@ -9,13 +9,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import ops
-from ..named import Named, tied
-from ..ops.rotary import Llama3Scaling
-from ..remat import layer as remat_layer
-from ..tree import param
-
-
+from functional_pp import ops
+from functional_pp.parallel.named import Named, tied
+from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.ops.layer import layer as remat_layer
+from functional_pp.core.tree import param
 @dataclass(frozen=True)
 class Config:
     vocab: int = 128256
@@ -200,7 +198,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
     """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
     (load-balanced for causal attention; the residual stream's res_seq inherits it),
     heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
-    from ..layout import Rules, balanced, inherit
+    from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
         rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")

@@ -11,17 +11,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import collectives as C
-from ..named import Named, _make, _memo, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
-from .regather import relayout
-from ..torch_private import is_tracing
-from ..observers import uneven_work
-from ..order import balanced_indices
-from .attention_kernels import ring_attention
-from .meta_attention import sdpa_for
-from .rotary import TRACED_POSITIONS
-
-
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import Named, _make, _memo, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
+from functional_pp.ops.regather import relayout
+from functional_pp._torch import is_tracing
+from functional_pp.core.observers import uneven_work
+from functional_pp.core.order import balanced_indices
+from functional_pp.ops.attention_kernels import ring_attention
+from functional_pp.ops.attention_meta import sdpa_for
+from functional_pp.ops.rotary import TRACED_POSITIONS
 def positions(dim: str = "seq", size: int | None = None) -> Named:
     """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``)."""
     if size is None:
@@ -65,7 +63,7 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch
 def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
     """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
     the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
-    from ..raw_collectives import _local_chunk
+    from functional_pp.parallel.raw_collectives import _local_chunk
     if not balanced:
         return _local_chunk(torch.arange(size), split, 0)
     first, rest = split[0], split[1:]
@@ -183,8 +181,8 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
 
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
-    if current_context().batched:     # every ring position at once (ops/ring_batched.py)
-        from .ring_batched import batched_ring_attention
+    if current_context().batched:     # every ring position at once (ops/attention_ring.py)
+        from functional_pp.ops.attention_ring import batched_ring_attention
         return batched_ring_attention(q, k, v, scale=scale, causal=causal, axes=tuple(axes), cp_size=n,
                                       balanced=balanced, shift=shift)
     return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced, shift=shift)

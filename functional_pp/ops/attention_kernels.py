@@ -31,8 +31,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from ..recompute import traced_as_backward
-
+from functional_pp.compile.recompute import traced_as_backward
 __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",
@@ -436,7 +435,7 @@ class SavedOutLseAttention(torch.autograd.Function):
     ``(out, lse)``: ``forward_fn(q, k, v, *args) -> (out, lse)`` runs without grad, and
     ``backward_fn(grad_out, q, k, v, out, lse, *args) -> (dq, dk, dv)`` once, differentiable no
     further. Used by the per-device ring below and the batched simulation's ring
-    (``ops/ring_batched.py``)."""
+    (``ops/attention_ring.py``)."""
     @staticmethod
     def forward(ctx, q, k, v, forward_fn, backward_fn, *args):
         with torch.no_grad():

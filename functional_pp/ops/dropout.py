@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives as C
-from ..named import Named, env, settle
-
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import Named, env, settle
 _MASK64 = (1 << 64) - 1
 
 
@@ -31,7 +30,7 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 def _global_index(x: Named, dim: str) -> torch.Tensor:
     """Global coordinates of this device's entries of ``dim`` (in the layout's order)."""
-    from .attention import _local_positions
+    from functional_pp.ops.attention import _local_positions
     i = x.dims.index(dim)
     split = x.split[i]
     return _local_positions(x.size(dim), split, env()[1].splits_balanced(dim, split))

@@ -5,11 +5,9 @@ import functools
 
 import torch
 
-from ..named import Named, _make, op_env, require_named, pvary, settle, varying_after
-from .regather import regather_scope, relayout
-from ..torch_private import is_tracing
-
-
+from functional_pp.parallel.named import Named, _make, op_env, require_named, pvary, settle, varying_after
+from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp._torch import is_tracing
 def _cache(maxsize: int):
     """``functools.lru_cache`` that torch.compile traces around quietly: dynamo ignores an
     lru_cache and warns at every cached call, so a compiling caller runs the plain function
@@ -135,7 +133,7 @@ def _contract(spec, ready: list[Named]) -> torch.Tensor:
 
 def _plan(pattern: str, operands: list[Named], mesh, rules, plans: dict | None) -> tuple:
     """What einsum does with operands of these types, derived once per pattern and operand types
-    and kept in the eager ``plans`` of the rules and mesh (:func:`functional_pp.named.op_env`):
+    and kept in the eager ``plans`` of the rules and mesh (:func:`functional_pp.parallel.named.op_env`):
     per operand its target layout and the axes it is cast to varying over; the output's
     layout, type and global sizes; torch's equation; the output's dimensions."""
     if plans is None:       # traced: nothing is kept

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives as C
-from ..named import _EMPTY, Named, _make, require_named, settle
-from .regather import relayout
-from . import reduce as R
-from .token_ids import check_ids
-from .xent_rows import nll_rows
-
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import _EMPTY, Named, _make, require_named, settle
+from functional_pp.ops.regather import relayout
+from functional_pp.ops import reduce as R
+from functional_pp.ops.token_ids import check_ids
+from functional_pp.ops.xent.rows import nll_rows
 IGNORE_INDEX = -100
 
 
@@ -19,7 +18,7 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
 
     ``logits`` has the labels' dimensions plus ``vocab``; the vocabulary may be split (the
     max and the sum of exponentials are reduced across the split). Each row's gradient is
-    written out, one pass over the logits (``ops/xent_rows.py``)."""
+    written out, one pass over the logits (``ops/xent/rows.py``)."""
     require_named("cross_entropy", logits=logits, labels=labels)
     logits = settle(logits)
     if logits.data.dtype in (torch.float16, torch.bfloat16):
@@ -41,7 +40,7 @@ def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
     if v_axes:
         nll = _split_nll_rows(logits, x, lab, vocab, other, split_other)
     else:
-        # one pass over the logits in backward too (ops/xent_rows.py); an ignored row's index
+        # one pass over the logits in backward too (ops/xent/rows.py); an ignored row's index
         # is any index, its row masked below
         nll = nll_rows(x, lab.clamp(0, x.shape[-1] - 1), torch.logsumexp(x.detach(), -1))
         if not any(split_other) and not logits.vary and not labels.vary:

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, _make, settle
-from . import reduce as R
-
-
+from functional_pp.parallel.named import Named, _make, settle
+from functional_pp.ops import reduce as R
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..named import Named, _make, settle
-from ..torch_private import is_tracing
-
-
+from functional_pp.parallel.named import Named, _make, settle
+from functional_pp._torch import is_tracing
 class _Realized(torch.autograd.Function):
     """Identity whose forward and backward take a view of the whole tensor: inductor computes
     the viewed value into a buffer rather than inlining it into each consumer."""

@@ -6,10 +6,8 @@ from typing import Sequence
 
 import torch
 
-from .. import collectives as C
-from ..named import _EMPTY, Named, _make, env, require_named, settle
-
-
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import _EMPTY, Named, _make, env, require_named, settle
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
     require_named(op, x=x)
     dims = (dims,) if isinstance(dims, str) else tuple(x.dims if dims is None else dims)
@@ -84,5 +82,5 @@ def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:
 
 def softmax(x: Named, dim: str) -> Named:
     """Softmax over ``dim``."""
-    from .elementwise import exp
+    from functional_pp.ops.elementwise import exp
     return exp(x - logsumexp(x, dim))

@@ -3,7 +3,7 @@ activation (sequence parallelism, ``regather_activations``) for backward and all
 when backward needs it, instead of saving the full tensor. A gather of a load-balanced
 dimension is followed by a reorder into natural order; the recipe replays it
 (docs/layouts.md). :func:`relayout` is the ops' relayout: the layout change of
-functional_pp/reshard.py plus this bookkeeping."""
+functional_pp/parallel/reshard.py plus this bookkeeping."""
 from __future__ import annotations
 
 import weakref
@@ -12,21 +12,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..collectives import raw_all_gather
-from ..layout import Layout
-from ..named import Named, _make, options
-from ..order import from_balanced
-from ..observers import saved_for_backward
-from ..recompute import regather_region
-from ..reshard import Reshard, _all_gather, relayout_with, reshard
-from ..torch_private import is_tracing
-
-
+from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.core.layout import Layout
+from functional_pp.parallel.named import Named, _make, options
+from functional_pp.core.order import from_balanced
+from functional_pp.core.observers import saved_for_backward
+from functional_pp.compile.recompute import regather_region
+from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
+from functional_pp._torch import is_tracing
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
-    """:func:`functional_pp.reshard.relayout` for the ops: a parameter (or, with
+    """:func:`functional_pp.parallel.reshard.relayout` for the ops: a parameter (or, with
     ``regather_activations``, an activation) gathered whole along one dimension remembers its
     shard (``gathered_from``), so that backward re-gathers it instead of saving it; under
-    torch.compile a parameter's all-gather is tagged for the re-gather (functional_pp/recompute.py)
+    torch.compile a parameter's all-gather is tagged for the re-gather (functional_pp/compile/recompute.py)
     unless ``keep_gathered``. ``op`` names the operation in errors."""
     if isinstance(x, Named) and x._split == target and not x._partial:   # already there (common)
         return x

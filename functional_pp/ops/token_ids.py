@@ -16,8 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..torch_private import is_tracing
-
+from functional_pp._torch import is_tracing
 _state = threading.local()
 _MAX_DIMS = 4
 _KINDS = {0: ("embed", "token id"), 1: ("cross_entropy", "label")}

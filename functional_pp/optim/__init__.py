@@ -6,16 +6,15 @@ weight decay), ``schedules`` (learning-rate schedules), ``optimizers`` (``sgd``,
 ``from_config``), ``fused`` (in-place steps on torch's fused kernels), ``bounds`` (pre-update
 bounds: new parameters shown finite before they are written)."""
 
-from . import schedules
-from .adam import ScaleByAdamState, scale_by_adam
-from .base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState, apply_updates, identity,
+from functional_pp.optim import schedules
+from functional_pp.optim.adam import ScaleByAdamState, scale_by_adam
+from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState, apply_updates, identity,
                    in_place_step, returns_fresh, update_bound, scale, scale_by_learning_rate, scale_by_schedule, state_like_params, trace,
                    tree_map, update_with)
-from .clipping import NormReducer, clip_by_global_norm, global_norm
-from .combine import chain
-from .masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
-from .optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by_adamw, sgd
-
+from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, global_norm
+from functional_pp.optim.combine import chain
+from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
+from functional_pp.optim.optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by_adamw, sgd
 __all__ = [
     "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
     "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from ..tree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 (tree_map re-exported)
+from functional_pp.core.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 (tree_map re-exported)
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], torch.Tensor]

@@ -7,10 +7,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
-from .bounds import adamw_bound, bound_norm
-from .masking import Mask, resolve_mask
-
+from functional_pp.optim.base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
+from functional_pp.optim.bounds import adamw_bound, bound_norm
+from functional_pp.optim.masking import Mask, resolve_mask
 FUSED_DEVICES = ("cpu", "cuda")
 
 

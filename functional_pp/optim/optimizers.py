@@ -6,16 +6,15 @@ import difflib
 import warnings
 from typing import Any, Optional
 
-from . import schedules as _sched
-from .adam import scale_by_adam
-from .base import GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number, scale_by_learning_rate, \
+from functional_pp.optim import schedules as _sched
+from functional_pp.optim.adam import scale_by_adam
+from functional_pp.optim.base import GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number, scale_by_learning_rate, \
     trace
-from .bounds import adamw_bound
-from .clipping import clip_by_global_norm
-from .combine import chain
-from .fused import adamw_in_place
-from .masking import Mask, add_decayed_weights
-
+from functional_pp.optim.bounds import adamw_bound
+from functional_pp.optim.clipping import clip_by_global_norm
+from functional_pp.optim.combine import chain
+from functional_pp.optim.fused import adamw_in_place
+from functional_pp.optim.masking import Mask, add_decayed_weights
 __all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
 
 

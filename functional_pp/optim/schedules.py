@@ -19,8 +19,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from .base import check_number
-
+from functional_pp.optim.base import check_number
 __all__ = [
     "Schedule",
     "check_steps",

@@ -10,19 +10,18 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .. import optim
-from ..comm import CommReport, comm_report
-from ..layout import Rules, local_shape
-from ..mesh import Mesh
-from ..named import Named, wrap
-from ..shard_map import use_rules
-from ..torch_private import trace_backward
-from ..ops.token_ids import deferred_checks
-from ..train import PER_WEIGHT, train_step
-from ..tree import leaves_with_paths, map_with_path
-from .device import representative_device
-from .tracker import DeviceRun, MemoryTracker
-
+from functional_pp import optim
+from functional_pp.core.comm import CommReport, comm_report
+from functional_pp.core.layout import Rules, local_shape
+from functional_pp.core.mesh import Mesh
+from functional_pp.parallel.named import Named, wrap
+from functional_pp.parallel.shard_map import use_rules
+from functional_pp._torch import trace_backward
+from functional_pp.ops.token_ids import deferred_checks
+from functional_pp.step.train import PER_WEIGHT, train_step
+from functional_pp.core.tree import leaves_with_paths, map_with_path
+from functional_pp.plan.device import representative_device
+from functional_pp.plan.tracker import DeviceRun, MemoryTracker
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 
 

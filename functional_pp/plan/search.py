@@ -10,13 +10,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..layout import Rules, balanced, inherit
-from ..mesh import DEFAULT_AXES, Mesh
-from .cluster import Cluster, cluster as as_cluster
-from .dryrun import BatchSpec, LayoutEstimate, estimate
-from .timing import cost
-
-
+from functional_pp.core.layout import Rules, balanced, inherit
+from functional_pp.core.mesh import DEFAULT_AXES, Mesh
+from functional_pp.plan.cluster import Cluster, cluster as as_cluster
+from functional_pp.plan.dryrun import BatchSpec, LayoutEstimate, estimate
+from functional_pp.plan.timing import cost
 @dataclass(frozen=True)
 class Candidate:
     """One layout to try: a mesh (its order places axes on nodes), rules and step options."""

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from .dryrun import LayoutEstimate
-
-
+from functional_pp.plan.dryrun import LayoutEstimate
 def trace(est: LayoutEstimate) -> dict:
     """The trace of ``est``'s most complete run as plain data (JSON-ready)."""
     run = est.runs[-1]

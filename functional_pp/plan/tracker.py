@@ -12,13 +12,10 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from ..comm import CommReport
-from ..observers import on_saved_for_backward, on_uneven_work
-from ..torch_private import in_backward
-
+from functional_pp.core.comm import CommReport
+from functional_pp.core.observers import on_saved_for_backward, on_uneven_work
+from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
               "logits grad", "forward temporaries", "gradients and backward temporaries",
               "update temporaries")
@@ -94,7 +91,7 @@ _active = threading.local()
 @on_saved_for_backward
 def count_saved(t: torch.Tensor) -> None:
     """Report a tensor saved for backward by a pack hook that replaces ours (inner
-    ``saved_tensors_hooks`` win: FSDP re-gathering announces it, :mod:`functional_pp.observers`)."""
+    ``saved_tensors_hooks`` win: FSDP re-gathering announces it, :mod:`functional_pp.core.observers`)."""
     tracker = getattr(_active, "tracker", None)
     if tracker is not None:
         tracker.pack(t)

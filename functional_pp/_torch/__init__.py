@@ -1,0 +1,255 @@
+"""Private PyTorch APIs: every internal functional_pp relies on, in this one folder, so a torch
+upgrade breaks here and nowhere else (each touch point is tested in tests/_torch/)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,
+                                 _vmap_increment_nesting)
+
+
+def is_tracing() -> bool:
+    """Whether this thread is being traced by torch.compile (or runs code of its compilation).
+
+    ``torch.compiler.is_compiling()`` reads one process-wide flag that dynamo holds True for
+    the whole compilation: while one simulated device thread compiles, every other device
+    thread's eager code would take its traced branch (run a compiled layer's function eagerly,
+    skip FSDP units or gradient buckets) and issue other collectives than its peers
+    (docs/compile.md, "Per-layer compilation"). Dynamo compiles under its global compile
+    lock, so the flag counts for the thread that holds that lock; inside dynamo's trace both
+    calls below fold to True."""
+    if not torch.compiler.is_compiling():
+        return False
+    return torch.compiler.is_dynamo_compiling() or _compile_lock_owned()
+
+
+def _compile_lock_owned() -> bool:
+    from torch._dynamo.convert_frame import compile_lock
+    return compile_lock._is_owned()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward function on this thread."""
+    return torch._C._current_autograd_node() is not None
+
+
+def compile_cache_limits(n_graphs: int):
+    """Let torch.compile keep ``n_graphs`` graphs per function (dynamo's settings are
+    thread-local: call it on the thread that compiles)."""
+    import torch._dynamo.config as dcfg
+
+    limits = {name: max(getattr(dcfg, name), n_graphs)
+              for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
+    limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 8 * n_graphs)
+    return dcfg.patch(**limits)
+
+
+def trace_backward(enabled: bool = True):
+    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (thread-local)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    import torch._dynamo.config as dcfg
+    return dcfg.patch(trace_autograd_ops=True)
+
+
+def annotate(meta: dict):
+    """Attach ``meta`` to every graph node traced inside the block (``node.meta["custom"]``)."""
+    import torch.fx.traceback as fx_traceback
+    return fx_traceback.annotate(meta)
+
+
+def is_backward_node(node) -> bool:
+    """Whether a node of a traced step was produced by ``torch.autograd.grad``'s backward."""
+    return bool(node.meta.get("autograd_backward"))
+
+
+def compile_backend(name: str, graph_pass):
+    """A ``torch.compile`` backend: ``name`` ("inductor" or an AOT-eager-like backend) with
+    ``graph_pass(graph)`` run on the ATen graph that will execute. ``graph_pass`` may return a
+    function ``wrap(compiled) -> compiled`` applied to the compiled callable."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        from functional_pp._torch.buffer_reuse import reuse_past_ordering_deps
+        from functional_pp._torch.kernel_order import INDUCTOR_PATCHES
+        def backend(gm, example_inputs):
+            box = {}
+
+            class Pass(CustomGraphPass):
+                def __call__(self, graph):
+                    box["wrap"] = graph_pass(graph)
+
+                def uuid(self):
+                    return None          # never reuse a cached graph: the pass must see it
+
+            # kernels in graph order: weight gradients not sunk to the optimizer (docs/compile.md)
+            patches = {"post_grad_custom_pre_pass": Pass(), **INDUCTOR_PATCHES}
+            # matmul outputs overwritten in place past the donated update (docs/compile.md)
+            with reuse_past_ordering_deps():
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            wrap = box.get("wrap")
+            return wrap(compiled) if wrap else compiled
+        return backend
+    if name not in ("aot_eager", "eager_with_passes"):
+        return None
+    from functorch.compile import make_boxed_func
+
+    def fw(gm, example_inputs):
+        wrap = graph_pass(gm.graph)
+        gm.recompile()
+        return make_boxed_func(wrap(gm) if wrap is not None else gm)
+    return aot_autograd(fw_compiler=fw, inference_compiler=fw)
+
+
+def runs_eagerly(x: torch.Tensor) -> bool:
+    """Whether an op on ``x`` runs as plain eager code: not traced by torch.compile, no
+    dispatch mode active (FakeTensorMode, ...), ``x`` a real tensor (not fake, not wrapped by
+    functorch). Where this is False an opaque custom op must be used instead of Python."""
+    return (not is_tracing()
+            and torch._C._len_torch_dispatch_stack() == 0
+            and type(x) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def apply_function(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` without ``Function.apply``'s per-call ``inspect.signature`` binding
+    (tens of microseconds, paid by every collective on every simulated device). Only for
+    functions whose ``forward`` takes exactly ``args``, positionally, with no defaults. Under
+    torch.compile or functorch transforms: ``fn.apply`` itself."""
+    if is_tracing() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return _FUNCTION_APPLY.__get__(None, fn)(*args)
+
+
+def cached_graph_count(code) -> int:
+    """How many compiled graphs dynamo's cache holds for the code object ``code``."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(code))
+
+
+def reset_compile_workers_after_fork() -> None:
+    """Forget inductor's compile thread pool in a forked child. The pool is cached per process
+    and a child inherits the cache but not its threads, so the child's first compilation would
+    wait forever for a worker (torch resets its process pool after a fork, not this one)."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is not None:
+        module.AsyncCompile.pool.cache_clear()
+
+
+# Byte layout of torch's CPU generator state (``CPUGeneratorImplState`` in
+# aten/src/ATen/CPUGeneratorImpl.cpp): u64 initial seed, i32 left, i32 seeded, u64 next,
+# u64 state[624], 3 doubles and an i32 for the cached double normal, then the cached float
+# normal (f32) and its valid flag (bool), padded to 5056 bytes.
+_MT_STATE_BYTES = 5056
+_MT_WORDS_OFFSET = 24
+_MT_WORDS = 624
+_MT_DOUBLE_NORMAL_VALID = _MT_WORDS_OFFSET + 8 * _MT_WORDS + 24
+_MT_FLOAT_NORMAL_VALID = _MT_DOUBLE_NORMAL_VALID + 8
+
+
+def mt19937_state(words, initial_seed: int = 0) -> torch.Tensor:
+    """A CPU ``torch.Generator`` state whose mt19937 holds the 624 32-bit ``words`` (a numpy
+    uint32/uint64 array, not all zero), ready to twist on its first draw and with no cached
+    normal sample: ``gen.set_state(mt19937_state(words))`` seeds a generator with 19968 bits
+    where ``manual_seed`` takes 32 (docs/init.md)."""
+    import numpy as np
+
+    words = np.asarray(words, dtype=np.uint64)
+    if words.shape != (_MT_WORDS,):
+        raise ValueError(f"mt19937_state: need {_MT_WORDS} words, got shape {words.shape}")
+    buf = np.zeros(_MT_STATE_BYTES, dtype=np.uint8)
+    np.frombuffer(buf, dtype=np.uint64, count=1)[0] = initial_seed & ((1 << 64) - 1)
+    np.frombuffer(buf, dtype=np.int32, count=2, offset=8)[:] = (1, 1)   # left = 1: twist first
+    np.frombuffer(buf, dtype=np.uint64, count=_MT_WORDS, offset=_MT_WORDS_OFFSET)[:] = \
+        words & np.uint64(0xFFFFFFFF)
+    return torch.from_numpy(buf)
+
+
+@functools.cache
+def check_mt19937_state_layout() -> None:
+    """Raise if this torch's CPU generator state is not the layout ``mt19937_state`` writes
+    (checked against a ``manual_seed`` state, whose first word is the seed itself)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(12345)
+    state = gen.get_state().numpy()
+    ok = (state.size == _MT_STATE_BYTES
+          and np.frombuffer(state, dtype=np.uint64, count=1, offset=_MT_WORDS_OFFSET)[0] == 12345
+          and tuple(np.frombuffer(state, dtype=np.int32, count=2, offset=8)) == (1, 1))
+    if not ok:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s CPU generator state is not the layout functional_pp's "
+            "init writes (torch_private.mt19937_state): update that function for this torch")
+
+
+def version_counter(x: torch.Tensor) -> int:
+    """The tensor's version counter: advanced by every in-place operation on it (or a view of it)
+    made through torch's ops (``Tensor._version``)."""
+    return x._version
+
+
+def _functorch_keys():
+    """The dispatch keys torch excludes while a ``__torch_dispatch__`` runs that functorch's
+    batching needs back."""
+    return _FUNCTORCH_KEYS
+
+
+_K = torch._C.DispatchKey
+_FUNCTORCH_KEYS = torch._C.DispatchKeySet(_K.FuncTorchDynamicLayerBackMode)
+for _key in (_K.FuncTorchBatched, _K.FuncTorchVmapMode, _K.FuncTorchDynamicLayerFrontMode,
+             _K.FuncTorchGradWrapper, _K.ADInplaceOrView):
+    _FUNCTORCH_KEYS = _FUNCTORCH_KEYS.add(_key)
+
+
+@contextlib.contextmanager
+def vmap_level(batch_size: int, randomness: str = "error"):
+    """Enter one functorch vmap level of ``batch_size`` (also from inside a
+    ``__torch_dispatch__``, where torch switches off the keys vmap needs); yields the level for
+    :func:`add_batch_dim` / :func:`remove_batch_dim`. The batched simulation runs each op this
+    way (devices/device_stack.py, docs/simulation.md)."""
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set() - _functorch_keys()):
+        level = _vmap_increment_nesting(batch_size, randomness)
+        try:
+            yield level
+        finally:
+            _vmap_decrement_nesting()
+
+
+def add_batch_dim(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` (leading dimension the batch) as a batched tensor of vmap level ``level``."""
+    return _add_batch_dim(t, 0, level)
+
+
+def remove_batch_dim(t: torch.Tensor, level: int, batch_size: int) -> torch.Tensor:
+    """A batched tensor of vmap level ``level`` as a plain tensor, the batch leading."""
+    return _remove_batch_dim(t, level, batch_size, 0)
+
+
+# --- tensor subclasses, dispatch modes and pytrees (the planner's tracker, DP buckets, the batched simulator)
+from torch._ops import OpOverload  # noqa: E402  (the type of an ATen operator overload: node.target)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+#: ``__torch_function__`` of a tensor subclass that only intercepts ``__torch_dispatch__``
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(cls: type, shape, **kwargs) -> torch.Tensor:
+    """A tensor of subclass ``cls`` with ``shape`` and no storage of its own (a wrapper)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+def compile_backend_names() -> list[str]:
+    """Every backend name ``torch.compile`` accepts here, debug backends included."""
+    import torch._dynamo
+    return torch._dynamo.list_backends(exclude_tags=())

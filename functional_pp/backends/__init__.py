@@ -1,9 +1,0 @@
-"""Communication backends: raw (non-differentiable) collectives over groups of ranks.
-
-A group is a tuple of global ranks ordered by group index. Every backend offers
-``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` and ``permute`` with the
-same semantics; autodiff and byte counting live above them in ``functional_pp.collectives``.
-"""
-from .sim import SimBackend, SimWorld, SimAborted
-
-__all__ = ["SimBackend", "SimWorld", "SimAborted"]

@@ -1,0 +1,90 @@
+"""The ``torch.compile`` backend of the training step (docs/compile.md).
+
+``compile=True`` (inductor) and ``compile="aot_eager"`` trace the step into one ATen graph
+and run two passes on it before it executes:
+
+1. :func:`functional_pp.compile.recompute.reissue_for_backward`: FSDP weights are gathered again in
+   backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values;
+2. :func:`functional_pp.compile.overlap.overlap_communication` (torch.distributed only; on by
+   default, ``FPP_OVERLAP=0`` keeps trace order): all-gathers are prefetched one weight ahead
+   and waits sink to the first use of their result, with at most ``FPP_COLLECTIVES_IN_FLIGHT``
+   (default 2) collectives of a kind in flight;
+3. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
+   elementwise results are written into the buffers that die there;
+4. the collectives of the final graph (recomputed gathers included) are read from their
+   tags, and every run of the compiled graph records them in the active
+   :func:`functional_pp.comm_report`, as eager execution does.
+
+Other backend names are passed to ``torch.compile`` unchanged (no passes, no counting).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from functional_pp.core import comm
+from functional_pp.compile.overlap import overlap_communication
+from functional_pp.compile.recompute import in_backward_region, reissue_for_backward
+from functional_pp.compile.reinplace import reinplace
+from functional_pp.core.runtime import thread_local_value
+from functional_pp._torch import compile_backend
+_COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
+
+
+@functools.lru_cache(maxsize=None)
+def step_backend(compile: bool | str) -> str | Callable:
+    """The backend to hand ``torch.compile`` for ``train_step(compile=...)``."""
+    name = "inductor" if compile is True else compile
+    # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
+    return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor")) or name
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    target = node.target
+    ns = getattr(target, "namespace", None)
+    return (node.op == "call_function" and ns in _COLLECTIVE_NAMESPACES
+            and "wait" not in getattr(target, "__name__", ""))
+
+
+def graph_collectives(graph: torch.fx.Graph) -> list[tuple[tuple, bool]]:
+    """``(tag, in_backward)`` of every tagged collective of a traced step, in graph order."""
+    out = []
+    for node in graph.nodes:
+        tag = (node.meta.get("custom") or {}).get(comm.TRACED)
+        if tag is not None and _is_collective(node):
+            out.append((tag, in_backward_region(node)))
+    return out
+
+
+_local = threading.local()
+
+
+@contextmanager
+def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
+    """Collect the final graphs of the steps compiled on this thread inside the block (for
+    inspecting what a compiled step keeps, recomputes and communicates)."""
+    with thread_local_value(_local, "graphs", []) as graphs:
+        yield graphs
+
+
+def _step_pass(graph: torch.fx.Graph, in_place: bool = False):
+    reissue_for_backward(graph)
+    if os.environ.get("FPP_OVERLAP", "1") != "0":     # FPP_OVERLAP=0: trace order (debugging)
+        overlap_communication(graph)
+    if in_place:
+        reinplace(graph)
+    if getattr(_local, "graphs", None) is not None:
+        _local.graphs.append(graph)
+    events = comm.traced_events(graph_collectives(graph))
+
+    def wrap(compiled: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args):
+            comm.replay(events)
+            return compiled(*args)
+        return run
+    return wrap

@@ -1,0 +1,189 @@
+"""Recomputation inside a compiled step (docs/compile.md).
+
+A compiled step is one graph: forward, backward (traced from ``torch.autograd.grad``) and
+the optimizer. A value the forward computes and the backward uses stays alive in between.
+Two kinds of values are better recomputed by the backward than kept:
+
+* an FSDP weight all-gathered in forward (ZeRO-3: keep the shard, gather again), tagged by
+  :func:`regather_region` around the gather; the views and casts after it join its region;
+* every activation of a remat region (:func:`functional_pp.remat`, a declared layer under
+  ``train_step(remat=True)``), tagged by :func:`remat_region`.
+
+:func:`reissue_for_backward` rewrites the graph: for each region, the members the backward
+uses are computed again (from the region's inputs and kept outputs) right before the first
+backward node that needs them, so the forward copies die at their last forward use. This is
+SimpleFSDP's must-recompute tagging, applied to the single traced graph instead of a
+forward/backward partition.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from contextlib import nullcontext
+
+import torch
+
+from functional_pp._torch import annotate, is_backward_node, is_tracing
+from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
+
+_local = threading.local()
+
+# ops that only view or convert a value: they join the region of their (single) input
+_VIEW_OR_CAST = {
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze",
+    "squeeze", "alias", "slice", "select", "split", "split_with_sizes", "as_strided", "clone",
+    "detach", "_to_copy", "convert_element_type", "contiguous", "unbind", "getitem",
+}
+
+
+def reset_region_ids() -> None:
+    """Number this thread's regions from 0 again. Called before each call of a compiled step
+    (outside the graph): dynamo guards on the counter's state, so a counter that kept running
+    would recompile the step on every call."""
+    _local.ids = itertools.count()
+
+
+def _tag(key: str, enabled: bool = True):
+    if not (enabled and is_tracing()):
+        return nullcontext()
+    ids = getattr(_local, "ids", None)
+    if ids is None:
+        ids = _local.ids = itertools.count()
+    return annotate({key: next(ids)})
+
+
+def regather_region(enabled: bool = True):
+    """Context for an FSDP weight's all-gather: under compile, backward gathers it again."""
+    return _tag(REGATHER, enabled)
+
+
+def remat_region():
+    """Context for a region whose activations backward recomputes (under compile)."""
+    return _tag(REMAT)
+
+
+def backward_region():
+    """Context around a step's ``torch.autograd.grad``: under compile, its nodes (collectives
+    included) are marked as backward."""
+    if not is_tracing():
+        return nullcontext()
+    return annotate({BACKWARD: True})       # a constant: no side effect inside dynamo's HOPs
+
+
+def traced_as_backward(backward):
+    """Decorator for an autograd Function's ``backward``: dynamo traces it while tracing the
+    forward, so its collectives are marked as backward explicitly."""
+    @functools.wraps(backward)
+    def wrapped(*args):
+        with backward_region():
+            return backward(*args)
+    return wrapped
+
+
+def in_backward_region(node: torch.fx.Node) -> bool:
+    return BACKWARD in (node.meta.get("custom") or {})
+
+
+def _region(node: torch.fx.Node):
+    custom = node.meta.get("custom") or {}
+    if REMAT in custom:
+        return (REMAT, custom[REMAT])
+    if REGATHER in custom:
+        return (REGATHER, custom[REGATHER])
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if t is __import__("operator").getitem:
+        return "getitem"
+    name = getattr(t, "__name__", str(t))
+    return name.split(".")[0]
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in node.all_input_nodes]
+
+
+def reissue_for_backward(graph: torch.fx.Graph) -> int:
+    """Recompute tagged forward values for their backward uses (see the module docstring).
+    Returns the number of nodes inserted."""
+    nodes = list(graph.nodes)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    if first_bwd is None:
+        return 0
+    pos = {n: i for i, n in enumerate(nodes)}
+    regions: dict = {}
+    region_of: dict = {}
+    for n in nodes[:first_bwd]:
+        if n.op != "call_function":
+            continue
+        r = _region(n)
+        if r is None and _op_name(n) in _VIEW_OR_CAST:     # views/casts of a regathered weight
+            ins = _tensor_inputs(n)
+            rs = {region_of.get(a) for a in ins}
+            if len(rs) == 1 and None not in rs and next(iter(rs))[0] == REGATHER:
+                r = next(iter(rs))
+        if r is not None:
+            region_of[n] = r
+            regions.setdefault(r, []).append(n)
+    inserted = 0
+    for r, members in regions.items():
+        member_set = set(members)
+        # a region's outputs (used by later forward code outside it) are kept, as eager
+        # checkpointing keeps a checkpointed function's result
+        kept = {n for n in members if r[0] == REMAT and any(
+            pos[u] < first_bwd and u not in member_set for u in n.users)}
+        uses = [(u, n) for n in members if n not in kept for u in list(n.users) if pos[u] >= first_bwd]
+        if not uses:
+            continue
+        anchor = min((u for u, _ in uses), key=lambda u: pos[u])
+        copies: dict = {}
+
+        def clone(n):
+            if not isinstance(n, torch.fx.Node) or n not in member_set or n in kept:
+                return n
+            if n not in copies:
+                new = graph.node_copy(n, clone)
+                new.meta = dict(n.meta)
+                new.meta[RECOMPUTED] = True
+                new.meta["custom"] = {**(n.meta.get("custom") or {}), BACKWARD: True}
+                copies[n] = new
+            return copies[n]
+        with graph.inserting_before(anchor):
+            for u, n in uses:
+                u.replace_input_with(n, clone(n))
+        inserted += len(copies)
+    if inserted:
+        graph.lint()
+    return inserted
+
+
+def count_recomputed(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.meta.get(RECOMPUTED))
+
+
+def saved_bytes(graph: torch.fx.Graph) -> int:
+    """Bytes of forward values that a traced step keeps for its backward (alive when the
+    first backward node runs), each storage counted once; graph inputs are not counted."""
+    nodes = list(graph.nodes)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    if first_bwd is None:
+        return 0
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def storages(n):
+        val = n.meta.get("val")
+        return [v.untyped_storage() for v in (val if isinstance(val, (list, tuple)) else [val])
+                if isinstance(v, torch.Tensor)]
+    seen = {s._cdata for n in nodes if n.op == "placeholder" for s in storages(n)}
+    total = 0
+    for n in nodes[:first_bwd]:
+        if n.op != "call_function" or not any(pos[u] >= first_bwd for u in n.users):
+            continue
+        for st in storages(n):
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
+    return total

@@ -1,0 +1,129 @@
+"""The ambient context, at the bottom of the package: which mesh, rank and communication
+backend the running code belongs to, the active rules, and the op options. Simulated devices
+are threads, so all of it is thread-local. Every other layer reads it from here
+(docs/architecture.md)."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, TypeVar
+
+import torch
+
+from functional_pp.core.mesh import Mesh
+if TYPE_CHECKING:
+    from functional_pp.core.layout import Rules
+T = TypeVar("T")
+
+
+@dataclass
+class DeviceContext:
+    mesh: Mesh
+    rank: int
+    backend: Any  # functional_pp.devices.Backend
+    simulated: bool
+    extras: dict = field(default_factory=dict)
+    batched: bool = False     # one context for every device: launch(simulate="batched")
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.mesh.coords(self.rank)
+
+
+_local = threading.local()
+_process_context: DeviceContext | None = None
+
+
+def current_context(required: bool = True) -> DeviceContext | None:
+    """The context of the device this code runs on."""
+    ctx = _process_context or getattr(_local, "ctx", None)
+    if ctx is None and required:
+        raise RuntimeError(
+            "No device context: this function communicates between devices and must run inside "
+            "functional_pp.launch(fn, mesh) (simulated devices or torchrun)."
+        )
+    return ctx
+
+
+def current_mesh() -> Mesh:
+    """The mesh of the running device."""
+    return current_context().mesh
+
+
+def current_rank() -> int:
+    return current_context().rank
+
+
+def device_coords() -> dict[str, int]:
+    """This device's coordinate along every mesh axis."""
+    return current_context().coords
+
+
+@contextmanager
+def thread_local_value(local: threading.local, name: str, value: T) -> Iterator[T]:
+    """Set ``local.<name>`` to ``value`` on this thread for the block, then restore the previous
+    value (the one mechanism behind the ambient context's ``with`` blocks)."""
+    prev = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield value
+    finally:
+        setattr(local, name, prev)
+
+
+def thread_context(ctx: DeviceContext) -> ContextManager[DeviceContext]:
+    """Make ``ctx`` the running device of this thread for the block."""
+    return thread_local_value(_local, "ctx", ctx)
+
+
+def set_process_context(ctx: DeviceContext | None) -> None:
+    global _process_context
+    _process_context = ctx
+
+
+# ------------------------------------------------------------------------ active rules
+_rules_local = threading.local()
+
+
+def use_rules(rules: "Rules") -> ContextManager["Rules"]:
+    """Make ``rules`` the active rules for logical specs inside the block."""
+    return thread_local_value(_rules_local, "rules", rules)
+
+
+def active_rules(required: bool = True) -> "Rules | None":
+    """The rules installed by :func:`use_rules` on this thread (None, or an error, if none)."""
+    rules = getattr(_rules_local, "rules", None)
+    if rules is None and required:
+        raise RuntimeError("Logical specs need rules: pass rules= or use `with functional_pp.use_rules(rules):`")
+    return rules
+
+
+# ------------------------------------------------------------------------- op options
+_opts = threading.local()
+
+
+@dataclass
+class Options:
+    keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
+    cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
+    remat: bool = False             # recompute each model layer in backward (activation checkpointing)
+    reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
+    regather_activations: bool = False  # keep gathered activations' shards for backward, re-gather there (Megatron SP)
+
+
+def options() -> Options:
+    """The op options in force on this thread."""
+    o = getattr(_opts, "value", None)
+    if o is None:
+        o = _opts.value = Options()
+    return o
+
+
+@contextmanager
+def configure(**kw) -> Iterator[Options]:
+    """Temporarily change the ambient op options: ``keep_gathered``, ``cp_attention``,
+    ``remat``, ``regather_activations``, ``reduce_dtype``. A training step's own arguments
+    override them (docs/policy.md)."""
+    with thread_local_value(_opts, "value", Options(**{**options().__dict__, **kw})) as new:
+        yield new

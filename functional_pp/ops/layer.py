@@ -1,0 +1,94 @@
+"""Activation checkpointing for functions over named arrays: keep only the inputs and
+recompute the function (its collectives included) in backward.
+
+Two public hooks (docs/compile.md): :func:`remat` always recomputes a function;
+:func:`layer` declares a model's repeated layer, recomputed when the training step asks for
+it (``train_step(remat=True)``). Eagerly the recomputation is ``torch.utils.checkpoint``;
+under ``torch.compile`` the region is tagged and the compiled graph recomputes it
+(:mod:`functional_pp.compile.recompute`)."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
+from functional_pp.parallel.fsdp_units import gather_unit
+from functional_pp.parallel.named import Named, configure, options
+from functional_pp.compile.recompute import remat_region, reset_region_ids
+from functional_pp._torch import is_tracing
+def _flatten(tree: Any):
+    return optree.tree_flatten(tree, none_is_leaf=False)   # a Named is a leaf (docs/named_value.md)
+
+
+def _meta(x: Named) -> tuple:
+    return (x.dims, x.split, x.vary, x.partial)
+
+
+def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[..., Named]:
+    """Wrap ``fn(*args) -> Named`` so that backward recomputes it instead of keeping its
+    activations. Named arguments (anywhere in pytrees) keep their layouts.
+
+    ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
+    residual block); it is checked."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        if is_tracing():
+            with remat_region():            # the compiled graph recomputes the region
+                out = fn(*args)
+            if out_like is not None and _meta(out) != _meta(args[out_like]):
+                raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
+                                 f"argument {out_like} as {_meta(args[out_like])}")
+            return out
+        leaves, spec = _flatten(args)
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, Named)]
+        expected = _meta(args[out_like]) if out_like is not None else None
+        found: dict = {}
+
+        def inner(*datas):
+            rebuilt = list(leaves)
+            for i, data in zip(slots, datas):
+                x = leaves[i]
+                rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
+            # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
+            # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
+            with configure(keep_gathered=True):
+                out = fn(*optree.tree_unflatten(spec, rebuilt))
+            if expected is None:
+                found["meta"] = _meta(out)
+            elif _meta(out) != expected:
+                raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
+                                 f"argument {out_like} as {expected}")
+            return out.data
+        data = checkpoint(inner, *[leaves[i].data for i in slots], use_reentrant=False)
+        dims, split, vary, partial = expected if expected is not None else found["meta"]
+        return Named(data, dims, split, vary, partial)
+    return wrapped
+
+
+def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare ``fn`` as one layer of a model (called once per layer, e.g.
+    ``x = layer(p, x, ...)``). With ``train_step(remat=True)`` (or
+    ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
+    eagerly or compiled; otherwise it runs as is. Under ``train_step(compile="per_layer")``
+    one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
+    def unit(*args):
+        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp_units.py)
+        with context:
+            return fn(*args)
+    recomputed = remat(unit)
+    compiled = CompiledLayer(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        backend = layer_backend()
+        if backend is not None:
+            body = compiled.get(backend)
+            reset_region_ids()         # same guard state for every layer: one graph for all
+            return remat(body)(*args) if options().remat else body(*args)
+        return recomputed(*args) if options().remat else unit(*args)
+    wrapped.__wrapped_layer__ = fn
+    return wrapped

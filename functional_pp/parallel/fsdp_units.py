@@ -1,0 +1,399 @@
+"""FSDP units: the parameters of one model layer (``remat.layer``) all-gathered with one flat
+all-gather per group of mesh axes when the layer starts, their gradients reduce-scattered with
+one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
+(docs/communication.md, "FSDP units").
+
+The gather of the next unit is launched before a unit computes: in backward the re-gather of
+the layer before, in forward the unit the last forward called next (``parallel/fsdp_order.py``). A
+unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
+before the optimizer (at most ``FPP_COLLECTIVES_IN_FLIGHT`` in flight, functional_pp.compile.in_flight).
+Without units every parameter is gathered by the first op that needs it (one collective per
+parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
+element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
+Active inside :func:`fsdp_units` (the training step, eager); compiled steps keep the
+per-parameter collectives in the graph.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
+
+import optree
+import torch
+
+from functional_pp.core import comm
+from functional_pp.parallel.buckets import PendingGrad, Slot
+from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_reduce_scatter
+from functional_pp.parallel.fsdp_order import UnitOrder, trace
+from functional_pp.compile.in_flight import in_flight_limit
+from functional_pp.parallel.named import Named, configure, env, options, pvary
+from functional_pp._torch import in_backward, is_tracing
+_local = threading.local()
+
+
+@contextmanager
+def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
+               order: UnitOrder | None = None) -> Iterator[None]:
+    """Gather each layer's parameters as one unit inside the block (see the module docstring).
+    ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
+    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
+    ``prefetch``: launch the next unit's gather before the current one computes, in backward
+    and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
+    previous = (getattr(_local, "enabled", False), getattr(_local, "root_options", None),
+                getattr(_local, "prefetch", True), getattr(_local, "order", None))
+    _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
+    _local.last_unit, _local.in_flight = None, []
+    _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
+    try:
+        if enabled and keep_root and not options().keep_gathered:
+            with configure(keep_gathered=True) as root_options:
+                _local.root_options = root_options
+                yield
+        else:
+            _local.root_options = None
+            yield
+    except BaseException:
+        _local.pending = None     # the step failed: do not wait for peers that may be gone
+        raise
+    finally:
+        _drop_prefetch()
+        _local.params = _local.index = None          # keep no parameters alive between steps
+        _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
+        _local.enabled, _local.root_options, _local.prefetch, _local.order = previous
+
+
+def begin_forward(params: Any) -> None:
+    """A forward of the step starts with the named parameters ``params``: unit calls are
+    numbered from 0 and identified by the positions of their parameters in ``params``, so
+    the next forward can prefetch them (functional_pp.parallel.fsdp_order)."""
+    order = getattr(_local, "order", None)
+    if is_tracing() or not getattr(_local, "enabled", False) or order is None or not _data_axes()[0]:
+        return      # (no data-parallel axis: no unit is ever gathered)
+    _drop_prefetch()
+    leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+    _local.params = [x.data if isinstance(x, Named) else x for x in leaves]
+    _local.index = {id(t): i for i, t in enumerate(_local.params)}
+    order.begin()
+
+
+def _drop_prefetch() -> None:
+    """Wait for a prefetched gather nobody used (so collectives stay matched) and forget it."""
+    pending = getattr(_local, "pending", None)
+    _local.pending = None
+    if pending is not None:
+        for _, wait in pending[1]:
+            wait()
+
+
+def _keep_gathered() -> bool:
+    """Whether the weights of a layer are kept for backward: the caller's ``keep_gathered``
+    (or remat's), not the root's."""
+    return options().keep_gathered and options() is not getattr(_local, "root_options", None)
+
+
+def _data_axes() -> tuple[set[str], Any, Any]:
+    mesh, rules = env()
+    axes = {a for d in ("batch", "seq") for a in rules[d] if mesh.shape.get(a, 1) > 1}
+    return axes, mesh, rules
+
+
+def _plan(x: Any, data_axes: set[str], rules) -> tuple[int, int] | None:
+    """(dim, k) when ``x`` is a parameter split along one dimension ``dim`` whose split from
+    position ``k`` on is data-parallel axes (those the unit gathers); else None."""
+    if not isinstance(x, Named) or not x.is_param or x.partial or x.tied or not x.data.requires_grad:
+        return None
+    found = [(d, s) for d, s in enumerate(x.split) if any(a in data_axes for a in s)]
+    if len(found) != 1:
+        return None
+    d, s = found[0]
+    k = next(i for i, a in enumerate(s) if a in data_axes)
+    if any(a not in data_axes for a in s[k:]) or (k == 0 and rules.is_balanced(x.dims[d])):
+        return None
+    return d, k
+
+
+class _Unit:
+    """The parameters of one unit gathered over one group of mesh axes (one dtype)."""
+
+    def __init__(self, axes: tuple[str, ...], dims: list[int], shards: list[torch.Tensor]):
+        self.axes, self.dims = axes, dims
+        self.shards = [s.detach() for s in shards]
+        self.shapes = [s.shape for s in shards]
+        self.numels = [s.numel() for s in shards]
+        self.regathered: list[torch.Tensor] | None = None
+        self.prev: _Unit | None = None       # the unit gathered before this one (backward: next)
+        self._pending = None                 # waits for a launched re-gather
+        self._done = False
+        self.incoming = None                 # forward: waits for the unit's launched gather
+        self.prefetch = getattr(_local, "prefetch", True)   # backward: re-gather the next unit early
+        self.call: int | None = None         # the unit's call in this forward (events, fsdp_order)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([s.reshape(-1) for s in self.shards])
+
+    def unflatten(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Full parameters from the all-gathered flat shards (group-index-major blocks)."""
+        total = sum(self.numels)
+        n = gathered.numel() // total
+        rows = gathered.view(n, total)
+        out, offset = [], 0
+        for shape, numel, dim in zip(self.shapes, self.numels, self.dims):
+            pieces = [rows[r, offset:offset + numel].view(shape) for r in range(n)]
+            out.append(torch.cat(pieces, dim=dim))
+            offset += numel
+        return out
+
+    def start_regather(self) -> None:
+        """Launch the backward re-gather (asynchronously where the backend can)."""
+        if self.regathered is None and self._pending is None and not self._done:
+            self._pending = _start_all_gather(self.flat(), self.axes)
+
+    def regather(self) -> list[torch.Tensor]:
+        """The full parameters again in backward: one flat all-gather, kept until the unit's
+        gradients are reduce-scattered. Launching it also prefetches the unit backward
+        reaches next (the one gathered before this one in forward)."""
+        if self.regathered is None:
+            if self.call is not None:
+                trace("backward", self.call)
+            self.start_regather()
+            if self.prev is not None and self.prefetch:
+                self.prev.start_regather()
+            wait, self._pending = self._pending, None
+            self.regathered = self.unflatten(wait())
+        return self.regathered
+
+    def release(self) -> None:
+        """The unit's backward is done: drop the re-gathered weights (waiting for a prefetch
+        nobody used, so collectives stay matched)."""
+        if self._pending is not None:
+            self._pending()
+            self._pending = None
+        self.regathered, self._done = None, True
+
+
+def _start_all_gather(flat: torch.Tensor, axes: tuple[str, ...]):
+    """Launch an all-gather of ``flat`` along dim 0 over ``axes``; returns a function that
+    waits for it. Backends without asynchronous collectives (simulated) gather at once."""
+    ctx, axes, group = _group(axes, "all_gather")
+    # outside autograd (the gathered weights enter it through _UnitGather), launched and
+    # awaited in the same grad mode: torch.distributed writes into views of the output
+    with torch.no_grad(), comm.recording("all_gather", axes, len(group), flat):
+        start = getattr(ctx.backend, "start_all_gather", None)
+        if start is None:
+            out = ctx.backend.all_gather(flat.detach(), 0, group)
+            return lambda: out
+        wait = start(flat.detach(), group)
+
+    def waited() -> torch.Tensor:
+        with torch.no_grad():
+            return wait()
+    return waited
+
+
+class _UnitGather(torch.autograd.Function):
+    """One flat all-gather of a unit's shards; backward one flat reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, unit: _Unit, *shards: torch.Tensor):
+        ctx.unit = unit
+        wait, unit.incoming = unit.incoming, None
+        return tuple(unit.unflatten(wait()))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        unit = ctx.unit
+        unit.release()                       # every use of the re-gathered weights is done
+        n = None
+        chunks = []
+        for g, dim in zip(grads, unit.dims):
+            parts = g.chunk(g.shape[dim] // unit.shapes[len(chunks)][dim], dim=dim)
+            n = len(parts)
+            chunks.append(parts)
+        send = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in range(len(chunks))])
+        if unit.prefetch:
+            pending = _start_reduce_scatter(send, unit)
+            if pending is not None:
+                return (None, *pending)
+        flat = raw_reduce_scatter(send, unit.axes, 0)
+        return (None, *[t.view(shape) for t, shape in zip(flat.split(unit.numels), unit.shapes)])
+
+
+class _ReduceScatter:
+    """A unit's flat gradient reduce-scatter in flight (the source of its gradients' slots)."""
+
+    def __init__(self, wait, device: torch.device, call: int | None):
+        self._wait, self.device, self.call = wait, device, call
+        self.flat: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat, self._wait = self._wait(), None       # the sent gradients are released
+            if self.call is not None:
+                trace("reduce_scatter_wait", self.call)
+        return self.flat
+
+
+def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
+    """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
+    as placeholders (waited for before the optimizer, functional_pp.parallel.buckets). Once
+    ``FPP_COLLECTIVES_IN_FLIGHT`` (default 2) are outstanding the oldest is awaited at once:
+    by default launching one waits for the one before, so a unit's full-size gradients live
+    until the next unit's backward is done, as FSDP2 bounds them (functional_pp.compile.in_flight).
+    None where the backend reduces at once (simulated devices)."""
+    ctx, axes, group = _group(unit.axes, "psum_scatter")
+    start = getattr(ctx.backend, "start_reduce_scatter", None)
+    if start is None or len(group) == 1:
+        return None
+    wide = _reduce_dtype(send)
+    y = send.to(wide) if wide else send
+    with torch.no_grad(), comm.recording("reduce_scatter", axes, len(group), y, backward=True):
+        source = _ReduceScatter(start(y, group), y.device, unit.call)
+    if unit.call is not None:
+        trace("reduce_scatter", unit.call)
+    flight = _local.__dict__.setdefault("in_flight", [])
+    flight.append(source)
+    limit = getattr(_local, "in_flight_limit", None)
+    limit = in_flight_limit() if limit is None else limit
+    while limit and len(flight) >= limit:
+        flight.pop(0).result()
+    out, offset = [], 0
+    for shape, numel in zip(unit.shapes, unit.numels):
+        out.append(PendingGrad(Slot(source, offset, numel, shape, send.dtype)))
+        offset += numel
+    return out
+
+
+@contextmanager
+def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[None]:
+    """Save a unit's gathered weights for backward as a reference to the unit (re-gathered
+    there with one flat all-gather) instead of the full tensors (ops/regather.py per weight)."""
+    def root(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
+
+    where = {id(full): (weakref.ref(full), unit, i) for unit, fulls in units for i, full in enumerate(fulls)}
+
+    def pack(t: torch.Tensor):
+        hit = where.get(id(root(t)))
+        if hit is not None and hit[0]() is root(t):
+            _, unit, i = hit
+            return ("fpp-unit", unit, i, tuple(t.shape), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(p):
+        if isinstance(p, tuple) and p[0] == "fpp-unit":
+            _, unit, i, shape, stride, offset = p
+            return unit.regather()[i].as_strided(shape, stride, offset)
+        return p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def gather_unit(args: tuple) -> tuple[tuple, Any]:
+    """``(args, context)``: the named parameters in ``args`` split over data-parallel axes
+    replaced by their gathered values (one flat all-gather per group of axes and dtype), and
+    the context to run the layer in (re-gather hooks). In a step's forward the next unit's
+    gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
+    Unchanged outside :func:`fsdp_units`."""
+    if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
+        return args, nullcontext()
+    data_axes, mesh, rules = _data_axes()
+    if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
+        return args, nullcontext()
+    leaves, spec = optree.tree_flatten(args, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+    # the weights meet activations varying over the data axes and over every axis that splits
+    # the layer's inputs (sequence parallelism's tp): cast the shards (docs/communication.md)
+    meets = set(data_axes) | {a for x in leaves if isinstance(x, Named) and not x.is_param
+                              for s in x.split for a in s}
+    groups: dict[tuple, list] = {}
+    for i, x in enumerate(leaves):
+        plan = _plan(x, data_axes, rules)
+        if plan is None:
+            continue
+        d, k = plan
+        axes = x.split[d][k:]
+        source = x.data
+        # the gradient's sums over the other axes (HSDP's replicate, SP's tp) run on the shard
+        x = pvary(x, meets - set(x.vary))
+        groups.setdefault((axes, x.data.dtype), []).append((i, x, d, k, source))
+    if not groups:
+        return args, nullcontext()
+    call, incoming = _launch_gathers(groups)
+    units = []
+    for ((axes, _), members), wait in zip(groups.items(), incoming):
+        unit = _Unit(axes, [d for _, _, d, _, _ in members], [x.data for _, x, _, _, _ in members])
+        unit.incoming, unit.call = wait, call
+        fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
+        for (i, x, d, k, _), full in zip(members, fulls):
+            split = list(x.split)
+            split[d] = split[d][:k]
+            y = Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
+            leaves[i] = y
+        units.append((unit, list(fulls)))
+    if units and not _keep_gathered():             # re-gathered in backward: chain for prefetch
+        for unit, _ in units:
+            unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
+    return optree.tree_unflatten(spec, leaves), _layer_context(units, call)
+
+
+def _launch_gathers(groups: dict) -> tuple[int | None, list]:
+    """Issue this unit call's flat all-gathers (or take the ones prefetched for it), then
+    launch the next call's as recorded by the last forward; returns the call's index in
+    this forward (None outside a recorded forward) and a wait per group."""
+    order = getattr(_local, "order", None)
+    forward = order is not None and getattr(_local, "params", None) is not None and not in_backward()
+    sources = [[src for _, _, _, _, src in members] for members in groups.values()]
+    signature = None
+    if forward:
+        index = _local.index
+        positions = [[index.get(id(t)) for t in srcs] for srcs in sources]
+        if all(p is not None for ps in positions for p in ps):
+            signature = tuple((axes, dtype, tuple(ps), tuple(d for _, _, d, _, _ in members))
+                              for ((axes, dtype), members), ps in zip(groups.items(), positions))
+    pending, _local.pending = getattr(_local, "pending", None), None
+    if pending is not None and pending[0] == signature:
+        waits = [wait for _, wait in pending[1]]      # prefetched by the previous call
+    else:
+        if pending is not None:                       # the model changed: the prefetch is wasted
+            _local.pending = pending
+            _drop_prefetch()
+        waits = [_start_all_gather(torch.cat([t.reshape(-1) for t in srcs]), axes)
+                 for srcs, (axes, _) in zip(sources, groups)]
+    call = order.record(signature) if forward else None
+    if call is not None:
+        if pending is None or pending[0] != signature:
+            trace("launch", call)
+        nxt = order.expected(call + 1)
+        if nxt is not None and _local.prefetch:
+            params = _local.params
+            launched = [(axes, _start_all_gather(torch.cat([params[p].reshape(-1) for p in ps]), axes))
+                        for axes, _, ps, _ in nxt]
+            _local.pending = (nxt, launched)
+            trace("launch", call + 1)
+    return call, [_traced_wait(wait, call) for wait in waits]
+
+
+def _traced_wait(wait, call: int | None):
+    if call is None:
+        return wait
+
+    def traced():
+        out = wait()
+        trace("wait", call)
+        return out
+    return traced
+
+
+@contextmanager
+def _layer_context(units: list, call: int | None = None) -> Iterator[None]:
+    keep = _keep_gathered()
+    if call is not None:
+        trace("compute", call)
+    with configure(keep_gathered=keep):        # the root's setting does not reach the layer
+        if units and not keep:
+            with _regather_hooks(units):
+                yield
+        else:
+            yield

@@ -1,0 +1,75 @@
+"""What goes into and comes out of a training step besides the state: batch checks, the
+micro-batch split, the one device-to-host read of the metrics (docs/eager_overhead.md), and
+the peak-memory figure."""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def read_step_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dict, bool]:
+    """The step's metrics as Python numbers and whether a token-id check failed, read from the
+    device in one transfer after all of the step's work is enqueued (docs/eager_overhead.md)."""
+    values = one_transfer([*m.values(), step, *[summary[0] for summary, _ in id_checks]])
+    metrics = dict(zip(m, values))
+    metrics["step"] = int(values[len(m)])
+    return metrics, any(values[len(m) + 1:])
+
+
+def one_transfer(scalars: list[torch.Tensor]) -> list[float]:
+    """The 0-dim (or one-element) tensors ``scalars`` as Python numbers, in one device-to-host
+    transfer (per-step metrics here, deferred ones in step/deferred_metrics.py)."""
+    device = scalars[0].device
+    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
+    scalars = [v if v.device == device else v.to(device) for v in scalars]
+    # stack(out=float64) converts each value exactly (int64 counters included), in one op
+    return torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64, device=device)).tolist()
+
+
+def nonfinite_what(metrics: dict) -> str:
+    """What was not finite in a skipped step, for messages."""
+    values = f"loss {metrics['loss']} / gradient norm {metrics['grad_norm']}"
+    if metrics.get("nonfinite_loss") or metrics.get("nonfinite_grad"):
+        return values                    # (the update follows from them)
+    if metrics.get("update_held"):       # deferred metrics: a held in-place update is not redone
+        return (f"in-place optimizer update (with a finite {values}; it could not be shown finite, so "
+                f"it was held back unwritten: docs/eager_overhead.md \"Host synchronisation\")")
+    return f"optimizer update (with a finite {values})"
+
+
+def check_batch(batch: dict) -> None:
+    """Refuse empty batches before any work (they would give a 0/0 loss)."""
+    if not batch:
+        raise ValueError("the batch is empty: pass a dict such as {'tokens': ..., 'labels': ...}")
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"batch[{k!r}] is a {type(v).__name__}, not a tensor")
+        if v.numel() == 0:
+            raise ValueError(f"batch[{k!r}] is empty (shape {tuple(v.shape)}): every device needs at "
+                             f"least one row and one position; check the data loader and batch size")
+
+
+def split_micro(batch: dict, k: int) -> list[dict]:
+    if k == 1:
+        return [batch]
+    out = [dict() for _ in range(k)]
+    for key, v in batch.items():
+        if key == "positions":
+            for o in out:
+                o[key] = v
+            continue
+        if v.shape[0] % k:
+            raise ValueError(f"batch[{key!r}] has {v.shape[0]} rows on this device, not divisible by "
+                             f"gradient_accumulation_steps={k}")
+        for o, part in zip(out, v.chunk(k, dim=0)):
+            o[key] = part
+    return out
+
+
+def peak_memory() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -1,0 +1,471 @@
+"""The training step: loss -> gradients (torch.autograd) -> optimizer update, on every device.
+
+``step = train_step(loss_fn, optimizer, mesh=mesh, rules=rules)``; inside a launched
+function ``state = step.init(params)`` and ``state, metrics = step(state, batch)``. The
+gradients of sharded parameters arrive reduced exactly once over every mesh axis where the
+data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from functional_pp import optim
+from functional_pp.compile.barrier import materialize
+from functional_pp.parallel.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
+from functional_pp.parallel.fsdp_order import UnitOrder
+from functional_pp.parallel.fsdp_units import begin_forward, fsdp_units as layer_units
+from functional_pp.compile.gate import CompileGate
+from functional_pp.parallel.collectives import psum as sum_over
+from functional_pp.compile.backend import step_backend
+from functional_pp.parallel.grads import check_scalar_loss
+from functional_pp.compile.recompute import backward_region, reset_region_ids
+from functional_pp.step.known_finite import KnownFinite, KnownPeaks
+from functional_pp.compile.layer_compile import compiled_layers, split_mode
+from functional_pp.core.layout import Layout, Rules
+from functional_pp.core.mesh import Mesh
+from functional_pp.parallel.named import Named, _make, configure, env, settle, wrap
+from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
+from functional_pp.core.runtime import Options, current_context
+from functional_pp.parallel.shard_map import use_rules
+from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
+from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
+from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
+from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
+from functional_pp.step.update import Updated, redo_held, update_phase
+from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
+from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+# the step without gradient buckets and FSDP units: one collective per weight, layer by layer
+# (the planner's dry runs count collectives per layer; docs/communication.md)
+PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
+DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# every compiled TrainStep of a process adds graphs to the cache of the same function
+# (_device_step): dynamo's default of 8 per function would refuse the ninth step built in a
+# process (a sweep, a notebook, a test session); docs/compile.md "Many steps in one process"
+COMPILED_STEPS_PER_PROCESS = 64
+METRICS_MODES = ("per_step", "deferred")
+
+
+@dataclass
+class ParamSpec:
+    """Static description of the parameter tree: dim names and layout of every leaf."""
+    paths: list[str]
+    dims: list[tuple[str, ...]]
+    layouts: list[Layout]
+    treespec: Any
+    _axes: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def named_types(self, mesh, shapes: tuple) -> list[tuple]:
+        """Per leaf of local shape ``shapes[i]``: dims, split, vary, partial and global sizes of
+        its named value (the fields :class:`Named` derives), once per mesh and shapes (eager)."""
+        key = ("types", mesh, shapes)
+        cached = self._axes.get(key)
+        if cached is None:
+            cached = []
+            for shape, dims, layout in zip(shapes, self.dims, self.layouts):
+                x = Named(torch.empty(shape, device="meta"), dims, layout)
+                cached.append((x.dims, x.split, x.vary, x.partial, x._sizes))
+            self._axes[key] = cached
+        return cached
+
+    def axis_groups(self, mesh) -> list[tuple[tuple[str, ...], list[int]]]:
+        """The leaves' indices grouped by the mesh axes (in mesh order) that split them (groups
+        in order of their first leaf): what one reduction per group completes; derived once per
+        mesh."""
+        key = ("groups", mesh)
+        cached = None if is_tracing() else self._axes.get(key)
+        if cached is None:
+            groups: dict[tuple[str, ...], list[int]] = {}
+            for i, layout in enumerate(self.layouts):
+                axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
+                groups.setdefault(axes, []).append(i)
+            cached = list(groups.items())
+            if not is_tracing():
+                self._axes[key] = cached
+        return cached
+
+
+@dataclass
+class TrainStep:
+    """One training step of ``loss_fn`` (built by :func:`train_step`). The fields are its
+    settings: numerics (``precision``, ``grad_accum``, ``on_nonfinite``), compilation, and the op
+    policy (``remat``, ``keep_gathered``, ``cp_attention``, ``regather_activations``;
+    docs/policy.md). Shared by every device thread: ``spec`` is set once by :meth:`init`."""
+
+    loss_fn: Callable[[Any, dict], Named]
+    optimizer: optim.GradientTransformation
+    mesh: Mesh | None = None
+    rules: Rules = field(default_factory=Rules)
+    compile: bool | str = False           # False, True (inductor), a backend name ("aot_eager"), or
+    #                                       "per_layer[:backend]": compile each @fpp.layer once
+    grad_accum: int = 1
+    precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
+    remat: bool = False                   # activation checkpointing per layer
+    # op policy of the step (docs/policy.md); None: the ambient default of functional_pp.configure
+    keep_gathered: bool | None = None     # keep FSDP-gathered weights for backward (no re-gather)
+    cp_attention: str | None = None       # "ring" | "allgather": attention over a cp-split sequence
+    regather_activations: bool | None = None  # save gathered activations' shards, re-gather in backward
+    on_nonfinite: str = "skip"            # skip | raise
+    max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
+    lr_schedule: Callable | None = None   # reported in the metrics
+    batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
+    flops_per_token: float | None = None
+    peak_flops_per_device: float | None = None
+    bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
+    fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
+    fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
+    fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
+    donate_state: bool = False            # the caller gives up the state passed in: compiled steps
+    #                                       write the new state into it (the old state may be overwritten;
+    #                                       docs/memory.md "Donated state")
+    metrics: str = "per_step"             # per_step: each call reads its metrics (one transfer) | deferred:
+    #                                       none does; StepMetrics read at step.read() or first use
+    #                                       (docs/eager_overhead.md "Host synchronisation")
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: choose one of {sorted(PRECISIONS)}")
+        if self.on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite {self.on_nonfinite!r}: choose 'skip' or 'raise'")
+        if self.metrics not in METRICS_MODES:
+            raise ValueError(f"metrics {self.metrics!r}: choose 'per_step' (read after every step) or 'deferred' "
+                             f"(read at step.read() or when a value is used)")
+        check_bucket_mb(self.bucket_mb)
+        if self.cp_attention not in (None, "ring", "allgather"):
+            raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
+                             f"the functional_pp.configure default)")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.max_consecutive_skips is not None and (
+                isinstance(self.max_consecutive_skips, bool) or not isinstance(self.max_consecutive_skips, int)
+                or self.max_consecutive_skips < 1):
+            raise ValueError(f"max_consecutive_skips must be an integer >= 1 (or None: never stop), got "
+                             f"{self.max_consecutive_skips!r}")
+        self.spec: ParamSpec | None = None
+        self._compiled = None
+        self._compiled_new_buffers = None       # a held compiled donated step's redo (_redo_without_donation)
+        self._compile_lock = threading.Lock()   # simulated devices share one compiled step
+        self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
+        self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
+        self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
+        self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
+        # the bound a donated step writes under (docs/optim.md "Bound before the update"), looked up once
+        self._donated_bound = optim.update_bound(self.optimizer) if self.donate_state else None
+
+    # -------------------------------------------------------------------- init
+    def init(self, params: Any) -> dict:
+        """Training state from a tree of named parameters (``functional_pp.init``): fp32
+        master shards, optimizer state (sharded like the parameters), step counters."""
+        import optree
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
+        if bad:
+            raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
+                            f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
+        paths = [p for p, _ in leaves_with_paths(params)]
+        spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        with self._compile_lock:     # set once, read by every device: never changed under a running step
+            if self.spec is None:
+                self.spec = spec
+            elif (self.spec.paths, self.spec.dims, self.spec.layouts) != (spec.paths, spec.dims, spec.layouts):
+                where = next((f"{p}: dims {a} layout {la} vs {b} {lb}" for p, a, la, b, lb in zip(
+                    spec.paths, self.spec.dims, self.spec.layouts, spec.dims, spec.layouts) if (a, la) != (b, lb)),
+                    f"parameter paths {self.spec.paths[:3]}... vs {spec.paths[:3]}...")
+                raise ValueError(f"step.init: this step was initialised with other parameters ({where}); "
+                                 f"every device must pass the same tree, and another model needs its own "
+                                 f"train_step")
+        master = optree.tree_unflatten(treespec, [master_copy(x.data) for x in leaves])
+        return {"params": master, "opt_state": self.optimizer.init(master),
+                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
+                "consecutive_skips": torch.zeros((), dtype=torch.int64)}
+
+    # ------------------------------------------------------------- the step
+    def __call__(self, state: dict, batch: dict) -> tuple[dict, dict | StepMetrics]:
+        """One step: ``(new state, metrics)``. With ``metrics="per_step"`` the metrics are Python
+        numbers, read after the step (one transfer) and the host checks done; with
+        ``metrics="deferred"`` a :class:`StepMetrics` read later with every unread step
+        (:meth:`read`), skipped steps chosen on the device (docs/eager_overhead.md)."""
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before the first step")
+        if self.mesh is not None and current_context(required=False) is not None:
+            mesh = current_context().mesh
+            if mesh != self.mesh:
+                raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
+        batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
+        check_batch(batch)
+        unknown = [k for k in batch if k not in self.batch_dims]
+        if unknown:
+            raise ValueError(f"batch key {unknown[0]!r} has no dimension names; pass batch_dims="
+                             f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
+        fn = self._device_step
+        step_compile, layer_compile = split_mode(self.compile)   # compile="per_layer": layers only
+        if (step_compile or layer_compile) and getattr(current_context(required=False), "batched", False):
+            raise ValueError(f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it "
+                             f"runs eager ops over a device dimension; docs/simulation.md): use compile=False "
+                             f"there, or launch(simulate=True) to simulate the compiled step")
+        if step_compile:
+            with self._compile_lock:     # one wrapper (one backend) for every device thread
+                if self._compiled is None:
+                    self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
+                        torch.compile(self._device_step, backend=step_backend(step_compile),
+                                      fullgraph=True, dynamic=False),   # static shapes
+                        type(self)._device_step.__code__)
+            fn = self._compiled
+            reset_region_ids()       # same guard state every call: no recompilation
+        t0 = time.perf_counter()
+        finite = self._params_finite(state["params"])
+        bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
+        with self._settings(step_compile, layer_compile), \
+                deferred_checks() as id_checks:     # token-id checks, raised after the step
+            params, opt_state, step, skipped, m, (written, retry, peaks) = fn(
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks)
+        if self.metrics == "deferred":
+            self._known_finite.remember(tree_leaves(params), finite)
+            if bound is not None:
+                self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
+            return self._defer(state, params, opt_state, step, skipped, m, written, id_checks, t0)
+        if "consecutive_skips" in state:     # read with the metrics: one transfer
+            m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
+        metrics, bad_ids = read_step_metrics(m, step, id_checks)    # the step's one device-to-host read
+        if bad_ids:
+            raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
+        if metrics.pop("update_held", 0):     # rare: nothing written in place; update in new buffers
+            if retry is None:    # a compiled step: run again without donation (docs/compile.md)
+                retry = functools.partial(self._redo_without_donation, state, batch)
+            params, opt_state, skipped, metrics = redo_held(retry, state["skipped"], metrics)
+            written, peaks = False, None     # (new buffers, or the old state: read at the next step)
+        # the state to return, or a NonFiniteError: chosen after the one read (step/nonfinite.py)
+        params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,
+                                               on_nonfinite=self.on_nonfinite,
+                                               max_consecutive_skips=self.max_consecutive_skips)
+        self._known_finite.remember(tree_leaves(params), finite)
+        if bound is not None:
+            self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
+        self._host_values(metrics, time.perf_counter() - t0)
+        metrics["peak_memory_bytes"] = peak_memory()
+        metrics["consecutive_skips"] = run
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
+                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
+
+    def _params_finite(self, params: Any) -> torch.Tensor | None:
+        """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
+        (0-dim bool, read only for a state no step returned; docs/optim.md "Bound before the
+        update"); else None."""
+        bound = self._donated_bound
+        return self._known_finite.flag(tree_leaves(params)) if getattr(bound, "needs_finite_params", False) else None
+
+    def _carried_peaks(self, state: dict) -> tuple[Any, list[torch.Tensor] | None]:
+        """A compiled donated step whose optimizer's bound carries its terms' peaks (AdamW's first
+        moments): the bound and the peaks of ``state`` (remembered, or read on the device for a
+        state no step returned; docs/optim.md "Peaks carried instead of read"); else (None, None)."""
+        bound = self._donated_bound
+        carried = getattr(bound, "carried", None)
+        if carried is None or not carried.applies(state["opt_state"]):
+            return None, None
+        return bound, self._known_peaks.peaks(bound, state["opt_state"], state["params"])
+
+    def _host_values(self, metrics: dict, seconds: float) -> None:
+        """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu."""
+        metrics["step_time_s"] = seconds
+        metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
+        if self.flops_per_token and self.peak_flops_per_device:
+            n = (self.mesh.size if self.mesh else 1)
+            metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
+
+    def _defer(self, state, params, opt_state, step, skipped, m, written, id_checks, t0) -> tuple[dict, StepMetrics]:
+        """metrics="deferred": the new state (a skipped step's already chosen on the device) and
+        the step's metrics kept unread; the run of skipped steps counted on the device."""
+        run = state.get("consecutive_skips")
+        skip = m["skipped"]
+        run = skip if run is None else (torch.as_tensor(run) + skip) * skip    # +1, or 0 after a taken step
+        window = getattr(self._unread, "steps", None)
+        if window is None:
+            window = self._unread.steps = PendingSteps(self._host_values, on_nonfinite=self.on_nonfinite,
+                                                       max_consecutive_skips=self.max_consecutive_skips)
+        metrics = window.add(m, step, run, id_checks, written=written, started=t0)
+        return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
+                "consecutive_skips": run}, metrics
+
+    def read(self) -> list[StepMetrics]:
+        """metrics="deferred": read this device's unread steps in one transfer and run their host
+        checks in order (raising for the first failing step: NonFiniteError, TokenIdError);
+        returns their metrics. Nothing to do (an empty list) in the per-step mode."""
+        window = getattr(self._unread, "steps", None)
+        return window.read() if window is not None else []
+
+    @contextmanager
+    def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
+        """The step's thread-local settings, set outside the compiled region."""
+        compiling = bool(step_compile or layer_compile)
+        with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
+                compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
+                compiled_layers(step_backend(layer_compile) if layer_compile else None), \
+                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
+                            prefetch=self.fsdp_prefetch, order=self._unit_order):
+            yield
+
+    def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
+        """A held compiled donated step (its state passed in untouched: nothing was written) made
+        again by the compiled step without donation (a second graph, compiled at the first held
+        step): the update in new buffers, checked as such a step checks it."""
+        step_compile, layer_compile = split_mode(self.compile)
+        with self._compile_lock:
+            if self._compiled_new_buffers is None:
+                self._compiled_new_buffers = CompileGate(
+                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile),
+                                  fullgraph=True, dynamic=False),
+                    type(self)._device_step_new_buffers.__code__)
+        reset_region_ids()
+        with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
+            params, opt_state, _, _, m, _ = self._compiled_new_buffers(
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+        return Updated(params, opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+                       m["skipped"] == 0, False)
+
+    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch):
+        return self._device_step(params, opt_state, step, skipped, batch, donate_state=False)
+
+    def policy(self) -> ContextManager[Options]:
+        """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
+        fp32 reduction of 16-bit gradients) in force for the ops it runs; the fields left None
+        keep the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
+        explicit = {k: getattr(self, k) for k in ("keep_gathered", "cp_attention", "regather_activations")
+                    if getattr(self, k) is not None}
+        return configure(remat=self.remat, reduce_dtype=torch.float32 if PRECISIONS[self.precision] else None,
+                         **explicit)
+
+    def gradients(self, state: dict, batch: dict) -> tuple[torch.Tensor, Any]:
+        """The loss and the reduced gradients (named, laid out like the parameters) this step
+        would compute for ``batch``, without updating anything (functional_pp.value_and_grad)."""
+        import optree
+        from functional_pp.parallel.grads import value_and_grad
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before step.gradients")
+        leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
+        with use_rules(self.rules), self.policy():
+            named_batch = {k: v if isinstance(v, Named) else wrap(v, self.batch_dims[k]) for k, v in batch.items()}
+            return value_and_grad(self.loss_fn, self._named_params(leaves, treespec), named_batch)
+
+    def named_params(self, params: Any) -> Any:
+        """The training state's fp32 master ``params`` as the named values the loss sees (cast to
+        the compute precision, laid out as at :meth:`init`)."""
+        import optree
+        leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
+        return self._named_params(leaves, treespec)
+
+    def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
+        compute = PRECISIONS[self.precision]
+        if compute is not None:
+            leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
+        if is_tracing():
+            named = [Named(x, dims, layout, is_param=True)
+                     for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts)]
+        else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
+            types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
+            named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
+        return tree_unflatten(treespec, named)
+
+    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
+                     donate_state: bool | None = None):
+        leaves, treespec = tree_flatten(params)
+        micro = split_micro(batch, self.grad_accum)
+        weights, tokens = self._micro_weights(micro)
+        grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
+        acc = acc_dtype(leaves)
+        total = torch.zeros((), dtype=acc)
+        for mb, w in zip(micro, weights):
+            xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+            named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
+            named_params = self._named_params(xs, treespec)
+            begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
+            checked = checks_so_far()
+            loss_named = settle(self.loss_fn(named_params, named_batch))
+            named_params = None
+            check_scalar_loss(loss_named, "train_step")
+            loss = loss_named.data.to(acc) * w.to(acc)
+            if self.metrics == "deferred":
+                loss = self._non_finite_if_bad_ids(loss, checked)
+            diff = [x for x in xs if x.requires_grad]
+            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
+                gs = torch.autograd.grad(loss, diff)
+                gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
+            if len(micro) == 1:          # no accumulation buffer needed
+                grads = [as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+            else:
+                grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
+            gs = None                    # release the per-micro-batch gradients
+            total = total + loss.detach()
+        if is_tracing() and PRECISIONS[self.precision] is not None:
+            grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
+        # norm, optimizer and the device side of the non-finite guard (step/update.py)
+        up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
+                          self.spec.axis_groups(env()[0]),
+                          donate_state=self.donate_state if donate_state is None else donate_state,
+                          params_finite=params_finite, peaks=peaks)
+        if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
+            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        skip = (~up.finite).to(torch.int64)
+        metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
+        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+
+    @staticmethod
+    def _keep_old_if_skipped(up, old_params: list, old_opt_state: Any) -> tuple[Any, Any]:
+        """metrics="deferred", a state made in new buffers: the new parameters and optimizer
+        state of ``up`` where the step is finite, else the old ones, selected on the device
+        (``up``'s references are dropped first, so each new buffer is freed once its select is
+        made; docs/eager_overhead.md "Host synchronisation")."""
+        new_params, params_spec = tree_flatten(up.params)
+        new_state, state_spec = tree_flatten(up.opt_state)
+        new = [*new_params, *new_state]
+        up.params = up.opt_state = new_params = new_state = None
+        new = select_finite(up.finite, new, [*old_params, *tree_leaves(old_opt_state)])
+        n = len(old_params)
+        return tree_unflatten(params_spec, new[:n]), tree_unflatten(state_spec, new[n:])
+
+    @staticmethod
+    def _non_finite_if_bad_ids(loss: torch.Tensor, since: int) -> torch.Tensor:
+        """metrics="deferred": the loss divided by 0 where a token-id check of this micro-batch
+        failed (by 1 otherwise), so its gradient is not finite and reaches every device through
+        the gradient reductions: the non-finite guard skips the step everywhere (the error is
+        raised at the read; docs/bad_inputs.md §1)."""
+        bad = failed_flag(since)
+        return loss if bad is None else loss / ~bad
+
+    def _micro_weights(self, micro: list[dict]):
+        """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
+        accumulation equals one large batch. Also returns the global token count."""
+        counts = [self._token_count(mb) for mb in micro]
+        if len(counts) == 1:
+            # c / max(c, 1) in one op: 1, or 0 when every label is ignored (docs/eager_overhead.md)
+            return [counts[0].clamp_max(1)], counts[0]
+        total = sum(counts[1:], counts[0])
+        # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
+        return [c / total.clamp_min(1) for c in counts], total
+
+    def _token_count(self, mb: dict) -> torch.Tensor:
+        """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
+        first entry without labels): counted here, summed over the mesh axes splitting it."""
+        key = "labels" if "labels" in mb else next(iter(mb))
+        x = wrap(mb[key], self.batch_dims[key])
+        n = (torch.count_nonzero(x.data != -100) if key == "labels" else
+             torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)
+        axes = {a for s in x.split for a in s}
+        return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes)) if axes else n
+
+
+def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
+               mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
+    """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
+    precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ..., and the op policy
+    remat, keep_gathered, cp_attention, regather_activations: docs/policy.md)."""
+    if rules is not None and mesh is not None:
+        rules.check(mesh)
+    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **options)
