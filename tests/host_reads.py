@@ -1,5 +1,5 @@
-"""Counting the host's reads of device values (tests/test_eager_overhead.py,
-tests/test_deferred_metrics.py)."""
+"""Counting the host's reads of device values (tests/step/test_eager_overhead.py,
+tests/step/test_deferred_metrics.py)."""
 from __future__ import annotations
 
 import pytest

@@ -40,7 +40,7 @@ def window_peaks():
     A process with other threads doing torch work (gloo's worker threads finish a collective
     after its waiter has returned) starts and stops the profiler once this way instead of once
     per block: stopping it while another thread still reports allocations to it can crash the
-    process: one of the 4 gloo processes tests/test_compiled_zero3_memory.py then used died with SIGSEGV
+    process: one of the 4 gloo processes tests/compile/test_compiled_zero3_memory.py then used died with SIGSEGV
     right after a stop once in CI, and 11 stress runs of 40 stops per process left a rank stuck
     outside any collective once (the same class of race as pytorch/pytorch#132331). Fewer stops,
     each after the measured work, narrow that window."""

@@ -19,7 +19,7 @@ Only this module chooses the attention kernel (:func:`select_attention_kernel`):
 Why one file of ~500 lines: it has one concern, attention on plain blocks with log-sum-exp.
 The fused kernels, the math oracle, the LSE merge and the ring that merges block results all
 rest on the conventions above (layout, GQA head mapping, lse dtype, ``-inf`` rows), which
-tests/test_attention_kernels.py checks together; the named op that chooses ring or all-gather
+tests/ops/test_attention_kernels.py checks together; the named op that chooses ring or all-gather
 attention is ops/attention.py.
 """
 
@@ -263,7 +263,7 @@ def _run_with_fallback(
             return fused(name)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as e:      # CUDA kernels (tests/test_attention_fallback.py fakes one)
+        except RuntimeError as e:      # CUDA kernels (tests/ops/test_attention_fallback.py fakes one)
             failed.add(name)
             warnings.warn(f"attention kernel {name} failed ({e}); falling back to the next kernel "
                           f"for this call")

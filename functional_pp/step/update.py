@@ -161,7 +161,7 @@ def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
     the dtype's largest value passes, as the pre-update bound lets it, docs/optim.md "Bound
     before the update"; one reduction, as cheap as the sum it replaces; ``(u * 0).sum()`` was
     folded to 0 by inductor, which then applied infinite updates, and a count of non-finite
-    elements cost 10% of the 20 M model's compiled step: tests/test_nonfinite_guard.py,
+    elements cost 10% of the 20 M model's compiled step: tests/step/test_nonfinite_guard.py,
     docs/compile.md). Eager: the foreach 2-norm of each leaf times 0 (NaN iff the leaf holds a
     NaN or inf or its norm overflows, beyond about 1.8e19 in fp32: conservative there; the
     infinity-norm is 10-15x slower on the CPU, docs/eager_overhead.md)."""

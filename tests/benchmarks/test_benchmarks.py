@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gpu  # noqa: E402
 
@@ -16,7 +16,7 @@ import gpu  # noqa: E402
 @pytest.mark.slow
 def test_gpu_benchmark_smoke_prints_one_consistent_json_line():
     # run as a user does, in its own process (no compile state left by other tests)
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True,
                          timeout=1200, env=env)
@@ -47,7 +47,7 @@ def test_gpu_benchmark_without_cuda_says_so(capsys):
 @pytest.mark.multiprocess
 def test_dp_fsdp_benchmark_smoke_prints_ratios_and_equal_first_losses():
     """benchmarks/dp_fsdp_vs_torch.py on 2 gloo processes, tiny model, one timed step."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "dp_fsdp_vs_torch.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "dp_fsdp_vs_torch.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "1", "--warmup", "1"],
                          capture_output=True, text=True, timeout=1200, env=env)
@@ -74,7 +74,7 @@ LINK_MS = 20
 @pytest.mark.multiprocess
 def test_slow_link_benchmark_smoke_prints_equal_losses_and_exposed_link_time():
     """benchmarks/slow_link.py on 2 gloo processes, tiny model, 20 ms per collective."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "slow_link.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "slow_link.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "1", "--warmup", "2",
                           "--link-ms", str(LINK_MS)], capture_output=True, text=True, timeout=1200, env=env)

@@ -233,7 +233,7 @@ def test_the_metrics_mode_is_checked():
 
 
 def test_the_host_sync_benchmark_trains_both_modes_alike():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         import host_sync
     finally:

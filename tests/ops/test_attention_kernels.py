@@ -13,7 +13,7 @@ import torch
 try:
     from functional_pp.ops import attention_kernels as ak
 except Exception:  # package __init__ not importable yet: load the module by path
-    _path = pathlib.Path(__file__).resolve().parents[1] / "functional_pp" / "ops" / "attention_kernels.py"
+    _path = pathlib.Path(__file__).resolve().parents[2] / "functional_pp" / "ops" / "attention_kernels.py"
     _spec = importlib.util.spec_from_file_location("_attention_kernels_under_test", _path)
     ak = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(ak)

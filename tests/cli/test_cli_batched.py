@@ -143,7 +143,7 @@ def test_cli_sim_benchmark_smoke(capsys):
     """benchmarks/cli_sim.py: the loop's step time, one device / threaded / batched, with ratios
     consistent with its own timings and the batched losses bitwise the threaded ones."""
     import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import cli_sim
     out = cli_sim.main(["--devices", "2", "--steps", "1", "--warmup", "1", "--repeats", "1",
                         "--batch", "4", "--seq", "16"])

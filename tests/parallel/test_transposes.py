@@ -12,7 +12,7 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel import transposes
 AXES = ("dp_shard", "tp")
 N = 4
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "collectives.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "collectives.md"
 
 
 def _case(which):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import gpt2  # noqa: E402  (examples/gpt2.py: the model under test)
 
 CFG = gpt2.Config(vocab=64, embd=24, layers=2, heads=4, ff=48, max_pos=16)

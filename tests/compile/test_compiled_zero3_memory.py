@@ -7,9 +7,9 @@ process (``window_peaks``: starting and stopping the profiler around every step 
 threads finish their collectives crashed a process once). The model's weights
 (1.77 MB per layer unsharded) outweigh its activations (one sequence of 16 tokens per rank), so
 what a step keeps of the weights sets its peak. That the compiled step gathers again instead of
-keeping the weights is asserted from its graph in tests/test_compile_step.py; the bound on
+keeping the weights is asserted from its graph in tests/compile/test_compile_step.py; the bound on
 reduce-scatters in flight that keeps its unsharded gradients from piling up, in
-tests/test_overlap_bound.py."""
+tests/compile/test_overlap_bound.py."""
 import functools
 
 import pytest

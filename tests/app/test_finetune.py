@@ -21,7 +21,7 @@ from functional_pp.models import llama
 from functional_pp.app.metrics import read_metrics
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "finetune.yaml"
 
 
