@@ -89,47 +89,47 @@ def rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False) -
 
 
 def _linear_bias(x, p, pattern):
-    return fpp.einsum(pattern, x, p["weight"]) + p["bias"]      # the bias broadcasts by name
+    return fpp.ops.einsum(pattern, x, p["weight"]) + p["bias"]      # the bias broadcasts by name
 
 
 def attention_block(p: dict, x, cfg: Config, seed):
-    h = fpp.layer_norm(x, p["ln_1"]["weight"], p["ln_1"]["bias"], dim="embd", eps=cfg.eps)
-    h = fpp.rename(h, res_tok="tok")
+    h = fpp.ops.layer_norm(x, p["ln_1"]["weight"], p["ln_1"]["bias"], dim="embd", eps=cfg.eps)
+    h = fpp.ops.rename(h, res_tok="tok")
     a = p["attn"]
     qkv = _linear_bias(h, a["c_attn"], "batch tok embd, embd qkv head hd -> batch tok qkv head hd")
-    q, k, v = fpp.unbind(qkv, "qkv")                            # fused projection, split by index
-    k, v = fpp.rename(k, head="kv_head"), fpp.rename(v, head="kv_head")
-    o = fpp.attention(q, k, v, causal=True, seq="tok", heads="head", kv_heads="kv_head", head_dim="hd")
-    o = fpp.einsum("batch tok head hd, head head_mix -> batch tok head_mix hd", o, a["mix"])   # cross-head
-    o = fpp.rename(o, head_mix="head")
+    q, k, v = fpp.ops.unbind(qkv, "qkv")                            # fused projection, split by index
+    k, v = fpp.ops.rename(k, head="kv_head"), fpp.ops.rename(v, head="kv_head")
+    o = fpp.ops.attention(q, k, v, causal=True, seq="tok", heads="head", kv_heads="kv_head", head_dim="hd")
+    o = fpp.ops.einsum("batch tok head hd, head head_mix -> batch tok head_mix hd", o, a["mix"])   # cross-head
+    o = fpp.ops.rename(o, head_mix="head")
     out = _linear_bias(o, a["c_proj"], "batch tok head hd, head hd embd -> batch tok embd")
-    out = fpp.dropout(out, cfg.dropout, seed)
-    return fpp.rename(out, tok="res_tok")
+    out = fpp.ops.dropout(out, cfg.dropout, seed)
+    return fpp.ops.rename(out, tok="res_tok")
 
 
 def mlp_block(p: dict, x, cfg: Config, seed):
-    h = fpp.layer_norm(x, p["ln_2"]["weight"], p["ln_2"]["bias"], dim="embd", eps=cfg.eps)
-    h = fpp.rename(h, res_tok="tok")
+    h = fpp.ops.layer_norm(x, p["ln_2"]["weight"], p["ln_2"]["bias"], dim="embd", eps=cfg.eps)
+    h = fpp.ops.rename(h, res_tok="tok")
     m = p["mlp"]
-    h = fpp.gelu(_linear_bias(h, m["c_fc"], "batch tok embd, embd ff -> batch tok ff"), approximate="tanh")
+    h = fpp.ops.gelu(_linear_bias(h, m["c_fc"], "batch tok embd, embd ff -> batch tok ff"), approximate="tanh")
     out = _linear_bias(h, m["c_proj"], "batch tok ff, ff embd -> batch tok embd")
-    out = fpp.dropout(out, cfg.dropout, seed)
-    return fpp.rename(out, tok="res_tok")
+    out = fpp.ops.dropout(out, cfg.dropout, seed)
+    return fpp.ops.rename(out, tok="res_tok")
 
 
 def token_mixing_block(p: dict, x, cfg: Config, seq: int):
     """A causal MLP-mixer step over the sequence: out[t] = sum_{s<=t} W[t, s] x[s] + b[t]. Under
     context parallelism the sequence is gathered in its layout's order for the contraction."""
-    h = fpp.layer_norm(x, p["ln_3"]["weight"], p["ln_3"]["bias"], dim="embd", eps=cfg.eps)
-    h = fpp.rename(h, res_tok="tok_in")                         # every token as an input
+    h = fpp.ops.layer_norm(x, p["ln_3"]["weight"], p["ln_3"]["bias"], dim="embd", eps=cfg.eps)
+    h = fpp.ops.rename(h, res_tok="tok_in")                         # every token as an input
     mx = p["mixer"]
-    w = fpp.slice_dim(fpp.slice_dim(mx["weight"], "pos", 0, seq), "pos_in", 0, seq)
-    w = fpp.rename(w, pos="tok", pos_in="tok_in")               # rows laid out like the sequence
+    w = fpp.ops.slice_dim(fpp.ops.slice_dim(mx["weight"], "pos", 0, seq), "pos_in", 0, seq)
+    w = fpp.ops.rename(w, pos="tok", pos_in="tok_in")               # rows laid out like the sequence
     causal = fpp.named(torch.tril(torch.ones(seq, seq, dtype=torch.bool)), "tok tok_in")
-    w = fpp.where(causal, w, 0.0)
-    b = fpp.rename(fpp.slice_dim(mx["bias"], "pos", 0, seq), pos="tok")
-    out = fpp.einsum("batch tok_in embd, tok tok_in -> batch tok embd", h, w) + b
-    return fpp.rename(out, tok="res_tok")
+    w = fpp.ops.where(causal, w, 0.0)
+    b = fpp.ops.rename(fpp.ops.slice_dim(mx["bias"], "pos", 0, seq), pos="tok")
+    out = fpp.ops.einsum("batch tok_in embd, tok tok_in -> batch tok embd", h, w) + b
+    return fpp.ops.rename(out, tok="res_tok")
 
 
 def forward(params: dict, tokens, cfg: Config, seed=0):
@@ -138,23 +138,23 @@ def forward(params: dict, tokens, cfg: Config, seed=0):
     if seq > cfg.max_pos:
         raise ValueError(f"gpt2: sequence of {seq} tokens is longer than max_pos={cfg.max_pos}")
     wte = fpp.tied(params["wte"]) if cfg.tie else params["wte"]  # one gather for both use sites
-    pos = fpp.positions("tok", seq)
-    x = fpp.embed(wte, tokens) + fpp.embed(params["wpe"], pos, vocab="pos")
-    x = fpp.rename(x, tok="res_tok")
+    pos = fpp.ops.positions("tok", seq)
+    x = fpp.ops.embed(wte, tokens) + fpp.ops.embed(params["wpe"], pos, vocab="pos")
+    x = fpp.ops.rename(x, tok="res_tok")
     for i, p in enumerate(params["h"]):
         x = x + attention_block(p, x, cfg, seed * 1000 + 2 * i)
         x = x + mlp_block(p, x, cfg, seed * 1000 + 2 * i + 1)
         if cfg.token_mixing:
             x = x + token_mixing_block(p, x, cfg, seq)
-    x = fpp.layer_norm(x, params["ln_f"]["weight"], params["ln_f"]["bias"], dim="embd", eps=cfg.eps)
-    x = fpp.rename(x, res_tok="tok")
+    x = fpp.ops.layer_norm(x, params["ln_f"]["weight"], params["ln_f"]["bias"], dim="embd", eps=cfg.eps)
+    x = fpp.ops.rename(x, res_tok="tok")
     head = wte if cfg.tie else params["lm_head"]
-    return fpp.einsum("batch tok embd, vocab embd -> batch tok vocab", x, head)
+    return fpp.ops.einsum("batch tok embd, vocab embd -> batch tok vocab", x, head)
 
 
 def loss(params: dict, batch: dict, cfg: Config, seed=0):
     """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (batch tok)."""
-    return fpp.cross_entropy(forward(params, batch["tokens"], cfg, seed), batch["labels"])
+    return fpp.ops.cross_entropy(forward(params, batch["tokens"], cfg, seed), batch["labels"])
 
 
 BATCH_DIMS = {"tokens": "batch tok", "labels": "batch tok"}

@@ -6,8 +6,9 @@
 #   TORCH_VERSION=2.13.0 bash scripts/setup.sh              # pin another torch version
 #   PYTHON=/path/to/python bash scripts/setup.sh            # a specific interpreter
 #
-# - torch: an installed torch that satisfies the requirement (>= TORCH_VERSION, default
-#   2.13.0) is kept; otherwise torch==TORCH_VERSION is installed (from TORCH_INDEX_URL if set).
+# - torch: an installed torch in the supported range (>= TORCH_VERSION, default 2.13.0, and
+#   below 2.15, as pyproject.toml says) is kept; otherwise torch==TORCH_VERSION is installed
+#   (from TORCH_INDEX_URL if set).
 # - works with only `python3` on the PATH.
 # - if the interpreter is "externally managed" (PEP 668: Debian/Ubuntu system Python), a venv is
 #   created (or reused) in .venv and everything goes there; activate it with
@@ -48,7 +49,8 @@ def key(v):
         digits = "".join(c for c in part if c.isdigit())
         out.append(int(digits or 0))
     return out
-print("ok" if key(torch.__version__) >= key(sys.argv[1]) else "old:" + torch.__version__)
+v = key(torch.__version__)
+print("ok" if key(sys.argv[1]) <= v and v[:2] < [2, 15] else "unsupported:" + torch.__version__)
 PYEOF
 )
 if [ "$have" = ok ]; then

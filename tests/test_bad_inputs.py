@@ -129,8 +129,8 @@ def _unnamed_calls():
     q = fpp.named(torch.randn(1, 4, 2, 8), "batch seq heads head_dim")
     k = fpp.named(torch.randn(1, 4, 2, 8), "batch seq kv_heads head_dim")
     return {
-        "einsum operand 1": (lambda: fpp.einsum("batch hidden, hidden mlp -> batch mlp", x, t), "operand 1"),
-        "einsum operand 0": (lambda: fpp.einsum("batch hidden, hidden mlp -> batch mlp", t, x), "operand 0"),
+        "einsum operand 1": (lambda: fpp.ops.einsum("batch hidden, hidden mlp -> batch mlp", x, t), "operand 1"),
+        "einsum operand 0": (lambda: fpp.ops.einsum("batch hidden, hidden mlp -> batch mlp", t, x), "operand 0"),
         "embed table": (lambda: fpp.ops.embed(torch.randn(10, 4), x), "table"),
         "embed ids": (lambda: fpp.ops.embed(fpp.named(torch.randn(10, 4), "vocab hidden"),
                                             torch.tensor([[1]])), "ids"),

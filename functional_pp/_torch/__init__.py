@@ -7,7 +7,12 @@ import functools
 import sys
 
 import torch
-from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,
+
+from functional_pp._torch.version import check_torch_version
+
+check_torch_version()    # before the first private import: say which torch is unsupported, not fail in it
+
+from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,  # noqa: E402
                                  _vmap_increment_nesting)
 
 

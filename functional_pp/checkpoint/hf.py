@@ -281,7 +281,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
                   dtype: torch.dtype | None = None) -> Path:
-    """Write a FULL parameter tree (single device, or ``tree.gather``-ed) as an HF directory
+    """Write a FULL parameter tree (single device, or ``sharding.gather``-ed) as an HF directory
     loadable by ``transformers.LlamaForCausalLM.from_pretrained``; sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
     flat = dict(leaves_with_paths(params))

@@ -52,6 +52,7 @@ def current_mesh() -> Mesh:
 
 
 def current_rank() -> int:
+    """This device's global rank in the running mesh (0 outside a launch)."""
     return current_context().rank
 
 

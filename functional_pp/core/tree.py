@@ -1,8 +1,7 @@
 """Parameter pytrees: declarations (global shape and dimension names) and path utilities.
 
 Cutting a tree into shards, gathering it back and wrapping shards as named values live in
-:mod:`functional_pp.parallel.sharding` (``tree.shard``/``tree.gather``/``tree.named_tree`` remain as
-aliases, set by the package).
+:mod:`functional_pp.parallel.sharding` (``shard``, ``gather``, ``named_tree``).
 
 Containers are plain dicts/lists/tuples, which both optree and torch's pytree utilities
 (and so torch.compile) understand."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import cli
@@ -94,7 +95,7 @@ def test_finetune_example_matches_transformers_and_exports(inputs, tmp_path, cap
     params = ck.load_checkpoint(out / "checkpoints", keys=["params"]).tree["params"]
     toks = batch["tokens"][:2, :32]
     with torch.no_grad():
-        ours = llama.forward(tree.named_tree(params, llama.init(model_cfg)),
+        ours = llama.forward(sharding.named_tree(params, llama.init(model_cfg)),
                              fpp.wrap(toks, "batch seq"), model_cfg).value()
         theirs = exported(input_ids=toks).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)

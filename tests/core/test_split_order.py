@@ -26,7 +26,7 @@ def test_named_takes_the_block_the_rule_orders_and_gathers_back(balanced):
     def fn():
         with fpp.use_rules(rules):
             x = fpp.named(full, "batch seq")
-            pos = fpp.positions("seq", S)
+            pos = fpp.ops.positions("seq", S)
             return x.data, pos.data, fpp.gather_tree(x)
     for i, (block, pos, back) in enumerate(launch(fn, cp=4)):
         assert torch.equal(block, shard_sequence(full, 1, 4, i, balanced))
@@ -45,8 +45,8 @@ def _mix_and_cumsum(rules, mesh_kw):
             xl = xf.clone().requires_grad_()
             x = fpp.named(xl, "batch seq hidden")
             w = fpp.named(wf, "seq seq_in")
-            mixed = fpp.einsum("batch seq_in hidden, seq seq_in -> batch seq hidden", fpp.rename(x, seq="seq_in"), w)
-            c = fpp.cumsum(mixed, "seq")
+            mixed = fpp.ops.einsum("batch seq_in hidden, seq seq_in -> batch seq hidden", fpp.ops.rename(x, seq="seq_in"), w)
+            c = fpp.ops.cumsum(mixed, "seq")
             loss = fpp.ops.sum(c * c * fpp.named(torch.arange(S, dtype=torch.float64), "seq"))
             value = loss.value()
             value.backward()
@@ -75,9 +75,9 @@ def test_rename_between_differently_ordered_names_and_reshapes_keep_the_order():
     def fn():
         with fpp.use_rules(rules):
             x = fpp.named(full, "seq hidden")
-            y = fpp.rename(x, seq="tok")                          # balanced -> contiguous
-            z = fpp.split_dim(x, "seq", {"pair": S // 2, "two": 2})   # reshape of a balanced dim
-            m = fpp.merge_dims(fpp.named(full.reshape(S // 2, 2, 2), "pair two hidden"), ("pair", "two"), "seq")
+            y = fpp.ops.rename(x, seq="tok")                          # balanced -> contiguous
+            z = fpp.ops.split_dim(x, "seq", {"pair": S // 2, "two": 2})   # reshape of a balanced dim
+            m = fpp.ops.merge_dims(fpp.named(full.reshape(S // 2, 2, 2), "pair two hidden"), ("pair", "two"), "seq")
             return fpp.gather_tree(y), fpp.gather_tree(z), fpp.gather_tree(m)
     for y, z, m in launch(fn, cp=2):
         assert torch.equal(y, full) and torch.equal(z, full.reshape(S // 2, 2, 2)) and torch.equal(m, full)
@@ -124,8 +124,8 @@ def test_balanced_order_applies_only_over_the_axis_the_rule_names():
     def fn():
         with fpp.use_rules(r):
             x = fpp.named(full, "res_seq")
-            back = fpp.rename(x, res_seq="seq")          # the SP all-gather: no reorder needed
-            return x.data, fpp.positions("res_seq", S).data, fpp.gather_tree(back)
+            back = fpp.ops.rename(x, res_seq="seq")          # the SP all-gather: no reorder needed
+            return x.data, fpp.ops.positions("res_seq", S).data, fpp.gather_tree(back)
     for j, (block, pos, back) in enumerate(launch(fn, tp=2)):
         assert torch.equal(block, full.chunk(2)[j]) and torch.equal(pos, full.chunk(2)[j])
         assert torch.equal(back, full)
@@ -161,12 +161,12 @@ def test_take_slice_unbind_concat_where_cumsum_on_split_dims():
     def fn():
         xl = xf.clone().requires_grad_()
         x = fpp.named(xl, "a b c")
-        parts = fpp.unbind(x, "a")
-        t = fpp.take(x, "c", 5)
-        s = fpp.slice_dim(x, "c", 2, 6)
-        cat = fpp.concat([x, fpp.ops.transpose(x, "c", "a", "b")], "b")
-        w = fpp.where(x.map(lambda d: d > 0), x, fpp.named(torch.ones(8, dtype=torch.float64), "c") * -2.0)
-        c = fpp.cumsum(x, "c")
+        parts = fpp.ops.unbind(x, "a")
+        t = fpp.ops.take(x, "c", 5)
+        s = fpp.ops.slice_dim(x, "c", 2, 6)
+        cat = fpp.ops.concat([x, fpp.ops.transpose(x, "c", "a", "b")], "b")
+        w = fpp.ops.where(x.map(lambda d: d > 0), x, fpp.named(torch.ones(8, dtype=torch.float64), "c") * -2.0)
+        c = fpp.ops.cumsum(x, "c")
         total = fpp.ops.sum(s * 3.0 * s) + fpp.ops.sum(cat * cat) + fpp.ops.sum(w * x) + fpp.ops.sum(c * c)
         v = total.value()
         v.backward()
@@ -178,31 +178,31 @@ def test_take_slice_unbind_concat_where_cumsum_on_split_dims():
     assert torch.equal(w, torch.where(xf > 0, xf, torch.full_like(xf, -2.0)))
     assert all(torch.equal(p, xf[i]) for i, p in enumerate(parts))
     with pytest.raises(IndexError, match="index 9 is out of range for dimension 'c' of size 8"):
-        fpp.take(fpp.named(xf, "a b c"), "c", 9)
+        fpp.ops.take(fpp.named(xf, "a b c"), "c", 9)
     with pytest.raises(ValueError, match="concat: operand 1 has dimensions"):
-        fpp.concat([fpp.named(xf, "a b c"), fpp.named(xf[:2], "a b c")], "b")
+        fpp.ops.concat([fpp.named(xf, "a b c"), fpp.named(xf[:2], "a b c")], "b")
 
 
 def test_gelu_tanh_and_dropout():
     x = torch.linspace(-3, 3, 16, dtype=torch.float64).reshape(2, 8)
-    got = fpp.gelu(fpp.named(x, "a b"), approximate="tanh").value()
+    got = fpp.ops.gelu(fpp.named(x, "a b"), approximate="tanh").value()
     torch.testing.assert_close(got, torch.nn.functional.gelu(x, approximate="tanh"), rtol=0, atol=0)
     assert not torch.equal(got, torch.nn.functional.gelu(x))
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
-        fpp.gelu(fpp.named(x, "a b"), approximate="fast")
+        fpp.ops.gelu(fpp.named(x, "a b"), approximate="fast")
 
     ones = torch.ones(8, 32, dtype=torch.float64)
 
     def drop():
-        y = fpp.dropout(fpp.named(ones, "a b"), 0.5, seed=7)
+        y = fpp.ops.dropout(fpp.named(ones, "a b"), 0.5, seed=7)
         return [fpp.gather_tree(y)]
     (mask,) = _both(drop, fpp.Rules(a=fpp.balanced("cp"), b="tp"), cp=2, tp=2)
     kept = (mask != 0).double().mean().item()
     assert 0.35 < kept < 0.65 and set(mask.unique().tolist()) <= {0.0, 2.0}
-    other = fpp.dropout(fpp.named(ones, "a b"), 0.5, seed=8).value()
+    other = fpp.ops.dropout(fpp.named(ones, "a b"), 0.5, seed=8).value()
     assert not torch.equal(other, mask)
     with pytest.raises(ValueError, match=r"rate must be in \[0, 1\)"):
-        fpp.dropout(fpp.named(ones, "a b"), 1.0, seed=0)
+        fpp.ops.dropout(fpp.named(ones, "a b"), 1.0, seed=0)
 
 
 # ------------------------------------------------------------------ shape ops keep the parameter flag
@@ -241,18 +241,18 @@ def _fsdp_weight_through(shape_op):
 
 
 SHAPE_OPS = {
-    "rename": lambda x, w: fpp.einsum("batch hidden, hidden o -> batch o", x, fpp.rename(w, out="o")),
-    "transpose": lambda x, w: fpp.einsum("batch hidden, out hidden -> batch out", x, fpp.ops.transpose(w, "out", "hidden")),
-    "split_dim": lambda x, w: fpp.einsum("batch hidden, hidden o1 o2 -> batch o1 o2", x,
-                                         fpp.split_dim(w, "out", {"o1": 2, "o2": 3})),
-    "merge_dims": lambda x, w: fpp.einsum("batch hidden, hidden o -> batch o", x,
-                                          fpp.merge_dims(fpp.split_dim(w, "out", {"o1": 2, "o2": 3}), ("o1", "o2"), "o")),
+    "rename": lambda x, w: fpp.ops.einsum("batch hidden, hidden o -> batch o", x, fpp.ops.rename(w, out="o")),
+    "transpose": lambda x, w: fpp.ops.einsum("batch hidden, out hidden -> batch out", x, fpp.ops.transpose(w, "out", "hidden")),
+    "split_dim": lambda x, w: fpp.ops.einsum("batch hidden, hidden o1 o2 -> batch o1 o2", x,
+                                         fpp.ops.split_dim(w, "out", {"o1": 2, "o2": 3})),
+    "merge_dims": lambda x, w: fpp.ops.einsum("batch hidden, hidden o -> batch o", x,
+                                          fpp.ops.merge_dims(fpp.ops.split_dim(w, "out", {"o1": 2, "o2": 3}), ("o1", "o2"), "o")),
 }
 
 
 @pytest.mark.parametrize("name", list(SHAPE_OPS))
 def test_shape_ops_keep_the_parameter_flag(name):
-    plain = _fsdp_weight_through(lambda x, w: fpp.einsum("batch hidden, hidden out -> batch out", x, w))
+    plain = _fsdp_weight_through(lambda x, w: fpp.ops.einsum("batch hidden, hidden out -> batch out", x, w))
     for (bwd_gather, saved, grad), (bwd0, saved0, grad0) in zip(_fsdp_weight_through(SHAPE_OPS[name]), plain):
         # the weight (8x6) is re-gathered in backward, like the input's gradient (4x8) ...
         assert bwd_gather == bwd0 == (8 * 6 + 4 * 8) * 8 // 2

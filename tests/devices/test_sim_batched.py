@@ -50,7 +50,7 @@ def _collectives():
         "psum_scatter": fpp.psum_scatter(x, ("dp_shard", "cp"), scatter_dimension=0, tiled=True),
         "all_to_all": fpp.all_to_all(x, "tp", split_axis=1, concat_axis=0),
         "ppermute": fpp.ppermute(x, "cp", [(0, 1)]),
-        "split_invariant": fpp.split_invariant(fpp.psum(x, "tp"), "tp", 1),
+        "split_invariant": collectives.split_invariant(fpp.psum(x, "tp"), "tp", 1),
         "pvary": fpp.pvary(x.sum(), "dp_shard") * x,
         "slice_varying": collectives.slice_varying(x, "cp", 0),
         "offset": x * fpp.axis_index(("dp_shard", "tp")),

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import ops
@@ -48,7 +49,7 @@ def tokens(batch=4, seq=12, seed=1):
 
 
 def our_logits(params, cfg, toks):
-    named = tree.named_tree(params, llama.init(cfg))
+    named = sharding.named_tree(params, llama.init(cfg))
     with torch.no_grad():
         return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
@@ -154,13 +155,13 @@ def test_sharded_import_and_forward(saved, variant, monkeypatch):
         with fpp.use_rules(rules):
             _, local = hf.load_hf_llama(many)
             rank = fpp.current_rank()
-            expect = tree.shard(full, decls, MESH, rules, rank)
+            expect = sharding.shard(full, decls, MESH, rules, rank)
             for (p, a), (_, b) in zip(tree.leaves_with_paths(local), tree.leaves_with_paths(expect)):
                 assert a.shape == b.shape and torch.equal(a, b), (rank, p)
             sharded = any(a.numel() < b.numel() for (_, a), (_, b)
                           in zip(tree.leaves_with_paths(local), tree.leaves_with_paths(full)))
             with torch.no_grad():
-                logits = settle(llama.forward(tree.named_tree(local, decls),
+                logits = settle(llama.forward(sharding.named_tree(local, decls),
                                               fpp.named(toks, "batch seq"), cfg))
             region = block_slices(tuple(want.shape), logits.split, MESH, rank)
             torch.testing.assert_close(logits.data, want[region], atol=1e-5, rtol=1e-5)

@@ -37,9 +37,9 @@ def mlp_init(cfg: MlpConfig, dtype: torch.dtype = torch.float32) -> dict:
 
 def mlp_loss(params: dict, batch: dict, cfg: MlpConfig):
     x = ops.embed(params["wte"], batch["tokens"])                       # batch seq embd
-    h = fpp.gelu(fpp.einsum("batch seq embd, embd ff -> batch seq ff", x, params["up"]))
-    x = x + fpp.einsum("batch seq ff, ff embd -> batch seq embd", h, params["down"])
-    logits = fpp.einsum("batch seq embd, embd vocab -> batch seq vocab", x, params["head"])
+    h = fpp.ops.gelu(fpp.ops.einsum("batch seq embd, embd ff -> batch seq ff", x, params["up"]))
+    x = x + fpp.ops.einsum("batch seq ff, ff embd -> batch seq embd", h, params["down"])
+    logits = fpp.ops.einsum("batch seq embd, embd vocab -> batch seq vocab", x, params["head"])
     return ops.cross_entropy(logits, batch["labels"])
 
 

@@ -6,6 +6,7 @@ and on real gloo processes; no full logits buffer in eager."""
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.core import tree
@@ -236,9 +237,9 @@ def test_vocabulary_split_on_two_gloo_processes():
     def fn():
         with fpp.use_rules(rules):
             local = tree.tree_map(lambda p: p.clone().requires_grad_(),
-                                  tree.shard(FULL, decls, mesh, rules, fpp.current_rank()))
-            loss = llama.loss(tree.named_tree(local, decls), local_batch(BATCH, mesh, rules), CHUNKED).value()
+                                  sharding.shard(FULL, decls, mesh, rules, fpp.current_rank()))
+            loss = llama.loss(sharding.named_tree(local, decls), local_batch(BATCH, mesh, rules), CHUNKED).value()
             loss.backward()
-            grads = tree.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
         return loss.detach(), grads
     _assert_matches(fpp.launch(fn, mesh, processes=True, timeout=300), single_device(CFG, FULL, BATCH))

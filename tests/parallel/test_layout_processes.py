@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
@@ -22,11 +23,11 @@ def _run(mesh, rules, compile_mode):
         torch._dynamo.reset()
         with fpp.use_rules(rules):
             local = tree.tree_map(lambda x: x.clone().requires_grad_(),
-                                  tree.shard(FULL, decls, mesh, rules, fpp.current_rank()))
+                                  sharding.shard(FULL, decls, mesh, rules, fpp.current_rank()))
             batch = local_batch(BATCH, mesh, rules)
 
             def step(params, tokens, labels):
-                named = tree.named_tree(params, decls)
+                named = sharding.named_tree(params, decls)
                 b = {"tokens": fpp.wrap(tokens, "batch seq"), "labels": fpp.wrap(labels, "batch seq")}
                 return llama.loss(named, b, CFG).value()
             frames = 0
@@ -38,7 +39,7 @@ def _run(mesh, rules, compile_mode):
             loss.backward()
             if compile_mode:
                 frames = counter.frame_count
-            grads = tree.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
         return loss.item(), {p: g.numpy() for p, g in tree.leaves_with_paths(grads)}, frames
     return fpp.launch(fn, mesh, processes=True, timeout=300)
 

@@ -112,7 +112,7 @@ def test_sequence_not_divisible_by_2cp():
         with fpp.use_rules(R(seq=fpp.balanced("cp"))):
             q = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq heads head_dim")
             k = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq kv_heads head_dim")
-            return fpp.attention(q, k, k, causal=True)
+            return fpp.ops.attention(q, k, k, causal=True)
     with pytest.raises(fpp.DeviceError, match=r"sequence length \(12\) divisible by 2 x cp = 8"):
         fpp.launch(attend, fpp.Mesh(cp=4))
 
@@ -126,8 +126,8 @@ def test_unknown_logical_name_in_pattern():
     x = fpp.named(torch.ones(2, 3), "batch hidden")
     w = fpp.named(torch.ones(3, 4), "hidden mlp")
     with pytest.raises(ValueError, match=r"operand 1 has dimensions \('hidden', 'mlp'\) but the pattern names \('hidden', 'mpl'\)"):
-        fpp.einsum("batch hidden, hidden mpl -> batch mpl", x, w)
+        fpp.ops.einsum("batch hidden, hidden mpl -> batch mpl", x, w)
     with pytest.raises(ValueError, match="output dimension 'vocab' appears in no operand"):
-        fpp.einsum("batch hidden, hidden mlp -> batch vocab", x, w)
+        fpp.ops.einsum("batch hidden, hidden mlp -> batch vocab", x, w)
     with pytest.raises(ValueError, match="dimension 'hidden' has size 3 in one operand and 5"):
-        fpp.einsum("batch hidden, hidden mlp -> batch mlp", x, fpp.named(torch.ones(5, 4), "hidden mlp"))
+        fpp.ops.einsum("batch hidden, hidden mlp -> batch mlp", x, fpp.named(torch.ones(5, 4), "hidden mlp"))

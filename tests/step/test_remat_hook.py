@@ -7,8 +7,8 @@ import functional_pp as fpp
 
 @fpp.layer
 def block(p, x):
-    h = fpp.einsum("tok d, d f -> tok f", x, p["w_in"])
-    return x + fpp.einsum("tok f, f d -> tok d", fpp.silu(h) * h, p["w_out"])
+    h = fpp.ops.einsum("tok d, d f -> tok f", x, p["w_in"])
+    return x + fpp.ops.einsum("tok f, f d -> tok d", fpp.ops.silu(h) * h, p["w_out"])
 
 
 def loss_fn(params, batch):
