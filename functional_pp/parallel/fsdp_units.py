@@ -33,27 +33,45 @@ from functional_pp._torch import in_backward, is_tracing
 _local = threading.local()
 
 
+class UnitsSeen:
+    """What a step's forward showed inside :func:`fsdp_units`: ``layers``, the calls of
+    ``fpp.layer``; ``sharded``, whether a parameter it began with is split over a
+    data-parallel axis (FSDP)."""
+
+    def __init__(self) -> None:
+        self.layers = 0
+        self.sharded = False
+
+    @property
+    def root_without_layers(self) -> bool:
+        """FSDP weights that were all root weights: the model declares no layer, so keeping the
+        root gathered kept every weight gathered from forward to backward."""
+        return self.sharded and self.layers == 0
+
+
 @contextmanager
 def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
-               order: UnitOrder | None = None) -> Iterator[None]:
+               order: UnitOrder | None = None) -> Iterator[UnitsSeen]:
     """Gather each layer's parameters as one unit inside the block (see the module docstring).
     ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
     gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
     ``prefetch``: launch the next unit's gather before the current one computes, in backward
     and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
     previous = (getattr(_local, "enabled", False), getattr(_local, "root_options", None),
-                getattr(_local, "prefetch", True), getattr(_local, "order", None))
+                getattr(_local, "prefetch", True), getattr(_local, "order", None),
+                getattr(_local, "seen", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
+    _local.seen = seen = UnitsSeen()
     _local.last_unit, _local.in_flight = None, []
     _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
     try:
         if enabled and keep_root and not options().keep_gathered:
             with configure(keep_gathered=True) as root_options:
                 _local.root_options = root_options
-                yield
+                yield seen
         else:
             _local.root_options = None
-            yield
+            yield seen
     except BaseException:
         _local.pending = None     # the step failed: do not wait for peers that may be gone
         raise
@@ -61,7 +79,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
         _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
-        _local.enabled, _local.root_options, _local.prefetch, _local.order = previous
+        _local.enabled, _local.root_options, _local.prefetch, _local.order, _local.seen = previous
 
 
 def begin_forward(params: Any) -> None:
@@ -69,10 +87,15 @@ def begin_forward(params: Any) -> None:
     numbered from 0 and identified by the positions of their parameters in ``params``, so
     the next forward can prefetch them (functional_pp.parallel.fsdp_order)."""
     order = getattr(_local, "order", None)
-    if is_tracing() or not getattr(_local, "enabled", False) or order is None or not _data_axes()[0]:
+    data_axes = _data_axes()[0]
+    if is_tracing() or not getattr(_local, "enabled", False) or order is None or not data_axes:
         return      # (no data-parallel axis: no unit is ever gathered)
     _drop_prefetch()
     leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
+    seen = getattr(_local, "seen", None)
+    if seen is not None:
+        seen.sharded = seen.sharded or any(isinstance(x, Named) and x.is_param and any(
+            a in data_axes for s in x.split for a in s) for x in leaves)
     _local.params = [x.data if isinstance(x, Named) else x for x in leaves]
     _local.index = {id(t): i for i, t in enumerate(_local.params)}
     order.begin()
@@ -299,6 +322,9 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     Unchanged outside :func:`fsdp_units`."""
     if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
         return args, nullcontext()
+    seen = getattr(_local, "seen", None)
+    if seen is not None:
+        seen.layers += 1
     data_axes, mesh, rules = _data_axes()
     if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
         return args, nullcontext()

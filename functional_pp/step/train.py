@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
@@ -42,6 +43,10 @@ from functional_pp._torch import compile_cache_limits, is_tracing, trace_backwar
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
+class NoLayerWarning(UserWarning):
+    """An FSDP model declared no ``functional_pp.layer``: its weights were all kept gathered."""
+
+
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -152,6 +157,7 @@ class TrainStep:
         self._compiled_new_buffers = None       # a held compiled donated step's redo (_redo_without_donation)
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
+        self._no_layers = False                 # a forward called no fpp.layer: no root kept (_root_had_no_layers)
         self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
@@ -303,12 +309,31 @@ class TrainStep:
     def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
         """The step's thread-local settings, set outside the compiled region."""
         compiling = bool(step_compile or layer_compile)
+        keep_root = self.fsdp_keep_root and not self.compile and not self._no_layers
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
                 compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
-                layer_units(self.fsdp_units, keep_root=self.fsdp_keep_root and not self.compile,
-                            prefetch=self.fsdp_prefetch, order=self._unit_order):
+                layer_units(self.fsdp_units, keep_root=keep_root, prefetch=self.fsdp_prefetch,
+                            order=self._unit_order) as seen:
             yield
+        if keep_root and seen.root_without_layers:
+            self._root_had_no_layers()
+
+    def _root_had_no_layers(self) -> None:
+        """The forward called no ``fpp.layer`` under FSDP: every weight was a root weight, kept
+        gathered from forward to backward. Say so once; later steps re-gather each weight in
+        backward (ZeRO-3 per weight), with the same numbers."""
+        with self._compile_lock:
+            if self._no_layers:
+                return
+            self._no_layers = True
+        warnings.warn(
+            "train_step: the model calls no functional_pp.layer, so under FSDP the first step kept every "
+            "sharded weight gathered from forward to backward (no memory saved over DDP); from the next "
+            "step on each weight is re-gathered in backward (ZeRO-3, one all-gather per weight). Wrap the "
+            "model's repeated block in functional_pp.layer to gather each layer's weights as one unit "
+            "(and keep the root weights gathered), or pass train_step(fsdp_keep_root=False) to re-gather "
+            "every weight from the first step on.", NoLayerWarning, stacklevel=4)
 
     def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
         """A held compiled donated step (its state passed in untouched: nothing was written) made

@@ -1,0 +1,85 @@
+"""A model that declares no ``fpp.layer`` still gets ZeRO-3's memory under FSDP: the first step
+warns, naming the fix, and from the next step on every weight the forward all-gathers is
+all-gathered again in backward (none is kept from forward to backward); the numbers are those
+of ``fsdp_keep_root=False`` and of one device. A model with layers is not affected."""
+import functools
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.models import llama
+from functional_pp.step.train import NoLayerWarning
+from harness import assert_same_run, make_batch, train_steps
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+import gpt2  # noqa: E402  (a model written without fpp.layer)
+
+CFG = gpt2.Config(vocab=64, embd=24, layers=2, heads=4, ff=48, max_pos=16, token_mixing=False)
+MESH = fpp.Mesh(dp_shard=2)
+RULES = gpt2.rules(tp=False)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, CFG.vocab, (8, 17), generator=g)
+    return {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+
+
+DATA = [_batch(i) for i in range(3)]
+
+
+def _gather_bytes(events, backward):
+    return sum(e.bytes_sent for e in events if e.kind == "all_gather" and e.backward == backward
+               and e.axes == ("dp_shard",))
+
+
+def _run(mesh, rules, **step_kw):
+    step = fpp.train_step(functools.partial(gpt2.loss, cfg=CFG), fpp.optim.adamw(1e-2), mesh=mesh,
+                          rules=rules, batch_dims=gpt2.BATCH_DIMS, **step_kw)
+
+    def device():
+        state = step.init(fpp.init(gpt2.init, CFG, torch.float64, mesh=mesh, rules=rules, seed=0))
+        losses, reports = [], []
+        for b in DATA:
+            with fpp.use_rules(rules):
+                local = {k: fpp.named(v, gpt2.BATCH_DIMS[k]).data for k, v in b.items()}
+            with fpp.comm_report() as rep:
+                state, m = step(state, local)
+            losses.append(m["loss"])
+            reports.append(rep.events)
+        return losses, reports
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fpp.launch(device, mesh)
+    return out, [w for w in caught if issubclass(w.category, NoLayerWarning)]
+
+
+def test_a_model_without_layers_is_warned_once_and_then_regathers_every_weight():
+    (losses, reports), *_ = (out := _run(MESH, RULES))[0]
+    warned = out[1]
+    assert len(warned) == 1 and "functional_pp.layer" in str(warned[0].message) \
+        and "fsdp_keep_root=False" in str(warned[0].message)
+    first, second = reports[0], reports[1]
+    assert _gather_bytes(first, backward=False) > 0
+    assert _gather_bytes(first, backward=True) == 0                # step 1: everything kept (warned)
+    # step 2 on: ZeRO-3 per weight, as fsdp_keep_root=False from the first step: every weight
+    # backward uses is gathered again (all but those no backward formula reads: biases)
+    (ref_losses, ref_reports), *_ = _run(MESH, RULES, fsdp_keep_root=False)[0]
+    assert _gather_bytes(second, True) == _gather_bytes(ref_reports[0], True) == _gather_bytes(ref_reports[1], True)
+    assert _gather_bytes(second, True) > 0.9 * _gather_bytes(second, False)
+    assert losses == ref_losses                                     # same numbers, bitwise
+    (one, _), = _run(fpp.Mesh(), fpp.Rules())[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_with_layers_keeps_its_root_and_is_not_warned():
+    cfg = llama.Config.tiny()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fpp.launch(train_steps(cfg, [make_batch(cfg, batch=4, seq=8, seed=0)], MESH,
+                               llama.default_rules(tp=False)), MESH)
+    assert not [w for w in caught if issubclass(w.category, NoLayerWarning)]
