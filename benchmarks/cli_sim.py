@@ -24,6 +24,7 @@ from pathlib import Path
 
 from functional_pp.app import loop, metrics
 from functional_pp.config import TrainConfig
+
 MESHES = {1: {}, 2: {"dp_shard_size": 2}, 4: {"dp_shard_size": 2, "tp_size": 2},
           8: {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2},
           16: {"dp_replicate_size": 2, "dp_shard_size": 2, "cp_size": 2, "tp_size": 2}}

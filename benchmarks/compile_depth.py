@@ -28,6 +28,7 @@ def one(mode: str, layers: int) -> dict:
 
     import functional_pp as fpp
     from functional_pp.models import llama
+
     torch.set_num_threads(1)
     cfg = llama.Config.tiny(layers=layers, hidden=128, mlp=256)
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-3), compile=mode)

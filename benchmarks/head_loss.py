@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import functional_pp as fpp
 from functional_pp import ops
+
+
 def plain(x, w, labels):
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
     loss = F.cross_entropy((x @ w).float(), labels)

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
+
 MODEL = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)   # as benchmarks/eager_overhead.py
 
 

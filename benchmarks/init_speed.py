@@ -18,6 +18,8 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3_1b", help="a llama.Config preset: llama3_1b, llama3_8b, ...")

@@ -102,6 +102,7 @@ def capture(args) -> None:
     import single_device as sd
     import functional_pp as fpp
     from functional_pp.models import llama
+
     preset = sd.PRESETS[args.preset]
     batch_n, seq = args.batch or preset["batch"], args.seq or preset["seq"]
     cfg = sd.make_config(args.preset, seq)

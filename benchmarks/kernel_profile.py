@@ -52,6 +52,7 @@ from single_device import (OPT, PRESETS, FunctionalRunner, PlainRunner, make_bat
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
+
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkl_linear", "mkldnn::_linear_pointwise",
            "aten::matmul")
 ATTENTION = ("flash_attention", "scaled_dot_product", "_efficient_attention")

@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp import plan
 from functional_pp.models import llama
+
 CASES = [("Llama 3 8B", llama.Config.llama3_8b(), 10.0), ("Llama 3 70B", llama.Config.llama3_70b(), 20.0)]
 
 

@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
+
 # --------------------------------------------------------------------------- presets
 PRESETS = {
     # model config overrides + batch shape

@@ -41,6 +41,7 @@ import functional_pp as fpp  # noqa: E402
 from functional_pp.devices.slow_link import ENV_MBPS, ENV_MS  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
 from functional_pp.core.runtime import current_context  # noqa: E402
+
 PRESETS = {
     "tiny": dict(model=dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128), batch=2, seq=32),
     # layers whose compute (a few tens of ms per layer on one CPU thread) can cover a 20 ms link

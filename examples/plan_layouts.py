@@ -8,6 +8,7 @@ import torch
 
 from functional_pp import plan
 from functional_pp.models import llama
+
 cfg = llama.Config.llama3_8b()
 batch = {"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}
 space = plan.Space(remat=(False,), keep_gathered=(False,), cp_attention=("ring",), sequence_parallel=(True,))

@@ -8,6 +8,7 @@ import functional_pp as fpp
 from functional_pp import checkpoint as ckpt
 from functional_pp.data import DataLoader, batch_shard, load_corpus
 from functional_pp.models import llama
+
 STEPS, GLOBAL_BATCH, SEQ = 30, 8, 64
 OUT = sys.argv[1] if len(sys.argv) > 1 else "runs/example"
 cfg = llama.Config.tiny()

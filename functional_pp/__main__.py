@@ -2,5 +2,6 @@
 import sys
 
 from functional_pp.cli import main
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,8 @@ from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
+
+
 def make_batch(cfg, batch=4, seq=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g)

@@ -13,6 +13,7 @@ from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.optim.transform import GradientTransformation, chain
+
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()

@@ -28,6 +28,7 @@ from functional_pp.models import llama
 from functional_pp.ops.token_ids import TokenIdError
 from functional_pp.devices.process_watch import CollectiveTimeoutError, RankDiedError
 from functional_pp.step.train import NonFiniteError
+
 from harness import local_batch, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -83,6 +83,7 @@ def compile_backend(name: str, graph_pass):
 
         from functional_pp._torch.buffer_reuse import reuse_past_ordering_deps
         from functional_pp._torch.kernel_order import INDUCTOR_PATCHES
+
         def backend(gm, example_inputs):
             box = {}
 

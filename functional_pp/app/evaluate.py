@@ -11,6 +11,7 @@ import torch
 from functional_pp.parallel.named import settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step.train import TrainStep
+
 __all__ = ["evaluate", "eval_batches"]
 
 

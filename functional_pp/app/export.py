@@ -12,6 +12,7 @@ import torch
 
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.hf import export_checkpoint_to_hf
+
 __all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

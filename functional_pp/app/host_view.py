@@ -23,6 +23,7 @@ from functional_pp.devices.device_threads import on_device_threads
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import current_context, current_rank
+
 __all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
            "StackedLoader", "save_on_devices"]
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from functional_pp.config import ConfigError, TrainConfig, model_config
+
 __all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params"]
 
 

@@ -45,6 +45,7 @@ from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
 from functional_pp.app.world import World, is_main_process, resolve_world
+
 # World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
            "param_memory", "read_metrics", "plot_losses"]
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     from functional_pp.app.inputs import base_params, check_batches, load_data, model_config
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.step.train import DEFAULT_BATCH_DIMS, train_step
+
     world = resolve_world(cfg, simulate)
     cfg.validate(world.size, launcher=world.launcher)
     main = is_main_process()

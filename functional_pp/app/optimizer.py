@@ -6,6 +6,7 @@ import re
 
 from functional_pp import optim
 from functional_pp.config import ConfigError, TrainConfig
+
 __all__ = ["optimizer_from_config"]
 
 

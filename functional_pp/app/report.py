@@ -15,6 +15,7 @@ from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
 from functional_pp.core.tree import count_params, leaves_with_paths
 from functional_pp.app.world import World
+
 __all__ = ["describe", "param_memory", "planned_memory", "mesh_label", "comm_report_text"]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_pp.config import ConfigError, TrainConfig
+
 # Keys that change where outputs go or how the run is watched, never the numbers.
 NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_consecutive_skips", "on_nonfinite",
            "peak_flops_per_device")

@@ -4,6 +4,7 @@ config's ``simulation`` key or ``--sim-mode`` (docs/simulation.md, "Eighth round
 from __future__ import annotations
 
 from functional_pp.config import ConfigError, TrainConfig
+
 __all__ = ["needs_threads", "simulation_mode", "BATCHED", "THREADED"]
 
 BATCHED, THREADED = "batched", "threaded"

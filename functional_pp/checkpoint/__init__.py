@@ -18,6 +18,7 @@ from functional_pp.checkpoint.load import Restored, load_checkpoint, load_safete
 from functional_pp.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from functional_pp.checkpoint.save import save_checkpoint
 from functional_pp.checkpoint.specs import PER_RANK, Spec, specs_like, state_specs
+
 __all__ = [
     "save_checkpoint", "load_checkpoint", "load_safetensors", "consolidate", "CheckpointManager",
     "Restored", "Spec", "PER_RANK", "specs_like", "state_specs", "rng_state", "set_rng_state",

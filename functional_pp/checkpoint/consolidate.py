@@ -12,6 +12,8 @@ from typing import Callable
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.format import CheckpointError
 from functional_pp.checkpoint.load import _Reader
+
+
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                 key: str | None = "params", name_map: Callable[[str], str | None] | None = None,
                 max_shard_bytes: int | None = None, step: int | None = None) -> Path:

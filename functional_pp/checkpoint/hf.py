@@ -168,6 +168,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
     reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype).
     ``strict`` refuses HF tensors the table does not map (e.g. biases)."""
     from functional_pp.models import llama
+
     if decls is None:
         decls = llama.init(cfg, dtype or torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
@@ -265,6 +266,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
            dtype: torch.dtype | None) -> tuple[list, torch.dtype]:
     """HF-named lazy tensor items for every parameter of ``llama.init(cfg)``, in table order."""
     from functional_pp.models import llama
+
     items, dtypes = [], set()
     for p, d in leaves_with_paths(llama.init(cfg)):
         shape, have, produce = get(p)
@@ -300,6 +302,7 @@ def _config_from_index(index: dict):
     from dataclasses import fields
 
     from functional_pp.models.llama import Config
+
     names = {f.name for f in fields(Config)}
     saved = index.get("config")
     meta = index.get("metadata") or {}
@@ -323,6 +326,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLik
     ``cfg`` defaults to the ``config`` saved with the checkpoint (``cfg.to_dict()``, or under
     ``"model"``)."""
     from functional_pp.checkpoint.consolidate import consolidate
+
     ckpt = fmt.resolve_checkpoint(checkpoint, step)
     if cfg is None:
         cfg = _config_from_index(fmt.read_index(ckpt))

@@ -18,6 +18,7 @@ from functional_pp.core.runtime import current_context
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.format import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from functional_pp.checkpoint.specs import LoadPlan, _children, _spec_paths, fill, is_param_like, path_str
+
 _ST_TO_DTYPE = {fmt.st_dtype_code(dt): dt for dt in fmt._ST_DTYPES}
 
 

@@ -11,6 +11,8 @@ from functional_pp.core.layout import Rules
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.load import Restored, load_checkpoint
 from functional_pp.checkpoint.save import save_checkpoint
+
+
 class CheckpointManager:
     """``CheckpointManager(dir, keep_last=3, rules=rules)``: ``save(step, tree, specs)`` on every
     device, ``latest()`` -> newest complete step (or None), ``load(specs)`` -> :class:`Restored`."""

@@ -17,6 +17,8 @@ from functional_pp.core.runtime import current_context
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.format import CheckpointError
 from functional_pp.checkpoint.specs import PER_RANK, SaveLeaf, flatten_for_save, is_param_like
+
+
 class _Peers:
     """All ranks of the running launch (or just this process), for agreeing on outcomes."""
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from functional_pp.checkpoint.format import CheckpointError
+
 PathT = tuple  # components: str | int
 
 

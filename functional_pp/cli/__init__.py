@@ -17,6 +17,7 @@ import sys
 from functional_pp.version import __version__
 from functional_pp.cli.errors import run_reporting_errors
 from functional_pp.config import ConfigError, TrainConfig, config_help
+
 __all__ = ["main", "build_parser"]
 
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from functional_pp.config import ConfigError, TrainConfig, model_family
+
 __all__ = ["add_commands", "run_command", "add_sim_mode_flag"]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.search import Ranking, Space, beam, exhaustive, search
+
 LAYOUT_MODES = ("manual", "auto")
 
 

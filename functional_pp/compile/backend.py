@@ -33,6 +33,7 @@ from functional_pp.compile.recompute import in_backward_region, reissue_for_back
 from functional_pp.compile.reinplace import reinplace
 from functional_pp.core.runtime import thread_local_value
 from functional_pp._torch import compile_backend
+
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
 

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from functional_pp._torch import cached_graph_count
+
+
 class CompileGate:
     """Wraps a compiled function ``fn`` (traced from ``code``): in each launch of simulated
     devices, the first caller runs it at once; other callers wait until its graph is in

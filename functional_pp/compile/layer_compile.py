@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from functional_pp._torch import is_tracing
+
 PER_LAYER = "per_layer"
 
 _local = threading.local()

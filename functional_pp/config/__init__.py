@@ -37,6 +37,7 @@ from functional_pp.config.overrides import apply_overrides
 from functional_pp.config.schema import ConfigError, help_text
 from functional_pp.config.sections import PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
 from functional_pp.config.train_config import TrainConfig
+
 __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "DatasetConfig",
            "LoggingConfig", "CheckpointConfig", "MESH_KEYS", "PRESETS", "apply_overrides",
            "config_help", "model_config", "model_family", "ADAM_KEYS", "SGD_KEYS"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from functional_pp.config.schema import Issues
+
 __all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
            "NOT_USED", "normalize"]
 

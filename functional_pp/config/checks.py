@@ -11,6 +11,7 @@ from typing import Any
 from functional_pp.config.keys import MESH_KEYS
 from functional_pp.config.models import model_config, model_family
 from functional_pp.config.schema import ConfigError, Issues, suggest
+
 __all__ = ["check_values", "check_world", "resolved_precision"]
 
 

@@ -15,6 +15,7 @@ from functional_pp.config.keys import SECTION_KEYS, foreign_optimizer_keys
 from functional_pp.config.overrides import apply_overrides
 from functional_pp.config.schema import ConfigError, Issues, parse_section
 from functional_pp.config.sections import CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
+
 __all__ = ["read_yaml", "build_from_dict", "config_to_dict"]
 
 _SECTIONS = {"data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}

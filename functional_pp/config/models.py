@@ -9,6 +9,7 @@ from typing import Any
 
 from functional_pp.models.family import ModelFamily, UnknownFamilyError, get_family
 from functional_pp.config.schema import ConfigError
+
 __all__ = ["model_family", "model_config"]
 
 

@@ -9,6 +9,7 @@ import yaml
 
 from functional_pp.config.aliases import ALIASES
 from functional_pp.config.schema import ConfigError
+
 __all__ = ["apply_overrides"]
 
 

@@ -15,6 +15,7 @@ from functional_pp.config.loading import build_from_dict, config_to_dict, read_y
 from functional_pp.config.models import model_family
 from functional_pp.config.schema import ConfigError, Issues, fld
 from functional_pp.config.sections import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig
+
 __all__ = ["TrainConfig"]
 
 

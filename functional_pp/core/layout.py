@@ -9,6 +9,7 @@ import torch
 
 from functional_pp.core.mesh import AxisNames, Mesh, as_axes
 from functional_pp._torch import is_tracing
+
 Layout = tuple[AxisNames, ...]  # per dimension, the mesh axes splitting it (major first)
 
 

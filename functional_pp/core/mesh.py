@@ -7,6 +7,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 from functional_pp._torch import is_tracing
+
 DEFAULT_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AxisNames = tuple[str, ...]
 

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterator, TypeVar
 import torch
 
 from functional_pp.core.mesh import Mesh
+
 if TYPE_CHECKING:
     from functional_pp.core.layout import Rules
+
 T = TypeVar("T")
 
 

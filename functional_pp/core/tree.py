@@ -16,6 +16,8 @@ import optree
 import torch
 
 from functional_pp._torch import is_tracing
+
+
 @dataclass(frozen=True)
 class Param:
     """Declaration of one parameter: global shape, the names of its dimensions (``dims``;

@@ -14,6 +14,7 @@ from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import current_context
 from functional_pp.data.loader import shard_batch
+
 __all__ = ["BatchShard", "batch_shard"]
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from functional_pp.data.tokenizer import CHATML
+
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides "

@@ -7,4 +7,5 @@ A group is a tuple of global ranks ordered by group index. Every backend offers
 same semantics; autodiff and byte counting live above them in ``functional_pp.parallel.collectives``.
 """
 from functional_pp.devices.sim import SimBackend, SimWorld, SimAborted
+
 __all__ = ["SimBackend", "SimWorld", "SimAborted"]

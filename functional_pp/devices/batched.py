@@ -14,6 +14,8 @@ import torch
 
 from functional_pp.core.mesh import Mesh
 from functional_pp.devices.device_stack import DeviceStack, as_device_stack
+
+
 class BatchedRank:
     """The ``rank`` of a batched run's context: there is no single running device, so code that
     asks for one integer rank (instead of ``axis_index`` values) is refused by name."""

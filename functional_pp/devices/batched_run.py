@@ -17,6 +17,7 @@ from functional_pp.core.runtime import DeviceContext, current_context, thread_co
 from functional_pp.devices import device_stack_ops  # noqa: F401 (installs the dispatch of the ops with rules of their own)
 from functional_pp.devices.batched import BatchedBackend, BatchedRank
 from functional_pp.devices.device_stack import DeviceStack, stack_blocks
+
 # type -> (its block of one device, the same value around another block)
 _BLOCK_TYPES: dict[type, tuple[Callable[[Any], torch.Tensor], Callable[[Any, torch.Tensor], Any]]] = {}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from functional_pp.core.runtime import _local, current_context, current_rank, thread_local_value
+
 __all__ = ["on_device_threads"]
 
 

@@ -15,6 +15,8 @@ from functional_pp.core.mesh import Mesh
 from functional_pp._torch import is_tracing
 from functional_pp._torch.distributed import funcol
 from functional_pp.devices.slow_link import SlowLink, from_env as slow_link_from_env
+
+
 class DistBackend:
     """Backend of one torch.distributed rank."""
 

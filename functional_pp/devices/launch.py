@@ -15,6 +15,8 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.devices.process_watch import DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure, supervise
 from functional_pp._torch import compile_cache_limits, reset_compile_workers_after_fork
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
+
+
 class DeviceError(RuntimeError):
     """A device failed; names its rank and mesh coordinates."""
 
@@ -149,6 +151,7 @@ def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT
     import torch.distributed as dist
 
     from functional_pp.devices.dist import DistBackend
+
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -23,6 +23,8 @@ import time
 from collections import deque
 
 from functional_pp.devices.sim_watch import _cpu_seconds
+
+
 def _thread_state(native_id: int | None) -> str | None:
     """The Linux state letter of a thread of this process (R runnable, S sleeping, ...)."""
     if native_id is None:

@@ -17,6 +17,7 @@ import threading
 import time
 
 from functional_pp.core.comm import ring_bytes
+
 ENV_MS, ENV_MBPS = "FPP_SLOW_LINK_MS", "FPP_SLOW_LINK_MBPS"
 
 

@@ -3,6 +3,7 @@ families the training loop looks them up in (:mod:`functional_pp.models.family`)
 registered here as ``"llama"``."""
 from functional_pp.models import llama, llama_hf
 from functional_pp.models.family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
+
 __all__ = ["llama", "llama_hf", "ModelFamily", "UnknownFamilyError", "register", "unregister",
            "get_family", "family_names", "LLAMA"]
 

@@ -14,6 +14,8 @@ from functional_pp.parallel.named import Named, tied
 from functional_pp.ops.rotary import Llama3Scaling
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.core.tree import param
+
+
 @dataclass(frozen=True)
 class Config:
     vocab: int = 128256

@@ -35,6 +35,7 @@ import torch
 
 from functional_pp.ops.rotary import Llama3Scaling
 from functional_pp.models.llama import Config
+
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",

@@ -13,6 +13,7 @@ from functional_pp.ops.reduce import logsumexp, max, mean, softmax, sum  # noqa:
 from functional_pp.ops.rotary import Llama3Scaling, inverse_frequencies, rotary
 from functional_pp.ops.shape import merge_dims, rearrange, rename, split_dim, transpose
 from functional_pp.ops.swiglu import swiglu
+
 __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "linear_cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "softmax", "sum", "rotary",

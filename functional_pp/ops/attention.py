@@ -20,6 +20,8 @@ from functional_pp.core.order import balanced_indices
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.rotary import TRACED_POSITIONS
+
+
 def positions(dim: str = "seq", size: int | None = None) -> Named:
     """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``)."""
     if size is None:

@@ -32,6 +32,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from functional_pp.compile.recompute import traced_as_backward
+
 __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",

@@ -6,6 +6,7 @@ import torch
 
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, env, settle
+
 _MASK64 = (1 << 64) - 1
 
 

@@ -8,6 +8,8 @@ import torch
 from functional_pp.parallel.named import Named, _make, op_env, require_named, pvary, settle, varying_after
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp._torch import is_tracing
+
+
 def _cache(maxsize: int):
     """``functools.lru_cache`` that torch.compile traces around quietly: dynamo ignores an
     lru_cache and warns at every cached call, so a compiling caller runs the plain function

@@ -6,6 +6,8 @@ import torch
 from functional_pp.parallel.named import Named, _make, env, op_env, pvary, settle, varying_after
 from functional_pp.ops.einsum import _cache
 from functional_pp.ops.regather import regather_scope, relayout
+
+
 @_cache(1024)
 def _align_plan(have: tuple[str, ...], dims: tuple[str, ...]) -> tuple:
     """How :func:`_align` moves dimensions ``have`` to ``dims``: the permutation (None: keep)

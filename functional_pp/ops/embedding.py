@@ -7,6 +7,8 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, env, require_named, pvary, settle, varying_after
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.token_ids import check_ids
+
+
 def embed(table: Named, ids: Named, vocab: str = "vocab") -> Named:
     """Rows of ``table`` (dims ``vocab x hidden``) for integer ``ids``; the result has the
     ids' dimensions followed by the table's other dimension."""

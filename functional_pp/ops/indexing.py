@@ -10,6 +10,8 @@ import torch
 
 from functional_pp.parallel.named import Named, pvary, settle, target_layout, varying_after
 from functional_pp.ops.regather import relayout
+
+
 def _whole_along(x: Named, dim: str, op: str) -> tuple[Named, int]:
     x = settle(x)
     x._check_dim(dim, op)

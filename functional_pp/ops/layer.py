@@ -20,6 +20,8 @@ from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure, options
 from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp._torch import is_tracing
+
+
 def _flatten(tree: Any):
     return optree.tree_flatten(tree, none_is_leaf=False)   # a Named is a leaf (docs/named_value.md)
 

@@ -9,6 +9,7 @@ from functional_pp.ops.regather import relayout
 from functional_pp.ops import reduce as R
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.rows import nll_rows
+
 IGNORE_INDEX = -100
 
 

@@ -5,6 +5,8 @@ import torch
 
 from functional_pp.parallel.named import Named, _make, settle
 from functional_pp.ops import reduce as R
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 

@@ -14,6 +14,8 @@ import torch
 
 from functional_pp.parallel.named import Named, _make, settle
 from functional_pp._torch import is_tracing
+
+
 class _Realized(torch.autograd.Function):
     """Identity whose forward and backward take a view of the whole tensor: inductor computes
     the viewed value into a buffer rather than inlining it into each consumer."""

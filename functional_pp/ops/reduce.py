@@ -8,6 +8,8 @@ import torch
 
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import _EMPTY, Named, _make, env, require_named, settle
+
+
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
     require_named(op, x=x)
     dims = (dims,) if isinstance(dims, str) else tuple(x.dims if dims is None else dims)

@@ -20,6 +20,8 @@ from functional_pp.core.observers import saved_for_backward
 from functional_pp.compile.recompute import regather_region
 from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 from functional_pp._torch import is_tracing
+
+
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     """:func:`functional_pp.parallel.reshard.relayout` for the ops: a parameter (or, with
     ``regather_activations``, an activation) gathered whole along one dimension remembers its

@@ -11,6 +11,7 @@ from functional_pp.compile.barrier import materialize
 from functional_pp.parallel.named import Named, _make, _memo, settle
 from functional_pp.ops.regather import relayout
 from functional_pp._torch import is_tracing
+
 # marks a positions value built while torch.compile traces: its rotary tables may be memoised on
 # it for that trace (the value dies with the trace; docs/rotary.md)
 TRACED_POSITIONS = "traced positions"

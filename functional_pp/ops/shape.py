@@ -8,6 +8,8 @@ import torch
 
 from functional_pp.parallel.named import Named, _make, env, op_env, require_named, settle, target_layout
 from functional_pp.ops.regather import relayout
+
+
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
     """Rename dimensions (``rename(x, seq="res_seq")``) and move to the new names' layout:
     this is where sequence parallelism scatters or gathers the residual stream."""

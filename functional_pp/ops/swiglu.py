@@ -10,6 +10,8 @@ from functional_pp.parallel.named import Named
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import apply_function, is_tracing
 from functional_pp.ops.elementwise import broadcast_binary
+
+
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` saving ``gate`` and ``up``. Traced (torch.compile), the forward's
     ``silu(gate)`` is not saved: the compiler fuses it into the product's loop and the backward

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import torch
 
 from functional_pp._torch import is_tracing
+
 _state = threading.local()
 _MAX_DIMS = 4
 _KINDS = {0: ("embed", "token id"), 1: ("cross_entropy", "label")}

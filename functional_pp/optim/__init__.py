@@ -15,6 +15,7 @@ from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, globa
 from functional_pp.optim.combine import chain
 from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
 from functional_pp.optim.optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by_adamw, sgd
+
 __all__ = [
     "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
     "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",

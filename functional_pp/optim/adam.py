@@ -10,6 +10,8 @@ import torch
 from functional_pp.optim.base import FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count, transform, \
     tree_flatten, tree_leaves, tree_map, tree_unflatten, zeros_state
 from functional_pp._torch import is_tracing
+
+
 class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam`: ``count`` (0-dim int64, not param-like) and the first and
     second moments ``mu``/``nu`` (mirror the param tree)."""

@@ -16,6 +16,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.optim.base import PyTree, ScalarOrSchedule, tree_leaves
 from functional_pp.optim.clipping import sq_sums
+
 Reducer = Callable[[PyTree], torch.Tensor]   # per-leaf 0-dim sums -> their global total
 # relative slack on the computed norm for the rounding of the few operations between it and the
 # update (docs/optim.md "Bound before the update": a few hundred units in the last place of fp32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from functional_pp.optim.base import ALIASED, FRESH, INHERIT, GradientTransformation, PyTree, returns_fresh, transform, update_with
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transformations; updates flow through them left to right. The state is a tuple
     with one entry per transformation. Extra keyword arguments of ``update`` reach every

@@ -10,6 +10,7 @@ import torch
 from functional_pp.optim.base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
 from functional_pp.optim.bounds import adamw_bound, bound_norm
 from functional_pp.optim.masking import Mask, resolve_mask
+
 FUSED_DEVICES = ("cpu", "cuda")
 
 

@@ -8,6 +8,7 @@ import torch
 
 from functional_pp.optim.base import INHERIT, EmptyState, GradientTransformation, PyTree, check_number, tree_leaves, transform
 from functional_pp._torch import is_tracing
+
 Mask = Union[PyTree, Callable[[PyTree], PyTree], None]
 MaskOrFn = Mask   # the earlier name
 

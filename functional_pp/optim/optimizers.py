@@ -15,6 +15,7 @@ from functional_pp.optim.clipping import clip_by_global_norm
 from functional_pp.optim.combine import chain
 from functional_pp.optim.fused import adamw_in_place
 from functional_pp.optim.masking import Mask, add_decayed_weights
+
 __all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Union
 import torch
 
 from functional_pp.optim.base import check_number
+
 __all__ = [
     "Schedule",
     "check_steps",

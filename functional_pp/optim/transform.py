@@ -10,6 +10,7 @@ from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, globa
 from functional_pp.optim.combine import chain
 from functional_pp.optim.masking import Mask, MaskOrFn, add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
 from functional_pp.optim.optimizers import scale_by_adamw
+
 __all__ = ["PyTree", "Schedule", "ScalarOrSchedule", "Mask", "MaskOrFn", "NormReducer", "GradientTransformation",
            "EmptyState", "ScaleByScheduleState", "ScaleByAdamState", "TraceState", "tree_map", "apply_updates",
            "chain", "identity", "scale", "scale_by_schedule", "scale_by_learning_rate", "scale_by_adam",

@@ -30,6 +30,7 @@ from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.parallel.named import Named, configure, env, options, pvary
 from functional_pp._torch import in_backward, is_tracing
+
 _local = threading.local()
 
 

@@ -9,6 +9,8 @@ import torch
 
 from functional_pp.parallel.named import Named, env, settle
 from functional_pp.parallel.reshard import relayout
+
+
 def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any) -> tuple[torch.Tensor, Any]:
     """``loss, grads = value_and_grad(loss_fn, params, batch)`` on every device: ``params`` a
     tree of named parameters (``functional_pp.init``), ``batch`` what ``loss_fn`` takes. The

@@ -22,6 +22,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.seeds import check_seed
 from functional_pp._torch import check_mt19937_state_layout, mt19937_state
 from functional_pp.core.tree import Param, map_with_path
+
 TILE = 1 << 16          # at most this many elements per tile: per-tile seeding is then ~1%
 TILE_SPLITS = 8         # a dim is cut into at least this many tiles where it can be,
 INNER_TILE = 256        # and an inner dim into pieces of at most this many elements
@@ -148,6 +149,7 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     is None); ``functional_pp.init_params`` gives plain tensors."""
     from functional_pp.parallel.named import Named
     from functional_pp.core.runtime import current_context
+
     ctx = current_context(required=False)
     if mesh is not None and ctx is not None and ctx.batched:   # every device's shards, stacked
         from functional_pp.devices.batched_run import per_device

@@ -15,6 +15,7 @@ from functional_pp.core import comm
 from functional_pp.core.mesh import as_axes
 from functional_pp.core.runtime import current_context, options
 from functional_pp._torch import is_tracing
+
 AxisName = str | Sequence[str]
 
 

@@ -12,6 +12,8 @@ from functional_pp.parallel import collectives as C
 from functional_pp.core.layout import Layout
 from functional_pp.parallel.named import _EMPTY, Named, _make, _memo, env, settle, target_layout
 from functional_pp.core.order import from_balanced, to_balanced
+
+
 class Reshard(NamedTuple):
     """What :func:`reshard` did: ``value`` in the target layout (layout only: no origin),
     ``gathers`` the ``(shard, axes, dim, order)`` of each all-gather it made, in order, and

@@ -10,6 +10,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.parallel.named import Named, env
 from functional_pp.core.runtime import current_mesh
 from functional_pp.core.tree import map_with_path
+
 __all__ = ["shard", "gather", "named_tree"]
 
 

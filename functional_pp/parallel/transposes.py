@@ -13,6 +13,8 @@ from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, ax
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core.runtime import current_context
 from functional_pp._torch import is_tracing
+
+
 # One Function per collective, its forward and its transpose (the backward) named in the class;
 # the table of transposes is docs/collectives.md. The non-tensor arguments (mesh axes,
 # dimensions, pairs) are kept for backward by _Collective.setup_context as ``ctx.args``.

@@ -12,6 +12,7 @@ from functional_pp.plan.search import (Candidate, Ranking, Space, beam, candidat
 from functional_pp.plan.timing import StepTime, cost, fit_cluster
 from functional_pp.plan.trace import trace, write_trace
 from functional_pp.plan.tracker import CATEGORIES, DeviceRun, SavedTensor, TaggedEvent, count_saved
+
 __all__ = ["estimate", "extrapolate", "LayoutEstimate", "DeviceRun", "SavedTensor", "TaggedEvent", "CATEGORIES",
            "count_saved", "Cluster", "cluster", "PRESETS", "StepTime", "cost", "fit_cluster", "search", "Space",
            "Candidate", "Ranking", "candidates", "exhaustive", "beam", "factorizations", "standard_rules", "table", "trace", "write_trace"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from functional_pp.core.mesh import Mesh
+
 #: ring steps of a collective over g devices (latency terms)
 STEPS = {"all_reduce": lambda g: 2 * (g - 1), "all_gather": lambda g: g - 1, "reduce_scatter": lambda g: g - 1,
          "all_to_all": lambda g: g - 1, "permute": lambda g: 1}

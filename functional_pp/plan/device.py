@@ -14,6 +14,8 @@ import torch
 
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, thread_context
+
+
 class MetaBackend:
     """Collectives of one device whose peers are imagined: outputs are meta tensors of the
     shape the real collective returns."""

@@ -22,6 +22,7 @@ from functional_pp.step.train import PER_WEIGHT, train_step
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
+
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 
 

@@ -23,6 +23,8 @@ from functional_pp.step.train import PER_WEIGHT, train_step
 from functional_pp.core.tree import leaves_with_paths
 from functional_pp.plan.dryrun import BatchSpec, _instrumented
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
+
+
 def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,
             options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
             precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",

@@ -15,6 +15,8 @@ from functional_pp.core.mesh import DEFAULT_AXES, Mesh
 from functional_pp.plan.cluster import Cluster, cluster as as_cluster
 from functional_pp.plan.dryrun import BatchSpec, LayoutEstimate, estimate
 from functional_pp.plan.timing import cost
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One layout to try: a mesh (its order places axes on nodes), rules and step options."""

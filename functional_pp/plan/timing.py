@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from functional_pp.core.mesh import Mesh
 from functional_pp.plan.cluster import Cluster, cluster as as_cluster
 from functional_pp.plan.tracker import DeviceRun, TaggedEvent
+
+
 @dataclass
 class StepTime:
     """Seconds of one step on one device, and how they add up."""

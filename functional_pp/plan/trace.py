@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict
 
 from functional_pp.plan.dryrun import LayoutEstimate
+
+
 def trace(est: LayoutEstimate) -> dict:
     """The trace of ``est``'s most complete run as plain data (JSON-ready)."""
     run = est.runs[-1]

@@ -9,6 +9,8 @@ import torch
 
 from functional_pp.core.tree import tree_map
 from functional_pp.devices.device_stack import physical
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 

@@ -20,6 +20,8 @@ import torch
 
 from functional_pp.optim.bounds import UpdateBound, params_finite, term_peaks
 from functional_pp._torch import version_counter
+
+
 class Remembered:
     """A value about some tensors, remembered per device thread with their identities and
     version counters (an in-place change of one, or another tensor, makes it unknown)."""

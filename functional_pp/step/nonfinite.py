@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from functional_pp.step.io import nonfinite_what
+
+
 class NonFiniteError(FloatingPointError):
     """A step's loss, gradient norm or update is not finite (``on_nonfinite="raise"``), or too
     many consecutive steps were skipped (``max_consecutive_skips``)."""

@@ -41,6 +41,7 @@ from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, s
 from functional_pp.step.update import Updated, redo_held, update_phase
 from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
 class NoLayerWarning(UserWarning):

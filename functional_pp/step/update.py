@@ -35,6 +35,7 @@ from functional_pp.optim.bounds import carried_norms, grad_and_bound_norms
 from functional_pp.step.buffers import acc_dtype, keep_if, own_buffers, write_into
 from functional_pp._torch import is_tracing
 from functional_pp.core.tree import tree_leaves, tree_map, tree_unflatten
+
 AxisGroups = list   # [(mesh axes, leaf indices)]: the leaves split over exactly those axes
 
 

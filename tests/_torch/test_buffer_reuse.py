@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp._torch import buffer_reuse
 from functional_pp import ops
+
 V, H, B, S = 256, 24, 2, 8
 
 

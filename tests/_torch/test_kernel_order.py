@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp._torch import kernel_order
 from functional_pp.models import llama
+
 from harness import make_batch
 
 CFG = llama.Config.tiny()

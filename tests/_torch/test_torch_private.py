@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from functional_pp import _torch as torch_private
+
+
 def test_in_backward_only_inside_a_backward_function():
     seen = []
 
@@ -67,6 +69,7 @@ def test_is_tracing_belongs_to_the_compiling_thread():
     from torch._dynamo.convert_frame import compile_lock
 
     from functional_pp.compile.layer_compile import compiled_layers, layer_backend
+
     compiling, release, seen = threading.Event(), threading.Event(), {}
 
     def compiler_thread():          # what dynamo does while it compiles a frame
@@ -111,6 +114,7 @@ def test_mt19937_state_reproduces_manual_seed_and_keeps_every_word():
     ``manual_seed`` state give the same draws, and changing one word changes them."""
     import numpy as np
     from functional_pp._torch import check_mt19937_state_layout, mt19937_state
+
     check_mt19937_state_layout()
     seeded = torch.Generator().manual_seed(77)
     words = np.frombuffer(seeded.get_state().numpy().tobytes(), dtype=np.uint64, count=624, offset=24).copy()

@@ -20,6 +20,7 @@ from functional_pp.data import DataLoader
 from functional_pp.app.inputs import load_data
 from functional_pp.models import llama
 from functional_pp.app.metrics import read_metrics
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[2]

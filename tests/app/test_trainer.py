@@ -19,6 +19,7 @@ from functional_pp.app.loop import train
 from functional_pp.app.metrics import read_metrics
 from functional_pp.app.progress import Progress
 from functional_pp.app.world import World, resolve_world
+
 BASE = {"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
         "sequence_len": 32, "learning_rate": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 2,
         "max_steps": 6, "weight_decay": 0.1, "model": "tiny", "data": {"max_bytes": 300_000},
@@ -139,6 +140,7 @@ def test_devices_agree_on_the_step_to_stop_at(tmp_path, monkeypatch):
     times) stops every device at the same step boundary, with one checkpoint."""
     import functional_pp as fpp
     from functional_pp.app import loop as trainer
+
     class RankZeroFromItsThirdLook:
         def __init__(self):
             self.looks = 0

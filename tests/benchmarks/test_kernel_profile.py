@@ -9,6 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import kernel_profile as kp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
+
+
 def test_inductor_kernels_of_both_sides_fall_in_the_same_groups():
     # kernel names as inductor gave them for the small preset (ours: graph 0; plain: graphs 1, 2)
     cases = {

@@ -15,6 +15,7 @@ from functional_pp import checkpoint as ck
 from functional_pp.checkpoint import format as fmt
 from functional_pp.core.layout import block_slices
 from functional_pp.optim.transform import EmptyState, ScaleByAdamState
+
 MESH8 = fpp.Mesh(dp_shard=2, cp=2, tp=2)
 RULES8 = fpp.Rules(hidden=("dp_shard", "cp"), mlp="tp", vocab="tp")
 MESH4 = fpp.Mesh(dp_replicate=2, cp=2)

@@ -19,6 +19,7 @@ from functional_pp.app.loop import train
 from functional_pp.app.world import resolve_world
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.data import DataLoader
+
 BASE = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "lr_scheduler": "cosine",
         "warmup_steps": 1, "max_steps": 3, "weight_decay": 0.1, "model": "tiny",
         "data": {"max_bytes": 100_000}, "logging": {"log_every": 1, "plot": False}}

@@ -6,6 +6,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import make_batch
 
 CFG = llama.Config.tiny(tie_embeddings=True)

@@ -6,6 +6,8 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.compile.gate import CompileGate
+
+
 def _counting_backend(compiled: list):
     def backend(gm, example_inputs):
         compiled.append(gm)

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 import functional_pp as fpp
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch
 
 

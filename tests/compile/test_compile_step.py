@@ -13,6 +13,7 @@ import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
 from functional_pp.compile.recompute import count_recomputed, saved_bytes
+
 from harness import local_batch, make_batch
 from memtrack import peak_memory
 

@@ -17,6 +17,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch
 from memtrack import window_peaks
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from functional_pp.compile.overlap import IN_FLIGHT_ENV, in_flight_limit, overlap_communication
+
 FUNCOL = torch.ops._c10d_functional
 N_GRADS = 4
 

@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
+
 from harness import make_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

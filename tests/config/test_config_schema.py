@@ -5,6 +5,8 @@ import yaml
 
 from functional_pp import cli
 from functional_pp.config import ConfigError, TrainConfig, config_help
+
+
 def test_axolotl_and_accelerate_aliases_mean_the_same_as_our_keys():
     ours = TrainConfig.from_dict({
         "tp_size": 2, "cp_size": 2, "activation_checkpointing": True, "optimizer": "adamw",

@@ -4,6 +4,8 @@ import torch
 from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core.layout import spec_to_layout
+
+
 def test_mesh_default_order_and_coords():
     mesh = fpp.Mesh(dp_replicate=2, dp_shard=2, cp=2, tp=2)
     assert mesh.axis_names == ("dp_replicate", "dp_shard", "cp", "tp")

@@ -11,6 +11,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.core.observers import on_saved_for_backward
 from functional_pp.data import shard_sequence
+
 S = 16
 
 

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from functional_pp.core import tree as T
+
 Pair = namedtuple("Pair", "a b")
 
 

@@ -6,6 +6,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.data import DataLoader, batch_shard
 from functional_pp.models import llama
+
 CASES = [
     (fpp.Mesh(dp_shard=2, cp=2), llama.default_rules()),                     # seq balanced over cp
     (fpp.Mesh(dp_replicate=2, dp_shard=2, tp=2), llama.default_rules()),     # HSDP rows, tp idle

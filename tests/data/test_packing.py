@@ -10,6 +10,7 @@ import functional_pp as fpp
 from functional_pp.data import DataLoader, shard_batch
 from functional_pp.models import llama
 from functional_pp.step.train import DEFAULT_BATCH_DIMS
+
 CFG = llama.Config.tiny(vocab=64)
 DIMS = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}
 

@@ -8,6 +8,7 @@ from functional_pp.parallel import collectives
 import functional_pp as fpp
 from functional_pp.devices.device_stack import DevicesDisagree
 from functional_pp.models import llama
+
 from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()

@@ -8,6 +8,8 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.devices.sim import SimWorld
+
+
 def _most_running_at_once(n_devices: int) -> int:
     """Devices that were between two collectives at the same moment, at most, while each
     spends its stretches in torch ops (which release the interpreter lock)."""

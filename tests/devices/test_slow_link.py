@@ -9,6 +9,8 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.devices.slow_link import ENV_MBPS, ENV_MS, SlowLink, from_env
+
+
 def test_the_link_carries_one_collective_at_a_time():
     link = SlowLink(0.5, bandwidth=1000.0)                  # 0.5 s + bytes / (1000 bytes/s)
     t0 = time.monotonic()

@@ -17,6 +17,7 @@ from functional_pp.core.layout import block_slices
 from functional_pp.models import llama
 from functional_pp.parallel.named import settle
 from functional_pp.ops.rotary import Llama3Scaling, inverse_frequencies
+
 transformers = pytest.importorskip("transformers")
 
 MESH = fpp.Mesh(dp_shard=2, tp=2)

@@ -21,6 +21,8 @@ from functional_pp.app.loop import train
 from functional_pp.app.metrics import read_metrics
 from functional_pp.config import ConfigError, ModelConfig, TrainConfig, model_config
 from functional_pp.models import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
+
+
 @dataclass(frozen=True)
 class MlpConfig:
     vocab: int = 256

@@ -82,6 +82,7 @@ def test_torchrun_cli_four_processes_equal_simulated_cli(tmp_path):
     import yaml
 
     from functional_pp import cli
+
     cfg = tmp_path / "cp_tp.yaml"
     cfg.write_text(yaml.safe_dump({
         "cp_size": 2, "tp_size": 2, "sequence_parallel": True, "micro_batch_size": 2, "sequence_len": 32,

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from functional_pp.ops import attention_kernels as ak
+
+
 def test_a_failing_kernel_falls_back_per_call(monkeypatch):
     real = ak.select_attention_kernel
     monkeypatch.setattr(ak, "select_attention_kernel",

@@ -4,6 +4,8 @@ import pytest
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
+
+
 def test_param_and_spec_name_their_dims():
     p = fpp.param((4, 8), "hidden mlp")
     assert p.dims == ("hidden", "mlp")

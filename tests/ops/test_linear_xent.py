@@ -13,6 +13,7 @@ from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.ops.xent import linear as linear_xent
 from functional_pp._torch import trace_backward
+
 from harness import assert_same_run, local_batch, make_batch, parallel, single_device, train_steps
 from memtrack import peak_memory
 

@@ -4,6 +4,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp import ops
+
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 RULES = fpp.Rules(batch="dp_shard", hidden="tp", vocab="tp", mlp=("dp_shard", "tp"))
 

@@ -10,6 +10,7 @@ import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
 from functional_pp.ops.realize import _Realized
+
 from harness import make_batch
 
 

@@ -7,6 +7,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 CFG = llama.Config(vocab=64, hidden=16, layers=3, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=llama.Llama3Scaling(factor=8.0, original_max_position=4))
 

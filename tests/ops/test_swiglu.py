@@ -14,6 +14,7 @@ from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
 from functional_pp.ops.swiglu import swiglu_tensors
 from functional_pp.compile.recompute import in_backward_region
+
 from harness import make_batch
 
 

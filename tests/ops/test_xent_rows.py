@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp._torch import trace_backward
+
 B, V, S = 4, 16, 6       # logits "batch vocab seq": the vocabulary is not the last dimension
 
 

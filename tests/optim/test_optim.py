@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
+
 STEPS = 5
 
 

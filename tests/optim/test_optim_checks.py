@@ -12,6 +12,8 @@ import torch
 import functional_pp as fpp
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
+
+
 def _params(n=4, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(n, 3, generator=g, dtype=dtype), "b": torch.randn(n, generator=g, dtype=dtype),

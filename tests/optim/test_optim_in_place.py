@@ -11,6 +11,7 @@ import torch
 import functional_pp.optim as optim
 from functional_pp.optim import schedules
 from functional_pp.optim.bounds import grad_and_bound_norms
+
 STEPS = 5
 
 

@@ -16,6 +16,7 @@ import functional_pp.optim as optim
 from functional_pp.step import known_finite
 from functional_pp.models import llama
 from functional_pp.optim.bounds import grad_and_bound_norms, margin
+
 MAX32 = torch.finfo(torch.float32).max
 
 

@@ -12,6 +12,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.parallel import collectives as C
+
 pytestmark = pytest.mark.multiprocess
 
 MESH = fpp.Mesh(dp_shard=2, tp=2)

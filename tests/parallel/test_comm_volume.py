@@ -7,6 +7,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import make_batch, parallel
 
 CFG = llama.Config.tiny()

@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.parallel.fsdp_order import trace_units
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny(layers=3)

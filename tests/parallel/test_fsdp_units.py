@@ -7,6 +7,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()

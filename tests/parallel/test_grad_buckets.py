@@ -7,6 +7,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.parallel.buckets import PendingGrad, grad_buckets
 from functional_pp.models import llama
+
 from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()
@@ -133,6 +134,7 @@ def test_reduced_gradients_are_views_of_their_bucket_and_owned_by_the_step():
     (no copy out, as DDP's gradient_as_bucket_view); own_buffers keeps them and copies only a
     gradient that overlaps another or shares memory with a parameter."""
     from functional_pp.step.buffers import own_buffers
+
     def views():
         w = [torch.ones(8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
         x = torch.arange(8, dtype=torch.float64)

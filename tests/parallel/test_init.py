@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.parallel.init import TILE
 from functional_pp.core.layout import block_slices
+
 T = TILE
 DECLS = {
     "long": fpp.param((3 * T + 124,), "a"),                       # several tiles, short last tile

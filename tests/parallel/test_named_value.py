@@ -12,6 +12,8 @@ from functional_pp import ops
 from functional_pp.parallel.named import Named, _memo
 from functional_pp.ops.einsum import _matmul_depth
 from functional_pp.step.io import read_step_metrics
+
+
 def test_every_field_is_read_only_and_the_error_names_it():
     x = Named(torch.ones(2, 3), ("a", "b"))
     for field in ("data", "dims", "split", "vary", "partial", "is_param", "tied", "gathered_from"):

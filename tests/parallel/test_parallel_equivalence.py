@@ -9,6 +9,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
+
 from harness import make_batch, parallel, single_device
 
 CFG = llama.Config.tiny()

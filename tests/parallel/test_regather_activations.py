@@ -9,6 +9,7 @@ from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch, single_device
 
 CFG = llama.Config.tiny()

@@ -7,6 +7,7 @@ import functional_pp as fpp
 from functional_pp.parallel import reshard
 from functional_pp.parallel.named import Named
 from functional_pp.ops import regather
+
 MESH = fpp.Mesh(dp_shard=2)
 WHOLE = ((), ())
 

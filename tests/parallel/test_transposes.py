@@ -10,6 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel import transposes
+
 AXES = ("dp_shard", "tp")
 N = 4
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "collectives.md"

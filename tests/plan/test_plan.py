@@ -10,6 +10,7 @@ from functional_pp import plan
 from functional_pp.core.layout import local_shape
 from functional_pp.models import llama
 from functional_pp.plan.measure import measure
+
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
 BATCH = {"tokens": ((8, 16), "batch seq"), "labels": ((8, 16), "batch seq")}

@@ -9,6 +9,7 @@ import torch
 import functional_pp as fpp
 from functional_pp import plan
 from functional_pp.models import llama
+
 TINY = llama.Config.tiny(layers=3)
 TINY_LOSS = functools.partial(llama.loss, cfg=TINY)
 

@@ -8,6 +8,7 @@ import functional_pp as fpp
 from functional_pp import plan
 from functional_pp.cli import main
 from functional_pp.models import llama
+
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
 BATCH = {"tokens": ((8, 16), "batch seq"), "labels": ((8, 16), "batch seq")}

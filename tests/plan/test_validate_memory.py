@@ -12,6 +12,7 @@ import yaml
 from functional_pp import cli, optim, plan
 from functional_pp.app.report import _human_bytes
 from functional_pp.config import TrainConfig, model_config, model_family
+
 CONFIG = {"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2, "sequence_len": 32, "model": "tiny",
           "optimizer": "sgd", "momentum": 0.9, "max_grad_norm": None, "lr_scheduler": "constant",
           "data": {"max_bytes": 100_000}}

@@ -11,6 +11,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.core.tree import tree_leaves
+
 from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()

@@ -10,6 +10,7 @@ import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.parallel.fsdp_units import fsdp_units
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()

@@ -15,6 +15,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.step.train import NonFiniteError
+
 CFG = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)
 LOSS = functools.partial(llama.loss, cfg=CFG)

@@ -8,6 +8,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()

@@ -9,6 +9,7 @@ import torch
 from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.models import llama
+
 from harness import local_batch, make_batch, nan_on_second_call
 
 CFG = llama.Config.tiny()

@@ -14,6 +14,8 @@ import torch
 
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import is_tracing
+
+
 def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int) -> int:
     """Rows per chunk so that one chunk of logits (fp32 counted) takes at most ``chunk_bytes`` (at least 1)."""
     return max(1, min(n_rows, chunk_bytes // max(1, 4 * n_vocab)))

@@ -19,6 +19,7 @@ from functional_pp.ops import reduce as R
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.chunks import chunk_rows, chunked_lse, linear_xent_sum, loss_dtype
 from functional_pp.parallel import collectives as C
+
 # one chunk of fp32 logits: as fast as the unchunked head on CPU for preset small (512 rows of
 # 8192); smaller chunks save more memory and cost speed (docs/compile.md, seventh round)
 DEFAULT_CHUNK_BYTES = 16 << 20

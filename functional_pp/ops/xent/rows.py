@@ -15,6 +15,8 @@ import torch
 
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import is_tracing
+
+
 def nll_rows(x: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
              inside: torch.Tensor | None = None) -> torch.Tensor:
     """The cross-entropy of each row of logits ``x`` (vocabulary last) at label ``idx``, given
