@@ -99,7 +99,8 @@ def attention_block(p: dict, x, cfg: Config, seed):
     qkv = _linear_bias(h, a["c_attn"], "batch tok embd, embd qkv head hd -> batch tok qkv head hd")
     q, k, v = fpp.ops.unbind(qkv, "qkv")                            # fused projection, split by index
     k, v = fpp.ops.rename(k, head="kv_head"), fpp.ops.rename(v, head="kv_head")
-    o = fpp.ops.attention(q, k, v, causal=True, seq="tok", heads="head", kv_heads="kv_head", head_dim="hd")
+    o = fpp.ops.attention(q, k, v, causal=True, batch="batch", seq="tok", heads="head", kv_heads="kv_head",
+                          head_dim="hd")
     o = fpp.ops.einsum("batch tok head hd, head head_mix -> batch tok head_mix hd", o, a["mix"])   # cross-head
     o = fpp.ops.rename(o, head_mix="head")
     out = _linear_bias(o, a["c_proj"], "batch tok head hd, head hd embd -> batch tok embd")

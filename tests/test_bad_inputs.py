@@ -138,7 +138,7 @@ def _unnamed_calls():
         "cross_entropy logits": (lambda: fpp.ops.cross_entropy(torch.randn(2, 10), x), "logits"),
         "cross_entropy labels": (lambda: fpp.ops.cross_entropy(
             fpp.named(torch.randn(2, 10), "batch vocab"), torch.tensor([1, 2])), "labels"),
-        "attention k": (lambda: fpp.ops.attention(q, torch.randn(1, 4, 2, 8), k), "k"),
+        "attention k": (lambda: fpp.ops.attention(q, torch.randn(1, 4, 2, 8), k, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads", head_dim="head_dim"), "k"),
         "rename": (lambda: fpp.ops.rename(t, seq="res_seq"), "x"),
         "sum": (lambda: fpp.ops.sum(t, "batch"), "x"),
         "norm (settle)": (lambda: fpp.ops.rms_norm(t, fpp.named(torch.ones(3), "hidden"), "hidden"), "value"),

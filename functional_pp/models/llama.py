@@ -5,6 +5,7 @@ Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q
 head_dim as separate dimensions (see ``functional_pp.models.llama_hf`` for the table)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -120,6 +121,12 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     return tree
 
 
+# the model's dimension names, bound once for the ops that need several of them
+attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads",
+                           head_dim="head_dim")
+rotate = functools.partial(ops.rotary, head_dim="head_dim")
+
+
 def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
     h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
@@ -127,9 +134,9 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named 
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
-    q = ops.rotary(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    k = ops.rotary(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    o = ops.attention(q, k, v, causal=True, segments=segments)
+    q = rotate(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    k = rotate(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    o = attend(q, k, v, causal=True, segments=segments)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     return ops.rename(out, seq="res_seq")                 # sequence parallelism: reduce-scatter
 

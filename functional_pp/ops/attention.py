@@ -22,7 +22,7 @@ from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.rotary import TRACED_POSITIONS
 
 
-def positions(dim: str = "seq", size: int | None = None) -> Named:
+def positions(dim: str, size: int | None = None) -> Named:
     """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``)."""
     if size is None:
         raise ValueError("positions: give the global sequence size")
@@ -76,11 +76,13 @@ def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) 
 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
-              batch: str = "batch", seq: str = "seq", heads: str = "heads", kv_heads: str = "kv_heads",
-              head_dim: str = "head_dim", segments: Named | None = None) -> Named:
+              batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
+              segments: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
-    (grouped-query when kv_heads < heads). With ``seq`` split across ``cp``: ring attention
-    (``configure(cp_attention="allgather")`` all-gathers K/V instead).
+    (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
+    them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
+    ``seq`` split across ``cp``: ring attention (``configure(cp_attention="allgather")``
+    all-gathers K/V instead).
 
     ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
     positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context

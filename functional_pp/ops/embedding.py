@@ -9,10 +9,12 @@ from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.token_ids import check_ids
 
 
-def embed(table: Named, ids: Named, vocab: str = "vocab") -> Named:
-    """Rows of ``table`` (dims ``vocab x hidden``) for integer ``ids``; the result has the
-    ids' dimensions followed by the table's other dimension."""
+def embed(table: Named, ids: Named, vocab: str | None = None) -> Named:
+    """Rows of ``table`` for integer ``ids``; the result has the ids' dimensions followed by the
+    table's other dimension. ``vocab`` is the table dimension the ids index, by default its
+    first (``torch.nn.functional.embedding``'s ``(num_embeddings, embedding_dim)``)."""
     require_named("embed", table=table, ids=ids)
+    vocab = table.dims[0] if vocab is None else vocab
     table._check_dim(vocab, "embed")
     if ids.data.dtype.is_floating_point:
         raise TypeError(f"embed: ids must be an integer tensor, got {ids.data.dtype}")

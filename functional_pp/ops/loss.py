@@ -7,20 +7,25 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import _EMPTY, Named, _make, require_named, settle
 from functional_pp.ops.regather import relayout
 from functional_pp.ops import reduce as R
+from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.rows import nll_rows
 
 IGNORE_INDEX = -100
 
 
-def cross_entropy(logits: Named, labels: Named, vocab: str = "vocab",
+def cross_entropy(logits: Named, labels: Named, vocab: str | None = None,
                   ignore_index: int = IGNORE_INDEX) -> Named:
     """Mean token cross-entropy over every non-ignored label, with the global token count.
 
-    ``logits`` has the labels' dimensions plus ``vocab``; the vocabulary may be split (the
+    ``logits`` has the labels' dimensions plus ``vocab`` (by default the one dimension the
+    labels do not have); the vocabulary may be split (the
     max and the sum of exponentials are reduced across the split). Each row's gradient is
     written out, one pass over the logits (``ops/xent/rows.py``)."""
     require_named("cross_entropy", logits=logits, labels=labels)
+    if vocab is None:
+        vocab = the_one_dim("cross_entropy", "vocab", [d for d in logits.dims if d not in labels.dims],
+                            "the logits' dimension the labels do not have")
     logits = settle(logits)
     if logits.data.dtype in (torch.float16, torch.bfloat16):
         logits = logits.astype(torch.float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from functional_pp.parallel.named import Named, _make, settle
+from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops import reduce as R
 
 
@@ -36,15 +37,27 @@ def _normalize(x: Named, dim: str, eps: float, center: bool) -> Named:
     return out.astype(x.data.dtype)
 
 
-def rms_norm(x: Named, weight: Named | None = None, dim: str = "hidden", eps: float = 1e-6) -> Named:
-    """x / rms(x) * weight over ``dim``; a weight split by the rules is gathered as needed."""
+def _norm_dim(op: str, weight: Named | None, dim: str | None) -> str:
+    if dim is not None:
+        return dim
+    if not isinstance(weight, Named):
+        raise ValueError(f"{op}: name the normalised dimension (dim='...'); it is read from the weight "
+                         f"only when a named weight is given")
+    return the_one_dim(op, "dim", weight.dims, "the weight's dimension")
+
+
+def rms_norm(x: Named, weight: Named | None = None, dim: str | None = None, eps: float = 1e-6) -> Named:
+    """x / rms(x) * weight over ``dim`` (by default the weight's one dimension); a weight split
+    by the rules is gathered as needed."""
+    dim = _norm_dim("rms_norm", weight, dim)
     y = _normalize(x, dim, eps, center=False)
     return y if weight is None else y * weight
 
 
-def layer_norm(x: Named, weight: Named | None = None, bias: Named | None = None, dim: str = "hidden",
+def layer_norm(x: Named, weight: Named | None = None, bias: Named | None = None, dim: str | None = None,
                eps: float = 1e-5) -> Named:
-    """(x - mean) / std * weight + bias over ``dim``."""
+    """(x - mean) / std * weight + bias over ``dim`` (by default the weight's one dimension)."""
+    dim = _norm_dim("layer_norm", weight if weight is not None else bias, dim)
     y = _normalize(x, dim, eps, center=True)
     if weight is not None:
         y = y * weight

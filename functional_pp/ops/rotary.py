@@ -40,9 +40,15 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3Scaling | No
     return torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
 
 
-def rotary(x: Named, positions: Named, *, theta: float = 10000.0, scaling: Llama3Scaling | None = None,
-           seq: str = "seq", head_dim: str = "head_dim") -> Named:
-    """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i."""
+def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
+           scaling: Llama3Scaling | None = None, seq: str | None = None) -> Named:
+    """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i; ``seq`` is the
+    dimension of ``positions`` (its only one) unless named."""
+    if seq is None:
+        seq = positions.dims[0] if isinstance(positions, Named) and len(positions.dims) == 1 else None
+        if seq is None:
+            raise ValueError("rotary: positions must be a named array with one dimension (ops.positions), "
+                             "or name the sequence dimension: rotary(..., seq='...')")
     if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
         x = settle(x)
     dims, split, data = x._dims, x._split, x._data

@@ -166,3 +166,13 @@ def rearrange(x: Named, pattern: str, **sizes: int) -> Named:
         if len(group) > 1:
             x = merge_dims(x, tuple(group), "*".join(group))
     return x
+
+
+def the_one_dim(op: str, role: str, candidates: tuple[str, ...] | list[str], hint: str) -> str:
+    """The single dimension of ``candidates`` an op can take as its ``role`` when the caller did
+    not name it; an error naming the keyword to pass when there is not exactly one."""
+    if len(candidates) == 1:
+        return candidates[0]
+    found = "none" if not candidates else f"{len(candidates)}: {tuple(candidates)}"
+    raise ValueError(f"{op}: cannot tell which dimension is {role} ({hint}; found {found}): name it, "
+                     f"e.g. {op}(..., {role}='...')")

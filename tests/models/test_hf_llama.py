@@ -222,7 +222,7 @@ def test_meta_interleaved_equals_rotate_half_with_permuted_weights(scaling):
     def ours(w):
         q = torch.einsum("bsh,hnd->bsnd", x, w)
         return ops.rotary(fpp.wrap(q, "batch seq heads head_dim"), ops.positions("seq", S),
-                          theta=theta, scaling=scaling).value()
+                          theta=theta, scaling=scaling, head_dim="head_dim").value()
 
     def meta(w):
         return meta_rotary(torch.einsum("bsh,hnd->bsnd", x, w), theta, scaling)

@@ -96,7 +96,8 @@ def test_cross_entropy_matches_torch():
 def test_attention_matches_torch_sdpa_single_device():
     q, k, v = (torch.randn(2, 8, h, 4, dtype=torch.float64) for h in (4, 2, 2))
     out = ops.attention(fpp.named(q, "batch seq heads head_dim"), fpp.named(k, "batch seq kv_heads head_dim"),
-                        fpp.named(v, "batch seq kv_heads head_dim"), causal=True).value()
+                        fpp.named(v, "batch seq kv_heads head_dim"), causal=True, batch="batch", seq="seq",
+                        heads="heads", kv_heads="kv_heads", head_dim="head_dim").value()
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            is_causal=True, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, ref)
@@ -105,7 +106,7 @@ def test_attention_matches_torch_sdpa_single_device():
 def test_rotary_matches_reference_formula():
     x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
     pos = torch.arange(5)
-    out = ops.rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq"), theta=100.0).value()
+    out = ops.rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq"), theta=100.0, head_dim="head_dim").value()
     inv = 1.0 / 100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     ang = pos[:, None].double() * inv
     cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]

@@ -53,7 +53,7 @@ def test_rotate_half_as_a_roll_gives_the_bits_of_chunk_neg_cat():
     x = torch.randn(2, 6, 3, 8, generator=torch.Generator().manual_seed(0))
     pos = torch.arange(6)
     with fpp.use_rules(fpp.Rules()):
-        out = fpp.ops.rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq"), theta=100.0).data
+        out = fpp.ops.rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq"), theta=100.0, head_dim="head_dim").data
     inv = fpp.ops.inverse_frequencies(8, 100.0)
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None, :]

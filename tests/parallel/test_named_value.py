@@ -87,11 +87,12 @@ def test_rotary_tables_are_built_once_per_positions_value():
     g = torch.Generator().manual_seed(0)
     q = Named(torch.randn(2, 8, 4, 6, generator=g), ("batch", "seq", "heads", "head_dim"))
     k = Named(torch.randn(2, 8, 2, 6, generator=g), ("batch", "seq", "kv_heads", "head_dim"))
-    rq, rk = ops.rotary(q, pos), ops.rotary(k, pos)
+    rq, rk = ops.rotary(q, pos, head_dim="head_dim"), ops.rotary(k, pos, head_dim="head_dim")
     assert len([key for key in _memo(pos) if key[0] == "rotary"]) == 1
     assert ops.positions("seq", 8) is pos               # eager: one positions value per layout
     fresh = Named(torch.arange(8), ("seq",))            # same positions, nothing memoised
-    assert torch.equal(ops.rotary(q, fresh).data, rq.data) and torch.equal(ops.rotary(k, fresh).data, rk.data)
+    assert torch.equal(ops.rotary(q, fresh, head_dim="head_dim").data, rq.data) and torch.equal(
+        ops.rotary(k, fresh, head_dim="head_dim").data, rk.data)
 
 
 def test_metrics_are_read_in_one_exact_transfer():

@@ -113,7 +113,7 @@ def test_sequence_not_divisible_by_2cp():
         with fpp.use_rules(R(seq=fpp.balanced("cp"))):
             q = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq heads head_dim")
             k = fpp.wrap(torch.ones(1, 3, 2, 4), "batch seq kv_heads head_dim")
-            return fpp.ops.attention(q, k, k, causal=True)
+            return fpp.ops.attention(q, k, k, causal=True, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads", head_dim="head_dim")
     with pytest.raises(fpp.DeviceError, match=r"sequence length \(12\) divisible by 2 x cp = 8"):
         fpp.launch(attend, fpp.Mesh(cp=4))
 

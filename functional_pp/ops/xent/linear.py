@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from functional_pp.ops.shape import the_one_dim
 from functional_pp.parallel.named import Named, _EMPTY, _make, op_env, pvary, require_named, settle
 from functional_pp.ops.einsum import _plan, einsum
 from functional_pp.ops.loss import IGNORE_INDEX, _count, cross_entropy
@@ -25,14 +26,22 @@ from functional_pp.parallel import collectives as C
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
-def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: str = "vocab",
-                         contract: str = "hidden", ignore_index: int = IGNORE_INDEX,
+def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: str | None = None,
+                         contract: str | None = None, ignore_index: int = IGNORE_INDEX,
                          chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> Named:
     """Mean token cross-entropy of the logits ``hidden @ weight`` (``contract`` summed, the
     ``vocab`` dimension of ``weight`` the classes) against ``labels``, computed ``chunk_bytes``
     of fp32 logits at a time; equal to ``cross_entropy(einsum(...), labels)`` within fp
-    tolerance. ``chunk_bytes`` None or 0 computes exactly that unchunked form."""
+    tolerance. ``chunk_bytes`` None or 0 computes exactly that unchunked form. By default
+    ``contract`` is the one dimension ``hidden`` and ``weight`` share and ``vocab`` the weight's
+    other one."""
     require_named("linear_cross_entropy", hidden=hidden, weight=weight, labels=labels)
+    if contract is None:
+        contract = the_one_dim("linear_cross_entropy", "contract", [d for d in hidden.dims if d in weight.dims],
+                               "the dimension hidden and weight share")
+    if vocab is None:
+        vocab = the_one_dim("linear_cross_entropy", "vocab", [d for d in weight.dims if d != contract],
+                            "the weight's dimension besides the contracted one")
     _check_dims(hidden, weight, vocab, contract)
     if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 0):
         raise ValueError(f"linear_cross_entropy: chunk_bytes must be a non-negative integer (bytes of "
