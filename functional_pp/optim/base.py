@@ -85,28 +85,52 @@ def check_learning_rate(owner: str, learning_rate: ScalarOrSchedule) -> ScalarOr
 
 
 # --------------------------------------------------------------------------- transformations
-class GradientTransformation(NamedTuple):
-    """A pair of pure functions ``(init, update)``.
-
-    ``init(params) -> state`` and
-    ``update(updates, state, params=None, **extra) -> (updates, new_state)``.
-    """
-
+class _Pair(NamedTuple):
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple]
+
+
+class GradientTransformation(_Pair):
+    """optax's pair of pure functions ``(init, update)``: ``init(params) -> state`` and
+    ``update(updates, state, params=None, **extra) -> (updates, new_state)``. It unpacks as the
+    pair (``init, update = t``); what a caller may rely on beyond it is declared on the
+    transformation, not stamped on its functions:
+
+    * ``returns``: what ``update`` returns (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`);
+      None for a plain optax-style ``update(updates, state, params=None)`` without extras;
+    * ``in_place``: an implementation of update *and* apply writing into the tensors given
+      (:func:`in_place_step`, docs/optim.md), or None;
+    * ``bound``: a pre-update bound (:func:`update_bound`), or None.
+
+    ``_replace`` makes a plain pair (the declarations describe the functions they came with)."""
+
+    returns: str | None
+    in_place: Callable[..., None] | None
+    bound: Any
+
+    def __new__(cls, init: Callable[[PyTree], PyTree], update: Callable[..., tuple], *,
+                returns: str | None = None, in_place: Callable[..., None] | None = None,
+                bound: Any = None) -> "GradientTransformation":
+        self = super().__new__(cls, init, update)
+        self.returns, self.in_place, self.bound = returns, in_place, bound
+        return self
+
+    def __getattr__(self, name: str) -> Any:      # a pair made by _replace/_make declares nothing
+        if name in ("returns", "in_place", "bound"):
+            return None
+        raise AttributeError(name)
 
 
 def transform(init: Callable[[PyTree], PyTree], update: Callable[..., tuple], returns: str,
               in_place: Callable[..., None] | None = None, bound: Any = None) -> GradientTransformation:
     """A transformation whose ``update`` accepts the extra keyword arguments (``**extra``) and
-    returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`).
-    ``in_place``: an optional implementation of update *and* apply that writes the new
-    parameters and state into the tensors given (:func:`in_place_step`, docs/optim.md);
-    ``bound``: an optional pre-update bound (:func:`update_bound`)."""
-    update.fpp_returns = returns
-    update.fpp_in_place = in_place
-    update.fpp_bound = bound
-    return GradientTransformation(init, update)
+    returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`), with an
+    optional in-place step and pre-update bound (:class:`GradientTransformation`)."""
+    return GradientTransformation(init, update, returns=returns, in_place=in_place, bound=bound)
+
+
+def _declared(t: Any, name: str) -> Any:
+    return getattr(t, name, None) if isinstance(t, GradientTransformation) else None
 
 
 def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
@@ -119,7 +143,7 @@ def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
     needs finite parameters whether they are, instead of reading them. For callers whose state
     is theirs to overwrite (a donated training state); results equal the pure path's within
     rounding (docs/optim.md "In place")."""
-    return getattr(t.update, "fpp_in_place", None)
+    return _declared(t, "in_place")
 
 
 def update_bound(t: GradientTransformation) -> Any:
@@ -129,14 +153,14 @@ def update_bound(t: GradientTransformation) -> Any:
     would make are certainly finite, known before the update is computed and equal on every
     device. A step that writes into its state writes only where it is true (docs/optim.md
     "Bound before the update")."""
-    return getattr(t.update, "fpp_bound", None)
+    return _declared(t, "bound")
 
 
 def update_with(t: GradientTransformation, updates: PyTree, state: PyTree, params: PyTree = None,
                 **extra: Any) -> tuple:
     """``t.update(updates, state, params, **extra)``, without the extras if ``t`` was not built by
     :func:`transform` (a plain optax-style ``update(updates, state, params=None)``)."""
-    if getattr(t.update, "fpp_returns", None) is None:
+    if _declared(t, "returns") is None:
         return t.update(updates, state, params)
     return t.update(updates, state, params, **extra)
 
@@ -144,7 +168,7 @@ def update_with(t: GradientTransformation, updates: PyTree, state: PyTree, param
 def returns_fresh(t: GradientTransformation, donated: bool) -> bool:
     """Whether the updates ``t`` returns are tensors nobody else holds, given whether the
     updates it received were (:func:`transform`'s ``returns``)."""
-    kind = getattr(t.update, "fpp_returns", ALIASED)
+    kind = _declared(t, "returns") or ALIASED
     return kind == FRESH or (kind == INHERIT and donated)
 
 

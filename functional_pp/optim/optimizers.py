@@ -72,10 +72,11 @@ def adamw(
     lr = check_learning_rate("adamw", lr)
     opt = chain(*_maybe_clip(clip_norm), scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
                 scale_by_learning_rate(lr))
-    opt.update.fpp_in_place = adamw_in_place(lr, float(b1), float(b2), float(eps), float(weight_decay), mask,
-                                             None if clip_norm is None else float(clip_norm))
-    opt.update.fpp_bound = adamw_bound(lr, float(b1), float(eps), float(weight_decay))
-    return opt
+    return GradientTransformation(
+        opt.init, opt.update, returns=opt.returns,
+        in_place=adamw_in_place(lr, float(b1), float(b2), float(eps), float(weight_decay), mask,
+                                None if clip_norm is None else float(clip_norm)),
+        bound=adamw_bound(lr, float(b1), float(eps), float(weight_decay)))
 
 
 # --------------------------------------------------------------------------- #
