@@ -1,6 +1,7 @@
 """The LM head + cross-entropy alone, forward and backward: plain torch (``x @ w`` then
 ``F.cross_entropy``), ours unchunked (``ops.cross_entropy(ops.einsum(...))``) and ours over
-token chunks (``ops.linear_cross_entropy``, docs/compile.md "Seventh round (2026-12-01, lmce)").
+token chunks (``ops.linear_cross_entropy``, docs/compile.md "The LM head and cross-entropy over
+token chunks").
 
     python benchmarks/head_loss.py                                   # inductor, preset small's head
     python benchmarks/head_loss.py --mode eager --chunk-mib 4 16

@@ -2,7 +2,7 @@
 against plain torch's, per side and per function/kernel.
 
 Wall and CPU time on a shared 2-core machine move by +-4 % between runs, more than the gap
-that is left (docs/compile.md "Eighth round"). Instruction counts of the same step are the same
+that is left (docs/compile.md "Measurements"). Instruction counts of the same step are the same
 on every run, whatever else the machine does. This tool runs ``benchmarks/single_device.py``'s
 two steps (``fpp.train_step(compile=True)`` and plain ``torch.compile`` of an ``nn.Module`` +
 ``AdamW(foreach=True).step``, same weights, first-step losses checked equal) in ONE process

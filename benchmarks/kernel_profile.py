@@ -7,7 +7,7 @@ inductor, one thread.
     python benchmarks/kernel_profile.py --isolated 30         # each linear's matmuls, both layouts
     python benchmarks/kernel_profile.py --json prof.json
 
-Three tables (docs/compile.md, "Sixth round"):
+Three tables (docs/compile.md, "Measurements"):
 
 * **Unprofiled**: ``--timed-steps`` steps of each side, interleaved, process CPU time per step
   (median), minor page faults and system time per step, and the time of every matrix product
@@ -125,7 +125,8 @@ class MatmulTimer:
     """Process CPU time of every matrix product the compiled graphs call, without the profiler:
     inductor's wrapper code calls ``extern_kernels.mm`` / ``addmm`` / ``bmm`` by attribute at run
     time, so wrapping them times each call (the profiler's own bookkeeping inflated the plain
-    side's matmuls by 5-20 %: docs/compile.md "Sixth round"). Keyed by problem and transposes."""
+    side's matmuls by 5-20 %: docs/compile.md "Measuring on this machine"). Keyed by problem and
+    transposes."""
 
     def __init__(self):
         from torch._inductor.select_algorithm import extern_kernels

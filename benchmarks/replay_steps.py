@@ -4,7 +4,7 @@ and after a change) and plain torch's step of the first, alternating the order e
 
 Only the compiled graphs run (their output code, with the inputs recorded from a real step):
 no dynamo guards, autograd engine or Python around them, so two versions of our step compare
-kernel for kernel in one process, on the same inputs (docs/compile.md "Eighth round").
+kernel for kernel in one process, on the same inputs (docs/compile.md "Measurements").
 
     python benchmarks/instr_count.py --out /tmp/before ...   # on the old code, then the new
     python benchmarks/replay_steps.py /tmp/before /tmp/after --rounds 8

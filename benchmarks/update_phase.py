@@ -1,5 +1,5 @@
 """The update phase of one training step alone, on the parameter shapes of a Llama preset: our
-``step_update.update_phase`` (global gradient norm, optimizer, the update's finiteness check),
+``step.update.update_phase`` (global gradient norm, optimizer, the update's finiteness check),
 with donated state (AdamW's in-place step: one fused kernel pass) and without (the pure chain
 in the step's own gradient buffers), against ``torch.optim.AdamW(foreach=True).step()`` and
 ``fused=True``. Process CPU time per call, the variants interleaved, medians.

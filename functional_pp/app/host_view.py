@@ -1,4 +1,5 @@
-"""The training loop's view of the devices it runs for (docs/simulation.md, "Eighth round").
+"""The training loop's view of the devices it runs for (docs/simulation.md, "The training loop
+on the batched simulator").
 
 Under the threaded simulator and torchrun the loop's device function runs once per device,
 each with its integer rank; under the batched simulator (``launch(simulate="batched")``) it

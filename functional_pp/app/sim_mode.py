@@ -1,6 +1,7 @@
 """Which simulator runs a simulated training run: the batched one (every device in one batched
 run, ``launch(simulate="batched")``) or the threaded one (one thread per device), from the
-config's ``simulation`` key or ``--sim-mode`` (docs/simulation.md, "Eighth round")."""
+config's ``simulation`` key or ``--sim-mode`` (docs/simulation.md, "The training loop on the
+batched simulator")."""
 from __future__ import annotations
 
 from functional_pp.config import ConfigError, TrainConfig
@@ -21,10 +22,10 @@ def needs_threads(cfg: TrainConfig) -> list[str]:
 
 def simulation_mode(cfg: TrainConfig, world_size: int) -> str:
     """``"batched"`` or ``"threaded"`` for ``cfg`` on ``world_size`` simulated devices.
-    ``simulation: threaded`` (the default: docs/simulation.md, "Eighth round", says why) is
-    threaded, and so is every one-device run; ``auto`` is batched where the config runs eagerly
-    and uses nothing the batched simulator refuses; ``batched`` with a config that needs threads
-    raises a :class:`ConfigError` naming the keys."""
+    ``simulation: threaded`` (the default: docs/simulation.md, "The training loop on the batched
+    simulator", says why) is threaded, and so is every one-device run; ``auto`` is batched where
+    the config runs eagerly and uses nothing the batched simulator refuses; ``batched`` with a
+    config that needs threads raises a :class:`ConfigError` naming the keys."""
     if world_size == 1 or cfg.simulation == THREADED:     # one device: the plain run, as always
         return THREADED
     reasons = needs_threads(cfg)

@@ -1,8 +1,8 @@
 """Leaving a batched run for one piece of per-device host work: :func:`on_device_threads` runs a
 function on one thread per device under the threaded simulator, each with its own block of
-the batched values (docs/simulation.md, "Eighth round"). The training loop saves checkpoints
-this way: a save is per-rank file I/O with barriers between its phases, cheap next to the
-steps, and its rank-0-only parts need a device that is rank 0."""
+the batched values (docs/simulation.md, "The training loop on the batched simulator"). The
+training loop saves checkpoints this way: a save is per-rank file I/O with barriers between its
+phases, cheap next to the steps, and its rank-0-only parts need a device that is rank 0."""
 from __future__ import annotations
 
 from typing import Any, Callable

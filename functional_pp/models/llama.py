@@ -33,7 +33,7 @@ class Config:
     init_std: float = 0.02
     max_seq: int = 8192
     # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
-    # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, seventh round)
+    # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, "Measurements")
     loss_chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:

@@ -44,8 +44,9 @@ def realized(x: Named) -> Named:
 def computed_once(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor's ``realized``: ``x`` itself eagerly; traced, a view of the whole of it,
     which inductor computes once into a buffer. For a scalar that many loops read, such as the
-    update's write guard (docs/compile.md "Eighth round"): inlined, each loop recomputed it per
-    vector of elements, from loads the C++ compiler cannot hoist past the loop's stores."""
+    update's write guard (docs/compile.md "The write guard computed once"): inlined, each loop
+    recomputed it per vector of elements, from loads the C++ compiler cannot hoist past the loop's
+    stores."""
     if not is_tracing():
         return x
     return x.as_strided(x.size(), x.stride())

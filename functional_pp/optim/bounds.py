@@ -76,7 +76,7 @@ def grad_and_bound_norms(bound: UpdateBound, grads: list[torch.Tensor], state: A
     (``params_finite``: the local parameters' flag where the bound needs it, else read here).
     Traced, leaf by leaf: ``sum(g * g)`` next to ``sum(g * g + t * t + ...)``, two reductions
     reading one gradient side by side, which the compiler computes in one loop (it does not fuse
-    reductions far apart in the graph; docs/compile.md "Update phase, fourth round")."""
+    reductions far apart in the graph; docs/compile.md "The update phase")."""
     terms = bound.terms(state, params)
     if not is_tracing():
         grad_norm = torch.sqrt(reducer(sq_sums(grads)))

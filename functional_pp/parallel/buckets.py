@@ -163,7 +163,7 @@ class GradBuckets:
 def resolve_pending(grads: Sequence[Any]) -> list[Any]:
     """``grads`` with every :class:`PendingGrad` waited for: a view of its reduced flat
     buffer, not a copy (as DDP's ``gradient_as_bucket_view``); the views of one buffer are
-    disjoint, so the optimizer may update each in place (step_buffers.own_buffers)."""
+    disjoint, so the optimizer may update each in place (step.buffers.own_buffers)."""
     return [g.resolve() if isinstance(g, PendingGrad) else g for g in grads]
 
 

@@ -14,7 +14,7 @@ One of three ways, per step:
   the optimizer has one, its pre-update bound (``optim.update_bound``): a step the bound
   cannot show finite is held (nothing written) and redone by the host in new buffers, as an
   in-place step is. Nothing the writes depend on needs the whole update first, so the
-  compiler makes one pass over the state (docs/compile.md "Step time").
+  compiler makes one pass over the state (docs/compile.md "The update phase").
 
 A step that returns new buffers checks the update's finiteness after computing it. A donated
 compiled step of an optimizer without a bound checks the values written; one found non-finite
@@ -106,7 +106,7 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
     if written:
         # scalars only: the writes wait for no reduction over the update (one pass)
         write = ok & shown if shown is not None else ok
-        # computed once, not inside every leaf's update loop (docs/compile.md "Eighth round")
+        # computed once, not inside every leaf's update loop (docs/compile.md "The write guard computed once")
         write = computed_once(write)
         up.params = write_into(params, tree_map(lambda new, old: keep_if(write, new, old), up.params, params))
         up.opt_state = write_into(opt_state, tree_map(lambda new, old: keep_if(write, new, old), up.opt_state,

@@ -1,7 +1,7 @@
 """The training loop (``functional-pp train``) on the batched simulator: the same losses,
 metrics, communication report and checkpoints (bitwise) as on the threaded simulator, a save
 and resume on the batched path, the ``simulation`` key / ``--sim-mode`` choice and its refusal
-(docs/simulation.md, "Eighth round")."""
+(docs/simulation.md, "The training loop on the batched simulator")."""
 import io
 import json
 from pathlib import Path

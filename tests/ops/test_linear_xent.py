@@ -1,5 +1,5 @@
 """The LM head and cross-entropy over token chunks (functional_pp/ops/xent/linear.py,
-docs/compile.md "Seventh round (2026-12-01, lmce)"): loss, gradients and updated parameters
+docs/compile.md "The LM head and cross-entropy over token chunks"): loss, gradients and updated parameters
 equal the unchunked ``cross_entropy(einsum(...))`` on one device, under simulated layouts
 (vocabulary split over tp, tokens over dp/cp, FSDP-sharded and tied head weights), compiled,
 and on real gloo processes; no full logits buffer in eager."""

@@ -350,7 +350,7 @@ def _batch_seeded(seed):
 def test_the_carried_peaks_bound_the_first_moments_over_many_steps_and_change_no_result(monkeypatch):
     # aot_eager, donated: after every step each leaf's carried peak is at least its largest |m|,
     # carried (the moments are read once, at the first step); the states are bitwise those of the
-    # same steps reading the moments (the fifth round's joint norm)
+    # same steps reading the moments (the joint norm of gradients and first moments)
     reads = []
     real = known_finite.term_peaks
     monkeypatch.setattr(known_finite, "term_peaks", lambda *a: reads.append(1) or real(*a))

@@ -1,6 +1,6 @@
 """The donated compiled step's write guard (docs/optim.md "Bound before the update") is computed
 once into a buffer that every leaf's update loop reads (``ops.realize.computed_once``;
-docs/compile.md "Eighth round"): inlined, inductor recomputed it inside each vectorised loop,
+docs/compile.md "The write guard computed once"): inlined, inductor recomputed it inside each vectorised loop,
 per vector of elements (the loss's and the gradient norm's finiteness and the bound's
 double-precision sqrt/division), from loads the C++ compiler cannot hoist past the stores."""
 import functools

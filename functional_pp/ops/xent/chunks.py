@@ -1,5 +1,5 @@
 """The LM head matmul and the cross-entropy over chunks of tokens, with no full logits buffer
-(docs/compile.md, "Seventh round (2026-12-01, lmce)").
+(docs/compile.md, "The LM head and cross-entropy over token chunks").
 
 One pass over the tokens in forward: each chunk's logits ``x_c @ w`` (a few MiB), their
 log-sum-exp, the picked logit, and, when a gradient is wanted, the chunk's gradient of the
@@ -58,7 +58,8 @@ def _chunk_eager(logits, idx, rw, lse, inside, need_grad):
 def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` in place (one GEMM reading and writing ``acc``). An op of its own so a
     compiled step keeps it in place: inductor makes ``acc + a @ b`` an out-of-place ``addmm``
-    that first copies ``acc`` into a fresh buffer (docs/compile.md, seventh round)."""
+    that first copies ``acc`` into a fresh buffer (docs/compile.md, "The LM head and cross-entropy
+    over token chunks")."""
     acc.addmm_(a, b)
 
 

@@ -1,5 +1,5 @@
 """The LM head and the cross-entropy in one op, over chunks of tokens: no full logits buffer
-in forward or backward (docs/compile.md and docs/memory.md, "Seventh round (2026-12-01, lmce)").
+in forward or backward (docs/compile.md "The LM head and cross-entropy over token chunks", docs/memory.md).
 
 The layouts are those of ``cross_entropy(einsum(head pattern, hidden, weight), labels)``: the
 einsum's plan gives the operands' layouts (an FSDP-sharded weight gathered, the hidden states
@@ -22,7 +22,7 @@ from functional_pp.ops.xent.chunks import chunk_rows, chunked_lse, linear_xent_s
 from functional_pp.parallel import collectives as C
 
 # one chunk of fp32 logits: as fast as the unchunked head on CPU for preset small (512 rows of
-# 8192); smaller chunks save more memory and cost speed (docs/compile.md, seventh round)
+# 8192); smaller chunks save more memory and cost speed (docs/compile.md "Measurements")
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
