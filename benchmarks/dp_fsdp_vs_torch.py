@@ -32,10 +32,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import functional_pp as fpp  # noqa: E402
-from functional_pp.models import llama  # noqa: E402
 from single_device import (OPT, PRESETS, PlainLlama, load_from_functional, make_config, peak_memory,  # noqa: E402
                            plain_loss)
+
+import functional_pp as fpp  # noqa: E402
+from functional_pp.models import llama  # noqa: E402
 
 
 def _adamw():

@@ -35,9 +35,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from single_device import FunctionalRunner, PlainRunner, make_batch, make_config  # noqa: E402
+
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from single_device import FunctionalRunner, PlainRunner, make_batch, make_config  # noqa: E402
 
 MODEL = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128)
 

@@ -33,9 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from single_device import OPT, PlainLlama, load_from_functional, make_batch, plain_loss  # noqa: E402
+
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from single_device import OPT, PlainLlama, load_from_functional, make_batch, plain_loss  # noqa: E402
 
 
 # --------------------------------------------------------------------------- matmul peak

@@ -100,6 +100,7 @@ def capture(args) -> None:
     torch.set_num_threads(1)
     inductor_config.cpp.simdlen = 256          # AVX2 kernels: valgrind does not run AVX-512
     import single_device as sd
+
     import functional_pp as fpp
     from functional_pp.models import llama
 

@@ -47,8 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from single_device import (OPT, PRESETS, FunctionalRunner, PlainRunner, make_batch,  # noqa: E402
-                           make_config)
+from single_device import OPT, PRESETS, FunctionalRunner, PlainRunner, make_batch, make_config  # noqa: E402
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402

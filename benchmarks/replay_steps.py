@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import functional_pp  # noqa: E402,F401  (registers the fpp:: custom ops the output code calls)
 from instr_count import load_graph_modules  # noqa: E402
+
+import functional_pp  # noqa: E402,F401  (registers the fpp:: custom ops the output code calls)
 
 
 def main(argv=None) -> None:

@@ -35,8 +35,8 @@ import time
 import torch
 
 import functional_pp as fpp
-from functional_pp.devices import sim
 from functional_pp.data import DataLoader
+from functional_pp.devices import sim
 from functional_pp.models import llama
 
 MESHES = {1: dict(), 2: dict(dp_shard=2), 4: dict(dp_shard=2, tp=2), 8: dict(dp_shard=2, cp=2, tp=2),

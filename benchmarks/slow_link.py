@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import functional_pp as fpp  # noqa: E402
+from functional_pp.core.runtime import current_context  # noqa: E402
 from functional_pp.devices.slow_link import ENV_MBPS, ENV_MS  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from functional_pp.core.runtime import current_context  # noqa: E402
 
 PRESETS = {
     "tiny": dict(model=dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128), batch=2, seq=32),

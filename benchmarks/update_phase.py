@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import optree  # noqa: E402
+from single_device import OPT, make_config  # noqa: E402
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
 from functional_pp.step.update import update_phase  # noqa: E402
-from single_device import OPT, make_config  # noqa: E402
 
 
 def _adamw():

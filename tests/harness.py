@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
+from functional_pp.parallel import sharding
 
 
 def make_batch(cfg, batch=4, seq=16, seed=0):

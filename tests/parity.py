@@ -7,14 +7,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from harness import local_batch, make_batch
 
-from functional_pp.core import tree
-from functional_pp.parallel import sharding
 import functional_pp as fpp
+from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.optim.transform import GradientTransformation, chain
-
-from harness import local_batch, make_batch
+from functional_pp.parallel import sharding
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)

@@ -257,6 +257,23 @@ def test_private_torch_is_touched_only_in_its_folder():
                      "test in tests/_torch/ that fails when torch changes it):\n" + "\n".join(bad))
 
 
+def test_per_thread_state_is_made_in_one_module():
+    """Simulated devices are threads: every per-thread store comes from core/runtime.py
+    (``per_thread(name)`` or an object's ``new_per_thread()``), so they can be listed there."""
+    allowed = {"core/runtime.py"}
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in allowed or folder_of(module_name(path)) == PRIVATE_TORCH:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "local"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "threading"):
+                bad.append(f"{rel} line {node.lineno}")
+    assert not bad, ("threading.local() outside core/runtime.py (use core.runtime.per_thread(name), or "
+                     "new_per_thread() for an object's own store): " + ", ".join(bad))
+
+
 # ---------------------------------------------------- the checker itself catches what it must
 def _graph_of(sources: dict[str, str]) -> dict[str, set[str]]:
     graph = {}

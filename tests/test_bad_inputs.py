@@ -14,22 +14,21 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import optree
+import pytest
 import torch
 import yaml
+from harness import local_batch, make_batch
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import cli
-from functional_pp.devices.sim_watch import CollectiveTimeout, DeviceFinishedError
 from functional_pp.data import DataLoader
+from functional_pp.devices.process_watch import CollectiveTimeoutError, RankDiedError
+from functional_pp.devices.sim_watch import CollectiveTimeout, DeviceFinishedError
 from functional_pp.models import llama
 from functional_pp.ops.token_ids import TokenIdError
-from functional_pp.devices.process_watch import CollectiveTimeoutError, RankDiedError
 from functional_pp.step.train import NonFiniteError
-
-from harness import local_batch, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = llama.Config.tiny()

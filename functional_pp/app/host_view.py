@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from functional_pp.devices.batched_run import as_device, per_device
-from functional_pp.devices.device_threads import on_device_threads
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import current_context, current_rank
+from functional_pp.devices.batched_run import as_device, per_device
+from functional_pp.devices.device_threads import on_device_threads
 
 __all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
            "StackedLoader", "save_on_devices"]

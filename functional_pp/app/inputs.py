@@ -92,8 +92,8 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     """This device's shards of ``base_model``'s weights as named parameters (inside
     :func:`functional_pp.launch`: only the rows / columns of each tensor it holds are read)."""
     from functional_pp.checkpoint import hf
-    from functional_pp.parallel.named import Named
     from functional_pp.core.tree import map_with_path
+    from functional_pp.parallel.named import Named
     tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
                                 rules=rules, device=device)
 

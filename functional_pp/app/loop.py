@@ -34,9 +34,6 @@ from typing import IO, Mapping
 import torch
 
 from functional_pp import checkpoint as ck
-from functional_pp.config import ConfigError, TrainConfig, model_family
-from functional_pp.core.seeds import check_seed
-from functional_pp.devices.launch import launch, under_torchrun
 from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from functional_pp.app.metrics import read_metrics, trim_metrics
 from functional_pp.app.optimizer import optimizer_from_config
@@ -45,6 +42,9 @@ from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
 from functional_pp.app.world import World, is_main_process, resolve_world
+from functional_pp.config import ConfigError, TrainConfig, model_family
+from functional_pp.core.seeds import check_seed
+from functional_pp.devices.launch import launch, under_torchrun
 
 # World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
@@ -102,13 +102,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
-    from functional_pp.core import comm
-    from functional_pp.devices.batched_run import per_device
-    from functional_pp.data import DataLoader
-    from functional_pp.parallel.init import init as init_named
     from functional_pp.app.evaluate import evaluate
     from functional_pp.app.inputs import base_params, check_batches, load_data, model_config
     from functional_pp.app.world import describe_device, peak_flops, select_device
+    from functional_pp.core import comm
+    from functional_pp.data import DataLoader
+    from functional_pp.devices.batched_run import per_device
+    from functional_pp.parallel.init import init as init_named
     from functional_pp.step.train import DEFAULT_BATCH_DIMS, train_step
 
     world = resolve_world(cfg, simulate)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from functional_pp.app.world import World
 from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
 from functional_pp.core.tree import count_params, leaves_with_paths
-from functional_pp.app.world import World
 
 __all__ = ["describe", "param_memory", "planned_memory", "mesh_label", "comm_report_text"]
 
@@ -91,8 +91,8 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     precision, accumulation and remat; docs/planning.md)."""
     import functools
 
-    from functional_pp.plan import estimate
     from functional_pp.app.optimizer import optimizer_from_config
+    from functional_pp.plan import estimate
     family = model_family(cfg)
     gb = cfg.global_batch(mesh, rules)
     batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from functional_pp.app.sim_mode import simulation_mode
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.devices.launch import under_torchrun
-from functional_pp.app.sim_mode import simulation_mode
 
 __all__ = ["World", "resolve_world", "is_main_process", "select_device", "peak_flops", "describe_device",
            "PEAK_BF16"]

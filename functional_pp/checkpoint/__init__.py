@@ -13,7 +13,7 @@ mesh and rules need, so a checkpoint loads on any mesh, or whole on one device::
 """
 from functional_pp.checkpoint.consolidate import consolidate
 from functional_pp.checkpoint.format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                     CheckpointNotFoundError, UnsafeFormatError)
+                                             CheckpointNotFoundError, UnsafeFormatError)
 from functional_pp.checkpoint.load import Restored, load_checkpoint, load_safetensors
 from functional_pp.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from functional_pp.checkpoint.save import save_checkpoint

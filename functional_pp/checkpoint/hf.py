@@ -20,15 +20,15 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from functional_pp.core.layout import Rules, block_slices
-from functional_pp.core.mesh import Mesh
-from functional_pp.parallel.shard_map import active_rules
-from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.consolidate import write_sharded_set
-from functional_pp.checkpoint.load import _where
 from functional_pp.checkpoint.format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                     CheckpointNotFoundError, UnsafeFormatError)
+                                             CheckpointNotFoundError, UnsafeFormatError)
+from functional_pp.checkpoint.load import _where
+from functional_pp.core.layout import Rules, block_slices
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.tree import leaves_with_paths, map_with_path
+from functional_pp.parallel.shard_map import active_rules
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, config_from_hf_dict,
-                                config_to_hf, hf_kind, hf_name, our_path, permute_for_rotate_half,
-                                unpermute_from_rotate_half)
+                                           config_to_hf, hf_kind, hf_name, our_path, permute_for_rotate_half,
+                                           unpermute_from_rotate_half)
 
 
 def _kind_of(path: str) -> str:

@@ -12,12 +12,12 @@ from typing import Any, Callable, Iterable
 import torch
 from safetensors import safe_open
 
-from functional_pp.core.layout import Rules, block_slices
-from functional_pp.core.mesh import Mesh
-from functional_pp.core.runtime import current_context
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.format import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from functional_pp.checkpoint.specs import LoadPlan, _children, _spec_paths, fill, is_param_like, path_str
+from functional_pp.core.layout import Rules, block_slices
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.runtime import current_context
 
 _ST_TO_DTYPE = {fmt.st_dtype_code(dt): dt for dt in fmt._ST_DTYPES}
 

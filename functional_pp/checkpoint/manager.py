@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from functional_pp.core.layout import Rules
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.load import Restored, load_checkpoint
 from functional_pp.checkpoint.save import save_checkpoint
+from functional_pp.core.layout import Rules
 
 
 class CheckpointManager:

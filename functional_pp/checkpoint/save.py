@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from functional_pp.core.layout import Rules, block_slices, layout_axes
-from functional_pp.core.mesh import Mesh
-from functional_pp.core.runtime import current_context
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.format import CheckpointError
 from functional_pp.checkpoint.specs import PER_RANK, SaveLeaf, flatten_for_save, is_param_like
+from functional_pp.core.layout import Rules, block_slices, layout_axes
+from functional_pp.core.mesh import Mesh
+from functional_pp.core.runtime import current_context
 
 
 class _Peers:

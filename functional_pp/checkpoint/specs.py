@@ -13,9 +13,8 @@ containers, so a loaded tree has the saved structure even where no spec describe
 """
 from __future__ import annotations
 
-import warnings
-
 import collections
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 

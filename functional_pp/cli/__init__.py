@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from functional_pp.version import __version__
 from functional_pp.cli.errors import run_reporting_errors
 from functional_pp.config import ConfigError, TrainConfig, config_help
+from functional_pp.version import __version__
 
 __all__ = ["main", "build_parser"]
 

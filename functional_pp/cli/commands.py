@@ -99,8 +99,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from functional_pp.checkpoint import CheckpointError
     from functional_pp.app.export import export_run
+    from functional_pp.checkpoint import CheckpointError
     try:
         out = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
                          dtype=getattr(torch, args.dtype) if args.dtype else None)

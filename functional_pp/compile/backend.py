@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 
-from functional_pp.core import comm
+from functional_pp._torch import compile_backend
 from functional_pp.compile.overlap import overlap_communication
 from functional_pp.compile.recompute import in_backward_region, reissue_for_backward
 from functional_pp.compile.reinplace import reinplace
-from functional_pp.core.runtime import thread_local_value
-from functional_pp._torch import compile_backend
+from functional_pp.core import comm
+from functional_pp.core.runtime import per_thread, thread_local_value
 
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
@@ -62,7 +61,7 @@ def graph_collectives(graph: torch.fx.Graph) -> list[tuple[tuple, bool]]:
     return out
 
 
-_local = threading.local()
+_local = per_thread("compile.backend")
 
 
 @contextmanager

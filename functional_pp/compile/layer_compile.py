@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import per_thread
 
 PER_LAYER = "per_layer"
 
-_local = threading.local()
+_local = per_thread("compile.layer_compile")
 
 
 def split_mode(compile: bool | str) -> tuple[bool | str, bool | str]:

@@ -23,13 +23,13 @@ simulated graph is left in trace order.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from functional_pp.compile.in_flight import DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV, in_flight_limit  # noqa: F401 (re-exported)
-from functional_pp.compile.recompute import _VIEW_OR_CAST, REGATHER, _op_name
 from functional_pp._torch import OpOverload, is_backward_node
+from functional_pp.compile.in_flight import (DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV,  # noqa: F401 (re-exported)
+                                             in_flight_limit)
+from functional_pp.compile.recompute import _VIEW_OR_CAST, REGATHER, _op_name
+
 _FUNCOL = "_c10d_functional"
 
 

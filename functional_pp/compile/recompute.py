@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from contextlib import nullcontext
 
 import torch
 
 from functional_pp._torch import annotate, is_backward_node, is_tracing
 from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
+from functional_pp.core.runtime import per_thread
 
-_local = threading.local()
+_local = per_thread("compile.recompute")
 
 # ops that only view or convert a value: they join the region of their (single) input
 _VIEW_OR_CAST = {

@@ -35,7 +35,8 @@ from functional_pp.config.keys import ADAM_KEYS, MESH_KEYS, SGD_KEYS
 from functional_pp.config.models import model_config, model_family
 from functional_pp.config.overrides import apply_overrides
 from functional_pp.config.schema import ConfigError, help_text
-from functional_pp.config.sections import PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
+from functional_pp.config.sections import (PRESETS, CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig,
+                                           ModelConfig)
 from functional_pp.config.train_config import TrainConfig
 
 __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "DatasetConfig",

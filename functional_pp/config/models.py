@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from functional_pp.models.family import ModelFamily, UnknownFamilyError, get_family
 from functional_pp.config.schema import ConfigError
+from functional_pp.models.family import ModelFamily, UnknownFamilyError, get_family
 
 __all__ = ["model_family", "model_config"]
 

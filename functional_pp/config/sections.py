@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from functional_pp.models.family import UnknownFamilyError, get_family
 from functional_pp.config.schema import ConfigError, Issues, fld, parse_section, suggest
+from functional_pp.models.family import UnknownFamilyError, get_family
 
 __all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "CheckpointConfig", "PRESETS",
            "DEFAULT_FAMILY"]

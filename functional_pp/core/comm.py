@@ -2,17 +2,17 @@
 device sends by the ring formulas of docs/communication.md."""
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from functional_pp.core.graph_tags import BACKWARD, TRACED
 from functional_pp._torch import annotate, in_backward, is_tracing
+from functional_pp.core.graph_tags import BACKWARD, TRACED
+from functional_pp.core.runtime import per_thread
 
-_local = threading.local()
+_local = per_thread("core.comm")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,8 @@ import difflib
 import warnings
 from typing import Iterable, Mapping, Sequence
 
-import torch
-
-from functional_pp.core.mesh import AxisNames, Mesh, as_axes
 from functional_pp._torch import is_tracing
+from functional_pp.core.mesh import AxisNames, Mesh, as_axes
 
 Layout = tuple[AxisNames, ...]  # per dimension, the mesh axes splitting it (major first)
 

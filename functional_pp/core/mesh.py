@@ -5,7 +5,6 @@ import difflib
 import itertools
 from typing import Iterable, Mapping, Sequence
 
-import torch
 from functional_pp._torch import is_tracing
 
 DEFAULT_AXES = ("dp_replicate", "dp_shard", "cp", "tp")

@@ -33,7 +33,38 @@ class DeviceContext:
         return self.mesh.coords(self.rank)
 
 
-_local = threading.local()
+# ------------------------------------------------------------------ per-thread state
+# Simulated devices are threads, so what one device must not see of another is per thread.
+# Every such store of the package is made here, under a name, so all of them can be listed
+# in one place (per_thread_stores); tests/test_architecture.py refuses threading.local()
+# anywhere else (_torch/ aside: it is below this module).
+_STORES: dict[str, threading.local] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def per_thread(name: str) -> threading.local:
+    """The per-thread store called ``name`` (one per module, e.g. ``"parallel.fsdp_units"``; an
+    object that needs its own gives its own name); made on first use, the same object after."""
+    with _STORES_LOCK:
+        store = _STORES.get(name)
+        if store is None:
+            store = _STORES[name] = threading.local()
+        return store
+
+
+def new_per_thread() -> threading.local:
+    """A per-thread store of an object's own (its per-device state lives and dies with it: not
+    named, not listed)."""
+    return threading.local()
+
+
+def per_thread_stores() -> dict[str, threading.local]:
+    """Every per-thread store made so far, by name."""
+    with _STORES_LOCK:
+        return dict(_STORES)
+
+
+_local = per_thread("core.runtime.device")
 _process_context: DeviceContext | None = None
 
 
@@ -86,7 +117,7 @@ def set_process_context(ctx: DeviceContext | None) -> None:
 
 
 # ------------------------------------------------------------------------ active rules
-_rules_local = threading.local()
+_rules_local = per_thread("core.runtime.rules")
 
 
 def use_rules(rules: "Rules") -> ContextManager["Rules"]:
@@ -103,7 +134,7 @@ def active_rules(required: bool = True) -> "Rules | None":
 
 
 # ------------------------------------------------------------------------- op options
-_opts = threading.local()
+_opts = per_thread("core.runtime.options")
 
 
 @dataclass

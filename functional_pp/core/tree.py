@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import optree
-
 import torch
 
 from functional_pp._torch import is_tracing

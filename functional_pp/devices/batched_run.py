@@ -14,7 +14,8 @@ import torch
 
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, thread_context
-from functional_pp.devices import device_stack_ops  # noqa: F401 (installs the dispatch of the ops with rules of their own)
+from functional_pp.devices import \
+    device_stack_ops  # noqa: F401 (installs the dispatch of the ops with rules of their own)
 from functional_pp.devices.batched import BatchedBackend, BatchedRank
 from functional_pp.devices.device_stack import DeviceStack, stack_blocks
 

@@ -21,6 +21,7 @@ import torch
 
 from functional_pp._torch import (DISABLED_TORCH_FUNCTION, add_batch_dim, make_wrapper_subclass, remove_batch_dim,
                                   vmap_level)
+
 _HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
                torch.ops.aten.is_nonzero.default}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.devices.device_stack import (DeviceStack, as_device_stack, batched_call, n_devices, same_on_all_devices,
-                           set_route)
+from functional_pp.devices.device_stack import (DeviceStack, as_device_stack, batched_call, n_devices,
+                                                same_on_all_devices, set_route)
 
 
 def route(func, args, kwargs):

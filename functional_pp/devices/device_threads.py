@@ -21,8 +21,8 @@ def on_device_threads(fn: Callable[[Any], Any], tree: Any, *, timeout: float = 3
     ctx = current_context(required=False)
     if ctx is None or not ctx.batched:
         return [fn(tree)]
-    from functional_pp.devices.launch import _launch_threads
     from functional_pp.devices.batched_run import _block_of
+    from functional_pp.devices.launch import _launch_threads
     blocks = [_block_of(tree, r) for r in range(ctx.mesh.size)]
     with thread_local_value(_local, "ctx", None):       # the device threads' launch is not nested
         return _launch_threads(lambda: fn(blocks[current_rank()]), ctx.mesh, timeout)

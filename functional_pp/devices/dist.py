@@ -11,10 +11,11 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from functional_pp.core.mesh import Mesh
 from functional_pp._torch import is_tracing
 from functional_pp._torch.distributed import funcol
-from functional_pp.devices.slow_link import SlowLink, from_env as slow_link_from_env
+from functional_pp.core.mesh import Mesh
+from functional_pp.devices.slow_link import SlowLink
+from functional_pp.devices.slow_link import from_env as slow_link_from_env
 
 
 class DistBackend:

@@ -10,11 +10,12 @@ from typing import Any, Callable
 
 import torch
 
-from functional_pp.devices.sim import SimAborted, SimBackend, SimWorld
-from functional_pp.core.mesh import Mesh
-from functional_pp.devices.process_watch import DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure, supervise
 from functional_pp._torch import compile_cache_limits, reset_compile_workers_after_fork
+from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
+from functional_pp.devices.process_watch import (DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure,
+                                                 supervise)
+from functional_pp.devices.sim import SimAborted, SimBackend, SimWorld
 
 
 class DeviceError(RuntimeError):

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from functional_pp import ops
-from functional_pp.parallel.named import Named, tied
-from functional_pp.ops.rotary import Llama3Scaling
-from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.core.tree import param
+from functional_pp.ops.layer import layer as remat_layer
+from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.parallel.named import Named, tied
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.ops.rotary import Llama3Scaling
 from functional_pp.models.llama import Config
+from functional_pp.ops.rotary import Llama3Scaling
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",

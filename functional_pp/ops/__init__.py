@@ -1,18 +1,18 @@
 """Named-dimension ops: communication derived from layouts (docs/names.md: dims vs mesh axes)."""
 from functional_pp.ops.attention import attention, positions
+from functional_pp.ops.dropout import dropout
 from functional_pp.ops.einsum import einsum
 from functional_pp.ops.elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where
-from functional_pp.ops.dropout import dropout
 from functional_pp.ops.embedding import embed
 from functional_pp.ops.indexing import concat, cumsum, slice_dim, take, unbind
 from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy
-from functional_pp.ops.xent.linear import linear_cross_entropy
 from functional_pp.ops.norms import layer_norm, rms_norm
 from functional_pp.ops.realize import realized
 from functional_pp.ops.reduce import logsumexp, max, mean, softmax, sum  # noqa: A004
 from functional_pp.ops.rotary import Llama3Scaling, inverse_frequencies, rotary
 from functional_pp.ops.shape import merge_dims, rearrange, rename, split_dim, transpose
 from functional_pp.ops.swiglu import swiglu
+from functional_pp.ops.xent.linear import linear_cross_entropy
 
 __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "linear_cross_entropy", "IGNORE_INDEX",

@@ -11,15 +11,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import Named, _make, _memo, current_context, env, op_env, options, pvary, require_named, settle, target_layout, varying_after
-from functional_pp.ops.regather import relayout
 from functional_pp._torch import is_tracing
 from functional_pp.core.observers import uneven_work
 from functional_pp.core.order import balanced_indices
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
+from functional_pp.ops.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import (Named, _make, _memo, current_context, env, op_env, options, pvary,
+                                          require_named, settle, target_layout, varying_after)
 
 
 def positions(dim: str, size: int | None = None) -> Named:

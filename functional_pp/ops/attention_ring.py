@@ -14,8 +14,8 @@ import math
 import torch
 
 from functional_pp.core.runtime import current_context
-from functional_pp.ops.attention_kernels import (SavedOutLseAttention, _acc_dtype, _block_plan, _check_shapes, _shift, attention_with_lse,
-                                attention_with_lse_backward, merge_partials)
+from functional_pp.ops.attention_kernels import (SavedOutLseAttention, _acc_dtype, _block_plan, _check_shapes, _shift,
+                                                 attention_with_lse, attention_with_lse_backward, merge_partials)
 
 
 def _fold(x: torch.Tensor) -> torch.Tensor:

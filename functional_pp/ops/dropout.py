@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, env, settle
 
 _MASK64 = (1 << 64) - 1

@@ -5,9 +5,9 @@ import functools
 
 import torch
 
-from functional_pp.parallel.named import Named, _make, op_env, require_named, pvary, settle, varying_after
-from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp._torch import is_tracing
+from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.named import Named, _make, op_env, pvary, require_named, settle, varying_after
 
 
 def _cache(maxsize: int):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel.named import Named, _make, env, op_env, pvary, settle, varying_after
 from functional_pp.ops.einsum import _cache
 from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.named import Named, _make, env, op_env, pvary, settle, varying_after
 
 
 @_cache(1024)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import Named, env, require_named, pvary, settle, varying_after
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.token_ids import check_ids
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import Named, env, pvary, require_named, settle, varying_after
 
 
 def embed(table: Named, ids: Named, vocab: str | None = None) -> Named:

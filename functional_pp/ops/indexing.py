@@ -8,8 +8,8 @@ from typing import Sequence
 
 import torch
 
-from functional_pp.parallel.named import Named, pvary, settle, target_layout, varying_after
 from functional_pp.ops.regather import relayout
+from functional_pp.parallel.named import Named, pvary, settle, target_layout, varying_after
 
 
 def _whole_along(x: Named, dim: str, op: str) -> tuple[Named, int]:

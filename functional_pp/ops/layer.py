@@ -12,14 +12,13 @@ import functools
 from typing import Any, Callable
 
 import optree
-import torch
 from torch.utils.checkpoint import checkpoint
 
+from functional_pp._torch import is_tracing
 from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
+from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure, options
-from functional_pp.compile.recompute import remat_region, reset_region_ids
-from functional_pp._torch import is_tracing
 
 
 def _flatten(tree: Any):

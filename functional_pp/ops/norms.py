@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel.named import Named, _make, settle
-from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops import reduce as R
+from functional_pp.ops.shape import the_one_dim
+from functional_pp.parallel.named import Named, _make, settle
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.parallel.named import Named, _make, settle
 from functional_pp._torch import is_tracing
+from functional_pp.parallel.named import Named, _make, settle
 
 
 class _Realized(torch.autograd.Function):

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import _EMPTY, Named, _make, env, require_named, settle
+from functional_pp.parallel.named import Named, _make, env, require_named, settle
 
 
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:

@@ -12,14 +12,14 @@ from typing import Iterator, Sequence
 
 import torch
 
-from functional_pp.parallel.collectives import raw_all_gather
-from functional_pp.core.layout import Layout
-from functional_pp.parallel.named import Named, _make, options
-from functional_pp.core.order import from_balanced
-from functional_pp.core.observers import saved_for_backward
-from functional_pp.compile.recompute import regather_region
-from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 from functional_pp._torch import is_tracing
+from functional_pp.compile.recompute import regather_region
+from functional_pp.core.layout import Layout
+from functional_pp.core.observers import saved_for_backward
+from functional_pp.core.order import from_balanced
+from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel.named import Named, _make, options
+from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 
 
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from functional_pp.compile.barrier import materialize
-from functional_pp.parallel.named import Named, _make, _memo, settle
-from functional_pp.ops.regather import relayout
 from functional_pp._torch import is_tracing
+from functional_pp.compile.barrier import materialize
+from functional_pp.ops.regather import relayout
+from functional_pp.parallel.named import Named, _make, _memo, settle
 
 # marks a positions value built while torch.compile traces: its rotary tables may be memoised on
 # it for that trace (the value dies with the trace; docs/rotary.md)

@@ -4,10 +4,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-import torch
-
-from functional_pp.parallel.named import Named, _make, env, op_env, require_named, settle, target_layout
 from functional_pp.ops.regather import relayout
+from functional_pp.parallel.named import Named, _make, env, op_env, require_named, settle, target_layout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from functional_pp.parallel.named import Named
-from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import apply_function, is_tracing
+from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.ops.elementwise import broadcast_binary
+from functional_pp.parallel.named import Named
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -10,15 +10,15 @@ after the step (no host sync inside the step, traceable by ``torch.compile(fullg
 """
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import per_thread
 
-_state = threading.local()
+_state = per_thread("ops.token_ids")
 _MAX_DIMS = 4
 _KINDS = {0: ("embed", "token id"), 1: ("cross_entropy", "label")}
 

@@ -8,9 +8,10 @@ bounds: new parameters shown finite before they are written)."""
 
 from functional_pp.optim import schedules
 from functional_pp.optim.adam import ScaleByAdamState, scale_by_adam
-from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState, apply_updates, identity,
-                   in_place_step, returns_fresh, update_bound, scale, scale_by_learning_rate, scale_by_schedule, state_like_params, trace,
-                   tree_map, update_with)
+from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState,
+                                      apply_updates, identity, in_place_step, returns_fresh, scale,
+                                      scale_by_learning_rate, scale_by_schedule, state_like_params, trace, tree_map,
+                                      update_bound, update_with)
 from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, global_norm
 from functional_pp.optim.combine import chain
 from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask

@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functional_pp.optim.base import FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count, transform, \
-    tree_flatten, tree_leaves, tree_map, tree_unflatten, zeros_state
 from functional_pp._torch import is_tracing
+from functional_pp.optim.base import (FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count,
+                                      transform, tree_flatten, tree_leaves, tree_map, tree_unflatten, zeros_state)
 
 
 class ScaleByAdamState(NamedTuple):

@@ -19,10 +19,10 @@ import math
 import numbers
 from typing import Any, Callable, NamedTuple, Union
 
-import optree
 import torch
 
-from functional_pp.core.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 (tree_map re-exported)
+from functional_pp.core.tree import (tree_flatten, tree_leaves, tree_map,  # noqa: F401 (tree_map re-exported)
+                                     tree_unflatten)
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], torch.Tensor]

@@ -9,9 +9,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from functional_pp.optim.base import (FRESH, EmptyState, GradientTransformation, PyTree, _scale_leaves, check_number, dtype_groups,
-                   state_dtype, tree_flatten, tree_leaves, tree_unflatten, transform)
 from functional_pp._torch import is_tracing
+from functional_pp.optim.base import (FRESH, EmptyState, GradientTransformation, PyTree, _scale_leaves, check_number,
+                                      dtype_groups, state_dtype, transform, tree_flatten, tree_leaves, tree_unflatten)
 
 NormReducer = Callable[[PyTree], torch.Tensor]
 _WIDE = (torch.float32, torch.float64)     # dtypes that are their own state dtype

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from functional_pp.optim.base import ALIASED, FRESH, INHERIT, GradientTransformation, PyTree, returns_fresh, transform, update_with
+from functional_pp.optim.base import (ALIASED, FRESH, INHERIT, GradientTransformation, PyTree, returns_fresh, transform,
+                                      update_with)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -6,8 +6,9 @@ from typing import Any, Callable, Optional, Union
 import optree
 import torch
 
-from functional_pp.optim.base import INHERIT, EmptyState, GradientTransformation, PyTree, check_number, tree_leaves, transform
 from functional_pp._torch import is_tracing
+from functional_pp.optim.base import (INHERIT, EmptyState, GradientTransformation, PyTree, check_number, transform,
+                                      tree_leaves)
 
 Mask = Union[PyTree, Callable[[PyTree], PyTree], None]
 MaskOrFn = Mask   # the earlier name

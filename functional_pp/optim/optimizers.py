@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 from functional_pp.optim import schedules as _sched
 from functional_pp.optim.adam import scale_by_adam
-from functional_pp.optim.base import GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number, scale_by_learning_rate, \
-    trace
+from functional_pp.optim.base import (GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number,
+                                      scale_by_learning_rate, trace)
 from functional_pp.optim.bounds import adamw_bound
 from functional_pp.optim.clipping import clip_by_global_norm
 from functional_pp.optim.combine import chain

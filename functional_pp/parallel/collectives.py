@@ -13,13 +13,15 @@ from typing import Iterable
 
 import torch
 
-from functional_pp.parallel.raw_collectives import (AxesGroup, AxisName, _axes, _group, _local_chunk, _norm_dim,  # noqa: F401 (re-exported)
-                              _reduce_dtype, axis_index, axis_size, raw_all_gather, raw_all_reduce,
-                              raw_all_to_all, raw_permute, raw_reduce_scatter)
-from functional_pp.core.runtime import current_context
 from functional_pp._torch import apply_function
+from functional_pp.core.runtime import current_context
+from functional_pp.parallel.raw_collectives import (AxesGroup, AxisName, _axes, _group,  # noqa: F401 (re-exported)
+                                                    _local_chunk, _norm_dim, _reduce_dtype, axis_index, axis_size,
+                                                    raw_all_gather, raw_all_reduce, raw_all_to_all, raw_permute,
+                                                    raw_reduce_scatter)
+from functional_pp.parallel.transposes import _PSumScatter  # noqa: F401
 from functional_pp.parallel.transposes import (_AllGather, _AllGatherInvariant, _AllToAll, _PMax, _PPermute, _PSum,
-                         _PSumScatter, _PVary, _SliceVarying, _SplitInvariant, set_gradient_sink)  # noqa: F401
+                                               _PVary, _SliceVarying, _SplitInvariant, set_gradient_sink)
 
 
 def _trivial(axes: tuple[str, ...]) -> bool:

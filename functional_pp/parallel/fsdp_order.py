@@ -10,14 +10,15 @@ unit is gathered at once instead. :func:`trace_units` records when each unit's g
 launched and awaited and when its layer computed, for tests and benchmarks."""
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Hashable, Iterator
+
+from functional_pp.core.runtime import new_per_thread, per_thread
 
 # one unit call: per group of mesh axes and dtype, (axes, dtype, parameter positions, dims)
 Signature = tuple[Hashable, ...]
 
-_trace = threading.local()
+_trace = per_thread("parallel.fsdp_order.trace")
 
 
 class UnitOrder:
@@ -25,7 +26,7 @@ class UnitOrder:
     forward and of the one running."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._local = new_per_thread()
 
     def begin(self) -> None:
         """A forward starts: the calls recorded so far become the ones to replay."""

@@ -15,7 +15,6 @@ per-parameter collectives in the graph.
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
@@ -23,15 +22,16 @@ from typing import Any, Iterator
 import optree
 import torch
 
+from functional_pp._torch import in_backward, is_tracing
+from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.core import comm
+from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
-from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.parallel.named import Named, configure, env, options, pvary
-from functional_pp._torch import in_backward, is_tracing
 
-_local = threading.local()
+_local = per_thread("parallel.fsdp_units")
 
 
 class UnitsSeen:

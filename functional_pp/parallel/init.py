@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from functional_pp._torch import check_mt19937_state_layout, mt19937_state
 from functional_pp.core.layout import Rules, block_slices, require_contiguous
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.seeds import check_seed
-from functional_pp._torch import check_mt19937_state_layout, mt19937_state
 from functional_pp.core.tree import Param, map_with_path
 
 TILE = 1 << 16          # at most this many elements per tile: per-tile seeding is then ~1%
@@ -147,8 +147,8 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     """``init(llama.init, cfg, mesh=mesh, rules=rules, seed=0)``: call ``init_fn`` for the
     declarations and build this device's shards as named arrays (the full tree when ``mesh``
     is None); ``functional_pp.init_params`` gives plain tensors."""
-    from functional_pp.parallel.named import Named
     from functional_pp.core.runtime import current_context
+    from functional_pp.parallel.named import Named
 
     ctx = current_context(required=False)
     if mesh is not None and ctx is not None and ctx.batched:   # every device's shards, stacked

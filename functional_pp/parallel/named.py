@@ -20,14 +20,15 @@ from typing import Iterable, Sequence
 import optree
 import torch
 
-from functional_pp.parallel import collectives as C
+from functional_pp._torch import is_tracing
 from functional_pp.core import runtime as _runtime
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.order import to_balanced
-from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import (Options, active_rules, configure, current_context,  # noqa: F401 (re-exported)
+                                        options)
 from functional_pp.devices.batched_run import register_block_type
-from functional_pp.core.runtime import Options, active_rules, configure, current_context, options  # noqa: F401 (re-exported)
+from functional_pp.parallel import collectives as C
 
 _EMPTY: frozenset[str] = frozenset()
 _TRIVIAL_MESH = Mesh()

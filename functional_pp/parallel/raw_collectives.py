@@ -11,10 +11,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from functional_pp._torch import is_tracing
 from functional_pp.core import comm
 from functional_pp.core.mesh import as_axes
 from functional_pp.core.runtime import current_context, options
-from functional_pp._torch import is_tracing
 
 AxisName = str | Sequence[str]
 

@@ -8,10 +8,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from functional_pp.parallel import collectives as C
 from functional_pp.core.layout import Layout
-from functional_pp.parallel.named import _EMPTY, Named, _make, _memo, env, settle, target_layout
 from functional_pp.core.order import from_balanced, to_balanced
+from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import _EMPTY, Named, _make, _memo, env, settle, target_layout
 
 
 class Reshard(NamedTuple):

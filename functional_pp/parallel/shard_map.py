@@ -13,9 +13,10 @@ from typing import Any, Callable
 import optree
 import torch
 
-from functional_pp.parallel.collectives import all_gather, split_invariant
-from functional_pp.core.layout import P, Layout, Rules, spec_to_layout
+from functional_pp.core.layout import Layout, P, Rules, spec_to_layout
 from functional_pp.core.runtime import active_rules, current_context, use_rules  # noqa: F401 (re-exported)
+from functional_pp.parallel.collectives import all_gather, split_invariant
+
 
 def _is_spec(s) -> bool:
     return s is None or isinstance(s, (P, str))

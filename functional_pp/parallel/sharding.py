@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.core.layout import Rules, block_slices, require_contiguous
 from functional_pp.core.mesh import Mesh
-from functional_pp.parallel.named import Named, env
 from functional_pp.core.runtime import current_mesh
 from functional_pp.core.tree import map_with_path
+from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel.named import Named, env
 
 __all__ = ["shard", "gather", "named_tree"]
 

@@ -3,16 +3,15 @@ backward is the collective's transpose (the table is docs/collectives.md). The p
 differentiable collectives that apply them are in functional_pp/parallel/collectives.py."""
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
 
-from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
-                              raw_all_to_all, raw_permute, raw_reduce_scatter)
-from functional_pp.compile.recompute import traced_as_backward
-from functional_pp.core.runtime import current_context
 from functional_pp._torch import is_tracing
+from functional_pp.compile.recompute import traced_as_backward
+from functional_pp.core.runtime import current_context, per_thread
+from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
+                                                    raw_all_to_all, raw_permute, raw_reduce_scatter)
 
 
 # One Function per collective, its forward and its transpose (the backward) named in the class;
@@ -50,7 +49,7 @@ class _PSum(_Collective):
         return g, None
 
 
-_sink = threading.local()
+_sink = per_thread("parallel.transposes")
 _process_sink: list = [None]
 
 

@@ -8,7 +8,7 @@ it, and search the layouts of a cluster for the best ones (docs/planning.md).
 from functional_pp.plan.cluster import PRESETS, Cluster, cluster
 from functional_pp.plan.dryrun import LayoutEstimate, estimate, extrapolate
 from functional_pp.plan.search import (Candidate, Ranking, Space, beam, candidates, exhaustive, factorizations, search,
-                     standard_rules, table)
+                                       standard_rules, table)
 from functional_pp.plan.timing import StepTime, cost, fit_cluster
 from functional_pp.plan.trace import trace, write_trace
 from functional_pp.plan.tracker import CATEGORIES, DeviceRun, SavedTensor, TaggedEvent, count_saved

@@ -11,17 +11,17 @@ import optree
 import torch
 
 from functional_pp import optim
+from functional_pp._torch import trace_backward
 from functional_pp.core.comm import CommReport, comm_report
 from functional_pp.core.layout import Rules, local_shape
 from functional_pp.core.mesh import Mesh
+from functional_pp.core.tree import leaves_with_paths, map_with_path
+from functional_pp.ops.token_ids import deferred_checks
 from functional_pp.parallel.named import Named, wrap
 from functional_pp.parallel.shard_map import use_rules
-from functional_pp._torch import trace_backward
-from functional_pp.ops.token_ids import deferred_checks
-from functional_pp.step.train import PER_WEIGHT, train_step
-from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
+from functional_pp.step.train import PER_WEIGHT, train_step
 
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 

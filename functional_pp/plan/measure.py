@@ -12,17 +12,17 @@ import torch
 
 from functional_pp import optim
 from functional_pp.core.comm import CommReport, comm_report
-from functional_pp.parallel.init import init
-from functional_pp.devices.launch import launch
 from functional_pp.core.layout import Rules, local_shape
 from functional_pp.core.mesh import Mesh
-from functional_pp.parallel.named import configure
 from functional_pp.core.runtime import current_rank
-from functional_pp.parallel.shard_map import use_rules
-from functional_pp.step.train import PER_WEIGHT, train_step
 from functional_pp.core.tree import leaves_with_paths
+from functional_pp.devices.launch import launch
+from functional_pp.parallel.init import init
+from functional_pp.parallel.named import configure
+from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.dryrun import BatchSpec, _instrumented
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
+from functional_pp.step.train import PER_WEIGHT, train_step
 
 
 def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,

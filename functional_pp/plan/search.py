@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from functional_pp.core.layout import Rules, balanced, inherit
 from functional_pp.core.mesh import DEFAULT_AXES, Mesh
-from functional_pp.plan.cluster import Cluster, cluster as as_cluster
+from functional_pp.plan.cluster import Cluster
+from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.dryrun import BatchSpec, LayoutEstimate, estimate
 from functional_pp.plan.timing import cost
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from functional_pp.core.mesh import Mesh
-from functional_pp.plan.cluster import Cluster, cluster as as_cluster
+from functional_pp.plan.cluster import Cluster
+from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.tracker import DeviceRun, TaggedEvent
 
 

@@ -7,15 +7,16 @@ against): a storage counts from the op that creates it until it is freed."""
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_saved_for_backward, on_uneven_work
-from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
+from functional_pp.core.runtime import per_thread
+
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
               "logits grad", "forward temporaries", "gradients and backward temporaries",
               "update temporaries")
@@ -85,7 +86,7 @@ class DeviceRun:
         return sum(s.nbytes for s in self.saved if s.category in ("activations", "logits"))
 
 
-_active = threading.local()
+_active = per_thread("plan.tracker")
 
 
 @on_saved_for_backward

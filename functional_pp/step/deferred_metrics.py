@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from functional_pp.step.nonfinite import NonFiniteError, raise_if_stopping
 from functional_pp.ops.token_ids import TokenIdError, bad_id_message
 from functional_pp.step.io import nonfinite_what, one_transfer, peak_memory
+from functional_pp.step.nonfinite import NonFiniteError, raise_if_stopping
 
 # a device keeps at most this many unread steps; the step that reaches it reads them (their
 # 0-dim metrics and, eager, the token-id checks' views of their batches stay alive until read)

@@ -12,14 +12,14 @@ state (the first step, a loaded checkpoint, a state built or changed by hand, th
 a held step made again) is read once on the device (no host read) and its value carried on."""
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from functional_pp.optim.bounds import UpdateBound, params_finite, term_peaks
 from functional_pp._torch import version_counter
+from functional_pp.core.runtime import new_per_thread
+from functional_pp.optim.bounds import UpdateBound, params_finite, term_peaks
 
 
 class Remembered:
@@ -27,7 +27,7 @@ class Remembered:
     version counters (an in-place change of one, or another tensor, makes it unknown)."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._local = new_per_thread()
 
     def get(self, leaves: list[torch.Tensor], read: Callable[[list[torch.Tensor]], Any]) -> Any:
         """The value remembered for ``leaves`` if they are the tensors remembered, unchanged;

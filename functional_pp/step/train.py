@@ -17,30 +17,32 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from functional_pp import optim
-from functional_pp.compile.barrier import materialize
-from functional_pp.parallel.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
-from functional_pp.parallel.fsdp_order import UnitOrder
-from functional_pp.parallel.fsdp_units import begin_forward, fsdp_units as layer_units
-from functional_pp.compile.gate import CompileGate
-from functional_pp.parallel.collectives import psum as sum_over
+from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
 from functional_pp.compile.backend import step_backend
-from functional_pp.parallel.grads import check_scalar_loss
-from functional_pp.compile.recompute import backward_region, reset_region_ids
-from functional_pp.step.known_finite import KnownFinite, KnownPeaks
+from functional_pp.compile.barrier import materialize
+from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
+from functional_pp.compile.recompute import backward_region, reset_region_ids
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
-from functional_pp.parallel.named import Named, _make, configure, env, settle, wrap
-from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
-from functional_pp.core.runtime import Options, current_context
-from functional_pp.parallel.shard_map import use_rules
-from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
-from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
-from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
-from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
-from functional_pp.step.update import Updated, redo_held, update_phase
-from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
+from functional_pp.core.runtime import Options, current_context, new_per_thread
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
+from functional_pp.parallel.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
+from functional_pp.parallel.collectives import psum as sum_over
+from functional_pp.parallel.fsdp_order import UnitOrder
+from functional_pp.parallel.fsdp_units import begin_forward
+from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
+from functional_pp.parallel.grads import check_scalar_loss
+from functional_pp.parallel.named import Named, _make, configure, env, settle, wrap
+from functional_pp.parallel.shard_map import use_rules
+from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
+from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
+from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
+from functional_pp.step.known_finite import KnownFinite, KnownPeaks
+from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
+from functional_pp.step.update import Updated, redo_held, update_phase
+
 
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
@@ -159,7 +161,7 @@ class TrainStep:
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
         self._no_layers = False                 # a forward called no fpp.layer: no root kept (_root_had_no_layers)
-        self._unread = threading.local()        # metrics="deferred": each device thread's PendingSteps
+        self._unread = new_per_thread()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
         # the bound a donated step writes under (docs/optim.md "Bound before the update"), looked up once
@@ -370,6 +372,7 @@ class TrainStep:
         """The loss and the reduced gradients (named, laid out like the parameters) this step
         would compute for ``batch``, without updating anything (functional_pp.value_and_grad)."""
         import optree
+
         from functional_pp.parallel.grads import value_and_grad
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.gradients")

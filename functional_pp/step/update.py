@@ -28,13 +28,13 @@ from typing import Any, Callable
 import torch
 
 from functional_pp import optim
-from functional_pp.parallel.collectives import psum
-from functional_pp.step.nonfinite import nonfinite_flags
-from functional_pp.ops.realize import computed_once
-from functional_pp.optim.bounds import carried_norms, grad_and_bound_norms
-from functional_pp.step.buffers import acc_dtype, keep_if, own_buffers, write_into
 from functional_pp._torch import is_tracing
 from functional_pp.core.tree import tree_leaves, tree_map, tree_unflatten
+from functional_pp.ops.realize import computed_once
+from functional_pp.optim.bounds import carried_norms, grad_and_bound_norms
+from functional_pp.parallel.collectives import psum
+from functional_pp.step.buffers import acc_dtype, keep_if, own_buffers, write_into
+from functional_pp.step.nonfinite import nonfinite_flags
 
 AxisGroups = list   # [(mesh axes, leaf indices)]: the leaves split over exactly those axes
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp._torch import buffer_reuse
 from functional_pp import ops
+from functional_pp._torch import buffer_reuse
 
 V, H, B, S = 256, 24, 2, 8
 

@@ -6,12 +6,11 @@ import types
 
 import pytest
 import torch
+from harness import make_batch
 
 import functional_pp as fpp
 from functional_pp._torch import kernel_order
 from functional_pp.models import llama
-
-from harness import make_batch
 
 CFG = llama.Config.tiny()
 BATCH = {k: v.data for k, v in make_batch(CFG, batch=2, seq=16, seed=0).items()}

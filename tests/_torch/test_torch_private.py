@@ -113,6 +113,7 @@ def test_mt19937_state_reproduces_manual_seed_and_keeps_every_word():
     """``mt19937_state`` writes the generator layout this torch reads: the words of a
     ``manual_seed`` state give the same draws, and changing one word changes them."""
     import numpy as np
+
     from functional_pp._torch import check_mt19937_state_layout, mt19937_state
 
     check_mt19937_state_layout()

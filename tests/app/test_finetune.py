@@ -10,16 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import cli
-from functional_pp.core import tree
-from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
 from functional_pp.app.inputs import load_data
-from functional_pp.models import llama
 from functional_pp.app.metrics import read_metrics
+from functional_pp.config import TrainConfig
+from functional_pp.core import tree
+from functional_pp.data import DataLoader
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

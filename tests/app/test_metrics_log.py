@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from functional_pp.config import TrainConfig
-from functional_pp.app.world import peak_flops, select_device
-from functional_pp.app.metrics import JsonlLogger, MultiLogger
 from functional_pp.app.loop import train
+from functional_pp.app.metrics import JsonlLogger, MultiLogger
+from functional_pp.app.world import peak_flops, select_device
+from functional_pp.config import TrainConfig
 
 RUN = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "max_steps": 4,
        "warmup_steps": 0, "model": "tiny", "data": {"max_bytes": 60_000}, "val_set_size": 0.1,

@@ -14,11 +14,11 @@ import torch
 
 from functional_pp import checkpoint as ck
 from functional_pp import cli
-from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.app.loop import train
 from functional_pp.app.metrics import read_metrics
 from functional_pp.app.progress import Progress
 from functional_pp.app.world import World, resolve_world
+from functional_pp.config import ConfigError, TrainConfig
 
 BASE = {"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
         "sequence_len": 32, "learning_rate": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 2,

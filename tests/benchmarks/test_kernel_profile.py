@@ -8,6 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import kernel_profile as kp  # noqa: E402
+
 from functional_pp.models import llama  # noqa: E402
 
 

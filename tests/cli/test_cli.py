@@ -14,6 +14,7 @@ import yaml
 import functional_pp as fpp
 from functional_pp import cli
 from functional_pp.models import llama
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

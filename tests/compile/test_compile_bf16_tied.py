@@ -3,11 +3,10 @@ import functools
 
 import pytest
 import torch
+from harness import make_batch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import make_batch
 
 CFG = llama.Config.tiny(tie_embeddings=True)
 

@@ -4,13 +4,12 @@ import functools
 
 import pytest
 import torch
+from harness import local_batch, make_batch
 from torch._dynamo.utils import counters
 
 import functional_pp as fpp
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch
 
 
 @pytest.fixture(autouse=True)

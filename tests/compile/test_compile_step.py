@@ -7,15 +7,14 @@ import threading
 
 import pytest
 import torch
-
-from functional_pp.parallel import sharding
-import functional_pp as fpp
-from functional_pp.compile.backend import capture_graphs
-from functional_pp.models import llama
-from functional_pp.compile.recompute import count_recomputed, saved_bytes
-
 from harness import local_batch, make_batch
 from memtrack import peak_memory
+
+import functional_pp as fpp
+from functional_pp.compile.backend import capture_graphs
+from functional_pp.compile.recompute import count_recomputed, saved_bytes
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
 
 
 def run_step(cfg, mesh, rules, steps=2, dtype=torch.float32, options=None, **step_kw):

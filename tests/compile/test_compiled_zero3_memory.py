@@ -14,12 +14,11 @@ import functools
 
 import pytest
 import torch
+from harness import local_batch, make_batch
+from memtrack import window_peaks
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch
-from memtrack import window_peaks
 
 CFG = llama.Config.tiny(layers=4, hidden=128, mlp=1024)
 MESH, RULES = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard")

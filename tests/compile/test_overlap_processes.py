@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
+from harness import make_batch
 
 import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
-
-from harness import make_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

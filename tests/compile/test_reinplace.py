@@ -2,17 +2,17 @@
 docs/compile.md): a compiled AdamW step peaks no higher than the eager step, which updates in
 place on its donated gradients, and the rewrite never touches a buffer something else reads."""
 import functools
+
 import pytest
 import torch
+from harness import make_batch
+from memtrack import peak_memory
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
-from functional_pp.models import llama
 from functional_pp.compile.reinplace import reinplace
-
-from harness import make_batch
-from memtrack import peak_memory
+from functional_pp.models import llama
 
 
 def _graph(fn, *args):

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core.layout import spec_to_layout
+from functional_pp.parallel import sharding
 
 
 def test_mesh_default_order_and_coords():

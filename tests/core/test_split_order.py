@@ -1,9 +1,8 @@
 """The order of a split dimension belongs to its rule (contiguous or load-balanced) and every
 gather, slice, named(), rename, reshape, positions and the ops that mix along a dimension
 follow it; derived names (inherit) and the ops a model author reaches for."""
-import warnings
-
 import threading
+import warnings
 
 import pytest
 import torch

@@ -9,18 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from functional_pp.data import (
-    IGNORE_INDEX,
-    ByteCorpus,
-    Corpus,
-    DataLoader,
-    TokenizerCorpus,
-    balanced_chunk_indices,
-    load_corpus,
-    shard_batch,
-    shard_sequence,
-    unshard_sequence,
-)
+from functional_pp.data import (IGNORE_INDEX, ByteCorpus, Corpus, DataLoader, TokenizerCorpus, balanced_chunk_indices,
+                                load_corpus, shard_batch, shard_sequence, unshard_sequence)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
+from functional_pp.app.inputs import load_data
 from functional_pp.config import DatasetConfig, TrainConfig
 from functional_pp.data import DataLoader
 from functional_pp.data.formats import ALPACA_PROMPT_NO_INPUT, ByteTokenizer, build_streams
-from functional_pp.app.inputs import load_data
 
 BYTES = ByteTokenizer()
 EOS = BYTES.eos_id

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from functional_pp.core import runtime
 import functional_pp as fpp
+from functional_pp.core import runtime
 
 N = 2
 

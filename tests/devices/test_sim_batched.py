@@ -3,13 +3,12 @@ each op batched over a device dimension. Oracles: the threaded simulation (bitwi
 ops on the same blocks, sums in the same order) and the single-device run."""
 import pytest
 import torch
+from harness import assert_same_run, make_batch, train_steps
 
-from functional_pp.parallel import collectives
 import functional_pp as fpp
 from functional_pp.devices.device_stack import DevicesDisagree
 from functional_pp.models import llama
-
-from harness import assert_same_run, make_batch, train_steps
+from functional_pp.parallel import collectives
 
 CFG = llama.Config.tiny()
 DATA = [make_batch(CFG, batch=8, seq=16, seed=s) for s in range(2)]

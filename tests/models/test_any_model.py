@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
+from functional_pp.parallel import sharding
+
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import gpt2  # noqa: E402  (examples/gpt2.py: the model under test)
 

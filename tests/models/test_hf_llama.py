@@ -7,16 +7,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp import ops
-from functional_pp.core import tree
 from functional_pp.checkpoint import hf
+from functional_pp.core import tree
 from functional_pp.core.layout import block_slices
 from functional_pp.models import llama
-from functional_pp.parallel.named import settle
 from functional_pp.ops.rotary import Llama3Scaling, inverse_frequencies
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,9 +17,8 @@ four or more ranks add in another order than the simulation)."""
 import os
 
 import numpy as np
-import pytest
-
 import parity
+import pytest
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,17 +5,16 @@ equal the unchunked ``cross_entropy(einsum(...))`` on one device, under simulate
 and on real gloo processes; no full logits buffer in eager."""
 import pytest
 import torch
+from harness import assert_same_run, local_batch, make_batch, parallel, single_device, train_steps
+from memtrack import peak_memory
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import ops
+from functional_pp._torch import trace_backward
 from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.ops.xent import linear as linear_xent
-from functional_pp._torch import trace_backward
-
-from harness import assert_same_run, local_batch, make_batch, parallel, single_device, train_steps
-from memtrack import peak_memory
+from functional_pp.parallel import sharding
 
 N_B, N_S, H, V = 4, 6, 16, 40           # 24 token rows: chunks of 5 rows leave a short last one
 

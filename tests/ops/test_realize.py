@@ -4,14 +4,13 @@ decoder, and its gradient, is computed once into a buffer that every kernel read
 import functools
 
 import torch
+from harness import make_batch
 from torch._inductor.utils import run_and_get_code
 
 import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.models import llama
 from functional_pp.ops.realize import _Realized
-
-from harness import make_batch
 
 
 def test_eager_realized_is_the_value_itself():

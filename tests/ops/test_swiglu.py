@@ -6,16 +6,15 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import make_batch
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.compile.backend import capture_graphs
+from functional_pp.compile.recompute import in_backward_region
 from functional_pp.models import llama
 from functional_pp.ops.swiglu import swiglu_tensors
-from functional_pp.compile.recompute import in_backward_region
-
-from harness import make_batch
+from functional_pp.parallel import sharding
 
 
 def _reference(gate, up, grad):

@@ -266,8 +266,8 @@ def test_train_step_gradients_shared_by_two_parameters_are_not_corrupted():
     ("min_learning_rate", 1.0, ["above the peak", "config key: min_learning_rate"]),
 ])
 def test_config_settings_the_optimizer_refuses_name_the_config_key(tmp_path, key, value, words):
-    from functional_pp.config import ConfigError, TrainConfig
     from functional_pp.app.optimizer import optimizer_from_config as _optimizer
+    from functional_pp.config import ConfigError, TrainConfig
     d = {"learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2, "max_steps": 10, "model": "tiny",
          "logging": {"output_dir": str(tmp_path)}}
     d[key] = value

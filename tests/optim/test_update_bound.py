@@ -13,9 +13,9 @@ import torch
 
 import functional_pp as fpp
 import functional_pp.optim as optim
-from functional_pp.step import known_finite
 from functional_pp.models import llama
 from functional_pp.optim.bounds import grad_and_bound_norms, margin
+from functional_pp.step import known_finite
 
 MAX32 = torch.finfo(torch.float32).max
 
@@ -319,8 +319,8 @@ def test_a_constant_gradient_keeps_the_carried_peak_near_the_gradient_norm():
 def _carried(step, state):
     """The peaks the step would use for ``state`` without reading it (None: it would read), and
     each leaf's exact largest |m| (local)."""
-    from functional_pp.step.known_finite import _terms
     from functional_pp.optim.bounds import term_peaks
+    from functional_pp.step.known_finite import _terms
     bound = optim.update_bound(step.optimizer)
     carried = step._known_peaks.get(_terms(bound, state["opt_state"], state["params"]), lambda _: None)
     return carried, term_peaks(bound, state["opt_state"], state["params"])

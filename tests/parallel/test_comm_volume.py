@@ -4,11 +4,10 @@ Per device, ring algorithms, B bytes per element (fp64 here: B = 8). Where the c
 different amount than a formula, the reason is stated next to the assertion."""
 import pytest
 import torch
+from harness import make_batch, parallel
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import make_batch, parallel
 
 CFG = llama.Config.tiny()
 FULL = fpp.init_params(llama.init(CFG, torch.float64), seed=0)

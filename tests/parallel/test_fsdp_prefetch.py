@@ -6,12 +6,11 @@ import functools
 
 import pytest
 import torch
+from harness import local_batch, make_batch
 
 import functional_pp as fpp
-from functional_pp.parallel.fsdp_order import trace_units
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch
+from functional_pp.parallel.fsdp_order import trace_units
 
 CFG = llama.Config.tiny(layers=3)
 DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]

@@ -4,11 +4,10 @@ the same numbers as the per-weight collectives and the single device, the same b
 (n-1)/n · P_layer · B per unit and direction (docs/communication.md)."""
 import pytest
 import torch
+from harness import assert_same_run, make_batch, train_steps
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import assert_same_run, make_batch, train_steps
 
 CFG = llama.Config.tiny()
 DATA = [make_batch(CFG, batch=8, seq=16, seed=i) for i in range(2)]

@@ -3,12 +3,11 @@ as the per-gradient reduction and the single device, one all-reduce event per bu
 analytic bytes, buckets launched during backward, and the same on real gloo processes."""
 import pytest
 import torch
+from harness import assert_same_run, make_batch, train_steps
 
 import functional_pp as fpp
-from functional_pp.parallel.buckets import PendingGrad, grad_buckets
 from functional_pp.models import llama
-
-from harness import assert_same_run, make_batch, train_steps
+from functional_pp.parallel.buckets import PendingGrad, grad_buckets
 
 CFG = llama.Config.tiny()
 P = fpp.count_params(llama.init(CFG))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import functional_pp as fpp
-from functional_pp.parallel.init import TILE
 from functional_pp.core.layout import block_slices
+from functional_pp.parallel.init import TILE
 
 T = TILE
 DECLS = {

@@ -2,13 +2,12 @@
 import numpy as np
 import pytest
 import torch
+from harness import local_batch, make_batch, single_device
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch, single_device
+from functional_pp.parallel import sharding
 
 pytestmark = pytest.mark.multiprocess
 

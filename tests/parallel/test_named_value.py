@@ -9,8 +9,8 @@ import torch
 
 import functional_pp as fpp
 from functional_pp import ops
-from functional_pp.parallel.named import Named, _memo
 from functional_pp.ops.einsum import _matmul_depth
+from functional_pp.parallel.named import Named, _memo
 from functional_pp.step.io import read_step_metrics
 
 

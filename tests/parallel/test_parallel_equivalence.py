@@ -5,12 +5,11 @@ import itertools
 
 import pytest
 import torch
+from harness import make_batch, parallel, single_device
 
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
-
-from harness import make_batch, parallel, single_device
 
 CFG = llama.Config.tiny()
 FULL = fpp.init_params(llama.init(CFG, torch.float64), seed=0)

@@ -4,13 +4,12 @@ or without context parallelism, and when the gathered residual is in load-balanc
 (the re-gather replays the reorder; docs/layouts.md)."""
 import pytest
 import torch
+from harness import local_batch, make_batch, single_device
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch, single_device
+from functional_pp.parallel import sharding
 
 CFG = llama.Config.tiny()
 FULL = fpp.init_params(llama.init(CFG, torch.float64), seed=0)

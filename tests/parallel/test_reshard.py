@@ -4,9 +4,9 @@ gathered weight) is the ops' relayout (functional_pp/ops/regather.py), docs/layo
 import torch
 
 import functional_pp as fpp
+from functional_pp.ops import regather
 from functional_pp.parallel import reshard
 from functional_pp.parallel.named import Named
-from functional_pp.ops import regather
 
 MESH = fpp.Mesh(dp_shard=2)
 WHOLE = ((), ())

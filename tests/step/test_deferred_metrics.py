@@ -16,14 +16,14 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-
-from functional_pp.parallel import sharding
-import functional_pp as fpp
-from functional_pp.step import deferred_metrics
-from functional_pp.models import llama
-from functional_pp.step.nonfinite import NonFiniteError
-from functional_pp.ops.token_ids import TokenIdError
 from host_reads import HostReads, transfers  # noqa: F401 (a fixture)
+
+import functional_pp as fpp
+from functional_pp.models import llama
+from functional_pp.ops.token_ids import TokenIdError
+from functional_pp.parallel import sharding
+from functional_pp.step import deferred_metrics
+from functional_pp.step.nonfinite import NonFiniteError
 
 CFG = llama.Config(vocab=64, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)
@@ -298,10 +298,10 @@ LOOP_HOST_KEYS = HOST_KEYS + ("mfu", "elapsed_s")
 
 
 def _train(out, monkeypatch, per_step: bool = False, **overrides):
-    from functional_pp.step import train as train_module
     from functional_pp.app.loop import train
     from functional_pp.app.metrics import read_metrics
     from functional_pp.config import TrainConfig
+    from functional_pp.step import train as train_module
     if per_step:                    # the oracle: the loop with the per-step read
         def per_step_train_step(*args, _original=train_module.train_step, **kw):
             return _original(*args, **{**kw, "metrics": "per_step"})

@@ -7,12 +7,11 @@ import functools
 
 import pytest
 import torch
+from harness import local_batch, make_batch, nan_on_second_call
 
 import functional_pp as fpp
-from functional_pp.models import llama
 from functional_pp.core.tree import tree_leaves
-
-from harness import local_batch, make_batch, nan_on_second_call
+from functional_pp.models import llama
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)

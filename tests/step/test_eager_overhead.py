@@ -9,11 +9,12 @@ import importlib
 import optree
 import pytest
 import torch
+from host_reads import HostReads as _HostReads  # noqa: F401 (a fixture)
+from host_reads import transfers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from host_reads import HostReads as _HostReads, transfers  # noqa: F401 (a fixture)
 
 attention_ops = importlib.import_module("functional_pp.ops.attention")    # (the package exports
 rotary_ops = importlib.import_module("functional_pp.ops.rotary")          # functions of these names)

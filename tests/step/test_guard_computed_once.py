@@ -7,13 +7,12 @@ import functools
 import re
 
 import torch
+from harness import make_batch
 from torch._inductor.utils import run_and_get_code
 
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.ops.realize import computed_once
-
-from harness import make_batch
 
 CFG = llama.Config(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)

@@ -4,14 +4,13 @@ import gc
 
 import pytest
 import torch
+from harness import local_batch, make_batch
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.core import tree
-from functional_pp.parallel.fsdp_units import fsdp_units
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch
+from functional_pp.parallel import sharding
+from functional_pp.parallel.fsdp_units import fsdp_units
 
 CFG = llama.Config.tiny()
 

@@ -9,11 +9,11 @@ import warnings
 
 import pytest
 import torch
+from harness import assert_same_run, make_batch, train_steps
 
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.step.train import NoLayerWarning
-from harness import assert_same_run, make_batch, train_steps
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import gpt2  # noqa: E402  (a model written without fpp.layer)

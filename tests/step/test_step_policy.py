@@ -5,11 +5,10 @@ import functools
 
 import pytest
 import torch
+from harness import local_batch, make_batch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from harness import local_batch, make_batch, nan_on_second_call
 
-from functional_pp.parallel import sharding
 import functional_pp as fpp
 from functional_pp.models import llama
-
-from harness import local_batch, make_batch, nan_on_second_call
+from functional_pp.parallel import sharding
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)

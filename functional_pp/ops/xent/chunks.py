@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import is_tracing
+from functional_pp.compile.recompute import traced_as_backward
 
 
 def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int) -> int:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.ops.shape import the_one_dim
-from functional_pp.parallel.named import Named, _EMPTY, _make, op_env, pvary, require_named, settle
+from functional_pp.ops import reduce as R
 from functional_pp.ops.einsum import _plan, einsum
 from functional_pp.ops.loss import IGNORE_INDEX, _count, cross_entropy
 from functional_pp.ops.regather import relayout
-from functional_pp.ops import reduce as R
+from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.chunks import chunk_rows, chunked_lse, linear_xent_sum, loss_dtype
 from functional_pp.parallel import collectives as C
+from functional_pp.parallel.named import _EMPTY, Named, _make, op_env, pvary, require_named, settle
 
 # one chunk of fp32 logits: as fast as the unchunked head on CPU for preset small (512 rows of
 # 8192); smaller chunks save more memory and cost speed (docs/compile.md "Measurements")

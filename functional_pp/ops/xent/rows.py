@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.compile.recompute import traced_as_backward
 from functional_pp._torch import is_tracing
+from functional_pp.compile.recompute import traced_as_backward
 
 
 def nll_rows(x: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
