@@ -1,0 +1,73 @@
+"""The private torch names functional_pp/_torch re-exports still are what the package uses them
+as (the planner's dispatch mode, DP buckets' and the batched simulator's wrapper tensors, the
+graph passes' operator type, the config's backend list, the process backend's functional
+collectives). A torch upgrade that moves or changes one fails here, by name."""
+import ast
+import pathlib
+
+import torch
+
+from functional_pp import _torch as T
+from functional_pp._torch.distributed import funcol
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "functional_pp"
+
+
+def test_op_overload_is_the_type_of_a_graph_node_target():
+    assert isinstance(torch.ops.aten.add.Tensor, T.OpOverload)
+    assert not isinstance(torch.add, T.OpOverload)
+
+
+def test_dispatch_mode_sees_every_aten_call():
+    seen = []
+
+    class Mode(T.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2) * 3
+    assert torch.ops.aten.mul.Tensor in seen
+
+
+def test_pytree_helpers_flatten_and_map_nested_containers():
+    tree = {"a": [torch.ones(1), (torch.zeros(2),)], "b": torch.ones(3)}
+    leaves, _ = T.tree_flatten(tree)
+    assert [x.numel() for x in leaves] == [1, 2, 3]
+    doubled = T.tree_map(lambda x: x * 2, tree)
+    assert doubled["a"][1][0].shape == (2,) and float(doubled["b"].sum()) == 6.0
+
+
+def test_wrapper_subclass_has_the_shape_and_no_storage_of_its_own():
+    class Wrapper(torch.Tensor):
+        __torch_function__ = T.DISABLED_TORCH_FUNCTION
+
+        @staticmethod
+        def __new__(cls, inner):
+            out = T.make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+            out.inner = inner
+            return out
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x  # noqa: E731
+            return func(*T.tree_map(unwrap, args), **T.tree_map(unwrap, kwargs or {}))
+
+    w = Wrapper(torch.arange(6.0).view(2, 3))
+    assert type(w) is Wrapper and w.shape == (2, 3) and w.dtype == torch.float32
+    assert torch.equal(w + 1, torch.arange(6.0).view(2, 3) + 1)
+
+
+def test_compile_backend_names_include_the_ones_configs_name():
+    names = T.compile_backend_names()
+    assert {"inductor", "aot_eager", "eager"} <= set(names)
+
+
+def test_the_functional_collectives_the_process_backend_calls_exist():
+    source = (ROOT / "devices" / "dist.py").read_text()
+    used = {n.attr for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "funcol"}
+    assert used, "devices/dist.py no longer calls funcol: update this test"
+    missing = sorted(n for n in used if not callable(getattr(funcol, n, None)))
+    assert not missing, f"torch.distributed._functional_collectives lacks {missing}"
