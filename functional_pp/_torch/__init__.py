@@ -194,7 +194,7 @@ def check_mt19937_state_layout() -> None:
     if not ok:
         raise RuntimeError(
             f"torch {torch.__version__}'s CPU generator state is not the layout functional_pp's "
-            "init writes (torch_private.mt19937_state): update that function for this torch")
+            "init writes (functional_pp._torch.mt19937_state): update that function for this torch")
 
 
 def version_counter(x: torch.Tensor) -> int:
