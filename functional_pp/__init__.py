@@ -1,6 +1,6 @@
 """functional_pp: functional training on PyTorch with layouts derived from named axes."""
 from functional_pp import optim
-from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
+from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute,
                           psum, psum_scatter, pvary, split_invariant)
 from functional_pp.core.comm import CommReport, comm_report
 from functional_pp.parallel.init import init, init_params
@@ -26,7 +26,7 @@ from functional_pp.version import __version__
 
 __all__ = [
     "Mesh", "Rules", "P", "balanced", "inherit", "launch", "per_device", "DeviceError", "current_mesh", "current_rank", "device_coords",
-    "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
+    "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "split_invariant", "shard_map", "use_rules", "comm_report",
     "CommReport", "param", "Param", "init", "init_params", "count_params", "map_with_path",
     "leaves_with_paths", "Named", "named", "tied", "wrap", "configure", "einsum", "silu", "rms_norm",

@@ -51,7 +51,7 @@ def _cases(n):
         cases.append((f"split_invariant_dim{d}", d, lambda x, a, d=d: C.split_invariant(x, a, d)))
         cases.append((f"slice_varying_dim{d}", d, lambda x, a, d=d: C.slice_varying(x, a, d)))
     for s, c in [(0, 1), (2, 0), (1, 1), (0, 2), (-1, -2)]:
-        cases.append((f"a2a_{s}_{c}", s, lambda x, a, s=s, c=c: fpp.all_to_all(x, a, s, c)))
+        cases.append((f"a2a_{s}_{c}", s, lambda x, a, s=s, c=c: fpp.all_to_all(x, a, s, c, tiled=True)))
     return cases
 
 
@@ -97,7 +97,7 @@ def _compiled_ring_and_a2a():
     def f(x):
         kv = x.transpose(1, 2)                                       # batch heads seq dim
         y = fpp.ppermute(kv, ("tp", "dp_shard"), ring)
-        z = fpp.all_to_all(y.to(torch.bfloat16), ("dp_shard", "tp"), 1, 2)
+        z = fpp.all_to_all(y.to(torch.bfloat16), ("dp_shard", "tp"), 1, 2, tiled=True)
         return (y.sum(1) * 2).sum() + z.float().square().sum()
 
     g = torch.Generator().manual_seed(fpp.current_rank())

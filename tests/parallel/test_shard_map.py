@@ -36,13 +36,20 @@ def test_check_rep_catches_false_replication_claim():
     mesh = fpp.Mesh(dp_shard=2, tp=2)
     X = torch.arange(8.0)
 
-    def fn(check):
+    def fn(check, check_vma=True):
         # forgot the psum over tp: each tp device holds only a partial sum
-        f = fpp.shard_map(lambda x: x.sum(), fpp.P(("dp_shard", "tp")), fpp.P(), check_rep=check)
+        f = fpp.shard_map(lambda x: x.sum(), fpp.P(("dp_shard", "tp")), fpp.P(), check_rep=check,
+                          check_vma=check_vma)
         return f(X)
+    # typed (JAX's check_vma=True): refused before anything runs, checked or not
+    for check in (True, False):
+        with pytest.raises(fpp.DeviceError, match=r"output\[0\] is declared replicated over mesh axis "
+                                                  r"'dp_shard' \(out_specs P\(\)\) but varies over it"):
+            fpp.launch(lambda: fn(check), mesh)
+    # untyped: the run-time check compares the devices' values
     with pytest.raises(fpp.DeviceError, match=r"output\[0\] is declared replicated over mesh axis 'dp_shard'"):
-        fpp.launch(lambda: fn(True), mesh)
-    fpp.launch(lambda: fn(False), mesh)   # unchecked: silently per-device values (JAX cannot check either)
+        fpp.launch(lambda: fn(True, check_vma=False), mesh)
+    fpp.launch(lambda: fn(False, check_vma=False), mesh)   # unchecked: silently per-device values
     ok = fpp.shard_map(lambda x: fpp.psum(x.sum(), ("dp_shard", "tp")), fpp.P(("dp_shard", "tp")), fpp.P(),
                        check_rep=True)
     assert all(v.item() == 28 for v in fpp.launch(lambda: ok(X), mesh))
