@@ -38,6 +38,26 @@ def _vma(st, x) -> frozenset:
     return frozenset() if st is None else st.vma(x)
 
 
+def _summed(x: torch.Tensor, axes: tuple[str, ...], op: str):
+    """The state and ``x`` for a sum over ``axes`` (psum, psum_scatter): an ``x`` varying over
+    some of them and invariant over others is refused, as JAX refuses it (whether the copies
+    of the invariant part are meant to be summed is the caller's to say)."""
+    st = V.current()
+    if st is None:
+        return None, x
+    have = st.vma(x)
+    live = [a for a in axes if a in st.live]
+    varying, invariant = [a for a in live if a in have], [a for a in live if a not in have]
+    if varying and invariant:
+        raise ValueError(
+            f"{op}: {V.describe(x, st.origin(x))} varies over mesh axis {varying[0]!r} but is invariant "
+            f"over {invariant[0]!r}, and {op} over {axes} must see one or the other on all of them "
+            f"(as JAX's): {op} over {tuple(varying)} only, or cast it first, "
+            f"functional_pp.pvary(x, {tuple(invariant)!r}), to sum its identical copies over "
+            f"{tuple(invariant)!r} as well")
+    return st, st.cast(x, axes)
+
+
 def _done(st, x: torch.Tensor, out: torch.Tensor, vma, origin: str) -> torch.Tensor:
     if st is not None and out is not x:
         st.set(out, vma, origin)
@@ -54,7 +74,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     In a shard_map, an ``x`` invariant over ``axis_name`` is cast to varying first (JAX): the
     sum of its identical copies, whose gradient is summed back over the devices."""
     axes = _axes(axis_name)
-    st, x = V.operand(x, axes)
+    st, x = _summed(x, axes, "psum")
     with _quiet(st):
         out = x if _trivial(axes) else apply_function(_PSum, x, axes)
     return _done(st, x, out, _vma(st, x) - set(axes), "psum")
@@ -143,7 +163,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     if not tiled and x.shape[dim] != n:
         raise ValueError(f"psum_scatter over {axes} (size {n}) with tiled=False needs dimension "
                          f"{dim} of size {n}, got {x.shape[dim]}; pass tiled=True to split it in blocks")
-    st, x = V.operand(x, axes)
+    st, x = _summed(x, axes, "psum_scatter")
     with _quiet(st):
         out = x if _trivial(axes) else apply_function(_PSumScatter, x, axes, dim)
         out = out if tiled else out.squeeze(dim)

@@ -91,7 +91,8 @@ def shard_map(f: Callable, in_specs: Any, out_specs: Any, *, rules: Rules | None
                     if axes:
                         x = split_invariant(x, axes, dim)
                 mapping[name] = x
-                typed_inputs.append((x, {a for axes in layout for a in axes}, name))
+                shown = f"argument {i}" + name[len(f"argument {i}[0]"):]       # (the path inside the argument)
+                typed_inputs.append((x, {a for axes in layout for a in axes}, shown))
             local_args.append(optree.tree_unflatten(
                 optree.tree_structure(arg, none_is_leaf=False),
                 [mapping.get(n, leaf) for (n, _, _), leaf in zip(pairs, optree.tree_leaves(arg, none_is_leaf=False))]))
