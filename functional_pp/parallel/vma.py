@@ -178,12 +178,18 @@ class _Mode(TorchFunctionMode):
 
 @contextmanager
 def typed_body(mesh, enabled: bool = True) -> Iterator[State | None]:
-    """Type the tensors of a shard_map body run on this device (nothing under torch.compile,
-    whose tracer does not see the mode's table, or with ``enabled=False``)."""
+    """Type the tensors of a shard_map body run on this device (nothing with
+    ``enabled=False``). Under torch.compile, whose tracer cannot keep the types' table, a typed
+    body is refused rather than run untyped (that would change its gradients)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    if not enabled or is_tracing():
+    if enabled and is_tracing():
+        raise RuntimeError(
+            "shard_map(check_vma=True) cannot be traced by torch.compile (its varying types live in "
+            "an eager table): compile the function that runs inside the shard_map instead, or pass "
+            "check_vma=False with every pvary written out (docs/manual_mode.md)")
+    if not enabled:
         stack.append(None)
         try:
             yield None
