@@ -30,8 +30,11 @@ from functional_pp.parallel.transposes import (_AllGather, _AllGatherInvariant, 
                          _PSumScatter, _PVary, _SliceVarying, _SplitInvariant, set_gradient_sink)  # noqa: F401
 
 
+_UNTYPED = contextlib.nullcontext()
+
+
 def _quiet(st):
-    return contextlib.nullcontext() if st is None else st.suspend()
+    return _UNTYPED if st is None else st.suspend()
 
 
 def _vma(st, x) -> frozenset:

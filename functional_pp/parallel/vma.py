@@ -156,8 +156,10 @@ class _Mode(TorchFunctionMode):
         union = _EMPTY.union(*vmas)
         if union and any(v != union for v in vmas):
             if _inplace(func, kwargs):
-                target = leaves[idx[0]]
-                lacking = st.ordered(union - vmas[0])
+                target = kwargs.get("out")
+                if not isinstance(target, torch.Tensor):
+                    target = args[0] if args and isinstance(args[0], torch.Tensor) else leaves[idx[0]]
+                lacking = st.ordered(union - st.vma(target))
                 if lacking:
                     raise ValueError(
                         f"shard_map: in-place {_func_name(func)} writes a value varying over mesh axis "
@@ -189,6 +191,10 @@ def typed_body(mesh, enabled: bool = True) -> Iterator[State | None]:
             "shard_map(check_vma=True) cannot be traced by torch.compile (its varying types live in "
             "an eager table): compile the function that runs inside the shard_map instead, or pass "
             "check_vma=False with every pvary written out (docs/manual_mode.md)")
+    if any(s is not None for s in stack):
+        raise RuntimeError(
+            "shard_map inside the body of a shard_map with check_vma=True: the inner body's tensors would "
+            "be typed by both; call the inner function directly, or pass check_vma=False to the outer one")
     if not enabled:
         stack.append(None)
         try:

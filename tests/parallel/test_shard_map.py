@@ -141,3 +141,17 @@ def test_ambiguous_programs_are_refused_naming_value_axis_and_fix():
     # the fixes run
     run(lambda x: fpp.psum(fpp.pvary(x, "tp"), ("dp_shard", "tp")))
     run(lambda x: fpp.psum(fpp.pvary(torch.zeros(3, 6), "dp_shard").add_(x), "dp_shard"))
+
+
+def test_nested_typed_shard_map_and_out_arguments():
+    mesh = fpp.Mesh(tp=3)
+    inner = fpp.shard_map(lambda a: a, fpp.P(), fpp.P())
+    with pytest.raises(fpp.DeviceError, match=r"shard_map inside the body of a shard_map with check_vma=True"):
+        fpp.launch(lambda: fpp.shard_map(lambda a: inner(a), fpp.P(), fpp.P())(X3), mesh)
+
+    def out_arg(x):
+        buf = torch.empty(1, dtype=torch.float64)
+        return torch.add(torch.zeros(1, dtype=torch.float64), x, out=buf)     # buf: invariant
+    with pytest.raises(fpp.DeviceError, match=r"in-place add writes a value varying over mesh axis 'tp' into "
+                                              r"a float64 tensor of shape \(1,\)"):
+        fpp.launch(lambda: fpp.shard_map(out_arg, fpp.P("tp"), fpp.P("tp"))(X3), mesh)
