@@ -71,7 +71,9 @@ class State:
     def __init__(self, mesh):
         self.mesh = mesh
         self.live = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)   # size-1 axes never vary
-        self._types: dict[int, tuple[weakref.ref, frozenset, str | None]] = {}
+        self._live_set = frozenset(self.live)
+        self._types: dict[int, tuple[weakref.ref, frozenset, object]] = {}
+        self._sets = 0
         self.suspended = 0
 
     # ------------------------------------------------------------------ table
@@ -83,21 +85,25 @@ class State:
 
     def origin(self, t: torch.Tensor) -> str | None:
         entry = self._types.get(id(t))
-        return entry[2] if entry is not None and entry[0]() is t else None
+        if entry is None or entry[0]() is not t:
+            return None
+        origin = entry[2]
+        return origin if origin is None or isinstance(origin, str) else f"the result of {_func_name(origin)}"
 
-    def set(self, t: torch.Tensor, vma: Iterable[str], origin: str | None = None) -> torch.Tensor:
-        """Record that ``t`` varies over ``vma`` (``origin``: what produced it, for messages)."""
-        vma = frozenset(a for a in vma if a in self.live)
-        key = id(t)
-        if not vma and origin is None:
-            self._types.pop(key, None)     # (an entry under this id is t's or a dead tensor's)
-            return t
+    def set(self, t: torch.Tensor, vma: Iterable[str], origin=None) -> torch.Tensor:
+        """Record that ``t`` varies over ``vma`` (``origin``: what produced it, a name or the
+        torch function, for messages)."""
+        if not isinstance(vma, frozenset) or not vma <= self._live_set:
+            vma = frozenset(a for a in vma if a in self._live_set)
         types = self._types
-
-        def drop(ref, key=key):
-            if types.get(key, (None,))[0] is ref:
-                types.pop(key, None)
-        types[key] = (weakref.ref(t, drop), vma, origin)
+        if not vma and origin is None:
+            types.pop(id(t), None)     # (an entry under this id is t's or a dead tensor's)
+            return t
+        types[id(t)] = (weakref.ref(t), vma, origin)
+        self._sets += 1
+        if self._sets % 4096 == 0:     # entries of dead tensors (ids may be reused: checked on read)
+            for key in [k for k, e in types.items() if e[0]() is None]:
+                del types[key]
         return t
 
     def ordered(self, axes: Iterable[str]) -> tuple[str, ...]:
@@ -136,6 +142,25 @@ def current() -> State | None:
     return None if state is None or state.suspended else state
 
 
+def _tensors(args, kwargs) -> list | None:
+    """The tensors among the arguments and one level of lists and tuples in them (None where
+    they nest deeper)."""
+    found = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        found.append(b)
+                    elif isinstance(b, (list, tuple, dict)):
+                        return None
+            elif isinstance(a, dict):
+                return None
+    return found
+
+
 class _Mode(TorchFunctionMode):
     """Types every torch function the body calls (see the module docstring)."""
 
@@ -148,13 +173,17 @@ class _Mode(TorchFunctionMode):
         st = self.state
         if st.suspended or in_backward():
             return func(*args, **kwargs)
-        leaves, treespec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-        idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if not idx:
+        tensors = _tensors(args, kwargs)
+        if tensors is None:            # nested containers: the general walk
+            tensors = [x for x in optree.tree_leaves((args, kwargs), none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        if not tensors:
             return func(*args, **kwargs)
-        vmas = [st.vma(leaves[i]) for i in idx]
-        union = _EMPTY.union(*vmas)
+        vmas = [st.vma(t) for t in tensors]
+        union = vmas[0].union(*vmas[1:]) if len(vmas) > 1 else vmas[0]
         if union and any(v != union for v in vmas):
+            leaves, treespec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+            idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            vmas = [st.vma(leaves[i]) for i in idx]
             if _inplace(func, kwargs):
                 target = kwargs.get("out")
                 if not isinstance(target, torch.Tensor):
@@ -172,9 +201,12 @@ class _Mode(TorchFunctionMode):
             args, kwargs = optree.tree_unflatten(treespec, leaves)
         out = func(*args, **kwargs)
         if union:
-            for y in optree.tree_leaves(out, none_is_leaf=False):
-                if isinstance(y, torch.Tensor):
-                    st.set(y, union, f"the result of {_func_name(func)}")
+            if isinstance(out, torch.Tensor):
+                st.set(out, union, func)
+            else:
+                for y in optree.tree_leaves(out, none_is_leaf=False):
+                    if isinstance(y, torch.Tensor):
+                        st.set(y, union, func)
         return out
 
 
