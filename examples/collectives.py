@@ -11,6 +11,8 @@ W = torch.randn(16, 4, dtype=torch.float64)
 
 def device_loss(x, w):                    # x: this device's rows; w: its rows of W (row-parallel)
     dp = ("dp_shard", "cp")
+    # the pvary is the explicit style: without it the matmul inserts the same cast (JAX's
+    # shard_map(check_vma=True); docs/manual_mode.md)
     y = fpp.psum(x @ fpp.pvary(w, dp), "tp")           # contract the tp-split dimension
     return fpp.psum((y ** 2).sum(), dp) / X.shape[0]   # sum over the batch shards
 

@@ -14,8 +14,8 @@ from functional_pp.core.tree import Param, count_params, leaves_with_paths, map_
 from functional_pp.devices.batched_run import per_device
 from functional_pp.devices.launch import DeviceError, launch
 from functional_pp.ops.layer import layer, remat
-from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, ppermute,
-                                                psum, psum_scatter, pvary)
+from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin,
+                                                ppermute, psum, psum_scatter, pvary)
 from functional_pp.parallel.grads import gather_tree, value_and_grad
 from functional_pp.parallel.init import init, init_params
 from functional_pp.parallel.named import Named, configure, tied, wrap
@@ -32,7 +32,7 @@ __all__ = [
     "param", "Param", "init", "init_params", "count_params", "map_with_path", "leaves_with_paths",
     "Named", "named", "tied", "wrap", "configure",
     # manual mode: collectives with JAX's names, shard_map
-    "psum", "pmean", "pmax", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
+    "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "shard_map", "use_rules",
     # the step
     "layer", "remat", "value_and_grad", "gather_tree", "train_step", "TrainStep",

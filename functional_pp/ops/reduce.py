@@ -52,15 +52,20 @@ def mean(x: Named, dims: str | Sequence[str] | None = None) -> Named:
 
 
 def max(x: Named, dims: str | Sequence[str] | None = None) -> Named:  # noqa: A001
-    """Maximum over ``dims`` (pmax across the axes splitting them)."""
+    """Maximum over ``dims`` (pmax across the axes splitting them). Its gradient is split
+    equally among all the entries equal to the maximum, on every device (torch's ``amax``
+    rule over the global dimension), so any layout gives one device's gradient, ties too."""
     dims = _dims(x, dims, "max")
     x = settle(x)
     idx = [x.dims.index(d) for d in dims]
-    data = x.data.amax(dim=idx) if idx else x.data
     axes = _split_axes(x, dims)
-    if axes:
-        data = C.pmax(data, axes)
+    data = C.max_over(x.data, idx, axes or None) if idx else x.data
     return _reduced(x, dims, data, settled=axes)
+
+
+def min(x: Named, dims: str | Sequence[str] | None = None) -> Named:  # noqa: A001
+    """Minimum over ``dims`` (ties as :func:`max`)."""
+    return -max(-x, dims)
 
 
 def logsumexp(x: Named, dims: str | Sequence[str]) -> Named:

@@ -96,22 +96,31 @@ class _PVary(torch.autograd.Function):
 
 
 class _PMax(torch.autograd.Function):
-    """pmax (all-reduce, max) over ``axes``. Transpose: the cotangent flows to the entries
-    that equal the maximum (every tied entry gets it)."""
+    """pmax: the maximum over this block's dimensions ``dims`` (none for the collective
+    ``pmax``) and all-reduce (max) over ``axes``. Transpose: the cotangent split equally among
+    the tied entries, counted over ``dims`` and every device of ``axes`` (``jnp.max``'s rule),
+    so a maximum held by k entries gives each 1/k of the cotangent whatever the layout."""
 
     @staticmethod
-    def forward(x, axes):
-        return raw_all_reduce(x, axes, "max")
+    def forward(x, axes, dims):
+        m = x.amax(dim=dims) if dims else x
+        return raw_all_reduce(m, axes, "max")
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        ctx.axes, ctx.dims = inputs[1], inputs[2]
         ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     @traced_as_backward
     def backward(ctx, g):
         x, out = ctx.saved_tensors
-        return g * (x == out).to(g.dtype), None
+        for d in ctx.dims:                     # (sorted) back to x's rank
+            out, g = out.unsqueeze(d), g.unsqueeze(d)
+        tied = (x == out).to(g.dtype)
+        count = tied.sum(dim=ctx.dims, keepdim=True) if ctx.dims else tied
+        count = raw_all_reduce(count, ctx.axes, "sum")
+        return g * tied / count, None, None
 
 
 class _AllGather(_Collective):

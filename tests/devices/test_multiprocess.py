@@ -19,7 +19,7 @@ def collective_suite():
         gather=fpp.all_gather(x, tuple(reversed(axes)), tiled=True),
         scatter=fpp.psum_scatter(x, axes, tiled=True),
         shift=fpp.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)]),
-        a2a=fpp.all_to_all(x.reshape(n, -1), axes, 0, 1))
+        a2a=fpp.all_to_all(x.reshape(n, -1), axes, 0, 1, tiled=True))
     loss = sum((v * (i + 1)).sum() for i, v in enumerate(out.values()) if v.requires_grad)
     loss.backward()
     return {k: v.detach().numpy() for k, v in out.items()} | {"grad": x.grad.numpy()}

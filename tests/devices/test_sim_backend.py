@@ -40,7 +40,7 @@ def _every_collective(x):
         fpp.pmax(xt, "dp_shard"),
         fpp.all_gather(xt, "dp_shard", axis=1, tiled=True),
         fpp.psum_scatter(xt, "dp_shard", scatter_dimension=0, tiled=True),
-        fpp.all_to_all(xt, "dp_shard", split_axis=0, concat_axis=1),
+        fpp.all_to_all(xt, "dp_shard", split_axis=0, concat_axis=1, tiled=True),
         fpp.ppermute(xt, "dp_shard", [(0, 1), (1, 0)]),
     ]
     return [o * 2 + 1 for o in outs]

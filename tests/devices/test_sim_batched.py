@@ -48,7 +48,7 @@ def _collectives():
         "all_gather": fpp.all_gather(x, "tp", axis=1, tiled=True),
         "all_gather_stacked": fpp.all_gather(x, ("cp", "tp"), axis=0),
         "psum_scatter": fpp.psum_scatter(x, ("dp_shard", "cp"), scatter_dimension=0, tiled=True),
-        "all_to_all": fpp.all_to_all(x, "tp", split_axis=1, concat_axis=0),
+        "all_to_all": fpp.all_to_all(x, "tp", split_axis=1, concat_axis=0, tiled=True),
         "ppermute": fpp.ppermute(x, "cp", [(0, 1)]),
         "split_invariant": collectives.split_invariant(fpp.psum(x, "tp"), "tp", 1),
         "pvary": fpp.pvary(x.sum(), "dp_shard") * x,

@@ -9,10 +9,11 @@ MESH = fpp.Mesh(dp_shard=2, tp=2)
 RULES = fpp.Rules(batch="dp_shard", hidden="tp", vocab="tp", mlp=("dp_shard", "tp"))
 
 
-def check(fn, *shapes_dims, mesh=MESH, rules=RULES, rtol=1e-10):
-    """fn(*named inputs) -> named output; compare output and input gradients with one device."""
+def check(fn, *shapes_dims, mesh=MESH, rules=RULES, rtol=1e-10, values=None):
+    """fn(*named inputs) -> named output; compare output and input gradients with one device
+    (``values``: the inputs, random by default)."""
     g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(shape, generator=g, dtype=torch.float64) for shape, _ in shapes_dims]
+    inputs = values or [torch.randn(shape, generator=g, dtype=torch.float64) for shape, _ in shapes_dims]
 
     def run():
         xs = [x.clone().requires_grad_() for x in inputs]
@@ -53,6 +54,22 @@ def test_reductions_over_split_dims(op):
          "max": lambda x: ops.max(x, "hidden"), "logsumexp": lambda x: ops.logsumexp(x, "hidden"),
          "softmax": lambda x: ops.softmax(x, "hidden")}[op]
     check(f, X)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_and_min_split_ties_like_one_device(op):
+    """The extreme held three times over a dimension split on tp=2, twice on one half and once
+    on the other: every layout gives each tied entry a third of the cotangent, as torch's amax
+    on one device (a layout must not change the gradient, ties included)."""
+    x = torch.randn(4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sign = 1 if op == "max" else -1
+    x[..., [1, 2, 6]] = 5.0 * sign                    # hidden split 4 + 4 over tp
+    x[0, 0, 3] = 7.0 * sign                           # (one row with a single extreme)
+    f = {"max": lambda v: ops.max(v, "hidden"), "min": lambda v: ops.min(v, "hidden")}[op]
+    check(f, X, values=[x])
+    check(f, X, values=[x], rules=fpp.Rules(batch="dp_shard", hidden=("dp_shard", "tp")))
+    check(lambda v: f(v) if op == "max" else ops.min(v, ("batch", "hidden")), X, values=[x])
+    check(lambda v: ops.max(v, ("batch", "hidden")), X, values=[x])
 
 
 def test_norms_with_split_and_whole_dimension():

@@ -42,7 +42,7 @@ def test_collectives_match_numpy(name):
                 gather=fpp.all_gather(x, axes, axis=1), gather_t=fpp.all_gather(x, axes, axis=0, tiled=True),
                 scatter=fpp.psum_scatter(x, axes, scatter_dimension=0, tiled=True),
                 shift=fpp.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)]),
-                a2a=fpp.all_to_all(x, axes, split_axis=0, concat_axis=1),
+                a2a=fpp.all_to_all(x, axes, split_axis=0, concat_axis=1, tiled=True),
                 index=fpp.axis_index(axes), size=fpp.axis_size(axes))
 
         results = fpp.launch(fn, mesh)
@@ -143,19 +143,24 @@ def test_grad_data_parallel_loss_with_pvary(mesh_kw):
         _grads_close(g, w0.grad)
 
 
-def test_grad_without_pvary_is_wrong_by_design():
-    """Forgetting pvary leaves the gradient unreduced: the oracle must catch it."""
+def test_grad_without_pvary_is_inserted_as_in_jax():
+    """Without pvary a replicated weight meeting sharded data is cast by the matmul (JAX's
+    check_vma=True); untyped (check_vma=False) the gradient stays unreduced: the oracle
+    catches it."""
     mesh = fpp.Mesh(dp_shard=2)
     X, w = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
     w0 = w.clone().requires_grad_()
     (X @ w0).sum().backward()
 
-    def fn():
+    def fn(check_vma):
         wd = w.clone().requires_grad_()
-        f = fpp.shard_map(lambda x, w: fpp.psum((x @ w).sum(), "dp_shard"), (fpp.P("dp_shard"), fpp.P()), fpp.P())
+        f = fpp.shard_map(lambda x, w: fpp.psum((x @ w).sum(), "dp_shard"), (fpp.P("dp_shard"), fpp.P()), fpp.P(),
+                          check_vma=check_vma)
         f(X, wd).backward()
         return wd.grad
-    grads = fpp.launch(fn, mesh)
+    for g in fpp.launch(lambda: fn(True), mesh):
+        _grads_close(g, w0.grad)
+    grads = fpp.launch(lambda: fn(False), mesh)
     assert not torch.allclose(grads[0], w0.grad)
 
 
@@ -222,7 +227,7 @@ def test_grad_of_each_collective_matches_single_device(which):
         if which == "ppermute":
             return fpp.ppermute(a_local, axes, [(i, (i + 1) % n) for i in range(n)])
         if which == "all_to_all":
-            return fpp.all_to_all(a_local, axes, 0, 1)
+            return fpp.all_to_all(a_local, axes, 0, 1, tiled=True)
         if which == "psum_scatter":
             return fpp.psum_scatter(a_local, axes, scatter_dimension=0, tiled=True)
         if which == "pmax":   # invariant result returned as a block: pvary it (as JAX does)
@@ -243,3 +248,40 @@ def test_grad_of_each_collective_matches_single_device(which):
     for out, g in fpp.launch(fn, mesh):
         _grads_close(out, out0.detach())
         _grads_close(g, A0.grad)
+
+
+def test_pmax_splits_the_cotangent_among_tied_devices():
+    """jnp.max's rule for ties: a replicated value's pmax (implicitly pvary'd: 4 tied copies)
+    has gradient 1, not 4; a maximum held by two of four devices gives each half."""
+    mesh = fpp.Mesh(tp=4)
+
+    def fn():
+        x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+        fpp.shard_map(lambda a: fpp.pmax(a, "tp"), fpp.P(), fpp.P())(x).sum().backward()
+        y = torch.tensor([3.0, 1.0, 3.0, 2.0], dtype=torch.float64, requires_grad=True)
+        fpp.shard_map(lambda a: fpp.pmax(a, "tp"), fpp.P("tp"), fpp.P())(y).sum().backward()
+        z = torch.tensor([-3.0, 1.0, -3.0, 2.0], dtype=torch.float64, requires_grad=True)
+        fpp.shard_map(lambda a: fpp.pmin(a, "tp"), fpp.P("tp"), fpp.P())(z).sum().backward()
+        return x.grad, y.grad, z.grad
+    for gx, gy, gz in fpp.launch(fn, mesh):
+        assert gx.tolist() == [1.0, 1.0]
+        assert gy.tolist() == [0.5, 0.0, 0.5, 0.0] and gz.tolist() == [0.5, 0.0, 0.5, 0.0]
+
+
+def test_all_to_all_untiled_has_jax_shapes_and_clear_errors():
+    mesh = fpp.Mesh(tp=3)
+
+    def fn():
+        i = fpp.axis_index("tp")
+        x = torch.arange(18.0).reshape(3, 6) + 100 * i        # (3, 6): split 0 of size 3
+        untiled = fpp.all_to_all(x, "tp", 0, 1)                  # JAX: (6, 3)
+        tiled = fpp.all_to_all(x, "tp", 0, 1, tiled=True)        # JAX: (1, 18)
+        return untiled, tiled
+    for r, (u, t) in enumerate(fpp.launch(fn, mesh)):
+        xs = [torch.arange(18.0).reshape(3, 6) + 100 * j for j in range(3)]
+        assert torch.equal(u, torch.stack([xj[r] for xj in xs], 1))
+        assert torch.equal(t, torch.cat([xj[r:r + 1] for xj in xs], 1))
+    with pytest.raises(fpp.DeviceError, match=r"tiled=False \(JAX's default\) needs split_axis 0 of size 3, got 4"):
+        fpp.launch(lambda: fpp.all_to_all(torch.ones(4, 3), "tp", 0, 1), mesh)
+    with pytest.raises(fpp.DeviceError, match=r"tiled=True: split_axis 1 has size 4, which 3 does not divide"):
+        fpp.launch(lambda: fpp.all_to_all(torch.ones(3, 4), "tp", 1, 0, tiled=True), mesh)

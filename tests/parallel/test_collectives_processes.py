@@ -52,7 +52,7 @@ def _cases(n):
         cases.append((f"split_invariant_dim{d}", d, lambda x, a, d=d: C.split_invariant(x, a, d)))
         cases.append((f"slice_varying_dim{d}", d, lambda x, a, d=d: C.slice_varying(x, a, d)))
     for s, c in [(0, 1), (2, 0), (1, 1), (0, 2), (-1, -2)]:
-        cases.append((f"a2a_{s}_{c}", s, lambda x, a, s=s, c=c: fpp.all_to_all(x, a, s, c)))
+        cases.append((f"a2a_{s}_{c}", s, lambda x, a, s=s, c=c: fpp.all_to_all(x, a, s, c, tiled=True)))
     return cases
 
 
@@ -98,7 +98,7 @@ def _compiled_ring_and_a2a():
     def f(x):
         kv = x.transpose(1, 2)                                       # batch heads seq dim
         y = fpp.ppermute(kv, ("tp", "dp_shard"), ring)
-        z = fpp.all_to_all(y.to(torch.bfloat16), ("dp_shard", "tp"), 1, 2)
+        z = fpp.all_to_all(y.to(torch.bfloat16), ("dp_shard", "tp"), 1, 2, tiled=True)
         return (y.sum(1) * 2).sum() + z.float().square().sum()
 
     g = torch.Generator().manual_seed(fpp.current_rank())
@@ -135,3 +135,36 @@ def test_replication_check_on_gloo_subgroups():
     ok = fpp.shard_map(lambda b: fpp.psum(b.sum(), ("dp_shard", "tp")), fpp.P(("dp_shard", "tp")), fpp.P(),
                        check_rep=True)
     assert [v.item() for v in fpp.launch(lambda: ok(torch.arange(8.0)), MESH, processes=True, timeout=300)] == [28.0] * 4
+
+
+def _implicit_pvary():
+    """Manual mode as a JAX user writes it (no pvary): a replicated weight meeting sharded data
+    in a matmul, the psum of a replicated value, an invariant output cast at an out_spec that
+    splits it, and an all_gather of a replicated value (docs/manual_mode.md)."""
+    axes = ("dp_shard", "tp")
+    X = (torch.arange(24.0, dtype=torch.float64).reshape(8, 3) % 5) - 2
+    w = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    loss = fpp.shard_map(lambda x, w: fpp.psum(((x @ w) ** 2).sum(), axes), (fpp.P(axes), fpp.P()), fpp.P())(X, w)
+    (gw,) = torch.autograd.grad(loss, w)
+    v = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    out = fpp.shard_map(lambda a: fpp.psum(a, axes)[None] + fpp.all_gather(a, "tp")[:1], fpp.P(), fpp.P(axes))(v)
+    cot = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)
+    (gv,) = torch.autograd.grad((out * cot).sum(), v)
+    return loss.item(), gw.numpy(), out.detach().numpy(), gv.numpy()
+
+
+def test_implicit_pvary_on_gloo_equals_simulation():
+    real = fpp.launch(_implicit_pvary, MESH, processes=True, timeout=300)
+    sim = fpp.launch(_implicit_pvary, MESH)
+    X = (torch.arange(24.0, dtype=torch.float64).reshape(8, 3) % 5) - 2
+    w0 = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    ((X @ w0) ** 2).sum().backward()
+    for a, b in zip(real, sim):
+        assert a[0] == b[0] == ((X @ w0.detach()) ** 2).sum().item()
+        for u, v in zip(a[1:], b[1:]):
+            assert np.array_equal(u, v)
+        assert np.array_equal(a[1], w0.grad.numpy())            # the pvary the matmul inserted
+        # JAX's answer: the psum of 4 copies gives 4 times the summed cotangent C, the block
+        # of tp index 0 that every device takes from the gather gives C once
+        cot = np.arange(8.0).reshape(4, 2)
+        assert np.array_equal(a[3], 5 * cot.sum(0))
