@@ -1,7 +1,7 @@
 """The training loop behind ``functional-pp train``: a :class:`~functional_pp.config.TrainConfig`
 in, a trained (and checkpointed) model out: the config's model family
 (:mod:`functional_pp.models.family`; Llama unless ``model.family`` names another, docs/models.md).
-(:mod:`functional_pp.train` is the training *step*; this module runs it in a loop with data,
+(:mod:`functional_pp.step.train` is the training *step*; this module runs it in a loop with data,
 checkpoints, logging and signals.)
 
 ``train(cfg, simulate=8)`` checks the config against the world size, loads the corpus, prints

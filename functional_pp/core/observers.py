@@ -5,7 +5,7 @@ re-gathering), which the planner counts to measure activation memory (ops announ
 :func:`saved_for_backward`; the planner subscribes with :func:`on_saved_for_backward`); and
 work that depends on the device's position in the mesh (:func:`uneven_work`), which tells
 the planner that one device does not stand for all (docs/planning.md). The collectives'
-counterpart is :mod:`functional_pp.comm` (docs/architecture.md)."""
+counterpart is :mod:`functional_pp.core.comm` (docs/architecture.md)."""
 from __future__ import annotations
 
 from typing import Callable, Mapping

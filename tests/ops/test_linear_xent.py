@@ -152,7 +152,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="chunk_bytes must be a non-negative integer"):
         ops.linear_cross_entropy(nx, nw, nl, chunk_bytes=-1)
     with pytest.raises(ValueError, match=r"weight must have exactly the dimensions \('hidden', 'vocab'\)"):
-        ops.linear_cross_entropy(nx, fpp.named(w, "hidden classes"), nl)
+        ops.linear_cross_entropy(nx, fpp.named(w, "hidden classes"), nl, vocab="vocab")
+    with pytest.raises(ValueError, match=r"cannot tell which dimension is contract"):
+        ops.linear_cross_entropy(nx, fpp.named(w, "embd vocab"), nl)
     with pytest.raises(ValueError, match="labels have dimensions"):
         ops.linear_cross_entropy(nx, nw, fpp.named(labels[0], "seq"))
     with pytest.raises(TypeError, match="labels is a Tensor"):

@@ -73,7 +73,7 @@ def test_a_tile_depends_on_all_64_bits_of_its_hash():
     """torch's ``manual_seed`` keeps 32 bits; a tile's generator state comes from the whole
     64-bit hash, so two tiles whose hashes differ only in the high half differ (an 8 B model
     has ~120 k tiles: with 32-bit seeds two would likely be equal)."""
-    init_module = sys.modules["functional_pp.init"]
+    init_module = sys.modules["functional_pp.parallel.init"]
     gen, decl = torch.Generator(), fpp.param((4096,), "a")
     a, b, again = torch.empty(4096), torch.empty(4096), torch.empty(4096)
     h = 0x1234_5678_9ABC_DEF0
@@ -120,7 +120,7 @@ def test_other_dtypes_hold_the_float32_values():
 def test_a_shard_generates_only_the_tiles_it_keeps(monkeypatch, dims, rules):
     """A shard that splits any dim up to 8 ways starts and ends on tile borders, so its device
     draws no element it does not keep (row-major tiles made an inner split draw every row)."""
-    init_module = sys.modules["functional_pp.init"]    # the package's `init` is the function
+    init_module = sys.modules["functional_pp.parallel.init"]    # the package's `init` is the function
     drawn = []
     real = init_module._fill_tile
     monkeypatch.setattr(init_module, "_fill_tile",
