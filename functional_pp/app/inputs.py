@@ -54,7 +54,9 @@ def load_data(cfg: TrainConfig) -> RunData:
                                        sample_packing=cfg.sample_packing,
                                        val_set_size=cfg.val_set_size, seed=cfg.seed,
                                        train_on_inputs=cfg.train_on_inputs,
-                                       chat_template=cfg.chat_template)
+                                       chat_template=cfg.chat_template,
+                                       chat_template_jinja=cfg.chat_template_jinja,
+                                       eot_tokens=cfg.eot_tokens)
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,

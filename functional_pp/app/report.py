@@ -44,7 +44,7 @@ def _human_bytes(n: float) -> str:
     return f"{n}"
 
 
-def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *,
+def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *, verbose_data: bool = False,
              device_text: str | None = None, val=None) -> str:
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
@@ -79,6 +79,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
         lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
+        for st in getattr(corpus, "stats", None) or []:     # per dataset: rows, tokens, trained
+            lines.append(f"  {st.line()}")
+            if st.trained_sample and verbose_data:
+                lines.append(f"  trained tokens marked [[...]], one example:\n    {st.trained_sample}")
     for note in cfg.notes:
         lines.append(f"not used:   {note}")
     lines.append(f"output:     {cfg.output_dir()}")

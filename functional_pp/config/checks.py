@@ -83,6 +83,19 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add(f"data.kind {cfg.data.kind!r} needs data.path")
     if cfg.datasets and cfg.data.path is not None:
         add("give either datasets (a list) or data.path, not both")
+    from functional_pp.data.chat import check_template_choice
+    problem = check_template_choice(cfg.chat_template, cfg.chat_template_jinja)
+    if problem:
+        add(problem)
+    for i, entry in enumerate(cfg.datasets or []):
+        if entry.chat_template is not None:
+            problem = check_template_choice(entry.chat_template, entry.chat_template_jinja,
+                                            f"datasets[{i}].chat_template")
+            if problem:
+                add(problem)
+        elif entry.chat_template_jinja is not None:
+            add(f"datasets[{i}].chat_template_jinja is only read with datasets[{i}].chat_template: "
+                f"jinja; set it or remove chat_template_jinja")
     if own:
         issues.raise_if_any()
 

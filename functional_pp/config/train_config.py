@@ -96,8 +96,17 @@ class TrainConfig:
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
-    chat_template: str | None = fld(None, "default chat template of chat_template datasets: "
-                                          "tokenizer_default | chatml")
+    chat_template: str | None = fld(None, "chat template of chat_template datasets: a name "
+                                          "(chatml, llama3, llama4, mistral_v1, gemma3, phi_3, "
+                                          "qwen_25, qwen3, ...: Axolotl's templates), "
+                                          "tokenizer_default (the tokenizer's), "
+                                          "tokenizer_default_fallback_<name>, or jinja with "
+                                          "chat_template_jinja; unset: the tokenizer's, else "
+                                          "chatml")
+    chat_template_jinja: str | None = fld(None, "chat_template: jinja: the template text or a "
+                                                ".jinja file")
+    eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
+                                        "(default: the tokenizer's EOS); see train_on_eot")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")

@@ -1,0 +1,206 @@
+"""Chat data trains the right tokens: every named template (Axolotl's Jinja texts) renders and
+tokenizes exactly as transformers' ``apply_chat_template``, the trained tokens are Axolotl's
+(each reply's content and its end-of-turn token; transformers' assistant mask where a template
+marks generations), ShareGPT data is mapped onto user / assistant, and data that would train
+nothing stops the run. Tokenizers are built here (bytes + the templates' special tokens), no hub."""
+import json
+import re
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from functional_pp.config import ConfigError, DatasetConfig, TrainConfig  # noqa: E402
+from functional_pp.data.chat import template_names, template_text, tokenize_chat  # noqa: E402
+from functional_pp.data.formats import build_streams, chat_spec  # noqa: E402
+
+EXTRA = ["<|begin_of_text|>", "<s>", "</s>", "<bos>", "<eos>", "<BOS_TOKEN>", "<｜begin▁of▁sentence｜>"]
+_MARK = re.compile(r"<[|｜][^<>'\"\s]{1,40}[|｜]>|<(?:start|end)_of_turn>|\[/?INST\]|\[/?SYSTEM_PROMPT\]|"
+                   r"\[/?AVAILABLE_TOOLS\]|\[TOOL_CALLS\]|\[/?TOOL_RESULTS\]")
+
+
+def special_tokens() -> list[str]:
+    found = set()
+    for name in template_names():
+        found |= set(_MARK.findall(template_text(name)))
+    return sorted(found) + EXTRA
+
+
+def make_tokenizer(d, bos, eos, template=None):
+    """A byte-level tokenizer (no merges) with every template marker as one special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
+    d.mkdir(parents=True, exist_ok=True)
+    t.save(str(d / "tokenizer.json"))
+    cfg = {"eos_token": eos}
+    if bos:
+        cfg["bos_token"] = bos
+    if template:
+        cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from functional_pp.data.tokenizer import HFTokenizer
+    return HFTokenizer(d)
+
+
+# name -> (bos, the tokenizer's EOS: the end-of-turn token its instruct models use)
+TEMPLATES = {
+    "chatml": (None, "<|im_end|>"), "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama4": ("<|begin_of_text|>", "<|eot|>"), "mistral_v1": ("<s>", "</s>"),
+    "mistral_v2v3": ("<s>", "</s>"), "mistral_v3_tekken": ("<s>", "</s>"),
+    "mistral_v7_tekken": ("<s>", "</s>"), "gemma": ("<bos>", "<end_of_turn>"),
+    "gemma3": ("<bos>", "<end_of_turn>"), "phi_3": ("<s>", "<|end|>"), "phi_35": ("<s>", "<|end|>"),
+    "qwen_25": (None, "<|im_end|>"), "qwen3": (None, "<|im_end|>"), "qwen3_5": (None, "<|im_end|>"),
+    "deepseek_v2": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "cohere": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"), "falcon_h1": (None, "<|im_end|>"),
+}
+#: templates that mark generations: trained = transformers' assistant mask
+GENERATION = {"phi_4": (None, "<|im_end|>"), "llava": (None, "</s>")}
+
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]
+
+
+def trained_text(tok, ids, mask):
+    return tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+
+
+def _hf(tok, bos, eos):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_file=str(tok.file), bos_token=bos, eos_token=eos)
+
+
+def _ids_and_mask(tok, name, rec, train_on_inputs=False, **entry):
+    spec = chat_spec(DatasetConfig(path="x", type="chat_template", chat_template=name, **entry), tok,
+                     train_inputs=train_on_inputs, default_template=None)
+    return tokenize_chat(tok, rec, spec)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_named_template_renders_as_transformers_and_trains_the_replies(tmp_path, name):
+    pytest.importorskip("transformers")
+    bos, eos = TEMPLATES[name]
+    tok = make_tokenizer(tmp_path, bos, eos)
+    ids, mask = _ids_and_mask(tok, name, {"messages": CHAT})
+    hf = _hf(tok, bos, eos).apply_chat_template(CHAT, chat_template=template_text(name), tokenize=True,
+                                                 return_dict=True)
+    assert ids == hf["input_ids"]                       # the same text, the same tokens
+    # Axolotl's rule: each assistant turn's content and the end-of-turn token after it
+    assert trained_text(tok, ids, mask) == f"It is 4.{eos}It is 6.{eos}"
+
+
+@pytest.mark.parametrize("name", sorted(GENERATION))
+def test_templates_marking_generations_train_transformers_assistant_mask(tmp_path, name):
+    pytest.importorskip("transformers")
+    bos, eos = GENERATION[name]
+    tok = make_tokenizer(tmp_path, bos, eos)
+    ids, mask = _ids_and_mask(tok, name, {"messages": CHAT})
+    hf = _hf(tok, bos, eos).apply_chat_template(CHAT, chat_template=template_text(name), tokenize=True,
+                                                 return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == hf["input_ids"] and mask == hf["assistant_masks"] and any(mask)
+
+
+def test_sharegpt_from_value_and_default_roles(tmp_path):
+    """ShareGPT (from / value, human / gpt) is Axolotl's default role map: the gpt turns train."""
+    tok = make_tokenizer(tmp_path, "<|begin_of_text|>", "<|eot_id|>")
+    rec = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                             {"from": "gpt", "value": "Hello"}]}
+    for entry in ({"field_messages": "conversations"},                                  # recognised
+                  {"field_messages": "conversations", "message_property_mappings": {"role": "from", "content": "value"}},
+                  {"field_messages": "conversations", "message_field_role": "from", "message_field_content": "value"}):
+        ids, mask = _ids_and_mask(tok, "llama3", rec, **entry)
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert "<|start_header_id|>user<|end_header_id|>" in text and "assistant<|end_header_id|>" in text
+        assert trained_text(tok, ids, mask) == "Hello<|eot_id|>"
+    # roles replaces the map; roles_to_train names the data's roles or the template's
+    rec2 = {"messages": [{"role": "asker", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}
+    ids, mask = _ids_and_mask(tok, "llama3", rec2, roles={"user": ["asker"], "assistant": ["bot"]})
+    assert trained_text(tok, ids, mask) == "Yo<|eot_id|>"
+    ids, mask = _ids_and_mask(tok, "llama3", rec2, roles={"user": ["asker"], "assistant": ["bot"]},
+                              roles_to_train=["asker", "bot"])
+    assert trained_text(tok, ids, mask) == "Hi<|eot_id|>Yo<|eot_id|>"
+
+
+def test_train_on_eos_train_on_inputs_and_drop_system_message(tmp_path):
+    tok = make_tokenizer(tmp_path, None, "<|im_end|>")
+    rec = {"messages": [{"role": "system", "content": "S"}, *CHAT]}
+    t = lambda **kw: trained_text(tok, *_ids_and_mask(tok, "chatml", rec, **kw))  # noqa: E731
+    assert t() == "It is 4.<|im_end|>It is 6.<|im_end|>"
+    assert t(train_on_eos="none") == "It is 4.It is 6."
+    assert t(train_on_eos="last") == "It is 4.It is 6.<|im_end|>"
+    # all: the end-of-turn token of every turn, trained or not (not the untrained contents)
+    assert t(train_on_eos="all") == "<|im_end|><|im_end|>It is 4.<|im_end|><|im_end|>It is 6.<|im_end|>"
+    # train_on_inputs: every turn's content (Axolotl: the role headers stay untrained)
+    assert t(train_on_inputs=True) == ("S<|im_end|>What is 2+2?<|im_end|>It is 4.<|im_end|>"
+                                       "And 3+3?<|im_end|>It is 6.<|im_end|>")
+    ids, _ = _ids_and_mask(tok, "chatml", rec, drop_system_message=True)
+    assert "system" not in tok.decode(ids, skip_special_tokens=False)
+    # a per-message training flag
+    rec3 = {"messages": [CHAT[0], {**CHAT[1], "train": False}, CHAT[2], CHAT[3]]}
+    assert trained_text(tok, *_ids_and_mask(tok, "chatml", rec3, message_field_training="train")) \
+        == "It is 6.<|im_end|>"
+
+
+def test_template_choices(tmp_path):
+    own = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    tok = make_tokenizer(tmp_path / "own", None, "</s>", template=own)
+    bare = make_tokenizer(tmp_path / "bare", "<s>", "</s>")
+    rec = {"messages": CHAT[:2]}
+    text = lambda t, **kw: t.decode(_ids_and_mask(t, **kw, rec=rec)[0], skip_special_tokens=False)  # noqa: E731
+    assert text(tok, name="tokenizer_default") == "<<user>>What is 2+2?</s><<assistant>>It is 4.</s>"
+    assert text(tok, name=None) == "<<user>>What is 2+2?</s><<assistant>>It is 4.</s>"      # unset: the tokenizer's
+    assert text(bare, name=None).startswith("<|im_start|>user")                              # ... else ChatML
+    assert text(tok, name="tokenizer_default_fallback_llama3") == text(tok, name="tokenizer_default")
+    assert text(bare, name="tokenizer_default_fallback_llama3").startswith("<s><|start_header_id|>user")
+    assert text(bare, name="jinja", chat_template_jinja=own) == "<<user>>What is 2+2?</s><<assistant>>It is 4.</s>"
+    f = tmp_path / "t.jinja"
+    f.write_text(own)
+    assert text(bare, name="jinja", chat_template_jinja=str(f)).startswith("<<user>>")
+    with pytest.raises(ValueError, match="tokenizer has no chat_template"):
+        text(bare, name="tokenizer_default")
+    trained = trained_text(tok, *_ids_and_mask(tok, "tokenizer_default", rec))
+    assert trained == "It is 4.</s>"
+
+
+def test_unknown_or_literal_template_names_are_refused():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"chat_template": "llama_3"})
+    msg = str(e.value)
+    assert "chat_template: unknown chat template 'llama_3'; did you mean 'llama3'?" in msg
+    for name in ("chatml", "llama3", "gemma3", "qwen3", "mistral_v7_tekken", "tokenizer_default"):
+        assert name in msg
+    with pytest.raises(ConfigError, match=r"datasets\[0\].chat_template: unknown chat template 'nope'"):
+        TrainConfig.from_dict({"datasets": [{"path": "x.jsonl", "type": "chat_template", "chat_template": "nope"}]})
+    with pytest.raises(ConfigError, match="chat_template: jinja with chat_template_jinja"):
+        TrainConfig.from_dict({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    with pytest.raises(ConfigError, match="jinja needs chat_template_jinja"):
+        TrainConfig.from_dict({"chat_template": "jinja"})
+    for name in ("llama3", "llama4", "qwen_25", "tokenizer_default", "tokenizer_default_fallback_chatml"):
+        assert TrainConfig.from_dict({"chat_template": name}).chat_template == name
+    assert TrainConfig.from_dict({"chat_template": "jinja", "chat_template_jinja": "{{ 1 }}"}).chat_template == "jinja"
+
+
+def test_rows_with_no_trained_token_are_counted_and_mostly_none_stops(tmp_path):
+    tok = make_tokenizer(tmp_path, "<|begin_of_text|>", "<|eot_id|>")
+    good = {"messages": CHAT[:2]}
+    no_reply = {"messages": [CHAT[0]]}
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [good, good, good, no_reply]) + "\n")
+    entry = DatasetConfig(path=str(path), type="chat_template", chat_template="llama3")
+    train, _ = build_streams([entry], tok, seq_len=32)
+    st = train.stats[0]
+    assert (st.rows, st.untrained_rows) == (4, 1) and st.trained_tokens == 3 * len(tok.encode("It is 4.")) + 3
+    assert "[[It is 4.<|eot_id|>]]" in st.trained_sample and "4 rows" in st.line()
+    # roles the map does not know: nothing would be trained -> stop, naming what was used
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "asker", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}) + "\n")
+    with pytest.raises(ValueError) as e:
+        build_streams([entry, DatasetConfig(path=str(bad), type="chat_template", chat_template="llama3")],
+                      tok, seq_len=32)
+    msg = str(e.value)
+    assert msg.startswith("datasets[1] (") and "1 of 1 rows have no trained token" in msg
+    assert '"role": "bot"' in msg and "trained roles ['assistant']" in msg and "template llama3" in msg
