@@ -136,6 +136,8 @@ def _auto_compile() -> bool:
 
 
 def _put(out: dict, key: str, value: Any, source: str, issues: Issues) -> None:
+    if value is None:
+        return                        # a blank alias is unset
     node = out
     parts = key.split(".")
     for part in parts[:-1]:
@@ -168,6 +170,9 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     for key, value in d.items():
         if key in UNSUPPORTED and _off(value):
             continue                                 # switched off: nothing is asked for
+        if value is None and key not in ("parallelism_config",) and (
+                key in ALIASES or key in NOT_USED or key in _ACCEPTED_VALUES or key in ACCELERATE_LAUNCHER):
+            continue                                 # blank: unset (docs/config.md)
         if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
             unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
                           "are padded with EOS whose labels are ignored)")
@@ -183,6 +188,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in ACCELERATE_LAUNCHER:
             launcher.append(key)
         elif key == "parallelism_config":
+            if value is None:
+                continue
             if not isinstance(value, dict):
                 issues.add(f"parallelism_config must be a mapping, got {value!r}")
                 continue

@@ -179,3 +179,44 @@ def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_pat
     assert any(n.startswith("special_tokens.pad_token") for n in cfg.notes)
     with pytest.raises(ConfigError, match="base_model './Meta-Llama-3-8B' is not a Hugging Face model directory"):
         cfg.validate(1)
+
+
+def test_blank_values_mean_unset():
+    """`save_steps:` with nothing (YAML null) is unset, as in Axolotl: the default is used; where
+    null is a value of the key (max_grad_norm: no clipping) it keeps that meaning."""
+    import yaml
+    text = """
+save_steps:
+max_steps:
+warmup_steps:
+gradient_accumulation_steps:
+learning_rate: 1e-3
+logging_steps:
+output_dir:
+flash_attention:
+dataset_prepared_path:
+gradient_checkpointing_kwargs:
+parallelism_config:
+eval_steps:
+max_grad_norm:
+datasets:
+  - path: d.jsonl
+    type: chat_template
+    split:
+    field_messages:
+    roles_to_train:
+checkpoint:
+  keep_last:
+"""
+    cfg = TrainConfig.from_dict(yaml.safe_load(text))
+    default = TrainConfig()
+    assert cfg.checkpoint.save_every == default.checkpoint.save_every == 0
+    assert cfg.max_steps == default.max_steps and "max_steps" not in cfg._given
+    assert cfg.gradient_accumulation_steps == 1 and cfg.logging.log_every == default.logging.log_every
+    assert cfg.logging.output_dir is None and cfg.eval_steps is None
+    assert cfg.max_grad_norm is None                   # null is a value here: no clipping
+    assert cfg.checkpoint.keep_last is None            # ... and here: keep all
+    d = cfg.datasets[0]
+    assert (d.split, d.field_messages, d.roles_to_train) == ("train", "messages", None)
+    cfg.set_epochs(10)                                 # a blank max_steps lets num_epochs decide
+    assert cfg.max_steps == default.max_steps          # (no num_epochs here)
