@@ -56,7 +56,8 @@ def load_data(cfg: TrainConfig) -> RunData:
                                        train_on_inputs=cfg.train_on_inputs,
                                        chat_template=cfg.chat_template,
                                        chat_template_jinja=cfg.chat_template_jinja,
-                                       eot_tokens=cfg.eot_tokens)
+                                       eot_tokens=cfg.eot_tokens,
+                                       chat_template_kwargs=cfg.chat_template_kwargs)
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,

@@ -61,7 +61,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
                           family.summary_fields)
     lines = [
         f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
-        f"mesh:       {mesh_txt} = {mesh.size} devices",
+        f"mesh:       {mesh_txt} = {mesh.size} devices"
+        + ("" if not getattr(cfg, "auto_dp", None) else
+           f" (no parallelism sizes given: all {cfg.auto_dp} devices are data parallel, "
+           f"dp_shard_size: {cfg.auto_dp})"),
         f"rules:      {rules_txt}",
         f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
         f"memory:     {local:,} parameters on each device x {per} B ({what}) = "

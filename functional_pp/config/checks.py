@@ -28,6 +28,9 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     for k in ("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "max_steps"):
         if getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
+    for k in ("saves_per_epoch", "evals_per_epoch"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 0:
+            add(f"{k} must be >= 0 (0: none), got {getattr(cfg, k)}")
     for k in ("global_batch_size", "num_epochs", "eval_steps", "num_processes"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
@@ -41,6 +44,11 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         v = getattr(cfg, k)
         if v is not None and not 0 <= v <= 1:
             add(f"{k} must be in [0, 1], got {v}")
+    if cfg.saves_per_epoch and "checkpoint" in cfg._given and cfg.checkpoint.save_every and \
+            "saves_per_epoch_applied" not in cfg._given:
+        add("give save_steps or saves_per_epoch, not both")
+    if cfg.evals_per_epoch and cfg.eval_steps is not None and "evals_per_epoch_applied" not in cfg._given:
+        add("give eval_steps or evals_per_epoch, not both")
     if cfg.warmup_ratio is not None and "warmup_steps" in cfg._given:
         add("give warmup_steps or warmup_ratio, not both")
     if cfg.cosine_min_lr_ratio is not None and "min_learning_rate" in cfg._given:
@@ -134,6 +142,10 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     if cfg.num_processes is not None and world_size is not None and cfg.num_processes != world_size:
         raise ConfigError(f"num_processes: {cfg.num_processes} but {launcher or 'the world size'} "
                           f"gives {world_size} devices; fix one of them")
+    if world_size is not None and not cfg.sizes_given() and world_size > 1:
+        cfg.dp_shard_size = world_size      # no sizes: every device data parallel (FSDP),
+        cfg._given.add("dp_shard_size")     # recorded so checkpoints keep the mesh
+        cfg.auto_dp = world_size
     sizes = cfg.mesh_sizes(world_size)
     product = math.prod(sizes.values())
     if world_size is not None and product != world_size:

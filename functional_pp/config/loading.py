@@ -125,4 +125,8 @@ def config_to_dict(cfg: Any) -> dict:
     for key in _SECTIONS:
         out[key] = dataclasses.asdict(getattr(cfg, key))
     out["rules"] = dict(cfg.rules)
+    if cfg.saves_per_epoch:              # derived from it (set_per_epoch): written once
+        out["checkpoint"]["save_every"] = CheckpointConfig().save_every
+    if cfg.evals_per_epoch:
+        out["eval_steps"] = None
     return out

@@ -175,7 +175,10 @@ def parse_section(cls, d: Any, where: str, issues: Issues, *, skip: tuple[str, .
         if key in skip:
             continue
         if key not in names:
-            issues.add(f"unknown key '{prefix}{key}'{suggest(str(key), names)}")
+            hint = suggest(str(key), names)
+            if not hint.startswith(";") and len(names) > 12:     # no close match: no 60-key list
+                hint = " (not a key of this trainer; `functional-pp train --help` lists them)"
+            issues.add(f"unknown key '{prefix}{key}'{hint}")
             continue
         if value is None and not accepts_none(hints[key]):
             continue                  # a blank value (`save_steps:`) means unset, as in Axolotl

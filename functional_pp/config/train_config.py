@@ -105,6 +105,8 @@ class TrainConfig:
                                           "chatml")
     chat_template_jinja: str | None = fld(None, "chat_template: jinja: the template text or a "
                                                 ".jinja file")
+    chat_template_kwargs: dict | None = fld(None, "chat_template: extra template variables (e.g. "
+                                                  "{enable_thinking: false})")
     eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
                                         "(default: the tokenizer's EOS); see train_on_eot")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
@@ -114,6 +116,10 @@ class TrainConfig:
                                    "sequences")
     eval_steps: int | None = fld(None, "held-out loss every N steps (default: at log steps "
                                        "and at the end when val_set_size > 0)")
+    evals_per_epoch: int | None = fld(None, "held-out loss N times per epoch: eval_steps = "
+                                            "ceil(max_steps / (N x num_epochs)), as Axolotl")
+    saves_per_epoch: int | None = fld(None, "checkpoints N times per epoch: save_steps = "
+                                            "ceil(max_steps / (N x num_epochs)), as Axolotl")
     resume_from_checkpoint: bool | str | None = fld(None, "true: continue from the newest "
                                                           "checkpoint of the output directory; "
                                                           "a path: from that checkpoint")
@@ -179,14 +185,34 @@ class TrainConfig:
             self.max_steps = max(1, self.num_epochs * steps_per_epoch)
             self._given.add("max_steps")
             self._check_values()
+        self.set_per_epoch()
+
+    def set_per_epoch(self) -> None:
+        """``saves_per_epoch`` / ``evals_per_epoch`` as step intervals: Axolotl's fraction
+        ``1 / (N x num_epochs)`` of the run's steps, rounded up as Hugging Face does."""
+        epochs = self.num_epochs or 1
+        if self.saves_per_epoch:
+            self.checkpoint.save_every = max(1, math.ceil(self.max_steps / (self.saves_per_epoch * epochs)))
+            self._given.add("saves_per_epoch_applied")
+        if self.evals_per_epoch:
+            self.eval_steps = max(1, math.ceil(self.max_steps / (self.evals_per_epoch * epochs)))
+            self._given.add("evals_per_epoch_applied")
 
     def output_dir(self) -> Path:
         """``logging.output_dir``, or ``runs/<config name>``."""
         return Path(self.logging.output_dir or f"runs/{self.name}")
 
+    def sizes_given(self) -> bool:
+        """Whether the config gives any mesh size (else all devices are data parallel)."""
+        return any(k in self._given for k in MESH_KEYS) or self.layout == "auto"
+
     def mesh_sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves."""
+        """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves. A config
+        without any size uses every device for data parallelism (``dp_shard`` = the world size,
+        as Axolotl / Accelerate do); with no known world size that is one device."""
         sizes = {axis: getattr(self, key) for key, axis in MESH_KEYS.items()}
+        if not self.sizes_given() and all(v == 1 for v in sizes.values()):
+            sizes["dp_shard"] = world_size or 1
         if sizes["dp_shard"] == -1:
             rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
             if world_size is None:
@@ -254,3 +280,4 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._given: set[str] = set()
         self.notes: list[str] = []      # keys accepted without effect, and why
+        self.auto_dp: int | None = None  # no sizes given: the data-parallel size chosen

@@ -206,6 +206,7 @@ class ChatSpec:
     message_field_training: str | None = None
     special_tokens: dict = field(default_factory=dict)
     template_kwargs: dict = field(default_factory=dict)
+    warning: str = ""                 # shown with the dataset's counts (start-up summary)
 
     @property
     def uses_generation_marks(self) -> bool:

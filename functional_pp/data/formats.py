@@ -151,7 +151,7 @@ def _alpaca(tok, rec: dict, entry, train_inputs: bool, where: str, n: int) -> Ex
 
 def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
               default_jinja: str | None = None, eot_tokens: list | None = None,
-              where: str = "datasets[0]") -> ChatSpec:
+              template_kwargs: dict | None = None, where: str = "datasets[0]") -> ChatSpec:
     """How ``entry`` (a ``type: chat_template`` DatasetConfig) reads its conversations, as
     Axolotl's chat_template strategy: the template (the entry's, else the top-level
     ``chat_template``; none named: the tokenizer's, else ChatML), the message keys, the role
@@ -195,7 +195,12 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
             eot.append(i)
     else:
         eot = [] if eos_id is None else [eos_id]
-    return ChatSpec(template=template, template_name=name,
+    warning = ""
+    eos_text = specials.get("eos_token")
+    if not eot_tokens and eos_text and eos_text not in template and "eos_token" not in template:
+        warning = (f"the tokenizer's EOS {eos_text!r} is not in the chat template: no end-of-turn "
+                   f"token is trained (as Axolotl); set eot_tokens to the template's turn end")
+    return ChatSpec(template=template, template_name=name, warning=warning,
                     field_messages=getattr(entry, "field_messages", None) or "messages",
                     mappings=mappings, mappings_given=given, roles=role_map,
                     roles_to_train=tuple(role_map.get(r, r) for r in to_train),
@@ -205,7 +210,7 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
                     eos_id=eos_id, drop_system_message=bool(getattr(entry, "drop_system_message", False)),
                     field_system=getattr(entry, "field_system", None) or "system",
                     message_field_training=getattr(entry, "message_field_training", None),
-                    special_tokens=specials)
+                    special_tokens=specials, template_kwargs=dict(template_kwargs or {}))
 
 
 def _chat(tok, rec: dict, spec: ChatSpec, where: str, n: int) -> Example:
@@ -356,7 +361,8 @@ def _split_count(val_set_size: float, n: int) -> int:
 def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing: bool = True,
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
-                  eot_tokens: list | None = None, spill_bytes: int = 64 << 20,
+                  eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
+                  spill_bytes: int = 64 << 20,
                   min_trained_share: float = 0.5) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
@@ -405,9 +411,9 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
         spec = chat_spec(entry, tok, train_inputs=train_on_inputs, default_template=chat_template,
                          default_jinja=chat_template_jinja, eot_tokens=eot_tokens,
-                         where=where) if kind == "chat_template" else None
+                         template_kwargs=chat_template_kwargs, where=where) if kind == "chat_template" else None
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
-                          spec.describe_roles() if spec else "")
+                          spec.describe_roles() if spec else "", spec.warning if spec else "")
         for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
             (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None)
             j += 1
@@ -439,6 +445,7 @@ class DatasetStats:
     kind: str
     template: str | None
     roles: str
+    warning: str = ""
     rows: int = 0
     tokens: int = 0
     trained_tokens: int = 0
@@ -449,8 +456,9 @@ class DatasetStats:
     def line(self) -> str:
         tpl = f", template {self.template}" if self.template else ""
         none = f", {self.untrained_rows} rows with no trained token" if self.untrained_rows else ""
+        warn = f"; note: {self.warning}" if self.warning else ""
         return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
-                f"{self.tokens} tokens, {self.trained_tokens} trained{none}")
+                f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")
 
     def refusal(self, tok) -> str:
         rec, ids, mask = self.sample

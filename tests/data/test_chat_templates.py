@@ -4,48 +4,16 @@ tokenizes exactly as transformers' ``apply_chat_template``, the trained tokens a
 marks generations), ShareGPT data is mapped onto user / assistant, and data that would train
 nothing stops the run. Tokenizers are built here (bytes + the templates' special tokens), no hub."""
 import json
-import re
 
 import pytest
+from chat_tokenizer import make_tokenizer
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from functional_pp.config import ConfigError, DatasetConfig, TrainConfig  # noqa: E402
-from functional_pp.data.chat import template_names, template_text, tokenize_chat  # noqa: E402
+from functional_pp.data.chat import template_text, tokenize_chat  # noqa: E402
 from functional_pp.data.formats import build_streams, chat_spec  # noqa: E402
-
-EXTRA = ["<|begin_of_text|>", "<s>", "</s>", "<bos>", "<eos>", "<BOS_TOKEN>", "<｜begin▁of▁sentence｜>"]
-_MARK = re.compile(r"<[|｜][^<>'\"\s]{1,40}[|｜]>|<(?:start|end)_of_turn>|\[/?INST\]|\[/?SYSTEM_PROMPT\]|"
-                   r"\[/?AVAILABLE_TOOLS\]|\[TOOL_CALLS\]|\[/?TOOL_RESULTS\]")
-
-
-def special_tokens() -> list[str]:
-    found = set()
-    for name in template_names():
-        found |= set(_MARK.findall(template_text(name)))
-    return sorted(found) + EXTRA
-
-
-def make_tokenizer(d, bos, eos, template=None):
-    """A byte-level tokenizer (no merges) with every template marker as one special token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    t.decoder = decoders.ByteLevel()
-    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
-    d.mkdir(parents=True, exist_ok=True)
-    t.save(str(d / "tokenizer.json"))
-    cfg = {"eos_token": eos}
-    if bos:
-        cfg["bos_token"] = bos
-    if template:
-        cfg["chat_template"] = template
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    from functional_pp.data.tokenizer import HFTokenizer
-    return HFTokenizer(d)
-
 
 # name -> (bos, the tokenizer's EOS: the end-of-turn token its instruct models use)
 TEMPLATES = {
@@ -204,3 +172,16 @@ def test_rows_with_no_trained_token_are_counted_and_mostly_none_stops(tmp_path):
     msg = str(e.value)
     assert msg.startswith("datasets[1] (") and "1 of 1 rows have no trained token" in msg
     assert '"role": "bot"' in msg and "trained roles ['assistant']" in msg and "template llama3" in msg
+
+
+def test_an_eos_the_template_never_writes_is_noted(tmp_path):
+    """A base model's EOS (<|end_of_text|>) with the llama3 template: as in Axolotl no end-of-turn
+    token is trained, and the counts line says so, pointing at eot_tokens."""
+    tok = make_tokenizer(tmp_path, "<|begin_of_text|>", "<|end_of_text|>")
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": CHAT[:2]}) + "\n")
+    entry = DatasetConfig(path=str(path), type="chat_template", chat_template="llama3")
+    st = build_streams([entry], tok, seq_len=32)[0].stats[0]
+    assert "not in the chat template" in st.line() and "eot_tokens" in st.line()
+    st = build_streams([entry], tok, seq_len=32, eot_tokens=["<|eot_id|>"])[0].stats[0]
+    assert "note" not in st.line() and "[[It is 4.<|eot_id|>]]" in st.trained_sample
