@@ -72,7 +72,12 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
-        f"{cfg.warmup()}), {cfg.max_steps} steps, precision {cfg.precision}"
+        f"{cfg.warmup()}), {cfg.max_steps} steps"
+        + (f" (num_epochs {cfg.num_epochs} x {cfg.steps_per_epoch} steps per epoch)"
+           if getattr(cfg, "epochs_derived", False) else "")
+        + (f", checkpoint every {cfg.checkpoint.save_every}" if cfg.saves_per_epoch else "")
+        + (f", held-out loss every {cfg.eval_steps}" if cfg.evals_per_epoch else "")
+        + f", precision {cfg.precision}"
         + (", activation checkpointing" if cfg.activation_checkpointing else "")
         + (f", compile={cfg.compile}" if cfg.compile else ""),
     ]

@@ -181,8 +181,10 @@ class TrainConfig:
     def set_epochs(self, steps_per_epoch: int) -> None:
         """``max_steps = num_epochs x steps_per_epoch`` when ``num_epochs`` is given and
         ``max_steps`` is not (as Axolotl: max_steps wins)."""
+        self.steps_per_epoch = steps_per_epoch
         if self.num_epochs is not None and "max_steps" not in self._given:
             self.max_steps = max(1, self.num_epochs * steps_per_epoch)
+            self.epochs_derived = True
             self._given.add("max_steps")
             self._check_values()
         self.set_per_epoch()
@@ -281,3 +283,5 @@ class TrainConfig:
         self._given: set[str] = set()
         self.notes: list[str] = []      # keys accepted without effect, and why
         self.auto_dp: int | None = None  # no sizes given: the data-parallel size chosen
+        self.steps_per_epoch: int | None = None   # set_epochs: of the training data
+        self.epochs_derived = False               # max_steps came from num_epochs

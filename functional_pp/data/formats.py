@@ -189,6 +189,8 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
     if eot_tokens:
         eot = []
         for t in eot_tokens:
+            if t not in template:          # Axolotl drops end-of-turn tokens its template lacks
+                continue
             i = tok.token_to_id(t) if hasattr(tok, "token_to_id") else None
             if i is None:
                 raise ValueError(f"eot_tokens: {t!r} is not one token of the tokenizer")

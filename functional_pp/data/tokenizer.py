@@ -47,6 +47,19 @@ def _token_text(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+def _own_template(value: Any, folder: Path) -> str | None:
+    """The tokenizer's chat template, as transformers finds it: ``chat_template`` of
+    ``tokenizer_config.json`` (a text, or a list of named ones: ``default``), else the
+    ``chat_template.jinja`` file beside it."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if isinstance(value, str) and value:
+        return value
+    f = folder / "chat_template.jinja"
+    return f.read_text(encoding="utf-8") if f.is_file() else None
+
+
 class HFTokenizer:
     """Encode text (and chats) to token ids; ``bos_id`` / ``eos_id`` from the model's
     ``config.json`` (``generation_config.json``, ``tokenizer_config.json`` as fallbacks)."""
@@ -67,8 +80,7 @@ class HFTokenizer:
         self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")))
         self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")))
         self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
-        self.chat_template: str | None = tcfg.get("chat_template") if isinstance(
-            tcfg.get("chat_template"), str) else None
+        self.chat_template: str | None = _own_template(tcfg.get("chat_template"), self.dir)
         smap = {**_read_json(self.dir / "special_tokens_map.json"), **tcfg}
         #: the special tokens a chat template sees as variables (transformers' special_tokens_map)
         self.special_tokens = {k: _token_text(smap.get(k)) for k in _SPECIAL_KEYS

@@ -82,6 +82,7 @@ def test_axolotl_full_finetune_example_runs_as_written(tmp_path, capsys):
     assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
     printed = capsys.readouterr().out
     assert "all 2 devices are data parallel" in printed
+    assert "9 steps (num_epochs 1 x 9 steps per epoch), checkpoint every 9, held-out loss every 5" in printed
     assert "60 rows" in printed and "[[It is" in printed and "<|im_end|>]]" in printed
     assert "attn_implementation: flash_attention_2" in printed and "CutCrossEntropyPlugin" in printed
     assert cli.main(["train", str(path), "--simulate", "2"]) == 0

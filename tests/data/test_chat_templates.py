@@ -185,3 +185,16 @@ def test_an_eos_the_template_never_writes_is_noted(tmp_path):
     assert "not in the chat template" in st.line() and "eot_tokens" in st.line()
     st = build_streams([entry], tok, seq_len=32, eot_tokens=["<|eot_id|>"])[0].stats[0]
     assert "note" not in st.line() and "[[It is 4.<|eot_id|>]]" in st.trained_sample
+
+
+def test_the_tokenizers_template_file_and_named_templates(tmp_path):
+    """tokenizer_default finds the template where transformers does: tokenizer_config.json's
+    chat_template (a text, or named ones: "default"), else chat_template.jinja beside it."""
+    own = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    tok = make_tokenizer(tmp_path / "a", None, "</s>")
+    (tmp_path / "a" / "chat_template.jinja").write_text(own)
+    from functional_pp.data.tokenizer import HFTokenizer
+    assert HFTokenizer(tmp_path / "a").chat_template == own
+    tok = make_tokenizer(tmp_path / "b", None, "</s>", template=[{"name": "tool_use", "template": "x"},
+                                                                {"name": "default", "template": own}])
+    assert tok.chat_template == own
