@@ -35,3 +35,22 @@ def make_tokenizer(d, bos, eos, template=None):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     from functional_pp.data.tokenizer import HFTokenizer
     return HFTokenizer(d)
+
+
+def make_bpe_tokenizer(d, bos, eos, texts, vocab_size=600):
+    """A byte-level BPE trained here on ``texts`` (merges join characters across the places
+    where a template's header meets a message), with the templates' markers as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    t.train_from_iterator(texts, trainer)
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
+    d.mkdir(parents=True, exist_ok=True)
+    t.save(str(d / "tokenizer.json"))
+    cfg = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from functional_pp.data.tokenizer import HFTokenizer
+    return HFTokenizer(d)

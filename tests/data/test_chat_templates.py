@@ -198,3 +198,45 @@ def test_the_tokenizers_template_file_and_named_templates(tmp_path):
     tok = make_tokenizer(tmp_path / "b", None, "</s>", template=[{"name": "tool_use", "template": "x"},
                                                                 {"name": "default", "template": own}])
     assert tok.chat_template == own
+
+
+def _axolotl_reference(hf, template, turns):
+    """Axolotl's ChatTemplateStrategy (roles_to_train [assistant], train_on_eos turn), written
+    on transformers' apply_chat_template as Axolotl calls it: the reference for our masks."""
+    def ids(ts, **kw):
+        out = hf.apply_chat_template(ts, chat_template=template, tokenize=True, return_dict=True, **kw)
+        return list(out["input_ids"])
+    full = ids(turns)
+    labels = [0] * len(full)
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        kw = {"real_last_index": len(turns) - 1}
+        dummy, real = ids(turns[:i] + [{"role": turn["role"], "content": "[[dummy_message]]"}], **kw), ids(turns[:i + 1], **kw)
+        n = min(len(dummy), len(real))
+        start = next(j for j in range(n) if dummy[j] != real[j])
+        end = next(len(real) - j for j in range(n) if dummy[-1 - j] != real[-1 - j])
+        labels[start:end] = [1] * (end - start)
+        eos = next((j for j in range(end, len(full)) if full[j] == hf.eos_token_id), -1)
+        if eos != -1 and abs(eos - end) <= 3:
+            labels[eos] = 1
+    return full, labels
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen3", "mistral_v1", "mistral_v2v3", "gemma3", "phi_3",
+                                  "qwen_25", "deepseek_v2", "cohere", "llama4"])
+def test_masks_equal_axolotls_rule_with_a_trained_bpe(tmp_path, name):
+    """With merges that join a header's last characters to a reply's first ones, the trained
+    tokens still equal Axolotl's rule computed on transformers' tokenizer."""
+    pytest.importorskip("transformers")
+    from chat_tokenizer import make_bpe_tokenizer
+    bos, eos = TEMPLATES[name]
+    turns = [{"role": "user", "content": " Hello there, what is two plus two?"},
+             {"role": "assistant", "content": "Two plus two is four.\n"},
+             {"role": "user", "content": "And three plus three? "},
+             {"role": "assistant", "content": " Three plus three is six."}]
+    corpus = [template_text(name)] + [t["content"] for t in turns] * 20 + ["\n\nTwo\nThree assistant user"] * 20
+    tok = make_bpe_tokenizer(tmp_path, bos, eos, corpus)
+    ids, mask = _ids_and_mask(tok, name, {"messages": turns})
+    ref_ids, ref_mask = _axolotl_reference(_hf(tok, bos, eos), template_text(name), turns)
+    assert ids == ref_ids and mask == ref_mask and sum(mask) > 10
