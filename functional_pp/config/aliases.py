@@ -130,6 +130,8 @@ NOT_USED: dict[str, str] = {
     "skip_prepare_dataset": "datasets are tokenized at start, as they are streamed",
     "use_kernels": "kernels are torch's (and the fused chunked head + loss)",
     "wandb_run_id": "the W&B run id is chosen by wandb",
+    "eval_batch_size": "held-out batches have the training batch's size",
+    "save_only_model": "checkpoints hold the optimizer state too, for exact resumption",
 }
 
 #: attn_implementation values: all run the same attention here (NOT_USED's note)
@@ -208,7 +210,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             continue                                 # switched off: nothing is asked for
         if value is None and key not in ("parallelism_config",) and (
                 key in ALIASES or key in NOT_USED or key in _ACCEPTED_VALUES or key in ACCELERATE_LAUNCHER
-                or key in ("attn_implementation", "plugins")):
+                or key in ("attn_implementation", "plugins", "save_strategy", "eval_strategy",
+                           "evaluation_strategy")):
             continue                                 # blank: unset (docs/config.md)
         if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
             unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
@@ -218,6 +221,17 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
+        elif key in ("save_strategy", "eval_strategy", "evaluation_strategy"):
+            per = "saves_per_epoch" if key == "save_strategy" else "evals_per_epoch"
+            if value == "epoch":
+                aliased.append((key, per, 1))
+            elif value == "no" and key == "save_strategy":
+                aliased.append((key, "checkpoint.save_every", 0))
+            elif value == "no":
+                issues.add(f"{key}: 'no' is not supported: the held-out loss is computed when "
+                           f"val_set_size > 0; set val_set_size: 0 instead")
+            elif value != "steps":
+                issues.add(f"{key}: {value!r} is not supported (steps, epoch, no)")
         elif key == "attn_implementation":
             if value not in ATTN_IMPLEMENTATIONS:
                 issues.add(f"attn_implementation: {value!r} is not an attention implementation "

@@ -36,6 +36,9 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():
+        add(f"warmup_steps must be a whole number of steps or a fraction < 1 of max_steps, got "
+            f"{cfg.warmup_steps}")
     if not cfg.learning_rate > 0 or not math.isfinite(cfg.learning_rate):
         add(f"learning_rate must be a finite number > 0, got {cfg.learning_rate}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:

@@ -48,7 +48,8 @@ class TrainConfig:
     lr_scheduler: Literal["constant", "cosine", "linear"] = fld(
         "cosine", "constant | cosine | linear (aliases constant_with_warmup, "
                   "cosine_with_restarts)")
-    warmup_steps: int = fld(0, "linear warmup steps")
+    warmup_steps: int | float = fld(0, "linear warmup steps; a fraction < 1: of max_steps (as "
+                                       "transformers reads warmup_steps: 0.1)")
     warmup_ratio: float | None = fld(None, "warmup as a fraction of max_steps (instead of "
                                            "warmup_steps)")
     min_learning_rate: float = fld(0.0, "learning rate at the end of the decay")
@@ -170,7 +171,9 @@ class TrainConfig:
         """Warmup steps: ``warmup_steps``, or ``ceil(warmup_ratio x max_steps)``."""
         if self.warmup_ratio is not None:
             return math.ceil(self.warmup_ratio * self.max_steps)
-        return self.warmup_steps
+        if isinstance(self.warmup_steps, float) and self.warmup_steps < 1:
+            return math.ceil(self.warmup_steps * self.max_steps)
+        return int(self.warmup_steps)
 
     def min_lr(self) -> float:
         """``min_learning_rate``, or ``cosine_min_lr_ratio x learning_rate``."""

@@ -248,3 +248,17 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert any(m.startswith("'loss_watchdog_threshold' is not supported: the loss watchdog") for m in p)
     unknown = [m for m in p if "totally_unknown_key" in m][0]
     assert "valid:" not in unknown and "--help" in unknown           # no 60-key list
+
+
+def test_strategies_fractional_warmup_and_eval_batch_size():
+    cfg = TrainConfig.from_dict({"save_strategy": "epoch", "eval_strategy": "epoch", "warmup_steps": 0.1,
+                                 "eval_batch_size": 8, "num_epochs": 1})
+    assert (cfg.saves_per_epoch, cfg.evals_per_epoch) == (1, 1) and "eval_batch_size" in " ".join(cfg.notes)
+    cfg.set_epochs(30)
+    assert cfg.warmup() == 3 and cfg.checkpoint.save_every == 30 and cfg.eval_steps == 30
+    assert TrainConfig.from_dict({"save_strategy": "no", "save_steps": None}).checkpoint.save_every == 0
+    for bad, msg in (({"save_strategy": "best"}, "save_strategy: 'best' is not supported"),
+                     ({"eval_strategy": "no"}, "set val_set_size: 0"),
+                     ({"warmup_steps": 1.5}, "whole number of steps or a fraction")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig.from_dict(bad)
