@@ -23,10 +23,16 @@ def load_tokenizer(cfg: TrainConfig):
         if cfg.base_model is not None and (cfg.datasets or cfg.data.path):
             raise ConfigError(f"base_model {cfg.base_model!r} has no tokenizer.json: give tokenizer: "
                               f"PATH (a tokenizer.json or a directory holding one)")
+        if cfg.special_tokens:
+            raise ConfigError(f"special_tokens {cfg.special_tokens} need a tokenizer (this run is "
+                              f"byte-level): give tokenizer: PATH or remove them")
         return None
     from functional_pp.data.tokenizer import HFTokenizer
     try:
-        return HFTokenizer(path, model_dir=cfg.base_model)
+        tok = HFTokenizer(path, model_dir=cfg.base_model)
+        if cfg.special_tokens:
+            tok.set_special_tokens(cfg.special_tokens)
+        return tok
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from exc
 

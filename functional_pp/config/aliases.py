@@ -17,6 +17,10 @@ __all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELER
 
 _same: Callable[[Any], Any] = lambda v: v  # noqa: E731
 
+#: ``special_tokens`` keys (Axolotl's): each names an existing token of the tokenizer
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                      "mask_token")
+
 #: alias -> (canonical key, dotted for a section; value translation)
 ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tensor_parallel_size": ("tp_size", _same),
@@ -78,8 +82,6 @@ UNSUPPORTED: dict[str, str] = {
                               "fsdp_final_state_dict_type")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
-    "special_tokens": "adding or replacing special tokens is not supported: BOS/EOS come from "
-                      "the base model's config; remove it",
     "tokens": "adding tokens to the vocabulary is not supported: remove it",
     **{k: "the loss watchdog is not supported: remove it (non-finite steps are skipped, "
           "max_consecutive_skips stops the run)" for k in ("loss_watchdog_threshold", "loss_watchdog_patience")},
@@ -213,9 +215,19 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 or key in ("attn_implementation", "plugins", "save_strategy", "eval_strategy",
                            "evaluation_strategy")):
             continue                                 # blank: unset (docs/config.md)
-        if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
-            unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
-                          "are padded with EOS whose labels are ignored)")
+        if key == "special_tokens":
+            if value is None:
+                continue                             # blank: unset
+            if not isinstance(value, dict) or not set(value) <= set(SPECIAL_TOKEN_KEYS):
+                issues.add(f"special_tokens must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
+                           f"tokens of the tokenizer, got {value!r}")
+                continue
+            if "pad_token" in value:
+                unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
+                              "are padded with EOS whose labels are ignored)")
+            rest = {k: v for k, v in value.items() if k != "pad_token" and v is not None}
+            if rest:
+                out[key] = rest
         elif key in UNSUPPORTED:
             issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
         elif key in NOT_USED:

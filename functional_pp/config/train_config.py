@@ -97,6 +97,10 @@ class TrainConfig:
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
+    special_tokens: dict | None = fld(None, "Axolotl: {eos_token: <|im_end|>, bos_token: ..., "
+                                            "pad_token: ...}: tokens of the tokenizer made its "
+                                            "special tokens (EOS: ends documents and chat turns); "
+                                            "tokens not in the vocabulary are refused")
     chat_template: str | None = fld(None, "chat template of chat_template datasets: a name "
                                           "(chatml, llama3, llama4, mistral_v1, gemma3, phi_3, "
                                           "qwen_25, qwen3, ...: Axolotl's templates), "

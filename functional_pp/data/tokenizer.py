@@ -90,6 +90,21 @@ class HFTokenizer:
         eos_text = self.special_tokens.get("eos_token")
         self.chat_eos_id = self.tok.token_to_id(eos_text) if eos_text else self.eos_id
 
+    def set_special_tokens(self, tokens: dict) -> None:
+        """Axolotl's ``special_tokens``: existing tokens made the tokenizer's BOS / EOS / ...
+        (EOS ends each document and is the chat end-of-turn token); a token that is not one
+        token of the vocabulary raises (adding tokens is not supported)."""
+        for key, text in tokens.items():
+            i = self.tok.token_to_id(text)
+            if i is None:
+                raise ValueError(f"special_tokens.{key}: {text!r} is not a token of {self.file} "
+                                 f"(adding tokens to the vocabulary is not supported)")
+            self.special_tokens[key] = text
+            if key == "eos_token":
+                self.eos_id = self.chat_eos_id = int(i)
+            elif key == "bos_token":
+                self.bos_id = int(i)
+
     def _special(self, token_id: Any, text: str | None) -> int | None:
         if isinstance(token_id, list):
             token_id = token_id[0] if token_id else None

@@ -240,3 +240,26 @@ def test_masks_equal_axolotls_rule_with_a_trained_bpe(tmp_path, name):
     ids, mask = _ids_and_mask(tok, name, {"messages": turns})
     ref_ids, ref_mask = _axolotl_reference(_hf(tok, bos, eos), template_text(name), turns)
     assert ids == ref_ids and mask == ref_mask and sum(mask) > 10
+
+
+def test_special_tokens_eos_is_the_end_of_turn_and_document_end(tmp_path):
+    """Axolotl's special_tokens: {eos_token: <|eot_id|>} on a base tokenizer makes <|eot_id|> the
+    EOS: trained after each reply and ending each document; a token not in the vocabulary is
+    refused (adding tokens is not supported)."""
+    from functional_pp.app.inputs import load_data
+    make_tokenizer(tmp_path / "tok", "<|begin_of_text|>", "<|end_of_text|>")
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": CHAT[:2]}) + "\n")
+    base = {"tokenizer": str(tmp_path / "tok"), "chat_template": "llama3",
+            "datasets": [{"path": str(path), "type": "chat_template"}]}
+    cfg = TrainConfig.from_dict({**base, "special_tokens": {"eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}})
+    data = load_data(cfg)
+    tok = data.tokenizer
+    assert tok.eos_id == tok.tok.token_to_id("<|eot_id|>") == data.train.eos_id
+    assert "[[It is 4.<|eot_id|>]]" in data.train.stats[0].trained_sample
+    ids = data.train.tokens.tolist()
+    assert ids.count(tok.eos_id) == 2 and ids[-1] == tok.eos_id        # the chat's own EOT ends it
+    with pytest.raises(ConfigError, match="special_tokens.eos_token: '<\\|nope\\|>' is not a token"):
+        load_data(TrainConfig.from_dict({**base, "special_tokens": {"eos_token": "<|nope|>"}}))
+    with pytest.raises(ConfigError, match="special_tokens must map some of bos_token, eos_token"):
+        TrainConfig.from_dict({**base, "special_tokens": {"eot": "x"}})
