@@ -23,10 +23,16 @@ def load_tokenizer(cfg: TrainConfig):
         if cfg.base_model is not None and (cfg.datasets or cfg.data.path):
             raise ConfigError(f"base_model {cfg.base_model!r} has no tokenizer.json: give tokenizer: "
                               f"PATH (a tokenizer.json or a directory holding one)")
+        if cfg.special_tokens:
+            raise ConfigError(f"special_tokens {cfg.special_tokens} need a tokenizer (this run is "
+                              f"byte-level): give tokenizer: PATH or remove them")
         return None
     from functional_pp.data.tokenizer import HFTokenizer
     try:
-        return HFTokenizer(path, model_dir=cfg.base_model)
+        tok = HFTokenizer(path, model_dir=cfg.base_model)
+        if cfg.special_tokens:
+            tok.set_special_tokens(cfg.special_tokens)
+        return tok
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from exc
 
@@ -54,7 +60,10 @@ def load_data(cfg: TrainConfig) -> RunData:
                                        sample_packing=cfg.sample_packing,
                                        val_set_size=cfg.val_set_size, seed=cfg.seed,
                                        train_on_inputs=cfg.train_on_inputs,
-                                       chat_template=cfg.chat_template)
+                                       chat_template=cfg.chat_template,
+                                       chat_template_jinja=cfg.chat_template_jinja,
+                                       eot_tokens=cfg.eot_tokens,
+                                       chat_template_kwargs=cfg.chat_template_kwargs)
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,

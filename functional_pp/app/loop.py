@@ -123,7 +123,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     ckpt_dir = out_dir / CHECKPOINTS
     keep = cfg.checkpoint.keep_last
     manager = ck.CheckpointManager(ckpt_dir, keep_last=keep, rules=rules)
-    resume = resume or cfg.resume_from_checkpoint is True
+    # Axolotl: auto_resume_from_checkpoints: true (the newest checkpoint of the output
+    # directory, if any) and resume_from_checkpoint: PATH (that checkpoint) both resume
+    resume = resume or cfg.resume_from_checkpoint is True or isinstance(cfg.resume_from_checkpoint, str)
     load_dir = ckpt_dir
     if isinstance(cfg.resume_from_checkpoint, str):      # a checkpoint (root or step) elsewhere
         try:

@@ -44,7 +44,7 @@ def _human_bytes(n: float) -> str:
     return f"{n}"
 
 
-def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *,
+def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None, *, verbose_data: bool = False,
              device_text: str | None = None, val=None) -> str:
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
@@ -61,7 +61,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
                           family.summary_fields)
     lines = [
         f"functional_pp train: {cfg.name} on {world.size} device(s) ({world.launcher})",
-        f"mesh:       {mesh_txt} = {mesh.size} devices",
+        f"mesh:       {mesh_txt} = {mesh.size} devices"
+        + ("" if not getattr(cfg, "auto_dp", None) else
+           f" (no parallelism sizes given: all {cfg.auto_dp} devices are data parallel, "
+           f"dp_shard_size: {cfg.auto_dp})"),
         f"rules:      {rules_txt}",
         f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
         f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
@@ -69,7 +72,12 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
-        f"{cfg.warmup()}), {cfg.max_steps} steps, precision {cfg.precision}"
+        f"{cfg.warmup()}), {cfg.max_steps} steps"
+        + (f" (num_epochs {cfg.num_epochs} x {cfg.steps_per_epoch} steps per epoch)"
+           if getattr(cfg, "epochs_derived", False) else "")
+        + (f", checkpoint every {cfg.checkpoint.save_every}" if cfg.saves_per_epoch else "")
+        + (f", held-out loss every {cfg.eval_steps}" if cfg.evals_per_epoch else "")
+        + f", precision {cfg.precision}"
         + (", activation checkpointing" if cfg.activation_checkpointing else "")
         + (f", compile={cfg.compile}" if cfg.compile else ""),
     ]
@@ -79,6 +87,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
         lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
+        for st in getattr(corpus, "stats", None) or []:     # per dataset: rows, tokens, trained
+            lines.append(f"  {st.line()}")
+            if st.trained_sample and verbose_data:
+                lines.append(f"  trained tokens marked [[...]], one example:\n    {st.trained_sample}")
     for note in cfg.notes:
         lines.append(f"not used:   {note}")
     lines.append(f"output:     {cfg.output_dir()}")

@@ -86,7 +86,7 @@ def _validate(args: argparse.Namespace) -> int:
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
-                       val=data.val))
+                       val=data.val, verbose_data=True))
         if args.memory:
             print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:

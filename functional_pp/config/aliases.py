@@ -13,9 +13,13 @@ from typing import Any, Callable
 from functional_pp.config.schema import Issues
 
 __all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
-           "NOT_USED", "normalize"]
+           "NOT_USED", "ATTN_IMPLEMENTATIONS", "ACCEPTED_PLUGINS", "normalize"]
 
 _same: Callable[[Any], Any] = lambda v: v  # noqa: E731
+
+#: ``special_tokens`` keys (Axolotl's): each names an existing token of the tokenizer
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                      "mask_token")
 
 #: alias -> (canonical key, dotted for a section; value translation)
 ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -58,8 +62,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ATTENTION = ("the attention kernel is chosen by torch's scaled_dot_product_attention (ring "
-              "attention under context parallelism); there is no switch: remove it")
 _ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
@@ -69,28 +71,28 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
-    **{k: _ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
-                               "flex_attention", "s2_attention", "eager_attention",
-                               "flash_attn_cross_entropy", "flash_attn_rms_norm")},
+    "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
     **{k: _ADAPTER for k in ("adapter", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
                              "lora_target_modules", "lora_target_linear", "lora_fan_in_fan_out",
-                             "lora_modules_to_save", "peft_use_dora", "peft_use_rslora")},
+                             "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
+                             "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
+                             "lora_target_parameters", "lora_embedding_kernel")},
     **{k: _QUANT for k in ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs")},
     **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
                               "fsdp_final_state_dict_type")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
-    "special_tokens": "adding or replacing special tokens is not supported: BOS/EOS come from "
-                      "the base model's config; remove it",
     "tokens": "adding tokens to the vocabulary is not supported: remove it",
-    "trust_remote_code": "only Llama-architecture models are loaded, never remote code: remove it",
-    "strict": "loading is always strict (every tensor must match): remove it",
-    "group_by_length": "batches are packed windows, not grouped by length: remove it",
+    **{k: "the loss watchdog is not supported: remove it (non-finite steps are skipped, "
+          "max_consecutive_skips stops the run)" for k in ("loss_watchdog_threshold", "loss_watchdog_patience")},
+    "processor_type": "multimodal processors are not supported (text models only): remove it",
+    "qat": "quantization-aware training is not supported: remove it",
+    "reward_model": "reward-model training is not supported (causal LM fine-tuning only): remove it",
+    "activation_offloading": "activation offloading is not supported: remove it (activation_checkpointing "
+                             "recomputes instead)",
     "early_stopping_patience": "early stopping is not supported: set max_steps or num_epochs",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "rl": "RL / preference training is not supported (causal LM fine-tuning only): remove it",
-    "evals_per_epoch": "give eval_steps (every N steps) instead",
-    "saves_per_epoch": "give save_steps (every N steps) instead",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
@@ -102,11 +104,48 @@ UNSUPPORTED: dict[str, str] = {
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
 }
 
+_SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
+                   "kernels on a GPU; ring attention under context parallelism): the same math")
+_LIGER = ("Liger's fused kernels compute the same math; here the head and cross-entropy are "
+          "already fused (chunked, the full logits never stored) and the rest are torch ops")
+
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
     "dataset_prepared_path": "datasets are tokenized at start, not cached",
     "eval_sample_packing": "held-out data is packed like the training data",
+    **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
+                                    "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
+                                    "flash_attn_fuse_mlp")},
+    "flash_attn_cross_entropy": "the head and cross-entropy are already fused (chunked)",
+    "flash_attn_rms_norm": "RMSNorm is a torch op: the same math",
+    **{k: _LIGER for k in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
+                           "liger_fused_linear_cross_entropy", "liger_cross_entropy",
+                           "liger_rms_norm_gated", "cut_cross_entropy")},
+    "trust_remote_code": "no remote code is run: the model is built by functional_pp's own "
+                         "implementation of its family (a base_model of another architecture is "
+                         "refused when its config.json is read)",
+    "strict": "Axolotl's strict has no effect on training",
+    "remove_unused_columns": "datasets are read by their fields; other columns are never used",
+    "ddp_find_unused_parameters": "every parameter takes part in each step; gradients are reduced "
+                                  "from the layouts",
+    "group_by_length": "batches are packed windows, not grouped by length",
+    "skip_prepare_dataset": "datasets are tokenized at start, as they are streamed",
+    "use_kernels": "kernels are torch's (and the fused chunked head + loss)",
+    "wandb_run_id": "the W&B run id is chosen by wandb",
+    "eval_batch_size": "held-out batches have the training batch's size",
+    "save_only_model": "checkpoints hold the optimizer state too, for exact resumption",
 }
+
+#: attn_implementation values: all run the same attention here (NOT_USED's note)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                        "kernels-community/flash-attn", "kernels-community/flash-attn3", "xformers")
+
+#: Axolotl plugins whose work our ops already do; any other is refused by name
+ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
+                    "axolotl.integrations.liger.plugin.LigerPlugin": _LIGER,
+                    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin":
+                        "cut cross-entropy: the head and cross-entropy are already fused here "
+                        "(chunked, the full logits never stored)"}
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -121,7 +160,8 @@ _PARALLELISM = {"dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_s
 
 #: Axolotl keys accepted when their value means what this trainer does anyway
 _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "gradient_checkpointing_kwargs": ({"use_reentrant": False},),   # what remat does
+    # remat recomputes each layer either way; reentrancy does not change the numbers
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False}, {"use_reentrant": True}),
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
                        "PreTrainedTokenizerFast"),
@@ -136,6 +176,8 @@ def _auto_compile() -> bool:
 
 
 def _put(out: dict, key: str, value: Any, source: str, issues: Issues) -> None:
+    if value is None:
+        return                        # a blank alias is unset
     node = out
     parts = key.split(".")
     for part in parts[:-1]:
@@ -168,13 +210,53 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     for key, value in d.items():
         if key in UNSUPPORTED and _off(value):
             continue                                 # switched off: nothing is asked for
-        if key == "special_tokens" and isinstance(value, dict) and set(value) <= {"pad_token"}:
-            unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
-                          "are padded with EOS whose labels are ignored)")
+        if value is None and key not in ("parallelism_config",) and (
+                key in ALIASES or key in NOT_USED or key in _ACCEPTED_VALUES or key in ACCELERATE_LAUNCHER
+                or key in ("attn_implementation", "plugins", "save_strategy", "eval_strategy",
+                           "evaluation_strategy")):
+            continue                                 # blank: unset (docs/config.md)
+        if key == "special_tokens":
+            if value is None:
+                continue                             # blank: unset
+            if not isinstance(value, dict) or not set(value) <= set(SPECIAL_TOKEN_KEYS):
+                issues.add(f"special_tokens must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
+                           f"tokens of the tokenizer, got {value!r}")
+                continue
+            if "pad_token" in value:
+                unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
+                              "are padded with EOS whose labels are ignored)")
+            rest = {k: v for k, v in value.items() if k != "pad_token" and v is not None}
+            if rest:
+                out[key] = rest
         elif key in UNSUPPORTED:
             issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
         elif key in NOT_USED:
-            unused.append(f"{key} ({NOT_USED[key]})")
+            if not _off(value):
+                unused.append(f"{key} ({NOT_USED[key]})")
+        elif key in ("save_strategy", "eval_strategy", "evaluation_strategy"):
+            per = "saves_per_epoch" if key == "save_strategy" else "evals_per_epoch"
+            if value == "epoch":
+                aliased.append((key, per, 1))
+            elif value == "no" and key == "save_strategy":
+                aliased.append((key, "checkpoint.save_every", 0))
+            elif value == "no":
+                issues.add(f"{key}: 'no' is not supported: the held-out loss is computed when "
+                           f"val_set_size > 0; set val_set_size: 0 instead")
+            elif value != "steps":
+                issues.add(f"{key}: {value!r} is not supported (steps, epoch, no)")
+        elif key == "attn_implementation":
+            if value not in ATTN_IMPLEMENTATIONS:
+                issues.add(f"attn_implementation: {value!r} is not an attention implementation "
+                           f"(choose {', '.join(ATTN_IMPLEMENTATIONS)})")
+            else:
+                unused.append(f"attn_implementation: {value} ({_SAME_ATTENTION})")
+        elif key == "plugins":
+            for name in value if isinstance(value, list) else [value]:
+                if name in ACCEPTED_PLUGINS:
+                    unused.append(f"plugin {name} ({ACCEPTED_PLUGINS[name]})")
+                else:
+                    issues.add(f"plugins: {name!r} is not supported (accepted: "
+                               f"{', '.join(ACCEPTED_PLUGINS)}): remove it")
         elif key in _ACCEPTED_VALUES:
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
@@ -183,6 +265,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in ACCELERATE_LAUNCHER:
             launcher.append(key)
         elif key == "parallelism_config":
+            if value is None:
+                continue
             if not isinstance(value, dict):
                 issues.add(f"parallelism_config must be a mapping, got {value!r}")
                 continue

@@ -28,11 +28,17 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     for k in ("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "max_steps"):
         if getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
+    for k in ("saves_per_epoch", "evals_per_epoch"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 0:
+            add(f"{k} must be >= 0 (0: none), got {getattr(cfg, k)}")
     for k in ("global_batch_size", "num_epochs", "eval_steps", "num_processes"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():
+        add(f"warmup_steps must be a whole number of steps or a fraction < 1 of max_steps, got "
+            f"{cfg.warmup_steps}")
     if not cfg.learning_rate > 0 or not math.isfinite(cfg.learning_rate):
         add(f"learning_rate must be a finite number > 0, got {cfg.learning_rate}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
@@ -41,6 +47,11 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         v = getattr(cfg, k)
         if v is not None and not 0 <= v <= 1:
             add(f"{k} must be in [0, 1], got {v}")
+    if cfg.saves_per_epoch and "checkpoint" in cfg._given and cfg.checkpoint.save_every and \
+            "saves_per_epoch_applied" not in cfg._given:
+        add("give save_steps or saves_per_epoch, not both")
+    if cfg.evals_per_epoch and cfg.eval_steps is not None and "evals_per_epoch_applied" not in cfg._given:
+        add("give eval_steps or evals_per_epoch, not both")
     if cfg.warmup_ratio is not None and "warmup_steps" in cfg._given:
         add("give warmup_steps or warmup_ratio, not both")
     if cfg.cosine_min_lr_ratio is not None and "min_learning_rate" in cfg._given:
@@ -83,6 +94,19 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add(f"data.kind {cfg.data.kind!r} needs data.path")
     if cfg.datasets and cfg.data.path is not None:
         add("give either datasets (a list) or data.path, not both")
+    from functional_pp.data.chat import check_template_choice
+    problem = check_template_choice(cfg.chat_template, cfg.chat_template_jinja)
+    if problem:
+        add(problem)
+    for i, entry in enumerate(cfg.datasets or []):
+        if entry.chat_template is not None:
+            problem = check_template_choice(entry.chat_template, entry.chat_template_jinja,
+                                            f"datasets[{i}].chat_template")
+            if problem:
+                add(problem)
+        elif entry.chat_template_jinja is not None:
+            add(f"datasets[{i}].chat_template_jinja is only read with datasets[{i}].chat_template: "
+                f"jinja; set it or remove chat_template_jinja")
     if own:
         issues.raise_if_any()
 
@@ -121,6 +145,10 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     if cfg.num_processes is not None and world_size is not None and cfg.num_processes != world_size:
         raise ConfigError(f"num_processes: {cfg.num_processes} but {launcher or 'the world size'} "
                           f"gives {world_size} devices; fix one of them")
+    if world_size is not None and not cfg.sizes_given() and world_size > 1:
+        cfg.dp_shard_size = world_size      # no sizes: every device data parallel (FSDP),
+        cfg._given.add("dp_shard_size")     # recorded so checkpoints keep the mesh
+        cfg.auto_dp = world_size
     sizes = cfg.mesh_sizes(world_size)
     product = math.prod(sizes.values())
     if world_size is not None and product != world_size:

@@ -58,7 +58,8 @@ def build_from_dict(cls: type, d: Mapping[str, Any], name: str, source: str) -> 
     cfg = cls(**top, model=ModelConfig.from_value(raw.get("model"), issues), **sections,
               datasets=_parse_datasets(raw.get("datasets"), issues),
               rules=_parse_rules(raw.get("rules"), issues), name=name)
-    cfg._given = set(raw)
+    # keys given a value (a blank one is unset): what "given" means to derived values
+    cfg._given = set(top) | {k for k in raw if k not in top and raw[k] is not None}
     cfg.notes = notes
     if "model" in raw and cfg.base_model is not None:
         issues.add("give either base_model (start from a Hugging Face directory) or model "
@@ -124,4 +125,8 @@ def config_to_dict(cfg: Any) -> dict:
     for key in _SECTIONS:
         out[key] = dataclasses.asdict(getattr(cfg, key))
     out["rules"] = dict(cfg.rules)
+    if cfg.saves_per_epoch:              # derived from it (set_per_epoch): written once
+        out["checkpoint"]["save_every"] = CheckpointConfig().save_every
+    if cfg.evals_per_epoch:
+        out["eval_steps"] = None
     return out

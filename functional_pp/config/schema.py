@@ -7,6 +7,10 @@ fields). :func:`parse_section` checks a mapping against it and records *every* p
 :class:`Issues` list instead of stopping at the first, so a file's errors are reported at once
 (see ``docs/config.md``).
 
+Blank values (``save_steps:`` with nothing, YAML's null) mean unset for a field that has no
+null value: the default is used, as Axolotl does. Where null is a value (``max_grad_norm:
+null``: no clipping) it keeps that meaning.
+
 Numbers: YAML 1.1 (PyYAML) reads ``1e-3`` and ``5e10`` as strings; for numeric fields such
 strings are accepted as numbers. Booleans are never numbers and numbers never booleans.
 """
@@ -19,7 +23,7 @@ import types
 import typing
 from typing import Any, Literal, Mapping
 
-__all__ = ["Issues", "ConfigError", "parse_section", "check_value", "field_help", "suggest",
+__all__ = ["Issues", "ConfigError", "parse_section", "check_value", "accepts_none", "field_help", "suggest",
            "help_text", "fld"]
 
 
@@ -135,6 +139,11 @@ def _coerce(value: Any, tp: Any) -> Any:
     return value if isinstance(value, tp) else _FAIL
 
 
+def accepts_none(tp: Any) -> bool:
+    """Whether null is a value of type ``tp`` (else a blank value means unset)."""
+    return _coerce(None, tp) is not _FAIL
+
+
 def check_value(name: str, value: Any, tp: Any, issues: Issues) -> Any:
     """``value`` converted to ``tp``; records a problem (and returns ``_FAIL``) otherwise."""
     out = _coerce(value, tp)
@@ -166,8 +175,13 @@ def parse_section(cls, d: Any, where: str, issues: Issues, *, skip: tuple[str, .
         if key in skip:
             continue
         if key not in names:
-            issues.add(f"unknown key '{prefix}{key}'{suggest(str(key), names)}")
+            hint = suggest(str(key), names)
+            if not hint.startswith(";") and len(names) > 12:     # no close match: no 60-key list
+                hint = " (not a key of this trainer; `functional-pp train --help` lists them)"
+            issues.add(f"unknown key '{prefix}{key}'{hint}")
             continue
+        if value is None and not accepts_none(hints[key]):
+            continue                  # a blank value (`save_steps:`) means unset, as in Axolotl
         v = check_value(f"{prefix}{key}", value, hints[key], issues)
         if v is not _FAIL:
             out[key] = v

@@ -85,12 +85,34 @@ class DatasetConfig:
                                  "completion, .npy/.bin -> pretokenized)")
     field: str = fld("text", "completion/text: the field that holds each record's text")
     field_messages: str = fld("messages", "chat_template: the field with the list of messages")
-    message_field_role: str = fld("role", "chat_template: a message's role key")
-    message_field_content: str = fld("content", "chat_template: a message's content key")
-    roles_to_train: list = fld(help="chat_template: roles whose tokens are trained",
-                               factory=lambda: ["assistant"])
-    chat_template: str | None = fld(None, "chat_template: 'tokenizer_default' (the base "
-                                          "model's template), 'chatml' (the built-in default)")
+    message_property_mappings: dict | None = fld(None, "chat_template: the template's message keys "
+                                                       "-> the data's, e.g. {role: from, content: "
+                                                       "value} (default role -> role, content -> "
+                                                       "content; ShareGPT from/value is recognised)")
+    message_field_role: str | None = fld(None, "chat_template: a message's role key (older "
+                                               "spelling of message_property_mappings.role)")
+    message_field_content: str | None = fld(None, "chat_template: a message's content key (older "
+                                                  "spelling of message_property_mappings.content)")
+    roles: dict | None = fld(None, "chat_template: the template's role -> the data's roles, e.g. "
+                                   "{user: [human], assistant: [gpt]}; replaces the default map "
+                                   "human/user -> user, gpt/assistant -> assistant, system, tool")
+    roles_to_train: list | None = fld(None, "chat_template: roles whose turns are trained "
+                                            "(default [assistant])")
+    train_on_eos: Literal["all", "turn", "last", "none"] = fld(
+        "turn", "chat_template: which end-of-turn EOS tokens are trained: after trained turns, "
+                "all, the last one, none")
+    train_on_eot: Literal["all", "turn", "last", "none"] | None = fld(
+        None, "chat_template: the same for eot_tokens (default: train_on_eos)")
+    drop_system_message: bool = fld(False, "chat_template: leave out a leading system message")
+    field_system: str = fld("system", "chat_template: a record's system prompt field, put first "
+                                      "when the messages have no system message")
+    message_field_training: str | None = fld(None, "chat_template: a message key whose true / "
+                                                   "false says whether that turn is trained")
+    chat_template: str | None = fld(None, "chat_template: this dataset's template (a name: "
+                                          "chatml, llama3, ...; tokenizer_default; jinja); "
+                                          "default: the top-level chat_template")
+    chat_template_jinja: str | None = fld(None, "chat_template: jinja: the template text or a "
+                                                ".jinja file")
     split: str = fld("train", "HF `datasets` on disk: the split to read")
     pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
     dtype: str = fld("uint16", "pretokenized .bin: the token dtype (uint16 | uint32 | int32)")

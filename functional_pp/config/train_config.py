@@ -48,7 +48,8 @@ class TrainConfig:
     lr_scheduler: Literal["constant", "cosine", "linear"] = fld(
         "cosine", "constant | cosine | linear (aliases constant_with_warmup, "
                   "cosine_with_restarts)")
-    warmup_steps: int = fld(0, "linear warmup steps")
+    warmup_steps: int | float = fld(0, "linear warmup steps; a fraction < 1: of max_steps (as "
+                                       "transformers reads warmup_steps: 0.1)")
     warmup_ratio: float | None = fld(None, "warmup as a fraction of max_steps (instead of "
                                            "warmup_steps)")
     min_learning_rate: float = fld(0.0, "learning rate at the end of the decay")
@@ -96,8 +97,23 @@ class TrainConfig:
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
-    chat_template: str | None = fld(None, "default chat template of chat_template datasets: "
-                                          "tokenizer_default | chatml")
+    special_tokens: dict | None = fld(None, "Axolotl: {eos_token: <|im_end|>, bos_token: ..., "
+                                            "pad_token: ...}: tokens of the tokenizer made its "
+                                            "special tokens (EOS: ends documents and chat turns); "
+                                            "tokens not in the vocabulary are refused")
+    chat_template: str | None = fld(None, "chat template of chat_template datasets: a name "
+                                          "(chatml, llama3, llama4, mistral_v1, gemma3, phi_3, "
+                                          "qwen_25, qwen3, ...: Axolotl's templates), "
+                                          "tokenizer_default (the tokenizer's), "
+                                          "tokenizer_default_fallback_<name>, or jinja with "
+                                          "chat_template_jinja; unset: the tokenizer's, else "
+                                          "chatml")
+    chat_template_jinja: str | None = fld(None, "chat_template: jinja: the template text or a "
+                                                ".jinja file")
+    chat_template_kwargs: dict | None = fld(None, "chat_template: extra template variables (e.g. "
+                                                  "{enable_thinking: false})")
+    eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
+                                        "(default: the tokenizer's EOS); see train_on_eot")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")
@@ -105,6 +121,10 @@ class TrainConfig:
                                    "sequences")
     eval_steps: int | None = fld(None, "held-out loss every N steps (default: at log steps "
                                        "and at the end when val_set_size > 0)")
+    evals_per_epoch: int | None = fld(None, "held-out loss N times per epoch: eval_steps = "
+                                            "ceil(max_steps / (N x num_epochs)), as Axolotl")
+    saves_per_epoch: int | None = fld(None, "checkpoints N times per epoch: save_steps = "
+                                            "ceil(max_steps / (N x num_epochs)), as Axolotl")
     resume_from_checkpoint: bool | str | None = fld(None, "true: continue from the newest "
                                                           "checkpoint of the output directory; "
                                                           "a path: from that checkpoint")
@@ -155,7 +175,9 @@ class TrainConfig:
         """Warmup steps: ``warmup_steps``, or ``ceil(warmup_ratio x max_steps)``."""
         if self.warmup_ratio is not None:
             return math.ceil(self.warmup_ratio * self.max_steps)
-        return self.warmup_steps
+        if isinstance(self.warmup_steps, float) and self.warmup_steps < 1:
+            return math.ceil(self.warmup_steps * self.max_steps)
+        return int(self.warmup_steps)
 
     def min_lr(self) -> float:
         """``min_learning_rate``, or ``cosine_min_lr_ratio x learning_rate``."""
@@ -166,18 +188,40 @@ class TrainConfig:
     def set_epochs(self, steps_per_epoch: int) -> None:
         """``max_steps = num_epochs x steps_per_epoch`` when ``num_epochs`` is given and
         ``max_steps`` is not (as Axolotl: max_steps wins)."""
+        self.steps_per_epoch = steps_per_epoch
         if self.num_epochs is not None and "max_steps" not in self._given:
             self.max_steps = max(1, self.num_epochs * steps_per_epoch)
+            self.epochs_derived = True
             self._given.add("max_steps")
             self._check_values()
+        self.set_per_epoch()
+
+    def set_per_epoch(self) -> None:
+        """``saves_per_epoch`` / ``evals_per_epoch`` as step intervals: Axolotl's fraction
+        ``1 / (N x num_epochs)`` of the run's steps, rounded up as Hugging Face does."""
+        epochs = self.num_epochs or 1
+        if self.saves_per_epoch:
+            self.checkpoint.save_every = max(1, math.ceil(self.max_steps / (self.saves_per_epoch * epochs)))
+            self._given.add("saves_per_epoch_applied")
+        if self.evals_per_epoch:
+            self.eval_steps = max(1, math.ceil(self.max_steps / (self.evals_per_epoch * epochs)))
+            self._given.add("evals_per_epoch_applied")
 
     def output_dir(self) -> Path:
         """``logging.output_dir``, or ``runs/<config name>``."""
         return Path(self.logging.output_dir or f"runs/{self.name}")
 
+    def sizes_given(self) -> bool:
+        """Whether the config gives any mesh size (else all devices are data parallel)."""
+        return any(k in self._given for k in MESH_KEYS) or self.layout == "auto"
+
     def mesh_sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves."""
+        """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves. A config
+        without any size uses every device for data parallelism (``dp_shard`` = the world size,
+        as Axolotl / Accelerate do); with no known world size that is one device."""
         sizes = {axis: getattr(self, key) for key, axis in MESH_KEYS.items()}
+        if not self.sizes_given() and all(v == 1 for v in sizes.values()):
+            sizes["dp_shard"] = world_size or 1
         if sizes["dp_shard"] == -1:
             rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
             if world_size is None:
@@ -245,3 +289,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._given: set[str] = set()
         self.notes: list[str] = []      # keys accepted without effect, and why
+        self.auto_dp: int | None = None  # no sizes given: the data-parallel size chosen
+        self.steps_per_epoch: int | None = None   # set_epochs: of the training data
+        self.epochs_derived = False               # max_steps came from num_epochs

@@ -16,12 +16,13 @@ mapped, never loaded whole).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, sample_text, tokenize_chat
 from functional_pp.data.tokenizer import CHATML
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
@@ -43,14 +44,27 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Any) -> str:
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            b = ch.encode("utf-8")
+            ids += list(b)
+            offsets += [(i, i + 1)] * len(b)
+        return ids, offsets
+
+    def token_to_id(self, text: str) -> int | None:
+        b = text.encode("utf-8")
+        return b[0] if len(b) == 1 else None
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return bytes(int(i) for i in np.asarray(ids).reshape(-1)).decode("utf-8", errors="replace")
 
     def render(self, messages: list[dict], template: str | None) -> str:
-        from functional_pp.data.tokenizer import HFTokenizer
-        return HFTokenizer.render(self, messages, template)   # type: ignore[arg-type]
+        from functional_pp.data.chat import render
+        return render(template or CHATML, messages, {})[0]
 
     special_tokens: dict = {}
+    chat_eos_id = None          # no EOS text: chat data trains no end-of-turn token
 
 
 @dataclass
@@ -64,6 +78,7 @@ class TokenStream:
     vocab_size: int
     name: str
     documents: int
+    stats: list = field(default_factory=list)      # DatasetStats of each datasets entry
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -134,37 +149,77 @@ def _alpaca(tok, rec: dict, entry, train_inputs: bool, where: str, n: int) -> Ex
     return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
 
 
-def _chat(tok, rec: dict, entry, train_inputs: bool, default_template: str | None,
-          where: str, n: int) -> Example:
-    messages = _field(rec, entry.field_messages, where, n)
-    if not isinstance(messages, list):
-        raise ValueError(f"{where}: record {n}: {entry.field_messages!r} must be a list of messages")
-    msgs = [{"role": _field(m, entry.message_field_role, where, n),
-             "content": _field(m, entry.message_field_content, where, n)} for m in messages]
-    choice = entry.chat_template or default_template or "tokenizer_default"
-    if choice == "tokenizer_default":
-        template = tok.chat_template or CHATML
-    elif choice == "chatml":
-        template = CHATML
+def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
+              default_jinja: str | None = None, eot_tokens: list | None = None,
+              template_kwargs: dict | None = None, where: str = "datasets[0]") -> ChatSpec:
+    """How ``entry`` (a ``type: chat_template`` DatasetConfig) reads its conversations, as
+    Axolotl's chat_template strategy: the template (the entry's, else the top-level
+    ``chat_template``; none named: the tokenizer's, else ChatML), the message keys, the role
+    map, the trained roles and end-of-turn tokens."""
+    choice = getattr(entry, "chat_template", None)
+    jinja = getattr(entry, "chat_template_jinja", None)
+    key = f"{where}.chat_template"
+    if not choice:
+        choice, jinja, key = default_template, default_jinja, "chat_template"
+    own = getattr(tok, "chat_template", None)
+    if choice is None:
+        template, name = (own, "the tokenizer's chat_template") if own else (CHATML, "chatml")
     else:
-        template = choice                                   # a Jinja template given inline
-    ids: list[int] = []
-    mask: list[int] = []
-    before = ""
-    for i, m in enumerate(msgs):
-        text = tok.render(msgs[:i + 1], template)
-        if not text.startswith(before):
-            raise ValueError(f"{where}: record {n}: the chat template does not render message "
-                             f"prefixes as prefixes; use chat_template: chatml")
-        delta, before = text[len(before):], text
-        train = train_inputs or m["role"] in entry.roles_to_train
-        at = delta.find(m["content"]) if train and m["content"] else -1
-        head, tail = (delta[:at], delta[at:]) if at >= 0 else ("", delta)
-        h, t = tok.encode(head) if head else [], tok.encode(tail)
-        ids += h + t
-        mask += [int(train_inputs)] * len(h) + [int(train)] * len(t)
-    has_bos = template is not CHATML and tok.bos_id is not None and ids[:1] == [tok.bos_id]
-    return (ids, mask) if has_bos else _with_bos(tok, ids, mask)
+        try:
+            template, name = resolve_template(choice, jinja, own, key)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    mappings = dict(getattr(entry, "message_property_mappings", None) or {})
+    given = bool(mappings)
+    role_key, content_key = getattr(entry, "message_field_role", None), getattr(entry, "message_field_content", None)
+    for k, v in (("role", role_key), ("content", content_key)):
+        if v is not None:
+            if k in mappings and mappings[k] != v:
+                raise ValueError(f"{where}: message_field_{k}: {v!r} contradicts "
+                                 f"message_property_mappings.{k}: {mappings[k]!r}; give one")
+            mappings[k], given = v, True
+    mappings = {"role": "role", "content": "content", **mappings}
+    roles = getattr(entry, "roles", None)
+    role_map = ({s: t for t, sources in roles.items() for s in ([sources] if isinstance(sources, str) else sources)}
+                if roles else dict(DEFAULT_ROLES))
+    to_train = getattr(entry, "roles_to_train", None)
+    to_train = ["assistant"] if to_train is None else list(to_train)
+    specials = dict(getattr(tok, "special_tokens", {}) or {})
+    eos_id = getattr(tok, "chat_eos_id", tok.eos_id)
+    if eot_tokens:
+        eot = []
+        for t in eot_tokens:
+            if t not in template:          # Axolotl drops end-of-turn tokens its template lacks
+                continue
+            i = tok.token_to_id(t) if hasattr(tok, "token_to_id") else None
+            if i is None:
+                raise ValueError(f"eot_tokens: {t!r} is not one token of the tokenizer")
+            eot.append(i)
+    else:
+        eot = [] if eos_id is None else [eos_id]
+    warning = ""
+    eos_text = specials.get("eos_token")
+    if not eot_tokens and eos_text and eos_text not in template and "eos_token" not in template:
+        warning = (f"the tokenizer's EOS {eos_text!r} is not in the chat template: no end-of-turn "
+                   f"token is trained (as Axolotl); set eot_tokens to the template's turn end")
+    return ChatSpec(template=template, template_name=name, warning=warning,
+                    field_messages=getattr(entry, "field_messages", None) or "messages",
+                    mappings=mappings, mappings_given=given, roles=role_map,
+                    roles_to_train=tuple(role_map.get(r, r) for r in to_train),
+                    train_on_inputs=train_inputs,
+                    train_on_eos=getattr(entry, "train_on_eos", "turn"),
+                    train_on_eot=getattr(entry, "train_on_eot", None), eot_ids=tuple(eot),
+                    eos_id=eos_id, drop_system_message=bool(getattr(entry, "drop_system_message", False)),
+                    field_system=getattr(entry, "field_system", None) or "system",
+                    message_field_training=getattr(entry, "message_field_training", None),
+                    special_tokens=specials, template_kwargs=dict(template_kwargs or {}))
+
+
+def _chat(tok, rec: dict, spec: ChatSpec, where: str, n: int) -> Example:
+    try:
+        return tokenize_chat(tok, rec, spec)
+    except ValueError as exc:
+        raise ValueError(f"{where}: record {n}: {exc}") from exc
 
 
 def _text_files(path: Path, pattern: str | None) -> list[Path]:
@@ -188,12 +243,13 @@ def _items(entry, where: str) -> Iterator[Any]:
         yield from _records(path, entry.ds_type, entry.split, where)
 
 
-def _examples(entry, tok, train_inputs: bool, default_template: str | None,
-              where: str) -> Iterator[Example]:
+def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
+              where: str) -> Iterator[tuple[list[int], list[int] | None, Any]]:
+    """``(ids, trained flags or None: all, the raw record)`` of each example of ``entry``."""
     kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
     if kind == "text":
         for f in _items(entry, where):
-            yield _with_bos(tok, tok.encode(f.read_text(encoding="utf-8", errors="replace")), None)
+            yield (*_with_bos(tok, tok.encode(f.read_text(encoding="utf-8", errors="replace")), None), f)
         return
     for n, rec in enumerate(_items(entry, where), start=1):
         if kind == "completion":
@@ -201,11 +257,12 @@ def _examples(entry, tok, train_inputs: bool, default_template: str | None,
             if not isinstance(text, str):
                 raise ValueError(f"{where}: record {n}: field {entry.field!r} is "
                                  f"{type(text).__name__}, not text")
-            yield _with_bos(tok, tok.encode(text), None)
+            yield (*_with_bos(tok, tok.encode(text), None), rec)
         elif kind == "alpaca":
-            yield _alpaca(tok, rec, entry, train_inputs, where, n)
+            yield (*_alpaca(tok, rec, entry, train_inputs, where, n), rec)
         else:
-            yield _chat(tok, rec, entry, train_inputs, default_template, where, n)
+            assert spec is not None
+            yield (*_chat(tok, rec, spec, where, n), rec)
 
 
 def _guess_type(path: Path, ds_type: str | None) -> str:
@@ -247,11 +304,17 @@ class _StreamWriter:
         self.documents = 0
         self.all_trained = True
 
-    def add(self, ids: list[int], mask: list[int] | None) -> None:
+    def add(self, ids: list[int], mask: list[int] | None, eos_trained: bool = True) -> None:
+        """One example and the EOS after it, trained unless ``eos_trained`` is false (chat data:
+        Axolotl trains no token its template did not write; an example that already ends with
+        EOS gets none more)."""
         m = [1] * len(ids) if mask is None else list(mask)
-        ids, m = list(ids) + [self.eos], m + [1]
+        ids = list(ids)
+        if eos_trained or not ids or ids[-1] != self.eos:
+            ids, m = ids + [self.eos], m + [int(eos_trained)]
         if self.row is not None:
-            ids, m = ids[:self.row - 1] + [self.eos], m[:self.row - 1] + [1]
+            if len(ids) > self.row:
+                ids, m = ids[:self.row - 1] + [self.eos], m[:self.row - 1] + [int(eos_trained)]
             pad = self.row - len(ids)
             ids, m = ids + [self.eos] * pad, m + [0] * pad
         self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
@@ -299,11 +362,17 @@ def _split_count(val_set_size: float, n: int) -> int:
 
 def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing: bool = True,
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
-                  chat_template: str | None = None, spill_bytes: int = 64 << 20,
-                  ) -> tuple[TokenStream, TokenStream | None]:
+                  chat_template: str | None = None, chat_template_jinja: str | None = None,
+                  eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
+                  spill_bytes: int = 64 << 20,
+                  min_trained_share: float = 0.5) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
-    temporary files, memory-mapped (bounded memory for corpora of any size)."""
+    temporary files, memory-mapped (bounded memory for corpora of any size).
+
+    Rows with no trained token are counted per dataset (``train.stats``); when fewer than
+    ``min_trained_share`` of a dataset's rows train any token, it raises naming the dataset, a
+    sample row and the role mapping used: the data would train nothing (or the wrong thing)."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -338,11 +407,74 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     train = _StreamWriter(eos, vocab, row, names, spill_bytes)
     val = _StreamWriter(eos, vocab, row, f"{names}[val]", spill_bytes) if n_val else None
     j = 0
+    stats = []
     for i, entry in enumerate(entries):
-        for ids, mask in _examples(entry, tok, train_on_inputs, chat_template, f"datasets[{i}]"):
-            (val if j in val_idx else train).add(ids, mask)
+        where = f"datasets[{i}]"
+        kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
+        spec = chat_spec(entry, tok, train_inputs=train_on_inputs, default_template=chat_template,
+                         default_jinja=chat_template_jinja, eot_tokens=eot_tokens,
+                         template_kwargs=chat_template_kwargs, where=where) if kind == "chat_template" else None
+        st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
+                          spec.describe_roles() if spec else "", spec.warning if spec else "")
+        for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
+            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None)
             j += 1
-    return train.finish(), (val.finish() if val is not None else None)
+            trained = len(ids) if mask is None else int(sum(mask))
+            st.rows += 1
+            st.tokens += len(ids)
+            st.trained_tokens += trained
+            if trained == 0:
+                st.untrained_rows += 1
+                if st.sample is None:
+                    st.sample = (rec, ids, mask)
+            elif st.trained_sample is None and mask is not None:
+                st.trained_sample = sample_text(tok, ids, mask)
+        if st.rows and st.rows - st.untrained_rows < min_trained_share * st.rows:
+            raise ValueError(st.refusal(tok))
+        stats.append(st)
+    out = train.finish()
+    out.stats = stats
+    return out, (val.finish() if val is not None else None)
+
+
+@dataclass
+class DatasetStats:
+    """Per dataset: rows, tokens, trained tokens, rows with no trained token (and one of them),
+    one trained example decoded with its trained tokens marked ``[[...]]``."""
+
+    where: str
+    path: str
+    kind: str
+    template: str | None
+    roles: str
+    warning: str = ""
+    rows: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    untrained_rows: int = 0
+    sample: Any = None
+    trained_sample: str | None = None
+
+    def line(self) -> str:
+        tpl = f", template {self.template}" if self.template else ""
+        none = f", {self.untrained_rows} rows with no trained token" if self.untrained_rows else ""
+        warn = f"; note: {self.warning}" if self.warning else ""
+        return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
+                f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")
+
+    def refusal(self, tok) -> str:
+        rec, ids, mask = self.sample
+        shown = json.dumps(rec, ensure_ascii=False, default=str) if not isinstance(rec, Path) else str(rec)
+        if len(shown) > 600:
+            shown = shown[:600] + " ..."
+        rendered = tok.decode(ids, skip_special_tokens=False)
+        if len(rendered) > 600:
+            rendered = rendered[:600] + " ..."
+        return (f"{self.where} ({self.path}): {self.untrained_rows} of {self.rows} rows have no "
+                f"trained token, so training would learn nothing from them (template "
+                f"{self.template}; {self.roles}). A sample row: {shown}\nrendered as: {rendered!r}\n"
+                f"Check field_messages / message_property_mappings (ShareGPT: {{role: from, "
+                f"content: value}}), roles and roles_to_train, or set train_on_inputs: true")
 
 
 def _count(arr: np.ndarray, eos: int, chunk: int = 1 << 24) -> int:

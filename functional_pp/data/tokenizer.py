@@ -1,10 +1,7 @@
 """A Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``) read with
 the ``tokenizers`` package (the ``[hf]`` extra), with BOS/EOS from the model's config and the
-chat template rendered with Jinja2 (sandboxed) when the tokenizer has one.
-
-Without a template, chats use the documented default (ChatML)::
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n          (one block per message)
+tokenizer's own chat template (``tokenizer_config.json``) when it has one; chat data is read by
+:mod:`functional_pp.data.chat`.
 
 See ``docs/data.md``.
 """
@@ -17,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from functional_pp.data.chat import template_text
+
 __all__ = ["HFTokenizer", "CHATML", "find_tokenizer_file"]
 
-#: the default chat template (ChatML), used when the tokenizer has none
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-          "{{ message['content'] }}<|im_end|>\n{% endfor %}")
+#: the ChatML template (``chat_template: chatml``; used when none is named and the tokenizer has none)
+CHATML = template_text("chatml")
 
 
 def find_tokenizer_file(path: str | os.PathLike) -> Path:
@@ -41,8 +39,25 @@ def _read_json(p: Path) -> dict:
         raise ValueError(f"{p} is not valid JSON: {exc}") from exc
 
 
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+
+
 def _token_text(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
+
+
+def _own_template(value: Any, folder: Path) -> str | None:
+    """The tokenizer's chat template, as transformers finds it: ``chat_template`` of
+    ``tokenizer_config.json`` (a text, or a list of named ones: ``default``), else the
+    ``chat_template.jinja`` file beside it."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if isinstance(value, str) and value:
+        return value
+    f = folder / "chat_template.jinja"
+    return f.read_text(encoding="utf-8") if f.is_file() else None
 
 
 class HFTokenizer:
@@ -65,10 +80,30 @@ class HFTokenizer:
         self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")))
         self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")))
         self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
-        self.chat_template: str | None = tcfg.get("chat_template") if isinstance(
-            tcfg.get("chat_template"), str) else None
-        self.special_tokens = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token")
-                               if _token_text(tcfg.get(k))}
+        self.chat_template: str | None = _own_template(tcfg.get("chat_template"), self.dir)
+        smap = {**_read_json(self.dir / "special_tokens_map.json"), **tcfg}
+        #: the special tokens a chat template sees as variables (transformers' special_tokens_map)
+        self.special_tokens = {k: _token_text(smap.get(k)) for k in _SPECIAL_KEYS
+                               if isinstance(_token_text(smap.get(k)), str)}
+        #: the tokenizer's own EOS (tokenizer_config.json), which chat data trains after a turn
+        #: as Axolotl does (``eos_id`` comes from the model's config and separates documents)
+        eos_text = self.special_tokens.get("eos_token")
+        self.chat_eos_id = self.tok.token_to_id(eos_text) if eos_text else self.eos_id
+
+    def set_special_tokens(self, tokens: dict) -> None:
+        """Axolotl's ``special_tokens``: existing tokens made the tokenizer's BOS / EOS / ...
+        (EOS ends each document and is the chat end-of-turn token); a token that is not one
+        token of the vocabulary raises (adding tokens is not supported)."""
+        for key, text in tokens.items():
+            i = self.tok.token_to_id(text)
+            if i is None:
+                raise ValueError(f"special_tokens.{key}: {text!r} is not a token of {self.file} "
+                                 f"(adding tokens to the vocabulary is not supported)")
+            self.special_tokens[key] = text
+            if key == "eos_token":
+                self.eos_id = self.chat_eos_id = int(i)
+            elif key == "bos_token":
+                self.bos_id = int(i)
 
     def _special(self, token_id: Any, text: str | None) -> int | None:
         if isinstance(token_id, list):
@@ -83,19 +118,27 @@ class HFTokenizer:
         """Token ids of ``text`` (no special tokens added)."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Any) -> str:
-        return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` and each token's character span."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of a single token written ``text`` (None: it is not one token)."""
+        i = self.tok.token_to_id(text)
+        if i is not None:
+            return int(i)
+        ids = self.encode(text)
+        return ids[0] if len(ids) == 1 else None
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                               skip_special_tokens=skip_special_tokens)
 
     def render(self, messages: list[dict], template: str | None) -> str:
-        """A chat rendered with ``template`` (Jinja2, sandboxed, as transformers does)."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(template).render(messages=messages, add_generation_prompt=False,
-                                                **self.special_tokens)
+        """A chat rendered with ``template`` as transformers' ``apply_chat_template`` does."""
+        from functional_pp.data.chat import render
+        return render(template or CHATML, messages, self.special_tokens)[0]
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.file)!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"

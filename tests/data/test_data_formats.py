@@ -53,7 +53,9 @@ def test_mixed_entries_text_jsonl_alpaca_chat(tmp_path):
     text, flags = docs[4]                                        # ChatML, the documented default
     assert text == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
     trained = "".join(c for c, f in zip(text, flags) if f)
-    assert trained == "4<|im_end|>\n" and flags[-1] == 1       # response (and EOS) only
+    # Axolotl's rule: the reply's content; bytes have no end-of-turn token, and the EOS that
+    # separates documents is not a token the template wrote: untrained
+    assert trained == "4" and flags[-1] == 0
     everything = build_streams(entries[2:3], None, seq_len=16, train_on_inputs=True)[0]
     assert everything.trained is None
 
@@ -74,8 +76,10 @@ def test_tokenizer_chat_template_is_used(tmp_path):
     hf = HFTokenizer(tmp_path)
     assert (hf.bos_id, hf.eos_id) == (1, 2)
     train, _ = build_streams([DatasetConfig(path=str(tmp_path / "chat.jsonl"), type="chat_template")], hf, seq_len=8)
-    assert train.tokens.tolist() == [1, 3, 5, 4, 6, 2]          # <s> U: hi A: yo </s>
-    assert train.trained.tolist() == [0, 0, 0, 0, 1, 1]
+    # as transformers' apply_chat_template: no BOS the template does not write; the EOS after
+    # the conversation separates documents and is not trained (the template wrote none)
+    assert train.tokens.tolist() == [3, 5, 4, 6, 2]             # U: hi A: yo </s>
+    assert train.trained.tolist() == [0, 0, 0, 1, 0]
 
 
 def test_pretokenized_files_are_memory_mapped_and_split_at_documents(tmp_path):

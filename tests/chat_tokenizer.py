@@ -1,0 +1,56 @@
+"""A tiny local tokenizer for chat tests: UTF-8 bytes (byte-level BPE without merges) plus every
+marker of the named chat templates as one special token; no hub."""
+import json
+import re
+
+from functional_pp.data.chat import template_names, template_text
+
+EXTRA = ["<|begin_of_text|>", "<|end_of_text|>", "<s>", "</s>", "<bos>", "<eos>", "<BOS_TOKEN>", "<｜begin▁of▁sentence｜>"]
+_MARK = re.compile(r"<[|｜][^<>'\"\s]{1,40}[|｜]>|<(?:start|end)_of_turn>|\[/?INST\]|\[/?SYSTEM_PROMPT\]|"
+                   r"\[/?AVAILABLE_TOOLS\]|\[TOOL_CALLS\]|\[/?TOOL_RESULTS\]")
+
+
+def special_tokens() -> list[str]:
+    found = set()
+    for name in template_names():
+        found |= set(_MARK.findall(template_text(name)))
+    return sorted(found) + EXTRA
+
+
+def make_tokenizer(d, bos, eos, template=None):
+    """A byte-level tokenizer (no merges) with every template marker as one special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
+    d.mkdir(parents=True, exist_ok=True)
+    t.save(str(d / "tokenizer.json"))
+    cfg = {"eos_token": eos}
+    if bos:
+        cfg["bos_token"] = bos
+    if template:
+        cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from functional_pp.data.tokenizer import HFTokenizer
+    return HFTokenizer(d)
+
+
+def make_bpe_tokenizer(d, bos, eos, texts, vocab_size=600):
+    """A byte-level BPE trained here on ``texts`` (merges join characters across the places
+    where a template's header meets a message), with the templates' markers as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    t.train_from_iterator(texts, trainer)
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
+    d.mkdir(parents=True, exist_ok=True)
+    t.save(str(d / "tokenizer.json"))
+    cfg = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from functional_pp.data.tokenizer import HFTokenizer
+    return HFTokenizer(d)
