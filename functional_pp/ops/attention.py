@@ -78,7 +78,7 @@ def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
-              segments: Named | None = None) -> Named:
+              segments: Named | None = None, window: int | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -87,7 +87,14 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
 
     ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
     positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context
-    parallelism this uses the K/V all-gather path with the gathered segment ids."""
+    parallelism this uses the K/V all-gather path with the gathered segment ids.
+
+    ``window`` (sliding-window attention, Mistral's ``sliding_window``): a query at position i
+    sees keys at positions j with i - j < window (and |i - j| < window when not causal), as
+    transformers' sliding-window mask. It works on one device, with ``segments`` and under
+    context parallelism, where it uses the K/V all-gather path (ring attention has no window)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention: window must be a positive integer (or None), got {window!r}")
     for x in (q, k, v):
         if not isinstance(x, Named):
             require_named("attention", q=q, k=k, v=v)
@@ -113,11 +120,17 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k._data.permute(orders[1])
     vt = v._data.permute(orders[2])
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
+    if window is not None and window >= q.size(seq) and causal:
+        window = None                 # every causal query sees at most seq keys: no window at all
     if segments is not None:
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, window)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, window)
+    elif window is not None:
+        pos = torch.arange(qt.shape[2], device=qt.device)
+        out = sdpa_for(qt)(qt, kt, vt, attn_mask=_visible(pos, pos, causal, window), scale=scale,
+                           enable_gqa=bool(qt.shape[1] != kt.shape[1]))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -158,7 +171,19 @@ def _attention_plan(q: Named, k: Named, v: Named, names: tuple[str, ...], mesh, 
     return (*casts, tk, tv, frozenset(union).union(*q.split), orders, back, qs[batch], seq_axes, balanced)
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
+    """The (q, k) boolean mask of keys each query sees: causal and within ``window``; None: all."""
+    if not causal and window is None:
+        return None
+    diff = qpos[:, None] - kpos[None, :]
+    mask = diff >= 0 if causal else None
+    if window is not None:
+        near = diff < window if causal else diff.abs() < window
+        mask = near if mask is None else mask & near
+    return mask
+
+
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -166,16 +191,16 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    if options().cp_attention == "allgather":
+    if options().cp_attention == "allgather" or window is not None:   # (the ring has no window)
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
-        if causal:
+        if causal or window is not None:
             qpos = _local_positions(seq_size, axes, balanced)
             kpos = torch.arange(seq_size)
             if balanced:
                 kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
-            mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
+            mask = _visible(qpos, kpos, causal, window).to(q.device)
         return sdpa_for(q)(q, kf, vf, attn_mask=mask, scale=scale,
                                               enable_gqa=bool(q.shape[1] != kf.shape[1]))
     if causal and not balanced:
@@ -204,7 +229,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     return data.to(device)
 
 
-def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced):
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, window=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
     context parallelism K/V and the segment ids are all-gathered."""
     kseg, qpos, kpos = seg, None, None
@@ -222,9 +247,9 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
             kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
         kpos = kpos.to(q.device)
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
-    if causal:
+    if causal or window is not None:
         if qpos is None:
             qpos = kpos = torch.arange(q.shape[2], device=q.device)
-        mask = mask & (qpos[:, None] >= kpos[None, :])
+        mask = mask & _visible(qpos, kpos, causal, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))
