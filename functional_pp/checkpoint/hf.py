@@ -1,7 +1,10 @@
-"""Hugging Face safetensors directories <-> functional Llama parameters: reading a model
+"""Hugging Face safetensors directories <-> functional decoder parameters: reading a model
 directory (single file or sharded with an index; pickles refused) and writing one (shards +
-index + ``config.json``). The Llama name / layout mapping it applies lives beside the model,
-in :mod:`functional_pp.models.llama_hf` (re-exported here under its old names).
+index + ``config.json``), for every ``model_type`` of
+:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3; the
+``load_hf_llama`` / ``save_hf_llama`` names are kept for all of them). The name / layout
+mapping it applies lives beside the model, in :mod:`functional_pp.models.llama_hf`
+(re-exported here under its old names).
 
 Import reads, on every device inside :func:`functional_pp.launch`, only the rows/columns of
 each HF tensor that its shard needs (``safe_open(...).get_slice``). Pickle files are refused.
@@ -36,15 +39,15 @@ __all__ = [
     "permute_for_rotate_half", "unpermute_from_rotate_half",
 ]
 
-from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, config_from_hf_dict,
-                                           config_to_hf, hf_kind, hf_name, our_path, permute_for_rotate_half,
-                                           unpermute_from_rotate_half)
+from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, check_exportable,
+                                           config_from_hf_dict, config_to_hf, hf_kind, hf_name, our_path,
+                                           permute_for_rotate_half, unpermute_from_rotate_half)
 
 
 def _kind_of(path: str) -> str:
     kind = hf_kind(path)
     if kind is None:
-        raise CheckpointMismatchError(f"{path}: no entry of the HF Llama table maps this parameter")
+        raise CheckpointMismatchError(f"{path}: no entry of the HF decoder table maps this parameter")
     return kind
 
 
@@ -178,7 +181,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
         for p, d in leaves_with_paths(decls):
             name = hf_name(p)
             if name is None:
-                raise CheckpointMismatchError(f"{p}: no entry of the HF Llama table maps this parameter")
+                raise CheckpointMismatchError(f"{p}: no entry of the HF decoder table maps this parameter")
             kind = KINDS[_kind_of(p)]
             want = kind.hf_shape(tuple(d.shape))
             if name not in reader.entries:
@@ -196,7 +199,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
         unexpected = sorted(n for n in reader.entries
                             if n not in used and not any(r.match(n) for r in ignorable))
         if missing or problems or (strict and unexpected):
-            msg = f"Hugging Face checkpoint {root} does not match the Llama config:"
+            msg = (f"Hugging Face checkpoint {root} does not match the "
+                   f"{getattr(cfg, 'model_type', 'llama')} config:")
             if missing:
                 msg += f"\n  missing tensors ({len(missing)}): " + ", ".join(missing[:12])
             if strict and unexpected:
@@ -267,6 +271,10 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
     """HF-named lazy tensor items for every parameter of ``llama.init(cfg)``, in table order."""
     from functional_pp.models import llama
 
+    try:
+        check_exportable(cfg)                 # before any tensor is written
+    except UnsupportedHFConfig as exc:
+        raise CheckpointMismatchError(str(exc)) from exc
     items, dtypes = [], set()
     for p, d in leaves_with_paths(llama.init(cfg)):
         shape, have, produce = get(p)
@@ -284,7 +292,8 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
                   dtype: torch.dtype | None = None) -> Path:
     """Write a FULL parameter tree (single device, or ``sharding.gather``-ed) as an HF directory
-    loadable by ``transformers.LlamaForCausalLM.from_pretrained``; sharded with an index when
+    loadable by ``from_pretrained`` of the class of ``cfg.model_type`` (``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
     flat = dict(leaves_with_paths(params))
 

@@ -1,4 +1,8 @@
-"""Llama 3 as pure functions over a parameter pytree whose every dimension is named.
+"""The Llama-style decoder as pure functions over a parameter pytree whose every dimension is
+named: Llama 3 and, as configuration of the same code, the families that differ from it in a
+few switches (docs/models.md, "Decoder families"): Mistral (sliding-window attention), Qwen2
+(q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), tied embeddings.
+``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
@@ -15,6 +19,9 @@ from functional_pp.core.tree import param
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import Llama3Scaling
 from functional_pp.parallel.named import Named, tied
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -35,10 +42,45 @@ class Config:
     # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
     # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, "Measurements")
     loss_chunk_bytes: int | None = None
+    # the Hugging Face architecture this decoder is: llama | mistral | qwen2 | qwen3 (what
+    # export writes; models/llama_hf.py checks that the switches below are that family's)
+    model_type: str = "llama"
+    # biases of the q, k and v projections (Qwen2; Llama's attention_bias sets both)
+    qkv_bias: bool = False
+    # a bias of the output projection (Llama's attention_bias)
+    o_bias: bool = False
+    # RMSNorm over head_dim of each head of q and of k before the rotary (Qwen3)
+    qk_norm: bool = False
+    # sliding-window attention: a position sees the last ``sliding_window`` positions (itself
+    # included) in the layers that ``layer_types`` marks "sliding_attention"; layer_types None:
+    # every layer (Mistral). Qwen2/3's max_window_layers become layer_types on import.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON
             object.__setattr__(self, "rope_scaling", Llama3Scaling(**self.rope_scaling))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types: unknown layer type(s) {bad}; known: {', '.join(LAYER_TYPES)}")
+            if len(self.layer_types) != self.layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types marks sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def dim_head(self) -> int:
@@ -82,6 +124,7 @@ class Config:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
         return d
 
     @classmethod
@@ -100,14 +143,27 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     def norm():
         return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
 
-    layers = [{
-        "input_layernorm": norm(),
-        "self_attn": {
+    def attn():
+        a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
             "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
             "v_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
             "o_proj": w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
-        },
+        }
+        if cfg.qkv_bias:
+            a["q_bias"] = param((cfg.heads, D), "heads head_dim", init="zeros", dtype=dtype)
+            a["k_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
+            a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
+        if cfg.o_bias:
+            a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
+        if cfg.qk_norm:
+            a["q_norm"] = param((D,), "head_dim", init="ones", dtype=dtype)
+            a["k_norm"] = param((D,), "head_dim", init="ones", dtype=dtype)
+        return a
+
+    layers = [{
+        "input_layernorm": norm(),
+        "self_attn": attn(),
         "post_attention_layernorm": norm(),
         "mlp": {
             "gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
@@ -127,18 +183,25 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
+def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+                    window: int | None = None) -> Named:
     h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
     a = p["self_attn"]
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
+    if cfg.qk_norm:                                       # per head, over head_dim (the weight's dim)
+        q = ops.rms_norm(q, a["q_norm"], eps=cfg.norm_eps)
+        k = ops.rms_norm(k, a["k_norm"], eps=cfg.norm_eps)
     q = rotate(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
     k = rotate(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    o = attend(q, k, v, causal=True, segments=segments)
+    o = attend(q, k, v, causal=True, segments=segments, window=window)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
-    return ops.rename(out, seq="res_seq")                 # sequence parallelism: reduce-scatter
+    out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
+    return out + a["o_bias"] if cfg.o_bias else out      # (after the TP partial sums are combined)
 
 
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
@@ -152,10 +215,12 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
 
 
 @remat_layer
-def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
-    """One decoder layer; recomputed in backward under ``train_step(remat=True)``. The residual
-    stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
-    x = ops.realized(x + attention_block(p, x, pos, cfg, segments))
+def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+          window: int | None = None) -> Named:
+    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``);
+    recomputed in backward under ``train_step(remat=True)``. The residual stream is computed
+    once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
+    x = ops.realized(x + attention_block(p, x, pos, cfg, segments, window))
     return ops.realized(x + mlp_block(p, x, cfg))
 
 
@@ -167,8 +232,9 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     pos = ops.positions("seq", tokens.size("seq"))
     x = ops.realized(ops.embed(embedding(params, cfg) if emb is None else emb, tokens))
     x = ops.rename(x, seq="res_seq")
-    extra = () if segments is None else (segments,)
-    for p in params["layers"]:
+    for i, p in enumerate(params["layers"]):
+        window = cfg.window(i)
+        extra = (segments, window) if window is not None else () if segments is None else (segments,)
         x = layer_fn(p, x, pos, cfg, *extra)
     x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
     return ops.rename(x, res_seq="seq")

@@ -21,6 +21,18 @@ we store input-dimension first with heads and head_dim as separate dimensions:
     model.norm.weight                       [H]           norm                   [H]        copy
     lm_head.weight (absent when tied)       [V, H]        lm_head                [H, V]     linear
 
+and, where the config has them (``qkv_bias``, ``o_bias``, ``qk_norm``):
+
+    model.layers.{i}.self_attn.q_proj.bias  [N*D]         layers.{i}.self_attn.q_bias [N, D]  bias_heads
+    model.layers.{i}.self_attn.k_proj.bias  [K*D]         layers.{i}.self_attn.k_bias [K, D]  bias_heads
+    model.layers.{i}.self_attn.v_proj.bias  [K*D]         layers.{i}.self_attn.v_bias [K, D]  bias_heads
+    model.layers.{i}.self_attn.o_proj.bias  [H]           layers.{i}.self_attn.o_bias [H]     copy
+    model.layers.{i}.self_attn.q_norm.weight [D]          layers.{i}.self_attn.q_norm [D]     copy
+    model.layers.{i}.self_attn.k_norm.weight [D]          layers.{i}.self_attn.k_norm [D]     copy
+
+The same names serve every family of :data:`MODEL_TYPES` (Mistral, Qwen2 and Qwen3 name their
+tensors as Llama does); ``config.json`` is read and written per family.
+
 Rotary convention: HF Llama q/k weights are already in the rotate-half order (HF's conversion
 script permuted Meta's interleaved weights), which is what ``ops.rotary`` uses, so they map
 without permutation. For Meta-format (interleaved) weights use :func:`permute_for_rotate_half`
@@ -39,11 +51,12 @@ from functional_pp.ops.rotary import Llama3Scaling
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable",
 ]
 
 
 class UnsupportedHFConfig(ValueError):
-    """An HF Llama setting the functional Llama does not implement."""
+    """An HF setting (a model_type, a config option) the functional decoder does not implement."""
 
 
 # --------------------------------------------------------------------------- the table
@@ -54,6 +67,12 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj", "heads_out"),
     ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj", "heads_out"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj", "heads_in"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.q_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.k_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.self_attn.v_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.self_attn.o_bias", "copy"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.q_norm", "copy"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm", "copy"),
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm",
      "copy"),
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
@@ -171,8 +190,21 @@ class _HeadsIn(_Kind):                 # ours [N, D, H] = HF [H, N*D].T reshaped
         return x.permute(1, 2, 0)
 
 
+class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1],)
+
+    def to_hf(self, t):
+        return t.reshape(-1)
+
+    def read(self, sl, region, shape):
+        rn, rd = region
+        D = shape[1]
+        return sl[rn.start * D:rn.stop * D].reshape(rn.stop - rn.start, D)[:, rd]
+
+
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
-                           "heads_in": _HeadsIn()}
+                           "heads_in": _HeadsIn(), "bias_heads": _BiasHeads()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -203,17 +235,47 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 
 
 # --------------------------------------------------------------------------- config
+ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+"""The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
+
+# transformers' config class defaults of the keys read below, per family (a config.json may
+# leave out a key that equals its class default)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=4096 * 32, sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+}
+
+
 def config_from_hf_dict(hf: dict) -> Config:
-    """``llama.Config`` from the contents of an HF ``config.json``; accepts both
-    ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x). A setting
-    the functional Llama cannot reproduce raises :class:`UnsupportedHFConfig`."""
+    """``llama.Config`` from the contents of an HF ``config.json`` of any family of
+    :data:`MODEL_TYPES` (dispatching on ``model_type``); accepts both ``rope_parameters``
+    (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x). A model type or a setting the
+    functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
-    if hf.get("model_type", "llama") != "llama":
-        raise UnsupportedHFConfig(f"{where}: model_type is {hf['model_type']!r}, not 'llama'")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    mt = hf.get("model_type", "llama")
+    if mt not in ARCHITECTURES:
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
+                                  f"{', '.join(MODEL_TYPES)}")
+    where = f"HF {mt} config"
+    defaults = _DEFAULTS[mt]
+
+    def get(key: str, default: Any = None) -> Any:
+        v = hf.get(key)
+        return v if v is not None else defaults.get(key, default)
+
+    for key, ok in (("hidden_act", "silu"), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
-                                          f"(the functional Llama needs {ok!r})")
+                                      f"(the functional decoder needs {ok!r})")
+    if float(hf.get("attention_dropout") or 0.0) != 0.0:
+        raise UnsupportedHFConfig(f"{where}: attention_dropout={hf['attention_dropout']!r} is not supported "
+                                  f"(the functional decoder has no attention dropout; set it to 0.0)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -229,23 +291,72 @@ def config_from_hf_dict(hf: dict) -> Config:
                                                hf.get("max_position_embeddings", 8192))))
     else:
         raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported "
-                                      f"(only 'default' and 'llama3')")
+                                  f"(only 'default' and 'llama3')")
+    bias = bool(hf.get("attention_bias", False))
+    if mt == "mistral" and bias:
+        raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported (Mistral has no biases)")
+    qkv_bias, o_bias = (True, False) if mt == "qwen2" else (bias, bias)
+    layers = int(hf["num_hidden_layers"])
+    window, layer_types = _window(hf, mt, get, layers, where)
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim")
+    head_dim = get("head_dim")
     if head_dim is not None and int(head_dim) == hidden // heads:
         head_dim = None
     return Config(
-        vocab=int(hf["vocab_size"]), hidden=hidden, layers=int(hf["num_hidden_layers"]),
+        vocab=int(hf["vocab_size"]), hidden=hidden, layers=layers,
         heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
         mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
-        max_seq=int(hf.get("max_position_embeddings", 2048)))
+        max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
+        qk_norm=mt == "qwen3", sliding_window=window, layer_types=layer_types)
+
+
+def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
+    if mt == "llama":
+        return None, None
+    if mt == "mistral":                     # every layer, when set (transformers ignores layer_types)
+        w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
+        return (None if w is None else int(w)), None
+    w = get("sliding_window") if get("use_sliding_window") else None
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(get("max_window_layers"))
+        types = ["sliding_attention" if w is not None and i >= first else "full_attention"
+                 for i in range(layers)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise UnsupportedHFConfig(f"{where}: layer_types {bad} are not supported (only full_attention "
+                                  f"and sliding_attention)")
+    if len(types) != layers:
+        raise UnsupportedHFConfig(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+    if w is None or "sliding_attention" not in types:
+        return None, None
+    return int(w), (None if all(t == "sliding_attention" for t in types) else tuple(types))
+
+
+def check_exportable(cfg: Config) -> None:
+    """Refuse (naming the option) a config that its ``model_type``'s HF class cannot hold."""
+    mt, where = cfg.model_type, f"export as {cfg.model_type!r}"
+    if mt not in ARCHITECTURES:
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
+                                  f"{', '.join(MODEL_TYPES)}")
+    need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
+                            "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
+                            "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
+                            "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True)}[mt]
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
+                                      f"equivalent (it needs {want!r}); choose another model_type")
 
 
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
-    """HF ``config.json`` contents for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    """HF ``config.json`` contents for ``cfg``, as its ``model_type``'s class (readable by
+    transformers 4.x and 5.x); :func:`check_exportable` refuses a config that class cannot hold."""
+    check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
     if s is not None:
@@ -254,17 +365,29 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                 "high_freq_factor": float(s.high_freq_factor),
                 "original_max_position_embeddings": int(s.original_max_position)}
     dname = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    mt = cfg.model_type
+    out = {
+        "architectures": [ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp,
         "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "pretraining_tp": 1, "use_cache": True,
+        "attention_dropout": 0.0, "use_cache": True,
         "rope_parameters": rope,                                    # transformers 5
         "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
         "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
         "dtype": dname, "torch_dtype": dname,
     }
+    if mt in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.o_bias
+    if mt == "llama":
+        out.update(mlp_bias=False, pretraining_tp=1)
+    if mt == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if mt in ("qwen2", "qwen3"):
+        types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=(types.index("sliding_attention") if "sliding_attention" in types
+                                      else cfg.layers), layer_types=types)
+    return out

@@ -1,0 +1,199 @@
+"""Mistral, Qwen2 and Qwen3 as configurations of the one decoder (models/llama.py): tiny random
+models built by ``transformers`` from a config (no download) load through ``base_model``'s
+import; logits, loss and every gradient equal transformers' on one device; FSDP x TP on a
+simulated mesh equals one device; export writes the same HF class, which loads with equal
+logits; unsupported model types and options are refused by name."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import make_batch, parallel, single_device
+
+import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.core.layout import block_slices
+from functional_pp.models import llama, llama_hf
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128)
+# (config class, model class, config): each family's own switches, windows shorter than the
+# 12-token test sequences so that they change the result
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(BASE, sliding_window=5, head_dim=32)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(BASE, tie_word_embeddings=True, use_sliding_window=True,
+                                                     sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32, use_sliding_window=True,
+                                                     sliding_window=6, max_window_layers=1)),
+}
+MESH = fpp.Mesh(dp_shard=2, tp=2)
+
+
+def hf_model(family, dtype=torch.float32, seed=0):
+    conf, cls, kw = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).to(dtype).eval()
+    with torch.no_grad():                # O(1) logits, non-trivial norms and biases
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def tokens(batch=4, seq=12, seed=1):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def our_logits(params, cfg, toks):
+    named = sharding.named_tree(params, llama.init(cfg))
+    with torch.no_grad():
+        return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for family in FAMILIES:
+        model = hf_model(family)
+        d = tmp_path_factory.mktemp(family)
+        model.save_pretrained(d, safe_serialization=True)
+        out[family] = (model, d)
+    return out
+
+
+def test_configs_read_each_family():
+    cfg = hf.config_from_hf(transformers.MistralConfig(**FAMILIES["mistral"][2]).to_dict())
+    assert (cfg.model_type, cfg.sliding_window, cfg.layer_types, cfg.head_dim) == ("mistral", 5, None, 32)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm)
+    cfg = hf.config_from_hf(transformers.Qwen2Config(**FAMILIES["qwen2"][2]).to_dict())
+    assert (cfg.model_type, cfg.qkv_bias, cfg.o_bias, cfg.tie_embeddings) == ("qwen2", True, False, True)
+    assert (cfg.sliding_window, cfg.layer_types) == (4, ("full_attention", "sliding_attention"))
+    assert [cfg.window(i) for i in range(2)] == [None, 4]
+    cfg = hf.config_from_hf(transformers.Qwen3Config(**FAMILIES["qwen3"][2]).to_dict())
+    assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias, cfg.dim_head) == ("qwen3", True, False, 32)
+    # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
+    assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
+    # a key left out of config.json takes transformers' class default (Qwen3's head_dim: 128)
+    assert hf.config_from_hf(dict(BASE, model_type="qwen3")).dim_head == 128
+    # the config travels through checkpoints as a dict
+    cfg = hf.config_from_hf(transformers.Qwen2Config(**FAMILIES["qwen2"][2]).to_dict())
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_logits_equal_transformers(saved, family):
+    model, d = saved[family]
+    cfg, params = hf.load_hf_llama(d)
+    assert cfg.model_type == family
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    got = our_logits(params, cfg, toks)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the family's switches matter: without the window (or biases, norms) the logits differ
+    import dataclasses
+    off = dataclasses.replace(cfg, sliding_window=None, layer_types=None)
+    assert not torch.allclose(our_logits(params, off, toks), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_gradients_equal_transformers(saved, family):
+    _, d = saved[family]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
+    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
+    batch = make_batch(cfg, batch=3, seq=12, seed=2)
+    loss, grads = single_device(cfg, params, batch)
+    logits = model(input_ids=batch["tokens"]).logits
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    want.backward()
+    # (fp64 both, but transformers computes the rotary tables in fp32, and so do we, each its own way)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    ours = dict(tree.leaves_with_paths(grads))
+    mapped = {hf.hf_name(p) for p in ours}
+    assert mapped == set(hf_grads) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    for p, g in ours.items():               # to 1e-6 of each gradient's largest entry
+        name = hf.hf_name(p)
+        torch.testing.assert_close(llama_hf.KINDS[llama_hf.hf_kind(p)].to_hf(g), hf_grads[name], rtol=1e-5,
+                                   atol=1e-6 * hf_grads[name].abs().max().item(), msg=lambda m: f"{p} ({name}): {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fsdp_tp_equals_one_device(saved, family):
+    model, d = saved[family]
+    cfg, full = hf.load_hf_llama(d)
+    decls, rules, toks = llama.init(cfg), llama.default_rules(), tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+
+    def device():                      # each device reads its own shards of the files
+        with fpp.use_rules(rules):
+            _, local = hf.load_hf_llama(d)
+            with torch.no_grad():
+                logits = settle(llama.forward(sharding.named_tree(local, decls), fpp.named(toks, "batch seq"), cfg))
+            region = block_slices(tuple(want.shape), logits.split, MESH, fpp.current_rank())
+            torch.testing.assert_close(logits.data, want[region], atol=1e-5, rtol=1e-5)
+    fpp.launch(device, MESH)
+    # loss and every gradient, in fp64
+    _, full64 = hf.load_hf_llama(d, dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss0, grads0 = single_device(cfg, full64, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_round_trip_in_transformers(saved, tmp_path, family):
+    model, d = saved[family]
+    cfg, params = hf.load_hf_llama(d)
+    params = tree.tree_map(lambda t: t + 0.01 * torch.randn_like(t), params)     # not the file's values
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (family, [FAMILIES[family][1]])
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert type(back).__name__ == FAMILIES[family][1]
+    toks = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
+    cfg2, again = hf.load_hf_llama(out)
+    assert cfg2 == cfg
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
+        assert torch.equal(a, b), p
+
+
+def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma2' is not supported; supported "
+                                                         r"model types: llama, mistral, qwen2, qwen3"):
+        hf.config_from_hf(dict(BASE, model_type="gemma2"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'yarn' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"layer_types \['chunked_attention'\]"):
+        hf.config_from_hf(dict(BASE, model_type="qwen3", layer_types=["chunked_attention"] * 2))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"attention_dropout=0.1"):
+        hf.config_from_hf(dict(BASE, model_type="mistral", attention_dropout=0.1))
+    # export refuses a config its class cannot hold, before writing anything
+    cfg = llama.Config.tiny(model_type="mistral", qk_norm=True)
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'mistral': qk_norm=True has no "
+                                                         r"MistralForCausalLM equivalent"):
+        hf.save_hf_llama(params, cfg, tmp_path / "no")
+    assert not (tmp_path / "no").exists()
+    # strict loading: a Qwen2 file read as Llama has unexpected biases, named
+    _, d = saved["qwen2"]
+    llama_dir = tmp_path / "as_llama"
+    llama_dir.mkdir()
+    (llama_dir / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    conf = json.loads((d / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps(dict(conf, model_type="llama")))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"unexpected tensors.*q_proj\.bias"):
+        hf.load_hf_llama(llama_dir)
