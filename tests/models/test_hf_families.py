@@ -222,6 +222,10 @@ def test_base_model_dispatches_on_model_type(saved, tmp_path):
     with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma2' is not supported; supported "
                                           r"model types: llama, mistral, qwen2, qwen3"):
         model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
+    # functional-pp plan ranks the layouts of the base model, not of a preset
+    from functional_pp.cli.plan import _model
+    _, decls = _model(TrainConfig.from_yaml(_train_yaml(tmp_path, d)))
+    assert tuple(decls["layers"][0]["self_attn"]["q_norm"].shape) == (32,)
 
 
 def test_cli_trains_a_qwen2_base_model_and_exports_it(saved, tmp_path):

@@ -84,3 +84,9 @@ def test_bad_window_is_refused():
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="window must be a positive integer"):
             run(q, k, v, bad)
+
+
+def test_on_meta_tensors_as_the_dry_run():
+    """The planner's dry-run (meta tensors, flash-like attention) runs a windowed layer."""
+    q, k, v = (t.to("meta") for t in qkv())
+    assert run(q, k, v, 4).shape == (B, S, H, D)
