@@ -31,7 +31,9 @@ and, where the config has them (``qkv_bias``, ``o_bias``, ``qk_norm``):
     model.layers.{i}.self_attn.k_norm.weight [D]          layers.{i}.self_attn.k_norm [D]     copy
 
 The same names serve every family of :data:`MODEL_TYPES` (Mistral, Qwen2 and Qwen3 name their
-tensors as Llama does); ``config.json`` is read and written per family.
+tensors as Llama does; Phi-3 fuses q/k/v into ``self_attn.qkv_proj`` and gate/up into
+``mlp.gate_up_proj``, split on import and fused on export along HF's rows, :data:`FUSED` /
+:func:`file_name`); ``config.json`` is read and written per family.
 
 Rotary convention: HF Llama q/k weights are already in the rotate-half order (HF's conversion
 script permuted Meta's interleaved weights), which is what ``ops.rotary`` uses, so they map
@@ -51,7 +53,7 @@ from functional_pp.ops.rotary import Llama3Scaling
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
-    "MODEL_TYPES", "ARCHITECTURES", "check_exportable",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name",
 ]
 
 
@@ -115,6 +117,32 @@ def our_path(name: str) -> str | None:
     """HF tensor name -> our tree path (``None``: unmapped)."""
     r = _lookup(name, _FROM_HF)
     return r[0] if r else None
+
+
+# Phi-3 stores q, k and v as one tensor and gate and up as one: HF name of the fused tensor and
+# the Llama names of its parts, in order along HF's output dimension (rows)
+FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "phi3": (("model.layers.{i}.self_attn.qkv_proj.weight",
+              ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+               "model.layers.{i}.self_attn.v_proj.weight")),
+             ("model.layers.{i}.mlp.gate_up_proj.weight",
+              ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"))),
+}
+_FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
+
+
+def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
+    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
+    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+    name = hf_name(path)
+    if name is None:
+        return None
+    for fused, parts in _FUSED.get(model_type, ()):
+        for j, pat in enumerate(parts):
+            m = pat.match(name)
+            if m:
+                return fused.format(**m.groupdict()), j
+    return name, 0
 
 
 def hf_kind(path: str) -> str | None:
@@ -236,7 +264,8 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 
 # --------------------------------------------------------------------------- config
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "phi3": "Phi3ForCausalLM"}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -249,6 +278,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   sliding_window=4096, max_window_layers=28),
     "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128, use_sliding_window=False,
                   sliding_window=4096, max_window_layers=28),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=None),
 }
 
 
@@ -273,9 +303,10 @@ def config_from_hf_dict(hf: dict) -> Config:
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
-    if float(hf.get("attention_dropout") or 0.0) != 0.0:
-        raise UnsupportedHFConfig(f"{where}: attention_dropout={hf['attention_dropout']!r} is not supported "
-                                  f"(the functional decoder has no attention dropout; set it to 0.0)")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if float(hf.get(key) or 0.0) != 0.0:
+            raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
+                                      f"has no dropout there; set it to 0.0)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -293,8 +324,8 @@ def config_from_hf_dict(hf: dict) -> Config:
         raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported "
                                   f"(only 'default' and 'llama3')")
     bias = bool(hf.get("attention_bias", False))
-    if mt == "mistral" and bias:
-        raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported (Mistral has no biases)")
+    if mt in ("mistral", "phi3") and bias:
+        raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported ({mt} has no biases)")
     qkv_bias, o_bias = (True, False) if mt == "qwen2" else (bias, bias)
     layers = int(hf["num_hidden_layers"])
     window, layer_types = _window(hf, mt, get, layers, where)
@@ -317,7 +348,7 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
     if mt == "llama":
         return None, None
-    if mt == "mistral":                     # every layer, when set (transformers ignores layer_types)
+    if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
     w = get("sliding_window") if get("use_sliding_window") else None
@@ -346,7 +377,8 @@ def check_exportable(cfg: Config) -> None:
     need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
-                            "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True)}[mt]
+                            "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True),
+                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None)}[mt]
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
@@ -383,8 +415,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         out["attention_bias"] = cfg.o_bias
     if mt == "llama":
         out.update(mlp_bias=False, pretraining_tp=1)
-    if mt == "mistral":
+    if mt in ("mistral", "phi3"):
         out["sliding_window"] = cfg.sliding_window
+    if mt == "phi3":
+        # Phi3Config's pad_token_id defaults to 32000, which an embedding of fewer rows cannot hold
+        out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_seq,
+                   pad_token_id=32000 if cfg.vocab > 32000 else None)
     if mt in ("qwen2", "qwen3"):
         types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 and Qwen3 as configurations of the one decoder (models/llama.py): tiny random
+"""Mistral, Qwen2, Qwen3 and Phi-3 (fused qkv_proj / gate_up_proj) as configurations of the one decoder (models/llama.py): tiny random
 models built by ``transformers`` from a config (no download) load through ``base_model``'s
 import; logits, loss and every gradient equal transformers' on one device; FSDP x TP on a
 simulated mesh equals one device; export writes the same HF class, which loads with equal
@@ -15,7 +15,7 @@ from functional_pp import checkpoint as ck
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
 from functional_pp.core.layout import block_slices
-from functional_pp.models import llama, llama_hf
+from functional_pp.models import llama
 from functional_pp.parallel import sharding
 from functional_pp.parallel.named import settle
 
@@ -31,6 +31,8 @@ FAMILIES = {
                                                      sliding_window=4, max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32, use_sliding_window=True,
                                                      sliding_window=6, max_window_layers=1)),
+    # fused qkv_proj and gate_up_proj; (Phi3Config's pad id 32000 would not fit the vocabulary)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(BASE, sliding_window=7, pad_token_id=None)),
 }
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -77,6 +79,8 @@ def test_configs_read_each_family():
     assert [cfg.window(i) for i in range(2)] == [None, 4]
     cfg = hf.config_from_hf(transformers.Qwen3Config(**FAMILIES["qwen3"][2]).to_dict())
     assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias, cfg.dim_head) == ("qwen3", True, False, 32)
+    cfg = hf.config_from_hf(transformers.Phi3Config(**FAMILIES["phi3"][2]).to_dict())
+    assert (cfg.model_type, cfg.sliding_window, cfg.layer_types, cfg.qkv_bias) == ("phi3", 7, None, False)
     # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
     assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
     assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
@@ -118,12 +122,12 @@ def test_loss_and_gradients_equal_transformers(saved, family):
     torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
     hf_grads = {n: p.grad for n, p in model.named_parameters()}
     ours = dict(tree.leaves_with_paths(grads))
-    mapped = {hf.hf_name(p) for p in ours}
-    assert mapped == set(hf_grads) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    for p, g in ours.items():               # to 1e-6 of each gradient's largest entry
-        name = hf.hf_name(p)
-        torch.testing.assert_close(llama_hf.KINDS[llama_hf.hf_kind(p)].to_hf(g), hf_grads[name], rtol=1e-5,
-                                   atol=1e-6 * hf_grads[name].abs().max().item(), msg=lambda m: f"{p} ({name}): {m}")
+    files = hf._file_tensors(llama.init(cfg), cfg)      # HF tensor name -> our parameters (fused: several)
+    assert {name for name, _ in files} == set(hf_grads) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    for name, parts in files:               # to 1e-6 of each gradient's largest entry
+        g = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        torch.testing.assert_close(g, hf_grads[name], rtol=1e-5, atol=1e-6 * hf_grads[name].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -173,8 +177,13 @@ def test_export_round_trip_in_transformers(saved, tmp_path, family):
 
 def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma2' is not supported; supported "
-                                                         r"model types: llama, mistral, qwen2, qwen3"):
+                                                         r"model types: llama, mistral, qwen2, qwen3, phi3"):
         hf.config_from_hf(dict(BASE, model_type="gemma2"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'longrope' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                                      "long_factor": [1.0] * 8}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'yarn' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"layer_types \['chunked_attention'\]"):
