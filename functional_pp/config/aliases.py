@@ -124,9 +124,10 @@ _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "gradient_checkpointing_kwargs": ({"use_reentrant": False},),   # what remat does
     # the architecture comes from base_model's config.json (its model_type), whichever is named
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                   "Qwen3ForCausalLM", "Phi3ForCausalLM"),
+                   "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
-                       "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast"),
+                       "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer",
+                       "GemmaTokenizerFast"),
     "pad_to_sequence_len": (True, False),          # packed windows always fill sequence_len
     "is_llama_derived_model": (True, False),
     "is_mistral_derived_model": (True, False),

@@ -22,6 +22,7 @@ from functional_pp.parallel.named import Named, tied
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ class Config:
     # every layer (Mistral). Qwen2/3's max_window_layers become layer_types on import.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Gemma 2's switches: the MLP's gate activation (silu: SwiGLU; gelu_tanh: tanh-GELU GLU)
+    mlp_act: str = "silu"
+    # RMSNorm scales by (norm_offset + weight): Gemma stores w with 1 + w applied (weights start at 0)
+    norm_offset: float = 0.0
+    # the embedding times sqrt(hidden) (Gemma)
+    scale_embeddings: bool = False
+    # norms after attention and after the MLP too (Gemma 2: post_attention_layernorm is the
+    # attention's output norm, pre/post_feedforward_layernorm surround the MLP)
+    sandwich_norms: bool = False
+    # attention scale 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim) (Gemma 2)
+    query_pre_attn_scalar: float | None = None
+    # softcap * tanh(x / softcap) of the attention scores and of the final logits (Gemma 2)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON
@@ -73,6 +88,11 @@ class Config:
                                                 or not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
+        if self.final_softcap and self.loss_chunk_bytes:
+            raise ValueError("final_softcap with loss_chunk_bytes: the chunked head loss has no logit "
+                             "soft-capping; set loss_chunk_bytes to null")
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: full causal attention)."""
@@ -140,8 +160,10 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     def w(shape, dims, s=std):
         return param(shape, dims, init="normal", scale=s, dtype=dtype)
 
+    ones = "zeros" if cfg.norm_offset == 1.0 else "ones"      # the scale (offset + w) starts at 1
+
     def norm():
-        return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
+        return param((cfg.hidden,), "hidden", init=ones, dtype=dtype)
 
     def attn():
         a = {
@@ -157,20 +179,21 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.o_bias:
             a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
         if cfg.qk_norm:
-            a["q_norm"] = param((D,), "head_dim", init="ones", dtype=dtype)
-            a["k_norm"] = param((D,), "head_dim", init="ones", dtype=dtype)
+            a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
+            a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         return a
 
-    layers = [{
-        "input_layernorm": norm(),
-        "self_attn": attn(),
-        "post_attention_layernorm": norm(),
-        "mlp": {
-            "gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-            "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-            "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std),
-        },
-    } for _ in range(cfg.layers)]
+    def layer():
+        p = {"input_layernorm": norm(), "self_attn": attn(), "post_attention_layernorm": norm(),
+             "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+                     "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+                     "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+        if cfg.sandwich_norms:
+            p["pre_feedforward_layernorm"] = norm()
+            p["post_feedforward_layernorm"] = norm()
+        return p
+
+    layers = [layer() for _ in range(cfg.layers)]
     tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
@@ -183,9 +206,14 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
+def norm(x: Named, weight: Named, cfg: Config) -> Named:
+    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``."""
+    return ops.rms_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, eps=cfg.norm_eps)
+
+
 def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
                     window: int | None = None) -> Named:
-    h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
+    h = norm(x, p["input_layernorm"], cfg)
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
     a = p["self_attn"]
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
@@ -194,24 +222,33 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named 
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
     if cfg.qk_norm:                                       # per head, over head_dim (the weight's dim)
-        q = ops.rms_norm(q, a["q_norm"], eps=cfg.norm_eps)
-        k = ops.rms_norm(k, a["k_norm"], eps=cfg.norm_eps)
+        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     q = rotate(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
     k = rotate(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    o = attend(q, k, v, causal=True, segments=segments, window=window)
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
-    return out + a["o_bias"] if cfg.o_bias else out      # (after the TP partial sums are combined)
+    if cfg.o_bias:                                        # (after the TP partial sums are combined)
+        out = out + a["o_bias"]
+    return norm(out, p["post_attention_layernorm"], cfg) if cfg.sandwich_norms else out
+
+
+_GATES = {"silu": ops.swiglu,
+          "gelu_tanh": lambda gate, up: ops.gelu(gate, approximate="tanh") * up}
 
 
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
-    h = ops.rms_norm(x, p["post_attention_layernorm"], eps=cfg.norm_eps)
+    # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
+    # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
+    h = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
     h = ops.rename(h, res_seq="seq")
     m = p["mlp"]
     gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
-    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), m["down_proj"])
-    return ops.rename(out, seq="res_seq")
+    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", _GATES[cfg.mlp_act](gate, up), m["down_proj"])
+    out = ops.rename(out, seq="res_seq")
+    return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
 
 
 @remat_layer
@@ -230,13 +267,15 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
-    x = ops.realized(ops.embed(embedding(params, cfg) if emb is None else emb, tokens))
-    x = ops.rename(x, seq="res_seq")
+    x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
+    if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
+        x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
+    x = ops.rename(ops.realized(x), seq="res_seq")
     for i, p in enumerate(params["layers"]):
         window = cfg.window(i)
         extra = (segments, window) if window is not None else () if segments is None else (segments,)
         x = layer_fn(p, x, pos, cfg, *extra)
-    x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
+    x = norm(x, params["norm"], cfg)
     return ops.rename(x, res_seq="seq")
 
 
@@ -255,7 +294,13 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
     x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
-    return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
+    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg)
+
+
+def _capped(logits: Named, cfg: Config) -> Named:
+    """Gemma 2's final logit soft-capping, ``c * tanh(logits / c)``."""
+    c = cfg.final_softcap
+    return logits if not c else ops.tanh(logits * (1.0 / c)) * c
 
 
 def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
@@ -265,7 +310,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
-        return ops.cross_entropy(logits, batch["labels"])
+        return ops.cross_entropy(_capped(logits, cfg), batch["labels"])
     return ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
 
 

@@ -77,6 +77,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm", "copy"),
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm",
      "copy"),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.{i}.pre_feedforward_layernorm", "copy"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.post_feedforward_layernorm", "copy"),
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
@@ -265,7 +267,7 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 # --------------------------------------------------------------------------- config
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                 "phi3": "Phi3ForCausalLM"}
+                                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -279,7 +281,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128, use_sliding_window=False,
                   sliding_window=4096, max_window_layers=28),
     "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=None),
+    "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, head_dim=256, sliding_window=4096,
+                   query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
 }
+# Gemma 2's switches (llama.Config fields) and their values in every other family
+_GEMMA2 = dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True)
+_NOT_GEMMA = dict(mlp_act="silu", norm_offset=0.0, scale_embeddings=False, sandwich_norms=False,
+                  query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None)
 
 
 def config_from_hf_dict(hf: dict) -> Config:
@@ -299,7 +308,16 @@ def config_from_hf_dict(hf: dict) -> Config:
         v = hf.get(key)
         return v if v is not None else defaults.get(key, default)
 
-    for key, ok in (("hidden_act", "silu"), ("mlp_bias", False)):
+    gemma = mt == "gemma2"
+    if gemma:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or defaults["hidden_activation"]
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedHFConfig(f"{where}: hidden_activation={act!r} is not supported (the functional "
+                                      f"decoder's Gemma 2 needs 'gelu_pytorch_tanh')")
+        if hf.get("use_bidirectional_attention"):
+            raise UnsupportedHFConfig(f"{where}: use_bidirectional_attention=True is not supported "
+                                      f"(causal attention only)")
+    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
@@ -333,15 +351,23 @@ def config_from_hf_dict(hf: dict) -> Config:
     head_dim = get("head_dim")
     if head_dim is not None and int(head_dim) == hidden // heads:
         head_dim = None
+    extra: dict[str, Any] = {}
+    if gemma:
+        caps = [get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
+        caps = [None if k in hf and hf[k] is None else c for k, c in
+                zip(("attn_logit_softcapping", "final_logit_softcapping"), caps)]
+        extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+                     attn_softcap=None if caps[0] is None else float(caps[0]),
+                     final_softcap=None if caps[1] is None else float(caps[1]))
     return Config(
         vocab=int(hf["vocab_size"]), hidden=hidden, layers=layers,
         heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
         mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt == "qwen3", sliding_window=window, layer_types=layer_types)
+        qk_norm=mt == "qwen3", sliding_window=window, layer_types=layer_types, **extra)
 
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -351,8 +377,13 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
-    w = get("sliding_window") if get("use_sliding_window") else None
-    types = hf.get("layer_types")
+    if mt == "gemma2":       # alternating: even layers slide, odd ones attend globally
+        w = get("sliding_window")
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(layers)]
+    else:
+        w = get("sliding_window") if get("use_sliding_window") else None
+        types = hf.get("layer_types")
     if types is None:
         first = int(get("max_window_layers"))
         types = ["sliding_attention" if w is not None and i >= first else "full_attention"
@@ -378,7 +409,14 @@ def check_exportable(cfg: Config) -> None:
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
                             "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True),
-                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None)}[mt]
+                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
+                            "gemma2": dict(qkv_bias=cfg.o_bias, qk_norm=False, **_GEMMA2)}[mt]
+    if mt == "gemma2":
+        if cfg.query_pre_attn_scalar is None:
+            raise UnsupportedHFConfig(f"{where}: query_pre_attn_scalar=None has no Gemma2ForCausalLM "
+                                      f"equivalent (set it, e.g. to head_dim)")
+    else:
+        need.update(_NOT_GEMMA)
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
@@ -411,8 +449,16 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
         "dtype": dname, "torch_dtype": dname,
     }
-    if mt in ("llama", "qwen3"):
+    if mt in ("llama", "qwen3", "gemma2"):
         out["attention_bias"] = cfg.o_bias
+    if mt == "gemma2":
+        types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+        del out["hidden_act"]
+        scalar = cfg.query_pre_attn_scalar        # an int in Gemma2Config (strictly checked)
+        out.update(hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                   sliding_window=cfg.sliding_window, layer_types=types)
     if mt == "llama":
         out.update(mlp_bias=False, pretraining_tp=1)
     if mt in ("mistral", "phi3"):

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2, Qwen3 and Phi-3 (fused qkv_proj / gate_up_proj) as configurations of the one decoder (models/llama.py): tiny random
+"""Mistral, Qwen2, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma 2 as configurations of the one decoder (models/llama.py): tiny random
 models built by ``transformers`` from a config (no download) load through ``base_model``'s
 import; logits, loss and every gradient equal transformers' on one device; FSDP x TP on a
 simulated mesh equals one device; export writes the same HF class, which loads with equal
@@ -33,6 +33,12 @@ FAMILIES = {
                                                      sliding_window=6, max_window_layers=1)),
     # fused qkv_proj and gate_up_proj; (Phi3Config's pad id 32000 would not fit the vocabulary)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(BASE, sliding_window=7, pad_token_id=None)),
+    # tanh-GELU GLU, (1 + w) norms around attention and MLP, embedding x sqrt(hidden),
+    # query_pre_attn_scalar, alternating sliding / global layers, attention and final soft-caps
+    # (small caps, so that they change the result); Gemma's pad id 0 would freeze embedding row 0
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(BASE, head_dim=32, query_pre_attn_scalar=24,
+                                                         sliding_window=5, attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=3.0, pad_token_id=None)),
 }
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -81,6 +87,10 @@ def test_configs_read_each_family():
     assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias, cfg.dim_head) == ("qwen3", True, False, 32)
     cfg = hf.config_from_hf(transformers.Phi3Config(**FAMILIES["phi3"][2]).to_dict())
     assert (cfg.model_type, cfg.sliding_window, cfg.layer_types, cfg.qkv_bias) == ("phi3", 7, None, False)
+    cfg = hf.config_from_hf(transformers.Gemma2Config(**FAMILIES["gemma2"][2]).to_dict())
+    assert (cfg.mlp_act, cfg.norm_offset, cfg.scale_embeddings, cfg.sandwich_norms) == ("gelu_tanh", 1.0, True, True)
+    assert (cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (24.0, 2.0, 3.0)
+    assert [cfg.window(i) for i in range(2)] == [5, None] and cfg.tie_embeddings
     # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
     assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
     assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
@@ -104,8 +114,11 @@ def test_import_logits_equal_transformers(saved, family):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the family's switches matter: without the window (or biases, norms) the logits differ
     import dataclasses
-    off = dataclasses.replace(cfg, sliding_window=None, layer_types=None)
-    assert not torch.allclose(our_logits(params, off, toks), want, atol=1e-3)
+    off = [dataclasses.replace(cfg, sliding_window=None, layer_types=None)]
+    if family == "gemma2":
+        off += [dataclasses.replace(cfg, attn_softcap=None), dataclasses.replace(cfg, final_softcap=None)]
+    for c in off:
+        assert not torch.allclose(our_logits(params, c, toks), want, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -176,14 +189,18 @@ def test_export_round_trip_in_transformers(saved, tmp_path, family):
 
 
 def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
-    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma2' is not supported; supported "
-                                                         r"model types: llama, mistral, qwen2, qwen3, phi3"):
-        hf.config_from_hf(dict(BASE, model_type="gemma2"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3_text' is not supported; supported "
+                                                         r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3_text"))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'longrope' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                                                       "long_factor": [1.0] * 8}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
         hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gemma2 config: hidden_activation='gelu' is not"):
+        hf.config_from_hf(dict(BASE, model_type="gemma2", hidden_activation="gelu"))
+    with pytest.raises(ValueError, match=r"final_softcap with loss_chunk_bytes"):
+        llama.Config.tiny(final_softcap=30.0, loss_chunk_bytes=1 << 20)
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'yarn' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"layer_types \['chunked_attention'\]"):
@@ -227,8 +244,8 @@ def test_base_model_dispatches_on_model_type(saved, tmp_path):
     assert (model.model_type, model.qk_norm, model.dim_head) == ("qwen3", True, 32)
     bad = tmp_path / "gemma"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma2")))
-    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma2' is not supported; supported "
+    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma3_text")))
+    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma3_text' is not supported; supported "
                                           r"model types: llama, mistral, qwen2, qwen3"):
         model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
     # functional-pp plan ranks the layouts of the base model, not of a preset

@@ -61,12 +61,17 @@ def test_tied_embeddings_and_noncausal_paths():
 
 # the decoder families as configurations (models/llama.py; docs/models.md): q/k/v biases, an
 # output bias, per-head q/k RMSNorm with an explicit head_dim, sliding windows (every layer, or
-# alternating with full attention: the window under CP takes the K/V all-gather path), tied embeddings
+# alternating with full attention: the window under CP takes the K/V all-gather path), tied
+# embeddings, Gemma 2's sandwich (1 + w) norms, scaled embedding, tanh-GELU GLU and soft-caps
 FAMILIES = {
     "mistral": llama.Config.tiny(model_type="mistral", sliding_window=5),
     "qwen2": llama.Config.tiny(model_type="qwen2", qkv_bias=True, tie_embeddings=True, sliding_window=4,
                                layer_types=("full_attention", "sliding_attention")),
     "qwen3": llama.Config.tiny(model_type="qwen3", qk_norm=True, head_dim=32, qkv_bias=True, o_bias=True),
+    "gemma2": llama.Config.tiny(model_type="gemma2", mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True,
+                                sandwich_norms=True, query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=3.0,
+                                sliding_window=5, layer_types=("sliding_attention", "full_attention"),
+                                tie_embeddings=True),
 }
 
 
