@@ -124,7 +124,8 @@ _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "gradient_checkpointing_kwargs": ({"use_reentrant": False},),   # what remat does
     # the architecture comes from base_model's config.json (its model_type), whichever is named
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                   "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM"),
+                   "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                   "Gemma3ForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
                        "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer",
                        "GemmaTokenizerFast"),

@@ -1,8 +1,10 @@
 """The Llama-style decoder as pure functions over a parameter pytree whose every dimension is
 named: Llama 3 and, as configuration of the same code, the families that differ from it in a
 few switches (docs/models.md, "Decoder families"): Mistral (sliding-window attention), Qwen2
-(q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), tied embeddings.
-``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
+(q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), Phi-3 (only its files
+differ: fused projections), Gemma 2 (tanh-GELU GLU, 1 + w sandwich norms, scaled embedding,
+soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local layers), tied
+embeddings. ``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
@@ -43,8 +45,9 @@ class Config:
     # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
     # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, "Measurements")
     loss_chunk_bytes: int | None = None
-    # the Hugging Face architecture this decoder is: llama | mistral | qwen2 | qwen3 (what
-    # export writes; models/llama_hf.py checks that the switches below are that family's)
+    # the Hugging Face architecture this decoder is: llama | mistral | qwen2 | qwen3 | phi3 |
+    # gemma2 | gemma3_text (what export writes; models/llama_hf.py checks that the switches
+    # below are that family's)
     model_type: str = "llama"
     # biases of the q, k and v projections (Qwen2; Llama's attention_bias sets both)
     qkv_bias: bool = False
@@ -71,6 +74,8 @@ class Config:
     # softcap * tanh(x / softcap) of the attention scores and of the final logits (Gemma 2)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON
@@ -223,8 +228,12 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named 
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
     if cfg.qk_norm:                                       # per head, over head_dim (the weight's dim)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
-    q = rotate(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    k = rotate(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
+        theta, scaling = cfg.local_rope_theta, None
+    else:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    q = rotate(q, pos, theta=theta, scaling=scaling)
+    k = rotate(k, pos, theta=theta, scaling=scaling)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])

@@ -267,7 +267,8 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 # --------------------------------------------------------------------------- config
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                 "gemma3_text": "Gemma3ForCausalLM"}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -284,11 +285,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, head_dim=256, sliding_window=4096,
                    query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256, sliding_window=4096,
+                        query_pre_attn_scalar=256, attn_logit_softcapping=None, final_logit_softcapping=None,
+                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6),
 }
 # Gemma 2's switches (llama.Config fields) and their values in every other family
 _GEMMA2 = dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True)
 _NOT_GEMMA = dict(mlp_act="silu", norm_offset=0.0, scale_embeddings=False, sandwich_norms=False,
-                  query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None)
+                  query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None, local_rope_theta=None)
+_GEMMA = ("gemma2", "gemma3_text")
 
 
 def config_from_hf_dict(hf: dict) -> Config:
@@ -308,7 +313,7 @@ def config_from_hf_dict(hf: dict) -> Config:
         v = hf.get(key)
         return v if v is not None else defaults.get(key, default)
 
-    gemma = mt == "gemma2"
+    gemma = mt in _GEMMA
     if gemma:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or defaults["hidden_activation"]
         if act != "gelu_pytorch_tanh":
@@ -325,22 +330,21 @@ def config_from_hf_dict(hf: dict) -> Config:
         if float(hf.get(key) or 0.0) != 0.0:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
                                       f"has no dropout there; set it to 0.0)")
+    local_theta = None
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported")
-    if rope_type in ("default", None):
-        scaling = None
-    elif rope_type == "llama3":
-        scaling = Llama3Scaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope.get("original_max_position_embeddings",
-                                               hf.get("max_position_embeddings", 8192))))
+    if mt == "gemma3_text":     # a rope per layer type: global (full) and local (sliding) bases
+        if "full_attention" in rope or "sliding_attention" in rope:
+            rope, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        else:
+            local = {}
+        theta_default = float(hf.get("rope_theta") or 1_000_000.0)
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or 10_000.0))
+        if local.get("rope_type", local.get("type", "default")) not in ("default", None):
+            raise UnsupportedHFConfig(f"{where}: rope type {local.get('rope_type', local.get('type'))!r} of "
+                                      f"the sliding layers is not supported (only 'default')")
     else:
-        raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported "
-                                  f"(only 'default' and 'llama3')")
+        theta_default = float(hf.get("rope_theta") or 10000.0)
+    theta, scaling = _rope(rope, hf, where, theta_default)
     bias = bool(hf.get("attention_bias", False))
     if mt in ("mistral", "phi3") and bias:
         raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported ({mt} has no biases)")
@@ -356,7 +360,7 @@ def config_from_hf_dict(hf: dict) -> Config:
         caps = [get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
         caps = [None if k in hf and hf[k] is None else c for k, c in
                 zip(("attn_logit_softcapping", "final_logit_softcapping"), caps)]
-        extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+        extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")), local_rope_theta=local_theta,
                      attn_softcap=None if caps[0] is None else float(caps[0]),
                      final_softcap=None if caps[1] is None else float(caps[1]))
     return Config(
@@ -367,7 +371,24 @@ def config_from_hf_dict(hf: dict) -> Config:
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt == "qwen3", sliding_window=window, layer_types=layer_types, **extra)
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
+
+
+def _rope(rope: dict, hf: dict, where: str, theta_default: float) -> tuple[float, Llama3Scaling | None]:
+    """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
+    theta = float(rope.get("rope_theta", theta_default))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported")
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type == "llama3":
+        return theta, Llama3Scaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope.get("original_max_position_embeddings",
+                                               hf.get("max_position_embeddings", 8192))))
+    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
 
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -377,9 +398,10 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
-    if mt == "gemma2":       # alternating: even layers slide, odd ones attend globally
+    if mt in _GEMMA:         # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6)
         w = get("sliding_window")
-        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+        n = 2 if mt == "gemma2" else int(get("sliding_window_pattern"))
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
                                           for i in range(layers)]
     else:
         w = get("sliding_window") if get("use_sliding_window") else None
@@ -410,8 +432,9 @@ def check_exportable(cfg: Config) -> None:
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
                             "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True),
                             "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
-                            "gemma2": dict(qkv_bias=cfg.o_bias, qk_norm=False, **_GEMMA2)}[mt]
-    if mt == "gemma2":
+                            "gemma2": dict(qkv_bias=cfg.o_bias, qk_norm=False, local_rope_theta=None, **_GEMMA2),
+                            "gemma3_text": dict(qkv_bias=cfg.o_bias, qk_norm=True, **_GEMMA2)}[mt]
+    if mt in _GEMMA:
         if cfg.query_pre_attn_scalar is None:
             raise UnsupportedHFConfig(f"{where}: query_pre_attn_scalar=None has no Gemma2ForCausalLM "
                                       f"equivalent (set it, e.g. to head_dim)")
@@ -449,9 +472,13 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
         "dtype": dname, "torch_dtype": dname,
     }
-    if mt in ("llama", "qwen3", "gemma2"):
+    if mt in ("llama", "qwen3", *_GEMMA):
         out["attention_bias"] = cfg.o_bias
-    if mt == "gemma2":
+    if mt == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
+                   rope_local_base_freq=local["rope_theta"], use_bidirectional_attention=False)
+    if mt in _GEMMA:
         types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
         del out["hidden_act"]
         scalar = cfg.query_pre_attn_scalar        # an int in Gemma2Config (strictly checked)

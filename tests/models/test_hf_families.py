@@ -1,4 +1,4 @@
-"""Mistral, Qwen2, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma 2 as configurations of the one decoder (models/llama.py): tiny random
+"""Mistral, Qwen2, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj), Gemma 2 and Gemma 3 (text) as configurations of the one decoder (models/llama.py): tiny random
 models built by ``transformers`` from a config (no download) load through ``base_model``'s
 import; logits, loss and every gradient equal transformers' on one device; FSDP x TP on a
 simulated mesh equals one device; export writes the same HF class, which loads with equal
@@ -39,6 +39,12 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(BASE, head_dim=32, query_pre_attn_scalar=24,
                                                          sliding_window=5, attn_logit_softcapping=2.0,
                                                          final_logit_softcapping=3.0, pad_token_id=None)),
+    # Gemma 2's switches without soft-caps, with (1 + w) q/k norms and a rope base per layer type
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        BASE, head_dim=32, query_pre_attn_scalar=32, sliding_window=5, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})),
 }
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -91,6 +97,14 @@ def test_configs_read_each_family():
     assert (cfg.mlp_act, cfg.norm_offset, cfg.scale_embeddings, cfg.sandwich_norms) == ("gelu_tanh", 1.0, True, True)
     assert (cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (24.0, 2.0, 3.0)
     assert [cfg.window(i) for i in range(2)] == [5, None] and cfg.tie_embeddings
+    cfg = hf.config_from_hf(transformers.Gemma3TextConfig(**FAMILIES["gemma3_text"][2]).to_dict())
+    assert (cfg.qk_norm, cfg.norm_offset, cfg.rope_theta, cfg.local_rope_theta) == (True, 1.0, 100.0, 10.0)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (None, None)
+    # transformers 4.x keys; Gemma 3's 5 local layers to 1 global by default
+    legacy = hf.config_from_hf(dict(BASE, num_hidden_layers=12, model_type="gemma3_text", rope_theta=1e6,
+                                    rope_local_base_freq=1e4, sliding_window=512))
+    assert (legacy.rope_theta, legacy.local_rope_theta) == (1e6, 1e4)
+    assert [legacy.window(i) is None for i in range(12)] == [False] * 5 + [True] + [False] * 5 + [True]
     # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
     assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
     assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
@@ -117,6 +131,8 @@ def test_import_logits_equal_transformers(saved, family):
     off = [dataclasses.replace(cfg, sliding_window=None, layer_types=None)]
     if family == "gemma2":
         off += [dataclasses.replace(cfg, attn_softcap=None), dataclasses.replace(cfg, final_softcap=None)]
+    if family == "gemma3_text":
+        off += [dataclasses.replace(cfg, local_rope_theta=None)]
     for c in off:
         assert not torch.allclose(our_logits(params, c, toks), want, atol=1e-3)
 
@@ -189,9 +205,11 @@ def test_export_round_trip_in_transformers(saved, tmp_path, family):
 
 
 def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
-    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3_text' is not supported; supported "
-                                                         r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2"):
-        hf.config_from_hf(dict(BASE, model_type="gemma3_text"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3' is not supported; supported "
+                                                         r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'longrope' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                                                       "long_factor": [1.0] * 8}))
@@ -244,8 +262,8 @@ def test_base_model_dispatches_on_model_type(saved, tmp_path):
     assert (model.model_type, model.qk_norm, model.dim_head) == ("qwen3", True, 32)
     bad = tmp_path / "gemma"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma3_text")))
-    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma3_text' is not supported; supported "
+    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma3")))
+    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma3' is not supported; supported "
                                           r"model types: llama, mistral, qwen2, qwen3"):
         model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
     # functional-pp plan ranks the layouts of the base model, not of a preset

@@ -62,7 +62,8 @@ def test_tied_embeddings_and_noncausal_paths():
 # the decoder families as configurations (models/llama.py; docs/models.md): q/k/v biases, an
 # output bias, per-head q/k RMSNorm with an explicit head_dim, sliding windows (every layer, or
 # alternating with full attention: the window under CP takes the K/V all-gather path), tied
-# embeddings, Gemma 2's sandwich (1 + w) norms, scaled embedding, tanh-GELU GLU and soft-caps
+# embeddings, Gemma 2's sandwich (1 + w) norms, scaled embedding, tanh-GELU GLU and soft-caps,
+# Gemma 3's rope base of the local layers
 FAMILIES = {
     "mistral": llama.Config.tiny(model_type="mistral", sliding_window=5),
     "qwen2": llama.Config.tiny(model_type="qwen2", qkv_bias=True, tie_embeddings=True, sliding_window=4,
@@ -72,6 +73,10 @@ FAMILIES = {
                                 sandwich_norms=True, query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=3.0,
                                 sliding_window=5, layer_types=("sliding_attention", "full_attention"),
                                 tie_embeddings=True),
+    "gemma3_text": llama.Config.tiny(model_type="gemma3_text", mlp_act="gelu_tanh", norm_offset=1.0,
+                                     scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16.0,
+                                     qk_norm=True, sliding_window=5, local_rope_theta=10.0,
+                                     layer_types=("sliding_attention", "full_attention"), tie_embeddings=True),
 }
 
 
