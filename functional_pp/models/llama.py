@@ -136,8 +136,12 @@ class Config:
 
     @classmethod
     def presets(cls) -> dict:
-        """Preset name -> constructor taking field overrides."""
-        return {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        """Preset name -> constructor taking field overrides: Llama 3's, then one or two sizes of
+        each other family (their published config.json, as ``base_model`` would read it)."""
+        table = {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        for name, fields in FAMILY_PRESETS.items():
+            table[name] = functools.partial(_family_preset, cls, fields)
+        return table
 
     @classmethod
     def preset(cls, name: str, **kw) -> "Config":
@@ -155,6 +159,46 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**d)                              # __post_init__ reads rope_scaling
+
+
+def _gemma(layers: int, every: int) -> dict:
+    """Gemma's switches; every ``every``-th layer global, the others sliding."""
+    return dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+                tie_embeddings=True, rope_scaling=None, norm_eps=1e-6,
+                layer_types=tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)))
+
+
+FAMILY_PRESETS: dict[str, dict] = {
+    "mistral-7b": dict(model_type="mistral", vocab=32768, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
+                       rope_theta=1e6, rope_scaling=None, max_seq=32768),                       # v0.3
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864,
+                         qkv_bias=True, tie_embeddings=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6,
+                         max_seq=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, mlp=18944,
+                       qkv_bias=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6, max_seq=131072),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
+                       mlp=3072, qk_norm=True, tie_embeddings=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6,
+                       max_seq=40960),
+    "qwen3-8b": dict(model_type="qwen3", vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
+                     mlp=12288, qk_norm=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6, max_seq=40960),
+    "phi3-mini": dict(model_type="phi3", vocab=32064, hidden=3072, layers=32, heads=32, kv_heads=32, mlp=8192,
+                      rope_theta=10000.0, rope_scaling=None, sliding_window=2047, max_seq=4096),  # 4k-instruct
+    "gemma2-2b": dict(model_type="gemma2", vocab=256000, hidden=2304, layers=26, heads=8, kv_heads=4, head_dim=256,
+                      mlp=9216, query_pre_attn_scalar=256.0, attn_softcap=50.0, final_softcap=30.0,
+                      sliding_window=4096, rope_theta=10000.0, max_seq=8192, **_gemma(26, 2)),
+    "gemma3-1b": dict(model_type="gemma3_text", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1,
+                      head_dim=256, mlp=6912, qk_norm=True, query_pre_attn_scalar=256.0, sliding_window=512,
+                      rope_theta=1e6, local_rope_theta=10000.0, max_seq=32768, **_gemma(26, 6)),
+}
+"""The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
+
+
+def _family_preset(cls, fields: dict, **kw) -> Config:
+    out = {**fields, **kw}
+    if "layers" in kw and "layer_types" not in kw and fields.get("layer_types"):    # fewer layers, same pattern
+        every = next(i + 1 for i, t in enumerate(fields["layer_types"]) if t == "full_attention")
+        out["layer_types"] = _gemma(kw["layers"], every)["layer_types"]
+    return cls(**out)
 
 
 def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:

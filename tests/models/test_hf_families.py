@@ -292,3 +292,18 @@ def test_cli_trains_a_qwen2_base_model_and_exports_it(saved, tmp_path):
     toks = tokens()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("preset", [n for n in llama.Config.presets() if "-" in n])
+def test_family_presets_are_the_published_models(preset):
+    """Each family preset's config.json builds (on meta tensors) the transformers class of its
+    family with as many parameters as ours, and reads back as the same config."""
+    cfg = llama.Config.preset(preset)
+    conf = hf.config_to_hf(cfg)
+    assert hf.config_from_hf(conf) == cfg
+    hf_conf = transformers.AutoConfig.for_model(**conf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_conf)
+    assert type(model).__name__ == conf["architectures"][0]
+    assert sum(p.numel() for p in model.parameters()) == tree.count_params(llama.init(cfg))
