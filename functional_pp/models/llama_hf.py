@@ -398,13 +398,15 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
+    # an explicit null sliding_window is no window (a missing key: the class default)
+    window = hf["sliding_window"] if "sliding_window" in hf else _DEFAULTS[mt].get("sliding_window")
     if mt in _GEMMA:         # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6)
-        w = get("sliding_window")
+        w = window
         n = 2 if mt == "gemma2" else int(get("sliding_window_pattern"))
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
                                           for i in range(layers)]
     else:
-        w = get("sliding_window") if get("use_sliding_window") else None
+        w = window if get("use_sliding_window") else None
         types = hf.get("layer_types")
     if types is None:
         first = int(get("max_window_layers"))

@@ -108,6 +108,10 @@ def test_configs_read_each_family():
     # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
     assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
     assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="qwen2", use_sliding_window=True, max_window_layers=0,
+                                  sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="gemma2", sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="gemma2")).window(0) == 4096       # the class default
     # a key left out of config.json takes transformers' class default (Qwen3's head_dim: 128)
     assert hf.config_from_hf(dict(BASE, model_type="qwen3")).dim_head == 128
     # the config travels through checkpoints as a dict
