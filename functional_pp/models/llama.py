@@ -256,8 +256,16 @@ rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
 def norm(x: Named, weight: Named, cfg: Config) -> Named:
-    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``."""
-    return ops.rms_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, eps=cfg.norm_eps)
+    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``. With an
+    offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
+    ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    if not cfg.norm_offset:
+        return ops.rms_norm(x, weight, eps=cfg.norm_eps)
+    dtype = x.data.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ops.rms_norm(x, weight + cfg.norm_offset, eps=cfg.norm_eps)
+    wide = ops.rms_norm(x.astype(torch.float32), dim=weight.dims[0], eps=cfg.norm_eps)
+    return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
 def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
