@@ -19,7 +19,7 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.ops.layer import layer as remat_layer
-from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.ops.rotary import Llama3Scaling, LongRopeScaling
 from functional_pp.parallel.named import Named, tied
 
 
@@ -37,7 +37,7 @@ class Config:
     mlp: int = 14336
     head_dim: int | None = None
     rope_theta: float = 500000.0
-    rope_scaling: Llama3Scaling | None = field(default_factory=Llama3Scaling)
+    rope_scaling: Llama3Scaling | LongRopeScaling | None = field(default_factory=Llama3Scaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -78,8 +78,9 @@ class Config:
     local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):          # from YAML / JSON
-            object.__setattr__(self, "rope_scaling", Llama3Scaling(**self.rope_scaling))
+        if isinstance(self.rope_scaling, dict):          # from YAML / JSON: LongRoPE has factor lists
+            kind = LongRopeScaling if "short_factor" in self.rope_scaling else Llama3Scaling
+            object.__setattr__(self, "rope_scaling", kind(**self.rope_scaling))
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))

@@ -42,13 +42,14 @@ without permutation. For Meta-format (interleaved) weights use :func:`permute_fo
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
 from functional_pp.models.llama import Config
-from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.ops.rotary import Llama3Scaling, LongRopeScaling
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
@@ -374,7 +375,8 @@ def config_from_hf_dict(hf: dict) -> Config:
         qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
 
 
-def _rope(rope: dict, hf: dict, where: str, theta_default: float) -> tuple[float, Llama3Scaling | None]:
+def _rope(rope: dict, hf: dict, where: str, theta_default: float
+          ) -> tuple[float, Llama3Scaling | LongRopeScaling | None]:
     """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
     theta = float(rope.get("rope_theta", theta_default))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -388,7 +390,17 @@ def _rope(rope: dict, hf: dict, where: str, theta_default: float) -> tuple[float
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position=int(rope.get("original_max_position_embeddings",
                                                hf.get("max_position_embeddings", 8192))))
-    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    if rope_type in ("longrope", "su"):            # transformers' _compute_longrope_parameters
+        original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or hf.get("max_position_embeddings"))
+        factor = rope.get("factor") or float(hf.get("max_position_embeddings") or original) / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return theta, LongRopeScaling(tuple(rope["short_factor"]), tuple(rope["long_factor"]), original,
+                                      float(attention))
+    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default', 'llama3' "
+                              f"and 'longrope')")
 
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -454,7 +466,11 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
-    if s is not None:
+    if isinstance(s, LongRopeScaling):
+        rope = {"rope_type": "longrope", "rope_theta": float(cfg.rope_theta), "short_factor": list(s.short_factor),
+                "long_factor": list(s.long_factor), "original_max_position_embeddings": s.original_max_position,
+                "attention_factor": s.attention_factor}
+    elif s is not None:
         rope = {"rope_type": "llama3", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
                 "low_freq_factor": float(s.low_freq_factor),
                 "high_freq_factor": float(s.high_freq_factor),
@@ -471,7 +487,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "attention_dropout": 0.0, "use_cache": True,
         "rope_parameters": rope,                                    # transformers 5
         "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
-        "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
+        "rope_scaling": (None if s is None else
+                         {"type": "longrope", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]}
+                         if isinstance(s, LongRopeScaling) else {k: v for k, v in rope.items() if k != "rope_theta"}),
         "dtype": dname, "torch_dtype": dname,
     }
     if mt in ("llama", "qwen3", *_GEMMA):
@@ -494,7 +512,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         out["sliding_window"] = cfg.sliding_window
     if mt == "phi3":
         # Phi3Config's pad_token_id defaults to 32000, which an embedding of fewer rows cannot hold
-        out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_seq,
+        out.update(resid_pdrop=0.0, embd_pdrop=0.0,
+                   original_max_position_embeddings=(s.original_max_position if isinstance(s, LongRopeScaling)
+                                                     else cfg.max_seq),
                    pad_token_id=32000 if cfg.vocab > 32000 else None)
     if mt in ("qwen2", "qwen3"):
         types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]

@@ -4,6 +4,7 @@ import; logits, loss and every gradient equal transformers' on one device; FSDP 
 simulated mesh equals one device; export writes the same HF class, which loads with equal
 logits; unsupported model types and options are refused by name."""
 import json
+import math
 
 import pytest
 import torch
@@ -214,9 +215,8 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
         hf.config_from_hf(dict(BASE, model_type="gemma3"))
     with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'longrope' is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                                                      "long_factor": [1.0] * 8}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'yarn' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "yarn", "factor": 2.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
         hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gemma2 config: hidden_activation='gelu' is not"):
@@ -245,6 +245,39 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
     (llama_dir / "config.json").write_text(json.dumps(dict(conf, model_type="llama")))
     with pytest.raises(ck.CheckpointMismatchError, match=r"unexpected tensors.*q_proj\.bias"):
         hf.load_hf_llama(llama_dir)
+
+
+def test_phi3_longrope_short_and_long_sequences(tmp_path):
+    """Phi-3's LongRoPE (the 128k models, Phi-3.5): short factors up to the original context,
+    long ones beyond, cos / sin scaled by the attention factor; logits equal transformers' on
+    both sides of the switch, and the export reads back the same scaling."""
+    g = torch.Generator().manual_seed(5)
+    short, long = (1 + torch.rand(8, generator=g)).tolist(), (1 + 4 * torch.rand(8, generator=g)).tolist()
+    kw = dict(BASE, head_dim=16, pad_token_id=None, max_position_embeddings=64, original_max_position_embeddings=8,
+              rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "in")
+    cfg, params = hf.load_hf_llama(tmp_path / "in")
+    s = cfg.rope_scaling
+    assert (s.original_max_position, s.attention_factor) == (8, pytest.approx((1 + math.log(8) / math.log(8)) ** 0.5))
+    for seq in (6, 12):                  # short factors, then long ones
+        toks = tokens(seq=seq)
+        with torch.no_grad():
+            want = model(input_ids=toks).logits
+        torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    import dataclasses
+    only_short = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(s, long_factor=s.short_factor))
+    assert not torch.allclose(our_logits(params, only_short, toks), want, atol=1e-3)     # the switch happened
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    assert hf.load_hf_llama(out)[0] == cfg
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=tokens(seq=12)).logits, want, atol=1e-5, rtol=1e-5)
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 # ----------------------------------------------------------------------------- base_model
