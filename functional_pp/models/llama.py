@@ -19,11 +19,33 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.ops.layer import layer as remat_layer
-from functional_pp.ops.rotary import Llama3Scaling, LongRopeScaling
+from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+_SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling}
+
+
+def _scaling_from_dict(d: dict):
+    """A rope scaling from a dict (``Config.to_dict``, YAML): its ``rope_type`` (default: by its
+    fields, LongRoPE's factor lists, YaRN's beta_fast, else Llama 3's)."""
+    d = dict(d)
+    kind = d.pop("rope_type", None)
+    if kind is None:
+        kind = "longrope" if "short_factor" in d else "yarn" if "beta_fast" in d else "llama3"
+    if kind not in _SCALINGS:
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not one of {', '.join(_SCALINGS)}")
+    return _SCALINGS[kind](**d)
+
+
+def _scaling_to_dict(s) -> dict | None:
+    if s is None:
+        return None
+    kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
+    return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
 MLP_ACTS = ("silu", "gelu_tanh")
 
 
@@ -37,7 +59,8 @@ class Config:
     mlp: int = 14336
     head_dim: int | None = None
     rope_theta: float = 500000.0
-    rope_scaling: Llama3Scaling | LongRopeScaling | None = field(default_factory=Llama3Scaling)
+    rope_scaling: Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling | None = field(
+        default_factory=Llama3Scaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -78,9 +101,8 @@ class Config:
     local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):          # from YAML / JSON: LongRoPE has factor lists
-            kind = LongRopeScaling if "short_factor" in self.rope_scaling else Llama3Scaling
-            object.__setattr__(self, "rope_scaling", kind(**self.rope_scaling))
+        if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
+            object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -153,7 +175,7 @@ class Config:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
         return d
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from functional_pp.models.llama import Config
-from functional_pp.ops.rotary import Llama3Scaling, LongRopeScaling
+from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
@@ -375,8 +375,7 @@ def config_from_hf_dict(hf: dict) -> Config:
         qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
 
 
-def _rope(rope: dict, hf: dict, where: str, theta_default: float
-          ) -> tuple[float, Llama3Scaling | LongRopeScaling | None]:
+def _rope(rope: dict, hf: dict, where: str, theta_default: float):
     """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
     theta = float(rope.get("rope_theta", theta_default))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -399,8 +398,23 @@ def _rope(rope: dict, hf: dict, where: str, theta_default: float
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return theta, LongRopeScaling(tuple(rope["short_factor"]), tuple(rope["long_factor"]), original,
                                       float(attention))
-    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default', 'llama3' "
-                              f"and 'longrope')")
+    if rope_type == "linear":
+        return theta, LinearScaling(float(rope["factor"]))
+    if rope_type == "yarn":                        # transformers' _compute_yarn_parameters
+        original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or hf.get("max_position_embeddings"))
+        factor = float(rope.get("factor") or float(hf["max_position_embeddings"]) / original)
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        attention = rope.get("attention_factor")
+        if attention is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+        return theta, YarnScaling(factor, original, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                                  float(attention), bool(rope.get("truncate", True)))
+    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default', 'llama3', "
+                              f"'longrope', 'linear' and 'yarn')")
 
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -470,6 +484,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         rope = {"rope_type": "longrope", "rope_theta": float(cfg.rope_theta), "short_factor": list(s.short_factor),
                 "long_factor": list(s.long_factor), "original_max_position_embeddings": s.original_max_position,
                 "attention_factor": s.attention_factor}
+    elif isinstance(s, LinearScaling):
+        rope = {"rope_type": "linear", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor)}
+    elif isinstance(s, YarnScaling):
+        rope = {"rope_type": "yarn", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
+                "original_max_position_embeddings": s.original_max_position, "beta_fast": s.beta_fast,
+                "beta_slow": s.beta_slow, "attention_factor": s.attention_factor, "truncate": s.truncate}
     elif s is not None:
         rope = {"rope_type": "llama3", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
                 "low_freq_factor": float(s.low_freq_factor),

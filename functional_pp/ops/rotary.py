@@ -1,6 +1,6 @@
 """Rotary position embedding (rotate-half convention of Hugging Face Llama), with Llama 3
-frequency scaling or LongRoPE (Phi-3's long-context scaling), applied at global positions
-whatever the sequence layout."""
+frequency scaling, LongRoPE (Phi-3), linear interpolation (Gemma 3) or YaRN (Qwen), applied at
+global positions whatever the sequence layout."""
 from __future__ import annotations
 
 import math
@@ -44,7 +44,41 @@ class LongRopeScaling:
                              f"{len(self.long_factor)}")
 
 
-RopeScaling = Llama3Scaling | LongRopeScaling
+@dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation: every frequency divided by ``factor`` (Gemma 3's global layers)."""
+    factor: float
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Qwen2.5 / Qwen3 long context): frequencies interpolated by ``factor`` below the
+    correction range of ``beta_fast`` / ``beta_slow`` rotations over ``original_max_position``
+    positions, kept above it, ramped between; tables times ``attention_factor`` (transformers'
+    ``_compute_yarn_parameters``)."""
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+RopeScaling = Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                   # (as transformers: no singularity)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                     # the share of the unscaled frequency
+    return inv / s.factor * (1 - keep) + inv * keep
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
@@ -54,6 +88,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv
+    if isinstance(scaling, LinearScaling):
+        return inv / scaling.factor
+    if isinstance(scaling, YarnScaling):
+        return _yarn(inv, head_dim, theta, scaling)
     if isinstance(scaling, LongRopeScaling):
         if len(scaling.short_factor) != head_dim // 2:
             raise ValueError(f"LongRoPE: {len(scaling.short_factor)} factors for a head_dim of {head_dim} "
@@ -124,8 +162,9 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
     inv = inverse_frequencies(d, theta, scaling, seq_len).to(device)
     ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
-    if isinstance(scaling, LongRopeScaling) and scaling.attention_factor != 1.0:
-        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([-sin, sin], -1).to(torch.float32)
     shape = [1] * ndim
     shape[si], shape[di] = cos.shape[0], d

@@ -213,18 +213,19 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3' is not supported; supported "
                                                          r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
         hf.config_from_hf(dict(BASE, model_type="gemma3"))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'yarn' is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "yarn", "factor": 2.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' of the sliding layers is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_parameters={
+            "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 8.0}}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'dynamic' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "dynamic", "factor": 2.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
         hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gemma2 config: hidden_activation='gelu' is not"):
         hf.config_from_hf(dict(BASE, model_type="gemma2", hidden_activation="gelu"))
     with pytest.raises(ValueError, match=r"final_softcap with loss_chunk_bytes"):
         llama.Config.tiny(final_softcap=30.0, loss_chunk_bytes=1 << 20)
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'yarn' is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'longrope2' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "longrope2", "factor": 4.0}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"layer_types \['chunked_attention'\]"):
         hf.config_from_hf(dict(BASE, model_type="qwen3", layer_types=["chunked_attention"] * 2))
     with pytest.raises(ck.CheckpointMismatchError, match=r"attention_dropout=0.1"):
@@ -344,3 +345,40 @@ def test_family_presets_are_the_published_models(preset):
         model = transformers.AutoModelForCausalLM.from_config(hf_conf)
     assert type(model).__name__ == conf["architectures"][0]
     assert sum(p.numel() for p in model.parameters()) == tree.count_params(llama.init(cfg))
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 16.0}),
+    ("gemma3_text", {"rope_type": "linear", "factor": 8.0}),
+])
+def test_yarn_and_linear_rope_scaling(tmp_path, family, rope):
+    """YaRN (Qwen long context) and linear interpolation (Gemma 3 4B+'s global layers): logits
+    equal transformers', the export reads back the same scaling."""
+    conf, cls, kw = FAMILIES[family]
+    kw = dict(kw)
+    if family == "gemma3_text":
+        kw["rope_parameters"] = {**kw["rope_parameters"], "full_attention": {**kw["rope_parameters"]["full_attention"],
+                                                                              **rope}}
+    else:
+        kw["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "in")
+    cfg, params = hf.load_hf_llama(tmp_path / "in")
+    assert type(cfg.rope_scaling).__name__ == ("LinearScaling" if rope["rope_type"] == "linear" else "YarnScaling")
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    import dataclasses
+    assert not torch.allclose(our_logits(params, dataclasses.replace(cfg, rope_scaling=None), toks), want, atol=1e-3)
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    assert hf.load_hf_llama(out)[0] == cfg
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, want, atol=1e-5, rtol=1e-5)
