@@ -464,7 +464,7 @@ def check_exportable(cfg: Config) -> None:
                             "gemma3_text": dict(qkv_bias=cfg.o_bias, qk_norm=True, **_GEMMA2)}[mt]
     if mt in _GEMMA:
         if cfg.query_pre_attn_scalar is None:
-            raise UnsupportedHFConfig(f"{where}: query_pre_attn_scalar=None has no Gemma2ForCausalLM "
+            raise UnsupportedHFConfig(f"{where}: query_pre_attn_scalar=None has no {ARCHITECTURES[mt]} "
                                       f"equivalent (set it, e.g. to head_dim)")
     else:
         need.update(_NOT_GEMMA)
