@@ -1,7 +1,10 @@
-"""Hugging Face safetensors directories <-> functional Llama parameters: reading a model
+"""Hugging Face safetensors directories <-> functional decoder parameters: reading a model
 directory (single file or sharded with an index; pickles refused) and writing one (shards +
-index + ``config.json``). The Llama name / layout mapping it applies lives beside the model,
-in :mod:`functional_pp.models.llama_hf` (re-exported here under its old names).
+index + ``config.json``), for every ``model_type`` of
+:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3; the
+``load_hf_llama`` / ``save_hf_llama`` names are kept for all of them). The name / layout
+mapping it applies lives beside the model, in :mod:`functional_pp.models.llama_hf`
+(re-exported here under its old names).
 
 Import reads, on every device inside :func:`functional_pp.launch`, only the rows/columns of
 each HF tensor that its shard needs (``safe_open(...).get_slice``). Pickle files are refused.
@@ -36,15 +39,15 @@ __all__ = [
     "permute_for_rotate_half", "unpermute_from_rotate_half",
 ]
 
-from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, config_from_hf_dict,
-                                           config_to_hf, hf_kind, hf_name, our_path, permute_for_rotate_half,
-                                           unpermute_from_rotate_half)
+from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, check_exportable,
+                                           config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
+                                           permute_for_rotate_half, unpermute_from_rotate_half)
 
 
 def _kind_of(path: str) -> str:
     kind = hf_kind(path)
     if kind is None:
-        raise CheckpointMismatchError(f"{path}: no entry of the HF Llama table maps this parameter")
+        raise CheckpointMismatchError(f"{path}: no entry of the HF decoder table maps this parameter")
     return kind
 
 
@@ -175,28 +178,30 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
     root, weight_map, files = _hf_files(Path(path))
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
-        for p, d in leaves_with_paths(decls):
-            name = hf_name(p)
-            if name is None:
-                raise CheckpointMismatchError(f"{p}: no entry of the HF Llama table maps this parameter")
-            kind = KINDS[_kind_of(p)]
-            want = kind.hf_shape(tuple(d.shape))
+        for name, parts in _file_tensors(decls, cfg):
+            want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts])
+            for_ = " + ".join(p for p, _, _ in parts)
             if name not in reader.entries:
-                missing.append(f"{name} (for {p})")
+                missing.append(f"{name} (for {for_})")
                 continue
             used.add(name)
             have = reader.entries[name][1]
             if have != want:
-                problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for {p} "
-                                f"{tuple(d.shape)} [{' '.join(d.dims)}] from the config)")
-            plan[p] = (name, kind, d)
+                problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
+                    f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
+            offset = 0
+            for p, kind, d in parts:      # a part of a fused tensor: its rows from ``offset``
+                rows = kind.hf_shape(tuple(d.shape))[0]
+                plan[p] = (name, kind, d, (offset, rows) if len(parts) > 1 else None)
+                offset += rows
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
             ignorable.append(re.compile(r"^lm_head\.weight$"))
         unexpected = sorted(n for n in reader.entries
                             if n not in used and not any(r.match(n) for r in ignorable))
         if missing or problems or (strict and unexpected):
-            msg = f"Hugging Face checkpoint {root} does not match the Llama config:"
+            msg = (f"Hugging Face checkpoint {root} does not match the "
+                   f"{getattr(cfg, 'model_type', 'llama')} config:")
             if missing:
                 msg += f"\n  missing tensors ({len(missing)}): " + ", ".join(missing[:12])
             if strict and unexpected:
@@ -205,14 +210,15 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
             raise CheckpointMismatchError(msg + "".join(f"\n  {x}" for x in problems))
 
         def read(p: str, d: Any) -> torch.Tensor:
-            name, kind, _ = plan[p]
+            name, kind, _, rows = plan[p]
             shape = tuple(d.shape)
             if mesh is not None and rules is not None:
                 region = block_slices(shape, rules.resolve(d.dims, shape, mesh, name=p), mesh, rank)
             else:
                 region = tuple(slice(0, n) for n in shape)
             try:
-                t = kind.read(reader.slice(name), region, shape)
+                sl = reader.slice(name)
+                t = kind.read(sl if rows is None else _Rows(sl, *rows), region, shape)
             except Exception as exc:
                 raise CheckpointCorruptError(f"{root}: cannot read tensor {name!r}: {exc}") from exc
             t = t.contiguous()
@@ -220,6 +226,43 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
                 t = t.to(dtype)
             return t.to(device) if device is not None else t
         return map_with_path(read, decls)
+
+
+def _file_tensors(decls: Any, cfg) -> list[tuple[str, list[tuple[str, Any, Any]]]]:
+    """The tensors of the HF files of ``cfg.model_type``, in declaration order: each file name
+    with the ``(path, kind, decl)`` of the parameters it holds (several: a fused tensor, its
+    parts in order along the rows)."""
+    mt = getattr(cfg, "model_type", "llama")
+    out: dict[str, list] = {}
+    for p, d in leaves_with_paths(decls):
+        found = file_name(p, mt)
+        if found is None:
+            raise CheckpointMismatchError(f"{p}: no entry of the HF decoder table maps this parameter")
+        name, part = found
+        out.setdefault(name, []).append((part, p, KINDS[_kind_of(p)], d))
+    return [(name, [(p, kind, d) for _, p, kind, d in sorted(parts, key=lambda x: x[0])])
+            for name, parts in out.items()]
+
+
+def _fused_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The HF shape of parts stacked along the rows (one part: its own shape)."""
+    if len(shapes) == 1:
+        return shapes[0]
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+class _Rows:
+    """A slice handle of the rows ``[offset, offset + n)`` of a fused HF tensor."""
+
+    def __init__(self, sl, offset: int, n: int):
+        self.sl, self.offset, self.n = sl, offset, n
+
+    def __getitem__(self, idx):
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        start, stop, step = first.indices(self.n)
+        if step != 1:
+            raise ValueError("fused tensor parts are read in contiguous row ranges")
+        return self.sl[(slice(self.offset + start, self.offset + stop), *rest)]
 
 
 def load_hf_llama(path: str | os.PathLike, *, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
@@ -267,24 +310,34 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
     """HF-named lazy tensor items for every parameter of ``llama.init(cfg)``, in table order."""
     from functional_pp.models import llama
 
+    try:
+        check_exportable(cfg)                 # before any tensor is written
+    except UnsupportedHFConfig as exc:
+        raise CheckpointMismatchError(str(exc)) from exc
     items, dtypes = [], set()
-    for p, d in leaves_with_paths(llama.init(cfg)):
-        shape, have, produce = get(p)
-        if tuple(shape) != tuple(d.shape):
-            raise CheckpointMismatchError(f"{p}: shape {tuple(shape)} but the config declares "
-                                          f"{tuple(d.shape)} [{' '.join(d.dims)}]")
-        kind = KINDS[_kind_of(p)]
-        dt = dtype or have
-        dtypes.add(dt)
-        items.append((hf_name(p), dt, kind.hf_shape(tuple(shape)),
-                      lambda produce=produce, kind=kind, dt=dt: kind.to_hf(produce()).to(dt)))
+    for name, parts in _file_tensors(llama.init(cfg), cfg):
+        produced = []
+        for p, kind, d in parts:
+            shape, have, produce = get(p)
+            if tuple(shape) != tuple(d.shape):
+                raise CheckpointMismatchError(f"{p}: shape {tuple(shape)} but the config declares "
+                                              f"{tuple(d.shape)} [{' '.join(d.dims)}]")
+            produced.append((kind, produce, kind.hf_shape(tuple(shape))))
+            dt = dtype or have
+            dtypes.add(dt)
+
+        def make(produced=produced, dt=dt):      # one tensor, or the parts fused along the rows
+            ts = [kind.to_hf(produce()).to(dt) for kind, produce, _ in produced]
+            return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
+        items.append((name, dt, _fused_shape([s for *_, s in produced]), make))
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
                   dtype: torch.dtype | None = None) -> Path:
     """Write a FULL parameter tree (single device, or ``sharding.gather``-ed) as an HF directory
-    loadable by ``transformers.LlamaForCausalLM.from_pretrained``; sharded with an index when
+    loadable by ``from_pretrained`` of the class of ``cfg.model_type`` (``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
     flat = dict(leaves_with_paths(params))
 

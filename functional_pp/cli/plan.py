@@ -17,8 +17,8 @@ LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from functional_pp.config import model_family
-    family, model_cfg = model_family(cfg), cfg.model.build()
+    from functional_pp.config import model_config, model_family
+    family, model_cfg = model_family(cfg), model_config(cfg)     # base_model's config.json, or the preset
     dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
     return functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg, dtype)
 

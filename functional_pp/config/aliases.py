@@ -162,11 +162,17 @@ _PARALLELISM = {"dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_s
 _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     # remat recomputes each layer either way; reentrancy does not change the numbers
     "gradient_checkpointing_kwargs": ({"use_reentrant": False}, {"use_reentrant": True}),
-    "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM"),
+    # the architecture comes from base_model's config.json (its model_type), whichever is named
+    "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                   "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                   "Gemma3ForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
-                       "PreTrainedTokenizerFast"),
+                       "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer",
+                       "GemmaTokenizerFast"),
     "pad_to_sequence_len": (True, False),          # packed windows always fill sequence_len
-    "is_llama_derived_model": (True,),
+    "is_llama_derived_model": (True, False),
+    "is_mistral_derived_model": (True, False),
+    "is_qwen_derived_model": (True, False),
 }
 
 
@@ -261,7 +267,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
                 issues.add(f"{key}: {value!r} is not supported here (accepted: {ok}; only "
-                           f"Llama-architecture models are trained): remove it")
+                           f"the decoder families of docs/models.md are trained): remove it")
         elif key in ACCELERATE_LAUNCHER:
             launcher.append(key)
         elif key == "parallelism_config":

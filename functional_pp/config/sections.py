@@ -13,7 +13,7 @@ __all__ = ["ModelConfig", "DatasetConfig", "DataConfig", "LoggingConfig", "Check
            "DEFAULT_FAMILY"]
 
 DEFAULT_FAMILY = "llama"
-PRESETS = tuple(get_family(DEFAULT_FAMILY).presets)     # llama's: tiny, 1b, 8b, 70b
+PRESETS = tuple(get_family(DEFAULT_FAMILY).presets)     # llama's: tiny, 1b, 8b, 70b, then the other families
 
 
 # ----------------------------------------------------------------------------- sections
@@ -23,7 +23,8 @@ class ModelConfig:
     ``preset`` and overrides of the family's config fields (training from scratch;
     ``base_model`` starts from a Hugging Face directory instead)."""
 
-    preset: str = fld("tiny", "model preset (llama: tiny | 1b | 8b | 70b); other keys of this "
+    preset: str = fld("tiny", "model preset (llama: tiny | 1b | 8b | 70b | mistral-7b | qwen2.5-0.5b | "
+                              "qwen2.5-7b | qwen3-0.6b | qwen3-8b | phi3-mini | gemma2-2b | gemma3-1b); other keys of this "
                               "section override fields of the family's config "
                               "(llama: functional_pp.models.llama.Config)")
     overrides: dict = fld(help="", factory=dict)

@@ -1,6 +1,8 @@
 """Model definitions as pure functions over named parameter pytrees, and the registry of model
-families the training loop looks them up in (:mod:`functional_pp.models.family`); Llama is
-registered here as ``"llama"``."""
+families the training loop looks them up in (:mod:`functional_pp.models.family`); the decoder
+of :mod:`functional_pp.models.llama` is registered here as ``"llama"``: Llama and the Hugging
+Face families that are its configurations (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3;
+``Config.model_type``, docs/models.md)."""
 from functional_pp.models import llama, llama_hf
 from functional_pp.models.family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
 
@@ -11,5 +13,5 @@ LLAMA = register(ModelFamily(
     name="llama", config_class=llama.Config, presets=llama.Config.presets(), param_decls=llama.init,
     loss=llama.loss, flops_per_token=llama.flops_per_token, default_rules=llama.default_rules,
     activations=llama.activations,
-    summary_fields=("layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
+    summary_fields=("model_type", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
     hf_config_from_dict=llama_hf.config_from_hf_dict))

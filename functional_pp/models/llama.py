@@ -1,4 +1,10 @@
-"""Llama 3 as pure functions over a parameter pytree whose every dimension is named.
+"""The Llama-style decoder as pure functions over a parameter pytree whose every dimension is
+named: Llama 3 and, as configuration of the same code, the families that differ from it in a
+few switches (docs/models.md, "Decoder families"): Mistral (sliding-window attention), Qwen2
+(q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), Phi-3 (only its files
+differ: fused projections), Gemma 2 (tanh-GELU GLU, 1 + w sandwich norms, scaled embedding,
+soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local layers), tied
+embeddings. ``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
@@ -13,8 +19,33 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.ops.layer import layer as remat_layer
-from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+_SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling}
+
+
+def _scaling_from_dict(d: dict):
+    """A rope scaling from a dict (``Config.to_dict``, YAML): its ``rope_type`` (default: by its
+    fields, LongRoPE's factor lists, YaRN's beta_fast, else Llama 3's)."""
+    d = dict(d)
+    kind = d.pop("rope_type", None)
+    if kind is None:
+        kind = "longrope" if "short_factor" in d else "yarn" if "beta_fast" in d else "llama3"
+    if kind not in _SCALINGS:
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not one of {', '.join(_SCALINGS)}")
+    return _SCALINGS[kind](**d)
+
+
+def _scaling_to_dict(s) -> dict | None:
+    if s is None:
+        return None
+    kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
+    return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -27,7 +58,8 @@ class Config:
     mlp: int = 14336
     head_dim: int | None = None
     rope_theta: float = 500000.0
-    rope_scaling: Llama3Scaling | None = field(default_factory=Llama3Scaling)
+    rope_scaling: Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling | None = field(
+        default_factory=Llama3Scaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -35,10 +67,67 @@ class Config:
     # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
     # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, "Measurements")
     loss_chunk_bytes: int | None = None
+    # the Hugging Face architecture this decoder is: llama | mistral | qwen2 | qwen3 | phi3 |
+    # gemma2 | gemma3_text (what export writes; models/llama_hf.py checks that the switches
+    # below are that family's)
+    model_type: str = "llama"
+    # biases of the q, k and v projections (Qwen2; Llama's attention_bias sets both)
+    qkv_bias: bool = False
+    # a bias of the output projection (Llama's attention_bias)
+    o_bias: bool = False
+    # RMSNorm over head_dim of each head of q and of k before the rotary (Qwen3)
+    qk_norm: bool = False
+    # sliding-window attention: a position sees the last ``sliding_window`` positions (itself
+    # included) in the layers that ``layer_types`` marks "sliding_attention"; layer_types None:
+    # every layer (Mistral). Qwen2/3's max_window_layers become layer_types on import.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 2's switches: the MLP's gate activation (silu: SwiGLU; gelu_tanh: tanh-GELU GLU)
+    mlp_act: str = "silu"
+    # RMSNorm scales by (norm_offset + weight): Gemma stores w with 1 + w applied (weights start at 0)
+    norm_offset: float = 0.0
+    # the embedding times sqrt(hidden) (Gemma)
+    scale_embeddings: bool = False
+    # norms after attention and after the MLP too (Gemma 2: post_attention_layernorm is the
+    # attention's output norm, pre/post_feedforward_layernorm surround the MLP)
+    sandwich_norms: bool = False
+    # attention scale 1/sqrt(query_pre_attn_scalar) instead of 1/sqrt(head_dim) (Gemma 2)
+    query_pre_attn_scalar: float | None = None
+    # softcap * tanh(x / softcap) of the attention scores and of the final logits (Gemma 2)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):          # from YAML / JSON
-            object.__setattr__(self, "rope_scaling", Llama3Scaling(**self.rope_scaling))
+        if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
+            object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types: unknown layer type(s) {bad}; known: {', '.join(LAYER_TYPES)}")
+            if len(self.layer_types) != self.layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types marks sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
+        if self.final_softcap and self.loss_chunk_bytes:
+            raise ValueError("final_softcap with loss_chunk_bytes: the chunked head loss has no logit "
+                             "soft-capping; set loss_chunk_bytes to null")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def dim_head(self) -> int:
@@ -69,8 +158,12 @@ class Config:
 
     @classmethod
     def presets(cls) -> dict:
-        """Preset name -> constructor taking field overrides."""
-        return {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        """Preset name -> constructor taking field overrides: Llama 3's, then one or two sizes of
+        each other family (their published config.json, as ``base_model`` would read it)."""
+        table = {"tiny": cls.tiny, "1b": cls.llama3_1b, "8b": cls.llama3_8b, "70b": cls.llama3_70b}
+        for name, fields in FAMILY_PRESETS.items():
+            table[name] = functools.partial(_family_preset, cls, fields)
+        return table
 
     @classmethod
     def preset(cls, name: str, **kw) -> "Config":
@@ -81,12 +174,53 @@ class Config:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
+        d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**d)                              # __post_init__ reads rope_scaling
+
+
+def _gemma(layers: int, every: int) -> dict:
+    """Gemma's switches; every ``every``-th layer global, the others sliding."""
+    return dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+                tie_embeddings=True, rope_scaling=None, norm_eps=1e-6,
+                layer_types=tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)))
+
+
+FAMILY_PRESETS: dict[str, dict] = {
+    "mistral-7b": dict(model_type="mistral", vocab=32768, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
+                       rope_theta=1e6, rope_scaling=None, max_seq=32768),                       # v0.3
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864,
+                         qkv_bias=True, tie_embeddings=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6,
+                         max_seq=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, mlp=18944,
+                       qkv_bias=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6, max_seq=131072),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
+                       mlp=3072, qk_norm=True, tie_embeddings=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6,
+                       max_seq=40960),
+    "qwen3-8b": dict(model_type="qwen3", vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
+                     mlp=12288, qk_norm=True, rope_theta=1e6, rope_scaling=None, norm_eps=1e-6, max_seq=40960),
+    "phi3-mini": dict(model_type="phi3", vocab=32064, hidden=3072, layers=32, heads=32, kv_heads=32, mlp=8192,
+                      rope_theta=10000.0, rope_scaling=None, sliding_window=2047, max_seq=4096),  # 4k-instruct
+    "gemma2-2b": dict(model_type="gemma2", vocab=256000, hidden=2304, layers=26, heads=8, kv_heads=4, head_dim=256,
+                      mlp=9216, query_pre_attn_scalar=256.0, attn_softcap=50.0, final_softcap=30.0,
+                      sliding_window=4096, rope_theta=10000.0, max_seq=8192, **_gemma(26, 2)),
+    "gemma3-1b": dict(model_type="gemma3_text", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1,
+                      head_dim=256, mlp=6912, qk_norm=True, query_pre_attn_scalar=256.0, sliding_window=512,
+                      rope_theta=1e6, local_rope_theta=10000.0, max_seq=32768, **_gemma(26, 6)),
+}
+"""The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
+
+
+def _family_preset(cls, fields: dict, **kw) -> Config:
+    out = {**fields, **kw}
+    if "layers" in kw and "layer_types" not in kw and fields.get("layer_types"):    # fewer layers, same pattern
+        every = next(i + 1 for i, t in enumerate(fields["layer_types"]) if t == "full_attention")
+        out["layer_types"] = _gemma(kw["layers"], every)["layer_types"]
+    return cls(**out)
 
 
 def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
@@ -97,24 +231,40 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     def w(shape, dims, s=std):
         return param(shape, dims, init="normal", scale=s, dtype=dtype)
 
-    def norm():
-        return param((cfg.hidden,), "hidden", init="ones", dtype=dtype)
+    ones = "zeros" if cfg.norm_offset == 1.0 else "ones"      # the scale (offset + w) starts at 1
 
-    layers = [{
-        "input_layernorm": norm(),
-        "self_attn": {
+    def norm():
+        return param((cfg.hidden,), "hidden", init=ones, dtype=dtype)
+
+    def attn():
+        a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
             "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
             "v_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
             "o_proj": w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
-        },
-        "post_attention_layernorm": norm(),
-        "mlp": {
-            "gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-            "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-            "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std),
-        },
-    } for _ in range(cfg.layers)]
+        }
+        if cfg.qkv_bias:
+            a["q_bias"] = param((cfg.heads, D), "heads head_dim", init="zeros", dtype=dtype)
+            a["k_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
+            a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
+        if cfg.o_bias:
+            a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
+        if cfg.qk_norm:
+            a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
+            a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
+        return a
+
+    def layer():
+        p = {"input_layernorm": norm(), "self_attn": attn(), "post_attention_layernorm": norm(),
+             "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+                     "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
+                     "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+        if cfg.sandwich_norms:
+            p["pre_feedforward_layernorm"] = norm()
+            p["post_feedforward_layernorm"] = norm()
+        return p
+
+    layers = [layer() for _ in range(cfg.layers)]
     tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
@@ -127,35 +277,70 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
-    h = ops.rms_norm(x, p["input_layernorm"], eps=cfg.norm_eps)
+def norm(x: Named, weight: Named, cfg: Config) -> Named:
+    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``. With an
+    offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
+    ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    if not cfg.norm_offset:
+        return ops.rms_norm(x, weight, eps=cfg.norm_eps)
+    dtype = x.data.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ops.rms_norm(x, weight + cfg.norm_offset, eps=cfg.norm_eps)
+    wide = ops.rms_norm(x.astype(torch.float32), dim=weight.dims[0], eps=cfg.norm_eps)
+    return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
+
+
+def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+                    window: int | None = None) -> Named:
+    h = norm(x, p["input_layernorm"], cfg)
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
     a = p["self_attn"]
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
-    q = rotate(q, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    k = rotate(k, pos, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
-    o = attend(q, k, v, causal=True, segments=segments)
+    if cfg.qkv_bias:
+        q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
+    if cfg.qk_norm:                                       # per head, over head_dim (the weight's dim)
+        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
+    if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
+        theta, scaling = cfg.local_rope_theta, None
+    else:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    q = rotate(q, pos, theta=theta, scaling=scaling)
+    k = rotate(k, pos, theta=theta, scaling=scaling)
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
-    return ops.rename(out, seq="res_seq")                 # sequence parallelism: reduce-scatter
+    out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
+    if cfg.o_bias:                                        # (after the TP partial sums are combined)
+        out = out + a["o_bias"]
+    return norm(out, p["post_attention_layernorm"], cfg) if cfg.sandwich_norms else out
+
+
+_GATES = {"silu": ops.swiglu,
+          "gelu_tanh": lambda gate, up: ops.gelu(gate, approximate="tanh") * up}
 
 
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
-    h = ops.rms_norm(x, p["post_attention_layernorm"], eps=cfg.norm_eps)
+    # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
+    # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
+    h = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
     h = ops.rename(h, res_seq="seq")
     m = p["mlp"]
     gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
-    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), m["down_proj"])
-    return ops.rename(out, seq="res_seq")
+    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", _GATES[cfg.mlp_act](gate, up), m["down_proj"])
+    out = ops.rename(out, seq="res_seq")
+    return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
 
 
 @remat_layer
-def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None) -> Named:
-    """One decoder layer; recomputed in backward under ``train_step(remat=True)``. The residual
-    stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
-    x = ops.realized(x + attention_block(p, x, pos, cfg, segments))
+def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+          window: int | None = None) -> Named:
+    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``);
+    recomputed in backward under ``train_step(remat=True)``. The residual stream is computed
+    once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
+    x = ops.realized(x + attention_block(p, x, pos, cfg, segments, window))
     return ops.realized(x + mlp_block(p, x, cfg))
 
 
@@ -165,12 +350,15 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"))
-    x = ops.realized(ops.embed(embedding(params, cfg) if emb is None else emb, tokens))
-    x = ops.rename(x, seq="res_seq")
-    extra = () if segments is None else (segments,)
-    for p in params["layers"]:
+    x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
+    if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
+        x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
+    x = ops.rename(ops.realized(x), seq="res_seq")
+    for i, p in enumerate(params["layers"]):
+        window = cfg.window(i)
+        extra = (segments, window) if window is not None else () if segments is None else (segments,)
         x = layer_fn(p, x, pos, cfg, *extra)
-    x = ops.rms_norm(x, params["norm"], eps=cfg.norm_eps)
+    x = norm(x, params["norm"], cfg)
     return ops.rename(x, res_seq="seq")
 
 
@@ -189,7 +377,13 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
     x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
-    return ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
+    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg)
+
+
+def _capped(logits: Named, cfg: Config) -> Named:
+    """Gemma 2's final logit soft-capping, ``c * tanh(logits / c)``."""
+    c = cfg.final_softcap
+    return logits if not c else ops.tanh(logits * (1.0 / c)) * c
 
 
 def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
@@ -199,7 +393,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
-        return ops.cross_entropy(logits, batch["labels"])
+        return ops.cross_entropy(_capped(logits, cfg), batch["labels"])
     return ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
 
 

@@ -21,6 +21,20 @@ we store input-dimension first with heads and head_dim as separate dimensions:
     model.norm.weight                       [H]           norm                   [H]        copy
     lm_head.weight (absent when tied)       [V, H]        lm_head                [H, V]     linear
 
+and, where the config has them (``qkv_bias``, ``o_bias``, ``qk_norm``):
+
+    model.layers.{i}.self_attn.q_proj.bias  [N*D]         layers.{i}.self_attn.q_bias [N, D]  bias_heads
+    model.layers.{i}.self_attn.k_proj.bias  [K*D]         layers.{i}.self_attn.k_bias [K, D]  bias_heads
+    model.layers.{i}.self_attn.v_proj.bias  [K*D]         layers.{i}.self_attn.v_bias [K, D]  bias_heads
+    model.layers.{i}.self_attn.o_proj.bias  [H]           layers.{i}.self_attn.o_bias [H]     copy
+    model.layers.{i}.self_attn.q_norm.weight [D]          layers.{i}.self_attn.q_norm [D]     copy
+    model.layers.{i}.self_attn.k_norm.weight [D]          layers.{i}.self_attn.k_norm [D]     copy
+
+The same names serve every family of :data:`MODEL_TYPES` (Mistral, Qwen2 and Qwen3 name their
+tensors as Llama does; Phi-3 fuses q/k/v into ``self_attn.qkv_proj`` and gate/up into
+``mlp.gate_up_proj``, split on import and fused on export along HF's rows, :data:`FUSED` /
+:func:`file_name`); ``config.json`` is read and written per family.
+
 Rotary convention: HF Llama q/k weights are already in the rotate-half order (HF's conversion
 script permuted Meta's interleaved weights), which is what ``ops.rotary`` uses, so they map
 without permutation. For Meta-format (interleaved) weights use :func:`permute_for_rotate_half`
@@ -28,22 +42,24 @@ without permutation. For Meta-format (interleaved) weights use :func:`permute_fo
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
 from functional_pp.models.llama import Config
-from functional_pp.ops.rotary import Llama3Scaling
+from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name",
 ]
 
 
 class UnsupportedHFConfig(ValueError):
-    """An HF Llama setting the functional Llama does not implement."""
+    """An HF setting (a model_type, a config option) the functional decoder does not implement."""
 
 
 # --------------------------------------------------------------------------- the table
@@ -54,8 +70,16 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj", "heads_out"),
     ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj", "heads_out"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj", "heads_in"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.q_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.k_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.self_attn.v_bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.self_attn.o_bias", "copy"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.q_norm", "copy"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm", "copy"),
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm",
      "copy"),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.{i}.pre_feedforward_layernorm", "copy"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.post_feedforward_layernorm", "copy"),
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
@@ -96,6 +120,32 @@ def our_path(name: str) -> str | None:
     """HF tensor name -> our tree path (``None``: unmapped)."""
     r = _lookup(name, _FROM_HF)
     return r[0] if r else None
+
+
+# Phi-3 stores q, k and v as one tensor and gate and up as one: HF name of the fused tensor and
+# the Llama names of its parts, in order along HF's output dimension (rows)
+FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "phi3": (("model.layers.{i}.self_attn.qkv_proj.weight",
+              ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+               "model.layers.{i}.self_attn.v_proj.weight")),
+             ("model.layers.{i}.mlp.gate_up_proj.weight",
+              ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"))),
+}
+_FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
+
+
+def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
+    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
+    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+    name = hf_name(path)
+    if name is None:
+        return None
+    for fused, parts in _FUSED.get(model_type, ()):
+        for j, pat in enumerate(parts):
+            m = pat.match(name)
+            if m:
+                return fused.format(**m.groupdict()), j
+    return name, 0
 
 
 def hf_kind(path: str) -> str | None:
@@ -171,8 +221,21 @@ class _HeadsIn(_Kind):                 # ours [N, D, H] = HF [H, N*D].T reshaped
         return x.permute(1, 2, 0)
 
 
+class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1],)
+
+    def to_hf(self, t):
+        return t.reshape(-1)
+
+    def read(self, sl, region, shape):
+        rn, rd = region
+        D = shape[1]
+        return sl[rn.start * D:rn.stop * D].reshape(rn.stop - rn.start, D)[:, rd]
+
+
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
-                           "heads_in": _HeadsIn()}
+                           "heads_in": _HeadsIn(), "bias_heads": _BiasHeads()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -203,68 +266,279 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 
 
 # --------------------------------------------------------------------------- config
+ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                 "gemma3_text": "Gemma3ForCausalLM"}
+MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+"""The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
+
+# transformers' config class defaults of the keys read below, per family (a config.json may
+# leave out a key that equals its class default)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=4096 * 32, sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=28),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=None),
+    "gemma2": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, head_dim=256, sliding_window=4096,
+                   query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, head_dim=256, sliding_window=4096,
+                        query_pre_attn_scalar=256, attn_logit_softcapping=None, final_logit_softcapping=None,
+                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6),
+}
+# Gemma 2's switches (llama.Config fields) and their values in every other family
+_GEMMA2 = dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True)
+_NOT_GEMMA = dict(mlp_act="silu", norm_offset=0.0, scale_embeddings=False, sandwich_norms=False,
+                  query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None, local_rope_theta=None)
+_GEMMA = ("gemma2", "gemma3_text")
+
+
 def config_from_hf_dict(hf: dict) -> Config:
-    """``llama.Config`` from the contents of an HF ``config.json``; accepts both
-    ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x). A setting
-    the functional Llama cannot reproduce raises :class:`UnsupportedHFConfig`."""
+    """``llama.Config`` from the contents of an HF ``config.json`` of any family of
+    :data:`MODEL_TYPES` (dispatching on ``model_type``); accepts both ``rope_parameters``
+    (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x). A model type or a setting the
+    functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
-    if hf.get("model_type", "llama") != "llama":
-        raise UnsupportedHFConfig(f"{where}: model_type is {hf['model_type']!r}, not 'llama'")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    mt = hf.get("model_type", "llama")
+    if mt not in ARCHITECTURES:
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
+                                  f"{', '.join(MODEL_TYPES)}")
+    where = f"HF {mt} config"
+    defaults = _DEFAULTS[mt]
+
+    def get(key: str, default: Any = None) -> Any:
+        v = hf.get(key)
+        return v if v is not None else defaults.get(key, default)
+
+    gemma = mt in _GEMMA
+    if gemma:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or defaults["hidden_activation"]
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedHFConfig(f"{where}: hidden_activation={act!r} is not supported (the functional "
+                                      f"decoder's Gemma 2 needs 'gelu_pytorch_tanh')")
+        if hf.get("use_bidirectional_attention"):
+            raise UnsupportedHFConfig(f"{where}: use_bidirectional_attention=True is not supported "
+                                      f"(causal attention only)")
+    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
-                                          f"(the functional Llama needs {ok!r})")
+                                      f"(the functional decoder needs {ok!r})")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if float(hf.get(key) or 0.0) != 0.0:
+            raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
+                                      f"has no dropout there; set it to 0.0)")
+    local_theta = None
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if mt == "gemma3_text":     # a rope per layer type: global (full) and local (sliding) bases
+        if "full_attention" in rope or "sliding_attention" in rope:
+            rope, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        else:
+            local = {}
+        theta_default = float(hf.get("rope_theta") or 1_000_000.0)
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or 10_000.0))
+        if local.get("rope_type", local.get("type", "default")) not in ("default", None):
+            raise UnsupportedHFConfig(f"{where}: rope type {local.get('rope_type', local.get('type'))!r} of "
+                                      f"the sliding layers is not supported (only 'default')")
+    else:
+        theta_default = float(hf.get("rope_theta") or 10000.0)
+    theta, scaling = _rope(rope, hf, where, theta_default)
+    bias = bool(hf.get("attention_bias", False))
+    if mt in ("mistral", "phi3") and bias:
+        raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported ({mt} has no biases)")
+    qkv_bias, o_bias = (True, False) if mt == "qwen2" else (bias, bias)
+    layers = int(hf["num_hidden_layers"])
+    window, layer_types = _window(hf, mt, get, layers, where)
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = get("head_dim")
+    if head_dim is not None and int(head_dim) == hidden // heads:
+        head_dim = None
+    extra: dict[str, Any] = {}
+    if gemma:
+        caps = [get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
+        caps = [None if k in hf and hf[k] is None else c for k, c in
+                zip(("attn_logit_softcapping", "final_logit_softcapping"), caps)]
+        extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")), local_rope_theta=local_theta,
+                     attn_softcap=None if caps[0] is None else float(caps[0]),
+                     final_softcap=None if caps[1] is None else float(caps[1]))
+    return Config(
+        vocab=int(hf["vocab_size"]), hidden=hidden, layers=layers,
+        heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
+        mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
+
+
+def _rope(rope: dict, hf: dict, where: str, theta_default: float):
+    """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
+    theta = float(rope.get("rope_theta", theta_default))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported")
     if rope_type in ("default", None):
-        scaling = None
-    elif rope_type == "llama3":
-        scaling = Llama3Scaling(
+        return theta, None
+    if rope_type == "llama3":
+        return theta, Llama3Scaling(
             factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position=int(rope.get("original_max_position_embeddings",
                                                hf.get("max_position_embeddings", 8192))))
+    if rope_type in ("longrope", "su"):            # transformers' _compute_longrope_parameters
+        original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or hf.get("max_position_embeddings"))
+        factor = rope.get("factor") or float(hf.get("max_position_embeddings") or original) / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return theta, LongRopeScaling(tuple(rope["short_factor"]), tuple(rope["long_factor"]), original,
+                                      float(attention))
+    if rope_type == "linear":
+        return theta, LinearScaling(float(rope["factor"]))
+    if rope_type == "yarn":                        # transformers' _compute_yarn_parameters
+        original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or hf.get("max_position_embeddings"))
+        factor = float(rope.get("factor") or float(hf["max_position_embeddings"]) / original)
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        attention = rope.get("attention_factor")
+        if attention is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+        return theta, YarnScaling(factor, original, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                                  float(attention), bool(rope.get("truncate", True)))
+    raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported (only 'default', 'llama3', "
+                              f"'longrope', 'linear' and 'yarn')")
+
+
+def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
+    if mt == "llama":
+        return None, None
+    if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
+        w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
+        return (None if w is None else int(w)), None
+    # an explicit null sliding_window is no window (a missing key: the class default)
+    window = hf["sliding_window"] if "sliding_window" in hf else _DEFAULTS[mt].get("sliding_window")
+    if mt in _GEMMA:         # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6)
+        w = window
+        n = 2 if mt == "gemma2" else int(get("sliding_window_pattern"))
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
+                                          for i in range(layers)]
     else:
-        raise UnsupportedHFConfig(f"{where}: rope type {rope_type!r} is not supported "
-                                      f"(only 'default' and 'llama3')")
-    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) == hidden // heads:
-        head_dim = None
-    return Config(
-        vocab=int(hf["vocab_size"]), hidden=hidden, layers=int(hf["num_hidden_layers"]),
-        heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
-        mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-        max_seq=int(hf.get("max_position_embeddings", 2048)))
+        w = window if get("use_sliding_window") else None
+        types = hf.get("layer_types")
+    if types is None:
+        first = int(get("max_window_layers"))
+        types = ["sliding_attention" if w is not None and i >= first else "full_attention"
+                 for i in range(layers)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise UnsupportedHFConfig(f"{where}: layer_types {bad} are not supported (only full_attention "
+                                  f"and sliding_attention)")
+    if len(types) != layers:
+        raise UnsupportedHFConfig(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+    if w is None or "sliding_attention" not in types:
+        return None, None
+    return int(w), (None if all(t == "sliding_attention" for t in types) else tuple(types))
+
+
+def check_exportable(cfg: Config) -> None:
+    """Refuse (naming the option) a config that its ``model_type``'s HF class cannot hold."""
+    mt, where = cfg.model_type, f"export as {cfg.model_type!r}"
+    if mt not in ARCHITECTURES:
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
+                                  f"{', '.join(MODEL_TYPES)}")
+    need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
+                            "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
+                            "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
+                            "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True),
+                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
+                            "gemma2": dict(qkv_bias=cfg.o_bias, qk_norm=False, local_rope_theta=None, **_GEMMA2),
+                            "gemma3_text": dict(qkv_bias=cfg.o_bias, qk_norm=True, **_GEMMA2)}[mt]
+    if mt in _GEMMA:
+        if cfg.query_pre_attn_scalar is None:
+            raise UnsupportedHFConfig(f"{where}: query_pre_attn_scalar=None has no {ARCHITECTURES[mt]} "
+                                      f"equivalent (set it, e.g. to head_dim)")
+    else:
+        need.update(_NOT_GEMMA)
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
+                                      f"equivalent (it needs {want!r}); choose another model_type")
 
 
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
-    """HF ``config.json`` contents for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    """HF ``config.json`` contents for ``cfg``, as its ``model_type``'s class (readable by
+    transformers 4.x and 5.x); :func:`check_exportable` refuses a config that class cannot hold."""
+    check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
-    if s is not None:
+    if isinstance(s, LongRopeScaling):
+        rope = {"rope_type": "longrope", "rope_theta": float(cfg.rope_theta), "short_factor": list(s.short_factor),
+                "long_factor": list(s.long_factor), "original_max_position_embeddings": s.original_max_position,
+                "attention_factor": s.attention_factor}
+    elif isinstance(s, LinearScaling):
+        rope = {"rope_type": "linear", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor)}
+    elif isinstance(s, YarnScaling):
+        rope = {"rope_type": "yarn", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
+                "original_max_position_embeddings": s.original_max_position, "beta_fast": s.beta_fast,
+                "beta_slow": s.beta_slow, "attention_factor": s.attention_factor, "truncate": s.truncate}
+    elif s is not None:
         rope = {"rope_type": "llama3", "rope_theta": float(cfg.rope_theta), "factor": float(s.factor),
                 "low_freq_factor": float(s.low_freq_factor),
                 "high_freq_factor": float(s.high_freq_factor),
                 "original_max_position_embeddings": int(s.original_max_position)}
     dname = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    mt = cfg.model_type
+    out = {
+        "architectures": [ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp,
         "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "pretraining_tp": 1, "use_cache": True,
+        "attention_dropout": 0.0, "use_cache": True,
         "rope_parameters": rope,                                    # transformers 5
         "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
-        "rope_scaling": ({k: v for k, v in rope.items() if k != "rope_theta"} if s else None),
+        "rope_scaling": (None if s is None else
+                         {"type": "longrope", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]}
+                         if isinstance(s, LongRopeScaling) else {k: v for k, v in rope.items() if k != "rope_theta"}),
         "dtype": dname, "torch_dtype": dname,
     }
+    if mt in ("llama", "qwen3", *_GEMMA):
+        out["attention_bias"] = cfg.o_bias
+    if mt == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
+                   rope_local_base_freq=local["rope_theta"], use_bidirectional_attention=False)
+    if mt in _GEMMA:
+        types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+        del out["hidden_act"]
+        scalar = cfg.query_pre_attn_scalar        # an int in Gemma2Config (strictly checked)
+        out.update(hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                   sliding_window=cfg.sliding_window, layer_types=types)
+    if mt == "llama":
+        out.update(mlp_bias=False, pretraining_tp=1)
+    if mt in ("mistral", "phi3"):
+        out["sliding_window"] = cfg.sliding_window
+    if mt == "phi3":
+        # Phi3Config's pad_token_id defaults to 32000, which an embedding of fewer rows cannot hold
+        out.update(resid_pdrop=0.0, embd_pdrop=0.0,
+                   original_max_position_embeddings=(s.original_max_position if isinstance(s, LongRopeScaling)
+                                                     else cfg.max_seq),
+                   pad_token_id=32000 if cfg.vocab > 32000 else None)
+    if mt in ("qwen2", "qwen3"):
+        types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=(types.index("sliding_attention") if "sliding_attention" in types
+                                      else cfg.layers), layer_types=types)
+    return out

@@ -78,7 +78,8 @@ def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
-              segments: Named | None = None) -> Named:
+              segments: Named | None = None, window: int | None = None,
+              softcap: float | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -87,7 +88,21 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
 
     ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
     positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context
-    parallelism this uses the K/V all-gather path with the gathered segment ids."""
+    parallelism this uses the K/V all-gather path with the gathered segment ids.
+
+    ``window`` (sliding-window attention, Mistral's ``sliding_window``): a query at position i
+    sees keys at positions j with i - j < window (and |i - j| < window when not causal), as
+    transformers' sliding-window mask. It works on one device, with ``segments`` and under
+    context parallelism, where it uses the K/V all-gather path (ring attention has no window).
+
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled scores become
+    ``softcap * tanh(scores / softcap)`` before the mask and the softmax; computed as explicit
+    scores and probabilities (no fused kernel soft-caps), on every path above (under context
+    parallelism the all-gather one)."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention: window must be a positive integer (or None), got {window!r}")
     for x in (q, k, v):
         if not isinstance(x, Named):
             require_named("attention", q=q, k=k, v=v)
@@ -113,11 +128,16 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     kt = k._data.permute(orders[1])
     vt = v._data.permute(orders[2])
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
+    if window is not None and window >= q.size(seq) and causal:
+        window = None                 # every causal query sees at most seq keys: no window at all
     if segments is not None:
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced)
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, window, softcap)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced)
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, window, softcap)
+    elif window is not None or softcap is not None:
+        pos = torch.arange(qt.shape[2], device=qt.device)
+        out = _masked(qt, kt, vt, _visible(pos, pos, causal, window), scale, softcap)
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -158,7 +178,36 @@ def _attention_plan(q: Named, k: Named, v: Named, names: tuple[str, ...], mesh, 
     return (*casts, tk, tv, frozenset(union).union(*q.split), orders, back, qs[batch], seq_axes, balanced)
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
+def _masked(q, k, v, mask, scale, softcap=None):
+    """Attention of (batch, heads, seq, head_dim) blocks under a boolean ``mask`` (None: all
+    keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked."""
+    if softcap is None:
+        return sdpa_for(q)(q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))
+    if k.shape[1] != q.shape[1]:                      # grouped-query: each kv head serves its group
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype   # as transformers
+    probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
+    """The (q, k) boolean mask of keys each query sees: causal and within ``window``; None: all."""
+    if not causal and window is None:
+        return None
+    diff = qpos[:, None] - kpos[None, :]
+    mask = diff >= 0 if causal else None
+    if window is not None:
+        near = diff < window if causal else diff.abs() < window
+        mask = near if mask is None else mask & near
+    return mask
+
+
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=None, softcap=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -166,18 +215,17 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced):
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    if options().cp_attention == "allgather":
+    if options().cp_attention == "allgather" or window is not None or softcap is not None:  # (the ring has neither)
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
-        if causal:
+        if causal or window is not None:
             qpos = _local_positions(seq_size, axes, balanced)
             kpos = torch.arange(seq_size)
             if balanced:
                 kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
-            mask = (qpos[:, None] >= kpos[None, :]).to(q.device)
-        return sdpa_for(q)(q, kf, vf, attn_mask=mask, scale=scale,
-                                              enable_gqa=bool(q.shape[1] != kf.shape[1]))
+            mask = _visible(qpos, kpos, causal, window).to(q.device)
+        return _masked(q, kf, vf, mask, scale, softcap)
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -204,7 +252,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     return data.to(device)
 
 
-def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced):
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, window=None, softcap=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
     context parallelism K/V and the segment ids are all-gathered."""
     kseg, qpos, kpos = seg, None, None
@@ -222,9 +270,11 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
             kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
         kpos = kpos.to(q.device)
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
-    if causal:
+    if causal or window is not None:
         if qpos is None:
             qpos = kpos = torch.arange(q.shape[2], device=q.device)
-        mask = mask & (qpos[:, None] >= kpos[None, :])
+        mask = mask & _visible(qpos, kpos, causal, window)
+    if softcap is not None:
+        return _masked(q, k, v, mask, scale, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))

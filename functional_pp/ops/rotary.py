@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half convention of Hugging Face Llama), with Llama 3
-frequency scaling, applied at global positions whatever the sequence layout."""
+frequency scaling, LongRoPE (Phi-3), linear interpolation (Gemma 3) or YaRN (Qwen), applied at
+global positions whatever the sequence layout."""
 from __future__ import annotations
 
 import math
@@ -25,11 +26,78 @@ class Llama3Scaling:
     original_max_position: int = 8192
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3Scaling | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies (float64), Llama-3 scaled when ``scaling`` is given."""
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (Phi-3 128k, Phi-3.5): per-pair divisors of the frequencies, ``short_factor``
+    for sequences of at most ``original_max_position`` tokens, ``long_factor`` beyond, and the
+    cos / sin tables multiplied by ``attention_factor``."""
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:         # lists from YAML / JSON
+        object.__setattr__(self, "short_factor", tuple(float(x) for x in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(x) for x in self.long_factor))
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"LongRopeScaling: short_factor has {len(self.short_factor)} entries, long_factor "
+                             f"{len(self.long_factor)}")
+
+
+@dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation: every frequency divided by ``factor`` (Gemma 3's global layers)."""
+    factor: float
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Qwen2.5 / Qwen3 long context): frequencies interpolated by ``factor`` below the
+    correction range of ``beta_fast`` / ``beta_slow`` rotations over ``original_max_position``
+    positions, kept above it, ramped between; tables times ``attention_factor`` (transformers'
+    ``_compute_yarn_parameters``)."""
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+RopeScaling = Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                   # (as transformers: no singularity)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                     # the share of the unscaled frequency
+    return inv / s.factor * (1 - keep) + inv * keep
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                        seq_len: int | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies (float64), Llama-3 or LongRoPE scaled when ``scaling`` is
+    given (LongRoPE: the long factors when ``seq_len`` exceeds the original context)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv
+    if isinstance(scaling, LinearScaling):
+        return inv / scaling.factor
+    if isinstance(scaling, YarnScaling):
+        return _yarn(inv, head_dim, theta, scaling)
+    if isinstance(scaling, LongRopeScaling):
+        if len(scaling.short_factor) != head_dim // 2:
+            raise ValueError(f"LongRoPE: {len(scaling.short_factor)} factors for a head_dim of {head_dim} "
+                             f"({head_dim // 2} pairs)")
+        long = seq_len is not None and seq_len > scaling.original_max_position
+        return inv / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -41,7 +109,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3Scaling | No
 
 
 def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
-           scaling: Llama3Scaling | None = None, seq: str | None = None) -> Named:
+           scaling: RopeScaling | None = None, seq: str | None = None) -> Named:
     """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i; ``seq`` is the
     dimension of ``positions`` (its only one) unless named."""
     if seq is None:
@@ -55,8 +123,9 @@ def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
     si, di = dims.index(seq), dims.index(head_dim)
     if split[di]:
         raise ValueError(f"rotary: {head_dim!r} must not be split")
+    seq_len = positions.size(seq) if isinstance(scaling, LongRopeScaling) else None
     pos = relayout(positions, (split[si],))
-    cos, sin = _tables(pos, data.shape[di], theta, scaling, data.device, si, di, data.ndim)
+    cos, sin = _tables(pos, data.shape[di], theta, scaling, data.device, si, di, data.ndim, seq_len)
     return _make(_rotate(data, cos, sin, di), dims, split, x._vary, x._partial, x._sizes)
 
 
@@ -70,8 +139,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int) -> t
     return out if out.dtype == t.dtype else out.to(t.dtype)
 
 
-def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, device, si: int, di: int,
-            ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, device, si: int, di: int,
+            ndim: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles position * inv_freq computed in float64, float32 (sin negated in
     the first half: the sign of rotate-half, :func:`_rotate`), shaped to
     broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
@@ -81,18 +150,21 @@ def _tables(pos: Named, d: int, theta: float, scaling: Llama3Scaling | None, dev
     compiled step computes them once and every layer reads them (docs/rotary.md)."""
     tracing = is_tracing()
     if not tracing:
-        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim)
+        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim, seq_len)
         memo = _memo(pos)
     else:   # only a value built in this trace holds tables (no tensors kept across traces)
-        key = ("rotary", d, theta, scaling, device, si, di, ndim)
+        key = ("rotary", d, theta, scaling, device, si, di, ndim, seq_len)
         memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None
     if memo is not None:
         tables = memo.get(key)
         if tables is not None:
             return tables
-    inv = inverse_frequencies(d, theta, scaling).to(device)
+    inv = inverse_frequencies(d, theta, scaling, seq_len).to(device)
     ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
+    attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([-sin, sin], -1).to(torch.float32)
     shape = [1] * ndim
     shape[si], shape[di] = cos.shape[0], d

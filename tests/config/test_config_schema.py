@@ -75,7 +75,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("d, message", [
-    ({"model_type": "MistralForCausalLM"}, "model_type: 'MistralForCausalLM' is not supported"),
+    ({"model_type": "GemmaForCausalLM"}, "model_type: 'GemmaForCausalLM' is not supported"),
     ({"tp_size": 2, "tensor_parallel_size": 4}, "tensor_parallel_size: 4 contradicts tp_size: 2"),
     ({"warmup_steps": 2, "warmup_ratio": 0.1}, "give warmup_steps or warmup_ratio, not both"),
     ({"val_set_size": 2.5}, "val_set_size must be a fraction in [0, 1) or a whole count"),

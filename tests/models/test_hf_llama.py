@@ -79,8 +79,8 @@ def test_config_from_hf_and_back():
     back = transformers.LlamaConfig(**hf.config_to_hf(cfg))
     assert hf.config_from_hf(back.to_dict()) == cfg
     assert hf.config_from_hf(transformers.LlamaConfig(**BASE).to_dict()).rope_scaling is None
-    with pytest.raises(ck.CheckpointMismatchError, match="rope type 'yarn'"):
-        hf.config_from_hf(dict(BASE, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match="rope type 'dynamic'"):
+        hf.config_from_hf(dict(BASE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
 
 
 def test_table_names_round_trip():

@@ -59,6 +59,42 @@ def test_tied_embeddings_and_noncausal_paths():
     assert_matches_reference(parallel(cfg, full, BATCH, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules()), ref)
 
 
+# the decoder families as configurations (models/llama.py; docs/models.md): q/k/v biases, an
+# output bias, per-head q/k RMSNorm with an explicit head_dim, sliding windows (every layer, or
+# alternating with full attention: the window under CP takes the K/V all-gather path), tied
+# embeddings, Gemma 2's sandwich (1 + w) norms, scaled embedding, tanh-GELU GLU and soft-caps,
+# Gemma 3's rope base of the local layers
+FAMILIES = {
+    "mistral": llama.Config.tiny(model_type="mistral", sliding_window=5),
+    "qwen2": llama.Config.tiny(model_type="qwen2", qkv_bias=True, tie_embeddings=True, sliding_window=4,
+                               layer_types=("full_attention", "sliding_attention")),
+    "qwen3": llama.Config.tiny(model_type="qwen3", qk_norm=True, head_dim=32, qkv_bias=True, o_bias=True),
+    "gemma2": llama.Config.tiny(model_type="gemma2", mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True,
+                                sandwich_norms=True, query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=3.0,
+                                sliding_window=5, layer_types=("sliding_attention", "full_attention"),
+                                tie_embeddings=True),
+    "gemma3_text": llama.Config.tiny(model_type="gemma3_text", mlp_act="gelu_tanh", norm_offset=1.0,
+                                     scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16.0,
+                                     qk_norm=True, sliding_window=5, local_rope_theta=10.0,
+                                     layer_types=("sliding_attention", "full_attention"), tie_embeddings=True),
+}
+
+
+def _noisy(cfg, seed):              # biases start at zero, norms at one: move them
+    full = fpp.init_params(llama.init(cfg, torch.float64), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), full)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", ["fsdp_tp", "cp", "all_sp"])
+def test_family_layout_matches_single_device(family, name):
+    cfg = FAMILIES[family]
+    full = _noisy(cfg, 4)
+    mesh_kw, rules = LAYOUTS[name]
+    assert_matches_reference(parallel(cfg, full, BATCH, fpp.Mesh(**mesh_kw), rules), single_device(cfg, full, BATCH))
+
+
 def factorizations(n=8):
     sizes = [1, 2, 4, 8]
     for combo in itertools.product(sizes, repeat=4):

@@ -1,0 +1,384 @@
+"""Mistral, Qwen2, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj), Gemma 2 and Gemma 3 (text) as configurations of the one decoder (models/llama.py): tiny random
+models built by ``transformers`` from a config (no download) load through ``base_model``'s
+import; logits, loss and every gradient equal transformers' on one device; FSDP x TP on a
+simulated mesh equals one device; export writes the same HF class, which loads with equal
+logits; unsupported model types and options are refused by name."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import make_batch, parallel, single_device
+
+import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.core.layout import block_slices
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128)
+# (config class, model class, config): each family's own switches, windows shorter than the
+# 12-token test sequences so that they change the result
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(BASE, sliding_window=5, head_dim=32)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(BASE, tie_word_embeddings=True, use_sliding_window=True,
+                                                     sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32, use_sliding_window=True,
+                                                     sliding_window=6, max_window_layers=1)),
+    # fused qkv_proj and gate_up_proj; (Phi3Config's pad id 32000 would not fit the vocabulary)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(BASE, sliding_window=7, pad_token_id=None)),
+    # tanh-GELU GLU, (1 + w) norms around attention and MLP, embedding x sqrt(hidden),
+    # query_pre_attn_scalar, alternating sliding / global layers, attention and final soft-caps
+    # (small caps, so that they change the result); Gemma's pad id 0 would freeze embedding row 0
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(BASE, head_dim=32, query_pre_attn_scalar=24,
+                                                         sliding_window=5, attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=3.0, pad_token_id=None)),
+    # Gemma 2's switches without soft-caps, with (1 + w) q/k norms and a rope base per layer type
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        BASE, head_dim=32, query_pre_attn_scalar=32, sliding_window=5, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})),
+}
+MESH = fpp.Mesh(dp_shard=2, tp=2)
+
+
+def hf_model(family, dtype=torch.float32, seed=0):
+    conf, cls, kw = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).to(dtype).eval()
+    with torch.no_grad():                # O(1) logits, non-trivial norms and biases
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def tokens(batch=4, seq=12, seed=1):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def our_logits(params, cfg, toks):
+    named = sharding.named_tree(params, llama.init(cfg))
+    with torch.no_grad():
+        return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for family in FAMILIES:
+        model = hf_model(family)
+        d = tmp_path_factory.mktemp(family)
+        model.save_pretrained(d, safe_serialization=True)
+        out[family] = (model, d)
+    return out
+
+
+def test_configs_read_each_family():
+    cfg = hf.config_from_hf(transformers.MistralConfig(**FAMILIES["mistral"][2]).to_dict())
+    assert (cfg.model_type, cfg.sliding_window, cfg.layer_types, cfg.head_dim) == ("mistral", 5, None, 32)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm)
+    cfg = hf.config_from_hf(transformers.Qwen2Config(**FAMILIES["qwen2"][2]).to_dict())
+    assert (cfg.model_type, cfg.qkv_bias, cfg.o_bias, cfg.tie_embeddings) == ("qwen2", True, False, True)
+    assert (cfg.sliding_window, cfg.layer_types) == (4, ("full_attention", "sliding_attention"))
+    assert [cfg.window(i) for i in range(2)] == [None, 4]
+    cfg = hf.config_from_hf(transformers.Qwen3Config(**FAMILIES["qwen3"][2]).to_dict())
+    assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias, cfg.dim_head) == ("qwen3", True, False, 32)
+    cfg = hf.config_from_hf(transformers.Phi3Config(**FAMILIES["phi3"][2]).to_dict())
+    assert (cfg.model_type, cfg.sliding_window, cfg.layer_types, cfg.qkv_bias) == ("phi3", 7, None, False)
+    cfg = hf.config_from_hf(transformers.Gemma2Config(**FAMILIES["gemma2"][2]).to_dict())
+    assert (cfg.mlp_act, cfg.norm_offset, cfg.scale_embeddings, cfg.sandwich_norms) == ("gelu_tanh", 1.0, True, True)
+    assert (cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (24.0, 2.0, 3.0)
+    assert [cfg.window(i) for i in range(2)] == [5, None] and cfg.tie_embeddings
+    cfg = hf.config_from_hf(transformers.Gemma3TextConfig(**FAMILIES["gemma3_text"][2]).to_dict())
+    assert (cfg.qk_norm, cfg.norm_offset, cfg.rope_theta, cfg.local_rope_theta) == (True, 1.0, 100.0, 10.0)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (None, None)
+    # transformers 4.x keys; Gemma 3's 5 local layers to 1 global by default
+    legacy = hf.config_from_hf(dict(BASE, num_hidden_layers=12, model_type="gemma3_text", rope_theta=1e6,
+                                    rope_local_base_freq=1e4, sliding_window=512))
+    assert (legacy.rope_theta, legacy.local_rope_theta) == (1e6, 1e4)
+    assert [legacy.window(i) is None for i in range(12)] == [False] * 5 + [True] + [False] * 5 + [True]
+    # Qwen's sliding window is off unless use_sliding_window; a Mistral without one has none
+    assert hf.config_from_hf(dict(BASE, model_type="qwen2", sliding_window=4)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="mistral", sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="qwen2", use_sliding_window=True, max_window_layers=0,
+                                  sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="gemma2", sliding_window=None)).sliding_window is None
+    assert hf.config_from_hf(dict(BASE, model_type="gemma2")).window(0) == 4096       # the class default
+    # a key left out of config.json takes transformers' class default (Qwen3's head_dim: 128)
+    assert hf.config_from_hf(dict(BASE, model_type="qwen3")).dim_head == 128
+    # the config travels through checkpoints as a dict
+    cfg = hf.config_from_hf(transformers.Qwen2Config(**FAMILIES["qwen2"][2]).to_dict())
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_logits_equal_transformers(saved, family):
+    model, d = saved[family]
+    cfg, params = hf.load_hf_llama(d)
+    assert cfg.model_type == family
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    got = our_logits(params, cfg, toks)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the family's switches matter: without the window (or biases, norms) the logits differ
+    import dataclasses
+    off = [dataclasses.replace(cfg, sliding_window=None, layer_types=None)]
+    if family == "gemma2":
+        off += [dataclasses.replace(cfg, attn_softcap=None), dataclasses.replace(cfg, final_softcap=None)]
+    if family == "gemma3_text":
+        off += [dataclasses.replace(cfg, local_rope_theta=None)]
+    for c in off:
+        assert not torch.allclose(our_logits(params, c, toks), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_gradients_equal_transformers(saved, family):
+    _, d = saved[family]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
+    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
+    batch = make_batch(cfg, batch=3, seq=12, seed=2)
+    loss, grads = single_device(cfg, params, batch)
+    logits = model(input_ids=batch["tokens"]).logits
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    want.backward()
+    # (fp64 both, but transformers computes the rotary tables in fp32, and so do we, each its own way)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    ours = dict(tree.leaves_with_paths(grads))
+    files = hf._file_tensors(llama.init(cfg), cfg)      # HF tensor name -> our parameters (fused: several)
+    assert {name for name, _ in files} == set(hf_grads) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    for name, parts in files:               # to 1e-6 of each gradient's largest entry
+        g = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        torch.testing.assert_close(g, hf_grads[name], rtol=1e-5, atol=1e-6 * hf_grads[name].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fsdp_tp_equals_one_device(saved, family):
+    model, d = saved[family]
+    cfg, full = hf.load_hf_llama(d)
+    decls, rules, toks = llama.init(cfg), llama.default_rules(), tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+
+    def device():                      # each device reads its own shards of the files
+        with fpp.use_rules(rules):
+            _, local = hf.load_hf_llama(d)
+            with torch.no_grad():
+                logits = settle(llama.forward(sharding.named_tree(local, decls), fpp.named(toks, "batch seq"), cfg))
+            region = block_slices(tuple(want.shape), logits.split, MESH, fpp.current_rank())
+            torch.testing.assert_close(logits.data, want[region], atol=1e-5, rtol=1e-5)
+    fpp.launch(device, MESH)
+    # loss and every gradient, in fp64
+    _, full64 = hf.load_hf_llama(d, dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss0, grads0 = single_device(cfg, full64, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_round_trip_in_transformers(saved, tmp_path, family):
+    model, d = saved[family]
+    cfg, params = hf.load_hf_llama(d)
+    params = tree.tree_map(lambda t: t + 0.01 * torch.randn_like(t), params)     # not the file's values
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (family, [FAMILIES[family][1]])
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert type(back).__name__ == FAMILIES[family][1]
+    toks = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
+    cfg2, again = hf.load_hf_llama(out)
+    assert cfg2 == cfg
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
+        assert torch.equal(a, b), p
+
+
+def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3' is not supported; supported "
+                                                         r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' of the sliding layers is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_parameters={
+            "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 8.0}}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'dynamic' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gemma2 config: hidden_activation='gelu' is not"):
+        hf.config_from_hf(dict(BASE, model_type="gemma2", hidden_activation="gelu"))
+    with pytest.raises(ValueError, match=r"final_softcap with loss_chunk_bytes"):
+        llama.Config.tiny(final_softcap=30.0, loss_chunk_bytes=1 << 20)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen2 config: rope type 'longrope2' is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="qwen2", rope_scaling={"rope_type": "longrope2", "factor": 4.0}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"layer_types \['chunked_attention'\]"):
+        hf.config_from_hf(dict(BASE, model_type="qwen3", layer_types=["chunked_attention"] * 2))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"attention_dropout=0.1"):
+        hf.config_from_hf(dict(BASE, model_type="mistral", attention_dropout=0.1))
+    # export refuses a config its class cannot hold, before writing anything
+    cfg = llama.Config.tiny(model_type="mistral", qk_norm=True)
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'mistral': qk_norm=True has no "
+                                                         r"MistralForCausalLM equivalent"):
+        hf.save_hf_llama(params, cfg, tmp_path / "no")
+    assert not (tmp_path / "no").exists()
+    # strict loading: a Qwen2 file read as Llama has unexpected biases, named
+    _, d = saved["qwen2"]
+    llama_dir = tmp_path / "as_llama"
+    llama_dir.mkdir()
+    (llama_dir / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    conf = json.loads((d / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps(dict(conf, model_type="llama")))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"unexpected tensors.*q_proj\.bias"):
+        hf.load_hf_llama(llama_dir)
+
+
+def test_phi3_longrope_short_and_long_sequences(tmp_path):
+    """Phi-3's LongRoPE (the 128k models, Phi-3.5): short factors up to the original context,
+    long ones beyond, cos / sin scaled by the attention factor; logits equal transformers' on
+    both sides of the switch, and the export reads back the same scaling."""
+    g = torch.Generator().manual_seed(5)
+    short, long = (1 + torch.rand(8, generator=g)).tolist(), (1 + 4 * torch.rand(8, generator=g)).tolist()
+    kw = dict(BASE, head_dim=16, pad_token_id=None, max_position_embeddings=64, original_max_position_embeddings=8,
+              rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "in")
+    cfg, params = hf.load_hf_llama(tmp_path / "in")
+    s = cfg.rope_scaling
+    assert (s.original_max_position, s.attention_factor) == (8, pytest.approx((1 + math.log(8) / math.log(8)) ** 0.5))
+    for seq in (6, 12):                  # short factors, then long ones
+        toks = tokens(seq=seq)
+        with torch.no_grad():
+            want = model(input_ids=toks).logits
+        torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    import dataclasses
+    only_short = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(s, long_factor=s.short_factor))
+    assert not torch.allclose(our_logits(params, only_short, toks), want, atol=1e-3)     # the switch happened
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    assert hf.load_hf_llama(out)[0] == cfg
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=tokens(seq=12)).logits, want, atol=1e-5, rtol=1e-5)
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+# ----------------------------------------------------------------------------- base_model
+def _train_yaml(tmp_path, base, **extra):
+    import yaml
+    cfg = {"base_model": str(base), "model_type": "AutoModelForCausalLM", "micro_batch_size": 2,
+           "global_batch_size": 4, "sequence_len": 16, "learning_rate": 1e-3, "warmup_steps": 0,
+           "max_steps": 2, "data": {"max_bytes": 20_000}, "logging": {"log_every": 1, "plot": False},
+           **extra}
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_base_model_dispatches_on_model_type(saved, tmp_path):
+    from functional_pp.config import ConfigError, TrainConfig, model_config
+    _, d = saved["qwen3"]
+    model = model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, d)))
+    assert (model.model_type, model.qk_norm, model.dim_head) == ("qwen3", True, 32)
+    bad = tmp_path / "gemma"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma3")))
+    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma3' is not supported; supported "
+                                          r"model types: llama, mistral, qwen2, qwen3"):
+        model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
+    # functional-pp plan ranks the layouts of the base model, not of a preset
+    from functional_pp.cli.plan import _model
+    _, decls = _model(TrainConfig.from_yaml(_train_yaml(tmp_path, d)))
+    assert tuple(decls["layers"][0]["self_attn"]["q_norm"].shape) == (32,)
+
+
+def test_cli_trains_a_qwen2_base_model_and_exports_it(saved, tmp_path):
+    """``functional-pp train`` with base_model a Qwen2 directory on FSDP 2 x TP 2 (simulated),
+    then export: the checkpoint's config says qwen2, and transformers loads the Qwen2 class
+    with logits equal to ours."""
+    from functional_pp import cli
+    _, d = saved["qwen2"]
+    out = tmp_path / "run"
+    assert cli.main(["train", str(_train_yaml(tmp_path, d, dp_shard_size=2, tensor_parallel_size=2)),
+                     "--simulate", "4", "--output", str(out)]) == 0
+    hf_dir = hf.export_checkpoint_to_hf(out / "checkpoints", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    cfg, params = hf.load_hf_llama(hf_dir)
+    assert cfg == hf.config_from_hf(d)
+    _, base = hf.load_hf_llama(d)
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(tree.leaves_with_paths(params),
+                                                                tree.leaves_with_paths(base)))   # trained
+    toks = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("preset", [n for n in llama.Config.presets() if "-" in n])
+def test_family_presets_are_the_published_models(preset):
+    """Each family preset's config.json builds (on meta tensors) the transformers class of its
+    family with as many parameters as ours, and reads back as the same config."""
+    cfg = llama.Config.preset(preset)
+    conf = hf.config_to_hf(cfg)
+    assert hf.config_from_hf(conf) == cfg
+    hf_conf = transformers.AutoConfig.for_model(**conf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_conf)
+    assert type(model).__name__ == conf["architectures"][0]
+    assert sum(p.numel() for p in model.parameters()) == tree.count_params(llama.init(cfg))
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 16.0}),
+    ("gemma3_text", {"rope_type": "linear", "factor": 8.0}),
+])
+def test_yarn_and_linear_rope_scaling(tmp_path, family, rope):
+    """YaRN (Qwen long context) and linear interpolation (Gemma 3 4B+'s global layers): logits
+    equal transformers', the export reads back the same scaling."""
+    conf, cls, kw = FAMILIES[family]
+    kw = dict(kw)
+    if family == "gemma3_text":
+        kw["rope_parameters"] = {**kw["rope_parameters"], "full_attention": {**kw["rope_parameters"]["full_attention"],
+                                                                              **rope}}
+    else:
+        kw["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "in")
+    cfg, params = hf.load_hf_llama(tmp_path / "in")
+    assert type(cfg.rope_scaling).__name__ == ("LinearScaling" if rope["rope_type"] == "linear" else "YarnScaling")
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    import dataclasses
+    assert not torch.allclose(our_logits(params, dataclasses.replace(cfg, rope_scaling=None), toks), want, atol=1e-3)
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    assert hf.load_hf_llama(out)[0] == cfg
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,40 @@
+"""The planner's dry-run of the decoder families' configurations (sliding windows in some
+layers, q/k/v biases, q/k norms, Gemma 2's soft-capped attention with its explicit scores):
+communication byte for byte and memory within 10% of a real CPU step, layers extrapolated."""
+import functools
+
+import pytest
+
+import functional_pp as fpp
+from functional_pp import plan
+from functional_pp.models import llama
+from functional_pp.plan.measure import measure
+
+BATCH = {"tokens": ((8, 64), "batch seq"), "labels": ((8, 64), "batch seq")}
+SIZE = dict(layers=3, hidden=128, mlp=256)
+CONFIGS = {
+    "qwen2": llama.Config.tiny(model_type="qwen2", qkv_bias=True, sliding_window=16, **SIZE),
+    "qwen3": llama.Config.tiny(model_type="qwen3", qk_norm=True, head_dim=32, **SIZE),
+    "gemma2": llama.Config.tiny(model_type="gemma2", mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True,
+                                sandwich_norms=True, query_pre_attn_scalar=32.0, attn_softcap=50.0,
+                                final_softcap=30.0, sliding_window=16, tie_embeddings=True, **SIZE),
+}
+LAYOUTS = {
+    "fsdp": (fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")),
+    "tp+sp": (fpp.Mesh(tp=2), llama.default_rules(sequence_parallel=True)),
+    "cp": (fpp.Mesh(cp=2), fpp.Rules(seq="cp")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_estimate_equals_a_measured_cpu_step(family, layout):
+    cfg, (mesh, rules) = CONFIGS[family], LAYOUTS[layout]
+    loss, decls = functools.partial(llama.loss, cfg=cfg), llama.init(cfg)
+    est = plan.estimate(loss, decls, mesh, rules, BATCH, precision="bf16")
+    run, rep, _ = measure(loss, decls, mesh, rules, BATCH, precision="bf16", rank=est.rank)
+    assert est.layers == 3
+    assert est.comm.by_axis() == rep.by_axis()
+    assert abs(est.peak_bytes / run.peak_bytes - 1) < 0.10, (est.memory, run.peak_breakdown)
+    assert abs(est.activation_bytes / run.saved_bytes - 1) < 0.10
