@@ -33,6 +33,7 @@ class Config:
     token_mixing: bool = True     # an MLP-mixer block over the sequence in every layer
     dropout: float = 0.0
     tie: bool = True              # the output head is the token embedding (GPT-2)
+    layered: bool = True          # each block an fpp.layer: one FSDP unit, remat, per-layer compile
 
     @property
     def hd(self) -> int:
@@ -133,6 +134,18 @@ def token_mixing_block(p: dict, x, cfg: Config, seq: int):
     return fpp.ops.rename(out, tok="res_tok")
 
 
+def block(p: dict, x, cfg: Config, seed: int, seq: int):
+    """One transformer block: attention, MLP and (optionally) token mixing, each a residual branch."""
+    x = x + attention_block(p, x, cfg, seed)
+    x = x + mlp_block(p, x, cfg, seed + 1)
+    if cfg.token_mixing:
+        x = x + token_mixing_block(p, x, cfg, seq)
+    return x
+
+
+layer = fpp.layer(block)     # the model's repeated layer (FSDP gathers its weights as one unit)
+
+
 def forward(params: dict, tokens, cfg: Config, seed=0):
     """Logits (batch tok vocab) for integer ``tokens`` (batch tok)."""
     seq = tokens.size("tok")
@@ -142,11 +155,9 @@ def forward(params: dict, tokens, cfg: Config, seed=0):
     pos = fpp.ops.positions("tok", seq)
     x = fpp.ops.embed(wte, tokens) + fpp.ops.embed(params["wpe"], pos, vocab="pos")
     x = fpp.ops.rename(x, tok="res_tok")
+    body = layer if cfg.layered else block
     for i, p in enumerate(params["h"]):
-        x = x + attention_block(p, x, cfg, seed * 1000 + 2 * i)
-        x = x + mlp_block(p, x, cfg, seed * 1000 + 2 * i + 1)
-        if cfg.token_mixing:
-            x = x + token_mixing_block(p, x, cfg, seq)
+        x = body(p, x, cfg, seed * 1000 + 2 * i, seq)
     x = fpp.ops.layer_norm(x, params["ln_f"]["weight"], params["ln_f"]["bias"], dim="embd", eps=cfg.eps)
     x = fpp.ops.rename(x, res_tok="tok")
     head = wte if cfg.tie else params["lm_head"]

@@ -18,7 +18,7 @@ from functional_pp.step.train import NoLayerWarning
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import gpt2  # noqa: E402  (a model written without fpp.layer)
 
-CFG = gpt2.Config(vocab=64, embd=24, layers=2, heads=4, ff=48, max_pos=16, token_mixing=False)
+CFG = gpt2.Config(vocab=64, embd=24, layers=2, heads=4, ff=48, max_pos=16, token_mixing=False, layered=False)
 MESH = fpp.Mesh(dp_shard=2)
 RULES = gpt2.rules(tp=False)
 
@@ -37,12 +37,12 @@ def _gather_bytes(events, backward):
                and e.axes == ("dp_shard",))
 
 
-def _run(mesh, rules, **step_kw):
-    step = fpp.train_step(functools.partial(gpt2.loss, cfg=CFG), fpp.optim.adamw(1e-2), mesh=mesh,
+def _run(mesh, rules, cfg=CFG, **step_kw):
+    step = fpp.train_step(functools.partial(gpt2.loss, cfg=cfg), fpp.optim.adamw(1e-2), mesh=mesh,
                           rules=rules, batch_dims=gpt2.BATCH_DIMS, **step_kw)
 
     def device():
-        state = step.init(fpp.init(gpt2.init, CFG, torch.float64, mesh=mesh, rules=rules, seed=0))
+        state = step.init(fpp.init(gpt2.init, cfg, torch.float64, mesh=mesh, rules=rules, seed=0))
         losses, reports = [], []
         for b in DATA:
             with fpp.use_rules(rules):
@@ -83,3 +83,15 @@ def test_a_model_with_layers_keeps_its_root_and_is_not_warned():
         fpp.launch(train_steps(cfg, [make_batch(cfg, batch=4, seq=8, seed=0)], MESH,
                                llama.default_rules(tp=False)), MESH)
     assert not [w for w in caught if issubclass(w.category, NoLayerWarning)]
+
+
+def test_the_example_model_declares_its_layers_with_the_same_numbers():
+    """examples/gpt2.py marks its block with fpp.layer: no warning, and the numbers of the
+    unlayered model (FSDP units gather the same elements), step 1's backward re-gathering
+    the layers' weights where the unlayered model kept them."""
+    layered = gpt2.Config(**{**CFG.__dict__, "layered": True})
+    (losses, reports), *_ = (out := _run(MESH, RULES, layered))[0]
+    assert not out[1]
+    assert _gather_bytes(reports[0], backward=True) > 0
+    (ref_losses, _), *_ = _run(MESH, RULES, fsdp_keep_root=False)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=0)
