@@ -212,8 +212,11 @@ class TrainConfig:
         return Path(self.logging.output_dir or f"runs/{self.name}")
 
     def sizes_given(self) -> bool:
-        """Whether the config gives any mesh size (else all devices are data parallel)."""
-        return any(k in self._given for k in MESH_KEYS) or self.layout == "auto"
+        """Whether the config gives any mesh size (else all devices are data parallel): a size
+        key in its YAML, a size other than 1 set in Python (``dataclasses.replace``, the layout
+        ``layout: auto`` chose), or ``layout: auto`` itself."""
+        return (any(k in self._given for k in MESH_KEYS) or any(getattr(self, k) != 1 for k in MESH_KEYS)
+                or self.layout == "auto")
 
     def mesh_sizes(self, world_size: int | None = None) -> dict[str, int]:
         """Mesh axis sizes; ``dp_shard_size: -1`` takes what the world size leaves. A config
