@@ -91,3 +91,15 @@ def nan_on_second_call(loss_fn):
         loss = loss_fn(params, batch)
         return loss * float("nan") if calls["n"] == 2 else loss
     return wrapped
+
+
+def tokens(batch=4, seq=12, seed=1):
+    """Random token ids below 256 (the tiny Hugging Face models' vocabulary)."""
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def our_logits(params, cfg, toks):
+    """Our Llama-style decoder's logits for a full parameter tree ``params`` (one device)."""
+    named = sharding.named_tree(params, llama.init(cfg))
+    with torch.no_grad():
+        return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import make_batch, parallel, single_device
+from harness import make_batch, our_logits, parallel, single_device, tokens
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -59,16 +59,6 @@ def hf_model(family, dtype=torch.float32, seed=0):
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.config._attn_implementation = "eager"
     return model
-
-
-def tokens(batch=4, seq=12, seed=1):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def our_logits(params, cfg, toks):
-    named = sharding.named_tree(params, llama.init(cfg))
-    with torch.no_grad():
-        return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from harness import our_logits, tokens
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -43,16 +44,6 @@ def hf_model(kw, seed=0):
 def hf_logits(model, tokens):
     with torch.no_grad():
         return model(input_ids=tokens).logits
-
-
-def tokens(batch=4, seq=12, seed=1):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def our_logits(params, cfg, toks):
-    named = sharding.named_tree(params, llama.init(cfg))
-    with torch.no_grad():
-        return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
 
 @pytest.fixture(scope="module")
