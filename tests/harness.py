@@ -43,7 +43,7 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
                 loss = loss_fn(named, local_batch(batch, mesh, rules), cfg).value()
                 loss.backward()
             grads = tree.tree_map(lambda p: p.grad, local)
-            full = sharding.gather(grads, decls, rules) if gather else grads
+            full = fpp.gather_tree(grads, decls, rules) if gather else grads
         return loss.detach(), full, rep
     return fpp.launch(fn, mesh)
 
@@ -66,7 +66,7 @@ def train_steps(cfg, data, mesh, rules, dtype=torch.float64, **step_kw):
             losses.append(m["loss"])
             events = rep.events if events is None else events
         with fpp.use_rules(rules):
-            full = sharding.gather(state["params"], llama.init(cfg, dtype), rules)
+            full = fpp.gather_tree(state["params"], llama.init(cfg, dtype), rules)
         return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, events
     return device
 

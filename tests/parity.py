@@ -13,7 +13,6 @@ import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.optim.transform import GradientTransformation, chain
-from functional_pp.parallel import sharding
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
@@ -68,10 +67,10 @@ def train(layout: str, compile_mode) -> dict:
             state, metrics = step(state, local)
             out["loss"].append(metrics["loss"])
             with fpp.use_rules(rules):
-                grads = sharding.gather(state["opt_state"][0], decls, rules)
+                grads = fpp.gather_tree(state["opt_state"][0], decls, rules)
             out["grads"].append({p: g.numpy() for p, g in fpp.leaves_with_paths(grads)})
         with fpp.use_rules(rules):
-            params = sharding.gather(state["params"], decls, rules)
+            params = fpp.gather_tree(state["params"], decls, rules)
     out["params"] = {p: x.numpy() for p, x in fpp.leaves_with_paths(params)}
     return out
 

@@ -335,7 +335,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
                   dtype: torch.dtype | None = None) -> Path:
-    """Write a FULL parameter tree (single device, or ``sharding.gather``-ed) as an HF directory
+    """Write a FULL parameter tree (single device, or ``gather_tree``-ed) as an HF directory
     loadable by ``from_pretrained`` of the class of ``cfg.model_type`` (``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""

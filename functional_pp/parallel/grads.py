@@ -7,6 +7,7 @@ from typing import Any, Callable
 import optree
 import torch
 
+from functional_pp.core.layout import Rules
 from functional_pp.parallel.named import Named, env, settle
 from functional_pp.parallel.reshard import relayout
 
@@ -48,11 +49,12 @@ def check_scalar_loss(loss: Named, where: str) -> None:
                          f"the batch dimensions) before returning it")
 
 
-def gather_tree(tree: Any, decls: Any = None) -> Any:
+def gather_tree(tree: Any, decls: Any = None, rules: Rules | None = None) -> Any:
     """Full tensors on every device from a tree of named arrays (each gathered in its layout's
     order, pending sums completed), or from plain shards with their ``decls``
-    (``functional_pp.param`` declarations) laid out by the active rules."""
-    mesh, rules = env()
+    (``functional_pp.param`` declarations) laid out by ``rules`` (default: the active rules)."""
+    mesh, active = env()
+    rules = active if rules is None else rules
 
     def full(x: Any, d: Any = None) -> Any:
         if d is not None and not isinstance(x, Named):

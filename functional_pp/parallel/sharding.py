@@ -1,17 +1,15 @@
-"""Parameter trees across devices: cut a full tree into one device's shards, gather the shards
-back, and wrap shards as named values laid out by the rules."""
+"""Parameter trees across devices: cut a full tree into one device's shards and wrap shards as
+named values laid out by the rules (the way back is :func:`functional_pp.parallel.grads.gather_tree`)."""
 from __future__ import annotations
 
 from typing import Any
 
 from functional_pp.core.layout import Rules, block_slices, require_contiguous
 from functional_pp.core.mesh import Mesh
-from functional_pp.core.runtime import current_mesh
 from functional_pp.core.tree import map_with_path
-from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel.named import Named, env
 
-__all__ = ["shard", "gather", "named_tree"]
+__all__ = ["shard", "named_tree"]
 
 
 def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
@@ -23,19 +21,6 @@ def shard(full: Any, decls: Any, mesh: Mesh, rules: Rules, rank: int) -> Any:
         require_contiguous(rules, d.dims, layout, p)
         return x[block_slices(d.shape, layout, mesh, rank)]
     return map_with_path(cut, full, decls)
-
-
-def gather(local: Any, decls: Any, rules: Rules) -> Any:
-    """Inside a launched function: gather every device's shards back into full tensors."""
-    mesh = current_mesh()
-
-    def full(p, x, d):
-        layout = rules.resolve(d.dims, d.shape, mesh, name=p)
-        for dim, axes in enumerate(layout):
-            if axes:
-                x = raw_all_gather(x.detach(), axes, dim)
-        return x
-    return map_with_path(full, local, decls)
 
 
 def named_tree(local: Any, decls: Any) -> Any:

@@ -14,7 +14,6 @@ import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.compile.recompute import count_recomputed, saved_bytes
 from functional_pp.models import llama
-from functional_pp.parallel import sharding
 
 
 def run_step(cfg, mesh, rules, steps=2, dtype=torch.float32, options=None, **step_kw):
@@ -43,7 +42,7 @@ def run_step(cfg, mesh, rules, steps=2, dtype=torch.float32, options=None, **ste
                     peak = p.bytes if p is not None else None
                     losses.append(m["loss"])
             with fpp.use_rules(rules):
-                full = sharding.gather(state["params"], llama.init(cfg, dtype), rules)
+                full = fpp.gather_tree(state["params"], llama.init(cfg, dtype), rules)
         return losses, rep, graphs, peak, full
     return fpp.launch(device, mesh, timeout=1800)      # compiling N devices on a busy machine
 

@@ -91,7 +91,7 @@ def test_param_tree_utils_and_mesh_independent_init():
     def run():
         local = fpp.init_params(decls, seed=3, mesh=mesh, rules=rules)
         from functional_pp.core import tree
-        return local, sharding.gather(local, decls, rules)
+        return local, fpp.gather_tree(local, decls, rules)
 
     for r, (local, gathered) in enumerate(fpp.launch(run, mesh)):
         expect = sharding.shard(full, decls, mesh, rules, r)

@@ -242,6 +242,6 @@ def test_vocabulary_split_on_two_gloo_processes():
                                   sharding.shard(FULL, decls, mesh, rules, fpp.current_rank()))
             loss = llama.loss(sharding.named_tree(local, decls), local_batch(BATCH, mesh, rules), CHUNKED).value()
             loss.backward()
-            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = fpp.gather_tree(tree.tree_map(lambda p: p.grad, local), decls, rules)
         return loss.detach(), grads
     _assert_matches(fpp.launch(fn, mesh, processes=True, timeout=300), single_device(CFG, FULL, BATCH))

@@ -14,7 +14,6 @@ from functional_pp.compile.backend import capture_graphs
 from functional_pp.compile.recompute import in_backward_region
 from functional_pp.models import llama
 from functional_pp.ops.swiglu import swiglu_tensors
-from functional_pp.parallel import sharding
 
 
 def _reference(gate, up, grad):
@@ -87,7 +86,7 @@ def _mlp_steps(mesh, rules, swiglu, compile, steps=2, precision="fp32"):
         if mesh is None:
             return losses, state["params"]
         with fpp.use_rules(rules):
-            return losses, sharding.gather(state["params"], _mlp_decls(dtype), rules)
+            return losses, fpp.gather_tree(state["params"], _mlp_decls(dtype), rules)
     return fpp.launch(device, mesh) if mesh is not None else [device()]
 
 

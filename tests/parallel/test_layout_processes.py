@@ -39,7 +39,7 @@ def _run(mesh, rules, compile_mode):
             loss.backward()
             if compile_mode:
                 frames = counter.frame_count
-            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = fpp.gather_tree(tree.tree_map(lambda p: p.grad, local), decls, rules)
         return loss.item(), {p: g.numpy() for p, g in tree.leaves_with_paths(grads)}, frames
     return fpp.launch(fn, mesh, processes=True, timeout=300)
 

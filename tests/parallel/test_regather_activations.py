@@ -30,7 +30,7 @@ def _step(regather: bool, mesh=MESH, rules=RULES):
             with fpp.comm_report() as rep:
                 loss = llama.loss(sharding.named_tree(local, decls), local_batch(BATCH, mesh, rules), CFG).value()
                 loss.backward()
-            grads = sharding.gather(tree.tree_map(lambda p: p.grad, local), decls, rules)
+            grads = fpp.gather_tree(tree.tree_map(lambda p: p.grad, local), decls, rules)
         flat = {p: g.detach().numpy() for p, g in tree.leaves_with_paths(grads)}   # picklable by value
         return float(loss), flat, rep.count("all_gather", "tp")
     return fn

@@ -21,7 +21,6 @@ from host_reads import HostReads, transfers  # noqa: F401 (a fixture)
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.ops.token_ids import TokenIdError
-from functional_pp.parallel import sharding
 from functional_pp.step import deferred_metrics
 from functional_pp.step.nonfinite import NonFiniteError
 
@@ -269,7 +268,7 @@ def _gloo_runs():
             losses = [m["loss"] if m.get("skipped", 0) == 0 else "skipped" for m in metrics[:1 if error else 3]]
             skipped = [m["skipped"] for m in metrics] if error is None else None
             with fpp.use_rules(rules):
-                full = sharding.gather(state["params"], llama.init(CFG), rules)
+                full = fpp.gather_tree(state["params"], llama.init(CFG), rules)
             out[mode] = (losses, skipped, error, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)})
         return out
     return fpp.launch(device, mesh, processes=True, timeout=120)

@@ -9,7 +9,6 @@ from harness import local_batch, make_batch, nan_on_second_call
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.parallel import sharding
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
@@ -34,7 +33,7 @@ def train(mesh, rules, data, opt=None, loss_fn=LOSS, dtype=torch.float64, **step
             losses.append(m["loss"])
             metrics.append(m)
         with fpp.use_rules(rules):
-            full = sharding.gather(state["params"], llama.init(CFG, dtype), rules)
+            full = fpp.gather_tree(state["params"], llama.init(CFG, dtype), rules)
         return losses, full, metrics
     return fpp.launch(device, mesh)
 
