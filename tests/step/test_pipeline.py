@@ -1,0 +1,104 @@
+"""Pipeline parallelism equals one device: a tiny Llama whose layers are split over ``pp``
+(the rule ``layers="pp"``), trained two AdamW steps with every schedule, on pp = 2 and 4 and
+composed with data parallelism, against ``train_step`` with the same micro-batches on one
+device (losses, updated parameters; gradients through SGD's update)."""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.models import llama
+from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
+
+CFG = llama.Config.tiny(layers=4)
+DTYPE = torch.float64
+M = 4                                       # micro-batches
+
+
+def _data(steps=2, batch=8, seq=8):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        t = torch.randint(0, CFG.vocab, (batch, seq + 1), generator=g)
+        labels = t[:, 1:].contiguous()
+        labels[:3, :5] = -100                # ignored labels: micro-batches of unequal token counts
+        out.append({"tokens": t[:, :-1].contiguous(), "labels": labels})
+    return out
+
+
+def _opt(kind):
+    return fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=0.5) if kind == "adamw" else fpp.optim.sgd(1.0)
+
+
+def _run(mesh, rules, data, opt="adamw", **pp):
+    """Per device: losses and its held parameters (numpy, by path) after ``len(data)`` steps."""
+    loss = functools.partial(llama.loss, cfg=CFG)
+    if pp:
+        step = pipeline_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M, **pp)
+    else:
+        step = fpp.train_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=mesh, rules=rules, seed=0))
+        losses = []
+        for b in data:
+            with fpp.use_rules(rules):
+                local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+            state, m = step(state, local)
+            losses.append(m["loss"])
+        return losses, {p: x.numpy().copy() for p, x in fpp.leaves_with_paths(state["params"]) if x.numel()}
+    return fpp.launch(device, mesh)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    data = _data()
+    return data, {opt: _run(fpp.Mesh(), fpp.Rules(), data, opt)[0] for opt in ("adamw", "sgd")}
+
+
+def _assert_equal(ref, results, rtol=1e-12, atol=1e-13):
+    ref_losses, ref_params = ref
+    seen = {}
+    for losses, params in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=atol)
+        for path, x in params.items():
+            np.testing.assert_allclose(x, ref_params[path], rtol=rtol, atol=atol, err_msg=path)
+            seen[path] = True
+    assert seen.keys() == ref_params.keys()          # every parameter held by some stage
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("zb_h1", 4, 1),
+                                           ("interleaved_1f1b", 2, 2), ("gpipe", 4, 1)])
+def test_pipeline_equals_one_device(reference, schedule, pp, v):
+    data, ref = reference
+    mesh, rules = fpp.Mesh(pp=pp), fpp.Rules(layers="pp")
+    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule=schedule, virtual_stages=v))
+
+
+def test_pipeline_gradients_equal_one_device(reference):
+    data, ref = reference                            # SGD(lr=1): the update is the gradient
+    _assert_equal(ref["sgd"], _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, "sgd", schedule="1f1b"))
+
+
+def test_pipeline_times_data_parallel(reference):
+    data, ref = reference
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
+    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule="1f1b"))
+
+
+def test_clear_errors():
+    loss = functools.partial(llama.loss, cfg=CFG)
+    with pytest.raises(ValueError, match="add the rule layers='pp'"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(), grad_accum=4)
+    with pytest.raises(ValueError, match="unknown schedule 'onef1b'"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
+                      schedule="onef1b")
+    with pytest.warns(FewMicroBatchesWarning, match="2 micro-batches on 4 stages"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=4), rules=fpp.Rules(layers="pp"), grad_accum=2)
+    step = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
+                         schedule="interleaved_1f1b", virtual_stages=4)
+    with pytest.raises(Exception, match="4 layers do not split into 2 stages x 4 virtual"):   # at init, on every device
+        fpp.launch(lambda: step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0)),
+                   step.mesh)
