@@ -32,8 +32,9 @@ def _opt(kind):
     return fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=0.5) if kind == "adamw" else fpp.optim.sgd(1.0)
 
 
-def _run(mesh, rules, data, opt="adamw", **pp):
-    """Per device: losses and its held parameters (numpy, by path) after ``len(data)`` steps."""
+def _run(mesh, rules, data, opt="adamw", processes=False, **pp):
+    """Per device: losses, its held parameters (numpy, by path) after ``len(data)`` steps and
+    the collectives of the first step."""
     loss = functools.partial(llama.loss, cfg=CFG)
     if pp:
         step = pipeline_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M, **pp)
@@ -42,26 +43,28 @@ def _run(mesh, rules, data, opt="adamw", **pp):
 
     def device():
         state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=mesh, rules=rules, seed=0))
-        losses = []
+        losses, events = [], None
         for b in data:
             with fpp.use_rules(rules):
                 local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
-            state, m = step(state, local)
+            with fpp.comm_report() as rep:
+                state, m = step(state, local)
             losses.append(m["loss"])
-        return losses, {p: x.numpy().copy() for p, x in fpp.leaves_with_paths(state["params"]) if x.numel()}
-    return fpp.launch(device, mesh)
+            events = rep.events if events is None else events
+        return losses, {p: x.numpy().copy() for p, x in fpp.leaves_with_paths(state["params"]) if x.numel()}, events
+    return fpp.launch(device, mesh, processes=processes, **({"timeout": 300} if processes else {}))
 
 
 @pytest.fixture(scope="module")
 def reference():
     data = _data()
-    return data, {opt: _run(fpp.Mesh(), fpp.Rules(), data, opt)[0] for opt in ("adamw", "sgd")}
+    return data, {opt: _run(fpp.Mesh(), fpp.Rules(), data, opt)[0][:2] for opt in ("adamw", "sgd")}
 
 
 def _assert_equal(ref, results, rtol=1e-12, atol=1e-13):
     ref_losses, ref_params = ref
     seen = {}
-    for losses, params in results:
+    for losses, params, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=atol)
         for path, x in params.items():
             np.testing.assert_allclose(x, ref_params[path], rtol=rtol, atol=atol, err_msg=path)
@@ -86,6 +89,35 @@ def test_pipeline_times_data_parallel(reference):
     data, ref = reference
     mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
     _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule="1f1b"))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stage_to_stage_bytes(reference, pp):
+    """Per micro-batch and stage boundary: the activation forward and its gradient backward,
+    micro-batch x seq x hidden x bytes each (docs/communication.md), nothing else over pp
+    but the one all-reduce of the gradients of the parameters outside the layers."""
+    data, _ = reference
+    results = _run(fpp.Mesh(pp=pp), fpp.Rules(layers="pp"), data[:1], schedule="1f1b")
+    rows, seq = data[0]["tokens"].shape
+    boundary = rows // M * seq * CFG.hidden * DTYPE.itemsize
+    for d, (_, _, events) in enumerate(results):
+        sent = [e for e in events if e.kind == "permute"]
+        assert {e.axes for e in sent} == {("pp",)}
+        forward = sum(e.bytes_sent for e in sent if not e.backward)
+        assert forward + sum(e.bytes_sent for e in sent if e.backward) == M * boundary * ((d > 0) + (d < pp - 1))
+        assert {e.kind for e in events if e.axes == ("pp",)} == {"permute", "all_reduce"}
+
+
+@pytest.mark.multiprocess
+def test_gloo_processes_equal_simulation():
+    """pp 2 x dp_shard 2 with 1F1B on four real gloo processes: the simulated run, bit for bit."""
+    data = _data()
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
+    simulated = _run(mesh, rules, data, schedule="1f1b")
+    real = _run(mesh, rules, data, processes=True, schedule="1f1b")
+    for (ls, ps, _), (lr, pr, _) in zip(simulated, real):
+        assert ls == lr
+        assert ps.keys() == pr.keys() and all(np.array_equal(ps[k], pr[k]) for k in ps)
 
 
 def test_clear_errors():
