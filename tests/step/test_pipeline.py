@@ -10,6 +10,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp.models import llama
+from functional_pp.parallel.raw_collectives import raw_all_gather
 from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
 
 CFG = llama.Config.tiny(layers=4)
@@ -51,8 +52,21 @@ def _run(mesh, rules, data, opt="adamw", processes=False, **pp):
                 state, m = step(state, local)
             losses.append(m["loss"])
             events = rep.events if events is None else events
-        return losses, {p: x.numpy().copy() for p, x in fpp.leaves_with_paths(state["params"]) if x.numel()}, events
+        return losses, _held_and_gathered(state["params"], mesh, rules), events
     return fpp.launch(device, mesh, processes=processes, **({"timeout": 300} if processes else {}))
+
+
+def _held_and_gathered(params, mesh, rules):
+    """The parameters this device holds (its stages' layers and those outside the layers), each
+    gathered from its shards (tensor parallel, FSDP) as ``sharding.gather`` does."""
+    decls = dict(fpp.leaves_with_paths(llama.init(CFG, DTYPE)))
+    out = {}
+    for path, x in fpp.leaves_with_paths(params):
+        if x.numel():
+            for dim, axes in enumerate(rules.resolve(decls[path].dims, decls[path].shape, mesh, name=path)):
+                x = raw_all_gather(x, axes, dim) if axes else x
+            out[path] = x.numpy().copy()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +99,19 @@ def test_pipeline_gradients_equal_one_device(reference):
     _assert_equal(ref["sgd"], _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, "sgd", schedule="1f1b"))
 
 
-def test_pipeline_times_data_parallel(reference):
+TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+
+
+@pytest.mark.parametrize("what,mesh,rules,schedule", [
+    ("dp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp"), "1f1b"),
+    ("fsdp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"), "zb_h1"),
+    ("tp", fpp.Mesh(pp=2, tp=2), fpp.Rules(layers="pp", **TP), "interleaved_1f1b"),
+    ("fsdp x tp", fpp.Mesh(pp=2, dp_shard=2, tp=2),
+     fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp", **TP), "1f1b")])
+def test_pipeline_composes(reference, what, mesh, rules, schedule):
     data, ref = reference
-    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
-    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule="1f1b"))
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule=schedule, virtual_stages=v))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
