@@ -51,6 +51,9 @@ class PipelineStep(TrainStep):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.compile:
+            raise ValueError(f"pipeline_step(compile={self.compile!r}): a pipeline step runs eagerly (its stages "
+                             f"are not compiled yet); use compile=False")
         self.fsdp_prefetch = False   # prefetch follows the previous forward's units: not a stage's
         self.bucket_mb = None        # (gradients reduced as each backward makes them)
         p = self.stages
@@ -185,6 +188,8 @@ class PipelineStep(TrainStep):
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total, self._norm_groups(mesh),
                           donate_state=self.donate_state if donate_state is None else donate_state,
                           params_finite=params_finite, peaks=peaks)
+        if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
+            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),

@@ -107,11 +107,13 @@ TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     ("fsdp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"), "zb_h1"),
     ("tp", fpp.Mesh(pp=2, tp=2), fpp.Rules(layers="pp", **TP), "interleaved_1f1b"),
     ("fsdp x tp", fpp.Mesh(pp=2, dp_shard=2, tp=2),
-     fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp", **TP), "1f1b")])
+     fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp", **TP), "1f1b"),
+    ("remat", fpp.Mesh(pp=2), fpp.Rules(layers="pp"), "zb_h1")])
 def test_pipeline_composes(reference, what, mesh, rules, schedule):
     data, ref = reference
     v = 2 if schedule == "interleaved_1f1b" else 1
-    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule=schedule, virtual_stages=v))
+    _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule=schedule, virtual_stages=v,
+                                     remat=what == "remat"))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -150,6 +152,8 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="unknown schedule 'onef1b'"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
                       schedule="onef1b")
+    with pytest.raises(ValueError, match="runs eagerly"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4, compile=True)
     with pytest.warns(FewMicroBatchesWarning, match="2 micro-batches on 4 stages"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=4), rules=fpp.Rules(layers="pp"), grad_accum=2)
     step = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
