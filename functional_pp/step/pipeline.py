@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from functional_pp.compile.recompute import backward_region
+from functional_pp.core.runtime import current_context
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_unflatten
 from functional_pp.parallel.buckets import resolve_pending
 from functional_pp.parallel.grads import check_scalar_loss
@@ -77,6 +78,7 @@ class PipelineStep(TrainStep):
     # ----------------------------------------------------------- the state
     def init(self, params: Any) -> dict:
         """As :meth:`TrainStep.init`, with the parameters of other devices' layers left empty."""
+        _refuse_batched()
         paths = [p for p, _ in leaves_with_paths(params)]
         n_layers = self._count_layers(params)
         check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
@@ -111,6 +113,7 @@ class PipelineStep(TrainStep):
     # ------------------------------------------------------------- the step
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      donate_state: bool | None = None):
+        _refuse_batched()
         mesh = env()[0]
         p, v = self.stages, self.virtual_stages
         last, per = p * v - 1, self._per
@@ -264,6 +267,12 @@ class PipelineStep(TrainStep):
                 return tuple(x.shape), x.dtype
         raise ValueError("pipeline_step: the model called no functional_pp.layer; a pipeline cuts the model "
                          "at its layers")
+
+
+def _refuse_batched() -> None:
+    if getattr(current_context(required=False), "batched", False):
+        raise ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
+                         "actions): use launch's threads (the default) or processes=True")
 
 
 def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,

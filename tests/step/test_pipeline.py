@@ -41,6 +41,11 @@ def _run(mesh, rules, data, opt="adamw", processes=False, **pp):
         step = pipeline_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M, **pp)
     else:
         step = fpp.train_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M)
+    return _run_with(step, data, processes=processes)
+
+
+def _run_with(step, data, processes=False, simulate=None):
+    mesh, rules = step.mesh, step.rules
 
     def device():
         state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=mesh, rules=rules, seed=0))
@@ -53,7 +58,8 @@ def _run(mesh, rules, data, opt="adamw", processes=False, **pp):
             losses.append(m["loss"])
             events = rep.events if events is None else events
         return losses, _held_and_gathered(state["params"], mesh, rules), events
-    return fpp.launch(device, mesh, processes=processes, **({"timeout": 300} if processes else {}))
+    kw = {"processes": True, "timeout": 300} if processes else {"simulate": simulate}
+    return fpp.launch(device, mesh, **kw)
 
 
 def _held_and_gathered(params, mesh, rules):
@@ -154,6 +160,9 @@ def test_clear_errors():
                       schedule="onef1b")
     with pytest.raises(ValueError, match="runs eagerly"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4, compile=True)
+    batched = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2)
+    with pytest.raises(Exception, match="cannot run in a batched simulation"):
+        _run_with(batched, _data(1), simulate="batched")
     with pytest.warns(FewMicroBatchesWarning, match="2 micro-batches on 4 stages"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=4), rules=fpp.Rules(layers="pp"), grad_accum=2)
     step = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
