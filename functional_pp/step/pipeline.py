@@ -67,6 +67,7 @@ class PipelineStep(TrainStep):
                           f"(gradient_accumulation_steps) to at least {p}, or most of each step is bubble",
                           FewMicroBatchesWarning, stacklevel=3)
         self.timeline: Timeline = simulate(build(self.schedule, p, self.grad_accum, self.virtual_stages))
+        self._rounds = self._lock_step()
         self._stage_of: list[int | None] | None = None
         self._shapes: list[tuple] | None = None
         self._per = 0                # layers per virtual stage
@@ -177,8 +178,8 @@ class PipelineStep(TrainStep):
             else:
                 del saved[(k, j)]
 
-        for t, actions in self._ticks():
-            self._exchange(t, outbox, inbox, boundary, me)
+        for messages, actions in self._rounds:
+            self._exchange(messages, outbox, inbox, boundary, me)
             for a in actions.get(me, ()):
                 if a.kind == "F":
                     forward(a.stage, a.micro)
@@ -214,33 +215,28 @@ class PipelineStep(TrainStep):
                 out.append((axes, other))
         return out
 
-    def _ticks(self) -> list[tuple[int, dict[int, list]]]:
-        """The timeline as (time, {device: actions starting then}), every time a message may move."""
-        times: dict[int, dict[int, list]] = {}
+    def _lock_step(self) -> list[tuple[list[tuple], dict[int, list]]]:
+        """The timeline as rounds, one per time at which something starts or ends: the messages
+        (kind, stage, micro, from device, to device) finished then, and {device: actions
+        starting then}."""
+        s, last = self.timeline.schedule, self.stages * self.virtual_stages - 1
+        starts: dict[int, dict[int, list]] = {}
+        ends: dict[int, list[tuple]] = {}
         for d, dev in enumerate(self.timeline.slots):
             for start, end, a in dev:
-                times.setdefault(start, {}).setdefault(d, []).append(a)
-                times.setdefault(end, {})
-        return sorted(times.items())
-
-    def _messages_at(self, t: int) -> list[tuple[str, int, int, int, int]]:
-        """(kind, stage, micro, from device, to device) of the messages finished at time ``t``."""
-        s, p, last = self.timeline.schedule, self.stages, self.stages * self.virtual_stages - 1
-        out = []
-        for d, dev in enumerate(self.timeline.slots):
-            for _, end, a in dev:
-                if end != t:
-                    continue
+                starts.setdefault(start, {}).setdefault(d, []).append(a)
+                msgs = ends.setdefault(end, [])
                 if a.kind == "F" and a.stage < last:
-                    out.append(("act", a.stage, a.micro, d, s.device_of(a.stage + 1)))
+                    msgs.append(("act", a.stage, a.micro, d, s.device_of(a.stage + 1)))
                 elif a.kind in ("B", "BI") and a.stage > 0:
-                    out.append(("grad", a.stage, a.micro, d, s.device_of(a.stage - 1)))
-        return out
+                    msgs.append(("grad", a.stage, a.micro, d, s.device_of(a.stage - 1)))
+        return [(ends.get(t, []), starts.get(t, {})) for t in sorted(set(starts) | set(ends))]
 
-    def _exchange(self, t: int, outbox: dict, inbox: dict, boundary, me: int) -> None:
-        """Move the activations and gradients finished at ``t`` to the devices that need them."""
+    def _exchange(self, messages: list[tuple], outbox: dict, inbox: dict, boundary, me: int) -> None:
+        """Move the activations and gradients of ``messages`` to the devices that need them: one
+        permute over pp per direction, only the pairs that send."""
         for kind in ("act", "grad"):
-            msgs = [m for m in self._messages_at(t) if m[0] == kind]
+            msgs = [m for m in messages if m[0] == kind]
             if not msgs:
                 continue
             if self.stages == 1:
