@@ -5,8 +5,10 @@
 ``step = pipeline_step(loss_fn, optimizer, mesh=Mesh(pp=4, dp_shard=2), rules=Rules(...,
 layers="pp"), grad_accum=8, schedule="1f1b")`` is a :class:`~functional_pp.step.train.TrainStep`
 whose gradient phase runs the schedule: each device holds the layers of its stages (the other
-layers' parameters are empty in its state) and the parameters outside the layers (embedding,
-final norm, head: their gradients are summed over ``pp``). The schedule's timeline, checked
+layers' parameters are empty in its state). The parameters outside the layers named in
+``first_stage`` (the embedding) only the first stage holds, those in ``last_stage`` (final norm,
+head) only the last; the others, and those named in both (a tied embedding), every stage holds,
+their gradients summed over ``pp``. The schedule's timeline, checked
 on paper first (:func:`~functional_pp.parallel.pipeline.timing.simulate`), is run in lock
 step: at each time every device runs the action the timeline gives it, then the activations
 and gradients finished at that time move to the next and previous stage (one ``ppermute`` over
@@ -49,6 +51,9 @@ class PipelineStep(TrainStep):
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b | zb_h1
     virtual_stages: int = 1          # model chunks per device (interleaved_1f1b)
     layers: str = "layers"           # the list of repeated layers in the parameter tree
+    first_stage: tuple[str, ...] = ()   # parameters (path prefixes) only the first stage holds (embedding)
+    last_stage: tuple[str, ...] = ()    # ... only the last stage holds (final norm, head); the others,
+    #                                     and those named in both (a tied embedding), every stage holds
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,7 +90,12 @@ class PipelineStep(TrainStep):
         check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
         per = n_layers // (self.stages * self.virtual_stages)
         prefix = self.layers + "."
-        stage_of = [int(p[len(prefix):].split(".")[0]) // per if p.startswith(prefix) else None for p in paths]
+        stage_of = [int(p[len(prefix):].split(".")[0]) // per if p.startswith(prefix) else self._end_stage(p)
+                    for p in paths]
+        for name in (*self.first_stage, *self.last_stage):
+            if not any(_under(p, name) for p in paths):
+                raise ValueError(f"pipeline_step: no parameter at {name!r} (first_stage / last_stage name path "
+                                 f"prefixes of the parameter tree, e.g. {paths[0]!r})")
         shapes = [tuple(x.data.shape) for x in tree_flatten(params)[0]]
         state = super().init(params)
         with self._compile_lock:
@@ -106,6 +116,12 @@ class PipelineStep(TrainStep):
             raise ValueError(f"pipeline_step: the parameter tree has no list of layers at {self.layers!r} "
                              f"(pass layers='path.to.list' naming the repeated layers)")
         return len(node)
+
+    def _end_stage(self, path: str) -> int | None:
+        """The virtual stage that alone holds a parameter outside the layers, or None (all do)."""
+        first = any(_under(path, n) for n in self.first_stage)
+        last = any(_under(path, n) for n in self.last_stage)
+        return 0 if first and not last else self.stages * self.virtual_stages - 1 if last and not first else None
 
     def _held(self, i: int, device: int) -> bool:
         k = self._stage_of[i]
@@ -265,6 +281,10 @@ class PipelineStep(TrainStep):
                          "at its layers")
 
 
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
 def _refuse_batched() -> None:
     if getattr(current_context(required=False), "batched", False):
         raise ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
@@ -272,11 +292,13 @@ def _refuse_batched() -> None:
 
 
 def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,
-                  layers: str = "layers", **options) -> PipelineStep:
+                  layers: str = "layers", first_stage: tuple[str, ...] = (), last_stage: tuple[str, ...] = (),
+                  **options) -> PipelineStep:
     """Build a :class:`PipelineStep` (the options of :func:`~functional_pp.step.train.train_step`,
     ``grad_accum`` the number of micro-batches)."""
     from functional_pp.core.layout import Rules
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return PipelineStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), schedule=schedule,
-                        virtual_stages=virtual_stages, layers=layers, **options)
+                        virtual_stages=virtual_stages, layers=layers, first_stage=tuple(first_stage),
+                        last_stage=tuple(last_stage), **options)

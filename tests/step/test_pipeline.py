@@ -33,22 +33,22 @@ def _opt(kind):
     return fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=0.5) if kind == "adamw" else fpp.optim.sgd(1.0)
 
 
-def _run(mesh, rules, data, opt="adamw", processes=False, **pp):
+def _run(mesh, rules, data, opt="adamw", processes=False, cfg=CFG, **pp):
     """Per device: losses, its held parameters (numpy, by path) after ``len(data)`` steps and
     the collectives of the first step."""
-    loss = functools.partial(llama.loss, cfg=CFG)
+    loss = functools.partial(llama.loss, cfg=cfg)
     if pp:
         step = pipeline_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M, **pp)
     else:
         step = fpp.train_step(loss, _opt(opt), mesh=mesh, rules=rules, grad_accum=M)
-    return _run_with(step, data, processes=processes)
+    return _run_with(step, data, processes=processes, cfg=cfg)
 
 
-def _run_with(step, data, processes=False, simulate=None):
+def _run_with(step, data, processes=False, simulate=None, cfg=CFG):
     mesh, rules = step.mesh, step.rules
 
     def device():
-        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=mesh, rules=rules, seed=0))
+        state = step.init(fpp.init(llama.init, cfg, DTYPE, mesh=mesh, rules=rules, seed=0))
         losses, events = [], None
         for b in data:
             with fpp.use_rules(rules):
@@ -57,15 +57,15 @@ def _run_with(step, data, processes=False, simulate=None):
                 state, m = step(state, local)
             losses.append(m["loss"])
             events = rep.events if events is None else events
-        return losses, _held_and_gathered(state["params"], mesh, rules), events
+        return losses, _held_and_gathered(state["params"], mesh, rules, cfg), events
     kw = {"processes": True, "timeout": 300} if processes else {"simulate": simulate}
     return fpp.launch(device, mesh, **kw)
 
 
-def _held_and_gathered(params, mesh, rules):
+def _held_and_gathered(params, mesh, rules, cfg=CFG):
     """The parameters this device holds (its stages' layers and those outside the layers), each
     gathered from its shards (tensor parallel, FSDP) as ``sharding.gather`` does."""
-    decls = dict(fpp.leaves_with_paths(llama.init(CFG, DTYPE)))
+    decls = dict(fpp.leaves_with_paths(llama.init(cfg, DTYPE)))
     out = {}
     for path, x in fpp.leaves_with_paths(params):
         if x.numel():
@@ -103,6 +103,37 @@ def test_pipeline_equals_one_device(reference, schedule, pp, v):
 def test_pipeline_gradients_equal_one_device(reference):
     data, ref = reference                            # SGD(lr=1): the update is the gradient
     _assert_equal(ref["sgd"], _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, "sgd", schedule="1f1b"))
+
+
+ENDS = dict(first_stage=("embed_tokens",), last_stage=("norm", "lm_head"))
+
+
+@pytest.mark.parametrize("mesh,rules", [(fpp.Mesh(pp=4), fpp.Rules(layers="pp")),
+                                        (fpp.Mesh(pp=2, dp_shard=2),
+                                         fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"))])
+def test_embedding_on_the_first_stage_head_on_the_last(reference, mesh, rules):
+    """first_stage / last_stage: the embedding only on the first stage, the final norm and the
+    head only on the last (the other stages hold them empty), still equal to one device."""
+    data, ref = reference
+    results = _run(mesh, rules, data, schedule="1f1b", **ENDS)
+    _assert_equal(ref["adamw"], results)
+    p = mesh.shape["pp"]
+    for rank, (_, params, _) in enumerate(results):
+        stage = mesh.coords(rank)["pp"]
+        assert ("embed_tokens" in params) == (stage == 0)
+        assert ("lm_head" in params) == ("norm" in params) == (stage == p - 1)
+
+
+def test_tied_embedding_on_both_ends(reference):
+    """A tied embedding is the first stage's table and the last stage's head: named in both,
+    every stage holds it and its gradients are summed over pp."""
+    data, _ = reference
+    tied = llama.Config.tiny(layers=4, tie_embeddings=True)
+    ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=tied)[0][:2]
+    results = _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, cfg=tied, schedule="1f1b",
+                   first_stage=("embed_tokens",), last_stage=("norm", "embed_tokens"))
+    _assert_equal(ref, results)
+    assert all("embed_tokens" in params for _, params, _ in results)
 
 
 TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
@@ -158,6 +189,10 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="unknown schedule 'onef1b'"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
                       schedule="onef1b")
+    typo = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2,
+                         first_stage=("embed",))
+    with pytest.raises(Exception, match="no parameter at 'embed'"):
+        _run_with(typo, _data(1))
     with pytest.raises(ValueError, match="runs eagerly"):
         pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4, compile=True)
     batched = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2)
