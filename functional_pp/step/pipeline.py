@@ -24,7 +24,8 @@ import torch
 
 from functional_pp.compile.recompute import backward_region
 from functional_pp.core.runtime import current_context
-from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_unflatten
+from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.optim.base import state_like_params
 from functional_pp.parallel.buckets import resolve_pending
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import env, settle, wrap
@@ -107,6 +108,44 @@ class PipelineStep(TrainStep):
         state["params"] = tree_unflatten(spec, leaves)
         state["opt_state"] = self.optimizer.init(state["params"])
         return state
+
+    def logical_state(self, state: dict) -> dict:
+        """The whole training state on every stage, as one device (or ``train_step`` on the same
+        mesh without ``pp``) would hold it: each layer's parameters and optimizer state gathered
+        from the stage that holds them (a sum over ``pp`` with zeros elsewhere: exact). A layer
+        keeps its name, so this state resumes on any pp size (:meth:`stage_state`) or without a
+        pipeline."""
+        me = axis_index(PP) if self.stages > 1 else 0
+
+        def whole(i: int, x: torch.Tensor) -> torch.Tensor:
+            if self._stage_of[i] is None or self.stages == 1:
+                return x
+            mine = x if self._held(i, me) else torch.zeros(self._shapes[i], dtype=x.dtype, device=x.device)
+            return raw_all_reduce(mine, PP, "sum")
+        return self._map_param_leaves(state, whole)
+
+    def stage_state(self, state: dict) -> dict:
+        """This device's part of a whole training state (:meth:`logical_state` of a pipeline of
+        any size, or a one-device state): the other stages' layers left empty. Call
+        :meth:`init` first (it records the parameters' layout)."""
+        if self._stage_of is None:
+            raise RuntimeError("call step.init(params) before step.stage_state(state)")
+        me = axis_index(PP) if self.stages > 1 else 0
+        return self._map_param_leaves(state, lambda i, x: x if self._held(i, me) else x.new_empty(0))
+
+    @staticmethod
+    def _map_param_leaves(state: dict, fn) -> dict:
+        """``state`` with ``fn(i, leaf)`` applied to parameter ``i`` and to the optimizer state's
+        leaves that mirror it (Adam's moments; ``optim.state_like_params``)."""
+        leaves, spec = tree_flatten(state["params"])
+        params = tree_unflatten(spec, [fn(i, x) for i, x in enumerate(leaves)])
+        opt_leaves, opt_spec = tree_flatten(state["opt_state"])
+        like = tree_leaves(state_like_params(state["opt_state"]))
+        out, seen = [], 0
+        for x, mirrors in zip(opt_leaves, like):
+            out.append(fn(seen % len(leaves), x) if mirrors else x)
+            seen += bool(mirrors)
+        return {**state, "params": params, "opt_state": tree_unflatten(opt_spec, out)}
 
     def _count_layers(self, params: Any) -> int:
         node = params

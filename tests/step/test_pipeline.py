@@ -205,3 +205,44 @@ def test_clear_errors():
     with pytest.raises(Exception, match="4 layers do not split into 2 stages x 4 virtual"):   # at init, on every device
         fpp.launch(lambda: step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0)),
                    step.mesh)
+
+
+def _states(step, data, start=None):
+    """Launchable: ``len(data)`` steps from a fresh state, or from ``start`` (a whole state) cut
+    to this device's stages; returns the whole state (numpy leaves) and the losses."""
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0))
+        if start is not None:
+            whole = fpp.core.tree.tree_map(torch.from_numpy, start)
+            state = step.stage_state({**state, **whole}) if hasattr(step, "stage_state") else {**state, **whole}
+        losses = []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        whole = step.logical_state(state) if hasattr(step, "logical_state") else state
+        keep = {k: whole[k] for k in ("params", "opt_state")}
+        return fpp.core.tree.tree_map(lambda x: x.numpy().copy(), keep), losses
+    return fpp.launch(device, step.mesh)
+
+
+def test_a_pp4_state_resumes_on_pp2_and_on_one_device(reference):
+    """logical_state: the pp = 4 state after one step, parameters and Adam moments, equals one
+    device's; cut to pp = 2 (stage_state) or used as is on one device, the second step equals
+    one device's two steps."""
+    data, _ = reference
+    loss = functools.partial(llama.loss, cfg=CFG)
+    one = fpp.train_step(loss, _opt("adamw"), mesh=fpp.Mesh(), grad_accum=M)
+    pp = {n: pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=n), rules=fpp.Rules(layers="pp"), grad_accum=M)
+          for n in (2, 4)}
+    (ref1, _), = _states(one, data[:1])
+    (ref2, ref_losses), = _states(one, data)
+    after_pp4 = _states(pp[4], data[:1])
+    for whole, _ in after_pp4:                      # every stage holds the same whole state
+        for (path, a), (_, b) in zip(fpp.leaves_with_paths(whole), fpp.leaves_with_paths(ref1)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=path)
+    start = after_pp4[0][0]
+    for step in (pp[2], one):
+        for whole, losses in _states(step, data[1:], start):
+            np.testing.assert_allclose(losses, ref_losses[1:], rtol=1e-12)
+            for (path, a), (_, b) in zip(fpp.leaves_with_paths(whole), fpp.leaves_with_paths(ref2)):
+                np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=path)
