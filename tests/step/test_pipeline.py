@@ -143,9 +143,10 @@ TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     ("dp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp"), "1f1b"),
     ("fsdp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"), "zb_h1"),
     ("tp", fpp.Mesh(pp=2, tp=2), fpp.Rules(layers="pp", **TP), "interleaved_1f1b"),
-    ("fsdp x tp", fpp.Mesh(pp=2, dp_shard=2, tp=2),
-     fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp", **TP), "1f1b"),
-    ("remat", fpp.Mesh(pp=2), fpp.Rules(layers="pp"), "zb_h1")])
+    ("remat", fpp.Mesh(pp=2), fpp.Rules(layers="pp"), "zb_h1"),
+    ("cp", fpp.Mesh(pp=2, cp=2), fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq"), layers="pp"), "gpipe"),
+    # 5-D: pp 2 x dp_shard 2 x cp 2 x tp 2 on 16 devices, Llama's default rules (FSDP over dp_shard x cp)
+    ("5-D", fpp.Mesh(pp=2, dp_shard=2, cp=2, tp=2), llama.default_rules().replace(layers="pp"), "1f1b")])
 def test_pipeline_composes(reference, what, mesh, rules, schedule):
     data, ref = reference
     v = 2 if schedule == "interleaved_1f1b" else 1
