@@ -1,7 +1,8 @@
 """Pipeline parallelism equals one device: a tiny Llama whose layers are split over ``pp``
 (the rule ``layers="pp"``), trained two AdamW steps with every schedule, on pp = 2 and 4 and
-composed with data parallelism, against ``train_step`` with the same micro-batches on one
-device (losses, updated parameters; gradients through SGD's update)."""
+composed with DP, FSDP, TP, CP and all of them (5-D), against ``train_step`` with the same
+micro-batches on one device (losses, updated parameters; gradients through SGD's update); on
+gloo processes against the simulation; the bytes between stages; resuming on another pp size."""
 import functools
 
 import numpy as np
