@@ -45,11 +45,12 @@ def _run(mesh, rules, data, opt="adamw", processes=False, cfg=CFG, **pp):
     return _run_with(step, data, processes=processes, cfg=cfg)
 
 
-def _run_with(step, data, processes=False, simulate=None, cfg=CFG):
+def _run_with(step, data, processes=False, simulate=None, cfg=CFG, init=None):
     mesh, rules = step.mesh, step.rules
+    init = init or functools.partial(fpp.init, llama.init, cfg, DTYPE, seed=0)
 
     def device():
-        state = step.init(fpp.init(llama.init, cfg, DTYPE, mesh=mesh, rules=rules, seed=0))
+        state = step.init(init(mesh=mesh, rules=rules))
         losses, events = [], None
         for b in data:
             with fpp.use_rules(rules):
@@ -182,6 +183,21 @@ def test_gloo_processes_equal_simulation():
     for (ls, ps, _), (lr, pr, _) in zip(simulated, real):
         assert ls == lr
         assert ps.keys() == pr.keys() and all(np.array_equal(ps[k], pr[k]) for k in ps)
+
+
+def test_bf16_equals_one_device_bit_for_bit():
+    """bf16 compute with fp32 master weights: the stages cast, accumulate and sum in train_step's
+    order (micro-batches ascending), so pp = 2 gives one device's bits."""
+    data = _data()
+    loss = functools.partial(llama.loss, cfg=CFG)
+    kw = dict(grad_accum=M, precision="bf16")
+    one = fpp.train_step(loss, _opt("adamw"), mesh=fpp.Mesh(), **kw)
+    pp = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), **kw)
+    init = functools.partial(fpp.init, llama.init, CFG, torch.float32, seed=0)
+    (ref_losses, ref_params, _), = _run_with(one, data, init=init)
+    for losses, params, _ in _run_with(pp, data, init=init):
+        assert losses == ref_losses
+        assert all(np.array_equal(x, ref_params[k]) for k, x in params.items())
 
 
 def test_clear_errors():
