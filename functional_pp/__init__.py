@@ -21,6 +21,7 @@ from functional_pp.parallel.init import init, init_params
 from functional_pp.parallel.named import Named, configure, tied, wrap
 from functional_pp.parallel.reshard import named
 from functional_pp.parallel.shard_map import shard_map, use_rules
+from functional_pp.step.pipeline import pipeline_step
 from functional_pp.step.train import TrainStep, train_step
 from functional_pp.version import __version__
 
@@ -36,6 +37,7 @@ __all__ = [
     "axis_index", "axis_size", "shard_map", "use_rules",
     # the step
     "layer", "remat", "value_and_grad", "gather_tree", "train_step", "TrainStep",
+    "pipeline_step",
     "comm_report", "CommReport",
     # submodules
     "ops", "optim",

@@ -117,6 +117,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     out = stream or sys.stdout
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
+    if "pp" in mesh.shape:        # before any work: the loop's checkpoints and views need whole layers
+        raise ConfigError(f"pp_size {mesh.shape['pp']}: the train command does not run pipelines yet (its "
+                          f"checkpoints keep every layer on every device); train with the library's "
+                          f"functional_pp.pipeline_step (docs/pipelines.md), or set pp_size: 1")
     family, model_cfg = model_family(cfg), model_config(cfg)
     decls = family.param_decls(model_cfg)
     out_dir = cfg.output_dir()

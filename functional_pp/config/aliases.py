@@ -25,6 +25,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tensor_parallel_size": ("tp_size", _same),
     "context_parallel_size": ("cp_size", _same),
+    "pipeline_parallel_size": ("pp_size", _same),
     "gradient_checkpointing": ("activation_checkpointing", _same),
     "torch_compile": ("compile", lambda v: _auto_compile() if v == "auto" else v),
     "torch_compile_backend": ("compile", _same),

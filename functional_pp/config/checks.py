@@ -25,6 +25,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         v = getattr(cfg, k)
         if v < 1 and not (k == "dp_shard_size" and v == -1):
             add(f"{k} must be >= 1 (or -1 for dp_shard_size: the rest of the world), got {v}")
+    _check_pipeline_values(cfg, add)
     for k in ("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "max_steps"):
         if getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
@@ -111,6 +112,40 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         issues.raise_if_any()
 
 
+def _check_pipeline_values(cfg: Any, add) -> None:
+    """pp_size, pp_schedule and pp_virtual_stages: known, in range, consistent."""
+    from functional_pp.parallel.pipeline.schedule import check_sizes
+    for k in ("pp_size", "pp_virtual_stages"):
+        if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1:
+            add(f"{k} must be an integer >= 1, got {getattr(cfg, k)!r}")
+            return
+    try:
+        check_sizes(cfg.pp_schedule, cfg.pp_size, cfg.pp_virtual_stages, 1 if cfg.pp_schedule != "interleaved_1f1b"
+                    else cfg.pp_size)    # (the micro-batches are checked with the world: check_pipeline)
+    except ValueError as exc:
+        add(str(exc))
+
+
+def check_pipeline(cfg: Any, layers: int | None, micro_batches: int) -> None:
+    """Before work: the model's ``layers`` split into pp_size x pp_virtual_stages stages, the
+    schedule fits ``micro_batches``; fewer micro-batches than stages is a warning (most of the
+    step would be bubble), as in torchtitan."""
+    import warnings
+
+    from functional_pp.parallel.pipeline.schedule import check_sizes
+    if cfg.pp_size == 1 and cfg.pp_virtual_stages == 1:
+        return
+    try:
+        check_sizes(cfg.pp_schedule, cfg.pp_size, cfg.pp_virtual_stages, micro_batches, layers=layers)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (pp_size {cfg.pp_size}, pp_virtual_stages {cfg.pp_virtual_stages}, "
+                          f"gradient_accumulation_steps {micro_batches})") from exc
+    if micro_batches < cfg.pp_size:
+        warnings.warn(f"gradient_accumulation_steps {micro_batches} < pp_size {cfg.pp_size}: the pipeline runs "
+                      f"fewer micro-batches than stages and most of each step is bubble; use at least "
+                      f"{cfg.pp_size}", UserWarning, stacklevel=2)
+
+
 def resolved_precision(cfg: Any) -> str:
     """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""
     p = cfg.precision.lower()
@@ -165,6 +200,7 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
             raise ConfigError(f"rules: unknown dim name '{dim}'{suggest(dim, sorted(known))}")
     _check_batch_and_sequence(cfg, mesh, rules)
     _check_model_layout(cfg, mesh, rules)
+    check_pipeline(cfg, getattr(model_config(cfg), "layers", None), cfg.grad_accum(mesh, rules))
     _check_paths(cfg)
 
 

@@ -31,6 +31,10 @@ class TrainConfig:
     cp_size: int = fld(1, "context parallelism: the sequence split over N devices (ring "
                           "attention); alias context_parallel_size")
     tp_size: int = fld(1, "tensor parallelism over N devices; alias tensor_parallel_size")
+    pp_size: int = fld(1, "pipeline parallelism: the model's layers split into N stages over the "
+                          "outermost mesh axis pp (docs/pipelines.md); alias pipeline_parallel_size")
+    pp_schedule: str = fld("1f1b", "the pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zb_h1")
+    pp_virtual_stages: int = fld(1, "model chunks per pipeline device (interleaved_1f1b)")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
@@ -215,7 +219,8 @@ class TrainConfig:
         """Whether the config gives any mesh size (else all devices are data parallel): a size
         key in its YAML, a size other than 1 set in Python (``dataclasses.replace``, the layout
         ``layout: auto`` chose), or ``layout: auto`` itself."""
-        return (any(k in self._given for k in MESH_KEYS) or any(getattr(self, k) != 1 for k in MESH_KEYS)
+        return (any(k in self._given for k in (*MESH_KEYS, "pp_size"))
+                or any(getattr(self, k) != 1 for k in (*MESH_KEYS, "pp_size"))
                 or self.layout == "auto")
 
     def mesh_sizes(self, world_size: int | None = None) -> dict[str, int]:
@@ -223,10 +228,12 @@ class TrainConfig:
         without any size uses every device for data parallelism (``dp_shard`` = the world size,
         as Axolotl / Accelerate do); with no known world size that is one device."""
         sizes = {axis: getattr(self, key) for key, axis in MESH_KEYS.items()}
+        if self.pp_size != 1:             # pipeline stages: the outermost axis, only when used
+            sizes = {"pp": self.pp_size, **sizes}
         if not self.sizes_given() and all(v == 1 for v in sizes.values()):
             sizes["dp_shard"] = world_size or 1
         if sizes["dp_shard"] == -1:
-            rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+            rest = sizes.get("pp", 1) * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
             if world_size is None:
                 raise ConfigError("dp_shard_size: -1 needs a known world size (torchrun or --simulate N)")
             if world_size % rest:
@@ -248,6 +255,8 @@ class TrainConfig:
         try:
             rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)
                                      for k, v in self.rules.items()})
+            if mesh is not None and "pp" in mesh.shape and "layers" not in self.rules:
+                rules = rules.replace(layers="pp")      # pipeline stages: the layers over pp
             if mesh is not None:
                 rules.check(mesh)
         except ValueError as exc:

@@ -37,13 +37,15 @@ class Mesh:
 
     ``Mesh(dp_replicate=2, dp_shard=2, cp=2, tp=2)`` uses Accelerate's names and order:
     ``dp_replicate`` outermost, ``tp`` innermost so tensor-parallel ranks are neighbours.
-    Extra axes (``Mesh(tp=2, ep=4)``) follow the default ones in keyword order; use
+    Extra axes (``Mesh(tp=2, ep=4)``) follow the default ones in keyword order, except ``pp``
+    (pipeline stages), which comes first as in torchtitan's ``pp x dp x cp x tp``; use
     :meth:`from_axes` to choose the order of every axis.
     """
 
     def __init__(self, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, tp: int = 1,
                  **more_axes: int):
-        sizes = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        sizes = {"pp": more_axes.pop("pp")} if "pp" in more_axes else {}    # pipeline stages: outermost
+        sizes.update(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
         sizes.update(more_axes)
         self._init(list(sizes.items()))
 

@@ -19,6 +19,7 @@ from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure, options
+from functional_pp.parallel.pipeline.stage import current_stage, running_stage
 
 
 def _flatten(tree: Any):
@@ -85,6 +86,10 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapped(*args):
+        stage = None if is_tracing() else current_stage()     # (a pipeline step runs eagerly)
+        if stage is not None:           # a pipeline stage runs some layers (parallel/pipeline/stage.py)
+            with running_stage(None):
+                return stage.layer(wrapped, args)
         backend = layer_backend()
         if backend is not None:
             body = compiled.get(backend)

@@ -1,0 +1,82 @@
+"""One virtual stage of a model, cut at its layer boundary (``functional_pp.layer``).
+
+The model function runs unchanged on every stage. While a :class:`StageRun` is active on a
+device thread, the ``i``-th layer call runs only when ``i`` is one of the stage's layers;
+the other calls pass their residual stream (the layer's second argument) through. At the
+stage's first layer the residual stream is replaced by the activation received from the
+previous stage (its gradient flows back to that tensor); after the stage's last layer the
+rest of the model is cut short by :class:`StageOutput`, carrying the activation to send on.
+The last stage runs to the loss (docs/pipelines.md)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from functional_pp.core.runtime import per_thread
+
+_local = per_thread("parallel.pipeline.stage")
+
+
+class StageOutput(Exception):
+    """The stage's last layer has run: ``value`` (a Named) is what goes to the next stage."""
+
+    def __init__(self, value: Any):
+        super().__init__("pipeline stage output")
+        self.value = value
+
+
+@dataclass
+class StageRun:
+    """The layers ``first .. last`` (call indices) of one forward; ``x_in`` the received
+    activation (None on the first stage); ``cut`` whether the model stops after ``last``."""
+    first: int
+    last: int
+    x_in: torch.Tensor | None
+    cut: bool
+    calls: int = 0
+
+    def layer(self, run: Callable[..., Any], args: tuple) -> Any:
+        i = self.calls
+        self.calls += 1
+        if len(args) < 2:
+            raise TypeError(f"pipeline: layer {i} was called with {len(args)} argument(s); a pipelined "
+                            f"layer is fn(params, x, ...) -> x, x the residual stream it passes on")
+        if self.cut and self.last < self.first:       # no layers: stop at the first (a probe)
+            raise StageOutput(args[1])
+        if not self.first <= i <= self.last:
+            return args[1]
+        x = args[1]
+        if i == self.first and self.x_in is not None:
+            if tuple(self.x_in.shape) != tuple(x.data.shape):
+                raise ValueError(f"pipeline: layer {i} receives an activation of shape {tuple(self.x_in.shape)} "
+                                 f"but its residual stream here has shape {tuple(x.data.shape)}")
+            x = x.replace(data=self.x_in, tied=False, gathered_from=None)
+            args = (args[0], x, *args[2:])
+        out = run(*args)
+        if i == self.last and self.cut:
+            meta_in, meta_out = (x.dims, x.split, x.vary, x.partial), (out.dims, out.split, out.vary, out.partial)
+            if meta_in != meta_out:
+                raise ValueError(f"pipeline: layer {i} returns a value laid out as {meta_out} but takes its "
+                                 f"residual stream as {meta_in}; a stage boundary needs a layer whose result "
+                                 f"is laid out like its input")
+            raise StageOutput(out)
+        return out
+
+
+def current_stage() -> StageRun | None:
+    """The stage being run on this device thread, if any."""
+    return _local.__dict__.get("run")
+
+
+@contextmanager
+def running_stage(run: StageRun) -> Iterator[StageRun]:
+    """Run the model as the stage ``run`` inside the block."""
+    before = current_stage()
+    _local.run = run
+    try:
+        yield run
+    finally:
+        _local.run = before

@@ -1,0 +1,343 @@
+"""The training step with pipeline parallelism: the model's repeated layers split over the
+``pp`` mesh axis by the rule ``layers="pp"``, micro-batches (``grad_accum``) run by a schedule
+(docs/pipelines.md).
+
+``step = pipeline_step(loss_fn, optimizer, mesh=Mesh(pp=4, dp_shard=2), rules=Rules(...,
+layers="pp"), grad_accum=8, schedule="1f1b")`` is a :class:`~functional_pp.step.train.TrainStep`
+whose gradient phase runs the schedule: each device holds the layers of its stages (the other
+layers' parameters are empty in its state). The parameters outside the layers named in
+``first_stage`` (the embedding) only the first stage holds, those in ``last_stage`` (final norm,
+head) only the last; the others, and those named in both (a tied embedding), every stage holds,
+their gradients summed over ``pp``. The schedule's timeline, checked
+on paper first (:func:`~functional_pp.parallel.pipeline.timing.simulate`), is run in lock
+step: at each time every device runs the action the timeline gives it, then the activations
+and gradients finished at that time move to the next and previous stage (one ``ppermute`` over
+``pp`` per direction, only the pairs that send). Each micro-batch's loss is weighted by its
+share of the global token count before its backward; the gradient norm covers every stage."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from functional_pp.compile.recompute import backward_region
+from functional_pp.core.runtime import current_context
+from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.optim.base import state_like_params
+from functional_pp.parallel.buckets import resolve_pending
+from functional_pp.parallel.grads import check_scalar_loss
+from functional_pp.parallel.named import env, settle, wrap
+from functional_pp.parallel.pipeline.schedule import build, check_sizes
+from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
+from functional_pp.parallel.pipeline.timing import Timeline, simulate
+from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
+from functional_pp.step.buffers import acc_dtype
+from functional_pp.step.io import split_micro
+from functional_pp.step.train import TrainStep
+from functional_pp.step.update import update_phase
+
+PP = "pp"
+
+
+class FewMicroBatchesWarning(UserWarning):
+    """Fewer micro-batches than pipeline stages: most of the step is bubble."""
+
+
+@dataclass
+class PipelineStep(TrainStep):
+    """A :class:`TrainStep` whose micro-batches run through pipeline stages over ``pp``."""
+
+    schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b | zb_h1
+    virtual_stages: int = 1          # model chunks per device (interleaved_1f1b)
+    layers: str = "layers"           # the list of repeated layers in the parameter tree
+    first_stage: tuple[str, ...] = ()   # parameters (path prefixes) only the first stage holds (embedding)
+    last_stage: tuple[str, ...] = ()    # ... only the last stage holds (final norm, head); the others,
+    #                                     and those named in both (a tied embedding), every stage holds
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.compile:
+            raise ValueError(f"pipeline_step(compile={self.compile!r}): a pipeline step runs eagerly (its stages "
+                             f"are not compiled yet); use compile=False")
+        self.fsdp_prefetch = False   # prefetch follows the previous forward's units: not a stage's
+        self.bucket_mb = None        # (gradients reduced as each backward makes them)
+        p = self.stages
+        if p > 1 and self.rules[self.layers] != (PP,):
+            raise ValueError(f"pipeline_step: the mesh has pp={p} but the rules do not split the layers over it; "
+                             f"add the rule {self.layers}='pp' (Rules(..., {self.layers}='pp'))")
+        check_sizes(self.schedule, p, self.virtual_stages, self.grad_accum)
+        if self.grad_accum < p:
+            warnings.warn(f"pipeline_step: {self.grad_accum} micro-batches on {p} stages: raise grad_accum "
+                          f"(gradient_accumulation_steps) to at least {p}, or most of each step is bubble",
+                          FewMicroBatchesWarning, stacklevel=3)
+        self.timeline: Timeline = simulate(build(self.schedule, p, self.grad_accum, self.virtual_stages))
+        self._rounds = self._lock_step()
+        self._stage_of: list[int | None] | None = None
+        self._shapes: list[tuple] | None = None
+        self._per = 0                # layers per virtual stage
+
+    @property
+    def stages(self) -> int:
+        return self.mesh.shape.get(PP, 1) if self.mesh is not None else 1
+
+    # ----------------------------------------------------------- the state
+    def init(self, params: Any) -> dict:
+        """As :meth:`TrainStep.init`, with the parameters of other devices' layers left empty."""
+        _refuse_batched()
+        paths = [p for p, _ in leaves_with_paths(params)]
+        n_layers = self._count_layers(params)
+        check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
+        per = n_layers // (self.stages * self.virtual_stages)
+        prefix = self.layers + "."
+        stage_of = [int(p[len(prefix):].split(".")[0]) // per if p.startswith(prefix) else self._end_stage(p)
+                    for p in paths]
+        for name in (*self.first_stage, *self.last_stage):
+            if not any(_under(p, name) for p in paths):
+                raise ValueError(f"pipeline_step: no parameter at {name!r} (first_stage / last_stage name path "
+                                 f"prefixes of the parameter tree, e.g. {paths[0]!r})")
+        shapes = [tuple(x.data.shape) for x in tree_flatten(params)[0]]
+        state = super().init(params)
+        with self._compile_lock:
+            if self._stage_of is None:
+                self._stage_of, self._shapes, self._per = stage_of, shapes, per
+        me = axis_index(PP) if self.stages > 1 else 0
+        leaves, spec = tree_flatten(state["params"])
+        leaves = [x if self._held(i, me) else x.new_empty(0) for i, x in enumerate(leaves)]
+        state["params"] = tree_unflatten(spec, leaves)
+        state["opt_state"] = self.optimizer.init(state["params"])
+        return state
+
+    def logical_state(self, state: dict) -> dict:
+        """The whole training state on every stage, as one device (or ``train_step`` on the same
+        mesh without ``pp``) would hold it: each layer's parameters and optimizer state gathered
+        from the stage that holds them (a sum over ``pp`` with zeros elsewhere: exact). A layer
+        keeps its name, so this state resumes on any pp size (:meth:`stage_state`) or without a
+        pipeline."""
+        me = axis_index(PP) if self.stages > 1 else 0
+
+        def whole(i: int, x: torch.Tensor) -> torch.Tensor:
+            if self._stage_of[i] is None or self.stages == 1:
+                return x
+            mine = x if self._held(i, me) else torch.zeros(self._shapes[i], dtype=x.dtype, device=x.device)
+            return raw_all_reduce(mine, PP, "sum")
+        return self._map_param_leaves(state, whole)
+
+    def stage_state(self, state: dict) -> dict:
+        """This device's part of a whole training state (:meth:`logical_state` of a pipeline of
+        any size, or a one-device state): the other stages' layers left empty. Call
+        :meth:`init` first (it records the parameters' layout)."""
+        if self._stage_of is None:
+            raise RuntimeError("call step.init(params) before step.stage_state(state)")
+        me = axis_index(PP) if self.stages > 1 else 0
+        return self._map_param_leaves(state, lambda i, x: x if self._held(i, me) else x.new_empty(0))
+
+    @staticmethod
+    def _map_param_leaves(state: dict, fn) -> dict:
+        """``state`` with ``fn(i, leaf)`` applied to parameter ``i`` and to the optimizer state's
+        leaves that mirror it (Adam's moments; ``optim.state_like_params``)."""
+        leaves, spec = tree_flatten(state["params"])
+        params = tree_unflatten(spec, [fn(i, x) for i, x in enumerate(leaves)])
+        opt_leaves, opt_spec = tree_flatten(state["opt_state"])
+        like = tree_leaves(state_like_params(state["opt_state"]))
+        out, seen = [], 0
+        for x, mirrors in zip(opt_leaves, like):
+            out.append(fn(seen % len(leaves), x) if mirrors else x)
+            seen += bool(mirrors)
+        return {**state, "params": params, "opt_state": tree_unflatten(opt_spec, out)}
+
+    def _count_layers(self, params: Any) -> int:
+        node = params
+        for key in self.layers.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, (list, tuple)) or not node:
+            raise ValueError(f"pipeline_step: the parameter tree has no list of layers at {self.layers!r} "
+                             f"(pass layers='path.to.list' naming the repeated layers)")
+        return len(node)
+
+    def _end_stage(self, path: str) -> int | None:
+        """The virtual stage that alone holds a parameter outside the layers, or None (all do)."""
+        first = any(_under(path, n) for n in self.first_stage)
+        last = any(_under(path, n) for n in self.last_stage)
+        return 0 if first and not last else self.stages * self.virtual_stages - 1 if last and not first else None
+
+    def _held(self, i: int, device: int) -> bool:
+        k = self._stage_of[i]
+        return k is None or k % self.stages == device
+
+    # ------------------------------------------------------------- the step
+    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
+                     donate_state: bool | None = None):
+        _refuse_batched()
+        mesh = env()[0]
+        p, v = self.stages, self.virtual_stages
+        last, per = p * v - 1, self._per
+        me = axis_index(PP) if p > 1 else 0
+        leaves, treespec = tree_flatten(params)
+        held = [self._held(i, me) for i in range(len(leaves))]
+        xs = [x.detach().requires_grad_(x.is_floating_point()) if h else
+              torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
+              for x, h, shape in zip(leaves, held, self._shapes)]
+        micro = split_micro(batch, self.grad_accum)
+        weights, tokens = self._micro_weights(micro)
+        acc = acc_dtype([x for x, h in zip(leaves, held) if h])
+        grads = [torch.zeros_like(x) for x in leaves]
+        total = torch.zeros((), dtype=acc)
+        wrt_of = {k: [i for i in range(len(leaves)) if held[i] and xs[i].requires_grad and
+                      (self._stage_of[i] == k or (self._stage_of[i] is None and k in (0, last)))]
+                  for k in range(me, p * v, p)}
+        saved: dict[tuple[int, int], tuple] = {}
+        inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        boundary = self._boundary(self._named_params(xs, treespec), micro[0]) if p > 1 else None
+
+        def forward(k: int, j: int) -> None:
+            nonlocal total
+            x_in = inbox.pop(("act", k - 1, j)).detach().requires_grad_() if k > 0 else None
+            named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in micro[j].items()}
+            try:
+                with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
+                    out = self.loss_fn(self._named_params(xs, treespec), named_batch)   # per micro-batch, as train_step
+                if k < last:
+                    raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
+                                     f"{self.layers!r} lists {per * p * v}; call every layer once per forward")
+                out = settle(out)
+                check_scalar_loss(out, "pipeline_step")
+                y = out.data.to(acc) * weights[j].to(acc)
+                total = total + y.detach()
+            except StageOutput as done:
+                y = done.value.data
+                outbox[("act", k, j)] = y.detach()
+            saved[(k, j)] = (x_in, y, None)
+
+        def backward(k: int, j: int, part: str) -> None:
+            x_in, y, g = saved[(k, j)]
+            if g is None and k < last:
+                g = inbox.pop(("grad", k + 1, j))
+            wrt = wrt_of[k]
+            want = ([x_in] if x_in is not None and part != "BW" else []) + \
+                   ([xs[i] for i in wrt] if part != "BI" else [])
+            if want:
+                with backward_region():
+                    gs = resolve_pending(torch.autograd.grad(y, want, grad_outputs=g, allow_unused=True,
+                                                             retain_graph=part == "BI"))
+                if x_in is not None and part != "BW":
+                    outbox[("grad", k, j)] = gs[0]
+                    gs = gs[1:]
+                for i, gi in zip(wrt if part != "BI" else [], gs):
+                    if gi is not None:
+                        grads[i] = grads[i] + gi.to(grads[i].dtype)
+            if part == "BI":
+                saved[(k, j)] = (x_in, y, g)
+            else:
+                del saved[(k, j)]
+
+        for messages, actions in self._rounds:
+            self._exchange(messages, outbox, inbox, boundary, me)
+            for a in actions.get(me, ()):
+                if a.kind == "F":
+                    forward(a.stage, a.micro)
+                else:
+                    backward(a.stage, a.micro, a.kind)
+        if p > 1:       # the parameters outside the layers: their gradients come from the first and last stage
+            grads = [raw_all_reduce(g, PP, "sum") if k is None and x.is_floating_point() else g
+                     for g, k, x in zip(grads, self._stage_of, leaves)]
+            total = raw_all_reduce(total, PP, "sum")
+        up = update_phase(self.optimizer, grads, treespec, params, opt_state, total, self._norm_groups(mesh),
+                          donate_state=self.donate_state if donate_state is None else donate_state,
+                          params_finite=params_finite, peaks=peaks)
+        if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
+            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        skip = (~up.finite).to(torch.int64)
+        metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
+        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+
+    def _norm_groups(self, mesh) -> list:
+        """The step's leaf groups for the gradient norm, the layers' completed over ``pp`` too
+        (each stage holds its own layers; the parameters outside them are alike on every stage)."""
+        if self.stages == 1:
+            return self.spec.axis_groups(mesh)
+        out = []
+        for axes, idx in self.spec.axis_groups(mesh):
+            layer = [i for i in idx if self._stage_of[i] is not None]
+            other = [i for i in idx if self._stage_of[i] is None]
+            if layer:
+                out.append((tuple(a for a in mesh.axis_names if a in axes or a == PP), layer))
+            if other:
+                out.append((axes, other))
+        return out
+
+    def _lock_step(self) -> list[tuple[list[tuple], dict[int, list]]]:
+        """The timeline as rounds, one per time at which something starts or ends: the messages
+        (kind, stage, micro, from device, to device) finished then, and {device: actions
+        starting then}."""
+        s, last = self.timeline.schedule, self.stages * self.virtual_stages - 1
+        starts: dict[int, dict[int, list]] = {}
+        ends: dict[int, list[tuple]] = {}
+        for d, dev in enumerate(self.timeline.slots):
+            for start, end, a in dev:
+                starts.setdefault(start, {}).setdefault(d, []).append(a)
+                msgs = ends.setdefault(end, [])
+                if a.kind == "F" and a.stage < last:
+                    msgs.append(("act", a.stage, a.micro, d, s.device_of(a.stage + 1)))
+                elif a.kind in ("B", "BI") and a.stage > 0:
+                    msgs.append(("grad", a.stage, a.micro, d, s.device_of(a.stage - 1)))
+        return [(ends.get(t, []), starts.get(t, {})) for t in sorted(set(starts) | set(ends))]
+
+    def _exchange(self, messages: list[tuple], outbox: dict, inbox: dict, boundary, me: int) -> None:
+        """Move the activations and gradients of ``messages`` to the devices that need them: one
+        permute over pp per direction, only the pairs that send."""
+        for kind in ("act", "grad"):
+            msgs = [m for m in messages if m[0] == kind]
+            if not msgs:
+                continue
+            if self.stages == 1:
+                for m in msgs:
+                    inbox[m[:3]] = outbox.pop(m[:3])
+                continue
+            mine = next((m for m in msgs if m[3] == me), None)
+            buf = outbox.pop(mine[:3]) if mine is not None else torch.zeros(boundary[0], dtype=boundary[1])
+            got = raw_permute(buf.contiguous(), PP, [(m[3], m[4]) for m in msgs])
+            for m in msgs:
+                if m[4] == me:
+                    inbox[m[:3]] = got
+
+    def _boundary(self, named_params, mb: dict) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the residual stream at a stage boundary (what a receiver passes
+        in): the model run up to its first layer."""
+        named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in mb.items()}
+        with torch.no_grad():
+            try:
+                with running_stage(StageRun(0, -1, None, cut=True)):     # stops at the first layer
+                    self.loss_fn(named_params, named_batch)
+            except StageOutput as first:
+                x = first.value.data
+                return tuple(x.shape), x.dtype
+        raise ValueError("pipeline_step: the model called no functional_pp.layer; a pipeline cuts the model "
+                         "at its layers")
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _refuse_batched() -> None:
+    if getattr(current_context(required=False), "batched", False):
+        raise ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
+                         "actions): use launch's threads (the default) or processes=True")
+
+
+def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,
+                  layers: str = "layers", first_stage: tuple[str, ...] = (), last_stage: tuple[str, ...] = (),
+                  **options) -> PipelineStep:
+    """Build a :class:`PipelineStep` (the options of :func:`~functional_pp.step.train.train_step`,
+    ``grad_accum`` the number of micro-batches)."""
+    from functional_pp.core.layout import Rules
+    if rules is not None and mesh is not None:
+        rules.check(mesh)
+    return PipelineStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), schedule=schedule,
+                        virtual_stages=virtual_stages, layers=layers, first_stage=tuple(first_stage),
+                        last_stage=tuple(last_stage), **options)
