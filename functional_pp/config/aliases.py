@@ -72,6 +72,12 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
 
 _ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
+_BASE_QUANT = ("a quantized frozen base trains only under an adapter (QLoRA), and that wiring is pending: "
+               "the base quantization exists (NF4 / int8 weights, functional_pp.models.quantize, "
+               "docs/quantization.md) but the adapter that trains on it does not yet; remove it "
+               "(bf16: true trains in bf16)")
+_QLORA = ("adapter: qlora is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
+          "wiring is pending")
 _SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
              "tp_size, cp_size): remove it")
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
@@ -85,7 +91,8 @@ UNSUPPORTED: dict[str, str] = {
                              "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
                              "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
                              "lora_target_parameters", "lora_embedding_kernel")},
-    **{k: _QUANT for k in ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs")},
+    **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
+    **{k: _QUANT for k in ("gptq", "bnb_config_kwargs")},
     **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
                               "fsdp_final_state_dict_type")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
@@ -242,6 +249,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             rest = {k: v for k, v in value.items() if k != "pad_token" and v is not None}
             if rest:
                 out[key] = rest
+        elif key == "adapter" and value == "qlora":
+            issues.add(f"'adapter' is not supported: {_QLORA}")
         elif key in UNSUPPORTED:
             issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
         elif key in NOT_USED:

@@ -34,7 +34,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple
     check_blocks(tuple(x.shape), block)
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     absmax = xb.abs().amax(dim=-1)
-    scaled = torch.clamp(xb * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1), -1, 1)
+    scaled = torch.clamp(xb * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1), -1, 1).contiguous()
     bounds = midpoints(code.to(device=x.device, dtype=torch.float32))
     codes = torch.bucketize(scaled, bounds, out_int32=True).to(torch.uint8)
     return codes.reshape(x.shape), absmax

@@ -66,7 +66,8 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
                  "'adapter' is not supported: LoRA / QLoRA adapters are not supported",
-                 "'load_in_8bit' is not supported: quantized", "'deepspeed' is not supported",
+                 "'load_in_8bit' is not supported: a quantized frozen base trains only under an adapter",
+                 "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
                  "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
