@@ -98,18 +98,19 @@ def test_linear_weights_are_quantized_and_the_rest_kept(nf4):
         quantize_linear_weights(fpp.init_params(tiny, seed=0), tiny, "nf4")
 
 
-def _forward(layout, tree, decls, processes=False):
+def _forward(layout, tree, decls, processes=False, simulate=None):
     mesh, rules = LAYOUTS[layout]
 
     def fn():
         with fpp.use_rules(rules):
-            local = sharding.shard(tree, decls, mesh, rules, fpp.current_rank())
+            local = fpp.per_device(lambda: sharding.shard(tree, decls, mesh, rules, fpp.current_rank()))
             named = sharding.named_tree(local, decls)
             batch = {k: fpp.named(v, "batch seq") for k, v in BATCH.items()}
             with fpp.comm_report() as rep:
                 loss = llama.loss(named, batch, CFG).value()
         return loss.detach(), [(e.kind, e.bytes_sent, e.dtype) for e in rep.events]
-    return fpp.launch(fn, mesh, processes=processes, **({"timeout": 300} if processes else {}))
+    kw = {"processes": True, "timeout": 300} if processes else {"simulate": simulate} if simulate else {}
+    return fpp.launch(fn, mesh, **kw)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -131,6 +132,13 @@ def test_forward_with_nf4_weights_equals_the_dequantized_weights_forward(layout,
 def test_int8_forward_equals_the_dequantized_weights_forward_under_fsdp():
     params, decls = quantize_linear_weights(FULL, DECLS, "int8")
     for (a, _), (b, _) in zip(_forward("fsdp", params, decls), _forward("fsdp", dequantized(params), DECLS)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_batched_simulation_of_nf4_weights_equals_the_threaded_one(layout, nf4):
+    params, decls = nf4
+    for (a, _), (b, _) in zip(_forward(layout, params, decls, simulate="batched"), _forward(layout, params, decls)):
         assert torch.equal(a, b)
 
 
