@@ -215,3 +215,20 @@ def test_axolotl_optimizer_names_build_8bit_or_fp32_adamw(name, eight_bit):
     adam = opt.init({"w": torch.zeros(8, 256)})[1]           # (clipping, adam, decay, learning rate)
     assert isinstance(adam.mu["w"], Quantized8) == eight_bit
     assert any(name in n for n in cfg.notes) == name.startswith("paged")
+
+
+def test_the_dry_run_counts_the_8bit_state_of_each_device():
+    from functional_pp import plan
+    mesh, rules = MESH, LAYOUTS["fsdp"]
+    opt = fpp.optim.adamw_8bit(1e-3)
+    loss = functools.partial(llama.loss, cfg=CFG)
+    est = plan.estimate(loss, llama.init(CFG), mesh, rules, {"tokens": ((4, 16), "batch seq"),
+                                                              "labels": ((4, 16), "batch seq")}, optimizer=opt)
+    step = fpp.train_step(loss, opt, mesh=mesh, rules=rules)
+    real = fpp.launch(lambda: state_bytes(step.init(fpp.init(llama.init, CFG, mesh=mesh, rules=rules))["opt_state"]),
+                      mesh)
+    assert est.state_bytes - 2 * est.param_bytes == real[0]
+    fp32 = plan.estimate(loss, llama.init(CFG), mesh, rules, {"tokens": ((4, 16), "batch seq"),
+                                                               "labels": ((4, 16), "batch seq")})
+    assert real[0] < 0.3 * (fp32.state_bytes - 2 * fp32.param_bytes)
+
