@@ -134,7 +134,7 @@ def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
         c = q.codes.movedim(dim, -1).float()
         nb = absmax.shape[-1]
         values = (c.reshape(*c.shape[:-1], nb, -1) * (absmax / 127.0).unsqueeze(-1)).reshape(c.shape)
-    return values.movedim(-1, dim).to(dtype)
+    return values.movedim(-1, dim).to(dtype).contiguous()     # laid out as the weight itself
 
 
 def quantized_bytes(q: QuantizedWeight) -> int:

@@ -156,3 +156,26 @@ def test_config_refuses_qlora_saying_the_base_exists_and_the_wiring_is_pending()
     text = str(info.value)
     assert "adapter: qlora is not supported yet: the NF4 base exists" in text and "LoRA wiring is pending" in text
     assert "'load_in_4bit' is not supported: a quantized frozen base trains only under an adapter" in text
+
+
+@pytest.mark.parametrize("layout", ["one", "fsdp"])
+def test_gradients_through_nf4_weights_equal_the_dequantized_weights_gradients(layout, nf4):
+    # QLoRA trains around a frozen base: the gradients of everything else flow through its matmuls
+    params, decls = nf4
+    mesh, rules = LAYOUTS[layout]
+    linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    def grads(tree, decls):
+        def fn():
+            with fpp.use_rules(rules):
+                local = fpp.map_with_path(
+                    lambda p, x: x.clone().requires_grad_(x.is_floating_point() and not linear & set(p.split("."))),
+                    sharding.shard(tree, decls, mesh, rules, fpp.current_rank()))
+                batch = {k: fpp.named(v, "batch seq") for k, v in BATCH.items()}
+                llama.loss(sharding.named_tree(local, decls), batch, CFG).value().backward()
+            return {p: x.grad for p, x in fpp.leaves_with_paths(local) if x.grad is not None}
+        return fpp.launch(fn, mesh)
+    quantized, plain = grads(params, decls), grads(dequantized(params), DECLS)
+    for a, b in zip(quantized, plain):
+        assert a.keys() == b.keys() and "embed_tokens" in a and "norm" in a
+        assert all(torch.equal(a[p], b[p]) for p in a)
