@@ -182,6 +182,9 @@ def test_checkpoint_resumes_the_8bit_state_exactly(tmp_path):
     saved = ck.load_checkpoint(tmp_path, keys=["opt"]).tree["opt"][0]     # whole tensors, saved structure
     codes = saved.mu["embed_tokens"].codes
     assert codes.dtype == torch.uint8 and codes.shape == (256, 64)
+    # the specs are global: the FSDP checkpoint resumes on one device (the same blocks of 32)
+    one = _train(opt, fpp.Mesh(), fpp.Rules(), 5, resume=tmp_path)[0]
+    torch.testing.assert_close(torch.tensor(one[0]), torch.tensor(whole[0][0][3:]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.multiprocess
