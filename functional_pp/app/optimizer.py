@@ -6,6 +6,7 @@ import re
 
 from functional_pp import optim
 from functional_pp.config import ConfigError, TrainConfig
+from functional_pp.config.keys import ADAM_OPTIMIZERS
 
 __all__ = ["optimizer_from_config"]
 
@@ -32,7 +33,7 @@ def _build_optimizer(cfg: TrainConfig):
               max_grad_norm=cfg.max_grad_norm, lr_schedule=cfg.lr_scheduler,
               warmup_steps=cfg.warmup(), total_steps=cfg.max_steps,
               min_lr=cfg.min_lr(), mask=optim.decay_mask_by_ndim)
-    if cfg.optimizer == "adamw":
+    if cfg.optimizer in ADAM_OPTIMIZERS:
         kw.update(b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon)
     else:
         kw.update(momentum=cfg.momentum)

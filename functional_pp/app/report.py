@@ -31,6 +31,8 @@ def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
 def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
     if cfg.optimizer == "adamw":
         return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
+    if cfg.optimizer == "adamw_8bit":
+        return 10, "8-bit AdamW: weights 4 + grads 4 + moments 2 (+ 8 bytes of scales per block of 256)"
     if cfg.momentum:
         return 12, "fp32 SGD with momentum: weights 4 + grads 4 + momentum 4"
     return 8, "fp32 SGD: weights 4 + grads 4"

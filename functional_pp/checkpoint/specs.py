@@ -83,13 +83,29 @@ def specs_like(decls: Any, dtype: torch.dtype | None = None) -> Any:
     return decls
 
 
+def _specs_like_state(decls: Any, state: Any, dtype: torch.dtype | None) -> Any:
+    """:func:`specs_like` for a param-like field of a state: where the state holds, in place of
+    a parameter's tensor, an object with ``param_specs(decl)`` (8-bit moments: codes and
+    scales), that object gives the specs of its tensors."""
+    if is_param_like(decls):
+        own = getattr(state, "param_specs", None)
+        return own(decls) if callable(own) else Spec(tuple(decls.shape), tuple(decls.dims), dtype)
+    if isinstance(decls, dict) and isinstance(state, dict):
+        return {k: _specs_like_state(v, state.get(k), dtype) for k, v in decls.items()}
+    if isinstance(decls, (list, tuple)) and isinstance(state, (list, tuple)) and len(decls) == len(state):
+        children = [_specs_like_state(d, s, dtype) for d, s in zip(decls, state)]
+        return type(decls)(*children) if is_namedtuple(decls) else type(decls)(children)
+    return specs_like(decls, dtype)
+
+
 def state_specs(state: Any, decls: Any, dtype: torch.dtype | None = None) -> Any:
     """Specs for an optimizer state: fields a namedtuple lists in ``param_like_fields`` (Adam's
-    ``mu``/``nu``, momentum ``trace``) mirror ``decls`` and are sharded like the params; every
-    other leaf (step counts) gets ``None`` (replicated)."""
+    ``mu``/``nu``, momentum ``trace``) mirror ``decls`` and are sharded like the params (a
+    quantized moment in a parameter's place gives its own specs: ``param_specs``); every other
+    leaf (step counts) gets ``None`` (replicated)."""
     if is_namedtuple(state):
         like = getattr(type(state), "param_like_fields", ())
-        return type(state)(*(specs_like(decls, dtype) if f in like else state_specs(v, decls, dtype)
+        return type(state)(*(_specs_like_state(decls, v, dtype) if f in like else state_specs(v, decls, dtype)
                              for f, v in zip(type(state)._fields, state)))
     if isinstance(state, dict):
         return {k: state_specs(v, decls, dtype) for k, v in state.items()}

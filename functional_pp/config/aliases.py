@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from functional_pp.config.schema import Issues
 
-__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
+__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "VALUE_NOTES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
            "NOT_USED", "ATTN_IMPLEMENTATIONS", "ACCEPTED_PLUGINS", "normalize"]
 
 _same: Callable[[Any], Any] = lambda v: v  # noqa: E731
@@ -42,19 +42,27 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 #: choices written the Axolotl / Hugging Face way -> ours (same meaning)
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "optimizer": {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-                  "adam_w": "adamw"},
+                  "adam_w": "adamw", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit",
+                  "paged_adamw_32bit": "adamw"},
     # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
     "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
                      "cosine_with_min_lr": "cosine"},
 }
 
-_EIGHT_BIT = ("8-bit / paged optimizers (bitsandbytes) are not supported: use optimizer: adamw "
-             "(fp32 moments, sharded like the parameters)")
+_PAGED = ("paging (bitsandbytes' paged optimizers) moves optimizer state to CUDA unified memory "
+          "under memory pressure; here the state is sharded like the parameters and stays on its "
+          "device")
+
+#: value aliases noted in the start-up summary: what the alias does not do here
+VALUE_NOTES: dict[str, dict[str, str]] = {
+    "optimizer": {"paged_adamw_8bit": f"optimizer: paged_adamw_8bit = adamw_8bit ({_PAGED})",
+                  "paged_adamw_32bit": f"optimizer: paged_adamw_32bit = adamw ({_PAGED})"},
+}
 
 #: values refused with the reason (another optimizer, not a spelling of ours)
 REFUSED_VALUES: dict[str, dict[str, str]] = {
-    "optimizer": {**{k: _EIGHT_BIT for k in ("paged_adamw_8bit", "adamw_bnb_8bit", "adamw_8bit",
-                                             "paged_adamw_32bit", "paged_lion_8bit", "lion_8bit")},
+    "optimizer": {**{k: f"optimizer {k!r} is not supported (adamw, adamw_8bit or sgd)"
+                     for k in ("paged_lion_8bit", "lion_8bit")},
                   **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
                      for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
                                "muon", "adopt_adamw", "ao_adamw_8bit", "ao_adamw_fp8")}},
@@ -65,6 +73,12 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
 
 _ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
+_BASE_QUANT = ("a quantized frozen base trains only under an adapter (QLoRA), and that wiring is pending: "
+               "the base quantization exists (NF4 / int8 weights, functional_pp.models.quantize, "
+               "docs/quantization.md) but the adapter that trains on it does not yet; remove it "
+               "(bf16: true trains in bf16)")
+_QLORA = ("adapter: qlora is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
+          "wiring is pending")
 _SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
              "tp_size, cp_size): remove it")
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
@@ -78,7 +92,8 @@ UNSUPPORTED: dict[str, str] = {
                              "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
                              "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
                              "lora_target_parameters", "lora_embedding_kernel")},
-    **{k: _QUANT for k in ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs")},
+    **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
+    **{k: _QUANT for k in ("gptq", "bnb_config_kwargs")},
     **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
                               "fsdp_final_state_dict_type")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
@@ -235,6 +250,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             rest = {k: v for k, v in value.items() if k != "pad_token" and v is not None}
             if rest:
                 out[key] = rest
+        elif key == "adapter" and value == "qlora":
+            issues.add(f"'adapter' is not supported: {_QLORA}")
         elif key in UNSUPPORTED:
             issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
         elif key in NOT_USED:
@@ -295,6 +312,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         v = out.get(key)
         if isinstance(v, str) and v.lower() in table:
             out[key] = table[v.lower()]
+            if v.lower() in VALUE_NOTES.get(key, {}):
+                unused.append(VALUE_NOTES[key][v.lower()])
         elif isinstance(v, str) and v.lower() in REFUSED_VALUES.get(key, {}):
             issues.add(f"{key}: {REFUSED_VALUES[key][v.lower()]}")
             out.pop(key)

@@ -2,15 +2,16 @@
 (Accelerate's names -> mesh axes), each optimizer's own keys, the sections."""
 from __future__ import annotations
 
-__all__ = ["MESH_KEYS", "ADAM_KEYS", "SGD_KEYS", "SECTION_KEYS"]
+__all__ = ["MESH_KEYS", "ADAM_KEYS", "SGD_KEYS", "ADAM_OPTIMIZERS", "SECTION_KEYS"]
 
 MESH_KEYS = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
              "cp_size": "cp", "tp_size": "tp"}
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 SGD_KEYS = ("momentum",)
+ADAM_OPTIMIZERS = ("adamw", "adamw_8bit")
 SECTION_KEYS = ("model", "data", "logging", "checkpoint")
 
 
 def foreign_optimizer_keys(optimizer: str) -> tuple[str, ...]:
     """The keys of the optimizer *not* chosen (they are refused, and left out of a dump)."""
-    return SGD_KEYS if optimizer == "adamw" else ADAM_KEYS
+    return SGD_KEYS if optimizer in ADAM_OPTIMIZERS else ADAM_KEYS

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from functional_pp.config.aliases import normalize
-from functional_pp.config.keys import SECTION_KEYS, foreign_optimizer_keys
+from functional_pp.config.keys import ADAM_OPTIMIZERS, SECTION_KEYS, foreign_optimizer_keys
 from functional_pp.config.overrides import apply_overrides
 from functional_pp.config.schema import ConfigError, Issues, parse_section
 from functional_pp.config.sections import CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
@@ -53,7 +53,7 @@ def build_from_dict(cls: type, d: Mapping[str, Any], name: str, source: str) -> 
     for k in foreign_optimizer_keys(optimizer):
         if k in top:
             issues.add(f"{k} does not apply to optimizer {optimizer!r}; remove it or set "
-                       f"optimizer: {'sgd' if optimizer == 'adamw' else 'adamw'}")
+                       f"optimizer: {'sgd' if optimizer in ADAM_OPTIMIZERS else 'adamw'}")
     sections = {key: sec(**parse_section(sec, raw.get(key), key, issues)) for key, sec in _SECTIONS.items()}
     cfg = cls(**top, model=ModelConfig.from_value(raw.get("model"), issues), **sections,
               datasets=_parse_datasets(raw.get("datasets"), issues),

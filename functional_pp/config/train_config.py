@@ -64,8 +64,10 @@ class TrainConfig:
                                        "given")
     weight_decay: float = fld(0.0, "decoupled weight decay (matrices only)")
     max_grad_norm: float | None = fld(1.0, "clip the global gradient norm; null: no clipping")
-    optimizer: Literal["adamw", "sgd"] = fld("adamw", "adamw | sgd (aliases adamw_torch, "
-                                                      "adamw_torch_fused)")
+    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = fld(
+        "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | sgd (aliases "
+                 "adamw_torch, adamw_torch_fused; adamw_bnb_8bit, paged_adamw_8bit = adamw_8bit; "
+                 "paged_adamw_32bit = adamw)")
     adam_beta1: float = fld(0.9, "AdamW beta1")
     adam_beta2: float = fld(0.95, "AdamW beta2")
     adam_epsilon: float = fld(1e-8, "AdamW epsilon")

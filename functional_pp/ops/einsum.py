@@ -6,6 +6,7 @@ import functools
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.ops.quantized import is_quantized, realize, stand_in
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.parallel.named import Named, _make, op_env, pvary, require_named, settle, varying_after
 
@@ -101,6 +102,8 @@ def einsum(pattern: str, *operands: Named) -> Named:
     cast to varying (their gradient is summed over that axis)."""
     for x in operands:
         if not isinstance(x, Named):
+            if is_quantized(x):      # a quantized frozen weight (ops/quantized.py)
+                return einsum(pattern, *_dequantized(pattern, operands))
             require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) if x._partial else x for x in operands]
     mesh, rules, plans = op_env()
@@ -116,6 +119,17 @@ def einsum(pattern: str, *operands: Named) -> Named:
     else:
         data = _contract(spec, ready)
     return _make(data, out_dims, t_loc, vary, used, out_sizes)
+
+
+def _dequantized(pattern: str, operands: tuple) -> list[Named]:
+    """The operands with each quantized weight moved, quantized, to the layout this einsum wants
+    of it and dequantized there, in the dtype of the first floating-point operand."""
+    named = [settle(x) if isinstance(x, Named) and x._partial else x for x in operands]
+    dtype = next((x._data.dtype for x in named if isinstance(x, Named) and x._data.is_floating_point()),
+                 torch.float32)
+    mesh, rules, plans = op_env()
+    targets = _plan(pattern, [stand_in(x) if is_quantized(x) else x for x in named], mesh, rules, plans)[0]
+    return [realize(x, t, dtype, f"einsum {pattern!r}") if is_quantized(x) else x for x, t in zip(named, targets)]
 
 
 def _contract(spec, ready: list[Named]) -> torch.Tensor:

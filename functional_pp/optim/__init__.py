@@ -1,13 +1,14 @@
 """optax-shaped functional optimizers over pytrees of torch tensors (docs/optim.md).
 
 ``base`` (the transformation type, scaling, momentum, applying updates), ``combine``
-(``chain``), ``adam`` (``scale_by_adam``), ``clipping`` (global norm), ``masking`` (masks,
+(``chain``), ``adam`` (``scale_by_adam``), ``adam8bit`` (8-bit moments), ``clipping`` (global norm), ``masking`` (masks,
 weight decay), ``schedules`` (learning-rate schedules), ``optimizers`` (``sgd``, ``adamw``,
 ``from_config``), ``fused`` (in-place steps on torch's fused kernels), ``bounds`` (pre-update
 bounds: new parameters shown finite before they are written)."""
 
 from functional_pp.optim import schedules
 from functional_pp.optim.adam import ScaleByAdamState, scale_by_adam
+from functional_pp.optim.adam8bit import Quantized8, ScaleByAdam8bitState, scale_by_adam_8bit
 from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState,
                                       apply_updates, identity, in_place_step, returns_fresh, scale,
                                       scale_by_learning_rate, scale_by_schedule, state_like_params, trace, tree_map,
@@ -15,14 +16,16 @@ from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleB
 from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, global_norm
 from functional_pp.optim.combine import chain
 from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
-from functional_pp.optim.optimizers import CONFIG_KEYS, adamw, from_config, make_schedule, scale_by_adamw, sgd
+from functional_pp.optim.optimizers import (CONFIG_KEYS, adamw, adamw_8bit, from_config, make_schedule, scale_by_adamw,
+                                            sgd)
 
 __all__ = [
     "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
     "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
     "scale_by_learning_rate", "scale_by_adam", "scale_by_adamw", "add_decayed_weights", "trace",
     "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
-    "state_like_params", "sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS",
+    "state_like_params", "sgd", "adamw", "adamw_8bit", "scale_by_adam_8bit", "ScaleByAdam8bitState", "Quantized8",
+    "make_schedule", "from_config", "CONFIG_KEYS",
 ]
 
 _REMOVED = {

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from functional_pp.optim import schedules as _sched
 from functional_pp.optim.adam import scale_by_adam
+from functional_pp.optim.adam8bit import BLOCK, scale_by_adam_8bit
 from functional_pp.optim.base import (GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number,
                                       scale_by_learning_rate, trace)
 from functional_pp.optim.bounds import adamw_bound
@@ -16,7 +17,7 @@ from functional_pp.optim.combine import chain
 from functional_pp.optim.fused import adamw_in_place
 from functional_pp.optim.masking import Mask, add_decayed_weights
 
-__all__ = ["sgd", "adamw", "make_schedule", "from_config", "CONFIG_KEYS"]
+__all__ = ["sgd", "adamw", "adamw_8bit", "make_schedule", "from_config", "CONFIG_KEYS"]
 
 
 def _maybe_clip(clip_norm: Optional[float]) -> list[GradientTransformation]:
@@ -79,6 +80,26 @@ def adamw(
         bound=adamw_bound(lr, float(b1), float(eps), float(weight_decay)))
 
 
+def adamw_8bit(
+    lr: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Mask = None,
+    clip_norm: Optional[float] = None,
+    *,
+    block: int = BLOCK,
+) -> GradientTransformation:
+    """AdamW with 8-bit moments (bitsandbytes' ``AdamW8bit``: blockwise dynamic quantization,
+    blocks of ``block`` along the last dimension, vectors kept fp32;
+    :mod:`functional_pp.optim.adam8bit`): :func:`adamw` with ``scale_by_adam_8bit`` in
+    place of ``scale_by_adam``. State: 2 bytes per parameter plus 8 per block, instead of 8."""
+    lr = check_learning_rate("adamw_8bit", lr)
+    return chain(*_maybe_clip(clip_norm), scale_by_adam_8bit(b1, b2, eps, block=block),
+                 add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+
+
 # --------------------------------------------------------------------------- #
 # config
 # --------------------------------------------------------------------------- #
@@ -96,6 +117,7 @@ _COMMON_KEYS = (
 _OPT_KEYS = {
     "sgd": _COMMON_KEYS + ("momentum", "nesterov"),
     "adamw": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
+    "adamw_8bit": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
 }
 CONFIG_KEYS = tuple(sorted({k for ks in _OPT_KEYS.values() for k in ks}))
 
@@ -138,7 +160,7 @@ def make_schedule(
 def from_config(name: str, **kwargs: Any) -> GradientTransformation:
     """Build an optimizer from a config dict (e.g. ``from_config(**cfg["optimizer"])``).
 
-    ``name``: ``sgd`` or ``adamw``.  Keys: ``learning_rate`` (required),
+    ``name``: ``sgd``, ``adamw`` or ``adamw_8bit`` (8-bit moments).  Keys: ``learning_rate`` (required),
     ``weight_decay``, ``max_grad_norm``, ``lr_schedule`` (constant|cosine|linear),
     ``warmup_steps``, ``total_steps``, ``min_lr``, ``mask``; sgd: ``momentum``,
     ``nesterov``; adamw: ``betas`` (pair) or ``b1``/``b2``, ``eps``.
@@ -186,7 +208,8 @@ def from_config(name: str, **kwargs: Any) -> GradientTransformation:
         b1, b2 = float(betas[0]), float(betas[1])
     b1 = float(cfg.get("b1", b1))
     b2 = float(cfg.get("b2", b2))
-    return adamw(lr, b1=b1, b2=b2, eps=float(cfg.get("eps", 1e-8)), **common)
+    build = adamw_8bit if opt == "adamw_8bit" else adamw
+    return build(lr, b1=b1, b2=b2, eps=float(cfg.get("eps", 1e-8)), **common)
 
 
 def scale_by_adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

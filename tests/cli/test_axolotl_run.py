@@ -107,4 +107,4 @@ def test_axolotl_lora_example_is_refused_naming_only_the_features():
         raise AssertionError("a LoRA config was accepted")
     keys = sorted(p.split("'")[1] if p.startswith("'") else p.split(":")[0] for p in problems)
     assert keys == ["adapter", "load_in_8bit", "lora_alpha", "lora_dropout", "lora_r",
-                    "lora_target_linear", "optimizer"], problems
+                    "lora_target_linear"], problems          # optimizer: adamw_bnb_8bit is adamw_8bit

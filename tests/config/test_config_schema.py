@@ -66,7 +66,8 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
                  "'adapter' is not supported: LoRA / QLoRA adapters are not supported",
-                 "'load_in_8bit' is not supported: quantized", "'deepspeed' is not supported",
+                 "'load_in_8bit' is not supported: a quantized frozen base trains only under an adapter",
+                 "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
                  "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
@@ -161,11 +162,15 @@ special_tokens:
 def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_path):
     path = tmp_path / "axolotl.yaml"
     path.write_text(AXOLOTL)
+    cfg = TrainConfig.from_yaml(path)         # paged_adamw_8bit: 8-bit AdamW, the paging noted
+    assert cfg.optimizer == "adamw_8bit"
+    assert any("paged_adamw_8bit = adamw_8bit" in n and "unified memory" in n for n in cfg.notes)
+    path.write_text(AXOLOTL.replace("optimizer: paged_adamw_8bit", "optimizer: paged_lion_8bit"))
     with pytest.raises(ConfigError) as info:
         TrainConfig.from_yaml(path)
     assert sorted(p.split(":")[0].split("'")[1] if p.startswith("'") else p.split(":")[0]
                   for p in info.value.problems) == ["optimizer"]     # epochs, attention: accepted
-    assert "8-bit / paged optimizers (bitsandbytes) are not supported" in str(info.value)
+    assert "'paged_lion_8bit' is not supported (adamw, adamw_8bit or sgd)" in str(info.value)
     fixed = "\n".join(line for line in AXOLOTL.splitlines() if not line.startswith(
         ("optimizer", "flash_attention", "evals_per_epoch", "saves_per_epoch")))
     path.write_text(fixed + "\noptimizer: adamw_torch\neval_steps: 50\nsave_steps: 100\n")

@@ -1,0 +1,68 @@
+"""A model's frozen base quantized for QLoRA (``load_in_4bit``) or ``load_in_8bit``: the linear
+weights of the layers become :class:`~functional_pp.quant.weights.QuantizedWeight` leaves
+(NF4 or int8, blocks along each weight's input features, as bitsandbytes quantizes the Hugging
+Face weight); embeddings, the head and norms stay as they are (docs/quantization.md)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_pp.core.tree import Param, map_with_path
+from functional_pp.quant.weights import INT8_BLOCK, NF4_BLOCK, QuantizedWeight, quantize_int8, quantize_nf4
+
+__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "component_decls", "KINDS"]
+
+#: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
+#: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
+LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden", "o_proj": "head_dim",
+                     "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp"}
+KINDS = ("nf4", "int8")
+
+
+def component_decls(q: QuantizedWeight, decl: Any) -> QuantizedWeight:
+    """Declarations of the components of ``q`` (made from the full weight declared by ``decl``):
+    each with the weight's dimension names and its own global shape and dtype; the 0-dim offset
+    of double quantization replicated."""
+    dims = tuple(decl.dims)
+    return QuantizedWeight(*(None if c is None else
+                             Param(tuple(c.shape), dims if c.ndim else (), dtype=c.dtype, init="zeros")
+                             for c in q))
+
+
+def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, double_quant: bool = True,
+                            block: int | None = None,
+                            block_dims: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """``(params, decls)`` with each leaf whose last path key is in ``block_dims`` (default
+    :data:`LINEAR_BLOCK_DIMS`) replaced by its quantization (``kind``: ``nf4`` with
+    ``double_quant`` as ``bnb_4bit_use_double_quant``, or ``int8``) and its declaration by the
+    components' (:func:`component_decls`). ``params`` are full (unsharded) tensors, e.g. a
+    Hugging Face checkpoint loaded into the model's tree; shard the result with the returned
+    declarations. A weight whose block dimension the block does not divide is refused, naming
+    it."""
+    if kind not in KINDS:
+        raise ValueError(f"quantize_linear_weights: kind={kind!r}: choose one of {', '.join(KINDS)}")
+    table = LINEAR_BLOCK_DIMS if block_dims is None else block_dims
+    size = block or (NF4_BLOCK if kind == "nf4" else INT8_BLOCK)
+    out_decls: dict[str, Any] = {}
+
+    def one(path: str, x: torch.Tensor, d: Any):
+        name = path.rsplit(".", 1)[-1]
+        if name not in table:
+            out_decls[path] = d
+            return x
+        dims = tuple(d.dims)
+        if table[name] not in dims:
+            raise ValueError(f"{path}: block dimension {table[name]!r} is not one of its dimensions {dims}")
+        dim = dims.index(table[name])
+        try:
+            q = (quantize_nf4(x, dim, block=size, double_quant=double_quant) if kind == "nf4"
+                 else quantize_int8(x, dim, block=size))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        out_decls[path] = component_decls(q, d)
+        return q
+
+    quantized = map_with_path(one, params, decls)
+    new_decls = map_with_path(lambda p, x, d: out_decls[p], params, decls)
+    return quantized, new_decls

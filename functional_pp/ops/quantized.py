@@ -1,0 +1,58 @@
+"""Quantized frozen weights inside the named ops (docs/quantization.md "Quantized frozen
+weights"): a :class:`~functional_pp.quant.weights.QuantizedWeight` whose components are named
+values with the weight's dimension names. An op that uses one plans with a stand-in of the
+weight's type (:func:`stand_in`), moves the *quantized* components to the layout it wants (an
+FSDP all-gather moves the codes and scales, not the weight) and dequantizes there
+(:func:`realize`), in the compute dtype of the other operands."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_pp.core.layout import Layout
+from functional_pp.ops.regather import relayout
+from functional_pp.parallel.named import Named, _make
+from functional_pp.quant.weights import QuantizedWeight, dequantize
+
+__all__ = ["is_quantized", "stand_in", "realize"]
+
+_EMPTY = frozenset()
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether ``x`` is a quantized weight of named components."""
+    return isinstance(x, QuantizedWeight) and isinstance(x.codes, Named)
+
+
+def _local(q: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(*(c.data if isinstance(c, Named) else c for c in q))
+
+
+def _global_shape(q: QuantizedWeight) -> tuple[int, ...]:
+    local = _local(q)
+    sizes = list(q.codes._sizes)
+    if local.kind == "nf4":
+        sizes[local.block_dim] *= 2
+    return tuple(sizes)
+
+
+def stand_in(q: QuantizedWeight) -> Named:
+    """A value of the weight's type (dimensions, layout, varying axes, global sizes) on the meta
+    device: what an op plans with."""
+    c = q.codes
+    return _make(torch.empty(_local(q).shape, device="meta"), c._dims, c._split, c._vary, _EMPTY,
+                 _global_shape(q))
+
+
+def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "quantized weight") -> Named:
+    """The weight in layout ``target``, dequantized to ``dtype``: each named component relaid out
+    to ``target`` (the same dimension names: the same collectives, on the quantized bytes), then
+    dequantized locally. Frozen: no gradient flows into it."""
+    moved = [relayout(c, target, op) if isinstance(c, Named) and c._data.ndim else c for c in q]
+    local = _local(QuantizedWeight(*moved))
+    codes = moved[0]
+    sizes = _global_shape(q)
+    return _make(dequantize(local, dtype), codes._dims, target, codes._vary, _EMPTY, sizes)
+
+
