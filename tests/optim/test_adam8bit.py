@@ -12,7 +12,6 @@ import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp.models import llama
 from functional_pp.optim.adam8bit import Quantized8, moment_block, state_bytes
-from functional_pp.parallel import sharding
 from functional_pp.quant.blockwise import dequantize_blockwise, quantize_blockwise
 from functional_pp.quant.codebooks import dynamic_map
 from tests.harness import make_batch
@@ -123,7 +122,7 @@ def _train(opt, mesh, rules, steps, dtype=torch.float32, save_at=None, root=None
                 tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"]}
                 ck.save_checkpoint(root, i + 1, tree, specs(state), rules=rules)
         with fpp.use_rules(rules):
-            full = sharding.gather(state["params"], decls, rules)
+            full = fpp.gather_tree(state["params"], decls, rules)
         return losses, full, state["opt_state"]
     return fpp.launch(device, mesh)               # one result per device
 
