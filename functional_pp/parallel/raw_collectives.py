@@ -104,6 +104,26 @@ def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: 
         return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
 
 
+def raw_all_to_all_v(x: torch.Tensor, axes: AxisName, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: ``send[j]`` rows of ``x`` go to group member j (in
+    order), ``recv[j]`` rows come from member j; counted as the bytes sent to the others."""
+    ctx, axes, group = _group(axes, "all_to_all_v")
+    n = len(group)
+    if len(send) != n or len(recv) != n or sum(send) != x.shape[0]:
+        raise ValueError(f"all_to_all_v over {axes} (size {n}): send sizes {list(send)} and receive sizes "
+                         f"{list(recv)} need {n} entries each, the send sizes summing to the rows of x "
+                         f"({x.shape[0]})")
+    if n == 1:
+        return x
+    if ctx.batched:                 # (refused by the batched backend, naming the alternatives)
+        return ctx.backend.all_to_all_v(x, tuple(send), tuple(recv), group)
+    me = ctx.mesh.axis_index(ctx.rank, axes)
+    row = x[0].numel() * x.element_size() if x.ndim > 1 else x.element_size()
+    with comm.recording("all_to_all", axes, n, x, sends=False):
+        comm.record("all_to_all", axes, n, x, nbytes=row * (sum(send) - send[me]))
+        return ctx.backend.all_to_all_v(x, tuple(int(s) for s in send), tuple(int(r) for r in recv), group)
+
+
 def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:
     ctx, axes, group = _group(axes, "ppermute")
     pairs = tuple((int(s), int(d)) for s, d in pairs)
