@@ -11,8 +11,8 @@ from functional_pp.ops.experts import experts, load_balancing_loss
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,  # noqa: E402
-                                                              load_balancing_loss_func)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 H, F_, E = 16, 8, 4
 
