@@ -31,6 +31,9 @@ class TrainConfig:
     cp_size: int = fld(1, "context parallelism: the sequence split over N devices (ring "
                           "attention); alias context_parallel_size")
     tp_size: int = fld(1, "tensor parallelism over N devices; alias tensor_parallel_size")
+    ep_size: int = fld(1, "expert parallelism: the experts of a mixture of experts split over N "
+                          "devices, which the batch uses too (docs/experts.md); alias "
+                          "expert_parallel_size")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
@@ -225,13 +228,16 @@ class TrainConfig:
         sizes = {axis: getattr(self, key) for key, axis in MESH_KEYS.items()}
         if not self.sizes_given() and all(v == 1 for v in sizes.values()):
             sizes["dp_shard"] = world_size or 1
+        if sizes["ep"] == 1:
+            del sizes["ep"]                 # (a mesh axis only where there is expert parallelism)
         if sizes["dp_shard"] == -1:
-            rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+            rest = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * sizes.get("ep", 1)
             if world_size is None:
                 raise ConfigError("dp_shard_size: -1 needs a known world size (torchrun or --simulate N)")
             if world_size % rest:
                 raise ConfigError(f"dp_shard_size: -1 cannot fill a world of {world_size} devices: "
-                                  f"dp_replicate_size x cp_size x tp_size = {rest} does not divide it")
+                                  f"dp_replicate_size x cp_size x tp_size x ep_size = {rest} does not "
+                                  f"divide it")
             sizes["dp_shard"] = world_size // rest
         return sizes
 
@@ -245,6 +251,8 @@ class TrainConfig:
         ``rules`` entries replacing (null: removing) the defaults."""
         from functional_pp.core.layout import Rules
         rules = model_family(self).default_rules(sequence_parallel=self.sequence_parallel)
+        if self.ep_size > 1:               # the experts over ep, a data axis for everything else
+            rules = rules.replace(batch=(*rules["batch"], "ep"), experts="ep", hidden=(*rules["hidden"], "ep"))
         try:
             rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)
                                      for k, v in self.rules.items()})

@@ -203,12 +203,12 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     grouped = rows[perm]
     g_w, u_w, d_w = (_local(w, dims) for w, dims in zip(
         ws, ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden))))
-    outs = []
+    # every local expert runs, with no rows too: the backward's FSDP re-gathers of the experts
+    # (one per saved weight) are then the same on every device, whatever the routing
     with regather_scope(ws):
-        for j, seg in enumerate(grouped.split(recv_counts.sum(0).tolist())):
-            if seg.shape[0]:
-                outs.append(swiglu_tensors(seg @ g_w[j], seg @ u_w[j]) @ d_w[j])
-    out_rows = torch.cat(outs) if outs else grouped.new_zeros((0, d_w.shape[-1]))
+        outs = [swiglu_tensors(seg @ g_w[j], seg @ u_w[j]) @ d_w[j]
+                for j, seg in enumerate(grouped.split(recv_counts.sum(0).tolist()))]
+    out_rows = torch.cat(outs)
     out_rows = out_rows[torch.argsort(perm)]
     if a2a:
         out_rows = C.all_to_all_v(out_rows, a2a, recv, send)

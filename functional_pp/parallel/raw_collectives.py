@@ -7,6 +7,7 @@ first-axis-major (``("dp_shard", "cp")``: index = dp_shard_index * cp_size + cp_
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -118,7 +119,7 @@ def raw_all_to_all_v(x: torch.Tensor, axes: AxisName, send: Sequence[int], recv:
     if ctx.batched:                 # (refused by the batched backend, naming the alternatives)
         return ctx.backend.all_to_all_v(x, tuple(send), tuple(recv), group)
     me = ctx.mesh.axis_index(ctx.rank, axes)
-    row = x[0].numel() * x.element_size() if x.ndim > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()
     with comm.recording("all_to_all", axes, n, x, sends=False):
         comm.record("all_to_all", axes, n, x, nbytes=row * (sum(send) - send[me]))
         return ctx.backend.all_to_all_v(x, tuple(int(s) for s in send), tuple(int(r) for r in recv), group)

@@ -12,10 +12,12 @@ from harness import assert_same_run, make_batch, parallel, single_device, train_
 
 import functional_pp as fpp
 from functional_pp.core import tree
-from functional_pp.core.layout import Rules
+from functional_pp.core.layout import Rules, block_slices
 from functional_pp.models import llama
 from functional_pp.ops.experts import experts
 from functional_pp.parallel import collectives as C
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
 
 CFG = llama.Config.tiny(model_type="qwen3_moe", qk_norm=True, experts=4, experts_top_k=2, moe_mlp=32,
                         norm_topk_prob=True, router_aux_loss_coef=0.1)
@@ -47,6 +49,44 @@ def test_layouts_equal_one_device(oracle, layout):
                                        msg=lambda m: f"{layout} rank {rank} {p}: {m}")
     moved = results[0][2].bytes("all_to_all")
     assert (moved > 0) == (layout != "ep_replicated_batch_x_fsdp")   # no dispatch where tokens are equal
+
+
+def test_experts_without_tokens():
+    """Every token goes to experts 0 and 1, so the devices holding experts 2 and 3 compute on no
+    rows: they still run them, so every device issues the same FSDP re-gathers of the experts
+    in backward (a data-dependent count would leave the devices waiting on different
+    collectives), and the result and the gradients equal one device's."""
+    E, H, F_ = 4, 8, 16
+    decls = {"router": fpp.param((H, E), "hidden experts"), "gate": fpp.param((E, H, F_), "experts hidden mlp"),
+             "up": fpp.param((E, H, F_), "experts hidden mlp"), "down": fpp.param((E, F_, H), "experts mlp hidden")}
+    full = tree.tree_map(lambda t: t.double(), fpp.init_params(decls, seed=0))
+    full["router"] = torch.zeros(H, E, dtype=torch.float64)
+    full["router"][0] = torch.tensor([3.0, 2.0, 0.0, 0.0])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 4, H, generator=g, dtype=torch.float64).abs() * torch.tensor([4.0] + [0.1] * (H - 1))
+
+    def run(mesh, rules):
+        def device():
+            with fpp.use_rules(rules):
+                local = tree.tree_map(lambda t: t.clone().requires_grad_(),
+                                      sharding.shard(full, decls, mesh, rules, fpp.current_rank()))
+                p = sharding.named_tree(local, decls)
+                out, stats = experts(fpp.named(x, "batch seq hidden"), p["router"], p["gate"], p["up"], p["down"],
+                                     top_k=2)
+                (out.value() ** 2).sum().backward()
+                grads = sharding.gather(tree.tree_map(lambda t: t.grad, local), decls, rules)
+                out = settle(out)
+                return out.data, block_slices(tuple(x.shape), out.split, mesh, fpp.current_rank()), grads, \
+                    stats.tokens_per_expert()
+        return fpp.launch(device, mesh)
+    (want, _, grads0, counts), = run(fpp.Mesh(), Rules())
+    assert counts.tolist() == [16, 16, 0, 0]
+    mesh = fpp.Mesh(dp_shard=2, ep=2)
+    for out, region, grads, _ in run(mesh, Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard")):
+        torch.testing.assert_close(out, want[region], rtol=1e-12, atol=1e-12)
+        for (p, gr), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(gr, g0, rtol=1e-9, atol=1e-12, msg=p)
+    assert grads0["gate"][2:].abs().max() == 0 and grads0["gate"][:2].abs().max() > 0
 
 
 def test_training_steps_equal_one_device():
