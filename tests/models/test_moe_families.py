@@ -46,7 +46,8 @@ def saved(tmp_path_factory):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
         d = tmp_path_factory.mktemp(family)
         model.save_pretrained(d, safe_serialization=True)
-        out[family] = (transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER).eval(), d)
+        model.config._attn_implementation = model.config._experts_implementation = "eager"
+        out[family] = (model, d)
     return out
 
 
