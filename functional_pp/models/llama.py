@@ -445,9 +445,15 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
 def flops_per_token(cfg: Config, seq: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), attention included."""
     D = cfg.dim_head
-    per_layer = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D) + 2 * 3 * cfg.hidden * cfg.mlp
+    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D)
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
-    fwd = cfg.layers * (per_layer + attn) + 2 * cfg.hidden * cfg.vocab
+
+    def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
+        if not moe.is_moe_layer(cfg, i):
+            return 2 * 3 * cfg.hidden * cfg.mlp
+        return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
+                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp else 0))
+    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 
 

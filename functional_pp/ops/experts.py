@@ -141,7 +141,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.data.dtype)
-    counts = torch.bincount(idx.reshape(-1), minlength=n_experts).to(probs.dtype)
+    planning = idx.is_meta              # a dry-run (plan/): the routing is unknown, planned balanced
+    counts = (probs.new_zeros(n_experts) if planning else
+              torch.bincount(idx.reshape(-1), minlength=n_experts).to(probs.dtype))
     stats = RouterStats(_named_like(counts, (expert_dim,), ((),), r_union, token_axes),
                         _named_like(probs.sum(0), (expert_dim,), ((),), r_union, token_axes), n_tokens, top_k)
 
@@ -184,14 +186,20 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     n_dest = 1
     for a in a2a:
         n_dest *= mesh.shape[a]
-    local_expert = idx.reshape(-1) % n_local
-    token = torch.arange(X.shape[0]).repeat_interleave(top_k)
-    key = (dest * n_local + local_expert)[keep]
-    order = torch.argsort(key, stable=True)
-    t_sorted, key_sorted = token[keep][order], key[order]
-    w_sorted = w_e.reshape(-1)[keep][order]
-    send_counts = torch.bincount(key_sorted, minlength=n_dest * n_local).reshape(n_dest, n_local)
-    recv_counts = C.exchange_sizes(send_counts, a2a) if a2a else send_counts
+    if planning:                        # every expert gets its share of the tokens' assignments
+        per = -(-X.shape[0] * top_k // n_experts)
+        send_counts = recv_counts = torch.full((n_dest, n_local), per, dtype=torch.long)
+        t_sorted = torch.zeros(n_dest * n_local * per, dtype=torch.long, device=X.device)
+        w_sorted = w_e.reshape(-1)[t_sorted]
+    else:
+        local_expert = idx.reshape(-1) % n_local
+        token = torch.arange(X.shape[0], device=X.device).repeat_interleave(top_k)
+        key = (dest * n_local + local_expert)[keep]
+        order = torch.argsort(key, stable=True)
+        t_sorted, key_sorted = token[keep][order], key[order]
+        w_sorted = w_e.reshape(-1)[keep][order]
+        send_counts = torch.bincount(key_sorted, minlength=n_dest * n_local).reshape(n_dest, n_local)
+        recv_counts = C.exchange_sizes(send_counts, a2a) if a2a else send_counts
     send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
 
     # --- dispatch, the experts, combine (the transpose of the dispatch)
@@ -199,7 +207,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     if a2a:
         rows = C.all_to_all_v(rows, a2a, send, recv)
     expert_of_row = torch.arange(n_local).repeat(recv_counts.shape[0]).repeat_interleave(recv_counts.reshape(-1))
-    perm = torch.argsort(expert_of_row, stable=True)
+    perm = torch.argsort(expert_of_row, stable=True).to(rows.device)
     grouped = rows[perm]
     g_w, u_w, d_w = (_local(w, dims) for w, dims in zip(
         ws, ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden))))

@@ -158,3 +158,23 @@ def test_comm_report_counts_the_dispatch_and_the_combine():
     for events in fpp.launch(device, mesh):
         assert [e.bytes_sent for e in events if not e.backward] == [formula, formula]     # dispatch, combine
         assert [e.bytes_sent for e in events if e.backward] == [formula, formula]         # their transposes
+
+
+def test_dry_run_plans_balanced_routing():
+    """plan.estimate runs a MoE step on meta tensors, where the routing is unknown: it plans
+    balanced routing, so the all-to-all bytes per MoE layer are the formula (dispatch and
+    combine, forward and backward), and the FLOPs count the active experts only."""
+    import functools
+
+    from functional_pp import plan
+    mesh, rules = LAYOUTS["ep_axis_x_fsdp"]
+    batch, seq = 8, 16
+    shape = {"tokens": ((batch, seq), "batch seq"), "labels": ((batch, seq), "batch seq")}
+    est = plan.estimate(functools.partial(llama.loss, cfg=CFG), llama.init(CFG), mesh, rules, shape)
+    tokens = batch * seq // 4                                  # per device: batch over dp_shard x ep
+    formula = tokens * CFG.experts_top_k * CFG.hidden * 4 * (2 - 1) // 2
+    moved = [e.bytes_sent for e in est.comm.events if e.kind == "all_to_all" and e.dtype == "float32"]
+    assert moved == [formula] * 4 * CFG.layers
+    dense = llama.flops_per_token(llama.Config.tiny(mlp=CFG.moe_mlp * CFG.experts_top_k), seq)
+    router = 3 * 2 * CFG.hidden * CFG.experts * CFG.layers
+    assert llama.flops_per_token(CFG, seq) == dense + router
