@@ -1,8 +1,8 @@
 """Expert parallelism derived from a rule: ``experts`` split over mesh axes. A Qwen3-MoE-style
 decoder (q/k norms, renormalised top-2 of 4 experts, the auxiliary loss on) equals one device
 in loss and every gradient for EP borrowed from the batch's axis, EP on its own ``ep`` axis the
-batch also uses x FSDP, EP on an ``ep`` axis the batch does not use (a pending sum) x FSDP, and
-EP x TP (``mlp`` over ``tp``); three AdamW steps of ``train_step`` give one device's losses and
+batch also uses x FSDP, EP on an ``ep`` axis the batch does not use (a pending sum) x FSDP,
+EP x TP (``mlp`` over ``tp``) and EP borrowed from dp_shard x cp (torchtitan's, with ring attention); three AdamW steps of ``train_step`` give one device's losses and
 parameters. The uneven all-to-all and its transpose are exact, the batched simulator refuses it
 by name, and the comm report counts the dispatch and the combine at tokens x top_k x hidden x
 bytes x (ep-1)/ep each."""
@@ -12,7 +12,7 @@ from harness import assert_same_run, make_batch, parallel, single_device, train_
 
 import functional_pp as fpp
 from functional_pp.core import tree
-from functional_pp.core.layout import Rules, block_slices
+from functional_pp.core.layout import Rules, balanced, block_slices, inherit
 from functional_pp.models import llama
 from functional_pp.ops.experts import experts
 from functional_pp.parallel import collectives as C
@@ -27,6 +27,10 @@ LAYOUTS = {
     "ep_axis_x_fsdp": (fpp.Mesh(dp_shard=2, ep=2), Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard")),
     "ep_replicated_batch_x_fsdp": (fpp.Mesh(dp_shard=2, ep=2), Rules(batch="dp_shard", experts="ep", hidden="dp_shard")),
     "ep_x_tp": (fpp.Mesh(dp_shard=2, tp=2), Rules(batch="dp_shard", experts="dp_shard", **TP)),
+    # torchtitan's borrowing: the experts over dp_shard x cp, the sequence load-balanced over cp
+    "ep_borrows_dp_shard_x_cp": (fpp.Mesh(dp_shard=2, cp=2), Rules(batch="dp_shard", seq=balanced("cp"),
+                                                                   res_seq=inherit("seq"), experts=("dp_shard", "cp"),
+                                                                   hidden=("dp_shard", "cp"))),
 }
 
 
