@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import current_context
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.swiglu import swiglu_tensors
 from functional_pp.parallel import collectives as C
@@ -65,6 +67,19 @@ def _whole(x: Named, keep: dict[str, tuple[str, ...]] | None = None) -> tuple:
 def _local(x: Named, dims: Sequence[str]) -> torch.Tensor:
     """The block of ``x`` with its dimensions in the order ``dims``."""
     return x.data.permute([x.dims.index(d) for d in dims])
+
+
+def _check_eager() -> None:
+    """Dropless routing has data-dependent shapes (rows per expert, split sizes): it runs
+    eagerly, one device per thread or process; refuse, by name, what cannot run it."""
+    if is_tracing():
+        raise RuntimeError("experts: a dropless mixture of experts routes with data-dependent shapes and runs "
+                           "eagerly; compile the step without it (compile: false, train_step(compile=False))")
+    ctx = current_context(required=False)
+    if ctx is not None and ctx.batched:
+        raise RuntimeError("experts: a mixture of experts does not run on the batched simulator (its devices "
+                           "route different numbers of tokens); simulate with threads (--sim-mode threads, "
+                           "launch(simulate=True)) or processes")
 
 
 def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
@@ -114,6 +129,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"experts: top_k={top_k} must be between 1 and the number of experts ({n_experts})")
     mesh, _ = env()
+    _check_eager()
 
     # --- the tokens, whole along hidden; the axes that split them
     x = settle(x)

@@ -182,3 +182,22 @@ def test_dry_run_plans_balanced_routing():
     dense = llama.flops_per_token(llama.Config.tiny(mlp=CFG.moe_mlp * CFG.experts_top_k), seq)
     router = 3 * 2 * CFG.hidden * CFG.experts * CFG.layers
     assert llama.flops_per_token(CFG, seq) == dense + router
+
+
+def test_compiled_and_batched_runs_are_refused_by_name(monkeypatch):
+    """The routing's shapes are data: traced code (a compiled step) and the batched simulator
+    are refused, naming what runs it instead, before any wrong number."""
+    import functional_pp.ops.experts as experts_module
+    cfg = llama.Config.tiny(layers=1, experts=4, moe_mlp=16)
+    data = torch.randint(0, 256, (2, 9))
+    params = fpp.init_params(llama.init(cfg), seed=0)
+
+    def loss():
+        named = sharding.named_tree(params, llama.init(cfg))
+        return llama.loss(named, {"tokens": fpp.named(data[:, :-1], "batch seq"),
+                                  "labels": fpp.named(data[:, 1:], "batch seq")}, cfg)
+    with pytest.raises(Exception, match=r"does not run on the batched simulator.*--sim-mode threads"):
+        fpp.launch(loss, fpp.Mesh(dp_shard=2), simulate="batched")
+    monkeypatch.setattr(experts_module, "is_tracing", lambda: True)      # as under torch.compile
+    with pytest.raises(RuntimeError, match=r"runs eagerly; compile the step without it \(compile: false"):
+        loss()
