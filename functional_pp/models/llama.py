@@ -11,6 +11,7 @@ Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q
 head_dim as separate dimensions (see ``functional_pp.models.llama_hf`` for the table)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import asdict, dataclass, field
 
@@ -415,7 +416,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (and
     ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` the head and the loss
     run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
-    with moe.collect() as stats:
+    with moe.collect() if cfg.experts else contextlib.nullcontext([]) as stats:
         x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
