@@ -14,7 +14,7 @@ NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_c
            "peak_flops_per_device", "resume_from_checkpoint")   # where to resume from (Axolotl's keys)
 # Keys that only reshard the same computation (any mesh loads any checkpoint); the batch keys
 # are per data-parallel rank, so the global batch (compared instead) is what must not change.
-RESHARD = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "sequence_parallel", "rules.",
+RESHARD = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size", "sequence_parallel", "rules.",
            "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
 
 

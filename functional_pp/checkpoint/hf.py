@@ -135,7 +135,27 @@ class _HFReader:
                 raise CheckpointCorruptError(
                     f"{self.root / 'model.safetensors.index.json'} lists tensors its files lack: "
                     f"{lost[:6]}{' ...' if len(lost) > 6 else ''}")
+        self._stack_experts()
         return self
+
+    def _stack_experts(self) -> None:
+        """One stacked entry ``...experts.{name}`` [E, *shape] for the per-expert tensors
+        ``...experts.{j}.{name}`` j = 0..E-1 (the MoE rows of the table, kind ``experts_linear``)."""
+        self.members: dict[str, list[str]] = {}
+        groups: dict[str, dict[int, str]] = {}
+        for key in self.entries:
+            m = _EXPERT.match(key)
+            if m:
+                groups.setdefault(f"{m['pre']}.experts.{m['post']}", {})[int(m["j"])] = key
+        for name, by_index in groups.items():
+            keys = [by_index.get(j) for j in range(len(by_index))]
+            shapes = {self.entries[k][1] for k in keys if k is not None}
+            if None in keys or len(shapes) != 1:
+                raise CheckpointCorruptError(f"{self.root}: the experts of {name} are not numbered 0..{len(keys) - 1} "
+                                             f"with one shape: {sorted(by_index)} {sorted(shapes)}")
+            f, shape, dt = self.entries[keys[0]]
+            self.entries[name] = (f, (len(keys), *shape), dt)
+            self.members[name] = keys
 
     def __exit__(self, *exc) -> None:
         self.stack.close()
@@ -153,7 +173,23 @@ class _HFReader:
         return self.handles[f]
 
     def slice(self, name: str):
+        if name in self.members:
+            return _Stacked([self._open(self.entries[k][0]).get_slice(k) for k in self.members[name]])
         return self._open(self.entries[name][0]).get_slice(name)
+
+
+_EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<j>\d+)\.(?P<post>.+)$")
+
+
+class _Stacked:
+    """A slice handle of per-expert tensors stacked along a new first dimension."""
+
+    def __init__(self, slices: list):
+        self.slices = slices
+
+    def __getitem__(self, idx):
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        return torch.stack([self.slices[j][rest] for j in range(*first.indices(len(self.slices)))])
 
 
 def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
@@ -185,6 +221,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
                 missing.append(f"{name} (for {for_})")
                 continue
             used.add(name)
+            used.update(reader.members.get(name, ()))
             have = reader.entries[name][1]
             if have != want:
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
@@ -329,7 +366,20 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
         def make(produced=produced, dt=dt):      # one tensor, or the parts fused along the rows
             ts = [kind.to_hf(produce()).to(dt) for kind, produce, _ in produced]
             return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
-        items.append((name, dt, _fused_shape([s for *_, s in produced]), make))
+        shape = _fused_shape([s for *_, s in produced])
+        if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
+            held: dict = {}                  # the stacked tensor, made once for its experts in turn
+
+            def expert(j, make=make, held=held, last=shape[0] - 1):
+                whole = held.setdefault("t", None) if "t" in held else held.setdefault("t", make())
+                if j == last:
+                    held.clear()
+                return whole[j].contiguous()
+            for j in range(shape[0]):
+                items.append((name.replace(".experts.", f".experts.{j}.", 1), dt, shape[1:],
+                              lambda j=j, expert=expert: expert(j)))
+        else:
+            items.append((name, dt, shape, make))
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 

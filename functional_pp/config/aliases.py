@@ -26,6 +26,7 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tensor_parallel_size": ("tp_size", _same),
     "context_parallel_size": ("cp_size", _same),
     "pipeline_parallel_size": ("pp_size", _same),
+    "expert_parallel_size": ("ep_size", _same),
     "gradient_checkpointing": ("activation_checkpointing", _same),
     "torch_compile": ("compile", lambda v: _auto_compile() if v == "auto" else v),
     "torch_compile_backend": ("compile", _same),
@@ -181,7 +182,7 @@ _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     # the architecture comes from base_model's config.json (its model_type), whichever is named
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                    "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                   "Gemma3ForCausalLM"),
+                   "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"),
     "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
                        "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer",
                        "GemmaTokenizerFast"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["MESH_KEYS", "ADAM_KEYS", "SGD_KEYS", "ADAM_OPTIMIZERS", "SECTION_KEYS"]
 
 MESH_KEYS = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
-             "cp_size": "cp", "tp_size": "tp"}
+             "cp_size": "cp", "tp_size": "tp", "ep_size": "ep"}
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 SGD_KEYS = ("momentum",)
 ADAM_OPTIMIZERS = ("adamw", "adamw_8bit")

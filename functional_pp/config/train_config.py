@@ -35,6 +35,9 @@ class TrainConfig:
                           "outermost mesh axis pp (docs/pipelines.md); alias pipeline_parallel_size")
     pp_schedule: str = fld("1f1b", "the pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zb_h1")
     pp_virtual_stages: int = fld(1, "model chunks per pipeline device (interleaved_1f1b)")
+    ep_size: int = fld(1, "expert parallelism: the experts of a mixture of experts split over N "
+                          "devices, which the batch uses too (docs/experts.md); alias "
+                          "expert_parallel_size")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
@@ -234,13 +237,16 @@ class TrainConfig:
             sizes = {"pp": self.pp_size, **sizes}
         if not self.sizes_given() and all(v == 1 for v in sizes.values()):
             sizes["dp_shard"] = world_size or 1
+        if sizes["ep"] == 1:
+            del sizes["ep"]                 # (a mesh axis only where there is expert parallelism)
         if sizes["dp_shard"] == -1:
-            rest = sizes.get("pp", 1) * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+            rest = sizes.get("pp", 1) * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * sizes.get("ep", 1)
             if world_size is None:
                 raise ConfigError("dp_shard_size: -1 needs a known world size (torchrun or --simulate N)")
             if world_size % rest:
                 raise ConfigError(f"dp_shard_size: -1 cannot fill a world of {world_size} devices: "
-                                  f"dp_replicate_size x cp_size x tp_size = {rest} does not divide it")
+                                  f"pp_size x dp_replicate_size x cp_size x tp_size x ep_size = {rest} does not "
+                                  f"divide it")
             sizes["dp_shard"] = world_size // rest
         return sizes
 
@@ -254,6 +260,8 @@ class TrainConfig:
         ``rules`` entries replacing (null: removing) the defaults."""
         from functional_pp.core.layout import Rules
         rules = model_family(self).default_rules(sequence_parallel=self.sequence_parallel)
+        if self.ep_size > 1:               # the experts over ep, a data axis for everything else
+            rules = rules.replace(batch=(*rules["batch"], "ep"), experts="ep", hidden=(*rules["hidden"], "ep"))
         try:
             rules = rules.replace(**{k: (tuple(v) if isinstance(v, list) else v)
                                      for k, v in self.rules.items()})

@@ -109,13 +109,16 @@ def comm_report() -> Iterator[CommReport]:
         stack.remove(report)
 
 
-def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, backward: bool | None = None) -> None:
+def record(kind: str, axes: tuple[str, ...], n: int, x: torch.Tensor, backward: bool | None = None,
+           nbytes: int | None = None) -> None:
     """Record one collective (``backward``: whether it belongs to the backward pass; by
-    default, whether autograd is running a backward function now)."""
+    default, whether autograd is running a backward function now; ``nbytes``: the bytes this
+    device sends when no ring formula gives them, as an uneven all-to-all's)."""
     stack = getattr(_local, "stack", None)
     if not stack or is_tracing():
         return
-    event = CommEvent(kind, tuple(axes), n, ring_bytes(kind, x.numel(), n, x.element_size()),
+    sent = ring_bytes(kind, x.numel(), n, x.element_size()) if nbytes is None else int(nbytes)
+    event = CommEvent(kind, tuple(axes), n, sent,
                       tuple(x.shape), str(x.dtype).replace("torch.", ""),
                       in_backward() if backward is None else backward)
     for report in stack:

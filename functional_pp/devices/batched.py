@@ -127,6 +127,12 @@ class BatchedBackend:
         out = [torch.cat([blocks[src][dst] for src in range(n)], dim=concat_dim + 1) for dst in range(n)]
         return self.from_group_major(torch.stack(out), axes)
 
+    def all_to_all_v(self, x: torch.Tensor, send, recv, group) -> DeviceStack:
+        """Uneven blocks cannot be stacked: refused, naming the simulators that run it."""
+        raise NotImplementedError("all_to_all_v: an uneven all-to-all (expert parallelism) does not run on the "
+                                  "batched simulator, whose devices hold equal shapes; launch with "
+                                  "simulate=True (threads) or processes=True")
+
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], group) -> DeviceStack:
         axes = self._axes(group)
         g = self.group_major(x, axes)

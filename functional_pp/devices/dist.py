@@ -150,6 +150,24 @@ class DistBackend:
         recv_parts = recv.unbind(0)
         return torch.cat([recv_parts[order[i]] for i in range(n)], dim=concat_dim)
 
+    def all_to_all_v(self, x, send, recv, group):
+        """Uneven all-to-all along dim 0: ``send[j]`` rows of ``x`` (in group order) go to group
+        member j, ``recv[j]`` rows come from it; torch's ``all_to_all_single`` with split sizes,
+        its ascending ranks mapped to our group order (expert parallelism, docs/experts.md)."""
+        n = len(group)
+        order = self._order(group)
+        inv = [0] * n
+        for i, p in enumerate(order):
+            inv[p] = i
+        parts = list(x.split(list(send), dim=0))
+        payload = torch.cat([parts[inv[p]] for p in range(n)], dim=0).contiguous()
+        send_sorted, recv_sorted = [int(send[inv[p]]) for p in range(n)], [int(recv[inv[p]]) for p in range(n)]
+        done_at = self._slow("all_to_all", payload, group)
+        out = self._sync(done_at, funcol.wait_tensor(funcol.all_to_all_single(payload, recv_sorted, send_sorted,
+                                                                              self._pg(group))))
+        got = out.split(recv_sorted, dim=0)
+        return torch.cat([got[order[i]] for i in range(n)], dim=0)
+
     def permute(self, x, pairs, group):
         """Send ``x`` along ``pairs`` (group indices (source, destination)); a device that
         receives nothing gets zeros. One all-to-all of the flattened tensor whose split sizes

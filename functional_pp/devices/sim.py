@@ -355,6 +355,26 @@ class SimBackend:
     def permute(self, x: torch.Tensor, pairs: tuple[tuple[int, int], ...], group: tuple[int, ...]) -> torch.Tensor:
         return self._op(x, "permute", group, [i for pair in pairs for i in pair])
 
+    def all_to_all_v(self, x: torch.Tensor, send, recv, group: tuple[int, ...]) -> torch.Tensor:
+        """Uneven all-to-all along dim 0 (eager only: the sizes are data): ``send[j]`` rows of
+        ``x`` go to group member j, ``recv[j]`` rows come from it (docs/experts.md)."""
+        if not runs_eagerly(x):
+            raise RuntimeError("all_to_all_v: the uneven all-to-all of expert parallelism runs eagerly "
+                               "(its sizes are data); run the step without compile")
+        group = group if type(group) is tuple else tuple(group)
+        meta = ("all_to_all_v", tuple(x.shape[1:]), x.dtype)
+        payload = (_contiguous_copy(x.detach()), tuple(int(s) for s in send))
+        shared = self.world.rendezvous(self.rank, group, payload, meta, list)
+        me = group.index(self.rank)
+        blocks = []
+        for src, (data, sizes) in enumerate(shared):
+            start = sum(sizes[:me])
+            if sizes[me] != int(recv[src]):
+                raise RuntimeError(f"all_to_all_v: member {me} expects {int(recv[src])} rows from member "
+                                   f"{src}, which sends {sizes[me]}")
+            blocks.append(data[start:start + sizes[me]])
+        return torch.cat(blocks, dim=0).clone(memory_format=torch.contiguous_format)
+
     def exchange_objects(self, obj, group: tuple[int, ...]) -> list:
         """Non-tensor exchange for checks (not counted as communication)."""
         return self.world.exchange(self.rank, group, obj, ("exchange_objects",))

@@ -11,6 +11,7 @@ Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q
 head_dim as separate dimensions (see ``functional_pp.models.llama_hf`` for the table)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import asdict, dataclass, field
 
@@ -18,6 +19,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
+from functional_pp.models import moe
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
@@ -98,6 +100,20 @@ class Config:
     final_softcap: float | None = None
     # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
     local_rope_theta: float | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; models/moe.py, docs/experts.md): the
+    # experts of each MoE layer (0: a dense MLP everywhere), each token's top_k, each expert's
+    # intermediate size (None: mlp), renormalised top-k weights (Mixtral; Qwen's norm_topk_prob),
+    # the router's scores (softmax; sigmoid: DeepSeek-V3), the auxiliary loss's coefficient
+    # (router_aux_loss_coef), a shared expert's intermediate size (Qwen2-MoE; 0: none) and the
+    # layers with experts (None: all)
+    experts: int = 0
+    experts_top_k: int = 2
+    moe_mlp: int | None = None
+    norm_topk_prob: bool = False
+    router_score: str = "softmax"
+    router_aux_loss_coef: float = 0.0
+    shared_expert_mlp: int = 0
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -117,6 +133,10 @@ class Config:
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.mlp_act not in MLP_ACTS:
             raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
+        if self.moe_layers is not None:
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.experts and not 1 <= self.experts_top_k <= self.experts:
+            raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
         if self.final_softcap and self.loss_chunk_bytes:
             raise ValueError("final_softcap with loss_chunk_bytes: the chunked head loss has no logit "
                              "soft-capping; set loss_chunk_bytes to null")
@@ -176,6 +196,7 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
+        d["moe_layers"] = list(self.moe_layers) if self.moe_layers is not None else None
         return d
 
     @classmethod
@@ -254,17 +275,19 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         return a
 
-    def layer():
+    def layer(i):
         p = {"input_layernorm": norm(), "self_attn": attn(), "post_attention_layernorm": norm(),
              "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+        if moe.is_moe_layer(cfg, i):
+            p["mlp"] = moe.init_mlp(cfg, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
         return p
 
-    layers = [layer() for _ in range(cfg.layers)]
+    layers = [layer(i) for i in range(cfg.layers)]
     tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
@@ -327,6 +350,9 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     h = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
     h = ops.rename(h, res_seq="seq")
     m = p["mlp"]
+    if "router" in m:                                     # a mixture of experts (models/moe.py)
+        out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
+        return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
     gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
     out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", _GATES[cfg.mlp_act](gate, up), m["down_proj"])
@@ -390,11 +416,16 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (and
     ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` the head and the loss
     run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
-    x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
+    with moe.collect() if cfg.experts else contextlib.nullcontext([]) as stats:
+        x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
-        return ops.cross_entropy(_capped(logits, cfg), batch["labels"])
-    return ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
+        out = ops.cross_entropy(_capped(logits, cfg), batch["labels"])
+    else:
+        out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
+    if stats and cfg.router_aux_loss_coef:                # the load-balancing loss (Switch, Mixtral)
+        out = out + moe.aux_loss(stats) * cfg.router_aux_loss_coef
+    return out
 
 
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
@@ -415,9 +446,15 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
 def flops_per_token(cfg: Config, seq: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), attention included."""
     D = cfg.dim_head
-    per_layer = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D) + 2 * 3 * cfg.hidden * cfg.mlp
+    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D)
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
-    fwd = cfg.layers * (per_layer + attn) + 2 * cfg.hidden * cfg.vocab
+
+    def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
+        if not moe.is_moe_layer(cfg, i):
+            return 2 * 3 * cfg.hidden * cfg.mlp
+        return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
+                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp else 0))
+    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 
 

@@ -54,7 +54,7 @@ from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScali
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
-    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE",
 ]
 
 
@@ -83,6 +83,17 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
+    # a mixture of experts (models/moe.py): the router, the experts stacked along ``experts`` (in
+    # the files one tensor per expert, ``mlp.experts.{j}.gate_proj.weight``, read and written as
+    # the stacked name below by checkpoint/hf.py), a shared expert and its gate (Qwen2-MoE)
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router", "linear"),
+    ("model.layers.{i}.mlp.experts.gate_proj.weight", "layers.{i}.mlp.gate", "experts_linear"),
+    ("model.layers.{i}.mlp.experts.up_proj.weight", "layers.{i}.mlp.up", "experts_linear"),
+    ("model.layers.{i}.mlp.experts.down_proj.weight", "layers.{i}.mlp.down", "experts_linear"),
+    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "layers.{i}.mlp.shared_expert.gate_proj", "linear"),
+    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.up_proj", "linear"),
+    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared_expert.down_proj", "linear"),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
 )
@@ -134,12 +145,24 @@ FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 
 
+# Mixtral names its MoE MLP ``block_sparse_moe`` and the experts' projections w1 / w3 / w2
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
+                (r"\.mlp\.experts\.gate_proj\.weight$", ".block_sparse_moe.experts.w1.weight"),
+                (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
+                (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
+}
+"""Per model type, (pattern, replacement) of the table's HF names in that family's files."""
+
+
 def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
     """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
     along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
     name = hf_name(path)
     if name is None:
         return None
+    for pattern, repl in RENAMED.get(model_type, ()):
+        name = re.sub(pattern, repl, name)
     for fused, parts in _FUSED.get(model_type, ()):
         for j, pat in enumerate(parts):
             m = pat.match(name)
@@ -234,8 +257,34 @@ class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
         return sl[rn.start * D:rn.stop * D].reshape(rn.stop - rn.start, D)[:, rd]
 
 
+class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, in] transposed per expert
+    stacked = True                     # one HF tensor per expert in the files (checkpoint/hf.py)
+
+    def hf_shape(self, shape):
+        return (shape[0], shape[2], shape[1])
+
+    def to_hf(self, t):
+        return t.transpose(1, 2)
+
+    def read(self, sl, region, shape):
+        re_, ra, rb = region
+        return sl[re_, rb, ra].transpose(1, 2)
+
+
+class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
+    def hf_shape(self, shape):
+        return (1, shape[0])
+
+    def to_hf(self, t):
+        return t.unsqueeze(0)
+
+    def read(self, sl, region, shape):
+        return sl[0:1, region[0]][0]
+
+
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
-                           "heads_in": _HeadsIn(), "bias_heads": _BiasHeads()}
+                           "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
+                           "row": _Row()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -269,7 +318,8 @@ def unpermute_from_rotate_half(w: torch.Tensor, dim: int = -1, head_dim: int | N
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                                 "gemma3_text": "Gemma3ForCausalLM"}
+                                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -297,6 +347,65 @@ _NOT_GEMMA = dict(mlp_act="silu", norm_offset=0.0, scale_embeddings=False, sandw
 _GEMMA = ("gemma2", "gemma3_text")
 
 
+# the mixtures of experts: each is its dense family's decoder with the MLP of models/moe.py
+MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+# their config classes' defaults where they differ from the dense family's
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(sliding_window=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+                    num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001, decoder_sparse_step=1),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001, decoder_sparse_step=1, shared_expert_intermediate_size=5632),
+}
+_DENSE_MOE = dict(experts=0, moe_mlp=None, norm_topk_prob=False, router_score="softmax", router_aux_loss_coef=0.0,
+                  shared_expert_mlp=0, moe_layers=None)
+
+
+def _moe_config_from_hf(hf: dict, mt: str) -> Config:
+    """A Mixtral / Qwen3-MoE / Qwen2-MoE ``config.json``: the dense family's config plus the
+    experts (the auxiliary loss counts, as in transformers, only with output_router_logits)."""
+    import dataclasses
+    where = f"HF {mt} config"
+    d = _MOE_DEFAULTS[mt]
+
+    def get(key: str) -> Any:
+        v = hf.get(key)
+        return d.get(key) if v is None else v
+    if float(hf.get("router_jitter_noise") or 0.0):
+        raise UnsupportedHFConfig(f"{where}: router_jitter_noise={hf['router_jitter_noise']!r} is not supported "
+                                  f"(a deterministic router only; set it to 0.0)")
+    dense = dict(hf, model_type=MOE_BASE[mt])
+    if mt == "mixtral":
+        dense.setdefault("sliding_window", None)
+    if mt == "qwen3_moe" and hf.get("head_dim") is None:
+        dense["head_dim"] = int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    if mt != "mixtral" and hf.get("use_sliding_window"):
+        raise UnsupportedHFConfig(f"{where}: use_sliding_window=True is not supported for {mt}")
+    for key in ("max_position_embeddings", "rms_norm_eps"):
+        if hf.get(key) is None and key in d:
+            dense[key] = d[key]
+    if mt == "qwen2_moe" and hf.get("qkv_bias") is False:
+        raise UnsupportedHFConfig(f"{where}: qkv_bias=False is not supported (Qwen2-MoE has q/k/v biases)")
+    cfg = config_from_hf_dict(dense)
+    layers = cfg.layers
+    # (Qwen3MoeConfig of transformers 5 writes num_local_experts, earlier ones num_experts)
+    experts = int(get("num_local_experts") if mt == "mixtral" else
+                  hf.get("num_experts") or hf.get("num_local_experts") or d["num_experts"])
+    moe_layers = None
+    if mt != "mixtral":
+        step, dense_only = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
+        chosen = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        moe_layers = None if len(chosen) == layers else chosen
+    return dataclasses.replace(
+        cfg, model_type=mt, experts=experts, experts_top_k=int(get("num_experts_per_tok")),
+        moe_mlp=None if mt == "mixtral" else int(get("moe_intermediate_size")),
+        norm_topk_prob=True if mt == "mixtral" else bool(get("norm_topk_prob")),
+        router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
+        shared_expert_mlp=int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else 0,
+        moe_layers=moe_layers)
+
+
 def config_from_hf_dict(hf: dict) -> Config:
     """``llama.Config`` from the contents of an HF ``config.json`` of any family of
     :data:`MODEL_TYPES` (dispatching on ``model_type``); accepts both ``rope_parameters``
@@ -307,6 +416,8 @@ def config_from_hf_dict(hf: dict) -> Config:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt in MOE_BASE:
+        return _moe_config_from_hf(hf, mt)
     where = f"HF {mt} config"
     defaults = _DEFAULTS[mt]
 
@@ -449,12 +560,37 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     return int(w), (None if all(t == "sliding_attention" for t in types) else tuple(types))
 
 
+def _check_moe_exportable(cfg: Config) -> Config:
+    """The dense config a mixture of experts exports around, after refusing what its class
+    cannot hold; a dense family with experts is refused too."""
+    import dataclasses
+    mt, where = cfg.model_type, f"export as {cfg.model_type!r}"
+    if mt not in MOE_BASE:
+        if cfg.experts:
+            raise UnsupportedHFConfig(f"{where}: experts={cfg.experts} has no {ARCHITECTURES.get(mt, mt)} equivalent "
+                                      f"(it needs experts=0); choose model_type mixtral, qwen3_moe or qwen2_moe")
+        return cfg
+    need = dict(router_score="softmax", shared_expert_mlp=cfg.shared_expert_mlp if mt == "qwen2_moe" else 0)
+    if mt == "mixtral":
+        need.update(norm_topk_prob=True, moe_layers=None, moe_mlp=None)
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
+                                      f"equivalent (it needs {want!r}); choose another model_type")
+    if not cfg.experts:
+        raise UnsupportedHFConfig(f"{where}: experts=0 is a dense model; export it as {MOE_BASE[mt]!r}")
+    return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE)
+
+
 def check_exportable(cfg: Config) -> None:
     """Refuse (naming the option) a config that its ``model_type``'s HF class cannot hold."""
     mt, where = cfg.model_type, f"export as {cfg.model_type!r}"
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    dense = _check_moe_exportable(cfg)
+    if dense is not cfg:
+        return check_exportable(dense)
     need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
@@ -478,6 +614,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg``, as its ``model_type``'s class (readable by
     transformers 4.x and 5.x); :func:`check_exportable` refuses a config that class cannot hold."""
     check_exportable(cfg)
+    if cfg.model_type in MOE_BASE:
+        return _moe_config_to_hf(cfg, dtype)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
     if isinstance(s, LongRopeScaling):
@@ -541,4 +679,24 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=(types.index("sliding_attention") if "sliding_attention" in types
                                       else cfg.layers), layer_types=types)
+    return out
+
+
+def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
+    """A mixture of experts' ``config.json``: its dense family's, with the experts' keys."""
+    mt = cfg.model_type
+    out = config_to_hf(_check_moe_exportable(cfg), dtype)
+    out.update(architectures=[ARCHITECTURES[mt]], model_type=mt, num_experts_per_tok=cfg.experts_top_k,
+               router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=bool(cfg.router_aux_loss_coef))
+    if mt == "mixtral":
+        out.update(num_local_experts=cfg.experts, router_jitter_noise=0.0)
+        return out
+    moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]
+    out.update(num_experts=cfg.experts, num_local_experts=cfg.experts, moe_intermediate_size=cfg.moe_mlp or cfg.mlp,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+               mlp_only_layers=[i for i in range(cfg.layers) if i not in moe], use_sliding_window=False,
+               sliding_window=None)
+    out.pop("layer_types", None)
+    if mt == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_mlp, qkv_bias=True)
     return out

@@ -15,7 +15,7 @@ untyped: the caller writes every :func:`pvary` (the explicit style, which works 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -28,8 +28,8 @@ from functional_pp.parallel.raw_collectives import axis_index as _raw_axis_index
 from functional_pp.parallel.raw_collectives import (axis_size, raw_all_gather, raw_all_reduce, raw_all_to_all,
                                                     raw_permute, raw_reduce_scatter)
 from functional_pp.parallel.transposes import _PSumScatter  # noqa: F401
-from functional_pp.parallel.transposes import (_AllGather, _AllGatherInvariant, _AllToAll, _PMax, _PPermute, _PSum,
-                                               _PVary, _SliceVarying, _SplitInvariant, set_gradient_sink)
+from functional_pp.parallel.transposes import (_AllGather, _AllGatherInvariant, _AllToAll, _AllToAllV, _PMax, _PPermute,
+                                               _PSum, _PVary, _SliceVarying, _SplitInvariant, set_gradient_sink)
 
 _UNTYPED = contextlib.nullcontext()
 
@@ -220,6 +220,33 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
             y = x.unsqueeze(p)
             out = (y if n == 1 else apply_function(_AllToAll, y, axes, s2, p)).squeeze(s2)
     return _done(st, x, out, _vma(st, x), "all_to_all")
+
+
+def all_to_all_v(x: torch.Tensor, axis_name: AxisName, send_sizes: Sequence[int],
+                 recv_sizes: Sequence[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: the first ``send_sizes[0]`` rows go to device 0 of the
+    group, the next ``send_sizes[1]`` to device 1, ...; the result stacks the ``recv_sizes[j]``
+    rows received from each device j in group order. The sizes are Python ints every device
+    agrees on pairwise (exchange them first: :func:`exchange_sizes`); eager only. Backward:
+    the same exchange with the sizes swapped (the combine of expert parallelism, docs/experts.md)."""
+    axes = _axes(axis_name)
+    st, x = V.operand(x, axes)
+    with _quiet(st):
+        out = apply_function(_AllToAllV, x, axes, tuple(int(s) for s in send_sizes),
+                             tuple(int(r) for r in recv_sizes))
+    return _done(st, x, out, _vma(st, x), "all_to_all_v")
+
+
+def exchange_sizes(send_sizes: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """Each device's ``send_sizes`` (integer, first dimension one entry per device of the
+    group) exchanged so that row j of the result is what device j sends to this one (an even
+    all-to-all of the counts; not differentiable)."""
+    axes = _axes(axis_name)
+    n = axis_size(axes)
+    if send_sizes.shape[0] != n:
+        raise ValueError(f"exchange_sizes over {axes} (size {n}): send_sizes needs {n} rows, got "
+                         f"{tuple(send_sizes.shape)}")
+    return send_sizes if n == 1 else raw_all_to_all(send_sizes.contiguous(), axes, 0, 0)
 
 
 def split_invariant(x: torch.Tensor, axis_name: AxisName, dim: int) -> torch.Tensor:

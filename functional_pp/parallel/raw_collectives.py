@@ -7,6 +7,7 @@ first-axis-major (``("dp_shard", "cp")``: index = dp_shard_index * cp_size + cp_
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -102,6 +103,26 @@ def raw_all_to_all(x: torch.Tensor, axes: AxisName, split_dim: int, concat_dim: 
                          f"{x.shape[split_dim]} is not divisible by the group size {len(group)}")
     with comm.recording("all_to_all", axes, len(group), x):
         return ctx.backend.all_to_all(x, split_dim, concat_dim, group)
+
+
+def raw_all_to_all_v(x: torch.Tensor, axes: AxisName, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: ``send[j]`` rows of ``x`` go to group member j (in
+    order), ``recv[j]`` rows come from member j; counted as the bytes sent to the others."""
+    ctx, axes, group = _group(axes, "all_to_all_v")
+    n = len(group)
+    if len(send) != n or len(recv) != n or sum(send) != x.shape[0]:
+        raise ValueError(f"all_to_all_v over {axes} (size {n}): send sizes {list(send)} and receive sizes "
+                         f"{list(recv)} need {n} entries each, the send sizes summing to the rows of x "
+                         f"({x.shape[0]})")
+    if n == 1:
+        return x
+    if ctx.batched:                 # (refused by the batched backend, naming the alternatives)
+        return ctx.backend.all_to_all_v(x, tuple(send), tuple(recv), group)
+    me = ctx.mesh.axis_index(ctx.rank, axes)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    with comm.recording("all_to_all", axes, n, x, sends=False):
+        comm.record("all_to_all", axes, n, x, nbytes=row * (sum(send) - send[me]))
+        return ctx.backend.all_to_all_v(x, tuple(int(s) for s in send), tuple(int(r) for r in recv), group)
 
 
 def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from functional_pp._torch import is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core.runtime import current_context, per_thread
 from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
-                                                    raw_all_to_all, raw_permute, raw_reduce_scatter)
+                                                    raw_all_to_all, raw_all_to_all_v, raw_permute, raw_reduce_scatter)
 
 
 # One Function per collective, its forward and its transpose (the backward) named in the class;
@@ -185,6 +185,21 @@ class _PPermute(_Collective):
     def backward(ctx, g):
         axes, pairs = ctx.args
         return raw_permute(g, axes, tuple((d, s) for s, d in pairs)), None, None
+
+
+class _AllToAllV(_Collective):
+    """Uneven all_to_all along dim 0 (``send[j]`` rows to member j, ``recv[j]`` from it).
+    Transpose: the same exchange with the sizes swapped (what came from j goes back to j)."""
+
+    @staticmethod
+    def forward(x, axes, send, recv):
+        return raw_all_to_all_v(x, axes, send, recv)
+
+    @staticmethod
+    @traced_as_backward
+    def backward(ctx, g):
+        axes, send, recv = ctx.args
+        return raw_all_to_all_v(g.contiguous(), axes, recv, send), None, None, None
 
 
 class _AllToAll(_Collective):

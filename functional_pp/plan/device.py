@@ -45,6 +45,9 @@ class MetaBackend:
     def permute(self, x: torch.Tensor, pairs, group: tuple[int, ...]) -> torch.Tensor:
         return torch.empty_like(x, device="meta")
 
+    def all_to_all_v(self, x: torch.Tensor, send, recv, group: tuple[int, ...]) -> torch.Tensor:
+        return x.new_empty((sum(recv), *x.shape[1:]), device="meta")
+
     def exchange_objects(self, obj, group: tuple[int, ...]) -> list:
         return [obj] * len(group)
 
