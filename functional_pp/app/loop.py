@@ -162,6 +162,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     step_fn = train_step(functools.partial(family.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
                          grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
+                         keep_gathered=not cfg.reshard_after_forward,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                          max_consecutive_skips=cfg.max_consecutive_skips,
                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),

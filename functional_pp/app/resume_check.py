@@ -15,6 +15,7 @@ NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_c
 # Keys that only reshard the same computation (any mesh loads any checkpoint); the batch keys
 # are per data-parallel rank, so the global batch (compared instead) is what must not change.
 RESHARD = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "sequence_parallel", "rules.",
+           "reshard_after_forward",
            "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
 
 

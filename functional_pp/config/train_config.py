@@ -75,6 +75,9 @@ class TrainConfig:
     tf32: bool | None = fld(None, "allow TF32 matmuls on CUDA")
     activation_checkpointing: bool = fld(False, "recompute each layer in backward (alias "
                                                 "gradient_checkpointing)")
+    reshard_after_forward: bool = fld(True, "FSDP: re-gather each layer's weights in backward "
+                                            "(ZeRO-3); false: keep them gathered for backward "
+                                            "(ZeRO-2, SHARD_GRAD_OP; more memory, fewer gathers)")
     compile: bool | str = fld(False, "torch.compile the step: true, or a backend name (alias "
                                      "torch_compile, torch_compile_backend)")
     on_nonfinite: Literal["skip", "raise"] = fld("skip", "a non-finite loss/gradient: skip the "
