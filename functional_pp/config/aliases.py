@@ -105,12 +105,9 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
     "tokens": "adding tokens to the vocabulary is not supported: remove it",
-    **{k: "the loss watchdog is not supported: remove it (non-finite steps are skipped, "
-          "max_consecutive_skips stops the run)" for k in ("loss_watchdog_threshold", "loss_watchdog_patience")},
     "qat": "quantization-aware training is not supported: remove it",
     "activation_offloading": "activation offloading is not supported: remove it (activation_checkpointing "
                              "recomputes instead)",
-    "early_stopping_patience": "early stopping is not supported: set max_steps or num_epochs",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",

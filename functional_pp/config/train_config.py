@@ -86,6 +86,13 @@ class TrainConfig:
                                                     "(known GPUs are detected)")
     max_consecutive_skips: int | None = fld(10, "stop the run after this many non-finite steps "
                                                 "in a row; null: never stop")
+    loss_watchdog_threshold: float | None = fld(None, "stop the run (non-zero exit status) when the "
+                                                      "loss stays above this for "
+                                                      "loss_watchdog_patience steps")
+    loss_watchdog_patience: int | None = fld(None, "steps in a row above loss_watchdog_threshold "
+                                                   "that stop the run (default 3)")
+    early_stopping_patience: int | None = fld(None, "stop the run (non-zero exit status) after this "
+                                                    "many evaluations without a lower held-out loss")
     collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
                                                  "collective before the run fails naming it")
     simulation: Literal["threaded", "batched", "auto"] = fld(

@@ -237,7 +237,8 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"attn_implementation": "flash_attn", "plugins": ["my.Plugin"],
                                "saves_per_epoch": 1, "save_steps": 10, "rl": "dpo", "qat": {"x": 1},
-                               "loss_watchdog_threshold": 5.0, "totally_unknown_key": 1})
+                               "use_swanlab": True, "swanlab_project": "p", "peft": {"loftq_config": {}},
+                               "totally_unknown_key": 1, "torchdistx_path": None})
     p = e.value.problems
     assert any(m.startswith("attn_implementation: 'flash_attn' is not an attention implementation (choose eager, sdpa")
                for m in p)
@@ -245,7 +246,9 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert "give save_steps or saves_per_epoch, not both" in p
     assert any(m.startswith("'rl' is not supported: RL") for m in p)
     assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
-    assert any(m.startswith("'loss_watchdog_threshold' is not supported: the loss watchdog") for m in p)
+    assert any(m.startswith("'use_swanlab' is not supported (with swanlab_project): SwanLab") for m in p)
+    assert any(m.startswith("'peft' is not supported: LoRA") for m in p)        # one problem per feature
+    assert not any("torchdistx_path" in m for m in p)                          # blank: unset
     unknown = [m for m in p if "totally_unknown_key" in m][0]
     assert "valid:" not in unknown and "--help" in unknown           # no 60-key list
 
