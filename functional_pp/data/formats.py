@@ -27,13 +27,23 @@ from functional_pp.data.tokenizer import CHATML
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
 
-ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides "
-                 "further context. Write a response that appropriately completes the request.\n\n"
-                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that "
-                          "appropriately completes the request.\n\n### Instruction:\n{instruction}"
-                          "\n\n### Response:\n")
-TYPES = ("text", "completion", "alpaca", "chat_template", "pretokenized")
+_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further "
+           "context. Write a response that appropriately completes the request.")
+_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+#: Axolotl's alpaca prompt styles: (system format, turn with input, turn without input)
+ALPACA_STYLES = {
+    "alpaca": ("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+               "### Instruction:\n{instruction}\n\n### Response:\n"),
+    "alpaca:chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "alpaca:chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
+                      "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+                      "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
+    "alpaca:phi": ("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+                   "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+}
+ALPACA_PROMPT = _SYSTEM + "\n\n" + ALPACA_STYLES["alpaca"][1]
+ALPACA_PROMPT_NO_INPUT = _SYSTEM_NO_INPUT + "\n\n" + ALPACA_STYLES["alpaca"][2]
+TYPES = ("text", "completion", *ALPACA_STYLES, "input_output", "chat_template", "pretokenized")
 
 
 class ByteTokenizer:
@@ -141,12 +151,32 @@ def _with_bos(tok, ids: list[int], mask: list[int] | None) -> Example:
     return ids, mask
 
 
-def _alpaca(tok, rec: dict, entry, train_inputs: bool, where: str, n: int) -> Example:
+def _alpaca(tok, rec: dict, style: str, train_inputs: bool, where: str, n: int) -> Example:
+    """Axolotl's alpaca prompt in ``style`` (``alpaca``, ``alpaca:chat``, ``alpaca:phi``, ...):
+    the output trained, the prompt only with ``train_on_inputs``."""
+    system, turn, turn_no_input = ALPACA_STYLES[style]
     instruction = _field(rec, "instruction", where, n)
     inp = rec.get("input") or ""
-    prompt = (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=inp)
+    prompt = (system.format(system=_SYSTEM) + turn if inp else
+              system.format(system=_SYSTEM_NO_INPUT) + turn_no_input).format(instruction=instruction, input=inp)
     p, r = tok.encode(prompt), tok.encode(str(_field(rec, "output", where, n)))
     return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
+
+
+def _input_output(tok, rec: dict, where: str, n: int) -> Example:
+    """Axolotl's template-free ``input_output``: ``segments`` of ``{text, label}``, each
+    segment's tokens trained when its label is true (the texts carry their own markers)."""
+    segments = _field(rec, "segments", where, n)
+    if not isinstance(segments, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str)
+                                                 for s in segments):
+        raise ValueError(f"{where}: record {n}: segments must be a list of {{text, label}}, got {segments!r}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for s in segments:
+        part = tok.encode(s["text"])
+        ids += part
+        mask += [int(bool(s.get("label", True)))] * len(part)
+    return _with_bos(tok, ids, mask)
 
 
 def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
@@ -258,8 +288,10 @@ def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
                 raise ValueError(f"{where}: record {n}: field {entry.field!r} is "
                                  f"{type(text).__name__}, not text")
             yield (*_with_bos(tok, tok.encode(text), None), rec)
-        elif kind == "alpaca":
-            yield (*_alpaca(tok, rec, entry, train_inputs, where, n), rec)
+        elif kind in ALPACA_STYLES:
+            yield (*_alpaca(tok, rec, kind, train_inputs, where, n), rec)
+        elif kind == "input_output":
+            yield (*_input_output(tok, rec, where, n), rec)
         else:
             assert spec is not None
             yield (*_chat(tok, rec, spec, where, n), rec)
@@ -417,7 +449,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
                           spec.describe_roles() if spec else "", spec.warning if spec else "")
         for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
-            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None)
+            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None and kind != "input_output")
             j += 1
             trained = len(ids) if mask is None else int(sum(mask))
             st.rows += 1

@@ -160,3 +160,35 @@ def test_bad_records_are_named_with_their_place(tmp_path, record, entry, message
     with pytest.raises(ConfigError) as info:
         load_data(cfg)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("style, prompt", [
+    ("alpaca:chat", "SYSTEM: Below is an instruction that describes a task, paired with an input that provides "
+                    "further context. Write a response that appropriately completes the request.\n"
+                    "USER: Add\n1 and 2\nASSISTANT:"),
+    ("alpaca:phi", "<|system|>\nBelow is an instruction that describes a task, paired with an input that provides "
+                   "further context. Write a response that appropriately completes the request.<|end|>\n"
+                   "<|user|>\nAdd<|end|>1 and 2<|assistant|>"),
+    ("alpaca:chatml", "<|im_start|>system\nBelow is an instruction that describes a task, paired with an input that "
+                      "provides further context. Write a response that appropriately completes the request."
+                      "<|im_end|>\n<|im_start|>user\nAdd\n1 and 2<|im_end|>\n<|im_start|>assistant\n"),
+])
+def test_alpaca_prompt_styles_train_the_output(tmp_path, style, prompt):
+    """Axolotl's alpaca:chat / alpaca:phi / alpaca:chatml prompts (prompters.py's formats)."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "Add", "input": "1 and 2", "output": "3"}) + "\n")
+    train, _ = build_streams([DatasetConfig(path=str(tmp_path / "a.jsonl"), type=style)], None, seq_len=16)
+    (text, flags), = _docs(train)
+    assert text == prompt + "3" and flags == [0] * len(prompt.encode()) + [1, 1]        # "3" + EOS
+
+
+def test_input_output_trains_the_labelled_segments(tmp_path):
+    row = {"segments": [{"label": False, "text": "<q>what?</q>"}, {"label": True, "text": "this."},
+                        {"label": False, "text": "!"}]}
+    (tmp_path / "io.jsonl").write_text(json.dumps(row) + "\n")
+    train, _ = build_streams([DatasetConfig(path=str(tmp_path / "io.jsonl"), type="input_output")], None,
+                             seq_len=16)
+    (text, flags), = _docs(train)
+    assert text == "<q>what?</q>this.!" and flags == [0] * 12 + [1] * 5 + [0, 0]     # the EOS: untrained
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"segments": "x"}) + "\n")
+    with pytest.raises(ValueError, match="segments must be a list of"):
+        build_streams([DatasetConfig(path=str(tmp_path / "bad.jsonl"), type="input_output")], None, seq_len=16)
