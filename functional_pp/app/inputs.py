@@ -63,7 +63,8 @@ def load_data(cfg: TrainConfig) -> RunData:
                                        chat_template=cfg.chat_template,
                                        chat_template_jinja=cfg.chat_template_jinja,
                                        eot_tokens=cfg.eot_tokens,
-                                       chat_template_kwargs=cfg.chat_template_kwargs)
+                                       chat_template_kwargs=cfg.chat_template_kwargs,
+                                       excess_length_strategy=cfg.excess_length_strategy)
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,

@@ -203,6 +203,8 @@ NOT_USED: dict[str, str] = {
         "flex_attn_compile_kwargs", "torch_compile_mode")},
     "full_finetune": "every parameter is trained (full fine-tuning)",
     "local_rank": "torchrun sets each process's rank",
+    "shuffle_merged_datasets": "the merged datasets' windows are drawn in a seeded random order "
+                               "each epoch (as the trainer's sampler)",
     "tiled_mlp": "the MLP is computed whole (the same math; tiling only saves activation memory)",
 }
 

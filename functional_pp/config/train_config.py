@@ -124,6 +124,9 @@ class TrainConfig:
                                                   "{enable_thinking: false})")
     eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
                                         "(default: the tokenizer's EOS); see train_on_eot")
+    excess_length_strategy: Literal["drop", "truncate", "raise"] | None = fld(
+        None, "datasets: a row longer than sequence_len is dropped, truncated or refused (Axolotl's); "
+              "unset: packed rows continue in the next window, unpacked rows are cut")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")

@@ -396,7 +396,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
                   eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
-                  spill_bytes: int = 64 << 20,
+                  spill_bytes: int = 64 << 20, excess_length_strategy: str | None = None,
                   min_trained_share: float = 0.5) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
@@ -404,7 +404,11 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
 
     Rows with no trained token are counted per dataset (``train.stats``); when fewer than
     ``min_trained_share`` of a dataset's rows train any token, it raises naming the dataset, a
-    sample row and the role mapping used: the data would train nothing (or the wrong thing)."""
+    sample row and the role mapping used: the data would train nothing (or the wrong thing).
+
+    ``excess_length_strategy`` (Axolotl's) for an example longer than ``seq_len`` (with its EOS):
+    ``drop`` it, ``truncate`` it, ``raise``; None: packed documents continue in the next
+    window, unpacked rows are cut at ``seq_len``."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -449,6 +453,17 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
                           spec.describe_roles() if spec else "", spec.warning if spec else "")
         for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
+            if excess_length_strategy is not None and len(ids) + 1 > seq_len:
+                if excess_length_strategy == "raise":
+                    raise ValueError(f"{where}: row {st.rows + st.dropped + 1} has {len(ids) + 1} tokens "
+                                     f"(with EOS), more than sequence_len={seq_len} "
+                                     f"(excess_length_strategy: raise); raise sequence_len or choose drop / truncate")
+                if excess_length_strategy == "drop":
+                    st.dropped += 1
+                    j += 1
+                    continue
+                ids, mask = ids[:seq_len - 1], (None if mask is None else mask[:seq_len - 1])
+                st.truncated += 1
             (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None and kind != "input_output")
             j += 1
             trained = len(ids) if mask is None else int(sum(mask))
@@ -461,6 +476,10 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                     st.sample = (rec, ids, mask)
             elif st.trained_sample is None and mask is not None:
                 st.trained_sample = sample_text(tok, ids, mask)
+        if st.dropped and not st.rows:
+            raise ValueError(f"{where} ({entry.path}): all {st.dropped} rows are longer than sequence_len="
+                             f"{seq_len} and were dropped (excess_length_strategy: drop); raise "
+                             f"sequence_len or choose truncate")
         if st.rows and st.rows - st.untrained_rows < min_trained_share * st.rows:
             raise ValueError(st.refusal(tok))
         stats.append(st)
@@ -486,10 +505,14 @@ class DatasetStats:
     untrained_rows: int = 0
     sample: Any = None
     trained_sample: str | None = None
+    dropped: int = 0
+    truncated: int = 0
 
     def line(self) -> str:
         tpl = f", template {self.template}" if self.template else ""
         none = f", {self.untrained_rows} rows with no trained token" if self.untrained_rows else ""
+        none += f", {self.dropped} longer rows dropped" if self.dropped else ""
+        none += f", {self.truncated} longer rows truncated" if self.truncated else ""
         warn = f"; note: {self.warning}" if self.warning else ""
         return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")

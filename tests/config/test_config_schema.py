@@ -265,3 +265,10 @@ def test_strategies_fractional_warmup_and_eval_batch_size():
                      ({"warmup_steps": 1.5}, "whole number of steps or a fraction")):
         with pytest.raises(ConfigError, match=msg):
             TrainConfig.from_dict(bad)
+
+
+def test_data_keys_excess_length_and_shuffle_merged_datasets():
+    cfg = TrainConfig.from_dict({"excess_length_strategy": "truncate", "shuffle_merged_datasets": True})
+    assert cfg.excess_length_strategy == "truncate" and "shuffle_merged_datasets" in " ".join(cfg.notes)
+    with pytest.raises(ConfigError, match="excess_length_strategy"):
+        TrainConfig.from_dict({"excess_length_strategy": "cut"})

@@ -192,3 +192,20 @@ def test_input_output_trains_the_labelled_segments(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"segments": "x"}) + "\n")
     with pytest.raises(ValueError, match="segments must be a list of"):
         build_streams([DatasetConfig(path=str(tmp_path / "bad.jsonl"), type="input_output")], None, seq_len=16)
+
+
+def test_excess_length_strategy_drops_truncates_or_refuses_long_rows(tmp_path):
+    rows = [{"text": "short"}, {"text": "a much longer row of text"}, {"text": "tiny"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    entry = [DatasetConfig(path=str(tmp_path / "c.jsonl"))]
+    dropped, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="drop")
+    assert [d[0] for d in _docs(dropped)] == ["short", "tiny"] and dropped.stats[0].dropped == 1
+    assert "1 longer rows dropped" in dropped.stats[0].line()
+    cut, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="truncate")
+    assert [d[0] for d in _docs(cut)] == ["short", "a much lo", "tiny"] and cut.stats[0].truncated == 1
+    with pytest.raises(ValueError, match=r"row 2 has 26 tokens \(with EOS\), more than sequence_len=10"):
+        build_streams(entry, None, seq_len=10, excess_length_strategy="raise")
+    packed, _ = build_streams(entry, None, seq_len=10)            # unset: packed documents run on
+    assert [d[0] for d in _docs(packed)][1] == "a much longer row of text"
+    with pytest.raises(ValueError, match="all 3 rows are longer than sequence_len=3"):
+        build_streams(entry, None, seq_len=3, excess_length_strategy="drop")
