@@ -163,7 +163,6 @@ _LIGER = ("Liger's fused kernels compute the same math; here the head and cross-
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
-    "dataset_prepared_path": "datasets are tokenized at start, not cached",
     "eval_sample_packing": "held-out data is packed like the training data",
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",

@@ -124,6 +124,9 @@ class TrainConfig:
                                                   "{enable_thinking: false})")
     eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
                                         "(default: the tokenizer's EOS); see train_on_eot")
+    dataset_prepared_path: str | None = fld(None, "datasets: cache the tokenized data in this "
+                                                  "directory and reuse it while the config and the "
+                                                  "data are unchanged")
     excess_length_strategy: Literal["drop", "truncate", "raise"] | None = fld(
         None, "datasets: a row longer than sequence_len is dropped, truncated or refused (Axolotl's); "
               "unset: packed rows continue in the next window, unpacked rows are cut")

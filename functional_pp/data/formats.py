@@ -89,6 +89,7 @@ class TokenStream:
     name: str
     documents: int
     stats: list = field(default_factory=list)      # DatasetStats of each datasets entry
+    prepared: str = ""                             # dataset_prepared_path: reused or saved (data/prepared.py)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
