@@ -237,9 +237,6 @@ _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                    "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                    "Gemma3ForCausalLM"),
-    "tokenizer_type": ("AutoTokenizer", "LlamaTokenizer", "LlamaTokenizerFast",
-                       "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", "GemmaTokenizer",
-                       "GemmaTokenizerFast"),
     "pad_to_sequence_len": (True, False),          # packed windows always fill sequence_len
     "is_llama_derived_model": (True, False),
     "is_mistral_derived_model": (True, False),
@@ -294,7 +291,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             continue
         if value is None and key not in ("parallelism_config",) and (
                 key in ALIASES or key in NOT_USED or key in _ACCEPTED_VALUES or key in ACCELERATE_LAUNCHER
-                or key in ("attn_implementation", "plugins", "save_strategy", "eval_strategy",
+                or key in ("attn_implementation", "tokenizer_type", "plugins", "save_strategy", "eval_strategy",
                            "evaluation_strategy")):
             continue                                 # blank: unset (docs/config.md)
         if key == "special_tokens":
@@ -344,6 +341,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 else:
                     issues.add(f"plugins: {name!r} is not supported (accepted: "
                                f"{', '.join(ACCEPTED_PLUGINS)}): remove it")
+        elif key == "tokenizer_type":
+            if isinstance(value, str) and value.endswith(("Tokenizer", "TokenizerFast")):
+                unused.append(f"tokenizer_type: {value} (the tokenizer.json is read by the tokenizers "
+                              f"library, whichever class is named)")
+            else:
+                issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
+                           f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])

@@ -173,7 +173,7 @@ def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_pat
     assert (cfg.learning_rate, cfg.num_epochs, cfg.activation_checkpointing) == (2e-5, 1, True)
     assert cfg.logging.output_dir == "./outputs/out" and cfg.checkpoint.save_every == 100
     assert cfg.datasets[0].type == "alpaca" and cfg.val_set_size == 0.05 and cfg.tf32 is False
-    assert any(n.startswith("dataset_prepared_path") for n in cfg.notes)
+    assert cfg.dataset_prepared_path == "last_run_prepared"              # the tokenized data is cached there
     assert any(n.startswith("special_tokens.pad_token") for n in cfg.notes)
     with pytest.raises(ConfigError, match="base_model './Meta-Llama-3-8B' is not a Hugging Face model directory"):
         cfg.validate(1)
@@ -272,3 +272,10 @@ def test_data_keys_excess_length_and_shuffle_merged_datasets():
     assert cfg.excess_length_strategy == "truncate" and "shuffle_merged_datasets" in " ".join(cfg.notes)
     with pytest.raises(ConfigError, match="excess_length_strategy"):
         TrainConfig.from_dict({"excess_length_strategy": "cut"})
+
+
+def test_tokenizer_type_names_any_tokenizer_class():
+    cfg = TrainConfig.from_dict({"tokenizer_type": "CodeLlamaTokenizer"})
+    assert "tokenizer_type: CodeLlamaTokenizer (the tokenizer.json is read" in " ".join(cfg.notes)
+    with pytest.raises(ConfigError, match="tokenizer_type: 'gpt2' is not a tokenizer class"):
+        TrainConfig.from_dict({"tokenizer_type": "gpt2"})
