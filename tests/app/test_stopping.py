@@ -5,6 +5,7 @@ say why on stderr and exit with status 4."""
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from functional_pp import cli
@@ -45,8 +46,32 @@ def test_early_stopping_after_patience_evaluations_without_improvement(tmp_path,
 
 
 def test_early_stopping_needs_a_held_out_set():
-    import pytest
-
     from functional_pp.config import ConfigError, TrainConfig
     with pytest.raises(ConfigError, match="early_stopping_patience watches the held-out loss"):
         TrainConfig.from_dict({"early_stopping_patience": 2})
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_processes_stop_together_with_axolotl_fsdp_keys(tmp_path):
+    """torchrun, 2 real processes: fsdp_config (reshard_after_forward: false) trains on both;
+    the loss watchdog stops both ranks at the same step, each writing its checkpoint shard."""
+    import os
+    import subprocess
+    import sys
+    cfg = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "max_steps": 8, "model": "tiny",
+           "data": {"max_bytes": 100_000}, "logging_steps": 4, "fsdp_version": 2,
+           "fsdp_config": {"reshard_after_forward": False, "offload_params": False},
+           "loss_watchdog_threshold": 0.5, "loss_watchdog_patience": 2}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "functional_pp", "train", str(path), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "loss watchdog: the loss was above" in proc.stderr, proc.stderr[-3000:]
+    assert "all 2 devices are data parallel" in proc.stdout
+    ckpt = tmp_path / "out" / "checkpoints" / "step-000002"
+    assert (ckpt / "rank-00000.safetensors").is_file() and (ckpt / "rank-00001.safetensors").is_file()
+    steps = [m["step"] for m in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
+             if "loss" in m]
+    assert steps == [1, 2]
