@@ -6,7 +6,7 @@ The run then saves its checkpoint and ends with :class:`StoppedEarly` (a non-zer
 status, docs/bad_inputs.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["StoppedEarly", "Watch"]
@@ -26,7 +26,6 @@ class Watch:
     _high: int = 0
     _best: float | None = None
     _stale: int = 0
-    losses: list = field(default_factory=list)
 
     @classmethod
     def of(cls, cfg: Any) -> "Watch":
