@@ -308,7 +308,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             if rest:
                 out[key] = rest
         elif key == "deepspeed":
-            if value is not None:
+            if not _off(value):
                 issues.add(f"'deepspeed' is not supported: {deepspeed_refusal(value)}")
         elif key in FSDP_KEYS:
             continue                                 # read together below
