@@ -39,7 +39,8 @@ def test_loss_watchdog_below_the_loss_never_fires(tmp_path, capsys):
 def test_early_stopping_after_patience_evaluations_without_improvement(tmp_path, capsys):
     # a learning rate below fp32 resolution: the parameters and so the held-out loss stay as at the
     # first evaluation (step 1), never lower
-    status, err, steps = run(tmp_path, capsys, learning_rate=1e-20, val_set_size=0.1, eval_steps=1,
+    status, err, steps = run(tmp_path, capsys, learning_rate=1e-20, val_set_size=0.05, eval_steps=1,
+                             data={"max_bytes": 20_000},
                              early_stopping_patience=2)
     assert status == 4 and steps == [1, 2, 3], (status, err)
     assert "early stopping: the held-out loss did not improve" in err and "for 2 evaluations" in err
