@@ -30,6 +30,8 @@ def load_tokenizer(cfg: TrainConfig):
     from functional_pp.data.tokenizer import HFTokenizer
     try:
         tok = HFTokenizer(path, model_dir=cfg.base_model)
+        if cfg.tokens:
+            tok.add_tokens(cfg.tokens)
         if cfg.special_tokens:
             tok.set_special_tokens(cfg.special_tokens)
         return tok
@@ -133,7 +135,7 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     from functional_pp.core.tree import map_with_path
     from functional_pp.parallel.named import Named
     tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
-                                rules=rules, device=device)
+                                rules=rules, device=device, grow_vocab=bool(cfg.tokens))
 
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)

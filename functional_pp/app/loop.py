@@ -200,9 +200,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def specs(state: dict) -> dict:
         return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
 
+    tok_dir = getattr(data.tokenizer, "dir", None)
+    if cfg.tokens and tok_dir is not None:     # the tokenizer with the added tokens, for export
+        tok_dir = out_dir / "tokenizer"
+        if main:
+            data.tokenizer.save(tok_dir)
     export_info = {"model_config": family.config_to_dict(model_cfg),
-                   "tokenizer_dir": str(data.tokenizer.dir.resolve()) if data.tokenizer is not None
-                   and hasattr(data.tokenizer, "dir") else None,
+                   "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
                    "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
 
     def save(state: dict, loader, step: int) -> Path:

@@ -104,7 +104,6 @@ UNSUPPORTED: dict[str, str] = {
                               "eval_causal_lm_metrics")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
-    "tokens": "adding tokens to the vocabulary is not supported: remove it",
     "qat": "quantization-aware training is not supported: remove it",
     "activation_offloading": "activation offloading is not supported: remove it (activation_checkpointing "
                              "recomputes instead)",

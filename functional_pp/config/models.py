@@ -3,6 +3,7 @@
 overrides) or from a Hugging Face ``base_model`` directory's ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,22 @@ def model_config(cfg: Any) -> Any:
     except ValueError as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {path} is not valid JSON: {exc}") from exc
     try:
-        return family.hf_config_from_dict(hf)
+        model = family.hf_config_from_dict(hf)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
+    return _with_added_tokens(cfg, model)
+
+
+def _with_added_tokens(cfg: Any, model: Any) -> Any:
+    """``model`` with its vocabulary grown to hold ``cfg.tokens`` (Axolotl's added tokens) when
+    the tokenizer with them is larger than the model's embedding (transformers' resize)."""
+    if not cfg.tokens or not hasattr(model, "vocab"):
+        return model
+    from functional_pp.data.tokenizer import HFTokenizer
+    path = cfg.tokenizer or cfg.data.tokenizer or cfg.base_model
+    try:
+        tok = HFTokenizer(path, model_dir=cfg.base_model)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        raise ConfigError(f"tokens: need the tokenizer to add them to: {exc}") from exc
+    tok.add_tokens(cfg.tokens)
+    return dataclasses.replace(model, vocab=tok.vocab_size) if tok.vocab_size > model.vocab else model

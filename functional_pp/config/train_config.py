@@ -124,6 +124,9 @@ class TrainConfig:
                                                   "{enable_thinking: false})")
     eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
                                         "(default: the tokenizer's EOS); see train_on_eot")
+    tokens: list | None = fld(None, "texts added to the tokenizer as tokens; the embedding and head "
+                                    "grow to hold them, new rows the mean of the old (as "
+                                    "transformers' resize_token_embeddings)")
     dataset_prepared_path: str | None = fld(None, "datasets: cache the tokenized data in this "
                                                   "directory and reuse it while the config and the "
                                                   "data are unchanged")
