@@ -135,7 +135,7 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     from functional_pp.core.tree import map_with_path
     from functional_pp.parallel.named import Named
     tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
-                                rules=rules, device=device, grow_vocab=bool(cfg.tokens))
+                                rules=rules, device=device, grow_vocab=bool(cfg.tokens or cfg.resize_token_embeddings_to_32x))
 
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)

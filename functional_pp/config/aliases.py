@@ -125,8 +125,6 @@ UNSUPPORTED: dict[str, str] = {
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
     "model_config": "overriding base_model's config (model_config) is not supported: edit its "
                     "config.json",
-    "resize_token_embeddings_to_32x": "resizing the embeddings to a multiple of 32 is not "
-                                      "supported: remove it",
     "cosine_constant_lr_ratio": "a constant phase in the cosine schedule is not supported: remove it",
     "eta_min": "eta_min is not a key here: give min_learning_rate or cosine_min_lr_ratio",
     "batch_size": "batch_size (Axolotl's deprecated per-device total) is not supported: give "

@@ -48,8 +48,9 @@ def model_config(cfg: Any) -> Any:
 
 def _with_added_tokens(cfg: Any, model: Any) -> Any:
     """``model`` with its vocabulary grown to hold ``cfg.tokens`` (Axolotl's added tokens) when
-    the tokenizer with them is larger than the model's embedding (transformers' resize)."""
-    if not cfg.tokens or not hasattr(model, "vocab"):
+    the tokenizer with them is larger than the model's embedding (transformers' resize), rounded
+    up to a multiple of 32 with ``resize_token_embeddings_to_32x`` (Axolotl's rule: never shrunk)."""
+    if not (cfg.tokens or cfg.resize_token_embeddings_to_32x) or not hasattr(model, "vocab"):
         return model
     from functional_pp.data.tokenizer import HFTokenizer
     path = cfg.tokenizer or cfg.data.tokenizer or cfg.base_model
@@ -57,5 +58,6 @@ def _with_added_tokens(cfg: Any, model: Any) -> Any:
         tok = HFTokenizer(path, model_dir=cfg.base_model)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"tokens: need the tokenizer to add them to: {exc}") from exc
-    tok.add_tokens(cfg.tokens)
-    return dataclasses.replace(model, vocab=tok.vocab_size) if tok.vocab_size > model.vocab else model
+    tok.add_tokens(cfg.tokens or [])
+    want = -(-tok.vocab_size // 32) * 32 if cfg.resize_token_embeddings_to_32x else tok.vocab_size
+    return dataclasses.replace(model, vocab=want) if want > model.vocab else model

@@ -127,6 +127,9 @@ class TrainConfig:
     tokens: list | None = fld(None, "texts added to the tokenizer as tokens; the embedding and head "
                                     "grow to hold them, new rows the mean of the old (as "
                                     "transformers' resize_token_embeddings)")
+    resize_token_embeddings_to_32x: bool = fld(False, "grow the embedding and head to a multiple of 32 "
+                                                      "rows above the tokenizer's size (new rows: the "
+                                                      "mean of the old)")
     dataset_prepared_path: str | None = fld(None, "datasets: cache the tokenized data in this "
                                                   "directory and reuse it while the config and the "
                                                   "data are unchanged")

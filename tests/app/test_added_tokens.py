@@ -65,3 +65,13 @@ def test_a_run_with_added_tokens_trains_and_exports(base, tmp_path, capsys):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.get_input_embeddings().weight.shape[0] == vocab + 2 == len(tok)
     assert tok.convert_tokens_to_ids(NEW) == [vocab, vocab + 1]
+
+
+def test_resize_token_embeddings_to_32x_rounds_the_grown_vocabulary_up(base):
+    d, _, vocab = base
+    cfg = TrainConfig.from_dict({"base_model": str(d), "tokens": NEW, "resize_token_embeddings_to_32x": True})
+    grown = model_config(cfg)
+    assert grown.vocab == -(-(vocab + 2) // 32) * 32 > vocab + 2
+    ours = hf.load_hf_params(d, grown, dtype=torch.float32, grow_vocab=True)
+    old = ours["embed_tokens"][:vocab]
+    assert torch.allclose(ours["embed_tokens"][vocab:], old.mean(0).expand(grown.vocab - vocab, -1), atol=1e-6)
