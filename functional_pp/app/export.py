@@ -42,7 +42,8 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         src_cfg = json.loads((Path(base) / "config.json").read_text())
         config.update({k: src_cfg[k] for k in _SPECIAL_IDS if src_cfg.get(k) is not None})
     fmt.write_text_atomic(out / "config.json", json.dumps(config, indent=2))
-    for folder in {meta.get("tokenizer_dir"), base} - {None}:
+    # the run's tokenizer first (it may hold added tokens), then base_model's other files
+    for folder in dict.fromkeys(f for f in (meta.get("tokenizer_dir"), base) if f is not None):
         for name in TOKENIZER_FILES:
             f = Path(folder) / name
             if f.is_file() and not (out / name).exists():

@@ -30,11 +30,32 @@ def load_tokenizer(cfg: TrainConfig):
     from functional_pp.data.tokenizer import HFTokenizer
     try:
         tok = HFTokenizer(path, model_dir=cfg.base_model)
+        if cfg.tokens:
+            tok.add_tokens(cfg.tokens)
         if cfg.special_tokens:
             tok.set_special_tokens(cfg.special_tokens)
         return tok
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"tokenizer: {exc}") from exc
+
+
+def _data_settings(cfg: TrainConfig) -> dict:
+    """Every config value the tokenized datasets depend on (data/prepared.py's key)."""
+    import dataclasses
+    keys = ("sequence_len", "sample_packing", "val_set_size", "seed", "train_on_inputs", "chat_template",
+            "chat_template_jinja", "eot_tokens", "chat_template_kwargs", "excess_length_strategy",
+            "special_tokens", "tokenizer", "base_model")
+    return {"datasets": [dataclasses.asdict(e) for e in cfg.datasets], "data_tokenizer": cfg.data.tokenizer,
+            **{k: getattr(cfg, k) for k in keys}}
+
+
+def _data_paths(cfg: TrainConfig) -> list:
+    """The files the tokenized datasets are read from: the datasets and the tokenizer's."""
+    tok = cfg.tokenizer or cfg.data.tokenizer
+    toks = [tok] if tok else ([Path(cfg.base_model) / n for n in ("tokenizer.json", "tokenizer_config.json",
+                                                                    "special_tokens_map.json", "config.json")]
+                              if cfg.base_model else [])
+    return [e.path for e in cfg.datasets] + toks
 
 
 @dataclass
@@ -56,14 +77,24 @@ def load_data(cfg: TrainConfig) -> RunData:
     try:
         if cfg.datasets:
             from functional_pp.data.formats import build_streams
-            train, val = build_streams(cfg.datasets, tok, seq_len=cfg.sequence_len,
-                                       sample_packing=cfg.sample_packing,
-                                       val_set_size=cfg.val_set_size, seed=cfg.seed,
-                                       train_on_inputs=cfg.train_on_inputs,
-                                       chat_template=cfg.chat_template,
-                                       chat_template_jinja=cfg.chat_template_jinja,
-                                       eot_tokens=cfg.eot_tokens,
-                                       chat_template_kwargs=cfg.chat_template_kwargs)
+
+            def build():
+                return build_streams(cfg.datasets, tok, seq_len=cfg.sequence_len,
+                                     sample_packing=cfg.sample_packing,
+                                     val_set_size=cfg.val_set_size, seed=cfg.seed,
+                                     train_on_inputs=cfg.train_on_inputs,
+                                     chat_template=cfg.chat_template,
+                                     chat_template_jinja=cfg.chat_template_jinja,
+                                     eot_tokens=cfg.eot_tokens,
+                                     chat_template_kwargs=cfg.chat_template_kwargs,
+                                     excess_length_strategy=cfg.excess_length_strategy)
+            if cfg.dataset_prepared_path is None:
+                train, val = build()
+            else:
+                from functional_pp.data.prepared import load_or_build
+                train, val, what = load_or_build(cfg.dataset_prepared_path, _data_settings(cfg),
+                                                 _data_paths(cfg), build)
+                train.prepared = what
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,
@@ -104,7 +135,7 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     from functional_pp.core.tree import map_with_path
     from functional_pp.parallel.named import Named
     tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
-                                rules=rules, device=device)
+                                rules=rules, device=device, grow_vocab=bool(cfg.tokens or cfg.resize_token_embeddings_to_32x))
 
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)

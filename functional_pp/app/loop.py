@@ -41,6 +41,7 @@ from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.seeds import check_seed
@@ -166,6 +167,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     step_fn = train_step(functools.partial(family.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
                          grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
+                         keep_gathered=not cfg.reshard_after_forward,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                          max_consecutive_skips=cfg.max_consecutive_skips,
                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
@@ -202,9 +204,13 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def specs(state: dict) -> dict:
         return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
 
+    tok_dir = getattr(data.tokenizer, "dir", None)
+    if cfg.tokens and tok_dir is not None:     # the tokenizer with the added tokens, for export
+        tok_dir = out_dir / "tokenizer"
+        if main:
+            data.tokenizer.save(tok_dir)
     export_info = {"model_config": family.config_to_dict(model_cfg),
-                   "tokenizer_dir": str(data.tokenizer.dir.resolve()) if data.tokenizer is not None
-                   and hasattr(data.tokenizer, "dir") else None,
+                   "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
                    "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
 
     def save(state: dict, loader, step: int) -> Path:
@@ -252,6 +258,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 loggers.log(0, {"eval_loss": e0})
                 progress.eval_loss = e0
         losses: list[float] = []
+        watch, halted = Watch.of(cfg), []          # why a stopping rule ended the run
         report_text = None
         last_saved, saved_path, stopped = start, None, False
         step = start
@@ -273,6 +280,11 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                     break                    # the failing step and those after it
                 m = dict(m)
                 losses.append(m["loss"])
+                why = watch.loss(s, m["loss"])
+                if why is None and eval_loss is not None and i == len(unread) - 1:
+                    why = watch.eval_loss(s, eval_loss)
+                if why is not None and not halted:
+                    halted.append(why)
                 if eval_loss is not None and i == len(unread) - 1:
                     m["eval_loss"] = eval_loss
                 if lead:
@@ -314,8 +326,12 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                     saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                     if lead:
                         progress.message(f"saved checkpoint {saved_path}")
+                if watch.threshold is not None and not halted:
+                    read_and_log(False)                  # the watchdog sees every step's loss
+                if halted:
+                    break
             read_and_log()
-            final = stopped or cfg.checkpoint.save_final
+            final = stopped or bool(halted) or cfg.checkpoint.save_final
             if final and step != last_saved:
                 saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                 if lead:
@@ -328,7 +344,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         finally:
             if lead and loggers is not None:
                 loggers.close()
-        return {"start": start, "step": step, "losses": losses, "stopped": stopped,
+        return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
                 "checkpoint": saved_path, "comm_report": report_text}
 
     with stop:
@@ -346,6 +362,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             print(f"loss curve: {out_dir / PLOT}", file=out)
         elif metrics:
             print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
+    if r["halted"]:
+        raise StoppedEarly(f"{r['halted'][0]} at step {r['step']}/{cfg.max_steps}; checkpoint "
+                           f"{r['checkpoint']}")
     if r["losses"]:
         print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
               f"{metrics_path}", file=out, flush=True)

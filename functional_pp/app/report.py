@@ -89,6 +89,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
         lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
+        if getattr(corpus, "prepared", ""):
+            lines.append(f"  {corpus.prepared}")
         for st in getattr(corpus, "stats", None) or []:     # per dataset: rows, tokens, trained
             lines.append(f"  {st.line()}")
             if st.trained_sample and verbose_data:

@@ -199,13 +199,16 @@ def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
 
 def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: torch.dtype | None = None,
                    mesh: Mesh | None = None, rules: Rules | None = None, rank: int | None = None,
-                   device: torch.device | str | None = None, strict: bool = True) -> dict:
+                   device: torch.device | str | None = None, strict: bool = True,
+                   grow_vocab: bool = False) -> dict:
     """The parameter tree of ``llama.init(cfg)`` (or ``decls``) from an HF Llama checkpoint.
 
     Without a mesh (or without rules) tensors come back whole; inside ``launch`` (mesh and rank
     default to the running device's, rules to the active ones) each device gets its own shards,
     reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype).
-    ``strict`` refuses HF tensors the table does not map (e.g. biases)."""
+    ``strict`` refuses HF tensors the table does not map (e.g. biases). ``grow_vocab``: a config
+    vocabulary larger than the file's (added tokens) gives the embedding and head rows past the
+    file's the mean of its rows, as transformers' ``resize_token_embeddings`` (mean resizing)."""
     from functional_pp.models import llama
 
     if decls is None:
@@ -223,13 +226,15 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
             used.add(name)
             used.update(reader.members.get(name, ()))
             have = reader.entries[name][1]
-            if have != want:
+            grown = (grow_vocab and len(parts) == 1 and "vocab" in parts[0][2].dims and len(have) == len(want)
+                     and have[0] < want[0] and tuple(have[1:]) == tuple(want[1:]))
+            if have != want and not grown:
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
             for p, kind, d in parts:      # a part of a fused tensor: its rows from ``offset``
                 rows = kind.hf_shape(tuple(d.shape))[0]
-                plan[p] = (name, kind, d, (offset, rows) if len(parts) > 1 else None)
+                plan[p] = (name, kind, d, (offset, rows) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
@@ -255,7 +260,11 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
                 region = tuple(slice(0, n) for n in shape)
             try:
                 sl = reader.slice(name)
-                t = kind.read(sl if rows is None else _Rows(sl, *rows), region, shape)
+                if rows is not None and rows[0] is _GROWN:
+                    sl = _GrownRows(sl, rows[1])
+                elif rows is not None:
+                    sl = _Rows(sl, *rows)
+                t = kind.read(sl, region, shape)
             except Exception as exc:
                 raise CheckpointCorruptError(f"{root}: cannot read tensor {name!r}: {exc}") from exc
             t = t.contiguous()
@@ -286,6 +295,27 @@ def _fused_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     if len(shapes) == 1:
         return shapes[0]
     return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+_GROWN = object()
+
+
+class _GrownRows:
+    """A slice handle of an HF vocabulary tensor with rows past the file's ``n`` (added tokens):
+    those rows are the mean of the file's rows (transformers' mean resizing, without its noise)."""
+
+    def __init__(self, sl, n: int):
+        self.sl, self.n = sl, n
+
+    def __getitem__(self, idx):
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        start, stop = first.start or 0, first.stop
+        kept = self.sl[(slice(start, min(stop, self.n)), *rest)] if start < self.n else None
+        if stop <= self.n:
+            return kept
+        mean = self.sl[(slice(0, self.n), *rest)].to(torch.float32).mean(0, keepdim=True)
+        new = mean.expand(stop - max(start, self.n), *mean.shape[1:])
+        return new if kept is None else torch.cat([kept.to(torch.float32), new]).to(kept.dtype)
 
 
 class _Rows:

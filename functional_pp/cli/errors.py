@@ -3,7 +3,7 @@ non-zero exit status; the traceback only with ``--debug``.
 
 Exit statuses: 0 done, 1 runtime error (checkpoint, I/O, a failed device, a hang detected),
 2 config or usage error (before any work), 3 training stopped on non-finite values,
-130 interrupted (Ctrl-C)."""
+4 stopped by the loss watchdog or early stopping (checkpoint saved), 130 interrupted (Ctrl-C)."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,7 @@ import traceback
 from typing import Callable
 
 PROG = "functional-pp"
-EXIT_ERROR, EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 1, 2, 3, 130
+EXIT_ERROR, EXIT_CONFIG, EXIT_NONFINITE, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 
 def one_line(exc: BaseException) -> str:
@@ -27,9 +27,12 @@ def _root(exc: BaseException) -> BaseException:
 
 
 def exit_status(exc: BaseException) -> int:
+    from functional_pp.app.stopping import StoppedEarly
     from functional_pp.config import ConfigError
     from functional_pp.step.train import NonFiniteError
     root = _root(exc)
+    if isinstance(root, StoppedEarly):
+        return EXIT_STOPPED
     if isinstance(root, ConfigError) or isinstance(exc, ConfigError):
         return EXIT_CONFIG
     if isinstance(root, NonFiniteError):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_refusal, fsdp_settings
 from functional_pp.config.schema import Issues
 
-__all__ = ["ALIASES", "UNSUPPORTED", "VALUE_ALIASES", "VALUE_NOTES", "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
+__all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
+           "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
            "NOT_USED", "ATTN_IMPLEMENTATIONS", "ACCEPTED_PLUGINS", "normalize"]
 
 _same: Callable[[Any], Any] = lambda v: v  # noqa: E731
@@ -37,6 +39,11 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "mixed_precision": ("precision", lambda v: {"no": "fp32"}.get(v, v)),
     "auto_resume_from_checkpoints": ("resume_from_checkpoint", _same),
     "seq_len": ("sequence_len", _same),
+    "tokenizer_config": ("tokenizer", _same),
+    "adam_eps": ("adam_epsilon", _same),
+    # Axolotl's half-precision weights: bf16 / fp16 compute here (with fp32 master weights)
+    "bfloat16": ("precision", lambda v: "bf16" if v else None),
+    "float16": ("precision", lambda v: "fp16" if v else None),
     "max_seq_length": ("sequence_len", _same),
 }
 
@@ -67,6 +74,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                   **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
                      for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
                                "muon", "adopt_adamw", "ao_adamw_8bit", "ao_adamw_fp8")}},
+    "activation_checkpointing": {k: "activation offloading is not supported: use gradient_checkpointing: "
+                                    "true (recomputes instead)" for k in ("offload", "offload_disk")},
     "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"
                      for k in ("polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "one_cycle",
                                "rex", "log_sweep", "warmup_stable_decay")},
@@ -80,45 +89,87 @@ _BASE_QUANT = ("a quantized frozen base trains only under an adapter (QLoRA), an
                "(bf16: true trains in bf16)")
 _QLORA = ("adapter: qlora is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
           "wiring is pending")
-_SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
-             "tp_size, cp_size): remove it")
+_MOE = ("this mixture-of-experts kernel or option is not supported (experts are the dropless "
+        "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
+        "docs/experts.md): remove it")
+_RL = "RL / preference training is not supported (causal LM fine-tuning only): remove it"
+_REWARD = "reward-model training is not supported (causal LM fine-tuning only): remove it"
+_MULTIMODAL = "multimodal models are not supported (text models only): remove it"
+_GENERATE = "sample generation during evaluation is not supported: remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("adapter", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
+    **{k: _ADAPTER for k in ("adapter", "peft", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
                              "lora_target_modules", "lora_target_linear", "lora_fan_in_fan_out",
                              "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
                              "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
                              "lora_target_parameters", "lora_embedding_kernel")},
     **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
-    **{k: _QUANT for k in ("gptq", "bnb_config_kwargs")},
-    **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
-                              "fsdp_final_state_dict_type")},
+    **{k: _QUANT for k in ("gptq", "bnb_config_kwargs",
+                           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
+                           "model_quantization_config", "model_quantization_config_kwargs",
+                           "quantize_moe_experts", "nvfp4_merge_aware")},
+    **{k: _MOE for k in ("use_scattermoe", "use_sonicmoe", "experts_implementation",
+                         "llama4_linearized_experts",
+                         "expert_parallel_num_nvl_bytes", "expert_parallel_token_capacity")},
+    **{k: _RL for k in ("rl", "trl", "vllm", "ebft")},
+    **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
+                            "center_rewards_coefficient")},
+    **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
+    **{k: _GENERATE for k in ("eval_table_size", "eval_max_new_tokens", "do_causal_lm_eval",
+                              "eval_causal_lm_metrics")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
-    "tokens": "adding tokens to the vocabulary is not supported: remove it",
-    **{k: "the loss watchdog is not supported: remove it (non-finite steps are skipped, "
-          "max_consecutive_skips stops the run)" for k in ("loss_watchdog_threshold", "loss_watchdog_patience")},
-    "processor_type": "multimodal processors are not supported (text models only): remove it",
     "qat": "quantization-aware training is not supported: remove it",
-    "reward_model": "reward-model training is not supported (causal LM fine-tuning only): remove it",
     "activation_offloading": "activation offloading is not supported: remove it (activation_checkpointing "
                              "recomputes instead)",
-    "early_stopping_patience": "early stopping is not supported: set max_steps or num_epochs",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
-    "rl": "RL / preference training is not supported (causal LM fine-tuning only): remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
     "unfrozen_parameters": "every parameter is trained: remove it",
-    "eval_table_size": "sample-generation tables are not supported: remove it",
-    "eval_max_new_tokens": "sample generation is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "max_packed_sequence_len": "packing always fills sequence_len: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
+    "tokenizer_use_mistral_common": "mistral-common tokenizers are not supported: give the model's "
+                                    "Hugging Face tokenizer (tokenizer.json) and remove it",
+    "pretraining_dataset": "streaming pretraining datasets are not supported: give the files as "
+                           "datasets: [{path: ..., type: completion}]",
+    "min_sample_len": "dropping short rows is not supported: remove it",
+    "dataset_exact_deduplication": "deduplicating rows is not supported: remove it",
+    "diffusion": "diffusion language-model training is not supported: remove it",
+    "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
+    "model_config": "overriding base_model's config (model_config) is not supported: edit its "
+                    "config.json",
+    "cosine_constant_lr_ratio": "a constant phase in the cosine schedule is not supported: remove it",
+    "eta_min": "eta_min is not a key here: give min_learning_rate or cosine_min_lr_ratio",
+    "batch_size": "batch_size (Axolotl's deprecated per-device total) is not supported: give "
+                  "gradient_accumulation_steps (or global_batch_size)",
+}
+
+#: keys of a ``datasets`` entry that belong to a feature not supported -> why
+DATASET_UNSUPPORTED: dict[str, str] = {
+    **{k: _RL for k in ("field_chosen", "field_rejected", "chosen_key", "rejected_key")},
+    **{k: "process-reward (stepwise supervised) data is not supported: remove it" for k in (
+        "step_separator", "train_on_last_step_only", "max_completion_length")},
+    **{k: "reasoning fields of messages are not supported: remove it" for k in (
+        "field_thinking", "template_thinking_key")},
+}
+
+#: key prefixes of features that are not supported -> why (Axolotl's integrations)
+UNSUPPORTED_PREFIXES: dict[str, str] = {
+    "swanlab_": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "use_swanlab": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "otel_": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "use_otel_metrics": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, "
+                        "W&B): remove it",
+    "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
+    "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
+    "lisa_": "LISA (layer-wise sampling) is not supported: every layer is trained; remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
@@ -128,7 +179,6 @@ _LIGER = ("Liger's fused kernels compute the same math; here the head and cross-
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
-    "dataset_prepared_path": "datasets are tokenized at start, not cached",
     "eval_sample_packing": "held-out data is packed like the training data",
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
@@ -151,6 +201,26 @@ NOT_USED: dict[str, str] = {
     "wandb_run_id": "the W&B run id is chosen by wandb",
     "eval_batch_size": "held-out batches have the training batch's size",
     "save_only_model": "checkpoints hold the optimizer state too, for exact resumption",
+    **{k: "each device reads only its slices of base_model; the mesh places them" for k in (
+        "device_map", "low_cpu_mem_usage", "experimental_skip_move_to_device")},
+    "ddp": "data parallelism comes from the mesh sizes (all devices when none are given)",
+    "torch_dtype": "the training dtype comes from bf16 / fp16 / precision",
+    **{k: "the tokenizer.json is read by the tokenizers library" for k in (
+        "tokenizer_legacy", "tokenizer_use_fast")},
+    "save_safetensors": "checkpoints and exports are safetensors",
+    **{k: "base_model is a local directory: nothing is downloaded" for k in (
+        "revision_of_model", "base_model_ignore_patterns")},
+    "use_wandb": "W&B logs when wandb_project is set",
+    **{k: "kernels are torch's (the same math)" for k in (
+        "fused_attn_kernel", "gemma4_hybrid_attn_impl", "use_dsv4_kernels", "use_glm_dsa_kernels",
+        "dsv4_fp4_grouped_mode", "flash_optimum")},
+    **{k: "torch.compile runs with its default options" for k in (
+        "flex_attn_compile_kwargs", "torch_compile_mode")},
+    "full_finetune": "every parameter is trained (full fine-tuning)",
+    "local_rank": "torchrun sets each process's rank",
+    "shuffle_merged_datasets": "the merged datasets' windows are drawn in a seeded random order "
+                               "each epoch (as the trainer's sampler)",
+    "tiled_mlp": "the MLP is computed whole (the same math; tiling only saves activation memory)",
 }
 
 #: attn_implementation values: all run the same attention here (NOT_USED's note)
@@ -230,12 +300,17 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     aliased: list[tuple[str, str, Any]] = []
     unused: list[str] = []
     launcher: list[str] = []
+    refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
-        if key in UNSUPPORTED and _off(value):
+        prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)), None)
+        if (key in UNSUPPORTED or prefix) and _off(value):
             continue                                 # switched off: nothing is asked for
+        if prefix and key not in UNSUPPORTED:
+            refused.setdefault(UNSUPPORTED_PREFIXES[prefix], []).append(key)
+            continue
         if value is None and key not in ("parallelism_config",) and (
                 key in ALIASES or key in NOT_USED or key in _ACCEPTED_VALUES or key in ACCELERATE_LAUNCHER
-                or key in ("attn_implementation", "plugins", "save_strategy", "eval_strategy",
+                or key in ("attn_implementation", "tokenizer_type", "plugins", "save_strategy", "eval_strategy",
                            "evaluation_strategy")):
             continue                                 # blank: unset (docs/config.md)
         if key == "special_tokens":
@@ -253,8 +328,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 out[key] = rest
         elif key == "adapter" and value == "qlora":
             issues.add(f"'adapter' is not supported: {_QLORA}")
+        elif key == "deepspeed":
+            if not _off(value):
+                issues.add(f"'deepspeed' is not supported: {deepspeed_refusal(value)}")
+        elif key in FSDP_KEYS:
+            continue                                 # read together below
         elif key in UNSUPPORTED:
-            issues.add(f"'{key}' is not supported: {UNSUPPORTED[key]}")
+            refused.setdefault(UNSUPPORTED[key], []).append(key)
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
@@ -282,6 +362,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 else:
                     issues.add(f"plugins: {name!r} is not supported (accepted: "
                                f"{', '.join(ACCEPTED_PLUGINS)}): remove it")
+        elif key == "tokenizer_type":
+            if isinstance(value, str) and value.endswith(("Tokenizer", "TokenizerFast")):
+                unused.append(f"tokenizer_type: {value} (the tokenizer.json is read by the tokenizers "
+                              f"library, whichever class is named)")
+            else:
+                issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
+                           f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
@@ -307,9 +394,21 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             aliased.append((key, canonical, translate(value)))
         else:
             out[key] = value
+    fsdp, fsdp_notes = fsdp_settings(d, issues)
+    unused += fsdp_notes
+    for why, keys in refused.items():             # one problem per feature, not per key
+        order = list(UNSUPPORTED)
+        first, *rest = sorted(keys, key=lambda k: order.index(k) if k in order else len(order))
+        also = f" (with {', '.join(rest)})" if rest else ""
+        issues.add(f"'{first}' is not supported{also}: {why}")
     for alias, canonical, value in aliased:
         _put(out, canonical, value, alias, issues)
-    for key, table in VALUE_ALIASES.items():
+    if fsdp.pop("activation_checkpointing", False):    # FSDP's remat or the trainer's: either one
+        out["activation_checkpointing"] = True
+    for k, v in fsdp.items():
+        _put(out, k, v, f"fsdp_config.{k}", issues)
+    for key in {**VALUE_ALIASES, **REFUSED_VALUES}:
+        table = VALUE_ALIASES.get(key, {})
         v = out.get(key)
         if isinstance(v, str) and v.lower() in table:
             out[key] = table[v.lower()]

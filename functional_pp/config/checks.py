@@ -71,6 +71,11 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     if cfg.max_consecutive_skips is not None and cfg.max_consecutive_skips < 1:
         add(f"max_consecutive_skips must be >= 1 (or null: never stop), got "
             f"{cfg.max_consecutive_skips}")
+    for key in ("loss_watchdog_patience", "early_stopping_patience"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            add(f"{key} must be >= 1 (or unset), got {getattr(cfg, key)}")
+    if cfg.early_stopping_patience is not None and not cfg.val_set_size:
+        add("early_stopping_patience watches the held-out loss: set val_set_size > 0")
     if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
         add(f"collective_timeout must be a positive number of seconds (or null: the default), "
             f"got {cfg.collective_timeout}")

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from functional_pp.config.aliases import normalize
+from functional_pp.config.aliases import DATASET_UNSUPPORTED, normalize
 from functional_pp.config.keys import ADAM_OPTIMIZERS, SECTION_KEYS, foreign_optimizer_keys
 from functional_pp.config.overrides import apply_overrides
 from functional_pp.config.schema import ConfigError, Issues, parse_section
@@ -45,6 +45,12 @@ def build_from_dict(cls: type, d: Mapping[str, Any], name: str, source: str) -> 
         raise ConfigError(f"the config must be a mapping of keys to values, got {d!r}")
     issues = Issues(source)
     raw, notes = normalize(dict(d), issues)
+    known = set(cls.valid_keys()) | {"name"}
+    blank = sorted(k for k, v in raw.items() if v is None and k not in known)
+    for k in blank:                   # a blank key asks for nothing, known here or not
+        raw.pop(k)
+    if blank:
+        notes.append(f"{', '.join(blank)} (blank: unset)")
     top = parse_section(cls, raw, "", issues, skip=SECTION_KEYS + ("rules", "datasets"))
     if "name" in raw:
         issues.add("unknown key 'name' (the run is named after the config file)")
@@ -95,6 +101,15 @@ def _parse_datasets(value: Any, issues: Issues) -> list[DatasetConfig] | None:
     for i, entry in enumerate(value):
         if isinstance(entry, str):
             entry = {"path": entry}
+        if isinstance(entry, Mapping):
+            refused: dict[str, list[str]] = {}
+            for k in [k for k in entry if k in DATASET_UNSUPPORTED]:
+                if entry[k] not in (None, False):
+                    refused.setdefault(DATASET_UNSUPPORTED[k], []).append(k)
+            for why, keys in refused.items():
+                issues.add(f"'datasets[{i}].{keys[0]}' is not supported"
+                           f"{' (with ' + ', '.join(keys[1:]) + ')' if keys[1:] else ''}: {why}")
+            entry = {k: v for k, v in entry.items() if k not in DATASET_UNSUPPORTED}
         kw = parse_section(DatasetConfig, entry, f"datasets[{i}]", issues)
         if isinstance(entry, Mapping) and "path" not in entry:
             issues.add(f"datasets[{i}] needs a path")

@@ -3,6 +3,7 @@
 overrides) or from a Hugging Face ``base_model`` directory's ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,24 @@ def model_config(cfg: Any) -> Any:
     except ValueError as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {path} is not valid JSON: {exc}") from exc
     try:
-        return family.hf_config_from_dict(hf)
+        model = family.hf_config_from_dict(hf)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
+    return _with_added_tokens(cfg, model)
+
+
+def _with_added_tokens(cfg: Any, model: Any) -> Any:
+    """``model`` with its vocabulary grown to hold ``cfg.tokens`` (Axolotl's added tokens) when
+    the tokenizer with them is larger than the model's embedding (transformers' resize), rounded
+    up to a multiple of 32 with ``resize_token_embeddings_to_32x`` (Axolotl's rule: never shrunk)."""
+    if not (cfg.tokens or cfg.resize_token_embeddings_to_32x) or not hasattr(model, "vocab"):
+        return model
+    from functional_pp.data.tokenizer import HFTokenizer
+    path = cfg.tokenizer or cfg.data.tokenizer or cfg.base_model
+    try:
+        tok = HFTokenizer(path, model_dir=cfg.base_model)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        raise ConfigError(f"tokens: need the tokenizer to add them to: {exc}") from exc
+    tok.add_tokens(cfg.tokens or [])
+    want = -(-tok.vocab_size // 32) * 32 if cfg.resize_token_embeddings_to_32x else tok.vocab_size
+    return dataclasses.replace(model, vocab=want) if want > model.vocab else model

@@ -81,7 +81,8 @@ class DatasetConfig:
 
     path: str = fld(None, "a file or directory: .txt files, .jsonl/.json, .parquet, a HF "
                           "`datasets` save_to_disk directory, or pre-tokenized .npy/.bin")
-    type: str | None = fld(None, "text | completion | alpaca | chat_template | pretokenized "
+    type: str | None = fld(None, "text | completion | alpaca (alpaca:chat, alpaca:phi, alpaca:chatml) | "
+                                 "input_output | chat_template | pretokenized "
                                  "(default: from the file: text files -> text, jsonl -> "
                                  "completion, .npy/.bin -> pretokenized)")
     field: str = fld("text", "completion/text: the field that holds each record's text")

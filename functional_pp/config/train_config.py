@@ -84,6 +84,9 @@ class TrainConfig:
     tf32: bool | None = fld(None, "allow TF32 matmuls on CUDA")
     activation_checkpointing: bool = fld(False, "recompute each layer in backward (alias "
                                                 "gradient_checkpointing)")
+    reshard_after_forward: bool = fld(True, "FSDP: re-gather each layer's weights in backward "
+                                            "(ZeRO-3); false: keep them gathered for backward "
+                                            "(ZeRO-2, SHARD_GRAD_OP; more memory, fewer gathers)")
     compile: bool | str = fld(False, "torch.compile the step: true, or a backend name (alias "
                                      "torch_compile, torch_compile_backend)")
     on_nonfinite: Literal["skip", "raise"] = fld("skip", "a non-finite loss/gradient: skip the "
@@ -92,6 +95,13 @@ class TrainConfig:
                                                     "(known GPUs are detected)")
     max_consecutive_skips: int | None = fld(10, "stop the run after this many non-finite steps "
                                                 "in a row; null: never stop")
+    loss_watchdog_threshold: float | None = fld(None, "stop the run (non-zero exit status) when the "
+                                                      "loss stays above this for "
+                                                      "loss_watchdog_patience steps")
+    loss_watchdog_patience: int | None = fld(None, "steps in a row above loss_watchdog_threshold "
+                                                   "that stop the run (default 3)")
+    early_stopping_patience: int | None = fld(None, "stop the run (non-zero exit status) after this "
+                                                    "many evaluations without a lower held-out loss")
     collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
                                                  "collective before the run fails naming it")
     simulation: Literal["threaded", "batched", "auto"] = fld(
@@ -123,6 +133,18 @@ class TrainConfig:
                                                   "{enable_thinking: false})")
     eot_tokens: list | None = fld(None, "chat_template: end-of-turn tokens trained after a turn "
                                         "(default: the tokenizer's EOS); see train_on_eot")
+    tokens: list | None = fld(None, "texts added to the tokenizer as tokens; the embedding and head "
+                                    "grow to hold them, new rows the mean of the old (as "
+                                    "transformers' resize_token_embeddings)")
+    resize_token_embeddings_to_32x: bool = fld(False, "grow the embedding and head to a multiple of 32 "
+                                                      "rows above the tokenizer's size (new rows: the "
+                                                      "mean of the old)")
+    dataset_prepared_path: str | None = fld(None, "datasets: cache the tokenized data in this "
+                                                  "directory and reuse it while the config and the "
+                                                  "data are unchanged")
+    excess_length_strategy: Literal["drop", "truncate", "raise"] | None = fld(
+        None, "datasets: a row longer than sequence_len is dropped, truncated or refused (Axolotl's); "
+              "unset: packed rows continue in the next window, unpacked rows are cut")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")

@@ -27,13 +27,23 @@ from functional_pp.data.tokenizer import CHATML
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
 
-ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides "
-                 "further context. Write a response that appropriately completes the request.\n\n"
-                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that "
-                          "appropriately completes the request.\n\n### Instruction:\n{instruction}"
-                          "\n\n### Response:\n")
-TYPES = ("text", "completion", "alpaca", "chat_template", "pretokenized")
+_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further "
+           "context. Write a response that appropriately completes the request.")
+_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+#: Axolotl's alpaca prompt styles: (system format, turn with input, turn without input)
+ALPACA_STYLES = {
+    "alpaca": ("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+               "### Instruction:\n{instruction}\n\n### Response:\n"),
+    "alpaca:chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "alpaca:chatml": ("<|im_start|>system\n{system}<|im_end|>\n",
+                      "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+                      "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
+    "alpaca:phi": ("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+                   "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+}
+ALPACA_PROMPT = _SYSTEM + "\n\n" + ALPACA_STYLES["alpaca"][1]
+ALPACA_PROMPT_NO_INPUT = _SYSTEM_NO_INPUT + "\n\n" + ALPACA_STYLES["alpaca"][2]
+TYPES = ("text", "completion", *ALPACA_STYLES, "input_output", "chat_template", "pretokenized")
 
 
 class ByteTokenizer:
@@ -79,6 +89,7 @@ class TokenStream:
     name: str
     documents: int
     stats: list = field(default_factory=list)      # DatasetStats of each datasets entry
+    prepared: str = ""                             # dataset_prepared_path: reused or saved (data/prepared.py)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -141,12 +152,32 @@ def _with_bos(tok, ids: list[int], mask: list[int] | None) -> Example:
     return ids, mask
 
 
-def _alpaca(tok, rec: dict, entry, train_inputs: bool, where: str, n: int) -> Example:
+def _alpaca(tok, rec: dict, style: str, train_inputs: bool, where: str, n: int) -> Example:
+    """Axolotl's alpaca prompt in ``style`` (``alpaca``, ``alpaca:chat``, ``alpaca:phi``, ...):
+    the output trained, the prompt only with ``train_on_inputs``."""
+    system, turn, turn_no_input = ALPACA_STYLES[style]
     instruction = _field(rec, "instruction", where, n)
     inp = rec.get("input") or ""
-    prompt = (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=inp)
+    prompt = (system.format(system=_SYSTEM) + turn if inp else
+              system.format(system=_SYSTEM_NO_INPUT) + turn_no_input).format(instruction=instruction, input=inp)
     p, r = tok.encode(prompt), tok.encode(str(_field(rec, "output", where, n)))
     return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
+
+
+def _input_output(tok, rec: dict, where: str, n: int) -> Example:
+    """Axolotl's template-free ``input_output``: ``segments`` of ``{text, label}``, each
+    segment's tokens trained when its label is true (the texts carry their own markers)."""
+    segments = _field(rec, "segments", where, n)
+    if not isinstance(segments, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str)
+                                                 for s in segments):
+        raise ValueError(f"{where}: record {n}: segments must be a list of {{text, label}}, got {segments!r}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for s in segments:
+        part = tok.encode(s["text"])
+        ids += part
+        mask += [int(bool(s.get("label", True)))] * len(part)
+    return _with_bos(tok, ids, mask)
 
 
 def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
@@ -258,8 +289,10 @@ def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
                 raise ValueError(f"{where}: record {n}: field {entry.field!r} is "
                                  f"{type(text).__name__}, not text")
             yield (*_with_bos(tok, tok.encode(text), None), rec)
-        elif kind == "alpaca":
-            yield (*_alpaca(tok, rec, entry, train_inputs, where, n), rec)
+        elif kind in ALPACA_STYLES:
+            yield (*_alpaca(tok, rec, kind, train_inputs, where, n), rec)
+        elif kind == "input_output":
+            yield (*_input_output(tok, rec, where, n), rec)
         else:
             assert spec is not None
             yield (*_chat(tok, rec, spec, where, n), rec)
@@ -364,7 +397,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
                   eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
-                  spill_bytes: int = 64 << 20,
+                  spill_bytes: int = 64 << 20, excess_length_strategy: str | None = None,
                   min_trained_share: float = 0.5) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
@@ -372,7 +405,11 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
 
     Rows with no trained token are counted per dataset (``train.stats``); when fewer than
     ``min_trained_share`` of a dataset's rows train any token, it raises naming the dataset, a
-    sample row and the role mapping used: the data would train nothing (or the wrong thing)."""
+    sample row and the role mapping used: the data would train nothing (or the wrong thing).
+
+    ``excess_length_strategy`` (Axolotl's) for an example longer than ``seq_len`` (with its EOS):
+    ``drop`` it, ``truncate`` it, ``raise``; None: packed documents continue in the next
+    window, unpacked rows are cut at ``seq_len``."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -417,7 +454,18 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
                           spec.describe_roles() if spec else "", spec.warning if spec else "")
         for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
-            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None)
+            if excess_length_strategy is not None and len(ids) + 1 > seq_len:
+                if excess_length_strategy == "raise":
+                    raise ValueError(f"{where}: row {st.rows + st.dropped + 1} has {len(ids) + 1} tokens "
+                                     f"(with EOS), more than sequence_len={seq_len} "
+                                     f"(excess_length_strategy: raise); raise sequence_len or choose drop / truncate")
+                if excess_length_strategy == "drop":
+                    st.dropped += 1
+                    j += 1
+                    continue
+                ids, mask = ids[:seq_len - 1], (None if mask is None else mask[:seq_len - 1])
+                st.truncated += 1
+            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None and kind != "input_output")
             j += 1
             trained = len(ids) if mask is None else int(sum(mask))
             st.rows += 1
@@ -429,6 +477,10 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                     st.sample = (rec, ids, mask)
             elif st.trained_sample is None and mask is not None:
                 st.trained_sample = sample_text(tok, ids, mask)
+        if st.dropped and not st.rows:
+            raise ValueError(f"{where} ({entry.path}): all {st.dropped} rows are longer than sequence_len="
+                             f"{seq_len} and were dropped (excess_length_strategy: drop); raise "
+                             f"sequence_len or choose truncate")
         if st.rows and st.rows - st.untrained_rows < min_trained_share * st.rows:
             raise ValueError(st.refusal(tok))
         stats.append(st)
@@ -454,10 +506,14 @@ class DatasetStats:
     untrained_rows: int = 0
     sample: Any = None
     trained_sample: str | None = None
+    dropped: int = 0
+    truncated: int = 0
 
     def line(self) -> str:
         tpl = f", template {self.template}" if self.template else ""
         none = f", {self.untrained_rows} rows with no trained token" if self.untrained_rows else ""
+        none += f", {self.dropped} longer rows dropped" if self.dropped else ""
+        none += f", {self.truncated} longer rows truncated" if self.truncated else ""
         warn = f"; note: {self.warning}" if self.warning else ""
         return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")

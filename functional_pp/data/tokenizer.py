@@ -90,6 +90,27 @@ class HFTokenizer:
         eos_text = self.special_tokens.get("eos_token")
         self.chat_eos_id = self.tok.token_to_id(eos_text) if eos_text else self.eos_id
 
+    def add_tokens(self, tokens: list) -> int:
+        """Axolotl's ``tokens``: add each text not yet in the vocabulary as one token (not
+        normalized, not stripped) after the existing ids; returns how many were added."""
+        from tokenizers import AddedToken
+        before = self.vocab_size
+        self.tok.add_tokens([AddedToken(str(t), lstrip=False, rstrip=False, normalized=False) for t in tokens])
+        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        return self.vocab_size - before
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write this tokenizer (with added tokens) to ``folder``: its tokenizer.json and the
+        other tokenizer files of its directory."""
+        import shutil
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (self.dir / name).is_file():
+                shutil.copyfile(self.dir / name, out / name)
+        self.tok.save(str(out / "tokenizer.json"))
+        return out
+
     def set_special_tokens(self, tokens: dict) -> None:
         """Axolotl's ``special_tokens``: existing tokens made the tokenizer's BOS / EOS / ...
         (EOS ends each document and is the chat end-of-turn token); a token that is not one
@@ -98,7 +119,7 @@ class HFTokenizer:
             i = self.tok.token_to_id(text)
             if i is None:
                 raise ValueError(f"special_tokens.{key}: {text!r} is not a token of {self.file} "
-                                 f"(adding tokens to the vocabulary is not supported)")
+                                 f"(add it to the vocabulary with tokens: [{text!r}])")
             self.special_tokens[key] = text
             if key == "eos_token":
                 self.eos_id = self.chat_eos_id = int(i)

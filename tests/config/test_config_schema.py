@@ -178,7 +178,7 @@ def test_a_typical_axolotl_config_fails_only_on_what_has_no_meaning_here(tmp_pat
     assert (cfg.learning_rate, cfg.num_epochs, cfg.activation_checkpointing) == (2e-5, 1, True)
     assert cfg.logging.output_dir == "./outputs/out" and cfg.checkpoint.save_every == 100
     assert cfg.datasets[0].type == "alpaca" and cfg.val_set_size == 0.05 and cfg.tf32 is False
-    assert any(n.startswith("dataset_prepared_path") for n in cfg.notes)
+    assert cfg.dataset_prepared_path == "last_run_prepared"              # the tokenized data is cached there
     assert any(n.startswith("special_tokens.pad_token") for n in cfg.notes)
     with pytest.raises(ConfigError, match="base_model './Meta-Llama-3-8B' is not a Hugging Face model directory"):
         cfg.validate(1)
@@ -242,7 +242,8 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"attn_implementation": "flash_attn", "plugins": ["my.Plugin"],
                                "saves_per_epoch": 1, "save_steps": 10, "rl": "dpo", "qat": {"x": 1},
-                               "loss_watchdog_threshold": 5.0, "totally_unknown_key": 1})
+                               "use_swanlab": True, "swanlab_project": "p", "peft": {"loftq_config": {}},
+                               "totally_unknown_key": 1, "torchdistx_path": None})
     p = e.value.problems
     assert any(m.startswith("attn_implementation: 'flash_attn' is not an attention implementation (choose eager, sdpa")
                for m in p)
@@ -250,7 +251,9 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert "give save_steps or saves_per_epoch, not both" in p
     assert any(m.startswith("'rl' is not supported: RL") for m in p)
     assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
-    assert any(m.startswith("'loss_watchdog_threshold' is not supported: the loss watchdog") for m in p)
+    assert any(m.startswith("'use_swanlab' is not supported (with swanlab_project): SwanLab") for m in p)
+    assert any(m.startswith("'peft' is not supported: LoRA") for m in p)        # one problem per feature
+    assert not any("torchdistx_path" in m for m in p)                          # blank: unset
     unknown = [m for m in p if "totally_unknown_key" in m][0]
     assert "valid:" not in unknown and "--help" in unknown           # no 60-key list
 
@@ -267,3 +270,17 @@ def test_strategies_fractional_warmup_and_eval_batch_size():
                      ({"warmup_steps": 1.5}, "whole number of steps or a fraction")):
         with pytest.raises(ConfigError, match=msg):
             TrainConfig.from_dict(bad)
+
+
+def test_data_keys_excess_length_and_shuffle_merged_datasets():
+    cfg = TrainConfig.from_dict({"excess_length_strategy": "truncate", "shuffle_merged_datasets": True})
+    assert cfg.excess_length_strategy == "truncate" and "shuffle_merged_datasets" in " ".join(cfg.notes)
+    with pytest.raises(ConfigError, match="excess_length_strategy"):
+        TrainConfig.from_dict({"excess_length_strategy": "cut"})
+
+
+def test_tokenizer_type_names_any_tokenizer_class():
+    cfg = TrainConfig.from_dict({"tokenizer_type": "CodeLlamaTokenizer"})
+    assert "tokenizer_type: CodeLlamaTokenizer (the tokenizer.json is read" in " ".join(cfg.notes)
+    with pytest.raises(ConfigError, match="tokenizer_type: 'gpt2' is not a tokenizer class"):
+        TrainConfig.from_dict({"tokenizer_type": "gpt2"})

@@ -160,3 +160,52 @@ def test_bad_records_are_named_with_their_place(tmp_path, record, entry, message
     with pytest.raises(ConfigError) as info:
         load_data(cfg)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("style, prompt", [
+    ("alpaca:chat", "SYSTEM: Below is an instruction that describes a task, paired with an input that provides "
+                    "further context. Write a response that appropriately completes the request.\n"
+                    "USER: Add\n1 and 2\nASSISTANT:"),
+    ("alpaca:phi", "<|system|>\nBelow is an instruction that describes a task, paired with an input that provides "
+                   "further context. Write a response that appropriately completes the request.<|end|>\n"
+                   "<|user|>\nAdd<|end|>1 and 2<|assistant|>"),
+    ("alpaca:chatml", "<|im_start|>system\nBelow is an instruction that describes a task, paired with an input that "
+                      "provides further context. Write a response that appropriately completes the request."
+                      "<|im_end|>\n<|im_start|>user\nAdd\n1 and 2<|im_end|>\n<|im_start|>assistant\n"),
+])
+def test_alpaca_prompt_styles_train_the_output(tmp_path, style, prompt):
+    """Axolotl's alpaca:chat / alpaca:phi / alpaca:chatml prompts (prompters.py's formats)."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "Add", "input": "1 and 2", "output": "3"}) + "\n")
+    train, _ = build_streams([DatasetConfig(path=str(tmp_path / "a.jsonl"), type=style)], None, seq_len=16)
+    (text, flags), = _docs(train)
+    assert text == prompt + "3" and flags == [0] * len(prompt.encode()) + [1, 1]        # "3" + EOS
+
+
+def test_input_output_trains_the_labelled_segments(tmp_path):
+    row = {"segments": [{"label": False, "text": "<q>what?</q>"}, {"label": True, "text": "this."},
+                        {"label": False, "text": "!"}]}
+    (tmp_path / "io.jsonl").write_text(json.dumps(row) + "\n")
+    train, _ = build_streams([DatasetConfig(path=str(tmp_path / "io.jsonl"), type="input_output")], None,
+                             seq_len=16)
+    (text, flags), = _docs(train)
+    assert text == "<q>what?</q>this.!" and flags == [0] * 12 + [1] * 5 + [0, 0]     # the EOS: untrained
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"segments": "x"}) + "\n")
+    with pytest.raises(ValueError, match="segments must be a list of"):
+        build_streams([DatasetConfig(path=str(tmp_path / "bad.jsonl"), type="input_output")], None, seq_len=16)
+
+
+def test_excess_length_strategy_drops_truncates_or_refuses_long_rows(tmp_path):
+    rows = [{"text": "short"}, {"text": "a much longer row of text"}, {"text": "tiny"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    entry = [DatasetConfig(path=str(tmp_path / "c.jsonl"))]
+    dropped, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="drop")
+    assert [d[0] for d in _docs(dropped)] == ["short", "tiny"] and dropped.stats[0].dropped == 1
+    assert "1 longer rows dropped" in dropped.stats[0].line()
+    cut, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="truncate")
+    assert [d[0] for d in _docs(cut)] == ["short", "a much lo", "tiny"] and cut.stats[0].truncated == 1
+    with pytest.raises(ValueError, match=r"row 2 has 26 tokens \(with EOS\), more than sequence_len=10"):
+        build_streams(entry, None, seq_len=10, excess_length_strategy="raise")
+    packed, _ = build_streams(entry, None, seq_len=10)            # unset: packed documents run on
+    assert [d[0] for d in _docs(packed)][1] == "a much longer row of text"
+    with pytest.raises(ValueError, match="all 3 rows are longer than sequence_len=3"):
+        build_streams(entry, None, seq_len=3, excess_length_strategy="drop")

@@ -1,0 +1,83 @@
+"""Tokenized datasets cached in ``dataset_prepared_path`` (Axolotl's key): the token streams of
+``build_streams`` saved as ``.npy`` files under a key that hashes everything they depend on (the
+build settings, each dataset file's size and modification time, the tokenizer's files), and
+reused while these are unchanged; any change gives a new key, so the data is tokenized again.
+An entry is written to a temporary directory and renamed into place (processes racing to write
+the same entry keep the first)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from functional_pp.data.formats import DatasetStats, TokenStream
+
+__all__ = ["fingerprint", "load_or_build"]
+
+_VERSION = 1
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path] if path.exists() else []
+
+
+def fingerprint(settings: dict, paths: list[str | Path]) -> str:
+    """A hex key of ``settings`` (JSON-able) and the size and mtime of every file under ``paths``."""
+    h = hashlib.sha256(json.dumps([_VERSION, settings], sort_keys=True, default=str).encode())
+    for root in paths:
+        for f in _files(Path(root)):
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _save(d: Path, tag: str, s: TokenStream) -> dict:
+    np.save(d / f"{tag}_tokens.npy", np.asarray(s.tokens))
+    if s.trained is not None:
+        np.save(d / f"{tag}_trained.npy", np.asarray(s.trained))
+    stats = [{**dataclasses.asdict(st), "sample": None} for st in s.stats]
+    return {"eos_id": s.eos_id, "vocab_size": s.vocab_size, "name": s.name, "documents": s.documents,
+            "trained": s.trained is not None, "stats": stats}
+
+
+def _load(d: Path, tag: str, meta: dict) -> TokenStream:
+    tokens = np.load(d / f"{tag}_tokens.npy", mmap_mode="r")
+    trained = np.load(d / f"{tag}_trained.npy", mmap_mode="r") if meta["trained"] else None
+    return TokenStream(tokens, trained, meta["eos_id"], meta["vocab_size"], meta["name"], meta["documents"],
+                       [DatasetStats(**st) for st in meta["stats"]])
+
+
+def load_or_build(root: str | Path, settings: dict, paths: list[str | Path],
+                  build: Callable[[], tuple[TokenStream, TokenStream | None]]) -> tuple[Any, Any, str]:
+    """``(train, val, what happened)``: the cached streams of this key under ``root``, or
+    ``build()``'s, saved there."""
+    key = fingerprint(settings, paths)
+    d = Path(root) / key
+    meta_path = d / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        val = _load(d, "val", meta["val"]) if meta["val"] else None
+        return _load(d, "train", meta["train"]), val, f"reused the tokenized datasets in {d}"
+    train, val = build()
+    Path(root).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        meta = {"train": _save(tmp, "train", train), "val": _save(tmp, "val", val) if val is not None else None}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.rename(tmp, d)
+        except OSError:                 # written meanwhile by another process: keep that one
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return train, val, f"tokenized the datasets and saved them in {d} (dataset_prepared_path)"

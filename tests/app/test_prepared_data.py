@@ -1,0 +1,43 @@
+"""dataset_prepared_path (Axolotl's): the tokenized datasets are saved there and reused while
+the config and the data are unchanged; a changed data file or setting tokenizes again."""
+import json
+
+import numpy as np
+
+from functional_pp.app import inputs
+from functional_pp.config import TrainConfig
+
+
+def _cfg(tmp_path, **keys):
+    return TrainConfig.from_dict({"datasets": [{"path": str(tmp_path / "a.jsonl"), "type": "alpaca"}],
+                                  "dataset_prepared_path": str(tmp_path / "prepared"), "sequence_len": 32,
+                                  "val_set_size": 0.25, **keys})
+
+
+def _write(tmp_path, n):
+    rows = [{"instruction": f"Add {i} and {i}.", "input": "", "output": str(2 * i)} for i in range(n)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_tokenized_data_is_saved_reused_and_rebuilt_on_change(tmp_path, monkeypatch):
+    _write(tmp_path, 8)
+    first = inputs.load_data(_cfg(tmp_path))
+    assert first.train.prepared.startswith("tokenized the datasets and saved them in")
+    from functional_pp.data import formats
+
+    def no_build(*a, **k):
+        raise AssertionError("tokenized again although nothing changed")
+    monkeypatch.setattr(formats, "build_streams", no_build)
+    again = inputs.load_data(_cfg(tmp_path))
+    assert again.train.prepared.startswith("reused the tokenized datasets in")
+    assert np.array_equal(again.train.tokens, first.train.tokens)
+    assert np.array_equal(again.train.trained, first.train.trained)
+    assert np.array_equal(again.val.tokens, first.val.tokens) and again.train.documents == first.train.documents
+    assert [s.line() for s in again.train.stats] == [s.line() for s in first.train.stats]
+    monkeypatch.undo()
+    changed = inputs.load_data(_cfg(tmp_path, sequence_len=64))             # another setting
+    assert changed.train.prepared.startswith("tokenized")
+    _write(tmp_path, 12)                                                    # other data
+    more = inputs.load_data(_cfg(tmp_path))
+    assert more.train.prepared.startswith("tokenized") and more.train.documents == 9
+    assert len(list((tmp_path / "prepared").iterdir())) == 3

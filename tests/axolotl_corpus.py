@@ -1,0 +1,284 @@
+"""Axolotl's example configs (``tests/data/axolotl_examples/corpus/``, Apache-2.0) run as an
+Axolotl user would: :func:`edit` changes only paths and sizes (``base_model`` -> a tiny local model
+of the config's architecture built by ``transformers``, each dataset -> local rows of its dataset
+type, ``output_dir`` / ``dataset_prepared_path`` -> a temporary directory, sequence length, batch
+and steps small); :func:`classify` says whether the config is accepted or names each feature that
+refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
+``tests/data/axolotl_examples/expected.yaml``; ``python tests/axolotl_corpus.py --write``
+regenerates that table after a feature lands (the change is then visible in the diff)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+CORPUS = HERE / "data" / "axolotl_examples" / "corpus"
+EXPECTED = HERE / "data" / "axolotl_examples" / "expected.yaml"
+ACCEPTED = "accepted"
+
+#: base_model -> the model_type of its config.json on the Hugging Face hub (what the tiny
+#: stand-in is built as; nothing is downloaded)
+MODEL_TYPES = {
+    "LiquidAI/LFM2-350M": "lfm2", "LiquidAI/LFM2-VL-450M": "lfm2_vl",
+    "meta-llama/Llama-3.1-8B": "llama", "meta-llama/Llama-3.2-1B": "llama",
+    "meta-llama/Llama-3.2-3B": "llama", "meta-llama/Llama-3.2-1B-Instruct": "llama",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "llama", "NousResearch/Meta-Llama-3-8B-Instruct": "llama",
+    "NousResearch/Meta-Llama-3-8B": "llama", "NousResearch/Meta-Llama-3.1-8B": "llama",
+    "NousResearch/Llama-3.2-1B": "llama", "NousResearch/Llama-2-7b-hf": "llama",
+    "TheBloke/Llama-2-7B-GPTQ": "llama", "casperhansen/llama-3-70b-fp16": "llama",
+    "neuralmagic/Sparse-Llama-3.1-8B-2of4": "llama", "codellama/CodeLlama-13b-hf": "llama",
+    "codellama/CodeLlama-34b-hf": "llama", "codellama/CodeLlama-7b-hf": "llama",
+    "openlm-research/open_llama_3b_v2": "llama", "TinyLlama/TinyLlama_v1.1": "llama",
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "llama", "deepcogito/cogito-v1-preview-llama-3B": "llama",
+    "cerebras/Cerebras-GPT-1.3B": "gpt2", "LnL-AI/dbrx-base-converted-v2": "dbrx",
+    "agentica-org/DeepCoder-14B-Preview": "qwen2", "deepcogito/cogito-v1-preview-qwen-14B": "qwen2",
+    "Qwen/Qwen2.5-72B": "qwen2", "Qwen/Qwen2.5-3B": "qwen2", "Qwen/Qwen2.5-0.5B": "qwen2",
+    "Qwen/Qwen2-7B": "qwen2", "Qwen/Qwen3-8B": "qwen3", "Skywork/Skywork-Reward-V2-Qwen3-8B": "qwen3",
+    "Qwen/Qwen-7B": "qwen", "Qwen/Qwen1.5-MoE-A2.7B": "qwen2_moe",
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe", "Qwen/Qwen3.5-4B": "qwen3_5",
+    "Qwen/Qwen3.5-9B": "qwen3_5", "Qwen/Qwen3.5-27B": "qwen3_5", "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe",
+    "Qwen/Qwen3.5-122B-A10B": "qwen3_5_moe", "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl",
+    "nvidia/Qwen3-Next-80B-A3B-Instruct-NVFP4": "qwen3_next",
+    "tiiuae/falcon-7b": "falcon", "tiiuae/Falcon-H1-1.5B-Base": "falcon_h1",
+    "tiiuae/Falcon-H1-0.5B-Instruct": "falcon_h1", "mhenrichsen/gemma-7b": "gemma",
+    "google/gemma-2-9b": "gemma2", "google/gemma-3-270m-it": "gemma3_text",
+    "google/gemma-3-12b-it": "gemma3", "google/gemma-3-27b-it": "gemma3",
+    "google/gemma-3n-E2B-it": "gemma3n", "google/gemma-4-12B-it": "gemma4",
+    "google/gemma-4-26B-A4B": "gemma4", "google/gemma-4-31B": "gemma4",
+    "EleutherAI/pythia-12b-deduped": "gpt_neox", "EleutherAI/pythia-1.4b-deduped": "gpt_neox",
+    "replit/replit-code-v1-3b": "mpt", "stabilityai/stablelm-2-1_6b": "stablelm",
+    "bigcode/starcoder2-3b": "starcoder2", "CohereForAI/c4ai-command-r7b-12-2024": "cohere2",
+    "nvidia/DeepSeek-V4-Flash-NVFP4": "deepseek_v4", "mistralai/Devstral-Small-2507": "mistral",
+    "mistralai/Mistral-7B-v0.1": "mistral", "mistralai/Ministral-8B-Instruct-2410": "mistral",
+    "mistralai/Magistral-Small-2507": "mistral", "mistralai/Magistral-Small-2509": "mistral3",
+    "mistralai/Ministral-3-3B-Reasoning-2512": "mistral3",
+    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3",
+    "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
+    "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
+    "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
+    "THUDM/GLM-4-32B-0414": "glm4", "zai-org/GLM-4.6V-Flash": "glm4v",
+    "zai-org/GLM-4.7-Flash": "glm4_moe_lite", "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa",
+    "openai/gpt-oss-20b": "gpt_oss", "ibm-granite/granite-4.0-tiny-preview": "granitemoehybrid",
+    "tencent/Hunyuan-0.5B-Instruct": "hunyuan_v1_dense", "OpenGVLab/InternVL3_5-8B-HF": "internvl",
+    "ai21labs/Jamba-v0.1": "jamba", "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi_linear",
+    "axolotl-quants/Llama-4-Maverick-17B-128E-Linearized-bnb-nf4-bf16": "llama4",
+    "axolotl-quants/Llama-4-Scout-17B-16E-Linearized-bnb-nf4-bf16": "llama4",
+    "state-spaces/mamba-2.8b": "mamba", "XiaomiMiMo/MiMo-7B-RL": "mimo",
+    "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16": "nemotron_h",
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "nemotron_h",
+    "nvidia/Nemotron-Mini-4B-Instruct": "nemotron", "PaddlePaddle/PaddleOCR-VL-1.6": "paddleocr_vl",
+    "microsoft/Phi-3.5-mini-instruct": "phi3", "microsoft/Phi-3-mini-4k-instruct": "phi3",
+    "microsoft/phi-1_5": "phi", "ByteDance-Seed/Seed-OSS-36B-Instruct": "seed_oss",
+    "arcee-ai/Trinity-Nano-Preview": "afmoe",
+}
+
+_TINY = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+#: model_type -> (transformers config class, model class, extra config fields) of the families
+#: the decoder implements; any other model_type gets only a config.json (refused when read)
+_HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+       "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16}),
+       "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+       "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
+       "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
+       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": None})}
+#: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
+_EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
+        "phi3": "<|end|>", "mistral": "</s>"}
+_SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
+              "context_parallel_size", "cp_size")
+
+
+def corpus_files() -> list[str]:
+    """The corpus's configs, as paths relative to :data:`CORPUS`."""
+    return sorted(str(p.relative_to(CORPUS)) for p in CORPUS.rglob("*.y*ml"))
+
+
+def tiny_model(model_type: str, root: Path) -> Path:
+    """A directory with a tiny random ``model_type`` model (config.json + safetensors) built by
+    ``transformers``, and a byte-level tokenizer with every chat template's markers; made once
+    per model_type under ``root``."""
+    d = root / model_type
+    if (d / "config.json").is_file():
+        return d
+    from chat_tokenizer import make_tokenizer
+    make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
+    if model_type not in _HF:
+        (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
+        return d
+    import torch
+    import transformers
+    conf, cls, extra = _HF[model_type]
+    torch.manual_seed(0)
+    getattr(transformers, cls)(getattr(transformers, conf)(**_TINY, **extra)).save_pretrained(d)
+    return d
+
+
+def _messages(i: int, entry: dict) -> tuple[str, list[dict]]:
+    """``(field, messages)`` of one conversation in the shape ``entry`` reads."""
+    props = dict(entry.get("message_property_mappings") or {})
+    role = props.get("role", entry.get("message_field_role", "role"))
+    content = props.get("content", entry.get("message_field_content", "content"))
+    roles = entry.get("roles") or {}
+    sharegpt = role == "from"
+    user = (roles.get("user") or ["human" if sharegpt else "user"])[0]
+    assistant = (roles.get("assistant") or ["gpt" if sharegpt else "assistant"])[0]
+    turns = [(user, f"What is {i} plus {i}?"), (assistant, f"{i} plus {i} is {2 * i}.")]
+    return entry.get("field_messages", "messages"), [{role: r, content: c} for r, c in turns]
+
+
+def _rows(entry: dict, n: int) -> list[dict]:
+    """``n`` local rows of ``entry``'s dataset type."""
+    kind = str(entry.get("type") or "")
+    out = []
+    for i in range(n):
+        if kind.startswith("chat_template") or "field_messages" in entry:
+            field, msgs = _messages(i, entry)
+            out.append({field: msgs})
+        elif kind == "completion":
+            out.append({entry.get("field", "text"): f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})
+        else:                                   # alpaca and its variants, and any other type
+            out.append({"instruction": f"Add {i} and {i}.", "input": "", "output": f"{2 * i}"})
+    return out
+
+
+def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
+    """``(cfg edited in paths and sizes only, devices to simulate)``."""
+    cfg = dict(cfg)
+    mt = MODEL_TYPES.get(cfg.get("base_model"))
+    if mt is not None:
+        cfg["base_model"] = str(tiny_model(mt, models))
+        for key in ("tokenizer_config", "base_model_config", "processor_config"):
+            if cfg.get(key):
+                cfg[key] = cfg["base_model"]
+    for key in ("datasets", "test_datasets", "pretraining_dataset"):
+        entries = cfg.get(key)
+        if not entries:
+            continue
+        entries = [dict(e) if isinstance(e, dict) else {"path": e} for e in
+                   (entries if isinstance(entries, list) else [entries])]
+        for i, e in enumerate(entries):
+            path = tmp / f"{key}_{i}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, 64)))
+            e["path"] = str(path)
+            for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
+                e.pop(hub, None)
+        cfg[key] = entries
+    cfg["output_dir"] = str(tmp / "out")
+    if cfg.get("dataset_prepared_path"):
+        cfg["dataset_prepared_path"] = str(tmp / "prepared")
+    cfg.update(sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=1, max_steps=2,
+               logging_steps=1)
+    for key in ("warmup_steps", "save_steps", "eval_steps"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 1:
+            cfg[key] = 1
+    for key in ("eval_batch_size", "batch_size"):
+        if cfg.get(key):
+            cfg[key] = 1
+    devices = 1
+    for key in _SIZE_KEYS:
+        if isinstance(cfg.get(key), int) and cfg[key] > 1:
+            cfg[key] = 2
+            devices *= 2
+    return cfg, max(devices, 2)
+
+
+_KEY = re.compile(r"^'([\w.\[\]]+)' is not supported")
+_KEY_VALUE = re.compile(r"^'([\w.]+): ([^']+)' is not supported")
+_VALUE = re.compile(r"^(optimizer|lr_scheduler|activation_checkpointing): ")
+_BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
+_PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
+_UNKNOWN = re.compile(r"^unknown key '([^']+)'")
+_MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
+
+
+def reason(problem: str, cfg: dict) -> str:
+    """The feature a problem message names: ``adapter: lora``, ``load_in_4bit``,
+    ``optimizer: adamw_bnb_8bit``, ``model_type qwen3_moe``, ``plugin LigerPlugin``, ..."""
+    if m := _KEY.match(problem):
+        key = re.sub(r"\[\d+\]", "", m.group(1))          # datasets[0].x -> datasets.x
+        value = cfg.get(key)
+        return f"{key}: {value}" if isinstance(value, str) else key
+    if m := _KEY_VALUE.match(problem):
+        return f"{m.group(1)}: {m.group(2)}"
+    if m := _VALUE.match(problem):
+        key = m.group(1)
+        return f"{key}: {cfg.get(key, cfg.get('gradient_checkpointing'))}"
+    if m := _PLUGIN.match(problem):
+        return f"plugin {m.group(1).rsplit('.', 1)[-1]}"
+    if m := _BAD_VALUE.match(problem):
+        return f"{m.group(1)}: {m.group(2)}"
+    if m := _UNKNOWN.match(problem):
+        return f"unknown key {m.group(1)}"
+    if m := _MODEL_TYPE.search(problem):
+        return f"model_type {m.group(1)}"
+    return problem.split(";")[0][:100]
+
+
+def classify(name: str, tmp: Path, models: Path) -> tuple[str | list[str], Path | None, int]:
+    """``(ACCEPTED or the features refusing it, the edited config file, devices)`` of corpus
+    config ``name``: its keys are checked (``TrainConfig.from_dict``) and its base model's
+    architecture read, so that every refusing feature is listed."""
+    from functional_pp.checkpoint import hf
+    from functional_pp.config import ConfigError, TrainConfig
+    raw = yaml.safe_load((CORPUS / name).read_text())
+    if not raw.get("base_model"):
+        return ["not a training config (no base_model)"], None, 0
+    cfg, devices = edit(raw, tmp, models)
+    reasons: list[str] = []
+    try:
+        TrainConfig.from_dict(cfg, name=Path(name).stem)
+    except ConfigError as exc:
+        reasons += [reason(p, raw) for p in exc.problems]
+    if raw["base_model"] not in MODEL_TYPES:
+        reasons.append(f"base_model {raw['base_model']} (architecture unknown to this test)")
+    else:
+        try:
+            hf.config_from_hf(json.loads((Path(cfg["base_model"]) / "config.json").read_text()))
+        except ValueError as exc:
+            reasons.append(reason(str(exc), raw))
+    if reasons:
+        return sorted(set(reasons)), None, devices
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ACCEPTED, path, devices
+
+
+def counts(table: dict[str, Any]) -> tuple[int, Counter]:
+    """``(accepted configs, configs refused per feature kind)``: a kind is a reason's key
+    (``adapter``, ``load_in_4bit``, ``model_type``, ...); a config counts once per kind."""
+    kinds: Counter = Counter()
+    for v in table.values():
+        if v != ACCEPTED:
+            kinds.update({re.split(r"[: ]", r, maxsplit=1)[0] for r in v})
+    return sum(v == ACCEPTED for v in table.values()), kinds
+
+
+def classify_all(tmp: Path) -> dict[str, Any]:
+    """The classification of every corpus config (each edited in its own directory)."""
+    models = tmp / "models"
+    out = {}
+    for i, name in enumerate(corpus_files()):
+        d = tmp / f"c{i:03d}"
+        d.mkdir(parents=True)
+        out[name] = classify(name, d, models)[0]
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    import tempfile
+    sys.path.insert(0, str(HERE))
+    with tempfile.TemporaryDirectory() as t:
+        table = classify_all(Path(t))
+    EXPECTED.write_text("# written by `python tests/axolotl_corpus.py --write`: each corpus config ->\n"
+                        "# accepted, or the features that refuse it\n"
+                        + yaml.safe_dump(table, sort_keys=True, width=120))
+    n, kinds = counts(table)
+    print(f"{n} accepted of {len(table)}; refused by kind: {dict(kinds.most_common())}")
