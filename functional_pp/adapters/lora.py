@@ -118,23 +118,31 @@ def _hf_name(path: str) -> str | None:
     return hf_name(path)
 
 
-def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
-    """The trainable mask (``train_step(trainable=...)``) of a LoRA run: the adapters, the
-    ``modules_to_save`` and the ``unfrozen_parameters``; every other parameter frozen."""
-    patterns = [re.compile(p) for p in cfg.unfrozen_parameters]
+def unfrozen(patterns: Sequence[str], modules: Sequence[str] = (), prefixes: Sequence[str] = ()
+             ) -> Callable[[Any], Any]:
+    """A trainable mask (``train_step(trainable=...)``): the parameters whose path or Hugging Face
+    name a regex of ``patterns`` matches from its start (Axolotl's ``unfrozen_parameters``),
+    those inside one of the ``modules`` (a path component, e.g. ``lm_head``) and those under
+    one of the ``prefixes``; every other parameter frozen."""
+    compiled = [re.compile(p) for p in patterns]
 
     def trains(path: str) -> bool:
-        if path.startswith("lora."):
+        if any(path.startswith(p) for p in prefixes):
             return True
-        if any(path == m or path.startswith(m + ".") or ("." + m + ".") in "." + path + "."
-               for m in cfg.modules_to_save):
+        if any(("." + m + ".") in "." + path + "." for m in modules):
             return True
-        hf = _hf_name(path)
-        return any(p.match(path) or (hf is not None and p.match(hf)) for p in patterns)
+        hf = _hf_name(path) if compiled else None
+        return any(p.match(path) or (hf is not None and p.match(hf)) for p in compiled)
 
     def mask(params: Any) -> Any:
         return map_with_path(lambda path, x: trains(path), params)
     return mask
+
+
+def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
+    """The trainable mask of a LoRA run: the adapters, the ``modules_to_save`` and the
+    ``unfrozen_parameters``; every other parameter frozen."""
+    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save, ("lora.",))
 
 
 class LoraWeight(NamedTuple):

@@ -109,3 +109,24 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)
+
+
+def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> Any:
+    """This device's shards of the LoRA adapters (``decls["lora"]``) as named parameters:
+    from ``lora_model_dir`` (a PEFT adapter directory) when given, else initialised as peft
+    does (``A`` uniform, ``B`` zeros) from the run's seed."""
+    from functional_pp.core.runtime import current_rank
+    from functional_pp.core.tree import map_with_path
+    from functional_pp.parallel.init import init as init_named
+    from functional_pp.parallel.named import Named
+    from functional_pp.parallel.sharding import shard
+    if cfg.lora_model_dir is None:
+        return init_named(lambda: decls["lora"], mesh=mesh, rules=rules, seed=cfg.seed, device=device)
+    from functional_pp.adapters.peft_dir import load_adapter
+    full = load_adapter(cfg.lora_model_dir, decls)
+    local = shard(full, decls["lora"], mesh, rules, current_rank()) if mesh is not None else full
+
+    def wrap(p, x, d):
+        x = x.to(torch.float32) if device is None else x.to(device=device, dtype=torch.float32)
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
+    return map_with_path(wrap, local, decls["lora"])

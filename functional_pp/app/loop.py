@@ -21,6 +21,7 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO, Any, Mapping
 
 import torch
 
@@ -38,6 +39,7 @@ from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, l
 from functional_pp.app.metrics import read_metrics, trim_metrics
 from functional_pp.app.optimizer import optimizer_from_config
 from functional_pp.app.plot import plot_losses
+from functional_pp.core.tree import leaves_with_paths
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
@@ -103,7 +105,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
     from functional_pp.app.evaluate import evaluate
-    from functional_pp.app.inputs import base_params, check_batches, load_data, model_config
+    from functional_pp.app.inputs import adapter_params, base_params, check_batches, load_data, model_config
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
     from functional_pp.data import DataLoader
@@ -118,7 +120,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
     family, model_cfg = model_family(cfg), model_config(cfg)
-    decls = family.param_decls(model_cfg)
+    base_decls = family.param_decls(model_cfg)
+    lora = cfg.lora_config()
+    loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
+                                                   base_decls)
     out_dir = cfg.output_dir()
     ckpt_dir = out_dir / CHECKPOINTS
     keep = cfg.checkpoint.keep_last
@@ -159,8 +164,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
-    step_fn = train_step(functools.partial(family.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
-                         grad_accum=accum, precision=cfg.precision,
+    step_fn = train_step(loss_fn, opt, mesh=mesh, rules=rules, trainable=trainable, grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                          max_consecutive_skips=cfg.max_consecutive_skips,
@@ -196,12 +200,15 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     stop = _StopRequest()
 
     def specs(state: dict) -> dict:
-        return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
+        # (the optimizer state mirrors the trained parameters only: frozen ones hold none)
+        return {"params": decls, "opt": ck.state_specs(state["opt_state"], step_fn.spec.trainable_tree(decls)),
+                "rng": ck.PER_RANK}
 
     export_info = {"model_config": family.config_to_dict(model_cfg),
                    "tokenizer_dir": str(data.tokenizer.dir.resolve()) if data.tokenizer is not None
                    and hasattr(data.tokenizer, "dir") else None,
-                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
+                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
+                   "lora": dataclasses.asdict(lora) if lora is not None else None}
 
     def save(state: dict, loader, step: int) -> Path:
         tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"],
@@ -213,7 +220,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def device_fn() -> dict:
         lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
         if cfg.base_model is not None and latest is None:
-            params = per_device(lambda: base_params(cfg, model_cfg, decls, mesh, rules, device))
+            params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device))
+            if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
+                params = {**params, "lora": per_device(lambda: adapter_params(cfg, decls, mesh, rules, device))}
         else:
             params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
                                 device=device)
@@ -349,6 +358,26 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
     return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                        r["comm_report"])
+
+
+def frozen_and_adapters(cfg: TrainConfig, lora, loss_fn, decls: Any) -> tuple:
+    """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
+    loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
+    alone the base loss and only those parameters trained; else everything trained."""
+    from functional_pp import adapters
+    if lora is not None:
+        try:
+            return adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
+        except ValueError as exc:
+            raise ConfigError(f"adapter: lora: {exc}") from exc
+    if cfg.unfrozen_parameters:
+        mask = adapters.unfrozen(cfg.unfrozen_parameters)
+        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
+        if not paths:
+            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
+                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
+        return loss_fn, decls, mask
+    return loss_fn, decls, None
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -62,7 +62,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
+_ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
+            "linear modules): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _SHARDING = ("sharding comes from the mesh sizes and rules (dp_shard_size: N is FSDP/ZeRO-3, "
              "tp_size, cp_size): remove it")
@@ -72,11 +73,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("adapter", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
-                             "lora_target_modules", "lora_target_linear", "lora_fan_in_fan_out",
-                             "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
-                             "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
-                             "lora_target_parameters", "lora_embedding_kernel")},
+    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters")},
     **{k: _QUANT for k in ("load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs")},
     **{k: _SHARDING for k in ("deepspeed", "fsdp", "fsdp_config", "fsdp_version",
                               "fsdp_final_state_dict_type")},
@@ -96,7 +93,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
-    "unfrozen_parameters": "every parameter is trained: remove it",
     "eval_table_size": "sample-generation tables are not supported: remove it",
     "eval_max_new_tokens": "sample generation is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
@@ -118,6 +114,8 @@ NOT_USED: dict[str, str] = {
                                     "flash_attn_fuse_mlp")},
     "flash_attn_cross_entropy": "the head and cross-entropy are already fused (chunked)",
     "flash_attn_rms_norm": "RMSNorm is a torch op: the same math",
+    **{k: "LoRA is computed by the named einsum (base and adapter joined before the one TP collective): "
+          "the same math" for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")},
     **{k: _LIGER for k in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
                            "liger_fused_linear_cross_entropy", "liger_cross_entropy",
                            "liger_rms_norm_gated", "cut_cross_entropy")},
