@@ -6,8 +6,11 @@ For a weight with dimensions ``in... out...`` (``in_dims`` leading ones contract
 declaration's ``meta``, 1 by default) ``A`` has ``in... lora_r`` and ``B`` ``lora_r out...``:
 the rules that shard ``W`` shard them, so column- and row-parallel TP follow (a row-parallel
 weight's adapter gives a pending sum, added to the base's before the one TP collective), and
-FSDP shards ``A`` like ``W``. The adapters live in ``params["lora"]`` keyed by the base
-weight's path; :func:`adapt` wraps a loss (or forward) so that each targeted weight reaches
+FSDP shards ``A`` like ``W``. The adapters live beside their weights: the adapter of
+``layers.0.self_attn.q_proj`` is ``layers.0.self_attn.lora.q_proj.{lora_A,lora_B}`` (so a layer's
+adapters are in its subtree: its FSDP unit, the dry-run's repeated layers);
+:func:`split` and :func:`joined` move between that tree and ``(base tree, {weight path:
+adapter})``. :func:`adapt` wraps a loss (or forward) so that each targeted weight reaches
 ``ops.einsum`` as a :class:`LoraWeight`, which computes both terms."""
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from functional_pp.ops.einsum import einsum, parse_pattern
 from functional_pp.parallel.named import Named, _make
 
 RANK = "lora_r"
+KEY = "lora"            # the entry of a module's dict holding its weights' adapters
 _calls = per_thread("adapters.lora")
 
 
@@ -96,11 +100,11 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
     return found
 
 
-def init(decls: Any, cfg: LoraConfig) -> dict:
-    """``decls`` with the adapters' declarations added under ``"lora"``: per target path
-    ``{"lora_A": in... lora_r (uniform +-1/sqrt(fan_in)), "lora_B": lora_r out... (zeros)}``."""
-    if not isinstance(decls, dict) or "lora" in decls:
-        raise ValueError("LoRA: the declarations must be a dict without a 'lora' entry (where the adapters go)")
+def init(decls: Any, cfg: LoraConfig) -> Any:
+    """``decls`` with the adapters' declarations beside the targeted weights (``...lora.NAME``):
+    ``lora_A`` over ``in... lora_r`` (uniform +-1/sqrt(fan_in), peft's Kaiming) and ``lora_B`` over
+    ``lora_r out...`` (zeros); the leading ``in_dims`` dimensions (the declaration's ``meta``,
+    1 by default) are the ones a linear contracts."""
     by_path = dict(leaves_with_paths(decls))
     lora = {}
     for path in targets(decls, cfg):
@@ -110,7 +114,59 @@ def init(decls: Any, cfg: LoraConfig) -> dict:
         lora[path] = {"lora_A": param(d.shape[:k] + (cfg.r,), d.dims[:k] + (RANK,), init="uniform",
                                       scale=1.0 / math.sqrt(fan_in), dtype=d.dtype),
                       "lora_B": param((cfg.r,) + d.shape[k:], (RANK,) + d.dims[k:], init="zeros", dtype=d.dtype)}
-    return {**decls, "lora": lora}
+    return joined(decls, lora)
+
+
+def _adapter_path(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition(".")
+    return (f"{parent}.{KEY}" if parent else KEY), name
+
+
+def joined(base: Any, lora: dict) -> Any:
+    """The tree with adapters: ``base`` with each ``lora[weight path]`` (``{"lora_A", "lora_B"}``)
+    put beside its weight, under the ``"lora"`` entry of the weight's dict."""
+    out = _copy(base)
+    for path, ab in lora.items():
+        where, name = _adapter_path(path)
+        node = out
+        parts = where.split(".")
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if not isinstance(node, dict):
+            raise ValueError(f"LoRA: weight {path!r} is not an entry of a dict (its adapter goes beside it)")
+        if KEY in node and not isinstance(node[KEY], dict):
+            raise ValueError(f"LoRA: {where!r} is a parameter of the model: its name is where adapters go")
+        node.setdefault(KEY, {})[name] = ab
+    return out
+
+
+def _copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(v) for v in tree]
+    return tree
+
+
+def split(tree: Any) -> tuple[Any, dict]:
+    """``(base tree, {weight path: {"lora_A", "lora_B"}})`` of a tree with adapters."""
+    lora: dict = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                here = f"{path}.{k}" if path else str(k)
+                if k == KEY and isinstance(v, dict):
+                    for name, ab in v.items():
+                        lora[f"{path}.{name}" if path else name] = ab
+                else:
+                    out[k] = walk(v, here)
+            return out
+        if isinstance(node, list):
+            return [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+        return node
+    return walk(tree, ""), lora
 
 
 def _hf_name(path: str) -> str | None:
@@ -118,17 +174,14 @@ def _hf_name(path: str) -> str | None:
     return hf_name(path)
 
 
-def unfrozen(patterns: Sequence[str], modules: Sequence[str] = (), prefixes: Sequence[str] = ()
-             ) -> Callable[[Any], Any]:
+def unfrozen(patterns: Sequence[str], modules: Sequence[str] = ()) -> Callable[[Any], Any]:
     """A trainable mask (``train_step(trainable=...)``): the parameters whose path or Hugging Face
     name a regex of ``patterns`` matches from its start (Axolotl's ``unfrozen_parameters``),
-    those inside one of the ``modules`` (a path component, e.g. ``lm_head``) and those under
-    one of the ``prefixes``; every other parameter frozen."""
+    and those inside one of the ``modules`` (a path component, e.g. ``lm_head``; ``lora``: the
+    adapters); every other parameter frozen."""
     compiled = [re.compile(p) for p in patterns]
 
     def trains(path: str) -> bool:
-        if any(path.startswith(p) for p in prefixes):
-            return True
         if any(("." + m + ".") in "." + path + "." for m in modules):
             return True
         hf = _hf_name(path) if compiled else None
@@ -142,7 +195,7 @@ def unfrozen(patterns: Sequence[str], modules: Sequence[str] = (), prefixes: Seq
 def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
     """The trainable mask of a LoRA run: the adapters, the ``modules_to_save`` and the
     ``unfrozen_parameters``; every other parameter frozen."""
-    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save, ("lora.",))
+    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save + (KEY,))
 
 
 class LoraWeight(NamedTuple):
@@ -179,14 +232,12 @@ class LoraWeight(NamedTuple):
         return y + delta
 
 
-def apply(params: dict, cfg: LoraConfig) -> Any:
-    """The base tree of ``params`` (``{..., "lora": adapters}``) with each adapted weight
+def apply(params: Any, cfg: LoraConfig) -> Any:
+    """The base tree of ``params`` (a tree with adapters, :func:`init`) with each adapted weight
     replaced by its :class:`LoraWeight` (what :func:`adapt` hands the model)."""
-    if "lora" not in params:
-        raise ValueError("LoRA: the parameters have no 'lora' entry: initialise them from "
-                         "adapters.init(decls, cfg)")
-    lora = params["lora"]
-    base = {k: v for k, v in params.items() if k != "lora"}
+    base, lora = split(params)
+    if not lora:
+        raise ValueError("LoRA: the parameters hold no adapter: initialise them from adapters.init(decls, cfg)")
     seed = 0
     if cfg.dropout:
         if is_tracing():
@@ -224,15 +275,15 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.tensordot(a, b, dims=([a.ndim - 1], [0])) * scale
 
 
-def merge(params: dict, cfg: LoraConfig) -> dict:
-    """Full tensors ``{..., "lora": ...}`` -> the base tree with every adapter merged into its
+def merge(params: Any, cfg: LoraConfig) -> Any:
+    """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
     weight (``W + scale * A B``): a plain model."""
-    lora = params.get("lora", {})
-    base = {k: v for k, v in params.items() if k != "lora"}
+    base, lora = split(params)
 
     def merged(path: str, w: Any) -> Any:
         ab = lora.get(path)
         if ab is None:
             return w
-        return (w + delta(ab["lora_A"].to(torch.float32), ab["lora_B"].to(torch.float32), cfg.scale)).to(w.dtype)
+        wide = torch.promote_types(w.dtype, torch.float32)       # (16-bit weights: the sum in fp32, rounded once)
+        return (w.to(wide) + delta(ab["lora_A"].to(wide), ab["lora_B"].to(wide), cfg.scale)).to(w.dtype)
     return map_with_path(merged, base)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.adapters.lora import LoraConfig
+from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.models.llama_hf import hf_name
 
 PREFIX = "base_model.model."
@@ -28,7 +28,8 @@ def module_name(path: str) -> str:
 
 
 def to_peft(lora: dict) -> dict[str, torch.Tensor]:
-    """Full adapter tensors ``{path: {"lora_A", "lora_B"}}`` -> peft's state dict."""
+    """Full adapter tensors ``{weight path: {"lora_A", "lora_B"}}`` (``adapters.split``) -> peft's
+    state dict."""
     out = {}
     for path, ab in lora.items():
         a, b = ab["lora_A"], ab["lora_B"]
@@ -46,10 +47,11 @@ def _numel(shape) -> int:
     return n
 
 
-def from_peft(tensors: dict[str, torch.Tensor], decls: dict) -> dict:
-    """peft's state dict -> our full adapter tensors, shaped as the declarations
-    ``decls["lora"]`` (``adapters.init``); every adapter of ``decls`` must be there, and nothing else."""
-    want = decls["lora"]
+def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
+    """peft's state dict -> our full adapter tensors ``{weight path: {"lora_A", "lora_B"}}``,
+    shaped as the adapters of ``decls`` (``adapters.init``); every adapter of ``decls`` must be
+    there, and nothing else."""
+    want = split(decls)[1]
     out, used = {}, set()
     for path, ab in want.items():
         m = PREFIX + module_name(path)
@@ -84,7 +86,8 @@ def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = No
 
 
 def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model: str | None = None) -> Path:
-    """Write the PEFT adapter directory of full adapter tensors ``lora`` (``params["lora"]``)."""
+    """Write the PEFT adapter directory of full adapter tensors ``lora`` (``{weight path:
+    {"lora_A", "lora_B"}}``, ``adapters.split(params)[1]``)."""
     from safetensors.torch import save_file
     if cfg.modules_to_save:
         raise ValueError("PEFT adapter export: modules_to_save are not written yet; export the merged model "
@@ -113,8 +116,8 @@ def read_config(path: str | os.PathLike) -> LoraConfig:
                       rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
 
 
-def load_adapter(path: str | os.PathLike, decls: dict) -> dict:
-    """Full adapter tensors (``params["lora"]``) from a PEFT adapter directory, for the
+def load_adapter(path: str | os.PathLike, decls: Any) -> dict:
+    """Full adapter tensors (``{weight path: {"lora_A", "lora_B"}}``) from a PEFT adapter directory, for the
     declarations ``decls`` (``adapters.init`` with :func:`read_config`'s config)."""
     from safetensors.torch import load_file
     f = Path(path) / WEIGHTS

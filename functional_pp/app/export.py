@@ -71,10 +71,10 @@ def _full_params(ckpt: Path) -> dict:
 
 
 def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
-    from functional_pp.adapters import LoraConfig
+    from functional_pp.adapters import LoraConfig, split
     from functional_pp.adapters.peft_dir import save_adapter
     lora = LoraConfig(**meta["lora"])
-    save_adapter(out, _full_params(ckpt)["lora"], lora, meta.get("base_model"))
+    save_adapter(out, split(_full_params(ckpt))[1], lora, meta.get("base_model"))
 
 
 def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> None:

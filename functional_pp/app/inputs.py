@@ -112,21 +112,24 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
 
 
 def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> Any:
-    """This device's shards of the LoRA adapters (``decls["lora"]``) as named parameters:
+    """This device's shards of the LoRA adapters of ``decls`` as named parameters ``{weight path:
+    {"lora_A", "lora_B"}}`` (``adapters.split``):
     from ``lora_model_dir`` (a PEFT adapter directory) when given, else initialised as peft
     does (``A`` uniform, ``B`` zeros) from the run's seed."""
+    from functional_pp.adapters import split
     from functional_pp.core.runtime import current_rank
     from functional_pp.core.tree import map_with_path
     from functional_pp.parallel.init import init as init_named
     from functional_pp.parallel.named import Named
     from functional_pp.parallel.sharding import shard
+    want = split(decls)[1]
     if cfg.lora_model_dir is None:
-        return init_named(lambda: decls["lora"], mesh=mesh, rules=rules, seed=cfg.seed, device=device)
+        return init_named(lambda: want, mesh=mesh, rules=rules, seed=cfg.seed, device=device)
     from functional_pp.adapters.peft_dir import load_adapter
     full = load_adapter(cfg.lora_model_dir, decls)
-    local = shard(full, decls["lora"], mesh, rules, current_rank()) if mesh is not None else full
+    local = shard(full, want, mesh, rules, current_rank()) if mesh is not None else full
 
     def wrap(p, x, d):
         x = x.to(torch.float32) if device is None else x.to(device=device, dtype=torch.float32)
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
-    return map_with_path(wrap, local, decls["lora"])
+    return map_with_path(wrap, local, want)

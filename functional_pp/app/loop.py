@@ -39,13 +39,13 @@ from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, l
 from functional_pp.app.metrics import read_metrics, trim_metrics
 from functional_pp.app.optimizer import optimizer_from_config
 from functional_pp.app.plot import plot_losses
-from functional_pp.core.tree import leaves_with_paths
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.seeds import check_seed
+from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
 
 # World ... plot_losses: imported from here before the application modules were split
@@ -104,6 +104,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    from functional_pp import adapters
     from functional_pp.app.evaluate import evaluate
     from functional_pp.app.inputs import adapter_params, base_params, check_batches, load_data, model_config
     from functional_pp.app.world import describe_device, peak_flops, select_device
@@ -222,7 +223,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         if cfg.base_model is not None and latest is None:
             params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
-                params = {**params, "lora": per_device(lambda: adapter_params(cfg, decls, mesh, rules, device))}
+                params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
         else:
             params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
                                 device=device)

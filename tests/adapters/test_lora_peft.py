@@ -65,7 +65,7 @@ def case(request, tmp_path_factory):
     decls = adapters.init(llama.init(cfg), lc)
     base = hf.load_hf_params(d, cfg)
     adapter_sd = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = {**base, "lora": peft_dir.from_peft(adapter_sd, decls)}
+    full = adapters.joined(base, peft_dir.from_peft(adapter_sd, decls))
     return family, pm, cfg, lc, decls, full, d
 
 
@@ -91,11 +91,11 @@ def _train(cfg, lc, decls, full, data, mesh, rules):
             if grads is None:
                 _, g = step.gradients(state, lb)
                 with fpp.use_rules(rules):
-                    grads = fpp.gather_tree(g["lora"])
+                    grads = adapters.split(fpp.gather_tree(g))[1]
             state, m = step(state, lb)
             losses.append(m["loss"])
         with fpp.use_rules(rules):
-            lora = sharding.gather(state["params"]["lora"], decls["lora"], rules)
+            lora = adapters.split(sharding.gather(state["params"], decls, rules))[1]
         return losses, grads, lora
     return fpp.launch(device, mesh)
 

@@ -63,14 +63,16 @@ def test_frozen_leaves_keep_their_values_and_get_no_state(one):
     ("fsdp", fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
     ("tp", fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
     ("fsdp_tp", fpp.Mesh(dp_shard=2, tp=2), llama.default_rules()),
+    ("fsdp_remat", fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
 ])
 def test_every_layout_equals_one_device_with_no_reduction_of_frozen_grads(one, name, mesh, rules):
-    runs = _run(mesh, rules)
+    kw = {"remat": True} if name.endswith("remat") else {}
+    runs = _run(mesh, rules, **kw)
     for r in runs:
         assert_same_run(r[:3], one[:3], rtol=1e-9, atol=1e-11)
     events = runs[0][2][0]
     reductions = [e for e in events if e.backward and e.kind in ("all_reduce", "reduce_scatter") and e.shape != ()]
-    full = _run(mesh, rules, trainable=None)[0][2][0]
+    full = _run(mesh, rules, trainable=None, **kw)[0][2][0]
     full_reductions = [e for e in full if e.backward and e.kind in ("all_reduce", "reduce_scatter") and e.shape != ()]
     data = ("dp_shard",)
     ours = sum(e.bytes_sent for e in reductions if e.axes == data)
