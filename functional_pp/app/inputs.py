@@ -133,3 +133,25 @@ def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> A
         x = x.to(torch.float32) if device is None else x.to(device=device, dtype=torch.float32)
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, local, want)
+
+
+def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
+    """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
+    loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
+    alone the base loss and only those parameters trained; else everything trained."""
+    from functional_pp import adapters
+    from functional_pp.config import ConfigError
+    from functional_pp.core.tree import leaves_with_paths
+    if lora is not None:
+        try:
+            return adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
+        except ValueError as exc:
+            raise ConfigError(f"adapter: lora: {exc}") from exc
+    if cfg.unfrozen_parameters:
+        mask = adapters.unfrozen(cfg.unfrozen_parameters)
+        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
+        if not paths:
+            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
+                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
+        return loss_fn, decls, mask
+    return loss_fn, decls, None

@@ -106,7 +106,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
     from functional_pp import adapters
     from functional_pp.app.evaluate import evaluate
-    from functional_pp.app.inputs import adapter_params, base_params, check_batches, load_data, model_config
+    from functional_pp.app.inputs import (adapter_params, base_params, check_batches, frozen_and_adapters, load_data,
+                                          model_config)
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
     from functional_pp.data import DataLoader
@@ -359,26 +360,6 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
     return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                        r["comm_report"])
-
-
-def frozen_and_adapters(cfg: TrainConfig, lora, loss_fn, decls: Any) -> tuple:
-    """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
-    loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
-    alone the base loss and only those parameters trained; else everything trained."""
-    from functional_pp import adapters
-    if lora is not None:
-        try:
-            return adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
-        except ValueError as exc:
-            raise ConfigError(f"adapter: lora: {exc}") from exc
-    if cfg.unfrozen_parameters:
-        mask = adapters.unfrozen(cfg.unfrozen_parameters)
-        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
-        if not paths:
-            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
-                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
-        return loss_fn, decls, mask
-    return loss_fn, decls, None
 
 
 def _check_writable(out_dir: Path) -> None:
