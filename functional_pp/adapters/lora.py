@@ -117,27 +117,27 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     return joined(decls, lora)
 
 
-def _adapter_path(path: str) -> tuple[str, str]:
-    parent, _, name = path.rpartition(".")
-    return (f"{parent}.{KEY}" if parent else KEY), name
-
-
 def joined(base: Any, lora: dict) -> Any:
     """The tree with adapters: ``base`` with each ``lora[weight path]`` (``{"lora_A", "lora_B"}``)
     put beside its weight, under the ``"lora"`` entry of the weight's dict."""
     out = _copy(base)
     for path, ab in lora.items():
-        where, name = _adapter_path(path)
-        node = out
-        parts = where.split(".")
-        for part in parts[:-1]:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        if not isinstance(node, dict):
-            raise ValueError(f"LoRA: weight {path!r} is not an entry of a dict (its adapter goes beside it)")
+        node, name = _parent(out, path), path.rpartition(".")[2]
         if KEY in node and not isinstance(node[KEY], dict):
-            raise ValueError(f"LoRA: {where!r} is a parameter of the model: its name is where adapters go")
+            raise ValueError(f"LoRA: {path.rpartition('.')[0] or 'the top level'} has a parameter named "
+                             f"{KEY!r}: that name is where adapters go")
         node.setdefault(KEY, {})[name] = ab
     return out
+
+
+def _parent(tree: Any, path: str) -> dict:
+    """The dict that holds the weight at ``path`` (a plain walk: traceable by torch.compile)."""
+    node = tree
+    for part in path.split(".")[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if not isinstance(node, dict):
+        raise ValueError(f"LoRA: weight {path!r} is not an entry of a dict (its adapter goes beside it)")
+    return node
 
 
 def _copy(tree: Any) -> Any:
@@ -245,19 +245,14 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
                              "advances on the host); set lora_dropout: 0 or compile: false")
         seed = _calls.__dict__.setdefault("n", 0)
         _calls.n = seed + 1
-    seen = set()
-
-    def adapted(path: str, w: Any) -> Any:
-        ab = lora.get(path)
-        if ab is None:
-            return w
-        seen.add(path)
-        return LoraWeight(w, ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
-                          seed * 1_000_003 + len(seen))
-    out = map_with_path(adapted, base)
-    missing = sorted(set(lora) - seen)
+    missing = sorted(set(lora) - {p for p, _ in leaves_with_paths(base)})
     if missing:
         raise ValueError(f"LoRA: adapters for {missing[:3]} name no parameter of the model")
+    out = _copy(base)
+    for i, (path, ab) in enumerate(lora.items()):       # (each call site its own dropout seed)
+        node, name = _parent(out, path), path.rpartition(".")[2]
+        node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
+                                seed * 1_000_003 + i + 1)
     return out
 
 

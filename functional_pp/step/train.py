@@ -83,12 +83,13 @@ class ParamSpec:
         leaves, spec = tree_flatten(tree)
         return tree_unflatten(spec, [x if t else None for x, t in zip(leaves, self.trainable)])
 
-    def merged(self, leaves: list, trained: Any) -> Any:
-        """The full parameter tree from all its old ``leaves`` and the new ``trained`` subtree."""
+    def merged(self, leaves: list, treespec: Any, trained: Any) -> Any:
+        """The full parameter tree (``treespec``, from this step's flatten) from all its old
+        ``leaves`` and the new ``trained`` subtree."""
         if not self.frozen:
             return trained
         new = iter(tree_leaves(trained))
-        return tree_unflatten(self.treespec, [next(new) if t else x for x, t in zip(leaves, self.trainable)])
+        return tree_unflatten(treespec, [next(new) if t else x for x, t in zip(leaves, self.trainable)])
 
     def named_types(self, mesh, shapes: tuple) -> list[tuple]:
         """Per leaf of local shape ``shapes[i]``: dims, split, vary, partial and global sizes of
@@ -472,7 +473,7 @@ class TrainStep:
                           params_finite=params_finite, peaks=peaks)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, tree_leaves(trained), opt_state)
-        up.params = self.spec.merged(leaves, up.params)       # the frozen leaves as they were
+        up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),

@@ -112,3 +112,4 @@ def test_dry_run_counts_gradients_and_state_of_the_adapters_only():
     lora_comm = sum(e.bytes_sent for e in lora.comm.events if e.backward and e.kind in ("reduce_scatter", "all_reduce"))
     full_comm = sum(e.bytes_sent for e in full.comm.events if e.backward and e.kind in ("reduce_scatter", "all_reduce"))
     assert 0 < lora_comm < full_comm / 5
+
