@@ -226,7 +226,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
                 params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
         else:
-            params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
+            params = init_named(lambda: decls, mesh=mesh, rules=rules, seed=cfg.seed,     # (adapters included)
                                 device=device)
         state = step_fn.init(params)
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
