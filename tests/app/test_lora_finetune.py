@@ -14,7 +14,6 @@ import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp import checkpoint as ck
 from functional_pp import cli
-from functional_pp.adapters import peft_dir
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
 from functional_pp.models import llama
@@ -101,11 +100,16 @@ def test_peft_adapter_and_merged_exports_load_with_equal_logits(run):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=toks).logits, ours, rtol=1e-5, atol=1e-5)
     # the adapter directory starts a new run (lora_model_dir): the same adapters, read back
+    from functional_pp.app.inputs import adapter_params
+    from functional_pp.config import TrainConfig
     decls = adapters.init(llama.init(cfg), lc)
-    again = peft_dir.load_adapter(root / "adapter", decls)
+    start = TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True, "lora_r": 8, "lora_alpha": 16,
+                                   "base_model": str(base_dir), "lora_model_dir": str(root / "adapter")})
+    mesh, rules = fpp.Mesh(), fpp.Rules()
+    again = fpp.launch(lambda: adapter_params(start, decls, mesh, rules), mesh)[0]
     for p, ab in adapters.split(params)[1].items():
         for k in ab:
-            torch.testing.assert_close(again[p][k], ab[k], rtol=0, atol=0)
+            torch.testing.assert_close(again[p][k].data, ab[k], rtol=0, atol=0)
 
 
 def test_resumed_lora_run_equals_the_uninterrupted_one(run):
