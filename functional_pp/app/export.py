@@ -30,12 +30,26 @@ def resolve_run_checkpoint(src: str | os.PathLike, step: int | None = None) -> P
 
 
 def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
-               dtype: torch.dtype | None = None, max_shard_size: int | str | None = "2GB") -> Path:
-    """Write the HF directory ``out`` from run / checkpoint ``src``; returns ``out``."""
+               dtype: torch.dtype | None = None, max_shard_size: int | str | None = "2GB",
+               merge_adapter: bool = False, described: bool = False) -> Path | tuple[Path, str]:
+    """Write the HF directory ``out`` from run / checkpoint ``src``; returns ``out`` (and what
+    was written, with ``described``). A LoRA run (docs/adapters.md) writes its PEFT adapter
+    directory, or with ``merge_adapter`` the merged weights as a plain HF model."""
     ckpt = resolve_run_checkpoint(src, step)
     out = Path(out)
-    export_checkpoint_to_hf(ckpt, out, max_shard_size=max_shard_size, dtype=dtype)
     meta = fmt.read_index(ckpt).get("metadata") or {}
+    if meta.get("lora") is None:
+        if merge_adapter:
+            raise ValueError(f"{ckpt}: --merge-adapter: the run trained no adapter (it is a full model already)")
+        export_checkpoint_to_hf(ckpt, out, max_shard_size=max_shard_size, dtype=dtype)
+        what = "Hugging Face directory"
+    elif merge_adapter:
+        _export_merged(ckpt, out, meta, max_shard_size, dtype)
+        what = "Hugging Face directory, adapters merged"
+    else:
+        _export_adapter(ckpt, out, meta)
+        what = "PEFT adapter directory"
+        return (out, what) if described else out
     base = meta.get("base_model")
     config = json.loads((out / "config.json").read_text())
     if base and (Path(base) / "config.json").is_file():
@@ -48,4 +62,25 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
             f = Path(folder) / name
             if f.is_file() and not (out / name).exists():
                 shutil.copy2(f, out / name)
-    return out
+    return (out, what) if described else out
+
+
+def _full_params(ckpt: Path) -> dict:
+    """The whole parameter tree of a checkpoint (base and adapters), on this process."""
+    from functional_pp.checkpoint.load import load_checkpoint
+    return load_checkpoint(ckpt, keys=["params"]).tree["params"]
+
+
+def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
+    from functional_pp.adapters import LoraConfig, split
+    from functional_pp.adapters.peft_dir import save_adapter
+    lora = LoraConfig(**meta["lora"])
+    save_adapter(out, split(_full_params(ckpt))[1], lora, meta.get("base_model"))
+
+
+def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> None:
+    from functional_pp.adapters import LoraConfig, merge
+    from functional_pp.checkpoint.hf import _config_from_index, save_hf_llama
+    cfg = _config_from_index(fmt.read_index(ckpt))
+    merged = merge(_full_params(ckpt), LoraConfig(**meta["lora"]))
+    save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype)

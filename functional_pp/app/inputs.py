@@ -140,3 +140,49 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)
+
+
+def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> Any:
+    """This device's shards of the LoRA adapters of ``decls`` as named parameters ``{weight path:
+    {"lora_A", "lora_B"}}`` (``adapters.split``):
+    from ``lora_model_dir`` (a PEFT adapter directory) when given, else initialised as peft
+    does (``A`` uniform, ``B`` zeros) from the run's seed."""
+    from functional_pp.adapters import split
+    from functional_pp.core.runtime import current_rank
+    from functional_pp.core.tree import map_with_path
+    from functional_pp.parallel.init import init as init_named
+    from functional_pp.parallel.named import Named
+    from functional_pp.parallel.sharding import shard
+    want = split(decls)[1]
+    if cfg.lora_model_dir is None:
+        return init_named(lambda: want, mesh=mesh, rules=rules, seed=cfg.seed, device=device)
+    from functional_pp.adapters.peft_dir import load_adapter
+    full = load_adapter(cfg.lora_model_dir, decls)
+    local = shard(full, want, mesh, rules, current_rank()) if mesh is not None else full
+
+    def wrap(p, x, d):
+        x = x.to(torch.float32) if device is None else x.to(device=device, dtype=torch.float32)
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
+    return map_with_path(wrap, local, want)
+
+
+def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
+    """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
+    loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
+    alone the base loss and only those parameters trained; else everything trained."""
+    from functional_pp import adapters
+    from functional_pp.config import ConfigError
+    from functional_pp.core.tree import leaves_with_paths
+    if lora is not None:
+        try:
+            return adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
+        except ValueError as exc:
+            raise ConfigError(f"adapter: lora: {exc}") from exc
+    if cfg.unfrozen_parameters:
+        mask = adapters.unfrozen(cfg.unfrozen_parameters)
+        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
+        if not paths:
+            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
+                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
+        return loss_fn, decls, mask
+    return loss_fn, decls, None

@@ -21,6 +21,7 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO, Any, Mapping
 
 import torch
 
@@ -45,6 +46,7 @@ from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.seeds import check_seed
+from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
 
 # World ... plot_losses: imported from here before the application modules were split
@@ -103,8 +105,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. Returns the main
     process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    from functional_pp import adapters
     from functional_pp.app.evaluate import evaluate
-    from functional_pp.app.inputs import base_params, check_batches, load_data, model_config
+    from functional_pp.app.inputs import (adapter_params, base_params, check_batches, frozen_and_adapters, load_data,
+                                          model_config)
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
     from functional_pp.data import DataLoader
@@ -123,7 +127,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                           f"checkpoints keep every layer on every device); train with the library's "
                           f"functional_pp.pipeline_step (docs/pipelines.md), or set pp_size: 1")
     family, model_cfg = model_family(cfg), model_config(cfg)
-    decls = family.param_decls(model_cfg)
+    base_decls = family.param_decls(model_cfg)
+    lora = cfg.lora_config()
+    loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
+                                                   base_decls)
     out_dir = cfg.output_dir()
     ckpt_dir = out_dir / CHECKPOINTS
     keep = cfg.checkpoint.keep_last
@@ -164,8 +171,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
-    step_fn = train_step(functools.partial(family.loss, cfg=model_cfg), opt, mesh=mesh, rules=rules,
-                         grad_accum=accum, precision=cfg.precision,
+    step_fn = train_step(loss_fn, opt, mesh=mesh, rules=rules, trainable=trainable, grad_accum=accum, precision=cfg.precision,
                          remat=cfg.activation_checkpointing, compile=cfg.compile,
                          keep_gathered=not cfg.reshard_after_forward,
                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
@@ -202,7 +208,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     stop = _StopRequest()
 
     def specs(state: dict) -> dict:
-        return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls), "rng": ck.PER_RANK}
+        # (the optimizer state mirrors the trained parameters only: frozen ones hold none)
+        return {"params": decls, "opt": ck.state_specs(state["opt_state"], step_fn.spec.trainable_tree(decls)),
+                "rng": ck.PER_RANK}
 
     tok_dir = getattr(data.tokenizer, "dir", None)
     if cfg.tokens and tok_dir is not None:     # the tokenizer with the added tokens, for export
@@ -211,7 +219,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             data.tokenizer.save(tok_dir)
     export_info = {"model_config": family.config_to_dict(model_cfg),
                    "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
-                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None}
+                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
+                   "lora": dataclasses.asdict(lora) if lora is not None else None}
 
     def save(state: dict, loader, step: int) -> Path:
         tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"],
@@ -223,9 +232,11 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def device_fn() -> dict:
         lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
         if cfg.base_model is not None and latest is None:
-            params = per_device(lambda: base_params(cfg, model_cfg, decls, mesh, rules, device))
+            params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device))
+            if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
+                params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
         else:
-            params = init_named(family.param_decls, model_cfg, mesh=mesh, rules=rules, seed=cfg.seed,
+            params = init_named(lambda: decls, mesh=mesh, rules=rules, seed=cfg.seed,     # (adapters included)
                                 device=device)
         state = step_fn.init(params)
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run

@@ -28,6 +28,24 @@ def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
     return count_params(decls), local
 
 
+def _run_model(cfg: TrainConfig, model_cfg) -> tuple:
+    """``(loss, declarations, trainable mask)`` the run trains (adapters and frozen parameters
+    included: app/inputs.py ``frozen_and_adapters``)."""
+    import functools
+
+    from functional_pp.app.inputs import frozen_and_adapters
+    family = model_family(cfg)
+    return frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg),
+                               family.param_decls(model_cfg))
+
+
+def _trained(decls: Any, trainable: Any) -> Any:
+    """The declarations of the trained parameters only (the frozen ones left out)."""
+    from functional_pp.core.tree import map_with_path
+    flags = dict(leaves_with_paths(trainable(decls)))
+    return map_with_path(lambda p, d: d if flags[p] else None, decls)
+
+
 def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
     if cfg.optimizer == "adamw":
         return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
@@ -51,9 +69,11 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
     family = model_family(cfg)
-    decls = family.param_decls(model_cfg)
+    _, decls, trainable = _run_model(cfg, model_cfg)
     total, local = param_memory(decls, mesh, rules)
     per, what = _state_bytes_per_param(cfg)
+    trained_total, trained_local = (total, local) if trainable is None else param_memory(
+        _trained(decls, trainable), mesh, rules)
     dp = cfg.dp_size(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
@@ -68,9 +88,13 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
            f" (no parallelism sizes given: all {cfg.auto_dp} devices are data parallel, "
            f"dp_shard_size: {cfg.auto_dp})"),
         f"rules:      {rules_txt}",
-        f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters",
+        f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters"
+        + ("" if trainable is None else f", {trained_total:,} trained (the rest frozen)"),
         f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
-        f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)",
+        f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)"
+        if trainable is None else
+        f"memory:     {local:,} parameters on each device x 4 B + {trained_local:,} trained x {per - 4} B "
+        f"({what}; frozen: weights only) = {_human_bytes(local * 4 + trained_local * (per - 4))} per device",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
@@ -112,10 +136,10 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     family = model_family(cfg)
     gb = cfg.global_batch(mesh, rules)
     batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
-    est = estimate(functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg), mesh,
-                   rules, batch, optimizer=optimizer_from_config(cfg)[0], precision=cfg.precision,
+    loss, decls, trainable = _run_model(cfg, model_cfg)
+    est = estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0], precision=cfg.precision,
                    grad_accum=cfg.grad_accum(mesh, rules), remat=cfg.activation_checkpointing,
-                   timeline=False)
+                   timeline=False, trainable=trainable)
     split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     return f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
 

@@ -50,6 +50,10 @@ def add_commands(sub) -> None:
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast the weights (default: as saved, fp32)")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
+    e.add_argument("--merge-adapter", action="store_true",
+                   help="a LoRA run: merge the adapters into the weights and write a plain Hugging Face "
+                        "model (default: the PEFT adapter directory, adapter_config.json + "
+                        "adapter_model.safetensors)")
 
 
 def run_command(args: argparse.Namespace) -> int | None:
@@ -102,10 +106,11 @@ def _export(args: argparse.Namespace) -> int:
     from functional_pp.app.export import export_run
     from functional_pp.checkpoint import CheckpointError
     try:
-        out = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
-                         dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except CheckpointError as exc:
+        out, what = export_run(args.source, args.out, step=args.step, max_shard_size=args.max_shard_size,
+                               dtype=getattr(torch, args.dtype) if args.dtype else None,
+                               merge_adapter=args.merge_adapter, described=True)
+    except (CheckpointError, ValueError) as exc:
         print(f"functional-pp export: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {args.source} to {out} (Hugging Face directory)")
+    print(f"exported {args.source} to {out} ({what})")
     return 0

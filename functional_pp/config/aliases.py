@@ -81,14 +81,13 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = "LoRA / QLoRA adapters are not supported (full fine-tuning only): remove it"
+_ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
+            "linear modules): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _BASE_QUANT = ("a quantized frozen base trains only under an adapter (QLoRA), and that wiring is pending: "
                "the base quantization exists (NF4 / int8 weights, functional_pp.models.quantize, "
                "docs/quantization.md) but the adapter that trains on it does not yet; remove it "
                "(bf16: true trains in bf16)")
-_QLORA = ("adapter: qlora is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
-          "wiring is pending")
 _MOE = ("this mixture-of-experts kernel or option is not supported (experts are the dropless "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
@@ -102,11 +101,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("adapter", "peft", "lora_model_dir", "lora_r", "lora_alpha", "lora_dropout",
-                             "lora_target_modules", "lora_target_linear", "lora_fan_in_fan_out",
-                             "lora_modules_to_save", "peft_use_dora", "peft_use_rslora",
-                             "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
-                             "lora_target_parameters", "lora_embedding_kernel")},
+    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters")},
     **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
     **{k: _QUANT for k in ("gptq", "bnb_config_kwargs",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
@@ -130,7 +125,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "lr_quadratic_warmup": "only linear warmup is supported: remove it",
-    "unfrozen_parameters": "every parameter is trained: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "max_packed_sequence_len": "packing always fills sequence_len: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
@@ -185,6 +179,8 @@ NOT_USED: dict[str, str] = {
                                     "flash_attn_fuse_mlp")},
     "flash_attn_cross_entropy": "the head and cross-entropy are already fused (chunked)",
     "flash_attn_rms_norm": "RMSNorm is a torch op: the same math",
+    **{k: "LoRA is computed by the named einsum (base and adapter joined before the one TP collective): "
+          "the same math" for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")},
     **{k: _LIGER for k in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
                            "liger_fused_linear_cross_entropy", "liger_cross_entropy",
                            "liger_rms_norm_gated", "cut_cross_entropy")},
@@ -326,8 +322,6 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             rest = {k: v for k, v in value.items() if k != "pad_token" and v is not None}
             if rest:
                 out[key] = rest
-        elif key == "adapter" and value == "qlora":
-            issues.add(f"'adapter' is not supported: {_QLORA}")
         elif key == "deepspeed":
             if not _off(value):
                 issues.add(f"'deepspeed' is not supported: {deepspeed_refusal(value)}")

@@ -15,6 +15,37 @@ from functional_pp.config.schema import ConfigError, Issues, suggest
 __all__ = ["check_values", "check_world", "resolved_precision"]
 
 
+_LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
+              "lora_modules_to_save", "peft_use_rslora", "peft_use_dora", "lora_model_dir")
+
+
+def check_adapter(cfg: Any, add) -> None:
+    """The adapter keys: ``adapter: lora`` with a valid LoRA config; LoRA keys without it,
+    QLoRA and DoRA refused with what to do instead."""
+    import re
+    if cfg.adapter == "qlora":
+        add("adapter: qlora (a 4-bit quantized base) is not supported yet: use adapter: lora (a bf16 / fp32 "
+            "frozen base)")
+    elif cfg.adapter is None:
+        from dataclasses import fields
+        defaults = {f.name: f.default for f in fields(cfg)}
+        given = [k for k in _LORA_KEYS if getattr(cfg, k) != defaults[k]]
+        if given:
+            add(f"{given[0]} is set but adapter is not: add adapter: lora (or remove the LoRA keys)")
+    else:
+        try:
+            cfg.lora_config()
+        except Exception as exc:       # (a ConfigError naming the key)
+            add(str(exc))
+    if cfg.lora_model_dir is not None and cfg.base_model is None:
+        add("lora_model_dir needs base_model: the adapter directory holds only the adapters of that base model")
+    for p in cfg.unfrozen_parameters or ():
+        try:
+            re.compile(p)
+        except (re.error, TypeError) as exc:
+            add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
+
+
 def check_values(cfg: Any, issues: Issues | None = None) -> None:
     """Range and consistency checks of the values that parsed; problems go to ``issues`` (raised
     here when none is given)."""
@@ -35,6 +66,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     for k in ("global_batch_size", "num_epochs", "eval_steps", "num_processes"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
+    check_adapter(cfg, add)
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():

@@ -111,6 +111,24 @@ class TrainConfig:
                     "the config needs threads (compile); alias --sim-mode; docs/simulation.md")
     layout: Literal["manual", "auto"] = fld("manual", "auto: functional_pp.plan picks the mesh and "
                                                       "rules for the devices at hand (docs/planning.md)")
+    # adapters and frozen parameters (Axolotl / peft names; docs/adapters.md)
+    adapter: Literal["lora", "qlora"] | None = fld(None, "lora: train LoRA adapters of the targeted "
+                                                         "weights, the rest frozen (qlora is refused for now)")
+    lora_r: int = fld(8, "LoRA rank")
+    lora_alpha: float = fld(16, "LoRA alpha: the adapter is scaled by alpha / r")
+    lora_dropout: float = fld(0.0, "dropout on the adapter's input")
+    lora_target_modules: list | str | None = fld(None, "weights to adapt: module names "
+                                                       "([q_proj, v_proj]) or one regex, as peft")
+    lora_target_linear: bool = fld(False, "adapt every linear weight (peft's all-linear; not the "
+                                          "embedding or LM head)")
+    lora_modules_to_save: list | None = fld(None, "modules trained whole beside the adapters "
+                                                  "(e.g. [lm_head, embed_tokens])")
+    peft_use_rslora: bool = fld(False, "rank-stabilised LoRA: scale by alpha / sqrt(r)")
+    peft_use_dora: bool = fld(False, "DoRA (refused: not implemented)")
+    lora_model_dir: str | None = fld(None, "start from this PEFT adapter directory "
+                                           "(adapter_config.json + adapter_model.safetensors)")
+    unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "
+                                                 "Hugging Face names); every other one frozen")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
@@ -197,6 +215,22 @@ class TrainConfig:
 
     def _check_values(self, issues: Issues | None = None) -> None:
         check_values(self, issues)
+
+    def lora_config(self):
+        """The run's :class:`functional_pp.adapters.LoraConfig` (``adapter: lora``), else None."""
+        from functional_pp.adapters import LoraConfig
+        if self.adapter != "lora":
+            return None
+        try:
+            return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                              target_modules=(self.lora_target_modules if isinstance(self.lora_target_modules, str)
+                                              else tuple(self.lora_target_modules or ()) or None),
+                              target_linear=self.lora_target_linear,
+                              modules_to_save=tuple(self.lora_modules_to_save or ()),
+                              rslora=self.peft_use_rslora, dora=self.peft_use_dora,
+                              unfrozen_parameters=tuple(self.unfrozen_parameters or ()))
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(f"adapter: lora: {exc}") from exc
 
     def resolved_precision(self) -> str:
         """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""

@@ -12,6 +12,7 @@ head_dim as separate dimensions (see ``functional_pp.models.llama_hf`` for the t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass, field
 
@@ -262,7 +263,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
             "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
             "v_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
-            "o_proj": w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
+            # (meta in_dims: the leading dimensions a linear contracts; 1 where not given, docs/adapters.md)
+            "o_proj": dataclasses.replace(w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
+                                          meta={"in_dims": 2}),
         }
         if cfg.qkv_bias:
             a["q_bias"] = param((cfg.heads, D), "heads head_dim", init="zeros", dtype=dtype)

@@ -99,11 +99,16 @@ def einsum(pattern: str, *operands: Named) -> Named:
     Split dimensions that must be whole are all-gathered, contracted dimensions split across
     mesh axes give a pending sum (completed by psum, or psum_scatter when the consumer wants
     that axis split: sequence parallelism), and invariant operands meeting varying ones are
-    cast to varying (their gradient is summed over that axis)."""
-    for x in operands:
+    cast to varying (their gradient is summed over that axis). An operand that is not a named
+    array but whose type defines ``__named_einsum__(self, pattern, operands, i)`` computes the
+    contraction itself (an adapted weight: functional_pp/adapters/lora.py)."""
+    for i, x in enumerate(operands):
         if not isinstance(x, Named):
             if is_quantized(x):      # a quantized frozen weight (ops/quantized.py)
                 return einsum(pattern, *_dequantized(pattern, operands))
+            own = getattr(type(x), "__named_einsum__", None)
+            if own is not None:
+                return own(x, pattern, operands, i)
             require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) if x._partial else x for x in operands]
     mesh, rules, plans = op_env()

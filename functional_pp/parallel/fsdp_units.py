@@ -125,8 +125,10 @@ def _data_axes() -> tuple[set[str], Any, Any]:
 
 def _plan(x: Any, data_axes: set[str], rules) -> tuple[int, int] | None:
     """(dim, k) when ``x`` is a parameter split along one dimension ``dim`` whose split from
-    position ``k`` on is data-parallel axes (those the unit gathers); else None."""
-    if not isinstance(x, Named) or not x.is_param or x.partial or x.tied or not x.data.requires_grad:
+    position ``k`` on is data-parallel axes (those the unit gathers); else None. A frozen
+    parameter (no ``requires_grad``) is gathered too, in a unit of its own that autograd never
+    reaches: no reduce-scatter (docs/adapters.md "Frozen parameters")."""
+    if not isinstance(x, Named) or not x.is_param or x.partial or x.tied or not x.data.is_floating_point():
         return None
     found = [(d, s) for d, s in enumerate(x.split) if any(a in data_axes for a in s)]
     if len(found) != 1:
@@ -344,12 +346,12 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         source = x.data
         # the gradient's sums over the other axes (HSDP's replicate, SP's tp) run on the shard
         x = pvary(x, meets - set(x.vary))
-        groups.setdefault((axes, x.data.dtype), []).append((i, x, d, k, source))
+        groups.setdefault((axes, x.data.dtype, x.data.requires_grad), []).append((i, x, d, k, source))
     if not groups:
         return args, nullcontext()
     call, incoming = _launch_gathers(groups)
     units = []
-    for ((axes, _), members), wait in zip(groups.items(), incoming):
+    for ((axes, _, _), members), wait in zip(groups.items(), incoming):
         unit = _Unit(axes, [d for _, _, d, _, _ in members], [x.data for _, x, _, _, _ in members])
         unit.incoming, unit.call = wait, call
         fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
@@ -359,10 +361,43 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
             y = Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
             leaves[i] = y
         units.append((unit, list(fulls)))
+    frozen = [unit for ((_, _, trains), _), (unit, _) in zip(groups.items(), units) if not trains]
+    if frozen and not _keep_gathered():
+        units = _release_frozen_after_layer(leaves, frozen, units)
     if units and not _keep_gathered():             # re-gathered in backward: chain for prefetch
         for unit, _ in units:
             unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
     return optree.tree_unflatten(spec, leaves), _layer_context(units, call)
+
+
+def _release_frozen_after_layer(leaves: list, frozen: list[_Unit], units: list) -> list:
+    """Frozen units get no gradient, so no backward of theirs says when their re-gathered
+    weights are done: the layer's activation inputs pass through :class:`_ReleaseUnits`, whose
+    backward (reached once every op of the layer is done) releases them. Where no input needs
+    a gradient the frozen weights are saved whole instead (left out of the re-gather hooks);
+    returns the units to re-gather."""
+    inputs = [i for i, x in enumerate(leaves) if isinstance(x, Named) and not x.is_param and x.data.requires_grad]
+    if not inputs:
+        return [(unit, fulls) for unit, fulls in units if unit not in frozen]
+    outs = _ReleaseUnits.apply(frozen, *[leaves[i].data for i in inputs])
+    for i, data in zip(inputs, outs):
+        leaves[i] = leaves[i].replace(data=data)
+    return units
+
+
+class _ReleaseUnits(torch.autograd.Function):
+    """Identity on a layer's activation inputs; backward releases the layer's frozen units."""
+
+    @staticmethod
+    def forward(ctx, frozen: list, *xs: torch.Tensor):
+        ctx.frozen = frozen
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        for unit in ctx.frozen:
+            unit.release()
+        return (None, *grads)
 
 
 def _launch_gathers(groups: dict) -> tuple[int | None, list]:
@@ -377,8 +412,8 @@ def _launch_gathers(groups: dict) -> tuple[int | None, list]:
         index = _local.index
         positions = [[index.get(id(t)) for t in srcs] for srcs in sources]
         if all(p is not None for ps in positions for p in ps):
-            signature = tuple((axes, dtype, tuple(ps), tuple(d for _, _, d, _, _ in members))
-                              for ((axes, dtype), members), ps in zip(groups.items(), positions))
+            signature = tuple((axes, kind, tuple(ps), tuple(d for _, _, d, _, _ in members))
+                              for ((axes, *kind), members), ps in zip(groups.items(), positions))
     pending, _local.pending = getattr(_local, "pending", None), None
     if pending is not None and pending[0] == signature:
         waits = [wait for _, wait in pending[1]]      # prefetched by the previous call
@@ -387,7 +422,7 @@ def _launch_gathers(groups: dict) -> tuple[int | None, list]:
             _local.pending = pending
             _drop_prefetch()
         waits = [_start_all_gather(torch.cat([t.reshape(-1) for t in srcs]), axes)
-                 for srcs, (axes, _) in zip(sources, groups)]
+                 for srcs, (axes, *_) in zip(sources, groups)]
     call = order.record(signature) if forward else None
     if call is not None:
         if pending is None or pending[0] != signature:

@@ -100,7 +100,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
              precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
-             label: str | None = None) -> LayoutEstimate:
+             label: str | None = None, trainable: Any = None) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -114,7 +114,9 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``repeated`` names the list of identical layers in ``decls``: with L > 2 layers the
     model is run with 1 and 2 of them and the rest extrapolated (exact to the byte).
     ``bandwidth`` (bytes/s, per mesh axis or one number) sets ``comm_time_s``; the full time
-    model is :func:`functional_pp.plan.cost`."""
+    model is :func:`functional_pp.plan.cost`. ``trainable``: the step's (a callable(params)
+    such as ``optim.mask_by_path(...)``, since the model is run with 1 and 2 layers): frozen
+    parameters hold no gradient and no optimizer state and are never reduced."""
     rules.check(mesh)
     options = dict(options or {})
     remat = bool(options.pop("remat", remat))
@@ -136,7 +138,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         variants, n_layers = [decls], 1
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                            repeated, device, timeline) for d in variants]
+                            repeated, device, timeline, trainable) for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
     uneven = {what: busiest for r in results for what, busiest in r[0].uneven.items()}
@@ -151,13 +153,14 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers)))  # noqa: E731
     weights = ext(lambda r: r[0].baseline["weights"])
     opt_state = ext(lambda r: r[0].baseline["optimizer state"])
+    grads = ext(lambda r: r[2])                  # frozen parameters have none
     memory = {}
     for cat in set().union(*(r.peak_breakdown for r in runs)):
         v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers)
         if v:
             memory[cat] = int(round(v))
     est = LayoutEstimate(
-        mesh, rules, comm, param_bytes=weights, state_bytes=2 * weights + opt_state,
+        mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes), peak_bytes=ext(lambda r: r[0].peak_bytes),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device)
@@ -166,14 +169,16 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                repeated, rank, timeline):
+                repeated, rank, timeline, trainable=None):
     step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                      grad_accum=grad_accum, remat=remat, **options, **PER_WEIGHT)   # policy: docs/policy.md
+                      grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
+                      **PER_WEIGHT)   # policy: docs/policy.md
     with representative_device(mesh, rank), use_rules(rules), step.policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)
         state = step.init(params)
         masters = [x for _, x in leaves_with_paths(state["params"])]
+        trained = _nbytes(optree.tree_leaves(step.spec.trainable_tree(state["params"]), none_is_leaf=False))
         baseline = {"weights": _nbytes(masters),
                     "optimizer state": _nbytes(optree.tree_leaves(state["opt_state"], none_is_leaf=False))}
         with comm_report() as rep:
@@ -184,7 +189,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
                 out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
                                         named_batch)
             del out
-    return tracker.run, rep
+    return tracker.run, rep, trained     # (trained: the bytes of the gradients the update sees)
 
 
 def _instrumented(loss_fn, tracker: MemoryTracker, repeated: str | None):

@@ -67,7 +67,29 @@ class ParamSpec:
     dims: list[tuple[str, ...]]
     layouts: list[Layout]
     treespec: Any
+    trainable: tuple[bool, ...] | None = None    # per leaf: trained (None: every leaf)
     _axes: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether some leaf is frozen (no gradient, no optimizer state, no gradient collective)."""
+        return self.trainable is not None and not all(self.trainable)
+
+    def trainable_tree(self, tree: Any) -> Any:
+        """``tree`` (laid out like the parameters) with its frozen leaves left out (``None``, an
+        empty subtree): what the optimizer sees; the tree itself when every leaf trains."""
+        if not self.frozen:
+            return tree
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten(spec, [x if t else None for x, t in zip(leaves, self.trainable)])
+
+    def merged(self, leaves: list, treespec: Any, trained: Any) -> Any:
+        """The full parameter tree (``treespec``, from this step's flatten) from all its old
+        ``leaves`` and the new ``trained`` subtree."""
+        if not self.frozen:
+            return trained
+        new = iter(tree_leaves(trained))
+        return tree_unflatten(treespec, [next(new) if t else x for x, t in zip(leaves, self.trainable)])
 
     def named_types(self, mesh, shapes: tuple) -> list[tuple]:
         """Per leaf of local shape ``shapes[i]``: dims, split, vary, partial and global sizes of
@@ -83,14 +105,15 @@ class ParamSpec:
         return cached
 
     def axis_groups(self, mesh) -> list[tuple[tuple[str, ...], list[int]]]:
-        """The leaves' indices grouped by the mesh axes (in mesh order) that split them (groups
-        in order of their first leaf): what one reduction per group completes; derived once per
-        mesh."""
+        """The trainable leaves' indices (counted among the trainable leaves) grouped by the mesh
+        axes (in mesh order) that split them (groups in order of their first leaf): what one
+        reduction per group completes; derived once per mesh."""
         key = ("groups", mesh)
         cached = None if is_tracing() else self._axes.get(key)
         if cached is None:
             groups: dict[tuple[str, ...], list[int]] = {}
-            for i, layout in enumerate(self.layouts):
+            layouts = [la for i, la in enumerate(self.layouts) if self.trainable is None or self.trainable[i]]
+            for i, layout in enumerate(layouts):
                 axes = tuple(a for a in mesh.axis_names if any(a in s for s in layout))
                 groups.setdefault(axes, []).append(i)
             cached = list(groups.items())
@@ -132,6 +155,10 @@ class TrainStep:
     donate_state: bool = False            # the caller gives up the state passed in: compiled steps
     #                                       write the new state into it (the old state may be overwritten;
     #                                       docs/memory.md "Donated state")
+    trainable: Any = None                 # which parameters train: a tree of bools like the parameters,
+    #                                       a callable(params) returning one (optim.mask_by_path), or
+    #                                       None (all); frozen ones get no gradient, optimizer state or
+    #                                       gradient collective (docs/adapters.md "Frozen parameters")
     metrics: str = "per_step"             # per_step: each call reads its metrics (one transfer) | deferred:
     #                                       none does; StepMetrics read at step.read() or first use
     #                                       (docs/eager_overhead.md "Host synchronisation")
@@ -178,11 +205,13 @@ class TrainStep:
             raise TypeError(f"step.init needs named parameters (from functional_pp.init); {bad[0]!r} is a "
                             f"{type(dict(leaves_with_paths(params))[bad[0]]).__name__}")
         paths = [p for p, _ in leaves_with_paths(params)]
-        spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec)
+        spec = ParamSpec(paths, [x.dims for x in leaves], [x.split for x in leaves], treespec,
+                         trainable_flags(self.trainable, params, leaves))
         with self._compile_lock:     # set once, read by every device: never changed under a running step
             if self.spec is None:
                 self.spec = spec
-            elif (self.spec.paths, self.spec.dims, self.spec.layouts) != (spec.paths, spec.dims, spec.layouts):
+            elif (self.spec.paths, self.spec.dims, self.spec.layouts, self.spec.trainable) != (
+                    spec.paths, spec.dims, spec.layouts, spec.trainable):
                 where = next((f"{p}: dims {a} layout {la} vs {b} {lb}" for p, a, la, b, lb in zip(
                     spec.paths, self.spec.dims, self.spec.layouts, spec.dims, spec.layouts) if (a, la) != (b, lb)),
                     f"parameter paths {self.spec.paths[:3]}... vs {spec.paths[:3]}...")
@@ -190,7 +219,7 @@ class TrainStep:
                                  f"every device must pass the same tree, and another model needs its own "
                                  f"train_step")
         master = optree.tree_unflatten(treespec, [master_copy(x.data) for x in leaves])
-        return {"params": master, "opt_state": self.optimizer.init(master),
+        return {"params": master, "opt_state": self.optimizer.init(self.spec.trainable_tree(master)),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
                 "consecutive_skips": torch.zeros((), dtype=torch.int64)}
 
@@ -237,7 +266,7 @@ class TrainStep:
         if self.metrics == "deferred":
             self._known_finite.remember(tree_leaves(params), finite)
             if bound is not None:
-                self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
+                self._known_peaks.remember_peaks(bound, opt_state, self.spec.trainable_tree(params), peaks)
             return self._defer(state, params, opt_state, step, skipped, m, written, id_checks, t0)
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
@@ -255,7 +284,7 @@ class TrainStep:
                                                max_consecutive_skips=self.max_consecutive_skips)
         self._known_finite.remember(tree_leaves(params), finite)
         if bound is not None:
-            self._known_peaks.remember_peaks(bound, opt_state, params, peaks)
+            self._known_peaks.remember_peaks(bound, opt_state, self.spec.trainable_tree(params), peaks)
         self._host_values(metrics, time.perf_counter() - t0)
         metrics["peak_memory_bytes"] = peak_memory()
         metrics["consecutive_skips"] = run
@@ -277,7 +306,7 @@ class TrainStep:
         carried = getattr(bound, "carried", None)
         if carried is None or not carried.applies(state["opt_state"]):
             return None, None
-        return bound, self._known_peaks.peaks(bound, state["opt_state"], state["params"])
+        return bound, self._known_peaks.peaks(bound, state["opt_state"], self.spec.trainable_tree(state["params"]))
 
     def _host_values(self, metrics: dict, seconds: float) -> None:
         """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu."""
@@ -403,13 +432,16 @@ class TrainStep:
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      donate_state: bool | None = None):
         leaves, treespec = tree_flatten(params)
+        trains = self.spec.trainable or (True,) * len(leaves)
         micro = split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
-        grads = [torch.zeros_like(x) if len(micro) > 1 else x for x in leaves]   # (dtype template)
+        grads = [torch.zeros_like(x) if len(micro) > 1 else x for x, t in zip(leaves, trains) if t]   # (dtype template)
         acc = acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
         for mb, w in zip(micro, weights):
-            xs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+            # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
+            # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
+            xs = [x.detach().requires_grad_(x.is_floating_point() and t) for x, t in zip(leaves, trains)]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
@@ -424,6 +456,7 @@ class TrainStep:
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
                 gs = torch.autograd.grad(loss, diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
+            xs = [x for x, t in zip(xs, trains) if t]
             if len(micro) == 1:          # no accumulation buffer needed
                 grads = [as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             else:
@@ -433,12 +466,14 @@ class TrainStep:
         if is_tracing() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
         # norm, optimizer and the device side of the non-finite guard (step/update.py)
-        up = update_phase(self.optimizer, grads, treespec, params, opt_state, total,
+        trained = self.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
+        up = update_phase(self.optimizer, grads, tree_flatten(trained)[1], trained, opt_state, total,
                           self.spec.axis_groups(env()[0]),
                           donate_state=self.donate_state if donate_state is None else donate_state,
                           params_finite=params_finite, peaks=peaks)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
-            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
+            up.params, up.opt_state = self._keep_old_if_skipped(up, tree_leaves(trained), opt_state)
+        up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
@@ -488,6 +523,20 @@ class TrainStep:
              torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)
         axes = {a for s in x.split for a in s}
         return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes)) if axes else n
+
+
+def trainable_flags(trainable: Any, params: Any, leaves: list[Named]) -> tuple[bool, ...] | None:
+    """Per parameter leaf whether it trains (``TrainStep.trainable`` resolved against the named
+    ``params``: a tree of bools or a callable returning one); None where all do. A
+    non-floating leaf never trains."""
+    if trainable is None:
+        return None
+    flags = tuple(tree_leaves(optim.resolve_mask(trainable, params)))
+    flags = tuple(f and x.data.is_floating_point() for f, x in zip(flags, leaves))
+    if not any(flags):
+        raise ValueError("train_step(trainable=...): no parameter is trainable; mark at least one leaf True "
+                         "(or pass trainable=None to train them all)")
+    return flags
 
 
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,

@@ -55,7 +55,7 @@ def test_yaml_1_1_exponent_strings_are_numbers_for_numeric_keys(tmp_path):
 def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     path = tmp_path / "pasted.yaml"
     path.write_text(yaml.safe_dump({
-        "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "adapter": "lora",
+        "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "lora_fan_in_fan_out": True,
         "load_in_8bit": True, "deepspeed": "ds.json", "tp_size": "two",
         "logging": {"outputdir": "x"}, "datasets": [{"path": "a.jsonl", "typ": "alpaca"}],
         "max_steps": 0}))
@@ -65,14 +65,14 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     assert text.startswith(f"9 problems in {path}:") and len(info.value.problems) == 9
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
-                 "'adapter' is not supported: LoRA / QLoRA adapters are not supported",
+                 "'lora_fan_in_fan_out' is not supported: this LoRA option is not supported",
                  "'load_in_8bit' is not supported: a quantized frozen base trains only under an adapter",
                  "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
                  "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
         assert want in text, want
-    assert "did you mean" not in text.split("'adapter'")[1].splitlines()[0]
+    assert "did you mean" not in text.split("'lora_fan_in_fan_out'")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize("d, message", [

@@ -1,0 +1,284 @@
+"""LoRA (Hu et al. 2021, as ``peft`` implements it): ``y = x W + scale * (dropout(x) A) B`` for
+the targeted weights ``W``, ``A`` initialised uniform (peft's Kaiming), ``B`` zeros, ``scale =
+alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+
+For a weight with dimensions ``in... out...`` (``in_dims`` leading ones contracted, from the
+declaration's ``meta``, 1 by default) ``A`` has ``in... lora_r`` and ``B`` ``lora_r out...``:
+the rules that shard ``W`` shard them, so column- and row-parallel TP follow (a row-parallel
+weight's adapter gives a pending sum, added to the base's before the one TP collective), and
+FSDP shards ``A`` like ``W``. The adapters live beside their weights: the adapter of
+``layers.0.self_attn.q_proj`` is ``layers.0.self_attn.lora.q_proj.{lora_A,lora_B}`` (so a layer's
+adapters are in its subtree: its FSDP unit, the dry-run's repeated layers);
+:func:`split` and :func:`joined` move between that tree and ``(base tree, {weight path:
+adapter})``. :func:`adapt` wraps a loss (or forward) so that each targeted weight reaches
+``ops.einsum`` as a :class:`LoraWeight`, which computes both terms."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import per_thread
+from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param
+from functional_pp.ops.dropout import dropout as drop
+from functional_pp.ops.einsum import einsum, parse_pattern
+from functional_pp.parallel.named import Named, _make
+
+RANK = "lora_r"
+KEY = "lora"            # the entry of a module's dict holding its weights' adapters
+_calls = per_thread("adapters.lora")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What to adapt and how (the names of peft's ``LoraConfig`` and Axolotl's keys).
+    ``target_modules``: module names (a weight whose path ends with one) or one regex matched
+    against the whole path, as peft; ``target_linear``: every weight of two or more dimensions
+    without a ``vocab`` dimension (peft's ``all-linear``); ``modules_to_save``: modules trained
+    whole (e.g. ``lm_head``); ``unfrozen_parameters``: regexes (matched from the start of the
+    path or of the Hugging Face name) of further parameters to train."""
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str | None = None
+    target_linear: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    rslora: bool = False
+    dora: bool = False
+    unfrozen_parameters: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA: r (lora_r) must be an integer >= 1, got {self.r!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"LoRA: dropout (lora_dropout) must be in [0, 1), got {self.dropout!r}")
+        if self.dora:
+            raise NotImplementedError("LoRA: DoRA (peft_use_dora: true) is not implemented; set it false "
+                                      "(plain LoRA, or peft_use_rslora for rank-stabilised scaling)")
+        if self.target_modules is None and not self.target_linear:
+            raise ValueError("LoRA: name the weights to adapt: target_modules (lora_target_modules: [q_proj, "
+                             "v_proj] or a regex) or target_linear: true (lora_target_linear)")
+        for name in ("target_modules", "modules_to_save", "unfrozen_parameters"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+
+    @property
+    def scale(self) -> float:
+        """The adapter's factor: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def _matches_module(path: str, names: tuple[str, ...] | str) -> bool:
+    if isinstance(names, str):                       # peft: one regex, matched against the whole name
+        return re.fullmatch(names, path) is not None
+    return any(path == n or path.endswith("." + n) for n in names)
+
+
+def targets(decls: Any, cfg: LoraConfig) -> list[str]:
+    """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order."""
+    found, candidates = [], []
+    for path, d in leaves_with_paths(decls):
+        linear = isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims
+        if linear:
+            candidates.append(path)
+        named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
+        if named and not linear:
+            raise ValueError(f"LoRA: target {path!r} (dimensions {getattr(d, 'dims', None)}) is not a linear weight "
+                             f"LoRA can adapt (two or more dimensions, none of them vocab); train it whole with "
+                             f"modules_to_save (lora_modules_to_save) instead")
+        if linear and (named or cfg.target_linear):
+            found.append(path)
+    if not found:
+        names = sorted({p.rsplit(".", 1)[-1] for p in candidates})
+        raise ValueError(f"LoRA: target_modules {cfg.target_modules!r} match no linear weight; the model's are "
+                         f"named {names} (e.g. lora_target_modules: [q_proj, v_proj])")
+    return found
+
+
+def init(decls: Any, cfg: LoraConfig) -> Any:
+    """``decls`` with the adapters' declarations beside the targeted weights (``...lora.NAME``):
+    ``lora_A`` over ``in... lora_r`` (uniform +-1/sqrt(fan_in), peft's Kaiming) and ``lora_B`` over
+    ``lora_r out...`` (zeros); the leading ``in_dims`` dimensions (the declaration's ``meta``,
+    1 by default) are the ones a linear contracts."""
+    by_path = dict(leaves_with_paths(decls))
+    lora = {}
+    for path in targets(decls, cfg):
+        d = by_path[path]
+        k = int(d.meta.get("in_dims", 1))
+        fan_in = math.prod(d.shape[:k])
+        lora[path] = {"lora_A": param(d.shape[:k] + (cfg.r,), d.dims[:k] + (RANK,), init="uniform",
+                                      scale=1.0 / math.sqrt(fan_in), dtype=d.dtype),
+                      "lora_B": param((cfg.r,) + d.shape[k:], (RANK,) + d.dims[k:], init="zeros", dtype=d.dtype)}
+    return joined(decls, lora)
+
+
+def joined(base: Any, lora: dict) -> Any:
+    """The tree with adapters: ``base`` with each ``lora[weight path]`` (``{"lora_A", "lora_B"}``)
+    put beside its weight, under the ``"lora"`` entry of the weight's dict."""
+    out = _copy(base)
+    for path, ab in lora.items():
+        node, name = _parent(out, path), path.rpartition(".")[2]
+        if KEY in node and not isinstance(node[KEY], dict):
+            raise ValueError(f"LoRA: {path.rpartition('.')[0] or 'the top level'} has a parameter named "
+                             f"{KEY!r}: that name is where adapters go")
+        node.setdefault(KEY, {})[name] = ab
+    return out
+
+
+def _parent(tree: Any, path: str) -> dict:
+    """The dict that holds the weight at ``path`` (a plain walk: traceable by torch.compile)."""
+    node = tree
+    for part in path.split(".")[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if not isinstance(node, dict):
+        raise ValueError(f"LoRA: weight {path!r} is not an entry of a dict (its adapter goes beside it)")
+    return node
+
+
+def _copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(v) for v in tree]
+    return tree
+
+
+def split(tree: Any) -> tuple[Any, dict]:
+    """``(base tree, {weight path: {"lora_A", "lora_B"}})`` of a tree with adapters."""
+    lora: dict = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                here = f"{path}.{k}" if path else str(k)
+                if k == KEY and isinstance(v, dict):
+                    for name, ab in v.items():
+                        lora[f"{path}.{name}" if path else name] = ab
+                else:
+                    out[k] = walk(v, here)
+            return out
+        if isinstance(node, list):
+            return [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+        return node
+    return walk(tree, ""), lora
+
+
+def _hf_name(path: str) -> str | None:
+    from functional_pp.models.llama_hf import hf_name
+    return hf_name(path)
+
+
+def unfrozen(patterns: Sequence[str], modules: Sequence[str] = ()) -> Callable[[Any], Any]:
+    """A trainable mask (``train_step(trainable=...)``): the parameters whose path or Hugging Face
+    name a regex of ``patterns`` matches from its start (Axolotl's ``unfrozen_parameters``),
+    and those inside one of the ``modules`` (a path component, e.g. ``lm_head``; ``lora``: the
+    adapters); every other parameter frozen."""
+    compiled = [re.compile(p) for p in patterns]
+
+    def trains(path: str) -> bool:
+        if any(("." + m + ".") in "." + path + "." for m in modules):
+            return True
+        hf = _hf_name(path) if compiled else None
+        return any(p.match(path) or (hf is not None and p.match(hf)) for p in compiled)
+
+    def mask(params: Any) -> Any:
+        return map_with_path(lambda path, x: trains(path), params)
+    return mask
+
+
+def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
+    """The trainable mask of a LoRA run: the adapters, the ``modules_to_save`` and the
+    ``unfrozen_parameters``; every other parameter frozen."""
+    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save + (KEY,))
+
+
+class LoraWeight(NamedTuple):
+    """A targeted weight as the model's einsum receives it: the base weight, its adapter and
+    their factor (a pytree node: FSDP gathers its parts with the layer's units)."""
+    base: Named
+    lora_A: Named
+    lora_B: Named
+    scale: float
+    dropout: float = 0.0
+    seed: int = 0
+
+    def __named_einsum__(self, pattern: str, operands: Sequence[Any], i: int) -> Named:
+        """``einsum(pattern, ...)`` with this weight as operand ``i``: the base contraction plus
+        ``scale`` times the adapter's, their pending sums added before they are completed."""
+        ins, out = parse_pattern(pattern, len(operands))
+        if len(operands) != 2:
+            raise ValueError(f"LoRA: einsum {pattern!r} with an adapted weight needs exactly two operands")
+        y = einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
+        x, x_dims = operands[1 - i], ins[1 - i]
+        contracted = [d for d in ins[i] if d not in out]
+        a_in = list(self.lora_A.dims[:-1])
+        if sorted(contracted) != sorted(a_in):
+            raise ValueError(f"LoRA: einsum {pattern!r} contracts {contracted} of the adapted weight, but its "
+                             f"lora_A has {a_in}: declare the weight's meta in_dims={len(contracted)} "
+                             f"(its leading dimensions that a linear contracts)")
+        if self.dropout:
+            x = drop(x, self.dropout, self.seed)
+        delta = einsum(f"{' '.join(x_dims)}, {' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
+                       f"{' '.join(out)}", x, self.lora_A, self.lora_B) * self.scale
+        if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
+                and y.vary == delta.vary):      # one pending sum: one TP collective for both terms
+            return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
+        return y + delta
+
+
+def apply(params: Any, cfg: LoraConfig) -> Any:
+    """The base tree of ``params`` (a tree with adapters, :func:`init`) with each adapted weight
+    replaced by its :class:`LoraWeight` (what :func:`adapt` hands the model)."""
+    base, lora = split(params)
+    if not lora:
+        raise ValueError("LoRA: the parameters hold no adapter: initialise them from adapters.init(decls, cfg)")
+    seed = 0
+    if cfg.dropout:
+        if is_tracing():
+            raise ValueError("LoRA: lora_dropout > 0 under a compiled step is not supported (its mask seed "
+                             "advances on the host); set lora_dropout: 0 or compile: false")
+        seed = _calls.__dict__.setdefault("n", 0)
+        _calls.n = seed + 1
+    missing = sorted(set(lora) - {p for p, _ in leaves_with_paths(base)})
+    if missing:
+        raise ValueError(f"LoRA: adapters for {missing[:3]} name no parameter of the model")
+    out = _copy(base)
+    for i, (path, ab) in enumerate(lora.items()):       # (each call site its own dropout seed)
+        node, name = _parent(out, path), path.rpartition(".")[2]
+        node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
+                                seed * 1_000_003 + i + 1)
+    return out
+
+
+def adapt(fn: Callable[..., Any], cfg: LoraConfig) -> Callable[..., Any]:
+    """``fn(params, ...)`` (a loss or forward over the base tree) as a function of the tree with
+    adapters (:func:`init`): each targeted weight applied with its adapter."""
+    def adapted(params: dict, *args: Any, **kwargs: Any) -> Any:
+        return fn(apply(params, cfg), *args, **kwargs)
+    adapted.__name__ = getattr(fn, "__name__", "adapted")
+    return adapted
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The full weight update ``scale * A B`` (contracted over the rank) of one adapter."""
+    return torch.tensordot(a, b, dims=([a.ndim - 1], [0])) * scale
+
+
+def merge(params: Any, cfg: LoraConfig) -> Any:
+    """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
+    weight (``W + scale * A B``): a plain model."""
+    base, lora = split(params)
+
+    def merged(path: str, w: Any) -> Any:
+        ab = lora.get(path)
+        if ab is None:
+            return w
+        wide = torch.promote_types(w.dtype, torch.float32)       # (16-bit weights: the sum in fp32, rounded once)
+        return (w.to(wide) + delta(ab["lora_A"].to(wide), ab["lora_B"].to(wide), cfg.scale)).to(w.dtype)
+    return map_with_path(merged, base)

@@ -1,0 +1,130 @@
+"""The PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``), what
+``peft.PeftModel.from_pretrained`` loads: our adapters (``in... lora_r`` / ``lora_r out...``)
+as peft's ``lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]`` of the Hugging Face
+module that holds the base weight (flattened in the order the base weight's import uses)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_pp.adapters.lora import LoraConfig, split
+from functional_pp.models.llama_hf import hf_name
+
+PREFIX = "base_model.model."
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def module_name(path: str) -> str:
+    """The Hugging Face module of our weight path (``layers.0.self_attn.q_proj`` ->
+    ``model.layers.0.self_attn.q_proj``)."""
+    name = hf_name(path)
+    if name is None or not name.endswith(".weight"):
+        raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")
+    return name[:-len(".weight")]
+
+
+def to_peft(lora: dict) -> dict[str, torch.Tensor]:
+    """Full adapter tensors ``{weight path: {"lora_A", "lora_B"}}`` (``adapters.split``) -> peft's
+    state dict."""
+    out = {}
+    for path, ab in lora.items():
+        a, b = ab["lora_A"], ab["lora_B"]
+        r = a.shape[-1]
+        m = PREFIX + module_name(path)
+        out[m + ".lora_A.weight"] = a.reshape(-1, r).T.contiguous()
+        out[m + ".lora_B.weight"] = b.reshape(r, -1).T.contiguous()
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
+    """peft's state dict -> our full adapter tensors ``{weight path: {"lora_A", "lora_B"}}``,
+    shaped as the adapters of ``decls`` (``adapters.init``); every adapter of ``decls`` must be
+    there, and nothing else."""
+    want = split(decls)[1]
+    out, used = {}, set()
+    for path, ab in want.items():
+        m = PREFIX + module_name(path)
+        names = (m + ".lora_A.weight", m + ".lora_B.weight")
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"PEFT adapter: {missing[0]} is missing (for {path}); the adapter was made for other "
+                             f"target modules or another model")
+        a, b = tensors[names[0]], tensors[names[1]]
+        A, B = ab["lora_A"], ab["lora_B"]
+        r = A.shape[-1]
+        if a.shape != (r, A_in := _numel(A.shape[:-1])) or b.shape != (_numel(B.shape[1:]), r):
+            raise ValueError(f"PEFT adapter: {path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                             f"[{r}, {A_in}] / [{_numel(B.shape[1:])}, {r}] (rank r={r} from the config)")
+        out[path] = {"lora_A": a.T.reshape(A.shape).to(A.dtype), "lora_B": b.T.reshape(B.shape).to(B.dtype)}
+        used.update(names)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"PEFT adapter: tensors {extra[:3]} match no adapter of the config (target modules "
+                         f"{sorted({p.rsplit('.', 1)[-1] for p in want})}); modules_to_save in an adapter "
+                         f"directory are not read yet")
+    return out
+
+
+def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = None) -> dict:
+    """``adapter_config.json`` of a LoRA run adapting ``targets`` (our paths)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": float(cfg.dropout),
+            "target_modules": sorted({p.rsplit(".", 1)[-1] for p in targets}), "use_rslora": cfg.rslora,
+            "use_dora": False, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
+
+
+def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model: str | None = None) -> Path:
+    """Write the PEFT adapter directory of full adapter tensors ``lora`` (``{weight path:
+    {"lora_A", "lora_B"}}``, ``adapters.split(params)[1]``)."""
+    from safetensors.torch import save_file
+    if cfg.modules_to_save:
+        raise ValueError("PEFT adapter export: modules_to_save are not written yet; export the merged model "
+                         "(functional-pp export --merge-adapter) instead")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(peft_config(cfg, list(lora), base_model), indent=2))
+    save_file(to_peft(lora), str(out / WEIGHTS))
+    return out
+
+
+def read_config(path: str | os.PathLike) -> LoraConfig:
+    """The :class:`LoraConfig` of a PEFT adapter directory (refusing what we cannot apply)."""
+    conf = json.loads((Path(path) / CONFIG).read_text())
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {conf.get('peft_type')!r}: only LORA adapters can be loaded")
+    if conf.get("fan_in_fan_out") or conf.get("bias", "none") != "none":
+        raise ValueError(f"{path}: fan_in_fan_out / bias adapters are not supported (bias must be 'none')")
+    targets = conf.get("target_modules")
+    if targets == "all-linear":
+        return LoraConfig(r=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
+                          target_linear=True, rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
+    return LoraConfig(r=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
+                      target_modules=targets if isinstance(targets, str) else tuple(targets),
+                      modules_to_save=tuple(conf.get("modules_to_save") or ()),
+                      rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
+
+
+def load_adapter(path: str | os.PathLike, decls: Any) -> dict:
+    """Full adapter tensors (``{weight path: {"lora_A", "lora_B"}}``) from a PEFT adapter directory, for the
+    declarations ``decls`` (``adapters.init`` with :func:`read_config`'s config)."""
+    from safetensors.torch import load_file
+    f = Path(path) / WEIGHTS
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS} (a PEFT adapter directory has {CONFIG} and {WEIGHTS})")
+    return from_peft(load_file(str(f)), decls)
+
+
+__all__ = ["from_peft", "load_adapter", "module_name", "peft_config", "read_config", "save_adapter",
+           "to_peft"]

@@ -1,0 +1,142 @@
+"""LoRA against peft + transformers (the oracle): tiny random Llama and Qwen3 models built from a
+config (no download), the same initial adapter weights (B nonzero, so every adapter gradient is
+meaningful), fp32: the loss, every adapter gradient and the adapters after one AdamW step equal
+peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
+directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged model through
+``transformers`` with equal logits (docs/adapters.md)."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import make_batch
+
+import functional_pp as fpp
+from functional_pp import adapters
+from functional_pp.adapters import peft_dir
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128)
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32))}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LR, WD = 1e-2, 0.1
+
+
+def _lora(rslora=False):
+    return adapters.LoraConfig(r=4, alpha=8, target_modules=TARGETS, rslora=rslora)
+
+
+def _peft_model(family, rslora=False):
+    conf, cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS),
+                                                    use_rslora=rslora))
+    with torch.no_grad():             # B nonzero: A's gradients are not zero
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    return pm, base_state
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def case(request, tmp_path_factory):
+    family = request.param
+    pm, base_state = _peft_model(family)
+    d = tmp_path_factory.mktemp(family)
+    pm.get_base_model().config.save_pretrained(d)
+    from safetensors.torch import save_file
+    save_file(base_state, str(d / "model.safetensors"))
+    cfg = hf.config_from_hf(d)
+    lc = _lora()
+    decls = adapters.init(llama.init(cfg), lc)
+    base = hf.load_hf_params(d, cfg)
+    adapter_sd = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(base, peft_dir.from_peft(adapter_sd, decls))
+    return family, pm, cfg, lc, decls, full, d
+
+
+def _hf_loss(pm, batch):
+    logits = pm(input_ids=batch["tokens"]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+
+
+def _train(cfg, lc, decls, full, data, mesh, rules):
+    """Steps of our LoRA training; per device the losses and the full adapters (and gradients of the first)."""
+    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)
+    step = fpp.train_step(loss, fpp.optim.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=WD), mesh=mesh,
+                          rules=rules, trainable=adapters.trainable(lc))
+
+    def device():
+        with fpp.use_rules(rules):
+            local = sharding.shard(full, decls, mesh, rules, fpp.current_rank())
+            state = step.init(sharding.named_tree(local, decls))
+        grads, losses = None, []
+        for b in data:
+            with fpp.use_rules(rules):
+                lb = {k: v.data for k, v in {k: fpp.named(v, "batch seq") for k, v in b.items()}.items()}
+            if grads is None:
+                _, g = step.gradients(state, lb)
+                with fpp.use_rules(rules):
+                    grads = adapters.split(fpp.gather_tree(g))[1]
+            state, m = step(state, lb)
+            losses.append(m["loss"])
+        with fpp.use_rules(rules):
+            lora = adapters.split(fpp.gather_tree(state["params"], decls, rules))[1]
+        return losses, grads, lora
+    return fpp.launch(device, mesh)
+
+
+def test_loss_gradients_and_update_equal_peft(case):
+    family, pm, cfg, lc, decls, full, _ = case
+    batch = make_batch(cfg, batch=2, seq=12, seed=3)
+    ours = _train(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules())[0]
+    ref = _hf_loss(pm, batch)
+    ref.backward()
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    ref_grads = {k.replace(".default", ""): p.grad.clone() for k, p in pm.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+    opt.step()
+    ref_new = {k.replace(".default", ""): p.detach() for k, p in pm.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
+    ours_grads = peft_dir.to_peft(ours[1])
+    ours_new = peft_dir.to_peft(ours[2])
+    assert ours_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * len(TARGETS) * cfg.layers
+    for k in ref_grads:
+        assert ref_grads[k].abs().max() > 0, k
+        torch.testing.assert_close(ours_grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+        torch.testing.assert_close(ours_new[k], ref_new[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"new {k}: {m}")
+
+
+LAYOUTS = {"dp": (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard")),
+           "fsdp": (fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
+           "tp": (fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+           "fsdp_tp": (fpp.Mesh(dp_shard=2, tp=2), llama.default_rules())}
+
+
+def test_every_layout_equals_one_device(case):
+    family, pm, cfg, lc, _, full, _ = case
+    decls = adapters.init(llama.init(cfg, torch.float64), lc)        # fp64: the layouts' sums, not Adam's rounding
+    full = tree.tree_map(lambda x: x.double(), full)
+    data = [make_batch(cfg, batch=4, seq=12, seed=s) for s in range(2)]
+    one = _train(cfg, lc, decls, full, data, fpp.Mesh(), fpp.Rules())[0]
+    for name, (mesh, rules) in LAYOUTS.items():
+        for run in _train(cfg, lc, decls, full, data, mesh, rules):
+            torch.testing.assert_close(torch.tensor(run[0]), torch.tensor(one[0]), rtol=1e-10, atol=1e-12)
+            for p in one[2]:
+                for k in ("lora_A", "lora_B"):
+                    torch.testing.assert_close(run[2][p][k], one[2][p][k], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{name} {p}.{k}: {m}")

@@ -1,0 +1,59 @@
+"""Axolotl's adapter keys (docs/adapters.md): ``adapter: lora`` and the ``lora_*`` /
+``peft_use_*`` keys map onto ``adapters.LoraConfig``; ``unfrozen_parameters`` picks the
+trained parameters by our path or Hugging Face name; QLoRA, DoRA, LoRA keys without an
+adapter and an adapter directory without its base model are refused by name."""
+import functools
+
+import pytest
+
+from functional_pp import adapters
+from functional_pp.app.inputs import frozen_and_adapters
+from functional_pp.config import ConfigError, TrainConfig
+from functional_pp.core.tree import leaves_with_paths
+from functional_pp.models import llama
+
+CFG = llama.Config.tiny()
+
+
+def test_lora_keys_map_onto_the_lora_config():
+    cfg = TrainConfig.from_dict({"adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+                                 "lora_target_modules": ["q_proj", "v_proj"], "peft_use_rslora": True,
+                                 "lora_modules_to_save": ["lm_head"], "lora_mlp_kernel": True})
+    lc = cfg.lora_config()
+    assert (lc.r, lc.alpha, lc.dropout, lc.target_modules, lc.modules_to_save, lc.rslora) == (
+        16, 32, 0.05, ("q_proj", "v_proj"), ("lm_head",), True)
+    assert lc.scale == 8.0
+    regex = TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": r".*\.(q|v)_proj"}).lora_config()
+    assert regex.target_modules == r".*\.(q|v)_proj"
+    assert TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True}).lora_config().target_linear
+    assert TrainConfig.from_dict({}).lora_config() is None
+    loss, decls, mask = frozen_and_adapters(cfg, lc, functools.partial(llama.loss, cfg=CFG), llama.init(CFG))
+    trained = [p for p, t in leaves_with_paths(mask(decls)) if t]
+    assert trained == sorted(trained, key=[p for p, _ in leaves_with_paths(decls)].index)
+    assert set(trained) == {"lm_head"} | {f"layers.{i}.self_attn.lora.{w}.{m}" for i in range(CFG.layers)
+                                          for w in ("q_proj", "v_proj") for m in ("lora_A", "lora_B")}
+
+
+def test_unfrozen_parameters_without_an_adapter():
+    cfg = TrainConfig.from_dict({"unfrozen_parameters": [r"^lm_head\.weight$", r"model\.layers\.1\.mlp\..*"]})
+    loss, decls, mask = frozen_and_adapters(cfg, None, functools.partial(llama.loss, cfg=CFG), llama.init(CFG))
+    assert [p for p, t in leaves_with_paths(mask(decls)) if t] == [
+        "layers.1.mlp.down_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj", "lm_head"]
+    none = TrainConfig.from_dict({"unfrozen_parameters": ["^nothing"]})
+    with pytest.raises(ConfigError, match="match no parameter"):
+        frozen_and_adapters(none, None, llama.loss, llama.init(CFG))
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora .* is not supported yet: use adapter: lora"),
+    ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}, "DoRA"),
+    ({"lora_r": 16}, "lora_r is set but adapter is not: add adapter: lora"),
+    ({"adapter": "lora"}, "name the weights to adapt"),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
+    ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_fan_in_fan_out": True}, "fan-in-fan-out"),
+])
+def test_bad_adapter_settings_are_refused_by_name(d, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(d)
