@@ -101,7 +101,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters")},
+    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters", "peft")},
     **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
     **{k: _QUANT for k in ("gptq", "bnb_config_kwargs",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",

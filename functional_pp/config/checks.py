@@ -24,8 +24,8 @@ def check_adapter(cfg: Any, add) -> None:
     QLoRA and DoRA refused with what to do instead."""
     import re
     if cfg.adapter == "qlora":
-        add("adapter: qlora (a 4-bit quantized base) is not supported yet: use adapter: lora (a bf16 / fp32 "
-            "frozen base)")
+        add("'adapter: qlora' is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
+            "wiring is pending; use adapter: lora (a bf16 / fp32 frozen base)")
     elif cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}

@@ -45,7 +45,7 @@ def test_unfrozen_parameters_without_an_adapter():
 
 
 @pytest.mark.parametrize("d, message", [
-    ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora .* is not supported yet: use adapter: lora"),
+    ({"adapter": "qlora", "lora_target_linear": True}, "'adapter: qlora' is not supported yet: .* use adapter: lora"),
     ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}, "DoRA"),
     ({"lora_r": 16}, "lora_r is set but adapter is not: add adapter: lora"),
     ({"adapter": "lora"}, "name the weights to adapt"),

@@ -252,7 +252,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert any(m.startswith("'rl' is not supported: RL") for m in p)
     assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
     assert any(m.startswith("'use_swanlab' is not supported (with swanlab_project): SwanLab") for m in p)
-    assert any(m.startswith("'peft' is not supported: LoRA") for m in p)        # one problem per feature
+    assert any(m.startswith("'peft' is not supported: this LoRA option") for m in p)   # (peft: loftq_config, ...)
     assert not any("torchdistx_path" in m for m in p)                          # blank: unset
     unknown = [m for m in p if "totally_unknown_key" in m][0]
     assert "valid:" not in unknown and "--help" in unknown           # no 60-key list

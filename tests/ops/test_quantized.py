@@ -154,7 +154,7 @@ def test_config_refuses_qlora_saying_the_base_exists_and_the_wiring_is_pending()
     with pytest.raises(ConfigError) as info:
         TrainConfig.from_dict({"adapter": "qlora", "load_in_4bit": True})
     text = str(info.value)
-    assert "adapter: qlora is not supported yet: the NF4 base exists" in text and "LoRA wiring is pending" in text
+    assert "'adapter: qlora' is not supported yet: the NF4 base exists" in text and "LoRA wiring is pending" in text
     assert "'load_in_4bit' is not supported: a quantized frozen base trains only under an adapter" in text
 
 
