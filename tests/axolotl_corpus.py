@@ -88,7 +88,13 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
-       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": None})}
+       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
+       "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+       "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 4,
+                                                              "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+       "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                              "moe_intermediate_size": 32,
+                                                              "shared_expert_intermediate_size": 64})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}
@@ -196,6 +202,7 @@ _VALUE = re.compile(r"^(optimizer|lr_scheduler|activation_checkpointing): ")
 _BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
 _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
+_VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 
 
@@ -214,6 +221,8 @@ def reason(problem: str, cfg: dict) -> str:
     if m := _PLUGIN.match(problem):
         return f"plugin {m.group(1).rsplit('.', 1)[-1]}"
     if m := _BAD_VALUE.match(problem):
+        return f"{m.group(1)}: {m.group(2)}"
+    if m := _VALUE_PROBLEM.match(problem):
         return f"{m.group(1)}: {m.group(2)}"
     if m := _UNKNOWN.match(problem):
         return f"unknown key {m.group(1)}"

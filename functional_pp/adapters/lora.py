@@ -83,10 +83,17 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
     """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order."""
     found, candidates = [], []
     for path, d in leaves_with_paths(decls):
-        linear = isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims
+        bias = path.rsplit(".", 1)[-1].endswith("bias")     # (q_bias: heads head_dim, two dims, no matrix)
+        linear = isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims and not bias
+        named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
+        if linear and "experts" in d.dims:           # stacked experts and the router: not linear modules
+            if named:                                # (peft's all-linear leaves them too)
+                raise ValueError(f"LoRA: target {path!r} (dimensions {d.dims}) is a mixture-of-experts weight: "
+                                 f"adapters of experts and routers are not supported yet; target the "
+                                 f"attention (q_proj, k_proj, v_proj, o_proj) or shared-expert weights")
+            continue
         if linear:
             candidates.append(path)
-        named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
         if named and not linear:
             raise ValueError(f"LoRA: target {path!r} (dimensions {getattr(d, 'dims', None)}) is not a linear weight "
                              f"LoRA can adapt (two or more dimensions, none of them vocab); train it whole with "
