@@ -12,10 +12,12 @@ from functional_pp.config import ConfigError, TrainConfig
 # Keys that change where outputs go or how the run is watched, never the numbers.
 NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_consecutive_skips", "on_nonfinite",
            "peak_flops_per_device", "resume_from_checkpoint")   # where to resume from (Axolotl's keys)
-# Keys that only reshard the same computation (any mesh loads any checkpoint); the batch keys
-# are per data-parallel rank, so the global batch (compared instead) is what must not change.
-RESHARD = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "sequence_parallel", "rules.",
-           "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
+# Keys that only reshard the same computation (any mesh loads any checkpoint; a checkpoint holds
+# every layer whatever the pipeline); the batch keys are per data-parallel rank, so the global
+# batch (compared instead) is what must not change.
+RESHARD = ("pp_size", "pp_schedule", "pp_virtual_stages", "dp_replicate_size", "dp_shard_size", "cp_size",
+           "tp_size", "sequence_parallel", "rules.", "micro_batch_size", "gradient_accumulation_steps",
+           "global_batch_size")
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
