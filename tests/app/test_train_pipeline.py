@@ -4,6 +4,7 @@ losses, checkpoints: parameters and optimizer state); its checkpoints keep the l
 uninterrupted run (optimizer state and loader position included), on one device equal to one
 device, and one saved on one device resumes on pp = 2; export reads them."""
 import io
+import math
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from functional_pp.app.export import export_run
 from functional_pp.app.loop import train
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.core.tree import leaves_with_paths
+from functional_pp.models import llama
 
 RUN = {"micro_batch_size": 1, "gradient_accumulation_steps": 2, "sequence_len": 32, "learning_rate": 3e-3,
        "lr_scheduler": "constant", "max_steps": 3, "model": {"preset": "tiny", "layers": 4},
@@ -24,7 +26,9 @@ RUN = {"micro_batch_size": 1, "gradient_accumulation_steps": 2, "sequence_len": 
 
 def run(out: Path, **keys) -> Path:
     cfg = TrainConfig.from_dict({**RUN, **keys, "logging": {**RUN["logging"], "output_dir": str(out)}})
-    train(cfg, simulate=cfg.pp_size, stream=io.StringIO())
+    text = io.StringIO()
+    train(cfg, simulate=cfg.pp_size, stream=text)
+    (out / "printed.txt").write_text(text.getvalue())
     return out
 
 
@@ -64,6 +68,15 @@ def test_pp2_trains_evaluates_and_saves_as_one_device(runs):
     assert [m["step"] for m in pp2 if "eval_loss" in m] == [0, 2, 3]
     for step in (2, 3):
         assert_same(saved(runs["pp2"], step), saved(runs["one"], step), rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_report_counts_the_fullest_stage(runs):
+    """The last of 2 stages holds layers 2 and 3, the final norm and the head (the embedding is
+    on the first)."""
+    tree = dict(leaves_with_paths(llama.init(llama.Config.tiny(layers=4))))
+    last = sum(math.prod(x.shape) for p, x in tree.items() if p.startswith(("layers.2.", "layers.3.", "norm", "lm_head")))
+    assert f"{last:,} parameters on each device of the fullest pipeline stage" in \
+        (runs["pp2"] / "printed.txt").read_text()
 
 
 @pytest.mark.parametrize("saved_on,resumed_on", [("pp2", 2), ("pp2", 1), ("one", 2)])
