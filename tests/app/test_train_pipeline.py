@@ -4,8 +4,8 @@ losses, checkpoints: parameters and optimizer state); its checkpoints keep the l
 uninterrupted run (optimizer state and loader position included), on one device equal to one
 device, and one saved on one device resumes on pp = 2; export reads them."""
 import io
-import math
 import json
+import math
 from pathlib import Path
 
 import pytest
