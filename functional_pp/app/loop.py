@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping
@@ -114,7 +115,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     from functional_pp.data import DataLoader
     from functional_pp.devices.batched_run import per_device
     from functional_pp.parallel.init import init as init_named
-    from functional_pp.step.train import DEFAULT_BATCH_DIMS, train_step
+    from functional_pp.step.train import DEFAULT_BATCH_DIMS
 
     world = resolve_world(cfg, simulate)
     cfg.validate(world.size, launcher=world.launcher)
@@ -122,10 +123,6 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     out = stream or sys.stdout
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
-    if "pp" in mesh.shape:        # before any work: the loop's checkpoints and views need whole layers
-        raise ConfigError(f"pp_size {mesh.shape['pp']}: the train command does not run pipelines yet (its "
-                          f"checkpoints keep every layer on every device); train with the library's "
-                          f"functional_pp.pipeline_step (docs/pipelines.md), or set pp_size: 1")
     family, model_cfg = model_family(cfg), model_config(cfg)
     base_decls = family.param_decls(model_cfg)
     lora = cfg.lora_config()
@@ -171,16 +168,21 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
-    step_fn = train_step(loss_fn, opt, mesh=mesh, rules=rules, trainable=trainable, grad_accum=accum, precision=cfg.precision,
-                         remat=cfg.activation_checkpointing, compile=cfg.compile,
-                         keep_gathered=not cfg.reshard_after_forward,
-                         on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
-                         max_consecutive_skips=cfg.max_consecutive_skips,
-                         flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
-                         peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
-                         batch_dims=batch_dims,
-                         donate_state=True,   # the loop never reads a step's input state again
-                         metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
+    step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
+                          trainable=trainable, grad_accum=accum, precision=cfg.precision,
+                          remat=cfg.activation_checkpointing, compile=cfg.compile,
+                          keep_gathered=not cfg.reshard_after_forward,
+                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
+                          max_consecutive_skips=cfg.max_consecutive_skips,
+                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
+                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
+                          batch_dims=batch_dims,
+                          donate_state=True,   # the loop never reads a step's input state again
+                          metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
+    # a pipeline's device holds only its stages' layers: checkpoints and evaluations see the
+    # whole (logical) state, every layer under its own name (docs/pipelines.md)
+    whole = getattr(step_fn, "logical_state", lambda state: state)
+    mine = getattr(step_fn, "stage_state", lambda state: state)
     metrics_path = out_dir / METRICS
     eval_every = cfg.eval_steps or cfg.logging.log_every
 
@@ -247,15 +249,15 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             mesh, rules)
         start = 0
         if latest is not None:
-            want = specs(state)
+            want = specs(state)      # the structure: the checkpoint holds whole layers
 
             def restore() -> tuple:      # this device's shards (per device in a batched run)
                 r = ck.load_checkpoint(load_dir, want, rules=rules, step=latest,
                                        keys=["params", "opt", "step", "skipped"], device=device)
                 return r.tree, r.metadata["loader"], int(r.step)
             tree, loader_state, start = per_device(restore)
-            state = {"params": tree["params"], "opt_state": tree["opt"],
-                     "step": tree["step"], "skipped": tree["skipped"]}
+            state = mine({"params": tree["params"], "opt_state": tree["opt"],
+                          "step": tree["step"], "skipped": tree["skipped"]})
             loader.load_state_dict(loader_state)
             try:
                 ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest,
@@ -264,7 +266,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 pass
         progress = Progress(cfg.max_steps, start, cfg.logging.log_every, out) if lead else None
         if val_loader is not None and start == 0:
-            e0 = evaluate(step_fn, state, val_loader)
+            e0 = evaluate(step_fn, whole(state), val_loader)
             if lead:
                 loggers.log(0, {"eval_loss": e0})
                 progress.eval_loss = e0
@@ -285,7 +287,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 step_fn.read()
             except Exception as exc:   # noqa: BLE001 (re-raised below)
                 error = exc
-            eval_loss = evaluate(step_fn, state, val_loader) if with_eval and error is None else None
+            eval_loss = evaluate(step_fn, whole(state), val_loader) if with_eval and error is None else None
             for i, (s, m, elapsed) in enumerate(unread):
                 if getattr(m, "error", None) is not None:
                     break                    # the failing step and those after it
@@ -334,7 +336,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
                     read_and_log(with_eval)
                 if save_now:
-                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
+                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), whole(state)), step
                     if lead:
                         progress.message(f"saved checkpoint {saved_path}")
                 if watch.threshold is not None and not halted:
@@ -344,7 +346,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             read_and_log()
             final = stopped or bool(halted) or cfg.checkpoint.save_final
             if final and step != last_saved:
-                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
+                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), whole(state)), step
                 if lead:
                     progress.message(f"saved checkpoint {saved_path}")
             if lead and stopped:
@@ -383,6 +385,25 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
     return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                        r["comm_report"])
+
+
+def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **options):
+    """The training step: :func:`~functional_pp.step.train.train_step`, or with a ``pp`` axis
+    :func:`~functional_pp.step.pipeline.pipeline_step` (the config's schedule and virtual
+    stages, the family's first- and last-stage parameters)."""
+    from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
+    from functional_pp.step.train import train_step
+    if "pp" not in mesh.shape:
+        return train_step(loss, opt, mesh=mesh, rules=rules, **options)
+    first, last = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
+    try:
+        with warnings.catch_warnings():     # the config check already warned (config/checks.py)
+            warnings.simplefilter("ignore", FewMicroBatchesWarning)
+            return pipeline_step(loss, opt, mesh=mesh, rules=rules, schedule=cfg.pp_schedule,
+                                 virtual_stages=cfg.pp_virtual_stages, first_stage=first, last_stage=last,
+                                 **options)
+    except ValueError as exc:
+        raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc
 
 
 def _check_writable(out_dir: Path) -> None:

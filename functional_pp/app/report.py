@@ -19,13 +19,30 @@ from functional_pp.core.tree import count_params, leaves_with_paths
 __all__ = ["describe", "param_memory", "planned_memory", "mesh_label", "comm_report_text"]
 
 
-def param_memory(decls: Any, mesh, rules) -> tuple[int, int]:
+def param_memory(decls: Any, mesh, rules, ends: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+                 virtual_stages: int = 1) -> tuple[int, int]:
     """(global parameter count, parameters held by each device) for ``decls`` under the rules
-    (every device holds equal blocks)."""
-    local = 0
+    (every device holds equal blocks). With a ``pp`` axis: those of the device holding the most
+    (its stages' ``layers`` and, of the parameters outside them, ``ends`` = (first-stage only,
+    last-stage only) as ``pipeline_step`` places them)."""
+    p = mesh.shape.get("pp", 1)
+    counts = [0] * p
     for path, d in leaves_with_paths(decls):
-        local += math.prod(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, name=path), mesh))
-    return count_params(decls), local
+        n = math.prod(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, name=path), mesh))
+        for device in range(p):
+            counts[device] += n if _held_by_stage(path, device, p, virtual_stages, decls, ends) else 0
+    return count_params(decls), max(counts)
+
+
+def _held_by_stage(path: str, device: int, p: int, v: int, decls: Any, ends) -> bool:
+    if p == 1:
+        return True
+    parts = path.split(".")
+    if parts[0] == "layers":
+        per = len(decls["layers"]) // (p * v)
+        return (int(parts[1]) // per) % p == device
+    first, last = (any(path == n or path.startswith(n + ".") for n in names) for names in ends)
+    return device == 0 if first and not last else device == p - 1 if last and not first else True
 
 
 def _run_model(cfg: TrainConfig, model_cfg) -> tuple:
@@ -70,7 +87,9 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     memory, batch, data and output."""
     family = model_family(cfg)
     _, decls, trainable = _run_model(cfg, model_cfg)
-    total, local = param_memory(decls, mesh, rules)
+    ends = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
+    total, local = param_memory(decls, mesh, rules, ends, cfg.pp_virtual_stages)
+    where = "each device" if "pp" not in mesh.shape else "each device of the fullest pipeline stage"
     per, what = _state_bytes_per_param(cfg)
     trained_total, trained_local = (total, local) if trainable is None else param_memory(
         _trained(decls, trainable), mesh, rules)
@@ -90,10 +109,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"rules:      {rules_txt}",
         f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters"
         + ("" if trainable is None else f", {trained_total:,} trained (the rest frozen)"),
-        f"memory:     {local:,} parameters on each device x {per} B ({what}) = "
+        f"memory:     {local:,} parameters on {where} x {per} B ({what}) = "
         f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)"
         if trainable is None else
-        f"memory:     {local:,} parameters on each device x 4 B + {trained_local:,} trained x {per - 4} B "
+        f"memory:     {local:,} parameters on {where} x 4 B + {trained_local:,} trained x {per - 4} B "
         f"({what}; frozen: weights only) = {_human_bytes(local * 4 + trained_local * (per - 4))} per device",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",

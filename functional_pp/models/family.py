@@ -30,7 +30,9 @@ class ModelFamily:
     must split evenly on the mesh; ``default_rules(sequence_parallel=)`` the rules the config
     starts from. ``summary_fields`` are printed in the start-up report; ``vocab_size(cfg)``
     bounds the token ids; ``hf_config_from_dict`` (or None) reads a Hugging Face
-    ``config.json`` for ``base_model``."""
+    ``config.json`` for ``base_model``; ``pipeline_ends(cfg)`` (or None: every parameter outside
+    ``layers`` on every stage) the parameter path prefixes only the first and only the last
+    pipeline stage hold (``pipeline_step``'s ``first_stage`` / ``last_stage``)."""
 
     name: str
     config_class: type
@@ -43,6 +45,7 @@ class ModelFamily:
     summary_fields: tuple[str, ...] = ()
     vocab_size: Callable[[Any], int] = field(default=lambda cfg: cfg.vocab)
     hf_config_from_dict: Callable[[dict], Any] | None = None
+    pipeline_ends: Callable[[Any], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

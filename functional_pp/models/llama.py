@@ -461,6 +461,12 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     return 3.0 * fwd
 
 
+def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The parameters only the first pipeline stage holds (the embedding) and only the last
+    (final norm and LM head; a tied embedding is in both, so every stage holds it)."""
+    return ("embed_tokens",), ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
+
+
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
     """The residual stream's layouts (global sizes) that must split evenly on the mesh: the
     sequence gathered for attention and the MLP, and split again (sequence parallelism)."""

@@ -110,6 +110,42 @@ def test_precision_compile_and_remat_flags_reach_the_step(tmp_path):
     assert low != ref and all(abs(a - b) < 2e-2 * b for a, b in zip(low, ref))
 
 
+def test_5d_pipeline_example_equals_one_device(tmp_path, capsys):
+    """pp 2 x dp_shard 2 x cp 2 x tp 2 on 16 simulated devices: the losses of the same config
+    with every size 1 (examples/configs/5d.yaml)."""
+    short = ["--max-steps", "2", "--set", "warmup_steps=0", "--set", "logging.plot=false"]
+    ones = [a for k in ("pp_size", "dp_shard_size", "cp_size", "tp_size") for a in ("--set", f"{k}=1")]
+    assert cli.main(["train", str(CONFIGS / "5d.yaml"), *short, "--output", str(tmp_path / "5d")]) == 0
+    assert "pp=2 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=2 = 16 devices" in capsys.readouterr().out
+    assert cli.main(["train", str(CONFIGS / "5d.yaml"), *short, *ones, "--output", str(tmp_path / "one")]) == 0
+    five, one = losses(tmp_path / "5d"), losses(tmp_path / "one")
+    assert len(five) == 2 and five[1] < five[0]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(five, one))
+    rows = {tuple(line.split()[:2]) for line in (tmp_path / "5d" / "comm_report.txt").read_text().splitlines()[3:]}
+    assert ("pp", "permute") in rows and ("cp", "permute") in rows        # stage to stage, ring attention
+
+
+@pytest.mark.multiprocess
+def test_torchrun_pipeline_on_two_gloo_processes_equals_simulation(tmp_path):
+    cfg = write_config(tmp_path / "pp.yaml", pp_size=2, micro_batch_size=1, gradient_accumulation_steps=2,
+                       max_steps=2, model={"preset": "tiny", "layers": 2}, data={"max_bytes": 60_000},
+                       logging={"log_every": 1, "plot": False})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "functional_pp", "train", str(cfg),
+                           "--output", str(tmp_path / "torchrun")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert cli.main(["train", str(cfg), "--simulate", "2", "--output", str(tmp_path / "sim")]) == 0
+    real, simulated = losses(tmp_path / "torchrun"), losses(tmp_path / "sim")
+    assert len(real) == 2 and real == simulated                  # bitwise
+    # the checkpoint holds every layer whichever rank held it
+    from functional_pp.checkpoint import load_checkpoint
+    tree = load_checkpoint(tmp_path / "torchrun" / "checkpoints", keys=["params"]).tree["params"]
+    held = {p.split(".")[1] for p, x in fpp.leaves_with_paths(tree) if p.startswith("layers.") and x.numel()}
+    assert held == {"0", "1"}
+
+
 @pytest.mark.multiprocess
 def test_torchrun_two_gloo_processes_equal_two_simulated_devices(tmp_path):
     cfg = write_config(tmp_path / "fsdp.yaml", dp_shard_size=2, max_steps=3)

@@ -1,9 +1,8 @@
 """The pipeline keys: pp_size (alias pipeline_parallel_size) puts the outermost pp axis on the
 mesh and the layers on it; pp_schedule and pp_virtual_stages are checked before any work, with
-errors naming the key and the fix; the train command refuses a pipeline it cannot run yet."""
+errors naming the key and the fix (the train command's pipeline runs: tests/app/test_train_pipeline.py)."""
 import pytest
 
-from functional_pp.app.loop import train
 from functional_pp.config import ConfigError, TrainConfig
 
 TINY = {"model": {"preset": "tiny", "layers": 4}, "max_steps": 1}
@@ -39,11 +38,3 @@ def test_checks_with_the_model_and_the_world():
     cfg = TrainConfig.from_dict({**TINY, "pp_size": 4, "gradient_accumulation_steps": 2})
     with pytest.warns(UserWarning, match="gradient_accumulation_steps 2 < pp_size 4"):
         cfg.validate(4)
-
-
-def test_the_train_command_refuses_a_pipeline_before_work(tmp_path):
-    cfg = TrainConfig.from_dict({**TINY, "pp_size": 2, "gradient_accumulation_steps": 2,
-                                 "logging": {"output_dir": str(tmp_path / "run")}})
-    with pytest.raises(ConfigError, match="does not run pipelines yet.*pipeline_step"):
-        train(cfg, simulate=2)
-    assert not (tmp_path / "run").exists()
