@@ -22,6 +22,7 @@ tests/_torch/test_touch_points.py.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 from unittest import mock
 
@@ -129,13 +130,22 @@ class _FakeDeviceMoves(TorchFunctionMode):
 
 
 class FakeCuda:
-    """One fake-tensor world shared by the simulated devices of a launch: enter
-    :meth:`device` on every device thread (dispatch modes are per thread); tensors made
-    there, or brought in with :meth:`to_cuda`, are fake."""
+    """Fake tensors for the simulated devices of a launch: enter :meth:`device` on every
+    device thread; tensors made there, or brought in with :meth:`to_cuda`, are fake. Each
+    thread has a fake mode of its own (a mode's kernel-invocation state is not thread-safe,
+    and dispatch modes are per thread anyway), so a device's tensors stay on its thread."""
 
     def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def mode(self):
+        """This thread's ``FakeTensorMode`` (made on first use)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
-        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        mode = getattr(self._local, "mode", None)
+        if mode is None:
+            mode = self._local.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        return mode
 
     @contextlib.contextmanager
     def device(self) -> Iterator[None]:
