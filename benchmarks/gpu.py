@@ -1,20 +1,25 @@
 """One-GPU benchmark: measured bf16 matmul peak, then a Llama-3-1B-shaped model trained in bf16
-through ``fpp.train_step(compile=True)`` against the plain ``nn.Module`` of
+through ``fpp.train_step``, eager and compiled, against the plain ``nn.Module`` of
 ``benchmarks/single_device.py`` with ``torch.compile`` and fused ``torch.optim.AdamW``.
 
-    python benchmarks/gpu.py                     # CUDA device 0, ~10 minutes on one H100/H200
+    python benchmarks/gpu.py                     # CUDA device 0; meant to take under 8 minutes
+                                                 # on one H100/H200 (never run on a GPU yet)
     python benchmarks/gpu.py --layers 16         # the full 16 layers (longer compile)
     python benchmarks/gpu.py --smoke             # a tiny version on CPU (tested in the suite)
 
-Prints one JSON line: the measured peak TFLOP/s, and for each side tokens/s, MFU against the
-measured peak (training FLOPs per token from ``llama.flops_per_token``, attention included),
-peak memory (``torch.cuda.max_memory_allocated`` over one step; null on CPU), the median step
+Before timing, the first steps' losses of the functional step on the GPU (bf16, eager) must
+equal those of the same steps in fp32 on the CPU within 2e-2 (``reference``; a small batch of
+its own). Prints one JSON line: the measured peak TFLOP/s and the GPU's bf16 peak by name
+(``spec_peak_tflops``, the table in ``functional_pp/app/world.py``; null when unknown), and for
+each side (``functional_eager``, ``functional`` compiled, ``plain`` compiled) tokens/s, MFU
+against the measured peak and ``mfu_of_spec_peak`` (training FLOPs per token from
+``llama.flops_per_token``, attention included), peak memory (``torch.cuda.max_memory_allocated`` over one step; null on CPU), the median step
 time, the compile (first-step) time and the first losses; then functional / plain ratios.
 
 Both sides start from the same weights and the same batch; the first-step losses must agree
 within 2e-2 relative (bf16) before anything is timed. The model is Llama 3.2 1B's shape
 (hidden 2048, 32 heads / 8 KV heads of 64, MLP 8192, vocab 128256) with fewer layers (4 by
-default, so that both compilations and the timing fit in ten minutes), untied embeddings
+default, so that both compilations and the timing fit in eight minutes), untied embeddings
 and no rope scaling (the plain module has neither; neither changes the step's cost).
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from single_device import OPT, PlainLlama, load_from_functional, make_batch, plain_loss  # noqa: E402
 
 import functional_pp as fpp  # noqa: E402
+from functional_pp.app.world import peak_flops  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
 
 
@@ -64,13 +70,15 @@ def _sync(device: str) -> None:
 
 # --------------------------------------------------------------------------- the two sides
 class Functional:
-    """``fpp.train_step``: bf16 compute over fp32 master weights, the whole step compiled."""
+    """``fpp.train_step``: bf16 compute over fp32 master weights (``precision``), the whole step
+    compiled with ``backend`` (None: eager)."""
 
-    def __init__(self, cfg, params, backend, device):
+    def __init__(self, cfg, params, backend, device, precision="bf16"):
         opt = fpp.optim.adamw(OPT["lr"], b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
                               weight_decay=OPT["weight_decay"])
-        self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, precision="bf16",
-                                      compile=True if backend == "inductor" else backend)
+        compile_ = False if backend is None else True if backend == "inductor" else backend
+        self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, precision=precision,
+                                      compile=compile_)
         self.state = self.step_fn.init(params)
         self.device = device
 
@@ -135,9 +143,29 @@ def model_config(args) -> llama.Config:
                                   max_seq=max(args.seq, 512))
 
 
+def reference_check(cfg, args) -> dict:
+    """The first steps' losses on this device (bf16, eager) against the same steps in fp32 on
+    the CPU, on a small batch of their own (the CPU reference must stay cheap): equal within
+    bf16 tolerance (2e-2 relative), else this raises."""
+    batch, seq, steps = args.ref_batch, args.ref_seq, args.ref_steps
+    losses = {}
+    for where, device, precision in (("cpu_fp32", "cpu", "fp32"), ("device_bf16", args.device, "bf16")):
+        runner = Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device), None, device, precision)
+        b = make_batch(cfg, batch, seq, device)
+        losses[where] = [runner.step(b) for _ in range(steps)]
+        del runner
+        gc.collect()
+    rel = max(abs(a - b) / abs(a) for a, b in zip(losses["cpu_fp32"], losses["device_bf16"]))
+    if rel > 2e-2:
+        raise AssertionError(f"the first {steps} losses on {args.device} in bf16 {losses['device_bf16']} differ from "
+                             f"the CPU fp32 reference {losses['cpu_fp32']} (relative {rel:.3g} > 2e-2)")
+    return {"batch": batch, "seq": seq, **{f"{k}_losses": v for k, v in losses.items()}, "max_rel_diff": rel}
+
+
 def run(args) -> dict:
     device = args.device
     peak = matmul_peak_tflops(args.matmul_size, device, args.matmul_iters)
+    spec = peak_flops(torch.device(device))          # the GPU's bf16 peak by name (None: unknown / CPU)
     cfg = model_config(args)
     batch = make_batch(cfg, args.batch, args.seq, device)
     tokens = args.batch * args.seq
@@ -147,8 +175,11 @@ def run(args) -> dict:
            "model": {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                      "mlp": cfg.mlp, "vocab": cfg.vocab, "params": fpp.count_params(llama.init(cfg))},
            "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": flops,
-           "compile_backend": args.compile_backend}
-    makers = {"functional": lambda prm: Functional(cfg, prm, args.compile_backend, device),
+           "compile_backend": args.compile_backend,
+           "spec_peak_tflops": None if spec is None else spec / 1e12}
+    out["reference"] = reference_check(cfg, args)
+    makers = {"functional_eager": lambda prm: Functional(cfg, prm, None, device),
+              "functional": lambda prm: Functional(cfg, prm, args.compile_backend, device),
               "plain": lambda prm: Plain(cfg, prm, args.compile_backend, device, args.seq)}
     for name, make in makers.items():
         # one side at a time, each from freshly initialised (identical) weights, so that its
@@ -157,6 +188,7 @@ def run(args) -> dict:
         r = measure(runner, batch, args.warmup, args.steps, device)
         r["tokens_per_s"] = tokens / r["median_step_s"]
         r["mfu"] = r["tokens_per_s"] * flops / (peak * 1e12)
+        r["mfu_of_spec_peak"] = None if spec is None else r["tokens_per_s"] * flops / spec
         out[name] = r
         del runner
         gc.collect()
@@ -169,6 +201,7 @@ def run(args) -> dict:
                              f"{p['losses'][0]} (relative {rel:.3g} > 2e-2): not the same model")
     out["first_loss_rel_diff"] = rel
     out["tokens_per_s_ratio"] = f["tokens_per_s"] / p["tokens_per_s"]
+    out["eager_tokens_per_s_ratio"] = out["functional_eager"]["tokens_per_s"] / p["tokens_per_s"]
     out["peak_memory_ratio"] = (f["peak_memory_bytes"] / p["peak_memory_bytes"]
                                 if f["peak_memory_bytes"] and p["peak_memory_bytes"] else None)
     return out
@@ -197,6 +230,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.matmul_iters = 2 if args.smoke else 50
+    args.ref_batch, args.ref_seq, args.ref_steps = (1, 16, 2) if args.smoke else (1, 256, 2)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: this benchmark measures one GPU (use --smoke to try it on CPU)")

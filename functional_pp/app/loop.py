@@ -113,6 +113,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
     from functional_pp.data import DataLoader
+    from functional_pp.data.loader import to_device
     from functional_pp.devices.batched_run import per_device
     from functional_pp.parallel.init import init as init_named
     from functional_pp.step.train import DEFAULT_BATCH_DIMS
@@ -317,8 +318,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                     stopped = True
                     break
                 batch = next(loader)
-                if device is not None:
-                    batch = {k: v.to(device) for k, v in batch.items()}
+                batch = to_device(batch, device)        # pinned + non-blocking on CUDA
                 if lead and report_text is None:
                     with comm.comm_report() as rep:
                         state, m = step_fn(state, batch)

@@ -42,8 +42,8 @@ def from_balanced(x: torch.Tensor, dim: int, c: int, name: str = "dim") -> torch
     return torch.cat([chunks[where[j]] for j in range(2 * c)], dim=dim)
 
 
-def balanced_indices(size: int, c: int, i: int) -> torch.Tensor:
-    """Natural positions of the elements device i of c holds in a balanced layout."""
+def balanced_indices(size: int, c: int, i: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Natural positions of the elements device i of c holds in a balanced layout (on ``device``)."""
     m = size // (2 * c)
     j = 2 * c - 1 - i
-    return torch.cat([torch.arange(i * m, (i + 1) * m), torch.arange(j * m, (j + 1) * m)])
+    return torch.cat([torch.arange(i * m, (i + 1) * m, device=device), torch.arange(j * m, (j + 1) * m, device=device)])

@@ -43,6 +43,7 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "shard_batch",
+    "to_device",
 ]
 
 #: Label value ignored by the loss (``torch.nn.functional.cross_entropy``'s
@@ -164,6 +165,18 @@ def shard_batch(batch: Mapping[str, torch.Tensor], dp_rank: int = 0, dp_size: in
 # ----------------------------------------------------------------------------
 # Loader
 # ----------------------------------------------------------------------------
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """A host batch on ``device``: on CUDA through pinned (page-locked) host memory and a
+    non-blocking copy, so the copy is one DMA that does not stall the host; elsewhere (CPU, no
+    device) the tensors as they are or a plain ``.to``."""
+    device = None if device is None else torch.device(device)
+    if device is None or device.type == "cpu":
+        return dict(batch)
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _as_numpy_tokens(corpus_tokens: Any) -> np.ndarray:

@@ -153,11 +153,9 @@ def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT
 
     from functional_pp.devices.dist import DistBackend
 
+    gpu = use_local_gpu()           # also when the caller initialised the process group itself
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("nccl" if gpu is not None else "gloo", timeout=datetime.timedelta(seconds=timeout))
     mesh.validate_world_size(dist.get_world_size())
     rank = dist.get_rank()
     ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank, timeout=timeout), simulated=False)
@@ -170,6 +168,21 @@ def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT
         raise
     finally:
         set_process_context(None)
+
+
+def use_local_gpu() -> int | None:
+    """With CUDA: make this process's GPU, ``LOCAL_RANK`` (torchrun's rank on its node), the
+    current device, so that NCCL and every tensor made on "cuda" use it; returns its index
+    (None without CUDA). More processes on a node than visible GPUs raises, naming both."""
+    if not torch.cuda.is_available():
+        return None
+    index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if index >= count:
+        raise RuntimeError(f"LOCAL_RANK={index} but this process sees {count} GPU(s) "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start "
+                           f"torchrun with --nproc-per-node at most {count}, one process per GPU")
+    torch.cuda.set_device(index)
+    return index
 
 
 def _free_port() -> int:

@@ -378,7 +378,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     """The final normed hidden states (batch seq hidden), the LM head's input; ``emb`` the
     embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
     layer_fn = layer if layer_fn is None else layer_fn
-    pos = ops.positions("seq", tokens.size("seq"))
+    pos = ops.positions("seq", tokens.size("seq"), device=tokens.data.device)
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()

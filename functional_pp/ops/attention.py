@@ -23,14 +23,15 @@ from functional_pp.parallel.named import (Named, _make, _memo, current_context, 
                                           require_named, settle, target_layout, varying_after)
 
 
-def positions(dim: str, size: int | None = None) -> Named:
-    """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``)."""
+def positions(dim: str, size: int | None = None, device: torch.device | str | None = None) -> Named:
+    """Global positions of this device's part of sequence dimension ``dim`` (of global ``size``),
+    made on ``device`` (that of the tokens: no host work and no copy per step on a GPU)."""
     if size is None:
         raise ValueError("positions: give the global sequence size")
     split = target_layout([dim], [size], name=f"positions {dim}")[0]
     balanced = env()[1].splits_balanced(dim, split)
     if is_tracing():     # a fresh value per trace: what is derived from it lives as long as the trace
-        value = Named(_local_positions(size, split, balanced), [dim], [split])
+        value = Named(_local_positions(size, split, balanced, device), [dim], [split])
         _memo(value)[TRACED_POSITIONS] = True
         return value
     ctx = current_context(required=False)
@@ -38,26 +39,26 @@ def positions(dim: str, size: int | None = None) -> Named:
     # tables) is computed once, not every step (docs/eager_overhead.md); kept in the device's
     # context, so a new launch (e.g. each dry run of the planner) starts afresh
     cache = _OUTSIDE_A_MESH if ctx is None else ctx.extras.setdefault("positions", {})
-    key = (dim, size, split, balanced)
+    key = (dim, size, split, balanced, None if device is None else torch.device(device))
     value = cache.get(key)
     if value is None:
-        value = cache[key] = Named(_local_positions(size, split, balanced), [dim], [split])
+        value = cache[key] = Named(_local_positions(size, split, balanced, device), [dim], [split])
     return value
 
 
 _OUTSIDE_A_MESH: dict = {}     # positions values of code that runs outside any launch (one device)
 
 
-def _local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
+def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
     if not split:
-        return torch.arange(size)
+        return torch.arange(size, device=device)
     ctx = current_context(required=False)
     if ctx is not None and ctx.batched:
-        return _batched_local_positions(size, split, balanced)
+        return _batched_local_positions(size, split, balanced).to(device)
     if not balanced:
-        return torch.arange(size).chunk(C.axis_size(split))[C.axis_index(split)]
+        return torch.arange(size, device=device).chunk(C.axis_size(split))[C.axis_index(split)]
     first, rest = split[0], split[1:]
-    base = balanced_indices(size, C.axis_size(first), C.axis_index(first))
+    base = balanced_indices(size, C.axis_size(first), C.axis_index(first), device)
     if rest:
         base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
     return base
@@ -220,11 +221,11 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=N
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
         if causal or window is not None:
-            qpos = _local_positions(seq_size, axes, balanced)
-            kpos = torch.arange(seq_size)
+            qpos = _local_positions(seq_size, axes, balanced, q.device)
+            kpos = torch.arange(seq_size, device=q.device)
             if balanced:
-                kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
-            mask = _visible(qpos, kpos, causal, window).to(q.device)
+                kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
+            mask = _visible(qpos, kpos, causal, window)
         return _masked(q, kf, vf, mask, scale, softcap)
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
@@ -264,11 +265,10 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         k = C.all_gather(k, seq_axes, axis=2, tiled=True)
         v = C.all_gather(v, seq_axes, axis=2, tiled=True)
         kseg = C.raw_all_gather(seg.contiguous(), seq_axes, 1)
-        qpos = _local_positions(seq_size, seq_axes, balanced).to(q.device)
-        kpos = torch.arange(seq_size)
+        qpos = _local_positions(seq_size, seq_axes, balanced, q.device)
+        kpos = torch.arange(seq_size, device=q.device)
         if balanced:
-            kpos = torch.cat([balanced_indices(seq_size, n, j) for j in range(n)])
-        kpos = kpos.to(q.device)
+            kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
     if causal or window is not None:
         if qpos is None:

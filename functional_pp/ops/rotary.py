@@ -76,16 +76,17 @@ def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: YarnScaling) -> tor
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001                                   # (as transformers: no singularity)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=inv.device) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp                                     # the share of the unscaled frequency
     return inv / s.factor * (1 - keep) + inv * keep
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                        seq_len: int | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies (float64), Llama-3 or LongRoPE scaled when ``scaling`` is
-    given (LongRoPE: the long factors when ``seq_len`` exceeds the original context)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+                        seq_len: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies (float64, made on ``device``), Llama-3 or LongRoPE scaled
+    when ``scaling`` is given (LongRoPE: the long factors when ``seq_len`` exceeds the original
+    context)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     if scaling is None:
         return inv
     if isinstance(scaling, LinearScaling):
@@ -97,7 +98,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
             raise ValueError(f"LongRoPE: {len(scaling.short_factor)} factors for a head_dim of {head_dim} "
                              f"({head_dim // 2} pairs)")
         long = seq_len is not None and seq_len > scaling.original_max_position
-        return inv / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        return inv / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64,
+                                  device=inv.device)
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -159,7 +161,7 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
         tables = memo.get(key)
         if tables is not None:
             return tables
-    inv = inverse_frequencies(d, theta, scaling, seq_len).to(device)
+    inv = inverse_frequencies(d, theta, scaling, seq_len, device=device)     # on the device: no host work
     ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
     attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN

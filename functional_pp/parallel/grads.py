@@ -7,6 +7,7 @@ from typing import Any, Callable
 import optree
 import torch
 
+from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Rules
 from functional_pp.parallel.named import Named, env, settle
 from functional_pp.parallel.reshard import relayout
@@ -28,7 +29,7 @@ def value_and_grad(loss_fn: Callable[[Any, Any], Named], params: Any, batch: Any
     loss = settle(loss_fn(optree.tree_unflatten(spec, named), batch))
     check_scalar_loss(loss, "value_and_grad")
     diff = [x for x in xs if x.requires_grad]
-    gs = iter(torch.autograd.grad(loss.data, diff, allow_unused=True))
+    gs = iter(torch.autograd.grad(carry_to_backward(loss.data), diff, allow_unused=True))
     grads = []
     for x, leaf in zip(xs, leaves):
         g = next(gs) if x.requires_grad else None

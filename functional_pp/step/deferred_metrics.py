@@ -127,7 +127,7 @@ class PendingSteps:
                 s.metrics._error = exc
             raise
         seconds = (time.perf_counter() - steps[0].started) / len(steps)
-        peak = peak_memory()
+        peak = peak_memory(next((v.device for v in steps[0].scalars if isinstance(v, torch.Tensor)), None))
         error: BaseException | None = None
         held: list[int] = []
         at = 0

@@ -68,8 +68,11 @@ def split_micro(batch: dict, k: int) -> list[dict]:
     return out
 
 
-def peak_memory() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+def peak_memory(device: torch.device | None = None) -> int:
+    """The peak memory of the device a step ran on: the CUDA caching allocator's peak for a
+    CUDA device (``max_memory_allocated``, since the start or the last reset), else the process's
+    peak resident set (a CPU step, also on a machine that has a GPU)."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -23,6 +23,7 @@ from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
 from functional_pp.compile.recompute import backward_region, reset_region_ids
+from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import Options, current_context, new_per_thread
@@ -120,6 +121,12 @@ class ParamSpec:
             if not is_tracing():
                 self._axes[key] = cached
         return cached
+
+
+def _device_of(tree: Any) -> torch.device | None:
+    """The device of the first tensor of ``tree`` (None: no tensor)."""
+    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    return None if leaf is None else leaf.device
 
 
 @dataclass
@@ -286,7 +293,7 @@ class TrainStep:
         if bound is not None:
             self._known_peaks.remember_peaks(bound, opt_state, self.spec.trainable_tree(params), peaks)
         self._host_values(metrics, time.perf_counter() - t0)
-        metrics["peak_memory_bytes"] = peak_memory()
+        metrics["peak_memory_bytes"] = peak_memory(_device_of(params))
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
@@ -454,7 +461,8 @@ class TrainStep:
                 loss = self._non_finite_if_bad_ids(loss, checked)
             diff = [x for x in xs if x.requires_grad]
             with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
-                gs = torch.autograd.grad(loss, diff)
+                # (CUDA runs backward on autograd's own thread: it gets this thread's state)
+                gs = torch.autograd.grad(carry_to_backward(loss), diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
             xs = [x for x, t in zip(xs, trains) if t]
             if len(micro) == 1:          # no accumulation buffer needed
