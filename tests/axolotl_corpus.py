@@ -78,17 +78,18 @@ MODEL_TYPES = {
     "arcee-ai/Trinity-Nano-Preview": "afmoe",
 }
 
-_TINY = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+# (head_dim 64: whole blocks of 64 along o_proj's input features, for the quantized bases)
+_TINY = dict(vocab_size=384, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
 #: model_type -> (transformers config class, model class, extra config fields) of the families
 #: the decoder implements; any other model_type gets only a config.json (refused when read)
 _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-       "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16}),
+       "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 64}),
        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
-       "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
-       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": None})}
+       "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "pad_token_id": None})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}

@@ -53,7 +53,7 @@ def test_unfrozen_parameters_without_an_adapter():
      "bnb_config_kwargs.llm_int8_threshold is not supported"),
     ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}, "DoRA"),
     ({"lora_r": 16}, "lora_r is set but adapter is not: add adapter: lora"),
-    ({"adapter": "lora"}, "name the weights to adapt"),
+    ({"adapter": "lora"}, "adapter: lora names no weights to adapt; set lora_target_modules"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
