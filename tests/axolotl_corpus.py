@@ -78,19 +78,20 @@ MODEL_TYPES = {
     "arcee-ai/Trinity-Nano-Preview": "afmoe",
 }
 
-_TINY = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+# (head_dim 64: whole blocks of 64 along o_proj's input features, for the quantized bases)
+_TINY = dict(vocab_size=384, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
 #: model_type -> (transformers config class, model class, extra config fields) of the families
 #: the decoder implements; any other model_type gets only a config.json (refused when read)
 _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-       "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16}),
+       "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 64}),
        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-       "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
-       "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
-       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
+       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
+       "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+       "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "pad_token_id": None}),
        "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-       "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 4,
+       "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 64, "num_experts": 4,
                                                               "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                               "moe_intermediate_size": 32,
@@ -172,7 +173,7 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, 64)))
+            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, 128)))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)

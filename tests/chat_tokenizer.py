@@ -5,7 +5,8 @@ import re
 
 from functional_pp.data.chat import template_names, template_text
 
-EXTRA = ["<|begin_of_text|>", "<|end_of_text|>", "<s>", "</s>", "<bos>", "<eos>", "<BOS_TOKEN>", "<｜begin▁of▁sentence｜>"]
+EXTRA = ["<|begin_of_text|>", "<|end_of_text|>", "<s>", "</s>", "<bos>", "<eos>", "<BOS_TOKEN>", "<｜begin▁of▁sentence｜>",
+         "<unk>"]
 _MARK = re.compile(r"<[|｜][^<>'\"\s]{1,40}[|｜]>|<(?:start|end)_of_turn>|\[/?INST\]|\[/?SYSTEM_PROMPT\]|"
                    r"\[/?AVAILABLE_TOOLS\]|\[TOOL_CALLS\]|\[/?TOOL_RESULTS\]")
 

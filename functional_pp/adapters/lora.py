@@ -19,14 +19,16 @@ import math
 import re
 from typing import Any, Callable, NamedTuple, Sequence
 
+import optree
 import torch
 
 from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import per_thread
-from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param
+from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
 from functional_pp.ops.einsum import einsum, parse_pattern
 from functional_pp.parallel.named import Named, _make
+from functional_pp.quant.weights import QuantizedWeight
 
 RANK = "lora_r"
 KEY = "lora"            # the entry of a module's dict holding its weights' adapters
@@ -252,7 +254,7 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
                              "advances on the host); set lora_dropout: 0 or compile: false")
         seed = _calls.__dict__.setdefault("n", 0)
         _calls.n = seed + 1
-    missing = sorted(set(lora) - {p for p, _ in leaves_with_paths(base)})
+    missing = sorted(set(lora) - _weight_paths(base))
     if missing:
         raise ValueError(f"LoRA: adapters for {missing[:3]} name no parameter of the model")
     out = _copy(base)
@@ -261,6 +263,13 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
         node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
                                 seed * 1_000_003 + i + 1)
     return out
+
+
+def _weight_paths(tree: Any) -> set[str]:
+    """The paths of the weights of ``tree``, a quantized weight (QLoRA's frozen base) one weight."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight),
+                                                none_is_leaf=False)
+    return {path_str(p) for p in paths}
 
 
 def adapt(fn: Callable[..., Any], cfg: LoraConfig) -> Callable[..., Any]:

@@ -66,9 +66,19 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
 
 def _full_params(ckpt: Path) -> dict:
-    """The whole parameter tree of a checkpoint (base and adapters), on this process."""
+    """The whole parameter tree of a checkpoint (base and adapters), on this process; a quantized
+    frozen base (QLoRA, saved as its codes and scales) dequantized to fp32."""
+    import optree
+
     from functional_pp.checkpoint.load import load_checkpoint
-    return load_checkpoint(ckpt, keys=["params"]).tree["params"]
+    from functional_pp.quant.weights import QuantizedWeight, dequantize
+
+    def quantized(x) -> bool:      # (loaded without a spec: a look-alike of QuantizedWeight)
+        return isinstance(x, tuple) and getattr(type(x), "_fields", None) == QuantizedWeight._fields
+
+    tree = load_checkpoint(ckpt, keys=["params"]).tree["params"]
+    return optree.tree_map(lambda x: dequantize(QuantizedWeight(*x)) if quantized(x) else x, tree,
+                           is_leaf=quantized, none_is_leaf=False)
 
 
 def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:

@@ -134,8 +134,20 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     from functional_pp.checkpoint import hf
     from functional_pp.core.tree import map_with_path
     from functional_pp.parallel.named import Named
-    tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
-                                rules=rules, device=device, grow_vocab=bool(cfg.tokens or cfg.resize_token_embeddings_to_32x))
+    grow = bool(cfg.tokens or cfg.resize_token_embeddings_to_32x)
+    quant = cfg.base_quantization()
+    if quant is None:
+        tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
+                                    rules=rules, device=device, grow_vocab=grow)
+    else:       # whole weights quantized (as bitsandbytes does), then this device's shards of the codes
+        from functional_pp.core.runtime import current_rank
+        from functional_pp.models.quantize import quantize_linear_weights
+        from functional_pp.parallel.sharding import shard
+        full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow)
+        full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"])
+        tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
+        if device is not None:
+            tensors = map_with_path(lambda p, x: x.to(device), tensors)
 
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
@@ -175,9 +187,27 @@ def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -
     from functional_pp.core.tree import leaves_with_paths
     if lora is not None:
         try:
-            return adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
+            out = adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
         except ValueError as exc:
-            raise ConfigError(f"adapter: lora: {exc}") from exc
+            raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc
+        quant = cfg.base_quantization()
+        if quant is None:
+            return out
+        from functional_pp.models.quantize import quantized_decls
+        which = "load_in_8bit" if quant["kind"] == "int8" else "adapter: qlora / load_in_4bit"
+        if cfg.base_model is None:
+            raise ConfigError(f"{which}: quantizes base_model's weights: set base_model (a Hugging Face directory)")
+        try:
+            qdecls = quantized_decls(out[1], quant["kind"], double_quant=quant["double_quant"])
+        except ValueError as exc:
+            raise ConfigError(f"{which}: {exc}") from exc
+        trained = [p for p, t in leaves_with_paths(out[2](qdecls)) if t and ".lora." not in "." + p]
+        quantized = {p for p, _ in leaves_with_paths(qdecls)} - {p for p, _ in leaves_with_paths(out[1])}
+        clash = sorted(p for p in trained if p in quantized)
+        if clash:
+            raise ConfigError(f"{which}: {clash[0].rpartition('.')[0]} is quantized (frozen) but lora_modules_to_save "
+                              f"/ unfrozen_parameters train it: train it through its adapter instead")
+        return out[0], qdecls, out[2]
     if cfg.unfrozen_parameters:
         mask = adapters.unfrozen(cfg.unfrozen_parameters)
         paths = [p for p, t in leaves_with_paths(mask(decls)) if t]

@@ -84,10 +84,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
 _ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
             "linear modules): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
-_BASE_QUANT = ("a quantized frozen base trains only under an adapter (QLoRA), and that wiring is pending: "
-               "the base quantization exists (NF4 / int8 weights, functional_pp.models.quantize, "
-               "docs/quantization.md) but the adapter that trains on it does not yet; remove it "
-               "(bf16: true trains in bf16)")
 _MOE = ("this mixture-of-experts kernel or option is not supported (experts are the dropless "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
@@ -102,8 +98,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
     **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters", "peft")},
-    **{k: _BASE_QUANT for k in ("load_in_8bit", "load_in_4bit")},
-    **{k: _QUANT for k in ("gptq", "bnb_config_kwargs",
+    **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
                            "quantize_moe_experts", "nvfp4_merge_aware")},

@@ -19,19 +19,50 @@ _LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lo
               "lora_modules_to_save", "peft_use_rslora", "peft_use_dora", "lora_model_dir")
 
 
+_BNB_KEYS = {"bnb_4bit_use_double_quant": (bool,), "bnb_4bit_quant_type": ("nf4",),
+             "bnb_4bit_compute_dtype": None, "llm_int8_has_fp16_weight": (False,)}
+
+
+def check_base_quantization(cfg: Any, add) -> None:
+    """``load_in_4bit`` / ``load_in_8bit`` / ``bnb_config_kwargs``: a quantized frozen base under an
+    adapter only, one of the two, and bitsandbytes options we implement."""
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        add("load_in_4bit and load_in_8bit are both set: choose one (4-bit NF4 for QLoRA)")
+    if cfg.adapter == "qlora" and cfg.load_in_8bit:
+        add("adapter: qlora quantizes the base to 4 bit (NF4): remove load_in_8bit, or use adapter: lora "
+            "with load_in_8bit: true")
+    if (cfg.load_in_4bit or cfg.load_in_8bit) and cfg.adapter is None:
+        which = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
+        add(f"{which}: a quantized base is frozen, so it trains only under an adapter: add adapter: qlora "
+            f"(or adapter: lora), or remove {which} (bf16: true trains in bf16)")
+    kw = cfg.bnb_config_kwargs or {}
+    if not isinstance(kw, dict):
+        add(f"bnb_config_kwargs must be a mapping, got {kw!r}")
+        return
+    for k, v in kw.items():
+        if k not in _BNB_KEYS:
+            add(f"bnb_config_kwargs.{k} is not supported (supported: {', '.join(_BNB_KEYS)}): remove it")
+        elif _BNB_KEYS[k] == (bool,) and not isinstance(v, bool):
+            add(f"bnb_config_kwargs.{k} must be true or false, got {v!r}")
+        elif _BNB_KEYS[k] not in (None, (bool,)) and v not in _BNB_KEYS[k]:
+            add(f"bnb_config_kwargs.{k}: {v!r} is not supported (only {_BNB_KEYS[k][0]!r}: NF4 codes, "
+                f"dequantized in the run's precision)")
+
+
 def check_adapter(cfg: Any, add) -> None:
     """The adapter keys: ``adapter: lora`` with a valid LoRA config; LoRA keys without it,
     QLoRA and DoRA refused with what to do instead."""
     import re
-    if cfg.adapter == "qlora":
-        add("'adapter: qlora' is not supported yet: the NF4 base exists (docs/quantization.md), the LoRA "
-            "wiring is pending; use adapter: lora (a bf16 / fp32 frozen base)")
-    elif cfg.adapter is None:
+    check_base_quantization(cfg, add)
+    if cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}
         given = [k for k in _LORA_KEYS if getattr(cfg, k) != defaults[k]]
         if given:
             add(f"{given[0]} is set but adapter is not: add adapter: lora (or remove the LoRA keys)")
+    elif cfg.lora_target_modules is None and not cfg.lora_target_linear:
+        add(f"adapter: {cfg.adapter} names no weights to adapt; set lora_target_modules ([q_proj, v_proj] "
+            f"or a regex) or lora_target_linear: true")
     else:
         try:
             cfg.lora_config()

@@ -113,7 +113,16 @@ class TrainConfig:
                                                       "rules for the devices at hand (docs/planning.md)")
     # adapters and frozen parameters (Axolotl / peft names; docs/adapters.md)
     adapter: Literal["lora", "qlora"] | None = fld(None, "lora: train LoRA adapters of the targeted "
-                                                         "weights, the rest frozen (qlora is refused for now)")
+                                                         "weights, the rest frozen; qlora: lora on an NF4 "
+                                                         "base (load_in_4bit)")
+    load_in_4bit: bool = fld(False, "hold the adapted weights' frozen base as NF4 (QLoRA; "
+                                    "docs/quantization.md); with an adapter only")
+    load_in_8bit: bool = fld(False, "hold the adapted weights' frozen base as blockwise int8; with "
+                                    "an adapter only")
+    bnb_config_kwargs: dict | None = fld(None, "bitsandbytes' options as Axolotl passes them: "
+                                               "bnb_4bit_use_double_quant (default true), "
+                                               "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
+                                               "(the run's precision), llm_int8_has_fp16_weight (false)")
     lora_r: int = fld(8, "LoRA rank")
     lora_alpha: float = fld(16, "LoRA alpha: the adapter is scaled by alpha / r")
     lora_dropout: float = fld(0.0, "dropout on the adapter's input")
@@ -219,7 +228,7 @@ class TrainConfig:
     def lora_config(self):
         """The run's :class:`functional_pp.adapters.LoraConfig` (``adapter: lora``), else None."""
         from functional_pp.adapters import LoraConfig
-        if self.adapter != "lora":
+        if self.adapter not in ("lora", "qlora"):
             return None
         try:
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -230,7 +239,17 @@ class TrainConfig:
                               rslora=self.peft_use_rslora, dora=self.peft_use_dora,
                               unfrozen_parameters=tuple(self.unfrozen_parameters or ()))
         except (ValueError, NotImplementedError) as exc:
-            raise ConfigError(f"adapter: lora: {exc}") from exc
+            raise ConfigError(f"adapter: {self.adapter}: {exc}") from exc
+
+    def base_quantization(self) -> dict | None:
+        """How the adapted weights' frozen base is quantized: ``{"kind": "nf4" | "int8",
+        "double_quant": bool}`` (``adapter: qlora`` or ``load_in_4bit``; ``load_in_8bit``), else None."""
+        kw = dict(self.bnb_config_kwargs or {})
+        if self.load_in_8bit:
+            return {"kind": "int8", "double_quant": False}
+        if self.adapter == "qlora" or self.load_in_4bit:
+            return {"kind": "nf4", "double_quant": bool(kw.get("bnb_4bit_use_double_quant", True))}
+        return None
 
     def resolved_precision(self) -> str:
         """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""

@@ -11,7 +11,7 @@ import torch
 from functional_pp.core.tree import Param, map_with_path
 from functional_pp.quant.weights import INT8_BLOCK, NF4_BLOCK, QuantizedWeight, quantize_int8, quantize_nf4
 
-__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "component_decls", "KINDS"]
+__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS"]
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
 #: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
@@ -66,3 +66,12 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
     quantized = map_with_path(one, params, decls)
     new_decls = map_with_path(lambda p, x, d: out_decls[p], params, decls)
     return quantized, new_decls
+
+
+def quantized_decls(decls: Any, kind: str = "nf4", *, double_quant: bool = True, block: int | None = None,
+                    block_dims: dict[str, str] | None = None) -> Any:
+    """The declarations :func:`quantize_linear_weights` returns for weights declared by ``decls``
+    (computed on the meta device: no weight is made)."""
+    meta = map_with_path(lambda p, d: torch.empty(d.shape, dtype=d.dtype, device="meta"), decls)
+    return quantize_linear_weights(meta, decls, kind, double_quant=double_quant, block=block,
+                                   block_dims=block_dims)[1]

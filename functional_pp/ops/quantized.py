@@ -29,19 +29,30 @@ def _local(q: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(*(c.data if isinstance(c, Named) else c for c in q))
 
 
+def _block_dim(q: QuantizedWeight) -> int:
+    """The block dimension, from the components' global sizes (their local shapes may be laid
+    out differently: an FSDP unit gathers the floating-point scales, not the integer codes)."""
+    return QuantizedWeight(torch.empty(q.codes._sizes, device="meta"),
+                           torch.empty(q.absmax._sizes, device="meta")).block_dim
+
+
+def _unpacked(q: QuantizedWeight, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """``sizes`` of the codes as the weight's (NF4 packs two codes a byte along the block dimension)."""
+    out = list(sizes)
+    if q.codes._data.dtype == torch.uint8:
+        out[_block_dim(q)] *= 2
+    return tuple(out)
+
+
 def _global_shape(q: QuantizedWeight) -> tuple[int, ...]:
-    local = _local(q)
-    sizes = list(q.codes._sizes)
-    if local.kind == "nf4":
-        sizes[local.block_dim] *= 2
-    return tuple(sizes)
+    return _unpacked(q, q.codes._sizes)
 
 
 def stand_in(q: QuantizedWeight) -> Named:
     """A value of the weight's type (dimensions, layout, varying axes, global sizes) on the meta
     device: what an op plans with."""
     c = q.codes
-    return _make(torch.empty(_local(q).shape, device="meta"), c._dims, c._split, c._vary, _EMPTY,
+    return _make(torch.empty(_unpacked(q, tuple(c._data.shape)), device="meta"), c._dims, c._split, c._vary, _EMPTY,
                  _global_shape(q))
 
 

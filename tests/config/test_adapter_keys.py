@@ -45,10 +45,15 @@ def test_unfrozen_parameters_without_an_adapter():
 
 
 @pytest.mark.parametrize("d, message", [
-    ({"adapter": "qlora", "lora_target_linear": True}, "'adapter: qlora' is not supported yet: .* use adapter: lora"),
+    ({"load_in_4bit": True}, "load_in_4bit: a quantized base is frozen, so it trains only under an adapter"),
+    ({"adapter": "qlora", "lora_target_linear": True, "load_in_8bit": True}, "adapter: qlora quantizes the base to 4 bit"),
+    ({"adapter": "qlora", "lora_target_linear": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
+     "bnb_4bit_quant_type: 'fp4' is not supported"),
+    ({"adapter": "qlora", "lora_target_linear": True, "bnb_config_kwargs": {"llm_int8_threshold": 6.0}},
+     "bnb_config_kwargs.llm_int8_threshold is not supported"),
     ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}, "DoRA"),
     ({"lora_r": 16}, "lora_r is set but adapter is not: add adapter: lora"),
-    ({"adapter": "lora"}, "name the weights to adapt"),
+    ({"adapter": "lora"}, "adapter: lora names no weights to adapt; set lora_target_modules"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),

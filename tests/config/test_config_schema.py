@@ -66,7 +66,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
                  "'lora_fan_in_fan_out' is not supported: this LoRA option is not supported",
-                 "'load_in_8bit' is not supported: a quantized frozen base trains only under an adapter",
+                 "load_in_8bit: a quantized base is frozen, so it trains only under an adapter",
                  "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",

@@ -149,13 +149,14 @@ def test_nf4_fsdp_forward_on_two_gloo_processes_equals_simulation(nf4):
         assert torch.equal(a, b) and ea == eb
 
 
-def test_config_refuses_qlora_saying_the_base_exists_and_the_wiring_is_pending():
-    from functional_pp.config import ConfigError, TrainConfig
-    with pytest.raises(ConfigError) as info:
-        TrainConfig.from_dict({"adapter": "qlora", "load_in_4bit": True})
-    text = str(info.value)
-    assert "'adapter: qlora' is not supported yet: the NF4 base exists" in text and "LoRA wiring is pending" in text
-    assert "'load_in_4bit' is not supported: a quantized frozen base trains only under an adapter" in text
+def test_config_reads_qlora_as_an_nf4_base():
+    from functional_pp.config import TrainConfig
+    qlora = TrainConfig.from_dict({"adapter": "qlora", "lora_target_linear": True})
+    assert qlora.base_quantization() == {"kind": "nf4", "double_quant": True}
+    plain = TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True, "load_in_4bit": True,
+                                   "bnb_config_kwargs": {"bnb_4bit_use_double_quant": False,
+                                                         "bnb_4bit_quant_type": "nf4"}})
+    assert plain.base_quantization() == {"kind": "nf4", "double_quant": False}
 
 
 @pytest.mark.parametrize("layout", ["one", "fsdp"])

@@ -1,0 +1,72 @@
+"""The QLoRA fine-tune of examples/configs/qlora.yaml (a tiny Qwen3 made by
+examples/make_tiny_hf_qwen3.py, nothing downloaded): 2 steps through the CLI with the base's
+linear weights held as NF4 codes (frozen, saved as codes), the adapters trained, and
+``export --merge-adapter`` writing a plain HF model (dequantized base + merged adapters) whose
+logits in ``transformers`` equal ours."""
+import importlib.util
+import json
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp import adapters
+from functional_pp import checkpoint as ck
+from functional_pp import cli
+from functional_pp.checkpoint import hf
+from functional_pp.models import llama
+from functional_pp.models.quantize import quantized_decls
+from functional_pp.parallel import sharding
+from functional_pp.quant.weights import QuantizedWeight
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "configs" / "qlora.yaml"
+
+
+def _is_q(x):
+    return isinstance(x, QuantizedWeight)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "examples" / "make_tiny_hf_qwen3.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root = tmp_path_factory.mktemp("qlora")
+    inputs = mod.main(root / "inputs")
+    out = root / "run"
+    assert cli.main(["train", str(CONFIG), "--set", f"base_model={inputs / 'tiny-qwen3-hd64'}",
+                     "--set", f"datasets=[{{path: {inputs / 'alpaca.jsonl'}, type: alpaca}}]",
+                     "--set", "max_steps=2", "--set", "save_steps=2", "--set", "eval_steps=2",
+                     "--output", str(out)]) == 0
+    return inputs / "tiny-qwen3-hd64", out, root
+
+
+def test_trains_adapters_over_nf4_codes_and_exports_a_merged_hf_model(run):
+    base_dir, out, root = run
+    cfg = hf.config_from_hf(base_dir)
+    meta = ck.format.read_index(ck.format.resolve_checkpoint(out / "checkpoints")).get("metadata")
+    lc = adapters.LoraConfig(**meta["lora"])
+    decls = quantized_decls(adapters.init(llama.init(cfg), lc), "nf4", double_quant=True)
+    params = ck.load_checkpoint(out / "checkpoints", {"params": decls}, keys=["params"]).tree["params"]
+    base, lora = adapters.split(params)
+    codes = [x for x in optree.tree_leaves(base, is_leaf=_is_q, none_is_leaf=False) if _is_q(x)]
+    assert len(codes) == 7 * cfg.layers and all(q.codes.dtype == torch.uint8 for q in codes)
+    assert all(ab["lora_B"].abs().max() > 0 for ab in lora.values()) and len(lora) == 7 * cfg.layers
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 2
+    merged_dir = root / "merged"
+    assert cli.main(["export", "--merge-adapter", str(out), str(merged_dir)]) == 0
+    toks = torch.randint(0, cfg.vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(params, decls), fpp.wrap(toks, "batch seq"),
+                                                 cfg).value()
+        model = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+        theirs = model(input_ids=toks).logits
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
