@@ -255,8 +255,9 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     sizes = cfg.mesh_sizes(world_size)
     product = math.prod(sizes.values())
     if world_size is not None and product != world_size:
+        shown = {"pp_size": "pp", **MESH_KEYS}     # pp and ep named only when used
         dims = " x ".join(f"{k}={getattr(cfg, k) if getattr(cfg, k) != -1 else sizes[a]}"
-                          for k, a in MESH_KEYS.items())
+                          for k, a in shown.items() if k not in ("pp_size", "ep_size") or getattr(cfg, k) != 1)
         raise ConfigError(f"the mesh needs {product} devices ({dims} = {product}) but "
                           f"{launcher or 'the world size'} gives {world_size}; choose sizes "
                           f"whose product is {world_size}")

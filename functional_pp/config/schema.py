@@ -69,8 +69,10 @@ def fld(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None)
 
 
 def suggest(key: str, valid: list[str] | tuple[str, ...]) -> str:
-    """``; did you mean 'x'?`` for a close match, else the list of valid names."""
-    hint = difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.6)
+    """``; did you mean 'x'?`` for a close match (a valid name the key ends with first:
+    ``num_layers`` -> ``layers``), else the list of valid names."""
+    ends = [v for v in valid if str(key).endswith("_" + v)]
+    hint = [max(ends, key=len)] if ends else difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.6)
     return f"; did you mean {hint[0]!r}?" if hint else f" (valid: {', '.join(sorted(valid))})"
 
 
