@@ -75,6 +75,7 @@ def test_axolotl_full_finetune_example_runs_as_written(tmp_path, capsys):
     cfg = yaml.safe_load((EXAMPLES / "LiquidAI" / "lfm2-350m-fft.yaml").read_text())
     del cfg["base_model"]                                         # paths and sizes only:
     cfg.update(model={"preset": "tiny", "vocab": 512}, tokenizer=str(tok_dir), output_dir=str(tmp_path / "out"),
+               dataset_prepared_path=str(tmp_path / "prepared"),
                sequence_len=64, micro_batch_size=2, gradient_accumulation_steps=1)
     cfg["datasets"][0]["path"] = str(data)
     path = tmp_path / "lfm2.yaml"
