@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 
-COMPILED = {"fsdp_tp_cp": ("aot_eager",), "tp_sp": ("inductor",)}
+COMPILED = {"cp_ring": ("aot_eager",), "tp_sp": ("inductor",)}
 if os.environ.get("FPP_FULL_PARITY") == "1":
     COMPILED = {name: tuple(dict.fromkeys(COMPILED.get(name, ()) + ("aot_eager",))) for name in parity.LAYOUTS}
 

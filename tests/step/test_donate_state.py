@@ -23,6 +23,18 @@ def _adamw():
     return fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
 
 
+_RUNS: dict = {}
+
+
+def _train_once(donate, *args, compile=None):
+    """``_train`` of the keyword-free layouts, run once per module: several tests compare
+    against the same out-of-place run."""
+    key = (donate, tuple(map(id, args)), compile)
+    if key not in _RUNS:
+        _RUNS[key] = _train(donate, *args, compile=compile)
+    return _RUNS[key]
+
+
 def _train(donate, mesh=None, rules=None, loss_fn=LOSS, processes=False, opt=_adamw, **kw):
     """Losses, skipped flags, final state leaves, and whether every step returned the very
     tensors it was given (per rank)."""
@@ -84,7 +96,7 @@ def test_donated_skipped_step_keeps_the_old_values():
 
 @pytest.mark.timeout(900)
 def test_aot_eager_donated_step_is_bitwise_the_out_of_place_step():
-    donated, kept = _train(True, compile="aot_eager"), _train(False, compile="aot_eager")
+    donated, kept = _train(True, compile="aot_eager"), _train_once(False, compile="aot_eager")
     _assert_same(donated, kept)
     assert donated[0][3]
 
@@ -92,15 +104,17 @@ def test_aot_eager_donated_step_is_bitwise_the_out_of_place_step():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_inductor_donated_step_matches_the_out_of_place_step():
-    # inductor fuses the copy into the input with the update: rounding may differ in the last bit
-    donated, kept = _train(True, compile=True), _train(False, compile=True)
-    _assert_same(donated, kept, exact=False)
+    # inductor fuses the copy into the input with the update, and the update's arithmetic:
+    # fp32 rounding differs from the out-of-place traced (unfused) step, and three AdamW steps
+    # amplify it to ~1e-6 absolute; a missed or stale update would differ by ~lr = 3e-3
+    donated, kept = _train(True, compile=True), _train_once(False, compile="aot_eager")
+    _assert_same(donated, kept, exact=dict(rtol=1e-4, atol=1e-5))
     assert donated[0][3]
 
 
 @pytest.mark.timeout(900)
 def test_donated_fsdp_step_on_simulated_devices_equals_the_out_of_place_step():
-    _assert_same(_train(True, *FSDP), _train(False, *FSDP), exact=FUSED)
+    _assert_same(_train(True, *FSDP), _train_once(False, *FSDP), exact=FUSED)
 
 
 @pytest.mark.multiprocess

@@ -67,9 +67,10 @@ def test_five_steps_on_eight_devices_equal_one_device():
 @pytest.mark.slow
 def test_five_compiled_steps_on_fsdp_and_ring_cp_equal_one_device():
     """Compiled on simulated devices: FSDP x ring-attention CP (4 devices; those with the same cp
-    index share one graph: docs/compile.md "One compilation for N simulated devices"). The
-    composed 8-device layout with TP compiles one graph per device; it runs compiled on gloo
-    processes in tests/models/test_real_parity.py (fsdp_tp_cp) and eager here above."""
+    index share one graph: docs/compile.md "One compilation for N simulated devices"). Compiled
+    ring CP also runs on gloo processes (tests/models/test_real_parity.py, cp_ring), compiled
+    FSDP x TP in tests/parallel/test_layout_processes.py, and the composed mesh compiled in
+    tests/compile/test_compile_step.py."""
     mesh, rules = fpp.Mesh(dp_shard=2, cp=2), llama.default_rules(tp=False)
     assert_same_training(train(mesh, rules, DATA, compile="aot_eager", cp_attention="ring"))
 
