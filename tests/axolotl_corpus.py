@@ -5,7 +5,8 @@ type, ``output_dir`` / ``dataset_prepared_path`` -> a temporary directory, seque
 and steps small); :func:`classify` says whether the config is accepted or names each feature that
 refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
 ``tests/data/axolotl_examples/expected.yaml``; ``python tests/axolotl_corpus.py --write``
-regenerates that table after a feature lands (the change is then visible in the diff)."""
+regenerates that table and README's counts after a feature lands (the change is then visible in
+the diff)."""
 from __future__ import annotations
 
 import json
@@ -291,4 +292,10 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
                         "# accepted, or the features that refuse it\n"
                         + yaml.safe_dump(table, sort_keys=True, width=120))
     n, kinds = counts(table)
+    readme = HERE.parent / "README.md"          # the counts README shows (test_readme_counts_are_the_tables)
+    text = re.sub(r"Axolotl's example configs: \d+ of \d+ accepted",
+                  f"Axolotl's example configs: {n} of {len(table)} accepted", readme.read_text())
+    text = re.sub(r"refused by \(configs\): .*\n", "refused by (configs): "
+                  + ", ".join(f"{v} `{k}`" for k, v in kinds.most_common(8)) + "\n", text)
+    readme.write_text(text)
     print(f"{n} accepted of {len(table)}; refused by kind: {dict(kinds.most_common())}")
