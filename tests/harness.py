@@ -48,12 +48,12 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
     return fpp.launch(fn, mesh)
 
 
-def train_steps(cfg, data, mesh, rules, dtype=torch.float64, **step_kw):
-    """A launchable function: ``len(data)`` AdamW steps of ``fpp.train_step``; per device the
-    losses, the gathered parameters (numpy) and the collectives of the first step."""
+def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, **step_kw):
+    """A launchable function: ``len(data)`` steps of ``fpp.train_step`` (AdamW by default); per
+    device the losses, the gathered parameters (numpy) and the collectives of the first step."""
     import functools
-    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0),
-                          mesh=mesh, rules=rules, **step_kw)
+    opt = opt or fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules, **step_kw)
 
     def device():
         state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0))
@@ -69,6 +69,16 @@ def train_steps(cfg, data, mesh, rules, dtype=torch.float64, **step_kw):
             full = fpp.gather_tree(state["params"], llama.init(cfg, dtype), rules)
         return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, events
     return device
+
+
+def launch_steps(cfg, compile=False, mesh=None, rules=None, steps=2, batch=4, dtype=torch.float32,
+                 processes=False, **step_kw):
+    """``train_steps`` of ``steps`` fresh batches, launched on every device of ``mesh`` (one
+    device by default): per device ``(losses, gathered parameters, first-step collectives)``."""
+    mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
+    data = [make_batch(cfg, batch=batch, seq=16, seed=i) for i in range(steps)]
+    return fpp.launch(train_steps(cfg, data, mesh, rules, dtype, compile=compile, **step_kw), mesh,
+                      timeout=1800, processes=processes)
 
 
 def assert_same_run(a, b, rtol=0.0, atol=0.0):

@@ -1,10 +1,9 @@
 """``compile="per_layer"``: one compilation of the declared layer runs every layer
 (functional_pp/compile/layer_compile.py, docs/compile.md), equal to eager exactly (aot_eager)."""
-import functools
 
 import pytest
 import torch
-from harness import local_batch, make_batch
+from harness import assert_same_run, launch_steps
 from torch._dynamo.utils import counters
 
 import functional_pp as fpp
@@ -19,29 +18,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _train(cfg, compile, mesh=None, rules=None, remat=False, steps=2, processes=False):
-    mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
-    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-2), mesh=mesh, rules=rules,
-                          compile=compile, remat=remat)
-    data = [make_batch(cfg, batch=4, seq=16, seed=i) for i in range(steps)]
-
-    def device():
-        state = step.init(fpp.init(llama.init, cfg, torch.float32, mesh=mesh, rules=rules, seed=0))
-        losses = []
-        for b in data:
-            with fpp.use_rules(rules):
-                local = {k: v.data for k, v in local_batch(b, mesh, rules).items()}
-            state, m = step(state, local)
-            losses.append(m["loss"])
-        return losses, state["params"]
-    return fpp.launch(device, mesh, timeout=1800, processes=processes)
+def _train(cfg, compile, mesh=None, rules=None, remat=False, processes=False):
+    return launch_steps(cfg, compile, mesh, rules, remat=remat, processes=processes)
 
 
 def _assert_equal(got, want):
-    for (losses, params), (losses0, params0) in zip(got, want):
-        assert losses == losses0
-        for (path, a), (_, b) in zip(fpp.leaves_with_paths(params), fpp.leaves_with_paths(params0)):
-            assert torch.equal(a, b), path
+    for a, b in zip(got, want, strict=True):
+        assert_same_run(a, b)
 
 
 def test_split_mode():
