@@ -1,8 +1,9 @@
 """Two "nodes" on one machine (docs/real_processes.md, "Several nodes"): two network namespaces
 joined by a veth pair, one ``torchrun --nnodes 2`` agent in each with a c10d rendezvous, gloo
 over the veth. The CLI's run on the 2 x 2 = 4 ranks equals the same config on 4 simulated
-devices, and when one node is killed the other stops within the collective timeout, naming
-the ranks it lost. Needs root and ``ip netns`` (skipped, with the reason, elsewhere)."""
+devices, when one node is killed the other stops within the collective timeout, naming
+the ranks it lost, and a link slowed by ``tc`` shows in the step time as the comm report's
+bytes predict. Needs root and ``ip netns`` (skipped, with the reason, elsewhere)."""
 from __future__ import annotations
 
 import json
@@ -151,3 +152,46 @@ def test_a_lost_node_stops_the_other_within_the_collective_timeout_naming_its_ra
     assert code not in (0, None), text[-3000:]
     assert "CollectiveTimeoutError: rank 0: a collective failed" in text, text[-4000:]
     assert "ranks [2, 3] did not check in" in text, text[-4000:]
+
+
+
+RATE, BURST = 500_000, 64_000          # bytes per second, and the token bucket (bytes) tbf lets through at once
+
+
+def _shape(ns: str, dev: str, op: str) -> None:
+    """A token-bucket filter (``tc qdisc ... tbf``) on one end of the veth: at most ``RATE``
+    bytes per second leave the namespace (after a burst of ``BURST``)."""
+    args = ["tbf", "rate", f"{RATE * 8}bit", "burst", str(BURST), "limit", "50000000"] if op == "add" else []
+    res = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", op, "dev", dev, "root", *args],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_slowed_link_shows_in_the_step_time_and_changes_no_result(nodes, tmp_path):
+    """The link between the nodes limited to 0.5 MB/s each way (``tc ... tbf``): every collective
+    over ``dp_shard`` (the axis across the nodes; ``tp`` stays inside one) sends its bytes over
+    it, two ranks of a node at once, so a step takes at least the report's dp_shard bytes x 2
+    ranks / RATE (less one burst), while the losses stay bitwise those of 4 simulated devices."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**CONFIG, "max_steps": 3}))
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    for ns, dev, _ in nodes:
+        _shape(ns, dev, "add")
+    try:
+        run_id = uuid.uuid4().hex[:8]
+        procs = [_torchrun(node, i, nodes[0][2], cfg, tmp_path / "real", run_id, logs[i])
+                 for i, node in enumerate(nodes)]
+        codes = _wait(procs, nodes, timeout=900)
+    finally:
+        for ns, dev, _ in nodes:
+            _shape(ns, dev, "del")
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert cli.main(["train", str(cfg), "--simulate", "4", "--output", str(tmp_path / "sim")]) == 0
+    assert _losses(tmp_path / "real") == _losses(tmp_path / "sim")
+    report = (tmp_path / "real" / "comm_report.txt").read_text()
+    crossing = sum(int(line.split()[3].replace(",", "")) for line in report.splitlines() if line.split()[:1] == ["dp_shard"])
+    times = [json.loads(line)["step_time_s"] for line in (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()]
+    bound = (2 * crossing - BURST) / RATE
+    print(f"{crossing} bytes per device over dp_shard per step; step times {times} s, at least {bound:.2f} s")
+    assert bound > 0.5, report
+    assert min(times) >= bound, (times, report)
