@@ -3,6 +3,7 @@
 composed with DP, FSDP, TP, CP and all of them (5-D), against ``train_step`` with the same
 micro-batches on one device (losses, updated parameters; gradients through SGD's update); on
 gloo processes against the simulation; the bytes between stages; resuming on another pp size."""
+import collections
 import functools
 
 import numpy as np
@@ -156,6 +157,35 @@ def test_pipeline_composes(reference, what, mesh, rules, schedule):
                                      remat=what == "remat"))
 
 
+@pytest.mark.parametrize("policy", ["step", "micro"])
+def test_fsdp_gather_policies(reference, policy):
+    """FSDP under pp 2 x dp_shard 2, the embedding on the first stage and the norm and head on
+    the last: both gather policies equal one device, and each step's FSDP collectives per
+    device are the policy's formula (docs/communication.md). A device holds L/p layers (units)
+    and u parameters outside them that its forward uses (first stage: the embedding; last: the
+    norm and the head). "step": one all-gather and one reduce-scatter per unit, the ends one
+    unit: L/p + 1 of each. "micro": per micro-batch, each layer gathered in forward and again
+    in backward, each end parameter gathered once (kept to backward), and every one of them
+    reduce-scattered: m (L/p + u) forward gathers, m L/p backward ones, m (L/p + u)
+    reduce-scatters."""
+    data, ref = reference
+    mesh = fpp.Mesh(pp=2, dp_shard=2)
+    rules = fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    results = _run(mesh, rules, data, schedule="1f1b", fsdp_gather=policy, **ENDS)
+    _assert_equal(ref["adamw"], results)
+    units = CFG.layers // 2
+    for rank, (_, _, events) in enumerate(results):
+        ends = 1 if mesh.coords(rank)["pp"] == 0 else 2
+        counts = collections.Counter((e.kind, e.backward) for e in events
+                                     if e.axes == ("dp_shard",) and e.kind != "all_reduce")   # (token counts)
+        if policy == "step":
+            want = {("all_gather", False): units + 1, ("reduce_scatter", True): units + 1}
+        else:
+            want = {("all_gather", False): M * (units + ends), ("all_gather", True): M * units,
+                    ("reduce_scatter", True): M * (units + ends)}
+        assert dict(counts) == want
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_stage_to_stage_bytes(reference, pp):
     """Per micro-batch and stage boundary: the activation forward and its gradient backward,
@@ -175,9 +205,10 @@ def test_stage_to_stage_bytes(reference, pp):
 
 @pytest.mark.multiprocess
 def test_gloo_processes_equal_simulation():
-    """pp 2 x dp_shard 2 with 1F1B on four real gloo processes: the simulated run, bit for bit."""
+    """pp 2 x FSDP 2 with 1F1B on four real gloo processes (each stage's units gathered and
+    reduce-scattered once per step): the simulated run, bit for bit."""
     data = _data()
-    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
     simulated = _run(mesh, rules, data, schedule="1f1b")
     real = _run(mesh, rules, data, processes=True, schedule="1f1b")
     for (ls, ps, _), (lr, pr, _) in zip(simulated, real):
