@@ -16,15 +16,21 @@ and gradients finished at that time move to the next and previous stage (one ``p
 share of the global token count before its backward; the gradient norm covers every stage."""
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from functional_pp._torch import compile_cache_limits
+from functional_pp.compile.backend import step_backend
+from functional_pp.compile.gate import CompileGate
+from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
 from functional_pp.core.runtime import current_context
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.ops.token_ids import checks_apart
 from functional_pp.optim.base import state_like_params
 from functional_pp.parallel.buckets import resolve_pending
 from functional_pp.parallel.fsdp_units import gathered_stand_in
@@ -37,7 +43,7 @@ from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
 from functional_pp.step.io import split_micro
-from functional_pp.step.train import PRECISIONS, TrainStep
+from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep
 from functional_pp.step.update import update_phase
 
 PP = "pp"
@@ -62,9 +68,12 @@ class PipelineStep(TrainStep):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.compile:
-            raise ValueError(f"pipeline_step(compile={self.compile!r}): a pipeline step runs eagerly (its stages "
-                             f"are not compiled yet); use compile=False")
+        # compile: each virtual stage's forward one torch.compile graph (its backward through AOT
+        # autograd), the schedule and the stage-to-stage permutes eager; "per_layer" as train_step
+        self.stage_compile, _ = split_mode(self.compile)
+        self._compiled_stages: dict[int, CompileGate] = {}
+        if self.stage_compile:
+            self.compile = False
         if self.fsdp_gather not in GATHER_POLICIES:
             raise ValueError(f"pipeline_step(fsdp_gather={self.fsdp_gather!r}): choose one of "
                              f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md, FSDP)")
@@ -216,19 +225,12 @@ class PipelineStep(TrainStep):
             nonlocal total
             x_in = inbox.pop(("act", k - 1, j)).detach().requires_grad_() if k > 0 else None
             named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in micro[j].items()}
-            try:
-                with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
-                    out = self.loss_fn(stage_params(), named_batch)   # per micro-batch, as train_step
-                if k < last:
-                    raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
-                                     f"{self.layers!r} lists {per * p * v}; call every layer once per forward")
-                out = settle(out)
-                check_scalar_loss(out, "pipeline_step")
-                y = out.data.to(acc) * weights[j].to(acc)
-                total = total + y.detach()
-            except StageOutput as done:
-                y = done.value.data
+            y, cut = self._stage(k)(stage_params(), x_in, named_batch)    # per micro-batch, as train_step
+            if cut:
                 outbox[("act", k, j)] = y.detach()
+            else:
+                y = y.to(acc) * weights[j].to(acc)
+                total = total + y.detach()
             saved[(k, j)] = (x_in, y, None)
 
         def backward(k: int, j: int, part: str) -> None:
@@ -277,6 +279,41 @@ class PipelineStep(TrainStep):
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+
+    def _stage(self, k: int):
+        """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the
+        activation to send on (``cut``) or the settled loss; with ``compile``, one graph per
+        virtual stage (``k`` a constant of the trace), shared by the devices that run it."""
+        if not self.stage_compile:
+            return functools.partial(self._stage_forward, k)
+        with self._compile_lock:
+            gate = self._compiled_stages.get(k)
+            if gate is None:
+                fn = torch.compile(self._stage_forward, backend=step_backend(self.stage_compile),
+                                   fullgraph=True, dynamic=False)
+                gate = self._compiled_stages[k] = CompileGate(fn, type(self)._stage_forward.__code__)
+
+        def run(*args):
+            # a graph per stage and step object (docs/compile.md "Many steps in one process");
+            # the token-id checks' list empty in every call
+            with compile_cache_limits(COMPILED_STEPS_PER_PROCESS * self.stages * self.virtual_stages), \
+                    checks_apart():
+                return gate(k, *args)
+        return run
+
+    def _stage_forward(self, k: int, params, x_in: torch.Tensor | None, named_batch: dict):
+        last, per = self.stages * self.virtual_stages - 1, self._per
+        try:
+            with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
+                out = self.loss_fn(params, named_batch)
+        except StageOutput as done:
+            return done.value.data, True
+        if k < last:
+            raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
+                             f"{self.layers!r} lists {per * (last + 1)}; call every layer once per forward")
+        out = settle(out)
+        check_scalar_loss(out, "pipeline_step")
+        return out.data, False
 
     def _gather_once(self, xs: list[torch.Tensor], held: list[bool]) -> GatheredOnce:
         """This device's FSDP units gathered for the whole step: one per held layer, one for

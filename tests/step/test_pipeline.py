@@ -11,9 +11,12 @@ import pytest
 import torch
 
 import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp._torch import cached_graph_count
+from functional_pp.checkpoint import format as ck_format
 from functional_pp.models import llama
 from functional_pp.parallel.raw_collectives import raw_all_gather
-from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
+from functional_pp.step.pipeline import FewMicroBatchesWarning, PipelineStep, pipeline_step
 
 CFG = llama.Config.tiny(layers=4)
 DTYPE = torch.float64
@@ -186,6 +189,26 @@ def test_fsdp_gather_policies(reference, policy):
         assert dict(counts) == want
 
 
+@pytest.mark.parametrize("schedule,layers,v", [("1f1b", 2, 1), ("interleaved_1f1b", 4, 2)])
+def test_compiled_stages_equal_eager_and_one_device(reference, schedule, layers, v):
+    """compile="aot_eager" on pp = 2: each virtual stage's forward one graph (its backward AOT
+    autograd's), one layer per stage; the same losses and parameters as the eager pipeline and
+    as one device."""
+    data, _ = reference
+    cfg = llama.Config.tiny(layers=layers)
+    ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=cfg)[0][:2]
+    mesh, rules = fpp.Mesh(pp=2), fpp.Rules(layers="pp")
+    eager = _run(mesh, rules, data, cfg=cfg, schedule=schedule, virtual_stages=v)
+    graphs = cached_graph_count(PipelineStep._stage_forward.__code__)
+    compiled = _run(mesh, rules, data, cfg=cfg, schedule=schedule, virtual_stages=v, compile="aot_eager")
+    assert cached_graph_count(PipelineStep._stage_forward.__code__) - graphs == 2 * v    # one per stage
+    _assert_equal(ref, compiled)
+    for (le, pe, _), (lc, pc, _) in zip(eager, compiled):
+        np.testing.assert_allclose(lc, le, rtol=1e-13)
+        for path, x in pc.items():
+            np.testing.assert_allclose(x, pe[path], rtol=1e-13, atol=1e-14, err_msg=path)
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_stage_to_stage_bytes(reference, pp):
     """Per micro-batch and stage boundary: the activation forward and its gradient backward,
@@ -242,8 +265,6 @@ def test_clear_errors():
                          first_stage=("embed",))
     with pytest.raises(Exception, match="no parameter at 'embed'"):
         _run_with(typo, _data(1))
-    with pytest.raises(ValueError, match="runs eagerly"):
-        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4, compile=True)
     batched = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2)
     with pytest.raises(Exception, match="cannot run in a batched simulation"):
         _run_with(batched, _data(1), simulate="batched")
@@ -295,3 +316,58 @@ def test_a_pp4_state_resumes_on_pp2_and_on_one_device(reference):
             np.testing.assert_allclose(losses, ref_losses[1:], rtol=1e-12)
             for (path, a), (_, b) in zip(fpp.leaves_with_paths(whole), fpp.leaves_with_paths(ref2)):
                 np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=path)
+
+
+@pytest.mark.multiprocess
+def test_per_stage_checkpoint_writes_load_on_pp2_and_one_device(tmp_path):
+    """On four gloo processes (pp = 4, the embedding on the first stage, the norm and head on
+    the last) each rank writes only its stage's layers and ends, parameters and Adam moments
+    under their logical names; the checkpoint loads bitwise on one device and on pp = 2."""
+    data = _data(1)
+    loss = functools.partial(llama.loss, cfg=CFG)
+    decls = llama.init(CFG, DTYPE)
+
+    def specs(state):
+        return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls)}
+
+    def saved():
+        step = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=4), rules=fpp.Rules(layers="pp"),
+                             grad_accum=M, **ENDS)
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0))
+        state, _ = step(state, data[0])
+        ck.save_checkpoint(tmp_path, 1, {"params": state["params"], "opt": state["opt_state"]},
+                                       specs(state), rules=step.rules)
+        whole = step.logical_state(state)
+        return fpp.core.tree.tree_map(lambda x: x.numpy().copy(), {"params": whole["params"],
+                                                                   "opt": whole["opt_state"]})
+    whole = fpp.launch(saved, fpp.Mesh(pp=4), processes=True, timeout=300)[0]
+    files = {}
+    for path, t in ck_format.read_index(tmp_path / "step-000001")["tensors"].items():
+        files[path] = {c["file"] for c in t["chunks"]}
+    for path, where in files.items():
+        if ".layers." in f".{path}":
+            layer = int(path.split("layers.")[1].split(".")[0])
+            assert where == {ck_format.rank_file(layer)}, path     # layer i on stage i
+        elif "embed_tokens" in path:
+            assert where == {ck_format.rank_file(0)}, path
+        elif "lm_head" in path or path.split(".")[-1] == "norm" or ".norm" in path:
+            assert where == {ck_format.rank_file(3)}, path
+
+    def same(tree, held_only=False):
+        for (path, a), (_, b) in zip(fpp.leaves_with_paths(tree), fpp.leaves_with_paths(whole)):
+            if not (held_only and a.numel() == 0):
+                assert np.array_equal(a.numpy(), b), path
+
+    one = ck.load_checkpoint(tmp_path, specs(fpp.core.tree.tree_map(torch.from_numpy, {
+        "opt_state": whole["opt"]})))
+    same(one.tree)
+
+    def on_pp2():
+        step = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"),
+                             grad_accum=M, **ENDS)
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0))
+        tree = ck.load_checkpoint(tmp_path, specs(state), rules=step.rules).tree
+        mine = step.stage_state({**state, "params": tree["params"], "opt_state": tree["opt"]})
+        return {"params": mine["params"], "opt": mine["opt_state"]}
+    for tree in fpp.launch(on_pp2, fpp.Mesh(pp=2)):
+        same(tree, held_only=True)
