@@ -189,24 +189,50 @@ def test_fsdp_gather_policies(reference, policy):
         assert dict(counts) == want
 
 
-@pytest.mark.parametrize("schedule,layers,v", [("1f1b", 2, 1), ("interleaved_1f1b", 4, 2)])
-def test_compiled_stages_equal_eager_and_one_device(reference, schedule, layers, v):
-    """compile="aot_eager" on pp = 2: each virtual stage's forward one graph (its backward AOT
-    autograd's), one layer per stage; the same losses and parameters as the eager pipeline and
-    as one device."""
+def _compiled_against_eager(reference, cfg, processes=False, **pp):
+    """Compiled stages (aot_eager) against the eager pipeline and one device; returns how many
+    stage graphs each device's process compiled."""
     data, _ = reference
-    cfg = llama.Config.tiny(layers=layers)
     ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=cfg)[0][:2]
     mesh, rules = fpp.Mesh(pp=2), fpp.Rules(layers="pp")
-    eager = _run(mesh, rules, data, cfg=cfg, schedule=schedule, virtual_stages=v)
-    graphs = cached_graph_count(PipelineStep._stage_forward.__code__)
-    compiled = _run(mesh, rules, data, cfg=cfg, schedule=schedule, virtual_stages=v, compile="aot_eager")
-    assert cached_graph_count(PipelineStep._stage_forward.__code__) - graphs == 2 * v    # one per stage
+    eager = _run(mesh, rules, data, cfg=cfg, **pp)
+    step = pipeline_step(functools.partial(llama.loss, cfg=cfg), _opt("adamw"), mesh=mesh, rules=rules,
+                         grad_accum=M, compile="aot_eager", **pp)
+    before = cached_graph_count(PipelineStep._stage_forward.__code__)
+
+    def device():      # (a process counts its own graphs: its cache is not the parent's)
+        start = cached_graph_count(PipelineStep._stage_forward.__code__) if processes else before
+        state = step.init(fpp.init(llama.init, cfg, DTYPE, mesh=mesh, rules=rules, seed=0))
+        losses = []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        graphs = cached_graph_count(PipelineStep._stage_forward.__code__) - start
+        return losses, _held_and_gathered(state["params"], mesh, rules, cfg), graphs
+    compiled = fpp.launch(device, mesh, **({"processes": True, "timeout": 300} if processes else {}))
     _assert_equal(ref, compiled)
     for (le, pe, _), (lc, pc, _) in zip(eager, compiled):
         np.testing.assert_allclose(lc, le, rtol=1e-13)
         for path, x in pc.items():
             np.testing.assert_allclose(x, pe[path], rtol=1e-13, atol=1e-14, err_msg=path)
+    return [graphs for _, _, graphs in compiled]
+
+
+def test_compiled_interleaved_stages_equal_eager_and_one_device(reference):
+    """compile="aot_eager", interleaved 1F1B on pp 2 x v 2: each virtual stage's forward one
+    graph (its backward AOT autograd's), four in all (simulated devices share them); the same
+    losses and parameters as the eager pipeline and as one device."""
+    graphs = _compiled_against_eager(reference, llama.Config.tiny(layers=4), schedule="interleaved_1f1b",
+                                     virtual_stages=2)
+    assert graphs == [4, 4]
+
+
+@pytest.mark.multiprocess
+def test_compiled_1f1b_stages_on_gloo_processes(reference):
+    """Compiled 1F1B stages on two gloo processes, each compiling its own stage's graph: the
+    eager pipeline and one device."""
+    assert _compiled_against_eager(reference, llama.Config.tiny(layers=2), processes=True,
+                                   schedule="1f1b") == [1, 1]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -265,6 +291,9 @@ def test_clear_errors():
                          first_stage=("embed",))
     with pytest.raises(Exception, match="no parameter at 'embed'"):
         _run_with(typo, _data(1))
+    with pytest.raises(ValueError, match=r"fsdp_gather='once'\): choose one of 'step', 'micro'"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
+                      fsdp_gather="once")
     batched = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2)
     with pytest.raises(Exception, match="cannot run in a batched simulation"):
         _run_with(batched, _data(1), simulate="batched")
