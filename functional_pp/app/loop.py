@@ -402,7 +402,7 @@ def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **o
             warnings.simplefilter("ignore", FewMicroBatchesWarning)
             return pipeline_step(loss, opt, mesh=mesh, rules=rules, schedule=cfg.pp_schedule,
                                  virtual_stages=cfg.pp_virtual_stages, first_stage=first, last_stage=last,
-                                 **options)
+                                 fsdp_gather=cfg.pp_fsdp_gather, **options)
     except ValueError as exc:
         raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc
 
