@@ -180,8 +180,9 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                           batch_dims=batch_dims,
                           donate_state=True,   # the loop never reads a step's input state again
                           metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
-    # a pipeline's device holds only its stages' layers: checkpoints and evaluations see the
-    # whole (logical) state, every layer under its own name (docs/pipelines.md)
+    # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under
+    # their logical names (the others are empty there), evaluations see the whole (logical)
+    # state (docs/pipelines.md)
     whole = getattr(step_fn, "logical_state", lambda state: state)
     mine = getattr(step_fn, "stage_state", lambda state: state)
     metrics_path = out_dir / METRICS
@@ -336,7 +337,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
                     read_and_log(with_eval)
                 if save_now:
-                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), whole(state)), step
+                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                     if lead:
                         progress.message(f"saved checkpoint {saved_path}")
                 if watch.threshold is not None and not halted:
@@ -346,7 +347,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             read_and_log()
             final = stopped or bool(halted) or cfg.checkpoint.save_final
             if final and step != last_saved:
-                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), whole(state)), step
+                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                 if lead:
                     progress.message(f"saved checkpoint {saved_path}")
             if lead and stopped:
@@ -401,7 +402,7 @@ def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **o
             warnings.simplefilter("ignore", FewMicroBatchesWarning)
             return pipeline_step(loss, opt, mesh=mesh, rules=rules, schedule=cfg.pp_schedule,
                                  virtual_stages=cfg.pp_virtual_stages, first_stage=first, last_stage=last,
-                                 **options)
+                                 fsdp_gather=cfg.pp_fsdp_gather, **options)
     except ValueError as exc:
         raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc
 

@@ -17,7 +17,7 @@ NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_c
 # Keys that only reshard the same computation (any mesh loads any checkpoint; a checkpoint holds
 # every layer whatever the pipeline); the batch keys
 # are per data-parallel rank, so the global batch (compared instead) is what must not change.
-RESHARD = ("pp_size", "pp_schedule", "pp_virtual_stages", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size", "sequence_parallel", "rules.",
+RESHARD = ("pp_size", "pp_schedule", "pp_virtual_stages", "pp_fsdp_gather", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size", "sequence_parallel", "rules.",
            "reshard_after_forward",
            "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
 

@@ -2,7 +2,9 @@
 
 Every device writes one replica of its own shards to ``rank-NNNNN.safetensors``; rank 0 writes
 ``index.json`` (per tensor: path, dim names, global shape, dtype, which file holds which
-slice) and publishes ``step-NNNNNN`` atomically. Loading reads only the slices the current
+slice) and publishes ``step-NNNNNN`` atomically. A device that passes an empty tensor for a non-empty
+block does not hold that leaf (a pipeline stage's other layers): the lowest rank holding each
+slice writes it, so each stage writes only its own layers, under their logical names. Loading reads only the slices the current
 mesh and rules need, so a checkpoint loads on any mesh, or whole on one device::
 
     ckpt.save_checkpoint(root, step, {"params": params, "opt": opt_state, "rng": rng},

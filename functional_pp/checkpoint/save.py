@@ -37,14 +37,18 @@ class _Peers:
 
 
 def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
-    """What this rank writes (``[(path, tensor, chunk)]``), the global description of every
-    tensor and the digests of replicated leaves (to check that ranks agree)."""
-    writes, entries, digests = [], {}, {}
+    """What this rank may write (``[(path, tensor, chunk, leaf, writer)]``: ``writer`` when every
+    device holds the leaf), the global description of every tensor, the digests of replicated
+    leaves (to check that ranks agree), the leaves this rank does not hold (an empty tensor
+    for a non-empty block: a pipeline stage's other layers) and the mesh axes each leaf's
+    layout uses."""
+    writes, entries, digests, unheld, used_axes = [], {}, {}, [], []
     coords = mesh.coords(rank) if mesh else {}
-    for leaf in leaves:
+    for n, leaf in enumerate(leaves):
         t = leaf.value
         dtype = fmt.dtype_name(t.dtype)
         local = tuple(t.shape)
+        used: tuple = ()
         if is_param_like(leaf.spec):
             shape = tuple(int(s) for s in leaf.spec.shape)
             if mesh is not None:
@@ -57,7 +61,10 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
                 slices = tuple(slice(0, n) for n in shape)
                 writer = True
             block = tuple(s.stop - s.start for s in slices)
-            if local != block:
+            held = not (t.numel() == 0 and fmt.numel(block) > 0)
+            if not held:
+                unheld.append(n)
+            if held and local != block:
                 raise CheckpointError(
                     f"{leaf.path}: this device's tensor has shape {local}, but global shape "
                     f"{shape} with axes {tuple(leaf.spec.dims)} under layout {layout} gives rank "
@@ -67,6 +74,10 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
                                   "axes": list(leaf.spec.dims),
                                   "layout": [list(a) for a in layout]}
             start, stop = [s.start for s in slices], [s.stop for s in slices]
+            if not held:
+                entries[leaf.path]["dtype"] = dtype
+                used_axes.append(used)
+                continue
         else:
             per_rank = leaf.spec is PER_RANK
             entries[leaf.path] = {"kind": "per_rank" if per_rank else "replicated",
@@ -76,12 +87,38 @@ def _plan(leaves: list[SaveLeaf], mesh: Mesh | None, rules: Rules, rank: int):
             start, stop = [0] * len(local), list(local)
             if not per_rank and mesh is not None and mesh.size > 1:
                 digests[leaf.path] = (list(local), dtype, fmt.crc32(t))
+        used_axes.append(used)
+        chunk = {"file": fmt.rank_file(rank), "start": start, "stop": stop}
+        if leaf.spec is PER_RANK:
+            chunk["rank"] = rank
+        writes.append((leaf.path, t, chunk, n, writer))
+    return writes, entries, digests, unheld, used_axes
+
+
+def _writers(planned, unheld: list[list[int]], mesh: Mesh | None, rank: int) -> list:
+    """The writes of this rank: a slice every device holds by the lowest rank that holds it
+    (coordinate 0 on the axes its layout does not use); a slice some devices do not hold (a
+    pipeline's layers, each held by one stage) by the lowest rank that does."""
+    writes, entries, _, mine, used_axes = planned
+    partial = {n for r in unheld for n in r}
+    if not partial:
+        return [(path, t, chunk) for path, t, chunk, _, writer in writes if writer]
+    size = mesh.size if mesh is not None else 1
+    coords = [mesh.coords(r) if mesh is not None else {} for r in range(size)]
+
+    def same_slice(n: int) -> list[int]:
+        return [r for r in range(size) if all(coords[r][a] == coords[rank][a] for a in used_axes[n])]
+    for n in mine:
+        if all(n in unheld[r] for r in same_slice(n)):
+            raise CheckpointError(f"{list(entries)[n]}: no device holds rank {rank}'s slice of it (each passed an "
+                                  f"empty tensor); pass every leaf with its data on the device that holds it")
+    out = []
+    for path, t, chunk, n, writer in writes:
+        if n in partial:
+            writer = not any(n not in unheld[r] for r in same_slice(n) if r < rank)
         if writer:
-            chunk = {"file": fmt.rank_file(rank), "start": start, "stop": stop}
-            if leaf.spec is PER_RANK:
-                chunk["rank"] = rank
-            writes.append((leaf.path, t, chunk))
-    return writes, entries, digests
+            out.append((path, t, chunk))
+    return out
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, tree: dict[str, Any],
@@ -108,7 +145,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tree: dict[str, Any
     final = root / fmt.step_dir_name(step)
 
     # 1. plan on every rank; rank 0 makes the temporary directory
-    error, tmp_name, planned = None, None, None
+    error, tmp_name, planned = None, None, ([], {}, {}, [], [])
     try:
         fmt.check_json(metadata, "metadata")
         fmt.check_json(config, "config")
@@ -124,14 +161,15 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tree: dict[str, Any
                                       f"{exc.strerror or exc} (errno {exc.errno})") from exc
     except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised everywhere
         error = exc
-    replies = peers.all((_describe(error), tmp_name))
+    replies = peers.all((_describe(error), tmp_name, planned[3]))
     tmp = root / replies[0][1] if replies[0][1] else None
     _raise_if_failed([r[0] for r in replies], error, peers, tmp, step, root)
 
     # 2. every rank writes its file
-    writes, entries, digests = planned
+    _, entries, digests, _, _ = planned
     error, report = None, None
     try:
+        writes = _writers(planned, [r[2] for r in replies], peers.mesh, peers.rank)
         chunks: dict[str, list] = {}
         size = 0
         if writes:

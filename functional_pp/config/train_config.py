@@ -35,6 +35,8 @@ class TrainConfig:
                           "outermost mesh axis pp (docs/pipelines.md); alias pipeline_parallel_size")
     pp_schedule: str = fld("1f1b", "the pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zb_h1")
     pp_virtual_stages: int = fld(1, "model chunks per pipeline device (interleaved_1f1b)")
+    pp_fsdp_gather: str = fld("step", "FSDP under a pipeline: step (a stage's weights gathered once per "
+                                      "step, reduce-scattered once) | micro (per micro-batch)")
     ep_size: int = fld(1, "expert parallelism: the experts of a mixture of experts split over N "
                           "devices, which the batch uses too (docs/experts.md); alias "
                           "expert_parallel_size")

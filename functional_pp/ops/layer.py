@@ -86,7 +86,7 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapped(*args):
-        stage = None if is_tracing() else current_stage()     # (a pipeline step runs eagerly)
+        stage = current_stage()
         if stage is not None:           # a pipeline stage runs some layers (parallel/pipeline/stage.py)
             with running_stage(None):
                 return stage.layer(wrapped, args)

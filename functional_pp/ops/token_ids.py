@@ -39,6 +39,18 @@ def deferred_checks() -> Iterator[list]:
         _state.pending = prev
 
 
+@contextmanager
+def checks_apart() -> Iterator[None]:
+    """Collect the checks run inside in a list of their own, added to the enclosing
+    :func:`deferred_checks` list after the block (if any): a compiled function called inside
+    then always starts from an empty list (one graph, not one per list length)."""
+    outer = getattr(_state, "pending", None)
+    with deferred_checks() as mine:
+        yield
+    if outer is not None:
+        outer.extend(mine)
+
+
 def check_ids(ids: torch.Tensor, vocab: int, kind: str, dims: Sequence[str],
               ignore_index: int | None = None) -> torch.Tensor:
     """Check that every entry of ``ids`` is in ``[0, vocab)`` (or equals ``ignore_index``);

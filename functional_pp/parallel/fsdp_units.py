@@ -317,6 +317,26 @@ def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[N
         yield
 
 
+def gathered_stand_in(x: Any) -> Any:
+    """A zero, memory-free stand-in for the named parameter ``x`` as a unit gathers it (its
+    data-parallel split undone), without communication: what a pipeline stage passes for the
+    parameters it does not hold (functional_pp.step.pipeline). Other values unchanged."""
+    data_axes, _, rules = _data_axes()
+    plan = _plan(x, data_axes, rules) if data_axes else None
+    if plan is None:
+        return x
+    d, k = plan
+    n = 1
+    for a in x.split[d][k:]:
+        n *= env()[0].shape[a]
+    shape = list(x.data.shape)
+    shape[d] *= n
+    split = list(x.split)
+    split[d] = split[d][:k]
+    return x.replace(data=torch.zeros((), dtype=x.data.dtype, device=x.data.device).expand(shape),
+                     split=tuple(split))
+
+
 def gather_unit(args: tuple) -> tuple[tuple, Any]:
     """``(args, context)``: the named parameters in ``args`` split over data-parallel axes
     replaced by their gathered values (one flat all-gather per group of axes and dtype), and

@@ -13,29 +13,40 @@ on paper first (:func:`~functional_pp.parallel.pipeline.timing.simulate`), is ru
 step: at each time every device runs the action the timeline gives it, then the activations
 and gradients finished at that time move to the next and previous stage (one ``ppermute`` over
 ``pp`` per direction, only the pairs that send). Each micro-batch's loss is weighted by its
-share of the global token count before its backward; the gradient norm covers every stage."""
+share of the global token count before its backward; the gradient norm covers every stage.
+Under FSDP a stage's units are gathered once per step by default (``fsdp_gather``,
+:mod:`~functional_pp.parallel.pipeline.gather_once`); with ``compile`` each virtual stage's
+forward is one compiled graph."""
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from functional_pp._torch import compile_cache_limits
+from functional_pp.compile.backend import step_backend
+from functional_pp.compile.gate import CompileGate
+from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
 from functional_pp.core.runtime import current_context
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.ops.token_ids import checks_apart
 from functional_pp.optim.base import state_like_params
 from functional_pp.parallel.buckets import resolve_pending
+from functional_pp.parallel.fsdp_units import gathered_stand_in
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import env, settle, wrap
+from functional_pp.parallel.pipeline.gather_once import GATHER_POLICIES, GatheredOnce
 from functional_pp.parallel.pipeline.schedule import build, check_sizes
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
 from functional_pp.step.io import split_micro
-from functional_pp.step.train import TrainStep
+from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep
 from functional_pp.step.update import update_phase
 
 PP = "pp"
@@ -55,12 +66,20 @@ class PipelineStep(TrainStep):
     first_stage: tuple[str, ...] = ()   # parameters (path prefixes) only the first stage holds (embedding)
     last_stage: tuple[str, ...] = ()    # ... only the last stage holds (final norm, head); the others,
     #                                     and those named in both (a tied embedding), every stage holds
+    fsdp_gather: str = "step"        # FSDP: "step" gathers a stage's units once per step and reduce-scatters
+    #                                  them once; "micro" gathers (and re-gathers) them in every micro-batch
 
     def __post_init__(self):
         super().__post_init__()
-        if self.compile:
-            raise ValueError(f"pipeline_step(compile={self.compile!r}): a pipeline step runs eagerly (its stages "
-                             f"are not compiled yet); use compile=False")
+        # compile: each virtual stage's forward one torch.compile graph (its backward through AOT
+        # autograd), the schedule and the stage-to-stage permutes eager; "per_layer" as train_step
+        self.stage_compile, _ = split_mode(self.compile)
+        self._compiled_stages: dict[int, CompileGate] = {}
+        if self.stage_compile:
+            self.compile = False
+        if self.fsdp_gather not in GATHER_POLICIES:
+            raise ValueError(f"pipeline_step(fsdp_gather={self.fsdp_gather!r}): choose one of "
+                             f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md, FSDP)")
         self.fsdp_prefetch = False   # prefetch follows the previous forward's units: not a stage's
         self.bucket_mb = None        # (gradients reduced as each backward makes them)
         p = self.stages
@@ -75,6 +94,7 @@ class PipelineStep(TrainStep):
         self.timeline: Timeline = simulate(build(self.schedule, p, self.grad_accum, self.virtual_stages))
         self._rounds = self._lock_step()
         self._stage_of: list[int | None] | None = None
+        self._layer_of: list[int | None] | None = None
         self._shapes: list[tuple] | None = None
         self._per = 0                # layers per virtual stage
 
@@ -91,8 +111,8 @@ class PipelineStep(TrainStep):
         check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
         per = n_layers // (self.stages * self.virtual_stages)
         prefix = self.layers + "."
-        stage_of = [int(p[len(prefix):].split(".")[0]) // per if p.startswith(prefix) else self._end_stage(p)
-                    for p in paths]
+        layer_of = [int(p[len(prefix):].split(".")[0]) if p.startswith(prefix) else None for p in paths]
+        stage_of = [n // per if n is not None else self._end_stage(p) for n, p in zip(layer_of, paths)]
         for name in (*self.first_stage, *self.last_stage):
             if not any(_under(p, name) for p in paths):
                 raise ValueError(f"pipeline_step: no parameter at {name!r} (first_stage / last_stage name path "
@@ -101,7 +121,7 @@ class PipelineStep(TrainStep):
         state = super().init(params)
         with self._compile_lock:
             if self._stage_of is None:
-                self._stage_of, self._shapes, self._per = stage_of, shapes, per
+                self._stage_of, self._layer_of, self._shapes, self._per = stage_of, layer_of, shapes, per
         me = axis_index(PP) if self.stages > 1 else 0
         leaves, spec = tree_flatten(state["params"])
         leaves = [x if self._held(i, me) else x.new_empty(0) for i, x in enumerate(leaves)]
@@ -190,25 +210,30 @@ class PipelineStep(TrainStep):
         saved: dict[tuple[int, int], tuple] = {}
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        boundary = self._boundary(self._named_params(xs, treespec), micro[0]) if p > 1 else None
+        once = self._gather_once(xs, held) if self.fsdp_gather == "step" else None
+        compute = PRECISIONS[self.precision]
+
+        def stage_params(held=held):
+            """The parameters a forward sees: those gathered once per step (fsdp_gather="step")
+            in place of their shards, and for the parameters this device does not hold zero
+            stand-ins as gathered (no communication)."""
+            named = self._named_leaves(xs)
+            if once is not None:
+                named = [once.named(i, compute) if i in once.full else x for i, x in enumerate(named)]
+            return tree_unflatten(treespec, [x if h else gathered_stand_in(x) for x, h in zip(named, held)])
+        # shapes only: every parameter a stand-in
+        boundary = self._boundary(stage_params([False] * len(xs)), micro[0]) if p > 1 else None
 
         def forward(k: int, j: int) -> None:
             nonlocal total
             x_in = inbox.pop(("act", k - 1, j)).detach().requires_grad_() if k > 0 else None
             named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in micro[j].items()}
-            try:
-                with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
-                    out = self.loss_fn(self._named_params(xs, treespec), named_batch)   # per micro-batch, as train_step
-                if k < last:
-                    raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
-                                     f"{self.layers!r} lists {per * p * v}; call every layer once per forward")
-                out = settle(out)
-                check_scalar_loss(out, "pipeline_step")
-                y = out.data.to(acc) * weights[j].to(acc)
-                total = total + y.detach()
-            except StageOutput as done:
-                y = done.value.data
+            y, cut = self._stage(k)(stage_params(), x_in, named_batch)    # per micro-batch, as train_step
+            if cut:
                 outbox[("act", k, j)] = y.detach()
+            else:
+                y = y.to(acc) * weights[j].to(acc)
+                total = total + y.detach()
             saved[(k, j)] = (x_in, y, None)
 
         def backward(k: int, j: int, part: str) -> None:
@@ -217,7 +242,7 @@ class PipelineStep(TrainStep):
                 g = inbox.pop(("grad", k + 1, j))
             wrt = wrt_of[k]
             want = ([x_in] if x_in is not None and part != "BW" else []) + \
-                   ([xs[i] for i in wrt] if part != "BI" else [])
+                   ([once.target(i, xs[i]) if once else xs[i] for i in wrt] if part != "BI" else [])
             if want:
                 with backward_region():
                     gs = resolve_pending(torch.autograd.grad(y, want, grad_outputs=g, allow_unused=True,
@@ -226,7 +251,7 @@ class PipelineStep(TrainStep):
                     outbox[("grad", k, j)] = gs[0]
                     gs = gs[1:]
                 for i, gi in zip(wrt if part != "BI" else [], gs):
-                    if gi is not None:
+                    if gi is not None and not (once and once.accumulate(i, gi)):
                         grads[i] = grads[i] + gi.to(grads[i].dtype)
             if part == "BI":
                 saved[(k, j)] = (x_in, y, g)
@@ -240,6 +265,9 @@ class PipelineStep(TrainStep):
                     forward(a.stage, a.micro)
                 else:
                     backward(a.stage, a.micro, a.kind)
+        if once is not None:     # one reduce-scatter per unit, of the gradients of every micro-batch
+            for i, g in once.reduce().items():
+                grads[i] = grads[i] + g.to(grads[i].dtype)
         if p > 1:       # the parameters outside the layers: their gradients come from the first and last stage
             grads = [raw_all_reduce(g, PP, "sum") if k is None and x.is_floating_point() else g
                      for g, k, x in zip(grads, self._stage_of, leaves)]
@@ -254,6 +282,50 @@ class PipelineStep(TrainStep):
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+
+    def _stage(self, k: int):
+        """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the
+        activation to send on (``cut``) or the settled loss; with ``compile``, one graph per
+        virtual stage (``k`` a constant of the trace), shared by the devices that run it."""
+        if not self.stage_compile:
+            return functools.partial(self._stage_forward, k)
+        with self._compile_lock:
+            gate = self._compiled_stages.get(k)
+            if gate is None:
+                fn = torch.compile(self._stage_forward, backend=step_backend(self.stage_compile),
+                                   fullgraph=True, dynamic=False)
+                gate = self._compiled_stages[k] = CompileGate(fn, type(self)._stage_forward.__code__)
+
+        def run(*args):
+            # a graph per stage and step object (docs/compile.md "Many steps in one process");
+            # the token-id checks' list empty in every call
+            with compile_cache_limits(COMPILED_STEPS_PER_PROCESS * self.stages * self.virtual_stages), \
+                    checks_apart():
+                return gate(k, *args)
+        return run
+
+    def _stage_forward(self, k: int, params, x_in: torch.Tensor | None, named_batch: dict):
+        last, per = self.stages * self.virtual_stages - 1, self._per
+        try:
+            with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
+                out = self.loss_fn(params, named_batch)
+        except StageOutput as done:
+            return done.value.data, True
+        if k < last:
+            raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
+                             f"{self.layers!r} lists {per * (last + 1)}; call every layer once per forward")
+        out = settle(out)
+        check_scalar_loss(out, "pipeline_step")
+        return out.data, False
+
+    def _gather_once(self, xs: list[torch.Tensor], held: list[bool]) -> GatheredOnce:
+        """This device's FSDP units gathered for the whole step: one per held layer, one for
+        the held parameters outside the layers (uncast: the gradients accumulate in fp32)."""
+        units: dict[int | None, list[int]] = {}
+        for i, h in enumerate(held):
+            if h and xs[i].is_floating_point():
+                units.setdefault(self._layer_of[i], []).append(i)
+        return GatheredOnce(self._named_leaves(xs, cast=False), list(units.values()))
 
     def _norm_groups(self, mesh) -> list:
         """The step's leaf groups for the gradient norm, the layers' completed over ``pp`` too

@@ -425,7 +425,12 @@ class TrainStep:
         return self._named_params(leaves, treespec)
 
     def _named_params(self, leaves: list[torch.Tensor], treespec) -> Any:
-        compute = PRECISIONS[self.precision]
+        return tree_unflatten(treespec, self._named_leaves(leaves))
+
+    def _named_leaves(self, leaves: list[torch.Tensor], cast: bool = True) -> list[Named]:
+        """The parameters as the named values the loss sees, cast to the compute precision
+        (``cast``) or not."""
+        compute = PRECISIONS[self.precision] if cast else None
         if compute is not None:
             leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
         if is_tracing():
@@ -434,7 +439,7 @@ class TrainStep:
         else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
             named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
-        return tree_unflatten(treespec, named)
+        return named
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      donate_state: bool | None = None):

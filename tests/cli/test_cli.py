@@ -144,6 +144,12 @@ def test_torchrun_pipeline_on_two_gloo_processes_equals_simulation(tmp_path):
     tree = load_checkpoint(tmp_path / "torchrun" / "checkpoints", keys=["params"]).tree["params"]
     held = {p.split(".")[1] for p, x in fpp.leaves_with_paths(tree) if p.startswith("layers.") and x.numel()}
     assert held == {"0", "1"}
+    # ... each written by its own stage's rank (per-stage writes)
+    from functional_pp.checkpoint.format import latest_checkpoint, rank_file, read_index
+    index = read_index(latest_checkpoint(tmp_path / "torchrun" / "checkpoints"))
+    for path, t in index["tensors"].items():
+        if ".layers." in f".{path}":
+            assert {c["file"] for c in t["chunks"]} == {rank_file(int(path.split("layers.")[1][0]))}, path
 
 
 @pytest.mark.multiprocess

@@ -24,6 +24,7 @@ def test_pp_size_is_the_outermost_axis_and_splits_the_layers():
 @pytest.mark.parametrize("keys,msg", [
     ({"pp_size": 2, "pp_schedule": "1F1B"}, "unknown schedule '1F1B'.*Did you mean '1f1b'"),
     ({"pp_size": 0}, "pp_size must be an integer >= 1"),
+    ({"pp_size": 2, "pp_fsdp_gather": "never"}, "pp_fsdp_gather 'never': choose one of step, micro"),
     ({"pp_size": 2, "pp_virtual_stages": 2}, "virtual stages 2 need pp_schedule 'interleaved_1f1b'")])
 def test_bad_values_are_refused_while_parsing(keys, msg):
     with pytest.raises(ConfigError, match=msg):

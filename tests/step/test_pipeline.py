@@ -3,6 +3,7 @@
 composed with DP, FSDP, TP, CP and all of them (5-D), against ``train_step`` with the same
 micro-batches on one device (losses, updated parameters; gradients through SGD's update); on
 gloo processes against the simulation; the bytes between stages; resuming on another pp size."""
+import collections
 import functools
 
 import numpy as np
@@ -10,9 +11,12 @@ import pytest
 import torch
 
 import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp._torch import cached_graph_count
+from functional_pp.checkpoint import format as ck_format
 from functional_pp.models import llama
 from functional_pp.parallel.raw_collectives import raw_all_gather
-from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
+from functional_pp.step.pipeline import FewMicroBatchesWarning, PipelineStep, pipeline_step
 
 CFG = llama.Config.tiny(layers=4)
 DTYPE = torch.float64
@@ -156,6 +160,81 @@ def test_pipeline_composes(reference, what, mesh, rules, schedule):
                                      remat=what == "remat"))
 
 
+@pytest.mark.parametrize("policy", ["step", "micro"])
+def test_fsdp_gather_policies(reference, policy):
+    """FSDP under pp 2 x dp_shard 2, the embedding on the first stage and the norm and head on
+    the last: both gather policies equal one device, and each step's FSDP collectives per
+    device are the policy's formula (docs/communication.md). A device holds L/p layers (units)
+    and u parameters outside them that its forward uses (first stage: the embedding; last: the
+    norm and the head). "step": one all-gather and one reduce-scatter per unit, the ends one
+    unit: L/p + 1 of each. "micro": per micro-batch, each layer gathered in forward and again
+    in backward, each end parameter gathered once (kept to backward), and every one of them
+    reduce-scattered: m (L/p + u) forward gathers, m L/p backward ones, m (L/p + u)
+    reduce-scatters."""
+    data, ref = reference
+    mesh = fpp.Mesh(pp=2, dp_shard=2)
+    rules = fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    results = _run(mesh, rules, data, schedule="1f1b", fsdp_gather=policy, **ENDS)
+    _assert_equal(ref["adamw"], results)
+    units = CFG.layers // 2
+    for rank, (_, _, events) in enumerate(results):
+        ends = 1 if mesh.coords(rank)["pp"] == 0 else 2
+        counts = collections.Counter((e.kind, e.backward) for e in events
+                                     if e.axes == ("dp_shard",) and e.kind != "all_reduce")   # (token counts)
+        if policy == "step":
+            want = {("all_gather", False): units + 1, ("reduce_scatter", True): units + 1}
+        else:
+            want = {("all_gather", False): M * (units + ends), ("all_gather", True): M * units,
+                    ("reduce_scatter", True): M * (units + ends)}
+        assert dict(counts) == want
+
+
+def _compiled_against_eager(reference, cfg, processes=False, **pp):
+    """Compiled stages (aot_eager) against the eager pipeline and one device; returns how many
+    stage graphs each device's process compiled."""
+    data, _ = reference
+    ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=cfg)[0][:2]
+    mesh, rules = fpp.Mesh(pp=2), fpp.Rules(layers="pp")
+    eager = _run(mesh, rules, data, cfg=cfg, **pp)
+    step = pipeline_step(functools.partial(llama.loss, cfg=cfg), _opt("adamw"), mesh=mesh, rules=rules,
+                         grad_accum=M, compile="aot_eager", **pp)
+    before = cached_graph_count(PipelineStep._stage_forward.__code__)
+
+    def device():      # (a process counts its own graphs: its cache is not the parent's)
+        start = cached_graph_count(PipelineStep._stage_forward.__code__) if processes else before
+        state = step.init(fpp.init(llama.init, cfg, DTYPE, mesh=mesh, rules=rules, seed=0))
+        losses = []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        graphs = cached_graph_count(PipelineStep._stage_forward.__code__) - start
+        return losses, _held_and_gathered(state["params"], mesh, rules, cfg), graphs
+    compiled = fpp.launch(device, mesh, **({"processes": True, "timeout": 300} if processes else {}))
+    _assert_equal(ref, compiled)
+    for (le, pe, _), (lc, pc, _) in zip(eager, compiled):
+        np.testing.assert_allclose(lc, le, rtol=1e-13)
+        for path, x in pc.items():
+            np.testing.assert_allclose(x, pe[path], rtol=1e-13, atol=1e-14, err_msg=path)
+    return [graphs for _, _, graphs in compiled]
+
+
+def test_compiled_interleaved_stages_equal_eager_and_one_device(reference):
+    """compile="aot_eager", interleaved 1F1B on pp 2 x v 2: each virtual stage's forward one
+    graph (its backward AOT autograd's), four in all (simulated devices share them); the same
+    losses and parameters as the eager pipeline and as one device."""
+    graphs = _compiled_against_eager(reference, llama.Config.tiny(layers=4), schedule="interleaved_1f1b",
+                                     virtual_stages=2)
+    assert graphs == [4, 4]
+
+
+@pytest.mark.multiprocess
+def test_compiled_1f1b_stages_on_gloo_processes(reference):
+    """Compiled 1F1B stages on two gloo processes, each compiling its own stage's graph: the
+    eager pipeline and one device."""
+    assert _compiled_against_eager(reference, llama.Config.tiny(layers=2), processes=True,
+                                   schedule="1f1b") == [1, 1]
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_stage_to_stage_bytes(reference, pp):
     """Per micro-batch and stage boundary: the activation forward and its gradient backward,
@@ -175,9 +254,10 @@ def test_stage_to_stage_bytes(reference, pp):
 
 @pytest.mark.multiprocess
 def test_gloo_processes_equal_simulation():
-    """pp 2 x dp_shard 2 with 1F1B on four real gloo processes: the simulated run, bit for bit."""
+    """pp 2 x FSDP 2 with 1F1B on four real gloo processes (each stage's units gathered and
+    reduce-scattered once per step): the simulated run, bit for bit."""
     data = _data()
-    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
     simulated = _run(mesh, rules, data, schedule="1f1b")
     real = _run(mesh, rules, data, processes=True, schedule="1f1b")
     for (ls, ps, _), (lr, pr, _) in zip(simulated, real):
@@ -211,8 +291,9 @@ def test_clear_errors():
                          first_stage=("embed",))
     with pytest.raises(Exception, match="no parameter at 'embed'"):
         _run_with(typo, _data(1))
-    with pytest.raises(ValueError, match="runs eagerly"):
-        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4, compile=True)
+    with pytest.raises(ValueError, match=r"fsdp_gather='once'\): choose one of 'step', 'micro'"):
+        pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
+                      fsdp_gather="once")
     batched = pipeline_step(loss, _opt("sgd"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2)
     with pytest.raises(Exception, match="cannot run in a batched simulation"):
         _run_with(batched, _data(1), simulate="batched")
@@ -264,3 +345,58 @@ def test_a_pp4_state_resumes_on_pp2_and_on_one_device(reference):
             np.testing.assert_allclose(losses, ref_losses[1:], rtol=1e-12)
             for (path, a), (_, b) in zip(fpp.leaves_with_paths(whole), fpp.leaves_with_paths(ref2)):
                 np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=path)
+
+
+@pytest.mark.multiprocess
+def test_per_stage_checkpoint_writes_load_on_pp2_and_one_device(tmp_path):
+    """On four gloo processes (pp = 4, the embedding on the first stage, the norm and head on
+    the last) each rank writes only its stage's layers and ends, parameters and Adam moments
+    under their logical names; the checkpoint loads bitwise on one device and on pp = 2."""
+    data = _data(1)
+    loss = functools.partial(llama.loss, cfg=CFG)
+    decls = llama.init(CFG, DTYPE)
+
+    def specs(state):
+        return {"params": decls, "opt": ck.state_specs(state["opt_state"], decls)}
+
+    def saved():
+        step = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=4), rules=fpp.Rules(layers="pp"),
+                             grad_accum=M, **ENDS)
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0))
+        state, _ = step(state, data[0])
+        ck.save_checkpoint(tmp_path, 1, {"params": state["params"], "opt": state["opt_state"]},
+                                       specs(state), rules=step.rules)
+        whole = step.logical_state(state)
+        return fpp.core.tree.tree_map(lambda x: x.numpy().copy(), {"params": whole["params"],
+                                                                   "opt": whole["opt_state"]})
+    whole = fpp.launch(saved, fpp.Mesh(pp=4), processes=True, timeout=300)[0]
+    files = {}
+    for path, t in ck_format.read_index(tmp_path / "step-000001")["tensors"].items():
+        files[path] = {c["file"] for c in t["chunks"]}
+    for path, where in files.items():
+        if ".layers." in f".{path}":
+            layer = int(path.split("layers.")[1].split(".")[0])
+            assert where == {ck_format.rank_file(layer)}, path     # layer i on stage i
+        elif "embed_tokens" in path:
+            assert where == {ck_format.rank_file(0)}, path
+        elif "lm_head" in path or path.split(".")[-1] == "norm" or ".norm" in path:
+            assert where == {ck_format.rank_file(3)}, path
+
+    def same(tree, held_only=False):
+        for (path, a), (_, b) in zip(fpp.leaves_with_paths(tree), fpp.leaves_with_paths(whole)):
+            if not (held_only and a.numel() == 0):
+                assert np.array_equal(a.numpy(), b), path
+
+    one = ck.load_checkpoint(tmp_path, specs(fpp.core.tree.tree_map(torch.from_numpy, {
+        "opt_state": whole["opt"]})))
+    same(one.tree)
+
+    def on_pp2():
+        step = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"),
+                             grad_accum=M, **ENDS)
+        state = step.init(fpp.init(llama.init, CFG, DTYPE, mesh=step.mesh, rules=step.rules, seed=0))
+        tree = ck.load_checkpoint(tmp_path, specs(state), rules=step.rules).tree
+        mine = step.stage_state({**state, "params": tree["params"], "opt_state": tree["opt"]})
+        return {"params": mine["params"], "opt": mine["opt_state"]}
+    for tree in fpp.launch(on_pp2, fpp.Mesh(pp=2)):
+        same(tree, held_only=True)

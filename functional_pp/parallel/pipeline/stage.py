@@ -23,9 +23,9 @@ _local = per_thread("parallel.pipeline.stage")
 class StageOutput(Exception):
     """The stage's last layer has run: ``value`` (a Named) is what goes to the next stage."""
 
-    def __init__(self, value: Any):
-        super().__init__("pipeline stage output")
-        self.value = value
+    @property
+    def value(self) -> Any:        # (no __init__ of its own: torch.compile traces the raise)
+        return self.args[0]
 
 
 @dataclass
