@@ -69,10 +69,34 @@ LLAMA3_8B = (
 )
 
 
+def _405b(name: str, tps: float, schedule: str, virtual: int) -> Reference:
+    return Reference(name, "llama3_405b", (("pp", 8), ("dp_shard", 8), ("tp", 8)), 32, 8192, tps,
+                     f"{TORCHTITAN_2024}, Table 5", compiled=True, remat=True, schedule=schedule, micro_batches=8,
+                     virtual_stages=virtual,
+                     notes="compile + Float8 + async TP (neither modelled: only the ratio is held), full AC, "
+                           "8 micro-batches (torchtitan's default: as many as stages), interleaved with 2 "
+                           "stages per rank (its default); 128 layers here (126 do not split into 16 stages)")
+
+
+#: torchtitan's 405B pipeline rows (their ratio is held within 15%)
+LLAMA3_405B = (
+    _405b("405B FSDP 8 x TP 8 x PP 8, 1F1B", 100, "1f1b", 1),
+    _405b("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", 128, "interleaved_1f1b", 2),
+)
+
+CONFIGS = {
+    "llama3_8b": llama.Config.llama3_8b,
+    # Llama 3.1 405B: 126 layers in the published model, 128 here so that 16 stages divide them
+    "llama3_405b": lambda: llama.Config.llama3_70b(hidden=16384, layers=128, heads=128, mlp=53248),
+}
+
+
 def rules_for(ref: Reference) -> Rules:
-    """FSDP over dp_shard, TP over tp with sequence parallelism (torchtitan's layouts)."""
+    """FSDP over dp_shard, TP over tp with sequence parallelism, the layers over pp
+    (torchtitan's layouts)."""
     axes = dict(ref.mesh)
-    return llama.default_rules(fsdp=True, sequence_parallel=axes.get("tp", 1) > 1)
+    rules = llama.default_rules(fsdp=True, sequence_parallel=axes.get("tp", 1) > 1)
+    return rules.replace(layers="pp") if axes.get("pp", 1) > 1 else rules
 
 
 _cache: dict = {}
@@ -80,18 +104,22 @@ _cache: dict = {}
 
 def reference_estimate(ref: Reference) -> LayoutEstimate:
     """The dry-run of ``ref``'s setup (cached: the rows share meshes)."""
-    key = (ref.model, ref.mesh, ref.local_batch, ref.seq, ref.remat)
+    key = (ref.model, ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages)
     if key not in _cache:
-        cfg = getattr(llama.Config, ref.model)()
+        cfg = CONFIGS[ref.model]()
         mesh = Mesh(**dict(ref.mesh))
         dp = mesh.shape.get("dp_replicate", 1) * mesh.shape.get("dp_shard", 1)
         batch = {k: ((ref.local_batch * dp, ref.seq), "batch seq") for k in ("tokens", "labels")}
         _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
-                               rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False)
+                               rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
+                               grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
+                               virtual_stages=ref.virtual_stages)
     return _cache[key]
 
 
 def predict(ref: Reference, cl: "Cluster | str") -> tuple[float, StepTime]:
     """Predicted tokens/s per GPU of ``ref`` on ``cl`` and the step time it comes from."""
     t = cost(reference_estimate(ref), cl, **ref.cost_options())
-    return ref.local_batch * ref.seq / t.step_s, t
+    axes = dict(ref.mesh)        # a data-parallel rank's batch is shared by its pp x cp x tp devices
+    dp = axes.get("dp_replicate", 1) * axes.get("dp_shard", 1)
+    return ref.local_batch * dp * ref.seq / ref.devices / t.step_s, t

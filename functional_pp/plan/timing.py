@@ -26,10 +26,13 @@ class StepTime:
     by_collective: dict[str, float] = field(default_factory=dict)   # "tp all_gather (intra)" -> seconds
     per_layer: dict[str, float] = field(default_factory=dict)       # one repeated layer: compute, critical, weight
     placement: dict[str, str] = field(default_factory=dict)
+    bubble_s: float = 0.0           # a pipeline's idle time (its schedule's timeline)
+    p2p_s: float = 0.0              # a pipeline's stage-to-stage transfers (part of exposed_comm_s)
 
     def row(self) -> dict:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "hidden_comm_s": self.hidden_comm_s, "update_s": self.update_s, "mfu": self.mfu,
+                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s,
                 "by_collective": dict(self.by_collective), "per_layer": dict(self.per_layer),
                 "placement": dict(self.placement)}
 
@@ -88,7 +91,10 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     ``selective_ac="op"`` adds torchtitan's op-level recomputation. A fraction ``overlap``
     of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
     phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
-    the update is a memory-bound pass over the state. MFU is torchtitan's: 6 x parameters
+    the update is a memory-bound pass over the state. A pipeline (``est.pipeline``) repeats
+    one micro-batch's time over its micro-batches, adds the stage-to-stage transfers on the
+    link ``pp`` crosses, and stretches the whole by its timeline's makespan over one device's
+    work (the bubble). MFU is torchtitan's: 6 x parameters
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
@@ -103,18 +109,31 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         hide = min(cl.overlap * w, c)
         exposed += total.get(f"critical {phase}", 0.0) + w - hide
         hidden += hide
-    exposed += total.get("critical update", 0.0) + total.get("weight update", 0.0)
-    update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
-    step = compute + exposed + update
-    mfu = 3 * total.get("model flops", 0.0) / (step * cl.peak_flops) if step > 0 else 0.0
+    once = total.get("critical update", 0.0) + total.get("weight update", 0.0)
     by_coll = {k: v for k, v in total.items() if "(" in k}
+    model_flops = total.get("model flops", 0.0)
+    bubble = p2p = 0.0
+    pipe = est.pipeline
+    if pipe is not None:        # the runs are one micro-batch of one stage: the schedule repeats them
+        m = pipe.micro
+        link = cl.link(est.mesh, ("pp",))
+        p2p = pipe.sends * cl.collective_seconds("permute", pipe.boundary_bytes, 2, link)
+        busy = m * (compute + exposed) + p2p
+        bubble = busy * (pipe.slots_per_busy - 1.0)
+        compute, exposed, hidden, model_flops = m * compute, m * exposed + p2p, m * hidden, m * model_flops
+        by_coll = {k: m * v for k, v in by_coll.items()}
+        by_coll[f"pp permute ({link[0]})"] = p2p
+    exposed += once
+    update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
+    step = compute + exposed + bubble + update
+    mfu = 3 * model_flops / (step * cl.peak_flops) if step > 0 else 0.0
     per_layer = {}
     if est.layers > 1:
         last = est.runs[-1]
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
             per_layer = run_components(last, est.mesh, cl, layer)
-    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh))
+    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 
 FITTED = ("compute_efficiency", "intra_bandwidth", "inter_bandwidth")
