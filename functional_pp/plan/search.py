@@ -102,7 +102,8 @@ def _meshes(n_devices: int, space: Space) -> Iterable[Mesh]:
             if n_devices % (pp * ep):
                 continue
             for mesh in factorizations(n_devices // (pp * ep), space.axes):
-                yield Mesh(**({"pp": pp} if pp > 1 else {}), **mesh.shape, **({"ep": ep} if ep > 1 else {}))
+                yield Mesh.from_axes(([("pp", pp)] if pp > 1 else []) + list(mesh.shape.items())
+                                     + ([("ep", ep)] if ep > 1 else []))
 
 
 def _pipelines(mesh: Mesh, space: Space) -> list[tuple[str, int, int | None]]:

@@ -80,6 +80,31 @@ def test_stage_to_stage_bytes_equal_a_real_pipeline_step():
     assert est.comm.bytes("permute", "pp") == max(sent)
 
 
+@pytest.mark.multiprocess
+def test_estimate_equals_a_pipeline_step_on_gloo_processes():
+    """pp 2 x dp_shard 2, 1F1B, on four gloo processes: the stage-to-stage bytes are the
+    estimate's; the data-parallel gradient sums are the last stage's plus, m times, the
+    embedding's, which the estimate counts on that stage too (docs/planning.md)."""
+    cfg = llama.Config.tiny(layers=4)
+    loss = functools.partial(llama.loss, cfg=cfg)
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
+    step = pipeline_step(loss, fpp.optim.sgd(0.1), mesh=mesh, rules=rules, grad_accum=M, schedule="1f1b")
+    tokens = torch.randint(0, cfg.vocab, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def device():
+        state = step.init(fpp.init(llama.init, cfg, torch.float32, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            local = {k: fpp.named(tokens, "batch seq").data for k in ("tokens", "labels")}
+        with fpp.comm_report() as rep:
+            step(state, local)
+        return rep.bytes("permute", "pp"), rep.bytes("all_reduce", "dp_shard")
+    real = fpp.launch(device, mesh, processes=True, timeout=300)
+    est = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M)
+    assert all(sent == est.comm.bytes("permute", "pp") for sent, _ in real)
+    embedding = cfg.vocab * cfg.hidden * 4
+    assert est.comm.bytes("all_reduce", "dp_shard") == real[-1][1] + M * embedding
+
+
 def test_torchtitans_405b_interleaved_to_1f1b_ratio_within_15_percent():
     """torchtitan, Llama 3.1 405B on 512 H100s (FSDP 8 x TP 8 x PP 8): 100 tokens/s/GPU with
     1F1B, 128 with interleaved 1F1B. Float8 and async TP are not modelled: the ratio is held,
