@@ -8,6 +8,7 @@ import torch
 
 import functional_pp as fpp
 from functional_pp import plan
+from functional_pp.cli import main
 from functional_pp.models import llama
 from functional_pp.parallel.pipeline.timing import bubble_formula
 from functional_pp.plan import references
@@ -128,6 +129,15 @@ def test_search_includes_pipeline_and_expert_layouts():
     ep = [e for e in res if e.mesh.shape.get("ep", 1) == 2]
     assert ep and all(e.comm.bytes("all_to_all") > 0 for e in ep)
     assert all(e.time.step_s > 0 for e in res)
+
+
+def test_plan_command_searches_pipelines(capsys):
+    assert main(["plan", "examples/configs/dp.yaml", "--devices", "2", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "pp=2" in text and "pp_schedule=1f1b" in text
+    assert "rejected" in text and "2 layers do not split into 2 stages x 2" in text    # interleaved: v = 2
+    assert main(["plan", "examples/configs/dp.yaml", "--devices", "4", "--pp", "two"]) == 2
+    assert "--pp takes sizes >= 1" in capsys.readouterr().err
 
 
 def test_clear_errors():
