@@ -61,6 +61,17 @@ class Cluster:
         _, bw, lat = link
         return STEPS[kind](group_size) * lat + bytes_sent / (bw * self.efficiency.get(kind, 1.0))
 
+    def bus_bandwidth(self, kind: str, message_bytes: float, group_size: int, where: str = "intra") -> float:
+        """nccl-tests' bus bandwidth of one collective whose full message (all-reduce: the
+        buffer; all-gather: the gathered result) is ``message_bytes``: algorithm bandwidth
+        (message / time) x the ring factor (2(g-1)/g all-reduce, (g-1)/g the others), so that
+        large messages approach the link's bandwidth and small ones pay the latency."""
+        bw, lat = ((self.intra_bandwidth, self.intra_latency) if where == "intra"
+                   else (self.inter_bandwidth, self.inter_latency))
+        factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
+        seconds = self.collective_seconds(kind, factor * message_bytes, group_size, (where, bw, lat))
+        return message_bytes / seconds * factor
+
     def placement(self, mesh: Mesh) -> dict[str, str]:
         """Which mesh axes stay inside a node (``"intra"``) and which cross nodes."""
         return {a: self.link(mesh, (a,))[0] for a in mesh.axis_names if mesh.shape[a] > 1}

@@ -69,3 +69,16 @@ def test_fit_cluster_finds_the_matmul_efficiency_of_the_published_rows(rows):
     assert fitted.compute_efficiency == pytest.approx(plan.cluster("h100x8-gt").compute_efficiency, rel=0.05)
     with pytest.raises(ValueError, match=r"\['warp'\] are not numbers of a Cluster"):
         plan.fit_cluster(start, [], fit=("warp",))
+
+
+def test_bus_bandwidth_grows_with_the_message_size_as_nccl_tests_curves_do():
+    """Alpha-beta per ring step: large all-reduces reach the NVLink bandwidth (nccl-tests:
+    460-480 GB/s on 8 H100 SXM5), small ones pay 2(g-1) latencies; half the bandwidth at
+    g x latency x bandwidth bytes."""
+    cl = plan.cluster("h100x8-gt")
+    sizes = [2 ** k for k in range(16, 33)]
+    curve = [cl.bus_bandwidth("all_reduce", s, 8) for s in sizes]
+    assert curve == sorted(curve) and curve[-1] == pytest.approx(cl.intra_bandwidth, rel=0.01)
+    half = 8 * cl.intra_latency * cl.intra_bandwidth
+    assert cl.bus_bandwidth("all_reduce", half, 8) == pytest.approx(cl.intra_bandwidth / 2)
+    assert cl.bus_bandwidth("all_gather", 4e9, 128, "inter") == pytest.approx(cl.inter_bandwidth, rel=0.05)
