@@ -66,7 +66,9 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
         add("model flops", run.flops.get("forward", 0.0) - run.attention_flops.get("forward", 0.0)
             + run.dense_attention_forward)
     else:
-        add("compute", run.flops_by_layer.get(layer, 0.0) / mm_rate)
+        attn = run.attention_by_layer.get(layer, 0.0)
+        add("compute", (run.flops_by_layer.get(layer, 0.0) - attn) / mm_rate + attn / attn_rate
+            + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
     grouped: set = set()
     for e in run.events:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
@@ -132,7 +134,7 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         last = est.runs[-1]
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
-            per_layer = run_components(last, est.mesh, cl, layer)
+            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 

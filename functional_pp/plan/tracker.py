@@ -80,6 +80,8 @@ class DeviceRun:
     attention_flops: dict = field(default_factory=dict)      # phase -> the part of ``flops`` in attention kernels
     dense_attention_forward: float = 0.0    # forward attention FLOPs counting causal as full (torchtitan's MFU)
     traffic: dict = field(default_factory=dict)              # phase -> bytes read + written by the other ops
+    attention_by_layer: dict = field(default_factory=dict)   # layer -> attention FLOPs (forward and backward)
+    traffic_by_layer: dict = field(default_factory=dict)     # layer -> traffic (forward and backward)
     every_other_mm_forward: float = 0.0     # FLOPs of each layer's 2nd, 4th, ... forward matmul
     layer_forward_traffic: float = 0.0      # forward traffic inside the layers
     saved: list[SavedTensor] = field(default_factory=list)
@@ -272,6 +274,7 @@ class MemoryTracker(TorchDispatchMode):
             dense = 4.0 * b * h * sq * k.shape[2] * d * _FLASH[func]
             flops = dense * (0.5 if causal else 1.0)
             self.run.attention_flops[self.phase] = self.run.attention_flops.get(self.phase, 0.0) + flops
+            self.run.attention_by_layer[self.layer] = self.run.attention_by_layer.get(self.layer, 0.0) + flops
             if self.phase == "forward":
                 self.run.dense_attention_forward += dense
         else:
@@ -291,6 +294,7 @@ class MemoryTracker(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in list(inputs) + outs)
         self.run.traffic[self.phase] = self.run.traffic.get(self.phase, 0.0) + moved
+        self.run.traffic_by_layer[self.layer] = self.run.traffic_by_layer.get(self.layer, 0.0) + moved
         if self.phase == "forward" and self.layer is not None:
             self.run.layer_forward_traffic += moved
 
