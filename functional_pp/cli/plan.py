@@ -134,11 +134,14 @@ def add_parser(sub) -> None:
                                    "of the cluster; prints the table (and JSON with --json).")
     p.add_argument("config", help="YAML training config (the model, batch and sequence length are used)")
     p.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
-    p.add_argument("--cluster", default="h100x8", help="cluster preset: h100x8, h200x8, a100x8, l40sx4")
+    p.add_argument("--cluster", default="h100x8", help="cluster preset: h100x8, h100x8-gt, h200x8, a100x8, l40sx4")
     p.add_argument("--memory-gb", type=float, default=None, help="memory limit per device (default: the cluster's)")
     p.add_argument("--strategy", choices=("auto", "exhaustive", "beam"), default="auto")
     p.add_argument("--orders", choices=("default", "all"), default="default",
                    help="also try every order of the mesh axes (which axes stay inside a node)")
+    p.add_argument("--pp", default="1", metavar="SIZES",
+                   help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B, as many micro-batches as stages)")
+    p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
     p.add_argument("--top", type=int, default=20, help="rows to print")
     p.add_argument("--json", metavar="FILE", default=None, help="write the ranking as JSON")
 
@@ -151,11 +154,13 @@ def run(args) -> int:
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         cl = as_cluster(args.cluster)
+        pp, ep = _sizes("--pp", args.pp), _sizes("--ep", args.ep)
     except (ConfigError, ValueError) as exc:
         print(f"functional-pp: {exc}", file=sys.stderr)
         return 2
-    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, strategy=args.strategy,
-                           orders=args.orders)
+    space = Space(orders=args.orders, precision=cfg.resolved_precision(),
+                  grad_accum=(cfg.gradient_accumulation_steps,), pp=pp, ep=ep)
+    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, strategy=args.strategy, space=space)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} "
           f"(memory limit {ranking.memory_limit_bytes / 1e9:.0f} GB per device), best first:")
     print(ranking.table(args.top))
@@ -170,6 +175,16 @@ def run(args) -> int:
             f.write(ranking.to_json())
         print(f"wrote {args.json}")
     return 0
+
+
+def _sizes(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"{flag} takes sizes >= 1 separated by commas, e.g. {flag} 1,2,4; got {text!r}")
+    return sizes
 
 
 def auto_layout_for_run(cfg, simulate: int | None, cluster: str = "h100x8"):

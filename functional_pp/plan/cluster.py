@@ -13,12 +13,17 @@ STEPS = {"all_reduce": lambda g: 2 * (g - 1), "all_gather": lambda g: g - 1, "re
 
 @dataclass(frozen=True)
 class Cluster:
-    """Per-device numbers of a cluster of identical nodes.
+    """Per-device numbers of a cluster of identical nodes (docs/planning.md, "Calibration").
 
     Bandwidths are bytes/s one device can send (NVLink inside a node, its NIC across
-    nodes); latencies are seconds per ring step; ``efficiency`` scales the bandwidth per
-    collective kind (e.g. ``{"all_to_all": 0.6}``); ``compute_efficiency`` is the fraction of
-    ``peak_flops`` matrix products reach."""
+    nodes); latencies are seconds per ring step, so a collective's achieved bus bandwidth
+    grows with its message size; ``efficiency`` scales the bandwidth per collective kind
+    (e.g. ``{"all_to_all": 0.6}``). ``compute_efficiency``: the fraction of ``peak_flops``
+    matrix products reach; ``attention_efficiency``: the same for flash attention;
+    ``memory_efficiency``: the fraction of ``memory_bandwidth`` the other (unfused) kernels
+    reach; ``compiled_traffic``: the fraction of their memory traffic left once
+    ``torch.compile`` fuses them; ``overlap``: the fraction of weight traffic (FSDP gathers,
+    gradient reductions) that can hide under compute."""
     name: str
     devices_per_node: int
     intra_bandwidth: float
@@ -29,6 +34,10 @@ class Cluster:
     memory_bytes: float = 80e9
     memory_bandwidth: float = 3.35e12
     compute_efficiency: float = 0.6
+    attention_efficiency: float = 0.35
+    memory_efficiency: float = 0.8
+    compiled_traffic: float = 1.0
+    overlap: float = 1.0
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
 
     def with_(self, **kw) -> "Cluster":
@@ -52,25 +61,53 @@ class Cluster:
         _, bw, lat = link
         return STEPS[kind](group_size) * lat + bytes_sent / (bw * self.efficiency.get(kind, 1.0))
 
+    def bus_bandwidth(self, kind: str, message_bytes: float, group_size: int, where: str = "intra") -> float:
+        """nccl-tests' bus bandwidth of one collective whose full message (all-reduce: the
+        buffer; all-gather: the gathered result) is ``message_bytes``: algorithm bandwidth
+        (message / time) x the ring factor (2(g-1)/g all-reduce, (g-1)/g the others), so that
+        large messages approach the link's bandwidth and small ones pay the latency."""
+        bw, lat = ((self.intra_bandwidth, self.intra_latency) if where == "intra"
+                   else (self.inter_bandwidth, self.inter_latency))
+        factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
+        seconds = self.collective_seconds(kind, factor * message_bytes, group_size, (where, bw, lat))
+        return message_bytes / seconds * factor
+
     def placement(self, mesh: Mesh) -> dict[str, str]:
         """Which mesh axes stay inside a node (``"intra"``) and which cross nodes."""
         return {a: self.link(mesh, (a,))[0] for a in mesh.axis_names if mesh.shape[a] > 1}
 
 
+#: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B bf16 rows (plan/references.py):
+#: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.95 of
+#: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
+#: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
+#: NIC at 90% of its line rate (docs/planning.md, "Calibration")
+H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
+                overlap=0.95)
+
 PRESETS = {
-    # NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per GPU, bf16 dense peak
-    "h100x8": Cluster("h100x8", 8, 450e9, 50e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12),
-    "h200x8": Cluster("h200x8", 8, 450e9, 50e9, peak_flops=989e12, memory_bytes=141e9, memory_bandwidth=4.8e12),
-    # NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU
-    "a100x8": Cluster("a100x8", 8, 300e9, 25e9, peak_flops=312e12, memory_bytes=80e9, memory_bandwidth=2.0e12),
-    # PCIe nodes without NVLink: 4 GPUs, 64 GB/s PCIe 5, 100 Gb/s Ethernet
+    # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,
+    # 400 Gb/s RDMA per GPU
+    "h100x8-gt": Cluster("h100x8-gt", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=96e9, memory_bandwidth=2.4e12,
+                         **H100_FIT),
+    # H100 SXM 80 GB at 700 W: the Grand Teton fit (conservative: lower clocks at 500 W), NVLink 4
+    # (450 GB/s per direction), one 400 Gb/s NIC per GPU, bf16 dense peak
+    "h100x8": Cluster("h100x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12,
+                      **H100_FIT),
+    "h200x8": Cluster("h200x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=141e9, memory_bandwidth=4.8e12,
+                      **H100_FIT),
+    # not fitted: NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU; FlashAttention-2
+    # reaches 50-73% of peak on A100 (its paper)
+    "a100x8": Cluster("a100x8", 8, 300e9, 22.5e9, peak_flops=312e12, memory_bytes=80e9, memory_bandwidth=2.0e12,
+                      attention_efficiency=0.5),
+    # not fitted: PCIe nodes without NVLink: 4 GPUs, 64 GB/s PCIe 5, 100 Gb/s Ethernet
     "l40sx4": Cluster("l40sx4", 4, 25e9, 12.5e9, intra_latency=10e-6, inter_latency=30e-6, peak_flops=362e12,
                       memory_bytes=48e9, memory_bandwidth=0.864e12),
 }
 
 
 def cluster(name_or_cluster: "str | Cluster") -> Cluster:
-    """A preset by name (``h100x8``, ``h200x8``, ``a100x8``, ``l40sx4``) or the cluster itself."""
+    """A preset by name (``h100x8-gt``, ``h100x8``, ``h200x8``, ``a100x8``, ``l40sx4``) or the cluster itself."""
     if isinstance(name_or_cluster, Cluster):
         return name_or_cluster
     if name_or_cluster not in PRESETS:

@@ -12,16 +12,18 @@ import torch
 
 from functional_pp import optim
 from functional_pp._torch import trace_backward
-from functional_pp.core.comm import CommReport, comm_report
+from functional_pp.core.comm import CommEvent, CommReport, comm_report
 from functional_pp.core.layout import Rules, local_shape
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.ops.token_ids import deferred_checks
 from functional_pp.parallel.named import Named, wrap
+from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.device import representative_device
+from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
-from functional_pp.step.train import PER_WEIGHT, train_step
+from functional_pp.step.train import PER_WEIGHT, PRECISIONS, train_step
 
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 
@@ -46,6 +48,7 @@ class LayoutEstimate:
     time: Any = None                 # a timing.StepTime once costed
     notes: list[str] = field(default_factory=list)
     rank: int = 0                    # the device that ran (the busiest when work is uneven)
+    pipeline: Any = None             # a plan.pipeline.PipelinePlan when the mesh has pp > 1 (runs: one micro-batch)
 
     @property
     def comm_bytes(self) -> int:
@@ -100,7 +103,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
              precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
-             label: str | None = None, trainable: Any = None) -> LayoutEstimate:
+             label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
+             virtual_stages: int = 1) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -116,8 +120,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``bandwidth`` (bytes/s, per mesh axis or one number) sets ``comm_time_s``; the full time
     model is :func:`functional_pp.plan.cost`. ``trainable``: the step's (a callable(params)
     such as ``optim.mask_by_path(...)``, since the model is run with 1 and 2 layers): frozen
-    parameters hold no gradient and no optimizer state and are never reduced."""
+    parameters hold no gradient and no optimizer state and are never reduced.
+
+    With ``pp`` > 1 in the mesh (rules ``layers="pp"``), ``grad_accum`` is the number of
+    micro-batches, run by ``schedule`` with ``virtual_stages`` model chunks per device
+    (docs/planning.md, "Pipelines"): one device's stage runs one micro-batch, and the schedule
+    sets the step's length, the activations held and the stage-to-stage transfers."""
     rules.check(mesh)
+    if mesh.shape.get(PP, 1) > 1:
+        return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
+            options=options, optimizer=optimizer, precision=precision, remat=remat, bandwidth=bandwidth,
+            rank=rank, timeline=timeline, label=label, trainable=trainable),
+            grad_accum, repeated, schedule, virtual_stages)
     options = dict(options or {})
     remat = bool(options.pop("remat", remat))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
@@ -166,6 +180,66 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
+
+
+def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, kw: dict, micro: int,
+                       repeated: str | None, schedule: str, virtual: int) -> LayoutEstimate:
+    """A pipeline layout: the dry-run of one device's L / pp layers on one micro-batch on the
+    mesh without pp, and the schedule's timeline (plan/pipeline.py)."""
+    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
+    if not isinstance(layers_list, list):
+        raise ValueError(f"plan.estimate: a pipeline (pp={mesh.shape[PP]}) splits the list of layers at "
+                         f"{repeated!r}, which the parameter tree does not have (pass repeated='path')")
+    n_layers = len(layers_list)
+    inner, inner_rules, timeline = split_pipeline(mesh, rules, n_layers, micro, schedule, virtual)
+    for key, (shape, _) in batch.items():
+        if shape[0] % micro:
+            raise ValueError(f"plan.estimate: batch[{key!r}] has {shape[0]} sequences, not divisible into "
+                             f"grad_accum={micro} micro-batches")
+    micro_batch = {k: ((shape[0] // micro, *shape[1:]), dims) for k, (shape, dims) in batch.items()}
+    p = mesh.shape[PP]
+    per_device = n_layers // p
+    stage = {**decls, repeated: layers_list[:per_device]}
+    est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
+    x_shape, x_dtype = _boundary(loss_fn, stage, inner, inner_rules, micro_batch, kw["precision"])
+    boundary_bytes = int(torch.Size(x_shape).numel()) * x_dtype.itemsize
+    plan = pipeline_plan(timeline, n_layers, boundary_bytes)
+    last = est.runs[-1]
+    layer = max((s.layer for s in last.saved if s.layer is not None), default=None)
+    per_layer = sum(s.nbytes for s in last.saved if s.layer == layer and s.category in ("activations", "logits"))
+    extra = int(max(0, plan.in_flight - virtual) * per_layer * per_device // virtual)
+    est.peak_bytes += extra
+    est.activation_bytes += extra
+    if extra:
+        est.memory["activations"] = est.memory.get("activations", 0) + extra
+    comm = CommReport()
+    comm.events = est.comm.events * micro
+    for i in range(plan.sends):        # activations forward, their gradients backward
+        comm.events.append(CommEvent("permute", (PP,), p, boundary_bytes, tuple(x_shape),
+                                     str(x_dtype).replace("torch.", ""), i % 2 == 1))
+    est.comm, est.mesh, est.rules, est.pipeline = comm, mesh, rules, plan
+    est.flops *= micro
+    est.settings.update(grad_accum=micro, pp_schedule=schedule, virtual_stages=virtual)
+    est.notes.append(f"pipeline: one device of {p} stages ({per_device} layers) on one micro-batch of {micro}; the "
+                     f"parameters outside the layers are all counted on it (the last stage holds the head)")
+    est.comm_time_s = _bandwidth_time(comm, kw["bandwidth"])
+    return est
+
+
+def _boundary(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, precision: str):
+    """Shape and dtype of the residual stream at a stage boundary: the model run on meta
+    tensors up to its first layer."""
+    with representative_device(mesh, 0), use_rules(rules):
+        params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
+        named = _meta_named_batch(batch, rules, mesh)
+        try:
+            with running_stage(StageRun(0, -1, None, cut=True)), torch.no_grad():
+                loss_fn(params, named)
+        except StageOutput as first:
+            dtype = PRECISIONS[precision] or first.value.data.dtype
+            return tuple(first.value.data.shape), dtype
+    raise ValueError("plan.estimate: the model called no functional_pp.layer; a pipeline cuts the model at its "
+                     "layers")
 
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
@@ -229,11 +303,15 @@ def _meta_param(d, rules: Rules, mesh: Mesh, path: str) -> Named:
 
 
 def _meta_batch(batch: BatchSpec, rules: Rules, mesh: Mesh) -> dict:
+    return {k: v.data for k, v in _meta_named_batch(batch, rules, mesh).items()}
+
+
+def _meta_named_batch(batch: BatchSpec, rules: Rules, mesh: Mesh) -> dict:
     out = {}
     for key, (shape, dims) in batch.items():
         dims = dims.split() if isinstance(dims, str) else list(dims)
         layout = rules.resolve(dims, shape, mesh, name=f"batch[{key!r}]")
-        out[key] = wrap(torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long, device="meta"), dims, layout).data
+        out[key] = wrap(torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long, device="meta"), dims, layout)
     return out
 
 

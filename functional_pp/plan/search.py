@@ -28,10 +28,12 @@ class Candidate:
     precision: str = "bf16"
     grad_accum: int = 1
     remat: bool = False
+    schedule: str = "1f1b"       # pipeline schedule (pp > 1); grad_accum is its micro-batches
+    virtual: int = 1             # model chunks per device (interleaved_1f1b)
 
     def __hash__(self):
         return hash((tuple(self.mesh.shape.items()), repr(self.rules), self.options, self.precision,
-                     self.grad_accum, self.remat))
+                     self.grad_accum, self.remat, self.schedule, self.virtual))
 
 
 @dataclass
@@ -39,7 +41,8 @@ class Space:
     """What to search. ``fsdp``: which axis groups to shard parameters over (names from
     ``("dp_shard",)``, ``("dp_shard", "cp")``, ``()`` = no FSDP); ``orders``: "default"
     (``dp_replicate, dp_shard, cp, tp``: tp innermost) or "all" (every order that places the
-    axes on nodes differently)."""
+    axes on nodes differently). ``pp``: pipeline sizes, each with ``schedules`` (interleaved
+    with each of ``virtual_stages``) and ``micro_batches``; ``ep``: expert-parallel sizes."""
     axes: Sequence[str] = DEFAULT_AXES
     fsdp: Sequence[tuple[str, ...]] = (("dp_shard", "cp"), ("dp_shard",), ())
     sequence_parallel: Sequence[bool] = (True, False)
@@ -51,6 +54,11 @@ class Space:
     orders: str = "default"
     precision: str = "bf16"
     max_axis: dict = field(default_factory=dict)     # e.g. {"tp": 8}: largest size per axis
+    pp: Sequence[int] = (1,)                         # pipeline sizes (an outermost pp axis, layers="pp")
+    schedules: Sequence[str] = ("1f1b", "interleaved_1f1b")
+    virtual_stages: Sequence[int] = (2,)             # model chunks per device of interleaved_1f1b
+    micro_batches: Sequence[int] | None = None       # per pipeline step; None: as many as stages (torchtitan's default)
+    ep: Sequence[int] = (1,)                         # expert-parallel sizes (an ep axis, experts="ep"; MoE models)
 
 
 def factorizations(n_devices: int, axes: Sequence[str] = DEFAULT_AXES) -> Iterable[Mesh]:
@@ -64,29 +72,59 @@ def factorizations(n_devices: int, axes: Sequence[str] = DEFAULT_AXES) -> Iterab
             yield Mesh.from_axes(list(zip(axes, combo)))
 
 
-def standard_rules(fsdp: Sequence[str] = ("dp_shard", "cp"), sequence_parallel: bool = False) -> Rules:
+def standard_rules(fsdp: Sequence[str] = ("dp_shard", "cp"), sequence_parallel: bool = False, pp: bool = False,
+                   ep: bool = False) -> Rules:
     """Accelerate-style rules for models named like ``models/llama.py``: batch over
     dp_replicate x dp_shard, seq over cp in load-balanced order (every device does the same
     causal-attention work, so the representative device stands for all: docs/planning.md),
     heads/kv_heads/mlp/vocab over tp, parameters split along ``hidden`` over ``fsdp``, the
-    residual stream's sequence like seq and further over tp with SP."""
+    residual stream's sequence like seq and further over tp with SP; with ``pp`` the layers
+    over pp, with ``ep`` the experts over ep (and batch and hidden over it too, as the
+    ``ep_size`` config key does)."""
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"),
                  heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
     if fsdp:
         rules["hidden"] = tuple(fsdp)
     if sequence_parallel:
         rules["res_seq"] = inherit("seq", "tp")
+    if pp:
+        rules["layers"] = "pp"
+    if ep:
+        rules.update(batch=(*rules["batch"], "ep"), experts="ep", hidden=(*rules.get("hidden", ()), "ep"))
     return Rules(rules)
+
+
+def _meshes(n_devices: int, space: Space) -> Iterable[Mesh]:
+    """Every mesh of ``space``: factorizations over its axes, with each pipeline size outermost
+    and each expert-parallel size innermost."""
+    for pp in space.pp:
+        for ep in space.ep:
+            if n_devices % (pp * ep):
+                continue
+            for mesh in factorizations(n_devices // (pp * ep), space.axes):
+                yield Mesh.from_axes(([("pp", pp)] if pp > 1 else []) + list(mesh.shape.items())
+                                     + ([("ep", ep)] if ep > 1 else []))
+
+
+def _pipelines(mesh: Mesh, space: Space) -> list[tuple[str, int, int | None]]:
+    """(schedule, virtual stages, micro-batches) of a mesh: one no-pipeline entry without pp."""
+    p = mesh.shape.get("pp", 1)
+    if p == 1:
+        return [("1f1b", 1, None)]
+    micro = space.micro_batches or (p,)
+    return [(s, v, m) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))
+            for m in micro]
 
 
 def _orders(mesh: Mesh, how: str, cl: Cluster) -> list[Mesh]:
     if how == "default":
         return [mesh]
-    big = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    big = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a != "pp"]
+    first = [("pp", mesh.shape["pp"])] if mesh.shape.get("pp", 1) > 1 else []    # pp stays outermost
     seen, out = set(), []
     for perm in itertools.permutations(big):
-        m = Mesh.from_axes([(a, mesh.shape[a]) for a in perm] +
-                           [(a, 1) for a in mesh.axis_names if mesh.shape[a] == 1])
+        m = Mesh.from_axes(first + [(a, mesh.shape[a]) for a in perm] +
+                           [(a, 1) for a in mesh.axis_names if mesh.shape[a] == 1 and a != "pp"])
         key = tuple(sorted(cl.placement(m).items()))
         if key not in seen:
             seen.add(key)
@@ -99,7 +137,7 @@ def candidates(n_devices: int, space: Space, cl: Cluster) -> list[Candidate]:
     names (a dp_shard axis without FSDP is dp_replicate) or in options that do nothing there
     (SP without tp, CP modes without cp, keep_gathered without FSDP)."""
     out, seen = [], set()
-    for mesh in factorizations(n_devices, space.axes):
+    for mesh in _meshes(n_devices, space):
         s = mesh.shape
         if any(s.get(a, 1) > m for a, m in space.max_axis.items()):
             continue
@@ -111,14 +149,15 @@ def candidates(n_devices: int, space: Space, cl: Cluster) -> list[Candidate]:
             choices = itertools.product(space.sequence_parallel if tp else (False,), space.regather_activations,
                                         space.cp_attention if cp else ("ring",),
                                         space.keep_gathered if fsdp else (False,), space.remat, space.grad_accum,
-                                        _orders(mesh, space.orders, cl))
-            for sp, regather, cpa, keep, remat, ga, ordered in choices:
+                                        _orders(mesh, space.orders, cl), _pipelines(mesh, space))
+            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual, micro) in choices:
                 if regather and not sp:
                     continue
                 label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
                 opts = ((("cp_attention", cpa),) if cp else ()) + ((("keep_gathered", True),) if keep else ()) \
                     + ((("regather_activations", True),) if regather else ())
-                c = Candidate(ordered, standard_rules(fsdp, sp), label, opts, space.precision, ga, remat)
+                rules = standard_rules(fsdp, sp, pp=s.get("pp", 1) > 1, ep=s.get("ep", 1) > 1)
+                c = Candidate(ordered, rules, label, opts, space.precision, micro or ga, remat, schedule, virtual)
                 if hash(c) not in seen:
                     seen.add(hash(c))
                     out.append(c)
@@ -210,7 +249,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     space = space or Space(precision=precision or "bf16")
     if rules_for is not None:
         cands = [Candidate(m, rules_for(m), "", tuple(sorted((options or {}).items())), precision or "fp32")
-                 for m in (meshes if meshes is not None else factorizations(n_devices, space.axes))]
+                 for m in (meshes if meshes is not None else _meshes(n_devices, space))]
     else:
         cands = candidates(n_devices, space, cl or as_cluster("h100x8"))
     rejected: list[tuple[str, str]] = []
@@ -223,7 +262,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
         try:
             e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
-                         label=c.label)
+                         label=c.label, schedule=c.schedule, virtual_stages=c.virtual)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
             rejected.append((name, f"{type(cause).__name__}: {cause}".splitlines()[0]))
@@ -242,7 +281,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
 
 def _name(c: Candidate) -> str:
     mesh = "x".join(f"{a}={s}" for a, s in c.mesh.shape.items() if s > 1) or "1 device"
-    return " ".join([mesh, c.label] + [f"{k}={v}" for k, v in c.options] + (["remat"] if c.remat else [])
+    pipe = ([c.schedule] + ([f"v={c.virtual}"] if c.virtual > 1 else [])) if c.mesh.shape.get("pp", 1) > 1 else []
+    return " ".join([mesh, c.label] + pipe + [f"{k}={v}" for k, v in c.options] + (["remat"] if c.remat else [])
                     + ([f"grad_accum={c.grad_accum}"] if c.grad_accum > 1 else []))
 
 

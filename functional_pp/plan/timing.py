@@ -5,6 +5,7 @@ A cost model is any function ``(LayoutEstimate, Cluster) -> StepTime``; :func:`c
 default one, and :func:`fit_cluster` fits a cluster's constants to measured step times."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from functional_pp.core.mesh import Mesh
@@ -25,10 +26,13 @@ class StepTime:
     by_collective: dict[str, float] = field(default_factory=dict)   # "tp all_gather (intra)" -> seconds
     per_layer: dict[str, float] = field(default_factory=dict)       # one repeated layer: compute, critical, weight
     placement: dict[str, str] = field(default_factory=dict)
+    bubble_s: float = 0.0           # a pipeline's idle time (its schedule's timeline)
+    p2p_s: float = 0.0              # a pipeline's stage-to-stage transfers (part of exposed_comm_s)
 
     def row(self) -> dict:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "hidden_comm_s": self.hidden_comm_s, "update_s": self.update_s, "mfu": self.mfu,
+                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s,
                 "by_collective": dict(self.by_collective), "per_layer": dict(self.per_layer),
                 "placement": dict(self.placement)}
 
@@ -38,37 +42,65 @@ def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster) -> tuple[float, str]:
     return cl.collective_seconds(e.kind, e.bytes_sent, e.group_size, link), link[0]
 
 
-def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all") -> dict[str, float]:
-    """Additive seconds of one run (so they extrapolate over layers): compute and
-    communication per phase, split into critical-path and weight traffic, per collective."""
-    rate = cl.peak_flops * cl.compute_efficiency
+def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
+                   compiled: bool = False, selective_ac: str | None = None) -> dict[str, float]:
+    """Additive seconds of one run (so they extrapolate over layers): compute per phase
+    (matrix products, attention, the other kernels' memory traffic) and communication per
+    phase, split into critical-path and weight traffic, per collective."""
+    mm_rate = cl.peak_flops * cl.compute_efficiency
+    attn_rate = cl.peak_flops * cl.attention_efficiency
+    byte_rate = cl.memory_bandwidth * cl.memory_efficiency / (cl.compiled_traffic if compiled else 1.0)
     out: dict[str, float] = {}
 
     def add(k, v):
         out[k] = out.get(k, 0.0) + v
     if layer == "all":
         for phase, f in run.flops.items():
-            add(f"compute {phase}", f / rate)
-        add("forward flops", run.flops.get("forward", 0.0))
+            attn = run.attention_flops.get(phase, 0.0)
+            add(f"compute {phase}", (f - attn) / mm_rate + attn / attn_rate + run.traffic.get(phase, 0.0) / byte_rate)
+        if selective_ac == "op":     # torchtitan's: recompute every second matmul and the unsaved kernels
+            add("compute backward", run.every_other_mm_forward / mm_rate + run.layer_forward_traffic / byte_rate)
+        elif selective_ac is not None:
+            raise ValueError(f"cost: selective_ac={selective_ac!r}; use 'op' (torchtitan's op-level policy) or "
+                             f"None (for full recomputation estimate with remat=True)")
+        add("model flops", run.flops.get("forward", 0.0) - run.attention_flops.get("forward", 0.0)
+            + run.dense_attention_forward)
     else:
-        add("compute", run.flops_by_layer.get(layer, 0.0) / rate)
+        attn = run.attention_by_layer.get(layer, 0.0)
+        add("compute", (run.flops_by_layer.get(layer, 0.0) - attn) / mm_rate + attn / attn_rate
+            + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
+    grouped: set = set()
     for e in run.events:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
             continue
         s, where = event_seconds(e, mesh, cl)
+        if e.weight_traffic and e.layer is not None:     # the step's FSDP units: one flat collective per layer
+            key = (e.kind, e.axes, e.phase, e.layer)
+            if key in grouped:
+                s -= cl.collective_seconds(e.kind, 0, e.group_size, cl.link(mesh, e.axes))
+            grouped.add(key)
         kind = "weight" if e.weight_traffic else "critical"
         add(f"{kind} {e.phase}" if layer == "all" else kind, s)
         add(f"{'+'.join(e.axes)} {e.kind} ({where})", s)
     return out
 
 
-def cost(est, cl: "Cluster | str") -> "StepTime":
+def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
-    compute = FLOPs / (peak x efficiency); weight traffic (FSDP gathers, gradient
-    reductions) hides under the compute of its phase; the other collectives (TP/SP/CP
-    activations, loss sums) add to it; the update is a memory-bound pass over the state."""
+    compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
+    attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
+    efficiency), those bytes scaled by ``compiled_traffic`` when ``compiled``;
+    ``selective_ac="op"`` adds torchtitan's op-level recomputation. A fraction ``overlap``
+    of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
+    phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
+    the update is a memory-bound pass over the state. A pipeline (``est.pipeline``) repeats
+    one micro-batch's time over its micro-batches, adds the stage-to-stage transfers on the
+    link ``pp`` crosses, and stretches the whole by its timeline's makespan over one device's
+    work (the bubble). MFU is torchtitan's: 6 x parameters
+    (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
+    counted as full), over step time x peak."""
     cl = as_cluster(cl)
-    comps = [run_components(r, est.mesh, cl) for r in est.runs]
+    comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac) for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
     compute = sum(v for k, v in total.items() if k.startswith("compute "))
@@ -76,58 +108,79 @@ def cost(est, cl: "Cluster | str") -> "StepTime":
     for phase in ("forward", "backward"):
         w = total.get(f"weight {phase}", 0.0)
         c = total.get(f"compute {phase}", 0.0)
-        exposed += total.get(f"critical {phase}", 0.0) + max(0.0, w - c)
-        hidden += min(w, c)
-    exposed += total.get("critical update", 0.0) + total.get("weight update", 0.0)
-    update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
-    step = compute + exposed + update
-    mfu = 3 * total.get("forward flops", 0.0) / (step * cl.peak_flops) if step > 0 else 0.0
+        hide = min(cl.overlap * w, c)
+        exposed += total.get(f"critical {phase}", 0.0) + w - hide
+        hidden += hide
+    once = total.get("critical update", 0.0) + total.get("weight update", 0.0)
     by_coll = {k: v for k, v in total.items() if "(" in k}
+    model_flops = total.get("model flops", 0.0)
+    bubble = p2p = 0.0
+    pipe = est.pipeline
+    if pipe is not None:        # the runs are one micro-batch of one stage: the schedule repeats them
+        m = pipe.micro
+        link = cl.link(est.mesh, ("pp",))
+        p2p = pipe.sends * cl.collective_seconds("permute", pipe.boundary_bytes, 2, link)
+        busy = m * (compute + exposed) + p2p
+        bubble = busy * (pipe.slots_per_busy - 1.0)
+        compute, exposed, hidden, model_flops = m * compute, m * exposed + p2p, m * hidden, m * model_flops
+        by_coll = {k: m * v for k, v in by_coll.items()}
+        by_coll[f"pp permute ({link[0]})"] = p2p
+    exposed += once
+    update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
+    step = compute + exposed + bubble + update
+    mfu = 3 * model_flops / (step * cl.peak_flops) if step > 0 else 0.0
     per_layer = {}
     if est.layers > 1:
         last = est.runs[-1]
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
-            per_layer = run_components(last, est.mesh, cl, layer)
-    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh))
+            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled)
+    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 
-def fit_cluster(base: "Cluster | str", samples: list[tuple[object, float]]) -> Cluster:
-    """Fit ``base``'s compute efficiency and intra/inter-node bandwidths to measured step
-    times: ``samples`` are (LayoutEstimate, measured seconds). Least squares on
-    seconds = flops / (peak x eff) + intra bytes / intra_bw + inter bytes / inter_bw
-    (latency and update terms kept from ``base``); a term no sample exercises keeps its
-    value."""
-    import torch
+FITTED = ("compute_efficiency", "intra_bandwidth", "inter_bandwidth")
+
+
+def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...] = FITTED,
+                rounds: int = 12) -> Cluster:
+    """Fit ``base``'s numbers named in ``fit`` (any of Cluster's: ``compute_efficiency``,
+    ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
+    ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
+    ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
+    :func:`cost`'s keywords (``compiled``, ``selective_ac``). Minimises the squared log ratio
+    of :func:`cost`'s step time to the measured one, one number at a time (golden section in
+    log space, ``rounds`` sweeps); fractions stay at most 1, and a number that no sample
+    depends on keeps its value."""
     cl = as_cluster(base)
-    rows, ys = [], []
-    for est, seconds in samples:
-        parts = []
-        for r in est.runs:
-            a = b = c = 0.0
-            for e in r.events:
-                where, _, lat = cl.link(est.mesh, e.axes)
-                fixed_e = cl.collective_seconds(e.kind, 0, e.group_size, (where, 1.0, lat))
-                if where == "intra":
-                    a += e.bytes_sent
+    samples = [(s[0], s[1], dict(s[2]) if len(s) > 2 else {}) for s in samples]
+    unknown = [k for k in fit if not isinstance(getattr(cl, k, None), (int, float))]
+    if unknown:
+        raise ValueError(f"fit_cluster: {unknown} are not numbers of a Cluster; fit some of "
+                         f"{[k for k, v in vars(cl).items() if isinstance(v, float)]}")
+    capped = {"compute_efficiency", "attention_efficiency", "memory_efficiency", "compiled_traffic", "overlap"}
+
+    def loss(c: Cluster) -> float:
+        return sum(math.log(cost(e, c, **o).step_s / t) ** 2 for e, t, o in samples)
+    for _ in range(rounds):
+        for k in fit:
+            v0 = getattr(cl, k)
+            hi_cap = math.log(1.0) if k in capped else math.log(v0) + 3
+            lo, hi = math.log(v0) - 3, min(math.log(v0) + 3, hi_cap)
+            f = lambda x: loss(cl.with_(**{k: math.exp(x)}))   # noqa: E731
+            a, b = lo, hi
+            g = (math.sqrt(5) - 1) / 2
+            x1, x2 = b - g * (b - a), a + g * (b - a)
+            f1, f2 = f(x1), f(x2)
+            for _ in range(40):
+                if f1 < f2:
+                    b, x2, f2 = x2, x1, f1
+                    x1 = b - g * (b - a)
+                    f1 = f(x1)
                 else:
-                    b += e.bytes_sent
-                c += fixed_e
-            parts.append((sum(r.flops.values()), a, b, c))
-        flops, intra, inter, fixed = (est.extrapolate_values([p[i] for p in parts]) for i in range(4))
-        fixed += 3 * est.state_bytes / cl.memory_bandwidth
-        rows.append([flops, intra, inter])
-        ys.append(seconds - fixed)
-    A = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor(ys, dtype=torch.float64)
-    used = [j for j in range(3) if A[:, j].abs().sum() > 0]
-    sol = torch.linalg.lstsq(A[:, used], y.unsqueeze(1)).solution.squeeze(1)
-    coef = dict(zip(used, sol.tolist()))
-    kw = {}
-    if 0 in coef and coef[0] > 0:
-        kw["compute_efficiency"] = 1.0 / (coef[0] * cl.peak_flops)
-    if 1 in coef and coef[1] > 0:
-        kw["intra_bandwidth"] = 1.0 / coef[1]
-    if 2 in coef and coef[2] > 0:
-        kw["inter_bandwidth"] = 1.0 / coef[2]
-    return cl.with_(name=f"{cl.name} (fitted)", **kw)
+                    a, x1, f1 = x1, x2, f2
+                    x2 = a + g * (b - a)
+                    f2 = f(x2)
+            best = (a + b) / 2
+            if f(best) < loss(cl):
+                cl = cl.with_(**{k: math.exp(best)})
+    return cl.with_(name=f"{as_cluster(base).name} (fitted)")

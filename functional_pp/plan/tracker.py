@@ -26,6 +26,8 @@ _MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.defaul
             _aten.baddbmm.default: "baddbmm"}
 _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
                 _aten.nll_loss2d_backward.default}
+_NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
+               "lift_fresh", "_local_scalar_dense"}
 _FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
 
@@ -75,6 +77,13 @@ class DeviceRun:
     peak_at: str = ""
     flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
     flops_by_layer: dict = field(default_factory=dict)
+    attention_flops: dict = field(default_factory=dict)      # phase -> the part of ``flops`` in attention kernels
+    dense_attention_forward: float = 0.0    # forward attention FLOPs counting causal as full (torchtitan's MFU)
+    traffic: dict = field(default_factory=dict)              # phase -> bytes read + written by the other ops
+    attention_by_layer: dict = field(default_factory=dict)   # layer -> attention FLOPs (forward and backward)
+    traffic_by_layer: dict = field(default_factory=dict)     # layer -> traffic (forward and backward)
+    every_other_mm_forward: float = 0.0     # FLOPs of each layer's 2nd, 4th, ... forward matmul
+    layer_forward_traffic: float = 0.0      # forward traffic inside the layers
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
@@ -130,6 +139,7 @@ class MemoryTracker(TorchDispatchMode):
         self.layer: int | None = None
         self.phase = "forward"
         self._seen_backward = False
+        self._mm_in_layer: dict = {}
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -178,7 +188,8 @@ class MemoryTracker(TorchDispatchMode):
                 self.layer = max(layers)
         out = func(*args, **kwargs)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
-        self._count_flops(func, args, out)
+        if not self._count_flops(func, args, out):
+            self._count_traffic(func, name, inputs, out)
         derived = self.phase != "update" and bool(inputs) and all(
             id(a.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
             for a, al in zip(inputs, in_allocs))
@@ -244,22 +255,48 @@ class MemoryTracker(TorchDispatchMode):
             self._current -= alloc.nbytes
 
     # -------------------------------------------------------------- flops
-    def _count_flops(self, func, args, out) -> None:
+    def _count_flops(self, func, args, out) -> bool:
+        """Count a matrix product's or attention kernel's FLOPs; False for any other op."""
         flops = 0.0
         if func in _MATMULS:
             a, b = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
             flops = 2.0 * math.prod(a.shape) * b.shape[-1]
+            if self.phase == "forward" and self.layer is not None:
+                n = self._mm_in_layer[self.layer] = self._mm_in_layer.get(self.layer, 0) + 1
+                if n % 2 == 0:          # torchtitan's op-level selective AC recomputes these
+                    self.run.every_other_mm_forward += flops
         elif func in _FLASH:
             q, k = args[1], args[2]
             if func is _aten._scaled_dot_product_flash_attention_for_cpu.default:
                 q, k = args[0], args[1]
             causal = _flash_causal(func, args)
             b, h, sq, d = q.shape
-            flops = 4.0 * b * h * sq * k.shape[2] * d * (0.5 if causal else 1.0) * _FLASH[func]
-        if flops:
-            self.run.flops[self.phase] = self.run.flops.get(self.phase, 0.0) + flops
-            key = self.layer if self.phase != "update" else None
-            self.run.flops_by_layer[key] = self.run.flops_by_layer.get(key, 0.0) + flops
+            dense = 4.0 * b * h * sq * k.shape[2] * d * _FLASH[func]
+            flops = dense * (0.5 if causal else 1.0)
+            self.run.attention_flops[self.phase] = self.run.attention_flops.get(self.phase, 0.0) + flops
+            self.run.attention_by_layer[self.layer] = self.run.attention_by_layer.get(self.layer, 0.0) + flops
+            if self.phase == "forward":
+                self.run.dense_attention_forward += dense
+        else:
+            return False
+        self.run.flops[self.phase] = self.run.flops.get(self.phase, 0.0) + flops
+        key = self.layer if self.phase != "update" else None
+        self.run.flops_by_layer[key] = self.run.flops_by_layer.get(key, 0.0) + flops
+        return True
+
+    def _count_traffic(self, func, name: str, inputs, out) -> None:
+        """Bytes an unfused kernel moves: its tensor inputs read, its new outputs written
+        (views and allocations move nothing; an in-place op reads and writes its input). The optimizer's are costed from the state."""
+        if self.phase == "update" or name.split(".")[0] in _NO_TRAFFIC:
+            return
+        if getattr(func, "is_view", False):
+            return
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in list(inputs) + outs)
+        self.run.traffic[self.phase] = self.run.traffic.get(self.phase, 0.0) + moved
+        self.run.traffic_by_layer[self.layer] = self.run.traffic_by_layer.get(self.layer, 0.0) + moved
+        if self.phase == "forward" and self.layer is not None:
+            self.run.layer_forward_traffic += moved
 
 
 def _flash_causal(func, args) -> bool:

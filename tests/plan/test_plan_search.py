@@ -35,7 +35,7 @@ def test_cost_overlaps_weight_traffic_and_charges_tp_on_the_critical_path():
     assert weight and all(e.axes == ("dp_shard",) for e in weight)
     assert t_fsdp.hidden_comm_s > 0
     assert all(not e.weight_traffic for e in tp.runs[0].events if e.kind in ("all_gather", "reduce_scatter"))
-    assert t_tp.hidden_comm_s < 1e-6 < t_tp.exposed_comm_s
+    assert t_tp.hidden_comm_s < 0.02 * t_tp.exposed_comm_s    # only the norms' gradient sums hide
     for t in (t_fsdp, t_tp):
         assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.update_s)
         assert 0 < t.mfu < 1
@@ -49,13 +49,10 @@ def test_fit_cluster_recovers_the_constants_that_made_the_times():
     ests = [plan.estimate(LOSS, llama.init(CFG), m, plan.standard_rules(("dp_shard",) if m.shape["dp_shard"] > 1 else ()), b)
             for m, b in [(fpp.Mesh(dp_shard=2), BATCH), (fpp.Mesh(tp=2), BATCH),
                          (fpp.Mesh(dp_shard=4), {k: ((16, 32), d) for k, (s, d) in BATCH.items()})]]
-
-    def no_overlap(e, cl):   # the fit's model: every term adds up
-        t = plan.cost(e, cl)
-        return t.compute_s + t.exposed_comm_s + t.hidden_comm_s + t.update_s
-    fitted = plan.fit_cluster("h100x8", [(e, no_overlap(e, truth)) for e in ests])
-    assert fitted.compute_efficiency == pytest.approx(0.42, rel=1e-3)
-    assert fitted.intra_bandwidth == pytest.approx(123e9, rel=1e-3)
+    fitted = plan.fit_cluster("h100x8", [(e, plan.cost(e, truth).step_s) for e in ests],
+                              fit=("compute_efficiency", "intra_bandwidth"))
+    assert fitted.compute_efficiency == pytest.approx(0.42, rel=1e-2)
+    assert fitted.intra_bandwidth == pytest.approx(123e9, rel=1e-2)
 
 
 @pytest.mark.slow
