@@ -130,6 +130,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     assignments beyond it are dropped (a token then gets only its kept experts' outputs, its
     weights not renormalised) and counted in ``RouterStats.dropped``. Its shapes are static,
     so it compiles; it needs each sequence whole on a device."""
+    # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
+    gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
