@@ -24,8 +24,8 @@ def module_name(path: str) -> str:
     name = hf_name(path)
     if name is not None and ".experts." in name:
         raise ValueError(f"PEFT adapter: {path!r} adapts the experts ({name}), which transformers 5 fuses into "
-                         f"3-D parameters that peft adapts with one lora_A for gate and up together; our "
-                         f"adapters are per weight and have no peft layout: export the merged model instead "
+                         f"3-D parameters (peft's target_parameters, gate and up sharing one lora_A); writing "
+                         f"expert adapters to a PEFT directory is not built: export the merged model instead "
                          f"(functional-pp export, docs/adapters.md)")
     if name is None or not name.endswith(".weight"):
         raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")

@@ -1,10 +1,10 @@
 """LoRA on the experts of a mixture of experts: the adapters carry the ``experts`` dimension
-(one per expert, split by the rule that splits the experts), the adapted loss and the
+(one per expert, split by the rule that splits the experts); the adapted loss and the
 adapters' gradients equal the merged-weight model's (``W + scale * A B`` per expert, by
-autograd through the merge on plain tensors: transformers 5 fuses the experts into 3-D
-parameters, whose peft adapter is another parametrization), EP (on ``ep`` x FSDP, x TP)
-equals one device, dropless and with a capacity; the router, dropout and the peft export are
-refused by name."""
+autograd through the merge on plain tensors) and peft's (``target_parameters`` on transformers
+5's fused expert parameters, gate and up sharing an A); EP (on ``ep`` x FSDP, x TP) equals one
+device, dropless and with a capacity; the router, dropout and the peft export are refused by
+name."""
 import pytest
 import torch
 from harness import make_batch
@@ -112,3 +112,74 @@ def test_router_dropout_and_peft_export_are_refused_by_name(tmp_path):
                                           {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, CFG)
     with pytest.raises(ValueError, match=r"adapts the experts .* export the merged model"):
         peft_dir.save_adapter(tmp_path / "a", adapters.split(full)[1], LORA)
+
+
+def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
+    """peft's LoRA of transformers 5's fused expert parameters (``target_parameters``:
+    ``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) is ours with
+    gate and up sharing their A: the same adapters converted, the loss and every adapter
+    gradient (A's as the sum of gate's and up's) equal peft's, fp32."""
+    peft = pytest.importorskip("peft")
+    import torch.nn.functional as F
+    import transformers
+
+    from functional_pp.checkpoint import hf
+    conf = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=4,
+                                       num_experts_per_tok=2, norm_topk_prob=True, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(conf).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"
+    model.save_pretrained(tmp_path)             # (the per-expert tensors of the HF files)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    batch = make_batch(llama.Config.tiny(), batch=2, seq=8, seed=1)
+    logits = pm(input_ids=batch["tokens"]).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    want.backward()
+    # peft nests the two wrappers: the first target (gate_up_proj) is experts.base_layer's adapter
+    where = {"gate_up_proj": "mlp.experts.base_layer.lora_", "down_proj": "mlp.experts.lora_"}
+    peft_ab = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+
+    def peft_param(i, proj, ab):
+        return peft_ab[f"base_model.model.model.layers.{i}.{where[proj]}{ab}.default.weight"]
+
+    cfg = hf.config_from_hf(tmp_path)
+    E, Fm, r = 4, 16, 4
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("gate", "up", "down"))
+    decls = adapters.init(llama.init(cfg), lc)
+    lora = {}
+    for i in range(2):
+        def get(proj, ab):
+            return peft_param(i, proj, ab)
+        a_gu = get("gate_up_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)        # (E, H, r)
+        b_gu = get("gate_up_proj", "B").detach().reshape(2 * Fm, r, E).permute(2, 1, 0)   # (E, r, 2F)
+        a_d = get("down_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)            # (E, F, r)
+        b_d = get("down_proj", "B").detach().reshape(-1, r, E).permute(2, 1, 0)           # (E, r, H)
+        for name, a, b in (("gate", a_gu, b_gu[..., :Fm]), ("up", a_gu, b_gu[..., Fm:]), ("down", a_d, b_d)):
+            lora[f"layers.{i}.mlp.{name}"] = {"lora_A": a.contiguous(), "lora_B": b.contiguous()}
+    full = adapters.joined(hf.load_hf_params(tmp_path, cfg), lora)
+    ((loss, grads),) = _adapted(cfg, decls, full, batch)
+    torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5, atol=1e-6)
+    for i in range(2):
+        def got(name, ab):
+            return grads[f"layers.{i}.mlp.lora.{name}.lora_{ab}"]
+
+        def peft_grad(proj, ab):
+            return peft_param(i, proj, ab).grad
+        gu_a = peft_grad("gate_up_proj", "A").reshape(E, r, -1).transpose(1, 2)
+        gu_b = peft_grad("gate_up_proj", "B").reshape(2 * Fm, r, E).permute(2, 1, 0)
+        torch.testing.assert_close(got("gate", "A") + got("up", "A"), gu_a, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.cat([got("gate", "B"), got("up", "B")], -1), gu_b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got("down", "A"), peft_grad("down_proj", "A").reshape(E, r, -1).transpose(1, 2),
+                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got("down", "B"), peft_grad("down_proj", "B").reshape(-1, r, E).permute(2, 1, 0),
+                                   rtol=1e-4, atol=1e-6)
