@@ -3,7 +3,8 @@ z-loss, in every layout and in the step: EP (borrowed from the batch's axis, on 
 x FSDP, on an axis the batch does not use, x TP) equals one device in loss and every gradient
 with assignments dropped; the step's metrics carry the routing (tokens per expert, balance,
 drops, the z-loss) equal on every layout and read with no extra host read; a compiled step
-(aot_eager) equals the eager one; the sequence split over cp is refused by name."""
+(aot_eager) equals the eager one; the dry-run counts the slots' all-to-all bytes; the sequence
+split over cp is refused by name."""
 import functools
 
 import pytest
@@ -142,3 +143,21 @@ def test_a_split_sequence_is_refused_by_name(oracle):
     rules = Rules(batch="dp_shard", seq=balanced("cp"), res_seq=inherit("seq"), experts="dp_shard")
     with pytest.raises(Exception, match=r"capacity_factor .* 'seq' is split over \('cp',\); route dropless"):
         parallel(CFG, full, batch, fpp.Mesh(dp_shard=2, cp=2), rules)
+
+
+def test_dry_run_counts_the_slots():
+    """On meta tensors (plan.estimate) the capacity path runs as it does on data: each MoE
+    layer's dispatch and combine, forward and backward, send R x E x capacity x hidden x bytes x
+    (ep-1)/ep (the slots for the other devices' experts), whatever the routing."""
+    from functional_pp import plan
+    from functional_pp.ops.experts import capacity
+    cfg = llama.Config(**{**vars(CFG), "capacity_factor": 1.5})
+    mesh, rules = LAYOUTS["ep_axis_x_fsdp"]
+    batch, seq = 8, 16
+    shape = {"tokens": ((batch, seq), "batch seq"), "labels": ((batch, seq), "batch seq")}
+    est = plan.estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg), mesh, rules, shape)
+    rows = batch // 4                                          # sequences per device: batch over dp_shard x ep
+    slots = rows * cfg.experts * capacity(seq, cfg.experts_top_k, cfg.experts, 1.5)
+    formula = slots * cfg.hidden * 4 * (2 - 1) // 2
+    moved = [e.bytes_sent for e in est.comm.events if e.kind == "all_to_all" and e.dtype == "float32"]
+    assert moved == [formula] * 4 * cfg.layers and slots == 2 * 4 * 12
