@@ -52,8 +52,8 @@ class RouterStats:
     probs: Named
     tokens: int
     top_k: int
-    z: Named | None = None
-    dropped: Named | None = None
+    z: Named
+    dropped: Named
 
     def tokens_per_expert(self) -> torch.Tensor:
         """Assignments per expert over every device's tokens (a plain tensor, for metrics)."""
@@ -81,7 +81,9 @@ def _check_eager(dropless: bool) -> None:
     if dropless and is_tracing():
         raise RuntimeError("experts: a dropless mixture of experts routes with data-dependent shapes and runs "
                            "eagerly; compile the step without it (compile: false, train_step(compile=False)), "
-                           "or give the experts a static capacity (capacity_factor, docs/experts.md)")
+                           "or give the experts a static capacity (capacity_factor, docs/experts.md; a factor of at "
+                           "least experts / top_k drops nothing: dropless results for experts / top_k times the "
+                           "expert work)")
     ctx = current_context(required=False)
     if ctx is not None and ctx.batched:
         raise RuntimeError("experts: a mixture of experts does not run on the batched simulator (its devices "

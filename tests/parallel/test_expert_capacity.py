@@ -98,6 +98,9 @@ def test_step_metrics_carry_the_routing(oracle):
     for (m,) in _steps(mesh, rules, [batch]):
         for k in MOE_KEYS:
             assert m[k] == pytest.approx(one[k], rel=1e-9), k
+    (accum,), = _steps(fpp.Mesh(), Rules(), [batch], grad_accum=2)       # micro-batches: counts summed
+    assert sum(accum["moe_tokens_per_expert"]) == sum(one["moe_tokens_per_expert"])
+    assert accum["moe_dropped"] > 0 and accum["moe_z_loss"] == pytest.approx(one["moe_z_loss"], rel=1e-9)   # (equal halves)
 
 
 def test_deferred_metrics_read_nothing(oracle, transfers):  # noqa: F811 (the fixture)
