@@ -323,8 +323,8 @@ def _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_lo
     w_a = w_e.reshape(R, S, top_k).transpose(1, 2).reshape(-1)
     rows_of = torch.arange(R, device=dev)[:, None]
     tok = (rows_of * S + torch.arange(S, device=dev).repeat(top_k)[None]).reshape(-1)
-    onehot = torch.zeros(R, top_k * S, E, dtype=torch.int64, device=dev).scatter_(2, a[..., None], 1)
-    slot = onehot.cumsum(1).gather(2, a[..., None]).squeeze(2) - 1          # the place in its expert's queue
+    onehot = torch.zeros(R, top_k * S, E, dtype=torch.int32, device=dev).scatter_(2, a[..., None], 1)
+    slot = onehot.cumsum(1, dtype=torch.int32).gather(2, a[..., None]).squeeze(2).long() - 1   # its place in the queue
     kept = slot < cap
     n_slots = R * E * cap
     where = torch.where(kept, (rows_of * E + a) * cap + slot, n_slots).reshape(-1)
