@@ -32,7 +32,7 @@ def one_transfer(values: list[torch.Tensor]) -> list:
     flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values]).tolist()
     out, at = [], 0
     for v in values:
-        n = max(v.numel(), 1) if v.ndim == 0 else v.numel()
+        n = 1 if v.ndim == 0 else v.numel()
         out.append(flat[at] if v.ndim == 0 else flat[at:at + n])
         at += n
     return out
