@@ -31,6 +31,7 @@ from functional_pp.parallel.named import Named, _make
 from functional_pp.quant.weights import QuantizedWeight
 
 RANK = "lora_r"
+EXPERTS = "experts"     # a weight with this dimension holds one matrix per expert: one adapter each
 KEY = "lora"            # the entry of a module's dict holding its weights' adapters
 _calls = per_thread("adapters.lora")
 
@@ -88,11 +89,13 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
         bias = path.rsplit(".", 1)[-1].endswith("bias")     # (q_bias: heads head_dim, two dims, no matrix)
         linear = isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims and not bias
         named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
-        if linear and "experts" in d.dims:           # stacked experts and the router: not linear modules
-            if named:                                # (peft's all-linear leaves them too)
-                raise ValueError(f"LoRA: target {path!r} (dimensions {d.dims}) is a mixture-of-experts weight: "
-                                 f"adapters of experts and routers are not supported yet; target the "
-                                 f"attention (q_proj, k_proj, v_proj, o_proj) or shared-expert weights")
+        if linear and EXPERTS in d.dims:             # stacked experts and the router: by name only
+            if named and len(d.dims) < 3:            # (peft's all-linear leaves them too)
+                raise ValueError(f"LoRA: target {path!r} (dimensions {d.dims}) is a mixture-of-experts router: "
+                                 f"routers are not adapted; train it whole with unfrozen_parameters, or "
+                                 f"target the experts (gate, up, down)")
+            if named:
+                found.append(path)
             continue
         if linear:
             candidates.append(path)
@@ -113,16 +116,26 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     """``decls`` with the adapters' declarations beside the targeted weights (``...lora.NAME``):
     ``lora_A`` over ``in... lora_r`` (uniform +-1/sqrt(fan_in), peft's Kaiming) and ``lora_B`` over
     ``lora_r out...`` (zeros); the leading ``in_dims`` dimensions (the declaration's ``meta``,
-    1 by default) are the ones a linear contracts."""
+    1 by default) are the ones a linear contracts. A weight with an ``experts`` dimension
+    (``experts hidden mlp``) gets one adapter per expert: ``experts`` leads both ``lora_A``
+    (``experts hidden lora_r``) and ``lora_B`` (``experts lora_r mlp``), so the rule that splits
+    the experts (expert parallelism) splits their adapters too."""
     by_path = dict(leaves_with_paths(decls))
     lora = {}
     for path in targets(decls, cfg):
         d = by_path[path]
+        lead = (EXPERTS,) if EXPERTS in d.dims else ()
+        if lead and d.dims[0] != EXPERTS:
+            raise ValueError(f"LoRA: expert weight {path!r} has dimensions {d.dims}; its adapters need "
+                             f"{EXPERTS!r} first")
+        shape, dims = d.shape[len(lead):], d.dims[len(lead):]
+        e = d.shape[:len(lead)]
         k = int(d.meta.get("in_dims", 1))
-        fan_in = math.prod(d.shape[:k])
-        lora[path] = {"lora_A": param(d.shape[:k] + (cfg.r,), d.dims[:k] + (RANK,), init="uniform",
+        fan_in = math.prod(shape[:k])
+        lora[path] = {"lora_A": param(e + shape[:k] + (cfg.r,), lead + dims[:k] + (RANK,), init="uniform",
                                       scale=1.0 / math.sqrt(fan_in), dtype=d.dtype),
-                      "lora_B": param((cfg.r,) + d.shape[k:], (RANK,) + d.dims[k:], init="zeros", dtype=d.dtype)}
+                      "lora_B": param(e + (cfg.r,) + shape[k:], lead + (RANK,) + dims[k:], init="zeros",
+                                      dtype=d.dtype)}
     return joined(decls, lora)
 
 
@@ -240,6 +253,18 @@ class LoraWeight(NamedTuple):
             return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
         return y + delta
 
+    def __named_weight__(self) -> Named:
+        """The adapted weight as one named value, ``W + scale * A B`` (contracted over the rank,
+        per expert for expert weights): for ops that take the weight itself rather than an
+        einsum with it (``ops.experts``). Gradients reach ``A`` and ``B``; the base stays frozen."""
+        if self.dropout:
+            raise ValueError("LoRA: lora_dropout > 0 on expert weights is not supported (their adapters are "
+                             "merged into the weight for the experts' grouped matmuls, which drops no input); "
+                             "set lora_dropout: 0 or target no expert weights")
+        pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
+                   f"{' '.join(self.base.dims)}")
+        return self.base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+
 
 def apply(params: Any, cfg: LoraConfig) -> Any:
     """The base tree of ``params`` (a tree with adapters, :func:`init`) with each adapted weight
@@ -281,8 +306,12 @@ def adapt(fn: Callable[..., Any], cfg: LoraConfig) -> Callable[..., Any]:
     return adapted
 
 
-def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """The full weight update ``scale * A B`` (contracted over the rank) of one adapter."""
+def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = False) -> torch.Tensor:
+    """The full weight update ``scale * A B`` (contracted over the rank) of one adapter;
+    ``per_expert``: an expert weight's (``experts`` leading both A and B), one per expert."""
+    if per_expert:
+        e, r = a.shape[0], a.shape[-1]
+        return torch.bmm(a.reshape(e, -1, r), b.reshape(e, r, -1)).reshape(a.shape[:-1] + b.shape[2:]) * scale
     return torch.tensordot(a, b, dims=([a.ndim - 1], [0])) * scale
 
 
@@ -296,5 +325,7 @@ def merge(params: Any, cfg: LoraConfig) -> Any:
         if ab is None:
             return w
         wide = torch.promote_types(w.dtype, torch.float32)       # (16-bit weights: the sum in fp32, rounded once)
-        return (w.to(wide) + delta(ab["lora_A"].to(wide), ab["lora_B"].to(wide), cfg.scale)).to(w.dtype)
+        a, b = ab["lora_A"].to(wide), ab["lora_B"].to(wide)
+        per_expert = a.ndim + b.ndim - 3 == w.ndim          # (experts lead A and B: counted once)
+        return (w.to(wide) + delta(a, b, cfg.scale, per_expert)).to(w.dtype)
     return map_with_path(merged, base)

@@ -22,6 +22,11 @@ def module_name(path: str) -> str:
     """The Hugging Face module of our weight path (``layers.0.self_attn.q_proj`` ->
     ``model.layers.0.self_attn.q_proj``)."""
     name = hf_name(path)
+    if name is not None and ".experts." in name:
+        raise ValueError(f"PEFT adapter: {path!r} adapts the experts ({name}), which transformers 5 fuses into "
+                         f"3-D parameters (peft's target_parameters, gate and up sharing one lora_A); writing "
+                         f"expert adapters to a PEFT directory is not built: export the merged model instead "
+                         f"(functional-pp export, docs/adapters.md)")
     if name is None or not name.endswith(".weight"):
         raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")
     return name[:-len(".weight")]

@@ -84,7 +84,7 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
 _ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
             "linear modules): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
-_MOE = ("this mixture-of-experts kernel or option is not supported (experts are the dropless "
+_MOE = ("this mixture-of-experts kernel or option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
 _RL = "RL / preference training is not supported (causal LM fine-tuning only): remove it"

@@ -26,7 +26,7 @@ def model_config(cfg: Any) -> Any:
     """The model's config (``llama.Config`` for llama): from ``base_model/config.json``, or the
     preset and overrides of the ``model`` section."""
     if cfg.base_model is None:
-        return cfg.model.build()
+        return _with_moe_options(cfg, cfg.model.build())
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
         raise ConfigError(f"base_model: model family {family.name!r} has no Hugging Face mapping; "
@@ -43,7 +43,25 @@ def model_config(cfg: Any) -> Any:
         model = family.hf_config_from_dict(hf)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
-    return _with_added_tokens(cfg, model)
+    return _with_moe_options(cfg, _with_added_tokens(cfg, model))
+
+
+_MOE_OPTIONS = ("router_z_loss_coef", "capacity_factor")
+
+
+def _with_moe_options(cfg: Any, model: Any) -> Any:
+    """``model`` with the config's mixture-of-experts training options (``router_z_loss_coef``,
+    ``capacity_factor``) where given; refused by name for a model without experts."""
+    given = {k: getattr(cfg, k, None) for k in _MOE_OPTIONS if getattr(cfg, k, None) is not None}
+    if not given:
+        return model
+    if not getattr(model, "experts", 0):
+        raise ConfigError(f"{', '.join(given)}: the model has no mixture of experts (experts=0); remove "
+                          f"{'them' if len(given) > 1 else 'it'}")
+    try:
+        return dataclasses.replace(model, **given)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _with_added_tokens(cfg: Any, model: Any) -> Any:

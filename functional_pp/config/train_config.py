@@ -40,6 +40,13 @@ class TrainConfig:
     ep_size: int = fld(1, "expert parallelism: the experts of a mixture of experts split over N "
                           "devices, which the batch uses too (docs/experts.md); alias "
                           "expert_parallel_size")
+    router_z_loss_coef: float | None = fld(None, "mixture of experts: ST-MoE's router z-loss added with this "
+                                                 "coefficient (null: the model's, 0 unless set there; "
+                                                 "docs/experts.md)")
+    capacity_factor: float | None = fld(None, "mixture of experts: a static capacity per expert and sequence, "
+                                              "ceil(factor x seq x top_k / experts) slots, the assignments past "
+                                              "it dropped and counted (moe_dropped); compiles. null: dropless "
+                                              "(docs/experts.md)")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")

@@ -105,8 +105,10 @@ class Config:
     # experts of each MoE layer (0: a dense MLP everywhere), each token's top_k, each expert's
     # intermediate size (None: mlp), renormalised top-k weights (Mixtral; Qwen's norm_topk_prob),
     # the router's scores (softmax; sigmoid: DeepSeek-V3), the auxiliary loss's coefficient
-    # (router_aux_loss_coef), a shared expert's intermediate size (Qwen2-MoE; 0: none) and the
-    # layers with experts (None: all)
+    # (router_aux_loss_coef), a shared expert's intermediate size (Qwen2-MoE; 0: none), the
+    # layers with experts (None: all), the router z-loss's coefficient (ST-MoE's
+    # router_z_loss_coef) and each expert's static capacity per sequence (capacity_factor:
+    # None is dropless; a factor drops and counts the assignments past it, and compiles)
     experts: int = 0
     experts_top_k: int = 2
     moe_mlp: int | None = None
@@ -115,6 +117,8 @@ class Config:
     router_aux_loss_coef: float = 0.0
     shared_expert_mlp: int = 0
     moe_layers: tuple[int, ...] | None = None
+    router_z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -136,6 +140,10 @@ class Config:
             raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
         if self.moe_layers is not None:
             object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
+                self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
+            raise ValueError(f"capacity_factor must be a positive number (or null: dropless), got "
+                             f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
         if self.final_softcap and self.loss_chunk_bytes:
@@ -426,9 +434,8 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
         out = ops.cross_entropy(_capped(logits, cfg), batch["labels"])
     else:
         out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
-    if stats and cfg.router_aux_loss_coef:                # the load-balancing loss (Switch, Mixtral)
-        out = out + moe.aux_loss(stats) * cfg.router_aux_loss_coef
-    return out
+    extra = moe.router_losses(stats, cfg)       # the load-balancing loss (Switch, Mixtral), the z-loss
+    return out if extra is None else out + extra
 
 
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):

@@ -18,13 +18,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from functional_pp import ops
-from functional_pp.core.runtime import per_thread
-from functional_pp.ops.experts import RouterStats, experts, load_balancing_loss
+from functional_pp.core import step_values
+from functional_pp.ops.experts import RouterStats, experts, load_balancing_loss, router_z_loss, routing_counts
 from functional_pp.parallel.named import Named
 
-__all__ = ["init_mlp", "mlp_block", "collect", "aux_loss", "is_moe_layer"]
+__all__ = ["init_mlp", "mlp_block", "collect", "aux_loss", "z_loss", "router_losses", "report_routing", "is_moe_layer"]
 
-_store = per_thread("models.moe")
+_store = step_values.Collections()      # the open collect()s of each device (thread)
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -51,8 +51,9 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
     """The routed experts of ``h`` (batch seq hidden), plus the gated shared expert if any;
     the layer's router statistics go to the active :func:`collect`."""
     out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
-                         normalize=cfg.norm_topk_prob, score=cfg.router_score)
-    for found in getattr(_store, "stack", ()):
+                         normalize=cfg.norm_topk_prob, score=cfg.router_score,
+                         capacity_factor=cfg.capacity_factor)
+    for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:
         s = m["shared_expert"]
@@ -69,17 +70,54 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
 def collect() -> Iterator[list[RouterStats]]:
     """Collect the router statistics of the MoE layers run inside (this device's thread;
     nested collections each see them)."""
-    stack = getattr(_store, "stack", None)
-    if stack is None:
-        stack = _store.stack = []
+    stack = _store.stack
     found: list[RouterStats] = []
     stack.append(found)
     try:
         yield found
     finally:
-        stack.remove(found)
+        stack.pop()          # (nested collections end in order; no comparison: traceable)
 
 
 def aux_loss(stats: list[RouterStats]) -> Named:
     """The load-balancing loss of a forward's MoE layers (:func:`functional_pp.ops.experts.load_balancing_loss`)."""
     return load_balancing_loss(stats)
+
+
+def z_loss(stats: list[RouterStats]) -> Named:
+    """The router z-loss of a forward's MoE layers (:func:`functional_pp.ops.experts.router_z_loss`)."""
+    return router_z_loss(stats)
+
+
+def router_losses(stats: list[RouterStats], cfg) -> Named | None:
+    """What a forward's MoE layers add to the loss: ``router_aux_loss_coef`` times the
+    load-balancing loss plus ``router_z_loss_coef`` times the z-loss (None: nothing), each
+    reported to the step's metrics (``moe_aux_loss``, ``moe_z_loss``, unscaled) along with
+    :func:`report_routing`."""
+    if not stats:
+        return None
+    report_routing(stats)
+    out = None
+    for coef, fn, name in ((cfg.router_aux_loss_coef, aux_loss, "moe_aux_loss"),
+                           (cfg.router_z_loss_coef, z_loss, "moe_z_loss")):
+        if coef:
+            value = fn(stats)
+            step_values.report(name, value.data)
+            out = value * coef if out is None else out + value * coef
+    return out
+
+
+def report_routing(stats: list[RouterStats]) -> None:
+    """The routing of a forward's MoE layers in the step's metrics (when a step collects them;
+    core/step_values.py), all global (every device's tokens), as device tensors read with the
+    other metrics: ``moe_tokens_per_expert`` (the assignments per expert, summed over the
+    layers and micro-batches), ``moe_load_balance`` (the busiest expert's assignments over the
+    mean, the largest over the layers: 1 is balanced, ``experts / top_k`` all on one) and
+    ``moe_dropped`` (the assignments dropped for want of capacity; 0 when dropless). One
+    all-reduce of the layers' counts (no host read)."""
+    if not step_values.active():
+        return
+    counts, dropped = routing_counts(stats)
+    step_values.report("moe_tokens_per_expert", counts.sum(0), "sum")
+    step_values.report("moe_load_balance", (counts.max(1).values / counts.mean(1).clamp_min(1e-30)).max())
+    step_values.report("moe_dropped", dropped.sum(), "sum")

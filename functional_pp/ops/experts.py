@@ -19,6 +19,7 @@ FSDP of the experts along ``hidden`` gathers them as any weight. The router's st
 ``transformers``' ``load_balancing_loss_func`` (over every layer and every device's tokens)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,22 +33,27 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, _make, env, pvary, require_named, settle, varying_after
 from functional_pp.parallel.raw_collectives import axis_index as raw_axis_index
 
-__all__ = ["experts", "RouterStats", "load_balancing_loss", "SCORES"]
+__all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "routing_counts", "capacity", "SCORES"]
 
 SCORES = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class RouterStats:
-    """One MoE layer's router statistics, each a named ``(experts,)`` vector pending a sum over
-    the mesh axes that split the tokens: ``counts`` the (token, expert) assignments per expert
-    (no gradient), ``probs`` the summed router probabilities (with gradient); ``tokens`` the
+    """One MoE layer's router statistics, each named and pending a sum over the mesh axes that
+    split the tokens: ``counts`` the (token, expert) assignments per expert (``experts``, no
+    gradient; routed, before any capacity drop), ``probs`` the summed router probabilities
+    (``experts``, with gradient), ``z`` the summed squared log-partition of the router logits
+    (a scalar, with gradient: the router z-loss's numerator) and ``dropped`` the assignments
+    dropped for want of capacity (a scalar, no gradient; 0 when dropless); ``tokens`` the
     number of tokens (global) and ``top_k``."""
 
     counts: Named
     probs: Named
     tokens: int
     top_k: int
+    z: Named
+    dropped: Named
 
     def tokens_per_expert(self) -> torch.Tensor:
         """Assignments per expert over every device's tokens (a plain tensor, for metrics)."""
@@ -69,12 +75,15 @@ def _local(x: Named, dims: Sequence[str]) -> torch.Tensor:
     return x.data.permute([x.dims.index(d) for d in dims])
 
 
-def _check_eager() -> None:
+def _check_eager(dropless: bool) -> None:
     """Dropless routing has data-dependent shapes (rows per expert, split sizes): it runs
     eagerly, one device per thread or process; refuse, by name, what cannot run it."""
-    if is_tracing():
+    if dropless and is_tracing():
         raise RuntimeError("experts: a dropless mixture of experts routes with data-dependent shapes and runs "
-                           "eagerly; compile the step without it (compile: false, train_step(compile=False))")
+                           "eagerly; compile the step without it (compile: false, train_step(compile=False)), "
+                           "or give the experts a static capacity (capacity_factor, docs/experts.md; a factor of at "
+                           "least experts / top_k drops nothing: dropless results for experts / top_k times the "
+                           "expert work)")
     ctx = current_context(required=False)
     if ctx is not None and ctx.batched:
         raise RuntimeError("experts: a mixture of experts does not run on the batched simulator (its devices "
@@ -105,7 +114,8 @@ def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
 
 def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top_k: int,
             normalize: bool = False, score: str = "softmax", bias: Named | None = None,
-            hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp") -> tuple[Named, RouterStats]:
+            hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp",
+            capacity_factor: float | None = None) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -115,7 +125,15 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     ``bias`` (``experts``, no gradient) only chooses the experts) pick its ``top_k`` experts,
     whose weights are renormalised to sum to 1 with ``normalize``; each expert computes
     ``down(silu(gate x) * up x)`` for exactly its tokens. Returns the weighted sum (x's
-    dimensions) and the layer's :class:`RouterStats`."""
+    dimensions) and the layer's :class:`RouterStats`.
+
+    ``capacity_factor`` (None: dropless) gives every expert a fixed number of slots per
+    sequence (the first token dimension's rows, e.g. ``batch``), :func:`capacity`; the
+    assignments beyond it are dropped (a token then gets only its kept experts' outputs, its
+    weights not renormalised) and counted in ``RouterStats.dropped``. Its shapes are static,
+    so it compiles; it needs each sequence whole on a device."""
+    # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
+    gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
@@ -128,8 +146,12 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     n_experts = gate.size(expert_dim)
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"experts: top_k={top_k} must be between 1 and the number of experts ({n_experts})")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                            and not isinstance(capacity_factor, bool) and capacity_factor > 0):
+        raise ValueError(f"experts: capacity_factor must be a positive number (or None: dropless), got "
+                         f"{capacity_factor!r}")
     mesh, _ = env()
-    _check_eager()
+    _check_eager(capacity_factor is None)
 
     # --- the tokens, whole along hidden; the axes that split them
     x = settle(x)
@@ -158,10 +180,12 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.data.dtype)
     planning = idx.is_meta              # a dry-run (plan/): the routing is unknown, planned balanced
-    counts = (probs.new_zeros(n_experts) if planning else
-              torch.bincount(idx.reshape(-1), minlength=n_experts).to(probs.dtype))
-    stats = RouterStats(_named_like(counts, (expert_dim,), ((),), r_union, token_axes),
-                        _named_like(probs.sum(0), (expert_dim,), ((),), r_union, token_axes), n_tokens, top_k)
+    counts = (probs.new_zeros(n_experts) if planning else           # (static shapes: no bincount)
+              probs.new_zeros(n_experts).scatter_add_(0, idx.reshape(-1), probs.new_ones(idx.numel())))
+    z = (torch.logsumexp(wide, dim=-1) ** 2).sum()                   # ST-MoE's router z-loss, summed
+
+    def pending(v, dims=(expert_dim,)) -> Named:
+        return _named_like(v, dims, ((),) * len(dims), r_union, token_axes)
 
     # --- the experts: their expert split kept (expert parallelism), hidden whole, mlp kept (TP)
     e_axes = gate.split[gate.dims.index(expert_dim)]
@@ -183,27 +207,57 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
 
     # --- which device holds each chosen expert: its block of the experts split
     sizes = [mesh.shape[a] for a in e_axes]
-    n_local = n_experts
-    for s in sizes:
-        n_local //= s
+    n_local = n_experts // _prod(sizes)
     a2a = tuple(a for a in e_axes if a in x.vary)               # tokens differ there: dispatch
     part = tuple(a for a in e_axes if a not in x.vary)          # tokens equal there: a pending sum
+    if capacity_factor is not None:
+        y, dropped = _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_local,
+                                       e_axes, sizes, a2a, part, (expert_dim, hidden, mlp))
+    else:
+        y, dropped = _dropless_experts(X, idx, w_e, ws, top_k, n_local, e_axes, sizes, a2a, part, planning,
+                                       (expert_dim, hidden, mlp)), probs.new_zeros(())
+    stats = RouterStats(pending(counts), pending(probs.sum(0)), n_tokens, top_k, pending(z, ()),
+                        pending(dropped.to(probs.dtype), ()))
+    shape = [x.data.shape[x.dims.index(d)] for d in tok_dims] + [y.shape[-1]]
+    split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
+    out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
+    return out, stats
+
+
+def _prod(xs) -> int:
+    """The product of a list of ints (traceable: dynamo does not trace ``math.prod``)."""
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, torch.Tensor]:
+    """Per (token, expert) pair, the coordinate along each of the experts' mesh axes of the
+    device holding the expert (its block of the experts split, first axis major)."""
     block = idx.reshape(-1) // n_local
     coords = {}
     for a, s in zip(reversed(e_axes), reversed(sizes)):
         coords[a] = block % s
         block = block // s
+    return coords
+
+
+def _dropless_experts(X, idx, w_e, ws, top_k, n_local, e_axes, sizes, a2a, part, planning, names):
+    """Every (token, expert) pair sorted by (device, expert), sent with the uneven all-to-all
+    (split sizes exchanged first), each local expert on exactly its rows, and back."""
+    expert_dim, hidden, mlp = names
+    mesh, _ = env()
+    coords = _block_coords(idx, n_local, e_axes, sizes)
     keep = torch.ones_like(idx.reshape(-1), dtype=torch.bool)
     for a in part:
         keep &= coords[a] == raw_axis_index(a)
     dest = torch.zeros_like(idx.reshape(-1))
     for a in a2a:
         dest = dest * mesh.shape[a] + coords[a]
-    n_dest = 1
-    for a in a2a:
-        n_dest *= mesh.shape[a]
+    n_dest = _prod([mesh.shape[a] for a in a2a])
     if planning:                        # every expert gets its share of the tokens' assignments
-        per = -(-X.shape[0] * top_k // n_experts)
+        per = -(-X.shape[0] * top_k // (n_local * _prod(sizes)))
         send_counts = recv_counts = torch.full((n_dest, n_local), per, dtype=torch.long)
         t_sorted = torch.zeros(n_dest * n_local * per, dtype=torch.long, device=X.device)
         w_sorted = w_e.reshape(-1)[t_sorted]
@@ -236,11 +290,82 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     out_rows = out_rows[torch.argsort(perm)]
     if a2a:
         out_rows = C.all_to_all_v(out_rows, a2a, recv, send)
-    y = X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(0, t_sorted, out_rows * w_sorted[:, None])
-    shape = [x.data.shape[x.dims.index(d)] for d in tok_dims] + [y.shape[-1]]
-    split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
-    out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
-    return out, stats
+    return X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(0, t_sorted, out_rows * w_sorted[:, None])
+
+
+def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Each expert's slots for one sequence of ``tokens`` tokens: ``ceil(capacity_factor *
+    tokens * top_k / n_experts)`` (the share of a balanced routing times the factor), at least
+    1 and at most ``tokens`` (an expert meets each token at most once)."""
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / n_experts)))
+
+
+def _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_local, e_axes, sizes, a2a, part,
+                      names):
+    """Static shapes: every expert has :func:`capacity` slots per sequence (a row of the first
+    token dimension), filled in the order (row, choice, position): every token's first choice
+    before any token's second, earlier positions first; the assignments past the capacity are
+    dropped. The slots (R rows x E experts x cap, empty ones computing a token whose output is
+    not used) go to the experts' devices with an even all-to-all and come back with its
+    transpose; returns the combined output and the number of dropped assignments."""
+    expert_dim, hidden, mlp = names
+    split = [(d, x.split[x.dims.index(d)]) for d in tok_dims[1:] if x.split[x.dims.index(d)]]
+    if split:
+        raise ValueError(f"experts: capacity_factor gives each sequence (a row of {tok_dims[0]!r}) its experts' "
+                         f"slots, so a sequence must be whole on a device, but {split[0][0]!r} is split over "
+                         f"{split[0][1]}; route dropless (capacity_factor None) with the sequence split (cp)")
+    dev = X.device
+    R = x.data.shape[x.dims.index(tok_dims[0])]
+    S = X.shape[0] // R
+    E = n_local * _prod(sizes)
+    cap = capacity(S, top_k, E, capacity_factor)
+    a = idx.reshape(R, S, top_k).transpose(1, 2).reshape(R, top_k * S)
+    w_a = w_e.reshape(R, S, top_k).transpose(1, 2).reshape(-1)
+    rows_of = torch.arange(R, device=dev)[:, None]
+    tok = (rows_of * S + torch.arange(S, device=dev).repeat(top_k)[None]).reshape(-1)
+    onehot = torch.zeros(R, top_k * S, E, dtype=torch.int32, device=dev).scatter_(2, a[..., None], 1)
+    slot = onehot.cumsum(1, dtype=torch.int32).gather(2, a[..., None]).squeeze(2).long() - 1   # its place in the queue
+    kept = slot < cap
+    n_slots = R * E * cap
+    where = torch.where(kept, (rows_of * E + a) * cap + slot, n_slots).reshape(-1)
+    slot_token = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev).scatter_(0, where, tok)[:n_slots]
+
+    # --- the slots to the experts' devices: along part axes only this device's block is kept
+    rows = X[slot_token].reshape(R, *sizes, n_local, cap, X.shape[-1])
+    for a_name in reversed(part):
+        rows = rows.select(1 + e_axes.index(a_name), raw_axis_index(a_name))
+    a2a_sizes = [s for a_name, s in zip(e_axes, sizes) if a_name in a2a]
+    n_dest = _prod(a2a_sizes)
+    rows = rows.movedim(0, -3).reshape(n_dest * n_local * R * cap, X.shape[-1])
+    if a2a:
+        rows = C.all_to_all(rows, a2a, 0, 0, tiled=True)
+    rows = rows.reshape(n_dest, n_local, R * cap, -1).transpose(0, 1).reshape(n_local, n_dest * R * cap, -1)
+    g_w, u_w, d_w = (_local(w, dims) for w, dims in zip(
+        ws, ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden))))
+    with regather_scope(ws):
+        out = torch.bmm(swiglu_tensors(torch.bmm(rows, g_w), torch.bmm(rows, u_w)), d_w)
+    h_out = out.shape[-1]
+    out = out.reshape(n_local, n_dest, R * cap, h_out).transpose(0, 1).reshape(-1, h_out)
+    if a2a:
+        out = C.all_to_all(out, a2a, 0, 0, tiled=True)
+    out = out.reshape(*a2a_sizes, n_local, R, cap, h_out).movedim(-3, 0).reshape(-1, h_out)
+
+    # --- combine: each kept assignment's slot in this device's part of the buffer
+    flat_a = a.reshape(-1)
+    coords = _block_coords(flat_a, n_local, e_axes, sizes)
+    valid = kept.reshape(-1)
+    for a_name in part:
+        valid = valid & (coords[a_name] == raw_axis_index(a_name))
+    block = torch.zeros_like(flat_a)
+    for a_name in a2a:
+        block = block * env()[0].shape[a_name] + coords[a_name]
+    e_here = n_dest * n_local
+    at = ((rows_of.expand(R, top_k * S).reshape(-1) * e_here + block * n_local + flat_a % n_local) * cap
+          + slot.reshape(-1))
+    at = torch.where(valid, at, 0)
+    contrib = out[at] * (w_a * valid.to(w_a.dtype))[:, None]
+    y = X.new_zeros(X.shape[0], h_out).index_add(0, tok, contrib)
+    return y, (~kept).sum()
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> Named:
@@ -261,3 +386,28 @@ def load_balancing_loss(stats: Sequence[RouterStats]) -> Named:
     p = torch.stack([x.data for x in probs]).sum(0)
     value = (c / rows * (p / rows)).sum() * n_experts
     return _named_like(value, (), (), frozenset().union(*(x.vary for x in probs)))
+
+
+def router_z_loss(stats: Sequence[RouterStats]) -> Named:
+    """The router z-loss of ST-MoE (Zoph et al. 2022) over every layer's statistics, as
+    transformers' ``router_z_loss_func`` over the layers' router logits taken together: the
+    mean over every layer's tokens of ``logsumexp(logits)^2``. A named scalar, with gradient."""
+    stats = list(stats)
+    if not stats:
+        raise ValueError("router_z_loss: no router statistics (a model without MoE layers)")
+    zs = [settle(s.z) for s in stats]
+    rows = float(sum(s.tokens for s in stats))
+    value = torch.stack([z.data for z in zs]).sum() / rows
+    return _named_like(value, (), (), frozenset().union(*(z.vary for z in zs)))
+
+
+def routing_counts(stats: Sequence[RouterStats]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's assignments per expert ``(layers, experts)`` and dropped assignments
+    ``(layers,)``, global (summed over the devices' tokens) in one all-reduce; plain tensors
+    without gradient, for metrics."""
+    stats = list(stats)
+    table = torch.cat([torch.stack([s.counts.data.detach() for s in stats]).reshape(-1),
+                       torch.stack([s.dropped.data.detach() for s in stats])])
+    # (every layer's statistics pend the same sum: one all-reduce for all)
+    table = settle(_named_like(table, ("moe_stats",), ((),), stats[0].counts.vary, stats[0].counts.partial)).data
+    return table[:-len(stats)].reshape(len(stats), -1), table[-len(stats):]

@@ -18,14 +18,24 @@ def read_step_metrics(m: dict, step: torch.Tensor, id_checks: list) -> tuple[dic
     return metrics, any(values[len(m) + 1:])
 
 
-def one_transfer(scalars: list[torch.Tensor]) -> list[float]:
-    """The 0-dim (or one-element) tensors ``scalars`` as Python numbers, in one device-to-host
-    transfer (per-step metrics here, deferred ones in step/deferred_metrics.py)."""
-    device = scalars[0].device
-    scalars = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in scalars]
-    scalars = [v if v.device == device else v.to(device) for v in scalars]
-    # stack(out=float64) converts each value exactly (int64 counters included), in one op
-    return torch.stack(scalars, out=torch.empty(len(scalars), dtype=torch.float64, device=device)).tolist()
+def one_transfer(values: list[torch.Tensor]) -> list:
+    """The 0-dim (or one-element) tensors among ``values`` as Python numbers and the longer
+    ones (vectors a loss reports, core/step_values.py) as lists, in one device-to-host transfer
+    (per-step metrics here, deferred ones in step/deferred_metrics.py)."""
+    device = values[0].device
+    values = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(-1 if v.numel() != 1 else ())
+              for v in values]
+    values = [v if v.device == device else v.to(device) for v in values]
+    if all(v.ndim == 0 for v in values):
+        # stack(out=float64) converts each value exactly (int64 counters included), in one op
+        return torch.stack(values, out=torch.empty(len(values), dtype=torch.float64, device=device)).tolist()
+    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values]).tolist()
+    out, at = [], 0
+    for v in values:
+        n = 1 if v.ndim == 0 else v.numel()
+        out.append(flat[at] if v.ndim == 0 else flat[at:at + n])
+        at += n
+    return out
 
 
 def nonfinite_what(metrics: dict) -> str:

@@ -23,6 +23,7 @@ from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
 from functional_pp.compile.recompute import backward_region, reset_region_ids
+from functional_pp.core import step_values
 from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
@@ -450,6 +451,7 @@ class TrainStep:
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x, t in zip(leaves, trains) if t]   # (dtype template)
         acc = acc_dtype(leaves)
         total = torch.zeros((), dtype=acc)
+        reported = []                    # the values the loss reports (core/step_values.py), per micro-batch
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
             # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
@@ -458,7 +460,9 @@ class TrainStep:
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
             checked = checks_so_far()
-            loss_named = settle(self.loss_fn(named_params, named_batch))
+            with step_values.collecting() as found:
+                loss_named = settle(self.loss_fn(named_params, named_batch))
+            reported.append(found)
             named_params = None
             check_scalar_loss(loss_named, "train_step")
             loss = loss_named.data.to(acc) * w.to(acc)
@@ -490,7 +494,8 @@ class TrainStep:
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
-                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
+                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
+                   **step_values.combine(reported)}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
 
     @staticmethod

@@ -1,8 +1,9 @@
 """examples/configs/qwen3_moe_ep.yaml: a tiny Hugging Face Qwen3-MoE (made by transformers,
 nothing downloaded) fine-tuned with FSDP 2 x expert parallelism 2 (``expert_parallel_size``,
 Axolotl's name) on 4 simulated devices through the command line: the mesh has ``ep``, the
-experts are split over it and dispatched with all-to-alls, the loss falls, and the exported
-directory loads as Qwen3MoeForCausalLM with logits equal to the trained parameters'."""
+experts are split over it and dispatched with all-to-alls (here with a static capacity and the
+router z-loss, set from the command line), the routing is in metrics.jsonl, the loss falls, and
+the exported directory loads as Qwen3MoeForCausalLM with logits equal to the trained parameters'."""
 import importlib.util
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def test_qwen3_moe_ep_example_trains_and_exports(tmp_path, capsys):
     base = _make_model(tmp_path / "tiny-qwen3-moe")
     out = tmp_path / "run"
     assert cli.main(["train", str(CONFIG), "--set", f"base_model={base}", "--simulate", "4",
+                     "--set", "capacity_factor=1.5", "--set", "router_z_loss_coef=0.001",
                      "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "dp_shard=2 x cp=1 x tp=1 x ep=2 = 4 devices" in printed and "experts=ep" in printed
@@ -37,6 +39,9 @@ def test_qwen3_moe_ep_example_trains_and_exports(tmp_path, capsys):
     assert any(line.split()[:2] == ["ep", "all_to_all"] for line in printed.splitlines())
     losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
+    rows = [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+    assert all(len(m["moe_tokens_per_expert"]) == 4 and m["moe_load_balance"] >= 1 and m["moe_z_loss"] > 0
+               and m["moe_dropped"] >= 0 for m in rows)
     exported = hf.export_checkpoint_to_hf(out / "checkpoints", tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32,
                                                               attn_implementation="eager",

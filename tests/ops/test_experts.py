@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_pp as fpp
-from functional_pp.ops.experts import experts, load_balancing_loss
+from functional_pp.ops.experts import experts, load_balancing_loss, router_z_loss
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
@@ -110,3 +110,91 @@ def test_bad_input_is_refused_by_name():
         experts(x, r, w, w, d, top_k=2, score="relu")
     with pytest.raises(TypeError, match=r"experts: router is a Tensor"):
         experts(x, r.data, w, w, d, top_k=2)
+    with pytest.raises(ValueError, match=r"capacity_factor must be a positive number"):
+        experts(x, r, w, w, d, top_k=2, capacity_factor=0)
+
+
+def test_router_z_loss_equals_transformers_over_layers():
+    """ST-MoE's z-loss as transformers' ``router_z_loss_func`` over the layers' logits taken
+    together (the mean over every layer's tokens), and its gradient through the router."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+    conf = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F_, num_experts=E, num_experts_per_tok=2)
+    blk = _block(Qwen3MoeSparseMoeBlock, conf)
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(4))
+    scales = (1.0, 0.5, -2.0)
+    router = blk.gate.weight.detach().T.contiguous().requires_grad_()
+    logits = [(x.reshape(-1, H) @ router * s).reshape(2, 6, E) for s in scales]
+    want = router_z_loss_func(torch.cat(logits, dim=1))
+    (g_want,) = torch.autograd.grad(want, router)
+    r = fpp.wrap(router, "hidden experts")
+    w = fpp.wrap(torch.zeros(E, H, F_), "experts hidden mlp")
+    d = fpp.wrap(torch.zeros(E, F_, H), "experts mlp hidden")
+    stats = [experts(fpp.wrap(x * s, "batch seq hidden"), r, w, w, d, top_k=2)[1] for s in scales]
+    got = router_z_loss(stats).value()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    (g_got,) = torch.autograd.grad(got, router)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(router_z_loss(stats[:1]).value(), want, rtol=1e-3)     # every layer counts
+
+
+def _capacity_reference(x, router, gate, up, down, top_k, cap):
+    """The capacity rule written out: per sequence, every expert takes at most ``cap``
+    assignments, in the order (choice, position): every token's first choice before any
+    second choice; the rest are dropped (their outputs omitted, weights not renormalised)."""
+    R, S, _ = x.shape
+    probs = torch.softmax(x @ router, dim=-1)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    out, dropped = torch.zeros_like(x), 0
+    for r in range(R):
+        taken = [0] * router.shape[1]
+        for j in range(top_k):
+            for s in range(S):
+                e = int(idx[r, s, j])
+                if taken[e] == cap:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                xe = x[r, s]
+                out[r, s] = out[r, s] + w[r, s, j] * ((F.silu(xe @ gate[e]) * (xe @ up[e])) @ down[e])
+    return out, dropped
+
+
+def _weights(seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype) * 0.5
+            for shape in ((H, E), (E, H, F_), (E, H, F_), (E, F_, H))]
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_equals_the_reference_rule(factor):
+    """A static capacity per expert and sequence: output, drops and every gradient equal the
+    rule written out as loops; ``capacity`` is ceil(factor * seq * top_k / experts)."""
+    from functional_pp.ops.experts import capacity
+    ws = [w.requires_grad_() for w in _weights(6)]
+    x = torch.randn(3, 8, H, generator=torch.Generator().manual_seed(7), dtype=torch.float64).requires_grad_()
+    cap = capacity(8, 2, E, factor)
+    assert cap == {0.5: 2, 1.0: 4}[factor]
+    want, dropped = _capacity_reference(x, *ws, 2, cap)
+    out, stats = experts(fpp.wrap(x, "batch seq hidden"), *(fpp.wrap(w, d) for w, d in zip(
+        ws, ("hidden experts", "experts hidden mlp", "experts hidden mlp", "experts mlp hidden"))),
+        top_k=2, normalize=True, capacity_factor=factor)
+    torch.testing.assert_close(out.value(), want, rtol=1e-12, atol=1e-12)
+    assert dropped > 0 and stats.dropped.value().item() == dropped
+    assert stats.tokens_per_expert().sum() == 3 * 8 * 2                  # routed, before the drops
+    probe = torch.randn_like(want)
+    g_want = torch.autograd.grad((want * probe).sum(), [x, *ws])
+    g_got = torch.autograd.grad((out.value() * probe).sum(), [x, *ws])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_capacity_without_drops_equals_dropless():
+    ws = [fpp.wrap(w, d) for w, d in zip(_weights(8), ("hidden experts", "experts hidden mlp", "experts hidden mlp",
+                                                        "experts mlp hidden"))]
+    x = fpp.wrap(torch.randn(2, 6, H, generator=torch.Generator().manual_seed(9), dtype=torch.float64),
+                 "batch seq hidden")
+    want, _ = experts(x, *ws, top_k=2)
+    out, stats = experts(x, *ws, top_k=2, capacity_factor=E / 2)        # capacity = seq: nothing dropped
+    torch.testing.assert_close(out.value(), want.value(), rtol=1e-12, atol=1e-12)
+    assert stats.dropped.value().item() == 0

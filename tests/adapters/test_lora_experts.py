@@ -1,0 +1,185 @@
+"""LoRA on the experts of a mixture of experts: the adapters carry the ``experts`` dimension
+(one per expert, split by the rule that splits the experts); the adapted loss and the
+adapters' gradients equal the merged-weight model's (``W + scale * A B`` per expert, by
+autograd through the merge on plain tensors) and peft's (``target_parameters`` on transformers
+5's fused expert parameters, gate and up sharing an A); EP (on ``ep`` x FSDP, x TP) equals one
+device, dropless and with a capacity; the router, dropout and the peft export are refused by
+name."""
+import pytest
+import torch
+from harness import make_batch
+
+import functional_pp as fpp
+from functional_pp import adapters
+from functional_pp.adapters import peft_dir
+from functional_pp.core import tree
+from functional_pp.core.layout import Rules
+from functional_pp.core.tree import map_with_path
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
+
+CFG = llama.Config.tiny(model_type="qwen3_moe", experts=4, experts_top_k=2, moe_mlp=32, norm_topk_prob=True,
+                        router_aux_loss_coef=0.1)
+LORA = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "gate", "up", "down"))
+LAYOUTS = {
+    "ep_axis_x_fsdp": (fpp.Mesh(dp_shard=2, ep=2), Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard")),
+    "ep_x_tp": (fpp.Mesh(dp_shard=2, tp=2), Rules(batch="dp_shard", experts="dp_shard", heads="tp", kv_heads="tp",
+                                                  vocab="tp", mlp="tp")),
+}
+
+
+def _setup(cfg):
+    decls = adapters.init(llama.init(cfg, torch.float64), LORA)
+    g = torch.Generator().manual_seed(3)
+    flat = {p: (0.2 * torch.randn(x.data.shape, generator=g, dtype=x.data.dtype) if p.endswith("lora_B") else x.data)
+            for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
+    return decls, map_with_path(lambda p, d: flat[p], decls)
+
+
+def _adapted(cfg, decls, full, batch, mesh=None, rules=None):
+    """Per device the loss and the adapters' gathered gradients."""
+    mesh, rules = mesh or fpp.Mesh(), rules or Rules()
+    loss_fn = adapters.adapt(llama.loss, LORA)
+
+    def device():
+        with fpp.use_rules(rules):
+            local = tree.tree_map(lambda t: t.clone().requires_grad_(), sharding.shard(full, decls, mesh, rules,
+                                                                                        fpp.current_rank()))
+            loss = loss_fn(sharding.named_tree(local, decls), {k: fpp.named(v, "batch seq") for k, v in batch.items()},
+                           cfg).value()
+            loss.backward()
+            grads = fpp.gather_tree(tree.tree_map(lambda t: t.grad, local), decls, rules)
+        return loss.detach(), {p: g for p, g in fpp.leaves_with_paths(grads) if ".lora." in p}
+    return fpp.launch(device, mesh)
+
+
+def test_adapters_carry_the_experts_dimension():
+    decls = adapters.init(llama.init(CFG), LORA)
+    lora = decls["layers"][0]["mlp"]["lora"]
+    assert lora["gate"]["lora_A"].dims == ("experts", "hidden", "lora_r")
+    assert lora["gate"]["lora_B"].dims == ("experts", "lora_r", "mlp")
+    assert lora["down"]["lora_A"].dims == ("experts", "mlp", "lora_r") and lora["down"]["lora_A"].shape == (4, 32, 4)
+    every = adapters.targets(llama.init(CFG), adapters.LoraConfig(target_linear=True))
+    assert not any(p.endswith(("mlp.gate", "mlp.up", "mlp.down")) for p in every)     # all-linear leaves them
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0], ids=["dropless", "capacity"])
+def test_equals_the_merged_weight_model_and_ep_equals_one_device(capacity):
+    cfg = llama.Config(**{**vars(CFG), "capacity_factor": capacity})
+    decls, full = _setup(cfg)
+    batch = make_batch(cfg, batch=4, seq=8, seed=1)
+    ((loss, grads),) = _adapted(cfg, decls, full, batch)
+    # the oracle: the merged weights W + scale * A B built by plain torch, autograd to A and B
+    base, lora = adapters.split(full)
+    leaves = {p: {k: t.clone().requires_grad_() for k, t in ab.items()} for p, ab in lora.items()}
+    merged = map_with_path(lambda p, w: w if p not in leaves else w + adapters.lora.delta(
+        leaves[p]["lora_A"], leaves[p]["lora_B"], LORA.scale, per_expert="mlp" in p and "proj" not in p), base)
+    want = llama.loss(sharding.named_tree(merged, llama.init(cfg, torch.float64)),
+                      {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, cfg).value()
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    for p, ab in leaves.items():
+        for k, t in ab.items():
+            mine = grads[p.rsplit(".", 1)[0] + ".lora." + p.rsplit(".", 1)[1] + "." + k]
+            torch.testing.assert_close(mine, t.grad, rtol=1e-9, atol=1e-12, msg=f"{p}.{k}")
+    assert grads["layers.0.mlp.lora.gate.lora_A"].abs().max() > 0
+    for name, (mesh, rules) in LAYOUTS.items():
+        for rank, (l, g) in enumerate(_adapted(cfg, decls, full, batch, mesh, rules)):
+            torch.testing.assert_close(l, loss, rtol=1e-12, atol=0)
+            for p in grads:
+                torch.testing.assert_close(g[p], grads[p], rtol=1e-9, atol=1e-9 * grads[p].abs().max().item(),
+                                           msg=f"{name} rank {rank} {p}")
+
+
+def test_merge_equals_applying():
+    decls, full = _setup(CFG)
+    batch = make_batch(CFG, batch=2, seq=8, seed=2)
+    ((loss, _),) = _adapted(CFG, decls, full, batch)
+    merged = adapters.merge(full, LORA)
+    plain = llama.loss(sharding.named_tree(merged, llama.init(CFG, torch.float64)),
+                       {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, CFG).value()
+    torch.testing.assert_close(plain, loss, rtol=1e-12, atol=0)
+
+
+def test_router_dropout_and_peft_export_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"'layers.0.mlp.router' .* is a mixture-of-experts router"):
+        adapters.targets(llama.init(CFG), adapters.LoraConfig(target_modules=("router",)))
+    decls, full = _setup(CFG)
+    batch = make_batch(CFG, batch=2, seq=8, seed=2)
+    drop = adapters.LoraConfig(r=4, alpha=8, dropout=0.1, target_modules=("gate",))
+    with pytest.raises(ValueError, match=r"lora_dropout > 0 on expert weights is not supported"):
+        adapters.adapt(llama.loss, drop)(sharding.named_tree(full, decls),
+                                          {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, CFG)
+    with pytest.raises(ValueError, match=r"adapts the experts .* export the merged model"):
+        peft_dir.save_adapter(tmp_path / "a", adapters.split(full)[1], LORA)
+
+
+def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
+    """peft's LoRA of transformers 5's fused expert parameters (``target_parameters``:
+    ``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) is ours with
+    gate and up sharing their A: the same adapters converted, the loss and every adapter
+    gradient (A's as the sum of gate's and up's) equal peft's, fp32."""
+    peft = pytest.importorskip("peft")
+    import torch.nn.functional as F
+    import transformers
+
+    from functional_pp.checkpoint import hf
+    conf = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=4,
+                                       num_experts_per_tok=2, norm_topk_prob=True, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(conf).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"
+    model.save_pretrained(tmp_path)             # (the per-expert tensors of the HF files)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    batch = make_batch(llama.Config.tiny(), batch=2, seq=8, seed=1)
+    logits = pm(input_ids=batch["tokens"]).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    want.backward()
+    # peft nests the two wrappers: the first target (gate_up_proj) is experts.base_layer's adapter
+    where = {"gate_up_proj": "mlp.experts.base_layer.lora_", "down_proj": "mlp.experts.lora_"}
+    peft_ab = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+
+    def peft_param(i, proj, ab):
+        return peft_ab[f"base_model.model.model.layers.{i}.{where[proj]}{ab}.default.weight"]
+
+    cfg = hf.config_from_hf(tmp_path)
+    E, Fm, r = 4, 16, 4
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("gate", "up", "down"))
+    decls = adapters.init(llama.init(cfg), lc)
+    lora = {}
+    for i in range(2):
+        def get(proj, ab):
+            return peft_param(i, proj, ab)
+        a_gu = get("gate_up_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)        # (E, H, r)
+        b_gu = get("gate_up_proj", "B").detach().reshape(2 * Fm, r, E).permute(2, 1, 0)   # (E, r, 2F)
+        a_d = get("down_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)            # (E, F, r)
+        b_d = get("down_proj", "B").detach().reshape(-1, r, E).permute(2, 1, 0)           # (E, r, H)
+        for name, a, b in (("gate", a_gu, b_gu[..., :Fm]), ("up", a_gu, b_gu[..., Fm:]), ("down", a_d, b_d)):
+            lora[f"layers.{i}.mlp.{name}"] = {"lora_A": a.contiguous(), "lora_B": b.contiguous()}
+    full = adapters.joined(hf.load_hf_params(tmp_path, cfg), lora)
+    ((loss, grads),) = _adapted(cfg, decls, full, batch)
+    torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5, atol=1e-6)
+    for i in range(2):
+        def got(name, ab):
+            return grads[f"layers.{i}.mlp.lora.{name}.lora_{ab}"]
+
+        def peft_grad(proj, ab):
+            return peft_param(i, proj, ab).grad
+        gu_a = peft_grad("gate_up_proj", "A").reshape(E, r, -1).transpose(1, 2)
+        gu_b = peft_grad("gate_up_proj", "B").reshape(2 * Fm, r, E).permute(2, 1, 0)
+        torch.testing.assert_close(got("gate", "A") + got("up", "A"), gu_a, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.cat([got("gate", "B"), got("up", "B")], -1), gu_b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got("down", "A"), peft_grad("down_proj", "A").reshape(E, r, -1).transpose(1, 2),
+                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got("down", "B"), peft_grad("down_proj", "B").reshape(-1, r, E).permute(2, 1, 0),
+                                   rtol=1e-4, atol=1e-6)
