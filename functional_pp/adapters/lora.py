@@ -26,7 +26,7 @@ from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
-from functional_pp.ops.einsum import einsum, parse_pattern
+from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
 from functional_pp.parallel.named import Named, _make
 from functional_pp.quant.weights import QuantizedWeight
 
@@ -264,6 +264,9 @@ class LoraWeight(NamedTuple):
         pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
                    f"{' '.join(self.base.dims)}")
         return self.base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+
+
+register_operand(LoraWeight, lambda pattern, operands, i: operands[i].__named_einsum__(pattern, operands, i))
 
 
 def apply(params: Any, cfg: LoraConfig) -> Any:

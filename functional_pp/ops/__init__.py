@@ -1,4 +1,5 @@
 """Named-dimension ops: communication derived from layouts (docs/names.md: dims vs mesh axes)."""
+from functional_pp.ops import quantized as _quantized  # noqa: F401  (registers quantized weights with einsum)
 from functional_pp.ops.attention import attention, positions
 from functional_pp.ops.dropout import dropout
 from functional_pp.ops.einsum import einsum

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Sequence
 
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.ops.quantized import is_quantized, realize, stand_in
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.parallel.named import Named, _make, op_env, pvary, require_named, settle, varying_after
 
@@ -93,22 +93,30 @@ def _common_prefix(splits: list[tuple[str, ...]]) -> tuple[str, ...]:
     return splits[0][:k]
 
 
+Contract = Callable[[str, Sequence[Any], int], Named]
+_OPERAND_TYPES: dict[type, Contract] = {}
+
+
+def register_operand(cls: type, contract: Contract) -> None:
+    """Operands of type ``cls`` (not named arrays: a quantized weight, ops/quantized.py; an
+    adapted one, adapters/lora.py) compute the einsum they take part in themselves:
+    ``contract(pattern, operands, i)``, ``i`` their position among the operands."""
+    _OPERAND_TYPES[cls] = contract
+
+
 def einsum(pattern: str, *operands: Named) -> Named:
     """``einsum("batch seq hidden, hidden mlp -> batch seq mlp", x, w)`` over named arrays.
 
     Split dimensions that must be whole are all-gathered, contracted dimensions split across
     mesh axes give a pending sum (completed by psum, or psum_scatter when the consumer wants
     that axis split: sequence parallelism), and invariant operands meeting varying ones are
-    cast to varying (their gradient is summed over that axis). An operand that is not a named
-    array but whose type defines ``__named_einsum__(self, pattern, operands, i)`` computes the
-    contraction itself (an adapted weight: functional_pp/adapters/lora.py)."""
+    cast to varying (their gradient is summed over that axis). An operand of a type given to
+    :func:`register_operand` computes the contraction itself (a quantized or adapted weight)."""
     for i, x in enumerate(operands):
         if not isinstance(x, Named):
-            if is_quantized(x):      # a quantized frozen weight (ops/quantized.py)
-                return einsum(pattern, *_dequantized(pattern, operands))
-            own = getattr(type(x), "__named_einsum__", None)
-            if own is not None:
-                return own(x, pattern, operands, i)
+            contract = _OPERAND_TYPES.get(type(x))
+            if contract is not None:
+                return contract(pattern, operands, i)
             require_named(f"einsum {pattern!r}", **{f"operand {i}": x for i, x in enumerate(operands)})
     operands = [settle(x) if x._partial else x for x in operands]
     mesh, rules, plans = op_env()
@@ -124,17 +132,6 @@ def einsum(pattern: str, *operands: Named) -> Named:
     else:
         data = _contract(spec, ready)
     return _make(data, out_dims, t_loc, vary, used, out_sizes)
-
-
-def _dequantized(pattern: str, operands: tuple) -> list[Named]:
-    """The operands with each quantized weight moved, quantized, to the layout this einsum wants
-    of it and dequantized there, in the dtype of the first floating-point operand."""
-    named = [settle(x) if isinstance(x, Named) and x._partial else x for x in operands]
-    dtype = next((x._data.dtype for x in named if isinstance(x, Named) and x._data.is_floating_point()),
-                 torch.float32)
-    mesh, rules, plans = op_env()
-    targets = _plan(pattern, [stand_in(x) if is_quantized(x) else x for x in named], mesh, rules, plans)[0]
-    return [realize(x, t, dtype, f"einsum {pattern!r}") if is_quantized(x) else x for x, t in zip(named, targets)]
 
 
 def _contract(spec, ready: list[Named]) -> torch.Tensor:

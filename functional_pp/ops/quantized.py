@@ -6,13 +6,14 @@ FSDP all-gather moves the codes and scales, not the weight) and dequantizes ther
 (:func:`realize`), in the compute dtype of the other operands."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from functional_pp.core.layout import Layout
+from functional_pp.ops.einsum import _plan, einsum, register_operand
 from functional_pp.ops.regather import relayout
-from functional_pp.parallel.named import Named, _make
+from functional_pp.parallel.named import Named, _make, op_env, require_named, settle
 from functional_pp.quant.weights import QuantizedWeight, dequantize
 
 __all__ = ["is_quantized", "stand_in", "realize"]
@@ -67,3 +68,19 @@ def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "q
     return _make(dequantize(local, dtype), codes._dims, target, codes._vary, _EMPTY, sizes)
 
 
+def _einsum(pattern: str, operands: Sequence[Any], i: int) -> Named:
+    """``einsum(pattern, *operands)`` with a quantized weight among them: each moved, quantized,
+    to the layout this einsum wants of it and dequantized there, in the dtype of the first
+    floating-point operand."""
+    if not is_quantized(operands[i]):
+        require_named(f"einsum {pattern!r}", **{f"operand {j}": x for j, x in enumerate(operands)})
+    named = [settle(x) if isinstance(x, Named) and x._partial else x for x in operands]
+    dtype = next((x._data.dtype for x in named if isinstance(x, Named) and x._data.is_floating_point()),
+                 torch.float32)
+    mesh, rules, plans = op_env()
+    targets = _plan(pattern, [stand_in(x) if is_quantized(x) else x for x in named], mesh, rules, plans)[0]
+    return einsum(pattern, *[realize(x, t, dtype, f"einsum {pattern!r}") if is_quantized(x) else x
+                             for x, t in zip(named, targets)])
+
+
+register_operand(QuantizedWeight, _einsum)
