@@ -113,3 +113,28 @@ def our_logits(params, cfg, toks):
     named = sharding.named_tree(params, llama.init(cfg))
     with torch.no_grad():
         return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
+
+
+def assert_export_round_trip(hf_dir, out_dir, model_type: str, hf_class: str, **load_kw):
+    """Export of a Hugging Face directory's model (weights moved off the file's values) writes
+    ``model_type`` / ``hf_class``, which transformers loads with our logits, and which we read
+    back to the same config and the same tensors."""
+    import json
+
+    import transformers
+
+    from functional_pp.checkpoint import hf
+    cfg, params = hf.load_hf_llama(hf_dir)
+    params = tree.tree_map(lambda t: t + 0.01 * torch.randn_like(t), params)     # not the file's values
+    out = hf.save_hf_llama(params, cfg, out_dir)
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (model_type, [hf_class])
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **load_kw)
+    assert type(back).__name__ == hf_class
+    toks = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
+    cfg2, again = hf.load_hf_llama(out)
+    assert cfg2 == cfg
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
+        assert torch.equal(a, b), p

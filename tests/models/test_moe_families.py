@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import make_batch, our_logits, single_device, tokens
+from harness import assert_export_round_trip, make_batch, our_logits, single_device, tokens
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -117,21 +117,7 @@ def test_loss_with_aux_and_gradients_equal_transformers(saved, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_round_trip_in_transformers(saved, tmp_path, family):
-    _, d = saved[family]
-    cfg, params = hf.load_hf_llama(d)
-    params = tree.tree_map(lambda t: t + 0.01 * torch.randn_like(t), params)     # not the file's values
-    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
-    written = json.loads((out / "config.json").read_text())
-    assert (written["model_type"], written["architectures"]) == (family, [FAMILIES[family][1]])
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **EAGER)
-    assert type(back).__name__ == FAMILIES[family][1]
-    toks = tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(back(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
-    cfg2, again = hf.load_hf_llama(out)
-    assert cfg2 == cfg
-    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
-        assert torch.equal(a, b), p
+    assert_export_round_trip(saved[family][1], tmp_path / "out", family, FAMILIES[family][1], **EAGER)
 
 
 def test_base_model_dispatches_and_refusals(saved, tmp_path):
