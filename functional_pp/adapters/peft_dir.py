@@ -1,7 +1,8 @@
 """The PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``), what
 ``peft.PeftModel.from_pretrained`` loads: our adapters (``in... lora_r`` / ``lora_r out...``)
 as peft's ``lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]`` of the Hugging Face
-module that holds the base weight (flattened in the order the base weight's import uses)."""
+module that holds the base weight (flattened in the order the base weight's import uses); a DoRA
+magnitude (``out...``) as peft's ``lora_magnitude_vector`` ``[out]``."""
 from __future__ import annotations
 
 import json
@@ -11,11 +12,13 @@ from typing import Any
 
 import torch
 
+from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.models.llama_hf import hf_name
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_MAGNITUDE = "lora_magnitude_vector"
 
 
 def module_name(path: str) -> str:
@@ -37,6 +40,8 @@ def to_peft(lora: dict) -> dict[str, torch.Tensor]:
         m = PREFIX + module_name(path)
         out[m + ".lora_A.weight"] = a.reshape(-1, r).T.contiguous()
         out[m + ".lora_B.weight"] = b.reshape(r, -1).T.contiguous()
+        if MAGNITUDE in ab:
+            out[m + "." + PEFT_MAGNITUDE] = ab[MAGNITUDE].reshape(-1).contiguous()
     return out
 
 
@@ -68,6 +73,13 @@ def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
                              f"[{r}, {A_in}] / [{_numel(B.shape[1:])}, {r}] (rank r={r} from the config)")
         out[path] = {"lora_A": a.T.reshape(A.shape).to(A.dtype), "lora_B": b.T.reshape(B.shape).to(B.dtype)}
         used.update(names)
+        if MAGNITUDE in ab:
+            name, M = m + "." + PEFT_MAGNITUDE, ab[MAGNITUDE]
+            if name not in tensors or tuple(tensors[name].shape) != (_numel(M.shape),):
+                raise ValueError(f"PEFT adapter: {name} [{_numel(M.shape)}] is missing or misshapen (for {path}): "
+                                 f"the config has use_dora: true")
+            out[path][MAGNITUDE] = tensors[name].reshape(M.shape).to(M.dtype)
+            used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"PEFT adapter: tensors {extra[:3]} match no adapter of the config (target modules "
@@ -81,7 +93,7 @@ def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = No
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": float(cfg.dropout),
             "target_modules": sorted({p.rsplit(".", 1)[-1] for p in targets}), "use_rslora": cfg.rslora,
-            "use_dora": False, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
+            "use_dora": cfg.dora, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
 
