@@ -7,8 +7,9 @@ and, as peft does by default (the paper's section 4.3), detached: no gradient fl
 The norm is written with the named ops, so its collectives are derived like every other
 op's: under TP a row-parallel weight's input dimensions are split, and the sum of squares is
 a pending sum over ``tp`` completed before the square root (one all-reduce of an
-output-sized vector); under FSDP a weight's stored shard is reduced the same way over
-``dp_shard``. A quantized base (QLoRA) is dequantized in place for it."""
+output-sized vector); :func:`~functional_pp.adapters.lora.init_magnitudes` on FSDP-stored
+shards reduces the same way over ``dp_shard``. A quantized base (QLoRA) is dequantized in
+place for it."""
 from __future__ import annotations
 
 from typing import Any
