@@ -1,4 +1,4 @@
-"""Compiled LoRA and QLoRA steps (``train_step(compile="aot_eager")``) equal the eager step:
+"""Compiled QLoRA and DoRA steps (``train_step(compile="aot_eager")``) equal the eager step:
 the losses, the updated adapters and the untouched base under FSDP x 2 (simulated), compiled
 once (one graph for both steps and both devices); the QLoRA base's codes stay bit-equal
 (docs/adapters.md "Compiled steps")."""
@@ -20,7 +20,8 @@ from functional_pp.quant.weights import QuantizedWeight
 from functional_pp.step.train import TrainStep
 
 CFG = llama.Config.tiny(layers=1)
-LC = adapters.LoraConfig(r=4, alpha=8, target_linear=True)
+CONFIGS = {"qlora": adapters.LoraConfig(r=4, alpha=8, target_linear=True),
+           "dora": adapters.LoraConfig(r=4, alpha=8, target_linear=True, dora=True)}
 DATA = [make_batch(CFG, batch=4, seq=8, seed=3)] * 2      # (one batch twice: the loss falls)
 LAYOUTS = {"one": (fpp.Mesh(), fpp.Rules()), "fsdp": (fpp.Mesh(dp_shard=2), llama.default_rules(tp=False))}
 
@@ -37,12 +38,12 @@ def _is_q(x):
 
 @functools.lru_cache(maxsize=None)
 def _case(kind):
-    decls = adapters.init(llama.init(CFG), LC)
+    decls = adapters.init(llama.init(CFG), CONFIGS[kind])
     g = torch.Generator().manual_seed(1)
     flat = {p: (0.1 * torch.randn(x.data.shape, generator=g) if p.endswith("lora_B") else x.data)
             for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
     full = map_with_path(lambda p, d: flat[p], decls)
-    if kind == "lora":
+    if kind == "dora":
         return full, decls
     return quantize_linear_weights(full, decls, "nf4", block=16, double_quant=False)
 
@@ -50,8 +51,9 @@ def _case(kind):
 def _train(kind, layout, compile):
     params, decls = _case(kind)
     mesh, rules = LAYOUTS[layout]
-    loss = adapters.adapt(functools.partial(llama.loss, cfg=CFG), LC)
-    step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=mesh, rules=rules, trainable=adapters.trainable(LC),
+    lc = CONFIGS[kind]
+    loss = adapters.adapt(functools.partial(llama.loss, cfg=CFG), lc)
+    step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=mesh, rules=rules, trainable=adapters.trainable(lc),
                           compile=compile)
 
     def device():
@@ -59,7 +61,7 @@ def _train(kind, layout, compile):
             # (contiguous shards: the updated parameters are, and a stride change recompiles the step)
             local = optree.tree_map(torch.Tensor.contiguous, sharding.shard(params, decls, mesh, rules,
                                                                             fpp.current_rank()))
-            state = step.init(sharding.named_tree(local, decls))
+            state = step.init(adapters.init_magnitudes(sharding.named_tree(local, decls), lc))
         losses = []
         for b in DATA:
             with fpp.use_rules(rules):
@@ -72,8 +74,9 @@ def _train(kind, layout, compile):
 
 
 # (a compile of a simulated step costs a minute or more on a small CPU: FSDP x 2 only, whose
-# step holds the one-device step's ops and the gathers of the adapted weights besides)
-@pytest.mark.parametrize("kind, layout", [("lora", "fsdp"), ("qlora", "fsdp")])
+# step holds the one-device step's ops and the gathers of the adapted weights besides; plain
+# LoRA over float weights is QLoRA's path with a float base einsum, and DoRA's without the factor)
+@pytest.mark.parametrize("kind, layout", [("qlora", "fsdp"), ("dora", "fsdp")])
 def test_compiled_step_equals_eager(kind, layout):
     compiled = _train(kind, layout, "aot_eager")
     assert cached_graph_count(TrainStep._device_step.__code__) == 1       # both steps, both devices: one graph
