@@ -60,4 +60,5 @@ def test_qdora_equals_dora_on_the_dequantized_base():
         for p in ref[1]:
             assert ref[1][p].keys() == {"lora_A", "lora_B", "lora_magnitude"}
             for k in ref[1][p]:
-                torch.testing.assert_close(lora[p][k], ref[1][p][k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{p}.{k}: {m}")
+                torch.testing.assert_close(lora[p][k], ref[1][p][k], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{p}.{k}: {m}")
