@@ -173,3 +173,33 @@ def test_peft_directory_and_merged_model_give_our_logits(case, tmp_path):
         for p, ab in adapters.split(full)[1].items():
             for k in ab:
                 assert torch.equal(back[p][k], ab[k]), (p, k)
+
+
+def test_tp_norm_costs_one_output_sized_all_reduce_per_row_parallel_weight():
+    """Under TP the DoRA norms of the row-parallel weights (o_proj, down_proj: input split over
+    tp) are completed by one all-reduce each of a ``hidden``-sized vector; the column-parallel
+    ones need none; the rest of the step's collectives are LoRA's."""
+    cfg = llama.Config.tiny(layers=1)
+    mesh, rules = fpp.Mesh(tp=2), llama.default_rules(fsdp=False)
+    batch = make_batch(cfg, batch=2, seq=8, seed=0)
+
+    def events(lc):
+        decls = adapters.init(llama.init(cfg), lc)
+        step = fpp.train_step(adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc), fpp.optim.adamw(1e-2),
+                              mesh=mesh, rules=rules, trainable=adapters.trainable(lc))
+
+        def device():
+            with fpp.use_rules(rules):
+                params = adapters.init_magnitudes(fpp.init(lambda: decls, mesh=mesh, rules=rules, seed=0), lc)
+                lb = {k: fpp.named(v, "batch seq").data for k, v in batch.items()}
+            state = step.init(params)
+            with fpp.comm_report() as rep:
+                step.gradients(state, lb)
+            return [(e.kind, e.backward, e.bytes_sent) for e in rep.events]
+        return fpp.launch(device, mesh)[0]
+    lora = events(adapters.LoraConfig(r=4, alpha=8, target_linear=True))
+    dora = events(adapters.LoraConfig(r=4, alpha=8, target_linear=True, dora=True))
+    extra = list(dora)
+    for e in lora:
+        extra.remove(e)
+    assert extra == [("all_reduce", False, 4 * cfg.hidden)] * 2
