@@ -11,7 +11,9 @@ FSDP shards ``A`` like ``W``. The adapters live beside their weights: the adapte
 adapters are in its subtree: its FSDP unit, the dry-run's repeated layers);
 :func:`split` and :func:`joined` move between that tree and ``(base tree, {weight path:
 adapter})``. :func:`adapt` wraps a loss (or forward) so that each targeted weight reaches
-``ops.einsum`` as a :class:`LoraWeight`, which computes both terms."""
+``ops.einsum`` as a :class:`LoraWeight`, which computes both terms. With ``dora=True`` each
+adapter also has a magnitude ``lora_magnitude`` over the weight's output dimensions (DoRA,
+functional_pp/adapters/dora.py), set from the base by :func:`init_magnitudes`."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +25,7 @@ import optree
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.adapters.dora import MAGNITUDE, full_row_norm, row_norm
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
@@ -43,7 +46,8 @@ class LoraConfig:
     against the whole path, as peft; ``target_linear``: every weight of two or more dimensions
     without a ``vocab`` dimension (peft's ``all-linear``); ``modules_to_save``: modules trained
     whole (e.g. ``lm_head``); ``unfrozen_parameters``: regexes (matched from the start of the
-    path or of the Hugging Face name) of further parameters to train."""
+    path or of the Hugging Face name) of further parameters to train; ``dora``: DoRA (peft's
+    ``use_dora``), a trained magnitude per output feature of each adapted weight."""
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
@@ -59,9 +63,6 @@ class LoraConfig:
             raise ValueError(f"LoRA: r (lora_r) must be an integer >= 1, got {self.r!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"LoRA: dropout (lora_dropout) must be in [0, 1), got {self.dropout!r}")
-        if self.dora:
-            raise NotImplementedError("LoRA: DoRA (peft_use_dora: true) is not implemented; set it false "
-                                      "(plain LoRA, or peft_use_rslora for rank-stabilised scaling)")
         if self.target_modules is None and not self.target_linear:
             raise ValueError("LoRA: name the weights to adapt: target_modules (lora_target_modules: [q_proj, "
                              "v_proj] or a regex) or target_linear: true (lora_target_linear)")
@@ -119,7 +120,8 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     1 by default) are the ones a linear contracts. A weight with an ``experts`` dimension
     (``experts hidden mlp``) gets one adapter per expert: ``experts`` leads both ``lora_A``
     (``experts hidden lora_r``) and ``lora_B`` (``experts lora_r mlp``), so the rule that splits
-    the experts (expert parallelism) splits their adapters too."""
+    the experts (expert parallelism) splits their adapters too. With DoRA also ``lora_magnitude``
+    over ``out...``, declared as ones: :func:`init_magnitudes` sets it to the weight's norms."""
     by_path = dict(leaves_with_paths(decls))
     lora = {}
     for path in targets(decls, cfg):
@@ -136,6 +138,11 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
                                       scale=1.0 / math.sqrt(fan_in), dtype=d.dtype),
                       "lora_B": param(e + (cfg.r,) + shape[k:], lead + (RANK,) + dims[k:], init="zeros",
                                       dtype=d.dtype)}
+        if cfg.dora:
+            if lead:
+                raise ValueError(f"LoRA: DoRA (use_dora) on expert weight {path!r} is not supported; target no "
+                                 f"expert weights (gate, up, down of a mixture of experts) or turn DoRA off")
+            lora[path][MAGNITUDE] = param(d.shape[k:], d.dims[k:], init="ones", dtype=d.dtype)
     return joined(decls, lora)
 
 
@@ -222,17 +229,21 @@ def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
 
 class LoraWeight(NamedTuple):
     """A targeted weight as the model's einsum receives it: the base weight, its adapter and
-    their factor (a pytree node: FSDP gathers its parts with the layer's units)."""
+    their factor (a pytree node: FSDP gathers its parts with the layer's units); with DoRA its
+    magnitude over the weight's output dimensions."""
     base: Named
     lora_A: Named
     lora_B: Named
     scale: float
     dropout: float = 0.0
     seed: int = 0
+    magnitude: Named | None = None
 
     def __named_einsum__(self, pattern: str, operands: Sequence[Any], i: int) -> Named:
         """``einsum(pattern, ...)`` with this weight as operand ``i``: the base contraction plus
-        ``scale`` times the adapter's, their pending sums added before they are completed."""
+        ``scale`` times the adapter's, their pending sums added before they are completed; with
+        DoRA the sum times ``magnitude / ||W + scale A B||`` (peft's ``DoraLinearLayer``: with
+        dropout ``x W + (g - 1) dropout(x) W + g scale dropout(x) A B``)."""
         ins, out = parse_pattern(pattern, len(operands))
         if len(operands) != 2:
             raise ValueError(f"LoRA: einsum {pattern!r} with an adapted weight needs exactly two operands")
@@ -248,10 +259,21 @@ class LoraWeight(NamedTuple):
             x = drop(x, self.dropout, self.seed)
         delta = einsum(f"{' '.join(x_dims)}, {' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
                        f"{' '.join(out)}", x, self.lora_A, self.lora_B) * self.scale
-        if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
-                and y.vary == delta.vary):      # one pending sum: one TP collective for both terms
-            return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
-        return y + delta
+        if self.magnitude is None:
+            return _summed(y, delta)
+        g = self.magnitude / row_norm(self.base, self.lora_A, self.lora_B, self.scale)
+        if not self.dropout:
+            return _summed(y, delta) * g
+        dropped = einsum(pattern, *[self.base if j == i else x for j in range(2)])
+        return y + dropped * (g - 1) + delta * g
+
+
+def _summed(y: Named, delta: Named) -> Named:
+    """``y + delta``; two pending sums of one type added locally (one TP collective for both)."""
+    if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
+            and y.vary == delta.vary):
+        return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
+    return y + delta
 
     def __named_weight__(self) -> Named:
         """The adapted weight as one named value, ``W + scale * A B`` (contracted over the rank,
@@ -288,8 +310,12 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
     out = _copy(base)
     for i, (path, ab) in enumerate(lora.items()):       # (each call site its own dropout seed)
         node, name = _parent(out, path), path.rpartition(".")[2]
+        if cfg.dora != (MAGNITUDE in ab):
+            raise ValueError(f"LoRA: the adapter of {path} {'has no' if cfg.dora else 'has a'} {MAGNITUDE} but "
+                             f"dora={cfg.dora}: initialise the adapters with adapters.init(decls, cfg) of this "
+                             f"config")
         node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
-                                seed * 1_000_003 + i + 1)
+                                seed * 1_000_003 + i + 1, ab.get(MAGNITUDE))
     return out
 
 
@@ -309,6 +335,23 @@ def adapt(fn: Callable[..., Any], cfg: LoraConfig) -> Callable[..., Any]:
     return adapted
 
 
+def init_magnitudes(params: Any, cfg: LoraConfig) -> Any:
+    """``params`` (named, inside :func:`functional_pp.launch`: any layout) with each DoRA
+    magnitude set to its weight's norms ``||W + scale A B||`` (peft's initialisation: the norms
+    of ``W`` while ``B`` is zero), in the magnitude's own layout; unchanged without DoRA."""
+    if not cfg.dora:
+        return params
+    from functional_pp.ops.regather import relayout
+    base, lora = split(params)
+    out = {}
+    for path, ab in lora.items():
+        w = _parent(base, path)[path.rpartition(".")[2]]
+        m = ab[MAGNITUDE]
+        norm = relayout(row_norm(w, ab["lora_A"], ab["lora_B"], cfg.scale), m.split, "DoRA magnitude init")
+        out[path] = {**ab, MAGNITUDE: m.replace(data=norm.data.to(m.data.dtype))}
+    return joined(base, out)
+
+
 def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = False) -> torch.Tensor:
     """The full weight update ``scale * A B`` (contracted over the rank) of one adapter;
     ``per_expert``: an expert weight's (``experts`` leading both A and B), one per expert."""
@@ -320,7 +363,8 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = Fal
 
 def merge(params: Any, cfg: LoraConfig) -> Any:
     """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
-    weight (``W + scale * A B``): a plain model."""
+    weight (``W + scale * A B``; with DoRA times ``magnitude / ||W + scale * A B||`` per output
+    feature): a plain model."""
     base, lora = split(params)
 
     def merged(path: str, w: Any) -> Any:
@@ -330,5 +374,8 @@ def merge(params: Any, cfg: LoraConfig) -> Any:
         wide = torch.promote_types(w.dtype, torch.float32)       # (16-bit weights: the sum in fp32, rounded once)
         a, b = ab["lora_A"].to(wide), ab["lora_B"].to(wide)
         per_expert = a.ndim + b.ndim - 3 == w.ndim          # (experts lead A and B: counted once)
-        return (w.to(wide) + delta(a, b, cfg.scale, per_expert)).to(w.dtype)
+        new = w.to(wide) + delta(a, b, cfg.scale, per_expert)
+        if MAGNITUDE in ab:
+            new = new * (ab[MAGNITUDE].to(wide) / full_row_norm(w.to(wide), a, b, cfg.scale))
+        return new.to(w.dtype)
     return map_with_path(merged, base)

@@ -1,7 +1,8 @@
 """The PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``), what
 ``peft.PeftModel.from_pretrained`` loads: our adapters (``in... lora_r`` / ``lora_r out...``)
 as peft's ``lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]`` of the Hugging Face
-module that holds the base weight (flattened in the order the base weight's import uses)."""
+module that holds the base weight (flattened in the order the base weight's import uses); a DoRA
+magnitude (``out...``) as peft's ``lora_magnitude_vector`` ``[out]``."""
 from __future__ import annotations
 
 import json
@@ -11,11 +12,13 @@ from typing import Any
 
 import torch
 
+from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.models.llama_hf import hf_name
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_MAGNITUDE = "lora_magnitude_vector"
 
 
 def module_name(path: str) -> str:
@@ -34,7 +37,7 @@ def module_name(path: str) -> str:
 
 def to_peft(lora: dict) -> dict[str, torch.Tensor]:
     """Full adapter tensors ``{weight path: {"lora_A", "lora_B"}}`` (``adapters.split``) -> peft's
-    state dict."""
+    state dict (Llama's module names: for a family with fused modules see :func:`save_adapter`)."""
     out = {}
     for path, ab in lora.items():
         a, b = ab["lora_A"], ab["lora_B"]
@@ -42,6 +45,8 @@ def to_peft(lora: dict) -> dict[str, torch.Tensor]:
         m = PREFIX + module_name(path)
         out[m + ".lora_A.weight"] = a.reshape(-1, r).T.contiguous()
         out[m + ".lora_B.weight"] = b.reshape(r, -1).T.contiguous()
+        if MAGNITUDE in ab:
+            out[m + "." + PEFT_MAGNITUDE] = ab[MAGNITUDE].reshape(-1).contiguous()
     return out
 
 
@@ -73,6 +78,13 @@ def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
                              f"[{r}, {A_in}] / [{_numel(B.shape[1:])}, {r}] (rank r={r} from the config)")
         out[path] = {"lora_A": a.T.reshape(A.shape).to(A.dtype), "lora_B": b.T.reshape(B.shape).to(B.dtype)}
         used.update(names)
+        if MAGNITUDE in ab:
+            name, M = m + "." + PEFT_MAGNITUDE, ab[MAGNITUDE]
+            if name not in tensors or tuple(tensors[name].shape) != (_numel(M.shape),):
+                raise ValueError(f"PEFT adapter: {name} [{_numel(M.shape)}] is missing or misshapen (for {path}): "
+                                 f"the config has use_dora: true")
+            out[path][MAGNITUDE] = tensors[name].reshape(M.shape).to(M.dtype)
+            used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"PEFT adapter: tensors {extra[:3]} match no adapter of the config (target modules "
@@ -86,27 +98,55 @@ def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = No
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": float(cfg.dropout),
             "target_modules": sorted({p.rsplit(".", 1)[-1] for p in targets}), "use_rslora": cfg.rslora,
-            "use_dora": False, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
+            "use_dora": cfg.dora, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
 
-def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model: str | None = None) -> Path:
+def _model_type(base_model: str | None) -> str:
+    f = Path(base_model) / "config.json" if base_model else None
+    return json.loads(f.read_text()).get("model_type", "llama") if f is not None and f.is_file() else "llama"
+
+
+def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model: str | None = None,
+                 base: Any = None, model_type: str | None = None) -> Path:
     """Write the PEFT adapter directory of full adapter tensors ``lora`` (``{weight path:
-    {"lora_A", "lora_B"}}``, ``adapters.split(params)[1]``)."""
+    {"lora_A", "lora_B"}}``, ``adapters.split(params)[1]``). ``model_type`` (default: from
+    ``base_model``'s ``config.json``, else ``llama``) names the modules; a family that fuses
+    weights (Phi-3) gets one exact adapter per fused module (``adapters/peft_fused.py``, its
+    rank and alpha in ``rank_pattern`` / ``alpha_pattern``), which needs ``base`` (the full base
+    tree, ``adapters.split(params)[0]``)."""
     from safetensors.torch import save_file
+
+    from functional_pp.adapters.peft_fused import fused_module, fused_peft
     if cfg.modules_to_save:
         raise ValueError("PEFT adapter export: modules_to_save are not written yet; export the merged model "
                          "(functional-pp export --merge-adapter) instead")
+    model_type = model_type or _model_type(base_model)
+    fused = {p for p in lora if fused_module(p, model_type) is not None}
+    if fused and base is None:
+        raise ValueError(f"PEFT adapter export: {sorted(fused)[0]} is part of a fused {model_type} module: pass the "
+                         f"full base tree (base=adapters.split(params)[0]) to write its fused adapter")
+    tensors = to_peft({p: ab for p, ab in lora.items() if p not in fused})
+    conf = peft_config(cfg, [p for p in lora if p not in fused], base_model)
+    if fused:
+        more, ranks, alphas = fused_peft({p: lora[p] for p in fused}, base, model_type, cfg.scale, cfg.rslora)
+        tensors.update({PREFIX + k: v.contiguous() for k, v in more.items()})
+        conf["target_modules"] = sorted(set(conf["target_modules"]) | {m.rsplit(".", 1)[-1] for m in ranks})
+        conf["rank_pattern"], conf["alpha_pattern"] = ranks, alphas
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG).write_text(json.dumps(peft_config(cfg, list(lora), base_model), indent=2))
-    save_file(to_peft(lora), str(out / WEIGHTS))
+    (out / CONFIG).write_text(json.dumps(conf, indent=2))
+    save_file(tensors, str(out / WEIGHTS))
     return out
 
 
 def read_config(path: str | os.PathLike) -> LoraConfig:
     """The :class:`LoraConfig` of a PEFT adapter directory (refusing what we cannot apply)."""
     conf = json.loads((Path(path) / CONFIG).read_text())
+    if conf.get("rank_pattern") or conf.get("alpha_pattern"):
+        raise ValueError(f"{path}: rank_pattern / alpha_pattern (per-module ranks, e.g. the fused modules of a "
+                         f"Phi-3 adapter) cannot be read as adapters of our weights yet: merge the adapter into "
+                         f"the base model (peft's merge_and_unload) and train from that")
     if conf.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {conf.get('peft_type')!r}: only LORA adapters can be loaded")
     if conf.get("fan_in_fan_out") or conf.get("bias", "none") != "none":

@@ -85,7 +85,8 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
     from functional_pp.adapters import LoraConfig, split
     from functional_pp.adapters.peft_dir import save_adapter
     lora = LoraConfig(**meta["lora"])
-    save_adapter(out, split(_full_params(ckpt))[1], lora, meta.get("base_model"))
+    base, adapters = split(_full_params(ckpt))
+    save_adapter(out, adapters, lora, meta.get("base_model"), base=base)
 
 
 def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> None:

@@ -242,6 +242,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         else:
             params = init_named(lambda: decls, mesh=mesh, rules=rules, seed=cfg.seed,     # (adapters included)
                                 device=device)
+        if lora is not None and lora.dora and latest is None and cfg.lora_model_dir is None:
+            from functional_pp.parallel.shard_map import use_rules
+            with use_rules(rules):        # DoRA: each magnitude the norms of its weight (peft's init)
+                params = adapters.init_magnitudes(params, lora)
         state = step_fn.init(params)
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
         loader = device_loader(lambda shard: DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,

@@ -51,7 +51,7 @@ def check_base_quantization(cfg: Any, add) -> None:
 
 def check_adapter(cfg: Any, add) -> None:
     """The adapter keys: ``adapter: lora`` with a valid LoRA config; LoRA keys without it,
-    QLoRA and DoRA refused with what to do instead."""
+    bad QLoRA settings refused with what to do instead."""
     import re
     check_base_quantization(cfg, add)
     if cfg.adapter is None:

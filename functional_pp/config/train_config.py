@@ -142,7 +142,7 @@ class TrainConfig:
     lora_modules_to_save: list | None = fld(None, "modules trained whole beside the adapters "
                                                   "(e.g. [lm_head, embed_tokens])")
     peft_use_rslora: bool = fld(False, "rank-stabilised LoRA: scale by alpha / sqrt(r)")
-    peft_use_dora: bool = fld(False, "DoRA (refused: not implemented)")
+    peft_use_dora: bool = fld(False, "DoRA: a trained magnitude per output of each adapted weight (peft's use_dora)")
     lora_model_dir: str | None = fld(None, "start from this PEFT adapter directory "
                                            "(adapter_config.json + adapter_model.safetensors)")
     unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "

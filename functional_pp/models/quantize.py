@@ -11,23 +11,34 @@ import torch
 from functional_pp.core.tree import Param, map_with_path
 from functional_pp.quant.weights import INT8_BLOCK, NF4_BLOCK, QuantizedWeight, quantize_int8, quantize_nf4
 
-__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS"]
+__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE"]
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
 #: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
 LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden", "o_proj": "head_dim",
                      "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp"}
 KINDS = ("nf4", "int8")
+#: the name of ``absmax2``'s last dimension when the scales are double-quantized one block per
+#: row (``absmax``'s last dimension shorter than 256): its size is 1, it is never split (each
+#: device's part of a row uses the row's one scale), whatever splits the weight's last dimension
+ROW_SCALE = "scale_row"
 
 
 def component_decls(q: QuantizedWeight, decl: Any) -> QuantizedWeight:
     """Declarations of the components of ``q`` (made from the full weight declared by ``decl``):
     each with the weight's dimension names and its own global shape and dtype; the 0-dim offset
-    of double quantization replicated."""
+    of double quantization replicated, and so is the last dimension of ``absmax2`` when it holds
+    one scale per row (:data:`ROW_SCALE`)."""
     dims = tuple(decl.dims)
+    row = q.absmax2 is not None and q.absmax2.shape[-1] == 1 and q.absmax.shape[-1] > 1
+
+    def names(i: int, c: torch.Tensor) -> tuple[str, ...]:
+        if not c.ndim:
+            return ()
+        return dims[:-1] + (ROW_SCALE,) if i == 2 and row else dims
     return QuantizedWeight(*(None if c is None else
-                             Param(tuple(c.shape), dims if c.ndim else (), dtype=c.dtype, init="zeros")
-                             for c in q))
+                             Param(tuple(c.shape), names(i, c), dtype=c.dtype, init="zeros")
+                             for i, c in enumerate(q)))
 
 
 def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, double_quant: bool = True,

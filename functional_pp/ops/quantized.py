@@ -57,11 +57,19 @@ def stand_in(q: QuantizedWeight) -> Named:
                  _global_shape(q))
 
 
+def _target(c: Named, codes: Named, target: Layout) -> Layout:
+    """``target`` for component ``c``: a dimension of its own (double quantization's one scale per
+    row, ``models.quantize.ROW_SCALE``) stays whole."""
+    if c._dims == codes._dims:
+        return target
+    return tuple(t if d == w else () for d, w, t in zip(c._dims, codes._dims, target))
+
+
 def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "quantized weight") -> Named:
     """The weight in layout ``target``, dequantized to ``dtype``: each named component relaid out
     to ``target`` (the same dimension names: the same collectives, on the quantized bytes), then
     dequantized locally. Frozen: no gradient flows into it."""
-    moved = [relayout(c, target, op) if isinstance(c, Named) and c._data.ndim else c for c in q]
+    moved = [relayout(c, _target(c, q.codes, target), op) if isinstance(c, Named) and c._data.ndim else c for c in q]
     local = _local(QuantizedWeight(*moved))
     codes = moved[0]
     sizes = _global_shape(q)

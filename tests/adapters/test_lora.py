@@ -36,7 +36,6 @@ def test_targets_by_name_regex_and_all_linear():
 @pytest.mark.parametrize("kw, message", [
     (dict(target_modules=("qproj",)), "match no linear weight; the model's are named"),
     (dict(target_modules=("lm_head",)), "modules_to_save"),
-    (dict(target_linear=True, dora=True), "DoRA"),
     (dict(), "name the weights to adapt"),
     (dict(target_linear=True, r=0), "r \\(lora_r\\) must be an integer >= 1"),
 ])

@@ -14,9 +14,9 @@ import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp.core.tree import map_with_path
 from functional_pp.models import llama
-from functional_pp.models.quantize import quantize_linear_weights
+from functional_pp.models.quantize import ROW_SCALE, quantize_linear_weights
 from functional_pp.parallel import sharding
-from functional_pp.quant.weights import QuantizedWeight, dequantize, quantized_bytes
+from functional_pp.quant.weights import QuantizedWeight, dequantize
 
 CFG = llama.Config.tiny()
 LC = adapters.LoraConfig(r=4, alpha=8, target_linear=True)
@@ -96,11 +96,12 @@ def test_qlora_step_equals_lora_on_the_dequantized_base(kind, double_quant):
         assert a.codes.data.dtype in (torch.uint8, torch.int8) and torch.equal(a.codes.data, b.codes)
 
 
-# (the tiny model's double-quantized scales have one block per row: a dimension of size 1 that FSDP
-# cannot split, refused by the rules' divisibility check; a 7B model's split into whole blocks)
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_fsdp_equals_one_device_and_gathers_the_quantized_bytes(kind):
-    decls, qp, qd, dq = _case(kind)
+    """(NF4 with double quantization: the tiny model's scales are double-quantized one block per
+    row, a last dimension of size 1 that stays whole (models.quantize.ROW_SCALE) while FSDP
+    splits the weight's)"""
+    decls, qp, qd, dq = _case(kind, kind == "nf4")
     mesh, rules = fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)
     one = _train(qp, qd, DATA, fpp.Mesh(), fpp.Rules())[0]
     runs = _train(qp, qd, DATA, mesh, rules)
@@ -108,8 +109,14 @@ def test_fsdp_equals_one_device_and_gathers_the_quantized_bytes(kind):
         assert run[0] == pytest.approx(one[0], rel=1e-5)
         _assert_adapters_equal(run[2], one[2], rtol=1e-4, atol=1e-6)
     full = _train(dq, decls, DATA, mesh, rules)[0]
-    # the base's weights move as codes and scales (each device sends its half): the forward's
-    # all-gathers carry exactly the quantized bytes in place of the fp32 weights
-    qs = [x for x in optree.tree_leaves(qp, is_leaf=_is_q, none_is_leaf=False) if _is_q(x)]
-    saved = sum(4 * math.prod(x.shape) - quantized_bytes(x) for x in qs) // 2
-    assert runs[0][4] == full[4] - saved and saved > full[4] / 3
+    # the base's weights move as codes and scales (each device sends its half of each split
+    # component): the forward's all-gathers carry exactly those bytes in place of the fp32 weights
+    paths, leaves, _ = optree.tree_flatten_with_path(qp, is_leaf=_is_q, none_is_leaf=False)
+    qs = [(".".join(map(str, p)), x) for p, x in zip(paths, leaves) if _is_q(x)]
+    comp = dict(fpp.leaves_with_paths(qd))
+    sent = sum(c.numel() * c.element_size() for p, x in qs for i, c in enumerate(x) if c is not None
+               and any(rules.resolve(comp[f"{p}.{i}"].dims, comp[f"{p}.{i}"].shape, mesh))) // 2
+    weights = sum(4 * math.prod(x.shape) for _, x in qs) // 2
+    assert runs[0][4] == full[4] - weights + sent and weights - sent > full[4] / 3
+    if kind == "nf4":           # (some double-quantized scales kept whole, one per row)
+        assert any(comp[f"{p}.2"].dims[-1] == ROW_SCALE for p, _ in qs)

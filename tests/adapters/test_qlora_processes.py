@@ -22,7 +22,7 @@ def _device():
     decls = adapters.init(llama.init(CFG), LORA)
     flat = {p: x.data for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
     params, qdecls = quantize_linear_weights(map_with_path(lambda p, d: flat[p], decls), decls, "nf4", block=16,
-                                             double_quant=False)
+                                             double_quant=True)   # (scales one block per row: kept whole)
     step = fpp.train_step(adapters.adapt(functools.partial(llama.loss, cfg=CFG), LORA), fpp.optim.adamw(1e-2),
                           mesh=MESH, rules=RULES, trainable=adapters.trainable(LORA))
     with fpp.use_rules(RULES):

@@ -1,6 +1,6 @@
 """Axolotl's adapter keys (docs/adapters.md): ``adapter: lora`` and the ``lora_*`` /
 ``peft_use_*`` keys map onto ``adapters.LoraConfig``; ``unfrozen_parameters`` picks the
-trained parameters by our path or Hugging Face name; QLoRA, DoRA, LoRA keys without an
+trained parameters by our path or Hugging Face name; bad QLoRA settings, LoRA keys without an
 adapter and an adapter directory without its base model are refused by name."""
 import functools
 
@@ -27,6 +27,7 @@ def test_lora_keys_map_onto_the_lora_config():
     assert regex.target_modules == r".*\.(q|v)_proj"
     assert TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True}).lora_config().target_linear
     assert TrainConfig.from_dict({}).lora_config() is None
+    assert TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}).lora_config().dora
     loss, decls, mask = frozen_and_adapters(cfg, lc, functools.partial(llama.loss, cfg=CFG), llama.init(CFG))
     trained = [p for p, t in leaves_with_paths(mask(decls)) if t]
     assert trained == sorted(trained, key=[p for p, _ in leaves_with_paths(decls)].index)
@@ -51,7 +52,6 @@ def test_unfrozen_parameters_without_an_adapter():
      "bnb_4bit_quant_type: 'fp4' is not supported"),
     ({"adapter": "qlora", "lora_target_linear": True, "bnb_config_kwargs": {"llm_int8_threshold": 6.0}},
      "bnb_config_kwargs.llm_int8_threshold is not supported"),
-    ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True}, "DoRA"),
     ({"lora_r": 16}, "lora_r is set but adapter is not: add adapter: lora"),
     ({"adapter": "lora"}, "adapter: lora names no weights to adapt; set lora_target_modules"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),

@@ -1,0 +1,78 @@
+"""Adapters of Phi-3's fused modules: our LoRA / DoRA of the split weights (q/k/v_proj,
+gate/up_proj) exported as a PEFT directory with one exact adapter per fused module (``qkv_proj``,
+``gate_up_proj``: A stacked, B block-diagonal, the rank and alpha per module), which
+``peft.PeftModel.from_pretrained`` loads on ``Phi3ForCausalLM`` with logits equal to ours
+(docs/adapters.md "PEFT adapter directories")."""
+import json
+
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp import adapters
+from functional_pp.adapters import peft_dir
+from functional_pp.adapters.dora import full_row_norm
+from functional_pp.checkpoint import hf
+from functional_pp.core.tree import map_with_path
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+HF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**HF)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("phi3")
+    model.save_pretrained(d)
+    return d, hf.config_from_hf(d)
+
+
+@pytest.mark.parametrize("lc", [adapters.LoraConfig(r=4, alpha=8, target_linear=True),
+                                adapters.LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj", "up_proj",
+                                                                                  "o_proj"), rslora=True, dora=True)],
+                         ids=["lora", "dora_partial"])
+def test_fused_adapter_directory_gives_our_logits(phi3, lc, tmp_path):
+    d, cfg = phi3
+    decls = adapters.init(llama.init(cfg), lc)
+    base = hf.load_hf_params(d, cfg)
+    g = torch.Generator().manual_seed(1)
+    lora = {}
+    for path, ab in adapters.split(fpp.init(lambda: decls, seed=0))[1].items():
+        a, b = ab["lora_A"].data, 0.1 * torch.randn(ab["lora_B"].data.shape, generator=g)
+        lora[path] = {"lora_A": a, "lora_B": b}
+        if lc.dora:         # the magnitudes off the norms, so that they matter
+            w = map_with_path(lambda p, x: x, base)
+            w = dict(fpp.leaves_with_paths(w))[path]
+            m = full_row_norm(w, a, b, lc.scale)
+            lora[path]["lora_magnitude"] = m * (1 + 0.1 * torch.rand(m.shape, generator=g))
+    full = adapters.joined(base, lora)
+    tokens = torch.randint(0, cfg.vocab, (2, 12), generator=g)
+    with torch.no_grad():
+        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(full, decls), fpp.wrap(tokens, "batch seq"),
+                                                 cfg).value()
+        out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
+        conf = json.loads((out / "adapter_config.json").read_text())
+        fused = {"qkv_proj", "gate_up_proj"} & set(conf["target_modules"])
+        assert fused == {"qkv_proj", "gate_up_proj"}
+        assert not {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} & set(conf["target_modules"])
+        n = 3 if not lc.dora else 2                      # (dora_partial: q and v of q/k/v)
+        assert conf["rank_pattern"]["model.layers.0.self_attn.qkv_proj"] == n * lc.r
+        model = transformers.Phi3ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        loaded = peft.PeftModel.from_pretrained(model, str(out)).eval()
+        plain = transformers.Phi3ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        theirs = loaded(input_ids=tokens).logits
+        assert (theirs - plain(input_ids=tokens).logits).abs().max() > 1e-3      # the adapters act
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rank_pattern"):
+        peft_dir.read_config(out)
+    with pytest.raises(ValueError, match="fused phi3 module: pass the full base tree"):
+        peft_dir.save_adapter(tmp_path / "again", lora, lc, str(d))
