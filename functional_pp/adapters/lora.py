@@ -267,14 +267,6 @@ class LoraWeight(NamedTuple):
         dropped = einsum(pattern, *[self.base if j == i else x for j in range(2)])
         return y + dropped * (g - 1) + delta * g
 
-
-def _summed(y: Named, delta: Named) -> Named:
-    """``y + delta``; two pending sums of one type added locally (one TP collective for both)."""
-    if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
-            and y.vary == delta.vary):
-        return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
-    return y + delta
-
     def __named_weight__(self) -> Named:
         """The adapted weight as one named value, ``W + scale * A B`` (contracted over the rank,
         per expert for expert weights): for ops that take the weight itself rather than an
@@ -286,6 +278,14 @@ def _summed(y: Named, delta: Named) -> Named:
         pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
                    f"{' '.join(self.base.dims)}")
         return self.base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+
+
+def _summed(y: Named, delta: Named) -> Named:
+    """``y + delta``; two pending sums of one type added locally (one TP collective for both)."""
+    if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
+            and y.vary == delta.vary):
+        return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
+    return y + delta
 
 
 register_operand(LoraWeight, lambda pattern, operands, i: operands[i].__named_einsum__(pattern, operands, i))

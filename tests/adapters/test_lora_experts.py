@@ -112,6 +112,8 @@ def test_router_dropout_and_peft_export_are_refused_by_name(tmp_path):
                                           {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, CFG)
     with pytest.raises(ValueError, match=r"adapts the experts .* export the merged model"):
         peft_dir.save_adapter(tmp_path / "a", adapters.split(full)[1], LORA)
+    with pytest.raises(ValueError, match=r"DoRA \(use_dora\) on expert weight 'layers.0.mlp.gate' is not supported"):
+        adapters.init(llama.init(CFG), adapters.LoraConfig(r=4, alpha=8, dora=True, target_modules=("gate",)))
 
 
 def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
