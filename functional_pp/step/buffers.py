@@ -87,6 +87,8 @@ def acc_dtype(leaves) -> torch.dtype:
 
 
 def master_copy(x: torch.Tensor) -> torch.Tensor:
-    """Master weights are at least fp32 (16-bit parameters are upcast)."""
+    """Master weights are at least fp32 (16-bit parameters are upcast) and contiguous: a shard
+    may be a strided view of a full tensor, and a compiled step, whose new parameters are
+    contiguous, would recompile for the changed strides on its second call."""
     x = x.detach()
-    return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x).contiguous()

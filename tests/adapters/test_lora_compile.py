@@ -58,9 +58,9 @@ def _train(kind, layout, compile):
 
     def device():
         with fpp.use_rules(rules):
-            # (contiguous shards: the updated parameters are, and a stride change recompiles the step)
-            local = optree.tree_map(torch.Tensor.contiguous, sharding.shard(params, decls, mesh, rules,
-                                                                            fpp.current_rank()))
+            # (the shards are strided views; step.init makes its master copies contiguous, as the
+            # updated parameters are: otherwise the second step recompiles for the new strides)
+            local = sharding.shard(params, decls, mesh, rules, fpp.current_rank())
             state = step.init(adapters.init_magnitudes(sharding.named_tree(local, decls), lc))
         losses = []
         for b in DATA:
