@@ -22,14 +22,16 @@ from typing import Any, Iterator
 import optree
 import torch
 
-from functional_pp._torch import in_backward, is_tracing
+from functional_pp._torch import apply_function, in_backward, is_tracing
 from functional_pp.compile.in_flight import in_flight_limit
+from functional_pp.compile.recompute import regather_region
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, env, options, pvary
+from functional_pp.parallel.transposes import _AllGather
 
 _local = per_thread("parallel.fsdp_units")
 
@@ -160,16 +162,7 @@ class _Unit:
         return torch.cat([s.reshape(-1) for s in self.shards])
 
     def unflatten(self, gathered: torch.Tensor) -> list[torch.Tensor]:
-        """Full parameters from the all-gathered flat shards (group-index-major blocks)."""
-        total = sum(self.numels)
-        n = gathered.numel() // total
-        rows = gathered.view(n, total)
-        out, offset = [], 0
-        for shape, numel, dim in zip(self.shapes, self.numels, self.dims):
-            pieces = [rows[r, offset:offset + numel].view(shape) for r in range(n)]
-            out.append(torch.cat(pieces, dim=dim))
-            offset += numel
-        return out
+        return unflatten_unit(gathered, self.shapes, self.numels, self.dims)
 
     def start_regather(self) -> None:
         """Launch the backward re-gather (asynchronously where the backend can)."""
@@ -197,6 +190,32 @@ class _Unit:
             self._pending()
             self._pending = None
         self.regathered, self._done = None, True
+
+
+def unflatten_unit(gathered: torch.Tensor, shapes, numels, dims) -> list[torch.Tensor]:
+    """Full parameters from a unit's all-gathered flat shards (group-index-major blocks: block
+    r holds every member's shard r, in order); differentiable, so that traced, its transpose
+    lays the gradients out as :class:`_UnitGather`'s backward does for the flat reduce-scatter."""
+    total = sum(numels)
+    n = gathered.numel() // total
+    rows = gathered.view(n, total)
+    out, offset = [], 0
+    for shape, numel, dim in zip(shapes, numels, dims):
+        pieces = [rows[r, offset:offset + numel].view(shape) for r in range(n)]
+        out.append(torch.cat(pieces, dim=dim))
+        offset += numel
+    return out
+
+
+def _gather_traced(axes: tuple[str, ...], shards: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+    """A unit's gather inside a traced (compiled) step: the same flat all-gather as eager, as
+    graph ops (autograd traces its transpose, the flat reduce-scatter), tagged so that the
+    compiled backward gathers it again (ZeRO-3, functional_pp/compile/recompute.py) unless the
+    layer keeps its weights gathered."""
+    with regather_region(not _keep_gathered()):
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        gathered = apply_function(_AllGather, flat, axes, 0)
+        return unflatten_unit(gathered, [s.shape for s in shards], [s.numel() for s in shards], dims)
 
 
 def _start_all_gather(flat: torch.Tensor, axes: tuple[str, ...]):
@@ -323,8 +342,9 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     the context to run the layer in (re-gather hooks). In a step's forward the next unit's
     gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
     Unchanged outside :func:`fsdp_units`."""
-    if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
+    if not getattr(_local, "enabled", False) or not torch.is_grad_enabled():
         return args, nullcontext()
+    tracing = is_tracing()
     seen = getattr(_local, "seen", None)
     if seen is not None:
         seen.layers += 1
@@ -349,6 +369,13 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         groups.setdefault((axes, x.data.dtype, x.data.requires_grad), []).append((i, x, d, k, source))
     if not groups:
         return args, nullcontext()
+    if tracing:       # compiled: the same units; prefetch and re-gathers are the graph passes'
+        for (axes, _, _), members in groups.items():
+            fulls = _gather_traced(axes, [x.data for _, x, _, _, _ in members], [d for _, _, d, _, _ in members])
+            for (i, x, d, k, _), full in zip(members, fulls):
+                leaves[i] = _gathered(x, full, d, k)
+        # (the root's keep_gathered reaches only weights the units leave to the ops: kept, not re-gathered)
+        return optree.tree_unflatten(spec, leaves), nullcontext()
     call, incoming = _launch_gathers(groups)
     units = []
     for ((axes, _, _), members), wait in zip(groups.items(), incoming):
@@ -356,10 +383,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         unit.incoming, unit.call = wait, call
         fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
         for (i, x, d, k, _), full in zip(members, fulls):
-            split = list(x.split)
-            split[d] = split[d][:k]
-            y = Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
-            leaves[i] = y
+            leaves[i] = _gathered(x, full, d, k)
         units.append((unit, list(fulls)))
     frozen = [unit for ((_, _, trains), _), (unit, _) in zip(groups.items(), units) if not trains]
     if frozen and not _keep_gathered():
@@ -368,6 +392,14 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         for unit, _ in units:
             unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
     return optree.tree_unflatten(spec, leaves), _layer_context(units, call)
+
+
+def _gathered(x: Named, full: torch.Tensor, d: int, k: int) -> Named:
+    """The parameter ``x`` gathered over the data-parallel axes of its dimension ``d`` (from
+    position ``k`` of its split on)."""
+    split = list(x.split)
+    split[d] = split[d][:k]
+    return Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
 
 
 def _release_frozen_after_layer(leaves: list, frozen: list[_Unit], units: list) -> list:
