@@ -10,8 +10,10 @@ before the optimizer (at most ``FPP_COLLECTIVES_IN_FLIGHT`` in flight, functiona
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
-Active inside :func:`fsdp_units` (the training step, eager); compiled steps keep the
-per-parameter collectives in the graph.
+Active inside :func:`fsdp_units` (the training step). A compiled step traces the same units
+(:func:`_gather_traced`: one flat all-gather in the graph, its transpose the flat
+reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
+passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
 """
 from __future__ import annotations
 
