@@ -205,7 +205,8 @@ class TrainStep:
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
         """Training state from a tree of named parameters (``functional_pp.init``): fp32
-        master shards, optimizer state (sharded like the parameters), step counters."""
+        master shards of the trained parameters (frozen ones keep their dtype), optimizer state
+        (sharded like the parameters), step counters."""
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
@@ -226,7 +227,10 @@ class TrainStep:
                 raise ValueError(f"step.init: this step was initialised with other parameters ({where}); "
                                  f"every device must pass the same tree, and another model needs its own "
                                  f"train_step")
-        master = optree.tree_unflatten(treespec, [master_copy(x.data) for x in leaves])
+        flags = self.spec.trainable or (True,) * len(leaves)
+        # frozen parameters keep their dtype (a bf16 base stays bf16): only trained ones need fp32 masters
+        master = optree.tree_unflatten(treespec, [master_copy(x.data) if t else x.data.detach().contiguous()
+                                                  for x, t in zip(leaves, flags)])
         return {"params": master, "opt_state": self.optimizer.init(self.spec.trainable_tree(master)),
                 "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
                 "consecutive_skips": torch.zeros((), dtype=torch.int64)}
@@ -435,6 +439,8 @@ class TrainStep:
         compute = PRECISIONS[self.precision] if cast else None
         if compute is not None:
             leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
+        elif cast:      # fp32 compute: a frozen 16-bit parameter (kept in its dtype by init) is upcast
+            leaves = [x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x for x in leaves]
         if is_tracing():
             named = [Named(x, dims, layout, is_param=True)
                      for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts)]

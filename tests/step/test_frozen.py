@@ -98,3 +98,32 @@ def test_nothing_trainable_is_refused():
                           trainable=fpp.optim.mask_by_path(lambda path, x: False))
     with pytest.raises(Exception, match="no parameter is trainable"):
         fpp.launch(lambda: step.init(fpp.init(llama.init, CFG, seed=0)), fpp.Mesh())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_bf16_frozen_base_stays_bf16_and_trains_as_its_fp32_copy(precision):
+    """Frozen parameters keep their dtype in the state (no fp32 master copy: half the bytes of
+    a bf16 base); the step sees them in the compute dtype exactly as it saw the fp32 copy of the
+    same bf16 values, so both runs agree bitwise (bf16 and fp32 compute)."""
+    def run(frozen_dtype):
+        step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(3e-3), trainable=TRAINS,
+                              precision=precision)
+
+        def device():
+            params = fpp.init(llama.init, CFG, torch.float32, seed=0)
+            params = fpp.core.tree.map_with_path(
+                lambda p, x: x if _trains(p) else x.replace(data=x.data.to(torch.bfloat16).to(frozen_dtype)), params)
+            state = step.init(params)
+            dtypes = {p: x.dtype for p, x in fpp.leaves_with_paths(state["params"])}
+            losses = []
+            for b in DATA:
+                state, m = step(state, {k: v.data for k, v in local_batch(b, fpp.Mesh(), fpp.Rules()).items()})
+                losses.append(m["loss"])
+            return losses, dtypes, {p: x.clone() for p, x in fpp.leaves_with_paths(state["params"])}
+        return fpp.launch(device, fpp.Mesh())[0]
+    (l16, d16, p16), (l32, d32, p32) = run(torch.bfloat16), run(torch.float32)
+    assert {p: d for p, d in d16.items() if not _trains(p)} == {p: torch.bfloat16 for p in d16 if not _trains(p)}
+    assert all(d == torch.float32 for p, d in d16.items() if _trains(p))
+    assert l16 == l32
+    for p in p32:
+        assert torch.equal(p16[p].float(), p32[p]), p
