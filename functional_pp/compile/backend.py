@@ -78,6 +78,7 @@ def _step_pass(graph: torch.fx.Graph, in_place: bool = False):
         overlap_communication(graph)
     if in_place:
         reinplace(graph)
+    graph.lint()          # every pass kept each node after its inputs (a clear error, not a NameError at run time)
     if getattr(_local, "graphs", None) is not None:
         _local.graphs.append(graph)
     events = comm.traced_events(graph_collectives(graph))
