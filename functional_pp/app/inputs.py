@@ -10,7 +10,8 @@ import torch
 
 from functional_pp.config import ConfigError, TrainConfig, model_config
 
-__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params"]
+__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params",
+           "frozen_in_compute_dtype"]
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -128,16 +129,24 @@ def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:
     return steps
 
 
-def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=None) -> Any:
+def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=None, run_decls: Any = None) -> Any:
     """This device's shards of ``base_model``'s weights as named parameters (inside
-    :func:`functional_pp.launch`: only the rows / columns of each tensor it holds are read)."""
+    :func:`functional_pp.launch`: only the rows / columns of each tensor it holds are read), each
+    in the dtype ``run_decls`` (the run's declarations, :func:`frozen_and_adapters`) give it: a
+    frozen weight in the compute dtype (:func:`frozen_in_compute_dtype`), a trained one in fp32
+    (default: all fp32)."""
+    from functional_pp.adapters import split
     from functional_pp.checkpoint import hf
-    from functional_pp.core.tree import map_with_path
+    from functional_pp.core.tree import leaves_with_paths, map_with_path
     from functional_pp.parallel.named import Named
+    wanted = {p: d.dtype for p, d in leaves_with_paths(split(run_decls)[0])} if run_decls is not None else {}
+
+    def dtype_of(path: str) -> torch.dtype:
+        return wanted.get(path, torch.float32)
     grow = bool(cfg.tokens or cfg.resize_token_embeddings_to_32x)
     quant = cfg.base_quantization()
     if quant is None:
-        tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, mesh=mesh,
+        tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=dtype_of, mesh=mesh,
                                     rules=rules, device=device, grow_vocab=grow)
     else:       # whole weights quantized (as bitsandbytes does), then this device's shards of the codes
         from functional_pp.core.runtime import current_rank
@@ -145,6 +154,7 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
         from functional_pp.parallel.sharding import shard
         full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow)
         full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"])
+        full = map_with_path(lambda p, x: x.to(dtype_of(p)) if x.is_floating_point() else x, full)
         tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
         if device is not None:
             tensors = map_with_path(lambda p, x: x.to(device), tensors)
@@ -152,6 +162,24 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)
+
+
+def frozen_in_compute_dtype(decls: Any, trainable: Any, precision: str) -> Any:
+    """``decls`` with every frozen floating-point parameter declared in the compute dtype of
+    ``precision`` (bf16 / fp16): the step casts the parameters to it every step and keeps frozen
+    ones in their dtype (no fp32 master), so holding them in it is the same computation in half
+    the bytes (a LoRA / QLoRA base). Trained parameters (fp32 masters), fp32 runs and quantized
+    codes are left as they are."""
+    import dataclasses
+
+    from functional_pp.core.tree import leaves_with_paths, map_with_path
+    from functional_pp.step.train import PRECISIONS
+    compute = PRECISIONS[precision]
+    if compute is None or trainable is None:
+        return decls
+    trained = dict(leaves_with_paths(trainable(decls)))
+    return map_with_path(lambda p, d: d if trained[p] or not d.dtype.is_floating_point
+                         else dataclasses.replace(d, dtype=compute), decls)
 
 
 def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> Any:
@@ -181,7 +209,13 @@ def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> A
 def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
     """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
     loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
-    alone the base loss and only those parameters trained; else everything trained."""
+    alone the base loss and only those parameters trained; else everything trained. The frozen
+    parameters are declared in the run's compute dtype (:func:`frozen_in_compute_dtype`)."""
+    loss, decls, trainable = _frozen_and_adapters(cfg, lora, loss_fn, decls)
+    return loss, frozen_in_compute_dtype(decls, trainable, cfg.resolved_precision()), trainable
+
+
+def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
     from functional_pp import adapters
     from functional_pp.config import ConfigError
     from functional_pp.core.tree import leaves_with_paths

@@ -236,7 +236,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     def device_fn() -> dict:
         lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
         if cfg.base_model is not None and latest is None:
-            params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device))
+            params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device, decls))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
                 params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
         else:

@@ -63,6 +63,19 @@ def _trained(decls: Any, trainable: Any) -> Any:
     return map_with_path(lambda p, d: d if flags[p] else None, decls)
 
 
+def _frozen_bytes(decls: Any, trainable: Any, mesh, rules, ends, virtual_stages: int) -> tuple[int, str]:
+    """(bytes of the frozen parameters each device holds, their bytes per parameter in words):
+    weights only, each in its declared dtype (a LoRA base in the compute dtype, quantized codes)."""
+    from functional_pp.core.tree import map_with_path
+    flags = dict(leaves_with_paths(trainable(decls)))
+    sizes = sorted({d.dtype.itemsize for p, d in leaves_with_paths(decls) if not flags[p]}, reverse=True)
+    total = 0
+    for n in sizes:
+        part = map_with_path(lambda p, d: d if not flags[p] and d.dtype.itemsize == n else None, decls)
+        total += n * param_memory(part, mesh, rules, ends, virtual_stages)[1]
+    return total, " / ".join(f"{n} B" for n in sizes) or "0 B"
+
+
 def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
     if cfg.optimizer == "adamw":
         return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
@@ -93,6 +106,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     per, what = _state_bytes_per_param(cfg)
     trained_total, trained_local = (total, local) if trainable is None else param_memory(
         _trained(decls, trainable), mesh, rules)
+    frozen_bytes, frozen_what = (0, "") if trainable is None else _frozen_bytes(decls, trainable, mesh, rules, ends,
+                                                                                cfg.pp_virtual_stages)
     dp = cfg.dp_size(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
@@ -112,8 +127,9 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"memory:     {local:,} parameters on {where} x {per} B ({what}) = "
         f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)"
         if trainable is None else
-        f"memory:     {local:,} parameters on {where} x 4 B + {trained_local:,} trained x {per - 4} B "
-        f"({what}; frozen: weights only) = {_human_bytes(local * 4 + trained_local * (per - 4))} per device",
+        f"memory:     {trained_local:,} trained parameters on {where} x {per} B ({what}) + "
+        f"{local - trained_local:,} frozen x {frozen_what} (weights only) = "
+        f"{_human_bytes(trained_local * per + frozen_bytes)} per device",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "

@@ -197,7 +197,8 @@ def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
     return mesh, rules if rules is not None else active_rules(required=False), rank
 
 
-def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: torch.dtype | None = None,
+def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
+                   dtype: torch.dtype | Callable[[str], torch.dtype | None] | None = None,
                    mesh: Mesh | None = None, rules: Rules | None = None, rank: int | None = None,
                    device: torch.device | str | None = None, strict: bool = True,
                    grow_vocab: bool = False) -> dict:
@@ -205,14 +206,15 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
 
     Without a mesh (or without rules) tensors come back whole; inside ``launch`` (mesh and rank
     default to the running device's, rules to the active ones) each device gets its own shards,
-    reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype).
+    reading only the needed rows/columns. ``dtype`` casts (default: the file's dtype); a function of
+    the parameter path gives each its own (a frozen base in the compute dtype, say).
     ``strict`` refuses HF tensors the table does not map (e.g. biases). ``grow_vocab``: a config
     vocabulary larger than the file's (added tokens) gives the embedding and head rows past the
     file's the mean of its rows, as transformers' ``resize_token_embeddings`` (mean resizing)."""
     from functional_pp.models import llama
 
     if decls is None:
-        decls = llama.init(cfg, dtype or torch.float32)
+        decls = llama.init(cfg, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
     root, weight_map, files = _hf_files(Path(path))
     with _HFReader(root, weight_map, files) as reader:
@@ -268,8 +270,9 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *, dtype: to
             except Exception as exc:
                 raise CheckpointCorruptError(f"{root}: cannot read tensor {name!r}: {exc}") from exc
             t = t.contiguous()
-            if dtype is not None:
-                t = t.to(dtype)
+            want = dtype(p) if callable(dtype) else dtype
+            if want is not None:
+                t = t.to(want)
             return t.to(device) if device is not None else t
         return map_with_path(read, decls)
 
