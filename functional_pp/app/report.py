@@ -16,7 +16,8 @@ from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
 from functional_pp.core.tree import count_params, leaves_with_paths
 
-__all__ = ["describe", "param_memory", "planned_memory", "mesh_label", "comm_report_text"]
+__all__ = ["describe", "param_memory", "planned_memory", "run_model", "compute_dtype", "mesh_label",
+           "comm_report_text"]
 
 
 def param_memory(decls: Any, mesh, rules, ends: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
@@ -45,15 +46,22 @@ def _held_by_stage(path: str, device: int, p: int, v: int, decls: Any, ends) -> 
     return device == 0 if first and not last else device == p - 1 if last and not first else True
 
 
-def _run_model(cfg: TrainConfig, model_cfg) -> tuple:
+def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None) -> tuple:
     """``(loss, declarations, trainable mask)`` the run trains (adapters and frozen parameters
-    included: app/inputs.py ``frozen_and_adapters``)."""
+    included: app/inputs.py ``frozen_and_adapters``), the weights declared in ``dtype``
+    (default fp32; the planner passes the compute dtype, in which a frozen base is held)."""
     import functools
 
     from functional_pp.app.inputs import frozen_and_adapters
     family = model_family(cfg)
-    return frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg),
-                               family.param_decls(model_cfg))
+    decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
+    return frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
+
+
+def compute_dtype(cfg: TrainConfig) -> Any:
+    """The dtype the run computes in (and holds a frozen base in): bf16 / fp16 or fp32."""
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.resolved_precision(), torch.float32)
 
 
 def _trained(decls: Any, trainable: Any) -> Any:
@@ -99,7 +107,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
     family = model_family(cfg)
-    _, decls, trainable = _run_model(cfg, model_cfg)
+    _, decls, trainable = run_model(cfg, model_cfg)
     ends = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
     total, local = param_memory(decls, mesh, rules, ends, cfg.pp_virtual_stages)
     where = "each device" if "pp" not in mesh.shape else "each device of the fullest pipeline stage"
@@ -171,7 +179,7 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     family = model_family(cfg)
     gb = cfg.global_batch(mesh, rules)
     batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
-    loss, decls, trainable = _run_model(cfg, model_cfg)
+    loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     est = estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0], precision=cfg.precision,
                    grad_accum=cfg.grad_accum(mesh, rules), remat=cfg.activation_checkpointing,
                    timeline=False, trainable=trainable)

@@ -4,11 +4,8 @@ the best one for a training run and says why (docs/planning.md, "Command line").
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from typing import IO
-
-import torch
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.search import Ranking, Space, beam, exhaustive, search
@@ -17,10 +14,12 @@ LAYOUT_MODES = ("manual", "auto")
 
 
 def _model(cfg):
-    from functional_pp.config import model_config, model_family
-    family, model_cfg = model_family(cfg), model_config(cfg)     # base_model's config.json, or the preset
-    dtype = torch.bfloat16 if cfg.resolved_precision() in ("bf16", "fp16") else torch.float32
-    return functools.partial(family.loss, cfg=model_cfg), family.param_decls(model_cfg, dtype)
+    """``(loss, declarations, trainable mask)`` of the run, as ``train`` builds them (adapters,
+    frozen parameters, a quantized base), the weights in the compute dtype (a frozen base is
+    held in it; trained weights get fp32 masters in the step's state)."""
+    from functional_pp.app.report import compute_dtype, run_model
+    from functional_pp.config import model_config
+    return run_model(cfg, model_config(cfg), compute_dtype(cfg))     # base_model's config.json, or the preset
 
 
 def global_batch_for(cfg, n_devices: int) -> int:
@@ -36,7 +35,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                  stream: IO[str] | None = None) -> Ranking:
     """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster``."""
     _check_searchable(cfg)
-    loss, decls = _model(cfg)
+    loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
     batch = {"tokens": ((gb, cfg.sequence_len), "batch seq"), "labels": ((gb, cfg.sequence_len), "batch seq")}
     prec = cfg.resolved_precision()
@@ -47,7 +46,8 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     def progress(i, n, name):
         print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
     ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
-                     memory_limit_bytes=memory_gb * 1e9 if memory_gb else None, progress=progress)
+                     memory_limit_bytes=memory_gb * 1e9 if memory_gb else None, progress=progress,
+                     trainable=trainable)
     print("\r" + " " * 90 + "\r", end="", file=out, flush=True)
     return ranking
 

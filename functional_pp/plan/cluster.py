@@ -23,7 +23,9 @@ class Cluster:
     ``memory_efficiency``: the fraction of ``memory_bandwidth`` the other (unfused) kernels
     reach; ``compiled_traffic``: the fraction of their memory traffic left once
     ``torch.compile`` fuses them; ``overlap``: the fraction of weight traffic (FSDP gathers,
-    gradient reductions) that can hide under compute."""
+    gradient reductions) that can hide under compute. ``peak_fp8_flops``: the dense FP8 peak
+    (None: the device has no FP8 matmuls); ``float8_efficiency``: the fraction of it Float8
+    matmuls reach (``cost(..., float8=True)``)."""
     name: str
     devices_per_node: int
     intra_bandwidth: float
@@ -38,6 +40,8 @@ class Cluster:
     memory_efficiency: float = 0.8
     compiled_traffic: float = 1.0
     overlap: float = 1.0
+    peak_fp8_flops: float | None = None
+    float8_efficiency: float = 0.56
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
 
     def with_(self, **kw) -> "Cluster":
@@ -77,13 +81,17 @@ class Cluster:
         return {a: self.link(mesh, (a,))[0] for a in mesh.axis_names if mesh.shape[a] > 1}
 
 
+#: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B Float8 rows (plan/references.py): the
+#: fraction of the FP8 dense peak (1979 TFLOP/s on H100) its Float8 matmuls reach
+FLOAT8_FIT = 0.57
+
 #: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B bf16 rows (plan/references.py):
 #: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.95 of
 #: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
 #: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
 #: NIC at 90% of its line rate (docs/planning.md, "Calibration")
 H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
-                overlap=0.95)
+                overlap=0.95, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT)
 
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,
@@ -102,7 +110,7 @@ PRESETS = {
                       attention_efficiency=0.5),
     # not fitted: PCIe nodes without NVLink: 4 GPUs, 64 GB/s PCIe 5, 100 Gb/s Ethernet
     "l40sx4": Cluster("l40sx4", 4, 25e9, 12.5e9, intra_latency=10e-6, inter_latency=30e-6, peak_flops=362e12,
-                      memory_bytes=48e9, memory_bandwidth=0.864e12),
+                      memory_bytes=48e9, memory_bandwidth=0.864e12, peak_fp8_flops=733e12),
 }
 
 

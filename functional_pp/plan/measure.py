@@ -28,17 +28,19 @@ from functional_pp.step.train import PER_WEIGHT, train_step
 def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,
             options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
             precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
-            rank: int = 0, seed: int = 0) -> tuple[DeviceRun, CommReport, float]:
+            rank: int = 0, seed: int = 0, trainable: Any = None,
+            params: Callable[[], Any] | None = None) -> tuple[DeviceRun, CommReport, float]:
     """Run one real training step on simulated devices; returns device ``rank``'s recorded
-    run, its communication report and the step's wall time in seconds."""
+    run, its communication report and the step's wall time in seconds. ``trainable``: the
+    step's mask (frozen parameters); ``params()``: this device's named parameters (called on
+    each simulated device; default: ``decls`` initialised from ``seed``), e.g. a quantized base."""
     options = dict(options or {})
 
     def device():
         step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                          grad_accum=grad_accum, remat=remat, **PER_WEIGHT)
+                          grad_accum=grad_accum, remat=remat, trainable=trainable, **PER_WEIGHT)
         with use_rules(rules), configure(**options):
-            params = init(lambda: decls, mesh=mesh, rules=rules, seed=seed)
-            state = step.init(params)
+            state = step.init(params() if params is not None else init(lambda: decls, mesh=mesh, rules=rules, seed=seed))
             local = {}
             for key, (shape, dims) in batch.items():
                 dims = dims.split() if isinstance(dims, str) else list(dims)

@@ -5,7 +5,7 @@ measured tokens/s per GPU, with the source. :func:`predict` dry-runs the setup a
 The dry-run runs this project's Llama on the row's mesh. What the published run did
 differently is passed to :func:`functional_pp.plan.cost`: ``torch.compile`` (``compiled``)
 and torchtitan's op-level selective activation checkpointing (``selective_ac="op"``), which
-this project does not implement."""
+this project does not implement, and Float8 linear layers (``float8``)."""
 from __future__ import annotations
 
 import functools
@@ -43,6 +43,7 @@ class Reference:
     virtual_stages: int = 1
     notes: str = ""
     options: tuple = field(default=())
+    float8: bool = False             # torchtitan's Float8 linear layers (dynamic tensorwise scaling)
 
     @property
     def devices(self) -> int:
@@ -52,12 +53,13 @@ class Reference:
         return n
 
     def cost_options(self) -> dict:
-        return {"compiled": self.compiled, "selective_ac": self.selective_ac}
+        return {"compiled": self.compiled, "selective_ac": self.selective_ac, "float8": self.float8}
 
 
-def _table(name: str, tps: float, mesh, compiled: bool, table: str) -> Reference:
+def _table(name: str, tps: float, mesh, compiled: bool, table: str, float8: bool = False) -> Reference:
     return Reference(name, "llama3_8b", mesh, 2, 8192, tps, f"{TORCHTITAN_2024}, {table}", compiled=compiled,
-                     selective_ac="op", notes="FSDP, bf16 (no Float8), selective op-level AC")
+                     selective_ac="op", float8=float8,
+                     notes=f"FSDP, {'Float8' if float8 else 'bf16 (no Float8)'}, selective op-level AC")
 
 
 #: the bf16 rows the presets are fitted to and the tests hold within 15%
@@ -72,8 +74,8 @@ LLAMA3_8B = (
 def _405b(name: str, tps: float, schedule: str, virtual: int) -> Reference:
     return Reference(name, "llama3_405b", (("pp", 8), ("dp_shard", 8), ("tp", 8)), 32, 8192, tps,
                      f"{TORCHTITAN_2024}, Table 5", compiled=True, remat=True, schedule=schedule, micro_batches=8,
-                     virtual_stages=virtual,
-                     notes="compile + Float8 + async TP (neither modelled: only the ratio is held), full AC, "
+                     virtual_stages=virtual, float8=True,
+                     notes="compile + Float8 + async TP (async TP not modelled), full AC, "
                            "8 micro-batches (torchtitan's default: as many as stages), interleaved with 2 "
                            "stages per rank (its default); 128 layers here (126 do not split into 16 stages)")
 
@@ -82,6 +84,12 @@ def _405b(name: str, tps: float, schedule: str, virtual: int) -> Reference:
 LLAMA3_405B = (
     _405b("405B FSDP 8 x TP 8 x PP 8, 1F1B", 100, "1f1b", 1),
     _405b("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", 128, "interleaved_1f1b", 2),
+)
+
+#: the Float8 rows (compiled): ``float8_efficiency`` of the presets is fitted to them
+LLAMA3_8B_FLOAT8 = (
+    _table("8B FSDP 8, compiled + Float8", 8532, (("dp_shard", 8),), True, "Table 1", float8=True),
+    _table("8B FSDP 128, compiled + Float8", 8380, (("dp_shard", 128),), True, "Table 3", float8=True),
 )
 
 CONFIGS = {

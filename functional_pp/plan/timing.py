@@ -42,24 +42,41 @@ def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster) -> tuple[float, str]:
     return cl.collective_seconds(e.kind, e.bytes_sent, e.group_size, link), link[0]
 
 
+#: bytes per element Float8's dynamic tensorwise scaling moves for each matmul operand: its
+#: bf16 value read for the absolute maximum and again for the cast, the fp8 copy written
+FLOAT8_CAST_BYTES = 2 + 2 + 1
+
+
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
-                   compiled: bool = False, selective_ac: str | None = None) -> dict[str, float]:
+                   compiled: bool = False, selective_ac: str | None = None, float8: bool = False) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
-    phase, split into critical-path and weight traffic, per collective."""
+    phase, split into critical-path and weight traffic, per collective. ``float8``: the
+    layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
+    with dynamic tensorwise scaling; attention and the head stay bf16)."""
     mm_rate = cl.peak_flops * cl.compute_efficiency
     attn_rate = cl.peak_flops * cl.attention_efficiency
     byte_rate = cl.memory_bandwidth * cl.memory_efficiency / (cl.compiled_traffic if compiled else 1.0)
+    if float8 and not cl.peak_fp8_flops:
+        raise ValueError(f"cost(float8=True): cluster {cl.name!r} has no FP8 matmuls (peak_fp8_flops is None); "
+                         f"use a cluster with FP8 (h100x8, h200x8, l40sx4) or Cluster(..., peak_fp8_flops=...)")
+    fp8_rate = cl.peak_fp8_flops * cl.float8_efficiency if float8 else mm_rate
     out: dict[str, float] = {}
 
     def add(k, v):
         out[k] = out.get(k, 0.0) + v
+
+    def fp8_part(linear: float) -> float:      # seconds saved by running ``linear`` FLOPs in fp8
+        return linear / mm_rate - linear / fp8_rate if float8 else 0.0
     if layer == "all":
         for phase, f in run.flops.items():
             attn = run.attention_flops.get(phase, 0.0)
-            add(f"compute {phase}", (f - attn) / mm_rate + attn / attn_rate + run.traffic.get(phase, 0.0) / byte_rate)
+            cast = FLOAT8_CAST_BYTES * run.linear_operands.get(phase, 0.0) if float8 else 0.0
+            add(f"compute {phase}", (f - attn) / mm_rate + attn / attn_rate - fp8_part(run.linear_flops.get(phase, 0.0))
+                + (run.traffic.get(phase, 0.0) + cast) / byte_rate)
         if selective_ac == "op":     # torchtitan's: recompute every second matmul and the unsaved kernels
-            add("compute backward", run.every_other_mm_forward / mm_rate + run.layer_forward_traffic / byte_rate)
+            add("compute backward", run.every_other_mm_forward / (fp8_rate if float8 else mm_rate)
+                + run.layer_forward_traffic / byte_rate)
         elif selective_ac is not None:
             raise ValueError(f"cost: selective_ac={selective_ac!r}; use 'op' (torchtitan's op-level policy) or "
                              f"None (for full recomputation estimate with remat=True)")
@@ -68,7 +85,7 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     else:
         attn = run.attention_by_layer.get(layer, 0.0)
         add("compute", (run.flops_by_layer.get(layer, 0.0) - attn) / mm_rate + attn / attn_rate
-            + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
+            - fp8_part(run.linear_by_layer.get(layer, 0.0)) + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
     grouped: set = set()
     for e in run.events:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
@@ -85,12 +102,15 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     return out
 
 
-def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None) -> "StepTime":
+def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None,
+         float8: bool = False) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
     efficiency), those bytes scaled by ``compiled_traffic`` when ``compiled``;
-    ``selective_ac="op"`` adds torchtitan's op-level recomputation. A fraction ``overlap``
+    ``selective_ac="op"`` adds torchtitan's op-level recomputation; ``float8`` runs the
+    layers' linear matmuls at ``peak_fp8_flops x float8_efficiency`` and adds their
+    operands' casts to the memory traffic (attention and the head stay bf16). A fraction ``overlap``
     of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
     phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
     the update is a memory-bound pass over the state. A pipeline (``est.pipeline``) repeats
@@ -100,7 +120,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
-    comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac) for r in est.runs]
+    comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8)
+             for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
     compute = sum(v for k, v in total.items() if k.startswith("compute "))
@@ -134,7 +155,7 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         last = est.runs[-1]
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
-            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled)
+            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 
@@ -147,7 +168,7 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
     ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
     ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
-    :func:`cost`'s keywords (``compiled``, ``selective_ac``). Minimises the squared log ratio
+    :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``). Minimises the squared log ratio
     of :func:`cost`'s step time to the measured one, one number at a time (golden section in
     log space, ``rounds`` sweeps); fractions stay at most 1, and a number that no sample
     depends on keeps its value."""
@@ -157,7 +178,8 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     if unknown:
         raise ValueError(f"fit_cluster: {unknown} are not numbers of a Cluster; fit some of "
                          f"{[k for k, v in vars(cl).items() if isinstance(v, float)]}")
-    capped = {"compute_efficiency", "attention_efficiency", "memory_efficiency", "compiled_traffic", "overlap"}
+    capped = {"compute_efficiency", "attention_efficiency", "memory_efficiency", "compiled_traffic", "overlap",
+              "float8_efficiency"}
 
     def loss(c: Cluster) -> float:
         return sum(math.log(cost(e, c, **o).step_s / t) ** 2 for e, t, o in samples)

@@ -84,6 +84,9 @@ class DeviceRun:
     traffic_by_layer: dict = field(default_factory=dict)     # layer -> traffic (forward and backward)
     every_other_mm_forward: float = 0.0     # FLOPs of each layer's 2nd, 4th, ... forward matmul
     layer_forward_traffic: float = 0.0      # forward traffic inside the layers
+    linear_flops: dict = field(default_factory=dict)         # phase -> matmul FLOPs inside the layers (Float8's)
+    linear_operands: dict = field(default_factory=dict)      # phase -> elements those matmuls read (cast to fp8)
+    linear_by_layer: dict = field(default_factory=dict)      # layer -> matmul FLOPs (forward and backward)
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
@@ -261,6 +264,11 @@ class MemoryTracker(TorchDispatchMode):
         if func in _MATMULS:
             a, b = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
             flops = 2.0 * math.prod(a.shape) * b.shape[-1]
+            if self.layer is not None and self.phase != "update":      # a layer's linear projections
+                r = self.run
+                r.linear_flops[self.phase] = r.linear_flops.get(self.phase, 0.0) + flops
+                r.linear_operands[self.phase] = r.linear_operands.get(self.phase, 0.0) + a.numel() + b.numel()
+                r.linear_by_layer[self.layer] = r.linear_by_layer.get(self.layer, 0.0) + flops
             if self.phase == "forward" and self.layer is not None:
                 n = self._mm_in_layer[self.layer] = self._mm_in_layer.get(self.layer, 0) + 1
                 if n % 2 == 0:          # torchtitan's op-level selective AC recomputes these

@@ -84,3 +84,32 @@ def test_bus_bandwidth_grows_with_the_message_size_as_nccl_tests_curves_do():
     half = 8 * cl.intra_latency * cl.intra_bandwidth
     assert cl.bus_bandwidth("all_reduce", half, 8) == pytest.approx(cl.intra_bandwidth / 2)
     assert cl.bus_bandwidth("all_gather", 4e9, 128, "inter") == pytest.approx(cl.inter_bandwidth, rel=0.05)
+
+
+def test_float8_runs_the_layers_linear_matmuls_at_the_fp8_peak(tiny):
+    """``float8``: the layers' linear matmuls (q, k, v, o, gate, up, down: forward and the two
+    backward products) at ``peak_fp8_flops x float8_efficiency``, their operands' casts as
+    memory traffic; attention, the head and the other kernels as in bf16."""
+    b, s, d, L = 2, 32, TINY.hidden // TINY.heads, TINY.layers
+    kv = TINY.kv_heads * d
+    linear = 2 * b * s * TINY.hidden * (2 * TINY.hidden + 2 * kv + 3 * TINY.mlp) * L
+    assert tiny.extrapolate(lambda r: r.linear_flops["forward"]) == linear
+    assert tiny.extrapolate(lambda r: r.linear_flops["backward"]) == 2 * linear
+    cl = plan.cluster("h100x8-gt").with_(compiled_traffic=1.0)
+    bf16, fp8 = plan.cost(tiny, cl), plan.cost(tiny, cl, float8=True)
+    mm, f8 = cl.peak_flops * cl.compute_efficiency, cl.peak_fp8_flops * cl.float8_efficiency
+    casts = 5 * tiny.extrapolate(lambda r: sum(r.linear_operands.values()))    # bf16 read twice, fp8 written
+    want = bf16.compute_s - 3 * linear * (1 / mm - 1 / f8) + casts / (cl.memory_bandwidth * cl.memory_efficiency)
+    assert fp8.compute_s == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="'a100x8' has no FP8 matmuls"):
+        plan.cost(tiny, "a100x8", float8=True)
+
+
+def test_the_float8_rows_are_predicted_within_15_percent(rows):
+    """torchtitan's 8B compiled + Float8 rows (8 and 128 H100s), which ``float8_efficiency``
+    is fitted to: within 15% of each, and Float8's speedup over the compiled bf16 rows (1.28x)
+    within 15% too."""
+    for ref, bf16 in zip(references.LLAMA3_8B_FLOAT8, [rows[1], rows[3]]):
+        tps, _ = references.predict(ref, "h100x8-gt")
+        assert tps == pytest.approx(ref.tokens_per_s_per_gpu, rel=0.15), ref.name
+        assert tps / bf16[1] == pytest.approx(ref.tokens_per_s_per_gpu / bf16[0].tokens_per_s_per_gpu, rel=0.15)
