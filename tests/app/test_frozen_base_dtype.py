@@ -123,7 +123,7 @@ def test_the_planner_counts_the_frozen_base_in_the_compute_dtype(made, monkeypat
     batch = {k: ((cfg.global_batch(mesh, rules), cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
 
     def planned():
-        loss, decls, trainable = report._run_model(cfg, model_cfg)
+        loss, decls, trainable = report.run_model(cfg, model_cfg)
         est = estimate(loss, decls, mesh, rules, batch, optimizer=fpp.optim.adamw(1e-3), precision="bf16",
                        timeline=False, trainable=trainable)
         frozen = dict(fpp.leaves_with_paths(trainable(decls)))
