@@ -47,7 +47,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
         print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
     ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
                      memory_limit_bytes=memory_gb * 1e9 if memory_gb else None, progress=progress,
-                     trainable=trainable)
+                     trainable=trainable, pp_fsdp_gather=cfg.pp_fsdp_gather)
     print("\r" + " " * 90 + "\r", end="", file=out, flush=True)
     return ranking
 
