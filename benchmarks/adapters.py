@@ -1,7 +1,8 @@
 """Full fine-tune vs LoRA vs QLoRA side by side in one run (issue 27):
 
 1. the planner's bytes per device for a Llama 3 8B (``plan.estimate``: the real step on meta
-   tensors, bf16 compute with fp32 master weights, AdamW, remat): parameters, gradients and
+   tensors, bf16 compute with fp32 master weights of the trained parameters and the frozen
+   base in bf16, as ``functional-pp plan`` declares it, AdamW, remat): parameters, gradients and
    optimizer state, saved activations, the peak, and the bytes sent per step, on 1 and on 8
    devices (FSDP over ``dp_shard``);
 2. the measured step of the tiny model on this machine's CPU for the three: median step time
@@ -40,9 +41,10 @@ from single_device import peak_memory  # noqa: E402
 KINDS = ("full", "lora", "qlora")
 
 
-def _setup(cfg: llama.Config, kind: str, r: int):
-    """``(loss, declarations, trainable mask)`` of one kind of fine-tune."""
-    loss, decls = functools.partial(llama.loss, cfg=cfg), llama.init(cfg)
+def _setup(cfg: llama.Config, kind: str, r: int, dtype: torch.dtype = torch.float32):
+    """``(loss, declarations, trainable mask)`` of one kind of fine-tune, the weights declared in
+    ``dtype`` (a frozen base is held in it; trained weights get fp32 masters in the state)."""
+    loss, decls = functools.partial(llama.loss, cfg=cfg), llama.init(cfg, dtype)
     if kind == "full":
         return loss, decls, None
     lc = adapters.LoraConfig(r=r, alpha=16, target_linear=True)
@@ -60,7 +62,7 @@ def planned(preset: str, devices: list[int], r: int, batch: int, seq: int) -> li
         rules = llama.default_rules(tp=False) if n > 1 else fpp.Rules()
         shape = {"tokens": ((batch * n, seq), "batch seq"), "labels": ((batch * n, seq), "batch seq")}
         for kind in KINDS:
-            loss, decls, mask = _setup(cfg, kind, r)
+            loss, decls, mask = _setup(cfg, kind, r, torch.bfloat16)      # the compute dtype, as `plan` declares it
             est = plan.estimate(loss, decls, mesh, rules, shape, precision="bf16", remat=True, trainable=mask)
             rows.append({"devices": n, "kind": kind, "state_GiB": est.state_bytes / 2**30,
                          "weights_GiB": est.param_bytes / 2**30, "activations_GiB": est.activation_bytes / 2**30,

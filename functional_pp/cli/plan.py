@@ -4,11 +4,13 @@ the best one for a training run and says why (docs/planning.md, "Command line").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import IO
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.search import Ranking, Space, beam, exhaustive, search
+from functional_pp.plan.timing import cost
 
 LAYOUT_MODES = ("manual", "auto")
 
@@ -32,8 +34,9 @@ def global_batch_for(cfg, n_devices: int) -> int:
 
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,
                  strategy: str = "auto", orders: str = "default", space: Space | None = None,
-                 stream: IO[str] | None = None) -> Ranking:
-    """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster``."""
+                 stream: IO[str] | None = None, float8: bool = False) -> Ranking:
+    """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster`` (``float8``:
+    costed with Float8 linear layers, ``plan.cost(..., float8=True)``)."""
     _check_searchable(cfg)
     loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
@@ -47,7 +50,8 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
         print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
     ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
                      memory_limit_bytes=memory_gb * 1e9 if memory_gb else None, progress=progress,
-                     trainable=trainable)
+                     trainable=trainable, pp_fsdp_gather=cfg.pp_fsdp_gather,
+                     cost_model=functools.partial(cost, float8=float8))
     print("\r" + " " * 90 + "\r", end="", file=out, flush=True)
     return ranking
 
@@ -142,6 +146,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", default="1", metavar="SIZES",
                    help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B, as many micro-batches as stages)")
     p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
+    p.add_argument("--float8", action="store_true",
+                   help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
     p.add_argument("--top", type=int, default=20, help="rows to print")
     p.add_argument("--json", metavar="FILE", default=None, help="write the ranking as JSON")
 
@@ -160,7 +166,15 @@ def run(args) -> int:
         return 2
     space = Space(orders=args.orders, precision=cfg.resolved_precision(),
                   grad_accum=(cfg.gradient_accumulation_steps,), pp=pp, ep=ep)
-    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, strategy=args.strategy, space=space)
+    try:
+        if args.float8 and not cl.peak_fp8_flops:
+            raise ValueError(f"--float8: cluster {cl.name!r} has no FP8 matmuls; choose one with FP8 (h100x8, "
+                             f"h100x8-gt, h200x8, l40sx4)")
+    except ValueError as exc:
+        print(f"functional-pp: {exc}", file=sys.stderr)
+        return 2
+    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, strategy=args.strategy, space=space,
+                           float8=args.float8)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} "
           f"(memory limit {ranking.memory_limit_bytes / 1e9:.0f} GB per device), best first:")
     print(ranking.table(args.top))

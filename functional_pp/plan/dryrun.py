@@ -4,7 +4,7 @@ with repeated layers run once and twice and extrapolated (docs/planning.md)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import optree
@@ -18,6 +18,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.ops.token_ids import deferred_checks
 from functional_pp.parallel.named import Named, wrap
+from functional_pp.parallel.pipeline.gather_once import GATHER_POLICIES
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.device import representative_device
@@ -104,7 +105,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
-             virtual_stages: int = 1) -> LayoutEstimate:
+             virtual_stages: int = 1, pp_fsdp_gather: str = "step") -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -125,13 +126,17 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     With ``pp`` > 1 in the mesh (rules ``layers="pp"``), ``grad_accum`` is the number of
     micro-batches, run by ``schedule`` with ``virtual_stages`` model chunks per device
     (docs/planning.md, "Pipelines"): one device's stage runs one micro-batch, and the schedule
-    sets the step's length, the activations held and the stage-to-stage transfers."""
+    sets the step's length, the activations held and the stage-to-stage transfers.
+    ``pp_fsdp_gather`` is ``pipeline_step``'s ``fsdp_gather``: "step" (the default) gathers the
+    stage's FSDP units once per step, in their master dtype, holds them and their unsharded
+    gradients for the whole step and reduce-scatters once; "micro" gathers and reduce-scatters
+    per micro-batch as a step without pipeline does."""
     rules.check(mesh)
     if mesh.shape.get(PP, 1) > 1:
         return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
             options=options, optimizer=optimizer, precision=precision, remat=remat, bandwidth=bandwidth,
             rank=rank, timeline=timeline, label=label, trainable=trainable),
-            grad_accum, repeated, schedule, virtual_stages)
+            grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
     remat = bool(options.pop("remat", remat))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
@@ -183,9 +188,12 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
 
 def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, kw: dict, micro: int,
-                       repeated: str | None, schedule: str, virtual: int) -> LayoutEstimate:
+                       repeated: str | None, schedule: str, virtual: int, fsdp_gather: str) -> LayoutEstimate:
     """A pipeline layout: the dry-run of one device's L / pp layers on one micro-batch on the
     mesh without pp, and the schedule's timeline (plan/pipeline.py)."""
+    if fsdp_gather not in GATHER_POLICIES:
+        raise ValueError(f"plan.estimate(pp_fsdp_gather={fsdp_gather!r}): choose one of "
+                         f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md)")
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     if not isinstance(layers_list, list):
         raise ValueError(f"plan.estimate: a pipeline (pp={mesh.shape[PP]}) splits the list of layers at "
@@ -203,7 +211,7 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
     x_shape, x_dtype = _boundary(loss_fn, stage, inner, inner_rules, micro_batch, kw["precision"])
     boundary_bytes = int(torch.Size(x_shape).numel()) * x_dtype.itemsize
-    plan = pipeline_plan(timeline, n_layers, boundary_bytes)
+    plan = pipeline_plan(timeline, n_layers, boundary_bytes, fsdp_gather)
     last = est.runs[-1]
     layer = max((s.layer for s in last.saved if s.layer is not None), default=None)
     per_layer = sum(s.nbytes for s in last.saved if s.layer == layer and s.category in ("activations", "logits"))
@@ -213,17 +221,61 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     if extra:
         est.memory["activations"] = est.memory.get("activations", 0) + extra
     comm = CommReport()
-    comm.events = est.comm.events * micro
+    if fsdp_gather == "micro":
+        comm.events = est.comm.events * micro
+    else:           # the stage's FSDP units gathered (uncast) and reduce-scattered once per step
+        fsdp = _fsdp_events(est, stage, inner, inner_rules, kw["trainable"])
+        once = [fsdp[i] for i in sorted(fsdp)]
+        comm.events = once + [e for i, e in enumerate(est.comm.events) if i not in fsdp] * micro
+        once = [e for e in once if e is not None]
+        comm.events = [e for e in comm.events if e is not None]
+        held = sum(e.bytes_sent for e in once)      # the gathered units (n-1)/n and the unsharded gradients' (n-1)/n
+        gathers = [(est.comm.events[i].bytes_sent, e.bytes_sent) for i, e in fsdp.items()
+                   if e is not None and e.kind == "all_gather"]
+        if gathers:
+            plan = replace(plan, gather_scale=sum(b for _, b in gathers) / max(1, sum(a for a, _ in gathers)))
+        est.peak_bytes += held
+        est.memory["weights in flight"] = est.memory.get("weights in flight", 0) + held
     for i in range(plan.sends):        # activations forward, their gradients backward
         comm.events.append(CommEvent("permute", (PP,), p, boundary_bytes, tuple(x_shape),
                                      str(x_dtype).replace("torch.", ""), i % 2 == 1))
     est.comm, est.mesh, est.rules, est.pipeline = comm, mesh, rules, plan
     est.flops *= micro
-    est.settings.update(grad_accum=micro, pp_schedule=schedule, virtual_stages=virtual)
+    est.settings.update(grad_accum=micro, pp_schedule=schedule, virtual_stages=virtual,
+                        pp_fsdp_gather=fsdp_gather if fsdp_gather != "step" else None)
     est.notes.append(f"pipeline: one device of {p} stages ({per_device} layers) on one micro-batch of {micro}; the "
                      f"parameters outside the layers are all counted on it (the last stage holds the head)")
     est.comm_time_s = _bandwidth_time(comm, kw["bandwidth"])
     return est
+
+
+def _fsdp_events(est: LayoutEstimate, decls, mesh: Mesh, rules: Rules, trainable) -> dict[int, CommEvent | None]:
+    """Under ``fsdp_gather="step"``: the indices of the micro-batch's FSDP collectives in
+    ``est.comm.events`` and what each becomes once per step: a forward gather of a weight in
+    its master dtype (fp32 when trained, its own when frozen), a gradient reduce-scatter as it
+    is, a backward re-gather nothing (None)."""
+    weight = {(e.kind, e.axes, e.shape, e.phase == "backward") for r in est.runs for e in r.events
+              if e.weight_traffic and e.kind in ("all_gather", "reduce_scatter")}
+    flags = dict(leaves_with_paths(trainable(decls))) if trainable is not None else {}
+    master: dict[tuple, int] = {}
+    for path, d in leaves_with_paths(decls):
+        shape = tuple(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, path), mesh))
+        size = 4 if flags.get(path, True) and d.dtype.is_floating_point else d.dtype.itemsize
+        master[shape] = max(master.get(shape, 0), size)
+    out: dict[int, CommEvent | None] = {}
+    for i, e in enumerate(est.comm.events):
+        if (e.kind, e.axes, e.shape, e.backward) not in weight:
+            continue
+        if e.kind == "reduce_scatter":
+            out[i] = e
+        elif e.backward:
+            out[i] = None
+        else:
+            size, itemsize = master.get(e.shape), getattr(torch, e.dtype).itemsize
+            size = size or itemsize
+            out[i] = replace(e, bytes_sent=e.bytes_sent * size // itemsize,
+                             dtype=e.dtype if size == itemsize else {4: "float32", 2: "bfloat16", 1: "uint8"}[size])
+    return out
 
 
 def _boundary(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, precision: str):

@@ -28,6 +28,8 @@ class PipelinePlan:
     boundary_bytes: int              # one activation (or its gradient) crossing a stage boundary
     sends: int                       # transfers the busiest device sends per step (both directions)
     in_flight: int                   # (virtual stage, micro-batch) activations the busiest device holds
+    fsdp_gather: str = "step"        # FSDP units gathered once per step ("step") or per micro-batch ("micro")
+    gather_scale: float = 1.0        # "step": bytes of its gathers (master dtype) over a micro-batch's (compute dtype)
 
     @property
     def bubble(self) -> float:
@@ -43,7 +45,7 @@ class PipelinePlan:
     def row(self) -> dict:
         return {"schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual,
                 "micro_batches": self.micro, "bubble": self.bubble, "in_flight": self.in_flight,
-                "boundary_bytes": self.boundary_bytes, "sends": self.sends}
+                "boundary_bytes": self.boundary_bytes, "sends": self.sends, "fsdp_gather": self.fsdp_gather}
 
 
 def split_pipeline(mesh: Mesh, rules: Rules, layers: int, micro: int, schedule: str,
@@ -66,10 +68,11 @@ def split_pipeline(mesh: Mesh, rules: Rules, layers: int, micro: int, schedule: 
     return inner, inner_rules, simulate(build(schedule, p, micro, virtual))
 
 
-def pipeline_plan(timeline: Timeline, layers: int, boundary_bytes: int) -> PipelinePlan:
+def pipeline_plan(timeline: Timeline, layers: int, boundary_bytes: int, fsdp_gather: str = "step") -> PipelinePlan:
     """What the executed ``timeline`` implies for the busiest device."""
     s = timeline.schedule
     p = s.stages
     sends = [sum(a.kind.startswith("SEND") for a in s.actions[d]) for d in range(p)]
     held = [timeline.in_flight(d) for d in range(p)]
-    return PipelinePlan(s.name, p, s.virtual, s.micro, layers // p, timeline, boundary_bytes, max(sends), max(held))
+    return PipelinePlan(s.name, p, s.virtual, s.micro, layers // p, timeline, boundary_bytes, max(sends), max(held),
+                        fsdp_gather)

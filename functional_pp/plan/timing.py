@@ -98,6 +98,8 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
             grouped.add(key)
         kind = "weight" if e.weight_traffic else "critical"
         add(f"{kind} {e.phase}" if layer == "all" else kind, s)
+        if e.weight_traffic and e.kind == "all_gather" and layer == "all":
+            add(f"gather {e.phase}", s)
         add(f"{'+'.join(e.axes)} {e.kind} ({where})", s)
     return out
 
@@ -141,6 +143,15 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         m = pipe.micro
         link = cl.link(est.mesh, ("pp",))
         p2p = pipe.sends * cl.collective_seconds("permute", pipe.boundary_bytes, 2, link)
+        if pipe.fsdp_gather == "step":      # weight traffic once per step (gathered in the master dtype, no re-gather)
+            critical = sum(total.get(f"critical {ph}", 0.0) for ph in ("forward", "backward"))
+            scale = pipe.gather_scale
+            weight = (scale * total.get("gather forward", 0.0) + total.get("weight forward", 0.0)
+                      - total.get("gather forward", 0.0) + total.get("weight backward", 0.0)
+                      - total.get("gather backward", 0.0))
+            hide = min(cl.overlap * weight, m * compute)
+            once_w, hidden = weight - hide, hide / m
+            exposed = critical + once_w / m
         busy = m * (compute + exposed) + p2p
         bubble = busy * (pipe.slots_per_busy - 1.0)
         compute, exposed, hidden, model_flops = m * compute, m * exposed + p2p, m * hidden, m * model_flops

@@ -41,12 +41,12 @@ def stage():
 def test_pipeline_estimate_from_the_schedule(stage, schedule, v):
     stage, per_layer = stage
     est = plan.estimate(LOSS, llama.init(CFG), fpp.Mesh(pp=4, dp_shard=2), RULES, BATCH, grad_accum=M,
-                        schedule=schedule, virtual_stages=v)
+                        schedule=schedule, virtual_stages=v, pp_fsdp_gather="micro")
     pipe = est.pipeline
     assert pipe.bubble == pytest.approx(bubble_formula(schedule, 4, M, v))
     held = {"gpipe": M, "1f1b": 4, "interleaved_1f1b": pipe.timeline.in_flight(0), "zb_h1": 4}[schedule]
     assert pipe.in_flight == held                                  # 1F1B: p micro-batches on the first stage
-    # the stage's collectives once per micro-batch, exactly; the transfers between stages on top
+    # fsdp_gather="micro": the stage's collectives once per micro-batch, exactly; the transfers on top
     others = [e for e in est.comm.events if e.axes != ("pp",)]
     assert len(others) == M * len(stage.comm.events)
     assert sum(e.bytes_sent for e in others) == M * stage.comm.total_bytes
@@ -62,6 +62,40 @@ def test_pipeline_estimate_from_the_schedule(stage, schedule, v):
     busy = t.compute_s + t.exposed_comm_s - once                 # the micro-batches and the transfers
     assert t.bubble_s == pytest.approx(busy * pipe.bubble / (1 - pipe.bubble), rel=1e-9)
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.bubble_s + t.update_s)
+
+
+def test_fsdp_gathered_once_per_step_equals_a_real_pipeline_step():
+    """pp 2 x dp_shard 2 with FSDP, ``pp_fsdp_gather="step"`` (pipeline_step's default): the
+    stage's units gathered in fp32 and reduce-scattered once per step, not per micro-batch (each
+    device's bytes: without ``ends`` every stage holds the parameters outside the layers, as
+    the estimate counts them), and held for the whole step: the units gathered and their unsharded gradients, (n-1)/n of the
+    stage's parameters each, on top of the one-micro-batch peak."""
+    cfg = llama.Config.tiny(layers=4)
+    loss = functools.partial(llama.loss, cfg=cfg)
+    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    step = pipeline_step(loss, fpp.optim.sgd(0.1), mesh=mesh, rules=rules, grad_accum=M, schedule="1f1b")
+    tokens = torch.randint(0, cfg.vocab, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def device():
+        state = step.init(fpp.init(llama.init, cfg, torch.float32, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            local = {k: fpp.named(tokens, "batch seq").data for k in ("tokens", "labels")}
+        with fpp.comm_report() as rep:
+            step(state, local)
+        return {k: rep.bytes(k, "dp_shard") for k in ("all_gather", "reduce_scatter")}
+    real = fpp.launch(device, mesh)
+    est = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M, precision="bf16")
+    micro = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M, precision="bf16",
+                          pp_fsdp_gather="micro")
+    for kind in ("all_gather", "reduce_scatter"):
+        assert all(est.comm.bytes(kind, "dp_shard") == r[kind] for r in real)
+        assert micro.comm.bytes(kind, "dp_shard") > 2 * est.comm.bytes(kind, "dp_shard")   # per micro-batch
+    assert all(e.dtype == "float32" for e in est.comm.events if e.kind == "all_gather")   # the fp32 masters
+    stage = {**llama.init(cfg), "layers": llama.init(cfg)["layers"][:2]}
+    sharded = sum(torch.Size(d.shape).numel() for _, d in fpp.leaves_with_paths(stage) if "hidden" in d.dims)
+    assert est.peak_bytes - micro.peak_bytes == 2 * sharded * 4 // 2
+    t_step, t_micro = plan.cost(est, "h100x8"), plan.cost(micro, "h100x8")
+    assert t_step.compute_s == pytest.approx(t_micro.compute_s) and t_step.step_s < t_micro.step_s
 
 
 def test_stage_to_stage_bytes_equal_a_real_pipeline_step():
