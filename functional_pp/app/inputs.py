@@ -197,7 +197,10 @@ def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> A
     if cfg.lora_model_dir is None:
         return init_named(lambda: want, mesh=mesh, rules=rules, seed=cfg.seed, device=device)
     from functional_pp.adapters.peft_dir import load_adapter
-    full = load_adapter(cfg.lora_model_dir, decls)
+    try:
+        full = load_adapter(cfg.lora_model_dir, decls, cfg.lora_config(), cfg.base_model)
+    except ValueError as exc:
+        raise ConfigError(f"lora_model_dir: {exc}") from exc
     local = shard(full, want, mesh, rules, current_rank()) if mesh is not None else full
 
     def wrap(p, x, d):
