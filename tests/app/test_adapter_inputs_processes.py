@@ -1,7 +1,7 @@
 """What a LoRA run starts from, on two real gloo processes (FSDP): the frozen Phi-3 base read
-slice by slice in bf16 (``bf16: true``) and the adapters split out of a peft-made fused adapter
-directory (``lora_model_dir``) in fp32, each process's shards equal to the simulated run's
-(app/inputs.py; docs/adapters.md)."""
+slice by slice in bf16 (``bf16: true``), the adapters split out of a peft-made fused adapter
+directory (``lora_model_dir``) and its ``modules_to_save`` (``lm_head``) in fp32, each process's
+shards equal to the simulated run's (app/inputs.py; docs/adapters.md)."""
 import functools
 
 import numpy as np
@@ -24,9 +24,13 @@ def run(tmp_path_factory):
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**HF)).float()
     model.save_pretrained(d / "base")
     pc = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-                         init_lora_weights=False)
-    peft.get_peft_model(model, pc).save_pretrained(d / "adapter")
+                         init_lora_weights=False, modules_to_save=["lm_head"])
+    pm = peft.get_peft_model(model, pc)
+    with torch.no_grad():      # the module trained whole: other values than the base's
+        pm.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    pm.save_pretrained(d / "adapter")
     return {"adapter": "lora", "lora_r": 2, "lora_alpha": 4, "base_model": str(d / "base"), "bf16": True,
+            "lora_modules_to_save": ["lm_head"],
             "lora_target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
             "lora_model_dir": str(d / "adapter"), "dp_shard_size": 2}
 
@@ -54,8 +58,14 @@ def test_base_and_fused_adapter_shards_on_gloo_processes_equal_simulation(run):
     for mine, theirs in zip(real, sim):
         assert mine.keys() == theirs.keys()
         for p, (dtype, x) in mine.items():
-            assert dtype == theirs[p][0] == ("torch.float32" if ".lora." in "." + p else "torch.bfloat16"), p
+            trained = ".lora." in "." + p or p == "lm_head"
+            assert dtype == theirs[p][0] == ("torch.float32" if trained else "torch.bfloat16"), p
             assert np.array_equal(x, theirs[p][1]), p
     q, k = real[0]["layers.0.self_attn.lora.q_proj.lora_A"][1], real[0]["layers.0.self_attn.lora.k_proj.lora_A"][1]
     assert np.array_equal(q, k) and np.abs(q).max() > 0           # (one A shared by q, k, v: copies)
     assert not np.array_equal(real[0]["embed_tokens"][1], real[1]["embed_tokens"][1])      # sharded
+    # lm_head (modules_to_save) comes from the adapter directory: the base's plus one, in our layout
+    base = transformers.Phi3ForCausalLM.from_pretrained(run["base_model"], dtype=torch.float32).lm_head.weight
+    want = (base.detach() + 1.0).T.numpy()                                              # ours: [hidden, vocab]
+    axis = next(i for i, n in enumerate(real[0]["lm_head"][1].shape) if n != want.shape[i])   # (FSDP's split)
+    assert np.array_equal(np.concatenate([r["lm_head"][1] for r in real], axis=axis), want)
