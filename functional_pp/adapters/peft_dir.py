@@ -6,14 +6,17 @@ magnitude (``out...``) as peft's ``lora_magnitude_vector`` ``[out]``."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
+from functional_pp.adapters.peft_fused import model_type_of, part_names
 from functional_pp.models.llama_hf import hf_name
 
 PREFIX = "base_model.model."
@@ -57,14 +60,31 @@ def _numel(shape) -> int:
     return n
 
 
-def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
+def from_peft(tensors: dict[str, torch.Tensor], decls: Any, model_type: str = "llama",
+              module_scale: Callable[[str], float] | None = None, scale: float | None = None,
+              saved_names: Any = None) -> dict:
     """peft's state dict -> our full adapter tensors ``{weight path: {"lora_A", "lora_B"}}``,
     shaped as the adapters of ``decls`` (``adapters.init``); every adapter of ``decls`` must be
-    there, and nothing else."""
-    want = split(decls)[1]
+    there, and nothing else. ``model_type`` names the modules (Phi-3's fused ``qkv_proj`` /
+    ``gate_up_proj`` adapters are split into the parts', ``adapters/peft_fused.py``);
+    ``module_scale(module)``, the scale peft applies to a module, must equal ``scale``, the run's;
+    ``saved_names``: the tensors of the ``modules_to_save`` (read by :func:`load_saved_modules`)."""
+    from functional_pp.adapters.peft_fused import fused_module, split_fused_peft
+    base_decls, want = split(decls)
+    if scale is None or module_scale is None:
+        module_scale = scale = None
+    fused = {p: ab for p, ab in want.items() if fused_module(p, model_type) is not None}
     out, used = {}, set()
+    if fused:
+        stripped = {k[len(PREFIX):]: v for k, v in tensors.items() if k.startswith(PREFIX)}
+        out, names = split_fused_peft(stripped, base_decls, fused, model_type, module_scale or (lambda m: 1.0),
+                                      scale if scale is not None else 1.0)
+        used = {PREFIX + n for n in names}
     for path, ab in want.items():
-        m = PREFIX + module_name(path)
+        if path in fused:
+            continue
+        module = module_name(path)
+        m = PREFIX + module
         names = (m + ".lora_A.weight", m + ".lora_B.weight")
         missing = [n for n in names if n not in tensors]
         if missing:
@@ -76,6 +96,10 @@ def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
         if a.shape != (r, A_in := _numel(A.shape[:-1])) or b.shape != (_numel(B.shape[1:]), r):
             raise ValueError(f"PEFT adapter: {path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
                              f"[{r}, {A_in}] / [{_numel(B.shape[1:])}, {r}] (rank r={r} from the config)")
+        if scale is not None and not math.isclose(module_scale(module), scale, rel_tol=1e-12):
+            raise ValueError(f"PEFT adapter: {module} is scaled {module_scale(module):g} (its rank and alpha in the "
+                             f"adapter's adapter_config.json), the run's adapters {scale:g}: set lora_alpha / lora_r "
+                             f"/ peft_use_rslora as the adapter was trained")
         out[path] = {"lora_A": a.T.reshape(A.shape).to(A.dtype), "lora_B": b.T.reshape(B.shape).to(B.dtype)}
         used.update(names)
         if MAGNITUDE in ab:
@@ -85,12 +109,31 @@ def from_peft(tensors: dict[str, torch.Tensor], decls: Any) -> dict:
                                  f"the config has use_dora: true")
             out[path][MAGNITUDE] = tensors[name].reshape(M.shape).to(M.dtype)
             used.add(name)
-    extra = sorted(set(tensors) - used)
+    extra = sorted(set(tensors) - used - set(saved_names or ()))
     if extra:
         raise ValueError(f"PEFT adapter: tensors {extra[:3]} match no adapter of the config (target modules "
-                         f"{sorted({p.rsplit('.', 1)[-1] for p in want})}); modules_to_save in an adapter "
-                         f"directory are not read yet")
-    return out
+                         f"{sorted({p.rsplit('.', 1)[-1] for p in want})}) nor its modules_to_save")
+    return {p: out[p] for p in want}
+
+
+def _pattern_value(pattern: dict | None, module: str, default: float) -> float:
+    """peft's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key matching the end of the
+    module's name (a regex), else ``default``."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def module_scales(conf: dict) -> Callable[[str], float]:
+    """``module -> scale`` peft applies to that module's adapter (``adapter_config.json``
+    ``conf``: ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``; per module through
+    ``rank_pattern`` and ``alpha_pattern``)."""
+    def scale(module: str) -> float:
+        r = _pattern_value(conf.get("rank_pattern"), module, conf["r"])
+        alpha = _pattern_value(conf.get("alpha_pattern"), module, conf["lora_alpha"])
+        return alpha / (math.sqrt(r) if conf.get("use_rslora") else r)
+    return scale
 
 
 def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = None) -> dict:
@@ -102,31 +145,92 @@ def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = No
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
 
-def _model_type(base_model: str | None) -> str:
-    f = Path(base_model) / "config.json" if base_model else None
-    return json.loads(f.read_text()).get("model_type", "llama") if f is not None and f.is_file() else "llama"
+def _saved_paths(modules: Any, tree: Any, model_type: str) -> dict[str, str]:
+    """``{our path: peft tensor name}`` of the weights of ``tree`` inside one of the ``modules``
+    (``modules_to_save``), refusing one without a Hugging Face tensor of its own."""
+    from functional_pp.adapters.peft_fused import fused_module
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.models.llama_hf import file_name, hf_kind
+    out = {}
+    for path, _ in leaves_with_paths(tree):
+        if not any("." + m + "." in "." + path + "." for m in modules):
+            continue
+        where = file_name(path, model_type)
+        if where is None or hf_kind(path) is None or fused_module(path, model_type) is not None:
+            raise ValueError(f"PEFT adapter: modules_to_save {path!r} has no Hugging Face module of its own in "
+                             f"{model_type}'s files: export the merged model (functional-pp export "
+                             f"--merge-adapter) instead")
+        out[path] = PREFIX + where[0]
+    if modules and not out:
+        raise ValueError(f"PEFT adapter: modules_to_save {list(modules)} match no parameter")
+    return out
+
+
+def load_saved_modules(path: str | os.PathLike, decls: Any, lora: LoraConfig, base_model: str | None = None) -> dict:
+    """``{our path: full tensor}`` of the run's ``modules_to_save`` (``lora``) from a PEFT adapter
+    directory (peft writes them whole under their Hugging Face names), in our layout and the
+    dtype of ``decls``; every one must be there."""
+    from safetensors import safe_open
+
+    from functional_pp.adapters.lora import split
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.models.llama_hf import KINDS, hf_kind
+    base = split(decls)[0]
+    names = _saved_paths(lora.modules_to_save, base, model_type_of(base_model or _dir_base(path)))
+    by_path, out = dict(leaves_with_paths(base)), {}
+    with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
+        have = set(f.keys())
+        for p, name in names.items():
+            d = by_path[p]
+            kind = KINDS[hf_kind(p)]
+            if name not in have or tuple(f.get_slice(name).get_shape()) != kind.hf_shape(tuple(d.shape)):
+                raise ValueError(f"PEFT adapter {path}: {name} {list(kind.hf_shape(tuple(d.shape)))} is missing or "
+                                 f"misshapen (for modules_to_save {p}): the adapter was saved without it")
+            t = f.get_tensor(name)
+            out[p] = kind.read(t, tuple(slice(0, n) for n in d.shape), tuple(d.shape)).contiguous().to(d.dtype)
+    return out
+
+
+def _dir_base(path: str | os.PathLike) -> str | None:
+    f = Path(path) / CONFIG
+    return json.loads(f.read_text()).get("base_model_name_or_path") if f.is_file() else None
+
+
+def _modules_to_save(cfg: LoraConfig, base: Any, model_type: str) -> dict[str, torch.Tensor]:
+    """peft's tensors of the ``modules_to_save`` (trained whole): each weight under its Hugging
+    Face name in ``model_type``'s files, in their layout (``base_model.model.lm_head.weight``)."""
+    if not cfg.modules_to_save:
+        return {}
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.models.llama_hf import KINDS, hf_kind
+    if base is None:
+        raise ValueError(f"PEFT adapter export: modules_to_save {list(cfg.modules_to_save)} are trained whole: pass "
+                         f"the full base tree (base=adapters.split(params)[0]) to write them")
+    weights = dict(leaves_with_paths(base))
+    return {name: KINDS[hf_kind(p)].to_hf(weights[p].detach()).contiguous()
+            for p, name in _saved_paths(cfg.modules_to_save, base, model_type).items()}
 
 
 def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model: str | None = None,
                  base: Any = None, model_type: str | None = None) -> Path:
     """Write the PEFT adapter directory of full adapter tensors ``lora`` (``{weight path:
     {"lora_A", "lora_B"}}``, ``adapters.split(params)[1]``). ``model_type`` (default: from
-    ``base_model``'s ``config.json``, else ``llama``) names the modules; a family that fuses
+    ``base_model``'s ``config.json``, else ``llama``) names the modules; ``modules_to_save`` are
+    written whole under their Hugging Face names (as peft writes them); a family that fuses
     weights (Phi-3) gets one exact adapter per fused module (``adapters/peft_fused.py``, its
     rank and alpha in ``rank_pattern`` / ``alpha_pattern``), which needs ``base`` (the full base
     tree, ``adapters.split(params)[0]``)."""
     from safetensors.torch import save_file
 
     from functional_pp.adapters.peft_fused import fused_module, fused_peft
-    if cfg.modules_to_save:
-        raise ValueError("PEFT adapter export: modules_to_save are not written yet; export the merged model "
-                         "(functional-pp export --merge-adapter) instead")
-    model_type = model_type or _model_type(base_model)
+    model_type = model_type or model_type_of(base_model)
+    saved = _modules_to_save(cfg, base, model_type)
     fused = {p for p in lora if fused_module(p, model_type) is not None}
     if fused and base is None:
         raise ValueError(f"PEFT adapter export: {sorted(fused)[0]} is part of a fused {model_type} module: pass the "
                          f"full base tree (base=adapters.split(params)[0]) to write its fused adapter")
     tensors = to_peft({p: ab for p, ab in lora.items() if p not in fused})
+    tensors.update(saved)
     conf = peft_config(cfg, [p for p in lora if p not in fused], base_model)
     if fused:
         more, ranks, alphas = fused_peft({p: lora[p] for p in fused}, base, model_type, cfg.scale, cfg.rslora)
@@ -140,36 +244,44 @@ def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model
     return out
 
 
-def read_config(path: str | os.PathLike) -> LoraConfig:
-    """The :class:`LoraConfig` of a PEFT adapter directory (refusing what we cannot apply)."""
+def read_config(path: str | os.PathLike, model_type: str | None = None) -> LoraConfig:
+    """The :class:`LoraConfig` of a PEFT adapter directory (refusing what we cannot apply): its
+    ``target_modules`` in our names (a fused module of ``model_type``, default the adapter's
+    ``base_model_name_or_path``'s, names its parts: Phi-3's ``qkv_proj`` -> ``q_proj``,
+    ``k_proj``, ``v_proj``). Per-module ranks and alphas (``rank_pattern`` / ``alpha_pattern``) are
+    checked module by module when the adapters are read (:func:`load_adapter`)."""
     conf = json.loads((Path(path) / CONFIG).read_text())
-    if conf.get("rank_pattern") or conf.get("alpha_pattern"):
-        raise ValueError(f"{path}: rank_pattern / alpha_pattern (per-module ranks, e.g. the fused modules of a "
-                         f"Phi-3 adapter) cannot be read as adapters of our weights yet: merge the adapter into "
-                         f"the base model (peft's merge_and_unload) and train from that")
     if conf.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {conf.get('peft_type')!r}: only LORA adapters can be loaded")
     if conf.get("fan_in_fan_out") or conf.get("bias", "none") != "none":
         raise ValueError(f"{path}: fan_in_fan_out / bias adapters are not supported (bias must be 'none')")
     targets = conf.get("target_modules")
+    model_type = model_type or model_type_of(conf.get("base_model_name_or_path"))
+    common = dict(r=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
+                  rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
     if targets == "all-linear":
-        return LoraConfig(r=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
-                          target_linear=True, rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
-    return LoraConfig(r=conf["r"], alpha=conf["lora_alpha"], dropout=conf.get("lora_dropout", 0.0),
-                      target_modules=targets if isinstance(targets, str) else tuple(targets),
-                      modules_to_save=tuple(conf.get("modules_to_save") or ()),
-                      rslora=bool(conf.get("use_rslora")), dora=bool(conf.get("use_dora")))
+        return LoraConfig(target_linear=True, **common)
+    return LoraConfig(target_modules=targets if isinstance(targets, str) else part_names(targets, model_type),
+                      modules_to_save=tuple(conf.get("modules_to_save") or ()), **common)
 
 
-def load_adapter(path: str | os.PathLike, decls: Any) -> dict:
+def load_adapter(path: str | os.PathLike, decls: Any, lora: LoraConfig | None = None,
+                 base_model: str | None = None) -> dict:
     """Full adapter tensors (``{weight path: {"lora_A", "lora_B"}}``) from a PEFT adapter directory, for the
-    declarations ``decls`` (``adapters.init`` with :func:`read_config`'s config)."""
+    declarations ``decls`` (``adapters.init`` with :func:`read_config`'s config, or the run's
+    ``lora``, whose scale every module's must equal); ``base_model``'s ``config.json`` names the
+    modules (a Phi-3 adapter's fused ones are split into our parts', ``adapters/peft_fused.py``)."""
     from safetensors.torch import load_file
     f = Path(path) / WEIGHTS
     if not f.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} (a PEFT adapter directory has {CONFIG} and {WEIGHTS})")
-    return from_peft(load_file(str(f)), decls)
+    conf = json.loads((Path(path) / CONFIG).read_text()) if (Path(path) / CONFIG).is_file() else None
+    scales = module_scales(conf) if conf is not None and lora is not None else None
+    model_type = model_type_of(base_model or (conf or {}).get("base_model_name_or_path"))
+    saved = (_saved_paths(lora.modules_to_save, split(decls)[0], model_type).values()
+             if lora is not None and lora.modules_to_save else ())
+    return from_peft(load_file(str(f)), decls, model_type, scales, lora.scale if lora is not None else None, saved)
 
 
-__all__ = ["from_peft", "load_adapter", "module_name", "peft_config", "read_config", "save_adapter",
-           "to_peft"]
+__all__ = ["from_peft", "load_adapter", "load_saved_modules", "module_name", "module_scales", "peft_config",
+           "read_config", "save_adapter", "to_peft"]

@@ -7,19 +7,28 @@ adapter of the fused weight (the parts' A differ), but it is exactly one rank-``
 rows and columns holding ``B_j``, zero elsewhere; a part without an adapter holds zero rows).
 Its scale stays ``s`` through a per-module ``alpha`` (peft's ``rank_pattern`` /
 ``alpha_pattern``). A DoRA magnitude is per output row, and a fused row is one part's row, so the
-fused magnitude is the parts' concatenated (an untargeted part's: its rows' norms, a factor 1)."""
+fused magnitude is the parts' concatenated (an untargeted part's: its rows' norms, a factor 1).
+
+Read back (:func:`split_fused_peft`), a fused adapter of rank ``R`` is split exactly into our
+rank-``r`` adapters of the parts: with ``R = r`` (what peft trains on ``qkv_proj``: one A shared
+by the parts) each part gets a copy of ``A`` and its row block of ``B``; with ``R = n r`` and a
+block-diagonal ``B`` (what :func:`fused_peft` writes) each part its own ``r`` columns. Anything
+else (an untargeted part's rows nonzero, ``B`` not block-diagonal, another rank, another scale)
+is not exactly our adapters and is refused by name."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import file_name, hf_name
+from functional_pp.models.llama_hf import FUSED, file_name, hf_name
 
-__all__ = ["fused_module", "fused_peft"]
+__all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
 
 def fused_module(path: str, model_type: str) -> str | None:
@@ -29,6 +38,19 @@ def fused_module(path: str, model_type: str) -> str | None:
     if where is None or where[0] == hf_name(path):
         return None
     return where[0][:-len(".weight")]
+
+
+def model_type_of(base_model: str | None) -> str:
+    """``model_type`` of a Hugging Face model directory's ``config.json`` (``llama`` without one)."""
+    f = Path(base_model) / "config.json" if base_model else None
+    return json.loads(f.read_text()).get("model_type", "llama") if f is not None and f.is_file() else "llama"
+
+
+def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
+    """Module names with ``model_type``'s fused ones replaced by their parts' (``qkv_proj`` ->
+    ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``, ``up_proj``)."""
+    fused = {f.rsplit(".", 2)[-2]: [p.rsplit(".", 2)[-2] for p in parts] for f, parts in FUSED.get(model_type, ())}
+    return tuple(dict.fromkeys(p for m in modules for p in fused.get(m, [m])))
 
 
 def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: bool) -> tuple[dict, dict, dict]:
@@ -72,3 +94,79 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
         ranks[module] = a.shape[0]
         alphas[module] = scale * (math.sqrt(a.shape[0]) if rslora else a.shape[0])
     return out, ranks, alphas
+
+
+def _rows(d: Any) -> int:
+    """Rows of a weight declaration in the HF layout (its output dimensions, past the ``in_dims``)."""
+    return math.prod(d.shape[int(d.meta.get("in_dims", 1)):])
+
+
+def split_fused_peft(tensors: dict[str, torch.Tensor], base_decls: Any, want: dict, model_type: str,
+                     module_scale: Any, scale: float) -> tuple[dict, set]:
+    """``(our full adapters of the fused modules' parts, the peft tensor names used)``: the
+    adapters ``want`` (``{weight path: {"lora_A", "lora_B"[, magnitude]}}`` declarations) whose
+    weight is part of a fused module of ``model_type``, from peft's state dict ``tensors``
+    (without the ``base_model.model.`` prefix); ``base_decls`` give the untargeted parts' rows,
+    ``module_scale(module)`` the scale peft applies to a fused module (its rank and alpha from
+    ``rank_pattern`` / ``alpha_pattern``), which must be ours (``scale``)."""
+    groups: dict[str, list[tuple[int, str, Any]]] = {}
+    for path, d in leaves_with_paths(base_decls):
+        m = fused_module(path, model_type)
+        if m is not None:
+            groups.setdefault(m, []).append((file_name(path, model_type)[1], path, d))
+    out, used = {}, set()
+    for module, parts in groups.items():
+        parts.sort()
+        adapted = [p for _, p, _ in parts if p in want]
+        if not adapted:
+            continue
+        names = [module + ".lora_A.weight", module + ".lora_B.weight"]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"PEFT adapter: {missing[0]} is missing (for {', '.join(adapted)}, fused in {model_type}'s "
+                             f"{module}); the adapter was made for other target modules or another model")
+        a, b = tensors[names[0]], tensors[names[1]]
+        r, R = want[adapted[0]]["lora_A"].shape[-1], a.shape[0]
+        rows = [_rows(d) for _, _, d in parts]
+        if b.shape != (sum(rows), R) or a.ndim != 2:
+            raise ValueError(f"PEFT adapter: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                             f"[{R}, in] / [{sum(rows)}, {R}] (the rows of {', '.join(p for _, p, _ in parts)})")
+        s = module_scale(module)
+        if not math.isclose(s, scale, rel_tol=1e-12):
+            raise ValueError(f"PEFT adapter: {module} is scaled {s:g} (its rank and alpha in the adapter's "
+                             f"adapter_config.json), the run's adapters {scale:g}: set lora_alpha / lora_r / "
+                             f"peft_use_rslora as the adapter was trained")
+        shared = R == r
+        if not shared and R != r * len(adapted):
+            raise ValueError(f"PEFT adapter: {module} has rank {R}; the run's adapters of its parts ({', '.join(adapted)}) "
+                             f"rank {r}: it splits exactly into rank-{r} adapters only when {R} = r (one A shared "
+                             f"by the parts: set lora_r: {R}) or {R} = {len(adapted)} x r (one block per part)")
+        mag = tensors.get(module + ".lora_magnitude_vector")
+        row, col = 0, 0
+        for (_, path, _), n in zip(parts, rows):
+            block = b[row:row + n]
+            if path not in want:
+                if block.count_nonzero():
+                    raise ValueError(f"PEFT adapter: {module}'s lora_B rows of {path} are nonzero, but {path} is not a "
+                                     f"target of the run: add it to lora_target_modules")
+            else:
+                ab = want[path]
+                cols = slice(None) if shared else slice(col, col + r)
+                if not shared and (block[:, :col].count_nonzero() or block[:, col + r:].count_nonzero()):
+                    raise ValueError(f"PEFT adapter: {module}'s lora_B is not block-diagonal ({path}'s rows reach "
+                                     f"other parts' columns): it is no set of rank-{r} adapters of the parts; "
+                                     f"set lora_r: {R} to read it as one shared A")
+                A, B = ab["lora_A"], ab["lora_B"]
+                out[path] = {"lora_A": a[cols].T.reshape(A.shape).to(A.dtype).clone(),
+                             "lora_B": block[:, cols].T.reshape(B.shape).to(B.dtype).clone()}
+                if MAGNITUDE in ab:
+                    if mag is None or mag.shape != (sum(rows),):
+                        raise ValueError(f"PEFT adapter: {module}.lora_magnitude_vector [{sum(rows)}] is missing or "
+                                         f"misshapen: the config has use_dora: true")
+                    out[path][MAGNITUDE] = mag[row:row + n].reshape(ab[MAGNITUDE].shape).to(ab[MAGNITUDE].dtype).clone()
+                col += 0 if shared else r
+            row += n
+        used.update(names)
+        if mag is not None:
+            used.add(module + ".lora_magnitude_vector")
+    return out, used

@@ -134,25 +134,33 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     :func:`functional_pp.launch`: only the rows / columns of each tensor it holds are read), each
     in the dtype ``run_decls`` (the run's declarations, :func:`frozen_and_adapters`) give it: a
     frozen weight in the compute dtype (:func:`frozen_in_compute_dtype`), a trained one in fp32
-    (default: all fp32)."""
+    (default: all fp32). The ``lora_modules_to_save`` come from ``lora_model_dir`` when it holds
+    them (peft writes them there)."""
     from functional_pp.adapters import split
     from functional_pp.checkpoint import hf
+    from functional_pp.core.runtime import current_rank
     from functional_pp.core.tree import leaves_with_paths, map_with_path
     from functional_pp.parallel.named import Named
+    from functional_pp.parallel.sharding import shard
     wanted = {p: d.dtype for p, d in leaves_with_paths(split(run_decls)[0])} if run_decls is not None else {}
 
     def dtype_of(path: str) -> torch.dtype:
         return wanted.get(path, torch.float32)
     grow = bool(cfg.tokens or cfg.resize_token_embeddings_to_32x)
     quant = cfg.base_quantization()
+    saved = _saved_modules(cfg, decls)        # lora_modules_to_save from lora_model_dir, whole
     if quant is None:
         tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=dtype_of, mesh=mesh,
                                     rules=rules, device=device, grow_vocab=grow)
+        if saved:
+            by_path = dict(leaves_with_paths(decls))
+            mine = {p: x.to(dtype_of(p)) for p, x in saved.items()}
+            mine = shard(mine, {p: by_path[p] for p in mine}, mesh, rules, current_rank()) if mesh is not None else mine
+            tensors = map_with_path(lambda p, x: mine[p].to(x.device) if p in mine else x, tensors)
     else:       # whole weights quantized (as bitsandbytes does), then this device's shards of the codes
-        from functional_pp.core.runtime import current_rank
         from functional_pp.models.quantize import quantize_linear_weights
-        from functional_pp.parallel.sharding import shard
         full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow)
+        full = map_with_path(lambda p, x: saved.get(p, x), full)
         full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"])
         full = map_with_path(lambda p, x: x.to(dtype_of(p)) if x.is_floating_point() else x, full)
         tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
@@ -162,6 +170,19 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)
+
+
+def _saved_modules(cfg: TrainConfig, decls: Any) -> dict:
+    """``{path: full tensor}`` of the ``lora_modules_to_save`` a ``lora_model_dir`` holds (trained
+    whole, as peft writes them), else empty."""
+    lora = cfg.lora_config()
+    if lora is None or cfg.lora_model_dir is None or not lora.modules_to_save:
+        return {}
+    from functional_pp.adapters.peft_dir import load_saved_modules
+    try:
+        return load_saved_modules(cfg.lora_model_dir, decls, lora, cfg.base_model)
+    except ValueError as exc:
+        raise ConfigError(f"lora_model_dir: {exc}") from exc
 
 
 def frozen_in_compute_dtype(decls: Any, trainable: Any, precision: str) -> Any:
@@ -197,7 +218,10 @@ def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> A
     if cfg.lora_model_dir is None:
         return init_named(lambda: want, mesh=mesh, rules=rules, seed=cfg.seed, device=device)
     from functional_pp.adapters.peft_dir import load_adapter
-    full = load_adapter(cfg.lora_model_dir, decls)
+    try:
+        full = load_adapter(cfg.lora_model_dir, decls, cfg.lora_config(), cfg.base_model)
+    except ValueError as exc:
+        raise ConfigError(f"lora_model_dir: {exc}") from exc
     local = shard(full, want, mesh, rules, current_rank()) if mesh is not None else full
 
     def wrap(p, x, d):

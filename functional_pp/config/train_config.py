@@ -237,12 +237,14 @@ class TrainConfig:
     def lora_config(self):
         """The run's :class:`functional_pp.adapters.LoraConfig` (``adapter: lora``), else None."""
         from functional_pp.adapters import LoraConfig
+        from functional_pp.adapters.peft_fused import model_type_of, part_names
         if self.adapter not in ("lora", "qlora"):
             return None
+        names = self.lora_target_modules      # (a fused module, Phi-3's qkv_proj, names its parts)
         try:
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                              target_modules=(self.lora_target_modules if isinstance(self.lora_target_modules, str)
-                                              else tuple(self.lora_target_modules or ()) or None),
+                              target_modules=(names if isinstance(names, str) else
+                                              part_names(names or (), model_type_of(self.base_model)) or None),
                               target_linear=self.lora_target_linear,
                               modules_to_save=tuple(self.lora_modules_to_save or ()),
                               rslora=self.peft_use_rslora, dora=self.peft_use_dora,

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -72,7 +73,72 @@ def test_fused_adapter_directory_gives_our_logits(phi3, lc, tmp_path):
         theirs = loaded(input_ids=tokens).logits
         assert (theirs - plain(input_ids=tokens).logits).abs().max() > 1e-3      # the adapters act
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="rank_pattern"):
-        peft_dir.read_config(out)
+    # read back (lora_model_dir): the same adapters exactly, and written again the same files
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys()
+    for p, ab in lora.items():
+        assert back[p].keys() == ab.keys() and all(torch.equal(back[p][k], ab[k]) for k in ab), p
+    again = peft_dir.save_adapter(tmp_path / "again", back, lc, str(d), base=base)
+    assert json.loads((again / "adapter_config.json").read_text()) == conf
+    first, second = (load_file(str(x / "adapter_model.safetensors")) for x in (out, again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    if lc.dora:     # the directory's own config targets all of q/k/v: k's zero rows make 2r no 3 x r split
+        with pytest.raises(ValueError, match="has rank 4; the run's adapters of its parts"):
+            peft_dir.load_adapter(out, adapters.init(llama.init(cfg), peft_dir.read_config(out)), lc, str(d))
+    else:
+        assert peft_dir.read_config(out).target_modules == ("down_proj", "gate_proj", "up_proj", "o_proj",
+                                                           "q_proj", "k_proj", "v_proj")
     with pytest.raises(ValueError, match="fused phi3 module: pass the full base tree"):
         peft_dir.save_adapter(tmp_path / "again", lora, lc, str(d))
+
+
+@pytest.mark.parametrize("kind", ["lora", "rslora_dora"])
+def test_lora_model_dir_reads_a_peft_trained_phi3_adapter_with_peft_logits(phi3, kind, tmp_path):
+    """An adapter peft made on the fused modules (one A shared by q, k and v) starts a run
+    (``lora_model_dir`` with the fused names as ``lora_target_modules``): each part gets a copy
+    of A and its rows of B, and the logits equal ``peft.PeftModel``'s."""
+    from functional_pp.app.inputs import adapter_params, frozen_and_adapters
+    from functional_pp.config import ConfigError, TrainConfig
+    d, cfg = phi3
+    dora = kind == "rslora_dora"
+    torch.manual_seed(2)
+    model = transformers.Phi3ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                         init_lora_weights=False, use_rslora=dora, use_dora=dora)
+    theirs_model = peft.get_peft_model(model, pc).eval()
+    if dora:     # magnitudes off the norms, so that they matter
+        with torch.no_grad():
+            for n, p in theirs_model.named_parameters():
+                if "lora_magnitude" in n:
+                    p.mul_(1 + 0.1 * torch.rand_like(p))
+    theirs_model.save_pretrained(tmp_path / "adapter")
+    tokens = torch.randint(0, cfg.vocab, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = theirs_model(input_ids=tokens).logits
+    run = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "base_model": str(d), "peft_use_rslora": dora,
+           "peft_use_dora": dora, "lora_target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "lora_model_dir": str(tmp_path / "adapter")}
+    tc = TrainConfig.from_dict(run)
+    lc = tc.lora_config()
+    assert lc.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    _, decls, _ = frozen_and_adapters(tc, lc, None, llama.init(cfg))
+    mesh, rules = fpp.Mesh(), fpp.Rules()
+    lora = fpp.launch(lambda: adapter_params(tc, decls, mesh, rules), mesh)[0]
+    lora = {p: {k: x.data for k, x in ab.items()} for p, ab in lora.items()}
+    q, k = lora["layers.0.self_attn.q_proj"], lora["layers.0.self_attn.k_proj"]
+    assert torch.equal(q["lora_A"], k["lora_A"])          # (one A shared: copies)
+    full = adapters.joined(hf.load_hf_params(d, cfg), lora)
+    with torch.no_grad():
+        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(full, decls), fpp.wrap(tokens, "batch seq"),
+                                                 cfg).value()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if dora:
+        return
+    # another scale, another rank, a part left out: refused by name
+    for change, match in [({"lora_alpha": 16}, "is scaled"), ({"lora_r": 3, "lora_alpha": 6}, "has rank 4"), ({"lora_r": 2, "lora_alpha": 4}, "not block-diagonal"),
+                          ({"lora_target_modules": ["q_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]},
+                           "rows of layers.0.self_attn.k_proj are nonzero")]:
+        bad = TrainConfig.from_dict({**run, **change})
+        _, bad_decls, _ = frozen_and_adapters(bad, bad.lora_config(), None, llama.init(cfg))
+        with pytest.raises(ConfigError, match=match):
+            adapter_params(bad, bad_decls, mesh, rules)
