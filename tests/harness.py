@@ -138,3 +138,86 @@ def assert_export_round_trip(hf_dir, out_dir, model_type: str, hf_class: str, **
     assert cfg2 == cfg
     for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
         assert torch.equal(a, b), p
+
+
+ADAPTER_LAYOUTS = {"dp": (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard")),
+                   "fsdp": (fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
+                   "tp": (fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+                   "fsdp_tp": (fpp.Mesh(dp_shard=2, tp=2), llama.default_rules())}
+
+
+def train_adapters(cfg, lc, decls, full, data, mesh, rules, lr=1e-2, wd=0.1):
+    """AdamW steps of adapter training (``lc``: LoRA / DoRA) from the full tree ``full``, one per
+    batch of ``data``; per device the losses, the first step's adapter gradients and the full
+    adapters after the steps."""
+    import functools
+
+    from functional_pp import adapters
+    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)
+    step = fpp.train_step(loss, fpp.optim.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd), mesh=mesh,
+                          rules=rules, trainable=adapters.trainable(lc))
+
+    def device():
+        with fpp.use_rules(rules):
+            state = step.init(sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls))
+        grads, losses = None, []
+        for b in data:
+            with fpp.use_rules(rules):
+                lb = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+            if grads is None:
+                _, g = step.gradients(state, lb)
+                with fpp.use_rules(rules):
+                    grads = adapters.split(fpp.gather_tree(g))[1]
+            state, m = step(state, lb)
+            losses.append(float(m["loss"]))
+        with fpp.use_rules(rules):
+            lora = adapters.split(fpp.gather_tree(state["params"], decls, rules))[1]
+        return losses, grads, lora
+    return fpp.launch(device, mesh)
+
+
+def assert_adapter_layouts_equal_one_device(cfg, lc, full):
+    """Two fp64 steps (the layouts' sums, not Adam's rounding) of adapter training on every
+    layout of ``ADAPTER_LAYOUTS`` equal one device: losses and every adapter tensor."""
+    from functional_pp import adapters
+    decls = adapters.init(llama.init(cfg, torch.float64), lc)
+    full = tree.tree_map(lambda x: x.double(), full)
+    data = [make_batch(cfg, batch=4, seq=12, seed=s) for s in range(2)]
+    one = train_adapters(cfg, lc, decls, full, data, fpp.Mesh(), fpp.Rules())[0]
+    for name, (mesh, rules) in ADAPTER_LAYOUTS.items():
+        for run in train_adapters(cfg, lc, decls, full, data, mesh, rules):
+            torch.testing.assert_close(torch.tensor(run[0]), torch.tensor(one[0]), rtol=1e-10, atol=1e-12)
+            assert run[2].keys() == one[2].keys()
+            for p in one[2]:
+                for k in one[2][p]:
+                    torch.testing.assert_close(run[2][p][k], one[2][p][k], rtol=1e-8, atol=1e-10,
+                                               msg=lambda m: f"{name} {p}.{k}: {m}")
+
+
+def tiny_qwen3_finetune(root, config: str, model: str = "tiny-qwen3", *sets: str):
+    """A fine-tune through the CLI of ``examples/configs/<config>`` on a tiny Qwen3 that
+    examples/make_tiny_hf_qwen3.py writes under ``root`` (``model``: which of its models;
+    nothing downloaded), its alpaca data, and ``--set`` overrides ``sets``; returns the
+    model's directory and the run's output directory."""
+    import importlib.util
+    from pathlib import Path
+
+    from functional_pp import cli
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", examples / "make_tiny_hf_qwen3.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    inputs = mod.main(root / "inputs")
+    out = root / "run"
+    args = ["train", str(examples / "configs" / config), "--set", f"base_model={inputs / model}",
+            "--set", f"datasets=[{{path: {inputs / 'alpaca.jsonl'}, type: alpaca}}]"]
+    assert cli.main([*args, *(a for s in sets for a in ("--set", s)), "--output", str(out)]) == 0
+    return inputs / model, out
+
+
+def run_lora_config(out):
+    """A run's LoRA settings, as its checkpoint records them (what export reads)."""
+    from functional_pp import adapters
+    from functional_pp import checkpoint as ck
+    meta = ck.format.read_index(ck.format.resolve_checkpoint(out / "checkpoints")).get("metadata")
+    return adapters.LoraConfig(**meta["lora"])

@@ -30,6 +30,7 @@ LAYOUTS = {
     "tp": (dict(tp=2), llama.default_rules(fsdp=False), {}),
     "tp_sp": (dict(tp=2), llama.default_rules(fsdp=False, sequence_parallel=True), {}),
     "cp_ring": (dict(cp=4), R(batch=BATCH_AXES, seq="cp"), {"cp_attention": "ring"}),
+    "cp_ring_2": (dict(cp=2), R(batch=BATCH_AXES, seq="cp"), {"cp_attention": "ring"}),   # compiled only
     "cp_allgather": (dict(cp=2), R(batch=BATCH_AXES, seq="cp"), {"cp_attention": "allgather"}),
     "fsdp_tp_cp": (dict(dp_shard=2, cp=2, tp=2), llama.default_rules(sequence_parallel=True), {}),
     "2x2x2x2": (dict(dp_replicate=2, dp_shard=2, cp=2, tp=2), llama.default_rules(), {}),

@@ -126,7 +126,7 @@ def _join(threads: list, world: SimWorld, grace: float = 10.0) -> None:
     _wait_until_exited(threads)
 
 
-def _wait_until_exited(threads: list, limit: float = 2.0) -> None:
+def _wait_until_exited(threads: list, limit: float = 10.0) -> None:
     """Wait (at most ``limit`` seconds) until the OS threads behind finished device threads are
     gone. ``Thread.join`` returns before a thread runs its native thread-local destructors
     (MKL frees its per-thread buffers there, under its allocator's lock); a process forked in

@@ -2,7 +2,9 @@
 its rank, within the collective timeout, instead of a hang or a bare gloo message.
 
 - :func:`supervise` (``launch(processes=True)``): the parent watches its children; a child that
-  dies without reporting, or stays stopped (SIGSTOP) longer than the timeout, is named at once.
+  dies without reporting, or stays stopped (SIGSTOP) longer than the timeout, is named at once;
+  children that all sit blocked without using CPU time for longer than the timeout plus a
+  grace (a deadlock: no collective would wait that long) are named then.
 - :func:`explain_comm_failure` (every rank, torchrun too): when a collective fails (gloo's
   timeout, a closed connection), the rank checks in through the rendezvous store and names
   the ranks that did not check in: stalled, dead or stuck elsewhere.
@@ -16,6 +18,7 @@ import time
 from datetime import timedelta
 
 DEFAULT_PROCESS_TIMEOUT = 600.0   # seconds a real collective may wait for a peer
+IDLE_GRACE = 60.0                 # beyond the timeout: a timed-out collective's rank reports by then
 _COMM_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
                "connection refused", "peer")
 
@@ -62,6 +65,33 @@ def describe_processes(procs: list, reported: set[int]) -> str:
     return "\n".join(lines)
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time of ``pid`` in clock ticks, from ``/proc`` (None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class IdleWatch:
+    """Whether every unreported child has used no CPU time for ``limit`` seconds: blocked in a
+    lock forever (one inherited held at fork), since a collective gives up after the timeout
+    and its rank then reports."""
+
+    def __init__(self, procs: list, limit: float):
+        self.procs, self.limit = procs, limit
+        self.ticks: dict[int, int | None] = {}
+        self.since = time.monotonic()
+
+    def idle_for(self, reported: set[int], now: float) -> float:
+        ticks = {r: cpu_ticks(p.pid) for r, p in enumerate(self.procs) if r not in reported}
+        if None in ticks.values() or ticks != self.ticks:
+            self.ticks, self.since = ticks, now
+        return now - self.since if ticks else 0.0
+
+
 def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
     """Collect one ``(rank, ok, value, traceback)`` per process from ``q``; ``on_error(rank,
     message, tb)`` builds the exception raised for a failed or lost rank."""
@@ -69,11 +99,22 @@ def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
     reported: set[int] = set()
     stopped_since: dict[int, float] = {}
     exited_at: dict[int, float] = {}
+    idle_grace = IDLE_GRACE
+    idle = IdleWatch(procs, timeout + idle_grace)
     while len(reported) < size:
         try:
             rank, ok, value, tb = q.get(timeout=0.5)
         except queue_mod.Empty:
             now = time.monotonic()
+            waited = idle.idle_for(reported, now)
+            if waited >= idle.limit:
+                stuck = min(r for r in range(size) if r not in reported)
+                raise on_error(stuck, RankDiedError(
+                    f"no rank that has not reported used any CPU time for {waited:.0f}s (the "
+                    f"collective timeout {timeout:.0f}s plus {idle_grace:.0f}s): the processes are "
+                    f"blocked outside collectives, deadlocked (a lock held when they were forked?); "
+                    f"they were stopped. Raise launch(timeout=...) if a rank legitimately sleeps "
+                    f"that long. Processes:\n" + describe_processes(procs, reported)), "")
             for r, p in enumerate(procs):
                 if r in reported:
                     continue

@@ -9,13 +9,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import make_batch
+from harness import assert_adapter_layouts_equal_one_device, make_batch, train_adapters
 
 import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp.adapters import peft_dir
 from functional_pp.checkpoint import hf
-from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
 
@@ -64,36 +63,10 @@ def case(tmp_path_factory):
     return pm, cfg, decls, full, d, init_magnitudes
 
 
-def _train(cfg, decls, full, data, mesh, rules):
-    """Steps of our DoRA training; per device the losses, the first step's adapter gradients and
-    the full adapters after the steps."""
-    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), LC)
-    step = fpp.train_step(loss, fpp.optim.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=WD), mesh=mesh,
-                          rules=rules, trainable=adapters.trainable(LC))
-
-    def device():
-        with fpp.use_rules(rules):
-            state = step.init(sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls))
-        grads, losses = None, []
-        for b in data:
-            with fpp.use_rules(rules):
-                lb = {k: v.data for k, v in {k: fpp.named(v, "batch seq") for k, v in b.items()}.items()}
-            if grads is None:
-                _, g = step.gradients(state, lb)
-                with fpp.use_rules(rules):
-                    grads = adapters.split(fpp.gather_tree(g))[1]
-            state, m = step(state, lb)
-            losses.append(float(m["loss"]))
-        with fpp.use_rules(rules):
-            lora = adapters.split(fpp.gather_tree(state["params"], decls, rules))[1]
-        return losses, grads, lora
-    return fpp.launch(device, mesh)
-
-
 def test_loss_gradients_and_update_equal_peft(case):
     pm, cfg, decls, full, _, _ = case
     batch = make_batch(cfg, batch=2, seq=12, seed=3)
-    losses, grads, new = _train(cfg, decls, full, [batch], fpp.Mesh(), fpp.Rules())[0]
+    losses, grads, new = train_adapters(cfg, LC, decls, full, [batch], fpp.Mesh(), fpp.Rules(), LR, WD)[0]
     logits = pm(input_ids=batch["tokens"]).logits
     ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
     ref.backward()
@@ -130,25 +103,9 @@ def test_magnitudes_initialised_as_peft(case):
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
 
 
-LAYOUTS = {"dp": (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard")),
-           "fsdp": (fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
-           "tp": (fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
-           "fsdp_tp": (fpp.Mesh(dp_shard=2, tp=2), llama.default_rules())}
-
-
 def test_every_layout_equals_one_device(case):
     _, cfg, _, full, _, _ = case
-    decls = adapters.init(llama.init(cfg, torch.float64), LC)        # fp64: the layouts' sums, not Adam's rounding
-    full = tree.tree_map(lambda x: x.double(), full)
-    data = [make_batch(cfg, batch=4, seq=12, seed=s) for s in range(2)]
-    one = _train(cfg, decls, full, data, fpp.Mesh(), fpp.Rules())[0]
-    for name, (mesh, rules) in LAYOUTS.items():
-        for run in _train(cfg, decls, full, data, mesh, rules):
-            torch.testing.assert_close(torch.tensor(run[0]), torch.tensor(one[0]), rtol=1e-10, atol=1e-12)
-            for p in one[2]:
-                for k in one[2][p]:
-                    torch.testing.assert_close(run[2][p][k], one[2][p][k], rtol=1e-8, atol=1e-10,
-                                               msg=lambda m: f"{name} {p}.{k}: {m}")
+    assert_adapter_layouts_equal_one_device(cfg, LC, full)
 
 
 def test_peft_directory_and_merged_model_give_our_logits(case, tmp_path):

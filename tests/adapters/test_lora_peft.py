@@ -4,20 +4,16 @@ meaningful), fp32: the loss, every adapter gradient and the adapters after one A
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
 directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged model through
 ``transformers`` with equal logits (docs/adapters.md)."""
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import make_batch
+from harness import assert_adapter_layouts_equal_one_device, make_batch, train_adapters
 
 import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp.adapters import peft_dir
 from functional_pp.checkpoint import hf
-from functional_pp.core import tree
 from functional_pp.models import llama
-from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -74,36 +70,10 @@ def _hf_loss(pm, batch):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 
-def _train(cfg, lc, decls, full, data, mesh, rules):
-    """Steps of our LoRA training; per device the losses and the full adapters (and gradients of the first)."""
-    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)
-    step = fpp.train_step(loss, fpp.optim.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=WD), mesh=mesh,
-                          rules=rules, trainable=adapters.trainable(lc))
-
-    def device():
-        with fpp.use_rules(rules):
-            local = sharding.shard(full, decls, mesh, rules, fpp.current_rank())
-            state = step.init(sharding.named_tree(local, decls))
-        grads, losses = None, []
-        for b in data:
-            with fpp.use_rules(rules):
-                lb = {k: v.data for k, v in {k: fpp.named(v, "batch seq") for k, v in b.items()}.items()}
-            if grads is None:
-                _, g = step.gradients(state, lb)
-                with fpp.use_rules(rules):
-                    grads = adapters.split(fpp.gather_tree(g))[1]
-            state, m = step(state, lb)
-            losses.append(m["loss"])
-        with fpp.use_rules(rules):
-            lora = adapters.split(fpp.gather_tree(state["params"], decls, rules))[1]
-        return losses, grads, lora
-    return fpp.launch(device, mesh)
-
-
 def test_loss_gradients_and_update_equal_peft(case):
     family, pm, cfg, lc, decls, full, _ = case
     batch = make_batch(cfg, batch=2, seq=12, seed=3)
-    ours = _train(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules())[0]
+    ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), LR, WD)[0]
     ref = _hf_loss(pm, batch)
     ref.backward()
     trainable = [p for p in pm.parameters() if p.requires_grad]
@@ -121,22 +91,6 @@ def test_loss_gradients_and_update_equal_peft(case):
         torch.testing.assert_close(ours_new[k], ref_new[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"new {k}: {m}")
 
 
-LAYOUTS = {"dp": (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard")),
-           "fsdp": (fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)),
-           "tp": (fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
-           "fsdp_tp": (fpp.Mesh(dp_shard=2, tp=2), llama.default_rules())}
-
-
 def test_every_layout_equals_one_device(case):
     family, pm, cfg, lc, _, full, _ = case
-    decls = adapters.init(llama.init(cfg, torch.float64), lc)        # fp64: the layouts' sums, not Adam's rounding
-    full = tree.tree_map(lambda x: x.double(), full)
-    data = [make_batch(cfg, batch=4, seq=12, seed=s) for s in range(2)]
-    one = _train(cfg, lc, decls, full, data, fpp.Mesh(), fpp.Rules())[0]
-    for name, (mesh, rules) in LAYOUTS.items():
-        for run in _train(cfg, lc, decls, full, data, mesh, rules):
-            torch.testing.assert_close(torch.tensor(run[0]), torch.tensor(one[0]), rtol=1e-10, atol=1e-12)
-            for p in one[2]:
-                for k in ("lora_A", "lora_B"):
-                    torch.testing.assert_close(run[2][p][k], one[2][p][k], rtol=1e-8, atol=1e-10,
-                                               msg=lambda m: f"{name} {p}.{k}: {m}")
+    assert_adapter_layouts_equal_one_device(cfg, lc, full)

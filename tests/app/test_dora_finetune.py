@@ -3,36 +3,26 @@ on 4 simulated devices) with DoRA for 2 steps; the loop initialises each magnitu
 sharded base (its weight's norms, not the declared ones), and both exports agree: the PEFT
 directory (``use_dora``) loaded by ``peft`` and the merged model give equal logits
 (docs/adapters.md "DoRA")."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from harness import tiny_qwen3_finetune
 
 from functional_pp import cli
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("tokenizers")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dora_run_exports_agree_and_magnitudes_start_at_the_norms(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "examples" / "make_tiny_hf_qwen3.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    inputs = mod.main(tmp_path / "inputs")
-    out = tmp_path / "run"
-    assert cli.main(["train", str(ROOT / "examples" / "configs" / "lora.yaml"), "--set",
-                     f"base_model={inputs / 'tiny-qwen3'}", "--set",
-                     f"datasets=[{{path: {inputs / 'alpaca.jsonl'}, type: alpaca}}]", "--set", "peft_use_dora=true",
-                     "--set", "max_steps=2", "--set", "save_steps=2", "--set", "val_set_size=0",
-                     "--output", str(out)]) == 0
+    base_dir, out = tiny_qwen3_finetune(tmp_path, "lora.yaml", "tiny-qwen3", "peft_use_dora=true", "max_steps=2",
+                                        "save_steps=2", "val_set_size=0")
     assert cli.main(["export", str(out), str(tmp_path / "adapter")]) == 0
     assert cli.main(["export", "--merge-adapter", str(out), str(tmp_path / "merged")]) == 0
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_dora"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(inputs / "tiny-qwen3", dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     norms = base.model.layers[0].self_attn.q_proj.weight.detach().norm(dim=1)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()

@@ -3,12 +3,12 @@ examples/make_tiny_hf_qwen3.py, nothing downloaded) on 4 simulated devices (FSDP
 the base stays bitwise the model's, the adapters train, and both exports round-trip: the PEFT
 adapter directory through ``peft.PeftModel.from_pretrained`` and the merged model through
 ``transformers``, each with logits equal to ours (docs/adapters.md)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from harness import run_lora_config, tiny_qwen3_finetune
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -28,16 +28,8 @@ CONFIG = ROOT / "examples" / "configs" / "lora.yaml"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "examples" / "make_tiny_hf_qwen3.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     root = tmp_path_factory.mktemp("lora")
-    inputs = mod.main(root / "inputs")
-    out = root / "run"
-    assert cli.main(["train", str(CONFIG), "--set", f"base_model={inputs / 'tiny-qwen3'}",
-                     "--set", f"datasets=[{{path: {inputs / 'alpaca.jsonl'}, type: alpaca}}]",
-                     "--set", "max_steps=4", "--set", "save_steps=2", "--output", str(out)]) == 0
-    return inputs / "tiny-qwen3", out, root
+    return (*tiny_qwen3_finetune(root, "lora.yaml", "tiny-qwen3", "max_steps=4", "save_steps=2"), root)
 
 
 def _train_args(run) -> list[str]:
@@ -50,15 +42,9 @@ def _train_args(run) -> list[str]:
 def _ours(run):
     base_dir, out, _ = run
     cfg = hf.config_from_hf(base_dir)
-    lc = _lora_config(out)
+    lc = run_lora_config(out)
     params = ck.load_checkpoint(out / "checkpoints", keys=["params"]).tree["params"]
     return cfg, lc, params
-
-
-def _lora_config(out: Path) -> adapters.LoraConfig:
-    """The run's LoRA settings, as its checkpoint records them (what export reads)."""
-    meta = ck.format.read_index(ck.format.resolve_checkpoint(out / "checkpoints")).get("metadata")
-    return adapters.LoraConfig(**meta["lora"])
 
 
 def _our_logits(cfg, lc, params, toks):

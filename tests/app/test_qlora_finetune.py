@@ -3,13 +3,12 @@ examples/make_tiny_hf_qwen3.py, nothing downloaded): 2 steps through the CLI wit
 linear weights held as NF4 codes (frozen, saved as codes), the adapters trained, and
 ``export --merge-adapter`` writing a plain HF model (dequantized base + merged adapters) whose
 logits in ``transformers`` equal ours."""
-import importlib.util
 import json
-from pathlib import Path
 
 import optree
 import pytest
 import torch
+from harness import run_lora_config, tiny_qwen3_finetune
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -23,8 +22,6 @@ from functional_pp.quant.weights import QuantizedWeight
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "configs" / "qlora.yaml"
 
 
 def _is_q(x):
@@ -33,24 +30,15 @@ def _is_q(x):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "examples" / "make_tiny_hf_qwen3.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     root = tmp_path_factory.mktemp("qlora")
-    inputs = mod.main(root / "inputs")
-    out = root / "run"
-    assert cli.main(["train", str(CONFIG), "--set", f"base_model={inputs / 'tiny-qwen3-hd64'}",
-                     "--set", f"datasets=[{{path: {inputs / 'alpaca.jsonl'}, type: alpaca}}]",
-                     "--set", "max_steps=2", "--set", "save_steps=2", "--set", "eval_steps=2",
-                     "--output", str(out)]) == 0
-    return inputs / "tiny-qwen3-hd64", out, root
+    return (*tiny_qwen3_finetune(root, "qlora.yaml", "tiny-qwen3-hd64", "max_steps=2", "save_steps=2",
+                                 "eval_steps=2"), root)
 
 
 def test_trains_adapters_over_nf4_codes_and_exports_a_merged_hf_model(run):
     base_dir, out, root = run
     cfg = hf.config_from_hf(base_dir)
-    meta = ck.format.read_index(ck.format.resolve_checkpoint(out / "checkpoints")).get("metadata")
-    lc = adapters.LoraConfig(**meta["lora"])
+    lc = run_lora_config(out)
     decls = quantized_decls(adapters.init(llama.init(cfg), lc), "nf4", double_quant=True)
     params = ck.load_checkpoint(out / "checkpoints", {"params": decls}, keys=["params"]).tree["params"]
     base, lora = adapters.split(params)

@@ -1,5 +1,5 @@
 """``launch(..., processes=True)`` returns large results, tensors included, whole, and names
-a process that dies without a result."""
+a process that dies without a result, and ends a launch whose processes all deadlocked."""
 import pytest
 import torch
 
@@ -30,6 +30,21 @@ def test_process_killed_without_result_is_named():
     # undetected, this would end in a TimeoutError after 120 s instead
     with pytest.raises(fpp.DeviceError, match=r"device 1 .*killed by SIGKILL without reporting a result"):
         fpp.launch(_killed_on_rank_1, fpp.Mesh(dp_shard=2), processes=True, timeout=120)
+
+
+def _deadlocked():
+    import threading
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()                # blocks forever without CPU use, as a lock inherited held at fork
+
+
+def test_processes_all_blocked_outside_collectives_fail_in_bounded_time(monkeypatch):
+    from functional_pp.devices import process_watch
+    monkeypatch.setattr(process_watch, "IDLE_GRACE", 1.0)
+    # undetected, this launch would never return (no collective to time out)
+    with pytest.raises(fpp.DeviceError, match=r"device 0 .*used any CPU time for \d+s.*deadlocked"):
+        fpp.launch(_deadlocked, fpp.Mesh(dp_shard=2), processes=True, timeout=2)
 
 
 @pytest.mark.multiprocess

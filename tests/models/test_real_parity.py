@@ -6,14 +6,15 @@ runs all of its modes (tests/parity.py).
 The 2x2x2x2 layout runs as 16 real processes. Compiled steps cover a subset by default
 (compiling costs each process tens of seconds on this project's 2-core CI machine), each
 against the simulated eager run:
-``aot_eager`` for FSDP x TP x ring-attention CP, inductor for TP + SP. Set
-``FPP_FULL_PARITY=1`` to compile every layout with ``aot_eager`` as well (the 4-way ring of
-``cp_ring`` among them: compiled ring attention is the same traced code for 2 and 4 ring
-members, and runs eagerly on 4 processes here by default).
+``aot_eager`` for ring-attention CP on 2 processes (``cp_ring_2``: compiled ring attention is
+the same traced code for 2 and 4 ring members, and the 4-way ring of ``cp_ring`` runs eagerly
+on 4 processes; 4 processes compiling on 2 cores took twice as long), inductor for TP + SP. Set
+``FPP_FULL_PARITY=1`` to compile every layout with ``aot_eager`` as well.
 
-Tolerance: bitwise where every sum has the same order on both backends (meshes of at most
-two devices: a two-way sum commutes); otherwise fp64 to 1e-9 relative (gloo's ring sums over
-four or more ranks add in another order than the simulation)."""
+Tolerance: bitwise where every sum has the same order on both backends (eager steps on meshes
+of at most two devices: a two-way sum commutes); otherwise fp64 to 1e-9 relative (gloo's ring
+sums over four or more ranks add in another order than the simulation; a compiled step rounds
+differently from the simulated eager one)."""
 import os
 
 import numpy as np
@@ -22,7 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 
-COMPILED = {"cp_ring": ("aot_eager",), "tp_sp": ("inductor",)}
+COMPILED = {"cp_ring_2": ("aot_eager",), "tp_sp": ("inductor",)}
+COMPILED_ONLY = {"cp_ring_2"}        # its eager run on gloo: cp_ring, the 4-member ring
 if os.environ.get("FPP_FULL_PARITY") == "1":
     COMPILED = {name: tuple(dict.fromkeys(COMPILED.get(name, ()) + ("aot_eager",))) for name in parity.LAYOUTS}
 
@@ -31,7 +33,8 @@ def _params():
     """Eager for every layout; compiled ones, slow, in a launch of their own (a process group
     for all of a layout's compiled modes)."""
     for name in parity.LAYOUTS:
-        yield pytest.param(name, (None,), id=name)
+        if name not in COMPILED_ONLY:
+            yield pytest.param(name, (None,), id=name)
         if name in COMPILED:
             yield pytest.param(name, COMPILED[name], id=name + "-" + "-".join(COMPILED[name]),
                                marks=[pytest.mark.slow])
@@ -63,8 +66,9 @@ def test_layout_on_gloo_processes_equals_simulation(layout, modes):
     assert len(real) == size == np.prod(list(parity.LAYOUTS[layout][0].values()))
     for rank in range(size):
         for mode in modes:
-            # inductor fuses the optimizer's arithmetic differently from eager: fp64 rounding
-            exact = size <= 2 and mode != "inductor"
+            # compiled graphs round differently from eager (aot_eager by 1e-17 after a step; inductor
+            # fuses the optimizer's arithmetic): fp64 tolerance
+            exact = size <= 2 and mode is None
             assert_same_training(real[rank][mode], sim[rank][None], exact,
                                  rtol=1e-7 if mode == "inductor" else 1e-9,
                                  where=f"{layout} {mode or 'eager'} rank {rank}")

@@ -12,7 +12,7 @@ from functional_pp.models import llama
 
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
-STEPS = 5
+STEPS = 3                   # the third step already runs on twice-updated state: 5 showed nothing more
 
 
 def batches(n=STEPS, batch=8, seq=16):
@@ -57,7 +57,7 @@ def assert_same_training(results, ref=REF, rtol=1e-9, atol=1e-11):
 COMPOSED = (fpp.Mesh(dp_shard=2, cp=2, tp=2), llama.default_rules(sequence_parallel=True))
 
 
-def test_five_steps_on_eight_devices_equal_one_device():
+def test_three_steps_on_eight_devices_equal_one_device():
     results = train(*COMPOSED, DATA)
     assert_same_training(results)
     m = results[0][2][-1]
@@ -65,7 +65,7 @@ def test_five_steps_on_eight_devices_equal_one_device():
 
 
 @pytest.mark.slow
-def test_five_compiled_steps_on_fsdp_and_ring_cp_equal_one_device():
+def test_three_compiled_steps_on_fsdp_and_ring_cp_equal_one_device():
     """Compiled on simulated devices: FSDP x ring-attention CP (4 devices; those with the same cp
     index share one graph: docs/compile.md "One compilation for N simulated devices"). Compiled
     ring CP also runs on gloo processes (tests/models/test_real_parity.py, cp_ring), compiled
