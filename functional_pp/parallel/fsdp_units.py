@@ -39,19 +39,21 @@ _local = per_thread("parallel.fsdp_units")
 
 
 class UnitsSeen:
-    """What a step's forward showed inside :func:`fsdp_units`: ``layers``, the calls of
+    """What a step's forward showed inside :func:`fsdp_units`: ``layered``, whether it called
     ``fpp.layer``; ``sharded``, whether a parameter it began with is split over a
-    data-parallel axis (FSDP)."""
+    data-parallel axis (FSDP). Both are only ever set to True, never read, by traced code: a
+    compiled graph replays the write, and no guard on a value that changes between calls
+    (a counter) makes it compile again for each micro-batch or pipeline stage."""
 
     def __init__(self) -> None:
-        self.layers = 0
+        self.layered = False
         self.sharded = False
 
     @property
     def root_without_layers(self) -> bool:
         """FSDP weights that were all root weights: the model declares no layer, so keeping the
         root gathered kept every weight gathered from forward to backward."""
-        return self.sharded and self.layers == 0
+        return self.sharded and not self.layered
 
 
 @contextmanager
@@ -97,9 +99,9 @@ def begin_forward(params: Any) -> None:
         return      # (no data-parallel axis: no unit is ever gathered)
     leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
     seen = getattr(_local, "seen", None)
-    if seen is not None:      # (traced too: a compiled step without layers is told as an eager one)
-        seen.sharded = seen.sharded or any(isinstance(x, Named) and x.is_param and any(
-            a in data_axes for s in x.split for a in s) for x in leaves)
+    if seen is not None and any(isinstance(x, Named) and x.is_param and any(
+            a in data_axes for s in x.split for a in s) for x in leaves):
+        seen.sharded = True   # (traced too: a compiled step without layers is told as an eager one)
     if is_tracing():
         return      # (compiled: the graph passes prefetch)
     _drop_prefetch()
@@ -389,7 +391,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     tracing = is_tracing()
     seen = getattr(_local, "seen", None)
     if seen is not None:
-        seen.layers += 1
+        seen.layered = True
     data_axes, mesh, rules = _data_axes()
     if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
         return args, nullcontext()
