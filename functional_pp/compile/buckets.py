@@ -18,6 +18,8 @@ bucket early when an op touches a pending gradient. All-reduces whose result is 
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from functional_pp.core import comm
@@ -75,10 +77,18 @@ def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for r in chain for u in r.users if u not in chain]
 
 
-def _call(graph, target, args, like: torch.fx.Node, val) -> torch.fx.Node:
-    new = graph.call_function(target, args)
-    new.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
+# meta describing a node's own values, not to be copied onto a new node (inductor lowers a
+# custom op with the strides of its "eager_input_vals": a member's, not the flat buffer's)
+_OWN_META = ("val", "tensor_meta", "eager_input_vals")
+
+
+def _call(graph, target, args, like: torch.fx.Node, val, kwargs=None) -> torch.fx.Node:
+    new = graph.call_function(target, args, kwargs)
+    new.meta = {k: v for k, v in like.meta.items() if k not in _OWN_META}
     new.meta["val"] = val
+    if target is like.target and "eager_input_vals" in like.meta:    # (its new inputs', for inductor)
+        new.meta["eager_input_vals"] = (tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args),
+                                        dict(kwargs or {}))
     return new
 
 
@@ -89,20 +99,20 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
     last = members[-1]
     sample = last.meta["val"]
     fake = getattr(sample, "fake_mode", None)
-    with graph.inserting_before(last), (fake if fake is not None else _null()):
+    with graph.inserting_before(last), (fake if fake is not None else nullcontext()):
         flats = []
         for m in members:
             x = m.args[0]
             xv = x.meta["val"]
             if not xv.is_contiguous():
-                x = _call(graph, aten.clone.default, (x,), m, xv.clone(memory_format=torch.contiguous_format))
-                x.kwargs = {"memory_format": torch.contiguous_format}
+                x = _call(graph, aten.clone.default, (x,), m, xv.clone(memory_format=torch.contiguous_format),
+                          {"memory_format": torch.contiguous_format})
                 xv = x.meta["val"]
             flats.append(_call(graph, aten.view.default, (x, [-1]), m, xv.view(-1)))
         cat_val = torch.cat([f.meta["val"] for f in flats])
         cat = _call(graph, aten.cat.default, (flats,), last, cat_val)
-        launch = _call(graph, last.target, (cat, *last.args[1:]), last, cat_val.new_empty(cat_val.shape))
-        launch.kwargs = dict(last.kwargs)
+        launch = _call(graph, last.target, (cat, *last.args[1:]), last, cat_val.new_empty(cat_val.shape),
+                       dict(last.kwargs))
         kind, axes, n, _, _, dtype = last.meta["custom"][TRACED]
         nbytes = comm.ring_bytes(kind, cat_val.numel(), n, cat_val.element_size())
         launch.meta["custom"] = {**last.meta["custom"], TRACED: (kind, axes, n, nbytes, tuple(cat_val.shape), dtype)}
@@ -123,14 +133,6 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
                 r.replace_all_uses_with(view, delete_user_cb=lambda u: u not in chain)
             for r in reversed(chain):
                 graph.erase_node(r)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def bucket_all_reduces(graph: torch.fx.Graph, bucket_mb: float | None) -> int:
