@@ -1,17 +1,20 @@
 """The ``torch.compile`` backend of the training step (docs/compile.md).
 
 ``compile=True`` (inductor) and ``compile="aot_eager"`` trace the step into one ATen graph
-and run two passes on it before it executes:
+and run these passes on it before it executes:
 
 1. :func:`functional_pp.compile.recompute.reissue_for_backward`: FSDP weights are gathered again in
-   backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values;
-2. :func:`functional_pp.compile.overlap.overlap_communication` (torch.distributed only; on by
+   backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values (an FSDP
+   unit's weights with one flat all-gather, as traced by ``parallel/fsdp_units.py``);
+2. :func:`functional_pp.compile.buckets.bucket_all_reduces`: the gradient all-reduces are
+   grouped into buckets of ``bucket_mb``, as eager steps group them;
+3. :func:`functional_pp.compile.overlap.overlap_communication` (torch.distributed only; on by
    default, ``FPP_OVERLAP=0`` keeps trace order): all-gathers are prefetched one weight ahead
    and waits sink to the first use of their result, with at most ``FPP_COLLECTIVES_IN_FLIGHT``
    (default 2) collectives of a kind in flight;
-3. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
+4. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
    elementwise results are written into the buffers that die there;
-4. the collectives of the final graph (recomputed gathers included) are read from their
+5. the collectives of the final graph (recomputed gathers included) are read from their
    tags, and every run of the compiled graph records them in the active
    :func:`functional_pp.comm_report`, as eager execution does.
 
@@ -27,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from functional_pp._torch import compile_backend
+from functional_pp.compile.buckets import bucket_all_reduces
 from functional_pp.compile.overlap import overlap_communication
 from functional_pp.compile.recompute import in_backward_region, reissue_for_backward
 from functional_pp.compile.reinplace import reinplace
@@ -37,11 +41,13 @@ _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
 
 @functools.lru_cache(maxsize=None)
-def step_backend(compile: bool | str) -> str | Callable:
-    """The backend to hand ``torch.compile`` for ``train_step(compile=...)``."""
+def step_backend(compile: bool | str, bucket_mb: float | None = None) -> str | Callable:
+    """The backend to hand ``torch.compile`` for ``train_step(compile=...)``; ``bucket_mb``:
+    the step's gradient all-reduce buckets (None: one all-reduce per gradient)."""
     name = "inductor" if compile is True else compile
     # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
-    return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor")) or name
+    return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor",
+                                                   bucket_mb=bucket_mb)) or name
 
 
 def _is_collective(node: torch.fx.Node) -> bool:
@@ -72,8 +78,9 @@ def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
         yield graphs
 
 
-def _step_pass(graph: torch.fx.Graph, in_place: bool = False):
+def _step_pass(graph: torch.fx.Graph, in_place: bool = False, bucket_mb: float | None = None):
     reissue_for_backward(graph)
+    bucket_all_reduces(graph, bucket_mb)
     if os.environ.get("FPP_OVERLAP", "1") != "0":     # FPP_OVERLAP=0: trace order (debugging)
         overlap_communication(graph)
     if in_place:

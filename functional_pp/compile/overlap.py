@@ -89,14 +89,20 @@ def _sink(wait: torch.fx.Node) -> int:
 
 def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) -> bool:
     """Move ``node`` and the inputs it needs that come after ``anchor`` to just before
-    ``anchor``; refuse (False) if that would need more than cheap, input-only nodes."""
-    chain, stack = [], [node]
+    ``anchor``; refuse (False) if that would need more than a few cheap, input-only nodes
+    (views and concatenations, as an FSDP unit's flat shards, do not count)."""
+    chain, stack, costly = [], [node], 0
     while stack:
         n = stack.pop()
         if graph_pos[n] < graph_pos[anchor] or n in chain:
             continue
-        if n is not node and (n.op != "call_function" or len(chain) > 8):
-            return False
+        if n is not node:
+            if n.op != "call_function":
+                return False
+            if _op_name(n) not in _VIEW_OR_CAST and _op_name(n) != "cat":
+                costly += 1
+                if costly > 8:
+                    return False
         chain.append(n)
         stack.extend(n.all_input_nodes)
     for n in sorted(chain, key=graph_pos.__getitem__):

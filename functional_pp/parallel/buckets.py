@@ -6,7 +6,8 @@ A parameter that meets data varying over data-parallel axes is cast to varying
 once: it copies the local gradient into a bucket and hands autograd a :class:`PendingGrad`
 placeholder. A bucket whose size reaches ``bucket_mb`` is launched as one asynchronous
 all-reduce while backward goes on; :meth:`GradBuckets.finish` launches the rest, waits and
-replaces every placeholder by its reduced gradient. Each element is summed exactly as the
+replaces every placeholder by its reduced gradient. A compiled step's graph is bucketed by
+the same policy (functional_pp/compile/buckets.py). Each element is summed exactly as the
 per-parameter all-reduce sums it (same dtypes, same reduce dtype), so results are unchanged.
 
 An op that touches a placeholder before :meth:`~GradBuckets.finish` (autograd adding two
@@ -21,11 +22,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from functional_pp._torch import is_tracing, make_wrapper_subclass, tree_map
+from functional_pp.compile.buckets import (DEFAULT_BUCKET_MB, bucket_capacity,  # noqa: F401 (re-exported)
+                                           check_bucket_mb)
 from functional_pp.core import comm
 from functional_pp.core.runtime import current_context
 from functional_pp.parallel.collectives import _group, _reduce_dtype, set_gradient_sink
-
-DEFAULT_BUCKET_MB = 25.0
 
 
 class _Bucket:
@@ -125,8 +126,7 @@ class GradBuckets:
     """The open and launched buckets of one backward pass on this device."""
 
     def __init__(self, bucket_mb: float):
-        check_bucket_mb(bucket_mb)
-        self.capacity = int(bucket_mb * 1024 * 1024)
+        self.capacity = bucket_capacity(bucket_mb)     # the policy compiled steps share
         self.open: dict[tuple, _Bucket] = {}
         self.buckets: list[_Bucket] = []
 
@@ -166,16 +166,6 @@ def resolve_pending(grads: Sequence[Any]) -> list[Any]:
     buffer, not a copy (as DDP's ``gradient_as_bucket_view``); the views of one buffer are
     disjoint, so the optimizer may update each in place (step.buffers.own_buffers)."""
     return [g.resolve() if isinstance(g, PendingGrad) else g for g in grads]
-
-
-def check_bucket_mb(bucket_mb: float | None) -> None:
-    """Refuse a bucket size that is not None or a number of megabytes >= 0."""
-    if bucket_mb is None:
-        return
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb >= 0:
-        raise ValueError(f"bucket_mb must be a size in megabytes >= 0 (0: one all-reduce per gradient, "
-                         f"launched as soon as backward produces it; None: unbucketed, synchronous), "
-                         f"got {bucket_mb!r}")
 
 
 @contextmanager

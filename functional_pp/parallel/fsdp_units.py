@@ -10,11 +10,14 @@ before the optimizer (at most ``FPP_COLLECTIVES_IN_FLIGHT`` in flight, functiona
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
-Active inside :func:`fsdp_units` (the training step, eager); compiled steps keep the
-per-parameter collectives in the graph.
+Active inside :func:`fsdp_units` (the training step). A compiled step traces the same units
+(:class:`_TracedUnitGather`: one flat all-gather in the graph, its backward the flat
+reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
+passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
@@ -24,10 +27,11 @@ import torch
 
 from functional_pp._torch import in_backward, is_tracing
 from functional_pp.compile.in_flight import in_flight_limit
+from functional_pp.compile.recompute import regather_region, traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.buckets import PendingGrad, Slot
-from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_reduce_scatter
+from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, env, options, pvary
 
@@ -35,19 +39,21 @@ _local = per_thread("parallel.fsdp_units")
 
 
 class UnitsSeen:
-    """What a step's forward showed inside :func:`fsdp_units`: ``layers``, the calls of
+    """What a step's forward showed inside :func:`fsdp_units`: ``layered``, whether it called
     ``fpp.layer``; ``sharded``, whether a parameter it began with is split over a
-    data-parallel axis (FSDP)."""
+    data-parallel axis (FSDP). Both are only ever set to True, never read, by traced code: a
+    compiled graph replays the write, and no guard on a value that changes between calls
+    (a counter) makes it compile again for each micro-batch or pipeline stage."""
 
     def __init__(self) -> None:
-        self.layers = 0
+        self.layered = False
         self.sharded = False
 
     @property
     def root_without_layers(self) -> bool:
         """FSDP weights that were all root weights: the model declares no layer, so keeping the
         root gathered kept every weight gathered from forward to backward."""
-        return self.sharded and self.layers == 0
+        return self.sharded and not self.layered
 
 
 @contextmanager
@@ -89,14 +95,16 @@ def begin_forward(params: Any) -> None:
     the next forward can prefetch them (functional_pp.parallel.fsdp_order)."""
     order = getattr(_local, "order", None)
     data_axes = _data_axes()[0]
-    if is_tracing() or not getattr(_local, "enabled", False) or order is None or not data_axes:
+    if not getattr(_local, "enabled", False) or order is None or not data_axes:
         return      # (no data-parallel axis: no unit is ever gathered)
-    _drop_prefetch()
     leaves = optree.tree_leaves(params, is_leaf=lambda x: isinstance(x, Named), none_is_leaf=False)
     seen = getattr(_local, "seen", None)
-    if seen is not None:
-        seen.sharded = seen.sharded or any(isinstance(x, Named) and x.is_param and any(
-            a in data_axes for s in x.split for a in s) for x in leaves)
+    if seen is not None and any(isinstance(x, Named) and x.is_param and any(
+            a in data_axes for s in x.split for a in s) for x in leaves):
+        seen.sharded = True   # (traced too: a compiled step without layers is told as an eager one)
+    if is_tracing():
+        return      # (compiled: the graph passes prefetch)
+    _drop_prefetch()
     _local.params = [x.data if isinstance(x, Named) else x for x in leaves]
     _local.index = {id(t): i for i, t in enumerate(_local.params)}
     order.begin()
@@ -160,16 +168,7 @@ class _Unit:
         return torch.cat([s.reshape(-1) for s in self.shards])
 
     def unflatten(self, gathered: torch.Tensor) -> list[torch.Tensor]:
-        """Full parameters from the all-gathered flat shards (group-index-major blocks)."""
-        total = sum(self.numels)
-        n = gathered.numel() // total
-        rows = gathered.view(n, total)
-        out, offset = [], 0
-        for shape, numel, dim in zip(self.shapes, self.numels, self.dims):
-            pieces = [rows[r, offset:offset + numel].view(shape) for r in range(n)]
-            out.append(torch.cat(pieces, dim=dim))
-            offset += numel
-        return out
+        return unflatten_unit(gathered, self.shapes, self.numels, self.dims)
 
     def start_regather(self) -> None:
         """Launch the backward re-gather (asynchronously where the backend can)."""
@@ -197,6 +196,56 @@ class _Unit:
             self._pending()
             self._pending = None
         self.regathered, self._done = None, True
+
+
+def unflatten_unit(gathered: torch.Tensor, shapes, numels, dims) -> list[torch.Tensor]:
+    """Full parameters from a unit's all-gathered flat shards (group-index-major blocks: block
+    r holds every member's shard r, in order)."""
+    total = sum(numels)
+    n = gathered.numel() // total
+    rows = gathered.view(n, total)
+    out, offset = [], 0
+    for shape, numel, dim in zip(shapes, numels, dims):
+        pieces = [rows[r, offset:offset + numel].view(shape) for r in range(n)]
+        out.append(torch.cat(pieces, dim=dim))
+        offset += numel
+    return out
+
+
+def pack_unit_gradients(grads, shapes, dims) -> torch.Tensor:
+    """The flat buffer a unit's gradient reduce-scatter sends: for each group index r, every
+    member's r-th block along its gathered dimension, in order (the layout of
+    :func:`unflatten_unit`'s input)."""
+    chunks = [g.chunk(g.shape[dim] // shape[dim], dim=dim) for g, shape, dim in zip(grads, shapes, dims)]
+    n = len(chunks[0])
+    return torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in range(len(chunks))])
+
+
+class _TracedUnitGather(torch.autograd.Function):
+    """A unit's gather inside a traced (compiled) step: the flat all-gather of eager's
+    :class:`_UnitGather` as graph ops, its backward the same flat reduce-scatter. Prefetch, the
+    backward re-gather and the in-flight bound are the graph passes' (compile/recompute.py,
+    compile/overlap.py)."""
+
+    @staticmethod
+    def forward(ctx, axes: tuple[str, ...], dims: tuple[int, ...], *shards: torch.Tensor):
+        ctx.axes, ctx.dims, ctx.shapes = axes, dims, [s.shape for s in shards]
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        return tuple(unflatten_unit(raw_all_gather(flat, axes, 0), ctx.shapes, [s.numel() for s in shards], dims))
+
+    @staticmethod
+    @traced_as_backward
+    def backward(ctx, *grads: torch.Tensor):
+        flat = raw_reduce_scatter(pack_unit_gradients(grads, ctx.shapes, ctx.dims), ctx.axes, 0)
+        numels = [math.prod(shape) for shape in ctx.shapes]
+        return (None, None, *[t.view(shape) for t, shape in zip(flat.split(numels), ctx.shapes)])
+
+
+def _gather_traced(axes: tuple[str, ...], shards: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+    """A unit's gather in a compiled step, tagged so that the compiled backward gathers it again
+    (ZeRO-3, functional_pp/compile/recompute.py) unless the layer keeps its weights gathered."""
+    with regather_region(not _keep_gathered()):
+        return list(_TracedUnitGather.apply(axes, tuple(dims), *shards))
 
 
 def _start_all_gather(flat: torch.Tensor, axes: tuple[str, ...]):
@@ -231,13 +280,7 @@ class _UnitGather(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         unit = ctx.unit
         unit.release()                       # every use of the re-gathered weights is done
-        n = None
-        chunks = []
-        for g, dim in zip(grads, unit.dims):
-            parts = g.chunk(g.shape[dim] // unit.shapes[len(chunks)][dim], dim=dim)
-            n = len(parts)
-            chunks.append(parts)
-        send = torch.cat([chunks[i][r].reshape(-1) for r in range(n) for i in range(len(chunks))])
+        send = pack_unit_gradients(grads, unit.shapes, unit.dims)
         if unit.prefetch:
             pending = _start_reduce_scatter(send, unit)
             if pending is not None:
@@ -343,11 +386,12 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     the context to run the layer in (re-gather hooks). In a step's forward the next unit's
     gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
     Unchanged outside :func:`fsdp_units`."""
-    if not getattr(_local, "enabled", False) or is_tracing() or not torch.is_grad_enabled():
+    if not getattr(_local, "enabled", False) or not torch.is_grad_enabled():
         return args, nullcontext()
+    tracing = is_tracing()
     seen = getattr(_local, "seen", None)
     if seen is not None:
-        seen.layers += 1
+        seen.layered = True
     data_axes, mesh, rules = _data_axes()
     if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
         return args, nullcontext()
@@ -369,6 +413,13 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         groups.setdefault((axes, x.data.dtype, x.data.requires_grad), []).append((i, x, d, k, source))
     if not groups:
         return args, nullcontext()
+    if tracing:       # compiled: the same units; prefetch and re-gathers are the graph passes'
+        for (axes, _, _), members in groups.items():
+            fulls = _gather_traced(axes, [x.data for _, x, _, _, _ in members], [d for _, _, d, _, _ in members])
+            for (i, x, d, k, _), full in zip(members, fulls):
+                leaves[i] = _gathered(x, full, d, k)
+        # (the root's keep_gathered reaches only weights the units leave to the ops: kept, not re-gathered)
+        return optree.tree_unflatten(spec, leaves), nullcontext()
     call, incoming = _launch_gathers(groups)
     units = []
     for ((axes, _, _), members), wait in zip(groups.items(), incoming):
@@ -376,10 +427,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         unit.incoming, unit.call = wait, call
         fulls = _UnitGather.apply(unit, *[x.data for _, x, _, _, _ in members])
         for (i, x, d, k, _), full in zip(members, fulls):
-            split = list(x.split)
-            split[d] = split[d][:k]
-            y = Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
-            leaves[i] = y
+            leaves[i] = _gathered(x, full, d, k)
         units.append((unit, list(fulls)))
     frozen = [unit for ((_, _, trains), _), (unit, _) in zip(groups.items(), units) if not trains]
     if frozen and not _keep_gathered():
@@ -388,6 +436,14 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         for unit, _ in units:
             unit.prev, _local.last_unit = getattr(_local, "last_unit", None), unit
     return optree.tree_unflatten(spec, leaves), _layer_context(units, call)
+
+
+def _gathered(x: Named, full: torch.Tensor, d: int, k: int) -> Named:
+    """The parameter ``x`` gathered over the data-parallel axes of its dimension ``d`` (from
+    position ``k`` of its split on)."""
+    split = list(x.split)
+    split[d] = split[d][:k]
+    return Named(full, x.dims, tuple(split), x.vary, x.partial, is_param=True)
 
 
 def _release_frozen_after_layer(leaves: list, frozen: list[_Unit], units: list) -> list:

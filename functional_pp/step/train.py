@@ -263,7 +263,7 @@ class TrainStep:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
                     self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
-                        torch.compile(self._device_step, backend=step_backend(step_compile),
+                        torch.compile(self._device_step, backend=step_backend(step_compile, self.bucket_mb),
                                       fullgraph=True, dynamic=False),   # static shapes
                         type(self)._device_step.__code__)
             fn = self._compiled
@@ -353,7 +353,8 @@ class TrainStep:
     def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
         """The step's thread-local settings, set outside the compiled region."""
         compiling = bool(step_compile or layer_compile)
-        keep_root = self.fsdp_keep_root and not self.compile and not self._no_layers
+        # (compile="per_layer" gathers inside each compiled layer, per weight: nothing is root there)
+        keep_root = self.fsdp_keep_root and not layer_compile and not self._no_layers
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
                 compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
@@ -387,7 +388,7 @@ class TrainStep:
         with self._compile_lock:
             if self._compiled_new_buffers is None:
                 self._compiled_new_buffers = CompileGate(
-                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile),
+                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile, self.bucket_mb),
                                   fullgraph=True, dynamic=False),
                     type(self)._device_step_new_buffers.__code__)
         reset_region_ids()

@@ -1,6 +1,6 @@
 """Compiled QLoRA and DoRA steps (``train_step(compile="aot_eager")``) equal the eager step:
 the losses, the updated adapters and the untouched base under FSDP x 2 (simulated), compiled
-once (one graph for both steps and both devices); the QLoRA base's codes stay bit-equal
+once (no recompile between steps; DoRA one graph per device); the QLoRA base's codes stay bit-equal
 (docs/adapters.md "Compiled steps")."""
 import functools
 
@@ -81,7 +81,10 @@ def _train(kind, layout, compile):
 def test_compiled_step_equals_eager(kind, layout):
     before = cached_graph_count(TrainStep._device_step.__code__)      # (graphs other tests left cached)
     compiled = _train(kind, layout, "aot_eager")
-    assert cached_graph_count(TrainStep._device_step.__code__) - before == 1   # both steps, both devices: one graph
+    # both steps: no recompile. QLoRA: one graph for both devices; DoRA's weight norm slices the
+    # gathered unit's A B to the weight's FSDP layout by rank, so each device traces its own
+    graphs = cached_graph_count(TrainStep._device_step.__code__) - before
+    assert graphs == (1 if kind == "qlora" else 2), graphs
     eager = _train(kind, layout, False)
     for (losses, params), (losses0, params0) in zip(compiled, eager):
         assert losses[1] < losses[0]

@@ -66,9 +66,9 @@ FSDP_CFG = llama.Config.tiny(layers=1, hidden=128, mlp=1024)
 def test_compiled_fsdp_regathers_weights_in_backward():
     n = 4
     mesh, rules = fpp.Mesh(dp_shard=n), fpp.Rules(batch="dp_shard", hidden="dp_shard")
-    # compiled steps keep one collective per weight: compare with the eager per-weight path
-    eager = run_step(FSDP_CFG, mesh, rules, fsdp_units=False)
-    compiled = run_step(FSDP_CFG, mesh, rules, compile="aot_eager")
+    # compiled steps gather per layer unit as eager ones do (root weights re-gathered here too)
+    eager = run_step(FSDP_CFG, mesh, rules, fsdp_keep_root=False)
+    compiled = run_step(FSDP_CFG, mesh, rules, compile="aot_eager", fsdp_keep_root=False)
     kept = run_step(FSDP_CFG, mesh, rules, compile="aot_eager", options={"keep_gathered": True})
     for (l0, _, _, _, p0), (l1, _, _, _, p1) in zip(eager, compiled):
         torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-6, atol=0)

@@ -95,3 +95,11 @@ def test_the_example_model_declares_its_layers_with_the_same_numbers():
     assert _gather_bytes(reports[0], backward=True) > 0
     (ref_losses, _), *_ = _run(MESH, RULES, fsdp_keep_root=False)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=0)
+
+
+def test_a_compiled_model_without_layers_is_warned_once_and_then_regathers_every_weight():
+    """Compiled steps keep the root gathered as eager ones do, so they are told the same way."""
+    (losses, reports), *_ = (out := _run(MESH, RULES, compile="aot_eager"))[0]
+    assert len(out[1]) == 1
+    assert _gather_bytes(reports[0], backward=True) == 0             # step 1: everything kept (warned)
+    assert _gather_bytes(reports[1], True) > 0.9 * _gather_bytes(reports[1], False)   # then ZeRO-3
