@@ -7,7 +7,7 @@
 #   PYTHON=/path/to/python bash scripts/setup.sh            # a specific interpreter
 #
 # - torch: an installed torch in the supported range (>= TORCH_VERSION, default 2.13.0, and
-#   below 2.14, as pyproject.toml says) is kept; otherwise torch==TORCH_VERSION is installed
+#   below pyproject.toml's upper bound) is kept; otherwise torch==TORCH_VERSION is installed
 #   (from TORCH_INDEX_URL if set).
 # - works with only `python3` on the PATH.
 # - if the interpreter is "externally managed" (PEP 668: Debian/Ubuntu system Python), a venv is
@@ -49,8 +49,10 @@ def key(v):
         digits = "".join(c for c in part if c.isdigit())
         out.append(int(digits or 0))
     return out
+import re
+below = key(re.search(r'"torch>=[0-9.]+,<([0-9.]+)"', open("pyproject.toml").read()).group(1))
 v = key(torch.__version__)
-print("ok" if key(sys.argv[1]) <= v and v[:2] < [2, 14] else "unsupported:" + torch.__version__)
+print("ok" if key(sys.argv[1]) <= v and v[:2] < below[:2] else "unsupported:" + torch.__version__)
 PYEOF
 )
 if [ "$have" = ok ]; then

@@ -142,6 +142,22 @@ def cached_graph_count(code) -> int:
     return len(_debug_get_cache_entry_list(code))
 
 
+def start_autograd_on_the_devices_present() -> None:
+    """Run one CPU backward now, on a CUDA build without a GPU, so that forked children
+    (``launch(processes=True)``) can still run autograd. The engine starts its per-device
+    threads once, at the first backward, for as many devices as the registered device guards
+    report, and a process forked after it started any refuses autograd ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"). On a CUDA build
+    without devices, ``FakeTensorMode`` (so every ``torch.compile``) registers a dummy CUDA
+    guard that reports one device (``torch._C._ensureCUDADeviceGuardSet``): a first backward
+    after it would start a CUDA thread. Seen on torch 2.14.1+cu130 on a CPU machine; a
+    CPU-only build registers no such guard, and with real GPUs the threads start anyway."""
+    if torch.version.cuda is None or torch.cuda.device_count() > 0:
+        return
+    x = torch.zeros((), requires_grad=True)
+    (x * 1.0).backward()
+
+
 def reset_compile_workers_after_fork() -> None:
     """Forget inductor's compile thread pool in a forked child. The pool is cached per process
     and a child inherits the cache but not its threads, so the child's first compilation would
@@ -259,3 +275,6 @@ def compile_backend_names() -> list[str]:
     """Every backend name ``torch.compile`` accepts here, debug backends included."""
     import torch._dynamo
     return torch._dynamo.list_backends(exclude_tags=())
+
+
+start_autograd_on_the_devices_present()    # at import: before any FakeTensorMode registers a dummy guard

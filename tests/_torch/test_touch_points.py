@@ -96,10 +96,12 @@ def test_fake_cuda_tensors_index_move_and_refuse_device_mixes():
         assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def test_fake_cuda_backward_still_aborts_on_a_cpu_only_build():
-    """The autograd engine asks for the CUDA accelerator, which a CPU-only build lacks, and the
-    process aborts: why tests/devices/test_fake_cuda.py runs forwards and optimizer updates
-    only. When this starts passing (a torch that fakes the accelerator), run whole steps there."""
+def test_fake_cuda_backward_still_fails_without_a_gpu():
+    """The autograd engine asks for the CUDA accelerator: a CPU-only build lacks it and the process
+    aborts (torch 2.13.0+cpu); a CUDA build on a machine without a GPU raises instead (torch
+    2.14.1+cu130: "hasPrimaryContext expects a valid device index"). Why
+    tests/devices/test_fake_cuda.py runs forwards and optimizer updates only. When this starts
+    passing (a torch that fakes the accelerator), run whole steps there."""
     import subprocess
     import sys
     if torch.cuda.is_available():
@@ -110,4 +112,26 @@ def test_fake_cuda_backward_still_aborts_on_a_cpu_only_build():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)})
     assert run.returncode != 0 and "ran" not in run.stdout, run.stdout
-    assert "not linked with support for cuda" in run.stderr or "accelerator" in run.stderr, run.stderr[-500:]
+    if torch.version.cuda is None:  # CPU-only build: the engine aborts the process
+        assert "not linked with support for cuda" in run.stderr or "accelerator" in run.stderr, run.stderr[-500:]
+    else:  # CUDA build, no GPU: the engine raises when it looks for device 0's context
+        assert "RuntimeError" in run.stderr and "valid device index" in run.stderr, run.stderr[-500:]
+
+
+def test_a_forked_child_runs_autograd_after_the_parent_compiled_a_backward():
+    """On a CUDA build without a GPU, FakeTensorMode (every torch.compile) registers a dummy CUDA
+    guard reporting one device; a first backward after it starts an autograd CUDA thread and a
+    forked child (launch(processes=True)) then refuses autograd (torch 2.14.1+cu130). Importing
+    functional_pp runs the first backward before that (_torch.start_autograd_on_the_devices_present)."""
+    import subprocess
+    import sys
+    code = ("import os, torch\nimport functional_pp\nfrom torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "with FakeTensorMode():\n    torch.ones(2)\n"
+            "f = torch.compile(lambda x: (x * 2).sum(), backend='aot_eager')\n"
+            "f(torch.ones(3, requires_grad=True)).backward()\n"
+            "pid = os.fork()\nif pid == 0:\n    y = torch.ones(3, requires_grad=True)\n"
+            "    (y * 2).sum().backward()\n    os._exit(0 if torch.equal(y.grad, torch.full((3,), 2.0)) else 3)\n"
+            "_, status = os.waitpid(pid, 0)\nprint('child exit', os.waitstatus_to_exitcode(status))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)})
+    assert run.returncode == 0 and "child exit 0" in run.stdout, run.stdout + run.stderr[-1000:]
