@@ -283,7 +283,7 @@ def test_base_model_dispatches_on_model_type(saved, tmp_path):
         model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
     # functional-pp plan ranks the layouts of the base model, not of a preset
     from functional_pp.cli.plan import _model
-    _, decls = _model(TrainConfig.from_yaml(_train_yaml(tmp_path, d)))
+    _, decls, _ = _model(TrainConfig.from_yaml(_train_yaml(tmp_path, d)))
     assert tuple(decls["layers"][0]["self_attn"]["q_norm"].shape) == (32,)
 
 
