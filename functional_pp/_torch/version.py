@@ -14,10 +14,9 @@ SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 13))
 
 #: versions tried beyond the range, with what was run there
 KNOWN: dict[tuple[int, int], str] = {
-    (2, 14): ("on torch 2.14.1 (a CUDA build run on the CPU) the tests of _torch/, compile/, devices/, "
-              "core/, checkpoint/, cli/, config/, data/, ops/, optim/, models/ and step/ and every real-process "
-              "test (launch(processes=True) and torchrun) passed, but the whole suite has not been run "
-              "there (parallel/, adapters/, plan/, app/, benchmarks/ not yet)"),
+    (2, 14): ("on torch 2.14.1 (a CUDA build run on the CPU) the whole suite was run and passed but for one "
+              "test: a compiled FSDP step's peak memory on gloo processes is above that of keeping the gathered "
+              "weights (tests/compile/test_compiled_zero3_memory.py)"),
 }
 
 
