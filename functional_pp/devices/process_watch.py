@@ -99,8 +99,7 @@ def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
     reported: set[int] = set()
     stopped_since: dict[int, float] = {}
     exited_at: dict[int, float] = {}
-    idle_grace = IDLE_GRACE
-    idle = IdleWatch(procs, timeout + idle_grace)
+    idle = IdleWatch(procs, timeout + IDLE_GRACE)
     while len(reported) < size:
         try:
             rank, ok, value, tb = q.get(timeout=0.5)
@@ -111,7 +110,7 @@ def supervise(procs: list, q, size: int, timeout: float, on_error) -> list:
                 stuck = min(r for r in range(size) if r not in reported)
                 raise on_error(stuck, RankDiedError(
                     f"no rank that has not reported used any CPU time for {waited:.0f}s (the "
-                    f"collective timeout {timeout:.0f}s plus {idle_grace:.0f}s): the processes are "
+                    f"collective timeout {timeout:.0f}s plus {IDLE_GRACE:.0f}s): the processes are "
                     f"blocked outside collectives, deadlocked (a lock held when they were forked?); "
                     f"they were stopped. Raise launch(timeout=...) if a rank legitimately sleeps "
                     f"that long. Processes:\n" + describe_processes(procs, reported)), "")

@@ -64,15 +64,14 @@ def test_pipeline_estimate_from_the_schedule(stage, schedule, v):
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.bubble_s + t.update_s)
 
 
-def test_fsdp_gathered_once_per_step_equals_a_real_pipeline_step():
-    """pp 2 x dp_shard 2 with FSDP, ``pp_fsdp_gather="step"`` (pipeline_step's default): the
-    stage's units gathered in fp32 and reduce-scattered once per step, not per micro-batch (each
-    device's bytes: without ``ends`` every stage holds the parameters outside the layers, as
-    the estimate counts them), and held for the whole step: the units gathered and their unsharded gradients, (n-1)/n of the
-    stage's parameters each, on top of the one-micro-batch peak."""
+def _pp2_dp2(rules):
+    """A 4-layer tiny Llama on pp 2 x dp_shard 2: ``(cfg, loss, mesh, rules)``."""
     cfg = llama.Config.tiny(layers=4)
-    loss = functools.partial(llama.loss, cfg=cfg)
-    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    return cfg, functools.partial(llama.loss, cfg=cfg), fpp.Mesh(pp=2, dp_shard=2), rules
+
+
+def _one_pipeline_step(cfg, loss, mesh, rules, read, **launch):
+    """``read(comm report)`` of one 1F1B pipeline step (M micro-batches) on every device."""
     step = pipeline_step(loss, fpp.optim.sgd(0.1), mesh=mesh, rules=rules, grad_accum=M, schedule="1f1b")
     tokens = torch.randint(0, cfg.vocab, (8, 16), generator=torch.Generator().manual_seed(0))
 
@@ -82,8 +81,19 @@ def test_fsdp_gathered_once_per_step_equals_a_real_pipeline_step():
             local = {k: fpp.named(tokens, "batch seq").data for k in ("tokens", "labels")}
         with fpp.comm_report() as rep:
             step(state, local)
-        return {k: rep.bytes(k, "dp_shard") for k in ("all_gather", "reduce_scatter")}
-    real = fpp.launch(device, mesh)
+        return read(rep)
+    return fpp.launch(device, mesh, **launch)
+
+
+def test_fsdp_gathered_once_per_step_equals_a_real_pipeline_step():
+    """pp 2 x dp_shard 2 with FSDP, ``pp_fsdp_gather="step"`` (pipeline_step's default): the
+    stage's units gathered in fp32 and reduce-scattered once per step, not per micro-batch (each
+    device's bytes: without ``ends`` every stage holds the parameters outside the layers, as
+    the estimate counts them), and held for the whole step: the units gathered and their unsharded gradients, (n-1)/n of the
+    stage's parameters each, on top of the one-micro-batch peak."""
+    cfg, loss, mesh, rules = _pp2_dp2(fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"))
+    real = _one_pipeline_step(
+        cfg, loss, mesh, rules, lambda rep: {k: rep.bytes(k, "dp_shard") for k in ("all_gather", "reduce_scatter")})
     est = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M, precision="bf16")
     micro = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M, precision="bf16",
                           pp_fsdp_gather="micro")
@@ -120,20 +130,10 @@ def test_estimate_equals_a_pipeline_step_on_gloo_processes():
     """pp 2 x dp_shard 2, 1F1B, on four gloo processes: the stage-to-stage bytes are the
     estimate's; the data-parallel gradient sums are the last stage's plus, m times, the
     embedding's, which the estimate counts on that stage too (docs/planning.md)."""
-    cfg = llama.Config.tiny(layers=4)
-    loss = functools.partial(llama.loss, cfg=cfg)
-    mesh, rules = fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")
-    step = pipeline_step(loss, fpp.optim.sgd(0.1), mesh=mesh, rules=rules, grad_accum=M, schedule="1f1b")
-    tokens = torch.randint(0, cfg.vocab, (8, 16), generator=torch.Generator().manual_seed(0))
-
-    def device():
-        state = step.init(fpp.init(llama.init, cfg, torch.float32, mesh=mesh, rules=rules, seed=0))
-        with fpp.use_rules(rules):
-            local = {k: fpp.named(tokens, "batch seq").data for k in ("tokens", "labels")}
-        with fpp.comm_report() as rep:
-            step(state, local)
-        return rep.bytes("permute", "pp"), rep.bytes("all_reduce", "dp_shard")
-    real = fpp.launch(device, mesh, processes=True, timeout=300)
+    cfg, loss, mesh, rules = _pp2_dp2(fpp.Rules(batch="dp_shard", layers="pp"))
+    real = _one_pipeline_step(cfg, loss, mesh, rules,
+                              lambda rep: (rep.bytes("permute", "pp"), rep.bytes("all_reduce", "dp_shard")),
+                              processes=True, timeout=300)
     est = plan.estimate(loss, llama.init(cfg), mesh, rules, BATCH, grad_accum=M)
     assert all(sent == est.comm.bytes("permute", "pp") for sent, _ in real)
     embedding = cfg.vocab * cfg.hidden * 4
