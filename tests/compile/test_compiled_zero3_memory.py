@@ -10,7 +10,10 @@ from its graph in tests/compile/test_compile_step.py. Each process measures its 
 process (``window_peaks``: starting and stopping the profiler around every step while gloo's
 threads finish their collectives crashed a process once). The model's weights
 (1.77 MB per layer unsharded) outweigh its activations (one sequence of 16 tokens per rank), so
-what a step keeps of the weights sets its peak. That the compiled step gathers again instead of
+what a step keeps of the weights sets its peak. Eight layers, so that keeping the gathered
+weights (about 14 MB unsharded) stands well above how much the ZeRO-3 step's peak moves with the
+timing of gloo's threads (up to 2.7 MB between the two ranks was seen with four layers, enough
+to fail ``c < k`` there; with eight, 13-15 MB against 21-24 MB). That the compiled step gathers again instead of
 keeping the weights is asserted from its graph in tests/compile/test_compile_step.py; the bound on
 reduce-scatters in flight that keeps its unsharded gradients from piling up, in
 tests/compile/test_overlap_bound.py."""
@@ -24,7 +27,7 @@ from memtrack import window_peaks
 import functional_pp as fpp
 from functional_pp.models import llama
 
-CFG = llama.Config.tiny(layers=4, hidden=128, mlp=1024)
+CFG = llama.Config.tiny(layers=8, hidden=128, mlp=1024)
 MESH, RULES = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard")
 DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
 COMPILED = dict(compile="aot_eager", donate_state=True)
