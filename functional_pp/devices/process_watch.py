@@ -65,14 +65,36 @@ def describe_processes(procs: list, reported: set[int]) -> str:
     return "\n".join(lines)
 
 
+#: threads of torch's process groups that poll on their own, blocked rank or not (gloo's TCP
+#: loop wakes and uses CPU time while the rank's own threads wait forever)
+_POLLING_THREADS = ("gloo_", "pt_gloo", "pt_tcpstore", "pt_nccl")
+
+
+def _ticks(stat_path: str) -> int:
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def cpu_ticks(pid: int) -> int | None:
-    """User plus system CPU time of ``pid`` in clock ticks, from ``/proc`` (None elsewhere)."""
+    """User plus system CPU time of ``pid``'s own threads in clock ticks, from ``/proc``
+    (None elsewhere): the process groups' polling threads are left out."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return None
+        total = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/comm") as f:
+                    if f.read().startswith(_POLLING_THREADS):
+                        continue
+                total += _ticks(f"/proc/{pid}/task/{task}/stat")
+            except (OSError, IndexError, ValueError):
+                continue            # a thread that ended while being read
+        return total
+    except OSError:
+        try:
+            return _ticks(f"/proc/{pid}/stat")
+        except (OSError, IndexError, ValueError):
+            return None
 
 
 class IdleWatch:
