@@ -90,11 +90,8 @@ def cpu_ticks(pid: int) -> int | None:
             except (OSError, IndexError, ValueError):
                 continue            # a thread that ended while being read
         return total
-    except OSError:
-        try:
-            return _ticks(f"/proc/{pid}/stat")
-        except (OSError, IndexError, ValueError):
-            return None
+    except OSError:                 # no /proc (not Linux) or the process is gone
+        return None
 
 
 class IdleWatch:
