@@ -156,8 +156,11 @@ TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
 def test_pipeline_composes(reference, what, mesh, rules, schedule):
     data, ref = reference
     v = 2 if schedule == "interleaved_1f1b" else 1
+    # float64 throughout; CP's ring adds the attention blocks in another order than one device,
+    # and AdamW's normalised update magnifies that rounding near zero (seen: 1.2e-13 absolute)
+    tol = dict(rtol=1e-10, atol=1e-12) if "cp" in mesh.shape else {}
     _assert_equal(ref["adamw"], _run(mesh, rules, data, schedule=schedule, virtual_stages=v,
-                                     remat=what == "remat"))
+                                     remat=what == "remat"), **tol)
 
 
 @pytest.mark.parametrize("policy", ["step", "micro"])
