@@ -136,3 +136,10 @@ def test_a_step_resolves_its_policy_over_the_ambient_one():
     assert fpp.train_step(step.loss_fn, step.optimizer).resolved_policy().remat is False   # the default
     with pytest.raises(TypeError, match="needs a functional_pp.Policy"):
         fpp.train_step(step.loss_fn, step.optimizer, policy={"remat": True})
+
+
+def test_a_training_config_gives_its_step_policy():
+    from functional_pp.config.train_config import TrainConfig
+    cfg = TrainConfig.from_dict({"gradient_checkpointing": True, "fsdp_config": {"reshard_after_forward": False}})
+    assert cfg.policy() == Policy(remat=True, keep_gathered=True)
+    assert TrainConfig.from_dict({}).policy() == Policy(remat=False, keep_gathered=False)
