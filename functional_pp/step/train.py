@@ -385,9 +385,9 @@ class TrainStep:
         step_compile, layer_compile = split_mode(self.compile)
         with self._compile_lock:
             if self._compiled_new_buffers is None:
+                backend = step_backend(step_compile, self.policy.bucket_mb)
                 self._compiled_new_buffers = CompileGate(
-                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile, self.policy.bucket_mb),
-                                  fullgraph=True, dynamic=False),
+                    torch.compile(self._device_step_new_buffers, backend=backend, fullgraph=True, dynamic=False),
                     type(self)._device_step_new_buffers.__code__)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
