@@ -9,6 +9,7 @@ from functional_pp import ops, optim
 from functional_pp.core.comm import CommReport, comm_report
 from functional_pp.core.layout import P, Rules, balanced, inherit
 from functional_pp.core.mesh import Mesh
+from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_mesh, current_rank, device_coords
 from functional_pp.core.tree import Param, count_params, leaves_with_paths, map_with_path, param
 from functional_pp.devices.batched_run import per_device
@@ -31,7 +32,9 @@ __all__ = [
     "current_mesh", "current_rank", "device_coords",
     # parameters and named arrays
     "param", "Param", "init", "init_params", "count_params", "map_with_path", "leaves_with_paths",
-    "Named", "named", "tied", "wrap", "configure",
+    "Named", "named", "tied", "wrap",
+    # the execution policy
+    "Policy", "configure",
     # manual mode: collectives with JAX's names, shard_map
     "psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "psum_scatter", "ppermute", "all_to_all",
     "axis_index", "axis_size", "shard_map", "use_rules",

@@ -286,7 +286,7 @@ def _graph_of(sources: dict[str, str]) -> dict[str, set[str]]:
 def test_checker_sees_lazy_relative_imports_and_folder_cycles():
     graph = _graph_of({
         "parallel.named": "from . import collectives as C\nfrom ..core import mesh\n",
-        "parallel.collectives": "def f():\n    from .named import options\n    return options\n",
+        "parallel.collectives": "def f():\n    from .named import current_policy\n    return current_policy\n",
         "core.mesh": "def f():\n    from functional_pp.parallel import named\n",
     })
     assert graph["parallel.collectives"] == {"parallel.named"}

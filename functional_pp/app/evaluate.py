@@ -29,7 +29,7 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
     n_batches = eval_batches(loader) if n_batches is None else n_batches
     leaves = optree.tree_leaves(state["params"], none_is_leaf=False)
     total, count = 0.0, 0.0
-    with torch.no_grad(), use_rules(step.rules), step.policy():       # the step's ops, same policy
+    with torch.no_grad(), use_rules(step.rules), step.apply_policy():       # the step's ops, same policy
         params: Any = step.named_params(state["params"])
         device = leaves[0].device if leaves else None
         for i in range(n_batches):

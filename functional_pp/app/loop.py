@@ -171,8 +171,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
     step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
                           trainable=trainable, grad_accum=accum, precision=cfg.precision,
-                          remat=cfg.activation_checkpointing, compile=cfg.compile,
-                          keep_gathered=not cfg.reshard_after_forward,
+                          policy=cfg.policy(), compile=cfg.compile,
                           on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                           max_consecutive_skips=cfg.max_consecutive_skips,
                           flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),

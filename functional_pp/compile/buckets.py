@@ -24,19 +24,9 @@ import torch
 
 from functional_pp.core import comm
 from functional_pp.core.graph_tags import BACKWARD, TRACED
+from functional_pp.core.policy import DEFAULT_BUCKET_MB, check_bucket_mb  # noqa: F401 (re-exported)
 
-DEFAULT_BUCKET_MB = 25.0
 _NAMESPACES = ("fpp_sim", "_c10d_functional")
-
-
-def check_bucket_mb(bucket_mb: float | None) -> None:
-    """Refuse a bucket size that is not None or a number of megabytes >= 0."""
-    if bucket_mb is None:
-        return
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb >= 0:
-        raise ValueError(f"bucket_mb must be a size in megabytes >= 0 (0: one all-reduce per gradient, "
-                         f"launched as soon as backward produces it; None: unbucketed, synchronous), "
-                         f"got {bucket_mb!r}")
 
 
 def bucket_capacity(bucket_mb: float) -> int:

@@ -266,6 +266,13 @@ class TrainConfig:
         """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""
         return resolved_precision(self)
 
+    def policy(self):
+        """The training step's :class:`functional_pp.Policy` this config asks for:
+        ``activation_checkpointing`` (remat) and ``reshard_after_forward`` (its negation
+        keeps the gathered weights, ZeRO-2); the rest the step's defaults."""
+        from functional_pp.core.policy import Policy
+        return Policy(remat=self.activation_checkpointing, keep_gathered=not self.reshard_after_forward)
+
     def warmup(self) -> int:
         """Warmup steps: ``warmup_steps``, or ``ceil(warmup_ratio x max_steps)``."""
         if self.warmup_ratio is not None:

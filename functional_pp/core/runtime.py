@@ -1,5 +1,5 @@
 """The ambient context, at the bottom of the package: which mesh, rank and communication
-backend the running code belongs to, the active rules, and the op options. Simulated devices
+backend the running code belongs to, the active rules, and the ambient policy. Simulated devices
 are threads, so all of it is thread-local. Every other layer reads it from here
 (docs/architecture.md)."""
 from __future__ import annotations
@@ -9,9 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ContextManager, Iterator, TypeVar
 
-import torch
-
 from functional_pp.core.mesh import Mesh
+from functional_pp.core.policy import AMBIENT, RESOLVED, STEP_ONLY, Policy, check_keys
 
 if TYPE_CHECKING:
     from functional_pp.core.layout import Rules
@@ -133,31 +132,36 @@ def active_rules(required: bool = True) -> "Rules | None":
     return rules
 
 
-# ------------------------------------------------------------------------- op options
-_opts = per_thread("core.runtime.options")
+# ---------------------------------------------------------------------- the ambient policy
+_policy_local = per_thread("core.runtime.policy")
 
 
-@dataclass
-class Options:
-    keep_gathered: bool = False     # keep FSDP-gathered weights for backward instead of re-gathering
-    cp_attention: str = "ring"      # "ring" or "allgather" for attention with a cp-split sequence
-    remat: bool = False             # recompute each model layer in backward (activation checkpointing)
-    reduce_dtype: torch.dtype | None = None   # sum 16-bit values in this dtype (mixed precision)
-    regather_activations: bool = False  # keep gathered activations' shards for backward, re-gather there (Megatron SP)
+def current_policy() -> Policy:
+    """The policy in force on this thread, every ambient field resolved (:data:`RESOLVED`
+    outside any :func:`use_policy` / :func:`configure` block)."""
+    p = _policy_local.__dict__.get("value")     # (every op may read it: no getattr default dance)
+    return RESOLVED if p is None else p
 
 
-def options() -> Options:
-    """The op options in force on this thread."""
-    o = getattr(_opts, "value", None)
-    if o is None:
-        o = _opts.value = Options()
-    return o
+def use_policy(policy: Policy) -> ContextManager[Policy]:
+    """Put ``policy`` in force on this thread for the block, its ambient fields left None taken
+    from the policy in force (so :func:`current_policy` stays resolved); yields the policy
+    installed."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"use_policy needs a functional_pp.Policy, got {type(policy).__name__}")
+    return thread_local_value(_policy_local, "value", policy.over(current_policy()))
 
 
-@contextmanager
-def configure(**kw) -> Iterator[Options]:
-    """Temporarily change the ambient op options: ``keep_gathered``, ``cp_attention``,
-    ``remat``, ``regather_activations``, ``reduce_dtype``. A training step's own arguments
-    override them (docs/policy.md)."""
-    with thread_local_value(_opts, "value", Options(**{**options().__dict__, **kw})) as new:
-        yield new
+def configure(**kw) -> ContextManager[Policy]:
+    """Temporarily change the ambient policy of the ops: ``remat``, ``keep_gathered``,
+    ``cp_attention``, ``regather_activations``, ``reduce_dtype`` (a :class:`Policy` built from
+    ``kw``; the rest stays as it is). A training step's own policy overrides it where the step
+    sets a field (docs/policy.md). Bucket and FSDP-unit settings belong to a step only."""
+    step_only = [k for k in kw if k in STEP_ONLY]
+    if step_only:
+        raise TypeError(f"configure({step_only[0]}=...): {step_only[0]!r} is a setting of a training step only "
+                        f"(gradient buckets, FSDP units); pass it to functional_pp.train_step(...) or "
+                        f"TrainStep(policy=functional_pp.Policy({step_only[0]}=...)); configure takes "
+                        f"{', '.join(AMBIENT)}")
+    check_keys(kw, AMBIENT, "configure")
+    return use_policy(Policy(**kw))

@@ -19,7 +19,7 @@ from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import (Named, _make, _memo, current_context, env, op_env, options, pvary,
+from functional_pp.parallel.named import (Named, _make, _memo, current_context, current_policy, env, op_env, pvary,
                                           require_named, settle, target_layout, varying_after)
 
 
@@ -216,7 +216,8 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=N
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    if options().cp_attention == "allgather" or window is not None or softcap is not None:  # (the ring has neither)
+    # (the ring has neither a window nor a softcap)
+    if current_policy().cp_attention == "allgather" or window is not None or softcap is not None:
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None

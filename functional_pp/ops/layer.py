@@ -18,7 +18,7 @@ from functional_pp._torch import is_tracing
 from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp.parallel.fsdp_units import gather_unit
-from functional_pp.parallel.named import Named, configure, options
+from functional_pp.parallel.named import Named, configure, current_policy
 from functional_pp.parallel.pipeline.stage import current_stage, running_stage
 
 
@@ -94,7 +94,7 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
         if backend is not None:
             body = compiled.get(backend)
             reset_region_ids()         # same guard state for every layer: one graph for all
-            return remat(body)(*args) if options().remat else body(*args)
-        return recomputed(*args) if options().remat else unit(*args)
+            return remat(body)(*args) if current_policy().remat else body(*args)
+        return recomputed(*args) if current_policy().remat else unit(*args)
     wrapped.__wrapped_layer__ = fn
     return wrapped

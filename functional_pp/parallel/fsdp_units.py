@@ -33,7 +33,7 @@ from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
-from functional_pp.parallel.named import Named, configure, env, options, pvary
+from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
 
 _local = per_thread("parallel.fsdp_units")
 
@@ -64,7 +64,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
     ``prefetch``: launch the next unit's gather before the current one computes, in backward
     and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
-    previous = (getattr(_local, "enabled", False), getattr(_local, "root_options", None),
+    previous = (getattr(_local, "enabled", False), getattr(_local, "root_policy", None),
                 getattr(_local, "prefetch", True), getattr(_local, "order", None),
                 getattr(_local, "seen", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
@@ -72,12 +72,12 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     _local.last_unit, _local.in_flight = None, []
     _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
     try:
-        if enabled and keep_root and not options().keep_gathered:
-            with configure(keep_gathered=True) as root_options:
-                _local.root_options = root_options
+        if enabled and keep_root and not current_policy().keep_gathered:
+            with configure(keep_gathered=True) as root_policy:
+                _local.root_policy = root_policy
                 yield seen
         else:
-            _local.root_options = None
+            _local.root_policy = None
             yield seen
     except BaseException:
         _local.pending = None     # the step failed: do not wait for peers that may be gone
@@ -86,7 +86,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
         _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
-        _local.enabled, _local.root_options, _local.prefetch, _local.order, _local.seen = previous
+        _local.enabled, _local.root_policy, _local.prefetch, _local.order, _local.seen = previous
 
 
 def begin_forward(params: Any) -> None:
@@ -122,7 +122,8 @@ def _drop_prefetch() -> None:
 def _keep_gathered() -> bool:
     """Whether the weights of a layer are kept for backward: the caller's ``keep_gathered``
     (or remat's), not the root's."""
-    return options().keep_gathered and options() is not getattr(_local, "root_options", None)
+    policy = current_policy()
+    return policy.keep_gathered and policy is not getattr(_local, "root_policy", None)
 
 
 def _data_axes() -> tuple[set[str], Any, Any]:

@@ -25,8 +25,8 @@ from functional_pp.core import runtime as _runtime
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.order import to_balanced
-from functional_pp.core.runtime import (Options, active_rules, configure, current_context,  # noqa: F401 (re-exported)
-                                        options)
+from functional_pp.core.runtime import (active_rules, configure, current_context,  # noqa: F401 (re-exported)
+                                        current_policy, use_policy)
 from functional_pp.devices.batched_run import register_block_type
 from functional_pp.parallel import collectives as C
 

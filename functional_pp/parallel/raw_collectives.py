@@ -15,7 +15,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.core import comm
 from functional_pp.core.mesh import as_axes
-from functional_pp.core.runtime import current_context, options
+from functional_pp.core.runtime import current_context, current_policy
 
 AxisName = str | Sequence[str]
 
@@ -55,7 +55,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 def _reduce_dtype(x: torch.Tensor) -> torch.dtype | None:
     """Mixed precision: the dtype in which 16-bit values are summed (None: their own)."""
-    want = options().reduce_dtype
+    want = current_policy().reduce_dtype
     return want if want is not None and x.dtype in (torch.bfloat16, torch.float16) else None
 
 

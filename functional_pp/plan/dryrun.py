@@ -299,7 +299,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
     step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
                       **PER_WEIGHT)   # policy: docs/policy.md
-    with representative_device(mesh, rank), use_rules(rules), step.policy():
+    with representative_device(mesh, rank), use_rules(rules), step.apply_policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)
         state = step.init(params)

@@ -46,7 +46,7 @@ from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
 from functional_pp.step.io import split_micro
-from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep
+from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
 from functional_pp.step.update import update_phase
 
 PP = "pp"
@@ -80,8 +80,9 @@ class PipelineStep(TrainStep):
         if self.fsdp_gather not in GATHER_POLICIES:
             raise ValueError(f"pipeline_step(fsdp_gather={self.fsdp_gather!r}): choose one of "
                              f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md, FSDP)")
-        self.fsdp_prefetch = False   # prefetch follows the previous forward's units: not a stage's
-        self.bucket_mb = None        # (gradients reduced as each backward makes them)
+        # no prefetch (it follows the previous forward's units: not a stage's); no buckets (gradients
+        # reduced as each backward makes them)
+        self.policy = self.policy.replace(fsdp_prefetch=False, bucket_mb=None)
         p = self.stages
         if p > 1 and self.rules[self.layers] != (PP,):
             raise ValueError(f"pipeline_step: the mesh has pp={p} but the rules do not split the layers over it; "
@@ -412,4 +413,4 @@ def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = 
         rules.check(mesh)
     return PipelineStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), schedule=schedule,
                         virtual_stages=virtual_stages, layers=layers, first_stage=tuple(first_stage),
-                        last_stage=tuple(last_stage), **options)
+                        last_stage=tuple(last_stage), **step_options(dict(options), "pipeline_step"))

@@ -27,16 +27,18 @@ from functional_pp.core import step_values
 from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
-from functional_pp.core.runtime import Options, current_context, new_per_thread
+from functional_pp.core.policy import FIELDS as POLICY_FIELDS
+from functional_pp.core.policy import Policy, check_keys
+from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
-from functional_pp.parallel.buckets import DEFAULT_BUCKET_MB, check_bucket_mb, grad_buckets, resolve_pending
+from functional_pp.parallel.buckets import grad_buckets, resolve_pending
 from functional_pp.parallel.collectives import psum as sum_over
 from functional_pp.parallel.fsdp_order import UnitOrder
 from functional_pp.parallel.fsdp_units import begin_forward
 from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
-from functional_pp.parallel.named import Named, _make, configure, env, settle, wrap
+from functional_pp.parallel.named import Named, _make, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
 from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
@@ -53,6 +55,9 @@ class NoLayerWarning(UserWarning):
 
 
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
+# a step's policy unless told otherwise: it does not recompute (remat=False, whatever the ambient
+# value); the other ambient fields inherit functional_pp.configure (docs/policy.md)
+STEP_POLICY = Policy(remat=False)
 DEFAULT_BATCH_DIMS = {"tokens": "batch seq", "labels": "batch seq", "positions": "seq"}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # every compiled TrainStep of a process adds graphs to the cache of the same function
@@ -133,9 +138,10 @@ def _device_of(tree: Any) -> torch.device | None:
 @dataclass
 class TrainStep:
     """One training step of ``loss_fn`` (built by :func:`train_step`). The fields are its
-    settings: numerics (``precision``, ``grad_accum``, ``on_nonfinite``), compilation, and the op
-    policy (``remat``, ``keep_gathered``, ``cp_attention``, ``regather_activations``;
-    docs/policy.md). Shared by every device thread: ``spec`` is set once by :meth:`init`."""
+    settings: numerics (``precision``, ``grad_accum``, ``on_nonfinite``), compilation, and its
+    execution ``policy`` (a :class:`~functional_pp.core.policy.Policy`: remat, keep_gathered,
+    cp_attention, regather_activations, gradient buckets, FSDP units; docs/policy.md). Shared
+    by every device thread: ``spec`` is set once by :meth:`init`."""
 
     loss_fn: Callable[[Any, dict], Named]
     optimizer: optim.GradientTransformation
@@ -145,21 +151,14 @@ class TrainStep:
     #                                       "per_layer[:backend]": compile each @fpp.layer once
     grad_accum: int = 1
     precision: str = "fp32"               # fp32 | bf16 | fp16 (compute dtype; master weights fp32)
-    remat: bool = False                   # activation checkpointing per layer
-    # op policy of the step (docs/policy.md); None: the ambient default of functional_pp.configure
-    keep_gathered: bool | None = None     # keep FSDP-gathered weights for backward (no re-gather)
-    cp_attention: str | None = None       # "ring" | "allgather": attention over a cp-split sequence
-    regather_activations: bool | None = None  # save gathered activations' shards, re-gather in backward
+    policy: Policy = STEP_POLICY          # how the ops and collectives execute (docs/policy.md); its
+    #                                       fields left None take the ambient functional_pp.configure values
     on_nonfinite: str = "skip"            # skip | raise
     max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
-    bucket_mb: float | None = DEFAULT_BUCKET_MB  # DP gradient all-reduce buckets (None: per gradient, synchronous)
-    fsdp_units: bool = True               # FSDP: one flat all-gather / reduce-scatter per layer
-    fsdp_keep_root: bool = True           # FSDP: weights outside the layers not re-gathered in backward
-    fsdp_prefetch: bool = True            # FSDP: the next unit's gather launched before a unit computes
     donate_state: bool = False            # the caller gives up the state passed in: compiled steps
     #                                       write the new state into it (the old state may be overwritten;
     #                                       docs/memory.md "Donated state")
@@ -179,10 +178,8 @@ class TrainStep:
         if self.metrics not in METRICS_MODES:
             raise ValueError(f"metrics {self.metrics!r}: choose 'per_step' (read after every step) or 'deferred' "
                              f"(read at step.read() or when a value is used)")
-        check_bucket_mb(self.bucket_mb)
-        if self.cp_attention not in (None, "ring", "allgather"):
-            raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
-                             f"the functional_pp.configure default)")
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"TrainStep(policy=...) needs a functional_pp.Policy, got {type(self.policy).__name__}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.max_consecutive_skips is not None and (
@@ -263,7 +260,7 @@ class TrainStep:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
                     self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
-                        torch.compile(self._device_step, backend=step_backend(step_compile, self.bucket_mb),
+                        torch.compile(self._device_step, backend=step_backend(step_compile, self.policy.bucket_mb),
                                       fullgraph=True, dynamic=False),   # static shapes
                         type(self)._device_step.__code__)
             fn = self._compiled
@@ -354,11 +351,12 @@ class TrainStep:
         """The step's thread-local settings, set outside the compiled region."""
         compiling = bool(step_compile or layer_compile)
         # (compile="per_layer" gathers inside each compiled layer, per weight: nothing is root there)
-        keep_root = self.fsdp_keep_root and not layer_compile and not self._no_layers
-        with use_rules(self.rules), trace_backward(bool(step_compile)), self.policy(), \
+        policy = self.policy
+        keep_root = policy.fsdp_keep_root and not layer_compile and not self._no_layers
+        with use_rules(self.rules), trace_backward(bool(step_compile)), self.apply_policy(), \
                 compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
-                layer_units(self.fsdp_units, keep_root=keep_root, prefetch=self.fsdp_prefetch,
+                layer_units(policy.fsdp_units, keep_root=keep_root, prefetch=policy.fsdp_prefetch,
                             order=self._unit_order) as seen:
             yield
         if keep_root and seen.root_without_layers:
@@ -387,9 +385,9 @@ class TrainStep:
         step_compile, layer_compile = split_mode(self.compile)
         with self._compile_lock:
             if self._compiled_new_buffers is None:
+                backend = step_backend(step_compile, self.policy.bucket_mb)
                 self._compiled_new_buffers = CompileGate(
-                    torch.compile(self._device_step_new_buffers, backend=step_backend(step_compile, self.bucket_mb),
-                                  fullgraph=True, dynamic=False),
+                    torch.compile(self._device_step_new_buffers, backend=backend, fullgraph=True, dynamic=False),
                     type(self)._device_step_new_buffers.__code__)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
@@ -401,14 +399,20 @@ class TrainStep:
     def _device_step_new_buffers(self, params, opt_state, step, skipped, batch):
         return self._device_step(params, opt_state, step, skipped, batch, donate_state=False)
 
-    def policy(self) -> ContextManager[Options]:
-        """The step's op policy (remat, keep_gathered, cp_attention, regather_activations and the
-        fp32 reduction of 16-bit gradients) in force for the ops it runs; the fields left None
-        keep the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
-        explicit = {k: getattr(self, k) for k in ("keep_gathered", "cp_attention", "regather_activations")
-                    if getattr(self, k) is not None}
-        return configure(remat=self.remat, reduce_dtype=torch.float32 if PRECISIONS[self.precision] else None,
-                         **explicit)
+    def resolved_policy(self) -> Policy:
+        """The policy the step's ops run under: its ``policy`` (16-bit ``precision`` summing
+        16-bit values in fp32 unless the policy names a ``reduce_dtype``), the fields left None
+        taken from the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
+        policy = self.policy
+        if policy.reduce_dtype is None and PRECISIONS[self.precision] is not None:
+            policy = policy.replace(reduce_dtype=torch.float32)
+        return policy.over(current_policy())
+
+    def apply_policy(self) -> ContextManager[Policy]:
+        """Put :meth:`resolved_policy` in force for the block: around the step, ``step.gradients``,
+        ``app.evaluate.evaluate`` and the planner's dry runs, so the loss computes the same way
+        in all of them."""
+        return use_policy(self.resolved_policy())
 
     def gradients(self, state: dict, batch: dict) -> tuple[torch.Tensor, Any]:
         """The loss and the reduced gradients (named, laid out like the parameters) this step
@@ -419,7 +423,7 @@ class TrainStep:
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.gradients")
         leaves, treespec = optree.tree_flatten(state["params"], none_is_leaf=False)
-        with use_rules(self.rules), self.policy():
+        with use_rules(self.rules), self.apply_policy():
             named_batch = {k: v if isinstance(v, Named) else wrap(v, self.batch_dims[k]) for k, v in batch.items()}
             return value_and_grad(self.loss_fn, self._named_params(leaves, treespec), named_batch)
 
@@ -476,7 +480,7 @@ class TrainStep:
             if self.metrics == "deferred":
                 loss = self._non_finite_if_bad_ids(loss, checked)
             diff = [x for x in xs if x.requires_grad]
-            with backward_region(), grad_buckets(self.bucket_mb) as buckets:   # docs/communication.md
+            with backward_region(), grad_buckets(self.policy.bucket_mb) as buckets:   # docs/communication.md
                 # (CUDA runs backward on autograd's own thread: it gets this thread's state)
                 gs = torch.autograd.grad(carry_to_backward(loss), diff)
                 gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
@@ -564,11 +568,25 @@ def trainable_flags(trainable: Any, params: Any, leaves: list[Named]) -> tuple[b
     return flags
 
 
+def step_options(options: dict, where: str = "train_step") -> dict:
+    """A step builder's keyword ``options`` with the policy settings among them (``remat=``,
+    ``keep_gathered=``, ``bucket_mb=``, ...: the fields of :class:`Policy`) gathered into one
+    ``policy`` (on top of ``policy=`` if given, else of the step's default)."""
+    settings = {k: options.pop(k) for k in list(options) if k in POLICY_FIELDS}
+    base = options.pop("policy", STEP_POLICY)
+    if not isinstance(base, Policy):
+        raise TypeError(f"{where}(policy=...) needs a functional_pp.Policy, got {type(base).__name__}")
+    check_keys(settings, POLICY_FIELDS, where)
+    return {**options, "policy": base.replace(**settings) if settings else base}
+
+
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
                mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
-    precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ..., and the op policy
-    remat, keep_gathered, cp_attention, regather_activations: docs/policy.md)."""
+    precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...). Its execution
+    policy is ``policy=`` (a :class:`Policy`) and/or its fields as keywords (remat,
+    keep_gathered, cp_attention, regather_activations, bucket_mb, fsdp_units, fsdp_keep_root,
+    fsdp_prefetch), which change that policy (docs/policy.md)."""
     if rules is not None and mesh is not None:
         rules.check(mesh)
-    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **options)
+    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))

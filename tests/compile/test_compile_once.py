@@ -21,7 +21,7 @@ def _run_gated(fn, n=4):
 
     def device():
         x = torch.full((3,), float(fpp.current_rank()))
-        with fpp.configure():     # thread-local options exist before tracing (as in a TrainStep)
+        with fpp.configure():     # a policy in force on the thread before tracing (as in a TrainStep)
             return gate(x), gate(x + 1)
     return fpp.launch(device, fpp.Mesh(dp_shard=n), timeout=600), compiled
 

@@ -1,0 +1,102 @@
+"""The execution policy in one object: what the ops save, communicate and recompute, and how a
+training step groups its collectives, without changing the model or the numbers
+(docs/policy.md).
+
+A :class:`Policy` is frozen. Its *ambient* fields (:data:`AMBIENT`: ``remat``,
+``keep_gathered``, ``cp_attention``, ``regather_activations``, ``reduce_dtype``) default to
+None, "inherit": :meth:`Policy.over` fills them from another policy (the ambient one of
+``core/runtime.py``, :func:`~functional_pp.core.runtime.current_policy`). Its *step* fields
+(:data:`STEP_ONLY`: gradient buckets and FSDP units) have concrete defaults: only a training
+step applies them, so there is nothing ambient to inherit (``bucket_mb=None`` means "no
+buckets", not "inherit")."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+DEFAULT_BUCKET_MB = 25.0
+CP_ATTENTION = ("ring", "allgather")
+# the fields an op reads from the ambient policy (functional_pp.configure sets them)
+AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype")
+# the fields only a training step applies (fpp.train_step(...) / TrainStep(policy=...))
+STEP_ONLY = ("bucket_mb", "fsdp_units", "fsdp_keep_root", "fsdp_prefetch")
+
+
+def check_bucket_mb(bucket_mb: float | None) -> None:
+    """Refuse a bucket size that is not None or a number of megabytes >= 0."""
+    if bucket_mb is None:
+        return
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb >= 0:
+        raise ValueError(f"bucket_mb must be a size in megabytes >= 0 (0: one all-reduce per gradient, "
+                         f"launched as soon as backward produces it; None: unbucketed, synchronous), "
+                         f"got {bucket_mb!r}")
+
+
+def check_keys(keys: Iterable[str], valid: Iterable[str], where: str) -> None:
+    """Refuse a key of ``keys`` that is not in ``valid``, naming it and the valid ones."""
+    valid = tuple(valid)
+    unknown = [k for k in keys if k not in valid]
+    if unknown:
+        raise TypeError(f"{where}: unknown policy setting {unknown[0]!r}; the settings are "
+                        f"{', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the ops and the training step execute (docs/policy.md). None in an ambient field:
+    inherit (:meth:`over`); :data:`RESOLVED` holds the values in force when nothing sets them."""
+
+    remat: bool | None = None
+    """Recompute each ``fpp.layer`` call in backward (activation checkpointing)."""
+    keep_gathered: bool | None = None
+    """Keep FSDP-gathered weights for backward instead of re-gathering them (ZeRO-2 vs ZeRO-3)."""
+    cp_attention: str | None = None
+    """``"ring"`` (K/V travel by permutes) or ``"allgather"``: attention over a cp-split sequence."""
+    regather_activations: bool | None = None
+    """Save gathered activations' shards and re-gather them in backward (Megatron SP)."""
+    reduce_dtype: torch.dtype | None = None
+    """Sum 16-bit values in this dtype (mixed precision; a step sets it from its ``precision``)."""
+    bucket_mb: float | None = DEFAULT_BUCKET_MB
+    """Step only: data-parallel gradient all-reduce buckets in MB (0: per gradient; None: unbucketed)."""
+    fsdp_units: bool = True
+    """Step only: under FSDP one flat all-gather / reduce-scatter per layer."""
+    fsdp_keep_root: bool = True
+    """Step only: under FSDP the weights outside the layers are not re-gathered in backward."""
+    fsdp_prefetch: bool = True
+    """Step only: under FSDP the next unit's gather is launched before a unit computes."""
+
+    def __post_init__(self):
+        if self.cp_attention not in (None, *CP_ATTENTION):
+            raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
+                             f"the functional_pp.configure default)")
+        if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
+            raise TypeError(f"reduce_dtype must be a torch.dtype or None, got {self.reduce_dtype!r}")
+        check_bucket_mb(self.bucket_mb)
+
+    @classmethod
+    def of(cls, where: str = "Policy", **kw: Any) -> "Policy":
+        """A policy from keyword settings, an unknown key refused with the valid ones named."""
+        check_keys(kw, FIELDS, where)
+        return cls(**kw)
+
+    def replace(self, **kw: Any) -> "Policy":
+        """This policy with the given fields changed (``dataclasses.replace``)."""
+        check_keys(kw, FIELDS, "Policy.replace")
+        return dataclasses.replace(self, **kw)
+
+    def over(self, base: "Policy") -> "Policy":
+        """This policy with each ambient field left None taken from ``base``."""
+        missing = {k: getattr(base, k) for k in AMBIENT if getattr(self, k) is None and getattr(base, k) is not None}
+        return dataclasses.replace(self, **missing) if missing else self
+
+    def explicit(self) -> dict[str, Any]:
+        """The ambient fields this policy sets (not None), by name."""
+        return {k: getattr(self, k) for k in AMBIENT if getattr(self, k) is not None}
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
+# the ambient values when nothing sets them (what current_policy() returns outside any block)
+RESOLVED = Policy(remat=False, keep_gathered=False, cp_attention="ring", regather_activations=False)
