@@ -1,6 +1,7 @@
-"""Full activation checkpointing in the dry-run (docs/planning.md, "Recomputation"):
-backward's recomputation counted for the layer it recomputes, its collectives tagged as
-recomputation's."""
+"""Full activation checkpointing in the dry-run and the time model's communication options
+(docs/planning.md, "Recomputation" and "Calibration"): backward's recomputation counted for
+the layer it recomputes, its collectives tagged as recomputation's, the TP/SP activation sums
+in bf16, Float8's fp8 activation gathers, async TP, a pipeline's FSDP traffic once per step."""
 import functools
 
 import pytest
@@ -71,3 +72,55 @@ def test_recomputed_collectives_are_weight_traffic_by_their_inputs_as_in_forward
     again = [e for e in est.runs[1].events if e.recompute and e.kind == "all_gather"]
     assert {e.shape for e in again if e.axes == ("tp",)} == {(2, 16, 64)}
     assert all(e.weight_traffic == (e.axes == ("dp_shard",)) for e in again)
+
+
+def test_activation_sums_in_bf16_halve_their_bytes(full_ac):
+    """``activation_sums="bfloat16"``: the TP/SP sums the step widens to float32 are sent in
+    bf16 (half the bytes); the gathers and the FSDP reduce-scatters are unchanged."""
+    fp32, bf16 = plan.cost(full_ac, FLAT), plan.cost(full_ac, FLAT, activation_sums="bfloat16")
+    rs = "tp reduce_scatter (intra)"
+    assert bf16.by_collective[rs] == pytest.approx(fp32.by_collective[rs] / 2, rel=1e-9)
+    for k in ("tp all_gather (intra)", "dp_shard reduce_scatter (intra)", "dp_shard all_gather (intra)"):
+        assert bf16.by_collective[k] == fp32.by_collective[k]
+    assert any(e.widened for e in full_ac.runs[0].events if e.kind == "reduce_scatter" and e.axes == ("tp",))
+    with pytest.raises(ValueError, match="activation_sums='int8'"):
+        plan.cost(full_ac, FLAT, activation_sums="int8")
+
+
+def test_float8_sends_the_forward_and_recomputed_activation_gathers_in_fp8(full_ac):
+    """``float8``: the layers' sequence-parallel gathers in forward and in recomputation carry
+    fp8 (half of bf16's bytes); backward's gradient gathers stay bf16."""
+    bf16, fp8 = plan.cost(full_ac, FLAT), plan.cost(full_ac, FLAT, float8=True)
+    events = lambda r: [e for e in r.events if e.kind == "all_gather" and e.axes == ("tp",)]   # noqa: E731
+    halved = full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in events(r)
+                                               if e.layer is not None and (e.phase == "forward" or e.recompute)))
+    assert 0 < halved < full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in events(r)))
+    ag = "tp all_gather (intra)"
+    assert bf16.by_collective[ag] - fp8.by_collective[ag] == pytest.approx(halved / 2 / FLAT.intra_bandwidth, rel=1e-9)
+
+
+def test_async_tp_hides_its_fraction_of_the_tp_collectives(full_ac):
+    """``async_tp``: ``async_tp_overlap`` of the TP activation all-gathers and reduce-scatters
+    hides under compute; with no overlap nothing changes."""
+    cl = FLAT.with_(async_tp_overlap=0.5)
+    sync, fused = plan.cost(full_ac, cl), plan.cost(full_ac, cl, async_tp=True)
+    tp = sync.by_collective["tp all_gather (intra)"] + sync.by_collective["tp reduce_scatter (intra)"]
+    assert sync.exposed_comm_s - fused.exposed_comm_s == pytest.approx(0.5 * tp, rel=1e-9)
+    assert fused.step_s == pytest.approx(sync.step_s - 0.5 * tp, rel=1e-9)
+    assert plan.cost(full_ac, cl.with_(async_tp_overlap=0.0), async_tp=True).step_s == sync.step_s
+
+
+def test_a_pipelines_fsdp_traffic_is_reported_once_per_step():
+    """``pp_fsdp_gather="step"``: the stage's FSDP units are gathered (in fp32 masters) and
+    reduce-scattered once per step, so ``by_collective`` charges their bytes once, the bytes of
+    the estimate's comm report; with "micro" once per micro-batch."""
+    cfg = llama.Config.tiny(layers=8)
+    loss, rules = functools.partial(llama.loss, cfg=cfg), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    batch = {"tokens": ((16, 16), "batch seq"), "labels": ((16, 16), "batch seq")}
+    mesh = fpp.Mesh(pp=2, dp_shard=4)
+    for policy in ("step", "micro"):
+        est = plan.estimate(loss, llama.init(cfg), mesh, rules, batch, grad_accum=4, pp_fsdp_gather=policy)
+        t = plan.cost(est, FLAT)
+        for kind in ("all_gather", "reduce_scatter"):
+            sent = est.comm.bytes(kind, "dp_shard")
+            assert t.by_collective[f"dp_shard {kind} (intra)"] == pytest.approx(sent / FLAT.intra_bandwidth, rel=1e-9)
