@@ -39,7 +39,8 @@ class StepTime:
 
 def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster, bytes_sent: int | None = None) -> tuple[float, str]:
     link = cl.link(mesh, e.axes)
-    return cl.collective_seconds(e.kind, e.bytes_sent if bytes_sent is None else bytes_sent, e.group_size, link), link[0]
+    sent = e.bytes_sent if bytes_sent is None else bytes_sent
+    return cl.collective_seconds(e.kind, sent, e.group_size, link), link[0]
 
 
 #: the tensor-parallel mesh axis: its activation collectives are what async TP overlaps
@@ -55,7 +56,8 @@ def sent_bytes(e: TaggedEvent, *, float8: bool = False, activation_sums: str | N
     sequence-parallel gathers feeding the linear layers) sent in fp8, as torchtitan's Float8
     tensor parallelism casts before gathering (the backward's gradient gathers stay bf16)."""
     n = e.bytes_sent
-    if activation_sums == "bfloat16" and e.widened and not e.weight_traffic and e.kind in ("all_reduce", "reduce_scatter"):
+    if (activation_sums == "bfloat16" and e.widened and not e.weight_traffic
+            and e.kind in ("all_reduce", "reduce_scatter")):
         n //= 2
     if (float8 and e.kind == "all_gather" and not e.weight_traffic and e.layer is not None and e.dtype in _16BIT
             and (e.phase == "forward" or e.recompute)):
@@ -205,7 +207,7 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         bubble = busy * (pipe.slots_per_busy - 1.0)
         compute, exposed, hidden, model_flops = m * compute, m * exposed + p2p, m * hidden, m * model_flops
         by_coll = {k: m * v - (m - 1) * total.get(f"update: {k}", 0.0) for k, v in by_coll.items()}
-        if pipe.fsdp_gather == "step":      # the weight traffic once per step: gathers in the master dtype, none in backward
+        if pipe.fsdp_gather == "step":      # once per step: gathers in the master dtype, none in backward
             for k in by_coll:
                 w = (total.get(f"weight: {k}", 0.0), total.get(f"gathered forward: {k}", 0.0),
                      total.get(f"gathered backward: {k}", 0.0))
@@ -234,8 +236,9 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
     ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
     ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
-    :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``). Minimises the squared log ratio
-    of :func:`cost`'s step time to the measured one, one number at a time (golden section in
+    :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``, ``activation_sums``,
+    ``async_tp``). Minimises the squared log ratio of :func:`cost`'s step time to the measured
+    one, one number at a time (golden section in
     log space, ``rounds`` sweeps); fractions stay at most 1, and a number that no sample
     depends on keeps its value."""
     cl = as_cluster(base)

@@ -147,7 +147,8 @@ def test_torchtitans_405b_rows_within_15_percent():
     one, inter = references.LLAMA3_405B
     (t1, s1), (t2, s2) = references.predict(one, "h100x8-gt"), references.predict(inter, "h100x8-gt")
     assert t2 / t1 == pytest.approx(inter.tokens_per_s_per_gpu / one.tokens_per_s_per_gpu, rel=0.15)
-    assert t1 == pytest.approx(one.tokens_per_s_per_gpu, rel=0.15) and t2 == pytest.approx(inter.tokens_per_s_per_gpu, rel=0.15)
+    assert t1 == pytest.approx(one.tokens_per_s_per_gpu, rel=0.15)
+    assert t2 == pytest.approx(inter.tokens_per_s_per_gpu, rel=0.15)
     assert s1.bubble_s > s2.bubble_s > 0 and s1.p2p_s < s2.p2p_s           # interleaving: less bubble, more sends
 
 
