@@ -1,6 +1,6 @@
 """The time model against published runs (docs/planning.md, "Calibration"): torchtitan's Llama
-3.1 8B rows predicted within 15% by the fitted preset, MFU counted as torchtitan counts it,
-the FLOP and traffic counts the model rests on, and the fit itself."""
+3.1 8B and 70B rows predicted within 15% by the fitted preset, MFU counted as torchtitan
+counts it, the FLOP and traffic counts the model rests on, and the fit itself."""
 import functools
 
 import pytest

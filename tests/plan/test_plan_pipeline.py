@@ -1,6 +1,6 @@
 """Pipeline and expert-parallel layouts in the planner (docs/planning.md, "Pipelines"): the
 schedule's bubble and held activations, the stage-to-stage bytes against a real pipeline step,
-the per-micro-batch collectives, torchtitan's 405B 1F1B / interleaved ratio, the search."""
+the per-micro-batch collectives, torchtitan's 405B 1F1B and interleaved rows, the search."""
 import functools
 
 import pytest
