@@ -1,19 +1,24 @@
 """Instrumentation as observers: low layers announce events, higher layers subscribe.
 
-Two events: a tensor saved for backward by an op's own saved-tensor hook (FSDP
+Three events: a tensor saved for backward by an op's own saved-tensor hook (FSDP
 re-gathering), which the planner counts to measure activation memory (ops announce it with
 :func:`saved_for_backward`; the planner subscribes with :func:`on_saved_for_backward`); and
 work that depends on the device's position in the mesh (:func:`uneven_work`), which tells
-the planner that one device does not stand for all (docs/planning.md). The collectives'
+the planner that one device does not stand for all (docs/planning.md); and a checkpointed
+region running, first in forward and again when backward recomputes it (:func:`checkpointed`),
+which tells the planner which layer the recomputation belongs to and that its collectives are
+recomputation's. The collectives'
 counterpart is :mod:`functional_pp.core.comm` (docs/architecture.md)."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 _saved_observers: list[Callable[[torch.Tensor], None]] = []
 _uneven_observers: list[Callable[[str, Mapping[str, int]], None]] = []
+_region_observers: list[Callable[[object, bool, bool], None]] = []
 
 
 def on_saved_for_backward(observer: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -42,3 +47,24 @@ def uneven_work(what: str, busiest: Mapping[str, int]) -> None:
     and that the device at mesh coordinates ``busiest`` (e.g. ``{"cp": 3}``) does the most."""
     for observer in _uneven_observers:
         observer(what, dict(busiest))
+
+
+def on_checkpointed(observer: Callable[[object, bool, bool], None]) -> Callable[[object, bool, bool], None]:
+    """Subscribe ``observer(region, recompute, entering)`` to checkpointed regions entering and
+    leaving (see :func:`checkpointed`); returns it."""
+    if observer not in _region_observers:
+        _region_observers.append(observer)
+    return observer
+
+
+@contextmanager
+def checkpointed(region: object, recompute: bool) -> Iterator[None]:
+    """Announce that the checkpointed region ``region`` (one object per call of the wrapped
+    function) runs: in forward (``recompute=False``) or again in backward, recomputed."""
+    for observer in _region_observers:
+        observer(region, recompute, True)
+    try:
+        yield
+    finally:
+        for observer in reversed(_region_observers):
+            observer(region, recompute, False)

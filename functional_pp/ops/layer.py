@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from functional_pp._torch import is_tracing
 from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
+from functional_pp.core.observers import checkpointed
 from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure, current_policy
 from functional_pp.parallel.pipeline.stage import current_stage, running_stage
@@ -49,6 +50,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
         slots = [i for i, x in enumerate(leaves) if isinstance(x, Named)]
         expected = _meta(args[out_like]) if out_like is not None else None
         found: dict = {}
+        region = object()         # this call's region: its forward run and its recomputation
 
         def inner(*datas):
             rebuilt = list(leaves)
@@ -57,7 +59,9 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
                 rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
             # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
             # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
-            with configure(keep_gathered=True):
+            recompute = found.get("ran", False)
+            found["ran"] = True
+            with configure(keep_gathered=True), checkpointed(region, recompute):
                 out = fn(*optree.tree_unflatten(spec, rebuilt))
             if expected is None:
                 found["meta"] = _meta(out)

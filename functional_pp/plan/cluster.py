@@ -25,7 +25,9 @@ class Cluster:
     ``torch.compile`` fuses them; ``overlap``: the fraction of weight traffic (FSDP gathers,
     gradient reductions) that can hide under compute. ``peak_fp8_flops``: the dense FP8 peak
     (None: the device has no FP8 matmuls); ``float8_efficiency``: the fraction of it Float8
-    matmuls reach (``cost(..., float8=True)``)."""
+    matmuls reach (``cost(..., float8=True)``). ``async_tp_overlap``: the fraction of the
+    tensor-parallel activation collectives asynchronous TP hides under compute
+    (``cost(..., async_tp=True)``)."""
     name: str
     devices_per_node: int
     intra_bandwidth: float
@@ -42,6 +44,7 @@ class Cluster:
     overlap: float = 1.0
     peak_fp8_flops: float | None = None
     float8_efficiency: float = 0.56
+    async_tp_overlap: float = 0.0
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
 
     def with_(self, **kw) -> "Cluster":
@@ -85,13 +88,18 @@ class Cluster:
 #: fraction of the FP8 dense peak (1979 TFLOP/s on H100) its Float8 matmuls reach
 FLOAT8_FIT = 0.57
 
+#: fitted to torchtitan's Llama 3.1 70B rows (FSDP 32 x TP 8, 829 and 876 tokens/s/GPU without and
+#: with async TP, plan/references.py): the fraction of the TP activation collectives that
+#: asynchronous TP hides under compute (the ratio gives 0.357)
+ASYNC_TP_FIT = 0.36
+
 #: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B bf16 rows (plan/references.py):
 #: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.95 of
 #: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
 #: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
 #: NIC at 90% of its line rate (docs/planning.md, "Calibration")
 H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
-                overlap=0.95, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT)
+                overlap=0.95, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT)
 
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,

@@ -5,7 +5,10 @@ measured tokens/s per GPU, with the source. :func:`predict` dry-runs the setup a
 The dry-run runs this project's Llama on the row's mesh. What the published run did
 differently is passed to :func:`functional_pp.plan.cost`: ``torch.compile`` (``compiled``)
 and torchtitan's op-level selective activation checkpointing (``selective_ac="op"``), which
-this project does not implement, and Float8 linear layers (``float8``)."""
+this project does not implement, Float8 linear layers (``float8``), asynchronous TP
+(``async_tp``), and, for every row, its TP/SP activation sums in bf16
+(``activation_sums="bfloat16"``: torchtitan reduces activations in their own dtype where this
+project's step widens them to float32)."""
 from __future__ import annotations
 
 import functools
@@ -44,6 +47,7 @@ class Reference:
     notes: str = ""
     options: tuple = field(default=())
     float8: bool = False             # torchtitan's Float8 linear layers (dynamic tensorwise scaling)
+    async_tp: bool = False           # torchtitan's asynchronous TP (collectives fused with the matmuls)
 
     @property
     def devices(self) -> int:
@@ -53,7 +57,8 @@ class Reference:
         return n
 
     def cost_options(self) -> dict:
-        return {"compiled": self.compiled, "selective_ac": self.selective_ac, "float8": self.float8}
+        return {"compiled": self.compiled, "selective_ac": self.selective_ac, "float8": self.float8,
+                "activation_sums": "bfloat16", "async_tp": self.async_tp}
 
 
 def _table(name: str, tps: float, mesh, compiled: bool, table: str, float8: bool = False) -> Reference:
@@ -74,8 +79,8 @@ LLAMA3_8B = (
 def _405b(name: str, tps: float, schedule: str, virtual: int) -> Reference:
     return Reference(name, "llama3_405b", (("pp", 8), ("dp_shard", 8), ("tp", 8)), 32, 8192, tps,
                      f"{TORCHTITAN_2024}, Table 5", compiled=True, remat=True, schedule=schedule, micro_batches=8,
-                     virtual_stages=virtual, float8=True,
-                     notes="compile + Float8 + async TP (async TP not modelled), full AC, "
+                     virtual_stages=virtual, float8=True, async_tp=True,
+                     notes="compile + Float8 + async TP, full AC, "
                            "8 micro-batches (torchtitan's default: as many as stages), interleaved with 2 "
                            "stages per rank (its default); 128 layers here (126 do not split into 16 stages)")
 
@@ -86,6 +91,20 @@ LLAMA3_405B = (
     _405b("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B", 128, "interleaved_1f1b", 2),
 )
 
+def _70b(name: str, tps: float, async_tp: bool) -> Reference:
+    return Reference(name, "llama3_70b", (("dp_shard", 32), ("tp", 8)), 16, 8192, tps, f"{TORCHTITAN_2024}, Table 4",
+                     compiled=True, remat=True, float8=True, async_tp=async_tp,
+                     notes="compile + Float8, full AC" + (" + async TP" if async_tp else "")
+                           + "; sequence length not stated in the table: 8192 assumed (the other tables')")
+
+
+#: torchtitan's 70B rows on 256 H100 (FSDP 32 x TP 8): without and with async TP; the
+#: presets' ``async_tp_overlap`` is fitted to their ratio
+LLAMA3_70B = (
+    _70b("70B FSDP 32 x TP 8", 829, False),
+    _70b("70B FSDP 32 x TP 8, async TP", 876, True),
+)
+
 #: the Float8 rows (compiled): ``float8_efficiency`` of the presets is fitted to them
 LLAMA3_8B_FLOAT8 = (
     _table("8B FSDP 8, compiled + Float8", 8532, (("dp_shard", 8),), True, "Table 1", float8=True),
@@ -94,6 +113,7 @@ LLAMA3_8B_FLOAT8 = (
 
 CONFIGS = {
     "llama3_8b": llama.Config.llama3_8b,
+    "llama3_70b": llama.Config.llama3_70b,      # Llama 3.1 70B: 80 layers, hidden 8192, 64 heads, 8 kv heads
     # Llama 3.1 405B: 126 layers in the published model, 128 here so that 16 stages divide them
     "llama3_405b": lambda: llama.Config.llama3_70b(hidden=16384, layers=128, heads=128, mlp=53248),
 }

@@ -37,9 +37,39 @@ class StepTime:
                 "placement": dict(self.placement)}
 
 
-def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster) -> tuple[float, str]:
+def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster, bytes_sent: int | None = None) -> tuple[float, str]:
     link = cl.link(mesh, e.axes)
-    return cl.collective_seconds(e.kind, e.bytes_sent, e.group_size, link), link[0]
+    sent = e.bytes_sent if bytes_sent is None else bytes_sent
+    return cl.collective_seconds(e.kind, sent, e.group_size, link), link[0]
+
+
+#: the tensor-parallel mesh axis: its activation collectives are what async TP overlaps
+TP = "tp"
+_16BIT = ("bfloat16", "float16")
+
+
+def sent_bytes(e: TaggedEvent, *, float8: bool = False, activation_sums: str | None = None) -> int:
+    """Bytes ``e`` sends in the run being costed: as the dry-run recorded them, except
+    ``activation_sums="bfloat16"``: activation sums that the step widens to float32 (its
+    ``reduce_dtype``; TP/SP reduce-scatters and all-reduces) sent in bf16, as torchtitan does;
+    ``float8``: the layers' activation all-gathers in forward and in recomputation (the
+    sequence-parallel gathers feeding the linear layers) sent in fp8, as torchtitan's Float8
+    tensor parallelism casts before gathering (the backward's gradient gathers stay bf16)."""
+    n = e.bytes_sent
+    if (activation_sums == "bfloat16" and e.widened and not e.weight_traffic
+            and e.kind in ("all_reduce", "reduce_scatter")):
+        n //= 2
+    if (float8 and e.kind == "all_gather" and not e.weight_traffic and e.layer is not None and e.dtype in _16BIT
+            and (e.phase == "forward" or e.recompute)):
+        n //= 2
+    return n
+
+
+def async_tp_event(e: TaggedEvent) -> bool:
+    """A tensor-parallel activation collective that async TP overlaps with its matmul
+    (torchtitan's fused all-gather + matmul and matmul + reduce-scatter)."""
+    return (not e.weight_traffic and e.axes == (TP,) and e.kind in ("all_gather", "reduce_scatter")
+            and e.phase != "update")
 
 
 #: bytes per element Float8's dynamic tensorwise scaling moves for each matmul operand: its
@@ -48,12 +78,18 @@ FLOAT8_CAST_BYTES = 2 + 2 + 1
 
 
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
-                   compiled: bool = False, selective_ac: str | None = None, float8: bool = False) -> dict[str, float]:
+                   compiled: bool = False, selective_ac: str | None = None, float8: bool = False,
+                   activation_sums: str | None = None) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
     phase, split into critical-path and weight traffic, per collective. ``float8``: the
     layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
-    with dynamic tensorwise scaling; attention and the head stay bf16)."""
+    with dynamic tensorwise scaling; attention and the head stay bf16) and their activation
+    all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`. ``async {phase}``: the
+    part of the critical path async TP can overlap (:func:`async_tp_event`)."""
+    if activation_sums not in (None, "float32", "bfloat16"):
+        raise ValueError(f"cost: activation_sums={activation_sums!r}; use None or 'float32' (as the step sends them) "
+                         f"or 'bfloat16' (torchtitan's TP/SP sums)")
     mm_rate = cl.peak_flops * cl.compute_efficiency
     attn_rate = cl.peak_flops * cl.attention_efficiency
     byte_rate = cl.memory_bandwidth * cl.memory_efficiency / (cl.compiled_traffic if compiled else 1.0)
@@ -90,7 +126,7 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     for e in run.events:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
             continue
-        s, where = event_seconds(e, mesh, cl)
+        s, where = event_seconds(e, mesh, cl, sent_bytes(e, float8=float8, activation_sums=activation_sums))
         if e.weight_traffic and e.layer is not None:     # the step's FSDP units: one flat collective per layer
             key = (e.kind, e.axes, e.phase, e.layer)
             if key in grouped:
@@ -100,19 +136,31 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
         add(f"{kind} {e.phase}" if layer == "all" else kind, s)
         if e.weight_traffic and e.kind == "all_gather" and layer == "all":
             add(f"gather {e.phase}", s)
-        add(f"{'+'.join(e.axes)} {e.kind} ({where})", s)
+        if layer == "all" and async_tp_event(e):
+            add(f"async {e.phase}", s)
+        label = f"{'+'.join(e.axes)} {e.kind} ({where})"
+        add(label, s)
+        if layer == "all" and e.phase == "update":         # once per step, also in a pipeline
+            add(f"update: {label}", s)
+        elif e.weight_traffic and layer == "all":          # a pipeline may issue these once per step
+            add(f"{'gathered ' + e.phase if e.kind == 'all_gather' else 'weight'}: {label}", s)
     return out
 
 
 def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None,
-         float8: bool = False) -> "StepTime":
+         float8: bool = False, activation_sums: str | None = None, async_tp: bool = False) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
     efficiency), those bytes scaled by ``compiled_traffic`` when ``compiled``;
     ``selective_ac="op"`` adds torchtitan's op-level recomputation; ``float8`` runs the
     layers' linear matmuls at ``peak_fp8_flops x float8_efficiency`` and adds their
-    operands' casts to the memory traffic (attention and the head stay bf16). A fraction ``overlap``
+    operands' casts to the memory traffic (attention and the head stay bf16) and sends the
+    layers' activation all-gathers in fp8; ``activation_sums="bfloat16"`` sends the TP/SP
+    activation sums in bf16 rather than the step's float32 (torchtitan's);
+    ``async_tp`` hides a fraction ``async_tp_overlap`` of the tensor-parallel activation
+    all-gathers and reduce-scatters under the compute of their phase (torchtitan's async TP).
+    A fraction ``overlap``
     of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
     phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
     the update is a memory-bound pass over the state. A pipeline (``est.pipeline``) repeats
@@ -122,20 +170,23 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
-    comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8)
-             for r in est.runs]
+    comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8,
+                            activation_sums=activation_sums) for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
     compute = sum(v for k, v in total.items() if k.startswith("compute "))
-    exposed = hidden = 0.0
+    exposed = hidden = tp_hidden = 0.0
     for phase in ("forward", "backward"):
         w = total.get(f"weight {phase}", 0.0)
         c = total.get(f"compute {phase}", 0.0)
         hide = min(cl.overlap * w, c)
-        exposed += total.get(f"critical {phase}", 0.0) + w - hide
-        hidden += hide
+        # async TP: a fraction of the TP activation collectives runs under the matmuls they feed
+        tp = min(cl.async_tp_overlap * total.get(f"async {phase}", 0.0), c - hide) if async_tp else 0.0
+        exposed += total.get(f"critical {phase}", 0.0) - tp + w - hide
+        hidden += hide + tp
+        tp_hidden += tp
     once = total.get("critical update", 0.0) + total.get("weight update", 0.0)
-    by_coll = {k: v for k, v in total.items() if "(" in k}
+    by_coll = {k: v for k, v in total.items() if "(" in k and ": " not in k}
     model_flops = total.get("model flops", 0.0)
     bubble = p2p = 0.0
     pipe = est.pipeline
@@ -144,18 +195,23 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         link = cl.link(est.mesh, ("pp",))
         p2p = pipe.sends * cl.collective_seconds("permute", pipe.boundary_bytes, 2, link)
         if pipe.fsdp_gather == "step":      # weight traffic once per step (gathered in the master dtype, no re-gather)
-            critical = sum(total.get(f"critical {ph}", 0.0) for ph in ("forward", "backward"))
+            critical = sum(total.get(f"critical {ph}", 0.0) for ph in ("forward", "backward")) - tp_hidden
             scale = pipe.gather_scale
             weight = (scale * total.get("gather forward", 0.0) + total.get("weight forward", 0.0)
                       - total.get("gather forward", 0.0) + total.get("weight backward", 0.0)
                       - total.get("gather backward", 0.0))
             hide = min(cl.overlap * weight, m * compute)
-            once_w, hidden = weight - hide, hide / m
+            once_w, hidden = weight - hide, hide / m + tp_hidden
             exposed = critical + once_w / m
         busy = m * (compute + exposed) + p2p
         bubble = busy * (pipe.slots_per_busy - 1.0)
         compute, exposed, hidden, model_flops = m * compute, m * exposed + p2p, m * hidden, m * model_flops
-        by_coll = {k: m * v for k, v in by_coll.items()}
+        by_coll = {k: m * v - (m - 1) * total.get(f"update: {k}", 0.0) for k, v in by_coll.items()}
+        if pipe.fsdp_gather == "step":      # once per step: gathers in the master dtype, none in backward
+            for k in by_coll:
+                w = (total.get(f"weight: {k}", 0.0), total.get(f"gathered forward: {k}", 0.0),
+                     total.get(f"gathered backward: {k}", 0.0))
+                by_coll[k] -= m * sum(w) - w[0] - pipe.gather_scale * w[1]
         by_coll[f"pp permute ({link[0]})"] = p2p
     exposed += once
     update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
@@ -166,7 +222,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         last = est.runs[-1]
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
-            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8)
+            per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8,
+                                       activation_sums=activation_sums)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 
@@ -179,8 +236,9 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
     ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
     ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
-    :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``). Minimises the squared log ratio
-    of :func:`cost`'s step time to the measured one, one number at a time (golden section in
+    :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``, ``activation_sums``,
+    ``async_tp``). Minimises the squared log ratio of :func:`cost`'s step time to the measured
+    one, one number at a time (golden section in
     log space, ``rounds`` sweeps); fractions stay at most 1, and a number that no sample
     depends on keeps its value."""
     cl = as_cluster(base)
@@ -190,7 +248,7 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
         raise ValueError(f"fit_cluster: {unknown} are not numbers of a Cluster; fit some of "
                          f"{[k for k, v in vars(cl).items() if isinstance(v, float)]}")
     capped = {"compute_efficiency", "attention_efficiency", "memory_efficiency", "compiled_traffic", "overlap",
-              "float8_efficiency"}
+              "float8_efficiency", "async_tp_overlap"}
 
     def loss(c: Cluster) -> float:
         return sum(math.log(cost(e, c, **o).step_s / t) ** 2 for e, t, o in samples)

@@ -14,7 +14,7 @@ import torch
 
 from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
 from functional_pp.core.comm import CommReport
-from functional_pp.core.observers import on_saved_for_backward, on_uneven_work
+from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_uneven_work
 from functional_pp.core.runtime import per_thread
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
@@ -40,6 +40,8 @@ class _Alloc:
     layer: int | None
     phase: str
     param_derived: bool
+    recomputed: bool = False     # created by backward's recomputation of a checkpointed region
+    widened: bool = False        # a 16-bit tensor cast up to float32 (mixed precision's wide sums)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class TaggedEvent:
     layer: int | None
     op: str
     weight_traffic: bool      # gathers weights or reduces weight gradients: may overlap compute
+    recompute: bool = False   # issued by backward's recomputation of a checkpointed region (remat)
+    widened: bool = False     # sums 16-bit values cast up to float32 (the step's reduce_dtype)
 
 
 @dataclass
@@ -110,6 +114,15 @@ def count_saved(t: torch.Tensor) -> None:
         tracker.pack(t)
 
 
+@on_checkpointed
+def note_region(region: object, recompute: bool, entering: bool) -> None:
+    """A checkpointed region runs: in forward remember its layer; recomputed in backward, run it
+    as that layer and tag what it does as recomputation."""
+    tracker = getattr(_active, "tracker", None)
+    if tracker is not None:
+        tracker.region(region, recompute, entering)
+
+
 @on_uneven_work
 def note_uneven(what: str, busiest) -> None:
     """Record that an op's work depends on the device (the representative is not typical)."""
@@ -143,6 +156,9 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "forward"
         self._seen_backward = False
         self._mm_in_layer: dict = {}
+        self._region_layer: dict = {}      # checkpointed region -> the layer it ran in forward
+        self._outer_regions: list = []
+        self.recomputing = False
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -152,6 +168,20 @@ class MemoryTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         _active.tracker = self._outer
         return super().__exit__(*exc)
+
+    def region(self, region: object, recompute: bool, entering: bool) -> None:
+        """A checkpointed region enters or leaves (:func:`functional_pp.core.observers.checkpointed`):
+        its recomputation counts for the layer it ran in forward (the dry-run extrapolates
+        per layer), and its collectives are tagged ``recompute``."""
+        if not recompute:
+            if entering:
+                self._region_layer[region] = self.layer
+            return
+        if entering:
+            self._outer_regions.append((self.layer, self.recomputing))
+            self.layer, self.recomputing = self._region_layer.get(region, self.layer), True
+        else:
+            self.layer, self.recomputing = self._outer_regions.pop()
 
     # -------------------------------------------------------------- autograd hooks
     def pack(self, t: torch.Tensor):
@@ -185,8 +215,9 @@ class MemoryTracker(TorchDispatchMode):
             self.phase = "update"
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         in_allocs = [self._live.get(id(a.untyped_storage())) for a in inputs]
-        if backward:
-            layers = [a.layer for a in in_allocs if a is not None and a.phase == "forward" and a.layer is not None]
+        if backward and not self.recomputing:     # recomputation keeps its region's layer
+            layers = [a.layer for a in in_allocs
+                      if a is not None and (a.phase == "forward" or a.recomputed) and a.layer is not None]
             if layers:
                 self.layer = max(layers)
         out = func(*args, **kwargs)
@@ -197,10 +228,10 @@ class MemoryTracker(TorchDispatchMode):
             id(a.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
             for a, al in zip(inputs, in_allocs))
         if self._report is not None and len(self._report.events) > self._n_events:
-            self._tag_events(name, derived, inputs)
+            self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._allocate(t, name, derived, func)
+                self._allocate(t, name, derived, func, inputs)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
             self.mark_logits(args[0])
             self.mark_logits(out)
@@ -209,16 +240,17 @@ class MemoryTracker(TorchDispatchMode):
         self._seq += 1
         return out
 
-    def _tag_events(self, op: str, derived: bool, inputs) -> None:
+    def _tag_events(self, op: str, derived: bool, inputs, widened: bool = False) -> None:
         for e in self._report.events[self._n_events:]:
-            weight = derived if self.phase == "forward" else e.shape in self._weight_shapes
+            # forward and its recomputation: a collective on parameters; backward: on their gradients
+            weight = derived if self.phase == "forward" or self.recomputing else e.shape in self._weight_shapes
             if self.phase == "update":
                 weight = False     # gradient-norm and token-count sums: scalars
             self.run.events.append(TaggedEvent(e.kind, e.axes, e.group_size, e.bytes_sent, e.shape, e.dtype,
-                                               self.phase, self.layer, op, weight))
+                                               self.phase, self.layer, op, weight, self.recomputing, widened))
         self._n_events = len(self._report.events)
 
-    def _allocate(self, t: torch.Tensor, op: str, derived: bool, func) -> None:
+    def _allocate(self, t: torch.Tensor, op: str, derived: bool, func, inputs=()) -> None:
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._live or key in self._param_ids:
@@ -235,7 +267,9 @@ class MemoryTracker(TorchDispatchMode):
             category = "gradients and backward temporaries"
         else:
             category = "update temporaries"
-        alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived)
+        widened = (func is _aten._to_copy.default and t.dtype == torch.float32 and len(inputs) == 1
+                   and inputs[0].dtype in (torch.bfloat16, torch.float16))
+        alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened)
         self._live[key] = alloc
         self._totals[category] += nbytes
         self._current += nbytes

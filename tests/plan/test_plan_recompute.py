@@ -1,0 +1,126 @@
+"""Full activation checkpointing in the dry-run and the time model's communication options
+(docs/planning.md, "Recomputation" and "Calibration"): backward's recomputation counted for
+the layer it recomputes, its collectives tagged as recomputation's, the TP/SP activation sums
+in bf16, Float8's fp8 activation gathers, async TP, a pipeline's FSDP traffic once per step."""
+import functools
+
+import pytest
+
+import functional_pp as fpp
+from functional_pp import plan
+from functional_pp.models import llama
+
+CFG = llama.Config.tiny(layers=4)
+LOSS = functools.partial(llama.loss, cfg=CFG)
+BATCH = {"tokens": ((6, 32), "batch seq"), "labels": ((6, 32), "batch seq")}
+MESH = fpp.Mesh(dp_shard=2, tp=2)
+RULES = llama.default_rules(fsdp=True, sequence_parallel=True)
+#: no latency: every collective's seconds are its bytes over the link's bandwidth
+FLAT = plan.cluster("h100x8-gt").with_(intra_latency=0.0, inter_latency=0.0)
+
+
+def _estimate(remat: bool, repeated="layers", **kw):
+    return plan.estimate(LOSS, llama.init(CFG), MESH, RULES, BATCH, precision="bf16", remat=remat,
+                         repeated=repeated, **kw)
+
+
+@pytest.fixture(scope="module")
+def full_ac():
+    return _estimate(True)
+
+
+def test_recomputation_counts_for_the_layer_it_recomputes(full_ac):
+    """The 1- and 2-layer runs attribute each layer's recomputation and backward to that layer,
+    so what the layers' linear matmuls do (Float8's part) extrapolates over the layers: the
+    1-layer run's backward equals what the second layer adds. Before, backward under full AC
+    kept the layer before it: none for the first, so the 1-layer run had no such backward and
+    the second layer's increment carried two layers' worth."""
+    one, two = full_ac.runs
+    for counts in (lambda r: r.linear_flops["backward"], lambda r: r.linear_operands["backward"]):
+        assert counts(one) == counts(two) - counts(one) > 0
+    assert one.linear_by_layer[0] == two.linear_by_layer[0] == two.linear_by_layer[1]
+    # per layer (this device's TP share): forward, its recomputation but the last matmul (down: its
+    # output is not saved, so non-reentrant checkpointing stops before it), and backward's two products
+    b, s, h, kv, f, tp = 3, 32, CFG.hidden, CFG.kv_heads * CFG.hidden // CFG.heads, CFG.mlp, 2
+    forward = 2 * b * s * h * (2 * h + 2 * kv + 3 * f) // tp
+    assert one.linear_flops["forward"] == forward
+    assert one.linear_flops["backward"] == 3 * forward - 2 * b * s * f * h // tp
+
+
+def test_collectives_of_the_recomputation_are_tagged(full_ac):
+    """Under full AC backward re-gathers each layer's FSDP unit and repeats its TP/SP gathers;
+    those events are tagged ``recompute`` and belong to the recomputed layer; without AC
+    nothing is."""
+    two = full_ac.runs[1]
+    for layer in (0, 1):
+        fwd = sorted((e.kind, e.axes, e.shape) for e in two.events
+                     if e.phase == "forward" and e.layer == layer and e.kind == "all_gather")
+        again = sorted((e.kind, e.axes, e.shape) for e in two.events
+                       if e.recompute and e.layer == layer and e.kind == "all_gather")
+        assert fwd and again == fwd              # the unit's gathers and the sequence-parallel gathers
+    assert all(e.phase == "backward" for e in two.events if e.recompute)
+    assert not any(e.recompute for r in _estimate(False).runs for e in r.events)
+
+
+def test_recomputed_collectives_are_weight_traffic_by_their_inputs_as_in_forward():
+    """Backward tells gradient traffic by shape; the recomputation is forward again, so its
+    collectives are weight traffic iff they gather parameters, as in forward. With 2 sequences
+    per device the sequence-parallel block (2, 16, 64) has the shape of the gathered k weight
+    (2 kv heads x 16 x 64): by shape the recomputed activation gathers would pass for weights."""
+    batch = {k: ((4, 32), "batch seq") for k in BATCH}
+    est = plan.estimate(LOSS, llama.init(CFG), MESH, RULES, batch, precision="bf16", remat=True)
+    again = [e for e in est.runs[1].events if e.recompute and e.kind == "all_gather"]
+    assert {e.shape for e in again if e.axes == ("tp",)} == {(2, 16, 64)}
+    assert all(e.weight_traffic == (e.axes == ("dp_shard",)) for e in again)
+
+
+def test_activation_sums_in_bf16_halve_their_bytes(full_ac):
+    """``activation_sums="bfloat16"``: the TP/SP sums the step widens to float32 are sent in
+    bf16 (half the bytes); the gathers and the FSDP reduce-scatters are unchanged."""
+    fp32, bf16 = plan.cost(full_ac, FLAT), plan.cost(full_ac, FLAT, activation_sums="bfloat16")
+    rs = "tp reduce_scatter (intra)"
+    assert bf16.by_collective[rs] == pytest.approx(fp32.by_collective[rs] / 2, rel=1e-9)
+    for k in ("tp all_gather (intra)", "dp_shard reduce_scatter (intra)", "dp_shard all_gather (intra)"):
+        assert bf16.by_collective[k] == fp32.by_collective[k]
+    assert any(e.widened for e in full_ac.runs[0].events if e.kind == "reduce_scatter" and e.axes == ("tp",))
+    with pytest.raises(ValueError, match="activation_sums='int8'"):
+        plan.cost(full_ac, FLAT, activation_sums="int8")
+
+
+def test_float8_sends_the_forward_and_recomputed_activation_gathers_in_fp8(full_ac):
+    """``float8``: the layers' sequence-parallel gathers in forward and in recomputation carry
+    fp8 (half of bf16's bytes); backward's gradient gathers stay bf16."""
+    bf16, fp8 = plan.cost(full_ac, FLAT), plan.cost(full_ac, FLAT, float8=True)
+    events = lambda r: [e for e in r.events if e.kind == "all_gather" and e.axes == ("tp",)]   # noqa: E731
+    halved = full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in events(r)
+                                               if e.layer is not None and (e.phase == "forward" or e.recompute)))
+    assert 0 < halved < full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in events(r)))
+    ag = "tp all_gather (intra)"
+    assert bf16.by_collective[ag] - fp8.by_collective[ag] == pytest.approx(halved / 2 / FLAT.intra_bandwidth, rel=1e-9)
+
+
+def test_async_tp_hides_its_fraction_of_the_tp_collectives(full_ac):
+    """``async_tp``: ``async_tp_overlap`` of the TP activation all-gathers and reduce-scatters
+    hides under compute; with no overlap nothing changes."""
+    cl = FLAT.with_(async_tp_overlap=0.5)
+    sync, fused = plan.cost(full_ac, cl), plan.cost(full_ac, cl, async_tp=True)
+    tp = sync.by_collective["tp all_gather (intra)"] + sync.by_collective["tp reduce_scatter (intra)"]
+    assert sync.exposed_comm_s - fused.exposed_comm_s == pytest.approx(0.5 * tp, rel=1e-9)
+    assert fused.step_s == pytest.approx(sync.step_s - 0.5 * tp, rel=1e-9)
+    assert plan.cost(full_ac, cl.with_(async_tp_overlap=0.0), async_tp=True).step_s == sync.step_s
+
+
+def test_a_pipelines_fsdp_traffic_is_reported_once_per_step():
+    """``pp_fsdp_gather="step"``: the stage's FSDP units are gathered (in fp32 masters) and
+    reduce-scattered once per step, so ``by_collective`` charges their bytes once, the bytes of
+    the estimate's comm report; with "micro" once per micro-batch."""
+    cfg = llama.Config.tiny(layers=8)
+    loss, rules = functools.partial(llama.loss, cfg=cfg), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
+    batch = {"tokens": ((16, 16), "batch seq"), "labels": ((16, 16), "batch seq")}
+    mesh = fpp.Mesh(pp=2, dp_shard=4)
+    for policy in ("step", "micro"):
+        est = plan.estimate(loss, llama.init(cfg), mesh, rules, batch, grad_accum=4, pp_fsdp_gather=policy)
+        t = plan.cost(est, FLAT)
+        for kind in ("all_gather", "reduce_scatter"):
+            sent = est.comm.bytes(kind, "dp_shard")
+            assert t.by_collective[f"dp_shard {kind} (intra)"] == pytest.approx(sent / FLAT.intra_bandwidth, rel=1e-9)
