@@ -39,6 +39,9 @@ def _bnb_logits(path, double_quant):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, dtype=torch.float32,
                                                               device_map="cpu").eval()
     model.config._attn_implementation = "eager"
+    for module in model.modules():       # on CPUs with AVX512-BF16, bitsandbytes' inference path
+        if hasattr(module, "support_avx512bf16_for_cpu"):     # repacks the codes and multiplies in bf16
+            module.support_avx512bf16_for_cpu = False         # (4e-3 off): keep the fp32 compute asked for
     with torch.no_grad():
         return model(input_ids=tokens()).logits
 
