@@ -24,7 +24,7 @@ import torch
 
 from functional_pp.core import comm
 from functional_pp.core.graph_tags import BACKWARD, TRACED
-from functional_pp.core.policy import DEFAULT_BUCKET_MB, check_bucket_mb  # noqa: F401 (re-exported)
+from functional_pp.core.policy import check_bucket_mb
 
 _NAMESPACES = ("fpp_sim", "_c10d_functional")
 

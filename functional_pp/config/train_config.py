@@ -15,6 +15,7 @@ from functional_pp.config.loading import build_from_dict, config_to_dict, read_y
 from functional_pp.config.models import model_family
 from functional_pp.config.schema import ConfigError, Issues, fld
 from functional_pp.config.sections import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig
+from functional_pp.core.policy import Policy
 
 __all__ = ["TrainConfig"]
 
@@ -266,11 +267,10 @@ class TrainConfig:
         """``precision``, reconciled with Axolotl's ``bf16`` / ``fp16`` flags."""
         return resolved_precision(self)
 
-    def policy(self):
+    def policy(self) -> Policy:
         """The training step's :class:`functional_pp.Policy` this config asks for:
         ``activation_checkpointing`` (remat) and ``reshard_after_forward`` (its negation
         keeps the gathered weights, ZeRO-2); the rest the step's defaults."""
-        from functional_pp.core.policy import Policy
         return Policy(remat=self.activation_checkpointing, keep_gathered=not self.reshard_after_forward)
 
     def warmup(self) -> int:

@@ -92,10 +92,6 @@ class Policy:
         missing = {k: getattr(base, k) for k in AMBIENT if getattr(self, k) is None and getattr(base, k) is not None}
         return dataclasses.replace(self, **missing) if missing else self
 
-    def explicit(self) -> dict[str, Any]:
-        """The ambient fields this policy sets (not None), by name."""
-        return {k: getattr(self, k) for k in AMBIENT if getattr(self, k) is not None}
-
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 # the ambient values when nothing sets them (what current_policy() returns outside any block)

@@ -22,8 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from functional_pp._torch import is_tracing, make_wrapper_subclass, tree_map
-from functional_pp.compile.buckets import (DEFAULT_BUCKET_MB, bucket_capacity,  # noqa: F401 (re-exported)
-                                           check_bucket_mb)
+from functional_pp.compile.buckets import bucket_capacity
 from functional_pp.core import comm
 from functional_pp.core.runtime import current_context
 from functional_pp.parallel.collectives import _group, _reduce_dtype, set_gradient_sink

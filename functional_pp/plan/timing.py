@@ -37,10 +37,10 @@ class StepTime:
                 "placement": dict(self.placement)}
 
 
-def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster, bytes_sent: int | None = None) -> tuple[float, str]:
+def event_seconds(e: TaggedEvent, mesh: Mesh, cl: Cluster, bytes_sent: int) -> tuple[float, str]:
+    """Seconds of collective ``e`` sending ``bytes_sent`` (:func:`sent_bytes`) and its link's name."""
     link = cl.link(mesh, e.axes)
-    sent = e.bytes_sent if bytes_sent is None else bytes_sent
-    return cl.collective_seconds(e.kind, sent, e.group_size, link), link[0]
+    return cl.collective_seconds(e.kind, bytes_sent, e.group_size, link), link[0]
 
 
 #: the tensor-parallel mesh axis: its activation collectives are what async TP overlaps

@@ -28,7 +28,7 @@ from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.policy import FIELDS as POLICY_FIELDS
-from functional_pp.core.policy import Policy, check_keys
+from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
@@ -576,7 +576,6 @@ def step_options(options: dict, where: str = "train_step") -> dict:
     base = options.pop("policy", STEP_POLICY)
     if not isinstance(base, Policy):
         raise TypeError(f"{where}(policy=...) needs a functional_pp.Policy, got {type(base).__name__}")
-    check_keys(settings, POLICY_FIELDS, where)
     return {**options, "policy": base.replace(**settings) if settings else base}
 
 
