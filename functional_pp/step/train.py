@@ -18,6 +18,7 @@ import torch
 
 from functional_pp import optim
 from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
+from functional_pp._torch.grad_leaves import differentiable, grad_seed
 from functional_pp.compile.backend import step_backend
 from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
@@ -271,7 +272,8 @@ class TrainStep:
         with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             params, opt_state, step, skipped, m, (written, retry, peaks) = fn(
-                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks)
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
+                grad_seed(_device_of(state["params"]), bool(step_compile)))
         if self.metrics == "deferred":
             self._known_finite.remember(tree_leaves(params), finite)
             if bound is not None:
@@ -392,12 +394,13 @@ class TrainStep:
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
             params, opt_state, _, _, m, _ = self._compiled_new_buffers(
-                state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+                state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                grad_seed(_device_of(state["params"]), True))
         return Updated(params, opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
                        m["skipped"] == 0, False)
 
-    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch):
-        return self._device_step(params, opt_state, step, skipped, batch, donate_state=False)
+    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch, seed=None):
+        return self._device_step(params, opt_state, step, skipped, batch, seed=seed, donate_state=False)
 
     def resolved_policy(self) -> Policy:
         """The policy the step's ops run under: its ``policy`` (16-bit ``precision`` summing
@@ -454,7 +457,9 @@ class TrainStep:
         return named
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     donate_state: bool | None = None):
+                     seed=None, donate_state: bool | None = None):
+        # seed: what the parameters are made differentiable with in a compiled step on a
+        # torch whose dynamo cannot (_torch/grad_leaves.py); None otherwise
         leaves, treespec = tree_flatten(params)
         trains = self.spec.trainable or (True,) * len(leaves)
         micro = split_micro(batch, self.grad_accum)
@@ -466,7 +471,7 @@ class TrainStep:
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
             # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
-            xs = [x.detach().requires_grad_(x.is_floating_point() and t) for x, t in zip(leaves, trains)]
+            xs = [differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(leaves, trains)]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
