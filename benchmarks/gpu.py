@@ -1,30 +1,32 @@
-"""One-GPU benchmark: measured bf16 matmul peak, then a Llama-3-1B-shaped model trained in bf16
-through ``fpp.train_step``, eager and compiled, against the plain ``nn.Module`` of
-``benchmarks/single_device.py`` with ``torch.compile`` and fused ``torch.optim.AdamW``.
+"""One-GPU benchmark: ``fpp.train_step`` against plain PyTorch on Llama shapes, bf16.
 
-    python benchmarks/gpu.py                     # CUDA device 0; meant to take under 8 minutes
-                                                 # on one H100/H200 (never run on a GPU yet)
-    python benchmarks/gpu.py --layers 16         # the full 16 layers (longer compile)
+    python benchmarks/gpu.py                     # both rows on CUDA device 0, under 8 minutes on an H200
+    python benchmarks/gpu.py --models 1b         # one row
     python benchmarks/gpu.py --smoke             # a tiny version on CPU (tested in the suite)
 
-Before timing, the first steps' losses of the functional step on the GPU (bf16, eager) must
-equal those of the same steps in fp32 on the CPU within 2e-2 (``reference``; a small batch of
-its own). Prints one JSON line: the measured peak TFLOP/s and the GPU's bf16 peak by name
-(``spec_peak_tflops``, the table in ``functional_pp/app/world.py``; null when unknown), and for
-each side (``functional_eager``, ``functional`` compiled, ``plain`` compiled) tokens/s, MFU
-against the measured peak and ``mfu_of_spec_peak`` (training FLOPs per token from
-``llama.flops_per_token``, attention included), peak memory (``torch.cuda.max_memory_allocated`` over one step; null on CPU), the median step
-time, the compile (first-step) time and the first losses; then functional / plain ratios.
+Rows (``--models``): ``1b`` is Llama-3.2-1B (16 layers, tied embeddings, batch 4 x 2048);
+``8b4`` the Llama-3.1-8B shape with 4 layers (untied, batch 2 x 4096). Rope scaling is off on
+both sides (the plain module has none; it does not change the step's cost).
 
-Both sides start from the same weights and the same batch; the first-step losses must agree
-within 2e-2 relative (bf16) before anything is timed. The model is Llama 3.2 1B's shape
-(hidden 2048, 32 heads / 8 KV heads of 64, MLP 8192, vocab 128256) with fewer layers (4 by
-default, so that both compilations and the timing fit in eight minutes), untied embeddings
-and no rope scaling (the plain module has neither; neither changes the step's cost).
-"""
+Sides: ``functional`` is the whole step compiled (``train_step(compile=True, precision="bf16")``,
+fp32 master weights, AdamW, donated state); ``functional_eager`` the same step uncompiled (1B
+row only); ``plain`` the ``nn.Module`` of ``benchmarks/single_device.py`` with fp32
+parameters, ``torch.autocast(bf16)``, ``torch.compile`` of forward + loss and
+``torch.optim.AdamW(fused=True)``. Same weights, same batch; the first-step losses must agree
+within 2e-2 (bf16) before anything is timed, and the functional step's first losses on the
+device must equal the same steps in fp32 on the CPU within 2e-2 (``reference``).
+
+Per side: the first (compiling) step's time, peak memory (the side's resident bytes plus
+the rise of ``torch.cuda.max_memory_allocated`` over one step, so it holds nothing of the
+other sides), then the timed steps, the sides' steps interleaved (machine noise hits all);
+tokens/s, MFU against the measured bf16 matmul peak and the GPU's nominal peak by name
+(``functional_pp/app/world.py``); a torch.profiler summary of one step (GPU kernels per step,
+their total time, the top kernels; on CPU, aten ops). Prints one JSON line and, with
+``--json FILE``, writes it after every row (a run stopped early keeps what it measured)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -68,17 +70,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-# --------------------------------------------------------------------------- the two sides
+# --------------------------------------------------------------------------- the sides
 class Functional:
     """``fpp.train_step``: bf16 compute over fp32 master weights (``precision``), the whole step
-    compiled with ``backend`` (None: eager)."""
+    compiled with ``backend`` (None: eager), donated state."""
 
     def __init__(self, cfg, params, backend, device, precision="bf16"):
         opt = fpp.optim.adamw(OPT["lr"], b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
                               weight_decay=OPT["weight_decay"])
         compile_ = False if backend is None else True if backend == "inductor" else backend
         self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, precision=precision,
-                                      compile=compile_)
+                                      compile=compile_, donate_state=True)
         self.state = self.step_fn.init(params)
         self.device = device
 
@@ -112,35 +114,77 @@ class Plain:
         return value
 
 
-def measure(runner, batch, warmup: int, steps: int, device: str) -> dict:
-    """First (compiling) step time, median step time of ``steps`` after ``warmup``, losses,
-    and the peak memory of one more step (CUDA only)."""
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+def start_side(make, batch, warmup: int, device: str) -> tuple[object, dict]:
+    """Build a side (from fresh weights), run its first (compiling) step and the other warm-up
+    steps, then one step measuring its peak memory: the bytes it holds between steps plus
+    the rise of the allocator's peak over the step (nothing of the other sides)."""
+    before = _allocated(device)
     t0 = time.perf_counter()
+    runner = make()
     losses = [runner.step(batch)]
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         losses.append(runner.step(batch))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(runner.step(batch))
-        times.append(time.perf_counter() - t0)
     peak = None
     if device == "cuda":
+        gc.collect()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         losses.append(runner.step(batch))
-        peak = int(torch.cuda.max_memory_allocated())
-    return {"first_step_s": first, "median_step_s": statistics.median(times), "losses": losses[:3],
-            "peak_memory_bytes": peak}
+        peak = int(base - before + torch.cuda.max_memory_allocated() - base)
+    return runner, {"first_step_s": first, "losses": losses[:3], "peak_memory_bytes": peak}
+
+
+def kernel_profile(runner, batch, device: str, top: int = 8) -> dict:
+    """One step under torch.profiler: the GPU kernels (and copies) it launched, their summed
+    time and the ``top`` kernels by time; on CPU the aten ops run (the CPU proxy)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        runner.step(batch)
+    if device == "cuda":
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict = {}
+    for e in events:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
+    total = sum(t for _, t in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": len(events), "kernel_ms": total / 1e3,
+            "top": [{"name": n[:90], "count": c, "ms": t / 1e3} for n, (c, t) in ranked]}
+
+
+def time_interleaved(runners: dict, batch, steps: int) -> dict:
+    """``steps`` rounds, each one step of every side in turn: each side's median step time."""
+    times: dict = {name: [] for name in runners}
+    for _ in range(steps):
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            runner.step(batch)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # --------------------------------------------------------------------------- driver
-def model_config(args) -> llama.Config:
+ROWS = {"1b": dict(layers=16, tie=True, batch=4, seq=2048, eager=True),
+        "8b4": dict(layers=4, tie=False, batch=2, seq=4096, eager=False)}
+
+
+def model_config(name: str, args) -> llama.Config:
+    row = ROWS[name]
     if args.smoke:
-        return llama.Config(vocab=256, hidden=64, layers=args.layers, heads=4, kv_heads=2, mlp=128,
-                            rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5, max_seq=max(args.seq, 512))
-    return llama.Config.llama3_1b(layers=args.layers, tie_embeddings=False, rope_scaling=None,
-                                  max_seq=max(args.seq, 512))
+        return llama.Config(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, rope_theta=10000.0,
+                            rope_scaling=None, norm_eps=1e-5, max_seq=512, tie_embeddings=row["tie"])
+    make = llama.Config.llama3_1b if name == "1b" else llama.Config.llama3_8b
+    return make(layers=args.layers or row["layers"], tie_embeddings=row["tie"], rope_scaling=None,
+                max_seq=max(row["seq"], 512))
 
 
 def reference_check(cfg, args) -> dict:
@@ -162,49 +206,92 @@ def reference_check(cfg, args) -> dict:
     return {"batch": batch, "seq": seq, **{f"{k}_losses": v for k, v in losses.items()}, "max_rel_diff": rel}
 
 
-def run(args) -> dict:
-    device = args.device
-    peak = matmul_peak_tflops(args.matmul_size, device, args.matmul_iters)
-    spec = peak_flops(torch.device(device))          # the GPU's bf16 peak by name (None: unknown / CPU)
-    cfg = model_config(args)
-    batch = make_batch(cfg, args.batch, args.seq, device)
-    tokens = args.batch * args.seq
-    flops = llama.flops_per_token(cfg, args.seq)
-    out = {"benchmark": "gpu" if not args.smoke else "gpu --smoke (CPU)", "device": _device_name(device),
-           "torch": torch.__version__, "matmul_peak_tflops": peak, "matmul_size": args.matmul_size,
-           "model": {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                     "mlp": cfg.mlp, "vocab": cfg.vocab, "params": fpp.count_params(llama.init(cfg))},
-           "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": flops,
-           "compile_backend": args.compile_backend,
-           "spec_peak_tflops": None if spec is None else spec / 1e12}
-    out["reference"] = reference_check(cfg, args)
-    makers = {"functional_eager": lambda prm: Functional(cfg, prm, None, device),
-              "functional": lambda prm: Functional(cfg, prm, args.compile_backend, device),
-              "plain": lambda prm: Plain(cfg, prm, args.compile_backend, device, args.seq)}
-    for name, make in makers.items():
-        # one side at a time, each from freshly initialised (identical) weights, so that its
-        # peak memory holds nothing of the other side's
-        runner = make(fpp.init(llama.init, cfg, seed=0, device=device))
-        r = measure(runner, batch, args.warmup, args.steps, device)
-        r["tokens_per_s"] = tokens / r["median_step_s"]
-        r["mfu"] = r["tokens_per_s"] * flops / (peak * 1e12)
-        r["mfu_of_spec_peak"] = None if spec is None else r["tokens_per_s"] * flops / spec
-        out[name] = r
-        del runner
+def run_row(name: str, args, peak: float, spec) -> dict:
+    device, row = args.device, ROWS[name]
+    cfg = model_config(name, args)
+    bsz, seq = (2, 32) if args.smoke else (row["batch"], row["seq"])
+    batch = make_batch(cfg, bsz, seq, device)
+    tokens = bsz * seq
+    flops = llama.flops_per_token(cfg, seq)
+    out = {"model": {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
+                     "mlp": cfg.mlp, "vocab": cfg.vocab, "tied": cfg.tie_embeddings,
+                     "params": fpp.count_params(llama.init(cfg))},
+           "batch": bsz, "seq": seq, "tokens_per_step": tokens, "flops_per_token": flops}
+    makers = {"functional": lambda: Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device),
+                                               args.compile_backend, device),
+              "plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
+                                     device, seq)}
+    if row["eager"]:
+        makers["functional_eager"] = lambda: Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device),
+                                                        None, device)
+    runners = {}
+    for side, make in makers.items():
+        print(f"gpu.py: {name} {side}: building and compiling", file=sys.stderr, flush=True)
+        if not args.smoke:       # on the GPU a side that fails is reported and the others still run
+            try:
+                runners[side], out[side] = start_side(make, batch, args.warmup, device)
+            except Exception as e:     # noqa: BLE001
+                out[side] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                print(f"gpu.py: {name} {side} FAILED: {out[side]['error']}", file=sys.stderr, flush=True)
+                runners.pop(side, None)
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
+        else:
+            runners[side], out[side] = start_side(make, batch, args.warmup, device)
+        print(f"gpu.py: {name} {side}: first step {out[side]['first_step_s']:.1f} s, peak "
+              f"{(out[side]['peak_memory_bytes'] or 0) / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        out[side]["profile"] = kernel_profile(runners[side], batch, device)
         gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    if "functional" not in runners or "plain" not in runners:
+        return out
     f, p = out["functional"], out["plain"]
     rel = abs(f["losses"][0] - p["losses"][0]) / abs(p["losses"][0])
     if rel > 2e-2:
         raise AssertionError(f"first-step losses differ: functional {f['losses'][0]} vs plain "
                              f"{p['losses'][0]} (relative {rel:.3g} > 2e-2): not the same model")
     out["first_loss_rel_diff"] = rel
+    for side, median in time_interleaved(runners, batch, args.steps).items():
+        r = out[side]
+        r["median_step_s"] = median
+        r["tokens_per_s"] = tokens / median
+        r["mfu"] = r["tokens_per_s"] * flops / (peak * 1e12)
+        r["mfu_of_spec_peak"] = None if spec is None else r["tokens_per_s"] * flops / spec
+    del runners
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     out["tokens_per_s_ratio"] = f["tokens_per_s"] / p["tokens_per_s"]
-    out["eager_tokens_per_s_ratio"] = out["functional_eager"]["tokens_per_s"] / p["tokens_per_s"]
+    if "functional_eager" in out:
+        out["eager_tokens_per_s_ratio"] = out["functional_eager"]["tokens_per_s"] / p["tokens_per_s"]
     out["peak_memory_ratio"] = (f["peak_memory_bytes"] / p["peak_memory_bytes"]
                                 if f["peak_memory_bytes"] and p["peak_memory_bytes"] else None)
     return out
+
+
+def run(args) -> dict:
+    device = args.device
+    peak = matmul_peak_tflops(args.matmul_size, device, args.matmul_iters)
+    spec = peak_flops(torch.device(device))          # the GPU's bf16 peak by name (None: unknown / CPU)
+    out = {"benchmark": "gpu" if not args.smoke else "gpu --smoke (CPU)", "device": _device_name(device),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "matmul_peak_tflops": peak,
+           "matmul_size": args.matmul_size, "compile_backend": args.compile_backend,
+           "spec_peak_tflops": None if spec is None else spec / 1e12, "rows": {}}
+    # (two layers of the first row's model: the check is of the device's bf16 math, kept cheap)
+    out["reference"] = reference_check(dataclasses.replace(model_config(args.models[0], args), layers=2), args)
+    _save(out, args)
+    for name in args.models:
+        t0 = time.perf_counter()
+        out["rows"][name] = run_row(name, args, peak, spec)
+        out["rows"][name]["row_seconds"] = time.perf_counter() - t0
+        _save(out, args)
+    return out
+
+
+def _save(out: dict, args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def _device_name(device: str) -> str:
@@ -214,18 +301,21 @@ def _device_name(device: str) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny model on CPU, aot_eager, 2 steps: checks the script runs (numbers meaningless)")
-    ap.add_argument("--layers", type=int, default=None, help="layers of the 1B shape (default 4; smoke 2)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; smoke 2)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; smoke 32)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default 10; smoke 2)")
+                    help="tiny models on CPU, aot_eager, 2 steps: checks the script runs (numbers meaningless)")
+    ap.add_argument("--models", default="1b,8b4", help="rows to run, of " + ", ".join(ROWS))
+    ap.add_argument("--layers", type=int, default=None, help="override every row's layer count")
+    ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 10; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the compiling one (default 3)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke aot_eager)")
     ap.add_argument("--matmul-size", type=int, default=None, help="matmul side for the peak (default 8192)")
+    ap.add_argument("--json", default=None, help="also write the result to this file (after every row)")
     args = ap.parse_args(argv)
-    defaults = (dict(layers=2, batch=2, seq=32, steps=2, warmup=1, compile_backend="aot_eager", matmul_size=128)
-                if args.smoke else
-                dict(layers=4, batch=4, seq=2048, steps=10, warmup=3, compile_backend="inductor", matmul_size=8192))
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in ROWS]
+    if unknown or not args.models:
+        ap.error(f"--models: unknown row {unknown[0] if unknown else '(none)'}; choose from {', '.join(ROWS)}")
+    defaults = (dict(steps=2, warmup=1, compile_backend="aot_eager", matmul_size=128)
+                if args.smoke else dict(steps=10, warmup=3, compile_backend="inductor", matmul_size=8192))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

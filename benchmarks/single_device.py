@@ -144,6 +144,8 @@ class PlainLlama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:        # one weight, as transformers ties it
+            self.lm_head.weight = self.embed_tokens.weight
         d = cfg.dim_head
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         ang = torch.arange(max_seq, dtype=torch.float64)[:, None] * inv[None, :]
@@ -174,7 +176,8 @@ def load_from_functional(model: PlainLlama, params: dict, cfg: llama.Config) -> 
     H = cfg.hidden
     model.embed_tokens.weight.copy_(t(params["embed_tokens"]))                          # [V, H]
     model.norm.weight.copy_(t(params["norm"]))
-    model.lm_head.weight.copy_(t(params["lm_head"]).T)                                   # [H, V] -> [V, H]
+    if not cfg.tie_embeddings:
+        model.lm_head.weight.copy_(t(params["lm_head"]).T)                               # [H, V] -> [V, H]
     for blk, p in zip(model.layers, params["layers"]):
         a, m = p["self_attn"], p["mlp"]
         blk.input_layernorm.weight.copy_(t(p["input_layernorm"]))

@@ -82,7 +82,7 @@ def compile_backend(name: str, graph_pass):
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         from functional_pp._torch.buffer_reuse import reuse_past_ordering_deps
-        from functional_pp._torch.kernel_order import INDUCTOR_PATCHES
+        from functional_pp._torch.kernel_order import inductor_patches
 
         def backend(gm, example_inputs):
             box = {}
@@ -95,7 +95,7 @@ def compile_backend(name: str, graph_pass):
                     return None          # never reuse a cached graph: the pass must see it
 
             # kernels in graph order: weight gradients not sunk to the optimizer (docs/compile.md)
-            patches = {"post_grad_custom_pre_pass": Pass(), **INDUCTOR_PATCHES}
+            patches = {"post_grad_custom_pre_pass": Pass(), **inductor_patches()}
             # matmul outputs overwritten in place past the donated update (docs/compile.md)
             with reuse_past_ordering_deps():
                 compiled = compile_fx(gm, example_inputs, config_patches=patches)
