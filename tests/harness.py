@@ -48,27 +48,28 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
     return fpp.launch(fn, mesh)
 
 
-def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, **step_kw):
+def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=None, **step_kw):
     """A launchable function: ``len(data)`` steps of ``fpp.train_step`` (AdamW by default); per
-    device the losses, the gathered parameters (numpy) and the collectives of the first step."""
+    device the losses, the gathered parameters (numpy) and the collectives of the first step.
+    ``device``: where the parameters and batches live (default the CPU)."""
     import functools
     opt = opt or fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules, **step_kw)
 
-    def device():
-        state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0))
+    def run():
+        state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0, device=device))
         losses, events = [], None
         for b in data:
             with fpp.use_rules(rules):
-                local = {k: v.data for k, v in local_batch(b, mesh, rules).items()}
+                local = {k: v.data.to(device) for k, v in local_batch(b, mesh, rules).items()}
             with fpp.comm_report() as rep:
                 state, m = step(state, local)
             losses.append(m["loss"])
             events = rep.events if events is None else events
         with fpp.use_rules(rules):
             full = fpp.gather_tree(state["params"], llama.init(cfg, dtype), rules)
-        return losses, {p: x.numpy() for p, x in fpp.leaves_with_paths(full)}, events
-    return device
+        return losses, {p: x.cpu().numpy() for p, x in fpp.leaves_with_paths(full)}, events
+    return run
 
 
 def launch_steps(cfg, compile=False, mesh=None, rules=None, steps=2, batch=4, dtype=torch.float32,

@@ -57,6 +57,9 @@ class BatchedBackend:
         self.mesh = mesh
         self.n = mesh.size
         self.sizes = [mesh.shape[a] for a in mesh.axis_names]
+        # the device of the run's per-device values (the last ones ``per_device`` stacked; the
+        # CPU before any): where values made without an input tensor (axis_index) are made
+        self.device: torch.device | None = None
 
     # ------------------------------------------------------------ group-major layout
     def group_major(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -152,7 +155,8 @@ class BatchedBackend:
         zero tensor ``group size`` times longer along ``dim``."""
         g = self.group_major(x, axes)
         n = len(g)
-        out = torch.zeros(*g.shape[:dim + 2], g.shape[dim + 2] * n, *g.shape[dim + 3:], dtype=g.dtype)
+        out = torch.zeros(*g.shape[:dim + 2], g.shape[dim + 2] * n, *g.shape[dim + 3:], dtype=g.dtype,
+                          device=g.device)
         size = g.shape[dim + 2]
         for i in range(n):
             out[i].narrow(dim + 1, i * size, size).copy_(g[i])
@@ -160,10 +164,8 @@ class BatchedBackend:
 
     def axis_index(self, axes: tuple[str, ...]) -> DeviceStack:
         """Every device's index along ``axes`` (int64, one 0-dim block per device)."""
-        idx = torch.zeros(self.n, dtype=torch.int64)
-        for r in range(self.n):
-            idx[r] = self.mesh.axis_index(r, axes)
-        return DeviceStack(idx)
+        return DeviceStack(torch.tensor([self.mesh.axis_index(r, axes) for r in range(self.n)], dtype=torch.int64,
+                                        device=self.device))
 
     def exchange_objects(self, obj, group) -> list:
         raise RuntimeError("batched simulation: exchanging Python objects between devices (a check of "

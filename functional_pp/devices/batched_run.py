@@ -93,9 +93,9 @@ def _stack(results: list) -> Any:
         column = [leaves[j] for leaves, _ in flat]
         kind = _BLOCK_TYPES.get(type(first))
         if kind is not None:
-            out.append(kind[1](first, stack_blocks([kind[0](x) for x in column])))
+            out.append(kind[1](first, _stacked([kind[0](x) for x in column])))
         elif isinstance(first, torch.Tensor):
-            out.append(stack_blocks(column))
+            out.append(_stacked(column))
         else:
             if any(x != first for x in column[1:]):
                 raise ValueError(f"functional_pp.per_device: devices returned different values {column[:4]} "
@@ -103,6 +103,13 @@ def _stack(results: list) -> Any:
                                  f"holds only tensors per device")
             out.append(first)
     return optree.tree_unflatten(spec, out)
+
+
+def _stacked(blocks: list[torch.Tensor]) -> DeviceStack:
+    """The devices' ``blocks`` stacked; their device becomes the run's (``BatchedBackend.device``:
+    where values made without an input, such as ``axis_index``, are made)."""
+    current_context().backend.device = blocks[0].device
+    return stack_blocks(blocks)
 
 
 def _block_of(tree: Any, rank: int) -> Any:

@@ -146,14 +146,16 @@ def _compile_cache_limits(n_devices: int):
     return compile_cache_limits(8 * n_devices + 64)
 
 
-def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT):
+def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT, local_gpu: bool = True):
+    """This process as one rank of ``mesh``; ``local_gpu``: make GPU ``LOCAL_RANK`` current (torchrun;
+    not the CPU gloo processes of ``launch(processes=True)``, more of them than GPUs on a machine)."""
     import datetime
 
     import torch.distributed as dist
 
     from functional_pp.devices.dist import DistBackend
 
-    gpu = use_local_gpu()           # also when the caller initialised the process group itself
+    gpu = use_local_gpu() if local_gpu else None    # also when the caller initialised the process group
     if not dist.is_initialized():
         dist.init_process_group("nccl" if gpu is not None else "gloo", timeout=datetime.timedelta(seconds=timeout))
     mesh.validate_world_size(dist.get_world_size())
@@ -205,7 +207,7 @@ def _process_main(fn, mesh: Mesh, rank: int, port: int, queue, timeout: float) -
     try:
         dist.init_process_group("gloo", rank=rank, world_size=mesh.size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        result = _launch_distributed(fn, mesh, timeout)
+        result = _launch_distributed(fn, mesh, timeout, local_gpu=False)
         queue.put(_by_value((rank, True, result, "")))
     except BaseException as exc:  # noqa: BLE001
         queue.put(_by_value((rank, False, _picklable(exc), traceback.format_exc())))

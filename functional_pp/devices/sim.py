@@ -24,6 +24,21 @@ class SimAborted(RuntimeError):
     """Raised on a simulated device because another device failed."""
 
 
+class SharedBackwardThread(RuntimeError):
+    """A collective of a simulated device ran on a thread that is not the device's own, while a
+    peer of its group may be queued on that same thread: autograd's device thread for CUDA
+    tensors, shared by every simulated device on that GPU (docs/simulation.md, "On a GPU")."""
+
+
+SHARED_THREAD_ADVICE = (
+    "the threaded simulator cannot run a collective inside a backward pass on CUDA: autograd runs "
+    "the backward of CUDA tensors on one thread per GPU, shared by every simulated device, so a "
+    "device waiting there for its peers blocks the peers' own backward for ever. Run the devices "
+    "as one batched computation instead (fpp.launch(fn, mesh, simulate=\"batched\"), building "
+    "per-device inputs with fpp.per_device; --sim-mode batched on the command line), or keep the "
+    "simulated devices' tensors on the CPU, or run one process per GPU under torchrun")
+
+
 class _Slot:
     """One rendezvous in progress: what each member deposited, and the shared result."""
 
@@ -70,6 +85,7 @@ class SimWorld:
         self.failure: tuple[int, BaseException] | None = None
         self.watch = Watch(size, timeout)    # early returns, no-progress timeout
         self.turns = Turns(size, self.RUNNING)
+        self._placed: list = [None] * size   # the device of each rank's last collective input
 
     def _release(self, ranks) -> None:
         """Wake the sleeping devices among ``ranks`` (lock held)."""
@@ -113,6 +129,12 @@ class SimWorld:
         to modify). Payloads are read only while every member is still inside the rendezvous."""
         n = len(group)
         idx = group.index(rank)
+        if n > 1:
+            where = getattr(payload, "device", None)
+            own = self.watch.threads.get(rank)     # (None: used without launch's start, in tests)
+            if own is not None and threading.get_ident() != own:
+                self._refuse_shared_thread(rank, group, meta[0], where)
+            self._placed[rank] = where
         seqs = self._seq[rank]
         seq = seqs[group]
         seqs[group] = seq + 1
@@ -151,6 +173,19 @@ class SimWorld:
         if slot.error is not None:
             raise _own_copy(slot.error) from slot.error
         return slot.shared
+
+    def _refuse_shared_thread(self, rank: int, group: tuple[int, ...], kind: str, where) -> None:
+        """Raise :class:`SharedBackwardThread` for a collective of ``rank`` on a thread other than
+        its own (autograd's device thread: the backward of CUDA tensors), unless every peer of
+        the group is known to hold its tensors on another device than ``where`` (one GPU per
+        simulated device: each has an autograd thread of its own, and nothing waits in vain)."""
+        peers = [self._placed[r] for r in group if r != rank]
+        if where is not None and all(p is not None and p != where for p in peers):
+            return
+        raise SharedBackwardThread(
+            f"device {rank}: collective {kind} over devices {group} runs on thread "
+            f"{threading.current_thread().name!r}, not on the device's own thread (on "
+            f"{where if where is not None else 'an unknown device'}): " + SHARED_THREAD_ADVICE)
 
     def _wait(self, slot: _Slot, rank: int, kind: str, seq: int, group: tuple[int, ...]) -> None:
         """Sleep until ``slot`` is ready; raise if another device failed, a member already

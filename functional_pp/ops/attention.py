@@ -54,7 +54,7 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=N
         return torch.arange(size, device=device)
     ctx = current_context(required=False)
     if ctx is not None and ctx.batched:
-        return _batched_local_positions(size, split, balanced).to(device)
+        return _batched_local_positions(size, split, balanced, device)
     if not balanced:
         return torch.arange(size, device=device).chunk(C.axis_size(split))[C.axis_index(split)]
     first, rest = split[0], split[1:]
@@ -64,15 +64,15 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=N
     return base
 
 
-def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool) -> torch.Tensor:
+def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
     """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
     the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
     from functional_pp.parallel.raw_collectives import _local_chunk
     if not balanced:
-        return _local_chunk(torch.arange(size), split, 0)
+        return _local_chunk(torch.arange(size, device=device), split, 0)
     first, rest = split[0], split[1:]
     n = C.axis_size(first)
-    table = torch.stack([balanced_indices(size, n, j) for j in range(n)])
+    table = torch.stack([balanced_indices(size, n, j, device) for j in range(n)])
     base = _local_chunk(table, (first,), 0).squeeze(0)
     return _local_chunk(base, rest, 0) if rest else base
 

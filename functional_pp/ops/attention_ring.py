@@ -26,8 +26,8 @@ def _fold(x: torch.Tensor) -> torch.Tensor:
 def _forward(q, k, v, backend, axes, scale, causal, n, balanced, shift, kernel):
     qg = backend.group_major(q, axes)                         # ring position, R, B, H, S, D
     seq, acc = qg.shape[4], _acc_dtype(q.dtype)
-    out = torch.zeros(qg.shape[:5] + (v.shape[-1],), dtype=acc)
-    lse = torch.full(qg.shape[:5], float("-inf"), dtype=acc)
+    out = torch.zeros(qg.shape[:5] + (v.shape[-1],), dtype=acc, device=qg.device)
+    lse = torch.full(qg.shape[:5], float("-inf"), dtype=acc, device=qg.device)
     k_cur, v_cur = k, v
     for step in range(n):
         kg, vg = backend.group_major(k_cur, axes), backend.group_major(v_cur, axes)
@@ -48,9 +48,9 @@ def _forward(q, k, v, backend, axes, scale, causal, n, balanced, shift, kernel):
 def _backward(grad_out, q, k, v, out, lse, backend, axes, scale, causal, n, balanced, shift, kernel):
     gg, qg, og, lg = (backend.group_major(t, axes) for t in (grad_out, q, out, lse))
     seq, acc = qg.shape[4], _acc_dtype(q.dtype)
-    dq = torch.zeros(qg.shape, dtype=acc)
-    dk_buf = backend.from_group_major(torch.zeros(backend.group_major(k, axes).shape, dtype=acc), axes)
-    dv_buf = backend.from_group_major(torch.zeros(backend.group_major(v, axes).shape, dtype=acc), axes)
+    dq = torch.zeros(qg.shape, dtype=acc, device=qg.device)
+    dk_buf = backend.from_group_major(torch.zeros(backend.group_major(k, axes).shape, dtype=acc, device=qg.device), axes)
+    dv_buf = backend.from_group_major(torch.zeros(backend.group_major(v, axes).shape, dtype=acc, device=qg.device), axes)
     k_cur, v_cur = k, v
     for step in range(n):
         kg, vg = backend.group_major(k_cur, axes), backend.group_major(v_cur, axes)

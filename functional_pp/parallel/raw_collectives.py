@@ -168,7 +168,7 @@ def axis_index(axis_name: AxisName) -> int:
     ctx = current_context()
     axes = ctx.mesh.check_axes(_axes(axis_name), "axis_index")
     if ctx.batched:
-        key = ("axis_index", axes)
+        key = ("axis_index", axes, getattr(ctx.backend, "device", None))     # (made on the run's device)
         found = ctx.extras.get(key)
         if found is None:
             found = ctx.extras[key] = ctx.backend.axis_index(axes)

@@ -204,7 +204,7 @@ class PipelineStep(TrainStep):
         weights, tokens = self._micro_weights(micro)
         acc = acc_dtype([x for x, h in zip(leaves, held) if h])
         grads = [torch.zeros_like(x) for x in leaves]
-        total = torch.zeros((), dtype=acc)
+        total = torch.zeros((), dtype=acc, device=leaves[0].device)
         wrt_of = {k: [i for i in range(len(leaves)) if held[i] and xs[i].requires_grad and
                       (self._stage_of[i] == k or (self._stage_of[i] is None and k in (0, last)))]
                   for k in range(me, p * v, p)}
@@ -278,9 +278,10 @@ class PipelineStep(TrainStep):
                           params_finite=params_finite, peaks=peaks)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
         skip = (~up.finite).to(torch.int64)
-        metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+        metrics = {"loss": total, "grad_norm": up.grad_norm,
+                   "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
 

@@ -136,6 +136,15 @@ def _device_of(tree: Any) -> torch.device | None:
     return None if leaf is None else leaf.device
 
 
+def _run_tensor(run: int, previous: Any, old: Any, device: torch.device) -> torch.Tensor:
+    """The state's ``consecutive_skips`` after a per-step read: the old tensor where the run did
+    not change (every step of a run without skips: no host-to-device copy), else a new one on
+    ``device``."""
+    if run == previous and isinstance(old, torch.Tensor) and old.device == device:
+        return old
+    return torch.tensor(run, dtype=torch.int64, device=device)
+
+
 @dataclass
 class TrainStep:
     """One training step of ``loss_fn`` (built by :func:`train_step`). The fields are its
@@ -229,9 +238,12 @@ class TrainStep:
         # frozen parameters keep their dtype (a bf16 base stays bf16): only trained ones need fp32 masters
         master = optree.tree_unflatten(treespec, [master_copy(x.data) if t else x.data.detach().contiguous()
                                                   for x, t in zip(leaves, flags)])
+        # the counters live with the parameters: a step adds to them there (no host copy)
+        device = _device_of(master)
         return {"params": master, "opt_state": self.optimizer.init(self.spec.trainable_tree(master)),
-                "step": torch.zeros((), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64),
-                "consecutive_skips": torch.zeros((), dtype=torch.int64)}
+                "step": torch.zeros((), dtype=torch.int64, device=device),
+                "skipped": torch.zeros((), dtype=torch.int64, device=device),
+                "consecutive_skips": torch.zeros((), dtype=torch.int64, device=device)}
 
     # ------------------------------------------------------------- the step
     def __call__(self, state: dict, batch: dict) -> tuple[dict, dict | StepMetrics]:
@@ -298,9 +310,10 @@ class TrainStep:
             self._known_peaks.remember_peaks(bound, opt_state, self.spec.trainable_tree(params), peaks)
         self._host_values(metrics, time.perf_counter() - t0)
         metrics["peak_memory_bytes"] = peak_memory(_device_of(params))
+        previous = metrics.get("consecutive_skips")
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
-                "consecutive_skips": torch.tensor(run, dtype=torch.int64)}, metrics
+                "consecutive_skips": _run_tensor(run, previous, state.get("consecutive_skips"), step.device)}, metrics
 
     def _params_finite(self, params: Any) -> torch.Tensor | None:
         """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
@@ -466,7 +479,7 @@ class TrainStep:
         weights, tokens = self._micro_weights(micro)
         grads = [torch.zeros_like(x) if len(micro) > 1 else x for x, t in zip(leaves, trains) if t]   # (dtype template)
         acc = acc_dtype(leaves)
-        total = torch.zeros((), dtype=acc)
+        total = torch.zeros((), dtype=acc, device=leaves[0].device)
         reported = []                    # the values the loss reports (core/step_values.py), per micro-batch
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
@@ -507,9 +520,10 @@ class TrainStep:
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, tree_leaves(trained), opt_state)
         up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros(())
+        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
         skip = (~up.finite).to(torch.int64)
-        metrics = {"loss": total, "grad_norm": up.grad_norm, "lr": torch.as_tensor(lr, dtype=torch.float32),
+        metrics = {"loss": total, "grad_norm": up.grad_norm,
+                   "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
                    **step_values.combine(reported)}
         return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)

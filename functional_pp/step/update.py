@@ -98,7 +98,7 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
         def retry() -> Updated:
             return _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
                                    sq_reducer)
-        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)), "update_held": held}
+        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)), "update_held": held}
         return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
     shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
     up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
@@ -115,7 +115,7 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
             # held (nothing written) where the bound could not show the update finite: the host
             # makes it in new buffers, as after the eager in-place step (docs/optim.md "Bound
             # before the update")
-            flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool)),
+            flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
                      "update_held": ok & ~shown}
             up.flags, up.finite, up.written = flags, write, True
             if carry:     # advanced where written; a held or skipped step leaves the terms as they were
@@ -137,7 +137,7 @@ def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_
                                          donate_updates=donate, grad_norm=grad_norm)
     new_params = optim.apply_updates(params, updates, donate_updates=optim.returns_fresh(optimizer, donate))
     updates = None
-    update_ok = all_finite(tree_leaves(new_params), groups) if check else torch.ones((), dtype=torch.bool)
+    update_ok = all_finite(tree_leaves(new_params), groups) if check else torch.ones((), dtype=torch.bool, device=ok.device)
     return Updated(new_params, new_opt, grad_norm, nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok,
                    False)
 
@@ -152,7 +152,7 @@ def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
         value = (torch.stack(part).sum() if len(part) > 1 else part[0]).to(acc)
         value = psum(value, axes) if axes else value
         total = value if total is None else total + value
-    return total if total is not None else torch.zeros((), dtype=acc)
+    return total if total is not None else torch.zeros((), dtype=acc, device=values[0].device if values else None)
 
 
 def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:

@@ -89,3 +89,16 @@ def test_a_forked_rank_starts_without_the_parents_compiled_code():
                                                                                       float(limit + 2)]
     finally:
         torch.compiler.reset()
+
+
+def test_processes_on_a_machine_with_fewer_gpus_than_devices(monkeypatch):
+    """The gloo processes of ``launch(processes=True)`` hold CPU tensors: on a machine with one GPU
+    (emulated: torch.cuda answers as one device) every rank runs, instead of ranks >= 1 failing
+    in torchrun's one-GPU-per-process check (``use_local_gpu``: "LOCAL_RANK=1 but this process
+    sees 1 GPU(s)")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    out = fpp.launch(lambda: float(fpp.psum(torch.ones(()), "dp_shard")), fpp.Mesh(dp_shard=2), processes=True,
+                     timeout=120)
+    assert out == [2.0, 2.0]
