@@ -14,7 +14,9 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
   (``metrics="deferred"``: no step waits for the device; docs/eager_overhead.md);
   the communication of the first step per mesh axis in ``comm_report.txt``;
 - checkpoints (params, optimizer state, step, RNG, loader position, config) every
-  ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM;
+  ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM,
+  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the last two then end with :class:`Interrupted`,
+  exit status 130 / 129);
 - ``resume=True`` continues from the newest checkpoint in the output directory, with losses
   bitwise equal to an uninterrupted run on the same mesh;
 - ``loss.png`` at the end (matplotlib, Agg; skipped with a note without matplotlib).
@@ -24,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +43,7 @@ from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.signals import Interrupted, StopRequest
 from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.config import ConfigError, TrainConfig, model_family
@@ -60,27 +61,8 @@ COMM_REPORT = "comm_report.txt"
 CHECKPOINTS = "checkpoints"
 
 
-# ----------------------------------------------------------------------------- SIGTERM
-class _StopRequest:
-    """A flag set by SIGTERM (handler installed from the main thread only)."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.signal: str | None = None
-        self._old = None
-
-    def __enter__(self) -> "_StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+# the stop signals' flag (SIGTERM, SIGINT, SIGHUP; app/signals.py), named here for tests to replace
+_StopRequest = StopRequest
 
 
 # ----------------------------------------------------------------------------- training
@@ -92,7 +74,7 @@ class TrainResult:
     start_step: int                        # 0, or the checkpoint step resumed from
     final_step: int
     losses: list[float] = field(default_factory=list)   # this run's steps
-    stopped: bool = False                  # stopped early by SIGTERM (checkpoint saved)
+    stopped: bool = False                  # stopped early by a signal (checkpoint saved)
     checkpoint: Path | None = None         # the newest checkpoint written
     comm_report: str | None = None
 
@@ -364,31 +346,40 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
                 "checkpoint": saved_path, "comm_report": report_text}
 
-    with stop:
+    with stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
         results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
-    if not world.simulate:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if not main:
-        return None
-    r = results[0] if world.simulate else results
-    if cfg.logging.plot:
-        metrics = read_metrics(metrics_path)
-        if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
-            print(f"loss curve: {out_dir / PLOT}", file=out)
-        elif metrics:
-            print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
-    if r["halted"]:
-        raise StoppedEarly(f"{r['halted'][0]} at step {r['step']}/{cfg.max_steps}; checkpoint "
-                           f"{r['checkpoint']}")
-    if r["losses"]:
-        print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
-              f"{metrics_path}", file=out, flush=True)
-    else:
-        print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
-    return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
-                       r["comm_report"])
+        if not world.simulate:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        r = results[0] if world.simulate else results
+        interrupted = None
+        if r["stopped"] and stop.signal in ("SIGINT", "SIGHUP"):
+            interrupted = Interrupted(f"received {stop.signal}: stopped at step {r['step']}/{cfg.max_steps} with "
+                                      f"checkpoint {r['checkpoint'] or manager.path(r['step'])}; continue with "
+                                      f"--resume", stop.signal)
+        if not main:
+            if interrupted is not None:
+                raise interrupted
+            return None
+        if cfg.logging.plot:
+            metrics = read_metrics(metrics_path)
+            if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
+                print(f"loss curve: {out_dir / PLOT}", file=out)
+            elif metrics:
+                print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
+        if r["halted"]:
+            raise StoppedEarly(f"{r['halted'][0]} at step {r['step']}/{cfg.max_steps}; checkpoint "
+                               f"{r['checkpoint']}")
+        if interrupted is not None:
+            raise interrupted
+        if r["losses"]:
+            print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
+                  f"{metrics_path}", file=out, flush=True)
+        else:
+            print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
+        return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
+                           r["comm_report"])
 
 
 def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **options):
