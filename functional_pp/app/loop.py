@@ -43,6 +43,7 @@ from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.run_lock import RunLock
 from functional_pp.app.signals import Interrupted, StopRequest
 from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
@@ -81,13 +82,28 @@ class TrainResult:
 
 def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False,
           stop_after: int | None = None, stream: IO[str] | None = None,
-          allow_config_change: bool = False) -> TrainResult | None:
+          allow_config_change: bool = False, overwrite_output: bool = False) -> TrainResult | None:
     """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
     (default: the mesh's size outside torchrun). ``resume``: continue from the newest
     checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
-    differs from the checkpoint's in a way that breaks exact resumption. Returns the main
-    process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    differs from the checkpoint's in a way that breaks exact resumption. ``overwrite_output``:
+    resume from a checkpoint elsewhere (``resume_from_checkpoint``) into an output directory
+    that holds another run's checkpoints or metrics. Returns the main process's
+    :class:`TrainResult` (None on other torchrun ranks). Config problems raise
+    :class:`ConfigError` before any work; the output directory is locked for the run
+    (app/run_lock.py: a second run on it is refused)."""
+    lock = RunLock()
+    try:
+        return _train(cfg, lock, simulate=simulate, resume=resume, stop_after=stop_after, stream=stream,
+                      allow_config_change=allow_config_change, overwrite_output=overwrite_output)
+    finally:
+        lock.release()
+
+
+def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: bool, stop_after: int | None,
+           stream: IO[str] | None, allow_config_change: bool, overwrite_output: bool) -> TrainResult | None:
+    """:func:`train`, the output directory locked with ``lock`` before anything is written there."""
     from functional_pp import adapters
     from functional_pp.app.evaluate import evaluate
     from functional_pp.app.inputs import (adapter_params, base_params, check_batches, frozen_and_adapters, load_data,
@@ -125,11 +141,15 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         except ck.CheckpointError as exc:
             raise ConfigError(f"resume_from_checkpoint: {exc}") from exc
         load_dir, latest = found.parent, int(ck.format.read_index(found)["step"])
+        if load_dir.resolve() == ckpt_dir.resolve():     # this output directory's own checkpoint
+            load_dir = ckpt_dir
     else:
         latest = manager.latest() if ckpt_dir.is_dir() else None
     if latest is not None and not resume and load_dir == ckpt_dir:
         raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
                           f"--resume to continue from it, or choose another --output")
+    if load_dir != ckpt_dir and not overwrite_output:
+        _refuse_other_runs_output(out_dir, ckpt_dir, manager, load_dir)
     if latest is not None and not allow_config_change:
         check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
 
@@ -172,6 +192,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     loggers = None
     if main:
         _check_writable(out_dir)         # before the summary: fail before any work
+        lock.acquire(out_dir)            # one run per output directory (app/run_lock.py)
+        if load_dir == ckpt_dir and ckpt_dir.is_dir() and manager.latest() != latest:
+            raise ConfigError(f"{ckpt_dir}: another run wrote checkpoints there while this one started "
+                              f"(newest now: step {manager.latest()}); choose another --output")
         print(describe(cfg, world, mesh, rules, model_cfg, corpus,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
                        val=data.val),
@@ -399,6 +423,25 @@ def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **o
                                  fsdp_gather=cfg.pp_fsdp_gather, **options)
     except ValueError as exc:
         raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc
+
+
+def _refuse_other_runs_output(out_dir: Path, ckpt_dir: Path, manager, load_dir: Path) -> None:
+    """Resuming from a checkpoint elsewhere (``resume_from_checkpoint``) into ``out_dir``:
+    refuse when ``out_dir`` holds another run's checkpoints or metrics (they would be replaced
+    and cut), naming both directories."""
+    theirs = []
+    newest = manager.latest() if ckpt_dir.is_dir() else None
+    if newest is not None:
+        theirs.append(f"checkpoints up to step {newest}")
+    metrics = out_dir / METRICS
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        theirs.append(METRICS)
+    if theirs:
+        raise ConfigError(f"resume_from_checkpoint: resuming from {load_dir} into output_dir {out_dir}, "
+                          f"which already holds {' and '.join(theirs)} of another run: they would be "
+                          f"overwritten. Choose a new output_dir (--output DIR) for the resumed run; to "
+                          f"continue the run of {out_dir} itself, unset resume_from_checkpoint and pass "
+                          f"--resume; or pass --overwrite-output to write into {out_dir} anyway")
 
 
 def _check_writable(out_dir: Path) -> None:

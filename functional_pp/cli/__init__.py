@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: continue even if the config changes the results "
                         "(model, data, optimizer, batch, schedule...)")
+    t.add_argument("--overwrite-output", action="store_true",
+                   help="with resume_from_checkpoint: PATH elsewhere: write into an output directory "
+                        "that holds another run's checkpoints or metrics (default: refused)")
     t.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")
     t.add_argument("--layout", choices=("manual", "auto"), default=None,
@@ -95,7 +98,7 @@ def _train(args: argparse.Namespace) -> int:
             from functional_pp.cli.plan import auto_layout_for_run
             cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume,
-              allow_config_change=args.allow_config_change)
+              allow_config_change=args.allow_config_change, overwrite_output=args.overwrite_output)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2
