@@ -101,18 +101,28 @@ def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterato
     """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
     if kind in ("jsonl", "json"):
-        with open(path, encoding="utf-8") as f:
-            if kind == "json" and f.read(4096).lstrip().startswith("["):
+        at = where if str(path) in where else f"{where}: {path}"
+        with open(path, "rb") as f:
+            if kind == "json" and f.read(4096).lstrip().startswith(b"["):
                 f.seek(0)
-                yield from json.load(f)                   # a JSON array: read whole
+                try:
+                    records = json.loads(f.read().decode("utf-8"))      # a JSON array: read whole
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    raise ValueError(f"{at}: not a JSON array of records in UTF-8 ({exc})") from exc
+                yield from records
                 return
             f.seek(0)
-            for lineno, line in enumerate(f, start=1):    # JSON lines: one record at a time
+            for lineno, raw in enumerate(f, start=1):     # JSON lines: one record at a time
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{at}: line {lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                     f"{exc.start + 1}); convert the file to UTF-8") from exc
                 if line.strip():
                     try:
                         yield json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"{where}: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+                        raise ValueError(f"{at}: line {lineno}: invalid JSON ({exc.msg})") from exc
     elif kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -143,6 +153,21 @@ def _field(rec: Any, key: str, where: str, n: int) -> Any:
     return rec[key]
 
 
+def _text_field(rec: Any, key: str, where: str, n: int, optional: bool = False) -> str:
+    """Field ``key`` of record ``n`` as text: a string, or a number written out; null, lists and
+    mappings are refused naming the record (``"output": null`` would train the text "None")."""
+    value = _field(rec, key, where, n)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 80 else shown[:80] + " ..."
+    what = "null" if value is None else f"{type(value).__name__} {shown}"
+    fix = "give it text" + (" or leave it out" if optional else " or remove the record")
+    raise ValueError(f"{where}: record {n}: field {key!r} is {what}, not text; {fix}")
+
+
 # --------------------------------------------------------------------------- examples
 Example = tuple[list[int], list[int] | None]        # ids, trained flags (None: all)
 
@@ -157,11 +182,11 @@ def _alpaca(tok, rec: dict, style: str, train_inputs: bool, where: str, n: int) 
     """Axolotl's alpaca prompt in ``style`` (``alpaca``, ``alpaca:chat``, ``alpaca:phi``, ...):
     the output trained, the prompt only with ``train_on_inputs``."""
     system, turn, turn_no_input = ALPACA_STYLES[style]
-    instruction = _field(rec, "instruction", where, n)
-    inp = rec.get("input") or ""
+    instruction = _text_field(rec, "instruction", where, n)
+    inp = _text_field(rec, "input", where, n, optional=True) if rec.get("input") is not None else ""
     prompt = (system.format(system=_SYSTEM) + turn if inp else
               system.format(system=_SYSTEM_NO_INPUT) + turn_no_input).format(instruction=instruction, input=inp)
-    p, r = tok.encode(prompt), tok.encode(str(_field(rec, "output", where, n)))
+    p, r = tok.encode(prompt), tok.encode(_text_field(rec, "output", where, n))
     return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
 
 
@@ -265,7 +290,7 @@ def _items(entry, where: str) -> Iterator[Any]:
     path = Path(entry.path)
     kind = entry.type or _guess_type(path, entry.ds_type)
     if kind not in TYPES:
-        raise ValueError(f"{where}.type {kind!r} is not supported (choose {', '.join(TYPES)})")
+        raise ValueError(f"{where.split(' ', 1)[0]}.type {kind!r} is not supported (choose {', '.join(TYPES)})")
     if kind == "text":
         files = _text_files(path, entry.pattern)
         if not files:
@@ -445,7 +470,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         train = TokenStream(arr[:cut], None, eos, vocab, names, n_docs - n_val)
         val = TokenStream(arr[cut:], None, eos, vocab, f"{names}[val]", n_val) if n_val else None
         return train, val
-    counts = [sum(1 for _ in _items(e, f"datasets[{i}]")) for i, e in enumerate(entries)]
+    counts = [sum(1 for _ in _items(e, f"datasets[{i}] ({e.path})")) for i, e in enumerate(entries)]
     n = sum(counts)
     if n == 0:
         raise ValueError(f"datasets ({names}) hold no examples")
@@ -471,7 +496,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
                           spec.describe_roles() if spec else "", spec.warning if spec else "", seq_len=seq_len)
         eos_trained = spec is None and kind != "input_output"
-        for n, (ids, mask, rec) in enumerate(_examples(entry, tok, train_on_inputs, spec, where), start=1):
+        records = _examples(entry, tok, train_on_inputs, spec, f"{where} ({entry.path})")   # errors name the file
+        for n, (ids, mask, rec) in enumerate(records, start=1):
             length, cut = train.length(ids, eos_trained), None
             if length > seq_len:
                 if strategy == "raise":

@@ -159,7 +159,7 @@ def test_bad_records_are_named_with_their_place(tmp_path, record, entry, message
     from functional_pp.config import ConfigError
     with pytest.raises(ConfigError) as info:
         load_data(cfg)
-    assert message in str(info.value)
+    assert message.replace("datasets[0]:", f"datasets[0] ({path}):") in str(info.value)     # the file named
 
 
 @pytest.mark.parametrize("style, prompt", [
