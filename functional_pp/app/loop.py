@@ -282,6 +282,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 loggers.log(0, {"eval_loss": e0})
                 progress.eval_loss = e0
         losses: list[float] = []
+        skipped_steps = [0]                        # this run's steps skipped as non-finite
         watch, halted = Watch.of(cfg), []          # why a stopping rule ended the run
         report_text = None
         last_saved, saved_path, stopped = start, None, False
@@ -304,6 +305,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                     break                    # the failing step and those after it
                 m = dict(m)
                 losses.append(m["loss"])
+                skipped_steps[0] += int(bool(m.get("skipped", 0)))
                 why = watch.loss(s, m["loss"])
                 if why is None and eval_loss is not None and i == len(unread) - 1:
                     why = watch.eval_loss(s, eval_loss)
@@ -368,7 +370,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             if lead and loggers is not None:
                 loggers.close()
         return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
-                "checkpoint": saved_path, "comm_report": report_text}
+                "checkpoint": saved_path, "comm_report": report_text, "skipped": skipped_steps[0]}
 
     with stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
         results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
@@ -397,6 +399,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                                f"{r['checkpoint']}")
         if interrupted is not None:
             raise interrupted
+        if r["losses"] and r["skipped"] == len(r["losses"]):
+            from functional_pp.step.train import NonFiniteError
+            raise NonFiniteError(f"all {r['skipped']} steps of this run were skipped (non-finite loss, gradients "
+                                 f"or update; see nonfinite_* in {metrics_path}): nothing was learned. Check "
+                                 f"the base weights and the data for NaN / inf, or lower learning_rate")
         if r["losses"]:
             print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
                   f"{metrics_path}", file=out, flush=True)
