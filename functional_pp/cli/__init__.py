@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
-    if args.command == "plan":
+    if args.command == "plan":            # behind the one-line error handler too
         from functional_pp.cli.plan import run as plan_run
-        return plan_run(args)
+        return run_reporting_errors(lambda: plan_run(args), debug=getattr(args, "debug", False))
     from functional_pp.cli.commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
     return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
