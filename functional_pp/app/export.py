@@ -1,10 +1,16 @@
 """``functional-pp export RUN_DIR|CHECKPOINT OUT_DIR``: a training run's checkpoint as a
 Hugging Face directory (``config.json``, safetensors shards with their index, the tokenizer
-files and BOS/EOS ids of the base model) that ``transformers`` loads. ``docs/finetune.md``."""
+files and BOS/EOS ids of the base model) that ``transformers`` loads. ``docs/finetune.md``.
+
+An export never mixes with older files (docs/bad_inputs.md §11): it is written into a temporary
+directory beside ``OUT_DIR`` and renamed into place; an ``OUT_DIR`` that holds only files an
+export writes (an earlier export) is replaced whole, one holding anything else is refused."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -13,11 +19,14 @@ import torch
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.hf import export_checkpoint_to_hf
 
-__all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES"]
+__all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES", "EXPORT_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: what an export writes (patterns): an OUT_DIR holding only these is an earlier export
+EXPORT_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "adapter_config.json",
+                "adapter_model.safetensors", "README.md", ".consolidate-*", *TOKENIZER_FILES)
 
 
 def resolve_run_checkpoint(src: str | os.PathLike, step: int | None = None) -> Path:
@@ -36,7 +45,22 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     was written, with ``described``). A LoRA run (docs/adapters.md) writes its PEFT adapter
     directory, or with ``merge_adapter`` the merged weights as a plain HF model."""
     ckpt = resolve_run_checkpoint(src, step)
-    out = Path(out)
+    final = Path(out)
+    _check_target(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = final.parent / f".{final.name}.export-{secrets.token_hex(4)}"
+    out.mkdir()                                   # (the user's umask, as a plain mkdir)
+    try:
+        what = _write(ckpt, out, dtype, max_shard_size, merge_adapter)
+        _put_in_place(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return (final, what) if described else final
+
+
+def _write(ckpt: Path, out: Path, dtype, max_shard_size, merge_adapter: bool) -> str:
+    """Write the export of ``ckpt`` into the empty directory ``out``; returns what it is."""
     meta = fmt.read_index(ckpt).get("metadata") or {}
     if meta.get("lora") is None:
         if merge_adapter:
@@ -49,7 +73,7 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     else:
         _export_adapter(ckpt, out, meta)
         what = "PEFT adapter directory"
-        return (out, what) if described else out
+        return what
     base = meta.get("base_model")
     config = json.loads((out / "config.json").read_text())
     if base and (Path(base) / "config.json").is_file():
@@ -62,7 +86,34 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
             f = Path(folder) / name
             if f.is_file() and not (out / name).exists():
                 shutil.copy2(f, out / name)
-    return (out, what) if described else out
+    return what
+
+
+def _check_target(out: Path) -> None:
+    """Refuse an ``out`` that holds files no export writes (they are not ours to replace)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory; choose a new directory to export into")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir()
+                     if not any(fnmatch.fnmatch(p.name, pat) for pat in EXPORT_FILES))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{out} holds files that are not an export ({shown}); an export replaces its "
+                         f"directory whole, so choose a new or empty directory")
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the finished export ``tmp`` to ``out``; an earlier export there is replaced whole
+    (moved aside, then removed): no file of it is left beside the new ones."""
+    if out.is_dir():
+        _check_target(out)                       # (again: nothing foreign arrived meanwhile)
+        old = out.parent / f".{out.name}.replaced-{secrets.token_hex(4)}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
 
 
 def _full_params(ckpt: Path) -> dict:

@@ -46,15 +46,29 @@ def _data_settings(cfg: TrainConfig) -> dict:
     keys = ("sequence_len", "sample_packing", "val_set_size", "seed", "train_on_inputs", "chat_template",
             "chat_template_jinja", "eot_tokens", "chat_template_kwargs", "excess_length_strategy",
             "special_tokens", "tokenizer", "base_model")
+    from functional_pp.version import __version__
     return {"datasets": [dataclasses.asdict(e) for e in cfg.datasets], "data_tokenizer": cfg.data.tokenizer,
-            **{k: getattr(cfg, k) for k in keys}}
+            **{k: getattr(cfg, k) for k in keys}, "template_files": _template_files(cfg),
+            "functional_pp": __version__}
+
+
+def _template_files(cfg: TrainConfig) -> dict:
+    """The contents' hashes of the ``.jinja`` files named by ``chat_template_jinja`` (top level
+    and per dataset): an edited template tokenizes again (the key holds the path, not the text)."""
+    import hashlib
+    out = {}
+    for jinja in [cfg.chat_template_jinja, *(getattr(e, "chat_template_jinja", None) for e in cfg.datasets)]:
+        if isinstance(jinja, str) and len(jinja) < 4096 and "\n" not in jinja and Path(jinja).is_file():
+            out[jinja] = hashlib.sha256(Path(jinja).read_bytes()).hexdigest()
+    return out
 
 
 def _data_paths(cfg: TrainConfig) -> list:
     """The files the tokenized datasets are read from: the datasets and the tokenizer's."""
     tok = cfg.tokenizer or cfg.data.tokenizer
     toks = [tok] if tok else ([Path(cfg.base_model) / n for n in ("tokenizer.json", "tokenizer_config.json",
-                                                                    "special_tokens_map.json", "config.json")]
+                                                                    "special_tokens_map.json", "config.json",
+                                                                    "chat_template.jinja")]
                               if cfg.base_model else [])
     return [e.path for e in cfg.datasets] + toks
 

@@ -14,7 +14,9 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
   (``metrics="deferred"``: no step waits for the device; docs/eager_overhead.md);
   the communication of the first step per mesh axis in ``comm_report.txt``;
 - checkpoints (params, optimizer state, step, RNG, loader position, config) every
-  ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM;
+  ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM,
+  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the last two then end with :class:`Interrupted`,
+  exit status 130 / 129);
 - ``resume=True`` continues from the newest checkpoint in the output directory, with losses
   bitwise equal to an uninterrupted run on the same mesh;
 - ``loss.png`` at the end (matplotlib, Agg; skipped with a note without matplotlib).
@@ -24,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +43,8 @@ from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
 from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.run_lock import RunLock
+from functional_pp.app.signals import Interrupted, StopRequest
 from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.config import ConfigError, TrainConfig, model_family
@@ -60,27 +62,8 @@ COMM_REPORT = "comm_report.txt"
 CHECKPOINTS = "checkpoints"
 
 
-# ----------------------------------------------------------------------------- SIGTERM
-class _StopRequest:
-    """A flag set by SIGTERM (handler installed from the main thread only)."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.signal: str | None = None
-        self._old = None
-
-    def __enter__(self) -> "_StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+# the stop signals' flag (SIGTERM, SIGINT, SIGHUP; app/signals.py), named here for tests to replace
+_StopRequest = StopRequest
 
 
 # ----------------------------------------------------------------------------- training
@@ -92,20 +75,35 @@ class TrainResult:
     start_step: int                        # 0, or the checkpoint step resumed from
     final_step: int
     losses: list[float] = field(default_factory=list)   # this run's steps
-    stopped: bool = False                  # stopped early by SIGTERM (checkpoint saved)
+    stopped: bool = False                  # stopped early by a signal (checkpoint saved)
     checkpoint: Path | None = None         # the newest checkpoint written
     comm_report: str | None = None
 
 
 def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False,
           stop_after: int | None = None, stream: IO[str] | None = None,
-          allow_config_change: bool = False) -> TrainResult | None:
+          allow_config_change: bool = False, overwrite_output: bool = False) -> TrainResult | None:
     """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
     (default: the mesh's size outside torchrun). ``resume``: continue from the newest
     checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
     arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
-    differs from the checkpoint's in a way that breaks exact resumption. Returns the main
-    process's :class:`TrainResult` (None on other torchrun ranks). Config problems raise :class:`ConfigError` before any work."""
+    differs from the checkpoint's in a way that breaks exact resumption. ``overwrite_output``:
+    resume from a checkpoint elsewhere (``resume_from_checkpoint``) into an output directory
+    that holds another run's checkpoints or metrics. Returns the main process's
+    :class:`TrainResult` (None on other torchrun ranks). Config problems raise
+    :class:`ConfigError` before any work; the output directory is locked for the run
+    (app/run_lock.py: a second run on it is refused)."""
+    lock = RunLock()
+    try:
+        return _train(cfg, lock, simulate=simulate, resume=resume, stop_after=stop_after, stream=stream,
+                      allow_config_change=allow_config_change, overwrite_output=overwrite_output)
+    finally:
+        lock.release()
+
+
+def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: bool, stop_after: int | None,
+           stream: IO[str] | None, allow_config_change: bool, overwrite_output: bool) -> TrainResult | None:
+    """:func:`train`, the output directory locked with ``lock`` before anything is written there."""
     from functional_pp import adapters
     from functional_pp.app.evaluate import evaluate
     from functional_pp.app.inputs import (adapter_params, base_params, check_batches, frozen_and_adapters, load_data,
@@ -143,11 +141,15 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
         except ck.CheckpointError as exc:
             raise ConfigError(f"resume_from_checkpoint: {exc}") from exc
         load_dir, latest = found.parent, int(ck.format.read_index(found)["step"])
+        if load_dir.resolve() == ckpt_dir.resolve():     # this output directory's own checkpoint
+            load_dir = ckpt_dir
     else:
         latest = manager.latest() if ckpt_dir.is_dir() else None
     if latest is not None and not resume and load_dir == ckpt_dir:
         raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
                           f"--resume to continue from it, or choose another --output")
+    if load_dir != ckpt_dir and not overwrite_output:
+        _refuse_other_runs_output(out_dir, ckpt_dir, manager, load_dir)
     if latest is not None and not allow_config_change:
         check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
 
@@ -190,6 +192,10 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     loggers = None
     if main:
         _check_writable(out_dir)         # before the summary: fail before any work
+        lock.acquire(out_dir)            # one run per output directory (app/run_lock.py)
+        if load_dir == ckpt_dir and ckpt_dir.is_dir() and manager.latest() != latest:
+            raise ConfigError(f"{ckpt_dir}: another run wrote checkpoints there while this one started "
+                              f"(newest now: step {manager.latest()}); choose another --output")
         print(describe(cfg, world, mesh, rules, model_cfg, corpus,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
                        val=data.val),
@@ -276,6 +282,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                 loggers.log(0, {"eval_loss": e0})
                 progress.eval_loss = e0
         losses: list[float] = []
+        skipped_steps = [0]                        # this run's steps skipped as non-finite
         watch, halted = Watch.of(cfg), []          # why a stopping rule ended the run
         report_text = None
         last_saved, saved_path, stopped = start, None, False
@@ -298,6 +305,7 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
                     break                    # the failing step and those after it
                 m = dict(m)
                 losses.append(m["loss"])
+                skipped_steps[0] += int(bool(m.get("skipped", 0)))
                 why = watch.loss(s, m["loss"])
                 if why is None and eval_loss is not None and i == len(unread) - 1:
                     why = watch.eval_loss(s, eval_loss)
@@ -362,33 +370,47 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
             if lead and loggers is not None:
                 loggers.close()
         return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
-                "checkpoint": saved_path, "comm_report": report_text}
+                "checkpoint": saved_path, "comm_report": report_text, "skipped": skipped_steps[0]}
 
-    with stop:
+    with stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
         results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
-    if not world.simulate:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if not main:
-        return None
-    r = results[0] if world.simulate else results
-    if cfg.logging.plot:
-        metrics = read_metrics(metrics_path)
-        if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
-            print(f"loss curve: {out_dir / PLOT}", file=out)
-        elif metrics:
-            print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
-    if r["halted"]:
-        raise StoppedEarly(f"{r['halted'][0]} at step {r['step']}/{cfg.max_steps}; checkpoint "
-                           f"{r['checkpoint']}")
-    if r["losses"]:
-        print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
-              f"{metrics_path}", file=out, flush=True)
-    else:
-        print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
-    return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
-                       r["comm_report"])
+        if not world.simulate:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        r = results[0] if world.simulate else results
+        interrupted = None
+        if r["stopped"] and stop.signal in ("SIGINT", "SIGHUP"):
+            interrupted = Interrupted(f"received {stop.signal}: stopped at step {r['step']}/{cfg.max_steps} with "
+                                      f"checkpoint {r['checkpoint'] or manager.path(r['step'])}; continue with "
+                                      f"--resume", stop.signal)
+        if not main:
+            if interrupted is not None:
+                raise interrupted
+            return None
+        if cfg.logging.plot:
+            metrics = read_metrics(metrics_path)
+            if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
+                print(f"loss curve: {out_dir / PLOT}", file=out)
+            elif metrics:
+                print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
+        if r["halted"]:
+            raise StoppedEarly(f"{r['halted'][0]} at step {r['step']}/{cfg.max_steps}; checkpoint "
+                               f"{r['checkpoint']}")
+        if interrupted is not None:
+            raise interrupted
+        if r["losses"] and r["skipped"] == len(r["losses"]):
+            from functional_pp.step.train import NonFiniteError
+            raise NonFiniteError(f"all {r['skipped']} steps of this run were skipped (non-finite loss, gradients "
+                                 f"or update; see nonfinite_* in {metrics_path}): nothing was learned. Check "
+                                 f"the base weights and the data for NaN / inf, or lower learning_rate")
+        if r["losses"]:
+            print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
+                  f"{metrics_path}", file=out, flush=True)
+        else:
+            print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
+        return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
+                           r["comm_report"])
 
 
 def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **options):
@@ -408,6 +430,25 @@ def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **o
                                  fsdp_gather=cfg.pp_fsdp_gather, **options)
     except ValueError as exc:
         raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc
+
+
+def _refuse_other_runs_output(out_dir: Path, ckpt_dir: Path, manager, load_dir: Path) -> None:
+    """Resuming from a checkpoint elsewhere (``resume_from_checkpoint``) into ``out_dir``:
+    refuse when ``out_dir`` holds another run's checkpoints or metrics (they would be replaced
+    and cut), naming both directories."""
+    theirs = []
+    newest = manager.latest() if ckpt_dir.is_dir() else None
+    if newest is not None:
+        theirs.append(f"checkpoints up to step {newest}")
+    metrics = out_dir / METRICS
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        theirs.append(METRICS)
+    if theirs:
+        raise ConfigError(f"resume_from_checkpoint: resuming from {load_dir} into output_dir {out_dir}, "
+                          f"which already holds {' and '.join(theirs)} of another run: they would be "
+                          f"overwritten. Choose a new output_dir (--output DIR) for the resumed run; to "
+                          f"continue the run of {out_dir} itself, unset resume_from_checkpoint and pass "
+                          f"--resume; or pass --overwrite-output to write into {out_dir} anyway")
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: continue even if the config changes the results "
                         "(model, data, optimizer, batch, schedule...)")
+    t.add_argument("--overwrite-output", action="store_true",
+                   help="with resume_from_checkpoint: PATH elsewhere: write into an output directory "
+                        "that holds another run's checkpoints or metrics (default: refused)")
     t.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")
     t.add_argument("--layout", choices=("manual", "auto"), default=None,
@@ -72,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return run_reporting_errors(lambda: _train(args), debug=getattr(args, "debug", False))
-    if args.command == "plan":
+    if args.command == "plan":            # behind the one-line error handler too
         from functional_pp.cli.plan import run as plan_run
-        return plan_run(args)
+        return run_reporting_errors(lambda: plan_run(args), debug=getattr(args, "debug", False))
     from functional_pp.cli.commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
     return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands
@@ -95,7 +98,7 @@ def _train(args: argparse.Namespace) -> int:
             from functional_pp.cli.plan import auto_layout_for_run
             cfg = auto_layout_for_run(cfg, args.simulate, args.cluster)
         train(cfg, simulate=args.simulate, resume=args.resume,
-              allow_config_change=args.allow_config_change)
+              allow_config_change=args.allow_config_change, overwrite_output=args.overwrite_output)
     except ConfigError as exc:
         print(f"functional-pp: config error: {exc}", file=sys.stderr)
         return 2

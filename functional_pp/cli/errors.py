@@ -3,7 +3,8 @@ non-zero exit status; the traceback only with ``--debug``.
 
 Exit statuses: 0 done, 1 runtime error (checkpoint, I/O, a failed device, a hang detected),
 2 config or usage error (before any work), 3 training stopped on non-finite values,
-4 stopped by the loss watchdog or early stopping (checkpoint saved), 130 interrupted (Ctrl-C)."""
+4 stopped by the loss watchdog or early stopping (checkpoint saved), 130 interrupted (Ctrl-C; a
+run stops at a step boundary with its checkpoint), 129 hung up (SIGHUP, as Ctrl-C)."""
 from __future__ import annotations
 
 import sys
@@ -27,12 +28,15 @@ def _root(exc: BaseException) -> BaseException:
 
 
 def exit_status(exc: BaseException) -> int:
+    from functional_pp.app.signals import Interrupted
     from functional_pp.app.stopping import StoppedEarly
     from functional_pp.config import ConfigError
     from functional_pp.step.train import NonFiniteError
     root = _root(exc)
     if isinstance(root, StoppedEarly):
         return EXIT_STOPPED
+    if isinstance(root, Interrupted):
+        return root.status
     if isinstance(root, ConfigError) or isinstance(exc, ConfigError):
         return EXIT_CONFIG
     if isinstance(root, NonFiniteError):

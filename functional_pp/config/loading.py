@@ -13,6 +13,7 @@ import yaml
 from functional_pp.config.aliases import DATASET_UNSUPPORTED, normalize
 from functional_pp.config.keys import ADAM_OPTIMIZERS, SECTION_KEYS, foreign_optimizer_keys
 from functional_pp.config.overrides import apply_overrides
+from functional_pp.config.paths import expand_paths
 from functional_pp.config.schema import ConfigError, Issues, parse_section
 from functional_pp.config.sections import CheckpointConfig, DataConfig, DatasetConfig, LoggingConfig, ModelConfig
 
@@ -45,6 +46,7 @@ def build_from_dict(cls: type, d: Mapping[str, Any], name: str, source: str) -> 
         raise ConfigError(f"the config must be a mapping of keys to values, got {d!r}")
     issues = Issues(source)
     raw, notes = normalize(dict(d), issues)
+    expand_paths(raw, issues)         # ~ and $VARS in paths (config/paths.py)
     known = set(cls.valid_keys()) | {"name"}
     blank = sorted(k for k, v in raw.items() if v is None and k not in known)
     for k in blank:                   # a blank key asks for nothing, known here or not

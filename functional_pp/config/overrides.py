@@ -21,8 +21,11 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         key = key.strip()
+        if not raw.strip():             # `--set learning_rate=$LR` with LR unset: not "the default"
+            raise ConfigError(f"--set {item!r}: the value of {key} is empty (an unset shell variable?); "
+                              f"give a value, or {key}=null to unset the key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML: {exc}") from exc
         parts = key.split(".")

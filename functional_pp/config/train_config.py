@@ -180,8 +180,9 @@ class TrainConfig:
                                                   "directory and reuse it while the config and the "
                                                   "data are unchanged")
     excess_length_strategy: Literal["drop", "truncate", "raise"] | None = fld(
-        None, "datasets: a row longer than sequence_len is dropped, truncated or refused (Axolotl's); "
-              "unset: packed rows continue in the next window, unpacked rows are cut")
+        None, "datasets: a row longer than sequence_len is dropped (counted in the summary), truncated "
+              "(nothing trained at the cut) or refused naming it (Axolotl's); unset: drop when "
+              "sample_packing is false, packed documents continue in the next window")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")

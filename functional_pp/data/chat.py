@@ -236,7 +236,7 @@ def conversation(rec: Any, spec: ChatSpec) -> list[dict]:
         raise ValueError(f"{spec.field_messages!r} must be a list of messages (mappings), got "
                          f"{type(messages).__name__}")
     turns = []
-    for m in messages:
+    for i, m in enumerate(messages):
         mapping = spec.mappings
         if not spec.mappings_given and "role" not in m and "from" in m:   # ShareGPT
             mapping = {**mapping, "role": "from", "content": "value"}
@@ -246,6 +246,9 @@ def conversation(rec: Any, spec: ChatSpec) -> list[dict]:
             if k not in mapped and k not in t and v is not None and k in ("tool_calls", "name",
                                                                           "tool_call_id", "reasoning_content"):
                 t[k] = v
+        if not isinstance(t.get("content", ""), (str, list)):
+            raise ValueError(f"message {i + 1}: content is {type(t['content']).__name__} "
+                             f"({json.dumps(t['content'], default=str)[:80]}), not text; give text")
         if "role" in t:
             t["role"] = spec.roles.get(t["role"], t["role"])
         if isinstance(t.get("content"), list):      # content parts: their text, joined

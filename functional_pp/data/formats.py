@@ -43,6 +43,7 @@ ALPACA_STYLES = {
 }
 ALPACA_PROMPT = _SYSTEM + "\n\n" + ALPACA_STYLES["alpaca"][1]
 ALPACA_PROMPT_NO_INPUT = _SYSTEM_NO_INPUT + "\n\n" + ALPACA_STYLES["alpaca"][2]
+EXCESS_LENGTH_STRATEGIES = ("drop", "truncate", "raise")   # Axolotl's; drop by default (unpacked rows)
 TYPES = ("text", "completion", *ALPACA_STYLES, "input_output", "chat_template", "pretokenized")
 
 
@@ -100,18 +101,28 @@ def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterato
     """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
     if kind in ("jsonl", "json"):
-        with open(path, encoding="utf-8") as f:
-            if kind == "json" and f.read(4096).lstrip().startswith("["):
+        at = where if str(path) in where else f"{where}: {path}"
+        with open(path, "rb") as f:
+            if kind == "json" and f.read(4096).lstrip().startswith(b"["):
                 f.seek(0)
-                yield from json.load(f)                   # a JSON array: read whole
+                try:
+                    records = json.loads(f.read().decode("utf-8"))      # a JSON array: read whole
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    raise ValueError(f"{at}: not a JSON array of records in UTF-8 ({exc})") from exc
+                yield from records
                 return
             f.seek(0)
-            for lineno, line in enumerate(f, start=1):    # JSON lines: one record at a time
+            for lineno, raw in enumerate(f, start=1):     # JSON lines: one record at a time
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{at}: line {lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                     f"{exc.start + 1}); convert the file to UTF-8") from exc
                 if line.strip():
                     try:
                         yield json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"{where}: {path}:{lineno}: invalid JSON ({exc.msg})") from exc
+                        raise ValueError(f"{at}: line {lineno}: invalid JSON ({exc.msg})") from exc
     elif kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -142,6 +153,21 @@ def _field(rec: Any, key: str, where: str, n: int) -> Any:
     return rec[key]
 
 
+def _text_field(rec: Any, key: str, where: str, n: int, optional: bool = False) -> str:
+    """Field ``key`` of record ``n`` as text: a string, or a number written out; null, lists and
+    mappings are refused naming the record (``"output": null`` would train the text "None")."""
+    value = _field(rec, key, where, n)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 80 else shown[:80] + " ..."
+    what = "null" if value is None else f"{type(value).__name__} {shown}"
+    fix = "give it text" + (" or leave it out" if optional else " or remove the record")
+    raise ValueError(f"{where}: record {n}: field {key!r} is {what}, not text; {fix}")
+
+
 # --------------------------------------------------------------------------- examples
 Example = tuple[list[int], list[int] | None]        # ids, trained flags (None: all)
 
@@ -156,11 +182,11 @@ def _alpaca(tok, rec: dict, style: str, train_inputs: bool, where: str, n: int) 
     """Axolotl's alpaca prompt in ``style`` (``alpaca``, ``alpaca:chat``, ``alpaca:phi``, ...):
     the output trained, the prompt only with ``train_on_inputs``."""
     system, turn, turn_no_input = ALPACA_STYLES[style]
-    instruction = _field(rec, "instruction", where, n)
-    inp = rec.get("input") or ""
+    instruction = _text_field(rec, "instruction", where, n)
+    inp = _text_field(rec, "input", where, n, optional=True) if rec.get("input") is not None else ""
     prompt = (system.format(system=_SYSTEM) + turn if inp else
               system.format(system=_SYSTEM_NO_INPUT) + turn_no_input).format(instruction=instruction, input=inp)
-    p, r = tok.encode(prompt), tok.encode(str(_field(rec, "output", where, n)))
+    p, r = tok.encode(prompt), tok.encode(_text_field(rec, "output", where, n))
     return _with_bos(tok, p + r, [int(train_inputs)] * len(p) + [1] * len(r))
 
 
@@ -264,7 +290,7 @@ def _items(entry, where: str) -> Iterator[Any]:
     path = Path(entry.path)
     kind = entry.type or _guess_type(path, entry.ds_type)
     if kind not in TYPES:
-        raise ValueError(f"{where}.type {kind!r} is not supported (choose {', '.join(TYPES)})")
+        raise ValueError(f"{where.split(' ', 1)[0]}.type {kind!r} is not supported (choose {', '.join(TYPES)})")
     if kind == "text":
         files = _text_files(path, entry.pattern)
         if not files:
@@ -337,21 +363,32 @@ class _StreamWriter:
         self.documents = 0
         self.all_trained = True
 
-    def add(self, ids: list[int], mask: list[int] | None, eos_trained: bool = True) -> None:
+    def length(self, ids: list[int], eos_trained: bool = True) -> int:
+        """How many tokens :meth:`add` writes for ``ids`` (with its EOS, before padding)."""
+        return len(ids) + int(eos_trained or not ids or ids[-1] != self.eos)
+
+    def add(self, ids: list[int], mask: list[int] | None, eos_trained: bool = True, cut: int | None = None) -> int:
         """One example and the EOS after it, trained unless ``eos_trained`` is false (chat data:
         Axolotl trains no token its template did not write; an example that already ends with
-        EOS gets none more)."""
+        EOS gets none more). ``cut``: keep only that many tokens, the last of them an untrained
+        EOS (the text went on: no end is trained where the cut fell, also not inside a prompt).
+        Returns how many of its tokens the loader trains as labels (a trained token whose input
+        is not EOS; a document's first token never is)."""
         m = [1] * len(ids) if mask is None else list(mask)
         ids = list(ids)
         if eos_trained or not ids or ids[-1] != self.eos:
             ids, m = ids + [self.eos], m + [int(eos_trained)]
+        if cut is None and self.row is not None and len(ids) > self.row:
+            cut = self.row                        # (build_streams drops or cuts such rows first)
+        if cut is not None and len(ids) > cut:
+            ids, m = ids[:cut - 1] + [self.eos], m[:cut - 1] + [0]
+        trained = sum(1 for p in range(1, len(ids)) if m[p] and ids[p - 1] != self.eos)
         if self.row is not None:
-            if len(ids) > self.row:
-                ids, m = ids[:self.row - 1] + [self.eos], m[:self.row - 1] + [int(eos_trained)]
             pad = self.row - len(ids)
             ids, m = ids + [self.eos] * pad, m + [0] * pad
         self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
         self.documents += 1
+        return trained
 
     def _put(self, ids: np.ndarray, m: np.ndarray) -> None:
         self.all_trained &= bool(m.all())
@@ -408,8 +445,10 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     sample row and the role mapping used: the data would train nothing (or the wrong thing).
 
     ``excess_length_strategy`` (Axolotl's) for an example longer than ``seq_len`` (with its EOS):
-    ``drop`` it, ``truncate`` it, ``raise``; None: packed documents continue in the next
-    window, unpacked rows are cut at ``seq_len``."""
+    ``drop`` it, ``truncate`` it (its last kept token an untrained EOS: nothing is trained where
+    the cut fell), ``raise`` naming the file, record, length and ``seq_len``; None: ``drop`` for
+    unpacked rows, packed documents continue in the next window. Each is counted per dataset
+    (``DatasetStats``), and the trained-token count is the number of labels the loader trains."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -431,7 +470,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         train = TokenStream(arr[:cut], None, eos, vocab, names, n_docs - n_val)
         val = TokenStream(arr[cut:], None, eos, vocab, f"{names}[val]", n_val) if n_val else None
         return train, val
-    counts = [sum(1 for _ in _items(e, f"datasets[{i}]")) for i, e in enumerate(entries)]
+    counts = [sum(1 for _ in _items(e, f"datasets[{i}] ({e.path})")) for i, e in enumerate(entries)]
     n = sum(counts)
     if n == 0:
         raise ValueError(f"datasets ({names}) hold no examples")
@@ -441,6 +480,9 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                          f"nothing is left to train on")
     val_idx = set(np.random.default_rng([seed, 7]).permutation(n)[n - n_val:].tolist()) if n_val else set()
     row = None if sample_packing else seq_len
+    strategy = excess_length_strategy or (None if sample_packing else "drop")
+    if strategy not in (None, *EXCESS_LENGTH_STRATEGIES):
+        raise ValueError(f"excess_length_strategy {strategy!r}: choose {' / '.join(EXCESS_LENGTH_STRATEGIES)}")
     train = _StreamWriter(eos, vocab, row, names, spill_bytes)
     val = _StreamWriter(eos, vocab, row, f"{names}[val]", spill_bytes) if n_val else None
     j = 0
@@ -452,24 +494,30 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                          default_jinja=chat_template_jinja, eot_tokens=eot_tokens,
                          template_kwargs=chat_template_kwargs, where=where) if kind == "chat_template" else None
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
-                          spec.describe_roles() if spec else "", spec.warning if spec else "")
-        for ids, mask, rec in _examples(entry, tok, train_on_inputs, spec, where):
-            if excess_length_strategy is not None and len(ids) + 1 > seq_len:
-                if excess_length_strategy == "raise":
-                    raise ValueError(f"{where}: row {st.rows + st.dropped + 1} has {len(ids) + 1} tokens "
-                                     f"(with EOS), more than sequence_len={seq_len} "
-                                     f"(excess_length_strategy: raise); raise sequence_len or choose drop / truncate")
-                if excess_length_strategy == "drop":
+                          spec.describe_roles() if spec else "", spec.warning if spec else "", seq_len=seq_len)
+        eos_trained = spec is None and kind != "input_output"
+        records = _examples(entry, tok, train_on_inputs, spec, f"{where} ({entry.path})")   # errors name the file
+        for n, (ids, mask, rec) in enumerate(records, start=1):
+            length, cut = train.length(ids, eos_trained), None
+            if length > seq_len:
+                if strategy == "raise":
+                    raise ValueError(f"{where} ({entry.path}): {_record_name(rec, n)} has {length} tokens "
+                                     f"(with EOS), more than sequence_len={seq_len} (excess_length_strategy: "
+                                     f"raise); raise sequence_len, shorten the row, or set "
+                                     f"excess_length_strategy: drop or truncate")
+                if strategy == "drop":
                     st.dropped += 1
                     j += 1
                     continue
-                ids, mask = ids[:seq_len - 1], (None if mask is None else mask[:seq_len - 1])
-                st.truncated += 1
-            (val if j in val_idx else train).add(ids, mask, eos_trained=spec is None and kind != "input_output")
+                if strategy == "truncate":
+                    st.truncated += 1
+                    cut = seq_len
+                else:                            # packed, unset: the document spans windows
+                    st.spanning += 1
+            trained = (val if j in val_idx else train).add(ids, mask, eos_trained=eos_trained, cut=cut)
             j += 1
-            trained = len(ids) if mask is None else int(sum(mask))
             st.rows += 1
-            st.tokens += len(ids)
+            st.tokens += min(length, cut or length)
             st.trained_tokens += trained
             if trained == 0:
                 st.untrained_rows += 1
@@ -480,7 +528,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         if st.dropped and not st.rows:
             raise ValueError(f"{where} ({entry.path}): all {st.dropped} rows are longer than sequence_len="
                              f"{seq_len} and were dropped (excess_length_strategy: drop); raise "
-                             f"sequence_len or choose truncate")
+                             f"sequence_len, or set excess_length_strategy: truncate to train on their "
+                             f"first {seq_len} tokens")
         if st.rows and st.rows - st.untrained_rows < min_trained_share * st.rows:
             raise ValueError(st.refusal(tok))
         stats.append(st)
@@ -508,12 +557,17 @@ class DatasetStats:
     trained_sample: str | None = None
     dropped: int = 0
     truncated: int = 0
+    spanning: int = 0                        # packed documents longer than sequence_len
+    seq_len: int = 0
 
     def line(self) -> str:
         tpl = f", template {self.template}" if self.template else ""
         none = f", {self.untrained_rows} rows with no trained token" if self.untrained_rows else ""
-        none += f", {self.dropped} longer rows dropped" if self.dropped else ""
-        none += f", {self.truncated} longer rows truncated" if self.truncated else ""
+        longer = f" rows longer than sequence_len={self.seq_len}"
+        none += f", {self.dropped}{longer} dropped (excess_length_strategy: drop)" if self.dropped else ""
+        none += (f", {self.truncated}{longer} truncated (excess_length_strategy: truncate)"
+                 if self.truncated else "")
+        none += f", {self.spanning}{longer} continue in the next window (packed)" if self.spanning else ""
         warn = f"; note: {self.warning}" if self.warning else ""
         return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")
@@ -531,6 +585,11 @@ class DatasetStats:
                 f"{self.template}; {self.roles}). A sample row: {shown}\nrendered as: {rendered!r}\n"
                 f"Check field_messages / message_property_mappings (ShareGPT: {{role: from, "
                 f"content: value}}), roles and roles_to_train, or set train_on_inputs: true")
+
+
+def _record_name(rec: Any, n: int) -> str:
+    """``record N`` of a file of records, or the text file an example came from."""
+    return f"file {rec}" if isinstance(rec, Path) else f"record {n}"
 
 
 def _count(arr: np.ndarray, eos: int, chunk: int = 1 << 24) -> int:

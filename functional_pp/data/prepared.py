@@ -21,7 +21,7 @@ from functional_pp.data.formats import DatasetStats, TokenStream
 
 __all__ = ["fingerprint", "load_or_build"]
 
-_VERSION = 1
+_VERSION = 2          # 2: long unpacked rows dropped by default, exact trained-token counts
 
 
 def _files(path: Path) -> list[Path]:

@@ -1,6 +1,7 @@
 """dataset_prepared_path (Axolotl's): the tokenized datasets are saved there and reused while
 the config and the data are unchanged; a changed data file or setting tokenizes again."""
 import json
+import os
 
 import numpy as np
 
@@ -41,3 +42,25 @@ def test_tokenized_data_is_saved_reused_and_rebuilt_on_change(tmp_path, monkeypa
     more = inputs.load_data(_cfg(tmp_path))
     assert more.train.prepared.startswith("tokenized") and more.train.documents == 9
     assert len(list((tmp_path / "prepared").iterdir())) == 3
+
+
+def test_an_edited_chat_template_file_tokenizes_again(tmp_path):
+    """The key holds the template file's contents, not only its path (issue 46)."""
+    import json as _json
+    (tmp_path / "c.jsonl").write_text(_json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                {"role": "assistant", "content": "Yo"}]}) + "\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+
+    def cfg():
+        return TrainConfig.from_dict({"datasets": [{"path": str(tmp_path / "c.jsonl"), "type": "chat_template"}],
+                                      "chat_template": "jinja", "chat_template_jinja": str(template),
+                                      "dataset_prepared_path": str(tmp_path / "prepared"), "sequence_len": 32})
+    first = inputs.load_data(cfg())
+    assert inputs.load_data(cfg()).train.prepared.startswith("reused")
+    st = template.stat()
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    os.utime(template, ns=(st.st_atime_ns, st.st_mtime_ns))     # same size and time: only the text differs
+    again = inputs.load_data(cfg())
+    assert again.train.prepared.startswith("tokenized")
+    assert not np.array_equal(np.asarray(again.train.tokens), np.asarray(first.train.tokens))

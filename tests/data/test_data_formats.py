@@ -159,7 +159,7 @@ def test_bad_records_are_named_with_their_place(tmp_path, record, entry, message
     from functional_pp.config import ConfigError
     with pytest.raises(ConfigError) as info:
         load_data(cfg)
-    assert message in str(info.value)
+    assert message.replace("datasets[0]:", f"datasets[0] ({path}):") in str(info.value)     # the file named
 
 
 @pytest.mark.parametrize("style, prompt", [
@@ -200,10 +200,10 @@ def test_excess_length_strategy_drops_truncates_or_refuses_long_rows(tmp_path):
     entry = [DatasetConfig(path=str(tmp_path / "c.jsonl"))]
     dropped, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="drop")
     assert [d[0] for d in _docs(dropped)] == ["short", "tiny"] and dropped.stats[0].dropped == 1
-    assert "1 longer rows dropped" in dropped.stats[0].line()
+    assert "1 rows longer than sequence_len=10 dropped" in dropped.stats[0].line()
     cut, _ = build_streams(entry, None, seq_len=10, excess_length_strategy="truncate")
     assert [d[0] for d in _docs(cut)] == ["short", "a much lo", "tiny"] and cut.stats[0].truncated == 1
-    with pytest.raises(ValueError, match=r"row 2 has 26 tokens \(with EOS\), more than sequence_len=10"):
+    with pytest.raises(ValueError, match=r"record 2 has 26 tokens \(with EOS\), more than sequence_len=10"):
         build_streams(entry, None, seq_len=10, excess_length_strategy="raise")
     packed, _ = build_streams(entry, None, seq_len=10)            # unset: packed documents run on
     assert [d[0] for d in _docs(packed)][1] == "a much longer row of text"

@@ -1,0 +1,58 @@
+"""Records that would be misread are refused naming the dataset, the file and the record or line
+(issue 46): ``"output": null`` (it trained the text "None"), a list where text belongs, chat
+content that is not text, bytes that are not UTF-8. Through the API and the command line."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from functional_pp import cli
+from functional_pp.config import DatasetConfig
+from functional_pp.data.formats import build_streams
+
+GOOD = {"instruction": "Add 2 and 2.", "input": "", "output": "4"}
+
+
+def _alpaca(tmp_path: Path, rows: list[dict]) -> list[DatasetConfig]:
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [DatasetConfig(path=str(tmp_path / "a.jsonl"), type="alpaca")]
+
+
+@pytest.mark.parametrize("row, words", [
+    ({**GOOD, "output": None}, "field 'output' is null, not text"),
+    ({**GOOD, "instruction": ["a", "b"]}, "field 'instruction' is list [\"a\", \"b\"], not text"),
+    ({**GOOD, "input": {"k": 1}}, "field 'input' is dict {\"k\": 1}, not text; give it text or leave it out"),
+])
+def test_alpaca_fields_that_are_not_text_are_refused(tmp_path, row, words):
+    entry = _alpaca(tmp_path, [GOOD, row])
+    with pytest.raises(ValueError) as e:
+        build_streams(entry, None, seq_len=256)
+    assert str(e.value).startswith(f"datasets[0] ({tmp_path / 'a.jsonl'}): record 2: ") and words in str(e.value)
+
+
+def test_numbers_are_written_out_and_a_null_input_is_no_input(tmp_path):
+    train, _ = build_streams(_alpaca(tmp_path, [{**GOOD, "output": 4, "input": None}]), None, seq_len=256)
+    text = bytes(int(t) for t in train.tokens).decode()
+    assert text.endswith("### Response:\n4\0") and "None" not in text
+
+
+def test_chat_content_that_is_not_text_is_refused(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": 4}]}]
+    (tmp_path / "c.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    entry = [DatasetConfig(path=str(tmp_path / "c.jsonl"), type="chat_template", chat_template="chatml")]
+    with pytest.raises(ValueError) as e:
+        build_streams(entry, None, seq_len=256)
+    assert f"datasets[0] ({tmp_path / 'c.jsonl'}): record 1: message 2: content is int (4), not text" in str(e.value)
+
+
+def test_cli_names_file_and_line_of_bytes_that_are_not_utf8(tmp_path, capsys):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"instruction": "caf\xe9", "output": "x"}\n')
+    cfg = {"model": "tiny", "micro_batch_size": 1, "sequence_len": 256, "max_steps": 1,
+           "datasets": [{"path": str(path), "type": "alpaca"}], "output_dir": str(tmp_path / "out")}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", str(tmp_path / "c.yaml"), "--simulate", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"datasets[0] ({path}): line 2: not UTF-8 (byte 0xe9 at column 21)" in err
+    assert not (tmp_path / "out").exists()
