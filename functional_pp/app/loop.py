@@ -47,6 +47,7 @@ from functional_pp.app.run_lock import RunLock
 from functional_pp.app.signals import Interrupted, StopRequest
 from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
+from functional_pp.checkpoint.hf import require_weights
 from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.seeds import check_seed
 from functional_pp.core.tree import leaves_with_paths
@@ -123,6 +124,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     mesh = cfg.mesh(world.size)
     rules = cfg.build_rules(mesh)
     family, model_cfg = model_family(cfg), model_config(cfg)
+    if cfg.base_model is not None:        # its weights are read on the devices: missing ones found here
+        try:
+            require_weights(cfg.base_model)
+        except ck.CheckpointError as exc:
+            raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
     base_decls = family.param_decls(model_cfg)
     lora = cfg.lora_config()
     loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),

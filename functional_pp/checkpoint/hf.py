@@ -108,6 +108,20 @@ def _hf_files(p: Path) -> tuple[Path, dict[str, str] | None, list[str]]:
     raise AssertionError  # unreachable
 
 
+def require_weights(path: str | Path) -> list[Path]:
+    """The safetensors files of the Hugging Face model at ``path``, every one present (what an
+    import will read), checked before any work: raises :class:`CheckpointNotFoundError` (no
+    weights, or a file the index lists is missing) or :class:`UnsafeFormatError` (pickles only)."""
+    root, _, files = _hf_files(Path(path))
+    found = [fmt.inside(root, f, str(root / "model.safetensors.index.json")) for f in files]
+    missing = [p.name for p in found if not p.is_file()]
+    if missing:
+        raise CheckpointNotFoundError(f"{root / 'model.safetensors.index.json'} lists {len(missing)} weight "
+                                      f"file(s) that are missing: {', '.join(missing[:4])}"
+                                      f"{' ...' if len(missing) > 4 else ''}")
+    return found
+
+
 class _HFReader:
     """Lazily opened safetensors files of one HF checkpoint; headers describe every tensor."""
 

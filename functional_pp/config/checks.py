@@ -321,6 +321,7 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
                           f"(no {Path(cfg.base_model).resolve() / 'config.json'}); give a local "
                           f"directory with config.json and safetensors (nothing is downloaded)")
     family, model = model_family(cfg), model_config(cfg)
+    _check_sequence_fits(cfg, model)
     try:
         micro_global = cfg.micro_batch_size * cfg.dp_size(mesh, rules)
         for dims, shape in family.activations(model, micro_global, cfg.sequence_len).items():
@@ -330,6 +331,24 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
     except ValueError as exc:
         what = f"base_model {cfg.base_model!r}" if cfg.base_model else f"model preset {cfg.model.preset!r}"
         raise ConfigError(f"{exc} ({what}, mesh {dict(mesh.shape)})") from exc
+
+
+def _check_sequence_fits(cfg: Any, model: Any) -> None:
+    """``sequence_len`` within the positions the model was built for: a Hugging Face base's
+    ``max_position_embeddings`` (which a model's rope scaling already extends), a preset's
+    ``max_seq``. Positions beyond it are extrapolated, not trained for: refused."""
+    limit = getattr(model, "max_seq", None)
+    if not limit or cfg.sequence_len <= limit:
+        return
+    if cfg.base_model is not None:
+        where = (f"base_model {cfg.base_model!r} has max_position_embeddings={limit} (its config.json, rope "
+                 f"scaling included)")
+        fix = (f"lower sequence_len to at most {limit}, or start from a model trained for longer "
+               f"contexts")
+    else:
+        where = f"model preset {cfg.model.preset!r} has max_seq={limit}"
+        fix = f"lower sequence_len to at most {limit}, or raise it with model: {{max_seq: {cfg.sequence_len}}}"
+    raise ConfigError(f"sequence_len={cfg.sequence_len} is longer than the model's positions: {where}; {fix}")
 
 
 def _check_paths(cfg: Any) -> None:
