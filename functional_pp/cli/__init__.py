@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     t = sub.add_parser(
         "train", help="train a model from a YAML config",
-        description="Train a Llama model as a YAML config says (Accelerate / Axolotl key names). "
+        description="Train a model (a preset or a Hugging Face base_model of a supported family) as a YAML config says (Accelerate / Axolotl key names). "
                     "Outside torchrun, on a machine without accelerators, a multi-device mesh "
                     "runs on simulated devices in this process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
