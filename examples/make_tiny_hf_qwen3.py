@@ -41,7 +41,8 @@ def main(out: str | Path = "examples/finetune") -> Path:
     model_dir = out / "tiny-qwen3"
     fast = llama_example.make_tokenizer(model_dir, texts)
     make_model(model_dir, len(fast), fast.bos_token_id, fast.eos_token_id)
-    # qlora.yaml's: head_dim 64, so o_proj's input features hold whole NF4 blocks of 64
+    # qlora.yaml's: head_dim 64, so o_proj's input features hold whole NF4 blocks of 64 (the blocked form;
+    # head_dim 16 puts o_proj in bitsandbytes' flat form, docs/quantization.md "Any shape")
     qlora_dir = out / "tiny-qwen3-hd64"
     fast.save_pretrained(qlora_dir)
     make_model(qlora_dir, len(fast), fast.bos_token_id, fast.eos_token_id, head_dim=64)

@@ -128,8 +128,40 @@ def _full_params(ckpt: Path) -> dict:
         return isinstance(x, tuple) and getattr(type(x), "_fields", None) == QuantizedWeight._fields
 
     tree = load_checkpoint(ckpt, keys=["params"]).tree["params"]
-    return optree.tree_map(lambda x: dequantize(QuantizedWeight(*x)) if quantized(x) else x, tree,
-                           is_leaf=quantized, none_is_leaf=False)
+    dims = _weight_dims(ckpt, tree, quantized)
+
+    def one(path, x):
+        if not quantized(x):
+            return x
+        q = QuantizedWeight(*x)
+        return dequantize(q, block_dim=_flat_block_dim(path, dims) if q.flat else None)
+    from functional_pp.core.tree import path_str
+    return optree.tree_map_with_path(lambda p, x: one(path_str(p), x), tree, is_leaf=quantized, none_is_leaf=False)
+
+
+def _weight_dims(ckpt: Path, tree, quantized) -> dict:
+    """``{path: dimension names}`` of the model's parameters, from the checkpoint's model config,
+    when the tree holds a flat quantized weight (its block dimension is not in its shapes); else
+    empty."""
+    import optree
+
+    from functional_pp.checkpoint.hf import _config_from_index
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.models import llama
+    leaves = optree.tree_leaves(tree, is_leaf=quantized, none_is_leaf=False)
+    if not any(quantized(x) and x[1].ndim < x[0].ndim for x in leaves):
+        return {}
+    return {p: tuple(d.dims) for p, d in leaves_with_paths(llama.init(_config_from_index(fmt.read_index(ckpt))))}
+
+
+def _flat_block_dim(path: str, dims: dict) -> int:
+    """The block dimension of the flat quantized weight at ``path`` (models.quantize.LINEAR_BLOCK_DIMS)."""
+    from functional_pp.models.quantize import LINEAR_BLOCK_DIMS
+    name = path.rsplit(".", 1)[-1]
+    if path not in dims or name not in LINEAR_BLOCK_DIMS:
+        raise ValueError(f"{path}: a flat quantized weight this export cannot place (no declaration of it in the "
+                         f"checkpoint's model config)")
+    return dims[path].index(LINEAR_BLOCK_DIMS[name])
 
 
 def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:

@@ -51,7 +51,10 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "optimizer": {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
                   "adam_w": "adamw", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit",
-                  "paged_adamw_32bit": "adamw"},
+                  "paged_adamw_32bit": "adamw",
+                  # torchao's AdamW8bit (Axolotl's names): the same algorithm as bitsandbytes' AdamW8bit
+                  # (tests/optim/test_adam8bit_torchao.py)
+                  "adamw_torch_8bit": "adamw_8bit", "ao_adamw_8bit": "adamw_8bit"},
     # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
     "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
                      "cosine_with_min_lr": "cosine"},
@@ -64,7 +67,10 @@ _PAGED = ("paging (bitsandbytes' paged optimizers) moves optimizer state to CUDA
 #: value aliases noted in the start-up summary: what the alias does not do here
 VALUE_NOTES: dict[str, dict[str, str]] = {
     "optimizer": {"paged_adamw_8bit": f"optimizer: paged_adamw_8bit = adamw_8bit ({_PAGED})",
-                  "paged_adamw_32bit": f"optimizer: paged_adamw_32bit = adamw ({_PAGED})"},
+                  "paged_adamw_32bit": f"optimizer: paged_adamw_32bit = adamw ({_PAGED})",
+                  **{k: f"optimizer: {k} = adamw_8bit (torchao's AdamW8bit: dynamic 8-bit moments in blocks of 256; "
+                        f"here a leaf's blocks run along its last dimension and matrices under 4096 entries are "
+                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_8bit", "ao_adamw_8bit")}},
 }
 
 #: values refused with the reason (another optimizer, not a spelling of ours)
@@ -73,7 +79,10 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                      for k in ("paged_lion_8bit", "lion_8bit")},
                   **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
                      for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
-                               "muon", "adopt_adamw", "ao_adamw_8bit", "ao_adamw_fp8")}},
+                               "muon", "adopt_adamw", "ao_adamw_fp8")},
+                  **{k: f"optimizer {k!r} (torchao's AdamW4bit: 4-bit moments) is not supported yet: use "
+                        f"adamw_8bit (8-bit moments, alias adamw_torch_8bit) or adamw"
+                     for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
     "activation_checkpointing": {k: "activation offloading is not supported: use gradient_checkpointing: "
                                     "true (recomputes instead)" for k in ("offload", "offload_disk")},
     "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"

@@ -79,7 +79,8 @@ class TrainConfig:
     max_grad_norm: float | None = fld(1.0, "clip the global gradient norm; null: no clipping")
     optimizer: Literal["adamw", "adamw_8bit", "sgd"] = fld(
         "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | sgd (aliases "
-                 "adamw_torch, adamw_torch_fused; adamw_bnb_8bit, paged_adamw_8bit = adamw_8bit; "
+                 "adamw_torch, adamw_torch_fused; adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit, "
+                 "ao_adamw_8bit = adamw_8bit; "
                  "paged_adamw_32bit = adamw)")
     adam_beta1: float = fld(0.9, "AdamW beta1")
     adam_beta2: float = fld(0.95, "AdamW beta2")

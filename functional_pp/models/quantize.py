@@ -1,7 +1,7 @@
 """A model's frozen base quantized for QLoRA (``load_in_4bit``) or ``load_in_8bit``: the linear
 weights of the layers become :class:`~functional_pp.quant.weights.QuantizedWeight` leaves
-(NF4 or int8, blocks along each weight's input features, as bitsandbytes quantizes the Hugging
-Face weight); embeddings, the head and norms stay as they are (docs/quantization.md)."""
+(NF4 or int8, blocks along each weight's input features, or over the whole flattened weight where
+those do not hold whole blocks: as bitsandbytes quantizes the Hugging Face weight); embeddings, the head and norms stay as they are (docs/quantization.md)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from functional_pp.core.tree import Param, map_with_path
-from functional_pp.quant.weights import INT8_BLOCK, NF4_BLOCK, QuantizedWeight, quantize_int8, quantize_nf4
+from functional_pp.quant.weights import (FLAT_BLOCKS, FLAT_SCALES, INT8_BLOCK, NF4_BLOCK, QuantizedWeight, flat_block_dim,
+                                        quantize_int8, quantize_nf4)
 
-__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE"]
+__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE",
+           "FLAT_BLOCKS", "FLAT_SCALES", "flat_block_dim"]
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
 #: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
@@ -24,12 +26,20 @@ KINDS = ("nf4", "int8")
 ROW_SCALE = "scale_row"
 
 
-def component_decls(q: QuantizedWeight, decl: Any) -> QuantizedWeight:
+def component_decls(q: QuantizedWeight, decl: Any, block_dim: int | None = None) -> QuantizedWeight:
     """Declarations of the components of ``q`` (made from the full weight declared by ``decl``):
     each with the weight's dimension names and its own global shape and dtype; the 0-dim offset
     of double quantization replicated, and so is the last dimension of ``absmax2`` when it holds
-    one scale per row (:data:`ROW_SCALE`)."""
+    one scale per row (:data:`ROW_SCALE`). A flat ``q`` (its ``block_dim`` given): the codes with
+    the weight's names, the 1-D scales named :data:`FLAT_BLOCKS` + the block dimension's name and
+    :data:`FLAT_SCALES` (replicated)."""
     dims = tuple(decl.dims)
+    if q.flat:
+        if block_dim is None:
+            raise ValueError("component_decls: a flat quantized weight needs its block_dim")
+        flat_names = (dims, (FLAT_BLOCKS + dims[block_dim],), (FLAT_SCALES,), ())
+        return QuantizedWeight(*(None if c is None else Param(tuple(c.shape), n, dtype=c.dtype, init="zeros")
+                                 for c, n in zip(q, flat_names)))
     row = q.absmax2 is not None and q.absmax2.shape[-1] == 1 and q.absmax.shape[-1] > 1
 
     def names(i: int, c: torch.Tensor) -> tuple[str, ...]:
@@ -49,8 +59,9 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
     ``double_quant`` as ``bnb_4bit_use_double_quant``, or ``int8``) and its declaration by the
     components' (:func:`component_decls`). ``params`` are full (unsharded) tensors, e.g. a
     Hugging Face checkpoint loaded into the model's tree; shard the result with the returned
-    declarations. A weight whose block dimension the block does not divide is refused, naming
-    it."""
+    declarations. A weight whose block dimension holds whole blocks takes the blocked form
+    (sharded as the weight); any other the flat form, bitsandbytes' layout for every shape
+    (quant/weights.py; its codes sharded as the weight, its scales replicated)."""
     if kind not in KINDS:
         raise ValueError(f"quantize_linear_weights: kind={kind!r}: choose one of {', '.join(KINDS)}")
     table = LINEAR_BLOCK_DIMS if block_dims is None else block_dims
@@ -71,7 +82,7 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
                  else quantize_int8(x, dim, block=size))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
-        out_decls[path] = component_decls(q, d)
+        out_decls[path] = component_decls(q, d, dim)
         return q
 
     quantized = map_with_path(one, params, decls)

@@ -3,7 +3,9 @@ weights"): a :class:`~functional_pp.quant.weights.QuantizedWeight` whose compone
 values with the weight's dimension names. An op that uses one plans with a stand-in of the
 weight's type (:func:`stand_in`), moves the *quantized* components to the layout it wants (an
 FSDP all-gather moves the codes and scales, not the weight) and dequantizes there
-(:func:`realize`), in the compute dtype of the other operands."""
+(:func:`realize`), in the compute dtype of the other operands. A weight in the flat form
+(quant/weights.py: blocks over the whole flattened Hugging Face weight, which no shard boundary
+need respect) is gathered whole, dequantized, and then cut to the layout the op wants."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -14,7 +16,7 @@ from functional_pp.core.layout import Layout
 from functional_pp.ops.einsum import _plan, einsum, register_operand
 from functional_pp.ops.regather import relayout
 from functional_pp.parallel.named import Named, _make, op_env, require_named, settle
-from functional_pp.quant.weights import QuantizedWeight, dequantize
+from functional_pp.quant.weights import QuantizedWeight, dequantize, flat_block_dim
 
 __all__ = ["is_quantized", "stand_in", "realize"]
 
@@ -30,18 +32,26 @@ def _local(q: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(*(c.data if isinstance(c, Named) else c for c in q))
 
 
+def _is_flat(q: QuantizedWeight) -> bool:
+    return len(q.absmax._dims) < len(q.codes._dims)
+
+
 def _block_dim(q: QuantizedWeight) -> int:
     """The block dimension, from the components' global sizes (their local shapes may be laid
-    out differently: an FSDP unit gathers the floating-point scales, not the integer codes)."""
+    out differently: an FSDP unit gathers the floating-point scales, not the integer codes); of
+    a flat weight, from its scales' dimension name."""
+    if _is_flat(q):
+        return flat_block_dim(q.codes._dims, q.absmax._dims)
     return QuantizedWeight(torch.empty(q.codes._sizes, device="meta"),
                            torch.empty(q.absmax._sizes, device="meta")).block_dim
 
 
 def _unpacked(q: QuantizedWeight, sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """``sizes`` of the codes as the weight's (NF4 packs two codes a byte along the block dimension)."""
+    """``sizes`` of the codes as the weight's (NF4 packs two codes a byte along the block
+    dimension; the flat form along the last)."""
     out = list(sizes)
     if q.codes._data.dtype == torch.uint8:
-        out[_block_dim(q)] *= 2
+        out[-1 if _is_flat(q) else _block_dim(q)] *= 2
     return tuple(out)
 
 
@@ -69,11 +79,24 @@ def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "q
     """The weight in layout ``target``, dequantized to ``dtype``: each named component relaid out
     to ``target`` (the same dimension names: the same collectives, on the quantized bytes), then
     dequantized locally. Frozen: no gradient flows into it."""
+    if _is_flat(q):
+        return _realize_flat(q, target, dtype, op)
     moved = [relayout(c, _target(c, q.codes, target), op) if isinstance(c, Named) and c._data.ndim else c for c in q]
     local = _local(QuantizedWeight(*moved))
     codes = moved[0]
     sizes = _global_shape(q)
     return _make(dequantize(local, dtype), codes._dims, target, codes._vary, _EMPTY, sizes)
+
+
+def _realize_flat(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str) -> Named:
+    """A flat weight in layout ``target``: every component gathered whole (the codes'
+    collectives move the quantized bytes), dequantized in bitsandbytes' order, then cut to
+    ``target`` (a local slice, no collective)."""
+    moved = [relayout(c, tuple(() for _ in c._dims), op) if isinstance(c, Named) and c._data.ndim else c for c in q]
+    codes = moved[0]
+    full = dequantize(_local(QuantizedWeight(*moved)), dtype, block_dim=_block_dim(q))
+    whole = _make(full, codes._dims, codes._split, codes._vary, _EMPTY, _global_shape(q))
+    return relayout(whole, target, op)
 
 
 def _einsum(pattern: str, operands: Sequence[Any], i: int) -> Named:

@@ -15,7 +15,8 @@ import torch
 
 from functional_pp.quant.codebooks import midpoints
 
-__all__ = ["check_blocks", "quantize_blockwise", "dequantize_blockwise", "pack_4bit", "unpack_4bit"]
+__all__ = ["check_blocks", "quantize_blockwise", "dequantize_blockwise", "quantize_flat", "dequantize_flat",
+           "pack_4bit", "unpack_4bit"]
 
 
 def check_blocks(shape: tuple[int, ...], block: int, what: str = "tensor") -> None:
@@ -49,6 +50,34 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     table = code.to(device=codes.device, dtype=torch.float32)
     values = table[codes.long()].reshape(*codes.shape[:-1], nblocks, block)
     return (values * absmax.unsqueeze(-1)).reshape(codes.shape).to(dtype)
+
+
+def quantize_flat(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' blockwise quantization of ``x`` as it does it for any shape: ``x`` flattened
+    (row-major), cut into blocks of ``block`` consecutive entries, the last block padded with
+    zeros (which change no absmax). ``(codes, absmax)``: uint8 codes of ``x.numel()`` entries
+    (1-D, the padding dropped) and float32 ``absmax`` of ``ceil(numel / block)`` blocks."""
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    codes, absmax = quantize_blockwise(flat, code, block)
+    return codes[:x.numel()], absmax
+
+
+def dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`quantize_flat`: 1-D values of ``codes.numel()`` entries (``codes``
+    in flattened order, any shape), ``code[codes] * absmax`` of each one's block (float32
+    products, then ``dtype``)."""
+    flat = codes.reshape(-1)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if flat.numel() != absmax.numel() * block:
+        raise ValueError(f"dequantize_flat: {codes.numel()} codes need {flat.numel() // block} scales of blocks "
+                         f"of {block}, not {absmax.numel()}")
+    return dequantize_blockwise(flat, absmax.reshape(-1), code, dtype)[:codes.numel()]
 
 
 def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
