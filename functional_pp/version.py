@@ -1,2 +1,2 @@
 """The package version (one place; the package and the command line read it)."""
-__version__ = "0.1.0"
+__version__ = "0.2.0"
