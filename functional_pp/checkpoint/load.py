@@ -190,6 +190,10 @@ def _target(spec: Any, shape: list[int], path: str, mesh: Mesh | None, rules: Ru
     return tuple(slice(0, n) for n in shape)
 
 
+#: mismatching tensors named in a load error (the rest counted): a changed model lists every one
+PROBLEMS_SHOWN = 8
+
+
 def _listing(title: str, paths: list[str], limit: int = 12) -> str:
     shown = ", ".join(paths[:limit]) + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "")
     return f"\n  {title} ({len(paths)}): {shown}"
@@ -244,8 +248,10 @@ def load_checkpoint(path: str | os.PathLike, specs: dict[str, Any] | None = None
             msg += _listing("missing from the checkpoint", plan.missing)
         if plan.unexpected:
             msg += _listing("unexpected in the checkpoint", plan.unexpected)
-        for p in plan.problems:
+        for p in plan.problems[:PROBLEMS_SHOWN]:
             msg += f"\n  {p}"
+        if len(plan.problems) > PROBLEMS_SHOWN:
+            msg += f"\n  ... and {len(plan.problems) - PROBLEMS_SHOWN} more tensors that do not match"
         raise CheckpointMismatchError(msg + "\n(a checkpoint of a different model or config?)")
     per_rank = [leaf.path for leaf in plan.leaves if leaf.entry.get("kind") == "per_rank"]
     world = mesh.size if mesh is not None else 1

@@ -415,6 +415,12 @@ def test_shape_and_dtype_mismatch_name_the_tensor(saved8):
     msg = str(info.value)
     assert "params.embed: shape mismatch: checkpoint (16, 8), model (16, 16)" in msg
     assert "params.layers.1.w2: shape mismatch: checkpoint (12, 8), model (12, 16)" in msg
+    with pytest.MonkeyPatch.context() as mp:     # a changed model: the first few named, the rest counted
+        mp.setattr("functional_pp.checkpoint.load.PROBLEMS_SHOWN", 1)
+        with pytest.raises(ck.CheckpointMismatchError) as info:
+            ck.load_checkpoint(saved8, {"params": wrong}, keys=["params"])
+        msg = str(info.value)
+        assert msg.count("shape mismatch") == 1 and "more tensors that do not match" in msg
     with pytest.raises(ck.CheckpointMismatchError,
                        match=r"params\.layers\.0\.w1: dtype mismatch: checkpoint float32, "
                              r"model bfloat16"):
