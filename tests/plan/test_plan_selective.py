@@ -63,5 +63,6 @@ def test_time_model_refuses_to_add_torchtitans_recomputation_twice(estimates):
 
 def test_a_searched_selective_candidate_is_named_so():
     from functional_pp.plan.search import Candidate, _name
-    names = {r: _name(Candidate(fpp.Mesh(dp_shard=2), fpp.Rules(), remat=r)) for r in MODES}
-    assert names == {False: "dp_shard=2", "selective": "dp_shard=2 remat=selective", True: "dp_shard=2 remat"}
+    names = {r: _name(Candidate(fpp.Mesh(dp_shard=2), fpp.Rules(), label="fsdp", remat=r)) for r in MODES}
+    assert names == {False: "dp_shard=2 fsdp", "selective": "dp_shard=2 fsdp remat=selective",
+                     True: "dp_shard=2 fsdp remat"}
