@@ -16,6 +16,7 @@ class Windows:
 
     def __init__(self):
         self.peaks: list[int] = []
+        self.retained: list[int] = []
         self._count = 0
 
     @property
@@ -35,7 +36,9 @@ class Windows:
 def window_peaks():
     """Several blocks' peaks from ONE profiler session: ``with window_peaks() as w:`` around all
     of them, ``with w.window(): ...`` around each; afterwards ``w.peaks[i]`` is the largest amount
-    of memory allocated at once inside the i-th window beyond what was allocated when it began.
+    of memory allocated at once inside the i-th window beyond what was allocated when it began,
+    and ``w.retained[i]`` what the window left allocated at its end (e.g. a forward pass: the
+    activations kept for backward, with the result).
 
     A process with other threads doing torch work (gloo's worker threads finish a collective
     after its waiter has returned) starts and stops the profiler once this way instead of once
@@ -51,7 +54,7 @@ def window_peaks():
     marks = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), int(e.name().rsplit("_", 1)[1]))
                    for e in events if e.name().startswith("memtrack_window_"))
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    peaks = [0] * w._count
+    peaks, retained = [0] * w._count, [0] * w._count
     current, i = 0, 0
     for start, end, k in marks:
         while i < len(memory) and memory[i][0] < start:
@@ -63,7 +66,8 @@ def window_peaks():
             peak = max(peak, current)
             i += 1
         peaks[k] = peak - base
-    w.peaks = peaks
+        retained[k] = current - base
+    w.peaks, w.retained = peaks, retained
 
 
 @contextmanager

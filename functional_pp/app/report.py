@@ -147,7 +147,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         + (f", checkpoint every {cfg.checkpoint.save_every}" if cfg.saves_per_epoch else "")
         + (f", held-out loss every {cfg.eval_steps}" if cfg.evals_per_epoch else "")
         + f", precision {cfg.precision}"
-        + (", activation checkpointing" if cfg.activation_checkpointing else "")
+        + ({True: ", activation checkpointing", "selective": ", selective activation checkpointing"}
+           .get(cfg.activation_checkpointing, ""))
         + (f", compile={cfg.compile}" if cfg.compile else ""),
     ]
     if device_text is not None:

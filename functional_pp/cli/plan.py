@@ -93,7 +93,7 @@ def apply_layout(cfg, est, n_devices: int):
                                dp_shard_size=s.get("dp_shard", 1), cp_size=s.get("cp", 1), tp_size=s.get("tp", 1),
                                sequence_parallel=sp, rules=rules, global_batch_size=gb,
                                micro_batch_size=gb // (dp * ga), gradient_accumulation_steps=ga,
-                               activation_checkpointing=bool(est.settings.get("remat")))
+                               activation_checkpointing=est.settings.get("remat") or False)
 
 
 # the dimension names the search's rules split (plan/search.py's rules for Llama-named models)

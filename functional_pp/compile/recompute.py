@@ -7,7 +7,9 @@ Two kinds of values are better recomputed by the backward than kept:
 * an FSDP weight all-gathered in forward (ZeRO-3: keep the shard, gather again), tagged by
   :func:`regather_region` around the gather; the views and casts after it join its region;
 * every activation of a remat region (:func:`functional_pp.remat`, a declared layer under
-  ``train_step(remat=True)``), tagged by :func:`remat_region`.
+  ``train_step(remat=True)``), tagged by :func:`remat_region`; in a selective region
+  (``remat="selective"``, :mod:`functional_pp.compile.selective`) the results of matrix
+  products and attention are kept and only the other members are recomputed.
 
 :func:`reissue_for_backward` rewrites the graph: for each region, the members the backward
 uses are computed again (from the region's inputs and kept outputs) right before the first
@@ -24,7 +26,8 @@ from contextlib import nullcontext
 import torch
 
 from functional_pp._torch import annotate, is_backward_node, is_tracing
-from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
+from functional_pp.compile.selective import saves
+from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT, SELECTIVE  # noqa: F401 (re-exported)
 from functional_pp.core.runtime import per_thread
 
 _local = per_thread("compile.recompute")
@@ -44,13 +47,13 @@ def reset_region_ids() -> None:
     _local.ids = itertools.count()
 
 
-def _tag(key: str, enabled: bool = True):
+def _tag(key: str, enabled: bool = True, **extra: object):
     if not (enabled and is_tracing()):
         return nullcontext()
     ids = getattr(_local, "ids", None)
     if ids is None:
         ids = _local.ids = itertools.count()
-    return annotate({key: next(ids)})
+    return annotate({key: next(ids), **extra})
 
 
 def regather_region(enabled: bool = True):
@@ -58,9 +61,10 @@ def regather_region(enabled: bool = True):
     return _tag(REGATHER, enabled)
 
 
-def remat_region():
-    """Context for a region whose activations backward recomputes (under compile)."""
-    return _tag(REMAT)
+def remat_region(selective: bool = False):
+    """Context for a region whose activations backward recomputes (under compile); with
+    ``selective`` the results of matrix products and attention are kept instead."""
+    return _tag(REMAT, **({SELECTIVE: True} if selective else {}))
 
 
 def backward_region():
@@ -94,12 +98,36 @@ def _region(node: torch.fx.Node):
     return None
 
 
+def _selective(node: torch.fx.Node) -> bool:
+    return bool((node.meta.get("custom") or {}).get(SELECTIVE))
+
+
 def _op_name(node: torch.fx.Node) -> str:
     t = node.target
     if t is __import__("operator").getitem:
         return "getitem"
     name = getattr(t, "__name__", str(t))
     return name.split(".")[0]
+
+
+# views that share their input's storage (``_unsafe_view`` too, although its schema does not
+# say so): a view of a kept result is kept with it
+_VIEWS = _VIEW_OR_CAST - {"clone", "_to_copy", "convert_element_type", "contiguous"}
+
+
+def _selectively_kept(members: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The members of a selective region that backward reads instead of recomputing: the
+    results of the ops :func:`~functional_pp.compile.selective.saves` keeps, and the views of
+    them. Recomputing such a view would be free, but the forward view would then die early and
+    the in-place pass (compile/reinplace.py) could write into the kept storage through it."""
+    kept: set = set()
+    for n in members:                   # graph order: a view comes after what it views
+        if not _selective(n):
+            continue
+        if saves(n.target) or (_op_name(n) in _VIEWS and n.all_input_nodes
+                               and all(a in kept for a in _tensor_inputs(n))):
+            kept.add(n)
+    return kept
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -135,6 +163,8 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
         # checkpointing keeps a checkpointed function's result
         kept = {n for n in members if r[0] == REMAT and any(
             pos[u] < first_bwd and u not in member_set for u in n.users)}
+        if r[0] == REMAT:
+            kept |= _selectively_kept(members)
         uses = [(u, n) for n in members if n not in kept for u in list(n.users) if pos[u] >= first_bwd]
         if not uses:
             continue

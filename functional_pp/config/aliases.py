@@ -401,8 +401,9 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         issues.add(f"'{first}' is not supported{also}: {why}")
     for alias, canonical, value in aliased:
         _put(out, canonical, value, alias, issues)
-    if fsdp.pop("activation_checkpointing", False):    # FSDP's remat or the trainer's: either one
-        out["activation_checkpointing"] = True
+    fsdp_remat = fsdp.pop("activation_checkpointing", False)
+    if fsdp_remat and out.get("activation_checkpointing") != "selective":   # FSDP's or the trainer's: either
+        out["activation_checkpointing"] = fsdp_remat
     for k, v in fsdp.items():
         _put(out, k, v, f"fsdp_config.{k}", issues)
     for key in {**VALUE_ALIASES, **REFUSED_VALUES}:

@@ -93,8 +93,9 @@ class TrainConfig:
                                                     "where the GPU supports it, else fp32")
     fp16: bool | None = fld(None, "Axolotl: true = precision fp16")
     tf32: bool | None = fld(None, "allow TF32 matmuls on CUDA")
-    activation_checkpointing: bool = fld(False, "recompute each layer in backward (alias "
-                                                "gradient_checkpointing)")
+    activation_checkpointing: bool | Literal["selective"] = fld(
+        False, "recompute each layer in backward (alias gradient_checkpointing); selective: keep "
+               "the matmul and attention results, recompute the rest (docs/memory.md)")
     reshard_after_forward: bool = fld(True, "FSDP: re-gather each layer's weights in backward "
                                             "(ZeRO-3); false: keep them gathered for backward "
                                             "(ZeRO-2, SHARD_GRAD_OP; more memory, fewer gathers)")

@@ -19,6 +19,9 @@ import torch
 
 DEFAULT_BUCKET_MB = 25.0
 CP_ATTENTION = ("ring", "allgather")
+#: what ``remat`` may be: False (keep every activation), True (recompute whole layers) or
+#: "selective" (keep matrix products' and attention's results, recompute the rest)
+REMAT_MODES = (False, True, "selective")
 # the fields an op reads from the ambient policy (functional_pp.configure sets them)
 AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype")
 # the fields only a training step applies (fpp.train_step(...) / TrainStep(policy=...))
@@ -35,6 +38,15 @@ def check_bucket_mb(bucket_mb: float | None) -> None:
                          f"got {bucket_mb!r}")
 
 
+def check_remat(remat: object, allow_none: bool = False) -> None:
+    """Refuse a ``remat`` that is not one of :data:`REMAT_MODES` (or None, when inheriting)."""
+    if remat is None and allow_none:
+        return
+    if not any(remat is m or (isinstance(m, str) and remat == m) for m in REMAT_MODES):
+        raise ValueError(f"remat must be False, True or 'selective' (keep matmul and attention results, "
+                         f"recompute the rest), got {remat!r}")
+
+
 def check_keys(keys: Iterable[str], valid: Iterable[str], where: str) -> None:
     """Refuse a key of ``keys`` that is not in ``valid``, naming it and the valid ones."""
     valid = tuple(valid)
@@ -49,8 +61,9 @@ class Policy:
     """How the ops and the training step execute (docs/policy.md). None in an ambient field:
     inherit (:meth:`over`); :data:`RESOLVED` holds the values in force when nothing sets them."""
 
-    remat: bool | None = None
-    """Recompute each ``fpp.layer`` call in backward (activation checkpointing)."""
+    remat: bool | str | None = None
+    """Recompute each ``fpp.layer`` call in backward (activation checkpointing): True, or
+    ``"selective"`` to keep the results of matrix products and attention (docs/memory.md)."""
     keep_gathered: bool | None = None
     """Keep FSDP-gathered weights for backward instead of re-gathering them (ZeRO-2 vs ZeRO-3)."""
     cp_attention: str | None = None
@@ -69,6 +82,7 @@ class Policy:
     """Step only: under FSDP the next unit's gather is launched before a unit computes."""
 
     def __post_init__(self):
+        check_remat(self.remat, allow_none=True)
         if self.cp_attention not in (None, *CP_ATTENTION):
             raise ValueError(f"cp_attention {self.cp_attention!r}: choose 'ring' or 'allgather' (or None: "
                              f"the functional_pp.configure default)")

@@ -3,8 +3,10 @@ recompute the function (its collectives included) in backward.
 
 Two public hooks (docs/compile.md): :func:`remat` always recomputes a function;
 :func:`layer` declares a model's repeated layer, recomputed when the training step asks for
-it (``train_step(remat=True)``). Eagerly the recomputation is ``torch.utils.checkpoint``;
-under ``torch.compile`` the region is tagged and the compiled graph recomputes it
+it (``train_step(remat=True)``, or ``remat="selective"``: keep the results of matrix products
+and attention, recompute the rest; :mod:`functional_pp.compile.selective`). Eagerly the
+recomputation is ``torch.utils.checkpoint`` (selective: with torch's selective-checkpoint
+contexts); under ``torch.compile`` the region is tagged and the compiled graph recomputes it
 (:mod:`functional_pp.compile.recompute`)."""
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import functools
 from typing import Any, Callable
 
 import optree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from functional_pp._torch import is_tracing
 from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
+from functional_pp.compile.selective import selective_contexts
 from functional_pp.core.observers import checkpointed
 from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure, current_policy
@@ -31,16 +34,20 @@ def _meta(x: Named) -> tuple:
     return (x.dims, x.split, x.vary, x.partial)
 
 
-def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[..., Named]:
+def remat(fn: Callable[..., Named], out_like: int | None = None, *,
+          selective: bool = False) -> Callable[..., Named]:
     """Wrap ``fn(*args) -> Named`` so that backward recomputes it instead of keeping its
     activations. Named arguments (anywhere in pytrees) keep their layouts.
 
     ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
-    residual block); it is checked."""
+    residual block); it is checked. ``selective=True`` keeps the results of matrix products
+    and attention and recomputes only the other ops (:mod:`functional_pp.compile.selective`)."""
+    context_fn = selective_contexts if selective else noop_context_fn
+
     @functools.wraps(fn)
     def wrapped(*args):
         if is_tracing():
-            with remat_region():            # the compiled graph recomputes the region
+            with remat_region(selective):   # the compiled graph recomputes the region
                 out = fn(*args)
             if out_like is not None and _meta(out) != _meta(args[out_like]):
                 raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
@@ -69,7 +76,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None) -> Callable[...
                 raise ValueError(f"remat(out_like={out_like}): the result is laid out as {_meta(out)} but "
                                  f"argument {out_like} as {expected}")
             return out.data
-        data = checkpoint(inner, *[leaves[i].data for i in slots], use_reentrant=False)
+        data = checkpoint(inner, *[leaves[i].data for i in slots], use_reentrant=False, context_fn=context_fn)
         dims, split, vary, partial = expected if expected is not None else found["meta"]
         return Named(data, dims, split, vary, partial)
     return wrapped
@@ -79,13 +86,14 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Declare ``fn`` as one layer of a model (called once per layer, e.g.
     ``x = layer(p, x, ...)``). With ``train_step(remat=True)`` (or
     ``functional_pp.configure(remat=True)``) its activations are recomputed in backward,
-    eagerly or compiled; otherwise it runs as is. Under ``train_step(compile="per_layer")``
+    eagerly or compiled; with ``remat="selective"`` only those that are not results of matrix
+    products or attention; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
     def unit(*args):
         args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp_units.py)
         with context:
             return fn(*args)
-    recomputed = remat(unit)
+    recomputed, selective = remat(unit), remat(unit, selective=True)
     compiled = CompiledLayer(fn)
 
     @functools.wraps(fn)
@@ -94,11 +102,19 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
         if stage is not None:           # a pipeline stage runs some layers (parallel/pipeline/stage.py)
             with running_stage(None):
                 return stage.layer(wrapped, args)
+        mode = current_policy().remat
         backend = layer_backend()
         if backend is not None:
+            if mode == "selective":
+                raise NotImplementedError(
+                    "remat='selective' with compile='per_layer': a compiled layer runs as one kernel "
+                    "sequence that eager selective checkpointing cannot split; use compile=True (the "
+                    "whole step, docs/compile.md) or remat=True with per-layer compilation")
             body = compiled.get(backend)
             reset_region_ids()         # same guard state for every layer: one graph for all
-            return remat(body)(*args) if current_policy().remat else body(*args)
-        return recomputed(*args) if current_policy().remat else unit(*args)
+            return remat(body)(*args) if mode else body(*args)
+        if mode == "selective":
+            return selective(*args)
+        return recomputed(*args) if mode else unit(*args)
     wrapped.__wrapped_layer__ = fn
     return wrapped

@@ -13,6 +13,7 @@ import torch
 from functional_pp import optim
 from functional_pp._torch import trace_backward
 from functional_pp.core.comm import CommEvent, CommReport, comm_report
+from functional_pp.core.policy import check_remat
 from functional_pp.core.layout import Rules, local_shape
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
@@ -102,7 +103,7 @@ def extrapolate(values: Sequence[float], layers: int) -> float:
 
 def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
              batch: BatchSpec, *, options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
-             precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
+             precision: str = "fp32", grad_accum: int = 1, remat: bool | str = False, repeated: str | None = "layers",
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
              virtual_stages: int = 1, pp_fsdp_gather: str = "step") -> LayoutEstimate:
@@ -114,8 +115,9 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
     ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
     ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
-    ``precision``, ``grad_accum``, ``remat`` and ``optimizer`` (default AdamW) are the
-    training step's; ``options`` the ops' (``keep_gathered``, ``cp_attention``).
+    ``precision``, ``grad_accum``, ``remat`` (False, True or ``"selective"``: the step runs its
+    selective checkpointing, the kept matmul and attention results counted as activations and
+    the recomputed ops in backward) and ``optimizer`` (default AdamW) are the training step's; ``options`` the ops' (``keep_gathered``, ``cp_attention``).
     ``repeated`` names the list of identical layers in ``decls``: with L > 2 layers the
     model is run with 1 and 2 of them and the rest extrapolated (exact to the byte).
     ``bandwidth`` (bytes/s, per mesh axis or one number) sets ``comm_time_s``; the full time
@@ -138,7 +140,9 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
             rank=rank, timeline=timeline, label=label, trainable=trainable),
             grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
-    remat = bool(options.pop("remat", remat))
+    remat = options.pop("remat", remat)
+    remat = remat if remat == "selective" else bool(remat)
+    check_remat(remat)
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
     unknown = sorted(set(options) - {"keep_gathered", "cp_attention", "regather_activations"})
     if unknown:

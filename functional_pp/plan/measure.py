@@ -27,7 +27,7 @@ from functional_pp.step.train import PER_WEIGHT, train_step
 
 def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,
             options: dict | None = None, optimizer: optim.GradientTransformation | None = None,
-            precision: str = "fp32", grad_accum: int = 1, remat: bool = False, repeated: str | None = "layers",
+            precision: str = "fp32", grad_accum: int = 1, remat: bool | str = False, repeated: str | None = "layers",
             rank: int = 0, seed: int = 0, trainable: Any = None,
             params: Callable[[], Any] | None = None) -> tuple[DeviceRun, CommReport, float]:
     """Run one real training step on simulated devices; returns device ``rank``'s recorded

@@ -27,7 +27,7 @@ class Candidate:
     options: tuple = ()          # ((name, value), ...): keep_gathered, cp_attention
     precision: str = "bf16"
     grad_accum: int = 1
-    remat: bool = False
+    remat: bool | str = False    # False, True or "selective"
     schedule: str = "1f1b"       # pipeline schedule (pp > 1); grad_accum is its micro-batches
     virtual: int = 1             # model chunks per device (interleaved_1f1b)
 
@@ -48,7 +48,7 @@ class Space:
     sequence_parallel: Sequence[bool] = (True, False)
     regather_activations: Sequence[bool] = (False, True)   # with SP: Megatron's re-gather in backward
     cp_attention: Sequence[str] = ("ring", "allgather")
-    remat: Sequence[bool] = (False, True)
+    remat: Sequence[bool | str] = (False, True)   # add "selective" to rank selective checkpointing too
     keep_gathered: Sequence[bool] = (False, True)
     grad_accum: Sequence[int] = (1,)
     orders: str = "default"
@@ -283,10 +283,14 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     return Ranking(results, rejected, limit, cl.name if cl else None)
 
 
+def _remat_label(remat: bool | str) -> list[str]:
+    return {True: ["remat"], "selective": ["remat=selective"]}.get(remat, [])
+
+
 def _name(c: Candidate) -> str:
     mesh = "x".join(f"{a}={s}" for a, s in c.mesh.shape.items() if s > 1) or "1 device"
     pipe = ([c.schedule] + ([f"v={c.virtual}"] if c.virtual > 1 else [])) if c.mesh.shape.get("pp", 1) > 1 else []
-    return " ".join([mesh, c.label] + pipe + [f"{k}={v}" for k, v in c.options] + (["remat"] if c.remat else [])
+    return " ".join([mesh, c.label] + pipe + [f"{k}={v}" for k, v in c.options] + _remat_label(c.remat)
                     + ([f"grad_accum={c.grad_accum}"] if c.grad_accum > 1 else []))
 
 

@@ -153,7 +153,9 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
     efficiency), those bytes scaled by ``compiled_traffic`` when ``compiled``;
-    ``selective_ac="op"`` adds torchtitan's op-level recomputation; ``float8`` runs the
+    ``selective_ac="op"`` adds torchtitan's op-level recomputation to a dry-run without remat
+    (an estimate with ``remat=True`` or ``"selective"`` counts its own recomputation in
+    backward); ``float8`` runs the
     layers' linear matmuls at ``peak_fp8_flops x float8_efficiency`` and adds their
     operands' casts to the memory traffic (attention and the head stay bf16) and sends the
     layers' activation all-gathers in fp8; ``activation_sums="bfloat16"`` sends the TP/SP
@@ -170,6 +172,10 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
+    if selective_ac is not None and est.settings.get("remat"):
+        raise ValueError(f"cost: selective_ac={selective_ac!r} models recomputation on a dry-run without it, but "
+                         f"this estimate ran remat={est.settings['remat']!r}, whose recomputation its backward "
+                         f"already counts; drop selective_ac")
     comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8,
                             activation_sums=activation_sums) for r in est.runs]
     keys = set().union(*comps)

@@ -284,3 +284,19 @@ def test_tokenizer_type_names_any_tokenizer_class():
     assert "tokenizer_type: CodeLlamaTokenizer (the tokenizer.json is read" in " ".join(cfg.notes)
     with pytest.raises(ConfigError, match="tokenizer_type: 'gpt2' is not a tokenizer class"):
         TrainConfig.from_dict({"tokenizer_type": "gpt2"})
+
+
+def test_selective_activation_checkpointing_is_a_config_value():
+    """``activation_checkpointing: selective`` (or Axolotl's key with that value) asks the step
+    for ``remat="selective"``; a value that is neither a boolean nor ``selective`` is refused."""
+    for key in ("activation_checkpointing", "gradient_checkpointing"):
+        cfg = TrainConfig.from_dict({key: "selective"})
+        assert cfg.activation_checkpointing == "selective" and cfg.policy().remat == "selective"
+    fsdp_too = TrainConfig.from_dict({"activation_checkpointing": "selective", "dp_shard_size": 2,
+                                      "fsdp_config": {"activation_checkpointing": True}})
+    assert fsdp_too.policy().remat == "selective"     # the finer setting wins over FSDP's true
+    assert TrainConfig.from_dict({"gradient_checkpointing": True}).policy().remat is True
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        TrainConfig.from_dict({"activation_checkpointing": "op"})
+    with pytest.raises(ConfigError, match="offload"):
+        TrainConfig.from_dict({"gradient_checkpointing": "offload"})
