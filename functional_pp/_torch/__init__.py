@@ -278,3 +278,6 @@ def compile_backend_names() -> list[str]:
 
 
 start_autograd_on_the_devices_present()    # at import: before any FakeTensorMode registers a dummy guard
+from functional_pp._torch.cuda_guard import pin_fake_cuda_guard  # noqa: E402
+
+pin_fake_cuda_guard()    # then the fake CUDA guard, owned by a thread no simulated device outlives (cuda_guard.py)
