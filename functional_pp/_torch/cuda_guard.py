@@ -9,8 +9,9 @@ pointer to it: when that thread exits, the guard is freed and the registry dangl
 ``FakeTensorMode`` on any thread calls a virtual method of the freed guard and the process
 dies ("Fatal Python error: Segmentation fault" in ``fake_tensor.py`` ``__enter__``). Simulated
 devices are threads that end with their launch, so the second compiled launch of a process
-crashed (tests/compile on torch 2.11.0+cu130 on a CPU machine). From torch 2.14 on (checked
-in the 2.14.1 and 2.15.0 wheels) the fake guard is a static that lives until the process ends.
+crashed (tests/compile on torch 2.11.0+cu130 on a CPU machine). From torch 2.12 on (checked
+in the 2.12.1, 2.14.1 and 2.15.0 wheels' libc10) the fake guard is a static that lives until
+the process ends.
 
 :func:`pin_fake_cuda_guard` has the fake guard registered by a thread that lives as long as the
 process (the main thread, else a parked daemon thread), at import, so no device thread ever
@@ -74,7 +75,7 @@ print("ok")
 @functools.cache
 def fake_cuda_guard_outlives_its_thread() -> bool:
     """Capability: whether the fake CUDA guard registered by ``FakeTensorMode`` on one thread
-    stays valid after that thread exits (False on torch 2.11's CUDA builds, True from 2.14; True
+    stays valid after that thread exits (False on torch 2.11's CUDA builds, True from 2.12; True
     where no fake guard is registered). Probed in a child process, without functional_pp, since
     the failure is a segmentation fault (a few seconds: for tests, not at import)."""
     if not needs_fake_cuda_guard():

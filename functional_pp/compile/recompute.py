@@ -18,7 +18,6 @@ forward/backward partition.
 from __future__ import annotations
 
 import functools
-import itertools
 from contextlib import nullcontext
 
 import torch
@@ -40,8 +39,10 @@ _VIEW_OR_CAST = {
 def reset_region_ids() -> None:
     """Number this thread's regions from 0 again. Called before each call of a compiled step
     (outside the graph): dynamo guards on the counter's state, so a counter that kept running
-    would recompile the step on every call."""
-    _local.ids = itertools.count()
+    would recompile the step on every call. The counter is a one-element list, which every
+    supported dynamo traces (torch 2.11's cannot call ``next`` on an ``itertools.count`` made
+    outside the compiled function)."""
+    _local.ids = [0]
 
 
 def _tag(key: str, enabled: bool = True):
@@ -49,8 +50,10 @@ def _tag(key: str, enabled: bool = True):
         return nullcontext()
     ids = getattr(_local, "ids", None)
     if ids is None:
-        ids = _local.ids = itertools.count()
-    return annotate({key: next(ids)})
+        ids = _local.ids = [0]
+    n = ids[0]
+    ids[0] = n + 1
+    return annotate({key: n})
 
 
 def regather_region(enabled: bool = True):
