@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from functional_pp._torch import annotate, is_backward_node, is_tracing
-from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
+from functional_pp.core.graph_tags import BACKWARD, LEAF, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
 from functional_pp.core.runtime import per_thread
 
 _local = per_thread("compile.recompute")
@@ -61,6 +61,13 @@ def regather_region(enabled: bool = True):
     return _tag(REGATHER, enabled)
 
 
+def recomputed_leaf():
+    """Context for a parameter made differentiable inside a compiled step as ``p + seed``
+    (torch 2.11's path, _torch/grad_leaves.py): under compile, backward computes it again from
+    the step's inputs (as a regathered weight) instead of keeping the forward's copy."""
+    return _tag(LEAF)
+
+
 def remat_region():
     """Context for a region whose activations backward recomputes (under compile)."""
     return _tag(REMAT)
@@ -94,6 +101,8 @@ def _region(node: torch.fx.Node):
         return (REMAT, custom[REMAT])
     if REGATHER in custom:
         return (REGATHER, custom[REGATHER])
+    if LEAF in custom:
+        return (LEAF, custom[LEAF])
     return None
 
 
@@ -126,13 +135,18 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
         if r is None and _op_name(n) in _VIEW_OR_CAST:     # views/casts of a regathered weight
             ins = _tensor_inputs(n)
             rs = {region_of.get(a) for a in ins}
-            if len(rs) == 1 and None not in rs and next(iter(rs))[0] == REGATHER:
+            if len(rs) == 1 and None not in rs and next(iter(rs))[0] in (REGATHER, LEAF):
                 r = next(iter(rs))
         if r is not None:
             region_of[n] = r
             regions.setdefault(r, []).append(n)
     inserted = 0
-    for r, members in regions.items():
+    # seeded leaves last: the copies made for the other regions read them in backward too
+    order = [r for r in regions if r[0] != LEAF] + [r for r in regions if r[0] == LEAF]
+    for i, r in enumerate(order):
+        members = regions[r]
+        if r[0] == LEAF and (i == 0 or order[i - 1][0] != LEAF):
+            pos = {n: j for j, n in enumerate(graph.nodes)}     # with the copies inserted so far
         member_set = set(members)
         # a region's outputs (used by later forward code outside it) are kept, as eager
         # checkpointing keeps a checkpointed function's result
@@ -150,7 +164,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
             if n not in copies:
                 new = graph.node_copy(n, clone)
                 new.meta = dict(n.meta)
-                new.meta[RECOMPUTED] = True
+                new.meta[RECOMPUTED] = r[0]        # the kind of region: REGATHER, REMAT or LEAF
                 new.meta["custom"] = {**(n.meta.get("custom") or {}), BACKWARD: True}
                 copies[n] = new
             return copies[n]
@@ -164,7 +178,9 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
 
 
 def count_recomputed(graph: torch.fx.Graph) -> int:
-    return sum(1 for n in graph.nodes if n.meta.get(RECOMPUTED))
+    """Nodes the backward recomputes (re-gathers, remat), not counting the seeded leaves'
+    copies (``p + seed`` again: no work a step without the seed would not do)."""
+    return sum(1 for n in graph.nodes if n.meta.get(RECOMPUTED) not in (None, False, LEAF))
 
 
 def saved_bytes(graph: torch.fx.Graph) -> int:

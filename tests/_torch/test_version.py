@@ -68,3 +68,11 @@ def test_importing_with_an_unsupported_torch_warns_once(found):
     assert count == "1", out.stdout
     assert f"torch {found} is installed" in message and "Eager training" in message
     assert "pip install 'torch>=2.11,<2.16'" in message
+
+
+def test_ci_smokes_the_lowest_and_the_highest_supported_release():
+    """.ci/run's smoke test runs on a release of SUPPORTED's lowest and highest minor version."""
+    run = (ROOT / ".ci" / "run").read_text()
+    versions = re.search(r"SMOKE_TORCH=\$\{FPP_SMOKE_TORCH-([0-9. ]+)\}", run).group(1).split()
+    assert [V.parse(v) for v in versions] == list(V.SUPPORTED)
+    assert (ROOT / "scripts" / "torch_smoke.sh").is_file()
