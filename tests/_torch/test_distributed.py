@@ -13,8 +13,10 @@ from functional_pp._torch import distributed as D
 def test_the_capability_is_what_torch_has():
     has = hasattr(funcol, "all_gather_single") and hasattr(funcol, "reduce_scatter_single")
     assert D.has_single_collectives() is has
-    names = ("all_gather_single", "reduce_scatter_single") if has else ("all_gather_tensor", "reduce_scatter_tensor")
-    assert (D.all_gather_single, D.reduce_scatter_single) == tuple(getattr(funcol, n) for n in names)
+    if has:
+        assert (D.all_gather_single, D.reduce_scatter_single) == (funcol.all_gather_single, funcol.reduce_scatter_single)
+    else:
+        assert D.reduce_scatter_single is funcol.reduce_scatter_tensor
 
 
 CHILD = """
@@ -26,8 +28,13 @@ def run(rank, port):
     from functional_pp._torch.distributed import all_gather_single, funcol, reduce_scatter_single
     pg = dist.group.WORLD
     x = torch.arange(6.).reshape(2, 3) + 10 * rank
-    g = funcol.wait_tensor(all_gather_single(x, 1, pg))
-    assert torch.equal(g, torch.cat([torch.arange(6.).reshape(2, 3) + 10 * r for r in range(2)], 1)), g
+    for dim in (0, 1):
+        g = funcol.wait_tensor(all_gather_single(x, dim, pg))
+        assert torch.equal(g, torch.cat([torch.arange(6.).reshape(2, 3) + 10 * r for r in range(2)], dim)), g
+        # traced as torch.compile traces a step (dynamo, fullgraph)
+        f = torch.compile(lambda t: funcol.wait_tensor(all_gather_single(t, dim, pg)) * 1,
+                          backend="aot_eager", fullgraph=True)
+        assert torch.equal(f(x), g)
     y = torch.arange(8.).reshape(2, 4) * (rank + 1)
     s = funcol.wait_tensor(reduce_scatter_single(y, "sum", 1, pg))
     assert torch.equal(s, (torch.arange(8.).reshape(2, 4) * 3)[:, 2 * rank:2 * rank + 2]), s
