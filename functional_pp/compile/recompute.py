@@ -22,7 +22,7 @@ from contextlib import nullcontext
 
 import torch
 
-from functional_pp._torch import annotate, is_backward_node, is_tracing
+from functional_pp._torch import annotate, dynamo_marks_backward_nodes, is_backward_node, is_tracing
 from functional_pp.core.graph_tags import BACKWARD, LEAF, RECOMPUTED, REGATHER, REMAT  # noqa: F401 (re-exported)
 from functional_pp.core.runtime import per_thread
 
@@ -95,6 +95,12 @@ def in_backward_region(node: torch.fx.Node) -> bool:
     return BACKWARD in (node.meta.get("custom") or {})
 
 
+def is_backward(node: torch.fx.Node) -> bool:
+    """Whether a node of a traced step belongs to its backward: marked so by dynamo, or, where
+    dynamo does not mark them (torch 2.11), tagged by :func:`backward_region`."""
+    return is_backward_node(node) or (not dynamo_marks_backward_nodes() and in_backward_region(node))
+
+
 def _region(node: torch.fx.Node):
     custom = node.meta.get("custom") or {}
     if REMAT in custom:
@@ -122,7 +128,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
     """Recompute tagged forward values for their backward uses (see the module docstring).
     Returns the number of nodes inserted."""
     nodes = list(graph.nodes)
-    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward(n)), None)
     if first_bwd is None:
         return 0
     pos = {n: i for i, n in enumerate(nodes)}
@@ -187,7 +193,7 @@ def saved_bytes(graph: torch.fx.Graph) -> int:
     """Bytes of forward values that a traced step keeps for its backward (alive when the
     first backward node runs), each storage counted once; graph inputs are not counted."""
     nodes = list(graph.nodes)
-    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward(n)), None)
     if first_bwd is None:
         return 0
     pos = {n: i for i, n in enumerate(nodes)}
