@@ -95,6 +95,13 @@ def in_backward_region(node: torch.fx.Node) -> bool:
     return BACKWARD in (node.meta.get("custom") or {})
 
 
+def probe_backward_marks() -> None:
+    """Probe :func:`dynamo_marks_backward_nodes` now, on the host, before a compilation whose
+    passes ask for it (the probe compiles, which it cannot do inside another compilation)."""
+    if not torch.compiler.is_compiling():
+        dynamo_marks_backward_nodes()
+
+
 def is_backward(node: torch.fx.Node) -> bool:
     """Whether a node of a traced step belongs to its backward: marked so by dynamo, or, where
     dynamo does not mark them (torch 2.11), tagged by :func:`backward_region`."""
