@@ -98,7 +98,7 @@ def in_backward_region(node: torch.fx.Node) -> bool:
 def probe_backward_marks() -> None:
     """Probe :func:`dynamo_marks_backward_nodes` now, on the host, before a compilation whose
     passes ask for it (the probe compiles, which it cannot do inside another compilation)."""
-    if not torch.compiler.is_compiling():
+    if not is_tracing():        # this thread compiles: too late (and then already probed)
         dynamo_marks_backward_nodes()
 
 
