@@ -6,9 +6,11 @@
 #   TORCH_VERSION=2.13.0 bash scripts/setup.sh              # pin another torch version
 #   PYTHON=/path/to/python bash scripts/setup.sh            # a specific interpreter
 #
-# - torch: an installed torch in the supported range (>= TORCH_VERSION, default 2.13.0, and
-#   below pyproject.toml's upper bound) is kept; otherwise torch==TORCH_VERSION is installed
-#   (from TORCH_INDEX_URL if set).
+# - torch: an installed torch in pyproject.toml's supported range (torch>=2.11,<2.16) is kept,
+#   whatever its build (a GPU image's CUDA build is never replaced by a CPU wheel), unless
+#   TORCH_VERSION is set and newer; otherwise torch==TORCH_VERSION (default 2.13.0) is installed
+#   (from TORCH_INDEX_URL if set). The package and its extras are then installed with torch
+#   pinned to the installed one (a pip constraint: no dependency upgrades or downgrades it).
 # - works with only `python3` on the PATH.
 # - if the interpreter is "externally managed" (PEP 668: Debian/Ubuntu system Python), a venv is
 #   created (or reused) in .venv and everything goes there; activate it with
@@ -22,6 +24,7 @@ if [ -z "$PY" ]; then
   elif command -v python3 >/dev/null 2>&1; then PY=python3
   else echo "setup.sh: no python or python3 on the PATH" >&2; exit 1; fi
 fi
+AT_LEAST=${TORCH_VERSION:-}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 EXTRAS=${FPP_EXTRAS:-test,plot,hf}
 
@@ -37,8 +40,8 @@ if { [ "$managed" = 1 ] && [ "$in_venv" = 0 ]; } || [ "${FPP_VENV:-0}" = 1 ]; th
   echo "setup.sh: installing into $VENV (activate with: source $VENV/bin/activate)"
 fi
 
-have=$("$PY" - "$TORCH_VERSION" <<'PYEOF'
-import sys
+have=$("$PY" - "$AT_LEAST" <<'PYEOF'
+import re, sys
 try:
     import torch
 except ImportError:
@@ -49,10 +52,14 @@ def key(v):
         digits = "".join(c for c in part if c.isdigit())
         out.append(int(digits or 0))
     return out
-import re
-below = key(re.search(r'"torch>=[0-9.]+,<([0-9.]+)"', open("pyproject.toml").read()).group(1))
+low, below = (key(b) for b in re.search(r'"torch>=([0-9.]+),<([0-9.]+)"', open("pyproject.toml").read()).groups())
 v = key(torch.__version__)
-print("ok" if key(sys.argv[1]) <= v and v[:2] < below[:2] else "unsupported:" + torch.__version__)
+at_least = sys.argv[1]
+in_range = low[:2] <= v[:2] < below[:2]
+if in_range and (not at_least or key(at_least) <= v):
+    print("ok")
+else:
+    print(("older:" if in_range else "unsupported:") + torch.__version__)
 PYEOF
 )
 if [ "$have" = ok ]; then
@@ -61,4 +68,8 @@ else
   echo "setup.sh: installing torch==$TORCH_VERSION${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL} (found: $have)"
   "$PY" -m pip install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"$PY" -m pip install -q -e ".[$EXTRAS]"
+# the package with torch pinned to the one now installed: no dependency may replace it
+pin=$(mktemp)
+trap 'rm -f "$pin"' EXIT
+"$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$pin"
+PIP_CONSTRAINT="$pin${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}" "$PY" -m pip install -q -e ".[$EXTRAS]"

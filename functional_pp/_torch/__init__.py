@@ -67,8 +67,30 @@ def annotate(meta: dict):
 
 
 def is_backward_node(node) -> bool:
-    """Whether a node of a traced step was produced by ``torch.autograd.grad``'s backward."""
+    """Whether a node of a traced step was produced by ``torch.autograd.grad``'s backward (as
+    dynamo marks it: see :func:`dynamo_marks_backward_nodes`)."""
     return bool(node.meta.get("autograd_backward"))
+
+
+@functools.cache
+def dynamo_marks_backward_nodes() -> bool:
+    """Capability: whether the nodes dynamo traces from ``torch.autograd.grad`` carry
+    ``node.meta["autograd_backward"]`` (torch 2.12 on; torch 2.11's do not, and the compile
+    passes then find the backward by the tag the step sets around its ``autograd.grad``,
+    compile/recompute.py ``is_backward``). Probed once by compiling a small gradient."""
+    found = []
+
+    def capture(graph):
+        found.extend(bool(n.meta.get("autograd_backward")) for n in graph.nodes)
+
+    def probe(x, seed):
+        y = x + seed
+        return torch.autograd.grad((y * y).sum(), [y])[0]
+
+    with trace_backward():
+        torch.compile(probe, backend=compile_backend("aot_eager", capture), fullgraph=True)(
+            torch.ones(2), torch.zeros((), requires_grad=True))
+    return any(found)
 
 
 def compile_backend(name: str, graph_pass):
@@ -278,3 +300,6 @@ def compile_backend_names() -> list[str]:
 
 
 start_autograd_on_the_devices_present()    # at import: before any FakeTensorMode registers a dummy guard
+from functional_pp._torch.cuda_guard import pin_fake_cuda_guard  # noqa: E402
+
+pin_fake_cuda_guard()    # then the fake CUDA guard, owned by a thread no simulated device outlives (cuda_guard.py)

@@ -32,7 +32,7 @@ import torch
 from functional_pp._torch import compile_backend
 from functional_pp.compile.buckets import bucket_all_reduces
 from functional_pp.compile.overlap import overlap_communication
-from functional_pp.compile.recompute import in_backward_region, reissue_for_backward
+from functional_pp.compile.recompute import in_backward_region, probe_backward_marks, reissue_for_backward
 from functional_pp.compile.reinplace import reinplace
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread, thread_local_value
@@ -45,6 +45,7 @@ def step_backend(compile: bool | str, bucket_mb: float | None = None) -> str | C
     """The backend to hand ``torch.compile`` for ``train_step(compile=...)``; ``bucket_mb``:
     the step's gradient all-reduce buckets (None: one all-reduce per gradient)."""
     name = "inductor" if compile is True else compile
+    probe_backward_marks()
     # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
     return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor",
                                                    bucket_mb=bucket_mb)) or name

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.compile.recompute import probe_backward_marks
 from functional_pp.core.runtime import per_thread
 
 PER_LAYER = "per_layer"
@@ -63,6 +64,7 @@ class CompiledLayer:
         with self._lock:
             compiled = self._by_backend.get(backend)
             if compiled is None:
+                probe_backward_marks()         # on the host, before the passes need it
                 compiled = self._by_backend[backend] = torch.compile(
                     self.fn, backend=backend, fullgraph=True, dynamic=False)
             return compiled

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp._torch import OpOverload, is_backward_node
+from functional_pp._torch import OpOverload
 from functional_pp.compile.in_flight import (DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV,  # noqa: F401 (re-exported)
                                              in_flight_limit)
-from functional_pp.compile.recompute import _VIEW_OR_CAST, REGATHER, _op_name
+from functional_pp.compile.recompute import _VIEW_OR_CAST, REGATHER, _op_name, is_backward
 
 _FUNCOL = "_c10d_functional"
 
@@ -159,7 +159,7 @@ def overlap_communication(graph: torch.fx.Graph, in_flight: int | None = None) -
         moved += _sink(wait)
     # prefetch, separately in forward and in backward
     nodes = list(graph.nodes)
-    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), len(nodes))
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward(n)), len(nodes))
     for part in (nodes[:first_bwd], nodes[first_bwd:]):
         launches = [n for n in part if _is_launch(n) and _region(n) is not None and "all_gather" in n.target.__name__]
         for prev, cur in zip(launches, launches[1:]):

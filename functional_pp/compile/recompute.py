@@ -20,14 +20,14 @@ forward/backward partition.
 from __future__ import annotations
 
 import functools
-import itertools
 from contextlib import nullcontext
 
 import torch
 
-from functional_pp._torch import annotate, is_backward_node, is_tracing
+from functional_pp._torch import annotate, dynamo_marks_backward_nodes, is_backward_node, is_tracing
 from functional_pp.compile.selective import saves
-from functional_pp.core.graph_tags import BACKWARD, RECOMPUTED, REGATHER, REMAT, SELECTIVE  # noqa: F401 (re-exported)
+from functional_pp.core.graph_tags import (BACKWARD, LEAF, RECOMPUTED, REGATHER, REMAT,  # noqa: F401 (re-exported)
+                                           SELECTIVE)
 from functional_pp.core.runtime import per_thread
 
 _local = per_thread("compile.recompute")
@@ -43,8 +43,10 @@ _VIEW_OR_CAST = {
 def reset_region_ids() -> None:
     """Number this thread's regions from 0 again. Called before each call of a compiled step
     (outside the graph): dynamo guards on the counter's state, so a counter that kept running
-    would recompile the step on every call."""
-    _local.ids = itertools.count()
+    would recompile the step on every call. The counter is a one-element list, which every
+    supported dynamo traces (torch 2.11's cannot call ``next`` on an ``itertools.count`` made
+    outside the compiled function)."""
+    _local.ids = [0]
 
 
 def _tag(key: str, enabled: bool = True, **extra: object):
@@ -52,13 +54,22 @@ def _tag(key: str, enabled: bool = True, **extra: object):
         return nullcontext()
     ids = getattr(_local, "ids", None)
     if ids is None:
-        ids = _local.ids = itertools.count()
-    return annotate({key: next(ids), **extra})
+        ids = _local.ids = [0]
+    n = ids[0]
+    ids[0] = n + 1
+    return annotate({key: n, **extra})
 
 
 def regather_region(enabled: bool = True):
     """Context for an FSDP weight's all-gather: under compile, backward gathers it again."""
     return _tag(REGATHER, enabled)
+
+
+def recomputed_leaf():
+    """Context for a parameter made differentiable inside a compiled step as ``p + seed``
+    (torch 2.11's path, _torch/grad_leaves.py): under compile, backward computes it again from
+    the step's inputs (as a regathered weight) instead of keeping the forward's copy."""
+    return _tag(LEAF)
 
 
 def remat_region(selective: bool = False):
@@ -89,12 +100,27 @@ def in_backward_region(node: torch.fx.Node) -> bool:
     return BACKWARD in (node.meta.get("custom") or {})
 
 
+def probe_backward_marks() -> None:
+    """Probe :func:`dynamo_marks_backward_nodes` now, on the host, before a compilation whose
+    passes ask for it (the probe compiles, which it cannot do inside another compilation)."""
+    if not is_tracing():        # this thread compiles: too late (and then already probed)
+        dynamo_marks_backward_nodes()
+
+
+def is_backward(node: torch.fx.Node) -> bool:
+    """Whether a node of a traced step belongs to its backward: marked so by dynamo, or, where
+    dynamo does not mark them (torch 2.11), tagged by :func:`backward_region`."""
+    return is_backward_node(node) or (not dynamo_marks_backward_nodes() and in_backward_region(node))
+
+
 def _region(node: torch.fx.Node):
     custom = node.meta.get("custom") or {}
     if REMAT in custom:
         return (REMAT, custom[REMAT])
     if REGATHER in custom:
         return (REGATHER, custom[REGATHER])
+    if LEAF in custom:
+        return (LEAF, custom[LEAF])
     return None
 
 
@@ -138,7 +164,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
     """Recompute tagged forward values for their backward uses (see the module docstring).
     Returns the number of nodes inserted."""
     nodes = list(graph.nodes)
-    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward(n)), None)
     if first_bwd is None:
         return 0
     pos = {n: i for i, n in enumerate(nodes)}
@@ -151,13 +177,18 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
         if r is None and _op_name(n) in _VIEW_OR_CAST:     # views/casts of a regathered weight
             ins = _tensor_inputs(n)
             rs = {region_of.get(a) for a in ins}
-            if len(rs) == 1 and None not in rs and next(iter(rs))[0] == REGATHER:
+            if len(rs) == 1 and None not in rs and next(iter(rs))[0] in (REGATHER, LEAF):
                 r = next(iter(rs))
         if r is not None:
             region_of[n] = r
             regions.setdefault(r, []).append(n)
     inserted = 0
-    for r, members in regions.items():
+    # seeded leaves last: the copies made for the other regions read them in backward too
+    order = [r for r in regions if r[0] != LEAF] + [r for r in regions if r[0] == LEAF]
+    for i, r in enumerate(order):
+        members = regions[r]
+        if r[0] == LEAF and (i == 0 or order[i - 1][0] != LEAF):
+            pos = {n: j for j, n in enumerate(graph.nodes)}     # with the copies inserted so far
         member_set = set(members)
         # a region's outputs (used by later forward code outside it) are kept, as eager
         # checkpointing keeps a checkpointed function's result
@@ -177,7 +208,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
             if n not in copies:
                 new = graph.node_copy(n, clone)
                 new.meta = dict(n.meta)
-                new.meta[RECOMPUTED] = True
+                new.meta[RECOMPUTED] = r[0]        # the kind of region: REGATHER, REMAT or LEAF
                 new.meta["custom"] = {**(n.meta.get("custom") or {}), BACKWARD: True}
                 copies[n] = new
             return copies[n]
@@ -191,14 +222,16 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
 
 
 def count_recomputed(graph: torch.fx.Graph) -> int:
-    return sum(1 for n in graph.nodes if n.meta.get(RECOMPUTED))
+    """Nodes the backward recomputes (re-gathers, remat), not counting the seeded leaves'
+    copies (``p + seed`` again: no work a step without the seed would not do)."""
+    return sum(1 for n in graph.nodes if n.meta.get(RECOMPUTED) not in (None, False, LEAF))
 
 
 def saved_bytes(graph: torch.fx.Graph) -> int:
     """Bytes of forward values that a traced step keeps for its backward (alive when the
     first backward node runs), each storage counted once; graph inputs are not counted."""
     nodes = list(graph.nodes)
-    first_bwd = next((i for i, n in enumerate(nodes) if is_backward_node(n)), None)
+    first_bwd = next((i for i, n in enumerate(nodes) if is_backward(n)), None)
     if first_bwd is None:
         return 0
     pos = {n: i for i, n in enumerate(nodes)}

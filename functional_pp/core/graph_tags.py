@@ -7,6 +7,7 @@ need not import the compiler."""
 REGATHER = "fpp_regather"      # an FSDP weight's all-gather and the views/casts after it
 REMAT = "fpp_remat"            # an activation of a remat region
 SELECTIVE = "fpp_selective"    # in a remat region that keeps its matmuls and attention (compile/selective.py)
+LEAF = "fpp_leaf"              # a parameter made differentiable as p + seed (torch 2.11's path)
 RECOMPUTED = "fpp_recomputed"  # a node the backward recomputes
 BACKWARD = "fpp_backward"      # set on everything torch.autograd.grad traces in a step
 TRACED = "fpp_comm"            # a collective traced under torch.compile

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from functional_pp._torch import is_tracing
-from functional_pp._torch.distributed import funcol
+from functional_pp._torch.distributed import all_gather_single, funcol, reduce_scatter_single
 from functional_pp.core.mesh import Mesh
 from functional_pp.devices.slow_link import SlowLink
 from functional_pp.devices.slow_link import from_env as slow_link_from_env
@@ -117,7 +117,7 @@ class DistBackend:
 
     def all_gather(self, x, dim, group):
         done_at = self._slow("all_gather", x, group)
-        out = self._sync(done_at, funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self._pg(group))))
+        out = self._sync(done_at, funcol.wait_tensor(all_gather_single(x.contiguous(), dim, self._pg(group))))
         order = self._order(group)
         if order != sorted(order):
             parts = out.chunk(len(group), dim=dim)
@@ -133,8 +133,7 @@ class DistBackend:
                 inv[p] = i
             x = torch.cat([parts[inv[p]] for p in range(len(group))], dim=dim)
         done_at = self._slow("reduce_scatter", x, group)
-        return self._sync(done_at, funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), op, dim,
-                                                                                   self._pg(group))))
+        return self._sync(done_at, funcol.wait_tensor(reduce_scatter_single(x.contiguous(), op, dim, self._pg(group))))
 
     def all_to_all(self, x, split_dim, concat_dim, group):
         n = len(group)

@@ -23,7 +23,7 @@ from functional_pp.compile.backend import step_backend
 from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
-from functional_pp.compile.recompute import backward_region, reset_region_ids
+from functional_pp.compile.recompute import backward_region, recomputed_leaf, reset_region_ids
 from functional_pp.core import step_values
 from functional_pp.core.backward_thread import carry_to_backward
 from functional_pp.core.layout import Layout, Rules
@@ -484,7 +484,7 @@ class TrainStep:
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
             # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
-            xs = [differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(leaves, trains)]
+            xs = [_differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(leaves, trains)]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
@@ -608,3 +608,14 @@ def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientT
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))
+
+
+def _differentiable(x, seed, requires):
+    """A leaf to differentiate against (_torch/grad_leaves.py). Where it is ``x + seed`` (a new
+    tensor in the traced graph, not the parameter's own storage), its backward uses read a copy
+    made again in backward, so the step does not keep a second copy of every parameter until
+    then (compile/recompute.py)."""
+    if seed is None or not requires:
+        return differentiable(x, seed, requires)
+    with recomputed_leaf():
+        return differentiable(x, seed, requires)
