@@ -33,7 +33,8 @@ in_venv=$("$PY" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
 VENV=${FPP_VENV_DIR:-.venv}
 if { [ "$managed" = 1 ] && [ "$in_venv" = 0 ]; } || [ "${FPP_VENV:-0}" = 1 ]; then
   if [ ! -x "$VENV/bin/python" ]; then
-    echo "setup.sh: creating a virtual environment in $VENV ($PY is externally managed: PEP 668)"
+    if [ "${FPP_VENV:-0}" = 1 ]; then why="FPP_VENV=1"; else why="$PY is externally managed: PEP 668"; fi
+    echo "setup.sh: creating a virtual environment in $VENV ($why)"
     "$PY" -m venv "$VENV"
   fi
   PY=$VENV/bin/python

@@ -51,6 +51,7 @@ def test_creates_and_uses_a_venv(tmp_path):
     venv = tmp_path / "venv"
     out, calls = run(tmp_path, FPP_VENV="1", FPP_VENV_DIR=str(venv), TORCH_VERSION="2.0")
     assert calls[0] == f"VENV {venv}" and "activate with: source" in out
+    assert "(FPP_VENV=1)" in out and "PEP 668" not in out            # the reason it gives is the real one
     assert calls[1].startswith(f"{venv}/bin/python PIP install -q -e")
     out, calls = run(tmp_path, FPP_VENV="1", FPP_VENV_DIR=str(venv), TORCH_VERSION="2.0")
     assert not any(c.startswith("VENV") for c in calls)               # reused
