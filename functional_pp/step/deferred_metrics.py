@@ -88,10 +88,11 @@ class _Step:
 class PendingSteps:
     """The unread deferred steps of one device (one per device thread).
 
-    ``host_values(metrics, seconds)`` adds the host's figures of a step that took ``seconds``;
+    ``host_values(metrics, seconds, timed_steps)`` adds the host's figures of a step that took
+    ``seconds``, the average of ``timed_steps`` steps read together;
     ``on_nonfinite`` and ``max_consecutive_skips`` are the step's settings."""
 
-    def __init__(self, host_values: Callable[[dict, float], None], *, on_nonfinite: str,
+    def __init__(self, host_values: Callable[[dict, float, int], None], *, on_nonfinite: str,
                  max_consecutive_skips: int | None):
         self.host_values = host_values
         self.on_nonfinite = on_nonfinite
@@ -142,7 +143,7 @@ class PendingSteps:
                     held.append(metrics["step"] - 1)
             if not metrics.get("update_held", 1):
                 metrics.pop("update_held")     # as the per-step mode's metrics (which redo such steps)
-            self.host_values(metrics, seconds)
+            self.host_values(metrics, seconds, len(steps))
             metrics["peak_memory_bytes"] = peak
             if error is not None:
                 s.metrics._error = error

@@ -27,7 +27,7 @@ from functional_pp.step.nonfinite import NonFiniteError
 CFG = llama.Config(vocab=64, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)
 NAN_TOKEN = 7            # a batch whose first token is this one has a NaN loss (traceable)
-HOST_KEYS = ("step_time_s", "tokens_per_s", "peak_memory_bytes")
+HOST_KEYS = ("step_time_s", "timed_steps", "tokens_per_s", "peak_memory_bytes")   # timed_steps: the read window
 
 
 def _loss(params, batch):
@@ -159,6 +159,7 @@ def test_host_figures_are_filled_at_the_read():
     assert read == metrics
     seconds = {m["step_time_s"] for m in metrics}
     assert len(seconds) == 1 and seconds.pop() > 0, "the read's wall time, shared by the steps it read"
+    assert all(m["timed_steps"] == 3 for m in metrics)        # said to be an average over the 3 steps read
     for m in metrics:
         assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["step_time_s"])
         assert m["mfu"] == pytest.approx(m["tokens_per_s"] * 100.0 / 1e9)
