@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 HF = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-          intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=64, pad_token_id=None)
+          intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=128, pad_token_id=None)
 
 
 @pytest.fixture(scope="module")
