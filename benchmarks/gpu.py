@@ -132,10 +132,9 @@ def start_side(make, batch, warmup: int, device: str) -> tuple[object, dict]:
     peak = None
     if device == "cuda":
         gc.collect()
-        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         losses.append(runner.step(batch))
-        peak = int(base - before + torch.cuda.max_memory_allocated() - base)
+        peak = int(torch.cuda.max_memory_allocated() - before)    # (the other sides' bytes are in `before`)
     return runner, {"first_step_s": first, "losses": losses[:3], "peak_memory_bytes": peak}
 
 
