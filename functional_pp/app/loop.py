@@ -111,7 +111,10 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                                           model_config)
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
+    from functional_pp.app.preference_run import (REFERENCE, load_pairs, pair_steps, preference_objective,
+                                                  preference_spec, with_reference)
     from functional_pp.data import DataLoader
+    from functional_pp.data.pair_loader import PAIR_BATCH_DIMS, PairLoader
     from functional_pp.data.loader import to_device
     from functional_pp.devices.batched_run import per_device
     from functional_pp.parallel.init import init as init_named
@@ -131,8 +134,14 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
     base_decls = family.param_decls(model_cfg)
     lora = cfg.lora_config()
-    loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
-                                                   base_decls)
+    pref = preference_spec(cfg)          # rl: dpo | ipo | orpo | simpo (docs/preference.md)
+    if pref is None:
+        loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
+                                                       base_decls)
+    else:
+        loss_fn, decls, trainable = preference_objective(cfg, pref, family, model_cfg, lora, base_decls)
+    reference_copy = pref is not None and REFERENCE in decls
+    policy_decls = {k: v for k, v in decls.items() if k != REFERENCE} if reference_copy else decls
     out_dir = cfg.output_dir()
     ckpt_dir = out_dir / CHECKPOINTS
     keep = cfg.checkpoint.keep_last
@@ -163,20 +172,20 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         check_seed(cfg.seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    data = load_data(cfg)
+    data = load_data(cfg) if pref is None else load_pairs(cfg)
     corpus = data.train
     if corpus.vocab_size > family.vocab_size(model_cfg):
         raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
                           f"{family.vocab_size(model_cfg)}; set model.vocab >= {corpus.vocab_size}")
     gb = cfg.global_batch(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
-    cfg.set_epochs(check_batches(cfg, data, gb))
+    cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
     opt, schedule = optimizer_from_config(cfg)
     device = select_device(world.simulate, world.size, under_torchrun())
     if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"}     # packed documents
+    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if pref is None else PAIR_BATCH_DIMS
     step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
                           trainable=trainable, grad_accum=accum, precision=cfg.precision,
                           policy=cfg.policy(), compile=cfg.compile,
@@ -251,16 +260,19 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
                 params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
         else:
-            params = init_named(lambda: decls, mesh=mesh, rules=rules, seed=cfg.seed,     # (adapters included)
-                                device=device)
+            # (adapters included; a fresh run's reference is the copy below, a resumed one's the checkpoint's)
+            params = init_named(lambda: policy_decls if latest is None else decls, mesh=mesh, rules=rules,
+                                seed=cfg.seed, device=device)
+        if reference_copy and latest is None:       # DPO's reference: the initial parameters, frozen
+            params = with_reference(params, decls)
         if lora is not None and lora.dora and latest is None and cfg.lora_model_dir is None:
             from functional_pp.parallel.shard_map import use_rules
             with use_rules(rules):        # DoRA: each magnitude the norms of its weight (peft's init)
                 params = adapters.init_magnitudes(params, lora)
         state = step_fn.init(params)
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
-        loader = device_loader(lambda shard: DataLoader(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,
-                                                        seed=cfg.seed, **shard), mesh, rules)
+        loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
+            corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
         val_loader = None if data.val is None else device_loader(lambda shard: DataLoader(
             data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
             mesh, rules)

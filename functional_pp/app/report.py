@@ -156,7 +156,9 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     if corpus is not None:
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
-        lines.append(f"data:       {corpus.name}: {len(corpus):,} tokens{docs}, vocab {corpus.vocab_size}{held}")
+        unit = "preference pairs" if hasattr(corpus, "pairs") else "tokens"
+        dropped = f" ({corpus.dropped:,} longer than sequence_len left out)" if getattr(corpus, "dropped", 0) else ""
+        lines.append(f"data:       {corpus.name}: {len(corpus):,} {unit}{docs}{dropped}, vocab {corpus.vocab_size}{held}")
         if getattr(corpus, "prepared", ""):
             lines.append(f"  {corpus.prepared}")
         for st in getattr(corpus, "stats", None) or []:     # per dataset: rows, tokens, trained

@@ -96,7 +96,8 @@ _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true t
 _MOE = ("this mixture-of-experts kernel or option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
-_RL = "RL / preference training is not supported (causal LM fine-tuning only): remove it"
+_RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
+       "options of docs/preference.md): remove it")
 _REWARD = "reward-model training is not supported (causal LM fine-tuning only): remove it"
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
 _GENERATE = "sample generation during evaluation is not supported: remove it"
@@ -114,7 +115,7 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _MOE for k in ("use_scattermoe", "use_sonicmoe", "experts_implementation",
                          "llama4_linearized_experts",
                          "expert_parallel_num_nvl_bytes", "expert_parallel_token_capacity")},
-    **{k: _RL for k in ("rl", "trl", "vllm", "ebft")},
+    **{k: _RL for k in ("trl", "vllm", "ebft")},
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
@@ -150,7 +151,7 @@ UNSUPPORTED: dict[str, str] = {
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why
 DATASET_UNSUPPORTED: dict[str, str] = {
-    **{k: _RL for k in ("field_chosen", "field_rejected", "chosen_key", "rejected_key")},
+    **{k: _RL for k in ("chosen_key", "rejected_key")},
     **{k: "process-reward (stepwise supervised) data is not supported: remove it" for k in (
         "step_separator", "train_on_last_step_only", "max_completion_length")},
     **{k: "reasoning fields of messages are not supported: remove it" for k in (

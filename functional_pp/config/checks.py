@@ -49,6 +49,54 @@ def check_base_quantization(cfg: Any, add) -> None:
                 f"dequantized in the run's precision)")
 
 
+#: ``rl:`` methods trained here (docs/preference.md)
+RL_METHODS = ("dpo", "ipo", "orpo", "simpo")
+#: ``rl:`` methods of Axolotl not built yet -> why
+RL_NOT_BUILT = {**{m: "it samples completions from the policy, and generation is not built yet"
+                   for m in ("grpo", "gdpo", "ebft", "online_dpo", "ppo")},
+                "kto": "KTO's unpaired (desirable / undesirable) datasets are not read yet (its loss is "
+                       "functional_pp.preference.kto_losses)"}
+_RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha")
+
+
+def check_preference(cfg: Any, add) -> None:
+    """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
+    the preference keys only with ``rl``; preference data unpacked, no pipeline."""
+    if cfg.rl is None:
+        given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
+        if given:
+            add(f"{given[0]} is set but rl is not: add rl: dpo (or ipo, orpo, simpo), or remove it")
+        return
+    rl = str(cfg.rl).lower()
+    if rl in RL_NOT_BUILT:
+        add(f"rl: {cfg.rl} is not supported yet: {RL_NOT_BUILT[rl]}. Built: rl: {' | '.join(RL_METHODS)}")
+        return
+    if rl not in RL_METHODS:
+        add(f"rl: {cfg.rl!r} is not a preference method here; choose one of {', '.join(RL_METHODS)}")
+        return
+    if cfg.rl_beta is not None and not cfg.rl_beta > 0:
+        add(f"rl_beta must be > 0, got {cfg.rl_beta}")
+    if cfg.orpo_alpha is not None and not cfg.orpo_alpha > 0:
+        add(f"orpo_alpha must be > 0, got {cfg.orpo_alpha}")
+    if not 0 <= cfg.dpo_label_smoothing < 0.5:
+        add(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
+    if cfg.pp_size > 1:
+        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: preference training under a pipeline is not built; "
+            f"use dp / fsdp / tp / cp")
+    from functional_pp.data.pairs import PAIR_TYPES
+    for i, entry in enumerate(cfg.datasets or []):
+        if entry.type is not None and entry.type not in PAIR_TYPES:
+            add(f"rl: {cfg.rl}: datasets[{i}].type {entry.type!r} is not a preference dataset type built here; "
+                f"choose one of {', '.join(PAIR_TYPES)}, or leave type out for plain prompt / chosen / rejected "
+                f"fields (field_prompt, field_chosen, field_rejected)")
+    if cfg.val_set_size:
+        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: held-out preference evaluation is not built; "
+            f"remove val_set_size")
+    if not cfg.datasets:
+        add(f"rl: {cfg.rl} trains on chosen / rejected pairs: give datasets: [{{path: pairs.jsonl}}] "
+            f"(docs/preference.md)")
+
+
 def check_adapter(cfg: Any, add) -> None:
     """The adapter keys: ``adapter: lora`` with a valid LoRA config; LoRA keys without it,
     bad QLoRA settings refused with what to do instead."""
@@ -98,6 +146,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
     check_adapter(cfg, add)
+    check_preference(cfg, add)
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():

@@ -115,6 +115,9 @@ class DatasetConfig:
                                           "default: the top-level chat_template")
     chat_template_jinja: str | None = fld(None, "chat_template: jinja: the template text or a "
                                                 ".jinja file")
+    field_prompt: str = fld("prompt", "rl (preference pairs, type omitted): the prompt field")
+    field_chosen: str = fld("chosen", "rl (preference pairs, type omitted): the chosen completion's field")
+    field_rejected: str = fld("rejected", "rl (preference pairs, type omitted): the rejected completion's field")
     split: str = fld("train", "HF `datasets` on disk: the split to read")
     pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
     dtype: str = fld("uint16", "pretokenized .bin: the token dtype (uint16 | uint32 | int32)")

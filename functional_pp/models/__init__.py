@@ -14,4 +14,5 @@ LLAMA = register(ModelFamily(
     loss=llama.loss, flops_per_token=llama.flops_per_token, default_rules=llama.default_rules,
     activations=llama.activations,
     summary_fields=("model_type", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
-    hf_config_from_dict=llama_hf.config_from_hf_dict, pipeline_ends=llama.pipeline_ends))
+    hf_config_from_dict=llama_hf.config_from_hf_dict, pipeline_ends=llama.pipeline_ends,
+    forward=llama.forward))

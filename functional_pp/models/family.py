@@ -32,7 +32,9 @@ class ModelFamily:
     bounds the token ids; ``hf_config_from_dict`` (or None) reads a Hugging Face
     ``config.json`` for ``base_model``; ``pipeline_ends(cfg)`` (or None: every parameter outside
     ``layers`` on every stage) the parameter path prefixes only the first and only the last
-    pipeline stage hold (``pipeline_step``'s ``first_stage`` / ``last_stage``)."""
+    pipeline stage hold (``pipeline_step``'s ``first_stage`` / ``last_stage``); ``forward(params,
+    tokens, cfg=...)`` (or None) the logits (batch seq vocab), which preference training
+    (``rl:``, docs/preference.md) needs."""
 
     name: str
     config_class: type
@@ -46,6 +48,7 @@ class ModelFamily:
     vocab_size: Callable[[Any], int] = field(default=lambda cfg: cfg.vocab)
     hf_config_from_dict: Callable[[dict], Any] | None = None
     pipeline_ends: Callable[[Any], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+    forward: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

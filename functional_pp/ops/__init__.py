@@ -6,7 +6,7 @@ from functional_pp.ops.einsum import einsum
 from functional_pp.ops.elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where
 from functional_pp.ops.embedding import embed
 from functional_pp.ops.indexing import concat, cumsum, slice_dim, take, unbind
-from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy
+from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy, token_log_probs
 from functional_pp.ops.norms import layer_norm, rms_norm
 from functional_pp.ops.realize import realized
 from functional_pp.ops.reduce import logsumexp, max, mean, min, softmax, sum  # noqa: A004
@@ -17,7 +17,7 @@ from functional_pp.ops.swiglu import swiglu
 from functional_pp.ops.xent.linear import linear_cross_entropy
 
 __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
-           "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "linear_cross_entropy", "IGNORE_INDEX",
+           "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "token_log_probs", "linear_cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "min", "softmax", "sum", "rotary",
            "Llama3Scaling", "LongRopeScaling", "LinearScaling", "YarnScaling", "inverse_frequencies", "rename",
            "split_dim", "merge_dims", "rearrange",

@@ -22,17 +22,36 @@ def cross_entropy(logits: Named, labels: Named, vocab: str | None = None,
     labels do not have); the vocabulary may be split (the
     max and the sum of exponentials are reduced across the split). Each row's gradient is
     written out, one pass over the logits (``ops/xent/rows.py``)."""
-    require_named("cross_entropy", logits=logits, labels=labels)
+    nll, weight, fast = _nll_rows_named("cross_entropy", logits, labels, vocab, ignore_index, shortcut=True)
+    if fast is not None:
+        return fast
+    return R.sum(nll * weight) / _count(weight)
+
+
+def token_log_probs(logits: Named, labels: Named, vocab: str | None = None,
+                    ignore_index: int = IGNORE_INDEX) -> Named:
+    """Each label's log-probability under ``logits`` (the labels' dimensions; 0 where the label
+    is ``ignore_index``): ``-cross_entropy`` per token, the vocabulary possibly split (docs/preference.md)."""
+    nll, weight, _ = _nll_rows_named("token_log_probs", logits, labels, vocab, ignore_index, shortcut=False)
+    return -(nll * weight)
+
+
+def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ignore_index: int,
+                    shortcut: bool) -> tuple:
+    """Each row's cross-entropy (ignored rows not masked) and the rows' 0/1 weights, both named
+    by the labels' dimensions in the logits' order; with ``shortcut`` and nothing split or
+    varying, the mean cross-entropy itself as the third value (else None)."""
+    require_named(op, logits=logits, labels=labels)
     if vocab is None:
-        vocab = the_one_dim("cross_entropy", "vocab", [d for d in logits.dims if d not in labels.dims],
+        vocab = the_one_dim(op, "vocab", [d for d in logits.dims if d not in labels.dims],
                             "the logits' dimension the labels do not have")
     logits = settle(logits)
     if logits.data.dtype in (torch.float16, torch.bfloat16):
         logits = logits.astype(torch.float32)
-    logits._check_dim(vocab, "cross_entropy")
+    logits._check_dim(vocab, op)
     other = tuple(d for d in logits.dims if d != vocab)
     if sorted(other) != sorted(labels.dims):
-        raise ValueError(f"cross_entropy: labels have dimensions {labels.dims} but the logits have "
+        raise ValueError(f"{op}: labels have dimensions {labels.dims} but the logits have "
                          f"{logits.dims} (expected the logits' dimensions without {vocab!r})")
     vi = logits.dims.index(vocab)
     v_axes = logits.split[vi]
@@ -47,16 +66,15 @@ def cross_entropy(logits: Named, labels: Named, vocab: str | None = None,
         nll = _split_nll_rows(logits, x, lab, vocab, other, split_other)
     else:
         # one pass over the logits in backward too (ops/xent/rows.py); an ignored row's index
-        # is any index, its row masked below
+        # is any index, its row masked by the weights
         nll = nll_rows(x, lab.clamp(0, x.shape[-1] - 1), torch.logsumexp(x.detach(), -1))
-        if not any(split_other) and not logits.vary and not labels.vary:
+        if shortcut and not any(split_other) and not logits.vary and not labels.vary:
             # nothing split or varying: the same sums and division without named bookkeeping
             # the count as an integer (exact; the division converts it as a float count would)
             count = torch.count_nonzero(valid).clamp_min(1)
-            return _make((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
+            return None, None, _make((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
         nll = Named(nll, other, split_other, logits.vary)
-    weight = Named(valid.to(x.dtype), other, split_other, labels.vary)
-    return R.sum(nll * weight) / _count(weight)
+    return nll, Named(valid.to(x.dtype), other, split_other, labels.vary), None
 
 
 def _split_nll_rows(logits: Named, x: torch.Tensor, lab: torch.Tensor, vocab: str, other: tuple,

@@ -249,7 +249,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
                for m in p)
     assert any(m.startswith("plugins: 'my.Plugin' is not supported") for m in p)
     assert "give save_steps or saves_per_epoch, not both" in p
-    assert any(m.startswith("'rl' is not supported: RL") for m in p)
+    assert any(m.startswith("rl: dpo trains on chosen / rejected pairs") for m in p)   # (no datasets)
     assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
     assert any(m.startswith("'use_swanlab' is not supported (with swanlab_project): SwanLab") for m in p)
     assert any(m.startswith("'peft' is not supported: this LoRA option") for m in p)   # (peft: loftq_config, ...)

@@ -1,0 +1,122 @@
+"""What ``rl: dpo | ipo | orpo | simpo`` changes in a run (docs/preference.md): the objective
+(:mod:`functional_pp.preference.objective`) over the model family's logits, the reference
+model, the pair data and its loader. Used by :mod:`functional_pp.app.loop`.
+
+The reference of DPO / IPO is the model the run starts from, as TRL takes it: with an
+adapter the base with the adapters left out (nothing more is held); otherwise a frozen copy
+of the initial parameters under the tree's ``reference`` key, declared and sharded like the
+policy (no gradient, no optimizer state, in the compute dtype; checkpointed, so a resumed run
+keeps it; left out of exports)."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from functional_pp.config import ConfigError, TrainConfig
+from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, tree_unflatten
+from functional_pp.preference.objective import PreferenceSpec, preference_loss
+
+__all__ = ["REFERENCE", "preference_spec", "preference_objective", "with_reference", "load_pairs", "pair_steps"]
+
+#: the key of the frozen reference copy in the parameter tree (full fine-tuning)
+REFERENCE = "reference"
+
+
+def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
+    """The run's preference method with its TRL arguments as Axolotl passes them (``rl_beta``;
+    ``orpo_alpha`` for ORPO; SimPO's beta 2.0 unless given), or None without ``rl``."""
+    if cfg.rl is None:
+        return None
+    method = str(cfg.rl).lower()
+    default_beta = {"simpo": 2.0}.get(method, 0.1)
+    beta = cfg.orpo_alpha if method == "orpo" and cfg.orpo_alpha is not None else cfg.rl_beta
+    loss_type = {"ipo": "ipo", "simpo": "simpo"}.get(method, cfg.dpo_loss_type or "sigmoid")
+    if method == "ipo" and cfg.dpo_loss_type not in (None, "ipo"):
+        raise ConfigError(f"rl: ipo is dpo_loss_type ipo; remove dpo_loss_type: {cfg.dpo_loss_type}")
+    if method in ("dpo", "ipo") and cfg.dpo_label_smoothing and loss_type != "robust":
+        raise ConfigError(f"dpo_label_smoothing {cfg.dpo_label_smoothing}: TRL applies label smoothing in "
+                          f"dpo_loss_type robust only (its {loss_type} loss ignores it); set dpo_loss_type: robust "
+                          f"or remove it")
+    try:
+        return PreferenceSpec(method, beta=default_beta if beta is None else beta, loss_type=loss_type,
+                              label_smoothing=cfg.dpo_label_smoothing, simpo_gamma=cfg.simpo_gamma,
+                              cpo_alpha=cfg.cpo_alpha)
+    except ValueError as exc:
+        raise ConfigError(f"rl: {cfg.rl}: {exc}") from exc
+
+
+def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, model_cfg: Any, lora: Any,
+                         base_decls: Any) -> tuple:
+    """``(loss, declarations, trainable mask)`` of a preference run: the policy's logits through
+    the adapters (if any), the reference as the module docstring says."""
+    from functional_pp import adapters
+    from functional_pp.app.inputs import frozen_and_adapters
+    if family.forward is None:
+        raise ConfigError(f"rl: {cfg.rl}: model family {family.name!r} gives no forward (logits) function; "
+                          f"register it with ModelFamily(forward=...)")
+    forward = functools.partial(family.forward, cfg=model_cfg)
+    if lora is not None and (lora.modules_to_save or cfg.unfrozen_parameters) and spec.needs_reference:
+        raise ConfigError(f"rl: {cfg.rl} with an adapter takes the base without adapters as the reference, but "
+                          f"lora_modules_to_save / unfrozen_parameters train base weights: remove them")
+    policy, decls, trainable = frozen_and_adapters(cfg, lora, forward, base_decls)
+    reference = None
+    if spec.needs_reference and lora is not None:
+        def reference(params, tokens):
+            return forward(adapters.split(params)[0], tokens)
+    elif spec.needs_reference:
+        frozen_decls = frozen_and_adapters(cfg, None, forward, base_decls)[1]
+        decls = {**decls, REFERENCE: _frozen(frozen_decls, cfg)}
+        trainable = _reference_frozen(trainable)
+        inner = policy
+
+        def policy(params, tokens):
+            return inner({k: v for k, v in params.items() if k != REFERENCE}, tokens)
+
+        def reference(params, tokens):
+            return forward(params[REFERENCE], tokens)
+    return preference_loss(spec, policy, reference), decls, trainable
+
+
+def _frozen(decls: Any, cfg: TrainConfig) -> Any:
+    """``decls`` declared as frozen parameters are (the run's compute dtype)."""
+    from functional_pp.app.inputs import frozen_in_compute_dtype
+    return frozen_in_compute_dtype(decls, lambda tree: tree_map(lambda _: False, tree), cfg.resolved_precision())
+
+
+def _reference_frozen(trainable: Any):
+    """The trainable mask with the reference copy frozen (``trainable`` None: all else trains)."""
+    def mask(params: dict) -> dict:
+        rest = {k: v for k, v in params.items() if k != REFERENCE}
+        inner = tree_map(lambda _: True, rest) if trainable is None else trainable(rest)
+        return {**inner, REFERENCE: tree_map(lambda _: False, params[REFERENCE])}
+    return mask
+
+
+def with_reference(params: dict, decls: dict) -> dict:
+    """``params`` (the policy's, this device's shards) with the reference copy added, each leaf
+    a copy in its declared dtype."""
+    want = dict(leaves_with_paths(decls[REFERENCE]))
+    leaves, spec = tree_flatten(params)
+    paths = [p for p, _ in leaves_with_paths(params)]
+    copies = [x.replace(data=x.data.detach().to(want[p].dtype, copy=True)) for p, x in zip(paths, leaves)]
+    return {**params, REFERENCE: tree_unflatten(spec, copies)}
+
+
+def load_pairs(cfg: TrainConfig):
+    """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs (no held-out part)."""
+    from functional_pp.app.inputs import RunData, load_tokenizer
+    from functional_pp.data.pairs import build_pairs
+    tok = load_tokenizer(cfg)
+    try:
+        return RunData(build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len), None, tok)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        raise ConfigError(f"datasets: {exc}") from exc
+
+
+def pair_steps(pairs: Any, global_batch: int, cfg: TrainConfig) -> int:
+    """Steps per epoch of the pairs; :class:`ConfigError` when they cannot fill one batch."""
+    from functional_pp.data.pair_loader import PairLoader
+    try:
+        return len(PairLoader(pairs, global_batch_size=global_batch, seq_len=cfg.sequence_len, seed=cfg.seed))
+    except ValueError as exc:
+        raise ConfigError(f"datasets: {exc}") from exc

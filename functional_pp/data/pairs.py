@@ -1,0 +1,162 @@
+"""Preference pairs from ``datasets:`` entries (Axolotl's ``rl:`` dataset types): each record
+becomes a prompt and a chosen and a rejected completion, tokenized as TRL's ``DPOTrainer``
+does (the prompt, then the completion with EOS appended), each side one row of
+``sequence_len`` tokens whose labels train only the completion (docs/preference.md).
+
+Types: ``chatml.intel`` (``question``), ``chatml.argilla`` (``prompt`` / ``input`` /
+``question`` / ``instruction``; ``chosen`` or ``chosen_response``), ``chatml.icr``
+(``input``), ``chatml.prompt_pairs`` (``prompt``), ``chatml.ultra`` and ``chatml.argilla_chat``
+(chosen / rejected as message lists): Axolotl's ChatML prompt ``<|im_start|>user ...
+<|im_start|>assistant`` (an optional ``system`` first), completions ending ``<|im_end|>``. No
+type: the ``field_prompt``, ``field_chosen``, ``field_rejected`` texts as they are."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from functional_pp.data.formats import ByteTokenizer, _records, _text_field, _with_bos
+
+__all__ = ["PAIR_TYPES", "Pair", "PairSet", "pair_texts", "tokenize_pair", "build_pairs"]
+
+_IM_END = "<|im_end|>"
+#: Axolotl's chatml.* preference types -> the record fields holding the prompt (first found)
+_CHATML_PROMPT = {"chatml.intel": ("question",), "chatml.icr": ("input",), "chatml.prompt_pairs": ("prompt",),
+                  "chatml.ultra": ("prompt",), "chatml.argilla": ("prompt", "input", "question", "instruction")}
+PAIR_TYPES = (*_CHATML_PROMPT, "chatml.argilla_chat")
+
+
+@dataclass
+class Pair:
+    """One preference pair's token ids: the prompt, the chosen and the rejected completion."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass
+class PairSet:
+    """The pairs of a run, each side of each pair fitting ``seq_len`` tokens."""
+
+    pairs: list[Pair]
+    vocab_size: int
+    pad_id: int
+    name: str
+    dropped: int = 0                       # pairs longer than seq_len, left out
+    stats: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def _chatml_prompt(system: str | None, user: str) -> str:
+    head = f"<|im_start|>system\n{system}{_IM_END}\n" if system else ""
+    return f"{head}<|im_start|>user\n{user}{_IM_END}\n<|im_start|>assistant\n"
+
+
+def _message_content(rec: dict, key: str, index: int, where: str, n: int) -> str:
+    """``rec[key][index]["content"]`` (a list of messages), refused naming the record otherwise."""
+    turns = rec.get(key)
+    if not isinstance(turns, list) or len(turns) <= index or not isinstance(turns[index], dict) \
+            or not isinstance(turns[index].get("content"), str):
+        raise ValueError(f"{where}: record {n}: field {key!r} must be a list of messages with a text 'content' "
+                         f"at position {index} (user, then assistant), got {str(turns)[:80]!r}")
+    return turns[index]["content"]
+
+
+def pair_texts(rec: Any, entry: Any, where: str, n: int) -> tuple[str, str, str]:
+    """``(prompt, chosen, rejected)`` texts of record ``n`` of a ``datasets`` entry."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: record {n} is a {type(rec).__name__}, not a mapping of fields")
+    kind = entry.type
+    if kind is None:
+        return tuple(_text_field(rec, k, where, n) for k in (entry.field_prompt, entry.field_chosen,
+                                                              entry.field_rejected))
+    if kind not in PAIR_TYPES:
+        raise ValueError(f"{where.split(':')[0]}.type {kind!r} is not a preference dataset type; choose one of "
+                         f"{', '.join(PAIR_TYPES)}, or leave type out for plain prompt / chosen / rejected fields")
+    system = rec.get("system") or None
+    if kind == "chatml.argilla_chat":
+        user = _message_content(rec, "chosen", 0, where, n)
+        return (_chatml_prompt(None, user), _message_content(rec, "chosen", 1, where, n) + _IM_END,
+                _message_content(rec, "rejected", 1, where, n) + _IM_END)
+    keys = _CHATML_PROMPT[kind]
+    key = next((k for k in keys if k in rec), keys[-1])
+    prompt = _chatml_prompt(system if isinstance(system, str) else None, _text_field(rec, key, where, n))
+    if kind == "chatml.ultra":
+        return (prompt, _message_content(rec, "chosen", 1, where, n) + _IM_END,
+                _message_content(rec, "rejected", 1, where, n) + _IM_END)
+    chosen = "chosen" if kind != "chatml.argilla" or "chosen" in rec else "chosen_response"
+    rejected = "rejected" if kind != "chatml.argilla" or "rejected" in rec else "rejected_response"
+    return prompt, _text_field(rec, chosen, where, n) + _IM_END, _text_field(rec, rejected, where, n) + _IM_END
+
+
+def tokenize_pair(tok: Any, prompt: str, chosen: str, rejected: str) -> Pair:
+    """TRL's tokenization: the prompt (with BOS where the tokenizer adds one), each completion
+    with EOS appended (unless it already ends with it)."""
+    def completion(text: str) -> list[int]:
+        ids = tok.encode(text)
+        return ids if tok.eos_id is None or ids[-1:] == [tok.eos_id] else [*ids, tok.eos_id]
+    return Pair(_with_bos(tok, tok.encode(prompt), None)[0], completion(chosen), completion(rejected))
+
+
+def _entry_pairs(entry: Any, tok: Any, where: str) -> Iterator[tuple[int, Pair]]:
+    for n, rec in enumerate(_records(Path(entry.path), entry.ds_type, entry.split, where), start=1):
+        prompt, chosen, rejected = pair_texts(rec, entry, where, n)
+        if not chosen or not rejected:
+            side = "chosen" if not chosen else "rejected"
+            raise ValueError(f"{where}: record {n}: the {side} completion is empty; every pair needs two completions")
+        pair = tokenize_pair(tok, prompt, chosen, rejected)
+        if not pair.prompt:
+            raise ValueError(f"{where}: record {n}: the prompt is empty (no token before the completions); "
+                             f"give every pair a prompt")
+        yield n, pair
+
+
+def build_pairs(entries: list, tokenizer: Any, *, seq_len: int) -> PairSet:
+    """The preference pairs of ``datasets:`` entries (DatasetConfig), tokenized; a pair whose
+    prompt and longer completion exceed ``seq_len`` tokens is left out and counted (Axolotl
+    drops them too); no pair left is an error naming the shortest length found."""
+    tok = tokenizer or ByteTokenizer()
+    pairs, dropped, shortest = [], 0, None
+    for i, entry in enumerate(entries):
+        where = f"datasets[{i}]: {entry.path}"
+        if not Path(entry.path).exists():
+            raise FileNotFoundError(f"{where}: no such file or directory")
+        for _, pair in _entry_pairs(entry, tok, where):
+            need = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
+            if need > seq_len:
+                dropped += 1
+                shortest = need if shortest is None else min(shortest, need)
+                continue
+            pairs.append(pair)
+    names = ", ".join(Path(e.path).name for e in entries)
+    if not pairs:
+        raise ValueError(f"no preference pair of {names} fits sequence_len {seq_len} "
+                         + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
+                            else "(the datasets hold no record)"))
+    pad = tok.eos_id if tok.eos_id is not None else 0
+    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped)
+
+
+def pair_rows(pair: Pair, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One pair as rows of ``seq_len``: ``chosen_tokens`` / ``rejected_tokens`` (prompt +
+    completion, then ``pad_id``), ``chosen_labels`` / ``rejected_labels`` (the next token
+    where it is a completion token, else -100) and ``chosen_lm_labels`` (the next token
+    wherever there is one: ORPO's NLL over the whole chosen sequence)."""
+    out = {}
+    for side, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        ids = np.full(seq_len, pad_id, dtype=np.int64)
+        full = pair.prompt + completion
+        ids[:len(full)] = full
+        labels = np.full(seq_len, -100, dtype=np.int64)
+        labels[len(pair.prompt) - 1:len(full) - 1] = completion
+        out[f"{side}_tokens"], out[f"{side}_labels"] = ids, labels
+        if side == "chosen":
+            lm = np.full(seq_len, -100, dtype=np.int64)
+            lm[:len(full) - 1] = full[1:]
+            out["chosen_lm_labels"] = lm
+    return out

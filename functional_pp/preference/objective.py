@@ -1,0 +1,120 @@
+"""The training objective of ``rl: dpo | ipo | orpo | simpo`` (docs/preference.md): a loss
+``loss(params, batch)`` over a batch of pairs (``data/pair_loader.py``) for the training step,
+from a function giving the policy's logits and, for DPO / IPO, the reference's.
+
+Each side's completion log-probability is the sum of its tokens' log-probabilities
+(:func:`functional_pp.ops.token_log_probs`, the vocabulary possibly split) over the sequence
+(possibly split); the per-sequence losses (:mod:`.losses`, TRL's formulas) apply blockwise to
+the batch, and their mean over the global batch is the loss. The rewards, margins,
+accuracies and log-probabilities TRL logs are reported to the step's metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from functional_pp import ops
+from functional_pp.core import step_values
+from functional_pp.ops.elementwise import broadcast
+from functional_pp.parallel.named import Named, settle
+from functional_pp.preference import losses as L
+
+__all__ = ["PreferenceSpec", "METHODS", "sequence_logps", "preference_loss"]
+
+#: ``rl:`` methods -> whether they compare with a reference model
+METHODS = {"dpo": True, "ipo": True, "orpo": False, "simpo": False}
+Logits = Callable[[Any, Named], Named]
+
+
+@dataclass(frozen=True)
+class PreferenceSpec:
+    """One preference method and its TRL arguments."""
+
+    method: str                     # dpo | ipo | orpo | simpo
+    beta: float
+    loss_type: str = "sigmoid"      # dpo: DPO_LOSS_TYPES (ipo: "ipo"); simpo: "simpo"; orpo: unused
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"preference method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method in ("dpo", "ipo") and self.loss_type not in L.DPO_LOSS_TYPES:
+            raise ValueError(f"dpo_loss_type {self.loss_type!r} is not one of {', '.join(L.DPO_LOSS_TYPES)}")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return METHODS[self.method]
+
+
+def sequence_logps(logits: Named, labels: Named) -> tuple[Named, Named]:
+    """Each sequence's summed log-probability of its labelled tokens and their count (both
+    named ``batch``); ``logits`` (batch seq vocab), ``labels`` (batch seq, -100 ignored)."""
+    token = ops.token_log_probs(logits, labels)
+    counts = labels.map(lambda t: (t != ops.IGNORE_INDEX).to(token.data.dtype))
+    return ops.sum(token, "seq"), ops.sum(counts, "seq")
+
+
+def _per_sequence(fn: Callable, operands: list, name: str) -> Named:
+    return broadcast(fn, operands, name)
+
+
+def _report(name: str, value: Named) -> None:
+    step_values.report(name, settle(ops.mean(value.map(lambda t: t.detach().float()), "batch")).data)
+
+
+def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | None = None
+                    ) -> Callable[[Any, dict], Named]:
+    """``loss(params, batch)`` of ``spec``: ``policy(params, tokens)`` gives the trained model's
+    logits, ``reference(params, tokens)`` the frozen reference's (DPO / IPO; run without
+    gradient)."""
+    if spec.needs_reference and reference is None:
+        raise ValueError(f"rl: {spec.method} compares with a reference model: give reference")
+
+    def loss(params: Any, batch: dict) -> Named:
+        chosen_logits = policy(params, batch["chosen_tokens"])
+        chosen, n_chosen = sequence_logps(chosen_logits, batch["chosen_labels"])
+        rejected, n_rejected = sequence_logps(policy(params, batch["rejected_tokens"]), batch["rejected_labels"])
+        if spec.needs_reference:
+            with torch.no_grad():
+                ref_chosen, _ = sequence_logps(reference(params, batch["chosen_tokens"]), batch["chosen_labels"])
+                ref_rejected, _ = sequence_logps(reference(params, batch["rejected_tokens"]), batch["rejected_labels"])
+
+            def pair(*t):
+                return L.dpo_losses(*t[:4], beta=spec.beta, loss_type=spec.loss_type,
+                                    label_smoothing=spec.label_smoothing, chosen_tokens=t[4], rejected_tokens=t[5])
+            operands, what, nll = [chosen, rejected, ref_chosen, ref_rejected, n_chosen, n_rejected], "dpo", None
+        else:
+            operands = [chosen / n_chosen.map(lambda t: t.clamp(min=1)),
+                        rejected / n_rejected.map(lambda t: t.clamp(min=1))]
+            if spec.method == "orpo":
+                def pair(*t):
+                    return L.orpo_losses(*t, beta=spec.beta)[0]
+                weight = 1.0
+            else:
+                def pair(*t):
+                    return L.cpo_losses(*t, beta=spec.beta, loss_type=spec.loss_type, simpo_gamma=spec.simpo_gamma,
+                                        label_smoothing=spec.label_smoothing)
+                weight = spec.cpo_alpha
+            what = spec.method
+            # the chosen sequences' NLL: ORPO's over prompt and completion, CPO's over the completion (TRL)
+            nll_labels = batch["chosen_lm_labels" if spec.method == "orpo" else "chosen_labels"]
+            nll = ops.cross_entropy(chosen_logits, nll_labels) * weight if weight else None
+        out = ops.mean(_per_sequence(lambda *t: pair(*t).losses, operands, what), "batch")
+        if step_values.active():
+            good = _per_sequence(lambda *t: pair(*t).chosen_rewards, operands, what)
+            bad = _per_sequence(lambda *t: pair(*t).rejected_rewards, operands, what)
+            _report("rewards_chosen", good)
+            _report("rewards_rejected", bad)
+            _report("rewards_margins", good - bad)
+            _report("rewards_accuracies", _per_sequence(lambda a, b: (a > b).float(), [good, bad], "accuracy"))
+            _report("logps_chosen", operands[0] if not spec.needs_reference else chosen)
+            _report("logps_rejected", operands[1] if not spec.needs_reference else rejected)
+            if nll is not None:
+                step_values.report("nll_loss", settle(nll).data.detach() / weight)
+        return out if nll is None else out + nll
+    return loss

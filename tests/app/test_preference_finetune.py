@@ -1,0 +1,159 @@
+"""``rl: dpo`` (and ipo, orpo, simpo) from an Axolotl-style config, end to end: a tiny Llama
+fine-tuned on chosen / rejected pairs, its loss equal to TRL's DPOTrainer on transformers'
+Llama with the run's weights (a step past the first, where the policy differs from the
+reference), a FSDP x TP layout equal to one device, and unsupported methods refused first."""
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from chat_tokenizer import make_tokenizer
+from trl_oracle import dpo_loss
+
+from functional_pp.app.export import export_run
+from functional_pp.app.loop import train
+from functional_pp.app.metrics import read_metrics
+from functional_pp.config import ConfigError, TrainConfig
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+KW = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+          rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)
+QUESTIONS = ["Is the sky blue?", "Name a prime.", "What is 2+2?", "Say hi.", "Pick a colour.", "Count to 3.",
+             "Is water wet?", "Spell cat."]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny transformers Llama with a byte-level tokenizer (EOS <|im_end|>), saved."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = make_tokenizer(d, None, "<|im_end|>")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tok.vocab_size, **KW,
+                                                                   eos_token_id=tok.eos_id))
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    """Intel-Orca-style records (chatml.intel): a question, a good and a bad answer."""
+    f = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    with open(f, "w") as out:
+        for i, q in enumerate(QUESTIONS * 2):
+            rec = {"question": q, "chosen": f"Sure: answer {i % 5}.", "rejected": "No."}
+            if i % 3 == 0:
+                rec["system"] = "Be brief."
+            out.write(json.dumps(rec) + "\n")
+    return f
+
+
+def config(base: Path, pairs: Path, out: Path, **over) -> TrainConfig:
+    d = {"base_model": str(base), "rl": "dpo", "rl_beta": 0.5,
+         "datasets": [{"path": str(pairs), "type": "chatml.intel"}],
+         "sequence_len": 64, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 3,
+         "learning_rate": 5e-3, "lr_scheduler": "constant", "optimizer": "adamw", "max_grad_norm": None,
+         "logging": {"log_every": 1, "output_dir": str(out), "plot": False}, **over}
+    return TrainConfig.from_dict(d, name="dpo")
+
+
+def _trl_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) -> tuple[float, dict]:
+    """TRL's DPO loss of step ``step``'s pairs (as the run's loader gives them) with the policy
+    and reference read by transformers."""
+    from functional_pp.app.preference_run import load_pairs
+    from functional_pp.data.pair_loader import PairLoader
+    pairs = load_pairs(cfg).train
+    gb = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    batch = PairLoader(pairs, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed).global_batch(step)
+    ids = torch.cat([batch["chosen_tokens"], batch["rejected_tokens"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    mask = torch.zeros_like(ids)
+    mask[:, 1:] = (labels[:, :-1] != -100).long()
+    models = []
+    for d in (policy_dir, ref_dir):
+        m = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        m.config._attn_implementation = "eager"
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        models.append(m)
+    policy, reference = models
+    with torch.no_grad():
+        ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
+        loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta, loss_type="sigmoid")
+    return float(loss), metrics
+
+
+def test_dpo_run_equals_trl_past_the_first_step(base, pairs, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(base, pairs, out, checkpoint={"save_every": 2})
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3]
+    # step 1: the policy is the reference: every log-ratio 0, TRL's loss log 2
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert m[0]["rewards_margins"] == pytest.approx(0.0, abs=1e-6)
+    # step 3 runs on the parameters after step 2 (checkpoint 2): TRL's loss on them
+    exported = export_run(out, tmp_path / "hf-step2", step=2)
+    want, metrics = _trl_loss(exported, base, cfg, step=2)
+    assert abs(want - math.log(2)) > 1e-3               # the policy moved away from the reference
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                 "logps/chosen", "logps/rejected"):
+        assert m[2][name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
+    assert r.final_step == 3
+
+
+def test_dpo_fsdp_tp_run_equals_one_device(base, pairs, tmp_path):
+    one = train(config(base, pairs, tmp_path / "one"), simulate=1, stream=io.StringIO())
+    four = train(config(base, pairs, tmp_path / "four", dp_shard_size=2, tp_size=2, micro_batch_size=2),
+                 simulate=4, stream=io.StringIO())     # (micro_batch_size is per data-parallel rank)
+    assert len(one.losses) == 3 and one.losses[2] != one.losses[0]
+    torch.testing.assert_close(torch.tensor(four.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("method,over", [("ipo", {}), ("orpo", {"orpo_alpha": 0.2}), ("simpo", {"rl_beta": 2.0}),
+                                         ("dpo", {"adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+                                                  "lora_target_modules": ["q_proj", "v_proj"]})])
+def test_other_methods_train(base, pairs, tmp_path, method, over):
+    cfg = config(base, pairs, tmp_path / method, rl=method, max_steps=4, **over)
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(tmp_path / method / "metrics.jsonl")
+    assert all(math.isfinite(x) for x in r.losses)
+    assert r.losses[-1] < r.losses[0]
+    assert m[-1]["rewards_margins"] > m[0]["rewards_margins"]
+
+
+@pytest.mark.parametrize("rl,why", [("grpo", "generation is not built yet"), ("kto", "unpaired"),
+                                     ("ebft", "generation is not built yet")])
+def test_unsupported_methods_are_refused_by_name_before_any_work(base, pairs, tmp_path, rl, why):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=f"rl: {rl} is not supported yet: .*{why}"):
+        train(config(base, pairs, out, rl=rl), simulate=1, stream=io.StringIO())
+    assert not out.exists()
+
+
+def test_bad_pairs_are_refused_naming_the_record(base, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"question": "q", "chosen": "a", "rejected": "b"}) + "\n"
+                 + json.dumps({"question": "q", "chosen": "a"}) + "\n")
+    with pytest.raises(ConfigError, match=r"datasets\[0\]: .*bad.jsonl: record 2 has no field 'rejected'"):
+        train(config(base, f, tmp_path / "run"), simulate=1, stream=io.StringIO())
+    g = tmp_path / "type.jsonl"
+    g.write_text(f.read_text().splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match=r"rl: dpo: datasets\[0\].type 'alpaca' is not a preference dataset "
+                                         r"type built here; choose one of chatml.intel"):
+        train(config(base, g, tmp_path / "run2", datasets=[{"path": str(g), "type": "alpaca"}]), simulate=1,
+              stream=io.StringIO())
+
+
+def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
+    whole = train(config(base, pairs, tmp_path / "whole", max_steps=4), simulate=1, stream=io.StringIO())
+    split = config(base, pairs, tmp_path / "split", max_steps=4)
+    first = train(split, simulate=1, stop_after=2, stream=io.StringIO())
+    second = train(split, simulate=1, resume=True, stream=io.StringIO())
+    assert first.stopped and second.start_step == 2
+    assert first.losses + second.losses == whole.losses
