@@ -281,10 +281,9 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
                               f"/ unfrozen_parameters train it: train it through its adapter instead")
         return out[0], qdecls, out[2]
     if cfg.unfrozen_parameters:
-        mask = adapters.unfrozen(cfg.unfrozen_parameters)
-        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
-        if not paths:
-            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
-                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
-        return loss_fn, decls, mask
+        try:
+            adapters.check_names(decls, unfrozen_parameters=cfg.unfrozen_parameters, only_unfrozen=True)
+        except ValueError as exc:
+            raise ConfigError(str(exc).removeprefix("LoRA: ")) from exc
+        return loss_fn, decls, adapters.unfrozen(cfg.unfrozen_parameters)
     return loss_fn, decls, None
