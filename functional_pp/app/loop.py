@@ -208,7 +208,10 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
               file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
-            trim_metrics(metrics_path, latest)
+            bad = trim_metrics(metrics_path, latest)
+            if bad:
+                print(f"note: {metrics_path}: dropped {len(bad)} line(s) that were not JSON (line {bad[0]}: "
+                      f"cut when the run stopped while writing it)", file=out, flush=True)
             where = manager.path(latest) if load_dir == ckpt_dir else load_dir
             print(f"resuming from {where} (step {latest})", file=out, flush=True)
         elif resume:
