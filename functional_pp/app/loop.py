@@ -15,8 +15,8 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
   the communication of the first step per mesh axis in ``comm_report.txt``;
 - checkpoints (params, optimizer state, step, RNG, loader position, config) every
   ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM,
-  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the last two then end with :class:`Interrupted`,
-  exit status 130 / 129);
+  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the run then ends with :class:`Interrupted`,
+  exit status 143 / 130 / 129);
 - ``resume=True`` continues from the newest checkpoint in the output directory, with losses
   bitwise equal to an uninterrupted run on the same mesh;
 - ``loss.png`` at the end (matplotlib, Agg; skipped with a note without matplotlib).
@@ -86,8 +86,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
           allow_config_change: bool = False, overwrite_output: bool = False) -> TrainResult | None:
     """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
     (default: the mesh's size outside torchrun). ``resume``: continue from the newest
-    checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
-    arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
+    checkpoint in the output directory. ``stop_after``: stop after that step with a checkpoint
+    (returns; a stop signal instead ends with :class:`Interrupted`). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. ``overwrite_output``:
     resume from a checkpoint elsewhere (``resume_from_checkpoint``) into an output directory
     that holds another run's checkpoints or metrics. Returns the main process's
@@ -389,7 +389,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 dist.destroy_process_group()
         r = results[0] if world.simulate else results
         interrupted = None
-        if r["stopped"] and stop.signal in ("SIGINT", "SIGHUP"):
+        if r["stopped"] and stop.signal is not None:
             interrupted = Interrupted(f"received {stop.signal}: stopped at step {r['step']}/{cfg.max_steps} with "
                                       f"checkpoint {r['checkpoint'] or manager.path(r['step'])}; continue with "
                                       f"--resume", stop.signal)
