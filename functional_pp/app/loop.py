@@ -36,6 +36,7 @@ from typing import IO, Any, Mapping
 import torch
 
 from functional_pp import checkpoint as ck
+from functional_pp.app.agreement import check_agreement, run_fingerprint
 from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from functional_pp.app.metrics import read_metrics, trim_metrics
 from functional_pp.app.optimizer import optimizer_from_config
@@ -49,6 +50,7 @@ from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.checkpoint.hf import require_weights
 from functional_pp.config import ConfigError, TrainConfig, model_family
+from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
 from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
@@ -247,8 +249,13 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                             metadata={"loader": loader.state_dict(), **export_info},
                             config=config_dict)
 
+    agreed = None if world.simulate else run_fingerprint(cfg, corpus)     # (processes: each read its own)
+
     def device_fn() -> dict:
         lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
+        if agreed is not None:    # every rank about to train on the same config, data and code
+            ranks = tuple(range(mesh.size))
+            check_agreement(agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
         if cfg.base_model is not None and latest is None:
             params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device, decls))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
