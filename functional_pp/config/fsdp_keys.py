@@ -11,7 +11,7 @@ from typing import Any
 
 from functional_pp.config.schema import Issues
 
-__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_refusal"]
+__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_refusal", "OFFLOAD_PARAMS", "OFFLOAD_ACTIVATIONS"]
 
 FSDP_KEYS = ("fsdp", "fsdp_config", "fsdp_version", "fsdp_final_state_dict_type")
 
@@ -26,8 +26,13 @@ _NOTES = {"auto_wrap_policy": _UNITS, "transformer_layer_cls_to_wrap": _UNITS, "
           "limit_all_gathers": "gathers run one layer ahead", "forward_prefetch": "gathers run one layer ahead",
           "backward_prefetch": "gathers run one layer ahead", "version": "one FSDP (per-layer flat gathers)",
           "fsdp_version": "one FSDP (per-layer flat gathers)"}
-_OFFLOAD = ("offloading parameters / optimizer state to CPU is not supported: remove it (shard over more "
-            "devices with dp_shard_size, or recompute with gradient_checkpointing)")
+#: the memory levers of issue 45 that Axolotl's offload keys name, refused until they land
+OFFLOAD_PARAMS = ("CPU offload of parameters, gradients and optimizer state under FSDP (torch FSDP2's "
+                  "CPUOffloadPolicy; issue 45's memory levers) is not built yet")
+OFFLOAD_ACTIVATIONS = ("activation offloading (saved activations moved to host memory during forward; issue 45's "
+                       "memory levers) is not built yet")
+_OFFLOAD = (f"offloading: {OFFLOAD_PARAMS}: remove it (shard over more devices with dp_shard_size, or "
+            f"recompute with gradient_checkpointing)")
 _STRATEGIES = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}
 _HYBRID = ("is not supported here by that name: give the sizes, dp_replicate_size: <nodes> and "
            "dp_shard_size: <devices per node> (HSDP)")
@@ -104,5 +109,5 @@ def deepspeed_refusal(value: Any) -> str:
                 "for backward, as ZeRO-2)")
     else:
         same = "dp_shard_size: <devices> (ZeRO-3 is FSDP here; it is the default when no sizes are given)"
-    off = " Offloading is not supported." if "offload" in name else ""
+    off = f" Its offloading: {OFFLOAD_PARAMS}." if "offload" in name else ""
     return f"DeepSpeed is not used here: remove deepspeed and give {same}.{off}"
