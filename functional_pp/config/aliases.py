@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from functional_pp.config.fsdp_keys import FSDP_KEYS, OFFLOAD_ACTIVATIONS, deepspeed_refusal, fsdp_settings
+from functional_pp.config.fsdp_keys import FSDP_KEYS, OFFLOAD_ACTIVATIONS, deepspeed_settings, fsdp_settings
 from functional_pp.config.schema import Issues
 
 __all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
@@ -343,7 +343,9 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 out[key] = rest
         elif key == "deepspeed":
             if not _off(value):
-                issues.add(f"'deepspeed' is not supported: {deepspeed_refusal(value)}")
+                ds, ds_notes = deepspeed_settings(value, issues)
+                aliased += [(key, k, v) for k, v in ds.items()]
+                unused += ds_notes
         elif key in FSDP_KEYS:
             continue                                 # read together below
         elif key in UNSUPPORTED:
