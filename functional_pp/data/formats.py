@@ -452,7 +452,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
             raise ValueError("a pretokenized (.npy / .bin) dataset must be the only entry of "
                              "datasets (it is memory-mapped, not copied); concatenate the others "
                              "into it")
-        arr = token_ids(entries[0], vocab, f"datasets[0] ({entries[0].path})")
+        arr = token_ids(entries[0], vocab if tokenizer is not None else None, f"datasets[0] ({entries[0].path})")
         n_docs = _count(arr, eos)
         n_val = _split_count(val_set_size, max(n_docs, 1))
         cut = _cut_before_last_docs(arr, eos, n_val) if n_val else len(arr)

@@ -12,16 +12,17 @@ WIDTHS = ("uint16", "uint32", "int32")
 HEAD = 1 << 20          # tokens read to check the width and the ids (a memory map stays unread beyond)
 
 
-def default_width(vocab: int) -> str:
+def default_width(vocab: int | None) -> str:
     """The ``.bin`` token dtype when a dataset names none: uint16 when every id of a ``vocab``-token
-    vocabulary fits in it, else uint32."""
-    return "uint16" if vocab <= 1 << 16 else "uint32"
+    vocabulary fits in it (or no tokenizer says), else uint32."""
+    return "uint16" if vocab is None or vocab <= 1 << 16 else "uint32"
 
 
-def token_ids(entry: Any, vocab: int, where: str) -> np.ndarray:
+def token_ids(entry: Any, vocab: int | None, where: str) -> np.ndarray:
     """The token ids of pretokenized dataset ``entry`` (a ``DatasetConfig``) as a 1-D memory map,
     refused (naming ``where``, the file and the fix) when the file is not a whole number of
-    tokens of its dtype, or when its first tokens show another width or ids outside ``vocab``."""
+    tokens of its dtype, or when its first tokens show another width or ids outside the
+    tokenizer's ``vocab`` (None: no tokenizer given, the model's vocabulary bounds the ids)."""
     path = Path(entry.path)
     if path.suffix.lower() == ".npy":
         arr = np.load(path, mmap_mode="r")
@@ -34,7 +35,7 @@ def token_ids(entry: Any, vocab: int, where: str) -> np.ndarray:
             raise ValueError(f"{where}: {path} has {size} bytes, not a whole number of {width} tokens "
                              f"({dtype.itemsize} bytes each): set the dtype it was written with "
                              f"(dtype: {' | '.join(WIDTHS)})")
-        if dtype.itemsize == 2 and vocab > 1 << 16:
+        if dtype.itemsize == 2 and vocab is not None and vocab > 1 << 16:
             raise ValueError(f"{where}: dtype {width} cannot hold the ids of the tokenizer's {vocab}-token "
                              f"vocabulary: {path} was written as uint32 (dtype: uint32) or with another tokenizer")
         arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
@@ -45,15 +46,16 @@ def token_ids(entry: Any, vocab: int, where: str) -> np.ndarray:
     return arr
 
 
-def _check_head(head: np.ndarray, vocab: int, path: Path, where: str) -> None:
+def _check_head(head: np.ndarray, vocab: int | None, path: Path, where: str) -> None:
     """Refuse a file whose first tokens are wider ids read as 16-bit halves (every second one 0:
-    little-endian uint32 read as uint16) or hold ids outside ``0..vocab-1``."""
+    little-endian uint32 read as uint16) or hold ids outside ``0..vocab-1`` (negative ones when no
+    ``vocab`` is known)."""
     if head.dtype.itemsize == 2 and len(head) >= 8 and len(head) % 2 == 0 and not head[1::2].any() \
             and head[0::2].any():
         raise ValueError(f"{where}: every second 16-bit token of {path} is 0, as in uint32 ids read as "
                          f"{head.dtype}: set dtype: uint32 (the file would train {len(head) // 2} tokens "
                          f"of its first {len(head)} as id 0)")
-    bad = np.flatnonzero((head < 0) | (head >= vocab))
+    bad = np.flatnonzero((head < 0) if vocab is None else (head < 0) | (head >= vocab))
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"{where}: token {i} of {path} is id {int(head[i])}, outside the tokenizer's "

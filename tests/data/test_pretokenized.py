@@ -12,8 +12,8 @@ EOS = ByteTokenizer.eos_id
 IDS = np.array([5, 6, 7, EOS, 8, 9, EOS, 10, 11, 12, 13, EOS, 14, 15, 255, EOS])
 
 
-def _streams(path, dtype=None):
-    return build_streams([DatasetConfig(path=str(path), dtype=dtype)], None, seq_len=4)[0]
+def _streams(path, dtype=None, tokenizer=ByteTokenizer()):
+    return build_streams([DatasetConfig(path=str(path), dtype=dtype)], tokenizer, seq_len=4)[0]
 
 
 @pytest.mark.parametrize("written, read, message", [
@@ -44,3 +44,14 @@ def test_the_default_width_holds_the_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="dtype uint16 cannot hold the ids of the tokenizer's 128256-token vocab"):
         token_ids(DatasetConfig(path=str(tmp_path / "t.bin"), dtype="uint16"), 128256, "d")
     assert token_ids(DatasetConfig(path=str(tmp_path / "t.bin"), dtype="uint32"), 128256, "d").dtype == np.uint32
+
+
+def test_without_a_tokenizer_the_ids_are_not_bounded_by_the_byte_vocabulary(tmp_path):
+    """No tokenizer given: the model's vocabulary bounds the ids (checked at the step), not the
+    byte-level stand-in's 256; the width check still applies."""
+    ids = np.array([5, 300, 50_000, EOS, 7, 8, 9, EOS])
+    ids.astype("uint16").tofile(tmp_path / "t.bin")
+    assert _streams(tmp_path / "t.bin", tokenizer=None).tokens.tolist() == ids.tolist()
+    ids.astype("uint32").tofile(tmp_path / "t.bin")
+    with pytest.raises(ValueError, match="every second 16-bit token"):
+        _streams(tmp_path / "t.bin", tokenizer=None)
