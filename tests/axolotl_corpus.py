@@ -101,7 +101,7 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
-              "context_parallel_size", "cp_size")
+              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
 
 
 def corpus_files() -> list[str]:

@@ -360,6 +360,7 @@ def _save(root, step=1, mesh=None, seed=1):
 def _edit_index(ckpt, fn):
     index = json.loads((ckpt / "index.json").read_text())
     fn(index)
+    del index["sha256"]             # (the deeper checks, for an index whose hash was removed)
     (ckpt / "index.json").write_text(json.dumps(index))
 
 
@@ -433,6 +434,26 @@ def test_swapped_chunk_coordinates_in_index_json_are_caught(tmp_path):
     with pytest.raises(ck.CheckpointCorruptError, match=r"index.json says tensor 'params.w' in this file is "
                                                         r"the region .* but the file records"):
         ck.load_checkpoint(ckpt, {"params": D})
+
+
+@pytest.mark.parametrize("edit", [lambda ix: ix.update(step=5), lambda ix: ix.update(metadata={"loader": {"step": 0}}),
+                                  lambda ix: ix["config"].update(learning_rate=1.0)],
+                         ids=["step", "loader position", "config"])
+def test_hand_edited_checkpoint_metadata_is_refused(tmp_path, edit):
+    """index.json holds the SHA-256 of the rest of itself: an edited step, loader position or
+    config (trusted before: steps repeated or skipped silently) is refused naming the file and
+    the way out; without its hash the edit loads as it is."""
+    ckpt = ck.save_checkpoint(tmp_path, 1, {"params": fpp.init_params(D, seed=1)}, {"params": D},
+                              metadata={"loader": {"step": 1}}, config={"learning_rate": 1e-3})
+    assert ck.load_checkpoint(ckpt, {"params": D}).metadata == {"loader": {"step": 1}}
+    index = json.loads((ckpt / "index.json").read_text())
+    edit(index)
+    (ckpt / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ck.CheckpointCorruptError, match=r"step-000001/index.json was changed after it was saved: "
+                                                        r"its 'sha256' does not match .*delete its 'sha256' field"):
+        ck.load_checkpoint(ckpt, {"params": D})
+    _edit_index(ckpt, lambda ix: None)
+    assert ck.load_checkpoint(ckpt, {"params": D}).index["step"] == index["step"]
 
 
 def test_each_rank_file_records_its_chunk_coordinates(tmp_path):

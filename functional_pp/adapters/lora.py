@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
@@ -83,8 +84,42 @@ def _matches_module(path: str, names: tuple[str, ...] | str) -> bool:
     return any(path == n or path.endswith("." + n) for n in names)
 
 
+def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save: Sequence[str] = (),
+                unfrozen_parameters: Sequence[str] = (), *, only_unfrozen: bool = False) -> None:
+    """Refuse a module name of ``target_modules`` or ``modules_to_save`` that matches no parameter
+    of ``decls`` (a misspelt one left its module unadapted or frozen, silently), naming the key,
+    the names and the model's module names. A regex of ``unfrozen_parameters`` that matches
+    nothing is warned about by name (Axolotl's examples write patterns for a model's multimodal
+    layout, ``^model.language_model.*``, or for an ``lm_head`` tied to the embedding), and refused
+    when none matches and they are all that is trained (``only_unfrozen``: no adapter)."""
+    paths = [p for p, _ in leaves_with_paths(decls)]
+    hf_names = [h for h in map(_hf_name, paths) if h is not None] if unfrozen_parameters else []
+    unmatched = {
+        "target_modules (lora_target_modules)":
+            [n for n in target_modules if not any(_matches_module(p, (n,)) for p in paths)],
+        "modules_to_save (lora_modules_to_save)":
+            [m for m in modules_to_save if not any("." + m + "." in "." + p + "." for p in paths)],
+        "unfrozen_parameters": [r for r in unfrozen_parameters if not any(re.match(r, p) for p in paths + hf_names)]}
+    modules = sorted({c for p in paths for c in p.split(".") if not c.isdigit()})
+    for key, names in unmatched.items():
+        if not names:
+            continue
+        message = (f"LoRA: {key} {names} match no parameter of the model (a misspelt name would leave it "
+                   f"frozen); the model's modules are named {modules}")
+        if key != "unfrozen_parameters":
+            raise ValueError(message)
+        message += (f" (regexes matched from the start of a path such as {paths[0]!r} or of its Hugging Face "
+                    f"name such as {hf_names[0] if hf_names else None!r})")
+        if only_unfrozen and len(names) == len(unfrozen_parameters):
+            raise ValueError(message)
+        warnings.warn(message.removeprefix("LoRA: ") + ": those patterns train nothing", stacklevel=2)
+
+
 def targets(decls: Any, cfg: LoraConfig) -> list[str]:
-    """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order."""
+    """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order; a name
+    that matches no parameter is refused (:func:`check_names`)."""
+    check_names(decls, cfg.target_modules if isinstance(cfg.target_modules, tuple) else (),
+                cfg.modules_to_save, cfg.unfrozen_parameters)
     found, candidates = [], []
     for path, d in leaves_with_paths(decls):
         bias = path.rsplit(".", 1)[-1].endswith("bias")     # (q_bias: heads head_dim, two dims, no matrix)

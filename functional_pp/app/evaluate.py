@@ -1,6 +1,7 @@
 """Held-out loss on the training mesh: the step's loss function without gradients, over every
-batch of the validation loader, weighted by each batch's number of labels (so the result is
-the mean token loss of the whole held-out set, whatever the layout). ``docs/finetune.md``."""
+batch of the validation loader, weighted by each batch's number of labels, each held-out window
+counted once (so the result is the mean token loss of the whole held-out set, whatever the
+layout and the batch size). ``docs/finetune.md``."""
 from __future__ import annotations
 
 from typing import Any
@@ -33,7 +34,7 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
         params: Any = step.named_params(state["params"])
         device = leaves[0].device if leaves else None
         for i in range(n_batches):
-            batch = loader.batch(i)
+            batch = loader.batch(i, each_window_once=True)      # (the wrapped last batch: no token twice)
             if device is not None:
                 batch = {k: v.to(device) for k, v in batch.items()}
             nb = {k: wrap(v, step.batch_dims[k]) for k, v in batch.items()}

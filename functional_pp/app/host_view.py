@@ -74,9 +74,9 @@ class StackedLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         return per_device(lambda: next(self.loaders[current_rank()]))
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """Batch ``step`` of every device, stacked."""
-        return per_device(lambda: self.loaders[current_rank()].batch(step))
+    def batch(self, step: int, **kw: Any) -> dict[str, torch.Tensor]:
+        """Batch ``step`` of every device, stacked (``kw``: :meth:`DataLoader.batch`'s)."""
+        return per_device(lambda: self.loaders[current_rank()].batch(step, **kw))
 
     def state_dict(self) -> dict[str, Any]:
         return self.loaders[0].state_dict()

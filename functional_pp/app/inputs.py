@@ -10,7 +10,7 @@ import torch
 
 from functional_pp.config import ConfigError, TrainConfig, model_config
 
-__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "check_batches", "base_params",
+__all__ = ["model_config", "load_tokenizer", "RunData", "load_data", "data_paths", "check_batches", "base_params",
            "frozen_in_compute_dtype"]
 
 
@@ -63,14 +63,15 @@ def _template_files(cfg: TrainConfig) -> dict:
     return out
 
 
-def _data_paths(cfg: TrainConfig) -> list:
-    """The files the tokenized datasets are read from: the datasets and the tokenizer's."""
+def data_paths(cfg: TrainConfig) -> list:
+    """The files the training tokens are read from: the datasets (or ``data.path``) and the
+    tokenizer's."""
     tok = cfg.tokenizer or cfg.data.tokenizer
     toks = [tok] if tok else ([Path(cfg.base_model) / n for n in ("tokenizer.json", "tokenizer_config.json",
                                                                     "special_tokens_map.json", "config.json",
                                                                     "chat_template.jinja")]
                               if cfg.base_model else [])
-    return [e.path for e in cfg.datasets] + toks
+    return [e.path for e in cfg.datasets or []] + ([cfg.data.path] if cfg.data.path and not cfg.datasets else []) + toks
 
 
 @dataclass
@@ -108,7 +109,7 @@ def load_data(cfg: TrainConfig) -> RunData:
             else:
                 from functional_pp.data.prepared import load_or_build
                 train, val, what = load_or_build(cfg.dataset_prepared_path, _data_settings(cfg),
-                                                 _data_paths(cfg), build)
+                                                 data_paths(cfg), build)
                 train.prepared = what
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
@@ -281,10 +282,9 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
                               f"/ unfrozen_parameters train it: train it through its adapter instead")
         return out[0], qdecls, out[2]
     if cfg.unfrozen_parameters:
-        mask = adapters.unfrozen(cfg.unfrozen_parameters)
-        paths = [p for p, t in leaves_with_paths(mask(decls)) if t]
-        if not paths:
-            raise ConfigError(f"unfrozen_parameters {cfg.unfrozen_parameters} match no parameter (paths such as "
-                              f"{[p for p, _ in leaves_with_paths(decls)][:3]}, or their Hugging Face names)")
-        return loss_fn, decls, mask
+        try:
+            adapters.check_names(decls, unfrozen_parameters=cfg.unfrozen_parameters, only_unfrozen=True)
+        except ValueError as exc:
+            raise ConfigError(str(exc).removeprefix("LoRA: ")) from exc
+        return loss_fn, decls, adapters.unfrozen(cfg.unfrozen_parameters)
     return loss_fn, decls, None

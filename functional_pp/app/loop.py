@@ -15,8 +15,8 @@ the mesh, the rules, the parameter count and the per-device memory, then runs on
   the communication of the first step per mesh axis in ``comm_report.txt``;
 - checkpoints (params, optimizer state, step, RNG, loader position, config) every
   ``checkpoint.save_every`` steps, at the end, and at the first step boundary after SIGTERM,
-  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the last two then end with :class:`Interrupted`,
-  exit status 130 / 129);
+  SIGINT (Ctrl-C) or SIGHUP (app/signals.py: the run then ends with :class:`Interrupted`,
+  exit status 143 / 130 / 129);
 - ``resume=True`` continues from the newest checkpoint in the output directory, with losses
   bitwise equal to an uninterrupted run on the same mesh;
 - ``loss.png`` at the end (matplotlib, Agg; skipped with a note without matplotlib).
@@ -36,6 +36,7 @@ from typing import IO, Any, Mapping
 import torch
 
 from functional_pp import checkpoint as ck
+from functional_pp.app.agreement import check_agreement, run_fingerprint
 from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from functional_pp.app.metrics import read_metrics, trim_metrics
 from functional_pp.app.optimizer import optimizer_from_config
@@ -49,6 +50,7 @@ from functional_pp.app.stopping import StoppedEarly, Watch
 from functional_pp.app.world import World, is_main_process, resolve_world
 from functional_pp.checkpoint.hf import require_weights
 from functional_pp.config import ConfigError, TrainConfig, model_family
+from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
 from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
@@ -86,8 +88,8 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
           allow_config_change: bool = False, overwrite_output: bool = False) -> TrainResult | None:
     """Train as ``cfg`` says. ``simulate``: run the mesh on that many simulated devices
     (default: the mesh's size outside torchrun). ``resume``: continue from the newest
-    checkpoint in the output directory. ``stop_after``: stop after that step as if SIGTERM had
-    arrived (checkpoint, clean exit). ``allow_config_change``: resume even though the config
+    checkpoint in the output directory. ``stop_after``: stop after that step with a checkpoint
+    (returns; a stop signal instead ends with :class:`Interrupted`). ``allow_config_change``: resume even though the config
     differs from the checkpoint's in a way that breaks exact resumption. ``overwrite_output``:
     resume from a checkpoint elsewhere (``resume_from_checkpoint``) into an output directory
     that holds another run's checkpoints or metrics. Returns the main process's
@@ -217,7 +219,10 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
               file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
-            trim_metrics(metrics_path, latest)
+            bad = trim_metrics(metrics_path, latest)
+            if bad:
+                print(f"note: {metrics_path}: dropped {len(bad)} line(s) that were not JSON (line {bad[0]}: "
+                      f"cut when the run stopped while writing it)", file=out, flush=True)
             where = manager.path(latest) if load_dir == ckpt_dir else load_dir
             print(f"resuming from {where} (step {latest})", file=out, flush=True)
         elif resume:
@@ -253,8 +258,13 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                             metadata={"loader": loader.state_dict(), **export_info},
                             config=config_dict)
 
+    agreed = None if world.simulate else run_fingerprint(cfg, corpus)     # (processes: each read its own)
+
     def device_fn() -> dict:
         lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
+        if agreed is not None:    # every rank about to train on the same config, data and code
+            ranks = tuple(range(mesh.size))
+            check_agreement(agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
         if cfg.base_model is not None and latest is None:
             params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device, decls))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
@@ -398,7 +408,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 dist.destroy_process_group()
         r = results[0] if world.simulate else results
         interrupted = None
-        if r["stopped"] and stop.signal in ("SIGINT", "SIGHUP"):
+        if r["stopped"] and stop.signal is not None:
             interrupted = Interrupted(f"received {stop.signal}: stopped at step {r['step']}/{cfg.max_steps} with "
                                       f"checkpoint {r['checkpoint'] or manager.path(r['step'])}; continue with "
                                       f"--resume", stop.signal)

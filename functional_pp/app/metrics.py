@@ -123,10 +123,23 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def trim_metrics(path: Path, last_step: int) -> None:
-    """Keep the lines of steps <= ``last_step`` (a resumed run rewrites the later ones)."""
+def trim_metrics(path: Path, last_step: int) -> list[int]:
+    """Keep the lines of steps <= ``last_step`` (a resumed run rewrites the later ones). Lines
+    that are not JSON (the partial last line of a run killed while writing it) are dropped;
+    returns their line numbers, for the run to say so."""
     if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        return []
+    keep, bad = [], []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            bad.append(n)
+        elif record.get("step", 0) <= last_step:
+            keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
+    return bad

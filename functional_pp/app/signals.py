@@ -1,7 +1,8 @@
 """Signals that stop a run without losing it (docs/bad_inputs.md §9): SIGTERM (a scheduler),
 SIGINT (Ctrl-C) and SIGHUP (a closed terminal) all ask the training loop to stop at the next
-step boundary, where every device agrees on the step, saves a checkpoint and ends: SIGTERM
-with exit status 0 (as before), SIGINT with 130 and SIGHUP with 129 (:class:`Interrupted`).
+step boundary, where every device agrees on the step, saves a checkpoint and ends with
+:class:`Interrupted`: exit status 143 after SIGTERM (it used to be 0, so a ``train && export``
+script or a scheduler took the stopped run for a finished one), 130 after SIGINT, 129 after SIGHUP.
 
 A second signal while stopping changes nothing (the checkpoint being written is finished:
 checkpoints are written to a temporary directory and renamed into place); a third SIGINT
@@ -18,16 +19,15 @@ __all__ = ["StopRequest", "Interrupted", "STOP_SIGNALS", "EXIT_STATUS"]
 
 #: the signals that stop a run at a step boundary with a checkpoint
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
-#: the command line's exit status after each (128 + the signal number, as a shell reports it;
-#: SIGTERM: 0, the run ended cleanly where asked)
-EXIT_STATUS = {"SIGTERM": 0, "SIGINT": 130, "SIGHUP": 129}
+#: the command line's exit status after each: 128 + the signal number, as a shell reports it
+EXIT_STATUS = {"SIGTERM": 143, "SIGINT": 130, "SIGHUP": 129}
 #: signals after which a third one aborts without waiting for the step boundary
 _ABORT_AFTER = 3
 
 
 class Interrupted(RuntimeError):
-    """The run was stopped by SIGINT or SIGHUP at a step boundary, its checkpoint saved;
-    ``status`` is the command line's exit status (130 / 129)."""
+    """The run was stopped by SIGTERM, SIGINT or SIGHUP at a step boundary, its checkpoint saved;
+    ``status`` is the command line's exit status (143 / 130 / 129)."""
 
     def __init__(self, message: str, signal_name: str):
         super().__init__(message)

@@ -15,6 +15,7 @@ Nothing here ever unpickles: tensors are safetensors, everything else is JSON.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import torch
 
 FORMAT = "functional_pp.checkpoint"
 VERSION = 1
+DIGEST = "sha256"       # index.json's hash of the rest of itself (step, loader position, config, ...)
 INDEX = "index.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -313,7 +315,20 @@ def read_index(ckpt_dir: Path) -> dict:
     for key in ("step", "tensors", "files", "structure"):
         if key not in index:
             raise CheckpointCorruptError(f"{path} lacks the {key!r} field")
+    if DIGEST in index and index[DIGEST] != index_digest(index):
+        raise CheckpointCorruptError(
+            f"{path} was changed after it was saved: its {DIGEST!r} does not match its contents (step "
+            f"{index['step']!r}, loader position {(index.get('metadata') or {}).get('loader')!r}); an edited "
+            f"step or data position would repeat or skip steps silently. Restore it, resume from another "
+            f"checkpoint (resume_from_checkpoint: .../step-N), or delete its {DIGEST!r} field to load it as it is")
     return index
+
+
+def index_digest(index: dict) -> str:
+    """SHA-256 of ``index`` without its own :data:`DIGEST` entry, as JSON with sorted keys (the
+    form written and read back: integer keys become strings)."""
+    body = json.loads(json.dumps({k: v for k, v in index.items() if k != DIGEST}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def remove_tree(path: Path) -> None:

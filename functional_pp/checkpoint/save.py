@@ -196,6 +196,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tree: dict[str, Any
         try:
             reports = [r[1] for r in replies]
             index = _build_index(step, entries, skeleton, reports, peers, rules, metadata, config)
+            index[fmt.DIGEST] = fmt.index_digest(index)
             fmt.write_text_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
             fmt.fsync_dir(tmp)
             _publish(root, tmp, final)

@@ -4,7 +4,8 @@ non-zero exit status; the traceback only with ``--debug``.
 Exit statuses: 0 done, 1 runtime error (checkpoint, I/O, a failed device, a hang detected),
 2 config or usage error (before any work), 3 training stopped on non-finite values,
 4 stopped by the loss watchdog or early stopping (checkpoint saved), 130 interrupted (Ctrl-C; a
-run stops at a step boundary with its checkpoint), 129 hung up (SIGHUP, as Ctrl-C)."""
+run stops at a step boundary with its checkpoint), 129 hung up (SIGHUP, as Ctrl-C), 143 stopped by
+SIGTERM (as Ctrl-C)."""
 from __future__ import annotations
 
 import sys

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_refusal, fsdp_settings
+from functional_pp.config.fsdp_keys import FSDP_KEYS, OFFLOAD_ACTIVATIONS, deepspeed_settings, fsdp_settings
 from functional_pp.config.schema import Issues
 
 __all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
@@ -83,8 +83,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                   **{k: f"optimizer {k!r} (torchao's AdamW4bit: 4-bit moments) is not supported yet: use "
                         f"adamw_8bit (8-bit moments, alias adamw_torch_8bit) or adamw"
                      for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
-    "activation_checkpointing": {k: "activation offloading is not supported: use gradient_checkpointing: "
-                                    "true (recomputes instead)" for k in ("offload", "offload_disk")},
+    "activation_checkpointing": {k: f"{k}: {OFFLOAD_ACTIVATIONS}: use gradient_checkpointing: true or selective "
+                                    f"(recomputes instead)" for k in ("offload", "offload_disk")},
     "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"
                      for k in ("polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "one_cycle",
                                "rex", "log_sweep", "warmup_stable_decay")},
@@ -93,9 +93,13 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
 _ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
             "linear modules): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
-_MOE = ("this mixture-of-experts kernel or option is not supported (experts are the (dropless, or capacity_factor) "
+_MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
+_MOE_KERNEL = ("a kernel for the experts (the same math as the dropless experts block here, "
+               "functional_pp/ops/experts.py, whose kernels are torch's)")
+_EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.md): the experts split over "
+       "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
 _REWARD = "reward-model training is not supported (causal LM fine-tuning only): remove it"
@@ -112,9 +116,7 @@ UNSUPPORTED: dict[str, str] = {
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
                            "quantize_moe_experts", "nvfp4_merge_aware")},
-    **{k: _MOE for k in ("use_scattermoe", "use_sonicmoe", "experts_implementation",
-                         "llama4_linearized_experts",
-                         "expert_parallel_num_nvl_bytes", "expert_parallel_token_capacity")},
+    **{k: _MOE for k in ("llama4_linearized_experts", "expert_parallel_token_capacity")},
     **{k: _RL for k in ("trl", "vllm", "ebft")},
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
@@ -124,8 +126,10 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
     "qat": "quantization-aware training is not supported: remove it",
-    "activation_offloading": "activation offloading is not supported: remove it (activation_checkpointing "
-                             "recomputes instead)",
+    "activation_offloading": f"{OFFLOAD_ACTIVATIONS}: remove it (activation_checkpointing: true or selective "
+                             f"recomputes instead)",
+    "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
+                               "(another loss): remove it",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
@@ -175,6 +179,10 @@ _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash
                    "kernels on a GPU; ring attention under context parallelism): the same math")
 _LIGER = ("Liger's fused kernels compute the same math; here the head and cross-entropy are "
           "already fused (chunked, the full logits never stored) and the rest are torch ops")
+_UNSLOTH = ("Unsloth's kernels compute the same math; here the head and cross-entropy are already fused "
+            "(chunked) and LoRA is computed by the named einsum")
+_HUB_KERNELS = ("Hugging Face hub kernels (the kernels package) replace modules' forward with kernels of the "
+                "same math; kernels here are torch's, and the head and cross-entropy fused (chunked)")
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
@@ -187,8 +195,13 @@ NOT_USED: dict[str, str] = {
     **{k: "LoRA is computed by the named einsum (base and adapter joined before the one TP collective): "
           "the same math" for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")},
     **{k: _LIGER for k in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
-                           "liger_fused_linear_cross_entropy", "liger_cross_entropy",
-                           "liger_rms_norm_gated", "cut_cross_entropy")},
+                           "liger_fused_linear_cross_entropy", "liger_cross_entropy", "liger_swiglu",
+                           "liger_rms_norm_gated", "cut_cross_entropy", "chunked_cross_entropy",
+                           "chunked_cross_entropy_num_chunks")},
+    **{k: _UNSLOTH for k in ("unsloth_cross_entropy_loss", "unsloth_rms_norm", "unsloth_rope", "unsloth_lora_mlp",
+                             "unsloth_lora_qkv", "unsloth_lora_o")},
+    **{k: _MOE_KERNEL for k in ("use_scattermoe", "use_sonicmoe", "experts_implementation")},
+    "expert_parallel_num_nvl_bytes": "DeepEP's NVLink buffer size: " + _EP,
     "trust_remote_code": "no remote code is run: the model is built by functional_pp's own "
                          "implementation of its family (a base_model of another architecture is "
                          "refused when its config.json is read)",
@@ -233,7 +246,9 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                     "axolotl.integrations.liger.plugin.LigerPlugin": _LIGER,
                     "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin":
                         "cut cross-entropy: the head and cross-entropy are already fused here "
-                        "(chunked, the full logits never stored)"}
+                        "(chunked, the full logits never stored)",
+                    "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
+                    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP}
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -329,7 +344,9 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 out[key] = rest
         elif key == "deepspeed":
             if not _off(value):
-                issues.add(f"'deepspeed' is not supported: {deepspeed_refusal(value)}")
+                ds, ds_notes = deepspeed_settings(value, issues)
+                aliased += [(key, k, v) for k, v in ds.items()]
+                unused += ds_notes
         elif key in FSDP_KEYS:
             continue                                 # read together below
         elif key in UNSUPPORTED:
@@ -349,9 +366,11 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             elif value != "steps":
                 issues.add(f"{key}: {value!r} is not supported (steps, epoch, no)")
         elif key == "attn_implementation":
-            if value not in ATTN_IMPLEMENTATIONS:
+            if isinstance(value, str) and value not in ATTN_IMPLEMENTATIONS and "/" in value.strip("/"):
+                unused.append(f"attn_implementation: {value} (a hub attention kernel, {_SAME_ATTENTION})")
+            elif value not in ATTN_IMPLEMENTATIONS:
                 issues.add(f"attn_implementation: {value!r} is not an attention implementation "
-                           f"(choose {', '.join(ATTN_IMPLEMENTATIONS)})")
+                           f"(choose {', '.join(ATTN_IMPLEMENTATIONS)}, or a hub kernel ORG/NAME)")
             else:
                 unused.append(f"attn_implementation: {value} ({_SAME_ATTENTION})")
         elif key == "plugins":

@@ -1,17 +1,20 @@
-"""Axolotl's / Accelerate's FSDP settings (``fsdp``, ``fsdp_config``, ``fsdp_version``) mapped
-onto this trainer's FSDP, and ``deepspeed`` refused with the sizes that do the same here.
+"""Axolotl's / Accelerate's FSDP settings (``fsdp``, ``fsdp_config``, ``fsdp_version``) and
+``deepspeed``'s ZeRO stage mapped onto this trainer's FSDP.
 
 FSDP here is ``dp_shard`` (every device when no sizes are given): each layer (``@fpp.layer``) is
 one unit whose weights are all-gathered before use and reduce-scattered after backward.
 ``reshard_after_forward: false`` (``SHARD_GRAD_OP``, ZeRO-2) keeps the gathered weights for
-backward (the step's ``keep_gathered``); offloading is refused. See docs/config.md."""
+backward (the step's ``keep_gathered``); ``deepspeed``'s ZeRO stage maps onto the same;
+offloading is refused. See docs/config.md."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from functional_pp.config.schema import Issues
 
-__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_refusal"]
+__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_settings", "OFFLOAD_PARAMS", "OFFLOAD_ACTIVATIONS"]
 
 FSDP_KEYS = ("fsdp", "fsdp_config", "fsdp_version", "fsdp_final_state_dict_type")
 
@@ -26,8 +29,13 @@ _NOTES = {"auto_wrap_policy": _UNITS, "transformer_layer_cls_to_wrap": _UNITS, "
           "limit_all_gathers": "gathers run one layer ahead", "forward_prefetch": "gathers run one layer ahead",
           "backward_prefetch": "gathers run one layer ahead", "version": "one FSDP (per-layer flat gathers)",
           "fsdp_version": "one FSDP (per-layer flat gathers)"}
-_OFFLOAD = ("offloading parameters / optimizer state to CPU is not supported: remove it (shard over more "
-            "devices with dp_shard_size, or recompute with gradient_checkpointing)")
+#: the memory levers of issue 45 that Axolotl's offload keys name, refused until they land
+OFFLOAD_PARAMS = ("CPU offload of parameters, gradients and optimizer state under FSDP (torch FSDP2's "
+                  "CPUOffloadPolicy; issue 45's memory levers) is not built yet")
+OFFLOAD_ACTIVATIONS = ("activation offloading (saved activations moved to host memory during forward; issue 45's "
+                       "memory levers) is not built yet")
+_OFFLOAD = (f"offloading: {OFFLOAD_PARAMS}: remove it (shard over more devices with dp_shard_size, or "
+            f"recompute with gradient_checkpointing)")
 _STRATEGIES = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}
 _HYBRID = ("is not supported here by that name: give the sizes, dp_replicate_size: <nodes> and "
            "dp_shard_size: <devices per node> (HSDP)")
@@ -96,13 +104,61 @@ def fsdp_settings(d: dict, issues: Issues) -> tuple[dict[str, Any], list[str]]:
     return out, notes
 
 
-def deepspeed_refusal(value: Any) -> str:
-    """Why ``deepspeed: value`` is refused, with the sizes that do the same here."""
-    name = str(value).lower()
-    if "zero1" in name or "zero2" in name or "zero_1" in name or "zero_2" in name:
-        same = ("dp_shard_size: <devices> with reshard_after_forward: false (weights kept gathered "
-                "for backward, as ZeRO-2)")
-    else:
-        same = "dp_shard_size: <devices> (ZeRO-3 is FSDP here; it is the default when no sizes are given)"
-    off = " Offloading is not supported." if "offload" in name else ""
-    return f"DeepSpeed is not used here: remove deepspeed and give {same}.{off}"
+#: Axolotl's bundled ``deepspeed_configs/*.json`` -> (ZeRO stage, offloads): read by name when the
+#: file is not there (a config copied without Axolotl's repository)
+BUNDLED_DEEPSPEED = {"zero1.json": (1, False), "zero1_torch_compile.json": (1, False), "zero2.json": (2, False),
+                     "zero3.json": (3, False), "zero3_bf16.json": (3, False),
+                     "zero3_bf16_cpuoffload_params.json": (3, True), "zero3_bf16_cpuoffload_all.json": (3, True)}
+
+
+def _zero_stage(value: Any, issues: Issues) -> tuple[int, bool] | None:
+    """``(ZeRO stage, offloads anything)`` of ``deepspeed: value`` (a JSON file, its text or a
+    mapping; a missing file by Axolotl's bundled name), or None with the problem recorded."""
+    conf = value
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        if path.is_file() or value.lstrip().startswith("{"):
+            try:
+                conf = json.loads(path.read_text() if path.is_file() else value)
+            except ValueError as exc:
+                issues.add(f"deepspeed: {value} is not valid JSON ({exc})")
+                return None
+        elif path.name in BUNDLED_DEEPSPEED:
+            return BUNDLED_DEEPSPEED[path.name]
+        else:
+            issues.add(f"'deepspeed' is not supported for {value}: the file does not exist and is not one of "
+                       f"Axolotl's deepspeed_configs ({', '.join(BUNDLED_DEEPSPEED)}): give the JSON (its "
+                       f"zero_optimization is read) or remove it and give dp_shard_size: <devices> (FSDP)")
+            return None
+    zero = conf.get("zero_optimization") if isinstance(conf, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, 1, 2, 3):
+        issues.add(f"deepspeed: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
+        return None
+    off = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
+              for k in ("offload_param", "offload_optimizer")) if isinstance(zero, dict) else False
+    return stage, off
+
+
+def deepspeed_settings(value: Any, issues: Issues) -> tuple[dict[str, Any], list[str]]:
+    """``(canonical keys -> values, start-up notes)`` of ``deepspeed: value``: its ZeRO stage
+    mapped onto FSDP over ``dp_shard`` (ZeRO-3: the default; ZeRO-1 / 2: the weights kept
+    gathered for backward, ``reshard_after_forward: false``, the same math); offloading and
+    stage 0 (plain data parallelism, sizes to give) refused by name."""
+    found = _zero_stage(value, issues)
+    if found is None:
+        return {}, []
+    stage, off = found
+    if off:
+        issues.add(f"'deepspeed' is not supported with offloading ({value}): {OFFLOAD_PARAMS}: remove the "
+                   f"offload settings (shard over more devices with dp_shard_size)")
+        return {}, []
+    if stage == 0:
+        issues.add(f"'deepspeed' ZeRO stage 0 ({value}) is plain data parallelism: remove it and give "
+                   f"dp_replicate_size: <devices>")
+        return {}, []
+    if stage == 3:
+        return {}, [f"deepspeed: {value} (ZeRO-3 = FSDP over dp_shard here, the default: the same math)"]
+    return {"reshard_after_forward": False}, [
+        f"deepspeed: {value} (ZeRO-{stage} = FSDP over dp_shard with the weights kept gathered for backward, "
+        f"reshard_after_forward: false: the same math, with parameters sharded too)"]

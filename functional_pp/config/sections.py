@@ -120,7 +120,8 @@ class DatasetConfig:
     field_rejected: str = fld("rejected", "rl (preference pairs, type omitted): the rejected completion's field")
     split: str = fld("train", "HF `datasets` on disk: the split to read")
     pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
-    dtype: str = fld("uint16", "pretokenized .bin: the token dtype (uint16 | uint32 | int32)")
+    dtype: str | None = fld(None, "pretokenized .bin: the token dtype (uint16 | uint32 | int32; default "
+                                  "uint16 when the tokenizer's ids fit in it, else uint32)")
     ds_type: str | None = fld(None, "json | parquet | text | arrow: the file format when the "
                                     "extension does not say")
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, sample_text, tokenize_chat
+from functional_pp.data.pretokenized import token_ids
 from functional_pp.data.tokenizer import CHATML
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
@@ -334,18 +335,6 @@ def _guess_type(path: Path, ds_type: str | None) -> str:
     return "completion"
 
 
-def _memmap(entry, where: str) -> np.ndarray:
-    path = Path(entry.path)
-    if path.suffix.lower() == ".npy":
-        arr = np.load(path, mmap_mode="r")
-    else:
-        arr = np.memmap(path, dtype=np.dtype(entry.dtype), mode="r")
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{where}: {path} must hold a 1-D integer array of token ids, got "
-                         f"{arr.dtype} {arr.shape}")
-    return arr
-
-
 # --------------------------------------------------------------------------- streams
 class _StreamWriter:
     """Appends examples (EOS after each; ``row``: one example per row of that many tokens,
@@ -463,7 +452,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
             raise ValueError("a pretokenized (.npy / .bin) dataset must be the only entry of "
                              "datasets (it is memory-mapped, not copied); concatenate the others "
                              "into it")
-        arr = _memmap(entries[0], "datasets[0]")
+        arr = token_ids(entries[0], vocab if tokenizer is not None else None, f"datasets[0] ({entries[0].path})")
         n_docs = _count(arr, eos)
         n_val = _split_count(val_set_size, max(n_docs, 1))
         cut = _cut_before_last_docs(arr, eos, n_val) if n_val else len(arr)

@@ -306,14 +306,23 @@ class DataLoader:
         out["positions"] = torch.arange(self.seq_len, dtype=torch.long)
         return out
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """This device's batch of ``step``; equals ``shard_batch(global_batch(step), ...)``."""
+    def batch(self, step: int, *, each_window_once: bool = False) -> dict[str, torch.Tensor]:
+        """This device's batch of ``step``; equals ``shard_batch(global_batch(step), ...)``. With
+        ``each_window_once`` the rows that repeat a window of the epoch (the last batch topped up
+        by wrapping, ``drop_last=False``) train no label: a held-out loss counts each token once."""
         starts = self.window_starts(step)
-        starts = starts[self._row_start:self._row_start + self.local_batch_size]
+        rows = slice(self._row_start, self._row_start + self.local_batch_size)
         cp = (self.cp_size, self.cp_rank, self.cp_balanced)
-        out = {k: shard_sequence(v, 1, *cp).contiguous() for k, v in self._gather(starts).items()}
+        out = {k: shard_sequence(v, 1, *cp).contiguous() for k, v in self._gather(starts[rows]).items()}
         out["positions"] = self._positions.clone()
+        if each_window_once:
+            out["labels"][torch.from_numpy(self._repeated(step)[rows])] = IGNORE_INDEX
         return out
+
+    def _repeated(self, step: int) -> np.ndarray:
+        """Which global rows of ``step`` repeat a window already in its epoch (wrapped around)."""
+        i = int(step) % self.steps_per_epoch
+        return i * self.global_batch_size + np.arange(self.global_batch_size) >= self.num_windows
 
     # -- iteration -------------------------------------------------------------
 

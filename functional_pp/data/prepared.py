@@ -50,10 +50,36 @@ def _save(d: Path, tag: str, s: TokenStream) -> dict:
 
 
 def _load(d: Path, tag: str, meta: dict) -> TokenStream:
-    tokens = np.load(d / f"{tag}_tokens.npy", mmap_mode="r")
-    trained = np.load(d / f"{tag}_trained.npy", mmap_mode="r") if meta["trained"] else None
+    tokens = _array(d / f"{tag}_tokens.npy")
+    trained = _array(d / f"{tag}_trained.npy") if meta["trained"] else None
+    if trained is not None and trained.shape != tokens.shape:
+        raise ValueError(f"{d / f'{tag}_trained.npy'} holds {trained.shape[0]} flags for {tokens.shape[0]} tokens")
     return TokenStream(tokens, trained, meta["eos_id"], meta["vocab_size"], meta["name"], meta["documents"],
                        [DatasetStats(**st) for st in meta["stats"]])
+
+
+def _array(path: Path) -> np.ndarray:
+    """A saved 1-D array, memory-mapped; a cut or damaged file raises naming it."""
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    if arr.ndim != 1:
+        raise ValueError(f"{path} holds a {arr.ndim}-D array, not the 1-D tokens it was saved with")
+    return arr
+
+
+def _reuse(d: Path) -> tuple[TokenStream, TokenStream | None]:
+    """The streams saved in entry ``d``; a damaged entry (a cut file, edited ``meta.json``) is
+    refused naming the file and the entry to delete."""
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        val = _load(d, "val", meta["val"]) if meta["val"] else None
+        return _load(d, "train", meta["train"]), val
+    except (ValueError, KeyError, TypeError) as exc:
+        where = str(exc) if str(d) in str(exc) else f"{d / 'meta.json'}: {type(exc).__name__}: {exc}"
+        raise ValueError(f"dataset_prepared_path: the tokenized datasets in {d} are damaged ({where}); "
+                         f"delete {d} to tokenize the datasets again") from exc
 
 
 def load_or_build(root: str | Path, settings: dict, paths: list[str | Path],
@@ -64,9 +90,7 @@ def load_or_build(root: str | Path, settings: dict, paths: list[str | Path],
     d = Path(root) / key
     meta_path = d / "meta.json"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        val = _load(d, "val", meta["val"]) if meta["val"] else None
-        return _load(d, "train", meta["train"]), val, f"reused the tokenized datasets in {d}"
+        return (*_reuse(d), f"reused the tokenized datasets in {d}")
     train, val = build()
     Path(root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))

@@ -72,7 +72,11 @@ class HFTokenizer:
                               "pip install 'functional_pp[hf]'") from exc
         self.file = find_tokenizer_file(path)
         self.dir = self.file.parent
-        self.tok = Tokenizer.from_file(str(self.file))
+        try:
+            self.tok = Tokenizer.from_file(str(self.file))
+        except Exception as exc:      # noqa: BLE001 - tokenizers raises a bare Exception, without the file
+            raise ValueError(f"{self.file} is not a tokenizer the 'tokenizers' package can read ({exc}): "
+                             f"the file is damaged or cut; copy it again from the model") from exc
         tcfg = _read_json(self.dir / "tokenizer_config.json")
         model_dir = Path(model_dir) if model_dir is not None else self.dir
         mcfg = {**_read_json(model_dir / "generation_config.json"), **_read_json(model_dir / "config.json")}

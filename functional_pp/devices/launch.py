@@ -149,15 +149,14 @@ def _compile_cache_limits(n_devices: int):
 def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT, local_gpu: bool = True):
     """This process as one rank of ``mesh``; ``local_gpu``: make GPU ``LOCAL_RANK`` current (torchrun;
     not the CPU gloo processes of ``launch(processes=True)``, more of them than GPUs on a machine)."""
-    import datetime
-
     import torch.distributed as dist
 
     from functional_pp.devices.dist import DistBackend
+    from functional_pp.devices.rendezvous import join_from_env
 
     gpu = use_local_gpu() if local_gpu else None    # also when the caller initialised the process group
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if gpu is not None else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        join_from_env("nccl" if gpu is not None else "gloo", timeout)     # (outside torchrun: bounded)
     mesh.validate_world_size(dist.get_world_size())
     rank = dist.get_rank()
     ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank, timeout=timeout), simulated=False)

@@ -103,3 +103,23 @@ def test_progress_line_shows_eval_lr_grad_norm_mfu_and_elapsed():
     for part in ("loss 1.8000", "eval 1.7500", "lr 1.00e-03", "gnorm 0.5", "MFU 12.3%", "elapsed"):
         assert part in line, part
     assert "190 tok/s" in line                     # smoothed: 0.9 x 200 + 0.1 x 100
+
+
+def test_resume_after_a_partial_metrics_line_drops_it_and_says_so(tmp_path):
+    """A run killed while writing a metrics line leaves it cut; resuming used to stop on it with a
+    JSON error (issue 46). The cut line is dropped and named; the resumed lines follow the saved
+    steps and equal an uninterrupted run's."""
+    def run(out, **kw):
+        cfg = TrainConfig.from_dict({**RUN, "max_steps": 3, "val_set_size": 0,
+                                     "logging": {"output_dir": str(out), "log_every": 1, "plot": False}})
+        text = io.StringIO()
+        train(cfg, stream=text, **kw)
+        return text.getvalue(), [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _, whole = run(tmp_path / "whole")
+    run(tmp_path / "cut", stop_after=2)                        # stopped with a checkpoint at step 2
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"loss": 3.1, "grad_no')                     # then killed while writing step 3's line
+    said, lines = run(tmp_path / "cut", resume=True)
+    assert "dropped 1 line(s) that were not JSON (line 3: cut when the run stopped" in said
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["loss"] for m in lines] == [m["loss"] for m in whole]

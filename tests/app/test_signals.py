@@ -1,7 +1,7 @@
 """Ctrl-C does not lose the run (issue 46): a real ``functional-pp train`` process receives
 SIGINT, two SIGINTs or SIGHUP once it has logged steps; it stops at a step boundary, saves a
 checkpoint holding the last logged step, says so and exits 130 (SIGHUP: 129), where it used to
-abort (exit -6) with no checkpoint. Bounded: every wait has a timeout, the process is killed
+abort (exit -6) with no checkpoint; SIGTERM the same with 143 (it exited 0, as if finished). Bounded: every wait has a timeout, the process is killed
 if it outlives it."""
 import json
 import os
@@ -59,7 +59,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str
     ((signal.SIGINT,), 130),
     ((signal.SIGINT, signal.SIGINT), 130),
     ((signal.SIGHUP,), 129),
-], ids=["SIGINT", "two SIGINTs", "SIGHUP"])
+    ((signal.SIGTERM,), 143),
+], ids=["SIGINT", "two SIGINTs", "SIGHUP", "SIGTERM"])
 def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, signals, status):
     proc, out = _start(tmp_path)
     _wait_for_steps(proc, out / "metrics.jsonl", 2)

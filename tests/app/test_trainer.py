@@ -99,7 +99,10 @@ def test_cli_max_steps_then_resume_extends_training(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out and len(losses(split)) == 6
 
 
-def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_at_the_next_step_boundary_and_ends_interrupted(tmp_path):
+    """SIGTERM stops at a step boundary with a checkpoint and ends with Interrupted, exit status
+    143 (it was 0: a ``train && export`` script took the stopped run for a finished one)."""
+    from functional_pp.app.signals import Interrupted
     out = tmp_path / "run"
     cfg = config(out, max_steps=10_000, lr_scheduler="constant", warmup_steps=0)
     metrics = out / "metrics.jsonl"
@@ -119,20 +122,24 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path):
     try:
         threading.Thread(target=send_sigterm_after_two_steps, daemon=True).start()
         buf = io.StringIO()
-        r = train(cfg, stream=buf, stop_after=500)              # stop_after: a safety net only
+        with pytest.raises(Interrupted, match=r"received SIGTERM: stopped at step \d+/10000 with checkpoint "
+                                              r".*continue with --resume") as info:
+            train(cfg, stream=buf, stop_after=500)              # stop_after: a safety net only
         assert signal.getsignal(signal.SIGTERM) is fallback      # handler restored
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert r.stopped and 2 <= r.final_step < 100
+    assert info.value.status == 143
+    final_step = ck.CheckpointManager(out / "checkpoints").latest()
+    assert 2 <= final_step < 100 and f"stopped at step {final_step}/" in str(info.value)
     assert "received SIGTERM" in buf.getvalue()
-    assert len(losses(out)) == r.final_step
+    assert len(losses(out)) == final_step
     restored = ck.load_checkpoint(out / "checkpoints", keys=["step"])
-    assert restored.step == r.final_step and int(restored.tree["step"]) == r.final_step
-    assert restored.metadata["loader"]["step"] == r.final_step
+    assert restored.step == final_step and int(restored.tree["step"]) == final_step
+    assert restored.metadata["loader"]["step"] == final_step
     assert restored.config["max_steps"] == 10_000
-    again = train(config(out, max_steps=r.final_step + 1, lr_scheduler="constant", warmup_steps=0),
+    again = train(config(out, max_steps=final_step + 1, lr_scheduler="constant", warmup_steps=0),
                   resume=True, stream=io.StringIO())
-    assert again.start_step == r.final_step and again.final_step == r.final_step + 1
+    assert again.start_step == final_step and again.final_step == final_step + 1
 
 
 def test_devices_agree_on_the_step_to_stop_at(tmp_path, monkeypatch):

@@ -62,3 +62,34 @@ def test_unfrozen_parameters_without_an_adapter():
 def test_bad_adapter_settings_are_refused_by_name(d, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("d, key, typo", [
+    ({"lora_target_linear": True, "lora_modules_to_save": ["lm_head", "embed_tokns"]}, "modules_to_save", "embed_tokns"),
+    ({"lora_target_modules": ["q_proj", "v_prj"]}, "target_modules", "v_prj"),
+])
+def test_a_misspelt_module_name_is_refused_not_left_frozen(d, key, typo):
+    """One misspelt module name beside correct ones used to train nothing under it, silently
+    (issue 46): refused naming the key, the name and the model's module names."""
+    cfg = TrainConfig.from_dict({"adapter": "lora", **d})
+    with pytest.raises(ConfigError, match=f"{key} .*{typo}.* match no parameter .*'embed_tokens'"):
+        frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(llama.loss, cfg=CFG), llama.init(CFG))
+
+
+@pytest.mark.parametrize("adapter", [{}, {"adapter": "lora", "lora_target_linear": True}])
+def test_an_unfrozen_pattern_that_matches_nothing_is_named(adapter):
+    """A regex of unfrozen_parameters that matches nothing is warned about by name (Axolotl's
+    examples carry patterns for another layout of the model); none matching is refused when they
+    are all that would train (no adapter), warned about beside an adapter."""
+    cfg = TrainConfig.from_dict({**adapter, "unfrozen_parameters": [r"^lm_head\.weight$", "^nothing"]})
+    with pytest.warns(UserWarning, match=r"unfrozen_parameters \['\^nothing'\] match no parameter .*'model\.embed"):
+        _, decls, mask = frozen_and_adapters(cfg, cfg.lora_config(), llama.loss, llama.init(CFG))
+    assert "lm_head" in [p for p, t in leaves_with_paths(mask(decls)) if t]
+    none = TrainConfig.from_dict({**adapter, "unfrozen_parameters": ["^nothing", "^nor_this"]})
+    if adapter:
+        with pytest.warns(UserWarning, match=r"\['\^nothing', '\^nor_this'\] match no parameter"):
+            _, decls, mask = frozen_and_adapters(none, none.lora_config(), llama.loss, llama.init(CFG))
+        assert all(".lora." in "." + p for p, t in leaves_with_paths(mask(decls)) if t)
+    else:
+        with pytest.raises(ConfigError, match=r"\['\^nothing', '\^nor_this'\] match no parameter"):
+            frozen_and_adapters(none, none.lora_config(), llama.loss, llama.init(CFG))

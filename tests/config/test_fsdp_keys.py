@@ -40,10 +40,29 @@ def test_fsdp_offload_hybrid_and_deepspeed_are_refused_with_what_to_do():
     assert any(m.startswith("'fsdp_config.fsdp_offload_params' is not supported: offloading") for m in p)
     assert any("HYBRID_SHARD" in m and "dp_replicate_size: <nodes>" in m for m in p)
     assert any(m.startswith("unknown key 'fsdp_config.wrap_everything'") for m in p)
-    (zero3,) = problems({"deepspeed": "deepspeed_configs/zero3_bf16.json"})
-    assert zero3.startswith("'deepspeed' is not supported") and "dp_shard_size: <devices> (ZeRO-3" in zero3
-    (zero2,) = problems({"deepspeed": "deepspeed_configs/zero2.json"})
-    assert "reshard_after_forward: false" in zero2
+    (unknown,) = problems({"deepspeed": "my_ds.json"})
+    assert unknown.startswith("'deepspeed' is not supported for my_ds.json: the file does not exist and is not "
+                              "one of Axolotl's deepspeed_configs")
+    (offload,) = problems({"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_all.json"})
+    assert "with offloading" in offload and "CPU offload of parameters" in offload
+
+
+@pytest.mark.parametrize("stage, keep_gathered", [(1, True), (2, True), (3, False)])
+def test_deepspeed_zero_stages_map_onto_fsdp(tmp_path, stage, keep_gathered):
+    """A DeepSpeed JSON's ZeRO stage becomes FSDP over dp_shard (ZeRO-1 / 2: weights kept gathered for
+    backward), said in the start-up notes; Axolotl's bundled names are read without the file."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": stage, "overlap_comm": True},
+                              "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}))
+    for value in (str(ds), f"deepspeed_configs/zero{stage}.json"):
+        cfg = TrainConfig.from_dict({"deepspeed": value})
+        assert cfg.reshard_after_forward is (not keep_gathered), value
+        assert any(n.startswith(f"deepspeed: {value} (ZeRO-{stage} = FSDP over dp_shard") for n in cfg.notes)
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    (p,) = problems({"deepspeed": str(ds)})
+    assert p.startswith(f"'deepspeed' is not supported with offloading ({ds}): CPU offload")
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    assert "plain data parallelism: remove it and give dp_replicate_size" in problems({"deepspeed": str(ds)})[0]
 
 
 def _train(tmp_path, name, **keys):

@@ -53,3 +53,21 @@ def test_an_empty_set_value_is_refused(tmp_path, capsys):
     assert "the value of learning_rate is empty" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert TrainConfig.from_yaml(tmp_path / "c.yaml", ["learning_rate=null"]).learning_rate != 0.5
+
+
+def test_a_named_pipe_as_a_dataset_is_refused_not_waited_on(tmp_path):
+    """A named pipe as ``datasets[].path`` blocked forever waiting for a writer (issue 46); it is
+    refused before any work naming the key, the path and what it is (a subprocess: a hang fails
+    the test at its timeout instead of holding the suite)."""
+    import subprocess
+    import sys
+    os.mkfifo(tmp_path / "rows.jsonl")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model": "tiny", "micro_batch_size": 2, "sequence_len": 32, "max_steps": 1, "output_dir": str(tmp_path / "o"),
+        "datasets": [{"path": str(tmp_path / "rows.jsonl"), "type": "completion"}]}))
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-m", "functional_pp", "validate", str(tmp_path / "c.yaml")],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert res.returncode == 2, res.stderr
+    assert f"datasets[0].path '{tmp_path / 'rows.jsonl'}' is a named pipe (FIFO), not a file or directory" in res.stderr
+    assert "write the data to a file first" in res.stderr and not (tmp_path / "o").exists()

@@ -1,0 +1,45 @@
+"""Axolotl's plugin, kernel and offload names (issue 47): what only picks a kernel is accepted
+and named in the start-up summary (we pick our own kernels, the same math); what changes the
+math, or names a memory lever not built yet (issue 45's offloading), is refused naming it."""
+import pytest
+
+from functional_pp.config import ConfigError, TrainConfig
+
+KERNEL_CHOICES = {
+    "plugins": ["axolotl.integrations.kernels.KernelsPlugin", "axolotl.integrations.expert_parallel.ExpertParallelPlugin"],
+    "attn_implementation": "kernels-community/vllm-flash-attn3", "use_kernels": True, "use_scattermoe": True,
+    "use_sonicmoe": True, "experts_implementation": "grouped_mm", "expert_parallel_num_nvl_bytes": 1 << 30,
+    "liger_swiglu": True, "chunked_cross_entropy": True, "unsloth_lora_mlp": True, "unsloth_rope": True,
+}
+
+
+def test_kernel_choices_are_accepted_and_named_in_the_summary():
+    cfg = TrainConfig.from_dict(KERNEL_CHOICES)
+    notes = " | ".join(cfg.notes)
+    for name in ("KernelsPlugin (Hugging Face hub kernels", "ExpertParallelPlugin (expert parallelism is ep_size",
+                 "attn_implementation: kernels-community/vllm-flash-attn3 (a hub attention kernel",
+                 "use_scattermoe (a kernel for the experts", "experts_implementation (a kernel for the experts",
+                 "expert_parallel_num_nvl_bytes (DeepEP's", "liger_swiglu (Liger's", "chunked_cross_entropy",
+                 "unsloth_lora_mlp (Unsloth's", "unsloth_rope"):
+        assert name in notes, name
+    assert TrainConfig.from_dict({"expert_parallel_size": 2, "plugins": KERNEL_CHOICES["plugins"][1:]}).ep_size == 2
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"activation_offloading": True}, r"'activation_offloading' is not supported: activation offloading \(saved "
+                                      r"activations moved to host memory during forward; issue 45's memory levers\) "
+                                      r"is not built yet"),
+    ({"activation_offloading": "legacy"}, "issue 45's memory levers"),
+    ({"gradient_checkpointing": "offload"}, "activation_checkpointing: offload: activation offloading"),
+    ({"fsdp_config": {"offload_params": True}}, "'fsdp_config.offload_params' is not supported: offloading: CPU "
+                                                "offload of parameters, gradients and optimizer state under FSDP"),
+    ({"fsdp_config": {"fsdp_offload_params": True}}, r"torch FSDP2's CPUOffloadPolicy; issue 45"),
+    ({"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_params.json"},
+     r"'deepspeed' is not supported with offloading \(.*\): CPU offload of parameters, gradients and optimizer state"),
+    ({"liger_use_token_scaling": True}, "'liger_use_token_scaling' is not supported: .*another loss"),
+    ({"expert_parallel_token_capacity": 1000}, "'expert_parallel_token_capacity' is not supported"),
+    ({"attn_implementation": "flash_attn"}, "not an attention implementation .*or a hub kernel ORG/NAME"),
+])
+def test_what_changes_the_math_or_is_not_built_is_refused_by_name(d, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(d)

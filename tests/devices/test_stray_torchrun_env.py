@@ -1,0 +1,69 @@
+"""torchrun's variables left in the shell (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) made a plain ``functional-pp train`` wait up to the collective timeout (600 s)
+in silence for ranks that never come (issue 46). Outside torchrun (no ``TORCHELASTIC_RUN_ID``)
+the rendezvous is bounded (devices/rendezvous.py): the run fails naming the variables and how to
+train alone, as rank 0 (nobody joins) and as rank 1 (no master answers)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from functional_pp.devices import rendezvous
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank, says", [(0, "the other 1 rank(s) did not join at port"),
+                                        (1, "rank 0's store at 127.0.0.1:{port} did not answer")])
+def test_stray_torchrun_variables_fail_in_seconds_naming_them(tmp_path, rank, says):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model": "tiny", "micro_batch_size": 2, "sequence_len": 32, "max_steps": 1, "dp_shard_size": 2,
+        "data": {"max_bytes": 20_000}, "output_dir": str(tmp_path / "o"),
+        "collective_timeout": 5}))          # (the rendezvous waits min(this, UNMANAGED_WAIT))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "functional_pp", "train", str(tmp_path / "c.yaml")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert (f"RANK={rank}, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT={port} are set in the environment "
+            f"(not by torchrun") in res.stderr, res.stderr[-3000:]
+    assert says.format(port=port) in res.stderr and "within 5 s" in res.stderr
+    assert "unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT" in res.stderr
+
+
+
+@pytest.mark.multiprocess
+def test_ranks_started_without_torchrun_that_meet_train(tmp_path):
+    """The same variables set on purpose (a launcher without torchrun's agent, e.g. srun): two
+    processes that meet within the bound train together, as under torchrun."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model": "tiny", "micro_batch_size": 2, "sequence_len": 32, "max_steps": 2, "dp_shard_size": 2,
+        "data": {"max_bytes": 20_000}, "output_dir": str(tmp_path / "o"), "logging": {"plot": False}}))
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    procs = [subprocess.Popen([sys.executable, "-m", "functional_pp", "train", str(tmp_path / "c.yaml")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
