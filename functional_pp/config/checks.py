@@ -70,7 +70,7 @@ def check_preference(cfg: Any, add) -> None:
         return
     rl = str(cfg.rl).lower()
     if rl in RL_NOT_BUILT:
-        add(f"rl: {cfg.rl} is not supported yet: {RL_NOT_BUILT[rl]}. Built: rl: {' | '.join(RL_METHODS)}")
+        add(f"'rl: {cfg.rl}' is not supported yet: {RL_NOT_BUILT[rl]}. Built: rl: {' | '.join(RL_METHODS)}")
         return
     if rl not in RL_METHODS:
         add(f"rl: {cfg.rl!r} is not a preference method here; choose one of {', '.join(RL_METHODS)}")

@@ -131,7 +131,7 @@ def test_other_methods_train(base, pairs, tmp_path, method, over):
                                      ("ebft", "generation is not built yet")])
 def test_unsupported_methods_are_refused_by_name_before_any_work(base, pairs, tmp_path, rl, why):
     out = tmp_path / "run"
-    with pytest.raises(ConfigError, match=f"rl: {rl} is not supported yet: .*{why}"):
+    with pytest.raises(ConfigError, match=f"'rl: {rl}' is not supported yet: .*{why}"):
         train(config(base, pairs, out, rl=rl), simulate=1, stream=io.StringIO())
     assert not out.exists()
 
