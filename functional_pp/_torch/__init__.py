@@ -303,3 +303,37 @@ start_autograd_on_the_devices_present()    # at import: before any FakeTensorMod
 from functional_pp._torch.cuda_guard import pin_fake_cuda_guard  # noqa: E402
 
 pin_fake_cuda_guard()    # then the fake CUDA guard, owned by a thread no simulated device outlives (cuda_guard.py)
+
+
+def opaque_to_dynamo(fn):
+    """``fn`` as one opaque call in dynamo's graph: dynamo does not interpret its bytecode;
+    AOT autograd traces it by running it natively on fake tensors (``nonstrict_trace``). Its
+    inputs and outputs must be tensors, Python primitives, containers of them, or classes
+    registered with :func:`register_pytree_constant`."""
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def register_pytree_constant(cls: type) -> type:
+    """Let instances of ``cls`` (hashable, compared with ``==``; built outside the compiled
+    region) be passed to an :func:`opaque_to_dynamo` function as constants."""
+    import torch.utils._pytree as pytree
+    pytree.register_constant(cls)
+    return cls
+
+
+@contextlib.contextmanager
+def counting_interpreted_instructions():
+    """Count (in the list's one entry) the bytecode instructions dynamo interprets inside the
+    block, on every thread: the measure of its tracing work (docs/compile.md, "Tracing time")."""
+    from torch._dynamo import symbolic_convert
+    cls = symbolic_convert.InstructionTranslatorBase
+    original, counts = cls.step, [0]
+
+    def step(self):
+        counts[0] += 1
+        return original(self)
+    cls.step = step
+    try:
+        yield counts
+    finally:
+        cls.step = original
