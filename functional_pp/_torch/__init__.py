@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 
 import torch
 
@@ -27,8 +28,24 @@ def is_tracing() -> bool:
     lock, so the flag counts for the thread that holds that lock; inside dynamo's trace both
     calls below fold to True."""
     if not torch.compiler.is_compiling():
-        return False
+        return getattr(_native, "tracing", False)
     return torch.compiler.is_dynamo_compiling() or _compile_lock_owned()
+
+
+_native = threading.local()
+
+
+@contextlib.contextmanager
+def traced_natively():
+    """Inside the block this thread's code is traced (:func:`is_tracing`): a step that AOT
+    autograd traces by running it (compile/native_trace.py), where torch 2.11 does not hold
+    ``torch.compiler.is_compiling()``."""
+    previous = getattr(_native, "tracing", False)
+    _native.tracing = True
+    try:
+        yield
+    finally:
+        _native.tracing = previous
 
 
 def _compile_lock_owned() -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-from functional_pp._torch import opaque_to_dynamo, register_pytree_constant
+from functional_pp._torch import opaque_to_dynamo, register_pytree_constant, traced_natively
 from functional_pp.compile.recompute import reset_region_ids
 from functional_pp.core.runtime import counting_rank_reads, current_context
 from functional_pp.ops.token_ids import defer_collected, deferred_checks
@@ -91,7 +91,7 @@ def _traced(step: NativeStep, *tensors: torch.Tensor) -> list[torch.Tensor]:
     it = iter(tensors)
     args = optree.tree_unflatten(step.in_spec, [next(it) if x is _SLOT else x for x in step.in_statics])
     reset_region_ids()               # every trace of the step numbers its regions alike
-    with deferred_checks() as checks, counting_rank_reads() as reads:
+    with traced_natively(), deferred_checks() as checks, counting_rank_reads() as reads:
         out = step.fn(*args)
     if reads[0]:                     # the graph is this device's: others need their own
         step.read_rank = current_context().rank
