@@ -1,10 +1,12 @@
-"""Compile time against depth: the whole step compiled (``compile=True``) versus one
-compilation of the layer reused by every layer (``compile="per_layer"``,
+"""Compile time against depth: the whole step compiled (``compile=True``), traced natively
+(the default) or interpreted by dynamo (``FPP_STEP_TRACE=dynamo``; compile/native_trace.py),
+versus one compilation of the layer reused by every layer (``compile="per_layer"``,
 functional_pp/compile/layer_compile.py). The first step's wall time (compilation included) minus the
 second's, for a shallow and a deep Llama, each in a fresh process (no shared caches).
 
     python benchmarks/compile_depth.py                       # 2 vs 16 layers, inductor
     python benchmarks/compile_depth.py --backend aot_eager --layers 2 8
+    python benchmarks/compile_depth.py --trace native      # skip the slow dynamo trace
 
 Prints one JSON line per (mode, depth), then the deep/shallow ratio per mode; the target is
 per_layer's ratio <= 1.5 (issue 10 item 4).
@@ -53,6 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs=2, default=[2, 16], metavar=("SHALLOW", "DEEP"))
     ap.add_argument("--backend", default="inductor", help="inductor or aot_eager")
+    ap.add_argument("--trace", default="all", choices=["all", "native", "dynamo"],
+                    help="which whole-step trace to time beside per-layer compilation")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "LAYERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -61,17 +65,23 @@ def main() -> None:
         return
     whole = True if args.backend == "inductor" else args.backend
     per_layer = "per_layer" if args.backend == "inductor" else f"per_layer:{args.backend}"
+    # (label, compile mode, FPP_STEP_TRACE): the whole step traced natively (the default) or
+    # interpreted by dynamo (compile/native_trace.py), and per-layer compilation
+    modes = [("per_layer", per_layer, ""), ("whole_native", whole, ""), ("whole_dynamo", whole, "dynamo")]
+    if args.trace != "all":
+        modes = [m for m in modes if m[0] == "per_layer" or m[0].endswith(args.trace)]
     results = {}
-    for mode in (per_layer, whole):
+    for label, mode, trace in modes:
         for layers in args.layers:
+            env = {**os.environ, "FPP_STEP_TRACE": trace}
             out = subprocess.run([sys.executable, __file__, "--one", str(mode), str(layers)],
-                                 capture_output=True, text=True, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            results[(str(mode), layers)] = r
+                                 capture_output=True, text=True, check=True, env=env)
+            r = {"trace": label, **json.loads(out.stdout.strip().splitlines()[-1])}
+            results[(label, layers)] = r
             print(json.dumps(r), flush=True)
-    for mode in (per_layer, whole):
-        lo, hi = (results[(str(mode), n)]["compile_s"] for n in args.layers)
-        print(json.dumps({"mode": str(mode), "deep_over_shallow": round(hi / lo, 2)}))
+    for label, _, _ in modes:
+        lo, hi = (results[(label, n)]["compile_s"] for n in args.layers)
+        print(json.dumps({"trace": label, "deep_over_shallow": round(hi / lo, 2)}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 
 import torch
 
@@ -27,8 +28,24 @@ def is_tracing() -> bool:
     lock, so the flag counts for the thread that holds that lock; inside dynamo's trace both
     calls below fold to True."""
     if not torch.compiler.is_compiling():
-        return False
+        return getattr(_native, "tracing", False)
     return torch.compiler.is_dynamo_compiling() or _compile_lock_owned()
+
+
+_native = threading.local()
+
+
+@contextlib.contextmanager
+def traced_natively():
+    """Inside the block this thread's code is traced (:func:`is_tracing`): a step that AOT
+    autograd traces by running it (compile/native_trace.py), where torch 2.11 does not hold
+    ``torch.compiler.is_compiling()``."""
+    previous = getattr(_native, "tracing", False)
+    _native.tracing = True
+    try:
+        yield
+    finally:
+        _native.tracing = previous
 
 
 def _compile_lock_owned() -> bool:
@@ -303,3 +320,37 @@ start_autograd_on_the_devices_present()    # at import: before any FakeTensorMod
 from functional_pp._torch.cuda_guard import pin_fake_cuda_guard  # noqa: E402
 
 pin_fake_cuda_guard()    # then the fake CUDA guard, owned by a thread no simulated device outlives (cuda_guard.py)
+
+
+def opaque_to_dynamo(fn):
+    """``fn`` as one opaque call in dynamo's graph: dynamo does not interpret its bytecode;
+    AOT autograd traces it by running it natively on fake tensors (``nonstrict_trace``). Its
+    inputs and outputs must be tensors, Python primitives, containers of them, or classes
+    registered with :func:`register_pytree_constant`."""
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def register_pytree_constant(cls: type) -> type:
+    """Let instances of ``cls`` (hashable, compared with ``==``; built outside the compiled
+    region) be passed to an :func:`opaque_to_dynamo` function as constants."""
+    import torch.utils._pytree as pytree
+    pytree.register_constant(cls)
+    return cls
+
+
+@contextlib.contextmanager
+def counting_interpreted_instructions():
+    """Count (in the list's one entry) the bytecode instructions dynamo interprets inside the
+    block, on every thread: the measure of its tracing work (docs/compile.md, "Tracing time")."""
+    from torch._dynamo import symbolic_convert
+    cls = symbolic_convert.InstructionTranslatorBase
+    original, counts = cls.step, [0]
+
+    def step(self):
+        counts[0] += 1
+        return original(self)
+    cls.step = step
+    try:
+        yield counts
+    finally:
+        cls.step = original

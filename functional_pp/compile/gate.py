@@ -17,10 +17,12 @@ class CompileGate:
     """Wraps a compiled function ``fn`` (traced from ``code``): in each launch of simulated
     devices, the first caller runs it at once; other callers wait until its graph is in
     dynamo's cache (its compilation is over, it now runs, and may wait for them in a
-    collective) or its call has ended."""
+    collective) or its call has ended. ``call(fn, *args)``, if given, calls ``fn`` (once the
+    caller may: after any wait)."""
 
-    def __init__(self, fn: Callable[..., Any], code) -> None:
+    def __init__(self, fn: Callable[..., Any], code, call: Callable[..., Any] | None = None) -> None:
         self._fn, self._code = fn, code
+        self._call = call or (lambda fn, *args: fn(*args))
         self._lock = threading.Lock()
         self._launch: Any = None           # the simulated world the gate was last opened for
         self._leader: int | None = None
@@ -41,15 +43,15 @@ class CompileGate:
             else:
                 leader = self._leader == me
         if done.is_set():
-            return self._fn(*args)
+            return self._call(self._fn, *args)
         if not leader:
             with _turn_given_up(launch):      # the leader compiles meanwhile
                 while not done.wait(0.05):
                     if cached_graph_count(self._code) > self._cached_before:
                         break
-            return self._fn(*args)
+            return self._call(self._fn, *args)
         try:
-            return self._fn(*args)
+            return self._call(self._fn, *args)
         finally:
             done.set()
 

@@ -108,9 +108,10 @@ def probe_backward_marks() -> None:
 
 
 def is_backward(node: torch.fx.Node) -> bool:
-    """Whether a node of a traced step belongs to its backward: marked so by dynamo, or, where
-    dynamo does not mark them (torch 2.11), tagged by :func:`backward_region`."""
-    return is_backward_node(node) or (not dynamo_marks_backward_nodes() and in_backward_region(node))
+    """Whether a node of a traced step belongs to its backward: tagged by
+    :func:`backward_region` (a natively traced step, compile/native_trace.py, or torch 2.11's
+    dynamo), or marked so by dynamo (torch 2.12 on, ``FPP_STEP_TRACE=dynamo``)."""
+    return in_backward_region(node) or (dynamo_marks_backward_nodes() and is_backward_node(node))
 
 
 def _region(node: torch.fx.Node):

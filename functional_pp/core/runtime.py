@@ -65,6 +65,35 @@ def per_thread_stores() -> dict[str, threading.local]:
 
 _local = per_thread("core.runtime.device")
 _process_context: DeviceContext | None = None
+_rank_reads = per_thread("core.runtime.rank_reads")
+
+
+def _read_rank(self: DeviceContext) -> int:
+    counts = getattr(_rank_reads, "counts", None)
+    if counts is not None:
+        counts[0] += 1
+    return self._rank
+
+
+def _set_rank(self: DeviceContext, rank: int) -> None:
+    self._rank = rank
+
+
+# ``rank`` is a property, so that a trace that does not interpret the code (a natively traced
+# step, compile/native_trace.py) can tell whether what it traced depends on the device
+DeviceContext.rank = property(_read_rank, _set_rank, doc="this device's index in the mesh")
+
+
+@contextmanager
+def counting_rank_reads() -> Iterator[list[int]]:
+    """Count (in the list's one entry) the reads of a device context's ``rank`` on this thread
+    inside the block."""
+    previous = getattr(_rank_reads, "counts", None)
+    _rank_reads.counts = counts = [0]
+    try:
+        yield counts
+    finally:
+        _rank_reads.counts = previous
 
 
 def current_context(required: bool = True) -> DeviceContext | None:

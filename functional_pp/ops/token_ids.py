@@ -39,6 +39,14 @@ def deferred_checks() -> Iterator[list]:
         _state.pending = prev
 
 
+def defer_collected(checks: list) -> None:
+    """Add checks collected by another :func:`deferred_checks` block (a natively traced
+    step's, compile/native_trace.py) to this thread's active list, if any."""
+    pending = getattr(_state, "pending", None)
+    if pending is not None:
+        pending.extend(checks)
+
+
 @contextmanager
 def checks_apart() -> Iterator[None]:
     """Collect the checks run inside in a list of their own, added to the enclosing

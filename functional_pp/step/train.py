@@ -23,6 +23,7 @@ from functional_pp.compile.backend import step_backend
 from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
+from functional_pp.compile.native_trace import NativeStep, call_natively, dynamo_traces_step, native_step, run_compiled
 from functional_pp.compile.recompute import backward_region, recomputed_leaf, reset_region_ids
 from functional_pp.core import step_values
 from functional_pp.core.backward_thread import carry_to_backward
@@ -200,6 +201,7 @@ class TrainStep:
         self.spec: ParamSpec | None = None
         self._compiled = None
         self._compiled_new_buffers = None       # a held compiled donated step's redo (_redo_without_donation)
+        self._natives: dict = {}                # natively traced step functions by settings (_native_step)
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
         self._no_layers = False                 # a forward called no fpp.layer: no root kept (_root_had_no_layers)
@@ -272,10 +274,7 @@ class TrainStep:
         if step_compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
-                    self._compiled = CompileGate(   # simulated devices: one compiles, all reuse it
-                        torch.compile(self._device_step, backend=step_backend(step_compile, self.policy.bucket_mb),
-                                      fullgraph=True, dynamic=False),   # static shapes
-                        type(self)._device_step.__code__)
+                    self._compiled = self._compile(self._device_step)
             fn = self._compiled
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
@@ -364,6 +363,31 @@ class TrainStep:
         window = getattr(self._unread, "steps", None)
         return window.read() if window is not None else []
 
+    def _compile(self, fn: Callable[..., Any]) -> CompileGate:
+        """``fn`` (a device step) compiled, called with ``fn``'s arguments: simulated devices
+        share one compilation (compile/gate.py); dynamo sees one opaque call traced natively
+        (compile/native_trace.py) unless ``FPP_STEP_TRACE=dynamo``; static shapes."""
+        backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb)
+        if dynamo_traces_step():
+            return CompileGate(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), fn.__code__)
+        return CompileGate(torch.compile(call_natively, backend=backend, fullgraph=True, dynamic=False),
+                           call_natively.__code__,
+                           call=lambda compiled, *args: run_compiled(compiled, self._native_step(fn, args), args))
+
+    def _native_step(self, fn: Callable[..., Any], args: tuple) -> NativeStep:
+        """``fn`` with the structure of ``args`` and what its native trace reads beyond them:
+        the mesh, the kind of device, the policy in force, and the device's rank where the
+        trace read it (compile/native_trace.py)."""
+        ctx = current_context(required=False)
+        settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self.resolved_policy())
+        step = native_step(fn, settings, args)
+        with self._compile_lock:
+            step = self._natives.setdefault(step.key, step)
+            if step.read_rank is not None and step.read_rank != ctx.rank:    # a graph per device
+                step = native_step(fn, (*settings, ctx.rank), args)
+                step = self._natives.setdefault(step.key, step)
+        return step
+
     @contextmanager
     def _settings(self, step_compile: Any, layer_compile: Any) -> Iterator[None]:
         """The step's thread-local settings, set outside the compiled region."""
@@ -403,10 +427,7 @@ class TrainStep:
         step_compile, layer_compile = split_mode(self.compile)
         with self._compile_lock:
             if self._compiled_new_buffers is None:
-                backend = step_backend(step_compile, self.policy.bucket_mb)
-                self._compiled_new_buffers = CompileGate(
-                    torch.compile(self._device_step_new_buffers, backend=backend, fullgraph=True, dynamic=False),
-                    type(self)._device_step_new_buffers.__code__)
+                self._compiled_new_buffers = self._compile(self._device_step_new_buffers)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
             params, opt_state, _, _, m, _ = self._compiled_new_buffers(
