@@ -1,5 +1,5 @@
 """Compile time against depth: the whole step compiled (``compile=True``), traced natively
-(the default) or interpreted by dynamo (``FPP_STEP_TRACE=dynamo``; compile/native_trace.py),
+(the default) or interpreted by dynamo (``FPP_STEP_TRACE=dynamo``; step/native_trace.py),
 versus one compilation of the layer reused by every layer (``compile="per_layer"``,
 functional_pp/compile/layer_compile.py). The first step's wall time (compilation included) minus the
 second's, for a shallow and a deep Llama, each in a fresh process (no shared caches).
@@ -66,7 +66,7 @@ def main() -> None:
     whole = True if args.backend == "inductor" else args.backend
     per_layer = "per_layer" if args.backend == "inductor" else f"per_layer:{args.backend}"
     # (label, compile mode, FPP_STEP_TRACE): the whole step traced natively (the default) or
-    # interpreted by dynamo (compile/native_trace.py), and per-layer compilation
+    # interpreted by dynamo (step/native_trace.py), and per-layer compilation
     modes = [("per_layer", per_layer, ""), ("whole_native", whole, ""), ("whole_dynamo", whole, "dynamo")]
     if args.trace != "all":
         modes = [m for m in modes if m[0] == "per_layer" or m[0].endswith(args.trace)]

@@ -38,7 +38,7 @@ _native = threading.local()
 @contextlib.contextmanager
 def traced_natively():
     """Inside the block this thread's code is traced (:func:`is_tracing`): a step that AOT
-    autograd traces by running it (compile/native_trace.py), where torch 2.11 does not hold
+    autograd traces by running it (step/native_trace.py), where torch 2.11 does not hold
     ``torch.compiler.is_compiling()``."""
     previous = getattr(_native, "tracing", False)
     _native.tracing = True

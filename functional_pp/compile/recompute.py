@@ -109,7 +109,7 @@ def probe_backward_marks() -> None:
 
 def is_backward(node: torch.fx.Node) -> bool:
     """Whether a node of a traced step belongs to its backward: tagged by
-    :func:`backward_region` (a natively traced step, compile/native_trace.py, or torch 2.11's
+    :func:`backward_region` (a natively traced step, step/native_trace.py, or torch 2.11's
     dynamo), or marked so by dynamo (torch 2.12 on, ``FPP_STEP_TRACE=dynamo``)."""
     return in_backward_region(node) or (dynamo_marks_backward_nodes() and is_backward_node(node))
 

@@ -80,7 +80,7 @@ def _set_rank(self: DeviceContext, rank: int) -> None:
 
 
 # ``rank`` is a property, so that a trace that does not interpret the code (a natively traced
-# step, compile/native_trace.py) can tell whether what it traced depends on the device
+# step, step/native_trace.py) can tell whether what it traced depends on the device
 DeviceContext.rank = property(_read_rank, _set_rank, doc="this device's index in the mesh")
 
 

@@ -41,7 +41,7 @@ def deferred_checks() -> Iterator[list]:
 
 def defer_collected(checks: list) -> None:
     """Add checks collected by another :func:`deferred_checks` block (a natively traced
-    step's, compile/native_trace.py) to this thread's active list, if any."""
+    step's, step/native_trace.py) to this thread's active list, if any."""
     pending = getattr(_state, "pending", None)
     if pending is not None:
         pending.extend(checks)

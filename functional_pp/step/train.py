@@ -23,7 +23,7 @@ from functional_pp.compile.backend import step_backend
 from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
-from functional_pp.compile.native_trace import NativeStep, call_natively, dynamo_traces_step, native_step, run_compiled
+from functional_pp.step.native_trace import NativeStep, call_natively, dynamo_traces_step, native_step, run_compiled
 from functional_pp.compile.recompute import backward_region, recomputed_leaf, reset_region_ids
 from functional_pp.core import step_values
 from functional_pp.core.backward_thread import carry_to_backward
@@ -366,7 +366,7 @@ class TrainStep:
     def _compile(self, fn: Callable[..., Any]) -> CompileGate:
         """``fn`` (a device step) compiled, called with ``fn``'s arguments: simulated devices
         share one compilation (compile/gate.py); dynamo sees one opaque call traced natively
-        (compile/native_trace.py) unless ``FPP_STEP_TRACE=dynamo``; static shapes."""
+        (step/native_trace.py) unless ``FPP_STEP_TRACE=dynamo``; static shapes."""
         backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb)
         if dynamo_traces_step():
             return CompileGate(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), fn.__code__)
@@ -377,7 +377,7 @@ class TrainStep:
     def _native_step(self, fn: Callable[..., Any], args: tuple) -> NativeStep:
         """``fn`` with the structure of ``args`` and what its native trace reads beyond them:
         the mesh, the kind of device, the policy in force, and the device's rank where the
-        trace read it (compile/native_trace.py)."""
+        trace read it (step/native_trace.py)."""
         ctx = current_context(required=False)
         settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self.resolved_policy())
         step = native_step(fn, settings, args)

@@ -1,4 +1,4 @@
-"""The compiled step traced natively (compile/native_trace.py, docs/compile.md "Tracing
+"""The compiled step traced natively (step/native_trace.py, docs/compile.md "Tracing
 time"): dynamo interprets a few lines whatever the model's depth, the step equals its
 dynamo-interpreted self and eager, a trace that reads the device's rank gets a graph per
 simulated device (one for all otherwise), another mesh is another compilation, and the
