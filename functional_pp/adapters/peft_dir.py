@@ -156,7 +156,7 @@ def _saved_paths(modules: Any, tree: Any, model_type: str) -> dict[str, str]:
         if not any("." + m + "." in "." + path + "." for m in modules):
             continue
         where = file_name(path, model_type)
-        if where is None or hf_kind(path) is None or fused_module(path, model_type) is not None:
+        if where is None or hf_kind(path, model_type) is None or fused_module(path, model_type) is not None:
             raise ValueError(f"PEFT adapter: modules_to_save {path!r} has no Hugging Face module of its own in "
                              f"{model_type}'s files: export the merged model (functional-pp export "
                              f"--merge-adapter) instead")
@@ -176,13 +176,14 @@ def load_saved_modules(path: str | os.PathLike, decls: Any, lora: LoraConfig, ba
     from functional_pp.core.tree import leaves_with_paths
     from functional_pp.models.llama_hf import KINDS, hf_kind
     base = split(decls)[0]
-    names = _saved_paths(lora.modules_to_save, base, model_type_of(base_model or _dir_base(path)))
+    model_type = model_type_of(base_model or _dir_base(path))
+    names = _saved_paths(lora.modules_to_save, base, model_type)
     by_path, out = dict(leaves_with_paths(base)), {}
     with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
         have = set(f.keys())
         for p, name in names.items():
             d = by_path[p]
-            kind = KINDS[hf_kind(p)]
+            kind = KINDS[hf_kind(p, model_type)]
             if name not in have or tuple(f.get_slice(name).get_shape()) != kind.hf_shape(tuple(d.shape)):
                 raise ValueError(f"PEFT adapter {path}: {name} {list(kind.hf_shape(tuple(d.shape)))} is missing or "
                                  f"misshapen (for modules_to_save {p}): the adapter was saved without it")
@@ -207,7 +208,7 @@ def _modules_to_save(cfg: LoraConfig, base: Any, model_type: str) -> dict[str, t
         raise ValueError(f"PEFT adapter export: modules_to_save {list(cfg.modules_to_save)} are trained whole: pass "
                          f"the full base tree (base=adapters.split(params)[0]) to write them")
     weights = dict(leaves_with_paths(base))
-    return {name: KINDS[hf_kind(p)].to_hf(weights[p].detach()).contiguous()
+    return {name: KINDS[hf_kind(p, model_type)].to_hf(weights[p].detach()).contiguous()
             for p, name in _saved_paths(cfg.modules_to_save, base, model_type).items()}
 
 

@@ -44,8 +44,8 @@ from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, Unsup
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 
-def _kind_of(path: str) -> str:
-    kind = hf_kind(path)
+def _kind_of(path: str, model_type: str = "llama") -> str:
+    kind = hf_kind(path, model_type)
     if kind is None:
         raise CheckpointMismatchError(f"{path}: no entry of the HF decoder table maps this parameter")
     return kind
@@ -302,7 +302,7 @@ def _file_tensors(decls: Any, cfg) -> list[tuple[str, list[tuple[str, Any, Any]]
         if found is None:
             raise CheckpointMismatchError(f"{p}: no entry of the HF decoder table maps this parameter")
         name, part = found
-        out.setdefault(name, []).append((part, p, KINDS[_kind_of(p)], d))
+        out.setdefault(name, []).append((part, p, KINDS[_kind_of(p, mt)], d))
     return [(name, [(p, kind, d) for _, p, kind, d in sorted(parts, key=lambda x: x[0])])
             for name, parts in out.items()]
 

@@ -49,6 +49,7 @@ def _scaling_to_dict(s) -> dict | None:
     kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
     return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
 MLP_ACTS = ("silu", "gelu_tanh")
+NORM_KINDS = ("rms", "layer")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,27 @@ class Config:
     moe_layers: tuple[int, ...] | None = None
     router_z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    # NoPE layers: the layers whose attention has no rotary (SmolLM3's every 4th; None: all rotate)
+    nope_layers: tuple[int, ...] | None = None
+    # partial rotary: the share of head_dim that rotates (its first entries; Phi-1/2, GPT-NeoX)
+    partial_rotary_factor: float = 1.0
+    # the rotary's pairs are (2i, 2i + 1) of head_dim (Cohere), not (i, i + head_dim / 2)
+    rotary_interleaved: bool = False
+    # norms before attention and before the MLP (False: OLMo 2, whose only norms are
+    # sandwich_norms' after attention and after the MLP)
+    pre_norms: bool = True
+    # q/k norms over every head at once (OLMo 2: weights heads x head_dim), not per head
+    qk_norm_heads: bool = False
+    # Granite's multipliers: the embedding times embedding_multiplier, each residual branch
+    # (attention, MLP) times residual_multiplier; the logits times logit_scale (Granite's
+    # 1 / logits_scaling, Cohere's logit_scale)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
+    # attention and MLP in parallel from one input norm, x + attn(n(x)) + mlp(n(x)) (Cohere)
+    parallel_block: bool = False
+    # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias)
+    norm_kind: str = "rms"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -138,17 +160,42 @@ class Config:
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.mlp_act not in MLP_ACTS:
             raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
-        if self.moe_layers is not None:
-            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm_kind: {self.norm_kind!r} is not one of {', '.join(NORM_KINDS)}")
+        for key in ("moe_layers", "nope_layers"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(getattr(self, key)))
+        if self.nope_layers is not None and not all(0 <= i < self.layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)}: layer indices must be in [0, {self.layers})")
+        rot = self.partial_rotary_factor * self.dim_head
+        if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an "
+                             f"even number of head_dim's {self.dim_head} entries (it rotates {int(rot)})")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("pre_norms=False needs sandwich_norms=True (OLMo 2: norms after attention and the "
+                             "MLP); a layer without any norm is not a supported decoder")
+        if self.qk_norm_heads and not self.qk_norm:
+            raise ValueError("qk_norm_heads=True needs qk_norm=True")
+        if self.parallel_block and (self.sandwich_norms or self.experts):
+            raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
                 self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
             raise ValueError(f"capacity_factor must be a positive number (or null: dropless), got "
                              f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
-        if self.final_softcap and self.loss_chunk_bytes:
-            raise ValueError("final_softcap with loss_chunk_bytes: the chunked head loss has no logit "
-                             "soft-capping; set loss_chunk_bytes to null")
+        if (self.final_softcap or self.logit_scale != 1) and self.loss_chunk_bytes:
+            raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 with it): the chunked "
+                             "head loss has no logit soft-capping or scale; set loss_chunk_bytes to null")
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer)."""
+        return self.nope_layers is None or layer not in self.nope_layers
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """The rotating entries of head_dim (None: all of them)."""
+        return None if self.partial_rotary_factor == 1 else int(self.partial_rotary_factor * self.dim_head)
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: full causal attention)."""
@@ -205,7 +252,8 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
-        d["moe_layers"] = list(self.moe_layers) if self.moe_layers is not None else None
+        for key in ("moe_layers", "nope_layers"):
+            d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         return d
 
     @classmethod
@@ -281,7 +329,10 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
         if cfg.o_bias:
             a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_heads:       # over every head (OLMo 2)
+            a["q_norm"] = param((cfg.heads, D), "heads head_dim", init=ones, dtype=dtype)
+            a["k_norm"] = param((cfg.kv_heads, D), "kv_heads head_dim", init=ones, dtype=dtype)
+        elif cfg.qk_norm:
             a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         return a
@@ -296,6 +347,10 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
+        if not cfg.pre_norms:                      # OLMo 2: only the norms after each block
+            del p["input_layernorm"], p["pre_feedforward_layernorm"]
+        if cfg.parallel_block:                     # one input norm for attention and the MLP
+            del p["post_attention_layernorm"]
         return p
 
     layers = [layer(i) for i in range(cfg.layers)]
@@ -312,22 +367,30 @@ rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
 def norm(x: Named, weight: Named, cfg: Config) -> Named:
-    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``. With an
+    """RMSNorm (``cfg.norm_kind`` layer: LayerNorm, centred) over the weight's dimensions (all
+    of them: OLMo 2's q/k norms span the heads), scaled by ``cfg.norm_offset + weight``. With an
     offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
     ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    normalize = ops.layer_norm if cfg.norm_kind == "layer" else ops.rms_norm
     if not cfg.norm_offset:
-        return ops.rms_norm(x, weight, eps=cfg.norm_eps)
+        return normalize(x, weight, dim=weight.dims, eps=cfg.norm_eps)
     dtype = x.data.dtype
     if dtype not in (torch.float16, torch.bfloat16):
-        return ops.rms_norm(x, weight + cfg.norm_offset, eps=cfg.norm_eps)
-    wide = ops.rms_norm(x.astype(torch.float32), dim=weight.dims[0], eps=cfg.norm_eps)
+        return normalize(x, weight + cfg.norm_offset, dim=weight.dims, eps=cfg.norm_eps)
+    wide = normalize(x.astype(torch.float32), dim=weight.dims, eps=cfg.norm_eps)
     return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
-def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None) -> Named:
-    h = norm(x, p["input_layernorm"], cfg)
+    """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary)."""
+    h = norm(x, p["input_layernorm"], cfg) if cfg.pre_norms else x
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
+    return _attention(p, h, pos, cfg, segments, window)
+
+
+def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
+               window: int | None) -> Named:
     a = p["self_attn"]
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
@@ -340,8 +403,9 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named 
         theta, scaling = cfg.local_rope_theta, None
     else:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
-    q = rotate(q, pos, theta=theta, scaling=scaling)
-    k = rotate(k, pos, theta=theta, scaling=scaling)
+    if pos is not None:
+        q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
+        k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
@@ -358,8 +422,12 @@ _GATES = {"silu": ops.swiglu,
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
-    h = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
-    h = ops.rename(h, res_seq="seq")
+    if cfg.pre_norms:
+        x = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
+    return _mlp(p, ops.rename(x, res_seq="seq"), cfg)
+
+
+def _mlp(p: dict, h: Named, cfg: Config) -> Named:
     m = p["mlp"]
     if "router" in m:                                     # a mixture of experts (models/moe.py)
         out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
@@ -372,13 +440,22 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
 
 
 @remat_layer
-def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
           window: int | None = None) -> Named:
-    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``);
-    recomputed in backward under ``train_step(remat=True)``. The residual stream is computed
-    once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
-    x = ops.realized(x + attention_block(p, x, pos, cfg, segments, window))
-    return ops.realized(x + mlp_block(p, x, cfg))
+    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
+    None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
+    stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
+    ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere)."""
+    if cfg.parallel_block:
+        h = ops.rename(norm(x, p["input_layernorm"], cfg), res_seq="seq")
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h, cfg), cfg))
+    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window), cfg))
+    return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+
+
+def _residual(branch: Named, cfg: Config) -> Named:
+    """A residual branch times Granite's ``residual_multiplier``."""
+    return branch if cfg.residual_multiplier == 1 else branch * cfg.residual_multiplier
 
 
 def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
@@ -390,11 +467,13 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
+    if cfg.embedding_multiplier != 1:                # Granite
+        x = x * cfg.embedding_multiplier
     x = ops.rename(ops.realized(x), seq="res_seq")
     for i, p in enumerate(params["layers"]):
         window = cfg.window(i)
         extra = (segments, window) if window is not None else () if segments is None else (segments,)
-        x = layer_fn(p, x, pos, cfg, *extra)
+        x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
     x = norm(x, params["norm"], cfg)
     return ops.rename(x, res_seq="seq")
 
@@ -418,7 +497,10 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
 
 
 def _capped(logits: Named, cfg: Config) -> Named:
-    """Gemma 2's final logit soft-capping, ``c * tanh(logits / c)``."""
+    """The logits times ``cfg.logit_scale`` (Granite, Cohere), then Gemma 2's final soft-capping,
+    ``c * tanh(logits / c)``."""
+    if cfg.logit_scale != 1:
+        logits = logits * cfg.logit_scale
     c = cfg.final_softcap
     return logits if not c else ops.tanh(logits * (1.0 / c)) * c
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from functional_pp.models.hf_switches import PLAIN, SWITCHES, refusal
 from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
@@ -171,10 +172,14 @@ def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
     return name, 0
 
 
-def hf_kind(path: str) -> str | None:
-    """The transform kind (a key of :data:`KINDS`) of our tree path (``None``: unmapped)."""
+def hf_kind(path: str, model_type: str = "llama") -> str | None:
+    """The transform kind (a key of :data:`KINDS`) of our tree path in the files of
+    ``model_type`` (``None``: unmapped)."""
     r = _lookup(path, _TO_HF)
-    return r[1] if r else None
+    if r is None:
+        return None
+    kinds = SWITCHES[model_type].kinds if model_type in SWITCHES else {}
+    return next((kind for suffix, kind in kinds.items() if path.endswith("." + suffix)), r[1])
 
 
 # --------------------------------------------------------------------------- transforms
@@ -319,7 +324,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                 **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -361,6 +367,11 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 _DENSE_MOE = dict(experts=0, moe_mlp=None, norm_topk_prob=False, router_score="softmax", router_aux_loss_coef=0.0,
                   router_z_loss_coef=0.0, capacity_factor=None,
                   shared_expert_mlp=0, moe_layers=None)
+
+
+def _class_defaults(mt: str) -> dict[str, Any]:
+    """transformers' config class defaults of the keys read for the dense family ``mt``."""
+    return _DEFAULTS[mt] if mt in _DEFAULTS else SWITCHES[mt].defaults
 
 
 def _moe_config_from_hf(hf: dict, mt: str) -> Config:
@@ -415,12 +426,12 @@ def config_from_hf_dict(hf: dict) -> Config:
     where = "HF config"
     mt = hf.get("model_type", "llama")
     if mt not in ARCHITECTURES:
-        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
-                                  f"{', '.join(MODEL_TYPES)}")
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r}{refusal(mt)} is not supported; supported model "
+                                  f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
     where = f"HF {mt} config"
-    defaults = _DEFAULTS[mt]
+    defaults = _class_defaults(mt)
 
     def get(key: str, default: Any = None) -> Any:
         v = hf.get(key)
@@ -445,13 +456,14 @@ def config_from_hf_dict(hf: dict) -> Config:
                                       f"has no dropout there; set it to 0.0)")
     local_theta = None
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if mt == "gemma3_text":     # a rope per layer type: global (full) and local (sliding) bases
+    if mt in ("gemma3_text", "olmo3"):     # a rope per layer type: global (full) and local (sliding) bases
         if "full_attention" in rope or "sliding_attention" in rope:
             rope, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
         else:
             local = {}
-        theta_default = float(hf.get("rope_theta") or 1_000_000.0)
-        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or 10_000.0))
+        theta_default = float(hf.get("rope_theta") or (1_000_000.0 if mt == "gemma3_text" else 500_000.0))
+        local_default = 10_000.0 if mt == "gemma3_text" else rope.get("rope_theta", theta_default)
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or local_default))
         if local.get("rope_type", local.get("type", "default")) not in ("default", None):
             raise UnsupportedHFConfig(f"{where}: rope type {local.get('rope_type', local.get('type'))!r} of "
                                       f"the sliding layers is not supported (only 'default')")
@@ -469,6 +481,13 @@ def config_from_hf_dict(hf: dict) -> Config:
     if head_dim is not None and int(head_dim) == hidden // heads:
         head_dim = None
     extra: dict[str, Any] = {}
+    if mt in SWITCHES:
+        try:
+            extra = SWITCHES[mt].fixed | SWITCHES[mt].read(hf, get, where)
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+        if mt == "olmo3":
+            extra["local_rope_theta"] = local_theta
     if gemma:
         caps = [get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
         caps = [None if k in hf and hf[k] is None else c for k, c in
@@ -476,15 +495,15 @@ def config_from_hf_dict(hf: dict) -> Config:
         extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")), local_rope_theta=local_theta,
                      attn_softcap=None if caps[0] is None else float(caps[0]),
                      final_softcap=None if caps[1] is None else float(caps[1]))
-    return Config(
+    return Config(**{**dict(
         vocab=int(hf["vocab_size"]), hidden=hidden, layers=layers,
         heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
         mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types), **extra})
 
 
 def _rope(rope: dict, hf: dict, where: str, theta_default: float):
@@ -531,21 +550,21 @@ def _rope(rope: dict, hf: dict, where: str, theta_default: float):
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
-    if mt == "llama":
+    if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
     if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
-    window = hf["sliding_window"] if "sliding_window" in hf else _DEFAULTS[mt].get("sliding_window")
-    if mt in _GEMMA:         # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6)
+    window = hf["sliding_window"] if "sliding_window" in hf else _class_defaults(mt).get("sliding_window")
+    if mt in (*_GEMMA, "olmo3"):   # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6, OLMo 3: 4)
         w = window
-        n = 2 if mt == "gemma2" else int(get("sliding_window_pattern"))
+        n = {"gemma2": 2, "olmo3": 4}.get(mt) or int(get("sliding_window_pattern"))
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
                                           for i in range(layers)]
     else:
         w = window if get("use_sliding_window") else None
-        types = hf.get("layer_types")
+        types = hf.get("layer_types") or (["full_attention"] * layers if mt == "smollm3" else None)
     if types is None:
         first = int(get("max_window_layers"))
         types = ["sliding_attention" if w is not None and i >= first else "full_attention"
@@ -592,6 +611,13 @@ def check_exportable(cfg: Config) -> None:
     dense = _check_moe_exportable(cfg)
     if dense is not cfg:
         return check_exportable(dense)
+    if mt in SWITCHES:
+        need = {**_NOT_GEMMA, **SWITCHES[mt].need(cfg)}
+        if mt == "granite":
+            del need["query_pre_attn_scalar"]
+        if mt == "olmo3":
+            del need["local_rope_theta"]
+        return _refuse_unless(cfg, need, where)
     need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
@@ -605,9 +631,14 @@ def check_exportable(cfg: Config) -> None:
                                       f"equivalent (set it, e.g. to head_dim)")
     else:
         need.update(_NOT_GEMMA)
+    _refuse_unless(cfg, {**PLAIN, **need}, where)
+
+
+def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
+    """Refuse (naming the field) a config whose fields differ from ``need``."""
     for key, want in need.items():
         if getattr(cfg, key) != want:
-            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
+            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[cfg.model_type]} "
                                       f"equivalent (it needs {want!r}); choose another model_type")
 
 
@@ -651,8 +682,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                          if isinstance(s, LongRopeScaling) else {k: v for k, v in rope.items() if k != "rope_theta"}),
         "dtype": dname, "torch_dtype": dname,
     }
-    if mt in ("llama", "qwen3", *_GEMMA):
+    if mt in ("llama", "qwen3", *_GEMMA, *SWITCHES):
         out["attention_bias"] = cfg.o_bias
+    if mt in SWITCHES:
+        SWITCHES[mt].write(cfg, out)
+        pad = SWITCHES[mt].defaults.get("pad_token_id")     # the class's pad id, where the vocabulary holds it
+        out["pad_token_id"] = pad if pad is not None and pad < cfg.vocab else None
     if mt == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
         out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},

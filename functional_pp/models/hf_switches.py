@@ -1,0 +1,165 @@
+"""The Hugging Face families that are the Llama decoder plus a few switches of
+:class:`~functional_pp.models.llama.Config` (docs/models.md, "Decoder families"): SmolLM3 (NoPE
+layers), Granite (embedding / residual / attention / logit multipliers), OLMo 2 and OLMo 3
+(norms after each block only, q/k norms over every head; OLMo 3's sliding windows) and Cohere
+(attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale).
+
+Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
+that have one value in the family, the fields ``config.json`` carries (read and written here),
+and the tensors whose layout differs from Llama's. :mod:`functional_pp.models.llama_hf` reads
+the keys every family shares and dispatches here for the rest. Also: the model types refused
+by name (:data:`REFUSED`), with why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal"]
+
+PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
+                             qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
+                             parallel_block=False, norm_kind="rms")
+"""The switches' values in Llama (and in every family that does not name them)."""
+
+Get = Callable[..., Any]          # a config.json key, or its class default
+
+
+@dataclass(frozen=True)
+class Switches:
+    """One family: ``read(hf, get, where)`` the Config fields it takes from ``config.json``
+    (``get``: a key or the class default), ``write(cfg, out)`` its keys into an exported
+    ``config.json``; ``fixed`` the fields with one value in the family, ``free`` those its
+    ``config.json`` carries (any value); ``kinds`` our path suffix -> transform kind where its
+    files differ from Llama's layout."""
+    architecture: str
+    defaults: dict[str, Any]
+    read: Callable[[dict, Get, str], dict]
+    write: Callable[[Any, dict], None]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    free: tuple[str, ...] = ()
+    kinds: dict[str, str] = field(default_factory=dict)
+    windows: bool = False           # sliding windows in config.json (read by llama_hf._window)
+
+    def need(self, cfg) -> dict[str, Any]:
+        """The Config fields export requires of ``cfg`` for this class."""
+        need = {k: v for k, v in PLAIN.items() if k not in self.free}
+        need.update(qkv_bias=cfg.o_bias, qk_norm=False)
+        if not self.windows:
+            need["sliding_window"] = None
+        need.update(self.fixed)
+        return need
+
+
+# --------------------------------------------------------------------------- SmolLM3
+def _smollm3_read(hf: dict, get: Get, where: str) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    rope = hf.get("no_rope_layers")
+    if rope is None:                      # SmolLM3Config: every no_rope_layer_interval-th layer has no rotary
+        every = int(get("no_rope_layer_interval"))
+        rope = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(rope) != layers:
+        raise ValueError(f"{where}: no_rope_layers has {len(rope)} entries for {layers} layers")
+    nope = tuple(i for i, r in enumerate(rope) if not r)
+    return dict(nope_layers=nope or None)
+
+
+def _smollm3_write(cfg, out: dict) -> None:
+    types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+    out.update(no_rope_layers=[int(cfg.rotates(i)) for i in range(cfg.layers)],
+               use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+               layer_types=types)
+
+
+# --------------------------------------------------------------------------- Granite
+def _granite_read(hf: dict, get: Get, where: str) -> dict:
+    # transformers: embeddings x embedding_multiplier, each branch x residual_multiplier, scores x
+    # attention_multiplier (the attention's scale: query_pre_attn_scalar = its -2nd power),
+    # logits / logits_scaling
+    return dict(embedding_multiplier=float(get("embedding_multiplier")),
+                residual_multiplier=float(get("residual_multiplier")),
+                query_pre_attn_scalar=float(get("attention_multiplier")) ** -2,
+                logit_scale=1.0 / float(get("logits_scaling")))
+
+
+def _granite_write(cfg, out: dict) -> None:
+    scalar = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.dim_head
+    out.update(embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
+               attention_multiplier=scalar ** -0.5, logits_scaling=1.0 / cfg.logit_scale)
+
+
+# --------------------------------------------------------------------------- OLMo 2 / 3
+def _nothing(hf: dict, get: Get, where: str) -> dict:
+    return {}
+
+
+def _nothing_more(cfg, out: dict) -> None:
+    pass
+
+
+def _olmo3_write(cfg, out: dict) -> None:
+    local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
+    out.update(sliding_window=cfg.sliding_window,
+               layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)],
+               rope_parameters={"full_attention": out["rope_parameters"], "sliding_attention": local})
+
+
+# OLMo 2's q/k norms span every head: HF [heads * head_dim], ours heads x head_dim
+_OLMO = dict(fixed=dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_heads=True),
+             kinds={"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"})
+
+
+# --------------------------------------------------------------------------- Cohere
+def _cohere_read(hf: dict, get: Get, where: str) -> dict:
+    if hf.get("use_qk_norm"):
+        raise ValueError(f"{where}: use_qk_norm=True (Command R+) is not supported yet (its per-head "
+                         f"LayerNorm of q and k); only Command R's use_qk_norm=False")
+    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")))
+
+
+def _cohere_write(cfg, out: dict) -> None:
+    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
+
+
+SWITCHES: dict[str, Switches] = {
+    "smollm3": Switches("SmolLM3ForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                                   tie_word_embeddings=True, use_sliding_window=False,
+                                                   sliding_window=None, no_rope_layer_interval=4, pad_token_id=128004),
+                        _smollm3_read, _smollm3_write, free=("nope_layers",), windows=True),
+    "granite": Switches("GraniteForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=2048,
+                                                   embedding_multiplier=1.0, residual_multiplier=1.0,
+                                                   attention_multiplier=1.0, logits_scaling=1.0),
+                        _granite_read, _granite_write,
+                        free=("embedding_multiplier", "residual_multiplier", "logit_scale")),
+    "olmo2": Switches("Olmo2ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, pad_token_id=1),
+                      _nothing, _nothing_more, **_OLMO),
+    "olmo3": Switches("Olmo3ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
+                                               pad_token_id=1),
+                      _nothing, _olmo3_write, windows=True, **_OLMO),
+    "cohere": Switches("CohereForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=8192,
+                                                 logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
+                       _cohere_read, _cohere_write, free=("logit_scale",),
+                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True)),
+}
+
+_HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
+REFUSED: dict[str, str] = {
+    **{mt: f"{name} is {_HYBRID}" for mt, name in (
+        ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
+        ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
+        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+    **{mt: f"{name} is not supported yet (issue 40)" for mt, name in (
+        ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
+        ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
+        ("granitemoe", "Granite MoE"), ("granitemoeshared", "Granite MoE (shared experts)"), ("phi", "Phi-1/2"),
+        ("gpt_neox", "GPT-NeoX / Pythia"), ("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
+        ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
+        ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
+        ("cohere2", "Command R7B / Command A (cohere2)"), ("olmoe", "OLMoE"))},
+}
+"""``model_type`` -> why it is refused (named in the error before any work)."""
+
+
+def refusal(mt: str) -> str:
+    """``" (<why>)"`` for a model type refused by name, else ``""``."""
+    return f" ({REFUSED[mt]})" if mt in REFUSED else ""
