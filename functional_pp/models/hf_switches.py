@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal"]
+__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
 PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
-                             parallel_block=False, norm_kind="rms")
+                             parallel_block=False, norm_kind="rms", norm_bias=False, mlp_gated=True, mlp_bias=False,
+                             lm_head_bias=False)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -39,6 +40,7 @@ class Switches:
     free: tuple[str, ...] = ()
     kinds: dict[str, str] = field(default_factory=dict)
     windows: bool = False           # sliding windows in config.json (read by llama_hf._window)
+    hidden_act: str = "silu"        # the one hidden_act of config.json the family reads
 
     def need(self, cfg) -> dict[str, Any]:
         """The Config fields export requires of ``cfg`` for this class."""
@@ -120,6 +122,27 @@ def _cohere_write(cfg, out: dict) -> None:
     out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
 
 
+# --------------------------------------------------------------------------- Phi-1/2
+def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
+    """The share of head_dim that rotates, from ``rope_parameters`` or the top level."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or default)
+
+
+def _phi_read(hf: dict, get: Get, where: str) -> dict:
+    if hf.get("qk_layernorm"):
+        raise ValueError(f"{where}: qk_layernorm=True is not supported (Phi-1/2 checkpoints have none)")
+    return dict(partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")),
+                norm_eps=float(get("layer_norm_eps")))
+
+
+def _phi_write(cfg, out: dict) -> None:
+    out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    out.update(layer_norm_eps=out.pop("rms_norm_eps"), hidden_act="gelu_new", qk_layernorm=False,
+               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
+    out.pop("attention_bias", None)
+
+
 SWITCHES: dict[str, Switches] = {
     "smollm3": Switches("SmolLM3ForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=32768,
                                                    tie_word_embeddings=True, use_sliding_window=False,
@@ -139,6 +162,10 @@ SWITCHES: dict[str, Switches] = {
                                                  logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
                        _cohere_read, _cohere_write, free=("logit_scale",),
                        fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True)),
+    "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
+                    _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
+                    fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+                               mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
 }
 
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
@@ -150,7 +177,7 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name} is not supported yet (issue 40)" for mt, name in (
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
-        ("granitemoe", "Granite MoE"), ("granitemoeshared", "Granite MoE (shared experts)"), ("phi", "Phi-1/2"),
+        ("granitemoe", "Granite MoE"), ("granitemoeshared", "Granite MoE (shared experts)"),
         ("gpt_neox", "GPT-NeoX / Pythia"), ("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),

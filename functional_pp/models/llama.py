@@ -48,7 +48,7 @@ def _scaling_to_dict(s) -> dict | None:
         return None
     kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
     return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
-MLP_ACTS = ("silu", "gelu_tanh")
+MLP_ACTS = ("silu", "gelu_tanh", "gelu")
 NORM_KINDS = ("rms", "layer")
 
 
@@ -139,8 +139,14 @@ class Config:
     logit_scale: float = 1.0
     # attention and MLP in parallel from one input norm, x + attn(n(x)) + mlp(n(x)) (Cohere)
     parallel_block: bool = False
-    # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias)
+    # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias), with a bias (Phi)
     norm_kind: str = "rms"
+    norm_bias: bool = False
+    # the MLP: gated (act(gate) * up, then down) or not (Phi-1/2: down(act(up))), biases of its
+    # projections, and a bias of the LM head (Phi)
+    mlp_gated: bool = True
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -174,6 +180,12 @@ class Config:
         if not self.pre_norms and not self.sandwich_norms:
             raise ValueError("pre_norms=False needs sandwich_norms=True (OLMo 2: norms after attention and the "
                              "MLP); a layer without any norm is not a supported decoder")
+        if self.norm_bias and self.norm_kind != "layer":
+            raise ValueError("norm_bias=True needs norm_kind='layer' (an RMSNorm has no bias)")
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("lm_head_bias=True with tie_embeddings=True is not supported (a tied head has no bias)")
+        if not self.mlp_gated and self.experts:
+            raise ValueError("mlp_gated=False with experts is not supported (the experts are gated)")
         if self.qk_norm_heads and not self.qk_norm:
             raise ValueError("qk_norm_heads=True needs qk_norm=True")
         if self.parallel_block and (self.sandwich_norms or self.experts):
@@ -184,9 +196,10 @@ class Config:
                              f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
-        if (self.final_softcap or self.logit_scale != 1) and self.loss_chunk_bytes:
-            raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 with it): the chunked "
-                             "head loss has no logit soft-capping or scale; set loss_chunk_bytes to null")
+        if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and self.loss_chunk_bytes:
+            raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
+                             "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
+                             "to null")
 
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer)."""
@@ -314,6 +327,14 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     def norm():
         return param((cfg.hidden,), "hidden", init=ones, dtype=dtype)
 
+    def bias(size: int, dims: str):
+        return param((size,), dims, init="zeros", dtype=dtype)
+
+    def with_biases(tree: dict) -> dict:        # LayerNorm biases beside their weights (Phi)
+        if cfg.norm_bias:
+            tree.update({f"{k}_bias": bias(cfg.hidden, "hidden") for k, v in list(tree.items()) if k.endswith("norm")})
+        return tree
+
     def attn():
         a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
@@ -342,6 +363,10 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
              "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+        if not cfg.mlp_gated:
+            del p["mlp"]["gate_proj"]
+        if cfg.mlp_bias:
+            p["mlp"].update(up_bias=bias(cfg.mlp, "mlp"), down_bias=bias(cfg.hidden, "hidden"))
         if moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
         if cfg.sandwich_norms:
@@ -351,12 +376,14 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["input_layernorm"], p["pre_feedforward_layernorm"]
         if cfg.parallel_block:                     # one input norm for attention and the MLP
             del p["post_attention_layernorm"]
-        return p
+        return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
-    tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
+    tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
+    if cfg.lm_head_bias:
+        tree["lm_head_bias"] = bias(cfg.vocab, "vocab")
     return tree
 
 
@@ -366,11 +393,14 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def norm(x: Named, weight: Named, cfg: Config) -> Named:
+def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None) -> Named:
     """RMSNorm (``cfg.norm_kind`` layer: LayerNorm, centred) over the weight's dimensions (all
     of them: OLMo 2's q/k norms span the heads), scaled by ``cfg.norm_offset + weight``. With an
     offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
     ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    if bias is not None:                                  # LayerNorm with a bias (Phi)
+        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=weight.dims,
+                              eps=cfg.norm_eps)
     normalize = ops.layer_norm if cfg.norm_kind == "layer" else ops.rms_norm
     if not cfg.norm_offset:
         return normalize(x, weight, dim=weight.dims, eps=cfg.norm_eps)
@@ -381,10 +411,15 @@ def norm(x: Named, weight: Named, cfg: Config) -> Named:
     return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
+def norm_at(tree: dict, name: str, x: Named, cfg: Config) -> Named:
+    """:func:`norm` of ``x`` by the norm ``tree[name]`` (and its ``<name>_bias``, if any)."""
+    return norm(x, tree[name], cfg, tree.get(f"{name}_bias"))
+
+
 def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None) -> Named:
     """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary)."""
-    h = norm(x, p["input_layernorm"], cfg) if cfg.pre_norms else x
+    h = norm_at(p, "input_layernorm", x, cfg) if cfg.pre_norms else x
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
     return _attention(p, h, pos, cfg, segments, window)
 
@@ -412,18 +447,18 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
         out = out + a["o_bias"]
-    return norm(out, p["post_attention_layernorm"], cfg) if cfg.sandwich_norms else out
+    return norm_at(p, "post_attention_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
-_GATES = {"silu": ops.swiglu,
-          "gelu_tanh": lambda gate, up: ops.gelu(gate, approximate="tanh") * up}
+_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu}
+_GATES = {"silu": ops.swiglu, **{k: lambda gate, up, act=act: act(gate) * up for k, act in _ACTS.items() if k != "silu"}}
 
 
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
     if cfg.pre_norms:
-        x = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
+        x = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg)
     return _mlp(p, ops.rename(x, res_seq="seq"), cfg)
 
 
@@ -431,12 +466,18 @@ def _mlp(p: dict, h: Named, cfg: Config) -> Named:
     m = p["mlp"]
     if "router" in m:                                     # a mixture of experts (models/moe.py)
         out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
-        return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
-    gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+        return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
-    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", _GATES[cfg.mlp_act](gate, up), m["down_proj"])
-    out = ops.rename(out, seq="res_seq")
-    return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
+    if "up_bias" in m:
+        up = up + m["up_bias"]
+    if cfg.mlp_gated:
+        act = _GATES[cfg.mlp_act](ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"]), up)
+    else:                                                 # Phi-1/2: down(act(up(x)))
+        act = _ACTS[cfg.mlp_act](up)
+    out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
+    if "down_bias" in m:                                  # (after the TP partial sums are combined)
+        out = out + m["down_bias"]
+    return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
 @remat_layer
@@ -447,7 +488,7 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere)."""
     if cfg.parallel_block:
-        h = ops.rename(norm(x, p["input_layernorm"], cfg), res_seq="seq")
+        h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h, cfg), cfg))
     x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window), cfg))
     return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
@@ -474,7 +515,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         window = cfg.window(i)
         extra = (segments, window) if window is not None else () if segments is None else (segments,)
         x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
-    x = norm(x, params["norm"], cfg)
+    x = norm_at(params, "norm", x, cfg)
     return ops.rename(x, res_seq="seq")
 
 
@@ -493,12 +534,14 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
     x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
-    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg)
+    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg, params)
 
 
-def _capped(logits: Named, cfg: Config) -> Named:
-    """The logits times ``cfg.logit_scale`` (Granite, Cohere), then Gemma 2's final soft-capping,
-    ``c * tanh(logits / c)``."""
+def _capped(logits: Named, cfg: Config, params: dict) -> Named:
+    """The logits plus the LM head's bias (Phi), times ``cfg.logit_scale`` (Granite, Cohere), then
+    Gemma 2's final soft-capping, ``c * tanh(logits / c)``."""
+    if cfg.lm_head_bias:
+        logits = logits + params["lm_head_bias"]
     if cfg.logit_scale != 1:
         logits = logits * cfg.logit_scale
     c = cfg.final_softcap
@@ -513,7 +556,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
         x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
-        out = ops.cross_entropy(_capped(logits, cfg), batch["labels"])
+        out = ops.cross_entropy(_capped(logits, cfg, params), batch["labels"])
     else:
         out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
     extra = moe.router_losses(stats, cfg)       # the load-balancing loss (Switch, Mixtral), the z-loss
@@ -543,7 +586,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
         if not moe.is_moe_layer(cfg, i):
-            return 2 * 3 * cfg.hidden * cfg.mlp
+            return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
                                                     + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp else 0))
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
@@ -553,7 +596,9 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The parameters only the first pipeline stage holds (the embedding) and only the last
     (final norm and LM head; a tied embedding is in both, so every stage holds it)."""
-    return ("embed_tokens",), ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
+    last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
+    return ("embed_tokens",), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+        ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:

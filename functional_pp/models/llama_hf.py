@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models.hf_switches import PLAIN, SWITCHES, refusal
+from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
@@ -84,6 +84,13 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
+    # biases (Phi-1/2): of the MLP's projections, of LayerNorms, of the LM head
+    ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_bias", "copy"),
+    ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_bias", "copy"),
+    ("model.layers.{i}.input_layernorm.bias", "layers.{i}.input_layernorm_bias", "copy"),
+    ("model.layers.{i}.post_attention_layernorm.bias", "layers.{i}.post_attention_layernorm_bias", "copy"),
+    ("model.norm.bias", "norm_bias", "copy"),
+    ("lm_head.bias", "lm_head_bias", "copy"),
     # a mixture of experts (models/moe.py): the router, the experts stacked along ``experts`` (in
     # the files one tensor per expert, ``mlp.experts.{j}.gate_proj.weight``, read and written as
     # the stacked name below by checkpoint/hf.py), a shared expert and its gate (Qwen2-MoE)
@@ -148,6 +155,9 @@ _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in r
 
 # Mixtral names its MoE MLP ``block_sparse_moe`` and the experts' projections w1 / w3 / w2
 RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
+    # Phi-1/2: the output projection is ``dense``, the MLP ``fc1`` / ``fc2``, the final norm ``final_layernorm``
+    "phi": ((r"\.self_attn\.o_proj\.", ".self_attn.dense."), (r"\.mlp\.up_proj\.", ".mlp.fc1."),
+            (r"\.mlp\.down_proj\.", ".mlp.fc2."), (r"^model\.norm\.", "model.final_layernorm.")),
     "mixtral": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
                 (r"\.mlp\.experts\.gate_proj\.weight$", ".block_sparse_moe.experts.w1.weight"),
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
@@ -446,7 +456,8 @@ def config_from_hf_dict(hf: dict) -> Config:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedHFConfig(f"{where}: use_bidirectional_attention=True is not supported "
                                       f"(causal attention only)")
-    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))):
+    act = SWITCHES[mt].hidden_act if mt in SWITCHES else "silu"
+    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", act), ("mlp_bias", False))):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
@@ -469,7 +480,8 @@ def config_from_hf_dict(hf: dict) -> Config:
                                       f"the sliding layers is not supported (only 'default')")
     else:
         theta_default = float(hf.get("rope_theta") or 10000.0)
-    theta, scaling = _rope(rope, hf, where, theta_default)
+    theta, scaling = _rope(rope, hf, where, theta_default, partial_ok="partial_rotary_factor" in (
+        SWITCHES[mt].free if mt in SWITCHES else ()))
     bias = bool(hf.get("attention_bias", False))
     if mt in ("mistral", "phi3") and bias:
         raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported ({mt} has no biases)")
@@ -506,12 +518,12 @@ def config_from_hf_dict(hf: dict) -> Config:
         qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types), **extra})
 
 
-def _rope(rope: dict, hf: dict, where: str, theta_default: float):
+def _rope(rope: dict, hf: dict, where: str, theta_default: float, partial_ok: bool = False):
     """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
     theta = float(rope.get("rope_theta", theta_default))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported")
+    if not partial_ok and partial_rotary_factor(hf) != 1.0:
+        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported for this model type")
     if rope_type in ("default", None):
         return theta, None
     if rope_type == "llama3":
