@@ -36,10 +36,11 @@ from functional_pp.parallel.shard_map import active_rules
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
-    "permute_for_rotate_half", "unpermute_from_rotate_half",
+    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows",
 ]
 
-from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, check_exportable,
+from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig,
+                                           check_exportable,
                                            config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
@@ -231,6 +232,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
         decls = llama.init(cfg, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
     root, weight_map, files = _hf_files(Path(path))
+    interleaved = getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
         for name, parts in _file_tensors(decls, cfg):
@@ -248,9 +250,10 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
-            for p, kind, d in parts:      # a part of a fused tensor: its rows from ``offset``
-                rows = kind.hf_shape(tuple(d.shape))[0]
-                plan[p] = (name, kind, d, (offset, rows) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
+            for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
+                rows = kind.hf_shape(tuple(d.shape))[0]   # (or, head by head, rows j of each head's)
+                plan[p] = (name, kind, d, (_HEADS, j, len(parts), d.shape[-1]) if len(parts) > 1 and interleaved
+                           else (offset, rows) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
@@ -278,6 +281,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 sl = reader.slice(name)
                 if rows is not None and rows[0] is _GROWN:
                     sl = _GrownRows(sl, rows[1])
+                elif rows is not None and rows[0] is _HEADS:
+                    sl = _HeadRows(sl, *rows[1:])
                 elif rows is not None:
                     sl = _Rows(sl, *rows)
                 t = kind.read(sl, region, shape)
@@ -314,7 +319,28 @@ def _fused_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-_GROWN = object()
+_GROWN, _HEADS = object(), object()
+
+
+class _HeadRows:
+    """A slice handle of part ``j`` of ``n`` of a fused HF tensor that holds its parts head by
+    head (GPT-NeoX's ``query_key_value``: rows ``[h * n * d + j * d, h * n * d + (j + 1) * d)``
+    are head h's rows of part j, ``d`` rows a head)."""
+
+    def __init__(self, sl, j: int, n: int, d: int):
+        self.sl, self.j, self.n, self.d = sl, j, n, d
+
+    def __getitem__(self, idx):
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        start, stop = first.start or 0, first.stop
+        if first.step not in (None, 1) or stop is None:
+            raise ValueError("fused tensor parts are read in contiguous row ranges")
+        blocks = []
+        for h in range(start // self.d, -(-stop // self.d)):         # each head's rows of the part
+            lo, hi = max(start, h * self.d), min(stop, (h + 1) * self.d)
+            base = h * self.n * self.d + self.j * self.d - h * self.d
+            blocks.append(self.sl[(slice(base + lo, base + hi), *rest)])
+        return torch.cat(blocks)
 
 
 class _GrownRows:
@@ -411,8 +437,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
             dtypes.add(dt)
 
         def make(produced=produced, dt=dt):      # one tensor, or the parts fused along the rows
-            ts = [kind.to_hf(produce()).to(dt) for kind, produce, _ in produced]
-            return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
+            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg)
         shape = _fused_shape([s for *_, s in produced])
         if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
@@ -428,6 +453,18 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
         else:
             items.append((name, dt, shape, make))
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
+
+
+def fuse_rows(parts: list[torch.Tensor], cfg) -> torch.Tensor:
+    """The HF tensor of ``parts`` (each in HF's layout) fused along the rows: one part after the
+    other (Phi-3), or head by head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`:
+    each head's rows of every part in turn); one part is itself."""
+    if len(parts) == 1:
+        return parts[0]
+    if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:
+        d = cfg.dim_head
+        return torch.stack([t.reshape(-1, d, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
+    return torch.cat(parts, 0)
 
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,

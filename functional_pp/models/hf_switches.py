@@ -18,8 +18,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 
 PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
-                             parallel_block=False, norm_kind="rms", norm_bias=False, mlp_gated=True, mlp_bias=False,
-                             lm_head_bias=False)
+                             parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -30,8 +30,8 @@ class Switches:
     """One family: ``read(hf, get, where)`` the Config fields it takes from ``config.json``
     (``get``: a key or the class default), ``write(cfg, out)`` its keys into an exported
     ``config.json``; ``fixed`` the fields with one value in the family, ``free`` those its
-    ``config.json`` carries (any value); ``kinds`` our path suffix -> transform kind where its
-    files differ from Llama's layout."""
+    ``config.json`` carries (any value; a ``fixed`` value may be a function of the config);
+    ``kinds`` our path suffix -> transform kind where its files differ from Llama's layout."""
     architecture: str
     defaults: dict[str, Any]
     read: Callable[[dict, Get, str], dict]
@@ -48,7 +48,7 @@ class Switches:
         need.update(qkv_bias=cfg.o_bias, qk_norm=False)
         if not self.windows:
             need["sliding_window"] = None
-        need.update(self.fixed)
+        need.update({k: v(cfg) if callable(v) else v for k, v in self.fixed.items()})
         return need
 
 
@@ -143,6 +143,23 @@ def _phi_write(cfg, out: dict) -> None:
     out.pop("attention_bias", None)
 
 
+# --------------------------------------------------------------------------- GPT-NeoX
+def _neox_read(hf: dict, get: Get, where: str) -> dict:
+    if float(hf.get("hidden_dropout") or 0.0):
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+    parallel, bias = bool(get("use_parallel_residual")), bool(get("attention_bias"))
+    return dict(partial_rotary_factor=partial_rotary_factor(hf, hf.get("rotary_pct") or get("partial_rotary_factor")),
+                norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
+                qkv_bias=bias, o_bias=bias)
+
+
+def _neox_write(cfg, out: dict) -> None:
+    _phi_write(cfg, out)
+    del out["qk_layernorm"], out["resid_pdrop"], out["embd_pdrop"]
+    out.update(hidden_act="gelu", use_parallel_residual=cfg.parallel_block, attention_bias=cfg.o_bias,
+               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=0.0)
+
+
 SWITCHES: dict[str, Switches] = {
     "smollm3": Switches("SmolLM3ForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=32768,
                                                    tie_word_embeddings=True, use_sliding_window=False,
@@ -166,6 +183,13 @@ SWITCHES: dict[str, Switches] = {
                     _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
                     fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
                                mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
+    "gpt_neox": Switches("GPTNeoXForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048,
+                                                    partial_rotary_factor=0.25, use_parallel_residual=True,
+                                                    attention_bias=True),
+                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block"), hidden_act="gelu",
+                         fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu",
+                                    parallel_mlp_norm=lambda cfg: cfg.parallel_block, qkv_bias=lambda cfg: cfg.o_bias,
+                                    kv_heads=lambda cfg: cfg.heads)),
 }
 
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
@@ -178,7 +202,7 @@ REFUSED: dict[str, str] = {
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
         ("granitemoe", "Granite MoE"), ("granitemoeshared", "Granite MoE (shared experts)"),
-        ("gpt_neox", "GPT-NeoX / Pythia"), ("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
+("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),

@@ -137,8 +137,10 @@ class Config:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_scale: float = 1.0
-    # attention and MLP in parallel from one input norm, x + attn(n(x)) + mlp(n(x)) (Cohere)
+    # attention and MLP in parallel from one input norm, x + attn(n(x)) + mlp(n(x)) (Cohere, Phi);
+    # parallel_mlp_norm: the MLP from its own norm, x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX)
     parallel_block: bool = False
+    parallel_mlp_norm: bool = False
     # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias), with a bias (Phi)
     norm_kind: str = "rms"
     norm_bias: bool = False
@@ -190,6 +192,8 @@ class Config:
             raise ValueError("qk_norm_heads=True needs qk_norm=True")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
+        if self.parallel_mlp_norm and not self.parallel_block:
+            raise ValueError("parallel_mlp_norm=True needs parallel_block=True")
         if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
                 self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
             raise ValueError(f"capacity_factor must be a positive number (or null: dropless), got "
@@ -374,7 +378,7 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             p["post_feedforward_layernorm"] = norm()
         if not cfg.pre_norms:                      # OLMo 2: only the norms after each block
             del p["input_layernorm"], p["pre_feedforward_layernorm"]
-        if cfg.parallel_block:                     # one input norm for attention and the MLP
+        if cfg.parallel_block and not cfg.parallel_mlp_norm:      # one input norm for attention and the MLP
             del p["post_attention_layernorm"]
         return with_biases(p)
 
@@ -486,10 +490,12 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
     None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
-    ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere)."""
+    ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
+    each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h, cfg), cfg))
+        h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h_mlp, cfg), cfg))
     x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window), cfg))
     return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
 

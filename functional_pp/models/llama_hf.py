@@ -55,7 +55,8 @@ from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScali
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
-    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
+    "HEAD_INTERLEAVED",
 ]
 
 
@@ -150,7 +151,13 @@ FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
              ("model.layers.{i}.mlp.gate_up_proj.weight",
               ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"))),
 }
+FUSED["gpt_neox"] = tuple(                   # (names after RENAMED: the layers under gpt_neox.)
+    (f"gpt_neox.layers.{{i}}.attention.query_key_value.{t}",
+     tuple(f"gpt_neox.layers.{{i}}.self_attn.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
+HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox"})
+"""Model types whose fused tensors hold their parts head by head (GPT-NeoX's ``query_key_value``:
+the rows of head n are its q, then its k, then its v) rather than part after part."""
 
 
 # Mixtral names its MoE MLP ``block_sparse_moe`` and the experts' projections w1 / w3 / w2
@@ -158,6 +165,11 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
     # Phi-1/2: the output projection is ``dense``, the MLP ``fc1`` / ``fc2``, the final norm ``final_layernorm``
     "phi": ((r"\.self_attn\.o_proj\.", ".self_attn.dense."), (r"\.mlp\.up_proj\.", ".mlp.fc1."),
             (r"\.mlp\.down_proj\.", ".mlp.fc2."), (r"^model\.norm\.", "model.final_layernorm.")),
+    # GPT-NeoX / Pythia: everything under gpt_neox., its own module names, the LM head embed_out
+    "gpt_neox": ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."), (r"^model\.layers\.", "gpt_neox.layers."),
+                 (r"\.self_attn\.o_proj\.", ".attention.dense."), (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
+                 (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."), (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
+                 (r"^lm_head\.weight$", "embed_out.weight")),
     "mixtral": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
                 (r"\.mlp\.experts\.gate_proj\.weight$", ".block_sparse_moe.experts.w1.weight"),
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
@@ -166,14 +178,23 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
-def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
-    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
-    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+def renamed(path: str, model_type: str = "llama") -> str | None:
+    """The HF tensor name of our tree path in the files of ``model_type``, before any fusing
+    (:data:`RENAMED`: Mixtral's ``block_sparse_moe``, Phi's ``dense``, GPT-NeoX's ``gpt_neox.``)."""
     name = hf_name(path)
     if name is None:
         return None
     for pattern, repl in RENAMED.get(model_type, ()):
         name = re.sub(pattern, repl, name)
+    return name
+
+
+def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
+    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
+    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+    name = renamed(path, model_type)
+    if name is None:
+        return None
     for fused, parts in _FUSED.get(model_type, ()):
         for j, pat in enumerate(parts):
             m = pat.match(name)
@@ -479,7 +500,7 @@ def config_from_hf_dict(hf: dict) -> Config:
             raise UnsupportedHFConfig(f"{where}: rope type {local.get('rope_type', local.get('type'))!r} of "
                                       f"the sliding layers is not supported (only 'default')")
     else:
-        theta_default = float(hf.get("rope_theta") or 10000.0)
+        theta_default = float(hf.get("rope_theta") or hf.get("rotary_emb_base") or 10000.0)     # (GPT-NeoX's old key)
     theta, scaling = _rope(rope, hf, where, theta_default, partial_ok="partial_rotary_factor" in (
         SWITCHES[mt].free if mt in SWITCHES else ()))
     bias = bool(hf.get("attention_bias", False))
@@ -495,7 +516,8 @@ def config_from_hf_dict(hf: dict) -> Config:
     extra: dict[str, Any] = {}
     if mt in SWITCHES:
         try:
-            extra = SWITCHES[mt].fixed | SWITCHES[mt].read(hf, get, where)
+            fixed = {k: v for k, v in SWITCHES[mt].fixed.items() if not callable(v)}   # (the others: checks)
+            extra = fixed | SWITCHES[mt].read(hf, get, where)
         except ValueError as exc:
             raise UnsupportedHFConfig(str(exc)) from exc
         if mt == "olmo3":

@@ -71,6 +71,11 @@ FAMILIES = {
     # everywhere (LayerNorms, projections, LM head), half of head_dim rotating
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
         {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, pad_token_id=None)),
+    # GPT-NeoX / Pythia: attention and MLP in parallel, each from its own LayerNorm; q, k and v
+    # fused head by head (query_key_value), a quarter of head_dim rotating, exact GELU
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        {k: v for k, v in BASE.items() if k not in ("rms_norm_eps", "num_key_value_heads")}, layer_norm_eps=1e-5,
+        pad_token_id=None)),
 }
 # per family, the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {
@@ -85,6 +90,7 @@ SWITCHED_OFF = {
     "olmo3": [dict(sliding_window=None, layer_types=None), dict(local_rope_theta=None)],
     "cohere": [dict(rotary_interleaved=False), dict(logit_scale=1.0)],
     "phi": [dict(partial_rotary_factor=1.0)],
+    "gpt_neox": [dict(partial_rotary_factor=1.0)],
 }
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -154,6 +160,12 @@ def test_configs_read_each_family():
     cfg = hf.config_from_hf(transformers.PhiConfig(**FAMILIES["phi"][2]).to_dict())
     assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.mlp_gated, cfg.mlp_act, cfg.norm_bias) == (
         0.5, 8, False, "gelu_tanh", True)
+    cfg = hf.config_from_hf(transformers.GPTNeoXConfig(**FAMILIES["gpt_neox"][2]).to_dict())
+    assert (cfg.rotary_dim, cfg.parallel_block, cfg.parallel_mlp_norm, cfg.mlp_act, cfg.qkv_bias) == (4, True, True, "gelu", True)
+    # Pythia's config.json of transformers 4 (rotary_pct, rotary_emb_base); a sequential GPT-NeoX
+    cfg = hf.config_from_hf(dict(FAMILIES["gpt_neox"][2], model_type="gpt_neox", rotary_pct=0.5, rotary_emb_base=100,
+                                 use_parallel_residual=False))
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.parallel_block, cfg.parallel_mlp_norm) == (8, 100.0, False, False)
     # the config travels through checkpoints as a dict
     cfg = hf.config_from_hf(transformers.Qwen2Config(**FAMILIES["qwen2"][2]).to_dict())
     assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
@@ -188,14 +200,16 @@ def test_loss_and_gradients_equal_transformers(saved, family):
     want.backward()
     # (fp64 both, but transformers computes the rotary tables in fp32, and so do we, each its own way)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    # (GPT-NeoX's module lm_head is embed_out in the files)
+    hf_grads = {"embed_out.weight" if family == "gpt_neox" and n == "lm_head.weight" else n: p.grad
+                for n, p in model.named_parameters()}
     ours = dict(tree.leaves_with_paths(grads))
     files = hf._file_tensors(llama.init(cfg), cfg)      # HF tensor name -> our parameters (fused: several)
     assert {name for name, _ in files} == set(hf_grads) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     for name, parts in files:               # to 1e-6 of each gradient's largest entry (and 1e-8: the
         # fp32 rotary tables leave ~1e-9 on gradients that are exactly 0, as the k bias's entries
         # that partial rotary does not rotate)
-        g = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        g = hf.fuse_rows([kind.to_hf(ours[p]) for p, kind, _ in parts], cfg)
         torch.testing.assert_close(g, hf_grads[name], rtol=1e-5, atol=max(1e-6 * hf_grads[name].abs().max().item(), 1e-8),
                                    msg=lambda m: f"{name}: {m}")
 
