@@ -1,7 +1,7 @@
 """Hugging Face safetensors directories <-> functional decoder parameters: reading a model
 directory (single file or sharded with an index; pickles refused) and writing one (shards +
 index + ``config.json``), for every ``model_type`` of
-:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3; the
+:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3, ...; the
 ``load_hf_llama`` / ``save_hf_llama`` names are kept for all of them). The name / layout
 mapping it applies lives beside the model, in :mod:`functional_pp.models.llama_hf`
 (re-exported here under its old names).

@@ -4,7 +4,10 @@ few switches (docs/models.md, "Decoder families"): Mistral (sliding-window atten
 (q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), Phi-3 (only its files
 differ: fused projections), Gemma 2 (tanh-GELU GLU, 1 + w sandwich norms, scaled embedding,
 soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local layers), tied
-embeddings. ``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
+embeddings; SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2/3 (norms after each block, q/k
+norms over every head), Cohere, Phi-1/2 and GPT-NeoX (attention and MLP in parallel, LayerNorm,
+partial or interleaved rotary, biases; models/hf_switches.py). ``Config.model_type`` names the
+Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
