@@ -433,3 +433,23 @@ def test_yarn_and_linear_rope_scaling(tmp_path, family, rope):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=toks).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_new_switches_train_alike_on_real_processes():
+    """The switches of the new families together (parallel attention + MLP from two LayerNorms
+    with biases, a GELU MLP not gated with biases, partial rotary, a NoPE layer, q/k norms over
+    every head, the multipliers, an LM-head bias): two AdamW steps with TP 2 on two gloo
+    processes equal one device."""
+    from harness import launch_steps
+    cfg = llama.Config.tiny(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                            mlp_gated=False, mlp_bias=True, mlp_act="gelu", partial_rotary_factor=0.5, qkv_bias=True,
+                            o_bias=True, lm_head_bias=True, qk_norm=True, qk_norm_heads=True, nope_layers=(1,),
+                            embedding_multiplier=2.0, residual_multiplier=0.5, logit_scale=0.5)
+    one = launch_steps(cfg, dtype=torch.float64)[0]
+    real = launch_steps(cfg, mesh=fpp.Mesh(tp=2), rules=llama.default_rules(fsdp=False), dtype=torch.float64,
+                        processes=True)
+    for losses, params, _ in real:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m: f"{p}: {m}")
