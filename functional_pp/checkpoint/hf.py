@@ -236,7 +236,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
         for name, parts in _file_tensors(decls, cfg):
-            want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts])
+            axis = _row_axis(parts)
+            want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
@@ -251,9 +252,9 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
             for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
-                rows = kind.hf_shape(tuple(d.shape))[0]   # (or, head by head, rows j of each head's)
+                rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, head by head, rows j of each head's)
                 plan[p] = (name, kind, d, (_HEADS, j, len(parts), d.shape[-1]) if len(parts) > 1 and interleaved
-                           else (offset, rows) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
+                           else (offset, rows, axis) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
@@ -312,11 +313,17 @@ def _file_tensors(decls: Any, cfg) -> list[tuple[str, list[tuple[str, Any, Any]]
             for name, parts in out.items()]
 
 
-def _fused_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The HF shape of parts stacked along the rows (one part: its own shape)."""
+def _fused_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[int, ...]:
+    """The HF shape of parts stacked along the rows, dimension ``axis`` (one part: its own shape)."""
     if len(shapes) == 1:
         return shapes[0]
-    return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1:])
+
+
+def _row_axis(parts: list) -> int:
+    """The dimension of the HF tensor along which ``parts`` (``(path, kind, decl)``) are fused:
+    the rows (0), the rows of each expert for the experts' kinds (1: Granite MoE's input_linear)."""
+    return getattr(parts[0][1], "row_axis", 0)
 
 
 _GROWN, _HEADS = object(), object()
@@ -362,17 +369,18 @@ class _GrownRows:
 
 
 class _Rows:
-    """A slice handle of the rows ``[offset, offset + n)`` of a fused HF tensor."""
+    """A slice handle of the rows ``[offset, offset + n)`` (along dimension ``axis``) of a fused HF tensor."""
 
-    def __init__(self, sl, offset: int, n: int):
-        self.sl, self.offset, self.n = sl, offset, n
+    def __init__(self, sl, offset: int, n: int, axis: int = 0):
+        self.sl, self.offset, self.n, self.axis = sl, offset, n, axis
 
     def __getitem__(self, idx):
-        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
-        start, stop, step = first.indices(self.n)
+        idx = list(idx) if isinstance(idx, tuple) else [idx]
+        start, stop, step = idx[self.axis].indices(self.n)
         if step != 1:
             raise ValueError("fused tensor parts are read in contiguous row ranges")
-        return self.sl[(slice(self.offset + start, self.offset + stop), *rest)]
+        idx[self.axis] = slice(self.offset + start, self.offset + stop)
+        return self.sl[tuple(idx)]
 
 
 def load_hf_llama(path: str | os.PathLike, *, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
@@ -436,9 +444,11 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
             dt = dtype or have
             dtypes.add(dt)
 
-        def make(produced=produced, dt=dt):      # one tensor, or the parts fused along the rows
-            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg)
-        shape = _fused_shape([s for *_, s in produced])
+        axis = getattr(produced[0][0], "row_axis", 0)
+
+        def make(produced=produced, dt=dt, axis=axis):      # one tensor, or the parts fused along the rows
+            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis)
+        shape = _fused_shape([s for *_, s in produced], axis)
         if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
 
@@ -455,16 +465,17 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 
-def fuse_rows(parts: list[torch.Tensor], cfg) -> torch.Tensor:
-    """The HF tensor of ``parts`` (each in HF's layout) fused along the rows: one part after the
-    other (Phi-3), or head by head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`:
-    each head's rows of every part in turn); one part is itself."""
+def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0) -> torch.Tensor:
+    """The HF tensor of ``parts`` (each in HF's layout) fused along the rows (dimension ``axis``:
+    1 for the experts' ``[E, out, in]``): one part after the other (Phi-3, Granite MoE), or head
+    by head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each head's rows of every
+    part in turn); one part is itself."""
     if len(parts) == 1:
         return parts[0]
     if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:
         d = cfg.dim_head
         return torch.stack([t.reshape(-1, d, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
-    return torch.cat(parts, 0)
+    return torch.cat(parts, axis)
 
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,

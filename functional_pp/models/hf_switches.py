@@ -201,7 +201,7 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name} is not supported yet (issue 40)" for mt, name in (
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
-        ("granitemoe", "Granite MoE"), ("granitemoeshared", "Granite MoE (shared experts)"),
+        ("granitemoeshared", "Granite MoE (shared experts)"),
 ("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),

@@ -154,8 +154,15 @@ FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 FUSED["gpt_neox"] = tuple(                   # (names after RENAMED: the layers under gpt_neox.)
     (f"gpt_neox.layers.{{i}}.attention.query_key_value.{t}",
      tuple(f"gpt_neox.layers.{{i}}.self_attn.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
+FUSED["granitemoe"] = (("model.layers.{i}.block_sparse_moe.input_linear.weight",
+                        ("model.layers.{i}.block_sparse_moe.experts.gate_proj.weight",
+                         "model.layers.{i}.block_sparse_moe.experts.up_proj.weight")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox"})
+# per model type, our path suffix -> transform kind where its files differ from the table's
+_KIND_OVERRIDES: dict[str, dict[str, str]] = {
+    **{mt: sw.kinds for mt, sw in SWITCHES.items()},
+    "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
 """Model types whose fused tensors hold their parts head by head (GPT-NeoX's ``query_key_value``:
 the rows of head n are its q, then its k, then its v) rather than part after part."""
 
@@ -165,6 +172,10 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
     # Phi-1/2: the output projection is ``dense``, the MLP ``fc1`` / ``fc2``, the final norm ``final_layernorm``
     "phi": ((r"\.self_attn\.o_proj\.", ".self_attn.dense."), (r"\.mlp\.up_proj\.", ".mlp.fc1."),
             (r"\.mlp\.down_proj\.", ".mlp.fc2."), (r"^model\.norm\.", "model.final_layernorm.")),
+    # Granite MoE: the router a ``layer``, the experts one tensor each (gate and up fused: input_linear)
+    "granitemoe": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.router.layer.weight"),
+                   (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.output_linear.weight"),
+                   (r"\.mlp\.experts\.", ".block_sparse_moe.experts.")),
     # GPT-NeoX / Pythia: everything under gpt_neox., its own module names, the LM head embed_out
     "gpt_neox": ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."), (r"^model\.layers\.", "gpt_neox.layers."),
                  (r"\.self_attn\.o_proj\.", ".attention.dense."), (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
@@ -209,7 +220,7 @@ def hf_kind(path: str, model_type: str = "llama") -> str | None:
     r = _lookup(path, _TO_HF)
     if r is None:
         return None
-    kinds = SWITCHES[model_type].kinds if model_type in SWITCHES else {}
+    kinds = _KIND_OVERRIDES.get(model_type, {})
     return next((kind for suffix, kind in kinds.items() if path.endswith("." + suffix)), r[1])
 
 
@@ -295,6 +306,7 @@ class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
 
 class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, in] transposed per expert
     stacked = True                     # one HF tensor per expert in the files (checkpoint/hf.py)
+    row_axis = 1                       # parts of a fused tensor follow each other along HF's out (Granite MoE)
 
     def hf_shape(self, shape):
         return (shape[0], shape[2], shape[1])
@@ -305,6 +317,10 @@ class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, 
     def read(self, sl, region, shape):
         re_, ra, rb = region
         return sl[re_, rb, ra].transpose(1, 2)
+
+
+class _ExpertsTensor(_ExpertsLinear):   # the same, one tensor for all the experts in the files (Granite MoE)
+    stacked = False
 
 
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
@@ -320,7 +336,7 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "row": _Row()}
+                           "experts_tensor": _ExpertsTensor(), "row": _Row()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -356,6 +372,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                 "granitemoe": "GraniteMoeForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
@@ -385,9 +402,11 @@ _GEMMA = ("gemma2", "gemma3_text")
 
 
 # the mixtures of experts: each is its dense family's decoder with the MLP of models/moe.py
-MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "granitemoe": "granite"}
+_TOPK_RENORMED = ("mixtral", "granitemoe")      # top-k weights renormalised, every layer, experts of ``mlp``
 # their config classes' defaults where they differ from the dense family's
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "mixtral": dict(sliding_window=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
                     num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -423,7 +442,7 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
         dense.setdefault("sliding_window", None)
     if mt == "qwen3_moe" and hf.get("head_dim") is None:
         dense["head_dim"] = int(hf["hidden_size"]) // int(hf["num_attention_heads"])
-    if mt != "mixtral" and hf.get("use_sliding_window"):
+    if mt not in _TOPK_RENORMED and hf.get("use_sliding_window"):
         raise UnsupportedHFConfig(f"{where}: use_sliding_window=True is not supported for {mt}")
     for key in ("max_position_embeddings", "rms_norm_eps"):
         if hf.get(key) is None and key in d:
@@ -433,17 +452,17 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     cfg = config_from_hf_dict(dense)
     layers = cfg.layers
     # (Qwen3MoeConfig of transformers 5 writes num_local_experts, earlier ones num_experts)
-    experts = int(get("num_local_experts") if mt == "mixtral" else
+    experts = int(get("num_local_experts") if mt in _TOPK_RENORMED else
                   hf.get("num_experts") or hf.get("num_local_experts") or d["num_experts"])
     moe_layers = None
-    if mt != "mixtral":
+    if mt not in _TOPK_RENORMED:
         step, dense_only = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
         chosen = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
         moe_layers = None if len(chosen) == layers else chosen
     return dataclasses.replace(
         cfg, model_type=mt, experts=experts, experts_top_k=int(get("num_experts_per_tok")),
-        moe_mlp=None if mt == "mixtral" else int(get("moe_intermediate_size")),
-        norm_topk_prob=True if mt == "mixtral" else bool(get("norm_topk_prob")),
+        moe_mlp=None if mt in _TOPK_RENORMED else int(get("moe_intermediate_size")),
+        norm_topk_prob=True if mt in _TOPK_RENORMED else bool(get("norm_topk_prob")),
         router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
         shared_expert_mlp=int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else 0,
         moe_layers=moe_layers)
@@ -625,7 +644,7 @@ def _check_moe_exportable(cfg: Config) -> Config:
                                       f"(it needs experts=0); choose model_type mixtral, qwen3_moe or qwen2_moe")
         return cfg
     need = dict(router_score="softmax", shared_expert_mlp=cfg.shared_expert_mlp if mt == "qwen2_moe" else 0)
-    if mt == "mixtral":
+    if mt in _TOPK_RENORMED:
         need.update(norm_topk_prob=True, moe_layers=None, moe_mlp=None)
     for key, want in need.items():
         if getattr(cfg, key) != want:
@@ -758,7 +777,7 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     out = config_to_hf(_check_moe_exportable(cfg), dtype)
     out.update(architectures=[ARCHITECTURES[mt]], model_type=mt, num_experts_per_tok=cfg.experts_top_k,
                router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=bool(cfg.router_aux_loss_coef))
-    if mt == "mixtral":
+    if mt in _TOPK_RENORMED:
         out.update(num_local_experts=cfg.experts, router_jitter_noise=0.0)
         return out
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]

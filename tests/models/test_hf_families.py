@@ -209,7 +209,7 @@ def test_loss_and_gradients_equal_transformers(saved, family):
     for name, parts in files:               # to 1e-6 of each gradient's largest entry (and 1e-8: the
         # fp32 rotary tables leave ~1e-9 on gradients that are exactly 0, as the k bias's entries
         # that partial rotary does not rotate)
-        g = hf.fuse_rows([kind.to_hf(ours[p]) for p, kind, _ in parts], cfg)
+        g = hf.fuse_rows([kind.to_hf(ours[p]) for p, kind, _ in parts], cfg, getattr(parts[0][1], "row_axis", 0))
         torch.testing.assert_close(g, hf_grads[name], rtol=1e-5, atol=max(1e-6 * hf_grads[name].abs().max().item(), 1e-8),
                                    msg=lambda m: f"{name}: {m}")
 
