@@ -26,7 +26,7 @@ import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import FUSED, HEAD_INTERLEAVED, file_name, renamed
+from functional_pp.models.llama_hf import FUSED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
@@ -47,10 +47,16 @@ def model_type_of(base_model: str | None) -> str:
 
 
 def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
-    """Module names with ``model_type``'s fused ones replaced by their parts' (``qkv_proj`` ->
-    ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``, ``up_proj``)."""
+    """Module names of ``model_type``'s model in ours: fused ones replaced by their parts'
+    (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``,
+    ``up_proj``), renamed ones by ours (Phi's ``dense`` -> ``o_proj``, ``fc1`` -> ``up_proj``)."""
     fused = {f.rsplit(".", 2)[-2]: [p.rsplit(".", 2)[-2] for p in parts] for f, parts in FUSED.get(model_type, ())}
-    return tuple(dict.fromkeys(p for m in modules for p in fused.get(m, [m])))
+    ours = {}
+    for llama_name, path, _ in LLAMA_TABLE:          # each module the family's files rename -> ours
+        name, leaf = renamed(path.format(i=0), model_type), llama_name.rsplit(".", 2)[-2]
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] != leaf:
+            ours.setdefault(name.rsplit(".", 2)[-2], path.rsplit(".", 1)[-1])
+    return tuple(dict.fromkeys(ours.get(p, p) for m in modules for p in fused.get(m, [m])))
 
 
 def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: bool) -> tuple[dict, dict, dict]:
