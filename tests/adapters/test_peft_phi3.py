@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from harness import adapted_logits, random_lora
 from safetensors.torch import load_file
 
 import functional_pp as fpp
@@ -161,12 +162,10 @@ def test_renamed_modules_adapter_directory_gives_our_logits(tmp_path):
     decls = adapters.init(llama.init(cfg), lc)
     base = hf.load_hf_params(d, cfg)
     g = torch.Generator().manual_seed(1)
-    lora = {path: {"lora_A": ab["lora_A"].data, "lora_B": 0.1 * torch.randn(ab["lora_B"].data.shape, generator=g)}
-            for path, ab in adapters.split(fpp.init(lambda: decls, seed=0))[1].items()}
+    lora = random_lora(decls, g)
     tokens = torch.randint(0, cfg.vocab, (2, 12), generator=g)
+    ours = adapted_logits(base, lora, decls, lc, cfg, tokens)
     with torch.no_grad():
-        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(adapters.joined(base, lora), decls),
-                                                 fpp.wrap(tokens, "batch seq"), cfg).value()
         out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d))
         assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["dense", "fc1", "fc2",
                                                                                          "q_proj"]
