@@ -309,6 +309,24 @@ FAMILY_PRESETS: dict[str, dict] = {
     "gemma3-1b": dict(model_type="gemma3_text", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1,
                       head_dim=256, mlp=6912, qk_norm=True, query_pre_attn_scalar=256.0, sliding_window=512,
                       rope_theta=1e6, local_rope_theta=10000.0, max_seq=32768, **_gemma(26, 6)),
+    "smollm3-3b": dict(model_type="smollm3", vocab=128256, hidden=2048, layers=36, heads=16, kv_heads=4, mlp=11008,
+                       tie_embeddings=True, rope_theta=5e6, rope_scaling=None, norm_eps=1e-6, max_seq=65536,
+                       nope_layers=tuple(range(3, 36, 4))),
+    "granite3-8b": dict(model_type="granite", vocab=49155, hidden=4096, layers=40, heads=32, kv_heads=8, mlp=12800,
+                        tie_embeddings=True, rope_theta=1e7, rope_scaling=None, norm_eps=1e-5, max_seq=131072,
+                        embedding_multiplier=12.0, residual_multiplier=0.22, query_pre_attn_scalar=16384.0,
+                        logit_scale=1 / 16),                                                   # 3.1
+    "olmo2-7b": dict(model_type="olmo2", vocab=100352, hidden=4096, layers=32, heads=32, kv_heads=32, mlp=11008,
+                     rope_theta=500000.0, rope_scaling=None, norm_eps=1e-6, max_seq=4096, pre_norms=False,
+                     sandwich_norms=True, qk_norm=True, qk_norm_heads=True),                   # 1124
+    "phi-2": dict(model_type="phi", vocab=51200, hidden=2560, layers=32, heads=32, kv_heads=32, mlp=10240,
+                  rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.4,
+                  **dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+                         mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
+    "pythia-1b": dict(model_type="gpt_neox", vocab=50304, hidden=2048, layers=16, heads=8, kv_heads=8, mlp=8192,
+                      rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.25,
+                      **dict(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                             mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True, o_bias=True)),
 }
 """The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
 
@@ -318,6 +336,9 @@ def _family_preset(cls, fields: dict, **kw) -> Config:
     if "layers" in kw and "layer_types" not in kw and fields.get("layer_types"):    # fewer layers, same pattern
         every = next(i + 1 for i, t in enumerate(fields["layer_types"]) if t == "full_attention")
         out["layer_types"] = _gemma(kw["layers"], every)["layer_types"]
+    if "layers" in kw and "nope_layers" not in kw and fields.get("nope_layers"):    # (SmolLM3's every 4th)
+        every = fields["nope_layers"][0] + 1
+        out["nope_layers"] = tuple(range(every - 1, kw["layers"], every)) or None
     return cls(**out)
 
 

@@ -152,6 +152,7 @@ def test_configs_read_each_family():
     assert hf.config_from_hf(dict(BASE, model_type="qwen3")).dim_head == 128
     # SmolLM3 without no_rope_layers: every 4th layer has no rotary (no_rope_layer_interval)
     assert hf.config_from_hf(dict(BASE, model_type="smollm3", num_hidden_layers=8)).nope_layers == (3, 7)
+    assert llama.Config.preset("smollm3-3b", layers=8).nope_layers == (3, 7)        # a preset with fewer layers
     cfg = hf.config_from_hf(transformers.GraniteConfig(**FAMILIES["granite"][2]).to_dict())
     assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.query_pre_attn_scalar, cfg.logit_scale) == (
         3.0, 0.5, 64.0, 0.25)
