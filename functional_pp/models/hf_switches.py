@@ -122,6 +122,25 @@ def _cohere_write(cfg, out: dict) -> None:
     out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
 
 
+def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
+    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                      for i in range(int(hf["num_hidden_layers"]))]
+    return dict(_cohere_read(hf, get, where), nope_layers=tuple(i for i, t in enumerate(types)
+                                                                if t == "full_attention") or None)
+
+
+def _cohere2_write(cfg, out: dict) -> None:
+    _cohere_write(cfg, out)
+    out.update(sliding_window=cfg.sliding_window,
+               layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)])
+
+
+def _full_layers(cfg) -> tuple[int, ...] | None:
+    """The layers without a window (Cohere 2's layers without rotary)."""
+    return tuple(i for i in range(cfg.layers) if cfg.window(i) is None) or None
+
+
 # --------------------------------------------------------------------------- Phi-1/2
 def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
     """The share of head_dim that rotates, from ``rope_parameters`` or the top level."""
@@ -192,6 +211,10 @@ SWITCHES: dict[str, Switches] = {
                                     kv_heads=lambda cfg: cfg.heads)),
 }
 
+SWITCHES["cohere2"] = Switches(
+    "Cohere2ForCausalLM", dict(SWITCHES["cohere"].defaults, sliding_window=4096), _cohere2_read, _cohere2_write,
+    free=("logit_scale",), windows=True, fixed=dict(SWITCHES["cohere"].fixed, nope_layers=_full_layers))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -206,7 +229,7 @@ REFUSED: dict[str, str] = {
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
-        ("cohere2", "Command R7B / Command A (cohere2)"), ("olmoe", "OLMoE"))},
+("olmoe", "OLMoE"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -610,9 +610,9 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
     window = hf["sliding_window"] if "sliding_window" in hf else _class_defaults(mt).get("sliding_window")
-    if mt in (*_GEMMA, "olmo3"):   # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6, OLMo 3: 4)
-        w = window
-        n = {"gemma2": 2, "olmo3": 4}.get(mt) or int(get("sliding_window_pattern"))
+    if mt in (*_GEMMA, "olmo3", "cohere2"):   # every n-th layer global, the others slide (Gemma 2: n = 2,
+        w = window                            # Gemma 3: 6, OLMo 3 and Cohere 2: 4)
+        n = {"gemma2": 2, "olmo3": 4, "cohere2": 4}.get(mt) or int(get("sliding_window_pattern"))
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
                                           for i in range(layers)]
     else:

@@ -67,6 +67,10 @@ FAMILIES = {
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(
         {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, logit_scale=0.5,
         pad_token_id=None, eos_token_id=None)),
+    # Command R7B / Command A: Cohere's with sliding layers and full ones without rotary
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, logit_scale=0.5, head_dim=16,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"], pad_token_id=None, eos_token_id=None)),
     # Phi-1/2: attention and a GELU MLP (not gated) in parallel from one LayerNorm, biases
     # everywhere (LayerNorms, projections, LM head), half of head_dim rotating
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
@@ -89,6 +93,7 @@ SWITCHED_OFF = {
     "olmo2": [],                         # (its switches change the parameters: equality is the check)
     "olmo3": [dict(sliding_window=None, layer_types=None), dict(local_rope_theta=None)],
     "cohere": [dict(rotary_interleaved=False), dict(logit_scale=1.0)],
+    "cohere2": [dict(sliding_window=None, layer_types=None), dict(nope_layers=None)],
     "phi": [dict(partial_rotary_factor=1.0)],
     "gpt_neox": [dict(partial_rotary_factor=1.0)],
 }
@@ -158,6 +163,8 @@ def test_configs_read_each_family():
         3.0, 0.5, 64.0, 0.25)
     cfg = hf.config_from_hf(transformers.CohereConfig(**FAMILIES["cohere"][2]).to_dict())
     assert (cfg.parallel_block, cfg.norm_kind, cfg.rotary_interleaved, cfg.tie_embeddings) == (True, "layer", True, True)
+    cfg = hf.config_from_hf(dict(BASE, model_type="cohere2", num_hidden_layers=8))      # (3 sliding to 1 full)
+    assert (cfg.nope_layers, cfg.layer_types[:4]) == ((3, 7), ("sliding_attention",) * 3 + ("full_attention",))
     cfg = hf.config_from_hf(transformers.PhiConfig(**FAMILIES["phi"][2]).to_dict())
     assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.mlp_gated, cfg.mlp_act, cfg.norm_bias) == (
         0.5, 8, False, "gelu_tanh", True)
