@@ -45,7 +45,7 @@ class Switches:
     def need(self, cfg) -> dict[str, Any]:
         """The Config fields export requires of ``cfg`` for this class."""
         need = {k: v for k, v in PLAIN.items() if k not in self.free}
-        need.update(qkv_bias=cfg.o_bias, qk_norm=False)
+        need.update({k: v for k, v in dict(qkv_bias=cfg.o_bias, qk_norm=False).items() if k not in self.free})
         if not self.windows:
             need["sliding_window"] = None
         need.update({k: v(cfg) if callable(v) else v for k, v in self.fixed.items()})
@@ -150,7 +150,7 @@ def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
 
 def _phi_read(hf: dict, get: Get, where: str) -> dict:
     if hf.get("qk_layernorm"):
-        raise ValueError(f"{where}: qk_layernorm=True is not supported (Phi-1/2 checkpoints have none)")
+        raise ValueError(f"{where}: qk_layernorm=True (a LayerNorm per head of q and k) is not supported yet")
     return dict(partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")),
                 norm_eps=float(get("layer_norm_eps")))
 
@@ -160,6 +160,21 @@ def _phi_write(cfg, out: dict) -> None:
     out.update(layer_norm_eps=out.pop("rms_norm_eps"), hidden_act="gelu_new", qk_layernorm=False,
                partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
     out.pop("attention_bias", None)
+
+
+# --------------------------------------------------------------------------- StableLM
+def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
+    if float(hf.get("hidden_dropout") or 0.0):
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+    return dict(_phi_read(hf, get, where), parallel_block=bool(get("use_parallel_residual")),
+                qkv_bias=bool(get("use_qkv_bias")))
+
+
+def _stablelm_write(cfg, out: dict) -> None:
+    _phi_write(cfg, out)
+    del out["resid_pdrop"], out["embd_pdrop"]
+    out.update(hidden_act="silu", use_qkv_bias=cfg.qkv_bias, use_parallel_residual=cfg.parallel_block,
+               hidden_dropout=0.0)
 
 
 # --------------------------------------------------------------------------- GPT-NeoX
@@ -215,6 +230,12 @@ SWITCHES["cohere2"] = Switches(
     "Cohere2ForCausalLM", dict(SWITCHES["cohere"].defaults, sliding_window=4096), _cohere2_read, _cohere2_write,
     free=("logit_scale",), windows=True, fixed=dict(SWITCHES["cohere"].fixed, nope_layers=_full_layers))
 
+SWITCHES["stablelm"] = Switches(
+    "StableLmForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.25,
+                                use_qkv_bias=False, use_parallel_residual=False),
+    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias"),
+    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -225,7 +246,7 @@ REFUSED: dict[str, str] = {
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
         ("granitemoeshared", "Granite MoE (shared experts)"),
-("stablelm", "StableLM"), ("gptj", "GPT-J"), ("falcon", "Falcon"),
+("gptj", "GPT-J"), ("falcon", "Falcon"),
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),

@@ -71,6 +71,10 @@ FAMILIES = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
         {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, logit_scale=0.5, head_dim=16,
         sliding_window=5, layer_types=["sliding_attention", "full_attention"], pad_token_id=None, eos_token_id=None)),
+    # StableLM 2: LayerNorms with biases, q/k/v biases, a quarter of head_dim rotating
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
+        {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, use_qkv_bias=True,
+        pad_token_id=None, eos_token_id=None, bos_token_id=None)),
     # Phi-1/2: attention and a GELU MLP (not gated) in parallel from one LayerNorm, biases
     # everywhere (LayerNorms, projections, LM head), half of head_dim rotating
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
@@ -94,6 +98,7 @@ SWITCHED_OFF = {
     "olmo3": [dict(sliding_window=None, layer_types=None), dict(local_rope_theta=None)],
     "cohere": [dict(rotary_interleaved=False), dict(logit_scale=1.0)],
     "cohere2": [dict(sliding_window=None, layer_types=None), dict(nope_layers=None)],
+    "stablelm": [dict(partial_rotary_factor=1.0)],
     "phi": [dict(partial_rotary_factor=1.0)],
     "gpt_neox": [dict(partial_rotary_factor=1.0)],
 }
@@ -163,6 +168,8 @@ def test_configs_read_each_family():
         3.0, 0.5, 64.0, 0.25)
     cfg = hf.config_from_hf(transformers.CohereConfig(**FAMILIES["cohere"][2]).to_dict())
     assert (cfg.parallel_block, cfg.norm_kind, cfg.rotary_interleaved, cfg.tie_embeddings) == (True, "layer", True, True)
+    cfg = hf.config_from_hf(dict(BASE, model_type="stablelm", use_parallel_residual=True))   # StableLM 3B's
+    assert (cfg.parallel_block, cfg.parallel_mlp_norm, cfg.qkv_bias, cfg.rotary_dim) == (True, False, False, 4)
     cfg = hf.config_from_hf(dict(BASE, model_type="cohere2", num_hidden_layers=8))      # (3 sliding to 1 full)
     assert (cfg.nope_layers, cfg.layer_types[:4]) == ((3, 7), ("sliding_attention",) * 3 + ("full_attention",))
     cfg = hf.config_from_hf(transformers.PhiConfig(**FAMILIES["phi"][2]).to_dict())
