@@ -236,6 +236,10 @@ SWITCHES["stablelm"] = Switches(
     _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias"),
     fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
 
+SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is not gated, of squared ReLU
+    "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _nothing, _nothing_more,
+    hidden_act="relu2", fixed=dict(mlp_gated=False, mlp_act="relu2"))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -247,7 +251,7 @@ REFUSED: dict[str, str] = {
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
         ("granitemoeshared", "Granite MoE (shared experts)"),
 ("gptj", "GPT-J"), ("falcon", "Falcon"),
-        ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), ("arcee", "Arcee AFM"),
+        ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), 
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
 ("olmoe", "OLMoE"))},

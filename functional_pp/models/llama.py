@@ -51,7 +51,7 @@ def _scaling_to_dict(s) -> dict | None:
         return None
     kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
     return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
-MLP_ACTS = ("silu", "gelu_tanh", "gelu")
+MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
 NORM_KINDS = ("rms", "layer")
 
 
@@ -147,7 +147,7 @@ class Config:
     # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias), with a bias (Phi)
     norm_kind: str = "rms"
     norm_bias: bool = False
-    # the MLP: gated (act(gate) * up, then down) or not (Phi-1/2: down(act(up))), biases of its
+    # the MLP: gated (act(gate) * up, then down) or not (Phi-1/2, Arcee: down(act(up))), biases of its
     # projections, and a bias of the LM head (Phi)
     mlp_gated: bool = True
     mlp_bias: bool = False
@@ -478,7 +478,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     return norm_at(p, "post_attention_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
-_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu}
+_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
+         "relu2": lambda x: ops.square(ops.relu(x))}             # (Arcee's squared ReLU)
 _GATES = {"silu": ops.swiglu, **{k: lambda gate, up, act=act: act(gate) * up for k, act in _ACTS.items() if k != "silu"}}
 
 

@@ -738,6 +738,7 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if mt in ("llama", "qwen3", *_GEMMA, *SWITCHES):
         out["attention_bias"] = cfg.o_bias
     if mt in SWITCHES:
+        out["hidden_act"] = SWITCHES[mt].hidden_act
         SWITCHES[mt].write(cfg, out)
         pad = SWITCHES[mt].defaults.get("pad_token_id")     # the class's pad id, where the vocabulary holds it
         out["pad_token_id"] = pad if pad is not None and pad < cfg.vocab else None

@@ -75,6 +75,8 @@ FAMILIES = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
         {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, use_qkv_bias=True,
         pad_token_id=None, eos_token_id=None, bos_token_id=None)),
+    # Arcee AFM: an MLP that is not gated, of squared ReLU
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(BASE, pad_token_id=None, eos_token_id=None, bos_token_id=None)),
     # Phi-1/2: attention and a GELU MLP (not gated) in parallel from one LayerNorm, biases
     # everywhere (LayerNorms, projections, LM head), half of head_dim rotating
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
@@ -99,6 +101,7 @@ SWITCHED_OFF = {
     "cohere": [dict(rotary_interleaved=False), dict(logit_scale=1.0)],
     "cohere2": [dict(sliding_window=None, layer_types=None), dict(nope_layers=None)],
     "stablelm": [dict(partial_rotary_factor=1.0)],
+    "arcee": [dict(mlp_act="gelu")],
     "phi": [dict(partial_rotary_factor=1.0)],
     "gpt_neox": [dict(partial_rotary_factor=1.0)],
 }
