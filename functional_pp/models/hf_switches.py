@@ -41,6 +41,9 @@ class Switches:
     kinds: dict[str, str] = field(default_factory=dict)
     windows: bool = False           # sliding windows in config.json (read by llama_hf._window)
     hidden_act: str = "silu"        # the one hidden_act of config.json the family reads
+    # config.json with the keys every family shares (hidden_size, ...) added from the family's own
+    # (GPT-J's n_embd, ...), before anything is read
+    prepare: Callable[[dict], dict] | None = None
 
     def need(self, cfg) -> dict[str, Any]:
         """The Config fields export requires of ``cfg`` for this class."""
@@ -240,6 +243,32 @@ SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is no
     "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _nothing, _nothing_more,
     hidden_act="relu2", fixed=dict(mlp_gated=False, mlp_act="relu2"))
 
+def _gptj_prepare(hf: dict) -> dict:
+    """GPT-J's config.json keys as the shared ones (GPTJConfig's defaults where left out)."""
+    hidden, heads = int(hf.get("n_embd", 4096)), int(hf.get("n_head", 16))
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 28), num_attention_heads=heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, max_position_embeddings=hf.get("n_positions", 2048),
+                layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation_function", "gelu_new"),
+                attention_dropout=hf.get("attn_pdrop"),
+                partial_rotary_factor=(hf.get("rotary_dim") or hidden // heads) / (hidden // heads))
+
+
+def _gptj_write(cfg, out: dict) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "attention_dropout",
+                "attention_bias", "rope_parameters", "rope_scaling", "rope_theta"):
+        out.pop(key, None)
+    out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
+               rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
+    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write, free=("partial_rotary_factor",),
+    hidden_act="gelu_new", prepare=_gptj_prepare,
+    fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
+               kv_heads=lambda cfg: cfg.heads))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -250,7 +279,7 @@ REFUSED: dict[str, str] = {
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
         ("granitemoeshared", "Granite MoE (shared experts)"),
-("gptj", "GPT-J"), ("falcon", "Falcon"),
+("falcon", "Falcon"),
         ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), 
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),

@@ -176,6 +176,11 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
     "granitemoe": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.router.layer.weight"),
                    (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.output_linear.weight"),
                    (r"\.mlp\.experts\.", ".block_sparse_moe.experts.")),
+    # GPT-J: transformer.h.{i}, attn, out_proj, ln_1, fc_in / fc_out, wte, ln_f
+    "gptj": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.h."),
+             (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."),
+             (r"\.input_layernorm\.", ".ln_1."), (r"\.mlp\.up_proj\.", ".mlp.fc_in."),
+             (r"\.mlp\.down_proj\.", ".mlp.fc_out."), (r"^model\.norm\.", "transformer.ln_f.")),
     # GPT-NeoX / Pythia: everything under gpt_neox., its own module names, the LM head embed_out
     "gpt_neox": ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."), (r"^model\.layers\.", "gpt_neox.layers."),
                  (r"\.self_attn\.o_proj\.", ".attention.dense."), (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
@@ -480,6 +485,8 @@ def config_from_hf_dict(hf: dict) -> Config:
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
+    if mt in SWITCHES and SWITCHES[mt].prepare is not None:       # (GPT-J's own key names)
+        hf = SWITCHES[mt].prepare(hf)
     where = f"HF {mt} config"
     defaults = _class_defaults(mt)
 

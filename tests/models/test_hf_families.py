@@ -77,6 +77,10 @@ FAMILIES = {
         pad_token_id=None, eos_token_id=None, bos_token_id=None)),
     # Arcee AFM: an MLP that is not gated, of squared ReLU
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(BASE, pad_token_id=None, eos_token_id=None, bos_token_id=None)),
+    # GPT-J: its own config keys (n_embd, ...), Phi's parallel block without attention biases, the
+    # first rotary_dim entries of each head rotating in interleaved pairs
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_inner=128,
+                                                   rotary_dim=8, n_positions=128, bos_token_id=None, eos_token_id=None)),
     # Phi-1/2: attention and a GELU MLP (not gated) in parallel from one LayerNorm, biases
     # everywhere (LayerNorms, projections, LM head), half of head_dim rotating
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
@@ -102,6 +106,7 @@ SWITCHED_OFF = {
     "cohere2": [dict(sliding_window=None, layer_types=None), dict(nope_layers=None)],
     "stablelm": [dict(partial_rotary_factor=1.0)],
     "arcee": [dict(mlp_act="gelu")],
+    "gptj": [dict(partial_rotary_factor=1.0), dict(rotary_interleaved=False)],
     "phi": [dict(partial_rotary_factor=1.0)],
     "gpt_neox": [dict(partial_rotary_factor=1.0)],
 }
@@ -112,9 +117,9 @@ def hf_model(family, dtype=torch.float32, seed=0):
     conf, cls, kw = FAMILIES[family]
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).to(dtype).eval()
-    with torch.no_grad():                # O(1) logits, non-trivial norms and biases
+    with torch.no_grad():                # O(1) logits, non-trivial norms and biases (GPT-J's: ln_1, ln_f)
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name or ".ln_" in name else 0.1 * torch.randn_like(p))
     model.config._attn_implementation = "eager"
     return model
 
