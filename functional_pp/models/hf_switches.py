@@ -1,8 +1,10 @@
 """The Hugging Face families that are the Llama decoder plus a few switches of
 :class:`~functional_pp.models.llama.Config` (docs/models.md, "Decoder families"): SmolLM3 (NoPE
 layers), Granite (embedding / residual / attention / logit multipliers), OLMo 2 and OLMo 3
-(norms after each block only, q/k norms over every head; OLMo 3's sliding windows) and Cohere
-(attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale).
+(norms after each block only, q/k norms over every head; OLMo 3's sliding windows), Cohere and
+Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale; Cohere
+2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
+biases, partial rotary, GELU MLPs that are not gated, parallel blocks) and Arcee (squared ReLU).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -93,12 +95,13 @@ def _granite_write(cfg, out: dict) -> None:
 
 
 # --------------------------------------------------------------------------- OLMo 2 / 3
-def _nothing(hf: dict, get: Get, where: str) -> dict:
+def _no_fields(hf: dict, get: Get, where: str) -> dict:
+    """A family whose config.json carries no switch of its own (its switches are ``fixed``)."""
     return {}
 
 
-def _nothing_more(cfg, out: dict) -> None:
-    pass
+def _no_keys(cfg, out: dict) -> None:
+    """A family whose config.json has no keys of its own to write."""
 
 
 def _olmo3_write(cfg, out: dict) -> None:
@@ -208,10 +211,10 @@ SWITCHES: dict[str, Switches] = {
                         _granite_read, _granite_write,
                         free=("embedding_multiplier", "residual_multiplier", "logit_scale")),
     "olmo2": Switches("Olmo2ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, pad_token_id=1),
-                      _nothing, _nothing_more, **_OLMO),
+                      _no_fields, _no_keys, **_OLMO),
     "olmo3": Switches("Olmo3ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
                                                pad_token_id=1),
-                      _nothing, _olmo3_write, windows=True, **_OLMO),
+                      _no_fields, _olmo3_write, windows=True, **_OLMO),
     "cohere": Switches("CohereForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=8192,
                                                  logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
                        _cohere_read, _cohere_write, free=("logit_scale",),
@@ -240,7 +243,7 @@ SWITCHES["stablelm"] = Switches(
     fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
 
 SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is not gated, of squared ReLU
-    "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _nothing, _nothing_more,
+    "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _no_fields, _no_keys,
     hidden_act="relu2", fixed=dict(mlp_gated=False, mlp_act="relu2"))
 
 def _gptj_prepare(hf: dict) -> dict:
