@@ -116,6 +116,22 @@ def our_logits(params, cfg, toks):
         return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
 
+def random_lora(decls, g: torch.Generator) -> dict:
+    """Full adapters of ``decls`` (``adapters.init``): A as initialised, B random (nonzero, so
+    that the adapters act)."""
+    from functional_pp import adapters
+    return {p: {"lora_A": ab["lora_A"].data, "lora_B": 0.1 * torch.randn(ab["lora_B"].data.shape, generator=g)}
+            for p, ab in adapters.split(fpp.init(lambda: decls, seed=0))[1].items()}
+
+
+def adapted_logits(base, lora, decls, lc, cfg, toks) -> torch.Tensor:
+    """Our logits of ``toks`` with the adapters ``lora`` (config ``lc``) on ``base``."""
+    from functional_pp import adapters
+    with torch.no_grad():
+        return adapters.adapt(llama.forward, lc)(sharding.named_tree(adapters.joined(base, lora), decls),
+                                                 fpp.wrap(toks, "batch seq"), cfg).value()
+
+
 def assert_export_round_trip(hf_dir, out_dir, model_type: str, hf_class: str, **load_kw):
     """Export of a Hugging Face directory's model (weights moved off the file's values) writes
     ``model_type`` / ``hf_class``, which transformers loads with our logits, and which we read

@@ -17,16 +17,17 @@ import torch
 from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.adapters.peft_fused import model_type_of, part_names
-from functional_pp.models.llama_hf import hf_name
+from functional_pp.models.llama_hf import hf_name, renamed
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_MAGNITUDE = "lora_magnitude_vector"
 
 
-def module_name(path: str) -> str:
-    """The Hugging Face module of our weight path (``layers.0.self_attn.q_proj`` ->
-    ``model.layers.0.self_attn.q_proj``)."""
+def module_name(path: str, model_type: str = "llama") -> str:
+    """The Hugging Face module of our weight path in ``model_type``'s model
+    (``layers.0.self_attn.q_proj`` -> ``model.layers.0.self_attn.q_proj``; Phi's ``o_proj`` ->
+    ``model.layers.0.self_attn.dense``)."""
     name = hf_name(path)
     if name is not None and ".experts." in name:
         raise ValueError(f"PEFT adapter: {path!r} adapts the experts ({name}), which transformers 5 fuses into "
@@ -35,17 +36,17 @@ def module_name(path: str) -> str:
                          f"(functional-pp export, docs/adapters.md)")
     if name is None or not name.endswith(".weight"):
         raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")
-    return name[:-len(".weight")]
+    return renamed(path, model_type)[:-len(".weight")]
 
 
-def to_peft(lora: dict) -> dict[str, torch.Tensor]:
+def to_peft(lora: dict, model_type: str = "llama") -> dict[str, torch.Tensor]:
     """Full adapter tensors ``{weight path: {"lora_A", "lora_B"}}`` (``adapters.split``) -> peft's
-    state dict (Llama's module names: for a family with fused modules see :func:`save_adapter`)."""
+    state dict (``model_type``'s module names: for a family with fused modules see :func:`save_adapter`)."""
     out = {}
     for path, ab in lora.items():
         a, b = ab["lora_A"], ab["lora_B"]
         r = a.shape[-1]
-        m = PREFIX + module_name(path)
+        m = PREFIX + module_name(path, model_type)
         out[m + ".lora_A.weight"] = a.reshape(-1, r).T.contiguous()
         out[m + ".lora_B.weight"] = b.reshape(r, -1).T.contiguous()
         if MAGNITUDE in ab:
@@ -83,7 +84,7 @@ def from_peft(tensors: dict[str, torch.Tensor], decls: Any, model_type: str = "l
     for path, ab in want.items():
         if path in fused:
             continue
-        module = module_name(path)
+        module = module_name(path, model_type)
         m = PREFIX + module
         names = (m + ".lora_A.weight", m + ".lora_B.weight")
         missing = [n for n in names if n not in tensors]
@@ -136,11 +137,13 @@ def module_scales(conf: dict) -> Callable[[str], float]:
     return scale
 
 
-def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = None) -> dict:
-    """``adapter_config.json`` of a LoRA run adapting ``targets`` (our paths)."""
+def peft_config(cfg: LoraConfig, targets: list[str], base_model: str | None = None, model_type: str = "llama") -> dict:
+    """``adapter_config.json`` of a LoRA run adapting ``targets`` (our paths; their modules named
+    as in ``model_type``'s model)."""
+    modules = {module_name(p, model_type).rsplit(".", 1)[-1] for p in targets}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": float(cfg.dropout),
-            "target_modules": sorted({p.rsplit(".", 1)[-1] for p in targets}), "use_rslora": cfg.rslora,
+            "target_modules": sorted(modules), "use_rslora": cfg.rslora,
             "use_dora": cfg.dora, "modules_to_save": list(cfg.modules_to_save) or None, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
@@ -156,7 +159,7 @@ def _saved_paths(modules: Any, tree: Any, model_type: str) -> dict[str, str]:
         if not any("." + m + "." in "." + path + "." for m in modules):
             continue
         where = file_name(path, model_type)
-        if where is None or hf_kind(path) is None or fused_module(path, model_type) is not None:
+        if where is None or hf_kind(path, model_type) is None or fused_module(path, model_type) is not None:
             raise ValueError(f"PEFT adapter: modules_to_save {path!r} has no Hugging Face module of its own in "
                              f"{model_type}'s files: export the merged model (functional-pp export "
                              f"--merge-adapter) instead")
@@ -176,13 +179,14 @@ def load_saved_modules(path: str | os.PathLike, decls: Any, lora: LoraConfig, ba
     from functional_pp.core.tree import leaves_with_paths
     from functional_pp.models.llama_hf import KINDS, hf_kind
     base = split(decls)[0]
-    names = _saved_paths(lora.modules_to_save, base, model_type_of(base_model or _dir_base(path)))
+    model_type = model_type_of(base_model or _dir_base(path))
+    names = _saved_paths(lora.modules_to_save, base, model_type)
     by_path, out = dict(leaves_with_paths(base)), {}
     with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
         have = set(f.keys())
         for p, name in names.items():
             d = by_path[p]
-            kind = KINDS[hf_kind(p)]
+            kind = KINDS[hf_kind(p, model_type)]
             if name not in have or tuple(f.get_slice(name).get_shape()) != kind.hf_shape(tuple(d.shape)):
                 raise ValueError(f"PEFT adapter {path}: {name} {list(kind.hf_shape(tuple(d.shape)))} is missing or "
                                  f"misshapen (for modules_to_save {p}): the adapter was saved without it")
@@ -207,7 +211,7 @@ def _modules_to_save(cfg: LoraConfig, base: Any, model_type: str) -> dict[str, t
         raise ValueError(f"PEFT adapter export: modules_to_save {list(cfg.modules_to_save)} are trained whole: pass "
                          f"the full base tree (base=adapters.split(params)[0]) to write them")
     weights = dict(leaves_with_paths(base))
-    return {name: KINDS[hf_kind(p)].to_hf(weights[p].detach()).contiguous()
+    return {name: KINDS[hf_kind(p, model_type)].to_hf(weights[p].detach()).contiguous()
             for p, name in _saved_paths(cfg.modules_to_save, base, model_type).items()}
 
 
@@ -229,9 +233,9 @@ def save_adapter(out: str | os.PathLike, lora: dict, cfg: LoraConfig, base_model
     if fused and base is None:
         raise ValueError(f"PEFT adapter export: {sorted(fused)[0]} is part of a fused {model_type} module: pass the "
                          f"full base tree (base=adapters.split(params)[0]) to write its fused adapter")
-    tensors = to_peft({p: ab for p, ab in lora.items() if p not in fused})
+    tensors = to_peft({p: ab for p, ab in lora.items() if p not in fused}, model_type)
     tensors.update(saved)
-    conf = peft_config(cfg, [p for p in lora if p not in fused], base_model)
+    conf = peft_config(cfg, [p for p in lora if p not in fused], base_model, model_type)
     if fused:
         more, ranks, alphas = fused_peft({p: lora[p] for p in fused}, base, model_type, cfg.scale, cfg.rslora)
         tensors.update({PREFIX + k: v.contiguous() for k, v in more.items()})

@@ -26,7 +26,7 @@ import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import FUSED, file_name, hf_name
+from functional_pp.models.llama_hf import FUSED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
@@ -35,9 +35,9 @@ def fused_module(path: str, model_type: str) -> str | None:
     """The fused Hugging Face module holding our weight ``path`` in ``model_type``'s files
     (``layers.0.self_attn.k_proj`` -> ``model.layers.0.self_attn.qkv_proj`` for ``phi3``), or None."""
     where = file_name(path, model_type)
-    if where is None or where[0] == hf_name(path):
+    if where is None or where[0] == renamed(path, model_type):
         return None
-    return where[0][:-len(".weight")]
+    return where[0].rsplit(".", 1)[0]
 
 
 def model_type_of(base_model: str | None) -> str:
@@ -47,10 +47,16 @@ def model_type_of(base_model: str | None) -> str:
 
 
 def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
-    """Module names with ``model_type``'s fused ones replaced by their parts' (``qkv_proj`` ->
-    ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``, ``up_proj``)."""
+    """Module names of ``model_type``'s model in ours: fused ones replaced by their parts'
+    (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``,
+    ``up_proj``), renamed ones by ours (Phi's ``dense`` -> ``o_proj``, ``fc1`` -> ``up_proj``)."""
     fused = {f.rsplit(".", 2)[-2]: [p.rsplit(".", 2)[-2] for p in parts] for f, parts in FUSED.get(model_type, ())}
-    return tuple(dict.fromkeys(p for m in modules for p in fused.get(m, [m])))
+    ours = {}
+    for llama_name, path, _ in LLAMA_TABLE:          # each module the family's files rename -> ours
+        name, leaf = renamed(path.format(i=0), model_type), llama_name.rsplit(".", 2)[-2]
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] != leaf:
+            ours.setdefault(name.rsplit(".", 2)[-2], path.rsplit(".", 1)[-1])
+    return tuple(dict.fromkeys(ours.get(p, p) for m in modules for p in fused.get(m, [m])))
 
 
 def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: bool) -> tuple[dict, dict, dict]:
@@ -69,6 +75,9 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
         adapted = [p for p in paths if p in lora]
         if not adapted:
             continue
+        if model_type in HEAD_INTERLEAVED:
+            raise ValueError(f"PEFT adapter: {module} of {model_type} holds q, k and v head by head; adapters of it "
+                             f"are not supported yet: export the merged model (functional-pp export --merge-adapter)")
         k = lora[adapted[0]]["lora_A"].ndim - 1            # (the parts share their input dimensions)
         r = lora[adapted[0]]["lora_A"].shape[-1]
         rows = [math.prod(weights[p].shape[k:]) for p in paths]

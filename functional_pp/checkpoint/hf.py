@@ -1,7 +1,7 @@
 """Hugging Face safetensors directories <-> functional decoder parameters: reading a model
 directory (single file or sharded with an index; pickles refused) and writing one (shards +
 index + ``config.json``), for every ``model_type`` of
-:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3; the
+:data:`functional_pp.models.llama_hf.MODEL_TYPES` (llama, mistral, qwen2, qwen3, ...; the
 ``load_hf_llama`` / ``save_hf_llama`` names are kept for all of them). The name / layout
 mapping it applies lives beside the model, in :mod:`functional_pp.models.llama_hf`
 (re-exported here under its old names).
@@ -36,16 +36,17 @@ from functional_pp.parallel.shard_map import active_rules
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
-    "permute_for_rotate_half", "unpermute_from_rotate_half",
+    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows",
 ]
 
-from functional_pp.models.llama_hf import (IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig, check_exportable,
+from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig,
+                                           check_exportable,
                                            config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 
-def _kind_of(path: str) -> str:
-    kind = hf_kind(path)
+def _kind_of(path: str, model_type: str = "llama") -> str:
+    kind = hf_kind(path, model_type)
     if kind is None:
         raise CheckpointMismatchError(f"{path}: no entry of the HF decoder table maps this parameter")
     return kind
@@ -231,10 +232,12 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
         decls = llama.init(cfg, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
     root, weight_map, files = _hf_files(Path(path))
+    interleaved = getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
         for name, parts in _file_tensors(decls, cfg):
-            want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts])
+            axis = _row_axis(parts)
+            want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
@@ -248,9 +251,10 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
-            for p, kind, d in parts:      # a part of a fused tensor: its rows from ``offset``
-                rows = kind.hf_shape(tuple(d.shape))[0]
-                plan[p] = (name, kind, d, (offset, rows) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
+            for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
+                rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, head by head, rows j of each head's)
+                plan[p] = (name, kind, d, (_HEADS, j, len(parts), d.shape[-1]) if len(parts) > 1 and interleaved
+                           else (offset, rows, axis) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
@@ -278,6 +282,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 sl = reader.slice(name)
                 if rows is not None and rows[0] is _GROWN:
                     sl = _GrownRows(sl, rows[1])
+                elif rows is not None and rows[0] is _HEADS:
+                    sl = _HeadRows(sl, *rows[1:])
                 elif rows is not None:
                     sl = _Rows(sl, *rows)
                 t = kind.read(sl, region, shape)
@@ -302,19 +308,46 @@ def _file_tensors(decls: Any, cfg) -> list[tuple[str, list[tuple[str, Any, Any]]
         if found is None:
             raise CheckpointMismatchError(f"{p}: no entry of the HF decoder table maps this parameter")
         name, part = found
-        out.setdefault(name, []).append((part, p, KINDS[_kind_of(p)], d))
+        out.setdefault(name, []).append((part, p, KINDS[_kind_of(p, mt)], d))
     return [(name, [(p, kind, d) for _, p, kind, d in sorted(parts, key=lambda x: x[0])])
             for name, parts in out.items()]
 
 
-def _fused_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The HF shape of parts stacked along the rows (one part: its own shape)."""
+def _fused_shape(shapes: list[tuple[int, ...]], axis: int = 0) -> tuple[int, ...]:
+    """The HF shape of parts stacked along the rows, dimension ``axis`` (one part: its own shape)."""
     if len(shapes) == 1:
         return shapes[0]
-    return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1:])
 
 
-_GROWN = object()
+def _row_axis(parts: list) -> int:
+    """The dimension of the HF tensor along which ``parts`` (``(path, kind, decl)``) are fused:
+    the rows (0), the rows of each expert for the experts' kinds (1: Granite MoE's input_linear)."""
+    return getattr(parts[0][1], "row_axis", 0)
+
+
+_GROWN, _HEADS = object(), object()
+
+
+class _HeadRows:
+    """A slice handle of part ``j`` of ``n`` of a fused HF tensor that holds its parts head by
+    head (GPT-NeoX's ``query_key_value``: rows ``[h * n * d + j * d, h * n * d + (j + 1) * d)``
+    are head h's rows of part j, ``d`` rows a head)."""
+
+    def __init__(self, sl, j: int, n: int, d: int):
+        self.sl, self.j, self.n, self.d = sl, j, n, d
+
+    def __getitem__(self, idx):
+        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
+        start, stop = first.start or 0, first.stop
+        if first.step not in (None, 1) or stop is None:
+            raise ValueError("fused tensor parts are read in contiguous row ranges")
+        blocks = []
+        for h in range(start // self.d, -(-stop // self.d)):         # each head's rows of the part
+            lo, hi = max(start, h * self.d), min(stop, (h + 1) * self.d)
+            base = h * self.n * self.d + self.j * self.d - h * self.d
+            blocks.append(self.sl[(slice(base + lo, base + hi), *rest)])
+        return torch.cat(blocks)
 
 
 class _GrownRows:
@@ -336,17 +369,18 @@ class _GrownRows:
 
 
 class _Rows:
-    """A slice handle of the rows ``[offset, offset + n)`` of a fused HF tensor."""
+    """A slice handle of the rows ``[offset, offset + n)`` (along dimension ``axis``) of a fused HF tensor."""
 
-    def __init__(self, sl, offset: int, n: int):
-        self.sl, self.offset, self.n = sl, offset, n
+    def __init__(self, sl, offset: int, n: int, axis: int = 0):
+        self.sl, self.offset, self.n, self.axis = sl, offset, n, axis
 
     def __getitem__(self, idx):
-        first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
-        start, stop, step = first.indices(self.n)
+        idx = list(idx) if isinstance(idx, tuple) else [idx]
+        start, stop, step = idx[self.axis].indices(self.n)
         if step != 1:
             raise ValueError("fused tensor parts are read in contiguous row ranges")
-        return self.sl[(slice(self.offset + start, self.offset + stop), *rest)]
+        idx[self.axis] = slice(self.offset + start, self.offset + stop)
+        return self.sl[tuple(idx)]
 
 
 def load_hf_llama(path: str | os.PathLike, *, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
@@ -410,10 +444,11 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
             dt = dtype or have
             dtypes.add(dt)
 
-        def make(produced=produced, dt=dt):      # one tensor, or the parts fused along the rows
-            ts = [kind.to_hf(produce()).to(dt) for kind, produce, _ in produced]
-            return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
-        shape = _fused_shape([s for *_, s in produced])
+        axis = getattr(produced[0][0], "row_axis", 0)
+
+        def make(produced=produced, dt=dt, axis=axis):      # one tensor, or the parts fused along the rows
+            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis)
+        shape = _fused_shape([s for *_, s in produced], axis)
         if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
 
@@ -428,6 +463,19 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
         else:
             items.append((name, dt, shape, make))
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
+
+
+def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0) -> torch.Tensor:
+    """The HF tensor of ``parts`` (each in HF's layout) fused along the rows (dimension ``axis``:
+    1 for the experts' ``[E, out, in]``): one part after the other (Phi-3, Granite MoE), or head
+    by head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each head's rows of every
+    part in turn); one part is itself."""
+    if len(parts) == 1:
+        return parts[0]
+    if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:
+        d = cfg.dim_head
+        return torch.stack([t.reshape(-1, d, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
+    return torch.cat(parts, axis)
 
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,

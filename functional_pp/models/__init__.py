@@ -1,8 +1,9 @@
 """Model definitions as pure functions over named parameter pytrees, and the registry of model
 families the training loop looks them up in (:mod:`functional_pp.models.family`); the decoder
 of :mod:`functional_pp.models.llama` is registered here as ``"llama"``: Llama and the Hugging
-Face families that are its configurations (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3;
-``Config.model_type``, docs/models.md)."""
+Face families that are its configurations (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, the
+mixtures of experts, SmolLM3, Granite, OLMo 2/3, Cohere, Phi-1/2, GPT-NeoX; ``Config.model_type``,
+docs/models.md)."""
 from functional_pp.models import llama, llama_hf
 from functional_pp.models.family import ModelFamily, UnknownFamilyError, family_names, get_family, register, unregister
 

@@ -4,7 +4,10 @@ few switches (docs/models.md, "Decoder families"): Mistral (sliding-window atten
 (q/k/v biases), Qwen3 (per-head RMSNorm of q and k, explicit head_dim), Phi-3 (only its files
 differ: fused projections), Gemma 2 (tanh-GELU GLU, 1 + w sandwich norms, scaled embedding,
 soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local layers), tied
-embeddings. ``Config.model_type`` names the Hugging Face architecture a config is (and exports as).
+embeddings; SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2/3 (norms after each block, q/k
+norms over every head), Cohere, Phi-1/2 and GPT-NeoX (attention and MLP in parallel, LayerNorm,
+partial or interleaved rotary, biases; models/hf_switches.py). ``Config.model_type`` names the
+Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
 ``layers.N.self_attn.q_proj``); weights are stored input-dimension first with heads and
@@ -48,7 +51,8 @@ def _scaling_to_dict(s) -> dict | None:
         return None
     kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
     return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
-MLP_ACTS = ("silu", "gelu_tanh")
+MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
+NORM_KINDS = ("rms", "layer")
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,35 @@ class Config:
     moe_layers: tuple[int, ...] | None = None
     router_z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    # NoPE layers: the layers whose attention has no rotary (SmolLM3's every 4th; None: all rotate)
+    nope_layers: tuple[int, ...] | None = None
+    # partial rotary: the share of head_dim that rotates (its first entries; Phi-1/2, GPT-NeoX)
+    partial_rotary_factor: float = 1.0
+    # the rotary's pairs are (2i, 2i + 1) of head_dim (Cohere), not (i, i + head_dim / 2)
+    rotary_interleaved: bool = False
+    # norms before attention and before the MLP (False: OLMo 2, whose only norms are
+    # sandwich_norms' after attention and after the MLP)
+    pre_norms: bool = True
+    # q/k norms over every head at once (OLMo 2: weights heads x head_dim), not per head
+    qk_norm_heads: bool = False
+    # Granite's multipliers: the embedding times embedding_multiplier, each residual branch
+    # (attention, MLP) times residual_multiplier; the logits times logit_scale (Granite's
+    # 1 / logits_scaling, Cohere's logit_scale)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
+    # attention and MLP in parallel from one input norm, x + attn(n(x)) + mlp(n(x)) (Cohere, Phi);
+    # parallel_mlp_norm: the MLP from its own norm, x + attn(n1(x)) + mlp(n2(x)) (GPT-NeoX)
+    parallel_block: bool = False
+    parallel_mlp_norm: bool = False
+    # the norms: rms (RMSNorm) or layer (LayerNorm: centred; Cohere's has no bias), with a bias (Phi)
+    norm_kind: str = "rms"
+    norm_bias: bool = False
+    # the MLP: gated (act(gate) * up, then down) or not (Phi-1/2, Arcee: down(act(up))), biases of its
+    # projections, and a bias of the LM head (Phi)
+    mlp_gated: bool = True
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -138,17 +171,51 @@ class Config:
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.mlp_act not in MLP_ACTS:
             raise ValueError(f"mlp_act: {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
-        if self.moe_layers is not None:
-            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm_kind: {self.norm_kind!r} is not one of {', '.join(NORM_KINDS)}")
+        for key in ("moe_layers", "nope_layers"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(getattr(self, key)))
+        if self.nope_layers is not None and not all(0 <= i < self.layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)}: layer indices must be in [0, {self.layers})")
+        rot = self.partial_rotary_factor * self.dim_head
+        if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an "
+                             f"even number of head_dim's {self.dim_head} entries (it rotates {int(rot)})")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("pre_norms=False needs sandwich_norms=True (OLMo 2: norms after attention and the "
+                             "MLP); a layer without any norm is not a supported decoder")
+        if self.norm_bias and self.norm_kind != "layer":
+            raise ValueError("norm_bias=True needs norm_kind='layer' (an RMSNorm has no bias)")
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("lm_head_bias=True with tie_embeddings=True is not supported (a tied head has no bias)")
+        if not self.mlp_gated and self.experts:
+            raise ValueError("mlp_gated=False with experts is not supported (the experts are gated)")
+        if self.qk_norm_heads and not self.qk_norm:
+            raise ValueError("qk_norm_heads=True needs qk_norm=True")
+        if self.parallel_block and (self.sandwich_norms or self.experts):
+            raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
+        if self.parallel_mlp_norm and not self.parallel_block:
+            raise ValueError("parallel_mlp_norm=True needs parallel_block=True")
         if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
                 self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
             raise ValueError(f"capacity_factor must be a positive number (or null: dropless), got "
                              f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
-        if self.final_softcap and self.loss_chunk_bytes:
-            raise ValueError("final_softcap with loss_chunk_bytes: the chunked head loss has no logit "
-                             "soft-capping; set loss_chunk_bytes to null")
+        if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and self.loss_chunk_bytes:
+            raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
+                             "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
+                             "to null")
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer)."""
+        return self.nope_layers is None or layer not in self.nope_layers
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """The rotating entries of head_dim (None: all of them)."""
+        return None if self.partial_rotary_factor == 1 else int(self.partial_rotary_factor * self.dim_head)
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: full causal attention)."""
@@ -205,7 +272,8 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
-        d["moe_layers"] = list(self.moe_layers) if self.moe_layers is not None else None
+        for key in ("moe_layers", "nope_layers"):
+            d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         return d
 
     @classmethod
@@ -241,6 +309,24 @@ FAMILY_PRESETS: dict[str, dict] = {
     "gemma3-1b": dict(model_type="gemma3_text", vocab=262144, hidden=1152, layers=26, heads=4, kv_heads=1,
                       head_dim=256, mlp=6912, qk_norm=True, query_pre_attn_scalar=256.0, sliding_window=512,
                       rope_theta=1e6, local_rope_theta=10000.0, max_seq=32768, **_gemma(26, 6)),
+    "smollm3-3b": dict(model_type="smollm3", vocab=128256, hidden=2048, layers=36, heads=16, kv_heads=4, mlp=11008,
+                       tie_embeddings=True, rope_theta=5e6, rope_scaling=None, norm_eps=1e-6, max_seq=65536,
+                       nope_layers=tuple(range(3, 36, 4))),
+    "granite3-8b": dict(model_type="granite", vocab=49155, hidden=4096, layers=40, heads=32, kv_heads=8, mlp=12800,
+                        tie_embeddings=True, rope_theta=1e7, rope_scaling=None, norm_eps=1e-5, max_seq=131072,
+                        embedding_multiplier=12.0, residual_multiplier=0.22, query_pre_attn_scalar=16384.0,
+                        logit_scale=1 / 16),                                                   # 3.1
+    "olmo2-7b": dict(model_type="olmo2", vocab=100352, hidden=4096, layers=32, heads=32, kv_heads=32, mlp=11008,
+                     rope_theta=500000.0, rope_scaling=None, norm_eps=1e-6, max_seq=4096, pre_norms=False,
+                     sandwich_norms=True, qk_norm=True, qk_norm_heads=True),                   # 1124
+    "phi-2": dict(model_type="phi", vocab=51200, hidden=2560, layers=32, heads=32, kv_heads=32, mlp=10240,
+                  rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.4,
+                  **dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+                         mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
+    "pythia-1b": dict(model_type="gpt_neox", vocab=50304, hidden=2048, layers=16, heads=8, kv_heads=8, mlp=8192,
+                      rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.25,
+                      **dict(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                             mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True, o_bias=True)),
 }
 """The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
 
@@ -250,6 +336,9 @@ def _family_preset(cls, fields: dict, **kw) -> Config:
     if "layers" in kw and "layer_types" not in kw and fields.get("layer_types"):    # fewer layers, same pattern
         every = next(i + 1 for i, t in enumerate(fields["layer_types"]) if t == "full_attention")
         out["layer_types"] = _gemma(kw["layers"], every)["layer_types"]
+    if "layers" in kw and "nope_layers" not in kw and fields.get("nope_layers"):    # (SmolLM3's every 4th)
+        every = fields["nope_layers"][0] + 1
+        out["nope_layers"] = tuple(range(every - 1, kw["layers"], every)) or None
     return cls(**out)
 
 
@@ -266,6 +355,14 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     def norm():
         return param((cfg.hidden,), "hidden", init=ones, dtype=dtype)
 
+    def bias(size: int, dims: str):
+        return param((size,), dims, init="zeros", dtype=dtype)
+
+    def with_biases(tree: dict) -> dict:        # LayerNorm biases beside their weights (Phi)
+        if cfg.norm_bias:
+            tree.update({f"{k}_bias": bias(cfg.hidden, "hidden") for k, v in list(tree.items()) if k.endswith("norm")})
+        return tree
+
     def attn():
         a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
@@ -281,7 +378,10 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
         if cfg.o_bias:
             a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_heads:       # over every head (OLMo 2)
+            a["q_norm"] = param((cfg.heads, D), "heads head_dim", init=ones, dtype=dtype)
+            a["k_norm"] = param((cfg.kv_heads, D), "kv_heads head_dim", init=ones, dtype=dtype)
+        elif cfg.qk_norm:
             a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         return a
@@ -291,17 +391,27 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
              "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+        if not cfg.mlp_gated:
+            del p["mlp"]["gate_proj"]
+        if cfg.mlp_bias:
+            p["mlp"].update(up_bias=bias(cfg.mlp, "mlp"), down_bias=bias(cfg.hidden, "hidden"))
         if moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
-        return p
+        if not cfg.pre_norms:                      # OLMo 2: only the norms after each block
+            del p["input_layernorm"], p["pre_feedforward_layernorm"]
+        if cfg.parallel_block and not cfg.parallel_mlp_norm:      # one input norm for attention and the MLP
+            del p["post_attention_layernorm"]
+        return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
-    tree = {"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()}
+    tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
+    if cfg.lm_head_bias:
+        tree["lm_head_bias"] = bias(cfg.vocab, "vocab")
     return tree
 
 
@@ -311,23 +421,39 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def norm(x: Named, weight: Named, cfg: Config) -> Named:
-    """RMSNorm over the weight's dimension, scaled by ``cfg.norm_offset + weight``. With an
+def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None) -> Named:
+    """RMSNorm (``cfg.norm_kind`` layer: LayerNorm, centred) over the weight's dimensions (all
+    of them: OLMo 2's q/k norms span the heads), scaled by ``cfg.norm_offset + weight``. With an
     offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
     ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    if bias is not None:                                  # LayerNorm with a bias (Phi)
+        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=weight.dims,
+                              eps=cfg.norm_eps)
+    normalize = ops.layer_norm if cfg.norm_kind == "layer" else ops.rms_norm
     if not cfg.norm_offset:
-        return ops.rms_norm(x, weight, eps=cfg.norm_eps)
+        return normalize(x, weight, dim=weight.dims, eps=cfg.norm_eps)
     dtype = x.data.dtype
     if dtype not in (torch.float16, torch.bfloat16):
-        return ops.rms_norm(x, weight + cfg.norm_offset, eps=cfg.norm_eps)
-    wide = ops.rms_norm(x.astype(torch.float32), dim=weight.dims[0], eps=cfg.norm_eps)
+        return normalize(x, weight + cfg.norm_offset, dim=weight.dims, eps=cfg.norm_eps)
+    wide = normalize(x.astype(torch.float32), dim=weight.dims, eps=cfg.norm_eps)
     return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
-def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+def norm_at(tree: dict, name: str, x: Named, cfg: Config) -> Named:
+    """:func:`norm` of ``x`` by the norm ``tree[name]`` (and its ``<name>_bias``, if any)."""
+    return norm(x, tree[name], cfg, tree.get(f"{name}_bias"))
+
+
+def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None) -> Named:
-    h = norm(x, p["input_layernorm"], cfg)
+    """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary)."""
+    h = norm_at(p, "input_layernorm", x, cfg) if cfg.pre_norms else x
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
+    return _attention(p, h, pos, cfg, segments, window)
+
+
+def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
+               window: int | None) -> Named:
     a = p["self_attn"]
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
@@ -340,45 +466,68 @@ def attention_block(p: dict, x: Named, pos: Named, cfg: Config, segments: Named 
         theta, scaling = cfg.local_rope_theta, None
     else:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
-    q = rotate(q, pos, theta=theta, scaling=scaling)
-    k = rotate(k, pos, theta=theta, scaling=scaling)
+    if pos is not None:
+        q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
+        k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
         out = out + a["o_bias"]
-    return norm(out, p["post_attention_layernorm"], cfg) if cfg.sandwich_norms else out
+    return norm_at(p, "post_attention_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
-_GATES = {"silu": ops.swiglu,
-          "gelu_tanh": lambda gate, up: ops.gelu(gate, approximate="tanh") * up}
+_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
+         "relu2": lambda x: ops.square(ops.relu(x))}             # (Arcee's squared ReLU)
+_GATES = {"silu": ops.swiglu, **{k: lambda gate, up, act=act: act(gate) * up for k, act in _ACTS.items() if k != "silu"}}
 
 
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
-    h = norm(x, p["pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"], cfg)
-    h = ops.rename(h, res_seq="seq")
+    if cfg.pre_norms:
+        x = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg)
+    return _mlp(p, ops.rename(x, res_seq="seq"), cfg)
+
+
+def _mlp(p: dict, h: Named, cfg: Config) -> Named:
     m = p["mlp"]
     if "router" in m:                                     # a mixture of experts (models/moe.py)
         out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
-        return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
-    gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+        return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
-    out = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", _GATES[cfg.mlp_act](gate, up), m["down_proj"])
-    out = ops.rename(out, seq="res_seq")
-    return norm(out, p["post_feedforward_layernorm"], cfg) if cfg.sandwich_norms else out
+    if "up_bias" in m:
+        up = up + m["up_bias"]
+    if cfg.mlp_gated:
+        act = _GATES[cfg.mlp_act](ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"]), up)
+    else:                                                 # Phi-1/2: down(act(up(x)))
+        act = _ACTS[cfg.mlp_act](up)
+    out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
+    if "down_bias" in m:                                  # (after the TP partial sums are combined)
+        out = out + m["down_bias"]
+    return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
 @remat_layer
-def layer(p: dict, x: Named, pos: Named, cfg: Config, segments: Named | None = None,
+def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
           window: int | None = None) -> Named:
-    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``);
-    recomputed in backward under ``train_step(remat=True)``. The residual stream is computed
-    once per sum in a compiled step (``ops.realized``; docs/compile.md)."""
-    x = ops.realized(x + attention_block(p, x, pos, cfg, segments, window))
-    return ops.realized(x + mlp_block(p, x, cfg))
+    """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
+    None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
+    stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
+    ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
+    each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
+    if cfg.parallel_block:
+        h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
+        h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h_mlp, cfg), cfg))
+    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window), cfg))
+    return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+
+
+def _residual(branch: Named, cfg: Config) -> Named:
+    """A residual branch times Granite's ``residual_multiplier``."""
+    return branch if cfg.residual_multiplier == 1 else branch * cfg.residual_multiplier
 
 
 def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
@@ -390,12 +539,14 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
+    if cfg.embedding_multiplier != 1:                # Granite
+        x = x * cfg.embedding_multiplier
     x = ops.rename(ops.realized(x), seq="res_seq")
     for i, p in enumerate(params["layers"]):
         window = cfg.window(i)
         extra = (segments, window) if window is not None else () if segments is None else (segments,)
-        x = layer_fn(p, x, pos, cfg, *extra)
-    x = norm(x, params["norm"], cfg)
+        x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
+    x = norm_at(params, "norm", x, cfg)
     return ops.rename(x, res_seq="seq")
 
 
@@ -414,11 +565,16 @@ def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: N
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
     x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
-    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg)
+    return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg, params)
 
 
-def _capped(logits: Named, cfg: Config) -> Named:
-    """Gemma 2's final logit soft-capping, ``c * tanh(logits / c)``."""
+def _capped(logits: Named, cfg: Config, params: dict) -> Named:
+    """The logits plus the LM head's bias (Phi), times ``cfg.logit_scale`` (Granite, Cohere), then
+    Gemma 2's final soft-capping, ``c * tanh(logits / c)``."""
+    if cfg.lm_head_bias:
+        logits = logits + params["lm_head_bias"]
+    if cfg.logit_scale != 1:
+        logits = logits * cfg.logit_scale
     c = cfg.final_softcap
     return logits if not c else ops.tanh(logits * (1.0 / c)) * c
 
@@ -431,7 +587,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
         x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
-        out = ops.cross_entropy(_capped(logits, cfg), batch["labels"])
+        out = ops.cross_entropy(_capped(logits, cfg, params), batch["labels"])
     else:
         out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
     extra = moe.router_losses(stats, cfg)       # the load-balancing loss (Switch, Mixtral), the z-loss
@@ -461,7 +617,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
         if not moe.is_moe_layer(cfg, i):
-            return 2 * 3 * cfg.hidden * cfg.mlp
+            return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
                                                     + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp else 0))
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
@@ -471,7 +627,9 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The parameters only the first pipeline stage holds (the embedding) and only the last
     (final norm and LM head; a tied embedding is in both, so every stage holds it)."""
-    return ("embed_tokens",), ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
+    last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
+    return ("embed_tokens",), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+        ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:

@@ -48,13 +48,15 @@ from typing import Any
 
 import torch
 
+from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
-    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE",
+    "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
+    "HEAD_INTERLEAVED",
 ]
 
 
@@ -83,6 +85,13 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
+    # biases (Phi-1/2): of the MLP's projections, of LayerNorms, of the LM head
+    ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_bias", "copy"),
+    ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_bias", "copy"),
+    ("model.layers.{i}.input_layernorm.bias", "layers.{i}.input_layernorm_bias", "copy"),
+    ("model.layers.{i}.post_attention_layernorm.bias", "layers.{i}.post_attention_layernorm_bias", "copy"),
+    ("model.norm.bias", "norm_bias", "copy"),
+    ("lm_head.bias", "lm_head_bias", "copy"),
     # a mixture of experts (models/moe.py): the router, the experts stacked along ``experts`` (in
     # the files one tensor per expert, ``mlp.experts.{j}.gate_proj.weight``, read and written as
     # the stacked name below by checkpoint/hf.py), a shared expert and its gate (Qwen2-MoE)
@@ -142,11 +151,41 @@ FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
              ("model.layers.{i}.mlp.gate_up_proj.weight",
               ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"))),
 }
+FUSED["gpt_neox"] = tuple(                   # (names after RENAMED: the layers under gpt_neox.)
+    (f"gpt_neox.layers.{{i}}.attention.query_key_value.{t}",
+     tuple(f"gpt_neox.layers.{{i}}.self_attn.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
+FUSED["granitemoe"] = (("model.layers.{i}.block_sparse_moe.input_linear.weight",
+                        ("model.layers.{i}.block_sparse_moe.experts.gate_proj.weight",
+                         "model.layers.{i}.block_sparse_moe.experts.up_proj.weight")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
+HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox"})
+# per model type, our path suffix -> transform kind where its files differ from the table's
+_KIND_OVERRIDES: dict[str, dict[str, str]] = {
+    **{mt: sw.kinds for mt, sw in SWITCHES.items()},
+    "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
+"""Model types whose fused tensors hold their parts head by head (GPT-NeoX's ``query_key_value``:
+the rows of head n are its q, then its k, then its v) rather than part after part."""
 
 
 # Mixtral names its MoE MLP ``block_sparse_moe`` and the experts' projections w1 / w3 / w2
 RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
+    # Phi-1/2: the output projection is ``dense``, the MLP ``fc1`` / ``fc2``, the final norm ``final_layernorm``
+    "phi": ((r"\.self_attn\.o_proj\.", ".self_attn.dense."), (r"\.mlp\.up_proj\.", ".mlp.fc1."),
+            (r"\.mlp\.down_proj\.", ".mlp.fc2."), (r"^model\.norm\.", "model.final_layernorm.")),
+    # Granite MoE: the router a ``layer``, the experts one tensor each (gate and up fused: input_linear)
+    "granitemoe": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.router.layer.weight"),
+                   (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.output_linear.weight"),
+                   (r"\.mlp\.experts\.", ".block_sparse_moe.experts.")),
+    # GPT-J: transformer.h.{i}, attn, out_proj, ln_1, fc_in / fc_out, wte, ln_f
+    "gptj": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.h."),
+             (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."),
+             (r"\.input_layernorm\.", ".ln_1."), (r"\.mlp\.up_proj\.", ".mlp.fc_in."),
+             (r"\.mlp\.down_proj\.", ".mlp.fc_out."), (r"^model\.norm\.", "transformer.ln_f.")),
+    # GPT-NeoX / Pythia: everything under gpt_neox., its own module names, the LM head embed_out
+    "gpt_neox": ((r"^model\.embed_tokens\.", "gpt_neox.embed_in."), (r"^model\.layers\.", "gpt_neox.layers."),
+                 (r"\.self_attn\.o_proj\.", ".attention.dense."), (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
+                 (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."), (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
+                 (r"^lm_head\.weight$", "embed_out.weight")),
     "mixtral": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
                 (r"\.mlp\.experts\.gate_proj\.weight$", ".block_sparse_moe.experts.w1.weight"),
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
@@ -155,14 +194,23 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
-def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
-    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
-    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+def renamed(path: str, model_type: str = "llama") -> str | None:
+    """The HF tensor name of our tree path in the files of ``model_type``, before any fusing
+    (:data:`RENAMED`: Mixtral's ``block_sparse_moe``, Phi's ``dense``, GPT-NeoX's ``gpt_neox.``)."""
     name = hf_name(path)
     if name is None:
         return None
     for pattern, repl in RENAMED.get(model_type, ()):
         name = re.sub(pattern, repl, name)
+    return name
+
+
+def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
+    """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
+    along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
+    name = renamed(path, model_type)
+    if name is None:
+        return None
     for fused, parts in _FUSED.get(model_type, ()):
         for j, pat in enumerate(parts):
             m = pat.match(name)
@@ -171,10 +219,14 @@ def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
     return name, 0
 
 
-def hf_kind(path: str) -> str | None:
-    """The transform kind (a key of :data:`KINDS`) of our tree path (``None``: unmapped)."""
+def hf_kind(path: str, model_type: str = "llama") -> str | None:
+    """The transform kind (a key of :data:`KINDS`) of our tree path in the files of
+    ``model_type`` (``None``: unmapped)."""
     r = _lookup(path, _TO_HF)
-    return r[1] if r else None
+    if r is None:
+        return None
+    kinds = _KIND_OVERRIDES.get(model_type, {})
+    return next((kind for suffix, kind in kinds.items() if path.endswith("." + suffix)), r[1])
 
 
 # --------------------------------------------------------------------------- transforms
@@ -259,6 +311,7 @@ class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
 
 class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, in] transposed per expert
     stacked = True                     # one HF tensor per expert in the files (checkpoint/hf.py)
+    row_axis = 1                       # parts of a fused tensor follow each other along HF's out (Granite MoE)
 
     def hf_shape(self, shape):
         return (shape[0], shape[2], shape[1])
@@ -269,6 +322,10 @@ class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, 
     def read(self, sl, region, shape):
         re_, ra, rb = region
         return sl[re_, rb, ra].transpose(1, 2)
+
+
+class _ExpertsTensor(_ExpertsLinear):   # the same, one tensor for all the experts in the files (Granite MoE)
+    stacked = False
 
 
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
@@ -284,7 +341,7 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "row": _Row()}
+                           "experts_tensor": _ExpertsTensor(), "row": _Row()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -319,7 +376,9 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                 "granitemoe": "GraniteMoeForCausalLM",
+                                 **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -348,9 +407,11 @@ _GEMMA = ("gemma2", "gemma3_text")
 
 
 # the mixtures of experts: each is its dense family's decoder with the MLP of models/moe.py
-MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "granitemoe": "granite"}
+_TOPK_RENORMED = ("mixtral", "granitemoe")      # top-k weights renormalised, every layer, experts of ``mlp``
 # their config classes' defaults where they differ from the dense family's
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "mixtral": dict(sliding_window=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
                     num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -361,6 +422,11 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 _DENSE_MOE = dict(experts=0, moe_mlp=None, norm_topk_prob=False, router_score="softmax", router_aux_loss_coef=0.0,
                   router_z_loss_coef=0.0, capacity_factor=None,
                   shared_expert_mlp=0, moe_layers=None)
+
+
+def _class_defaults(mt: str) -> dict[str, Any]:
+    """transformers' config class defaults of the keys read for the dense family ``mt``."""
+    return _DEFAULTS[mt] if mt in _DEFAULTS else SWITCHES[mt].defaults
 
 
 def _moe_config_from_hf(hf: dict, mt: str) -> Config:
@@ -381,7 +447,7 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
         dense.setdefault("sliding_window", None)
     if mt == "qwen3_moe" and hf.get("head_dim") is None:
         dense["head_dim"] = int(hf["hidden_size"]) // int(hf["num_attention_heads"])
-    if mt != "mixtral" and hf.get("use_sliding_window"):
+    if mt not in _TOPK_RENORMED and hf.get("use_sliding_window"):
         raise UnsupportedHFConfig(f"{where}: use_sliding_window=True is not supported for {mt}")
     for key in ("max_position_embeddings", "rms_norm_eps"):
         if hf.get(key) is None and key in d:
@@ -391,17 +457,17 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     cfg = config_from_hf_dict(dense)
     layers = cfg.layers
     # (Qwen3MoeConfig of transformers 5 writes num_local_experts, earlier ones num_experts)
-    experts = int(get("num_local_experts") if mt == "mixtral" else
+    experts = int(get("num_local_experts") if mt in _TOPK_RENORMED else
                   hf.get("num_experts") or hf.get("num_local_experts") or d["num_experts"])
     moe_layers = None
-    if mt != "mixtral":
+    if mt not in _TOPK_RENORMED:
         step, dense_only = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
         chosen = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
         moe_layers = None if len(chosen) == layers else chosen
     return dataclasses.replace(
         cfg, model_type=mt, experts=experts, experts_top_k=int(get("num_experts_per_tok")),
-        moe_mlp=None if mt == "mixtral" else int(get("moe_intermediate_size")),
-        norm_topk_prob=True if mt == "mixtral" else bool(get("norm_topk_prob")),
+        moe_mlp=None if mt in _TOPK_RENORMED else int(get("moe_intermediate_size")),
+        norm_topk_prob=True if mt in _TOPK_RENORMED else bool(get("norm_topk_prob")),
         router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
         shared_expert_mlp=int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else 0,
         moe_layers=moe_layers)
@@ -415,12 +481,14 @@ def config_from_hf_dict(hf: dict) -> Config:
     where = "HF config"
     mt = hf.get("model_type", "llama")
     if mt not in ARCHITECTURES:
-        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
-                                  f"{', '.join(MODEL_TYPES)}")
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r}{refusal(mt)} is not supported; supported model "
+                                  f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
+    if mt in SWITCHES and SWITCHES[mt].prepare is not None:       # (GPT-J's own key names)
+        hf = SWITCHES[mt].prepare(hf)
     where = f"HF {mt} config"
-    defaults = _DEFAULTS[mt]
+    defaults = _class_defaults(mt)
 
     def get(key: str, default: Any = None) -> Any:
         v = hf.get(key)
@@ -435,7 +503,8 @@ def config_from_hf_dict(hf: dict) -> Config:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedHFConfig(f"{where}: use_bidirectional_attention=True is not supported "
                                       f"(causal attention only)")
-    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))):
+    act = SWITCHES[mt].hidden_act if mt in SWITCHES else "silu"
+    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", act), ("mlp_bias", False))):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
@@ -445,19 +514,21 @@ def config_from_hf_dict(hf: dict) -> Config:
                                       f"has no dropout there; set it to 0.0)")
     local_theta = None
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if mt == "gemma3_text":     # a rope per layer type: global (full) and local (sliding) bases
+    if mt in ("gemma3_text", "olmo3"):     # a rope per layer type: global (full) and local (sliding) bases
         if "full_attention" in rope or "sliding_attention" in rope:
             rope, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
         else:
             local = {}
-        theta_default = float(hf.get("rope_theta") or 1_000_000.0)
-        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or 10_000.0))
+        theta_default = float(hf.get("rope_theta") or (1_000_000.0 if mt == "gemma3_text" else 500_000.0))
+        local_default = 10_000.0 if mt == "gemma3_text" else rope.get("rope_theta", theta_default)
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq") or local_default))
         if local.get("rope_type", local.get("type", "default")) not in ("default", None):
             raise UnsupportedHFConfig(f"{where}: rope type {local.get('rope_type', local.get('type'))!r} of "
                                       f"the sliding layers is not supported (only 'default')")
     else:
-        theta_default = float(hf.get("rope_theta") or 10000.0)
-    theta, scaling = _rope(rope, hf, where, theta_default)
+        theta_default = float(hf.get("rope_theta") or hf.get("rotary_emb_base") or 10000.0)     # (GPT-NeoX's old key)
+    theta, scaling = _rope(rope, hf, where, theta_default, partial_ok="partial_rotary_factor" in (
+        SWITCHES[mt].free if mt in SWITCHES else ()))
     bias = bool(hf.get("attention_bias", False))
     if mt in ("mistral", "phi3") and bias:
         raise UnsupportedHFConfig(f"{where}: attention_bias=True is not supported ({mt} has no biases)")
@@ -469,6 +540,14 @@ def config_from_hf_dict(hf: dict) -> Config:
     if head_dim is not None and int(head_dim) == hidden // heads:
         head_dim = None
     extra: dict[str, Any] = {}
+    if mt in SWITCHES:
+        try:
+            fixed = {k: v for k, v in SWITCHES[mt].fixed.items() if not callable(v)}   # (the others: checks)
+            extra = fixed | SWITCHES[mt].read(hf, get, where)
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+        if mt == "olmo3":
+            extra["local_rope_theta"] = local_theta
     if gemma:
         caps = [get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
         caps = [None if k in hf and hf[k] is None else c for k, c in
@@ -476,23 +555,23 @@ def config_from_hf_dict(hf: dict) -> Config:
         extra = dict(_GEMMA2, query_pre_attn_scalar=float(get("query_pre_attn_scalar")), local_rope_theta=local_theta,
                      attn_softcap=None if caps[0] is None else float(caps[0]),
                      final_softcap=None if caps[1] is None else float(caps[1]))
-    return Config(
+    return Config(**{**dict(
         vocab=int(hf["vocab_size"]), hidden=hidden, layers=layers,
         heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
         mlp=int(hf["intermediate_size"]), head_dim=None if head_dim is None else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types, **extra)
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types), **extra})
 
 
-def _rope(rope: dict, hf: dict, where: str, theta_default: float):
+def _rope(rope: dict, hf: dict, where: str, theta_default: float, partial_ok: bool = False):
     """(theta, scaling) of one rope parameters dict; an unsupported type is refused by name."""
     theta = float(rope.get("rope_theta", theta_default))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported")
+    if not partial_ok and partial_rotary_factor(hf) != 1.0:
+        raise UnsupportedHFConfig(f"{where}: partial_rotary_factor != 1 is not supported for this model type")
     if rope_type in ("default", None):
         return theta, None
     if rope_type == "llama3":
@@ -531,21 +610,21 @@ def _rope(rope: dict, hf: dict, where: str, theta_default: float):
 
 def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
-    if mt == "llama":
+    if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
     if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
-    window = hf["sliding_window"] if "sliding_window" in hf else _DEFAULTS[mt].get("sliding_window")
-    if mt in _GEMMA:         # every n-th layer global, the others slide (Gemma 2: n = 2, Gemma 3: 6)
-        w = window
-        n = 2 if mt == "gemma2" else int(get("sliding_window_pattern"))
+    window = hf["sliding_window"] if "sliding_window" in hf else _class_defaults(mt).get("sliding_window")
+    if mt in (*_GEMMA, "olmo3", "cohere2"):   # every n-th layer global, the others slide (Gemma 2: n = 2,
+        w = window                            # Gemma 3: 6, OLMo 3 and Cohere 2: 4)
+        n = {"gemma2": 2, "olmo3": 4, "cohere2": 4}.get(mt) or int(get("sliding_window_pattern"))
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % n else "full_attention"
                                           for i in range(layers)]
     else:
         w = window if get("use_sliding_window") else None
-        types = hf.get("layer_types")
+        types = hf.get("layer_types") or (["full_attention"] * layers if mt == "smollm3" else None)
     if types is None:
         first = int(get("max_window_layers"))
         types = ["sliding_attention" if w is not None and i >= first else "full_attention"
@@ -572,7 +651,7 @@ def _check_moe_exportable(cfg: Config) -> Config:
                                       f"(it needs experts=0); choose model_type mixtral, qwen3_moe or qwen2_moe")
         return cfg
     need = dict(router_score="softmax", shared_expert_mlp=cfg.shared_expert_mlp if mt == "qwen2_moe" else 0)
-    if mt == "mixtral":
+    if mt in _TOPK_RENORMED:
         need.update(norm_topk_prob=True, moe_layers=None, moe_mlp=None)
     for key, want in need.items():
         if getattr(cfg, key) != want:
@@ -592,6 +671,13 @@ def check_exportable(cfg: Config) -> None:
     dense = _check_moe_exportable(cfg)
     if dense is not cfg:
         return check_exportable(dense)
+    if mt in SWITCHES:
+        need = {**_NOT_GEMMA, **SWITCHES[mt].need(cfg)}
+        if mt == "granite":
+            del need["query_pre_attn_scalar"]
+        if mt == "olmo3":
+            del need["local_rope_theta"]
+        return _refuse_unless(cfg, need, where)
     need: dict[str, Any] = {"llama": dict(qkv_bias=cfg.o_bias, qk_norm=False, sliding_window=None),
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
@@ -605,9 +691,14 @@ def check_exportable(cfg: Config) -> None:
                                       f"equivalent (set it, e.g. to head_dim)")
     else:
         need.update(_NOT_GEMMA)
+    _refuse_unless(cfg, {**PLAIN, **need}, where)
+
+
+def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
+    """Refuse (naming the field) a config whose fields differ from ``need``."""
     for key, want in need.items():
         if getattr(cfg, key) != want:
-            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
+            raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[cfg.model_type]} "
                                       f"equivalent (it needs {want!r}); choose another model_type")
 
 
@@ -651,8 +742,13 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                          if isinstance(s, LongRopeScaling) else {k: v for k, v in rope.items() if k != "rope_theta"}),
         "dtype": dname, "torch_dtype": dname,
     }
-    if mt in ("llama", "qwen3", *_GEMMA):
+    if mt in ("llama", "qwen3", *_GEMMA, *SWITCHES):
         out["attention_bias"] = cfg.o_bias
+    if mt in SWITCHES:
+        out["hidden_act"] = SWITCHES[mt].hidden_act
+        SWITCHES[mt].write(cfg, out)
+        pad = SWITCHES[mt].defaults.get("pad_token_id")     # the class's pad id, where the vocabulary holds it
+        out["pad_token_id"] = pad if pad is not None and pad < cfg.vocab else None
     if mt == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
         out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
@@ -689,7 +785,7 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     out = config_to_hf(_check_moe_exportable(cfg), dtype)
     out.update(architectures=[ARCHITECTURES[mt]], model_type=mt, num_experts_per_tok=cfg.experts_top_k,
                router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=bool(cfg.router_aux_loss_coef))
-    if mt == "mixtral":
+    if mt in _TOPK_RENORMED:
         out.update(num_local_experts=cfg.experts, router_jitter_noise=0.0)
         return out
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]

@@ -111,9 +111,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
-           scaling: RopeScaling | None = None, seq: str | None = None) -> Named:
+           scaling: RopeScaling | None = None, seq: str | None = None, rotary_dim: int | None = None,
+           interleaved: bool = False) -> Named:
     """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i; ``seq`` is the
-    dimension of ``positions`` (its only one) unless named."""
+    dimension of ``positions`` (its only one) unless named. ``rotary_dim`` (partial rotary:
+    Phi-1/2, GPT-NeoX): only the first ``rotary_dim`` entries of ``head_dim`` rotate, as a
+    head of that width (d = rotary_dim above); the others pass through. ``interleaved``
+    (Cohere, GPT-J): the pairs are (2i, 2i + 1) instead, with the same frequencies."""
     if seq is None:
         seq = positions.dims[0] if isinstance(positions, Named) and len(positions.dims) == 1 else None
         if seq is None:
@@ -127,22 +131,32 @@ def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
         raise ValueError(f"rotary: {head_dim!r} must not be split")
     seq_len = positions.size(seq) if isinstance(scaling, LongRopeScaling) else None
     pos = relayout(positions, (split[si],))
-    cos, sin = _tables(pos, data.shape[di], theta, scaling, data.device, si, di, data.ndim, seq_len)
-    return _make(_rotate(data, cos, sin, di), dims, split, x._vary, x._partial, x._sizes)
+    d = data.shape[di] if rotary_dim is None else rotary_dim
+    if d % 2 or not 0 < d <= data.shape[di]:
+        raise ValueError(f"rotary: rotary_dim={rotary_dim} must be even and at most {head_dim!r}'s size "
+                         f"{data.shape[di]}")
+    cos, sin = _tables(pos, d, theta, scaling, data.device, si, di, data.ndim, seq_len, interleaved)
+    if d == data.shape[di]:
+        out = _rotate(data, cos, sin, di, interleaved)
+    else:                                   # partial rotary: the rest of head_dim passes through
+        out = torch.cat([_rotate(data.narrow(di, 0, d), cos, sin, di, interleaved),
+                         data.narrow(di, d, data.shape[di] - d)], di)
+    return _make(out, dims, split, x._vary, x._partial, x._sizes)
 
 
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int) -> torch.Tensor:
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int, interleaved: bool = False) -> torch.Tensor:
     tf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
     # rotate-half, (x1, x2) -> (-x2, x1): a roll by d/2 with the sign in the sin table (one op
-    # forward and backward instead of chunk, neg and cat; the same values, docs/rotary.md)
-    rot = tf.roll(tf.shape[di] // 2, di)
+    # forward and backward instead of chunk, neg and cat; the same values, docs/rotary.md);
+    # interleaved, each pair (x_2i, x_2i+1) -> (-x_2i+1, x_2i): the pairs swapped, signs in the table
+    rot = tf.unflatten(di, (-1, 2)).flip(di + 1).flatten(di, di + 1) if interleaved else tf.roll(tf.shape[di] // 2, di)
     c, s = (cos, sin) if cos.dtype == tf.dtype else (cos.to(tf.dtype), sin.to(tf.dtype))
     out = tf * c + rot * s
     return out if out.dtype == t.dtype else out.to(t.dtype)
 
 
 def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, device, si: int, di: int,
-            ndim: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            ndim: int, seq_len: int | None = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles position * inv_freq computed in float64, float32 (sin negated in
     the first half: the sign of rotate-half, :func:`_rotate`), shaped to
     broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
@@ -152,10 +166,10 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
     compiled step computes them once and every layer reads them (docs/rotary.md)."""
     tracing = is_tracing()
     if not tracing:
-        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim, seq_len)
+        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim, seq_len, interleaved)
         memo = _memo(pos)
     else:   # only a value built in this trace holds tables (no tensors kept across traces)
-        key = ("rotary", d, theta, scaling, device, si, di, ndim, seq_len)
+        key = ("rotary", d, theta, scaling, device, si, di, ndim, seq_len, interleaved)
         memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None
     if memo is not None:
         tables = memo.get(key)
@@ -167,7 +181,11 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
     attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    cos, sin = torch.cat([cos, cos], -1).to(torch.float32), torch.cat([-sin, sin], -1).to(torch.float32)
+    if interleaved:             # entry 2i and 2i + 1 of pair i; the sign of the swapped pair in sin
+        cos, sin = cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+    else:
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    cos, sin = cos.to(torch.float32), sin.to(torch.float32)
     shape = [1] * ndim
     shape[si], shape[di] = cos.shape[0], d
     if si > di:

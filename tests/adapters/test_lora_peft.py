@@ -1,4 +1,4 @@
-"""LoRA against peft + transformers (the oracle): tiny random Llama and Qwen3 models built from a
+"""LoRA against peft + transformers (the oracle): tiny random Llama, Qwen3, OLMo 2 and Cohere models built from a
 config (no download), the same initial adapter weights (B nonzero, so every adapter gradient is
 meaningful), fp32: the loss, every adapter gradient and the adapters after one AdamW step equal
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
@@ -21,7 +21,13 @@ peft = pytest.importorskip("peft")
 BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128)
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32))}
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=32)),
+            # norms after each block, q/k norms over every head; attention and MLP in parallel
+            # (LayerNorm, interleaved rotary, a logit scale)
+            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(BASE, pad_token_id=None, eos_token_id=None)),
+            "cohere": ("CohereConfig", "CohereForCausalLM", dict(
+                {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, logit_scale=0.5, pad_token_id=None,
+                eos_token_id=None))}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LR, WD = 1e-2, 0.1
 

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
+from harness import adapted_logits, random_lora
 
-import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp.adapters import peft_dir
 from functional_pp.checkpoint import hf
 from functional_pp.core.tree import map_with_path
 from functional_pp.models import llama
-from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -33,12 +32,10 @@ def test_modules_to_save_are_written_as_peft_writes_them(tmp_path):
     base = hf.load_hf_params(tmp_path / "base", cfg)
     base = map_with_path(lambda p, x: x + 0.1 * torch.randn(x.shape, generator=g)    # (trained whole)
                          if p in ("lm_head", "embed_tokens") else x, base)
-    lora = {p: {"lora_A": ab["lora_A"].data, "lora_B": 0.1 * torch.randn(ab["lora_B"].data.shape, generator=g)}
-            for p, ab in adapters.split(fpp.init(lambda: decls, seed=0))[1].items()}
+    lora = random_lora(decls, g)
     tokens = torch.randint(0, cfg.vocab, (2, 10), generator=g)
+    ours = adapted_logits(base, lora, decls, lc, cfg, tokens)
     with torch.no_grad():
-        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(adapters.joined(base, lora), decls),
-                                                 fpp.wrap(tokens, "batch seq"), cfg).value()
         out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(tmp_path / "base"), base=base)
         assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "embed_tokens"]
         model = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from harness import adapted_logits, random_lora
 from safetensors.torch import load_file
 
 import functional_pp as fpp
@@ -142,3 +143,38 @@ def test_lora_model_dir_reads_a_peft_trained_phi3_adapter_with_peft_logits(phi3,
         _, bad_decls, _ = frozen_and_adapters(bad, bad.lora_config(), None, llama.init(cfg))
         with pytest.raises(ConfigError, match=match):
             adapter_params(bad, bad_decls, mesh, rules)
+
+
+def test_renamed_modules_adapter_directory_gives_our_logits(tmp_path):
+    """Phi-1/2 names its output projection ``dense`` and its MLP ``fc1`` / ``fc2``: our LoRA of
+    o_proj / up_proj / down_proj exports under those names, ``peft`` loads it on
+    ``PhiForCausalLM`` with logits equal to ours, and it reads back (target modules in our names)."""
+    torch.manual_seed(0)
+    kw = {k: v for k, v in HF.items() if k != "rms_norm_eps"}
+    model = transformers.PhiForCausalLM(transformers.PhiConfig(**kw)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    d = tmp_path / "phi"
+    model.save_pretrained(d)
+    cfg = hf.config_from_hf(d)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "o_proj", "up_proj", "down_proj"))
+    decls = adapters.init(llama.init(cfg), lc)
+    base = hf.load_hf_params(d, cfg)
+    g = torch.Generator().manual_seed(1)
+    lora = random_lora(decls, g)
+    tokens = torch.randint(0, cfg.vocab, (2, 12), generator=g)
+    ours = adapted_logits(base, lora, decls, lc, cfg, tokens)
+    with torch.no_grad():
+        out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d))
+        assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["dense", "fc1", "fc2",
+                                                                                         "q_proj"]
+        loaded = peft.PeftModel.from_pretrained(transformers.PhiForCausalLM.from_pretrained(
+            d, dtype=torch.float32, attn_implementation="eager"), str(out)).eval()
+        plain = transformers.PhiForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        theirs = loaded(input_ids=tokens).logits
+        assert (theirs - plain(input_ids=tokens).logits).abs().max() > 1e-3      # the adapters act
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert set(peft_dir.read_config(out).target_modules) == set(lc.target_modules)
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys() and all(torch.equal(back[p]["lora_B"], lora[p]["lora_B"]) for p in lora)

@@ -28,8 +28,8 @@ def _is_q(x):
 
 
 @functools.lru_cache(maxsize=None)
-def _case(kind, double_quant=False):
-    decls = adapters.init(llama.init(CFG), LC)
+def _case(kind, double_quant=False, cfg=CFG):
+    decls = adapters.init(llama.init(cfg), LC)
     g = torch.Generator().manual_seed(1)
     flat = {p: (0.1 * torch.randn(x.data.shape, generator=g) if p.endswith("lora_B") else x.data)
             for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
@@ -39,10 +39,10 @@ def _case(kind, double_quant=False):
     return decls, qp, qd, dq
 
 
-def _train(params, decls, data, mesh, rules):
+def _train(params, decls, data, mesh, rules, cfg=CFG):
     """Two steps; per device the losses, the first step's adapter gradients, the updated
     adapters, the trained paths and the bytes all-gathered in the first forward."""
-    loss = adapters.adapt(functools.partial(llama.loss, cfg=CFG), LC)
+    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), LC)
     step = fpp.train_step(loss, fpp.optim.adamw(1e-2), mesh=mesh, rules=rules, trainable=adapters.trainable(LC))
 
     def device():
@@ -68,8 +68,8 @@ def _train(params, decls, data, mesh, rules):
     return fpp.launch(device, mesh)
 
 
-def _assert_adapters_equal(got, want, **tol):
-    assert got.keys() == want.keys() and len(want) == 7 * CFG.layers
+def _assert_adapters_equal(got, want, linears=7 * CFG.layers, **tol):
+    assert got.keys() == want.keys() and len(want) == linears
     for p in want:
         for k in ("lora_A", "lora_B"):
             torch.testing.assert_close(got[p][k], want[p][k], msg=lambda m: f"{p}.{k}: {m}", **tol)
@@ -94,6 +94,19 @@ def test_qlora_step_equals_lora_on_the_dequantized_base(kind, double_quant):
     want_codes = [x for x in optree.tree_leaves(qp, is_leaf=_is_q, none_is_leaf=False) if _is_q(x)]
     for a, b in zip(codes, want_codes):
         assert a.codes.data.dtype in (torch.uint8, torch.int8) and torch.equal(a.codes.data, b.codes)
+
+
+def test_qlora_of_the_new_families_switches_equals_lora_on_the_dequantized_base():
+    """GPT-NeoX / Phi's switches (LayerNorms with biases, a GELU MLP that is not gated: six
+    linear weights a layer, biases kept in full precision, partial rotary, an LM-head bias)."""
+    cfg = llama.Config.tiny(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                            mlp_gated=False, mlp_bias=True, mlp_act="gelu", partial_rotary_factor=0.5, qkv_bias=True,
+                            o_bias=True, lm_head_bias=True)
+    decls, qp, qd, dq = _case("nf4", True, cfg)
+    q = _train(qp, qd, DATA, fpp.Mesh(), fpp.Rules(), cfg)[0]
+    ref = _train(dq, decls, DATA, fpp.Mesh(), fpp.Rules(), cfg)[0]
+    assert q[0] == pytest.approx(ref[0], rel=1e-6) and q[0][1] < q[0][0]
+    _assert_adapters_equal(q[2], ref[2], 6 * cfg.layers, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

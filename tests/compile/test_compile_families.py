@@ -1,6 +1,7 @@
 """The decoder families' switches under ``torch.compile`` (aot_eager): sliding windows
 (alternating per layer: the layer's window is an argument of the compiled layer), q/k/v biases,
-Gemma 2's soft-capped attention and logits, sandwich norms and tanh-GELU GLU; whole-step and
+Gemma 2's soft-capped attention and logits, sandwich norms and tanh-GELU GLU, the switches of
+SmolLM3, Granite, OLMo 2, Cohere, Phi and GPT-NeoX; whole-step and
 per-layer compiled training equal eager."""
 
 import pytest
@@ -17,6 +18,14 @@ CONFIGS = {
                                 sandwich_norms=True, query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=3.0,
                                 sliding_window=5, layer_types=("sliding_attention", "full_attention"),
                                 tie_embeddings=True),
+    # the new families' switches together: GPT-NeoX's parallel block of LayerNorms with biases,
+    # GELU MLP with biases and partial rotary, a NoPE layer (the layer's pos is None), OLMo 2's
+    # q/k norms over every head, Cohere's interleaved rotary, Granite's multipliers, Phi's LM-head bias
+    "new_switches": llama.Config.tiny(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                                      mlp_gated=False, mlp_bias=True, mlp_act="gelu", partial_rotary_factor=0.5,
+                                      nope_layers=(1,), qk_norm=True, qk_norm_heads=True, rotary_interleaved=True,
+                                      embedding_multiplier=2.0, residual_multiplier=0.5, logit_scale=0.5,
+                                      lm_head_bias=True),
 }
 
 

@@ -1,5 +1,6 @@
-"""Mixtral, Qwen3-MoE (a dense first layer: mlp_only_layers) and Qwen2-MoE (a shared expert
-with its sigmoid gate) as configurations of the one decoder (models/llama.py, models/moe.py):
+"""Mixtral, Qwen3-MoE (a dense first layer: mlp_only_layers), Qwen2-MoE (a shared expert
+with its sigmoid gate) and Granite MoE (Granite's multipliers; the experts one tensor each in the
+files, gate and up fused along each expert's rows) as configurations of the one decoder (models/llama.py, models/moe.py):
 tiny random models built by ``transformers`` from a config load through the HF import (the
 per-expert tensors stacked along ``experts``); logits equal transformers'; the loss with the
 auxiliary load-balancing loss (``output_router_logits``) and every gradient equal transformers'
@@ -31,6 +32,9 @@ FAMILIES = {
         mlp_only_layers=[0])),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         BASE, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        BASE, intermediate_size=32, num_local_experts=4, embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.125, logits_scaling=4.0)),
 }
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 
@@ -61,6 +65,9 @@ def test_configs_read_each_family(saved):
     assert "router" not in llama.init(cfg)["layers"][0]["mlp"] and "router" in llama.init(cfg)["layers"][1]["mlp"]
     cfg = hf.config_from_hf(saved["qwen2_moe"][1])
     assert (cfg.qkv_bias, cfg.shared_expert_mlp, cfg.norm_topk_prob) == (True, 48, False)
+    cfg = hf.config_from_hf(saved["granitemoe"][1])
+    assert (cfg.experts, cfg.experts_top_k, cfg.moe_mlp, cfg.norm_topk_prob, cfg.embedding_multiplier,
+            cfg.residual_multiplier, cfg.logit_scale) == (4, 2, None, True, 3.0, 0.5, 0.25)
     # the auxiliary loss counts only where transformers adds it (output_router_logits)
     conf = json.loads((saved["qwen3_moe"][1] / "config.json").read_text())
     assert hf.config_from_hf(dict(conf, output_router_logits=False)).router_aux_loss_coef == 0.0
@@ -90,7 +97,8 @@ def _hf_grad(ours: dict, name: str, cfg) -> tuple[str, torch.Tensor]:
     if name.endswith("experts.down_proj"):
         return ours[f"layers.{layer}.mlp.down"].transpose(1, 2)
     files = {n: parts for n, parts in hf._file_tensors(llama.init(cfg), cfg)}
-    legacy = name.replace("mlp.gate.weight", "block_sparse_moe.gate.weight") if cfg.model_type == "mixtral" else name
+    legacy = (name.replace("mlp.gate.weight", "block_sparse_moe.gate.weight") if cfg.model_type == "mixtral" else
+              name.replace("router.weight", "router.layer.weight") if cfg.model_type == "granitemoe" else name)
     return torch.cat([kind.to_hf(ours[p]) for p, kind, _ in files[legacy]])
 
 
@@ -152,3 +160,30 @@ def test_base_model_dispatches_and_refusals(saved, tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"experts of model.layers.0.block_sparse_moe.experts.w1.weight "
                                                  r"are not numbered 0\.\.2 with one shape: \[0, 1, 3\]"):
         hf.load_hf_llama(broken)
+
+
+def test_granitemoe_expert_and_tensor_parallel_reads_equal_transformers(saved):
+    """EP x TP (the experts over dp_shard, their ``mlp`` over tp): each device reads its experts'
+    rows of gate and of up from Granite MoE's fused ``input_linear`` (parts along each expert's
+    rows), and the logits of every device's block equal transformers'."""
+    from functional_pp.core.layout import Rules, block_slices
+    from functional_pp.parallel import sharding
+    from functional_pp.parallel.named import settle
+    model, d = saved["granitemoe"]
+    cfg, _ = hf.load_hf_llama(d)
+    mesh = fpp.Mesh(dp_shard=2, tp=2)
+    rules = Rules(batch="dp_shard", experts="dp_shard", heads="tp", kv_heads="tp", vocab="tp", mlp="tp")
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+
+    def device():
+        with fpp.use_rules(rules):
+            _, local = hf.load_hf_llama(d)
+            assert tuple(local["layers"][0]["mlp"]["up"].shape) == (2, 64, 16)      # its experts, its mlp columns
+            with torch.no_grad():
+                logits = settle(llama.forward(sharding.named_tree(local, llama.init(cfg)), fpp.named(toks, "batch seq"),
+                                              cfg))
+            region = block_slices(tuple(want.shape), logits.split, mesh, fpp.current_rank())
+            torch.testing.assert_close(logits.data, want[region], atol=1e-5, rtol=1e-5)
+    fpp.launch(device, mesh)

@@ -77,6 +77,23 @@ FAMILIES = {
                                      scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16.0,
                                      qk_norm=True, sliding_window=5, local_rope_theta=10.0,
                                      layer_types=("sliding_attention", "full_attention"), tie_embeddings=True),
+    # SmolLM3's NoPE layer; Granite's multipliers; OLMo 2's norms after each block only and q/k
+    # norms over every head (split over tp: one norm across the shards); Cohere's parallel block,
+    # LayerNorm and interleaved rotary; Phi's LayerNorm biases, partial rotary, GELU MLP with
+    # biases and LM-head bias; GPT-NeoX's parallel MLP with its own norm
+    "smollm3": llama.Config.tiny(model_type="smollm3", nope_layers=(1,), tie_embeddings=True),
+    "granite": llama.Config.tiny(model_type="granite", embedding_multiplier=3.0, residual_multiplier=0.5,
+                                 query_pre_attn_scalar=64.0, logit_scale=0.25),
+    "olmo2": llama.Config.tiny(model_type="olmo2", pre_norms=False, sandwich_norms=True, qk_norm=True,
+                               qk_norm_heads=True),
+    "cohere": llama.Config.tiny(model_type="cohere", parallel_block=True, norm_kind="layer", rotary_interleaved=True,
+                                logit_scale=0.5, tie_embeddings=True),
+    "phi": llama.Config.tiny(model_type="phi", parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False,
+                             mlp_bias=True, mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True,
+                             partial_rotary_factor=0.5),
+    "gpt_neox": llama.Config.tiny(model_type="gpt_neox", parallel_block=True, parallel_mlp_norm=True, norm_kind="layer",
+                                  norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True,
+                                  o_bias=True, partial_rotary_factor=0.25, kv_heads=4),
 }
 
 

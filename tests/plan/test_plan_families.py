@@ -1,5 +1,6 @@
 """The planner's dry-run of the decoder families' configurations (sliding windows in some
-layers, q/k/v biases, q/k norms, Gemma 2's soft-capped attention with its explicit scores):
+layers, q/k/v biases, q/k norms, Gemma 2's soft-capped attention with its explicit scores,
+OLMo 2's norms, GPT-NeoX's parallel block):
 communication byte for byte and memory within 10% of a real CPU step, layers extrapolated."""
 import functools
 
@@ -18,6 +19,13 @@ CONFIGS = {
     "gemma2": llama.Config.tiny(model_type="gemma2", mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True,
                                 sandwich_norms=True, query_pre_attn_scalar=32.0, attn_softcap=50.0,
                                 final_softcap=30.0, sliding_window=16, tie_embeddings=True, **SIZE),
+    # OLMo 2's q/k norms over every head (a sum across tp); GPT-NeoX's parallel block of LayerNorms
+    # with biases, GELU MLP with biases, partial rotary
+    "olmo2": llama.Config.tiny(model_type="olmo2", pre_norms=False, sandwich_norms=True, qk_norm=True,
+                               qk_norm_heads=True, **SIZE),
+    "gpt_neox": llama.Config.tiny(model_type="gpt_neox", parallel_block=True, parallel_mlp_norm=True, norm_kind="layer",
+                                  norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True,
+                                  o_bias=True, partial_rotary_factor=0.25, kv_heads=4, **SIZE),
 }
 LAYOUTS = {
     "fsdp": (fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")),

@@ -142,6 +142,24 @@ def test_tied_embedding_on_both_ends(reference):
     assert all("embed_tokens" in params for _, params, _ in results)
 
 
+def test_layer_norm_and_head_biases_on_the_last_stage(reference):
+    """GPT-NeoX's and Phi's switches (attention and MLP in parallel from two LayerNorms with
+    biases, a GELU MLP with biases, partial rotary, an LM-head bias) on PP 2 with the model's
+    pipeline_ends: the final norm's bias and the head's bias only on the last stage, equal to
+    one device."""
+    data, _ = reference
+    cfg = llama.Config.tiny(layers=4, parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
+                            mlp_gated=False, mlp_bias=True, mlp_act="gelu", partial_rotary_factor=0.5,
+                            lm_head_bias=True)
+    ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=cfg)[0][:2]
+    first, last = llama.pipeline_ends(cfg)
+    results = _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, cfg=cfg, schedule="1f1b", first_stage=first,
+                   last_stage=last)
+    _assert_equal(ref, results)
+    for rank, (_, params, _) in enumerate(results):
+        assert ("norm_bias" in params) == ("lm_head_bias" in params) == (rank == 1)
+
+
 TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
 
 

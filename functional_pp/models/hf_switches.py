@@ -1,0 +1,296 @@
+"""The Hugging Face families that are the Llama decoder plus a few switches of
+:class:`~functional_pp.models.llama.Config` (docs/models.md, "Decoder families"): SmolLM3 (NoPE
+layers), Granite (embedding / residual / attention / logit multipliers), OLMo 2 and OLMo 3
+(norms after each block only, q/k norms over every head; OLMo 3's sliding windows), Cohere and
+Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale; Cohere
+2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
+biases, partial rotary, GELU MLPs that are not gated, parallel blocks) and Arcee (squared ReLU).
+
+Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
+that have one value in the family, the fields ``config.json`` carries (read and written here),
+and the tensors whose layout differs from Llama's. :mod:`functional_pp.models.llama_hf` reads
+the keys every family shares and dispatches here for the rest. Also: the model types refused
+by name (:data:`REFUSED`), with why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
+
+PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
+                             qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
+                             parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False)
+"""The switches' values in Llama (and in every family that does not name them)."""
+
+Get = Callable[..., Any]          # a config.json key, or its class default
+
+
+@dataclass(frozen=True)
+class Switches:
+    """One family: ``read(hf, get, where)`` the Config fields it takes from ``config.json``
+    (``get``: a key or the class default), ``write(cfg, out)`` its keys into an exported
+    ``config.json``; ``fixed`` the fields with one value in the family, ``free`` those its
+    ``config.json`` carries (any value; a ``fixed`` value may be a function of the config);
+    ``kinds`` our path suffix -> transform kind where its files differ from Llama's layout."""
+    architecture: str
+    defaults: dict[str, Any]
+    read: Callable[[dict, Get, str], dict]
+    write: Callable[[Any, dict], None]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    free: tuple[str, ...] = ()
+    kinds: dict[str, str] = field(default_factory=dict)
+    windows: bool = False           # sliding windows in config.json (read by llama_hf._window)
+    hidden_act: str = "silu"        # the one hidden_act of config.json the family reads
+    # config.json with the keys every family shares (hidden_size, ...) added from the family's own
+    # (GPT-J's n_embd, ...), before anything is read
+    prepare: Callable[[dict], dict] | None = None
+
+    def need(self, cfg) -> dict[str, Any]:
+        """The Config fields export requires of ``cfg`` for this class."""
+        need = {k: v for k, v in PLAIN.items() if k not in self.free}
+        need.update({k: v for k, v in dict(qkv_bias=cfg.o_bias, qk_norm=False).items() if k not in self.free})
+        if not self.windows:
+            need["sliding_window"] = None
+        need.update({k: v(cfg) if callable(v) else v for k, v in self.fixed.items()})
+        return need
+
+
+# --------------------------------------------------------------------------- SmolLM3
+def _smollm3_read(hf: dict, get: Get, where: str) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    rope = hf.get("no_rope_layers")
+    if rope is None:                      # SmolLM3Config: every no_rope_layer_interval-th layer has no rotary
+        every = int(get("no_rope_layer_interval"))
+        rope = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(rope) != layers:
+        raise ValueError(f"{where}: no_rope_layers has {len(rope)} entries for {layers} layers")
+    nope = tuple(i for i, r in enumerate(rope) if not r)
+    return dict(nope_layers=nope or None)
+
+
+def _smollm3_write(cfg, out: dict) -> None:
+    types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+    out.update(no_rope_layers=[int(cfg.rotates(i)) for i in range(cfg.layers)],
+               use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+               layer_types=types)
+
+
+# --------------------------------------------------------------------------- Granite
+def _granite_read(hf: dict, get: Get, where: str) -> dict:
+    # transformers: embeddings x embedding_multiplier, each branch x residual_multiplier, scores x
+    # attention_multiplier (the attention's scale: query_pre_attn_scalar = its -2nd power),
+    # logits / logits_scaling
+    return dict(embedding_multiplier=float(get("embedding_multiplier")),
+                residual_multiplier=float(get("residual_multiplier")),
+                query_pre_attn_scalar=float(get("attention_multiplier")) ** -2,
+                logit_scale=1.0 / float(get("logits_scaling")))
+
+
+def _granite_write(cfg, out: dict) -> None:
+    scalar = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.dim_head
+    out.update(embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
+               attention_multiplier=scalar ** -0.5, logits_scaling=1.0 / cfg.logit_scale)
+
+
+# --------------------------------------------------------------------------- OLMo 2 / 3
+def _no_fields(hf: dict, get: Get, where: str) -> dict:
+    """A family whose config.json carries no switch of its own (its switches are ``fixed``)."""
+    return {}
+
+
+def _no_keys(cfg, out: dict) -> None:
+    """A family whose config.json has no keys of its own to write."""
+
+
+def _olmo3_write(cfg, out: dict) -> None:
+    local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
+    out.update(sliding_window=cfg.sliding_window,
+               layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)],
+               rope_parameters={"full_attention": out["rope_parameters"], "sliding_attention": local})
+
+
+# OLMo 2's q/k norms span every head: HF [heads * head_dim], ours heads x head_dim
+_OLMO = dict(fixed=dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_heads=True),
+             kinds={"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"})
+
+
+# --------------------------------------------------------------------------- Cohere
+def _cohere_read(hf: dict, get: Get, where: str) -> dict:
+    if hf.get("use_qk_norm"):
+        raise ValueError(f"{where}: use_qk_norm=True (Command R+) is not supported yet (its per-head "
+                         f"LayerNorm of q and k); only Command R's use_qk_norm=False")
+    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")))
+
+
+def _cohere_write(cfg, out: dict) -> None:
+    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
+
+
+def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
+    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                      for i in range(int(hf["num_hidden_layers"]))]
+    return dict(_cohere_read(hf, get, where), nope_layers=tuple(i for i, t in enumerate(types)
+                                                                if t == "full_attention") or None)
+
+
+def _cohere2_write(cfg, out: dict) -> None:
+    _cohere_write(cfg, out)
+    out.update(sliding_window=cfg.sliding_window,
+               layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)])
+
+
+def _full_layers(cfg) -> tuple[int, ...] | None:
+    """The layers without a window (Cohere 2's layers without rotary)."""
+    return tuple(i for i in range(cfg.layers) if cfg.window(i) is None) or None
+
+
+# --------------------------------------------------------------------------- Phi-1/2
+def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
+    """The share of head_dim that rotates, from ``rope_parameters`` or the top level."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or default)
+
+
+def _phi_read(hf: dict, get: Get, where: str) -> dict:
+    if hf.get("qk_layernorm"):
+        raise ValueError(f"{where}: qk_layernorm=True (a LayerNorm per head of q and k) is not supported yet")
+    return dict(partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")),
+                norm_eps=float(get("layer_norm_eps")))
+
+
+def _phi_write(cfg, out: dict) -> None:
+    out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    out.update(layer_norm_eps=out.pop("rms_norm_eps"), hidden_act="gelu_new", qk_layernorm=False,
+               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
+    out.pop("attention_bias", None)
+
+
+# --------------------------------------------------------------------------- StableLM
+def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
+    if float(hf.get("hidden_dropout") or 0.0):
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+    return dict(_phi_read(hf, get, where), parallel_block=bool(get("use_parallel_residual")),
+                qkv_bias=bool(get("use_qkv_bias")))
+
+
+def _stablelm_write(cfg, out: dict) -> None:
+    _phi_write(cfg, out)
+    del out["resid_pdrop"], out["embd_pdrop"]
+    out.update(hidden_act="silu", use_qkv_bias=cfg.qkv_bias, use_parallel_residual=cfg.parallel_block,
+               hidden_dropout=0.0)
+
+
+# --------------------------------------------------------------------------- GPT-NeoX
+def _neox_read(hf: dict, get: Get, where: str) -> dict:
+    if float(hf.get("hidden_dropout") or 0.0):
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+    parallel, bias = bool(get("use_parallel_residual")), bool(get("attention_bias"))
+    return dict(partial_rotary_factor=partial_rotary_factor(hf, hf.get("rotary_pct") or get("partial_rotary_factor")),
+                norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
+                qkv_bias=bias, o_bias=bias)
+
+
+def _neox_write(cfg, out: dict) -> None:
+    _phi_write(cfg, out)
+    del out["qk_layernorm"], out["resid_pdrop"], out["embd_pdrop"]
+    out.update(hidden_act="gelu", use_parallel_residual=cfg.parallel_block, attention_bias=cfg.o_bias,
+               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=0.0)
+
+
+SWITCHES: dict[str, Switches] = {
+    "smollm3": Switches("SmolLM3ForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                                   tie_word_embeddings=True, use_sliding_window=False,
+                                                   sliding_window=None, no_rope_layer_interval=4, pad_token_id=128004),
+                        _smollm3_read, _smollm3_write, free=("nope_layers",), windows=True),
+    "granite": Switches("GraniteForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=2048,
+                                                   embedding_multiplier=1.0, residual_multiplier=1.0,
+                                                   attention_multiplier=1.0, logits_scaling=1.0),
+                        _granite_read, _granite_write,
+                        free=("embedding_multiplier", "residual_multiplier", "logit_scale")),
+    "olmo2": Switches("Olmo2ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, pad_token_id=1),
+                      _no_fields, _no_keys, **_OLMO),
+    "olmo3": Switches("Olmo3ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096,
+                                               pad_token_id=1),
+                      _no_fields, _olmo3_write, windows=True, **_OLMO),
+    "cohere": Switches("CohereForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=8192,
+                                                 logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
+                       _cohere_read, _cohere_write, free=("logit_scale",),
+                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True)),
+    "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
+                    _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
+                    fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+                               mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
+    "gpt_neox": Switches("GPTNeoXForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048,
+                                                    partial_rotary_factor=0.25, use_parallel_residual=True,
+                                                    attention_bias=True),
+                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block"), hidden_act="gelu",
+                         fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu",
+                                    parallel_mlp_norm=lambda cfg: cfg.parallel_block, qkv_bias=lambda cfg: cfg.o_bias,
+                                    kv_heads=lambda cfg: cfg.heads)),
+}
+
+SWITCHES["cohere2"] = Switches(
+    "Cohere2ForCausalLM", dict(SWITCHES["cohere"].defaults, sliding_window=4096), _cohere2_read, _cohere2_write,
+    free=("logit_scale",), windows=True, fixed=dict(SWITCHES["cohere"].fixed, nope_layers=_full_layers))
+
+SWITCHES["stablelm"] = Switches(
+    "StableLmForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.25,
+                                use_qkv_bias=False, use_parallel_residual=False),
+    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias"),
+    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
+
+SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is not gated, of squared ReLU
+    "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _no_fields, _no_keys,
+    hidden_act="relu2", fixed=dict(mlp_gated=False, mlp_act="relu2"))
+
+def _gptj_prepare(hf: dict) -> dict:
+    """GPT-J's config.json keys as the shared ones (GPTJConfig's defaults where left out)."""
+    hidden, heads = int(hf.get("n_embd", 4096)), int(hf.get("n_head", 16))
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 28), num_attention_heads=heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, max_position_embeddings=hf.get("n_positions", 2048),
+                layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation_function", "gelu_new"),
+                attention_dropout=hf.get("attn_pdrop"),
+                partial_rotary_factor=(hf.get("rotary_dim") or hidden // heads) / (hidden // heads))
+
+
+def _gptj_write(cfg, out: dict) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "attention_dropout",
+                "attention_bias", "rope_parameters", "rope_scaling", "rope_theta"):
+        out.pop(key, None)
+    out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
+               rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
+    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write, free=("partial_rotary_factor",),
+    hidden_act="gelu_new", prepare=_gptj_prepare,
+    fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
+               kv_heads=lambda cfg: cfg.heads))
+
+_HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
+REFUSED: dict[str, str] = {
+    **{mt: f"{name} is {_HYBRID}" for mt, name in (
+        ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
+        ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
+        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+    **{mt: f"{name} is not supported yet (issue 40)" for mt, name in (
+        ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
+        ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
+        ("granitemoeshared", "Granite MoE (shared experts)"),
+("falcon", "Falcon"),
+        ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), 
+        ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
+("olmoe", "OLMoE"))},
+}
+"""``model_type`` -> why it is refused (named in the error before any work)."""
+
+
+def refusal(mt: str) -> str:
+    """``" (<why>)"`` for a model type refused by name, else ``""``."""
+    return f" ({REFUSED[mt]})" if mt in REFUSED else ""
