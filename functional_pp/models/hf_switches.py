@@ -278,15 +278,14 @@ REFUSED: dict[str, str] = {
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
         ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
         ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
-    **{mt: f"{name} is not supported yet (issue 40)" for mt, name in (
+    **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
         ("granitemoeshared", "Granite MoE (shared experts)"),
-("falcon", "Falcon"),
-        ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"), 
+        ("falcon", "Falcon"), ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"),
         ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
-("olmoe", "OLMoE"))},
+        ("olmoe", "OLMoE"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -481,7 +481,7 @@ def config_from_hf_dict(hf: dict) -> Config:
     where = "HF config"
     mt = hf.get("model_type", "llama")
     if mt not in ARCHITECTURES:
-        raise UnsupportedHFConfig(f"{where}: model_type {mt!r}{refusal(mt)} is not supported; supported model "
+        raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported{refusal(mt)}; supported model "
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
