@@ -116,3 +116,23 @@ def test_the_pasted_keys_reproduce_the_layout_and_validate_gives_the_same_peak(t
     assert cli.main(["validate", again, "--simulate", str(n), "--memory"]) == 0
     peak = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak:"))
     assert peak.startswith(f"peak:       {_human_bytes(best.peak_bytes)} per device")
+
+
+@pytest.mark.parametrize("mesh, rules, remat", [
+    (dict(dp_shard=2), plan.standard_rules(("dp_shard",)), True),
+    (dict(tp=2), plan.standard_rules((), sequence_parallel=True), False)])
+def test_many_micro_steps_are_extrapolated_from_two_and_three_exactly(mesh, rules, remat):
+    import collections
+
+    import functional_pp as fpp
+    cfg = llama.Config.tiny(layers=3)
+    batch = {k: ((12, 16), "batch seq") for k in ("tokens", "labels")}
+    kw = dict(precision="bf16", grad_accum=6, remat=remat, timeline=False)
+    args = (functools.partial(llama.loss, cfg=cfg), llama.init(cfg), fpp.Mesh(**mesh), rules, batch)
+    fast, full = plan.estimate(*args, **kw), plan.estimate(*args, **kw, extrapolate_micro_steps=False)
+    assert fast.micro_steps and len(fast.runs) == 4 and full.micro_steps is None
+    assert collections.Counter(fast.comm.events) == collections.Counter(full.comm.events)
+    for what in ("peak_bytes", "activation_bytes", "state_bytes", "memory"):
+        assert getattr(fast, what) == getattr(full, what), what
+    assert fast.flops == pytest.approx(full.flops, rel=1e-12)
+    assert plan.cost(fast, "h100x8").step_s == pytest.approx(plan.cost(full, "h100x8").step_s, rel=1e-9)
