@@ -206,26 +206,37 @@ def leanest(cands: Sequence[Candidate]) -> Candidate:
 
 
 def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[LayoutEstimate]]:
-    """Probe each group of candidates (one mesh shape and order, one pipeline schedule) with its
-    first candidate (default options) and its :func:`leanest`, rank the groups by their fastest
-    probe within memory, then evaluate every option of the ``width`` best groups. A group is
-    dropped only when its leanest candidate does not fit (then none of it does), so the beam
-    keeps a layout that fits whenever the space has one."""
+    """Group the candidates (one mesh shape and order, one pipeline schedule) and probe each
+    group with its :func:`leanest` candidate: a group whose leanest does not fit is dropped
+    (none of it fits), so the beam keeps a layout that fits whenever the space has one. The
+    ``2 x width`` groups fastest by that probe are probed again with their first candidate
+    (default options, usually the fastest), ranked by their fastest probe within memory, and
+    every option of the ``width`` best is evaluated."""
     def strategy(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
         groups: dict = {}
         for c in cands:
             groups.setdefault((tuple(c.mesh.shape.items()), c.schedule, c.virtual), []).append(c)
-        results, ranked = [], []
+        results, fitting = [], []
         for k, g in groups.items():
             lean = leanest(g)
-            probes = [g[0]] if lean is g[0] else [g[0], lean]
-            done = [e for e in map(evaluate, probes) if e is not None]
-            results.extend(done)
-            fitting = [_time(e) for e in done if e.settings.get("fits", True)]
-            if fitting:
-                ranked.append((min(fitting), k, probes))
+            e = evaluate(lean)
+            if e is not None:
+                results.append(e)
+                if e.settings.get("fits", True):
+                    fitting.append((_time(e), k, [lean]))
+        fitting.sort(key=lambda r: r[0])
+        ranked = []
+        for t, k, probes in fitting[:2 * width]:
+            first = groups[k][0]
+            e = None if first is probes[0] else evaluate(first)
+            if e is not None:
+                results.append(e)
+                probes.append(first)
+                t = min(t, _time(e)) if e.settings.get("fits", True) else t
+            ranked.append((t, k, probes))
         for _, k, probes in sorted(ranked, key=lambda r: r[0])[:width]:
-            results.extend(e for e in map(evaluate, (c for c in groups[k] if all(c is not p for p in probes))) if e is not None)
+            results.extend(e for e in map(evaluate, (c for c in groups[k] if all(c is not p for p in probes)))
+                           if e is not None)
         return results
     return strategy
 

@@ -136,3 +136,51 @@ def test_many_micro_steps_are_extrapolated_from_two_and_three_exactly(mesh, rule
         assert getattr(fast, what) == getattr(full, what), what
     assert fast.flops == pytest.approx(full.flops, rel=1e-12)
     assert plan.cost(fast, "h100x8").step_s == pytest.approx(plan.cost(full, "h100x8").step_s, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_8k_on_64_gpus_chooses_a_layout_that_fits(tmp_path):
+    """The issue's case: examples/configs/4d.yaml with model 8b, 8192 tokens, 64 sequences per step,
+    micro-batches of 1, on 64 H100s (tp and cp up to 2 to keep the test short)."""
+    raw = yaml.safe_load(open("examples/configs/4d.yaml"))
+    raw.update(model="8b", sequence_len=8192, global_batch_size=64, micro_batch_size=1)
+    (tmp_path / "8b.yaml").write_text(yaml.safe_dump(raw))
+    cfg = TrainConfig.from_yaml(str(tmp_path / "8b.yaml"))
+    space = plan.Space(**{**vars(config_space(cfg)), "max_axis": {"cp": 2, "tp": 2}})
+    ranking = rank_layouts(cfg, 64, "h100x8", strategy="beam", space=space)
+    limit = plan.cluster("h100x8").memory_bytes
+    chosen = ranking[0]
+    assert chosen.peak_bytes <= limit and ranking.fitting()[0] is chosen
+    assert any(e.peak_bytes > limit for e in ranking)              # the space has layouts that do not fit
+    for e in ranking:               # micro_batch_size: 1 kept: accumulation makes up the 64 sequences
+        assert e.settings["grad_accum"] * e.mesh.shape["dp_replicate"] * e.mesh.shape["dp_shard"] == 64
+    text = cli.plan.explain(ranking, cfg)
+    assert text.startswith(f"chose {chosen.describe()}:") and "NO LAYOUT FITS" not in text
+
+
+def test_plan_prints_full_names_in_gib_the_keys_to_paste_and_says_when_nothing_fits(tmp_path, capsys):
+    path = _write(tmp_path, "c.yaml", micro_batch_size=2, gradient_checkpointing=False, reshard_after_forward=True)
+    assert cli.main(["plan", path, "--devices", "2", "--cluster", "a100x8", "--top", "50"]) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out and "estimated" in err and " GB" not in out
+    assert "peak GiB" in out and "tok/s/dev" in out and "MFU" in out
+    table = out.split("chose ")[0]
+    unwrapped = " ".join(line.strip() for line in table.splitlines())
+    cfg = TrainConfig.from_yaml(path)
+    ranking = rank_layouts(cfg, 2, "a100x8")
+    for e in ranking:                                           # every name in full
+        assert e.describe() in unwrapped
+    keys = yaml.safe_load(out.split("to train it, set in the config:\n")[1].split("Pareto front")[0])
+    assert keys["micro_batch_size"] == 2 and keys["activation_checkpointing"] is False
+    assert {"dp_shard_size", "tp_size", "global_batch_size", "gradient_accumulation_steps"} <= set(keys)
+    smallest = min(e.peak_bytes for e in ranking)
+    assert cli.main(["plan", path, "--devices", "2", "--memory-gib", str(smallest / 2 ** 30 * 0.99)]) == 1
+    out = capsys.readouterr().out
+    assert "NO LAYOUT FITS" in out and "chose" not in out
+    assert "activation_checkpointing: true (the config fixes activation_checkpointing" in out
+    assert "micro_batch_size: 1" in out and "more devices" in out
+    near = min(ranking, key=lambda e: e.peak_bytes)
+    assert f"The nearest is {near.describe()} at {_human_bytes(near.peak_bytes)}" in out
+    assert cli.main(["plan", "--cluster", "help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name}: " in out for name in plan.PRESETS) and "Grand Teton" in out and "GiB" in out
