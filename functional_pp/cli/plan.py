@@ -38,19 +38,26 @@ def global_batch_for(cfg, n_devices: int) -> int:
     return cfg.micro_batch_size * cfg.gradient_accumulation_steps * n_devices
 
 
-def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep: tuple[int, ...] = (1,)) -> Space:
+#: context parallelism is searched up to the size that leaves each device this many tokens of a sequence
+CP_MIN_TOKENS = 1024
+
+
+def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep: tuple[int, ...] = (1,),
+                 max_axis: dict | None = None) -> Space:
     """The layouts ``plan`` and ``layout: auto`` search for ``cfg``: what the config fixes is
     fixed (``activation_checkpointing``, ``micro_batch_size``, ``reshard_after_forward``
     when given), what it leaves free is searched (no, selective and whole-layer checkpointing;
     every micro-batch size that divides the local batch; FSDP re-gathering or not), with the
     mesh, FSDP axes and sequence parallelism; only options a config can express (so the chosen
-    layout can be pasted: :func:`layout_keys`)."""
+    layout can be pasted: :func:`layout_keys`). ``max_axis`` caps axis sizes (default: cp up to
+    :data:`CP_MIN_TOKENS` tokens per device; a shorter split only adds ring steps)."""
     given = cfg._given
     remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", True)
     micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"
     keep = (not cfg.reshard_after_forward,) if "reshard_after_forward" in given else (False, True)
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
-                 keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep)
+                 keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
+                 max_axis={"cp": max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
 
 
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,
@@ -248,6 +255,9 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", default="1", metavar="SIZES",
                    help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B)")
     p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
+    p.add_argument("--max-axis", default="", metavar="AXIS=N,...",
+                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to sequence_len / "
+                        f"{CP_MIN_TOKENS})")
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
     p.add_argument("--top", type=int, default=20, help="rows to print")
@@ -269,6 +279,7 @@ def run(args) -> int:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         cl = as_cluster(args.cluster)
         pp, ep = _sizes("--pp", args.pp), _sizes("--ep", args.ep)
+        max_axis = _max_axis(args.max_axis)
         if args.float8 and not cl.peak_fp8_flops:
             raise ValueError(f"--float8: cluster {cl.name!r} has no FP8 matmuls; choose one with FP8 (h100x8, "
                              f"h100x8-gt, h200x8, l40sx4)")
@@ -276,7 +287,7 @@ def run(args) -> int:
         print(f"functional-pp: {exc}", file=sys.stderr)
         return 2
     ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, memory_gib=args.memory_gib,
-                           strategy=args.strategy, space=config_space(cfg, orders=args.orders, pp=pp, ep=ep),
+                           strategy=args.strategy, space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
                            float8=args.float8)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} (memory limit "
           f"{_human_bytes(ranking.memory_limit_bytes)} per device), best first:")
@@ -292,6 +303,19 @@ def run(args) -> int:
             f.write(ranking.to_json())
         print(f"wrote {args.json}")
     return 0 if ranking.fitting() else 1
+
+
+def _max_axis(text: str) -> dict:
+    """``--max-axis tp=8,cp=16`` as {axis: size}."""
+    axes = (*Space().axes, "pp", "ep")
+    out = {}
+    for item in filter(None, str(text).split(",")):
+        axis, _, size = item.partition("=")
+        if axis.strip() not in axes or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--max-axis takes AXIS=N pairs over {', '.join(axes)}, "
+                             f"e.g. --max-axis tp=8,cp=16; got {item!r}")
+        out[axis.strip()] = int(size)
+    return out
 
 
 def _sizes(flag: str, text: str) -> tuple[int, ...]:

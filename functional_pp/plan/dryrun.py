@@ -101,6 +101,9 @@ def _rules_dict(rules: Rules) -> dict:
 #: peak too (it grows by the few bytes each micro-step keeps to the end, its loss and token count;
 #: docs/planning.md, "Repeated micro-steps")
 MICRO_RUNS = (2, 3)
+#: from this many micro-steps on, the four runs (1 and 2 layers at 2 and 3 micro-steps) are cheaper
+#: than the two of all G
+EXTRAPOLATE_FROM = 7
 
 
 def extrapolate(values: Sequence[float], layers: int, micro_steps: tuple | None = None) -> float:
@@ -155,7 +158,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     gradients for the whole step and reduce-scatters once; "micro" gathers and reduce-scatters
     per micro-batch as a step without pipeline does.
 
-    ``extrapolate_micro_steps``: more than 3 micro-steps (``grad_accum`` without pp) are run as
+    ``extrapolate_micro_steps``: 7 or more micro-steps (``grad_accum`` without pp) are run as
     2 and 3 and extrapolated (exact: every micro-step after the first is the same); False runs
     them all."""
     rules.check(mesh)
@@ -407,7 +410,7 @@ def _nbytes(tensors) -> int:
 
 def _micro_runs(batch: BatchSpec, grad_accum: int) -> tuple | None:
     """(G, 2, 3) when ``grad_accum`` = G micro-steps are better run as 2 and 3 and extrapolated."""
-    if grad_accum <= MICRO_RUNS[-1] or any(shape[0] % grad_accum for shape, _ in batch.values()):
+    if grad_accum < EXTRAPOLATE_FROM or any(shape[0] % grad_accum for shape, _ in batch.values()):
         return None
     return (grad_accum, *MICRO_RUNS)
 

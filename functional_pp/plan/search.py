@@ -190,7 +190,6 @@ def exhaustive(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEst
     return [e for e in map(evaluate, cands) if e is not None]
 
 
-_REMAT_SAVING = {True: 0, "selective": 1, False: 2}
 
 
 def leanest(cands: Sequence[Candidate]) -> Candidate:
@@ -199,46 +198,84 @@ def leanest(cands: Sequence[Candidate]) -> Candidate:
     FSDP; sequence parallelism; Megatron's re-gather; weights re-gathered in backward)."""
     def key(c: Candidate):
         opts = dict(c.options)
-        return (_REMAT_SAVING.get(c.remat, 2), -c.grad_accum, -len(c.rules.table.get("hidden") or ()),
+        return (-_REMAT_SAVING_ORDER[c.remat], -c.grad_accum, -len(c.rules.table.get("hidden") or ()),
                 "tp" not in c.rules["res_seq"], not opts.get("regather_activations", False),
                 bool(opts.get("keep_gathered", False)), opts.get("cp_attention", "ring") != "ring")
     return min(cands, key=key)
 
 
 def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[LayoutEstimate]]:
-    """Group the candidates (one mesh shape and order, one pipeline schedule) and probe each
-    group with its :func:`leanest` candidate: a group whose leanest does not fit is dropped
-    (none of it fits), so the beam keeps a layout that fits whenever the space has one. The
-    ``2 x width`` groups fastest by that probe are probed again with their first candidate
-    (default options, usually the fastest), ranked by their fastest probe within memory, and
-    every option of the ``width`` best is evaluated."""
+    """Group the candidates (one mesh shape and order, one pipeline schedule), probe each group
+    with its first candidate (default options: no recomputation, the largest micro-batch; about
+    the group's fastest), then visit the groups fastest probe first: a group whose probe does
+    not fit is probed with its :func:`leanest` candidate, and dropped only when that does not fit
+    either (then none of it fits). The visit stops once ``width`` groups have a layout that fits
+    no slower than the next group's probe; every option of those groups is evaluated. So the
+    beam keeps a layout that fits whenever the space has one."""
     def strategy(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
         groups: dict = {}
         for c in cands:
             groups.setdefault((tuple(c.mesh.shape.items()), c.schedule, c.virtual), []).append(c)
-        results, fitting = [], []
+        results, probed, order, evaluated = [], {}, [], []
+
+        def probe(k, c) -> LayoutEstimate | None:
+            probed.setdefault(k, []).append(c)
+            e = evaluate(c)
+            evaluated.append((c, e))
+            if e is not None:
+                results.append(e)
+            return e
         for k, g in groups.items():
-            lean = leanest(g)
-            e = evaluate(lean)
+            e = probe(k, g[0]) or (probe(k, leanest(g)) if leanest(g) is not g[0] else None)
             if e is not None:
-                results.append(e)
-                if e.settings.get("fits", True):
-                    fitting.append((_time(e), k, [lean]))
-        fitting.sort(key=lambda r: r[0])
-        ranked = []
-        for t, k, probes in fitting[:2 * width]:
-            first = groups[k][0]
-            e = None if first is probes[0] else evaluate(first)
-            if e is not None:
-                results.append(e)
-                probes.append(first)
-                t = min(t, _time(e)) if e.settings.get("fits", True) else t
-            ranked.append((t, k, probes))
-        for _, k, probes in sorted(ranked, key=lambda r: r[0])[:width]:
-            results.extend(e for e in map(evaluate, (c for c in groups[k] if all(c is not p for p in probes)))
-                           if e is not None)
+                order.append((_time(e), k, e))
+        order.sort(key=lambda r: r[0])
+        ranked: list = []
+        for bound, k, e in order:
+            if len(ranked) >= width and sorted(ranked, key=lambda r: r[0])[width - 1][0] <= bound:
+                break
+            if not e.settings.get("fits", True):
+                lean = leanest(groups[k])
+                e = probe(k, lean) if all(lean is not p for p in probed[k]) else None
+            if e is not None and e.settings.get("fits", True):
+                ranked.append((_time(e), k))
+        done = {id(c): e for c, e in evaluated}
+        for _, k in sorted(ranked, key=lambda r: r[0])[:width]:
+            results.extend(_expand(groups[k], evaluate, done))
         return results
     return strategy
+
+
+def _expand(group: Sequence[Candidate], evaluate: Evaluate, done: dict) -> list[LayoutEstimate]:
+    """Every option of a group, except a memory lever's slower variants where a faster one
+    already fits: for the same other options, more recomputation (none, selective, whole layer)
+    and more micro-steps only add time, so a variant is skipped when one with no more of either
+    fits. ``done``: candidates already evaluated (id -> estimate)."""
+    bases: dict = {}
+    for c in group:
+        bases.setdefault(_without_levers(c), []).append(c)
+    out = []
+    for variants in bases.values():
+        fitting: list[Candidate] = []
+        for c in sorted(variants, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum)):
+            if any(_REMAT_SAVING_ORDER[f.remat] <= _REMAT_SAVING_ORDER[c.remat] and f.grad_accum <= c.grad_accum
+                   for f in fitting):
+                continue
+            e = done[id(c)] if id(c) in done else evaluate(c)
+            if e is None:
+                continue
+            if id(c) not in done:
+                out.append(e)
+            if e.settings.get("fits", True):
+                fitting.append(c)
+    return out
+
+
+_REMAT_SAVING_ORDER = {False: 0, "selective": 1, True: 2}    # recomputation: none, selective, whole layer
+
+
+def _without_levers(c: Candidate) -> tuple:
+    return (tuple(c.mesh.shape.items()), repr(c.rules), c.options, c.precision, c.schedule, c.virtual)
 
 
 class Ranking(list):

@@ -126,8 +126,8 @@ def test_many_micro_steps_are_extrapolated_from_two_and_three_exactly(mesh, rule
 
     import functional_pp as fpp
     cfg = llama.Config.tiny(layers=3)
-    batch = {k: ((12, 16), "batch seq") for k in ("tokens", "labels")}
-    kw = dict(precision="bf16", grad_accum=6, remat=remat, timeline=False)
+    batch = {k: ((16, 16), "batch seq") for k in ("tokens", "labels")}
+    kw = dict(precision="bf16", grad_accum=8, remat=remat, timeline=False)
     args = (functools.partial(llama.loss, cfg=cfg), llama.init(cfg), fpp.Mesh(**mesh), rules, batch)
     fast, full = plan.estimate(*args, **kw), plan.estimate(*args, **kw, extrapolate_micro_steps=False)
     assert fast.micro_steps and len(fast.runs) == 4 and full.micro_steps is None
