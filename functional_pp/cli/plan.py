@@ -14,7 +14,7 @@ from typing import IO
 from functional_pp.app.report import _human_bytes
 
 from functional_pp.plan.cluster import cluster as as_cluster
-from functional_pp.plan.cluster import describe_presets
+from functional_pp.plan.cluster import PRESETS, describe_presets
 from functional_pp.plan.search import GIB, Ranking, Space, beam, exhaustive, search
 from functional_pp.plan.timing import cost
 
@@ -82,8 +82,9 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
         if live:
             print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
     started = time.perf_counter()
+    limit = memory_gib * GIB if memory_gib else memory_gb * 1e9 if memory_gb else None
     ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
-                     memory_limit_bytes=memory_gib * GIB if memory_gib else memory_gb * 1e9 if memory_gb else None, progress=progress,
+                     memory_limit_bytes=limit, progress=progress,
                      trainable=trainable, pp_fsdp_gather=cfg.pp_fsdp_gather, optimizer=optimizer_from_config(cfg)[0],
                      cost_model=functools.partial(cost, float8=float8))
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
@@ -129,8 +130,8 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
     over = near.peak_bytes - limit
     lines = [f"NO LAYOUT FITS: none of the {len(ranking)} layouts estimated is within {_human_bytes(limit)} per "
              f"device. The nearest is {near.describe()} at {_human_bytes(near.peak_bytes)} "
-             f"({_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations "
-             f"{_human_bytes(near.activation_bytes)}). What would make it fit:"]
+             f"({_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations at the peak "
+             f"{_human_bytes(near.memory.get('activations', 0))}). What would make it fit:"]
     given = cfg._given if cfg is not None else set()
     if near.settings.get("remat") is not True:
         why = " (the config fixes activation_checkpointing; remove it to let plan search it)" \
@@ -142,7 +143,7 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
     rest = near.peak_bytes - near.state_bytes
     if rest < limit and near.state_bytes > 0:
         factor = near.state_bytes / (limit - rest)
-        per_node = getattr(as_cluster(ranking.cluster), "devices_per_node", 8) if ranking.cluster else 8
+        per_node = PRESETS[ranking.cluster].devices_per_node if ranking.cluster in PRESETS else 1
         need = -(-math.ceil(ranking.devices * factor) // per_node) * per_node
         lines.append(f"  - more devices: about {need} (FSDP over all of them shrinks its state, "
                      f"{_human_bytes(near.state_bytes)} now; the rest, {_human_bytes(rest)}, does not shrink)")
@@ -151,7 +152,7 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
                      f"exceed the limit; split them with cp or tp (more devices), or a shorter sequence_len")
     if all(e.mesh.shape.get("pp", 1) == 1 for e in ranking):
         lines.append("  - pipeline stages: --pp 2,4,8 (each stage holds its share of the layers)")
-    lines.append("  - a device with more memory (--cluster help lists them), or --memory-gb if the limit is too low")
+    lines.append("  - a device with more memory (--cluster help lists them), or --memory-gib if the limit is too low")
     return "\n".join(lines)
 
 
@@ -287,7 +288,8 @@ def run(args) -> int:
         print(f"functional-pp: {exc}", file=sys.stderr)
         return 2
     ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, memory_gib=args.memory_gib,
-                           strategy=args.strategy, space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
+                           strategy=args.strategy,
+                           space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
                            float8=args.float8)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} (memory limit "
           f"{_human_bytes(ranking.memory_limit_bytes)} per device), best first:")

@@ -134,7 +134,8 @@ def describe_presets() -> str:
     """One paragraph per preset: what it is, its memory, peak and links (``--cluster help``)."""
     lines = []
     for name, c in PRESETS.items():
-        lines.append(f"{name}: {c.about}.\n    {c.devices_per_node} devices per node, {c.memory_bytes / 2 ** 30:.1f} GiB "
+        lines.append(f"{name}: {c.about}.\n    {c.devices_per_node} devices per node, "
+                     f"{c.memory_bytes / 2 ** 30:.1f} GiB "
                      f"({c.memory_bytes / 1e9:.0f} GB) each, {c.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, links "
                      f"{c.intra_bandwidth / 1e9:.0f} GB/s inside a node and {c.inter_bandwidth / 1e9:.1f} GB/s "
                      f"across nodes per device")

@@ -417,11 +417,12 @@ def gib(n: float) -> str:
 def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None = None,
           pareto: set | None = None, tokens_per_step: int = 0, devices: int = 1, width: int = 64) -> str:
     """A readable ranking: step time, tokens/s per device, MFU, exposed communication, peak
-    memory and its parts in GiB, then the full layout name (wrapped at ``width`` characters)."""
+    memory, the activations held at the peak and the state in GiB, then the full layout name
+    (wrapped at ``width`` characters)."""
     if not estimates:
         return "(no layout could be estimated)"
     head = (f"{'#':>3} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5} {'exposed s':>9} {'peak GiB':>8} {'act GiB':>7} "
-            f"{'state GiB':>9}  layout")
+            f"{'state GiB':>9}  layout")     # act: the activations held at the peak
     lines = [head, "-" * (len(head) + width - len("layout"))]
     indent = " " * (head.index("layout"))
     for i, e in enumerate(estimates):
@@ -437,7 +438,8 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
         name = textwrap.wrap(e.describe() + (f" ({', '.join(note)})" if note else ""), width,
                              break_on_hyphens=False) or [""]
         lines.append(f"{i + 1:>3} {_time(e):8.4g} {tokens:9,.0f} {(t.mfu if t else 0):5.2f} "
-                     f"{(t.exposed_comm_s if t else 0):9.3g} {gib(e.peak_bytes):>8} {gib(e.activation_bytes):>7} "
+                     f"{(t.exposed_comm_s if t else 0):9.3g} {gib(e.peak_bytes):>8} "
+                     f"{gib(e.memory.get('activations', 0)):>7} "
                      f"{gib(e.state_bytes):>9}  {name[0]}")
         lines.extend(indent + rest for rest in name[1:])
     return "\n".join(lines)
