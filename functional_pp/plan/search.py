@@ -210,8 +210,8 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
     the group's fastest), then visit the groups fastest probe first: a group whose probe does
     not fit is probed with its :func:`leanest` candidate, and dropped only when that does not fit
     either (then none of it fits). The visit stops once ``width`` groups have a layout that fits
-    no slower than the next group's probe; every option of those groups is evaluated. So the
-    beam keeps a layout that fits whenever the space has one."""
+    no slower than the next group's probe; the options of those groups are evaluated
+    (:func:`_expand`). So the beam keeps a layout that fits whenever the space has one."""
     def strategy(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
         groups: dict = {}
         for c in cands:
