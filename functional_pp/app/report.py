@@ -16,7 +16,7 @@ from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
 from functional_pp.core.tree import count_params, leaves_with_paths
 
-__all__ = ["describe", "param_memory", "planned_memory", "run_model", "compute_dtype", "mesh_label",
+__all__ = ["describe", "param_memory", "planned_memory", "planned_estimate", "run_model", "compute_dtype", "mesh_label",
            "comm_report_text"]
 
 
@@ -171,21 +171,27 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     return "\n".join(lines)
 
 
-def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
-    """The ``peak:`` line: the per-device peak of one training step of ``cfg`` and its split,
-    from :func:`functional_pp.plan.estimate` (the real step on meta tensors: same optimizer,
-    precision, accumulation and remat; docs/planning.md)."""
-    import functools
-
+def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
+    """:func:`functional_pp.plan.estimate` of one training step of ``cfg`` under ``mesh`` and
+    ``rules``: the config's optimizer, precision, accumulation, remat, ``reshard_after_forward``
+    and pipeline schedule (``functional-pp validate --memory``; ``plan`` estimates its layouts
+    with the same arguments, so both give the same peak)."""
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.plan import estimate
-    family = model_family(cfg)
     gb = cfg.global_batch(mesh, rules)
     batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
-    est = estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0], precision=cfg.precision,
-                   grad_accum=cfg.grad_accum(mesh, rules), remat=cfg.activation_checkpointing,
-                   timeline=False, trainable=trainable)
+    options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
+    return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
+                    precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
+                    remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
+                    schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages, pp_fsdp_gather=cfg.pp_fsdp_gather)
+
+
+def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
+    """The ``peak:`` line: the per-device peak of one training step of ``cfg`` and its split,
+    from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
+    est = planned_estimate(cfg, mesh, rules, model_cfg)
     split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     return f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
+import time
+from textwrap import indent
 from typing import IO
 
+from functional_pp.app.report import _human_bytes
+
 from functional_pp.plan.cluster import cluster as as_cluster
-from functional_pp.plan.search import Ranking, Space, beam, exhaustive, search
+from functional_pp.plan.cluster import PRESETS, describe_presets
+from functional_pp.plan.search import GIB, Ranking, Space, beam, exhaustive, search
 from functional_pp.plan.timing import cost
 
 LAYOUT_MODES = ("manual", "auto")
@@ -32,68 +38,169 @@ def global_batch_for(cfg, n_devices: int) -> int:
     return cfg.micro_batch_size * cfg.gradient_accumulation_steps * n_devices
 
 
+#: context parallelism is searched up to the size that leaves each device this many tokens of a sequence
+CP_MIN_TOKENS = 1024
+
+
+def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep: tuple[int, ...] = (1,),
+                 max_axis: dict | None = None) -> Space:
+    """The layouts ``plan`` and ``layout: auto`` search for ``cfg``: what the config fixes is
+    fixed (``activation_checkpointing``, ``micro_batch_size``, ``reshard_after_forward``
+    when given), what it leaves free is searched (no, selective and whole-layer checkpointing;
+    every micro-batch size that divides the local batch; FSDP re-gathering or not), with the
+    mesh, FSDP axes and sequence parallelism; only options a config can express (so the chosen
+    layout can be pasted: :func:`layout_keys`). ``max_axis`` caps axis sizes (default: cp up to
+    :data:`CP_MIN_TOKENS` tokens per device; a shorter split only adds ring steps)."""
+    given = cfg._given
+    remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", True)
+    micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"
+    keep = (not cfg.reshard_after_forward,) if "reshard_after_forward" in given else (False, True)
+    return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
+                 keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
+                 max_axis={"cp": max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
+
+
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,
+                 memory_gib: float | None = None,
                  strategy: str = "auto", orders: str = "default", space: Space | None = None,
                  stream: IO[str] | None = None, float8: bool = False) -> Ranking:
     """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster`` (``float8``:
-    costed with Float8 linear layers, ``plan.cost(..., float8=True)``)."""
+    costed with Float8 linear layers, ``plan.cost(..., float8=True)``). Each layout is estimated
+    as ``validate --memory`` estimates the config (its optimizer, precision, trained parameters);
+    progress goes to ``stream`` (default stderr), rewritten in place only on a terminal."""
+    from functional_pp.app.optimizer import optimizer_from_config
     _check_searchable(cfg)
     loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
     batch = {"tokens": ((gb, cfg.sequence_len), "batch seq"), "labels": ((gb, cfg.sequence_len), "batch seq")}
-    prec = cfg.resolved_precision()
-    space = space or Space(orders=orders, precision=prec, grad_accum=(cfg.gradient_accumulation_steps,))
+    space = space or config_space(cfg, orders=orders)
     strat = {"exhaustive": exhaustive, "beam": beam(4), "auto": None}[strategy]
     out = stream or sys.stderr
+    live = out.isatty() if hasattr(out, "isatty") else False
 
     def progress(i, n, name):
-        print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
+        if live:
+            print(f"\r  estimating {i + 1}/{n}: {name[:60]:<60}", end="", file=out, flush=True)
+    started = time.perf_counter()
+    limit = memory_gib * GIB if memory_gib else memory_gb * 1e9 if memory_gb else None
     ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
-                     memory_limit_bytes=memory_gb * 1e9 if memory_gb else None, progress=progress,
-                     trainable=trainable, pp_fsdp_gather=cfg.pp_fsdp_gather,
+                     memory_limit_bytes=limit, progress=progress,
+                     trainable=trainable, pp_fsdp_gather=cfg.pp_fsdp_gather, optimizer=optimizer_from_config(cfg)[0],
                      cost_model=functools.partial(cost, float8=float8))
-    print("\r" + " " * 90 + "\r", end="", file=out, flush=True)
+    print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
+          f"in {time.perf_counter() - started:.0f} s", file=out, flush=True)
     return ranking
 
 
-def explain(ranking: Ranking, top: int = 3) -> str:
-    """Why the first layout won: its numbers against the runners-up."""
+def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
+    """Why the first layout that fits won: its numbers against the runners-up, and (with the
+    training config ``cfg``) the config keys that train it; or, when none fits, the nearest
+    layout and what would make it fit."""
     if not ranking:
         return "no layout could be estimated:\n" + "\n".join(f"  {m}: {w}" for m, w in ranking.rejected[:10])
-    best = ranking[0]
+    fitting = ranking.fitting()
+    if not fitting:
+        return no_fit(ranking, cfg)
+    best = fitting[0]
     t = best.time
-    lines = [f"chose {best.describe()}: step {t.step_s:.4g} s (compute {t.compute_s:.4g}, exposed communication "
-             f"{t.exposed_comm_s:.4g}, hidden {t.hidden_comm_s:.4g}), MFU {t.mfu:.2f}, peak memory "
-             f"{best.peak_bytes / 1e9:.4g} GB of {ranking.memory_limit_bytes / 1e9:.0f} GB"
-             f"; axes {', '.join(f'{a}: {w}-node' for a, w in t.placement.items()) or 'none'}"]
+    lines = [f"chose {best.describe()}:",
+             f"  step {t.step_s:.4g} s, {ranking.tokens_per_s_per_device(best):,.0f} tokens/s per device, MFU "
+             f"{t.mfu:.2f} (compute {t.compute_s:.4g} s, exposed communication {t.exposed_comm_s:.4g} s, hidden "
+             f"{t.hidden_comm_s:.4g} s); peak memory {_human_bytes(best.peak_bytes)} of "
+             f"{_human_bytes(ranking.memory_limit_bytes)} per device",
+             f"  axes: {', '.join(f'{a} {w}-node' for a, w in t.placement.items()) or 'none'}"]
     busiest = sorted(t.by_collective.items(), key=lambda kv: -kv[1])[:4]
     if busiest:
         lines.append("  its collectives (s per step): " + ", ".join(f"{k} {v:.3g}" for k, v in busiest))
     parts = sorted(best.memory.items(), key=lambda kv: -kv[1])[:5]
-    lines.append("  its peak memory (GB): " + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in parts)
+    lines.append("  its peak memory: " + ", ".join(f"{k} {_human_bytes(v)}" for k, v in parts)
                  + f" (at {best.runs[-1].peak_at})")
-    for e in ranking[1:top]:
-        over = " (over memory)" if e.peak_bytes > (ranking.memory_limit_bytes or float("inf")) else ""
-        lines.append(f"  vs {e.describe()}: {e.time.step_s:.4g} s, {e.peak_bytes / 1e9:.4g} GB{over}")
+    for e in fitting[1:top]:
+        lines.append(f"  vs {e.describe()}: {e.time.step_s:.4g} s, {ranking.tokens_per_s_per_device(e):,.0f} "
+                     f"tokens/s per device, {_human_bytes(e.peak_bytes)}")
+    if cfg is not None:
+        lines.append("to train it, set in the config:\n" + indent(layout_yaml(cfg, best, ranking.devices), "  "))
     return "\n".join(lines)
 
 
-def apply_layout(cfg, est, n_devices: int):
-    """A copy of ``cfg`` that trains with the layout of estimate ``est`` (mesh sizes,
-    sequence parallelism, FSDP axes, activation checkpointing, micro batch)."""
+def no_fit(ranking: Ranking, cfg=None) -> str:
+    """No layout is within the memory limit: say so, name the nearest and what would make it fit."""
+    limit = ranking.memory_limit_bytes
+    near = min(ranking, key=lambda e: e.peak_bytes)
+    over = near.peak_bytes - limit
+    lines = [f"NO LAYOUT FITS: none of the {len(ranking)} layouts estimated is within {_human_bytes(limit)} per "
+             f"device. The nearest is {near.describe()} at {_human_bytes(near.peak_bytes)} "
+             f"({_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations at the peak "
+             f"{_human_bytes(near.memory.get('activations', 0))}). What would make it fit:"]
+    given = cfg._given if cfg is not None else set()
+    if near.settings.get("remat") is not True:
+        why = " (the config fixes activation_checkpointing; remove it to let plan search it)" \
+            if "activation_checkpointing" in given else ""
+        lines.append(f"  - whole-layer activation checkpointing: activation_checkpointing: true{why}")
+    if cfg is not None and "micro_batch_size" in given and cfg.micro_batch_size > 1:
+        lines.append(f"  - a smaller micro-batch: micro_batch_size: 1 (now {cfg.micro_batch_size}; gradient "
+                     f"accumulation keeps the global batch)")
+    rest = near.peak_bytes - near.state_bytes
+    if rest < limit and near.state_bytes > 0:
+        factor = near.state_bytes / (limit - rest)
+        per_node = PRESETS[ranking.cluster].devices_per_node if ranking.cluster in PRESETS else 1
+        need = -(-math.ceil(ranking.devices * factor) // per_node) * per_node
+        lines.append(f"  - more devices: about {need} (FSDP over all of them shrinks its state, "
+                     f"{_human_bytes(near.state_bytes)} now; the rest, {_human_bytes(rest)}, does not shrink)")
+    else:
+        lines.append(f"  - more devices alone do not help: its activations and temporaries ({_human_bytes(rest)}) "
+                     f"exceed the limit; split them with cp or tp (more devices), or a shorter sequence_len")
+    if all(e.mesh.shape.get("pp", 1) == 1 for e in ranking):
+        lines.append("  - pipeline stages: --pp 2,4,8 (each stage holds its share of the layers)")
+    lines.append("  - a device with more memory (--cluster help lists them), or --memory-gib if the limit is too low")
+    return "\n".join(lines)
+
+
+def layout_keys(cfg, est, n_devices: int) -> dict:
+    """The config keys (as ``TrainConfig`` names them) that train the layout of estimate
+    ``est``: mesh sizes, pipeline schedule, sequence parallelism, the FSDP axes where they
+    differ from the model's default rules, activation checkpointing, re-gathering, and the
+    batch as micro-batch x accumulation at the global batch."""
     s = est.mesh.shape
-    hidden = tuple(est.rules.table.get("hidden") or ())
-    sp = "tp" in est.rules["res_seq"]     # sequence parallelism: the residual also split over tp
     gb = global_batch_for(cfg, n_devices)
-    dp = s.get("dp_replicate", 1) * s.get("dp_shard", 1)
+    dp = s.get("dp_replicate", 1) * s.get("dp_shard", 1) * s.get("ep", 1)
     ga = est.settings.get("grad_accum", 1)
-    rules = dict(cfg.rules)
-    rules["hidden"] = list(hidden) if hidden else None
-    return dataclasses.replace(cfg, layout="manual", dp_replicate_size=s.get("dp_replicate", 1),
-                               dp_shard_size=s.get("dp_shard", 1), cp_size=s.get("cp", 1), tp_size=s.get("tp", 1),
-                               sequence_parallel=sp, rules=rules, global_batch_size=gb,
-                               micro_batch_size=gb // (dp * ga), gradient_accumulation_steps=ga,
-                               activation_checkpointing=est.settings.get("remat") or False)
+    keys = {"dp_replicate_size": s.get("dp_replicate", 1), "dp_shard_size": s.get("dp_shard", 1),
+            "cp_size": s.get("cp", 1), "tp_size": s.get("tp", 1)}
+    if s.get("pp", 1) > 1 or cfg.pp_size != 1:
+        keys.update(pp_size=s.get("pp", 1), pp_schedule=est.settings.get("pp_schedule") or cfg.pp_schedule,
+                    pp_virtual_stages=est.settings.get("virtual_stages") or 1)
+    if s.get("ep", 1) > 1 or cfg.ep_size != 1:
+        keys["ep_size"] = s.get("ep", 1)
+    keys.update(sequence_parallel="tp" in est.rules["res_seq"], global_batch_size=gb, micro_batch_size=gb // (dp * ga),
+                gradient_accumulation_steps=ga, activation_checkpointing=est.settings.get("remat") or False,
+                reshard_after_forward=not est.settings.get("keep_gathered", False))
+    plain = dataclasses.replace(cfg, **{k: v for k, v in keys.items() if k != "rules"})
+    default = plain.build_rules(est.mesh)
+    if _fsdp_axes(default, s) != _fsdp_axes(est.rules, s):
+        hidden = [a for a in (est.rules.table.get("hidden") or ()) if s.get(a, 1) > 1]
+        keys["rules"] = {**cfg.rules, "hidden": hidden or None}
+    return keys
+
+
+def _fsdp_axes(rules, shape) -> tuple:
+    return tuple(a for a in (rules.table.get("hidden") or ()) if shape.get(a, 1) > 1)
+
+
+def layout_yaml(cfg, est, n_devices: int) -> str:
+    """:func:`layout_keys` as YAML lines to paste into the config (a note where the mesh order
+    differs from the config's)."""
+    import yaml
+    text = yaml.safe_dump(layout_keys(cfg, est, n_devices), sort_keys=False, default_flow_style=False).rstrip()
+    default = [a for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if est.mesh.shape.get(a, 1) > 1]
+    if [a for a in est.mesh.axis_names if est.mesh.shape[a] > 1] != default:
+        text += f"\n# note: this layout orders the mesh axes {est.mesh.axis_names}; a config orders them {default}"
+    return text
+
+
+def apply_layout(cfg, est, n_devices: int):
+    """A copy of ``cfg`` that trains with the layout of estimate ``est`` (:func:`layout_keys`)."""
+    return dataclasses.replace(cfg, layout="manual", **layout_keys(cfg, est, n_devices))
 
 
 # the dimension names the search's rules split (plan/search.py's rules for Llama-named models)
@@ -112,40 +219,46 @@ def _check_searchable(cfg) -> None:
 
 
 def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = None):
-    """``layout: auto``: search, print the choice and why, return the config to train with."""
+    """``layout: auto``: search, print the choice and why (the lines ``plan`` prints), return
+    the config to train with; a ConfigError naming the nearest layout when none fits."""
     out = stream or sys.stdout
-    space = Space(precision=cfg.resolved_precision(), grad_accum=(cfg.gradient_accumulation_steps,),
-                  keep_gathered=(False,), cp_attention=("ring",),
-                  remat=(False,) if cfg.compile else (False, True))
+    space = config_space(cfg)
+    if cfg.compile:
+        space.remat = tuple(r for r in space.remat if r is False) or space.remat
     cl = as_cluster(cluster)
     print(f"layout: auto — ranking layouts of {n_devices} devices on {cl.name}", file=out)
-    ranking = rank_layouts(cfg, n_devices, cl, space=space, stream=out)
-    fitting = [e for e in ranking if e.settings.get("fits", True)]
-    if not fitting:
+    ranking = rank_layouts(cfg, n_devices, cl, space=space)
+    if not ranking.fitting():
         from functional_pp.config import ConfigError
-        raise ConfigError(f"layout: auto found no layout of {n_devices} devices within {cl.memory_bytes / 1e9:.0f} GB "
-                          f"per device (smallest peak: {min((e.peak_bytes for e in ranking), default=0) / 1e9:.1f} GB); "
-                          f"use more devices, a smaller micro batch or activation_checkpointing")
-    print(explain(ranking), file=out)
-    return apply_layout(cfg, fitting[0], n_devices)
+        raise ConfigError("layout: auto: " + explain(ranking, cfg))
+    print(explain(ranking, cfg), file=out)
+    return apply_layout(cfg, ranking.fitting()[0], n_devices)
 
 
 def add_parser(sub) -> None:
     """The ``plan`` subcommand's arguments."""
     p = sub.add_parser("plan", help="rank the layouts of a config without running it",
-                       description="Dry-run every layout of N devices (meshes x rules x options) on one "
-                                   "representative device with meta tensors and rank them by a time model "
-                                   "of the cluster; prints the table (and JSON with --json).")
-    p.add_argument("config", help="YAML training config (the model, batch and sequence length are used)")
-    p.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
-    p.add_argument("--cluster", default="h100x8", help="cluster preset: h100x8, h100x8-gt, h200x8, a100x8, l40sx4")
-    p.add_argument("--memory-gb", type=float, default=None, help="memory limit per device (default: the cluster's)")
+                       description="Dry-run the layouts of N devices (meshes x rules x memory levers x micro-batch "
+                                   "sizes) on one representative device with meta tensors and rank them by a time "
+                                   "model of the cluster; prints the table, the choice and the config keys that "
+                                   "train it (and JSON with --json). --cluster help describes the presets.")
+    p.add_argument("config", nargs="?", help="YAML training config (model, batch, sequence length; "
+                                             "activation_checkpointing and micro_batch_size when given are kept)")
+    p.add_argument("--devices", type=int, default=None, metavar="N", help="number of devices (required)")
+    p.add_argument("--cluster", default="h100x8", help="cluster preset: h100x8, h100x8-gt, h200x8, a100x8, l40sx4; "
+                                                       "'help' describes them")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory limit per device in GiB "
+                                                                  "(default: the cluster's)")
+    p.add_argument("--memory-gb", type=float, default=None, help="the same in GB (10^9 bytes)")
     p.add_argument("--strategy", choices=("auto", "exhaustive", "beam"), default="auto")
     p.add_argument("--orders", choices=("default", "all"), default="default",
                    help="also try every order of the mesh axes (which axes stay inside a node)")
     p.add_argument("--pp", default="1", metavar="SIZES",
-                   help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B, as many micro-batches as stages)")
+                   help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B)")
     p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
+    p.add_argument("--max-axis", default="", metavar="AXIS=N,...",
+                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to sequence_len / "
+                        f"{CP_MIN_TOKENS})")
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
     p.add_argument("--top", type=int, default=20, help="rows to print")
@@ -153,42 +266,58 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    """``functional-pp plan``: returns the exit status."""
+    """``functional-pp plan``: returns the exit status (2: bad arguments, 1: no layout fits)."""
     from functional_pp.config import ConfigError, TrainConfig
+    if args.cluster == "help":
+        print(describe_presets())
+        return 0
     try:
+        if args.config is None or args.devices is None:
+            raise ConfigError("plan needs a config and --devices N, e.g. functional-pp plan CONFIG.yaml --devices 64 "
+                              "--cluster h100x8")
         cfg = TrainConfig.from_yaml(args.config, list(getattr(args, "overrides", []) or []))
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         cl = as_cluster(args.cluster)
         pp, ep = _sizes("--pp", args.pp), _sizes("--ep", args.ep)
-    except (ConfigError, ValueError) as exc:
-        print(f"functional-pp: {exc}", file=sys.stderr)
-        return 2
-    space = Space(orders=args.orders, precision=cfg.resolved_precision(),
-                  grad_accum=(cfg.gradient_accumulation_steps,), pp=pp, ep=ep)
-    try:
+        max_axis = _max_axis(args.max_axis)
         if args.float8 and not cl.peak_fp8_flops:
             raise ValueError(f"--float8: cluster {cl.name!r} has no FP8 matmuls; choose one with FP8 (h100x8, "
                              f"h100x8-gt, h200x8, l40sx4)")
-    except ValueError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"functional-pp: {exc}", file=sys.stderr)
         return 2
-    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, strategy=args.strategy, space=space,
+    ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, memory_gib=args.memory_gib,
+                           strategy=args.strategy,
+                           space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
                            float8=args.float8)
-    print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} "
-          f"(memory limit {ranking.memory_limit_bytes / 1e9:.0f} GB per device), best first:")
+    print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} (memory limit "
+          f"{_human_bytes(ranking.memory_limit_bytes)} per device), best first:")
     print(ranking.table(args.top))
-    print(explain(ranking))
+    print(explain(ranking, cfg))
     front = ranking.pareto()
-    print("Pareto front (time, memory): " + "; ".join(
-        f"{e.describe()} {e.time.step_s:.4g} s {e.peak_bytes / 1e9:.4g} GB" for e in front))
+    print("Pareto front (time, memory):\n" + "\n".join(
+        f"  {e.describe()}: {e.time.step_s:.4g} s, {_human_bytes(e.peak_bytes)}" for e in front))
     if ranking.rejected:
         print(f"{len(ranking.rejected)} layouts rejected, e.g. {ranking.rejected[0][0]}: {ranking.rejected[0][1]}")
     if args.json:
         with open(args.json, "w") as f:
             f.write(ranking.to_json())
         print(f"wrote {args.json}")
-    return 0
+    return 0 if ranking.fitting() else 1
+
+
+def _max_axis(text: str) -> dict:
+    """``--max-axis tp=8,cp=16`` as {axis: size}."""
+    axes = (*Space().axes, "pp", "ep")
+    out = {}
+    for item in filter(None, str(text).split(",")):
+        axis, _, size = item.partition("=")
+        if axis.strip() not in axes or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--max-axis takes AXIS=N pairs over {', '.join(axes)}, "
+                             f"e.g. --max-axis tp=8,cp=16; got {item!r}")
+        out[axis.strip()] = int(size)
+    return out
 
 
 def _sizes(flag: str, text: str) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ class Cluster:
     float8_efficiency: float = 0.56
     async_tp_overlap: float = 0.0
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
+    about: str = field(default="", hash=False, compare=False)     # what the preset is, in words
 
     def with_(self, **kw) -> "Cluster":
         """A copy with some numbers changed."""
@@ -105,21 +106,40 @@ PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,
     # 400 Gb/s RDMA per GPU
     "h100x8-gt": Cluster("h100x8-gt", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=96e9, memory_bandwidth=2.4e12,
-                         **H100_FIT),
+                         **H100_FIT, about="Grand Teton nodes as torchtitan published their runs on: 8 x H100 "
+                         "96 GB HBM2e (2.4 TB/s) at 500 W, NVLink 4, a 400 Gb/s NIC per GPU; the calibration preset "
+                         "(the time model is fitted to these runs)"),
     # H100 SXM 80 GB at 700 W: the Grand Teton fit (conservative: lower clocks at 500 W), NVLink 4
     # (450 GB/s per direction), one 400 Gb/s NIC per GPU, bf16 dense peak
     "h100x8": Cluster("h100x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12,
-                      **H100_FIT),
+                      **H100_FIT, about="8 x H100 SXM 80 GB (3.35 TB/s) per node, NVLink 4, a 400 Gb/s NIC per "
+                      "GPU; the Grand Teton fit (likely conservative at 700 W)"),
     "h200x8": Cluster("h200x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=141e9, memory_bandwidth=4.8e12,
-                      **H100_FIT),
+                      **H100_FIT, about="8 x H200 141 GB (4.8 TB/s) per node, NVLink 4, a 400 Gb/s NIC per GPU; the "
+                      "H100 fit with the H200's memory (one H200 run measured 8-11% below it)"),
     # not fitted: NVLink 3 (300 GB/s per direction), one 200 Gb/s NIC per GPU; FlashAttention-2
     # reaches 50-73% of peak on A100 (its paper)
     "a100x8": Cluster("a100x8", 8, 300e9, 22.5e9, peak_flops=312e12, memory_bytes=80e9, memory_bandwidth=2.0e12,
-                      attention_efficiency=0.5),
+                      attention_efficiency=0.5, about="8 x A100 80 GB (2.0 TB/s) per node, NVLink 3, a 200 Gb/s "
+                      "NIC per GPU; not fitted to measured runs"),
     # not fitted: PCIe nodes without NVLink: 4 GPUs, 64 GB/s PCIe 5, 100 Gb/s Ethernet
     "l40sx4": Cluster("l40sx4", 4, 25e9, 12.5e9, intra_latency=10e-6, inter_latency=30e-6, peak_flops=362e12,
-                      memory_bytes=48e9, memory_bandwidth=0.864e12, peak_fp8_flops=733e12),
+                      memory_bytes=48e9, memory_bandwidth=0.864e12, peak_fp8_flops=733e12,
+                      about="4 x L40S 48 GB per node on PCIe 5 (no NVLink), 100 Gb/s Ethernet; not fitted to "
+                      "measured runs"),
 }
+
+
+def describe_presets() -> str:
+    """One paragraph per preset: what it is, its memory, peak and links (``--cluster help``)."""
+    lines = []
+    for name, c in PRESETS.items():
+        lines.append(f"{name}: {c.about}.\n    {c.devices_per_node} devices per node, "
+                     f"{c.memory_bytes / 2 ** 30:.1f} GiB "
+                     f"({c.memory_bytes / 1e9:.0f} GB) each, {c.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, links "
+                     f"{c.intra_bandwidth / 1e9:.0f} GB/s inside a node and {c.inter_bandwidth / 1e9:.1f} GB/s "
+                     f"across nodes per device")
+    return "\n".join(lines)
 
 
 def cluster(name_or_cluster: "str | Cluster") -> Cluster:

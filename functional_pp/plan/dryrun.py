@@ -51,6 +51,7 @@ class LayoutEstimate:
     notes: list[str] = field(default_factory=list)
     rank: int = 0                    # the device that ran (the busiest when work is uneven)
     pipeline: Any = None             # a plan.pipeline.PipelinePlan when the mesh has pp > 1 (runs: one micro-batch)
+    micro_steps: tuple | None = None  # (G, 2, 3): runs of 2 and 3 micro-steps stand for G (see MICRO_RUNS)
 
     @property
     def comm_bytes(self) -> int:
@@ -61,12 +62,13 @@ class LayoutEstimate:
         return self.peak_bytes
 
     def extrapolate(self, fn: Callable[[DeviceRun], float]) -> float:
-        """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))."""
-        return extrapolate([fn(r) for r in self.runs], self.layers)
+        """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))
+        (and likewise over micro-steps)."""
+        return extrapolate([fn(r) for r in self.runs], self.layers, self.micro_steps)
 
     def extrapolate_values(self, values) -> float:
-        """f(L) from f's values on the runs."""
-        return extrapolate(list(values), self.layers)
+        """f(L) (and f(G) micro-steps) from f's values on the runs."""
+        return extrapolate(list(values), self.layers, self.micro_steps)
 
     def describe(self) -> str:
         """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
@@ -93,12 +95,33 @@ def _rules_dict(rules: Rules) -> dict:
     return {k: list(v) if isinstance(v, (tuple, list)) else v for k, v in getattr(rules, "table", {}).items()}
 
 
-def extrapolate(values: Sequence[float], layers: int) -> float:
-    """f(L) from f(1) and f(2) (exact for quantities additive over identical layers)."""
+#: gradient accumulation of more micro-steps than the last of these is run with these many and
+#: extrapolated: every micro-step after the first does the same (same collectives, FLOPs, saved
+#: tensors; the accumulated gradients already exist), so f(G) = f(2) + (G - 2)(f(3) - f(2)), the
+#: peak too (it grows by the few bytes each micro-step keeps to the end, its loss and token count;
+#: docs/planning.md, "Repeated micro-steps")
+MICRO_RUNS = (2, 3)
+#: from this many micro-steps on, the four runs (1 and 2 layers at 2 and 3 micro-steps) are cheaper
+#: than the two of all G
+EXTRAPOLATE_FROM = 7
+
+
+def extrapolate(values: Sequence[float], layers: int, micro_steps: tuple | None = None) -> float:
+    """f(L) from f(1) and f(2) (exact for quantities additive over identical layers); with
+    ``micro_steps`` = (G, g0, g1) the values are those runs at g0 then at g1 micro-steps, and
+    f(L, G) = f(L, g0) + (G - g0)(f(L, g1) - f(L, g0)) (additive over identical micro-steps)."""
+    if micro_steps is not None:
+        g, g0, g1 = micro_steps
+        half = len(values) // 2
+        at0, at1 = extrapolate(values[:half], layers), extrapolate(values[half:], layers)
+        return at0 + (g - g0) * (at1 - at0) / (g1 - g0)
     if len(values) == 1:
         return values[0]
     one, two = values
     return one + (layers - 1) * (two - one)
+
+
+
 
 
 def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
@@ -106,7 +129,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              precision: str = "fp32", grad_accum: int = 1, remat: bool | str = False, repeated: str | None = "layers",
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
-             virtual_stages: int = 1, pp_fsdp_gather: str = "step") -> LayoutEstimate:
+             virtual_stages: int = 1, pp_fsdp_gather: str = "step",
+             extrapolate_micro_steps: bool = True) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -132,7 +156,11 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``pp_fsdp_gather`` is ``pipeline_step``'s ``fsdp_gather``: "step" (the default) gathers the
     stage's FSDP units once per step, in their master dtype, holds them and their unsharded
     gradients for the whole step and reduce-scatters once; "micro" gathers and reduce-scatters
-    per micro-batch as a step without pipeline does."""
+    per micro-batch as a step without pipeline does.
+
+    ``extrapolate_micro_steps``: 7 or more micro-steps (``grad_accum`` without pp) are run as
+    2 and 3 and extrapolated (exact: every micro-step after the first is the same); False runs
+    them all."""
     rules.check(mesh)
     if mesh.shape.get(PP, 1) > 1:
         return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
@@ -159,9 +187,13 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         variants = [{**decls, repeated: layers_list[:1]}, {**decls, repeated: layers_list[:2]}]
     else:
         variants, n_layers = [decls], 1
+    micro = _micro_runs(batch, grad_accum) if extrapolate_micro_steps else None
+    steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), dims) for k, (shape, dims) in batch.items()})
+             for g in MICRO_RUNS] if micro else [(grad_accum, batch)]
+
     def run_on(device: int) -> list:
-        return [_run_device(loss_fn, d, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                            repeated, device, timeline, trainable) for d in variants]
+        return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
+                            repeated, device, timeline, trainable) for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
     uneven = {what: busiest for r in results for what, busiest in r[0].uneven.items()}
@@ -172,21 +204,22 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
             results = run_on(device)
     notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
     runs = tuple(r[0] for r in results)
-    comm = _extrapolate_report([r[1] for r in results], n_layers)
-    ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers)))  # noqa: E731
+    comm = _extrapolate_report([r[1] for r in results], n_layers, micro)
+    ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers, micro)))  # noqa: E731
     weights = ext(lambda r: r[0].baseline["weights"])
     opt_state = ext(lambda r: r[0].baseline["optimizer state"])
     grads = ext(lambda r: r[2])                  # frozen parameters have none
     memory = {}
     for cat in set().union(*(r.peak_breakdown for r in runs)):
-        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers)
+        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers, micro)
         if v:
             memory[cat] = int(round(v))
     est = LayoutEstimate(
         mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
-        activation_bytes=ext(lambda r: r[0].saved_bytes), peak_bytes=ext(lambda r: r[0].peak_bytes),
-        memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers),
-        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device)
+        activation_bytes=ext(lambda r: r[0].saved_bytes),
+        peak_bytes=ext(lambda r: r[0].peak_bytes),
+        memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro),
+        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
 
@@ -375,8 +408,26 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _extrapolate_report(reports: list[CommReport], layers: int) -> CommReport:
-    """The whole model's collectives: the 1-layer run's plus (L-1) times what a second layer adds."""
+def _micro_runs(batch: BatchSpec, grad_accum: int) -> tuple | None:
+    """(G, 2, 3) when ``grad_accum`` = G micro-steps are better run as 2 and 3 and extrapolated."""
+    if grad_accum < EXTRAPOLATE_FROM or any(shape[0] % grad_accum for shape, _ in batch.values()):
+        return None
+    return (grad_accum, *MICRO_RUNS)
+
+
+def _extrapolate_report(reports: list[CommReport], layers: int, micro_steps: tuple | None = None) -> CommReport:
+    """The whole model's collectives: the 1-layer run's plus (L-1) times what a second layer adds;
+    with ``micro_steps`` (G, g0, g1), the g0 runs' plus (G - g0) / (g1 - g0) times what g1 adds."""
+    if micro_steps is not None:
+        g, g0, g1 = micro_steps
+        half = len(reports) // 2
+        at0, at1 = _extrapolate_report(reports[:half], layers), _extrapolate_report(reports[half:], layers)
+        out = CommReport()
+        out.events = list(at0.events)
+        extra = list((Counter(at1.events) - Counter(at0.events)).elements())
+        for _ in range((g - g0) // (g1 - g0)):
+            out.events.extend(extra)
+        return out
     out = CommReport()
     out.events = list(reports[0].events)
     if len(reports) == 2:

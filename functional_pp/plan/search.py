@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -59,6 +61,9 @@ class Space:
     virtual_stages: Sequence[int] = (2,)             # model chunks per device of interleaved_1f1b
     micro_batches: Sequence[int] | None = None       # per pipeline step; None: as many as stages (torchtitan's default)
     ep: Sequence[int] = (1,)                         # expert-parallel sizes (an ep axis, experts="ep"; MoE models)
+    micro_batch_sizes: Sequence[int] | str | None = None   # sequences per data-parallel rank per micro-step at the
+    # global batch searched (gradient accumulation makes up the rest; a pipeline's micro-batches); "all": every
+    # size that divides a layout's local batch; None: ``grad_accum`` (and ``micro_batches``) as given
 
 
 def factorizations(n_devices: int, axes: Sequence[str] = DEFAULT_AXES) -> Iterable[Mesh]:
@@ -106,14 +111,25 @@ def _meshes(n_devices: int, space: Space) -> Iterable[Mesh]:
                                      + ([("ep", ep)] if ep > 1 else []))
 
 
-def _pipelines(mesh: Mesh, space: Space) -> list[tuple[str, int, int | None]]:
-    """(schedule, virtual stages, micro-batches) of a mesh: one no-pipeline entry without pp."""
+def _pipelines(mesh: Mesh, space: Space) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) of a mesh: one no-pipeline entry without pp."""
+    if mesh.shape.get("pp", 1) == 1:
+        return [("1f1b", 1)]
+    return [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
+
+
+def _accumulations(mesh: Mesh, space: Space, rows: int | None) -> list[int]:
+    """The micro-steps per optimizer step of a mesh (a pipeline's micro-batches): from
+    ``space.micro_batch_sizes`` at ``rows`` sequences per step (the sizes that divide the
+    mesh's local batch), else ``space.micro_batches`` (default: as many as stages) under
+    ``pp``, else ``space.grad_accum``."""
     p = mesh.shape.get("pp", 1)
-    if p == 1:
-        return [("1f1b", 1, None)]
-    micro = space.micro_batches or (p,)
-    return [(s, v, m) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))
-            for m in micro]
+    if space.micro_batch_sizes is None or rows is None:
+        return list(space.micro_batches or (p,)) if p > 1 else list(space.grad_accum)
+    dp = math.prod(mesh.shape.get(a, 1) for a in ("dp_replicate", "dp_shard", "ep"))
+    local = rows // dp if rows % dp == 0 else 0
+    sizes = range(1, local + 1) if space.micro_batch_sizes == "all" else space.micro_batch_sizes
+    return [local // b for b in sizes if local and local % b == 0] or [1]   # [1]: rejected with the reason
 
 
 def _orders(mesh: Mesh, how: str, cl: Cluster) -> list[Mesh]:
@@ -132,10 +148,11 @@ def _orders(mesh: Mesh, how: str, cl: Cluster) -> list[Mesh]:
     return out
 
 
-def candidates(n_devices: int, space: Space, cl: Cluster) -> list[Candidate]:
-    """Every candidate of ``space`` on ``n_devices``, without duplicates that differ only in
-    names (a dp_shard axis without FSDP is dp_replicate) or in options that do nothing there
-    (SP without tp, CP modes without cp, keep_gathered without FSDP)."""
+def candidates(n_devices: int, space: Space, cl: Cluster, rows: int | None = None) -> list[Candidate]:
+    """Every candidate of ``space`` on ``n_devices`` (``rows``: sequences per step, for
+    ``space.micro_batch_sizes``), without duplicates that differ only in names (a dp_shard axis
+    without FSDP is dp_replicate) or in options that do nothing there (SP without tp, CP modes
+    without cp, keep_gathered without FSDP)."""
     out, seen = [], set()
     for mesh in _meshes(n_devices, space):
         s = mesh.shape
@@ -148,16 +165,17 @@ def candidates(n_devices: int, space: Space, cl: Cluster) -> list[Candidate]:
                 continue                                   # plain DP: use dp_replicate
             choices = itertools.product(space.sequence_parallel if tp else (False,), space.regather_activations,
                                         space.cp_attention if cp else ("ring",),
-                                        space.keep_gathered if fsdp else (False,), space.remat, space.grad_accum,
-                                        _orders(mesh, space.orders, cl), _pipelines(mesh, space))
-            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual, micro) in choices:
+                                        space.keep_gathered if fsdp else (False,), space.remat,
+                                        _accumulations(mesh, space, rows), _orders(mesh, space.orders, cl),
+                                        _pipelines(mesh, space))
+            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual) in choices:
                 if regather and not sp:
                     continue
                 label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
                 opts = ((("cp_attention", cpa),) if cp else ()) + ((("keep_gathered", True),) if keep else ()) \
                     + ((("regather_activations", True),) if regather else ())
                 rules = standard_rules(fsdp, sp, pp=s.get("pp", 1) > 1, ep=s.get("ep", 1) > 1)
-                c = Candidate(ordered, rules, label, opts, space.precision, micro or ga, remat, schedule, virtual)
+                c = Candidate(ordered, rules, label, opts, space.precision, ga, remat, schedule, virtual)
                 if hash(c) not in seen:
                     seen.add(hash(c))
                     out.append(c)
@@ -172,32 +190,113 @@ def exhaustive(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEst
     return [e for e in map(evaluate, cands) if e is not None]
 
 
+
+
+def leanest(cands: Sequence[Candidate]) -> Candidate:
+    """The candidate of a group that holds the least memory: every memory lever pulled (whole-layer
+    recomputation, then selective; the most micro-steps, i.e. the smallest micro-batch; the widest
+    FSDP; sequence parallelism; Megatron's re-gather; weights re-gathered in backward)."""
+    def key(c: Candidate):
+        opts = dict(c.options)
+        return (-_REMAT_SAVING_ORDER[c.remat], -c.grad_accum, -len(c.rules.table.get("hidden") or ()),
+                "tp" not in c.rules["res_seq"], not opts.get("regather_activations", False),
+                bool(opts.get("keep_gathered", False)), opts.get("cp_attention", "ring") != "ring")
+    return min(cands, key=key)
+
+
 def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[LayoutEstimate]]:
-    """Rank the meshes (shape and order) with each one's first candidate (default options),
-    then evaluate every option of the ``width`` best meshes."""
+    """Group the candidates (one mesh shape and order, one pipeline schedule), probe each group
+    with its first candidate (default options: no recomputation, the largest micro-batch; about
+    the group's fastest), then visit the groups fastest probe first: a group whose probe does
+    not fit is probed with its :func:`leanest` candidate, and dropped only when that does not fit
+    either (then none of it fits). The visit stops once ``width`` groups have a layout that fits
+    no slower than the next group's probe; the options of those groups are evaluated
+    (:func:`_expand`). So the beam keeps a layout that fits whenever the space has one."""
     def strategy(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
         groups: dict = {}
         for c in cands:
-            groups.setdefault(tuple(c.mesh.shape.items()), []).append(c)
-        first = [(k, evaluate(g[0])) for k, g in groups.items()]
-        ok = sorted((e.time.step_s if e.time else e.comm_bytes, k) for k, e in first
-                    if e is not None and e.settings.get("fits", True))
-        results = [e for _, e in first if e is not None]
-        for _, k in ok[:width]:
-            results.extend(e for e in map(evaluate, groups[k][1:]) if e is not None)
+            groups.setdefault((tuple(c.mesh.shape.items()), c.schedule, c.virtual), []).append(c)
+        results, probed, order, evaluated = [], {}, [], []
+
+        def probe(k, c) -> LayoutEstimate | None:
+            probed.setdefault(k, []).append(c)
+            e = evaluate(c)
+            evaluated.append((c, e))
+            if e is not None:
+                results.append(e)
+            return e
+        for k, g in groups.items():
+            e = probe(k, g[0]) or (probe(k, leanest(g)) if leanest(g) is not g[0] else None)
+            if e is not None:
+                order.append((_time(e), k, e))
+        order.sort(key=lambda r: r[0])
+        ranked: list = []
+        for bound, k, e in order:
+            if len(ranked) >= width and sorted(ranked, key=lambda r: r[0])[width - 1][0] <= bound:
+                break
+            if not e.settings.get("fits", True):
+                lean = leanest(groups[k])
+                e = probe(k, lean) if all(lean is not p for p in probed[k]) else None
+            if e is not None and e.settings.get("fits", True):
+                ranked.append((_time(e), k))
+        done = {id(c): e for c, e in evaluated}
+        for _, k in sorted(ranked, key=lambda r: r[0])[:width]:
+            results.extend(_expand(groups[k], evaluate, done))
         return results
     return strategy
+
+
+def _expand(group: Sequence[Candidate], evaluate: Evaluate, done: dict) -> list[LayoutEstimate]:
+    """Every option of a group, except a memory lever's slower variants where a faster one
+    already fits: for the same other options, more recomputation (none, selective, whole layer)
+    and more micro-steps only add time, so a variant is skipped when one with no more of either
+    fits. ``done``: candidates already evaluated (id -> estimate)."""
+    bases: dict = {}
+    for c in group:
+        bases.setdefault(_without_levers(c), []).append(c)
+    out = []
+    for variants in bases.values():
+        fitting: list[Candidate] = []
+        for c in sorted(variants, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum)):
+            if any(_REMAT_SAVING_ORDER[f.remat] <= _REMAT_SAVING_ORDER[c.remat] and f.grad_accum <= c.grad_accum
+                   for f in fitting):
+                continue
+            e = done[id(c)] if id(c) in done else evaluate(c)
+            if e is None:
+                continue
+            if id(c) not in done:
+                out.append(e)
+            if e.settings.get("fits", True):
+                fitting.append(c)
+    return out
+
+
+_REMAT_SAVING_ORDER = {False: 0, "selective": 1, True: 2}    # recomputation: none, selective, whole layer
+
+
+def _without_levers(c: Candidate) -> tuple:
+    return (tuple(c.mesh.shape.items()), repr(c.rules), c.options, c.precision, c.schedule, c.virtual)
 
 
 class Ranking(list):
     """Ranked estimates (those within the memory limit first, fastest first), the rejected
     candidates with the reason, and the Pareto front."""
 
-    def __init__(self, items, rejected, limit, cluster_name):
+    def __init__(self, items, rejected, limit, cluster_name, tokens_per_step: int = 0, devices: int = 1):
         super().__init__(items)
         self.rejected: list[tuple[str, str]] = rejected
         self.memory_limit_bytes = limit
         self.cluster = cluster_name
+        self.tokens_per_step = tokens_per_step
+        self.devices = devices
+
+    def tokens_per_s_per_device(self, e: LayoutEstimate) -> float:
+        """Predicted training throughput of ``e``: tokens per second per device."""
+        return self.tokens_per_step / (_time(e) * self.devices) if e.time is not None and _time(e) > 0 else 0.0
+
+    def fitting(self) -> list[LayoutEstimate]:
+        """The layouts within the memory limit, best first."""
+        return [e for e in self if _fits(e, self.memory_limit_bytes)]
 
     def pareto(self) -> list[LayoutEstimate]:
         """Layouts no other layout beats on both step time and peak memory."""
@@ -209,14 +308,16 @@ class Ranking(list):
         return front
 
     def table(self, top: int | None = 20) -> str:
-        return table(self[:top] if top else list(self), self.memory_limit_bytes, set(map(id, self.pareto())))
+        return table(self[:top] if top else list(self), self.memory_limit_bytes, set(map(id, self.pareto())),
+                     self.tokens_per_step, self.devices)
 
     def to_json(self) -> str:
         """The ranking, the Pareto front and the rejected candidates as JSON."""
         pareto = set(map(id, self.pareto()))
-        rows = [dict(e.row(), rank=i + 1, fits=_fits(e, self.memory_limit_bytes), pareto=id(e) in pareto)
-                for i, e in enumerate(self)]
+        rows = [dict(e.row(), rank=i + 1, fits=_fits(e, self.memory_limit_bytes), pareto=id(e) in pareto,
+                     tokens_per_s_per_device=self.tokens_per_s_per_device(e)) for i, e in enumerate(self)]
         return json.dumps({"cluster": self.cluster, "memory_limit_GB": (self.memory_limit_bytes or 0) / 1e9,
+                           "memory_limit_GiB": (self.memory_limit_bytes or 0) / GIB,
                            "layouts": rows, "rejected": [{"layout": m, "why": w} for m, w in self.rejected]},
                           indent=1, default=str)
 
@@ -235,7 +336,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            memory_limit_bytes: float | None = None, strategy=None, cost_model=cost,
            bandwidth=None, options: dict | None = None, precision: str | None = None,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
-           pp_fsdp_gather: str = "step") -> Ranking:
+           pp_fsdp_gather: str = "step", optimizer: Any = None) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -246,7 +347,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     (default up to 400 candidates) or ``beam(width)``; ``cost_model(estimate, cluster)``
     returns a StepTime. ``progress(i, n, layout)`` is called before each estimate. ``trainable``:
     the step's mask (:func:`estimate`'s; adapters, frozen or quantized bases), for every layout;
-    ``pp_fsdp_gather``: FSDP under a pipeline gathers once per "step" or per "micro"-batch."""
+    ``pp_fsdp_gather``: FSDP under a pipeline gathers once per "step" or per "micro"-batch;
+    ``optimizer``: the step's (default AdamW), whose state is part of the memory."""
     cl = as_cluster(cluster) if cluster is not None else None
     limit = memory_limit_bytes if memory_limit_bytes is not None else (cl.memory_bytes if cl else None)
     space = space or Space(precision=precision or "bf16")
@@ -254,7 +356,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
         cands = [Candidate(m, rules_for(m), "", tuple(sorted((options or {}).items())), precision or "fp32")
                  for m in (meshes if meshes is not None else _meshes(n_devices, space))]
     else:
-        cands = candidates(n_devices, space, cl or as_cluster("h100x8"))
+        cands = candidates(n_devices, space, cl or as_cluster("h100x8"), rows=_rows(batch))
     rejected: list[tuple[str, str]] = []
     counter = itertools.count()
 
@@ -266,7 +368,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
             e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
                          label=c.label, schedule=c.schedule, virtual_stages=c.virtual, trainable=trainable,
-                         pp_fsdp_gather=pp_fsdp_gather)
+                         pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
             rejected.append((name, f"{type(cause).__name__}: {cause}".splitlines()[0]))
@@ -280,7 +382,17 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     results.sort(key=lambda e: (not _fits(e, limit), _time(e), e.peak_bytes))
     if results:
         results[0].notes.extend(f"skipped {m}: {why}" for m, why in rejected)
-    return Ranking(results, rejected, limit, cl.name if cl else None)
+    tokens = math.prod(next(iter(batch.values()))[0]) if batch else 0
+    return Ranking(results, rejected, limit, cl.name if cl else None, tokens_per_step=tokens, devices=n_devices)
+
+
+def _rows(batch: BatchSpec) -> int | None:
+    """Sequences per step: the size of the inputs' ``batch`` dimension."""
+    for shape, dims in batch.values():
+        dims = dims.split() if isinstance(dims, str) else list(dims)
+        if "batch" in dims:
+            return shape[dims.index("batch")]
+    return None
 
 
 def _remat_label(remat: bool | str) -> list[str]:
@@ -294,25 +406,40 @@ def _name(c: Candidate) -> str:
                     + ([f"grad_accum={c.grad_accum}"] if c.grad_accum > 1 else []))
 
 
+GIB = 2 ** 30
+
+
+def gib(n: float) -> str:
+    """Bytes in GiB as ``validate`` prints them (two decimals)."""
+    return f"{n / GIB:,.2f}"
+
+
 def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None = None,
-          pareto: set | None = None) -> str:
-    """A readable ranking: step time, MFU, exposed communication, peak memory and its parts."""
+          pareto: set | None = None, tokens_per_step: int = 0, devices: int = 1, width: int = 64) -> str:
+    """A readable ranking: step time, tokens/s per device, MFU, exposed communication, peak
+    memory, the activations held at the peak and the state in GiB, then the full layout name
+    (wrapped at ``width`` characters)."""
     if not estimates:
-        return "(no layout fits)"
-    head = (f"{'#':>3} {'layout':<66} {'step s':>8} {'MFU':>5} {'exposed s':>9} {'comm GB':>8} "
-            f"{'peak GB':>8} {'act GB':>7} {'state GB':>8}  note")
-    lines = [head, "-" * len(head)]
+        return "(no layout could be estimated)"
+    head = (f"{'#':>3} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5} {'exposed s':>9} {'peak GiB':>8} {'act GiB':>7} "
+            f"{'state GiB':>9}  layout")     # act: the activations held at the peak
+    lines = [head, "-" * (len(head) + width - len("layout"))]
+    indent = " " * (head.index("layout"))
     for i, e in enumerate(estimates):
         t = e.time
         note = []
         if memory_limit_bytes is not None and e.peak_bytes > memory_limit_bytes:
-            note.append("over memory")
+            note.append("OVER MEMORY")
         if pareto and id(e) in pareto:
             note.append("pareto")
         if any(n.startswith("uneven work") for n in e.notes):
             note.append(f"uneven work: device {e.rank} estimated")
-        step = f"{t.step_s:8.4g}" if t else f"{e.comm_time_s:8.4g}"
-        lines.append(f"{i + 1:>3} {e.describe()[:66]:<66} {step} {(t.mfu if t else 0):5.2f} "
-                     f"{(t.exposed_comm_s if t else 0):9.3g} {e.comm_bytes / 1e9:8.4g} {e.peak_bytes / 1e9:8.4g} "
-                     f"{e.activation_bytes / 1e9:7.3g} {e.state_bytes / 1e9:8.4g}  {', '.join(note)}")
+        tokens = tokens_per_step / (_time(e) * devices) if t is not None and _time(e) > 0 else 0.0
+        name = textwrap.wrap(e.describe() + (f" ({', '.join(note)})" if note else ""), width,
+                             break_on_hyphens=False) or [""]
+        lines.append(f"{i + 1:>3} {_time(e):8.4g} {tokens:9,.0f} {(t.mfu if t else 0):5.2f} "
+                     f"{(t.exposed_comm_s if t else 0):9.3g} {gib(e.peak_bytes):>8} "
+                     f"{gib(e.memory.get('activations', 0)):>7} "
+                     f"{gib(e.state_bytes):>9}  {name[0]}")
+        lines.extend(indent + rest for rest in name[1:])
     return "\n".join(lines)
