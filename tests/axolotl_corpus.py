@@ -96,7 +96,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                               "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                               "moe_intermediate_size": 32,
-                                                              "shared_expert_intermediate_size": 64})}
+                                                              "shared_expert_intermediate_size": 64}),
+       "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+       "phi": ("PhiConfig", "PhiForCausalLM", {"pad_token_id": None}),
+       "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 64, "pad_token_id": None, "bos_token_id": None,
+                                                        "eos_token_id": None})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}

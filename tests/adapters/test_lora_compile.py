@@ -17,7 +17,7 @@ from functional_pp.models import llama
 from functional_pp.models.quantize import quantize_linear_weights
 from functional_pp.parallel import sharding
 from functional_pp.quant.weights import QuantizedWeight
-from functional_pp.step.train import TrainStep
+from functional_pp.step.native_trace import call_natively
 
 CFG = llama.Config.tiny(layers=1)
 CONFIGS = {"qlora": adapters.LoraConfig(r=4, alpha=8, target_linear=True),
@@ -79,11 +79,11 @@ def _train(kind, layout, compile):
 # LoRA over float weights is QLoRA's path with a float base einsum, and DoRA's without the factor)
 @pytest.mark.parametrize("kind, layout", [("qlora", "fsdp"), ("dora", "fsdp")])
 def test_compiled_step_equals_eager(kind, layout):
-    before = cached_graph_count(TrainStep._device_step.__code__)      # (graphs other tests left cached)
+    before = cached_graph_count(call_natively.__code__)      # (graphs other tests left cached)
     compiled = _train(kind, layout, "aot_eager")
     # both steps: no recompile. QLoRA: one graph for both devices; DoRA's weight norm slices the
     # gathered unit's A B to the weight's FSDP layout by rank, so each device traces its own
-    graphs = cached_graph_count(TrainStep._device_step.__code__) - before
+    graphs = cached_graph_count(call_natively.__code__) - before
     assert graphs == (1 if kind == "qlora" else 2), graphs
     eager = _train(kind, layout, False)
     for (losses, params), (losses0, params0) in zip(compiled, eager):

@@ -9,6 +9,7 @@ from torch._inductor.utils import run_and_get_code
 
 import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
+from functional_pp.compile.recompute import is_backward
 from functional_pp.models import llama
 from functional_pp.ops.realize import _Realized
 
@@ -63,7 +64,7 @@ def test_a_compiled_llama_step_realizes_every_residual_sum_and_equals_eager():
         if compile_:
             (graph,) = graphs
             nodes = list(graph.nodes)
-            first_backward = next(i for i, n in enumerate(nodes) if n.meta.get("autograd_backward"))
+            first_backward = next(i for i, n in enumerate(nodes) if is_backward(n))
             views = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.as_strided.default]
             # the embedding and two sums per layer, forward; their gradients, backward
             assert sum(i < first_backward for i in views) == 1 + 2 * cfg.layers, views
