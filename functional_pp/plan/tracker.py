@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
+from functional_pp._torch import TorchDispatchMode, in_backward
+from functional_pp._torch.meta_cache import call_meta
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_uneven_work
 from functional_pp.core.runtime import per_thread
@@ -103,6 +104,30 @@ class DeviceRun:
 
 
 _active = per_thread("plan.tracker")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an ATen op's arguments or results (tuples, lists, dicts of them), in
+    order: what torch's pytree flattening gives here, without its per-leaf type checks."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list = []
+    if isinstance(value, dict):
+        _collect(value.values(), found)
+    elif isinstance(value, (tuple, list)):
+        _collect(value, found)
+    return found
+
+
+def _collect(items, found: list) -> None:
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            if v and not isinstance(v[0], (int, float)):      # (a shape or a scalar list: no tensors)
+                _collect(v, found)
+        elif isinstance(v, dict):
+            _collect(v.values(), found)
 
 
 @on_saved_for_backward
@@ -213,14 +238,14 @@ class MemoryTracker(TorchDispatchMode):
             self.phase, self._seen_backward = "backward", True
         elif self._seen_backward and self.phase == "backward":
             self.phase = "update"
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         in_allocs = [self._live.get(id(a.untyped_storage())) for a in inputs]
         if backward and not self.recomputing:     # recomputation keeps its region's layer
             layers = [a.layer for a in in_allocs
                       if a is not None and (a.phase == "forward" or a.recomputed) and a.layer is not None]
             if layers:
                 self.layer = max(layers)
-        out = func(*args, **kwargs)
+        out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if not self._count_flops(func, args, out):
             self._count_traffic(func, name, inputs, out)
@@ -229,9 +254,8 @@ class MemoryTracker(TorchDispatchMode):
             for a, al in zip(inputs, in_allocs))
         if self._report is not None and len(self._report.events) > self._n_events:
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._allocate(t, name, derived, func, inputs)
+        for t in _tensors(out):
+            self._allocate(t, name, derived, func, inputs)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
             self.mark_logits(args[0])
             self.mark_logits(out)
@@ -333,7 +357,7 @@ class MemoryTracker(TorchDispatchMode):
             return
         if getattr(func, "is_view", False):
             return
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out)
         moved = sum(t.numel() * t.element_size() for t in list(inputs) + outs)
         self.run.traffic[self.phase] = self.run.traffic.get(self.phase, 0.0) + moved
         self.run.traffic_by_layer[self.layer] = self.run.traffic_by_layer.get(self.layer, 0.0) + moved
