@@ -4,7 +4,9 @@ layers), Granite (embedding / residual / attention / logit multipliers), OLMo 2 
 (norms after each block only, q/k norms over every head; OLMo 3's sliding windows), Cohere and
 Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale; Cohere
 2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
-biases, partial rotary, GELU MLPs that are not gated, parallel blocks) and Arcee (squared ReLU).
+biases, partial rotary, GELU MLPs that are not gated, parallel blocks), Arcee (squared ReLU),
+Seed-OSS (its own output bias), Apertus (xIELU, q/k norms), Hunyuan dense (q/k norms after the
+rotary) and Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -404,13 +406,16 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
         ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
+        ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
+        ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),
+        ("qwen3_5_moe", "Qwen3.5-MoE (its gated DeltaNet layers)"))},
+    **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
+            "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
-        ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
-        ("olmoe", "OLMoE"))},
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

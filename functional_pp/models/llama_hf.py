@@ -189,6 +189,7 @@ _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
 _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
 sharing a k/v head, then that k, then that v) rather than part after part."""
@@ -431,7 +432,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
-                                 "granitemoeshared": "GraniteMoeSharedForCausalLM",
+                                 "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
@@ -463,10 +464,16 @@ _GEMMA = ("gemma2", "gemma3_text")
 # the mixtures of experts: each is its dense family's decoder with the MLP of models/moe.py
 MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "granitemoe": "granite"}
 MOE_BASE["granitemoeshared"] = "granite"       # (Granite MoE with a shared expert, added without a gate)
+MOE_BASE["olmoe"] = "llama"                    # (OLMoE: Llama's layers with q/k norms over every head)
 _TOPK_RENORMED = ("mixtral", "granitemoe", "granitemoeshared")      # top-k weights renormalised, every layer, experts of ``mlp``
+_EVERY_LAYER = (*_TOPK_RENORMED, "olmoe")      # experts in every layer, of the intermediate size ``mlp``
+# the attention switches a mixture of experts has beyond its dense family's
+_MOE_ATTENTION: dict[str, dict[str, Any]] = {"olmoe": dict(qk_norm=True, qk_norm_heads=True)}
 # their config classes' defaults where they differ from the dense family's
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+    "olmoe": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, router_aux_loss_coef=0.01),
     "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001,
                              shared_intermediate_size=0),
     "mixtral": dict(sliding_window=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
@@ -509,6 +516,9 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     for key in ("max_position_embeddings", "rms_norm_eps"):
         if hf.get(key) is None and key in d:
             dense[key] = d[key]
+    if hf.get("clip_qkv") is not None:
+        raise UnsupportedHFConfig(f"{where}: clip_qkv={hf['clip_qkv']!r} is not supported (q, k and v clamped; "
+                                  f"only clip_qkv=null)")
     if mt == "qwen2_moe" and hf.get("qkv_bias") is False:
         raise UnsupportedHFConfig(f"{where}: qkv_bias=False is not supported (Qwen2-MoE has q/k/v biases)")
     cfg = config_from_hf_dict(dense)
@@ -517,18 +527,18 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     experts = int(get("num_local_experts") if mt in _TOPK_RENORMED else
                   hf.get("num_experts") or hf.get("num_local_experts") or d["num_experts"])
     moe_layers = None
-    if mt not in _TOPK_RENORMED:
+    if mt not in _EVERY_LAYER:
         step, dense_only = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
         chosen = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
         moe_layers = None if len(chosen) == layers else chosen
     return dataclasses.replace(
         cfg, model_type=mt, experts=experts, experts_top_k=int(get("num_experts_per_tok")),
-        moe_mlp=None if mt in _TOPK_RENORMED else int(get("moe_intermediate_size")),
+        moe_mlp=None if mt in _EVERY_LAYER else int(get("moe_intermediate_size")),
         norm_topk_prob=True if mt in _TOPK_RENORMED else bool(get("norm_topk_prob")),
         router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
         shared_expert_mlp=(int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else
                            int(get("shared_intermediate_size")) if mt == "granitemoeshared" else 0),
-        shared_expert_gate=mt != "granitemoeshared", moe_layers=moe_layers)
+        shared_expert_gate=mt != "granitemoeshared", moe_layers=moe_layers, **_MOE_ATTENTION.get(mt, {}))
 
 
 def config_from_hf_dict(hf: dict) -> Config:
@@ -712,13 +722,16 @@ def _check_moe_exportable(cfg: Config) -> Config:
                 shared_expert_mlp=cfg.shared_expert_mlp if mt in ("qwen2_moe", "granitemoeshared") else 0)
     if mt in _TOPK_RENORMED:
         need.update(norm_topk_prob=True, moe_layers=None, moe_mlp=None)
+    if mt in _EVERY_LAYER:
+        need.update(moe_layers=None, moe_mlp=None, **_MOE_ATTENTION.get(mt, {}))
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
                                       f"equivalent (it needs {want!r}); choose another model_type")
     if not cfg.experts:
         raise UnsupportedHFConfig(f"{where}: experts=0 is a dense model; export it as {MOE_BASE[mt]!r}")
-    return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE)
+    base = {k: getattr(Config(), k) for k in _MOE_ATTENTION.get(mt, {})}     # (the dense family's attention)
+    return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE, **base)
 
 
 def check_exportable(cfg: Config) -> None:
@@ -848,6 +861,9 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
         out.update(num_local_experts=cfg.experts, router_jitter_noise=0.0)
         if mt == "granitemoeshared":
             out["shared_intermediate_size"] = cfg.shared_expert_mlp
+        return out
+    if mt == "olmoe":
+        out.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
         return out
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]
     out.update(num_experts=cfg.experts, num_local_experts=cfg.experts, moe_intermediate_size=cfg.moe_mlp or cfg.mlp,

@@ -58,10 +58,16 @@ FAMILIES = {
         BASE, intermediate_size=32, shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=4.0,
         output_router_logits=True, router_aux_loss_coef=0.1)),
+    # OLMoE: Llama's layers with q/k RMSNorms over every head, a mixture of experts of
+    # intermediate_size (softmax router, top-k weights not renormalised)
+    "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
+        BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=None, eos_token_id=None,
+        output_router_logits=True, router_aux_loss_coef=0.1)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm_after_rotary=False)],
-                "falcon_7b": [], "falcon_40b": [], "falcon_seq": [], "granitemoeshared": [dict(experts_top_k=1)]}
+                "falcon_7b": [], "falcon_40b": [], "falcon_seq": [], "granitemoeshared": [dict(experts_top_k=1)],
+                "olmoe": [dict(experts_top_k=1), dict(norm_topk_prob=True)]}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -78,7 +84,7 @@ def saved(tmp_path_factory):
         d = tmp_path_factory.mktemp(name)
         model.save_pretrained(d, safe_serialization=True)
         model.config._attn_implementation = "eager"
-        if "moe" in name:
+        if "moe" in name:           # (granitemoeshared, olmoe)
             model.config._experts_implementation = "eager"
         out[name] = (model, d)
     return out
@@ -106,6 +112,9 @@ def test_configs_read_each_family(saved):
     assert (cfg.experts, cfg.shared_expert_mlp, cfg.shared_expert_gate, cfg.norm_topk_prob) == (4, 48, False, True)
     assert "shared_expert_gate" not in llama.init(cfg)["layers"][0]["mlp"]
     assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    cfg = hf.config_from_hf(saved["olmoe"][1])
+    assert (cfg.experts, cfg.experts_top_k, cfg.moe_mlp, cfg.moe_layers, cfg.norm_topk_prob) == (4, 2, None, None, False)
+    assert (cfg.qk_norm, cfg.qk_norm_heads, cfg.router_aux_loss_coef) == (True, True, 0.1)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -219,8 +228,14 @@ def test_refused_by_name(saved, tmp_path):
         hf.config_from_hf(dict(FALCON, model_type="falcon", new_decoder_architecture=True, parallel_attn=False))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF apertus config: hidden_act='silu' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="apertus", hidden_act="silu"))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'olmoe' is not supported \(OLMoE: not built"):
-        hf.config_from_hf(dict(BASE, model_type="olmoe"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF olmoe config: clip_qkv=8.0 is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="olmoe", clip_qkv=8.0))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'qwen3_5' is not supported \(Qwen3.5 \(its "
+                                                         r"gated DeltaNet layers\) is a hybrid"):
+        hf.config_from_hf(dict(BASE, model_type="qwen3_5"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3n_text' is not supported \(Gemma 3n: "
+                                                         r"its layers carry per-layer input embeddings"):
+        hf.config_from_hf(dict(BASE, model_type="gemma3n_text"))
     with pytest.raises(ValueError, match=r"mlp_act='xielu' needs mlp_gated=False"):
         llama.Config.tiny(mlp_act="xielu")
     # export refuses what the class cannot hold, before writing anything
@@ -231,6 +246,9 @@ def test_refused_by_name(saved, tmp_path):
     cfg = hf.config_from_hf(saved["granitemoeshared"][1])
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'granitemoeshared': shared_expert_gate=True"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, shared_expert_gate=True), tmp_path / "no")
+    cfg = hf.config_from_hf(saved["olmoe"][1])
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'olmoe': qk_norm_heads=False has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, qk_norm_heads=False), tmp_path / "no")
     assert not (tmp_path / "no").exists()
     # xIELU's beta and eps are constants of the files: another value is named
     from safetensors.torch import load_file, save_file
