@@ -277,3 +277,29 @@ def test_new_options_train_alike_on_real_processes():
         for p, x in params.items():
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
                                        msg=lambda m: f"{p}: {m}")
+
+
+def test_cli_trains_an_apertus_base_model_and_exports_it(saved, tmp_path):
+    """``functional-pp train`` with base_model an Apertus directory on FSDP 2 x TP 2 (simulated):
+    xIELU's scalars (parameters without dimensions) train, go through the sharded checkpoint,
+    and the export writes them with the constant beta / eps buffers; transformers loads the
+    Apertus class with logits equal to ours."""
+    import yaml
+
+    from functional_pp import cli
+    d = saved["apertus"][1]
+    conf = {"base_model": str(d), "micro_batch_size": 2, "global_batch_size": 4, "sequence_len": 16,
+            "learning_rate": 1e-2, "warmup_steps": 0, "max_steps": 2, "data": {"max_bytes": 20_000},
+            "logging": {"log_every": 1, "plot": False}, "dp_shard_size": 2, "tensor_parallel_size": 2}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(conf))
+    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "4", "--output", str(tmp_path / "run")]) == 0
+    hf_dir = hf.export_checkpoint_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **EAGER)
+    assert type(model).__name__ == "ApertusForCausalLM"
+    assert model.model.layers[0].mlp.act_fn.beta.item() == 0.5       # (the constant, not left uninitialised)
+    cfg, params = hf.load_hf_llama(hf_dir)
+    _, base = hf.load_hf_llama(d)
+    assert not torch.equal(params["layers"][0]["mlp"]["act_alpha_p"], base["layers"][0]["mlp"]["act_alpha_p"])
+    toks = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=toks).logits, our_logits(params, cfg, toks), atol=1e-5, rtol=1e-5)
