@@ -332,3 +332,20 @@ def test_new_options_on_pipeline_stages():
     for got in losses(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
                                     schedule="1f1b", first_stage=first, last_stage=last)):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-12, atol=1e-13)
+
+
+def test_new_options_compiled_equal_eager():
+    """xIELU, q/k norms after the rotary and a shared expert without a gate in a compiled step
+    (aot_eager, the native trace) train as eager (the experts with a static capacity, as
+    compiled MoE steps need; docs/experts.md)."""
+    from harness import assert_same_run, launch_steps
+    cfgs = (llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True),
+            llama.Config.tiny(experts=4, experts_top_k=2, shared_expert_mlp=32, shared_expert_gate=False,
+                              capacity_factor=4.0))       # (a static capacity: the experts compile)
+    try:
+        for cfg in cfgs:
+            opt = fpp.optim.adamw(1e-2)
+            assert_same_run(launch_steps(cfg, "aot_eager", batch=2, opt=opt)[0],
+                            launch_steps(cfg, False, batch=2, opt=opt)[0], rtol=1e-5, atol=1e-7)
+    finally:
+        torch._dynamo.reset()
