@@ -100,7 +100,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
        "phi": ("PhiConfig", "PhiForCausalLM", {"pad_token_id": None}),
        "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 64, "pad_token_id": None, "bos_token_id": None,
-                                                        "eos_token_id": None})}
+                                                        "eos_token_id": None}),
+       "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
+       "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
+       "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}
@@ -210,6 +214,7 @@ _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
+_HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
 
 
 def reason(problem: str, cfg: dict) -> str:
@@ -232,6 +237,8 @@ def reason(problem: str, cfg: dict) -> str:
         return f"{m.group(1)}: {m.group(2)}"
     if m := _UNKNOWN.match(problem):
         return f"unknown key {m.group(1)}"
+    if m := _HF_OPTION.match(problem):
+        return f"config.json {m.group(1)}: {m.group(2)}"
     if m := _MODEL_TYPE.search(problem):
         return f"model_type {m.group(1)}"
     return problem.split(";")[0][:100]
