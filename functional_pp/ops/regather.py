@@ -18,6 +18,7 @@ from functional_pp.core.layout import Layout
 from functional_pp.core.observers import saved_for_backward
 from functional_pp.core.order import from_balanced
 from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel.fsdp_units import keeps_gathered
 from functional_pp.parallel.named import Named, _make, current_policy
 from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 
@@ -34,7 +35,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
 
 
 def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
-    tagged = x.is_param and not current_policy().keep_gathered
+    tagged = x.is_param and not keeps_gathered(current_policy())
     done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
     out = done.value
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
@@ -86,6 +87,6 @@ _NOTHING = nullcontext()
 def regather_scope(operands: Sequence[Named]):
     """Context for computing with ``operands``: gathered weights among them are not saved."""
     recipes = [(x.data, x.gathered_from) for x in operands if isinstance(x, Named) and x.gathered_from]
-    if not recipes or current_policy().keep_gathered or is_tracing() or not torch.is_grad_enabled():
+    if not recipes or keeps_gathered(current_policy()) or is_tracing() or not torch.is_grad_enabled():
         return _NOTHING
     return _hooks(recipes)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import optree
 import torch
@@ -58,16 +58,25 @@ class UnitsSeen:
 
 @contextmanager
 def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
-               order: UnitOrder | None = None) -> Iterator[UnitsSeen]:
+               order: UnitOrder | None = None, provisional_root: bool = False,
+               data_dims: Iterable[str] | None = None) -> Iterator[UnitsSeen]:
     """Gather each layer's parameters as one unit inside the block (see the module docstring).
     ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
-    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
-    ``prefetch``: launch the next unit's gather before the current one computes, in backward
-    and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
+    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root);
+    ``provisional_root``: only from the forward's first layer call on (a step that does not
+    know yet whether the model calls layers: without any, every weight is re-gathered in
+    backward, ZeRO-3, from the first step). ``prefetch``: launch the next unit's gather
+    before the current one computes, in backward and, with an ``order`` recorded by earlier
+    forwards (:func:`begin_forward`), in forward. ``data_dims``: the dimension names of the
+    step's batch (default ``batch``, ``seq``): the mesh axes the rules split them over are
+    the data-parallel axes, whatever the model calls its dimensions."""
     previous = (getattr(_local, "enabled", False), getattr(_local, "root_policy", None),
                 getattr(_local, "prefetch", True), getattr(_local, "order", None),
-                getattr(_local, "seen", None))
+                getattr(_local, "seen", None), getattr(_local, "provisional_root", False),
+                getattr(_local, "data_dims", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
+    _local.provisional_root = provisional_root
+    _local.data_dims = tuple(data_dims) if data_dims is not None else None
     _local.seen = seen = UnitsSeen()
     _local.last_unit, _local.in_flight = None, []
     _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
@@ -86,7 +95,8 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
         _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
-        _local.enabled, _local.root_policy, _local.prefetch, _local.order, _local.seen = previous
+        (_local.enabled, _local.root_policy, _local.prefetch, _local.order, _local.seen,
+         _local.provisional_root, _local.data_dims) = previous
 
 
 def begin_forward(params: Any) -> None:
@@ -126,9 +136,23 @@ def _keep_gathered() -> bool:
     return policy.keep_gathered and policy is not getattr(_local, "root_policy", None)
 
 
+def keeps_gathered(policy) -> bool:
+    """Whether the ``policy`` in force keeps a weight gathered from forward to backward: its
+    ``keep_gathered``, except a provisional root's before the forward's first layer call
+    (:func:`fsdp_units`), whose weights are re-gathered in backward (ZeRO-3)."""
+    if not policy.keep_gathered:
+        return False
+    if policy is getattr(_local, "root_policy", None) and getattr(_local, "provisional_root", False):
+        return _local.seen.layered
+    return True
+
+
 def _data_axes() -> tuple[set[str], Any, Any]:
+    """The data-parallel mesh axes (of size > 1): those the rules split the batch's dimensions
+    over (the step's ``batch_dims``; ``batch`` and ``seq`` outside a step)."""
     mesh, rules = env()
-    axes = {a for d in ("batch", "seq") for a in rules[d] if mesh.shape.get(a, 1) > 1}
+    names = getattr(_local, "data_dims", None) or ("batch", "seq")
+    axes = {a for d in names for a in rules[d] if mesh.shape.get(a, 1) > 1}
     return axes, mesh, rules
 
 

@@ -53,7 +53,7 @@ from functional_pp.step.update import Updated, redo_held, update_phase
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
 class NoLayerWarning(UserWarning):
-    """An FSDP model declared no ``functional_pp.layer``: its weights were all kept gathered."""
+    """An FSDP model declared no ``functional_pp.layer``: each weight is gathered on its own."""
 
 
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
@@ -205,6 +205,7 @@ class TrainStep:
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
         self._no_layers = False                 # a forward called no fpp.layer: no root kept (_root_had_no_layers)
+        self._layered = False                   # a forward called fpp.layer: the root is kept from the start
         self._unread = new_per_thread()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
@@ -395,30 +396,41 @@ class TrainStep:
         # (compile="per_layer" gathers inside each compiled layer, per weight: nothing is root there)
         policy = self.policy
         keep_root = policy.fsdp_keep_root and not layer_compile and not self._no_layers
+        # until a forward has shown whether the model calls fpp.layer, the root is kept only from
+        # the first layer call on: a model without layers is ZeRO-3 from its first step
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.apply_policy(), \
                 compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 layer_units(policy.fsdp_units, keep_root=keep_root, prefetch=policy.fsdp_prefetch,
-                            order=self._unit_order) as seen:
+                            order=self._unit_order, provisional_root=not self._layered,
+                            data_dims=self._batch_dim_names()) as seen:
             yield
-        if keep_root and seen.root_without_layers:
+        if seen.layered:
+            self._layered = True
+        elif seen.root_without_layers and policy.fsdp_units:
             self._root_had_no_layers()
 
+    def _batch_dim_names(self) -> tuple[str, ...]:
+        """The dimension names of the step's batch (``batch_dims``), in order, once each: the
+        rules' axes for them are the data-parallel axes (FSDP units, parallel/fsdp_units.py)."""
+        names = [d for dims in self.batch_dims.values() for d in (dims.split() if isinstance(dims, str) else dims)]
+        return tuple(dict.fromkeys(names))
+
     def _root_had_no_layers(self) -> None:
-        """The forward called no ``fpp.layer`` under FSDP: every weight was a root weight, kept
-        gathered from forward to backward. Say so once; later steps re-gather each weight in
-        backward (ZeRO-3 per weight), with the same numbers."""
+        """The forward called no ``fpp.layer`` under FSDP: every weight is a root weight. Say so
+        once; every step (the first included) re-gathers each weight in backward (ZeRO-3 per
+        weight)."""
         with self._compile_lock:
             if self._no_layers:
                 return
             self._no_layers = True
         warnings.warn(
-            "train_step: the model calls no functional_pp.layer, so under FSDP the first step kept every "
-            "sharded weight gathered from forward to backward (no memory saved over DDP); from the next "
-            "step on each weight is re-gathered in backward (ZeRO-3, one all-gather per weight). Wrap the "
-            "model's repeated block in functional_pp.layer to gather each layer's weights as one unit "
-            "(and keep the root weights gathered), or pass train_step(fsdp_keep_root=False) to re-gather "
-            "every weight from the first step on.", NoLayerWarning, stacklevel=4)
+            "train_step: the model calls no functional_pp.layer, so under FSDP every sharded weight is "
+            "all-gathered per weight by the op that uses it and all-gathered again in backward (ZeRO-3, "
+            "from the first step on): correct, with ZeRO-3's memory, but in many small collectives that "
+            "cannot be prefetched. Wrap the model's repeated block in functional_pp.layer to gather each "
+            "layer's weights as one unit (one flat all-gather, prefetched while the layer before computes).",
+            NoLayerWarning, stacklevel=4)
 
     def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
         """A held compiled donated step (its state passed in untouched: nothing was written) made
