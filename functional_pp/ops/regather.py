@@ -18,6 +18,7 @@ from functional_pp.core.layout import Layout
 from functional_pp.core.observers import saved_for_backward
 from functional_pp.core.order import from_balanced
 from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.fsdp_units import keeps_gathered
 from functional_pp.parallel.named import Named, _make, current_policy
 from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
@@ -38,6 +39,8 @@ def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
     tagged = x.is_param and not keeps_gathered(current_policy())
     done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
     out = done.value
+    if x.is_param and done.gathers and not x.tied:
+        param_uses.record(x.data)            # gathered at several sites: tied from the next forward
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
             and out.data.requires_grad and not done.sliced):
         out = _make(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,

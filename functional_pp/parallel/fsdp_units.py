@@ -32,6 +32,7 @@ from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
 
@@ -411,12 +412,14 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     the context to run the layer in (re-gather hooks). In a step's forward the next unit's
     gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
     Unchanged outside :func:`fsdp_units`."""
-    if not getattr(_local, "enabled", False) or not torch.is_grad_enabled():
+    if not getattr(_local, "enabled", False):
         return args, nullcontext()
-    tracing = is_tracing()
     seen = getattr(_local, "seen", None)
     if seen is not None:
         seen.layered = True
+    if not torch.is_grad_enabled():
+        return args, nullcontext()
+    tracing = is_tracing()
     data_axes, mesh, rules = _data_axes()
     if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
         return args, nullcontext()
@@ -433,6 +436,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         d, k = plan
         axes = x.split[d][k:]
         source = x.data
+        param_uses.record(source)
         # the gradient's sums over the other axes (HSDP's replicate, SP's tp) run on the shard
         x = pvary(x, meets - set(x.vary))
         groups.setdefault((axes, x.data.dtype, x.data.requires_grad), []).append((i, x, d, k, source))

@@ -12,11 +12,14 @@ BATCH_DIMS = {"tokens": "rows tok", "labels": "rows tok"}
 RULES = fpp.Rules(rows="dp_shard", feat="dp_shard")     # data over dp_shard, weights sharded along feat
 
 
-def init(dtype: torch.dtype = torch.float64) -> dict:
+def init(dtype: torch.dtype = torch.float64, tie: bool = False) -> dict:
     def w(shape, dims):
         return fpp.param(shape, dims, init="normal", scale=0.3, dtype=dtype)
-    return {"emb": w((VOCAB, FEAT), "vocab feat"), "up": w((FEAT, HID), "feat hid"),
-            "down": w((HID, FEAT), "hid feat"), "head": w((FEAT, VOCAB), "feat vocab")}
+    tree = {"emb": w((VOCAB, FEAT), "vocab feat"), "up": w((FEAT, HID), "feat hid"),
+            "down": w((HID, FEAT), "hid feat")}
+    if not tie:
+        tree["head"] = w((FEAT, VOCAB), "feat vocab")
+    return tree
 
 
 def loss(p: dict, batch: dict, tie: bool = False):
