@@ -17,6 +17,7 @@ from functional_pp.compile.recompute import regather_region
 from functional_pp.core.layout import Layout
 from functional_pp.core.observers import saved_for_backward
 from functional_pp.core.order import from_balanced
+from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel import param_uses
 from functional_pp.parallel.fsdp_units import keeps_gathered
@@ -71,14 +72,14 @@ def _hooks(recipes) -> Iterator[None]:
             return ("fpp-regather", shard.detach(), axes, dim, order, tuple(t.shape), t.stride(),
                     t.storage_offset())
         saved_for_backward(t)
-        return t
+        return pack_other(t)              # (activation offloading, core/saved_hooks.py)
 
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-regather":
             _, shard, axes, dim, order, shape, stride, offset = p
             full = from_balanced(raw_all_gather(shard, axes, dim), dim, order)
             return full.as_strided(shape, stride, offset)
-        return p
+        return unpack_other(p)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

@@ -30,6 +30,7 @@ from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.compile.recompute import regather_region, traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
+from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel import param_uses
@@ -374,13 +375,13 @@ def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[N
         if hit is not None and hit[0]() is root(t):
             _, unit, i = hit
             return ("fpp-unit", unit, i, tuple(t.shape), t.stride(), t.storage_offset())
-        return t
+        return pack_other(t)              # (activation offloading, core/saved_hooks.py)
 
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-unit":
             _, unit, i, shape, stride, offset = p
             return unit.regather()[i].as_strided(shape, stride, offset)
-        return p
+        return unpack_other(p)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

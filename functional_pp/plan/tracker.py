@@ -94,6 +94,9 @@ class DeviceRun:
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
+    # per memory lever (offload_params, activation_offloading): the device's and the host's peaks
+    # with what the lever keeps on the host counted there (:meth:`MemoryTracker.split`)
+    offload_peaks: dict = field(default_factory=dict)
     uneven: dict[str, dict] = field(default_factory=dict)    # what -> busiest coordinates (observers.uneven_work)
 
     @property
@@ -103,6 +106,8 @@ class DeviceRun:
 
 
 _active = per_thread("plan.tracker")
+#: the (offload_params, activation_offloading) settings whose peaks a run records
+OFFLOAD_LEVERS = ((True, False), (False, True), (True, True))
 
 
 @on_saved_for_backward
@@ -274,10 +279,28 @@ class MemoryTracker(TorchDispatchMode):
         self._totals[category] += nbytes
         self._current += nbytes
         weakref.finalize(storage, self._free, key)
+        for levers in OFFLOAD_LEVERS:
+            device, host = self.split(*levers)
+            was = self.run.offload_peaks.get(levers, (0, 0))
+            self.run.offload_peaks[levers] = (max(was[0], device), max(was[1], host))
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
             self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    def split(self, params: bool, activations: bool) -> tuple[int, int]:
+        """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer
+        state on the host, the update and, once it starts, the gradients too) and/or
+        ``activations`` (tensors saved for backward on the host; docs/memory.md)."""
+        t = self._totals
+        host = 0
+        if params:
+            host += t["weights"] + t["optimizer state"] + t["update temporaries"]
+            if self.phase == "update":
+                host += t["gradients and backward temporaries"]
+        if activations:
+            host += t["activations"]
+        return self._current - host, host
 
     def mark_logits(self, t: torch.Tensor) -> None:
         """Report ``t``'s storage as logits (the loss's input)."""

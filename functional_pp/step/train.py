@@ -47,7 +47,7 @@ from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_
 from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
 from functional_pp.step.known_finite import KnownFinite, KnownPeaks
-from functional_pp.step import offload
+from functional_pp.step import activation_offload, offload
 from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
 from functional_pp.step.update import Updated, redo_held, update_phase
 
@@ -184,6 +184,8 @@ class TrainStep:
     #                                       (docs/eager_overhead.md "Host synchronisation")
     offload_params: bool = False          # master shards, gradients and optimizer state on the host between
     #                                       steps, the update there (FSDP2's CPUOffloadPolicy; step/offload.py)
+    activation_offloading: bool = False   # saved activations to pinned host memory in forward, back in
+    #                                       backward (CUDA; step/activation_offload.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -197,10 +199,11 @@ class TrainStep:
             raise TypeError(f"TrainStep(policy=...) needs a functional_pp.Policy, got {type(self.policy).__name__}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.offload_params and split_mode(self.compile)[0]:
-            raise ValueError(f"train_step(offload_params=True, compile={self.compile!r}): a compiled step cannot "
-                             f"offload yet; use compile=False or compile='per_layer' (each layer compiled, the "
-                             f"step eager; docs/memory.md \"CPU offload\")")
+        for lever in ("offload_params", "activation_offloading"):
+            if getattr(self, lever) and split_mode(self.compile)[0]:
+                raise ValueError(f"train_step({lever}=True, compile={self.compile!r}): a compiled step cannot "
+                                 f"offload yet; use compile=False or compile='per_layer' (each layer compiled, "
+                                 f"the step eager; docs/memory.md)")
         if self.max_consecutive_skips is not None and (
                 isinstance(self.max_consecutive_skips, bool) or not isinstance(self.max_consecutive_skips, int)
                 or self.max_consecutive_skips < 1):
@@ -216,6 +219,7 @@ class TrainStep:
         self._layered = False                   # a forward called fpp.layer: the root is kept from the start
         self._shared = new_per_thread()         # per device: parameters its first forward gathered twice (tied)
         self._compute = new_per_thread()        # offload_params: per device, where the step computes (step.init)
+        self._said_not_offloaded: list = []     # activation_offloading off CUDA: said once (step/activation_offload.py)
         self._unread = new_per_thread()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
@@ -559,7 +563,9 @@ class TrainStep:
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
             checked = checks_so_far()
             learning = not is_tracing() and getattr(self._shared, "tied", None) is None   # (eager steps)
-            with step_values.collecting() as found, param_uses.counting(learning) as uses:
+            acts = (activation_offload.offloading(_device_of(work), self._said_not_offloaded)
+                    if self.activation_offloading else nullcontext())
+            with step_values.collecting() as found, param_uses.counting(learning) as uses, acts:
                 loss_named = settle(self.loss_fn(named_params, named_batch))
             if learning:                    # parameters gathered at several sites: tied from now on
                 self._shared.tied = param_uses.gathered_more_than_once(
