@@ -234,17 +234,10 @@ def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int
     ``offload_params`` the master shards, optimizer state, update and gradients (once backward is
     done) are on the host, and the step's device copies of the shards added (``shard_copies``:
     fp32 steps copy them as they are; a 16-bit step's cast copies are already counted);
-    with ``activation_offloading`` the saved activations are on the host, but one layer's,
-    brought back in backward (docs/memory.md)."""
+    with ``activation_offloading`` the saved activations are on the host, but those of the layer
+    computing (made in forward, brought back in backward; docs/memory.md)."""
     device = ext(lambda r: r[0].offload_peaks[levers][0]) + (shard_copies if levers[0] else 0)
     host = ext(lambda r: r[0].offload_peaks[levers][1])
-    if levers[1]:
-        last = est.runs[-1]
-        per_layer: dict = {}
-        for t in last.saved:
-            if t.category == "activations":
-                per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
-        device += max(per_layer.values(), default=0)
     est.peak_bytes, est.host_bytes = device, host
     moved = (("weights", "optimizer state", "update temporaries") if levers[0] else ()) + \
         (("activations",) if levers[1] else ())

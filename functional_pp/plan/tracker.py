@@ -164,6 +164,7 @@ class MemoryTracker(TorchDispatchMode):
         self._region_layer: dict = {}      # checkpointed region -> the layer it ran in forward
         self._outer_regions: list = []
         self.recomputing = False
+        self._activations_by_layer: dict = {}
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -205,8 +206,16 @@ class MemoryTracker(TorchDispatchMode):
 
     def _move(self, alloc: _Alloc, category: str) -> None:
         self._totals[alloc.category] -= alloc.nbytes
+        self._count_activation(alloc, -1)
         alloc.category = category
         self._totals[category] += alloc.nbytes
+        self._count_activation(alloc, 1)
+
+    def _count_activation(self, alloc: _Alloc, sign: int) -> None:
+        """Keep the saved activations per layer (what activation offloading leaves on the
+        device: the layer computing, :meth:`split`)."""
+        if alloc.category == "activations":
+            self._activations_by_layer[alloc.layer] = self._activations_by_layer.get(alloc.layer, 0) + sign * alloc.nbytes
 
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -291,15 +300,16 @@ class MemoryTracker(TorchDispatchMode):
     def split(self, params: bool, activations: bool) -> tuple[int, int]:
         """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer
         state on the host, the update and, once it starts, the gradients too) and/or
-        ``activations`` (tensors saved for backward on the host; docs/memory.md)."""
+        ``activations`` (tensors saved for backward on the host, but those of the layer
+        computing; docs/memory.md)."""
         t = self._totals
         host = 0
         if params:
             host += t["weights"] + t["optimizer state"] + t["update temporaries"]
             if self.phase == "update":
                 host += t["gradients and backward temporaries"]
-        if activations:
-            host += t["activations"]
+        if activations:      # but the layer computing: its saved tensors are made or brought back now
+            host += t["activations"] - self._activations_by_layer.get(self.layer, 0)
         return self._current - host, host
 
     def mark_logits(self, t: torch.Tensor) -> None:
@@ -311,6 +321,7 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
         if alloc is not None:
+            self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
             self._current -= alloc.nbytes
 
