@@ -31,9 +31,9 @@ from functional_pp.compile.recompute import regather_region, traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
-from functional_pp.parallel import param_uses
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
 

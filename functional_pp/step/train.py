@@ -43,11 +43,11 @@ from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import Named, _make, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules
+from functional_pp.step import activation_offload, offload
 from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
 from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
 from functional_pp.step.known_finite import KnownFinite, KnownPeaks
-from functional_pp.step import activation_offload, offload
 from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
 from functional_pp.step.update import Updated, redo_held, update_phase
 

@@ -34,3 +34,11 @@ def test_offloaded_steps_on_gloo_processes():
 def test_a_compiled_step_cannot_offload_yet():
     with pytest.raises(ValueError, match="offload_params=True, compile=True.*compile='per_layer'"):
         fpp.train_step(lambda p, b: None, fpp.optim.sgd(0.1), offload_params=True, compile=True)
+
+
+@pytest.mark.parametrize("lever", ["offload_params", "activation_offloading"])
+def test_a_pipeline_step_cannot_offload_yet(lever):
+    from functional_pp.step.pipeline import pipeline_step
+    with pytest.raises(ValueError, match=f"pipeline_step\\({lever}=True\\): a pipeline step cannot offload yet"):
+        pipeline_step(lambda p, b: None, fpp.optim.sgd(0.1), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"),
+                      **{lever: True})
