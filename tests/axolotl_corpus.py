@@ -10,6 +10,7 @@ the diff)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -174,6 +175,9 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         for key in ("tokenizer_config", "base_model_config", "processor_config"):
             if cfg.get(key):
                 cfg[key] = cfg["base_model"]
+    share = cfg.get("val_set_size")
+    # enough local rows that a small held-out share still holds a sequence (12.8 rows at least)
+    rows = math.ceil(12.8 / share) if isinstance(share, float) and 0 < share < 0.1 else 128
     for key in ("datasets", "test_datasets", "pretraining_dataset"):
         entries = cfg.get(key)
         if not entries:
@@ -182,7 +186,7 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, 128)))
+            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows)))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)

@@ -95,6 +95,9 @@ class DeviceRun:
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
+    # per memory lever (offload_params, activation_offloading): the device's and the host's peaks
+    # with what the lever keeps on the host counted there (:meth:`MemoryTracker.split`)
+    offload_peaks: dict = field(default_factory=dict)
     uneven: dict[str, dict] = field(default_factory=dict)    # what -> busiest coordinates (observers.uneven_work)
 
     @property
@@ -104,6 +107,8 @@ class DeviceRun:
 
 
 _active = per_thread("plan.tracker")
+#: the (offload_params, activation_offloading) settings whose peaks a run records
+OFFLOAD_LEVERS = ((True, False), (False, True), (True, True))
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -184,6 +189,7 @@ class MemoryTracker(TorchDispatchMode):
         self._region_layer: dict = {}      # checkpointed region -> the layer it ran in forward
         self._outer_regions: list = []
         self.recomputing = False
+        self._activations_by_layer: dict = {}
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -225,8 +231,16 @@ class MemoryTracker(TorchDispatchMode):
 
     def _move(self, alloc: _Alloc, category: str) -> None:
         self._totals[alloc.category] -= alloc.nbytes
+        self._count_activation(alloc, -1)
         alloc.category = category
         self._totals[category] += alloc.nbytes
+        self._count_activation(alloc, 1)
+
+    def _count_activation(self, alloc: _Alloc, sign: int) -> None:
+        """Keep the saved activations per layer (what activation offloading leaves on the
+        device: the layer computing, :meth:`split`)."""
+        if alloc.category == "activations":
+            self._activations_by_layer[alloc.layer] = self._activations_by_layer.get(alloc.layer, 0) + sign * alloc.nbytes
 
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -298,10 +312,29 @@ class MemoryTracker(TorchDispatchMode):
         self._totals[category] += nbytes
         self._current += nbytes
         weakref.finalize(storage, self._free, key)
+        for levers in OFFLOAD_LEVERS:
+            device, host = self.split(*levers)
+            was = self.run.offload_peaks.get(levers, (0, 0))
+            self.run.offload_peaks[levers] = (max(was[0], device), max(was[1], host))
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
             self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    def split(self, params: bool, activations: bool) -> tuple[int, int]:
+        """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer
+        state on the host, the update and, once it starts, the gradients too) and/or
+        ``activations`` (tensors saved for backward on the host, but those of the layer
+        computing; docs/memory.md)."""
+        t = self._totals
+        host = 0
+        if params:
+            host += t["weights"] + t["optimizer state"] + t["update temporaries"]
+            if self.phase == "update":
+                host += t["gradients and backward temporaries"]
+        if activations:      # but the layer computing: its saved tensors are made or brought back now
+            host += t["activations"] - self._activations_by_layer.get(self.layer, 0)
+        return self._current - host, host
 
     def mark_logits(self, t: torch.Tensor) -> None:
         """Report ``t``'s storage as logits (the loss's input)."""
@@ -312,6 +345,7 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
         if alloc is not None:
+            self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
             self._current -= alloc.nbytes
 
