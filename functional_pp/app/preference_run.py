@@ -108,7 +108,8 @@ def load_pairs(cfg: TrainConfig):
     from functional_pp.data.pairs import build_pairs
     tok = load_tokenizer(cfg)
     try:
-        return RunData(build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len), None, tok)
+        return RunData(build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len, chat_template=cfg.chat_template,
+                                   chat_template_jinja=cfg.chat_template_jinja), None, tok)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
 

@@ -157,3 +157,29 @@ def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
     second = train(split, simulate=1, resume=True, stream=io.StringIO())
     assert first.stopped and second.start_step == 2
     assert first.losses + second.losses == whole.losses
+
+
+def test_dpo_from_a_chat_template_dataset_as_axolotls_example_writes_it(tmp_path):
+    """Axolotl's llama-3 DPO example's dataset entry (type chat_template.default, field_messages,
+    message_property_mappings, roles) and chat_template: llama3, as written; a tiny Llama."""
+    import yaml
+    from axolotl_corpus import CORPUS
+    raw = yaml.safe_load((CORPUS / "llama-3/instruct-dpo-lora-8b.yml").read_text())
+    d = tmp_path / "llama"
+    tok = make_tokenizer(d, "<|begin_of_text|>", "<|eot_id|>")
+    torch.manual_seed(0)
+    conf = transformers.LlamaConfig(vocab_size=tok.vocab_size, **{**KW, "max_position_embeddings": 128})
+    transformers.LlamaForCausalLM(conf).save_pretrained(d)
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps({"conversation": [{"role": "user", "content": q}],
+                                     "chosen": {"role": "assistant", "content": f"Yes: {i}."},
+                                     "rejected": {"role": "assistant", "content": "No."}}) + "\n"
+                         for i, q in enumerate(QUESTIONS)))
+    entry = {**raw["datasets"][0], "path": str(f)}
+    out = tmp_path / "run"
+    cfg = config(d, f, out, datasets=[entry], chat_template=raw["chat_template"], adapter="lora", lora_r=4,
+                 lora_alpha=8, lora_target_linear=True, sequence_len=96)
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)      # the adapters start at zero
+    assert r.losses[-1] < r.losses[0] and m[-1]["rewards_margins"] > 0
