@@ -156,7 +156,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     if corpus is not None:
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
         held = f"; held out: {len(val):,} tokens" if val is not None else ""
-        unit = "preference pairs" if hasattr(corpus, "pairs") else "tokens"
+        unit = getattr(corpus, "unit", "tokens")
         dropped = f" ({corpus.dropped:,} longer than sequence_len left out)" if getattr(corpus, "dropped", 0) else ""
         lines.append(f"data:       {corpus.name}: {len(corpus):,} {unit}{docs}{dropped}, vocab {corpus.vocab_size}{held}")
         if getattr(corpus, "prepared", ""):

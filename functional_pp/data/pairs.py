@@ -51,8 +51,18 @@ class PairSet:
     dropped: int = 0                       # pairs longer than seq_len, left out
     stats: list = field(default_factory=list)
 
+    #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
+    batch_dims = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
+                                           "chosen_lm_labels")}
+    unit = "preference pairs"
+
     def __len__(self) -> int:
         return len(self.pairs)
+
+    def batch_rows(self, indices: Any, seq_len: int) -> dict[str, np.ndarray]:
+        """The rows of pairs ``indices`` (:func:`pair_rows`), stacked."""
+        rows = [pair_rows(self.pairs[j], seq_len, self.pad_id) for j in indices]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def _chatml_prompt(system: str | None, user: str) -> str:
@@ -105,28 +115,33 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def tokenize_pair(tok: Any, prompt: str, chosen: str, rejected: str) -> Pair:
-    """TRL 1.16's tokenization (``DPOTrainer._prepare_dataset``) as Axolotl runs it: the
-    tokenizer's EOS text appended to each completion that does not end with it; the prompt,
-    prompt + chosen and prompt + rejected each tokenized whole (with BOS where the tokenizer
-    adds one, a doubled BOS made one as Axolotl's trainer does); the completions start where
-    the prompt's tokens and each sequence's stop agreeing."""
+def tokenize_completions(tok: Any, prompt: str, completions: list[str]) -> tuple[list[int], list[list[int]]]:
+    """TRL 1.16's tokenization (``DPOTrainer`` / ``KTOTrainer._prepare_dataset``) as Axolotl
+    runs it: the tokenizer's EOS text appended to each completion that does not end with it;
+    the prompt and each prompt + completion tokenized whole (with BOS where the tokenizer adds
+    one, a doubled BOS made one as Axolotl's trainer does); the completions start where the
+    prompt's tokens and every sequence's stop agreeing. Returns ``(prompt ids, completion ids)``."""
     eos_text = (getattr(tok, "special_tokens", None) or {}).get("eos_token")
     if eos_text:
-        chosen, rejected = (c if c.endswith(eos_text) else c + eos_text for c in (chosen, rejected))
+        completions = [c if c.endswith(eos_text) else c + eos_text for c in completions]
 
     def ids_of(text: str) -> list[int]:
         ids = _with_bos(tok, tok.encode(text), None)[0]
         return ids[1:] if tok.bos_id is not None and ids[:2] == [tok.bos_id] * 2 else ids
 
-    p, pc, pr = ids_of(prompt), ids_of(prompt + chosen), ids_of(prompt + rejected)
-    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
-    pair = Pair(p[:n], pc[n:], pr[n:])
+    p = ids_of(prompt)
+    whole = [ids_of(prompt + c) for c in completions]
+    n = min(_common_prefix(p, w) for w in whole)
+    out = [w[n:] for w in whole]
     if not eos_text and tok.eos_id is not None:          # a tokenizer without an EOS text: its id
-        for side in (pair.chosen, pair.rejected):
-            if side[-1:] != [tok.eos_id]:
-                side.append(tok.eos_id)
-    return pair
+        out = [c if c[-1:] == [tok.eos_id] else [*c, tok.eos_id] for c in out]
+    return p[:n], out
+
+
+def tokenize_pair(tok: Any, prompt: str, chosen: str, rejected: str) -> Pair:
+    """A pair tokenized as :func:`tokenize_completions` (TRL's ``DPOTrainer``)."""
+    p, (c, r) = tokenize_completions(tok, prompt, [chosen, rejected])
+    return Pair(p, c, r)
 
 
 def _readers(entries: list, tok: Any, chat_template: str | None, chat_template_jinja: str | None) -> list:
