@@ -253,6 +253,15 @@ def test_kto_run_equals_trl_past_the_first_step(base, unpaired, tmp_path):
         assert m[2][name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
 
 
+def test_kto_with_lora_takes_the_base_as_reference(base, unpaired, tmp_path):
+    cfg = _kto_config(base, unpaired, tmp_path / "lora", adapter="lora", lora_r=4, lora_alpha=8,
+                      lora_target_modules=["q_proj", "v_proj"], max_steps=4)
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(tmp_path / "lora" / "metrics.jsonl")
+    assert m[0]["kl"] == 0.0                       # the adapters start at zero: policy == base
+    assert m[-1]["kl"] > 0 and r.losses[-1] < r.losses[0]
+
+
 def test_kto_fsdp_tp_run_equals_one_device(base, unpaired, tmp_path):
     one = train(_kto_config(base, unpaired, tmp_path / "one"), simulate=1, stream=io.StringIO())
     four = train(_kto_config(base, unpaired, tmp_path / "four", dp_shard_size=2, tp_size=2, micro_batch_size=2),
