@@ -283,9 +283,9 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
         loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
             corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
-        val_loader = None if data.val is None else device_loader(lambda shard: DataLoader(
-            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
-            mesh, rules)
+        val_loader = None if data.val is None else device_loader(lambda shard: (
+            DataLoader if pref is None else PairLoader)(data.val, global_batch_size=gb, seq_len=cfg.sequence_len,
+                                                        seed=cfg.seed, drop_last=False, **shard), mesh, rules)
         start = 0
         if latest is not None:
             want = specs(state)      # the structure: the checkpoint holds whole layers

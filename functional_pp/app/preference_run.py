@@ -106,8 +106,8 @@ def with_reference(params: dict, decls: dict) -> dict:
 
 
 def load_pairs(cfg: TrainConfig):
-    """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs (``rl: kto``:
-    unpaired completions; no held-out part)."""
+    """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs, ``val_set_size``
+    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions."""
     from functional_pp.app.inputs import RunData, load_tokenizer
     from functional_pp.data.pairs import build_pairs
     from functional_pp.data.unpaired import build_completions
@@ -115,8 +115,17 @@ def load_pairs(cfg: TrainConfig):
     try:
         if str(cfg.rl).lower() == "kto":
             return RunData(build_completions(cfg.datasets, tok, seq_len=cfg.sequence_len), None, tok)
-        return RunData(build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len, chat_template=cfg.chat_template,
-                                   chat_template_jinja=cfg.chat_template_jinja), None, tok)
+        pairs = build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len, chat_template=cfg.chat_template,
+                            chat_template_jinja=cfg.chat_template_jinja)
+        if not cfg.val_set_size:
+            return RunData(pairs, None, tok)
+        from functional_pp.data.formats import _split_count
+        n_val = _split_count(cfg.val_set_size, len(pairs))
+        if n_val >= len(pairs):
+            raise ValueError(f"val_set_size={cfg.val_set_size} holds out {n_val} of {len(pairs)} pairs: nothing is "
+                             f"left to train on")
+        train, val = pairs.split(n_val, cfg.seed)
+        return RunData(train, val, tok)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
 

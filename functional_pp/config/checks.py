@@ -98,9 +98,9 @@ def check_preference(cfg: Any, add) -> None:
             add(f"rl: {cfg.rl}: datasets[{i}].type {entry.type!r} is not a "
                 f"{'KTO' if rl == 'kto' else 'preference'} dataset type built here; "
                 f"choose one of {', '.join(types)}, or leave type out for plain {fields}")
-    if cfg.val_set_size:
-        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: held-out preference evaluation is not built; "
-            f"remove val_set_size")
+    if cfg.val_set_size and rl == "kto":
+        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: held-out KTO evaluation is not built (held-out "
+            f"pairs are, for dpo / ipo / orpo / simpo); remove val_set_size")
     if not cfg.datasets:
         what = "unpaired completions labelled desirable or not" if rl == "kto" else "chosen / rejected pairs"
         add(f"rl: {cfg.rl} trains on {what}: give datasets: [{{path: data.jsonl}}] (docs/preference.md)")

@@ -23,18 +23,22 @@ PAIR_BATCH_DIMS = PairSet.batch_dims
 class PairLoader:
     """Batches of ``global_batch_size`` pairs for one device (``dp_rank`` / ``cp_rank`` of
     their sizes, as :class:`~functional_pp.data.DataLoader`); the leftover pairs of an epoch
-    are skipped."""
+    are skipped. ``drop_last=False`` (a held-out set): fewer pairs than a batch are allowed,
+    read with ``each_window_once``."""
 
     def __init__(self, pairs: Any, *, global_batch_size: int, seq_len: int, seed: int = 0, dp_rank: int = 0,
-                 dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_balanced: bool = True) -> None:
-        if len(pairs) < global_batch_size:
+                 dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_balanced: bool = True,
+                 drop_last: bool = True) -> None:
+        if not len(pairs):
+            raise ValueError(f"no {pairs.unit} in {pairs.name}")
+        if drop_last and len(pairs) < global_batch_size:
             raise ValueError(f"{len(pairs)} {pairs.unit} (of {pairs.name}) are fewer than one batch of "
                              f"{global_batch_size}: lower micro_batch_size / gradient_accumulation_steps or add pairs")
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         self.pairs, self.global_batch_size, self.seq_len, self.seed = pairs, int(global_batch_size), int(seq_len), seed
         self.shard = dict(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size, balanced=cp_balanced)
-        self.steps_per_epoch = len(pairs) // self.global_batch_size
+        self.steps_per_epoch = max(1, len(pairs) // self.global_batch_size)
         self.step = 0
 
     def __len__(self) -> int:
@@ -46,14 +50,26 @@ class PairLoader:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
         return order[i * self.global_batch_size:(i + 1) * self.global_batch_size]
 
-    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
-        """The full, unsharded batch of ``step`` (the single-device oracle)."""
-        rows = self.pairs.batch_rows(self.pair_indices(step), self.seq_len)
+    @property
+    def num_windows(self) -> int:
+        """The pairs an evaluation covers once (``app/evaluate.py``)."""
+        return len(self.pairs)
+
+    def global_batch(self, step: int, each_window_once: bool = False) -> dict[str, torch.Tensor]:
+        """The full, unsharded batch of ``step`` (the single-device oracle); ``each_window_once``
+        (evaluation): pairs ``step*B .. step*B + B - 1`` in order, those past the last wrapping
+        around with weight 0 (``pair_weight``; they train no label), so that every pair counts once."""
+        if each_window_once:
+            at = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
+            rows = self.pairs.batch_rows(at % len(self.pairs), self.seq_len, weights=at < len(self.pairs))
+        else:
+            rows = self.pairs.batch_rows(self.pair_indices(step), self.seq_len)
         return {k: torch.from_numpy(v) for k, v in rows.items()}
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+    def batch(self, step: int, each_window_once: bool = False) -> dict[str, torch.Tensor]:
         """This device's block of step ``step``'s batch."""
-        return {k: v.contiguous() for k, v in shard_batch(self.global_batch(step), **self.shard).items()}
+        return {k: v.contiguous() for k, v in
+                shard_batch(self.global_batch(step, each_window_once), **self.shard).items()}
 
     def __iter__(self) -> "PairLoader":
         return self

@@ -53,16 +53,31 @@ class PairSet:
 
     #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
-                                           "chosen_lm_labels")}
+                                           "chosen_lm_labels", "pair_weight")}
     unit = "preference pairs"
 
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def batch_rows(self, indices: Any, seq_len: int) -> dict[str, np.ndarray]:
-        """The rows of pairs ``indices`` (:func:`pair_rows`), stacked."""
+    def batch_rows(self, indices: Any, seq_len: int, weights: Any = None) -> dict[str, np.ndarray]:
+        """The rows of pairs ``indices`` (:func:`pair_rows`), stacked, and ``pair_weight`` (each
+        pair's weight along its row: 1, or ``weights``; a pair of weight 0 trains no label)."""
         rows = [pair_rows(self.pairs[j], seq_len, self.pad_id) for j in indices]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        w = np.ones(len(rows), dtype=np.float32) if weights is None else np.asarray(weights, dtype=np.float32)
+        for k in ("chosen_labels", "rejected_labels", "chosen_lm_labels"):
+            out[k][w == 0] = -100
+        out["pair_weight"] = np.repeat(w[:, None], seq_len, axis=1)
+        return out
+
+    def split(self, n_val: int, seed: int) -> tuple["PairSet", "PairSet"]:
+        """``(train, held out)``: ``n_val`` pairs chosen by the seed held out (as
+        ``val_set_size`` holds out examples of language-model data)."""
+        held = set(np.random.default_rng([seed, 7]).permutation(len(self.pairs))[len(self.pairs) - n_val:].tolist())
+        train = [x for i, x in enumerate(self.pairs) if i not in held]
+        val = [x for i, x in enumerate(self.pairs) if i in held]
+        return (PairSet(train, self.vocab_size, self.pad_id, self.name, self.dropped, self.stats),
+                PairSet(val, self.vocab_size, self.pad_id, f"{self.name}[val]"))
 
 
 def _chatml_prompt(system: str | None, user: str) -> str:

@@ -69,6 +69,15 @@ def _per_sequence(fn: Callable, operands: list, name: str) -> Named:
     return broadcast(fn, operands, name)
 
 
+def _batch_mean(value: Named, weight: Named | None) -> Named:
+    """The mean over the batch, or weighted by each row's ``pair_weight`` (an evaluation's
+    wrapped last batch holds pairs of weight 0: data/pair_loader.py)."""
+    if weight is None:
+        return ops.mean(value, "batch")
+    rows = ops.mean(weight, "seq")
+    return ops.sum(value * rows, "batch") / ops.sum(rows, "batch")
+
+
 def _report(name: str, value: Named) -> None:
     step_values.report(name, settle(ops.mean(value.map(lambda t: t.detach().float()), "batch")).data)
 
@@ -112,7 +121,7 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
             # the chosen sequences' NLL: ORPO's over prompt and completion, CPO's over the completion (TRL)
             nll_labels = batch["chosen_lm_labels" if spec.method == "orpo" else "chosen_labels"]
             nll = ops.cross_entropy(chosen_logits, nll_labels) * weight if weight else None
-        out = ops.mean(_per_sequence(lambda *t: pair(*t).losses, operands, what), "batch")
+        out = _batch_mean(_per_sequence(lambda *t: pair(*t).losses, operands, what), batch.get("pair_weight"))
         if step_values.active():
             good = _per_sequence(lambda *t: pair(*t).chosen_rewards, operands, what)
             bad = _per_sequence(lambda *t: pair(*t).rejected_rewards, operands, what)

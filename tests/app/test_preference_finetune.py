@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from chat_tokenizer import make_tokenizer
@@ -289,3 +290,55 @@ def test_bad_kto_inputs_are_refused_before_any_work(base, tmp_path, rec, over, m
     with pytest.raises(ConfigError, match=message):
         train(_kto_config(base, f, out, **over), simulate=1, stream=io.StringIO())
     assert not out.exists()
+
+
+def test_held_out_pairs_are_evaluated_as_trl_on_every_layout(base, pairs, tmp_path):
+    """val_set_size holds out pairs (3 of those that fit: the one eval batch of 4 wraps, its 4th
+    pair weighing 0); eval_loss is the mean DPO loss of the held-out pairs, TRL's on the run's
+    weights; a FSDP x TP run evaluates the same."""
+    from functional_pp.app.preference_run import load_pairs
+    out = tmp_path / "run"
+    cfg = config(base, pairs, out, val_set_size=3, checkpoint={"save_every": 2})
+    one = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    evals = {x["step"]: x["eval_loss"] for x in m if "eval_loss" in x}
+    assert evals[0] == pytest.approx(math.log(2), abs=1e-6)          # policy == reference
+    held = load_pairs(cfg).val
+    train_pairs = load_pairs(cfg).train
+    assert len(held) == 3 and len(train_pairs) + train_pairs.dropped == 13
+    rows = held.batch_rows(range(3), cfg.sequence_len)
+    ids = torch.from_numpy(np.concatenate([rows["chosen_tokens"], rows["rejected_tokens"]]))
+    labels = torch.from_numpy(np.concatenate([rows["chosen_labels"], rows["rejected_labels"]]))
+    mask = torch.zeros_like(ids)
+    mask[:, 1:] = (labels[:, :-1] != -100).long()
+    exported = export_run(out, tmp_path / "hf-step2", step=2)
+    models = []
+    for d in (exported, base):
+        model = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        model.config._attn_implementation = "eager"
+        trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        models.append(model)
+    with torch.no_grad():
+        ref = models[1](input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
+        want, _ = dpo_loss(models[0], ids, mask, ref[:3], ref[3:], beta=cfg.rl_beta, loss_type="sigmoid")
+    assert abs(float(want) - math.log(2)) > 1e-3
+    assert evals[2] == pytest.approx(float(want), rel=2e-5, abs=2e-6)
+    four = train(config(base, pairs, tmp_path / "four", val_set_size=3, dp_shard_size=2, tp_size=2,
+                        micro_batch_size=2), simulate=4, stream=io.StringIO())
+    m4 = read_metrics(tmp_path / "four" / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor(four.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(torch.tensor([x["eval_loss"] for x in m4 if "eval_loss" in x]),
+                               torch.tensor([x["eval_loss"] for x in m if "eval_loss" in x]), rtol=2e-5, atol=2e-6)
+
+
+def test_dpo_lora_with_activation_checkpointing_under_fsdp(base, pairs, tmp_path):
+    """Axolotl's DPO examples: LoRA, gradient_checkpointing, data parallel. The adapters are used
+    by both forwards (chosen, rejected), so their two gradients are summed during backward; a
+    bucket launched by that sum used to receive the next gradient (TypeError in
+    parallel/buckets.py)."""
+    lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True, dp_shard_size=2, micro_batch_size=2)
+    plain = train(config(base, pairs, tmp_path / "plain", **lora), simulate=2, stream=io.StringIO())
+    remat = train(config(base, pairs, tmp_path / "remat", gradient_checkpointing=True, **lora), simulate=2,
+                  stream=io.StringIO())
+    assert plain.losses[-1] != plain.losses[0]
+    torch.testing.assert_close(torch.tensor(remat.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
