@@ -114,9 +114,10 @@ def load_pairs(cfg: TrainConfig):
     tok = load_tokenizer(cfg)
     try:
         if str(cfg.rl).lower() == "kto":
-            return RunData(build_completions(cfg.datasets, tok, seq_len=cfg.sequence_len), None, tok)
+            return RunData(build_completions(cfg.datasets, tok, seq_len=cfg.sequence_len,
+                                             deduplicate=cfg.dataset_exact_deduplication), None, tok)
         pairs = build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len, chat_template=cfg.chat_template,
-                            chat_template_jinja=cfg.chat_template_jinja)
+                            chat_template_jinja=cfg.chat_template_jinja, deduplicate=cfg.dataset_exact_deduplication)
         if not cfg.val_set_size:
             return RunData(pairs, None, tok)
         from functional_pp.data.formats import _split_count

@@ -158,6 +158,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         held = f"; held out: {len(val):,} {getattr(val, 'unit', 'tokens')}" if val is not None else ""
         unit = getattr(corpus, "unit", "tokens")
         dropped = f" ({corpus.dropped:,} longer than sequence_len left out)" if getattr(corpus, "dropped", 0) else ""
+        if getattr(corpus, "duplicates", 0):
+            dropped += f" ({corpus.duplicates:,} duplicates left out)"
         lines.append(f"data:       {corpus.name}: {len(corpus):,} {unit}{docs}{dropped}, vocab {corpus.vocab_size}{held}")
         if getattr(corpus, "prepared", ""):
             lines.append(f"  {corpus.prepared}")

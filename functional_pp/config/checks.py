@@ -62,6 +62,9 @@ def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
     the preference keys only with ``rl``; preference data unpacked, no pipeline."""
     if cfg.rl is None:
+        if cfg.dataset_exact_deduplication:
+            add("dataset_exact_deduplication: deduplicating rows is supported for preference data (rl:) only: "
+                "remove it")
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
             add(f"{given[0]} is set but rl is not: add rl: dpo (or ipo, orpo, simpo, kto), or remove it")

@@ -134,6 +134,9 @@ class TrainConfig:
     orpo_alpha: float | None = fld(None, "rl: orpo: the odds-ratio term's weight (TRL's beta; default 0.1)")
     simpo_gamma: float = fld(0.5, "rl: simpo: the target reward margin")
     cpo_alpha: float = fld(1.0, "rl: simpo: the weight of the chosen completions' NLL (TRL's cpo_alpha; 0: none)")
+    dataset_exact_deduplication: bool = fld(False, "rl: leave out preference pairs (KTO: completions) equal to an "
+                                                   "earlier one, in every dataset (Axolotl's; language-model data: "
+                                                   "not supported)")
     kto_desirable_weight: float | None = fld(None, "rl: kto: the weight of desirable completions' losses "
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "

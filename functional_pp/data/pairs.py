@@ -50,6 +50,7 @@ class PairSet:
     name: str
     dropped: int = 0                       # pairs longer than seq_len, left out
     stats: list = field(default_factory=list)
+    duplicates: int = 0                    # pairs equal to an earlier one, left out (dataset_exact_deduplication)
 
     #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
@@ -76,7 +77,7 @@ class PairSet:
         held = set(np.random.default_rng([seed, 7]).permutation(len(self.pairs))[len(self.pairs) - n_val:].tolist())
         train = [x for i, x in enumerate(self.pairs) if i not in held]
         val = [x for i, x in enumerate(self.pairs) if i in held]
-        return (PairSet(train, self.vocab_size, self.pad_id, self.name, self.dropped, self.stats),
+        return (PairSet(train, self.vocab_size, self.pad_id, self.name, self.dropped, self.stats, self.duplicates),
                 PairSet(val, self.vocab_size, self.pad_id, f"{self.name}[val]"))
 
 
@@ -195,20 +196,28 @@ def _entry_pairs(entry: Any, tok: Any, where: str, reader: ChatPairReader | None
 
 
 def build_pairs(entries: list, tokenizer: Any, *, seq_len: int, chat_template: str | None = None,
-                chat_template_jinja: str | None = None) -> PairSet:
+                chat_template_jinja: str | None = None, deduplicate: bool = False) -> PairSet:
     """The preference pairs of ``datasets:`` entries (DatasetConfig), tokenized; a pair whose
     prompt and longer completion exceed ``seq_len`` tokens is left out and counted (Axolotl
     drops them too); no pair left is an error naming the shortest length found.
     ``chat_template`` / ``chat_template_jinja``: the run's template for ``chat_template.*``
-    entries that name none (none at all: the tokenizer's, else ChatML)."""
+    entries that name none (none at all: the tokenizer's, else ChatML). ``deduplicate`` (Axolotl's
+    ``dataset_exact_deduplication``): a pair equal to an earlier one (the same tokens) is left out
+    and counted."""
     tok = tokenizer or ByteTokenizer()
-    pairs, dropped, shortest = [], 0, None
+    pairs, dropped, shortest, seen, duplicates = [], 0, None, set(), 0
     readers = _readers(entries, tok, chat_template, chat_template_jinja)
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
             raise FileNotFoundError(f"{where}: no such file or directory")
         for _, pair in _entry_pairs(entry, tok, where, readers[i]):
+            if deduplicate:
+                key = (tuple(pair.prompt), tuple(pair.chosen), tuple(pair.rejected))
+                if key in seen:
+                    duplicates += 1
+                    continue
+                seen.add(key)
             need = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
             if need > seq_len:
                 dropped += 1
@@ -221,7 +230,7 @@ def build_pairs(entries: list, tokenizer: Any, *, seq_len: int, chat_template: s
                          + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
                             else "(the datasets hold no record)"))
     pad = tok.eos_id if tok.eos_id is not None else 0
-    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped)
+    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped, duplicates=duplicates)
 
 
 def pair_rows(pair: Pair, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

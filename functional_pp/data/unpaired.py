@@ -53,6 +53,7 @@ class CompletionSet:
     name: str
     dropped: int = 0                       # completions longer than seq_len, left out
     stats: list = field(default_factory=list)
+    duplicates: int = 0                    # equal to an earlier one, left out (dataset_exact_deduplication)
 
     #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("tokens", "labels", "kl_tokens", "kl_labels", "desirable")}
@@ -113,12 +114,13 @@ def completion_texts(rec: Any, entry: Any, where: str, n: int) -> tuple[str, str
     return prompt, _text_field(rec, "completion", where, n) + _IM_END, label
 
 
-def build_completions(entries: list, tokenizer: Any, *, seq_len: int) -> CompletionSet:
+def build_completions(entries: list, tokenizer: Any, *, seq_len: int, deduplicate: bool = False) -> CompletionSet:
     """The unpaired completions of ``datasets:`` entries (DatasetConfig), tokenized; one whose
     prompt and completion exceed ``seq_len`` tokens is left out and counted; none left is an
-    error naming the shortest length found."""
+    error naming the shortest length found. ``deduplicate``: one equal to an earlier one (the same
+    tokens and label) is left out and counted."""
     tok = tokenizer or ByteTokenizer()
-    kept, dropped, shortest = [], 0, None
+    kept, dropped, shortest, seen, duplicates = [], 0, None, set(), 0
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
@@ -135,6 +137,11 @@ def build_completions(entries: list, tokenizer: Any, *, seq_len: int) -> Complet
                 dropped += 1
                 shortest = len(p) + len(c) if shortest is None else min(shortest, len(p) + len(c))
                 continue
+            if deduplicate:
+                if (tuple(p), tuple(c), label) in seen:
+                    duplicates += 1
+                    continue
+                seen.add((tuple(p), tuple(c), label))
             kept.append(Completion(p, c, label))
     names = ", ".join(Path(e.path).name for e in entries)
     if not kept:
@@ -142,4 +149,4 @@ def build_completions(entries: list, tokenizer: Any, *, seq_len: int) -> Complet
                          + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
                             else "(the datasets hold no record)"))
     pad = tok.eos_id if tok.eos_id is not None else 0
-    return CompletionSet(kept, int(tok.vocab_size), int(pad), names, dropped)
+    return CompletionSet(kept, int(tok.vocab_size), int(pad), names, dropped, duplicates=duplicates)
