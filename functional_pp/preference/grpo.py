@@ -1,7 +1,9 @@
 """GRPO's advantages and loss as pure functions of rewards and per-token log-probabilities
 (TRL 1.16 ``GRPOTrainer``: ``_generate_and_score_completions``'s group-normalised advantages,
-``_compute_loss``'s clipped policy loss with the KL term). Generation, and so ``rl: grpo``
-itself, is not built yet (docs/preference.md); these are the formulas the trainer will call.
+``_compute_loss``'s clipped policy loss with the KL term), and the objective over a model's
+logits for the training step (:func:`grpo_objective`). The online loop (sampling with the
+policy's weights, docs/generation.md; scoring with reward functions), and so ``rl: grpo``
+itself, is not built yet (docs/preference.md).
 
 Shapes: ``rewards`` / ``advantages`` ``[N]`` (a prompt's ``num_generations`` completions
 consecutive), per-token tensors ``[N, T]`` over the completions' tokens, ``mask`` 1 on a
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GRPO_LOSS_TYPES", "SCALE_REWARDS", "group_advantages", "grpo_token_losses", "grpo_loss"]
+__all__ = ["GRPO_LOSS_TYPES", "SCALE_REWARDS", "group_advantages", "grpo_token_losses", "grpo_loss",
+           "grpo_objective"]
 
 #: TRL's loss types built here (``loss_type``; TRL's default is ``dapo``)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -106,3 +109,56 @@ def grpo_loss(token_losses: torch.Tensor, mask: torch.Tensor, loss_type: str = "
         return masked.sum() / (token_losses.size(0) * max_completion_length)
     total = m.sum() if num_items is None else torch.as_tensor(num_items, dtype=m.dtype)
     return masked.sum() / total.clamp(min=1.0)
+
+
+def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2,
+                   epsilon_high: float | None = None, delta: float | None = None,
+                   max_completion_length: int | None = None, reference=None):
+    """``loss(params, batch)`` of GRPO for the training step, over a batch of sampled completions:
+    ``tokens`` (prompt + completion, padded), ``labels`` (the completion's next tokens, -100
+    elsewhere), ``advantages`` (each row's advantage along the row), optionally ``old_logps``
+    (the sampling policy's per-token log-probabilities at the labels' positions; default the
+    policy's own, detached: one update per batch). ``policy(params, tokens)`` gives the logits,
+    ``reference(params, tokens)`` the reference's when ``beta`` > 0. Token-level importance
+    sampling; :func:`grpo_token_losses` per token, aggregated as :func:`grpo_loss` over the
+    whole batch (every data-parallel rank's rows), named arrays throughout so that every layout
+    computes the one-device loss."""
+    from functional_pp import ops
+    from functional_pp.ops.elementwise import broadcast
+
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"grpo loss_type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
+    if beta and reference is None:
+        raise ValueError(f"beta={beta} weighs the KL to the reference: give reference")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("grpo loss_type 'dr_grpo' divides by max_completion_length: give it")
+
+    def loss(params, batch):
+        labels = batch["labels"]
+        logps = ops.token_log_probs(policy(params, batch["tokens"]), labels)
+        mask = labels.map(lambda t: (t != ops.IGNORE_INDEX).to(logps.data.dtype))
+        operands = [logps, batch["advantages"], mask, batch.get("old_logps")]
+        if beta:
+            with torch.no_grad():
+                operands.append(ops.token_log_probs(reference(params, batch["tokens"]), labels))
+
+        def per_token(lp, adv, m, old=None, ref=None):
+            out = grpo_token_losses(lp, adv.to(lp.dtype), m, old_logps=old, ref_logps=ref, beta=beta,
+                                    epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)[0]
+            return out * m
+        if operands[3] is None:
+            operands = [operands[0], operands[1], operands[2], *operands[4:]]
+
+            def fn(lp, adv, m, *ref):
+                return per_token(lp, adv, m, None, *ref)
+        else:
+            fn = per_token
+        masked = broadcast(fn, operands, "grpo")
+        if loss_type == "grpo":
+            per_row = ops.sum(masked, "seq") / ops.sum(mask, "seq").map(lambda t: t.clamp(min=1.0))
+            return ops.mean(per_row, "batch")
+        total = ops.sum(ops.sum(masked, "seq"), "batch")
+        if loss_type == "dr_grpo":
+            return total / float(labels.size("batch") * max_completion_length)
+        return total / ops.sum(ops.sum(mask, "seq"), "batch").map(lambda t: t.clamp(min=1.0))
+    return loss

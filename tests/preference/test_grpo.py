@@ -73,3 +73,111 @@ def test_group_advantages_equal_trls_formula(scale):
     assert got[4] == 0 and abs(float(got[:4].sum())) < 1e-9 and abs(float(got[5:8].sum())) < 1e-9
     with pytest.raises(ValueError, match="12 rewards do not split into groups of num_generations=5"):
         grpo.group_advantages(rewards, 5)
+
+
+KW = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)
+P, C = 4, 6                                   # prompt and completion lengths (completions padded)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """(transformers' tiny Llama with TRL's fused head, our config, our parameters), same weights."""
+    transformers = pytest.importorskip("transformers")
+    from functional_pp.checkpoint import hf
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**KW)).float()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    m.config._attn_implementation = "eager"
+    d = tmp_path_factory.mktemp("grpo-llama")
+    m.save_pretrained(d)
+    trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    cfg, params = hf.load_hf_llama(d)
+    return m, cfg, params
+
+
+def _rollouts(seed: int):
+    """Prompts of P tokens, completions of 1..C tokens (padded, masked) and their advantages;
+    our rows: prompt + completion, labels the completion's tokens at the positions before them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, KW["vocab_size"], (N, P), generator=g)
+    completion = torch.randint(1, KW["vocab_size"], (N, C), generator=g)
+    mask = torch.ones(N, C, dtype=torch.long)
+    for i in range(N):
+        mask[i, int(torch.randint(1, C + 1, (), generator=g)):] = 0
+    completion = completion * mask
+    rewards = torch.randn(N, generator=g, dtype=torch.float64)
+    adv = grpo.group_advantages(rewards, 3)
+    tokens = torch.cat([prompt, completion], 1)
+    labels = torch.full_like(tokens, -100)
+    labels[:, P - 1:P + C - 1] = completion.masked_fill(mask == 0, -100)
+    batch = {"tokens": tokens, "labels": labels, "advantages": adv[:, None].expand(N, P + C).contiguous()}
+    return batch, tokens, mask, adv
+
+
+def _trl_completion_logps(model, tokens, mask):
+    labels = torch.full_like(tokens, -100)
+    labels[:, P:] = tokens[:, P:].masked_fill(mask == 0, -100)
+    return model(input_ids=tokens, labels=labels, fused_lm_head=True).log_probs[:, P - 1:]
+
+
+@pytest.mark.parametrize("loss_type", grpo.GRPO_LOSS_TYPES)
+def test_grpo_objective_equals_trl_on_transformers_llama(llama_pair, loss_type):
+    """On-policy (old log-probs the policy's own) with the KL to a reference (the policy's
+    weights moved), TRL's loss and gradients on the same completions and advantages."""
+    import functools
+
+    from harness import single_device
+
+    from functional_pp.core.tree import tree_map
+    from functional_pp.models import llama
+    from functional_pp.parallel import sharding
+    m, cfg, params = llama_pair
+    batch, tokens, mask, adv = _rollouts(7)
+    ref_params = tree_map(lambda x: (x * 1.05).double(), params)
+    with torch.no_grad():
+        saved = {n: p.clone() for n, p in m.named_parameters()}
+        for _, p in m.named_parameters():
+            p.mul_(1.05)
+        ref_logps = _trl_completion_logps(m, tokens, mask)
+        for n, p in m.named_parameters():
+            p.copy_(saved[n])
+    m.zero_grad()
+    logps = _trl_completion_logps(m, tokens, mask)
+    want, metrics = grpo_loss(logps, mask, adv.float(), ref_logps=ref_logps, beta=0.05, loss_type=loss_type,
+                              max_completion_length=C)
+    want.backward()
+    forward = functools.partial(llama.forward, cfg=cfg)
+
+    def loss_fn(p, b, _cfg):
+        ref = sharding.named_tree(ref_params, llama.init(cfg, torch.float64))
+        return grpo.grpo_objective(forward, loss_type=loss_type, beta=0.05, max_completion_length=C,
+                                   reference=lambda _p, t: forward(ref, t))(p, b)
+    loss, grads = single_device(cfg, tree_map(lambda x: x.double(), params), batch, loss_fn=loss_fn)
+    assert abs(float(want)) > 1e-4
+    torch.testing.assert_close(loss.float(), want.detach(), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(grads["lm_head"].float(), m.lm_head.weight.grad.T, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads["layers"][0]["mlp"]["down_proj"].float(),
+                               m.model.layers[0].mlp.down_proj.weight.grad.T, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_objective_fsdp_tp_equals_one_device(llama_pair):
+    import functools
+
+    from harness import parallel, single_device
+
+    import functional_pp as fpp
+    from functional_pp.core.tree import leaves_with_paths, tree_map
+    from functional_pp.models import llama
+    _, cfg, params = llama_pair
+    batch, *_ = _rollouts(8)
+    full = tree_map(lambda x: x.double(), params)
+    objective = grpo.grpo_objective(functools.partial(llama.forward, cfg=cfg), loss_type="dapo")
+    want, want_grads = single_device(cfg, full, batch, loss_fn=lambda p, b, _c: objective(p, b))
+    for loss, grads, _ in parallel(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(),
+                                   loss_fn=lambda p, b, _c: objective(p, b)):
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda msg: f"{p}: {msg}")

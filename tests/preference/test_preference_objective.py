@@ -17,6 +17,7 @@ from functional_pp.core.runtime import active_rules, current_context
 from functional_pp.core.tree import leaves_with_paths, tree_map
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
+from functional_pp.preference.grpo import grpo_objective
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
 transformers = pytest.importorskip("transformers")
@@ -143,7 +144,7 @@ def test_dpo_objective_fsdp_tp_equals_one_device(models):
 
 
 def _device_loss_and_grads(cfg, full, ref_full, batches):
-    """On each device of a launched mesh: the DPO and the KTO objectives' losses and gathered
+    """On each device of a launched mesh: the DPO, KTO and GRPO objectives' losses and gathered
     gradients (the device's shards of the policy and the reference, its block of each batch)."""
     rules = llama.default_rules()
     out = []
@@ -152,10 +153,12 @@ def _device_loss_and_grads(cfg, full, ref_full, batches):
         decls = llama.init(cfg, torch.float64)
         ref = sharding.named_tree(sharding.shard(ref_full, decls, ctx.mesh, rules, fpp.current_rank()), decls)
         forward = functools.partial(llama.forward, cfg=cfg)
-        for spec, batch in zip((PreferenceSpec("dpo", beta=0.5), KTO), batches):
+        objectives = [preference_loss(spec, forward, lambda p, t: forward(ref, t))
+                      for spec in (PreferenceSpec("dpo", beta=0.5), KTO)]
+        objectives.append(grpo_objective(forward, loss_type="dapo", beta=0.1, reference=lambda p, t: forward(ref, t)))
+        for objective, batch in zip(objectives, batches):
             local = tree_map(lambda x: x.clone().requires_grad_(),
                              sharding.shard(full, decls, ctx.mesh, rules, fpp.current_rank()))
-            objective = preference_loss(spec, forward, lambda p, t: forward(ref, t))
             named_batch = {k: fpp.named(v, "batch seq") for k, v in batch.items() if not k.endswith("_mask")}
             loss = objective(sharding.named_tree(local, decls), named_batch).value()
             loss.backward()
@@ -164,10 +167,10 @@ def _device_loss_and_grads(cfg, full, ref_full, batches):
 
 
 @pytest.mark.multiprocess
-def test_dpo_and_kto_objectives_on_gloo_processes_equal_simulation(models):
+def test_dpo_kto_and_grpo_objectives_on_gloo_processes_equal_simulation(models):
     _, _, cfg, ours, ref_ours = models
     args = (cfg, tree_map(lambda x: x.double(), ours), tree_map(lambda x: x.double(), ref_ours),
-            (_pairs(2), _kto_batch(2)))
+            (_pairs(2), _kto_batch(2), _grpo_batch(2)))
     mesh = fpp.Mesh(dp_shard=2)
     real = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh, processes=True, timeout=300)
     sim = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh)
@@ -293,3 +296,17 @@ def test_kto_objective_fsdp_tp_equals_one_device(models):
         for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{p}: {m}")
     assert found["kl"] == pytest.approx(one["kl"], rel=1e-10) and one["kl"] > 0
+
+
+def _grpo_batch(seed: int):
+    """Sampled completions after prompts (padding 0, labels -100 outside the completions) and
+    each row's advantage along the row."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, KW["vocab_size"], (B, S), generator=g)
+    labels = torch.full((B, S), -100)
+    for i in range(B):
+        end = int(torch.randint(6, S + 1, (), generator=g))
+        tokens[i, end:] = 0
+        labels[i, 3:end - 1] = tokens[i, 4:end]
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return {"tokens": tokens, "labels": labels, "advantages": adv[:, None].expand(B, S).contiguous()}
