@@ -342,3 +342,12 @@ def test_dpo_lora_with_activation_checkpointing_under_fsdp(base, pairs, tmp_path
                   stream=io.StringIO())
     assert plain.losses[-1] != plain.losses[0]
     torch.testing.assert_close(torch.tensor(remat.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
+
+
+def test_kto_resumes_exactly(base, unpaired, tmp_path):
+    whole = train(_kto_config(base, unpaired, tmp_path / "whole", max_steps=4), simulate=1, stream=io.StringIO())
+    split = _kto_config(base, unpaired, tmp_path / "split", max_steps=4)
+    first = train(split, simulate=1, stop_after=2, stream=io.StringIO())
+    second = train(split, simulate=1, resume=True, stream=io.StringIO())
+    assert first.stopped and second.start_step == 2
+    assert first.losses + second.losses == whole.losses
