@@ -10,6 +10,7 @@ the diff)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -100,7 +101,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
        "phi": ("PhiConfig", "PhiForCausalLM", {"pad_token_id": None}),
        "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 64, "pad_token_id": None, "bos_token_id": None,
-                                                        "eos_token_id": None})}
+                                                        "eos_token_id": None}),
+       "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
+       "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
+       "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>"}
@@ -175,6 +180,9 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         for key in ("tokenizer_config", "base_model_config", "processor_config"):
             if cfg.get(key):
                 cfg[key] = cfg["base_model"]
+    share = cfg.get("val_set_size")
+    # enough local rows that a small held-out share still holds a sequence (12.8 rows at least)
+    rows = math.ceil(12.8 / share) if isinstance(share, float) and 0 < share < 0.1 else 128
     for key in ("datasets", "test_datasets", "pretraining_dataset"):
         entries = cfg.get(key)
         if not entries:
@@ -183,7 +191,7 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, 128, cfg.get("rl"))))
+            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows, cfg.get("rl"))))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)
@@ -215,6 +223,7 @@ _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
+_HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
 
 
 def reason(problem: str, cfg: dict) -> str:
@@ -237,6 +246,8 @@ def reason(problem: str, cfg: dict) -> str:
         return f"{m.group(1)}: {m.group(2)}"
     if m := _UNKNOWN.match(problem):
         return f"unknown key {m.group(1)}"
+    if m := _HF_OPTION.match(problem):
+        return f"config.json {m.group(1)}: {m.group(2)}"
     if m := _MODEL_TYPE.search(problem):
         return f"model_type {m.group(1)}"
     return problem.split(";")[0][:100]

@@ -191,6 +191,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
                           trainable=trainable, grad_accum=accum, precision=cfg.precision,
                           policy=cfg.policy(), compile=cfg.compile,
+                          **cfg.offload_options(),
                           on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
                           max_consecutive_skips=cfg.max_consecutive_skips,
                           flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),

@@ -184,6 +184,7 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
+    options.update(cfg.offload_options())
     return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
                     precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
                     remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
@@ -195,7 +196,9 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
-    return f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    line = f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    return line + (f"\nhost:       {_human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
+                   if est.host_bytes else "")
 
 
 def mesh_label(mesh) -> str:

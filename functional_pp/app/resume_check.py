@@ -18,7 +18,7 @@ NEUTRAL = ("logging.", "checkpoint.", "collective_timeout", "simulation", "max_c
 # every layer whatever the pipeline); the batch keys
 # are per data-parallel rank, so the global batch (compared instead) is what must not change.
 RESHARD = ("pp_size", "pp_schedule", "pp_virtual_stages", "pp_fsdp_gather", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size", "sequence_parallel", "rules.",
-           "reshard_after_forward",
+           "reshard_after_forward", "offload_params", "activation_offloading",
            "micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
 
 

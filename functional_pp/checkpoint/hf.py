@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig,
-                                           check_exportable,
+                                           check_exportable, constants_of,
                                            config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
@@ -251,11 +251,20 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
+            groups = [kind.hf_shape(tuple(d.shape))[axis] // cfg.kv_heads for _, kind, d in parts] if interleaved else None
             for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
-                rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, head by head, rows j of each head's)
-                plan[p] = (name, kind, d, (_HEADS, j, len(parts), d.shape[-1]) if len(parts) > 1 and interleaved
+                rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, k/v head by k/v head, part j's rows of each)
+                plan[p] = (name, kind, d, (_HEADS, j, groups) if len(parts) > 1 and interleaved
                            else (offset, rows, axis) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
+            for const, value in constants_of(parts[0][0], getattr(cfg, "model_type", "llama"), cfg):   # (xIELU's beta and eps)
+                if const not in reader.entries:
+                    missing.append(f"{const} (the constant {value} beside {parts[0][0]})")
+                    continue
+                used.add(const)
+                got = reader._open(reader.entries[const][0]).get_tensor(const).float().reshape(-1)
+                if got.numel() != 1 or abs(got.item() - value) > 1e-2 * abs(value):
+                    problems.append(f"{const}: {got.tolist()}, but the functional decoder's is the constant {value}")
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
         if cfg.tie_embeddings:
             ignorable.append(re.compile(r"^lm_head\.weight$"))
@@ -304,7 +313,7 @@ def _file_tensors(decls: Any, cfg) -> list[tuple[str, list[tuple[str, Any, Any]]
     mt = getattr(cfg, "model_type", "llama")
     out: dict[str, list] = {}
     for p, d in leaves_with_paths(decls):
-        found = file_name(p, mt)
+        found = file_name(p, mt, cfg)
         if found is None:
             raise CheckpointMismatchError(f"{p}: no entry of the HF decoder table maps this parameter")
         name, part = found
@@ -330,12 +339,12 @@ _GROWN, _HEADS = object(), object()
 
 
 class _HeadRows:
-    """A slice handle of part ``j`` of ``n`` of a fused HF tensor that holds its parts head by
-    head (GPT-NeoX's ``query_key_value``: rows ``[h * n * d + j * d, h * n * d + (j + 1) * d)``
-    are head h's rows of part j, ``d`` rows a head)."""
+    """A slice handle of part ``j`` of a fused HF tensor that holds its parts group by group, one
+    group per k/v head, ``sizes[i]`` rows of part i in each (GPT-NeoX's ``query_key_value``:
+    head h's q, k and v rows; Falcon's: the q heads sharing k/v head g, then its k, then its v)."""
 
-    def __init__(self, sl, j: int, n: int, d: int):
-        self.sl, self.j, self.n, self.d = sl, j, n, d
+    def __init__(self, sl, j: int, sizes: list[int]):
+        self.sl, self.size, self.offset, self.group = sl, sizes[j], sum(sizes[:j]), sum(sizes)
 
     def __getitem__(self, idx):
         first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
@@ -343,9 +352,9 @@ class _HeadRows:
         if first.step not in (None, 1) or stop is None:
             raise ValueError("fused tensor parts are read in contiguous row ranges")
         blocks = []
-        for h in range(start // self.d, -(-stop // self.d)):         # each head's rows of the part
-            lo, hi = max(start, h * self.d), min(stop, (h + 1) * self.d)
-            base = h * self.n * self.d + self.j * self.d - h * self.d
+        for g in range(start // self.size, -(-stop // self.size)):       # each group's rows of the part
+            lo, hi = max(start, g * self.size), min(stop, (g + 1) * self.size)
+            base = g * self.group + self.offset - g * self.size
             blocks.append(self.sl[(slice(base + lo, base + hi), *rest)])
         return torch.cat(blocks)
 
@@ -462,19 +471,21 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
                               lambda j=j, expert=expert: expert(j)))
         else:
             items.append((name, dt, shape, make))
+        for const, value in constants_of(parts[0][0], getattr(cfg, "model_type", "llama"), cfg):     # (xIELU's beta and eps)
+            items.append((const, dt, (), lambda value=value, dt=dt: torch.tensor(value, dtype=dt)))
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 
 def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0) -> torch.Tensor:
     """The HF tensor of ``parts`` (each in HF's layout) fused along the rows (dimension ``axis``:
     1 for the experts' ``[E, out, in]``): one part after the other (Phi-3, Granite MoE), or head
-    by head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each head's rows of every
+    by k/v head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each k/v head's rows of every
     part in turn); one part is itself."""
     if len(parts) == 1:
         return parts[0]
-    if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:
-        d = cfg.dim_head
-        return torch.stack([t.reshape(-1, d, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
+    if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:      # one group of rows per k/v head
+        k = cfg.kv_heads
+        return torch.cat([t.reshape(k, -1, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
     return torch.cat(parts, axis)
 
 

@@ -57,6 +57,7 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     keep = (not cfg.reshard_after_forward,) if "reshard_after_forward" in given else (False, True)
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
                  keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
+                 offload_params=(cfg.offload_params,), activation_offloading=(cfg.activation_offloading,),
                  max_axis={"cp": max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
 
 
@@ -107,7 +108,8 @@ def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
              f"  step {t.step_s:.4g} s, {ranking.tokens_per_s_per_device(best):,.0f} tokens/s per device, MFU "
              f"{t.mfu:.2f} (compute {t.compute_s:.4g} s, exposed communication {t.exposed_comm_s:.4g} s, hidden "
              f"{t.hidden_comm_s:.4g} s); peak memory {_human_bytes(best.peak_bytes)} of "
-             f"{_human_bytes(ranking.memory_limit_bytes)} per device",
+             f"{_human_bytes(ranking.memory_limit_bytes)} per device"
+             + (f", host memory {_human_bytes(best.host_bytes)} per device" if best.host_bytes else ""),
              f"  axes: {', '.join(f'{a} {w}-node' for a, w in t.placement.items()) or 'none'}"]
     busiest = sorted(t.by_collective.items(), key=lambda kv: -kv[1])[:4]
     if busiest:
@@ -175,6 +177,7 @@ def layout_keys(cfg, est, n_devices: int) -> dict:
     keys.update(sequence_parallel="tp" in est.rules["res_seq"], global_batch_size=gb, micro_batch_size=gb // (dp * ga),
                 gradient_accumulation_steps=ga, activation_checkpointing=est.settings.get("remat") or False,
                 reshard_after_forward=not est.settings.get("keep_gathered", False))
+    keys.update({k: True for k in ("offload_params", "activation_offloading") if est.settings.get(k)})
     plain = dataclasses.replace(cfg, **{k: v for k, v in keys.items() if k != "rules"})
     default = plain.build_rules(est.mesh)
     if _fsdp_axes(default, s) != _fsdp_axes(est.rules, s):

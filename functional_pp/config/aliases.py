@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from functional_pp.config.fsdp_keys import FSDP_KEYS, OFFLOAD_ACTIVATIONS, deepspeed_settings, fsdp_settings
+from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_settings, fsdp_settings
 from functional_pp.config.schema import Issues
 
 __all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
@@ -83,8 +83,10 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                   **{k: f"optimizer {k!r} (torchao's AdamW4bit: 4-bit moments) is not supported yet: use "
                         f"adamw_8bit (8-bit moments, alias adamw_torch_8bit) or adamw"
                      for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
-    "activation_checkpointing": {k: f"{k}: {OFFLOAD_ACTIVATIONS}: use gradient_checkpointing: true or selective "
-                                    f"(recomputes instead)" for k in ("offload", "offload_disk")},
+    "activation_checkpointing": {"offload_disk": "offload_disk: activations offloaded to disk are not supported: use "
+                                                 "offload (host memory) or gradient_checkpointing: true or selective"},
+    "activation_offloading": {"disk": "activation_offloading: disk is not supported: use true (pinned host memory) "
+                                      "or gradient_checkpointing: true or selective (recomputes instead)"},
     "lr_scheduler": {k: f"lr_scheduler {k!r} is not supported (constant, cosine, linear)"
                      for k in ("polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "one_cycle",
                                "rex", "log_sweep", "warmup_stable_decay")},
@@ -126,8 +128,6 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
                          "push_dataset_to_hub")},
     "qat": "quantization-aware training is not supported: remove it",
-    "activation_offloading": f"{OFFLOAD_ACTIVATIONS}: remove it (activation_checkpointing: true or selective "
-                             f"recomputes instead)",
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
                                "(another loss): remove it",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
@@ -420,6 +420,11 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         issues.add(f"'{first}' is not supported{also}: {why}")
     for alias, canonical, value in aliased:
         _put(out, canonical, value, alias, issues)
+    if isinstance(out.get("activation_checkpointing"), str) and out["activation_checkpointing"].lower() == "offload":
+        out["activation_checkpointing"] = True      # Axolotl's checkpointing with the checkpoints offloaded
+        out.setdefault("activation_offloading", True)
+    if isinstance(out.get("activation_offloading"), str) and out["activation_offloading"].lower() == "legacy":
+        out["activation_offloading"] = True         # Axolotl's older implementation of the same
     fsdp_remat = fsdp.pop("activation_checkpointing", False)
     if fsdp_remat and out.get("activation_checkpointing") != "selective":   # FSDP's or the trainer's: either
         out["activation_checkpointing"] = fsdp_remat

@@ -211,6 +211,13 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         if name is not None and name not in backends:
             add(f"compile: unknown torch.compile backend {name!r}{suggest(name, backends)} "
                 f"(or \"per_layer\" / \"per_layer:<backend>\")")
+    if cfg.offload_params:
+        from functional_pp.compile.layer_compile import split_mode
+        if split_mode(cfg.compile)[0]:
+            add(f"offload_params: true with compile: {cfg.compile}: a compiled step cannot offload yet; use "
+                f"compile: per_layer (each layer compiled, the step eager) or compile: false")
+        if (cfg.pp_size or 1) > 1:
+            add("offload_params: true with pp_size > 1: a pipeline step cannot offload yet; remove one of them")
     if cfg.logging.log_every < 1:
         add(f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     if cfg.checkpoint.save_every < 0:

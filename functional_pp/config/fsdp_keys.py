@@ -5,7 +5,9 @@ FSDP here is ``dp_shard`` (every device when no sizes are given): each layer (``
 one unit whose weights are all-gathered before use and reduce-scattered after backward.
 ``reshard_after_forward: false`` (``SHARD_GRAD_OP``, ZeRO-2) keeps the gathered weights for
 backward (the step's ``keep_gathered``); ``deepspeed``'s ZeRO stage maps onto the same;
-offloading is refused. See docs/config.md."""
+CPU offload (``offload_params``, ``fsdp: offload``, DeepSpeed's ``offload_param`` /
+``offload_optimizer`` to the CPU) is ``offload_params``, ``activation_cpu_offload`` is
+``activation_offloading`` (docs/memory.md). See docs/config.md."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ from typing import Any
 
 from functional_pp.config.schema import Issues
 
-__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_settings", "OFFLOAD_PARAMS", "OFFLOAD_ACTIVATIONS"]
+__all__ = ["FSDP_KEYS", "fsdp_settings", "deepspeed_settings"]
 
 FSDP_KEYS = ("fsdp", "fsdp_config", "fsdp_version", "fsdp_final_state_dict_type")
 
@@ -29,13 +31,6 @@ _NOTES = {"auto_wrap_policy": _UNITS, "transformer_layer_cls_to_wrap": _UNITS, "
           "limit_all_gathers": "gathers run one layer ahead", "forward_prefetch": "gathers run one layer ahead",
           "backward_prefetch": "gathers run one layer ahead", "version": "one FSDP (per-layer flat gathers)",
           "fsdp_version": "one FSDP (per-layer flat gathers)"}
-#: the memory levers of issue 45 that Axolotl's offload keys name, refused until they land
-OFFLOAD_PARAMS = ("CPU offload of parameters, gradients and optimizer state under FSDP (torch FSDP2's "
-                  "CPUOffloadPolicy; issue 45's memory levers) is not built yet")
-OFFLOAD_ACTIVATIONS = ("activation offloading (saved activations moved to host memory during forward; issue 45's "
-                       "memory levers) is not built yet")
-_OFFLOAD = (f"offloading: {OFFLOAD_PARAMS}: remove it (shard over more devices with dp_shard_size, or "
-            f"recompute with gradient_checkpointing)")
 _STRATEGIES = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}
 _HYBRID = ("is not supported here by that name: give the sizes, dp_replicate_size: <nodes> and "
            "dp_shard_size: <devices per node> (HSDP)")
@@ -56,7 +51,7 @@ def fsdp_settings(d: dict, issues: Issues) -> tuple[dict[str, Any], list[str]]:
         words = words.split()
     for w in words or []:
         if w == "offload":
-            issues.add(f"'fsdp: offload' is not supported: {_OFFLOAD}")
+            out["offload_params"] = True
         elif w == "shard_grad_op":
             out["reshard_after_forward"] = False
         elif w == "hybrid_shard":
@@ -76,8 +71,10 @@ def fsdp_settings(d: dict, issues: Issues) -> tuple[dict[str, Any], list[str]]:
         if value is None:
             continue
         if key in ("offload_params", "cpu_offload", "activation_cpu_offload"):
-            if value:
-                issues.add(f"'{where}' is not supported: {_OFFLOAD}")
+            if not isinstance(value, bool):
+                issues.add(f"{where} must be true/false, got {value!r}")
+            else:
+                out["activation_offloading" if key == "activation_cpu_offload" else "offload_params"] = value
         elif key == "reshard_after_forward":
             if not isinstance(value, bool):
                 issues.add(f"{where} must be true/false, got {value!r}")
@@ -104,15 +101,15 @@ def fsdp_settings(d: dict, issues: Issues) -> tuple[dict[str, Any], list[str]]:
     return out, notes
 
 
-#: Axolotl's bundled ``deepspeed_configs/*.json`` -> (ZeRO stage, offloads): read by name when the
-#: file is not there (a config copied without Axolotl's repository)
+#: Axolotl's bundled ``deepspeed_configs/*.json`` -> (ZeRO stage, offloads to the CPU): read by name
+#: when the file is not there (a config copied without Axolotl's repository)
 BUNDLED_DEEPSPEED = {"zero1.json": (1, False), "zero1_torch_compile.json": (1, False), "zero2.json": (2, False),
                      "zero3.json": (3, False), "zero3_bf16.json": (3, False),
                      "zero3_bf16_cpuoffload_params.json": (3, True), "zero3_bf16_cpuoffload_all.json": (3, True)}
 
 
 def _zero_stage(value: Any, issues: Issues) -> tuple[int, bool] | None:
-    """``(ZeRO stage, offloads anything)`` of ``deepspeed: value`` (a JSON file, its text or a
+    """``(ZeRO stage, offloads anything to the CPU)`` of ``deepspeed: value`` (a JSON file, its text or a
     mapping; a missing file by Axolotl's bundled name), or None with the problem recorded."""
     conf = value
     if isinstance(value, str):
@@ -135,30 +132,34 @@ def _zero_stage(value: Any, issues: Issues) -> tuple[int, bool] | None:
     if stage not in (0, 1, 2, 3):
         issues.add(f"deepspeed: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
         return None
-    off = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
-              for k in ("offload_param", "offload_optimizer")) if isinstance(zero, dict) else False
-    return stage, off
+    devices = {zero[k].get("device", "none") for k in ("offload_param", "offload_optimizer")
+               if isinstance(zero, dict) and isinstance(zero.get(k), dict)} - {"none", None}
+    if devices - {"cpu"}:
+        issues.add(f"deepspeed: offloading to {sorted(devices - {'cpu'})[0]!r} is not supported ({value}): only "
+                   f"to the CPU (offload_params here); set the offload device to \"cpu\" or remove it")
+        return None
+    return stage, bool(devices)
 
 
 def deepspeed_settings(value: Any, issues: Issues) -> tuple[dict[str, Any], list[str]]:
     """``(canonical keys -> values, start-up notes)`` of ``deepspeed: value``: its ZeRO stage
     mapped onto FSDP over ``dp_shard`` (ZeRO-3: the default; ZeRO-1 / 2: the weights kept
-    gathered for backward, ``reshard_after_forward: false``, the same math); offloading and
-    stage 0 (plain data parallelism, sizes to give) refused by name."""
+    gathered for backward, ``reshard_after_forward: false``, the same math); offloading to the
+    CPU is ``offload_params`` (parameters, gradients and optimizer state: DeepSpeed's
+    ``offload_optimizer`` alone moves more here); stage 0 (plain data parallelism, sizes to give)
+    refused by name."""
     found = _zero_stage(value, issues)
     if found is None:
         return {}, []
     stage, off = found
-    if off:
-        issues.add(f"'deepspeed' is not supported with offloading ({value}): {OFFLOAD_PARAMS}: remove the "
-                   f"offload settings (shard over more devices with dp_shard_size)")
-        return {}, []
+    offload = {"offload_params": True} if off else {}
     if stage == 0:
         issues.add(f"'deepspeed' ZeRO stage 0 ({value}) is plain data parallelism: remove it and give "
                    f"dp_replicate_size: <devices>")
         return {}, []
     if stage == 3:
-        return {}, [f"deepspeed: {value} (ZeRO-3 = FSDP over dp_shard here, the default: the same math)"]
-    return {"reshard_after_forward": False}, [
+        return offload, [f"deepspeed: {value} (ZeRO-3 = FSDP over dp_shard here, the default: the same math"
+                         + (", CPU offload = offload_params)" if off else ")")]
+    return {"reshard_after_forward": False, **offload}, [
         f"deepspeed: {value} (ZeRO-{stage} = FSDP over dp_shard with the weights kept gathered for backward, "
         f"reshard_after_forward: false: the same math, with parameters sharded too)"]

@@ -99,6 +99,11 @@ class TrainConfig:
     reshard_after_forward: bool = fld(True, "FSDP: re-gather each layer's weights in backward "
                                             "(ZeRO-3); false: keep them gathered for backward "
                                             "(ZeRO-2, SHARD_GRAD_OP; more memory, fewer gathers)")
+    offload_params: bool = fld(False, "keep the master weights, gradients and optimizer state in host "
+                                      "memory between steps and update there (Axolotl fsdp_config."
+                                      "offload_params, FSDP2's CPUOffloadPolicy; docs/memory.md)")
+    activation_offloading: bool = fld(False, "move the tensors saved for backward to pinned host memory "
+                                             "in forward and back in backward (CUDA; docs/memory.md)")
     compile: bool | str = fld(False, "torch.compile the step: true, or a backend name (alias "
                                      "torch_compile, torch_compile_backend)")
     on_nonfinite: Literal["skip", "raise"] = fld("skip", "a non-finite loss/gradient: skip the "
@@ -293,6 +298,11 @@ class TrainConfig:
         ``activation_checkpointing`` (remat) and ``reshard_after_forward`` (its negation
         keeps the gathered weights, ZeRO-2); the rest the step's defaults."""
         return Policy(remat=self.activation_checkpointing, keep_gathered=not self.reshard_after_forward)
+
+    def offload_options(self) -> dict:
+        """The training step's offload settings this config asks for (``train_step`` keywords,
+        those set only): ``offload_params``, ``activation_offloading`` (docs/memory.md)."""
+        return {k: True for k in ("offload_params", "activation_offloading") if getattr(self, k)}
 
     def warmup(self) -> int:
         """Warmup steps: ``warmup_steps``, or ``ceil(warmup_ratio x max_steps)``."""

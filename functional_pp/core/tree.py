@@ -58,8 +58,8 @@ def param(shape: Sequence[int], dims: Sequence[str] | str | None = None, init: s
         raise TypeError("param: missing the dimension names, e.g. param((512, 1024), dims='hidden mlp')")
     if isinstance(dims, str):
         dims = tuple(dims.split())
-    if init not in ("normal", "zeros", "ones", "uniform"):
-        raise ValueError(f"unknown init {init!r}; use normal, zeros, ones or uniform")
+    if init not in ("normal", "zeros", "ones", "uniform", "constant"):
+        raise ValueError(f"unknown init {init!r}; use normal, zeros, ones, uniform or constant (every entry ``scale``)")
     return Param(tuple(int(s) for s in shape), tuple(dims), init, float(scale), dtype)
 
 

@@ -4,7 +4,9 @@ layers), Granite (embedding / residual / attention / logit multipliers), OLMo 2 
 (norms after each block only, q/k norms over every head; OLMo 3's sliding windows), Cohere and
 Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit scale; Cohere
 2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
-biases, partial rotary, GELU MLPs that are not gated, parallel blocks) and Arcee (squared ReLU).
+biases, partial rotary, GELU MLPs that are not gated, parallel blocks), Arcee (squared ReLU),
+Seed-OSS (its own output bias), Apertus (xIELU, q/k norms), Hunyuan dense (q/k norms after the
+rotary) and Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -46,6 +48,9 @@ class Switches:
     # config.json with the keys every family shares (hidden_size, ...) added from the family's own
     # (GPT-J's n_embd, ...), before anything is read
     prepare: Callable[[dict], dict] | None = None
+    # tensor renames that depend on the config (Falcon's ``ln_attn`` / ``ln_mlp`` with two norms),
+    # applied after ``llama_hf.RENAMED``'s
+    renames: Callable[[Any], tuple[tuple[str, str], ...]] | None = None
 
     def need(self, cfg) -> dict[str, Any]:
         """The Config fields export requires of ``cfg`` for this class."""
@@ -272,20 +277,145 @@ SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention
     fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
                kv_heads=lambda cfg: cfg.heads))
 
+# --------------------------------------------------------------------------- Seed-OSS
+def no_dropout(get: Get, where: str, *keys: str) -> None:
+    """Refuse a nonzero dropout rate of ``keys`` (read with the class default where config.json
+    leaves one out: SeedOssConfig's are 0.1)."""
+    for key in keys:
+        rate = float(get(key) or 0.0)
+        if rate:
+            raise ValueError(f"{where}: {key}={rate!r} is not supported: the functional decoder has no dropout "
+                             f"there (transformers applies it while training); set {key} to 0.0 in config.json to "
+                             f"fine-tune without it (a key left out is the class default)")
+
+
+def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
+    no_dropout(get, where, "attention_dropout", "residual_dropout")
+    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")))
+
+
+def _seed_oss_write(cfg, out: dict) -> None:
+    out.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias, attention_dropout=0.0,
+               residual_dropout=0.0)
+
+
+SWITCHES["seed_oss"] = Switches(   # Seed-OSS: Llama with q/k/v biases (attention_bias) apart from the output's
+    "SeedOssForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=524288, head_dim=128, attention_bias=True,
+                               attention_out_bias=False, attention_dropout=0.1, residual_dropout=0.1, pad_token_id=1),
+    _seed_oss_read, _seed_oss_write, free=("qkv_bias", "o_bias"))
+
+
+# --------------------------------------------------------------------------- Apertus
+def _apertus_prepare(hf: dict) -> dict:
+    """ApertusConfig's rope (Llama 3 scaling, base 12e6) where config.json has none."""
+    if hf.get("rope_parameters") or hf.get("rope_scaling") or hf.get("rope_theta"):
+        return hf
+    return dict(hf, rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                                     "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0})
+
+
+SWITCHES["apertus"] = Switches(    # Apertus: per-head q/k RMSNorms, an MLP that is not gated, of xIELU
+    "ApertusForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=65536, pad_token_id=3), _no_fields, _no_keys,
+    hidden_act="xielu", prepare=_apertus_prepare, fixed=dict(mlp_gated=False, mlp_act="xielu", qk_norm=True))
+
+
+# --------------------------------------------------------------------------- Hunyuan (dense)
+def _hunyuan_prepare(hf: dict) -> dict:
+    """Hunyuan's NTK-alpha rope (``dynamic`` with an ``alpha``: a fixed larger base,
+    ``theta * alpha ** (head_dim / (head_dim - 2))``, as transformers) as a plain rope of that base."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "dynamic" or not rope.get("alpha"):
+        return hf
+    dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0) * float(rope["alpha"]) ** (dim / (dim - 2))
+    return dict(hf, rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None, rope_theta=theta)
+
+
+SWITCHES["hunyuan_v1_dense"] = Switches(   # Hunyuan (dense): Llama with per-head q/k RMSNorms after the rotary
+    "HunYuanDenseV1ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=2048, pad_token_id=0),
+    _no_fields, _no_keys, prepare=_hunyuan_prepare, fixed=dict(qk_norm=True, qk_norm_after_rotary=True))
+
+
+# --------------------------------------------------------------------------- Falcon
+def _falcon_prepare(hf: dict) -> dict:
+    """Falcon's config.json keys as the shared ones (FalconConfig's defaults where left out):
+    multi-query attention has one k/v head, the old layer without it one per head."""
+    hidden, heads = int(hf.get("hidden_size") or hf.get("n_embed") or 4544), int(hf.get("num_attention_heads", 71))
+    new = bool(hf.get("new_decoder_architecture"))
+    kv = int(hf.get("num_kv_heads") or heads) if new else 1 if hf.get("multi_query", True) else heads
+    out = dict(hf, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+               num_hidden_layers=hf.get("num_hidden_layers", 32), intermediate_size=hf.get("ffn_hidden_size") or 4 * hidden,
+               layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation") or "gelu",
+               attention_bias=bool(hf.get("bias")))
+    out.pop("head_dim", None)
+    return out
+
+
+def _falcon_read(hf: dict, get: Get, where: str) -> dict:
+    if hf.get("alibi"):
+        raise ValueError(f"{where}: alibi=True (ALiBi position biases: Falcon-RW) is not supported; only the "
+                         f"rotary Falcons")
+    if float(hf.get("hidden_dropout") or 0.0):
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+    new, parallel = bool(hf.get("new_decoder_architecture")), bool(get("parallel_attn"))
+    norms = hf.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    if (new and not parallel) or (not new and parallel and norms == 2):
+        raise ValueError(f"{where}: new_decoder_architecture={new} with parallel_attn={parallel} and "
+                         f"num_ln_in_parallel_attn={norms} is a layer transformers' Falcon cannot run either")
+    bias = bool(hf.get("bias"))
+    return dict(parallel_block=parallel, parallel_mlp_norm=parallel and norms == 2, qkv_bias=bias, o_bias=bias,
+                mlp_bias=bias, norm_eps=float(get("layer_norm_eps")))
+
+
+def _falcon_write(cfg, out: dict) -> None:
+    for key in ("num_key_value_heads", "intermediate_size", "rms_norm_eps", "hidden_act", "head_dim",
+                "attention_bias"):
+        out.pop(key, None)
+    mq = cfg.kv_heads == 1 and cfg.heads > 1 and not cfg.parallel_mlp_norm
+    new = not mq and cfg.parallel_block and (cfg.parallel_mlp_norm or cfg.kv_heads != cfg.heads)
+    out.update(new_decoder_architecture=new, multi_query=mq, parallel_attn=cfg.parallel_block,
+               num_ln_in_parallel_attn=(2 if cfg.parallel_mlp_norm else 1) if cfg.parallel_block else None,
+               num_kv_heads=cfg.kv_heads, ffn_hidden_size=cfg.mlp, layer_norm_epsilon=cfg.norm_eps, activation="gelu",
+               bias=cfg.o_bias, alibi=False, hidden_dropout=0.0)
+
+
+def _falcon_kv_heads(cfg) -> int:
+    """The k/v heads a Falcon layer can have: one (multi-query), one per head (the old layer
+    without multi-query), or any with the new decoder architecture (parallel, two norms or GQA)."""
+    return cfg.kv_heads if cfg.kv_heads == 1 or cfg.parallel_block else cfg.heads
+
+
+def _falcon_renames(cfg) -> tuple[tuple[str, str], ...]:
+    """The two norms of the new decoder architecture are ``ln_attn`` / ``ln_mlp``."""
+    if cfg is None or not cfg.parallel_mlp_norm:
+        return ()
+    return (r"\.input_layernorm\.", ".ln_attn."), (r"\.post_attention_layernorm\.", ".ln_mlp.")
+
+
+SWITCHES["falcon"] = Switches(     # Falcon: LayerNorms, a GELU MLP not gated, q/k/v fused per k/v head
+    "FalconForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=True,
+                              parallel_attn=True),
+    _falcon_read, _falcon_write, free=("parallel_block", "parallel_mlp_norm", "qkv_bias", "o_bias", "mlp_bias"),
+    hidden_act="gelu", prepare=_falcon_prepare, renames=_falcon_renames,
+    fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_act="gelu", qkv_bias=lambda cfg: cfg.o_bias,
+               mlp_bias=lambda cfg: cfg.o_bias, kv_heads=_falcon_kv_heads))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
         ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
+        ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
+        ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),
+        ("qwen3_5_moe", "Qwen3.5-MoE (its gated DeltaNet layers)"))},
+    **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
+            "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3"),
         ("glm4_moe", "GLM-4.5"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
-        ("granitemoeshared", "Granite MoE (shared experts)"),
-        ("falcon", "Falcon"), ("seed_oss", "Seed-OSS"), ("apertus", "Apertus"),
-        ("hunyuan_v1_dense", "Hunyuan (dense)"), ("gemma3n_text", "Gemma 3n"), ("gemma3n", "Gemma 3n"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("qwen3_5_text", "Qwen3.5"), ("qwen3_5", "Qwen3.5"),
-        ("olmoe", "OLMoE"))},
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -6,7 +6,8 @@ differ: fused projections), Gemma 2 (tanh-GELU GLU, 1 + w sandwich norms, scaled
 soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local layers), tied
 embeddings; SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2/3 (norms after each block, q/k
 norms over every head), Cohere, Phi-1/2 and GPT-NeoX (attention and MLP in parallel, LayerNorm,
-partial or interleaved rotary, biases; models/hf_switches.py). ``Config.model_type`` names the
+partial or interleaved rotary, biases), Apertus (xIELU), Hunyuan (q/k norms after the rotary)
+and Falcon (multi-query; models/hf_switches.py). ``Config.model_type`` names the
 Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,7 +53,9 @@ def _scaling_to_dict(s) -> dict | None:
         return None
     kind = next(k for k, c in _SCALINGS.items() if isinstance(s, c))
     return asdict(s) if kind == "llama3" else {"rope_type": kind, **asdict(s)}
-MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
+# xIELU's initial a_p, a_n and its fixed beta and eps (transformers' XIELUActivation defaults)
+XIELU_ALPHA_P, XIELU_ALPHA_N, XIELU_BETA, XIELU_EPS = 0.8, 0.8, 0.5, -1e-6
+MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2", "xielu")
 NORM_KINDS = ("rms", "layer")
 
 
@@ -123,6 +127,9 @@ class Config:
     moe_layers: tuple[int, ...] | None = None
     router_z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    # a shared expert's sigmoid gate (Qwen2-MoE: True); False: the shared expert adds as it is
+    # (Granite MoE with shared experts, DeepSeek-V3, GLM-4.5)
+    shared_expert_gate: bool = True
     # NoPE layers: the layers whose attention has no rotary (SmolLM3's every 4th; None: all rotate)
     nope_layers: tuple[int, ...] | None = None
     # partial rotary: the share of head_dim that rotates (its first entries; Phi-1/2, GPT-NeoX)
@@ -152,6 +159,8 @@ class Config:
     mlp_gated: bool = True
     mlp_bias: bool = False
     lm_head_bias: bool = False
+    # the q/k norms after the rotary instead of before it (Hunyuan)
+    qk_norm_after_rotary: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -191,6 +200,11 @@ class Config:
             raise ValueError("lm_head_bias=True with tie_embeddings=True is not supported (a tied head has no bias)")
         if not self.mlp_gated and self.experts:
             raise ValueError("mlp_gated=False with experts is not supported (the experts are gated)")
+        if self.mlp_act == "xielu" and self.mlp_gated:
+            raise ValueError("mlp_act='xielu' needs mlp_gated=False (Apertus: down(xielu(up(x))), the activation's "
+                             "two scalars per layer)")
+        if self.qk_norm_after_rotary and not self.qk_norm:
+            raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
             raise ValueError("qk_norm_heads=True needs qk_norm=True")
         if self.parallel_block and (self.sandwich_norms or self.experts):
@@ -395,6 +409,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["mlp"]["gate_proj"]
         if cfg.mlp_bias:
             p["mlp"].update(up_bias=bias(cfg.mlp, "mlp"), down_bias=bias(cfg.hidden, "hidden"))
+        if cfg.mlp_act == "xielu":                 # its two scalars, at transformers' initial values
+            p["mlp"].update({f"act_alpha_{k}": param((), (), init="constant", scale=math.log(math.expm1(a)), dtype=dtype)
+                             for k, a in (("p", XIELU_ALPHA_P), ("n", XIELU_ALPHA_N - XIELU_BETA))})
         if moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
         if cfg.sandwich_norms:
@@ -460,7 +477,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
-    if cfg.qk_norm:                                       # per head, over head_dim (the weight's dim)
+    if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
         theta, scaling = cfg.local_rope_theta, None
@@ -469,6 +486,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if pos is not None:
         q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
         k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
+    if cfg.qk_norm_after_rotary:                          # (Hunyuan)
+        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache = True, kv_cache.active()
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
@@ -507,6 +526,8 @@ def _mlp(p: dict, h: Named, cfg: Config) -> Named:
         up = up + m["up_bias"]
     if cfg.mlp_gated:
         act = _GATES[cfg.mlp_act](ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"]), up)
+    elif cfg.mlp_act == "xielu":                          # Apertus: its two scalars per layer
+        act = ops.xielu(up, m["act_alpha_p"], m["act_alpha_n"], beta=XIELU_BETA, eps=XIELU_EPS)
     else:                                                 # Phi-1/2: down(act(up(x)))
         act = _ACTS[cfg.mlp_act](up)
     out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
@@ -630,7 +651,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
         if not moe.is_moe_layer(cfg, i):
             return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
-                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp else 0))
+                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
-from functional_pp.models.llama import Config
+from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 
 __all__ = [
@@ -88,6 +88,9 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     # biases (Phi-1/2): of the MLP's projections, of LayerNorms, of the LM head
     ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_bias", "copy"),
     ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_bias", "copy"),
+    # xIELU's two scalars (Apertus; HF [1], ours without dimensions)
+    ("model.layers.{i}.mlp.act_fn.alpha_p", "layers.{i}.mlp.act_alpha_p", "scalar"),
+    ("model.layers.{i}.mlp.act_fn.alpha_n", "layers.{i}.mlp.act_alpha_n", "scalar"),
     ("model.layers.{i}.input_layernorm.bias", "layers.{i}.input_layernorm_bias", "copy"),
     ("model.layers.{i}.post_attention_layernorm.bias", "layers.{i}.post_attention_layernorm_bias", "copy"),
     ("model.norm.bias", "norm_bias", "copy"),
@@ -107,6 +110,22 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("lm_head.weight", "lm_head", "linear"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
+
+CONSTANTS: dict[str, tuple[tuple[str, float], ...]] = {
+    "mlp.act_alpha_p": (("act_fn.beta", XIELU_BETA), ("act_fn.eps", XIELU_EPS))}
+"""HF tensors that hold constants beside a parameter (xIELU's ``beta`` and ``eps`` buffers, saved
+with its scalars): our path suffix -> (HF name beside the parameter's, value); export writes
+them, import checks them (:func:`constants_of`)."""
+
+
+def constants_of(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[tuple[str, float], ...]:
+    """The ``(HF name, value)`` of the constant tensors the files hold beside our parameter ``path``."""
+    for suffix, consts in CONSTANTS.items():
+        if path.endswith("." + suffix):
+            base = renamed(path, model_type, cfg).rsplit(".", 1)[0].rsplit(".", 1)[0]
+            return tuple((f"{base}.{name}", value) for name, value in consts)
+    return ()
+
 
 IGNORED_HF: tuple[str, ...] = (r"model\.rotary_emb\.inv_freq",
                                 r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -157,14 +176,23 @@ FUSED["gpt_neox"] = tuple(                   # (names after RENAMED: the layers 
 FUSED["granitemoe"] = (("model.layers.{i}.block_sparse_moe.input_linear.weight",
                         ("model.layers.{i}.block_sparse_moe.experts.gate_proj.weight",
                          "model.layers.{i}.block_sparse_moe.experts.up_proj.weight")),)
+FUSED["granitemoeshared"] = FUSED["granitemoe"] + (("model.layers.{i}.shared_mlp.input_linear.weight",
+                                                    ("model.layers.{i}.shared_mlp.gate_proj.weight",
+                                                     "model.layers.{i}.shared_mlp.up_proj.weight")),)
+FUSED["falcon"] = tuple(                     # (names after RENAMED: the layers under transformer.h.)
+    (f"transformer.h.{{i}}.self_attention.query_key_value.{t}",
+     tuple(f"transformer.h.{{i}}.self_attention.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
-HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox"})
+HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
 _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
-"""Model types whose fused tensors hold their parts head by head (GPT-NeoX's ``query_key_value``:
-the rows of head n are its q, then its k, then its v) rather than part after part."""
+_KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
+"""Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
+``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
+sharing a k/v head, then that k, then that v) rather than part after part."""
 
 
 # Mixtral names its MoE MLP ``block_sparse_moe`` and the experts' projections w1 / w3 / w2
@@ -186,29 +214,44 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                  (r"\.self_attn\.o_proj\.", ".attention.dense."), (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."),
                  (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."), (r"^model\.norm\.", "gpt_neox.final_layer_norm."),
                  (r"^lm_head\.weight$", "embed_out.weight")),
+    # Apertus: the norms before attention and the MLP are attention_ / feedforward_layernorm
+    "apertus": ((r"\.input_layernorm\.", ".attention_layernorm."),
+                (r"\.post_attention_layernorm\.", ".feedforward_layernorm.")),
+    # Hunyuan: the q/k norms are query_ / key_layernorm
+    "hunyuan_v1_dense": ((r"\.self_attn\.q_norm\.", ".self_attn.query_layernorm."),
+                         (r"\.self_attn\.k_norm\.", ".self_attn.key_layernorm.")),
+    # Falcon: transformer.h.{i}, self_attention (dense), dense_h_to_4h / dense_4h_to_h, word_embeddings, ln_f
+    "falcon": ((r"^model\.embed_tokens\.", "transformer.word_embeddings."), (r"^model\.layers\.", "transformer.h."),
+               (r"\.self_attn\.o_proj\.", ".self_attention.dense."), (r"\.self_attn\.", ".self_attention."),
+               (r"\.mlp\.up_proj\.", ".mlp.dense_h_to_4h."), (r"\.mlp\.down_proj\.", ".mlp.dense_4h_to_h."),
+               (r"^model\.norm\.", "transformer.ln_f.")),
     "mixtral": ((r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
                 (r"\.mlp\.experts\.gate_proj\.weight$", ".block_sparse_moe.experts.w1.weight"),
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
+RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
+    (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
-def renamed(path: str, model_type: str = "llama") -> str | None:
+def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None:
     """The HF tensor name of our tree path in the files of ``model_type``, before any fusing
-    (:data:`RENAMED`: Mixtral's ``block_sparse_moe``, Phi's ``dense``, GPT-NeoX's ``gpt_neox.``)."""
+    (:data:`RENAMED`: Mixtral's ``block_sparse_moe``, Phi's ``dense``, GPT-NeoX's ``gpt_neox.``;
+    with ``cfg``, the renames that depend on it, ``Switches.renames``)."""
     name = hf_name(path)
     if name is None:
         return None
-    for pattern, repl in RENAMED.get(model_type, ()):
+    more = SWITCHES[model_type].renames if model_type in SWITCHES else None
+    for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
     return name
 
 
-def file_name(path: str, model_type: str = "llama") -> tuple[str, int] | None:
+def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
     """``(HF tensor name in the files of model_type, part)`` of our tree path: the part's index
     along the rows of a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``), else 0."""
-    name = renamed(path, model_type)
+    name = renamed(path, model_type, cfg)
     if name is None:
         return None
     for fused, parts in _FUSED.get(model_type, ()):
@@ -328,6 +371,17 @@ class _ExpertsTensor(_ExpertsLinear):   # the same, one tensor for all the exper
     stacked = False
 
 
+class _Scalar(_Kind):                  # ours [] = HF [1] (xIELU's scalars)
+    def hf_shape(self, shape):
+        return (1,)
+
+    def to_hf(self, t):
+        return t.reshape(1)
+
+    def read(self, sl, region, shape):
+        return sl[0:1].reshape(())
+
+
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
     def hf_shape(self, shape):
         return (1, shape[0])
@@ -341,7 +395,7 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "experts_tensor": _ExpertsTensor(), "row": _Row()}
+                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -378,6 +432,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
+                                 "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
@@ -408,10 +463,19 @@ _GEMMA = ("gemma2", "gemma3_text")
 
 # the mixtures of experts: each is its dense family's decoder with the MLP of models/moe.py
 MOE_BASE: dict[str, str] = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "granitemoe": "granite"}
-_TOPK_RENORMED = ("mixtral", "granitemoe")      # top-k weights renormalised, every layer, experts of ``mlp``
+MOE_BASE["granitemoeshared"] = "granite"       # (Granite MoE with a shared expert, added without a gate)
+MOE_BASE["olmoe"] = "llama"                    # (OLMoE: Llama's layers with q/k norms over every head)
+_TOPK_RENORMED = ("mixtral", "granitemoe", "granitemoeshared")      # top-k weights renormalised, every layer, experts of ``mlp``
+_EVERY_LAYER = (*_TOPK_RENORMED, "olmoe")      # experts in every layer, of the intermediate size ``mlp``
+# the attention switches a mixture of experts has beyond its dense family's
+_MOE_ATTENTION: dict[str, dict[str, Any]] = {"olmoe": dict(qk_norm=True, qk_norm_heads=True)}
 # their config classes' defaults where they differ from the dense family's
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+    "olmoe": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, router_aux_loss_coef=0.01),
+    "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+                             shared_intermediate_size=0),
     "mixtral": dict(sliding_window=None, max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
                     num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -421,7 +485,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _DENSE_MOE = dict(experts=0, moe_mlp=None, norm_topk_prob=False, router_score="softmax", router_aux_loss_coef=0.0,
                   router_z_loss_coef=0.0, capacity_factor=None,
-                  shared_expert_mlp=0, moe_layers=None)
+                  shared_expert_mlp=0, moe_layers=None, shared_expert_gate=True)
 
 
 def _class_defaults(mt: str) -> dict[str, Any]:
@@ -452,6 +516,9 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     for key in ("max_position_embeddings", "rms_norm_eps"):
         if hf.get(key) is None and key in d:
             dense[key] = d[key]
+    if hf.get("clip_qkv") is not None:
+        raise UnsupportedHFConfig(f"{where}: clip_qkv={hf['clip_qkv']!r} is not supported (q, k and v clamped; "
+                                  f"only clip_qkv=null)")
     if mt == "qwen2_moe" and hf.get("qkv_bias") is False:
         raise UnsupportedHFConfig(f"{where}: qkv_bias=False is not supported (Qwen2-MoE has q/k/v biases)")
     cfg = config_from_hf_dict(dense)
@@ -460,17 +527,18 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     experts = int(get("num_local_experts") if mt in _TOPK_RENORMED else
                   hf.get("num_experts") or hf.get("num_local_experts") or d["num_experts"])
     moe_layers = None
-    if mt not in _TOPK_RENORMED:
+    if mt not in _EVERY_LAYER:
         step, dense_only = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
         chosen = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
         moe_layers = None if len(chosen) == layers else chosen
     return dataclasses.replace(
         cfg, model_type=mt, experts=experts, experts_top_k=int(get("num_experts_per_tok")),
-        moe_mlp=None if mt in _TOPK_RENORMED else int(get("moe_intermediate_size")),
+        moe_mlp=None if mt in _EVERY_LAYER else int(get("moe_intermediate_size")),
         norm_topk_prob=True if mt in _TOPK_RENORMED else bool(get("norm_topk_prob")),
         router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
-        shared_expert_mlp=int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else 0,
-        moe_layers=moe_layers)
+        shared_expert_mlp=(int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else
+                           int(get("shared_intermediate_size")) if mt == "granitemoeshared" else 0),
+        shared_expert_gate=mt != "granitemoeshared", moe_layers=moe_layers, **_MOE_ATTENTION.get(mt, {}))
 
 
 def config_from_hf_dict(hf: dict) -> Config:
@@ -650,16 +718,20 @@ def _check_moe_exportable(cfg: Config) -> Config:
             raise UnsupportedHFConfig(f"{where}: experts={cfg.experts} has no {ARCHITECTURES.get(mt, mt)} equivalent "
                                       f"(it needs experts=0); choose model_type mixtral, qwen3_moe or qwen2_moe")
         return cfg
-    need = dict(router_score="softmax", shared_expert_mlp=cfg.shared_expert_mlp if mt == "qwen2_moe" else 0)
+    need = dict(router_score="softmax", shared_expert_gate=mt != "granitemoeshared",
+                shared_expert_mlp=cfg.shared_expert_mlp if mt in ("qwen2_moe", "granitemoeshared") else 0)
     if mt in _TOPK_RENORMED:
         need.update(norm_topk_prob=True, moe_layers=None, moe_mlp=None)
+    if mt in _EVERY_LAYER:
+        need.update(moe_layers=None, moe_mlp=None, **_MOE_ATTENTION.get(mt, {}))
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {ARCHITECTURES[mt]} "
                                       f"equivalent (it needs {want!r}); choose another model_type")
     if not cfg.experts:
         raise UnsupportedHFConfig(f"{where}: experts=0 is a dense model; export it as {MOE_BASE[mt]!r}")
-    return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE)
+    base = {k: getattr(Config(), k) for k in _MOE_ATTENTION.get(mt, {})}     # (the dense family's attention)
+    return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE, **base)
 
 
 def check_exportable(cfg: Config) -> None:
@@ -787,6 +859,11 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
                router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=bool(cfg.router_aux_loss_coef))
     if mt in _TOPK_RENORMED:
         out.update(num_local_experts=cfg.experts, router_jitter_noise=0.0)
+        if mt == "granitemoeshared":
+            out["shared_intermediate_size"] = cfg.shared_expert_mlp
+        return out
+    if mt == "olmoe":
+        out.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
         return out
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]
     out.update(num_experts=cfg.experts, num_local_experts=cfg.experts, moe_intermediate_size=cfg.moe_mlp or cfg.mlp,

@@ -43,7 +43,8 @@ def init_mlp(cfg, w: Callable, out_std: float) -> dict:
         S = cfg.shared_expert_mlp
         p["shared_expert"] = {"gate_proj": w((H, S), "hidden mlp"), "up_proj": w((H, S), "hidden mlp"),
                               "down_proj": w((S, H), "mlp hidden", out_std)}
-        p["shared_expert_gate"] = w((H,), "hidden")
+        if cfg.shared_expert_gate:
+            p["shared_expert_gate"] = w((H,), "hidden")
     return p
 
 
@@ -60,6 +61,8 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
         gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["gate_proj"])
         up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["up_proj"])
         shared = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), s["down_proj"])
+        if "shared_expert_gate" not in m:                   # DeepSeek-V3, GLM-4.5: added as it is
+            return out + shared
         g = ops.einsum("batch seq hidden, hidden -> batch seq", h, m["shared_expert_gate"])
         sigmoid = (ops.tanh(g * 0.5) + 1.0) * 0.5             # sigmoid(g), exactly as the identity
         out = out + shared * sigmoid

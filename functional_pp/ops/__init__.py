@@ -3,7 +3,8 @@ from functional_pp.ops import quantized as _quantized  # noqa: F401  (registers 
 from functional_pp.ops.attention import attention, positions
 from functional_pp.ops.dropout import dropout
 from functional_pp.ops.einsum import einsum
-from functional_pp.ops.elementwise import add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where
+from functional_pp.ops.elementwise import (add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where,
+                                          xielu)
 from functional_pp.ops.embedding import embed
 from functional_pp.ops.indexing import concat, cumsum, slice_dim, take, unbind
 from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy, token_log_probs
@@ -21,4 +22,4 @@ __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp"
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "min", "softmax", "sum", "rotary",
            "Llama3Scaling", "LongRopeScaling", "LinearScaling", "YarnScaling", "inverse_frequencies", "rename",
            "split_dim", "merge_dims", "rearrange",
-           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized"]
+           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized", "xielu"]

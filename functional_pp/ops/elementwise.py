@@ -169,6 +169,20 @@ def gelu(x: Named, approximate: str = "none") -> Named:
     return x.map(lambda t: torch.nn.functional.gelu(t, approximate=approximate))
 
 
+def xielu(x: Named, alpha_p: Named, alpha_n: Named, beta: float = 0.5, eps: float = -1e-6) -> Named:
+    """xIELU (Huang et al. 2024, Apertus' MLP activation) with its two trainable scalars:
+    ``a_p x^2 + beta x`` where ``x > 0``, else ``a_n (expm1(min(x, eps)) - x) + beta x``, with
+    ``a_p = softplus(alpha_p)`` and ``a_n = beta + softplus(alpha_n)`` (transformers'
+    ``XIELUActivation``). ``alpha_p`` / ``alpha_n`` are named arrays without dimensions; under
+    a layout splitting ``x`` their gradients are summed over the devices like any replicated
+    parameter's."""
+    def fn(t: torch.Tensor, ap: torch.Tensor, an: torch.Tensor) -> torch.Tensor:
+        ap = torch.nn.functional.softplus(ap)
+        an = beta + torch.nn.functional.softplus(an)
+        return torch.where(t > 0, ap * t * t + beta * t, (torch.expm1(torch.clamp(t, max=eps)) - t) * an + beta * t)
+    return broadcast(fn, [x, alpha_p, alpha_n], "xielu")
+
+
 def _attach_operators(cls: type) -> None:
     """Give the named value type its arithmetic operators. They live here, in the ops layer
     that defines them, so that ``named`` does not import upwards (docs/architecture.md)."""

@@ -17,7 +17,10 @@ from functional_pp.compile.recompute import regather_region
 from functional_pp.core.layout import Layout
 from functional_pp.core.observers import saved_for_backward
 from functional_pp.core.order import from_balanced
+from functional_pp.core.saved_hooks import pack_other, unpack_other
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel.fsdp_units import keeps_gathered
 from functional_pp.parallel.named import Named, _make, current_policy
 from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 
@@ -34,9 +37,11 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
 
 
 def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
-    tagged = x.is_param and not current_policy().keep_gathered
+    tagged = x.is_param and not keeps_gathered(current_policy())
     done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
     out = done.value
+    if x.is_param and done.gathers and not x.tied:
+        param_uses.record(x.data)            # gathered at several sites: tied from the next forward
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
             and out.data.requires_grad and not done.sliced):
         out = _make(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
@@ -67,14 +72,14 @@ def _hooks(recipes) -> Iterator[None]:
             return ("fpp-regather", shard.detach(), axes, dim, order, tuple(t.shape), t.stride(),
                     t.storage_offset())
         saved_for_backward(t)
-        return t
+        return pack_other(t)              # (activation offloading, core/saved_hooks.py)
 
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-regather":
             _, shard, axes, dim, order, shape, stride, offset = p
             full = from_balanced(raw_all_gather(shard, axes, dim), dim, order)
             return full.as_strided(shape, stride, offset)
-        return p
+        return unpack_other(p)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -86,6 +91,6 @@ _NOTHING = nullcontext()
 def regather_scope(operands: Sequence[Named]):
     """Context for computing with ``operands``: gathered weights among them are not saved."""
     recipes = [(x.data, x.gathered_from) for x in operands if isinstance(x, Named) and x.gathered_from]
-    if not recipes or current_policy().keep_gathered or is_tracing() or not torch.is_grad_enabled():
+    if not recipes or keeps_gathered(current_policy()) or is_tracing() or not torch.is_grad_enabled():
         return _NOTHING
     return _hooks(recipes)

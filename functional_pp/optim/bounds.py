@@ -142,7 +142,7 @@ def bound_norm(bound: UpdateBound, state: Any, params: Any, grad_norm: torch.Ten
     terms = bound.terms(state, params)
     if terms and terms[0]:
         per_kind = [sq_sums([ts[k] for ts in terms]) for k in range(len(terms[0]))]
-        joint = [sum(sums[1:], sums[0]) for sums in zip(*per_kind)]
+        joint = functools.reduce(_add_each, per_kind)
     else:
         joint = [torch.zeros((), dtype=grad_norm.dtype, device=grad_norm.device) for _ in tree_leaves(params)]
     joint = _unless_params_finite(bound, joint, params, params_finite)
@@ -159,7 +159,17 @@ def _unless_params_finite(bound: UpdateBound, joint: list[torch.Tensor], params:
         return joint
     flag = params_finite(tree_leaves(params)) if flag is None else flag
     penalty = torch.where(flag.to(joint[0].device), 0.0, math.inf).to(joint[0].dtype)
-    return [s + penalty for s in joint]
+    return _add_each(joint, penalty)
+
+
+def _add_each(xs: list[torch.Tensor], y) -> list[torch.Tensor]:
+    """``[x + y_i for ...]`` (``y`` a list or one tensor): eager, one foreach op instead of one
+    launch per leaf; traced, the elementwise form (the compiler fuses it; dynamo makes a
+    0-dim tensor operand of a foreach op an unbacked scalar)."""
+    ys = y if isinstance(y, list) else [y] * len(xs)     # (a list: a tensor operand would be read on the host)
+    if is_tracing():
+        return [a + b for a, b in zip(xs, ys)]
+    return list(torch._foreach_add(xs, ys))
 
 
 def limit(leaves: list[torch.Tensor]) -> float:

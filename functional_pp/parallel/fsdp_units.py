@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import optree
 import torch
@@ -30,6 +30,8 @@ from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.compile.recompute import regather_region, traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread
+from functional_pp.core.saved_hooks import pack_other, unpack_other
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.buckets import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
@@ -58,16 +60,25 @@ class UnitsSeen:
 
 @contextmanager
 def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
-               order: UnitOrder | None = None) -> Iterator[UnitsSeen]:
+               order: UnitOrder | None = None, provisional_root: bool = False,
+               data_dims: Iterable[str] | None = None) -> Iterator[UnitsSeen]:
     """Gather each layer's parameters as one unit inside the block (see the module docstring).
     ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
-    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root).
-    ``prefetch``: launch the next unit's gather before the current one computes, in backward
-    and, with an ``order`` recorded by earlier forwards (:func:`begin_forward`), in forward."""
+    gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root);
+    ``provisional_root``: only from the forward's first layer call on (a step that does not
+    know yet whether the model calls layers: without any, every weight is re-gathered in
+    backward, ZeRO-3, from the first step). ``prefetch``: launch the next unit's gather
+    before the current one computes, in backward and, with an ``order`` recorded by earlier
+    forwards (:func:`begin_forward`), in forward. ``data_dims``: the dimension names of the
+    step's batch (default ``batch``, ``seq``): the mesh axes the rules split them over are
+    the data-parallel axes, whatever the model calls its dimensions."""
     previous = (getattr(_local, "enabled", False), getattr(_local, "root_policy", None),
                 getattr(_local, "prefetch", True), getattr(_local, "order", None),
-                getattr(_local, "seen", None))
+                getattr(_local, "seen", None), getattr(_local, "provisional_root", False),
+                getattr(_local, "data_dims", None))
     _local.enabled, _local.prefetch, _local.order = enabled, prefetch, order
+    _local.provisional_root = provisional_root
+    _local.data_dims = tuple(data_dims) if data_dims is not None else None
     _local.seen = seen = UnitsSeen()
     _local.last_unit, _local.in_flight = None, []
     _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
@@ -86,7 +97,8 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
         _drop_prefetch()
         _local.params = _local.index = None          # keep no parameters alive between steps
         _local.in_flight = []                        # (reduce-scatters are waited for by their gradients)
-        _local.enabled, _local.root_policy, _local.prefetch, _local.order, _local.seen = previous
+        (_local.enabled, _local.root_policy, _local.prefetch, _local.order, _local.seen,
+         _local.provisional_root, _local.data_dims) = previous
 
 
 def begin_forward(params: Any) -> None:
@@ -126,9 +138,23 @@ def _keep_gathered() -> bool:
     return policy.keep_gathered and policy is not getattr(_local, "root_policy", None)
 
 
+def keeps_gathered(policy) -> bool:
+    """Whether the ``policy`` in force keeps a weight gathered from forward to backward: its
+    ``keep_gathered``, except a provisional root's before the forward's first layer call
+    (:func:`fsdp_units`), whose weights are re-gathered in backward (ZeRO-3)."""
+    if not policy.keep_gathered:
+        return False
+    if policy is getattr(_local, "root_policy", None) and getattr(_local, "provisional_root", False):
+        return _local.seen.layered
+    return True
+
+
 def _data_axes() -> tuple[set[str], Any, Any]:
+    """The data-parallel mesh axes (of size > 1): those the rules split the batch's dimensions
+    over (the step's ``batch_dims``; ``batch`` and ``seq`` outside a step)."""
     mesh, rules = env()
-    axes = {a for d in ("batch", "seq") for a in rules[d] if mesh.shape.get(a, 1) > 1}
+    names = getattr(_local, "data_dims", None) or ("batch", "seq")
+    axes = {a for d in names for a in rules[d] if mesh.shape.get(a, 1) > 1}
     return axes, mesh, rules
 
 
@@ -349,13 +375,13 @@ def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[N
         if hit is not None and hit[0]() is root(t):
             _, unit, i = hit
             return ("fpp-unit", unit, i, tuple(t.shape), t.stride(), t.storage_offset())
-        return t
+        return pack_other(t)              # (activation offloading, core/saved_hooks.py)
 
     def unpack(p):
         if isinstance(p, tuple) and p[0] == "fpp-unit":
             _, unit, i, shape, stride, offset = p
             return unit.regather()[i].as_strided(shape, stride, offset)
-        return p
+        return unpack_other(p)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -387,12 +413,14 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
     the context to run the layer in (re-gather hooks). In a step's forward the next unit's
     gather is launched before this one computes (forward prefetch, :func:`begin_forward`).
     Unchanged outside :func:`fsdp_units`."""
-    if not getattr(_local, "enabled", False) or not torch.is_grad_enabled():
+    if not getattr(_local, "enabled", False):
         return args, nullcontext()
-    tracing = is_tracing()
     seen = getattr(_local, "seen", None)
     if seen is not None:
         seen.layered = True
+    if not torch.is_grad_enabled():
+        return args, nullcontext()
+    tracing = is_tracing()
     data_axes, mesh, rules = _data_axes()
     if not data_axes:          # nothing is data-parallel: no parameter to gather (one device)
         return args, nullcontext()
@@ -409,6 +437,7 @@ def gather_unit(args: tuple) -> tuple[tuple, Any]:
         d, k = plan
         axes = x.split[d][k:]
         source = x.data
+        param_uses.record(source)
         # the gradient's sums over the other axes (HSDP's replicate, SP's tp) run on the shard
         x = pvary(x, meets - set(x.vary))
         groups.setdefault((axes, x.data.dtype, x.data.requires_grad), []).append((i, x, d, k, source))

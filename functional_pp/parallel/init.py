@@ -95,6 +95,8 @@ def init_block(decl: Param, path: str, seed: int, slices: tuple[slice, ...],
         return torch.zeros(shape, dtype=decl.dtype, device=device)
     if decl.init == "ones":
         return torch.ones(shape, dtype=decl.dtype, device=device)
+    if decl.init == "constant":
+        return torch.full(shape, decl.scale, dtype=decl.dtype, device=device)
     if any(n == 0 for n in shape):
         return torch.empty(shape, dtype=decl.dtype, device=device)
     check_mt19937_state_layout()

@@ -27,7 +27,9 @@ class Cluster:
     (None: the device has no FP8 matmuls); ``float8_efficiency``: the fraction of it Float8
     matmuls reach (``cost(..., float8=True)``). ``async_tp_overlap``: the fraction of the
     tensor-parallel activation collectives asynchronous TP hides under compute
-    (``cost(..., async_tp=True)``)."""
+    (``cost(..., async_tp=True)``). ``host_bandwidth``: bytes/s one device copies to or from
+    pinned host memory; ``host_memory_bandwidth``: what an update on the host reaches per device
+    (offload_params, activation_offloading; docs/memory.md)."""
     name: str
     devices_per_node: int
     intra_bandwidth: float
@@ -45,6 +47,8 @@ class Cluster:
     peak_fp8_flops: float | None = None
     float8_efficiency: float = 0.56
     async_tp_overlap: float = 0.0
+    host_bandwidth: float = 25e9        # bytes/s between one device and pinned host memory, each way (PCIe)
+    host_memory_bandwidth: float = 50e9  # bytes/s of host memory one device's offloaded update reaches
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
     about: str = field(default="", hash=False, compare=False)     # what the preset is, in words
 

@@ -52,6 +52,7 @@ class LayoutEstimate:
     rank: int = 0                    # the device that ran (the busiest when work is uneven)
     pipeline: Any = None             # a plan.pipeline.PipelinePlan when the mesh has pp > 1 (runs: one micro-batch)
     micro_steps: tuple | None = None  # (G, 2, 3): runs of 2 and 3 micro-steps stand for G (see MICRO_RUNS)
+    host_bytes: int = 0              # host memory per device at its peak (offload_params, activation_offloading)
 
     @property
     def comm_bytes(self) -> int:
@@ -82,7 +83,7 @@ class LayoutEstimate:
         """The numbers of one table row (JSON-ready)."""
         row = {"layout": self.describe(), "mesh": dict(self.mesh.shape), "rules": _rules_dict(self.rules),
                "settings": {k: v for k, v in self.settings.items()}, "comm_GB": self.comm_bytes / 1e9,
-               "peak_GB": self.peak_bytes / 1e9, "state_GB": self.state_bytes / 1e9,
+               "peak_GB": self.peak_bytes / 1e9, "host_GB": self.host_bytes / 1e9, "state_GB": self.state_bytes / 1e9,
                "activations_GB": self.activation_bytes / 1e9,
                "memory_GB": {k: v / 1e9 for k, v in self.memory.items()}, "tflops": self.flops / 1e12,
                "comm_s": self.comm_time_s}
@@ -171,6 +172,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     remat = options.pop("remat", remat)
     remat = remat if remat == "selective" else bool(remat)
     check_remat(remat)
+    offload = (bool(options.pop("offload_params", False)), bool(options.pop("activation_offloading", False)))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
     unknown = sorted(set(options) - {"keep_gathered", "cp_attention", "regather_activations"})
     if unknown:
@@ -180,7 +182,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
                     keep_gathered=bool(options.get("keep_gathered", False)),
                     regather_activations=bool(options.get("regather_activations", False)),
                     cp_attention=options.get("cp_attention", "ring") if mesh.shape.get("cp", 1) > 1 else None,
-                    label=label)
+                    offload_params=offload[0], activation_offloading=offload[1], label=label)
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     n_layers = len(layers_list) if isinstance(layers_list, list) else 1
     if n_layers > 2:
@@ -220,8 +222,29 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         peak_bytes=ext(lambda r: r[0].peak_bytes),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro)
+    if any(offload):
+        _offloaded(est, offload, weights if precision == "fp32" else 0, ext)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
+
+
+def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int, ext) -> None:
+    """The device's and the host's peaks of a step with ``levers`` (offload_params,
+    activation_offloading) pulled, from the same run (plan/tracker.py ``split``): with
+    ``offload_params`` the master shards, optimizer state, update and gradients (once backward is
+    done) are on the host, and the step's device copies of the shards added (``shard_copies``:
+    fp32 steps copy them as they are; a 16-bit step's cast copies are already counted);
+    with ``activation_offloading`` the saved activations are on the host, but those of the layer
+    computing (made in forward, brought back in backward; docs/memory.md)."""
+    device = ext(lambda r: r[0].offload_peaks[levers][0]) + (shard_copies if levers[0] else 0)
+    host = ext(lambda r: r[0].offload_peaks[levers][1])
+    est.peak_bytes, est.host_bytes = device, host
+    moved = (("weights", "optimizer state", "update temporaries") if levers[0] else ()) + \
+        (("activations",) if levers[1] else ())
+    est.memory = {k: v for k, v in est.memory.items() if k not in moved}
+    est.notes.append("offloaded to the host: " + ", ".join(
+        n for n, on in zip(("parameters, gradients and optimizer state (offload_params)",
+                            "saved activations (activation_offloading)"), levers) if on))
 
 
 def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, kw: dict, micro: int,

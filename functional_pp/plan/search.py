@@ -61,6 +61,8 @@ class Space:
     virtual_stages: Sequence[int] = (2,)             # model chunks per device of interleaved_1f1b
     micro_batches: Sequence[int] | None = None       # per pipeline step; None: as many as stages (torchtitan's default)
     ep: Sequence[int] = (1,)                         # expert-parallel sizes (an ep axis, experts="ep"; MoE models)
+    offload_params: Sequence[bool] = (False,)        # parameters, gradients, optimizer state on the host (FSDP)
+    activation_offloading: Sequence[bool] = (False,)  # saved activations on the host
     micro_batch_sizes: Sequence[int] | str | None = None   # sequences per data-parallel rank per micro-step at the
     # global batch searched (gradient accumulation makes up the rest; a pipeline's micro-batches); "all": every
     # size that divides a layout's local batch; None: ``grad_accum`` (and ``micro_batches``) as given
@@ -167,13 +169,14 @@ def candidates(n_devices: int, space: Space, cl: Cluster, rows: int | None = Non
                                         space.cp_attention if cp else ("ring",),
                                         space.keep_gathered if fsdp else (False,), space.remat,
                                         _accumulations(mesh, space, rows), _orders(mesh, space.orders, cl),
-                                        _pipelines(mesh, space))
-            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual) in choices:
+                                        _pipelines(mesh, space), space.offload_params, space.activation_offloading)
+            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual), off, act_off in choices:
                 if regather and not sp:
                     continue
                 label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
                 opts = ((("cp_attention", cpa),) if cp else ()) + ((("keep_gathered", True),) if keep else ()) \
-                    + ((("regather_activations", True),) if regather else ())
+                    + ((("regather_activations", True),) if regather else ()) \
+                    + ((("offload_params", True),) if off else ()) + ((("activation_offloading", True),) if act_off else ())
                 rules = standard_rules(fsdp, sp, pp=s.get("pp", 1) > 1, ep=s.get("ep", 1) > 1)
                 c = Candidate(ordered, rules, label, opts, space.precision, ga, remat, schedule, virtual)
                 if hash(c) not in seen:

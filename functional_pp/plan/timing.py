@@ -221,6 +221,10 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         by_coll[f"pp permute ({link[0]})"] = p2p
     exposed += once
     update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
+    offloaded, update = host_copies(est, cl, update)
+    if offloaded:
+        exposed += offloaded
+        by_coll["host copies (offload)"] = offloaded
     step = compute + exposed + bubble + update
     mfu = 3 * model_flops / (step * cl.peak_flops) if step > 0 else 0.0
     per_layer = {}
@@ -231,6 +235,22 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
             per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8,
                                        activation_sums=activation_sums)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
+
+
+def host_copies(est, cl: Cluster, update: float) -> tuple[float, float]:
+    """(seconds of host copies on the critical path, the update's seconds) of ``est``'s
+    offload levers (docs/memory.md): ``offload_params`` copies the fp32 shards to the device and
+    the gradients back (in the compute precision) each step, and updates on the host;
+    ``activation_offloading`` copies the saved activations out in forward on a side stream
+    (hidden) and back in backward when needed (not prefetched: on the critical path)."""
+    seconds = 0.0
+    if est.settings.get("offload_params"):
+        grad_bytes = est.param_bytes * (1 if est.settings.get("precision", "fp32") == "fp32" else 0.5)
+        seconds += (est.param_bytes + grad_bytes) / cl.host_bandwidth
+        update = 3 * est.state_bytes / cl.host_memory_bandwidth
+    if est.settings.get("activation_offloading"):
+        seconds += est.activation_bytes / cl.host_bandwidth
+    return seconds, update
 
 
 FITTED = ("compute_efficiency", "intra_bandwidth", "inter_bandwidth")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from functional_pp._torch import TorchDispatchMode, in_backward, tree_flatten
+from functional_pp._torch import TorchDispatchMode, in_backward
+from functional_pp._torch.meta_cache import call_meta
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_uneven_work
 from functional_pp.core.runtime import per_thread
@@ -94,6 +95,9 @@ class DeviceRun:
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
+    # per memory lever (offload_params, activation_offloading): the device's and the host's peaks
+    # with what the lever keeps on the host counted there (:meth:`MemoryTracker.split`)
+    offload_peaks: dict = field(default_factory=dict)
     uneven: dict[str, dict] = field(default_factory=dict)    # what -> busiest coordinates (observers.uneven_work)
 
     @property
@@ -103,6 +107,32 @@ class DeviceRun:
 
 
 _active = per_thread("plan.tracker")
+#: the (offload_params, activation_offloading) settings whose peaks a run records
+OFFLOAD_LEVERS = ((True, False), (False, True), (True, True))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an ATen op's arguments or results (tuples, lists, dicts of them), in
+    order: what torch's pytree flattening gives here, without its per-leaf type checks."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list = []
+    if isinstance(value, dict):
+        _collect(value.values(), found)
+    elif isinstance(value, (tuple, list)):
+        _collect(value, found)
+    return found
+
+
+def _collect(items, found: list) -> None:
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            if v and not isinstance(v[0], (int, float)):      # (a shape or a scalar list: no tensors)
+                _collect(v, found)
+        elif isinstance(v, dict):
+            _collect(v.values(), found)
 
 
 @on_saved_for_backward
@@ -159,6 +189,7 @@ class MemoryTracker(TorchDispatchMode):
         self._region_layer: dict = {}      # checkpointed region -> the layer it ran in forward
         self._outer_regions: list = []
         self.recomputing = False
+        self._activations_by_layer: dict = {}
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -200,8 +231,16 @@ class MemoryTracker(TorchDispatchMode):
 
     def _move(self, alloc: _Alloc, category: str) -> None:
         self._totals[alloc.category] -= alloc.nbytes
+        self._count_activation(alloc, -1)
         alloc.category = category
         self._totals[category] += alloc.nbytes
+        self._count_activation(alloc, 1)
+
+    def _count_activation(self, alloc: _Alloc, sign: int) -> None:
+        """Keep the saved activations per layer (what activation offloading leaves on the
+        device: the layer computing, :meth:`split`)."""
+        if alloc.category == "activations":
+            self._activations_by_layer[alloc.layer] = self._activations_by_layer.get(alloc.layer, 0) + sign * alloc.nbytes
 
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -213,14 +252,14 @@ class MemoryTracker(TorchDispatchMode):
             self.phase, self._seen_backward = "backward", True
         elif self._seen_backward and self.phase == "backward":
             self.phase = "update"
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         in_allocs = [self._live.get(id(a.untyped_storage())) for a in inputs]
         if backward and not self.recomputing:     # recomputation keeps its region's layer
             layers = [a.layer for a in in_allocs
                       if a is not None and (a.phase == "forward" or a.recomputed) and a.layer is not None]
             if layers:
                 self.layer = max(layers)
-        out = func(*args, **kwargs)
+        out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if not self._count_flops(func, args, out):
             self._count_traffic(func, name, inputs, out)
@@ -229,9 +268,8 @@ class MemoryTracker(TorchDispatchMode):
             for a, al in zip(inputs, in_allocs))
         if self._report is not None and len(self._report.events) > self._n_events:
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._allocate(t, name, derived, func, inputs)
+        for t in _tensors(out):
+            self._allocate(t, name, derived, func, inputs)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
             self.mark_logits(args[0])
             self.mark_logits(out)
@@ -274,10 +312,29 @@ class MemoryTracker(TorchDispatchMode):
         self._totals[category] += nbytes
         self._current += nbytes
         weakref.finalize(storage, self._free, key)
+        for levers in OFFLOAD_LEVERS:
+            device, host = self.split(*levers)
+            was = self.run.offload_peaks.get(levers, (0, 0))
+            self.run.offload_peaks[levers] = (max(was[0], device), max(was[1], host))
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
             self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    def split(self, params: bool, activations: bool) -> tuple[int, int]:
+        """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer
+        state on the host, the update and, once it starts, the gradients too) and/or
+        ``activations`` (tensors saved for backward on the host, but those of the layer
+        computing; docs/memory.md)."""
+        t = self._totals
+        host = 0
+        if params:
+            host += t["weights"] + t["optimizer state"] + t["update temporaries"]
+            if self.phase == "update":
+                host += t["gradients and backward temporaries"]
+        if activations:      # but the layer computing: its saved tensors are made or brought back now
+            host += t["activations"] - self._activations_by_layer.get(self.layer, 0)
+        return self._current - host, host
 
     def mark_logits(self, t: torch.Tensor) -> None:
         """Report ``t``'s storage as logits (the loss's input)."""
@@ -288,6 +345,7 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
         if alloc is not None:
+            self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
             self._current -= alloc.nbytes
 
@@ -333,7 +391,7 @@ class MemoryTracker(TorchDispatchMode):
             return
         if getattr(func, "is_view", False):
             return
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out)
         moved = sum(t.numel() * t.element_size() for t in list(inputs) + outs)
         self.run.traffic[self.phase] = self.run.traffic.get(self.phase, 0.0) + moved
         self.run.traffic_by_layer[self.layer] = self.run.traffic_by_layer.get(self.layer, 0.0) + moved

@@ -71,6 +71,10 @@ class PipelineStep(TrainStep):
 
     def __post_init__(self):
         super().__post_init__()
+        for lever in ("offload_params", "activation_offloading"):
+            if getattr(self, lever):
+                raise ValueError(f"pipeline_step({lever}=True): a pipeline step cannot offload yet; use train_step "
+                                 f"(no pp axis) to offload, or remove {lever} (docs/memory.md)")
         # compile: each virtual stage's forward one torch.compile graph (its backward through AOT
         # autograd), the schedule and the stage-to-stage permutes eager; "per_layer" as train_step
         self.stage_compile, _ = split_mode(self.compile)

@@ -34,6 +34,7 @@ from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
+from functional_pp.parallel import param_uses
 from functional_pp.parallel.buckets import grad_buckets, resolve_pending
 from functional_pp.parallel.collectives import psum as sum_over
 from functional_pp.parallel.fsdp_order import UnitOrder
@@ -42,6 +43,7 @@ from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import Named, _make, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules
+from functional_pp.step import activation_offload, offload
 from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
 from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
@@ -53,7 +55,7 @@ from functional_pp.step.update import Updated, redo_held, update_phase
 # the step without gradient buckets and FSDP units: one collective per weight, layer by layer
 # (the planner's dry runs count collectives per layer; docs/communication.md)
 class NoLayerWarning(UserWarning):
-    """An FSDP model declared no ``functional_pp.layer``: its weights were all kept gathered."""
+    """An FSDP model declared no ``functional_pp.layer``: each weight is gathered on its own."""
 
 
 PER_WEIGHT = {"bucket_mb": None, "fsdp_units": False, "fsdp_keep_root": False}
@@ -180,6 +182,10 @@ class TrainStep:
     metrics: str = "per_step"             # per_step: each call reads its metrics (one transfer) | deferred:
     #                                       none does; StepMetrics read at step.read() or first use
     #                                       (docs/eager_overhead.md "Host synchronisation")
+    offload_params: bool = False          # master shards, gradients and optimizer state on the host between
+    #                                       steps, the update there (FSDP2's CPUOffloadPolicy; step/offload.py)
+    activation_offloading: bool = False   # saved activations to pinned host memory in forward, back in
+    #                                       backward (CUDA; step/activation_offload.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -193,6 +199,11 @@ class TrainStep:
             raise TypeError(f"TrainStep(policy=...) needs a functional_pp.Policy, got {type(self.policy).__name__}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        for lever in ("offload_params", "activation_offloading"):
+            if getattr(self, lever) and split_mode(self.compile)[0]:
+                raise ValueError(f"train_step({lever}=True, compile={self.compile!r}): a compiled step cannot "
+                                 f"offload yet; use compile=False or compile='per_layer' (each layer compiled, "
+                                 f"the step eager; docs/memory.md)")
         if self.max_consecutive_skips is not None and (
                 isinstance(self.max_consecutive_skips, bool) or not isinstance(self.max_consecutive_skips, int)
                 or self.max_consecutive_skips < 1):
@@ -205,6 +216,10 @@ class TrainStep:
         self._compile_lock = threading.Lock()   # simulated devices share one compiled step
         self._unit_order = UnitOrder()          # FSDP units' forward order, for prefetch (parallel/fsdp_order.py)
         self._no_layers = False                 # a forward called no fpp.layer: no root kept (_root_had_no_layers)
+        self._layered = False                   # a forward called fpp.layer: the root is kept from the start
+        self._shared = new_per_thread()         # per device: parameters its first forward gathered twice (tied)
+        self._compute = new_per_thread()        # offload_params: per device, where the step computes (step.init)
+        self._said_not_offloaded: list = []     # activation_offloading off CUDA: said once (step/activation_offload.py)
         self._unread = new_per_thread()        # metrics="deferred": each device thread's PendingSteps
         self._known_finite = KnownFinite()      # donated state: whether its parameters are finite (step/known_finite.py)
         self._known_peaks = KnownPeaks()        # compiled donated state: its first moments' peaks (same)
@@ -238,8 +253,11 @@ class TrainStep:
                                  f"train_step")
         flags = self.spec.trainable or (True,) * len(leaves)
         # frozen parameters keep their dtype (a bf16 base stays bf16): only trained ones need fp32 masters
-        master = optree.tree_unflatten(treespec, [master_copy(x.data) if t else x.data.detach().contiguous()
-                                                  for x, t in zip(leaves, flags)])
+        copies = [master_copy(x.data) if t else x.data.detach().contiguous() for x, t in zip(leaves, flags)]
+        if self.offload_params:     # the state on the host; the step computes where the parameters were
+            compute = self._compute.device = copies[0].device
+            copies = [offload.to_host(x, compute) for x in copies]
+        master = optree.tree_unflatten(treespec, copies)
         # the counters live with the parameters: a step adds to them there (no host copy)
         device = _device_of(master)
         return {"params": master, "opt_state": self.optimizer.init(self.spec.trainable_tree(master)),
@@ -308,7 +326,7 @@ class TrainStep:
         if bound is not None:
             self._known_peaks.remember_peaks(bound, opt_state, self.spec.trainable_tree(params), peaks)
         self._host_values(metrics, time.perf_counter() - t0)
-        metrics["peak_memory_bytes"] = peak_memory(_device_of(params))
+        metrics["peak_memory_bytes"] = peak_memory(self._offloaded_to() or _device_of(params))
         previous = metrics.get("consecutive_skips")
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
@@ -395,30 +413,41 @@ class TrainStep:
         # (compile="per_layer" gathers inside each compiled layer, per weight: nothing is root there)
         policy = self.policy
         keep_root = policy.fsdp_keep_root and not layer_compile and not self._no_layers
+        # until a forward has shown whether the model calls fpp.layer, the root is kept only from
+        # the first layer call on: a model without layers is ZeRO-3 from its first step
         with use_rules(self.rules), trace_backward(bool(step_compile)), self.apply_policy(), \
                 compile_cache_limits(COMPILED_STEPS_PER_PROCESS) if compiling else nullcontext(), \
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 layer_units(policy.fsdp_units, keep_root=keep_root, prefetch=policy.fsdp_prefetch,
-                            order=self._unit_order) as seen:
+                            order=self._unit_order, provisional_root=not self._layered,
+                            data_dims=self._batch_dim_names()) as seen:
             yield
-        if keep_root and seen.root_without_layers:
+        if seen.layered:
+            self._layered = True
+        elif seen.root_without_layers and policy.fsdp_units:
             self._root_had_no_layers()
 
+    def _batch_dim_names(self) -> tuple[str, ...]:
+        """The dimension names of the step's batch (``batch_dims``), in order, once each: the
+        rules' axes for them are the data-parallel axes (FSDP units, parallel/fsdp_units.py)."""
+        names = [d for dims in self.batch_dims.values() for d in (dims.split() if isinstance(dims, str) else dims)]
+        return tuple(dict.fromkeys(names))
+
     def _root_had_no_layers(self) -> None:
-        """The forward called no ``fpp.layer`` under FSDP: every weight was a root weight, kept
-        gathered from forward to backward. Say so once; later steps re-gather each weight in
-        backward (ZeRO-3 per weight), with the same numbers."""
+        """The forward called no ``fpp.layer`` under FSDP: every weight is a root weight. Say so
+        once; every step (the first included) re-gathers each weight in backward (ZeRO-3 per
+        weight)."""
         with self._compile_lock:
             if self._no_layers:
                 return
             self._no_layers = True
         warnings.warn(
-            "train_step: the model calls no functional_pp.layer, so under FSDP the first step kept every "
-            "sharded weight gathered from forward to backward (no memory saved over DDP); from the next "
-            "step on each weight is re-gathered in backward (ZeRO-3, one all-gather per weight). Wrap the "
-            "model's repeated block in functional_pp.layer to gather each layer's weights as one unit "
-            "(and keep the root weights gathered), or pass train_step(fsdp_keep_root=False) to re-gather "
-            "every weight from the first step on.", NoLayerWarning, stacklevel=4)
+            "train_step: the model calls no functional_pp.layer, so under FSDP every sharded weight is "
+            "all-gathered per weight by the op that uses it and all-gathered again in backward (ZeRO-3, "
+            "from the first step on): correct, with ZeRO-3's memory, but in many small collectives that "
+            "cannot be prefetched. Wrap the model's repeated block in functional_pp.layer to gather each "
+            "layer's weights as one unit (one flat all-gather, prefetched while the layer before computes).",
+            NoLayerWarning, stacklevel=4)
 
     def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
         """A held compiled donated step (its state passed in untouched: nothing was written) made
@@ -481,6 +510,9 @@ class TrainStep:
         """The parameters as the named values the loss sees, cast to the compute precision
         (``cast``) or not."""
         compute = PRECISIONS[self.precision] if cast else None
+        device = self._offloaded_to()
+        if device is not None:      # offload: host shards (evaluation, step.gradients) to the compute device
+            leaves = [x.to(device) if x.device != device else x for x in leaves]
         if compute is not None:
             leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
         elif cast:      # fp32 compute: a frozen 16-bit parameter (kept in its dtype by init) is upcast
@@ -489,9 +521,21 @@ class TrainStep:
             named = [Named(x, dims, layout, is_param=True)
                      for x, dims, layout in zip(leaves, self.spec.dims, self.spec.layouts)]
         else:    # eager: the named types (frozensets, global sizes) are built once per mesh and shapes
+            # parameters an earlier forward gathered at several sites are tied (parallel/param_uses.py)
+            tied = getattr(self._shared, "tied", None) or ()
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
-            named = [_make(x, *t, is_param=True) for x, t in zip(leaves, types)]
+            named = [_make(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
         return named
+
+    def _offloaded_to(self) -> torch.device | None:
+        """offload_params: the device this thread's step computes on (set by :meth:`init`); else None."""
+        if not self.offload_params:
+            return None
+        device = getattr(self._compute, "device", None)
+        if device is None:
+            raise RuntimeError("train_step(offload_params=True): call step.init(params) on this device first "
+                               "(it moves the state to the host and remembers the compute device)")
+        return device
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
                      seed=None, donate_state: bool | None = None):
@@ -501,20 +545,31 @@ class TrainStep:
         trains = self.spec.trainable or (True,) * len(leaves)
         micro = split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
-        grads = [torch.zeros_like(x) if len(micro) > 1 else x for x, t in zip(leaves, trains) if t]   # (dtype template)
+        compute_device, work = self._offloaded_to(), leaves
+        if compute_device is not None:   # offload: the shards on the device for this step, in the compute precision
+            compute = PRECISIONS[self.precision]
+            work = [offload.to_compute(x, compute_device, compute if t else None) for x, t in zip(leaves, trains)]
+        grads = [torch.zeros_like(x, device=w.device) if len(micro) > 1 else w
+                 for x, w, t in zip(leaves, work, trains) if t]   # (dtype template)
         acc = acc_dtype(leaves)
-        total = torch.zeros((), dtype=acc, device=leaves[0].device)
+        total = torch.zeros((), dtype=acc, device=work[0].device)
         reported = []                    # the values the loss reports (core/step_values.py), per micro-batch
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
             # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
-            xs = [_differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(leaves, trains)]
+            xs = [_differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(work, trains)]
             named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
             named_params = self._named_params(xs, treespec)
             begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
             checked = checks_so_far()
-            with step_values.collecting() as found:
+            learning = not is_tracing() and getattr(self._shared, "tied", None) is None   # (eager steps)
+            acts = (activation_offload.offloading(_device_of(work), self._said_not_offloaded)
+                    if self.activation_offloading else nullcontext())
+            with step_values.collecting() as found, param_uses.counting(learning) as uses, acts:
                 loss_named = settle(self.loss_fn(named_params, named_batch))
+            if learning:                    # parameters gathered at several sites: tied from now on
+                self._shared.tied = param_uses.gathered_more_than_once(
+                    uses, [x.data for x in tree_leaves(named_params)])
             reported.append(found)
             named_params = None
             check_scalar_loss(loss_named, "train_step")
@@ -535,12 +590,17 @@ class TrainStep:
             total = total + loss.detach()
         if is_tracing() and PRECISIONS[self.precision] is not None:
             grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
+        if compute_device is not None:   # offload: the gradients and the update on the host
+            work = xs = None
+            masters = [x for x, t in zip(leaves, trains) if t]
+            grads = [offload.grad_to_host(g, x.dtype) for g, x in zip(grads, masters)]
+            total = total.to(offload.HOST)
         # norm, optimizer and the device side of the non-finite guard (step/update.py)
         trained = self.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
         up = update_phase(self.optimizer, grads, tree_flatten(trained)[1], trained, opt_state, total,
                           self.spec.axis_groups(env()[0]),
                           donate_state=self.donate_state if donate_state is None else donate_state,
-                          params_finite=params_finite, peaks=peaks)
+                          params_finite=params_finite, peaks=peaks, reduce_on=compute_device)
         if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
             up.params, up.opt_state = self._keep_old_if_skipped(up, tree_leaves(trained), opt_state)
         up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were

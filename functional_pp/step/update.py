@@ -58,7 +58,8 @@ class Updated:
 
 def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tensor], treespec: Any, params: Any,
                  opt_state: Any, loss: torch.Tensor, groups: AxisGroups, *, donate_state: bool,
-                 params_finite: torch.Tensor | None = None, peaks: list | None = None) -> Updated:
+                 params_finite: torch.Tensor | None = None, peaks: list | None = None,
+                 reduce_on: torch.device | None = None) -> Updated:
     """Apply ``optimizer`` to the reduced gradients ``grads`` (leaves in ``treespec`` order; the
     list is consumed: emptied, so that only the update holds them) of ``params``; ``loss`` is
     the step's loss and ``groups`` the leaves grouped by the mesh axes that split them (what
@@ -67,9 +68,11 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
     them). ``peaks``: per leaf, a bound of the largest magnitude of the optimizer's bound terms on
     this device (``optim.bounds.term_peaks``, carried from step to step: a traced donated step
     then reads no term; docs/optim.md "Peaks carried instead of read"); the result's ``peaks``
-    are those after this step."""
+    are those after this step. ``reduce_on``: the device whose collectives complete the norms
+    and checks of an update running elsewhere (CPU offload: NCCL reduces no host tensor)."""
     leaves = tree_leaves(params)
     tracing = is_tracing()
+    groups = [(axes, group, reduce_on) for axes, group in groups]
 
     def sq_reducer(sq_sums: Any) -> torch.Tensor:
         return complete(tree_leaves(sq_sums), groups)
@@ -144,13 +147,17 @@ def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_
 
 def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
     """The sum of per-leaf 0-dim ``values``, each group's partial sum completed over the mesh
-    axes that split its leaves (one all-reduce per group)."""
+    axes that split its leaves (one all-reduce per group; on the group's third entry, a device,
+    where it has one: values on the host reduced on the compute device)."""
     acc = acc_dtype(values)
     total = None
-    for axes, group in groups:
+    for axes, group, *on in groups:
         part = [values[i] for i in group]
         value = (torch.stack(part).sum() if len(part) > 1 else part[0]).to(acc)
-        value = psum(value, axes) if axes else value
+        if axes and on and on[0] is not None and on[0] != value.device:
+            value = psum(value.to(on[0]), axes).to(value.device)
+        elif axes:
+            value = psum(value, axes)
         total = value if total is None else total + value
     return total if total is not None else torch.zeros((), dtype=acc, device=values[0].device if values else None)
 

@@ -1,6 +1,7 @@
 """Axolotl's plugin, kernel and offload names (issue 47): what only picks a kernel is accepted
 and named in the start-up summary (we pick our own kernels, the same math); what changes the
-math, or names a memory lever not built yet (issue 45's offloading), is refused naming it."""
+math, or names a memory lever not built (offloading to disk), is refused naming it; the offload
+keys of issue 45's memory levers map onto offload_params / activation_offloading."""
 import pytest
 
 from functional_pp.config import ConfigError, TrainConfig
@@ -26,16 +27,8 @@ def test_kernel_choices_are_accepted_and_named_in_the_summary():
 
 
 @pytest.mark.parametrize("d, message", [
-    ({"activation_offloading": True}, r"'activation_offloading' is not supported: activation offloading \(saved "
-                                      r"activations moved to host memory during forward; issue 45's memory levers\) "
-                                      r"is not built yet"),
-    ({"activation_offloading": "legacy"}, "issue 45's memory levers"),
-    ({"gradient_checkpointing": "offload"}, "activation_checkpointing: offload: activation offloading"),
-    ({"fsdp_config": {"offload_params": True}}, "'fsdp_config.offload_params' is not supported: offloading: CPU "
-                                                "offload of parameters, gradients and optimizer state under FSDP"),
-    ({"fsdp_config": {"fsdp_offload_params": True}}, r"torch FSDP2's CPUOffloadPolicy; issue 45"),
-    ({"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_params.json"},
-     r"'deepspeed' is not supported with offloading \(.*\): CPU offload of parameters, gradients and optimizer state"),
+    ({"activation_offloading": "disk"}, "activation_offloading: disk is not supported: use true"),
+    ({"gradient_checkpointing": "offload_disk"}, "offload_disk: activations offloaded to disk are not supported"),
     ({"liger_use_token_scaling": True}, "'liger_use_token_scaling' is not supported: .*another loss"),
     ({"expert_parallel_token_capacity": 1000}, "'expert_parallel_token_capacity' is not supported"),
     ({"attn_implementation": "flash_attn"}, "not an attention implementation .*or a hub kernel ORG/NAME"),
@@ -43,3 +36,14 @@ def test_kernel_choices_are_accepted_and_named_in_the_summary():
 def test_what_changes_the_math_or_is_not_built_is_refused_by_name(d, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("d, params, activations, remat", [
+    ({"activation_offloading": True}, False, True, False),
+    ({"activation_offloading": "legacy"}, False, True, False),
+    ({"gradient_checkpointing": "offload"}, False, True, True),
+    ({"fsdp_config": {"offload_params": True}, "activation_offloading": True}, True, True, False),
+])
+def test_offload_keys_map_onto_the_memory_levers(d, params, activations, remat):
+    cfg = TrainConfig.from_dict(d)
+    assert (cfg.offload_params, cfg.activation_offloading, cfg.activation_checkpointing) == (params, activations, remat)

@@ -298,5 +298,5 @@ def test_selective_activation_checkpointing_is_a_config_value():
     assert TrainConfig.from_dict({"gradient_checkpointing": True}).policy().remat is True
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         TrainConfig.from_dict({"activation_checkpointing": "op"})
-    with pytest.raises(ConfigError, match="offload"):
-        TrainConfig.from_dict({"gradient_checkpointing": "offload"})
+    with pytest.raises(ConfigError, match="offload_disk"):
+        TrainConfig.from_dict({"gradient_checkpointing": "offload_disk"})

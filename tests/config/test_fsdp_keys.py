@@ -32,19 +32,31 @@ def test_fsdp_config_maps_onto_our_fsdp():
     assert TrainConfig.from_dict({"fsdp_config": {"sharding_strategy": "FULL_SHARD"}}).reshard_after_forward
 
 
-def test_fsdp_offload_hybrid_and_deepspeed_are_refused_with_what_to_do():
-    p = problems({"fsdp": ["full_shard", "offload"], "fsdp_config": {"fsdp_offload_params": True,
+def test_fsdp_hybrid_and_deepspeed_are_refused_with_what_to_do():
+    p = problems({"fsdp": ["full_shard", "offload"], "fsdp_config": {"fsdp_offload_params": "yes",
                                                                       "sharding_strategy": "HYBRID_SHARD",
                                                                       "wrap_everything": 1}})
-    assert any(m.startswith("'fsdp: offload' is not supported: offloading") for m in p)
-    assert any(m.startswith("'fsdp_config.fsdp_offload_params' is not supported: offloading") for m in p)
+    assert any(m == "fsdp_config.fsdp_offload_params must be true/false, got 'yes'" for m in p)
     assert any("HYBRID_SHARD" in m and "dp_replicate_size: <nodes>" in m for m in p)
     assert any(m.startswith("unknown key 'fsdp_config.wrap_everything'") for m in p)
     (unknown,) = problems({"deepspeed": "my_ds.json"})
     assert unknown.startswith("'deepspeed' is not supported for my_ds.json: the file does not exist and is not "
                               "one of Axolotl's deepspeed_configs")
-    (offload,) = problems({"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_all.json"})
-    assert "with offloading" in offload and "CPU offload of parameters" in offload
+
+
+@pytest.mark.parametrize("d", [{"fsdp": "full_shard offload"}, {"fsdp_config": {"offload_params": True}},
+                               {"fsdp_config": {"fsdp_offload_params": True}}, {"fsdp_config": {"cpu_offload": True}},
+                               {"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_all.json"},
+                               {"deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_params.json"}])
+def test_cpu_offload_keys_map_onto_offload_params(d):
+    cfg = TrainConfig.from_dict(d)
+    assert cfg.offload_params is True and cfg.activation_offloading is False
+    assert TrainConfig.from_dict({"fsdp_config": {"activation_cpu_offload": True}}).activation_offloading is True
+
+
+def test_offload_params_is_refused_where_it_cannot_run():
+    assert any("compile: per_layer" in m for m in problems({"offload_params": True, "compile": True}))
+    assert any("pp_size > 1" in m for m in problems({"offload_params": True, "pp_size": 2}))
 
 
 @pytest.mark.parametrize("stage, keep_gathered", [(1, True), (2, True), (3, False)])
@@ -58,9 +70,12 @@ def test_deepspeed_zero_stages_map_onto_fsdp(tmp_path, stage, keep_gathered):
         cfg = TrainConfig.from_dict({"deepspeed": value})
         assert cfg.reshard_after_forward is (not keep_gathered), value
         assert any(n.startswith(f"deepspeed: {value} (ZeRO-{stage} = FSDP over dp_shard") for n in cfg.notes)
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}))
+    cfg = TrainConfig.from_dict({"deepspeed": str(ds)})
+    assert cfg.offload_params and cfg.reshard_after_forward is (not keep_gathered)
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
     (p,) = problems({"deepspeed": str(ds)})
-    assert p.startswith(f"'deepspeed' is not supported with offloading ({ds}): CPU offload")
+    assert p.startswith(f"deepspeed: offloading to 'nvme' is not supported ({ds}): only to the CPU")
     ds.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
     assert "plain data parallelism: remove it and give dp_replicate_size" in problems({"deepspeed": str(ds)})[0]
 

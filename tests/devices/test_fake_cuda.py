@@ -149,3 +149,61 @@ def test_host_batches_go_to_cuda_through_pinned_memory(monkeypatch):
         out = to_device(host, torch.device("cuda"))
     assert pinned == [(2, 8), (2, 8)]
     assert {str(v.device) for v in out.values()} == {"cuda:0"}
+
+
+def test_offloaded_state_lives_on_the_host_the_forward_on_cuda_and_the_update_on_the_host(monkeypatch):
+    """``train_step(offload_params=True)`` under FSDP: ``step.init`` puts the master shards and
+    the optimizer state in pinned host memory; a step runs the forward on cuda (the shards
+    copied there), brings the gradients to the host and updates there, returning a host state.
+    Autograd cannot run on fake cuda (module docstring): the step runs without recording a
+    graph, its backward replaced by zero gradients of the device leaves, on the device as
+    autograd would give them; the metrics are not read (fake values cannot be)."""
+    import functools
+    pinned = []
+
+    def pin_memory(self):
+        pinned.append(tuple(self.shape))
+        return self
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.autograd, "grad", lambda loss, leaves, **kw: tuple(torch.zeros_like(x) for x in leaves))
+    mesh_kw, rules, _ = LAYOUTS["fsdp"]
+    mesh = fpp.Mesh(**mesh_kw)
+    adamw = fpp.optim.adamw(1e-3, weight_decay=0.1, clip_norm=1.0)
+    forward, update = OutputDevices(), OutputDevices()
+
+    def loss_fn(params, batch):
+        with forward:
+            return llama.loss(params, batch, CFG)
+
+    def update_fn(grads, state, params=None):
+        grad_devices = {str(g.device) for g in optree.tree_leaves(grads)}
+        with update:
+            return (*adamw.update(grads, state, params), grad_devices)
+
+    optimizer = fpp.optim.GradientTransformation(adamw.init, lambda g, s, p=None: update_fn(g, s, p)[:2])
+    devices_seen = []
+    step = fpp.train_step(loss_fn, optimizer, mesh=mesh, rules=rules, precision="bf16", offload_params=True)
+    # the step's one read of its metrics cannot read fake values: a finite step's numbers instead
+    from functional_pp.step import train
+    monkeypatch.setattr(train, "read_step_metrics", lambda m, step, checks: ({**{k: 0.0 for k in m}, "step": 1}, False))
+    with fake_cuda() as fc:
+        def device():
+            params = fpp.init(llama.init, CFG, torch.float32, mesh=mesh, rules=rules, seed=0)
+            ids = torch.randint(0, CFG.vocab, (4, 9), generator=torch.Generator().manual_seed(0))
+            with fc.device(), fpp.use_rules(rules):
+                params = fc.to_cuda(params)
+                state = step.init(params)
+                devices_seen.append({str(x.device) for x in optree.tree_leaves(state)})
+                ids = fc.to_cuda(ids)
+                batch = {"tokens": fpp.named(ids[:, :-1], "batch seq").data,
+                         "labels": fpp.named(ids[:, 1:], "batch seq").data}
+                with torch.no_grad():
+                    state, _ = step(state, batch)
+                devices_seen.append({str(x.device) for x in optree.tree_leaves(state)})
+        fpp.launch(device, mesh)
+    assert devices_seen == [{"cpu"}] * 4                 # per device: after init and after the step
+    n_state = len(optree.tree_leaves(llama.init(CFG)))
+    assert len(pinned) >= 2 * n_state                    # master shards and the AdamW moments, pinned
+    assert forward.devices == {"cuda"}, forward.devices
+    assert update.devices and all(d[0] == "cpu" for d in update.devices if d != "cuda"), update.devices
+    assert "cuda" not in update.devices, update.devices

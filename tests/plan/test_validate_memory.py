@@ -40,3 +40,23 @@ def test_validate_memory_prints_the_dry_run_peak_of_the_configs_step(tmp_path, c
     remat = peak_line(capsys, path, "--memory", "--set", "activation_checkpointing=true")
     size = re.compile(r"activations ([\d.,]+) KiB")
     assert float(size.search(remat).group(1)) < float(size.search(line).group(1))
+
+
+def _line(capsys, path: Path, prefix: str, *extra: str) -> str | None:
+    assert cli.main(["validate", str(path), *extra]) == 0
+    return next((line for line in capsys.readouterr().out.splitlines() if line.startswith(prefix)), None)
+
+
+def test_validate_memory_counts_the_offload_levers_on_device_and_host(tmp_path, capsys):
+    """offload_params and activation_offloading lower the device's peak and print the host's."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**{k: v for k, v in CONFIG.items() if k != "momentum"}, "optimizer": "adamw",
+                                    "precision": "bf16"}))
+    plain = _line(capsys, path, "peak:", "--memory")
+    assert _line(capsys, path, "host:", "--memory") is None
+    size = re.compile(r"peak: +([\d.,]+) KiB")
+    for lever in ("offload_params", "activation_offloading"):
+        peak = _line(capsys, path, "peak:", "--memory", "--set", f"{lever}=true")
+        host = _line(capsys, path, "host:", "--memory", "--set", f"{lever}=true")
+        assert float(size.search(peak).group(1)) < float(size.search(plain).group(1)), lever
+        assert host is not None and lever in host, host

@@ -1,0 +1,45 @@
+"""Parameters gathered at several sites of one forward (a tied embedding the model did not
+declare with ``fpp.tied``, a weight shared by several layers): the training step counts, in its
+first forward on each device, how many times each parameter's shard is all-gathered (by an op
+or an FSDP unit), and from the next forward on hands those gathered more than once to the model
+as tied (``functional_pp.tied``): one all-gather in forward, one reduce-scatter in backward
+(docs/layouts.md, "Tied parameters")."""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from functional_pp.core.runtime import per_thread
+
+_local = per_thread("parallel.param_uses")
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+@contextmanager
+def counting(enabled: bool = True) -> Iterator[Counter | None]:
+    """Count the gathers of parameter shards in the block (None when not ``enabled``)."""
+    previous = getattr(_local, "uses", None)
+    _local.uses = uses = Counter() if enabled else None
+    try:
+        yield uses
+    finally:
+        _local.uses = previous
+
+
+def record(shard: torch.Tensor) -> None:
+    """A parameter whose block is ``shard`` was all-gathered (inside :func:`counting`)."""
+    uses = getattr(_local, "uses", None)
+    if uses is not None:
+        uses[id(_root(shard))] += 1
+
+
+def gathered_more_than_once(uses: Counter, blocks: Sequence[torch.Tensor]) -> frozenset[int]:
+    """The positions of the parameter ``blocks`` (the forward's, in order) that ``uses``
+    counted more than once."""
+    return frozenset(i for i, t in enumerate(blocks) if uses.get(id(_root(t)), 0) > 1)
