@@ -53,7 +53,8 @@ def check_base_quantization(cfg: Any, add) -> None:
 #: ``rl:`` methods trained here (docs/preference.md)
 RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto")
 #: ``rl:`` methods of Axolotl not built yet -> why
-RL_NOT_BUILT = {m: "it samples completions from the policy, and generation is not built yet"
+RL_NOT_BUILT = {m: "it trains on completions sampled from the policy, and that online loop is not built yet "
+                   "(sampling is: docs/generation.md)"
                 for m in ("grpo", "gdpo", "ebft", "online_dpo", "ppo")}
 _RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
 
