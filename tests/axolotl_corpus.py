@@ -151,12 +151,17 @@ def _messages(i: int, entry: dict) -> tuple[str, list[dict]]:
     return entry.get("field_messages", "messages"), [{role: r, content: c} for r, c in turns]
 
 
-def _rows(entry: dict, n: int) -> list[dict]:
-    """``n`` local rows of ``entry``'s dataset type."""
+def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
+    """``n`` local rows of ``entry``'s dataset type (``rl``: preference pairs of it)."""
     kind = str(entry.get("type") or "")
     out = []
     for i in range(n):
-        if kind.startswith("chat_template") or "field_messages" in entry:
+        if rl and kind.startswith("chat_template"):       # a conversation and two replies
+            field, msgs = _messages(i, entry)
+            role, content = list(msgs[1])
+            out.append({field: msgs[:1], entry.get("field_chosen", "chosen"): msgs[1],
+                        entry.get("field_rejected", "rejected"): {role: msgs[1][role], content: "I do not know."}})
+        elif kind.startswith("chat_template") or "field_messages" in entry:
             field, msgs = _messages(i, entry)
             out.append({field: msgs})
         elif kind == "completion":
@@ -186,7 +191,7 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows)))
+            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows, cfg.get("rl"))))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)

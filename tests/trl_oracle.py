@@ -110,3 +110,29 @@ def pair_trainer_loss(method: str, model, batch: dict, *, beta: float, simpo_gam
     t = _shell(cls, beta=beta, is_encoder_decoder=False, padding_value=0, pad_token_id=0, label_pad_token_id=-100,
                **extra)
     return cls.get_batch_loss_metrics(t, model, batch)
+
+
+def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, beta=0.0, loss_type="dapo",
+              epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
+              max_completion_length=None):
+    """TRL ``GRPOTrainer._compute_loss`` on given per-token log-probabilities of the completions
+    (the model's forward replaced by them) and the batch's advantages; the loss and the logged
+    metrics."""
+    t = _shell(trl.GRPOTrainer, model=SimpleNamespace(training=True), top_entropy_quantile=1.0,
+               off_policy_mask_threshold=None, importance_sampling_level=importance_sampling_level, beta=beta,
+               loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+               use_vllm=False, vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
+               max_completion_length=max_completion_length, _entropy_bonus_enabled=False,
+               args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1))
+    t.accelerator.num_processes = 1
+    t.accelerator.reduce = lambda x, reduction="sum": x
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    n = logps.size(0)
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": torch.zeros_like(completion_mask), "completion_mask": completion_mask,
+              "advantages": advantages, "num_items_in_batch": completion_mask.sum()}
+    if old_logps is not None:
+        inputs["old_per_token_logps"] = old_logps
+    if ref_logps is not None:
+        inputs["ref_per_token_logps"] = ref_logps
+    return trl.GRPOTrainer._compute_loss(t, None, inputs), _logged(t)

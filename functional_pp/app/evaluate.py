@@ -1,7 +1,8 @@
 """Held-out loss on the training mesh: the step's loss function without gradients, over every
 batch of the validation loader, weighted by each batch's number of labels, each held-out window
 counted once (so the result is the mean token loss of the whole held-out set, whatever the
-layout and the batch size). ``docs/finetune.md``."""
+layout and the batch size). ``docs/finetune.md``. Preference pairs: weighted by each batch's
+pairs (``pair_weight``), the mean pair loss of the held-out pairs (docs/preference.md)."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,6 +25,7 @@ def eval_batches(loader) -> int:
 def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> float:
     """Mean token loss of ``state``'s parameters over the first ``n_batches`` batches of
     ``loader`` (default: all its windows once). Runs on every device of the mesh."""
+    from functional_pp.ops import mean
     from functional_pp.ops import sum as nsum
     if step.spec is None:
         raise RuntimeError("evaluate: call step.init(params) first")
@@ -39,8 +41,12 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
                 batch = {k: v.to(device) for k, v in batch.items()}
             nb = {k: wrap(v, step.batch_dims[k]) for k, v in batch.items()}
             loss = float(settle(step.loss_fn(params, nb)).data)
-            valid = (batch["labels"] != -100).to(torch.float64)
-            n = float(settle(nsum(wrap(valid, step.batch_dims["labels"]))).data)
+            if "labels" in batch:
+                valid = (batch["labels"] != -100).to(torch.float64)
+                n = float(settle(nsum(wrap(valid, step.batch_dims["labels"]))).data)
+            else:                             # preference pairs: each pair's weight (data/pair_loader.py)
+                rows = mean(wrap(batch["pair_weight"].to(torch.float64), step.batch_dims["pair_weight"]), "seq")
+                n = float(settle(nsum(rows)).data)
             total += loss * n
             count += n
     return total / max(count, 1.0)

@@ -116,7 +116,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     from functional_pp.app.preference_run import (REFERENCE, load_pairs, pair_steps, preference_objective,
                                                   preference_spec, with_reference)
     from functional_pp.data import DataLoader
-    from functional_pp.data.pair_loader import PAIR_BATCH_DIMS, PairLoader
+    from functional_pp.data.pair_loader import PairLoader
     from functional_pp.data.loader import to_device
     from functional_pp.devices.batched_run import per_device
     from functional_pp.parallel.init import init as init_named
@@ -136,7 +136,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
     base_decls = family.param_decls(model_cfg)
     lora = cfg.lora_config()
-    pref = preference_spec(cfg)          # rl: dpo | ipo | orpo | simpo (docs/preference.md)
+    pref = preference_spec(cfg)          # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md)
     if pref is None:
         loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
                                                        base_decls)
@@ -187,7 +187,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if pref is None else PAIR_BATCH_DIMS
+    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if pref is None else corpus.batch_dims
     step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
                           trainable=trainable, grad_accum=accum, precision=cfg.precision,
                           policy=cfg.policy(), compile=cfg.compile,
@@ -284,9 +284,9 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
         loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
             corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
-        val_loader = None if data.val is None else device_loader(lambda shard: DataLoader(
-            data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
-            mesh, rules)
+        val_loader = None if data.val is None else device_loader(lambda shard: (
+            DataLoader if pref is None else PairLoader)(data.val, global_batch_size=gb, seq_len=cfg.sequence_len,
+                                                        seed=cfg.seed, drop_last=False, **shard), mesh, rules)
         start = 0
         if latest is not None:
             want = specs(state)      # the structure: the checkpoint holds whole layers

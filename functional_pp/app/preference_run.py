@@ -1,8 +1,8 @@
-"""What ``rl: dpo | ipo | orpo | simpo`` changes in a run (docs/preference.md): the objective
+"""What ``rl: dpo | ipo | orpo | simpo | kto`` changes in a run (docs/preference.md): the objective
 (:mod:`functional_pp.preference.objective`) over the model family's logits, the reference
 model, the pair data and its loader. Used by :mod:`functional_pp.app.loop`.
 
-The reference of DPO / IPO is the model the run starts from, as TRL takes it: with an
+The reference of DPO / IPO / KTO is the model the run starts from, as TRL takes it: with an
 adapter the base with the adapters left out (nothing more is held); otherwise a frozen copy
 of the initial parameters under the tree's ``reference`` key, declared and sharded like the
 policy (no gradient, no optimizer state, in the compute dtype; checkpointed, so a resumed run
@@ -40,7 +40,10 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
     try:
         return PreferenceSpec(method, beta=default_beta if beta is None else beta, loss_type=loss_type,
                               label_smoothing=cfg.dpo_label_smoothing, simpo_gamma=cfg.simpo_gamma,
-                              cpo_alpha=cfg.cpo_alpha)
+                              cpo_alpha=cfg.cpo_alpha,
+                              desirable_weight=1.0 if cfg.kto_desirable_weight is None else cfg.kto_desirable_weight,
+                              undesirable_weight=(1.0 if cfg.kto_undesirable_weight is None
+                                                  else cfg.kto_undesirable_weight))
     except ValueError as exc:
         raise ConfigError(f"rl: {cfg.rl}: {exc}") from exc
 
@@ -103,12 +106,27 @@ def with_reference(params: dict, decls: dict) -> dict:
 
 
 def load_pairs(cfg: TrainConfig):
-    """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs (no held-out part)."""
+    """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs, ``val_set_size``
+    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions."""
     from functional_pp.app.inputs import RunData, load_tokenizer
     from functional_pp.data.pairs import build_pairs
+    from functional_pp.data.unpaired import build_completions
     tok = load_tokenizer(cfg)
     try:
-        return RunData(build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len), None, tok)
+        if str(cfg.rl).lower() == "kto":
+            return RunData(build_completions(cfg.datasets, tok, seq_len=cfg.sequence_len,
+                                             deduplicate=cfg.dataset_exact_deduplication), None, tok)
+        pairs = build_pairs(cfg.datasets, tok, seq_len=cfg.sequence_len, chat_template=cfg.chat_template,
+                            chat_template_jinja=cfg.chat_template_jinja, deduplicate=cfg.dataset_exact_deduplication)
+        if not cfg.val_set_size:
+            return RunData(pairs, None, tok)
+        from functional_pp.data.formats import _split_count
+        n_val = _split_count(cfg.val_set_size, len(pairs))
+        if n_val >= len(pairs):
+            raise ValueError(f"val_set_size={cfg.val_set_size} holds out {n_val} of {len(pairs)} pairs: nothing is "
+                             f"left to train on")
+        train, val = pairs.split(n_val, cfg.seed)
+        return RunData(train, val, tok)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
 

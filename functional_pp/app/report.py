@@ -155,9 +155,11 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         lines.insert(1, f"device:     {device_text}")
     if corpus is not None:
         docs = f", {corpus.documents:,} documents" if hasattr(corpus, "documents") else ""
-        held = f"; held out: {len(val):,} tokens" if val is not None else ""
-        unit = "preference pairs" if hasattr(corpus, "pairs") else "tokens"
+        held = f"; held out: {len(val):,} {getattr(val, 'unit', 'tokens')}" if val is not None else ""
+        unit = getattr(corpus, "unit", "tokens")
         dropped = f" ({corpus.dropped:,} longer than sequence_len left out)" if getattr(corpus, "dropped", 0) else ""
+        if getattr(corpus, "duplicates", 0):
+            dropped += f" ({corpus.duplicates:,} duplicates left out)"
         lines.append(f"data:       {corpus.name}: {len(corpus):,} {unit}{docs}{dropped}, vocab {corpus.vocab_size}{held}")
         if getattr(corpus, "prepared", ""):
             lines.append(f"  {corpus.prepared}")

@@ -81,12 +81,18 @@ def _validate(args: argparse.Namespace) -> int:
         cfg.validate(world.size, launcher=world.launcher)
         mesh = cfg.mesh(world.size)
         rules = cfg.build_rules(mesh)
-        data = load_data(cfg)
+        if cfg.rl is None:
+            data = load_data(cfg)
+        else:                          # preference pairs / KTO completions (docs/preference.md)
+            from functional_pp.app.preference_run import load_pairs, pair_steps, preference_spec
+            preference_spec(cfg)
+            data = load_pairs(cfg)
         model_cfg = model_config(cfg)
         vocab = model_family(cfg).vocab_size(model_cfg)
         if data.vocab_size > vocab:
             raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only {vocab}")
-        cfg.set_epochs(check_batches(cfg, data, cfg.global_batch(mesh, rules)))
+        gb = cfg.global_batch(mesh, rules)
+        cfg.set_epochs(check_batches(cfg, data, gb) if cfg.rl is None else pair_steps(data.train, gb, cfg))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),

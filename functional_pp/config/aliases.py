@@ -142,7 +142,6 @@ UNSUPPORTED: dict[str, str] = {
     "pretraining_dataset": "streaming pretraining datasets are not supported: give the files as "
                            "datasets: [{path: ..., type: completion}]",
     "min_sample_len": "dropping short rows is not supported: remove it",
-    "dataset_exact_deduplication": "deduplicating rows is not supported: remove it",
     "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
     "model_config": "overriding base_model's config (model_config) is not supported: edit its "

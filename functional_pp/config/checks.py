@@ -51,22 +51,24 @@ def check_base_quantization(cfg: Any, add) -> None:
 
 
 #: ``rl:`` methods trained here (docs/preference.md)
-RL_METHODS = ("dpo", "ipo", "orpo", "simpo")
+RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto")
 #: ``rl:`` methods of Axolotl not built yet -> why
-RL_NOT_BUILT = {**{m: "it samples completions from the policy, and generation is not built yet"
-                   for m in ("grpo", "gdpo", "ebft", "online_dpo", "ppo")},
-                "kto": "KTO's unpaired (desirable / undesirable) datasets are not read yet (its loss is "
-                       "functional_pp.preference.kto_losses)"}
-_RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha")
+RL_NOT_BUILT = {m: "it trains on completions sampled from the policy, and that online loop is not built yet "
+                   "(sampling is: docs/generation.md)"
+                for m in ("grpo", "gdpo", "ebft", "online_dpo", "ppo")}
+_RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
 
 
 def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
     the preference keys only with ``rl``; preference data unpacked, no pipeline."""
     if cfg.rl is None:
+        if cfg.dataset_exact_deduplication:
+            add("dataset_exact_deduplication: deduplicating rows is supported for preference data (rl:) only: "
+                "remove it")
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
-            add(f"{given[0]} is set but rl is not: add rl: dpo (or ipo, orpo, simpo), or remove it")
+            add(f"{given[0]} is set but rl is not: add rl: dpo (or ipo, orpo, simpo, kto), or remove it")
         return
     rl = str(cfg.rl).lower()
     if rl in RL_NOT_BUILT:
@@ -79,23 +81,33 @@ def check_preference(cfg: Any, add) -> None:
         add(f"rl_beta must be > 0, got {cfg.rl_beta}")
     if cfg.orpo_alpha is not None and not cfg.orpo_alpha > 0:
         add(f"orpo_alpha must be > 0, got {cfg.orpo_alpha}")
+    for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+        value = getattr(cfg, key)
+        if value is not None and rl != "kto":
+            add(f"{key} is read by rl: kto only (this config has rl: {cfg.rl}): remove it")
+        elif value is not None and not value > 0:
+            add(f"{key} must be > 0, got {value}")
     if not 0 <= cfg.dpo_label_smoothing < 0.5:
         add(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
     if cfg.pp_size > 1:
         add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: preference training under a pipeline is not built; "
             f"use dp / fsdp / tp / cp")
     from functional_pp.data.pairs import PAIR_TYPES
+    from functional_pp.data.unpaired import KTO_TYPES
+    types, fields = ((KTO_TYPES, "prompt / completion / label fields (field_prompt, field_completion, field_label)")
+                     if rl == "kto" else
+                     (PAIR_TYPES, "prompt / chosen / rejected fields (field_prompt, field_chosen, field_rejected)"))
     for i, entry in enumerate(cfg.datasets or []):
-        if entry.type is not None and entry.type not in PAIR_TYPES:
-            add(f"rl: {cfg.rl}: datasets[{i}].type {entry.type!r} is not a preference dataset type built here; "
-                f"choose one of {', '.join(PAIR_TYPES)}, or leave type out for plain prompt / chosen / rejected "
-                f"fields (field_prompt, field_chosen, field_rejected)")
-    if cfg.val_set_size:
-        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: held-out preference evaluation is not built; "
-            f"remove val_set_size")
+        if entry.type is not None and entry.type not in types:
+            add(f"rl: {cfg.rl}: datasets[{i}].type {entry.type!r} is not a "
+                f"{'KTO' if rl == 'kto' else 'preference'} dataset type built here; "
+                f"choose one of {', '.join(types)}, or leave type out for plain {fields}")
+    if cfg.val_set_size and rl == "kto":
+        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: held-out KTO evaluation is not built (held-out "
+            f"pairs are, for dpo / ipo / orpo / simpo); remove val_set_size")
     if not cfg.datasets:
-        add(f"rl: {cfg.rl} trains on chosen / rejected pairs: give datasets: [{{path: pairs.jsonl}}] "
-            f"(docs/preference.md)")
+        what = "unpaired completions labelled desirable or not" if rl == "kto" else "chosen / rejected pairs"
+        add(f"rl: {cfg.rl} trains on {what}: give datasets: [{{path: data.jsonl}}] (docs/preference.md)")
 
 
 def check_adapter(cfg: Any, add) -> None:

@@ -118,6 +118,8 @@ class DatasetConfig:
     field_prompt: str = fld("prompt", "rl (preference pairs, type omitted): the prompt field")
     field_chosen: str = fld("chosen", "rl (preference pairs, type omitted): the chosen completion's field")
     field_rejected: str = fld("rejected", "rl (preference pairs, type omitted): the rejected completion's field")
+    field_completion: str = fld("completion", "rl: kto (type omitted): the completion's field")
+    field_label: str = fld("label", "rl: kto: the field saying whether the completion is desirable (true / false)")
     split: str = fld("train", "HF `datasets` on disk: the split to read")
     pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
     dtype: str | None = fld(None, "pretokenized .bin: the token dtype (uint16 | uint32 | int32; default "

@@ -129,8 +129,9 @@ class TrainConfig:
     layout: Literal["manual", "auto"] = fld("manual", "auto: functional_pp.plan picks the mesh and "
                                                       "rules for the devices at hand (docs/planning.md)")
     # preference fine-tuning (Axolotl / TRL names; docs/preference.md)
-    rl: str | None = fld(None, "preference fine-tuning from chosen / rejected pairs: dpo | ipo | orpo | simpo "
-                               "(TRL's losses; docs/preference.md)")
+    rl: str | None = fld(None, "preference fine-tuning from chosen / rejected pairs: dpo | ipo | orpo | simpo; "
+                               "from unpaired completions labelled desirable or not: kto (TRL's losses; "
+                               "docs/preference.md)")
     rl_beta: float | None = fld(None, "the preference loss's beta (TRL's; default 0.1, simpo 2.0)")
     dpo_loss_type: str | None = fld(None, "rl: dpo: TRL's loss_type, sigmoid | hinge | ipo | robust "
                                           "(default sigmoid; rl: ipo is ipo)")
@@ -138,6 +139,13 @@ class TrainConfig:
     orpo_alpha: float | None = fld(None, "rl: orpo: the odds-ratio term's weight (TRL's beta; default 0.1)")
     simpo_gamma: float = fld(0.5, "rl: simpo: the target reward margin")
     cpo_alpha: float = fld(1.0, "rl: simpo: the weight of the chosen completions' NLL (TRL's cpo_alpha; 0: none)")
+    dataset_exact_deduplication: bool = fld(False, "rl: leave out preference pairs (KTO: completions) equal to an "
+                                                   "earlier one, in every dataset (Axolotl's; language-model data: "
+                                                   "not supported)")
+    kto_desirable_weight: float | None = fld(None, "rl: kto: the weight of desirable completions' losses "
+                                                   "(TRL's desirable_weight; default 1.0)")
+    kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
+                                                     "(TRL's undesirable_weight; default 1.0)")
     # adapters and frozen parameters (Axolotl / peft names; docs/adapters.md)
     adapter: Literal["lora", "qlora"] | None = fld(None, "lora: train LoRA adapters of the targeted "
                                                          "weights, the rest frozen; qlora: lora on an NF4 "

@@ -1,4 +1,6 @@
-"""Deterministic, mesh-independent batches of preference pairs (docs/preference.md): step
+"""Deterministic, mesh-independent batches of preference pairs or of KTO's unpaired completions
+(any set with ``batch_rows``: :class:`~functional_pp.data.pairs.PairSet`,
+:class:`~functional_pp.data.unpaired.CompletionSet`; docs/preference.md): step
 ``t``'s global batch is pairs ``perm[t*B:(t+1)*B]`` of epoch ``t // steps_per_epoch``'s
 permutation (``np.random.default_rng([seed, epoch])``); a device gets its rows and sequence
 part of it (:func:`~functional_pp.data.loader.shard_batch`), as :class:`DataLoader` does."""
@@ -10,49 +12,64 @@ import numpy as np
 import torch
 
 from functional_pp.data.loader import shard_batch
-from functional_pp.data.pairs import PairSet, pair_rows
+from functional_pp.data.pairs import PairSet
 
 __all__ = ["PairLoader", "PAIR_BATCH_DIMS"]
 
 #: the named dimensions of a pair batch's tensors (the training step's ``batch_dims``)
-PAIR_BATCH_DIMS = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
-                                            "chosen_lm_labels")}
+PAIR_BATCH_DIMS = PairSet.batch_dims
 
 
 class PairLoader:
     """Batches of ``global_batch_size`` pairs for one device (``dp_rank`` / ``cp_rank`` of
     their sizes, as :class:`~functional_pp.data.DataLoader`); the leftover pairs of an epoch
-    are skipped."""
+    are skipped. ``drop_last=False`` (a held-out set): fewer pairs than a batch are allowed,
+    read with ``each_window_once``."""
 
-    def __init__(self, pairs: PairSet, *, global_batch_size: int, seq_len: int, seed: int = 0, dp_rank: int = 0,
-                 dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_balanced: bool = True) -> None:
-        if len(pairs) < global_batch_size:
-            raise ValueError(f"{len(pairs)} preference pairs (of {pairs.name}) are fewer than one batch of "
+    def __init__(self, pairs: Any, *, global_batch_size: int, seq_len: int, seed: int = 0, dp_rank: int = 0,
+                 dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_balanced: bool = True,
+                 drop_last: bool = True) -> None:
+        if not len(pairs):
+            raise ValueError(f"no {pairs.unit} in {pairs.name}")
+        if drop_last and len(pairs) < global_batch_size:
+            raise ValueError(f"{len(pairs)} {pairs.unit} (of {pairs.name}) are fewer than one batch of "
                              f"{global_batch_size}: lower micro_batch_size / gradient_accumulation_steps or add pairs")
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         self.pairs, self.global_batch_size, self.seq_len, self.seed = pairs, int(global_batch_size), int(seq_len), seed
         self.shard = dict(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size, balanced=cp_balanced)
-        self.steps_per_epoch = len(pairs) // self.global_batch_size
+        self.steps_per_epoch = max(1, len(pairs) // self.global_batch_size)
         self.step = 0
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def pair_indices(self, step: int) -> np.ndarray:
-        """The indices of step ``step``'s global pairs."""
+        """The indices of step ``step``'s global pairs (or completions)."""
         epoch, i = divmod(int(step), self.steps_per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
         return order[i * self.global_batch_size:(i + 1) * self.global_batch_size]
 
-    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
-        """The full, unsharded batch of ``step`` (the single-device oracle)."""
-        rows = [pair_rows(self.pairs.pairs[j], self.seq_len, self.pairs.pad_id) for j in self.pair_indices(step)]
-        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+    @property
+    def num_windows(self) -> int:
+        """The pairs an evaluation covers once (``app/evaluate.py``)."""
+        return len(self.pairs)
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+    def global_batch(self, step: int, each_window_once: bool = False) -> dict[str, torch.Tensor]:
+        """The full, unsharded batch of ``step`` (the single-device oracle); ``each_window_once``
+        (evaluation): pairs ``step*B .. step*B + B - 1`` in order, those past the last wrapping
+        around with weight 0 (``pair_weight``; they train no label), so that every pair counts once."""
+        if each_window_once:
+            at = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
+            rows = self.pairs.batch_rows(at % len(self.pairs), self.seq_len, weights=at < len(self.pairs))
+        else:
+            rows = self.pairs.batch_rows(self.pair_indices(step), self.seq_len)
+        return {k: torch.from_numpy(v) for k, v in rows.items()}
+
+    def batch(self, step: int, each_window_once: bool = False) -> dict[str, torch.Tensor]:
         """This device's block of step ``step``'s batch."""
-        return {k: v.contiguous() for k, v in shard_batch(self.global_batch(step), **self.shard).items()}
+        return {k: v.contiguous() for k, v in
+                shard_batch(self.global_batch(step, each_window_once), **self.shard).items()}
 
     def __iter__(self) -> "PairLoader":
         return self

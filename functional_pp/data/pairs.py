@@ -7,8 +7,10 @@ Types: ``chatml.intel`` (``question``), ``chatml.argilla`` (``prompt`` / ``input
 ``question`` / ``instruction``; ``chosen`` or ``chosen_response``), ``chatml.icr``
 (``input``), ``chatml.prompt_pairs`` (``prompt``), ``chatml.ultra`` and ``chatml.argilla_chat``
 (chosen / rejected as message lists): Axolotl's ChatML prompt ``<|im_start|>user ...
-<|im_start|>assistant`` (an optional ``system`` first), completions ending ``<|im_end|>``. No
-type: the ``field_prompt``, ``field_chosen``, ``field_rejected`` texts as they are."""
+<|im_start|>assistant`` (an optional ``system`` first), completions ending ``<|im_end|>``;
+``chat_template.default`` and ``chat_template.argilla_chat``: conversations rendered with the
+run's chat template (:mod:`functional_pp.data.chat_pairs`). No type: the ``field_prompt``,
+``field_chosen``, ``field_rejected`` texts as they are."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,7 +19,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from functional_pp.data.formats import ByteTokenizer, _records, _text_field, _with_bos
+from functional_pp.data.chat_pairs import CHAT_PAIR_TYPES, ChatPairReader
+from functional_pp.data.formats import ByteTokenizer, _records, _text_field, _with_bos, chat_spec
 
 __all__ = ["PAIR_TYPES", "Pair", "PairSet", "pair_texts", "tokenize_pair", "build_pairs"]
 
@@ -25,7 +28,7 @@ _IM_END = "<|im_end|>"
 #: Axolotl's chatml.* preference types -> the record fields holding the prompt (first found)
 _CHATML_PROMPT = {"chatml.intel": ("question",), "chatml.icr": ("input",), "chatml.prompt_pairs": ("prompt",),
                   "chatml.ultra": ("prompt",), "chatml.argilla": ("prompt", "input", "question", "instruction")}
-PAIR_TYPES = (*_CHATML_PROMPT, "chatml.argilla_chat")
+PAIR_TYPES = (*_CHATML_PROMPT, "chatml.argilla_chat", *CHAT_PAIR_TYPES)
 
 
 @dataclass
@@ -47,9 +50,35 @@ class PairSet:
     name: str
     dropped: int = 0                       # pairs longer than seq_len, left out
     stats: list = field(default_factory=list)
+    duplicates: int = 0                    # pairs equal to an earlier one, left out (dataset_exact_deduplication)
+
+    #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
+    batch_dims = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
+                                           "chosen_lm_labels", "pair_weight")}
+    unit = "preference pairs"
 
     def __len__(self) -> int:
         return len(self.pairs)
+
+    def batch_rows(self, indices: Any, seq_len: int, weights: Any = None) -> dict[str, np.ndarray]:
+        """The rows of pairs ``indices`` (:func:`pair_rows`), stacked, and ``pair_weight`` (each
+        pair's weight along its row: 1, or ``weights``; a pair of weight 0 trains no label)."""
+        rows = [pair_rows(self.pairs[j], seq_len, self.pad_id) for j in indices]
+        out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        w = np.ones(len(rows), dtype=np.float32) if weights is None else np.asarray(weights, dtype=np.float32)
+        for k in ("chosen_labels", "rejected_labels", "chosen_lm_labels"):
+            out[k][w == 0] = -100
+        out["pair_weight"] = np.repeat(w[:, None], seq_len, axis=1)
+        return out
+
+    def split(self, n_val: int, seed: int) -> tuple["PairSet", "PairSet"]:
+        """``(train, held out)``: ``n_val`` pairs chosen by the seed held out (as
+        ``val_set_size`` holds out examples of language-model data)."""
+        held = set(np.random.default_rng([seed, 7]).permutation(len(self.pairs))[len(self.pairs) - n_val:].tolist())
+        train = [x for i, x in enumerate(self.pairs) if i not in held]
+        val = [x for i, x in enumerate(self.pairs) if i in held]
+        return (PairSet(train, self.vocab_size, self.pad_id, self.name, self.dropped, self.stats, self.duplicates),
+                PairSet(val, self.vocab_size, self.pad_id, f"{self.name}[val]"))
 
 
 def _chatml_prompt(system: str | None, user: str) -> str:
@@ -75,6 +104,9 @@ def pair_texts(rec: Any, entry: Any, where: str, n: int) -> tuple[str, str, str]
     if kind is None:
         return tuple(_text_field(rec, k, where, n) for k in (entry.field_prompt, entry.field_chosen,
                                                               entry.field_rejected))
+    if kind in CHAT_PAIR_TYPES:
+        raise ValueError(f"{where}: type {kind!r} renders conversations with a chat template: read it with "
+                         f"ChatPairReader (build_pairs does)")
     if kind not in PAIR_TYPES:
         raise ValueError(f"{where.split(':')[0]}.type {kind!r} is not a preference dataset type; choose one of "
                          f"{', '.join(PAIR_TYPES)}, or leave type out for plain prompt / chosen / rejected fields")
@@ -94,18 +126,65 @@ def pair_texts(rec: Any, entry: Any, where: str, n: int) -> tuple[str, str, str]
     return prompt, _text_field(rec, chosen, where, n) + _IM_END, _text_field(rec, rejected, where, n) + _IM_END
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def tokenize_completions(tok: Any, prompt: str, completions: list[str]) -> tuple[list[int], list[list[int]]]:
+    """TRL 1.16's tokenization (``DPOTrainer`` / ``KTOTrainer._prepare_dataset``) as Axolotl
+    runs it: the tokenizer's EOS text appended to each completion that does not end with it;
+    the prompt and each prompt + completion tokenized whole (with BOS where the tokenizer adds
+    one, a doubled BOS made one as Axolotl's trainer does); the completions start where the
+    prompt's tokens and every sequence's stop agreeing. Returns ``(prompt ids, completion ids)``."""
+    eos_text = (getattr(tok, "special_tokens", None) or {}).get("eos_token")
+    if eos_text:
+        completions = [c if c.endswith(eos_text) else c + eos_text for c in completions]
+
+    def ids_of(text: str) -> list[int]:
+        ids = _with_bos(tok, tok.encode(text), None)[0]
+        return ids[1:] if tok.bos_id is not None and ids[:2] == [tok.bos_id] * 2 else ids
+
+    p = ids_of(prompt)
+    whole = [ids_of(prompt + c) for c in completions]
+    n = min(_common_prefix(p, w) for w in whole)
+    out = [w[n:] for w in whole]
+    if not eos_text and tok.eos_id is not None:          # a tokenizer without an EOS text: its id
+        out = [c if c[-1:] == [tok.eos_id] else [*c, tok.eos_id] for c in out]
+    return p[:n], out
+
+
 def tokenize_pair(tok: Any, prompt: str, chosen: str, rejected: str) -> Pair:
-    """TRL's tokenization: the prompt (with BOS where the tokenizer adds one), each completion
-    with EOS appended (unless it already ends with it)."""
-    def completion(text: str) -> list[int]:
-        ids = tok.encode(text)
-        return ids if tok.eos_id is None or ids[-1:] == [tok.eos_id] else [*ids, tok.eos_id]
-    return Pair(_with_bos(tok, tok.encode(prompt), None)[0], completion(chosen), completion(rejected))
+    """A pair tokenized as :func:`tokenize_completions` (TRL's ``DPOTrainer``)."""
+    p, (c, r) = tokenize_completions(tok, prompt, [chosen, rejected])
+    return Pair(p, c, r)
 
 
-def _entry_pairs(entry: Any, tok: Any, where: str) -> Iterator[tuple[int, Pair]]:
+def _readers(entries: list, tok: Any, chat_template: str | None, chat_template_jinja: str | None) -> list:
+    """Per entry: the :class:`ChatPairReader` of a ``chat_template.*`` type, else None."""
+    out = []
+    for i, entry in enumerate(entries):
+        if entry.type not in CHAT_PAIR_TYPES:
+            out.append(None)
+            continue
+        spec = chat_spec(entry, tok, train_inputs=False, default_template=chat_template,
+                         default_jinja=chat_template_jinja, where=f"datasets[{i}]")
+        try:
+            out.append(ChatPairReader.for_entry(entry, spec.template, spec.special_tokens))
+        except ValueError as exc:
+            raise ValueError(f"datasets[{i}]: {exc}") from exc
+    return out
+
+
+def _entry_pairs(entry: Any, tok: Any, where: str, reader: ChatPairReader | None) -> Iterator[tuple[int, Pair]]:
     for n, rec in enumerate(_records(Path(entry.path), entry.ds_type, entry.split, where), start=1):
-        prompt, chosen, rejected = pair_texts(rec, entry, where, n)
+        if reader is None:
+            prompt, chosen, rejected = pair_texts(rec, entry, where, n)
+        else:
+            try:
+                prompt, chosen, rejected = reader.texts(rec)
+            except ValueError as exc:
+                raise ValueError(f"{where}: record {n}: {exc}") from exc
         if not chosen or not rejected:
             side = "chosen" if not chosen else "rejected"
             raise ValueError(f"{where}: record {n}: the {side} completion is empty; every pair needs two completions")
@@ -116,17 +195,29 @@ def _entry_pairs(entry: Any, tok: Any, where: str) -> Iterator[tuple[int, Pair]]
         yield n, pair
 
 
-def build_pairs(entries: list, tokenizer: Any, *, seq_len: int) -> PairSet:
+def build_pairs(entries: list, tokenizer: Any, *, seq_len: int, chat_template: str | None = None,
+                chat_template_jinja: str | None = None, deduplicate: bool = False) -> PairSet:
     """The preference pairs of ``datasets:`` entries (DatasetConfig), tokenized; a pair whose
     prompt and longer completion exceed ``seq_len`` tokens is left out and counted (Axolotl
-    drops them too); no pair left is an error naming the shortest length found."""
+    drops them too); no pair left is an error naming the shortest length found.
+    ``chat_template`` / ``chat_template_jinja``: the run's template for ``chat_template.*``
+    entries that name none (none at all: the tokenizer's, else ChatML). ``deduplicate`` (Axolotl's
+    ``dataset_exact_deduplication``): a pair equal to an earlier one (the same tokens) is left out
+    and counted."""
     tok = tokenizer or ByteTokenizer()
-    pairs, dropped, shortest = [], 0, None
+    pairs, dropped, shortest, seen, duplicates = [], 0, None, set(), 0
+    readers = _readers(entries, tok, chat_template, chat_template_jinja)
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
             raise FileNotFoundError(f"{where}: no such file or directory")
-        for _, pair in _entry_pairs(entry, tok, where):
+        for _, pair in _entry_pairs(entry, tok, where, readers[i]):
+            if deduplicate:
+                key = (tuple(pair.prompt), tuple(pair.chosen), tuple(pair.rejected))
+                if key in seen:
+                    duplicates += 1
+                    continue
+                seen.add(key)
             need = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
             if need > seq_len:
                 dropped += 1
@@ -139,7 +230,7 @@ def build_pairs(entries: list, tokenizer: Any, *, seq_len: int) -> PairSet:
                          + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
                             else "(the datasets hold no record)"))
     pad = tok.eos_id if tok.eos_id is not None else 0
-    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped)
+    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped, duplicates=duplicates)
 
 
 def pair_rows(pair: Pair, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

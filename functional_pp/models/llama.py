@@ -25,7 +25,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import moe
+from functional_pp.models import kv_cache, moe
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
@@ -489,7 +489,13 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    o = attend(q, k, v, causal=True, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
+    causal, cache = True, kv_cache.active()
+    if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
+        k, v, causal = cache.extend(k, v)
+        if window is not None and not causal:
+            raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
+                             f"(this model's layers attend within {window} tokens)")
+    o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
@@ -557,6 +563,9 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"), device=tokens.data.device)
+    cache = kv_cache.active()
+    if cache is not None:                                 # sampling: positions after the cached tokens
+        pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
@@ -568,6 +577,8 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         extra = (segments, window) if window is not None else () if segments is None else (segments,)
         x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
     x = norm_at(params, "norm", x, cfg)
+    if cache is not None:
+        cache.finish()
     return ops.rename(x, res_seq="seq")
 
 

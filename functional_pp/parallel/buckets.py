@@ -138,7 +138,9 @@ class GradBuckets:
         y = g.to(wide) if wide else g
         key = (axes, group, y.dtype, y.device)
         bucket = self.open.get(key)
-        if bucket is None:
+        # (a bucket is launched early when one of its placeholders is read during backward, e.g.
+        # summed with another gradient of a parameter used twice: the next gradient opens a new one)
+        if bucket is None or bucket.launched:
             bucket = self.open[key] = _Bucket(ctx, axes, group, y.device)
             self.buckets.append(bucket)
         offset, numel = bucket.append(y)

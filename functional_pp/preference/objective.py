@@ -1,6 +1,7 @@
-"""The training objective of ``rl: dpo | ipo | orpo | simpo`` (docs/preference.md): a loss
-``loss(params, batch)`` over a batch of pairs (``data/pair_loader.py``) for the training step,
-from a function giving the policy's logits and, for DPO / IPO, the reference's.
+"""The training objective of ``rl: dpo | ipo | orpo | simpo | kto`` (docs/preference.md): a loss
+``loss(params, batch)`` over a batch of pairs (``data/pair_loader.py``; KTO: unpaired
+completions, ``data/unpaired.py``) for the training step, from a function giving the policy's
+logits and, for DPO / IPO / KTO, the reference's.
 
 Each side's completion log-probability is the sum of its tokens' log-probabilities
 (:func:`functional_pp.ops.token_log_probs`, the vocabulary possibly split) over the sequence
@@ -20,10 +21,10 @@ from functional_pp.ops.elementwise import broadcast
 from functional_pp.parallel.named import Named, settle
 from functional_pp.preference import losses as L
 
-__all__ = ["PreferenceSpec", "METHODS", "sequence_logps", "preference_loss"]
+__all__ = ["PreferenceSpec", "METHODS", "sequence_logps", "preference_loss", "kto_loss"]
 
 #: ``rl:`` methods -> whether they compare with a reference model
-METHODS = {"dpo": True, "ipo": True, "orpo": False, "simpo": False}
+METHODS = {"dpo": True, "ipo": True, "orpo": False, "simpo": False, "kto": True}
 Logits = Callable[[Any, Named], Named]
 
 
@@ -31,12 +32,14 @@ Logits = Callable[[Any, Named], Named]
 class PreferenceSpec:
     """One preference method and its TRL arguments."""
 
-    method: str                     # dpo | ipo | orpo | simpo
+    method: str                     # dpo | ipo | orpo | simpo | kto
     beta: float
     loss_type: str = "sigmoid"      # dpo: DPO_LOSS_TYPES (ipo: "ipo"); simpo: "simpo"; orpo: unused
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
+    desirable_weight: float = 1.0   # kto
+    undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +48,9 @@ class PreferenceSpec:
             raise ValueError(f"dpo_loss_type {self.loss_type!r} is not one of {', '.join(L.DPO_LOSS_TYPES)}")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"kto_{key} must be > 0, got {getattr(self, key)}")
 
     @property
     def needs_reference(self) -> bool:
@@ -63,6 +69,15 @@ def _per_sequence(fn: Callable, operands: list, name: str) -> Named:
     return broadcast(fn, operands, name)
 
 
+def _batch_mean(value: Named, weight: Named | None) -> Named:
+    """The mean over the batch, or weighted by each row's ``pair_weight`` (an evaluation's
+    wrapped last batch holds pairs of weight 0: data/pair_loader.py)."""
+    if weight is None:
+        return ops.mean(value, "batch")
+    rows = ops.mean(weight, "seq")
+    return ops.sum(value * rows, "batch") / ops.sum(rows, "batch")
+
+
 def _report(name: str, value: Named) -> None:
     step_values.report(name, settle(ops.mean(value.map(lambda t: t.detach().float()), "batch")).data)
 
@@ -74,6 +89,8 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
     gradient)."""
     if spec.needs_reference and reference is None:
         raise ValueError(f"rl: {spec.method} compares with a reference model: give reference")
+    if spec.method == "kto":
+        return kto_loss(spec, policy, reference)
 
     def loss(params: Any, batch: dict) -> Named:
         chosen_logits = policy(params, batch["chosen_tokens"])
@@ -104,7 +121,7 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
             # the chosen sequences' NLL: ORPO's over prompt and completion, CPO's over the completion (TRL)
             nll_labels = batch["chosen_lm_labels" if spec.method == "orpo" else "chosen_labels"]
             nll = ops.cross_entropy(chosen_logits, nll_labels) * weight if weight else None
-        out = ops.mean(_per_sequence(lambda *t: pair(*t).losses, operands, what), "batch")
+        out = _batch_mean(_per_sequence(lambda *t: pair(*t).losses, operands, what), batch.get("pair_weight"))
         if step_values.active():
             good = _per_sequence(lambda *t: pair(*t).chosen_rewards, operands, what)
             bad = _per_sequence(lambda *t: pair(*t).rejected_rewards, operands, what)
@@ -117,4 +134,43 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
             if nll is not None:
                 step_values.report("nll_loss", settle(nll).data.detach() / weight)
         return out if nll is None else out + nll
+    return loss
+
+
+def _mean_where(value: Named, weight: Named) -> Named:
+    """The mean of ``value`` over the batch's rows where ``weight`` is 1 (0 where there are none)."""
+    count = ops.sum(weight, "batch")
+    return ops.sum(value * weight, "batch") / count.map(lambda t: t.clamp(min=1))
+
+
+def kto_loss(spec: PreferenceSpec, policy: Logits, reference: Logits) -> Callable[[Any, dict], Named]:
+    """KTO (TRL ``KTOTrainer``, ``loss_type='kto'``) over a batch of unpaired completions
+    (``tokens`` / ``labels``, ``desirable``, the mismatched ``kl_tokens`` / ``kl_labels``):
+    the KL estimate is the mean over the batch (every data-parallel rank's rows, as TRL gathers
+    it over processes) of the policy's minus the reference's log-probability of the KL rows,
+    without gradient, clamped at 0; each completion's loss is :func:`~.losses.kto_losses` of its
+    log-ratio, weighted by ``desirable_weight`` / ``undesirable_weight``; the loss is their mean."""
+    def loss(params: Any, batch: dict) -> Named:
+        logps, _ = sequence_logps(policy(params, batch["tokens"]), batch["labels"])
+        desirable = ops.mean(batch["desirable"], "seq")
+        with torch.no_grad():
+            ref, _ = sequence_logps(reference(params, batch["tokens"]), batch["labels"])
+            kl_policy, _ = sequence_logps(policy(params, batch["kl_tokens"]), batch["kl_labels"])
+            kl_ref, _ = sequence_logps(reference(params, batch["kl_tokens"]), batch["kl_labels"])
+            kl = ops.mean(kl_policy - kl_ref, "batch")
+
+        def per_example(lp, r, d, k):
+            return L.kto_losses(lp, r, d > 0.5, k, beta=spec.beta, desirable_weight=spec.desirable_weight,
+                                undesirable_weight=spec.undesirable_weight)
+        out = ops.mean(_per_sequence(lambda *t: per_example(*t)[0], [logps, ref, desirable, kl], "kto"), "batch")
+        if step_values.active():
+            rewards = _per_sequence(lambda *t: per_example(*t)[1], [logps, ref, desirable, kl], "kto")
+            undesirable = desirable.map(lambda t: 1 - t)
+            good, bad = _mean_where(rewards, desirable), _mean_where(rewards, undesirable)
+            step_values.report("kl", settle(kl).data.detach().clamp(min=0).float())
+            for name, value in (("rewards_chosen", good), ("rewards_rejected", bad), ("rewards_margins", good - bad),
+                                ("logps_chosen", _mean_where(logps.map(lambda t: t.detach()), desirable)),
+                                ("logps_rejected", _mean_where(logps.map(lambda t: t.detach()), undesirable))):
+                step_values.report(name, settle(value).data.detach().float())
+        return out
     return loss

@@ -1,7 +1,8 @@
-"""``rl: dpo`` (and ipo, orpo, simpo) from an Axolotl-style config, end to end: a tiny Llama
-fine-tuned on chosen / rejected pairs, its loss equal to TRL's DPOTrainer on transformers'
-Llama with the run's weights (a step past the first, where the policy differs from the
-reference), a FSDP x TP layout equal to one device, and unsupported methods refused first."""
+"""``rl: dpo`` (and ipo, orpo, simpo, kto) from an Axolotl-style config, end to end: a tiny Llama
+fine-tuned on chosen / rejected pairs (KTO: unpaired completions), its loss equal to TRL's
+DPOTrainer / KTOTrainer on transformers' Llama with the run's weights (a step past the first,
+where the policy differs from the reference), a FSDP x TP layout equal to one device, and
+unsupported methods refused first."""
 from __future__ import annotations
 
 import io
@@ -9,10 +10,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from chat_tokenizer import make_tokenizer
-from trl_oracle import dpo_loss
+from trl_oracle import dpo_loss, kto_loss
 
 from functional_pp.app.export import export_run
 from functional_pp.app.loop import train
@@ -127,8 +129,7 @@ def test_other_methods_train(base, pairs, tmp_path, method, over):
     assert m[-1]["rewards_margins"] > m[0]["rewards_margins"]
 
 
-@pytest.mark.parametrize("rl,why", [("grpo", "generation is not built yet"), ("kto", "unpaired"),
-                                     ("ebft", "generation is not built yet")])
+@pytest.mark.parametrize("rl,why", [("grpo", "online loop is not built yet"), ("ebft", "online loop is not built yet")])
 def test_unsupported_methods_are_refused_by_name_before_any_work(base, pairs, tmp_path, rl, why):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=f"'rl: {rl}' is not supported yet: .*{why}"):
@@ -153,6 +154,199 @@ def test_bad_pairs_are_refused_naming_the_record(base, tmp_path):
 def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
     whole = train(config(base, pairs, tmp_path / "whole", max_steps=4), simulate=1, stream=io.StringIO())
     split = config(base, pairs, tmp_path / "split", max_steps=4)
+    first = train(split, simulate=1, stop_after=2, stream=io.StringIO())
+    second = train(split, simulate=1, resume=True, stream=io.StringIO())
+    assert first.stopped and second.start_step == 2
+    assert first.losses + second.losses == whole.losses
+
+
+def test_dpo_from_a_chat_template_dataset_as_axolotls_example_writes_it(tmp_path):
+    """Axolotl's llama-3 DPO example's dataset entry (type chat_template.default, field_messages,
+    message_property_mappings, roles) and chat_template: llama3, as written; a tiny Llama."""
+    import yaml
+    from axolotl_corpus import CORPUS
+    raw = yaml.safe_load((CORPUS / "llama-3/instruct-dpo-lora-8b.yml").read_text())
+    d = tmp_path / "llama"
+    tok = make_tokenizer(d, "<|begin_of_text|>", "<|eot_id|>")
+    torch.manual_seed(0)
+    conf = transformers.LlamaConfig(vocab_size=tok.vocab_size, **{**KW, "max_position_embeddings": 128})
+    transformers.LlamaForCausalLM(conf).save_pretrained(d)
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps({"conversation": [{"role": "user", "content": q}],
+                                     "chosen": {"role": "assistant", "content": f"Yes: {i}."},
+                                     "rejected": {"role": "assistant", "content": "No."}}) + "\n"
+                         for i, q in enumerate(QUESTIONS)))
+    entry = {**raw["datasets"][0], "path": str(f)}
+    out = tmp_path / "run"
+    cfg = config(d, f, out, datasets=[entry], chat_template=raw["chat_template"], adapter="lora", lora_r=4,
+                 lora_alpha=8, lora_target_linear=True, sequence_len=96)
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)      # the adapters start at zero
+    assert r.losses[-1] < r.losses[0] and m[-1]["rewards_margins"] > 0
+
+
+@pytest.fixture(scope="module")
+def unpaired(tmp_path_factory) -> Path:
+    """Intel-Orca-style KTO records (chatml.intel): a question, one answer, desirable or not."""
+    f = tmp_path_factory.mktemp("kto") / "kto.jsonl"
+    with open(f, "w") as out:
+        for i, q in enumerate(QUESTIONS * 2):
+            good = i % 3 != 1
+            out.write(json.dumps({"question": q, "completion": f"Sure: answer {i % 5}." if good else "No.",
+                                  "label": good}) + "\n")
+    return f
+
+
+def _kto_config(base, data, out, **over):
+    kto = dict(rl="kto", rl_beta=0.3, kto_desirable_weight=1.2, kto_undesirable_weight=0.8)
+    return config(base, data, out, **{**kto, **over})
+
+
+def _trl_kto_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) -> tuple[float, dict]:
+    """TRL's KTOTrainer loss of step ``step``'s completions (as the run's loader gives them,
+    with their KL rows) with the policy and reference read by transformers."""
+    from functional_pp.app.preference_run import load_pairs
+    from functional_pp.data.pair_loader import PairLoader
+    data = load_pairs(cfg).train
+    batch = PairLoader(data, global_batch_size=cfg.micro_batch_size, seq_len=cfg.sequence_len,
+                       seed=cfg.seed).global_batch(step)
+    masks = {}
+    for key in ("", "kl_"):
+        m = torch.zeros_like(batch[f"{key}tokens"])
+        m[:, 1:] = (batch[f"{key}labels"][:, :-1] != -100).long()
+        masks[key] = m
+    models = []
+    for d in (policy_dir, ref_dir):
+        m = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        m.config._attn_implementation = "eager"
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        models.append(m)
+    policy, reference = models
+
+    def ref_logps(key):
+        ids = batch[f"{key}tokens"]
+        return reference(input_ids=ids, labels=ids.masked_fill(masks[key] == 0, -100),
+                         fused_lm_head=True).log_probs.sum(1)
+    with torch.no_grad():
+        loss, metrics = kto_loss(policy, batch["tokens"], masks[""], batch["desirable"][:, 0].bool(), ref_logps(""),
+                                 batch["kl_tokens"], masks["kl_"], ref_logps("kl_"), beta=cfg.rl_beta,
+                                 desirable_weight=cfg.kto_desirable_weight,
+                                 undesirable_weight=cfg.kto_undesirable_weight)
+    return float(loss), metrics
+
+
+def test_kto_run_equals_trl_past_the_first_step(base, unpaired, tmp_path):
+    out = tmp_path / "run"
+    cfg = _kto_config(base, unpaired, out, checkpoint={"save_every": 2})
+    train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    # step 1: the policy is the reference: every log-ratio and the KL 0, each loss w * (1 - sigmoid(0))
+    assert m[0]["kl"] == 0.0 and m[0]["rewards_margins"] == pytest.approx(0.0, abs=1e-6)
+    exported = export_run(out, tmp_path / "hf-step2", step=2)
+    want, metrics = _trl_kto_loss(exported, base, cfg, step=2)
+    assert metrics["kl"] > 0
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    names = [n for n in ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+             if n in metrics]           # (TRL logs a kind's rewards only when the batch holds one)
+    assert len(names) >= 3
+    for name in names:
+        assert m[2][name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
+
+
+def test_kto_with_lora_takes_the_base_as_reference(base, unpaired, tmp_path):
+    cfg = _kto_config(base, unpaired, tmp_path / "lora", adapter="lora", lora_r=4, lora_alpha=8,
+                      lora_target_modules=["q_proj", "v_proj"], max_steps=4)
+    r = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(tmp_path / "lora" / "metrics.jsonl")
+    assert m[0]["kl"] == 0.0                       # the adapters start at zero: policy == base
+    assert m[-1]["kl"] > 0 and r.losses[-1] < r.losses[0]
+
+
+def test_kto_fsdp_tp_run_equals_one_device(base, unpaired, tmp_path):
+    one = train(_kto_config(base, unpaired, tmp_path / "one"), simulate=1, stream=io.StringIO())
+    four = train(_kto_config(base, unpaired, tmp_path / "four", dp_shard_size=2, tp_size=2, micro_batch_size=2),
+                 simulate=4, stream=io.StringIO())
+    assert len(one.losses) == 3 and one.losses[2] != one.losses[0]
+    torch.testing.assert_close(torch.tensor(four.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("rec,over,message", [
+    ({"question": "q", "completion": "a", "label": "true"}, {},
+     r"datasets: datasets\[0\]: .*: record 1: field 'label' is 'true' \(str\), not true or false"),
+    ({"question": "q", "completion": "a", "label": True}, {"datasets": [{"type": "chatml.argilla_chat_x"}]},
+     r"rl: kto: datasets\[0\].type 'chatml.argilla_chat_x' is not a KTO dataset type built here"),
+    ({"question": "q", "completion": "a", "label": True}, {"rl": "dpo", "kto_undesirable_weight": None},
+     r"kto_desirable_weight is read by rl: kto only"),
+    ({"question": "q", "completion": "a", "label": True}, {"kto_undesirable_weight": 0.0},
+     r"kto_undesirable_weight must be > 0, got 0.0"),
+])
+def test_bad_kto_inputs_are_refused_before_any_work(base, tmp_path, rec, over, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps(rec) + "\n")
+    if "datasets" in over:
+        over = {**over, "datasets": [{**over["datasets"][0], "path": str(f)}]}
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        train(_kto_config(base, f, out, **over), simulate=1, stream=io.StringIO())
+    assert not out.exists()
+
+
+def test_held_out_pairs_are_evaluated_as_trl_on_every_layout(base, pairs, tmp_path):
+    """val_set_size holds out pairs (3 of those that fit: the one eval batch of 4 wraps, its 4th
+    pair weighing 0); eval_loss is the mean DPO loss of the held-out pairs, TRL's on the run's
+    weights; a FSDP x TP run evaluates the same."""
+    from functional_pp.app.preference_run import load_pairs
+    out = tmp_path / "run"
+    cfg = config(base, pairs, out, val_set_size=3, checkpoint={"save_every": 2})
+    one = train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    evals = {x["step"]: x["eval_loss"] for x in m if "eval_loss" in x}
+    assert evals[0] == pytest.approx(math.log(2), abs=1e-6)          # policy == reference
+    held = load_pairs(cfg).val
+    train_pairs = load_pairs(cfg).train
+    assert len(held) == 3 and len(train_pairs) + train_pairs.dropped == 13
+    rows = held.batch_rows(range(3), cfg.sequence_len)
+    ids = torch.from_numpy(np.concatenate([rows["chosen_tokens"], rows["rejected_tokens"]]))
+    labels = torch.from_numpy(np.concatenate([rows["chosen_labels"], rows["rejected_labels"]]))
+    mask = torch.zeros_like(ids)
+    mask[:, 1:] = (labels[:, :-1] != -100).long()
+    exported = export_run(out, tmp_path / "hf-step2", step=2)
+    models = []
+    for d in (exported, base):
+        model = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        model.config._attn_implementation = "eager"
+        trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        models.append(model)
+    with torch.no_grad():
+        ref = models[1](input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
+        want, _ = dpo_loss(models[0], ids, mask, ref[:3], ref[3:], beta=cfg.rl_beta, loss_type="sigmoid")
+    assert abs(float(want) - math.log(2)) > 1e-3
+    assert evals[2] == pytest.approx(float(want), rel=2e-5, abs=2e-6)
+    four = train(config(base, pairs, tmp_path / "four", val_set_size=3, dp_shard_size=2, tp_size=2,
+                        micro_batch_size=2), simulate=4, stream=io.StringIO())
+    m4 = read_metrics(tmp_path / "four" / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor(four.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(torch.tensor([x["eval_loss"] for x in m4 if "eval_loss" in x]),
+                               torch.tensor([x["eval_loss"] for x in m if "eval_loss" in x]), rtol=2e-5, atol=2e-6)
+
+
+def test_dpo_lora_with_activation_checkpointing_under_fsdp(base, pairs, tmp_path):
+    """Axolotl's DPO examples: LoRA, gradient_checkpointing, data parallel. The adapters are used
+    by both forwards (chosen, rejected), so their two gradients are summed during backward; a
+    bucket launched by that sum used to receive the next gradient (TypeError in
+    parallel/buckets.py)."""
+    lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True, dp_shard_size=2, micro_batch_size=2)
+    plain = train(config(base, pairs, tmp_path / "plain", **lora), simulate=2, stream=io.StringIO())
+    remat = train(config(base, pairs, tmp_path / "remat", gradient_checkpointing=True, **lora), simulate=2,
+                  stream=io.StringIO())
+    assert plain.losses[-1] != plain.losses[0]
+    torch.testing.assert_close(torch.tensor(remat.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
+
+
+def test_kto_resumes_exactly(base, unpaired, tmp_path):
+    whole = train(_kto_config(base, unpaired, tmp_path / "whole", max_steps=4), simulate=1, stream=io.StringIO())
+    split = _kto_config(base, unpaired, tmp_path / "split", max_steps=4)
     first = train(split, simulate=1, stop_after=2, stream=io.StringIO())
     second = train(split, simulate=1, resume=True, stream=io.StringIO())
     assert first.stopped and second.start_step == 2

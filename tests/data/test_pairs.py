@@ -86,3 +86,20 @@ def test_bad_records_and_lengths_are_refused_by_name(tmp_path):
         build_pairs([DatasetConfig(path=str(h))], None, seq_len=8)
     with pytest.raises(ValueError, match=r"argilla_chat.*record 1: field 'chosen' must be a list of messages"):
         pair_texts({"chosen": "x", "rejected": "y"}, _entry("chatml.argilla_chat"), "argilla_chat", 1)
+
+
+def test_exact_duplicates_are_left_out_and_counted_when_asked(tmp_path):
+    recs = [{"prompt": "p", "chosen": "c", "rejected": "r"}, {"prompt": "p", "chosen": "c", "rejected": "x"}]
+    f = _write(tmp_path / "a.jsonl", recs * 3)
+    entries = [DatasetConfig(path=str(f)), DatasetConfig(path=str(f))]           # (Axolotl's example: twice)
+    kept = build_pairs(entries, None, seq_len=8, deduplicate=True)
+    assert len(kept) == 2 and kept.duplicates == 10
+    assert [p.rejected for p in kept.pairs] == [[*b"r", 0], [*b"x", 0]]
+    assert len(build_pairs(entries, None, seq_len=8)) == 12
+
+
+def test_deduplication_without_rl_is_refused():
+    from functional_pp.config import ConfigError, TrainConfig
+    with pytest.raises(ConfigError, match=r"dataset_exact_deduplication: deduplicating rows is supported for "
+                                         r"preference data \(rl:\) only"):
+        TrainConfig.from_dict({"datasets": [{"path": "x.jsonl"}], "dataset_exact_deduplication": True})

@@ -1,6 +1,7 @@
 """The preference objective (functional_pp/preference/objective.py) on our Llama equals TRL's
-DPOTrainer loss on transformers' Llama with the same weights: the loss, the logged rewards and
-the gradients; and a FSDP x TP layout (vocabulary split) equals one device."""
+DPOTrainer (ORPO, CPO/SimPO, KTOTrainer) loss on transformers' Llama with the same weights: the
+loss, the logged rewards (KTO: and its KL estimate) and the gradients; and a FSDP x TP layout
+(vocabulary split) equals one device, on simulated devices and on gloo processes."""
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,12 @@ from functional_pp.core.runtime import active_rules, current_context
 from functional_pp.core.tree import leaves_with_paths, tree_map
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
+from functional_pp.preference.grpo import grpo_objective
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
-from trl_oracle import dpo_loss, pair_trainer_loss  # noqa: E402
+from trl_oracle import dpo_loss, kto_loss, pair_trainer_loss  # noqa: E402
 
 KW = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)
@@ -141,35 +143,42 @@ def test_dpo_objective_fsdp_tp_equals_one_device(models):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{p}: {m}")
 
 
-def _device_loss_and_grads(cfg, full, ref_full, batch):
-    """On each device of a launched mesh: the DPO objective's loss and gathered gradients (the
-    device's shards of the policy and the reference, its block of the batch)."""
+def _device_loss_and_grads(cfg, full, ref_full, batches):
+    """On each device of a launched mesh: the DPO, KTO and GRPO objectives' losses and gathered
+    gradients (the device's shards of the policy and the reference, its block of each batch)."""
     rules = llama.default_rules()
+    out = []
     with fpp.use_rules(rules):
         ctx = current_context()
         decls = llama.init(cfg, torch.float64)
-        local = tree_map(lambda x: x.clone().requires_grad_(),
-                         sharding.shard(full, decls, ctx.mesh, rules, fpp.current_rank()))
         ref = sharding.named_tree(sharding.shard(ref_full, decls, ctx.mesh, rules, fpp.current_rank()), decls)
         forward = functools.partial(llama.forward, cfg=cfg)
-        objective = preference_loss(PreferenceSpec("dpo", beta=0.5), forward, lambda p, t: forward(ref, t))
-        named_batch = {k: fpp.named(v, "batch seq") for k, v in batch.items() if not k.endswith("_mask")}
-        loss = objective(sharding.named_tree(local, decls), named_batch).value()
-        loss.backward()
-        return float(loss.detach()), fpp.gather_tree(tree_map(lambda p: p.grad, local), decls, rules)
+        objectives = [preference_loss(spec, forward, lambda p, t: forward(ref, t))
+                      for spec in (PreferenceSpec("dpo", beta=0.5), KTO)]
+        objectives.append(grpo_objective(forward, loss_type="dapo", beta=0.1, reference=lambda p, t: forward(ref, t)))
+        for objective, batch in zip(objectives, batches):
+            local = tree_map(lambda x: x.clone().requires_grad_(),
+                             sharding.shard(full, decls, ctx.mesh, rules, fpp.current_rank()))
+            named_batch = {k: fpp.named(v, "batch seq") for k, v in batch.items() if not k.endswith("_mask")}
+            loss = objective(sharding.named_tree(local, decls), named_batch).value()
+            loss.backward()
+            out.append((float(loss.detach()), fpp.gather_tree(tree_map(lambda p: p.grad, local), decls, rules)))
+    return out
 
 
 @pytest.mark.multiprocess
-def test_dpo_objective_on_gloo_processes_equals_simulation(models):
+def test_dpo_kto_and_grpo_objectives_on_gloo_processes_equal_simulation(models):
     _, _, cfg, ours, ref_ours = models
-    args = (cfg, tree_map(lambda x: x.double(), ours), tree_map(lambda x: x.double(), ref_ours), _pairs(2))
+    args = (cfg, tree_map(lambda x: x.double(), ours), tree_map(lambda x: x.double(), ref_ours),
+            (_pairs(2), _kto_batch(2), _grpo_batch(2)))
     mesh = fpp.Mesh(dp_shard=2)
     real = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh, processes=True, timeout=300)
     sim = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh)
-    for (loss, grads), (want, want_grads) in zip(real, sim):
-        assert loss == want
-        for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14, msg=lambda m: f"{p}: {m}")
+    for device_real, device_sim in zip(real, sim):
+        for (loss, grads), (want, want_grads) in zip(device_real, device_sim):
+            assert loss == want
+            for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14, msg=lambda m: f"{p}: {m}")
 
 
 @pytest.mark.parametrize("method", ["orpo", "simpo"])
@@ -201,3 +210,103 @@ def test_orpo_and_simpo_objectives_equal_trl_on_transformers_llama(models, metho
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll_loss"):
         assert found[name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
     torch.testing.assert_close(grads["lm_head"].float(), policy.lm_head.weight.grad.T, rtol=1e-4, atol=1e-6)
+
+
+KTO = PreferenceSpec("kto", beta=0.4, desirable_weight=1.3, undesirable_weight=0.7)
+
+
+def _kto_batch(seed: int = 0):
+    """Unpaired completions (pad id 0): rows of prompt + completion, labels -100 outside the
+    completion, ``desirable`` (constant along each row), and TRL's KL rows: each prompt with
+    the previous row's completion; masks for TRL."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, KW["vocab_size"], (int(torch.randint(2, 5, (), generator=g)),), generator=g)
+               for _ in range(B)]
+    completions = [torch.randint(1, KW["vocab_size"], (int(torch.randint(2, 7, (), generator=g)),), generator=g)
+                   for _ in range(B)]
+    batch = {}
+    for key, pick in (("", lambda i: completions[i]), ("kl_", lambda i: completions[i - 1])):
+        toks, labels, mask = torch.zeros(B, S, dtype=torch.long), torch.full((B, S), -100), torch.zeros(B, S)
+        for i in range(B):
+            p, c = prompts[i], pick(i)
+            toks[i, :len(p) + len(c)] = torch.cat([p, c])
+            labels[i, len(p) - 1:len(p) + len(c) - 1] = c
+            mask[i, len(p):len(p) + len(c)] = 1
+        batch[f"{key}tokens"], batch[f"{key}labels"], batch[f"{key}completion_mask"] = toks, labels, mask.long()
+    flags = torch.tensor([True, False, True, True])[torch.randperm(B, generator=g)]
+    batch["desirable"] = flags.double()[:, None].expand(B, S).contiguous()
+    batch["flags_mask"] = flags[:, None].expand(B, S).contiguous()     # TRL's labels (kept out of ours)
+    return batch
+
+
+def _kto_loss_fn(cfg, ref_full, spec=KTO):
+    """``loss_fn(params, batch, cfg)`` of the KTO objective (the reference the device's shards
+    of ``ref_full``), its step metrics collected into ``found``."""
+    forward = functools.partial(llama.forward, cfg=cfg)
+    found = {}
+
+    def loss_fn(params, batch, _cfg):
+        decls = llama.init(cfg, torch.float64)
+        ctx = current_context(required=False)
+        local = ref_full if ctx is None else sharding.shard(ref_full, decls, ctx.mesh, active_rules(),
+                                                            fpp.current_rank())
+        ref = sharding.named_tree(local, decls)
+        batch = {k: v for k, v in batch.items() if not k.endswith("_mask")}
+        with step_values.collecting() as values:
+            out = preference_loss(spec, forward, lambda p, t: forward(ref, t))(params, batch)
+        found.update({k: float(v) for k, (v, _) in values.items()})
+        return out
+    return loss_fn, found
+
+
+def test_kto_objective_equals_trl_on_transformers_llama(models):
+    policy, reference, cfg, ours, ref_ours = models
+    batch = _kto_batch()
+    ids, mask, kl_ids, kl_mask = (batch[k] for k in ("tokens", "completion_mask", "kl_tokens", "kl_completion_mask"))
+    with torch.no_grad():
+        ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
+        ref_kl = reference(input_ids=kl_ids, labels=kl_ids.masked_fill(kl_mask == 0, -100),
+                           fused_lm_head=True).log_probs.sum(1)
+    policy.zero_grad()
+    want, metrics = kto_loss(policy, ids, mask, batch["flags_mask"][:, 0], ref, kl_ids, kl_mask, ref_kl, beta=KTO.beta,
+                             desirable_weight=KTO.desirable_weight, undesirable_weight=KTO.undesirable_weight)
+    want.backward()
+    assert metrics["kl"] > 0                       # the KL estimate acts (policy != reference)
+    loss_fn, found = _kto_loss_fn(cfg, tree_map(lambda x: x.double(), ref_ours))
+    loss, grads = single_device(cfg, tree_map(lambda x: x.double(), ours), batch, loss_fn=loss_fn)
+    torch.testing.assert_close(loss.float(), want.detach(), rtol=2e-5, atol=2e-6)
+    for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert found[name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
+    torch.testing.assert_close(grads["lm_head"].float(), policy.lm_head.weight.grad.T, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads["layers"][0]["mlp"]["down_proj"].float(),
+                               policy.model.layers[0].mlp.down_proj.weight.grad.T, rtol=1e-4, atol=1e-6)
+
+
+def test_kto_objective_fsdp_tp_equals_one_device(models):
+    """The KL estimate is the mean over every data-parallel rank's rows, as on one device."""
+    _, _, cfg, ours, ref_ours = models
+    full, ref = tree_map(lambda x: x.double(), ours), tree_map(lambda x: x.double(), ref_ours)
+    batch = _kto_batch(1)
+    loss_fn, found = _kto_loss_fn(cfg, ref)
+    want, want_grads = single_device(cfg, full, batch, loss_fn=loss_fn)
+    one = dict(found)
+    results = parallel(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(), loss_fn=loss_fn)
+    for loss, grads, _ in results:
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{p}: {m}")
+    assert found["kl"] == pytest.approx(one["kl"], rel=1e-10) and one["kl"] > 0
+
+
+def _grpo_batch(seed: int):
+    """Sampled completions after prompts (padding 0, labels -100 outside the completions) and
+    each row's advantage along the row."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, KW["vocab_size"], (B, S), generator=g)
+    labels = torch.full((B, S), -100)
+    for i in range(B):
+        end = int(torch.randint(6, S + 1, (), generator=g))
+        tokens[i, end:] = 0
+        labels[i, 3:end - 1] = tokens[i, 4:end]
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return {"tokens": tokens, "labels": labels, "advantages": adv[:, None].expand(B, S).contiguous()}

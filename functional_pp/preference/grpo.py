@@ -1,0 +1,164 @@
+"""GRPO's advantages and loss as pure functions of rewards and per-token log-probabilities
+(TRL 1.16 ``GRPOTrainer``: ``_generate_and_score_completions``'s group-normalised advantages,
+``_compute_loss``'s clipped policy loss with the KL term), and the objective over a model's
+logits for the training step (:func:`grpo_objective`). The online loop (sampling with the
+policy's weights, docs/generation.md; scoring with reward functions), and so ``rl: grpo``
+itself, is not built yet (docs/preference.md).
+
+Shapes: ``rewards`` / ``advantages`` ``[N]`` (a prompt's ``num_generations`` completions
+consecutive), per-token tensors ``[N, T]`` over the completions' tokens, ``mask`` 1 on a
+completion's tokens and 0 on its padding."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GRPO_LOSS_TYPES", "SCALE_REWARDS", "group_advantages", "grpo_token_losses", "grpo_loss",
+           "grpo_objective"]
+
+#: TRL's loss types built here (``loss_type``; TRL's default is ``dapo``)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+#: TRL's ``scale_rewards``
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs, with Bessel's correction (NaN for one value)."""
+    keep = dim is not None
+    mean = torch.nanmean(x, dim=dim, keepdim=keep) if keep else torch.nanmean(x)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keep) if keep else (~torch.isnan(x)).sum()
+    var = (torch.nanmean((x - mean) ** 2, dim=dim, keepdim=keep) if keep else torch.nanmean((x - mean) ** 2))
+    var = var * torch.where(count > 1, count / (count - 1).clamp(min=1), torch.full_like(var, float("nan")))
+    std = var.sqrt()
+    return std.squeeze(dim) if keep else std
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """Each completion's reward less its group's mean (the group: one prompt's
+    ``num_generations`` completions), divided by the group's standard deviation + 1e-4
+    (``scale_rewards: group``), the batch's (``batch``) or not at all (``none``); a NaN reward
+    (no reward function scored it) is left out of the means and gets advantage 0."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards {scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        std = (_nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1
+               else torch.zeros_like(rewards))
+        advantages = advantages / (std + 1e-4)
+    elif scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def grpo_token_losses(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                      old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                      beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
+                      delta: float | None = None, importance_sampling_level: str = "token"
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-token loss ``-min(c A, clip(c, 1 - eps, 1 + eps_high) A)`` (``c`` the importance
+    ratio against ``old_logps``, the policy's own when None; per token, or per sequence as the
+    exp of the mean log-ratio; ``delta`` caps the unclipped ratio) plus ``beta`` times the KL
+    estimate ``exp(ref - logp) - (ref - logp) - 1``. Returns ``(per-token loss, per-token KL or
+    None)``."""
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level {importance_sampling_level!r} is not token or sequence")
+    if beta and ref_logps is None:
+        raise ValueError(f"beta={beta} weighs the KL to the reference: give ref_logps")
+    old = logps.detach() if old_logps is None else old_logps
+    log_ratio = logps - old
+    if importance_sampling_level == "sequence":
+        mask_f = mask.to(log_ratio.dtype)
+        log_ratio = ((log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef = torch.exp(log_ratio)
+    high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(coef, 1 - epsilon, 1 + high)
+    if delta is not None:
+        coef = torch.clamp(coef, max=delta)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    losses = -torch.min(coef * adv, clipped * adv)
+    kl = None
+    if beta:
+        diff = ref_logps - logps
+        kl = torch.exp(diff) - diff - 1
+        losses = losses + beta * kl
+    return losses, kl
+
+
+def grpo_loss(token_losses: torch.Tensor, mask: torch.Tensor, loss_type: str = "dapo", *,
+              max_completion_length: int | None = None, num_items: torch.Tensor | float | None = None
+              ) -> torch.Tensor:
+    """The per-token losses aggregated as TRL's ``loss_type``: ``grpo`` each completion's mean
+    then their mean; ``bnpo`` the mean over all completion tokens; ``dr_grpo`` the sum over
+    ``rows * max_completion_length``; ``dapo`` the sum over ``num_items`` (the completion tokens
+    of the whole generation batch; default: this batch's)."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"grpo loss_type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
+    m = mask.to(token_losses.dtype)
+    masked = token_losses * m
+    if loss_type == "grpo":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("grpo loss_type 'dr_grpo' divides by max_completion_length: give it")
+        return masked.sum() / (token_losses.size(0) * max_completion_length)
+    total = m.sum() if num_items is None else torch.as_tensor(num_items, dtype=m.dtype)
+    return masked.sum() / total.clamp(min=1.0)
+
+
+def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2,
+                   epsilon_high: float | None = None, delta: float | None = None,
+                   max_completion_length: int | None = None, reference=None):
+    """``loss(params, batch)`` of GRPO for the training step, over a batch of sampled completions:
+    ``tokens`` (prompt + completion, padded), ``labels`` (the completion's next tokens, -100
+    elsewhere), ``advantages`` (each row's advantage along the row), optionally ``old_logps``
+    (the sampling policy's per-token log-probabilities at the labels' positions; default the
+    policy's own, detached: one update per batch). ``policy(params, tokens)`` gives the logits,
+    ``reference(params, tokens)`` the reference's when ``beta`` > 0. Token-level importance
+    sampling; :func:`grpo_token_losses` per token, aggregated as :func:`grpo_loss` over the
+    whole batch (every data-parallel rank's rows), named arrays throughout so that every layout
+    computes the one-device loss."""
+    from functional_pp import ops
+    from functional_pp.ops.elementwise import broadcast
+
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"grpo loss_type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
+    if beta and reference is None:
+        raise ValueError(f"beta={beta} weighs the KL to the reference: give reference")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("grpo loss_type 'dr_grpo' divides by max_completion_length: give it")
+
+    def loss(params, batch):
+        labels = batch["labels"]
+        logps = ops.token_log_probs(policy(params, batch["tokens"]), labels)
+        mask = labels.map(lambda t: (t != ops.IGNORE_INDEX).to(logps.data.dtype))
+        operands = [logps, batch["advantages"], mask, batch.get("old_logps")]
+        if beta:
+            with torch.no_grad():
+                operands.append(ops.token_log_probs(reference(params, batch["tokens"]), labels))
+
+        def per_token(lp, adv, m, old=None, ref=None):
+            out = grpo_token_losses(lp, adv.to(lp.dtype), m, old_logps=old, ref_logps=ref, beta=beta,
+                                    epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)[0]
+            return out * m
+        if operands[3] is None:
+            operands = [operands[0], operands[1], operands[2], *operands[4:]]
+
+            def fn(lp, adv, m, *ref):
+                return per_token(lp, adv, m, None, *ref)
+        else:
+            fn = per_token
+        masked = broadcast(fn, operands, "grpo")
+        if loss_type == "grpo":
+            per_row = ops.sum(masked, "seq") / ops.sum(mask, "seq").map(lambda t: t.clamp(min=1.0))
+            return ops.mean(per_row, "batch")
+        total = ops.sum(ops.sum(masked, "seq"), "batch")
+        if loss_type == "dr_grpo":
+            return total / float(labels.size("batch") * max_completion_length)
+        return total / ops.sum(ops.sum(mask, "seq"), "batch").map(lambda t: t.clamp(min=1.0))
+    return loss

@@ -1,0 +1,111 @@
+"""Sampling from the model's pure function with a key / value cache (functional_pp/models/sampling.py,
+kv_cache.py): greedy tokens equal transformers' ``generate`` on the same tiny Llama; a FSDP x TP
+layout (vocabulary split) draws the same tokens as one device; the temperature / top-k / top-p
+filters equal transformers' logits warpers; rows stop at EOS and are padded; bad arguments are
+refused."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.checkpoint import hf
+from functional_pp.core.runtime import current_context
+from functional_pp.models import llama
+from functional_pp.models.sampling import filtered_logits, generate
+from functional_pp.parallel import sharding
+
+transformers = pytest.importorskip("transformers")
+KW = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(transformers' tiny Llama, our config, our parameters) with the same weights."""
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**KW)).float().eval()
+    with torch.no_grad():             # weights large enough that attention is far from uniform
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("gen-llama")
+    m.save_pretrained(d)
+    cfg, params = hf.load_hf_llama(d)
+    return m, cfg, params
+
+
+def _ours(cfg, params, prompts, **kw):
+    p = sharding.named_tree(params, llama.init(cfg, torch.float32))
+    return generate(functools.partial(llama.forward, cfg=cfg), p, prompts, **kw)
+
+
+def test_greedy_tokens_equal_transformers_generate(model):
+    m, cfg, params = model
+    prompts = torch.randint(1, KW["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(1))
+    want = m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    got = _ours(cfg, params, prompts, max_new_tokens=12)
+    assert got.shape == (3, 18)
+    assert torch.equal(got, want)
+    assert len(set(got[:, 6:].flatten().tolist())) > 3               # not one token repeated
+
+
+def _device_tokens(cfg, params, prompts):
+    rules = llama.default_rules()
+    with fpp.use_rules(rules):
+        decls = llama.init(cfg, torch.float32)
+        local = sharding.named_tree(sharding.shard(params, decls, current_context().mesh, rules,
+                                                   fpp.current_rank()), decls)
+        return generate(functools.partial(llama.forward, cfg=cfg), local, prompts, max_new_tokens=8,
+                        temperature=0.8, top_k=20, seed=3), \
+            generate(functools.partial(llama.forward, cfg=cfg), local, prompts, max_new_tokens=8)
+
+
+def test_fsdp_tp_layout_draws_the_tokens_of_one_device(model):
+    _, cfg, params = model
+    prompts = torch.randint(1, KW["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(2))
+    sampled = _ours(cfg, params, prompts, max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
+    greedy = _ours(cfg, params, prompts, max_new_tokens=8)
+    assert not torch.equal(sampled, greedy)
+    for s, g in fpp.launch(functools.partial(_device_tokens, cfg, params, prompts), fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(s, sampled) and torch.equal(g, greedy)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.6)])
+def test_filters_equal_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation import logits_process as lp
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 50, generator=g) * 3
+    want = logits.clone()
+    for warper in ([lp.TemperatureLogitsWarper(temperature)] + ([lp.TopKLogitsWarper(top_k)] if top_k else [])
+                   + ([lp.TopPLogitsWarper(top_p)] if top_p < 1 else [])):
+        want = warper(None, want)
+    got = filtered_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+def test_rows_stop_at_eos_and_are_padded(model):
+    _, cfg, params = model
+    prompts = torch.randint(1, KW["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(5))
+    free = _ours(cfg, params, prompts, max_new_tokens=6)
+    eos = int(free[0, 6])                       # row 0's third new token
+    row1 = free[1, 4:].tolist()
+    out = _ours(cfg, params, prompts, max_new_tokens=6, eos_id=eos, pad_id=0)
+    assert out[0, 4:7].tolist() == free[0, 4:7].tolist() and (out[0, 7:] == 0).all()
+    stop = row1.index(eos) + 1 if eos in row1 else len(row1)
+    assert out[1, 4:4 + stop].tolist() == row1[:stop]
+    only = _ours(cfg, params, prompts[:1], max_new_tokens=6, eos_id=eos)
+    assert only.shape == (1, 7) and int(only[0, -1]) == eos          # all rows done: no more steps
+
+
+def test_bad_arguments_are_refused(model):
+    _, cfg, params = model
+    with pytest.raises(ValueError, match=r"prompts must be \[batch, length\] token ids"):
+        _ours(cfg, params, torch.zeros(3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        _ours(cfg, params, torch.ones(1, 2, dtype=torch.long), max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        filtered_logits(torch.zeros(1, 4), top_p=0.0)
