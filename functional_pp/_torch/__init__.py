@@ -104,9 +104,15 @@ def dynamo_marks_backward_nodes() -> bool:
         y = x + seed
         return torch.autograd.grad((y * y).sum(), [y])[0]
 
-    with trace_backward():
-        torch.compile(probe, backend=compile_backend("aot_eager", capture), fullgraph=True)(
-            torch.ones(2), torch.zeros((), requires_grad=True))
+    from torch._dynamo.utils import counters
+    stats = dict(counters["stats"])      # the probe's graph is not the caller's: its counts are undone
+    try:
+        with trace_backward():
+            torch.compile(probe, backend=compile_backend("aot_eager", capture), fullgraph=True)(
+                torch.ones(2), torch.zeros((), requires_grad=True))
+    finally:
+        counters["stats"].clear()
+        counters["stats"].update(stats)
     return any(found)
 
 

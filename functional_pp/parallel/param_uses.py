@@ -33,7 +33,11 @@ def counting(enabled: bool = True) -> Iterator[Counter | None]:
 
 
 def record(shard: torch.Tensor) -> None:
-    """A parameter whose block is ``shard`` was all-gathered (inside :func:`counting`)."""
+    """A parameter whose block is ``shard`` was all-gathered (inside :func:`counting`). Not
+    counted inside a compiled region (a ``compile="per_layer"`` layer): dynamo cannot carry
+    ``id()`` across a graph break, and the step counts only in eager forwards."""
+    if torch.compiler.is_compiling():
+        return
     uses = getattr(_local, "uses", None)
     if uses is not None:
         uses[id(_root(shard))] += 1
