@@ -48,6 +48,24 @@ def traced_natively():
         _native.tracing = previous
 
 
+@functools.cache
+def compile_flag_is_process_wide() -> bool:
+    """Capability: whether ``torch.compiler.is_compiling()`` is held True for the whole of a
+    dynamo compilation, on every thread (torch 2.13 on: dynamo enters a compile session around
+    it). On torch 2.11 dynamo sets no such flag (it is True only inside its trace), so no other
+    thread can see it: :func:`is_tracing` is right either way, this only tells which. Probed
+    once by reading the flag from a backend, which runs during the compilation outside the
+    trace (tests/_torch/test_compile_flag.py)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch.compiler.is_compiling())
+        return gm.forward
+
+    torch.compile(lambda x: x + 1, backend=backend, fullgraph=True)(torch.zeros(1))
+    return bool(seen and seen[0])
+
+
 def _compile_lock_owned() -> bool:
     from torch._dynamo.convert_frame import compile_lock
     return compile_lock._is_owned()

@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import per_thread
 
 _local = per_thread("parallel.param_uses")
@@ -36,7 +37,7 @@ def record(shard: torch.Tensor) -> None:
     """A parameter whose block is ``shard`` was all-gathered (inside :func:`counting`). Not
     counted inside a compiled region (a ``compile="per_layer"`` layer): dynamo cannot carry
     ``id()`` across a graph break, and the step counts only in eager forwards."""
-    if torch.compiler.is_compiling():
+    if is_tracing():
         return
     uses = getattr(_local, "uses", None)
     if uses is not None:
