@@ -13,6 +13,7 @@ from functional_pp._torch.version import check_torch_version
 
 check_torch_version()    # before the first private import: say which torch is unsupported, not fail in it
 
+from functional_pp._torch.dynamo_settings import dynamo_settings_are_thread_local, patch_dynamo  # noqa: E402,F401
 from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,  # noqa: E402
                                  _vmap_increment_nesting)
 
@@ -48,6 +49,54 @@ def traced_natively():
         _native.tracing = previous
 
 
+def _probe_compile(fn, backend, *args) -> None:
+    """Compile and run ``fn(*args)`` once with ``backend`` to probe a capability, leaving
+    dynamo's graph counters as they were (the probe's graph is not the caller's)."""
+    from torch._dynamo.utils import counters
+    stats = dict(counters["stats"])
+    try:
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    finally:
+        counters["stats"].clear()
+        counters["stats"].update(stats)
+
+
+@functools.cache
+def compiled_calls_ignore_fx_tracing() -> bool:
+    """Capability: whether a compiled function called on one thread runs compiled while another
+    thread's compilation FX-traces (AOT autograd's trace sets ``torch.fx``'s process-wide
+    tracing flag). torch.compile runs the function as written, or raises "Detected that you
+    are using FX to symbolically trace a dynamo-optimized function", while that flag is set
+    outside a compilation; torch 2.13 on holds ``is_compiling()`` True for the whole
+    compilation, which excuses the flag, torch 2.11 does not (:func:`compile_flag_is_process_wide`),
+    so simulated devices calling a compiled layer or step while a peer compiles failed there.
+    Probed once: what the check reads, from an FX trace inside a compilation."""
+    from torch.fx._symbolic_trace import Tracer, is_fx_symbolic_tracing
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        def traced(x):
+            seen.append(is_fx_symbolic_tracing())
+            return x
+        Tracer().trace(traced)
+        return gm.forward
+
+    _probe_compile(lambda x: x + 1, backend, torch.zeros(1))
+    return not seen[0]
+
+
+def compile_despite_peers_fx_tracing():
+    """On this thread, compiled functions run compiled even while another thread's compilation
+    FX-traces (on a torch where that would not hold by itself: :func:`compiled_calls_ignore_fx_tracing`).
+    For threads that never call a compiled function from inside their own FX trace: simulated
+    devices (a device thread that traces a step runs its layers as written, layer_compile.py).
+    Each device thread enters it (:func:`patch_dynamo`). Probe on the host first."""
+    if compiled_calls_ignore_fx_tracing():
+        return contextlib.nullcontext()
+    return patch_dynamo(force_compile_during_fx_trace=True)
+
+
 @functools.cache
 def compile_flag_is_process_wide() -> bool:
     """Capability: whether ``torch.compiler.is_compiling()`` is held True for the whole of a
@@ -62,8 +111,8 @@ def compile_flag_is_process_wide() -> bool:
         seen.append(torch.compiler.is_compiling())
         return gm.forward
 
-    torch.compile(lambda x: x + 1, backend=backend, fullgraph=True)(torch.zeros(1))
-    return bool(seen and seen[0])
+    _probe_compile(lambda x: x + 1, backend, torch.zeros(1))
+    return seen[0]
 
 
 def _compile_lock_owned() -> bool:
@@ -77,22 +126,22 @@ def in_backward() -> bool:
 
 
 def compile_cache_limits(n_graphs: int):
-    """Let torch.compile keep ``n_graphs`` graphs per function (dynamo's settings are
-    thread-local: call it on the thread that compiles)."""
+    """Let torch.compile keep ``n_graphs`` graphs per function (call it on the thread that
+    compiles: :func:`patch_dynamo`)."""
     import torch._dynamo.config as dcfg
 
     limits = {name: max(getattr(dcfg, name), n_graphs)
               for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
     limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 8 * n_graphs)
-    return dcfg.patch(**limits)
+    return patch_dynamo(**limits)
 
 
 def trace_backward(enabled: bool = True):
-    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (thread-local)."""
+    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (on this thread:
+    :func:`patch_dynamo`)."""
     if not enabled:
         return contextlib.nullcontext()
-    import torch._dynamo.config as dcfg
-    return dcfg.patch(trace_autograd_ops=True)
+    return patch_dynamo(trace_autograd_ops=True)
 
 
 def annotate(meta: dict):
