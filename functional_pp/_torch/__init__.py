@@ -13,9 +13,10 @@ from functional_pp._torch.version import check_torch_version
 
 check_torch_version()    # before the first private import: say which torch is unsupported, not fail in it
 
-from functional_pp._torch.dynamo_settings import dynamo_settings_are_thread_local, patch_dynamo  # noqa: E402,F401
 from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,  # noqa: E402
                                  _vmap_increment_nesting)
+
+from functional_pp._torch.dynamo_settings import dynamo_settings_are_thread_local, patch_dynamo  # noqa: E402,F401
 
 
 def is_tracing() -> bool:
