@@ -50,41 +50,16 @@ def traced_natively():
         _native.tracing = previous
 
 
-def _probe_compile(fn, backend, *args) -> None:
-    """Compile and run ``fn(*args)`` once with ``backend`` to probe a capability, leaving
-    dynamo's graph counters as they were (the probe's graph is not the caller's)."""
-    from torch._dynamo.utils import counters
-    stats = dict(counters["stats"])
-    try:
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    finally:
-        counters["stats"].clear()
-        counters["stats"].update(stats)
-
-
-@functools.cache
 def compiled_calls_ignore_fx_tracing() -> bool:
     """Capability: whether a compiled function called on one thread runs compiled while another
     thread's compilation FX-traces (AOT autograd's trace sets ``torch.fx``'s process-wide
     tracing flag). torch.compile runs the function as written, or raises "Detected that you
     are using FX to symbolically trace a dynamo-optimized function", while that flag is set
-    outside a compilation; torch 2.13 on holds ``is_compiling()`` True for the whole
-    compilation, which excuses the flag, torch 2.11 does not (:func:`compile_flag_is_process_wide`),
-    so simulated devices calling a compiled layer or step while a peer compiles failed there.
-    Probed once: what the check reads, from an FX trace inside a compilation."""
-    from torch.fx._symbolic_trace import Tracer, is_fx_symbolic_tracing
-
-    seen = []
-
-    def backend(gm, example_inputs):
-        def traced(x):
-            seen.append(is_fx_symbolic_tracing())
-            return x
-        Tracer().trace(traced)
-        return gm.forward
-
-    _probe_compile(lambda x: x + 1, backend, torch.zeros(1))
-    return not seen[0]
+    and ``torch.compiler.is_compiling()`` is not: torch 2.13 on holds the latter True for the
+    whole compilation (:func:`compile_flag_is_process_wide`), torch 2.11 does not, and there
+    simulated devices calling a compiled layer or step while a peer compiled failed
+    (tests/_torch/test_fx_tracing_flag.py checks the two agree)."""
+    return compile_flag_is_process_wide()
 
 
 def compile_despite_peers_fx_tracing():
@@ -92,28 +67,21 @@ def compile_despite_peers_fx_tracing():
     FX-traces (on a torch where that would not hold by itself: :func:`compiled_calls_ignore_fx_tracing`).
     For threads that never call a compiled function from inside their own FX trace: simulated
     devices (a device thread that traces a step runs its layers as written, layer_compile.py).
-    Each device thread enters it (:func:`patch_dynamo`). Probe on the host first."""
+    Each device thread enters it (:func:`patch_dynamo`)."""
     if compiled_calls_ignore_fx_tracing():
         return contextlib.nullcontext()
     return patch_dynamo(force_compile_during_fx_trace=True)
 
 
-@functools.cache
 def compile_flag_is_process_wide() -> bool:
     """Capability: whether ``torch.compiler.is_compiling()`` is held True for the whole of a
-    dynamo compilation, on every thread (torch 2.13 on: dynamo enters a compile session around
-    it). On torch 2.11 dynamo sets no such flag (it is True only inside its trace), so no other
-    thread can see it: :func:`is_tracing` is right either way, this only tells which. Probed
-    once by reading the flag from a backend, which runs during the compilation outside the
-    trace (tests/_torch/test_compile_flag.py)."""
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append(torch.compiler.is_compiling())
-        return gm.forward
-
-    _probe_compile(lambda x: x + 1, backend, torch.zeros(1))
-    return seen[0]
+    dynamo compilation, on every thread (torch 2.13 on: dynamo enters
+    ``torch.compiler._compile_session_context`` around it). On torch 2.11 dynamo sets no such
+    flag (it is True only inside its trace), so no other thread can see it: :func:`is_tracing`
+    is right either way, this only tells which. Detected by the session's presence, without
+    compiling (a probe compilation inside ``fake_cuda`` would save a CUDA random state);
+    tests/_torch/test_compile_flag.py checks it against what another thread sees."""
+    return callable(getattr(torch.compiler, "_compile_session_context", None))
 
 
 def _compile_lock_owned() -> bool:

@@ -194,4 +194,8 @@ def fake_cuda() -> Iterator[FakeCuda]:
                             ("reset_peak_memory_stats", lambda *a, **k: None),
                             ("is_initialized", lambda: False)):
             stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        # a fake tensor on "cuda" first makes a real one where torch.cuda.is_available() says
+        # so (torch 2.11; 2.13 on asks the accelerator): nothing to initialise here
+        from torch._subclasses import fake_tensor
+        stack.enter_context(mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None))
         yield FakeCuda()

@@ -11,8 +11,7 @@ from typing import Any, Callable
 import torch
 
 from functional_pp._torch import (compile_cache_limits, compile_despite_peers_fx_tracing,
-                                  compiled_calls_ignore_fx_tracing, dynamo_settings_are_thread_local,
-                                  reset_compile_workers_after_fork)
+                                  dynamo_settings_are_thread_local, reset_compile_workers_after_fork)
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
 from functional_pp.devices.process_watch import (DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure,
@@ -78,7 +77,6 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
     results: list = [None] * mesh.size
     errors: list = [None] * mesh.size
     dynamo_settings_are_thread_local()      # probed here, on the host, before the device threads
-    compiled_calls_ignore_fx_tracing()
 
     def run(rank: int) -> None:
         ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)

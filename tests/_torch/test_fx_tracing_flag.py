@@ -63,7 +63,6 @@ def test_the_capability_is_what_a_call_during_a_peers_fx_trace_does():
 
 
 def test_device_threads_run_compiled_code_while_a_peer_fx_traces():
-    torch_private.compiled_calls_ignore_fx_tracing()        # probed on the host, as launch does
     assert _call_while_a_peer_fx_traces(torch_private.compile_despite_peers_fx_tracing) == 1
 
 
