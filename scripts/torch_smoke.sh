@@ -48,7 +48,7 @@ install() {
   echo "torch_smoke: installing torch==$VERSION into $DIR (at most ${INSTALL_TIMEOUT}s)"
   if ! PIP_CONSTRAINT="$pin" timeout "$INSTALL_TIMEOUT" "$DIR/bin/python" -m pip install -q \
         "torch==$VERSION" "optree>=0.13" "numpy>=1.26" "safetensors>=0.4" "pyyaml>=6" \
-        "pytest>=8" "pytest-timeout>=2.3" "setuptools>=61" 2>&1 | grep -v "WARNING: Location"; then
+        "pytest>=8" "pytest-timeout>=2.3" "setuptools>=61" "wheel" 2>&1 | grep -v "WARNING: Location"; then
     :
   fi
   if ! installed; then

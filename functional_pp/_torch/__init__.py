@@ -16,6 +16,8 @@ check_torch_version()    # before the first private import: say which torch is u
 from torch._C._functorch import (_add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting,  # noqa: E402
                                  _vmap_increment_nesting)
 
+from functional_pp._torch.dynamo_settings import dynamo_settings_are_thread_local, patch_dynamo  # noqa: E402,F401
+
 
 def is_tracing() -> bool:
     """Whether this thread is being traced by torch.compile (or runs code of its compilation).
@@ -48,6 +50,40 @@ def traced_natively():
         _native.tracing = previous
 
 
+def compiled_calls_ignore_fx_tracing() -> bool:
+    """Capability: whether a compiled function called on one thread runs compiled while another
+    thread's compilation FX-traces (AOT autograd's trace sets ``torch.fx``'s process-wide
+    tracing flag). torch.compile runs the function as written, or raises "Detected that you
+    are using FX to symbolically trace a dynamo-optimized function", while that flag is set
+    and ``torch.compiler.is_compiling()`` is not: torch 2.13 on holds the latter True for the
+    whole compilation (:func:`compile_flag_is_process_wide`), torch 2.11 does not, and there
+    simulated devices calling a compiled layer or step while a peer compiled failed
+    (tests/_torch/test_fx_tracing_flag.py checks the two agree)."""
+    return compile_flag_is_process_wide()
+
+
+def compile_despite_peers_fx_tracing():
+    """On this thread, compiled functions run compiled even while another thread's compilation
+    FX-traces (on a torch where that would not hold by itself: :func:`compiled_calls_ignore_fx_tracing`).
+    For threads that never call a compiled function from inside their own FX trace: simulated
+    devices (a device thread that traces a step runs its layers as written, layer_compile.py).
+    Each device thread enters it (:func:`patch_dynamo`)."""
+    if compiled_calls_ignore_fx_tracing():
+        return contextlib.nullcontext()
+    return patch_dynamo(force_compile_during_fx_trace=True)
+
+
+def compile_flag_is_process_wide() -> bool:
+    """Capability: whether ``torch.compiler.is_compiling()`` is held True for the whole of a
+    dynamo compilation, on every thread (torch 2.13 on: dynamo enters
+    ``torch.compiler._compile_session_context`` around it). On torch 2.11 dynamo sets no such
+    flag (it is True only inside its trace), so no other thread can see it: :func:`is_tracing`
+    is right either way, this only tells which. Detected by the session's presence, without
+    compiling (a probe compilation inside ``fake_cuda`` would save a CUDA random state);
+    tests/_torch/test_compile_flag.py checks it against what another thread sees."""
+    return callable(getattr(torch.compiler, "_compile_session_context", None))
+
+
 def _compile_lock_owned() -> bool:
     from torch._dynamo.convert_frame import compile_lock
     return compile_lock._is_owned()
@@ -59,22 +95,22 @@ def in_backward() -> bool:
 
 
 def compile_cache_limits(n_graphs: int):
-    """Let torch.compile keep ``n_graphs`` graphs per function (dynamo's settings are
-    thread-local: call it on the thread that compiles)."""
+    """Let torch.compile keep ``n_graphs`` graphs per function (call it on the thread that
+    compiles: :func:`patch_dynamo`)."""
     import torch._dynamo.config as dcfg
 
     limits = {name: max(getattr(dcfg, name), n_graphs)
               for name in ("recompile_limit", "cache_size_limit") if hasattr(dcfg, name)}
     limits["accumulated_cache_size_limit"] = max(dcfg.accumulated_cache_size_limit, 8 * n_graphs)
-    return dcfg.patch(**limits)
+    return patch_dynamo(**limits)
 
 
 def trace_backward(enabled: bool = True):
-    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (thread-local)."""
+    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (on this thread:
+    :func:`patch_dynamo`)."""
     if not enabled:
         return contextlib.nullcontext()
-    import torch._dynamo.config as dcfg
-    return dcfg.patch(trace_autograd_ops=True)
+    return patch_dynamo(trace_autograd_ops=True)
 
 
 def annotate(meta: dict):

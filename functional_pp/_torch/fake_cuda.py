@@ -3,7 +3,7 @@
 torch's ``FakeTensorMode`` gives tensors their metadata only (shape, dtype, device) and runs
 each op's meta kernel: ``torch.zeros(3, device="cuda")`` is a fake tensor on ``cuda:0``, and an
 op mixing a fake cuda tensor with a CPU tensor (other than a 0-dim one, which CUDA accepts as
-a scalar) raises ``FakeTensorDeviceMismatchError``, as a real GPU would. Two gaps of a CPU-only
+a scalar) raises :data:`DeviceMismatchError`, as a real GPU would. Two gaps of a CPU-only
 build are filled here:
 
 * ``Tensor.to("cuda")``, ``.cuda()``, ``.contiguous()``, ``.copy_()`` across devices, ``x[i]``
@@ -29,7 +29,18 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FakeCuda", "fake_cuda", "is_fake"]
+__all__ = ["FakeCuda", "fake_cuda", "is_fake", "DeviceMismatchError"]
+
+
+def _device_mismatch_error() -> type[Exception]:
+    """What an op mixing devices raises under ``FakeTensorMode``: ``FakeTensorDeviceMismatchError``
+    where torch has it (2.13 on), a plain ``RuntimeError`` ("Unhandled FakeTensor Device
+    Propagation ... found two different devices") on torch 2.11."""
+    from torch._subclasses import fake_tensor
+    return getattr(fake_tensor, "FakeTensorDeviceMismatchError", RuntimeError)
+
+
+DeviceMismatchError = _device_mismatch_error()
 
 DEVICE_NAME = "NVIDIA H100 80GB HBM3 (fake)"
 CAPABILITY = (9, 0)
@@ -183,4 +194,8 @@ def fake_cuda() -> Iterator[FakeCuda]:
                             ("reset_peak_memory_stats", lambda *a, **k: None),
                             ("is_initialized", lambda: False)):
             stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        # a fake tensor on "cuda" first makes a real one where torch.cuda.is_available() says
+        # so (torch 2.11; 2.13 on asks the accelerator): nothing to initialise here
+        from torch._subclasses import fake_tensor
+        stack.enter_context(mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None))
         yield FakeCuda()

@@ -28,7 +28,7 @@ import torch
 from functional_pp._torch import OpOverload
 from functional_pp.compile.in_flight import (DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV,  # noqa: F401 (re-exported)
                                              in_flight_limit)
-from functional_pp.compile.recompute import _VIEW_OR_CAST, REGATHER, _op_name, is_backward
+from functional_pp.compile.recompute import _VIEW_OR_CAST, LEAF, REGATHER, _op_name, is_backward
 
 _FUNCOL = "_c10d_functional"
 
@@ -87,10 +87,17 @@ def _sink(wait: torch.fx.Node) -> int:
     return 1
 
 
+def _seeded_leaf(node: torch.fx.Node) -> bool:
+    """A parameter made differentiable as ``p + seed`` (or backward's copy of it)."""
+    return LEAF in (node.meta.get("custom") or {})
+
+
 def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) -> bool:
     """Move ``node`` and the inputs it needs that come after ``anchor`` to just before
     ``anchor``; refuse (False) if that would need more than a few cheap, input-only nodes
-    (views and concatenations, as an FSDP unit's flat shards, do not count)."""
+    (views and concatenations, as an FSDP unit's flat shards, do not count, nor do seeded
+    leaves' copies ``p + seed``: torch 2.11's path, one per parameter of the unit,
+    _torch/grad_leaves.py)."""
     chain, stack, costly = [], [node], 0
     while stack:
         n = stack.pop()
@@ -99,7 +106,7 @@ def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) ->
         if n is not node:
             if n.op != "call_function":
                 return False
-            if _op_name(n) not in _VIEW_OR_CAST and _op_name(n) != "cat":
+            if _op_name(n) not in _VIEW_OR_CAST and _op_name(n) != "cat" and not _seeded_leaf(n):
                 costly += 1
                 if costly > 8:
                     return False

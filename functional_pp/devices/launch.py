@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from functional_pp._torch import compile_cache_limits, reset_compile_workers_after_fork
+from functional_pp._torch import (compile_cache_limits, compile_despite_peers_fx_tracing,
+                                  dynamo_settings_are_thread_local, reset_compile_workers_after_fork)
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
 from functional_pp.devices.process_watch import (DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure,
@@ -75,11 +76,12 @@ def _launch_threads(fn, mesh: Mesh, timeout: float) -> list:
     world = SimWorld(mesh.size, timeout)
     results: list = [None] * mesh.size
     errors: list = [None] * mesh.size
+    dynamo_settings_are_thread_local()      # probed here, on the host, before the device threads
 
     def run(rank: int) -> None:
         ctx = DeviceContext(mesh, rank, SimBackend(world, rank), simulated=True)
         world.start(rank)
-        with thread_context(ctx), _compile_cache_limits(mesh.size):
+        with thread_context(ctx), _compile_cache_limits(mesh.size), compile_despite_peers_fx_tracing():
             try:
                 results[rank] = fn()
                 world.finish(rank)       # peers still waiting for this device fail at once
@@ -142,7 +144,7 @@ def _wait_until_exited(threads: list, limit: float = 10.0) -> None:
 def _compile_cache_limits(n_devices: int):
     """Simulated devices share one process: torch.compile keeps one graph per device (each
     has its own rank baked in) and per training step built in the process, so allow many
-    entries per function. Dynamo's settings are thread-local: each device thread sets its own."""
+    entries per function. Each device thread sets its own (_torch.patch_dynamo)."""
     return compile_cache_limits(8 * n_devices + 64)
 
 

@@ -1,4 +1,5 @@
 """The private torch APIs we depend on still behave as we use them."""
+import contextlib
 import threading
 
 import pytest
@@ -26,7 +27,8 @@ def test_in_backward_only_inside_a_backward_function():
     assert seen == [False, True] and not torch_private.in_backward()
 
 
-def test_dynamo_settings_are_thread_local_and_restored():
+def test_dynamo_settings_are_set_for_the_block_and_restored():
+    """Thread-local from torch 2.13 on, process-wide on 2.11 (tests/_torch/test_dynamo_settings.py)."""
     import torch._dynamo.config as dcfg
     before = dcfg.trace_autograd_ops
     other = []
@@ -35,7 +37,8 @@ def test_dynamo_settings_are_thread_local_and_restored():
         t = threading.Thread(target=lambda: other.append(dcfg.trace_autograd_ops))
         t.start()
         t.join()
-    assert other == [before] and dcfg.trace_autograd_ops == before
+    local = torch_private.dynamo_settings_are_thread_local()
+    assert other == [before if local else True] and dcfg.trace_autograd_ops == before
 
 
 def test_apply_function_equals_function_apply_with_gradients():
@@ -72,8 +75,11 @@ def test_is_tracing_belongs_to_the_compiling_thread():
 
     compiling, release, seen = threading.Event(), threading.Event(), {}
 
+    process_wide = torch_private.compile_flag_is_process_wide()   # False on torch 2.11
+
     def compiler_thread():          # what dynamo does while it compiles a frame
-        with compile_lock, torch.compiler._compile_session_context():
+        session = torch.compiler._compile_session_context() if process_wide else contextlib.nullcontext()
+        with compile_lock, session:
             seen["compiler"] = torch_private.is_tracing()
             compiling.set()
             release.wait(60)
@@ -82,7 +88,7 @@ def test_is_tracing_belongs_to_the_compiling_thread():
     t.start()
     try:
         assert compiling.wait(60)
-        assert torch.compiler.is_compiling()            # torch's flag leaks into this thread
+        assert torch.compiler.is_compiling() is process_wide     # torch's flag leaks into this thread
         assert not torch_private.is_tracing()
         assert torch_private.runs_eagerly(torch.ones(1))
         with compiled_layers("aot_eager"):
@@ -90,7 +96,7 @@ def test_is_tracing_belongs_to_the_compiling_thread():
     finally:
         release.set()
         t.join(60)
-    assert seen["compiler"] is True
+    assert seen["compiler"] is process_wide      # 2.11: nothing marks the compiling thread outside the trace
     assert not torch.compiler.is_compiling() and not torch_private.is_tracing()
 
     @torch.compile(backend="eager", fullgraph=True)
