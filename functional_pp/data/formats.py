@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from functional_pp.core.optional import require
 from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, sample_text, tokenize_chat
 from functional_pp.data.pretokenized import token_ids
 from functional_pp.data.tokenizer import CHATML
@@ -125,17 +126,11 @@ def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterato
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{at}: line {lineno}: invalid JSON ({exc.msg})") from exc
     elif kind == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError(f"{where}: reading {path} needs pyarrow: pip install pyarrow") from exc
+        pq = require("pyarrow.parquet", "data", f"{where}: reading the Parquet file {path}")
         yield from pq.read_table(str(path)).to_pylist()
     elif kind == "arrow":
-        try:
-            from datasets import load_from_disk
-        except ImportError as exc:
-            raise ImportError(f"{where}: {path} is a directory of a HF dataset (load_from_disk); "
-                              f"that needs the datasets package: pip install datasets") from exc
+        load_from_disk = require("datasets", "data", f"{where}: reading {path}, a directory of a HF dataset "
+                                 f"(load_from_disk),").load_from_disk
         ds = load_from_disk(str(path))
         if hasattr(ds, "keys"):
             if split not in ds:

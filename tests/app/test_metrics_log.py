@@ -48,17 +48,12 @@ def test_tensorboard_and_wandb_offline_receive_train_and_eval_metrics(tmp_path, 
 
 
 def test_missing_logger_package_is_a_config_error(tmp_path, monkeypatch):
-    import builtins
-    real = builtins.__import__
-
-    def no_wandb(name, *a, **k):
-        if name == "wandb":
-            raise ImportError("no wandb")
-        return real(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)          # an import of wandb fails
     from functional_pp.config import ConfigError
     cfg = TrainConfig.from_dict({**RUN, "wandb_project": "p", "logging": {"output_dir": str(tmp_path / "r")}})
-    with pytest.raises(ConfigError, match=r"wandb_project needs the wandb package: pip install"):
+    with pytest.raises(ConfigError, match=r"wandb_project needs the 'wandb' package, which is not installed: "
+                                          r"pip install 'functional_pp\[wandb\]'"):
         train(cfg, stream=io.StringIO())
 
 
