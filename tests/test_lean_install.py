@@ -90,6 +90,6 @@ def test_a_lean_install_trains_and_names_the_extra_of_a_missing_feature(tmp_path
     assert result["errors"]["tokenizer"].startswith("reading a Hugging Face tokenizer needs the 'tokenizers' "
                                                     "package, which is not installed: pip install "
                                                     "'functional_pp[hf]'")
-    assert result["rc_tb"] != 0
+    assert result["rc_tb"] == 2                                # a config error
     assert "use_tensorboard needs the 'tensorboard' package, which is not installed: pip install " \
            "'functional_pp[tensorboard]'" in proc.stdout + proc.stderr
