@@ -110,12 +110,18 @@ def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> Mul
     return MultiLogger(loggers)
 
 
+#: the names before the window averages said so (runs of 0.2.0 and earlier), read as today's
+RENAMED = {"step_time_s": "step_time_avg_s", "tokens_per_s": "tokens_per_s_avg", "mfu": "mfu_avg",
+           "timed_steps": "window_steps"}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The lines of a ``metrics.jsonl`` file."""
+    """The lines of a ``metrics.jsonl`` file, an older run's keys renamed (:data:`RENAMED`)."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [{RENAMED.get(k, k): v for k, v in json.loads(line).items()}
+            for line in p.read_text().splitlines() if line.strip()]
 
 
 def trim_metrics(path: Path, last_step: int) -> list[int]:
