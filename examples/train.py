@@ -32,7 +32,7 @@ def device():
         losses.append(metrics["loss"])
         if fpp.current_rank() == 0 and metrics["step"] % 5 == 0:
             print(f"step {metrics['step']:3d}  loss {metrics['loss']:.4f}  "
-                  f"{metrics['tokens_per_s']:,.0f} tokens/s")
+                  f"{metrics['tokens_per_s_avg']:,.0f} tokens/s")
     decls = llama.init(cfg)
     tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"]}
     specs = {"params": decls, "opt": ckpt.state_specs(state["opt_state"], decls)}

@@ -2,6 +2,8 @@
 # Install functional_pp with its test dependencies.
 #
 #   bash scripts/setup.sh                                   # CPU or whatever torch is already here
+#   FPP_EXTRAS= bash scripts/setup.sh                       # lean: only what training needs
+#   FPP_EXTRAS=plot,hf bash scripts/setup.sh                # chosen extras (default: test,plot,hf)
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # a CUDA build
 #   TORCH_VERSION=2.13.0 bash scripts/setup.sh              # pin another torch version
 #   PYTHON=/path/to/python bash scripts/setup.sh            # a specific interpreter
@@ -26,7 +28,7 @@ if [ -z "$PY" ]; then
 fi
 AT_LEAST=${TORCH_VERSION:-}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-EXTRAS=${FPP_EXTRAS:-test,plot,hf}
+EXTRAS=${FPP_EXTRAS-test,plot,hf}      # set and empty: no extras (a lean install)
 
 managed=$("$PY" -c 'import os, sysconfig; print(int(os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))')
 in_venv=$("$PY" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
@@ -73,4 +75,5 @@ fi
 pin=$(mktemp)
 trap 'rm -f "$pin"' EXIT
 "$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$pin"
-PIP_CONSTRAINT="$pin${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}" "$PY" -m pip install -q -e ".[$EXTRAS]"
+PIP_CONSTRAINT="$pin${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}" "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+echo "setup.sh: installed functional_pp${EXTRAS:+ with the extras $EXTRAS}${EXTRAS:- (lean: add extras with pip install -e '.[test,plot,hf]')}"

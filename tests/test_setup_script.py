@@ -77,3 +77,10 @@ def test_replaces_an_unsupported_torch_with_the_default(tmp_path, found):
 def test_torch_version_asks_for_at_least_that_version(tmp_path):
     out, calls = run(tmp_path, torch_version="2.11.0+cu130", TORCH_VERSION="2.12.1")
     assert "installing torch==2.12.1 (found: older:2.11.0+cu130)" in out
+
+
+@pytest.mark.parametrize("extras, target", [("", "-e ."), ("plot,hf", "-e .[plot,hf]")])
+def test_fpp_extras_chooses_the_extras_empty_is_a_lean_install(tmp_path, extras, target):
+    out, calls = run(tmp_path, torch_version="2.13.0", FPP_EXTRAS=extras)
+    assert len(calls) == 1 and calls[0].split(" [constraint")[0].endswith(f"PIP install -q {target}")
+    assert ("lean" in out) == (extras == "")

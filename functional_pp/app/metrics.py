@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+from functional_pp.core.optional import require
+
 __all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "make_loggers",
            "MultiLogger", "read_metrics", "trim_metrics"]
 
@@ -49,12 +51,9 @@ class TensorBoardLogger:
     """Scalars under ``train/<name>`` (``eval/loss`` for the held-out loss)."""
 
     def __init__(self, log_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ImportError("use_tensorboard needs the tensorboard package: pip install "
-                              "'functional_pp[tensorboard]'") from exc
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        require("tensorboard", "tensorboard", "use_tensorboard")
+        writer = require("torch.utils.tensorboard", "tensorboard", "use_tensorboard").SummaryWriter
+        self.writer = writer(log_dir=str(log_dir))
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in _numbers(metrics).items():
@@ -71,11 +70,7 @@ class WandbLogger:
 
     def __init__(self, project: str, run_dir: Path, *, mode: str | None = None, name: str | None = None,
                  entity: str | None = None, config: dict | None = None):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ImportError("wandb_project needs the wandb package: pip install "
-                              "'functional_pp[wandb]'") from exc
+        wandb = require("wandb", "wandb", "wandb_project")
         self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, name=name, entity=entity,
                               config=config, reinit=True)
 
@@ -115,12 +110,18 @@ def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> Mul
     return MultiLogger(loggers)
 
 
+#: the names before the window averages said so (runs of 0.2.0 and earlier), read as today's
+RENAMED = {"step_time_s": "step_time_avg_s", "tokens_per_s": "tokens_per_s_avg", "mfu": "mfu_avg",
+           "timed_steps": "window_steps"}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The lines of a ``metrics.jsonl`` file."""
+    """The lines of a ``metrics.jsonl`` file, an older run's keys renamed (:data:`RENAMED`)."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [{RENAMED.get(k, k): v for k, v in json.loads(line).items()}
+            for line in p.read_text().splitlines() if line.strip()]
 
 
 def trim_metrics(path: Path, last_step: int) -> list[int]:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 
+from functional_pp.core.optional import available, require
+
 __all__ = ["plot_losses"]
 
 
 def plot_losses(metrics: list[dict], path: str | os.PathLike, title: str = "") -> bool:
     """Write the loss-curve PNG from ``metrics.jsonl`` lines; False when matplotlib is missing."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
+    if not available("matplotlib"):
         return False
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "plot", "loss.png").FigureCanvasAgg
+    Figure = require("matplotlib.figure", "plot", "loss.png").Figure
+    MaxNLocator = require("matplotlib.ticker", "plot", "loss.png").MaxNLocator
     train = [m for m in metrics if "loss" in m]
     evals = [m for m in metrics if "eval_loss" in m]
     lrs = [m for m in train if "lr" in m]

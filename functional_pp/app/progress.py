@@ -45,7 +45,7 @@ class Progress:
             eta = (now - self._t0) / (step - self._s0) * (self.total - step)
         done = int(self.width * step / max(self.total, 1))
         bar = "#" * done + "." * (self.width - done)
-        tps = self._tps if self._tps is not None else metrics.get("tokens_per_s", float("nan"))
+        tps = self._tps if self._tps is not None else metrics.get("tokens_per_s_avg", float("nan"))
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {metrics['loss']:.4f}"]
         if self.eval_loss is not None:
             parts.append(f"eval {self.eval_loss:.4f}")
@@ -54,8 +54,8 @@ class Progress:
         if "grad_norm" in metrics:
             parts.append(f"gnorm {metrics['grad_norm']:.3g}")
         parts.append(f"{tps:,.0f} tok/s")
-        if metrics.get("mfu") is not None:
-            parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+        if metrics.get("mfu_avg") is not None:
+            parts.append(f"MFU {100 * metrics['mfu_avg']:.1f}%")
         parts.append(f"ETA {_fmt_time(eta)}")
         parts.append(f"{_fmt_time(now - self._started)} elapsed")
         return " | ".join(parts)
@@ -64,7 +64,7 @@ class Progress:
         now = time.perf_counter()
         if "eval_loss" in metrics:
             self.eval_loss = metrics["eval_loss"]
-        tps = metrics.get("tokens_per_s")
+        tps = metrics.get("tokens_per_s_avg")
         if tps is not None and math.isfinite(tps) and step > self.start + 1:   # skip warm-up
             self._tps = tps if self._tps is None else 0.9 * self._tps + 0.1 * tps
         text = self.line(step, metrics, now)

@@ -28,6 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+from functional_pp.core.optional import require
+
 __all__ = ["TEMPLATE_DIR", "template_names", "template_text", "resolve_template", "check_template_choice",
            "ChatSpec", "DEFAULT_ROLES", "tokenize_chat", "has_generation_marks", "render"]
 
@@ -121,7 +123,7 @@ def has_generation_marks(template: str) -> bool:
 # --------------------------------------------------------------------------- rendering
 @lru_cache(maxsize=64)
 def _compiled(template: str):
-    import jinja2
+    jinja2 = require("jinja2", "hf", "a chat template")
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -162,7 +164,7 @@ def render(template: str, messages: list[dict], special_tokens: dict | None = No
     """``(text, generation spans)``: ``messages`` rendered as transformers'
     ``apply_chat_template(tokenize=False)`` does; the spans are the character ranges of
     ``{% generation %}`` blocks."""
-    import jinja2
+    jinja2 = require("jinja2", "hf", "a chat template")
     try:
         raw = _compiled(template).render(messages=messages, tools=kwargs.pop("tools", None),
                                          documents=None, add_generation_prompt=add_generation_prompt,

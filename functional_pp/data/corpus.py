@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from functional_pp.core.optional import require
+
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "Corpus",
@@ -255,12 +257,7 @@ class ByteCorpus(Corpus):
 def _load_tokenizer(tokenizer: Any) -> Any:
     if not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer  # assume a ready ``tokenizers.Tokenizer``
-    try:
-        from tokenizers import Tokenizer  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise ImportError(
-            "TokenizerCorpus needs the 'tokenizers' package: pip install tokenizers"
-        ) from e
+    Tokenizer = require("tokenizers", "hf", "TokenizerCorpus").Tokenizer
     tpath = Path(tokenizer)
     if not tpath.is_file():
         raise FileNotFoundError(f"tokenizer file does not exist: {tpath}")

@@ -16,14 +16,17 @@ mapped, never loaded whole).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 
+from functional_pp.core.optional import require
 from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, sample_text, tokenize_chat
 from functional_pp.data.pretokenized import token_ids
+from functional_pp.data.progress import Progress
 from functional_pp.data.tokenizer import CHATML
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
@@ -125,17 +128,11 @@ def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterato
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{at}: line {lineno}: invalid JSON ({exc.msg})") from exc
     elif kind == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError(f"{where}: reading {path} needs pyarrow: pip install pyarrow") from exc
+        pq = require("pyarrow.parquet", "data", f"{where}: reading the Parquet file {path}")
         yield from pq.read_table(str(path)).to_pylist()
     elif kind == "arrow":
-        try:
-            from datasets import load_from_disk
-        except ImportError as exc:
-            raise ImportError(f"{where}: {path} is a directory of a HF dataset (load_from_disk); "
-                              f"that needs the datasets package: pip install datasets") from exc
+        load_from_disk = require("datasets", "data", f"{where}: reading {path}, a directory of a HF dataset "
+                                 f"(load_from_disk),").load_from_disk
         ds = load_from_disk(str(path))
         if hasattr(ds, "keys"):
             if split not in ds:
@@ -424,7 +421,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
                   eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
                   spill_bytes: int = 64 << 20, excess_length_strategy: str | None = None,
-                  min_trained_share: float = 0.5) -> tuple[TokenStream, TokenStream | None]:
+                  min_trained_share: float = 0.5, progress_stream: TextIO | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
     temporary files, memory-mapped (bounded memory for corpora of any size).
@@ -437,7 +435,10 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     ``drop`` it, ``truncate`` it (its last kept token an untrained EOS: nothing is trained where
     the cut fell), ``raise`` naming the file, record, length and ``seq_len``; None: ``drop`` for
     unpacked rows, packed documents continue in the next window. Each is counted per dataset
-    (``DatasetStats``), and the trained-token count is the number of labels the loader trains."""
+    (``DatasetStats``), and the trained-token count is the number of labels the loader trains.
+
+    A preparation longer than a few seconds prints its progress (rows, tokens, rates) to
+    ``progress_stream`` (default: stderr on the first process; ``data/progress.py``)."""
     tok = tokenizer or ByteTokenizer()
     eos = tok.eos_id
     if eos is None:
@@ -476,6 +477,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     val = _StreamWriter(eos, vocab, row, f"{names}[val]", spill_bytes) if n_val else None
     j = 0
     stats = []
+    progress = Progress(f"preparing data ({names})", n, stream=progress_stream, clock=clock)
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]"
         kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
@@ -514,6 +516,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                     st.sample = (rec, ids, mask)
             elif st.trained_sample is None and mask is not None:
                 st.trained_sample = sample_text(tok, ids, mask)
+            progress.update(j, sum(s.tokens for s in stats) + st.tokens)
         if st.dropped and not st.rows:
             raise ValueError(f"{where} ({entry.path}): all {st.dropped} rows are longer than sequence_len="
                              f"{seq_len} and were dropped (excess_length_strategy: drop); raise "
@@ -522,6 +525,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         if st.rows and st.rows - st.untrained_rows < min_trained_share * st.rows:
             raise ValueError(st.refusal(tok))
         stats.append(st)
+    progress.finish()
     out = train.finish()
     out.stats = stats
     return out, (val.finish() if val is not None else None)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from functional_pp.core.optional import require
 from functional_pp.data.chat import template_text
 
 __all__ = ["HFTokenizer", "CHATML", "find_tokenizer_file"]
@@ -65,11 +66,7 @@ class HFTokenizer:
     ``config.json`` (``generation_config.json``, ``tokenizer_config.json`` as fallbacks)."""
 
     def __init__(self, path: str | os.PathLike, model_dir: str | os.PathLike | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:
-            raise ImportError("reading a Hugging Face tokenizer needs the 'tokenizers' package: "
-                              "pip install 'functional_pp[hf]'") from exc
+        Tokenizer = require("tokenizers", "hf", "reading a Hugging Face tokenizer").Tokenizer
         self.file = find_tokenizer_file(path)
         self.dir = self.file.parent
         try:
@@ -97,7 +94,7 @@ class HFTokenizer:
     def add_tokens(self, tokens: list) -> int:
         """Axolotl's ``tokens``: add each text not yet in the vocabulary as one token (not
         normalized, not stripped) after the existing ids; returns how many were added."""
-        from tokenizers import AddedToken
+        AddedToken = require("tokenizers", "hf", "adding tokens (tokens:)").AddedToken
         before = self.vocab_size
         self.tok.add_tokens([AddedToken(str(t), lstrip=False, rstrip=False, normalized=False) for t in tokens])
         self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))

@@ -88,8 +88,8 @@ class _Step:
 class PendingSteps:
     """The unread deferred steps of one device (one per device thread).
 
-    ``host_values(metrics, seconds, timed_steps)`` adds the host's figures of a step that took
-    ``seconds``, the average of ``timed_steps`` steps read together;
+    ``host_values(metrics, seconds, window_steps)`` adds the host's figures of a step that took
+    ``seconds``, the average of ``window_steps`` steps read together;
     ``on_nonfinite`` and ``max_consecutive_skips`` are the step's settings."""
 
     def __init__(self, host_values: Callable[[dict, float, int], None], *, on_nonfinite: str,

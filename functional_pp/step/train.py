@@ -349,16 +349,16 @@ class TrainStep:
             return None, None
         return bound, self._known_peaks.peaks(bound, state["opt_state"], self.spec.trainable_tree(state["params"]))
 
-    def _host_values(self, metrics: dict, seconds: float, timed_steps: int = 1) -> None:
-        """The host's figures of a step that took ``seconds``: step_time_s, tokens_per_s, mfu;
-        ``timed_steps``: how many steps that time is the average of (deferred metrics read a
+    def _host_values(self, metrics: dict, seconds: float, window_steps: int = 1) -> None:
+        """The host's figures of a step that took ``seconds``: step_time_avg_s, tokens_per_s_avg, mfu_avg;
+        ``window_steps``: how many steps that time is the average of (deferred metrics read a
         window of steps at once), recorded with them."""
-        metrics["step_time_s"] = seconds
-        metrics["timed_steps"] = timed_steps
-        metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
+        metrics["step_time_avg_s"] = seconds
+        metrics["window_steps"] = window_steps
+        metrics["tokens_per_s_avg"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
         if self.flops_per_token and self.peak_flops_per_device:
             n = (self.mesh.size if self.mesh else 1)
-            metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.peak_flops_per_device * n)
+            metrics["mfu_avg"] = metrics["tokens_per_s_avg"] * self.flops_per_token / (self.peak_flops_per_device * n)
 
     def _defer(self, state, params, opt_state, step, skipped, m, written, id_checks, t0) -> tuple[dict, StepMetrics]:
         """metrics="deferred": the new state (a skipped step's already chosen on the device) and

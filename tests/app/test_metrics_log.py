@@ -48,17 +48,12 @@ def test_tensorboard_and_wandb_offline_receive_train_and_eval_metrics(tmp_path, 
 
 
 def test_missing_logger_package_is_a_config_error(tmp_path, monkeypatch):
-    import builtins
-    real = builtins.__import__
-
-    def no_wandb(name, *a, **k):
-        if name == "wandb":
-            raise ImportError("no wandb")
-        return real(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)          # an import of wandb fails
     from functional_pp.config import ConfigError
     cfg = TrainConfig.from_dict({**RUN, "wandb_project": "p", "logging": {"output_dir": str(tmp_path / "r")}})
-    with pytest.raises(ConfigError, match=r"wandb_project needs the wandb package: pip install"):
+    with pytest.raises(ConfigError, match=r"wandb_project needs the 'wandb' package, which is not installed: "
+                                          r"pip install 'functional_pp\[wandb\]'"):
         train(cfg, stream=io.StringIO())
 
 
@@ -92,14 +87,37 @@ def test_resume_is_marked_and_num_epochs_sets_the_steps(tmp_path):
     assert both.max_steps == 5                                     # max_steps wins (Axolotl)
 
 
+def test_window_averages_say_so_and_an_older_runs_names_are_read_as_today(tmp_path):
+    """metrics.jsonl names the window averages (``*_avg``, ``window_steps``); a run of 0.2.0
+    (``step_time_s``, ``tokens_per_s``, ``mfu``, ``timed_steps``) resumed into the same
+    directory reads back in today's names, its lines and the new ones alike."""
+    from functional_pp.app.metrics import read_metrics
+    out = tmp_path / "run"
+    d = {**RUN, "logging": {"output_dir": str(out), "log_every": 1}, "max_steps": 3}
+    train(TrainConfig.from_dict(d), stop_after=2, stream=io.StringIO())
+    path = out / "metrics.jsonl"
+    written = [json.loads(x) for x in path.read_text().splitlines()]
+    assert all({"step_time_avg_s", "tokens_per_s_avg", "window_steps"} <= set(m) for m in written if "loss" in m)
+    assert not any({"step_time_s", "tokens_per_s", "timed_steps"} & set(m) for m in written)
+    old = {"step_time_avg_s": "step_time_s", "tokens_per_s_avg": "tokens_per_s", "window_steps": "timed_steps",
+           "mfu_avg": "mfu"}
+    path.write_text("".join(json.dumps({old.get(k, k): v for k, v in m.items()}) + "\n" for m in written))
+    train(TrainConfig.from_dict(d), resume=True, stream=io.StringIO())
+    lines = [m for m in read_metrics(path) if "loss" in m]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all({"step_time_avg_s", "tokens_per_s_avg", "window_steps"} <= set(m) for m in lines)
+    assert lines[0]["step_time_avg_s"] == written[[m.get("step") for m in written].index(1)]["step_time_avg_s"]
+    assert not any({"step_time_s", "tokens_per_s", "timed_steps"} & set(m) for m in lines)
+
+
 def test_progress_line_shows_eval_lr_grad_norm_mfu_and_elapsed():
     from functional_pp.app.progress import Progress
     p = Progress(total=10, stream=io.StringIO(), tty=False)
-    p.update(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.123,
+    p.update(1, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s_avg": 100.0, "mfu_avg": 0.123,
                  "eval_loss": 1.75})
-    p.update(2, {"loss": 1.9, "tokens_per_s": 200.0})
-    p.update(3, {"loss": 1.8, "tokens_per_s": 100.0})
-    line = p.line(3, {"loss": 1.8, "lr": 1e-3, "grad_norm": 0.5, "mfu": 0.123})
+    p.update(2, {"loss": 1.9, "tokens_per_s_avg": 200.0})
+    p.update(3, {"loss": 1.8, "tokens_per_s_avg": 100.0})
+    line = p.line(3, {"loss": 1.8, "lr": 1e-3, "grad_norm": 0.5, "mfu_avg": 0.123})
     for part in ("loss 1.8000", "eval 1.7500", "lr 1.00e-03", "gnorm 0.5", "MFU 12.3%", "elapsed"):
         assert part in line, part
     assert "190 tok/s" in line                     # smoothed: 0.9 x 200 + 0.1 x 100

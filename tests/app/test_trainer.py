@@ -270,7 +270,7 @@ def test_progress_one_line_per_log_every_off_a_terminal():
     buf = io.StringIO()
     p = Progress(total=20, log_every=5, stream=buf, tty=False)
     for s in range(1, 21):
-        p.update(s, {"loss": 5.0 - s / 10, "tokens_per_s": 1000.0})
+        p.update(s, {"loss": 5.0 - s / 10, "tokens_per_s_avg": 1000.0})
     lines = buf.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["1/20", "5/20", "10/20", "15/20", "20/20"]
     assert "loss 3.0000" in lines[-1] and "1,000 tok/s" in lines[-1] and "ETA 00:00" in lines[-1]
@@ -280,10 +280,10 @@ def test_progress_one_line_per_log_every_off_a_terminal():
 def test_progress_rewrites_one_line_on_a_terminal():
     buf = io.StringIO()
     p = Progress(total=3, log_every=100, stream=buf, tty=True)
-    p.update(1, {"loss": 2.0, "tokens_per_s": 10.0})
+    p.update(1, {"loss": 2.0, "tokens_per_s_avg": 10.0})
     p.message("saved checkpoint x")
-    p.update(2, {"loss": 1.5, "tokens_per_s": 10.0})
-    p.update(3, {"loss": 1.0, "tokens_per_s": 10.0})
+    p.update(2, {"loss": 1.5, "tokens_per_s_avg": 10.0})
+    p.update(3, {"loss": 1.0, "tokens_per_s_avg": 10.0})
     text = buf.getvalue()
     assert text.count("\r") == 3 and text.endswith("\n") and "\nsaved checkpoint x\n" in text
     eta = Progress(total=10, stream=io.StringIO(), tty=False)

@@ -62,7 +62,7 @@ def test_16_device_example_trains_in_process_and_equals_one_device(tmp_path, cap
     # metrics.jsonl: one line per step with the step's metrics; same training as one device
     lines = [json.loads(x) for x in (out4d / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
-    assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s"} <= set(lines[0])
+    assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_s_avg", "step_time_avg_s"} <= set(lines[0])
     assert lines[0]["tokens"] == 16 * 64                       # global_batch_size x sequence_len
     assert lines[-1]["loss"] < lines[0]["loss"]
     for a, b in zip(losses(out4d), losses(out1)):

@@ -33,7 +33,7 @@ def config(out: Path, simulation: str, **overrides) -> TrainConfig:
 
 def metrics(out: Path) -> list[dict]:
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    timing = ("elapsed_s", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes")   # measured: differ
+    timing = ("elapsed_s", "step_time_avg_s", "tokens_per_s_avg", "mfu_avg", "peak_memory_bytes")   # measured: differ
     return [{k: v for k, v in m.items() if k not in timing} for m in lines]
 
 

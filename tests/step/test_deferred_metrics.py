@@ -27,7 +27,7 @@ from functional_pp.step.nonfinite import NonFiniteError
 CFG = llama.Config(vocab=64, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16,
                    tie_embeddings=False, rope_scaling=None)
 NAN_TOKEN = 7            # a batch whose first token is this one has a NaN loss (traceable)
-HOST_KEYS = ("step_time_s", "timed_steps", "tokens_per_s", "peak_memory_bytes")   # timed_steps: the read window
+HOST_KEYS = ("step_time_avg_s", "window_steps", "tokens_per_s_avg", "peak_memory_bytes")   # window: steps read
 
 
 def _loss(params, batch):
@@ -157,12 +157,12 @@ def test_host_figures_are_filled_at_the_read():
         metrics.append(m)
     read = step.read()
     assert read == metrics
-    seconds = {m["step_time_s"] for m in metrics}
+    seconds = {m["step_time_avg_s"] for m in metrics}
     assert len(seconds) == 1 and seconds.pop() > 0, "the read's wall time, shared by the steps it read"
-    assert all(m["timed_steps"] == 3 for m in metrics)        # said to be an average over the 3 steps read
+    assert all(m["window_steps"] == 3 for m in metrics)        # said to be an average over the 3 steps read
     for m in metrics:
-        assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["step_time_s"])
-        assert m["mfu"] == pytest.approx(m["tokens_per_s"] * 100.0 / 1e9)
+        assert m["tokens_per_s_avg"] == pytest.approx(m["tokens"] / m["step_time_avg_s"])
+        assert m["mfu_avg"] == pytest.approx(m["tokens_per_s_avg"] * 100.0 / 1e9)
         assert m["peak_memory_bytes"] > 0
 
 
@@ -294,7 +294,7 @@ def test_deferred_run_on_two_gloo_processes_equals_the_per_step_run():
 # ----------------------------------------------------------------------------- the trainer loop
 LOOP = {"micro_batch_size": 2, "sequence_len": 16, "learning_rate": 3e-3, "max_steps": 5, "model": "tiny",
         "data": {"max_bytes": 100_000}, "logging": {"log_every": 2}}
-LOOP_HOST_KEYS = HOST_KEYS + ("mfu", "elapsed_s")
+LOOP_HOST_KEYS = HOST_KEYS + ("mfu_avg", "elapsed_s")
 
 
 def _train(out, monkeypatch, per_step: bool = False, **overrides):

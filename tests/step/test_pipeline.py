@@ -286,19 +286,27 @@ def test_gloo_processes_equal_simulation():
         assert ps.keys() == pr.keys() and all(np.array_equal(ps[k], pr[k]) for k in ps)
 
 
-def test_bf16_equals_one_device_bit_for_bit():
+def test_bf16_equals_one_device_within_bf16_rounding():
     """bf16 compute with fp32 master weights: the stages cast, accumulate and sum in train_step's
-    order (micro-batches ascending), so pp = 2 gives one device's bits."""
+    order (micro-batches ascending). Bits are not demanded: the CPU's bf16 matmul kernels (oneDNN:
+    AMX, AVX2) round differently for the stage's and the whole model's operand shapes, so the
+    step-2 loss differs in its 7th digit on such CPUs (bit equality where the arithmetic is the same:
+    the float64 tests above). The bounds are ~10x the rounding seen on an AMX Xeon; one
+    micro-batch's gradient 2% off on one stage moves the step-2 loss by 9e-5 relative, 45x the bound."""
     data = _data()
     loss = functools.partial(llama.loss, cfg=CFG)
     kw = dict(grad_accum=M, precision="bf16")
     one = fpp.train_step(loss, _opt("adamw"), mesh=fpp.Mesh(), **kw)
     pp = pipeline_step(loss, _opt("adamw"), mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), **kw)
     init = functools.partial(fpp.init, llama.init, CFG, torch.float32, seed=0)
+    start = {k: np.asarray(getattr(v, "data", v)) for k, v in fpp.leaves_with_paths(init())}
     (ref_losses, ref_params, _), = _run_with(one, data, init=init)
     for losses, params, _ in _run_with(pp, data, init=init):
-        assert losses == ref_losses
-        assert all(np.array_equal(x, ref_params[k]) for k, x in params.items())
+        assert losses[0] == ref_losses[0]                     # step 1's forward: the same bits
+        assert losses == pytest.approx(ref_losses, rel=2e-6)  # seen: 2.6e-7 (AMX), 0 elsewhere
+        for k, x in params.items():
+            update = np.abs(ref_params[k] - start[k]).mean()
+            assert np.abs(x - ref_params[k]).mean() <= 0.01 * update, k   # seen: <= 0.0009 x update
 
 
 def test_clear_errors():
