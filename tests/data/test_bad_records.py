@@ -54,5 +54,6 @@ def test_cli_names_file_and_line_of_bytes_that_are_not_utf8(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli.main(["train", str(tmp_path / "c.yaml"), "--simulate", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"datasets[0] ({path}): line 2: not UTF-8 (byte 0xe9 at column 21)" in err
+    offset = len(json.dumps(GOOD)) + 1 + 20
+    assert f"datasets[0] ({path}): line 2: not UTF-8 (byte 0xe9 at byte offset {offset} of the file, column 21)" in err
     assert not (tmp_path / "out").exists()
