@@ -92,3 +92,14 @@ def test_the_record_is_named_where_there_is_no_line():
     with pytest.raises(Utf8Error, match="f.parquet: record 7: not UTF-8 .byte 0xe9 at byte offset 3 "):
         decode(BAD, "f.parquet", record=7)
     assert json.loads(decode(b'{"a": 1}', "x")) == {"a": 1}
+
+
+def test_a_utf8_byte_order_mark_is_not_text_and_utf16_is_named(tmp_path):
+    """Editors that save "UTF-8 with BOM" put EF BB BF first: JSON lines refused it as invalid JSON,
+    plain text trained a U+FEFF token. A UTF-16 file is refused saying it is UTF-16."""
+    train, _ = _jsonl_dataset(tmp_path, b'\xef\xbb\xbf{"text": "ok"}\n')
+    assert bytes(int(t) for t in train.tokens).startswith(b"ok")
+    train, _ = _text_dataset(tmp_path, b"\xef\xbb\xbfok\n")
+    assert bytes(int(t) for t in train.tokens).startswith(b"ok")
+    with pytest.raises(Utf8Error, match="line 1: not UTF-8 .byte 0xff at byte offset 0 .* the file is UTF-16"):
+        _text_dataset(tmp_path, "ok\n".encode("utf-16"))
