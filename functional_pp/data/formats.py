@@ -102,6 +102,9 @@ class TokenStream:
 def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterator[dict]:
     """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
+    if kind != "arrow" and split != "train":            # (a file holds one split: HF datasets calls it train)
+        raise ValueError(f"{where}: split {split!r}: {path} is one file, read whole as the split 'train'; "
+                         f"remove split, or point path at the file of that split")
     if kind in ("jsonl", "json"):
         at = where if str(path) in where else f"{where}: {path}"
         with open(path, "rb") as f:
