@@ -81,9 +81,9 @@ class StackedLoader:
     def state_dict(self) -> dict[str, Any]:
         return self.loaders[0].state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], check_tokens: bool = True) -> None:
         for loader in self.loaders:
-            loader.load_state_dict(state)
+            loader.load_state_dict(state, check_tokens)
 
     def __len__(self) -> int:
         return len(self.loaders[0])

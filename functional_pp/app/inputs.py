@@ -45,7 +45,7 @@ def _data_settings(cfg: TrainConfig) -> dict:
     import dataclasses
     keys = ("sequence_len", "sample_packing", "val_set_size", "seed", "train_on_inputs", "chat_template",
             "chat_template_jinja", "eot_tokens", "chat_template_kwargs", "excess_length_strategy",
-            "special_tokens", "tokenizer", "base_model")
+            "special_tokens", "tokens", "tokenizer", "base_model")
     from functional_pp.version import __version__
     return {"datasets": [dataclasses.asdict(e) for e in cfg.datasets], "data_tokenizer": cfg.data.tokenizer,
             **{k: getattr(cfg, k) for k in keys}, "template_files": _template_files(cfg),

@@ -43,7 +43,7 @@ from functional_pp.app.optimizer import optimizer_from_config
 from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
-from functional_pp.app.resume_check import check_resume_config
+from functional_pp.app.resume_check import check_resume_config, check_resume_tokens
 from functional_pp.app.run_lock import RunLock
 from functional_pp.app.signals import Interrupted, StopRequest
 from functional_pp.app.stopping import StoppedEarly, Watch
@@ -176,6 +176,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         raise ConfigError(str(exc)) from exc
     data = load_data(cfg) if pref is None else load_pairs(cfg)
     corpus = data.train
+    if latest is not None and not allow_config_change and pref is None:   # the checkpoint's tokens
+        check_resume_tokens(load_dir / ck.format.step_dir_name(latest), corpus)
     if corpus.vocab_size > family.vocab_size(model_cfg):
         raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
                           f"{family.vocab_size(model_cfg)}; set model.vocab >= {corpus.vocab_size}")
@@ -298,7 +300,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             tree, loader_state, start = per_device(restore)
             state = mine({"params": tree["params"], "opt_state": tree["opt"],
                           "step": tree["step"], "skipped": tree["skipped"]})
-            loader.load_state_dict(loader_state)
+            try:
+                loader.load_state_dict(loader_state, check_tokens=not allow_config_change)
+            except ValueError as exc:     # other data than the checkpoint's: resuming would mix them
+                raise ConfigError(f"resuming from {load_dir}: {exc}. Restore the data, start a new run (another "
+                                  f"output_dir), or pass --allow-config-change to continue on these tokens") from exc
             try:
                 ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest,
                                                                        keys=["rng"]).tree["rng"]))

@@ -12,6 +12,7 @@ import torch
 from functional_pp.app.sim_mode import simulation_mode
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.devices.launch import under_torchrun
+from functional_pp.devices.rendezvous import ENV as RANK_ENV
 
 __all__ = ["World", "resolve_world", "is_main_process", "select_device", "peak_flops", "describe_device",
            "PEAK_BF16"]
@@ -37,6 +38,11 @@ def resolve_world(cfg: TrainConfig, simulate: int | None = None) -> World:
     torchrun, without accelerators) the mesh's own size on simulated devices."""
     if under_torchrun():
         n = int(os.environ["WORLD_SIZE"])
+        if simulate is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+            named = ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in RANK_ENV)
+            raise ConfigError(f"--simulate {simulate}: {named} are set in the environment, not by torchrun (no "
+                              f"TORCHELASTIC_RUN_ID), left by another launch; unset them (unset "
+                              f"{' '.join(RANK_ENV)}) to run simulated devices in this process")
         if simulate is not None:
             raise ConfigError(f"--simulate {simulate} cannot be used under torchrun (which already "
                               f"runs {n} processes); drop one of them")

@@ -265,11 +265,15 @@ def add_parser(sub) -> None:
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
     p.add_argument("--top", type=int, default=20, help="rows to print")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the ranking as JSON")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write the ranking as JSON (its folder is checked before the search)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, as for train and validate")
 
 
 def run(args) -> int:
     """``functional-pp plan``: returns the exit status (2: bad arguments, 1: no layout fits)."""
+    from functional_pp.cli.targets import check_file_target
     from functional_pp.config import ConfigError, TrainConfig
     if args.cluster == "help":
         print(describe_presets())
@@ -278,7 +282,8 @@ def run(args) -> int:
         if args.config is None or args.devices is None:
             raise ConfigError("plan needs a config and --devices N, e.g. functional-pp plan CONFIG.yaml --devices 64 "
                               "--cluster h100x8")
-        cfg = TrainConfig.from_yaml(args.config, list(getattr(args, "overrides", []) or []))
+        json_path = check_file_target(args.json, "--json") if args.json else None
+        cfg = TrainConfig.from_yaml(args.config, list(args.overrides))
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         cl = as_cluster(args.cluster)
@@ -303,8 +308,8 @@ def run(args) -> int:
         f"  {e.describe()}: {e.time.step_s:.4g} s, {_human_bytes(e.peak_bytes)}" for e in front))
     if ranking.rejected:
         print(f"{len(ranking.rejected)} layouts rejected, e.g. {ranking.rejected[0][0]}: {ranking.rejected[0][1]}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path is not None:
+        with open(json_path, "w") as f:
             f.write(ranking.to_json())
         print(f"wrote {args.json}")
     return 0 if ranking.fitting() else 1

@@ -420,7 +420,7 @@ def _check_sequence_fits(cfg: Any, model: Any) -> None:
     raise ConfigError(f"sequence_len={cfg.sequence_len} is longer than the model's positions: {where}; {fix}")
 
 
-def _path_problem(path: str, is_file: bool = False) -> str | None:
+def _path_problem(path: str) -> str | None:
     """Why ``path`` cannot be read as data: it does not exist, or it is a named pipe, a socket or
     a device (reading one waits for a writer, silently, and data is read more than once)."""
     p = Path(path)
@@ -428,26 +428,25 @@ def _path_problem(path: str, is_file: bool = False) -> str | None:
         mode = p.stat().st_mode
     except OSError:
         return f"does not exist (looked for {p.resolve()})"
-    if stat.S_ISREG(mode) or (stat.S_ISDIR(mode) and not is_file):
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device")
-    return (f"is {kind}, not a {'file' if is_file else 'file or directory'} ({p.resolve()}): data is read more "
-            f"than once and a pipe would wait for its writer forever; write the data to a file first")
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+    return (f"is {kind}, not a file or directory ({p.resolve()}): data is read more than once and a pipe "
+            f"would wait for its writer forever; write the data to a file first")
 
 
 def _check_paths(cfg: Any) -> None:
     """The data, tokenizer and base model paths exist and are files or directories (all the
     problems reported at once)."""
     issues = Issues()
-    checked = [("data.path", cfg.data.path, False, "; fix the path or remove it to train on the Python "
+    checked = [("data.path", cfg.data.path, "; fix the path or remove it to train on the Python "
                                                    "standard library"),
-               ("data.tokenizer", cfg.data.tokenizer, True, ""),
-               *((f"datasets[{i}].path", e.path, False, "") for i, e in enumerate(cfg.datasets or [])),
-               *((key, getattr(cfg, key), False, "; give a local Hugging Face directory (nothing is downloaded)")
+               ("data.tokenizer", cfg.data.tokenizer, ""),
+               *((f"datasets[{i}].path", e.path, "") for i, e in enumerate(cfg.datasets or [])),
+               *((key, getattr(cfg, key), "; give a local Hugging Face directory (nothing is downloaded)")
                  for key in ("base_model", "tokenizer"))]
-    for key, path, is_file, fix in checked:
-        problem = None if path is None else _path_problem(path, is_file)
+    for key, path, fix in checked:
+        problem = None if path is None else _path_problem(path)
         if problem is not None:
             issues.add(f"{key} {path!r} {problem}" + (fix if problem.startswith("does not exist") else ""))
     issues.raise_if_any()

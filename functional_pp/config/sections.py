@@ -135,7 +135,7 @@ class DataConfig:
     path: str | None = fld(None, "text file, directory of *.txt or .jsonl; null: the Python "
                                  "standard library's source, as bytes")
     kind: Literal["auto", "stdlib", "text", "dir", "jsonl"] = fld("auto", "how to read path")
-    tokenizer: str | None = fld(None, "a tokenizer.json (default: bytes, or base_model's)")
+    tokenizer: str | None = fld(None, "a tokenizer.json or a directory holding it (default: bytes, or base_model's)")
     max_bytes: int | None = fld(None, "cap on the raw text read (null: no cap)")
     pattern: str | None = fld(None, "directories: the file pattern")
     text_field: str = fld("text", "jsonl: the field with each record's text")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from functional_pp.core.optional import require
+from functional_pp.data.utf8 import read_text
 
 __all__ = ["TEMPLATE_DIR", "template_names", "template_text", "resolve_template", "check_template_choice",
            "ChatSpec", "DEFAULT_ROLES", "tokenize_chat", "has_generation_marks", "render"]
@@ -100,7 +101,7 @@ def resolve_template(choice: str | None, jinja: str | None, tokenizer_template: 
     if choice == JINJA:
         p = Path(str(jinja))
         if len(str(jinja)) < 4096 and "\n" not in str(jinja) and p.is_file():
-            return p.read_text(encoding="utf-8"), f"jinja ({p})"
+            return read_text(p), f"jinja ({p})"
         return str(jinja), "jinja (chat_template_jinja)"
     if choice == DEFAULT:
         if not tokenizer_template:

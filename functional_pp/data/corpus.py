@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from functional_pp.core.optional import require
+from functional_pp.data.utf8 import decode as decode_utf8
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -123,10 +124,13 @@ def _walk_files(root: Path, pattern: str, skip_dirs: frozenset[str] = frozenset(
     return [p for _, p in found]
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[bytes]:
-    with open(path, "r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.strip()
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, bytes]]:
+    """``(where, UTF-8 text)`` of each record's ``text_field``."""
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, start=1):
+            line = decode_utf8(raw, path, line=lineno, offset=offset).strip()
+            offset += len(raw)
             if not line:
                 continue
             try:
@@ -140,7 +144,7 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[bytes]:
                 raise ValueError(
                     f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not str"
                 )
-            yield text.encode("utf-8")
+            yield f"{path}: line {lineno}", text.encode("utf-8")
 
 
 def _resolve_kind(path: Path | None, kind: str) -> str:
@@ -166,6 +170,13 @@ def _resolve_kind(path: Path | None, kind: str) -> str:
 def _iter_documents(path: Path | None, kind: str, *, pattern: str | None,
                     text_field: str) -> tuple[Iterator[bytes], str]:
     """Resolve ``(path, kind)`` to an iterator of raw documents and a name."""
+    docs, name = _named_documents(path, kind, pattern=pattern, text_field=text_field)
+    return (raw for _, raw in docs), name
+
+
+def _named_documents(path: Path | None, kind: str, *, pattern: str | None,
+                     text_field: str) -> tuple[Iterator[tuple[str, bytes]], str]:
+    """Resolve ``(path, kind)`` to an iterator of ``(where it came from, raw document)`` and a name."""
     kind = _resolve_kind(path, kind)
     if kind == "stdlib":
         root = stdlib_dir() if path is None else path
@@ -173,7 +184,7 @@ def _iter_documents(path: Path | None, kind: str, *, pattern: str | None,
             raise FileNotFoundError(f"corpus path does not exist: {root}")
         files = _walk_files(root, pattern or "*.py", _STDLIB_SKIP_DIRS,
                             _STDLIB_SKIP_FILE_PREFIXES)
-        return (p.read_bytes() for p in files), f"stdlib:{root.name}"
+        return ((str(p), p.read_bytes()) for p in files), f"stdlib:{root.name}"
     assert path is not None
     if kind == "dir":
         if not path.is_dir():
@@ -182,13 +193,13 @@ def _iter_documents(path: Path | None, kind: str, *, pattern: str | None,
         if not files:
             raise ValueError(f"corpus directory {path} has no files matching "
                              f"{pattern or '*.txt'!r}")
-        return (p.read_bytes() for p in files), f"dir:{path.name}"
+        return ((str(p), p.read_bytes()) for p in files), f"dir:{path.name}"
     if kind == "jsonl":
         return _iter_jsonl(path, text_field), f"jsonl:{path.name}"
     # kind == "text": one file, one document
     if not path.is_file():
         raise ValueError(f"corpus path is not a file: {path}")
-    return iter([path.read_bytes()]), f"text:{path.name}"
+    return iter([(str(path), path.read_bytes())]), f"text:{path.name}"
 
 
 def _gather_bytes(docs: Iterator[bytes], separator: int | None,
@@ -278,17 +289,18 @@ class TokenizerCorpus(Corpus):
                  separator_id: int | None = None) -> None:
         tok = _load_tokenizer(tokenizer)
         p = None if path is None else Path(path)
-        docs, name = _iter_documents(p, kind, pattern=pattern, text_field=text_field)
+        docs, name = _named_documents(p, kind, pattern=pattern, text_field=text_field)
         vocab = int(tok.get_vocab_size(with_added_tokens=True))
         ids: list[int] = []
         total = 0
-        for doc in docs:
+        for where, doc in docs:
             if max_bytes is not None and total >= max_bytes:
                 break
-            if max_bytes is not None:
+            cut = max_bytes is not None and len(doc) > max_bytes - total
+            if cut:
                 doc = doc[: max_bytes - total]
             total += len(doc)
-            text = doc.decode("utf-8", errors="replace")
+            text = decode_utf8(doc, where, cut_at_end=cut)    # strict: bytes that are not UTF-8 are refused
             if not text:
                 continue
             if ids and separator_id is not None:

@@ -28,6 +28,7 @@ from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, s
 from functional_pp.data.pretokenized import token_ids
 from functional_pp.data.progress import Progress
 from functional_pp.data.tokenizer import CHATML
+from functional_pp.data.utf8 import decode as _utf8
 
 __all__ = ["TokenStream", "ByteTokenizer", "build_streams", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT"]
 
@@ -104,24 +105,26 @@ class TokenStream:
 def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterator[dict]:
     """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
+    if kind != "arrow" and split != "train":            # (a file holds one split: HF datasets calls it train)
+        raise ValueError(f"{where}: split {split!r}: {path} is one file, read whole as the split 'train'; "
+                         f"remove split, or point path at the file of that split")
     if kind in ("jsonl", "json"):
         at = where if str(path) in where else f"{where}: {path}"
         with open(path, "rb") as f:
             if kind == "json" and f.read(4096).lstrip().startswith(b"["):
                 f.seek(0)
+                text = _utf8(f.read(), at)                               # a JSON array: read whole
                 try:
-                    records = json.loads(f.read().decode("utf-8"))      # a JSON array: read whole
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    raise ValueError(f"{at}: not a JSON array of records in UTF-8 ({exc})") from exc
+                    records = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{at}: not a JSON array of records ({exc})") from exc
                 yield from records
                 return
             f.seek(0)
+            offset = 0
             for lineno, raw in enumerate(f, start=1):     # JSON lines: one record at a time
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"{at}: line {lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
-                                     f"{exc.start + 1}); convert the file to UTF-8") from exc
+                line = _utf8(raw, at, line=lineno, offset=offset)
+                offset += len(raw)
                 if line.strip():
                     try:
                         yield json.loads(line)
@@ -304,7 +307,8 @@ def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
     kind = entry.type or _guess_type(Path(entry.path), entry.ds_type)
     if kind == "text":
         for f in _items(entry, where):
-            yield (*_with_bos(tok, tok.encode(f.read_text(encoding="utf-8", errors="replace")), None), f)
+            at = where if str(f) in where else f"{where}: {f}"
+            yield (*_with_bos(tok, tok.encode(_utf8(f.read_bytes(), at)), None), f)
         return
     for n, rec in enumerate(_items(entry, where), start=1):
         if kind == "completion":

@@ -30,6 +30,7 @@ of ``cp_size``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -191,6 +192,29 @@ def _as_numpy_tokens(corpus_tokens: Any) -> np.ndarray:
     return tokens
 
 
+#: token streams up to this length are hashed whole by :func:`tokens_digest`
+DIGEST_WHOLE = 1 << 24
+
+
+def tokens_digest(tokens: Any, trained: Any = None) -> str:
+    """A SHA-256 (16 hex digits) of a token stream and its trained flags: the whole stream up to
+    :data:`DIGEST_WHOLE` tokens; beyond, its length, its first and last 2^20 tokens and 2^16
+    spread evenly (a memory-mapped corpus is not read whole)."""
+    h = hashlib.sha256(f"{len(tokens)}".encode())
+    for arr in (tokens, trained):
+        if arr is None:
+            h.update(b"none")
+            continue
+        a = np.asarray(arr)
+        n = len(a)
+        parts = [a] if n <= DIGEST_WHOLE else [a[: 1 << 20], a[-(1 << 20):],
+                                                 a[np.linspace(0, n - 1, 1 << 16).astype(np.int64)]]
+        h.update(str(a.dtype).encode())
+        for part in parts:
+            h.update(np.ascontiguousarray(part))
+    return h.hexdigest()[:16]
+
+
 class DataLoader:
     """Deterministic next-token batches for one (dp_rank, cp_rank) device.
 
@@ -349,10 +373,19 @@ class DataLoader:
             "seq_len": self.seq_len,
             "num_tokens": int(self.tokens.shape[0]),
             "drop_last": self.drop_last,
+            "tokens_sha256": self.digest(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (possibly saved under another dp/cp layout)."""
+    def digest(self) -> str:
+        """:func:`tokens_digest` of this loader's tokens and trained flags (computed once)."""
+        if getattr(self, "_digest", None) is None:
+            self._digest = tokens_digest(self.tokens, self.trained)
+        return self._digest
+
+    def load_state_dict(self, state: Mapping[str, Any], check_tokens: bool = True) -> None:
+        """Resume from :meth:`state_dict` (possibly saved under another dp/cp layout). The
+        tokens must be the ones the state was saved with (``tokens_sha256``; ``check_tokens=False``
+        continues on other tokens): resuming at step N of other data was silent."""
         for key in ("global_batch_size", "seq_len", "num_tokens", "drop_last"):
             if key in state:
                 mine = self.state_dict()[key]
@@ -360,6 +393,11 @@ class DataLoader:
                     raise ValueError(
                         f"loader state has {key}={state[key]}, but this loader has {key}={mine}"
                     )
+        if check_tokens and "tokens_sha256" in state and state["tokens_sha256"] != self.digest():
+            raise ValueError(f"the training tokens differ from the ones the checkpoint was trained on "
+                             f"({len(self.tokens)} tokens, sha256 {state['tokens_sha256']} then, "
+                             f"{self.digest()} now): a data file, the tokenizer or a data setting changed "
+                             f"since it was saved")
         step = int(state["step"])
         if step < 0:
             raise ValueError(f"loader state has negative step={step}")

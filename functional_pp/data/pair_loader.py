@@ -84,8 +84,9 @@ class PairLoader:
         return {"step": int(self.step), "global_batch_size": self.global_batch_size, "seq_len": self.seq_len,
                 "num_pairs": len(self.pairs), "seed": int(self.seed)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (possibly saved under another layout)."""
+    def load_state_dict(self, state: Mapping[str, Any], check_tokens: bool = True) -> None:
+        """Resume from :meth:`state_dict` (possibly saved under another layout; ``check_tokens`` is
+        :meth:`DataLoader.load_state_dict`'s, the pairs are checked by count)."""
         mine = self.state_dict()
         for key in ("global_batch_size", "seq_len", "num_pairs"):
             if key in state and state[key] != mine[key]:

@@ -1,12 +1,13 @@
 """Tokenized datasets cached in ``dataset_prepared_path`` (Axolotl's key): the token streams of
 ``build_streams`` saved as ``.npy`` files under a key that hashes everything they depend on (the
-build settings, each dataset file's size and modification time, the tokenizer's files), and
+build settings, the contents of every dataset and tokenizer file, the code that tokenizes), and
 reused while these are unchanged; any change gives a new key, so the data is tokenized again.
 An entry is written to a temporary directory and renamed into place (processes racing to write
 the same entry keep the first)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -19,9 +20,9 @@ import numpy as np
 
 from functional_pp.data.formats import DatasetStats, TokenStream
 
-__all__ = ["fingerprint", "load_or_build"]
+__all__ = ["fingerprint", "code_version", "load_or_build"]
 
-_VERSION = 2          # 2: long unpacked rows dropped by default, exact trained-token counts
+_VERSION = 3          # 3: keyed on the files' contents and the tokenizing code
 
 
 def _files(path: Path) -> list[Path]:
@@ -30,13 +31,34 @@ def _files(path: Path) -> list[Path]:
     return [path] if path.exists() else []
 
 
+def _hash_file(h: "hashlib._Hash", f: Path) -> None:
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """A hash of the code that turns data files into tokens: the sources of ``functional_pp.data``
+    (formats, chat templates, packing) and the package version; an edited reader tokenizes again
+    even where the version number did not change."""
+    from functional_pp.version import __version__
+    h = hashlib.sha256(__version__.encode())
+    root = Path(__file__).parent
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".jinja")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        _hash_file(h, f)
+    return h.hexdigest()[:16]
+
+
 def fingerprint(settings: dict, paths: list[str | Path]) -> str:
-    """A hex key of ``settings`` (JSON-able) and the size and mtime of every file under ``paths``."""
-    h = hashlib.sha256(json.dumps([_VERSION, settings], sort_keys=True, default=str).encode())
+    """A hex key of ``settings`` (JSON-able), the code version and the path and contents (SHA-256)
+    of every file under ``paths``: a file rewritten with the same size and time gives a new key."""
+    h = hashlib.sha256(json.dumps([_VERSION, code_version(), settings], sort_keys=True, default=str).encode())
     for root in paths:
         for f in _files(Path(root)):
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            h.update(f"{f.resolve()}:{f.stat().st_size}\n".encode())
+            _hash_file(h, f)
     return h.hexdigest()[:16]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from functional_pp.core.optional import require
 from functional_pp.data.chat import template_text
+from functional_pp.data.utf8 import read_text
 
 __all__ = ["HFTokenizer", "CHATML", "find_tokenizer_file"]
 
@@ -35,7 +36,7 @@ def find_tokenizer_file(path: str | os.PathLike) -> Path:
 
 def _read_json(p: Path) -> dict:
     try:
-        return json.loads(p.read_text()) if p.is_file() else {}
+        return json.loads(read_text(p)) if p.is_file() else {}
     except ValueError as exc:
         raise ValueError(f"{p} is not valid JSON: {exc}") from exc
 
@@ -58,7 +59,7 @@ def _own_template(value: Any, folder: Path) -> str | None:
     if isinstance(value, str) and value:
         return value
     f = folder / "chat_template.jinja"
-    return f.read_text(encoding="utf-8") if f.is_file() else None
+    return read_text(f) if f.is_file() else None
 
 
 class HFTokenizer:

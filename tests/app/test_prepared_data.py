@@ -64,3 +64,30 @@ def test_an_edited_chat_template_file_tokenizes_again(tmp_path):
     again = inputs.load_data(cfg())
     assert again.train.prepared.startswith("tokenized")
     assert not np.array_equal(np.asarray(again.train.tokens), np.asarray(first.train.tokens))
+
+
+def test_a_data_file_rewritten_at_the_same_size_and_time_tokenizes_again(tmp_path):
+    """The key holds each file's contents (SHA-256), not its size and modification time (issue 46)."""
+    _write(tmp_path, 8)
+    first = inputs.load_data(_cfg(tmp_path))
+    path = tmp_path / "a.jsonl"
+    st, text = path.stat(), path.read_text()
+    path.write_text(text.replace("Add 3 and 3.", "Add 9 and 9."))           # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))                      # same time
+    again = inputs.load_data(_cfg(tmp_path))
+    assert again.train.prepared.startswith("tokenized")
+    assert not np.array_equal(np.asarray(again.train.tokens), np.asarray(first.train.tokens))
+
+
+def test_other_tokenizing_code_or_added_tokens_tokenize_again(tmp_path, monkeypatch):
+    """The key holds a hash of the data package's sources (an edited reader at the same version
+    number) and every setting that shapes the tokens, ``tokens`` included."""
+    from functional_pp.data import prepared
+    _write(tmp_path, 8)
+    inputs.load_data(_cfg(tmp_path))
+    assert inputs.load_data(_cfg(tmp_path)).train.prepared.startswith("reused")
+    monkeypatch.setattr(prepared, "code_version", lambda: "another-build")
+    assert inputs.load_data(_cfg(tmp_path)).train.prepared.startswith("tokenized")
+    monkeypatch.undo()
+    settings = inputs._data_settings(_cfg(tmp_path))
+    assert settings["tokens"] is None and inputs._data_settings(_cfg(tmp_path, tokens=["<x>"]))["tokens"] == ["<x>"]

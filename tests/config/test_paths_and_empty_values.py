@@ -5,6 +5,7 @@ refused instead of silently replacing the file's value with the default."""
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -71,3 +72,21 @@ def test_a_named_pipe_as_a_dataset_is_refused_not_waited_on(tmp_path):
     assert res.returncode == 2, res.stderr
     assert f"datasets[0].path '{tmp_path / 'rows.jsonl'}' is a named pipe (FIFO), not a file or directory" in res.stderr
     assert "write the data to a file first" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_data_tokenizer_may_be_a_directory_as_the_tokenizer_key(tmp_path):
+    """``data.tokenizer`` naming a directory that holds ``tokenizer.json`` (what ``tokenizer:`` and the
+    reader accept) was refused with the named-pipe message, "data is read more than once"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from functional_pp.app import inputs
+    from functional_pp.config.checks import _check_paths
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text("a b a b c " * 40)
+    cfg = TrainConfig.from_dict({"model": "tiny", "sequence_len": 8,
+                                 "data": {"path": str(tmp_path / "t.txt"), "tokenizer": str(tmp_path / "tok")}})
+    _check_paths(cfg)
+    assert set(np.unique(inputs.load_data(cfg).train.tokens).tolist()) == {0, 1, 2}

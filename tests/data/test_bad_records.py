@@ -54,5 +54,15 @@ def test_cli_names_file_and_line_of_bytes_that_are_not_utf8(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli.main(["train", str(tmp_path / "c.yaml"), "--simulate", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"datasets[0] ({path}): line 2: not UTF-8 (byte 0xe9 at column 21)" in err
+    offset = len(json.dumps(GOOD)) + 1 + 20
+    assert f"datasets[0] ({path}): line 2: not UTF-8 (byte 0xe9 at byte offset {offset} of the file, column 21)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_split_other_than_train_of_a_single_file_is_refused(tmp_path):
+    """``split: test`` on a JSON-lines file was ignored: the whole file trained as if it were the
+    test split (Hugging Face ``datasets`` calls a single file's split ``train`` and refuses others)."""
+    entry = _alpaca(tmp_path, [GOOD])[0]
+    entry.split = "test"
+    with pytest.raises(ValueError, match=r"split 'test': .*a.jsonl is one file, read whole as the split 'train'"):
+        build_streams([entry], None, seq_len=256)

@@ -67,3 +67,21 @@ def test_ranks_started_without_torchrun_that_meet_train(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     steps = [json.loads(line)["step"] for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_simulate_with_stray_torchrun_variables_names_them(monkeypatch):
+    """``--simulate N`` with the variables left in the shell said "cannot be used under torchrun"
+    although torchrun was not running; it names the variables and the ``unset`` that fixes it."""
+    from functional_pp.app.world import resolve_world
+    from functional_pp.config import ConfigError, TrainConfig
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        resolve_world(TrainConfig.from_dict({"model": "tiny"}), simulate=1)
+    assert ("--simulate 1: RANK=0, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29500 are set in the "
+            "environment, not by torchrun") in str(e.value)
+    assert "unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT" in str(e.value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")                 # under torchrun's agent: as before
+    with pytest.raises(ConfigError, match="cannot be used under torchrun"):
+        resolve_world(TrainConfig.from_dict({"model": "tiny"}), simulate=1)
