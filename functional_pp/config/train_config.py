@@ -48,6 +48,10 @@ class TrainConfig:
                                               "ceil(factor x seq x top_k / experts) slots, the assignments past "
                                               "it dropped and counted (moe_dropped); compiles. null: dropless "
                                               "(docs/experts.md)")
+    overrides_of_model_config: dict | None = fld(None, "base_model: keys of its config.json replaced before the "
+                                                       "model is built (e.g. output_router_logits: true adds "
+                                                       "the router's auxiliary loss); alias model_config "
+                                                       "(Axolotl's)")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
@@ -139,9 +143,9 @@ class TrainConfig:
     orpo_alpha: float | None = fld(None, "rl: orpo: the odds-ratio term's weight (TRL's beta; default 0.1)")
     simpo_gamma: float = fld(0.5, "rl: simpo: the target reward margin")
     cpo_alpha: float = fld(1.0, "rl: simpo: the weight of the chosen completions' NLL (TRL's cpo_alpha; 0: none)")
-    dataset_exact_deduplication: bool = fld(False, "rl: leave out preference pairs (KTO: completions) equal to an "
-                                                   "earlier one, in every dataset (Axolotl's; language-model data: "
-                                                   "not supported)")
+    dataset_exact_deduplication: bool = fld(False, "leave out rows equal to an earlier one (the same tokens and "
+                                                   "trained positions), in every dataset (rl: preference pairs, "
+                                                   "KTO completions); counted in the summary (Axolotl's)")
     kto_desirable_weight: float | None = fld(None, "rl: kto: the weight of desirable completions' losses "
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
@@ -208,6 +212,8 @@ class TrainConfig:
         None, "datasets: a row longer than sequence_len is dropped (counted in the summary), truncated "
               "(nothing trained at the cut) or refused naming it (Axolotl's); unset: drop when "
               "sample_packing is false, packed documents continue in the next window")
+    min_sample_len: int | None = fld(None, "datasets: leave out rows of fewer tokens (with EOS), counted in "
+                                           "the summary (Axolotl's)")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")
