@@ -58,7 +58,9 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
                   "paged_adamw_32bit": "adamw",
                   # torchao's AdamW8bit (Axolotl's names): the same algorithm as bitsandbytes' AdamW8bit
                   # (tests/optim/test_adam8bit_torchao.py)
-                  "adamw_torch_8bit": "adamw_8bit", "ao_adamw_8bit": "adamw_8bit"},
+                  "adamw_torch_8bit": "adamw_8bit", "ao_adamw_8bit": "adamw_8bit",
+                  # torchao's AdamW4bit (tests/optim/test_adam4bit_torchao.py)
+                  "adamw_torch_4bit": "adamw_4bit", "ao_adamw_4bit": "adamw_4bit"},
     # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
     "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
                      "cosine_with_min_lr": "cosine"},
@@ -74,7 +76,10 @@ VALUE_NOTES: dict[str, dict[str, str]] = {
                   "paged_adamw_32bit": f"optimizer: paged_adamw_32bit = adamw ({_PAGED})",
                   **{k: f"optimizer: {k} = adamw_8bit (torchao's AdamW8bit: dynamic 8-bit moments in blocks of 256; "
                         f"here a leaf's blocks run along its last dimension and matrices under 4096 entries are "
-                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_8bit", "ao_adamw_8bit")}},
+                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_8bit", "ao_adamw_8bit")},
+                  **{k: f"optimizer: {k} = adamw_4bit (torchao's AdamW4bit: 4-bit moments in blocks of 128; "
+                        f"here a leaf's blocks run along its last dimension and matrices under 4096 entries are "
+                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
 }
 
 #: values refused with the reason (another optimizer, not a spelling of ours)
@@ -83,10 +88,7 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                      for k in ("paged_lion_8bit", "lion_8bit")},
                   **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
                      for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
-                               "muon", "adopt_adamw", "ao_adamw_fp8")},
-                  **{k: f"optimizer {k!r} (torchao's AdamW4bit: 4-bit moments) is not supported yet: use "
-                        f"adamw_8bit (8-bit moments, alias adamw_torch_8bit) or adamw"
-                     for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
+                               "muon", "adopt_adamw", "ao_adamw_fp8")}},
     "activation_checkpointing": {"offload_disk": "offload_disk: activations offloaded to disk are not supported: use "
                                                  "offload (host memory) or gradient_checkpointing: true or selective"},
     "activation_offloading": {"disk": "activation_offloading: disk is not supported: use true (pinned host memory) "

@@ -81,8 +81,9 @@ class TrainConfig:
                                        "given")
     weight_decay: float = fld(0.0, "decoupled weight decay (matrices only)")
     max_grad_norm: float | None = fld(1.0, "clip the global gradient norm; null: no clipping")
-    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = fld(
-        "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | sgd (aliases "
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "sgd"] = fld(
+        "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | adamw_4bit (4-bit "
+                 "moments, torchao's AdamW4bit; aliases adamw_torch_4bit, ao_adamw_4bit) | sgd (aliases "
                  "adamw_torch, adamw_torch_fused; adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit, "
                  "ao_adamw_8bit = adamw_8bit; "
                  "paged_adamw_32bit = adamw)")
