@@ -116,7 +116,7 @@ def check_adapter(cfg: Any, add) -> None:
         given = [k for k in LORA_KEYS if getattr(cfg, k) != defaults[k]]
         if given:
             add(f"{given[0]} is set but adapter is not: add adapter: lora (or remove the LoRA keys)")
-    elif cfg.lora_target_modules is None and not cfg.lora_target_linear:
+    elif cfg.lora_target_modules is None and not cfg.lora_target_linear and not cfg.lora_target_parameters:
         add(f"adapter: {cfg.adapter} names no weights to adapt; set lora_target_modules ([q_proj, v_proj] "
             f"or a regex) or lora_target_linear: true")
     else:

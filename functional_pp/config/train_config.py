@@ -5,6 +5,7 @@ in ``config.checks``, the sections in ``config.sections`` (``docs/config.md``)."
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -168,6 +169,9 @@ class TrainConfig:
     lora_dropout: float = fld(0.0, "dropout on the adapter's input")
     lora_target_modules: list | str | None = fld(None, "weights to adapt: module names "
                                                        "([q_proj, v_proj]) or one regex, as peft")
+    lora_target_parameters: list | None = fld(None, "peft's target_parameters: the experts' fused tensors to "
+                                                    "adapt (mlp.experts.gate_up_proj: gate and up sharing one "
+                                                    "lora_A, mlp.experts.down_proj; docs/adapters.md)")
     lora_target_linear: bool = fld(False, "adapt every linear weight (peft's all-linear; not the "
                                           "embedding or LM head)")
     lora_modules_to_save: list | None = fld(None, "modules trained whole beside the adapters "
@@ -274,11 +278,16 @@ class TrainConfig:
         from functional_pp.adapters.peft_fused import model_type_of, part_names
         if self.adapter not in ("lora", "qlora"):
             return None
+        from functional_pp.adapters.target_parameters import expert_targets
         names = self.lora_target_modules      # (a fused module, Phi-3's qkv_proj, names its parts)
         try:
+            experts, shared = expert_targets(self.lora_target_parameters or ())
+            if experts and isinstance(names, str):      # peft: the regex, or one of the expert tensors
+                names = "|".join([f"(?:{names})"] + [rf"(?:.*\.)?{re.escape(e)}" for e in experts])
+            modules = names if isinstance(names, str) else (
+                part_names(names or (), model_type_of(self.base_model)) + experts or None)
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                              target_modules=(names if isinstance(names, str) else
-                                              part_names(names or (), model_type_of(self.base_model)) or None),
+                              target_modules=modules, shared_a=shared,
                               target_linear=self.lora_target_linear,
                               modules_to_save=tuple(self.lora_modules_to_save or ()),
                               rslora=self.peft_use_rslora, dora=self.peft_use_dora,
