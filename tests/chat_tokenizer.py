@@ -25,7 +25,8 @@ def make_tokenizer(d, bos, eos, template=None):
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()
-    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
+    markers = [*special_tokens(), *(s for s in dict.fromkeys((bos, eos)) if s and s not in special_tokens())]
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in markers])
     d.mkdir(parents=True, exist_ok=True)
     t.save(str(d / "tokenizer.json"))
     cfg = {"eos_token": eos}

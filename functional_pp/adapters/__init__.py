@@ -3,7 +3,8 @@ declared beside the base weights (their dimension names plus a rank dimension, s
 shard them), a loss transform that applies them inside ``ops.einsum``, the trainable mask
 that freezes the rest, merging, and the PEFT adapter format (docs/adapters.md)."""
 from functional_pp.adapters.lora import (RANK, LoraConfig, LoraWeight, adapt, apply, check_names, init,
-                                         init_magnitudes, joined, merge, split, targets, trainable, unfrozen)
+                                         init_magnitudes, joined, merge, split, targets, trainable, unfrozen,
+                                         with_shared_a)
 
 __all__ = ["RANK", "LoraConfig", "LoraWeight", "adapt", "apply", "check_names", "init", "init_magnitudes", "joined",
-           "merge", "split", "targets", "trainable", "unfrozen"]
+           "merge", "split", "targets", "trainable", "unfrozen", "with_shared_a"]

@@ -58,6 +58,10 @@ class LoraConfig:
     rslora: bool = False
     dora: bool = False
     unfrozen_parameters: tuple[str, ...] = ()
+    #: ``(owner, borrower)`` module names: the borrower's adapter uses the ``lora_A`` of the owner
+    #: beside it (its own ``lora_B``): peft's one adapter of a fused weight, e.g. transformers 5's
+    #: ``experts.gate_up_proj`` (``target_parameters``) is ``(("gate", "up"),)``
+    shared_a: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -71,6 +75,9 @@ class LoraConfig:
             v = getattr(self, name)
             if isinstance(v, list):
                 object.__setattr__(self, name, tuple(v))
+        object.__setattr__(self, "shared_a", tuple(tuple(pair) for pair in self.shared_a))
+        if any(len(pair) != 2 for pair in self.shared_a):
+            raise ValueError(f"LoRA: shared_a must hold (owner, borrower) module-name pairs, got {self.shared_a!r}")
 
     @property
     def scale(self) -> float:
@@ -159,7 +166,9 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     over ``out...``, declared as ones: :func:`init_magnitudes` sets it to the weight's norms."""
     by_path = dict(leaves_with_paths(decls))
     lora = {}
-    for path in targets(decls, cfg):
+    found = targets(decls, cfg)
+    owners = _owners(found, cfg)
+    for path in found:
         d = by_path[path]
         lead = (EXPERTS,) if EXPERTS in d.dims else ()
         if lead and d.dims[0] != EXPERTS:
@@ -173,12 +182,44 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
                                       scale=1.0 / math.sqrt(fan_in), dtype=d.dtype),
                       "lora_B": param(e + (cfg.r,) + shape[k:], lead + (RANK,) + dims[k:], init="zeros",
                                       dtype=d.dtype)}
+        if path in owners:                               # its A is its owner's (shared_a)
+            owner = by_path[owners[path]]
+            if tuple(owner.shape[:len(lead) + k]) != tuple(d.shape[:len(lead) + k]):
+                raise ValueError(f"LoRA: shared_a: {path!r} {tuple(d.shape)} and {owners[path]!r} "
+                                 f"{tuple(owner.shape)} contract different inputs: they cannot share lora_A")
+            del lora[path]["lora_A"]
         if cfg.dora:
             if lead:
                 raise ValueError(f"LoRA: DoRA (use_dora) on expert weight {path!r} is not supported; target no "
                                  f"expert weights (gate, up, down of a mixture of experts) or turn DoRA off")
             lora[path][MAGNITUDE] = param(d.shape[k:], d.dims[k:], init="ones", dtype=d.dtype)
     return joined(decls, lora)
+
+
+def _owners(paths: list[str], cfg: LoraConfig) -> dict[str, str]:
+    """``{borrower path: owner path}`` of the adapted ``paths`` under ``cfg.shared_a`` (siblings:
+    the same parent); a borrower whose owner is not adapted is refused by name."""
+    out = {}
+    adapted = set(paths)
+    for owner, borrower in cfg.shared_a:
+        for path in paths:
+            parent, _, name = path.rpartition(".")
+            if name != borrower:
+                continue
+            mine = f"{parent}.{owner}" if parent else owner
+            if mine not in adapted:
+                raise ValueError(f"LoRA: {path!r} shares lora_A with {mine!r} (shared_a), which is not adapted: "
+                                 f"target both")
+            out[path] = mine
+    return out
+
+
+def with_shared_a(lora: dict, cfg: LoraConfig) -> dict:
+    """``lora`` (weight path -> adapter) with each borrower's adapter holding its owner's
+    ``lora_A`` (the same tensor: gradients of both uses reach it)."""
+    owners = _owners(list(lora), cfg)
+    return {p: ({**ab, "lora_A": lora[owners[p]]["lora_A"]} if p in owners and "lora_A" not in ab else ab)
+            for p, ab in lora.items()}
 
 
 def joined(base: Any, lora: dict) -> Any:
@@ -342,6 +383,7 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
     missing = sorted(set(lora) - _weight_paths(base))
     if missing:
         raise ValueError(f"LoRA: adapters for {missing[:3]} name no parameter of the model")
+    lora = with_shared_a(lora, cfg)
     out = _copy(base)
     for i, (path, ab) in enumerate(lora.items()):       # (each call site its own dropout seed)
         node, name = _parent(out, path), path.rpartition(".")[2]
@@ -401,6 +443,7 @@ def merge(params: Any, cfg: LoraConfig) -> Any:
     weight (``W + scale * A B``; with DoRA times ``magnitude / ||W + scale * A B||`` per output
     feature): a plain model."""
     base, lora = split(params)
+    lora = with_shared_a(lora, cfg)
 
     def merged(path: str, w: Any) -> Any:
         ab = lora.get(path)

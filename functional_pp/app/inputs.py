@@ -45,7 +45,7 @@ def _data_settings(cfg: TrainConfig) -> dict:
     import dataclasses
     keys = ("sequence_len", "sample_packing", "val_set_size", "seed", "train_on_inputs", "chat_template",
             "chat_template_jinja", "eot_tokens", "chat_template_kwargs", "excess_length_strategy",
-            "special_tokens", "tokens", "tokenizer", "base_model")
+            "min_sample_len", "dataset_exact_deduplication", "special_tokens", "tokens", "tokenizer", "base_model")
     from functional_pp.version import __version__
     return {"datasets": [dataclasses.asdict(e) for e in cfg.datasets], "data_tokenizer": cfg.data.tokenizer,
             **{k: getattr(cfg, k) for k in keys}, "template_files": _template_files(cfg),
@@ -103,7 +103,9 @@ def load_data(cfg: TrainConfig) -> RunData:
                                      chat_template_jinja=cfg.chat_template_jinja,
                                      eot_tokens=cfg.eot_tokens,
                                      chat_template_kwargs=cfg.chat_template_kwargs,
-                                     excess_length_strategy=cfg.excess_length_strategy)
+                                     excess_length_strategy=cfg.excess_length_strategy,
+                                     min_sample_len=cfg.min_sample_len,
+                                     deduplicate=cfg.dataset_exact_deduplication)
             if cfg.dataset_prepared_path is None:
                 train, val = build()
             else:

@@ -89,6 +89,8 @@ def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
         return 16, "fp32 AdamW: weights 4 + grads 4 + moments 8"
     if cfg.optimizer == "adamw_8bit":
         return 10, "8-bit AdamW: weights 4 + grads 4 + moments 2 (+ 8 bytes of scales per block of 256)"
+    if cfg.optimizer == "adamw_4bit":
+        return 9, "4-bit AdamW: weights 4 + grads 4 + moments 1 (+ 8 bytes of scales per block of 128)"
     if cfg.momentum:
         return 12, "fp32 SGD with momentum: weights 4 + grads 4 + momentum 4"
     return 8, "fp32 SGD: weights 4 + grads 4"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_settings, fsdp_settings
+from functional_pp.config.keys import LORA_KEYS
 from functional_pp.config.schema import Issues
 
 __all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
@@ -41,6 +42,9 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "seq_len": ("sequence_len", _same),
     "tokenizer_config": ("tokenizer", _same),
     "adam_eps": ("adam_epsilon", _same),
+    # torch's CosineAnnealingLR name for the learning rate the decay ends at
+    "eta_min": ("min_learning_rate", _same),
+    "model_config": ("overrides_of_model_config", _same),
     # Axolotl's half-precision weights: bf16 / fp16 compute here (with fp32 master weights)
     "bfloat16": ("precision", lambda v: "bf16" if v else None),
     "float16": ("precision", lambda v: "fp16" if v else None),
@@ -54,7 +58,9 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
                   "paged_adamw_32bit": "adamw",
                   # torchao's AdamW8bit (Axolotl's names): the same algorithm as bitsandbytes' AdamW8bit
                   # (tests/optim/test_adam8bit_torchao.py)
-                  "adamw_torch_8bit": "adamw_8bit", "ao_adamw_8bit": "adamw_8bit"},
+                  "adamw_torch_8bit": "adamw_8bit", "ao_adamw_8bit": "adamw_8bit",
+                  # torchao's AdamW4bit (tests/optim/test_adam4bit_torchao.py)
+                  "adamw_torch_4bit": "adamw_4bit", "ao_adamw_4bit": "adamw_4bit"},
     # HF's cosine_with_restarts with its default num_cycles=1 is the plain cosine decay
     "lr_scheduler": {"constant_with_warmup": "constant", "cosine_with_restarts": "cosine",
                      "cosine_with_min_lr": "cosine"},
@@ -70,7 +76,10 @@ VALUE_NOTES: dict[str, dict[str, str]] = {
                   "paged_adamw_32bit": f"optimizer: paged_adamw_32bit = adamw ({_PAGED})",
                   **{k: f"optimizer: {k} = adamw_8bit (torchao's AdamW8bit: dynamic 8-bit moments in blocks of 256; "
                         f"here a leaf's blocks run along its last dimension and matrices under 4096 entries are "
-                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_8bit", "ao_adamw_8bit")}},
+                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_8bit", "ao_adamw_8bit")},
+                  **{k: f"optimizer: {k} = adamw_4bit (torchao's AdamW4bit: 4-bit moments in blocks of 128; "
+                        f"here a leaf's blocks run along its last dimension and matrices under 4096 entries are "
+                        f"quantized too, docs/quantization.md)" for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
 }
 
 #: values refused with the reason (another optimizer, not a spelling of ours)
@@ -79,10 +88,7 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                      for k in ("paged_lion_8bit", "lion_8bit")},
                   **{k: f"optimizer {k!r} is not supported (adamw or sgd)"
                      for k in ("adafactor", "lion", "adamw_anyprecision", "schedule_free_adamw",
-                               "muon", "adopt_adamw", "ao_adamw_fp8")},
-                  **{k: f"optimizer {k!r} (torchao's AdamW4bit: 4-bit moments) is not supported yet: use "
-                        f"adamw_8bit (8-bit moments, alias adamw_torch_8bit) or adamw"
-                     for k in ("adamw_torch_4bit", "ao_adamw_4bit")}},
+                               "muon", "adopt_adamw", "ao_adamw_fp8")}},
     "activation_checkpointing": {"offload_disk": "offload_disk: activations offloaded to disk are not supported: use "
                                                  "offload (host memory) or gradient_checkpointing: true or selective"},
     "activation_offloading": {"disk": "activation_offloading: disk is not supported: use true (pinned host memory) "
@@ -113,7 +119,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "lora_target_parameters", "peft")},
+    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "peft")},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
@@ -141,15 +147,9 @@ UNSUPPORTED: dict[str, str] = {
                                     "Hugging Face tokenizer (tokenizer.json) and remove it",
     "pretraining_dataset": "streaming pretraining datasets are not supported: give the files as "
                            "datasets: [{path: ..., type: completion}]",
-    "min_sample_len": "dropping short rows is not supported: remove it",
     "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
-    "model_config": "overriding base_model's config (model_config) is not supported: edit its "
-                    "config.json",
     "cosine_constant_lr_ratio": "a constant phase in the cosine schedule is not supported: remove it",
-    "eta_min": "eta_min is not a key here: give min_learning_rate or cosine_min_lr_ratio",
-    "batch_size": "batch_size (Axolotl's deprecated per-device total) is not supported: give "
-                  "gradient_accumulation_steps (or global_batch_size)",
 }
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why
@@ -308,12 +308,45 @@ def _off(value: Any) -> bool:
     return value is None or value is False or value in ("", [], {})
 
 
+def _batch_size_as_accumulation(d: dict, issues: Issues) -> dict:
+    """Axolotl's deprecated ``batch_size`` (sequences per device per optimizer step) as
+    ``gradient_accumulation_steps = batch_size / micro_batch_size``."""
+    if d.get("batch_size") is None:
+        return {k: v for k, v in d.items() if k != "batch_size"}
+    d = dict(d)
+    total, micro = d.pop("batch_size"), d.get("micro_batch_size") or 1
+    if not isinstance(total, int) or not isinstance(micro, int) or total < 1 or total % micro:
+        issues.add(f"batch_size={total!r} must be a whole multiple of micro_batch_size={micro!r} "
+                   f"(batch_size = micro_batch_size x gradient_accumulation_steps)")
+        return d
+    accum = d.get("gradient_accumulation_steps")
+    if accum is not None and accum != total // micro:
+        issues.add(f"batch_size={total} contradicts micro_batch_size={micro} x gradient_accumulation_steps="
+                   f"{accum}; give batch_size or gradient_accumulation_steps, not both")
+        return d
+    d["gradient_accumulation_steps"] = total // micro
+    return d
+
+
+def _without_unused_lora_keys(d: dict, unused: list[str]) -> dict:
+    """``adapter:`` written blank is full fine-tuning (as in Axolotl): the LoRA keys next to it
+    are unused (noted). Without an ``adapter`` key they are refused (``check_adapter``)."""
+    if "adapter" not in d or not _off(d["adapter"]):
+        return d
+    given = [k for k in LORA_KEYS if k in d and not _off(d[k])]
+    if given:
+        unused.append(f"{', '.join(given)} (adapter is blank: every parameter is trained, the LoRA keys "
+                      f"are unused)")
+    return {k: v for k, v in d.items() if k not in given}
+
+
 def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     """``(canonical mapping, notes on keys accepted without effect)``: aliases rewritten,
     unsupported keys (unless switched off) and contradicting duplicates recorded in ``issues``."""
     out: dict = {}
     aliased: list[tuple[str, str, Any]] = []
     unused: list[str] = []
+    d = _without_unused_lora_keys(_batch_size_as_accumulation(d, issues), unused)
     launcher: list[str] = []
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():

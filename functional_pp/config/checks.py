@@ -9,15 +9,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from functional_pp.config.keys import MESH_KEYS
+from functional_pp.config.keys import LORA_KEYS, MESH_KEYS
 from functional_pp.config.models import model_config, model_family
 from functional_pp.config.schema import ConfigError, Issues, suggest
 
 __all__ = ["check_values", "check_world", "resolved_precision"]
 
 
-_LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-              "lora_modules_to_save", "peft_use_rslora", "peft_use_dora", "lora_model_dir")
 
 
 _BNB_KEYS = {"bnb_4bit_use_double_quant": (bool,), "bnb_4bit_quant_type": ("nf4",),
@@ -63,9 +61,6 @@ def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
     the preference keys only with ``rl``; preference data unpacked, no pipeline."""
     if cfg.rl is None:
-        if cfg.dataset_exact_deduplication:
-            add("dataset_exact_deduplication: deduplicating rows is supported for preference data (rl:) only: "
-                "remove it")
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
             add(f"{given[0]} is set but rl is not: add rl: dpo (or ipo, orpo, simpo, kto), or remove it")
@@ -118,10 +113,10 @@ def check_adapter(cfg: Any, add) -> None:
     if cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}
-        given = [k for k in _LORA_KEYS if getattr(cfg, k) != defaults[k]]
+        given = [k for k in LORA_KEYS if getattr(cfg, k) != defaults[k]]
         if given:
             add(f"{given[0]} is set but adapter is not: add adapter: lora (or remove the LoRA keys)")
-    elif cfg.lora_target_modules is None and not cfg.lora_target_linear:
+    elif cfg.lora_target_modules is None and not cfg.lora_target_linear and not cfg.lora_target_parameters:
         add(f"adapter: {cfg.adapter} names no weights to adapt; set lora_target_modules ([q_proj, v_proj] "
             f"or a regex) or lora_target_linear: true")
     else:

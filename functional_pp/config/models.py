@@ -25,7 +25,11 @@ def model_family(cfg: Any) -> ModelFamily:
 def model_config(cfg: Any) -> Any:
     """The model's config (``llama.Config`` for llama): from ``base_model/config.json``, or the
     preset and overrides of the ``model`` section."""
+    overrides = getattr(cfg, "overrides_of_model_config", None)
     if cfg.base_model is None:
+        if overrides:
+            raise ConfigError("overrides_of_model_config (model_config) replaces keys of base_model's config.json; "
+                              "without base_model give them in the model section (model: {preset: ..., KEY: ...})")
         return _with_moe_options(cfg, cfg.model.build())
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
@@ -39,10 +43,15 @@ def model_config(cfg: Any) -> Any:
                           f"{exc.strerror or exc}") from exc
     except ValueError as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {path} is not valid JSON: {exc}") from exc
+    if overrides:
+        if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+            raise ConfigError(f"overrides_of_model_config must map config.json keys to values, got {overrides!r}")
+        hf = {**hf, **overrides}          # as transformers' setattr on the loaded config (Axolotl's)
     try:
         model = family.hf_config_from_dict(hf)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
+        where = f" with overrides_of_model_config {overrides}" if overrides else ""
+        raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
     return _with_moe_options(cfg, _with_added_tokens(cfg, model))
 
 

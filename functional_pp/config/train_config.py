@@ -5,6 +5,7 @@ in ``config.checks``, the sections in ``config.sections`` (``docs/config.md``)."
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -48,6 +49,10 @@ class TrainConfig:
                                               "ceil(factor x seq x top_k / experts) slots, the assignments past "
                                               "it dropped and counted (moe_dropped); compiles. null: dropless "
                                               "(docs/experts.md)")
+    overrides_of_model_config: dict | None = fld(None, "base_model: keys of its config.json replaced before the "
+                                                       "model is built (e.g. output_router_logits: true adds "
+                                                       "the router's auxiliary loss); alias model_config "
+                                                       "(Axolotl's)")
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
@@ -77,8 +82,9 @@ class TrainConfig:
                                        "given")
     weight_decay: float = fld(0.0, "decoupled weight decay (matrices only)")
     max_grad_norm: float | None = fld(1.0, "clip the global gradient norm; null: no clipping")
-    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = fld(
-        "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | sgd (aliases "
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "sgd"] = fld(
+        "adamw", "adamw | adamw_8bit (8-bit moments, bitsandbytes' blockwise scheme) | adamw_4bit (4-bit "
+                 "moments, torchao's AdamW4bit; aliases adamw_torch_4bit, ao_adamw_4bit) | sgd (aliases "
                  "adamw_torch, adamw_torch_fused; adamw_bnb_8bit, paged_adamw_8bit, adamw_torch_8bit, "
                  "ao_adamw_8bit = adamw_8bit; "
                  "paged_adamw_32bit = adamw)")
@@ -139,9 +145,9 @@ class TrainConfig:
     orpo_alpha: float | None = fld(None, "rl: orpo: the odds-ratio term's weight (TRL's beta; default 0.1)")
     simpo_gamma: float = fld(0.5, "rl: simpo: the target reward margin")
     cpo_alpha: float = fld(1.0, "rl: simpo: the weight of the chosen completions' NLL (TRL's cpo_alpha; 0: none)")
-    dataset_exact_deduplication: bool = fld(False, "rl: leave out preference pairs (KTO: completions) equal to an "
-                                                   "earlier one, in every dataset (Axolotl's; language-model data: "
-                                                   "not supported)")
+    dataset_exact_deduplication: bool = fld(False, "leave out rows equal to an earlier one (the same tokens and "
+                                                   "trained positions), in every dataset (rl: preference pairs, "
+                                                   "KTO completions); counted in the summary (Axolotl's)")
     kto_desirable_weight: float | None = fld(None, "rl: kto: the weight of desirable completions' losses "
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
@@ -163,6 +169,9 @@ class TrainConfig:
     lora_dropout: float = fld(0.0, "dropout on the adapter's input")
     lora_target_modules: list | str | None = fld(None, "weights to adapt: module names "
                                                        "([q_proj, v_proj]) or one regex, as peft")
+    lora_target_parameters: list | None = fld(None, "peft's target_parameters: the experts' fused tensors to "
+                                                    "adapt (mlp.experts.gate_up_proj: gate and up sharing one "
+                                                    "lora_A, mlp.experts.down_proj; docs/adapters.md)")
     lora_target_linear: bool = fld(False, "adapt every linear weight (peft's all-linear; not the "
                                           "embedding or LM head)")
     lora_modules_to_save: list | None = fld(None, "modules trained whole beside the adapters "
@@ -208,6 +217,8 @@ class TrainConfig:
         None, "datasets: a row longer than sequence_len is dropped (counted in the summary), truncated "
               "(nothing trained at the cut) or refused naming it (Axolotl's); unset: drop when "
               "sample_packing is false, packed documents continue in the next window")
+    min_sample_len: int | None = fld(None, "datasets: leave out rows of fewer tokens (with EOS), counted in "
+                                           "the summary (Axolotl's)")
     train_on_inputs: bool = fld(False, "alpaca / chat: also train on prompt tokens")
     datasets: list | None = fld(None, "training data: a list of entries (path, type, ...); see "
                                       "the datasets keys below")
@@ -267,11 +278,16 @@ class TrainConfig:
         from functional_pp.adapters.peft_fused import model_type_of, part_names
         if self.adapter not in ("lora", "qlora"):
             return None
+        from functional_pp.adapters.target_parameters import expert_targets
         names = self.lora_target_modules      # (a fused module, Phi-3's qkv_proj, names its parts)
         try:
+            experts, shared = expert_targets(self.lora_target_parameters or ())
+            if experts and isinstance(names, str):      # peft: the regex, or one of the expert tensors
+                names = "|".join([f"(?:{names})"] + [rf"(?:.*\.)?{re.escape(e)}" for e in experts])
+            modules = names if isinstance(names, str) else (
+                part_names(names or (), model_type_of(self.base_model)) + experts or None)
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                              target_modules=(names if isinstance(names, str) else
-                                              part_names(names or (), model_type_of(self.base_model)) or None),
+                              target_modules=modules, shared_a=shared,
                               target_linear=self.lora_target_linear,
                               modules_to_save=tuple(self.lora_modules_to_save or ()),
                               rslora=self.peft_use_rslora, dora=self.peft_use_dora,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, TextIO
 import numpy as np
 
 from functional_pp.core.optional import require
+from functional_pp.data.dedup import ExactDuplicates
 from functional_pp.data.chat import DEFAULT_ROLES, ChatSpec, resolve_template, sample_text, tokenize_chat
 from functional_pp.data.pretokenized import token_ids
 from functional_pp.data.progress import Progress
@@ -425,7 +426,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
                   eot_tokens: list | None = None, chat_template_kwargs: dict | None = None,
                   spill_bytes: int = 64 << 20, excess_length_strategy: str | None = None,
-                  min_trained_share: float = 0.5, progress_stream: TextIO | None = None,
+                  min_trained_share: float = 0.5, min_sample_len: int | None = None,
+                  deduplicate: bool = False, progress_stream: TextIO | None = None,
                   clock: Callable[[], float] = time.monotonic) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
@@ -442,8 +444,13 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     (``DatasetStats``), and the trained-token count is the number of labels the loader trains.
 
     A preparation longer than a few seconds prints its progress (rows, tokens, rates) to
-    ``progress_stream`` (default: stderr on the first process; ``data/progress.py``)."""
+    ``progress_stream`` (default: stderr on the first process; ``data/progress.py``).
+
+    ``min_sample_len`` (Axolotl's): a row of fewer tokens (with its EOS) is left out and counted.
+    ``deduplicate`` (Axolotl's ``dataset_exact_deduplication``): a row equal to an earlier one of
+    any dataset (the same tokens and trained positions) is left out and counted."""
     tok = tokenizer or ByteTokenizer()
+    repeats = ExactDuplicates(deduplicate)
     eos = tok.eos_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token (eos_token_id in config.json or "
@@ -494,6 +501,14 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         records = _examples(entry, tok, train_on_inputs, spec, f"{where} ({entry.path})")   # errors name the file
         for n, (ids, mask, rec) in enumerate(records, start=1):
             length, cut = train.length(ids, eos_trained), None
+            if min_sample_len is not None and length < min_sample_len:
+                st.short += 1
+                j += 1
+                continue
+            if repeats.is_repeat(ids, mask):
+                st.duplicates += 1
+                j += 1
+                continue
             if length > seq_len:
                 if strategy == "raise":
                     raise ValueError(f"{where} ({entry.path}): {_record_name(rec, n)} has {length} tokens "
@@ -521,6 +536,10 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
             elif st.trained_sample is None and mask is not None:
                 st.trained_sample = sample_text(tok, ids, mask)
             progress.update(j, sum(s.tokens for s in stats) + st.tokens)
+        if (st.short or st.duplicates) and not st.rows and not st.dropped:
+            raise ValueError(f"{where} ({entry.path}): every row was left out ({st.short} shorter than "
+                             f"min_sample_len={min_sample_len}, {st.duplicates} repeating an earlier row "
+                             f"(dataset_exact_deduplication)); lower min_sample_len or check the data")
         if st.dropped and not st.rows:
             raise ValueError(f"{where} ({entry.path}): all {st.dropped} rows are longer than sequence_len="
                              f"{seq_len} and were dropped (excess_length_strategy: drop); raise "
@@ -556,6 +575,8 @@ class DatasetStats:
     truncated: int = 0
     spanning: int = 0                        # packed documents longer than sequence_len
     seq_len: int = 0
+    short: int = 0                           # rows shorter than min_sample_len, left out
+    duplicates: int = 0                      # rows equal to an earlier one, left out (deduplicate)
 
     def line(self) -> str:
         tpl = f", template {self.template}" if self.template else ""
@@ -565,6 +586,9 @@ class DatasetStats:
         none += (f", {self.truncated}{longer} truncated (excess_length_strategy: truncate)"
                  if self.truncated else "")
         none += f", {self.spanning}{longer} continue in the next window (packed)" if self.spanning else ""
+        none += f", {self.short} rows shorter than min_sample_len left out" if self.short else ""
+        none += (f", {self.duplicates} rows equal to an earlier one left out (dataset_exact_deduplication)"
+                 if self.duplicates else "")
         warn = f"; note: {self.warning}" if self.warning else ""
         return (f"{self.where} {Path(self.path).name} ({self.kind}{tpl}): {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained{none}{warn}")

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from functional_pp.data.chat_pairs import CHAT_PAIR_TYPES, ChatPairReader
+from functional_pp.data.dedup import ExactDuplicates
 from functional_pp.data.formats import ByteTokenizer, _records, _text_field, _with_bos, chat_spec
 
 __all__ = ["PAIR_TYPES", "Pair", "PairSet", "pair_texts", "tokenize_pair", "build_pairs"]
@@ -205,19 +206,16 @@ def build_pairs(entries: list, tokenizer: Any, *, seq_len: int, chat_template: s
     ``dataset_exact_deduplication``): a pair equal to an earlier one (the same tokens) is left out
     and counted."""
     tok = tokenizer or ByteTokenizer()
-    pairs, dropped, shortest, seen, duplicates = [], 0, None, set(), 0
+    pairs, dropped, shortest = [], 0, None
+    repeats = ExactDuplicates(deduplicate)
     readers = _readers(entries, tok, chat_template, chat_template_jinja)
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
             raise FileNotFoundError(f"{where}: no such file or directory")
         for _, pair in _entry_pairs(entry, tok, where, readers[i]):
-            if deduplicate:
-                key = (tuple(pair.prompt), tuple(pair.chosen), tuple(pair.rejected))
-                if key in seen:
-                    duplicates += 1
-                    continue
-                seen.add(key)
+            if repeats.is_repeat(pair.prompt, pair.chosen, pair.rejected):
+                continue
             need = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
             if need > seq_len:
                 dropped += 1
@@ -230,7 +228,7 @@ def build_pairs(entries: list, tokenizer: Any, *, seq_len: int, chat_template: s
                          + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
                             else "(the datasets hold no record)"))
     pad = tok.eos_id if tok.eos_id is not None else 0
-    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped, duplicates=duplicates)
+    return PairSet(pairs, int(tok.vocab_size), int(pad), names, dropped, duplicates=repeats.count)
 
 
 def pair_rows(pair: Pair, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

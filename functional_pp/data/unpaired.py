@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from functional_pp.data.dedup import ExactDuplicates
 from functional_pp.data.formats import ByteTokenizer, _field, _records, _text_field
 from functional_pp.data.pairs import _chatml_prompt, _message_content, tokenize_completions
 
@@ -120,7 +121,8 @@ def build_completions(entries: list, tokenizer: Any, *, seq_len: int, deduplicat
     error naming the shortest length found. ``deduplicate``: one equal to an earlier one (the same
     tokens and label) is left out and counted."""
     tok = tokenizer or ByteTokenizer()
-    kept, dropped, shortest, seen, duplicates = [], 0, None, set(), 0
+    kept, dropped, shortest = [], 0, None
+    repeats = ExactDuplicates(deduplicate)
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
@@ -137,11 +139,8 @@ def build_completions(entries: list, tokenizer: Any, *, seq_len: int, deduplicat
                 dropped += 1
                 shortest = len(p) + len(c) if shortest is None else min(shortest, len(p) + len(c))
                 continue
-            if deduplicate:
-                if (tuple(p), tuple(c), label) in seen:
-                    duplicates += 1
-                    continue
-                seen.add((tuple(p), tuple(c), label))
+            if repeats.is_repeat(p, c, label):
+                continue
             kept.append(Completion(p, c, label))
     names = ", ".join(Path(e.path).name for e in entries)
     if not kept:
@@ -149,4 +148,4 @@ def build_completions(entries: list, tokenizer: Any, *, seq_len: int, deduplicat
                          + (f"(the shortest needs {shortest} tokens): raise sequence_len" if dropped
                             else "(the datasets hold no record)"))
     pad = tok.eos_id if tok.eos_id is not None else 0
-    return CompletionSet(kept, int(tok.vocab_size), int(pad), names, dropped, duplicates=duplicates)
+    return CompletionSet(kept, int(tok.vocab_size), int(pad), names, dropped, duplicates=repeats.count)

@@ -8,7 +8,7 @@ bounds: new parameters shown finite before they are written)."""
 
 from functional_pp.optim import schedules
 from functional_pp.optim.adam import ScaleByAdamState, scale_by_adam
-from functional_pp.optim.adam8bit import Quantized8, ScaleByAdam8bitState, scale_by_adam_8bit
+from functional_pp.optim.adam8bit import Quantized4, Quantized8, ScaleByAdam8bitState, scale_by_adam_4bit, scale_by_adam_8bit
 from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState,
                                       apply_updates, identity, in_place_step, returns_fresh, scale,
                                       scale_by_learning_rate, scale_by_schedule, state_like_params, trace, tree_map,
@@ -16,7 +16,7 @@ from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleB
 from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, global_norm
 from functional_pp.optim.combine import chain
 from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
-from functional_pp.optim.optimizers import (CONFIG_KEYS, adamw, adamw_8bit, from_config, make_schedule, scale_by_adamw,
+from functional_pp.optim.optimizers import (CONFIG_KEYS, adamw, adamw_4bit, adamw_8bit, from_config, make_schedule, scale_by_adamw,
                                             sgd)
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "scale_by_learning_rate", "scale_by_adam", "scale_by_adamw", "add_decayed_weights", "trace",
     "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
     "state_like_params", "sgd", "adamw", "adamw_8bit", "scale_by_adam_8bit", "ScaleByAdam8bitState", "Quantized8",
+    "adamw_4bit", "scale_by_adam_4bit", "Quantized4",
     "make_schedule", "from_config", "CONFIG_KEYS",
 ]
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from functional_pp.optim import schedules as _sched
 from functional_pp.optim.adam import scale_by_adam
-from functional_pp.optim.adam8bit import BLOCK, scale_by_adam_8bit
+from functional_pp.optim.adam8bit import BLOCK, BLOCK_4BIT, scale_by_adam_4bit, scale_by_adam_8bit
 from functional_pp.optim.base import (GradientTransformation, ScalarOrSchedule, check_learning_rate, check_number,
                                       scale_by_learning_rate, trace)
 from functional_pp.optim.bounds import adamw_bound
@@ -17,7 +17,7 @@ from functional_pp.optim.combine import chain
 from functional_pp.optim.fused import adamw_in_place
 from functional_pp.optim.masking import Mask, add_decayed_weights
 
-__all__ = ["sgd", "adamw", "adamw_8bit", "make_schedule", "from_config", "CONFIG_KEYS"]
+__all__ = ["sgd", "adamw", "adamw_8bit", "adamw_4bit", "make_schedule", "from_config", "CONFIG_KEYS"]
 
 
 def _maybe_clip(clip_norm: Optional[float]) -> list[GradientTransformation]:
@@ -100,6 +100,25 @@ def adamw_8bit(
                  add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
 
 
+def adamw_4bit(
+    lr: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Mask = None,
+    clip_norm: Optional[float] = None,
+    *,
+    block: int = BLOCK_4BIT,
+) -> GradientTransformation:
+    """AdamW with 4-bit moments (torchao's ``AdamW4bit``; :func:`scale_by_adam_4bit`): :func:`adamw`
+    with ``scale_by_adam_4bit`` in place of ``scale_by_adam``. State: 1 byte per parameter plus 8
+    per block of ``block``, instead of 8."""
+    lr = check_learning_rate("adamw_4bit", lr)
+    return chain(*_maybe_clip(clip_norm), scale_by_adam_4bit(b1, b2, eps, block=block),
+                 add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+
+
 # --------------------------------------------------------------------------- #
 # config
 # --------------------------------------------------------------------------- #
@@ -118,6 +137,7 @@ _OPT_KEYS = {
     "sgd": _COMMON_KEYS + ("momentum", "nesterov"),
     "adamw": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
     "adamw_8bit": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
+    "adamw_4bit": _COMMON_KEYS + ("betas", "b1", "b2", "eps"),
 }
 CONFIG_KEYS = tuple(sorted({k for ks in _OPT_KEYS.values() for k in ks}))
 
@@ -160,7 +180,7 @@ def make_schedule(
 def from_config(name: str, **kwargs: Any) -> GradientTransformation:
     """Build an optimizer from a config dict (e.g. ``from_config(**cfg["optimizer"])``).
 
-    ``name``: ``sgd``, ``adamw`` or ``adamw_8bit`` (8-bit moments).  Keys: ``learning_rate`` (required),
+    ``name``: ``sgd``, ``adamw``, ``adamw_8bit`` (8-bit moments) or ``adamw_4bit`` (4-bit).  Keys: ``learning_rate`` (required),
     ``weight_decay``, ``max_grad_norm``, ``lr_schedule`` (constant|cosine|linear),
     ``warmup_steps``, ``total_steps``, ``min_lr``, ``mask``; sgd: ``momentum``,
     ``nesterov``; adamw: ``betas`` (pair) or ``b1``/``b2``, ``eps``.
@@ -208,7 +228,7 @@ def from_config(name: str, **kwargs: Any) -> GradientTransformation:
         b1, b2 = float(betas[0]), float(betas[1])
     b1 = float(cfg.get("b1", b1))
     b2 = float(cfg.get("b2", b2))
-    build = adamw_8bit if opt == "adamw_8bit" else adamw
+    build = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit}.get(opt, adamw)
     return build(lr, b1=b1, b2=b2, eps=float(cfg.get("eps", 1e-8)), **common)
 
 

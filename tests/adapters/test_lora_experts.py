@@ -28,18 +28,18 @@ LAYOUTS = {
 }
 
 
-def _setup(cfg):
-    decls = adapters.init(llama.init(cfg, torch.float64), LORA)
+def _setup(cfg, lora=LORA):
+    decls = adapters.init(llama.init(cfg, torch.float64), lora)
     g = torch.Generator().manual_seed(3)
     flat = {p: (0.2 * torch.randn(x.data.shape, generator=g, dtype=x.data.dtype) if p.endswith("lora_B") else x.data)
             for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
     return decls, map_with_path(lambda p, d: flat[p], decls)
 
 
-def _adapted(cfg, decls, full, batch, mesh=None, rules=None):
+def _adapted(cfg, decls, full, batch, mesh=None, rules=None, lora=LORA):
     """Per device the loss and the adapters' gathered gradients."""
     mesh, rules = mesh or fpp.Mesh(), rules or Rules()
-    loss_fn = adapters.adapt(llama.loss, LORA)
+    loss_fn = adapters.adapt(llama.loss, lora)
 
     def device():
         with fpp.use_rules(rules):
@@ -116,11 +116,10 @@ def test_router_dropout_and_peft_export_are_refused_by_name(tmp_path):
         adapters.init(llama.init(CFG), adapters.LoraConfig(r=4, alpha=8, dora=True, target_modules=("gate",)))
 
 
-def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
-    """peft's LoRA of transformers 5's fused expert parameters (``target_parameters``:
-    ``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) is ours with
-    gate and up sharing their A: the same adapters converted, the loss and every adapter
-    gradient (A's as the sum of gate's and up's) equal peft's, fp32."""
+def _peft_qwen3_moe(tmp_path):
+    """A tiny transformers 5 Qwen3-MoE saved in ``tmp_path`` with peft's LoRA of its fused expert
+    parameters (``target_parameters``; lora_B made nonzero), its loss on a batch and the
+    gradients: ``(cfg, batch, loss, peft_param(i, proj, "A" | "B"))``."""
     peft = pytest.importorskip("peft")
     import torch.nn.functional as F
     import transformers
@@ -153,35 +152,120 @@ def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
 
     def peft_param(i, proj, ab):
         return peft_ab[f"base_model.model.model.layers.{i}.{where[proj]}{ab}.default.weight"]
+    return hf.config_from_hf(tmp_path), batch, want.detach(), peft_param
 
-    cfg = hf.config_from_hf(tmp_path)
-    E, Fm, r = 4, 16, 4
+
+E, FM, R = 4, 16, 4
+
+
+def _ours_from_peft(peft_param, i, proj, ab, grad=False):
+    """peft's adapter tensor (or its gradient) in our layout: A (E, in, r), B (E, r, out)."""
+    t = peft_param(i, proj, ab).grad if grad else peft_param(i, proj, ab).detach()
+    return t.reshape(E, R, -1).transpose(1, 2) if ab == "A" else t.reshape(-1, R, E).permute(2, 1, 0)
+
+
+def test_equals_peft_target_parameters_on_qwen3_moe(tmp_path):
+    """peft's LoRA of transformers 5's fused expert parameters (``target_parameters``:
+    ``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) is ours with
+    gate and up sharing their A: the same adapters converted, the loss and every adapter
+    gradient (A's as the sum of gate's and up's) equal peft's, fp32."""
+    from functional_pp.checkpoint import hf
+    cfg, batch, want, peft_param = _peft_qwen3_moe(tmp_path)
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("gate", "up", "down"))
     decls = adapters.init(llama.init(cfg), lc)
     lora = {}
     for i in range(2):
-        def get(proj, ab):
-            return peft_param(i, proj, ab)
-        a_gu = get("gate_up_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)        # (E, H, r)
-        b_gu = get("gate_up_proj", "B").detach().reshape(2 * Fm, r, E).permute(2, 1, 0)   # (E, r, 2F)
-        a_d = get("down_proj", "A").detach().reshape(E, r, -1).transpose(1, 2)            # (E, F, r)
-        b_d = get("down_proj", "B").detach().reshape(-1, r, E).permute(2, 1, 0)           # (E, r, H)
-        for name, a, b in (("gate", a_gu, b_gu[..., :Fm]), ("up", a_gu, b_gu[..., Fm:]), ("down", a_d, b_d)):
+        a_gu, b_gu = _ours_from_peft(peft_param, i, "gate_up_proj", "A"), _ours_from_peft(peft_param, i, "gate_up_proj", "B")
+        a_d, b_d = _ours_from_peft(peft_param, i, "down_proj", "A"), _ours_from_peft(peft_param, i, "down_proj", "B")
+        for name, a, b in (("gate", a_gu, b_gu[..., :FM]), ("up", a_gu, b_gu[..., FM:]), ("down", a_d, b_d)):
             lora[f"layers.{i}.mlp.{name}"] = {"lora_A": a.contiguous(), "lora_B": b.contiguous()}
     full = adapters.joined(hf.load_hf_params(tmp_path, cfg), lora)
     ((loss, grads),) = _adapted(cfg, decls, full, batch)
-    torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.float(), want, rtol=1e-5, atol=1e-6)
     for i in range(2):
         def got(name, ab):
             return grads[f"layers.{i}.mlp.lora.{name}.lora_{ab}"]
-
-        def peft_grad(proj, ab):
-            return peft_param(i, proj, ab).grad
-        gu_a = peft_grad("gate_up_proj", "A").reshape(E, r, -1).transpose(1, 2)
-        gu_b = peft_grad("gate_up_proj", "B").reshape(2 * Fm, r, E).permute(2, 1, 0)
+        gu_a = _ours_from_peft(peft_param, i, "gate_up_proj", "A", grad=True)
+        gu_b = _ours_from_peft(peft_param, i, "gate_up_proj", "B", grad=True)
         torch.testing.assert_close(got("gate", "A") + got("up", "A"), gu_a, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(torch.cat([got("gate", "B"), got("up", "B")], -1), gu_b, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(got("down", "A"), peft_grad("down_proj", "A").reshape(E, r, -1).transpose(1, 2),
+        torch.testing.assert_close(got("down", "A"), _ours_from_peft(peft_param, i, "down_proj", "A", grad=True),
                                    rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(got("down", "B"), peft_grad("down_proj", "B").reshape(-1, r, E).permute(2, 1, 0),
+        torch.testing.assert_close(got("down", "B"), _ours_from_peft(peft_param, i, "down_proj", "B", grad=True),
                                    rtol=1e-4, atol=1e-6)
+
+
+def test_lora_target_parameters_trains_peft_s_adapters(tmp_path):
+    """Axolotl's ``lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]``
+    builds peft's parametrization: gate and up hold one ``lora_A`` (up declares none and borrows
+    gate's), so the trained tensors are peft's, their gradients equal peft's one for one (and an
+    optimizer step moves them as peft's would); merging equals applying."""
+    from functional_pp.checkpoint import hf
+    from functional_pp.config import TrainConfig
+    cfg, batch, want, peft_param = _peft_qwen3_moe(tmp_path)
+    lc = TrainConfig.from_dict({"base_model": str(tmp_path), "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+                                "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                "max_steps": 1}).lora_config()
+    decls = adapters.init(llama.init(cfg), lc)
+    mlp = decls["layers"][0]["mlp"]["lora"]
+    assert set(mlp["gate"]) == {"lora_A", "lora_B"} and set(mlp["up"]) == {"lora_B"} and set(mlp["down"]) == {
+        "lora_A", "lora_B"}
+    lora = {}
+    for i in range(2):
+        b_gu = _ours_from_peft(peft_param, i, "gate_up_proj", "B")
+        lora[f"layers.{i}.mlp.gate"] = {"lora_A": _ours_from_peft(peft_param, i, "gate_up_proj", "A").contiguous(),
+                                        "lora_B": b_gu[..., :FM].contiguous()}
+        lora[f"layers.{i}.mlp.up"] = {"lora_B": b_gu[..., FM:].contiguous()}
+        lora[f"layers.{i}.mlp.down"] = {ab: _ours_from_peft(peft_param, i, "down_proj", ab[-1]).contiguous()
+                                        for ab in ("lora_A", "lora_B")}
+    full = adapters.joined(hf.load_hf_params(tmp_path, cfg), lora)
+    loss_fn = adapters.adapt(llama.loss, lc)
+    local = tree.tree_map(lambda t: t.clone().requires_grad_(), full)
+    loss = loss_fn(sharding.named_tree(local, decls), {k: fpp.wrap(v, "batch seq") for k, v in batch.items()},
+                   cfg).value()
+    loss.backward()
+    torch.testing.assert_close(loss.detach().float(), want, rtol=1e-5, atol=1e-6)
+    grads = {p: t.grad for p, t in fpp.leaves_with_paths(local) if ".lora." in p}
+    for i in range(2):
+        torch.testing.assert_close(grads[f"layers.{i}.mlp.lora.gate.lora_A"],
+                                   _ours_from_peft(peft_param, i, "gate_up_proj", "A", grad=True), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.cat([grads[f"layers.{i}.mlp.lora.gate.lora_B"],
+                                              grads[f"layers.{i}.mlp.lora.up.lora_B"]], -1),
+                                   _ours_from_peft(peft_param, i, "gate_up_proj", "B", grad=True), rtol=1e-4, atol=1e-6)
+    merged = adapters.merge(full, lc)
+    plain = llama.loss(sharding.named_tree(merged, llama.init(cfg)), {k: fpp.wrap(v, "batch seq")
+                                                                        for k, v in batch.items()}, cfg).value()
+    torch.testing.assert_close(plain.detach(), loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_lora_target_parameters_refuses_other_tensors_by_name():
+    from functional_pp.config import ConfigError, TrainConfig
+    with pytest.raises(ConfigError, match=r"'self_attn.q_proj.weight' is not a mixture-of-experts tensor"):
+        TrainConfig.from_dict({"model": {"preset": "tiny"}, "adapter": "lora", "lora_target_modules": ["q_proj"],
+                               "lora_target_parameters": ["self_attn.q_proj.weight"]}).lora_config()
+    with pytest.raises(ValueError, match=r"'layers.0.mlp.up' shares lora_A with 'layers.0.mlp.gate'"):
+        adapters.init(llama.init(CFG), adapters.LoraConfig(target_modules=("up",), shared_a=(("gate", "up"),)))
+
+
+def test_shared_a_under_ep_and_fsdp_equals_one_device():
+    shared = adapters.LoraConfig(r=4, alpha=8, target_modules=("gate", "up", "down"), shared_a=(("gate", "up"),))
+    decls, full = _setup(CFG, shared)
+    batch = make_batch(CFG, batch=4, seq=8, seed=1)
+    ((loss, grads),) = _adapted(CFG, decls, full, batch, lora=shared)
+    assert "layers.0.mlp.lora.up.lora_A" not in grads and grads["layers.0.mlp.lora.gate.lora_A"].abs().max() > 0
+    mesh, rules = LAYOUTS["ep_axis_x_fsdp"]
+    for rank, (l, g) in enumerate(_adapted(CFG, decls, full, batch, mesh, rules, lora=shared)):
+        torch.testing.assert_close(l, loss, rtol=1e-12, atol=0)
+        for p in grads:
+            torch.testing.assert_close(g[p], grads[p], rtol=1e-9, atol=1e-9 * grads[p].abs().max().item(),
+                                       msg=f"rank {rank} {p}")
+
+
+def test_lora_target_parameters_join_a_regex_of_lora_target_modules():
+    from functional_pp.config import TrainConfig
+    lc = TrainConfig.from_dict({"model": {"preset": "tiny", "experts": 4, "moe_mlp": 32}, "adapter": "lora",
+                                "lora_target_modules": ".*q_proj", "max_steps": 1,
+                                "lora_target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}).lora_config()
+    found = adapters.targets(llama.init(llama.Config.tiny(experts=4, moe_mlp=32, layers=1)), lc)
+    assert found == ["layers.0.mlp.down", "layers.0.mlp.gate", "layers.0.mlp.up", "layers.0.self_attn.q_proj"]
+    assert lc.shared_a == (("gate", "up"),)

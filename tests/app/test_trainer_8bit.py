@@ -1,7 +1,9 @@
-"""The training loop with an Axolotl 8-bit optimizer name: it trains, its checkpoints hold the
-8-bit moments, and a resume is bit-exact (docs/quantization.md "8-bit optimizer state")."""
+"""The training loop with an Axolotl 8-bit (or torchao 4-bit) optimizer name: it trains, its
+checkpoints hold the low-bit moments, and a resume is bit-exact (docs/quantization.md "8-bit
+optimizer state")."""
 import io
 
+import pytest
 import torch
 
 from functional_pp import checkpoint as ck
@@ -14,15 +16,17 @@ BASE = {"dp_shard_size": 2, "micro_batch_size": 2, "sequence_len": 16, "learning
         "logging": {"log_every": 1}, "optimizer": "paged_adamw_8bit"}
 
 
-def config(out):
-    return TrainConfig.from_dict({**BASE, "logging": {**BASE["logging"], "output_dir": str(out)}}, name="t")
+def config(out, optimizer="paged_adamw_8bit"):
+    return TrainConfig.from_dict({**BASE, "optimizer": optimizer, "logging": {**BASE["logging"], "output_dir": str(out)}},
+                                 name="t")
 
 
-def test_paged_adamw_8bit_trains_checkpoints_and_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "adamw_torch_4bit"])
+def test_low_bit_adamw_trains_checkpoints_and_resumes_bit_exactly(tmp_path, optimizer):
     full, split = tmp_path / "full", tmp_path / "split"
-    train(config(full), stream=io.StringIO())
-    train(config(split), stop_after=1, stream=io.StringIO())
-    second = train(config(split), resume=True, stream=io.StringIO())
+    train(config(full, optimizer), stream=io.StringIO())
+    train(config(split, optimizer), stop_after=1, stream=io.StringIO())
+    second = train(config(split, optimizer), resume=True, stream=io.StringIO())
     assert second.start_step == 1 and second.final_step == 3
     loss = [[m["loss"] for m in read_metrics(out / "metrics.jsonl")] for out in (full, split)]
     assert loss[0] == loss[1]

@@ -96,10 +96,3 @@ def test_exact_duplicates_are_left_out_and_counted_when_asked(tmp_path):
     assert len(kept) == 2 and kept.duplicates == 10
     assert [p.rejected for p in kept.pairs] == [[*b"r", 0], [*b"x", 0]]
     assert len(build_pairs(entries, None, seq_len=8)) == 12
-
-
-def test_deduplication_without_rl_is_refused():
-    from functional_pp.config import ConfigError, TrainConfig
-    with pytest.raises(ConfigError, match=r"dataset_exact_deduplication: deduplicating rows is supported for "
-                                         r"preference data \(rl:\) only"):
-        TrainConfig.from_dict({"datasets": [{"path": "x.jsonl"}], "dataset_exact_deduplication": True})

@@ -52,9 +52,6 @@ def test_adamw_torch_8bit_is_torchaos_adamw8bit():
         torch.testing.assert_close(mine.absmax.reshape(-1), theirs_q.scale, rtol=1e-6, atol=0)
 
 
-def test_config_names_map_to_adamw_8bit_and_4bit_is_refused_naming_the_alternatives():
+def test_config_names_map_to_adamw_8bit():
     for name in ("adamw_torch_8bit", "ao_adamw_8bit"):
         assert TrainConfig.from_dict({"optimizer": name}).optimizer == "adamw_8bit"
-    for name in ("adamw_torch_4bit", "ao_adamw_4bit"):
-        with pytest.raises(Exception, match=rf"optimizer '{name}'.*4-bit.*adamw_8bit.*adamw"):
-            TrainConfig.from_dict({"optimizer": name})
