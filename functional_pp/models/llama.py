@@ -25,7 +25,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, moe
+from functional_pp.models import kv_cache, mla, moe
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
@@ -161,6 +161,26 @@ class Config:
     lm_head_bias: bool = False
     # the q/k norms after the rotary instead of before it (Hunyuan)
     qk_norm_after_rotary: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py): kv_lora_rank > 0 turns
+    # it on: k and v from one latent of that rank (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) plus a
+    # rotary key part shared by every head; q through a latent of q_lora_rank (None: one projection);
+    # each head's q/k of qk_nope_head_dim + qk_rope_head_dim entries (the rotary on the last ones) and
+    # v of v_head_dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # grouped, scaled routing (DeepSeek-V2/V3, GLM-4.5; ops/experts.py): the experts in router_groups
+    # groups, each token's experts from its router_topk_groups best groups (a group's score:
+    # router_group_score, "top2_sum" of its two best scores or its "max"); router_bias: a per-expert
+    # score correction that only chooses the experts (DeepSeek-V3's e_score_correction_bias, not trained);
+    # the top-k weights times routed_scaling_factor
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "top2_sum"
+    router_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -217,6 +237,14 @@ class Config:
                              f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
+        if self.kv_lora_rank:
+            mla.check_config(self)
+        if self.experts and (self.router_groups < 1 or self.experts % self.router_groups
+                             or not 1 <= self.router_topk_groups <= self.router_groups):
+            raise ValueError(f"router_groups={self.router_groups} must divide experts={self.experts} and "
+                             f"router_topk_groups={self.router_topk_groups} be between 1 and router_groups")
+        if self.router_group_score not in ("top2_sum", "max"):
+            raise ValueError(f"router_group_score: {self.router_group_score!r} is not one of top2_sum, max")
         if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and self.loss_chunk_bytes:
             raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
@@ -378,6 +406,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         return tree
 
     def attn():
+        if cfg.kv_lora_rank:                        # multi-head latent attention (models/mla.py)
+            return mla.init_attention(cfg, w, out_std)
         a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
             "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
@@ -472,6 +502,8 @@ def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments:
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
                window: int | None) -> Named:
     a = p["self_attn"]
+    if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
+        return mla.attention(a, h, pos, cfg, segments, window)
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
@@ -652,6 +684,9 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
                                                     + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+    if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
+        proj = mla.projection_flops(cfg)
+        attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 
