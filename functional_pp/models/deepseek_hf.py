@@ -213,7 +213,7 @@ def _rope_parameters(cfg: Config) -> dict:
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         if cfg.kv_lora_rank and cfg.query_pre_attn_scalar is not None and s.factor > 1:
             m = (qk / cfg.query_pre_attn_scalar) ** 0.25          # the softmax scale's mscale, as mscale_all_dim
-            rope["mscale_all_dim"] = (m - 1.0) / (0.1 * math.log(s.factor))
+            rope["mscale_all_dim"] = round((m - 1.0) / (0.1 * math.log(s.factor)), 12)      # (read back alike)
     if cfg.partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = cfg.partial_rotary_factor
     return rope

@@ -330,6 +330,13 @@ def _gemma(layers: int, every: int) -> dict:
                 layer_types=tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)))
 
 
+def _deepseek(**kw) -> dict:
+    """DeepSeek's latent attention (q/k heads of 128 + 64 rotated interleaved entries) and shared
+    experts without a gate, with ``kw`` on top."""
+    return dict(dict(qk_nope_head_dim=128, qk_rope_head_dim=64, rotary_interleaved=True, shared_expert_gate=False),
+                **kw)
+
+
 FAMILY_PRESETS: dict[str, dict] = {
     "mistral-7b": dict(model_type="mistral", vocab=32768, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
                        rope_theta=1e6, rope_scaling=None, max_seq=32768),                       # v0.3
@@ -369,6 +376,34 @@ FAMILY_PRESETS: dict[str, dict] = {
                       rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.25,
                       **dict(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
                              mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True, o_bias=True)),
+    # DeepSeek's latent attention and experts (their YaRN: the softmax scale times mscale_all_dim's
+    # mscale squared, as query_pre_attn_scalar), GLM-4.5-Air, GLM-4.7-Flash
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128,
+                        mlp=18432, rope_theta=10000.0, norm_eps=1e-6, max_seq=163840,
+                        rope_scaling=YarnScaling(40.0, 4096, 32.0, 1.0, 1.0),
+                        query_pre_attn_scalar=192 / (0.1 * math.log(40.0) + 1) ** 4, **_deepseek(
+                            kv_lora_rank=512, q_lora_rank=1536, v_head_dim=128, experts=256, experts_top_k=8,
+                            moe_mlp=2048, shared_expert_mlp=2048, moe_layers=tuple(range(3, 61)),
+                            router_score="sigmoid", router_bias=True, router_groups=8, router_topk_groups=4,
+                            norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab=102400, hidden=2048, layers=27, heads=16, kv_heads=16,
+                             mlp=10944, rope_theta=10000.0, norm_eps=1e-6, max_seq=163840,
+                             rope_scaling=YarnScaling(40.0, 4096, 32.0, 1.0, 1.0),
+                             query_pre_attn_scalar=192 / (0.1 * 0.707 * math.log(40.0) + 1) ** 4, **_deepseek(
+                                 kv_lora_rank=512, q_lora_rank=None, v_head_dim=128, experts=64, experts_top_k=6,
+                                 moe_mlp=1408, shared_expert_mlp=2816, moe_layers=tuple(range(1, 27)),
+                                 router_group_score="max")),
+    "glm-4.5-air": dict(model_type="glm4_moe", vocab=151552, hidden=4096, layers=46, heads=96, kv_heads=8, head_dim=128,
+                        mlp=10944, rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, max_seq=131072,
+                        partial_rotary_factor=0.5, qkv_bias=True, experts=128, experts_top_k=8, moe_mlp=1408,
+                        shared_expert_mlp=1408, shared_expert_gate=False, moe_layers=tuple(range(1, 46)),
+                        router_score="sigmoid", router_bias=True, norm_topk_prob=True),
+    "glm-4.7-flash": dict(model_type="glm4_moe_lite", vocab=154880, hidden=2048, layers=47, heads=20, kv_heads=20,
+                          mlp=10240, rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, max_seq=202752, **_deepseek(
+                              kv_lora_rank=512, q_lora_rank=768, qk_nope_head_dim=192, v_head_dim=256, experts=64,
+                              experts_top_k=4, moe_mlp=1536, shared_expert_mlp=1536, moe_layers=tuple(range(1, 47)),
+                              router_score="sigmoid", router_bias=True, norm_topk_prob=True,
+                              routed_scaling_factor=1.8)),
 }
 """The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
 
