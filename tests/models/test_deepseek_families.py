@@ -165,17 +165,18 @@ def test_yarn_softmax_scale_equals_transformers(tmp_path):
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
 
-@pytest.mark.parametrize("family,rules", [
-    ("deepseek_v3", llama.default_rules()),                                       # FSDP x TP
-    ("glm4_moe_lite", llama.default_rules()),
-    ("deepseek_v3", fpp.Rules(batch="dp_shard", experts="dp_shard", heads="tp", kv_heads="tp", vocab="tp",
-                              mlp="tp"))])                                        # EP x TP
-def test_layouts_equal_one_device(saved, family, rules):
+@pytest.mark.parametrize("family,mesh,rules", [
+    ("deepseek_v3", MESH, llama.default_rules()),                                 # FSDP x TP
+    ("glm4_moe_lite", MESH, llama.default_rules()),
+    ("deepseek_v3", MESH, fpp.Rules(batch="dp_shard", experts="dp_shard", heads="tp", kv_heads="tp", vocab="tp",
+                                    mlp="tp")),                                   # EP x TP
+    ("deepseek_v2", fpp.Mesh(cp=2, tp=2), llama.default_rules(fsdp=False, sequence_parallel=True))])   # CP x TP + SP
+def test_layouts_equal_one_device(saved, family, mesh, rules):
     _, d = saved[family]
     cfg, full64 = hf.load_hf_llama(d, dtype=torch.float64)
     batch = make_batch(cfg, batch=4, seq=12, seed=3)
     loss0, grads0 = single_device(cfg, full64, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, rules)):
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, mesh, rules)):
         torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
         for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
             if g0 is None:                 # (the router's score correction: no gradient)
