@@ -93,8 +93,10 @@ def _pad(x: Named, dim: str, size: int) -> Named:
     return ops.rename(wide, pad_to=dim)
 
 
-def _rotate(x: Named, pos: Named, cfg, theta: float, scaling) -> Named:
-    return ops.rotary(x, pos, head_dim="qk_dim", theta=theta, scaling=scaling, interleaved=cfg.rotary_interleaved)
+def _rotate(x: Named, pos: Named, cfg) -> Named:
+    """The rotary of ``x``'s ``qk_dim`` (the rotated part of q or of the shared key)."""
+    return ops.rotary(x, pos, head_dim="qk_dim", theta=cfg.rope_theta, scaling=cfg.rope_scaling,
+                      interleaved=cfg.rotary_interleaved)
 
 
 def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None = None,
@@ -115,8 +117,9 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     kvb = ops.einsum("batch seq kv_rank, kv_rank kv_heads kv_b -> batch seq kv_heads kv_b", latent, a["kv_b_proj"])
     q_pass, q_rot = ops.slice_dim(q, "qk_dim", 0, Dn), ops.slice_dim(q, "qk_dim", Dn, Dn + Dr)
     if pos is not None:
-        q_rot, k_rot = (_rotate(t, pos, cfg, cfg.rope_theta, cfg.rope_scaling) for t in (q_rot, k_rot))
+        q_rot, k_rot = _rotate(q_rot, pos, cfg), _rotate(k_rot, pos, cfg)
     q = ops.concat([q_pass, q_rot], "qk_dim")
+    # the shared rotary key, one copy per head (a product with a constant of ones over kv_heads)
     every_head = Named(torch.ones(cfg.kv_heads, dtype=k_rot.data.dtype, device=k_rot.data.device), ("kv_heads",))
     k = ops.concat([ops.slice_dim(kvb, "kv_b", 0, Dn, into="qk_dim"), k_rot * every_head], "qk_dim")
     v = ops.slice_dim(kvb, "kv_b", Dn, Dn + Dv, into="qk_dim")
