@@ -317,3 +317,31 @@ def test_pipeline_of_dense_and_expert_layers_equals_one_device():
                                     schedule="1f1b", first_stage=first, last_stage=last)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=0)
     assert one[0] != one[1]
+
+
+def test_nf4_latent_attention_equals_transformers_with_bitsandbytes(tmp_path):
+    """QLoRA's base (``load_in_4bit``, NF4): DeepSeek-V3 quantized by transformers + bitsandbytes
+    and by us (every linear of the latent attention, the dense and shared MLPs; the experts' 3-D
+    weights and the router stay, as there) gives the same logits. Sizes hold whole blocks of 64."""
+    pytest.importorskip("bitsandbytes")
+    from functional_pp.models.quantize import quantize_linear_weights
+    from functional_pp.parallel import sharding
+    model = _build("deepseek_v3", tmp_path, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                   kv_lora_rank=64, q_lora_rank=64, v_head_dim=64, qk_nope_head_dim=56, qk_rope_head_dim=8)
+    with torch.no_grad():
+        full = model(input_ids=tokens()).logits
+    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                                          bnb_4bit_compute_dtype=torch.float32)
+    q = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb, dtype=torch.float32,
+                                                          device_map="cpu", **EAGER).eval()
+    for module in q.modules():           # (bitsandbytes' bf16 CPU path off: the fp32 compute asked for)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        want = q(input_ids=tokens()).logits
+    cfg, params = hf.load_hf_llama(tmp_path)
+    qp, qd = quantize_linear_weights(params, llama.init(cfg), "nf4", double_quant=False)
+    with torch.no_grad():
+        got = llama.forward(sharding.named_tree(qp, qd), fpp.wrap(tokens(), "batch seq"), cfg).value()
+    assert (want - full).abs().max() > 0.02
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
