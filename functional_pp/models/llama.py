@@ -7,7 +7,9 @@ soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local 
 embeddings; SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2/3 (norms after each block, q/k
 norms over every head), Cohere, Phi-1/2 and GPT-NeoX (attention and MLP in parallel, LayerNorm,
 partial or interleaved rotary, biases), Apertus (xIELU), Hunyuan (q/k norms after the rotary)
-and Falcon (multi-query; models/hf_switches.py). ``Config.model_type`` names the
+and Falcon (multi-query; models/hf_switches.py); DeepSeek-V2/V3, GLM-4.5 and GLM-4.7-Flash
+(multi-head latent attention, models/mla.py; grouped routing, shared experts;
+models/deepseek_hf.py). ``Config.model_type`` names the
 Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
