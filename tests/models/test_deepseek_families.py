@@ -184,10 +184,15 @@ def test_layouts_equal_one_device(saved, family, mesh, rules):
             torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
 
 
-def test_latent_attention_and_grouped_routing_train_alike_on_real_processes():
+@pytest.mark.parametrize("mesh,rules", [
+    (fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+    (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", experts="dp_shard", hidden="dp_shard"))],   # EP x FSDP
+    ids=["tp", "ep_fsdp"])
+def test_latent_attention_and_grouped_routing_train_alike_on_real_processes(mesh, rules):
     """A latent attention (q latent, v heads wider than q/k) with DeepSeek-V3's router (sigmoid,
     score correction, groups, scaled weights) and a shared expert after a dense layer: two AdamW
-    steps with TP 2 on two gloo processes equal one device."""
+    steps with TP 2, and with the experts (and their score corrections) split over the batch's
+    axis with FSDP, on two gloo processes equal one device."""
     from harness import launch_steps
     cfg = llama.Config.tiny(kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
                             v_head_dim=16, rotary_interleaved=True, experts=4, experts_top_k=2, moe_mlp=16,
@@ -195,8 +200,7 @@ def test_latent_attention_and_grouped_routing_train_alike_on_real_processes():
                             router_groups=2, router_topk_groups=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                             moe_layers=(1,), model_type="deepseek_v3")
     one = launch_steps(cfg, dtype=torch.float64)[0]
-    real = launch_steps(cfg, mesh=fpp.Mesh(tp=2), rules=llama.default_rules(fsdp=False), dtype=torch.float64,
-                        processes=True)
+    real = launch_steps(cfg, mesh=mesh, rules=rules, dtype=torch.float64, processes=True)
     for losses, params, _ in real:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
         for p, x in params.items():
