@@ -105,7 +105,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
        "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
-       "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64})}
+       "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
+       # (latent attention: a k/v head per head)
+       "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
+           "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32})}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>"}
@@ -134,7 +138,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
     import transformers
     conf, cls, extra = _HF[model_type]
     torch.manual_seed(0)
-    getattr(transformers, cls)(getattr(transformers, conf)(**_TINY, **extra)).save_pretrained(d)
+    getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **extra})).save_pretrained(d)
     return d
 
 

@@ -156,12 +156,12 @@ def _weight_dims(ckpt: Path, tree, quantized) -> dict:
 
 def _flat_block_dim(path: str, dims: dict) -> int:
     """The block dimension of the flat quantized weight at ``path`` (models.quantize.LINEAR_BLOCK_DIMS)."""
-    from functional_pp.models.quantize import LINEAR_BLOCK_DIMS
+    from functional_pp.models.quantize import LINEAR_BLOCK_DIMS, block_dim
     name = path.rsplit(".", 1)[-1]
     if path not in dims or name not in LINEAR_BLOCK_DIMS:
         raise ValueError(f"{path}: a flat quantized weight this export cannot place (no declaration of it in the "
                          f"checkpoint's model config)")
-    return dims[path].index(LINEAR_BLOCK_DIMS[name])
+    return dims[path].index(block_dim(name, dims[path]))
 
 
 def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:

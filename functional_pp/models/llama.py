@@ -7,7 +7,9 @@ soft-capped attention and logits) and Gemma 3 (q/k norms, a rope base for local 
 embeddings; SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2/3 (norms after each block, q/k
 norms over every head), Cohere, Phi-1/2 and GPT-NeoX (attention and MLP in parallel, LayerNorm,
 partial or interleaved rotary, biases), Apertus (xIELU), Hunyuan (q/k norms after the rotary)
-and Falcon (multi-query; models/hf_switches.py). ``Config.model_type`` names the
+and Falcon (multi-query; models/hf_switches.py); DeepSeek-V2/V3, GLM-4.5 and GLM-4.7-Flash
+(multi-head latent attention, models/mla.py; grouped routing, shared experts;
+models/deepseek_hf.py). ``Config.model_type`` names the
 Hugging Face architecture a config is (and exports as).
 
 Parameter names follow Hugging Face's Llama layout (``model.layers.N.self_attn.q_proj`` ->
@@ -25,7 +27,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, moe
+from functional_pp.models import kv_cache, mla, moe
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
@@ -161,6 +163,26 @@ class Config:
     lm_head_bias: bool = False
     # the q/k norms after the rotary instead of before it (Hunyuan)
     qk_norm_after_rotary: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py): kv_lora_rank > 0 turns
+    # it on: k and v from one latent of that rank (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) plus a
+    # rotary key part shared by every head; q through a latent of q_lora_rank (None: one projection);
+    # each head's q/k of qk_nope_head_dim + qk_rope_head_dim entries (the rotary on the last ones) and
+    # v of v_head_dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # grouped, scaled routing (DeepSeek-V2/V3, GLM-4.5; ops/experts.py): the experts in router_groups
+    # groups, each token's experts from its router_topk_groups best groups (a group's score:
+    # router_group_score, "top2_sum" of its two best scores or its "max"); router_bias: a per-expert
+    # score correction that only chooses the experts (DeepSeek-V3's e_score_correction_bias, not trained);
+    # the top-k weights times routed_scaling_factor
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "top2_sum"
+    router_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -217,6 +239,14 @@ class Config:
                              f"{self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
+        if self.kv_lora_rank:
+            mla.check_config(self)
+        if self.experts and (self.router_groups < 1 or self.experts % self.router_groups
+                             or not 1 <= self.router_topk_groups <= self.router_groups):
+            raise ValueError(f"router_groups={self.router_groups} must divide experts={self.experts} and "
+                             f"router_topk_groups={self.router_topk_groups} be between 1 and router_groups")
+        if self.router_group_score not in ("top2_sum", "max"):
+            raise ValueError(f"router_group_score: {self.router_group_score!r} is not one of top2_sum, max")
         if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and self.loss_chunk_bytes:
             raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
@@ -302,6 +332,13 @@ def _gemma(layers: int, every: int) -> dict:
                 layer_types=tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)))
 
 
+def _deepseek(**kw) -> dict:
+    """DeepSeek's latent attention (q/k heads of 128 + 64 rotated interleaved entries) and shared
+    experts without a gate, with ``kw`` on top."""
+    return dict(dict(qk_nope_head_dim=128, qk_rope_head_dim=64, rotary_interleaved=True, shared_expert_gate=False),
+                **kw)
+
+
 FAMILY_PRESETS: dict[str, dict] = {
     "mistral-7b": dict(model_type="mistral", vocab=32768, hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
                        rope_theta=1e6, rope_scaling=None, max_seq=32768),                       # v0.3
@@ -341,6 +378,34 @@ FAMILY_PRESETS: dict[str, dict] = {
                       rope_theta=10000.0, rope_scaling=None, max_seq=2048, partial_rotary_factor=0.25,
                       **dict(parallel_block=True, parallel_mlp_norm=True, norm_kind="layer", norm_bias=True,
                              mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True, o_bias=True)),
+    # DeepSeek's latent attention and experts (their YaRN: the softmax scale times mscale_all_dim's
+    # mscale squared, as query_pre_attn_scalar), GLM-4.5-Air, GLM-4.7-Flash
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128,
+                        mlp=18432, rope_theta=10000.0, norm_eps=1e-6, max_seq=163840,
+                        rope_scaling=YarnScaling(40.0, 4096, 32.0, 1.0, 1.0),
+                        query_pre_attn_scalar=192 / (0.1 * math.log(40.0) + 1) ** 4, **_deepseek(
+                            kv_lora_rank=512, q_lora_rank=1536, v_head_dim=128, experts=256, experts_top_k=8,
+                            moe_mlp=2048, shared_expert_mlp=2048, moe_layers=tuple(range(3, 61)),
+                            router_score="sigmoid", router_bias=True, router_groups=8, router_topk_groups=4,
+                            norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab=102400, hidden=2048, layers=27, heads=16, kv_heads=16,
+                             mlp=10944, rope_theta=10000.0, norm_eps=1e-6, max_seq=163840,
+                             rope_scaling=YarnScaling(40.0, 4096, 32.0, 1.0, 1.0),
+                             query_pre_attn_scalar=192 / (0.1 * 0.707 * math.log(40.0) + 1) ** 4, **_deepseek(
+                                 kv_lora_rank=512, q_lora_rank=None, v_head_dim=128, experts=64, experts_top_k=6,
+                                 moe_mlp=1408, shared_expert_mlp=2816, moe_layers=tuple(range(1, 27)),
+                                 router_group_score="max")),
+    "glm-4.5-air": dict(model_type="glm4_moe", vocab=151552, hidden=4096, layers=46, heads=96, kv_heads=8, head_dim=128,
+                        mlp=10944, rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, max_seq=131072,
+                        partial_rotary_factor=0.5, qkv_bias=True, experts=128, experts_top_k=8, moe_mlp=1408,
+                        shared_expert_mlp=1408, shared_expert_gate=False, moe_layers=tuple(range(1, 46)),
+                        router_score="sigmoid", router_bias=True, norm_topk_prob=True),
+    "glm-4.7-flash": dict(model_type="glm4_moe_lite", vocab=154880, hidden=2048, layers=47, heads=20, kv_heads=20,
+                          mlp=10240, rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, max_seq=202752, **_deepseek(
+                              kv_lora_rank=512, q_lora_rank=768, qk_nope_head_dim=192, v_head_dim=256, experts=64,
+                              experts_top_k=4, moe_mlp=1536, shared_expert_mlp=1536, moe_layers=tuple(range(1, 47)),
+                              router_score="sigmoid", router_bias=True, norm_topk_prob=True,
+                              routed_scaling_factor=1.8)),
 }
 """The published sizes of the other families, as presets (``model: {preset: qwen3-8b}``)."""
 
@@ -378,6 +443,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         return tree
 
     def attn():
+        if cfg.kv_lora_rank:                        # multi-head latent attention (models/mla.py)
+            return mla.init_attention(cfg, w, out_std)
         a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
             "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
@@ -472,6 +539,8 @@ def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments:
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
                window: int | None) -> Named:
     a = p["self_attn"]
+    if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
+        return mla.attention(a, h, pos, cfg, segments, window)
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
@@ -652,6 +721,9 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
                                                     + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+    if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
+        proj = mla.projection_flops(cfg)
+        attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 

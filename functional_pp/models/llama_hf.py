@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from functional_pp.models import deepseek_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -108,6 +109,15 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py) and a router's score
+    # correction (DeepSeek-V3, GLM-4.5)
+    ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.self_attn.q_a_proj", "linear"),
+    ("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers.{i}.self_attn.q_a_layernorm", "copy"),
+    ("model.layers.{i}.self_attn.q_b_proj.weight", "layers.{i}.self_attn.q_b_proj", "heads_out"),
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers.{i}.self_attn.kv_a_proj_with_mqa", "linear"),
+    ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.self_attn.kv_a_layernorm", "copy"),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.self_attn.kv_b_proj", "heads_out"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router_bias", "copy"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -230,6 +240,7 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
+RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
@@ -433,7 +444,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
-                                 **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
+                                 **{mt: sw.architecture for mt, sw in SWITCHES.items()},
+                                 **deepseek_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
@@ -553,6 +565,13 @@ def config_from_hf_dict(hf: dict) -> Config:
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
+    if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
+        try:
+            return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
     if mt in SWITCHES and SWITCHES[mt].prepare is not None:       # (GPT-J's own key names)
         hf = SWITCHES[mt].prepare(hf)
     where = f"HF {mt} config"
@@ -740,6 +759,12 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt in deepseek_hf.ARCHITECTURES:
+        return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
+    if cfg.kv_lora_rank:
+        raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
+                                  f"{ARCHITECTURES[mt]} equivalent; choose model_type "
+                                  f"{', '.join(deepseek_hf.LATENT)}")
     dense = _check_moe_exportable(cfg)
     if dense is not cfg:
         return check_exportable(dense)
@@ -778,6 +803,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg``, as its ``model_type``'s class (readable by
     transformers 4.x and 5.x); :func:`check_exportable` refuses a config that class cannot hold."""
     check_exportable(cfg)
+    if cfg.model_type in deepseek_hf.ARCHITECTURES:
+        return deepseek_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}

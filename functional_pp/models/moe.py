@@ -14,6 +14,7 @@ MLP, ``hidden mlp``) and ``shared_expert_gate`` [H] (its sigmoid gate). ``expert
 dimension that a rule splits for expert parallelism (``Rules(experts="ep")``)."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -45,6 +46,8 @@ def init_mlp(cfg, w: Callable, out_std: float) -> dict:
                               "down_proj": w((S, H), "mlp hidden", out_std)}
         if cfg.shared_expert_gate:
             p["shared_expert_gate"] = w((H,), "hidden")
+    if getattr(cfg, "router_bias", False):          # DeepSeek-V3's score correction: chooses, not trained
+        p["router_bias"] = dataclasses.replace(w((E,), "experts"), init="zeros")
     return p
 
 
@@ -53,7 +56,7 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
     the layer's router statistics go to the active :func:`collect`."""
     out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
-                         capacity_factor=cfg.capacity_factor)
+                         capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg))
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:
@@ -67,6 +70,13 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
         sigmoid = (ops.tanh(g * 0.5) + 1.0) * 0.5             # sigmoid(g), exactly as the identity
         out = out + shared * sigmoid
     return out
+
+
+def _grouping(cfg) -> dict:
+    """The grouped, scaled routing options of ``cfg`` (DeepSeek-V2/V3, GLM-4.5; defaults: none)."""
+    return dict(groups=getattr(cfg, "router_groups", 1), topk_groups=getattr(cfg, "router_topk_groups", 1),
+                group_score=getattr(cfg, "router_group_score", "top2_sum"),
+                weight_scale=getattr(cfg, "routed_scaling_factor", 1.0))
 
 
 @contextmanager

@@ -12,18 +12,32 @@ from functional_pp.core.tree import Param, map_with_path
 from functional_pp.quant.weights import (FLAT_BLOCKS, FLAT_SCALES, INT8_BLOCK, NF4_BLOCK, QuantizedWeight, flat_block_dim,
                                         quantize_int8, quantize_nf4)
 
-__all__ = ["LINEAR_BLOCK_DIMS", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE",
+__all__ = ["LINEAR_BLOCK_DIMS", "block_dim", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE",
            "FLAT_BLOCKS", "FLAT_SCALES", "flat_block_dim"]
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
 #: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
-LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden", "o_proj": "head_dim",
-                     "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp"}
+LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden", "o_proj": ("head_dim", "v_dim"),
+                     "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp",
+                     # multi-head latent attention (models/mla.py; its o_proj's input is v_dim)
+                     "q_a_proj": "hidden", "q_b_proj": "q_rank", "kv_a_proj_with_mqa": "hidden",
+                     "kv_b_proj": "kv_rank"}
 KINDS = ("nf4", "int8")
 #: the name of ``absmax2``'s last dimension when the scales are double-quantized one block per
 #: row (``absmax``'s last dimension shorter than 256): its size is 1, it is never split (each
 #: device's part of a row uses the row's one scale), whatever splits the weight's last dimension
 ROW_SCALE = "scale_row"
+
+
+def block_dim(name: str, dims: tuple[str, ...], table: dict | None = None) -> str | None:
+    """The dimension of ``dims`` that the blocks of weight ``name`` run along (``table``, default
+    :data:`LINEAR_BLOCK_DIMS`: a name or several, the first that ``dims`` has); None: not a
+    quantized weight."""
+    want = (LINEAR_BLOCK_DIMS if table is None else table).get(name)
+    if want is None:
+        return None
+    candidates = (want,) if isinstance(want, str) else tuple(want)
+    return next((d for d in candidates if d in dims), candidates[0])
 
 
 def component_decls(q: QuantizedWeight, decl: Any, block_dim: int | None = None) -> QuantizedWeight:
@@ -74,9 +88,10 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
             out_decls[path] = d
             return x
         dims = tuple(d.dims)
-        if table[name] not in dims:
-            raise ValueError(f"{path}: block dimension {table[name]!r} is not one of its dimensions {dims}")
-        dim = dims.index(table[name])
+        along = block_dim(name, dims, table)
+        if along not in dims:
+            raise ValueError(f"{path}: block dimension {along!r} is not one of its dimensions {dims}")
+        dim = dims.index(along)
         try:
             q = (quantize_nf4(x, dim, block=size, double_quant=double_quant) if kind == "nf4"
                  else quantize_int8(x, dim, block=size))

@@ -115,7 +115,8 @@ def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
 def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top_k: int,
             normalize: bool = False, score: str = "softmax", bias: Named | None = None,
             hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp",
-            capacity_factor: float | None = None) -> tuple[Named, RouterStats]:
+            capacity_factor: float | None = None, groups: int = 1, topk_groups: int = 1,
+            group_score: str = "top2_sum", weight_scale: float = 1.0) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -131,7 +132,14 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     sequence (the first token dimension's rows, e.g. ``batch``), :func:`capacity`; the
     assignments beyond it are dropped (a token then gets only its kept experts' outputs, its
     weights not renormalised) and counted in ``RouterStats.dropped``. Its shapes are static,
-    so it compiles; it needs each sequence whole on a device."""
+    so it compiles; it needs each sequence whole on a device.
+
+    Grouped routing (DeepSeek-V2's group_limited_greedy, DeepSeek-V3, GLM-4.5): the experts in
+    ``groups`` groups of consecutive experts, each token chooses among the experts of its
+    ``topk_groups`` best groups only, a group scored by ``group_score`` of its experts' choice
+    scores (``"top2_sum"``: its two best, DeepSeek-V3; ``"max"``: its best, DeepSeek-V2). The
+    chosen weights (renormalised or not) are multiplied by ``weight_scale``
+    (``routed_scaling_factor``)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
@@ -173,11 +181,18 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
         logits = X_r @ _local(router, (hidden, expert_dim))
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))       # (transformers: in float32)
     probs = torch.softmax(wide, dim=-1) if score == "softmax" else torch.sigmoid(wide)
-    choose = probs if bias is None else probs + settle(bias).data.detach().float()
+    correction, no_grad_term = _whole_bias(bias, x.vary) if bias is not None else (None, None)
+    choose = probs if bias is None else probs + correction
+    if groups > 1:
+        choose = _within_best_groups(choose, groups, topk_groups, group_score)
     _, idx = torch.topk(choose, top_k, dim=-1)
     weights = probs.gather(1, idx)
+    if no_grad_term is not None:                    # (the correction gets a gradient of zeros, not none)
+        weights = weights + no_grad_term
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weight_scale != 1.0:
+        weights = weights * weight_scale
     weights = weights.to(x.data.dtype)
     planning = idx.is_meta              # a dry-run (plan/): the routing is unknown, planned balanced
     counts = (probs.new_zeros(n_experts) if planning else           # (static shapes: no bincount)
@@ -222,6 +237,33 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
     out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
     return out, stats
+
+
+def _whole_bias(bias: Named, token_vary: frozenset) -> tuple[torch.Tensor, torch.Tensor]:
+    """The score correction (``experts``) whole on every device, as a plain tensor without
+    gradient, and a zero that depends on it (added to the weights: the correction's gradient is
+    zeros, so that a step treats it as any parameter while it stays what it is)."""
+    b = _gather_invariant(settle(bias), token_vary)
+    if any(b.split):
+        b = relayout(b, _whole(b), "experts bias")
+    return b.data.detach().float(), (b.data * 0).sum()
+
+
+def _within_best_groups(choose: torch.Tensor, groups: int, topk_groups: int, group_score: str) -> torch.Tensor:
+    """The (tokens, experts) choice scores with the experts outside each token's ``topk_groups``
+    best groups (of ``groups`` consecutive experts, scored by ``group_score``) at -inf."""
+    n_tokens, n_experts = choose.shape
+    if n_experts % groups or not 1 <= topk_groups <= groups:
+        raise ValueError(f"experts: groups={groups} must divide the {n_experts} experts and topk_groups="
+                         f"{topk_groups} be between 1 and groups")
+    if group_score not in ("top2_sum", "max"):
+        raise ValueError(f"experts: group_score {group_score!r} is not one of top2_sum, max")
+    per_group = choose.view(n_tokens, groups, n_experts // groups)
+    score = per_group.max(-1).values if group_score == "max" else per_group.topk(min(2, n_experts // groups),
+                                                                                  dim=-1)[0].sum(-1)
+    best = torch.topk(score, topk_groups, dim=-1)[1]
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+    return choose.masked_fill(~keep.repeat_interleave(n_experts // groups, 1), float("-inf"))
 
 
 def _prod(xs) -> int:

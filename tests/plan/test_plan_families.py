@@ -1,6 +1,6 @@
 """The planner's dry-run of the decoder families' configurations (sliding windows in some
 layers, q/k/v biases, q/k norms, Gemma 2's soft-capped attention with its explicit scores,
-OLMo 2's norms, GPT-NeoX's parallel block):
+OLMo 2's norms, GPT-NeoX's parallel block, DeepSeek's latent attention):
 communication byte for byte and memory within 10% of a real CPU step, layers extrapolated."""
 import functools
 
@@ -26,6 +26,10 @@ CONFIGS = {
     "gpt_neox": llama.Config.tiny(model_type="gpt_neox", parallel_block=True, parallel_mlp_norm=True, norm_kind="layer",
                                   norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True,
                                   o_bias=True, partial_rotary_factor=0.25, kv_heads=4, **SIZE),
+    # DeepSeek's multi-head latent attention (q latent, v heads wider than the q/k heads)
+    "deepseek_v3": llama.Config.tiny(model_type="deepseek_v3", kv_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32, rotary_interleaved=True,
+                                     **SIZE),
 }
 LAYOUTS = {
     "fsdp": (fpp.Mesh(dp_shard=4), fpp.Rules(batch="dp_shard", hidden="dp_shard")),
