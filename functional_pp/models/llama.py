@@ -161,6 +161,14 @@ class Config:
     lm_head_bias: bool = False
     # the q/k norms after the rotary instead of before it (Hunyuan)
     qk_norm_after_rotary: bool = False
+    # attention sinks: a learned logit per head in each softmax's denominator (gpt-oss; ops.attention's sinks)
+    attn_sinks: bool = False
+    # the experts' biases: of the router's logits and after each expert's projections (gpt-oss)
+    moe_bias: bool = False
+    # the experts' clamped SwiGLU, g * sigmoid(alpha g) * (u + 1) of g = min(gate, limit),
+    # u = clamp(up, -limit, limit) (gpt-oss's swiglu_limit / swiglu_alpha; None: plain SwiGLU)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -203,6 +211,10 @@ class Config:
         if self.mlp_act == "xielu" and self.mlp_gated:
             raise ValueError("mlp_act='xielu' needs mlp_gated=False (Apertus: down(xielu(up(x))), the activation's "
                              "two scalars per layer)")
+        if (self.moe_bias or self.swiglu_limit is not None) and not self.experts:
+            raise ValueError("moe_bias / swiglu_limit are options of the experts (gpt-oss); they need experts > 0")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be a positive number (or null), got {self.swiglu_limit!r}")
         if self.qk_norm_after_rotary and not self.qk_norm:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
@@ -398,6 +410,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         elif cfg.qk_norm:
             a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
+        if cfg.attn_sinks:
+            a["sinks"] = w((cfg.heads,), "heads")
         return a
 
     def layer(i):
@@ -495,7 +509,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         if window is not None and not causal:
             raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
                              f"(this model's layers attend within {window} tokens)")
-    o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
+    o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
+               sinks=a.get("sinks"))
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)

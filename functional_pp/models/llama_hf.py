@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from functional_pp.models import gpt_oss_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -106,6 +107,12 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.up_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared_expert.down_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
+    # gpt-oss: attention sinks, the router's bias, the experts' biases (its names: RENAMED / FUSED)
+    ("model.layers.{i}.self_attn.sinks", "layers.{i}.self_attn.sinks", "copy"),
+    ("model.layers.{i}.mlp.gate.bias", "layers.{i}.mlp.router_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.gate_proj.bias", "layers.{i}.mlp.expert_gate_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.up_proj.bias", "layers.{i}.mlp.expert_up_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
 )
@@ -182,6 +189,10 @@ FUSED["granitemoeshared"] = FUSED["granitemoe"] + (("model.layers.{i}.shared_mlp
 FUSED["falcon"] = tuple(                     # (names after RENAMED: the layers under transformer.h.)
     (f"transformer.h.{{i}}.self_attention.query_key_value.{t}",
      tuple(f"transformer.h.{{i}}.self_attention.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
+FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimension (gate_up_proj[..., ::2] is gate)
+    (f"model.layers.{{i}}.mlp.experts.gate_up_proj{t}",
+     tuple(f"model.layers.{{i}}.mlp.experts.{x}_proj.{w}" for x in ("gate", "up"))) for t, w in (("", "weight"),
+                                                                                              ("_bias", "bias")))
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -189,6 +200,8 @@ _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
 _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
+                              "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -230,6 +243,9 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
+RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
+    (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
+    (r"\.mlp\.experts\.down_proj\.bias$", ".mlp.experts.down_proj_bias"))
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
@@ -393,9 +409,19 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
         return sl[0:1, region[0]][0]
 
 
+class _Alternating(_Copy):
+    """Ours as HF's, one part of a tensor whose parts alternate entry by entry along dimension
+    ``row_axis`` (gpt-oss's ``gate_up_proj``: gate, up, gate, up, ...; checkpoint/hf.py)."""
+    alternating = True
+
+    def __init__(self, row_axis: int):
+        self.row_axis = row_axis
+
+
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar()}
+                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar(),
+                           "experts_alternating": _Alternating(2), "alternating_rows": _Alternating(1)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -433,6 +459,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
+                                 "gpt_oss": "GptOssForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
@@ -553,6 +580,15 @@ def config_from_hf_dict(hf: dict) -> Config:
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
+    if mt == "gpt_oss":                        # Llama's attention and norms, the rest its own
+        import dataclasses
+        try:
+            cfg = config_from_hf_dict(gpt_oss_hf.llama_dict(hf))
+            return dataclasses.replace(cfg, **gpt_oss_hf.read(hf, cfg.layers))
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
     if mt in SWITCHES and SWITCHES[mt].prepare is not None:       # (GPT-J's own key names)
         hf = SWITCHES[mt].prepare(hf)
     where = f"HF {mt} config"
@@ -740,6 +776,13 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt == "gpt_oss":
+        _refuse_unless(cfg, gpt_oss_hf.NEED, where)
+        try:
+            return check_exportable(gpt_oss_hf.as_llama(cfg))
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None), where)    # (gpt-oss's only)
     dense = _check_moe_exportable(cfg)
     if dense is not cfg:
         return check_exportable(dense)
@@ -780,6 +823,10 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     check_exportable(cfg)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
+    if cfg.model_type == "gpt_oss":
+        out = config_to_hf(gpt_oss_hf.as_llama(cfg), dtype)
+        gpt_oss_hf.write(cfg, out)
+        return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
     if isinstance(s, LongRopeScaling):
