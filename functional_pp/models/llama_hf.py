@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import gpt_oss_hf
+from functional_pp.models import gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -193,6 +193,9 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
     (f"model.layers.{{i}}.mlp.experts.gate_up_proj{t}",
      tuple(f"model.layers.{{i}}.mlp.experts.{x}_proj.{w}" for x in ("gate", "up"))) for t, w in (("", "weight"),
                                                                                               ("_bias", "bias")))
+FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
+                         ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
+                          "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -202,6 +205,7 @@ _KIND_OVERRIDES: dict[str, dict[str, str]] = {
 _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
 _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
+_KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -246,6 +250,9 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
     (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
     (r"\.mlp\.experts\.down_proj\.bias$", ".mlp.experts.down_proj_bias"))
+RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
+    (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
+    (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
@@ -409,19 +416,20 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
         return sl[0:1, region[0]][0]
 
 
-class _Alternating(_Copy):
-    """Ours as HF's, one part of a tensor whose parts alternate entry by entry along dimension
-    ``row_axis`` (gpt-oss's ``gate_up_proj``: gate, up, gate, up, ...; checkpoint/hf.py)."""
-    alternating = True
+class _Along(_Copy):
+    """Ours as HF's, one part of a tensor whose parts follow each other along dimension
+    ``row_axis`` (Llama 4's ``gate_up_proj``: gate, then up), or alternate there entry by entry
+    (``alternating``: gpt-oss's, gate, up, gate, up, ...; checkpoint/hf.py)."""
 
-    def __init__(self, row_axis: int):
-        self.row_axis = row_axis
+    def __init__(self, row_axis: int, alternating: bool = False):
+        self.row_axis, self.alternating = row_axis, alternating
 
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
                            "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar(),
-                           "experts_alternating": _Alternating(2), "alternating_rows": _Alternating(1)}
+                           "experts_alternating": _Along(2, alternating=True),
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -459,9 +467,12 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
-                                 "gpt_oss": "GptOssForCausalLM",
+                                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()}}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf}
+"""The families whose ``config.json`` a module of their own reads and writes around Llama's
+(``llama_dict``, ``read``, ``NEED``, ``as_llama``, ``write``)."""
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
 # transformers' config class defaults of the keys read below, per family (a config.json may
@@ -580,11 +591,12 @@ def config_from_hf_dict(hf: dict) -> Config:
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
-    if mt == "gpt_oss":                        # Llama's attention and norms, the rest its own
+    if mt in OWN_CONFIG:                       # Llama's attention and norms, the rest its own
         import dataclasses
+        own = OWN_CONFIG[mt]
         try:
-            cfg = config_from_hf_dict(gpt_oss_hf.llama_dict(hf))
-            return dataclasses.replace(cfg, **gpt_oss_hf.read(hf, cfg.layers))
+            cfg = config_from_hf_dict(own.llama_dict(hf))
+            return dataclasses.replace(cfg, **own.read(hf, cfg.layers))
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -776,13 +788,14 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
-    if mt == "gpt_oss":
-        _refuse_unless(cfg, gpt_oss_hf.NEED, where)
+    if mt in OWN_CONFIG:
+        _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
-            return check_exportable(gpt_oss_hf.as_llama(cfg))
+            return check_exportable(OWN_CONFIG[mt].as_llama(cfg))
         except ValueError as exc:
             raise UnsupportedHFConfig(str(exc)) from exc
-    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None), where)    # (gpt-oss's only)
+    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None,   # (theirs only)
+                             qk_l2_norm=False, attn_temperature_floor=None, experts_scale_input=False), where)
     dense = _check_moe_exportable(cfg)
     if dense is not cfg:
         return check_exportable(dense)
@@ -823,9 +836,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     check_exportable(cfg)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
-    if cfg.model_type == "gpt_oss":
-        out = config_to_hf(gpt_oss_hf.as_llama(cfg), dtype)
-        gpt_oss_hf.write(cfg, out)
+    if cfg.model_type in OWN_CONFIG:
+        out = config_to_hf(OWN_CONFIG[cfg.model_type].as_llama(cfg), dtype)
+        OWN_CONFIG[cfg.model_type].write(cfg, out)
         return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling

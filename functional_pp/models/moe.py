@@ -65,7 +65,8 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
                          capacity_factor=cfg.capacity_factor, router_bias=m.get("router_bias"),
                          expert_biases=(tuple(m[f"expert_{k}_bias"] for k in ("gate", "up", "down"))
                                         if "router_bias" in m else None),
-                         clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit))
+                         clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit),
+                         weights_on_input=getattr(cfg, "experts_scale_input", False))
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:

@@ -80,7 +80,7 @@ def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
-              softcap: float | None = None, sinks: Named | None = None) -> Named:
+              softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -105,11 +105,18 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     query's softmax denominator, ``softmax([scores, sink])`` without the sink's column: the
     weights of the real keys sum to less than 1. Explicit scores and probabilities like
     ``softcap``, on every path (under context parallelism the all-gather one; split like the
-    heads under tensor parallelism)."""
+    heads under tensor parallelism).
+
+    ``chunk`` (Llama 4's ``attention_chunk_size``): a query at position i sees the keys of its
+    own block of ``chunk`` positions only (i // chunk == j // chunk, and causal), as transformers'
+    chunked causal mask; on every path like ``window`` (under context parallelism the all-gather
+    one)."""
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"attention: window must be a positive integer (or None), got {window!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"attention: chunk must be a positive integer (or None), got {chunk!r}")
     for x in (q, k, v):
         if not isinstance(x, Named):
             require_named("attention", q=q, k=k, v=v)
@@ -139,15 +146,18 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
     if window is not None and window >= q.size(seq) and causal:
         window = None                 # every causal query sees at most seq keys: no window at all
+    if chunk is not None and chunk >= q.size(seq):
+        chunk = None                  # one block holds the whole sequence
+    limits = (window, chunk)
     if segments is not None:
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, window, softcap,
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
                                  sinks)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, window, softcap, sinks)
-    elif window is not None or softcap is not None or sinks is not None:
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks)
+    elif window is not None or chunk is not None or softcap is not None or sinks is not None:
         pos = torch.arange(qt.shape[2], device=qt.device)
-        out = _masked(qt, kt, vt, _visible(pos, pos, causal, window), scale, softcap, sinks)
+        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks)
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -225,19 +235,25 @@ def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
     return torch.matmul(probs, v)
 
 
-def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
-    """The (q, k) boolean mask of keys each query sees: causal and within ``window``; None: all."""
-    if not causal and window is None:
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None,
+             chunk: int | None = None) -> torch.Tensor | None:
+    """The (q, k) boolean mask of keys each query sees: causal, within ``window`` and in the
+    query's block of ``chunk`` positions; None: all."""
+    if not causal and window is None and chunk is None:
         return None
     diff = qpos[:, None] - kpos[None, :]
     mask = diff >= 0 if causal else None
     if window is not None:
         near = diff < window if causal else diff.abs() < window
         mask = near if mask is None else mask & near
+    if chunk is not None:
+        same = (qpos[:, None] // chunk) == (kpos[None, :] // chunk)
+        mask = same if mask is None else mask & same
     return mask
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=None, softcap=None, sinks=None):
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
+                      sinks=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -245,18 +261,18 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=N
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    # (the ring has neither a window nor a softcap nor sinks)
-    if (current_policy().cp_attention == "allgather" or window is not None or softcap is not None
+    # (the ring has neither a window nor chunks nor a softcap nor sinks)
+    if (current_policy().cp_attention == "allgather" or limits != (None, None) or softcap is not None
             or sinks is not None):
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
-        if causal or window is not None:
+        if causal or limits != (None, None):
             qpos = _local_positions(seq_size, axes, balanced, q.device)
             kpos = torch.arange(seq_size, device=q.device)
             if balanced:
                 kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
-            mask = _visible(qpos, kpos, causal, window)
+            mask = _visible(qpos, kpos, causal, *limits)
         return _masked(q, kf, vf, mask, scale, softcap, sinks)
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
@@ -284,7 +300,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     return data.to(device)
 
 
-def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, window=None, softcap=None,
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
                        sinks=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
     context parallelism K/V and the segment ids are all-gathered."""
@@ -302,10 +318,10 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
-    if causal or window is not None:
+    if causal or limits != (None, None):
         if qpos is None:
             qpos = kpos = torch.arange(q.shape[2], device=q.device)
-        mask = mask & _visible(qpos, kpos, causal, window)
+        mask = mask & _visible(qpos, kpos, causal, *limits)
     if softcap is not None or sinks is not None:
         return _masked(q, k, v, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,

@@ -117,7 +117,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp",
             capacity_factor: float | None = None, router_bias: Named | None = None,
             expert_biases: tuple[Named, Named, Named] | None = None,
-            clamp: tuple[float, float] | None = None) -> tuple[Named, RouterStats]:
+            clamp: tuple[float, float] | None = None, weights_on_input: bool = False) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -138,7 +138,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     gpt-oss's options: ``router_bias`` (``experts``, with gradient) is added to the router's
     logits; ``expert_biases`` (gate and up ``experts mlp``, down ``experts hidden``) are added
     after each expert's projections; ``clamp=(alpha, limit)`` makes each expert's activation
-    the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`)."""
+    the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`).
+
+    ``weights_on_input`` (Llama 4): each expert computes ``expert(weight * x)`` and the outputs
+    are summed as they are (dropless only)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
@@ -164,6 +167,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
                                             and not isinstance(capacity_factor, bool) and capacity_factor > 0):
         raise ValueError(f"experts: capacity_factor must be a positive number (or None: dropless), got "
                          f"{capacity_factor!r}")
+    if weights_on_input and capacity_factor is not None:
+        raise ValueError("experts: weights_on_input with capacity_factor is not supported (route dropless: "
+                         "capacity_factor None)")
     mesh, _ = env()
     _check_eager(capacity_factor is None)
 
@@ -234,7 +240,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
                                        e_axes, sizes, a2a, part)
     else:
         y, dropped = _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part,
-                                       planning), probs.new_zeros(())
+                                       planning, weights_on_input), probs.new_zeros(())
     stats = RouterStats(pending(counts), pending(probs.sum(0)), n_tokens, top_k, pending(z, ()),
                         pending(dropped.to(probs.dtype), ()))
     shape = [x.data.shape[x.dims.index(d)] for d in tok_dims] + [y.shape[-1]]
@@ -296,7 +302,7 @@ def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, t
     return coords
 
 
-def _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part, planning):
+def _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part, planning, on_input=False):
     """Every (token, expert) pair sorted by (device, expert), sent with the uneven all-to-all
     (split sizes exchanged first), each local expert on exactly its rows, and back."""
     mesh, _ = env()
@@ -326,6 +332,8 @@ def _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part
 
     # --- dispatch, the experts, combine (the transpose of the dispatch)
     rows = X[t_sorted]
+    if on_input:                        # (Llama 4) the weights scale the experts' input, not their output
+        rows = rows * w_sorted[:, None]
     if a2a:
         rows = C.all_to_all_v(rows, a2a, send, recv)
     expert_of_row = torch.arange(n_local).repeat(recv_counts.shape[0]).repeat_interleave(recv_counts.reshape(-1))
@@ -339,7 +347,8 @@ def _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part
     out_rows = out_rows[torch.argsort(perm)]
     if a2a:
         out_rows = C.all_to_all_v(out_rows, a2a, recv, send)
-    return X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(0, t_sorted, out_rows * w_sorted[:, None])
+    return X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(
+        0, t_sorted, out_rows if on_input else out_rows * w_sorted[:, None])
 
 
 def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
