@@ -252,9 +252,11 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
             groups = [kind.hf_shape(tuple(d.shape))[axis] // cfg.kv_heads for _, kind, d in parts] if interleaved else None
+            alternating = getattr(parts[0][1], "alternating", False)   # (gpt-oss's gate_up_proj)
             for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
                 rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, k/v head by k/v head, part j's rows of each)
-                plan[p] = (name, kind, d, (_HEADS, j, groups) if len(parts) > 1 and interleaved
+                plan[p] = (name, kind, d, (_ALTERNATE, j, len(parts), axis) if len(parts) > 1 and alternating
+                           else (_HEADS, j, groups) if len(parts) > 1 and interleaved
                            else (offset, rows, axis) if len(parts) > 1 else (_GROWN, have[0]) if grown else None)
                 offset += rows
             for const, value in constants_of(parts[0][0], getattr(cfg, "model_type", "llama"), cfg):   # (xIELU's beta and eps)
@@ -291,6 +293,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 sl = reader.slice(name)
                 if rows is not None and rows[0] is _GROWN:
                     sl = _GrownRows(sl, rows[1])
+                elif rows is not None and rows[0] is _ALTERNATE:
+                    sl = _AlternateRows(sl, *rows[1:])
                 elif rows is not None and rows[0] is _HEADS:
                     sl = _HeadRows(sl, *rows[1:])
                 elif rows is not None:
@@ -335,7 +339,25 @@ def _row_axis(parts: list) -> int:
     return getattr(parts[0][1], "row_axis", 0)
 
 
-_GROWN, _HEADS = object(), object()
+_GROWN, _HEADS, _ALTERNATE = object(), object(), object()
+
+
+class _AlternateRows:
+    """A slice handle of part ``j`` of ``n`` parts of an HF tensor that alternate entry by entry
+    along dimension ``axis`` (gpt-oss's ``gate_up_proj``: gate, up, gate, up, ...)."""
+
+    def __init__(self, sl, j: int, n: int, axis: int):
+        self.sl, self.j, self.n, self.axis = sl, j, n, axis
+
+    def __getitem__(self, idx):
+        idx = list(idx) if isinstance(idx, tuple) else [idx]
+        first = idx[self.axis]
+        if first.step not in (None, 1) or first.stop is None:
+            raise ValueError("fused tensor parts are read in contiguous row ranges")
+        start = first.start or 0
+        idx[self.axis] = slice(start * self.n, first.stop * self.n)
+        block = self.sl[tuple(idx)]
+        return block[(slice(None),) * self.axis + (slice(self.j, None, self.n),)]
 
 
 class _HeadRows:
@@ -456,7 +478,8 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
         axis = getattr(produced[0][0], "row_axis", 0)
 
         def make(produced=produced, dt=dt, axis=axis):      # one tensor, or the parts fused along the rows
-            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis)
+            return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis,
+                             alternating=getattr(produced[0][0], "alternating", False))
         shape = _fused_shape([s for *_, s in produced], axis)
         if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
@@ -476,13 +499,15 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 
-def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0) -> torch.Tensor:
+def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool = False) -> torch.Tensor:
     """The HF tensor of ``parts`` (each in HF's layout) fused along the rows (dimension ``axis``:
     1 for the experts' ``[E, out, in]``): one part after the other (Phi-3, Granite MoE), or head
     by k/v head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each k/v head's rows of every
-    part in turn); one part is itself."""
+    part in turn), or entry by entry (``alternating``: gpt-oss's ``gate_up_proj``); one part is itself."""
     if len(parts) == 1:
         return parts[0]
+    if alternating:
+        return torch.stack(parts, axis + 1).flatten(axis, axis + 1)
     if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:      # one group of rows per k/v head
         k = cfg.kv_heads
         return torch.cat([t.reshape(k, -1, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])

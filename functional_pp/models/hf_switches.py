@@ -413,7 +413,7 @@ REFUSED: dict[str, str] = {
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
-        ("gpt_oss", "gpt-oss"), ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4"), ("llama4_text", "Llama 4"),
+        ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""

@@ -32,7 +32,7 @@ from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling}
@@ -183,6 +183,25 @@ class Config:
     router_group_score: str = "top2_sum"
     router_bias: bool = False
     routed_scaling_factor: float = 1.0
+    # attention sinks: a learned logit per head in each softmax's denominator (gpt-oss; ops.attention's sinks)
+    attn_sinks: bool = False
+    # the experts' biases: of the router's logits and after each expert's projections (gpt-oss)
+    moe_bias: bool = False
+    # the experts' clamped SwiGLU, g * sigmoid(alpha g) * (u + 1) of g = min(gate, limit),
+    # u = clamp(up, -limit, limit) (gpt-oss's swiglu_limit / swiglu_alpha; None: plain SwiGLU)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # chunked attention: the layers ``layer_types`` marks "chunked_attention" see only their block
+    # of ``attention_chunk`` positions (Llama 4's attention_chunk_size; ops.attention's chunk)
+    attention_chunk: int | None = None
+    # a weightless RMSNorm of q and k over head_dim after the rotary, in the rotating layers (Llama 4's use_qk_norm)
+    qk_l2_norm: bool = False
+    # attention temperature tuning of the NoPE layers: q times log1p(floor((pos + 1) / floor)) * scale + 1
+    # (Llama 4's attn_temperature_tuning, floor_scale, attn_scale; None: off)
+    attn_temperature_floor: float | None = None
+    attn_temperature_scale: float = 0.1
+    # the routing weights scale each expert's input instead of its output (Llama 4; ops.experts' weights_on_input)
+    experts_scale_input: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -196,6 +215,16 @@ class Config:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.layers} layers")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types marks sliding_attention layers but sliding_window is not set")
+            if "chunked_attention" in self.layer_types and self.attention_chunk is None:
+                raise ValueError("layer_types marks chunked_attention layers but attention_chunk is not set")
+        if self.attention_chunk is not None and (isinstance(self.attention_chunk, bool) or not isinstance(
+                self.attention_chunk, int) or self.attention_chunk < 1):
+            raise ValueError(f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}")
+        if self.attention_chunk is not None and self.sliding_window is not None:
+            raise ValueError("attention_chunk with sliding_window is not supported (one kind of local layer)")
+        if self.experts_scale_input and self.capacity_factor is not None:
+            raise ValueError("experts_scale_input with capacity_factor is not supported: route dropless "
+                             "(capacity_factor null)")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                                 or not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
@@ -225,6 +254,10 @@ class Config:
         if self.mlp_act == "xielu" and self.mlp_gated:
             raise ValueError("mlp_act='xielu' needs mlp_gated=False (Apertus: down(xielu(up(x))), the activation's "
                              "two scalars per layer)")
+        if (self.moe_bias or self.swiglu_limit is not None) and not self.experts:
+            raise ValueError("moe_bias / swiglu_limit are options of the experts (gpt-oss); they need experts > 0")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be a positive number (or null), got {self.swiglu_limit!r}")
         if self.qk_norm_after_rotary and not self.qk_norm:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
@@ -260,6 +293,14 @@ class Config:
     def rotary_dim(self) -> int | None:
         """The rotating entries of head_dim (None: all of them)."""
         return None if self.partial_rotary_factor == 1 else int(self.partial_rotary_factor * self.dim_head)
+
+    def chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (None: no chunking)."""
+        if self.attention_chunk is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk
+        return None
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (None: full causal attention)."""
@@ -465,6 +506,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         elif cfg.qk_norm:
             a["q_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
+        if cfg.attn_sinks:
+            a["sinks"] = w((cfg.heads,), "heads")
         return a
 
     def layer(i):
@@ -529,15 +572,26 @@ def norm_at(tree: dict, name: str, x: Named, cfg: Config) -> Named:
 
 
 def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
-                    window: int | None = None) -> Named:
+                    window: int | None = None, chunk: int | None = None) -> Named:
     """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary)."""
     h = norm_at(p, "input_layernorm", x, cfg) if cfg.pre_norms else x
     h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
-    return _attention(p, h, pos, cfg, segments, window)
+    return _attention(p, h, pos, cfg, segments, window, chunk)
+
+
+def _temperature(q: Named, cfg: Config) -> Named:
+    """Llama 4's attention temperature tuning of a NoPE layer's queries: times
+    ``log1p(floor((pos + 1) / floor)) * scale + 1`` of each query's position."""
+    if kv_cache.active() is not None:
+        raise ValueError("sampling with a key / value cache does not support attention temperature tuning yet "
+                         "(attn_temperature_floor)")
+    pos = ops.positions("seq", q.size("seq"), device=q.data.device)
+    t = torch.log1p(torch.floor((pos.data.float() + 1.0) / cfg.attn_temperature_floor)) * cfg.attn_temperature_scale + 1
+    return (q * Named(t, list(pos.dims), list(pos.split))).astype(q.data.dtype)
 
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
-               window: int | None) -> Named:
+               window: int | None, chunk: int | None = None) -> Named:
     a = p["self_attn"]
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
         return mla.attention(a, h, pos, cfg, segments, window)
@@ -557,6 +611,11 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
+    if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
+        q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
+                for x in (q, k))
+    if cfg.attn_temperature_floor is not None and pos is None:     # (Llama 4's NoPE layers)
+        q = _temperature(q, cfg)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache = True, kv_cache.active()
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
@@ -564,7 +623,11 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         if window is not None and not causal:
             raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
                              f"(this model's layers attend within {window} tokens)")
-    o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap)
+    if chunk is not None and cache is not None:
+        raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
+                         f"layers attend within chunks of {chunk} tokens)")
+    o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
+               sinks=a.get("sinks"), chunk=chunk)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
@@ -607,7 +670,7 @@ def _mlp(p: dict, h: Named, cfg: Config) -> Named:
 
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
-          window: int | None = None) -> Named:
+          window: int | None = None, chunk: int | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
     None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
@@ -616,8 +679,9 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window) + _mlp(p, h_mlp, cfg), cfg))
-    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window), cfg))
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk) + _mlp(p, h_mlp, cfg),
+                                          cfg))
+    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk), cfg))
     return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
 
 
@@ -642,8 +706,9 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * cfg.embedding_multiplier
     x = ops.rename(ops.realized(x), seq="res_seq")
     for i, p in enumerate(params["layers"]):
-        window = cfg.window(i)
-        extra = (segments, window) if window is not None else () if segments is None else (segments,)
+        window, chunk = cfg.window(i), cfg.chunk(i)
+        extra = ((segments, window, chunk) if chunk is not None else (segments, window) if window is not None
+                 else () if segments is None else (segments,))
         x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
     x = norm_at(params, "norm", x, cfg)
     if cache is not None:

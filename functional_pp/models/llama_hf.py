@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import deepseek_hf
+from functional_pp.models import deepseek_hf, gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -107,6 +107,12 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.up_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared_expert.down_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
+    # gpt-oss: attention sinks, the router's bias, the experts' biases (its names: RENAMED / FUSED)
+    ("model.layers.{i}.self_attn.sinks", "layers.{i}.self_attn.sinks", "copy"),
+    ("model.layers.{i}.mlp.gate.bias", "layers.{i}.mlp.router_logit_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.gate_proj.bias", "layers.{i}.mlp.expert_gate_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.up_proj.bias", "layers.{i}.mlp.expert_up_bias", "copy"),
+    ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
     # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py) and a router's score
@@ -192,6 +198,13 @@ FUSED["granitemoeshared"] = FUSED["granitemoe"] + (("model.layers.{i}.shared_mlp
 FUSED["falcon"] = tuple(                     # (names after RENAMED: the layers under transformer.h.)
     (f"transformer.h.{{i}}.self_attention.query_key_value.{t}",
      tuple(f"transformer.h.{{i}}.self_attention.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias"))
+FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimension (gate_up_proj[..., ::2] is gate)
+    (f"model.layers.{{i}}.mlp.experts.gate_up_proj{t}",
+     tuple(f"model.layers.{{i}}.mlp.experts.{x}_proj.{w}" for x in ("gate", "up"))) for t, w in (("", "weight"),
+                                                                                              ("_bias", "bias")))
+FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
+                         ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
+                          "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -199,6 +212,9 @@ _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
 _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
+                              "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
+_KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -241,6 +257,12 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
+RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
+    (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
+    (r"\.mlp\.experts\.down_proj\.bias$", ".mlp.experts.down_proj_bias"))
+RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
+    (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
+    (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
@@ -404,9 +426,20 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
         return sl[0:1, region[0]][0]
 
 
+class _Along(_Copy):
+    """Ours as HF's, one part of a tensor whose parts follow each other along dimension
+    ``row_axis`` (Llama 4's ``gate_up_proj``: gate, then up), or alternate there entry by entry
+    (``alternating``: gpt-oss's, gate, up, gate, up, ...; checkpoint/hf.py)."""
+
+    def __init__(self, row_axis: int, alternating: bool = False):
+        self.row_axis, self.alternating = row_axis, alternating
+
+
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar()}
+                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar(),
+                           "experts_alternating": _Along(2, alternating=True),
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -444,9 +477,13 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
+                                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf}
+"""The families whose ``config.json`` a module of their own reads and writes around Llama's
+(``llama_dict``, ``read``, ``NEED``, ``as_llama``, ``write``)."""
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
 
 # transformers' config class defaults of the keys read below, per family (a config.json may
@@ -568,6 +605,16 @@ def config_from_hf_dict(hf: dict) -> Config:
     if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
         try:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in OWN_CONFIG:                       # Llama's attention and norms, the rest its own
+        import dataclasses
+        own = OWN_CONFIG[mt]
+        try:
+            cfg = config_from_hf_dict(own.llama_dict(hf))
+            return dataclasses.replace(cfg, **own.read(hf, cfg.layers))
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -759,6 +806,14 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt in OWN_CONFIG:
+        _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
+        try:
+            return check_exportable(OWN_CONFIG[mt].as_llama(cfg))
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None,   # (theirs only)
+                             qk_l2_norm=False, attn_temperature_floor=None, experts_scale_input=False), where)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
@@ -807,6 +862,10 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         return deepseek_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
+    if cfg.model_type in OWN_CONFIG:
+        out = config_to_hf(OWN_CONFIG[cfg.model_type].as_llama(cfg), dtype)
+        OWN_CONFIG[cfg.model_type].write(cfg, out)
+        return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     s = cfg.rope_scaling
     if isinstance(s, LongRopeScaling):

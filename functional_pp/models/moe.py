@@ -48,7 +48,16 @@ def init_mlp(cfg, w: Callable, out_std: float) -> dict:
             p["shared_expert_gate"] = w((H,), "hidden")
     if getattr(cfg, "router_bias", False):          # DeepSeek-V3's score correction: chooses, not trained
         p["router_bias"] = dataclasses.replace(w((E,), "experts"), init="zeros")
+    if getattr(cfg, "moe_bias", False):              # (gpt-oss) biases start at zero
+        p.update(_biases(cfg, w))
     return p
+
+
+def _biases(cfg, w: Callable) -> dict:
+    """The router's bias and the experts' (gpt-oss), declared by ``w`` at zero."""
+    E, H, F = cfg.experts, cfg.hidden, cfg.moe_mlp or cfg.mlp
+    return {"router_logit_bias": w((E,), "experts", 0.0), "expert_gate_bias": w((E, F), "experts mlp", 0.0),
+            "expert_up_bias": w((E, F), "experts mlp", 0.0), "expert_down_bias": w((E, H), "experts hidden", 0.0)}
 
 
 def mlp_block(m: dict, h: Named, cfg) -> Named:
@@ -56,7 +65,12 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
     the layer's router statistics go to the active :func:`collect`."""
     out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
-                         capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg))
+                         capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg),
+                         router_logit_bias=m.get("router_logit_bias"),
+                         expert_biases=(tuple(m[f"expert_{k}_bias"] for k in ("gate", "up", "down"))
+                                        if "router_logit_bias" in m else None),
+                         clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit),
+                         weights_on_input=getattr(cfg, "experts_scale_input", False))
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:

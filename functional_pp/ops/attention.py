@@ -80,7 +80,7 @@ def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
-              softcap: float | None = None) -> Named:
+              softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -99,11 +99,24 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``): the scaled scores become
     ``softcap * tanh(scores / softcap)`` before the mask and the softmax; computed as explicit
     scores and probabilities (no fused kernel soft-caps), on every path above (under context
-    parallelism the all-gather one)."""
+    parallelism the all-gather one).
+
+    ``sinks`` (``heads``: gpt-oss's attention sinks) adds one learned logit per head to every
+    query's softmax denominator, ``softmax([scores, sink])`` without the sink's column: the
+    weights of the real keys sum to less than 1. Explicit scores and probabilities like
+    ``softcap``, on every path (under context parallelism the all-gather one; split like the
+    heads under tensor parallelism).
+
+    ``chunk`` (Llama 4's ``attention_chunk_size``): a query at position i sees the keys of its
+    own block of ``chunk`` positions only (i // chunk == j // chunk, and causal), as transformers'
+    chunked causal mask; on every path like ``window`` (under context parallelism the all-gather
+    one)."""
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"attention: window must be a positive integer (or None), got {window!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"attention: chunk must be a positive integer (or None), got {chunk!r}")
     for x in (q, k, v):
         if not isinstance(x, Named):
             require_named("attention", q=q, k=k, v=v)
@@ -125,20 +138,26 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         k = relayout(pvary(k, cast_k), tk, "attention")
     if cast_v or v._split != tv:
         v = relayout(pvary(v, cast_v), tv, "attention")
+    if sinks is not None:
+        sinks = _sinks_like_heads(sinks, q, heads, vary)
     qt = q._data.permute(orders[0])
     kt = k._data.permute(orders[1])
     vt = v._data.permute(orders[2])
     scale = scale if scale is not None else 1.0 / math.sqrt(qt.shape[-1])
     if window is not None and window >= q.size(seq) and causal:
         window = None                 # every causal query sees at most seq keys: no window at all
+    if chunk is not None and chunk >= q.size(seq):
+        chunk = None                  # one block holds the whole sequence
+    limits = (window, chunk)
     if segments is not None:
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
-        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, window, softcap)
+        out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
+                                 sinks)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, window, softcap)
-    elif window is not None or softcap is not None:
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks)
+    elif window is not None or chunk is not None or softcap is not None or sinks is not None:
         pos = torch.arange(qt.shape[2], device=qt.device)
-        out = _masked(qt, kt, vt, _visible(pos, pos, causal, window), scale, softcap)
+        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks)
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -179,36 +198,62 @@ def _attention_plan(q: Named, k: Named, v: Named, names: tuple[str, ...], mesh, 
     return (*casts, tk, tv, frozenset(union).union(*q.split), orders, back, qs[batch], seq_axes, balanced)
 
 
-def _masked(q, k, v, mask, scale, softcap=None):
+def _sinks_like_heads(sinks: Named, q: Named, heads: str, vary) -> torch.Tensor:
+    """This device's attention sinks (one per head of its block of ``heads``), in the output's
+    varying type (their gradient summed over the axes the queries vary over)."""
+    if not isinstance(sinks, Named):
+        require_named("attention", sinks=sinks)
+    sinks = settle(sinks) if sinks._partial else sinks
+    if sinks.dims != (heads,) or sinks.size(heads) != q.size(heads):
+        raise ValueError(f"attention: sinks must have dimensions ({heads},) of size {q.size(heads)} (one logit per "
+                         f"head), got {sinks.dims} of sizes {tuple(sinks.data.shape)}")
+    target = (q.split[q.dims.index(heads)],)
+    sinks = relayout(pvary(sinks, set(vary) - varying_after(sinks, target)), target, "attention sinks")
+    return sinks.data
+
+
+def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
     """Attention of (batch, heads, seq, head_dim) blocks under a boolean ``mask`` (None: all
-    keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked."""
-    if softcap is None:
+    keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked; with
+    ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped."""
+    if softcap is None and sinks is None:
         return sdpa_for(q)(q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))
     if k.shape[1] != q.shape[1]:                      # grouped-query: each kv head serves its group
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype   # as transformers
+    if sinks is not None:                             # the sink's column joins the softmax, then goes
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), dim=-1, dtype=wide)[..., :-1].to(q.dtype)
+        return torch.matmul(probs, v)
     probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
     return torch.matmul(probs, v)
 
 
-def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
-    """The (q, k) boolean mask of keys each query sees: causal and within ``window``; None: all."""
-    if not causal and window is None:
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None,
+             chunk: int | None = None) -> torch.Tensor | None:
+    """The (q, k) boolean mask of keys each query sees: causal, within ``window`` and in the
+    query's block of ``chunk`` positions; None: all."""
+    if not causal and window is None and chunk is None:
         return None
     diff = qpos[:, None] - kpos[None, :]
     mask = diff >= 0 if causal else None
     if window is not None:
         near = diff < window if causal else diff.abs() < window
         mask = near if mask is None else mask & near
+    if chunk is not None:
+        same = (qpos[:, None] // chunk) == (kpos[None, :] // chunk)
+        mask = same if mask is None else mask & same
     return mask
 
 
-def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=None, softcap=None):
+def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
+                      sinks=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -216,18 +261,19 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, window=N
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    # (the ring has neither a window nor a softcap)
-    if current_policy().cp_attention == "allgather" or window is not None or softcap is not None:
+    # (the ring has neither a window nor chunks nor a softcap nor sinks)
+    if (current_policy().cp_attention == "allgather" or limits != (None, None) or softcap is not None
+            or sinks is not None):
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         mask = None
-        if causal or window is not None:
+        if causal or limits != (None, None):
             qpos = _local_positions(seq_size, axes, balanced, q.device)
             kpos = torch.arange(seq_size, device=q.device)
             if balanced:
                 kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
-            mask = _visible(qpos, kpos, causal, window)
-        return _masked(q, kf, vf, mask, scale, softcap)
+            mask = _visible(qpos, kpos, causal, *limits)
+        return _masked(q, kf, vf, mask, scale, softcap, sinks)
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -254,7 +300,8 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     return data.to(device)
 
 
-def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, window=None, softcap=None):
+def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
+                       sinks=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
     context parallelism K/V and the segment ids are all-gathered."""
     kseg, qpos, kpos = seg, None, None
@@ -271,11 +318,11 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
-    if causal or window is not None:
+    if causal or limits != (None, None):
         if qpos is None:
             qpos = kpos = torch.arange(q.shape[2], device=q.device)
-        mask = mask & _visible(qpos, kpos, causal, window)
-    if softcap is not None:
-        return _masked(q, k, v, mask, scale, softcap)
+        mask = mask & _visible(qpos, kpos, causal, *limits)
+    if softcap is not None or sinks is not None:
+        return _masked(q, k, v, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))

@@ -28,7 +28,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import current_context
 from functional_pp.ops.regather import regather_scope, relayout
-from functional_pp.ops.swiglu import swiglu_tensors
+from functional_pp.ops.swiglu import clamped_swiglu_tensors, swiglu_tensors
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, _make, env, pvary, require_named, settle, varying_after
 from functional_pp.parallel.raw_collectives import axis_index as raw_axis_index
@@ -116,7 +116,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             normalize: bool = False, score: str = "softmax", bias: Named | None = None,
             hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp",
             capacity_factor: float | None = None, groups: int = 1, topk_groups: int = 1,
-            group_score: str = "top2_sum", weight_scale: float = 1.0) -> tuple[Named, RouterStats]:
+            group_score: str = "top2_sum", weight_scale: float = 1.0, router_logit_bias: Named | None = None,
+            expert_biases: tuple[Named, Named, Named] | None = None,
+            clamp: tuple[float, float] | None = None, weights_on_input: bool = False) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -139,14 +141,29 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     ``topk_groups`` best groups only, a group scored by ``group_score`` of its experts' choice
     scores (``"top2_sum"``: its two best, DeepSeek-V3; ``"max"``: its best, DeepSeek-V2). The
     chosen weights (renormalised or not) are multiplied by ``weight_scale``
-    (``routed_scaling_factor``)."""
+    (``routed_scaling_factor``).
+
+    gpt-oss's options: ``router_logit_bias`` (``experts``, with gradient) is added to the router's
+    logits; ``expert_biases`` (gate and up ``experts mlp``, down ``experts hidden``) are added
+    after each expert's projections; ``clamp=(alpha, limit)`` makes each expert's activation
+    the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`).
+
+    ``weights_on_input`` (Llama 4): each expert computes ``expert(weight * x)`` and the outputs
+    are summed as they are (dropless only)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
+    biases = tuple(expert_biases or ())
+    if expert_biases is not None and len(biases) != 3:
+        raise ValueError(f"experts: expert_biases must be (gate, up, down) biases, got {len(biases)}")
     for name, w, dims in (("gate", gate, {expert_dim, hidden, mlp}), ("up", up, {expert_dim, hidden, mlp}),
-                          ("down", down, {expert_dim, hidden, mlp}), ("router", router, {hidden, expert_dim})):
+                          ("down", down, {expert_dim, hidden, mlp}), ("router", router, {hidden, expert_dim}),
+                          *(("router_logit_bias", router_logit_bias, {expert_dim}),) * (router_logit_bias is not None),
+                          *zip(("gate_bias", "up_bias", "down_bias"), biases,
+                               ({expert_dim, mlp}, {expert_dim, mlp}, {expert_dim, hidden}))):
+        require_named("experts", **{name: w})
         if set(w.dims) != dims:
             raise ValueError(f"experts: {name} has dims {w.dims}; it needs exactly {sorted(dims)}")
     if hidden not in x.dims:
@@ -158,6 +175,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
                                             and not isinstance(capacity_factor, bool) and capacity_factor > 0):
         raise ValueError(f"experts: capacity_factor must be a positive number (or None: dropless), got "
                          f"{capacity_factor!r}")
+    if weights_on_input and capacity_factor is not None:
+        raise ValueError("experts: weights_on_input with capacity_factor is not supported (route dropless: "
+                         "capacity_factor None)")
     mesh, _ = env()
     _check_eager(capacity_factor is None)
 
@@ -179,6 +199,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
+    if router_logit_bias is not None:         # (gpt-oss) whole, in the tokens' varying type as the router
+        rb = _gather_invariant(settle(router_logit_bias), x.vary)
+        rb = relayout(pvary(rb, r_union - varying_after(rb, _whole(rb))), _whole(rb), "experts router bias")
+        logits = logits + rb.data
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))       # (transformers: in float32)
     probs = torch.softmax(wide, dim=-1) if score == "softmax" else torch.sigmoid(wide)
     correction, no_grad_term = _whole_bias(bias, x.vary) if bias is not None else (None, None)
@@ -210,7 +234,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             raise ValueError(f"experts: {name} splits {expert_dim!r} over {w.split[w.dims.index(expert_dim)]} and "
                              f"{mlp!r} over {w.split[w.dims.index(mlp)]}, but gate over {e_axes} and {m_axes}: "
                              f"the three expert weights need one layout (give them the same dimension names)")
-    ws = [settle(w) for w in (gate, up, down)]
+    ws = [settle(w) for w in (gate, up, down, *biases)]
     targets = [_whole(w, {expert_dim: e_axes, mlp: m_axes}) for w in ws]
     union = set(r_union)
     for w, t in zip(ws, targets):
@@ -225,12 +249,13 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     n_local = n_experts // _prod(sizes)
     a2a = tuple(a for a in e_axes if a in x.vary)               # tokens differ there: dispatch
     part = tuple(a for a in e_axes if a not in x.vary)          # tokens equal there: a pending sum
+    ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]))
     if capacity_factor is not None:
-        y, dropped = _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_local,
-                                       e_axes, sizes, a2a, part, (expert_dim, hidden, mlp))
+        y, dropped = _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local,
+                                       e_axes, sizes, a2a, part)
     else:
-        y, dropped = _dropless_experts(X, idx, w_e, ws, top_k, n_local, e_axes, sizes, a2a, part, planning,
-                                       (expert_dim, hidden, mlp)), probs.new_zeros(())
+        y, dropped = _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part,
+                                       planning, weights_on_input), probs.new_zeros(())
     stats = RouterStats(pending(counts), pending(probs.sum(0)), n_tokens, top_k, pending(z, ()),
                         pending(dropped.to(probs.dtype), ()))
     shape = [x.data.shape[x.dims.index(d)] for d in tok_dims] + [y.shape[-1]]
@@ -274,6 +299,40 @@ def _prod(xs) -> int:
     return out
 
 
+class _ExpertMLP:
+    """This device's experts as plain tensors: ``one(rows, j)`` runs local expert ``j`` on its
+    rows, ``batched(rows)`` every local expert on its block of ``rows`` (local experts, n,
+    hidden); with the biases (gpt-oss) after the projections, the down bias divided over the
+    ``m_shards`` devices whose partial sums of ``mlp`` make the output (so it counts once)."""
+
+    def __init__(self, ws: list[Named], names, clamp, m_shards: int):
+        expert_dim, hidden, mlp = names
+        self.named = ws
+        dims = ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden),
+                (expert_dim, mlp), (expert_dim, mlp), (expert_dim, hidden))
+        self.g, self.u, self.d, *self.b = (_local(w, d) for w, d in zip(ws, dims))
+        self.act = (swiglu_tensors if clamp is None else
+                    lambda g, u: clamped_swiglu_tensors(g, u, alpha=clamp[0], limit=clamp[1]))
+        self.down_share = 1.0 / m_shards
+
+    def _down_bias(self, db: torch.Tensor) -> torch.Tensor:
+        return db if self.down_share == 1 else db * self.down_share
+
+    def one(self, rows: torch.Tensor, j: int) -> torch.Tensor:
+        g, u = rows @ self.g[j], rows @ self.u[j]
+        if not self.b:
+            return self.act(g, u) @ self.d[j]
+        gb, ub, db = self.b
+        return (self.act(g + gb[j], u + ub[j]) @ self.d[j]) + self._down_bias(db[j])
+
+    def batched(self, rows: torch.Tensor) -> torch.Tensor:
+        g, u = torch.bmm(rows, self.g), torch.bmm(rows, self.u)
+        if not self.b:
+            return torch.bmm(self.act(g, u), self.d)
+        gb, ub, db = self.b
+        return torch.bmm(self.act(g + gb[:, None], u + ub[:, None]), self.d) + self._down_bias(db[:, None])
+
+
 def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, torch.Tensor]:
     """Per (token, expert) pair, the coordinate along each of the experts' mesh axes of the
     device holding the expert (its block of the experts split, first axis major)."""
@@ -285,10 +344,9 @@ def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, t
     return coords
 
 
-def _dropless_experts(X, idx, w_e, ws, top_k, n_local, e_axes, sizes, a2a, part, planning, names):
+def _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part, planning, on_input=False):
     """Every (token, expert) pair sorted by (device, expert), sent with the uneven all-to-all
     (split sizes exchanged first), each local expert on exactly its rows, and back."""
-    expert_dim, hidden, mlp = names
     mesh, _ = env()
     coords = _block_coords(idx, n_local, e_axes, sizes)
     keep = torch.ones_like(idx.reshape(-1), dtype=torch.bool)
@@ -316,23 +374,23 @@ def _dropless_experts(X, idx, w_e, ws, top_k, n_local, e_axes, sizes, a2a, part,
 
     # --- dispatch, the experts, combine (the transpose of the dispatch)
     rows = X[t_sorted]
+    if on_input:                        # (Llama 4) the weights scale the experts' input, not their output
+        rows = rows * w_sorted[:, None]
     if a2a:
         rows = C.all_to_all_v(rows, a2a, send, recv)
     expert_of_row = torch.arange(n_local).repeat(recv_counts.shape[0]).repeat_interleave(recv_counts.reshape(-1))
     perm = torch.argsort(expert_of_row, stable=True).to(rows.device)
     grouped = rows[perm]
-    g_w, u_w, d_w = (_local(w, dims) for w, dims in zip(
-        ws, ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden))))
     # every local expert runs, with no rows too: the backward's FSDP re-gathers of the experts
     # (one per saved weight) are then the same on every device, whatever the routing
-    with regather_scope(ws):
-        outs = [swiglu_tensors(seg @ g_w[j], seg @ u_w[j]) @ d_w[j]
-                for j, seg in enumerate(grouped.split(recv_counts.sum(0).tolist()))]
+    with regather_scope(ffn.named):
+        outs = [ffn.one(seg, j) for j, seg in enumerate(grouped.split(recv_counts.sum(0).tolist()))]
     out_rows = torch.cat(outs)
     out_rows = out_rows[torch.argsort(perm)]
     if a2a:
         out_rows = C.all_to_all_v(out_rows, a2a, recv, send)
-    return X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(0, t_sorted, out_rows * w_sorted[:, None])
+    return X.new_zeros(X.shape[0], out_rows.shape[-1]).index_add(
+        0, t_sorted, out_rows if on_input else out_rows * w_sorted[:, None])
 
 
 def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -342,15 +400,13 @@ def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) ->
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / n_experts)))
 
 
-def _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_local, e_axes, sizes, a2a, part,
-                      names):
+def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local, e_axes, sizes, a2a, part):
     """Static shapes: every expert has :func:`capacity` slots per sequence (a row of the first
     token dimension), filled in the order (row, choice, position): every token's first choice
     before any token's second, earlier positions first; the assignments past the capacity are
     dropped. The slots (R rows x E experts x cap, empty ones computing a token whose output is
     not used) go to the experts' devices with an even all-to-all and come back with its
     transpose; returns the combined output and the number of dropped assignments."""
-    expert_dim, hidden, mlp = names
     split = [(d, x.split[x.dims.index(d)]) for d in tok_dims[1:] if x.split[x.dims.index(d)]]
     if split:
         raise ValueError(f"experts: capacity_factor gives each sequence (a row of {tok_dims[0]!r}) its experts' "
@@ -382,10 +438,8 @@ def _capacity_experts(X, idx, w_e, ws, x, tok_dims, top_k, capacity_factor, n_lo
     if a2a:
         rows = C.all_to_all(rows, a2a, 0, 0, tiled=True)
     rows = rows.reshape(n_dest, n_local, R * cap, -1).transpose(0, 1).reshape(n_local, n_dest * R * cap, -1)
-    g_w, u_w, d_w = (_local(w, dims) for w, dims in zip(
-        ws, ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden))))
-    with regather_scope(ws):
-        out = torch.bmm(swiglu_tensors(torch.bmm(rows, g_w), torch.bmm(rows, u_w)), d_w)
+    with regather_scope(ffn.named):
+        out = ffn.batched(rows)
     h_out = out.shape[-1]
     out = out.reshape(n_local, n_dest, R * cap, h_out).transpose(0, 1).reshape(-1, h_out)
     if a2a:

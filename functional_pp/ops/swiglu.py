@@ -63,3 +63,26 @@ def swiglu(gate: Named, up: Named) -> Named:
         raise ValueError(f"swiglu: gate has dims {gate.dims} and up {up.dims}; a gated MLP multiplies two "
                          f"projections of the same dims (use ops.silu(gate) * up to broadcast)")
     return broadcast_binary(swiglu_tensors, gate, up, "swiglu")
+
+
+def clamped_swiglu_tensors(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``
+    and ``u = clamp(up, -limit, limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"clamped_swiglu: gate has shape {tuple(gate.shape)} and up {tuple(up.shape)}; they "
+                         f"must be equal (the two projections of one gated MLP)")
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def clamped_swiglu(gate: Named, up: Named, *, alpha: float, limit: float) -> Named:
+    """:func:`clamped_swiglu_tensors` of two named arrays of the same dimensions (elementwise:
+    a layout sharding ``mlp`` needs no communication)."""
+    if not isinstance(gate, Named) or not isinstance(up, Named):
+        raise TypeError(f"clamped_swiglu: gate and up must be named arrays, got {type(gate).__name__} and "
+                        f"{type(up).__name__}")
+    if set(gate.dims) != set(up.dims):
+        raise ValueError(f"clamped_swiglu: gate has dims {gate.dims} and up {up.dims}; they must be the same")
+    return broadcast_binary(lambda g, u: clamped_swiglu_tensors(g, u, alpha=alpha, limit=limit), gate, up,
+                            "clamped_swiglu")
