@@ -16,6 +16,7 @@ mapped, never loaded whole).
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,12 +104,43 @@ class TokenStream:
 
 
 # --------------------------------------------------------------------------- records
+_SLICE = re.compile(r"^(?P<name>[\w.-]+)(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?$")
+
+
+def parse_split(split: str, where: str) -> tuple[str, str | None, str | None]:
+    """``"train[10%:50%]"`` (HF datasets' slice notation: rows or percentages) -> ``("train",
+    "10%", "50%")``; a plain name -> ``(name, None, None)``."""
+    m = _SLICE.match(split.replace(" ", ""))
+    if m is None:
+        raise ValueError(f"{where}: split {split!r} is not a split name or a slice of one such as "
+                         f"'train[:20%]' or 'train[100:200]'")
+    return m["name"], m["start"], m["stop"]
+
+
+def _bound(b: str | None, n: int) -> int | None:
+    """A slice bound of :func:`parse_split` as a row index of ``n`` rows (a percentage rounded to
+    the closest row, as HF datasets does)."""
+    if b is None:
+        return None
+    return round(n * int(b[:-1]) / 100) if b.endswith("%") else int(b)
+
+
 def _records(path: Path, ds_type: str | None, split: str, where: str) -> Iterator[dict]:
-    """Records of a jsonl / json / parquet file or a HF ``datasets`` directory."""
+    """Records of a jsonl / json / parquet file or a HF ``datasets`` directory; a sliced split
+    (``train[:20%]``) keeps those rows."""
+    name, start, stop = parse_split(split, where)
+    if start is None and stop is None:
+        yield from _split_records(path, ds_type, name, where)
+        return
+    rows = list(_split_records(path, ds_type, name, where))
+    yield from rows[_bound(start, len(rows)):_bound(stop, len(rows))]
+
+
+def _split_records(path: Path, ds_type: str | None, split: str, where: str) -> Iterator[dict]:
     kind = ds_type or ("arrow" if path.is_dir() else path.suffix.lower().lstrip("."))
     if kind != "arrow" and split != "train":            # (a file holds one split: HF datasets calls it train)
         raise ValueError(f"{where}: split {split!r}: {path} is one file, read whole as the split 'train'; "
-                         f"remove split, or point path at the file of that split")
+                         f"remove split, slice train (e.g. 'train[:20%]'), or point path at the file of that split")
     if kind in ("jsonl", "json"):
         at = where if str(path) in where else f"{where}: {path}"
         with open(path, "rb") as f:

@@ -69,7 +69,7 @@ def test_axolotl_full_finetune_example_runs_as_written(tmp_path, capsys):
     tok_dir = tmp_path / "tok"
     make_tokenizer(tok_dir, None, "<|im_end|>", template=template_text("chatml"))
     rows = [{"conversations": [{"from": "human", "value": f"What is {i}+{i}?"},
-                               {"from": "gpt", "value": f"It is {2 * i}."}]} for i in range(60)]
+                               {"from": "gpt", "value": f"It is {2 * i}."}]} for i in range(300)]
     data = tmp_path / "fine_tome.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = yaml.safe_load((EXAMPLES / "LiquidAI" / "lfm2-350m-fft.yaml").read_text())
@@ -78,6 +78,7 @@ def test_axolotl_full_finetune_example_runs_as_written(tmp_path, capsys):
                dataset_prepared_path=str(tmp_path / "prepared"),
                sequence_len=64, micro_batch_size=2, gradient_accumulation_steps=1)
     cfg["datasets"][0]["path"] = str(data)
+    assert cfg["datasets"][0]["split"] == "train[:20%]"                 # (as written: 60 of the 300 rows)
     path = tmp_path / "lfm2.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert cli.main(["validate", str(path), "--simulate", "2"]) == 0

@@ -195,7 +195,7 @@ def test_mesh_size_must_equal_torchrun_world_size(tmp_path, capsys, monkeypatch)
     assert "the mesh needs 2 devices" in err and "torchrun (WORLD_SIZE=4) gives 4" in err
     assert "tp_size=2" in err
     err = run_error(capsys, ["train", str(cfg), "--simulate", "2"])
-    assert "--simulate 2 cannot be used under torchrun" in err
+    assert "--simulate 2: RANK=0, WORLD_SIZE=4, MASTER_ADDR=127.0.0.1" in err and "unset RANK WORLD_SIZE" in err
     assert not (tmp_path / "out").exists()
 
 

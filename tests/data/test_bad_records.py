@@ -66,3 +66,24 @@ def test_a_split_other_than_train_of_a_single_file_is_refused(tmp_path):
     entry.split = "test"
     with pytest.raises(ValueError, match=r"split 'test': .*a.jsonl is one file, read whole as the split 'train'"):
         build_streams([entry], None, seq_len=256)
+
+
+@pytest.mark.parametrize("split, keep", [("train[:20%]", slice(0, 2)), ("train[5:]", slice(5, 10)),
+                                         ("train[10%:-3]", slice(1, 7))])
+def test_a_sliced_train_split_of_a_single_file_keeps_those_rows(tmp_path, split, keep):
+    """Axolotl configs write HF datasets' slice notation (``split: train[:20%]``): the rows of the
+    slice train, exactly as a file holding only those rows."""
+    rows = [{**GOOD, "output": f"answer {i}"} for i in range(10)]
+    entry = _alpaca(tmp_path, rows)[0]
+    entry.split = split
+    got, _ = build_streams([entry], None, seq_len=256)
+    (tmp_path / "want").mkdir()
+    want, _ = build_streams(_alpaca(tmp_path / "want", rows[keep]), None, seq_len=256)
+    assert got.tokens.tolist() == want.tokens.tolist()
+
+
+def test_a_split_that_is_no_slice_is_refused(tmp_path):
+    entry = _alpaca(tmp_path, [GOOD])[0]
+    entry.split = "train[:half]"
+    with pytest.raises(ValueError, match=r"split 'train\[:half\]' is not a split name or a slice"):
+        build_streams([entry], None, seq_len=256)
