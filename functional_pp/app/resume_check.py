@@ -88,15 +88,14 @@ def check_resume_tokens(ckpt: Path, corpus: Any) -> None:
     ``tokens_sha256``): a data file edited at the same size, another tokenizer or template
     continued at step N of other data, silently. Checkpoints without the hash pass."""
     from functional_pp.checkpoint.format import read_index
-    from functional_pp.data.loader import _as_numpy_tokens, tokens_digest
+    from functional_pp.data.loader import corpus_digest
     saved = (read_index(ckpt).get("metadata") or {}).get("loader") or {}
     if "tokens_sha256" not in saved:
         return
-    tokens = _as_numpy_tokens(corpus)
-    now = tokens_digest(tokens, getattr(corpus, "trained", None))
+    now, n_tokens = corpus_digest(corpus)
     if now != saved["tokens_sha256"]:
         raise ConfigError(f"--resume: the training tokens differ from the ones {ckpt} was trained on "
-                          f"({saved.get('num_tokens')} tokens, sha256 {saved['tokens_sha256']} then; {len(tokens)} "
+                          f"({saved.get('num_tokens')} tokens, sha256 {saved['tokens_sha256']} then; {n_tokens} "
                           f"tokens, sha256 {now} now): a data file, the tokenizer or a data setting changed since "
                           f"it was saved, and the run would continue at its step on other data. Restore the data, "
                           f"start a new run (another output_dir), or pass --allow-config-change to continue anyway")

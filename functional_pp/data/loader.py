@@ -180,6 +180,13 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device | str | No
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def corpus_digest(corpus: Any) -> tuple[str, int]:
+    """``(digest, number of tokens)``: :func:`tokens_digest` of a corpus's tokens and trained
+    flags (what a loader over it records as ``tokens_sha256``)."""
+    tokens = _as_numpy_tokens(corpus)
+    return tokens_digest(tokens, getattr(corpus, "trained", None)), len(tokens)
+
+
 def _as_numpy_tokens(corpus_tokens: Any) -> np.ndarray:
     tokens = getattr(corpus_tokens, "tokens", corpus_tokens)  # accept a Corpus
     if isinstance(tokens, torch.Tensor):

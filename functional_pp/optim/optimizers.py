@@ -80,6 +80,14 @@ def adamw(
         bound=adamw_bound(lr, float(b1), float(eps), float(weight_decay)))
 
 
+def _low_bit_adamw(name: str, moments: GradientTransformation, lr: ScalarOrSchedule, weight_decay: float,
+                   mask: Mask, clip_norm: Optional[float]) -> GradientTransformation:
+    """:func:`adamw` with ``moments`` (a low-bit ``scale_by_adam``) in its place."""
+    lr = check_learning_rate(name, lr)
+    return chain(*_maybe_clip(clip_norm), moments, add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(lr))
+
+
 def adamw_8bit(
     lr: ScalarOrSchedule,
     b1: float = 0.9,
@@ -95,9 +103,8 @@ def adamw_8bit(
     blocks of ``block`` along the last dimension, vectors kept fp32;
     :mod:`functional_pp.optim.adam8bit`): :func:`adamw` with ``scale_by_adam_8bit`` in
     place of ``scale_by_adam``. State: 2 bytes per parameter plus 8 per block, instead of 8."""
-    lr = check_learning_rate("adamw_8bit", lr)
-    return chain(*_maybe_clip(clip_norm), scale_by_adam_8bit(b1, b2, eps, block=block),
-                 add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+    return _low_bit_adamw("adamw_8bit", scale_by_adam_8bit(b1, b2, eps, block=block), lr, weight_decay,
+                          mask, clip_norm)
 
 
 def adamw_4bit(
@@ -114,9 +121,8 @@ def adamw_4bit(
     """AdamW with 4-bit moments (torchao's ``AdamW4bit``; :func:`scale_by_adam_4bit`): :func:`adamw`
     with ``scale_by_adam_4bit`` in place of ``scale_by_adam``. State: 1 byte per parameter plus 8
     per block of ``block``, instead of 8."""
-    lr = check_learning_rate("adamw_4bit", lr)
-    return chain(*_maybe_clip(clip_norm), scale_by_adam_4bit(b1, b2, eps, block=block),
-                 add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+    return _low_bit_adamw("adamw_4bit", scale_by_adam_4bit(b1, b2, eps, block=block), lr, weight_decay,
+                          mask, clip_norm)
 
 
 # --------------------------------------------------------------------------- #
