@@ -53,6 +53,9 @@ class LayoutEstimate:
     pipeline: Any = None             # a plan.pipeline.PipelinePlan when the mesh has pp > 1 (runs: one micro-batch)
     micro_steps: tuple | None = None  # (G, 2, 3): runs of 2 and 3 micro-steps stand for G (see MICRO_RUNS)
     host_bytes: int = 0              # host memory per device at its peak (offload_params, activation_offloading)
+    # what the caching allocator reserves beyond the peak: that of the run with the most layers
+    # (its cached blocks are reused layer after layer, so it does not grow with them; plan/allocator.py)
+    reserved_overhead: int = 0
 
     @property
     def comm_bytes(self) -> int:
@@ -61,6 +64,13 @@ class LayoutEstimate:
     @property
     def memory_bytes(self) -> int:
         return self.peak_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The caching allocator's peak reserved bytes (``torch.cuda.max_memory_reserved``):
+        the peak plus the blocks' rounding and the cached free blocks too small or too
+        scattered to reuse (plan/allocator.py; docs/planning.md, "Reserved memory")."""
+        return self.peak_bytes + self.reserved_overhead
 
     def extrapolate(self, fn: Callable[[DeviceRun], float]) -> float:
         """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))
@@ -221,7 +231,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         activation_bytes=ext(lambda r: r[0].saved_bytes),
         peak_bytes=ext(lambda r: r[0].peak_bytes),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro),
-        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro)
+        layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro,
+        reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes))
     if any(offload):
         _offloaded(est, offload, weights if precision == "fp32" else 0, ext)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
@@ -368,7 +379,9 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
         baseline = {"weights": _nbytes(masters),
                     "optimizer state": _nbytes(optree.tree_leaves(state["opt_state"], none_is_leaf=False))}
         with comm_report() as rep:
-            tracker = MemoryTracker(baseline, masters, rep, timeline)
+            held = masters + optree.tree_leaves(state["opt_state"], none_is_leaf=False)
+            sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
+            tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes)
             step.loss_fn = _instrumented(loss_fn, tracker, repeated)
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

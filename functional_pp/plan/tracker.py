@@ -17,6 +17,7 @@ from functional_pp._torch.meta_cache import call_meta
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_uneven_work
 from functional_pp.core.runtime import per_thread
+from functional_pp.plan.allocator import CachingAllocator
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
               "logits grad", "forward temporaries", "gradients and backward temporaries",
@@ -78,6 +79,7 @@ class DeviceRun:
     """What one device did in one step (exact for the model it ran)."""
     baseline: dict[str, int]
     peak_bytes: int = 0
+    peak_reserved: int = 0       # the caching allocator's reserved bytes at their peak (plan/allocator.py)
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: str = ""
     flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
@@ -164,12 +166,19 @@ def note_uneven(what: str, busiest) -> None:
 class MemoryTracker(TorchDispatchMode):
     """Counts storages created while active (see module docstring). ``baseline``: bytes alive
     before (weights, optimizer state); ``param_storages``: storages of the parameters, whose
-    casts, views and gathers are "weights in flight"."""
+    casts, views and gathers are "weights in flight". ``baseline_sizes``: the bytes of each
+    tensor held before the step, allocated first in the caching allocator's model (without
+    them the baseline counts as reserved exactly)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
-                 timeline: bool = True):
+                 timeline: bool = True, baseline_sizes=None):
         super().__init__()
         self.run = DeviceRun(dict(baseline))
+        self.allocator = CachingAllocator()
+        self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
+        for i, n in enumerate(baseline_sizes or ()):
+            self.allocator.malloc(("baseline", i), n)
+        self.run.peak_reserved = self._reserved_base + self.allocator.peak_reserved
         self._totals = {c: 0 for c in CATEGORIES}
         self._totals.update(baseline)
         self._current = sum(baseline.values())
@@ -309,6 +318,8 @@ class MemoryTracker(TorchDispatchMode):
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened)
         self._live[key] = alloc
+        self.allocator.malloc(key, nbytes)
+        self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
         self._totals[category] += nbytes
         self._current += nbytes
         weakref.finalize(storage, self._free, key)
@@ -345,6 +356,7 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
         if alloc is not None:
+            self.allocator.free(key)
             self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
             self._current -= alloc.nbytes

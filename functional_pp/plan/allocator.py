@@ -1,0 +1,134 @@
+"""A model of PyTorch's CUDA caching allocator: the bytes a step *reserves* (what
+``torch.cuda.max_memory_reserved`` and torchtitan's logged memory report), not only those it
+holds (docs/planning.md, "Reserved memory").
+
+The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings:
+
+* a request is rounded up to a multiple of 512 bytes (at least 512);
+* requests of at most 1 MiB come from the small pool, whose segments are 2 MiB; larger ones
+  from the large pool, whose segments are 20 MiB for requests under 10 MiB and the request
+  rounded up to 2 MiB otherwise;
+* a request takes the smallest cached free block of its pool that is large enough (best fit)
+  and splits it when the rest is at least 512 bytes (small pool) or more than 1 MiB (large);
+  a block not split is handed out whole;
+* a freed block returns to its pool and merges with its free neighbours in the same segment;
+  segments are never returned (reserved memory only grows within a step), and a request no
+  free block fits allocates a new segment.
+
+What the model leaves out: one pool per CUDA stream (FSDP's all-gather stream keeps its own
+blocks), ``expandable_segments``, ``max_split_size_mb`` and the release of cached segments
+when ``cudaMalloc`` fails."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+MIN_BLOCK = 512
+SMALL_REQUEST = 1 << 20          # requests up to 1 MiB use the small pool
+SMALL_SEGMENT = 2 << 20
+LARGE_SEGMENT = 20 << 20         # for requests under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def rounded(nbytes: int) -> int:
+    """The block size the allocator hands out for a request of ``nbytes``."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The segment ``cudaMalloc``'d for a rounded request no cached block fits."""
+    if size <= SMALL_REQUEST:
+        return SMALL_SEGMENT
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    small: bool                  # in the small pool (its segment is 2 MiB of small requests)
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+class CachingAllocator:
+    """Replays allocations and frees (by key) through the caching allocator's rules and
+    tracks reserved bytes and their peak."""
+
+    def __init__(self) -> None:
+        self._free = {True: [], False: []}          # small pool?: sorted keys of free blocks
+        self._blocks: dict[tuple, _Block] = {}      # key of a free block -> block
+        self._live: dict[object, _Block] = {}
+        self._segments = 0
+        self.reserved = 0
+        self.peak_reserved = 0
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        """Allocate ``nbytes`` for ``key`` (a tensor's storage)."""
+        size = rounded(nbytes)
+        small = size <= SMALL_REQUEST
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i < len(pool):
+            block = self._blocks.pop(pool.pop(i))
+        else:
+            seg = segment_size(size)
+            block = _Block(self._segments, 0, seg, small)
+            self._segments += 1
+            self.reserved += seg
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        rest = block.size - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_REQUEST:
+            tail = _Block(block.segment, block.offset + size, rest, small, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._cache(tail, small)
+        block.free = False
+        self._live[key] = block
+
+    def free(self, key: object) -> None:
+        """Return ``key``'s block to its pool, merged with its free neighbours."""
+        block = self._live.pop(key, None)
+        if block is None:
+            return
+        small = block.small
+        block.free = True
+        for other in (block.prev, block.next):
+            if other is not None and other.free:
+                self._uncache(other, small)
+        if block.prev is not None and block.prev.free:
+            prev = block.prev
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            block = prev
+        if block.next is not None and block.next.free:
+            nxt = block.next
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        self._cache(block, small)
+
+    def _cache(self, block: _Block, small: bool) -> None:
+        k = block.key()
+        self._blocks[k] = block
+        bisect.insort(self._free[small], k)
+
+    def _uncache(self, block: _Block, small: bool) -> None:
+        k = block.key()
+        self._blocks.pop(k, None)
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, k)
+        if i < len(pool) and pool[i] == k:
+            pool.pop(i)
