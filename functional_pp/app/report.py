@@ -199,6 +199,8 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     line = f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    line += (f"\nreserved:   {_human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
+             f"{_human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
     return line + (f"\nhost:       {_human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
                    if est.host_bytes else "")
 

@@ -107,7 +107,8 @@ def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
     lines = [f"chose {best.describe()}:",
              f"  step {t.step_s:.4g} s, {ranking.tokens_per_s_per_device(best):,.0f} tokens/s per device, MFU "
              f"{t.mfu:.2f} (compute {t.compute_s:.4g} s, exposed communication {t.exposed_comm_s:.4g} s, hidden "
-             f"{t.hidden_comm_s:.4g} s); peak memory {_human_bytes(best.peak_bytes)} of "
+             f"{t.hidden_comm_s:.4g} s); peak memory {_human_bytes(best.peak_bytes)} (reserved "
+             f"{_human_bytes(best.reserved_bytes)}) of "
              f"{_human_bytes(ranking.memory_limit_bytes)} per device"
              + (f", host memory {_human_bytes(best.host_bytes)} per device" if best.host_bytes else ""),
              f"  axes: {', '.join(f'{a} {w}-node' for a, w in t.placement.items()) or 'none'}"]

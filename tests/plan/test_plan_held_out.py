@@ -1,0 +1,78 @@
+"""The time and memory models against every published row (plan/references.py): the rows the
+presets were fitted on within 5%, the rows no fit has seen (held out) within the tolerance each
+states (5%, or the one achieved and why), the fit a function of the fitted rows alone, and the
+peak reserved memory by the caching allocator's model (docs/planning.md, "Calibration")."""
+import pytest
+
+from functional_pp import plan
+from functional_pp.plan import references
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    return {r.name: references.predict(r)[0] for r in references.ROWS}
+
+
+def test_the_split_is_explicit_and_the_fitted_rows_are_held_to_five_percent():
+    assert set(references.FITTED) | set(references.HELD_OUT) == set(references.ROWS)
+    assert not set(references.FITTED) & set(references.HELD_OUT)
+    assert len(references.HELD_OUT) >= 8 and len(references.FITTED) == 8
+    for r in references.ROWS:
+        assert r.cluster in plan.PRESETS and r.source, r.name
+        assert r.tolerance == 0.05 or r.why, f"{r.name}: a tolerance over 5% must say why"
+    assert all(r.tolerance == 0.05 for r in references.FITTED)
+
+
+@pytest.mark.parametrize("row", references.ROWS, ids=lambda r: r.name)
+def test_every_row_is_predicted_within_its_tolerance(row, predicted):
+    error = predicted[row.name] / row.tokens_per_s_per_gpu - 1
+    assert abs(error) <= row.tolerance, f"{row.name}: {error:+.1%} (tolerance {row.tolerance:.0%})"
+
+
+def test_the_tolerances_are_the_ones_achieved(predicted):
+    """A stated tolerance is not slack: each wider one is within 3 points of the row's error
+    (a model that improves must tighten it, one that degrades fails the test above)."""
+    for r in references.ROWS:
+        if r.tolerance > 0.05:
+            error = abs(predicted[r.name] / r.tokens_per_s_per_gpu - 1)
+            assert r.tolerance - error < 0.03, f"{r.name}: {error:.1%} achieved, {r.tolerance:.0%} stated"
+
+
+def _samples(rows):
+    return [(references.reference_estimate(r), r.local_batch * r.seq * dict(r.mesh).get("dp_shard", 1)
+             / r.devices / r.tokens_per_s_per_gpu, r.cost_options()) for r in rows]
+
+
+def test_the_fit_sees_only_the_fitted_rows_and_the_preset_is_its_result():
+    """The preset's three bf16 numbers are the fit's fixed point on the fitted 8B rows alone:
+    refitted on them, they stay (within 1%), so no held-out row moved them. (From a start
+    far off, 0.4 / 0.9 / 0.7, eight sweeps land within 1% too: not run here, 11 s.)"""
+    bf16 = [r for r in references.FITTED if r in references.LLAMA3_8B]
+    preset = plan.cluster("h100x8-gt")
+    fitted = plan.fit_cluster(preset, _samples(bf16), fit=("compute_efficiency", "compiled_traffic", "overlap"),
+                              rounds=2)
+    for k in ("compute_efficiency", "compiled_traffic", "overlap"):
+        assert getattr(fitted, k) == pytest.approx(getattr(preset, k), rel=0.01), k
+    assert not set(bf16) & set(references.HELD_OUT)
+
+
+@pytest.mark.parametrize("row", [r for r in references.ROWS if r.memory_gib], ids=lambda r: r.name)
+def test_published_peak_memory_is_predicted_within_its_tolerance(row):
+    """torchtitan's rows log the allocator's peak reserved bytes; this project's GPU run the
+    allocated peak. Within 10%, or the tolerance achieved and why."""
+    got = references.predicted_memory(row) / 2 ** 30
+    error = got / row.memory_gib - 1
+    assert abs(error) <= row.memory_tolerance, f"{row.name}: {got:.1f} GiB, {error:+.1%}"
+    assert row.memory_tolerance == 0.10 or row.memory_why
+    if row.memory_tolerance > 0.10:
+        assert row.memory_tolerance - abs(error) < 0.03, f"{row.name}: {error:+.1%} achieved"
+
+
+def test_reserved_memory_is_the_peak_and_the_allocators_overhead():
+    """The allocator model adds what rounding and cached blocks cost: positive, a few GiB on the
+    8B rows, and the reason the eager 8B rows come within 10% (the allocated peak alone is
+    3.8% and 0% below the measured 82.4 and 67.0 GiB)."""
+    for r in references.LLAMA3_8B:
+        est = references.memory_estimate(r)
+        assert est.reserved_bytes == est.peak_bytes + est.reserved_overhead
+        assert 2 * 2 ** 30 < est.reserved_overhead < 0.1 * est.peak_bytes, r.name
