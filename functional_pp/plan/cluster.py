@@ -2,6 +2,7 @@
 nodes, and the placement of a mesh's axes on nodes (docs/planning.md, "Time model")."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from functional_pp.core.mesh import Mesh
@@ -67,11 +68,26 @@ class Cluster:
         return "inter", self.inter_bandwidth, self.inter_latency
 
     def collective_seconds(self, kind: str, bytes_sent: int, group_size: int, link: tuple[str, float, float]) -> float:
-        """Alpha-beta time of one collective: latency x ring steps + bytes / bandwidth."""
+        """Alpha-beta time of one collective: latency x steps + bytes / bandwidth
+        (:meth:`collective_parts`)."""
+        return sum(self.collective_parts(kind, bytes_sent, group_size, link))
+
+    def collective_parts(self, kind: str, bytes_sent: int, group_size: int,
+                         link: tuple[str, float, float]) -> tuple[float, float]:
+        """(latency, transfer) seconds of one collective sending ``bytes_sent`` (the ring's
+        bytes) by the faster of NCCL's algorithms: the ring (latency x ring steps + bytes /
+        bandwidth) and, for an all-reduce, the tree (2 ceil(log2 g) steps, each rank sending
+        the whole buffer twice: g / (g - 1) x the ring's bytes), which NCCL picks for small
+        all-reduces over many ranks."""
         if group_size <= 1:
-            return 0.0
+            return 0.0, 0.0
         _, bw, lat = link
-        return STEPS[kind](group_size) * lat + bytes_sent / (bw * self.efficiency.get(kind, 1.0))
+        bw = bw * self.efficiency.get(kind, 1.0)
+        ring = (STEPS[kind](group_size) * lat, bytes_sent / bw)
+        if kind != "all_reduce":
+            return ring
+        tree = (2 * math.ceil(math.log2(group_size)) * lat, bytes_sent * group_size / (group_size - 1) / bw)
+        return min(ring, tree, key=sum)
 
     def bus_bandwidth(self, kind: str, message_bytes: float, group_size: int, where: str = "intra") -> float:
         """nccl-tests' bus bandwidth of one collective whose full message (all-reduce: the
@@ -99,12 +115,12 @@ FLOAT8_FIT = 0.57
 ASYNC_TP_FIT = 0.36
 
 #: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B bf16 rows (plan/references.py):
-#: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.95 of
+#: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.94 of
 #: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
 #: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
 #: NIC at 90% of its line rate (docs/planning.md, "Calibration")
 H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
-                overlap=0.95, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT)
+                overlap=0.94, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT)
 
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,

@@ -126,11 +126,12 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     for e in run.events:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
             continue
-        s, where = event_seconds(e, mesh, cl, sent_bytes(e, float8=float8, activation_sums=activation_sums))
+        sent = sent_bytes(e, float8=float8, activation_sums=activation_sums)
+        s, where = event_seconds(e, mesh, cl, sent)
         if e.weight_traffic and e.layer is not None:     # the step's FSDP units: one flat collective per layer
             key = (e.kind, e.axes, e.phase, e.layer)
             if key in grouped:
-                s -= cl.collective_seconds(e.kind, 0, e.group_size, cl.link(mesh, e.axes))
+                s -= cl.collective_parts(e.kind, sent, e.group_size, cl.link(mesh, e.axes))[0]
             grouped.add(key)
         kind = "weight" if e.weight_traffic else "critical"
         add(f"{kind} {e.phase}" if layer == "all" else kind, s)

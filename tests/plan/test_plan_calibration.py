@@ -75,14 +75,19 @@ def test_fit_cluster_finds_the_matmul_efficiency_of_the_published_rows(rows):
 
 def test_bus_bandwidth_grows_with_the_message_size_as_nccl_tests_curves_do():
     """Alpha-beta per ring step: large all-reduces reach the NVLink bandwidth (nccl-tests:
-    460-480 GB/s on 8 H100 SXM5), small ones pay 2(g-1) latencies; half the bandwidth at
-    g x latency x bandwidth bytes."""
+    460-480 GB/s on 8 H100 SXM5), small all-gathers pay g-1 latencies (half the bandwidth at
+    g x latency x bandwidth bytes); a small all-reduce takes NCCL's tree, 2 ceil(log2 g)
+    latencies, where the ring's 2(g-1) would cost it 40x more over 384 ranks."""
     cl = plan.cluster("h100x8-gt")
     sizes = [2 ** k for k in range(16, 33)]
     curve = [cl.bus_bandwidth("all_reduce", s, 8) for s in sizes]
     assert curve == sorted(curve) and curve[-1] == pytest.approx(cl.intra_bandwidth, rel=0.01)
     half = 8 * cl.intra_latency * cl.intra_bandwidth
-    assert cl.bus_bandwidth("all_reduce", half, 8) == pytest.approx(cl.intra_bandwidth / 2)
+    assert cl.bus_bandwidth("all_gather", half, 8) == pytest.approx(cl.intra_bandwidth / 2)
+    link = ("inter", cl.inter_bandwidth, cl.inter_latency)
+    assert cl.collective_parts("all_reduce", 4096, 384, link)[0] == pytest.approx(18 * cl.inter_latency)
+    nvlink = ("intra", cl.intra_bandwidth, cl.intra_latency)     # a large one over 8: the ring's fewer bytes win
+    assert cl.collective_parts("all_reduce", 4e9, 8, nvlink)[0] == pytest.approx(14 * cl.intra_latency)
     assert cl.bus_bandwidth("all_gather", 4e9, 128, "inter") == pytest.approx(cl.inter_bandwidth, rel=0.05)
 
 
