@@ -129,11 +129,11 @@ def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
 def no_fit(ranking: Ranking, cfg=None) -> str:
     """No layout is within the memory limit: say so, name the nearest and what would make it fit."""
     limit = ranking.memory_limit_bytes
-    near = min(ranking, key=lambda e: e.peak_bytes)
-    over = near.peak_bytes - limit
+    near = min(ranking, key=lambda e: e.reserved_bytes)
+    over = near.reserved_bytes - limit
     lines = [f"NO LAYOUT FITS: none of the {len(ranking)} layouts estimated is within {_human_bytes(limit)} per "
-             f"device. The nearest is {near.describe()} at {_human_bytes(near.peak_bytes)} "
-             f"({_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations at the peak "
+             f"device. The nearest is {near.describe()} at {_human_bytes(near.reserved_bytes)} reserved (peak "
+             f"{_human_bytes(near.peak_bytes)}; {_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations at the peak "
              f"{_human_bytes(near.memory.get('activations', 0))}). What would make it fit:"]
     given = cfg._given if cfg is not None else set()
     if near.settings.get("remat") is not True:
@@ -143,7 +143,7 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
     if cfg is not None and "micro_batch_size" in given and cfg.micro_batch_size > 1:
         lines.append(f"  - a smaller micro-batch: micro_batch_size: 1 (now {cfg.micro_batch_size}; gradient "
                      f"accumulation keeps the global batch)")
-    rest = near.peak_bytes - near.state_bytes
+    rest = near.reserved_bytes - near.state_bytes
     if rest < limit and near.state_bytes > 0:
         factor = near.state_bytes / (limit - rest)
         per_node = PRESETS[ranking.cluster].devices_per_node if ranking.cluster in PRESETS else 1

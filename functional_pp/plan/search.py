@@ -330,7 +330,9 @@ def _time(e: LayoutEstimate) -> float:
 
 
 def _fits(e: LayoutEstimate, limit) -> bool:
-    return limit is None or e.peak_bytes <= limit
+    """Within the device's memory: what the caching allocator reserves (the peak and its
+    rounding and cached blocks, plan/allocator.py), which is what runs out."""
+    return limit is None or e.reserved_bytes <= limit
 
 
 def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
@@ -420,18 +422,18 @@ def gib(n: float) -> str:
 def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None = None,
           pareto: set | None = None, tokens_per_step: int = 0, devices: int = 1, width: int = 64) -> str:
     """A readable ranking: step time, tokens/s per device, MFU, exposed communication, peak
-    memory, the activations held at the peak and the state in GiB, then the full layout name
+    memory and what the caching allocator reserves (what must fit), the activations held at the peak and the state in GiB, then the full layout name
     (wrapped at ``width`` characters)."""
     if not estimates:
         return "(no layout could be estimated)"
-    head = (f"{'#':>3} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5} {'exposed s':>9} {'peak GiB':>8} {'act GiB':>7} "
-            f"{'state GiB':>9}  layout")     # act: the activations held at the peak
+    head = (f"{'#':>3} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5} {'exposed s':>9} {'peak GiB':>8} {'resv GiB':>8} "
+            f"{'act GiB':>7} {'state GiB':>9}  layout")     # resv: reserved by the allocator; act: activations at the peak
     lines = [head, "-" * (len(head) + width - len("layout"))]
     indent = " " * (head.index("layout"))
     for i, e in enumerate(estimates):
         t = e.time
         note = []
-        if memory_limit_bytes is not None and e.peak_bytes > memory_limit_bytes:
+        if not _fits(e, memory_limit_bytes):
             note.append("OVER MEMORY")
         if pareto and id(e) in pareto:
             note.append("pareto")
@@ -441,7 +443,7 @@ def table(estimates: Sequence[LayoutEstimate], memory_limit_bytes: float | None 
         name = textwrap.wrap(e.describe() + (f" ({', '.join(note)})" if note else ""), width,
                              break_on_hyphens=False) or [""]
         lines.append(f"{i + 1:>3} {_time(e):8.4g} {tokens:9,.0f} {(t.mfu if t else 0):5.2f} "
-                     f"{(t.exposed_comm_s if t else 0):9.3g} {gib(e.peak_bytes):>8} "
+                     f"{(t.exposed_comm_s if t else 0):9.3g} {gib(e.peak_bytes):>8} {gib(e.reserved_bytes):>8} "
                      f"{gib(e.memory.get('activations', 0)):>7} "
                      f"{gib(e.state_bytes):>9}  {name[0]}")
         lines.extend(indent + rest for rest in name[1:])

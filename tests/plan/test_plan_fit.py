@@ -150,8 +150,8 @@ def test_llama3_8b_at_8k_on_64_gpus_chooses_a_layout_that_fits(tmp_path):
     ranking = rank_layouts(cfg, 64, "h100x8", strategy="beam", space=space)
     limit = plan.cluster("h100x8").memory_bytes
     chosen = ranking[0]
-    assert chosen.peak_bytes <= limit and ranking.fitting()[0] is chosen
-    assert any(e.peak_bytes > limit for e in ranking)              # the space has layouts that do not fit
+    assert chosen.reserved_bytes <= limit and ranking.fitting()[0] is chosen
+    assert any(e.reserved_bytes > limit for e in ranking)          # the space has layouts that do not fit
     for e in ranking:               # micro_batch_size: 1 kept: accumulation makes up the 64 sequences
         assert e.settings["grad_accum"] * e.mesh.shape["dp_replicate"] * e.mesh.shape["dp_shard"] == 64
     text = cli.plan.explain(ranking, cfg)
@@ -173,14 +173,14 @@ def test_plan_prints_full_names_in_gib_the_keys_to_paste_and_says_when_nothing_f
     keys = yaml.safe_load(out.split("to train it, set in the config:\n")[1].split("Pareto front")[0])
     assert keys["micro_batch_size"] == 2 and keys["activation_checkpointing"] is False
     assert {"dp_shard_size", "tp_size", "global_batch_size", "gradient_accumulation_steps"} <= set(keys)
-    smallest = min(e.peak_bytes for e in ranking)
+    smallest = min(e.reserved_bytes for e in ranking)
     assert cli.main(["plan", path, "--devices", "2", "--memory-gib", str(smallest / 2 ** 30 * 0.99)]) == 1
     out = capsys.readouterr().out
     assert "NO LAYOUT FITS" in out and "chose" not in out
     assert "activation_checkpointing: true (the config fixes activation_checkpointing" in out
     assert "micro_batch_size: 1" in out and "more devices" in out
-    near = min(ranking, key=lambda e: e.peak_bytes)
-    assert f"The nearest is {near.describe()} at {_human_bytes(near.peak_bytes)}" in out
+    near = min(ranking, key=lambda e: e.reserved_bytes)
+    assert f"The nearest is {near.describe()} at {_human_bytes(near.reserved_bytes)} reserved" in out
     assert cli.main(["plan", "--cluster", "help"]) == 0
     out = capsys.readouterr().out
     assert all(f"{name}: " in out for name in plan.PRESETS) and "Grand Teton" in out and "GiB" in out
