@@ -37,7 +37,7 @@ TORCHTITAN_2024 = ("torchtitan's llama3_h100_202412_torchtitan.md (its benchmark
 class Reference:
     """One published measurement and its setup."""
     name: str
-    model: str                       # a llama.Config preset: "llama3_8b", "llama3_405b"
+    model: "str | llama.Config"      # a key of CONFIGS ("llama3_8b", "gpt_1.7B") or the Config itself
     mesh: tuple[tuple[str, int], ...]
     local_batch: int                 # sequences per data-parallel rank per step
     seq: int
@@ -218,7 +218,7 @@ def _gpt(hidden: int, layers: int, heads: int):
 
 
 CONFIGS = {
-    "llama3_1b": llama.Config.llama3_1b,
+    "llama3_1b": lambda: llama.Config.llama3_1b(rope_scaling=None),   # as benchmarks/gpu.py runs it
     "gpt_1.7B": _gpt(2048, 24, 16), "gpt_7.1B": _gpt(4096, 30, 32), "gpt_16B": _gpt(6144, 32, 48),
     "gpt_32B": _gpt(7168, 48, 56),
     "llama3_8b": llama.Config.llama3_8b,
@@ -226,6 +226,40 @@ CONFIGS = {
     # Llama 3.1 405B: 126 layers in the published model, 128 here so that 16 stages divide them
     "llama3_405b": lambda: llama.Config.llama3_70b(hidden=16384, layers=128, heads=128, mlp=53248),
 }
+
+
+#: benchmarks/gpu.py's sides: (JSON key, compiled)
+GPU_SIDES = (("functional_eager", False), ("functional", True))
+#: the preset for a GPU benchmarks/gpu.py names
+GPU_PRESETS = (("H200", "h200x8"), ("H100", "h100x8"), ("A100", "a100x8"), ("L40S", "l40sx4"))
+
+
+def gpu_rows(result: dict, tolerance: float = 0.14, why: str = "") -> tuple[Reference, ...]:
+    """Held-out rows from a ``benchmarks/gpu.py`` result (its JSON, loaded): one per model
+    and functional side whose timed steps it holds (``tokens_per_s``), on the preset of the
+    GPU it names; its peak (``torch.cuda.max_memory_allocated``) as allocated memory. A GPU
+    without a preset is refused by name."""
+    device = result.get("device", "")
+    preset = next((p for name, p in GPU_PRESETS if name in device), None)
+    if preset is None:
+        raise ValueError(f"gpu_rows: no cluster preset describes {device!r}; add one to plan.cluster.PRESETS "
+                         f"and to references.GPU_PRESETS ({', '.join(n for n, _ in GPU_PRESETS)} have one)")
+    rows = []
+    for name, row in result.get("rows", {}).items():
+        m = row["model"]
+        cfg = llama.Config.llama3_1b(hidden=m["hidden"], layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"],
+                                     mlp=m["mlp"], vocab=m["vocab"], tie_embeddings=m["tied"], rope_scaling=None)
+        for side, compiled in GPU_SIDES:
+            got = row.get(side, {})
+            if not got.get("tokens_per_s"):
+                continue
+            peak = got.get("peak_memory_bytes")
+            rows.append(Reference(f"{name} {side} on one {device} ({result.get('date', '')})", cfg, (),
+                                  row["batch"], row["seq"], got["tokens_per_s"],
+                                  f"benchmarks/gpu.py on {device}, torch {result.get('torch')}, {result.get('date')}",
+                                  compiled=compiled, split="held_out", cluster=preset, tolerance=tolerance,
+                                  why=why, memory_gib=peak / 2 ** 30 if peak else None, memory_kind="allocated"))
+    return tuple(rows)
 
 
 #: every row: those a preset's numbers were fitted on, and those held out
@@ -247,9 +281,9 @@ _cache: dict = {}
 
 def reference_estimate(ref: Reference) -> LayoutEstimate:
     """The dry-run of ``ref``'s setup (cached: the rows share meshes)."""
-    key = (ref.model, ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages)
+    key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages)
     if key not in _cache:
-        cfg = CONFIGS[ref.model]()
+        cfg = ref.model if isinstance(ref.model, llama.Config) else CONFIGS[ref.model]()
         mesh = Mesh(**dict(ref.mesh)) if ref.mesh else Mesh()
         dp = mesh.shape.get("dp_replicate", 1) * mesh.shape.get("dp_shard", 1)
         batch = {k: ((ref.local_batch * dp, ref.seq), "batch seq") for k in ("tokens", "labels")}

@@ -76,3 +76,22 @@ def test_reserved_memory_is_the_peak_and_the_allocators_overhead():
         est = references.memory_estimate(r)
         assert est.reserved_bytes == est.peak_bytes + est.reserved_overhead
         assert 2 * 2 ** 30 < est.reserved_overhead < 0.1 * est.peak_bytes, r.name
+
+
+def test_benchmarks_gpu_results_become_held_out_rows():
+    """A ``benchmarks/gpu.py`` JSON gives a row per functional side it timed, on its GPU's
+    preset: the kept H200 run timed none (its compiled side failed before the timing), and
+    with the tokens/s issue 44 reports, its eager row predicts what the hand-written row does."""
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).parents[2] / "benchmarks/results/gpu_h200_torch2.11_2026-12-04.json"
+    result = json.loads(path.read_text())
+    assert references.gpu_rows(result) == ()
+    result["rows"]["1b"]["functional_eager"]["tokens_per_s"] = 37600.0
+    (row,) = references.gpu_rows(result)
+    own = references.OWN_GPU[0]
+    assert (row.cluster, row.split, row.local_batch, row.seq, row.compiled) == ("h200x8", "held_out", 4, 2048, False)
+    assert references.predict(row)[0] == pytest.approx(references.predict(own)[0], rel=1e-9)
+    assert references.predicted_memory(row) == references.predicted_memory(own)
+    with pytest.raises(ValueError, match="no cluster preset describes 'NVIDIA B200'"):
+        references.gpu_rows({**result, "device": "NVIDIA B200"})
