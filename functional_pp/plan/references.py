@@ -269,10 +269,10 @@ HELD_OUT = tuple(r for r in ROWS if r.split == "held_out")
 
 
 def rules_for(ref: Reference) -> Rules:
-    """FSDP over dp_shard (none without it: Megatron's data parallelism), TP over tp with
-    sequence parallelism, the layers over pp (torchtitan's layouts)."""
+    """FSDP over dp_shard x cp (torchtitan's; none on a dp_replicate mesh: Megatron's data
+    parallelism), TP over tp with sequence parallelism, the layers over pp."""
     axes = dict(ref.mesh)
-    rules = llama.default_rules(fsdp=axes.get("dp_shard", 1) > 1, sequence_parallel=axes.get("tp", 1) > 1)
+    rules = llama.default_rules(fsdp="dp_replicate" not in axes, sequence_parallel=axes.get("tp", 1) > 1)
     return rules.replace(layers="pp") if axes.get("pp", 1) > 1 else rules
 
 
