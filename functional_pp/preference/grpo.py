@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GRPO_LOSS_TYPES", "SCALE_REWARDS", "group_advantages", "grpo_token_losses", "grpo_loss",
-           "grpo_objective"]
+__all__ = ["GRPO_LOSS_TYPES", "SCALE_REWARDS", "group_advantages", "combine_rewards", "grpo_token_losses",
+           "grpo_loss", "grpo_objective"]
 
 #: TRL's loss types built here (``loss_type``; TRL's default is ``dapo``)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -52,6 +52,38 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
         std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
         advantages = advantages / (std + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                    scale_rewards: str = "group", aggregation: str = "sum_then_normalize"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rewards, advantages, std is zero)`` from each completion's rewards per function
+    (``[N, F]``, NaN where a function gave None), as TRL's ``_generate_and_score_completions``:
+    ``sum_then_normalize`` the weighted NaN-ignoring sum, then :func:`group_advantages`;
+    ``normalize_then_sum`` (GDPO) each function's rewards normalised within the group, the
+    weighted sum normalised over the batch. A completion no function scored is NaN (left out of
+    the means) and gets advantage 0. ``rewards`` is the weighted sum (the logged reward)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    if aggregation == "sum_then_normalize":
+        advantages = group_advantages(rewards, num_generations, scale_rewards)
+        if scale_rewards == "batch":
+            std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            std = _nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = torch.stack([_nanstd(grouped[..., k], dim=1) for k in range(grouped.size(-1))], -1).unsqueeze(1)
+        summed = (((grouped - mean) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1)) * weights).nansum(dim=1)
+        summed[unscorable] = float("nan")
+        std = _nanstd(summed).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+        advantages = torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)
+    else:
+        raise ValueError(f"multi_objective_aggregation {aggregation!r} is not sum_then_normalize or "
+                         f"normalize_then_sum")
+    return rewards, advantages, torch.isclose(std, torch.zeros_like(std))
 
 
 def grpo_token_losses(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -124,6 +156,7 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
     whole batch (every data-parallel rank's rows), named arrays throughout so that every layout
     computes the one-device loss."""
     from functional_pp import ops
+    from functional_pp.core import step_values
     from functional_pp.ops.elementwise import broadcast
 
     if loss_type not in GRPO_LOSS_TYPES:
@@ -154,6 +187,8 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
         else:
             fn = per_token
         masked = broadcast(fn, operands, "grpo")
+        if step_values.active():
+            _report_token_means(operands, mask, beta, epsilon, epsilon_high, batch.get("old_logps") is not None)
         if loss_type == "grpo":
             per_row = ops.sum(masked, "seq") / ops.sum(mask, "seq").map(lambda t: t.clamp(min=1.0))
             return ops.mean(per_row, "batch")
@@ -162,3 +197,34 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
             return total / float(labels.size("batch") * max_completion_length)
         return total / ops.sum(ops.sum(mask, "seq"), "batch").map(lambda t: t.clamp(min=1.0))
     return loss
+
+
+def _report_token_means(operands: list, mask, beta: float, epsilon: float, epsilon_high: float | None,
+                        has_old: bool) -> None:
+    """TRL's logged ``kl`` (with ``beta``) and ``clip_ratio`` (``low_mean``, ``high_mean``,
+    ``region_mean``): means over every completion token of the batch, to the step's metrics."""
+    from functional_pp import ops
+    from functional_pp.core import step_values
+    from functional_pp.ops.elementwise import broadcast
+    from functional_pp.parallel.named import settle
+    lp, adv = operands[0].map(lambda t: t.detach()), operands[1]
+    old = operands[3] if has_old else lp
+    count = ops.sum(ops.sum(mask, "seq"), "batch").map(lambda t: t.clamp(min=1.0))
+
+    def mean(fn, xs, name):
+        return settle(ops.sum(ops.sum(broadcast(fn, xs, name), "seq"), "batch") / count).data.detach().float()
+    if beta:
+        ref = operands[-1]
+        step_values.report("kl", mean(lambda p, r, m: (torch.exp(r - p) - (r - p) - 1) * m, [lp, ref, mask], "kl"))
+    high = epsilon if epsilon_high is None else epsilon_high
+
+    def low_clip(p, o, a, m):
+        return ((torch.exp(p - o) < 1 - epsilon) & (a < 0)).to(m.dtype) * m
+
+    def high_clip(p, o, a, m):
+        return ((torch.exp(p - o) > 1 + high) & (a > 0)).to(m.dtype) * m
+    lo = mean(low_clip, [lp, old, adv, mask], "clip")
+    hi = mean(high_clip, [lp, old, adv, mask], "clip")
+    step_values.report("clip_ratio_low_mean", lo)
+    step_values.report("clip_ratio_high_mean", hi)
+    step_values.report("clip_ratio_region_mean", lo + hi)
