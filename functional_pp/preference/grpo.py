@@ -1,9 +1,9 @@
 """GRPO's advantages and loss as pure functions of rewards and per-token log-probabilities
 (TRL 1.16 ``GRPOTrainer``: ``_generate_and_score_completions``'s group-normalised advantages,
-``_compute_loss``'s clipped policy loss with the KL term), and the objective over a model's
-logits for the training step (:func:`grpo_objective`). The online loop (sampling with the
-policy's weights, docs/generation.md; scoring with reward functions), and so ``rl: grpo``
-itself, is not built yet (docs/preference.md).
+``_compute_loss``'s clipped policy loss with the KL term), the rewards' combination
+(:func:`combine_rewards`) and the objective over a model's logits for the training step
+(:func:`grpo_objective`). The online loop that feeds them is :mod:`.rollout`
+(docs/preference.md "GRPO").
 
 Shapes: ``rewards`` / ``advantages`` ``[N]`` (a prompt's ``num_generations`` completions
 consecutive), per-token tensors ``[N, T]`` over the completions' tokens, ``mask`` 1 on a
