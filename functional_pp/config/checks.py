@@ -63,7 +63,8 @@ def check_preference(cfg: Any, add) -> None:
     the preference keys only with ``rl``; preference data unpacked, no pipeline."""
     for key in ("trl", "vllm"):
         if getattr(cfg, key) is not None and str(cfg.rl).lower() not in ("grpo", "gdpo"):
-            add(f"{key}: is read by rl: grpo / gdpo only (this config has rl: {cfg.rl}): remove it")
+            add(f"'{key}' is not supported with rl: {cfg.rl} (it holds the GRPO settings of rl: grpo / gdpo): "
+                f"remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:

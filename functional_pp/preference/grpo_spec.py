@@ -101,7 +101,8 @@ def grpo_spec(rl: str, trl: Mapping[str, Any] | None, vllm: Mapping[str, Any] | 
     args.update(reward_funcs=tuple(funcs), scale_rewards=scale,
                 reward_weights=None if weights is None else tuple(float(w) for w in weights),
                 multi_objective_aggregation=trl.get("multi_objective_aggregation") or default_agg,
-                engine_keys=tuple(k for k in trl if k in ENGINE_KEYS) + tuple(f"vllm.{k}" for k in (vllm or {})))
+                engine_keys=tuple(k for k in trl if k in ENGINE_KEYS and trl[k] not in (None, False))
+                + tuple(f"vllm.{k}" for k in (vllm or {})))
     spec = GRPOSpec(**args)
     _check(spec, rl)
     return spec
