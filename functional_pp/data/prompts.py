@@ -50,7 +50,7 @@ class PromptSet:
     stats: list = field(default_factory=list)
     unit = "prompts"
     #: the named dimensions of a GRPO batch's tensors (the training step's ``batch_dims``)
-    batch_dims = {"tokens": "batch seq", "labels": "batch seq", "advantages": "batch seq"}
+    batch_dims = {k: "batch seq" for k in ("tokens", "labels", "advantages", "step_rows", "step_tokens")}
 
     def __len__(self) -> int:
         return len(self.prompts)

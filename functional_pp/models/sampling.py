@@ -82,7 +82,7 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 probs = filtered_logits(last, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            out = torch.cat([out, nxt[:, None].to(out.dtype)], dim=1)
+            out = torch.cat([out, nxt[:, None].to(device=out.device, dtype=out.dtype)], dim=1)
             if stops is not None:
                 done |= torch.isin(nxt, stops)
             if bool(done.all()) or step == max_new_tokens - 1:

@@ -151,7 +151,10 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
     elsewhere), ``advantages`` (each row's advantage along the row), optionally ``old_logps``
     (the sampling policy's per-token log-probabilities at the labels' positions; default the
     policy's own, detached: one update per batch). ``policy(params, tokens)`` gives the logits,
-    ``reference(params, tokens)`` the reference's when ``beta`` > 0. Token-level importance
+    ``reference(params, tokens)`` the reference's when ``beta`` > 0; optionally ``step_rows`` and
+    ``step_tokens`` (the whole step's rows and completion tokens along each row: with gradient
+    accumulation ``grpo`` and ``dr_grpo`` then weigh the step's rows alike, the step weighing each
+    micro-batch by its share of the tokens). Token-level importance
     sampling; :func:`grpo_token_losses` per token, aggregated as :func:`grpo_loss` over the
     whole batch (every data-parallel rank's rows), named arrays throughout so that every layout
     computes the one-device loss."""
@@ -189,14 +192,27 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
         masked = broadcast(fn, operands, "grpo")
         if step_values.active():
             _report_token_means(operands, mask, beta, epsilon, epsilon_high, batch.get("old_logps") is not None)
+        count = ops.sum(ops.sum(mask, "seq"), "batch")
+        rows, scale = float(labels.size("batch")), 1.0
+        if "step_rows" in batch and loss_type in ("grpo", "dr_grpo"):
+            # a micro-batch of an accumulated step: the step weighs it by its share of the step's
+            # completion tokens (step/train.py); these losses weigh rows, over the step's rows
+            rows = _constant(batch["step_rows"])
+            scale = _constant(batch["step_tokens"]) / count.map(lambda t: t.clamp(min=1.0))
         if loss_type == "grpo":
             per_row = ops.sum(masked, "seq") / ops.sum(mask, "seq").map(lambda t: t.clamp(min=1.0))
-            return ops.mean(per_row, "batch")
+            return ops.sum(per_row, "batch") / rows * scale
         total = ops.sum(ops.sum(masked, "seq"), "batch")
         if loss_type == "dr_grpo":
-            return total / float(labels.size("batch") * max_completion_length)
-        return total / ops.sum(ops.sum(mask, "seq"), "batch").map(lambda t: t.clamp(min=1.0))
+            return total / (rows * max_completion_length) * scale
+        return total / count.map(lambda t: t.clamp(min=1.0))
     return loss
+
+
+def _constant(column):
+    """The value a ``batch seq`` column holds everywhere (a scalar)."""
+    from functional_pp import ops
+    return ops.mean(ops.mean(column, "seq"), "batch")
 
 
 def _report_token_means(operands: list, mask, beta: float, epsilon: float, epsilon_high: float | None,

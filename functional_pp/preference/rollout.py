@@ -35,6 +35,13 @@ def generation_seed(key: int, step: int, part: int = 0) -> int:
     return int(np.random.SeedSequence([int(key), int(step), int(part)]).generate_state(1)[0])
 
 
+def _device_of(params: Any) -> torch.device:
+    """Where the parameters are (the prompts' token ids go there)."""
+    from functional_pp.core.tree import tree_leaves
+    leaf = tree_leaves(params)[0]
+    return getattr(leaf, "data", leaf).device
+
+
 def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                        max_completion_length: int, stop_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, key: int = 0, step: int = 0, row_multiple: int = 1
@@ -53,10 +60,10 @@ def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequ
         which = [i for i, r in enumerate(rows) if len(r) == length]
         batch = [rows[i] for i in which]
         batch += [batch[-1]] * (-len(batch) % max(1, row_multiple))
-        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long),
+        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=_device_of(params)),
                           max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
                           temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=generation_seed(key, step, part))[:, length:]
+                          seed=generation_seed(key, step, part))[:, length:].cpu()
         for j, i in enumerate(which):
             new = tokens[j].tolist()
             end = next((k for k, t in enumerate(new) if t in stops), None)
@@ -137,7 +144,9 @@ def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, t
 def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
     """The global training batch of ``r``: ``tokens`` ``[N, seq_len]`` (prompt, completion, then
     ``pad_id``), ``labels`` (each completion token at the position predicting it, -100 elsewhere;
-    a truncated completion's all -100 with ``mask_truncated``), ``advantages`` along each row."""
+    a truncated completion's all -100 with ``mask_truncated``), ``advantages`` along each row,
+    ``step_rows`` / ``step_tokens`` (the batch's rows and completion tokens, along each row: how
+    :func:`~functional_pp.preference.grpo.grpo_objective` weighs accumulated micro-batches)."""
     n = len(r.completion_ids)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), -100, dtype=torch.long)
@@ -148,7 +157,9 @@ def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = 
         if not (mask_truncated and r.truncated[i]):
             labels[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
     advantages = r.advantages.to(torch.float32)[:, None].expand(n, seq_len).contiguous()
-    return {"tokens": tokens, "labels": labels, "advantages": advantages}
+    step_tokens = torch.full((n, seq_len), float((labels != -100).sum()))
+    return {"tokens": tokens, "labels": labels, "advantages": advantages,
+            "step_rows": torch.full((n, seq_len), float(n)), "step_tokens": step_tokens}
 
 
 def rollout_metrics(r: Rollout) -> dict[str, float]:

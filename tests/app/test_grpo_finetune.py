@@ -96,6 +96,22 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
     assert runs["one"][-1]["kl"] > 0                     # the policy moved away from the reference
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_equals_one_large_batch(task, tmp_path, loss_type):
+    """The step's 16 completions in 2 micro-batches of 8: each loss type weighs them as one batch."""
+    runs = []
+    for name, micro, accum in (("one", 16, 1), ("accum", 8, 2)):
+        out = tmp_path / name
+        train(config(task, out, trl={"loss_type": loss_type},
+                     micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
+              simulate=1, stream=io.StringIO())
+        runs.append(_metrics(out)[0])
+    a, b = runs
+    assert a["reward"] == b["reward"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
+
+
 def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(config(task, whole, max_steps=4), simulate=1, stream=io.StringIO())

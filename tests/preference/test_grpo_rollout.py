@@ -209,3 +209,35 @@ def test_trl_keys_that_change_the_math_are_refused_and_engine_keys_accepted():
             grpo_spec("grpo", {**base, **extra})
     with pytest.raises(ValueError, match="trl.reward_funcs must list the reward functions"):
         grpo_spec("grpo", {})
+
+
+@pytest.mark.parametrize("loss_type", grpo.GRPO_LOSS_TYPES)
+def test_an_accumulated_step_of_a_rollout_equals_one_batch(model, loss_type):
+    """Completions of different lengths in 2 micro-batches: the step (which weighs a micro-batch
+    by its share of the tokens) gives each loss type's one-batch loss and gradient norm."""
+    _, cfg, params = model
+    forward = functools.partial(llama.forward, cfg=cfg)
+    named = sharding.named_tree(params, llama.init(cfg, torch.float32))
+    spec = GRPOSpec(reward_funcs=("hits",), num_generations=G, max_completion_length=MAXC, temperature=1.3, top_k=12)
+    first = forward(named, fpp.wrap(torch.tensor([[5, 6, 7]]), "batch seq")).value()[0, -1]
+    stop = int(torch.topk(first, 3).indices[2])
+    r = rollout(forward, named, PROMPTS, spec, Tok(stop), [("hits", _hits)], stop_ids=[stop], pad_id=0, key=3,
+                step=0)
+    lengths = sorted({len(c) for c in r.completion_ids})
+    assert len(lengths) > 1, lengths
+    batch = rollout_batch(r, SEQ, 0)
+    objective = grpo.grpo_objective(forward, loss_type=loss_type, max_completion_length=MAXC)
+    dims = {k: "batch seq" for k in batch}
+    out = []
+    for accum in (1, 2):
+        step = fpp.train_step(objective, fpp.optim.sgd(0.0), mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=accum,
+                              batch_dims=dims)
+
+        def device():
+            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0))
+            return step(state, dict(batch))[1]
+        m = fpp.launch(device, fpp.Mesh())[0]
+        out.append((float(m["loss"]), float(m["grad_norm"])))
+    (loss1, norm1), (loss2, norm2) = out
+    assert norm1 > 1e-6
+    assert loss2 == pytest.approx(loss1, rel=1e-9, abs=1e-12) and norm2 == pytest.approx(norm1, rel=1e-9)
