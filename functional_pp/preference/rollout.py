@@ -85,7 +85,12 @@ def score(reward_funcs: Sequence[tuple[str, Callable]], prompts: list, completio
     once with every completion (TRL's signature); a wrong count or value names the function."""
     out = torch.full((len(completions), len(reward_funcs)), float("nan"), dtype=torch.float32)
     for k, (name, fn) in enumerate(reward_funcs):
-        got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        try:
+            got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as exc:      # noqa: BLE001 (the user's code: say which function failed)
+            raise RuntimeError(f"reward function {name} raised {type(exc).__name__}: {exc} (it is called as "
+                               f"f(prompts=..., completions=..., completion_ids=..., "
+                               f"{', '.join(f'{k}=...' for k in columns) or '**columns'}))") from exc
         got = list(got) if got is not None else []
         if len(got) != len(completions):
             raise ValueError(f"reward function {name} returned {len(got)} rewards for {len(completions)} "

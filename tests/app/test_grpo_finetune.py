@@ -112,6 +112,16 @@ def test_gradient_accumulation_equals_one_large_batch(task, tmp_path, loss_type)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
 
 
+def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
+    out = tmp_path / "lora"
+    r = train(config(task, out, trl={"beta": 0.1}, adapter="lora", lora_r=4, lora_alpha=8,
+                     lora_target_modules=["q_proj", "v_proj"], learning_rate=5e-2, max_steps=3),
+              simulate=1, stream=io.StringIO())
+    m = _metrics(out)
+    assert m[0]["kl"] == 0 and m[-1]["kl"] > 0                 # LoRA's B starts at 0: the policy is the base
+    assert all(math.isfinite(x["loss"]) for x in m) and r.final_step == 3
+
+
 def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(config(task, whole, max_steps=4), simulate=1, stream=io.StringIO())

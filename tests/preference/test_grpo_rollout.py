@@ -189,6 +189,9 @@ def test_bad_reward_outputs_are_refused_naming_the_function():
         score([("short", lambda prompts, completions, **k: [1.0])], ["p", "p"], ["a", "b"], [[1], [2]], {})
     with pytest.raises(ValueError, match="reward function text returned 'yes' for completion 1: not a number"):
         score([("text", lambda prompts, completions, **k: [1.0, "yes"])], ["p", "p"], ["a", "b"], [[1], [2]], {})
+    with pytest.raises(RuntimeError, match=r"reward function strict raised TypeError: .*answer.* \(it is called as "
+                                           r"f\(prompts=..., completions=..., completion_ids=..., target=...\)\)"):
+        score([("strict", lambda prompts, completions, answer, **k: [])], ["p"], ["a"], [[1]], {"target": [1]})
 
 
 def test_trl_keys_that_change_the_math_are_refused_and_engine_keys_accepted():
