@@ -60,7 +60,8 @@ def load_prompts(cfg: TrainConfig, spec: Any):
     try:
         prompts = build_prompts(cfg.datasets, tok, seq_len=cfg.sequence_len,
                                 max_completion_length=spec.max_completion_length, chat_template=cfg.chat_template,
-                                cfg=cfg.to_dict(), config_dir=_config_dir(cfg))
+                                chat_template_jinja=cfg.chat_template_jinja, cfg=cfg.to_dict(),
+                                config_dir=_config_dir(cfg))
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
     return RunData(prompts, None, tok)

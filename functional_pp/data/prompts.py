@@ -93,14 +93,14 @@ def import_dotted(name: str, what: str, key: str, dirs: tuple = ()) -> Callable:
     return fn
 
 
-def _transform(entry: Any, cfg: Mapping, dirs: tuple, where: str) -> tuple[Callable | None, list]:
+def _transform(entry: Any, cfg: Mapping, dirs: tuple, where: str, index: int) -> tuple[Callable | None, list]:
     """The entry's record transform and the columns it removes (none without ``type``)."""
     if entry.type is None:
         return None, []
     build = import_dotted(entry.type, "a dataset transform, Axolotl's user-defined GRPO type",
                           f"{where}.type", dirs)
     params = inspect.signature(build).parameters
-    made = build(cfg, **({"dataset_idx": 0} if "dataset_idx" in params or any(
+    made = build(cfg, **({"dataset_idx": index} if "dataset_idx" in params or any(
         p.kind is p.VAR_KEYWORD for p in params.values()) else {}))
     fn, kwargs = (made if isinstance(made, tuple) else (made, {}))
     if not callable(fn):
@@ -122,10 +122,13 @@ def _prompt_ids(tok: Any, raw: Any, template: str | None, where: str) -> list[in
 
 
 def build_prompts(entries: list, tokenizer: Any, *, seq_len: int, max_completion_length: int,
-                  chat_template: str | None = None, cfg: Mapping | None = None,
-                  config_dir: str | Path | None = None) -> PromptSet:
+                  chat_template: str | None = None, chat_template_jinja: str | None = None,
+                  cfg: Mapping | None = None, config_dir: str | Path | None = None) -> PromptSet:
     """The prompts of ``datasets:`` entries; one longer than ``seq_len - max_completion_length``
-    tokens is left out and counted; none left is an error naming the shortest."""
+    tokens is left out and counted; none left is an error naming the shortest. A conversation is
+    rendered with ``chat_template`` (a name, or ``jinja`` with ``chat_template_jinja``; default
+    the tokenizer's, else ChatML). ``cfg`` (the config as a mapping) is what a transform
+    ``module.function(cfg)`` receives; ``config_dir`` where its module is looked for first."""
     from functional_pp.data.chat import resolve_template
     tok = tokenizer or ByteTokenizer()
     room = seq_len - max_completion_length
@@ -138,7 +141,7 @@ def build_prompts(entries: list, tokenizer: Any, *, seq_len: int, max_completion
         where = f"datasets[{i}]: {entry.path}"
         if not Path(entry.path).exists():
             raise FileNotFoundError(f"{where}: no such file or directory")
-        fn, removed = _transform(entry, dict(cfg or {}), (config_dir,), f"datasets[{i}]")
+        fn, removed = _transform(entry, dict(cfg or {}), (config_dir,), f"datasets[{i}]", i)
         key = getattr(entry, "field_prompt", None) or "prompt"
         for n, rec in enumerate(_records(Path(entry.path), entry.ds_type, entry.split, where), start=1):
             if fn is not None:
@@ -153,7 +156,8 @@ def build_prompts(entries: list, tokenizer: Any, *, seq_len: int, max_completion
             raw = rec[key]
             if not isinstance(raw, str) and template is None:
                 own = getattr(tok, "chat_template", None)
-                template = resolve_template(chat_template or ("tokenizer_default_fallback_chatml"), None, own)[0]
+                template = resolve_template(chat_template or "tokenizer_default_fallback_chatml", chat_template_jinja,
+                                            own, where="chat_template")[0]
             ids = _prompt_ids(tok, raw, template, f"{where}: record {n}")
             if not ids:
                 raise ValueError(f"{where}: record {n}: the prompt is empty")
