@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from functional_pp.config import ConfigError, TrainConfig
 
 __all__ = ["GRPO_METHODS", "is_grpo", "grpo_settings", "grpo_objective_of", "load_prompts", "reward_functions",
-           "prompts_per_step", "summary_line", "prompt_steps", "GRPOSampler"]
+           "prompts_per_step", "steps_per_epoch", "summary_line", "prompt_steps", "GRPOSampler"]
 
 #: ``rl:`` methods trained by the online loop (gdpo: TRL's ``normalize_then_sum``)
 GRPO_METHODS = ("grpo", "gdpo")
@@ -102,6 +104,11 @@ def prompts_per_step(global_batch: int, spec: Any, prompts: Any) -> int:
     return n
 
 
+def steps_per_epoch(prompts: Any, per_step: int, spec: Any) -> int:
+    """Training steps per pass over the prompts: each generation trains ``num_iterations`` steps."""
+    return max(1, len(prompts) // per_step) * spec.num_iterations
+
+
 def summary_line(spec: Any, per_step: int) -> str:
     """The start-up summary's GRPO line."""
     engine = (f"; {', '.join(spec.engine_keys)} not used: generation runs in-process with the policy's weights"
@@ -112,6 +119,7 @@ def summary_line(spec: Any, per_step: int) -> str:
             f"{spec.max_completion_length}, temperature {spec.temperature:g}, top_p {spec.top_p:g}, top_k "
             f"{spec.top_k}; rewards {names}{weights}; loss {spec.loss_type}, beta {spec.beta:g}, epsilon "
             f"{spec.epsilon:g}, scale_rewards {spec.scale_rewards}"
+            + (f", {spec.num_iterations} updates per generation" if spec.num_iterations > 1 else "")
             + (f", {spec.multi_objective_aggregation}" if spec.multi_objective_aggregation != "sum_then_normalize"
                else "") + engine)
 
@@ -120,6 +128,9 @@ def prompt_steps(prompts: Any, per_step: int, seed: int):
     """The loop's loader of a GRPO run: each step's prompts (every device the same)."""
     from functional_pp.data.prompts import PromptLoader
     return PromptLoader(prompts, prompts_per_step=per_step, seed=seed)
+
+
+_DTYPES = {"tokens": torch.long, "labels": torch.long}
 
 
 @dataclass
@@ -135,18 +146,52 @@ class GRPOSampler:
     stop_ids: list[int]
     key: int                          # the generation key (checkpointed with the loader)
 
-    def batch(self, step_fn: Any, params: Any, prompts: list, step: int, shard: Any) -> tuple[dict, dict]:
-        """``(this device's batch, the rollout's metrics)`` of step ``step`` (0-based): sampled
-        with ``params`` (the training state's) as the step's loss sees them (``step_fn``'s rules,
-        compute precision and policy)."""
+    def step_batch(self, step_fn: Any, params: Any, loader: Any, step: int, shard: Any) -> tuple[dict, dict]:
+        """``(this device's batch, the generation's metrics)`` of step ``step`` (0-based). Every
+        ``num_iterations``-th step samples a new generation from the loader's next prompts with
+        ``params`` (the training state's) as the step's loss sees them (``step_fn``'s rules,
+        compute precision and policy); the steps between reuse it with the sampling policy's
+        log-probabilities (``old_logps``), kept in ``loader.carry`` (so in checkpoints)."""
+        n = self.spec.num_iterations
+        if step % n == 0 or loader.carry is None:
+            whole, metrics = self._generate(step_fn, params, next(loader), step, shard)
+            if n > 1:
+                loader.carry = {k: v.tolist() for k, v in whole.items()}
+        else:
+            metrics = {}
+        if n > 1:
+            whole = {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.float32)) for k, v in loader.carry.items()}
+            if (step + 1) % n == 0:                     # the generation's last update
+                loader.carry = None
+        return {k: v.contiguous() for k, v in shard.cut(whole).items()}, metrics
+
+    def _generate(self, step_fn: Any, params: Any, prompts: list, step: int, shard: Any) -> tuple[dict, dict]:
+        """The global batch of a new generation (with ``old_logps`` when ``num_iterations`` > 1)
+        and its metrics."""
         from functional_pp.parallel.shard_map import use_rules
         from functional_pp.preference.rollout import rollout, rollout_batch, rollout_metrics
         with use_rules(step_fn.rules), step_fn.apply_policy():
-            r = rollout(self.policy, step_fn.named_params(params), prompts, self.spec, self.tokenizer,
-                        self.reward_funcs, stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
+            named_params = step_fn.named_params(params)
+            r = rollout(self.policy, named_params, prompts, self.spec, self.tokenizer, self.reward_funcs,
+                        stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
                         row_multiple=shard.dp_size)
-        whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions)
-        return {k: v.contiguous() for k, v in shard.cut(whole).items()}, rollout_metrics(r)
+            whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions)
+            if self.spec.num_iterations > 1:
+                whole["old_logps"] = self._logps(named_params, whole)
+        return whole, rollout_metrics(r)
+
+    def _logps(self, named_params: Any, whole: dict) -> torch.Tensor:
+        """The policy's per-token log-probabilities of the labels, ``[N, seq_len]`` (fp32, CPU)."""
+        from functional_pp import ops
+        from functional_pp.ops.regather import relayout
+        from functional_pp.parallel.reshard import named
+        from functional_pp.preference.rollout import _device_of
+        device = _device_of(named_params)
+        with torch.no_grad():
+            lp = ops.token_log_probs(self.policy(named_params, named(whole["tokens"].to(device), "batch seq")),
+                                     named(whole["labels"].to(device), "batch seq"))
+            full = relayout(lp, tuple(() for _ in lp.dims), "grpo old logps").value()
+        return full.permute(lp.dims.index("batch"), lp.dims.index("seq")).float().cpu()
 
     @staticmethod
     def stops_of(tokenizer: Any) -> list[int]:

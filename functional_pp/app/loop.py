@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     accum = cfg.grad_accum(mesh, rules)
     if grpo is not None:
         prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
-        cfg.set_epochs(max(1, len(corpus) // prompts_per_step))
+        cfg.set_epochs(grpo_run.steps_per_epoch(corpus, prompts_per_step, grpo))
     else:
         cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
     opt, schedule = optimizer_from_config(cfg)
@@ -386,9 +386,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 if agree_to_stop(asked):
                     stopped = True
                     break
-                batch = next(loader)
                 if grpo is not None:     # sample with the current parameters, score, take this device's rows
-                    batch, rollout_metrics[step + 1] = sampler.batch(step_fn, state["params"], batch, step, shard)
+                    batch, rollout_metrics[step + 1] = sampler.step_batch(step_fn, state["params"], loader, step,
+                                                                          shard)
+                else:
+                    batch = next(loader)
                 batch = to_device(batch, device)        # pinned + non-blocking on CUDA
                 if lead and report_text is None:
                     with comm.comm_report() as rep:

@@ -99,7 +99,7 @@ def _validate(args: argparse.Namespace) -> int:
         gb = cfg.global_batch(mesh, rules)
         if grpo is not None:
             per_step = grpo_run.prompts_per_step(gb, grpo, data.train)
-            cfg.set_epochs(max(1, len(data.train) // per_step))
+            cfg.set_epochs(grpo_run.steps_per_epoch(data.train, per_step, grpo))
         else:
             cfg.set_epochs(check_batches(cfg, data, gb) if cfg.rl is None else pair_steps(data.train, gb, cfg))
         device = select_device(world.simulate, world.size, under_torchrun())

@@ -50,7 +50,8 @@ class PromptSet:
     stats: list = field(default_factory=list)
     unit = "prompts"
     #: the named dimensions of a GRPO batch's tensors (the training step's ``batch_dims``)
-    batch_dims = {k: "batch seq" for k in ("tokens", "labels", "advantages", "step_rows", "step_tokens")}
+    batch_dims = {k: "batch seq" for k in ("tokens", "labels", "advantages", "step_rows", "step_tokens",
+                                           "old_logps")}
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -191,6 +192,9 @@ class PromptLoader:
         self.step = 0
         #: the key of the completions' sampling (checkpointed with the position)
         self.generation_key = int(seed if generation_key is None else generation_key)
+        #: what the user of the prompts keeps between steps (GRPO: the generation a later step
+        #: reuses), checkpointed with the position: JSON values
+        self.carry: dict | None = None
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -209,8 +213,9 @@ class PromptLoader:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": int(self.step), "prompts_per_step": self.per_step, "num_prompts": len(self.prompts),
-                "seed": int(self.seed), "generation_key": self.generation_key}
+        out = {"step": int(self.step), "prompts_per_step": self.per_step, "num_prompts": len(self.prompts),
+               "seed": int(self.seed), "generation_key": self.generation_key}
+        return out if self.carry is None else {**out, "carry": self.carry}
 
     def load_state_dict(self, state: Mapping[str, Any], check_tokens: bool = True) -> None:
         mine = self.state_dict()
@@ -219,3 +224,4 @@ class PromptLoader:
                 raise ValueError(f"loader state has {key}={state[key]}, but this loader has {key}={mine[key]}")
         self.step = int(state["step"])
         self.generation_key = int(state.get("generation_key", self.generation_key))
+        self.carry = state.get("carry")

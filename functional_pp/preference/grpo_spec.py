@@ -28,7 +28,6 @@ NOT_BUILT = {
     "top_entropy_quantile": "training only the highest-entropy tokens",
     "generation_batch_size": "generation batches larger than a step (one generation per step here)",
     "steps_per_generation": "generation batches larger than a step (one generation per step here)",
-    "num_iterations": "several updates per generation (old log-probabilities kept; num_iterations: 1 here)",
     "max_prompt_length": "cutting prompts (here a prompt longer than sequence_len - max_completion_length is "
                          "left out and counted)",
     "rollout_func": "a custom rollout", "use_liger_loss": "Liger's fused GRPO loss (the same math: remove it)",
@@ -37,7 +36,7 @@ NOT_BUILT = {
     "importance_sampling_level": "sequence-level importance sampling (GSPO; token here)",
 }
 #: the values of :data:`NOT_BUILT` keys that are what is built (accepted)
-_BUILT_VALUES = {"num_iterations": 1, "importance_sampling_level": "token"}
+_BUILT_VALUES = {"importance_sampling_level": "token"}
 _BOOL_SCALE = {True: "group", False: "none"}
 
 
@@ -60,6 +59,7 @@ class GRPOSpec:
     scale_rewards: str = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
     mask_truncated_completions: bool = False
+    num_iterations: int = 1                                # updates per generation (old log-probs kept)
     engine_keys: tuple[str, ...] = field(default=())      # vLLM's and the like, accepted (in-process here)
 
     @property
@@ -113,6 +113,8 @@ def _check(spec: GRPOSpec, rl: str) -> None:
     if spec.num_generations < 2:
         bad.append(f"trl.num_generations must be >= 2 (the advantage compares a prompt's completions), "
                    f"got {spec.num_generations}")
+    if spec.num_iterations < 1:
+        bad.append(f"trl.num_iterations must be >= 1, got {spec.num_iterations}")
     if spec.max_completion_length < 1:
         bad.append(f"trl.max_completion_length must be >= 1, got {spec.max_completion_length}")
     if not spec.temperature > 0:

@@ -82,18 +82,23 @@ def test_the_mean_reward_rises_on_a_toy_task(task, tmp_path):
 
 
 def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
-    """beta > 0: the KL to the frozen reference copy, sharded like the policy."""
+    """beta > 0: the KL to the frozen reference copy, sharded like the policy; num_iterations 2:
+    the second step reuses the generation with the sampling policy's log-probabilities."""
     runs = {}
     for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
         out = tmp_path / name
-        train(config(task, out, trl={"beta": 0.04, "temperature": 0.9, "top_k": 50}, micro_batch_size=16 // (
-            2 if mesh else 1), **mesh), simulate=sim, stream=io.StringIO())
+        train(config(task, out, trl={"beta": 0.04, "temperature": 0.9, "top_k": 50, "num_iterations": 2},
+                     micro_batch_size=16 // (2 if mesh else 1), learning_rate=3e-2, **mesh),
+              simulate=sim, stream=io.StringIO())
         runs[name] = _metrics(out)
+    assert ["reward" in m for m in runs["one"]] == [True, False, True]          # steps 1 and 3 sample
     for a, b in zip(runs["one"], runs["fsdp_tp"]):
-        assert a["reward"] == b["reward"] and a["completions_mean_length"] == b["completions_mean_length"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-7)
+        assert a.get("reward") == b.get("reward") and a.get("completions_mean_length") == b.get(
+            "completions_mean_length")
+        for key in ("loss", "kl", "clip_ratio_region_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert runs["one"][-1]["kl"] > 0                     # the policy moved away from the reference
+    assert runs["one"][1]["clip_ratio_region_mean"] > 0  # the reused generation: ratios away from 1
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
@@ -122,16 +127,19 @@ def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
     assert all(math.isfinite(x["loss"]) for x in m) and r.final_step == 3
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path, iterations):
+    """num_iterations 2, stopped after step 3: the resumed step reuses the checkpoint's generation."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(config(task, whole, max_steps=4), simulate=1, stream=io.StringIO())
-    train(config(task, parts, max_steps=4), simulate=1, stop_after=2, stream=io.StringIO())
-    train(config(task, parts, max_steps=4), simulate=1, resume=True, stream=io.StringIO())
+    trl = {"num_iterations": iterations}
+    train(config(task, whole, max_steps=4, trl=trl), simulate=1, stream=io.StringIO())
+    train(config(task, parts, max_steps=4, trl=trl), simulate=1, stop_after=3, stream=io.StringIO())
+    train(config(task, parts, max_steps=4, trl=trl), simulate=1, resume=True, stream=io.StringIO())
     a, b = _metrics(whole), _metrics(parts)
     assert [m["step"] for m in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
-        for key in ("loss", "reward", "completions_mean_length", "grad_norm"):
-            assert x[key] == y[key], (x["step"], key)
+        for key in ("loss", "reward", "completions_mean_length", "grad_norm", "clip_ratio_region_mean"):
+            assert x.get(key) == y.get(key), (x["step"], key)
 
 
 def test_an_axolotl_config_trains_from_the_cli_and_exports(task, tmp_path, monkeypatch, capsys):
