@@ -185,7 +185,7 @@ output_dir: {out}
     monkeypatch.chdir(elsewhere)
     assert cli.main(["train", str(d / "grpo.yaml")]) == 0
     text = capsys.readouterr().out
-    assert "2 prompts x 2 generations per step" in text
+    assert "2 prompts x 2 generations per step" in text and "| reward " in text      # the progress line
     assert "use_vllm, vllm_server_host, log_completions, vllm.host, vllm.port not used: generation runs " \
            "in-process" in text
     m = _metrics(out)
