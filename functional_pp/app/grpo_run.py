@@ -133,6 +133,15 @@ def prompt_steps(prompts: Any, per_step: int, seed: int):
 _DTYPES = {"tokens": torch.long, "labels": torch.long}
 
 
+def _sampling_rules(rules: Any) -> Any:
+    """The run's rules for sampling: the residual stream's sequence split like the sequence
+    (``sequence_parallel`` splits it over tp, which one new token per row cannot be)."""
+    entries = rules.entries()
+    if entries.get("res_seq") == entries.get("seq"):
+        return rules
+    return rules.replace(res_seq=entries.get("seq"))
+
+
 @dataclass
 class GRPOSampler:
     """Turns a step's prompts into this device's GRPO batch (the module docstring)."""
@@ -170,7 +179,7 @@ class GRPOSampler:
         and its metrics."""
         from functional_pp.parallel.shard_map import use_rules
         from functional_pp.preference.rollout import rollout, rollout_batch, rollout_metrics
-        with use_rules(step_fn.rules), step_fn.apply_policy():
+        with use_rules(_sampling_rules(step_fn.rules)), step_fn.apply_policy():
             named_params = step_fn.named_params(params)
             r = rollout(self.policy, named_params, prompts, self.spec, self.tokenizer, self.reward_funcs,
                         stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,

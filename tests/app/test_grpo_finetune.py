@@ -85,18 +85,20 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
     """beta > 0: the KL to the frozen reference copy, sharded like the policy; num_iterations 2:
     the second step reuses the generation with the sampling policy's log-probabilities."""
     runs = {}
-    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
+    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2}),
+                            ("tp_sp", 2, {"tp_size": 2, "sequence_parallel": True})):
         out = tmp_path / name
         train(config(task, out, trl={"beta": 0.04, "temperature": 0.9, "top_k": 50, "num_iterations": 2},
-                     micro_batch_size=16 // (2 if mesh else 1), learning_rate=3e-2, **mesh),
+                     micro_batch_size=16 // mesh.get("dp_shard_size", 1), learning_rate=3e-2, **mesh),
               simulate=sim, stream=io.StringIO())
         runs[name] = _metrics(out)
     assert ["reward" in m for m in runs["one"]] == [True, False, True]          # steps 1 and 3 sample
-    for a, b in zip(runs["one"], runs["fsdp_tp"]):
-        assert a.get("reward") == b.get("reward") and a.get("completions_mean_length") == b.get(
-            "completions_mean_length")
-        for key in ("loss", "kl", "clip_ratio_region_mean"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    for layout in ("fsdp_tp", "tp_sp"):          # (sequence_parallel: sampling keeps the residual sequence whole)
+        for a, b in zip(runs["one"], runs[layout]):
+            assert a.get("reward") == b.get("reward") and a.get("completions_mean_length") == b.get(
+                "completions_mean_length"), layout
+            for key in ("loss", "kl", "clip_ratio_region_mean"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (layout, a["step"], key)
     assert runs["one"][-1]["kl"] > 0                     # the policy moved away from the reference
     assert runs["one"][1]["clip_ratio_region_mean"] > 0  # the reused generation: ratios away from 1
 
