@@ -133,6 +133,18 @@ def prompt_steps(prompts: Any, per_step: int, seed: int):
 _DTYPES = {"tokens": torch.long, "labels": torch.long}
 
 
+def _reward_kwargs(step: int, max_steps: int, logged: dict) -> dict:
+    """What TRL passes every reward function besides the columns: ``trainer_state`` (its
+    ``global_step`` (steps done) and ``max_steps``), ``log_metric(name, value)`` (the step's
+    metrics get each name's mean) and ``log_extra`` (TRL's completions table: not kept here)."""
+    from types import SimpleNamespace
+
+    def log_metric(name: str, value: float) -> None:
+        logged.setdefault(str(name), []).append(float(value))
+    return {"trainer_state": SimpleNamespace(global_step=step, max_steps=max_steps),
+            "log_metric": log_metric, "log_extra": lambda *a, **k: None}
+
+
 def _sampling_rules(rules: Any) -> Any:
     """The run's rules for sampling: the residual stream's sequence split like the sequence
     (``sequence_parallel`` splits it over tp, which one new token per row cannot be)."""
@@ -154,6 +166,7 @@ class GRPOSampler:
     pad_id: int
     stop_ids: list[int]
     key: int                          # the generation key (checkpointed with the loader)
+    max_steps: int = 0
 
     def step_batch(self, step_fn: Any, params: Any, loader: Any, step: int, shard: Any) -> tuple[dict, dict]:
         """``(this device's batch, the generation's metrics)`` of step ``step`` (0-based). Every
@@ -181,13 +194,14 @@ class GRPOSampler:
         from functional_pp.preference.rollout import rollout, rollout_batch, rollout_metrics
         with use_rules(_sampling_rules(step_fn.rules)), step_fn.apply_policy():
             named_params = step_fn.named_params(params)
+            logged: dict[str, list[float]] = {}
             r = rollout(self.policy, named_params, prompts, self.spec, self.tokenizer, self.reward_funcs,
                         stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
-                        row_multiple=shard.dp_size)
+                        row_multiple=shard.dp_size, reward_kwargs=_reward_kwargs(step, self.max_steps, logged))
             whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions)
             if self.spec.num_iterations > 1:
                 whole["old_logps"] = self._logps(named_params, whole)
-        return whole, rollout_metrics(r)
+        return whole, {**rollout_metrics(r), **{k: sum(v) / len(v) for k, v in logged.items()}}
 
     def _logps(self, named_params: Any, whole: dict) -> torch.Tensor:
         """The policy's per-token log-probabilities of the labels, ``[N, seq_len]`` (fp32, CPU)."""

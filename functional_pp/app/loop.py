@@ -300,7 +300,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         if grpo is not None:         # every device: the step's prompts, then its block of the rollout's batch
             loader = grpo_run.prompt_steps(corpus, prompts_per_step, cfg.seed)
             sampler = grpo_run.GRPOSampler(grpo, grpo_policy, data.tokenizer, reward_funcs, cfg.sequence_len,
-                                           corpus.pad_id, grpo_run.GRPOSampler.stops_of(data.tokenizer), cfg.seed)
+                                           corpus.pad_id, grpo_run.GRPOSampler.stops_of(data.tokenizer), cfg.seed,
+                                           cfg.max_steps)
             shard = batch_shard(mesh, rules)
         else:
             loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(

@@ -123,10 +123,11 @@ class Rollout:
 
 def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, tokenizer: Any,
             reward_funcs: Sequence[tuple[str, Callable]], *, stop_ids: Sequence[int], pad_id: int, key: int,
-            step: int, row_multiple: int = 1) -> Rollout:
+            step: int, row_multiple: int = 1, reward_kwargs: dict | None = None) -> Rollout:
     """Sample, score and normalise one step's completions of ``prompts``
     (:class:`~functional_pp.data.prompts.Prompt`) with ``spec``'s
-    (:class:`~functional_pp.preference.grpo_spec.GRPOSpec`) settings."""
+    (:class:`~functional_pp.preference.grpo_spec.GRPOSpec`) settings; ``reward_kwargs`` go to
+    every reward function besides the dataset's columns (TRL's ``trainer_state``, ``log_metric``)."""
     g = spec.num_generations
     completion_ids, truncated = sample_completions(
         forward, params, [p.ids for p in prompts], num_generations=g,
@@ -138,7 +139,7 @@ def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, t
     names = sorted({k for p in prompts for k in p.columns})
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in names}
     completions = decode_completions(tokenizer, completion_ids, conversational)
-    per_func = score(reward_funcs, raw, completions, completion_ids, columns)
+    per_func = score(reward_funcs, raw, completions, completion_ids, {**columns, **(reward_kwargs or {})})
     weights = torch.tensor(spec.weights(), dtype=torch.float32)
     rewards, advantages, zero = combine_rewards(per_func, weights, g, spec.scale_rewards,
                                                 spec.multi_objective_aggregation)

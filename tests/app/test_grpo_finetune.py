@@ -28,8 +28,9 @@ def letters(prompts, completions, **kwargs):
     return [sum("a" <= ch <= "z" for ch in _text(c)) / max(1, len(_text(c))) for c in completions]
 
 
-def answer_echo(prompts, completions, answer, **kwargs):
+def answer_echo(prompts, completions, answer, trainer_state, log_metric, **kwargs):
     assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "user"
+    log_metric("echo_step", trainer_state.global_step)
     return [float(str(a) in _text(c)) for a, c in zip(answer, completions)]
 '''
 TRANSFORM = '''
@@ -192,6 +193,7 @@ output_dir: {out}
            "in-process" in text
     m = _metrics(out)
     assert [x["step"] for x in m] == [1, 2] and "rewards_answer_echo_mean" in m[-1] and "kl" in m[-1]
+    assert [x["echo_step"] for x in m] == [0, 1]              # TRL's trainer_state and log_metric
     assert cli.main(["export", str(out), str(tmp_path / "hf")]) == 0
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
