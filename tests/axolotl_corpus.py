@@ -2,8 +2,8 @@
 Axolotl user would: :func:`edit` changes only paths and sizes (``base_model`` -> a tiny local model
 of the config's architecture built by ``transformers``, each dataset -> local rows of its dataset
 type, ``output_dir`` / ``dataset_prepared_path`` -> a temporary directory, GRPO's reward and
-dataset modules -> stand-ins beside the config, sequence length, batch and steps small); :func:`classify` says whether the config is accepted or names each feature that
-refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
+dataset modules -> stand-ins beside the config, sequence length, batch and steps small);
+:func:`classify` says whether the config is accepted or names each feature that refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
 ``tests/data/axolotl_examples/expected.yaml``; ``python tests/axolotl_corpus.py --write``
 regenerates that table and README's counts after a feature lands (the change is then visible in
 the diff)."""

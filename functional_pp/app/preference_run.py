@@ -16,7 +16,8 @@ from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, tree_unflatten
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
-__all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference", "load_pairs", "pair_steps"]
+__all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference",
+           "load_pairs", "pair_steps"]
 
 #: the key of the frozen reference copy in the parameter tree (full fine-tuning)
 REFERENCE = "reference"

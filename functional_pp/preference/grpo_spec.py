@@ -83,7 +83,8 @@ def grpo_spec(rl: str, trl: Mapping[str, Any] | None, vllm: Mapping[str, Any] | 
     known = {f for f in GRPOSpec.__dataclass_fields__ if f != "engine_keys"} | set(ENGINE_KEYS) | set(NOT_BUILT)
     for key in trl:
         if key not in known:
-            problems.append(f"trl.{key} is not a GRPO key read here (read: {', '.join(sorted(known - set(NOT_BUILT)))})")
+            read = ", ".join(sorted(known - set(NOT_BUILT)))
+            problems.append(f"trl.{key} is not a GRPO key read here (read: {read})")
     funcs = trl.get("reward_funcs")
     if not funcs or not isinstance(funcs, list) or not all(isinstance(f, str) for f in funcs):
         problems.append(f"trl.reward_funcs must list the reward functions as module.function paths, e.g. "

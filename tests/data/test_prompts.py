@@ -21,7 +21,8 @@ TRANSFORM = '''
 def to_chat(cfg, dataset_idx=None, **kwargs):
     seen.append((cfg["sequence_len"], dataset_idx))
     def transform(example, tokenizer=None):
-        return {"prompt": [{"role": "user", "content": example["q"]}], "answer": example["a"], "tok": type(tokenizer).__name__}
+        return {"prompt": [{"role": "user", "content": example["q"]}], "answer": example["a"],
+                "tok": type(tokenizer).__name__}
     return transform, {"remove_columns": ["q"]}
 
 
