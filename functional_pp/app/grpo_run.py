@@ -208,8 +208,8 @@ class GRPOSampler:
         from functional_pp import ops
         from functional_pp.ops.regather import relayout
         from functional_pp.parallel.reshard import named
-        from functional_pp.preference.rollout import _device_of
-        device = _device_of(named_params)
+        from functional_pp.preference.rollout import params_device
+        device = params_device(named_params)
         with torch.no_grad():
             lp = ops.token_log_probs(self.policy(named_params, named(whole["tokens"].to(device), "batch seq")),
                                      named(whole["labels"].to(device), "batch seq"))

@@ -26,8 +26,8 @@ import torch
 from functional_pp.models.sampling import generate
 from functional_pp.preference.grpo import _nanstd, combine_rewards
 
-__all__ = ["Rollout", "sample_completions", "decode_completions", "score", "rollout", "rollout_batch",
-           "rollout_metrics", "generation_seed"]
+__all__ = ["Rollout", "params_device", "sample_completions", "decode_completions", "score", "rollout",
+           "rollout_batch", "rollout_metrics", "generation_seed"]
 
 
 def generation_seed(key: int, step: int, part: int = 0) -> int:
@@ -35,7 +35,7 @@ def generation_seed(key: int, step: int, part: int = 0) -> int:
     return int(np.random.SeedSequence([int(key), int(step), int(part)]).generate_state(1)[0])
 
 
-def _device_of(params: Any) -> torch.device:
+def params_device(params: Any) -> torch.device:
     """Where the parameters are (the prompts' token ids go there)."""
     from functional_pp.core.tree import tree_leaves
     leaf = tree_leaves(params)[0]
@@ -60,7 +60,7 @@ def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequ
         which = [i for i, r in enumerate(rows) if len(r) == length]
         batch = [rows[i] for i in which]
         batch += [batch[-1]] * (-len(batch) % max(1, row_multiple))
-        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=_device_of(params)),
+        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=params_device(params)),
                           max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
                           temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=generation_seed(key, step, part))[:, length:].cpu()
