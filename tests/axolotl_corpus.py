@@ -1,9 +1,9 @@
 """Axolotl's example configs (``tests/data/axolotl_examples/corpus/``, Apache-2.0) run as an
 Axolotl user would: :func:`edit` changes only paths and sizes (``base_model`` -> a tiny local model
 of the config's architecture built by ``transformers``, each dataset -> local rows of its dataset
-type, ``output_dir`` / ``dataset_prepared_path`` -> a temporary directory, sequence length, batch
-and steps small); :func:`classify` says whether the config is accepted or names each feature that
-refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
+type, ``output_dir`` / ``dataset_prepared_path`` -> a temporary directory, GRPO's reward and
+dataset modules -> stand-ins beside the config, sequence length, batch and steps small);
+:func:`classify` says whether the config is accepted or names each feature that refuses it. ``tests/cli/test_axolotl_corpus.py`` checks the classification against
 ``tests/data/axolotl_examples/expected.yaml``; ``python tests/axolotl_corpus.py --write``
 regenerates that table and README's counts after a feature lands (the change is then visible in
 the diff)."""
@@ -175,6 +175,27 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
     return out
 
 
+def _stand_in_modules(cfg: dict, tmp: Path) -> None:
+    """GRPO's user modules (``trl.reward_funcs``, a ``datasets`` type ``module.function``) as local
+    stand-ins beside the edited config, as the user writes them: each reward the completion's
+    length, each transform the row's instruction as a user turn and its output as ``answer``."""
+    modules: dict[str, list[str]] = {}
+    for name in (cfg.get("trl") or {}).get("reward_funcs") or []:
+        mod, _, fn = str(name).rpartition(".")
+        modules.setdefault(mod, []).append(
+            f"def {fn}(prompts, completions, **kwargs):\n"
+            f"    return [float(len(c if isinstance(c, str) else c[0]['content'])) for c in completions]\n")
+    for e in cfg.get("datasets") or []:
+        mod, _, fn = str(e.get("type") or "").rpartition(".")
+        if mod and mod not in ("chatml", "chat_template", "llama3", "user_defined", "alpaca"):
+            modules.setdefault(mod, []).append(
+                f"def {fn}(cfg, **kwargs):\n    def transform(example, tokenizer=None):\n"
+                f"        return {{'prompt': [{{'role': 'user', 'content': example['instruction']}}], "
+                f"'answer': example['output']}}\n    return transform\n")
+    for mod, code in modules.items():
+        (tmp / f"{mod}.py").write_text("\n\n".join(code))
+
+
 def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
     """``(cfg edited in paths and sizes only, devices to simulate)``."""
     cfg = dict(cfg)
@@ -200,6 +221,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)
         cfg[key] = entries
+    if str(cfg.get("rl")) in ("grpo", "gdpo"):
+        _stand_in_modules(cfg, tmp)
     cfg["output_dir"] = str(tmp / "out")
     if cfg.get("dataset_prepared_path"):
         cfg["dataset_prepared_path"] = str(tmp / "prepared")

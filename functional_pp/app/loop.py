@@ -113,9 +113,10 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                                           model_config)
     from functional_pp.app.world import describe_device, peak_flops, select_device
     from functional_pp.core import comm
+    from functional_pp.app import grpo_run
     from functional_pp.app.preference_run import (REFERENCE, load_pairs, pair_steps, preference_objective,
                                                   preference_spec, with_reference)
-    from functional_pp.data import DataLoader
+    from functional_pp.data import DataLoader, batch_shard
     from functional_pp.data.pair_loader import PairLoader
     from functional_pp.data.loader import to_device
     from functional_pp.devices.batched_run import per_device
@@ -136,10 +137,16 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
     base_decls = family.param_decls(model_cfg)
     lora = cfg.lora_config()
-    pref = preference_spec(cfg)          # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md)
+    grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo (online)
+    # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
+    pref = grpo if grpo is not None else preference_spec(cfg)
     if pref is None:
         loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
                                                        base_decls)
+    elif grpo is not None:
+        loss_fn, decls, trainable, grpo_policy = grpo_run.grpo_objective_of(cfg, grpo, family, model_cfg, lora,
+                                                                            base_decls)
+        reward_funcs = grpo_run.reward_functions(cfg, grpo)        # imported before any work
     else:
         loss_fn, decls, trainable = preference_objective(cfg, pref, family, model_cfg, lora, base_decls)
     reference_copy = pref is not None and REFERENCE in decls
@@ -174,7 +181,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         check_seed(cfg.seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    data = load_data(cfg) if pref is None else load_pairs(cfg)
+    data = load_data(cfg) if pref is None else grpo_run.load_prompts(cfg, grpo) if grpo is not None else load_pairs(cfg)
     corpus = data.train
     if latest is not None and not allow_config_change and pref is None:   # the checkpoint's tokens
         check_resume_tokens(load_dir / ck.format.step_dir_name(latest), corpus)
@@ -183,7 +190,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                           f"{family.vocab_size(model_cfg)}; set model.vocab >= {corpus.vocab_size}")
     gb = cfg.global_batch(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
-    cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
+    if grpo is not None:
+        prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
+        cfg.set_epochs(grpo_run.steps_per_epoch(corpus, prompts_per_step, grpo))
+    else:
+        cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
     opt, schedule = optimizer_from_config(cfg)
     device = select_device(world.simulate, world.size, under_torchrun())
     if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
@@ -220,6 +231,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
                        val=data.val),
               file=out, flush=True)
+        if grpo is not None:
+            print(grpo_run.summary_line(grpo, prompts_per_step), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
             bad = trim_metrics(metrics_path, latest)
@@ -284,8 +297,15 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 params = adapters.init_magnitudes(params, lora)
         state = step_fn.init(params)
         # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
-        loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
-            corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
+        if grpo is not None:         # every device: the step's prompts, then its block of the rollout's batch
+            loader = grpo_run.prompt_steps(corpus, prompts_per_step, cfg.seed)
+            sampler = grpo_run.GRPOSampler(grpo, grpo_policy, data.tokenizer, reward_funcs, cfg.sequence_len,
+                                           corpus.pad_id, grpo_run.GRPOSampler.stops_of(data.tokenizer), cfg.seed,
+                                           cfg.max_steps)
+            shard = batch_shard(mesh, rules)
+        else:
+            loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
+                corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
         val_loader = None if data.val is None else device_loader(lambda shard: (
             DataLoader if pref is None else PairLoader)(data.val, global_batch_size=gb, seq_len=cfg.sequence_len,
                                                         seed=cfg.seed, drop_last=False, **shard), mesh, rules)
@@ -305,6 +325,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             except ValueError as exc:     # other data than the checkpoint's: resuming would mix them
                 raise ConfigError(f"resuming from {load_dir}: {exc}. Restore the data, start a new run (another "
                                   f"output_dir), or pass --allow-config-change to continue on these tokens") from exc
+            if grpo is not None:             # the checkpoint's generation key: the same samples follow
+                sampler.key = loader.generation_key
             try:
                 ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest,
                                                                        keys=["rng"]).tree["rng"]))
@@ -324,6 +346,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         step = start
         t0 = time.perf_counter()
         unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
+        rollout_metrics: dict[int, dict] = {}            # GRPO: each unread step's generation metrics
 
         def read_and_log(with_eval: bool = False) -> None:
             """Read the unread steps' metrics (one transfer: the step's host checks raise here,
@@ -338,7 +361,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             for i, (s, m, elapsed) in enumerate(unread):
                 if getattr(m, "error", None) is not None:
                     break                    # the failing step and those after it
-                m = dict(m)
+                m = {**dict(m), **rollout_metrics.pop(s, {})}
                 losses.append(m["loss"])
                 skipped_steps[0] += int(bool(m.get("skipped", 0)))
                 why = watch.loss(s, m["loss"])
@@ -364,7 +387,11 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 if agree_to_stop(asked):
                     stopped = True
                     break
-                batch = next(loader)
+                if grpo is not None:     # sample with the current parameters, score, take this device's rows
+                    batch, rollout_metrics[step + 1] = sampler.step_batch(step_fn, state["params"], loader, step,
+                                                                          shard)
+                else:
+                    batch = next(loader)
                 batch = to_device(batch, device)        # pinned + non-blocking on CUDA
                 if lead and report_text is None:
                     with comm.comm_report() as rep:

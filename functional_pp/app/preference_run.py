@@ -16,7 +16,8 @@ from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, tree_unflatten
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
-__all__ = ["REFERENCE", "preference_spec", "preference_objective", "with_reference", "load_pairs", "pair_steps"]
+__all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference",
+           "load_pairs", "pair_steps"]
 
 #: the key of the frozen reference copy in the parameter tree (full fine-tuning)
 REFERENCE = "reference"
@@ -52,21 +53,31 @@ def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, mo
                          base_decls: Any) -> tuple:
     """``(loss, declarations, trainable mask)`` of a preference run: the policy's logits through
     the adapters (if any), the reference as the module docstring says."""
+    policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference, family, model_cfg, lora,
+                                                               base_decls)
+    return preference_loss(spec, policy, reference), decls, trainable
+
+
+def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, model_cfg: Any, lora: Any,
+                         base_decls: Any) -> tuple:
+    """``(policy, reference or None, declarations, trainable mask)``: ``policy(params, tokens)``
+    the trained model's logits through the adapters (if any), ``reference(params, tokens)`` the
+    model the run starts from (module docstring) when ``needs_reference``."""
     from functional_pp import adapters
     from functional_pp.app.inputs import frozen_and_adapters
     if family.forward is None:
         raise ConfigError(f"rl: {cfg.rl}: model family {family.name!r} gives no forward (logits) function; "
                           f"register it with ModelFamily(forward=...)")
     forward = functools.partial(family.forward, cfg=model_cfg)
-    if lora is not None and (lora.modules_to_save or cfg.unfrozen_parameters) and spec.needs_reference:
+    if lora is not None and (lora.modules_to_save or cfg.unfrozen_parameters) and needs_reference:
         raise ConfigError(f"rl: {cfg.rl} with an adapter takes the base without adapters as the reference, but "
                           f"lora_modules_to_save / unfrozen_parameters train base weights: remove them")
     policy, decls, trainable = frozen_and_adapters(cfg, lora, forward, base_decls)
     reference = None
-    if spec.needs_reference and lora is not None:
+    if needs_reference and lora is not None:
         def reference(params, tokens):
             return forward(adapters.split(params)[0], tokens)
-    elif spec.needs_reference:
+    elif needs_reference:
         frozen_decls = frozen_and_adapters(cfg, None, forward, base_decls)[1]
         decls = {**decls, REFERENCE: _frozen(frozen_decls, cfg)}
         trainable = _reference_frozen(trainable)
@@ -77,7 +88,7 @@ def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, mo
 
         def reference(params, tokens):
             return forward(params[REFERENCE], tokens)
-    return preference_loss(spec, policy, reference), decls, trainable
+    return policy, reference, decls, trainable
 
 
 def _frozen(decls: Any, cfg: TrainConfig) -> Any:

@@ -49,6 +49,8 @@ class Progress:
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {metrics['loss']:.4f}"]
         if self.eval_loss is not None:
             parts.append(f"eval {self.eval_loss:.4f}")
+        if "reward" in metrics:          # GRPO: the generation's mean reward (docs/preference.md)
+            parts.append(f"reward {metrics['reward']:.4g}")
         if "lr" in metrics:
             parts.append(f"lr {metrics['lr']:.2e}")
         if "grad_norm" in metrics:

@@ -17,6 +17,8 @@ def needs_threads(cfg: TrainConfig) -> list[str]:
     if cfg.compile:
         reasons.append(f"compile: {cfg.compile} (a batched run is eager: torch.compile does not "
                        f"trace its per-device tensors)")
+    if cfg.rl is not None and str(cfg.rl).lower() in ("grpo", "gdpo"):
+        reasons.append(f"rl: {cfg.rl} (each device samples the step's completions: one thread per device)")
     if cfg.pp_size > 1:
         reasons.append(f"pp_size: {cfg.pp_size} (each pipeline stage runs its own actions: one thread per device)")
     return reasons

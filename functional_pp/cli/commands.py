@@ -81,8 +81,13 @@ def _validate(args: argparse.Namespace) -> int:
         cfg.validate(world.size, launcher=world.launcher)
         mesh = cfg.mesh(world.size)
         rules = cfg.build_rules(mesh)
+        from functional_pp.app import grpo_run
+        grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None
         if cfg.rl is None:
             data = load_data(cfg)
+        elif grpo is not None:         # prompts and reward functions (docs/preference.md "GRPO")
+            grpo_run.reward_functions(cfg, grpo)
+            data = grpo_run.load_prompts(cfg, grpo)
         else:                          # preference pairs / KTO completions (docs/preference.md)
             from functional_pp.app.preference_run import load_pairs, pair_steps, preference_spec
             preference_spec(cfg)
@@ -92,11 +97,17 @@ def _validate(args: argparse.Namespace) -> int:
         if data.vocab_size > vocab:
             raise ConfigError(f"the data has vocabulary {data.vocab_size} but the model only {vocab}")
         gb = cfg.global_batch(mesh, rules)
-        cfg.set_epochs(check_batches(cfg, data, gb) if cfg.rl is None else pair_steps(data.train, gb, cfg))
+        if grpo is not None:
+            per_step = grpo_run.prompts_per_step(gb, grpo, data.train)
+            cfg.set_epochs(grpo_run.steps_per_epoch(data.train, per_step, grpo))
+        else:
+            cfg.set_epochs(check_batches(cfg, data, gb) if cfg.rl is None else pair_steps(data.train, gb, cfg))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
                        val=data.val, verbose_data=True))
+        if grpo is not None:
+            print(grpo_run.summary_line(grpo, per_step))
         if args.memory:
             print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:

@@ -125,7 +125,7 @@ UNSUPPORTED: dict[str, str] = {
                            "model_quantization_config", "model_quantization_config_kwargs",
                            "quantize_moe_experts", "nvfp4_merge_aware")},
     **{k: _MOE for k in ("llama4_linearized_experts", "expert_parallel_token_capacity")},
-    **{k: _RL for k in ("trl", "vllm", "ebft")},
+    "ebft": _RL,
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},

@@ -48,18 +48,23 @@ def check_base_quantization(cfg: Any, add) -> None:
                 f"dequantized in the run's precision)")
 
 
-#: ``rl:`` methods trained here (docs/preference.md)
-RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto")
+#: ``rl:`` methods trained here (docs/preference.md); grpo / gdpo: the online loop
+RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
 #: ``rl:`` methods of Axolotl not built yet -> why
-RL_NOT_BUILT = {m: "it trains on completions sampled from the policy, and that online loop is not built yet "
-                   "(sampling is: docs/generation.md)"
-                for m in ("grpo", "gdpo", "ebft", "online_dpo", "ppo")}
+RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
+                   "which is not built (GRPO is: rl: grpo)"
+                for m in ("ebft", "online_dpo", "ppo")}
 _RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
+_OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "orpo_alpha")
 
 
 def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
     the preference keys only with ``rl``; preference data unpacked, no pipeline."""
+    for key in ("trl", "vllm"):
+        if getattr(cfg, key) is not None and str(cfg.rl).lower() not in ("grpo", "gdpo"):
+            add(f"'{key}' is not supported with rl: {cfg.rl} (it holds the GRPO settings of rl: grpo / gdpo): "
+                f"remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
@@ -71,6 +76,9 @@ def check_preference(cfg: Any, add) -> None:
         return
     if rl not in RL_METHODS:
         add(f"rl: {cfg.rl!r} is not a preference method here; choose one of {', '.join(RL_METHODS)}")
+        return
+    if rl in ("grpo", "gdpo"):
+        _check_grpo(cfg, add)
         return
     if cfg.rl_beta is not None and not cfg.rl_beta > 0:
         add(f"rl_beta must be > 0, got {cfg.rl_beta}")
@@ -103,6 +111,29 @@ def check_preference(cfg: Any, add) -> None:
     if not cfg.datasets:
         what = "unpaired completions labelled desirable or not" if rl == "kto" else "chosen / rejected pairs"
         add(f"rl: {cfg.rl} trains on {what}: give datasets: [{{path: data.jsonl}}] (docs/preference.md)")
+
+
+def _check_grpo(cfg: Any, add) -> None:
+    """``rl: grpo`` / ``gdpo``: the ``trl:`` section (preference/grpo_spec.py), prompts to sample
+    from, no pipeline, no offline preference keys."""
+    from functional_pp.preference.grpo_spec import grpo_spec
+    try:
+        grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
+    except ValueError as exc:
+        add(f"rl: {cfg.rl}: {exc}")
+    for key in _OFFLINE_ONLY + ("kto_desirable_weight", "kto_undesirable_weight"):
+        if getattr(cfg, key) is not None:
+            add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
+    if cfg.pp_size > 1:
+        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built; use dp / fsdp / tp")
+    if cfg.cp_size > 1:
+        add(f"rl: {cfg.rl} with cp_size {cfg.cp_size}: sampling splits no sequence over cp (docs/generation.md); "
+            f"use dp / fsdp / tp")
+    if cfg.val_set_size:
+        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: GRPO evaluation is not built; remove it")
+    if not cfg.datasets:
+        add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
+            f"(docs/preference.md)")
 
 
 def check_adapter(cfg: Any, add) -> None:

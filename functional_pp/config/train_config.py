@@ -152,6 +152,11 @@ class TrainConfig:
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
                                                      "(TRL's undesirable_weight; default 1.0)")
+    trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "
+                                 "reward_weights, num_generations, max_completion_length, temperature, top_p, "
+                                 "top_k, beta, epsilon, loss_type, scale_rewards, ...; docs/preference.md)")
+    vllm: dict | None = fld(None, "rl: grpo / gdpo: Axolotl's vLLM server settings, accepted and unused "
+                                  "(generation runs in-process here)")
     # adapters and frozen parameters (Axolotl / peft names; docs/adapters.md)
     adapter: Literal["lora", "qlora"] | None = fld(None, "lora: train LoRA adapters of the targeted "
                                                          "weights, the rest frozen; qlora: lora on an NF4 "
@@ -261,7 +266,9 @@ class TrainConfig:
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "TrainConfig":
         """Read a YAML config; ``overrides`` are ``key=value`` strings (dotted keys for
         sections, values parsed as YAML) applied before checking."""
-        return cls.from_dict(read_yaml(path, overrides), name=Path(path).stem, source=str(path))
+        cfg = cls.from_dict(read_yaml(path, overrides), name=Path(path).stem, source=str(path))
+        cfg.source_path = str(path)        # (not a key: where modules named by the config are looked for)
+        return cfg
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], name: str = "train", source: str = "") -> "TrainConfig":

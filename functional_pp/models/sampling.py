@@ -11,7 +11,7 @@ gathered whole (batch and vocabulary) so every device draws the same next tokens
 seeded generator."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -56,17 +56,19 @@ def _last_logits(logits: Named) -> torch.Tensor:
 
 
 def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch.Tensor, *, max_new_tokens: int,
-             eos_id: int | None = None, pad_id: int | None = None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0) -> torch.Tensor:
+             eos_id: int | Sequence[int] | None = None, pad_id: int | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> torch.Tensor:
     """``prompts`` (``[batch, length]`` token ids, one length for all rows) followed by up to
     ``max_new_tokens`` new tokens per row (``[batch, length + n]``, ``n`` the steps taken); see
-    the module docstring."""
+    the module docstring. ``eos_id``: one stop token or several (a chat model's EOS and its
+    end-of-turn token); ``pad_id`` defaults to the first."""
     if prompts.dim() != 2 or prompts.size(1) == 0:
         raise ValueError(f"prompts must be [batch, length] token ids with length >= 1, got {tuple(prompts.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    pad = pad_id if pad_id is not None else eos_id if eos_id is not None else 0
+    stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
+    pad = pad_id if pad_id is not None else int(stops[0]) if stops is not None and len(stops) else 0
     out = prompts
     done = torch.zeros(prompts.size(0), dtype=torch.bool)
     cache = KVCache()
@@ -80,9 +82,9 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 probs = filtered_logits(last, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            out = torch.cat([out, nxt[:, None].to(out.dtype)], dim=1)
-            if eos_id is not None:
-                done |= nxt == eos_id
+            out = torch.cat([out, nxt[:, None].to(device=out.device, dtype=out.dtype)], dim=1)
+            if stops is not None:
+                done |= torch.isin(nxt, stops)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             logits = forward(params, named(nxt[:, None].to(prompts.dtype).to(prompts.device), "batch seq"))

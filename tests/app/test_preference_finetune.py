@@ -129,7 +129,8 @@ def test_other_methods_train(base, pairs, tmp_path, method, over):
     assert m[-1]["rewards_margins"] > m[0]["rewards_margins"]
 
 
-@pytest.mark.parametrize("rl,why", [("grpo", "online loop is not built yet"), ("ebft", "online loop is not built yet")])
+@pytest.mark.parametrize("rl,why", [("ppo", "another objective than GRPO's"),
+                                    ("ebft", "another objective than GRPO's")])
 def test_unsupported_methods_are_refused_by_name_before_any_work(base, pairs, tmp_path, rl, why):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=f"'rl: {rl}' is not supported yet: .*{why}"):
