@@ -205,6 +205,7 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
 FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
                          ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
                           "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
+FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -256,6 +257,12 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
+# GLM-4-0414: the norm after attention is post_self_attn_layernorm, the one before the MLP
+# post_attention_layernorm, the one after it post_mlp_layernorm (applied in order: one name each)
+RENAMED["glm4"] = ((r"\.post_attention_layernorm\.", ".post_self_attn_layernorm."),
+                   (r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),
+                   (r"\.post_feedforward_layernorm\.", ".post_mlp_layernorm."))
+RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
     (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
@@ -746,8 +753,8 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
     if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
-    if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
-        w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
+    if mt in ("mistral", "phi3", "starcoder2"):     # every layer, when set (transformers ignores layer_types)
+        w = hf.get("sliding_window", _class_defaults(mt)["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
     window = hf["sliding_window"] if "sliding_window" in hf else _class_defaults(mt).get("sliding_window")

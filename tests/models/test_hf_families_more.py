@@ -63,11 +63,28 @@ FAMILIES = {
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
         BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=None, eos_token_id=None,
         output_router_logits=True, router_aux_loss_coef=0.1)),
+    # Gemma (1): tanh-GELU GLU, RMSNorms scaled by 1 + w, the embedding times sqrt(hidden), tied
+    "gemma": ("gemma", "GemmaConfig", "GemmaForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # GLM-4-9B: q/k/v biases (no output bias), half of each head rotating pairs (2i, 2i+1), gate / up fused
+    "glm": ("glm", "GlmConfig", "GlmForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # GLM-4-0414: GLM's layer with norms after attention and after the MLP too
+    "glm4": ("glm4", "Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases everywhere, a window in every layer
+    "starcoder2": ("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        BASE, sliding_window=5, bos_token_id=None, eos_token_id=None)),
+    # Nemotron (Minitron): LayerNorm1P (1 + w, a bias), squared ReLU not gated, half of each head rotating
+    "nemotron": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(
+        BASE, norm_eps=1e-5, bos_token_id=None, eos_token_id=None)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm_after_rotary=False)],
                 "falcon_7b": [], "falcon_40b": [], "falcon_seq": [], "granitemoeshared": [dict(experts_top_k=1)],
-                "olmoe": [dict(experts_top_k=1), dict(norm_topk_prob=True)]}
+                "olmoe": [dict(experts_top_k=1), dict(norm_topk_prob=True)],
+                "gemma": [dict(norm_offset=0.0), dict(scale_embeddings=False)],
+                "glm": [dict(rotary_interleaved=False), dict(partial_rotary_factor=1.0)],
+                "glm4": [dict(rotary_interleaved=False)],
+                "starcoder2": [dict(sliding_window=None)], "nemotron": [dict(norm_offset=0.0),
+                                                                      dict(partial_rotary_factor=1.0)]}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
