@@ -104,6 +104,10 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                         "eos_token_id": None}),
        "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
        "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
        # (latent attention: a k/v head per head)

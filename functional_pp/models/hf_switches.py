@@ -489,7 +489,16 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"))},
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("dbrx", "DBRX"), ("afmoe", "Arcee AFMoE (Trinity)"),
+        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
+        ("mistral4", "Mistral Small 4"),
+        ("gpt2", "GPT-2 (learned absolute positions, Conv1D weights)"),
+        ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),
+        ("mistral3", "Mistral 3 multimodal (Mistral3ForConditionalGeneration: Magistral Small 2509, Ministral 3, "
+                     "Mistral Medium 3.5)"))},
+    "mpt": "MPT: ALiBi position biases are not built",
+    **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
+       for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 
