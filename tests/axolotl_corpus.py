@@ -105,8 +105,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
        "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 64, "pad_token_id": None}),
-       "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       # (Glm4Config's EOS ids, past the tiny vocabulary, where none is given: the tokenizer's instead)
+       "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64, "pad_token_id": None, "eos_token_id": []}),
        "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                                  "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None}),
        "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
-PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
+PLAIN: dict[str, Any] = dict(learned_positions=False, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False)
@@ -476,6 +476,44 @@ SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 +
     _nemotron_read, _nemotron_write, free=("partial_rotary_factor",), hidden_act="relu2",
     fixed=dict(norm_kind="layer", norm_bias=True, norm_offset=1.0, mlp_gated=False, mlp_act="relu2"))
 
+# --------------------------------------------------------------------------- GPT-2
+def _gpt2_prepare(hf: dict) -> dict:
+    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out; its
+    dropouts' default 0.1, refused unless config.json sets them to 0)."""
+    hidden = int(hf.get("n_embd", 768))
+    heads = hf.get("n_head", 12)
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 12), num_attention_heads=heads,
+                num_key_value_heads=heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, max_position_embeddings=hf.get("n_positions", 1024),
+                layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation_function", "gelu_new"),
+                attention_dropout=hf.get("attn_pdrop", 0.1), resid_pdrop=hf.get("resid_pdrop", 0.1),
+                embd_pdrop=hf.get("embd_pdrop", 0.1))
+
+
+def _gpt2_read(hf: dict, get: Get, where: str) -> dict:
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if hf.get(key, ok) != ok:
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {key}={ok!r})")
+    return dict(norm_eps=float(get("layer_norm_eps")))
+
+
+def _gpt2_write(cfg, out: dict) -> None:
+    _gptj_write(cfg, out)
+    del out["rotary_dim"]
+    out.update(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+               add_cross_attention=False)
+
+
+SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, LayerNorms, biases, Conv1D weights
+    "GPT2LMHeadModel", dict(layer_norm_eps=1e-5, tie_word_embeddings=True), _gpt2_read, _gpt2_write,
+    hidden_act="gelu_new", prepare=_gpt2_prepare,
+    kinds={"self_attn.q_proj": "conv_heads_out", "self_attn.k_proj": "conv_heads_out",
+           "self_attn.v_proj": "conv_heads_out", "self_attn.o_proj": "conv_heads_in", "mlp.up_proj": "copy",
+           "mlp.down_proj": "copy"},
+    fixed=dict(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+               mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, head_dim=None, kv_heads=lambda cfg: cfg.heads))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -492,7 +530,6 @@ REFUSED: dict[str, str] = {
         ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("dbrx", "DBRX"), ("afmoe", "Arcee AFMoE (Trinity)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
         ("mistral4", "Mistral Small 4"),
-        ("gpt2", "GPT-2 (learned absolute positions, Conv1D weights)"),
         ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),
         ("mistral3", "Mistral 3 multimodal (Mistral3ForConditionalGeneration: Magistral Small 2509, Ministral 3, "
                      "Mistral Medium 3.5)"))},

@@ -202,6 +202,9 @@ class Config:
     attn_temperature_scale: float = 0.1
     # the routing weights scale each expert's input instead of its output (Llama 4; ops.experts' weights_on_input)
     experts_scale_input: bool = False
+    # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
+    # embedding, and no rotary in any layer
+    learned_positions: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -286,8 +289,8 @@ class Config:
                              "to null")
 
     def rotates(self, layer: int) -> bool:
-        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer)."""
-        return self.nope_layers is None or layer not in self.nope_layers
+        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
+        return not self.learned_positions and (self.nope_layers is None or layer not in self.nope_layers)
 
     @property
     def rotary_dim(self) -> int | None:
@@ -535,6 +538,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
 
     layers = [layer(i) for i in range(cfg.layers)]
     tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
+    if cfg.learned_positions:                      # (GPT-2: one row per position, "positions" replicated)
+        tree["embed_positions"] = dataclasses.replace(w((cfg.max_seq, cfg.hidden), "positions hidden"),
+                                                      meta={"embedding": True})     # (a table, not a linear)
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
     if cfg.lm_head_bias:
@@ -700,6 +706,12 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     if cache is not None:                                 # sampling: positions after the cached tokens
         pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
+    if cfg.learned_positions:                        # GPT-2: the rows of each token's position
+        last = tokens.size("seq") + (cache.offset if cache is not None else 0)
+        if last > cfg.max_seq:
+            raise ValueError(f"learned_positions: position {last - 1} is past the position table's max_seq="
+                             f"{cfg.max_seq} rows (max_position_embeddings); shorten the sequence (sequence_len)")
+        x = x + ops.embed(params["embed_positions"], pos)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite

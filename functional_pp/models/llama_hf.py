@@ -115,6 +115,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
+    # learned absolute positions (GPT-2's wpe)
+    ("model.embed_positions.weight", "embed_positions", "copy"),
     # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py) and a router's score
     # correction (DeepSeek-V3, GLM-4.5)
     ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.self_attn.q_a_proj", "linear"),
@@ -144,7 +146,8 @@ def constants_of(path: str, model_type: str = "llama", cfg: Any = None) -> tuple
 
 
 IGNORED_HF: tuple[str, ...] = (r"model\.rotary_emb\.inv_freq",
-                                r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+                                r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+                                r"transformer\.h\.\d+\.attn\.(masked_)?bias")     # (GPT-2's causal mask buffers)
 """HF tensors that carry no parameters (old checkpoints saved rotary buffers)."""
 
 
@@ -206,6 +209,9 @@ FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",  
                          ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
                           "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
 FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
+FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
+    (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
+    for t in ("weight", "bias"))
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -262,6 +268,12 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
 RENAMED["glm4"] = ((r"\.post_attention_layernorm\.", ".post_self_attn_layernorm."),
                    (r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),
                    (r"\.post_feedforward_layernorm\.", ".post_mlp_layernorm."))
+# GPT-2: transformer.h.{i}, attn.c_attn (fused) / c_proj, ln_1 / ln_2, mlp.c_fc / c_proj, wte, wpe, ln_f
+RENAMED["gpt2"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.embed_positions\.", "transformer.wpe."),
+                   (r"^model\.layers\.", "transformer.h."), (r"\.self_attn\.o_proj\.", ".attn.c_proj."),
+                   (r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".ln_1."),
+                   (r"\.post_attention_layernorm\.", ".ln_2."), (r"\.mlp\.up_proj\.", ".mlp.c_fc."),
+                   (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
@@ -379,6 +391,36 @@ class _HeadsIn(_Kind):                 # ours [N, D, H] = HF [H, N*D].T reshaped
         return x.permute(1, 2, 0)
 
 
+class _ConvHeadsOut(_HeadsOut):       # ours [H, N, D] = HF Conv1D [H, N*D] reshaped (GPT-2)
+    row_axis = 1                       # (q, k and v follow each other along the columns of c_attn)
+
+    def hf_shape(self, shape):
+        return (shape[0], shape[1] * shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(t.shape[0], -1)
+
+    def read(self, sl, region, shape):
+        rh, rn, rd = region
+        D = shape[2]
+        x = sl[rh, rn.start * D:rn.stop * D]                    # [h, n*D]
+        return x.reshape(x.shape[0], rn.stop - rn.start, D)[:, :, rd]
+
+
+class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] reshaped (GPT-2)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        rn, rd, rh = region
+        D = shape[1]
+        x = sl[rn.start * D:rn.stop * D, rh]                    # [n*D, h]
+        return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
+
+
 class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
     def hf_shape(self, shape):
         return (shape[0] * shape[1],)
@@ -444,7 +486,8 @@ class _Along(_Copy):
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar(),
+                           "experts_tensor": _ExpertsTensor(), "conv_heads_out": _ConvHeadsOut(),
+                           "conv_heads_in": _ConvHeadsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
 

@@ -35,13 +35,19 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
             "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
             "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
                 BASE, bos_token_id=None, eos_token_id=None)),     # (its window: test_hf_families_more.py)
-            "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None))}
+            "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None)),
+            # learned positions (not adapted: a table), Conv1D weights, c_proj of attention and of the MLP
+            "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                          n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                          attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # peft's module names where a family's differ from ours (and the modules it lacks: gate_proj of an MLP
 # that is not gated; GLM's gate and up are one fused module, adapted apart: tests/adapters/test_peft_phi3.py)
 PEFT_NAMES = {"starcoder2": {"up_proj": "c_fc", "down_proj": "c_proj", "gate_proj": None},
-              "nemotron": {"gate_proj": None}, "glm4": {"gate_proj": None, "up_proj": None}}
-MODEL_TYPES = {"gemma": "gemma", "glm4": "glm4", "starcoder2": "starcoder2", "nemotron": "nemotron"}
+              "nemotron": {"gate_proj": None},
+              "gpt2": {"gate_proj": None, "up_proj": "c_fc", "down_proj": "mlp.c_proj", "o_proj": "attn.c_proj",
+                       "q_proj": None, "k_proj": None, "v_proj": None}, "glm4": {"gate_proj": None, "up_proj": None}}
+MODEL_TYPES = {"gpt2": "gpt2", "gemma": "gemma", "glm4": "glm4", "starcoder2": "starcoder2", "nemotron": "nemotron"}
 
 
 def _targets(family: str) -> tuple[tuple[str, ...], list[str]]:

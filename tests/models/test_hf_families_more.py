@@ -75,6 +75,10 @@ FAMILIES = {
     # Nemotron (Minitron): LayerNorm1P (1 + w, a bias), squared ReLU not gated, half of each head rotating
     "nemotron": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(
         BASE, norm_eps=1e-5, bos_token_id=None, eos_token_id=None)),
+    # GPT-2 (Cerebras-GPT): learned absolute positions, Conv1D weights (q/k/v fused in c_attn's columns)
+    "gpt2": ("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm_after_rotary=False)],
@@ -83,7 +87,7 @@ SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm
                 "gemma": [dict(norm_offset=0.0), dict(scale_embeddings=False)],
                 "glm": [dict(rotary_interleaved=False), dict(partial_rotary_factor=1.0)],
                 "glm4": [dict(rotary_interleaved=False)],
-                "starcoder2": [dict(sliding_window=None)], "nemotron": [dict(norm_offset=0.0),
+                "gpt2": [], "starcoder2": [dict(sliding_window=None)], "nemotron": [dict(norm_offset=0.0),
                                                                       dict(partial_rotary_factor=1.0)]}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
