@@ -807,9 +807,10 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 
 def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The parameters only the first pipeline stage holds (the embedding) and only the last
-    (final norm and LM head; a tied embedding is in both, so every stage holds it)."""
+    (final norm and LM head; a tied embedding is in both, so every stage holds it); GPT-2's table
+    of positions is the first stage's too."""
     last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
-    return ("embed_tokens",), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
