@@ -80,6 +80,9 @@ ROWS: tuple[Row, ...] = (
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "
         "scaled weights (V2: softmax, greedy / group-limited)",
         f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}"),
+    Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
+                   "stored `[E * F, H]`, renormalised top-k weights",
+        f"`moe_jitter_eps` (refused by name); LoRA of the router (`layer`); {_EXPERT_PEFT}"),
     Row(("glm4_moe",), "partial rotary, q/k/v biases, optional q/k norms; DeepSeek-V3's experts and router",
         _EXPERT_PEFT),
     Row(("gpt_oss",), "attention sinks, alternating sliding / full layers, biased router and experts, clamped "

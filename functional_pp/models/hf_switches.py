@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
-PLAIN: dict[str, Any] = dict(learned_positions=False, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
+PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False)
@@ -527,7 +527,7 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("dbrx", "DBRX"), ("afmoe", "Arcee AFMoE (Trinity)"),
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("afmoe", "Arcee AFMoE (Trinity)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
         ("mistral4", "Mistral Small 4"),
         ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),

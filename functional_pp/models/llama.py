@@ -205,6 +205,8 @@ class Config:
     # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
     # embedding, and no rotary in any layer
     learned_positions: bool = False
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX's clip_qkv; None: no clamp)
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -261,6 +263,10 @@ class Config:
             raise ValueError("moe_bias / swiglu_limit are options of the experts (gpt-oss); they need experts > 0")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be a positive number (or null), got {self.swiglu_limit!r}")
+        if self.clip_qkv is not None and (isinstance(self.clip_qkv, bool) or not self.clip_qkv > 0):
+            raise ValueError(f"clip_qkv must be a positive number (or null: no clamp), got {self.clip_qkv!r}")
+        if self.clip_qkv is not None and self.kv_lora_rank:
+            raise ValueError("clip_qkv with latent attention (kv_lora_rank) is not supported")
         if self.qk_norm_after_rotary and not self.qk_norm:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
@@ -606,6 +612,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
+    if cfg.clip_qkv is not None:                          # (DBRX: each entry clamped, its gradient 0 outside)
+        c = cfg.clip_qkv
+        q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import deepseek_hf, gpt_oss_hf, llama4_hf
+from functional_pp.models import dbrx_hf, deepseek_hf, gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -212,6 +212,8 @@ FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fu
 FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
     for t in ("weight", "bias"))
+FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
+                  tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -222,6 +224,7 @@ _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
 _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
+_KIND_OVERRIDES["dbrx"] = {"mlp.gate": "experts_rows", "mlp.up": "experts_rows", "mlp.down": "experts_rows_in"}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -274,6 +277,16 @@ RENAMED["gpt2"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.e
                    (r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".ln_1."),
                    (r"\.post_attention_layernorm\.", ".ln_2."), (r"\.mlp\.up_proj\.", ".mlp.c_fc."),
                    (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f."))
+# DBRX: transformer.blocks.{i}, norm_attn_norm (norm_1, attn.Wqkv fused, attn.out_proj, norm_2), ffn (router.layer,
+# experts.mlp.w1 / v1 / w2), wte, norm_f
+RENAMED["dbrx"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
+                   (r"\.input_layernorm\.", ".norm_attn_norm.norm_1."),
+                   (r"\.post_attention_layernorm\.", ".norm_attn_norm.norm_2."),
+                   (r"\.self_attn\.o_proj\.", ".norm_attn_norm.attn.out_proj."), (r"\.self_attn\.", ".norm_attn_norm.attn."),
+                   (r"\.mlp\.gate\.weight$", ".ffn.router.layer.weight"),
+                   (r"\.mlp\.experts\.gate_proj\.weight$", ".ffn.experts.mlp.w1"),
+                   (r"\.mlp\.experts\.up_proj\.weight$", ".ffn.experts.mlp.v1"),
+                   (r"\.mlp\.experts\.down_proj\.weight$", ".ffn.experts.mlp.w2"), (r"^model\.norm\.", "transformer.norm_f."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
@@ -421,6 +434,32 @@ class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] resh
         return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
 
 
+class _ExpertsRows(_Kind):             # ours [E, H, F] = HF [E*F, H]: each expert's [F, H] rows in turn (DBRX's w1, v1)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[2], shape[1])
+
+    def to_hf(self, t):
+        return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+    def read(self, sl, region, shape):
+        re_, rh, rf = region
+        x = sl[re_.start * shape[2]:re_.stop * shape[2], rh]          # [e*F, h]
+        return x.reshape(re_.stop - re_.start, shape[2], -1)[:, rf, :].transpose(1, 2)
+
+
+class _ExpertsRowsIn(_Kind):           # ours [E, F, H] = HF [E*F, H] reshaped (DBRX's w2)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        re_, rf, rh = region
+        x = sl[re_.start * shape[1]:re_.stop * shape[1], rh]          # [e*F, h]
+        return x.reshape(re_.stop - re_.start, shape[1], -1)[:, rf, :]
+
+
 class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
     def hf_shape(self, shape):
         return (shape[0] * shape[1],)
@@ -487,7 +526,8 @@ class _Along(_Copy):
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
                            "experts_tensor": _ExpertsTensor(), "conv_heads_out": _ConvHeadsOut(),
-                           "conv_heads_in": _ConvHeadsIn(), "row": _Row(), "scalar": _Scalar(),
+                           "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
+                           "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
 
@@ -528,10 +568,11 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                                  "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                                 "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
-OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf}
+OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
 (``llama_dict``, ``read``, ``NEED``, ``as_llama``, ``write``)."""
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
