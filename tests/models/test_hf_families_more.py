@@ -11,6 +11,7 @@ gloo processes."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -317,19 +318,24 @@ def test_refused_by_name(saved, tmp_path):
 
 
 def test_new_options_train_alike_on_real_processes():
-    """xIELU (its scalars' gradients summed over the devices that split ``mlp``) and q/k norms
-    after the rotary: two AdamW steps with TP 2 on two gloo processes equal one device."""
+    """xIELU (its scalars' gradients summed over the devices that split ``mlp``), q/k norms
+    after the rotary and DBRX's q/k/v clamp: two AdamW steps with TP 2 on two gloo processes
+    equal one device; GPT-2's learned positions (each process's rows of the table) with CP 2."""
     from harness import launch_steps
-    cfg = llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True)
-    one = launch_steps(cfg, dtype=torch.float64)[0]
-    real = launch_steps(cfg, mesh=fpp.Mesh(tp=2), rules=llama.default_rules(fsdp=False), dtype=torch.float64,
-                        processes=True)
-    assert one[1]["layers.0.mlp.act_alpha_p"] != llama.init(cfg)["layers"][0]["mlp"]["act_alpha_p"].scale   # trained
-    for losses, params, _ in real:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
+    cfg = llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True, clip_qkv=0.1)
+    gpt2 = llama.Config.tiny(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False,
+                             mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, max_seq=16)
+    for cfg, mesh, rules in ((cfg, fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+                             (gpt2, fpp.Mesh(cp=2), fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq")))):
+        one = launch_steps(cfg, dtype=torch.float64)[0]
+        real = launch_steps(cfg, mesh=mesh, rules=rules, dtype=torch.float64, processes=True)
+        trained = "embed_positions" if cfg.learned_positions else "layers.0.mlp.act_alpha_p"
+        assert not np.array_equal(one[1][trained], launch_steps(cfg, dtype=torch.float64, steps=0)[0][1][trained])
+        for losses, params, _ in real:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+            for p, x in params.items():
+                torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                           msg=lambda m: f"{p}: {m}")
 
 
 def test_cli_trains_an_apertus_base_model_and_exports_it(saved, tmp_path):
