@@ -126,3 +126,23 @@ def test_loss_gradients_and_update_equal_peft(case):
 def test_every_layout_equals_one_device(case):
     family, pm, cfg, lc, _, full, _ = case
     assert_adapter_layouts_equal_one_device(cfg, lc, full)
+
+
+def test_peft_directory_loads_in_peft(case, tmp_path):
+    """Our adapters written as a PEFT directory (each family's module names: StarCoder 2's
+    ``c_fc``, GPT-2's Conv1D ``c_proj`` of attention and of the MLP, ...) load in
+    ``peft.PeftModel.from_pretrained`` with the logits of the peft model they came from, and
+    read back (``lora_model_dir``) to the same tensors."""
+    family, pm, cfg, lc, decls, full, d = case
+    lora = adapters.split(full)[1]
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=adapters.split(full)[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(model, str(out)).eval()
+    tokens = torch.randint(0, cfg.vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, pm.eval()(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys()
+    for p, ab in lora.items():
+        assert all(torch.equal(back[p][k], ab[k]) for k in ab), p
