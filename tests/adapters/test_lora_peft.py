@@ -8,7 +8,7 @@ directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged 
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_adapter_layouts_equal_one_device, make_batch, train_adapters
+from harness import adapted_logits, assert_adapter_layouts_equal_one_device, make_batch, train_adapters
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -131,17 +131,19 @@ def test_every_layout_equals_one_device(case):
 def test_peft_directory_loads_in_peft(case, tmp_path):
     """Our adapters written as a PEFT directory (each family's module names: StarCoder 2's
     ``c_fc``, GPT-2's Conv1D ``c_proj`` of attention and of the MLP, ...) load in
-    ``peft.PeftModel.from_pretrained`` with the logits of the peft model they came from, and
-    read back (``lora_model_dir``) to the same tensors."""
-    family, pm, cfg, lc, decls, full, d = case
-    lora = adapters.split(full)[1]
-    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=adapters.split(full)[0])
+    ``peft.PeftModel.from_pretrained`` with our adapted logits, and read back
+    (``lora_model_dir``) to the same tensors."""
+    family, _, cfg, lc, decls, full, d = case
+    base, lora = adapters.split(full)
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
     loaded = peft.PeftModel.from_pretrained(model, str(out)).eval()
     tokens = torch.randint(0, cfg.vocab, (2, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=tokens).logits, pm.eval()(input_ids=tokens).logits,
-                                   rtol=1e-5, atol=1e-5)
+        theirs = loaded(input_ids=tokens).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        assert (theirs - plain(input_ids=tokens).logits).abs().max() > 1e-3          # the adapters act
+        torch.testing.assert_close(theirs, adapted_logits(base, lora, decls, lc, cfg, tokens), rtol=1e-5, atol=1e-5)
     back = peft_dir.load_adapter(out, decls, lc, str(d))
     assert back.keys() == lora.keys()
     for p, ab in lora.items():
