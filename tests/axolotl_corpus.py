@@ -104,6 +104,17 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                         "eos_token_id": None}),
        "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 64}),
        "falcon": ("FalconConfig", "FalconForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 64, "pad_token_id": None}),
+       # (Glm4Config's EOS ids, past the tiny vocabulary, where none is given: the tokenizer's instead)
+       "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64, "pad_token_id": None, "eos_token_id": []}),
+       "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                                  "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None}),
+       "dbrx": ("DbrxConfig", "DbrxForCausalLM", {"d_model": 512, "n_heads": 8, "n_layers": 2, "max_seq_len": 512,
+                                                  "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
+                                                  "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4,
+                                                                 "moe_top_k": 2}}),
+       "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
        # (latent attention: a k/v head per head)
@@ -251,6 +262,8 @@ _BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
 _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
+_ROUTER = re.compile(r"LoRA: target '[^']+' \(dimensions .*?\) is a mixture-of-experts router")
+_UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
 
@@ -258,6 +271,10 @@ _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a c
 def reason(problem: str, cfg: dict) -> str:
     """The feature a problem message names: ``adapter: lora``, ``load_in_4bit``,
     ``optimizer: adamw_bnb_8bit``, ``model_type qwen3_moe``, ``plugin LigerPlugin``, ..."""
+    if _ROUTER.search(problem):
+        return "lora_target_modules: a router"
+    if _UNFROZEN.match(problem):         # (patterns of the family's own tensor names: not matched yet)
+        return "unfrozen_parameters"
     if m := _KEY.match(problem):
         key = re.sub(r"\[\d+\]", "", m.group(1))          # datasets[0].x -> datasets.x
         value = cfg.get(key)
@@ -304,6 +321,14 @@ def classify(name: str, tmp: Path, models: Path) -> tuple[str | list[str], Path 
             hf.config_from_hf(json.loads((Path(cfg["base_model"]) / "config.json").read_text()))
         except ValueError as exc:
             reasons.append(reason(str(exc), raw))
+    if not reasons:                  # what needs the model's parameters: the adapters' targets
+        from functional_pp.app.inputs import model_config
+        from functional_pp.app.report import run_model
+        train = TrainConfig.from_dict(cfg, name=Path(name).stem)
+        try:
+            run_model(train, model_config(train))
+        except ConfigError as exc:
+            reasons += [reason(p, raw) for p in exc.problems]
     if reasons:
         return sorted(set(reasons)), None, devices
     path = tmp / "config.yaml"

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
-PLAIN: dict[str, Any] = dict(nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
+PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False)
@@ -401,6 +401,119 @@ SWITCHES["falcon"] = Switches(     # Falcon: LayerNorms, a GELU MLP not gated, q
     fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_act="gelu", qkv_bias=lambda cfg: cfg.o_bias,
                mlp_bias=lambda cfg: cfg.o_bias, kv_heads=_falcon_kv_heads))
 
+# --------------------------------------------------------------------------- Gemma (1)
+def _gemma_prepare(hf: dict) -> dict:
+    """Gemma 1's ``hidden_act: gelu`` (the published files' legacy value) is its tanh GELU, as
+    transformers reads it; a ``hidden_activation`` key, where set, names the activation."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act")
+    return dict(hf, hidden_act="gelu_pytorch_tanh" if act in (None, "gelu") else act)
+
+
+SWITCHES["gemma"] = Switches(      # Gemma (1): Gemma 2's switches without sandwich norms, windows or soft-caps
+    "GemmaForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=8192, head_dim=256, tie_word_embeddings=True,
+                             pad_token_id=0),
+    _no_fields, _no_keys, hidden_act="gelu_pytorch_tanh", prepare=_gemma_prepare,
+    fixed=dict(mlp_act="gelu_tanh", norm_offset=1.0, scale_embeddings=True))
+
+
+# --------------------------------------------------------------------------- GLM-4 (glm, glm4)
+def _glm_read(hf: dict, get: Get, where: str) -> dict:
+    return dict(qkv_bias=bool(get("attention_bias")),
+                partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")))
+
+
+def _glm_write(cfg, out: dict) -> None:
+    out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    out.update(attention_bias=cfg.qkv_bias, partial_rotary_factor=cfg.partial_rotary_factor)
+
+
+_GLM = dict(defaults=dict(rms_norm_eps=1.5625e-07, max_position_embeddings=131072, head_dim=128, attention_bias=True,
+                          partial_rotary_factor=0.5, pad_token_id=151329),
+            read=_glm_read, write=_glm_write, free=("qkv_bias", "partial_rotary_factor"))
+# GLM-4-9B (glm): Llama with q/k/v biases, the first half of each head rotating pairs (2i, 2i+1)
+SWITCHES["glm"] = Switches("GlmForCausalLM", **_GLM, fixed=dict(rotary_interleaved=True, o_bias=False))
+# GLM-4-0414 (glm4): GLM's layer with a norm after attention and after the MLP too (sandwich_norms)
+SWITCHES["glm4"] = Switches("Glm4ForCausalLM", **_GLM,
+                            fixed=dict(rotary_interleaved=True, o_bias=False, sandwich_norms=True))
+
+
+# --------------------------------------------------------------------------- StarCoder 2
+def _starcoder2_read(hf: dict, get: Get, where: str) -> dict:
+    no_dropout(get, where, "residual_dropout", "embedding_dropout")
+    bias = bool(get("use_bias"))
+    return dict(norm_eps=float(get("norm_epsilon")), qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
+def _starcoder2_write(cfg, out: dict) -> None:
+    out.pop("attention_bias", None)
+    out.update(norm_epsilon=out.pop("rms_norm_eps"), use_bias=cfg.o_bias, sliding_window=cfg.sliding_window,
+               residual_dropout=0.0, embedding_dropout=0.0)
+
+
+SWITCHES["starcoder2"] = Switches(   # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases, a window
+    "Starcoder2ForCausalLM", dict(norm_epsilon=1e-5, max_position_embeddings=4096, use_bias=True,
+                                  tie_word_embeddings=True, sliding_window=None, residual_dropout=0.0,
+                                  embedding_dropout=0.0),
+    _starcoder2_read, _starcoder2_write, free=("qkv_bias", "o_bias", "mlp_bias"), windows=True,
+    hidden_act="gelu_pytorch_tanh",
+    fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_act="gelu_tanh",
+               qkv_bias=lambda cfg: cfg.o_bias, mlp_bias=lambda cfg: cfg.o_bias, layer_types=None))
+
+
+# --------------------------------------------------------------------------- Nemotron
+def _nemotron_read(hf: dict, get: Get, where: str) -> dict:
+    return dict(norm_eps=float(get("norm_eps")),
+                partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")))
+
+
+def _nemotron_write(cfg, out: dict) -> None:
+    out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    out.update(norm_eps=out.pop("rms_norm_eps"), partial_rotary_factor=cfg.partial_rotary_factor, mlp_bias=False)
+
+
+SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 + w, a bias), squared ReLU, partial rotary
+    "NemotronForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.5),
+    _nemotron_read, _nemotron_write, free=("partial_rotary_factor",), hidden_act="relu2",
+    fixed=dict(norm_kind="layer", norm_bias=True, norm_offset=1.0, mlp_gated=False, mlp_act="relu2"))
+
+# --------------------------------------------------------------------------- GPT-2
+def _gpt2_prepare(hf: dict) -> dict:
+    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out; its
+    dropouts' default 0.1, refused unless config.json sets them to 0)."""
+    hidden = int(hf.get("n_embd", 768))
+    heads = hf.get("n_head", 12)
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 12), num_attention_heads=heads,
+                num_key_value_heads=heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, max_position_embeddings=hf.get("n_positions", 1024),
+                layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("activation_function", "gelu_new"),
+                attention_dropout=hf.get("attn_pdrop", 0.1), resid_pdrop=hf.get("resid_pdrop", 0.1),
+                embd_pdrop=hf.get("embd_pdrop", 0.1))
+
+
+def _gpt2_read(hf: dict, get: Get, where: str) -> dict:
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if hf.get(key, ok) != ok:
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {key}={ok!r})")
+    return dict(norm_eps=float(get("layer_norm_eps")))
+
+
+def _gpt2_write(cfg, out: dict) -> None:
+    _gptj_write(cfg, out)
+    del out["rotary_dim"]
+    out.update(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+               add_cross_attention=False)
+
+
+SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, LayerNorms, biases, Conv1D weights
+    "GPT2LMHeadModel", dict(layer_norm_eps=1e-5, tie_word_embeddings=True), _gpt2_read, _gpt2_write,
+    hidden_act="gelu_new", prepare=_gpt2_prepare,
+    kinds={"self_attn.q_proj": "conv_heads_out", "self_attn.k_proj": "conv_heads_out",
+           "self_attn.v_proj": "conv_heads_out", "self_attn.o_proj": "conv_heads_in", "mlp.up_proj": "copy",
+           "mlp.down_proj": "copy"},
+    fixed=dict(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
+               mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, head_dim=None, kv_heads=lambda cfg: cfg.heads))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -413,8 +526,16 @@ REFUSED: dict[str, str] = {
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
-        ("glm4", "GLM-4"), ("glm", "GLM"), ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"))},
+        ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
+        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("afmoe", "Arcee AFMoE (Trinity)"),
+        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
+        ("mistral4", "Mistral Small 4"),
+        ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),
+        ("mistral3", "Mistral 3 multimodal (Mistral3ForConditionalGeneration: Magistral Small 2509, Ministral 3, "
+                     "Mistral Medium 3.5)"))},
+    "mpt": "MPT: ALiBi position biases are not built",
+    **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
+       for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -202,6 +202,11 @@ class Config:
     attn_temperature_scale: float = 0.1
     # the routing weights scale each expert's input instead of its output (Llama 4; ops.experts' weights_on_input)
     experts_scale_input: bool = False
+    # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
+    # embedding, and no rotary in any layer
+    learned_positions: bool = False
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX's clip_qkv; None: no clamp)
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -258,6 +263,10 @@ class Config:
             raise ValueError("moe_bias / swiglu_limit are options of the experts (gpt-oss); they need experts > 0")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be a positive number (or null), got {self.swiglu_limit!r}")
+        if self.clip_qkv is not None and (isinstance(self.clip_qkv, bool) or not self.clip_qkv > 0):
+            raise ValueError(f"clip_qkv must be a positive number (or null: no clamp), got {self.clip_qkv!r}")
+        if self.clip_qkv is not None and self.kv_lora_rank:
+            raise ValueError("clip_qkv with latent attention (kv_lora_rank) is not supported")
         if self.qk_norm_after_rotary and not self.qk_norm:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
@@ -286,8 +295,8 @@ class Config:
                              "to null")
 
     def rotates(self, layer: int) -> bool:
-        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer)."""
-        return self.nope_layers is None or layer not in self.nope_layers
+        """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
+        return not self.learned_positions and (self.nope_layers is None or layer not in self.nope_layers)
 
     @property
     def rotary_dim(self) -> int | None:
@@ -535,6 +544,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
 
     layers = [layer(i) for i in range(cfg.layers)]
     tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
+    if cfg.learned_positions:                      # (GPT-2: one row per position, "positions" replicated)
+        tree["embed_positions"] = dataclasses.replace(w((cfg.max_seq, cfg.hidden), "positions hidden"),
+                                                      meta={"embedding": True})     # (a table, not a linear)
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
     if cfg.lm_head_bias:
@@ -600,6 +612,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
+    if cfg.clip_qkv is not None:                          # (DBRX: each entry clamped, its gradient 0 outside)
+        c = cfg.clip_qkv
+        q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
         q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
@@ -700,6 +715,12 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     if cache is not None:                                 # sampling: positions after the cached tokens
         pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
+    if cfg.learned_positions:                        # GPT-2: the rows of each token's position
+        last = tokens.size("seq") + (cache.offset if cache is not None else 0)
+        if last > cfg.max_seq:
+            raise ValueError(f"learned_positions: position {last - 1} is past the position table's max_seq="
+                             f"{cfg.max_seq} rows (max_position_embeddings); shorten the sequence (sequence_len)")
+        x = x + ops.embed(params["embed_positions"], pos)
     if cfg.scale_embeddings:        # sqrt(hidden) rounded to the activations' dtype, as transformers
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite
@@ -795,9 +816,10 @@ def flops_per_token(cfg: Config, seq: int) -> float:
 
 def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The parameters only the first pipeline stage holds (the embedding) and only the last
-    (final norm and LM head; a tied embedding is in both, so every stage holds it)."""
+    (final norm and LM head; a tied embedding is in both, so every stage holds it); GPT-2's table
+    of positions is the first stage's too."""
     last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
-    return ("embed_tokens",), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import deepseek_hf, gpt_oss_hf, llama4_hf
+from functional_pp.models import dbrx_hf, deepseek_hf, gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -115,6 +115,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
+    # learned absolute positions (GPT-2's wpe)
+    ("model.embed_positions.weight", "embed_positions", "copy"),
     # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py) and a router's score
     # correction (DeepSeek-V3, GLM-4.5)
     ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.self_attn.q_a_proj", "linear"),
@@ -144,7 +146,8 @@ def constants_of(path: str, model_type: str = "llama", cfg: Any = None) -> tuple
 
 
 IGNORED_HF: tuple[str, ...] = (r"model\.rotary_emb\.inv_freq",
-                                r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+                                r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+                                r"transformer\.h\.\d+\.attn\.(masked_)?bias")     # (GPT-2's causal mask buffers)
 """HF tensors that carry no parameters (old checkpoints saved rotary buffers)."""
 
 
@@ -205,6 +208,12 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
 FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
                          ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
                           "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
+FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
+FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
+    (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
+    for t in ("weight", "bias"))
+FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
+                  tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -215,6 +224,7 @@ _KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
 _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
+_KIND_OVERRIDES["dbrx"] = {"mlp.gate": "experts_rows", "mlp.up": "experts_rows", "mlp.down": "experts_rows_in"}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -256,6 +266,28 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
                 (r"\.mlp\.experts\.up_proj\.weight$", ".block_sparse_moe.experts.w3.weight"),
                 (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight")),
 }
+# GLM-4-0414: the norm after attention is post_self_attn_layernorm, the one before the MLP
+# post_attention_layernorm, the one after it post_mlp_layernorm (applied in order: one name each)
+RENAMED["glm4"] = ((r"\.post_attention_layernorm\.", ".post_self_attn_layernorm."),
+                   (r"\.pre_feedforward_layernorm\.", ".post_attention_layernorm."),
+                   (r"\.post_feedforward_layernorm\.", ".post_mlp_layernorm."))
+# GPT-2: transformer.h.{i}, attn.c_attn (fused) / c_proj, ln_1 / ln_2, mlp.c_fc / c_proj, wte, wpe, ln_f
+RENAMED["gpt2"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.embed_positions\.", "transformer.wpe."),
+                   (r"^model\.layers\.", "transformer.h."), (r"\.self_attn\.o_proj\.", ".attn.c_proj."),
+                   (r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".ln_1."),
+                   (r"\.post_attention_layernorm\.", ".ln_2."), (r"\.mlp\.up_proj\.", ".mlp.c_fc."),
+                   (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f."))
+# DBRX: transformer.blocks.{i}, norm_attn_norm (norm_1, attn.Wqkv fused, attn.out_proj, norm_2), ffn (router.layer,
+# experts.mlp.w1 / v1 / w2), wte, norm_f
+RENAMED["dbrx"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
+                   (r"\.input_layernorm\.", ".norm_attn_norm.norm_1."),
+                   (r"\.post_attention_layernorm\.", ".norm_attn_norm.norm_2."),
+                   (r"\.self_attn\.o_proj\.", ".norm_attn_norm.attn.out_proj."), (r"\.self_attn\.", ".norm_attn_norm.attn."),
+                   (r"\.mlp\.gate\.weight$", ".ffn.router.layer.weight"),
+                   (r"\.mlp\.experts\.gate_proj\.weight$", ".ffn.experts.mlp.w1"),
+                   (r"\.mlp\.experts\.up_proj\.weight$", ".ffn.experts.mlp.v1"),
+                   (r"\.mlp\.experts\.down_proj\.weight$", ".ffn.experts.mlp.w2"), (r"^model\.norm\.", "transformer.norm_f."))
+RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
     (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
@@ -372,6 +404,62 @@ class _HeadsIn(_Kind):                 # ours [N, D, H] = HF [H, N*D].T reshaped
         return x.permute(1, 2, 0)
 
 
+class _ConvHeadsOut(_HeadsOut):       # ours [H, N, D] = HF Conv1D [H, N*D] reshaped (GPT-2)
+    row_axis = 1                       # (q, k and v follow each other along the columns of c_attn)
+
+    def hf_shape(self, shape):
+        return (shape[0], shape[1] * shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(t.shape[0], -1)
+
+    def read(self, sl, region, shape):
+        rh, rn, rd = region
+        D = shape[2]
+        x = sl[rh, rn.start * D:rn.stop * D]                    # [h, n*D]
+        return x.reshape(x.shape[0], rn.stop - rn.start, D)[:, :, rd]
+
+
+class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] reshaped (GPT-2)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        rn, rd, rh = region
+        D = shape[1]
+        x = sl[rn.start * D:rn.stop * D, rh]                    # [n*D, h]
+        return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
+
+
+class _ExpertsRows(_Kind):             # ours [E, H, F] = HF [E*F, H]: each expert's [F, H] rows in turn (DBRX's w1, v1)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[2], shape[1])
+
+    def to_hf(self, t):
+        return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+    def read(self, sl, region, shape):
+        re_, rh, rf = region
+        x = sl[re_.start * shape[2]:re_.stop * shape[2], rh]          # [e*F, h]
+        return x.reshape(re_.stop - re_.start, shape[2], -1)[:, rf, :].transpose(1, 2)
+
+
+class _ExpertsRowsIn(_Kind):           # ours [E, F, H] = HF [E*F, H] reshaped (DBRX's w2)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        re_, rf, rh = region
+        x = sl[re_.start * shape[1]:re_.stop * shape[1], rh]          # [e*F, h]
+        return x.reshape(re_.stop - re_.start, shape[1], -1)[:, rf, :]
+
+
 class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
     def hf_shape(self, shape):
         return (shape[0] * shape[1],)
@@ -437,7 +525,9 @@ class _Along(_Copy):
 
 KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
-                           "experts_tensor": _ExpertsTensor(), "row": _Row(), "scalar": _Scalar(),
+                           "experts_tensor": _ExpertsTensor(), "conv_heads_out": _ConvHeadsOut(),
+                           "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
+                           "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
 
@@ -478,10 +568,11 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "granitemoe": "GraniteMoeForCausalLM",
                                  "granitemoeshared": "GraniteMoeSharedForCausalLM", "olmoe": "OlmoeForCausalLM",
                                  "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                                 "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
-OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf}
+OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
 (``llama_dict``, ``read``, ``NEED``, ``as_llama``, ``write``)."""
 """The ``config.json`` ``model_type`` values that import (and export) as this decoder."""
@@ -746,8 +837,8 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
     if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
-    if mt in ("mistral", "phi3"):           # every layer, when set (transformers ignores layer_types)
-        w = hf.get("sliding_window", _DEFAULTS[mt]["sliding_window"])
+    if mt in ("mistral", "phi3", "starcoder2"):     # every layer, when set (transformers ignores layer_types)
+        w = hf.get("sliding_window", _class_defaults(mt)["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
     window = hf["sliding_window"] if "sliding_window" in hf else _class_defaults(mt).get("sliding_window")

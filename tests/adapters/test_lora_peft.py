@@ -1,4 +1,5 @@
-"""LoRA against peft + transformers (the oracle): tiny random Llama, Qwen3, OLMo 2 and Cohere models built from a
+"""LoRA against peft + transformers (the oracle): tiny random Llama, Qwen3, OLMo 2, Cohere, Gemma, GLM-4,
+StarCoder 2 and Nemotron models built from a
 config (no download), the same initial adapter weights (B nonzero, so every adapter gradient is
 meaningful), fp32: the loss, every adapter gradient and the adapters after one AdamW step equal
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
@@ -7,7 +8,7 @@ directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged 
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_adapter_layouts_equal_one_device, make_batch, train_adapters
+from harness import adapted_logits, assert_adapter_layouts_equal_one_device, make_batch, train_adapters
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -27,13 +28,38 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(BASE, pad_token_id=None, eos_token_id=None)),
             "cohere": ("CohereConfig", "CohereForCausalLM", dict(
                 {k: v for k, v in BASE.items() if k != "rms_norm_eps"}, logit_scale=0.5, pad_token_id=None,
-                eos_token_id=None))}
+                eos_token_id=None)),
+            # RMSNorms of 1 + w, tanh-GELU GLU; q/k/v biases, interleaved partial rotary, sandwich norms;
+            # LayerNorms, biases, an MLP not gated (c_fc / c_proj); LayerNorm1P, squared ReLU
+            "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+            "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+            "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+                BASE, bos_token_id=None, eos_token_id=None)),     # (its window: test_hf_families_more.py)
+            "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None)),
+            # learned positions (not adapted: a table), Conv1D weights, c_proj of attention and of the MLP
+            "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                          n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                          attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# peft's module names where a family's differ from ours (and the modules it lacks: gate_proj of an MLP
+# that is not gated; GLM's gate and up are one fused module, adapted apart: tests/adapters/test_peft_phi3.py)
+PEFT_NAMES = {"starcoder2": {"up_proj": "c_fc", "down_proj": "c_proj", "gate_proj": None},
+              "nemotron": {"gate_proj": None},
+              "gpt2": {"gate_proj": None, "up_proj": "c_fc", "down_proj": "mlp.c_proj", "o_proj": "attn.c_proj",
+                       "q_proj": None, "k_proj": None, "v_proj": None}, "glm4": {"gate_proj": None, "up_proj": None}}
+MODEL_TYPES = {"gpt2": "gpt2", "gemma": "gemma", "glm4": "glm4", "starcoder2": "starcoder2", "nemotron": "nemotron"}
+
+
+def _targets(family: str) -> tuple[tuple[str, ...], list[str]]:
+    """(our target modules, peft's) of ``family``."""
+    names = PEFT_NAMES.get(family, {})
+    ours = tuple(t for t in TARGETS if names.get(t, t) is not None)
+    return ours, [names.get(t, t) for t in ours]
 LR, WD = 1e-2, 0.1
 
 
-def _lora(rslora=False):
-    return adapters.LoraConfig(r=4, alpha=8, target_modules=TARGETS, rslora=rslora)
+def _lora(rslora=False, family="llama"):
+    return adapters.LoraConfig(r=4, alpha=8, target_modules=_targets(family)[0], rslora=rslora)
 
 
 def _peft_model(family, rslora=False):
@@ -45,7 +71,7 @@ def _peft_model(family, rslora=False):
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.config._attn_implementation = "eager"
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS),
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=_targets(family)[1],
                                                     use_rslora=rslora))
     with torch.no_grad():             # B nonzero: A's gradients are not zero
         for name, p in pm.named_parameters():
@@ -63,11 +89,11 @@ def case(request, tmp_path_factory):
     from safetensors.torch import save_file
     save_file(base_state, str(d / "model.safetensors"))
     cfg = hf.config_from_hf(d)
-    lc = _lora()
+    lc = _lora(family=family)
     decls = adapters.init(llama.init(cfg), lc)
     base = hf.load_hf_params(d, cfg)
     adapter_sd = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(base, peft_dir.from_peft(adapter_sd, decls))
+    full = adapters.joined(base, peft_dir.from_peft(adapter_sd, decls, MODEL_TYPES.get(family, "llama")))
     return family, pm, cfg, lc, decls, full, d
 
 
@@ -88,9 +114,9 @@ def test_loss_gradients_and_update_equal_peft(case):
     opt.step()
     ref_new = {k.replace(".default", ""): p.detach() for k, p in pm.named_parameters() if p.requires_grad}
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
-    ours_grads = peft_dir.to_peft(ours[1])
-    ours_new = peft_dir.to_peft(ours[2])
-    assert ours_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * len(TARGETS) * cfg.layers
+    ours_grads = peft_dir.to_peft(ours[1], cfg.model_type)
+    ours_new = peft_dir.to_peft(ours[2], cfg.model_type)
+    assert ours_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * len(lc.target_modules) * cfg.layers
     for k in ref_grads:
         assert ref_grads[k].abs().max() > 0, k
         torch.testing.assert_close(ours_grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
@@ -100,3 +126,25 @@ def test_loss_gradients_and_update_equal_peft(case):
 def test_every_layout_equals_one_device(case):
     family, pm, cfg, lc, _, full, _ = case
     assert_adapter_layouts_equal_one_device(cfg, lc, full)
+
+
+def test_peft_directory_loads_in_peft(case, tmp_path):
+    """Our adapters written as a PEFT directory (each family's module names: StarCoder 2's
+    ``c_fc``, GPT-2's Conv1D ``c_proj`` of attention and of the MLP, ...) load in
+    ``peft.PeftModel.from_pretrained`` with our adapted logits, and read back
+    (``lora_model_dir``) to the same tensors."""
+    family, _, cfg, lc, decls, full, d = case
+    base, lora = adapters.split(full)
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(model, str(out)).eval()
+    tokens = torch.randint(0, cfg.vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = loaded(input_ids=tokens).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        assert (theirs - plain(input_ids=tokens).logits).abs().max() > 1e-3          # the adapters act
+        torch.testing.assert_close(theirs, adapted_logits(base, lora, decls, lc, cfg, tokens), rtol=1e-5, atol=1e-5)
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys()
+    for p, ab in lora.items():
+        assert all(torch.equal(back[p][k], ab[k]) for k in ab), p

@@ -26,6 +26,10 @@ CONFIGS = {
                                       nope_layers=(1,), qk_norm=True, qk_norm_heads=True, rotary_interleaved=True,
                                       embedding_multiplier=2.0, residual_multiplier=0.5, logit_scale=0.5,
                                       lm_head_bias=True),
+    # GPT-2's learned positions (the table's rows of the traced positions), DBRX's q/k/v clamp,
+    # Nemotron's LayerNorm1P (1 + w, a bias) with squared ReLU
+    "learned_positions": llama.Config.tiny(learned_positions=True, clip_qkv=0.1, norm_kind="layer", norm_bias=True,
+                                           norm_offset=1.0, mlp_gated=False, mlp_act="relu2", max_seq=32),
 }
 
 

@@ -270,12 +270,13 @@ def test_export_round_trip_in_transformers(saved, tmp_path, family):
 
 
 def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
-    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3' is not supported; supported "
+    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'bert' is not supported; supported "
                                                          r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
-        hf.config_from_hf(dict(BASE, model_type="gemma3"))
+        hf.config_from_hf(dict(BASE, model_type="bert"))
     # hybrid state-space / linear-attention models, and the families not yet here, by name
     for mt, why in (("jamba", "Jamba is a hybrid of attention and state-space"), ("qwen3_next", "Qwen3-Next is a hybrid"),
-                    ("granitemoehybrid", "Granite 4 \\(hybrid\\) is a hybrid"), ("gemma4_text", "Gemma 4: not built yet")):
+                    ("granitemoehybrid", "Granite 4 \\(hybrid\\) is a hybrid"), ("gemma4_text", "Gemma 4: not built yet"),
+                    ("gemma3", "Gemma 3 multimodal \\(Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text\\)")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"model_type '{mt}' is not supported \({why}.*\); "
                                                              rf"supported model types: llama, "):
             hf.config_from_hf(dict(BASE, model_type=mt))
@@ -374,8 +375,8 @@ def test_base_model_dispatches_on_model_type(saved, tmp_path):
     assert (model.model_type, model.qk_norm, model.dim_head) == ("qwen3", True, 32)
     bad = tmp_path / "gemma"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="gemma3")))
-    with pytest.raises(ConfigError, match=r"base_model .*model_type 'gemma3' is not supported; supported "
+    (bad / "config.json").write_text(json.dumps(dict(BASE, model_type="bert")))
+    with pytest.raises(ConfigError, match=r"base_model .*model_type 'bert' is not supported; supported "
                                           r"model types: llama, mistral, qwen2, qwen3"):
         model_config(TrainConfig.from_yaml(_train_yaml(tmp_path, bad)))
     # functional-pp plan ranks the layouts of the base model, not of a preset

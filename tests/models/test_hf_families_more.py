@@ -11,6 +11,7 @@ gloo processes."""
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,11 +64,38 @@ FAMILIES = {
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
         BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=None, eos_token_id=None,
         output_router_logits=True, router_aux_loss_coef=0.1)),
+    # Gemma (1): tanh-GELU GLU, RMSNorms scaled by 1 + w, the embedding times sqrt(hidden), tied
+    "gemma": ("gemma", "GemmaConfig", "GemmaForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # GLM-4-9B: q/k/v biases (no output bias), half of each head rotating pairs (2i, 2i+1), gate / up fused
+    "glm": ("glm", "GlmConfig", "GlmForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # GLM-4-0414: GLM's layer with norms after attention and after the MLP too
+    "glm4": ("glm4", "Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases everywhere, a window in every layer
+    "starcoder2": ("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        BASE, sliding_window=5, bos_token_id=None, eos_token_id=None)),
+    # Nemotron (Minitron): LayerNorm1P (1 + w, a bias), squared ReLU not gated, half of each head rotating
+    "nemotron": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(
+        BASE, norm_eps=1e-5, bos_token_id=None, eos_token_id=None)),
+    # GPT-2 (Cerebras-GPT): learned absolute positions, Conv1D weights (q/k/v fused in c_attn's columns)
+    "gpt2": ("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)),
+    # DBRX: LayerNorms without bias, q/k/v fused in Wqkv and clamped (clip_qkv), experts in every layer
+    # stored [E * F, H] (w1 / v1 / w2), top-k weights renormalised
+    "dbrx": ("dbrx", "DbrxConfig", "DbrxForCausalLM", dict(
+        vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=128, output_router_logits=True,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.6, rope_theta=1000.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2, moe_loss_weight=0.1))),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm_after_rotary=False)],
                 "falcon_7b": [], "falcon_40b": [], "falcon_seq": [], "granitemoeshared": [dict(experts_top_k=1)],
-                "olmoe": [dict(experts_top_k=1), dict(norm_topk_prob=True)]}
+                "olmoe": [dict(experts_top_k=1), dict(norm_topk_prob=True)],
+                "gemma": [dict(norm_offset=0.0), dict(scale_embeddings=False)],
+                "glm": [dict(rotary_interleaved=False), dict(partial_rotary_factor=1.0)],
+                "glm4": [dict(rotary_interleaved=False)],
+                "gpt2": [], "dbrx": [dict(clip_qkv=None), dict(norm_topk_prob=False)], "starcoder2": [dict(sliding_window=None)], "nemotron": [dict(norm_offset=0.0),
+                                                                      dict(partial_rotary_factor=1.0)]}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -80,11 +108,11 @@ def saved(tmp_path_factory):
         model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float().eval()
         with torch.no_grad():               # O(1) logits, non-trivial norms, biases and routers
             for n, p in model.named_parameters():
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n or ".ln_" in n else 0.1 * torch.randn_like(p))
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n.split(".")[-2] or ".ln_" in n else 0.1 * torch.randn_like(p))
         d = tmp_path_factory.mktemp(name)
         model.save_pretrained(d, safe_serialization=True)
         model.config._attn_implementation = "eager"
-        if "moe" in name:           # (granitemoeshared, olmoe)
+        if "moe" in name or name == "dbrx":           # (granitemoeshared, olmoe, dbrx)
             model.config._experts_implementation = "eager"
         out[name] = (model, d)
     return out
@@ -236,6 +264,25 @@ def test_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'gemma3n_text' is not supported \(Gemma 3n: "
                                                          r"its layers carry per-layer input embeddings"):
         hf.config_from_hf(dict(BASE, model_type="gemma3n_text"))
+    # DBRX's router jitter and other p-norms of the top-k weights; GPT-2's and StarCoder 2's dropouts
+    dbrx = {k: v for k, v in FAMILIES["dbrx"][3].items() if k != "ffn_config"}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF dbrx config: ffn_config.moe_jitter_eps=0.01 is not "
+                                                         r"supported \(a deterministic router only"):
+        hf.config_from_hf(dict(dbrx, model_type="dbrx", ffn_config=dict(moe_jitter_eps=0.01)))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"moe_normalize_expert_weights=2.0 is not supported"):
+        hf.config_from_hf(dict(dbrx, model_type="dbrx", ffn_config=dict(moe_normalize_expert_weights=2.0)))
+    gpt2 = {k: v for k, v in FAMILIES["gpt2"][3].items() if not k.endswith("pdrop")}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: attention_dropout=0.1 is not supported"):
+        hf.config_from_hf(dict(gpt2, model_type="gpt2"))          # (GPT2Config's default dropouts)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: scale_attn_by_inverse_layer_idx=True"):
+        hf.config_from_hf(dict(FAMILIES["gpt2"][3], model_type="gpt2", scale_attn_by_inverse_layer_idx=True))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=0.1 is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="starcoder2", residual_dropout=0.1))
+    cfg = hf.config_from_hf(saved["gpt2"][1])         # (a table of 32 positions)
+    with pytest.raises(ValueError, match=r"learned_positions: position 32 is past the position table's max_seq=32"):
+        our_logits(fpp.init_params(llama.init(cfg), seed=0), cfg, torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"clip_qkv must be a positive number"):
+        llama.Config.tiny(clip_qkv=0.0)
     with pytest.raises(ValueError, match=r"mlp_act='xielu' needs mlp_gated=False"):
         llama.Config.tiny(mlp_act="xielu")
     # export refuses what the class cannot hold, before writing anything
@@ -246,7 +293,14 @@ def test_refused_by_name(saved, tmp_path):
     cfg = hf.config_from_hf(saved["granitemoeshared"][1])
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'granitemoeshared': shared_expert_gate=True"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, shared_expert_gate=True), tmp_path / "no")
+    cfg = hf.config_from_hf(saved["dbrx"][1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'mistral': clip_qkv=0.6 has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="mixtral", norm_kind="rms"), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'dbrx': norm_kind='rms' has no DbrxForCausalLM"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, norm_kind="rms"), tmp_path / "no")
     cfg = hf.config_from_hf(saved["olmoe"][1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'olmoe': qk_norm_heads=False has no"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, qk_norm_heads=False), tmp_path / "no")
     assert not (tmp_path / "no").exists()
@@ -264,19 +318,24 @@ def test_refused_by_name(saved, tmp_path):
 
 
 def test_new_options_train_alike_on_real_processes():
-    """xIELU (its scalars' gradients summed over the devices that split ``mlp``) and q/k norms
-    after the rotary: two AdamW steps with TP 2 on two gloo processes equal one device."""
+    """xIELU (its scalars' gradients summed over the devices that split ``mlp``), q/k norms
+    after the rotary and DBRX's q/k/v clamp: two AdamW steps with TP 2 on two gloo processes
+    equal one device; GPT-2's learned positions (each process's rows of the table) with CP 2."""
     from harness import launch_steps
-    cfg = llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True)
-    one = launch_steps(cfg, dtype=torch.float64)[0]
-    real = launch_steps(cfg, mesh=fpp.Mesh(tp=2), rules=llama.default_rules(fsdp=False), dtype=torch.float64,
-                        processes=True)
-    assert one[1]["layers.0.mlp.act_alpha_p"] != llama.init(cfg)["layers"][0]["mlp"]["act_alpha_p"].scale   # trained
-    for losses, params, _ in real:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
+    cfg = llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True, clip_qkv=0.1)
+    gpt2 = llama.Config.tiny(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False,
+                             mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, max_seq=16)
+    for cfg, mesh, rules in ((cfg, fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+                             (gpt2, fpp.Mesh(cp=2), fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq")))):
+        one = launch_steps(cfg, dtype=torch.float64)[0]
+        real = launch_steps(cfg, mesh=mesh, rules=rules, dtype=torch.float64, processes=True)
+        trained = "embed_positions" if cfg.learned_positions else "layers.0.mlp.act_alpha_p"
+        assert not np.array_equal(one[1][trained], launch_steps(cfg, dtype=torch.float64, steps=0)[0][1][trained])
+        for losses, params, _ in real:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+            for p, x in params.items():
+                torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                           msg=lambda m: f"{p}: {m}")
 
 
 def test_cli_trains_an_apertus_base_model_and_exports_it(saved, tmp_path):

@@ -94,6 +94,15 @@ FAMILIES = {
     "gpt_neox": llama.Config.tiny(model_type="gpt_neox", parallel_block=True, parallel_mlp_norm=True, norm_kind="layer",
                                   norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True,
                                   o_bias=True, partial_rotary_factor=0.25, kv_heads=4),
+    # GPT-2's learned positions (each device's rows of the table: its positions under CP, load-balanced);
+    # GLM-4-0414's sandwich norms with interleaved partial rotary; Nemotron's LayerNorm1P (1 + w, a bias)
+    "gpt2": llama.Config.tiny(model_type="gpt2", learned_positions=True, norm_kind="layer", norm_bias=True,
+                              mlp_gated=False, mlp_bias=True, mlp_act="gelu_tanh", qkv_bias=True, o_bias=True,
+                              kv_heads=4, tie_embeddings=True, max_seq=32),
+    "glm4": llama.Config.tiny(model_type="glm4", qkv_bias=True, sandwich_norms=True, rotary_interleaved=True,
+                              partial_rotary_factor=0.5),
+    "nemotron": llama.Config.tiny(model_type="nemotron", norm_kind="layer", norm_bias=True, norm_offset=1.0,
+                                  mlp_gated=False, mlp_act="relu2", partial_rotary_factor=0.5),
 }
 
 

@@ -1,6 +1,6 @@
 """The planner's dry-run of the decoder families' configurations (sliding windows in some
 layers, q/k/v biases, q/k norms, Gemma 2's soft-capped attention with its explicit scores,
-OLMo 2's norms, GPT-NeoX's parallel block, DeepSeek's latent attention):
+OLMo 2's norms, GPT-NeoX's parallel block, GPT-2's learned positions, DeepSeek's latent attention):
 communication byte for byte and memory within 10% of a real CPU step, layers extrapolated."""
 import functools
 
@@ -26,6 +26,10 @@ CONFIGS = {
     "gpt_neox": llama.Config.tiny(model_type="gpt_neox", parallel_block=True, parallel_mlp_norm=True, norm_kind="layer",
                                   norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu", qkv_bias=True,
                                   o_bias=True, partial_rotary_factor=0.25, kv_heads=4, **SIZE),
+    # GPT-2's table of learned positions (each device's rows of it under CP)
+    "gpt2": llama.Config.tiny(model_type="gpt2", learned_positions=True, norm_kind="layer", norm_bias=True,
+                              mlp_gated=False, mlp_bias=True, mlp_act="gelu_tanh", qkv_bias=True, o_bias=True,
+                              kv_heads=4, tie_embeddings=True, max_seq=64, **SIZE),
     # DeepSeek's multi-head latent attention (q latent, v heads wider than the q/k heads)
     "deepseek_v3": llama.Config.tiny(model_type="deepseek_v3", kv_heads=4, kv_lora_rank=32, q_lora_rank=48,
                                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32, rotary_interleaved=True,

@@ -160,6 +160,22 @@ def test_layer_norm_and_head_biases_on_the_last_stage(reference):
         assert ("norm_bias" in params) == ("lm_head_bias" in params) == (rank == 1)
 
 
+def test_learned_positions_on_the_first_stage(reference):
+    """GPT-2's table of positions (``learned_positions``) on PP 2 with the model's pipeline_ends:
+    only the first stage holds it, the losses and parameters equal one device's."""
+    data, _ = reference
+    cfg = llama.Config.tiny(layers=4, learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False,
+                            mlp_bias=True, mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, max_seq=64)
+    ref = _run(fpp.Mesh(), fpp.Rules(), data, cfg=cfg)[0][:2]
+    first, last = llama.pipeline_ends(cfg)
+    assert "embed_positions" in first
+    results = _run(fpp.Mesh(pp=2), fpp.Rules(layers="pp"), data, cfg=cfg, schedule="1f1b", first_stage=first,
+                   last_stage=last)
+    _assert_equal(ref, results)
+    for rank, (_, params, _) in enumerate(results):
+        assert ("embed_positions" in params) == (rank == 0)
+
+
 TP = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
 
 
