@@ -21,7 +21,7 @@ from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel import param_uses
 from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel.fsdp_units import keeps_gathered
-from functional_pp.parallel.named import Named, _make, current_policy
+from functional_pp.parallel.named import Named, make_named, current_policy
 from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
 
 
@@ -44,8 +44,8 @@ def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
         param_uses.record(x.data)            # gathered at several sites: tied from the next forward
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
             and out.data.requires_grad and not done.sliced):
-        out = _make(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
-                    out.tied, done.gathers[0])
+        out = make_named(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
+                         out.tied, done.gathers[0])
     return done._replace(value=out)
 
 

@@ -41,7 +41,7 @@ from functional_pp.parallel.fsdp_order import UnitOrder
 from functional_pp.parallel.fsdp_units import begin_forward
 from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
-from functional_pp.parallel.named import Named, _make, env, settle, wrap
+from functional_pp.parallel.named import Named, make_named, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step import activation_offload, offload
 from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
@@ -524,7 +524,7 @@ class TrainStep:
             # parameters an earlier forward gathered at several sites are tied (parallel/param_uses.py)
             tied = getattr(self._shared, "tied", None) or ()
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
-            named = [_make(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
+            named = [make_named(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
         return named
 
     def _offloaded_to(self) -> torch.device | None:
