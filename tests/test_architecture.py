@@ -208,6 +208,49 @@ def private_torch_uses(path: pathlib.Path, tree: ast.AST | None = None) -> list[
     return sorted(bad, key=lambda b: int(b.split()[1].rstrip(":")))
 
 
+def _absolute(module: str, node: ast.ImportFrom) -> str | None:
+    """The package-relative module a ``from ... import`` reads (None outside the package)."""
+    package = module if module.endswith(".__init__") else module.rpartition(".")[0]
+    if node.level:
+        base = package.removesuffix(".__init__").split(".") if package else []
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        return ".".join(base + ([node.module] if node.module else []))
+    if node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
+        return node.module[len(PACKAGE) + 1:]
+    return None
+
+
+def private_imports(path: pathlib.Path, tree: ast.AST | None = None) -> list[str]:
+    """``_private`` names of another folder's modules used in ``path``: imported
+    (``from functional_pp.x.m import _name``) or read from an imported module (``m._name``).
+    A module's own folder may use them; ``_torch/`` is a folder, not a private name."""
+    tree = tree or ast.parse(path.read_text(), filename=str(path))
+    name = module_name(path) + (".__init__" if path.name == "__init__.py" else "")
+    mine = folder_of(name)
+    modules: dict[str, str] = {}        # local alias -> package module
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(name, node)
+            if source is None:
+                continue
+            for a in node.names:
+                sub = f"{source}.{a.name}" if source else a.name
+                if _exists(sub):
+                    modules[a.asname or a.name] = sub
+                elif _private(a.name) and folder_of(source) != mine:
+                    bad.append(f"line {node.lineno}: from {PACKAGE}.{source} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name.startswith(PACKAGE + "."):
+                    modules[a.asname] = a.name[len(PACKAGE) + 1:]
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and _private(node.attr) and folder_of(modules[node.value.id]) != mine):
+            bad.append(f"line {node.lineno}: {PACKAGE}.{modules[node.value.id]}.{node.attr}")
+    return sorted(bad, key=lambda b: int(b.split()[1].rstrip(":")))
+
+
 # ---------------------------------------------------------------------------------- tests
 def test_no_import_cycle_in_the_package():
     cycles = import_cycles(import_graph())
@@ -255,6 +298,16 @@ def test_private_torch_is_touched_only_in_its_folder():
         bad += [f"{path.relative_to(ROOT.parent)} {use}" for use in private_torch_uses(path)]
     assert not bad, ("private torch internals outside functional_pp/_torch/ (add a function there, with a "
                      "test in tests/_torch/ that fails when torch changes it):\n" + "\n".join(bad))
+
+
+def test_no_private_name_is_imported_from_another_folder():
+    """What one folder offers another is public, documented API (docs/named_value.md, "The
+    toolkit ops are written with"); a ``_private`` name is its own folder's business."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        bad += [f"{path.relative_to(ROOT.parent)} {use}" for use in private_imports(path)]
+    assert not bad, ("private names used across folders (make the name public, with a docstring, where it is "
+                     "shared API, or move the helper to the folder that uses it):\n" + "\n".join(bad))
 
 
 def test_per_thread_state_is_made_in_one_module():
@@ -306,6 +359,15 @@ def test_checker_finds_private_torch():
            "y = torch._foreach_add\nz = torch.ops.aten._to_copy.default\nfrom torch import _assert\n")
     bad = private_torch_uses(ROOT / "x.py", ast.parse(src))
     assert [b.split(":")[0] for b in bad] == ["line 2", "line 3", "line 4", "line 5", "line 8"], bad
+
+
+def test_checker_finds_private_names_across_folders():
+    src = ("from functional_pp.parallel.named import Named, _make\nfrom ..core import runtime as rt\n"
+           "from .attention import _local_helper\nfrom functional_pp._torch import is_tracing\n"
+           "import functional_pp.parallel.reshard as R\nx = rt._local\ny = R._all_gather\nz = rt.__name__\n")
+    bad = private_imports(ROOT / "ops" / "x.py", ast.parse(src))
+    assert bad == ["line 1: from functional_pp.parallel.named import _make",
+                   "line 6: functional_pp.core.runtime._local", "line 7: functional_pp.parallel.reshard._all_gather"], bad
 
 
 if __name__ == "__main__":

@@ -67,14 +67,14 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=N
 def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
     """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
     the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
-    from functional_pp.parallel.raw_collectives import _local_chunk
+    from functional_pp.parallel.raw_collectives import local_chunk
     if not balanced:
-        return _local_chunk(torch.arange(size, device=device), split, 0)
+        return local_chunk(torch.arange(size, device=device), split, 0)
     first, rest = split[0], split[1:]
     n = C.axis_size(first)
     table = torch.stack([balanced_indices(size, n, j, device) for j in range(n)])
-    base = _local_chunk(table, (first,), 0).squeeze(0)
-    return _local_chunk(base, rest, 0) if rest else base
+    base = local_chunk(table, (first,), 0).squeeze(0)
+    return local_chunk(base, rest, 0) if rest else base
 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,

@@ -22,7 +22,7 @@ from functional_pp.parallel import param_uses
 from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel.fsdp_units import keeps_gathered
 from functional_pp.parallel.named import Named, make_named, current_policy
-from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
+from functional_pp.parallel.reshard import Reshard, all_gather_tiled, relayout_with, reshard
 
 
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
@@ -38,7 +38,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
 
 def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
     tagged = x.is_param and not keeps_gathered(current_policy())
-    done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
+    done = reshard(x, target, op, _regathered_in_backward if tagged else all_gather_tiled)
     out = done.value
     if x.is_param and done.gathers and not x.tied:
         param_uses.record(x.data)            # gathered at several sites: tied from the next forward
@@ -51,7 +51,7 @@ def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
 
 def _regathered_in_backward(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
     with regather_region():                 # ZeRO-3 under compile
-        return _all_gather(data, axes, dim)
+        return all_gather_tiled(data, axes, dim)
 
 
 @contextmanager

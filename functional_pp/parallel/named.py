@@ -21,12 +21,11 @@ import optree
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.core import runtime as _runtime
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.order import to_balanced
-from functional_pp.core.runtime import (active_rules, configure, current_context,  # noqa: F401 (re-exported)
-                                        current_policy, use_policy)
+from functional_pp.core.runtime import (active_rules, configure, context_and_rules,  # noqa: F401 (re-exported)
+                                        current_context, current_policy, use_policy)
 from functional_pp.devices.batched_run import register_block_type
 from functional_pp.parallel import collectives as C
 
@@ -39,10 +38,8 @@ def env() -> tuple[Mesh, Rules]:
     """The running device's mesh and the active rules. Outside any device, rules that split a
     dimension have no mesh to split it over: an error, not a silent one-device layout
     (docs/policy.md, "Outside a mesh")."""
-    # (current_context / active_rules inlined: every op calls this, docs/eager_overhead.md; a
-    # thread-local's __dict__.get, not getattr: a missing attribute would raise and catch)
-    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
-    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
+    ctx, rules = context_and_rules()
+    rules = rules or _NO_RULES
     if ctx is None:
         if rules is not _NO_RULES:
             _require_no_split(rules)
@@ -50,7 +47,6 @@ def env() -> tuple[Mesh, Rules]:
     return ctx.mesh, rules
 
 
-_CONTEXT_LOCAL, _RULES_LOCAL = _runtime._local, _runtime._rules_local
 _LAST_MESH = object()      # key of (mesh, plans) last used with a rules object
 
 
@@ -58,8 +54,8 @@ def op_env() -> tuple[Mesh, Rules, dict | None]:
     """:func:`env` for an op, plus the table of the op plans derived under these rules and mesh
     (eager; None while torch.compile traces: a memo would add guards to compiled code). Plans
     are keyed by what they depend on besides the rules and the mesh (docs/eager_overhead.md)."""
-    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
-    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
+    ctx, rules = context_and_rules()
+    rules = rules or _NO_RULES
     mesh = _TRIVIAL_MESH if ctx is None else ctx.mesh
     if is_tracing():
         if ctx is None and rules is not _NO_RULES:

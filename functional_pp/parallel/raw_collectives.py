@@ -144,7 +144,9 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
         return ctx.backend.permute(x, pairs, group)
 
 
-def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+def local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+    """This device's chunk of ``x`` along ``dim`` split over ``axes`` (a free slice, no
+    communication)."""
     ctx, axes, group = _group(axes, "slice")
     n = len(group)
     if x.shape[dim] % n:

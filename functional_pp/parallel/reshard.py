@@ -26,7 +26,8 @@ class Reshard(NamedTuple):
 Gather = Callable[[torch.Tensor, tuple, int], torch.Tensor]
 
 
-def _all_gather(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
+def all_gather_tiled(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
+    """The default :data:`Gather`: ``data`` all-gathered over ``axes`` along ``dim``."""
     return C.all_gather(data, axes, axis=dim, tiled=True)
 
 
@@ -59,7 +60,7 @@ def relayout_with(x: Named, target: Layout, change: Callable[[Named, Layout], Re
     return out
 
 
-def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = _all_gather) -> Reshard:
+def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = all_gather_tiled) -> Reshard:
     """Move the settled ``x`` to the layout ``target`` (not memoised): all-gather through
     ``gather(data, axes, dim)`` the axes beyond the common prefix of each dimension, then slice
     what ``target`` splits further. ``op`` names the operation in errors."""

@@ -10,7 +10,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core.runtime import current_context, per_thread
-from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
+from functional_pp.parallel.raw_collectives import (axis_index, axis_size, local_chunk, raw_all_gather, raw_all_reduce,
                                                     raw_all_to_all, raw_all_to_all_v, raw_permute, raw_reduce_scatter)
 
 
@@ -144,13 +144,13 @@ class _AllGatherInvariant(_Collective):
     ``all_gather_invariant``). Transpose: this device's block of the invariant cotangent (free)."""
 
     forward = staticmethod(raw_all_gather)
-    backward = _transpose(_local_chunk)
+    backward = _transpose(local_chunk)
 
 
 class _SplitInvariant(_Collective):
     """This device's block along ``dim`` of an invariant value (free). Transpose: all_gather."""
 
-    forward = staticmethod(_local_chunk)
+    forward = staticmethod(local_chunk)
     backward = _transpose(raw_all_gather)
 
 
@@ -159,7 +159,7 @@ class _SliceVarying(_Collective):
     Transpose: the cotangent zero-padded back to the whole dimension (the other blocks did not
     reach this device's output, so their gradient here is zero)."""
 
-    forward = staticmethod(_local_chunk)
+    forward = staticmethod(local_chunk)
 
     @staticmethod
     def backward(ctx, g):
