@@ -310,6 +310,23 @@ def test_no_private_name_is_imported_from_another_folder():
                      "shared API, or move the helper to the folder that uses it):\n" + "\n".join(bad))
 
 
+# the environment variables the package reads: each a debugging or benchmark option, read in one
+# module (docs/policy.md, "Environment variables"); behaviour is set through fpp.Policy
+ENVIRONMENT_OPTIONS = {"step/native_trace.py": {"FPP_STEP_TRACE"},
+                       "devices/slow_link.py": {"FPP_SLOW_LINK_MS", "FPP_SLOW_LINK_MBPS"}}
+
+
+def test_environment_switches_are_read_in_one_place_each():
+    found: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"FPP_\w+", node.value):
+                found.setdefault(path.relative_to(ROOT).as_posix(), set()).add(node.value)
+    assert found == ENVIRONMENT_OPTIONS, (
+        f"environment variables named in the package: {found}; a setting that changes behaviour is a "
+        f"functional_pp.Policy field (docs/policy.md), not an environment switch")
+
+
 def test_per_thread_state_is_made_in_one_module():
     """Simulated devices are threads: every per-thread store comes from core/runtime.py
     (``per_thread(name)`` or an object's ``new_per_thread()``), so they can be listed there."""

@@ -298,8 +298,9 @@ class PipelineStep(TrainStep):
         with self._compile_lock:
             gate = self._compiled_stages.get(k)
             if gate is None:
-                fn = torch.compile(self._stage_forward, backend=step_backend(self.stage_compile),
-                                   fullgraph=True, dynamic=False)
+                backend = step_backend(self.stage_compile, overlap=self.policy.overlap,
+                                       in_flight=self.policy.collectives_in_flight)
+                fn = torch.compile(self._stage_forward, backend=backend, fullgraph=True, dynamic=False)
                 gate = self._compiled_stages[k] = CompileGate(fn, type(self)._stage_forward.__code__)
 
         def run(*args):

@@ -385,7 +385,8 @@ class TrainStep:
         """``fn`` (a device step) compiled, called with ``fn``'s arguments: simulated devices
         share one compilation (compile/gate.py); dynamo sees one opaque call traced natively
         (step/native_trace.py) unless ``FPP_STEP_TRACE=dynamo``; static shapes."""
-        backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb)
+        backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb, self.policy.overlap,
+                               self.policy.collectives_in_flight)
         if dynamo_traces_step():
             return CompileGate(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), fn.__code__)
         return CompileGate(torch.compile(call_natively, backend=backend, fullgraph=True, dynamic=False),
@@ -420,7 +421,7 @@ class TrainStep:
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 layer_units(policy.fsdp_units, keep_root=keep_root, prefetch=policy.fsdp_prefetch,
                             order=self._unit_order, provisional_root=not self._layered,
-                            data_dims=self._batch_dim_names()) as seen:
+                            data_dims=self._batch_dim_names(), in_flight=policy.collectives_in_flight) as seen:
             yield
         if seen.layered:
             self._layered = True
@@ -687,8 +688,9 @@ def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientT
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
     precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...). Its execution
     policy is ``policy=`` (a :class:`Policy`) and/or its fields as keywords (remat,
-    keep_gathered, cp_attention, regather_activations, bucket_mb, fsdp_units, fsdp_keep_root,
-    fsdp_prefetch), which change that policy (docs/policy.md)."""
+    keep_gathered, cp_attention, regather_activations, check_rep, bucket_mb, fsdp_units,
+    fsdp_keep_root, fsdp_prefetch, collectives_in_flight, overlap), which change that policy
+    (docs/policy.md)."""
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))
