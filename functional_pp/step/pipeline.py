@@ -47,6 +47,7 @@ from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, r
 from functional_pp.step.buffers import acc_dtype
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
+from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.update import update_phase
 
 PP = "pp"
@@ -193,7 +194,7 @@ class PipelineStep(TrainStep):
 
     # ------------------------------------------------------------- the step
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     donate_state: bool | None = None):
+                     donate_state: bool | None = None) -> DeviceStepResult:
         _refuse_batched()
         mesh = env()[0]
         p, v = self.stages, self.virtual_stages
@@ -287,7 +288,8 @@ class PipelineStep(TrainStep):
         metrics = {"loss": total, "grad_norm": up.grad_norm,
                    "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
-        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
+                                up.peaks)
 
     def _stage(self, k: int):
         """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the

@@ -49,6 +49,7 @@ from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
 from functional_pp.step.known_finite import KnownFinite, KnownPeaks
 from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
+from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.update import Updated, redo_held, update_phase
 
 
@@ -300,9 +301,12 @@ class TrainStep:
         bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
         with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
-            params, opt_state, step, skipped, m, (written, retry, peaks) = fn(
+            out: DeviceStepResult = fn(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
                 grad_seed(_device_of(state["params"]), bool(step_compile)))
+        params, opt_state, step, skipped, m = out.params, out.opt_state, out.step, out.skipped, out.metrics
+        written, retry, peaks = out.written, out.retry, out.peaks
+        out = None
         if self.metrics == "deferred":
             self._known_finite.remember(tree_leaves(params), finite)
             if bound is not None:
@@ -331,6 +335,15 @@ class TrainStep:
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": _run_tensor(run, previous, state.get("consecutive_skips"), step.device)}, metrics
+
+    def trace(self, state: dict, batch: dict) -> DeviceStepResult:
+        """The step's device function run once on ``state`` and this device's ``batch`` (tensors
+        or named values), eager and without the host's part: nothing compiled, no metrics read,
+        no skip chosen, no counters kept. The hook the planner measures a step with (on meta
+        tensors, plan/dryrun.py); run it under :meth:`apply_policy` and the step's rules."""
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before step.trace")
+        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch)
 
     def _params_finite(self, params: Any) -> torch.Tensor | None:
         """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
@@ -460,10 +473,11 @@ class TrainStep:
                 self._compiled_new_buffers = self._compile(self._device_step_new_buffers)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
-            params, opt_state, _, _, m, _ = self._compiled_new_buffers(
+            out = self._compiled_new_buffers(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch,
                 grad_seed(_device_of(state["params"]), True))
-        return Updated(params, opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+        m = out.metrics
+        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
                        m["skipped"] == 0, False)
 
     def _device_step_new_buffers(self, params, opt_state, step, skipped, batch, seed=None):
@@ -539,7 +553,7 @@ class TrainStep:
         return device
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     seed=None, donate_state: bool | None = None):
+                     seed=None, donate_state: bool | None = None) -> DeviceStepResult:
         # seed: what the parameters are made differentiable with in a compiled step on a
         # torch whose dynamo cannot (_torch/grad_leaves.py); None otherwise
         leaves, treespec = tree_flatten(params)
@@ -611,7 +625,8 @@ class TrainStep:
                    "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
                    **step_values.combine(reported)}
-        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
+                                up.peaks)
 
     @staticmethod
     def _keep_old_if_skipped(up, old_params: list, old_opt_state: Any) -> tuple[Any, Any]:
