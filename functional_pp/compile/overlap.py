@@ -20,6 +20,8 @@ let the network work while the CPU/GPU computes, and a bound keeps what they hol
 
 Simulated collectives are one synchronous op each; there is nothing to overlap, so the
 simulated graph is left in trace order.
+
+Mechanism: FSDP (gathers prefetched, waits sunk, collectives in flight bounded; compiled).
 """
 from __future__ import annotations
 

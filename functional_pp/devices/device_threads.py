@@ -2,7 +2,10 @@
 function on one thread per device under the threaded simulator, each with its own block of
 the batched values (docs/simulation.md, "The training loop on the batched simulator"). The
 training loop saves checkpoints this way: a save is per-rank file I/O with barriers between its
-phases, cheap next to the steps, and its rank-0-only parts need a device that is rank 0."""
+phases, cheap next to the steps, and its rank-0-only parts need a device that is rank 0.
+
+Mechanism: Devices (batched simulator: per-device host work on threads).
+"""
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -3,7 +3,10 @@ activation (sequence parallelism, ``regather_activations``) for backward and all
 when backward needs it, instead of saving the full tensor. A gather of a load-balanced
 dimension is followed by a reorder into natural order; the recipe replays it
 (docs/layouts.md). :func:`relayout` is the ops' relayout: the layout change of
-functional_pp/parallel/reshard.py plus this bookkeeping."""
+functional_pp/parallel/reshard.py plus this bookkeeping.
+
+Mechanism: FSDP (per weight, ZeRO-3: a gathered weight keeps its shard and is re-gathered in backward; eager).
+"""
 from __future__ import annotations
 
 import weakref

@@ -14,6 +14,8 @@ Active inside :func:`fsdp_units` (the training step). A compiled step traces the
 (:class:`_TracedUnitGather`: one flat all-gather in the graph, its backward the flat
 reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
 passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
+
+Mechanism: FSDP (per layer: one flat all-gather and reduce-scatter per `fpp.layer` call; eager).
 """
 from __future__ import annotations
 
