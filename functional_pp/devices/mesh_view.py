@@ -85,3 +85,14 @@ def all_to_all_v(ctx: Any, x: torch.Tensor, axes: tuple[str, ...], send: tuple, 
     with comm.recording("all_to_all", axes, n, x, sends=False):
         comm.record("all_to_all", axes, n, x, nbytes=row * (sum(send) - send[me]))
         return ctx.backend.all_to_all_v(x, tuple(int(s) for s in send), tuple(int(r) for r in recv), grp)
+
+
+def pad_block(ctx: Any, g: torch.Tensor, axes: Any, dim: int) -> torch.Tensor:
+    """``g`` (this device's block along ``dim``) zero-padded to the whole dimension at this
+    device's index along ``axes``; batched: every device's block at its own index."""
+    if ctx.batched:
+        return ctx.backend.pad_block(g, axes, dim)
+    axes = ctx.mesh.check_axes(axes, "slice_varying")
+    i, size = ctx.mesh.axis_index(ctx.rank, axes), g.shape[dim]
+    pad = [0, 0] * (g.ndim - dim - 1) + [i * size, (ctx.mesh.axis_size(axes) - i - 1) * size]
+    return torch.nn.functional.pad(g, pad)

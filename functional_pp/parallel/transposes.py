@@ -10,8 +10,9 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core.runtime import current_context, per_thread
-from functional_pp.parallel.raw_collectives import (axis_index, axis_size, local_chunk, raw_all_gather, raw_all_reduce,
-                                                    raw_all_to_all, raw_all_to_all_v, raw_permute, raw_reduce_scatter)
+from functional_pp.devices import mesh_view
+from functional_pp.parallel.raw_collectives import (local_chunk, raw_all_gather, raw_all_reduce, raw_all_to_all,
+                                                    raw_all_to_all_v, raw_permute, raw_reduce_scatter)
 
 
 # One Function per collective, its forward and its transpose (the backward) named in the class;
@@ -164,12 +165,7 @@ class _SliceVarying(_Collective):
     @staticmethod
     def backward(ctx, g):
         axes, dim = ctx.args
-        device = current_context()
-        if device.batched:        # every device's block placed at its own index (devices/batched.py)
-            return device.backend.pad_block(g, axes, dim), None, None
-        i, size = axis_index(axes), g.shape[dim]
-        pad = [0, 0] * (g.ndim - dim - 1) + [i * size, (axis_size(axes) - i - 1) * size]
-        return torch.nn.functional.pad(g, pad), None, None
+        return mesh_view.pad_block(current_context(), g, axes, dim), None, None
 
 
 class _PPermute(_Collective):
