@@ -179,10 +179,13 @@ def batched_branches() -> list[str]:
         rel = path.relative_to(ROOT).as_posix()
         if folder_of(module_name(path)) == "devices":
             continue
-        if any((isinstance(n, ast.Attribute) and n.attr == "batched" and isinstance(n.ctx, ast.Load))
+        tree = ast.parse(path.read_text())
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}    # x.batched(...): a method
+        if any((isinstance(n, ast.Attribute) and n.attr == "batched" and isinstance(n.ctx, ast.Load)
+                and id(n) not in called)
                or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
                    and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and n.args[1].value == "batched")
-               for n in ast.walk(ast.parse(path.read_text()))):
+               for n in ast.walk(tree)):
             out.append(rel)
     return out
 

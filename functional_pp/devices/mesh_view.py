@@ -96,3 +96,13 @@ def pad_block(ctx: Any, g: torch.Tensor, axes: Any, dim: int) -> torch.Tensor:
     i, size = ctx.mesh.axis_index(ctx.rank, axes), g.shape[dim]
     pad = [0, 0] * (g.ndim - dim - 1) + [i * size, (ctx.mesh.axis_size(axes) - i - 1) * size]
     return torch.nn.functional.pad(g, pad)
+
+
+def refuse_batched(error: Exception) -> None:
+    """Raise ``error`` (naming what cannot run and what to use instead) when the running code
+    runs for every device at once (a batched simulation): the one test of the kind of device
+    that code written for one rank needs (a compiled step, a pipeline, experts)."""
+    from functional_pp.core.runtime import current_context
+    ctx = current_context(required=False)
+    if ctx is not None and ctx.batched:
+        raise error

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.core.runtime import current_context
+from functional_pp.devices import mesh_view
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.swiglu import clamped_swiglu_tensors, swiglu_tensors
 from functional_pp.parallel import collectives as C
@@ -84,11 +84,9 @@ def _check_eager(dropless: bool) -> None:
                            "or give the experts a static capacity (capacity_factor, docs/experts.md; a factor of at "
                            "least experts / top_k drops nothing: dropless results for experts / top_k times the "
                            "expert work)")
-    ctx = current_context(required=False)
-    if ctx is not None and ctx.batched:
-        raise RuntimeError("experts: a mixture of experts does not run on the batched simulator (its devices "
-                           "route different numbers of tokens); simulate with threads (--sim-mode threads, "
-                           "launch(simulate=True)) or processes")
+    mesh_view.refuse_batched(RuntimeError(
+        "experts: a mixture of experts does not run on the batched simulator (its devices route different "
+        "numbers of tokens); simulate with threads (--sim-mode threads, launch(simulate=True)) or processes"))
 
 
 def _gather_invariant(router: Named, token_vary: frozenset) -> Named:

@@ -31,8 +31,8 @@ from functional_pp.compile.backend import step_backend
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
-from functional_pp.core.runtime import current_context
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.devices import mesh_view
 from functional_pp.ops.token_ids import checks_apart
 from functional_pp.optim.base import state_like_params
 from functional_pp.parallel.buckets import resolve_pending
@@ -406,9 +406,8 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def _refuse_batched() -> None:
-    if getattr(current_context(required=False), "batched", False):
-        raise ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
-                         "actions): use launch's threads (the default) or processes=True")
+    mesh_view.refuse_batched(ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
+                                        "actions): use launch's threads (the default) or processes=True"))
 
 
 def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,

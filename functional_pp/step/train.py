@@ -32,6 +32,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.policy import FIELDS as POLICY_FIELDS
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
+from functional_pp.devices import mesh_view
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
 from functional_pp.parallel import param_uses
@@ -286,10 +287,11 @@ class TrainStep:
                              f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
         fn = self._device_step
         step_compile, layer_compile = split_mode(self.compile)   # compile="per_layer": layers only
-        if (step_compile or layer_compile) and getattr(current_context(required=False), "batched", False):
-            raise ValueError(f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it "
-                             f"runs eager ops over a device dimension; docs/simulation.md): use compile=False "
-                             f"there, or launch(simulate=True) to simulate the compiled step")
+        if step_compile or layer_compile:
+            mesh_view.refuse_batched(ValueError(
+                f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it runs eager ops over "
+                f"a device dimension; docs/simulation.md): use compile=False there, or launch(simulate=True) to "
+                f"simulate the compiled step"))
         if step_compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
