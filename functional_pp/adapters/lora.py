@@ -31,7 +31,7 @@ from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
 from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
-from functional_pp.parallel.named import Named, _make
+from functional_pp.parallel.named import Named, make_named
 from functional_pp.quant.weights import QuantizedWeight
 
 RANK = "lora_r"
@@ -361,7 +361,7 @@ def _summed(y: Named, delta: Named) -> Named:
     """``y + delta``; two pending sums of one type added locally (one TP collective for both)."""
     if (y.partial and y.partial == delta.partial and y.dims == delta.dims and y.split == delta.split
             and y.vary == delta.vary):
-        return _make(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
+        return make_named(y.data + delta.data, y.dims, y.split, y.vary, y.partial, y._sizes)
     return y + delta
 
 

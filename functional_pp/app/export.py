@@ -145,13 +145,13 @@ def _weight_dims(ckpt: Path, tree, quantized) -> dict:
     empty."""
     import optree
 
-    from functional_pp.checkpoint.hf import _config_from_index
+    from functional_pp.checkpoint.hf import config_from_index
     from functional_pp.core.tree import leaves_with_paths
     from functional_pp.models import llama
     leaves = optree.tree_leaves(tree, is_leaf=quantized, none_is_leaf=False)
     if not any(quantized(x) and x[1].ndim < x[0].ndim for x in leaves):
         return {}
-    return {p: tuple(d.dims) for p, d in leaves_with_paths(llama.init(_config_from_index(fmt.read_index(ckpt))))}
+    return {p: tuple(d.dims) for p, d in leaves_with_paths(llama.init(config_from_index(fmt.read_index(ckpt))))}
 
 
 def _flat_block_dim(path: str, dims: dict) -> int:
@@ -174,7 +174,7 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
 
 def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> None:
     from functional_pp.adapters import LoraConfig, merge
-    from functional_pp.checkpoint.hf import _config_from_index, save_hf_llama
-    cfg = _config_from_index(fmt.read_index(ckpt))
+    from functional_pp.checkpoint.hf import config_from_index, save_hf_llama
+    cfg = config_from_index(fmt.read_index(ckpt))
     merged = merge(_full_params(ckpt), LoraConfig(**meta["lora"]))
     save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype)

@@ -96,7 +96,8 @@ def _state_bytes_per_param(cfg: TrainConfig) -> tuple[int, str]:
     return 8, "fp32 SGD: weights 4 + grads 4"
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
@@ -135,11 +136,11 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"model:      {family.name} {cfg.base_model or cfg.model.preset} ({model_txt}): {total:,} parameters"
         + ("" if trainable is None else f", {trained_total:,} trained (the rest frozen)"),
         f"memory:     {local:,} parameters on {where} x {per} B ({what}) = "
-        f"{_human_bytes(local * per)} per device (of {_human_bytes(total * per)} unsharded)"
+        f"{human_bytes(local * per)} per device (of {human_bytes(total * per)} unsharded)"
         if trainable is None else
         f"memory:     {trained_local:,} trained parameters on {where} x {per} B ({what}) + "
         f"{local - trained_local:,} frozen x {frozen_what} (weights only) = "
-        f"{_human_bytes(trained_local * per + frozen_bytes)} per device",
+        f"{human_bytes(trained_local * per + frozen_bytes)} per device",
         f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
         f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
@@ -197,11 +198,11 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     """The ``peak:`` line: the per-device peak of one training step of ``cfg`` and its split,
     from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
     est = planned_estimate(cfg, mesh, rules, model_cfg)
-    split = ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
-    line = f"peak:       {_human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
-    line += (f"\nreserved:   {_human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
-             f"{_human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
-    return line + (f"\nhost:       {_human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
+    split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
+    line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    line += (f"\nreserved:   {human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
+             f"{human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
+    return line + (f"\nhost:       {human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
                    if est.host_bytes else "")
 
 

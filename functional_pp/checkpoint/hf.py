@@ -532,7 +532,8 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
     return _write_hf(Path(out), cfg, items, max_shard_size, dt)
 
 
-def _config_from_index(index: dict):
+def config_from_index(index: dict):
+    """The Llama ``Config`` a checkpoint was saved with, read from its index."""
     from dataclasses import fields
 
     from functional_pp.models.llama import Config
@@ -563,7 +564,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLik
 
     ckpt = fmt.resolve_checkpoint(checkpoint, step)
     if cfg is None:
-        cfg = _config_from_index(fmt.read_index(ckpt))
+        cfg = config_from_index(fmt.read_index(ckpt))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = out / f".consolidate-{secrets.token_hex(4)}"

@@ -11,7 +11,7 @@ import time
 from textwrap import indent
 from typing import IO
 
-from functional_pp.app.report import _human_bytes
+from functional_pp.app.report import human_bytes
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.cluster import PRESETS, describe_presets
@@ -107,20 +107,20 @@ def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
     lines = [f"chose {best.describe()}:",
              f"  step {t.step_s:.4g} s, {ranking.tokens_per_s_per_device(best):,.0f} tokens/s per device, MFU "
              f"{t.mfu:.2f} (compute {t.compute_s:.4g} s, exposed communication {t.exposed_comm_s:.4g} s, hidden "
-             f"{t.hidden_comm_s:.4g} s); peak memory {_human_bytes(best.peak_bytes)} (reserved "
-             f"{_human_bytes(best.reserved_bytes)}) of "
-             f"{_human_bytes(ranking.memory_limit_bytes)} per device"
-             + (f", host memory {_human_bytes(best.host_bytes)} per device" if best.host_bytes else ""),
+             f"{t.hidden_comm_s:.4g} s); peak memory {human_bytes(best.peak_bytes)} (reserved "
+             f"{human_bytes(best.reserved_bytes)}) of "
+             f"{human_bytes(ranking.memory_limit_bytes)} per device"
+             + (f", host memory {human_bytes(best.host_bytes)} per device" if best.host_bytes else ""),
              f"  axes: {', '.join(f'{a} {w}-node' for a, w in t.placement.items()) or 'none'}"]
     busiest = sorted(t.by_collective.items(), key=lambda kv: -kv[1])[:4]
     if busiest:
         lines.append("  its collectives (s per step): " + ", ".join(f"{k} {v:.3g}" for k, v in busiest))
     parts = sorted(best.memory.items(), key=lambda kv: -kv[1])[:5]
-    lines.append("  its peak memory: " + ", ".join(f"{k} {_human_bytes(v)}" for k, v in parts)
+    lines.append("  its peak memory: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts)
                  + f" (at {best.runs[-1].peak_at})")
     for e in fitting[1:top]:
         lines.append(f"  vs {e.describe()}: {e.time.step_s:.4g} s, {ranking.tokens_per_s_per_device(e):,.0f} "
-                     f"tokens/s per device, {_human_bytes(e.peak_bytes)}")
+                     f"tokens/s per device, {human_bytes(e.peak_bytes)}")
     if cfg is not None:
         lines.append("to train it, set in the config:\n" + indent(layout_yaml(cfg, best, ranking.devices), "  "))
     return "\n".join(lines)
@@ -131,10 +131,10 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
     limit = ranking.memory_limit_bytes
     near = min(ranking, key=lambda e: e.reserved_bytes)
     over = near.reserved_bytes - limit
-    lines = [f"NO LAYOUT FITS: none of the {len(ranking)} layouts estimated is within {_human_bytes(limit)} per "
-             f"device. The nearest is {near.describe()} at {_human_bytes(near.reserved_bytes)} reserved (peak "
-             f"{_human_bytes(near.peak_bytes)}; {_human_bytes(over)} over; state {_human_bytes(near.state_bytes)}, activations at the peak "
-             f"{_human_bytes(near.memory.get('activations', 0))}). What would make it fit:"]
+    lines = [f"NO LAYOUT FITS: none of the {len(ranking)} layouts estimated is within {human_bytes(limit)} per "
+             f"device. The nearest is {near.describe()} at {human_bytes(near.reserved_bytes)} reserved (peak "
+             f"{human_bytes(near.peak_bytes)}; {human_bytes(over)} over; state {human_bytes(near.state_bytes)}, activations at the peak "
+             f"{human_bytes(near.memory.get('activations', 0))}). What would make it fit:"]
     given = cfg._given if cfg is not None else set()
     if near.settings.get("remat") is not True:
         why = " (the config fixes activation_checkpointing; remove it to let plan search it)" \
@@ -149,9 +149,9 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
         per_node = PRESETS[ranking.cluster].devices_per_node if ranking.cluster in PRESETS else 1
         need = -(-math.ceil(ranking.devices * factor) // per_node) * per_node
         lines.append(f"  - more devices: about {need} (FSDP over all of them shrinks its state, "
-                     f"{_human_bytes(near.state_bytes)} now; the rest, {_human_bytes(rest)}, does not shrink)")
+                     f"{human_bytes(near.state_bytes)} now; the rest, {human_bytes(rest)}, does not shrink)")
     else:
-        lines.append(f"  - more devices alone do not help: its activations and temporaries ({_human_bytes(rest)}) "
+        lines.append(f"  - more devices alone do not help: its activations and temporaries ({human_bytes(rest)}) "
                      f"exceed the limit; split them with cp or tp (more devices), or a shorter sequence_len")
     if all(e.mesh.shape.get("pp", 1) == 1 for e in ranking):
         lines.append("  - pipeline stages: --pp 2,4,8 (each stage holds its share of the layers)")
@@ -301,12 +301,12 @@ def run(args) -> int:
                            space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
                            float8=args.float8)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} (memory limit "
-          f"{_human_bytes(ranking.memory_limit_bytes)} per device), best first:")
+          f"{human_bytes(ranking.memory_limit_bytes)} per device), best first:")
     print(ranking.table(args.top))
     print(explain(ranking, cfg))
     front = ranking.pareto()
     print("Pareto front (time, memory):\n" + "\n".join(
-        f"  {e.describe()}: {e.time.step_s:.4g} s, {_human_bytes(e.peak_bytes)}" for e in front))
+        f"  {e.describe()}: {e.time.step_s:.4g} s, {human_bytes(e.peak_bytes)}" for e in front))
     if ranking.rejected:
         print(f"{len(ranking.rejected)} layouts rejected, e.g. {ranking.rejected[0][0]}: {ranking.rejected[0][1]}")
     if json_path is not None:

@@ -9,9 +9,9 @@ and run these passes on it before it executes:
 2. :func:`functional_pp.compile.buckets.bucket_all_reduces`: the gradient all-reduces are
    grouped into buckets of ``bucket_mb``, as eager steps group them;
 3. :func:`functional_pp.compile.overlap.overlap_communication` (torch.distributed only; on by
-   default, ``FPP_OVERLAP=0`` keeps trace order): all-gathers are prefetched one weight ahead
-   and waits sink to the first use of their result, with at most ``FPP_COLLECTIVES_IN_FLIGHT``
-   (default 2) collectives of a kind in flight;
+   default, the step policy's ``overlap=False`` keeps trace order): all-gathers are prefetched
+   one weight ahead and waits sink to the first use of their result, with at most the policy's
+   ``collectives_in_flight`` (default 2) collectives of a kind in flight;
 4. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
    elementwise results are written into the buffers that die there;
 5. the collectives of the final graph (recomputed gathers included) are read from their
@@ -23,7 +23,6 @@ Other backend names are passed to ``torch.compile`` unchanged (no passes, no cou
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -35,20 +34,24 @@ from functional_pp.compile.overlap import overlap_communication
 from functional_pp.compile.recompute import in_backward_region, probe_backward_marks, reissue_for_backward
 from functional_pp.compile.reinplace import reinplace
 from functional_pp.core import comm
+from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread, thread_local_value
 
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
 
 @functools.lru_cache(maxsize=None)
-def step_backend(compile: bool | str, bucket_mb: float | None = None) -> str | Callable:
+def step_backend(compile: bool | str, bucket_mb: float | None = None, overlap: bool = True,
+                 in_flight: int = DEFAULT_IN_FLIGHT) -> str | Callable:
     """The backend to hand ``torch.compile`` for ``train_step(compile=...)``; ``bucket_mb``:
-    the step's gradient all-reduce buckets (None: one all-reduce per gradient)."""
+    the step's gradient all-reduce buckets (None: one all-reduce per gradient); ``overlap`` and
+    ``in_flight``: the step policy's ``overlap`` and ``collectives_in_flight``."""
     name = "inductor" if compile is True else compile
     probe_backward_marks()
     # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
     return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor",
-                                                   bucket_mb=bucket_mb)) or name
+                                                   bucket_mb=bucket_mb, overlap=overlap,
+                                                   in_flight=in_flight)) or name
 
 
 def _is_collective(node: torch.fx.Node) -> bool:
@@ -79,11 +82,12 @@ def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
         yield graphs
 
 
-def _step_pass(graph: torch.fx.Graph, in_place: bool = False, bucket_mb: float | None = None):
+def _step_pass(graph: torch.fx.Graph, in_place: bool = False, bucket_mb: float | None = None,
+               overlap: bool = True, in_flight: int = DEFAULT_IN_FLIGHT):
     reissue_for_backward(graph)
     bucket_all_reduces(graph, bucket_mb)
-    if os.environ.get("FPP_OVERLAP", "1") != "0":     # FPP_OVERLAP=0: trace order (debugging)
-        overlap_communication(graph)
+    if overlap:                                       # False: trace order (debugging)
+        overlap_communication(graph, in_flight)
     if in_place:
         reinplace(graph)
     graph.lint()          # every pass kept each node after its inputs (a clear error, not a NameError at run time)

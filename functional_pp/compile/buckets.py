@@ -15,6 +15,8 @@ A gradient is added to the open bucket only if nothing reads any member's result
 (the graph's order must stay valid); otherwise the bucket is closed first, as eager launches a
 bucket early when an op touches a pending gradient. All-reduces whose result is read at once
 (tensor parallelism's activation gradients) thus stay alone.
+
+Mechanism: Gradient buckets (the bucket policy, and the pass that groups all-reduces; compiled).
 """
 from __future__ import annotations
 

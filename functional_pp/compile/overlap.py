@@ -13,21 +13,22 @@ let the network work while the CPU/GPU computes, and a bound keeps what they hol
 * a bound on collectives in flight: an asynchronous collective holds its input until its
   wait, so late waits alone would keep every layer's unsharded gradient alive until the
   optimizer. The wait of the k-th collective of a kind moves up before the launch of the
-  (k+N)-th (N = ``FPP_COLLECTIVES_IN_FLIGHT``, default 2; 0: no bound; functional_pp.compile.in_flight, the
+  (k+N)-th (N = the step policy's ``collectives_in_flight``, default 2; 0: no bound; the
   same bound as eager steps'), as FSDP2 waits for
   one reduce-scatter before it issues the next ones (docs/compile.md, "Peak memory of
   compiled FSDP").
 
 Simulated collectives are one synchronous op each; there is nothing to overlap, so the
 simulated graph is left in trace order.
+
+Mechanism: FSDP (gathers prefetched, waits sunk, collectives in flight bounded; compiled).
 """
 from __future__ import annotations
 
 import torch
 
 from functional_pp._torch import OpOverload
-from functional_pp.compile.in_flight import (DEFAULT_IN_FLIGHT, IN_FLIGHT_ENV,  # noqa: F401 (re-exported)
-                                             in_flight_limit)
+from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.compile.recompute import _VIEW_OR_CAST, LEAF, REGATHER, _op_name, is_backward
 
 _FUNCOL = "_c10d_functional"
@@ -153,13 +154,13 @@ def bound_in_flight(graph: torch.fx.Graph, limit: int) -> int:
     return moved
 
 
-def overlap_communication(graph: torch.fx.Graph, in_flight: int | None = None) -> int:
+def overlap_communication(graph: torch.fx.Graph, in_flight: int = DEFAULT_IN_FLIGHT) -> int:
     """Prefetch FSDP all-gathers and sink waits in a graph of torch.distributed collectives,
-    with at most ``in_flight`` collectives of a kind in flight (default:
-    :func:`in_flight_limit`). Returns the number of nodes moved."""
+    with at most ``in_flight`` collectives of a kind in flight (0: no bound; the step passes
+    its policy's ``collectives_in_flight``). Returns the number of nodes moved."""
     if not any(_is_launch(n) for n in graph.nodes):
         return 0
-    limit = in_flight_limit() if in_flight is None else in_flight
+    limit = in_flight
     moved = 0
     # late waits
     for wait in [n for n in graph.nodes if _is_wait(n)]:

@@ -16,6 +16,9 @@ uses are computed again (from the region's inputs and kept outputs) right before
 backward node that needs them, so the forward copies die at their last forward use. This is
 SimpleFSDP's must-recompute tagging, applied to the single traced graph instead of a
 forward/backward partition.
+
+Mechanism: FSDP (gathers re-issued in backward; compiled).
+Mechanism: Activation checkpointing (remat regions recomputed; compiled).
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@ training step groups its collectives, without changing the model or the numbers
 (docs/policy.md).
 
 A :class:`Policy` is frozen. Its *ambient* fields (:data:`AMBIENT`: ``remat``,
-``keep_gathered``, ``cp_attention``, ``regather_activations``, ``reduce_dtype``) default to
+``keep_gathered``, ``cp_attention``, ``regather_activations``, ``reduce_dtype``, ``check_rep``) default to
 None, "inherit": :meth:`Policy.over` fills them from another policy (the ambient one of
 ``core/runtime.py``, :func:`~functional_pp.core.runtime.current_policy`). Its *step* fields
-(:data:`STEP_ONLY`: gradient buckets and FSDP units) have concrete defaults: only a training
+(:data:`STEP_ONLY`: gradient buckets, FSDP units, collectives in flight, the compiled step's
+overlap) have concrete defaults: only a training
 step applies them, so there is nothing ambient to inherit (``bucket_mb=None`` means "no
 buckets", not "inherit")."""
 from __future__ import annotations
@@ -18,14 +19,15 @@ from typing import Any, Iterable
 import torch
 
 DEFAULT_BUCKET_MB = 25.0
+DEFAULT_IN_FLIGHT = 2
 CP_ATTENTION = ("ring", "allgather")
 #: what ``remat`` may be: False (keep every activation), True (recompute whole layers) or
 #: "selective" (keep matrix products' and attention's results, recompute the rest)
 REMAT_MODES = (False, True, "selective")
 # the fields an op reads from the ambient policy (functional_pp.configure sets them)
-AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype")
+AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype", "check_rep")
 # the fields only a training step applies (fpp.train_step(...) / TrainStep(policy=...))
-STEP_ONLY = ("bucket_mb", "fsdp_units", "fsdp_keep_root", "fsdp_prefetch")
+STEP_ONLY = ("bucket_mb", "fsdp_units", "fsdp_keep_root", "fsdp_prefetch", "collectives_in_flight", "overlap")
 
 
 def check_bucket_mb(bucket_mb: float | None) -> None:
@@ -72,6 +74,9 @@ class Policy:
     """Save gathered activations' shards and re-gather them in backward (Megatron SP)."""
     reduce_dtype: torch.dtype | None = None
     """Sum 16-bit values in this dtype (mixed precision; a step sets it from its ``precision``)."""
+    check_rep: bool | None = None
+    """Check at run time that every ``shard_map`` output declared replicated is equal on all its
+    devices (a debugging aid; ``shard_map(check_rep=...)`` decides for one function)."""
     bucket_mb: float | None = DEFAULT_BUCKET_MB
     """Step only: data-parallel gradient all-reduce buckets in MB (0: per gradient; None: unbucketed)."""
     fsdp_units: bool = True
@@ -80,6 +85,12 @@ class Policy:
     """Step only: under FSDP the weights outside the layers are not re-gathered in backward."""
     fsdp_prefetch: bool = True
     """Step only: under FSDP the next unit's gather is launched before a unit computes."""
+    collectives_in_flight: int = DEFAULT_IN_FLIGHT
+    """Step only: at most this many asynchronous collectives of one kind launched and not yet
+    awaited, in eager FSDP units and compiled graphs alike (0: no bound; docs/communication.md)."""
+    overlap: bool = True
+    """Step only: a compiled step prefetches FSDP gathers and sinks waits to their first use
+    (False: the trace's order, for debugging; compile/overlap.py)."""
 
     def __post_init__(self):
         check_remat(self.remat, allow_none=True)
@@ -89,6 +100,10 @@ class Policy:
         if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
             raise TypeError(f"reduce_dtype must be a torch.dtype or None, got {self.reduce_dtype!r}")
         check_bucket_mb(self.bucket_mb)
+        n = self.collectives_in_flight
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"collectives_in_flight must be a whole number of collectives of one kind in flight "
+                             f"at once (>= 1), or 0 for no bound (the default is {DEFAULT_IN_FLIGHT}), got {n!r}")
 
     @classmethod
     def of(cls, where: str = "Policy", **kw: Any) -> "Policy":
@@ -109,4 +124,5 @@ class Policy:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 # the ambient values when nothing sets them (what current_policy() returns outside any block)
-RESOLVED = Policy(remat=False, keep_gathered=False, cp_attention="ring", regather_activations=False)
+RESOLVED = Policy(remat=False, keep_gathered=False, cp_attention="ring", regather_activations=False,
+                  check_rep=False)

@@ -107,6 +107,14 @@ def current_context(required: bool = True) -> DeviceContext | None:
     return ctx
 
 
+def context_and_rules() -> "tuple[DeviceContext | None, Rules | None]":
+    """The running device's context and the active rules, None where there is none: what
+    :func:`current_context` and :func:`active_rules` read, without their checks (every op asks,
+    docs/eager_overhead.md; a thread-local's ``__dict__.get``, not ``getattr``: a missing
+    attribute would raise and catch)."""
+    return _process_context or _local.__dict__.get("ctx"), _rules_local.__dict__.get("rules")
+
+
 def current_mesh() -> Mesh:
     """The mesh of the running device."""
     return current_context().mesh
@@ -134,8 +142,8 @@ def thread_local_value(local: threading.local, name: str, value: T) -> Iterator[
         setattr(local, name, prev)
 
 
-def thread_context(ctx: DeviceContext) -> ContextManager[DeviceContext]:
-    """Make ``ctx`` the running device of this thread for the block."""
+def thread_context(ctx: DeviceContext | None) -> ContextManager[DeviceContext | None]:
+    """Make ``ctx`` the running device of this thread for the block (None: no running device)."""
     return thread_local_value(_local, "ctx", ctx)
 
 

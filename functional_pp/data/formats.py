@@ -447,7 +447,9 @@ class _StreamWriter:
                            self.name, self.documents)
 
 
-def _split_count(val_set_size: float, n: int) -> int:
+def held_out_count(val_set_size: float, n: int) -> int:
+    """How many of ``n`` examples a ``val_set_size`` holds out: a count when >= 1, else a
+    fraction (at least one)."""
     if val_set_size <= 0:
         return 0
     return int(val_set_size) if val_set_size >= 1 else max(1, int(round(n * val_set_size)))
@@ -498,7 +500,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                              "into it")
         arr = token_ids(entries[0], vocab if tokenizer is not None else None, f"datasets[0] ({entries[0].path})")
         n_docs = _count(arr, eos)
-        n_val = _split_count(val_set_size, max(n_docs, 1))
+        n_val = held_out_count(val_set_size, max(n_docs, 1))
         cut = _cut_before_last_docs(arr, eos, n_val) if n_val else len(arr)
         train = TokenStream(arr[:cut], None, eos, vocab, names, n_docs - n_val)
         val = TokenStream(arr[cut:], None, eos, vocab, f"{names}[val]", n_val) if n_val else None
@@ -507,7 +509,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     n = sum(counts)
     if n == 0:
         raise ValueError(f"datasets ({names}) hold no examples")
-    n_val = _split_count(val_set_size, n)
+    n_val = held_out_count(val_set_size, n)
     if n_val >= n:
         raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {n} examples: "
                          f"nothing is left to train on")

@@ -7,6 +7,8 @@ of mesh dimensions: every collective moves those to the front (group index first
 as docs/collectives.md orders a group), combines or exchanges the blocks there and moves them
 back. Sums run left to right over the group, in the order and so with the rounding of the
 threaded simulator (devices/sim.py). Every result is a fresh contiguous tensor.
+
+Mechanism: Devices (batched simulator: its collectives).
 """
 from __future__ import annotations
 

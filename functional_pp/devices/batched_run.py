@@ -4,7 +4,10 @@ collectives computed over the device dimension (devices/batched.py); docs/simula
 "Batched simulation". :func:`per_device` builds per-device inputs (data, parameters).
 
 Values that wrap a device's block (named arrays) are stacked and split through
-:func:`register_block_type`, which their module calls (this layer does not import it)."""
+:func:`register_block_type`, which their module calls (this layer does not import it).
+
+Mechanism: Devices (batched simulator: one run over a device dimension).
+"""
 from __future__ import annotations
 
 from typing import Any, Callable

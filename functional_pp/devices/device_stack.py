@@ -12,6 +12,8 @@ ones run directly on the stacked blocks (views, the CPU flash attention) are rou
 devices/device_stack_ops.py. What a batched run cannot do is refused with a clear error: reading a value to the host
 (``.item()``, ``.tolist()``, ``bool(t)``) where the devices hold different values, random ops,
 and writing per-device values into a tensor that is not a ``DeviceStack``.
+
+Mechanism: Devices (batched simulator: the stacked per-device value).
 """
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 (docs/simulation.md, "Batched simulation"): view ops taken directly on the stacked blocks,
 the CPU flash attention with the devices folded into its batch, ``out=`` ops, ``_foreach_*``
 ops, fused optimizer kernels, and in-place or ``out=`` writes into ordinary tensors (written
-once, with the value every device agrees on). :func:`route` dispatches every op."""
+once, with the value every device agrees on). :func:`route` dispatches every op.
+
+Mechanism: Devices (batched simulator: ops beyond functorch's rules).
+"""
 from __future__ import annotations
 
 import torch

@@ -2,12 +2,15 @@
 function on one thread per device under the threaded simulator, each with its own block of
 the batched values (docs/simulation.md, "The training loop on the batched simulator"). The
 training loop saves checkpoints this way: a save is per-rank file I/O with barriers between its
-phases, cheap next to the steps, and its rank-0-only parts need a device that is rank 0."""
+phases, cheap next to the steps, and its rank-0-only parts need a device that is rank 0.
+
+Mechanism: Devices (batched simulator: per-device host work on threads).
+"""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from functional_pp.core.runtime import _local, current_context, current_rank, thread_local_value
+from functional_pp.core.runtime import current_context, current_rank, thread_context
 
 __all__ = ["on_device_threads"]
 
@@ -24,5 +27,5 @@ def on_device_threads(fn: Callable[[Any], Any], tree: Any, *, timeout: float = 3
     from functional_pp.devices.batched_run import _block_of
     from functional_pp.devices.launch import _launch_threads
     blocks = [_block_of(tree, r) for r in range(ctx.mesh.size)]
-    with thread_local_value(_local, "ctx", None):       # the device threads' launch is not nested
+    with thread_context(None):       # the device threads' launch is not nested
         return _launch_threads(lambda: fn(blocks[current_rank()]), ctx.mesh, timeout)

@@ -3,6 +3,8 @@
 Functional collectives are traced by ``torch.compile(fullgraph=True)``. Process groups are
 created once per set of mesh axes; torch orders a group's ranks ascending, so results are
 reordered where our group order (first axis major) differs.
+
+Mechanism: Devices (real processes: torch.distributed, gloo or NCCL).
 """
 from __future__ import annotations
 

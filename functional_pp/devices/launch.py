@@ -1,4 +1,7 @@
-"""Run a function on every device of a mesh: simulated threads, local processes, or torchrun."""
+"""Run a function on every device of a mesh: simulated threads, local processes, or torchrun.
+
+Mechanism: Devices (the entry point: threads, batched, processes or torchrun).
+"""
 from __future__ import annotations
 
 import os

@@ -6,6 +6,8 @@ concatenation) and wakes the others, who each take their own copy. Every rank th
 a bitwise equal result at the cost of one reduction per group, not one per rank
 (docs/simulation.md). A failure on any rank aborts every pending and future rendezvous, so
 nothing hangs.
+
+Mechanism: Devices (threaded simulator: a thread per rank, collectives by rendezvous).
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ thread state; a runnable thread that the OS has not scheduled on a busy machine 
 blocked), and after ``give_up`` seconds of waiting
 in any case (a holder spinning while it waits for another device cannot hold the others up
 for longer). Turns never decide what runs, only when.
+
+Mechanism: Devices (threaded simulator: turns).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ returned from the launched function, and after ``timeout`` seconds in which *no*
 progress: no collective arrived anywhere and no device outside a collective used CPU time. A
 device that is merely slow or compiling uses CPU time, so it never trips the timeout; one
 blocked outside a collective (a lock, a sleep, input()) does. Messages say where every device is.
+
+Mechanism: Devices (threaded simulator: hang detection).
 """
 from __future__ import annotations
 

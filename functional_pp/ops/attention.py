@@ -19,8 +19,8 @@ from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import (Named, _make, _memo, current_context, current_policy, env, op_env, pvary,
-                                          require_named, settle, target_layout, varying_after)
+from functional_pp.parallel.named import (Named, make_named, memo_table, current_context, current_policy, env, op_env,
+                                          pvary, require_named, settle, target_layout, varying_after)
 
 
 def positions(dim: str, size: int | None = None, device: torch.device | str | None = None) -> Named:
@@ -32,7 +32,7 @@ def positions(dim: str, size: int | None = None, device: torch.device | str | No
     balanced = env()[1].splits_balanced(dim, split)
     if is_tracing():     # a fresh value per trace: what is derived from it lives as long as the trace
         value = Named(_local_positions(size, split, balanced, device), [dim], [split])
-        _memo(value)[TRACED_POSITIONS] = True
+        memo_table(value)[TRACED_POSITIONS] = True
         return value
     ctx = current_context(required=False)
     # eager: one value per device, launch and layout, so that what is derived from it (the rotary
@@ -67,14 +67,14 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=N
 def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
     """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
     the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
-    from functional_pp.parallel.raw_collectives import _local_chunk
+    from functional_pp.parallel.raw_collectives import local_chunk
     if not balanced:
-        return _local_chunk(torch.arange(size, device=device), split, 0)
+        return local_chunk(torch.arange(size, device=device), split, 0)
     first, rest = split[0], split[1:]
     n = C.axis_size(first)
     table = torch.stack([balanced_indices(size, n, j, device) for j in range(n)])
-    base = _local_chunk(table, (first,), 0).squeeze(0)
-    return _local_chunk(base, rest, 0) if rest else base
+    base = local_chunk(table, (first,), 0).squeeze(0)
+    return local_chunk(base, rest, 0) if rest else base
 
 
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
@@ -161,7 +161,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
-    return _make(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
+    return make_named(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
 
 
 def _attention_plan(q: Named, k: Named, v: Named, names: tuple[str, ...], mesh, rules) -> tuple:

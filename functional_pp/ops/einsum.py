@@ -8,7 +8,7 @@ import torch
 
 from functional_pp._torch import is_tracing
 from functional_pp.ops.regather import regather_scope, relayout
-from functional_pp.parallel.named import Named, _make, op_env, pvary, require_named, settle, varying_after
+from functional_pp.parallel.named import Named, make_named, op_env, pvary, require_named, settle, varying_after
 
 
 def _cache(maxsize: int):
@@ -131,7 +131,7 @@ def einsum(pattern: str, *operands: Named) -> Named:
             data = _contract(spec, ready)
     else:
         data = _contract(spec, ready)
-    return _make(data, out_dims, t_loc, vary, used, out_sizes)
+    return make_named(data, out_dims, t_loc, vary, used, out_sizes)
 
 
 def _contract(spec, ready: list[Named]) -> torch.Tensor:

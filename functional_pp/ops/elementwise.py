@@ -5,7 +5,7 @@ import torch
 
 from functional_pp.ops.einsum import _cache
 from functional_pp.ops.regather import regather_scope, relayout
-from functional_pp.parallel.named import Named, _make, env, op_env, pvary, settle, varying_after
+from functional_pp.parallel.named import Named, make_named, env, op_env, pvary, settle, varying_after
 
 
 @_cache(1024)
@@ -40,7 +40,7 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
                             f"{tuple(other.shape)}; wrap it with functional_pp.named(tensor, 'dims')")
         x = x if keep_partial else settle(x)
         data = fn(x._data, other) if left else fn(other, x._data)
-        return _make(data, x._dims, x._split, x._vary, x._partial, x._sizes)
+        return make_named(data, x._dims, x._split, x._vary, x._partial, x._sizes)
     mesh, rules, plans = op_env()
     plan = None
     if plans is not None and a._sizes is not None and b._sizes is not None:   # eager: memoised
@@ -54,7 +54,7 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
         # already laid out and typed alike: nothing to reconcile (docs/eager_overhead.md)
         data = fn(a._data if align_a is None else _align(a, dims, align_a),
                   b._data if align_b is None else _align(b, dims, align_b))
-        return _make(data, dims, out_split, a._vary, sizes=out_sizes)
+        return make_named(data, dims, out_split, a._vary, sizes=out_sizes)
     a, b = settle(a, ta), settle(b, tb)
     after = [varying_after(a, ta), varying_after(b, tb)]
     union = after[0] | after[1]
@@ -63,7 +63,7 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
     with regather_scope([a, b]):
         data = fn(a._data if align_a is None else _align(a, dims, align_a),
                   b._data if align_b is None else _align(b, dims, align_b))
-    return _make(data, dims, out_split, frozenset(union), sizes=out_sizes)
+    return make_named(data, dims, out_split, frozenset(union), sizes=out_sizes)
 
 
 def _binary_layout(a: Named, b: Named, name: str, mesh, rules) -> tuple:
@@ -129,7 +129,7 @@ def broadcast(fn, operands: list, name: str) -> Named:
     operands = [next(ready) if isinstance(x, Named) else x for x in operands]
     with regather_scope([x for x in operands if isinstance(x, Named)]):
         data = fn(*[_align(x, dims) if isinstance(x, Named) else x for x in operands])
-    return _make(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
+    return make_named(data, dims, tuple(target[d] for d in dims), frozenset(union), sizes=tuple(sizes[d] for d in dims))
 
 
 def where(cond: Named, a, b) -> Named:

@@ -26,11 +26,11 @@ from typing import Sequence
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.core.runtime import current_context
+from functional_pp.devices import mesh_view
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.swiglu import clamped_swiglu_tensors, swiglu_tensors
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import Named, _make, env, pvary, require_named, settle, varying_after
+from functional_pp.parallel.named import Named, make_named, env, pvary, require_named, settle, varying_after
 from functional_pp.parallel.raw_collectives import axis_index as raw_axis_index
 
 __all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "routing_counts", "capacity", "SCORES"]
@@ -61,7 +61,7 @@ class RouterStats:
 
 
 def _named_like(data: torch.Tensor, dims, split, vary, partial=()) -> Named:
-    return _make(data, tuple(dims), tuple(split), frozenset(vary) | frozenset(partial), frozenset(partial))
+    return make_named(data, tuple(dims), tuple(split), frozenset(vary) | frozenset(partial), frozenset(partial))
 
 
 def _whole(x: Named, keep: dict[str, tuple[str, ...]] | None = None) -> tuple:
@@ -84,11 +84,9 @@ def _check_eager(dropless: bool) -> None:
                            "or give the experts a static capacity (capacity_factor, docs/experts.md; a factor of at "
                            "least experts / top_k drops nothing: dropless results for experts / top_k times the "
                            "expert work)")
-    ctx = current_context(required=False)
-    if ctx is not None and ctx.batched:
-        raise RuntimeError("experts: a mixture of experts does not run on the batched simulator (its devices "
-                           "route different numbers of tokens); simulate with threads (--sim-mode threads, "
-                           "launch(simulate=True)) or processes")
+    mesh_view.refuse_batched(RuntimeError(
+        "experts: a mixture of experts does not run on the batched simulator (its devices route different "
+        "numbers of tokens); simulate with threads (--sim-mode threads, launch(simulate=True)) or processes"))
 
 
 def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
@@ -109,7 +107,7 @@ def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
         vary -= set(axes)
     if data is router.data:
         return router
-    return _make(data, router.dims, tuple(split), frozenset(vary), frozenset(), router._sizes)
+    return make_named(data, router.dims, tuple(split), frozenset(vary), frozenset(), router._sizes)
 
 
 def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top_k: int,

@@ -7,7 +7,10 @@ it (``train_step(remat=True)``, or ``remat="selective"``: keep the results of ma
 and attention, recompute the rest; :mod:`functional_pp.compile.selective`). Eagerly the
 recomputation is ``torch.utils.checkpoint`` (selective: with torch's selective-checkpoint
 contexts); under ``torch.compile`` the region is tagged and the compiled graph recomputes it
-(:mod:`functional_pp.compile.recompute`)."""
+(:mod:`functional_pp.compile.recompute`).
+
+Mechanism: Activation checkpointing (`fpp.layer` and `fpp.remat`; eager).
+"""
 from __future__ import annotations
 
 import functools

@@ -9,7 +9,7 @@ from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.rows import nll_rows
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import _EMPTY, Named, _make, require_named, settle
+from functional_pp.parallel.named import NO_AXES, Named, make_named, require_named, settle
 
 IGNORE_INDEX = -100
 
@@ -72,7 +72,8 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
             # nothing split or varying: the same sums and division without named bookkeeping
             # the count as an integer (exact; the division converts it as a float count would)
             count = torch.count_nonzero(valid).clamp_min(1)
-            return None, None, _make((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), _EMPTY, sizes=())
+            return None, None, make_named((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), NO_AXES,
+                                          sizes=())
         nll = Named(nll, other, split_other, logits.vary)
     return nll, Named(valid.to(x.dtype), other, split_other, labels.vary), None
 

@@ -6,7 +6,7 @@ import torch
 
 from functional_pp.ops import reduce as R
 from functional_pp.ops.shape import the_one_dim
-from functional_pp.parallel.named import Named, _make, settle
+from functional_pp.parallel.named import Named, make_named, settle
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -31,7 +31,7 @@ def _normalize(x: Named, dims: tuple[str, ...], eps: float, center: bool) -> Nam
             x._check_dim(dim, "norm")
     i = tuple(x._dims.index(dim) for dim in dims)
     if not any(x._split[j] for j in i):     # the whole dimensions are local: one fused computation
-        return _make(_fused(x._data, i, eps, center), x._dims, x._split, x._vary, x._partial, x._sizes)
+        return make_named(_fused(x._data, i, eps, center), x._dims, x._split, x._vary, x._partial, x._sizes)
     xf = x.astype(_wide(x.data.dtype))
     if center:
         xf = xf - R.mean(xf, dims)

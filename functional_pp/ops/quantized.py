@@ -15,7 +15,7 @@ import torch
 from functional_pp.core.layout import Layout
 from functional_pp.ops.einsum import _plan, einsum, register_operand
 from functional_pp.ops.regather import relayout
-from functional_pp.parallel.named import Named, _make, op_env, require_named, settle
+from functional_pp.parallel.named import Named, make_named, op_env, require_named, settle
 from functional_pp.quant.weights import QuantizedWeight, dequantize, flat_block_dim
 
 __all__ = ["is_quantized", "stand_in", "realize"]
@@ -63,8 +63,8 @@ def stand_in(q: QuantizedWeight) -> Named:
     """A value of the weight's type (dimensions, layout, varying axes, global sizes) on the meta
     device: what an op plans with."""
     c = q.codes
-    return _make(torch.empty(_unpacked(q, tuple(c._data.shape)), device="meta"), c._dims, c._split, c._vary, _EMPTY,
-                 _global_shape(q))
+    return make_named(torch.empty(_unpacked(q, tuple(c._data.shape)), device="meta"), c._dims, c._split, c._vary,
+                      _EMPTY, _global_shape(q))
 
 
 def _target(c: Named, codes: Named, target: Layout) -> Layout:
@@ -85,7 +85,7 @@ def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "q
     local = _local(QuantizedWeight(*moved))
     codes = moved[0]
     sizes = _global_shape(q)
-    return _make(dequantize(local, dtype), codes._dims, target, codes._vary, _EMPTY, sizes)
+    return make_named(dequantize(local, dtype), codes._dims, target, codes._vary, _EMPTY, sizes)
 
 
 def _realize_flat(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str) -> Named:
@@ -95,7 +95,7 @@ def _realize_flat(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: st
     moved = [relayout(c, tuple(() for _ in c._dims), op) if isinstance(c, Named) and c._data.ndim else c for c in q]
     codes = moved[0]
     full = dequantize(_local(QuantizedWeight(*moved)), dtype, block_dim=_block_dim(q))
-    whole = _make(full, codes._dims, codes._split, codes._vary, _EMPTY, _global_shape(q))
+    whole = make_named(full, codes._dims, codes._split, codes._vary, _EMPTY, _global_shape(q))
     return relayout(whole, target, op)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.parallel.named import Named, _make, settle
+from functional_pp.parallel.named import Named, make_named, settle
 
 
 class _Realized(torch.autograd.Function):
@@ -38,7 +38,7 @@ def realized(x: Named) -> Named:
     if not is_tracing():
         return x
     # a pending sum stays pending: this device's block of it is what is written once
-    return _make(_Realized.apply(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
+    return make_named(_Realized.apply(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
 
 
 def computed_once(x: torch.Tensor) -> torch.Tensor:

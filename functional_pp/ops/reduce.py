@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import Named, _make, env, require_named, settle
+from functional_pp.parallel.named import Named, make_named, env, require_named, settle
 
 
 def _dims(x: Named, dims, op: str) -> tuple[str, ...]:
@@ -24,8 +24,8 @@ def _reduced(x: Named, dims, data: torch.Tensor, partial=(), settled=()) -> Name
     keep = [i for i, d in enumerate(x.dims) if d not in dims]
     sizes = None if x._sizes is None else tuple(x._sizes[i] for i in keep)
     vary = x.vary.difference(settled) if settled else x.vary
-    return _make(data, tuple(x.dims[i] for i in keep), tuple(x.split[i] for i in keep), vary.union(partial),
-                 x.partial.union(partial) if partial else x.partial, sizes)
+    return make_named(data, tuple(x.dims[i] for i in keep), tuple(x.split[i] for i in keep), vary.union(partial),
+                      x.partial.union(partial) if partial else x.partial, sizes)
 
 
 def _split_axes(x: Named, dims) -> tuple[str, ...]:

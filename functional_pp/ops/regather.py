@@ -3,7 +3,10 @@ activation (sequence parallelism, ``regather_activations``) for backward and all
 when backward needs it, instead of saving the full tensor. A gather of a load-balanced
 dimension is followed by a reorder into natural order; the recipe replays it
 (docs/layouts.md). :func:`relayout` is the ops' relayout: the layout change of
-functional_pp/parallel/reshard.py plus this bookkeeping."""
+functional_pp/parallel/reshard.py plus this bookkeeping.
+
+Mechanism: FSDP (per weight, ZeRO-3: a gathered weight keeps its shard and is re-gathered in backward; eager).
+"""
 from __future__ import annotations
 
 import weakref
@@ -21,8 +24,8 @@ from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel import param_uses
 from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel.fsdp_units import keeps_gathered
-from functional_pp.parallel.named import Named, _make, current_policy
-from functional_pp.parallel.reshard import Reshard, _all_gather, relayout_with, reshard
+from functional_pp.parallel.named import Named, make_named, current_policy
+from functional_pp.parallel.reshard import Reshard, all_gather_tiled, relayout_with, reshard
 
 
 def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
@@ -38,20 +41,20 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
 
 def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
     tagged = x.is_param and not keeps_gathered(current_policy())
-    done = reshard(x, target, op, _regathered_in_backward if tagged else _all_gather)
+    done = reshard(x, target, op, _regathered_in_backward if tagged else all_gather_tiled)
     out = done.value
     if x.is_param and done.gathers and not x.tied:
         param_uses.record(x.data)            # gathered at several sites: tied from the next forward
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
             and out.data.requires_grad and not done.sliced):
-        out = _make(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
-                    out.tied, done.gathers[0])
+        out = make_named(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
+                         out.tied, done.gathers[0])
     return done._replace(value=out)
 
 
 def _regathered_in_backward(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
     with regather_region():                 # ZeRO-3 under compile
-        return _all_gather(data, axes, dim)
+        return all_gather_tiled(data, axes, dim)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.compile.barrier import materialize
 from functional_pp.ops.regather import relayout
-from functional_pp.parallel.named import Named, _make, _memo, settle
+from functional_pp.parallel.named import Named, make_named, memo_table, settle
 
 # marks a positions value built while torch.compile traces: its rotary tables may be memoised on
 # it for that trace (the value dies with the trace; docs/rotary.md)
@@ -141,7 +141,7 @@ def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
     else:                                   # partial rotary: the rest of head_dim passes through
         out = torch.cat([_rotate(data.narrow(di, 0, d), cos, sin, di, interleaved),
                          data.narrow(di, d, data.shape[di] - d)], di)
-    return _make(out, dims, split, x._vary, x._partial, x._sizes)
+    return make_named(out, dims, split, x._vary, x._partial, x._sizes)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int, interleaved: bool = False) -> torch.Tensor:
@@ -167,7 +167,7 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
     tracing = is_tracing()
     if not tracing:
         key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim, seq_len, interleaved)
-        memo = _memo(pos)
+        memo = memo_table(pos)
     else:   # only a value built in this trace holds tables (no tensors kept across traces)
         key = ("rotary", d, theta, scaling, device, si, di, ndim, seq_len, interleaved)
         memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None

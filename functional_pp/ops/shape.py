@@ -5,7 +5,7 @@ import re
 from typing import Mapping
 
 from functional_pp.ops.regather import relayout
-from functional_pp.parallel.named import Named, _make, env, op_env, require_named, settle, target_layout
+from functional_pp.parallel.named import Named, make_named, env, op_env, require_named, settle, target_layout
 
 
 def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Named:
@@ -25,7 +25,7 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
             memo[key] = plan
     dims, reorder, sizes, target = plan
     if reorder is None and not x._partial and x._split == target:   # a new name, nothing to move
-        return _make(x._data, dims, x._split, x._vary, x._partial, sizes, x._is_param, x._tied, x._gathered_from)
+        return make_named(x._data, dims, x._split, x._vary, x._partial, sizes, x._is_param, x._tied, x._gathered_from)
     if reorder is not None:     # the two names order the dimension differently: gather it under the old one
         x = relayout(x, reorder, f"rename {mapping}")
     y = _keep_param(x, x.data, dims, x.split, x.partial, sizes)
@@ -56,7 +56,7 @@ def _keep_param(x: Named, data, dims, split, partial=frozenset(), sizes=None) ->
     ``x``, that stays a parameter if ``x`` is one: FSDP re-gathers it in backward instead of
     keeping it gathered (docs/layouts.md)."""
     gathered = x.gathered_from if x.gathered_from is not None and _root(data) is _root(x.data) else None
-    return _make(data, tuple(dims), tuple(split), x.vary, partial, sizes, x.is_param, x.tied, gathered)
+    return make_named(data, tuple(dims), tuple(split), x.vary, partial, sizes, x.is_param, x.tied, gathered)
 
 
 def _contiguous_split(x: Named, i: int, what: str) -> Named:

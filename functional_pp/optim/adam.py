@@ -1,6 +1,15 @@
 """Adam's preconditioning, one implementation: a foreach kernel per stage over all leaves of a
 (device, dtype), bias corrections computed once. ``adamw`` is ``scale_by_adam`` chained with
-``add_decayed_weights`` and ``scale_by_learning_rate`` (:mod:`functional_pp.optim.optimizers`)."""
+``add_decayed_weights`` and ``scale_by_learning_rate`` (:mod:`functional_pp.optim.optimizers`).
+
+AdamW's pieces are defined here once: :func:`bias_correction`, :func:`adamw_states` (where the
+moments and the schedule sit in the chain's state) and :func:`learning_rate` (this step's
+rate). The in-place step (``optim/fused.py``: torch's fused kernel, the same formula, held
+bitwise equal to this chain by tests/optim) and the pre-update bound (``optim/bounds.py``)
+read them from here.
+
+Mechanism: Optimizer update (AdamW's formula: the pure chain, bias corrections, learning rate).
+"""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -10,6 +19,24 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.optim.base import (FRESH, GradientTransformation, PyTree, check_number, dtype_groups, new_count,
                                       transform, tree_flatten, tree_leaves, tree_map, tree_unflatten, zeros_state)
+
+
+def bias_correction(b: float | torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``1 - b^count``: the bias correction of a moment with decay ``b`` after ``count`` steps
+    (computed in ``count``'s dtype, or ``b``'s where it is a tensor)."""
+    return 1.0 - torch.pow(b, count)
+
+
+def adamw_states(state: tuple) -> tuple["ScaleByAdamState", Any]:
+    """The Adam moments and the learning-rate schedule's state in the state of an AdamW chain
+    (``[clip_by_global_norm], scale_by_adam, add_decayed_weights, scale_by_learning_rate``)."""
+    return state[-3], state[-1]
+
+
+def learning_rate(lr: Any, schedule: Any) -> Any:
+    """This step's learning rate: ``lr`` at the schedule's count where it is a schedule, else
+    ``lr`` itself."""
+    return lr(schedule.count) if callable(lr) else lr
 
 
 class ScaleByAdamState(NamedTuple):
@@ -58,8 +85,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             m_old, v_old = [mu_leaves[i] for i in group], [nu_leaves[i] for i in group]
             grads = [g_leaves[i].to(m_old[0].dtype) for i in group]
             c = count.to(device=m_old[0].device, dtype=m_old[0].dtype)
-            bc1 = 1.0 - torch.pow(b1, c)
-            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, c))
+            bc1 = bias_correction(b1, c)
+            bc2_sqrt = torch.sqrt(bias_correction(b2, c))
             m_new = torch._foreach_lerp(m_old, grads, 1.0 - b1)
             v_new = torch._foreach_mul(v_old, b2)
             torch._foreach_addcmul_(v_new, grads, grads, value=1.0 - b2)

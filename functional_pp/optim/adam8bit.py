@@ -21,7 +21,7 @@ import optree
 import torch
 
 from functional_pp.core.tree import Param
-from functional_pp.optim.adam import check_adam_hyperparameters
+from functional_pp.optim.adam import bias_correction, check_adam_hyperparameters
 from functional_pp.optim.base import FRESH, GradientTransformation, PyTree, new_count, transform, zeros_state
 from functional_pp.quant.blockwise import dequantize_blockwise, pack_4bit, quantize_blockwise, unpack_4bit
 from functional_pp.quant.codebooks import dynamic_map
@@ -176,8 +176,8 @@ def _scale_by_adam_lowbit(name: str, b1: float, b2: float, eps: float, block: in
             c = count.to(device=m.device, dtype=m.dtype)
             m = b1 * m + (1.0 - b1) * g
             v = b2 * v + (1.0 - b2) * g * g
-            denom = torch.sqrt(v) / torch.sqrt(1.0 - torch.pow(b2, c)) + eps
-            out.append(m / (1.0 - torch.pow(b1, c)) / denom)
+            denom = torch.sqrt(v) / torch.sqrt(bias_correction(b2, c)) + eps
+            out.append(m / bias_correction(b1, c) / denom)
             if quantized:
                 m, v = _quantize(m, signed, m_q), _quantize(v, unsigned, v_q)
             mu.append(m)

@@ -4,7 +4,10 @@ parameters are shown finite from one global norm, before the update is computed 
 A step that writes its result into the state it was given (in place, or a compiled step with
 donated state) cannot take a non-finite result back, so it writes only where the bound shows the
 result finite and is "held" (writes nothing) elsewhere; the caller then makes the update in new
-buffers. An optimizer offers its bound with :func:`functional_pp.optim.update_bound`."""
+buffers. An optimizer offers its bound with :func:`functional_pp.optim.update_bound`.
+
+Mechanism: Optimizer update (the pre-update bound a donated step checks first).
+"""
 from __future__ import annotations
 
 import functools
@@ -14,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.optim.adam import adamw_states, bias_correction, learning_rate
 from functional_pp.optim.base import PyTree, ScalarOrSchedule, tree_leaves
 from functional_pp.optim.clipping import sq_sums
 
@@ -210,7 +214,7 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
                            carried=carried)
 
     def terms(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
-        return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(state[-3].mu))]
+        return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(adamw_states(state)[0].mu))]
 
     def shows_finite(n: torch.Tensor, state: tuple, params: PyTree) -> torch.Tensor:
         ps = tree_leaves(params)
@@ -246,7 +250,7 @@ def first_moment_peaks(b1: float) -> CarriedPeaks:
         weights[d] = (a_d, c_d, grow) if a_d * grow <= (1.0 + a_d) / 2 else None
 
     def applies(state: tuple) -> bool:
-        return all(weights.get(m.dtype) is not None for m in tree_leaves(state[-3].mu))
+        return all(weights.get(m.dtype) is not None for m in tree_leaves(adamw_states(state)[0].mu))
 
     def advance(peaks: list[torch.Tensor], grad_sq: list[torch.Tensor], state: tuple) -> list[torch.Tensor]:
         out = []
@@ -280,7 +284,7 @@ def _round_up(x: float, dtype: torch.dtype) -> float:
 
 
 def _first_moments(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
-    return [[m] for m in tree_leaves(state[-3].mu)]
+    return [[m] for m in tree_leaves(adamw_states(state)[0].mu)]
 
 
 def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> Callable:
@@ -291,7 +295,7 @@ def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: fl
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
         step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
-        room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(state[-3].mu)])
+        room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(adamw_states(state)[0].mu)])
         return ((bc1 > 0) & (rate >= 0) & (rate * weight_decay <= MAX_DECAY)
                 & (step * torch.clamp(rate, min=1.0) < room))
 
@@ -301,13 +305,13 @@ def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: fl
 def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's learning rate (fp64) and a lower bound of ``1 - b1^t`` as any of the kernels
     computes it (``b1``: the larger of it and its fp32 rounding; ``b1`` near 1 gives 0 in fp32)."""
-    adam, schedule = state[-3], state[-1]     # chain: [clip], adam, decay, learning rate
+    adam, schedule = adamw_states(state)
     f64 = torch.float64
-    rate = lr(schedule.count) if callable(lr) else lr
+    rate = learning_rate(lr, schedule)
     rate = torch.as_tensor(rate).to(f64) if isinstance(rate, torch.Tensor) else torch.tensor(rate, dtype=f64)
     step = adam.count + 1
     t = torch.minimum(step.to(f64), step.to(torch.float32).to(f64))     # (fp32 rounds beyond 2**24)
-    return rate, 1.0 - torch.pow(torch.tensor(b1, dtype=f64), t) - 2.0 ** -21    # (a few ulps of pow)
+    return rate, bias_correction(torch.tensor(b1, dtype=f64), t) - 2.0 ** -21    # (a few ulps of pow)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,16 @@
 """In-place steps (:func:`functional_pp.optim.base.in_place_step`) on torch's fused kernels:
 AdamW as one pass over parameters, gradients and moments (``torch._fused_adamw_``) where the
-pure chain makes about twenty (docs/optim.md "In place")."""
+pure chain makes about twenty (docs/optim.md "In place").
+
+Mechanism: Optimizer update (in place: torch's fused AdamW kernel, for a donated state).
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
 
+from functional_pp.optim.adam import adamw_states, learning_rate
 from functional_pp.optim.base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
 from functional_pp.optim.bounds import adamw_bound, bound_norm
 from functional_pp.optim.masking import Mask, resolve_mask
@@ -35,12 +39,12 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
     def step(grads: PyTree, state: tuple, params: PyTree, *, skip: torch.Tensor,
              grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None,
              params_finite: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        adam, schedule = state[-3], state[-1]     # chain: [clip], adam, decay, learning rate
+        adam, schedule = adamw_states(state)
         ps, gs = tree_leaves(params), tree_leaves(grads)
         mus, nus = tree_leaves(adam.mu), tree_leaves(adam.nu)
         if not ps or not _applies(ps, gs, mus, nus):
             return None
-        rate = torch.as_tensor(lr(schedule.count)) if callable(lr) else lr
+        rate = torch.as_tensor(learning_rate(lr, schedule)) if callable(lr) else lr
         n = bound_norm(bound, state, params, grad_norm, norm_reducer, params_finite)
         held = ~skip & ~bound.shows_finite(n, state, params)
         skip = skip | held

@@ -13,6 +13,8 @@ per-parameter all-reduce sums it (same dtypes, same reduce dtype), so results ar
 An op that touches a placeholder before :meth:`~GradBuckets.finish` (autograd adding two
 contributions to one parameter) launches its bucket early and waits: correct, less overlap.
 A pure dtype cast stays lazy (mixed precision casts the gradient back to the fp32 master).
+
+Mechanism: Gradient buckets (bucketed asynchronous all-reduce; eager).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from functional_pp._torch import apply_function
 from functional_pp.core.runtime import current_context
 from functional_pp.parallel import vma as V
 from functional_pp.parallel.raw_collectives import (AxesGroup, AxisName, _axes, _group,  # noqa: F401 (re-exported)
-                                                    _local_chunk, _norm_dim, _reduce_dtype)
+                                                    _norm_dim, _reduce_dtype, local_chunk)
 from functional_pp.parallel.raw_collectives import axis_index as _raw_axis_index
 from functional_pp.parallel.raw_collectives import (axis_size, raw_all_gather, raw_all_reduce, raw_all_to_all,
                                                     raw_permute, raw_reduce_scatter)

@@ -7,7 +7,10 @@ unit call gathered; the next forward of the same step reads that record to launc
 gather of call k+1 before call k computes, as FSDP2 prefetches the next module. A record
 that no longer matches (the model called other layers) only costs the wasted prefetch: the
 unit is gathered at once instead. :func:`trace_units` records when each unit's gather was
-launched and awaited and when its layer computed, for tests and benchmarks."""
+launched and awaited and when its layer computed, for tests and benchmarks.
+
+Mechanism: FSDP (the units' forward order, for prefetch; eager).
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -6,7 +6,7 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
 the layer before, in forward the unit the last forward called next (``parallel/fsdp_order.py``). A
 unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
-before the optimizer (at most ``FPP_COLLECTIVES_IN_FLIGHT`` in flight, functional_pp.compile.in_flight).
+before the optimizer (at most the step policy's ``collectives_in_flight`` in flight, docs/communication.md).
 Without units every parameter is gathered by the first op that needs it (one collective per
 parameter and direction). A unit moves the same bytes in fewer, larger collectives; each
 element is gathered, re-gathered and summed exactly as before, so the numbers do not change.
@@ -14,6 +14,8 @@ Active inside :func:`fsdp_units` (the training step). A compiled step traces the
 (:class:`_TracedUnitGather`: one flat all-gather in the graph, its backward the flat
 reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
 passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
+
+Mechanism: FSDP (per layer: one flat all-gather and reduce-scatter per `fpp.layer` call; eager).
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ import optree
 import torch
 
 from functional_pp._torch import in_backward, is_tracing
-from functional_pp.compile.in_flight import in_flight_limit
 from functional_pp.compile.recompute import regather_region, traced_as_backward
 from functional_pp.core import comm
+from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel import param_uses
@@ -61,7 +63,8 @@ class UnitsSeen:
 @contextmanager
 def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = True,
                order: UnitOrder | None = None, provisional_root: bool = False,
-               data_dims: Iterable[str] | None = None) -> Iterator[UnitsSeen]:
+               data_dims: Iterable[str] | None = None,
+               in_flight: int = DEFAULT_IN_FLIGHT) -> Iterator[UnitsSeen]:
     """Gather each layer's parameters as one unit inside the block (see the module docstring).
     ``keep_root``: weights used outside the layers (embedding, final norm, LM head) stay
     gathered from forward to backward instead of being re-gathered (FSDP2 keeps its root);
@@ -71,7 +74,8 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     before the current one computes, in backward and, with an ``order`` recorded by earlier
     forwards (:func:`begin_forward`), in forward. ``data_dims``: the dimension names of the
     step's batch (default ``batch``, ``seq``): the mesh axes the rules split them over are
-    the data-parallel axes, whatever the model calls its dimensions."""
+    the data-parallel axes, whatever the model calls its dimensions. ``in_flight``: at most this
+    many gradient reduce-scatters outstanding (0: no bound; the policy's ``collectives_in_flight``)."""
     previous = (getattr(_local, "enabled", False), getattr(_local, "root_policy", None),
                 getattr(_local, "prefetch", True), getattr(_local, "order", None),
                 getattr(_local, "seen", None), getattr(_local, "provisional_root", False),
@@ -81,7 +85,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     _local.data_dims = tuple(data_dims) if data_dims is not None else None
     _local.seen = seen = UnitsSeen()
     _local.last_unit, _local.in_flight = None, []
-    _local.in_flight_limit = in_flight_limit()      # read once per step, before any work
+    _local.in_flight_limit = in_flight
     try:
         if enabled and keep_root and not current_policy().keep_gathered:
             with configure(keep_gathered=True) as root_policy:
@@ -334,9 +338,9 @@ class _ReduceScatter:
 def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
     """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
     as placeholders (waited for before the optimizer, functional_pp.parallel.buckets). Once
-    ``FPP_COLLECTIVES_IN_FLIGHT`` (default 2) are outstanding the oldest is awaited at once:
+    the policy's ``collectives_in_flight`` (default 2) are outstanding the oldest is awaited at once:
     by default launching one waits for the one before, so a unit's full-size gradients live
-    until the next unit's backward is done, as FSDP2 bounds them (functional_pp.compile.in_flight).
+    until the next unit's backward is done, as FSDP2 bounds them (docs/communication.md).
     None where the backend reduces at once (simulated devices)."""
     ctx, axes, group = _group(unit.axes, "psum_scatter")
     start = getattr(ctx.backend, "start_reduce_scatter", None)
@@ -350,8 +354,7 @@ def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] 
         trace("reduce_scatter", unit.call)
     flight = _local.__dict__.setdefault("in_flight", [])
     flight.append(source)
-    limit = getattr(_local, "in_flight_limit", None)
-    limit = in_flight_limit() if limit is None else limit
+    limit = getattr(_local, "in_flight_limit", DEFAULT_IN_FLIGHT)
     while limit and len(flight) >= limit:
         flight.pop(0).result()
     out, offset = [], 0

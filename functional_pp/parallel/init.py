@@ -150,12 +150,19 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
     declarations and build this device's shards as named arrays (the full tree when ``mesh``
     is None); ``functional_pp.init_params`` gives plain tensors."""
     from functional_pp.core.runtime import current_context
+
+    if mesh is not None and current_context(required=False) is not None:
+        # this device's shards (a batched simulation: every device's, stacked; devices/batched_run.py)
+        from functional_pp.devices.batched_run import per_device
+        return per_device(lambda: _init_here(init_fn, args, seed, mesh, rules, device, kwargs))
+    return _init_here(init_fn, args, seed, mesh, rules, device, kwargs)
+
+
+def _init_here(init_fn: Callable[..., Any], args: tuple, seed: int, mesh: Mesh | None, rules: Rules | None,
+               device, kwargs: dict) -> Any:
+    """:func:`init` on the device running it (or on none, ``mesh`` None)."""
     from functional_pp.parallel.named import Named
 
-    ctx = current_context(required=False)
-    if mesh is not None and ctx is not None and ctx.batched:   # every device's shards, stacked
-        from functional_pp.devices.batched_run import per_device
-        return per_device(lambda: init(init_fn, *args, seed=seed, mesh=mesh, rules=rules, device=device, **kwargs))
     decls = init_fn(*args, **kwargs)
     tensors = init_params(decls, seed=seed, mesh=mesh, rules=rules, device=device)
     rules = rules or Rules()

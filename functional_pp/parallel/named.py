@@ -10,7 +10,7 @@ transposes of those collectives give every gradient its reduction exactly once.
 
 A :class:`Named` is an immutable value (docs/named_value.md): everything about it is fixed
 when it is built; memoised derived values (its settled or relayouted forms) live in a private
-table (:func:`_memo`) that is not part of the value.
+table (:func:`memo_table`) that is not part of the value.
 """
 from __future__ import annotations
 
@@ -21,16 +21,15 @@ import optree
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.core import runtime as _runtime
 from functional_pp.core.layout import Layout, Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.order import to_balanced
-from functional_pp.core.runtime import (active_rules, configure, current_context,  # noqa: F401 (re-exported)
-                                        current_policy, use_policy)
+from functional_pp.core.runtime import (active_rules, configure, context_and_rules,  # noqa: F401 (re-exported)
+                                        current_context, current_policy, use_policy)
 from functional_pp.devices.batched_run import register_block_type
 from functional_pp.parallel import collectives as C
 
-_EMPTY: frozenset[str] = frozenset()
+NO_AXES: frozenset[str] = frozenset()     # the ``vary`` / ``partial`` of a value over no mesh axis
 _TRIVIAL_MESH = Mesh()
 _NO_RULES = Rules()
 
@@ -39,10 +38,8 @@ def env() -> tuple[Mesh, Rules]:
     """The running device's mesh and the active rules. Outside any device, rules that split a
     dimension have no mesh to split it over: an error, not a silent one-device layout
     (docs/policy.md, "Outside a mesh")."""
-    # (current_context / active_rules inlined: every op calls this, docs/eager_overhead.md; a
-    # thread-local's __dict__.get, not getattr: a missing attribute would raise and catch)
-    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
-    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
+    ctx, rules = context_and_rules()
+    rules = rules or _NO_RULES
     if ctx is None:
         if rules is not _NO_RULES:
             _require_no_split(rules)
@@ -50,7 +47,6 @@ def env() -> tuple[Mesh, Rules]:
     return ctx.mesh, rules
 
 
-_CONTEXT_LOCAL, _RULES_LOCAL = _runtime._local, _runtime._rules_local
 _LAST_MESH = object()      # key of (mesh, plans) last used with a rules object
 
 
@@ -58,14 +54,14 @@ def op_env() -> tuple[Mesh, Rules, dict | None]:
     """:func:`env` for an op, plus the table of the op plans derived under these rules and mesh
     (eager; None while torch.compile traces: a memo would add guards to compiled code). Plans
     are keyed by what they depend on besides the rules and the mesh (docs/eager_overhead.md)."""
-    ctx = _runtime._process_context or _CONTEXT_LOCAL.__dict__.get("ctx")
-    rules = getattr(_RULES_LOCAL, "rules", None) or _NO_RULES
+    ctx, rules = context_and_rules()
+    rules = rules or _NO_RULES
     mesh = _TRIVIAL_MESH if ctx is None else ctx.mesh
     if is_tracing():
         if ctx is None and rules is not _NO_RULES:
             _require_no_split(rules)
         return mesh, rules, None
-    side = _memo_beside(rules)
+    side = memo_beside(rules)
     last = side.get(_LAST_MESH)
     if last is None or last[0] is not mesh:     # (the mesh object changes between launches only)
         if ctx is None and rules is not _NO_RULES:
@@ -186,7 +182,7 @@ class Named:
     def map(self, fn, linear: bool = False) -> "Named":
         """Apply an elementwise function to the local block (settles pending sums unless linear)."""
         x = self if linear or not self._partial else settle(self)
-        return _make(fn(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
+        return make_named(fn(x._data), x._dims, x._split, x._vary, x._partial, x._sizes)
 
     def astype(self, dtype: torch.dtype) -> "Named":
         return self.map(lambda t: t.to(dtype), linear=True)
@@ -216,12 +212,13 @@ for _name, _get, _doc in (
     setattr(Named, _name, property(_get, _refuse(_name), _refuse(_name), _doc))
 
 
-def _make(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...], ...], vary: frozenset,
-          partial: frozenset = _EMPTY, sizes: tuple[int, ...] | None = None, is_param: bool = False,
-          tied: bool = False, gathered_from: tuple | None = None) -> Named:
-    """The ops' constructor: no validation or conversion. The caller guarantees what
+def make_named(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...], ...], vary: frozenset,
+               partial: frozenset = NO_AXES, sizes: tuple[int, ...] | None = None, is_param: bool = False,
+               tied: bool = False, gathered_from: tuple | None = None) -> Named:
+    """The ops' constructor (part of the toolkit ops are written with, docs/named_value.md): no
+    validation or conversion, so an op's result costs one object. The caller guarantees what
     :class:`Named` checks (tuples, frozensets, ``vary`` covering split and partial axes); a
-    ``sizes`` of None is computed here."""
+    ``sizes`` of None is computed here. Outside an op, use :class:`Named` or :func:`wrap`."""
     if sizes is None:
         sizes = _global_sizes(data.shape, split)
     x = object.__new__(Named)
@@ -238,12 +235,12 @@ def _make(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...
 optree.register_pytree_node(
     Named,
     lambda x: ((x.data,), (x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)),
-    lambda meta, children: _make(children[0], *meta[:4], meta[4], *meta[5:]),
+    lambda meta, children: make_named(children[0], *meta[:4], meta[4], *meta[5:]),
     namespace="functional_pp")
 
 
 # ------------------------------------------------------------------ memo tables
-def _memo(x: Named) -> dict:
+def memo_table(x: Named) -> dict:
     """Derived values of ``x`` (its settled, pvary'd, relayouted forms, the rotary tables of a
     positions value), kept while ``x`` lives so that one value used by several ops is converted
     (and reduced in backward) once. The table is not part of the value (docs/named_value.md):
@@ -257,7 +254,7 @@ def _memo(x: Named) -> dict:
 _SIDE: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def _memo_beside(obj) -> dict:
+def memo_beside(obj) -> dict:
     """A table of values derived from ``obj`` (e.g. einsum plans per rules object), kept beside
     it while it lives; eager only (callers skip it under torch.compile)."""
     key = id(obj)
@@ -293,7 +290,7 @@ def settle(x: Named, target: Layout | None = None) -> Named:
     if not x._partial:
         return x
     key = ("settle", target)
-    memo = _memo(x)
+    memo = memo_table(x)
     if key in memo:
         return memo[key]
     data, split, vary = x._data, list(x._split), set(x._vary)
@@ -311,7 +308,7 @@ def settle(x: Named, target: Layout | None = None) -> Named:
         axes = tuple(a for a in mesh.axis_names if a in remaining)
         data = C.psum(data, axes)
         vary -= remaining
-    out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes)
+    out = make_named(data, x._dims, tuple(split), frozenset(vary), NO_AXES, x._sizes)
     memo[key] = out
     return out
 
@@ -329,10 +326,10 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     if not axes:
         return x
     key = ("pvary", axes)
-    memo = _memo(x)
+    memo = memo_table(x)
     if key not in memo:
-        memo[key] = _make(C.pvary(x._data, axes), x._dims, x._split, x._vary.union(axes), x._partial, x._sizes,
-                          x._is_param, x._tied, x._gathered_from)
+        memo[key] = make_named(C.pvary(x._data, axes), x._dims, x._split, x._vary.union(axes), x._partial, x._sizes,
+                               x._is_param, x._tied, x._gathered_from)
     return memo[key]
 
 
@@ -357,7 +354,7 @@ def tied(x: Named) -> Named:
     the first use until the result is dropped (the end of the forward)."""
     if not isinstance(x, Named):
         raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
-    return _make(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, x._is_param, True, x._gathered_from)
+    return make_named(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, x._is_param, True, x._gathered_from)
 
 
 def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:
@@ -378,13 +375,13 @@ def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = N
             plans[key] = (x._dims, x._split, x._vary, tuple(mesh.axis_size(a) if a else 1 for a in x._split))
         return x
     dims, split, vary, factors = typed
-    return _make(data, dims, split, vary, _EMPTY, tuple([n * f for n, f in zip(data.shape, factors)]))
+    return make_named(data, dims, split, vary, NO_AXES, tuple([n * f for n, f in zip(data.shape, factors)]))
 
 
 def _with_block(x: Named, data: torch.Tensor) -> Named:
     """``x`` around another block of the same shape (a batched simulation stacks and splits the
     blocks of every device: devices/batched_run.py)."""
-    return _make(data, x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)
+    return make_named(data, x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)
 
 
 register_block_type(Named, lambda x: x.data, _with_block)

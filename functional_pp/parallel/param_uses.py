@@ -3,7 +3,10 @@ declare with ``fpp.tied``, a weight shared by several layers): the training step
 first forward on each device, how many times each parameter's shard is all-gathered (by an op
 or an FSDP unit), and from the next forward on hands those gathered more than once to the model
 as tied (``functional_pp.tied``): one all-gather in forward, one reduce-scatter in backward
-(docs/layouts.md, "Tied parameters")."""
+(docs/layouts.md, "Tied parameters").
+
+Mechanism: FSDP (parameters used at several sites gathered once; eager).
+"""
 from __future__ import annotations
 
 from collections import Counter

@@ -7,46 +7,23 @@ first-axis-major (``("dp_shard", "cp")``: index = dp_shard_index * cp_size + cp_
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Sequence
 
 import torch
 
-from functional_pp._torch import is_tracing
 from functional_pp.core import comm
 from functional_pp.core.mesh import as_axes
 from functional_pp.core.runtime import current_context, current_policy
+from functional_pp.devices import mesh_view
+from functional_pp.devices.mesh_view import AxesGroup  # noqa: F401 (re-exported)
 
 AxisName = str | Sequence[str]
-
-
-class AxesGroup:
-    """The group along ``axes`` of whichever device runs the code: what a collective traced
-    on simulated devices names instead of a tuple of ranks, so the traced graph does not
-    depend on the tracing device's rank and every device reuses one compilation
-    (docs/compile.md). The simulated collective resolves the ranks when it runs."""
-
-    __slots__ = ("axes", "size")
-
-    def __init__(self, axes: tuple[str, ...], size: int):
-        self.axes, self.size = axes, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __eq__(self, other: object) -> bool:      # one group per axes (gradient buckets key on it)
-        return isinstance(other, AxesGroup) and (self.axes, self.size) == (other.axes, other.size)
-
-    def __hash__(self) -> int:
-        return hash((self.axes, self.size))
 
 
 def _group(axis_name: AxisName, where: str):
     ctx = current_context()
     axes = ctx.mesh.check_axes(axis_name, where)
-    if ctx.batched or (ctx.simulated and is_tracing()):
-        return ctx, axes, AxesGroup(axes, ctx.mesh.axis_size(axes))
-    return ctx, axes, ctx.mesh.group(ctx.rank, axes)
+    return ctx, axes, mesh_view.group(ctx, axes)
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -116,13 +93,7 @@ def raw_all_to_all_v(x: torch.Tensor, axes: AxisName, send: Sequence[int], recv:
                          f"({x.shape[0]})")
     if n == 1:
         return x
-    if ctx.batched:                 # (refused by the batched backend, naming the alternatives)
-        return ctx.backend.all_to_all_v(x, tuple(send), tuple(recv), group)
-    me = ctx.mesh.axis_index(ctx.rank, axes)
-    row = math.prod(x.shape[1:]) * x.element_size()
-    with comm.recording("all_to_all", axes, n, x, sends=False):
-        comm.record("all_to_all", axes, n, x, nbytes=row * (sum(send) - send[me]))
-        return ctx.backend.all_to_all_v(x, tuple(int(s) for s in send), tuple(int(r) for r in recv), group)
+    return mesh_view.all_to_all_v(ctx, x, axes, send, recv, group)
 
 
 def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]]) -> torch.Tensor:
@@ -135,24 +106,19 @@ def raw_permute(x: torch.Tensor, axes: AxisName, pairs: Iterable[tuple[int, int]
                          f"of distinct indices in range({n})")
     if n == 1:
         return x if pairs else torch.zeros_like(x)
-    if ctx.batched:          # every device at once: recorded as a device that sends
-        sends = any(s != d for s, d in pairs)
-    else:
-        me = ctx.mesh.axis_index(ctx.rank, axes)
-        sends = any(s == me and d != me for s, d in pairs)
-    with comm.recording("permute", axes, n, x, sends=sends):
+    with comm.recording("permute", axes, n, x, sends=mesh_view.sends_in_permute(ctx, axes, pairs)):
         return ctx.backend.permute(x, pairs, group)
 
 
-def _local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+def local_chunk(x: torch.Tensor, axes: AxisName, dim: int) -> torch.Tensor:
+    """This device's chunk of ``x`` along ``dim`` split over ``axes`` (a free slice, no
+    communication)."""
     ctx, axes, group = _group(axes, "slice")
     n = len(group)
     if x.shape[dim] % n:
         raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} over mesh axes {axes} "
                          f"of size {n}")
-    if ctx.batched:
-        return ctx.backend.local_chunk(x, axes, dim)
-    return x.chunk(n, dim=dim)[ctx.mesh.axis_index(ctx.rank, axes)].contiguous()
+    return mesh_view.local_chunk(ctx, x, axes, dim, n)
 
 
 def _axes(axis_name: AxisName) -> tuple[str, ...]:
@@ -167,13 +133,7 @@ def axis_index(axis_name: AxisName) -> int:
     simulation: an int64 0-dim tensor holding every device's index (docs/simulation.md)."""
     ctx = current_context()
     axes = ctx.mesh.check_axes(_axes(axis_name), "axis_index")
-    if ctx.batched:
-        key = ("axis_index", axes, getattr(ctx.backend, "device", None))     # (made on the run's device)
-        found = ctx.extras.get(key)
-        if found is None:
-            found = ctx.extras[key] = ctx.backend.axis_index(axes)
-        return found
-    return ctx.mesh.axis_index(ctx.rank, axes)
+    return mesh_view.axis_index(ctx, axes)
 
 
 def axis_size(axis_name: AxisName) -> int:

@@ -11,7 +11,7 @@ import torch
 from functional_pp.core.layout import Layout
 from functional_pp.core.order import from_balanced, to_balanced
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import _EMPTY, Named, _make, _memo, env, settle, target_layout
+from functional_pp.parallel.named import NO_AXES, Named, make_named, memo_table, env, settle, target_layout
 
 
 class Reshard(NamedTuple):
@@ -26,7 +26,8 @@ class Reshard(NamedTuple):
 Gather = Callable[[torch.Tensor, tuple, int], torch.Tensor]
 
 
-def _all_gather(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
+def all_gather_tiled(data: torch.Tensor, axes: tuple, dim: int) -> torch.Tensor:
+    """The default :data:`Gather`: ``data`` all-gathered over ``axes`` along ``dim``."""
     return C.all_gather(data, axes, axis=dim, tiled=True)
 
 
@@ -50,7 +51,7 @@ def relayout_with(x: Named, target: Layout, change: Callable[[Named, Layout], Re
     if x._split == target:
         return x
     key = ("relayout", target)
-    memo = _memo(x)
+    memo = memo_table(x)
     if key in memo:
         return memo[key]
     out, gathers, _ = change(x, target)
@@ -59,7 +60,7 @@ def relayout_with(x: Named, target: Layout, change: Callable[[Named, Layout], Re
     return out
 
 
-def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = _all_gather) -> Reshard:
+def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = all_gather_tiled) -> Reshard:
     """Move the settled ``x`` to the layout ``target`` (not memoised): all-gather through
     ``gather(data, axes, dim)`` the axes beyond the common prefix of each dimension, then slice
     what ``target`` splits further. ``op`` names the operation in errors."""
@@ -105,7 +106,7 @@ def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = _al
                 data = C.split_invariant(data, a, d)
                 vary.add(a)
             split[d] = split[d] + (a,)
-    out = _make(data, x._dims, tuple(split), frozenset(vary), _EMPTY, x._sizes, x._is_param)
+    out = make_named(data, x._dims, tuple(split), frozenset(vary), NO_AXES, x._sizes, x._is_param)
     return Reshard(out, tuple(gathers), sliced)
 
 

@@ -14,14 +14,14 @@ out_spec splits it over.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import optree
 import torch
 
 from functional_pp.core.layout import Layout, P, Rules, spec_to_layout
-from functional_pp.core.runtime import active_rules, current_context, use_rules  # noqa: F401 (re-exported)
+from functional_pp.core.runtime import (active_rules, current_context, current_policy,  # noqa: F401 (re-exported)
+                                        use_rules)
 from functional_pp.parallel import vma as V
 from functional_pp.parallel.collectives import all_gather, split_invariant
 
@@ -67,17 +67,17 @@ def shard_map(f: Callable, in_specs: Any, out_specs: Any, *, rules: Rules | None
     out_spec replicates is an error. ``check_vma=False``: untyped, every cast is the caller's
     (:func:`functional_pp.pvary`), as before this check existed.
 
-    ``check_rep=True`` (or the environment variable ``FPP_CHECK_REP=1``) checks at run time
-    that every output declared replicated over a mesh axis is equal on all its devices (values
-    that are typed invariant but are not: Python numbers read from tensors, random draws)."""
-    if check_rep is None:
-        check_rep = os.environ.get("FPP_CHECK_REP", "0") not in ("", "0")
+    ``check_rep=True`` checks at run time that every output declared replicated over a mesh
+    axis is equal on all its devices (values that are typed invariant but are not: Python
+    numbers read from tensors, random draws); None: as the ambient policy's ``check_rep`` says
+    when the function runs (``with functional_pp.configure(check_rep=True):``, docs/policy.md)."""
     if _is_spec(in_specs) or not isinstance(in_specs, tuple):
         in_specs = (in_specs,)
 
     def wrapped(*args):
         ctx = current_context()
         mesh = ctx.mesh
+        check = current_policy().check_rep if check_rep is None else check_rep
         if len(args) != len(in_specs):
             raise ValueError(f"shard_map: got {len(args)} arguments but {len(in_specs)} in_specs")
         local_args, typed_inputs = [], []
@@ -112,7 +112,7 @@ def shard_map(f: Callable, in_specs: Any, out_specs: Any, *, rules: Rules | None
                 layout = _layout(s, y, None, mesh, rules, name)
                 if state is not None:
                     _check_vma(state, y, layout, name, s)
-                if check_rep:
+                if check:
                     _check_replicated(y, layout, name)
                 for dim, axes in enumerate(layout):
                     if axes:      # (typed: an invariant output is cast to varying first, as JAX does)

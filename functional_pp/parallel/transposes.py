@@ -10,8 +10,9 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core.runtime import current_context, per_thread
-from functional_pp.parallel.raw_collectives import (_local_chunk, axis_index, axis_size, raw_all_gather, raw_all_reduce,
-                                                    raw_all_to_all, raw_all_to_all_v, raw_permute, raw_reduce_scatter)
+from functional_pp.devices import mesh_view
+from functional_pp.parallel.raw_collectives import (local_chunk, raw_all_gather, raw_all_reduce, raw_all_to_all,
+                                                    raw_all_to_all_v, raw_permute, raw_reduce_scatter)
 
 
 # One Function per collective, its forward and its transpose (the backward) named in the class;
@@ -144,13 +145,13 @@ class _AllGatherInvariant(_Collective):
     ``all_gather_invariant``). Transpose: this device's block of the invariant cotangent (free)."""
 
     forward = staticmethod(raw_all_gather)
-    backward = _transpose(_local_chunk)
+    backward = _transpose(local_chunk)
 
 
 class _SplitInvariant(_Collective):
     """This device's block along ``dim`` of an invariant value (free). Transpose: all_gather."""
 
-    forward = staticmethod(_local_chunk)
+    forward = staticmethod(local_chunk)
     backward = _transpose(raw_all_gather)
 
 
@@ -159,17 +160,12 @@ class _SliceVarying(_Collective):
     Transpose: the cotangent zero-padded back to the whole dimension (the other blocks did not
     reach this device's output, so their gradient here is zero)."""
 
-    forward = staticmethod(_local_chunk)
+    forward = staticmethod(local_chunk)
 
     @staticmethod
     def backward(ctx, g):
         axes, dim = ctx.args
-        device = current_context()
-        if device.batched:        # every device's block placed at its own index (devices/batched.py)
-            return device.backend.pad_block(g, axes, dim), None, None
-        i, size = axis_index(axes), g.shape[dim]
-        pad = [0, 0] * (g.ndim - dim - 1) + [i * size, (axis_size(axes) - i - 1) * size]
-        return torch.nn.functional.pad(g, pad), None, None
+        return mesh_view.pad_block(current_context(), g, axes, dim), None, None
 
 
 class _PPermute(_Collective):

@@ -367,7 +367,8 @@ def _boundary(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, precis
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None):
-    step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
+    loss = Instrumented(loss_fn, repeated)
+    step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
                       **PER_WEIGHT)   # policy: docs/policy.md
     with representative_device(mesh, rank), use_rules(rules), step.apply_policy():
@@ -382,24 +383,31 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             held = masters + optree.tree_leaves(state["opt_state"], none_is_leaf=False)
             sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes)
-            step.loss_fn = _instrumented(loss_fn, tracker, repeated)
+            loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():
-                out = step._device_step(state["params"], state["opt_state"], state["step"], state["skipped"],
-                                        named_batch)
+                out = step.trace(state, named_batch)
             del out
     return tracker.run, rep, trained     # (trained: the bytes of the gradients the update sees)
 
 
-def _instrumented(loss_fn, tracker: MemoryTracker, repeated: str | None):
-    def loss(params, batch):
+class Instrumented:
+    """``loss_fn`` telling its ``tracker``, once one is attached, that forward runs and (through
+    the ``repeated`` list of layers) which layer; without a tracker, ``loss_fn`` itself."""
+
+    def __init__(self, loss_fn: Callable[[Any, dict], Any], repeated: str | None):
+        self.loss_fn, self.repeated, self.tracker = loss_fn, repeated, None
+
+    def __call__(self, params: Any, batch: dict) -> Any:
+        tracker = self.tracker
+        if tracker is None:
+            return self.loss_fn(params, batch)
         tracker.phase, tracker.layer = "forward", None
-        if repeated and isinstance(params, dict) and isinstance(params.get(repeated), list):
-            params = {**params, repeated: _Layers(params[repeated], tracker)}
-        out = loss_fn(params, batch)
+        if self.repeated and isinstance(params, dict) and isinstance(params.get(self.repeated), list):
+            params = {**params, self.repeated: _Layers(params[self.repeated], tracker)}
+        out = self.loss_fn(params, batch)
         tracker.layer = None
         return out
-    return loss
 
 
 class _Layers(list):

@@ -20,7 +20,7 @@ from functional_pp.devices.launch import launch
 from functional_pp.parallel.init import init
 from functional_pp.parallel.named import configure
 from functional_pp.parallel.shard_map import use_rules
-from functional_pp.plan.dryrun import BatchSpec, _instrumented
+from functional_pp.plan.dryrun import BatchSpec, Instrumented
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
 from functional_pp.step.train import PER_WEIGHT, train_step
 
@@ -37,7 +37,8 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
     options = dict(options or {})
 
     def device():
-        step = train_step(loss_fn, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
+        loss = Instrumented(loss_fn, repeated)
+        step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                           grad_accum=grad_accum, remat=remat, trainable=trainable, **PER_WEIGHT)
         with use_rules(rules), configure(**options):
             state = step.init(params() if params is not None else init(lambda: decls, mesh=mesh, rules=rules, seed=seed))
@@ -55,7 +56,7 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
             tracker = MemoryTracker(baseline, masters, None, timeline=False) if me else None
             with comm_report() as rep:
                 if tracker is not None:
-                    step.loss_fn = _instrumented(loss_fn, tracker, repeated)
+                    loss.tracker = tracker
                     tracker._report = rep
                 t0 = time.perf_counter()
                 if tracker is not None:

@@ -1,7 +1,10 @@
 """The training step's non-finite guard, in one place (docs/bad_inputs.md §2): which values a
 step checks, and what the host does after the step's one metrics read: keep the old state of a
 skipped step, stop with ``on_nonfinite="raise"`` or after ``max_consecutive_skips`` (with
-deferred metrics the stops are checked per step at the read: step/deferred_metrics.py)."""
+deferred metrics the stops are checked per step at the read: step/deferred_metrics.py).
+
+Mechanism: Optimizer update (the non-finite guard: keep, skip or raise).
+"""
 from __future__ import annotations
 
 from typing import Any

@@ -31,8 +31,8 @@ from functional_pp.compile.backend import step_backend
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
-from functional_pp.core.runtime import current_context
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.devices import mesh_view
 from functional_pp.ops.token_ids import checks_apart
 from functional_pp.optim.base import state_like_params
 from functional_pp.parallel.buckets import resolve_pending
@@ -47,6 +47,7 @@ from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, r
 from functional_pp.step.buffers import acc_dtype
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
+from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.update import update_phase
 
 PP = "pp"
@@ -193,7 +194,7 @@ class PipelineStep(TrainStep):
 
     # ------------------------------------------------------------- the step
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     donate_state: bool | None = None):
+                     donate_state: bool | None = None) -> DeviceStepResult:
         _refuse_batched()
         mesh = env()[0]
         p, v = self.stages, self.virtual_stages
@@ -287,7 +288,8 @@ class PipelineStep(TrainStep):
         metrics = {"loss": total, "grad_norm": up.grad_norm,
                    "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
-        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
+                                up.peaks)
 
     def _stage(self, k: int):
         """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the
@@ -298,8 +300,9 @@ class PipelineStep(TrainStep):
         with self._compile_lock:
             gate = self._compiled_stages.get(k)
             if gate is None:
-                fn = torch.compile(self._stage_forward, backend=step_backend(self.stage_compile),
-                                   fullgraph=True, dynamic=False)
+                backend = step_backend(self.stage_compile, overlap=self.policy.overlap,
+                                       in_flight=self.policy.collectives_in_flight)
+                fn = torch.compile(self._stage_forward, backend=backend, fullgraph=True, dynamic=False)
                 gate = self._compiled_stages[k] = CompileGate(fn, type(self)._stage_forward.__code__)
 
         def run(*args):
@@ -403,9 +406,8 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def _refuse_batched() -> None:
-    if getattr(current_context(required=False), "batched", False):
-        raise ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
-                         "actions): use launch's threads (the default) or processes=True")
+    mesh_view.refuse_batched(ValueError("pipeline_step cannot run in a batched simulation (each stage runs its own "
+                                        "actions): use launch's threads (the default) or processes=True"))
 
 
 def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,

@@ -32,6 +32,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.policy import FIELDS as POLICY_FIELDS
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
+from functional_pp.devices import mesh_view
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
 from functional_pp.parallel import param_uses
@@ -41,7 +42,7 @@ from functional_pp.parallel.fsdp_order import UnitOrder
 from functional_pp.parallel.fsdp_units import begin_forward
 from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
-from functional_pp.parallel.named import Named, _make, env, settle, wrap
+from functional_pp.parallel.named import Named, make_named, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step import activation_offload, offload
 from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy, select_finite
@@ -49,6 +50,7 @@ from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import check_batch, peak_memory, read_step_metrics, split_micro
 from functional_pp.step.known_finite import KnownFinite, KnownPeaks
 from functional_pp.step.nonfinite import NonFiniteError, keep_or_raise  # noqa: F401 (NonFiniteError: public here too)
+from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.update import Updated, redo_held, update_phase
 
 
@@ -285,10 +287,11 @@ class TrainStep:
                              f"{{{unknown[0]!r}: 'batch seq', ...}} to train_step")
         fn = self._device_step
         step_compile, layer_compile = split_mode(self.compile)   # compile="per_layer": layers only
-        if (step_compile or layer_compile) and getattr(current_context(required=False), "batched", False):
-            raise ValueError(f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it "
-                             f"runs eager ops over a device dimension; docs/simulation.md): use compile=False "
-                             f"there, or launch(simulate=True) to simulate the compiled step")
+        if step_compile or layer_compile:
+            mesh_view.refuse_batched(ValueError(
+                f"train_step(compile={self.compile!r}) cannot run in a batched simulation (it runs eager ops over "
+                f"a device dimension; docs/simulation.md): use compile=False there, or launch(simulate=True) to "
+                f"simulate the compiled step"))
         if step_compile:
             with self._compile_lock:     # one wrapper (one backend) for every device thread
                 if self._compiled is None:
@@ -300,9 +303,12 @@ class TrainStep:
         bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
         with self._settings(step_compile, layer_compile), \
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
-            params, opt_state, step, skipped, m, (written, retry, peaks) = fn(
+            out: DeviceStepResult = fn(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
                 grad_seed(_device_of(state["params"]), bool(step_compile)))
+        params, opt_state, step, skipped, m = out.params, out.opt_state, out.step, out.skipped, out.metrics
+        written, retry, peaks = out.written, out.retry, out.peaks
+        out = None
         if self.metrics == "deferred":
             self._known_finite.remember(tree_leaves(params), finite)
             if bound is not None:
@@ -331,6 +337,15 @@ class TrainStep:
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
                 "consecutive_skips": _run_tensor(run, previous, state.get("consecutive_skips"), step.device)}, metrics
+
+    def trace(self, state: dict, batch: dict) -> DeviceStepResult:
+        """The step's device function run once on ``state`` and this device's ``batch`` (tensors
+        or named values), eager and without the host's part: nothing compiled, no metrics read,
+        no skip chosen, no counters kept. The hook the planner measures a step with (on meta
+        tensors, plan/dryrun.py); run it under :meth:`apply_policy` and the step's rules."""
+        if self.spec is None:
+            raise RuntimeError("call step.init(params) before step.trace")
+        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch)
 
     def _params_finite(self, params: Any) -> torch.Tensor | None:
         """A donated step whose optimizer's bound needs finite parameters: whether ``params`` are
@@ -385,7 +400,8 @@ class TrainStep:
         """``fn`` (a device step) compiled, called with ``fn``'s arguments: simulated devices
         share one compilation (compile/gate.py); dynamo sees one opaque call traced natively
         (step/native_trace.py) unless ``FPP_STEP_TRACE=dynamo``; static shapes."""
-        backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb)
+        backend = step_backend(split_mode(self.compile)[0], self.policy.bucket_mb, self.policy.overlap,
+                               self.policy.collectives_in_flight)
         if dynamo_traces_step():
             return CompileGate(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), fn.__code__)
         return CompileGate(torch.compile(call_natively, backend=backend, fullgraph=True, dynamic=False),
@@ -420,7 +436,7 @@ class TrainStep:
                 compiled_layers(step_backend(layer_compile) if layer_compile else None), \
                 layer_units(policy.fsdp_units, keep_root=keep_root, prefetch=policy.fsdp_prefetch,
                             order=self._unit_order, provisional_root=not self._layered,
-                            data_dims=self._batch_dim_names()) as seen:
+                            data_dims=self._batch_dim_names(), in_flight=policy.collectives_in_flight) as seen:
             yield
         if seen.layered:
             self._layered = True
@@ -459,10 +475,11 @@ class TrainStep:
                 self._compiled_new_buffers = self._compile(self._device_step_new_buffers)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
-            params, opt_state, _, _, m, _ = self._compiled_new_buffers(
+            out = self._compiled_new_buffers(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch,
                 grad_seed(_device_of(state["params"]), True))
-        return Updated(params, opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+        m = out.metrics
+        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
                        m["skipped"] == 0, False)
 
     def _device_step_new_buffers(self, params, opt_state, step, skipped, batch, seed=None):
@@ -524,7 +541,7 @@ class TrainStep:
             # parameters an earlier forward gathered at several sites are tied (parallel/param_uses.py)
             tied = getattr(self._shared, "tied", None) or ()
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
-            named = [_make(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
+            named = [make_named(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
         return named
 
     def _offloaded_to(self) -> torch.device | None:
@@ -538,7 +555,7 @@ class TrainStep:
         return device
 
     def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     seed=None, donate_state: bool | None = None):
+                     seed=None, donate_state: bool | None = None) -> DeviceStepResult:
         # seed: what the parameters are made differentiable with in a compiled step on a
         # torch whose dynamo cannot (_torch/grad_leaves.py); None otherwise
         leaves, treespec = tree_flatten(params)
@@ -610,7 +627,8 @@ class TrainStep:
                    "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                    "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
                    **step_values.combine(reported)}
-        return up.params, up.opt_state, step + 1, skipped + skip, metrics, (up.written, up.retry, up.peaks)
+        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
+                                up.peaks)
 
     @staticmethod
     def _keep_old_if_skipped(up, old_params: list, old_opt_state: Any) -> tuple[Any, Any]:
@@ -687,8 +705,9 @@ def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientT
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
     precision, on_nonfinite, lr_schedule, batch_dims, flops_per_token, ...). Its execution
     policy is ``policy=`` (a :class:`Policy`) and/or its fields as keywords (remat,
-    keep_gathered, cp_attention, regather_activations, bucket_mb, fsdp_units, fsdp_keep_root,
-    fsdp_prefetch), which change that policy (docs/policy.md)."""
+    keep_gathered, cp_attention, regather_activations, check_rep, bucket_mb, fsdp_units,
+    fsdp_keep_root, fsdp_prefetch, collectives_in_flight, overlap), which change that policy
+    (docs/policy.md)."""
     if rules is not None and mesh is not None:
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))

@@ -18,7 +18,10 @@ One of three ways, per step:
 
 A step that returns new buffers checks the update's finiteness after computing it. A donated
 compiled step of an optimizer without a bound checks the values written; one found non-finite
-has already been written, and the host stops the run (``nonfinite.keep_or_raise``)."""
+has already been written, and the host stops the run (``nonfinite.keep_or_raise``).
+
+Mechanism: Optimizer update (the update phase: gradient norm, optimizer, device side of the guard).
+"""
 from __future__ import annotations
 
 import math

@@ -6,7 +6,9 @@ alive at once."""
 import pytest
 import torch
 
-from functional_pp.compile.overlap import IN_FLIGHT_ENV, in_flight_limit, overlap_communication
+from functional_pp.compile.backend import _step_pass
+from functional_pp.compile.overlap import overlap_communication
+from functional_pp.core.policy import DEFAULT_IN_FLIGHT, Policy
 
 FUNCOL = torch.ops._c10d_functional
 N_GRADS = 4
@@ -81,12 +83,17 @@ def test_without_a_bound_late_waits_keep_every_reduce_scatter_in_flight():
     assert _max_in_flight(g) == N_GRADS
 
 
-def test_in_flight_limit_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(IN_FLIGHT_ENV, raising=False)
-    assert in_flight_limit() == 2
-    monkeypatch.setenv(IN_FLIGHT_ENV, "3")
-    assert in_flight_limit() == 3
-    for bad in ("-1", "two"):
-        monkeypatch.setenv(IN_FLIGHT_ENV, bad)
-        with pytest.raises(ValueError, match=IN_FLIGHT_ENV):
-            in_flight_limit()
+def test_the_bound_and_the_overlap_are_step_policy_fields():
+    """``Policy.collectives_in_flight`` (default 2) and ``Policy.overlap`` reach the compiled
+    step's pass through its backend (compile/backend.py); a bad bound is refused by name."""
+    assert Policy().collectives_in_flight == DEFAULT_IN_FLIGHT == 2 and Policy().overlap is True
+    for bad in (-1, "two", 1.5, True):
+        with pytest.raises(ValueError, match="collectives_in_flight"):
+            Policy(collectives_in_flight=bad)
+    g = _backward_graph()
+    overlap_communication(g)
+    assert _max_in_flight(g) == DEFAULT_IN_FLIGHT
+    for overlap, limit, most in ((True, 3, 3), (True, 0, N_GRADS), (False, 3, 1)):
+        g = _backward_graph()
+        _step_pass(g, overlap=overlap, in_flight=limit)
+        assert _max_in_flight(g) == most, (overlap, limit)

@@ -2,7 +2,6 @@
 docs/compile.md): read from the compiled graph's node order on two real gloo processes, with
 results equal to the step compiled without the pass."""
 import functools
-import os
 
 import pytest
 import torch
@@ -55,10 +54,9 @@ def _most_in_flight(graph, kind):
 
 
 def _device(overlap):
-    os.environ["FPP_OVERLAP"] = "1" if overlap else "0"
     mesh, rules = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard")
     step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2), mesh=mesh,
-                          rules=rules, compile="aot_eager")
+                          rules=rules, compile="aot_eager", overlap=overlap)
     full = make_batch(CFG, batch=4, seq=16)
     r = fpp.current_rank()
     batch = {k: v[2 * r:2 * r + 2] for k, v in full.items()}
@@ -93,7 +91,7 @@ def test_compiled_fsdp_prefetches_gathers_and_overlaps_reduce_scatters_on_gloo()
     scatters = [b for k, b in order if k.startswith("reduce_scatter")]
     assert sum(b > 0 for b in gathers) >= 2 * (CFG.layers - 1), order
     assert sum(b > 0 for b in scatters) >= len(scatters) // 2, order
-    # ... but at most two of a kind at a time (FPP_COLLECTIVES_IN_FLIGHT's default): a
+    # ... but at most two of a kind at a time (the policy's collectives_in_flight default): a
     # reduce-scatter holds its unsharded gradient until its wait (docs/compile.md)
     assert plain[0][3] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, plain[0][3]
     assert over[0][3] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, over[0][3]

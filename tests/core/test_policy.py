@@ -17,7 +17,7 @@ from functional_pp.models import llama
 
 def test_over_fills_only_the_fields_left_none():
     base = Policy(remat=True, keep_gathered=True, cp_attention="allgather", regather_activations=True,
-                  reduce_dtype=torch.float32)
+                  reduce_dtype=torch.float32, check_rep=True)
     mine = Policy(keep_gathered=False, bucket_mb=None)
     got = mine.over(base)
     assert got.keep_gathered is False                            # set here: kept (False is not None)
@@ -52,7 +52,7 @@ def test_configure_takes_ambient_settings_only():
     with pytest.raises(TypeError, match=r"'bucket_mb' is a setting of a training step only.*train_step"):
         fpp.configure(bucket_mb=None)
     with pytest.raises(TypeError, match=r"configure: unknown policy setting 'keep'; the settings are remat, "
-                                        r"keep_gathered, cp_attention, regather_activations, reduce_dtype$"):
+                                        r"keep_gathered, cp_attention, regather_activations, reduce_dtype, check_rep$"):
         fpp.configure(keep=True)
 
 

@@ -148,15 +148,15 @@ def test_backward_reduce_scatter_is_asynchronous_on_gloo_processes(gloo_on_off):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_the_in_flight_bound_governs_eager_reduce_scatters_on_gloo_processes(gloo_on_off, monkeypatch):
-    """``FPP_COLLECTIVES_IN_FLIGHT`` bounds eager units' reduce-scatters as it bounds compiled
-    graphs' (functional_pp.compile.in_flight): with 1, each is awaited right after its launch, before
+def test_the_in_flight_bound_governs_eager_reduce_scatters_on_gloo_processes(gloo_on_off):
+    """The policy's ``collectives_in_flight`` bounds eager units' reduce-scatters as it bounds
+    compiled graphs' (docs/communication.md): with 1, each is awaited right after its launch, before
     the previous unit's backward; with 3, unit k's waits until unit k-2's is launched. The
     numbers stay bitwise those of the default run."""
     on, _ = gloo_on_off
     for limit in (1, 3):
-        monkeypatch.setenv("FPP_COLLECTIVES_IN_FLIGHT", str(limit))     # forked ranks inherit it
-        bounded = fpp.launch(functools.partial(_gloo, True), MESH, processes=True, timeout=300)
+        bounded = fpp.launch(functools.partial(_gloo, True, collectives_in_flight=limit), MESH, processes=True,
+                             timeout=300)
         for (l1, p1, _), (lb, pb, tb) in zip(on, bounded):
             assert lb == l1
             for path in p1:

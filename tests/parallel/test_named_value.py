@@ -10,7 +10,7 @@ import torch
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.ops.einsum import _matmul_depth
-from functional_pp.parallel.named import Named, _memo
+from functional_pp.parallel.named import Named, memo_table
 from functional_pp.step.io import read_step_metrics
 
 
@@ -88,7 +88,7 @@ def test_rotary_tables_are_built_once_per_positions_value():
     q = Named(torch.randn(2, 8, 4, 6, generator=g), ("batch", "seq", "heads", "head_dim"))
     k = Named(torch.randn(2, 8, 2, 6, generator=g), ("batch", "seq", "kv_heads", "head_dim"))
     rq, rk = ops.rotary(q, pos, head_dim="head_dim"), ops.rotary(k, pos, head_dim="head_dim")
-    assert len([key for key in _memo(pos) if key[0] == "rotary"]) == 1
+    assert len([key for key in memo_table(pos) if key[0] == "rotary"]) == 1
     assert ops.positions("seq", 8) is pos               # eager: one positions value per layout
     fresh = Named(torch.arange(8), ("seq",))            # same positions, nothing memoised
     assert torch.equal(ops.rotary(q, fresh, head_dim="head_dim").data, rq.data) and torch.equal(

@@ -50,6 +50,13 @@ def test_check_rep_catches_false_replication_claim():
     with pytest.raises(fpp.DeviceError, match=r"output\[0\] is declared replicated over mesh axis 'dp_shard'"):
         fpp.launch(lambda: fn(True, check_vma=False), mesh)
     fpp.launch(lambda: fn(False, check_vma=False), mesh)   # unchecked: silently per-device values
+    fpp.launch(lambda: fn(None, check_vma=False), mesh)    # None: the ambient policy's check_rep (off)
+
+    def checked_by_policy():
+        with fpp.configure(check_rep=True):
+            return fn(None, check_vma=False)
+    with pytest.raises(fpp.DeviceError, match=r"output\[0\] is declared replicated over mesh axis 'dp_shard'"):
+        fpp.launch(checked_by_policy, mesh)
     ok = fpp.shard_map(lambda x: fpp.psum(x.sum(), ("dp_shard", "tp")), fpp.P(("dp_shard", "tp")), fpp.P(),
                        check_rep=True)
     assert all(v.item() == 28 for v in fpp.launch(lambda: ok(X), mesh))

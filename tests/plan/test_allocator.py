@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from functional_pp import cli, plan
-from functional_pp.app.report import _human_bytes
+from functional_pp.app.report import human_bytes
 from functional_pp.cli.plan import config_space, layout_yaml, rank_layouts
 from functional_pp.config import TrainConfig
 from functional_pp.plan.allocator import CachingAllocator, rounded, segment_size
@@ -64,11 +64,11 @@ def test_validate_memory_and_plan_give_the_same_reserved_bytes(tmp_path, capsys)
     assert cli.main(["validate", str(pasted), "--simulate", "2", "--memory"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("reserved:"))
-    assert line.startswith(f"reserved:   {_human_bytes(best.reserved_bytes)} per device")
+    assert line.startswith(f"reserved:   {human_bytes(best.reserved_bytes)} per device")
     assert cli.main(["plan", str(pasted), "--devices", "2", "--cluster", "h100x8"]) == 0
     out = capsys.readouterr().out
     chosen = out.split("chose ")[1]
     if chosen.startswith(best.describe() + ":"):
-        assert f"(reserved {_human_bytes(best.reserved_bytes)})" in chosen
+        assert f"(reserved {human_bytes(best.reserved_bytes)})" in chosen
     else:
         pytest.fail(f"plan chose {chosen.splitlines()[0]}, not {best.describe()}")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from functional_pp import cli, plan
-from functional_pp.app.report import _human_bytes, planned_estimate
+from functional_pp.app.report import human_bytes, planned_estimate
 from functional_pp.cli.plan import config_space, layout_yaml, rank_layouts
 from functional_pp.config import TrainConfig, model_config
 from functional_pp.models import llama
@@ -115,7 +115,7 @@ def test_the_pasted_keys_reproduce_the_layout_and_validate_gives_the_same_peak(t
     again = _write(tmp_path, "best.yaml", **{**yaml.safe_load(open(path)), **yaml.safe_load(layout_yaml(cfg, best, n))})
     assert cli.main(["validate", again, "--simulate", str(n), "--memory"]) == 0
     peak = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak:"))
-    assert peak.startswith(f"peak:       {_human_bytes(best.peak_bytes)} per device")
+    assert peak.startswith(f"peak:       {human_bytes(best.peak_bytes)} per device")
 
 
 @pytest.mark.parametrize("mesh, rules, remat", [
@@ -180,7 +180,7 @@ def test_plan_prints_full_names_in_gib_the_keys_to_paste_and_says_when_nothing_f
     assert "activation_checkpointing: true (the config fixes activation_checkpointing" in out
     assert "micro_batch_size: 1" in out and "more devices" in out
     near = min(ranking, key=lambda e: e.reserved_bytes)
-    assert f"The nearest is {near.describe()} at {_human_bytes(near.reserved_bytes)} reserved" in out
+    assert f"The nearest is {near.describe()} at {human_bytes(near.reserved_bytes)} reserved" in out
     assert cli.main(["plan", "--cluster", "help"]) == 0
     out = capsys.readouterr().out
     assert all(f"{name}: " in out for name in plan.PRESETS) and "Grand Teton" in out and "GiB" in out

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from functional_pp import cli, optim, plan
-from functional_pp.app.report import _human_bytes
+from functional_pp.app.report import human_bytes
 from functional_pp.config import TrainConfig, model_config, model_family
 
 CONFIG = {"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2, "sequence_len": 32, "model": "tiny",
@@ -35,8 +35,8 @@ def test_validate_memory_prints_the_dry_run_peak_of_the_configs_step(tmp_path, c
     est = plan.estimate(functools.partial(family.loss, cfg=model), family.param_decls(model), mesh, rules,
                         {"tokens": ((4, 32), "batch seq"), "labels": ((4, 32), "batch seq")},
                         optimizer=optim.sgd(3e-4, momentum=0.9))
-    assert line.startswith(f"peak:       {_human_bytes(est.peak_bytes)} per device")
-    assert f"optimizer state {_human_bytes(est.memory['optimizer state'])}" in line   # SGD: one buffer
+    assert line.startswith(f"peak:       {human_bytes(est.peak_bytes)} per device")
+    assert f"optimizer state {human_bytes(est.memory['optimizer state'])}" in line   # SGD: one buffer
     remat = peak_line(capsys, path, "--memory", "--set", "activation_checkpointing=true")
     size = re.compile(r"activations ([\d.,]+) KiB")
     assert float(size.search(remat).group(1)) < float(size.search(line).group(1))

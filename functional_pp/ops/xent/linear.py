@@ -19,7 +19,7 @@ from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.chunks import chunk_rows, chunked_lse, linear_xent_sum, loss_dtype
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel.named import _EMPTY, Named, _make, op_env, pvary, require_named, settle
+from functional_pp.parallel.named import NO_AXES, Named, make_named, op_env, pvary, require_named, settle
 
 # one chunk of fp32 logits: as fast as the unchunked head on CPU for preset small (512 rows of
 # 8192); smaller chunks save more memory and cost speed (docs/compile.md "Measurements")
@@ -81,7 +81,7 @@ def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: 
     if not v_axes:
         total = linear_xent_sum(xd, wd, flat.clamp(0, wd.shape[1] - 1), row_weight, rows, need_grad)
         if not tok_axes and not vary and not labels.vary:
-            return _make(total, (), (), _EMPTY, sizes=())
+            return make_named(total, (), (), NO_AXES, sizes=())
         return Named(total, (), (), vary | set(tok_axes), tok_axes, sizes=())
     # the vocabulary split: the rows' log-sum-exp completed over the split, then this block's
     # share of -logits[label] (ops/loss.py, _split_nll_rows)

@@ -5,7 +5,10 @@ micro-batch, accumulate the gradients unsharded, and reduce-scatter each unit on
 schedule is done. The gathers and reduce-scatters are the units' own (``fsdp_units``), so each
 element is gathered and summed as in a step without pipeline; only their number changes: one
 of each per unit and step instead of two gathers and one reduce-scatter per unit and
-micro-batch (``fsdp_gather="micro"``)."""
+micro-batch (``fsdp_gather="micro"``).
+
+Mechanism: FSDP (under a pipeline: weights gathered once per step; eager).
+"""
 from __future__ import annotations
 
 import torch
