@@ -123,7 +123,7 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
-                           "quantize_moe_experts", "nvfp4_merge_aware")},
+                           "nvfp4_merge_aware")},
     **{k: _MOE for k in ("llama4_linearized_experts", "expert_parallel_token_capacity")},
     **{k: _RL for k in ("trl", "vllm", "ebft")},
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",

@@ -34,6 +34,10 @@ def check_base_quantization(cfg: Any, add) -> None:
         which = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
         add(f"{which}: a quantized base is frozen, so it trains only under an adapter: add adapter: qlora "
             f"(or adapter: lora), or remove {which} (bf16: true trains in bf16)")
+    if cfg.quantize_moe_experts and not (cfg.load_in_4bit or cfg.load_in_8bit
+                                                             or cfg.adapter == "qlora"):
+        add("quantize_moe_experts quantizes the experts as the frozen base is quantized: add load_in_4bit: true "
+            "with adapter: qlora (or load_in_8bit: true with adapter: lora), or remove quantize_moe_experts")
     kw = cfg.bnb_config_kwargs or {}
     if not isinstance(kw, dict):
         add(f"bnb_config_kwargs must be a mapping, got {kw!r}")

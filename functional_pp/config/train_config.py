@@ -160,6 +160,10 @@ class TrainConfig:
                                     "docs/quantization.md); with an adapter only")
     load_in_8bit: bool = fld(False, "hold the adapted weights' frozen base as blockwise int8; with "
                                     "an adapter only")
+    quantize_moe_experts: bool = fld(False, "with load_in_4bit / load_in_8bit: quantize the experts' "
+                                            "stacked weights too, each stack as bitsandbytes quantizes "
+                                            "the stacked [experts, out, in] tensor (Axolotl's; "
+                                            "docs/quantization.md)")
     bnb_config_kwargs: dict | None = fld(None, "bitsandbytes' options as Axolotl passes them: "
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
@@ -297,12 +301,15 @@ class TrainConfig:
 
     def base_quantization(self) -> dict | None:
         """How the adapted weights' frozen base is quantized: ``{"kind": "nf4" | "int8",
-        "double_quant": bool}`` (``adapter: qlora`` or ``load_in_4bit``; ``load_in_8bit``), else None."""
+        "double_quant": bool, "experts": bool}`` (``adapter: qlora`` or ``load_in_4bit``;
+        ``load_in_8bit``; ``experts``: ``quantize_moe_experts``), else None."""
         kw = dict(self.bnb_config_kwargs or {})
+        experts = bool(self.quantize_moe_experts)
         if self.load_in_8bit:
-            return {"kind": "int8", "double_quant": False}
+            return {"kind": "int8", "double_quant": False, "experts": experts}
         if self.adapter == "qlora" or self.load_in_4bit:
-            return {"kind": "nf4", "double_quant": bool(kw.get("bnb_4bit_use_double_quant", True))}
+            return {"kind": "nf4", "double_quant": bool(kw.get("bnb_4bit_use_double_quant", True)),
+                    "experts": experts}
         return None
 
     def resolved_precision(self) -> str:
