@@ -139,7 +139,6 @@ UNSUPPORTED: dict[str, str] = {
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
-    "lr_quadratic_warmup": "only linear warmup is supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "max_packed_sequence_len": "packing always fills sequence_len: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
@@ -149,7 +148,6 @@ UNSUPPORTED: dict[str, str] = {
                            "datasets: [{path: ..., type: completion}]",
     "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
-    "cosine_constant_lr_ratio": "a constant phase in the cosine schedule is not supported: remove it",
 }
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why

@@ -75,6 +75,10 @@ class TrainConfig:
     warmup_ratio: float | None = fld(None, "warmup as a fraction of max_steps (instead of "
                                            "warmup_steps)")
     min_learning_rate: float = fld(0.0, "learning rate at the end of the decay")
+    cosine_constant_lr_ratio: float | None = fld(None, "cosine only, with cosine_min_lr_ratio: the "
+                                                       "cosine reaches the minimum at this fraction of "
+                                                       "max_steps and holds it (Axolotl's; 0: none)")
+    lr_quadratic_warmup: bool = fld(False, "cosine only: warm up as (step / warmup) ** 2 (Axolotl's)")
     cosine_min_lr_ratio: float | None = fld(None, "min_learning_rate as a fraction of "
                                                   "learning_rate")
     max_steps: int = fld(100, "optimizer steps (wins over num_epochs)")
