@@ -155,8 +155,6 @@ DATASET_UNSUPPORTED: dict[str, str] = {
     **{k: _RL for k in ("chosen_key", "rejected_key")},
     **{k: "process-reward (stepwise supervised) data is not supported: remove it" for k in (
         "step_separator", "train_on_last_step_only", "max_completion_length")},
-    **{k: "reasoning fields of messages are not supported: remove it" for k in (
-        "field_thinking", "template_thinking_key")},
 }
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
