@@ -205,6 +205,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["dataset_prepared_path"] = str(tmp / "prepared")
     cfg.update(sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=1, max_steps=2,
                logging_steps=1)
+    if cfg.get("use_swanlab"):
+        cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
     for key in ("warmup_steps", "save_steps", "eval_steps"):
         if isinstance(cfg.get(key), int) and cfg[key] > 1:
             cfg[key] = 1

@@ -157,10 +157,14 @@ DATASET_UNSUPPORTED: dict[str, str] = {
         "step_separator", "train_on_last_step_only", "max_completion_length")},
 }
 
+#: keys under a refused prefix that are config fields (the SwanLab sink's)
+_PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
+                    "swanlab_workspace")
+
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
-    "swanlab_": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "use_swanlab": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "swanlab_": "this SwanLab option is not supported (use_swanlab logs the metrics with swanlab_project, "
+                "swanlab_experiment_name, swanlab_description, swanlab_mode, swanlab_workspace): remove it",
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "otel_": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "use_otel_metrics": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, "
@@ -220,6 +224,9 @@ NOT_USED: dict[str, str] = {
     **{k: "base_model is a local directory: nothing is downloaded" for k in (
         "revision_of_model", "base_model_ignore_patterns")},
     "use_wandb": "W&B logs when wandb_project is set",
+    **{k: "SwanLab gets the metrics only (no completion tables, no model upload)" for k in (
+        "swanlab_log_completions", "swanlab_completion_log_interval", "swanlab_completion_max_buffer",
+        "swanlab_log_model")},
     **{k: "kernels are torch's (the same math)" for k in (
         "fused_attn_kernel", "gemma4_hybrid_attn_impl", "use_dsv4_kernels", "use_glm_dsa_kernels",
         "dsv4_fp4_grouped_mode", "flash_optimum")},
@@ -243,7 +250,8 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                         "cut cross-entropy: the head and cross-entropy are already fused here "
                         "(chunked, the full logits never stored)",
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
-                    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP}
+                    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
+                    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -346,7 +354,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     launcher: list[str] = []
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
-        prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)), None)
+        prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)
+                       and key not in _PREFIXED_FIELDS and key not in NOT_USED), None)
         if (key in UNSUPPORTED or prefix) and _off(value):
             continue                                 # switched off: nothing is asked for
         if prefix and key not in UNSUPPORTED:

@@ -248,6 +248,14 @@ class TrainConfig:
         None, "W&B mode (offline needs no network)")
     wandb_name: str | None = fld(None, "W&B run name")
     wandb_entity: str | None = fld(None, "W&B entity")
+    use_swanlab: bool = fld(False, "also log to SwanLab (the swanlab package: pip install "
+                                   "'functional_pp[swanlab]'; Axolotl's SwanLabPlugin)")
+    swanlab_project: str | None = fld(None, "SwanLab project (default: the output directory's name)")
+    swanlab_experiment_name: str | None = fld(None, "SwanLab experiment name")
+    swanlab_description: str | None = fld(None, "SwanLab experiment description")
+    swanlab_mode: Literal["cloud", "local", "offline", "disabled"] | None = fld(
+        None, "SwanLab mode (default cloud: needs swanlab login; offline and local need no network)")
+    swanlab_workspace: str | None = fld(None, "SwanLab workspace (a team's)")
     # sections
     model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
                              factory=ModelConfig)
