@@ -98,8 +98,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
-            "linear modules): remove it")
+_ADAPTER = ("this LoRA option is not supported (peft's own config: the adapter is set by adapter, lora_* and "
+            "peft_use_* keys): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
@@ -119,7 +119,7 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "peft")},
+    **{k: _ADAPTER for k in ("peft",)},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
@@ -129,9 +129,9 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
-    **{k: _GENERATE for k in ("eval_table_size", "eval_max_new_tokens", "do_causal_lm_eval",
+    **{k: _GENERATE for k in ("do_causal_lm_eval",
                               "eval_causal_lm_metrics")},
-    **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
+    **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "qat": "quantization-aware training is not supported: remove it",
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
@@ -140,7 +140,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
-    "max_packed_sequence_len": "packing always fills sequence_len: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
     "tokenizer_use_mistral_common": "mistral-common tokenizers are not supported: give the model's "
                                     "Hugging Face tokenizer (tokenizer.json) and remove it",
@@ -224,6 +223,11 @@ NOT_USED: dict[str, str] = {
     **{k: "base_model is a local directory: nothing is downloaded" for k in (
         "revision_of_model", "base_model_ignore_patterns")},
     "use_wandb": "W&B logs when wandb_project is set",
+    **{k: "no table of generated predictions is logged (the held-out loss is)" for k in (
+        "eval_table_size", "eval_max_new_tokens")},
+    "hf_use_auth_token": "base_model is a local directory: nothing is downloaded, no hub token is used",
+    "lora_fan_in_fan_out": ("peft sets fan_in_fan_out to false for torch.nn.Linear weights, which every "
+                            "family here has (it is for GPT-2's Conv1D): no effect"),
     **{k: "SwanLab gets the metrics only (no completion tables, no model upload)" for k in (
         "swanlab_log_completions", "swanlab_completion_log_interval", "swanlab_completion_max_buffer",
         "swanlab_log_model")},
@@ -391,6 +395,12 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
+        elif key == "max_packed_sequence_len":          # Axolotl's old name of the packed length
+            if d.get("sample_packing") is False:
+                issues.add("max_packed_sequence_len packs rows into sequences of that length, but sample_packing "
+                           "is false: remove one (sequence_len is the packed length here)")
+            else:
+                aliased.append((key, "sequence_len", value))
         elif key in ("save_strategy", "eval_strategy", "evaluation_strategy"):
             per = "saves_per_epoch" if key == "save_strategy" else "evals_per_epoch"
             if value == "epoch":
