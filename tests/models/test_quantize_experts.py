@@ -97,7 +97,7 @@ def _model(cfg, kind="nf4", lora=None):
     return decls, qp, qd, deq
 
 
-def _loss(cfg, params, decls, batch, mesh=None, rules=None, lora=None):
+def _loss(cfg, params, decls, batch, mesh=None, rules=None, lora=None, processes=False):
     """Per device the loss and the gathered gradients of the adapters (LoRA) ."""
     mesh, rules = mesh or fpp.Mesh(), rules or Rules()
     loss_fn = adapters.adapt(llama.loss, lora) if lora is not None else llama.loss
@@ -114,7 +114,7 @@ def _loss(cfg, params, decls, batch, mesh=None, rules=None, lora=None):
             grads = {p: t.grad for p, t in fpp.leaves_with_paths(local) if ".lora." in p}
             mine = {p: d for p, d in fpp.leaves_with_paths(decls) if p in grads}
             return loss.detach(), fpp.gather_tree(grads, mine, rules)
-    return fpp.launch(device, mesh)
+    return fpp.launch(device, mesh, **({"processes": True, "timeout": 300} if processes else {}))
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
@@ -158,6 +158,18 @@ def test_lora_on_quantized_experts_equals_the_dequantized_base_and_one_device(la
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
         for p, g in want_g.items():
             torch.testing.assert_close(grads[p], g, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_ep_with_lora_on_two_gloo_processes_equals_simulation():
+    decls, qp, qd, _ = _model(CFG, lora=LORA)
+    batch = make_batch(CFG, batch=4, seq=8, seed=1)
+    mesh, rules = fpp.Mesh(dp_shard=2), Rules(batch="dp_shard", experts="dp_shard", hidden="dp_shard")
+    for (a, ga), (b, gb) in zip(_loss(CFG, qp, qd, batch, mesh, rules, lora=LORA, processes=True),
+                                _loss(CFG, qp, qd, batch, mesh, rules, lora=LORA)):
+        assert torch.equal(a, b) and ga.keys() == gb.keys()
+        for p in ga:
+            torch.testing.assert_close(ga[p], gb[p], rtol=0, atol=0)
 
 
 def _tiny_moe(path):
