@@ -115,6 +115,7 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                   "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4,
                                                                  "moe_top_k": 2}}),
        "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
+       "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 8}),     # (no GQA)
        # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
        # (latent attention: a k/v head per head)
@@ -239,6 +240,10 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["dataset_prepared_path"] = str(tmp / "prepared")
     cfg.update(sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=1, max_steps=2,
                logging_steps=1)
+    if cfg.get("max_packed_sequence_len"):
+        cfg["max_packed_sequence_len"] = 256     # (Axolotl's old name of the packed length: a size)
+    if cfg.get("use_swanlab"):
+        cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
     for key in ("warmup_steps", "save_steps", "eval_steps"):
         if isinstance(cfg.get(key), int) and cfg[key] > 1:
             cfg[key] = 1

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: each distribution an extra brings -> the module it is imported as (a new extra must be added here)
 MODULE_OF = {"pytest": "pytest", "hypothesis": "hypothesis", "transformers": "transformers",
              "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "tokenizers": "tokenizers",
-             "jinja2": "jinja2", "tensorboard": "tensorboard", "wandb": "wandb", "jax": "jax",
+             "jinja2": "jinja2", "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab", "jax": "jax",
              "bitsandbytes": "bitsandbytes", "torchao": "torchao", "peft": "peft", "trl": "trl",
              "matplotlib": "matplotlib", "pyarrow": "pyarrow", "datasets": "datasets"}
 TRAINING_NEEDS = {"torch", "optree", "numpy", "safetensors", "pyyaml"}

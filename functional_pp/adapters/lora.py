@@ -31,6 +31,7 @@ from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
 from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
+from functional_pp.ops.quantized import is_quantized, realize, stand_in
 from functional_pp.parallel.named import Named, make_named
 from functional_pp.quant.weights import QuantizedWeight
 
@@ -108,6 +109,12 @@ def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save:
             [m for m in modules_to_save if not any("." + m + "." in "." + p + "." for p in paths)],
         "unfrozen_parameters": [r for r in unfrozen_parameters if not any(re.match(r, p) for p in paths + hf_names)]}
     modules = sorted({c for p in paths for c in p.split(".") if not c.isdigit()})
+    other_architectures = _absent_linear_names(unmatched["target_modules (lora_target_modules)"], target_modules)
+    if other_architectures:        # peft adapts the names a model has (q_proj on latent attention: none)
+        unmatched["target_modules (lora_target_modules)"] = [n for n in unmatched["target_modules (lora_target_modules)"]
+                                                             if n not in other_architectures]
+        warnings.warn(f"lora_target_modules {other_architectures} name linear weights this model does not have "
+                      f"(another architecture's; peft adapts the others): adapting the others only", stacklevel=2)
     for key, names in unmatched.items():
         if not names:
             continue
@@ -120,6 +127,15 @@ def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save:
         if only_unfrozen and len(names) == len(unfrozen_parameters):
             raise ValueError(message)
         warnings.warn(message.removeprefix("LoRA: ") + ": those patterns train nothing", stacklevel=2)
+
+
+def _absent_linear_names(unmatched: Sequence[str], target_modules: Sequence[str]) -> list[str]:
+    """Of the ``unmatched`` target names, the decoder's linear weights of another architecture
+    (``q_proj`` where latent attention has ``q_a_proj``), when some other target matches: peft
+    adapts the names a model has; a name of no architecture (a misspelling) is not among them."""
+    from functional_pp.models.quantize import LINEAR_BLOCK_DIMS
+    known = [n for n in unmatched if n in LINEAR_BLOCK_DIMS]
+    return known if len(unmatched) < len(target_modules) else []
 
 
 def targets(decls: Any, cfg: LoraConfig) -> list[str]:
@@ -352,9 +368,12 @@ class LoraWeight(NamedTuple):
             raise ValueError("LoRA: lora_dropout > 0 on expert weights is not supported (their adapters are "
                              "merged into the weight for the experts' grouped matmuls, which drops no input); "
                              "set lora_dropout: 0 or target no expert weights")
+        base = self.base
+        if is_quantized(base):          # a quantized stack (quantize_moe_experts): in its codes' layout
+            base = realize(base, stand_in(base).split, self.lora_A.data.dtype, "LoRA expert weight")
         pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
-                   f"{' '.join(self.base.dims)}")
-        return self.base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+                   f"{' '.join(base.dims)}")
+        return base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
 
 
 def _summed(y: Named, delta: Named) -> Named:

@@ -178,7 +178,8 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
         from functional_pp.models.quantize import quantize_linear_weights
         full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow)
         full = map_with_path(lambda p, x: saved.get(p, x), full)
-        full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"])
+        full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"],
+                                              experts=quant["experts"])
         full = map_with_path(lambda p, x: x.to(dtype_of(p)) if x.is_floating_point() else x, full)
         tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
         if device is not None:
@@ -273,7 +274,8 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
         if cfg.base_model is None:
             raise ConfigError(f"{which}: quantizes base_model's weights: set base_model (a Hugging Face directory)")
         try:
-            qdecls = quantized_decls(out[1], quant["kind"], double_quant=quant["double_quant"])
+            qdecls = quantized_decls(out[1], quant["kind"], double_quant=quant["double_quant"],
+                                     experts=quant["experts"])
         except ValueError as exc:
             raise ConfigError(f"{which}: {exc}") from exc
         trained = [p for p, t in leaves_with_paths(out[2](qdecls)) if t and ".lora." not in "." + p]

@@ -183,7 +183,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         raise ConfigError(str(exc)) from exc
     data = load_data(cfg) if pref is None else grpo_run.load_prompts(cfg, grpo) if grpo is not None else load_pairs(cfg)
     corpus = data.train
-    if latest is not None and not allow_config_change and pref is None:   # the checkpoint's tokens
+    if latest is not None and not allow_config_change:   # the checkpoint's tokens (or pairs)
         check_resume_tokens(load_dir / ck.format.step_dir_name(latest), corpus)
     if corpus.vocab_size > family.vocab_size(model_cfg):
         raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "

@@ -1,7 +1,8 @@
 """Metrics loggers behind one small protocol: ``log(step, metrics)`` and ``close()``.
 
 ``metrics.jsonl`` (always), TensorBoard (``use_tensorboard: true``, the ``tensorboard``
-package) and Weights & Biases (``wandb_project``; ``wandb_mode: offline`` needs no network).
+package), Weights & Biases (``wandb_project``; ``wandb_mode: offline`` needs no network) and SwanLab
+(``use_swanlab``; ``swanlab_mode: offline`` needs no network).
 The training loop logs training metrics and, at eval steps, ``eval_loss``; :func:`read_metrics`
 reads ``metrics.jsonl`` back (``docs/finetune.md``).
 """
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Protocol
 
 from functional_pp.core.optional import require
 
-__all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "make_loggers",
+__all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "SwanLabLogger", "make_loggers",
            "MultiLogger", "read_metrics", "trim_metrics"]
 
 
@@ -84,6 +86,49 @@ class WandbLogger:
         self.run.finish()
 
 
+def _attempt(fn, **kwargs) -> tuple[bool, object]:
+    """``(True, fn(**kwargs))``, or ``(False, the exception)``."""
+    try:
+        return True, fn(**kwargs)
+    except Exception as exc:          # (a cloud run without a login, ...): reported before any step
+        return False, exc
+
+
+class SwanLabLogger:
+    """A SwanLab experiment (Axolotl's SwanLabPlugin; ``mode`` offline / local write under
+    ``run_dir/swanlab`` and need no network), with W&B's metric names."""
+
+    def __init__(self, project: str, run_dir: Path, *, mode: str | None = None, name: str | None = None,
+                 description: str | None = None, workspace: str | None = None, config: dict | None = None):
+        swanlab = require("swanlab", "swanlab", "use_swanlab")
+        kwargs = dict(project=project, experiment_name=name, description=description, workspace=workspace,
+                      mode=mode or "cloud", logdir=str(run_dir / "swanlab"), config=config)
+        # started off the main thread: there SwanLab would install its own SIGINT handler, taking
+        # Ctrl-C from the run's stop with a checkpoint (app/signals.py), and restore it at finish
+        # from whichever thread closes the loggers (a device thread: refused by signal.signal)
+        started: list = []
+        t = threading.Thread(target=lambda: started.append(_attempt(swanlab.init, **kwargs)), name="swanlab-init")
+        t.start()
+        t.join()
+        ok, value = started[0]
+        if ok:
+            self.run = value
+        else:
+            exc = value
+            from functional_pp.config import ConfigError
+            raise ConfigError(f"use_swanlab: SwanLab did not start ({exc}); log in (swanlab login, or "
+                              f"SWANLAB_API_KEY) or set swanlab_mode: offline") from exc
+
+    def log(self, step: int, metrics: dict) -> None:
+        values = _numbers(metrics)
+        if "eval_loss" in values:
+            values["eval/loss"] = values.pop("eval_loss")
+        self.run.log({(k if "/" in k else f"train/{k}"): v for k, v in values.items()}, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MultiLogger:
     """Sends every call to each logger."""
 
@@ -107,6 +152,10 @@ def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> Mul
     if cfg.wandb_project:
         loggers.append(WandbLogger(cfg.wandb_project, out_dir, mode=cfg.wandb_mode,
                                    name=cfg.wandb_name, entity=cfg.wandb_entity, config=cfg.to_dict()))
+    if cfg.use_swanlab:
+        loggers.append(SwanLabLogger(cfg.swanlab_project or out_dir.name, out_dir, mode=cfg.swanlab_mode,
+                                     name=cfg.swanlab_experiment_name, description=cfg.swanlab_description,
+                                     workspace=cfg.swanlab_workspace, config=cfg.to_dict()))
     return MultiLogger(loggers)
 
 

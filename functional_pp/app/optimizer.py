@@ -32,13 +32,15 @@ def _build_optimizer(cfg: TrainConfig):
     kw = dict(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
               max_grad_norm=cfg.max_grad_norm, lr_schedule=cfg.lr_scheduler,
               warmup_steps=cfg.warmup(), total_steps=cfg.max_steps,
-              min_lr=cfg.min_lr(), mask=optim.decay_mask_by_ndim)
+              min_lr=cfg.min_lr(), mask=optim.decay_mask_by_ndim, quadratic_warmup=cfg.lr_quadratic_warmup or None,
+              constant_ratio=cfg.cosine_constant_lr_ratio or None)
     if cfg.optimizer in ADAM_OPTIMIZERS:
         kw.update(b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon)
     else:
         kw.update(momentum=cfg.momentum)
     schedule = optim.make_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup(),
-                                   cfg.max_steps, cfg.min_lr())
+                                   cfg.max_steps, cfg.min_lr(), quadratic_warmup=cfg.lr_quadratic_warmup,
+                                   constant_ratio=cfg.cosine_constant_lr_ratio or None)
     if not callable(schedule):
         schedule = optim.schedules.constant(schedule)
     return optim.from_config(cfg.optimizer, **kw), schedule

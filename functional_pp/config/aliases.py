@@ -98,8 +98,8 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = ("this LoRA option is not supported (fan-in-fan-out weights, adapters of parameters rather than "
-            "linear modules): remove it")
+_ADAPTER = ("this LoRA option is not supported (peft's own config: the adapter is set by adapter, lora_* and "
+            "peft_use_* keys): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
@@ -119,19 +119,19 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("lora_fan_in_fan_out", "peft")},
+    **{k: _ADAPTER for k in ("peft",)},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
-                           "quantize_moe_experts", "nvfp4_merge_aware")},
+                           "nvfp4_merge_aware")},
     **{k: _MOE for k in ("llama4_linearized_experts", "expert_parallel_token_capacity")},
     "ebft": _RL,
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
-    **{k: _GENERATE for k in ("eval_table_size", "eval_max_new_tokens", "do_causal_lm_eval",
+    **{k: _GENERATE for k in ("do_causal_lm_eval",
                               "eval_causal_lm_metrics")},
-    **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy", "hf_use_auth_token",
+    **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "qat": "quantization-aware training is not supported: remove it",
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
@@ -139,9 +139,7 @@ UNSUPPORTED: dict[str, str] = {
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
     "wandb_watch": "gradient watching is not supported: remove it",
     "wandb_log_model": "model upload is not supported: remove it",
-    "lr_quadratic_warmup": "only linear warmup is supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
-    "max_packed_sequence_len": "packing always fills sequence_len: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
     "tokenizer_use_mistral_common": "mistral-common tokenizers are not supported: give the model's "
                                     "Hugging Face tokenizer (tokenizer.json) and remove it",
@@ -149,7 +147,6 @@ UNSUPPORTED: dict[str, str] = {
                            "datasets: [{path: ..., type: completion}]",
     "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
-    "cosine_constant_lr_ratio": "a constant phase in the cosine schedule is not supported: remove it",
 }
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why
@@ -157,14 +154,16 @@ DATASET_UNSUPPORTED: dict[str, str] = {
     **{k: _RL for k in ("chosen_key", "rejected_key")},
     **{k: "process-reward (stepwise supervised) data is not supported: remove it" for k in (
         "step_separator", "train_on_last_step_only", "max_completion_length")},
-    **{k: "reasoning fields of messages are not supported: remove it" for k in (
-        "field_thinking", "template_thinking_key")},
 }
+
+#: keys under a refused prefix that are config fields (the SwanLab sink's)
+_PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
+                    "swanlab_workspace")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
-    "swanlab_": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "use_swanlab": "SwanLab logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
+    "swanlab_": "this SwanLab option is not supported (use_swanlab logs the metrics with swanlab_project, "
+                "swanlab_experiment_name, swanlab_description, swanlab_mode, swanlab_workspace): remove it",
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "otel_": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "use_otel_metrics": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, "
@@ -224,6 +223,14 @@ NOT_USED: dict[str, str] = {
     **{k: "base_model is a local directory: nothing is downloaded" for k in (
         "revision_of_model", "base_model_ignore_patterns")},
     "use_wandb": "W&B logs when wandb_project is set",
+    **{k: "no table of generated predictions is logged (the held-out loss is)" for k in (
+        "eval_table_size", "eval_max_new_tokens")},
+    "hf_use_auth_token": "base_model is a local directory: nothing is downloaded, no hub token is used",
+    "lora_fan_in_fan_out": ("peft sets fan_in_fan_out to false for torch.nn.Linear weights, which every "
+                            "family here has (it is for GPT-2's Conv1D): no effect"),
+    **{k: "SwanLab gets the metrics only (no completion tables, no model upload)" for k in (
+        "swanlab_log_completions", "swanlab_completion_log_interval", "swanlab_completion_max_buffer",
+        "swanlab_log_model")},
     **{k: "kernels are torch's (the same math)" for k in (
         "fused_attn_kernel", "gemma4_hybrid_attn_impl", "use_dsv4_kernels", "use_glm_dsa_kernels",
         "dsv4_fp4_grouped_mode", "flash_optimum")},
@@ -247,7 +254,8 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                         "cut cross-entropy: the head and cross-entropy are already fused here "
                         "(chunked, the full logits never stored)",
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
-                    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP}
+                    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
+                    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -350,7 +358,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     launcher: list[str] = []
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
-        prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)), None)
+        prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)
+                       and key not in _PREFIXED_FIELDS and key not in NOT_USED), None)
         if (key in UNSUPPORTED or prefix) and _off(value):
             continue                                 # switched off: nothing is asked for
         if prefix and key not in UNSUPPORTED:
@@ -386,6 +395,12 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
+        elif key == "max_packed_sequence_len":          # Axolotl's old name of the packed length
+            if d.get("sample_packing") is False:
+                issues.add("max_packed_sequence_len packs rows into sequences of that length, but sample_packing "
+                           "is false: remove one (sequence_len is the packed length here)")
+            else:
+                aliased.append((key, "sequence_len", value))
         elif key in ("save_strategy", "eval_strategy", "evaluation_strategy"):
             per = "saves_per_epoch" if key == "save_strategy" else "evals_per_epoch"
             if value == "epoch":

@@ -34,6 +34,10 @@ def check_base_quantization(cfg: Any, add) -> None:
         which = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
         add(f"{which}: a quantized base is frozen, so it trains only under an adapter: add adapter: qlora "
             f"(or adapter: lora), or remove {which} (bf16: true trains in bf16)")
+    if cfg.quantize_moe_experts and not (cfg.load_in_4bit or cfg.load_in_8bit
+                                                             or cfg.adapter == "qlora"):
+        add("quantize_moe_experts quantizes the experts as the frozen base is quantized: add load_in_4bit: true "
+            "with adapter: qlora (or load_in_8bit: true with adapter: lora), or remove quantize_moe_experts")
     kw = cfg.bnb_config_kwargs or {}
     if not isinstance(kw, dict):
         add(f"bnb_config_kwargs must be a mapping, got {kw!r}")
@@ -164,6 +168,25 @@ def check_adapter(cfg: Any, add) -> None:
             add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
 
 
+def check_schedule_shape(cfg: Any, add) -> None:
+    """``lr_quadratic_warmup`` / ``cosine_constant_lr_ratio`` shape Axolotl's cosine schedule;
+    where Axolotl would ignore them (another scheduler, the constant tail without its
+    ``cosine_min_lr_ratio``, both at once, a minimum beside the quadratic warmup) refused."""
+    if cfg.lr_quadratic_warmup:
+        if cfg.lr_scheduler != "cosine":
+            add(f"lr_quadratic_warmup shapes the cosine schedule's warmup (Axolotl's), not lr_scheduler: "
+                f"{cfg.lr_scheduler}: set lr_scheduler: cosine or remove it")
+        if cfg.min_lr() > 0:
+            add("lr_quadratic_warmup decays the cosine to 0 (Axolotl ignores a minimum beside it): remove "
+                "cosine_min_lr_ratio / min_learning_rate, or lr_quadratic_warmup")
+    if cfg.cosine_constant_lr_ratio:
+        if cfg.lr_scheduler != "cosine" or not cfg.cosine_min_lr_ratio:
+            add("cosine_constant_lr_ratio holds the cosine schedule at cosine_min_lr_ratio x learning_rate from "
+                "that fraction of max_steps: set lr_scheduler: cosine and cosine_min_lr_ratio (> 0)")
+        if cfg.lr_quadratic_warmup:
+            add("cosine_constant_lr_ratio and lr_quadratic_warmup are two cosine schedules: choose one")
+
+
 def check_values(cfg: Any, issues: Issues | None = None) -> None:
     """Range and consistency checks of the values that parsed; problems go to ``issues`` (raised
     here when none is given)."""
@@ -195,7 +218,8 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add(f"learning_rate must be a finite number > 0, got {cfg.learning_rate}")
     if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
         add(f"max_grad_norm must be > 0 (or null to disable clipping), got {cfg.max_grad_norm}")
-    for k in ("warmup_ratio", "cosine_min_lr_ratio"):
+    check_schedule_shape(cfg, add)
+    for k in ("warmup_ratio", "cosine_min_lr_ratio", "cosine_constant_lr_ratio"):
         v = getattr(cfg, k)
         if v is not None and not 0 <= v <= 1:
             add(f"{k} must be in [0, 1], got {v}")

@@ -91,6 +91,11 @@ class DatasetConfig:
                                                        "-> the data's, e.g. {role: from, content: "
                                                        "value} (default role -> role, content -> "
                                                        "content; ShareGPT from/value is recognised)")
+    field_thinking: str | None = fld(None, "chat_template: a message's key holding the reasoning "
+                                           "trace (default reasoning_content)")
+    template_thinking_key: str | None = fld(None, "chat_template: the key the chat template reads the "
+                                                  "reasoning from (default reasoning_content; gpt-oss's: "
+                                                  "thinking)")
     message_field_role: str | None = fld(None, "chat_template: a message's role key (older "
                                                "spelling of message_property_mappings.role)")
     message_field_content: str | None = fld(None, "chat_template: a message's content key (older "

@@ -75,6 +75,10 @@ class TrainConfig:
     warmup_ratio: float | None = fld(None, "warmup as a fraction of max_steps (instead of "
                                            "warmup_steps)")
     min_learning_rate: float = fld(0.0, "learning rate at the end of the decay")
+    cosine_constant_lr_ratio: float | None = fld(None, "cosine only, with cosine_min_lr_ratio: the "
+                                                       "cosine reaches the minimum at this fraction of "
+                                                       "max_steps and holds it (Axolotl's; 0: none)")
+    lr_quadratic_warmup: bool = fld(False, "cosine only: warm up as (step / warmup) ** 2 (Axolotl's)")
     cosine_min_lr_ratio: float | None = fld(None, "min_learning_rate as a fraction of "
                                                   "learning_rate")
     max_steps: int = fld(100, "optimizer steps (wins over num_epochs)")
@@ -165,6 +169,10 @@ class TrainConfig:
                                     "docs/quantization.md); with an adapter only")
     load_in_8bit: bool = fld(False, "hold the adapted weights' frozen base as blockwise int8; with "
                                     "an adapter only")
+    quantize_moe_experts: bool = fld(False, "with load_in_4bit / load_in_8bit: quantize the experts' "
+                                            "stacked weights too, each stack as bitsandbytes quantizes "
+                                            "the stacked [experts, out, in] tensor (Axolotl's; "
+                                            "docs/quantization.md)")
     bnb_config_kwargs: dict | None = fld(None, "bitsandbytes' options as Axolotl passes them: "
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
@@ -245,6 +253,14 @@ class TrainConfig:
         None, "W&B mode (offline needs no network)")
     wandb_name: str | None = fld(None, "W&B run name")
     wandb_entity: str | None = fld(None, "W&B entity")
+    use_swanlab: bool = fld(False, "also log to SwanLab (the swanlab package: pip install "
+                                   "'functional_pp[swanlab]'; Axolotl's SwanLabPlugin)")
+    swanlab_project: str | None = fld(None, "SwanLab project (default: the output directory's name)")
+    swanlab_experiment_name: str | None = fld(None, "SwanLab experiment name")
+    swanlab_description: str | None = fld(None, "SwanLab experiment description")
+    swanlab_mode: Literal["cloud", "local", "offline", "disabled"] | None = fld(
+        None, "SwanLab mode (default cloud: needs swanlab login; offline and local need no network)")
+    swanlab_workspace: str | None = fld(None, "SwanLab workspace (a team's)")
     # sections
     model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
                              factory=ModelConfig)
@@ -304,12 +320,15 @@ class TrainConfig:
 
     def base_quantization(self) -> dict | None:
         """How the adapted weights' frozen base is quantized: ``{"kind": "nf4" | "int8",
-        "double_quant": bool}`` (``adapter: qlora`` or ``load_in_4bit``; ``load_in_8bit``), else None."""
+        "double_quant": bool, "experts": bool}`` (``adapter: qlora`` or ``load_in_4bit``;
+        ``load_in_8bit``; ``experts``: ``quantize_moe_experts``), else None."""
         kw = dict(self.bnb_config_kwargs or {})
+        experts = bool(self.quantize_moe_experts)
         if self.load_in_8bit:
-            return {"kind": "int8", "double_quant": False}
+            return {"kind": "int8", "double_quant": False, "experts": experts}
         if self.adapter == "qlora" or self.load_in_4bit:
-            return {"kind": "nf4", "double_quant": bool(kw.get("bnb_4bit_use_double_quant", True))}
+            return {"kind": "nf4", "double_quant": bool(kw.get("bnb_4bit_use_double_quant", True)),
+                    "experts": experts}
         return None
 
     def resolved_precision(self) -> str:

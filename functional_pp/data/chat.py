@@ -100,7 +100,7 @@ def resolve_template(choice: str | None, jinja: str | None, tokenizer_template: 
         raise ValueError(problem)
     if choice == JINJA:
         p = Path(str(jinja))
-        if len(str(jinja)) < 4096 and "\n" not in str(jinja) and p.is_file():
+        if len(str(jinja)) < 4096 and "\n" not in str(jinja) and _is_file(p):
             return read_text(p), f"jinja ({p})"
         return str(jinja), "jinja (chat_template_jinja)"
     if choice == DEFAULT:
@@ -114,6 +114,14 @@ def resolve_template(choice: str | None, jinja: str | None, tokenizer_template: 
             return tokenizer_template, "the tokenizer's chat_template"
         choice = choice[len(FALLBACK_PREFIX):]
     return template_text(choice), choice
+
+
+def _is_file(p: Path) -> bool:
+    """Whether ``p`` names a file (a one-line template longer than a file name is not one)."""
+    try:
+        return p.is_file()
+    except OSError:
+        return False
 
 
 def has_generation_marks(template: str) -> bool:
@@ -207,6 +215,9 @@ class ChatSpec:
     drop_system_message: bool = False
     field_system: str = "system"
     message_field_training: str | None = None
+    #: (the key the template reads the reasoning from, the message's key holding it): Axolotl's
+    #: template_thinking_key and field_thinking
+    thinking: tuple = ("reasoning_content", "reasoning_content")
     special_tokens: dict = field(default_factory=dict)
     template_kwargs: dict = field(default_factory=dict)
     warning: str = ""                 # shown with the dataset's counts (start-up summary)
@@ -243,12 +254,17 @@ def conversation(rec: Any, spec: ChatSpec) -> list[dict]:
         mapping = spec.mappings
         if not spec.mappings_given and "role" not in m and "from" in m:   # ShareGPT
             mapping = {**mapping, "role": "from", "content": "value"}
+        if spec.thinking[0] not in mapping:           # the reasoning trace, under the template's key
+            mapping = {**mapping, spec.thinking[0]: spec.thinking[1]}
         t = {k: m[v] for k, v in mapping.items() if m.get(v) is not None}
         mapped = set(mapping.values())
         for k, v in m.items():        # other keys the template may read (tool_calls, name, ...)
             if k not in mapped and k not in t and v is not None and k in ("tool_calls", "name",
                                                                           "tool_call_id", "reasoning_content"):
                 t[k] = v
+        if spec.thinking[0] in t and not isinstance(t[spec.thinking[0]], str):
+            raise ValueError(f"message {i + 1}: the reasoning {spec.thinking[1]!r} is "
+                             f"{type(t[spec.thinking[0]]).__name__}, not text; give text")
         if not isinstance(t.get("content", ""), (str, list)):
             raise ValueError(f"message {i + 1}: content is {type(t['content']).__name__} "
                              f"({json.dumps(t['content'], default=str)[:80]}), not text; give text")

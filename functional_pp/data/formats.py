@@ -303,6 +303,8 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
                     eos_id=eos_id, drop_system_message=bool(getattr(entry, "drop_system_message", False)),
                     field_system=getattr(entry, "field_system", None) or "system",
                     message_field_training=getattr(entry, "message_field_training", None),
+                    thinking=(getattr(entry, "template_thinking_key", None) or "reasoning_content",
+                              getattr(entry, "field_thinking", None) or "reasoning_content"),
                     special_tokens=specials, template_kwargs=dict(template_kwargs or {}))
 
 

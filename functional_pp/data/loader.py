@@ -180,9 +180,21 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device | str | No
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def sequences_digest(sequences: Any) -> tuple[str, int]:
+    """``(digest, number of tokens)`` of a list of token sequences (preference pairs' prompts and
+    completions, in order): :func:`tokens_digest` of their concatenation, with their lengths in
+    the flags' place (so that a token moved between sequences changes it)."""
+    seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
+    tokens = np.concatenate(seqs) if seqs else np.zeros(0, dtype=np.int64)
+    return tokens_digest(tokens, np.array([len(s) for s in seqs], dtype=np.int64)), len(tokens)
+
+
 def corpus_digest(corpus: Any) -> tuple[str, int]:
     """``(digest, number of tokens)``: :func:`tokens_digest` of a corpus's tokens and trained
-    flags (what a loader over it records as ``tokens_sha256``)."""
+    flags (what a loader over it records as ``tokens_sha256``); a set of preference pairs or
+    completions (``sequences()``): :func:`sequences_digest`."""
+    if hasattr(corpus, "sequences"):
+        return sequences_digest(corpus.sequences())
     tokens = _as_numpy_tokens(corpus)
     return tokens_digest(tokens, getattr(corpus, "trained", None)), len(tokens)
 

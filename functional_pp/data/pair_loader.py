@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from functional_pp.data.loader import shard_batch
+from functional_pp.data.loader import corpus_digest, shard_batch
 from functional_pp.data.pairs import PairSet
 
 __all__ = ["PairLoader", "PAIR_BATCH_DIMS"]
@@ -81,8 +81,16 @@ class PairLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position (mesh-independent)."""
+        digest, n_tokens = self._digest()
         return {"step": int(self.step), "global_batch_size": self.global_batch_size, "seq_len": self.seq_len,
-                "num_pairs": len(self.pairs), "seed": int(self.seed)}
+                "num_pairs": len(self.pairs), "seed": int(self.seed), "tokens_sha256": digest,
+                "num_tokens": n_tokens}
+
+    def _digest(self) -> tuple[str, int]:
+        """The pairs' :func:`~functional_pp.data.loader.corpus_digest`, computed once."""
+        if getattr(self, "_digest_cache", None) is None:
+            self._digest_cache = corpus_digest(self.pairs)
+        return self._digest_cache
 
     def load_state_dict(self, state: Mapping[str, Any], check_tokens: bool = True) -> None:
         """Resume from :meth:`state_dict` (possibly saved under another layout; ``check_tokens`` is
@@ -91,4 +99,8 @@ class PairLoader:
         for key in ("global_batch_size", "seq_len", "num_pairs"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"loader state has {key}={state[key]}, but this loader has {key}={mine[key]}")
+        if check_tokens and "tokens_sha256" in state and state["tokens_sha256"] != mine["tokens_sha256"]:
+            raise ValueError(f"loader state was saved on other {self.pairs.unit} (sha256 {state['tokens_sha256']} "
+                             f"then, {mine['tokens_sha256']} now): the data, the tokenizer or a data setting "
+                             f"changed")
         self.step = int(state["step"])

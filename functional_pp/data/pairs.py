@@ -61,6 +61,10 @@ class PairSet:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def sequences(self) -> list[list[int]]:
+        """Every pair's prompt, chosen and rejected ids, in order (what the resume digest hashes)."""
+        return [s for p in self.pairs for s in (p.prompt, p.chosen, p.rejected)]
+
     def batch_rows(self, indices: Any, seq_len: int, weights: Any = None) -> dict[str, np.ndarray]:
         """The rows of pairs ``indices`` (:func:`pair_rows`), stacked, and ``pair_weight`` (each
         pair's weight along its row: 1, or ``weights``; a pair of weight 0 trains no label)."""

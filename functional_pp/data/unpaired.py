@@ -60,6 +60,11 @@ class CompletionSet:
     batch_dims = {k: "batch seq" for k in ("tokens", "labels", "kl_tokens", "kl_labels", "desirable")}
     unit = "completions (KTO)"
 
+    def sequences(self) -> list[list[int]]:
+        """Every completion's prompt and completion ids and its label, in order (what the resume
+        digest hashes)."""
+        return [s for c in self.completions for s in (c.prompt, c.completion, [int(c.desirable)])]
+
     def __len__(self) -> int:
         return len(self.completions)
 

@@ -2,17 +2,23 @@
 ``MASTER_PORT``; docs/bad_inputs.md §4). Under torchrun (its agent sets ``TORCHELASTIC_RUN_ID``
 and has gathered the ranks already) the group is joined as torch does. Without it the variables
 may be left in the shell by another launch: a plain ``functional-pp train`` then waited up to the
-collective timeout (600 s) in silence for ranks that never come. There the rendezvous waits at
-most :data:`UNMANAGED_WAIT` seconds and fails naming the variables and how to train alone."""
+collective timeout (600 s) in silence for ranks that never come. There the ranks must first
+make contact within :data:`FIRST_CONTACT` seconds (a rank reaches rank 0's store; rank 0 hears
+from one rank), else the run fails naming the variables and how to train alone: stray variables
+fail in seconds. Once one has made contact, the rest of the ranks are waited for up to
+:data:`UNMANAGED_WAIT` seconds (a launcher such as srun starts its ranks together)."""
 from __future__ import annotations
 
 import datetime
 import os
+import time
 
-__all__ = ["RendezvousError", "join_from_env", "UNMANAGED_WAIT", "ENV"]
+__all__ = ["RendezvousError", "join_from_env", "UNMANAGED_WAIT", "FIRST_CONTACT", "ENV"]
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 UNMANAGED_WAIT = 30.0        # seconds the ranks of a launch without torchrun's agent wait for each other
+FIRST_CONTACT = 5.0          # seconds until a rank reaches rank 0's store (rank 0: until one rank has)
+_JOINED = "functional_pp/rendezvous/joined"
 
 
 class RendezvousError(RuntimeError):
@@ -38,14 +44,38 @@ def join_from_env(backend: str, timeout: float) -> None:
         raise RendezvousError(f"{named} are set in the environment (not by torchrun), but not all of them as "
                               f"integers and a host: {how}") from exc
     wait = min(timeout, UNMANAGED_WAIT)
+    contact = min(wait, FIRST_CONTACT)
+
+    def refuse(who: str, seconds: float, exc: BaseException | None = None) -> RendezvousError:
+        detail = f" ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})" if exc is not None else ""
+        return RendezvousError(f"{named} are set in the environment (not by torchrun: no TORCHELASTIC_RUN_ID), "
+                               f"so this process is rank {rank} of {world}; {who} within {seconds:.0f} s"
+                               f"{detail}: {how}")
     try:
-        store = dist.TCPStore(host, port, world, rank == 0, datetime.timedelta(seconds=wait),
-                              wait_for_workers=True)
+        store = dist.TCPStore(host, port, world, rank == 0, datetime.timedelta(seconds=contact),
+                              wait_for_workers=False)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError / DistStoreError / TimeoutError
-        who = (f"the other {world - 1} rank(s) did not join at port {port}" if rank == 0
-               else f"rank 0's store at {host}:{port} did not answer")
-        raise RendezvousError(f"{named} are set in the environment (not by torchrun: no TORCHELASTIC_RUN_ID), "
-                              f"so this process is rank {rank} of {world}; {who} within {wait:.0f} s "
-                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): {how}") from exc
+        raise refuse(f"rank 0's store at {host}:{port} did not answer" if rank else
+                     f"no store could be opened at port {port}", contact, exc) from exc
+    if rank:
+        store.add(_JOINED, 1)
+    elif world > 1:
+        _wait_for_ranks(store, world - 1, contact, wait, port, refuse)
     store.set_timeout(long)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=long)
+
+
+def _wait_for_ranks(store, others: int, contact: float, wait: float, port: int, refuse) -> None:
+    """Rank 0: until ``others`` ranks have joined ``store``; none within ``contact`` seconds (stray
+    variables), or not all within ``wait``, raises what ``refuse`` makes."""
+    start = time.monotonic()
+    while True:
+        joined = store.add(_JOINED, 0)
+        if joined >= others:
+            return
+        waited = time.monotonic() - start
+        if joined == 0 and waited >= contact:
+            raise refuse(f"the other {others} rank(s) did not join at port {port}", contact)
+        if waited >= wait:
+            raise refuse(f"{others - joined} of the other {others} rank(s) did not join at port {port}", wait)
+        time.sleep(0.05)

@@ -1,7 +1,10 @@
 """A model's frozen base quantized for QLoRA (``load_in_4bit``) or ``load_in_8bit``: the linear
 weights of the layers become :class:`~functional_pp.quant.weights.QuantizedWeight` leaves
 (NF4 or int8, blocks along each weight's input features, or over the whole flattened weight where
-those do not hold whole blocks: as bitsandbytes quantizes the Hugging Face weight); embeddings, the head and norms stay as they are (docs/quantization.md)."""
+those do not hold whole blocks: as bitsandbytes quantizes the Hugging Face weight); with
+``experts=True`` (Axolotl's ``quantize_moe_experts``) the experts' stacked weights too, each stack
+as bitsandbytes quantizes the stacked ``[experts, out, in]`` tensor; embeddings, the head, the
+router and norms stay as they are (docs/quantization.md)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,9 +13,9 @@ import torch
 
 from functional_pp.core.tree import Param, map_with_path
 from functional_pp.quant.weights import (FLAT_BLOCKS, FLAT_SCALES, INT8_BLOCK, NF4_BLOCK, QuantizedWeight, flat_block_dim,
-                                        quantize_int8, quantize_nf4)
+                                        flat_scale_name, quantize_int8, quantize_nf4)
 
-__all__ = ["LINEAR_BLOCK_DIMS", "block_dim", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE",
+__all__ = ["LINEAR_BLOCK_DIMS", "EXPERT_BLOCK_DIMS", "EXPERTS", "block_dim", "quantize_linear_weights", "quantized_decls", "component_decls", "KINDS", "ROW_SCALE",
            "FLAT_BLOCKS", "FLAT_SCALES", "flat_block_dim"]
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
@@ -22,6 +25,10 @@ LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
                      # multi-head latent attention (models/mla.py; its o_proj's input is v_dim)
                      "q_a_proj": "hidden", "q_b_proj": "q_rank", "kv_a_proj_with_mqa": "hidden",
                      "kv_b_proj": "kv_rank"}
+#: the experts' stacked weights (models/moe.py: ``experts hidden mlp`` / ``experts mlp hidden``)
+#: -> their input dimension; quantized with ``experts=True``, the :data:`EXPERTS` dimension first
+EXPERT_BLOCK_DIMS = {"gate": "hidden", "up": "hidden", "down": "mlp"}
+EXPERTS = "experts"
 KINDS = ("nf4", "int8")
 #: the name of ``absmax2``'s last dimension when the scales are double-quantized one block per
 #: row (``absmax``'s last dimension shorter than 256): its size is 1, it is never split (each
@@ -40,18 +47,18 @@ def block_dim(name: str, dims: tuple[str, ...], table: dict | None = None) -> st
     return next((d for d in candidates if d in dims), candidates[0])
 
 
-def component_decls(q: QuantizedWeight, decl: Any, block_dim: int | None = None) -> QuantizedWeight:
+def component_decls(q: QuantizedWeight, decl: Any, block_dim: int | None = None, lead: int = 0) -> QuantizedWeight:
     """Declarations of the components of ``q`` (made from the full weight declared by ``decl``):
     each with the weight's dimension names and its own global shape and dtype; the 0-dim offset
     of double quantization replicated, and so is the last dimension of ``absmax2`` when it holds
     one scale per row (:data:`ROW_SCALE`). A flat ``q`` (its ``block_dim`` given): the codes with
     the weight's names, the 1-D scales named :data:`FLAT_BLOCKS` + the block dimension's name and
-    :data:`FLAT_SCALES` (replicated)."""
+    :data:`FLAT_SCALES` (replicated); a stack's scales name its ``lead`` batch dimensions too."""
     dims = tuple(decl.dims)
     if q.flat:
         if block_dim is None:
             raise ValueError("component_decls: a flat quantized weight needs its block_dim")
-        flat_names = (dims, (FLAT_BLOCKS + dims[block_dim],), (FLAT_SCALES,), ())
+        flat_names = (dims, (flat_scale_name(dims[block_dim], dims[:lead]),), (FLAT_SCALES,), ())
         return QuantizedWeight(*(None if c is None else Param(tuple(c.shape), n, dtype=c.dtype, init="zeros")
                                  for c, n in zip(q, flat_names)))
     row = q.absmax2 is not None and q.absmax2.shape[-1] == 1 and q.absmax.shape[-1] > 1
@@ -67,9 +74,10 @@ def component_decls(q: QuantizedWeight, decl: Any, block_dim: int | None = None)
 
 def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, double_quant: bool = True,
                             block: int | None = None,
-                            block_dims: dict[str, str] | None = None) -> tuple[Any, Any]:
+                            block_dims: dict[str, str] | None = None, experts: bool = False) -> tuple[Any, Any]:
     """``(params, decls)`` with each leaf whose last path key is in ``block_dims`` (default
-    :data:`LINEAR_BLOCK_DIMS`) replaced by its quantization (``kind``: ``nf4`` with
+    :data:`LINEAR_BLOCK_DIMS`; with ``experts`` also :data:`EXPERT_BLOCK_DIMS`, the stacks in the
+    flat form over their ``[experts, out, in]`` order) replaced by its quantization (``kind``: ``nf4`` with
     ``double_quant`` as ``bnb_4bit_use_double_quant``, or ``int8``) and its declaration by the
     components' (:func:`component_decls`). ``params`` are full (unsharded) tensors, e.g. a
     Hugging Face checkpoint loaded into the model's tree; shard the result with the returned
@@ -78,7 +86,9 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
     (quant/weights.py; its codes sharded as the weight, its scales replicated)."""
     if kind not in KINDS:
         raise ValueError(f"quantize_linear_weights: kind={kind!r}: choose one of {', '.join(KINDS)}")
-    table = LINEAR_BLOCK_DIMS if block_dims is None else block_dims
+    table = dict(LINEAR_BLOCK_DIMS if block_dims is None else block_dims)
+    if experts:
+        table.update(EXPERT_BLOCK_DIMS)
     size = block or (NF4_BLOCK if kind == "nf4" else INT8_BLOCK)
     out_decls: dict[str, Any] = {}
 
@@ -92,12 +102,17 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
         if along not in dims:
             raise ValueError(f"{path}: block dimension {along!r} is not one of its dimensions {dims}")
         dim = dims.index(along)
+        lead = 0
+        if experts and name in EXPERT_BLOCK_DIMS:
+            if dims[0] != EXPERTS:
+                raise ValueError(f"{path}: an expert weight's first dimension must be {EXPERTS!r}, not {dims}")
+            lead = 1
         try:
-            q = (quantize_nf4(x, dim, block=size, double_quant=double_quant) if kind == "nf4"
-                 else quantize_int8(x, dim, block=size))
+            q = (quantize_nf4(x, dim, block=size, double_quant=double_quant, lead=lead) if kind == "nf4"
+                 else quantize_int8(x, dim, block=size, lead=lead))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
-        out_decls[path] = component_decls(q, d, dim)
+        out_decls[path] = component_decls(q, d, dim, lead)
         return q
 
     quantized = map_with_path(one, params, decls)
@@ -106,9 +121,9 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
 
 
 def quantized_decls(decls: Any, kind: str = "nf4", *, double_quant: bool = True, block: int | None = None,
-                    block_dims: dict[str, str] | None = None) -> Any:
+                    block_dims: dict[str, str] | None = None, experts: bool = False) -> Any:
     """The declarations :func:`quantize_linear_weights` returns for weights declared by ``decls``
     (computed on the meta device: no weight is made)."""
     meta = map_with_path(lambda p, d: torch.empty(d.shape, dtype=d.dtype, device="meta"), decls)
     return quantize_linear_weights(meta, decls, kind, double_quant=double_quant, block=block,
-                                   block_dims=block_dims)[1]
+                                   block_dims=block_dims, experts=experts)[1]

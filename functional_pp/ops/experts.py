@@ -27,6 +27,7 @@ import torch
 
 from functional_pp._torch import is_tracing
 from functional_pp.devices import mesh_view
+from functional_pp.ops.quantized import is_quantized, realize, stand_in
 from functional_pp.ops.regather import regather_scope, relayout
 from functional_pp.ops.swiglu import clamped_swiglu_tensors, swiglu_tensors
 from functional_pp.parallel import collectives as C
@@ -150,6 +151,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     are summed as they are (dropless only)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
+    # a quantized stack (quantize_moe_experts) planned as its stand-in, dequantized where it is used
+    frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down))
+    gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down), frozen))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
@@ -237,7 +241,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     union = set(r_union)
     for w, t in zip(ws, targets):
         union |= varying_after(w, t)
-    ws = [relayout(pvary(w, union - varying_after(w, t)), t, "experts") for w, t in zip(ws, targets)]
+    dtype = x.data.dtype
+    ws = [pvary(realize(q, t, dtype, "experts"), union - varying_after(w, t)) if q is not None else
+          relayout(pvary(w, union - varying_after(w, t)), t, "experts")
+          for w, t, q in zip(ws, targets, frozen + (None,) * len(biases))]
     x_e = pvary(x, union - x.vary)
     X = _local(x_e, tok_dims + (hidden,)).reshape(X_r.shape)
     w_e = C.pvary(weights, tuple(a for a in mesh.axis_names if a in union - r_union)) if union - r_union else weights

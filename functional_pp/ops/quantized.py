@@ -5,7 +5,10 @@ weight's type (:func:`stand_in`), moves the *quantized* components to the layout
 FSDP all-gather moves the codes and scales, not the weight) and dequantizes there
 (:func:`realize`), in the compute dtype of the other operands. A weight in the flat form
 (quant/weights.py: blocks over the whole flattened Hugging Face weight, which no shard boundary
-need respect) is gathered whole, dequantized, and then cut to the layout the op wants."""
+need respect) is gathered whole, dequantized, and then cut to the layout the op wants; a flat
+stack of experts keeps its experts split (expert parallelism) where each expert holds whole
+blocks: its codes gathered along the other dimensions only, the scales (replicated) decoded
+whole and cut to this device's experts."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -16,7 +19,7 @@ from functional_pp.core.layout import Layout
 from functional_pp.ops.einsum import _plan, einsum, register_operand
 from functional_pp.ops.regather import relayout
 from functional_pp.parallel.named import Named, make_named, op_env, require_named, settle
-from functional_pp.quant.weights import QuantizedWeight, dequantize, flat_block_dim
+from functional_pp.quant.weights import FLAT_BLOCK, QuantizedWeight, dequantize, flat_block_dim, flat_lead, scales
 
 __all__ = ["is_quantized", "stand_in", "realize"]
 
@@ -91,12 +94,40 @@ def realize(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str = "q
 def _realize_flat(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str) -> Named:
     """A flat weight in layout ``target``: every component gathered whole (the codes'
     collectives move the quantized bytes), dequantized in bitsandbytes' order, then cut to
-    ``target`` (a local slice, no collective)."""
+    ``target`` (a local slice, no collective). A stack whose experts hold whole blocks keeps
+    ``target``'s split of its batch dimensions (:func:`_realize_stack`)."""
+    lead = flat_lead(q.codes._dims, q.absmax._dims)
+    sizes = _global_shape(q)
+    per_expert = 1
+    for s in sizes[lead:]:
+        per_expert *= s
+    if lead and per_expert % FLAT_BLOCK == 0:
+        return _realize_stack(q, target, dtype, op, lead)
     moved = [relayout(c, tuple(() for _ in c._dims), op) if isinstance(c, Named) and c._data.ndim else c for c in q]
     codes = moved[0]
-    full = dequantize(_local(QuantizedWeight(*moved)), dtype, block_dim=_block_dim(q))
-    whole = make_named(full, codes._dims, codes._split, codes._vary, _EMPTY, _global_shape(q))
+    full = dequantize(_local(QuantizedWeight(*moved)), dtype, block_dim=_block_dim(q), lead=lead)
+    whole = make_named(full, codes._dims, codes._split, codes._vary, _EMPTY, sizes)
     return relayout(whole, target, op)
+
+
+def _realize_stack(q: QuantizedWeight, target: Layout, dtype: torch.dtype, op: str, lead: int) -> Named:
+    """A flat stack (``lead`` batch dimensions, each of its matrices whole blocks) in layout
+    ``target``: the codes gathered except along the batch dimensions, which keep ``target``'s
+    split; the scales (replicated) decoded whole, then cut to this device's part of the batch
+    dimensions (a local slice); dequantized there, then cut to ``target``."""
+    keep = tuple(t if i < lead else () for i, t in enumerate(target))
+    codes = relayout(q.codes, keep, op)
+    rest = [relayout(c, tuple(() for _ in c._dims), op) if isinstance(c, Named) and c._data.ndim else c for c in q[1:]]
+    decoded = scales(_local(QuantizedWeight(q.codes, *rest))).float()
+    sizes = _global_shape(q)
+    lead_dims = codes._dims[:lead]
+    per = decoded.reshape(*sizes[:lead], -1)
+    whole = make_named(per, lead_dims + ("qblocks",), tuple(() for _ in range(lead + 1)), codes._vary, _EMPTY,
+                  tuple(per.shape))
+    mine = relayout(whole, keep[:lead] + ((),), op)
+    local = dequantize(QuantizedWeight(codes._data, *(c._data if isinstance(c, Named) else c for c in rest)), dtype,
+                       block_dim=_block_dim(q), lead=lead, block_scales=mine._data)
+    return relayout(make_named(local, codes._dims, keep, codes._vary, _EMPTY, sizes), target, op)
 
 
 def _einsum(pattern: str, operands: Sequence[Any], i: int) -> Named:

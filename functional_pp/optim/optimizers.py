@@ -137,6 +137,8 @@ _COMMON_KEYS = (
     "warmup_steps",
     "total_steps",
     "min_lr",
+    "quadratic_warmup",
+    "constant_ratio",
     "mask",
 )
 _OPT_KEYS = {
@@ -159,11 +161,16 @@ def make_schedule(
     warmup_steps: int = 0,
     total_steps: Optional[int] = None,
     min_lr: float = 0.0,
+    quadratic_warmup: bool = False,
+    constant_ratio: Optional[float] = None,
 ) -> ScalarOrSchedule:
     """Build an lr (float or schedule) from config values.
 
     ``constant`` (+ optional linear warmup; ``min_lr``/``total_steps`` ignored),
     ``cosine`` or ``linear`` (warmup then decay to ``min_lr`` at ``total_steps``).
+    ``cosine`` only: ``quadratic_warmup`` (Axolotl's ``lr_quadratic_warmup``) and
+    ``constant_ratio`` (``cosine_constant_lr_ratio``: the cosine reaches ``min_lr`` at that
+    fraction of ``total_steps`` and holds it, :func:`~functional_pp.optim.schedules.warmup_cosine_constant`).
     Values are range-checked (``min_lr`` may not exceed ``learning_rate``).
     """
     kind = (lr_schedule or "constant").lower()
@@ -179,8 +186,15 @@ def make_schedule(
         return learning_rate if warmup_steps == 0 else _sched.linear_warmup(learning_rate, warmup_steps)
     if total_steps is None:
         raise ValueError(f"lr_schedule {kind!r} requires total_steps")
-    fn = _sched.warmup_cosine_decay if kind == "cosine" else _sched.warmup_linear_decay
-    return fn(learning_rate, warmup_steps, total_steps, min_lr)
+    if (quadratic_warmup or constant_ratio is not None) and kind != "cosine":
+        raise ValueError(f"quadratic_warmup / constant_ratio shape a cosine schedule, not lr_schedule {kind!r}")
+    if quadratic_warmup and constant_ratio is not None:
+        raise ValueError("quadratic_warmup and constant_ratio are two different cosine schedules: choose one")
+    if constant_ratio is not None:
+        return _sched.warmup_cosine_constant(learning_rate, warmup_steps, total_steps, constant_ratio, min_lr)
+    if kind == "cosine":
+        return _sched.warmup_cosine_decay(learning_rate, warmup_steps, total_steps, min_lr, 2 if quadratic_warmup else 1)
+    return _sched.warmup_linear_decay(learning_rate, warmup_steps, total_steps, min_lr)
 
 
 def from_config(name: str, **kwargs: Any) -> GradientTransformation:
@@ -188,7 +202,8 @@ def from_config(name: str, **kwargs: Any) -> GradientTransformation:
 
     ``name``: ``sgd``, ``adamw``, ``adamw_8bit`` (8-bit moments) or ``adamw_4bit`` (4-bit).  Keys: ``learning_rate`` (required),
     ``weight_decay``, ``max_grad_norm``, ``lr_schedule`` (constant|cosine|linear),
-    ``warmup_steps``, ``total_steps``, ``min_lr``, ``mask``; sgd: ``momentum``,
+    ``warmup_steps``, ``total_steps``, ``min_lr``, ``quadratic_warmup``, ``constant_ratio``
+    (:func:`make_schedule`), ``mask``; sgd: ``momentum``,
     ``nesterov``; adamw: ``betas`` (pair) or ``b1``/``b2``, ``eps``.
     Unknown keys raise ``ValueError`` naming the closest valid key; a known key
     that does not apply to ``name`` raises too unless its value is ``None``.
@@ -216,6 +231,8 @@ def from_config(name: str, **kwargs: Any) -> GradientTransformation:
         cfg.get("warmup_steps", 0),
         cfg.get("total_steps"),
         cfg.get("min_lr", 0.0),
+        quadratic_warmup=bool(cfg.get("quadratic_warmup", False)),
+        constant_ratio=cfg.get("constant_ratio"),
     )
     common = dict(
         weight_decay=float(cfg.get("weight_decay", 0.0)),

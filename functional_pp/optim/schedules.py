@@ -28,6 +28,7 @@ __all__ = [
     "constant",
     "linear_warmup",
     "warmup_cosine_decay",
+    "warmup_cosine_constant",
     "warmup_linear_decay",
 ]
 
@@ -84,10 +85,11 @@ def constant(value: float) -> Schedule:
     return schedule
 
 
-def _warmup(s: torch.Tensor, peak: float, warmup_steps: int) -> torch.Tensor:
+def _warmup(s: torch.Tensor, peak: float, warmup_steps: int, power: int = 1) -> torch.Tensor:
+    """``peak * min(step / warmup_steps, 1) ** power`` (power 2: Axolotl's ``lr_quadratic_warmup``)."""
     if warmup_steps <= 0:
         return torch.full_like(s, float(peak))
-    return float(peak) * torch.clamp(s / float(warmup_steps), 0.0, 1.0)
+    return float(peak) * torch.clamp(s / float(warmup_steps), 0.0, 1.0) ** power
 
 
 def linear_warmup(peak: float, warmup_steps: int) -> Schedule:
@@ -106,19 +108,49 @@ def _decay_fraction(s: torch.Tensor, warmup_steps: int, total_steps: int) -> tor
     return torch.clamp((s - float(warmup_steps)) / span, 0.0, 1.0)
 
 
-def warmup_cosine_decay(peak: float, warmup_steps: int, total_steps: int, end_value: float = 0.0) -> Schedule:
-    """Linear warmup to ``peak``, then cosine decay to ``end_value`` at ``total_steps``.
+def warmup_cosine_decay(peak: float, warmup_steps: int, total_steps: int, end_value: float = 0.0,
+                        warmup_power: int = 1) -> Schedule:
+    """Linear warmup to ``peak`` (``warmup_power=2``: quadratic, ``peak * (step / warmup) ** 2``,
+    Axolotl's ``lr_quadratic_warmup``), then cosine decay to ``end_value`` at ``total_steps``.
 
     For ``warmup_steps <= step``:
     ``end + (peak - end) * 0.5 * (1 + cos(pi * (step - warmup) / (total - warmup)))``;
     ``end_value`` for ``step >= total_steps``.
     """
     peak, warmup_steps, total_steps, end_value = _check_decay("warmup_cosine_decay", peak, warmup_steps, total_steps, end_value)
+    if warmup_power not in (1, 2):
+        raise ValueError(f"warmup_cosine_decay: warmup_power must be 1 (linear) or 2 (quadratic), got {warmup_power!r}")
 
     def schedule(step: StepLike) -> torch.Tensor:
         s = _as_step(step)
         frac = _decay_fraction(s, warmup_steps, total_steps)
         decayed = float(end_value) + (float(peak) - float(end_value)) * 0.5 * (1.0 + torch.cos(math.pi * frac))
+        return torch.where(s < float(warmup_steps), _warmup(s, peak, warmup_steps, warmup_power), decayed)
+
+    return schedule
+
+
+def warmup_cosine_constant(peak: float, warmup_steps: int, total_steps: int, constant_ratio: float,
+                           end_value: float) -> Schedule:
+    """Axolotl's ``cosine_constant_lr_ratio`` (its ``get_cosine_schedule_with_warmup_decay_constant``,
+    after "Continual Pre-Training of LLMs: How to (re)warm your model?"): linear warmup to
+    ``peak``, cosine decay to ``end_value`` over the steps up to ``C = int(total_steps *
+    constant_ratio)``, then ``end_value`` held. For ``warmup_steps <= step``, with ``m = end_value
+    / peak`` and ``p = (min(step, C) - warmup) / max(1, C - warmup)``:
+    ``peak * (max(0, (1 - m) * 0.5 * (1 + cos(pi p))) + m)``."""
+    peak, warmup_steps, total_steps, end_value = _check_decay("warmup_cosine_constant", peak, warmup_steps, total_steps,
+                                                              end_value)
+    constant_ratio = check_number("warmup_cosine_constant", "constant_ratio", constant_ratio, low=0.0,
+                                  hint=" (the fraction of total_steps the cosine spans, between 0 and 1)")
+    if constant_ratio > 1:
+        raise ValueError(f"warmup_cosine_constant: constant_ratio must be between 0 and 1, got {constant_ratio}")
+    n_cosine = int(total_steps * constant_ratio)
+    m = float(end_value) / float(peak) if peak else 0.0
+
+    def schedule(step: StepLike) -> torch.Tensor:
+        s = _as_step(step)
+        p = (torch.clamp(s, max=float(n_cosine)) - float(warmup_steps)) / float(max(1, n_cosine - warmup_steps))
+        decayed = float(peak) * (torch.clamp((1.0 - m) * 0.5 * (1.0 + torch.cos(math.pi * p)), min=0.0) + m)
         return torch.where(s < float(warmup_steps), _warmup(s, peak, warmup_steps), decayed)
 
     return schedule

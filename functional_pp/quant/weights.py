@@ -32,6 +32,12 @@ A flat weight is recognised by ``absmax`` having fewer dimensions than ``codes``
 depends on which leading dimensions are the input features, which its shapes do not say:
 :func:`dequantize` takes ``block_dim`` (the innermost input dimension, as for the blocked form)
 for it; inside the ops it is read from ``absmax``'s dimension name (:data:`FLAT_BLOCKS`).
+
+A stack of weights (the experts' ``experts hidden mlp``, Hugging Face ``[experts, out, in]``)
+has ``lead`` leading *batch* dimensions that stay first in the Hugging Face order: bitsandbytes
+quantizes the stacked tensor flattened row-major, each expert's ``[out, in]`` after the last
+(Axolotl's ``quantize_moe_experts``). Its scales' name carries the batch dimensions' names after
+:data:`FLAT_LEAD` (``qblocks_of_hidden@experts``).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from functional_pp.quant.codebooks import dynamic_map, nf4_table
 
 __all__ = ["QuantizedWeight", "quantize_nf4", "quantize_int8", "dequantize", "NF4_BLOCK", "INT8_BLOCK",
            "SCALE_BLOCK", "FLAT_BLOCK", "quantized_bytes", "blocked_fits", "hf_order", "from_hf_order",
-           "FLAT_BLOCKS", "FLAT_SCALES", "flat_block_dim"]
+           "FLAT_BLOCKS", "FLAT_SCALES", "FLAT_LEAD", "flat_block_dim", "flat_lead"]
 
 NF4_BLOCK = 64        # bitsandbytes' default blocksize of quantize_4bit (QLoRA)
 INT8_BLOCK = 64
@@ -105,6 +111,8 @@ class QuantizedWeight(NamedTuple):
 FLAT_BLOCKS = "qblocks_of_"
 #: the dimension of a flat weight's ``absmax2`` (double quantization), replicated too
 FLAT_SCALES = "qscales"
+#: separates a flat stack's block dimension from its batch dimensions in its scales' name
+FLAT_LEAD = "@"
 
 
 def flat_block_dim(weight_dims: tuple[str, ...], absmax_dims: tuple[str, ...]) -> int:
@@ -113,10 +121,26 @@ def flat_block_dim(weight_dims: tuple[str, ...], absmax_dims: tuple[str, ...]) -
     if len(absmax_dims) != 1 or not absmax_dims[0].startswith(FLAT_BLOCKS):
         raise ValueError(f"a flat quantized weight's scales are named ('{FLAT_BLOCKS}<block dimension>',), "
                          f"not {absmax_dims}")
-    name = absmax_dims[0][len(FLAT_BLOCKS):]
+    name = absmax_dims[0][len(FLAT_BLOCKS):].partition(FLAT_LEAD)[0]
     if name not in weight_dims:
         raise ValueError(f"a flat quantized weight's block dimension {name!r} is not one of {weight_dims}")
     return weight_dims.index(name)
+
+
+def flat_lead(weight_dims: tuple[str, ...], absmax_dims: tuple[str, ...]) -> int:
+    """The number of leading batch dimensions (a stack of experts) of a flat weight whose scales
+    are named ``absmax_dims`` (the names after :data:`FLAT_LEAD`; 0 without)."""
+    lead = absmax_dims[0].partition(FLAT_LEAD)[2] if absmax_dims else ""
+    names = tuple(lead.split(",")) if lead else ()
+    if names != tuple(weight_dims[:len(names)]):
+        raise ValueError(f"a flat quantized stack's batch dimensions {names} are not the leading dimensions of "
+                         f"{weight_dims}")
+    return len(names)
+
+
+def flat_scale_name(block_name: str, lead_names: tuple[str, ...] = ()) -> str:
+    """The dimension name of a flat weight's scales (:data:`FLAT_BLOCKS`, :data:`FLAT_LEAD`)."""
+    return FLAT_BLOCKS + block_name + (FLAT_LEAD + ",".join(lead_names) if lead_names else "")
 
 
 def _blocks_last(w: torch.Tensor, dim: int, block: int, what: str) -> torch.Tensor:
@@ -144,19 +168,20 @@ def blocked_fits(shape: tuple[int, ...], block_dim: int, block: int, double_quan
     return not double_quant or _double_grouping(scales[-1]) is not None
 
 
-def hf_order(w: torch.Tensor, block_dim: int) -> torch.Tensor:
-    """``w`` (input dimensions ``0..block_dim`` first, as the functional layout stores weights)
-    permuted to the Hugging Face weight's entry order: output dimensions first. Flattened, this
-    is the ``[out, in]`` weight flattened row-major (a view)."""
+def hf_order(w: torch.Tensor, block_dim: int, lead: int = 0) -> torch.Tensor:
+    """``w`` (input dimensions ``lead..block_dim`` first after ``lead`` batch dimensions, as the
+    functional layout stores weights) permuted to the Hugging Face weight's entry order: batch
+    dimensions, then output dimensions, then input. Flattened, this is the ``[out, in]`` weight
+    (each of a stack's, one after the other) flattened row-major (a view)."""
     dim = block_dim % w.ndim
-    return w.permute(*range(dim + 1, w.ndim), *range(dim + 1))
+    return w.permute(*range(lead), *range(dim + 1, w.ndim), *range(lead, dim + 1))
 
 
-def from_hf_order(t: torch.Tensor, block_dim: int) -> torch.Tensor:
+def from_hf_order(t: torch.Tensor, block_dim: int, lead: int = 0) -> torch.Tensor:
     """The inverse of :func:`hf_order` (``block_dim`` counted in the weight's own order)."""
     dim = block_dim % t.ndim
-    k = t.ndim - dim - 1                   # the number of output dimensions, first in t
-    return t.permute(*range(k, t.ndim), *range(k))
+    k = t.ndim - dim - 1                   # the number of output dimensions, after the batch ones in t
+    return t.permute(*range(lead), *range(lead + k, t.ndim), *range(lead, lead + k))
 
 
 def _double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,9 +206,15 @@ def _flat_double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return codes, absmax2, offset
 
 
-def _choose_flat(w: torch.Tensor, dim: int, block: int, double_quant: bool, flat: bool | None, what: str) -> bool:
-    """Whether ``w`` takes the flat form: as asked, else when the blocked form does not fit."""
-    use = not blocked_fits(tuple(w.shape), dim, block, double_quant) if flat is None else flat
+def _choose_flat(w: torch.Tensor, dim: int, block: int, double_quant: bool, flat: bool | None, what: str,
+                 lead: int = 0) -> bool:
+    """Whether ``w`` takes the flat form: as asked, else when the blocked form does not fit (a
+    stack, ``lead`` batch dimensions, always does)."""
+    if lead and flat is False:
+        raise ValueError(f"{what}: a stack of weights (lead={lead}) has the flat form only")
+    if not 0 <= lead <= dim:
+        raise ValueError(f"{what}: lead={lead} batch dimensions must come before the block dimension {dim}")
+    use = True if lead else not blocked_fits(tuple(w.shape), dim, block, double_quant) if flat is None else flat
     if use and block != FLAT_BLOCK:
         raise ValueError(f"{what}: shape {tuple(w.shape)} has no whole blocks of {block} along dimension {dim}; "
                          f"the flat form (bitsandbytes' layout for any shape) uses blocks of {FLAT_BLOCK}")
@@ -193,19 +224,20 @@ def _choose_flat(w: torch.Tensor, dim: int, block: int, double_quant: bool, flat
 
 
 def quantize_nf4(w: torch.Tensor, block_dim: int, *, block: int = NF4_BLOCK,
-                 double_quant: bool = True, flat: bool | None = None) -> QuantizedWeight:
+                 double_quant: bool = True, flat: bool | None = None, lead: int = 0) -> QuantizedWeight:
     """NF4 codes of ``w`` (bitsandbytes' ``quantize_4bit(quant_type="nf4")`` of the Hugging Face
     weight whose innermost input dimension ``block_dim`` is; with ``double_quant``, its
     ``compress_statistics``): the blocked form, in blocks of ``block`` along ``block_dim``, where
-    it fits, else the flat form (module docstring; ``flat`` forces either)."""
+    it fits, else the flat form (module docstring; ``flat`` forces either; a stack of ``lead``
+    batch dimensions, the experts', takes the flat form of the stacked Hugging Face tensor)."""
     dim = block_dim % w.ndim
-    if _choose_flat(w, dim, block, double_quant, flat, "quantize_nf4"):
+    if _choose_flat(w, dim, block, double_quant, flat, "quantize_nf4", lead):
         if w.shape[-1] % 2:
             raise ValueError(f"quantize_nf4: shape {tuple(w.shape)}: the flat form packs two 4-bit codes a byte "
                              f"along the last dimension, which must be even")
-        hf = hf_order(w, dim)
+        hf = hf_order(w, dim, lead)
         codes, absmax = quantize_flat(hf, nf4_table(), FLAT_BLOCK)
-        packed = pack_4bit(from_hf_order(codes.reshape(hf.shape), dim)).contiguous()
+        packed = pack_4bit(from_hf_order(codes.reshape(hf.shape), dim, lead)).contiguous()
         if not double_quant:
             return QuantizedWeight(packed, absmax)
         return QuantizedWeight(packed, *_flat_double_quantize(absmax))
@@ -226,16 +258,17 @@ def _int8_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int8(w: torch.Tensor, block_dim: int, *, block: int = INT8_BLOCK,
-                  flat: bool | None = None) -> QuantizedWeight:
+                  flat: bool | None = None, lead: int = 0) -> QuantizedWeight:
     """int8 codes ``round(127 * w / absmax)`` in blocks of ``block`` along ``block_dim`` (the
-    blocked form) where they fit, else over the flattened Hugging Face weight (the flat form)."""
+    blocked form) where they fit, else over the flattened Hugging Face weight (the flat form;
+    always for a stack of ``lead`` batch dimensions)."""
     dim = block_dim % w.ndim
-    if _choose_flat(w, dim, block, False, flat, "quantize_int8"):
-        hf = hf_order(w, dim).float().reshape(-1)
+    if _choose_flat(w, dim, block, False, flat, "quantize_int8", lead):
+        hf = hf_order(w, dim, lead).float().reshape(-1)
         pad = (-hf.numel()) % FLAT_BLOCK
         codes, absmax = _int8_blocks(torch.cat([hf, hf.new_zeros(pad)]).reshape(-1, FLAT_BLOCK))
-        codes = codes.reshape(-1)[:hf.numel()].reshape(hf_order(w, dim).shape)
-        return QuantizedWeight(from_hf_order(codes, dim).contiguous(), absmax)
+        codes = codes.reshape(-1)[:hf.numel()].reshape(hf_order(w, dim, lead).shape)
+        return QuantizedWeight(from_hf_order(codes, dim, lead).contiguous(), absmax)
     wb = _blocks_last(w, dim, block, "quantize_int8").float()
     codes, absmax = _int8_blocks(wb.reshape(*wb.shape[:-1], wb.shape[-1] // block, block))
     return QuantizedWeight(codes.reshape(wb.shape).movedim(-1, dim).contiguous(),
@@ -251,14 +284,15 @@ def scales(q: QuantizedWeight) -> torch.Tensor:
     return q.absmax
 
 
-def _dequantize_flat(q: QuantizedWeight, block_dim: int | None, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_flat(q: QuantizedWeight, block_dim: int | None, dtype: torch.dtype, lead: int,
+                     block_scales: torch.Tensor | None) -> torch.Tensor:
     if block_dim is None:
         raise ValueError("dequantize: a flat quantized weight needs block_dim (the innermost input dimension "
                          "of the weight: models.quantize.LINEAR_BLOCK_DIMS names it)")
     codes = unpack_4bit(q.codes) if q.kind == "nf4" else q.codes
     dim = block_dim % codes.ndim
-    hf = hf_order(codes, dim)
-    absmax = scales(q).reshape(-1)
+    hf = hf_order(codes, dim, lead)
+    absmax = (scales(q) if block_scales is None else block_scales).reshape(-1)
     if q.kind == "nf4":
         values = dequantize_flat(hf, absmax, nf4_table(), FLAT_BLOCK)
     else:
@@ -266,14 +300,18 @@ def _dequantize_flat(q: QuantizedWeight, block_dim: int | None, dtype: torch.dty
         pad = (-c.numel()) % FLAT_BLOCK
         c = torch.cat([c, c.new_zeros(pad)]).reshape(-1, FLAT_BLOCK)
         values = (c * (absmax / 127.0).unsqueeze(-1)).reshape(-1)[:hf.numel()]
-    return from_hf_order(values.reshape(hf.shape), dim).to(dtype).contiguous()
+    return from_hf_order(values.reshape(hf.shape), dim, lead).to(dtype).contiguous()
 
 
-def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32, block_dim: int | None = None) -> torch.Tensor:
+def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32, block_dim: int | None = None,
+               lead: int = 0, block_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The weight ``q`` stands for (fp32 products, as bitsandbytes' dequantize, then ``dtype``);
-    ``block_dim`` is needed for (and only read for) the flat form."""
+    ``block_dim`` and ``lead`` (batch dimensions of a stack) are needed for (and only read for)
+    the flat form. ``block_scales`` (flat form): the float32 scales of ``q.codes``' blocks,
+    given where ``codes`` is a slice of the stack's experts (whose scales, double-quantized over
+    the whole stack, cannot be decoded from the slice)."""
     if q.flat:
-        return _dequantize_flat(q, block_dim, dtype)
+        return _dequantize_flat(q, block_dim, dtype, lead, block_scales)
     dim = q.block_dim
     absmax = scales(q).movedim(dim, -1)
     if q.kind == "nf4":

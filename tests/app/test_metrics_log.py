@@ -2,6 +2,7 @@
 with the real packages, from a short training run with a held-out set."""
 import io
 import json
+import os
 
 import pytest
 
@@ -141,3 +142,44 @@ def test_resume_after_a_partial_metrics_line_drops_it_and_says_so(tmp_path):
     assert "dropped 1 line(s) that were not JSON (line 3: cut when the run stopped" in said
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert [m["loss"] for m in lines] == [m["loss"] for m in whole]
+
+
+def test_swanlab_offline_receives_the_metrics_and_a_cloud_run_without_login_is_refused(tmp_path, monkeypatch):
+    """use_swanlab (Axolotl's SwanLabPlugin): the real swanlab package, offline; its run's log
+    calls are recorded as they pass (the run itself logs them), and equal metrics.jsonl's."""
+    swanlab = pytest.importorskip("swanlab")
+    calls, real_init = [], swanlab.init
+
+    def recording_init(*args, **kwargs):
+        run = real_init(*args, **kwargs)
+        real_log = run.log
+        run.log = lambda data, step=None: (calls.append((step, dict(data))), real_log(data, step=step))[1]
+        return run
+    monkeypatch.setattr(swanlab, "init", recording_init)
+    out = tmp_path / "run"
+    cfg = TrainConfig.from_dict({**RUN, "use_swanlab": True, "swanlab_project": "fpp-test", "swanlab_mode": "offline",
+                                 "plugins": ["axolotl.integrations.swanlab.SwanLabPlugin"],
+                                 "logging": {"output_dir": str(out), "log_every": 1}})
+    train(cfg, stream=io.StringIO())
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {m["step"]: m["loss"] for m in lines if "loss" in m}
+    logged = {step: d["train/loss"] for step, d in calls if "train/loss" in d}
+    assert logged == pytest.approx(losses) and len(logged) == 4
+    assert [step for step, d in calls if "eval/loss" in d] == [0, 2, 4]
+    assert list((out / "swanlab").glob("run-*/run-*.swanlab"))                # the offline run's records
+    monkeypatch.setattr(swanlab, "init", real_init)
+    monkeypatch.setattr("sys.stdin", io.StringIO())
+    from functional_pp.config import ConfigError
+    cloud = TrainConfig.from_dict({**RUN, "use_swanlab": True, "logging": {"output_dir": str(tmp_path / "c")}})
+    if not os.environ.get("SWANLAB_API_KEY"):
+        with pytest.raises(ConfigError, match="use_swanlab: SwanLab did not start .*swanlab_mode: offline"):
+            train(cloud, stream=io.StringIO())
+
+
+def test_missing_swanlab_names_its_extra(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "swanlab", None)
+    from functional_pp.config import ConfigError
+    cfg = TrainConfig.from_dict({**RUN, "use_swanlab": True, "logging": {"output_dir": str(tmp_path / "r")}})
+    with pytest.raises(ConfigError, match=r"use_swanlab needs the 'swanlab' package.*functional_pp\[swanlab\]"):
+        train(cfg, stream=io.StringIO())

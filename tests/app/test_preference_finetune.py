@@ -161,6 +161,20 @@ def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
     assert first.losses + second.losses == whole.losses
 
 
+def test_dpo_resume_on_rewritten_pairs_is_refused(base, pairs, tmp_path):
+    """A preference run's checkpoint holds a hash of its pairs' tokens, as SFT's of its tokens
+    (issue 46): pairs rewritten with as many records are refused at resume, naming both hashes;
+    --allow-config-change continues."""
+    mine = tmp_path / "pairs.jsonl"
+    mine.write_text(pairs.read_text())
+    cfg = config(base, mine, tmp_path / "run", max_steps=2)
+    train(cfg, simulate=1, stop_after=1, stream=io.StringIO())
+    mine.write_text(pairs.read_text().replace("Sure: answer", "Sure: Answer"))     # same pairs, other tokens
+    with pytest.raises(ConfigError, match=r"--resume: the training tokens differ .* sha256 \w+ then; .* now"):
+        train(cfg, simulate=1, resume=True, stream=io.StringIO())
+    assert train(cfg, simulate=1, resume=True, allow_config_change=True, stream=io.StringIO()).start_step == 1
+
+
 def test_dpo_from_a_chat_template_dataset_as_axolotls_example_writes_it(tmp_path):
     """Axolotl's llama-3 DPO example's dataset entry (type chat_template.default, field_messages,
     message_property_mappings, roles) and chat_template: llama3, as written; a tiny Llama."""

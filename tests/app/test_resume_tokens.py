@@ -47,3 +47,31 @@ def test_loader_state_holds_the_tokens_hash():
     DataLoader(other, global_batch_size=2, seq_len=8).load_state_dict(saved, check_tokens=False)
     flags = np.ones(200, dtype=bool)
     assert DataLoader(tokens, global_batch_size=2, seq_len=8, trained=flags).digest() != saved["tokens_sha256"]
+
+
+def test_beyond_2_24_tokens_the_hash_samples_the_head_the_tail_and_spread_tokens():
+    """A stream longer than DIGEST_WHOLE is hashed by its length, first and last 2^20 tokens and
+    2^16 spread evenly (a memory-mapped corpus is not read whole): the reference written from that
+    definition; a change there (or of the length) changes it, one between samples does not."""
+    import hashlib
+
+    from functional_pp.data.loader import DIGEST_WHOLE
+    n = DIGEST_WHOLE + 1000
+    tokens = (np.arange(n, dtype=np.int64) % 65521).astype(np.uint16)
+    spread = np.linspace(0, n - 1, 1 << 16).astype(np.int64)
+    h = hashlib.sha256(str(n).encode())
+    h.update(b"uint16")
+    for part in (tokens[:1 << 20], tokens[-(1 << 20):], tokens[spread]):
+        h.update(np.ascontiguousarray(part))
+    h.update(b"none")
+    assert tokens_digest(tokens) == h.hexdigest()[:16]
+    for at in (5, n - 5, int(spread[40000])):              # the head, the tail, a spread sample
+        other = tokens.copy()
+        other[at] ^= 1
+        assert tokens_digest(other) != tokens_digest(tokens), at
+    between = int(spread[40000]) + 1                        # neither head, tail nor a sample
+    assert between not in set(spread.tolist()) and (1 << 20) < between < n - (1 << 20)
+    other = tokens.copy()
+    other[between] ^= 1
+    assert tokens_digest(other) == tokens_digest(tokens)
+    assert tokens_digest(tokens[:-1]) != tokens_digest(tokens)

@@ -104,4 +104,4 @@ def test_axolotl_lora_8bit_example_is_accepted_with_an_int8_base():
     # adapter: lora and its lora_* keys are read (docs/adapters.md), adamw_bnb_8bit is adamw_8bit,
     # load_in_8bit: an int8 frozen base (docs/quantization.md)
     cfg = TrainConfig.from_dict(d)
-    assert cfg.adapter == "lora" and cfg.base_quantization() == {"kind": "int8", "double_quant": False}
+    assert cfg.adapter == "lora" and cfg.base_quantization() == {"kind": "int8", "double_quant": False, "experts": False}

@@ -57,7 +57,7 @@ def test_unfrozen_parameters_without_an_adapter():
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
-    ({"adapter": "lora", "lora_target_linear": True, "lora_fan_in_fan_out": True}, "fan-in-fan-out"),
+    ({"adapter": "lora", "lora_target_linear": True, "peft": {"loftq": True}}, "'peft' is not supported"),
 ])
 def test_bad_adapter_settings_are_refused_by_name(d, message):
     with pytest.raises(ConfigError, match=message):
@@ -93,3 +93,18 @@ def test_an_unfrozen_pattern_that_matches_nothing_is_named(adapter):
     else:
         with pytest.raises(ConfigError, match=r"\['\^nothing', '\^nor_this'\] match no parameter"):
             frozen_and_adapters(none, none.lora_config(), llama.loss, llama.init(CFG))
+
+
+def test_another_architectures_linear_names_are_warned_about_and_the_others_adapted():
+    """peft adapts the target names a model has (Axolotl's GLM-4.7-Flash example targets q_proj,
+    k_proj, v_proj beside o_proj on latent attention, which has none of the three): such names of
+    another architecture's linear weights are warned about by name when another target matches;
+    a misspelling, or only absent names, stays refused."""
+    cfg = TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": ["o_proj", "q_a_proj", "kv_b_proj"]})
+    with pytest.warns(UserWarning, match=r"\['q_a_proj', 'kv_b_proj'\] name linear weights this model does not"):
+        _, decls, mask = frozen_and_adapters(cfg, cfg.lora_config(), llama.loss, llama.init(CFG))
+    assert {p.split(".lora.")[1].split(".")[0] for p, t in leaves_with_paths(mask(decls)) if t} == {"o_proj"}
+    for names in (["q_a_proj"], ["o_proj", "q_a_proj", "o_prj"]):
+        only = TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": names})
+        with pytest.raises(ConfigError, match="match no parameter"):
+            frozen_and_adapters(only, only.lora_config(), llama.loss, llama.init(CFG))

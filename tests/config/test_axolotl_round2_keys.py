@@ -101,3 +101,49 @@ def test_every_row_left_out_is_refused_naming_why(tmp_path):
 def test_the_keys_are_accepted_for_language_model_data(tmp_path):
     cfg = TrainConfig.from_dict({**BASE, "min_sample_len": 2, "dataset_exact_deduplication": True})
     assert (cfg.min_sample_len, cfg.dataset_exact_deduplication) == (2, True)
+
+
+def test_old_and_reporting_keys_map_or_are_noted():
+    """max_packed_sequence_len (Axolotl's old name of the packed length) is sequence_len with
+    packing, refused beside another sequence_len or sample_packing: false; eval_table_size,
+    hf_use_auth_token and lora_fan_in_fan_out change nothing here and are noted as unused."""
+    cfg = TrainConfig.from_dict({**BASE, "max_packed_sequence_len": 128})
+    assert cfg.sequence_len == 128 and cfg.sample_packing
+    with pytest.raises(ConfigError, match="max_packed_sequence_len: 128 contradicts sequence_len: 64"):
+        TrainConfig.from_dict({**BASE, "max_packed_sequence_len": 128, "sequence_len": 64})
+    with pytest.raises(ConfigError, match="max_packed_sequence_len packs .* sample_packing is false"):
+        TrainConfig.from_dict({**BASE, "max_packed_sequence_len": 128, "sample_packing": False})
+    noted = TrainConfig.from_dict({**BASE, "eval_table_size": 2, "eval_max_new_tokens": 64, "hf_use_auth_token": True,
+                                   "adapter": "lora", "lora_target_linear": True, "lora_fan_in_fan_out": True})
+    text = " ".join(noted.notes)
+    for key in ("eval_table_size", "eval_max_new_tokens", "hf_use_auth_token", "lora_fan_in_fan_out"):
+        assert key in text, key
+
+
+def test_peft_turns_fan_in_fan_out_off_for_linear_weights():
+    """The claim behind noting lora_fan_in_fan_out: peft's LoRA on torch.nn.Linear weights (every
+    family here) runs with fan_in_fan_out false whatever the config says, and gives the same
+    output as without it."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import torch
+    conf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    outs = []
+    for fan in (True, False):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(conf).eval()
+        lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], fan_in_fan_out=fan,
+                             init_lora_weights=False)
+        with pytest.warns(UserWarning, match="fan_in_fan_out") if fan else _nothing():
+            pm = peft.get_peft_model(model, lc)
+        layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+        assert layer.fan_in_fan_out is False
+        with torch.no_grad():
+            outs.append(pm(input_ids=torch.arange(8)[None]).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()

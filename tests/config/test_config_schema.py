@@ -55,7 +55,7 @@ def test_yaml_1_1_exponent_strings_are_numbers_for_numeric_keys(tmp_path):
 def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     path = tmp_path / "pasted.yaml"
     path.write_text(yaml.safe_dump({
-        "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "lora_fan_in_fan_out": True,
+        "learning_rat": 1e-3, "micro_batchsize": 2, "flash_attention": True, "peft": {"loftq": True},
         "load_in_8bit": True, "deepspeed": "ds.json", "tp_size": "two",
         "logging": {"outputdir": "x"}, "datasets": [{"path": "a.jsonl", "typ": "alpaca"}],
         "max_steps": 0}))
@@ -65,14 +65,14 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     assert text.startswith(f"9 problems in {path}:") and len(info.value.problems) == 9
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
-                 "'lora_fan_in_fan_out' is not supported: this LoRA option is not supported",
+                 "'peft' is not supported: this LoRA option is not supported",
                  "load_in_8bit: a quantized base is frozen, so it trains only under an adapter",
                  "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
                  "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
         assert want in text, want
-    assert "did you mean" not in text.split("'lora_fan_in_fan_out'")[1].splitlines()[0]
+    assert "did you mean" not in text.split("'peft'")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize("d, message", [
@@ -242,7 +242,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"attn_implementation": "flash_attn", "plugins": ["my.Plugin"],
                                "saves_per_epoch": 1, "save_steps": 10, "rl": "dpo", "qat": {"x": 1},
-                               "use_swanlab": True, "swanlab_project": "p", "peft": {"loftq_config": {}},
+                               "use_swanlab": True, "swanlab_lark_webhook_url": "u", "peft": {"loftq_config": {}},
                                "totally_unknown_key": 1, "torchdistx_path": None})
     p = e.value.problems
     assert any(m.startswith("attn_implementation: 'flash_attn' is not an attention implementation (choose eager, sdpa")
@@ -251,7 +251,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert "give save_steps or saves_per_epoch, not both" in p
     assert any(m.startswith("rl: dpo trains on chosen / rejected pairs") for m in p)   # (no datasets)
     assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
-    assert any(m.startswith("'use_swanlab' is not supported (with swanlab_project): SwanLab") for m in p)
+    assert any(m.startswith("'swanlab_lark_webhook_url' is not supported: this SwanLab option") for m in p)
     assert any(m.startswith("'peft' is not supported: this LoRA option") for m in p)   # (peft: loftq_config, ...)
     assert not any("torchdistx_path" in m for m in p)                          # blank: unset
     unknown = [m for m in p if "totally_unknown_key" in m][0]

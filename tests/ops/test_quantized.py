@@ -153,11 +153,11 @@ def test_nf4_fsdp_forward_on_two_gloo_processes_equals_simulation(nf4):
 def test_config_reads_qlora_as_an_nf4_base():
     from functional_pp.config import TrainConfig
     qlora = TrainConfig.from_dict({"adapter": "qlora", "lora_target_linear": True})
-    assert qlora.base_quantization() == {"kind": "nf4", "double_quant": True}
+    assert qlora.base_quantization() == {"kind": "nf4", "double_quant": True, "experts": False}
     plain = TrainConfig.from_dict({"adapter": "lora", "lora_target_linear": True, "load_in_4bit": True,
                                    "bnb_config_kwargs": {"bnb_4bit_use_double_quant": False,
                                                          "bnb_4bit_quant_type": "nf4"}})
-    assert plain.base_quantization() == {"kind": "nf4", "double_quant": False}
+    assert plain.base_quantization() == {"kind": "nf4", "double_quant": False, "experts": False}
 
 
 @pytest.mark.parametrize("layout", ["one", "fsdp"])
