@@ -216,6 +216,9 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
             results = run_on(device)
     notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
     runs = tuple(r[0] for r in results)
+    if settings["cp_attention"] == "ring":       # each query meets the keys of all cp chunks, one call each
+        for r in runs:
+            r.attention_by_keys = {n * mesh.shape["cp"]: f for n, f in r.attention_by_keys.items()}
     comm = _extrapolate_report([r[1] for r in results], n_layers, micro)
     ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers, micro)))  # noqa: E731
     weights = ext(lambda r: r[0].baseline["weights"])
