@@ -20,7 +20,9 @@ class Cluster:
     nodes); latencies are seconds per ring step, so a collective's achieved bus bandwidth
     grows with its message size; ``efficiency`` scales the bandwidth per collective kind
     (e.g. ``{"all_to_all": 0.6}``). ``compute_efficiency``: the fraction of ``peak_flops``
-    matrix products reach; ``attention_efficiency``: the same for flash attention;
+    matrix products reach; ``attention_efficiency``: the same for flash attention
+    up to ``attention_length`` keys per query, beyond which it falls as
+    ``(attention_length / keys) ** attention_length_exponent`` (fitted to long-sequence runs);
     ``memory_efficiency``: the fraction of ``memory_bandwidth`` the other (unfused) kernels
     reach; ``compiled_traffic``: the fraction of their memory traffic left once
     ``torch.compile`` fuses them; ``overlap``: the fraction of weight traffic (FSDP gathers,
@@ -42,6 +44,8 @@ class Cluster:
     memory_bandwidth: float = 3.35e12
     compute_efficiency: float = 0.6
     attention_efficiency: float = 0.35
+    attention_length: int = 8192             # key length up to which attention reaches attention_efficiency
+    attention_length_exponent: float = 0.0   # beyond it, efficiency x (attention_length / keys) ** exponent
     memory_efficiency: float = 0.8
     compiled_traffic: float = 1.0
     overlap: float = 1.0
@@ -114,13 +118,19 @@ FLOAT8_FIT = 0.57
 #: asynchronous TP hides under compute (the ratio gives 0.357)
 ASYNC_TP_FIT = 0.36
 
+#: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B long-sequence rows (Table 2: FSDP 8 at
+#: 32k, FSDP 2 x CP 4 at 131k; plan/references.py): attention past 8192 keys per query reaches
+#: attention_efficiency x (8192 / keys) ** 0.21 (0.26 of peak at 32k, 0.19 at 262k)
+ATTENTION_LENGTH_FIT = 0.21
+
 #: fitted by plan.fit_cluster to torchtitan's Llama 3.1 8B bf16 rows (plan/references.py):
 #: matmuls 0.56 of peak, compile leaves 0.60 of the unfused kernels' memory traffic, 0.94 of
 #: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
 #: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
 #: NIC at 90% of its line rate (docs/planning.md, "Calibration")
 H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
-                overlap=0.94, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT)
+                overlap=0.94, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT,
+                attention_length=8192, attention_length_exponent=ATTENTION_LENGTH_FIT)
 
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,

@@ -216,6 +216,9 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
             results = run_on(device)
     notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
     runs = tuple(r[0] for r in results)
+    if settings["cp_attention"] == "ring":       # each query meets the keys of all cp chunks, one call each
+        for r in runs:
+            r.attention_by_keys = {n * mesh.shape["cp"]: f for n, f in r.attention_by_keys.items()}
     comm = _extrapolate_report([r[1] for r in results], n_layers, micro)
     ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers, micro)))  # noqa: E731
     weights = ext(lambda r: r[0].baseline["weights"])
@@ -287,10 +290,10 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     layer = max((s.layer for s in last.saved if s.layer is not None), default=None)
     per_layer = sum(s.nbytes for s in last.saved if s.layer == layer and s.category in ("activations", "logits"))
     extra = int(max(0, plan.in_flight - virtual) * per_layer * per_device // virtual)
-    est.peak_bytes += extra
     est.activation_bytes += extra
     if extra:
         est.memory["activations"] = est.memory.get("activations", 0) + extra
+    held_grads = 0
     comm = CommReport()
     if fsdp_gather == "micro":
         comm.events = est.comm.events * micro
@@ -305,8 +308,15 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
                    if e is not None and e.kind == "all_gather"]
         if gathers:
             plan = replace(plan, gather_scale=sum(b for _, b in gathers) / max(1, sum(a for a, _ in gathers)))
-        est.peak_bytes += held
+        held_grads = sum(e.bytes_sent for e in once if e.kind == "reduce_scatter")
+        est.peak_bytes += held - held_grads
         est.memory["weights in flight"] = est.memory.get("weights in flight", 0) + held
+    # the in-flight activations and each model chunk's unsharded gradients, over the timeline
+    chunk = per_layer * per_device / virtual
+    held_peak = max(timeline.held_peak(d, chunk, held_grads / virtual) for d in range(p))
+    est.peak_bytes += int(held_peak - virtual * chunk)
+    if held_grads + extra > held_peak - virtual * chunk:     # a chunk's gradients freed before another's exist
+        est.memory["weights in flight"] = est.memory.get("weights in flight", 0) - int(held_grads + extra - (held_peak - virtual * chunk))
     for i in range(plan.sends):        # activations forward, their gradients backward
         comm.events.append(CommEvent("permute", (PP,), p, boundary_bytes, tuple(x_shape),
                                      str(x_dtype).replace("torch.", ""), i % 2 == 1))

@@ -77,6 +77,18 @@ def async_tp_event(e: TaggedEvent) -> bool:
 FLOAT8_CAST_BYTES = 2 + 2 + 1
 
 
+def attention_slowdown(run: DeviceRun, cl: Cluster) -> float:
+    """How much slower than ``attention_efficiency`` the run's attention kernels run: each
+    call's FLOPs weighted by ``(keys / attention_length) ** attention_length_exponent`` for key
+    lengths above ``attention_length`` (1 below it), ``keys`` the call's key length
+    (docs/planning.md, "Attention at long sequences")."""
+    total = sum(run.attention_by_keys.values())
+    if not total or not cl.attention_length_exponent:
+        return 1.0
+    return sum(f * max(1.0, n / cl.attention_length) ** cl.attention_length_exponent
+               for n, f in run.attention_by_keys.items()) / total
+
+
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
                    compiled: bool = False, selective_ac: str | None = None, float8: bool = False,
                    activation_sums: str | None = None) -> dict[str, float]:
@@ -91,7 +103,7 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
         raise ValueError(f"cost: activation_sums={activation_sums!r}; use None or 'float32' (as the step sends them) "
                          f"or 'bfloat16' (torchtitan's TP/SP sums)")
     mm_rate = cl.peak_flops * cl.compute_efficiency
-    attn_rate = cl.peak_flops * cl.attention_efficiency
+    attn_rate = cl.peak_flops * cl.attention_efficiency / attention_slowdown(run, cl)
     byte_rate = cl.memory_bandwidth * cl.memory_efficiency / (cl.compiled_traffic if compiled else 1.0)
     if float8 and not cl.peak_fp8_flops:
         raise ValueError(f"cost(float8=True): cluster {cl.name!r} has no FP8 matmuls (peak_fp8_flops is None); "

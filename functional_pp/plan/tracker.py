@@ -88,6 +88,7 @@ class DeviceRun:
     dense_attention_forward: float = 0.0    # forward attention FLOPs counting causal as full (torchtitan's MFU)
     traffic: dict = field(default_factory=dict)              # phase -> bytes read + written by the other ops
     attention_by_layer: dict = field(default_factory=dict)   # layer -> attention FLOPs (forward and backward)
+    attention_by_keys: dict = field(default_factory=dict)    # key length of a call -> its attention FLOPs
     traffic_by_layer: dict = field(default_factory=dict)     # layer -> traffic (forward and backward)
     every_other_mm_forward: float = 0.0     # FLOPs of each layer's 2nd, 4th, ... forward matmul
     layer_forward_traffic: float = 0.0      # forward traffic inside the layers
@@ -387,6 +388,8 @@ class MemoryTracker(TorchDispatchMode):
             flops = dense * (0.5 if causal else 1.0)
             self.run.attention_flops[self.phase] = self.run.attention_flops.get(self.phase, 0.0) + flops
             self.run.attention_by_layer[self.layer] = self.run.attention_by_layer.get(self.layer, 0.0) + flops
+            keys = self.run.attention_by_keys
+            keys[k.shape[2]] = keys.get(k.shape[2], 0.0) + flops
             if self.phase == "forward":
                 self.run.dense_attention_forward += dense
         else:

@@ -36,6 +36,22 @@ def test_in_flight_bounds(p, m):
     assert zb.bubble < one.bubble or p == 1
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (8, 8), (4, 8)])
+def test_held_peak_counts_each_chunks_gradients_while_they_accumulate(p, m):
+    """Activations as ``in_flight``; a model chunk's unsharded gradients from its first backward
+    to its last. 1F1B holds its whole stage's gradients at its first backward, with p
+    micro-batches' activations; interleaved 1F1B with m = p (torchtitan's 405B row) holds the same
+    activations but only the chunk whose backward has begun: half its stage's gradients less."""
+    one = simulate(build("1f1b", p, m))
+    two = simulate(build("interleaved_1f1b", p, m, 2))
+    for t, v in ((one, 1), (two, 2)):
+        assert all(t.held_peak(d, 1.0 / v, 0.0) == t.in_flight(d) / v for d in range(p))
+    assert one.held_peak(0, 1.0, 2.0) == p + 2
+    if m == p:
+        assert two.held_peak(0, 0.5, 1.0) == p + 1                                  # half the stage's gradients
+    assert simulate(build("gpipe", p, m)).held_peak(0, 1.0, 2.0) == m + 2        # all forwards before a backward
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_action_once_with_its_sends(name):
     p, m, v = 4, 8, 2 if name == "interleaved_1f1b" else 1

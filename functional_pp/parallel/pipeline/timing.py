@@ -52,6 +52,33 @@ class Timeline:
             peak = max(peak, live)
         return peak
 
+    def held_peak(self, device: int, activation: float, gradients: float) -> float:
+        """Peak of what ``device`` holds over the step: ``activation`` per (virtual stage,
+        micro-batch) from the start of its forward to the end of its backward (as
+        :meth:`in_flight`), and ``gradients`` per virtual stage from the start of its first
+        backward to the end of its last (a stage's unsharded gradients accumulate over its
+        micro-batches and are reduced and freed after the last: an interleaved schedule frees one
+        model chunk's before another's are complete)."""
+        freed_by = "BW" if self.schedule.split_backward else "B"
+        grads = ("B", "BI", "BW")
+        events = []
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for start, end, a in self.slots[device]:
+            if a.kind == "F":
+                events.append((start, activation))
+            elif a.kind == freed_by:
+                events.append((end, -activation))
+            if a.kind in grads:
+                first[a.stage] = min(first.get(a.stage, start), start)
+                last[a.stage] = max(last.get(a.stage, end), end)
+        events += [(t, gradients) for t in first.values()] + [(t, -gradients) for t in last.values()]
+        peak = live = 0.0
+        for _, delta in sorted(events):            # at one time a release comes first
+            live += delta
+            peak = max(peak, live)
+        return peak
+
     def text(self) -> str:
         """One row per device, one column per slot: ``F3`` forward of micro-batch 3 (``F3:1`` in
         model chunk 1 when interleaved), ``.`` idle."""
