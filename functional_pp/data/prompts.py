@@ -77,11 +77,30 @@ def importable_from(*dirs: str | Path | None) -> Iterator[None]:
                 sys.path.remove(d)
 
 
+def _forget_if_shadowed(module: str, dirs: tuple) -> None:
+    """A module of that name imported earlier from another file (another run's config folder in
+    the same process) is forgotten when one of ``dirs`` holds its file: the config's own wins."""
+    cached = sys.modules.get(module)
+    if cached is None:
+        return
+    rel = Path(*module.split("."))
+    for d in (*dirs, "."):
+        if d is None:
+            continue
+        for here in (Path(d) / rel.with_suffix(".py"), Path(d) / rel / "__init__.py"):
+            if here.is_file():
+                if Path(getattr(cached, "__file__", "") or "").resolve() != here.resolve():
+                    for name in [n for n in sys.modules if n == module or n.startswith(module + ".")]:
+                        del sys.modules[name]
+                return
+
+
 def import_dotted(name: str, what: str, key: str, dirs: tuple = ()) -> Callable:
     """The callable ``module.func`` (``pkg.module.func``) named by ``key``; errors name the key."""
     module, _, attr = str(name).rpartition(".")
     if not module:
         raise ValueError(f"{key}: {name!r} is not a dotted path module.function ({what})")
+    _forget_if_shadowed(module, dirs)
     with importable_from(*dirs):
         try:
             mod = importlib.import_module(module)

@@ -77,3 +77,12 @@ def test_the_loader_gives_every_device_the_same_prompts_and_resumes(tmp_path):
     assert [p.raw for p in next(b)] == steps[2] and b.generation_key == 11
     with pytest.raises(ValueError, match="10 prompts .* are fewer than one step's 12"):
         PromptLoader(ps, prompts_per_step=12)
+
+
+def test_a_module_beside_the_config_wins_over_one_of_that_name_imported_before(tmp_path):
+    from functional_pp.data.prompts import import_dotted
+    for sub, body in (("one", "def f():\n    return 1\n"), ("two", "def g():\n    return 2\n")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "fpp_reward_stand_in.py").write_text(body)
+    assert import_dotted("fpp_reward_stand_in.f", "reward", "trl.reward_funcs[0]", (tmp_path / "one",))() == 1
+    assert import_dotted("fpp_reward_stand_in.g", "reward", "trl.reward_funcs[0]", (tmp_path / "two",))() == 2
