@@ -362,6 +362,9 @@ start_autograd_on_the_devices_present()    # at import: before any FakeTensorMod
 from functional_pp._torch.cuda_guard import pin_fake_cuda_guard  # noqa: E402
 
 pin_fake_cuda_guard()    # then the fake CUDA guard, owned by a thread no simulated device outlives (cuda_guard.py)
+from functional_pp._torch.cpu_attention_meta import correct_cpu_flash_attention_meta  # noqa: E402
+
+correct_cpu_flash_attention_meta()    # float64 CPU attention compiled by inductor (torch 2.11: cpu_attention_meta.py)
 
 
 def opaque_to_dynamo(fn):

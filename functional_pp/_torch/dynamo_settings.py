@@ -7,7 +7,9 @@ devices are threads that patch the same settings around overlapping calls (a com
 setting while its peers were still compiling. Where settings are process-wide
 (:func:`dynamo_settings_are_thread_local` False), :func:`patch_dynamo` counts the blocks that
 hold each setting: the first one in saves the value, the last one out restores it, and while
-blocks overlap the setting holds the value of the latest to enter.
+blocks overlap the setting holds the value of the latest to enter. Some settings are aliases of
+others (2.11's ``cache_size_limit`` is ``recompile_limit``): a block reads every value before it
+sets any, and restores in reverse order.
 """
 from __future__ import annotations
 
@@ -57,15 +59,16 @@ def patch_dynamo(**values: Any) -> Iterator[None]:
             yield
         return
     with _lock:
-        for name, value in values.items():
-            held = _held.setdefault(name, [getattr(dcfg, name), 0])
+        found = {name: getattr(dcfg, name) for name in values}   # all before any is set: some
+        for name, value in values.items():                       # names are aliases of others
+            held = _held.setdefault(name, [found[name], 0])
             held[1] += 1
             setattr(dcfg, name, value)
     try:
         yield
     finally:
         with _lock:
-            for name in values:
+            for name in reversed(list(values)):
                 held = _held[name]
                 held[1] -= 1
                 if held[1] == 0:

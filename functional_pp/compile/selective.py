@@ -10,7 +10,8 @@ product is kept, not every second one.
 Two consumers read the same list:
 
 * eager: :func:`selective_contexts` is the ``context_fn`` of ``torch.utils.checkpoint``
-  (torch's ``create_selective_checkpoint_contexts`` with :func:`policy`): forward caches the
+  (torch's ``create_selective_checkpoint_contexts`` with :func:`policy`, through
+  ``_torch.selective_checkpoint``): forward caches the
   kept results, recomputation takes them from the cache instead of running the op;
 * compiled: :func:`functional_pp.compile.recompute.reissue_for_backward` keeps the graph nodes
   whose target :func:`saves` and recomputes the other members of the region.
@@ -21,8 +22,9 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
+from functional_pp._torch.selective_checkpoint import selective_checkpoint_contexts
 from functional_pp.core.observers import saved_for_backward
 
 __all__ = ["SAVED_OPS", "saves", "policy", "selective_contexts"]
@@ -66,4 +68,4 @@ def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 def selective_contexts():
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward context
     caches :data:`SAVED_OPS`' results, the recomputation context replays them."""
-    return create_selective_checkpoint_contexts(policy)
+    return selective_checkpoint_contexts(policy)

@@ -61,3 +61,20 @@ def test_overlapping_blocks_of_two_threads_keep_the_setting_until_the_last_leave
     assert seen["second"] == (not before)
     assert dcfg.force_compile_during_fx_trace == before
     assert not dynamo_settings._held
+
+
+@pytest.mark.parametrize("process_wide", [False, True], ids=["native", "process-wide"])
+def test_the_cache_limits_are_restored_though_their_names_are_aliases(monkeypatch, process_wide):
+    """``compile_cache_limits`` sets ``recompile_limit`` and ``cache_size_limit``, one setting
+    under two names on torch 2.11: the block restored the second name to the value the first had
+    just been given, and the raised limit outlived it (a later test ran out of accumulated
+    recompilations)."""
+    from functional_pp._torch import compile_cache_limits
+    if process_wide:
+        monkeypatch.setattr(dynamo_settings, "dynamo_settings_are_thread_local", lambda: False)
+    before = {name: getattr(dcfg, name) for name in ("recompile_limit", "cache_size_limit")
+              if hasattr(dcfg, name)}
+    with compile_cache_limits(10 * max(before.values()) + 1000):
+        assert dcfg.recompile_limit >= 1000
+    assert {name: getattr(dcfg, name) for name in before} == before
+    assert not dynamo_settings._held

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp._torch import trace_backward
+from functional_pp._torch.grad_leaves import differentiable, grad_seed
 
 B, V, S = 4, 16, 6       # logits "batch vocab seq": the vocabulary is not the last dimension
 
@@ -51,13 +52,14 @@ def test_one_device_traced_equals_autograd_of_the_plain_formula():
     compiled function as a training step is."""
     logits, labels = _inputs()
 
-    def loss_and_grad(x, lab):
-        x = x.detach().requires_grad_()
+    def loss_and_grad(x, lab, seed):           # as the step makes its leaves (a seed on torch 2.11)
+        x = differentiable(x, seed)
         loss = ops.cross_entropy(fpp.named(x, "batch vocab seq"), fpp.named(lab, "batch seq")).data * 0.5
         return loss.detach(), torch.autograd.grad(loss, x)[0]
     torch._dynamo.reset()
     with trace_backward():
-        loss, grad = torch.compile(loss_and_grad, backend="aot_eager", fullgraph=True)(logits, labels)
+        loss, grad = torch.compile(loss_and_grad, backend="aot_eager", fullgraph=True)(
+            logits, labels, grad_seed(logits.device, True))
     ref_loss, ref_grad = _reference(logits, labels, 0.5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)
