@@ -94,7 +94,7 @@ def _attempt(fn, **kwargs) -> tuple[bool, object]:
         return False, exc
 
 
-class SwanLabLogger:
+class SwanLabLogger(WandbLogger):
     """A SwanLab experiment (Axolotl's SwanLabPlugin; ``mode`` offline / local write under
     ``run_dir/swanlab`` and need no network), with W&B's metric names."""
 
@@ -118,15 +118,6 @@ class SwanLabLogger:
             from functional_pp.config import ConfigError
             raise ConfigError(f"use_swanlab: SwanLab did not start ({exc}); log in (swanlab login, or "
                               f"SWANLAB_API_KEY) or set swanlab_mode: offline") from exc
-
-    def log(self, step: int, metrics: dict) -> None:
-        values = _numbers(metrics)
-        if "eval_loss" in values:
-            values["eval/loss"] = values.pop("eval_loss")
-        self.run.log({(k if "/" in k else f"train/{k}"): v for k, v in values.items()}, step=int(step))
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MultiLogger:
