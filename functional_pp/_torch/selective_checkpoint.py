@@ -17,7 +17,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -33,9 +33,12 @@ def checkpoint_policy_sees_outputs() -> bool:
             seen.append(getattr(ctx, "op_output", None))
         return CheckpointPolicy.MUST_SAVE
 
-    x = torch.ones(2, requires_grad=True)
-    checkpoint(torch.sin, x, use_reentrant=False,
-               context_fn=functools.partial(create_selective_checkpoint_contexts, record))
+    # probed outside any active dispatch mode (the first ask may come from inside the planner's
+    # memory tracker or a fake-tensor trace, which would count or fake the probe's tensors)
+    with _disable_current_modes():
+        x = torch.ones(2, requires_grad=True)
+        checkpoint(torch.sin, x, use_reentrant=False,
+                   context_fn=functools.partial(create_selective_checkpoint_contexts, record))
     return any(isinstance(out, torch.Tensor) for out in seen)
 
 
