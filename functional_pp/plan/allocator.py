@@ -106,18 +106,9 @@ class CachingAllocator:
             if other is not None and other.free:
                 self._uncache(other, small)
         if block.prev is not None and block.prev.free:
-            prev = block.prev
-            prev.size += block.size
-            prev.next = block.next
-            if block.next is not None:
-                block.next.prev = prev
-            block = prev
+            block = _absorb(block.prev, block)
         if block.next is not None and block.next.free:
-            nxt = block.next
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
+            block = _absorb(block, block.next)
         self._cache(block, small)
 
     def _cache(self, block: _Block, small: bool) -> None:
@@ -132,3 +123,12 @@ class CachingAllocator:
         i = bisect.bisect_left(pool, k)
         if i < len(pool) and pool[i] == k:
             pool.pop(i)
+
+
+def _absorb(left, right):
+    """``right`` merged into its free neighbour ``left`` (one segment's adjacent blocks); ``left``."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left
+    return left
