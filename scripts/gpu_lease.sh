@@ -24,7 +24,12 @@ case "${1:-}" in
     python -c "import torch, functional_pp; print(torch.__version__, torch.cuda.get_device_name(0))" | tee -a "$OUT/gpu.txt"
     # the table: both rows, interleaved timing, profiler summaries (under 8 minutes on an H200)
     timeout "${FPP_GPU_BENCH_TIMEOUT:-420}" python benchmarks/gpu.py --json "$OUT/gpu.json" 2>&1 | tail -40 \
-      || echo "gpu.py stopped (timeout or failure); $OUT/gpu.json holds the rows it finished" ;;
+      || echo "gpu.py stopped (timeout or failure); $OUT/gpu.json holds the rows it finished"
+    # the memory levers on the 1B row, predicted and measured (FPP_GPU_LEVERS_TIMEOUT=0 skips them)
+    if [ "${FPP_GPU_LEVERS_TIMEOUT:-150}" != 0 ]; then
+      timeout "${FPP_GPU_LEVERS_TIMEOUT:-150}" python benchmarks/memory_levers.py --measure --json "$OUT/levers.json" \
+        2>&1 | tail -12 || echo "memory_levers.py stopped (timeout or failure)"
+    fi ;;
   *)
     echo "usage: bash scripts/gpu_lease.sh prepare|run" >&2; exit 2 ;;
 esac
