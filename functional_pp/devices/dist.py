@@ -67,7 +67,7 @@ class DistBackend:
 
     def start_all_reduce(self, x, group):
         """Launch a sum all-reduce of the contiguous ``x`` in place, asynchronously; returns a
-        function that waits and gives ``x`` back (gradient buckets, functional_pp.parallel.buckets)."""
+        function that waits and gives ``x`` back (gradient buckets, functional_pp.parallel.buckets.eager)."""
         done_at = self._slow("all_reduce", x, group)
         work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
 

@@ -34,7 +34,7 @@ from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel import param_uses
-from functional_pp.parallel.buckets import PendingGrad, Slot
+from functional_pp.parallel.buckets.pending import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel.fsdp_order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
@@ -337,7 +337,7 @@ class _ReduceScatter:
 
 def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
     """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
-    as placeholders (waited for before the optimizer, functional_pp.parallel.buckets). Once
+    as placeholders (waited for before the optimizer, functional_pp.parallel.buckets.pending). Once
     the policy's ``collectives_in_flight`` (default 2) are outstanding the oldest is awaited at once:
     by default launching one waits for the one before, so a unit's full-size gradients live
     until the next unit's backward is done, as FSDP2 bounds them (docs/communication.md).

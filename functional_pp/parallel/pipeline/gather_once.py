@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from functional_pp.compile.recompute import backward_region
-from functional_pp.parallel.buckets import resolve_pending
+from functional_pp.parallel.buckets.pending import resolve_pending
 from functional_pp.parallel.fsdp_units import gather_unit
 from functional_pp.parallel.named import Named, configure
 
