@@ -24,7 +24,7 @@ from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp.compile.selective import selective_contexts
 from functional_pp.core.observers import checkpointed
-from functional_pp.parallel.fsdp_units import gather_unit
+from functional_pp.parallel.fsdp.units import gather_unit
 from functional_pp.parallel.named import Named, configure, current_policy
 from functional_pp.parallel.pipeline.stage import current_stage, running_stage
 
@@ -93,7 +93,7 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     products or attention; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
     def unit(*args):
-        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp_units.py)
+        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp/units.py)
         with context:
             return fn(*args)
     recomputed, selective = remat(unit), remat(unit, selective=True)

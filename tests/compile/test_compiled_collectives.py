@@ -1,6 +1,6 @@
 """A compiled step groups its collectives as the eager step does (docs/compile.md, "Collectives
 of a compiled step"): FSDP weights gathered and their gradients reduce-scattered with one flat
-collective per layer unit (functional_pp/parallel/fsdp_units.py, traced), data-parallel
+collective per layer unit (functional_pp/parallel/fsdp/units.py, traced), data-parallel
 gradients all-reduced in buckets (functional_pp/parallel/buckets/, the eager policy). The
 communication report counts no more collectives compiled than eager, and the step still
 equals one device."""

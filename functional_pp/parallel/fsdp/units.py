@@ -4,7 +4,7 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
-the layer before, in forward the unit the last forward called next (``parallel/fsdp_order.py``). A
+the layer before, in forward the unit the last forward called next (``order.py``). A
 unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
 before the optimizer (at most the step policy's ``collectives_in_flight`` in flight, docs/communication.md).
 Without units every parameter is gathered by the first op that needs it (one collective per
@@ -33,13 +33,13 @@ from functional_pp.core import comm
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
-from functional_pp.parallel import param_uses
+from functional_pp.parallel.fsdp import param_uses
 from functional_pp.parallel.buckets.pending import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
-from functional_pp.parallel.fsdp_order import UnitOrder, trace
+from functional_pp.parallel.fsdp.order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
 
-_local = per_thread("parallel.fsdp_units")
+_local = per_thread("parallel.fsdp.units")
 
 
 class UnitsSeen:
@@ -108,7 +108,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
 def begin_forward(params: Any) -> None:
     """A forward of the step starts with the named parameters ``params``: unit calls are
     numbered from 0 and identified by the positions of their parameters in ``params``, so
-    the next forward can prefetch them (functional_pp.parallel.fsdp_order)."""
+    the next forward can prefetch them (functional_pp.parallel.fsdp.order)."""
     order = getattr(_local, "order", None)
     data_axes = _data_axes()[0]
     if not getattr(_local, "enabled", False) or order is None or not data_axes:
@@ -193,7 +193,7 @@ class _Unit:
         self._done = False
         self.incoming = None                 # forward: waits for the unit's launched gather
         self.prefetch = getattr(_local, "prefetch", True)   # backward: re-gather the next unit early
-        self.call: int | None = None         # the unit's call in this forward (events, fsdp_order)
+        self.call: int | None = None         # the unit's call in this forward (events, order.py)
 
     def flat(self) -> torch.Tensor:
         return torch.cat([s.reshape(-1) for s in self.shards])
