@@ -67,7 +67,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None, *,
             for i, data in zip(slots, datas):
                 x = leaves[i]
                 rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
-            # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
+            # everything in the region is recomputed: FSDP's re-gather hooks (parallel/fsdp/regather.py) would
             # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
             recompute = found.get("ran", False)
             found["ran"] = True

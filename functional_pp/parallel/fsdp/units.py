@@ -367,7 +367,7 @@ def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] 
 @contextmanager
 def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[None]:
     """Save a unit's gathered weights for backward as a reference to the unit (re-gathered
-    there with one flat all-gather) instead of the full tensors (ops/regather.py per weight)."""
+    there with one flat all-gather) instead of the full tensors (parallel/fsdp/regather.py per weight)."""
     def root(t: torch.Tensor) -> torch.Tensor:
         return t._base if t._base is not None else t
 
