@@ -4,7 +4,7 @@ the graph forms of the communication mechanisms in between, in this order:
 
 1. the gradient buckets' pass (functional_pp/parallel/buckets/graph.py): the gradient
    all-reduces grouped into buckets of ``bucket_mb``, as eager steps group them;
-2. FSDP's overlap of collectives (functional_pp/compile/overlap.py; torch.distributed only;
+2. FSDP's overlap of collectives (functional_pp/parallel/fsdp/graph.py; torch.distributed only;
    the step policy's ``overlap=False`` keeps trace order): all-gathers prefetched one weight
    ahead, waits sunk to the first use of their result, at most the policy's
    ``collectives_in_flight`` (default 2) collectives of a kind in flight.
@@ -15,9 +15,9 @@ import functools
 from typing import Callable
 
 from functional_pp.compile.backend import GraphPass, graph_backend
-from functional_pp.compile.overlap import overlap_communication
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.parallel.buckets.graph import bucket_all_reduces
+from functional_pp.parallel.fsdp.graph import overlap_communication
 
 
 def step_passes(bucket_mb: float | None = None, overlap: bool = True,

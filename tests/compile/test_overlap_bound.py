@@ -1,4 +1,4 @@
-"""The bound on collectives in flight of the overlap pass (functional_pp/compile/overlap.py,
+"""The bound on collectives in flight of the overlap pass (functional_pp/parallel/fsdp/graph.py,
 docs/compile.md "Peak memory of compiled FSDP"), on a hand-built graph of torch.distributed
 functional collectives: a backward that reduce-scatters four gradients and an optimizer that
 reads them all at the end, the shape whose late waits used to keep every unsharded gradient
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from functional_pp.compile.backend import run_passes
-from functional_pp.compile.overlap import overlap_communication
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT, Policy
+from functional_pp.parallel.fsdp.graph import overlap_communication
 from functional_pp.parallel.step_backend import step_passes
 
 FUNCOL = torch.ops._c10d_functional

@@ -13,7 +13,7 @@ element is gathered, re-gathered and summed exactly as before, so the numbers do
 Active inside :func:`fsdp_units` (the training step). A compiled step traces the same units
 (:class:`_TracedUnitGather`: one flat all-gather in the graph, its backward the flat
 reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
-passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
+passes' (``graph.py``, functional_pp/compile/recompute.py; docs/compile.md).
 
 Mechanism: FSDP (per layer: one flat all-gather and reduce-scatter per `fpp.layer` call; eager).
 """
@@ -28,12 +28,13 @@ import optree
 import torch
 
 from functional_pp._torch import in_backward, is_tracing
-from functional_pp.compile.recompute import regather_region, traced_as_backward
+from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel.fsdp import param_uses
+from functional_pp.parallel.fsdp.graph import regather_region
 from functional_pp.parallel.buckets.pending import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
 from functional_pp.parallel.fsdp.order import UnitOrder, trace
@@ -256,7 +257,7 @@ class _TracedUnitGather(torch.autograd.Function):
     """A unit's gather inside a traced (compiled) step: the flat all-gather of eager's
     :class:`_UnitGather` as graph ops, its backward the same flat reduce-scatter. Prefetch, the
     backward re-gather and the in-flight bound are the graph passes' (compile/recompute.py,
-    compile/overlap.py)."""
+    ``graph.py``)."""
 
     @staticmethod
     def forward(ctx, axes: tuple[str, ...], dims: tuple[int, ...], *shards: torch.Tensor):
