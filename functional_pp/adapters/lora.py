@@ -438,7 +438,7 @@ def init_magnitudes(params: Any, cfg: LoraConfig) -> Any:
     of ``W`` while ``B`` is zero), in the magnitude's own layout; unchanged without DoRA."""
     if not cfg.dora:
         return params
-    from functional_pp.ops.regather import relayout
+    from functional_pp.parallel.fsdp.regather import relayout
     base, lora = split(params)
     out = {}
     for path, ab in lora.items():

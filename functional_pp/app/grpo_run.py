@@ -206,7 +206,7 @@ class GRPOSampler:
     def _logps(self, named_params: Any, whole: dict) -> torch.Tensor:
         """The policy's per-token log-probabilities of the labels, ``[N, seq_len]`` (fp32, CPU)."""
         from functional_pp import ops
-        from functional_pp.ops.regather import relayout
+        from functional_pp.parallel.fsdp.regather import relayout
         from functional_pp.parallel.reshard import named
         from functional_pp.preference.rollout import params_device
         device = params_device(named_params)

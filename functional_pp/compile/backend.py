@@ -1,20 +1,17 @@
-"""The ``torch.compile`` backend of the training step (docs/compile.md).
+"""The ``torch.compile`` backend that runs graph passes on a traced step (docs/compile.md).
 
-``compile=True`` (inductor) and ``compile="aot_eager"`` trace the step into one ATen graph
-and run these passes on it before it executes:
+``compile=True`` (inductor) and ``compile="aot_eager"`` trace the step into one ATen graph;
+:func:`graph_backend` runs these passes on it before it executes:
 
-1. :func:`functional_pp.compile.recompute.reissue_for_backward`: FSDP weights are gathered again in
-   backward (ZeRO-3) and remat regions are recomputed, instead of keeping their values (an FSDP
-   unit's weights with one flat all-gather, as traced by ``parallel/fsdp_units.py``);
-2. :func:`functional_pp.compile.buckets.bucket_all_reduces`: the gradient all-reduces are
-   grouped into buckets of ``bucket_mb``, as eager steps group them;
-3. :func:`functional_pp.compile.overlap.overlap_communication` (torch.distributed only; on by
-   default, the step policy's ``overlap=False`` keeps trace order): all-gathers are prefetched
-   one weight ahead and waits sink to the first use of their result, with at most the policy's
-   ``collectives_in_flight`` (default 2) collectives of a kind in flight;
-4. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
+1. :func:`functional_pp.compile.recompute.reissue_for_backward`: tagged regions are computed
+   again in backward instead of keeping their values: FSDP weights gathered again (ZeRO-3,
+   tagged by functional_pp/parallel/fsdp/) and remat regions recomputed;
+2. the caller's passes, in order: the training step's are the communication passes of the
+   mechanisms that own them (functional_pp/parallel/step_backend.py: the gradient buckets'
+   graph form, then FSDP's overlap of collectives);
+3. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
    elementwise results are written into the buffers that die there;
-5. the collectives of the final graph (recomputed gathers included) are read from their
+4. the collectives of the final graph (recomputed gathers included) are read from their
    tags, and every run of the compiled graph records them in the active
    :func:`functional_pp.comm_report`, as eager execution does.
 
@@ -24,34 +21,31 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from functional_pp._torch import compile_backend
-from functional_pp.compile.buckets import bucket_all_reduces
-from functional_pp.compile.overlap import overlap_communication
 from functional_pp.compile.recompute import in_backward_region, probe_backward_marks, reissue_for_backward
 from functional_pp.compile.reinplace import reinplace
 from functional_pp.core import comm
-from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread, thread_local_value
 
 _COLLECTIVE_NAMESPACES = ("fpp_sim", "_c10d_functional")
 
 
-@functools.lru_cache(maxsize=None)
-def step_backend(compile: bool | str, bucket_mb: float | None = None, overlap: bool = True,
-                 in_flight: int = DEFAULT_IN_FLIGHT) -> str | Callable:
-    """The backend to hand ``torch.compile`` for ``train_step(compile=...)``; ``bucket_mb``:
-    the step's gradient all-reduce buckets (None: one all-reduce per gradient); ``overlap`` and
-    ``in_flight``: the step policy's ``overlap`` and ``collectives_in_flight``."""
+GraphPass = Callable[[torch.fx.Graph], Any]
+
+
+def graph_backend(compile: bool | str, passes: Sequence[GraphPass] = ()) -> str | Callable:
+    """The backend to hand ``torch.compile`` for ``compile`` (True: inductor, or a backend
+    name) that runs the recomputation, ``passes`` and re-inplacing on the traced graph (see
+    the module docstring). The training step's is functional_pp.parallel.step_backend."""
     name = "inductor" if compile is True else compile
     probe_backward_marks()
     # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
-    return compile_backend(name, functools.partial(_step_pass, in_place=name != "inductor",
-                                                   bucket_mb=bucket_mb, overlap=overlap,
-                                                   in_flight=in_flight)) or name
+    return compile_backend(name, functools.partial(run_passes, passes=tuple(passes),
+                                                   in_place=name != "inductor")) or name
 
 
 def _is_collective(node: torch.fx.Node) -> bool:
@@ -82,12 +76,12 @@ def capture_graphs() -> Iterator[list[torch.fx.Graph]]:
         yield graphs
 
 
-def _step_pass(graph: torch.fx.Graph, in_place: bool = False, bucket_mb: float | None = None,
-               overlap: bool = True, in_flight: int = DEFAULT_IN_FLIGHT):
+def run_passes(graph: torch.fx.Graph, passes: Sequence[GraphPass] = (), in_place: bool = False):
+    """Run the backend's passes on ``graph`` (see the module docstring); returns the wrapper
+    that records the graph's collectives at every run of the compiled function."""
     reissue_for_backward(graph)
-    bucket_all_reduces(graph, bucket_mb)
-    if overlap:                                       # False: trace order (debugging)
-        overlap_communication(graph, in_flight)
+    for graph_pass in passes:
+        graph_pass(graph)
     if in_place:
         reinplace(graph)
     graph.lint()          # every pass kept each node after its inputs (a clear error, not a NameError at run time)

@@ -5,7 +5,8 @@ the optimizer. A value the forward computes and the backward uses stays alive in
 Two kinds of values are better recomputed by the backward than kept:
 
 * an FSDP weight all-gathered in forward (ZeRO-3: keep the shard, gather again), tagged by
-  :func:`regather_region` around the gather; the views and casts after it join its region;
+  FSDP around the gather (``regather_region``, functional_pp/parallel/fsdp/graph.py); the views
+  and casts after it join its region;
 * every activation of a remat region (:func:`functional_pp.remat`, a declared layer under
   ``train_step(remat=True)``), tagged by :func:`remat_region`; in a selective region
   (``remat="selective"``, :mod:`functional_pp.compile.selective`) the results of matrix
@@ -17,7 +18,8 @@ backward node that needs them, so the forward copies die at their last forward u
 SimpleFSDP's must-recompute tagging, applied to the single traced graph instead of a
 forward/backward partition.
 
-Mechanism: FSDP (gathers re-issued in backward; compiled).
+The pass is FSDP's and activation checkpointing's alike: it knows tags, not mechanisms.
+
 Mechanism: Activation checkpointing (remat regions recomputed; compiled).
 """
 from __future__ import annotations
@@ -35,8 +37,9 @@ from functional_pp.core.runtime import per_thread
 
 _local = per_thread("compile.recompute")
 
-# ops that only view or convert a value: they join the region of their (single) input
-_VIEW_OR_CAST = {
+# ops that only view or convert a value: they join the region of their (single) input (and the
+# passes that move nodes treat them as free)
+VIEW_OR_CAST = {
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze",
     "squeeze", "alias", "slice", "select", "split", "split_with_sizes", "as_strided", "clone",
     "detach", "_to_copy", "convert_element_type", "contiguous", "unbind", "getitem",
@@ -52,7 +55,10 @@ def reset_region_ids() -> None:
     _local.ids = [0]
 
 
-def _tag(key: str, enabled: bool = True, **extra: object):
+def tag_region(key: str, enabled: bool = True, **extra: object):
+    """Context that tags the nodes traced inside it as one region ``key``
+    (functional_pp/core/graph_tags.py: ``REGATHER``, ``REMAT``, ``LEAF``), numbered on this
+    thread, for :func:`reissue_for_backward`; nothing when not ``enabled`` or not tracing."""
     if not (enabled and is_tracing()):
         return nullcontext()
     ids = getattr(_local, "ids", None)
@@ -63,22 +69,17 @@ def _tag(key: str, enabled: bool = True, **extra: object):
     return annotate({key: n, **extra})
 
 
-def regather_region(enabled: bool = True):
-    """Context for an FSDP weight's all-gather: under compile, backward gathers it again."""
-    return _tag(REGATHER, enabled)
-
-
 def recomputed_leaf():
     """Context for a parameter made differentiable inside a compiled step as ``p + seed``
     (torch 2.11's path, _torch/grad_leaves.py): under compile, backward computes it again from
     the step's inputs (as a regathered weight) instead of keeping the forward's copy."""
-    return _tag(LEAF)
+    return tag_region(LEAF)
 
 
 def remat_region(selective: bool = False):
     """Context for a region whose activations backward recomputes (under compile); with
     ``selective`` the results of matrix products and attention are kept instead."""
-    return _tag(REMAT, **({SELECTIVE: True} if selective else {}))
+    return tag_region(REMAT, **({SELECTIVE: True} if selective else {}))
 
 
 def backward_region():
@@ -132,7 +133,8 @@ def _selective(node: torch.fx.Node) -> bool:
     return bool((node.meta.get("custom") or {}).get(SELECTIVE))
 
 
-def _op_name(node: torch.fx.Node) -> str:
+def op_name(node: torch.fx.Node) -> str:
+    """The ATen op a node calls, without overload (``"view"``, ``"getitem"``, ...)."""
     t = node.target
     if t is __import__("operator").getitem:
         return "getitem"
@@ -142,7 +144,7 @@ def _op_name(node: torch.fx.Node) -> str:
 
 # views that share their input's storage (``_unsafe_view`` too, although its schema does not
 # say so): a view of a kept result is kept with it
-_VIEWS = _VIEW_OR_CAST - {"clone", "_to_copy", "convert_element_type", "contiguous"}
+_VIEWS = VIEW_OR_CAST - {"clone", "_to_copy", "convert_element_type", "contiguous"}
 
 
 def _selectively_kept(members: list[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -154,7 +156,7 @@ def _selectively_kept(members: list[torch.fx.Node]) -> set[torch.fx.Node]:
     for n in members:                   # graph order: a view comes after what it views
         if not _selective(n):
             continue
-        if saves(n.target) or (_op_name(n) in _VIEWS and n.all_input_nodes
+        if saves(n.target) or (op_name(n) in _VIEWS and n.all_input_nodes
                                and all(a in kept for a in _tensor_inputs(n))):
             kept.add(n)
     return kept
@@ -178,7 +180,7 @@ def reissue_for_backward(graph: torch.fx.Graph) -> int:
         if n.op != "call_function":
             continue
         r = _region(n)
-        if r is None and _op_name(n) in _VIEW_OR_CAST:     # views/casts of a regathered weight
+        if r is None and op_name(n) in VIEW_OR_CAST:     # views/casts of a regathered weight
             ins = _tensor_inputs(n)
             rs = {region_of.get(a) for a in ins}
             if len(rs) == 1 and None not in rs and next(iter(rs))[0] in (REGATHER, LEAF):

@@ -306,7 +306,7 @@ def _check_pipeline_values(cfg: Any, add) -> None:
         if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1:
             add(f"{k} must be an integer >= 1, got {getattr(cfg, k)!r}")
             return
-    from functional_pp.parallel.pipeline.gather_once import GATHER_POLICIES
+    from functional_pp.parallel.fsdp.gather_once import GATHER_POLICIES
     if cfg.pp_fsdp_gather not in GATHER_POLICIES:
         add(f"pp_fsdp_gather {cfg.pp_fsdp_gather!r}: choose one of {', '.join(GATHER_POLICIES)} (docs/pipelines.md)")
     try:

@@ -90,7 +90,7 @@ class Policy:
     awaited, in eager FSDP units and compiled graphs alike (0: no bound; docs/communication.md)."""
     overlap: bool = True
     """Step only: a compiled step prefetches FSDP gathers and sinks waits to their first use
-    (False: the trace's order, for debugging; compile/overlap.py)."""
+    (False: the trace's order, for debugging; parallel/fsdp/graph.py)."""
 
     def __post_init__(self):
         check_remat(self.remat, allow_none=True)

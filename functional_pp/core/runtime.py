@@ -42,7 +42,7 @@ _STORES_LOCK = threading.Lock()
 
 
 def per_thread(name: str) -> threading.local:
-    """The per-thread store called ``name`` (one per module, e.g. ``"parallel.fsdp_units"``; an
+    """The per-thread store called ``name`` (one per module, e.g. ``"parallel.fsdp.units"``; an
     object that needs its own gives its own name); made on first use, the same object after."""
     with _STORES_LOCK:
         store = _STORES.get(name)

@@ -1,5 +1,5 @@
 """Saved-tensor hooks that compose. torch applies only the innermost ``saved_tensors_hooks``
-block; the package's own hooks (FSDP re-gathering: ops/regather.py, parallel/fsdp_units.py)
+block; the package's own hooks (FSDP re-gathering: parallel/fsdp/regather.py, parallel/fsdp/units.py)
 replace the tensors they know and hand every other one to the enclosing :func:`packing` block
 (activation offloading, step/activation_offload.py) with :func:`pack_other`. What a packer
 returns carries its own way back (a :class:`Packed`), so any unpack hook restores it with

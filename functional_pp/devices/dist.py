@@ -67,7 +67,7 @@ class DistBackend:
 
     def start_all_reduce(self, x, group):
         """Launch a sum all-reduce of the contiguous ``x`` in place, asynchronously; returns a
-        function that waits and gives ``x`` back (gradient buckets, functional_pp.parallel.buckets)."""
+        function that waits and gives ``x`` back (gradient buckets, functional_pp.parallel.buckets.eager)."""
         done_at = self._slow("all_reduce", x, group)
         work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._pg(group), async_op=True)
 
@@ -78,7 +78,7 @@ class DistBackend:
 
     def start_all_gather(self, x, group):
         """Launch an all-gather of ``x`` along dim 0, asynchronously; returns a function that
-        waits and gives the blocks in group order (FSDP unit prefetch, functional_pp.parallel.fsdp_units)."""
+        waits and gives the blocks in group order (FSDP unit prefetch, functional_pp.parallel.fsdp.units)."""
         n = len(group)
         x = x.contiguous()
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
@@ -98,7 +98,7 @@ class DistBackend:
     def start_reduce_scatter(self, x, group):
         """Launch a sum reduce-scatter of ``x`` along dim 0, asynchronously (``x`` holds the
         group's blocks in group order); returns a function that waits and gives this rank's
-        block (FSDP units' gradients, functional_pp.parallel.fsdp_units)."""
+        block (FSDP units' gradients, functional_pp.parallel.fsdp.units)."""
         n = len(group)
         order = self._order(group)
         if order != sorted(order):        # torch's group is ascending: send the blocks in its order

@@ -17,7 +17,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.models.kv_cache import KVCache, caching
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 

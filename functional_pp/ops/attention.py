@@ -16,7 +16,7 @@ from functional_pp.core.observers import uneven_work
 from functional_pp.core.order import balanced_indices
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import (Named, make_named, memo_table, current_context, current_policy, env, op_env,

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.regather import regather_scope, relayout
 from functional_pp.parallel.named import Named, make_named, op_env, pvary, require_named, settle, varying_after
 
 
@@ -126,7 +126,7 @@ def einsum(pattern: str, *operands: Named) -> Named:
     gathered = False
     for x in ready:
         gathered = gathered or x._gathered_from is not None
-    if gathered:        # a gathered weight: not saved for backward (ops/regather.py)
+    if gathered:        # a gathered weight: not saved for backward (parallel/fsdp/regather.py)
         with regather_scope(ready):
             data = _contract(spec, ready)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from functional_pp.ops.einsum import _cache
-from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.regather import regather_scope, relayout
 from functional_pp.parallel.named import Named, make_named, env, op_env, pvary, settle, varying_after
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.regather import regather_scope, relayout
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, env, pvary, require_named, settle, varying_after

@@ -28,7 +28,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.devices import mesh_view
 from functional_pp.ops.quantized import is_quantized, realize, stand_in
-from functional_pp.ops.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.regather import regather_scope, relayout
 from functional_pp.ops.swiglu import clamped_swiglu_tensors, swiglu_tensors
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, make_named, env, pvary, require_named, settle, varying_after

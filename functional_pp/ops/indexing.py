@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, pvary, settle, target_layout, varying_after
 
 

@@ -24,7 +24,7 @@ from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
 from functional_pp.compile.recompute import remat_region, reset_region_ids
 from functional_pp.compile.selective import selective_contexts
 from functional_pp.core.observers import checkpointed
-from functional_pp.parallel.fsdp_units import gather_unit
+from functional_pp.parallel.fsdp.units import gather_unit
 from functional_pp.parallel.named import Named, configure, current_policy
 from functional_pp.parallel.pipeline.stage import current_stage, running_stage
 
@@ -67,7 +67,7 @@ def remat(fn: Callable[..., Named], out_like: int | None = None, *,
             for i, data in zip(slots, datas):
                 x = leaves[i]
                 rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
-            # everything in the region is recomputed: FSDP's re-gather hooks (ops/regather.py) would
+            # everything in the region is recomputed: FSDP's re-gather hooks (parallel/fsdp/regather.py) would
             # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
             recompute = found.get("ran", False)
             found["ran"] = True
@@ -93,7 +93,7 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     products or attention; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
     def unit(*args):
-        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp_units.py)
+        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp/units.py)
         with context:
             return fn(*args)
     recomputed, selective = remat(unit), remat(unit, selective=True)

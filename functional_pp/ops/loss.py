@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from functional_pp.ops import reduce as R
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.rows import nll_rows

@@ -17,7 +17,7 @@ import torch
 
 from functional_pp.core.layout import Layout
 from functional_pp.ops.einsum import _plan, einsum, register_operand
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, op_env, require_named, settle
 from functional_pp.quant.weights import FLAT_BLOCK, QuantizedWeight, dequantize, flat_block_dim, flat_lead, scales
 

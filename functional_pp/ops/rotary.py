@@ -10,7 +10,7 @@ import torch
 
 from functional_pp._torch import is_tracing
 from functional_pp.compile.barrier import materialize
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, memo_table, settle
 
 # marks a positions value built while torch.compile traces: its rotary tables may be memoised on

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, env, op_env, require_named, settle, target_layout
 
 

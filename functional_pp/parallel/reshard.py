@@ -1,7 +1,7 @@
 """Moving a named value between layouts (docs/layouts.md): :func:`relayout` all-gathers what
 is split but should not be and slices what should be split; :func:`named` takes this device's
 block of a full tensor. Layout only: the FSDP bookkeeping of a gathered parameter (its shard
-kept for a re-gather in backward) is added by the ops' relayout, functional_pp/ops/regather.py."""
+kept for a re-gather in backward) is added by the ops' relayout, functional_pp/parallel/fsdp/regather.py."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -35,7 +35,7 @@ def relayout(x: Named, target: Layout, op: str = "relayout") -> Named:
     """Change the splits of ``x`` to ``target`` (one entry per dimension): all-gather what is
     split but should not be (backward: reduce-scatter), slice what should be split (free).
     ``op`` names the operation in errors. Layout only: the ops relayout through
-    ``functional_pp.ops.regather.relayout``, which adds the FSDP bookkeeping (docs/layouts.md)."""
+    ``functional_pp.parallel.fsdp.regather.relayout``, which adds the FSDP bookkeeping (docs/layouts.md)."""
     return relayout_with(x, target, lambda x, target: reshard(x, target, op))
 
 

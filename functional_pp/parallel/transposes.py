@@ -57,7 +57,7 @@ _process_sink: list = [None]
 def set_gradient_sink(sink: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor] | None,
                       process_wide: bool = False) -> None:
     """On this thread, hand the psum of a pvary'd leaf's gradient (a parameter's data-parallel
-    reduction) to ``sink(g, axes)`` instead of all-reducing it at once (functional_pp/parallel/buckets.py);
+    reduction) to ``sink(g, axes)`` instead of all-reducing it at once (functional_pp/parallel/buckets/eager.py);
     None restores the immediate all-reduce. ``process_wide`` (one device per process) also
     reaches backward functions that autograd runs on its own device threads (CUDA)."""
     _sink.value = sink

@@ -19,7 +19,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.ops.token_ids import deferred_checks
 from functional_pp.parallel.named import Named, wrap
-from functional_pp.parallel.pipeline.gather_once import GATHER_POLICIES
+from functional_pp.parallel.fsdp.gather_once import GATHER_POLICIES
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.device import representative_device

@@ -52,7 +52,7 @@ def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[t
     """The gradients as tensors the optimizer may overwrite: a gradient that shares memory with a
     parameter, overlaps another gradient (autograd may hand one tensor to two inputs) or is not
     dense (an expanded gradient) is copied first. Disjoint views of one buffer (the gradients
-    of one all-reduce bucket, functional_pp/parallel/buckets.py) are kept as they are."""
+    of one all-reduce bucket, functional_pp/parallel/buckets/pending.py) are kept as they are."""
     params_at = {physical(p).untyped_storage().data_ptr() for p in params}
     taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []

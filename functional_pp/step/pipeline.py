@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from functional_pp._torch import compile_cache_limits
-from functional_pp.compile.backend import step_backend
+from functional_pp.parallel.step_backend import step_backend
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
@@ -35,11 +35,11 @@ from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves
 from functional_pp.devices import mesh_view
 from functional_pp.ops.token_ids import checks_apart
 from functional_pp.optim.base import state_like_params
-from functional_pp.parallel.buckets import resolve_pending
-from functional_pp.parallel.fsdp_units import gathered_stand_in
+from functional_pp.parallel.buckets.pending import resolve_pending
+from functional_pp.parallel.fsdp.units import gathered_stand_in
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import env, settle, wrap
-from functional_pp.parallel.pipeline.gather_once import GATHER_POLICIES, GatheredOnce
+from functional_pp.parallel.fsdp.gather_once import GATHER_POLICIES, GatheredOnce
 from functional_pp.parallel.pipeline.schedule import build, check_sizes
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.pipeline.timing import Timeline, simulate

@@ -19,7 +19,7 @@ import torch
 from functional_pp import optim
 from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
 from functional_pp._torch.grad_leaves import differentiable, grad_seed
-from functional_pp.compile.backend import step_backend
+from functional_pp.parallel.step_backend import step_backend
 from functional_pp.compile.barrier import materialize
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
@@ -35,12 +35,13 @@ from functional_pp.core.runtime import current_context, current_policy, new_per_
 from functional_pp.devices import mesh_view
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
-from functional_pp.parallel import param_uses
-from functional_pp.parallel.buckets import grad_buckets, resolve_pending
+from functional_pp.parallel.fsdp import param_uses
+from functional_pp.parallel.buckets.eager import grad_buckets
+from functional_pp.parallel.buckets.pending import resolve_pending
 from functional_pp.parallel.collectives import psum as sum_over
-from functional_pp.parallel.fsdp_order import UnitOrder
-from functional_pp.parallel.fsdp_units import begin_forward
-from functional_pp.parallel.fsdp_units import fsdp_units as layer_units
+from functional_pp.parallel.fsdp.order import UnitOrder
+from functional_pp.parallel.fsdp.units import begin_forward
+from functional_pp.parallel.fsdp.units import fsdp_units as layer_units
 from functional_pp.parallel.grads import check_scalar_loss
 from functional_pp.parallel.named import Named, make_named, env, settle, wrap
 from functional_pp.parallel.shard_map import use_rules

@@ -350,7 +350,7 @@ def test_dpo_lora_with_activation_checkpointing_under_fsdp(base, pairs, tmp_path
     """Axolotl's DPO examples: LoRA, gradient_checkpointing, data parallel. The adapters are used
     by both forwards (chosen, rejected), so their two gradients are summed during backward; a
     bucket launched by that sum used to receive the next gradient (TypeError in
-    parallel/buckets.py)."""
+    parallel/buckets/eager.py)."""
     lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True, dp_shard_size=2, micro_batch_size=2)
     plain = train(config(base, pairs, tmp_path / "plain", **lora), simulate=2, stream=io.StringIO())
     remat = train(config(base, pairs, tmp_path / "remat", gradient_checkpointing=True, **lora), simulate=2,

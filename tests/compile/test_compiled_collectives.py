@@ -1,7 +1,7 @@
 """A compiled step groups its collectives as the eager step does (docs/compile.md, "Collectives
 of a compiled step"): FSDP weights gathered and their gradients reduce-scattered with one flat
-collective per layer unit (functional_pp/parallel/fsdp_units.py, traced), data-parallel
-gradients all-reduced in buckets (functional_pp/compile/buckets.py, the eager policy). The
+collective per layer unit (functional_pp/parallel/fsdp/units.py, traced), data-parallel
+gradients all-reduced in buckets (functional_pp/parallel/buckets/, the eager policy). The
 communication report counts no more collectives compiled than eager, and the step still
 equals one device."""
 import functools
@@ -11,7 +11,7 @@ import torch
 from harness import local_batch, make_batch
 
 import functional_pp as fpp
-from functional_pp.compile import buckets
+from functional_pp.parallel import buckets
 from functional_pp.models import llama
 
 CFG = llama.Config.tiny(layers=2, hidden=32, heads=4, kv_heads=2, mlp=64, vocab=64)

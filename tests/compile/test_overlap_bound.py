@@ -1,4 +1,4 @@
-"""The bound on collectives in flight of the overlap pass (functional_pp/compile/overlap.py,
+"""The bound on collectives in flight of the overlap pass (functional_pp/parallel/fsdp/graph.py,
 docs/compile.md "Peak memory of compiled FSDP"), on a hand-built graph of torch.distributed
 functional collectives: a backward that reduce-scatters four gradients and an optimizer that
 reads them all at the end, the shape whose late waits used to keep every unsharded gradient
@@ -6,9 +6,10 @@ alive at once."""
 import pytest
 import torch
 
-from functional_pp.compile.backend import _step_pass
-from functional_pp.compile.overlap import overlap_communication
+from functional_pp.compile.backend import run_passes
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT, Policy
+from functional_pp.parallel.fsdp.graph import overlap_communication
+from functional_pp.parallel.step_backend import step_passes
 
 FUNCOL = torch.ops._c10d_functional
 N_GRADS = 4
@@ -85,7 +86,7 @@ def test_without_a_bound_late_waits_keep_every_reduce_scatter_in_flight():
 
 def test_the_bound_and_the_overlap_are_step_policy_fields():
     """``Policy.collectives_in_flight`` (default 2) and ``Policy.overlap`` reach the compiled
-    step's pass through its backend (compile/backend.py); a bad bound is refused by name."""
+    step's pass through its backend (parallel/step_backend.py); a bad bound is refused by name."""
     assert Policy().collectives_in_flight == DEFAULT_IN_FLIGHT == 2 and Policy().overlap is True
     for bad in (-1, "two", 1.5, True):
         with pytest.raises(ValueError, match="collectives_in_flight"):
@@ -95,5 +96,5 @@ def test_the_bound_and_the_overlap_are_step_policy_fields():
     assert _max_in_flight(g) == DEFAULT_IN_FLIGHT
     for overlap, limit, most in ((True, 3, 3), (True, 0, N_GRADS), (False, 3, 1)):
         g = _backward_graph()
-        _step_pass(g, overlap=overlap, in_flight=limit)
+        run_passes(g, step_passes(overlap=overlap, in_flight=limit))
         assert _max_in_flight(g) == most, (overlap, limit)

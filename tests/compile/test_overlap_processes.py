@@ -1,4 +1,4 @@
-"""Communication overlap in a compiled FSDP step on torch.distributed (functional_pp/compile/overlap.py,
+"""Communication overlap in a compiled FSDP step on torch.distributed (functional_pp/parallel/fsdp/graph.py,
 docs/compile.md): read from the compiled graph's node order on two real gloo processes, with
 results equal to the step compiled without the pass."""
 import functools

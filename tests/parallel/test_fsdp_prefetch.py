@@ -1,4 +1,4 @@
-"""FSDP forward prefetch (functional_pp/parallel/fsdp_units.py, parallel/fsdp_order.py; docs/communication.md):
+"""FSDP forward prefetch (functional_pp/parallel/fsdp/units.py, parallel/fsdp/order.py; docs/communication.md):
 from the second forward on, unit k+1's flat all-gather is launched before unit k computes;
 results are bitwise those of the step without prefetch, on simulated devices and on two gloo
 processes, also when the model calls its layers in another order than the last forward."""
@@ -10,7 +10,7 @@ from harness import local_batch, make_batch
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.parallel.fsdp_order import trace_units
+from functional_pp.parallel.fsdp.order import trace_units
 
 CFG = llama.Config.tiny(layers=3)
 DATA = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]

@@ -1,4 +1,4 @@
-"""FSDP units (functional_pp/parallel/fsdp_units.py): each layer's weights gathered with one flat
+"""FSDP units (functional_pp/parallel/fsdp/units.py): each layer's weights gathered with one flat
 all-gather, re-gathered for backward with one, their gradients reduce-scattered with one;
 the same numbers as the per-weight collectives and the single device, the same bytes, and
 (n-1)/n · P_layer · B per unit and direction (docs/communication.md)."""

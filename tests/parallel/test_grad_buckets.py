@@ -1,4 +1,4 @@
-"""Bucketed asynchronous DP gradient all-reduce (functional_pp/parallel/buckets.py): the same numbers
+"""Bucketed asynchronous DP gradient all-reduce (functional_pp/parallel/buckets/): the same numbers
 as the per-gradient reduction and the single device, one all-reduce event per bucket, the
 analytic bytes, buckets launched during backward, and the same on real gloo processes."""
 import pytest
@@ -7,7 +7,8 @@ from harness import assert_same_run, make_batch, train_steps
 
 import functional_pp as fpp
 from functional_pp.models import llama
-from functional_pp.parallel.buckets import PendingGrad, grad_buckets
+from functional_pp.parallel.buckets.eager import grad_buckets
+from functional_pp.parallel.buckets.pending import PendingGrad
 
 CFG = llama.Config.tiny()
 P = fpp.count_params(llama.init(CFG))

@@ -1,10 +1,10 @@
 """relayout changes layouts only (functional_pp/parallel/reshard.py); the FSDP bookkeeping of a gathered
 parameter or activation (its shard kept for a re-gather in backward, no memo of an untied
-gathered weight) is the ops' relayout (functional_pp/ops/regather.py), docs/layouts.md."""
+gathered weight) is the ops' relayout (functional_pp/parallel/fsdp/regather.py), docs/layouts.md."""
 import torch
 
 import functional_pp as fpp
-from functional_pp.ops import regather
+from functional_pp.parallel.fsdp import regather
 from functional_pp.parallel import reshard
 from functional_pp.parallel.named import Named
 

@@ -10,7 +10,7 @@ import functional_pp as fpp
 from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
-from functional_pp.parallel.fsdp_units import fsdp_units
+from functional_pp.parallel.fsdp.units import fsdp_units
 
 CFG = llama.Config.tiny()
 
@@ -72,6 +72,6 @@ def test_fsdp_keeps_no_gathered_weight_between_forward_and_backward():
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_fsdp_units_keep_no_gathered_weight_between_forward_and_backward():
-    """Layers gathered as one unit (functional_pp/parallel/fsdp_units.py) are re-gathered too."""
+    """Layers gathered as one unit (functional_pp/parallel/fsdp/units.py) are re-gathered too."""
     assert full_weights_alive_after_forward(keep_gathered=False, units=True) == 0
     assert full_weights_alive_after_forward(keep_gathered=True, units=True) == 2 * CFG.layers * 4

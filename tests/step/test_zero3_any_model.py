@@ -3,7 +3,7 @@
 warned (NoLayerWarning) and re-gathers every weight its backward reads on steps 1 and 2, its
 comm report ZeRO-3's formula (docs/communication.md), its losses those of one device. Its
 embedding table used again as the LM head without ``fpp.tied`` is gathered once per step from
-the second step on (parallel/param_uses.py). On the simulated mesh and on two gloo processes."""
+the second step on (parallel/fsdp/param_uses.py). On the simulated mesh and on two gloo processes."""
 import functools
 import warnings
 

@@ -14,7 +14,7 @@ import torch
 from functional_pp.ops import reduce as R
 from functional_pp.ops.einsum import _plan, einsum
 from functional_pp.ops.loss import IGNORE_INDEX, _count, cross_entropy
-from functional_pp.ops.regather import relayout
+from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.chunks import chunk_rows, chunked_lse, linear_xent_sum, loss_dtype

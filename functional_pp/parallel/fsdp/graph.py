@@ -1,5 +1,12 @@
-"""Communication/computation overlap in a compiled step on torch.distributed (docs/compile.md).
+"""FSDP in a compiled step (docs/compile.md): the graph forms of ``regather.py`` and ``units.py``.
 
+While dynamo traces, a weight's all-gather (a weight's or a unit's) runs inside
+:func:`regather_region`: its nodes are tagged, and compile's recomputation pass
+(functional_pp/compile/recompute.py, ``reissue_for_backward``) gathers it again in backward
+(ZeRO-3) instead of keeping the gathered weight, as eager's re-gather hooks do.
+
+Then :func:`overlap_communication`, the step's last communication pass
+(functional_pp/parallel/step_backend.py), does what eager's prefetch and in-flight bound do.
 torch.distributed's functional collectives are split in the graph into a launch
 (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...) and a ``wait_tensor``. Two moves
 let the network work while the CPU/GPU computes, and a bound keeps what they hold in check:
@@ -21,17 +28,24 @@ let the network work while the CPU/GPU computes, and a bound keeps what they hol
 Simulated collectives are one synchronous op each; there is nothing to overlap, so the
 simulated graph is left in trace order.
 
-Mechanism: FSDP (gathers prefetched, waits sunk, collectives in flight bounded; compiled).
+Mechanism: FSDP (gathers tagged for the re-gather in backward; prefetched, waits sunk, collectives in flight bounded; compiled).
 """
 from __future__ import annotations
 
 import torch
 
 from functional_pp._torch import OpOverload
+from functional_pp.compile.recompute import VIEW_OR_CAST, is_backward, op_name, tag_region
+from functional_pp.core.graph_tags import LEAF, REGATHER
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
-from functional_pp.compile.recompute import _VIEW_OR_CAST, LEAF, REGATHER, _op_name, is_backward
 
 _FUNCOL = "_c10d_functional"
+
+
+def regather_region(enabled: bool = True):
+    """Context for an FSDP weight's all-gather (or a unit's): under compile, backward gathers
+    it again (ZeRO-3) instead of keeping it; nothing when not ``enabled`` or not tracing."""
+    return tag_region(REGATHER, enabled)
 
 
 def _is_launch(node: torch.fx.Node) -> bool:
@@ -60,7 +74,7 @@ def _follows(node: torch.fx.Node) -> bool:
     t = node.target
     if _is_wait(node):          # a wait on a waited value (funcol waits twice): a no-op
         return True
-    return node.op == "call_function" and (_op_name(node) in _VIEW_OR_CAST or (
+    return node.op == "call_function" and (op_name(node) in VIEW_OR_CAST or (
         isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags))
 
 
@@ -107,7 +121,7 @@ def _move_before(graph_pos: dict, node: torch.fx.Node, anchor: torch.fx.Node) ->
         if n is not node:
             if n.op != "call_function":
                 return False
-            if _op_name(n) not in _VIEW_OR_CAST and _op_name(n) != "cat" and not _seeded_leaf(n):
+            if op_name(n) not in VIEW_OR_CAST and op_name(n) != "cat" and not _seeded_leaf(n):
                 costly += 1
                 if costly > 8:
                     return False

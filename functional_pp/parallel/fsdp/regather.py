@@ -16,14 +16,14 @@ from typing import Iterator, Sequence
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.compile.recompute import regather_region
 from functional_pp.core.layout import Layout
 from functional_pp.core.observers import saved_for_backward
 from functional_pp.core.order import from_balanced
 from functional_pp.core.saved_hooks import pack_other, unpack_other
-from functional_pp.parallel import param_uses
+from functional_pp.parallel.fsdp import param_uses
+from functional_pp.parallel.fsdp.graph import regather_region
 from functional_pp.parallel.collectives import raw_all_gather
-from functional_pp.parallel.fsdp_units import keeps_gathered
+from functional_pp.parallel.fsdp.units import keeps_gathered
 from functional_pp.parallel.named import Named, make_named, current_policy
 from functional_pp.parallel.reshard import Reshard, all_gather_tiled, relayout_with, reshard
 

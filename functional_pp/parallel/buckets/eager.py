@@ -7,7 +7,7 @@ once: it copies the local gradient into a bucket and hands autograd a :class:`Pe
 placeholder. A bucket whose size reaches ``bucket_mb`` is launched as one asynchronous
 all-reduce while backward goes on; :meth:`GradBuckets.finish` launches the rest, waits and
 replaces every placeholder by its reduced gradient. A compiled step's graph is bucketed by
-the same policy (functional_pp/compile/buckets.py). Each element is summed exactly as the
+the same policy (functional_pp/parallel/buckets/graph.py). Each element is summed exactly as the
 per-parameter all-reduce sums it (same dtypes, same reduce dtype), so results are unchanged.
 
 An op that touches a placeholder before :meth:`~GradBuckets.finish` (autograd adding two
@@ -23,10 +23,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from functional_pp._torch import is_tracing, make_wrapper_subclass, tree_map
-from functional_pp.compile.buckets import bucket_capacity
+from functional_pp._torch import is_tracing
 from functional_pp.core import comm
 from functional_pp.core.runtime import current_context
+from functional_pp.parallel.buckets import bucket_capacity
+from functional_pp.parallel.buckets.pending import PendingGrad, Slot, resolve_pending
 from functional_pp.parallel.collectives import _group, _reduce_dtype, set_gradient_sink
 
 
@@ -77,52 +78,6 @@ def start_all_reduce(backend, flat: torch.Tensor, group: tuple[int, ...]) -> Cal
     return lambda: out
 
 
-class Slot:
-    """Where one gradient sits in the flat result of an asynchronous collective: a bucket's
-    all-reduce, or an FSDP unit's reduce-scatter (``source``: anything with ``result()``, the
-    awaited flat tensor, and ``device``)."""
-    __slots__ = ("bucket", "offset", "numel", "shape", "dtype")
-
-    def __init__(self, bucket, offset: int, numel: int, shape: torch.Size, dtype: torch.dtype):
-        self.bucket, self.offset, self.numel, self.shape, self.dtype = bucket, offset, numel, shape, dtype
-
-    def value(self) -> torch.Tensor:
-        flat = self.bucket.result()
-        out = flat[self.offset:self.offset + self.numel].view(self.shape)
-        return out.to(self.dtype) if out.dtype != self.dtype else out
-
-
-class PendingGrad(torch.Tensor):
-    """A gradient whose all-reduce is (or will be) in flight. Any op on it waits for the
-    reduction first; a cast to another dtype stays pending (applied after the wait)."""
-
-    @staticmethod
-    def __new__(cls, slot: Slot, casts: tuple[torch.dtype, ...] = ()):
-        dtype = casts[-1] if casts else slot.dtype
-        r = make_wrapper_subclass(cls, slot.shape, dtype=dtype, device=slot.bucket.device)
-        r.slot, r.casts = slot, casts
-        return r
-
-    def resolve(self) -> torch.Tensor:
-        """The reduced gradient (waits for its bucket)."""
-        out = self.slot.value()
-        for dtype in self.casts:
-            out = out.to(dtype)
-        return out
-
-    def __repr__(self) -> str:
-        return f"PendingGrad(shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is torch.ops.aten._to_copy.default and len(args) == 1 and isinstance(args[0], PendingGrad)
-                and set(kwargs) <= {"dtype"}):
-            return PendingGrad(args[0].slot, args[0].casts + (kwargs.get("dtype", args[0].dtype),))
-        unwrap = lambda t: t.resolve() if isinstance(t, PendingGrad) else t  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-
-
 class GradBuckets:
     """The open and launched buckets of one backward pass on this device."""
 
@@ -162,13 +117,6 @@ class GradBuckets:
         out = resolve_pending(grads)
         self.buckets = []          # release the flat buffers
         return out
-
-
-def resolve_pending(grads: Sequence[Any]) -> list[Any]:
-    """``grads`` with every :class:`PendingGrad` waited for: a view of its reduced flat
-    buffer, not a copy (as DDP's ``gradient_as_bucket_view``); the views of one buffer are
-    disjoint, so the optimizer may update each in place (step.buffers.own_buffers)."""
-    return [g.resolve() if isinstance(g, PendingGrad) else g for g in grads]
 
 
 @contextmanager

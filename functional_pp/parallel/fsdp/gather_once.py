@@ -2,7 +2,7 @@
 docs/pipelines.md): a device's stages gather their FSDP units (one per layer, one for the held
 parameters outside the layers) when the step starts, keep them gathered across every
 micro-batch, accumulate the gradients unsharded, and reduce-scatter each unit once when the
-schedule is done. The gathers and reduce-scatters are the units' own (``fsdp_units``), so each
+schedule is done. The gathers and reduce-scatters are the units' own (``units.py``), so each
 element is gathered and summed as in a step without pipeline; only their number changes: one
 of each per unit and step instead of two gathers and one reduce-scatter per unit and
 micro-batch (``fsdp_gather="micro"``).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from functional_pp.compile.recompute import backward_region
-from functional_pp.parallel.buckets import resolve_pending
-from functional_pp.parallel.fsdp_units import gather_unit
+from functional_pp.parallel.buckets.pending import resolve_pending
+from functional_pp.parallel.fsdp.units import gather_unit
 from functional_pp.parallel.named import Named, configure
 
 GATHER_POLICIES = ("step", "micro")

@@ -21,7 +21,7 @@ from functional_pp.core.runtime import new_per_thread, per_thread
 # one unit call: per group of mesh axes and dtype, (axes, dtype, parameter positions, dims)
 Signature = tuple[Hashable, ...]
 
-_trace = per_thread("parallel.fsdp_order.trace")
+_trace = per_thread("parallel.fsdp.order.trace")
 
 
 class UnitOrder:

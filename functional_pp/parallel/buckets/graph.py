@@ -1,14 +1,11 @@
-"""Gradient all-reduce buckets: one policy for eager and compiled steps, and the graph pass that
-applies it to a compiled step (docs/communication.md, "Buckets"; docs/compile.md).
+"""Gradient all-reduce buckets in a compiled step: the graph pass that applies the bucket policy
+(functional_pp/parallel/buckets/__init__.py) to a traced step (docs/communication.md,
+"Buckets"; docs/compile.md).
 
-The policy (:func:`bucket_capacity`): the data-parallel gradient all-reduces of one backward
-are concatenated, per (mesh group, reduce op, dtype), into buckets of ``bucket_mb`` megabytes;
-a bucket whose size reaches the capacity is launched and the next one opened (0: one
-all-reduce per gradient; None: no buckets). Eager steps apply it while autograd runs
-(``functional_pp/parallel/buckets.py``, ``GradBuckets``); a compiled step's backward is traced
-with one all-reduce per gradient, and :func:`bucket_all_reduces` rewrites the graph the same
-way: the members of a bucket become one flat all-reduce issued where its last member was, each
-member's result a view of the flat result. Each element is summed exactly as before (same
+Eager steps apply the policy while autograd runs (``eager.py``, ``GradBuckets``); a compiled
+step's backward is traced with one all-reduce per gradient, and :func:`bucket_all_reduces`
+rewrites the graph the same way: the members of a bucket become one flat all-reduce issued
+where its last member was, each member's result a view of the flat result. Each element is summed exactly as before (same
 inputs, same dtype, elementwise), so results are unchanged.
 
 A gradient is added to the open bucket only if nothing reads any member's result before it
@@ -16,7 +13,7 @@ A gradient is added to the open bucket only if nothing reads any member's result
 bucket early when an op touches a pending gradient. All-reduces whose result is read at once
 (tensor parallelism's activation gradients) thus stay alone.
 
-Mechanism: Gradient buckets (the bucket policy, and the pass that groups all-reduces; compiled).
+Mechanism: Gradient buckets (the pass that groups a traced step's all-reduces; compiled).
 """
 from __future__ import annotations
 
@@ -26,15 +23,9 @@ import torch
 
 from functional_pp.core import comm
 from functional_pp.core.graph_tags import BACKWARD, TRACED
-from functional_pp.core.policy import check_bucket_mb
+from functional_pp.parallel.buckets import bucket_capacity
 
 _NAMESPACES = ("fpp_sim", "_c10d_functional")
-
-
-def bucket_capacity(bucket_mb: float) -> int:
-    """Bytes at which a bucket is full and launched."""
-    check_bucket_mb(bucket_mb)
-    return int(bucket_mb * 1024 * 1024)
 
 
 def _is_wait(node: torch.fx.Node) -> bool:

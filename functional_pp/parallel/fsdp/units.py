@@ -4,7 +4,7 @@ one flat reduce-scatter, and, for backward, re-gathered with one flat all-gather
 (docs/communication.md, "FSDP units").
 
 The gather of the next unit is launched before a unit computes: in backward the re-gather of
-the layer before, in forward the unit the last forward called next (``parallel/fsdp_order.py``). A
+the layer before, in forward the unit the last forward called next (``order.py``). A
 unit's gradient reduce-scatter is launched asynchronously on real processes and awaited
 before the optimizer (at most the step policy's ``collectives_in_flight`` in flight, docs/communication.md).
 Without units every parameter is gathered by the first op that needs it (one collective per
@@ -13,7 +13,7 @@ element is gathered, re-gathered and summed exactly as before, so the numbers do
 Active inside :func:`fsdp_units` (the training step). A compiled step traces the same units
 (:class:`_TracedUnitGather`: one flat all-gather in the graph, its backward the flat
 reduce-scatter); prefetch, the backward re-gather and the in-flight bound are then the graph
-passes' (functional_pp/compile/recompute.py, overlap.py; docs/compile.md).
+passes' (``graph.py``, functional_pp/compile/recompute.py; docs/compile.md).
 
 Mechanism: FSDP (per layer: one flat all-gather and reduce-scatter per `fpp.layer` call; eager).
 """
@@ -28,18 +28,19 @@ import optree
 import torch
 
 from functional_pp._torch import in_backward, is_tracing
-from functional_pp.compile.recompute import regather_region, traced_as_backward
+from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.saved_hooks import pack_other, unpack_other
-from functional_pp.parallel import param_uses
-from functional_pp.parallel.buckets import PendingGrad, Slot
+from functional_pp.parallel.fsdp import param_uses
+from functional_pp.parallel.fsdp.graph import regather_region
+from functional_pp.parallel.buckets.pending import PendingGrad, Slot
 from functional_pp.parallel.collectives import _group, _reduce_dtype, raw_all_gather, raw_reduce_scatter
-from functional_pp.parallel.fsdp_order import UnitOrder, trace
+from functional_pp.parallel.fsdp.order import UnitOrder, trace
 from functional_pp.parallel.named import Named, configure, current_policy, env, pvary
 
-_local = per_thread("parallel.fsdp_units")
+_local = per_thread("parallel.fsdp.units")
 
 
 class UnitsSeen:
@@ -108,7 +109,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
 def begin_forward(params: Any) -> None:
     """A forward of the step starts with the named parameters ``params``: unit calls are
     numbered from 0 and identified by the positions of their parameters in ``params``, so
-    the next forward can prefetch them (functional_pp.parallel.fsdp_order)."""
+    the next forward can prefetch them (functional_pp.parallel.fsdp.order)."""
     order = getattr(_local, "order", None)
     data_axes = _data_axes()[0]
     if not getattr(_local, "enabled", False) or order is None or not data_axes:
@@ -193,7 +194,7 @@ class _Unit:
         self._done = False
         self.incoming = None                 # forward: waits for the unit's launched gather
         self.prefetch = getattr(_local, "prefetch", True)   # backward: re-gather the next unit early
-        self.call: int | None = None         # the unit's call in this forward (events, fsdp_order)
+        self.call: int | None = None         # the unit's call in this forward (events, order.py)
 
     def flat(self) -> torch.Tensor:
         return torch.cat([s.reshape(-1) for s in self.shards])
@@ -256,7 +257,7 @@ class _TracedUnitGather(torch.autograd.Function):
     """A unit's gather inside a traced (compiled) step: the flat all-gather of eager's
     :class:`_UnitGather` as graph ops, its backward the same flat reduce-scatter. Prefetch, the
     backward re-gather and the in-flight bound are the graph passes' (compile/recompute.py,
-    compile/overlap.py)."""
+    ``graph.py``)."""
 
     @staticmethod
     def forward(ctx, axes: tuple[str, ...], dims: tuple[int, ...], *shards: torch.Tensor):
@@ -337,7 +338,7 @@ class _ReduceScatter:
 
 def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] | None:
     """Launch the unit's flat gradient reduce-scatter asynchronously and return its gradients
-    as placeholders (waited for before the optimizer, functional_pp.parallel.buckets). Once
+    as placeholders (waited for before the optimizer, functional_pp.parallel.buckets.pending). Once
     the policy's ``collectives_in_flight`` (default 2) are outstanding the oldest is awaited at once:
     by default launching one waits for the one before, so a unit's full-size gradients live
     until the next unit's backward is done, as FSDP2 bounds them (docs/communication.md).
@@ -367,7 +368,7 @@ def _start_reduce_scatter(send: torch.Tensor, unit: _Unit) -> list[PendingGrad] 
 @contextmanager
 def _regather_hooks(units: list[tuple[_Unit, list[torch.Tensor]]]) -> Iterator[None]:
     """Save a unit's gathered weights for backward as a reference to the unit (re-gathered
-    there with one flat all-gather) instead of the full tensors (ops/regather.py per weight)."""
+    there with one flat all-gather) instead of the full tensors (parallel/fsdp/regather.py per weight)."""
     def root(t: torch.Tensor) -> torch.Tensor:
         return t._base if t._base is not None else t
 

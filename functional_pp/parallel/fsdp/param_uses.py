@@ -18,7 +18,7 @@ import torch
 from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import per_thread
 
-_local = per_thread("parallel.param_uses")
+_local = per_thread("parallel.fsdp.param_uses")
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
