@@ -119,7 +119,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     from functional_pp.data import DataLoader, batch_shard
     from functional_pp.data.pair_loader import PairLoader
     from functional_pp.data.loader import to_device
-    from functional_pp.devices.batched_run import per_device
+    from functional_pp.devices.mesh_view import per_device
     from functional_pp.parallel.init import init as init_named
     from functional_pp.step.train import DEFAULT_BATCH_DIMS
 
