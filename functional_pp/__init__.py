@@ -12,8 +12,8 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_mesh, current_rank, device_coords
 from functional_pp.core.tree import Param, count_params, leaves_with_paths, map_with_path, param
-from functional_pp.devices.batched_run import per_device
 from functional_pp.devices.launch import DeviceError, launch
+from functional_pp.devices.mesh_view import per_device
 from functional_pp.ops.layer import layer, remat
 from functional_pp.parallel.collectives import (all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin,
                                                 ppermute, psum, psum_scatter, pvary)

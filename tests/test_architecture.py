@@ -347,6 +347,32 @@ def test_the_mechanism_table_of_docs_architecture_is_the_generated_one():
         "run `python tests/test_architecture.py --write` and commit docs/architecture.md")
 
 
+# the batched simulator's modules: the layers above reach them through devices/mesh_view.py
+SIMULATOR_MODULES = ("devices.batched", "devices.batched_run", "devices.device_stack", "devices.device_stack_ops")
+
+
+def simulator_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules outside ``devices/`` -> the batched simulator's modules they import."""
+    return {mod: sorted(d for d in deps if d in SIMULATOR_MODULES) for mod, deps in graph.items()
+            if folder_of(mod) != "devices" and any(d in SIMULATOR_MODULES for d in deps)}
+
+
+def test_the_simulators_are_reached_only_through_the_devices_seam():
+    branches = batched_branches()
+    assert not branches, (
+        f"{branches} branch on the batched simulator (read a context's `batched`): ask "
+        f"devices/mesh_view.py instead (what differs between the kinds of devices lives in devices/)")
+    found = simulator_imports(import_graph())
+    assert not found, (f"{found} import the batched simulator's modules; import what they need from "
+                       f"devices/mesh_view.py (per_device, register_block_type, physical, ...)")
+
+
+def test_checker_finds_simulator_imports():
+    graph = {"parallel.named": {"devices.batched_run", "core.mesh"}, "devices.mesh_view": {"devices.batched_run"},
+             "app.loop": {"devices.mesh_view"}}
+    assert simulator_imports(graph) == {"parallel.named": ["devices.batched_run"]}
+
+
 def test_only_the_facade_the_entry_point_and_the_version_live_at_the_top():
     stray = sorted(m for m in import_graph() if "." not in m and m not in TOP_LEVEL_MODULES
                    and not (ROOT / m).is_dir())

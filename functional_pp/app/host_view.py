@@ -1,5 +1,7 @@
 """The training loop's view of the devices it runs for (docs/simulation.md, "The training loop
-on the batched simulator").
+on the batched simulator"). The questions whose answer depends on the kind of device
+(:func:`is_lead`, :func:`agree_to_stop`, :func:`lead_value`, :func:`runs_all_devices`) are
+answered by ``devices/mesh_view.py``; this module gathers them with the loader and the save.
 
 Under the threaded simulator and torchrun the loop's device function runs once per device,
 each with its integer rank; under the batched simulator (``launch(simulate="batched")``) it
@@ -21,43 +23,13 @@ import torch
 
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
-from functional_pp.core.runtime import current_context, current_rank
-from functional_pp.devices.batched_run import as_device, per_device
+from functional_pp.core.runtime import current_rank
 from functional_pp.devices.device_threads import on_device_threads
+# what differs between a rank and a batched run is answered in devices/ (the simulator seam)
+from functional_pp.devices.mesh_view import agree_to_stop, is_lead, lead_value, per_device, runs_all_devices
 
 __all__ = ["runs_all_devices", "is_lead", "agree_to_stop", "lead_value", "device_loader",
            "StackedLoader", "save_on_devices"]
-
-
-def runs_all_devices() -> bool:
-    """Whether the running code runs once for every device (a batched simulation)."""
-    ctx = current_context(required=False)
-    return ctx is not None and ctx.batched
-
-
-def is_lead() -> bool:
-    """Whether the running code does rank 0's host work: rank 0 under threads and torchrun,
-    always in a batched run (the one host of all devices), and outside any launch."""
-    ctx = current_context(required=False)
-    return ctx is None or ctx.batched or ctx.rank == 0
-
-
-def agree_to_stop(local: bool) -> bool:
-    """True on every device if any device's ``local`` is (a batched run has one host: its own
-    answer is every device's)."""
-    ctx = current_context(required=False)
-    if ctx is None or ctx.batched or ctx.mesh.size == 1:
-        return local
-    return any(ctx.backend.exchange_objects(local, tuple(range(ctx.mesh.size))))
-
-
-def lead_value(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on this device; in a batched run, ``fn()`` as device 0 (integer rank, no
-    collectives), for host values every device holds alike."""
-    ctx = current_context(required=False)
-    if ctx is None or not ctx.batched:
-        return fn()
-    return as_device(0, fn)
 
 
 class StackedLoader:

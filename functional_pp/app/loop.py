@@ -31,7 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Mapping
 
 import torch
 
@@ -52,8 +52,8 @@ from functional_pp.checkpoint.hf import require_weights
 from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
-from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
+from functional_pp.devices.mesh_view import per_device
 
 # World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
@@ -95,365 +95,282 @@ def train(cfg: TrainConfig, *, simulate: int | None = None, resume: bool = False
     that holds another run's checkpoints or metrics. Returns the main process's
     :class:`TrainResult` (None on other torchrun ranks). Config problems raise
     :class:`ConfigError` before any work; the output directory is locked for the run
-    (app/run_lock.py: a second run on it is refused)."""
+    (app/run_lock.py: a second run on it is refused). The phases are :class:`TrainRun`'s."""
     lock = RunLock()
     try:
-        return _train(cfg, lock, simulate=simulate, resume=resume, stop_after=stop_after, stream=stream,
-                      allow_config_change=allow_config_change, overwrite_output=overwrite_output)
+        return TrainRun(cfg, lock, simulate=simulate, resume=resume, stop_after=stop_after, stream=stream,
+                        allow_config_change=allow_config_change, overwrite_output=overwrite_output).run()
     finally:
         lock.release()
 
 
-def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: bool, stop_after: int | None,
-           stream: IO[str] | None, allow_config_change: bool, overwrite_output: bool) -> TrainResult | None:
-    """:func:`train`, the output directory locked with ``lock`` before anything is written there."""
-    from functional_pp import adapters
-    from functional_pp.app.evaluate import evaluate
-    from functional_pp.app.inputs import (adapter_params, base_params, check_batches, frozen_and_adapters, load_data,
-                                          model_config)
-    from functional_pp.app.world import describe_device, peak_flops, select_device
-    from functional_pp.core import comm
-    from functional_pp.app import grpo_run
-    from functional_pp.app.preference_run import (REFERENCE, load_pairs, pair_steps, preference_objective,
-                                                  preference_spec, with_reference)
-    from functional_pp.data import DataLoader, batch_shard
-    from functional_pp.data.pair_loader import PairLoader
-    from functional_pp.data.loader import to_device
-    from functional_pp.devices.batched_run import per_device
-    from functional_pp.parallel.init import init as init_named
-    from functional_pp.step.train import DEFAULT_BATCH_DIMS
+class TrainRun:
+    """One :func:`train` call, a method per phase, in the order :meth:`run` calls them:
 
-    world = resolve_world(cfg, simulate)
-    cfg.validate(world.size, launcher=world.launcher)
-    main = is_main_process()
-    out = stream or sys.stdout
-    mesh = cfg.mesh(world.size)
-    rules = cfg.build_rules(mesh)
-    family, model_cfg = model_family(cfg), model_config(cfg)
-    if cfg.base_model is not None:        # its weights are read on the devices: missing ones found here
-        try:
-            require_weights(cfg.base_model)
-        except ck.CheckpointError as exc:
-            raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
-    base_decls = family.param_decls(model_cfg)
-    lora = cfg.lora_config()
-    grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo (online)
-    # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
-    pref = grpo if grpo is not None else preference_spec(cfg)
-    if pref is None:
-        loss_fn, decls, trainable = frozen_and_adapters(cfg, lora, functools.partial(family.loss, cfg=model_cfg),
-                                                       base_decls)
-    elif grpo is not None:
-        loss_fn, decls, trainable, grpo_policy = grpo_run.grpo_objective_of(cfg, grpo, family, model_cfg, lora,
+    - :meth:`setup`: the world, mesh, rules, model and objective (plain SFT, preference or GRPO);
+    - :meth:`find_checkpoint`: the checkpoint to resume from (``resume`` or the config's
+      ``resume_from_checkpoint``), refused where resuming would overwrite another run;
+    - :meth:`load_data` and :meth:`build_step`: the corpus, the epochs, the optimizer and the step;
+    - :meth:`open_output`: the main process locks the output directory, prints the summary and
+      opens the metric loggers;
+    - :meth:`launch`: every device runs a :class:`DeviceLoop` (init, resume, the step loop with
+      its evaluations and checkpoints);
+    - :meth:`finish`: the main process's ending: the loss plot, the errors that end a run, the
+      last line and the :class:`TrainResult`.
+
+    Everything a device reads is set on this object before :meth:`launch`; the devices write
+    nothing back here (each returns its own results)."""
+
+    def __init__(self, cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: bool,
+                 stop_after: int | None, stream: IO[str] | None, allow_config_change: bool, overwrite_output: bool):
+        self.cfg, self.lock, self.simulate = cfg, lock, simulate
+        self.resume, self.stop_after, self.out = resume, stop_after, stream or sys.stdout
+        self.allow_config_change, self.overwrite_output = allow_config_change, overwrite_output
+
+    def run(self) -> TrainResult | None:
+        self.setup()
+        self.find_checkpoint()
+        self.load_data()
+        self.build_step()
+        self.open_output()
+        torch.manual_seed(self.cfg.seed)
+        self.config_dict = self.cfg.to_dict()
+        self.stop = _StopRequest()
+        self.prepare_export()
+        with self.stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
+            return self.finish(self.launch())
+
+    # ------------------------------------------------------------------ setup (host)
+    def setup(self) -> None:
+        """The world, mesh and rules; the model family, its parameters and the objective."""
+        from functional_pp.app import grpo_run
+        from functional_pp.app.inputs import frozen_and_adapters, model_config
+        from functional_pp.app.preference_run import REFERENCE, preference_objective, preference_spec
+        cfg = self.cfg
+        self.world = world = resolve_world(cfg, self.simulate)
+        cfg.validate(world.size, launcher=world.launcher)
+        self.main = is_main_process()
+        self.mesh = cfg.mesh(world.size)
+        self.rules = cfg.build_rules(self.mesh)
+        self.family, self.model_cfg = family, model_cfg = model_family(cfg), model_config(cfg)
+        if cfg.base_model is not None:        # its weights are read on the devices: missing ones found here
+            try:
+                require_weights(cfg.base_model)
+            except ck.CheckpointError as exc:
+                raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
+        self.base_decls = base_decls = family.param_decls(model_cfg)
+        self.lora = lora = cfg.lora_config()
+        self.grpo = grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo
+        # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
+        self.pref = pref = grpo if grpo is not None else preference_spec(cfg)
+        self.grpo_policy = self.reward_funcs = None
+        if pref is None:
+            self.loss_fn, self.decls, self.trainable = frozen_and_adapters(
+                cfg, lora, functools.partial(family.loss, cfg=model_cfg), base_decls)
+        elif grpo is not None:
+            self.loss_fn, self.decls, self.trainable, self.grpo_policy = grpo_run.grpo_objective_of(
+                cfg, grpo, family, model_cfg, lora, base_decls)
+            self.reward_funcs = grpo_run.reward_functions(cfg, grpo)        # imported before any work
+        else:
+            self.loss_fn, self.decls, self.trainable = preference_objective(cfg, pref, family, model_cfg, lora,
                                                                             base_decls)
-        reward_funcs = grpo_run.reward_functions(cfg, grpo)        # imported before any work
-    else:
-        loss_fn, decls, trainable = preference_objective(cfg, pref, family, model_cfg, lora, base_decls)
-    reference_copy = pref is not None and REFERENCE in decls
-    policy_decls = {k: v for k, v in decls.items() if k != REFERENCE} if reference_copy else decls
-    out_dir = cfg.output_dir()
-    ckpt_dir = out_dir / CHECKPOINTS
-    keep = cfg.checkpoint.keep_last
-    manager = ck.CheckpointManager(ckpt_dir, keep_last=keep, rules=rules)
-    # Axolotl: auto_resume_from_checkpoints: true (the newest checkpoint of the output
-    # directory, if any) and resume_from_checkpoint: PATH (that checkpoint) both resume
-    resume = resume or cfg.resume_from_checkpoint is True or isinstance(cfg.resume_from_checkpoint, str)
-    load_dir = ckpt_dir
-    if isinstance(cfg.resume_from_checkpoint, str):      # a checkpoint (root or step) elsewhere
+        decls = self.decls
+        self.reference_copy = pref is not None and REFERENCE in decls
+        self.policy_decls = {k: v for k, v in decls.items() if k != REFERENCE} if self.reference_copy else decls
+
+    # ------------------------------------------------------------------ resume (host side)
+    def find_checkpoint(self) -> None:
+        """``self.latest``: the step to resume from (None: a fresh run), read from ``self.load_dir``
+        (this output directory's checkpoints, or ``resume_from_checkpoint``'s)."""
+        cfg = self.cfg
+        self.out_dir = out_dir = cfg.output_dir()
+        self.ckpt_dir = ckpt_dir = out_dir / CHECKPOINTS
+        self.manager = manager = ck.CheckpointManager(ckpt_dir, keep_last=cfg.checkpoint.keep_last, rules=self.rules)
+        # Axolotl: auto_resume_from_checkpoints: true (the newest checkpoint of the output
+        # directory, if any) and resume_from_checkpoint: PATH (that checkpoint) both resume
+        self.resume = resume = (self.resume or cfg.resume_from_checkpoint is True
+                                or isinstance(cfg.resume_from_checkpoint, str))
+        load_dir = ckpt_dir
+        if isinstance(cfg.resume_from_checkpoint, str):      # a checkpoint (root or step) elsewhere
+            try:
+                found = ck.format.resolve_checkpoint(cfg.resume_from_checkpoint)
+            except ck.CheckpointError as exc:
+                raise ConfigError(f"resume_from_checkpoint: {exc}") from exc
+            load_dir, latest = found.parent, int(ck.format.read_index(found)["step"])
+            if load_dir.resolve() == ckpt_dir.resolve():     # this output directory's own checkpoint
+                load_dir = ckpt_dir
+        else:
+            latest = manager.latest() if ckpt_dir.is_dir() else None
+        if latest is not None and not resume and load_dir == ckpt_dir:
+            raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
+                              f"--resume to continue from it, or choose another --output")
+        if load_dir != ckpt_dir and not self.overwrite_output:
+            _refuse_other_runs_output(out_dir, ckpt_dir, manager, load_dir)
+        if latest is not None and not self.allow_config_change:
+            check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(self.mesh,
+                                                                                                   self.rules))
+        self.load_dir, self.latest = load_dir, latest
+
+    # ------------------------------------------------------------------ data and step (host)
+    def load_data(self) -> None:
+        """The corpus (text, pairs or prompts), checked against the checkpoint and the model; the
+        global batch, the accumulation and the epochs."""
+        from functional_pp.app import grpo_run
+        from functional_pp.app.inputs import check_batches, load_data
+        from functional_pp.app.preference_run import load_pairs, pair_steps
+        cfg, grpo, mesh, rules = self.cfg, self.grpo, self.mesh, self.rules
         try:
-            found = ck.format.resolve_checkpoint(cfg.resume_from_checkpoint)
-        except ck.CheckpointError as exc:
-            raise ConfigError(f"resume_from_checkpoint: {exc}") from exc
-        load_dir, latest = found.parent, int(ck.format.read_index(found)["step"])
-        if load_dir.resolve() == ckpt_dir.resolve():     # this output directory's own checkpoint
-            load_dir = ckpt_dir
-    else:
-        latest = manager.latest() if ckpt_dir.is_dir() else None
-    if latest is not None and not resume and load_dir == ckpt_dir:
-        raise ConfigError(f"{out_dir} already holds checkpoints (newest: step {latest}); pass "
-                          f"--resume to continue from it, or choose another --output")
-    if load_dir != ckpt_dir and not overwrite_output:
-        _refuse_other_runs_output(out_dir, ckpt_dir, manager, load_dir)
-    if latest is not None and not allow_config_change:
-        check_resume_config(load_dir / ck.format.step_dir_name(latest), cfg, cfg.global_batch(mesh, rules))
+            check_seed(cfg.seed)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        self.data = data = (load_data(cfg) if self.pref is None else grpo_run.load_prompts(cfg, grpo)
+                            if grpo is not None else load_pairs(cfg))
+        self.corpus = corpus = data.train
+        if self.latest is not None and not self.allow_config_change:   # the checkpoint's tokens (or pairs)
+            check_resume_tokens(self.load_dir / ck.format.step_dir_name(self.latest), corpus)
+        vocab = self.family.vocab_size(self.model_cfg)
+        if corpus.vocab_size > vocab:
+            raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
+                              f"{vocab}; set model.vocab >= {corpus.vocab_size}")
+        self.gb = gb = cfg.global_batch(mesh, rules)
+        self.accum = cfg.grad_accum(mesh, rules)
+        self.prompts_per_step = None
+        if grpo is not None:
+            self.prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
+            cfg.set_epochs(grpo_run.steps_per_epoch(corpus, self.prompts_per_step, grpo))
+        else:
+            cfg.set_epochs(check_batches(cfg, data, gb) if self.pref is None else pair_steps(corpus, gb, cfg))
 
-    try:
-        check_seed(cfg.seed)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    data = load_data(cfg) if pref is None else grpo_run.load_prompts(cfg, grpo) if grpo is not None else load_pairs(cfg)
-    corpus = data.train
-    if latest is not None and not allow_config_change:   # the checkpoint's tokens (or pairs)
-        check_resume_tokens(load_dir / ck.format.step_dir_name(latest), corpus)
-    if corpus.vocab_size > family.vocab_size(model_cfg):
-        raise ConfigError(f"the corpus has vocabulary {corpus.vocab_size} but the model only "
-                          f"{family.vocab_size(model_cfg)}; set model.vocab >= {corpus.vocab_size}")
-    gb = cfg.global_batch(mesh, rules)
-    accum = cfg.grad_accum(mesh, rules)
-    if grpo is not None:
-        prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
-        cfg.set_epochs(grpo_run.steps_per_epoch(corpus, prompts_per_step, grpo))
-    else:
-        cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
-    opt, schedule = optimizer_from_config(cfg)
-    device = select_device(world.simulate, world.size, under_torchrun())
-    if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-    batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if pref is None else corpus.batch_dims
-    step_fn = _build_step(cfg, mesh, rules, family, model_cfg, loss_fn, opt,
-                          trainable=trainable, grad_accum=accum, precision=cfg.precision,
-                          policy=cfg.policy(), compile=cfg.compile,
-                          **cfg.offload_options(),
-                          on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
-                          max_consecutive_skips=cfg.max_consecutive_skips,
-                          flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
-                          peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
-                          batch_dims=batch_dims,
-                          donate_state=True,   # the loop never reads a step's input state again
-                          metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
-    # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under
-    # their logical names (the others are empty there), evaluations see the whole (logical)
-    # state (docs/pipelines.md)
-    whole = getattr(step_fn, "logical_state", lambda state: state)
-    mine = getattr(step_fn, "stage_state", lambda state: state)
-    metrics_path = out_dir / METRICS
-    eval_every = cfg.eval_steps or cfg.logging.log_every
+    def build_step(self) -> None:
+        """The optimizer, the device and the training step (a pipeline step with a ``pp`` axis)."""
+        from functional_pp.app.world import peak_flops, select_device
+        from functional_pp.step.train import DEFAULT_BATCH_DIMS
+        cfg, family, model_cfg = self.cfg, self.family, self.model_cfg
+        opt, schedule = optimizer_from_config(cfg)
+        self.device = device = select_device(self.world.simulate, self.world.size, under_torchrun())
+        if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)
+            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.tf32
+        batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if self.pref is None else self.corpus.batch_dims
+        self.step_fn = step_fn = _build_step(
+            cfg, self.mesh, self.rules, family, model_cfg, self.loss_fn, opt,
+            trainable=self.trainable, grad_accum=self.accum, precision=cfg.precision,
+            policy=cfg.policy(), compile=cfg.compile,
+            **cfg.offload_options(),
+            on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
+            max_consecutive_skips=cfg.max_consecutive_skips,
+            flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
+            peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
+            batch_dims=batch_dims,
+            donate_state=True,   # the loop never reads a step's input state again
+            metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
+        # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under
+        # their logical names (the others are empty there), evaluations see the whole (logical)
+        # state (docs/pipelines.md)
+        self.whole = getattr(step_fn, "logical_state", lambda state: state)
+        self.mine = getattr(step_fn, "stage_state", lambda state: state)
+        self.metrics_path = self.out_dir / METRICS
+        self.eval_every = cfg.eval_steps or cfg.logging.log_every
 
-    loggers = None
-    if main:
+    # ------------------------------------------------------------------ the output directory (main process)
+    def open_output(self) -> None:
+        """On the main process: the output directory checked and locked, the summary printed, the
+        metric loggers opened (appending when resuming)."""
+        from functional_pp.app import grpo_run
+        from functional_pp.app.world import describe_device
+        self.loggers = None
+        if not self.main:
+            return
+        cfg, out, out_dir, latest = self.cfg, self.out, self.out_dir, self.latest
+        world, ckpt_dir, manager = self.world, self.ckpt_dir, self.manager
         _check_writable(out_dir)         # before the summary: fail before any work
-        lock.acquire(out_dir)            # one run per output directory (app/run_lock.py)
-        if load_dir == ckpt_dir and ckpt_dir.is_dir() and manager.latest() != latest:
+        self.lock.acquire(out_dir)       # one run per output directory (app/run_lock.py)
+        if self.load_dir == ckpt_dir and ckpt_dir.is_dir() and manager.latest() != latest:
             raise ConfigError(f"{ckpt_dir}: another run wrote checkpoints there while this one started "
                               f"(newest now: step {manager.latest()}); choose another --output")
-        print(describe(cfg, world, mesh, rules, model_cfg, corpus,
-                       device_text=describe_device(device, world.simulate, world.size, world.sim_mode),
-                       val=data.val),
+        print(describe(cfg, world, self.mesh, self.rules, self.model_cfg, self.corpus,
+                       device_text=describe_device(self.device, world.simulate, world.size, world.sim_mode),
+                       val=self.data.val),
               file=out, flush=True)
-        if grpo is not None:
-            print(grpo_run.summary_line(grpo, prompts_per_step), file=out, flush=True)
+        if self.grpo is not None:
+            print(grpo_run.summary_line(self.grpo, self.prompts_per_step), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
-            bad = trim_metrics(metrics_path, latest)
+            bad = trim_metrics(self.metrics_path, latest)
             if bad:
-                print(f"note: {metrics_path}: dropped {len(bad)} line(s) that were not JSON (line {bad[0]}: "
+                print(f"note: {self.metrics_path}: dropped {len(bad)} line(s) that were not JSON (line {bad[0]}: "
                       f"cut when the run stopped while writing it)", file=out, flush=True)
-            where = manager.path(latest) if load_dir == ckpt_dir else load_dir
+            where = manager.path(latest) if self.load_dir == ckpt_dir else self.load_dir
             print(f"resuming from {where} (step {latest})", file=out, flush=True)
-        elif resume:
+        elif self.resume:
             print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", file=out, flush=True)
         try:
             from functional_pp.app.metrics import make_loggers
-            loggers = make_loggers(cfg, out_dir, metrics_path, append=latest is not None)
+            self.loggers = make_loggers(cfg, out_dir, self.metrics_path, append=latest is not None)
         except ImportError as exc:
             raise ConfigError(str(exc)) from exc
-    torch.manual_seed(cfg.seed)
-    config_dict = cfg.to_dict()
-    stop = _StopRequest()
 
-    def specs(state: dict) -> dict:
-        # (the optimizer state mirrors the trained parameters only: frozen ones hold none)
-        return {"params": decls, "opt": ck.state_specs(state["opt_state"], step_fn.spec.trainable_tree(decls)),
+    def prepare_export(self) -> None:
+        """What a checkpoint's metadata holds for export (model config, tokenizer, base, LoRA);
+        the tokenizer with added tokens saved beside the run; the run's fingerprint (processes)."""
+        cfg, data, lora = self.cfg, self.data, self.lora
+        tok_dir = getattr(data.tokenizer, "dir", None)
+        if cfg.tokens and tok_dir is not None:     # the tokenizer with the added tokens, for export
+            tok_dir = self.out_dir / "tokenizer"
+            if self.main:
+                data.tokenizer.save(tok_dir)
+        self.export_info = {"model_config": self.family.config_to_dict(self.model_cfg),
+                            "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
+                            "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
+                            "lora": dataclasses.asdict(lora) if lora is not None else None}
+        # (processes: each read its own data; the ranks check they agree before training)
+        self.agreed = None if self.world.simulate else run_fingerprint(cfg, self.corpus)
+
+    # ------------------------------------------------------------------ checkpoints
+    def specs(self, state: dict) -> dict:
+        """The checkpoint's structure for ``state`` (the optimizer state mirrors the trained
+        parameters only: frozen ones hold none)."""
+        return {"params": self.decls, "opt": ck.state_specs(state["opt_state"],
+                                                            self.step_fn.spec.trainable_tree(self.decls)),
                 "rng": ck.PER_RANK}
 
-    tok_dir = getattr(data.tokenizer, "dir", None)
-    if cfg.tokens and tok_dir is not None:     # the tokenizer with the added tokens, for export
-        tok_dir = out_dir / "tokenizer"
-        if main:
-            data.tokenizer.save(tok_dir)
-    export_info = {"model_config": family.config_to_dict(model_cfg),
-                   "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
-                   "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
-                   "lora": dataclasses.asdict(lora) if lora is not None else None}
-
-    def save(state: dict, loader, step: int) -> Path:
+    def save(self, state: dict, loader, step: int) -> Path:
+        """This device's checkpoint of ``state`` at ``step`` (run on every device)."""
         tree = {"params": state["params"], "opt": state["opt_state"], "step": state["step"],
                 "skipped": state["skipped"], "rng": ck.rng_state()}
-        return manager.save(step, tree, specs(state),
-                            metadata={"loader": loader.state_dict(), **export_info},
-                            config=config_dict)
+        return self.manager.save(step, tree, self.specs(state),
+                                 metadata={"loader": loader.state_dict(), **self.export_info},
+                                 config=self.config_dict)
 
-    agreed = None if world.simulate else run_fingerprint(cfg, corpus)     # (processes: each read its own)
-
-    def device_fn() -> dict:
-        lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
-        if agreed is not None:    # every rank about to train on the same config, data and code
-            ranks = tuple(range(mesh.size))
-            check_agreement(agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
-        if cfg.base_model is not None and latest is None:
-            params = per_device(lambda: base_params(cfg, model_cfg, base_decls, mesh, rules, device, decls))
-            if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
-                params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
-        else:
-            # (adapters included; a fresh run's reference is the copy below, a resumed one's the checkpoint's)
-            params = init_named(lambda: policy_decls if latest is None else decls, mesh=mesh, rules=rules,
-                                seed=cfg.seed, device=device)
-        if reference_copy and latest is None:       # DPO's reference: the initial parameters, frozen
-            params = with_reference(params, decls)
-        if lora is not None and lora.dora and latest is None and cfg.lora_model_dir is None:
-            from functional_pp.parallel.shard_map import use_rules
-            with use_rules(rules):        # DoRA: each magnitude the norms of its weight (peft's init)
-                params = adapters.init_magnitudes(params, lora)
-        state = step_fn.init(params)
-        # the rules own the split and order (data/device_batch.py); one loader per device in a batched run
-        if grpo is not None:         # every device: the step's prompts, then its block of the rollout's batch
-            loader = grpo_run.prompt_steps(corpus, prompts_per_step, cfg.seed)
-            sampler = grpo_run.GRPOSampler(grpo, grpo_policy, data.tokenizer, reward_funcs, cfg.sequence_len,
-                                           corpus.pad_id, grpo_run.GRPOSampler.stops_of(data.tokenizer), cfg.seed,
-                                           cfg.max_steps)
-            shard = batch_shard(mesh, rules)
-        else:
-            loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
-                corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
-        val_loader = None if data.val is None else device_loader(lambda shard: (
-            DataLoader if pref is None else PairLoader)(data.val, global_batch_size=gb, seq_len=cfg.sequence_len,
-                                                        seed=cfg.seed, drop_last=False, **shard), mesh, rules)
-        start = 0
-        if latest is not None:
-            want = specs(state)      # the structure: the checkpoint holds whole layers
-
-            def restore() -> tuple:      # this device's shards (per device in a batched run)
-                r = ck.load_checkpoint(load_dir, want, rules=rules, step=latest,
-                                       keys=["params", "opt", "step", "skipped"], device=device)
-                return r.tree, r.metadata["loader"], int(r.step)
-            tree, loader_state, start = per_device(restore)
-            state = mine({"params": tree["params"], "opt_state": tree["opt"],
-                          "step": tree["step"], "skipped": tree["skipped"]})
-            try:
-                loader.load_state_dict(loader_state, check_tokens=not allow_config_change)
-            except ValueError as exc:     # other data than the checkpoint's: resuming would mix them
-                raise ConfigError(f"resuming from {load_dir}: {exc}. Restore the data, start a new run (another "
-                                  f"output_dir), or pass --allow-config-change to continue on these tokens") from exc
-            if grpo is not None:             # the checkpoint's generation key: the same samples follow
-                sampler.key = loader.generation_key
-            try:
-                ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest,
-                                                                       keys=["rng"]).tree["rng"]))
-            except ck.CheckpointMismatchError:   # saved from another world size: keep ours
-                pass
-        progress = Progress(cfg.max_steps, start, cfg.logging.log_every, out) if lead else None
-        if val_loader is not None and start == 0:
-            e0 = evaluate(step_fn, whole(state), val_loader)
-            if lead:
-                loggers.log(0, {"eval_loss": e0})
-                progress.eval_loss = e0
-        losses: list[float] = []
-        skipped_steps = [0]                        # this run's steps skipped as non-finite
-        watch, halted = Watch.of(cfg), []          # why a stopping rule ended the run
-        report_text = None
-        last_saved, saved_path, stopped = start, None, False
-        step = start
-        t0 = time.perf_counter()
-        unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
-        rollout_metrics: dict[int, dict] = {}            # GRPO: each unread step's generation metrics
-
-        def read_and_log(with_eval: bool = False) -> None:
-            """Read the unread steps' metrics (one transfer: the step's host checks raise here,
-            naming the first failing step, once the steps before it are logged), evaluate if asked
-            and log them (docs/eager_overhead.md "Host synchronisation")."""
-            error = None
-            try:
-                step_fn.read()
-            except Exception as exc:   # noqa: BLE001 (re-raised below)
-                error = exc
-            eval_loss = evaluate(step_fn, whole(state), val_loader) if with_eval and error is None else None
-            for i, (s, m, elapsed) in enumerate(unread):
-                if getattr(m, "error", None) is not None:
-                    break                    # the failing step and those after it
-                m = {**dict(m), **rollout_metrics.pop(s, {})}
-                losses.append(m["loss"])
-                skipped_steps[0] += int(bool(m.get("skipped", 0)))
-                why = watch.loss(s, m["loss"])
-                if why is None and eval_loss is not None and i == len(unread) - 1:
-                    why = watch.eval_loss(s, eval_loss)
-                if why is not None and not halted:
-                    halted.append(why)
-                if eval_loss is not None and i == len(unread) - 1:
-                    m["eval_loss"] = eval_loss
-                if lead:
-                    m["elapsed_s"] = elapsed
-                    if latest is not None and s == start + 1:
-                        m["resumed_from"] = start
-                    loggers.log(s, m)
-                    progress.update(s, m)
-            unread.clear()
-            if error is not None:
-                raise error
-
-        try:
-            while step < cfg.max_steps:
-                asked = stop.event.is_set() or (stop_after is not None and step >= stop_after)
-                if agree_to_stop(asked):
-                    stopped = True
-                    break
-                if grpo is not None:     # sample with the current parameters, score, take this device's rows
-                    batch, rollout_metrics[step + 1] = sampler.step_batch(step_fn, state["params"], loader, step,
-                                                                          shard)
-                else:
-                    batch = next(loader)
-                batch = to_device(batch, device)        # pinned + non-blocking on CUDA
-                if lead and report_text is None:
-                    with comm.comm_report() as rep:
-                        state, m = step_fn(state, batch)
-                    report_text = comm_report_text(rep, step + 1, mesh, cfg)
-                    (out_dir / COMM_REPORT).write_text(report_text + "\n")
-                    progress.message(report_text)
-                else:
-                    state, m = step_fn(state, batch)
-                step += 1
-                unread.append((step, m, time.perf_counter() - t0))
-                with_eval = val_loader is not None and (step % eval_every == 0 or step == cfg.max_steps)
-                save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
-                # read every log_every steps, after the first one, and before an evaluation or a
-                # checkpoint: no checkpoint holds a state past an unreported error
-                if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
-                    read_and_log(with_eval)
-                if save_now:
-                    saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
-                    if lead:
-                        progress.message(f"saved checkpoint {saved_path}")
-                if watch.threshold is not None and not halted:
-                    read_and_log(False)                  # the watchdog sees every step's loss
-                if halted:
-                    break
-            read_and_log()
-            final = stopped or bool(halted) or cfg.checkpoint.save_final
-            if final and step != last_saved:
-                saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
-                if lead:
-                    progress.message(f"saved checkpoint {saved_path}")
-            if lead and stopped:
-                why = (f"received {stop.signal}" if stop.signal else "asked to stop"
-                       + (f" after step {stop_after}" if stop_after is not None else ""))
-                progress.message(f"{why}: stopped at step {step} with checkpoint "
-                                 f"{manager.path(step)}; continue with --resume")
-        finally:
-            if lead and loggers is not None:
-                loggers.close()
-        return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
-                "checkpoint": saved_path, "comm_report": report_text, "skipped": skipped_steps[0]}
-
-    with stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
-        results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
-        if not world.simulate:
+    # ------------------------------------------------------------------ the devices
+    def launch(self) -> dict:
+        """Every device's :class:`DeviceLoop`; this process's results (rank 0's when simulated)."""
+        results = launch(lambda: DeviceLoop(self).run(), self.mesh, simulate=self.world.launch_mode,
+                         timeout=self.cfg.collective_timeout)
+        if not self.world.simulate:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
-        r = results[0] if world.simulate else results
+        return results[0] if self.world.simulate else results
+
+    # ------------------------------------------------------------------ finish (host)
+    def finish(self, r: dict) -> TrainResult | None:
+        """The run's ending on this process: the loss plot, the error that ends a stopped, halted
+        or all-skipped run, the last line, the :class:`TrainResult` (None off the main process)."""
+        cfg, out, stop, metrics_path = self.cfg, self.out, self.stop, self.metrics_path
         interrupted = None
         if r["stopped"] and stop.signal is not None:
             interrupted = Interrupted(f"received {stop.signal}: stopped at step {r['step']}/{cfg.max_steps} with "
-                                      f"checkpoint {r['checkpoint'] or manager.path(r['step'])}; continue with "
+                                      f"checkpoint {r['checkpoint'] or self.manager.path(r['step'])}; continue with "
                                       f"--resume", stop.signal)
-        if not main:
+        if not self.main:
             if interrupted is not None:
                 raise interrupted
             return None
         if cfg.logging.plot:
             metrics = read_metrics(metrics_path)
-            if metrics and plot_losses(metrics, out_dir / PLOT, title=f"{cfg.name}: {mesh_label(mesh)}"):
-                print(f"loss curve: {out_dir / PLOT}", file=out)
+            if metrics and plot_losses(metrics, self.out_dir / PLOT, title=f"{cfg.name}: {mesh_label(self.mesh)}"):
+                print(f"loss curve: {self.out_dir / PLOT}", file=out)
             elif metrics:
                 print("note: matplotlib is not installed; no loss.png (pip install matplotlib)", file=out)
         if r["halted"]:
@@ -471,8 +388,254 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                   f"{metrics_path}", file=out, flush=True)
         else:
             print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
-        return TrainResult(out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
+        return TrainResult(self.out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                            r["comm_report"])
+
+
+class DeviceLoop:
+    """What one device does in a :class:`TrainRun` (the one host of every device in a batched
+    run: app/host_view.py), a method per phase: :meth:`init_state`, :meth:`open_loaders`,
+    :meth:`resume`, :meth:`first_eval`, :meth:`step_loop` (with :meth:`read_and_log`, the
+    evaluations, and :meth:`save`), :meth:`finish`. Reads the run's settings from ``job``."""
+
+    def __init__(self, job: TrainRun):
+        self.job = job
+        self.lead = is_lead()          # rank 0, or the one host of a batched run (app/host_view.py)
+        self.sampler = self.shard = None
+        self.start = 0
+        self.losses: list[float] = []
+        self.skipped_steps = 0                     # this run's steps skipped as non-finite
+        self.watch, self.halted = Watch.of(job.cfg), []     # why a stopping rule ended the run
+        self.report_text = None
+        self.saved_path, self.stopped = None, False
+        self.unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
+        self.rollout_metrics: dict[int, dict] = {}            # GRPO: each unread step's generation metrics
+
+    def run(self) -> dict:
+        self.init_state()
+        self.open_loaders()
+        if self.job.latest is not None:
+            self.resume()
+        self.progress = Progress(self.job.cfg.max_steps, self.start, self.job.cfg.logging.log_every,
+                                 self.job.out) if self.lead else None
+        self.first_eval()
+        try:
+            self.step_loop()
+            self.finish()
+        finally:
+            if self.lead and self.job.loggers is not None:
+                self.job.loggers.close()
+        return {"start": self.start, "step": self.step, "losses": self.losses, "stopped": self.stopped,
+                "halted": self.halted, "checkpoint": self.saved_path, "comm_report": self.report_text,
+                "skipped": self.skipped_steps}
+
+    # ------------------------------------------------------------------ setup (device)
+    def init_state(self) -> None:
+        """The parameters (the base model's weights, or initialized; adapters; DPO's frozen
+        reference; DoRA's magnitudes) and the step's state."""
+        from functional_pp import adapters
+        from functional_pp.app.inputs import adapter_params, base_params
+        from functional_pp.app.preference_run import with_reference
+        from functional_pp.parallel.init import init as init_named
+        r = self.job
+        cfg, mesh, rules, device, decls, lora, fresh = r.cfg, r.mesh, r.rules, r.device, r.decls, r.lora, r.latest is None
+        if r.agreed is not None:    # every rank about to train on the same config, data and code
+            ranks = tuple(range(mesh.size))
+            check_agreement(r.agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
+        if cfg.base_model is not None and fresh:
+            params = per_device(lambda: base_params(cfg, r.model_cfg, r.base_decls, mesh, rules, device, decls))
+            if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
+                params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
+        else:
+            # (adapters included; a fresh run's reference is the copy below, a resumed one's the checkpoint's)
+            params = init_named(lambda: r.policy_decls if fresh else decls, mesh=mesh, rules=rules,
+                                seed=cfg.seed, device=device)
+        if r.reference_copy and fresh:       # DPO's reference: the initial parameters, frozen
+            params = with_reference(params, decls)
+        if lora is not None and lora.dora and fresh and cfg.lora_model_dir is None:
+            from functional_pp.parallel.shard_map import use_rules
+            with use_rules(rules):        # DoRA: each magnitude the norms of its weight (peft's init)
+                params = adapters.init_magnitudes(params, lora)
+        self.state = r.step_fn.init(params)
+
+    def open_loaders(self) -> None:
+        """This device's training and validation loaders (the rules own the split and order:
+        data/device_batch.py; one loader per device in a batched run); GRPO's prompts and sampler."""
+        from functional_pp.app import grpo_run
+        from functional_pp.data import DataLoader, batch_shard
+        from functional_pp.data.pair_loader import PairLoader
+        r = self.job
+        cfg, mesh, rules, corpus, gb = r.cfg, r.mesh, r.rules, r.corpus, r.gb
+        kind = DataLoader if r.pref is None else PairLoader
+        if r.grpo is not None:         # every device: the step's prompts, then its block of the rollout's batch
+            self.loader = grpo_run.prompt_steps(corpus, r.prompts_per_step, cfg.seed)
+            self.sampler = grpo_run.GRPOSampler(r.grpo, r.grpo_policy, r.data.tokenizer, r.reward_funcs,
+                                                cfg.sequence_len, corpus.pad_id,
+                                                grpo_run.GRPOSampler.stops_of(r.data.tokenizer), cfg.seed,
+                                                cfg.max_steps)
+            self.shard = batch_shard(mesh, rules)
+        else:
+            self.loader = device_loader(lambda shard: kind(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,
+                                                           seed=cfg.seed, **shard), mesh, rules)
+        self.val_loader = None if r.data.val is None else device_loader(lambda shard: kind(
+            r.data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
+            mesh, rules)
+
+    # ------------------------------------------------------------------ resume (device)
+    def resume(self) -> None:
+        """This device's shards of the checkpoint, the loader's position (its tokens checked),
+        GRPO's generation key and the RNG state."""
+        r = self.job
+        latest, load_dir = r.latest, r.load_dir
+        want = r.specs(self.state)      # the structure: the checkpoint holds whole layers
+
+        def restore() -> tuple:      # this device's shards (per device in a batched run)
+            got = ck.load_checkpoint(load_dir, want, rules=r.rules, step=latest,
+                                     keys=["params", "opt", "step", "skipped"], device=r.device)
+            return got.tree, got.metadata["loader"], int(got.step)
+        tree, loader_state, self.start = per_device(restore)
+        self.state = r.mine({"params": tree["params"], "opt_state": tree["opt"],
+                             "step": tree["step"], "skipped": tree["skipped"]})
+        try:
+            self.loader.load_state_dict(loader_state, check_tokens=not r.allow_config_change)
+        except ValueError as exc:     # other data than the checkpoint's: resuming would mix them
+            raise ConfigError(f"resuming from {load_dir}: {exc}. Restore the data, start a new run (another "
+                              f"output_dir), or pass --allow-config-change to continue on these tokens") from exc
+        if r.grpo is not None:             # the checkpoint's generation key: the same samples follow
+            self.sampler.key = self.loader.generation_key
+        try:
+            ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest, keys=["rng"]).tree["rng"]))
+        except ck.CheckpointMismatchError:   # saved from another world size: keep ours
+            pass
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self) -> float:
+        from functional_pp.app.evaluate import evaluate
+        return evaluate(self.job.step_fn, self.job.whole(self.state), self.val_loader)
+
+    def first_eval(self) -> None:
+        """A fresh run's evaluation before its first step (logged as step 0)."""
+        if self.val_loader is not None and self.start == 0:
+            e0 = self.evaluate()
+            if self.lead:
+                self.job.loggers.log(0, {"eval_loss": e0})
+                self.progress.eval_loss = e0
+
+    def read_and_log(self, with_eval: bool = False) -> None:
+        """Read the unread steps' metrics (one transfer: the step's host checks raise here,
+        naming the first failing step, once the steps before it are logged), evaluate if asked
+        and log them (docs/eager_overhead.md "Host synchronisation")."""
+        r = self.job
+        error = None
+        try:
+            r.step_fn.read()
+        except Exception as exc:   # noqa: BLE001 (re-raised below)
+            error = exc
+        eval_loss = self.evaluate() if with_eval and error is None else None
+        unread, watch, halted = self.unread, self.watch, self.halted
+        for i, (s, m, elapsed) in enumerate(unread):
+            if getattr(m, "error", None) is not None:
+                break                    # the failing step and those after it
+            m = {**dict(m), **self.rollout_metrics.pop(s, {})}
+            self.losses.append(m["loss"])
+            self.skipped_steps += int(bool(m.get("skipped", 0)))
+            why = watch.loss(s, m["loss"])
+            if why is None and eval_loss is not None and i == len(unread) - 1:
+                why = watch.eval_loss(s, eval_loss)
+            if why is not None and not halted:
+                halted.append(why)
+            if eval_loss is not None and i == len(unread) - 1:
+                m["eval_loss"] = eval_loss
+            if self.lead:
+                m["elapsed_s"] = elapsed
+                if r.latest is not None and s == self.start + 1:
+                    m["resumed_from"] = self.start
+                r.loggers.log(s, m)
+                self.progress.update(s, m)
+        unread.clear()
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ the step loop
+    def next_batch(self) -> dict:
+        """The next step's batch on the device (GRPO: sampled with the current parameters,
+        scored, this device's rows)."""
+        from functional_pp.data.loader import to_device
+        if self.sampler is not None:
+            batch, self.rollout_metrics[self.step + 1] = self.sampler.step_batch(
+                self.job.step_fn, self.state["params"], self.loader, self.step, self.shard)
+        else:
+            batch = next(self.loader)
+        return to_device(batch, self.job.device)        # pinned + non-blocking on CUDA
+
+    def train_step(self, batch: dict) -> Mapping:
+        """One step; the first one's communication written to the report (lead)."""
+        from functional_pp.core import comm
+        r = self.job
+        if self.lead and self.report_text is None:
+            with comm.comm_report() as rep:
+                self.state, m = r.step_fn(self.state, batch)
+            self.report_text = comm_report_text(rep, self.step + 1, r.mesh, r.cfg)
+            (r.out_dir / COMM_REPORT).write_text(self.report_text + "\n")
+            self.progress.message(self.report_text)
+            return m
+        self.state, m = r.step_fn(self.state, batch)
+        return m
+
+    def step_loop(self) -> None:
+        """Steps until ``max_steps``, an agreed stop (a signal, ``stop_after``) or a stopping
+        rule; metrics read every ``log_every`` steps, evaluations every ``eval_every``,
+        checkpoints every ``save_every``."""
+        r = self.job
+        cfg, stop, stop_after = r.cfg, r.stop, r.stop_after
+        self.last_saved = self.step = self.start
+        t0 = time.perf_counter()
+        while self.step < cfg.max_steps:
+            asked = stop.event.is_set() or (stop_after is not None and self.step >= stop_after)
+            if agree_to_stop(asked):
+                self.stopped = True
+                break
+            m = self.train_step(self.next_batch())
+            self.step += 1
+            step = self.step
+            self.unread.append((step, m, time.perf_counter() - t0))
+            with_eval = self.val_loader is not None and (step % r.eval_every == 0 or step == cfg.max_steps)
+            save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
+            # read every log_every steps, after the first one, and before an evaluation or a
+            # checkpoint: no checkpoint holds a state past an unreported error
+            if with_eval or save_now or step % cfg.logging.log_every == 0 or step == self.start + 1:
+                self.read_and_log(with_eval)
+            if save_now:
+                self.save()
+            if self.watch.threshold is not None and not self.halted:
+                self.read_and_log(False)                  # the watchdog sees every step's loss
+            if self.halted:
+                break
+
+    # ------------------------------------------------------------------ save
+    def save(self) -> None:
+        """A checkpoint of the current state on every device (app/host_view.py)."""
+        step = self.step
+        self.saved_path = save_on_devices(lambda s: self.job.save(s, self.loader, step), self.state)
+        self.last_saved = step
+        if self.lead:
+            self.progress.message(f"saved checkpoint {self.saved_path}")
+
+    # ------------------------------------------------------------------ finish (device)
+    def finish(self) -> None:
+        """The last metrics read, the final checkpoint (at the end, on a stop or a stopping rule),
+        the stop's message."""
+        r = self.job
+        self.read_and_log()
+        final = self.stopped or bool(self.halted) or r.cfg.checkpoint.save_final
+        if final and self.step != self.last_saved:
+            self.save()
+        if self.lead and self.stopped:
+            stop, stop_after = r.stop, r.stop_after
+            why = (f"received {stop.signal}" if stop.signal else "asked to stop"
+                   + (f" after step {stop_after}" if stop_after is not None else ""))
+            self.progress.message(f"{why}: stopped at step {self.step} with checkpoint "
+                                  f"{r.manager.path(self.step)}; continue with --resume")
 
 
 def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **options):

@@ -1,10 +1,12 @@
 """Batched simulation: ``launch(fn, mesh, simulate="batched")`` runs ``fn`` once for every
 device of the mesh, each tensor holding all devices' blocks (devices/device_stack.py), the
 collectives computed over the device dimension (devices/batched.py); docs/simulation.md,
-"Batched simulation". :func:`per_device` builds per-device inputs (data, parameters).
+"Batched simulation". ``mesh_view.per_device`` builds per-device inputs (data, parameters)
+through :meth:`RunBackend.per_device`.
 
 Values that wrap a device's block (named arrays) are stacked and split through
-:func:`register_block_type`, which their module calls (this layer does not import it).
+``devices/mesh_view.register_block_type``, which their module calls (this layer does not
+import it). The layers above reach this module only through ``devices/mesh_view.py``.
 
 Mechanism: Devices (batched simulator: one run over a device dimension).
 """
@@ -21,16 +23,20 @@ from functional_pp.devices import \
     device_stack_ops  # noqa: F401 (installs the dispatch of the ops with rules of their own)
 from functional_pp.devices.batched import BatchedBackend, BatchedRank
 from functional_pp.devices.device_stack import DeviceStack, stack_blocks
+from functional_pp.devices.mesh_view import block_type
 
-# type -> (its block of one device, the same value around another block)
-_BLOCK_TYPES: dict[type, tuple[Callable[[Any], torch.Tensor], Callable[[Any, torch.Tensor], Any]]] = {}
+__all__ = ["launch_batched", "stack_per_device", "as_device"]
 
 
-def register_block_type(cls: type, block: Callable[[Any], torch.Tensor],
-                        rebuild: Callable[[Any, torch.Tensor], Any]) -> None:
-    """Let :func:`per_device` stack values of ``cls`` (and ``launch`` split them per device):
-    ``block(x)`` is the device's tensor inside ``x``, ``rebuild(x, t)`` the same value around ``t``."""
-    _BLOCK_TYPES[cls] = (block, rebuild)
+class RunBackend(BatchedBackend):
+    """A batched run's backend: the collectives over the device dimension (devices/batched.py)
+    and the per-device calls ``devices/mesh_view.py`` asks it for."""
+
+    def per_device(self, fn: Callable[[], Any]) -> Any:
+        return stack_per_device(fn)
+
+    def as_device(self, rank: int, fn: Callable[[], Any]) -> Any:
+        return as_device(rank, fn)
 
 
 class _OneDeviceOnly:
@@ -48,7 +54,7 @@ def launch_batched(fn: Callable[[], Any], mesh: Mesh) -> list:
     """Run ``fn()`` once for all devices of ``mesh``; its result, per device, in rank order."""
     if current_context(required=False) is not None:
         raise RuntimeError("functional_pp.launch cannot be nested inside another launch")
-    ctx = DeviceContext(mesh, BatchedRank(), BatchedBackend(mesh), simulated=True, batched=True)
+    ctx = DeviceContext(mesh, BatchedRank(), RunBackend(mesh), simulated=True, batched=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # as the threaded simulator: one intra-op thread
     try:
@@ -59,20 +65,15 @@ def launch_batched(fn: Callable[[], Any], mesh: Mesh) -> list:
     return [_block_of(result, r) for r in range(mesh.size)]
 
 
-def per_device(fn: Callable[[], Any]) -> Any:
-    """``fn()`` for this device. In a batched simulation: ``fn()`` called once per device (with
-    that device's rank and ``axis_index`` values, no collectives), the results stacked into one
-    value for all devices (tensors and named arrays; other leaves must be equal on every device).
-    Elsewhere simply ``fn()``."""
-    ctx = current_context()
-    if not ctx.batched:
-        return fn()
-    return _stack([as_device(rank, fn) for rank in range(ctx.mesh.size)])
+def stack_per_device(fn: Callable[[], Any]) -> Any:
+    """``fn()`` called once per device of the running batched simulation (``mesh_view.per_device``),
+    the results stacked into one value for all devices."""
+    return _stack([as_device(rank, fn) for rank in range(current_context().mesh.size)])
 
 
 def as_device(rank: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` as device ``rank`` of the running batched simulation: that device's integer rank
-    and ``axis_index`` values, no collectives (one device's share of :func:`per_device`)."""
+    and ``axis_index`` values, no collectives (one device's share of ``per_device``)."""
     ctx = current_context()
     one = DeviceContext(ctx.mesh, rank, _OneDeviceOnly(), simulated=True,
                         extras=ctx.extras.setdefault(("per_device", rank), {}))
@@ -81,7 +82,7 @@ def as_device(rank: int, fn: Callable[[], Any]) -> Any:
 
 
 def _is_leaf(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) or type(x) in _BLOCK_TYPES
+    return isinstance(x, torch.Tensor) or block_type(type(x)) is not None
 
 
 def _stack(results: list) -> Any:
@@ -94,7 +95,7 @@ def _stack(results: list) -> Any:
     out = []
     for j, first in enumerate(flat[0][0]):
         column = [leaves[j] for leaves, _ in flat]
-        kind = _BLOCK_TYPES.get(type(first))
+        kind = block_type(type(first))
         if kind is not None:
             out.append(kind[1](first, _stacked([kind[0](x) for x in column])))
         elif isinstance(first, torch.Tensor):
@@ -118,7 +119,7 @@ def _stacked(blocks: list[torch.Tensor]) -> DeviceStack:
 def _block_of(tree: Any, rank: int) -> Any:
     """Device ``rank``'s view of a batched run's result."""
     def one(x):
-        kind = _BLOCK_TYPES.get(type(x))
+        kind = block_type(type(x))
         if kind is not None and type(kind[0](x)) is DeviceStack:
             return kind[1](x, kind[0](x).stacked[rank].clone())
         if type(x) is DeviceStack:

@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from functional_pp._torch import is_tracing
 from functional_pp.core.observers import uneven_work
 from functional_pp.core.order import balanced_indices
+from functional_pp.devices import mesh_view
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
+from functional_pp.ops.attention_ring import batched_ring_attention
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
+from functional_pp.parallel.raw_collectives import local_chunk
 from functional_pp.parallel.named import (Named, make_named, memo_table, current_context, current_policy, env, op_env,
                                           pvary, require_named, settle, target_layout, varying_after)
 
@@ -50,24 +53,11 @@ _OUTSIDE_A_MESH: dict = {}     # positions values of code that runs outside any 
 
 
 def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
+    """This device's positions of a sequence of ``size`` split over ``split`` (load-balanced
+    chunks over ``split[0]`` when ``balanced``); the block is taken by ``local_chunk``, which
+    answers for every device at once in a batched simulation (docs/simulation.md)."""
     if not split:
         return torch.arange(size, device=device)
-    ctx = current_context(required=False)
-    if ctx is not None and ctx.batched:
-        return _batched_local_positions(size, split, balanced, device)
-    if not balanced:
-        return torch.arange(size, device=device).chunk(C.axis_size(split))[C.axis_index(split)]
-    first, rest = split[0], split[1:]
-    base = balanced_indices(size, C.axis_size(first), C.axis_index(first), device)
-    if rest:
-        base = base.chunk(C.axis_size(rest))[C.axis_index(rest)]
-    return base
-
-
-def _batched_local_positions(size: int, split: tuple[str, ...], balanced: bool, device=None) -> torch.Tensor:
-    """:func:`_local_positions` of every device of a batched simulation (docs/simulation.md):
-    the device's block taken by the backend, as ``axis_index`` is a per-device value there."""
-    from functional_pp.parallel.raw_collectives import local_chunk
     if not balanced:
         return local_chunk(torch.arange(size, device=device), split, 0)
     first, rest = split[0], split[1:]
@@ -282,11 +272,11 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
 
     def shift(tensors):
         return [C.raw_permute(t.contiguous(), axes, pairs) for t in tensors]
-    if current_context().batched:     # every ring position at once (ops/attention_ring.py)
-        from functional_pp.ops.attention_ring import batched_ring_attention
-        return batched_ring_attention(q, k, v, scale=scale, causal=causal, axes=tuple(axes), cp_size=n,
-                                      balanced=balanced, shift=shift)
-    return ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced, shift=shift)
+    return mesh_view.one_rank_or_every_device(
+        lambda: ring_attention(q, k, v, scale=scale, causal=causal, cp_size=n, cp_rank=i, balanced=balanced,
+                               shift=shift),
+        lambda: batched_ring_attention(q, k, v, scale=scale, causal=causal, axes=tuple(axes), cp_size=n,
+                                       balanced=balanced, shift=shift))     # every ring position at once
 
 
 def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, device) -> torch.Tensor:

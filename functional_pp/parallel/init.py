@@ -153,7 +153,7 @@ def init(init_fn: Callable[..., Any], *args, seed: int = 0, mesh: Mesh | None = 
 
     if mesh is not None and current_context(required=False) is not None:
         # this device's shards (a batched simulation: every device's, stacked; devices/batched_run.py)
-        from functional_pp.devices.batched_run import per_device
+        from functional_pp.devices.mesh_view import per_device
         return per_device(lambda: _init_here(init_fn, args, seed, mesh, rules, device, kwargs))
     return _init_here(init_fn, args, seed, mesh, rules, device, kwargs)
 

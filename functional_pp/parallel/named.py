@@ -26,7 +26,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.order import to_balanced
 from functional_pp.core.runtime import (active_rules, configure, context_and_rules,  # noqa: F401 (re-exported)
                                         current_context, current_policy, use_policy)
-from functional_pp.devices.batched_run import register_block_type
+from functional_pp.devices.mesh_view import register_block_type
 from functional_pp.parallel import collectives as C
 
 NO_AXES: frozenset[str] = frozenset()     # the ``vary`` / ``partial`` of a value over no mesh axis

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from functional_pp.core.tree import tree_map
-from functional_pp.devices.device_stack import physical
+from functional_pp.devices.mesh_view import physical
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
