@@ -15,7 +15,7 @@ and gradients finished at that time move to the next and previous stage (one ``p
 ``pp`` per direction, only the pairs that send). Each micro-batch's loss is weighted by its
 share of the global token count before its backward; the gradient norm covers every stage.
 Under FSDP a stage's units are gathered once per step by default (``fsdp_gather``,
-:mod:`~functional_pp.parallel.pipeline.gather_once`); with ``compile`` each virtual stage's
+:mod:`~functional_pp.parallel.fsdp.gather_once`); with ``compile`` each virtual stage's
 forward is one compiled graph."""
 from __future__ import annotations
 
