@@ -44,7 +44,8 @@ def grpo_objective_of(cfg: TrainConfig, spec: Any, family: Any, model_cfg: Any, 
                                                                base_decls)
     loss = grpo_objective(policy, loss_type=spec.loss_type, beta=spec.beta, epsilon=spec.epsilon,
                           epsilon_high=spec.epsilon_high, delta=spec.delta,
-                          max_completion_length=spec.max_completion_length, reference=reference)
+                          max_completion_length=spec.max_completion_length, reference=reference,
+                          importance_sampling_level=spec.importance_sampling_level)
     return loss, decls, trainable, policy
 
 
@@ -167,6 +168,7 @@ class GRPOSampler:
     stop_ids: list[int]
     key: int                          # the generation key (checkpointed with the loader)
     max_steps: int = 0
+    chunk_rows: int | None = None     # TRL's per_device_train_batch_size (micro_batch_size): bnpo's micro-batches
 
     def step_batch(self, step_fn: Any, params: Any, loader: Any, step: int, shard: Any) -> tuple[dict, dict]:
         """``(this device's batch, the generation's metrics)`` of step ``step`` (0-based). Every
@@ -198,7 +200,8 @@ class GRPOSampler:
             r = rollout(self.policy, named_params, prompts, self.spec, self.tokenizer, self.reward_funcs,
                         stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
                         row_multiple=shard.dp_size, reward_kwargs=_reward_kwargs(step, self.max_steps, logged))
-            whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions)
+            whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions,
+                                  self.chunk_rows)
             if self.spec.num_iterations > 1:
                 whole["old_logps"] = self._logps(named_params, whole)
         return whole, {**rollout_metrics(r), **{k: sum(v) / len(v) for k, v in logged.items()}}

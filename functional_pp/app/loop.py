@@ -301,7 +301,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             loader = grpo_run.prompt_steps(corpus, prompts_per_step, cfg.seed)
             sampler = grpo_run.GRPOSampler(grpo, grpo_policy, data.tokenizer, reward_funcs, cfg.sequence_len,
                                            corpus.pad_id, grpo_run.GRPOSampler.stops_of(data.tokenizer), cfg.seed,
-                                           cfg.max_steps)
+                                           cfg.max_steps, chunk_rows=cfg.micro_batch_size)
             shard = batch_shard(mesh, rules)
         else:
             loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(

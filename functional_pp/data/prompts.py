@@ -51,7 +51,7 @@ class PromptSet:
     unit = "prompts"
     #: the named dimensions of a GRPO batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("tokens", "labels", "advantages", "step_rows", "step_tokens",
-                                           "old_logps")}
+                                           "chunk_tokens", "step_chunks", "old_logps")}
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from functional_pp.preference.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
+from functional_pp.preference.grpo import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 __all__ = ["GRPOSpec", "grpo_spec", "ENGINE_KEYS", "AGGREGATIONS"]
 
@@ -33,10 +33,9 @@ NOT_BUILT = {
     "rollout_func": "a custom rollout", "use_liger_loss": "Liger's fused GRPO loss (the same math: remove it)",
     "num_generations_eval": "evaluation (no GRPO evaluation is built)",
     "cast_lm_head_to_fp32": "an fp32 LM head",
-    "importance_sampling_level": "sequence-level importance sampling (GSPO; token here)",
 }
 #: the values of :data:`NOT_BUILT` keys that are what is built (accepted)
-_BUILT_VALUES = {"importance_sampling_level": "token"}
+_BUILT_VALUES: dict[str, Any] = {}
 _BOOL_SCALE = {True: "group", False: "none"}
 
 
@@ -60,6 +59,7 @@ class GRPOSpec:
     multi_objective_aggregation: str = "sum_then_normalize"
     mask_truncated_completions: bool = False
     num_iterations: int = 1                                # updates per generation (old log-probs kept)
+    importance_sampling_level: str = "token"               # sequence: GSPO
     engine_keys: tuple[str, ...] = field(default=())      # vLLM's and the like, accepted (in-process here)
 
     @property
@@ -131,6 +131,9 @@ def _check(spec: GRPOSpec, rl: str) -> None:
     if spec.scale_rewards not in SCALE_REWARDS:
         bad.append(f"trl.scale_rewards {spec.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)} (or true / "
                    f"false)")
+    if spec.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        bad.append(f"trl.importance_sampling_level {spec.importance_sampling_level!r} is not one of "
+                   f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
     if spec.multi_objective_aggregation not in AGGREGATIONS:
         bad.append(f"trl.multi_objective_aggregation {spec.multi_objective_aggregation!r} is not one of "
                    f"{', '.join(AGGREGATIONS)}")

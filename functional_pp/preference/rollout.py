@@ -147,12 +147,17 @@ def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, t
                    rewards, advantages, zero, [n for n, _ in reward_funcs])
 
 
-def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
+def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = False,
+                  chunk_rows: int | None = None) -> dict[str, torch.Tensor]:
     """The global training batch of ``r``: ``tokens`` ``[N, seq_len]`` (prompt, completion, then
     ``pad_id``), ``labels`` (each completion token at the position predicting it, -100 elsewhere;
     a truncated completion's all -100 with ``mask_truncated``), ``advantages`` along each row,
     ``step_rows`` / ``step_tokens`` (the batch's rows and completion tokens, along each row: how
-    :func:`~functional_pp.preference.grpo.grpo_objective` weighs accumulated micro-batches)."""
+    :func:`~functional_pp.preference.grpo.grpo_objective` weighs accumulated micro-batches) and,
+    with ``chunk_rows`` (TRL's ``per_device_train_batch_size``: the run's ``micro_batch_size``),
+    ``chunk_tokens`` (the completion tokens of the row's block of ``chunk_rows`` consecutive
+    rows, TRL's micro-batch of one process) and ``step_chunks`` (the blocks): ``bnpo``'s
+    normalisers."""
     n = len(r.completion_ids)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), -100, dtype=torch.long)
@@ -163,9 +168,16 @@ def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = 
         if not (mask_truncated and r.truncated[i]):
             labels[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
     advantages = r.advantages.to(torch.float32)[:, None].expand(n, seq_len).contiguous()
-    step_tokens = torch.full((n, seq_len), float((labels != -100).sum()))
-    return {"tokens": tokens, "labels": labels, "advantages": advantages,
-            "step_rows": torch.full((n, seq_len), float(n)), "step_tokens": step_tokens}
+    per_row = (labels != -100).sum(-1).to(torch.float32)
+    out = {"tokens": tokens, "labels": labels, "advantages": advantages,
+           "step_rows": torch.full((n, seq_len), float(n)), "step_tokens": torch.full((n, seq_len), float(per_row.sum()))}
+    if chunk_rows is not None:
+        if chunk_rows < 1 or n % chunk_rows:
+            raise ValueError(f"{n} completions do not split into micro-batches of {chunk_rows}")
+        chunk = per_row.view(-1, chunk_rows).sum(-1).repeat_interleave(chunk_rows)
+        out["chunk_tokens"] = chunk[:, None].expand(n, seq_len).contiguous()
+        out["step_chunks"] = torch.full((n, seq_len), float(n // chunk_rows))
+    return out
 
 
 def rollout_metrics(r: Rollout) -> dict[str, float]:

@@ -106,18 +106,23 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_gradient_accumulation_equals_one_large_batch(task, tmp_path, loss_type):
-    """The step's 16 completions in 2 micro-batches of 8: each loss type weighs them as one batch."""
+    """The step's 16 completions in 2 micro-batches of 8 on one device, or one micro-batch of 8
+    on each of 2 data-parallel devices (TRL: 2 processes), are TRL's same step; and, but for
+    ``bnpo`` (TRL normalises each micro-batch by its own tokens), one batch of 16."""
     runs = []
-    for name, micro, accum in (("one", 16, 1), ("accum", 8, 2)):
+    for name, micro, accum, sim, mesh in (("one", 16, 1, 1, {}), ("accum", 8, 2, 1, {}),
+                                          ("dp", 8, 1, 2, {"dp_replicate_size": 2})):
         out = tmp_path / name
         train(config(task, out, trl={"loss_type": loss_type},
-                     micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
-              simulate=1, stream=io.StringIO())
+                     micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1, **mesh),
+              simulate=sim, stream=io.StringIO())
         runs.append(_metrics(out)[0])
-    a, b = runs
-    assert a["reward"] == b["reward"]
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
+    one, accum, dp = runs
+    assert one["reward"] == accum["reward"] == dp["reward"]
+    pairs = [(accum, dp)] + ([(one, accum)] if loss_type != "bnpo" else [])
+    for a, b in pairs:
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
 
 
 def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
