@@ -147,12 +147,11 @@ def _reward_kwargs(step: int, max_steps: int, logged: dict) -> dict:
 
 
 def _sampling_rules(rules: Any) -> Any:
-    """The run's rules for sampling: the residual stream's sequence split like the sequence
-    (``sequence_parallel`` splits it over tp, which one new token per row cannot be)."""
-    entries = rules.entries()
-    if entries.get("res_seq") == entries.get("seq"):
-        return rules
-    return rules.replace(res_seq=entries.get("seq"))
+    """The run's rules for sampling: the sequence and the residual stream's sequence whole (one
+    new token per row cannot be split over cp, nor over tp as ``sequence_parallel`` splits the
+    residual): under cp every device of a cp group computes the whole sequences of its rows
+    (the parameters gathered as for the step); the training step splits them as usual."""
+    return rules.replace(seq=(), res_seq=())
 
 
 @dataclass

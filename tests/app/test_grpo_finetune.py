@@ -104,6 +104,27 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
     assert runs["one"][1]["clip_ratio_region_mean"] > 0  # the reused generation: ratios away from 1
 
 
+def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
+    """cp 2 (and cp 2 x FSDP 2): sampling keeps each row's sequence whole on every device of its
+    cp group, the step splits it (load-balanced); GSPO's per-sequence ratio sums over the split
+    sequence. Two updates per generation (the ratio away from 1) with the KL term."""
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("cp", 2, {"cp_size": 2}),
+                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2})):
+        out = tmp_path / name
+        train(config(task, out, trl={"beta": 0.04, "num_iterations": 2, "importance_sampling_level": "sequence",
+                                     "loss_type": "bnpo"},
+                     micro_batch_size=16 // mesh.get("dp_shard_size", 1), learning_rate=3e-2, **mesh),
+              simulate=sim, stream=io.StringIO())
+        runs[name] = _metrics(out)
+    assert runs["one"][1]["clip_ratio_region_mean"] > 0 and runs["one"][-1]["kl"] > 0
+    for layout in ("cp", "cp_fsdp"):
+        for a, b in zip(runs["one"], runs[layout], strict=True):
+            assert a.get("reward") == b.get("reward"), layout
+            for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (layout, a["step"], key)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_gradient_accumulation_equals_one_large_batch(task, tmp_path, loss_type):
     """The step's 16 completions in 2 micro-batches of 8 on one device, or one micro-batch of 8
@@ -211,11 +232,11 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
              ({"trl": {"sync_ref_model": True}}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
-             ({"cp_size": 2}, "rl: grpo with cp_size 2")]
+             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built")]
     for over, why in cases:
         trl = dict(over.pop("trl", {}))
         with pytest.raises(ConfigError, match=why):
-            train(config(task, out, trl=trl, **over), simulate=over.get("cp_size", 1), stream=io.StringIO())
+            train(config(task, out, trl=trl, **over), simulate=over.get("pp_size", 1), stream=io.StringIO())
     assert not out.exists()
     with pytest.raises(ConfigError, match="'trl' is not supported with rl: dpo"):
         TrainConfig.from_dict({"rl": "dpo", "trl": {"beta": 0.1}, "datasets": [{"path": "x.jsonl"}]})
