@@ -192,6 +192,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
     accum = cfg.grad_accum(mesh, rules)
     if grpo is not None:
         prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
+        eval_per_batch = 0 if data.val is None else grpo_run.eval_prompts_per_batch(gb, grpo, data.val)
         cfg.set_epochs(grpo_run.steps_per_epoch(corpus, prompts_per_step, grpo))
     else:
         cfg.set_epochs(check_batches(cfg, data, gb) if pref is None else pair_steps(corpus, gb, cfg))
@@ -232,7 +233,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                        val=data.val),
               file=out, flush=True)
         if grpo is not None:
-            print(grpo_run.summary_line(grpo, prompts_per_step), file=out, flush=True)
+            print(grpo_run.summary_line(grpo, prompts_per_step, data.val, eval_per_batch), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
             bad = trim_metrics(metrics_path, latest)
@@ -306,7 +307,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         else:
             loader = device_loader(lambda shard: (DataLoader if pref is None else PairLoader)(
                 corpus, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, **shard), mesh, rules)
-        val_loader = None if data.val is None else device_loader(lambda shard: (
+        val_loader = None if data.val is None or grpo is not None else device_loader(lambda shard: (
             DataLoader if pref is None else PairLoader)(data.val, global_batch_size=gb, seq_len=cfg.sequence_len,
                                                         seed=cfg.seed, drop_last=False, **shard), mesh, rules)
         start = 0
@@ -333,10 +334,18 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             except ck.CheckpointMismatchError:   # saved from another world size: keep ours
                 pass
         progress = Progress(cfg.max_steps, start, cfg.logging.log_every, out) if lead else None
-        if val_loader is not None and start == 0:
-            e0 = evaluate(step_fn, whole(state), val_loader)
+        has_val = data.val is not None
+
+        def run_eval(done: int) -> tuple[float, dict]:
+            """The held-out loss after ``done`` steps (and GRPO's evaluation metrics)."""
+            if grpo is not None:       # sample the held-out prompts with the current parameters, score them
+                found = sampler.evaluate(step_fn, state["params"], data.val, eval_per_batch, done, shard)
+                return found["eval_loss"], found
+            return evaluate(step_fn, whole(state), val_loader), {}
+        if has_val and start == 0:
+            e0, extra = run_eval(0)
             if lead:
-                loggers.log(0, {"eval_loss": e0})
+                loggers.log(0, {**extra, "eval_loss": e0})
                 progress.eval_loss = e0
         losses: list[float] = []
         skipped_steps = [0]                        # this run's steps skipped as non-finite
@@ -357,7 +366,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 step_fn.read()
             except Exception as exc:   # noqa: BLE001 (re-raised below)
                 error = exc
-            eval_loss = evaluate(step_fn, whole(state), val_loader) if with_eval and error is None else None
+            eval_loss, eval_extra = run_eval(step) if with_eval and error is None else (None, {})
             for i, (s, m, elapsed) in enumerate(unread):
                 if getattr(m, "error", None) is not None:
                     break                    # the failing step and those after it
@@ -370,6 +379,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 if why is not None and not halted:
                     halted.append(why)
                 if eval_loss is not None and i == len(unread) - 1:
+                    m.update(eval_extra)
                     m["eval_loss"] = eval_loss
                 if lead:
                     m["elapsed_s"] = elapsed
@@ -403,7 +413,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                     state, m = step_fn(state, batch)
                 step += 1
                 unread.append((step, m, time.perf_counter() - t0))
-                with_eval = val_loader is not None and (step % eval_every == 0 or step == cfg.max_steps)
+                with_eval = has_val and (step % eval_every == 0 or step == cfg.max_steps)
                 save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
                 # read every log_every steps, after the first one, and before an evaluation or a
                 # checkpoint: no checkpoint holds a state past an unreported error

@@ -132,8 +132,6 @@ def _check_grpo(cfg: Any, add) -> None:
         add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built (sampling would pass "
             f"every new token through the stages one after another, and no pipelined KV cache is built); use "
             f"dp / fsdp / tp / cp")
-    if cfg.val_set_size:
-        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: GRPO evaluation is not built; remove it")
     if not cfg.datasets:
         add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
             f"(docs/preference.md)")

@@ -31,7 +31,6 @@ NOT_BUILT = {
     "max_prompt_length": "cutting prompts (here a prompt longer than sequence_len - max_completion_length is "
                          "left out and counted)",
     "rollout_func": "a custom rollout", "use_liger_loss": "Liger's fused GRPO loss (the same math: remove it)",
-    "num_generations_eval": "evaluation (no GRPO evaluation is built)",
     "cast_lm_head_to_fp32": "an fp32 LM head",
 }
 #: the values of :data:`NOT_BUILT` keys that are what is built (accepted)
@@ -60,11 +59,16 @@ class GRPOSpec:
     mask_truncated_completions: bool = False
     num_iterations: int = 1                                # updates per generation (old log-probs kept)
     importance_sampling_level: str = "token"               # sequence: GSPO
+    num_generations_eval: int | None = None                # completions per held-out prompt (None: num_generations)
     engine_keys: tuple[str, ...] = field(default=())      # vLLM's and the like, accepted (in-process here)
 
     @property
     def needs_reference(self) -> bool:
         return self.beta != 0.0
+
+    @property
+    def eval_generations(self) -> int:
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
 
     def weights(self) -> list[float]:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
@@ -114,6 +118,8 @@ def _check(spec: GRPOSpec, rl: str) -> None:
     if spec.num_generations < 2:
         bad.append(f"trl.num_generations must be >= 2 (the advantage compares a prompt's completions), "
                    f"got {spec.num_generations}")
+    if spec.num_generations_eval is not None and spec.num_generations_eval < 1:
+        bad.append(f"trl.num_generations_eval must be >= 1, got {spec.num_generations_eval}")
     if spec.num_iterations < 1:
         bad.append(f"trl.num_iterations must be >= 1, got {spec.num_iterations}")
     if spec.max_completion_length < 1:

@@ -28,6 +28,10 @@ def letters(prompts, completions, **kwargs):
     return [sum("a" <= ch <= "z" for ch in _text(c)) / max(1, len(_text(c))) for c in completions]
 
 
+def index(prompts, completions, answer, **kwargs):
+    return [float(a) for a in answer]
+
+
 def answer_echo(prompts, completions, answer, trainer_state, log_metric, **kwargs):
     assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "user"
     log_metric("echo_step", trainer_state.global_step)
@@ -123,6 +127,41 @@ def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
             assert a.get("reward") == b.get("reward"), layout
             for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (layout, a["step"], key)
+
+
+def test_evaluation_samples_the_held_out_prompts_on_every_layout(task, tmp_path):
+    """val_set_size 4: at steps 0, 2 and 4 the held-out prompts (their records' ``answer``, by
+    the reward ``index``) are sampled with num_generations_eval completions each and scored:
+    TRL's metrics prefixed eval_; a FSDP x TP run evaluates the same completions and loss."""
+    from functional_pp.app.grpo_run import grpo_settings, load_prompts
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
+        out = tmp_path / name
+        cfg = config(task, out, trl={"reward_funcs": ["toy_rewards.letters", "toy_rewards.index"], "beta": 0.04,
+                                     "num_generations_eval": 2},
+                     val_set_size=4, eval_steps=2, max_steps=4, micro_batch_size=8 // mesh.get("dp_shard_size", 1),
+                     **mesh)
+        text = io.StringIO()
+        train(cfg, simulate=sim, stream=text)
+        runs[name] = read_metrics(out / "metrics.jsonl")
+    assert "grpo eval:  4 held-out prompts x 2 generations in 1 batch(es) of 4" in text.getvalue()
+    held_out = load_prompts(cfg, grpo_settings(cfg)).val
+    want = sum(p.columns["answer"] for p in held_out.prompts) / 4
+    evals = [m for m in runs["one"] if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [0, 2, 4]
+    for m in evals:
+        assert m["eval_rewards_index_mean"] == pytest.approx(want)
+        for key in ("eval_loss", "eval_reward_std", "eval_frac_reward_zero_std", "eval_completions_mean_length",
+                    "eval_completions_min_length", "eval_completions_max_length", "eval_kl",
+                    "eval_clip_ratio_region_mean"):
+            assert key in m, key
+    assert evals[-1]["eval_kl"] > 0
+    for a, b in zip(runs["one"], runs["fsdp_tp"], strict=True):
+        assert a.get("eval_reward") == b.get("eval_reward") and a.get("eval_completions_mean_length") == b.get(
+            "eval_completions_mean_length")
+        for key in ("eval_loss", "eval_kl"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
