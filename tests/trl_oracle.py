@@ -114,23 +114,27 @@ def pair_trainer_loss(method: str, model, batch: dict, *, beta: float, simpo_gam
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, beta=0.0, loss_type="dapo",
               epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
-              max_completion_length=None):
+              max_completion_length=None, accumulation=1, processes=1, num_items=None):
     """TRL ``GRPOTrainer._compute_loss`` on given per-token log-probabilities of the completions
     (the model's forward replaced by them) and the batch's advantages; the loss and the logged
-    metrics."""
+    metrics. With ``accumulation`` / ``processes``: one micro-batch of one process of such a
+    step (``steps_per_generation`` = ``accumulation``, TRL's default), ``num_items`` the
+    generation batch's completion tokens (every process's)."""
     t = _shell(trl.GRPOTrainer, model=SimpleNamespace(training=True), top_entropy_quantile=1.0,
                off_policy_mask_threshold=None, importance_sampling_level=importance_sampling_level, beta=beta,
                loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-               use_vllm=False, vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
+               use_vllm=False, vllm_importance_sampling_correction=False,
+               current_gradient_accumulation_steps=accumulation,
                max_completion_length=max_completion_length, _entropy_bonus_enabled=False,
-               args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1))
-    t.accelerator.num_processes = 1
+               args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=accumulation))
+    t.accelerator.num_processes = processes
     t.accelerator.reduce = lambda x, reduction="sum": x
     t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
     n = logps.size(0)
     inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
               "completion_ids": torch.zeros_like(completion_mask), "completion_mask": completion_mask,
-              "advantages": advantages, "num_items_in_batch": completion_mask.sum()}
+              "advantages": advantages,
+              "num_items_in_batch": completion_mask.sum() if num_items is None else torch.as_tensor(num_items)}
     if old_logps is not None:
         inputs["old_per_token_logps"] = old_logps
     if ref_logps is not None:

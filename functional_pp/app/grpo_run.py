@@ -17,7 +17,8 @@ import torch
 from functional_pp.config import ConfigError, TrainConfig
 
 __all__ = ["GRPO_METHODS", "is_grpo", "grpo_settings", "grpo_objective_of", "load_prompts", "reward_functions",
-           "prompts_per_step", "steps_per_epoch", "summary_line", "prompt_steps", "GRPOSampler"]
+           "prompts_per_step", "eval_prompts_per_batch", "steps_per_epoch", "summary_line", "prompt_steps",
+           "GRPOSampler"]
 
 #: ``rl:`` methods trained by the online loop (gdpo: TRL's ``normalize_then_sum``)
 GRPO_METHODS = ("grpo", "gdpo")
@@ -44,7 +45,8 @@ def grpo_objective_of(cfg: TrainConfig, spec: Any, family: Any, model_cfg: Any, 
                                                                base_decls)
     loss = grpo_objective(policy, loss_type=spec.loss_type, beta=spec.beta, epsilon=spec.epsilon,
                           epsilon_high=spec.epsilon_high, delta=spec.delta,
-                          max_completion_length=spec.max_completion_length, reference=reference)
+                          max_completion_length=spec.max_completion_length, reference=reference,
+                          importance_sampling_level=spec.importance_sampling_level)
     return loss, decls, trainable, policy
 
 
@@ -54,7 +56,8 @@ def _config_dir(cfg: TrainConfig) -> Path | None:
 
 
 def load_prompts(cfg: TrainConfig, spec: Any):
-    """The run's :class:`~functional_pp.app.inputs.RunData` of prompts."""
+    """The run's :class:`~functional_pp.app.inputs.RunData` of prompts, ``val_set_size`` of them
+    held out (chosen by the seed) for evaluation."""
     from functional_pp.app.inputs import RunData, load_tokenizer
     from functional_pp.data.formats import ByteTokenizer
     from functional_pp.data.prompts import build_prompts
@@ -66,7 +69,15 @@ def load_prompts(cfg: TrainConfig, spec: Any):
                                 config_dir=_config_dir(cfg))
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
-    return RunData(prompts, None, tok)
+    if not cfg.val_set_size:
+        return RunData(prompts, None, tok)
+    from functional_pp.data.formats import held_out_count
+    n_val = held_out_count(cfg.val_set_size, len(prompts))
+    if n_val >= len(prompts):
+        raise ConfigError(f"val_set_size={cfg.val_set_size} holds out {n_val} of {len(prompts)} prompts: nothing is "
+                          f"left to train on")
+    train, val = prompts.split(n_val, cfg.seed)
+    return RunData(train, val, tok)
 
 
 def reward_functions(cfg: TrainConfig, spec: Any) -> list[tuple[str, Callable]]:
@@ -104,13 +115,27 @@ def prompts_per_step(global_batch: int, spec: Any, prompts: Any) -> int:
     return n
 
 
+def eval_prompts_per_batch(global_batch: int, spec: Any, val: Any) -> int:
+    """The held-out prompts of one evaluation batch: the global batch (completions) over
+    ``num_generations_eval``; the held-out prompts must fill one."""
+    g = spec.eval_generations
+    if global_batch % g:
+        raise ConfigError(f"rl: grpo: the global batch of {global_batch} completions is not a multiple of "
+                          f"trl.num_generations_eval {g}; change one of them")
+    n = global_batch // g
+    if len(val) < n:
+        raise ConfigError(f"val_set_size: {len(val)} held-out prompts are fewer than one evaluation batch's {n} (the "
+                          f"global batch {global_batch} / num_generations_eval {g}); hold out more prompts")
+    return n
+
+
 def steps_per_epoch(prompts: Any, per_step: int, spec: Any) -> int:
     """Training steps per pass over the prompts: each generation trains ``num_iterations`` steps."""
     return max(1, len(prompts) // per_step) * spec.num_iterations
 
 
-def summary_line(spec: Any, per_step: int) -> str:
-    """The start-up summary's GRPO line."""
+def summary_line(spec: Any, per_step: int, val: Any = None, eval_per_batch: int = 0) -> str:
+    """The start-up summary's GRPO line (and its evaluation's)."""
     engine = (f"; {', '.join(spec.engine_keys)} not used: generation runs in-process with the policy's weights"
               if spec.engine_keys else "; generation runs in-process with the policy's weights")
     names = ", ".join(spec.reward_funcs)
@@ -121,7 +146,15 @@ def summary_line(spec: Any, per_step: int) -> str:
             f"{spec.epsilon:g}, scale_rewards {spec.scale_rewards}"
             + (f", {spec.num_iterations} updates per generation" if spec.num_iterations > 1 else "")
             + (f", {spec.multi_objective_aggregation}" if spec.multi_objective_aggregation != "sum_then_normalize"
-               else "") + engine)
+               else "") + (f", importance sampling per sequence (GSPO)" if spec.importance_sampling_level == "sequence"
+                           else "") + engine + (_eval_line(spec, val, eval_per_batch) if val is not None else ""))
+
+
+def _eval_line(spec: Any, val: Any, per_batch: int) -> str:
+    batches = len(val) // per_batch
+    left = len(val) - batches * per_batch
+    return (f"\ngrpo eval:  {batches * per_batch} held-out prompts x {spec.eval_generations} generations in {batches} "
+            f"batch(es) of {per_batch}" + (f" ({left} left out: not a whole batch)" if left else ""))
 
 
 def prompt_steps(prompts: Any, per_step: int, seed: int):
@@ -146,12 +179,11 @@ def _reward_kwargs(step: int, max_steps: int, logged: dict) -> dict:
 
 
 def _sampling_rules(rules: Any) -> Any:
-    """The run's rules for sampling: the residual stream's sequence split like the sequence
-    (``sequence_parallel`` splits it over tp, which one new token per row cannot be)."""
-    entries = rules.entries()
-    if entries.get("res_seq") == entries.get("seq"):
-        return rules
-    return rules.replace(res_seq=entries.get("seq"))
+    """The run's rules for sampling: the sequence and the residual stream's sequence whole (one
+    new token per row cannot be split over cp, nor over tp as ``sequence_parallel`` splits the
+    residual): under cp every device of a cp group computes the whole sequences of its rows
+    (the parameters gathered as for the step); the training step splits them as usual."""
+    return rules.replace(seq=(), res_seq=())
 
 
 @dataclass
@@ -167,6 +199,7 @@ class GRPOSampler:
     stop_ids: list[int]
     key: int                          # the generation key (checkpointed with the loader)
     max_steps: int = 0
+    chunk_rows: int | None = None     # TRL's per_device_train_batch_size (micro_batch_size): bnpo's micro-batches
 
     def step_batch(self, step_fn: Any, params: Any, loader: Any, step: int, shard: Any) -> tuple[dict, dict]:
         """``(this device's batch, the generation's metrics)`` of step ``step`` (0-based). Every
@@ -198,7 +231,8 @@ class GRPOSampler:
             r = rollout(self.policy, named_params, prompts, self.spec, self.tokenizer, self.reward_funcs,
                         stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
                         row_multiple=shard.dp_size, reward_kwargs=_reward_kwargs(step, self.max_steps, logged))
-            whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions)
+            whole = rollout_batch(r, self.seq_len, self.pad_id, self.spec.mask_truncated_completions,
+                                  self.chunk_rows)
             if self.spec.num_iterations > 1:
                 whole["old_logps"] = self._logps(named_params, whole)
         return whole, {**rollout_metrics(r), **{k: sum(v) / len(v) for k, v in logged.items()}}
@@ -215,6 +249,44 @@ class GRPOSampler:
                                      named(whole["labels"].to(device), "batch seq"))
             full = relayout(lp, tuple(() for _ in lp.dims), "grpo old logps").value()
         return full.permute(lp.dims.index("batch"), lp.dims.index("seq")).float().cpu()
+
+    def evaluate(self, step_fn: Any, params: Any, val: Any, per_batch: int, step: int, shard: Any) -> dict:
+        """TRL's evaluation of the held-out prompts ``val`` at step ``step`` (steps done): each
+        batch of ``per_batch`` prompts (in order; a last partial batch left out) sampled with
+        ``num_generations_eval`` completions each from ``params`` (seeds apart from training's),
+        scored, and its loss computed without gradients; ``eval_loss`` and TRL's generation
+        metrics and the loss's (``kl``, ``clip_ratio_*``), prefixed ``eval_``, each the mean over
+        the batches (as TRL logs them)."""
+        import dataclasses
+
+        from functional_pp.core import step_values
+        from functional_pp.parallel.named import settle, wrap
+        from functional_pp.parallel.shard_map import use_rules
+        from functional_pp.preference.rollout import params_device, rollout, rollout_batch, rollout_metrics
+        spec = dataclasses.replace(self.spec, num_generations=self.spec.eval_generations)
+        sums: dict[str, float] = {}
+        batches = len(val) // per_batch
+        for i in range(batches):
+            prompts = val.prompts[i * per_batch:(i + 1) * per_batch]
+            logged: dict[str, list[float]] = {}
+            with torch.no_grad(), use_rules(_sampling_rules(step_fn.rules)), step_fn.apply_policy():
+                r = rollout(self.policy, step_fn.named_params(params), prompts, spec, self.tokenizer,
+                            self.reward_funcs, stop_ids=self.stop_ids, pad_id=self.pad_id, key=self.key, step=step,
+                            row_multiple=shard.dp_size, reward_kwargs=_reward_kwargs(step, self.max_steps, logged),
+                            stream=1 + i)
+            whole = rollout_batch(r, self.seq_len, self.pad_id, spec.mask_truncated_completions, self.chunk_rows)
+            local = shard.cut(whole)
+            with torch.no_grad(), use_rules(step_fn.rules), step_fn.apply_policy():
+                named_params = step_fn.named_params(params)
+                device = params_device(named_params)
+                nb = {k: wrap(v.contiguous().to(device), step_fn.batch_dims[k]) for k, v in local.items()}
+                with step_values.collecting() as found:
+                    loss = float(settle(step_fn.loss_fn(named_params, nb)).data)
+            metrics = {"loss": loss, **rollout_metrics(r), **{k: float(v) for k, (v, _) in found.items()},
+                       **{k: sum(v) / len(v) for k, v in logged.items()}}
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v / batches
+        return {f"eval_{k}": v for k, v in sums.items()}
 
     @staticmethod
     def stops_of(tokenizer: Any) -> list[int]:

@@ -234,9 +234,11 @@ class TrainRun:
                               f"{vocab}; set model.vocab >= {corpus.vocab_size}")
         self.gb = gb = cfg.global_batch(mesh, rules)
         self.accum = cfg.grad_accum(mesh, rules)
-        self.prompts_per_step = None
+        self.prompts_per_step, self.eval_per_batch = None, 0
         if grpo is not None:
             self.prompts_per_step = grpo_run.prompts_per_step(gb, grpo, corpus)
+            if data.val is not None:
+                self.eval_per_batch = grpo_run.eval_prompts_per_batch(gb, grpo, data.val)
             cfg.set_epochs(grpo_run.steps_per_epoch(corpus, self.prompts_per_step, grpo))
         else:
             cfg.set_epochs(check_batches(cfg, data, gb) if self.pref is None else pair_steps(corpus, gb, cfg))
@@ -293,7 +295,8 @@ class TrainRun:
                        val=self.data.val),
               file=out, flush=True)
         if self.grpo is not None:
-            print(grpo_run.summary_line(self.grpo, self.prompts_per_step), file=out, flush=True)
+            print(grpo_run.summary_line(self.grpo, self.prompts_per_step, self.data.val,
+                                                          self.eval_per_batch), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
             bad = trim_metrics(self.metrics_path, latest)
@@ -472,12 +475,12 @@ class DeviceLoop:
             self.sampler = grpo_run.GRPOSampler(r.grpo, r.grpo_policy, r.data.tokenizer, r.reward_funcs,
                                                 cfg.sequence_len, corpus.pad_id,
                                                 grpo_run.GRPOSampler.stops_of(r.data.tokenizer), cfg.seed,
-                                                cfg.max_steps)
+                                                cfg.max_steps, chunk_rows=cfg.micro_batch_size)
             self.shard = batch_shard(mesh, rules)
         else:
             self.loader = device_loader(lambda shard: kind(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,
                                                            seed=cfg.seed, **shard), mesh, rules)
-        self.val_loader = None if r.data.val is None else device_loader(lambda shard: kind(
+        self.val_loader = None if r.data.val is None or r.grpo is not None else device_loader(lambda shard: kind(
             r.data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
             mesh, rules)
 
@@ -509,16 +512,27 @@ class DeviceLoop:
             pass
 
     # ------------------------------------------------------------------ eval
-    def evaluate(self) -> float:
+    @property
+    def has_val(self) -> bool:
+        return self.job.data.val is not None
+
+    def evaluate(self, done: int) -> tuple[float, dict]:
+        """The held-out loss after ``done`` steps, and GRPO's evaluation metrics (its held-out
+        prompts sampled with the current parameters and scored)."""
         from functional_pp.app.evaluate import evaluate
-        return evaluate(self.job.step_fn, self.job.whole(self.state), self.val_loader)
+        r = self.job
+        if r.grpo is not None:
+            found = self.sampler.evaluate(r.step_fn, self.state["params"], r.data.val, r.eval_per_batch, done,
+                                          self.shard)
+            return found["eval_loss"], found
+        return evaluate(r.step_fn, r.whole(self.state), self.val_loader), {}
 
     def first_eval(self) -> None:
         """A fresh run's evaluation before its first step (logged as step 0)."""
-        if self.val_loader is not None and self.start == 0:
-            e0 = self.evaluate()
+        if self.has_val and self.start == 0:
+            e0, extra = self.evaluate(0)
             if self.lead:
-                self.job.loggers.log(0, {"eval_loss": e0})
+                self.job.loggers.log(0, {**extra, "eval_loss": e0})
                 self.progress.eval_loss = e0
 
     def read_and_log(self, with_eval: bool = False) -> None:
@@ -531,7 +545,7 @@ class DeviceLoop:
             r.step_fn.read()
         except Exception as exc:   # noqa: BLE001 (re-raised below)
             error = exc
-        eval_loss = self.evaluate() if with_eval and error is None else None
+        eval_loss, eval_extra = self.evaluate(self.step) if with_eval and error is None else (None, {})
         unread, watch, halted = self.unread, self.watch, self.halted
         for i, (s, m, elapsed) in enumerate(unread):
             if getattr(m, "error", None) is not None:
@@ -545,6 +559,7 @@ class DeviceLoop:
             if why is not None and not halted:
                 halted.append(why)
             if eval_loss is not None and i == len(unread) - 1:
+                m.update(eval_extra)
                 m["eval_loss"] = eval_loss
             if self.lead:
                 m["elapsed_s"] = elapsed
@@ -599,7 +614,7 @@ class DeviceLoop:
             self.step += 1
             step = self.step
             self.unread.append((step, m, time.perf_counter() - t0))
-            with_eval = self.val_loader is not None and (step % r.eval_every == 0 or step == cfg.max_steps)
+            with_eval = self.has_val and (step % r.eval_every == 0 or step == cfg.max_steps)
             save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
             # read every log_every steps, after the first one, and before an evaluation or a
             # checkpoint: no checkpoint holds a state past an unreported error

@@ -129,12 +129,9 @@ def _check_grpo(cfg: Any, add) -> None:
         if getattr(cfg, key) is not None:
             add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
     if cfg.pp_size > 1:
-        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built; use dp / fsdp / tp")
-    if cfg.cp_size > 1:
-        add(f"rl: {cfg.rl} with cp_size {cfg.cp_size}: sampling splits no sequence over cp (docs/generation.md); "
-            f"use dp / fsdp / tp")
-    if cfg.val_set_size:
-        add(f"rl: {cfg.rl} with val_set_size {cfg.val_set_size}: GRPO evaluation is not built; remove it")
+        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built (sampling would pass "
+            f"every new token through the stages one after another, and no pipelined KV cache is built); use "
+            f"dp / fsdp / tp / cp")
     if not cfg.datasets:
         add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
             f"(docs/preference.md)")

@@ -51,10 +51,19 @@ class PromptSet:
     unit = "prompts"
     #: the named dimensions of a GRPO batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("tokens", "labels", "advantages", "step_rows", "step_tokens",
-                                           "old_logps")}
+                                           "chunk_tokens", "step_chunks", "old_logps")}
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def split(self, n_val: int, seed: int) -> tuple["PromptSet", "PromptSet"]:
+        """``(train, held out)``: ``n_val`` prompts chosen by the seed held out (as
+        ``val_set_size`` holds out preference pairs), each keeping its order."""
+        held = set(np.random.default_rng([seed, 7]).permutation(len(self.prompts))[len(self.prompts) - n_val:].tolist())
+        train = [x for i, x in enumerate(self.prompts) if i not in held]
+        val = [x for i, x in enumerate(self.prompts) if i in held]
+        return (PromptSet(train, self.vocab_size, self.pad_id, self.name, self.dropped, self.duplicates, self.stats),
+                PromptSet(val, self.vocab_size, self.pad_id, f"{self.name}[val]"))
 
     @property
     def tokens(self) -> np.ndarray:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from functional_pp.preference.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
+from functional_pp.preference.grpo import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
 __all__ = ["GRPOSpec", "grpo_spec", "ENGINE_KEYS", "AGGREGATIONS"]
 
@@ -31,12 +31,10 @@ NOT_BUILT = {
     "max_prompt_length": "cutting prompts (here a prompt longer than sequence_len - max_completion_length is "
                          "left out and counted)",
     "rollout_func": "a custom rollout", "use_liger_loss": "Liger's fused GRPO loss (the same math: remove it)",
-    "num_generations_eval": "evaluation (no GRPO evaluation is built)",
     "cast_lm_head_to_fp32": "an fp32 LM head",
-    "importance_sampling_level": "sequence-level importance sampling (GSPO; token here)",
 }
 #: the values of :data:`NOT_BUILT` keys that are what is built (accepted)
-_BUILT_VALUES = {"importance_sampling_level": "token"}
+_BUILT_VALUES: dict[str, Any] = {}
 _BOOL_SCALE = {True: "group", False: "none"}
 
 
@@ -60,11 +58,17 @@ class GRPOSpec:
     multi_objective_aggregation: str = "sum_then_normalize"
     mask_truncated_completions: bool = False
     num_iterations: int = 1                                # updates per generation (old log-probs kept)
+    importance_sampling_level: str = "token"               # sequence: GSPO
+    num_generations_eval: int | None = None                # completions per held-out prompt (None: num_generations)
     engine_keys: tuple[str, ...] = field(default=())      # vLLM's and the like, accepted (in-process here)
 
     @property
     def needs_reference(self) -> bool:
         return self.beta != 0.0
+
+    @property
+    def eval_generations(self) -> int:
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
 
     def weights(self) -> list[float]:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
@@ -114,6 +118,8 @@ def _check(spec: GRPOSpec, rl: str) -> None:
     if spec.num_generations < 2:
         bad.append(f"trl.num_generations must be >= 2 (the advantage compares a prompt's completions), "
                    f"got {spec.num_generations}")
+    if spec.num_generations_eval is not None and spec.num_generations_eval < 1:
+        bad.append(f"trl.num_generations_eval must be >= 1, got {spec.num_generations_eval}")
     if spec.num_iterations < 1:
         bad.append(f"trl.num_iterations must be >= 1, got {spec.num_iterations}")
     if spec.max_completion_length < 1:
@@ -131,6 +137,9 @@ def _check(spec: GRPOSpec, rl: str) -> None:
     if spec.scale_rewards not in SCALE_REWARDS:
         bad.append(f"trl.scale_rewards {spec.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)} (or true / "
                    f"false)")
+    if spec.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        bad.append(f"trl.importance_sampling_level {spec.importance_sampling_level!r} is not one of "
+                   f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
     if spec.multi_objective_aggregation not in AGGREGATIONS:
         bad.append(f"trl.multi_objective_aggregation {spec.multi_objective_aggregation!r} is not one of "
                    f"{', '.join(AGGREGATIONS)}")

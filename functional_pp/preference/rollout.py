@@ -30,9 +30,11 @@ __all__ = ["Rollout", "params_device", "sample_completions", "decode_completions
            "rollout_batch", "rollout_metrics", "generation_seed"]
 
 
-def generation_seed(key: int, step: int, part: int = 0) -> int:
-    """The sampling seed of a step's ``part``-th generate call, from the run's generation key."""
-    return int(np.random.SeedSequence([int(key), int(step), int(part)]).generate_state(1)[0])
+def generation_seed(key: int, step: int, part: int = 0, stream: int = 0) -> int:
+    """The sampling seed of a step's ``part``-th generate call, from the run's generation key
+    (``stream`` > 0: the step's evaluation batch ``stream - 1``, apart from the training samples)."""
+    entropy = [int(key), int(step), int(part)] + ([int(stream)] if stream else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def params_device(params: Any) -> torch.device:
@@ -44,8 +46,8 @@ def params_device(params: Any) -> torch.device:
 
 def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                        max_completion_length: int, stop_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
-                       top_k: int = 0, top_p: float = 1.0, key: int = 0, step: int = 0, row_multiple: int = 1
-                       ) -> tuple[list[list[int]], list[bool]]:
+                       top_k: int = 0, top_p: float = 1.0, key: int = 0, step: int = 0, row_multiple: int = 1,
+                       stream: int = 0) -> tuple[list[list[int]], list[bool]]:
     """``(completions, truncated)``, ``num_generations`` consecutive rows per prompt: each the
     sampled tokens up to and including the first of ``stop_ids`` (not truncated), or
     ``max_completion_length`` tokens without one (truncated). Prompts of one length are sampled
@@ -63,7 +65,7 @@ def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequ
         tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=params_device(params)),
                           max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
                           temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=generation_seed(key, step, part))[:, length:].cpu()
+                          seed=generation_seed(key, step, part, stream))[:, length:].cpu()
         for j, i in enumerate(which):
             new = tokens[j].tolist()
             end = next((k for k, t in enumerate(new) if t in stops), None)
@@ -123,17 +125,18 @@ class Rollout:
 
 def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, tokenizer: Any,
             reward_funcs: Sequence[tuple[str, Callable]], *, stop_ids: Sequence[int], pad_id: int, key: int,
-            step: int, row_multiple: int = 1, reward_kwargs: dict | None = None) -> Rollout:
+            step: int, row_multiple: int = 1, reward_kwargs: dict | None = None, stream: int = 0) -> Rollout:
     """Sample, score and normalise one step's completions of ``prompts``
     (:class:`~functional_pp.data.prompts.Prompt`) with ``spec``'s
     (:class:`~functional_pp.preference.grpo_spec.GRPOSpec`) settings; ``reward_kwargs`` go to
-    every reward function besides the dataset's columns (TRL's ``trainer_state``, ``log_metric``)."""
+    every reward function besides the dataset's columns (TRL's ``trainer_state``, ``log_metric``);
+    ``stream`` picks the seeds (:func:`generation_seed`: 0 training, > 0 evaluation)."""
     g = spec.num_generations
     completion_ids, truncated = sample_completions(
         forward, params, [p.ids for p in prompts], num_generations=g,
         max_completion_length=spec.max_completion_length, stop_ids=stop_ids, pad_id=pad_id,
         temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, key=key, step=step,
-        row_multiple=row_multiple)
+        row_multiple=row_multiple, stream=stream)
     raw = [p.raw for p in prompts for _ in range(g)]
     conversational = not isinstance(raw[0], str)
     names = sorted({k for p in prompts for k in p.columns})
@@ -147,12 +150,17 @@ def rollout(forward: Callable, params: Any, prompts: Sequence[Any], spec: Any, t
                    rewards, advantages, zero, [n for n, _ in reward_funcs])
 
 
-def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
+def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = False,
+                  chunk_rows: int | None = None) -> dict[str, torch.Tensor]:
     """The global training batch of ``r``: ``tokens`` ``[N, seq_len]`` (prompt, completion, then
     ``pad_id``), ``labels`` (each completion token at the position predicting it, -100 elsewhere;
     a truncated completion's all -100 with ``mask_truncated``), ``advantages`` along each row,
     ``step_rows`` / ``step_tokens`` (the batch's rows and completion tokens, along each row: how
-    :func:`~functional_pp.preference.grpo.grpo_objective` weighs accumulated micro-batches)."""
+    :func:`~functional_pp.preference.grpo.grpo_objective` weighs accumulated micro-batches) and,
+    with ``chunk_rows`` (TRL's ``per_device_train_batch_size``: the run's ``micro_batch_size``),
+    ``chunk_tokens`` (the completion tokens of the row's block of ``chunk_rows`` consecutive
+    rows, TRL's micro-batch of one process) and ``step_chunks`` (the blocks): ``bnpo``'s
+    normalisers."""
     n = len(r.completion_ids)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), -100, dtype=torch.long)
@@ -163,9 +171,17 @@ def rollout_batch(r: Rollout, seq_len: int, pad_id: int, mask_truncated: bool = 
         if not (mask_truncated and r.truncated[i]):
             labels[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
     advantages = r.advantages.to(torch.float32)[:, None].expand(n, seq_len).contiguous()
-    step_tokens = torch.full((n, seq_len), float((labels != -100).sum()))
-    return {"tokens": tokens, "labels": labels, "advantages": advantages,
-            "step_rows": torch.full((n, seq_len), float(n)), "step_tokens": step_tokens}
+    per_row = (labels != -100).sum(-1).to(torch.float32)
+    out = {"tokens": tokens, "labels": labels, "advantages": advantages,
+           "step_rows": torch.full((n, seq_len), float(n)),
+           "step_tokens": torch.full((n, seq_len), float(per_row.sum()))}
+    if chunk_rows is not None:
+        if chunk_rows < 1 or n % chunk_rows:
+            raise ValueError(f"{n} completions do not split into micro-batches of {chunk_rows}")
+        chunk = per_row.view(-1, chunk_rows).sum(-1).repeat_interleave(chunk_rows)
+        out["chunk_tokens"] = chunk[:, None].expand(n, seq_len).contiguous()
+        out["step_chunks"] = torch.full((n, seq_len), float(n // chunk_rows))
+    return out
 
 
 def rollout_metrics(r: Rollout) -> dict[str, float]:

@@ -28,6 +28,10 @@ def letters(prompts, completions, **kwargs):
     return [sum("a" <= ch <= "z" for ch in _text(c)) / max(1, len(_text(c))) for c in completions]
 
 
+def index(prompts, completions, answer, **kwargs):
+    return [float(a) for a in answer]
+
+
 def answer_echo(prompts, completions, answer, trainer_state, log_metric, **kwargs):
     assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "user"
     log_metric("echo_step", trainer_state.global_step)
@@ -104,20 +108,81 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
     assert runs["one"][1]["clip_ratio_region_mean"] > 0  # the reused generation: ratios away from 1
 
 
+def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
+    """cp 2 (and cp 2 x FSDP 2): sampling keeps each row's sequence whole on every device of its
+    cp group, the step splits it (load-balanced); GSPO's per-sequence ratio sums over the split
+    sequence. Two updates per generation (the ratio away from 1) with the KL term."""
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("cp", 2, {"cp_size": 2}),
+                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2})):
+        out = tmp_path / name
+        train(config(task, out, trl={"beta": 0.04, "num_iterations": 2, "importance_sampling_level": "sequence",
+                                     "loss_type": "bnpo"},
+                     micro_batch_size=16 // mesh.get("dp_shard_size", 1), learning_rate=3e-2, **mesh),
+              simulate=sim, stream=io.StringIO())
+        runs[name] = _metrics(out)
+    assert runs["one"][1]["clip_ratio_region_mean"] > 0 and runs["one"][-1]["kl"] > 0
+    for layout in ("cp", "cp_fsdp"):
+        for a, b in zip(runs["one"], runs[layout], strict=True):
+            assert a.get("reward") == b.get("reward"), layout
+            for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (layout, a["step"], key)
+
+
+def test_evaluation_samples_the_held_out_prompts_on_every_layout(task, tmp_path):
+    """val_set_size 4: at steps 0, 2 and 4 the held-out prompts (their records' ``answer``, by
+    the reward ``index``) are sampled with num_generations_eval completions each and scored:
+    TRL's metrics prefixed eval_; a FSDP x TP run evaluates the same completions and loss."""
+    from functional_pp.app.grpo_run import grpo_settings, load_prompts
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
+        out = tmp_path / name
+        cfg = config(task, out, trl={"reward_funcs": ["toy_rewards.letters", "toy_rewards.index"], "beta": 0.04,
+                                     "num_generations_eval": 2},
+                     val_set_size=4, eval_steps=2, max_steps=4, micro_batch_size=8 // mesh.get("dp_shard_size", 1),
+                     **mesh)
+        text = io.StringIO()
+        train(cfg, simulate=sim, stream=text)
+        runs[name] = read_metrics(out / "metrics.jsonl")
+    assert "grpo eval:  4 held-out prompts x 2 generations in 1 batch(es) of 4" in text.getvalue()
+    held_out = load_prompts(cfg, grpo_settings(cfg)).val
+    want = sum(p.columns["answer"] for p in held_out.prompts) / 4
+    evals = [m for m in runs["one"] if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [0, 2, 4]
+    for m in evals:
+        assert m["eval_rewards_index_mean"] == pytest.approx(want)
+        for key in ("eval_loss", "eval_reward_std", "eval_frac_reward_zero_std", "eval_completions_mean_length",
+                    "eval_completions_min_length", "eval_completions_max_length", "eval_kl",
+                    "eval_clip_ratio_region_mean"):
+            assert key in m, key
+    assert evals[-1]["eval_kl"] > 0
+    for a, b in zip(runs["one"], runs["fsdp_tp"], strict=True):
+        assert a.get("eval_reward") == b.get("eval_reward") and a.get("eval_completions_mean_length") == b.get(
+            "eval_completions_mean_length")
+        for key in ("eval_loss", "eval_kl"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_gradient_accumulation_equals_one_large_batch(task, tmp_path, loss_type):
-    """The step's 16 completions in 2 micro-batches of 8: each loss type weighs them as one batch."""
+    """The step's 16 completions in 2 micro-batches of 8 on one device, or one micro-batch of 8
+    on each of 2 data-parallel devices (TRL: 2 processes), are TRL's same step; and, but for
+    ``bnpo`` (TRL normalises each micro-batch by its own tokens), one batch of 16."""
     runs = []
-    for name, micro, accum in (("one", 16, 1), ("accum", 8, 2)):
+    for name, micro, accum, sim, mesh in (("one", 16, 1, 1, {}), ("accum", 8, 2, 1, {}),
+                                          ("dp", 8, 1, 2, {"dp_replicate_size": 2})):
         out = tmp_path / name
         train(config(task, out, trl={"loss_type": loss_type},
-                     micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
-              simulate=1, stream=io.StringIO())
+                     micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1, **mesh),
+              simulate=sim, stream=io.StringIO())
         runs.append(_metrics(out)[0])
-    a, b = runs
-    assert a["reward"] == b["reward"]
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
+    one, accum, dp = runs
+    assert one["reward"] == accum["reward"] == dp["reward"]
+    pairs = [(accum, dp)] + ([(one, accum)] if loss_type != "bnpo" else [])
+    for a, b in pairs:
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 1e-3
 
 
 def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
@@ -206,11 +271,11 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
              ({"trl": {"sync_ref_model": True}}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
-             ({"cp_size": 2}, "rl: grpo with cp_size 2")]
+             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built")]
     for over, why in cases:
         trl = dict(over.pop("trl", {}))
         with pytest.raises(ConfigError, match=why):
-            train(config(task, out, trl=trl, **over), simulate=over.get("cp_size", 1), stream=io.StringIO())
+            train(config(task, out, trl=trl, **over), simulate=over.get("pp_size", 1), stream=io.StringIO())
     assert not out.exists()
     with pytest.raises(ConfigError, match="'trl' is not supported with rl: dpo"):
         TrainConfig.from_dict({"rl": "dpo", "trl": {"beta": 0.1}, "datasets": [{"path": "x.jsonl"}]})

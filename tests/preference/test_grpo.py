@@ -181,3 +181,178 @@ def test_grpo_objective_fsdp_tp_equals_one_device(llama_pair):
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
         for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda msg: f"{p}: {msg}")
+
+
+M, ACCUM, PROCS = 2, 2, 2                     # TRL's per_device_train_batch_size, accumulation, processes
+NB = M * ACCUM * PROCS
+
+
+def _step_batch(seed: int):
+    """A step's NB completions of different lengths (a Rollout as sampling makes it), the
+    sampling policy's per-token log-probabilities away from the policy's, and the same in
+    TRL's form (completions padded to C)."""
+    from functional_pp.preference.rollout import Rollout, rollout_batch
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, KW["vocab_size"], (NB, P), generator=g)
+    lengths = [1, 6, 2, 2, 6, 5, 3, 1]              # micro-batches of 7, 4, 11 and 4 tokens
+    completions = [torch.randint(1, KW["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    adv = grpo.group_advantages(torch.randn(NB, generator=g, dtype=torch.float64), 4).float()
+    r = Rollout([p.tolist() for p in prompt], completions, [False] * NB, torch.zeros(NB, 1), torch.zeros(NB), adv,
+                torch.zeros(NB, dtype=torch.bool), ["r"])
+    batch = rollout_batch(r, P + C, 0, chunk_rows=M)
+    mask = torch.tensor([[1] * n + [0] * (C - n) for n in lengths])
+    tokens = batch["tokens"]
+    old_noise = 0.3 * torch.randn(NB, C, generator=g, dtype=torch.float64)
+    return batch, tokens, mask, adv, old_noise
+
+
+def _trl_step_grads(m, tokens, mask, adv, old_noise, loss_type, level):
+    """TRL's step: each process's rows split into ACCUM micro-batches of M, each micro-batch's
+    ``_compute_loss`` (normalised for the accumulation and the processes as TRL does) summed,
+    the processes' gradients averaged (DDP); the loss as TRL reports it, and the gradients."""
+    m.zero_grad()
+    with torch.no_grad():
+        old = _trl_completion_logps(m, tokens, mask).double() + old_noise
+    total, num_items = 0.0, mask.sum()
+    for p in range(PROCS):
+        for s in range(ACCUM):
+            rows = slice((p * ACCUM + s) * M, (p * ACCUM + s + 1) * M)
+            logps = _trl_completion_logps(m, tokens[rows], mask[rows])
+            loss, _ = grpo_loss(logps, mask[rows], adv[rows], old_logps=old[rows].float(), loss_type=loss_type,
+                                max_completion_length=C, importance_sampling_level=level, accumulation=ACCUM,
+                                processes=PROCS, num_items=num_items)
+            (loss / PROCS).backward()                       # DDP: the processes' mean
+            total += float(loss.detach()) / PROCS
+    return total, old
+
+
+def _our_step(cfg, params, batch, loss_type, level, processes=False):
+    """Our step from ``params`` on dp=2 with 2 micro-batches per device: the loss and the
+    gradients (SGD with lr 1: the update is the gradient)."""
+    import functools
+
+    import functional_pp as fpp
+    from functional_pp.core.tree import tree_map
+    from functional_pp.models import llama
+    from functional_pp.parallel import sharding
+    mesh, rules = fpp.Mesh(dp=PROCS), llama.default_rules()
+    decls = llama.init(cfg, torch.float64)
+    full = tree_map(lambda x: x.double(), params)
+    objective = grpo.grpo_objective(functools.partial(llama.forward, cfg=cfg), loss_type=loss_type,
+                                    max_completion_length=C, importance_sampling_level=level)
+    step = fpp.train_step(objective, fpp.optim.sgd(1.0), mesh=mesh, rules=rules, grad_accum=ACCUM,
+                          batch_dims={k: "batch seq" for k in batch})
+
+    def run():
+        from harness import local_batch
+        with fpp.use_rules(rules):
+            state = step.init(sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls))
+            local = {k: v.data for k, v in local_batch(batch, mesh, rules).items()}
+        state, metrics = step(state, local)
+        with fpp.use_rules(rules):
+            new = fpp.gather_tree(state["params"], decls, rules)
+        return float(metrics["loss"]), tree_map(lambda x: getattr(x, "data", x).detach().clone(), new)
+    loss, new = fpp.launch(run, mesh, processes=processes, timeout=600)[0]
+    return loss, tree_map(lambda w, n: w - n, full, new)
+
+
+def _compare(m, cfg, params, loss_type, level, processes=False):
+    batch, tokens, mask, adv, old_noise = _step_batch(11)
+    want, old = _trl_step_grads(m, tokens, mask, adv, old_noise, loss_type, level)
+    batch["old_logps"] = torch.zeros(NB, P + C, dtype=torch.float32)
+    batch["old_logps"][:, P - 1:P - 1 + C] = old.float()
+    loss, grads = _our_step(cfg, params, batch, loss_type, level, processes)
+    assert abs(want) > 1e-4
+    assert loss == pytest.approx(want, rel=2e-5, abs=2e-6)
+    torch.testing.assert_close(grads["lm_head"].float(), m.lm_head.weight.grad.T, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads["layers"][0]["mlp"]["down_proj"].float(),
+                               m.model.layers[0].mlp.down_proj.weight.grad.T, rtol=1e-4, atol=1e-6)
+    return batch
+
+
+@pytest.mark.parametrize("level", grpo.IMPORTANCE_SAMPLING_LEVELS)
+@pytest.mark.parametrize("loss_type", grpo.GRPO_LOSS_TYPES)
+def test_an_accumulated_data_parallel_step_equals_trls(llama_pair, loss_type, level):
+    """2 processes x 2 micro-batches of 2 completions of different lengths, old log-probs away
+    from the policy's (the clip acts): the loss and gradients equal TRL's step, each
+    micro-batch's ``_compute_loss`` with TRL's normalisers (``bnpo``: each micro-batch over its
+    own tokens), for token- and sequence-level (GSPO) ratios."""
+    m, cfg, params = llama_pair
+    _compare(m, cfg, params, loss_type, level)
+
+
+def test_bnpo_normalises_each_micro_batch_by_its_own_tokens():
+    """TRL's bnpo is the mean of the micro-batches' token means, not the step's token mean."""
+    g = torch.Generator().manual_seed(2)
+    losses = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    got = grpo.grpo_loss(losses, mask, "bnpo", chunk_rows=2)
+    a, b = (losses * mask)[:2].sum() / 6, (losses * mask)[2:].sum() / 5
+    torch.testing.assert_close(got, (a + b) / 2)
+    assert not torch.isclose(got, grpo.grpo_loss(losses, mask, "bnpo"))
+    with pytest.raises(ValueError, match="4 rows do not split into micro-batches of 3"):
+        grpo.grpo_loss(losses, mask, "bnpo", chunk_rows=3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("loss_type,level", [("bnpo", "sequence"), ("grpo", "token")])
+def test_an_accumulated_step_on_two_gloo_processes_equals_trls(llama_pair, loss_type, level):
+    m, cfg, params = llama_pair
+    _compare(m, cfg, params, loss_type, level, processes=True)
+
+
+@pytest.mark.parametrize("level", grpo.IMPORTANCE_SAMPLING_LEVELS)
+def test_logged_kl_and_clip_ratios_equal_trls(llama_pair, level):
+    """``kl`` and TRL's ``clip_ratio/low_mean``, ``high_mean``, ``region_mean``, ``low_min`` and
+    ``high_max`` of a batch with ratios on both sides of the clip (per token, or per sequence)."""
+    import functools
+
+    from functional_pp.core import step_values
+    from functional_pp.core.tree import tree_map
+    from functional_pp.models import llama
+    from functional_pp.parallel import sharding
+    m, cfg, params = llama_pair
+    batch, tokens, mask, adv, old_noise = _step_batch(5)
+    with torch.no_grad():
+        logps = _trl_completion_logps(m, tokens, mask).double()
+        old, ref = logps + old_noise, logps + 0.2 * old_noise.flip(0)
+    _, want = grpo_loss(logps, mask, adv.double(), old_logps=old, ref_logps=ref, beta=0.1, epsilon_high=0.28,
+                        importance_sampling_level=level, max_completion_length=C)
+    for k, x in (("old_logps", old), ("ref", ref)):
+        batch[k] = torch.zeros(NB, P + C, dtype=torch.float64)
+        batch[k][:, P - 1:P - 1 + C] = x
+    ref_col = batch.pop("ref")
+    forward = functools.partial(llama.forward, cfg=cfg)
+    objective = grpo.grpo_objective(forward, beta=0.1, epsilon_high=0.28, importance_sampling_level=level,
+                                    reference=lambda _p, t: ref_logits)
+    named = sharding.named_tree(tree_map(lambda x: x.double(), params), llama.init(cfg, torch.float64))
+    b = {k: fpp_wrap(v) for k, v in batch.items()}
+    # the reference's logits: the labels' log-probabilities are ref (a one-hot-like table)
+    ref_logits = _logits_with_label_logps(b["labels"], ref_col, KW["vocab_size"])
+    with step_values.collecting() as found:
+        objective(named, b)
+    got = {k: float(v) for k, (v, _) in found.items()}
+    assert want["clip_ratio/region_mean"] > 0.05 and want["kl"] > 0
+    for name in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max"):
+        # (TRL's from transformers' fp32 log-probabilities, ours fp64: the KL to ~1e-5)
+        assert got[name.replace("/", "_")] == pytest.approx(want[name], rel=1e-4, abs=1e-9), name
+
+
+def fpp_wrap(x):
+    import functional_pp as fpp
+    return fpp.wrap(x, "batch seq")
+
+
+def _logits_with_label_logps(labels, logps, vocab: int):
+    """Named logits ``[batch, seq, vocab]`` whose log-softmax at each label is ``logps``: the
+    label's logit ``logp - log(1 - exp(logp)) + log(vocab - 1)`` over zeros elsewhere."""
+    import math
+
+    import functional_pp as fpp
+    lab = labels.value().clamp(min=0)
+    lp = logps.clamp(max=-1e-6)
+    logit = lp - torch.log1p(-torch.exp(lp)) + math.log(vocab - 1)
+    out = torch.zeros(*lab.shape, vocab, dtype=torch.float64).scatter(-1, lab[..., None], logit[..., None])
+    return fpp.wrap(out, "batch seq vocab")

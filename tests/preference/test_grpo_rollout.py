@@ -201,10 +201,11 @@ def test_trl_keys_that_change_the_math_are_refused_and_engine_keys_accepted():
     assert spec.scale_rewards == "group" and spec.engine_keys == ("use_vllm", "vllm_server_host", "vllm.host")
     assert (spec.num_generations, spec.max_completion_length, spec.loss_type, spec.beta) == (8, 512, "dapo", 0.0)
     assert grpo_spec("gdpo", base).multi_objective_aggregation == "normalize_then_sum"
+    assert grpo_spec("grpo", {**base, "importance_sampling_level": "sequence"}).importance_sampling_level == "sequence"
     for extra, why in [({"sync_ref_model": True}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
                        ({"num_iterations": 0}, "trl.num_iterations must be >= 1"),
                        ({"steps_per_generation": 2}, "trl.steps_per_generation: generation batches larger"),
-                       ({"importance_sampling_level": "sequence"}, "GSPO"),
+                       ({"importance_sampling_level": "tokens"}, "trl.importance_sampling_level 'tokens' is not one"),
                        ({"bogus": 1}, "trl.bogus is not a GRPO key read here"),
                        ({"num_generations": 1}, "num_generations must be >= 2"),
                        ({"reward_weights": [1, 2]}, "one weight per reward function \\(1\\)"),
