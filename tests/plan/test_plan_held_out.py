@@ -116,3 +116,20 @@ def test_benchmarks_gpu_results_become_held_out_rows():
     assert references.predicted_memory(row) == references.predicted_memory(own)
     with pytest.raises(ValueError, match="no cluster preset describes 'NVIDIA B200'"):
         references.gpu_rows({**result, "device": "NVIDIA B200"})
+
+
+def test_maxtext_rows_convert_its_count_of_the_model_the_rows_run():
+    """MaxText's TFLOP/s (April 2024: 6 x every parameter + causal attention per token) becomes
+    tokens/s with the parameter count of the Llama 2 7B the rows dry-run, and the rows are
+    its N-VM scripts' meshes: FSDP 8 in a VM, data parallel across VMs."""
+    import math
+
+    import torch
+    from functional_pp.core.tree import tree_leaves
+    from functional_pp.models import llama
+    cfg = references.CONFIGS["llama2_7b"]()
+    count = sum(math.prod(d.shape) for d in tree_leaves(llama.init(cfg, torch.bfloat16)))
+    assert count == references.LLAMA2_7B_PARAMETERS
+    for r in references.MAXTEXT_A3:
+        assert dict(r.mesh)["dp_shard"] == 8 and r.devices % 8 == 0 and r.split == "held_out"
+    assert references.MAXTEXT_A3[0].tokens_per_s_per_gpu == pytest.approx(492e12 / (6 * count + 6 * 32 * 128 * 32 * 4096))
