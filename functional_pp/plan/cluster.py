@@ -132,6 +132,12 @@ H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_effic
                 overlap=0.94, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT,
                 attention_length=8192, attention_length_exponent=ATTENTION_LENGTH_FIT)
 
+#: fitted by plan.fit_cluster to Megatron-LM's GPT 1.7B row (48 H100 SXM at 700 W, data parallel
+#: only, so the rate is the compute's; plan/references.py): the fraction of the bf16 peak its
+#: matmuls reach. Against the Grand Teton fit's 0.56 it carries the 700 W clocks (torchtitan's
+#: hosts ran at 500 W) and Transformer Engine's kernels; the 7.1B-32B rows are held out
+MEGATRON_FIT = 0.69
+
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,
     # 400 Gb/s RDMA per GPU
@@ -144,6 +150,22 @@ PRESETS = {
     "h100x8": Cluster("h100x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12,
                       **H100_FIT, about="8 x H100 SXM 80 GB (3.35 TB/s) per node, NVLink 4, a 400 Gb/s NIC per "
                       "GPU; the Grand Teton fit (likely conservative at 700 W)"),
+    # H100 SXM 80 GB at 700 W running Megatron-LM with Transformer Engine: the h100x8 numbers with
+    # the matmul efficiency of Megatron's published runs
+    "h100x8-te": Cluster("h100x8-te", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12,
+                         **{**H100_FIT, "compute_efficiency": MEGATRON_FIT},
+                         about="8 x H100 SXM 80 GB at 700 W as Megatron-LM published its runs on (Transformer "
+                         "Engine kernels): h100x8 with matmuls at 0.69 of peak, fitted to Megatron's GPT 1.7B row "
+                         "(h100x8's 0.56 was fitted to torchtitan's 500 W hosts); for plans of Megatron-like "
+                         "kernels"),
+    # Google Cloud A3 (a3-highgpu-8g): 8 x H100 SXM 80 GB at 700 W, NVLink 4, GPUDirect-TCPX over 4 x
+    # 200 Gb/s NICs per 8 GPUs (100 Gb/s per GPU); the h100x8-te efficiencies (cuBLAS matmuls and
+    # cuDNN flash attention at 700 W, fused elementwise kernels)
+    "a3x8": Cluster("a3x8", 8, 450e9, 11.25e9, peak_flops=989e12, memory_bytes=80e9, memory_bandwidth=3.35e12,
+                    **{**H100_FIT, "compute_efficiency": MEGATRON_FIT},
+                    about="Google Cloud A3 VMs (a3-highgpu-8g) as MaxText published its H100 rows on: 8 x H100 SXM "
+                    "80 GB at 700 W, NVLink 4, GPUDirect-TCPX with 4 x 200 Gb/s NICs per VM (100 Gb/s per GPU); "
+                    "h100x8-te's efficiencies, not fitted to these runs"),
     "h200x8": Cluster("h200x8", 8, 450e9, 45e9, peak_flops=989e12, memory_bytes=141e9, memory_bandwidth=4.8e12,
                       **H100_FIT, about="8 x H200 141 GB (4.8 TB/s) per node, NVLink 4, a 400 Gb/s NIC per GPU; the "
                       "H100 fit with the H200's memory (one H200 run measured 8-11% below it)"),
@@ -173,7 +195,8 @@ def describe_presets() -> str:
 
 
 def cluster(name_or_cluster: "str | Cluster") -> Cluster:
-    """A preset by name (``h100x8-gt``, ``h100x8``, ``h200x8``, ``a100x8``, ``l40sx4``) or the cluster itself."""
+    """A preset by name (``h100x8-gt``, ``h100x8``, ``h100x8-te``, ``a3x8``, ``h200x8``, ``a100x8``,
+    ``l40sx4``) or the cluster itself."""
     if isinstance(name_or_cluster, Cluster):
         return name_or_cluster
     if name_or_cluster not in PRESETS:

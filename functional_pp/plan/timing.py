@@ -6,7 +6,7 @@ default one, and :func:`fit_cluster` fits a cluster's constants to measured step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from functional_pp.core.mesh import Mesh
 from functional_pp.plan.cluster import Cluster
@@ -89,16 +89,48 @@ def attention_slowdown(run: DeviceRun, cl: Cluster) -> float:
                for n, f in run.attention_by_keys.items()) / total
 
 
+#: the data-parallel mesh axes: their gradient all-reduces are what a distributed optimizer splits
+DATA_AXES = ("dp_replicate", "dp_shard")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def distributed_optimizer_events(e: TaggedEvent, sent: int, mesh: Mesh, param_dtype: str = "bfloat16") -> list:
+    """What a distributed optimizer (Megatron's ``--use-distributed-optimizer``, ZeRO-1) sends
+    in place of ``e``, a gradient all-reduce over data-parallel axes (``sent`` its ring bytes),
+    as ``(event, bytes)`` pairs: the gradients reduce-scattered over the data-parallel axes in
+    their dtype in backward, and the updated shards all-gathered in ``param_dtype`` before the
+    next forward (``--overlap-param-gather``: weight traffic of the forward); a gradient
+    all-reduced over other axes too (a sequence-parallel norm's over ``tp``) is first summed
+    over those, after backward, outside the buckets (critical path). Other events: unchanged."""
+    if not (e.weight_traffic and e.kind == "all_reduce" and e.phase == "backward"
+            and any(a in DATA_AXES for a in e.axes)):
+        return [(e, sent)]
+    g = e.group_size
+    full = sent * g / (2 * (g - 1)) if g > 1 else 0.0          # the buffer's bytes
+    dp_axes = tuple(a for a in e.axes if a in DATA_AXES)
+    other = tuple(a for a in e.axes if a not in DATA_AXES)
+    dp = math.prod(mesh.shape[a] for a in dp_axes)
+    rs = int(full * (dp - 1) / dp)
+    ag = rs * _ITEMSIZE[param_dtype] // _ITEMSIZE.get(e.dtype, 4)
+    out = [(replace(e, kind="reduce_scatter", axes=dp_axes, group_size=dp), rs),
+           (replace(e, kind="all_gather", phase="forward", axes=dp_axes, group_size=dp), ag)]
+    if other:
+        n = g // dp
+        out.append((replace(e, axes=other, group_size=n, weight_traffic=False), int(full * 2 * (n - 1) / n)))
+    return out
+
+
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
                    compiled: bool = False, selective_ac: str | None = None, float8: bool = False,
-                   activation_sums: str | None = None) -> dict[str, float]:
+                   activation_sums: str | None = None, distributed_optimizer: bool = False) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
     phase, split into critical-path and weight traffic, per collective. ``float8``: the
     layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
     with dynamic tensorwise scaling; attention and the head stay bf16) and their activation
-    all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`. ``async {phase}``: the
-    part of the critical path async TP can overlap (:func:`async_tp_event`)."""
+    all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`; ``distributed_optimizer``:
+    the data-parallel gradient all-reduces as :func:`distributed_optimizer_events`. ``async
+    {phase}``: the part of the critical path async TP can overlap (:func:`async_tp_event`)."""
     if activation_sums not in (None, "float32", "bfloat16"):
         raise ValueError(f"cost: activation_sums={activation_sums!r}; use None or 'float32' (as the step sends them) "
                          f"or 'bfloat16' (torchtitan's TP/SP sums)")
@@ -135,10 +167,13 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
         add("compute", (run.flops_by_layer.get(layer, 0.0) - attn) / mm_rate + attn / attn_rate
             - fp8_part(run.linear_by_layer.get(layer, 0.0)) + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
     grouped: set = set()
+    parts = []
     for e in run.events:
+        sent = sent_bytes(e, float8=float8, activation_sums=activation_sums)
+        parts += distributed_optimizer_events(e, sent, mesh) if distributed_optimizer else [(e, sent)]
+    for e, sent in parts:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
             continue
-        sent = sent_bytes(e, float8=float8, activation_sums=activation_sums)
         s, where = event_seconds(e, mesh, cl, sent)
         if e.weight_traffic and e.layer is not None:     # the step's FSDP units: one flat collective per layer
             key = (e.kind, e.axes, e.phase, e.layer)
@@ -161,7 +196,8 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
 
 
 def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None,
-         float8: bool = False, activation_sums: str | None = None, async_tp: bool = False) -> "StepTime":
+         float8: bool = False, activation_sums: str | None = None, async_tp: bool = False,
+         tp_comm_overlap: bool = False, distributed_optimizer: bool = False) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
@@ -174,7 +210,14 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     layers' activation all-gathers in fp8; ``activation_sums="bfloat16"`` sends the TP/SP
     activation sums in bf16 rather than the step's float32 (torchtitan's);
     ``async_tp`` hides a fraction ``async_tp_overlap`` of the tensor-parallel activation
-    all-gathers and reduce-scatters under the compute of their phase (torchtitan's async TP).
+    all-gathers and reduce-scatters under the compute of their phase (torchtitan's async TP);
+    ``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``: Transformer Engine splits each of
+    them into ``tp`` chunks and pipelines the chunks' transfers under the chunked matmul) hides
+    all but one chunk of each, (tp - 1) / tp of them, within their phase's compute;
+    ``distributed_optimizer`` (Megatron's, ZeRO-1) reduce-scatters the data-parallel gradients
+    in backward, all-gathers the updated parameters in the compute dtype before the next
+    forward (weight traffic of the forward) and updates each rank's shard of the state
+    (:func:`distributed_optimizer_events`).
     A fraction ``overlap``
     of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
     phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
@@ -190,17 +233,23 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
                          f"this estimate ran remat={est.settings['remat']!r}, whose recomputation its backward "
                          f"already counts; drop selective_ac")
     comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8,
-                            activation_sums=activation_sums) for r in est.runs]
+                            activation_sums=activation_sums, distributed_optimizer=distributed_optimizer)
+             for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
     compute = sum(v for k, v in total.items() if k.startswith("compute "))
+    if async_tp and tp_comm_overlap:
+        raise ValueError("cost: async_tp (torchtitan's) and tp_comm_overlap (Megatron's) are two ways of overlapping "
+                         "the same tensor-parallel collectives; pass one")
+    tp_size = est.mesh.shape.get(TP, 1)
+    fraction = (cl.async_tp_overlap if async_tp else (tp_size - 1) / tp_size if tp_comm_overlap else 0.0)
     exposed = hidden = tp_hidden = 0.0
     for phase in ("forward", "backward"):
         w = total.get(f"weight {phase}", 0.0)
         c = total.get(f"compute {phase}", 0.0)
         hide = min(cl.overlap * w, c)
         # async TP: a fraction of the TP activation collectives runs under the matmuls they feed
-        tp = min(cl.async_tp_overlap * total.get(f"async {phase}", 0.0), c - hide) if async_tp else 0.0
+        tp = min(fraction * total.get(f"async {phase}", 0.0), c - hide)
         exposed += total.get(f"critical {phase}", 0.0) - tp + w - hide
         hidden += hide + tp
         tp_hidden += tp
@@ -234,6 +283,10 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         by_coll[f"pp permute ({link[0]})"] = p2p
     exposed += once
     update = 3 * est.state_bytes / cl.memory_bandwidth        # read state and gradients, write state
+    if distributed_optimizer:       # each rank updates its shard: split over the axes its gradients were all-reduced on
+        reduced = {a for r in est.runs for e in r.events for a in e.axes
+                   if a in DATA_AXES and len(distributed_optimizer_events(e, 0, est.mesh)) > 1}
+        update /= math.prod(est.mesh.shape[a] for a in reduced)
     offloaded, update = host_copies(est, cl, update)
     if offloaded:
         exposed += offloaded
@@ -246,7 +299,7 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
             per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8,
-                                       activation_sums=activation_sums)
+                                       activation_sums=activation_sums, distributed_optimizer=distributed_optimizer)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
 
 

@@ -16,7 +16,7 @@ def predicted():
 def test_the_split_is_explicit_and_the_fitted_rows_are_held_to_five_percent():
     assert set(references.FITTED) | set(references.HELD_OUT) == set(references.ROWS)
     assert not set(references.FITTED) & set(references.HELD_OUT)
-    assert len(references.HELD_OUT) >= 8 and len(references.FITTED) == 10
+    assert len(references.HELD_OUT) >= 8 and len(references.FITTED) == 11
     for r in references.ROWS:
         assert r.cluster in plan.PRESETS and r.source, r.name
         assert r.tolerance == 0.05 or r.why, f"{r.name}: a tolerance over 5% must say why"
@@ -54,6 +54,27 @@ def test_the_fit_sees_only_the_fitted_rows_and_the_preset_is_its_result():
     for k in ("compute_efficiency", "compiled_traffic", "overlap"):
         assert getattr(fitted, k) == pytest.approx(getattr(preset, k), rel=0.01), k
     assert not set(bf16) & set(references.HELD_OUT)
+
+
+def test_the_megatron_preset_is_fitted_on_its_one_row_and_predicts_the_held_out_ones():
+    """``h100x8-te``'s matmul efficiency is the fit on Megatron's 1.7B row alone (data parallel
+    only): refitted from h100x8's 0.56 it lands on the preset's 0.69; the tensor-parallel rows
+    (7.1B-32B) are held out, and each comes within 5% only with both of Megatron's overlaps
+    modelled: without the distributed optimizer or without the TP overlap the 32B row is off by
+    more (the mechanisms are what carries the held-out rows, not the fitted number)."""
+    (one,) = [r for r in references.MEGATRON_GPT if r.split == "fitted"]
+    assert dict(one.mesh).get("tp", 1) == 1
+    samples = [(references.reference_estimate(one), one.local_batch * one.seq / one.tokens_per_s_per_gpu,
+                one.cost_options())]
+    fitted = plan.fit_cluster(plan.cluster("h100x8"), samples, fit=("compute_efficiency",), rounds=2)
+    assert fitted.compute_efficiency == pytest.approx(plan.cluster("h100x8-te").compute_efficiency, abs=0.005)
+    big = references.MEGATRON_GPT[-1]
+    assert big.split == "held_out" and dict(big.mesh)["tp"] == 8
+    for drop in ("distributed_optimizer", "tp_comm_overlap"):
+        options = {**big.cost_options(), drop: False}
+        t = plan.cost(references.reference_estimate(big), big.cluster, **options)
+        error = big.local_batch * big.seq / 8 / t.step_s / big.tokens_per_s_per_gpu - 1
+        assert error < -0.05, (drop, error)
 
 
 @pytest.mark.parametrize("row", [r for r in references.ROWS if r.memory_gib], ids=lambda r: r.name)
@@ -95,3 +116,20 @@ def test_benchmarks_gpu_results_become_held_out_rows():
     assert references.predicted_memory(row) == references.predicted_memory(own)
     with pytest.raises(ValueError, match="no cluster preset describes 'NVIDIA B200'"):
         references.gpu_rows({**result, "device": "NVIDIA B200"})
+
+
+def test_maxtext_rows_convert_its_count_of_the_model_the_rows_run():
+    """MaxText's TFLOP/s (April 2024: 6 x every parameter + causal attention per token) becomes
+    tokens/s with the parameter count of the Llama 2 7B the rows dry-run, and the rows are
+    its N-VM scripts' meshes: FSDP 8 in a VM, data parallel across VMs."""
+    import math
+
+    import torch
+    from functional_pp.core.tree import tree_leaves
+    from functional_pp.models import llama
+    cfg = references.CONFIGS["llama2_7b"]()
+    count = sum(math.prod(d.shape) for d in tree_leaves(llama.init(cfg, torch.bfloat16)))
+    assert count == references.LLAMA2_7B_PARAMETERS
+    for r in references.MAXTEXT_A3:
+        assert dict(r.mesh)["dp_shard"] == 8 and r.devices % 8 == 0 and r.split == "held_out"
+    assert references.MAXTEXT_A3[0].tokens_per_s_per_gpu == pytest.approx(492e12 / (6 * count + 6 * 32 * 128 * 32 * 4096))

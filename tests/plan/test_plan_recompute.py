@@ -110,6 +110,45 @@ def test_async_tp_hides_its_fraction_of_the_tp_collectives(full_ac):
     assert plan.cost(full_ac, cl.with_(async_tp_overlap=0.0), async_tp=True).step_s == sync.step_s
 
 
+def test_tp_comm_overlap_hides_all_but_one_chunk_per_tp_rank(full_ac):
+    """``tp_comm_overlap`` (Megatron's: the collective in ``tp`` chunks pipelined under the
+    chunked matmul) hides (tp - 1) / tp of the TP activation all-gathers and reduce-scatters
+    within their phase's compute, from the mesh alone; it and ``async_tp`` are refused together."""
+    sync, chunked = plan.cost(full_ac, FLAT), plan.cost(full_ac, FLAT, tp_comm_overlap=True)
+    tp = sync.by_collective["tp all_gather (intra)"] + sync.by_collective["tp reduce_scatter (intra)"]
+    assert sync.step_s - chunked.step_s == pytest.approx(tp * (MESH.shape["tp"] - 1) / MESH.shape["tp"], rel=1e-9)
+    with pytest.raises(ValueError, match="async_tp .* and tp_comm_overlap"):
+        plan.cost(full_ac, FLAT, async_tp=True, tp_comm_overlap=True)
+
+
+def test_distributed_optimizer_reduce_scatters_gathers_and_updates_a_shard():
+    """``distributed_optimizer`` (Megatron's, ZeRO-1) on a data-parallel mesh: each fp32
+    gradient all-reduce over ``dp_replicate`` becomes a reduce-scatter of half its bytes in
+    backward and an all-gather of a quarter (the bf16 parameters) in forward, and the update
+    reads and writes 1/dp of the state; a norm's gradient all-reduced over ``dp_replicate`` x
+    ``tp`` is summed over ``tp`` (critical path) and reduce-scattered over ``dp_replicate``."""
+    rules = llama.default_rules(fsdp=False, sequence_parallel=True)
+    mesh = fpp.Mesh(dp_replicate=2, tp=2)
+    est = plan.estimate(LOSS, llama.init(CFG), mesh, rules, BATCH, precision="bf16")
+    ddp, zero = plan.cost(est, FLAT), plan.cost(est, FLAT, distributed_optimizer=True)
+
+    def grads(axes):
+        return est.extrapolate(lambda r: sum(e.bytes_sent for e in r.events if e.weight_traffic
+                                             and e.kind == "all_reduce" and e.axes == axes)) / FLAT.intra_bandwidth
+    ar, norms = grads(("dp_replicate",)), grads(("dp_replicate", "tp"))
+    assert ar > 0 and norms > 0
+    loss_sums = ddp.by_collective["dp_replicate all_reduce (intra)"] - ar      # the loss's, unchanged
+    assert zero.by_collective["dp_replicate all_reduce (intra)"] == pytest.approx(loss_sums, rel=1e-6, abs=1e-15)
+    # the norms' buffer over dp_replicate x tp (4 ranks: 2 x 3/4 of it) is 4/6 of their bytes
+    buffer = norms * 4 / 6
+    assert zero.by_collective["dp_replicate reduce_scatter (intra)"] == pytest.approx(ar / 2 + buffer / 2, rel=1e-6)
+    assert zero.by_collective["dp_replicate all_gather (intra)"] == pytest.approx((ar / 2 + buffer / 2) / 2, rel=1e-6)
+    assert zero.by_collective["tp all_reduce (intra)"] - ddp.by_collective.get("tp all_reduce (intra)", 0.0) == \
+        pytest.approx(buffer, rel=1e-6)
+    assert "dp_replicate+tp all_reduce (intra)" not in zero.by_collective
+    assert zero.update_s == pytest.approx(ddp.update_s / 2, rel=1e-9)
+
+
 def test_a_pipelines_fsdp_traffic_is_reported_once_per_step():
     """``pp_fsdp_gather="step"``: the stage's FSDP units are gathered (in fp32 masters) and
     reduce-scattered once per step, so ``by_collective`` charges their bytes once, the bytes of
