@@ -101,7 +101,8 @@ def distributed_optimizer_events(e: TaggedEvent, sent: int, mesh: Mesh, param_dt
     their dtype in backward, and the updated shards all-gathered in ``param_dtype`` before the
     next forward (``--overlap-param-gather``: weight traffic of the forward); a gradient
     all-reduced over other axes too (a sequence-parallel norm's over ``tp``) is first summed
-    over those, after backward, outside the buckets (critical path). Other events: unchanged."""
+    over those once per step after backward, outside the buckets (Megatron's
+    ``finalize_model_grads``: on the critical path, with the update). Other events: unchanged."""
     if not (e.weight_traffic and e.kind == "all_reduce" and e.phase == "backward"
             and any(a in DATA_AXES for a in e.axes)):
         return [(e, sent)]
@@ -116,7 +117,8 @@ def distributed_optimizer_events(e: TaggedEvent, sent: int, mesh: Mesh, param_dt
            (replace(e, kind="all_gather", phase="forward", axes=dp_axes, group_size=dp), ag)]
     if other:
         n = g // dp
-        out.append((replace(e, axes=other, group_size=n, weight_traffic=False), int(full * 2 * (n - 1) / n)))
+        out.append((replace(e, axes=other, group_size=n, weight_traffic=False, phase="update"),
+                    int(full * 2 * (n - 1) / n)))
     return out
 
 
@@ -263,12 +265,17 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         link = cl.link(est.mesh, ("pp",))
         p2p = pipe.sends * cl.collective_seconds("permute", pipe.boundary_bytes, 2, link)
         if pipe.fsdp_gather == "step":      # weight traffic once per step (gathered in the master dtype, no re-gather)
-            critical = sum(total.get(f"critical {ph}", 0.0) for ph in ("forward", "backward")) - tp_hidden
             scale = pipe.gather_scale
             weight = (scale * total.get("gather forward", 0.0) + total.get("weight forward", 0.0)
                       - total.get("gather forward", 0.0) + total.get("weight backward", 0.0)
                       - total.get("gather backward", 0.0))
             hide = min(cl.overlap * weight, m * compute)
+            # the TP overlap's budget is the micro-batch's compute left once the step's weight
+            # traffic, spread over the m micro-batches, has hidden under it (not the per-micro-batch
+            # charge of that traffic, which the loop above assumed)
+            tp_hidden = min(fraction * sum(total.get(f"async {ph}", 0.0) for ph in ("forward", "backward")),
+                            compute - hide / m)
+            critical = sum(total.get(f"critical {ph}", 0.0) for ph in ("forward", "backward")) - tp_hidden
             once_w, hidden = weight - hide, hide / m + tp_hidden
             exposed = critical + once_w / m
         busy = m * (compute + exposed) + p2p
