@@ -271,7 +271,11 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
              ({"trl": {"sync_ref_model": True}}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
-             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built")]
+             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built"),
+             ({"val_set_size": 2}, "val_set_size: 2 held-out prompts are fewer than one evaluation batch's 4"),
+             ({"trl": {"num_generations_eval": 3}, "val_set_size": 4},
+              "global batch of 16 completions is not a multiple of trl.num_generations_eval 3"),
+             ({"trl": {"importance_sampling_level": "seq"}}, "trl.importance_sampling_level 'seq' is not one of")]
     for over, why in cases:
         trl = dict(over.pop("trl", {}))
         with pytest.raises(ConfigError, match=why):
