@@ -197,16 +197,19 @@ def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
 
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path, iterations):
-    """num_iterations 2, stopped after step 3: the resumed step reuses the checkpoint's generation."""
+    """num_iterations 2, stopped after step 3: the resumed step reuses the checkpoint's generation;
+    the evaluations (steps 2 and 4) too are the same."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     trl = {"num_iterations": iterations}
-    train(config(task, whole, max_steps=4, trl=trl), simulate=1, stream=io.StringIO())
-    train(config(task, parts, max_steps=4, trl=trl), simulate=1, stop_after=3, stream=io.StringIO())
-    train(config(task, parts, max_steps=4, trl=trl), simulate=1, resume=True, stream=io.StringIO())
+    kw = dict(max_steps=4, trl=trl, val_set_size=4, eval_steps=2, micro_batch_size=8)
+    train(config(task, whole, **kw), simulate=1, stream=io.StringIO())
+    train(config(task, parts, **kw), simulate=1, stop_after=3, stream=io.StringIO())
+    train(config(task, parts, **kw), simulate=1, resume=True, stream=io.StringIO())
     a, b = _metrics(whole), _metrics(parts)
-    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert [m["step"] for m in b] == [1, 2, 3, 4] and "eval_reward" in b[-1]
     for x, y in zip(a, b):
-        for key in ("loss", "reward", "completions_mean_length", "grad_norm", "clip_ratio_region_mean"):
+        for key in ("loss", "reward", "completions_mean_length", "grad_norm", "clip_ratio_region_mean", "eval_reward",
+                    "eval_loss"):
             assert x.get(key) == y.get(key), (x["step"], key)
 
 
