@@ -109,12 +109,13 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
 
 
 def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
-    """cp 2 (and cp 2 x FSDP 2): sampling keeps each row's sequence whole on every device of its
+    """cp 2 (cp 2 x FSDP 2, cp 2 x tp 2 with sequence_parallel): sampling keeps each row's sequence whole on every device of its
     cp group, the step splits it (load-balanced); GSPO's per-sequence ratio sums over the split
     sequence. Two updates per generation (the ratio away from 1) with the KL term."""
     runs = {}
     for name, sim, mesh in (("one", 1, {}), ("cp", 2, {"cp_size": 2}),
-                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2})):
+                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2}),
+                            ("cp_tp_sp", 4, {"cp_size": 2, "tp_size": 2, "sequence_parallel": True})):
         out = tmp_path / name
         train(config(task, out, trl={"beta": 0.04, "num_iterations": 2, "importance_sampling_level": "sequence",
                                      "loss_type": "bnpo"},
@@ -122,7 +123,7 @@ def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
               simulate=sim, stream=io.StringIO())
         runs[name] = _metrics(out)
     assert runs["one"][1]["clip_ratio_region_mean"] > 0 and runs["one"][-1]["kl"] > 0
-    for layout in ("cp", "cp_fsdp"):
+    for layout in ("cp", "cp_fsdp", "cp_tp_sp"):
         for a, b in zip(runs["one"], runs[layout], strict=True):
             assert a.get("reward") == b.get("reward"), layout
             for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm"):
