@@ -109,12 +109,13 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
 
 
 def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
-    """cp 2 (and cp 2 x FSDP 2): sampling keeps each row's sequence whole on every device of its
+    """cp 2 (cp 2 x FSDP 2, cp 2 x tp 2 with sequence_parallel): sampling keeps each row's sequence whole on every device of its
     cp group, the step splits it (load-balanced); GSPO's per-sequence ratio sums over the split
     sequence. Two updates per generation (the ratio away from 1) with the KL term."""
     runs = {}
     for name, sim, mesh in (("one", 1, {}), ("cp", 2, {"cp_size": 2}),
-                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2})):
+                            ("cp_fsdp", 4, {"cp_size": 2, "dp_shard_size": 2}),
+                            ("cp_tp_sp", 4, {"cp_size": 2, "tp_size": 2, "sequence_parallel": True})):
         out = tmp_path / name
         train(config(task, out, trl={"beta": 0.04, "num_iterations": 2, "importance_sampling_level": "sequence",
                                      "loss_type": "bnpo"},
@@ -122,7 +123,7 @@ def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
               simulate=sim, stream=io.StringIO())
         runs[name] = _metrics(out)
     assert runs["one"][1]["clip_ratio_region_mean"] > 0 and runs["one"][-1]["kl"] > 0
-    for layout in ("cp", "cp_fsdp"):
+    for layout in ("cp", "cp_fsdp", "cp_tp_sp"):
         for a, b in zip(runs["one"], runs[layout], strict=True):
             assert a.get("reward") == b.get("reward"), layout
             for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm"):
@@ -197,16 +198,19 @@ def test_lora_takes_the_base_without_adapters_as_the_reference(task, tmp_path):
 
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_a_resumed_run_equals_an_uninterrupted_one(task, tmp_path, iterations):
-    """num_iterations 2, stopped after step 3: the resumed step reuses the checkpoint's generation."""
+    """num_iterations 2, stopped after step 3: the resumed step reuses the checkpoint's generation;
+    the evaluations (steps 2 and 4) too are the same."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     trl = {"num_iterations": iterations}
-    train(config(task, whole, max_steps=4, trl=trl), simulate=1, stream=io.StringIO())
-    train(config(task, parts, max_steps=4, trl=trl), simulate=1, stop_after=3, stream=io.StringIO())
-    train(config(task, parts, max_steps=4, trl=trl), simulate=1, resume=True, stream=io.StringIO())
+    kw = dict(max_steps=4, trl=trl, val_set_size=4, eval_steps=2, micro_batch_size=8)
+    train(config(task, whole, **kw), simulate=1, stream=io.StringIO())
+    train(config(task, parts, **kw), simulate=1, stop_after=3, stream=io.StringIO())
+    train(config(task, parts, **kw), simulate=1, resume=True, stream=io.StringIO())
     a, b = _metrics(whole), _metrics(parts)
-    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert [m["step"] for m in b] == [1, 2, 3, 4] and "eval_reward" in b[-1]
     for x, y in zip(a, b):
-        for key in ("loss", "reward", "completions_mean_length", "grad_norm", "clip_ratio_region_mean"):
+        for key in ("loss", "reward", "completions_mean_length", "grad_norm", "clip_ratio_region_mean", "eval_reward",
+                    "eval_loss"):
             assert x.get(key) == y.get(key), (x["step"], key)
 
 
@@ -271,7 +275,11 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
              ({"trl": {"sync_ref_model": True}}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
-             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built")]
+             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built"),
+             ({"val_set_size": 2}, "val_set_size: 2 held-out prompts are fewer than one evaluation batch's 4"),
+             ({"trl": {"num_generations_eval": 3}, "val_set_size": 4},
+              "global batch of 16 completions is not a multiple of trl.num_generations_eval 3"),
+             ({"trl": {"importance_sampling_level": "seq"}}, "trl.importance_sampling_level 'seq' is not one of")]
     for over, why in cases:
         trl = dict(over.pop("trl", {}))
         with pytest.raises(ConfigError, match=why):
