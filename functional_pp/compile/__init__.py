@@ -1,4 +1,6 @@
-"""``torch.compile`` of the step: tags that traced ops leave on the graph, the graph passes
-(recomputation of FSDP gathers and remat regions, overlap of collectives, re-inplacing), the
-backend that runs them, per-layer compilation and the gate that compiles once for every
-simulated device (docs/compile.md). Each pass says which eager mechanism it mirrors."""
+"""``torch.compile`` of the step: tags that traced ops leave on the graph, the graph passes that
+know tags, not meshes (recomputation of tagged regions: FSDP's re-gathers and remat regions;
+re-inplacing), the backend that runs them with the passes it is given, per-layer compilation
+and the gate that compiles once for every simulated device (docs/compile.md). The graph forms
+of the communication mechanisms live with their eager forms (functional_pp/parallel/fsdp/,
+functional_pp/parallel/buckets/)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from functional_pp._torch import is_tracing
-from functional_pp.compile.recompute import probe_backward_marks
+from functional_pp.compile.recompute import probe_backward_marks, reset_region_ids
 from functional_pp.core.runtime import per_thread
 
 PER_LAYER = "per_layer"
@@ -68,3 +68,14 @@ class CompiledLayer:
                 compiled = self._by_backend[backend] = torch.compile(
                     self.fn, backend=backend, fullgraph=True, dynamic=False)
             return compiled
+
+    def active(self) -> Callable[..., Any] | None:
+        """The compiled layer to run for a call now: the one for this thread's
+        :func:`layer_backend`, with the regions numbered from 0 (the same guard state for
+        every layer: one graph for all); None where layers run as written."""
+        backend = layer_backend()
+        if backend is None:
+            return None
+        body = self.get(backend)
+        reset_region_ids()
+        return body

@@ -9,6 +9,13 @@ recomputation is ``torch.utils.checkpoint`` (selective: with torch's selective-c
 contexts); under ``torch.compile`` the region is tagged and the compiled graph recomputes it
 (:mod:`functional_pp.compile.recompute`).
 
+A declared layer is the boundary where other mechanisms act; each decides for itself, through
+the one call made to it here: a pipeline stage whether this call runs on this device
+(``parallel/pipeline/stage.layer_call``), per-layer compilation which body runs
+(``compile/layer_compile.CompiledLayer.active``), FSDP how the layer's weights are gathered
+(``parallel/fsdp/units.as_unit``) and what a recomputed region keeps
+(``parallel/fsdp/regather.recomputed_region``). This module reads only the step's ``remat``.
+
 Mechanism: Activation checkpointing (`fpp.layer` and `fpp.remat`; eager).
 """
 from __future__ import annotations
@@ -20,13 +27,14 @@ import optree
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from functional_pp._torch import is_tracing
-from functional_pp.compile.layer_compile import CompiledLayer, layer_backend
-from functional_pp.compile.recompute import remat_region, reset_region_ids
+from functional_pp.compile.layer_compile import CompiledLayer
+from functional_pp.compile.recompute import remat_region
 from functional_pp.compile.selective import selective_contexts
 from functional_pp.core.observers import checkpointed
-from functional_pp.parallel.fsdp.units import gather_unit
-from functional_pp.parallel.named import Named, configure, current_policy
-from functional_pp.parallel.pipeline.stage import current_stage, running_stage
+from functional_pp.parallel.fsdp.regather import recomputed_region
+from functional_pp.parallel.fsdp.units import as_unit
+from functional_pp.parallel.named import Named, current_policy
+from functional_pp.parallel.pipeline.stage import layer_call
 
 
 def _flatten(tree: Any):
@@ -67,11 +75,9 @@ def remat(fn: Callable[..., Named], out_like: int | None = None, *,
             for i, data in zip(slots, datas):
                 x = leaves[i]
                 rebuilt[i] = x.replace(data=data, tied=False, gathered_from=None)
-            # everything in the region is recomputed: FSDP's re-gather hooks (parallel/fsdp/regather.py) would
-            # replace the checkpoint's and keep the einsum inputs alive (docs/planning.md, "remat")
             recompute = found.get("ran", False)
             found["ran"] = True
-            with configure(keep_gathered=True), checkpointed(region, recompute):
+            with recomputed_region(), checkpointed(region, recompute):      # (FSDP keeps its gathers here)
                 out = fn(*optree.tree_unflatten(spec, rebuilt))
             if expected is None:
                 found["meta"] = _meta(out)
@@ -92,32 +98,26 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     eagerly or compiled; with ``remat="selective"`` only those that are not results of matrix
     products or attention; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
-    def unit(*args):
-        args, context = gather_unit(args)     # FSDP: the layer's weights as one unit (parallel/fsdp/units.py)
-        with context:
-            return fn(*args)
+    unit = as_unit(fn)                  # FSDP: the layer's weights as one unit (parallel/fsdp/units.py)
     recomputed, selective = remat(unit), remat(unit, selective=True)
     compiled = CompiledLayer(fn)
 
-    @functools.wraps(fn)
-    def wrapped(*args):
-        stage = current_stage()
-        if stage is not None:           # a pipeline stage runs some layers (parallel/pipeline/stage.py)
-            with running_stage(None):
-                return stage.layer(wrapped, args)
+    def run(*args):
         mode = current_policy().remat
-        backend = layer_backend()
-        if backend is not None:
+        body = compiled.active()        # per-layer compilation (compile/layer_compile.py), or None
+        if body is not None:
             if mode == "selective":
                 raise NotImplementedError(
                     "remat='selective' with compile='per_layer': a compiled layer runs as one kernel "
                     "sequence that eager selective checkpointing cannot split; use compile=True (the "
                     "whole step, docs/compile.md) or remat=True with per-layer compilation")
-            body = compiled.get(backend)
-            reset_region_ids()         # same guard state for every layer: one graph for all
             return remat(body)(*args) if mode else body(*args)
         if mode == "selective":
             return selective(*args)
         return recomputed(*args) if mode else unit(*args)
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        return layer_call(run, args)    # a pipeline stage decides which layers run (parallel/pipeline/stage.py)
     wrapped.__wrapped_layer__ = fn
     return wrapped

@@ -24,7 +24,7 @@ from functional_pp.parallel.fsdp import param_uses
 from functional_pp.parallel.fsdp.graph import regather_region
 from functional_pp.parallel.collectives import raw_all_gather
 from functional_pp.parallel.fsdp.units import keeps_gathered
-from functional_pp.parallel.named import Named, make_named, current_policy
+from functional_pp.parallel.named import Named, configure, current_policy, make_named
 from functional_pp.parallel.reshard import Reshard, all_gather_tiled, relayout_with, reshard
 
 
@@ -89,6 +89,15 @@ def _hooks(recipes) -> Iterator[None]:
 
 
 _NOTHING = nullcontext()
+
+
+def recomputed_region():
+    """Context for a region that activation checkpointing recomputes in backward
+    (``functional_pp.remat``): the weights gathered inside are kept for the region's backward
+    instead of being re-gathered by this module's hooks (the recomputation gathers them again
+    anyway; the hooks would replace the checkpoint's and keep the einsum inputs alive,
+    docs/planning.md, "remat")."""
+    return configure(keep_gathered=True)
 
 
 def regather_scope(operands: Sequence[Named]):

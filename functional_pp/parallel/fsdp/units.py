@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import optree
 import torch
@@ -409,6 +409,16 @@ def gathered_stand_in(x: Any) -> Any:
     split[d] = split[d][:k]
     return x.replace(data=torch.zeros((), dtype=x.data.dtype, device=x.data.device).expand(shape),
                      split=tuple(split))
+
+
+def as_unit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a model's layer, ``functional_pp.layer``) called with its FSDP parameters
+    gathered as one unit (:func:`gather_unit`) and run in the unit's context."""
+    def unit(*args):
+        args, context = gather_unit(args)
+        with context:
+            return fn(*args)
+    return unit
 
 
 def gather_unit(args: tuple) -> tuple[tuple, Any]:

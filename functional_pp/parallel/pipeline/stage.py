@@ -71,6 +71,18 @@ def current_stage() -> StageRun | None:
     return _local.__dict__.get("run")
 
 
+def layer_call(run: Callable[..., Any], args: tuple) -> Any:
+    """One call of a declared layer (``functional_pp.layer``): ``run(*args)``, unless a stage
+    is active on this device thread; then the stage decides (:meth:`StageRun.layer`: run it,
+    pass the residual stream through, or cut the model short), and layers called inside the
+    layer are not the stage's."""
+    stage = current_stage()
+    if stage is None:
+        return run(*args)
+    with running_stage(None):
+        return stage.layer(run, args)
+
+
 @contextmanager
 def running_stage(run: StageRun) -> Iterator[StageRun]:
     """Run the model as the stage ``run`` inside the block."""
