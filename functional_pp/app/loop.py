@@ -54,6 +54,7 @@ from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
 from functional_pp.core.tree import leaves_with_paths
 from functional_pp.devices.launch import launch, under_torchrun
+from functional_pp.ops import fake_quant
 
 # World ... plot_losses: imported from here before the application modules were split
 __all__ = ["train", "TrainResult", "World", "resolve_world", "describe", "Progress",
@@ -346,6 +347,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         step = start
         t0 = time.perf_counter()
         unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
+        best = [None, False]         # save_strategy: best: (the best held-out loss so far, improved at the last read)
+        higher_better = bool(cfg.greater_is_better)
         rollout_metrics: dict[int, dict] = {}            # GRPO: each unread step's generation metrics
 
         def read_and_log(with_eval: bool = False) -> None:
@@ -358,6 +361,10 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             except Exception as exc:   # noqa: BLE001 (re-raised below)
                 error = exc
             eval_loss = evaluate(step_fn, whole(state), val_loader) if with_eval and error is None else None
+            best[1] = False
+            if cfg.checkpoint.save_best and eval_loss is not None and (
+                    best[0] is None or (eval_loss > best[0] if higher_better else eval_loss < best[0])):
+                best[0], best[1] = eval_loss, True
             for i, (s, m, elapsed) in enumerate(unread):
                 if getattr(m, "error", None) is not None:
                     break                    # the failing step and those after it
@@ -381,6 +388,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
             if error is not None:
                 raise error
 
+        qat_after = (cfg.qat or {}).get("fake_quant_after_n_steps")
         try:
             while step < cfg.max_steps:
                 asked = stop.event.is_set() or (stop_after is not None and step >= stop_after)
@@ -393,6 +401,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 else:
                     batch = next(loader)
                 batch = to_device(batch, device)        # pinned + non-blocking on CUDA
+                if qat_after is not None:                # qat.fake_quant_after_n_steps: off until then
+                    fake_quant.set_enabled(step >= qat_after)
                 if lead and report_text is None:
                     with comm.comm_report() as rep:
                         state, m = step_fn(state, batch)
@@ -409,6 +419,7 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
                 # checkpoint: no checkpoint holds a state past an unreported error
                 if with_eval or save_now or step % cfg.logging.log_every == 0 or step == start + 1:
                     read_and_log(with_eval)
+                    save_now = save_now or (with_eval and best[1])      # save_strategy: best
                 if save_now:
                     saved_path, last_saved = save_on_devices(lambda s: save(s, loader, step), state), step
                     if lead:
