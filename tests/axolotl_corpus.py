@@ -82,7 +82,7 @@ MODEL_TYPES = {
 
 # (head_dim 64: whole blocks of 64 along o_proj's input features, for the quantized bases)
 _TINY = dict(vocab_size=384, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+             num_key_value_heads=2, intermediate_size=256, max_position_embeddings=512)
 #: model_type -> (transformers config class, model class, extra config fields) of the families
 #: the decoder implements; any other model_type gets only a config.json (refused when read)
 _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -141,8 +141,10 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import make_tokenizer
+    from chat_tokenizer import make_tekken, make_tokenizer
     make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
+    if model_type in ("mistral", "mistral3"):     # (Mistral's repositories hold tekken.json too)
+        make_tekken(d)
     if model_type not in _HF:
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d

@@ -56,3 +56,31 @@ def make_bpe_tokenizer(d, bos, eos, texts, vocab_size=600):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     from functional_pp.data.tokenizer import HFTokenizer
     return HFTokenizer(d)
+
+
+#: a word-start pre-tokenizer regex (tiktoken pat_str), as Tekken's
+_TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                   r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?"
+                   r"[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
+                    "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                    "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"]
+
+
+def make_tekken(d, version: str = "v7", specials: int = 100):
+    """A tiny mistral-common Tekken tokenizer file ``d/tekken.json`` (UTF-8 bytes plus a few
+    merges after ``specials`` control tokens: 262 + specials ids); no hub."""
+    import base64
+    pieces = [bytes([i]) for i in range(256)] + [b"th", b"he", b"in", b" t", b"is", b" is"]
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": p.decode("latin-1")}
+             for i, p in enumerate(pieces)]
+    data = {"config": {"pattern": _TEKKEN_PATTERN, "num_vocab_tokens": len(vocab),
+                       "default_vocab_size": len(vocab) + specials, "default_num_special_tokens": specials,
+                       "version": version},
+            "vocab": vocab, "version": 1, "type": "Tekken",
+            "special_tokens": [{"rank": i, "token_str": s, "is_control": True}
+                               for i, s in enumerate(_TEKKEN_SPECIALS)]}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tekken.json").write_text(json.dumps(data))
+    return d / "tekken.json"

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE_OF = {"pytest": "pytest", "hypothesis": "hypothesis", "transformers": "transformers",
              "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "tokenizers": "tokenizers",
              "jinja2": "jinja2", "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab", "jax": "jax",
-             "bitsandbytes": "bitsandbytes", "torchao": "torchao", "peft": "peft", "trl": "trl",
+             "bitsandbytes": "bitsandbytes", "torchao": "torchao", "peft": "peft", "trl": "trl", "mistral-common": "mistral_common",
              "matplotlib": "matplotlib", "pyarrow": "pyarrow", "datasets": "datasets"}
 TRAINING_NEEDS = {"torch", "optree", "numpy", "safetensors", "pyyaml"}
 

@@ -93,7 +93,8 @@ def _matches_module(path: str, names: tuple[str, ...] | str) -> bool:
 
 
 def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save: Sequence[str] = (),
-                unfrozen_parameters: Sequence[str] = (), *, only_unfrozen: bool = False) -> None:
+                unfrozen_parameters: Sequence[str] = (), *, only_unfrozen: bool = False,
+                model_type: str = "llama") -> None:
     """Refuse a module name of ``target_modules`` or ``modules_to_save`` that matches no parameter
     of ``decls`` (a misspelt one left its module unadapted or frozen, silently), naming the key,
     the names and the model's module names. A regex of ``unfrozen_parameters`` that matches
@@ -101,13 +102,15 @@ def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save:
     layout, ``^model.language_model.*``, or for an ``lm_head`` tied to the embedding), and refused
     when none matches and they are all that is trained (``only_unfrozen``: no adapter)."""
     paths = [p for p, _ in leaves_with_paths(decls)]
-    hf_names = [h for h in map(_hf_name, paths) if h is not None] if unfrozen_parameters else []
+    hf_names = ([h for h in (_hf_name(p, model_type) for p in paths) if h is not None]
+                if unfrozen_parameters else [])
     unmatched = {
         "target_modules (lora_target_modules)":
             [n for n in target_modules if not any(_matches_module(p, (n,)) for p in paths)],
         "modules_to_save (lora_modules_to_save)":
             [m for m in modules_to_save if not any("." + m + "." in "." + p + "." for p in paths)],
-        "unfrozen_parameters": [r for r in unfrozen_parameters if not any(re.match(r, p) for p in paths + hf_names)]}
+        "unfrozen_parameters": [r for r in unfrozen_parameters
+                                if not any(unfrozen_regex(r).match(p) for p in paths + hf_names)]}
     modules = sorted({c for p in paths for c in p.split(".") if not c.isdigit()})
     other_architectures = _absent_linear_names(unmatched["target_modules (lora_target_modules)"], target_modules)
     if other_architectures:        # peft adapts the names a model has (q_proj on latent attention: none)
@@ -291,22 +294,35 @@ def split(tree: Any) -> tuple[Any, dict]:
     return walk(tree, ""), lora
 
 
-def _hf_name(path: str) -> str | None:
-    from functional_pp.models.llama_hf import hf_name
-    return hf_name(path)
+def _hf_name(path: str, model_type: str = "llama") -> str | None:
+    """The Hugging Face name of ``path`` in the files of ``model_type`` (a fused tensor's name
+    for its parts: DBRX's ``transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight``)."""
+    from functional_pp.models.llama_hf import file_name
+    try:
+        r = file_name(path, model_type)
+    except (KeyError, ValueError):
+        r = None
+    return r[0] if r else None
 
 
-def unfrozen(patterns: Sequence[str], modules: Sequence[str] = ()) -> Callable[[Any], Any]:
+def unfrozen_regex(pattern: str) -> re.Pattern:
+    """An ``unfrozen_parameters`` pattern as Axolotl compiles it (``LayerNamePattern``): its dots
+    literal (except in ``.+``; one already escaped stays so), matched from the start of a name."""
+    return re.compile(re.sub(r"(?<!\\)\.(?!\+)", "\\.", pattern))
+
+
+def unfrozen(patterns: Sequence[str], modules: Sequence[str] = (), model_type: str = "llama") -> Callable[[Any], Any]:
     """A trainable mask (``train_step(trainable=...)``): the parameters whose path or Hugging Face
-    name a regex of ``patterns`` matches from its start (Axolotl's ``unfrozen_parameters``),
+    name (in the files of ``model_type``) a regex of ``patterns`` matches from its start (Axolotl's
+    ``unfrozen_parameters``),
     and those inside one of the ``modules`` (a path component, e.g. ``lm_head``; ``lora``: the
     adapters); every other parameter frozen."""
-    compiled = [re.compile(p) for p in patterns]
+    compiled = [unfrozen_regex(p) for p in patterns]
 
     def trains(path: str) -> bool:
         if any(("." + m + ".") in "." + path + "." for m in modules):
             return True
-        hf = _hf_name(path) if compiled else None
+        hf = _hf_name(path, model_type) if compiled else None
         return any(p.match(path) or (hf is not None and p.match(hf)) for p in compiled)
 
     def mask(params: Any) -> Any:
@@ -314,10 +330,10 @@ def unfrozen(patterns: Sequence[str], modules: Sequence[str] = ()) -> Callable[[
     return mask
 
 
-def trainable(cfg: LoraConfig) -> Callable[[Any], Any]:
+def trainable(cfg: LoraConfig, model_type: str = "llama") -> Callable[[Any], Any]:
     """The trainable mask of a LoRA run: the adapters, the ``modules_to_save`` and the
-    ``unfrozen_parameters``; every other parameter frozen."""
-    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save + (KEY,))
+    ``unfrozen_parameters`` (Hugging Face names of ``model_type``'s files); every other parameter frozen."""
+    return unfrozen(cfg.unfrozen_parameters, cfg.modules_to_save + (KEY,), model_type)
 
 
 class LoraWeight(NamedTuple):

@@ -22,7 +22,7 @@ from functional_pp.checkpoint.hf import export_checkpoint_to_hf
 __all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES", "EXPORT_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "chat_template.jinja", "generation_config.json")
+                   "tokenizer.model", "chat_template.jinja", "generation_config.json", "tekken.json")
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: what an export writes (patterns): an OUT_DIR holding only these is an earlier export
 EXPORT_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "adapter_config.json",

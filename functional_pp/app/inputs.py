@@ -18,6 +18,12 @@ def load_tokenizer(cfg: TrainConfig):
     """The run's tokenizer (``tokenizer``, ``data.tokenizer`` or ``base_model``'s), or None
     for byte-level training."""
     path = cfg.tokenizer or cfg.data.tokenizer
+    if cfg.tokenizer_use_mistral_common:
+        from functional_pp.data.mistral_tokenizer import MistralCommonTokenizer
+        try:
+            return MistralCommonTokenizer(path or cfg.base_model)
+        except (FileNotFoundError, ValueError, ImportError) as exc:
+            raise ConfigError(f"tokenizer_use_mistral_common: {exc}") from exc
     if path is None and cfg.base_model is not None and (Path(cfg.base_model) / "tokenizer.json").is_file():
         path = cfg.base_model
     if path is None:
@@ -45,7 +51,8 @@ def _data_settings(cfg: TrainConfig) -> dict:
     import dataclasses
     keys = ("sequence_len", "sample_packing", "val_set_size", "seed", "train_on_inputs", "chat_template",
             "chat_template_jinja", "eot_tokens", "chat_template_kwargs", "excess_length_strategy",
-            "min_sample_len", "dataset_exact_deduplication", "special_tokens", "tokens", "tokenizer", "base_model")
+            "min_sample_len", "dataset_exact_deduplication", "special_tokens", "tokens", "tokenizer", "base_model",
+            "tokenizer_use_mistral_common")
     from functional_pp.version import __version__
     return {"datasets": [dataclasses.asdict(e) for e in cfg.datasets], "data_tokenizer": cfg.data.tokenizer,
             **{k: getattr(cfg, k) for k in keys}, "template_files": _template_files(cfg),
@@ -69,7 +76,7 @@ def data_paths(cfg: TrainConfig) -> list:
     tok = cfg.tokenizer or cfg.data.tokenizer
     toks = [tok] if tok else ([Path(cfg.base_model) / n for n in ("tokenizer.json", "tokenizer_config.json",
                                                                     "special_tokens_map.json", "config.json",
-                                                                    "chat_template.jinja")]
+                                                                    "chat_template.jinja", "tekken.json")]
                               if cfg.base_model else [])
     return [e.path for e in cfg.datasets or []] + ([cfg.data.path] if cfg.data.path and not cfg.datasets else []) + toks
 
@@ -115,6 +122,9 @@ def load_data(cfg: TrainConfig) -> RunData:
                 train.prepared = what
             return RunData(train, val, tok)
         from functional_pp.data import load_corpus
+        if cfg.tokenizer_use_mistral_common:
+            raise ConfigError("data.path with tokenizer_use_mistral_common: give the files as datasets: "
+                              "[{path: ..., type: completion}]")
         corpus = load_corpus(cfg.data.path, kind=cfg.data.kind,
                              tokenizer=tok.tok if tok is not None else None,
                              max_bytes=cfg.data.max_bytes, pattern=cfg.data.pattern,
@@ -258,12 +268,23 @@ def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -
 
 
 def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
+    from functional_pp.adapters.peft_fused import model_type_of
+    qat = cfg.qat_config()
+    if qat is not None:             # (full fine-tuning only: checks.check_qat)
+        from functional_pp.config import ConfigError
+        from functional_pp.core.tree import leaves_with_paths
+        from functional_pp.ops import fake_quant
+        if any(".experts." in f".{p}." for p, _ in leaves_with_paths(decls)):
+            raise ConfigError("qat on a mixture-of-experts model is not supported (its router and experts): "
+                              "remove qat")
+        loss_fn = fake_quant.adapt(loss_fn, qat)
     from functional_pp import adapters
     from functional_pp.config import ConfigError
     from functional_pp.core.tree import leaves_with_paths
     if lora is not None:
         try:
-            out = adapters.adapt(loss_fn, lora), adapters.init(decls, lora), adapters.trainable(lora)
+            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora),
+                   adapters.trainable(lora, model_type_of(cfg.base_model)))
         except ValueError as exc:
             raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc
         quant = cfg.base_quantization()
@@ -287,8 +308,9 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
         return out[0], qdecls, out[2]
     if cfg.unfrozen_parameters:
         try:
-            adapters.check_names(decls, unfrozen_parameters=cfg.unfrozen_parameters, only_unfrozen=True)
+            adapters.check_names(decls, unfrozen_parameters=cfg.unfrozen_parameters, only_unfrozen=True,
+                                 model_type=model_type_of(cfg.base_model))
         except ValueError as exc:
             raise ConfigError(str(exc).removeprefix("LoRA: ")) from exc
-        return loss_fn, decls, adapters.unfrozen(cfg.unfrozen_parameters)
+        return loss_fn, decls, adapters.unfrozen(cfg.unfrozen_parameters, (), model_type_of(cfg.base_model))
     return loss_fn, decls, None

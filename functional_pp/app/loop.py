@@ -53,6 +53,7 @@ from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
 from functional_pp.devices.launch import launch, under_torchrun
+from functional_pp.ops import fake_quant
 from functional_pp.devices.mesh_view import per_device
 
 # World ... plot_losses: imported from here before the application modules were split
@@ -413,6 +414,7 @@ class DeviceLoop:
         self.saved_path, self.stopped = None, False
         self.unread: list[tuple[int, Mapping, float]] = []   # (step, its metrics, elapsed_s when it was enqueued)
         self.rollout_metrics: dict[int, dict] = {}            # GRPO: each unread step's generation metrics
+        self.best_eval, self.improved = None, False   # save_strategy: best: the best held-out loss, improved at the last read
 
     def run(self) -> dict:
         self.init_state()
@@ -546,6 +548,11 @@ class DeviceLoop:
         except Exception as exc:   # noqa: BLE001 (re-raised below)
             error = exc
         eval_loss, eval_extra = self.evaluate(self.step) if with_eval and error is None else (None, {})
+        self.improved = False
+        if r.cfg.checkpoint.save_best and eval_loss is not None and (
+                self.best_eval is None or (eval_loss > self.best_eval if r.cfg.greater_is_better
+                                           else eval_loss < self.best_eval)):
+            self.best_eval, self.improved = eval_loss, True
         unread, watch, halted = self.unread, self.watch, self.halted
         for i, (s, m, elapsed) in enumerate(unread):
             if getattr(m, "error", None) is not None:
@@ -605,12 +612,16 @@ class DeviceLoop:
         cfg, stop, stop_after = r.cfg, r.stop, r.stop_after
         self.last_saved = self.step = self.start
         t0 = time.perf_counter()
+        qat_after = (cfg.qat or {}).get("fake_quant_after_n_steps")
         while self.step < cfg.max_steps:
             asked = stop.event.is_set() or (stop_after is not None and self.step >= stop_after)
             if agree_to_stop(asked):
                 self.stopped = True
                 break
-            m = self.train_step(self.next_batch())
+            batch = self.next_batch()
+            if qat_after is not None:                # qat.fake_quant_after_n_steps: off until then
+                fake_quant.set_enabled(self.step >= qat_after)
+            m = self.train_step(batch)
             self.step += 1
             step = self.step
             self.unread.append((step, m, time.perf_counter() - t0))
@@ -620,6 +631,7 @@ class DeviceLoop:
             # checkpoint: no checkpoint holds a state past an unreported error
             if with_eval or save_now or step % cfg.logging.log_every == 0 or step == self.start + 1:
                 self.read_and_log(with_eval)
+                save_now = save_now or (with_eval and self.improved)      # save_strategy: best
             if save_now:
                 self.save()
             if self.watch.threshold is not None and not self.halted:

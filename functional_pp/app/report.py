@@ -154,6 +154,11 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
            .get(cfg.activation_checkpointing, ""))
         + (f", compile={cfg.compile}" if cfg.compile else ""),
     ]
+    if cfg.qat:
+        q = cfg.qat_config()
+        after = (f" after {q.fake_quant_after_n_steps} steps" if q.fake_quant_after_n_steps else "")
+        lines.append(f"qat:        linear weights and the head fake-quantized{after} (int4 in groups of "
+                     f"{q.group_size} inputs, int8 inputs per token; torchao's numerics); exported unquantized")
     if device_text is not None:
         lines.insert(1, f"device:     {device_text}")
     if corpus is not None:

@@ -8,6 +8,7 @@ giving an alias and its key with different values is a problem; Accelerate's
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_settings, fsdp_settings
@@ -133,7 +134,6 @@ UNSUPPORTED: dict[str, str] = {
                               "eval_causal_lm_metrics")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
-    "qat": "quantization-aware training is not supported: remove it",
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
                                "(another loss): remove it",
     "neftune_noise_alpha": "NEFTune noise is not supported: remove it",
@@ -141,8 +141,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
-    "tokenizer_use_mistral_common": "mistral-common tokenizers are not supported: give the model's "
-                                    "Hugging Face tokenizer (tokenizer.json) and remove it",
     "pretraining_dataset": "streaming pretraining datasets are not supported: give the files as "
                            "datasets: [{path: ..., type: completion}]",
     "diffusion": "diffusion language-model training is not supported: remove it",
@@ -273,6 +271,7 @@ _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     # remat recomputes each layer either way; reentrancy does not change the numbers
     "gradient_checkpointing_kwargs": ({"use_reentrant": False}, {"use_reentrant": True}),
     # the architecture comes from base_model's config.json (its model_type), whichever is named
+    # (any transformers ``*ForCausalLM`` class name is accepted: normalize())
     "model_type": ("LlamaForCausalLM", "AutoModelForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                    "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                    "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"),
@@ -407,11 +406,14 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 aliased.append((key, per, 1))
             elif value == "no" and key == "save_strategy":
                 aliased.append((key, "checkpoint.save_every", 0))
+            elif value == "best" and key == "save_strategy":       # (transformers' SaveStrategy.BEST)
+                aliased.append((key, "checkpoint.save_best", True))
             elif value == "no":
                 issues.add(f"{key}: 'no' is not supported: the held-out loss is computed when "
                            f"val_set_size > 0; set val_set_size: 0 instead")
             elif value != "steps":
-                issues.add(f"{key}: {value!r} is not supported (steps, epoch, no)")
+                issues.add(f"{key}: {value!r} is not supported (steps, epoch, no"
+                           + (", best)" if key == "save_strategy" else ")"))
         elif key == "attn_implementation":
             if isinstance(value, str) and value not in ATTN_IMPLEMENTATIONS and "/" in value.strip("/"):
                 unused.append(f"attn_implementation: {value} (a hub attention kernel, {_SAME_ATTENTION})")
@@ -435,6 +437,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
+            if key == "model_type" and isinstance(value, str) and re.fullmatch(r"[A-Z]\w*ForCausalLM", value):
+                continue                 # a transformers causal-LM class: the architecture is config.json's
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
                 issues.add(f"{key}: {value!r} is not supported here (accepted: {ok}; only "

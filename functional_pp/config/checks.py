@@ -52,6 +52,41 @@ def check_base_quantization(cfg: Any, add) -> None:
                 f"dequantized in the run's precision)")
 
 
+_QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
+
+
+def check_qat(cfg: Any, add) -> None:
+    """``qat:`` (Axolotl's QATConfig): the schemes built here (int4 weights with int8 per-token
+    inputs; Axolotl's default weight_dtype int8 alone is refused by Axolotl too), full fine-tuning."""
+    q = cfg.qat
+    if q is None:
+        return
+    if not isinstance(q, dict):
+        add(f"qat must be a mapping (weight_dtype, activation_dtype, group_size, fake_quant_after_n_steps), "
+            f"got {q!r}")
+        return
+    for k in q:
+        if k not in _QAT_KEYS:
+            add(f"qat.{k} is not a QAT option (options: {', '.join(_QAT_KEYS)}): remove it")
+    w, a = q.get("weight_dtype", "int8"), q.get("activation_dtype")
+    if (w, a) != ("int4", "int8"):
+        add(f"'qat: weight_dtype {w}, activation_dtype {a}' is not supported (built: weight_dtype: int4 with "
+            f"activation_dtype: int8, torchao's Int8DynamicActivationInt4Weight): use those or remove qat")
+    g = q.get("group_size", 32)
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+        add(f"qat.group_size must be a positive whole number (input features per group), got {g!r}")
+    n = q.get("fake_quant_after_n_steps")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        add(f"qat.fake_quant_after_n_steps must be a whole number of steps >= 0, got {n!r}")
+    if q.get("quantize_embedding"):
+        add("'qat.quantize_embedding' is not supported (the embedding is not fake-quantized here): remove it")
+    if cfg.rl:
+        add(f"qat with rl: {cfg.rl} is not supported (QAT is built for supervised fine-tuning): remove qat")
+    if cfg.adapter or cfg.load_in_4bit or cfg.load_in_8bit:
+        add("qat with an adapter or a quantized base is not supported (QAT here fake-quantizes the trained "
+            "weights of full fine-tuning): remove qat or the adapter")
+
+
 #: ``rl:`` methods trained here (docs/preference.md); grpo / gdpo: the online loop
 RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
 #: ``rl:`` methods of Axolotl not built yet -> why
@@ -159,6 +194,10 @@ def check_adapter(cfg: Any, add) -> None:
     if cfg.lora_model_dir is not None and cfg.base_model is None:
         add("lora_model_dir needs base_model: the adapter directory holds only the adapters of that base model")
     for p in cfg.unfrozen_parameters or ():
+        if isinstance(p, str) and re.match(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$", p):
+            add(f"unfrozen_parameters: {p!r}: a row range [a:b] (Axolotl's partly unfrozen tensor) is not "
+                f"supported: unfreeze the whole tensor (remove the range)")
+            continue
         try:
             re.compile(p)
         except (re.error, TypeError) as exc:
@@ -246,6 +285,11 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     for key in ("loss_watchdog_patience", "early_stopping_patience"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             add(f"{key} must be >= 1 (or unset), got {getattr(cfg, key)}")
+    if cfg.metric_for_best_model not in (None, "loss", "eval_loss"):
+        add(f"metric_for_best_model: {cfg.metric_for_best_model!r} is not computed here (the held-out loss is: "
+            f"loss or eval_loss)")
+    if cfg.checkpoint.save_best and not cfg.val_set_size:
+        add("save_strategy: best saves at the best held-out loss: set val_set_size > 0")
     if cfg.early_stopping_patience is not None and not cfg.val_set_size:
         add("early_stopping_patience watches the held-out loss: set val_set_size > 0")
     if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:
@@ -279,6 +323,12 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add(f"data.kind {cfg.data.kind!r} needs data.path")
     if cfg.datasets and cfg.data.path is not None:
         add("give either datasets (a list) or data.path, not both")
+    check_qat(cfg, add)
+    if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
+        for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
+            if getattr(cfg, k):
+                add(f"{k} with tokenizer_use_mistral_common: a mistral-common tokenizer has its own special "
+                    f"tokens and encodes chats itself (as in Axolotl); remove {k}")
     from functional_pp.data.chat import check_template_choice
     problem = check_template_choice(cfg.chat_template, cfg.chat_template_jinja)
     if problem:

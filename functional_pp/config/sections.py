@@ -164,3 +164,5 @@ class CheckpointConfig:
     keep_last: int | None = fld(3, "keep the newest K checkpoints, null: all (alias "
                                    "save_total_limit)")
     save_final: bool = fld(True, "also save when training ends")
+    save_best: bool = fld(False, "also save after each evaluation whose held-out loss is the best so far "
+                                 "(Axolotl's save_strategy: best; greater_is_better: true inverts it)")

@@ -127,6 +127,10 @@ class TrainConfig:
                                                       "loss_watchdog_patience steps")
     loss_watchdog_patience: int | None = fld(None, "steps in a row above loss_watchdog_threshold "
                                                    "that stop the run (default 3)")
+    metric_for_best_model: str | None = fld(None, "the metric save_strategy: best watches: loss / eval_loss "
+                                                  "(the held-out loss, the only metric computed here)")
+    greater_is_better: bool | None = fld(None, "save_strategy: best: a higher metric is better (default: "
+                                               "false for the loss, as transformers)")
     early_stopping_patience: int | None = fld(None, "stop the run (non-zero exit status) after this "
                                                     "many evaluations without a lower held-out loss")
     collective_timeout: float | None = fld(None, "seconds a device waits for a peer in a "
@@ -195,11 +199,18 @@ class TrainConfig:
                                            "(adapter_config.json + adapter_model.safetensors)")
     unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "
                                                  "Hugging Face names); every other one frozen")
+    qat: dict | None = fld(None, "quantization-aware training (Axolotl's / torchao's): {weight_dtype: int4, "
+                                 "activation_dtype: int8, group_size: 32, fake_quant_after_n_steps: N}: the "
+                                 "linear weights (groups of group_size inputs) and their inputs (per token) "
+                                 "fake-quantized in the forward, rounding straight through; exported unquantized")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
+    tokenizer_use_mistral_common: bool = fld(False, "read the tokenizer with mistral-common (tekken.json or "
+                                                    "tokenizer.model.v*: pip install 'functional_pp[mistral]'); "
+                                                    "chats encoded by mistral-common, not a chat template")
     special_tokens: dict | None = fld(None, "Axolotl: {eos_token: <|im_end|>, bos_token: ..., "
                                             "pad_token: ...}: tokens of the tokenizer made its "
                                             "special tokens (EOS: ends documents and chat turns); "
@@ -317,6 +328,16 @@ class TrainConfig:
                               unfrozen_parameters=tuple(self.unfrozen_parameters or ()))
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"adapter: {self.adapter}: {exc}") from exc
+
+    def qat_config(self):
+        """The run's :class:`functional_pp.ops.fake_quant.QatConfig` (``qat:``), else None."""
+        if not self.qat:
+            return None
+        from functional_pp.ops.fake_quant import QatConfig
+        q = self.qat
+        return QatConfig(weight_dtype="int4", activation_dtype=q.get("activation_dtype"),
+                         group_size=int(q.get("group_size") or 32),
+                         fake_quant_after_n_steps=q.get("fake_quant_after_n_steps"))
 
     def base_quantization(self) -> dict | None:
         """How the adapted weights' frozen base is quantized: ``{"kind": "nf4" | "int8",

@@ -297,7 +297,11 @@ def tokenize_chat(tok, rec: Any, spec: ChatSpec) -> tuple[list[int], list[int]]:
     """``(token ids, trained flags)`` of one record (see the module docstring for the rule)."""
     turns = conversation(rec, spec)
 
+    encode_chat = getattr(tok, "encode_chat", None)      # a mistral-common tokenizer encodes chats itself
+
     def ids_of(ts: list[dict], gen: bool = False, **kw) -> list[int]:
+        if encode_chat is not None:
+            return encode_chat(_strip(ts), gen)
         return tok.encode(render(spec.template, _strip(ts), spec.special_tokens, gen,
                                  **spec.template_kwargs, **kw)[0])
 

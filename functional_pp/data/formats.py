@@ -253,7 +253,12 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
     if not choice:
         choice, jinja, key = default_template, default_jinja, "chat_template"
     own = getattr(tok, "chat_template", None)
-    if choice is None:
+    if hasattr(tok, "encode_chat"):          # mistral-common: its own chat encoding, no template
+        if choice not in (None, "tokenizer_default"):
+            raise ValueError(f"{key}: {choice!r}: a mistral-common tokenizer encodes chats itself "
+                             f"(tokenizer_use_mistral_common); remove {key}")
+        template, name = "", "mistral-common's chat encoding"
+    elif choice is None:
         template, name = (own, "the tokenizer's chat_template") if own else (CHATML, "chatml")
     else:
         try:
@@ -277,7 +282,7 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
     to_train = ["assistant"] if to_train is None else list(to_train)
     specials = dict(getattr(tok, "special_tokens", {}) or {})
     eos_id = getattr(tok, "chat_eos_id", tok.eos_id)
-    if eot_tokens:
+    if eot_tokens and not hasattr(tok, "encode_chat"):   # (mistral-common: the turn ends at EOS, as Axolotl)
         eot = []
         for t in eot_tokens:
             if t not in template:          # Axolotl drops end-of-turn tokens its template lacks
@@ -290,7 +295,7 @@ def chat_spec(entry, tok, *, train_inputs: bool, default_template: str | None,
         eot = [] if eos_id is None else [eos_id]
     warning = ""
     eos_text = specials.get("eos_token")
-    if not eot_tokens and eos_text and eos_text not in template and "eos_token" not in template:
+    if not eot_tokens and template and eos_text and eos_text not in template and "eos_token" not in template:
         warning = (f"the tokenizer's EOS {eos_text!r} is not in the chat template: no end-of-turn "
                    f"token is trained (as Axolotl); set eot_tokens to the template's turn end")
     return ChatSpec(template=template, template_name=name, warning=warning,

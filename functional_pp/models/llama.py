@@ -28,6 +28,7 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import kv_cache, mla, moe
+from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
@@ -751,7 +752,7 @@ def _trunk_and_head(params: dict, tokens: Named, cfg: Config, layer_fn, segments
 def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document."""
-    x, head = _trunk_and_head(params, tokens, cfg, layer_fn, segments)
+    x, head = fake_quant.head_pair(*_trunk_and_head(params, tokens, cfg, layer_fn, segments))
     return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg, params)
 
 
@@ -772,6 +773,7 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
     with moe.collect() if cfg.experts else contextlib.nullcontext([]) as stats:
         x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
+    x, head = fake_quant.head_pair(x, head)         # (under QAT: the head is a linear too)
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
         out = ops.cross_entropy(_capped(logits, cfg, params), batch["labels"])

@@ -76,7 +76,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("d, message", [
-    ({"model_type": "GemmaForCausalLM"}, "model_type: 'GemmaForCausalLM' is not supported"),
+    ({"model_type": "BertForMaskedLM"}, "model_type: 'BertForMaskedLM' is not supported"),
     ({"tp_size": 2, "tensor_parallel_size": 4}, "tensor_parallel_size: 4 contradicts tp_size: 2"),
     ({"warmup_steps": 2, "warmup_ratio": 0.1}, "give warmup_steps or warmup_ratio, not both"),
     ({"val_set_size": 2.5}, "val_set_size must be a fraction in [0, 1) or a whole count"),
@@ -250,7 +250,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert any(m.startswith("plugins: 'my.Plugin' is not supported") for m in p)
     assert "give save_steps or saves_per_epoch, not both" in p
     assert any(m.startswith("rl: dpo trains on chosen / rejected pairs") for m in p)   # (no datasets)
-    assert any(m.startswith("'qat' is not supported: quantization-aware training") for m in p)
+    assert any(m.startswith("qat.x is not a QAT option") for m in p)
     assert any(m.startswith("'swanlab_lark_webhook_url' is not supported: this SwanLab option") for m in p)
     assert any(m.startswith("'peft' is not supported: this LoRA option") for m in p)   # (peft: loftq_config, ...)
     assert not any("torchdistx_path" in m for m in p)                          # blank: unset
@@ -265,7 +265,7 @@ def test_strategies_fractional_warmup_and_eval_batch_size():
     cfg.set_epochs(30)
     assert cfg.warmup() == 3 and cfg.checkpoint.save_every == 30 and cfg.eval_steps == 30
     assert TrainConfig.from_dict({"save_strategy": "no", "save_steps": None}).checkpoint.save_every == 0
-    for bad, msg in (({"save_strategy": "best"}, "save_strategy: 'best' is not supported"),
+    for bad, msg in (({"save_strategy": "last"}, "save_strategy: 'last' is not supported"),
                      ({"eval_strategy": "no"}, "set val_set_size: 0"),
                      ({"warmup_steps": 1.5}, "whole number of steps or a fraction")):
         with pytest.raises(ConfigError, match=msg):

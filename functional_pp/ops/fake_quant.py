@@ -1,0 +1,208 @@
+"""Quantization-aware training (Axolotl's ``qat:``, which is torchao's QAT): the linear weights
+and their inputs fake-quantized in the forward, the gradient passing the rounding straight
+through (docs/quantization.md "Quantization-aware training").
+
+The numerics are torchao's for Axolotl's ``weight_dtype: int4`` with ``activation_dtype: int8``
+(``Int4WeightFakeQuantizeConfig(group_size, activation_dtype=bfloat16)`` for the weights:
+asymmetric 4-bit per group of ``group_size`` input features; ``IntxFakeQuantizeConfig(int8,
+per_token, asymmetric)`` for each linear's input: 8-bit per token, scales outside autograd).
+Every decoder linear weight and the LM head are fake-quantized (torchao's ``quantize_`` swaps
+every ``nn.Linear``); the embedding, norms and router are not.
+
+Mechanism: :func:`apply` wraps each linear weight of the parameter tree in a :class:`QatWeight`
+(an einsum operand, as LoRA's): the einsum gathers the contracted dimensions whole (a group or a
+token's row is never cut by a shard), fake-quantizes weight and input there and contracts; the
+head goes through :func:`head_pair` under :func:`active` (the loss's own chunked head).
+:func:`set_enabled` switches it off before ``fake_quant_after_n_steps``."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+
+from functional_pp.core.runtime import per_thread
+from functional_pp.core.tree import map_with_path
+from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
+from functional_pp.parallel.fsdp.regather import relayout
+from functional_pp.parallel.named import Named, make_named
+
+__all__ = ["QatConfig", "QatWeight", "set_enabled", "enabled", "apply", "adapt", "active", "head_pair", "fake_quant_int4_weight",
+           "fake_quant_int8_tokens", "LINEAR_WEIGHTS"]
+
+#: the decoder's linear weights (the names models/quantize.py quantizes, which are nn.Linear in
+#: transformers) fake-quantized by QAT
+LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
+                  "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class QatConfig:
+    """Axolotl's ``qat:`` block: ``weight_dtype`` / ``activation_dtype`` / ``group_size`` /
+    ``fake_quant_after_n_steps`` (steps up to it train without fake quantization)."""
+    weight_dtype: str = "int4"
+    activation_dtype: str | None = "int8"
+    group_size: int = 32
+    fake_quant_after_n_steps: int | None = None
+
+
+_active = per_thread("ops.fake_quant")
+
+
+def set_enabled(on: bool) -> None:
+    """Turn fake quantization on or off for this device thread's next forwards (the training
+    loop: off before ``fake_quant_after_n_steps``). Read when the loss is called, and kept in
+    the weights it hands the model, so that a recomputation in backward matches its forward."""
+    _active.enabled = bool(on)
+
+
+def enabled() -> bool:
+    return getattr(_active, "enabled", True)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """``round`` whose gradient is the identity (straight-through), as torchao's ``_Round``."""
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def fake_quant_int4_weight(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w`` ([out, in], groups of ``group_size`` along ``in``) as torchao's
+    ``Int4WeightFakeQuantizer`` with bf16 activations computes it: 16 levels between each group's
+    minimum and maximum (gradients reach them: its scales are in autograd), rounding straight through."""
+    qmin, qmax, mid = 0, 15, 8
+    g = w.to(torch.float32).view(w.shape[0], -1, group_size)
+    hi = torch.amax(g, dim=-1, keepdim=True)
+    lo = torch.amin(g, dim=-1, keepdim=True)
+    scale = torch.clamp(hi - lo, min=1e-6) / qmax
+    zero = lo + scale * mid
+    q = _RoundSTE.apply((g - lo) / scale).clamp(qmin, qmax) - mid
+    return (q * scale + zero).view(w.shape).to(w.dtype)
+
+
+def fake_quant_int8_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ([tokens, features]) as torchao's per-token asymmetric int8 ``IntxFakeQuantizer``:
+    each row's range (with 0) in 256 levels; the scales and zero points outside autograd."""
+    qmin, qmax = -128, 127
+    xf = x
+    with torch.no_grad():
+        lo = torch.clamp(torch.amin(xf, dim=-1, keepdim=True), max=0)
+        hi = torch.clamp(torch.amax(xf, dim=-1, keepdim=True), min=0)
+        scale = torch.clamp((hi - lo) / float(qmax - qmin), min=torch.finfo(torch.float32).eps).to(torch.float32)
+        zero = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax)
+    q = torch.clamp(_RoundSTE.apply(xf * (1.0 / scale)) + zero, qmin, qmax)
+    return ((q - zero) * scale).to(x.dtype)
+
+
+def _whole(x: Named, dims: Sequence[str]) -> Named:
+    """``x`` with ``dims`` unsplit (gathered whole on every device) and no pending sum."""
+    target = tuple(() if d in dims else s for d, s in zip(x.dims, x.split))
+    return relayout(x, target, "qat")
+
+
+def _as_rows(x: Named, dims: Sequence[str]) -> tuple[torch.Tensor, Callable[[torch.Tensor], Named]]:
+    """``x``'s local data as [rows, features] (``dims`` flattened last, in ``x``'s order) and
+    the function putting such a tensor back into ``x``'s shape and layout."""
+    data = x.data
+    cols = [x.dims.index(d) for d in x.dims if d in dims]
+    rows = [i for i in range(len(x.dims)) if i not in cols]
+    perm = rows + cols
+    moved = data.permute(perm)
+    shape = moved.shape
+    flat = moved.reshape(math.prod(shape[:len(rows)]), math.prod(shape[len(rows):]))
+    inverse = [perm.index(i) for i in range(len(perm))]
+
+    def back(t: torch.Tensor) -> Named:
+        return make_named(t.reshape(shape).permute(inverse), x.dims, x.split, x.vary, x.partial, x._sizes)
+    return flat, back
+
+
+def _fake_weight(w: Named, contracted: Sequence[str], group_size: int, where: str) -> Named:
+    w = _whole(w, contracted)
+    flat, back = _as_rows(w, contracted)
+    if flat.shape[1] % group_size:
+        sizes = {d: w._sizes[w.dims.index(d)] for d in contracted}
+        raise ValueError(f"qat: {where}: {flat.shape[1]} input features ({sizes}) are not a multiple of "
+                         f"qat.group_size {group_size} (torchao's groups): choose a group_size dividing it")
+    return back(fake_quant_int4_weight(flat, group_size))
+
+
+def _fake_input(x: Named, contracted: Sequence[str]) -> Named:
+    x = _whole(x, contracted)
+    flat, back = _as_rows(x, contracted)
+    return back(fake_quant_int8_tokens(flat))
+
+
+class QatWeight(NamedTuple):
+    """A linear weight as the model's einsum receives it under QAT: the einsum fake-quantizes it
+    (groups along its contracted dimensions) and, with ``activations``, its other operand (per
+    token), then contracts."""
+    base: Named
+    group_size: int
+    activations: bool
+    on: bool = True
+    name: str = ""
+
+    def __named_einsum__(self, pattern: str, operands: Sequence[Any], i: int) -> Named:
+        if len(operands) != 2:
+            raise ValueError(f"qat: einsum {pattern!r} with a fake-quantized weight needs exactly two operands")
+        if not self.on:
+            return einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
+        ins, out = parse_pattern(pattern, 2)
+        contracted = [d for d in ins[i] if d not in out]
+        w = _fake_weight(self.base, contracted, self.group_size, self.name or pattern)
+        x = operands[1 - i]
+        if self.activations:
+            x = _fake_input(x, contracted)
+        return einsum(pattern, *[w if j == i else x for j in range(2)])
+
+
+register_operand(QatWeight, lambda pattern, operands, i: operands[i].__named_einsum__(pattern, operands, i))
+
+
+def apply(params: Any, cfg: QatConfig, on: bool = True) -> Any:
+    """``params`` with each decoder linear weight (:data:`LINEAR_WEIGHTS`) a :class:`QatWeight`."""
+    def wrap(path: str, x: Any) -> Any:
+        if isinstance(x, Named) and path.rpartition(".")[2] in LINEAR_WEIGHTS:
+            return QatWeight(x, cfg.group_size, cfg.activation_dtype is not None, on, path)
+        return x
+    return map_with_path(wrap, params)
+
+
+@contextlib.contextmanager
+def active(cfg: QatConfig | None) -> Iterator[None]:
+    """Within: :func:`head_pair` fake-quantizes the LM head and its input (this thread)."""
+    before = getattr(_active, "cfg", None)
+    _active.cfg = cfg
+    try:
+        yield
+    finally:
+        _active.cfg = before
+
+
+def head_pair(x: Named, head: Named, contract: str = "hidden") -> tuple[Named, Named]:
+    """``(x, head)`` fake-quantized as torchao's QAT does the LM head (an ``nn.Linear``) when QAT
+    is active and on; else unchanged."""
+    cfg = getattr(_active, "cfg", None)
+    if cfg is None:
+        return x, head
+    w = _fake_weight(head, [contract], cfg.group_size, "lm_head")
+    return (_fake_input(x, [contract]) if cfg.activation_dtype is not None else x), w
+
+
+def adapt(fn: Callable[..., Any], cfg: QatConfig) -> Callable[..., Any]:
+    """``fn(params, ...)`` (a loss or forward) under QAT: the linear weights fake-quantized
+    (:func:`apply`) and the head (:func:`active`)."""
+    def qat(params: Any, *args: Any, **kwargs: Any) -> Any:
+        on = enabled()
+        with active(cfg if on else None):
+            return fn(apply(params, cfg, on), *args, **kwargs)
+    qat.__name__ = getattr(fn, "__name__", "qat")
+    return qat

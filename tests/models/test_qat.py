@@ -1,0 +1,197 @@
+"""Quantization-aware training (Axolotl's ``qat:``, issue 47) checked against torchao, which
+Axolotl delegates to: the fake quantizers equal torchao's (values and gradients); a tiny Llama
+under our QAT gives the logits and gradients of the same transformers model prepared as Axolotl
+prepares it (``quantize_(model, QATConfig(Int4WeightFakeQuantizeConfig(group_size, bf16),
+IntxFakeQuantizeConfig(int8, per_token, asymmetric)))``), on one device and sharded (FSDP x TP);
+``fake_quant_after_n_steps`` leaves the first steps unquantized; bad options are refused."""
+import pytest
+import torch
+from harness import tokens
+from safetensors.torch import load_file
+
+import functional_pp as fpp
+from functional_pp.checkpoint import hf
+from functional_pp.config import ConfigError, TrainConfig
+from functional_pp.core import tree
+from functional_pp.core.layout import block_slices
+from functional_pp.models import llama
+from functional_pp.ops import fake_quant
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
+
+transformers = pytest.importorskip("transformers")
+qat_api = pytest.importorskip("torchao.quantization.qat")
+
+GROUP = 32
+CFG = fake_quant.QatConfig(group_size=GROUP)
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=128)
+
+
+def _torchao_qat(model):
+    """Axolotl's prepare_model_for_qat for weight_dtype int4, activation_dtype int8."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat.fake_quantize_config import Int4WeightFakeQuantizeConfig, IntxFakeQuantizeConfig
+    quantize_(model, qat_api.QATConfig(
+        weight_config=Int4WeightFakeQuantizeConfig(group_size=GROUP, activation_dtype=torch.bfloat16),
+        activation_config=IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False)))
+    return model
+
+
+def _hf(tmp_path, tied):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE, tie_word_embeddings=tied)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return _torchao_qat(model)
+
+
+def test_fake_quantizers_equal_torchaos_values_and_gradients():
+    from torchao.quantization.qat.fake_quantize_config import Int4WeightFakeQuantizeConfig, IntxFakeQuantizeConfig
+    from torchao.quantization.qat.fake_quantizer import Int4WeightFakeQuantizer, IntxFakeQuantizer
+    g = torch.Generator().manual_seed(0)
+    for ours, theirs, shape in (
+            (lambda t: fake_quant.fake_quant_int4_weight(t, GROUP),
+             Int4WeightFakeQuantizer(Int4WeightFakeQuantizeConfig(group_size=GROUP, activation_dtype=torch.bfloat16)),
+             (48, 128)),
+            (fake_quant.fake_quant_int8_tokens,
+             IntxFakeQuantizer(IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False)),
+             (35, 128))):
+        x = (3 * torch.randn(shape, generator=g)).requires_grad_()
+        y = x.detach().clone().requires_grad_()
+        a, b = ours(x), theirs(y)
+        assert torch.equal(a, b) and not torch.equal(a, x)
+        up = torch.randn(shape, generator=g)
+        (a * up).sum().backward()
+        (b * up).sum().backward()
+        assert torch.equal(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_and_gradients_equal_torchaos_qat_model(tmp_path, tied):
+    model = _hf(tmp_path, tied)
+    toks = tokens(batch=2, seq=12)
+    want = model(input_ids=toks).logits
+    up = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * up).sum().backward()
+    cfg, full = hf.load_hf_llama(tmp_path)
+    decls = llama.init(cfg)
+    leaves = tree.tree_map(lambda t: t.clone().requires_grad_(), full)
+    got = fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(leaves, decls), fpp.wrap(toks, "batch seq"), cfg)
+    got = got.value()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    plain = llama.forward(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg).value()
+    assert (plain - want).abs().max() > 1e-3           # (the fake quantization acts)
+    (got * up).sum().backward()
+    hf.save_hf_llama(tree.tree_map(lambda t: t.grad, leaves), cfg, tmp_path / "grads")
+    grads = load_file(str(tmp_path / "grads" / "model.safetensors"))
+    theirs = {n: p.grad for n, p in model.named_parameters()}
+    assert set(grads) == set(theirs)
+    for name, gr in grads.items():
+        torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)
+
+
+def test_sharded_fsdp_tp_logits_equal_one_device(tmp_path):
+    model = _hf(tmp_path, False)
+    toks = tokens(batch=2, seq=12)
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules()
+    cfg, full = hf.load_hf_llama(tmp_path)
+    decls = llama.init(cfg)
+
+    def device():
+        with fpp.use_rules(rules):
+            local = sharding.shard(full, decls, mesh, rules, fpp.current_rank())
+            with torch.no_grad():
+                logits = settle(fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(local, decls),
+                                                                     fpp.named(toks, "batch seq"), cfg))
+            region = block_slices(tuple(want.shape), logits.split, mesh, fpp.current_rank())
+            torch.testing.assert_close(logits.data, want[region], atol=2e-5, rtol=1e-5)
+    fpp.launch(device, mesh)
+
+
+def test_off_until_fake_quant_after_n_steps(tmp_path):
+    _hf(tmp_path, False)
+    cfg, full = hf.load_hf_llama(tmp_path)
+    decls = llama.init(cfg)
+    toks = tokens(batch=2, seq=12)
+    plain = llama.forward(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg).value()
+    fake_quant.set_enabled(False)
+    try:
+        off = fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg)
+    finally:
+        fake_quant.set_enabled(True)
+    assert torch.equal(off.value(), plain)
+
+
+@pytest.mark.parametrize("qat,match", [
+    ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16}, "qat: weight_dtype nvfp4"),
+    ({"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 0}, "qat.group_size"),
+    ({"weight_dtype": "int4", "activation_dtype": "int8", "quantize_embedding": True}, "qat.quantize_embedding"),
+    ({"weight_dtype": "int4", "activation_dtype": "int8", "bits": 4}, "qat.bits is not a QAT option"),
+])
+def test_bad_qat_options_are_refused(qat, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.from_dict({"qat": qat})
+
+
+def test_a_group_size_not_dividing_the_inputs_is_refused_with_the_sizes(tmp_path):
+    _hf(tmp_path, False)
+    cfg, full = hf.load_hf_llama(tmp_path)
+    with pytest.raises(ValueError, match=r"qat: layers.0.self_attn.q_proj: 64 input features .*qat.group_size 48"):
+        fake_quant.adapt(llama.forward, fake_quant.QatConfig(group_size=48))(
+            sharding.named_tree(full, llama.init(cfg)), fpp.wrap(tokens(batch=1, seq=4), "batch seq"), cfg)
+
+
+def _qat_steps(mesh, rules):
+    """Two AdamW steps of a tiny Llama under QAT (group 16) on ``mesh``: losses and the full
+    parameters after them."""
+    import functools
+
+    from harness import make_batch
+    cfg = llama.Config.tiny()
+    qat = fake_quant.QatConfig(group_size=16)
+    decls = llama.init(cfg)
+    full = {p: x.data for p, x in tree.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
+    params = tree.map_with_path(lambda p, d: full[p], decls)
+    step = fpp.train_step(fake_quant.adapt(functools.partial(llama.loss, cfg=cfg), qat), fpp.optim.adamw(1e-2),
+                          mesh=mesh, rules=rules)
+    batch_full = make_batch(cfg, batch=4, seq=8, seed=3)
+    with fpp.use_rules(rules):
+        local = sharding.shard(params, decls, mesh, rules, fpp.current_rank())
+        state = step.init(sharding.named_tree(local, decls))
+        batch = {k: fpp.named(v, "batch seq").data for k, v in batch_full.items()}
+    losses = []
+    for _ in range(2):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    with fpp.use_rules(rules):
+        out = fpp.gather_tree(state["params"], decls, rules)
+    return losses, {p: x.numpy() for p, x in tree.leaves_with_paths(out)}
+
+
+def _fsdp_device():
+    return _qat_steps(fpp.Mesh(dp_shard=2), llama.default_rules(tp=False))
+
+
+def _one_device():
+    return _qat_steps(fpp.Mesh(), llama.default_rules(tp=False))
+
+
+@pytest.mark.multiprocess
+def test_fsdp_on_two_gloo_processes_equals_simulated_and_one_device():
+    import numpy as np
+    mesh = fpp.Mesh(dp_shard=2)
+    real = fpp.launch(_fsdp_device, mesh, processes=True, timeout=300)
+    simulated = fpp.launch(_fsdp_device, mesh)
+    (one,) = fpp.launch(_one_device, fpp.Mesh())
+    for losses, params in list(real) + list(simulated):
+        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+        for p, x in params.items():
+            np.testing.assert_allclose(x, one[1][p], atol=2e-5, rtol=1e-4, err_msg=p)
+    assert one[0][1] < one[0][0]
