@@ -1,5 +1,5 @@
 """LoRA against peft + transformers (the oracle): tiny random Llama, Qwen3, OLMo 2, Cohere, Gemma, GLM-4,
-StarCoder 2 and Nemotron models built from a
+Gemma 4, StarCoder 2, Nemotron and GPT-2 models built from a
 config (no download), the same initial adapter weights (B nonzero, so every adapter gradient is
 meaningful), fp32: the loss, every adapter gradient and the adapters after one AdamW step equal
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
@@ -36,6 +36,11 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
             "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
                 BASE, bos_token_id=None, eos_token_id=None)),     # (its window: test_hf_families_more.py)
             "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None)),
+            # Gemma 4: full layers of their own widths whose v is the k projection (no v_proj to adapt there)
+            "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+                BASE, head_dim=16, global_head_dim=32, num_global_key_value_heads=2, attention_k_eq_v=True,
+                sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0, pad_token_id=None,
+                bos_token_id=None, eos_token_id=None)),
             # learned positions (not adapted: a table), Conv1D weights, c_proj of attention and of the MLP
             "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
                                                           n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -116,7 +121,9 @@ def test_loss_gradients_and_update_equal_peft(case):
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
     ours_grads = peft_dir.to_peft(ours[1], cfg.model_type)
     ours_new = peft_dir.to_peft(ours[2], cfg.model_type)
-    assert ours_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * len(lc.target_modules) * cfg.layers
+    shared_v = sum(cfg.v_shared(i) for i in range(cfg.layers)) if "v_proj" in lc.target_modules else 0   # (Gemma 4)
+    assert ours_grads.keys() == ref_grads.keys()
+    assert len(ref_grads) == 2 * (len(lc.target_modules) * cfg.layers - shared_v)
     for k in ref_grads:
         assert ref_grads[k].abs().max() > 0, k
         torch.testing.assert_close(ours_grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
