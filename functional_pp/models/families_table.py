@@ -66,9 +66,8 @@ ROWS: tuple[Row, ...] = (
     Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary",
         "`mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
-                   "gated; Conv1D weights, q/k/v fused in `c_attn`",
-        "files of a bare `GPT2Model` (names without `transformer.`); PEFT export of adapters on the fused `c_attn` "
-        "(export merged)"),
+                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
+        "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
     Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases (Seed-OSS); q/k norms after the rotary, "
                                           "NTK-alpha rope (Hunyuan)",

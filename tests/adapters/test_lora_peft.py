@@ -5,6 +5,9 @@ meaningful), fp32: the loss, every adapter gradient and the adapters after one A
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
 directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged model through
 ``transformers`` with equal logits (docs/adapters.md)."""
+import copy
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,3 +158,51 @@ def test_peft_directory_loads_in_peft(case, tmp_path):
     assert back.keys() == lora.keys()
     for p, ab in lora.items():
         assert all(torch.equal(back[p][k], ab[k]) for k in ab), p
+
+
+def test_gpt2_fused_c_attn_adapters_round_trip_through_peft(tmp_path):
+    """GPT-2's q, k and v are one Conv1D ``c_attn``: our adapters of q_proj, k_proj and v_proj
+    export as one rank-3r adapter of it (A stacked, B block-diagonal, its scale kept through
+    ``rank_pattern`` / ``alpha_pattern``) that peft loads (``fan_in_fan_out``) with our adapted
+    logits, and that reads back to the same tensors; an adapter peft trained on ``c_attn`` (one A
+    shared by q, k and v) reads as ours with peft's logits."""
+    from harness import random_lora
+    torch.manual_seed(0)
+    conf, cls, kw = FAMILIES["gpt2"]
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float()
+    d = tmp_path / "gpt2"
+    model.save_pretrained(d)
+    cfg, base = hf.load_hf_llama(d)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "up_proj"))
+    decls = adapters.init(llama.init(cfg), lc)
+    lora = random_lora(decls, torch.Generator().manual_seed(1))
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
+    conf_json = json.loads((out / "adapter_config.json").read_text())
+    assert conf_json["rank_pattern"] == {f"transformer.h.{i}.attn.c_attn": 12 for i in range(cfg.layers)}
+    tokens = torch.randint(0, cfg.vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(plain, str(out)).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=tokens).logits
+    ours = adapted_logits(base, lora, decls, lc, cfg, tokens)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys()
+    for p, ab in lora.items():
+        assert all(torch.equal(back[p][k], ab[k]) for k in ab), p
+    # peft's own adapter of c_attn (rank r, A shared by q, k and v), B nonzero
+    pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                   target_modules=["c_attn"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    pm.save_pretrained(tmp_path / "theirs")
+    lc3 = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj"))
+    decls3 = adapters.init(llama.init(cfg), lc3)
+    read = peft_dir.load_adapter(tmp_path / "theirs", decls3, lc3, str(d))
+    assert torch.equal(read["layers.0.self_attn.q_proj"]["lora_A"], read["layers.0.self_attn.v_proj"]["lora_A"])
+    with torch.no_grad():
+        want = pm.eval()(input_ids=tokens).logits
+        assert (want - model.eval()(input_ids=tokens).logits).abs().max() > 1e-3        # the adapters act
+    torch.testing.assert_close(adapted_logits(base, read, decls3, lc3, cfg, tokens), want, rtol=1e-5, atol=1e-5)
