@@ -52,7 +52,7 @@ MODEL_TYPES = {
     "google/gemma-2-9b": "gemma2", "google/gemma-3-270m-it": "gemma3_text",
     "google/gemma-3-12b-it": "gemma3", "google/gemma-3-27b-it": "gemma3",
     "google/gemma-3n-E2B-it": "gemma3n", "google/gemma-4-12B-it": "gemma4",
-    "google/gemma-4-26B-A4B": "gemma4", "google/gemma-4-31B": "gemma4",
+    "google/gemma-4-26B-A4B": "gemma4_moe", "google/gemma-4-31B": "gemma4",
     "EleutherAI/pythia-12b-deduped": "gpt_neox", "EleutherAI/pythia-1.4b-deduped": "gpt_neox",
     "replit/replit-code-v1-3b": "mpt", "stabilityai/stablelm-2-1_6b": "stablelm",
     "bigcode/starcoder2-3b": "starcoder2", "CohereForAI/c4ai-command-r7b-12-2024": "cohere2",
@@ -122,9 +122,20 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32})}
+#: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
+#: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
+#: 26B-A4B (experts beside the MLP: enable_moe_block) as its config.json only (refused when read)
+_GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
+                    hidden_size_per_layer_input=0, final_logit_softcapping=30.0, sliding_window=128, pad_token_id=0,
+                    bos_token_id=None, eos_token_id=None)
+_GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, video_token_id=403, boa_token_id=None,
+                       eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
+_CONFIG_ONLY = {"gemma4_moe": {"model_type": "gemma4", "text_config": dict(
+    _GEMMA4_TEXT, model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=32)}}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
-        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>"}
+        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
 
@@ -145,11 +156,22 @@ def tiny_model(model_type: str, root: Path) -> Path:
     make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
     if model_type in ("mistral", "mistral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type not in _HF:
+    if model_type in _CONFIG_ONLY:
+        (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))
+        return d
+    if model_type not in _HF and model_type != "gemma4":
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
     import transformers
+    if model_type == "gemma4":
+        torch.manual_seed(0)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16)
+        conf = transformers.Gemma4Config(text_config=_GEMMA4_TEXT, vision_config=vision, audio_config=None,
+                                         **_GEMMA4_SPECIAL)
+        transformers.Gemma4ForConditionalGeneration(conf).save_pretrained(d)
+        return d
     conf, cls, extra = _HF[model_type]
     torch.manual_seed(0)
     getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **extra})).save_pretrained(d)

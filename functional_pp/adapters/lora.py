@@ -88,8 +88,19 @@ class LoraConfig:
 
 def _matches_module(path: str, names: tuple[str, ...] | str) -> bool:
     if isinstance(names, str):                       # peft: one regex, matched against the whole name
-        return re.fullmatch(names, path) is not None
+        return any(re.fullmatch(names, name) is not None for name in _module_names(path))
     return any(path == n or path.endswith("." + n) for n in names)
+
+
+def _module_names(path: str) -> tuple[str, ...]:
+    """The names a peft regex may be written against: our path, its Hugging Face module name
+    (``model.layers.0.self_attn.q_proj``) and that module inside a multimodal checkpoint's text
+    decoder (``model.language_model.layers.0...``: Axolotl's Gemma 4 examples)."""
+    hf = _hf_name(path)
+    if hf is None or not hf.startswith("model."):
+        return (path,) if hf is None else (path, hf.rsplit(".", 1)[0])
+    module = hf.rsplit(".", 1)[0]
+    return path, module, "model.language_model." + module.removeprefix("model.")
 
 
 def check_names(decls: Any, target_modules: Sequence[str] = (), modules_to_save: Sequence[str] = (),

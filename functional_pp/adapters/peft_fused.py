@@ -1,4 +1,5 @@
-"""PEFT adapters of fused Hugging Face modules (Phi-3's ``qkv_proj`` and ``gate_up_proj``) from
+"""PEFT adapters of fused Hugging Face modules (Phi-3's ``qkv_proj`` and ``gate_up_proj``, GLM-4's
+``gate_up_proj``, GPT-2's Conv1D ``c_attn``: peft reads it ``fan_in_fan_out``, its adapters in a Linear's layout) from
 our adapters of the split weights (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``).
 
 A LoRA per part (``delta_j = s B_j A_j``, rank ``r`` each) is in general not one rank-``r``
@@ -69,7 +70,7 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
     groups: dict[str, dict[int, str]] = {}
     for path, _ in leaves_with_paths(base):
         m = fused_module(path, model_type)
-        if m is not None:
+        if m is not None and not _bias_part(path, model_type):
             groups.setdefault(m, {})[file_name(path, model_type)[1]] = path
     weights = dict(leaves_with_paths(base))
     out, ranks, alphas = {}, {}, {}
@@ -108,6 +109,12 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
     return out, ranks, alphas
 
 
+def _bias_part(path: str, model_type: str) -> bool:
+    """Whether ``path`` is a part of a fused bias (GPT-2's ``c_attn.bias``: q, k and v biases), not
+    of the fused weight that the module's adapter acts on."""
+    return file_name(path, model_type)[0].endswith("bias")
+
+
 def _rows(d: Any) -> int:
     """Rows of a weight declaration in the HF layout (its output dimensions, past the ``in_dims``)."""
     return math.prod(d.shape[int(d.meta.get("in_dims", 1)):])
@@ -124,7 +131,7 @@ def split_fused_peft(tensors: dict[str, torch.Tensor], base_decls: Any, want: di
     groups: dict[str, list[tuple[int, str, Any]]] = {}
     for path, d in leaves_with_paths(base_decls):
         m = fused_module(path, model_type)
-        if m is not None:
+        if m is not None and not _bias_part(path, model_type):
             groups.setdefault(m, []).append((file_name(path, model_type)[1], path, d))
     out, used = {}, set()
     for module, parts in groups.items():

@@ -39,8 +39,9 @@ __all__ = [
     "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows",
 ]
 
-from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_HF, KINDS, LLAMA_TABLE, UnsupportedHFConfig,
-                                           check_exportable, constants_of,
+from functional_pp.models.gemma4_hf import export_config
+from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
+                                           UnsupportedHFConfig, check_exportable, constants_of,
                                            config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
@@ -267,7 +268,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 got = reader._open(reader.entries[const][0]).get_tensor(const).float().reshape(-1)
                 if got.numel() != 1 or abs(got.item() - value) > 1e-2 * abs(value):
                     problems.append(f"{const}: {got.tolist()}, but the functional decoder's is the constant {value}")
-        ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF]
+        ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF + IGNORED_BY_TYPE.get(getattr(cfg, "model_type", ""), ())]
         if cfg.tie_embeddings:
             ignorable.append(re.compile(r"^lm_head\.weight$"))
         unexpected = sorted(n for n in reader.entries
@@ -521,6 +522,7 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
     flat = dict(leaves_with_paths(params))
+    cfg = export_config(cfg)                  # (a multimodal Gemma 4's text decoder: Gemma4ForCausalLM)
 
     def get(p: str):
         if p not in flat:
@@ -565,6 +567,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLik
     ckpt = fmt.resolve_checkpoint(checkpoint, step)
     if cfg is None:
         cfg = config_from_index(fmt.read_index(ckpt))
+    cfg = export_config(cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = out / f".consolidate-{secrets.token_hex(4)}"

@@ -42,6 +42,12 @@ ROWS: tuple[Row, ...] = (
                      "logit soft-capping"),
     Row(("gemma3_text",), "Gemma 2's, plus q/k norms, 5:1 local/global layers, a rope base per layer type",
         "the multimodal `gemma3` (its text decoder included)"),
+    Row(("gemma4_text", "gemma4"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
+                                   "full layers of their own head width and k/v heads whose v is the k projection "
+                                   "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "
+                                   "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`)",
+        "per-layer input embeddings and k/v shared across layers (E2B / E4B), the experts beside the MLP "
+        "(26B-A4B: `enable_moe_block`), all refused by name; image and audio input"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),
@@ -60,9 +66,8 @@ ROWS: tuple[Row, ...] = (
     Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary",
         "`mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
-                   "gated; Conv1D weights, q/k/v fused in `c_attn`",
-        "files of a bare `GPT2Model` (names without `transformer.`); PEFT export of adapters on the fused `c_attn` "
-        "(export merged)"),
+                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
+        "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
     Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases (Seed-OSS); q/k norms after the rotary, "
                                           "NTK-alpha rope (Hunyuan)",

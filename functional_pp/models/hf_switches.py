@@ -527,7 +527,7 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("gemma4_text", "Gemma 4"), ("gemma4", "Gemma 4"), ("afmoe", "Arcee AFMoE (Trinity)"),
+        ("afmoe", "Arcee AFMoE (Trinity)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
         ("mistral4", "Mistral Small 4"),
         ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),

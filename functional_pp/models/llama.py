@@ -30,13 +30,14 @@ from functional_pp.core.tree import param
 from functional_pp.models import kv_cache, mla, moe
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
-from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
+from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-_SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling}
+_SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
+             "proportional": ProportionalScaling}
 
 
 def _scaling_from_dict(d: dict):
@@ -72,7 +73,7 @@ class Config:
     mlp: int = 14336
     head_dim: int | None = None
     rope_theta: float = 500000.0
-    rope_scaling: Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling | None = field(
+    rope_scaling: Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling | ProportionalScaling | None = field(
         default_factory=Llama3Scaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -208,6 +209,15 @@ class Config:
     learned_positions: bool = False
     # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX's clip_qkv; None: no clamp)
     clip_qkv: float | None = None
+    # Gemma 4: the full-attention layers' own head width and k/v heads (global_head_dim,
+    # num_global_key_value_heads; None: head_dim, kv_heads), their v the k projection's output (k_eq_v:
+    # attention_k_eq_v, no v_proj there), a weightless RMSNorm of v over head_dim (v_norm), and each layer's
+    # output times a scalar of the files that is not trained (layer_scalar)
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    v_norm: bool = False
+    layer_scalar: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
@@ -245,6 +255,9 @@ class Config:
         if self.nope_layers is not None and not all(0 <= i < self.layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)}: layer indices must be in [0, {self.layers})")
         rot = self.partial_rotary_factor * self.dim_head
+        if self.global_head_dim and self.partial_rotary_factor != 1:
+            raise ValueError("partial_rotary_factor with global_head_dim is not supported (Gemma 4's full layers "
+                             "rotate part of each head through rope_scaling: ProportionalScaling)")
         if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an "
                              f"even number of head_dim's {self.dim_head} entries (it rotates {int(rot)})")
@@ -268,6 +281,17 @@ class Config:
             raise ValueError(f"clip_qkv must be a positive number (or null: no clamp), got {self.clip_qkv!r}")
         if self.clip_qkv is not None and self.kv_lora_rank:
             raise ValueError("clip_qkv with latent attention (kv_lora_rank) is not supported")
+        for key in ("global_head_dim", "global_kv_heads"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{key} must be a positive integer or null, got {v!r}")
+        if (self.global_head_dim or self.global_kv_heads or self.k_eq_v) and self.kv_lora_rank:
+            raise ValueError("global_head_dim / global_kv_heads / k_eq_v with latent attention (kv_lora_rank) is "
+                             "not supported")
+        if self.global_kv_heads is not None and self.heads % self.global_kv_heads:
+            raise ValueError(f"global_kv_heads={self.global_kv_heads} must divide heads={self.heads}")
+        if self.k_eq_v and (self.qkv_bias or self.clip_qkv is not None):
+            raise ValueError("k_eq_v=True with qkv_bias or clip_qkv is not supported (Gemma 4 has neither)")
         if self.qk_norm_after_rotary and not self.qk_norm:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
@@ -323,6 +347,20 @@ class Config:
     @property
     def dim_head(self) -> int:
         return self.head_dim or self.hidden // self.heads
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a full-attention layer of Gemma 4's own widths (no window)."""
+        return self.window(layer) is None
+
+    def attn_shape(self, layer: int) -> tuple[int, int]:
+        """``(kv_heads, head_dim)`` of layer ``layer`` (Gemma 4's full layers: their global ones)."""
+        if self.is_global(layer):
+            return self.global_kv_heads or self.kv_heads, self.global_head_dim or self.dim_head
+        return self.kv_heads, self.dim_head
+
+    def v_shared(self, layer: int) -> bool:
+        """Whether layer ``layer``'s v is its k projection's output (Gemma 4's attention_k_eq_v, full layers)."""
+        return self.k_eq_v and self.is_global(layer)
 
     @classmethod
     def tiny(cls, **kw) -> "Config":
@@ -493,13 +531,14 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             tree.update({f"{k}_bias": bias(cfg.hidden, "hidden") for k, v in list(tree.items()) if k.endswith("norm")})
         return tree
 
-    def attn():
+    def attn(i):
         if cfg.kv_lora_rank:                        # multi-head latent attention (models/mla.py)
             return mla.init_attention(cfg, w, out_std)
+        kv_heads, D = cfg.attn_shape(i)             # (Gemma 4's full layers: their own widths)
         a = {
             "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
-            "k_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
-            "v_proj": w((cfg.hidden, cfg.kv_heads, D), "hidden kv_heads head_dim"),
+            "k_proj": w((cfg.hidden, kv_heads, D), "hidden kv_heads head_dim"),
+            "v_proj": w((cfg.hidden, kv_heads, D), "hidden kv_heads head_dim"),
             # (meta in_dims: the leading dimensions a linear contracts; 1 where not given, docs/adapters.md)
             "o_proj": dataclasses.replace(w((cfg.heads, D, cfg.hidden), "heads head_dim hidden", out_std),
                                           meta={"in_dims": 2}),
@@ -518,10 +557,12 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         if cfg.attn_sinks:
             a["sinks"] = w((cfg.heads,), "heads")
+        if cfg.v_shared(i):                         # (Gemma 4: v is the k projection's output)
+            del a["v_proj"]
         return a
 
     def layer(i):
-        p = {"input_layernorm": norm(), "self_attn": attn(), "post_attention_layernorm": norm(),
+        p = {"input_layernorm": norm(), "self_attn": attn(i), "post_attention_layernorm": norm(),
              "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
                      "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
@@ -541,6 +582,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["input_layernorm"], p["pre_feedforward_layernorm"]
         if cfg.parallel_block and not cfg.parallel_mlp_norm:      # one input norm for attention and the MLP
             del p["post_attention_layernorm"]
+        if cfg.layer_scalar:                       # (Gemma 4: a fixed scalar of the files, 1 at init)
+            p["layer_scalar"] = param((), (), init="ones", dtype=dtype)
         return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
@@ -610,7 +653,10 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         return mla.attention(a, h, pos, cfg, segments, window)
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
-    v = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
+    v = (ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
+         if "v_proj" in a else k)                        # (Gemma 4's k_eq_v layers: v is k's projection)
+    if cfg.v_norm:                                        # (Gemma 4: weightless, over head_dim, in float32)
+        v = ops.rms_norm(v.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(v.data.dtype)
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
     if cfg.clip_qkv is not None:                          # (DBRX: each entry clamped, its gradient 0 outside)
@@ -698,7 +744,10 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
         return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk) + _mlp(p, h_mlp, cfg),
                                           cfg))
     x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk), cfg))
-    return ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+    x = ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+    if cfg.layer_scalar:                     # (Gemma 4: a scalar of the files, not trained: its gradient 0)
+        x = x * p["layer_scalar"].map(lambda t: t.detach() + 0 * t)
+    return x
 
 
 def _residual(branch: Named, cfg: Config) -> Named:
@@ -812,6 +861,12 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+    if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v:     # (Gemma 4: the full layers' own widths)
+        def proj_attn(i: int) -> float:
+            kv, d = cfg.attn_shape(i)
+            return (2 * cfg.hidden * (2 * cfg.heads * d + (1 if cfg.v_shared(i) else 2) * kv * d)
+                    + 2 * 2 * seq * cfg.heads * d / 2)
+        return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab)
     fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
     return 3.0 * fwd
 

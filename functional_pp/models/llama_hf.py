@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import dbrx_hf, deepseek_hf, gpt_oss_hf, llama4_hf
+from functional_pp.models import dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -126,6 +126,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.self_attn.kv_a_layernorm", "copy"),
     ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.self_attn.kv_b_proj", "heads_out"),
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router_bias", "copy"),
+    # Gemma 4: each layer's output scale (HF [1], ours without dimensions)
+    ("model.layers.{i}.layer_scalar", "layers.{i}.layer_scalar", "scalar"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -295,6 +297,9 @@ RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts
 RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
+RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
+IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = dict(gemma4_hf.IGNORED)
+"""Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
@@ -570,7 +575,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
-                                 **deepseek_hf.ARCHITECTURES}
+                                 **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -698,6 +703,11 @@ def config_from_hf_dict(hf: dict) -> Config:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
         except UnsupportedHFConfig:
             raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in gemma4_hf.ARCHITECTURES:                             # (Gemma 4's text decoder)
+        try:
+            return gemma4_hf.config_from_hf(hf, mt)
         except ValueError as exc:
             raise UnsupportedHFConfig(str(exc)) from exc
     if mt in OWN_CONFIG:                       # Llama's attention and norms, the rest its own
@@ -905,6 +915,10 @@ def check_exportable(cfg: Config) -> None:
             raise UnsupportedHFConfig(str(exc)) from exc
     _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None,   # (theirs only)
                              qk_l2_norm=False, attn_temperature_floor=None, experts_scale_input=False), where)
+    if mt in gemma4_hf.ARCHITECTURES:
+        return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,
+                             layer_scalar=False), where)        # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
@@ -951,6 +965,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     check_exportable(cfg)
     if cfg.model_type in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in gemma4_hf.ARCHITECTURES:
+        return gemma4_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

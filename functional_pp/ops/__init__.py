@@ -11,8 +11,8 @@ from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy, token_log_probs
 from functional_pp.ops.norms import layer_norm, rms_norm
 from functional_pp.ops.realize import realized
 from functional_pp.ops.reduce import logsumexp, max, mean, min, softmax, sum  # noqa: A004
-from functional_pp.ops.rotary import (LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling, inverse_frequencies,
-                                      rotary)
+from functional_pp.ops.rotary import (LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling,
+                                      inverse_frequencies, rotary)
 from functional_pp.ops.shape import merge_dims, rearrange, rename, split_dim, transpose
 from functional_pp.ops.swiglu import swiglu
 from functional_pp.ops.xent.linear import linear_cross_entropy
@@ -20,6 +20,7 @@ from functional_pp.ops.xent.linear import linear_cross_entropy
 __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp", "log", "gelu", "relu",
            "silu", "tanh", "rsqrt", "square", "where", "embed", "cross_entropy", "token_log_probs", "linear_cross_entropy", "IGNORE_INDEX",
            "rms_norm", "layer_norm", "logsumexp", "max", "mean", "min", "softmax", "sum", "rotary",
-           "Llama3Scaling", "LongRopeScaling", "LinearScaling", "YarnScaling", "inverse_frequencies", "rename",
+           "Llama3Scaling", "LongRopeScaling", "LinearScaling", "YarnScaling", "ProportionalScaling",
+           "inverse_frequencies", "rename",
            "split_dim", "merge_dims", "rearrange",
            "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized", "xielu"]

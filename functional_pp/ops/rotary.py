@@ -64,7 +64,22 @@ class YarnScaling:
     truncate: bool = True
 
 
-RopeScaling = Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling
+@dataclass(frozen=True)
+class ProportionalScaling:
+    """Proportional rope (Gemma 4's full layers): only the first ``partial_rotary_factor * d / 2``
+    pairs (i, i + d/2) of a head of width ``d`` rotate, at the frequencies of a head of that full
+    width (``theta ** (-2i / d)``); the other pairs have frequency 0 (they pass through); every
+    frequency divided by ``factor`` (transformers' ``_compute_proportional_rope_parameters``)."""
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.partial_rotary_factor <= 1:
+            raise ValueError(f"ProportionalScaling: partial_rotary_factor={self.partial_rotary_factor} must be in "
+                             f"[0, 1]")
+
+
+RopeScaling = Llama3Scaling | LongRopeScaling | LinearScaling | YarnScaling | ProportionalScaling
 
 
 def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
@@ -91,6 +106,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv
     if isinstance(scaling, LinearScaling):
         return inv / scaling.factor
+    if isinstance(scaling, ProportionalScaling):        # the pairs past the rotating share: frequency 0
+        rotating = int(scaling.partial_rotary_factor * head_dim // 2)
+        return torch.where(torch.arange(inv.numel(), device=inv.device) < rotating, inv, 0.0) / scaling.factor
     if isinstance(scaling, YarnScaling):
         return _yarn(inv, head_dim, theta, scaling)
     if isinstance(scaling, LongRopeScaling):

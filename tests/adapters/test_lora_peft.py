@@ -1,10 +1,13 @@
 """LoRA against peft + transformers (the oracle): tiny random Llama, Qwen3, OLMo 2, Cohere, Gemma, GLM-4,
-StarCoder 2 and Nemotron models built from a
+Gemma 4, StarCoder 2, Nemotron and GPT-2 models built from a
 config (no download), the same initial adapter weights (B nonzero, so every adapter gradient is
 meaningful), fp32: the loss, every adapter gradient and the adapters after one AdamW step equal
 peft's; every layout (DP, FSDP, TP, FSDP x TP, simulated) equals one device; the PEFT adapter
 directory round-trips through ``peft.PeftModel.from_pretrained`` and the merged model through
 ``transformers`` with equal logits (docs/adapters.md)."""
+import copy
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,11 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
             "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
                 BASE, bos_token_id=None, eos_token_id=None)),     # (its window: test_hf_families_more.py)
             "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None)),
+            # Gemma 4: full layers of their own widths whose v is the k projection (no v_proj to adapt there)
+            "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+                BASE, head_dim=16, global_head_dim=32, num_global_key_value_heads=2, attention_k_eq_v=True,
+                sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=30.0, pad_token_id=None,
+                bos_token_id=None, eos_token_id=None)),
             # learned positions (not adapted: a table), Conv1D weights, c_proj of attention and of the MLP
             "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
                                                           n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -116,7 +124,9 @@ def test_loss_gradients_and_update_equal_peft(case):
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
     ours_grads = peft_dir.to_peft(ours[1], cfg.model_type)
     ours_new = peft_dir.to_peft(ours[2], cfg.model_type)
-    assert ours_grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * len(lc.target_modules) * cfg.layers
+    shared_v = sum(cfg.v_shared(i) for i in range(cfg.layers)) if "v_proj" in lc.target_modules else 0   # (Gemma 4)
+    assert ours_grads.keys() == ref_grads.keys()
+    assert len(ref_grads) == 2 * (len(lc.target_modules) * cfg.layers - shared_v)
     for k in ref_grads:
         assert ref_grads[k].abs().max() > 0, k
         torch.testing.assert_close(ours_grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
@@ -148,3 +158,51 @@ def test_peft_directory_loads_in_peft(case, tmp_path):
     assert back.keys() == lora.keys()
     for p, ab in lora.items():
         assert all(torch.equal(back[p][k], ab[k]) for k in ab), p
+
+
+def test_gpt2_fused_c_attn_adapters_round_trip_through_peft(tmp_path):
+    """GPT-2's q, k and v are one Conv1D ``c_attn``: our adapters of q_proj, k_proj and v_proj
+    export as one rank-3r adapter of it (A stacked, B block-diagonal, its scale kept through
+    ``rank_pattern`` / ``alpha_pattern``) that peft loads (``fan_in_fan_out``) with our adapted
+    logits, and that reads back to the same tensors; an adapter peft trained on ``c_attn`` (one A
+    shared by q, k and v) reads as ours with peft's logits."""
+    from harness import random_lora
+    torch.manual_seed(0)
+    conf, cls, kw = FAMILIES["gpt2"]
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float()
+    d = tmp_path / "gpt2"
+    model.save_pretrained(d)
+    cfg, base = hf.load_hf_llama(d)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "up_proj"))
+    decls = adapters.init(llama.init(cfg), lc)
+    lora = random_lora(decls, torch.Generator().manual_seed(1))
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
+    conf_json = json.loads((out / "adapter_config.json").read_text())
+    assert conf_json["rank_pattern"] == {f"transformer.h.{i}.attn.c_attn": 12 for i in range(cfg.layers)}
+    tokens = torch.randint(0, cfg.vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(plain, str(out)).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=tokens).logits
+    ours = adapted_logits(base, lora, decls, lc, cfg, tokens)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    back = peft_dir.load_adapter(out, decls, lc, str(d))
+    assert back.keys() == lora.keys()
+    for p, ab in lora.items():
+        assert all(torch.equal(back[p][k], ab[k]) for k in ab), p
+    # peft's own adapter of c_attn (rank r, A shared by q, k and v), B nonzero
+    pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                   target_modules=["c_attn"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    pm.save_pretrained(tmp_path / "theirs")
+    lc3 = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj"))
+    decls3 = adapters.init(llama.init(cfg), lc3)
+    read = peft_dir.load_adapter(tmp_path / "theirs", decls3, lc3, str(d))
+    assert torch.equal(read["layers.0.self_attn.q_proj"]["lora_A"], read["layers.0.self_attn.v_proj"]["lora_A"])
+    with torch.no_grad():
+        want = pm.eval()(input_ids=tokens).logits
+        assert (want - model.eval()(input_ids=tokens).logits).abs().max() > 1e-3        # the adapters act
+    torch.testing.assert_close(adapted_logits(base, read, decls3, lc3, cfg, tokens), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,203 @@
+"""Gemma 4's text decoder (``gemma4_text``: ``Gemma4ForCausalLM``; and the text decoder of the
+multimodal ``gemma4``, ``Gemma4ForConditionalGeneration``, whose ``text_config`` it reads) as a
+configuration of the one decoder (docs/models.md, "Decoder families"): Gemma 3's layer (tanh-GELU
+GLU, sandwich norms, q/k norms, 5 sliding layers to 1 full, a rope per layer type, a scaled
+embedding, tied embeddings) with Gemma 4's switches: norms that scale by ``w`` (not ``1 + w``),
+a weightless RMSNorm of v (``v_norm``), no softmax scale (``query_pre_attn_scalar`` 1), the full
+layers' own head width and k/v heads (``global_head_dim``, ``global_kv_heads``; transformers'
+``per_layer_config``) with v their k projection's output (``k_eq_v``: ``attention_k_eq_v``) and
+proportional rope (``ProportionalScaling``), each layer's output times a scalar of the files
+(``layer_scalar``), the final logits soft-capped.
+
+``config.json`` <-> :class:`~functional_pp.models.llama.Config` (:func:`config_from_hf`,
+:func:`config_to_hf`, :func:`check_exportable`). Refused by name: per-layer input embeddings
+(``hidden_size_per_layer_input``: Gemma 4 E2B / E4B), k/v shared across layers
+(``num_kv_shared_layers``), the double-wide MLP, the mixture-of-experts block beside the MLP
+(``enable_moe_block``: 26B-A4B), bidirectional attention, attention biases and dropout."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_pp.models.llama import Config
+from functional_pp.ops.rotary import ProportionalScaling
+
+__all__ = ["ARCHITECTURES", "DEFAULTS", "config_from_hf", "config_to_hf", "check_exportable", "RENAMED",
+           "IGNORED", "FIXED", "export_config"]
+
+ARCHITECTURES: dict[str, str] = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"gemma4": ((r"^model\.", "model.language_model."),)}
+"""The multimodal checkpoint's text decoder lives under ``model.language_model.``."""
+
+IGNORED: dict[str, tuple[str, ...]] = {
+    "gemma4": (r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\..*",)}
+"""The tensors of the multimodal checkpoint that the text decoder does not read (its encoders)."""
+
+DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, attention_dropout=0.0,
+    sliding_window=512, final_logit_softcapping=None, hidden_size_per_layer_input=256, attention_k_eq_v=False,
+    num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, global_head_dim=512)
+"""``Gemma4TextConfig``'s defaults of the keys read here."""
+
+_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+FIXED: dict[str, Any] = dict(mlp_act="gelu_tanh", norm_offset=0.0, scale_embeddings=True, sandwich_norms=True,
+                             qk_norm=True, v_norm=True, query_pre_attn_scalar=1.0, layer_scalar=True,
+                             attn_softcap=None)
+"""The fields ``Gemma4ForCausalLM`` has one value of."""
+
+
+def _refuse(where: str, what: str) -> None:
+    raise ValueError(f"{where}: {what}")
+
+
+def text_config(hf: dict) -> dict:
+    """The ``gemma4_text`` config.json of a multimodal ``gemma4`` one (its ``text_config``)."""
+    text = dict(hf.get("text_config") or {})
+    for key in ("tie_word_embeddings",):          # (kept at the top level by some files)
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
+
+
+def config_from_hf(hf: dict, mt: str) -> Config:
+    """``Config`` of a ``gemma4_text`` ``config.json`` (``gemma4``: of its ``text_config``);
+    a ValueError names what the functional decoder does not do."""
+    where = f"HF {mt} config"
+    if mt == "gemma4":
+        hf = text_config(hf)
+
+    def get(key: str) -> Any:
+        v = hf.get(key)
+        return DEFAULTS.get(key) if v is None else v
+    layers = int(get("num_hidden_layers"))
+    if int(hf.get("hidden_size_per_layer_input", DEFAULTS["hidden_size_per_layer_input"]) or 0):
+        _refuse(where, f"hidden_size_per_layer_input={get('hidden_size_per_layer_input')} is not supported yet "
+                       f"(per-layer input embeddings: Gemma 4 E2B / E4B); only 0 (Gemma 4 31B)")
+    if int(get("num_kv_shared_layers")):
+        _refuse(where, f"num_kv_shared_layers={get('num_kv_shared_layers')} is not supported yet (k/v shared "
+                       f"across layers); only 0")
+    if get("use_double_wide_mlp") and int(get("num_kv_shared_layers")):
+        _refuse(where, "use_double_wide_mlp=True is not supported yet")
+    if get("enable_moe_block"):
+        _refuse(where, "enable_moe_block=True is not supported yet (the experts beside the MLP: Gemma 4 "
+                       "26B-A4B, issue 40); only the dense Gemma 4")
+    if hf.get("use_bidirectional_attention"):
+        _refuse(where, f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported "
+                       f"(causal attention only)")
+    if get("attention_bias"):
+        _refuse(where, "attention_bias=True is not supported (Gemma 4 has no attention biases)")
+    if float(get("attention_dropout") or 0.0):
+        _refuse(where, f"attention_dropout={hf['attention_dropout']!r} is not supported (set it to 0.0)")
+    if get("hidden_activation") != "gelu_pytorch_tanh":
+        _refuse(where, f"hidden_activation={get('hidden_activation')!r} is not supported (only "
+                       f"'gelu_pytorch_tanh')")
+    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(layers)])
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        _refuse(where, f"layer_types {types} must be {layers} entries of sliding_attention / full_attention")
+    types[-1] = "full_attention"                 # (as transformers: the last layer is always full)
+    rope = hf.get("rope_parameters") or _ROPE
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        _refuse(where, f"rope type {local.get('rope_type')!r} of the sliding layers is not supported (only 'default')")
+    kind = full.get("rope_type", "default")
+    if kind == "proportional":
+        scaling = ProportionalScaling(float(full.get("partial_rotary_factor", 1.0)), float(full.get("factor", 1.0)))
+    elif kind == "default":
+        scaling = None
+    else:
+        _refuse(where, f"rope type {kind!r} of the full layers is not supported (only 'proportional' and 'default')")
+    head_dim, kv_heads = int(get("head_dim")), int(get("num_key_value_heads"))
+    k_eq_v = bool(get("attention_k_eq_v"))
+    full_layers = [i for i, t in enumerate(types) if t == "full_attention"]
+    per_layer = hf.get("per_layer_config")
+    if per_layer is not None:                     # (transformers 5.25 writes the full layers' widths so)
+        per_layer = {int(k): v for k, v in per_layer.items()}
+        if sorted(per_layer) != full_layers:
+            _refuse(where, f"per_layer_config names layers {sorted(per_layer)}; only the full layers {full_layers} "
+                           f"may have their own widths")
+        shapes = {(int(v.get("head_dim", head_dim)), int(v.get("num_key_value_heads", kv_heads)))
+                  for v in per_layer.values()}
+        if len(shapes) != 1:
+            _refuse(where, f"per_layer_config gives the full layers different widths {sorted(shapes)}")
+        global_dim, global_kv = shapes.pop() if shapes else (head_dim, kv_heads)
+    else:
+        global_dim = int(get("global_head_dim"))
+        g = hf.get("num_global_key_value_heads")
+        global_kv = int(g) if g is not None and k_eq_v else kv_heads
+    window = get("sliding_window")
+    cap = get("final_logit_softcapping")
+    return Config(
+        model_type=mt, vocab=int(get("vocab_size")), hidden=int(get("hidden_size")), layers=layers,
+        heads=int(get("num_attention_heads")), kv_heads=kv_heads, mlp=int(get("intermediate_size")),
+        head_dim=head_dim, rope_theta=float(full.get("rope_theta", 1_000_000.0)), rope_scaling=scaling,
+        local_rope_theta=float(local.get("rope_theta", 10_000.0)), norm_eps=float(get("rms_norm_eps")),
+        tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
+        max_seq=int(get("max_position_embeddings")),
+        sliding_window=None if window is None or "sliding_attention" not in types else int(window),
+        layer_types=tuple(types) if window is not None and "sliding_attention" in types else None,
+        final_softcap=None if cap is None else float(cap), global_head_dim=global_dim,
+        global_kv_heads=global_kv, k_eq_v=k_eq_v, **FIXED)
+
+
+def export_config(cfg: Config) -> Config:
+    """The config export writes: a multimodal ``gemma4``'s text decoder as ``gemma4_text``
+    (``Gemma4ForCausalLM``; the vision and audio encoders are not trained or written here)."""
+    import dataclasses
+    return dataclasses.replace(cfg, model_type="gemma4_text") if cfg.model_type == "gemma4" else cfg
+
+
+def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
+    """Refuse (``error``, naming the field) a config ``Gemma4ForCausalLM`` cannot hold; ``plain``:
+    the switches' values in Llama."""
+    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["gemma4_text"]
+    need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "experts": 0, "kv_lora_rank": 0,
+            "tie_embeddings": True}
+    for key in ("local_rope_theta", "final_softcap", "partial_rotary_factor"):
+        need.pop(key, None)
+    need["partial_rotary_factor"] = 1.0
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise error(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs {want!r}); "
+                        f"choose another model_type")
+    if cfg.rope_scaling is not None and not isinstance(cfg.rope_scaling, ProportionalScaling):
+        raise error(f"{where}: rope_scaling {type(cfg.rope_scaling).__name__} has no {arch} equivalent (only "
+                    f"proportional rope, or none)")
+    if cfg.sliding_window is not None and (cfg.layer_types is None or cfg.layer_types[-1] != "full_attention"):
+        raise error(f"{where}: layer_types {cfg.layer_types} has no {arch} equivalent (its last layer is "
+                    f"always full_attention)")
+
+
+def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``Gemma4ForCausalLM`` ``config.json`` of ``cfg`` (checked by :func:`check_exportable` before)."""
+    dname = str(dtype).removeprefix("torch.")
+    types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    if isinstance(cfg.rope_scaling, ProportionalScaling):
+        full.update(rope_type="proportional", partial_rotary_factor=cfg.rope_scaling.partial_rotary_factor)
+        if cfg.rope_scaling.factor != 1.0:
+            full["factor"] = cfg.rope_scaling.factor
+    local = {"rope_type": "default", "rope_theta": float(cfg.local_rope_theta or cfg.rope_theta)}
+    kv, dim = cfg.attn_shape(cfg.layers - 1)
+    return {
+        "architectures": [ARCHITECTURES["gemma4_text"]], "model_type": "gemma4_text", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": cfg.max_seq,
+        "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
+        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "sliding_window": cfg.sliding_window or cfg.max_seq, "layer_types": types,
+        "final_logit_softcapping": cfg.final_softcap, "use_bidirectional_attention": None,
+        "hidden_size_per_layer_input": 0, "attention_k_eq_v": cfg.k_eq_v, "num_kv_shared_layers": 0,
+        "enable_moe_block": False, "use_double_wide_mlp": False, "num_experts": None, "top_k_experts": None,
+        "moe_intermediate_size": None, "global_head_dim": dim, "num_global_key_value_heads": kv,
+        "per_layer_config": {str(i): {"head_dim": dim, "num_key_value_heads": kv}
+                             for i, t in enumerate(types) if t == "full_attention"},
+        "dtype": dname, "torch_dtype": dname}
