@@ -9,7 +9,11 @@ first moment's largest magnitude, which the step advances analytically from the 
 norms. Each value is remembered, per device thread, with the tensors it is about (by identity
 and version counter); a step given exactly those tensors, unchanged since, uses it; any other
 state (the first step, a loaded checkpoint, a state built or changed by hand, the new buffers of
-a held step made again) is read once on the device (no host read) and its value carried on."""
+a held step made again) is read once on the device (no host read) and its value carried on.
+:class:`DonatedBound` is the part a step is built with: the bound and both caches.
+
+Mechanism: Optimizer update (what a donated step carries for the bound: finite parameters, first-moment peaks).
+"""
 from __future__ import annotations
 
 import weakref
@@ -81,3 +85,43 @@ class KnownPeaks(Remembered):
 
 def _terms(bound: UpdateBound, opt_state: Any, params: Any) -> list[torch.Tensor]:
     return [t for ts in bound.terms(opt_state, params) for t in ts]
+
+
+class DonatedBound:
+    """A step's pre-update bound (``optim.update_bound``; only for a donated step) and what the
+    step carries for it from one call to the next: whether the parameters are finite
+    (:class:`KnownFinite`, where the bound needs finite parameters) and, for a compiled donated
+    step, its terms' peaks (:class:`KnownPeaks`, where the bound carries them). Built once
+    with the step; shared by its device threads (what it remembers is per thread)."""
+
+    def __init__(self, optimizer: Any, donate_state: bool):
+        from functional_pp import optim
+        # the bound a donated step writes under (docs/optim.md "Bound before the update"), looked up once
+        self.bound: UpdateBound | None = optim.update_bound(optimizer) if donate_state else None
+        self.known_finite = KnownFinite()
+        self.known_peaks = KnownPeaks()
+
+    def params_finite(self, param_leaves: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where the bound needs finite parameters: whether ``param_leaves`` are (0-dim bool, read
+        only for a state no step returned; docs/optim.md "Bound before the update"); else None."""
+        if getattr(self.bound, "needs_finite_params", False):
+            return self.known_finite.flag(param_leaves)
+        return None
+
+    def carried_peaks(self, opt_state: Any, trained_params: Any) -> tuple[Any, Optional[list[torch.Tensor]]]:
+        """Where the bound carries its terms' peaks (AdamW's first moments) and ``opt_state``
+        holds them: the bound and the peaks (remembered, or read on the device for a state no step
+        returned; docs/optim.md "Peaks carried instead of read"); else (None, None)."""
+        carried = getattr(self.bound, "carried", None)
+        if carried is None or not carried.applies(opt_state):
+            return None, None
+        return self.bound, self.known_peaks.peaks(self.bound, opt_state, trained_params)
+
+    def remember(self, param_leaves: list[torch.Tensor], finite: Optional[torch.Tensor], bound: Any,
+                 opt_state: Any, trained_params: Any, peaks: Optional[list[torch.Tensor]]) -> None:
+        """After a step: the parameters it returns (``param_leaves``) have the flag ``finite`` of
+        those it was given; with a carrying ``bound`` (from :meth:`carried_peaks`), the returned
+        ``opt_state``'s terms have ``peaks``."""
+        self.known_finite.remember(param_leaves, finite)
+        if bound is not None:
+            self.known_peaks.remember_peaks(bound, opt_state, trained_params, peaks)

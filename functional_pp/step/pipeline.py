@@ -281,8 +281,8 @@ class PipelineStep(TrainStep):
         up = update_phase(self.optimizer, grads, treespec, params, opt_state, total, self._norm_groups(mesh),
                           donate_state=self.donate_state if donate_state is None else donate_state,
                           params_finite=params_finite, peaks=peaks)
-        if self.metrics == "deferred" and not up.written:     # the skip chosen on the device
-            up.params, up.opt_state = self._keep_old_if_skipped(up, leaves, opt_state)
+        # deferred: the skip chosen on the device (step/metrics_modes.py)
+        up.params, up.opt_state = self._metrics.chosen(up, leaves, opt_state)
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm,

@@ -1,0 +1,83 @@
+"""The training step is built from small parts, each chosen or made when ``train_step`` builds
+the step (docs/architecture.md, "The step"): its settings checked then, one metrics mode, one
+compiled step, the donated bound's caches and what the forward shows of the layers. The
+pipeline step is built from the same parts; no device function branches on the metrics mode."""
+import ast
+import functools
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.models import llama
+from functional_pp.step.compiled_step import CompiledStep
+from functional_pp.step.known_finite import DonatedBound
+from functional_pp.step.layering import LayerUse, NoLayerWarning
+from functional_pp.step.metrics_modes import DeferredMetrics, PerStepMetrics
+from functional_pp.step.pipeline import PipelineStep
+from functional_pp.step.settings import StepSettings
+from functional_pp.step.train import TrainStep
+
+CFG = llama.Config(vocab=32, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16)
+STEP = pathlib.Path(fpp.__file__).parent / "step"
+
+
+def _step(**options) -> TrainStep:
+    return fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2), **options)
+
+
+def test_the_parts_are_made_when_the_step_is_built():
+    per_step, deferred = _step(), _step(metrics="deferred", donate_state=True)
+    for step in (per_step, deferred):
+        assert isinstance(step, StepSettings)
+        assert isinstance(step._compiled, CompiledStep) and isinstance(step._bound, DonatedBound)
+        assert isinstance(step._layers, LayerUse)
+    assert type(per_step._metrics) is PerStepMetrics and type(deferred._metrics) is DeferredMetrics
+    # the bound is looked up once, for a donated step only
+    assert per_step._bound.bound is None and deferred._bound.bound is not None
+    assert PipelineStep.__mro__[1] is TrainStep      # the pipeline's step has the same parts
+
+
+@pytest.mark.parametrize("options, words", [({"precision": "fp8"}, "precision 'fp8'"),
+                                            ({"metrics": "lazy"}, "metrics 'lazy'"),
+                                            ({"grad_accum": 0}, "grad_accum must be >= 1")])
+def test_a_bad_setting_is_refused_when_the_step_is_built(options, words):
+    with pytest.raises(ValueError, match=words):
+        _step(**options)
+
+
+def test_both_metrics_modes_train_alike():
+    ids = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    losses = []
+    for mode in ("per_step", "deferred"):
+        step = _step(metrics=mode)
+        state = step.init(fpp.init(llama.init, CFG, torch.float32, seed=0))
+        out = []
+        for _ in range(3):
+            state, m = step(state, batch)
+            out.append(m)
+        step.read()
+        losses.append([float(m["loss"]) for m in out])
+    assert losses[0] == losses[1]
+
+
+def test_the_no_layer_warning_is_said_once_per_step():
+    use = LayerUse()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        use._root_had_no_layers(stacklevel=1)
+        use._root_had_no_layers(stacklevel=1)
+    assert use.no_layers and [w.category for w in caught] == [NoLayerWarning]
+
+
+def test_no_device_function_branches_on_the_metrics_mode():
+    """The deferred mode's device-side choices (the skip selected on the device, a bad token id
+    made a non-finite loss) are its wrapper's methods, not ``if self.metrics == ...`` branches."""
+    for name in ("train.py", "pipeline.py"):
+        tree = ast.parse((STEP / name).read_text())
+        reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                 and isinstance(n.left, ast.Attribute) and n.left.attr == "metrics"]
+        assert not reads, f"step/{name} lines {reads} branch on the metrics mode: ask step._metrics instead"
