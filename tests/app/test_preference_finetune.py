@@ -161,6 +161,41 @@ def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
     assert first.losses + second.losses == whole.losses
 
 
+def test_llama3_and_user_defined_types_from_yaml_train_and_resume(base, pairs, tmp_path):
+    """A YAML config as Axolotl's users write it: a llama3.* type and a user-defined type (a
+    mapping) over the same records; the run trains and resumes exactly (the mapping read back
+    from the run's saved config)."""
+    import yaml
+    base = tmp_path / "tiny-llama3"                 # (Llama 3's headers need more than 64 byte positions)
+    tok = make_tokenizer(base, None, "<|eot_id|>")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tok.vocab_size, **{
+        **KW, "max_position_embeddings": 256}, eos_token_id=tok.eos_id)).save_pretrained(base)
+    user_defined = {"field_prompt": "question", "prompt_format": "{system}\nQ: {prompt}\nA:",
+                    "chosen_format": " {chosen}", "rejected_format": " {rejected}"}
+    d = {"base_model": str(base), "rl": "dpo", "rl_beta": 0.5, "sequence_len": 160, "micro_batch_size": 4,
+         "max_steps": 3, "learning_rate": 5e-3, "lr_scheduler": "constant", "max_grad_norm": None,
+         "datasets": [{"path": str(pairs), "type": "llama3.intel"}, {"path": str(pairs), "type": user_defined}]}
+    losses = []
+    for name, stop in (("whole", None), ("split", 1)):
+        f = tmp_path / f"{name}.yml"
+        f.write_text(yaml.safe_dump({**d, "logging": {"log_every": 1, "output_dir": str(tmp_path / name),
+                                                      "plot": False}}))
+        cfg = TrainConfig.from_yaml(f)
+        assert cfg.datasets[1].type == user_defined
+        if stop is None:
+            losses.append(train(cfg, simulate=1, stream=io.StringIO()).losses)
+        else:
+            first = train(cfg, simulate=1, stop_after=stop, stream=io.StringIO())
+            second = train(cfg, simulate=1, resume=True, stream=io.StringIO())
+            losses.append(first.losses + second.losses)
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    from functional_pp.app.preference_run import load_pairs
+    read = load_pairs(cfg).train
+    assert len(read) == 2 * len(QUESTIONS) * 2 and read.dropped == 0      # every record of both entries
+    assert read.pairs[0].prompt != read.pairs[2 * len(QUESTIONS)].prompt   # (the two prompt formats)
+
+
 def test_dpo_resume_on_rewritten_pairs_is_refused(base, pairs, tmp_path):
     """A preference run's checkpoint holds a hash of its pairs' tokens, as SFT's of its tokens
     (issue 46): pairs rewritten with as many records are refused at resume, naming both hashes;
