@@ -2,7 +2,9 @@
 batch of the validation loader, weighted by each batch's number of labels, each held-out window
 counted once (so the result is the mean token loss of the whole held-out set, whatever the
 layout and the batch size). ``docs/finetune.md``. Preference pairs: weighted by each batch's
-pairs (``pair_weight``), the mean pair loss of the held-out pairs (docs/preference.md)."""
+pairs (``pair_weight``), the mean pair loss of the held-out pairs, and TRL's evaluation metrics
+(``eval_rewards_chosen``, ...: what the loss reports, each the mean over the held-out pairs;
+docs/preference.md "Held-out pairs")."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +16,7 @@ from functional_pp.parallel.named import settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step.train import TrainStep
 
-__all__ = ["evaluate", "eval_batches"]
+__all__ = ["evaluate", "evaluate_metrics", "eval_batches"]
 
 
 def eval_batches(loader) -> int:
@@ -25,6 +27,15 @@ def eval_batches(loader) -> int:
 def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> float:
     """Mean token loss of ``state``'s parameters over the first ``n_batches`` batches of
     ``loader`` (default: all its windows once). Runs on every device of the mesh."""
+    return evaluate_metrics(step, state, loader, n_batches)["eval_loss"]
+
+
+def evaluate_metrics(step: TrainStep, state: dict, loader, n_batches: int | None = None) -> dict[str, float]:
+    """``{"eval_loss": ...}`` as :func:`evaluate`; for preference pairs also the values the loss
+    reports (:mod:`functional_pp.core.step_values`: ``rewards_chosen``, ``rewards_rejected``,
+    ``rewards_margins``, ``rewards_accuracies``, ``logps_chosen``, ``logps_rejected``, ORPO's /
+    SimPO's ``nll_loss``), prefixed ``eval_``, each weighted by the batch's pairs as the loss is."""
+    from functional_pp.core import step_values
     from functional_pp.ops import mean
     from functional_pp.ops import sum as nsum
     if step.spec is None:
@@ -32,6 +43,7 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
     n_batches = eval_batches(loader) if n_batches is None else n_batches
     leaves = optree.tree_leaves(state["params"], none_is_leaf=False)
     total, count = 0.0, 0.0
+    reported: dict[str, float] = {}
     with torch.no_grad(), use_rules(step.rules), step.apply_policy():       # the step's ops, same policy
         params: Any = step.named_params(state["params"])
         device = leaves[0].device if leaves else None
@@ -40,13 +52,19 @@ def evaluate(step: TrainStep, state: dict, loader, n_batches: int | None = None)
             if device is not None:
                 batch = {k: v.to(device) for k, v in batch.items()}
             nb = {k: wrap(v, step.batch_dims[k]) for k, v in batch.items()}
-            loss = float(settle(step.loss_fn(params, nb)).data)
-            if "labels" in batch:
+            pairs = "pair_weight" in batch
+            with step_values.collecting() as found:
+                loss = float(settle(step.loss_fn(params, nb)).data)
+            if not pairs:
                 valid = (batch["labels"] != -100).to(torch.float64)
                 n = float(settle(nsum(wrap(valid, step.batch_dims["labels"]))).data)
             else:                             # preference pairs: each pair's weight (data/pair_loader.py)
                 rows = mean(wrap(batch["pair_weight"].to(torch.float64), step.batch_dims["pair_weight"]), "seq")
                 n = float(settle(nsum(rows)).data)
+                for name, (value, _) in found.items():
+                    if value.numel() == 1:
+                        reported[name] = reported.get(name, 0.0) + float(value) * n
             total += loss * n
             count += n
-    return total / max(count, 1.0)
+    count = max(count, 1.0)
+    return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in reported.items()}}

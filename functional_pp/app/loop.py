@@ -519,15 +519,17 @@ class DeviceLoop:
         return self.job.data.val is not None
 
     def evaluate(self, done: int) -> tuple[float, dict]:
-        """The held-out loss after ``done`` steps, and GRPO's evaluation metrics (its held-out
-        prompts sampled with the current parameters and scored)."""
-        from functional_pp.app.evaluate import evaluate
+        """The held-out loss after ``done`` steps, and the other evaluation metrics: preference
+        pairs' rewards / margins / accuracies / log-probabilities (TRL's ``eval_rewards/...``),
+        GRPO's (its held-out prompts sampled with the current parameters and scored)."""
+        from functional_pp.app.evaluate import evaluate_metrics
         r = self.job
         if r.grpo is not None:
             found = self.sampler.evaluate(r.step_fn, self.state["params"], r.data.val, r.eval_per_batch, done,
                                           self.shard)
             return found["eval_loss"], found
-        return evaluate(r.step_fn, r.whole(self.state), self.val_loader), {}
+        found = evaluate_metrics(r.step_fn, r.whole(self.state), self.val_loader)
+        return found.pop("eval_loss"), found
 
     def first_eval(self) -> None:
         """A fresh run's evaluation before its first step (logged as step 0)."""

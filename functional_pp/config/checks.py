@@ -104,6 +104,11 @@ def check_preference(cfg: Any, add) -> None:
         if getattr(cfg, key) is not None and str(cfg.rl).lower() not in ("grpo", "gdpo"):
             add(f"'{key}' is not supported with rl: {cfg.rl} (it holds the GRPO settings of rl: grpo / gdpo): "
                 f"remove it")
+    if str(cfg.rl).lower() not in ("dpo", "ipo", "orpo", "simpo"):
+        for i, entry in enumerate(cfg.datasets or []):
+            if isinstance(entry.type, dict):
+                add(f"datasets[{i}].type is a mapping (Axolotl's user-defined preference type), read by "
+                    f"rl: dpo / ipo / orpo / simpo only (this config has rl: {cfg.rl}): give a type name")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
@@ -134,13 +139,17 @@ def check_preference(cfg: Any, add) -> None:
     if cfg.pp_size > 1:
         add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: preference training under a pipeline is not built; "
             f"use dp / fsdp / tp / cp")
-    from functional_pp.data.pairs import PAIR_TYPES
+    from functional_pp.data.pairs import PAIR_TYPES, user_defined_problem
     from functional_pp.data.unpaired import KTO_TYPES
     types, fields = ((KTO_TYPES, "prompt / completion / label fields (field_prompt, field_completion, field_label)")
                      if rl == "kto" else
                      (PAIR_TYPES, "prompt / chosen / rejected fields (field_prompt, field_chosen, field_rejected)"))
     for i, entry in enumerate(cfg.datasets or []):
-        if entry.type is not None and entry.type not in types:
+        if isinstance(entry.type, dict):
+            problem = None if rl == "kto" else user_defined_problem(entry.type)
+            if problem:
+                add(f"rl: {cfg.rl}: datasets[{i}].type (user-defined): {problem}")
+        elif entry.type is not None and entry.type not in types:
             add(f"rl: {cfg.rl}: datasets[{i}].type {entry.type!r} is not a "
                 f"{'KTO' if rl == 'kto' else 'preference'} dataset type built here; "
                 f"choose one of {', '.join(types)}, or leave type out for plain {fields}")

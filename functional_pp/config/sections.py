@@ -81,10 +81,13 @@ class DatasetConfig:
 
     path: str = fld(None, "a file or directory: .txt files, .jsonl/.json, .parquet, a HF "
                           "`datasets` save_to_disk directory, or pre-tokenized .npy/.bin")
-    type: str | None = fld(None, "text | completion | alpaca (alpaca:chat, alpaca:phi, alpaca:chatml) | "
-                                 "input_output | chat_template | pretokenized "
-                                 "(default: from the file: text files -> text, jsonl -> "
-                                 "completion, .npy/.bin -> pretokenized)")
+    type: str | dict | None = fld(None, "text | completion | alpaca (alpaca:chat, alpaca:phi, alpaca:chatml) | "
+                                        "input_output | chat_template | pretokenized "
+                                        "(default: from the file: text files -> text, jsonl -> "
+                                        "completion, .npy/.bin -> pretokenized); rl: a preference type "
+                                        "(chatml.*, llama3.*, chat_template.*) or a mapping (Axolotl's "
+                                        "user-defined type: field_prompt, field_system, field_chosen, "
+                                        "field_rejected, prompt_format, chosen_format, rejected_format)")
     field: str = fld("text", "completion/text: the field that holds each record's text")
     field_messages: str = fld("messages", "chat_template: the field with the list of messages")
     message_property_mappings: dict | None = fld(None, "chat_template: the template's message keys "

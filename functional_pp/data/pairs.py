@@ -3,14 +3,19 @@ becomes a prompt and a chosen and a rejected completion, tokenized as TRL's ``DP
 does (the prompt, then the completion with EOS appended), each side one row of
 ``sequence_len`` tokens whose labels train only the completion (docs/preference.md).
 
-Types: ``chatml.intel`` (``question``), ``chatml.argilla`` (``prompt`` / ``input`` /
-``question`` / ``instruction``; ``chosen`` or ``chosen_response``), ``chatml.icr``
-(``input``), ``chatml.prompt_pairs`` (``prompt``), ``chatml.ultra`` and ``chatml.argilla_chat``
-(chosen / rejected as message lists): Axolotl's ChatML prompt ``<|im_start|>user ...
-<|im_start|>assistant`` (an optional ``system`` first), completions ending ``<|im_end|>``;
-``chat_template.default`` and ``chat_template.argilla_chat``: conversations rendered with the
-run's chat template (:mod:`functional_pp.data.chat_pairs`). No type: the ``field_prompt``,
-``field_chosen``, ``field_rejected`` texts as they are."""
+Types (Axolotl's ``prompt_strategies/dpo/chatml.py`` and ``llama3.py``), for ``F`` each of
+``chatml`` and ``llama3``: ``F.intel`` (``question``), ``F.argilla`` and ``F.default``
+(``prompt`` / ``input`` / ``question`` / ``instruction``; ``chosen`` or ``chosen_response``),
+``F.icr`` (``input``), ``F.prompt_pairs`` (``prompt``), ``F.ultra`` and ``F.argilla_chat``
+(chosen / rejected as message lists): the family's prompt -- ChatML's ``<|im_start|>user ...
+<|im_start|>assistant``, Llama 3's ``<|start_header_id|>user<|end_header_id|> ...
+<|start_header_id|>assistant<|end_header_id|>`` -- (an optional ``system`` first), completions
+ending ``<|im_end|>`` / ``<|eot_id|>``; ``chat_template.default`` and
+``chat_template.argilla_chat``: conversations rendered with the run's chat template
+(:mod:`functional_pp.data.chat_pairs`); a mapping (Axolotl's user-defined type,
+``user_defined.default``): ``field_prompt`` / ``field_system`` / ``field_chosen`` /
+``field_rejected`` written through ``prompt_format`` / ``chosen_format`` / ``rejected_format``.
+No type: the ``field_prompt``, ``field_chosen``, ``field_rejected`` texts as they are."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,13 +28,24 @@ from functional_pp.data.chat_pairs import CHAT_PAIR_TYPES, ChatPairReader
 from functional_pp.data.dedup import ExactDuplicates
 from functional_pp.data.formats import ByteTokenizer, _records, _text_field, _with_bos, chat_spec
 
-__all__ = ["PAIR_TYPES", "Pair", "PairSet", "pair_texts", "tokenize_pair", "build_pairs"]
+__all__ = ["PAIR_TYPES", "USER_DEFINED_KEYS", "user_defined_problem", "Pair", "PairSet", "pair_texts", "tokenize_pair", "build_pairs"]
 
 _IM_END = "<|im_end|>"
-#: Axolotl's chatml.* preference types -> the record fields holding the prompt (first found)
-_CHATML_PROMPT = {"chatml.intel": ("question",), "chatml.icr": ("input",), "chatml.prompt_pairs": ("prompt",),
-                  "chatml.ultra": ("prompt",), "chatml.argilla": ("prompt", "input", "question", "instruction")}
-PAIR_TYPES = (*_CHATML_PROMPT, "chatml.argilla_chat", *CHAT_PAIR_TYPES)
+_EOT = "<|eot_id|>"
+_ANY_PROMPT = ("prompt", "input", "question", "instruction")
+#: Axolotl's chatml.* / llama3.* preference strategies -> the record fields holding the prompt
+#: (first found; None: the user turn of the chosen conversation)
+_STRATEGY_PROMPT = {"intel": ("question",), "icr": ("input",), "prompt_pairs": ("prompt",), "ultra": ("prompt",),
+                    "argilla": _ANY_PROMPT, "default": _ANY_PROMPT, "argilla_chat": None}
+_FAMILIES = ("chatml", "llama3")
+_TEMPLATE_TYPES = tuple(f"{f}.{s}" for f in _FAMILIES for s in _STRATEGY_PROMPT)
+#: Axolotl's user-defined preference type (``type:`` a mapping): its keys -> their defaults
+USER_DEFINED_KEYS = {"field_prompt": "prompt", "field_system": "system", "field_chosen": "chosen",
+                     "field_rejected": "rejected", "prompt_format": "{prompt}", "chosen_format": "{chosen}",
+                     "rejected_format": "{rejected}"}
+_FORMAT_NAMES = {"prompt_format": ("prompt", "system"), "chosen_format": ("chosen",),
+                 "rejected_format": ("rejected",)}
+PAIR_TYPES = (*_TEMPLATE_TYPES, *CHAT_PAIR_TYPES)
 
 
 @dataclass
@@ -91,6 +107,61 @@ def _chatml_prompt(system: str | None, user: str) -> str:
     return f"{head}<|im_start|>user\n{user}{_IM_END}\n<|im_start|>assistant\n"
 
 
+def _llama3_prompt(system: str | None, user: str) -> str:
+    def turn(role: str, text: str) -> str:
+        return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}{_EOT}"
+    head = turn("system", system) if system else ""
+    return f"{head}{turn('user', user)}<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+#: a family -> (its prompt of (system, user), the text ending each completion)
+_FAMILY_FORMAT = {"chatml": (_chatml_prompt, _IM_END), "llama3": (_llama3_prompt, _EOT)}
+
+
+def user_defined_problem(spec: Any) -> str | None:
+    """Why ``spec`` (a ``type:`` mapping, Axolotl's ``user_defined.default``) cannot be read, or
+    None: an unknown key, a value that is not text, a format naming a field it cannot fill."""
+    import string
+    for key, value in spec.items():
+        if key not in USER_DEFINED_KEYS:
+            return (f"key {key!r} is not one of Axolotl's user-defined preference type "
+                    f"({', '.join(USER_DEFINED_KEYS)})")
+        if value is not None and not isinstance(value, str):
+            return f"{key} must be text, got {value!r}"
+    for key, names in _FORMAT_NAMES.items():
+        text = spec.get(key)
+        if not text:
+            continue
+        try:
+            used = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+        except ValueError as exc:
+            return f"{key} {text!r} is not a format string: {exc}"
+        bad = [f for f in used if f not in names]
+        if bad:
+            return (f"{key} {text!r} names {{{bad[0]}}}; it may name only "
+                    f"{' and '.join('{' + n + '}' for n in names)}")
+        if key == "prompt_format" and "prompt" not in used:
+            return f"prompt_format {text!r} does not name {{prompt}}: the prompt would leave out the record's prompt"
+    return None
+
+
+def _user_defined_texts(rec: dict, spec: dict, where: str, n: int) -> tuple[str, str, str]:
+    """Axolotl's ``dpo/user_defined.default``: each format filled with the record's fields
+    (``{system}`` with ``field_system``'s text, or nothing where the record has none)."""
+    get = {k: spec.get(k) or d for k, d in USER_DEFINED_KEYS.items()}
+    prompt = _text_field(rec, get["field_prompt"], where, n)
+    if "{system}" in get["prompt_format"]:
+        system = rec.get(get["field_system"]) or ""
+        if not isinstance(system, str):
+            raise ValueError(f"{where}: record {n}: field {get['field_system']!r} is a "
+                             f"{type(system).__name__}, not text")
+        prompt = get["prompt_format"].format(system=system, prompt=prompt)
+    else:
+        prompt = get["prompt_format"].format(prompt=prompt)
+    return (prompt, get["chosen_format"].format(chosen=_text_field(rec, get["field_chosen"], where, n)),
+            get["rejected_format"].format(rejected=_text_field(rec, get["field_rejected"], where, n)))
+
+
 def _message_content(rec: dict, key: str, index: int, where: str, n: int) -> str:
     """``rec[key][index]["content"]`` (a list of messages), refused naming the record otherwise."""
     turns = rec.get(key)
@@ -109,26 +180,36 @@ def pair_texts(rec: Any, entry: Any, where: str, n: int) -> tuple[str, str, str]
     if kind is None:
         return tuple(_text_field(rec, k, where, n) for k in (entry.field_prompt, entry.field_chosen,
                                                               entry.field_rejected))
+    if isinstance(kind, dict):
+        problem = user_defined_problem(kind)
+        if problem:
+            raise ValueError(f"{where.split(':')[0]}.type (user-defined): {problem}")
+        return _user_defined_texts(rec, kind, where, n)
     if kind in CHAT_PAIR_TYPES:
         raise ValueError(f"{where}: type {kind!r} renders conversations with a chat template: read it with "
                          f"ChatPairReader (build_pairs does)")
     if kind not in PAIR_TYPES:
         raise ValueError(f"{where.split(':')[0]}.type {kind!r} is not a preference dataset type; choose one of "
-                         f"{', '.join(PAIR_TYPES)}, or leave type out for plain prompt / chosen / rejected fields")
+                         f"{', '.join(PAIR_TYPES)}, a mapping (Axolotl's user-defined type: "
+                         f"{', '.join(USER_DEFINED_KEYS)}), or leave type out for plain prompt / chosen / "
+                         f"rejected fields")
+    family, strategy = kind.split(".", 1)
+    write_prompt, end = _FAMILY_FORMAT[family]
     system = rec.get("system") or None
-    if kind == "chatml.argilla_chat":
+    if strategy == "argilla_chat":
         user = _message_content(rec, "chosen", 0, where, n)
-        return (_chatml_prompt(None, user), _message_content(rec, "chosen", 1, where, n) + _IM_END,
-                _message_content(rec, "rejected", 1, where, n) + _IM_END)
-    keys = _CHATML_PROMPT[kind]
+        return (write_prompt(None, user), _message_content(rec, "chosen", 1, where, n) + end,
+                _message_content(rec, "rejected", 1, where, n) + end)
+    keys = _STRATEGY_PROMPT[strategy]
     key = next((k for k in keys if k in rec), keys[-1])
-    prompt = _chatml_prompt(system if isinstance(system, str) else None, _text_field(rec, key, where, n))
-    if kind == "chatml.ultra":
-        return (prompt, _message_content(rec, "chosen", 1, where, n) + _IM_END,
-                _message_content(rec, "rejected", 1, where, n) + _IM_END)
-    chosen = "chosen" if kind != "chatml.argilla" or "chosen" in rec else "chosen_response"
-    rejected = "rejected" if kind != "chatml.argilla" or "rejected" in rec else "rejected_response"
-    return prompt, _text_field(rec, chosen, where, n) + _IM_END, _text_field(rec, rejected, where, n) + _IM_END
+    prompt = write_prompt(system if isinstance(system, str) else None, _text_field(rec, key, where, n))
+    if strategy == "ultra":
+        return (prompt, _message_content(rec, "chosen", 1, where, n) + end,
+                _message_content(rec, "rejected", 1, where, n) + end)
+    either = strategy in ("argilla", "default")
+    chosen = "chosen" if not either or "chosen" in rec else "chosen_response"
+    rejected = "rejected" if not either or "rejected" in rec else "rejected_response"
+    return prompt, _text_field(rec, chosen, where, n) + end, _text_field(rec, rejected, where, n) + end
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -78,8 +78,11 @@ def _batch_mean(value: Named, weight: Named | None) -> Named:
     return ops.sum(value * rows, "batch") / ops.sum(rows, "batch")
 
 
-def _report(name: str, value: Named) -> None:
-    step_values.report(name, settle(ops.mean(value.map(lambda t: t.detach().float()), "batch")).data)
+def _report(name: str, value: Named, weight: Named | None = None) -> None:
+    """``value``'s mean over the batch (weighted by ``pair_weight``: an evaluation's wrapped
+    pairs count for nothing) reported as the step's metric ``name``."""
+    value = value.map(lambda t: t.detach().float())
+    step_values.report(name, settle(_batch_mean(value, weight)).data)
 
 
 def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | None = None
@@ -125,12 +128,13 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
         if step_values.active():
             good = _per_sequence(lambda *t: pair(*t).chosen_rewards, operands, what)
             bad = _per_sequence(lambda *t: pair(*t).rejected_rewards, operands, what)
-            _report("rewards_chosen", good)
-            _report("rewards_rejected", bad)
-            _report("rewards_margins", good - bad)
-            _report("rewards_accuracies", _per_sequence(lambda a, b: (a > b).float(), [good, bad], "accuracy"))
-            _report("logps_chosen", operands[0] if not spec.needs_reference else chosen)
-            _report("logps_rejected", operands[1] if not spec.needs_reference else rejected)
+            w = batch.get("pair_weight")
+            _report("rewards_chosen", good, w)
+            _report("rewards_rejected", bad, w)
+            _report("rewards_margins", good - bad, w)
+            _report("rewards_accuracies", _per_sequence(lambda a, b: (a > b).float(), [good, bad], "accuracy"), w)
+            _report("logps_chosen", operands[0] if not spec.needs_reference else chosen, w)
+            _report("logps_rejected", operands[1] if not spec.needs_reference else rejected, w)
             if nll is not None:
                 step_values.report("nll_loss", settle(nll).data.detach() / weight)
         return out if nll is None else out + nll

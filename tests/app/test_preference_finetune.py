@@ -161,6 +161,41 @@ def test_dpo_resumes_exactly_with_its_reference(base, pairs, tmp_path):
     assert first.losses + second.losses == whole.losses
 
 
+def test_llama3_and_user_defined_types_from_yaml_train_and_resume(base, pairs, tmp_path):
+    """A YAML config as Axolotl's users write it: a llama3.* type and a user-defined type (a
+    mapping) over the same records; the run trains and resumes exactly (the mapping read back
+    from the run's saved config)."""
+    import yaml
+    base = tmp_path / "tiny-llama3"                 # (Llama 3's headers need more than 64 byte positions)
+    tok = make_tokenizer(base, None, "<|eot_id|>")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tok.vocab_size, **{
+        **KW, "max_position_embeddings": 256}, eos_token_id=tok.eos_id)).save_pretrained(base)
+    user_defined = {"field_prompt": "question", "prompt_format": "{system}\nQ: {prompt}\nA:",
+                    "chosen_format": " {chosen}", "rejected_format": " {rejected}"}
+    d = {"base_model": str(base), "rl": "dpo", "rl_beta": 0.5, "sequence_len": 160, "micro_batch_size": 4,
+         "max_steps": 3, "learning_rate": 5e-3, "lr_scheduler": "constant", "max_grad_norm": None,
+         "datasets": [{"path": str(pairs), "type": "llama3.intel"}, {"path": str(pairs), "type": user_defined}]}
+    losses = []
+    for name, stop in (("whole", None), ("split", 1)):
+        f = tmp_path / f"{name}.yml"
+        f.write_text(yaml.safe_dump({**d, "logging": {"log_every": 1, "output_dir": str(tmp_path / name),
+                                                      "plot": False}}))
+        cfg = TrainConfig.from_yaml(f)
+        assert cfg.datasets[1].type == user_defined
+        if stop is None:
+            losses.append(train(cfg, simulate=1, stream=io.StringIO()).losses)
+        else:
+            first = train(cfg, simulate=1, stop_after=stop, stream=io.StringIO())
+            second = train(cfg, simulate=1, resume=True, stream=io.StringIO())
+            losses.append(first.losses + second.losses)
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    from functional_pp.app.preference_run import load_pairs
+    read = load_pairs(cfg).train
+    assert len(read) == 2 * len(QUESTIONS) * 2 and read.dropped == 0      # every record of both entries
+    assert read.pairs[0].prompt != read.pairs[2 * len(QUESTIONS)].prompt   # (the two prompt formats)
+
+
 def test_dpo_resume_on_rewritten_pairs_is_refused(base, pairs, tmp_path):
     """A preference run's checkpoint holds a hash of its pairs' tokens, as SFT's of its tokens
     (issue 46): pairs rewritten with as many records are refused at resume, naming both hashes;
@@ -310,7 +345,8 @@ def test_bad_kto_inputs_are_refused_before_any_work(base, tmp_path, rec, over, m
 def test_held_out_pairs_are_evaluated_as_trl_on_every_layout(base, pairs, tmp_path):
     """val_set_size holds out pairs (3 of those that fit: the one eval batch of 4 wraps, its 4th
     pair weighing 0); eval_loss is the mean DPO loss of the held-out pairs, TRL's on the run's
-    weights; a FSDP x TP run evaluates the same."""
+    weights, and eval_rewards_* / eval_logps_* are the metrics TRL's DPOTrainer logs evaluating
+    them (eval_rewards/chosen, ...); a FSDP x TP run evaluates the same."""
     from functional_pp.app.preference_run import load_pairs
     out = tmp_path / "run"
     cfg = config(base, pairs, out, val_set_size=3, checkpoint={"save_every": 2})
@@ -318,6 +354,10 @@ def test_held_out_pairs_are_evaluated_as_trl_on_every_layout(base, pairs, tmp_pa
     m = read_metrics(out / "metrics.jsonl")
     evals = {x["step"]: x["eval_loss"] for x in m if "eval_loss" in x}
     assert evals[0] == pytest.approx(math.log(2), abs=1e-6)          # policy == reference
+    names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected")
+    first = next(x for x in m if x["step"] == 0)
+    assert first["eval_rewards_margins"] == pytest.approx(0.0, abs=1e-6) and first["eval_logps_chosen"] < 0
     held = load_pairs(cfg).val
     train_pairs = load_pairs(cfg).train
     assert len(held) == 3 and len(train_pairs) + train_pairs.dropped == 13
@@ -335,15 +375,21 @@ def test_held_out_pairs_are_evaluated_as_trl_on_every_layout(base, pairs, tmp_pa
         models.append(model)
     with torch.no_grad():
         ref = models[1](input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
-        want, _ = dpo_loss(models[0], ids, mask, ref[:3], ref[3:], beta=cfg.rl_beta, loss_type="sigmoid")
+        want, logged = dpo_loss(models[0], ids, mask, ref[:3], ref[3:], beta=cfg.rl_beta, loss_type="sigmoid")
     assert abs(float(want) - math.log(2)) > 1e-3
     assert evals[2] == pytest.approx(float(want), rel=2e-5, abs=2e-6)
+    at2 = next(x for x in m if x["step"] == 2 and "eval_loss" in x)
+    assert not models[0].training and abs(logged["rewards/margins"]) > 1e-4      # (TRL's eval dict, moved)
+    for name in names:
+        assert at2["eval_" + name.replace("/", "_")] == pytest.approx(logged[name], rel=1e-4, abs=1e-5), name
     four = train(config(base, pairs, tmp_path / "four", val_set_size=3, dp_shard_size=2, tp_size=2,
                         micro_batch_size=2), simulate=4, stream=io.StringIO())
     m4 = read_metrics(tmp_path / "four" / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor(four.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
-    torch.testing.assert_close(torch.tensor([x["eval_loss"] for x in m4 if "eval_loss" in x]),
-                               torch.tensor([x["eval_loss"] for x in m if "eval_loss" in x]), rtol=2e-5, atol=2e-6)
+    for key in ("eval_loss", *("eval_" + n.replace("/", "_") for n in names)):
+        torch.testing.assert_close(torch.tensor([x[key] for x in m4 if "eval_loss" in x]),
+                                   torch.tensor([x[key] for x in m if "eval_loss" in x]), rtol=2e-5, atol=2e-6,
+                                   msg=key)
 
 
 def test_dpo_lora_with_activation_checkpointing_under_fsdp(base, pairs, tmp_path):

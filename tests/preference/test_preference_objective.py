@@ -160,23 +160,30 @@ def _device_loss_and_grads(cfg, full, ref_full, batches):
             local = tree_map(lambda x: x.clone().requires_grad_(),
                              sharding.shard(full, decls, ctx.mesh, rules, fpp.current_rank()))
             named_batch = {k: fpp.named(v, "batch seq") for k, v in batch.items() if not k.endswith("_mask")}
-            loss = objective(sharding.named_tree(local, decls), named_batch).value()
+            with step_values.collecting() as found:       # (the metrics TRL logs; pair-weighted for DPO)
+                loss = objective(sharding.named_tree(local, decls), named_batch).value()
             loss.backward()
-            out.append((float(loss.detach()), fpp.gather_tree(tree_map(lambda p: p.grad, local), decls, rules)))
+            out.append((float(loss.detach()), fpp.gather_tree(tree_map(lambda p: p.grad, local), decls, rules),
+                        {k: float(v) for k, (v, _) in found.items()}))
     return out
 
 
 @pytest.mark.multiprocess
 def test_dpo_kto_and_grpo_objectives_on_gloo_processes_equal_simulation(models):
     _, _, cfg, ours, ref_ours = models
+    pairs = _pairs(2)
+    weight = torch.ones(B, S, dtype=torch.float64)
+    weight[1] = 0                                           # an evaluation's wrapped pair: counts for nothing
     args = (cfg, tree_map(lambda x: x.double(), ours), tree_map(lambda x: x.double(), ref_ours),
-            (_pairs(2), _kto_batch(2), _grpo_batch(2)))
+            ({**pairs, "pair_weight": weight}, _kto_batch(2), _grpo_batch(2)))
     mesh = fpp.Mesh(dp_shard=2)
     real = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh, processes=True, timeout=300)
     sim = fpp.launch(functools.partial(_device_loss_and_grads, *args), mesh)
     for device_real, device_sim in zip(real, sim):
-        for (loss, grads), (want, want_grads) in zip(device_real, device_sim):
+        for (loss, grads, found), (want, want_grads, want_found) in zip(device_real, device_sim):
             assert loss == want
+            assert found.keys() == want_found.keys() and all(
+                found[k] == pytest.approx(want_found[k], rel=1e-12, abs=1e-14) for k in found), (found, want_found)
             for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14, msg=lambda m: f"{p}: {m}")
 
