@@ -68,7 +68,9 @@ run_tests() {
   fi
   local t0=$SECONDS rc
   echo "torch_smoke: testing on torch $("$DIR/bin/python" -c 'import torch; print(torch.__version__)')"
-  "$DIR/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+  # an inductor cache of its own: processes of two torch releases never share compiled files
+  TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/torchinductor-smoke-$VERSION" \
+    "$DIR/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
   rc=$?
   echo "torch_smoke: torch $VERSION: pytest exit $rc in $((SECONDS - t0))s"
   return $rc
