@@ -9,7 +9,8 @@ Rows (``--models``): ``1b`` is Llama-3.2-1B (16 layers, tied embeddings, batch 4
 both sides (the plain module has none; it does not change the step's cost).
 
 Sides: ``functional`` is the whole step compiled (``train_step(compile=True, precision="bf16")``,
-fp32 master weights, AdamW, donated state); ``functional_eager`` the same step uncompiled (1B
+fp32 master weights, AdamW, donated state; ``--functional-compile per_layer`` compiles each
+layer instead, as the first H200 run had to on torch 2.11); ``functional_eager`` the same step uncompiled (1B
 row only); ``plain`` the ``nn.Module`` of ``benchmarks/single_device.py`` with fp32
 parameters, ``torch.autocast(bf16)``, ``torch.compile`` of forward + loss and
 ``torch.optim.AdamW(fused=True)``. Same weights, same batch; the first-step losses must agree
@@ -75,10 +76,12 @@ class Functional:
     """``fpp.train_step``: bf16 compute over fp32 master weights (``precision``), the whole step
     compiled with ``backend`` (None: eager), donated state."""
 
-    def __init__(self, cfg, params, backend, device, precision="bf16"):
+    def __init__(self, cfg, params, backend, device, precision="bf16", mode="step"):
         opt = fpp.optim.adamw(OPT["lr"], b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
                               weight_decay=OPT["weight_decay"])
         compile_ = False if backend is None else True if backend == "inductor" else backend
+        if compile_ and mode == "per_layer":       # each @fpp.layer compiled, the rest eager
+            compile_ = "per_layer" if compile_ is True else f"per_layer:{backend}"
         self.step_fn = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, precision=precision,
                                       compile=compile_, donate_state=True)
         self.state = self.step_fn.init(params)
@@ -217,7 +220,7 @@ def run_row(name: str, args, peak: float, spec) -> dict:
                      "params": fpp.count_params(llama.init(cfg))},
            "batch": bsz, "seq": seq, "tokens_per_step": tokens, "flops_per_token": flops}
     makers = {"functional": lambda: Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device),
-                                               args.compile_backend, device),
+                                               args.compile_backend, device, mode=args.functional_compile),
               "plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
                                      device, seq)}
     if row["eager"]:
@@ -275,6 +278,7 @@ def run(args) -> dict:
     out = {"benchmark": "gpu" if not args.smoke else "gpu --smoke (CPU)", "device": _device_name(device),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "matmul_peak_tflops": peak,
            "matmul_size": args.matmul_size, "compile_backend": args.compile_backend,
+           "functional_compile": args.functional_compile,
            "spec_peak_tflops": None if spec is None else spec / 1e12, "rows": {}}
     # (two layers of the first row's model: the check is of the device's bf16 math, kept cheap)
     out["reference"] = reference_check(dataclasses.replace(model_config(args.models[0], args), layers=2), args)
@@ -306,6 +310,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 10; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the compiling one (default 3)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke aot_eager)")
+    ap.add_argument("--functional-compile", choices=("step", "per_layer"), default="step",
+                    help="the functional side's compile: the whole step (default) or each layer")
     ap.add_argument("--matmul-size", type=int, default=None, help="matmul side for the peak (default 8192)")
     ap.add_argument("--json", default=None, help="also write the result to this file (after every row)")
     args = ap.parse_args(argv)

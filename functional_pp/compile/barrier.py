@@ -6,7 +6,9 @@ gradient computations. With 16-bit compute and a weight used twice in different 
 transposed use is read there as 32x32 bf16 tiles, and in that fused kernel the tiles come
 out partly uninitialised: embed_tokens and its optimizer state turn NaN after one step while
 the loss and the gradient norm (computed in other kernels) are finite. Materialising the
-gradients through an opaque op keeps the gradient arithmetic out of the optimizer's kernel.
+gradients of the parameters the forward declared tied (``functional_pp.tied``) through an
+opaque op keeps their gradient arithmetic out of the optimizer's kernel (the other
+gradients fuse into it: no copy, no launch of their own).
 """
 from __future__ import annotations
 

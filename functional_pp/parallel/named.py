@@ -28,6 +28,7 @@ from functional_pp.core.runtime import (active_rules, configure, context_and_rul
                                         current_context, current_policy, use_policy)
 from functional_pp.devices.mesh_view import register_block_type
 from functional_pp.parallel import collectives as C
+from functional_pp.parallel import param_uses
 
 NO_AXES: frozenset[str] = frozenset()     # the ``vary`` / ``partial`` of a value over no mesh axis
 _TRIVIAL_MESH = Mesh()
@@ -354,6 +355,7 @@ def tied(x: Named) -> Named:
     the first use until the result is dropped (the end of the forward)."""
     if not isinstance(x, Named):
         raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
+    param_uses.declare_tied(x._data)
     return make_named(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, x._is_param, True, x._gathered_from)
 
 

@@ -334,6 +334,10 @@ class TrainStep(StepSettings):
         acc = acc_dtype(leaves)
         total = torch.zeros((), dtype=acc, device=work[0].device)
         reported = []                    # the values the loss reports (core/step_values.py), per micro-batch
+        # a compiled 16-bit step keeps the gradients of declared-tied parameters out of its
+        # update kernel (compile/barrier.py; docs/compile.md "bf16 gradients and inductor")
+        keep_ties_apart = is_tracing() and PRECISIONS[self.precision] is not None
+        tied_leaves: set[int] = set()
         for mb, w in zip(micro, weights):
             # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
             # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
@@ -345,8 +349,12 @@ class TrainStep(StepSettings):
             learning = not is_tracing() and getattr(self._shared, "tied", None) is None   # (eager steps)
             acts = (activation_offload.offloading(_device_of(work), self._said_not_offloaded)
                     if self.activation_offloading else nullcontext())
-            with step_values.collecting() as found, param_uses.counting(learning) as uses, acts:
+            blocks = [x.data for x in tree_leaves(named_params)] if keep_ties_apart else ()
+            with step_values.collecting() as found, param_uses.counting(learning) as uses, acts, \
+                    param_uses.declaring() as declared:
                 loss_named = settle(self.loss_fn(named_params, named_batch))
+            tied_leaves |= param_uses.declared_positions(declared, blocks)
+            blocks = declared = None
             if learning:                    # parameters gathered at several sites: tied from now on
                 self._shared.tied = param_uses.gathered_more_than_once(
                     uses, [x.data for x in tree_leaves(named_params)])
@@ -367,8 +375,9 @@ class TrainStep(StepSettings):
                 grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
             gs = None                    # release the per-micro-batch gradients
             total = total + loss.detach()
-        if is_tracing() and PRECISIONS[self.precision] is not None:
-            grads = [materialize(g) for g in grads]   # keep 16-bit gradient math out of the update kernel
+        if tied_leaves:       # keep their 16-bit gradient math (two layouts summed) out of the update kernel
+            positions = [i for i, t in enumerate(trains) if t]     # (the leaves of ``grads``)
+            grads = [materialize(g) if i in tied_leaves else g for g, i in zip(grads, positions)]
         if compute_device is not None:   # offload: the gradients and the update on the host
             work = xs = None
             masters = [x for x, t in zip(leaves, trains) if t]

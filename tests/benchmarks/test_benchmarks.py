@@ -27,6 +27,7 @@ def test_gpu_benchmark_smoke_prints_one_consistent_json_line():
     assert len(ref["cpu_fp32_losses"]) == len(ref["device_bf16_losses"]) == 2 and ref["max_rel_diff"] < 2e-2
     assert ref["cpu_fp32_losses"] != ref["device_bf16_losses"]           # two different runs
     assert result["spec_peak_tflops"] is None                            # CPU: no GPU peak by name
+    assert result["functional_compile"] == "step"                        # the whole step compiled by default
     assert set(result["rows"]) == set(gpu.ROWS)
     for name, row in result["rows"].items():
         assert row["first_loss_rel_diff"] < 2e-2                         # same model, same weights
@@ -43,6 +44,20 @@ def test_gpu_benchmark_smoke_prints_one_consistent_json_line():
             assert prof["kernels"] >= 1 and prof["kernel_ms"] >= 0 and 1 <= len(prof["top"]) <= 8
         assert row["tokens_per_s_ratio"] == pytest.approx(
             row["functional"]["tokens_per_s"] / row["plain"]["tokens_per_s"])
+
+
+def test_gpu_benchmark_compiles_the_whole_functional_step_unless_told_per_layer(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gpu.fpp, "train_step", lambda *a, **kw: seen.append(kw["compile"]) or _NoInit())
+    for backend, mode in (("inductor", "step"), ("inductor", "per_layer"), ("aot_eager", "per_layer"), (None, "step")):
+        gpu.Functional(gpu.llama.Config.tiny(), None, backend, "cpu", mode=mode)
+    assert seen == [True, "per_layer", "per_layer:aot_eager", False]
+    assert gpu.parse_args(["--smoke"]).functional_compile == "step"
+
+
+class _NoInit:
+    def init(self, params):
+        return params
 
 
 def test_gpu_benchmark_without_cuda_says_so(capsys):

@@ -51,3 +51,28 @@ def gathered_more_than_once(uses: Counter, blocks: Sequence[torch.Tensor]) -> fr
     """The positions of the parameter ``blocks`` (the forward's, in order) that ``uses``
     counted more than once."""
     return frozenset(i for i, t in enumerate(blocks) if uses.get(id(_root(t)), 0) > 1)
+
+
+@contextmanager
+def declaring() -> Iterator[list]:
+    """The parameter values the block's forward declared tied (``functional_pp.tied``), in order
+    (a compiled step keeps the gradients of those out of its update kernel: step/train.py)."""
+    previous = getattr(_local, "declared", None)
+    _local.declared = found = []
+    try:
+        yield found
+    finally:
+        _local.declared = previous
+
+
+def declare_tied(data: torch.Tensor) -> None:
+    """``data`` was declared tied (inside :func:`declaring`)."""
+    found = getattr(_local, "declared", None)
+    if found is not None:
+        found.append(data)
+
+
+def declared_positions(found: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor]) -> frozenset[int]:
+    """The positions of the parameter ``blocks`` (the forward's, in order) among ``found``."""
+    ids = {id(_root(t)) for t in found}
+    return frozenset(i for i, t in enumerate(blocks) if id(_root(t)) in ids)
