@@ -28,7 +28,7 @@ from functional_pp.core.runtime import (active_rules, configure, context_and_rul
                                         current_context, current_policy, use_policy)
 from functional_pp.devices.mesh_view import register_block_type
 from functional_pp.parallel import collectives as C
-from functional_pp.parallel import param_uses
+from functional_pp.parallel.fsdp import param_uses
 
 NO_AXES: frozenset[str] = frozenset()     # the ``vary`` / ``partial`` of a value over no mesh axis
 _TRIVIAL_MESH = Mesh()
