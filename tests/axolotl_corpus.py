@@ -59,8 +59,8 @@ MODEL_TYPES = {
     "nvidia/DeepSeek-V4-Flash-NVFP4": "deepseek_v4", "mistralai/Devstral-Small-2507": "mistral",
     "mistralai/Mistral-7B-v0.1": "mistral", "mistralai/Ministral-8B-Instruct-2410": "mistral",
     "mistralai/Magistral-Small-2507": "mistral", "mistralai/Magistral-Small-2509": "mistral3",
-    "mistralai/Ministral-3-3B-Reasoning-2512": "mistral3",
-    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3",
+    "mistralai/Ministral-3-3B-Reasoning-2512": "mistral3_ministral3",
+    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_unknown",
     "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
     "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
@@ -132,10 +132,27 @@ _GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, v
                        eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
 _CONFIG_ONLY = {"gemma4_moe": {"model_type": "gemma4", "text_config": dict(
     _GEMMA4_TEXT, model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
-    moe_intermediate_size=32)}}
+    moe_intermediate_size=32)},
+    # Mistral 3 wrappers: Ministral 3's text decoder is ministral3 (not built); Mistral Medium 3.5's
+    # text_config is not known to this test (a stand-in without one, refused as such)
+    "mistral3_ministral3": {"model_type": "mistral3", "text_config": dict(_TINY, model_type="ministral3")},
+    "mistral3_unknown": {"model_type": "mistral3"}}
+#: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
+#: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+               patch_size=16)
+_WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="gemma3_text", head_dim=64, pad_token_id=0, bos_token_id=None,
+                                 eos_token_id=None), vision_config=_VISION, mm_tokens_per_image=4,
+                image_token_index=400, boi_token_index=401, eoi_token_index=402)),
+            "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="mistral", head_dim=64, pad_token_id=None, bos_token_id=None,
+                                 eos_token_id=None, sliding_window=None),
+                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400))}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
-        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>"}
+        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>",
+        "gemma3": "<end_of_turn>"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
 
@@ -159,11 +176,16 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type in _CONFIG_ONLY:
         (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))
         return d
-    if model_type not in _HF and model_type != "gemma4":
+    if model_type not in _HF and model_type not in ("gemma4", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
     import transformers
+    if model_type in _WRAPPED:
+        conf, cls, kw = _WRAPPED[model_type]
+        torch.manual_seed(0)
+        getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
+        return d
     if model_type == "gemma4":
         torch.manual_seed(0)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

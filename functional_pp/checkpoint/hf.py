@@ -268,7 +268,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 got = reader._open(reader.entries[const][0]).get_tensor(const).float().reshape(-1)
                 if got.numel() != 1 or abs(got.item() - value) > 1e-2 * abs(value):
                     problems.append(f"{const}: {got.tolist()}, but the functional decoder's is the constant {value}")
-        ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF + IGNORED_BY_TYPE.get(getattr(cfg, "model_type", ""), ())]
+        ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF + IGNORED_BY_TYPE.get(getattr(cfg, "model_type", ""), ())
+                     + IGNORED_BY_TYPE.get(getattr(cfg, "text_of", None) or "", ())]
         if cfg.tie_embeddings:
             ignorable.append(re.compile(r"^lm_head\.weight$"))
         unexpected = sorted(n for n in reader.entries

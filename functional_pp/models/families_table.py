@@ -33,15 +33,17 @@ class Row:
 
 ROWS: tuple[Row, ...] = (
     Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
-    Row(("mistral",), "sliding-window attention"),
+    Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
+                      "is `mistral` (Magistral Small 2509)", "image input; `mistral3` of `ministral3` text (refused)"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE"),
     Row(("gemma",), "tanh-GELU GLU, (1 + w) RMSNorms, scaled embedding"),
     Row(("gemma2",), "Gemma's, plus sandwich norms, `query_pre_attn_scalar`, alternating windows, attention and "
                      "logit soft-capping"),
-    Row(("gemma3_text",), "Gemma 2's, plus q/k norms, 5:1 local/global layers, a rope base per layer type",
-        "the multimodal `gemma3` (its text decoder included)"),
+    Row(("gemma3_text",), "Gemma 2's, plus q/k norms, 5:1 local/global layers, a rope base per layer type; the "
+                          "text decoder of the multimodal `gemma3` (`Gemma3ForConditionalGeneration`)",
+        "image input"),
     Row(("gemma4_text", "gemma4"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
                                    "full layers of their own head width and k/v heads whose v is the k projection "
                                    "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "

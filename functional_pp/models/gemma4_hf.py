@@ -148,8 +148,11 @@ def config_from_hf(hf: dict, mt: str) -> Config:
 
 def export_config(cfg: Config) -> Config:
     """The config export writes: a multimodal ``gemma4``'s text decoder as ``gemma4_text``
-    (``Gemma4ForCausalLM``; the vision and audio encoders are not trained or written here)."""
+    (``Gemma4ForCausalLM``), a multimodal Gemma 3's or Mistral 3's (``Config.text_of``) as its text
+    family's class (the vision and audio encoders are not trained or written here)."""
     import dataclasses
+    if cfg.text_of is not None:                   # (Gemma 3, Mistral 3: their text decoder's own class)
+        cfg = dataclasses.replace(cfg, text_of=None)
     return dataclasses.replace(cfg, model_type="gemma4_text") if cfg.model_type == "gemma4" else cfg
 
 

@@ -529,10 +529,7 @@ REFUSED: dict[str, str] = {
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("afmoe", "Arcee AFMoE (Trinity)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
-        ("mistral4", "Mistral Small 4"),
-        ("gemma3", "Gemma 3 multimodal (Gemma3ForConditionalGeneration; a text-only Gemma 3 is gemma3_text)"),
-        ("mistral3", "Mistral 3 multimodal (Mistral3ForConditionalGeneration: Magistral Small 2509, Ministral 3, "
-                     "Mistral Medium 3.5)"))},
+        ("mistral4", "Mistral Small 4"), ("ministral3", "Ministral 3"))},
     "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

@@ -218,6 +218,9 @@ class Config:
     k_eq_v: bool = False
     v_norm: bool = False
     layer_scalar: bool = False
+    # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
+    # model.language_model. (the vision tower's left aside); export writes the text decoder alone
+    text_of: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields

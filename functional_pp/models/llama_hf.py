@@ -298,7 +298,11 @@ RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
-IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = dict(gemma4_hf.IGNORED)
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
+"""The multimodal ``model_type`` values whose text decoder (``text_config``; its own
+``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
+_TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
+IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **{mt: (_TOWERS,) for mt in MULTIMODAL}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -315,6 +319,8 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
+    if getattr(cfg, "text_of", None):          # a multimodal checkpoint's text decoder (its files' layout)
+        name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
 
 
@@ -693,6 +699,20 @@ def config_from_hf_dict(hf: dict) -> Config:
     functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
     mt = hf.get("model_type", "llama")
+    if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3: their text decoder)
+        import dataclasses
+        text = dict(hf.get("text_config") or {})
+        if not text or (not text.get("model_type") and MULTIMODAL[mt] is None):
+            raise UnsupportedHFConfig(f"HF {mt} config: text_config={hf.get('text_config')!r} is not supported (its "
+                                      f"text decoder's family and sizes are unknown: give text_config with its "
+                                      f"model_type)")
+        text.setdefault("model_type", MULTIMODAL[mt])
+        if "tie_word_embeddings" in hf:
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        if text["model_type"] not in ARCHITECTURES:
+            raise UnsupportedHFConfig(f"{where}: {mt}'s text decoder: model_type {text['model_type']!r} is not "
+                                      f"supported{refusal(text['model_type'])}")
+        return dataclasses.replace(config_from_hf_dict(text), text_of=mt)
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported{refusal(mt)}; supported model "
                                   f"types: {', '.join(MODEL_TYPES)}")

@@ -1,0 +1,66 @@
+"""The text decoders of multimodal checkpoints (``Gemma3ForConditionalGeneration``,
+``Mistral3ForConditionalGeneration``): ``base_model`` of one loads its ``text_config``'s family
+(``gemma3_text``, ``mistral``) from the files' ``language_model.`` tensors, the vision tower and
+projector left aside (``Config.text_of``); logits of text-only input equal transformers' whole
+model's, and export writes the text decoder as its family's class with the same logits. A text
+family the decoder does not build (Ministral 3's ``ministral3``) is refused by name."""
+import json
+
+import pytest
+import torch
+from harness import our_logits, tokens
+
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None, max_position_embeddings=128)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=16)
+
+
+def _gemma3():
+    return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=dict(TEXT, sliding_window=4, pad_token_id=0), vision_config=VISION, mm_tokens_per_image=4,
+        image_token_index=300, boi_token_index=301, eoi_token_index=302))         # (past the vocabulary)
+
+
+def _mistral3():
+    return transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=dict(TEXT, model_type="mistral", pad_token_id=None, sliding_window=None),
+        vision_config=dict(VISION, model_type="pixtral", head_dim=16), image_token_index=300))
+
+
+@pytest.mark.parametrize("build, family, text_class", [(_gemma3, "gemma3_text", "Gemma3ForCausalLM"),
+                                                       (_mistral3, "mistral", "MistralForCausalLM")])
+def test_text_decoder_loads_and_exports(build, family, text_class, tmp_path):
+    torch.manual_seed(0)
+    model = build().float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "mm")
+    cfg, params = hf.load_hf_llama(tmp_path / "mm")
+    wrapper = json.loads((tmp_path / "mm" / "config.json").read_text())["model_type"]
+    assert (cfg.model_type, cfg.text_of) == (family, wrapper)
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    out = hf.save_hf_llama(params, cfg, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == [text_class]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert type(back).__name__ == text_class
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_refusals_name_the_text_family():
+    with pytest.raises(ck.CheckpointMismatchError, match=r"mistral3's text decoder: model_type 'ministral3' is not "
+                                                         r"supported \(Ministral 3"):
+        hf.config_from_hf({"model_type": "mistral3", "text_config": dict(TEXT, model_type="ministral3")})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral3 config: text_config=None is not supported"):
+        hf.config_from_hf({"model_type": "mistral3", **TEXT})
