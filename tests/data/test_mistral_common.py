@@ -114,3 +114,16 @@ def test_the_run_reads_it_and_a_missing_package_names_the_extra(tmp_path, monkey
     monkeypatch.setitem(sys.modules, "mistral_common.tokens.tokenizers.mistral", None)
     with pytest.raises(ConfigError, match=r"pip install 'functional_pp\[mistral\]'"):
         load_tokenizer(cfg)
+
+
+def test_a_magistral_model_infers_it_as_axolotl(tmp_path):
+    make_tekken(tmp_path / "Magistral-Small-2507", "v7")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n')
+    cfg = TrainConfig.from_dict({"base_model": str(tmp_path / "Magistral-Small-2507"),
+                                 "datasets": [{"path": str(data), "type": "chat_template"}]})
+    assert cfg.tokenizer_use_mistral_common and any("Magistral model" in n for n in cfg.notes)
+    off = TrainConfig.from_dict({"base_model": str(tmp_path / "Magistral-Small-2507"),
+                                 "tokenizer_use_mistral_common": False,
+                                 "datasets": [{"path": str(data), "type": "chat_template"}]})
+    assert not off.tokenizer_use_mistral_common
