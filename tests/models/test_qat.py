@@ -197,7 +197,7 @@ def test_fsdp_on_two_gloo_processes_equals_simulated_and_one_device():
     assert one[0][1] < one[0][0]
 
 
-def _losses(tmp_path, name, **keys):
+def _losses(tmp_path, name, devices=2, **keys):
     import json
 
     import yaml
@@ -208,7 +208,7 @@ def _losses(tmp_path, name, **keys):
            "output_dir": str(tmp_path / name), **keys}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert cli.main(["train", str(path), "--simulate", "2"]) == 0
+    assert cli.main(["train", str(path), "--simulate", str(devices)]) == 0
     return [m["loss"] for m in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
             if "loss" in m]
 
@@ -221,3 +221,12 @@ def test_the_run_fake_quantizes_from_the_step_after_fake_quant_after_n_steps(tmp
     assert "qat:        linear weights and the head fake-quantized after 2 steps" in capsys.readouterr().out
     assert late[:2] == plain[:2] and late[2] != plain[2]       # steps 1-2 as without QAT, step 3 with it
     assert always[0] != plain[0]
+
+
+def test_a_pipeline_run_fake_quantizes_as_one_device(tmp_path):
+    keys = dict(qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 16},
+                gradient_accumulation_steps=2, max_steps=2)
+    one = _losses(tmp_path, "one", devices=1, **keys)
+    pipeline = _losses(tmp_path, "pp", devices=2, pp_size=2, **keys)
+    plain = _losses(tmp_path, "plain", devices=1, **{**keys, "qat": None})
+    assert pipeline == pytest.approx(one, rel=1e-5) and one[0] != plain[0]
