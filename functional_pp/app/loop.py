@@ -445,6 +445,8 @@ def _train(cfg: TrainConfig, lock: RunLock, *, simulate: int | None, resume: boo
         return {"start": start, "step": step, "losses": losses, "stopped": stopped, "halted": halted,
                 "checkpoint": saved_path, "comm_report": report_text, "skipped": skipped_steps[0]}
 
+    fake_quant.set_enabled(True)     # (QAT's switch as a run starts; the devices turn it off before
+    #                                   fake_quant_after_n_steps, each at the same step boundary)
     with stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
         results = launch(device_fn, mesh, simulate=world.launch_mode, timeout=cfg.collective_timeout)
         if not world.simulate:

@@ -34,6 +34,7 @@ from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
 from functional_pp.devices import mesh_view
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.ops import fake_quant
 from functional_pp.ops.token_ids import checks_so_far, deferred_checks, failed_flag, raise_if_bad
 from functional_pp.parallel import param_uses
 from functional_pp.parallel.buckets import grad_buckets, resolve_pending
@@ -413,7 +414,8 @@ class TrainStep:
         the mesh, the kind of device, the policy in force, and the device's rank where the
         trace read it (step/native_trace.py)."""
         ctx = current_context(required=False)
-        settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self.resolved_policy())
+        settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self.resolved_policy(),
+                    fake_quant.enabled())          # (QAT's switch, read by the traced loss: a graph per value)
         step = native_step(fn, settings, args)
         with self._compile_lock:
             step = self._natives.setdefault(step.key, step)

@@ -230,3 +230,13 @@ def test_a_pipeline_run_fake_quantizes_as_one_device(tmp_path):
     pipeline = _losses(tmp_path, "pp", devices=2, pp_size=2, **keys)
     plain = _losses(tmp_path, "plain", devices=1, **{**keys, "qat": None})
     assert pipeline == pytest.approx(one, rel=1e-5) and one[0] != plain[0]
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_compiled_again_when_fake_quantization_turns_on(tmp_path):
+    keys = dict(qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 16,
+                     "fake_quant_after_n_steps": 1}, max_steps=2)
+    eager = _losses(tmp_path, "eager", devices=1, **keys)
+    compiled = _losses(tmp_path, "compiled", devices=1, compile=True, **keys)
+    plain = _losses(tmp_path, "plain", devices=1, **{**keys, "qat": None})
+    assert compiled == pytest.approx(eager, rel=1e-4) and eager[0] == plain[0] and eager[1] != plain[1]
