@@ -138,6 +138,8 @@ class TrainRun:
         self.config_dict = self.cfg.to_dict()
         self.stop = _StopRequest()
         self.prepare_export()
+        fake_quant.set_enabled(True)     # (QAT's switch as a run starts; the devices turn it off before
+        #                                   fake_quant_after_n_steps, each at the same step boundary)
         with self.stop:     # until the end: a second signal while finishing changes nothing (app/signals.py)
             return self.finish(self.launch())
 

@@ -354,6 +354,11 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     aliased: list[tuple[str, str, Any]] = []
     unused: list[str] = []
     d = _without_unused_lora_keys(_batch_size_as_accumulation(d, issues), unused)
+    if d.get("tokenizer_use_mistral_common") is None and any(
+            "magistral" in str(d.get(k) or "").lower() for k in ("base_model", "base_model_config", "tokenizer_config")):
+        d = {**d, "tokenizer_use_mistral_common": True}         # Axolotl's check_tokenizer_use_mistral_common
+        unused.append("tokenizer_use_mistral_common unset: true for a Magistral model, as Axolotl infers it "
+                      "(set it false to read tokenizer.json)")
     launcher: list[str] = []
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():

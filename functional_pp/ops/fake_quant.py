@@ -51,15 +51,25 @@ class QatConfig:
 _active = per_thread("ops.fake_quant")
 
 
+class _Switch:
+    """Whether fake quantization is on: one for the process (every device thread of a simulated
+    run sets the same value at the same step boundary), a global whose attribute
+    ``torch.compile``'s guards watch, so that a compiled step is compiled again when it flips."""
+    on: bool = True
+
+
+_SWITCH = _Switch()
+
+
 def set_enabled(on: bool) -> None:
-    """Turn fake quantization on or off for this device thread's next forwards (the training
-    loop: off before ``fake_quant_after_n_steps``). Read when the loss is called, and kept in
-    the weights it hands the model, so that a recomputation in backward matches its forward."""
-    _active.enabled = bool(on)
+    """Turn fake quantization on or off for the next forwards (the training loop: off before
+    ``fake_quant_after_n_steps``). Read when the loss is called, and kept in the weights it
+    hands the model, so that a recomputation in backward matches its forward."""
+    _SWITCH.on = bool(on)
 
 
 def enabled() -> bool:
-    return getattr(_active, "enabled", True)
+    return _SWITCH.on
 
 
 class _RoundSTE(torch.autograd.Function):

@@ -15,6 +15,7 @@ from functional_pp.compile.gate import CompileGate
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context
 from functional_pp.step.native_trace import NativeStep, call_natively, dynamo_traces_step, native_step, run_compiled
+from functional_pp.ops import fake_quant
 
 __all__ = ["CompiledStep", "COMPILED_STEPS_PER_PROCESS"]
 
@@ -70,7 +71,8 @@ class CompiledStep:
         the mesh, the kind of device, the policy in force, and the device's rank where the
         trace read it (step/native_trace.py)."""
         ctx = current_context(required=False)
-        settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self._resolved_policy())
+        settings = (getattr(ctx, "mesh", None), type(getattr(ctx, "backend", None)).__name__, self._resolved_policy(),
+                    fake_quant.enabled())          # (QAT's switch, read by the traced loss: a graph per value)
         step = native_step(fn, settings, args)
         with self._lock:
             step = self.natives.setdefault(step.key, step)

@@ -114,3 +114,38 @@ def test_the_run_reads_it_and_a_missing_package_names_the_extra(tmp_path, monkey
     monkeypatch.setitem(sys.modules, "mistral_common.tokens.tokenizers.mistral", None)
     with pytest.raises(ConfigError, match=r"pip install 'functional_pp\[mistral\]'"):
         load_tokenizer(cfg)
+
+
+def test_a_magistral_model_infers_it_as_axolotl(tmp_path):
+    make_tekken(tmp_path / "Magistral-Small-2507", "v7")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n')
+    cfg = TrainConfig.from_dict({"base_model": str(tmp_path / "Magistral-Small-2507"),
+                                 "datasets": [{"path": str(data), "type": "chat_template"}]})
+    assert cfg.tokenizer_use_mistral_common and any("Magistral model" in n for n in cfg.notes)
+    off = TrainConfig.from_dict({"base_model": str(tmp_path / "Magistral-Small-2507"),
+                                 "tokenizer_use_mistral_common": False,
+                                 "datasets": [{"path": str(data), "type": "chat_template"}]})
+    assert not off.tokenizer_use_mistral_common
+
+
+def test_devstrals_config_trains_and_exports_the_tekken_file(tmp_path, capsys):
+    """Axolotl's Devstral QLoRA example, edited in paths and sizes only (tests/axolotl_corpus.py),
+    trains 2 steps on 2 simulated devices with the mistral-common tokenizer; the merged export holds it."""
+    import json
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from axolotl_corpus import ACCEPTED, classify
+
+    from functional_pp import cli
+    (tmp_path / "c").mkdir()
+    verdict, path, devices = classify("devstral/devstral-small-qlora.yml", tmp_path / "c", tmp_path / "models")
+    assert verdict == ACCEPTED, verdict
+    assert cli.main(["train", str(path), "--simulate", str(devices)]) == 0
+    text = capsys.readouterr().out
+    assert "template mistral-common's chat encoding" in text and "vocab 362" in text
+    out = tmp_path / "c" / "out"
+    assert [m["step"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m] == [1, 2]
+    assert cli.main(["export", "--merge-adapter", str(out), str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "tekken.json").read_bytes() == (tmp_path / "models" / "mistral" / "tekken.json").read_bytes()

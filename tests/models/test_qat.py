@@ -195,3 +195,48 @@ def test_fsdp_on_two_gloo_processes_equals_simulated_and_one_device():
         for p, x in params.items():
             np.testing.assert_allclose(x, one[1][p], atol=2e-5, rtol=1e-4, err_msg=p)
     assert one[0][1] < one[0][0]
+
+
+def _losses(tmp_path, name, devices=2, **keys):
+    import json
+
+    import yaml
+
+    from functional_pp import cli
+    cfg = {"micro_batch_size": 2, "sequence_len": 32, "learning_rate": 3e-3, "lr_scheduler": "constant",
+           "max_steps": 3, "model": "tiny", "data": {"max_bytes": 30_000}, "logging_steps": 1,
+           "output_dir": str(tmp_path / name), **keys}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", str(path), "--simulate", str(devices)]) == 0
+    return [m["loss"] for m in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if "loss" in m]
+
+
+def test_the_run_fake_quantizes_from_the_step_after_fake_quant_after_n_steps(tmp_path, capsys):
+    qat = {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 16}
+    plain = _losses(tmp_path, "plain")
+    late = _losses(tmp_path, "late", qat={**qat, "fake_quant_after_n_steps": 2})
+    always = _losses(tmp_path, "always", qat=qat)
+    assert "qat:        linear weights and the head fake-quantized after 2 steps" in capsys.readouterr().out
+    assert late[:2] == plain[:2] and late[2] != plain[2]       # steps 1-2 as without QAT, step 3 with it
+    assert always[0] != plain[0]
+
+
+def test_a_pipeline_run_fake_quantizes_as_one_device(tmp_path):
+    keys = dict(qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 16},
+                gradient_accumulation_steps=2, max_steps=2)
+    one = _losses(tmp_path, "one", devices=1, **keys)
+    pipeline = _losses(tmp_path, "pp", devices=2, pp_size=2, **keys)
+    plain = _losses(tmp_path, "plain", devices=1, **{**keys, "qat": None})
+    assert pipeline == pytest.approx(one, rel=1e-5) and one[0] != plain[0]
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_compiled_again_when_fake_quantization_turns_on(tmp_path):
+    keys = dict(qat={"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 16,
+                     "fake_quant_after_n_steps": 1}, max_steps=2)
+    eager = _losses(tmp_path, "eager", devices=1, **keys)
+    compiled = _losses(tmp_path, "compiled", devices=1, compile=True, **keys)
+    plain = _losses(tmp_path, "plain", devices=1, **{**keys, "qat": None})
+    assert compiled == pytest.approx(eager, rel=1e-4) and eager[0] == plain[0] and eager[1] != plain[1]
