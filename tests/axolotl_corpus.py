@@ -408,6 +408,12 @@ def classify_all(tmp: Path) -> dict[str, Any]:
     return out
 
 
+def top_kinds(kinds: Counter, n: int = 8) -> list[tuple[str, int]]:
+    """The ``n`` most frequent refusal kinds, ties by name (the README's row is the same
+    whichever order the configs were classified in)."""
+    return sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     import tempfile
     sys.path.insert(0, str(HERE))
@@ -421,6 +427,6 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     text = re.sub(r"Axolotl's example configs: \d+ of \d+ accepted",
                   f"Axolotl's example configs: {n} of {len(table)} accepted", readme.read_text())
     text = re.sub(r"refused by \(configs\): .*\n", "refused by (configs): "
-                  + ", ".join(f"{v} `{k}`" for k, v in kinds.most_common(8)) + "\n", text)
+                  + ", ".join(f"{v} `{k}`" for k, v in top_kinds(kinds)) + "\n", text)
     readme.write_text(text)
     print(f"{n} accepted of {len(table)}; refused by kind: {dict(kinds.most_common())}")
