@@ -184,8 +184,8 @@ def test_offloaded_state_lives_on_the_host_the_forward_on_cuda_and_the_update_on
     devices_seen = []
     step = fpp.train_step(loss_fn, optimizer, mesh=mesh, rules=rules, precision="bf16", offload_params=True)
     # the step's one read of its metrics cannot read fake values: a finite step's numbers instead
-    from functional_pp.step import train
-    monkeypatch.setattr(train, "read_step_metrics", lambda m, step, checks: ({**{k: 0.0 for k in m}, "step": 1}, False))
+    from functional_pp.step import metrics_modes
+    monkeypatch.setattr(metrics_modes, "read_step_metrics", lambda m, step, checks: ({**{k: 0.0 for k in m}, "step": 1}, False))
     with fake_cuda() as fc:
         def device():
             params = fpp.init(llama.init, CFG, torch.float32, mesh=mesh, rules=rules, seed=0)
