@@ -104,6 +104,22 @@ def nan_on_second_call(loss_fn):
     return wrapped
 
 
+def fp64_beside_hf(hf_dir, **load_kw):
+    """One float64 step of ours and of transformers on the Hugging Face directory ``hf_dir`` and a
+    fixed batch: ``(model, cfg, loss, grads, out, want)``: transformers' model and output, our
+    config, loss and gradients by path, and transformers' cross-entropy (its backward not run)."""
+    import torch.nn.functional as F
+    import transformers
+    from functional_pp.checkpoint import hf
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, **load_kw)
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    batch = make_batch(cfg, batch=3, seq=12, seed=2)
+    loss, grads = single_device(cfg, params, batch)
+    out = model(input_ids=batch["tokens"])
+    want = F.cross_entropy(out.logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    return model, cfg, loss, grads, out, want
+
+
 def tokens(batch=4, seq=12, seed=1):
     """Random token ids below 256 (the tiny Hugging Face models' vocabulary)."""
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))

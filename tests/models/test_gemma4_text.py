@@ -13,8 +13,7 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens
+from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens, fp64_beside_hf
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -93,12 +92,7 @@ def test_import_logits_equal_transformers(saved):
 
 def test_loss_and_gradients_equal_transformers(saved):
     _, d = saved
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, **EAGER)
-    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
-    batch = make_batch(cfg, batch=3, seq=12, seed=2)
-    loss, grads = single_device(cfg, params, batch)
-    out = model(input_ids=batch["tokens"])
-    want = F.cross_entropy(out.logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
     want.backward()
     torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=0)
     ours = dict(tree.leaves_with_paths(grads))

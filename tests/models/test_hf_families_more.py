@@ -14,8 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens
+from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens, fp64_beside_hf
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -181,12 +180,7 @@ def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_equal_transformers(saved, name):
     _, d = saved[name]
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, **EAGER)
-    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
-    batch = make_batch(cfg, batch=3, seq=12, seed=2)
-    loss, grads = single_device(cfg, params, batch)
-    out = model(input_ids=batch["tokens"])
-    want = F.cross_entropy(out.logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
     if cfg.experts:
         assert cfg.router_aux_loss_coef == 0.1
         want = want + 0.1 * out.aux_loss
