@@ -71,12 +71,11 @@ def load_prompts(cfg: TrainConfig, spec: Any):
         raise ConfigError(f"datasets: {exc}") from exc
     if not cfg.val_set_size:
         return RunData(prompts, None, tok)
-    from functional_pp.data.formats import held_out_count
-    n_val = held_out_count(cfg.val_set_size, len(prompts))
-    if n_val >= len(prompts):
-        raise ConfigError(f"val_set_size={cfg.val_set_size} holds out {n_val} of {len(prompts)} prompts: nothing is "
-                          f"left to train on")
-    train, val = prompts.split(n_val, cfg.seed)
+    from functional_pp.data.formats import split_held_out
+    try:
+        train, val = split_held_out(prompts, cfg.val_set_size, cfg.seed, "prompts")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     return RunData(train, val, tok)
 
 

@@ -131,13 +131,8 @@ def load_pairs(cfg: TrainConfig):
                             chat_template_jinja=cfg.chat_template_jinja, deduplicate=cfg.dataset_exact_deduplication)
         if not cfg.val_set_size:
             return RunData(pairs, None, tok)
-        from functional_pp.data.formats import held_out_count
-        n_val = held_out_count(cfg.val_set_size, len(pairs))
-        if n_val >= len(pairs):
-            raise ValueError(f"val_set_size={cfg.val_set_size} holds out {n_val} of {len(pairs)} pairs: nothing is "
-                             f"left to train on")
-        train, val = pairs.split(n_val, cfg.seed)
-        return RunData(train, val, tok)
+        from functional_pp.data.formats import split_held_out
+        return RunData(*split_held_out(pairs, cfg.val_set_size, cfg.seed, "pairs"), tok)
     except (FileNotFoundError, ValueError, ImportError) as exc:
         raise ConfigError(f"datasets: {exc}") from exc
 

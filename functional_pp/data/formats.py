@@ -462,6 +462,16 @@ def held_out_count(val_set_size: float, n: int) -> int:
     return int(val_set_size) if val_set_size >= 1 else max(1, int(round(n * val_set_size)))
 
 
+def split_held_out(items: Any, val_set_size: float, seed: int, what: str) -> tuple[Any, Any]:
+    """``items.split(n_val, seed)`` for the examples ``val_set_size`` holds out (``what`` names
+    them: "pairs", "prompts"); a ValueError when nothing would be left to train on."""
+    n_val = held_out_count(val_set_size, len(items))
+    if n_val >= len(items):
+        raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {len(items)} {what}: nothing is "
+                         f"left to train on")
+    return items.split(n_val, seed)
+
+
 def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing: bool = True,
                   val_set_size: float = 0.0, seed: int = 0, train_on_inputs: bool = False,
                   chat_template: str | None = None, chat_template_jinja: str | None = None,
