@@ -286,6 +286,14 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     n_layers = len(layers_list) if isinstance(layers_list, list) else 1
     lengths, layer_w = layer_plan(layer_kinds(layers_list)) if n_layers > 2 else ((n_layers,), None)
+    if layer_w is not None and remat is True:
+        # recomputing whole layers, the peak is in the backward of the last layer of the kind that
+        # recomputes the most, which need not be the last layer: not a sum over the layers
+        lengths, layer_w = (n_layers,), None
+        notes_kinds = [f"layers of {len(set(layer_kinds(layers_list)))} kinds (parameter shapes) recomputed whole "
+                       f"(remat=True): all {n_layers} layers ran"]
+    else:
+        notes_kinds = []
     if len(lengths) > 1:
         variants = [{**decls, repeated: layers_list[:m]} for m in lengths]
     else:
@@ -305,7 +313,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         if mesh.rank_of(busiest) != device:
             device = mesh.rank_of(busiest)
             results = run_on(device)
-    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
+    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven] + notes_kinds
     runs = tuple(r[0] for r in results)
     if settings["cp_attention"] == "ring":       # each query meets the keys of all cp chunks, one call each
         for r in runs:

@@ -63,6 +63,7 @@ def test_estimate_equals_the_whole_model(name):
     else:                               # fewer layers run than the model has
         assert sum(fast.layer_runs) < cfg.layers and len(fast.runs) == len(fast.layer_runs) > 2
         assert any("kinds" in n for n in fast.notes)
+        assert plan.trace(fast)["layers_in_run"] == fast.layer_runs[-1]
     _same(fast, full)
     assert plan.cost(fast, plan.cluster("h100x8")).step_s > 0
 
@@ -75,6 +76,28 @@ def test_micro_steps_and_mixed_layers_together():
     fast = plan.estimate(loss, decls, *LAYOUT, batch, grad_accum=8)
     full = plan.estimate(loss, decls, *LAYOUT, batch, grad_accum=8, repeated=None, extrapolate_micro_steps=False)
     assert fast.micro_steps == (8, 2, 3) and len(fast.runs) == 2 * len(fast.layer_runs)
+    _same(fast, full)
+
+
+@pytest.mark.parametrize("remat", [False, "selective", True])
+def test_a_full_layer_every_third_and_the_last_sliding(remat):
+    """The peak in backward (256-token rows): with selective recomputation it falls in the last
+    layer's backward, a sliding one, which the runs' last-layer terms account for; recomputing
+    whole layers it falls in the last *full* layer's, not a sum over layers: the model runs whole."""
+    n = 24
+    cfg = llama.Config.tiny(layers=n, head_dim=16, global_head_dim=32, global_kv_heads=2, k_eq_v=True, v_norm=True,
+                            sliding_window=4, layer_types=tuple("sliding_attention" if (i + 1) % 3 else
+                                                                "full_attention" for i in range(n - 1))
+                            + ("sliding_attention",))
+    loss, decls = functools.partial(llama.loss, cfg=cfg), llama.init(cfg)
+    batch = {k: ((8, 256), d) for k, (_, d) in BATCH.items()}
+    fast = plan.estimate(loss, decls, *LAYOUT, batch, remat=remat)
+    full = plan.estimate(loss, decls, *LAYOUT, batch, remat=remat, repeated=None)
+    assert full.runs[0].peak_at.startswith("backward" if remat else "forward")
+    if remat is True:
+        assert len(fast.runs) == 1 and any("recomputed whole" in n for n in fast.notes)
+    else:
+        assert fast.layer_runs == (1, 2, 3, 4, 6)
     _same(fast, full)
 
 
