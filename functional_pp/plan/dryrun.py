@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import optree
@@ -44,7 +45,7 @@ class LayoutEstimate:
     memory: dict[str, int]           # the peak by category
     flops: float                     # FLOPs of this device's matrix products in one step
     layers: int                      # repeated layers in the model (1 when none)
-    runs: tuple[DeviceRun, ...]      # the measured runs (1 or 2 layers, or the whole model)
+    runs: tuple[DeviceRun, ...]      # the measured runs (1 or 2 layers, or the whole model; see layer_runs)
     settings: dict = field(default_factory=dict)
     comm_time_s: float = 0.0
     time: Any = None                 # a timing.StepTime once costed
@@ -56,6 +57,11 @@ class LayoutEstimate:
     # what the caching allocator reserves beyond the peak: that of the run with the most layers
     # (its cached blocks are reused layer after layer, so it does not grow with them; plan/allocator.py)
     reserved_overhead: int = 0
+    # layers whose parameters differ in shape (Gemma 4's full layers, DeepSeek's dense ones): the
+    # first layer_runs[i] layers ran, and f(L) = sum_i layer_weights[i] f(run i) (None: 1 and 2
+    # identical layers, f(1) + (L-1)(f(2) - f(1)); docs/planning.md, "Layers that differ")
+    layer_runs: tuple[int, ...] | None = None
+    layer_weights: tuple[Fraction, ...] | None = None
 
     @property
     def comm_bytes(self) -> int:
@@ -75,11 +81,11 @@ class LayoutEstimate:
     def extrapolate(self, fn: Callable[[DeviceRun], float]) -> float:
         """An additive quantity of the whole model from the runs: f(1) + (L-1)(f(2) - f(1))
         (and likewise over micro-steps)."""
-        return extrapolate([fn(r) for r in self.runs], self.layers, self.micro_steps)
+        return extrapolate([fn(r) for r in self.runs], self.layers, self.micro_steps, self.layer_weights)
 
     def extrapolate_values(self, values) -> float:
         """f(L) (and f(G) micro-steps) from f's values on the runs."""
-        return extrapolate(list(values), self.layers, self.micro_steps)
+        return extrapolate(list(values), self.layers, self.micro_steps, self.layer_weights)
 
     def describe(self) -> str:
         """Mesh sizes (only axes > 1) and the settings that differ from the defaults."""
@@ -117,15 +123,20 @@ MICRO_RUNS = (2, 3)
 EXTRAPOLATE_FROM = 7
 
 
-def extrapolate(values: Sequence[float], layers: int, micro_steps: tuple | None = None) -> float:
-    """f(L) from f(1) and f(2) (exact for quantities additive over identical layers); with
+def extrapolate(values: Sequence[float], layers: int, micro_steps: tuple | None = None,
+                weights: Sequence[Fraction] | None = None) -> float:
+    """f(L) from f(1) and f(2) (exact for quantities additive over identical layers), or with
+    ``weights`` (layers of several kinds, :func:`layer_plan`) sum_i weights[i] f(run i); with
     ``micro_steps`` = (G, g0, g1) the values are those runs at g0 then at g1 micro-steps, and
     f(L, G) = f(L, g0) + (G - g0)(f(L, g1) - f(L, g0)) (additive over identical micro-steps)."""
     if micro_steps is not None:
         g, g0, g1 = micro_steps
         half = len(values) // 2
-        at0, at1 = extrapolate(values[:half], layers), extrapolate(values[half:], layers)
+        at0, at1 = extrapolate(values[:half], layers, None, weights), extrapolate(values[half:], layers, None, weights)
         return at0 + (g - g0) * (at1 - at0) / (g1 - g0)
+    if weights is not None:
+        total = sum((w * v for w, v in zip(weights, values, strict=True)), Fraction(0))
+        return int(total) if isinstance(total, Fraction) and total.denominator == 1 else float(total)
     if len(values) == 1:
         return values[0]
     one, two = values
@@ -133,6 +144,85 @@ def extrapolate(values: Sequence[float], layers: int, micro_steps: tuple | None 
 
 
 
+def layer_kinds(layers: Sequence[Any]) -> list[int]:
+    """Each layer's kind: layers whose parameter declarations (paths, shapes, dims, dtypes) are
+    the same are of one kind, numbered in order of first appearance."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for layer in layers:
+        sig = tuple((path, tuple(d.shape), tuple(d.dims), str(d.dtype)) for path, d in leaves_with_paths(layer))
+        out.append(seen.setdefault(sig, len(seen)))
+    return out
+
+
+def layer_plan(kinds: Sequence[int]) -> tuple[tuple[int, ...], tuple[Fraction, ...] | None]:
+    """Which first-n-layers runs stand for the whole model of layers of ``kinds``, and with
+    which weights: each run's quantities are modelled as a constant (the model outside the
+    layers) plus one term per layer of each kind, one per kind present (what a kind makes once
+    and its layers share: a mask, a collective of the MoE layers' sums) and one for the kind of
+    its last layer (what is live while the last layer's backward runs); the shortest runs whose terms span the whole
+    model's are taken, and f(L) = sum_i weights[i] f(run i), exact in rationals; the whole model
+    (no weights) when those runs hold as many layers. Identical layers: runs of 1 and 2 and no
+    weights (f(1) + (L-1)(f(2) - f(1)))."""
+    n = len(kinds)
+    if len(set(kinds)) == 1:
+        return (1, 2), None
+    k = max(kinds) + 1
+    last = kinds[-1]
+
+    def features(m: int) -> list[Fraction]:
+        counts = [Fraction(kinds[:m].count(j)) for j in range(k)]
+        return ([Fraction(1)] + counts + [Fraction(c > 0) for c in counts[1:]]
+                + [Fraction(kinds[m - 1] == j) for j in range(k) if j != last])
+    target = features(n)
+    basis: list[tuple[list[Fraction], int]] = []      # reduced rows (pivot column) and their runs
+    runs: list[int] = []
+    rows: list[list[Fraction]] = []
+    for m in range(1, n + 1):
+        row = _reduce(features(m), basis)
+        if any(row):
+            pivot = next(i for i, x in enumerate(row) if x)
+            basis.append(([x / row[pivot] for x in row], pivot))
+            runs.append(m)
+            rows.append(features(m))
+        if not any(_reduce(target, basis)):
+            break
+    if sum(runs) >= n:                  # no shorter than the model: run it all
+        return (n,), None
+    return tuple(runs), _solve(rows, target)
+
+
+def _reduce(row: list[Fraction], basis) -> list[Fraction]:
+    row = list(row)
+    for b, pivot in basis:
+        if row[pivot]:
+            f = row[pivot]
+            row = [x - f * y for x, y in zip(row, b)]
+    return row
+
+
+def _solve(rows: list[list[Fraction]], target: list[Fraction]) -> tuple[Fraction, ...]:
+    """w with sum_i w[i] rows[i] = target (the rows independent, target in their span)."""
+    m, cols = len(rows), len(target)
+    # Gaussian elimination on the transposed system: columns of rows are unknown weights
+    aug = [[rows[i][c] for i in range(m)] + [target[c]] for c in range(cols)]
+    pivots, r = [], 0
+    for c in range(m):
+        p = next((i for i in range(r, cols) if aug[i][c]), None)
+        if p is None:
+            continue
+        aug[r], aug[p] = aug[p], aug[r]
+        aug[r] = [x / aug[r][c] for x in aug[r]]
+        for i in range(cols):
+            if i != r and aug[i][c]:
+                f = aug[i][c]
+                aug[i] = [x - f * y for x, y in zip(aug[i], aug[r])]
+        pivots.append(c)
+        r += 1
+    w = [Fraction(0)] * m
+    for i, c in enumerate(pivots):
+        w[c] = aug[i][m]
+    return tuple(w)
 
 
 def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules,
@@ -195,10 +285,19 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
                     offload_params=offload[0], activation_offloading=offload[1], label=label)
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     n_layers = len(layers_list) if isinstance(layers_list, list) else 1
-    if n_layers > 2:
-        variants = [{**decls, repeated: layers_list[:1]}, {**decls, repeated: layers_list[:2]}]
+    lengths, layer_w = layer_plan(layer_kinds(layers_list)) if n_layers > 2 else ((n_layers,), None)
+    if layer_w is not None and remat is True:
+        # recomputing whole layers, the peak is in the backward of the last layer of the kind that
+        # recomputes the most, which need not be the last layer: not a sum over the layers
+        lengths, layer_w = (n_layers,), None
+        notes_kinds = [f"layers of {len(set(layer_kinds(layers_list)))} kinds (parameter shapes) recomputed whole "
+                       f"(remat=True): all {n_layers} layers ran"]
     else:
-        variants, n_layers = [decls], 1
+        notes_kinds = []
+    if len(lengths) > 1:
+        variants = [{**decls, repeated: layers_list[:m]} for m in lengths]
+    else:
+        variants, n_layers, lengths, layer_w = [decls], 1, None, None
     micro = _micro_runs(batch, grad_accum) if extrapolate_micro_steps else None
     steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), dims) for k, (shape, dims) in batch.items()})
              for g in MICRO_RUNS] if micro else [(grad_accum, batch)]
@@ -214,28 +313,32 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         if mesh.rank_of(busiest) != device:
             device = mesh.rank_of(busiest)
             results = run_on(device)
-    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven]
+    notes = [f"uneven work: {what}; estimated device {device}" for what in uneven] + notes_kinds
     runs = tuple(r[0] for r in results)
     if settings["cp_attention"] == "ring":       # each query meets the keys of all cp chunks, one call each
         for r in runs:
             r.attention_by_keys = {n * mesh.shape["cp"]: f for n, f in r.attention_by_keys.items()}
-    comm = _extrapolate_report([r[1] for r in results], n_layers, micro)
-    ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers, micro)))  # noqa: E731
+    comm = _extrapolate_report([r[1] for r in results], n_layers, micro, layer_w)
+    ext = lambda f: int(round(extrapolate([f(r) for r in results], n_layers, micro, layer_w)))  # noqa: E731
     weights = ext(lambda r: r[0].baseline["weights"])
     opt_state = ext(lambda r: r[0].baseline["optimizer state"])
     grads = ext(lambda r: r[2])                  # frozen parameters have none
     memory = {}
     for cat in set().union(*(r.peak_breakdown for r in runs)):
-        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers, micro)
+        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers, micro, layer_w)
         if v:
             memory[cat] = int(round(v))
     est = LayoutEstimate(
         mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes),
         peak_bytes=ext(lambda r: r[0].peak_bytes),
-        memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro),
+        memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro, layer_w),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro,
-        reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes))
+        reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes),
+        layer_runs=tuple(lengths) if layer_w is not None else None, layer_weights=layer_w)
+    if layer_w is not None:
+        est.notes.append(f"layers of {len(set(layer_kinds(layers_list)))} kinds (parameter shapes): ran the first "
+                         f"{', '.join(map(str, lengths))} of {n_layers} layers and solved for each kind's share")
     if any(offload):
         _offloaded(est, offload, weights if precision == "fp32" else 0, ext)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
@@ -469,13 +572,17 @@ def _micro_runs(batch: BatchSpec, grad_accum: int) -> tuple | None:
     return (grad_accum, *MICRO_RUNS)
 
 
-def _extrapolate_report(reports: list[CommReport], layers: int, micro_steps: tuple | None = None) -> CommReport:
-    """The whole model's collectives: the 1-layer run's plus (L-1) times what a second layer adds;
-    with ``micro_steps`` (G, g0, g1), the g0 runs' plus (G - g0) / (g1 - g0) times what g1 adds."""
+def _extrapolate_report(reports: list[CommReport], layers: int, micro_steps: tuple | None = None,
+                        weights: Sequence[Fraction] | None = None) -> CommReport:
+    """The whole model's collectives: the 1-layer run's plus (L-1) times what a second layer adds
+    (with ``weights``: each collective counted sum_i weights[i] times its count in run i, in
+    the order of the longest run); with ``micro_steps`` (G, g0, g1), the g0 runs' plus
+    (G - g0) / (g1 - g0) times what g1 adds."""
     if micro_steps is not None:
         g, g0, g1 = micro_steps
         half = len(reports) // 2
-        at0, at1 = _extrapolate_report(reports[:half], layers), _extrapolate_report(reports[half:], layers)
+        at0 = _extrapolate_report(reports[:half], layers, None, weights)
+        at1 = _extrapolate_report(reports[half:], layers, None, weights)
         out = CommReport()
         out.events = list(at0.events)
         extra = list((Counter(at1.events) - Counter(at0.events)).elements())
@@ -483,14 +590,72 @@ def _extrapolate_report(reports: list[CommReport], layers: int, micro_steps: tup
             out.events.extend(extra)
         return out
     out = CommReport()
+    if weights is not None:
+        return _weighted_report(reports, weights)
     out.events = list(reports[0].events)
     if len(reports) == 2:
         extra = Counter(reports[1].events) - Counter(reports[0].events)
-        if Counter(reports[0].events) - Counter(reports[1].events):
-            raise RuntimeError("plan: the 2-layer run does not contain the 1-layer run's collectives; the "
-                               "repeated layers are not identical (pass repeated=None)")
+        if Counter(reports[0].events) - Counter(reports[1].events):    # one collective grows with the layers
+            return _weighted_report(reports, (Fraction(2 - layers), Fraction(layers - 1)))
         for _ in range(layers - 1):
             out.events.extend(extra.elements())
+    return out
+
+
+def _weighted_report(reports: list[CommReport], weights: Sequence[Fraction]) -> CommReport:
+    """Each collective counted sum_i weights[i] times its count in run i, in the longest run's
+    order. A collective whose size grows with the layers (the MoE layers' routing counts summed
+    in one all-reduce of one row per layer) is one per run of a size that differs: those issued
+    as often in every run, alike but in their first dimension, get that dimension and their
+    bytes extrapolated."""
+    counts = [Counter(r.events) for r in reports]
+    total = {e: sum((w * c[e] for w, c in zip(weights, counts)), Fraction(0)) for e in set().union(*counts)}
+    bad = {e for e, n in total.items() if n < 0 or n.denominator != 1}
+    grown: list[CommEvent] = []
+    if bad:
+        def key(e):
+            return e.kind, e.axes, e.group_size, e.dtype, e.backward, len(e.shape), e.shape[1:]
+        groups: dict[tuple, list[list[CommEvent]]] = {}
+        for e in bad:
+            groups.setdefault(key(e), [[] for _ in reports])
+        for i, r in enumerate(reports):
+            for e in r.events:
+                if key(e) in groups:
+                    groups[key(e)][i].append(e)
+        for k, per_run in groups.items():
+            c = max(len(evs) for evs in per_run)
+            for evs in per_run:         # runs without the layers that issue it: of size 0
+                if not evs:
+                    evs.extend(replace(e, shape=(0, *e.shape[1:]), bytes_sent=0)
+                               for e in next(v for v in per_run if v))
+            if len({len(evs) for evs in per_run}) != 1 or not c or not k[5]:
+                raise RuntimeError(f"plan: the collectives of the runs of {len(reports)} layer counts are not a sum "
+                                   f"over the layers ({k[0]} over {k[1]} of shapes "
+                                   f"{[[e.shape for e in evs] for evs in per_run]}); pass repeated=None to run "
+                                   f"every layer")
+            for j in range(len(per_run[0])):
+                evs = [evs[j] for evs in per_run]
+                first = sum((w * e.shape[0] for w, e in zip(weights, evs)), Fraction(0))
+                nbytes = sum((w * e.bytes_sent for w, e in zip(weights, evs)), Fraction(0))
+                if first < 0 or first.denominator != 1 or nbytes < 0 or nbytes.denominator != 1:
+                    raise RuntimeError(f"plan: the {k[0]} over {k[1]} of shapes {[e.shape for e in evs]} in the runs "
+                                       f"does not grow by whole layers; pass repeated=None to run every layer")
+                if first:
+                    grown.append(replace(evs[-1], shape=(int(first), *evs[-1].shape[1:]), bytes_sent=int(nbytes)))
+            for evs in per_run:
+                for e in evs:
+                    total.pop(e, None)
+    left = {e: int(n) for e, n in total.items()}
+    out = CommReport()
+    for e in reports[-1].events:
+        if left.get(e, 0) > 0:
+            out.events.append(e)
+            left[e] -= 1
+        elif grown and e in bad:
+            out.events.append(grown.pop(0))
+    for e, n in left.items():
+        out.events.extend([e] * n)
+    out.events.extend(grown)
     return out
 
 

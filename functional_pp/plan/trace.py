@@ -16,8 +16,10 @@ def trace(est: LayoutEstimate) -> dict:
     return {
         "mesh": dict(est.mesh.shape), "rules": repr(est.rules), "settings": dict(est.settings),
         "device": est.rank, "notes": list(est.notes),
-        "layers_in_model": est.layers, "layers_in_run": (2 if len(est.runs) == 2 else est.layers),
-        "repeats": "layer 1 stands for layers 1..L-1" if len(est.runs) == 2 else "whole model",
+        "layers_in_model": est.layers,
+        "layers_in_run": (est.layer_runs[-1] if est.layer_runs else 2 if len(est.runs) == 2 else est.layers),
+        "repeats": ("the first n layers for n in %s, weighted" % (est.layer_runs,) if est.layer_runs else
+                    "layer 1 stands for layers 1..L-1" if len(est.runs) == 2 else "whole model"),
         "collectives": [asdict(e) for e in run.events],
         "saved": [asdict(s) for s in run.saved],
         "memory_timeline": [{"op_index": i, "op": op, "phase": ph, "layer": layer, "live_bytes": live}
