@@ -4,7 +4,7 @@ with the rotary and full layers without (``nope_layers``), norms before and afte
 MLP, a dense first layer, then sigmoid routing with a choosing bias, renormalised and scaled top-k
 weights, shared experts, and muP's scaled embedding. A tiny random model transformers builds from a
 config loads through the HF import; logits, loss and every gradient equal transformers'; export
-writes ``AfmoeForCausalLM``, which loads with equal logits; EP x TP on simulated devices and FSDP x
+writes ``AfmoeForCausalLM``, which loads with equal logits; EP x TP and CP x TP on simulated devices and FSDP x
 TP on real gloo processes equal one device; what the class cannot hold is refused by name."""
 import dataclasses
 import json
@@ -127,6 +127,18 @@ def test_expert_and_tensor_parallel_equal_one_device(saved):
     loss, grads = single_device(cfg, params, batch)
     rules = Rules(batch="dp_shard", experts="dp_shard", heads="tp", kv_heads="tp", vocab="tp", mlp="tp")
     p_loss, p_grads, _ = parallel(cfg, params, batch, fpp.Mesh(dp_shard=2, tp=2), rules)[0]
+    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+
+
+def test_context_and_tensor_parallel_equal_one_device(saved):
+    """CP x TP on simulated devices: the windows, the NoPE full layers and the attention's gate
+    over each device's part of the sequence (load-balanced), heads over tp."""
+    cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
+    batch = make_batch(cfg, batch=2, seq=12, seed=4)
+    loss, grads = single_device(cfg, params, batch)
+    p_loss, p_grads, _ = parallel(cfg, params, batch, fpp.Mesh(dp_shard=1, cp=2, tp=2), llama.default_rules())[0]
     torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
     for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
