@@ -121,7 +121,12 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        # (latent attention: a k/v head per head)
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32})}
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+       # (a dense first layer, then experts; a sliding layer, then a full one)
+       "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {
+           "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "num_shared_experts": 1, "global_attn_every_n_layers": 2, "sliding_window": 128, "pad_token_id": None,
+           "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
 #: 26B-A4B (experts beside the MLP: enable_moe_block) as its config.json only (refused when read)

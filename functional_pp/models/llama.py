@@ -218,6 +218,9 @@ class Config:
     k_eq_v: bool = False
     v_norm: bool = False
     layer_scalar: bool = False
+    # an output gate of the attention: each head's output times sigmoid of its own projection of the layer's
+    # input (``self_attn.gate_proj``, hidden -> heads x head_dim, no bias) before o_proj (AFMoE)
+    attn_gate: bool = False
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
@@ -282,6 +285,8 @@ class Config:
             raise ValueError(f"swiglu_limit must be a positive number (or null), got {self.swiglu_limit!r}")
         if self.clip_qkv is not None and (isinstance(self.clip_qkv, bool) or not self.clip_qkv > 0):
             raise ValueError(f"clip_qkv must be a positive number (or null: no clamp), got {self.clip_qkv!r}")
+        if self.attn_gate and self.kv_lora_rank:
+            raise ValueError("attn_gate with latent attention (kv_lora_rank) is not supported")
         if self.clip_qkv is not None and self.kv_lora_rank:
             raise ValueError("clip_qkv with latent attention (kv_lora_rank) is not supported")
         for key in ("global_head_dim", "global_kv_heads"):
@@ -560,6 +565,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["k_norm"] = param((D,), "head_dim", init=ones, dtype=dtype)
         if cfg.attn_sinks:
             a["sinks"] = w((cfg.heads,), "heads")
+        if cfg.attn_gate:                           # (AFMoE: the attention's output gate)
+            a["gate_proj"] = w((cfg.hidden, cfg.heads, D), "hidden heads head_dim")
         if cfg.v_shared(i):                         # (Gemma 4: v is the k projection's output)
             del a["v_proj"]
         return a
@@ -693,6 +700,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
                          f"layers attend within chunks of {chunk} tokens)")
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
                sinks=a.get("sinks"), chunk=chunk)
+    if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
+        g = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["gate_proj"])
+        o = o * ((ops.tanh(g * 0.5) + 1.0) * 0.5)         # sigmoid(g), exactly as the identity
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
@@ -853,7 +863,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
 def flops_per_token(cfg: Config, seq: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), attention included."""
     D = cfg.dim_head
-    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D)
+    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D * (2 if cfg.attn_gate else 1))
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts

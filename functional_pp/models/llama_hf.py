@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf
+from functional_pp.models import afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -109,6 +109,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
     # gpt-oss: attention sinks, the router's bias, the experts' biases (its names: RENAMED / FUSED)
     ("model.layers.{i}.self_attn.sinks", "layers.{i}.self_attn.sinks", "copy"),
+    # AFMoE: the attention's output gate (``attn_gate``)
+    ("model.layers.{i}.self_attn.gate_proj.weight", "layers.{i}.self_attn.gate_proj", "heads_out"),
     ("model.layers.{i}.mlp.gate.bias", "layers.{i}.mlp.router_logit_bias", "copy"),
     ("model.layers.{i}.mlp.experts.gate_proj.bias", "layers.{i}.mlp.expert_gate_bias", "copy"),
     ("model.layers.{i}.mlp.experts.up_proj.bias", "layers.{i}.mlp.expert_up_bias", "copy"),
@@ -297,6 +299,7 @@ RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts
 RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
+RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
@@ -581,7 +584,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
-                                 **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES}
+                                 **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
+                                 **afmoe_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -721,6 +725,13 @@ def config_from_hf_dict(hf: dict) -> Config:
     if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
         try:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in afmoe_hf.ARCHITECTURES:                              # (Arcee AFMoE)
+        try:
+            return afmoe_hf.config_from_hf(hf, mt, _rope)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -941,6 +952,8 @@ def check_exportable(cfg: Config) -> None:
                              layer_scalar=False), where)        # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
+    if mt in afmoe_hf.ARCHITECTURES:
+        return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -987,6 +1000,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         return deepseek_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in afmoe_hf.ARCHITECTURES:
+        return afmoe_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:
