@@ -317,7 +317,8 @@ class TrainConfig:
         try:
             experts, shared = expert_targets(self.lora_target_parameters or ())
             if experts and isinstance(names, str):      # peft: the regex, or one of the expert tensors
-                names = "|".join([f"(?:{names})"] + [rf"(?:.*\.)?{re.escape(e)}" for e in experts])
+                # (our expert paths, layers.N.mlp.gate: not the router's Hugging Face name, mlp.gate)
+                names = "|".join([f"(?:{names})"] + [rf"(?:layers\.\d+\.)?{re.escape(e)}" for e in experts])
             modules = names if isinstance(names, str) else (
                 part_names(names or (), model_type_of(self.base_model)) + experts or None)
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,

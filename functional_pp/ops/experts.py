@@ -151,6 +151,9 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     are summed as they are (dropless only)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
+    # an adapted router (LoRA): its base weight here, its adapter added to the logits below
+    router_lora = router if hasattr(type(router), "__named_weight__") else None
+    router = router_lora.base if router_lora is not None else router
     # a quantized stack (quantize_moe_experts) planned as its stand-in, dequantized where it is used
     frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down))
     gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down), frozen))
@@ -201,6 +204,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
+    if router_lora is not None:               # LoRA's scale (dropout(x) A) B, A and B whole as the router
+        logits = logits + _router_adapter(router_lora, x_r, tok_dims, hidden, r_union, X_r.shape)
     if router_logit_bias is not None:         # (gpt-oss) whole, in the tokens' varying type as the router
         rb = _gather_invariant(settle(router_logit_bias), x.vary)
         rb = relayout(pvary(rb, r_union - varying_after(rb, _whole(rb))), _whole(rb), "experts router bias")
@@ -267,6 +272,26 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
     out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
     return out, stats
+
+
+def _router_adapter(lora, x_r: Named, tok_dims: tuple, hidden: str, r_union: frozenset, shape) -> torch.Tensor:
+    """An adapted router's term of the logits, peft's ``scale * (dropout(x) A) B`` as local rows
+    (tokens, experts): ``lora_A`` (``hidden lora_r``) and ``lora_B`` (``lora_r experts``) gathered
+    whole in the tokens' varying type, as the router is; the dropout mask is the layout-free one
+    of :func:`functional_pp.ops.dropout.dropout` (each token's own on every layout)."""
+    from functional_pp.ops.dropout import dropout
+    if getattr(lora, "magnitude", None) is not None:
+        raise ValueError("experts: DoRA on the router is not supported; target the router with LoRA only")
+    ab = []
+    for w in (lora.lora_A, lora.lora_B):
+        w = _gather_invariant(settle(w), x_r.vary)
+        t = _whole(w)
+        ab.append(relayout(pvary(w, r_union - varying_after(w, t)), t, "experts router adapter"))
+    a, b = ab
+    xd = dropout(x_r, lora.dropout, lora.seed) if lora.dropout else x_r
+    X = _local(xd, tok_dims + (hidden,)).reshape(shape)
+    with regather_scope([a, b]):
+        return (X @ _local(a, a.dims)) @ _local(b, b.dims) * lora.scale
 
 
 def _whole_bias(bias: Named, token_vary: frozenset) -> tuple[torch.Tensor, torch.Tensor]:
