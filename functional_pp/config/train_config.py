@@ -49,6 +49,12 @@ class TrainConfig:
                                               "ceil(factor x seq x top_k / experts) slots, the assignments past "
                                               "it dropped and counted (moe_dropped); compiles. null: dropless "
                                               "(docs/experts.md)")
+    expert_parallel_token_capacity: int | None = fld(None, "mixture of experts (Axolotl's expert-parallel "
+                                                     "plugin): at most this many (token, expert) assignments per "
+                                                     "expert of one device's tokens per forward, the lowest "
+                                                     "weights dropped and each token's kept weights scaled back "
+                                                     "to their sum (moe_dropped); dropless routing only. null: no "
+                                                     "cap (docs/experts.md)")
     overrides_of_model_config: dict | None = fld(None, "base_model: keys of its config.json replaced before the "
                                                        "model is built (e.g. output_router_logits: true adds "
                                                        "the router's auxiliary loss); alias model_config "
