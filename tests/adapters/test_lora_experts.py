@@ -277,7 +277,8 @@ def test_router_lora_equals_peft_on_dbrx(tmp_path):
     """LoRA on the router (Axolotl's DBRX example targets ``layer``, DBRX's ``ffn.router.layer``
     nn.Linear): peft's adapter on that linear is ours on ``router`` (``hidden experts``, a plain
     linear: A ``hidden lora_r``, B ``lora_r experts``); the loss and the adapter gradients equal
-    peft's in float64 (within HF's float32 attention softmax); EP and FSDP equal one device; the adapted router merges to the same loss."""
+    peft's in float64 (within HF's float32 attention softmax); EP and FSDP equal one device; the
+    adapted router merges to the same loss and its PEFT directory loads into peft."""
     peft = pytest.importorskip("peft")
     import torch.nn.functional as F
     import transformers
@@ -330,6 +331,12 @@ def test_router_lora_equals_peft_on_dbrx(tmp_path):
     plain = llama.loss(sharding.named_tree(adapters.merge(full, lc), llama.init(cfg, torch.float64)),
                        {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, cfg).value()
     torch.testing.assert_close(plain, loss, rtol=1e-12, atol=0)
+    # the PEFT directory of our router adapters (DBRX's module name `layer`) loads into peft as its own
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, model_type="dbrx")
+    fresh = transformers.DbrxForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    fresh.config._attn_implementation = "eager"
+    loaded = peft.PeftModel.from_pretrained(fresh, out)
+    torch.testing.assert_close(loaded(input_ids=batch["tokens"]).logits, logits.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_router_lora_dropout_is_the_same_on_every_layout():
