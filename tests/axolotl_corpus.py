@@ -318,7 +318,6 @@ _BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
 _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
-_ROUTER = re.compile(r"LoRA: target '[^']+' \(dimensions .*?\) is a mixture-of-experts router")
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
@@ -327,8 +326,6 @@ _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a c
 def reason(problem: str, cfg: dict) -> str:
     """The feature a problem message names: ``adapter: lora``, ``load_in_4bit``,
     ``optimizer: adamw_bnb_8bit``, ``model_type qwen3_moe``, ``plugin LigerPlugin``, ..."""
-    if _ROUTER.search(problem):
-        return "lora_target_modules: a router"
     if _UNFROZEN.match(problem):         # (patterns of the family's own tensor names: not matched yet)
         return "unfrozen_parameters"
     if m := _KEY.match(problem):

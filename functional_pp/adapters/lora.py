@@ -164,11 +164,7 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
                   and not d.meta.get("embedding"))        # (a table of rows: GPT-2's positions)
         named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
         if linear and EXPERTS in d.dims:             # stacked experts and the router: by name only
-            if named and len(d.dims) < 3:            # (peft's all-linear leaves them too)
-                raise ValueError(f"LoRA: target {path!r} (dimensions {d.dims}) is a mixture-of-experts router: "
-                                 f"routers are not adapted; train it whole with unfrozen_parameters, or "
-                                 f"target the experts (gate, up, down)")
-            if named:
+            if named:                                # (peft's all-linear leaves them too)
                 found.append(path)
             continue
         if linear:
@@ -201,7 +197,7 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     owners = _owners(found, cfg)
     for path in found:
         d = by_path[path]
-        lead = (EXPERTS,) if EXPERTS in d.dims else ()
+        lead = (EXPERTS,) if EXPERTS in d.dims and len(d.dims) >= 3 else ()    # (a router, hidden experts: a linear)
         if lead and d.dims[0] != EXPERTS:
             raise ValueError(f"LoRA: expert weight {path!r} has dimensions {d.dims}; its adapters need "
                              f"{EXPERTS!r} first")
@@ -220,9 +216,10 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
                                  f"{tuple(owner.shape)} contract different inputs: they cannot share lora_A")
             del lora[path]["lora_A"]
         if cfg.dora:
-            if lead:
+            if EXPERTS in d.dims:
                 raise ValueError(f"LoRA: DoRA (use_dora) on expert weight {path!r} is not supported; target no "
-                                 f"expert weights (gate, up, down of a mixture of experts) or turn DoRA off")
+                                 f"expert weights (gate, up, down or the router of a mixture of experts) or turn "
+                                 f"DoRA off")
             lora[path][MAGNITUDE] = param(d.shape[k:], d.dims[k:], init="ones", dtype=d.dtype)
     return joined(decls, lora)
 

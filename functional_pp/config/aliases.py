@@ -125,7 +125,12 @@ UNSUPPORTED: dict[str, str] = {
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "model_quantization_config", "model_quantization_config_kwargs",
                            "nvfp4_merge_aware")},
-    **{k: _MOE for k in ("llama4_linearized_experts", "expert_parallel_token_capacity")},
+    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 (each expert's gate / up / down as its own "
+                                  "nn.Linear, so that peft and bitsandbytes reach them) is the same math as the "
+                                  "stacked experts here, whose LoRA is already one adapter per expert "
+                                  "(lora_target_modules: [gate, up, down], docs/adapters.md); its checkpoints' "
+                                  "per-expert names (feed_forward.experts.gate_projs.N) are not read: train from "
+                                  "the original Llama 4 checkpoint and remove the key"),
     "ebft": _RL,
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},

@@ -55,12 +55,13 @@ def model_config(cfg: Any) -> Any:
     return _with_moe_options(cfg, _with_added_tokens(cfg, model))
 
 
-_MOE_OPTIONS = ("router_z_loss_coef", "capacity_factor")
+_MOE_OPTIONS = ("router_z_loss_coef", "capacity_factor", "expert_parallel_token_capacity")
+_MODEL_FIELD = {"expert_parallel_token_capacity": "token_capacity"}       # (the config key -> the model's)
 
 
 def _with_moe_options(cfg: Any, model: Any) -> Any:
     """``model`` with the config's mixture-of-experts training options (``router_z_loss_coef``,
-    ``capacity_factor``) where given; refused by name for a model without experts."""
+    ``capacity_factor``, ``expert_parallel_token_capacity`` as ``token_capacity``) where given; refused by name for a model without experts."""
     given = {k: getattr(cfg, k, None) for k in _MOE_OPTIONS if getattr(cfg, k, None) is not None}
     if not given:
         return model
@@ -68,7 +69,7 @@ def _with_moe_options(cfg: Any, model: Any) -> Any:
         raise ConfigError(f"{', '.join(given)}: the model has no mixture of experts (experts=0); remove "
                           f"{'them' if len(given) > 1 else 'it'}")
     try:
-        return dataclasses.replace(model, **given)
+        return dataclasses.replace(model, **{_MODEL_FIELD.get(k, k): v for k, v in given.items()})
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -49,6 +49,12 @@ class TrainConfig:
                                               "ceil(factor x seq x top_k / experts) slots, the assignments past "
                                               "it dropped and counted (moe_dropped); compiles. null: dropless "
                                               "(docs/experts.md)")
+    expert_parallel_token_capacity: int | None = fld(None, "mixture of experts (Axolotl's expert-parallel "
+                                                     "plugin): at most this many (token, expert) assignments per "
+                                                     "expert of one device's tokens per forward, the lowest "
+                                                     "weights dropped and each token's kept weights scaled back "
+                                                     "to their sum (moe_dropped); dropless routing only. null: no "
+                                                     "cap (docs/experts.md)")
     overrides_of_model_config: dict | None = fld(None, "base_model: keys of its config.json replaced before the "
                                                        "model is built (e.g. output_router_logits: true adds "
                                                        "the router's auxiliary loss); alias model_config "
@@ -317,7 +323,8 @@ class TrainConfig:
         try:
             experts, shared = expert_targets(self.lora_target_parameters or ())
             if experts and isinstance(names, str):      # peft: the regex, or one of the expert tensors
-                names = "|".join([f"(?:{names})"] + [rf"(?:.*\.)?{re.escape(e)}" for e in experts])
+                # (our expert paths, layers.N.mlp.gate: not the router's Hugging Face name, mlp.gate)
+                names = "|".join([f"(?:{names})"] + [rf"(?:layers\.\d+\.)?{re.escape(e)}" for e in experts])
             modules = names if isinstance(names, str) else (
                 part_names(names or (), model_type_of(self.base_model)) + experts or None)
             return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,

@@ -120,7 +120,9 @@ class Config:
     # (router_aux_loss_coef), a shared expert's intermediate size (Qwen2-MoE; 0: none), the
     # layers with experts (None: all), the router z-loss's coefficient (ST-MoE's
     # router_z_loss_coef) and each expert's static capacity per sequence (capacity_factor:
-    # None is dropless; a factor drops and counts the assignments past it, and compiles)
+    # None is dropless; a factor drops and counts the assignments past it, and compiles);
+    # token_capacity: dropless routing with at most that many assignments per expert of one
+    # device's tokens per forward (Axolotl's expert_parallel_token_capacity; None: no cap)
     experts: int = 0
     experts_top_k: int = 2
     moe_mlp: int | None = None
@@ -131,6 +133,7 @@ class Config:
     moe_layers: tuple[int, ...] | None = None
     router_z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    token_capacity: int | None = None
     # a shared expert's sigmoid gate (Qwen2-MoE: True); False: the shared expert adds as it is
     # (Granite MoE with shared experts, DeepSeek-V3, GLM-4.5)
     shared_expert_gate: bool = True
@@ -312,6 +315,11 @@ class Config:
                 self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
             raise ValueError(f"capacity_factor must be a positive number (or null: dropless), got "
                              f"{self.capacity_factor!r}")
+        if self.token_capacity is not None and (isinstance(self.token_capacity, bool) or not isinstance(
+                self.token_capacity, int) or self.token_capacity < 1 or self.capacity_factor is not None):
+            raise ValueError(f"token_capacity must be a positive int (or null: no cap) with dropless routing "
+                             f"(capacity_factor null), got token_capacity={self.token_capacity!r}, "
+                             f"capacity_factor={self.capacity_factor!r}")
         if self.experts and not 1 <= self.experts_top_k <= self.experts:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
         if self.kv_lora_rank:

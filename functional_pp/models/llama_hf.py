@@ -639,7 +639,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                       router_aux_loss_coef=0.001, decoder_sparse_step=1, shared_expert_intermediate_size=5632),
 }
 _DENSE_MOE = dict(experts=0, moe_mlp=None, norm_topk_prob=False, router_score="softmax", router_aux_loss_coef=0.0,
-                  router_z_loss_coef=0.0, capacity_factor=None,
+                  router_z_loss_coef=0.0, capacity_factor=None, token_capacity=None,
                   shared_expert_mlp=0, moe_layers=None, shared_expert_gate=True)
 
 

@@ -70,7 +70,8 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
                          expert_biases=(tuple(m[f"expert_{k}_bias"] for k in ("gate", "up", "down"))
                                         if "router_logit_bias" in m else None),
                          clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit),
-                         weights_on_input=getattr(cfg, "experts_scale_input", False))
+                         weights_on_input=getattr(cfg, "experts_scale_input", False),
+                         token_capacity=getattr(cfg, "token_capacity", None))
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:

@@ -117,7 +117,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             capacity_factor: float | None = None, groups: int = 1, topk_groups: int = 1,
             group_score: str = "top2_sum", weight_scale: float = 1.0, router_logit_bias: Named | None = None,
             expert_biases: tuple[Named, Named, Named] | None = None,
-            clamp: tuple[float, float] | None = None, weights_on_input: bool = False) -> tuple[Named, RouterStats]:
+            clamp: tuple[float, float] | None = None, weights_on_input: bool = False,
+            token_capacity: int | None = None) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -148,9 +149,20 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`).
 
     ``weights_on_input`` (Llama 4): each expert computes ``expert(weight * x)`` and the outputs
-    are summed as they are (dropless only)."""
+    are summed as they are (dropless only).
+
+    ``token_capacity`` (Axolotl's ``expert_parallel_token_capacity``; dropless routing only): at
+    most that many of this device's (token, expert) assignments per expert and forward, before
+    any dispatch; an expert's excess, its lowest weights (ties: the earlier token, then the
+    earlier choice), is dropped (weight zero), and each token's kept weights are scaled back to
+    their sum before the drop (a token that keeps none gets zero). As Axolotl's expert-parallel
+    plugin, it counts the tokens of one device, so it depends on how the batch is split; the
+    drops are counted in ``RouterStats.dropped``."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
+    # an adapted router (LoRA): its base weight here, its adapter added to the logits below
+    router_lora = router if hasattr(type(router), "__named_weight__") else None
+    router = router_lora.base if router_lora is not None else router
     # a quantized stack (quantize_moe_experts) planned as its stand-in, dequantized where it is used
     frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down))
     gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down), frozen))
@@ -177,6 +189,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
                                             and not isinstance(capacity_factor, bool) and capacity_factor > 0):
         raise ValueError(f"experts: capacity_factor must be a positive number (or None: dropless), got "
                          f"{capacity_factor!r}")
+    if token_capacity is not None and (isinstance(token_capacity, bool) or not isinstance(token_capacity, int)
+                                       or token_capacity < 1 or capacity_factor is not None):
+        raise ValueError(f"experts: token_capacity must be a positive int with dropless routing (capacity_factor "
+                         f"None), got token_capacity={token_capacity!r}, capacity_factor={capacity_factor!r}")
     if weights_on_input and capacity_factor is not None:
         raise ValueError("experts: weights_on_input with capacity_factor is not supported (route dropless: "
                          "capacity_factor None)")
@@ -201,6 +217,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
+    if router_lora is not None:               # LoRA's scale (dropout(x) A) B, A and B whole as the router
+        logits = logits + _router_adapter(router_lora, x_r, tok_dims, hidden, r_union, X_r.shape)
     if router_logit_bias is not None:         # (gpt-oss) whole, in the tokens' varying type as the router
         rb = _gather_invariant(settle(router_logit_bias), x.vary)
         rb = relayout(pvary(rb, r_union - varying_after(rb, _whole(rb))), _whole(rb), "experts router bias")
@@ -219,10 +237,13 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if weight_scale != 1.0:
         weights = weights * weight_scale
-    weights = weights.to(x.data.dtype)
     planning = idx.is_meta              # a dry-run (plan/): the routing is unknown, planned balanced
     counts = (probs.new_zeros(n_experts) if planning else           # (static shapes: no bincount)
               probs.new_zeros(n_experts).scatter_add_(0, idx.reshape(-1), probs.new_ones(idx.numel())))
+    capped = probs.new_zeros(())
+    if token_capacity is not None and not planning:
+        weights, capped = _token_capacity(idx, weights, counts, token_capacity)
+    weights = weights.to(x.data.dtype)
     z = (torch.logsumexp(wide, dim=-1) ** 2).sum()                   # ST-MoE's router z-loss, summed
 
     def pending(v, dims=(expert_dim,)) -> Named:
@@ -260,13 +281,53 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
                                        e_axes, sizes, a2a, part)
     else:
         y, dropped = _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part,
-                                       planning, weights_on_input), probs.new_zeros(())
+                                       planning, weights_on_input), capped
     stats = RouterStats(pending(counts), pending(probs.sum(0)), n_tokens, top_k, pending(z, ()),
                         pending(dropped.to(probs.dtype), ()))
     shape = [x.data.shape[x.dims.index(d)] for d in tok_dims] + [y.shape[-1]]
     split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
     out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
     return out, stats
+
+
+def _token_capacity(idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                    cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, dropped)``: the (tokens, top_k) ``weights`` with each expert's assignments
+    beyond ``cap`` zeroed, its lowest weights first (ties: the earlier assignment in token-major
+    order), and each token's kept weights scaled to their sum before the drop; ``counts`` are
+    the assignments per expert. Static shapes (two stable sorts, no data-dependent sizes)."""
+    flat_e, flat_w = idx.reshape(-1), weights.detach().reshape(-1)
+    by_weight = torch.argsort(flat_w, descending=True, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]     # by expert, then weight
+    starts = torch.cumsum(counts, 0).to(torch.int64) - counts.to(torch.int64)
+    rank = torch.arange(order.numel(), device=idx.device) - starts[flat_e[order]]
+    keep = torch.empty_like(rank, dtype=torch.bool)
+    keep[order] = rank < cap
+    kept = keep.reshape(idx.shape).to(weights.dtype)
+    before, after = weights.sum(-1, keepdim=True), (weights * kept).sum(-1, keepdim=True)
+    some = after > 0
+    scale = torch.where(some, before / torch.where(some, after, torch.ones_like(after)), torch.ones_like(after))
+    return weights * kept * scale, (~keep).sum().to(weights.dtype)
+
+
+def _router_adapter(lora, x_r: Named, tok_dims: tuple, hidden: str, r_union: frozenset, shape) -> torch.Tensor:
+    """An adapted router's term of the logits, peft's ``scale * (dropout(x) A) B`` as local rows
+    (tokens, experts): ``lora_A`` (``hidden lora_r``) and ``lora_B`` (``lora_r experts``) gathered
+    whole in the tokens' varying type, as the router is; the dropout mask is the layout-free one
+    of :func:`functional_pp.ops.dropout.dropout` (each token's own on every layout)."""
+    from functional_pp.ops.dropout import dropout
+    if getattr(lora, "magnitude", None) is not None:
+        raise ValueError("experts: DoRA on the router is not supported; target the router with LoRA only")
+    ab = []
+    for w in (lora.lora_A, lora.lora_B):
+        w = _gather_invariant(settle(w), x_r.vary)
+        t = _whole(w)
+        ab.append(relayout(pvary(w, r_union - varying_after(w, t)), t, "experts router adapter"))
+    a, b = ab
+    xd = dropout(x_r, lora.dropout, lora.seed) if lora.dropout else x_r
+    X = _local(xd, tok_dims + (hidden,)).reshape(shape)
+    with regather_scope([a, b]):
+        return (X @ _local(a, a.dims)) @ _local(b, b.dims) * lora.scale
 
 
 def _whole_bias(bias: Named, token_vary: frozenset) -> tuple[torch.Tensor, torch.Tensor]:

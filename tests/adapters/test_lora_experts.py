@@ -3,8 +3,10 @@
 adapters' gradients equal the merged-weight model's (``W + scale * A B`` per expert, by
 autograd through the merge on plain tensors) and peft's (``target_parameters`` on transformers
 5's fused expert parameters, gate and up sharing an A); EP (on ``ep`` x FSDP, x TP) equals one
-device, dropless and with a capacity; the router, dropout and the peft export are refused by
-name."""
+device, dropless and with a capacity; LoRA on the router equals peft's on DBRX's router linear;
+expert dropout, DoRA and the peft export are refused by name."""
+import dataclasses
+
 import pytest
 import torch
 from harness import make_batch
@@ -101,9 +103,9 @@ def test_merge_equals_applying():
     torch.testing.assert_close(plain, loss, rtol=1e-12, atol=0)
 
 
-def test_router_dropout_and_peft_export_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"'layers.0.mlp.router' .* is a mixture-of-experts router"):
-        adapters.targets(llama.init(CFG), adapters.LoraConfig(target_modules=("router",)))
+def test_dropout_dora_and_peft_export_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"DoRA \(use_dora\) on expert weight 'layers.0.mlp.router'"):
+        adapters.init(llama.init(CFG), adapters.LoraConfig(r=4, alpha=8, dora=True, target_modules=("router",)))
     decls, full = _setup(CFG)
     batch = make_batch(CFG, batch=2, seq=8, seed=2)
     drop = adapters.LoraConfig(r=4, alpha=8, dropout=0.1, target_modules=("gate",))
@@ -269,3 +271,86 @@ def test_lora_target_parameters_join_a_regex_of_lora_target_modules():
     found = adapters.targets(llama.init(llama.Config.tiny(experts=4, moe_mlp=32, layers=1)), lc)
     assert found == ["layers.0.mlp.down", "layers.0.mlp.gate", "layers.0.mlp.up", "layers.0.self_attn.q_proj"]
     assert lc.shared_a == (("gate", "up"),)
+
+
+def test_router_lora_equals_peft_on_dbrx(tmp_path):
+    """LoRA on the router (Axolotl's DBRX example targets ``layer``, DBRX's ``ffn.router.layer``
+    nn.Linear): peft's adapter on that linear is ours on ``router`` (``hidden experts``, a plain
+    linear: A ``hidden lora_r``, B ``lora_r experts``); the loss and the adapter gradients equal
+    peft's in float64 (within HF's float32 attention softmax); EP and FSDP equal one device; the
+    adapted router merges to the same loss and its PEFT directory loads into peft."""
+    peft = pytest.importorskip("peft")
+    import torch.nn.functional as F
+    import transformers
+
+    from functional_pp.checkpoint import hf
+    conf = transformers.DbrxConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+                                   attn_config=dict(kv_n_heads=2, clip_qkv=0.6, rope_theta=1000.0),
+                                   ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
+    torch.manual_seed(0)
+    model = transformers.DbrxForCausalLM(conf).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["layer"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    batch = make_batch(llama.Config.tiny(), batch=4, seq=8, seed=1)
+    logits = pm(input_ids=batch["tokens"]).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    want.backward()
+    peft_ab = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+    cfg = hf.config_from_hf(tmp_path)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=("router",))
+    decls = adapters.init(llama.init(cfg, torch.float64), lc)
+    assert decls["layers"][0]["mlp"]["lora"]["router"]["lora_B"].dims == ("lora_r", "experts")
+
+    def peft_param(i, ab):
+        return peft_ab[f"base_model.model.transformer.blocks.{i}.ffn.router.layer.lora_{ab}.default.weight"]
+    lora = {f"layers.{i}.mlp.router": {"lora_A": peft_param(i, "A").detach().T.contiguous(),
+                                       "lora_B": peft_param(i, "B").detach().T.contiguous()} for i in range(2)}
+    full = adapters.joined(hf.load_hf_params(tmp_path, cfg, dtype=torch.float64), lora)
+    ((loss, grads),) = _adapted(cfg, decls, full, batch, lora=lc)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    for i in range(2):
+        for ab in "AB":
+            want_g = peft_param(i, ab).grad.T
+            torch.testing.assert_close(grads[f"layers.{i}.mlp.lora.router.lora_{ab}"], want_g, rtol=1e-5,
+                                       atol=1e-6 * want_g.abs().max().item(), msg=f"layer {i} lora_{ab}")
+    assert grads["layers.0.mlp.lora.router.lora_A"].abs().max() > 0
+    for name, (mesh, rules) in LAYOUTS.items():
+        for rank, (l, g) in enumerate(_adapted(cfg, decls, full, batch, mesh, rules, lora=lc)):
+            torch.testing.assert_close(l, loss, rtol=1e-12, atol=0)
+            for p in grads:
+                torch.testing.assert_close(g[p], grads[p], rtol=1e-9, atol=1e-9 * grads[p].abs().max().item(),
+                                           msg=f"{name} rank {rank} {p}")
+    plain = llama.loss(sharding.named_tree(adapters.merge(full, lc), llama.init(cfg, torch.float64)),
+                       {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}, cfg).value()
+    torch.testing.assert_close(plain, loss, rtol=1e-12, atol=0)
+    # the PEFT directory of our router adapters (DBRX's module name `layer`) loads into peft as its own
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, model_type="dbrx")
+    fresh = transformers.DbrxForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    fresh.config._attn_implementation = "eager"
+    loaded = peft.PeftModel.from_pretrained(fresh, out)
+    torch.testing.assert_close(loaded(input_ids=batch["tokens"]).logits, logits.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_router_lora_dropout_is_the_same_on_every_layout():
+    """lora_dropout on the router's adapter (the DBRX example's 0.05): peft's ``dropout(x) A B``
+    with the layout-free mask, so EP and FSDP equal one device, and it changes the loss."""
+    lc = adapters.LoraConfig(r=4, alpha=8, dropout=0.3, target_modules=("router",))
+    decls, full = _setup(CFG, lc)
+    batch = make_batch(CFG, batch=4, seq=8, seed=2)
+    ((loss, grads),) = _adapted(CFG, decls, full, batch, lora=lc)
+    ((plain, _),) = _adapted(CFG, decls, full, batch, lora=dataclasses.replace(lc, dropout=0.0))
+    assert abs(loss - plain) > 1e-6
+    for name, (mesh, rules) in LAYOUTS.items():
+        for rank, (l, g) in enumerate(_adapted(CFG, decls, full, batch, mesh, rules, lora=lc)):
+            torch.testing.assert_close(l, loss, rtol=1e-12, atol=0, msg=f"{name} rank {rank}")
+            for p in grads:
+                torch.testing.assert_close(g[p], grads[p], rtol=1e-9, atol=1e-9 * grads[p].abs().max().item(),
+                                           msg=f"{name} rank {rank} {p}")

@@ -198,3 +198,53 @@ def test_capacity_without_drops_equals_dropless():
     out, stats = experts(x, *ws, top_k=2, capacity_factor=E / 2)        # capacity = seq: nothing dropped
     torch.testing.assert_close(out.value(), want.value(), rtol=1e-12, atol=1e-12)
     assert stats.dropped.value().item() == 0
+
+
+def _token_capacity_reference(x, router, gate, up, down, top_k, cap):
+    """Axolotl's ``expert_parallel_token_capacity`` written out: over the forward's tokens,
+    each expert keeps at most ``cap`` assignments, its highest weights (ties: the earlier token,
+    then choice); a token's kept weights are scaled back to their sum before the drop."""
+    X = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(X @ router, dim=-1)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    keep = [[True] * top_k for _ in range(X.shape[0])]
+    for e in range(router.shape[1]):
+        mine = sorted(((-float(w[t, j]), t, j) for t in range(X.shape[0]) for j in range(top_k) if idx[t, j] == e))
+        for _, t, j in mine[cap:]:
+            keep[t][j] = False
+    out, dropped = torch.zeros_like(X), sum(not k for row in keep for k in row)
+    for t in range(X.shape[0]):
+        kept = [j for j in range(top_k) if keep[t][j]]
+        if not kept:
+            continue
+        scale = w[t].sum() / sum(w[t, j] for j in kept)
+        for j in kept:
+            e = int(idx[t, j])
+            out[t] = out[t] + w[t, j] * scale * ((F.silu(X[t] @ gate[e]) * (X[t] @ up[e])) @ down[e])
+    return out.reshape(x.shape), dropped
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_token_capacity_equals_the_reference_rule(cap):
+    """Axolotl's token capacity (expert_parallel_token_capacity): output, drops and every
+    gradient equal the rule written out; a capacity above every expert's load is dropless."""
+    ws = [w.requires_grad_() for w in _weights(6)]
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(7), dtype=torch.float64).requires_grad_()
+    want, dropped = _token_capacity_reference(x, *ws, 2, cap)
+    named = [fpp.wrap(w, d) for w, d in zip(ws, ("hidden experts", "experts hidden mlp", "experts hidden mlp",
+                                                  "experts mlp hidden"))]
+    out, stats = experts(fpp.wrap(x, "batch seq hidden"), *named, top_k=2, normalize=True, token_capacity=cap)
+    torch.testing.assert_close(out.value(), want, rtol=1e-12, atol=1e-12)
+    assert dropped > 0 and stats.dropped.value().item() == dropped
+    probe = torch.randn_like(want)
+    g_want = torch.autograd.grad((want * probe).sum(), [x, *ws])
+    g_got = torch.autograd.grad((out.value() * probe).sum(), [x, *ws])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    free, stats = experts(fpp.wrap(x, "batch seq hidden"), *named, top_k=2, normalize=True, token_capacity=20)
+    plain, _ = experts(fpp.wrap(x, "batch seq hidden"), *named, top_k=2, normalize=True)
+    torch.testing.assert_close(free.value(), plain.value(), rtol=1e-12, atol=1e-12)
+    assert stats.dropped.value().item() == 0
+    with pytest.raises(ValueError, match=r"token_capacity must be a positive int with dropless routing"):
+        experts(fpp.wrap(x, "batch seq hidden"), *named, top_k=2, token_capacity=0)
