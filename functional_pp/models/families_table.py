@@ -79,8 +79,8 @@ ROWS: tuple[Row, ...] = (
         "ALiBi (Falcon-RW); TP of a multi-query model's heads; PEFT export of adapters on the fused "
         "`query_key_value` (export merged)"),
     Row(("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared"),
-        "a mixture of experts (dropless top-k or a static capacity that compiles, auxiliary and z-losses, LoRA on "
-        "the experts, Qwen2-MoE's gated and Granite's ungated shared expert); expert parallelism is a rule for "
+        "a mixture of experts (dropless top-k or a static capacity that compiles, a per-device token cap, "
+        "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert); expert parallelism is a rule for "
         "`experts` (docs/experts.md)", f"{_EXPERT_PEFT}; OLMoE's `clip_qkv`"),
     Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
@@ -89,7 +89,7 @@ ROWS: tuple[Row, ...] = (
         f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}"),
     Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
                    "stored `[E * F, H]`, renormalised top-k weights",
-        f"`moe_jitter_eps` (refused by name); LoRA of the router (`layer`); {_EXPERT_PEFT}"),
+        f"`moe_jitter_eps` (refused by name); {_EXPERT_PEFT}"),
     Row(("glm4_moe",), "partial rotary, q/k/v biases, optional q/k norms; DeepSeek-V3's experts and router",
         _EXPERT_PEFT),
     Row(("gpt_oss",), "attention sinks, alternating sliding / full layers, biased router and experts, clamped "
