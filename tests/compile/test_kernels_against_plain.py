@@ -142,4 +142,7 @@ def test_only_a_declared_tied_gradient_is_copied_out_of_the_update_kernel():
         state[0], m = step(state[0], batch)
     one()
     counted = kc.count_launches(one)
-    assert counted.of("graph", lambda n: n == "fpp::materialize") == 3, counted.table()
+    copies = counted.of("graph", lambda n: n == "fpp::materialize")
+    if copies == 0:     # (torch 2.14's profiler names the op's body, the clone, not the custom op)
+        copies = counted.of("graph", lambda n: n == "aten::clone")
+    assert copies == 3, counted.table()
