@@ -82,6 +82,22 @@ def launch_steps(cfg, compile=False, mesh=None, rules=None, steps=2, batch=4, dt
                       timeout=1800, processes=processes)
 
 
+def assert_processes_equal_one_device(cfg, mesh=None, rules=None, **step_kw):
+    """Two float64 AdamW steps on every rank of ``mesh`` (default FSDP x TP, 2 x 2) as real gloo
+    processes equal the same steps on one device: losses and gathered parameters. Returns the
+    one device's ``(losses, parameters, collectives)``."""
+    mesh = mesh or fpp.Mesh(dp_shard=2, tp=2)
+    one = launch_steps(cfg, dtype=torch.float64, **step_kw)[0]
+    real = launch_steps(cfg, mesh=mesh, rules=rules or llama.default_rules(), dtype=torch.float64, processes=True,
+                        **step_kw)
+    for losses, params, _ in real:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m: f"{p}: {m}")
+    return one
+
+
 def assert_same_run(a, b, rtol=0.0, atol=0.0):
     """Losses and parameters of two ``train_steps`` results agree (bitwise by default)."""
     la, pa, _ = a

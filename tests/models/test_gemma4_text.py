@@ -127,17 +127,9 @@ def test_layouts_equal_one_device(saved, layout):
 def test_fsdp_tp_on_real_processes_equal_one_device(saved):
     """Two AdamW steps with FSDP x TP on four real gloo processes equal one device (the layer
     scalars stay as loaded)."""
-    from harness import launch_steps
-    cfg = hf.config_from_hf(saved[1])
+    from harness import assert_processes_equal_one_device
     opt = fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0, mask=fpp.optim.decay_mask_by_ndim)   # (the trainer's)
-    one = launch_steps(cfg, dtype=torch.float64, opt=opt)[0]
-    real = launch_steps(cfg, mesh=fpp.Mesh(dp_shard=2, tp=2), rules=llama.default_rules(), dtype=torch.float64,
-                        processes=True, opt=opt)
-    for losses, params, _ in real:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
+    one = assert_processes_equal_one_device(hf.config_from_hf(saved[1]), opt=opt)
     assert float(one[1]["layers.0.layer_scalar"]) == 1.0 and float(one[1]["layers.0.input_layernorm"][0]) != 1.0
 
 

@@ -116,16 +116,8 @@ def test_layouts_equal_one_device(saved, layout):
 
 def test_tp_on_real_processes_equals_one_device(saved):
     """Two AdamW steps with TP 2 on two real gloo processes equal one device."""
-    from harness import launch_steps
-    cfg = hf.config_from_hf(saved[1])
-    one = launch_steps(cfg, dtype=torch.float64)[0]
-    real = launch_steps(cfg, mesh=fpp.Mesh(tp=2), rules=llama.default_rules(fsdp=False), dtype=torch.float64,
-                        processes=True)
-    for losses, params, _ in real:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
+    from harness import assert_processes_equal_one_device
+    assert_processes_equal_one_device(hf.config_from_hf(saved[1]), fpp.Mesh(tp=2), llama.default_rules(fsdp=False))
 
 
 def test_refusals_name_the_option(saved, tmp_path):
