@@ -136,6 +136,19 @@ def fp64_beside_hf(hf_dir, **load_kw):
     return model, cfg, loss, grads, out, want
 
 
+def import_logits_beside_hf(model, hf_dir, atol=1e-5):
+    """Our logits of the Hugging Face directory ``hf_dir`` equal ``model``'s on fixed tokens;
+    returns ``(cfg, params, toks, want)`` for the checks that each option matters."""
+    from functional_pp.checkpoint import hf
+    cfg, params = hf.load_hf_llama(hf_dir)
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=atol, rtol=1e-5)
+    return cfg, params, toks, want
+
+
 def tokens(batch=4, seq=12, seed=1):
     """Random token ids below 256 (the tiny Hugging Face models' vocabulary)."""
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
