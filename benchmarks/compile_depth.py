@@ -2,7 +2,8 @@
 (the default) or interpreted by dynamo (``FPP_STEP_TRACE=dynamo``; step/native_trace.py),
 versus one compilation of the layer reused by every layer (``compile="per_layer"``,
 functional_pp/compile/layer_compile.py). The first step's wall time (compilation included) minus the
-second's, for a shallow and a deep Llama, each in a fresh process (no shared caches).
+second's, for a shallow and a deep Llama, each in a fresh process, with torch's time per
+compile phase (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for a cold inductor cache).
 
     python benchmarks/compile_depth.py                       # 2 vs 16 layers, inductor
     python benchmarks/compile_depth.py --backend aot_eager --layers 2 8
@@ -47,8 +48,16 @@ def one(mode: str, layers: int) -> dict:
             times.append(time.perf_counter() - t)
         return times, m["loss"]
     (first, second), loss = fpp.launch(device, fpp.Mesh())[0]
+    from torch._dynamo.utils import calculate_time_spent     # where the compilation went, by phase
+    phases = {k: round(v, 2) for k, v in calculate_time_spent().items() if k in PHASES}
     return {"mode": mode, "layers": layers, "compile_s": round(first - second, 2),
-            "step_s": round(second, 4), "loss": loss}
+            "step_s": round(second, 4), "loss": loss, "phases_s": phases}
+
+
+# torch's compile phases reported per run: dynamo and AOT autograd's trace are the frame compile
+# less the backend's; inductor's lowering is its compile less code_gen (which includes waiting
+# for the C++ compiler, async_compile.wait)
+PHASES = ("entire_frame_compile", "backend_compile", "inductor_compile", "code_gen", "async_compile.wait")
 
 
 def main() -> None:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from functional_pp._torch import is_tracing
+
 from functional_pp.ops import reduce as R
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
-from functional_pp.ops.xent.rows import nll_rows
+from functional_pp.ops.xent.rows import nll_rows, nll_rows_wide
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import NO_AXES, Named, make_named, require_named, settle
 
@@ -46,15 +48,18 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
         vocab = the_one_dim(op, "vocab", [d for d in logits.dims if d not in labels.dims],
                             "the logits' dimension the labels do not have")
     logits = settle(logits)
-    if logits.data.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.astype(torch.float32)
     logits._check_dim(vocab, op)
+    vi = logits.dims.index(vocab)
+    v_axes = logits.split[vi]
+    # the rows are reduced in fp32: 16-bit logits are widened by row chunks eagerly
+    # (ops/xent/rows.py nll_rows_wide), whole otherwise
+    chunked = not v_axes and not is_tracing() and logits.data.movedim(vi, -1).is_contiguous()
+    if logits.data.dtype in (torch.float16, torch.bfloat16) and not chunked:
+        logits = logits.astype(torch.float32)
     other = tuple(d for d in logits.dims if d != vocab)
     if sorted(other) != sorted(labels.dims):
         raise ValueError(f"{op}: labels have dimensions {labels.dims} but the logits have "
                          f"{logits.dims} (expected the logits' dimensions without {vocab!r})")
-    vi = logits.dims.index(vocab)
-    v_axes = logits.split[vi]
     labels = relayout(labels, tuple(logits.split[logits.dims.index(d)] for d in labels.dims))
     order = [labels.dims.index(d) for d in other]
     lab = labels.data.permute(order) if order != sorted(order) else labels.data
@@ -67,7 +72,8 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
     else:
         # one pass over the logits in backward too (ops/xent/rows.py); an ignored row's index
         # is any index, its row masked by the weights
-        nll = nll_rows(x, lab.clamp(0, x.shape[-1] - 1), torch.logsumexp(x.detach(), -1))
+        lab = lab.clamp(0, x.shape[-1] - 1)
+        nll = nll_rows_wide(x, lab) if chunked else nll_rows(x, lab, torch.logsumexp(x.detach(), -1))
         if shortcut and not any(split_other) and not logits.vary and not labels.vary:
             # nothing split or varying: the same sums and division without named bookkeeping
             # the count as an integer (exact; the division converts it as a float count would)
@@ -75,7 +81,7 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
             return None, None, make_named((nll * valid).sum(dim=list(range(nll.ndim))) / count, (), (), NO_AXES,
                                           sizes=())
         nll = Named(nll, other, split_other, logits.vary)
-    return nll, Named(valid.to(x.dtype), other, split_other, labels.vary), None
+    return nll, Named(valid.to(nll.data.dtype), other, split_other, labels.vary), None
 
 
 def _split_nll_rows(logits: Named, x: torch.Tensor, lab: torch.Tensor, vocab: str, other: tuple,

@@ -98,3 +98,32 @@ def test_the_rows_function_alone_eager_whole_vocabulary():
     (ref * w).sum().backward()
     torch.testing.assert_close(rows, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("min_chunk_bytes", [1, 2**30], ids=["chunks", "one_chunk"])
+def test_eager_row_chunks_equal_the_whole_widened_logits_bitwise(monkeypatch, dtype, min_chunk_bytes):
+    """The eager loss over row chunks (``nll_rows_wide``: 16-bit logits widened a chunk at a
+    time, the gradient written in their dtype) gives the numbers of widening the whole logits
+    to fp32 and ``nll_rows`` on them, bitwise: loss and gradient, odd row counts and a
+    vocabulary that is no multiple of the vector width included."""
+    from functional_pp.ops.xent import rows
+    monkeypatch.setattr(rows, "MIN_CHUNK_BYTES", min_chunk_bytes)
+    g = torch.Generator().manual_seed(1)
+    for b, s, v in ((2, 33, 1000), (3, 7, 250), (1, 1, 64)):
+        logits = (torch.randn(b, s, v, generator=g) * 3).to(dtype)
+        labels = torch.randint(0, v, (b, s), generator=g)
+        labels[0, :1] = ops.IGNORE_INDEX
+        if min_chunk_bytes == 1 and b * s > 2:
+            assert len(rows._row_chunks(b * s, v)) > 1
+        a = logits.clone().requires_grad_()
+        loss = ops.cross_entropy(fpp.named(a, "batch seq vocab"), fpp.named(labels, "batch seq")).value() * 0.7
+        loss.backward()
+        w = logits.clone().requires_grad_()
+        x = w.float()
+        nll = rows.nll_rows(x, labels.clamp(0, v - 1), torch.logsumexp(x.detach(), -1))
+        valid = labels != ops.IGNORE_INDEX
+        ref = (nll * valid).sum(dim=[0, 1]) / torch.count_nonzero(valid).clamp_min(1) * 0.7
+        ref.backward()
+        assert torch.equal(loss, ref), (b, s, v)
+        assert a.grad.dtype == dtype and torch.equal(a.grad, w.grad), (b, s, v)
