@@ -31,20 +31,31 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
     method = str(cfg.rl).lower()
     default_beta = {"simpo": 2.0}.get(method, 0.1)
     beta = cfg.orpo_alpha if method == "orpo" and cfg.orpo_alpha is not None else cfg.rl_beta
-    loss_type = {"ipo": "ipo", "simpo": "simpo"}.get(method, cfg.dpo_loss_type or "sigmoid")
-    if method == "ipo" and cfg.dpo_loss_type not in (None, "ipo"):
+    given = cfg.dpo_loss_type
+    given = tuple(given) if isinstance(given, list) else given
+    loss_type = {"ipo": "ipo", "simpo": "simpo"}.get(method, given or "sigmoid")
+    if method == "ipo" and given not in (None, "ipo", ("ipo",)):
         raise ConfigError(f"rl: ipo is dpo_loss_type ipo; remove dpo_loss_type: {cfg.dpo_loss_type}")
-    if method in ("dpo", "ipo") and cfg.dpo_label_smoothing and loss_type != "robust":
+    types = (loss_type,) if isinstance(loss_type, str) else loss_type
+    smoothed = {"robust", "exo_pair"} & set(types)
+    if method in ("dpo", "ipo") and cfg.dpo_label_smoothing and not smoothed:
         raise ConfigError(f"dpo_label_smoothing {cfg.dpo_label_smoothing}: TRL applies label smoothing in "
-                          f"dpo_loss_type robust only (its {loss_type} loss ignores it); set dpo_loss_type: robust "
-                          f"or remove it")
+                          f"dpo_loss_type robust and exo_pair only (its {', '.join(types)} loss ignores it); set "
+                          f"dpo_loss_type: robust (or exo_pair) or remove it")
+    if "exo_pair" in types and not cfg.dpo_label_smoothing > 0:
+        raise ConfigError("dpo_loss_type exo_pair needs dpo_label_smoothing > 0 (TRL's; the EXO paper's 1e-3)")
+    weights = cfg.dpo_loss_weights
+    if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise ConfigError(f"dpo_loss_weights must be a list of numbers, one per dpo_loss_type, got {weights!r}")
     try:
         return PreferenceSpec(method, beta=default_beta if beta is None else beta, loss_type=loss_type,
+                              loss_weights=None if weights is None else tuple(float(w) for w in weights),
                               label_smoothing=cfg.dpo_label_smoothing, simpo_gamma=cfg.simpo_gamma,
                               cpo_alpha=cfg.cpo_alpha,
                               desirable_weight=1.0 if cfg.kto_desirable_weight is None else cfg.kto_desirable_weight,
                               undesirable_weight=(1.0 if cfg.kto_undesirable_weight is None
-                                                  else cfg.kto_undesirable_weight))
+                                                  else cfg.kto_undesirable_weight),
+                              kto_loss_type=cfg.kto_loss_type or "kto")
     except ValueError as exc:
         raise ConfigError(f"rl: {cfg.rl}: {exc}") from exc
 

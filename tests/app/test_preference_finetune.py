@@ -85,7 +85,9 @@ def _trl_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) -> t
     policy, reference = models
     with torch.no_grad():
         ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
-        loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta, loss_type="sigmoid")
+        loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta,
+                                 loss_type=cfg.dpo_loss_type or "sigmoid", loss_weights=cfg.dpo_loss_weights,
+                                 label_smoothing=cfg.dpo_label_smoothing)
     return float(loss), metrics
 
 
@@ -107,6 +109,37 @@ def test_dpo_run_equals_trl_past_the_first_step(base, pairs, tmp_path):
                  "logps/chosen", "logps/rejected"):
         assert m[2][name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
     assert r.final_step == 3
+
+
+def test_dpo_loss_type_list_run_equals_trl(base, pairs, tmp_path):
+    """TRL's MPO mix (dpo_loss_type [sigmoid, bco_pair, sft] with dpo_loss_weights) from the
+    config: the loss past the first step equals TRL's DPOTrainer with the same loss_type list."""
+    out = tmp_path / "run"
+    cfg = config(base, pairs, out, checkpoint={"save_every": 2}, dpo_loss_type=["sigmoid", "bco_pair", "sft"],
+                 dpo_loss_weights=[0.8, 0.2, 1.0])
+    train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    want, _ = _trl_loss(export_run(out, tmp_path / "hf-step2", step=2), base, cfg, step=2)
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    assert m[0]["loss"] > math.log(2) + 1                # the sft term counts
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"dpo_loss_type": "bogus"}, r"dpo loss_type 'bogus' is not one of sigmoid, hinge, ipo"),
+    ({"dpo_loss_type": ["sigmoid", "aot"]}, r"'aot' sorts the log-ratios over the batch \(AOT\), which is not built"),
+    ({"dpo_loss_type": ["sigmoid", "sft"], "dpo_loss_weights": [1.0]}, r"gives 1 weights for 2 loss types"),
+    ({"dpo_loss_type": ["sigmoid"], "dpo_loss_weights": ["a"]}, r"dpo_loss_weights must be a list of numbers"),
+    ({"dpo_loss_type": "exo_pair"}, r"exo_pair needs dpo_label_smoothing > 0"),
+    ({"dpo_label_smoothing": 0.1}, r"label smoothing in dpo_loss_type robust and exo_pair only"),
+    ({"rl": "kto", "dpo_loss_type": "hinge"}, r"dpo_loss_type is read by rl: dpo only"),
+    ({"kto_loss_type": "kto"}, r"kto_loss_type is read by rl: kto only"),
+    ({"rl": "kto", "kto_loss_type": "bco"}, r"kto_loss_type 'bco' is not one of kto, apo_zero_unpaired"),
+])
+def test_bad_loss_types_are_refused_before_any_work(base, pairs, tmp_path, over, message):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        train(config(base, pairs, out, **over), simulate=1, stream=io.StringIO())
+    assert not out.exists()
 
 
 def test_dpo_fsdp_tp_run_equals_one_device(base, pairs, tmp_path):
@@ -282,8 +315,18 @@ def _trl_kto_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) 
         loss, metrics = kto_loss(policy, batch["tokens"], masks[""], batch["desirable"][:, 0].bool(), ref_logps(""),
                                  batch["kl_tokens"], masks["kl_"], ref_logps("kl_"), beta=cfg.rl_beta,
                                  desirable_weight=cfg.kto_desirable_weight,
-                                 undesirable_weight=cfg.kto_undesirable_weight)
+                                 undesirable_weight=cfg.kto_undesirable_weight, loss_type=cfg.kto_loss_type or "kto")
     return float(loss), metrics
+
+
+def test_kto_apo_zero_unpaired_run_equals_trl(base, unpaired, tmp_path):
+    out = tmp_path / "run"
+    cfg = _kto_config(base, unpaired, out, checkpoint={"save_every": 2}, kto_loss_type="apo_zero_unpaired")
+    train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    want, metrics = _trl_kto_loss(export_run(out, tmp_path / "hf-step2", step=2), base, cfg, step=2)
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    assert m[2]["kl"] == metrics["kl"] == 0.0            # no KL term
 
 
 def test_kto_run_equals_trl_past_the_first_step(base, unpaired, tmp_path):
