@@ -62,11 +62,25 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
 
 def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, model_cfg: Any, lora: Any,
                          base_decls: Any) -> tuple:
-    """``(loss, declarations, trainable mask)`` of a preference run: the policy's logits through
-    the adapters (if any), the reference as the module docstring says."""
-    policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference, family, model_cfg, lora,
-                                                               base_decls)
-    return preference_loss(spec, policy, reference), decls, trainable
+    """``(loss, declarations, trainable mask, reference for the precomputing pass or None)`` of
+    a preference run: the policy's logits through the adapters (if any), the reference as the
+    module docstring says. With ``precompute_ref_log_probs`` the reference runs once before
+    training (app/reference_logps.py) and is not held: no frozen copy (the initial parameters
+    are the policy's), the loss reads the batch's reference log-probabilities."""
+    precompute = bool(cfg.precompute_ref_log_probs) and spec.needs_reference
+    policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference and not precompute, family,
+                                                               model_cfg, lora, base_decls)
+    if not precompute:
+        return preference_loss(spec, policy, reference), decls, trainable, None
+    if lora is not None:         # the base without the adapters
+        from functional_pp import adapters
+        forward = functools.partial(family.forward, cfg=model_cfg)
+
+        def reference(params, tokens):
+            return forward(adapters.split(params)[0], tokens)
+    else:                        # the initial parameters, before any step
+        reference = policy
+    return preference_loss(spec, policy, None), decls, trainable, reference
 
 
 def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, model_cfg: Any, lora: Any,

@@ -111,6 +111,10 @@ def check_preference(cfg: Any, add) -> None:
             if isinstance(entry.type, dict):
                 add(f"datasets[{i}].type is a mapping (Axolotl's user-defined preference type), read by "
                     f"rl: dpo / ipo / orpo / simpo only (this config has rl: {cfg.rl}): give a type name")
+    if cfg.precompute_ref_log_probs and str(cfg.rl).lower() not in ("dpo", "ipo"):
+        rl = str(cfg.rl).lower()
+        add(f"precompute_ref_log_probs is built for rl: dpo / ipo (this config has rl: {cfg.rl}"
+            f"{': it has no reference' if rl in ('orpo', 'simpo') else ''}): remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:

@@ -171,6 +171,9 @@ class TrainConfig:
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
                                                      "(TRL's undesirable_weight; default 1.0)")
+    precompute_ref_log_probs: bool | None = fld(None, "rl: dpo / ipo: the reference's log-probabilities of every "
+                                                      "pair computed once before training and stored with the pairs "
+                                                      "(the reference then not held; TRL's)")
     kto_loss_type: str | None = fld(None, "rl: kto: TRL's loss_type, kto (default) | apo_zero_unpaired (APO-zero, "
                                           "no KL term)")
     trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "

@@ -83,6 +83,21 @@ def _batch_mean(value: Named, weight: Named | None) -> Named:
     return ops.sum(value * rows, "batch") / ops.sum(rows, "batch")
 
 
+def _reference_logps(reference: Logits | None, params: Any, batch: dict, like: Named) -> tuple[Named, Named]:
+    """The reference's chosen and rejected log-probabilities: the batch's precomputed ones
+    (``ref_chosen_logps`` / ``ref_rejected_logps`` along each row, app/reference_logps.py) in
+    ``like``'s dtype, else ``reference``'s forwards without gradient."""
+    if "ref_chosen_logps" in batch:
+        return tuple(ops.mean(batch[f"ref_{side}_logps"], "seq").astype(like.data.dtype)
+                     for side in ("chosen", "rejected"))
+    if reference is None:
+        raise ValueError("the batch holds no precomputed reference log-probabilities (ref_chosen_logps) and no "
+                         "reference model was given")
+    with torch.no_grad():
+        return tuple(sequence_logps(reference(params, batch[f"{side}_tokens"]), batch[f"{side}_labels"])[0]
+                     for side in ("chosen", "rejected"))
+
+
 def _token_mean_nll(logps: Named, tokens: Named, weight: Named | None) -> Named:
     """TRL's DPO ``sft`` term: the chosen completions' NLL, a mean over the batch's completion
     tokens (the pairs weighted by ``pair_weight``: an evaluation's wrapped pairs count for nothing)."""
@@ -103,10 +118,10 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
                     ) -> Callable[[Any, dict], Named]:
     """``loss(params, batch)`` of ``spec``: ``policy(params, tokens)`` gives the trained model's
     logits, ``reference(params, tokens)`` the frozen reference's (DPO / IPO; run without
-    gradient)."""
-    if spec.needs_reference and reference is None:
-        raise ValueError(f"rl: {spec.method} compares with a reference model: give reference")
+    gradient; None: the batches carry the reference's log-probabilities, precomputed)."""
     if spec.method == "kto":
+        if reference is None:
+            raise ValueError("rl: kto compares with a reference model: give reference")
         return kto_loss(spec, policy, reference)
 
     def loss(params: Any, batch: dict) -> Named:
@@ -114,9 +129,7 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
         chosen, n_chosen = sequence_logps(chosen_logits, batch["chosen_labels"])
         rejected, n_rejected = sequence_logps(policy(params, batch["rejected_tokens"]), batch["rejected_labels"])
         if spec.needs_reference:
-            with torch.no_grad():
-                ref_chosen, _ = sequence_logps(reference(params, batch["chosen_tokens"]), batch["chosen_labels"])
-                ref_rejected, _ = sequence_logps(reference(params, batch["rejected_tokens"]), batch["rejected_labels"])
+            ref_chosen, ref_rejected = _reference_logps(reference, params, batch, chosen)
             terms = L.dpo_loss_terms(spec.loss_type, spec.loss_weights)
             per_pair = [t for t, _ in terms if t != "sft"]
             per_pair_weights = [w for t, w in terms if t != "sft"]

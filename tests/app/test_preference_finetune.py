@@ -455,3 +455,94 @@ def test_kto_resumes_exactly(base, unpaired, tmp_path):
     second = train(split, simulate=1, resume=True, stream=io.StringIO())
     assert first.stopped and second.start_step == 2
     assert first.losses + second.losses == whole.losses
+
+
+def _param_names(run_dir: Path) -> str:
+    """The checkpoint index's text (its parameter paths)."""
+    step = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return (step / "index.json").read_text()
+
+
+def test_precomputed_reference_equals_the_held_reference(base, pairs, tmp_path):
+    """precompute_ref_log_probs: one pass of the reference before training, stored with the
+    pairs (and written to reference_logps.npz), the reference not held: the stored values equal
+    transformers' log-probabilities of the pairs under the base model, and the run (training and
+    held-out evaluation, then a resume) equals the run that holds the reference, step by step."""
+    from functional_pp.app.preference_run import load_pairs
+    over = dict(val_set_size=3, max_steps=4, checkpoint={"save_every": 2})
+    held = train(config(base, pairs, tmp_path / "held", **over), simulate=1, stream=io.StringIO())
+    cfg = config(base, pairs, tmp_path / "pre", precompute_ref_log_probs=True, **over)
+    first = train(cfg, simulate=1, stop_after=2, stream=io.StringIO())
+    second = train(cfg, simulate=1, resume=True, stream=io.StringIO())
+    assert first.losses + second.losses == held.losses and held.losses[-1] < held.losses[0]
+    pre, want = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("pre", "held"))
+    assert [m.get("eval_loss") for m in pre] == [m.get("eval_loss") for m in want]
+    assert '"reference' in _param_names(tmp_path / "held") and '"reference' not in _param_names(tmp_path / "pre")
+    saved = np.load(tmp_path / "pre" / "reference_logps.npz")
+    data = load_pairs(cfg)
+    for name, pair_set in (("train", data.train), ("val", data.val)):
+        rows = pair_set.batch_rows(range(len(pair_set)), cfg.sequence_len)
+        model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        for col, side in enumerate(("chosen", "rejected")):
+            ids, labels = (torch.from_numpy(rows[f"{side}_{k}"]) for k in ("tokens", "labels"))
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits, -1)
+            mask = labels != -100
+            want_lp = (lp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask).sum(1)
+            np.testing.assert_allclose(saved[name][:, col], want_lp.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("over,simulate", [
+    ({"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2}, 4),
+    ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}, 1)])
+def test_precomputed_reference_on_fsdp_tp_and_with_lora(base, pairs, tmp_path, over, simulate):
+    """Under FSDP x TP (the pass laid out as the step) and with LoRA (the reference: the base
+    without the adapters) a precomputed run equals one holding the reference on one device."""
+    lora = {k: v for k, v in over.items() if "lora" in k or k == "adapter"}
+    one = train(config(base, pairs, tmp_path / "one", **lora), simulate=1, stream=io.StringIO())
+    pre = train(config(base, pairs, tmp_path / "pre", precompute_ref_log_probs=True, **over), simulate=simulate,
+                stream=io.StringIO())
+    assert one.losses[-1] != one.losses[0]
+    torch.testing.assert_close(torch.tensor(pre.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+
+
+def test_precomputed_reference_is_refused_where_it_cannot_apply(base, pairs, unpaired, tmp_path):
+    with pytest.raises(ConfigError, match=r"precompute_ref_log_probs is built for rl: dpo / ipo .*rl: kto"):
+        train(_kto_config(base, unpaired, tmp_path / "kto", precompute_ref_log_probs=True), simulate=1,
+              stream=io.StringIO())
+    with pytest.raises(ConfigError, match=r"rl: orpo: it has no reference"):
+        train(config(base, pairs, tmp_path / "orpo", rl="orpo", precompute_ref_log_probs=True), simulate=1,
+              stream=io.StringIO())
+    cfg = config(base, pairs, tmp_path / "run", precompute_ref_log_probs=True, max_steps=2)
+    train(cfg, simulate=1, stop_after=1, stream=io.StringIO())
+    (tmp_path / "run" / "reference_logps.npz").unlink()
+    with pytest.raises(ConfigError, match=r"reference_logps.npz\), which is missing; start a new run"):
+        train(cfg, simulate=1, resume=True, stream=io.StringIO())
+
+
+@pytest.mark.multiprocess
+def test_precomputed_reference_on_two_gloo_processes_equals_simulation(base, pairs, tmp_path):
+    """torchrun, 2 real processes (FSDP): each computes its rows' reference log-probs and every
+    process gets them all; the stored values and the run equal the simulated one."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    d = {"base_model": str(base), "rl": "dpo", "rl_beta": 0.5, "precompute_ref_log_probs": True,
+         "datasets": [{"path": str(pairs), "type": "chatml.intel"}], "sequence_len": 64, "micro_batch_size": 2,
+         "dp_shard_size": 2, "max_steps": 2, "learning_rate": 5e-3, "lr_scheduler": "constant"}
+    cfg = tmp_path / "dpo.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "functional_pp", "train", str(cfg), "--output", str(tmp_path / "torchrun")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = train(TrainConfig.from_dict({**d, "logging": {"output_dir": str(tmp_path / "sim"), "plot": False}}),
+                simulate=2, stream=io.StringIO())
+    real = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
+    assert [m["loss"] for m in real] == pytest.approx(sim.losses, rel=1e-6, abs=1e-9)
+    a, b = (np.load(tmp_path / r / "reference_logps.npz")["train"] for r in ("torchrun", "sim"))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert (a < 0).all()
