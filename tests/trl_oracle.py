@@ -52,13 +52,14 @@ def _shell(cls, **attrs):
 
 
 def dpo_loss(model: TableModel, input_ids, completion_mask, ref_chosen, ref_rejected, *, beta, loss_type,
-             label_smoothing=0.0, loss_weights=None, discopop_tau=0.05):
+             label_smoothing=0.0, loss_weights=None, discopop_tau=0.05, use_weighting=False):
     """TRL ``DPOTrainer._compute_loss`` (reference log-probs precomputed) and its logged metrics;
     ``input_ids`` are the chosen rows, then the rejected ones; ``loss_type`` one or a list."""
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     t = _shell(trl.DPOTrainer, model=model, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
                loss_types=types, loss_weights=list(loss_weights or [1.0] * len(types)), beta=beta,
-               label_smoothing=label_smoothing, use_weighting=False, args=SimpleNamespace(discopop_tau=discopop_tau))
+               label_smoothing=label_smoothing, use_weighting=use_weighting,
+               args=SimpleNamespace(discopop_tau=discopop_tau))
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
               "completion_mask": completion_mask, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
     loss = t._compute_loss(model, inputs, False)

@@ -55,7 +55,7 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
                               desirable_weight=1.0 if cfg.kto_desirable_weight is None else cfg.kto_desirable_weight,
                               undesirable_weight=(1.0 if cfg.kto_undesirable_weight is None
                                                   else cfg.kto_undesirable_weight),
-                              kto_loss_type=cfg.kto_loss_type or "kto")
+                              kto_loss_type=cfg.kto_loss_type or "kto", use_weighting=bool(cfg.dpo_use_weighting))
     except ValueError as exc:
         raise ConfigError(f"rl: {cfg.rl}: {exc}") from exc
 

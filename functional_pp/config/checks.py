@@ -115,6 +115,8 @@ def check_preference(cfg: Any, add) -> None:
         rl = str(cfg.rl).lower()
         add(f"precompute_ref_log_probs is built for rl: dpo / ipo (this config has rl: {cfg.rl}"
             f"{': it has no reference' if rl in ('orpo', 'simpo') else ''}): remove it")
+    if cfg.dpo_use_weighting and str(cfg.rl).lower() not in ("dpo", "ipo"):
+        add(f"dpo_use_weighting is read by rl: dpo / ipo only (this config has rl: {cfg.rl}): remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:

@@ -171,6 +171,7 @@ class TrainConfig:
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
                                                      "(TRL's undesirable_weight; default 1.0)")
+    dpo_use_weighting: bool | None = fld(None, "rl: dpo / ipo: WPO's weights of the pairs (TRL's use_weighting)")
     precompute_ref_log_probs: bool | None = fld(None, "rl: dpo / ipo: the reference's log-probabilities of every "
                                                       "pair computed once before training and stored with the pairs "
                                                       "(the reference then not held; TRL's)")

@@ -10,6 +10,7 @@ the batch, and their mean over the global batch is the loss. The rewards, margin
 accuracies and log-probabilities TRL logs are reported to the step's metrics."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ class PreferenceSpec:
     loss_weights: tuple[float, ...] | None = None  # dpo: one weight per loss type (default 1.0 each)
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05      # dpo loss_type discopop (TRL's default)
+    use_weighting: bool = False     # dpo: WPO's weights (TRL's use_weighting)
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
     desirable_weight: float = 1.0   # kto
@@ -48,7 +50,12 @@ class PreferenceSpec:
         if self.method not in METHODS:
             raise ValueError(f"preference method {self.method!r} is not one of {', '.join(METHODS)}")
         if self.method in ("dpo", "ipo"):
-            L.dpo_loss_terms(self.loss_type, self.loss_weights)
+            terms = L.dpo_loss_terms(self.loss_type, self.loss_weights)
+            if self.use_weighting and any(t == "sft" for t, _ in terms):
+                raise ValueError("dpo_use_weighting with dpo_loss_type sft is not built (TRL 1.16's DPOTrainer fails "
+                                 "on it: it weighs the sft term's expanded batch mean in place); remove one of them")
+        if self.use_weighting and self.method not in ("dpo", "ipo"):
+            raise ValueError(f"dpo_use_weighting is read by rl: dpo / ipo only (this run has rl: {self.method})")
         if self.method == "kto" and self.kto_loss_type not in L.KTO_LOSS_TYPES:
             raise ValueError(f"kto_loss_type {self.kto_loss_type!r} is not one of {', '.join(L.KTO_LOSS_TYPES)}")
         if not self.beta > 0:
@@ -98,6 +105,20 @@ def _reference_logps(reference: Logits | None, params: Any, batch: dict, like: N
                      for side in ("chosen", "rejected"))
 
 
+def _wpo_weight(logits: Named, labels: Named) -> Named:
+    """WPO's weight of each sequence (TRL's ``use_weighting``, without gradient): the exp of the
+    mean over its labelled tokens of ``log p(token) - log sum_v p_v^2``, the vocabulary possibly
+    split."""
+    with torch.no_grad():
+        logits = logits.map(lambda t: t.detach())
+        token = ops.token_log_probs(logits, labels)
+        wide = logits.astype(torch.float32) if logits.data.dtype in (torch.float16, torch.bfloat16) else logits
+        log_sum_sq = ops.logsumexp(wide * 2, "vocab") - ops.logsumexp(wide, "vocab") * 2
+        mask = labels.map(lambda t: (t != ops.IGNORE_INDEX).to(token.data.dtype))
+        tokens = ops.sum(mask, "seq").map(lambda t: t.clamp(min=1))
+        return (ops.sum((token - log_sum_sq.astype(token.data.dtype)) * mask, "seq") / tokens).map(torch.exp)
+
+
 def _token_mean_nll(logps: Named, tokens: Named, weight: Named | None) -> Named:
     """TRL's DPO ``sft`` term: the chosen completions' NLL, a mean over the batch's completion
     tokens (the pairs weighted by ``pair_weight``: an evaluation's wrapped pairs count for nothing)."""
@@ -127,18 +148,26 @@ def preference_loss(spec: PreferenceSpec, policy: Logits, reference: Logits | No
     def loss(params: Any, batch: dict) -> Named:
         chosen_logits = policy(params, batch["chosen_tokens"])
         chosen, n_chosen = sequence_logps(chosen_logits, batch["chosen_labels"])
-        rejected, n_rejected = sequence_logps(policy(params, batch["rejected_tokens"]), batch["rejected_labels"])
+        rejected_logits = policy(params, batch["rejected_tokens"])
+        rejected, n_rejected = sequence_logps(rejected_logits, batch["rejected_labels"])
         if spec.needs_reference:
             ref_chosen, ref_rejected = _reference_logps(reference, params, batch, chosen)
             terms = L.dpo_loss_terms(spec.loss_type, spec.loss_weights)
             per_pair = [t for t, _ in terms if t != "sft"]
             per_pair_weights = [w for t, w in terms if t != "sft"]
 
+            wpo = (_wpo_weight(chosen_logits, batch["chosen_labels"])
+                   * _wpo_weight(rejected_logits, batch["rejected_labels"])
+                   if spec.use_weighting else 1.0)
+
             def pair(*t):
-                return L.dpo_losses(*t[:4], beta=spec.beta, loss_type=per_pair, loss_weights=per_pair_weights,
-                                    label_smoothing=spec.label_smoothing, discopop_tau=spec.discopop_tau,
-                                    chosen_tokens=t[4], rejected_tokens=t[5])
+                out = L.dpo_losses(*t[:4], beta=spec.beta, loss_type=per_pair, loss_weights=per_pair_weights,
+                                   label_smoothing=spec.label_smoothing, discopop_tau=spec.discopop_tau,
+                                   chosen_tokens=t[4], rejected_tokens=t[5])
+                return out if len(t) < 7 else dataclasses.replace(out, losses=out.losses * t[6])
             operands, what = [chosen, rejected, ref_chosen, ref_rejected, n_chosen, n_rejected], "dpo"
+            if spec.use_weighting:
+                operands.append(wpo)
             sft = sum(w for t, w in terms if t == "sft")
             nll = _token_mean_nll(chosen, n_chosen, batch.get("pair_weight")) * sft if sft else None
             weight = None

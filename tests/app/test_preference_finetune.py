@@ -80,14 +80,15 @@ def _trl_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) -> t
     for d in (policy_dir, ref_dir):
         m = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
         m.config._attn_implementation = "eager"
-        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1",
+                                                        "log_sum_sq_probs"))
         models.append(m)
     policy, reference = models
     with torch.no_grad():
         ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
         loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta,
                                  loss_type=cfg.dpo_loss_type or "sigmoid", loss_weights=cfg.dpo_loss_weights,
-                                 label_smoothing=cfg.dpo_label_smoothing)
+                                 label_smoothing=cfg.dpo_label_smoothing, use_weighting=bool(cfg.dpo_use_weighting))
     return float(loss), metrics
 
 
@@ -111,17 +112,20 @@ def test_dpo_run_equals_trl_past_the_first_step(base, pairs, tmp_path):
     assert r.final_step == 3
 
 
-def test_dpo_loss_type_list_run_equals_trl(base, pairs, tmp_path):
-    """TRL's MPO mix (dpo_loss_type [sigmoid, bco_pair, sft] with dpo_loss_weights) from the
-    config: the loss past the first step equals TRL's DPOTrainer with the same loss_type list."""
+@pytest.mark.parametrize("over", [dict(dpo_loss_type=["sigmoid", "bco_pair", "sft"], dpo_loss_weights=[0.8, 0.2, 1.0]),
+                                  dict(dpo_use_weighting=True, dpo_loss_type="robust", dpo_label_smoothing=0.1)])
+def test_dpo_loss_type_list_and_weighting_runs_equal_trl(base, pairs, tmp_path, over):
+    """TRL's MPO mix (dpo_loss_type [sigmoid, bco_pair, sft] with dpo_loss_weights) and WPO's
+    weighting (dpo_use_weighting) from the config: the loss past the first step equals TRL's
+    DPOTrainer with the same arguments."""
     out = tmp_path / "run"
-    cfg = config(base, pairs, out, checkpoint={"save_every": 2}, dpo_loss_type=["sigmoid", "bco_pair", "sft"],
-                 dpo_loss_weights=[0.8, 0.2, 1.0])
+    cfg = config(base, pairs, out, checkpoint={"save_every": 2}, **over)
     train(cfg, simulate=1, stream=io.StringIO())
     m = read_metrics(out / "metrics.jsonl")
     want, _ = _trl_loss(export_run(out, tmp_path / "hf-step2", step=2), base, cfg, step=2)
     assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
-    assert m[0]["loss"] > math.log(2) + 1                # the sft term counts
+    if "dpo_loss_weights" in over:
+        assert m[0]["loss"] > math.log(2) + 1                # the sft term counts
 
 
 @pytest.mark.parametrize("over,message", [
@@ -134,6 +138,9 @@ def test_dpo_loss_type_list_run_equals_trl(base, pairs, tmp_path):
     ({"rl": "kto", "dpo_loss_type": "hinge"}, r"dpo_loss_type is read by rl: dpo only"),
     ({"kto_loss_type": "kto"}, r"kto_loss_type is read by rl: kto only"),
     ({"rl": "kto", "kto_loss_type": "bco"}, r"kto_loss_type 'bco' is not one of kto, apo_zero_unpaired"),
+    ({"rl": "orpo", "dpo_use_weighting": True}, r"dpo_use_weighting is read by rl: dpo / ipo only"),
+    ({"dpo_use_weighting": True, "dpo_loss_type": ["sigmoid", "sft"]}, r"dpo_use_weighting with dpo_loss_type sft"),
+    ({"rpo_alpha": 0.5}, r"its RPO is dpo_loss_type \[sigmoid, sft\] with dpo_loss_weights \[1.0, alpha\]"),
 ])
 def test_bad_loss_types_are_refused_before_any_work(base, pairs, tmp_path, over, message):
     out = tmp_path / "run"
