@@ -118,7 +118,7 @@ def pair_trainer_loss(method: str, model, batch: dict, *, beta: float, simpo_gam
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, beta=0.0, loss_type="dapo",
               epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
-              max_completion_length=None, accumulation=1, processes=1, num_items=None):
+              max_completion_length=None, accumulation=1, processes=1, num_items=None, entropies=None):
     """TRL ``GRPOTrainer._compute_loss`` on given per-token log-probabilities of the completions
     (the model's forward replaced by them) and the batch's advantages; the loss and the logged
     metrics. With ``accumulation`` / ``processes``: one micro-batch of one process of such a
@@ -133,7 +133,8 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
                args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=accumulation))
     t.accelerator.num_processes = processes
     t.accelerator.reduce = lambda x, reduction="sum": x
-    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    ent = torch.zeros_like(logps) if entropies is None else entropies
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, ent, None)
     n = logps.size(0)
     inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
               "completion_ids": torch.zeros_like(completion_mask), "completion_mask": completion_mask,

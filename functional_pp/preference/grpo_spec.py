@@ -26,6 +26,9 @@ NOT_BUILT = {
     "reward_processing_classes": "reward models (reward_funcs here are Python functions)",
     "min_p": "min-p sampling", "repetition_penalty": "a repetition penalty in sampling",
     "top_entropy_quantile": "training only the highest-entropy tokens",
+    **{k: "TRL's entropy bonus (the entropy metric is logged)" for k in (
+        "entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+        "entropy_coef_max")},
     "generation_batch_size": "generation batches larger than a step (one generation per step here)",
     "steps_per_generation": "generation batches larger than a step (one generation per step here)",
     "max_prompt_length": "cutting prompts (here a prompt longer than sequence_len - max_completion_length is "
