@@ -647,6 +647,9 @@ class DeviceLoop:
             m = self.train_step(batch)
             self.step += 1
             step = self.step
+            if r.grpo is not None and r.grpo.sync_ref_model and step % r.grpo.ref_model_sync_steps == 0:
+                from functional_pp.app.preference_run import sync_reference
+                sync_reference(self.state["params"], r.grpo.ref_model_mixup_alpha)     # TR-DPO (TRL's callback)
             self.unread.append((step, m, time.perf_counter() - t0))
             with_eval = self.has_val and (step % r.eval_every == 0 or step == cfg.max_steps)
             save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0

@@ -17,6 +17,7 @@ from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, t
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
 __all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference",
+           "sync_reference",
            "load_pairs", "pair_steps"]
 
 #: the key of the frozen reference copy in the parameter tree (full fine-tuning)
@@ -139,6 +140,21 @@ def with_reference(params: dict, decls: dict) -> dict:
     paths = [p for p, _ in leaves_with_paths(params)]
     copies = [x.replace(data=x.data.detach().to(want[p].dtype, copy=True)) for p, x in zip(paths, leaves)]
     return {**params, REFERENCE: tree_unflatten(spec, copies)}
+
+
+def sync_reference(params: dict, alpha: float) -> None:
+    """TR-DPO's reference update (TRL's ``SyncRefModelCallback``), in place on this device's
+    shards: ``reference = alpha * policy + (1 - alpha) * reference``, leaf by leaf (the copy is
+    declared and sharded like the policy)."""
+    import torch
+    policy = {k: v for k, v in params.items() if k != REFERENCE}
+    ref_leaves, pol_leaves = tree_flatten(params[REFERENCE])[0], tree_flatten(policy)[0]
+    if len(ref_leaves) != len(pol_leaves):
+        raise ValueError(f"sync_reference: the reference has {len(ref_leaves)} leaves, the policy {len(pol_leaves)}")
+    with torch.no_grad():
+        for ref, pol in zip(ref_leaves, pol_leaves):
+            target = ref.data
+            target.mul_(1.0 - alpha).add_(pol.data.to(target.dtype), alpha=alpha)
 
 
 def load_pairs(cfg: TrainConfig):

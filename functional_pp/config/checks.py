@@ -177,9 +177,13 @@ def _check_grpo(cfg: Any, add) -> None:
     from, no pipeline, no offline preference keys."""
     from functional_pp.preference.grpo_spec import grpo_spec
     try:
-        grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
+        spec = grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
     except ValueError as exc:
         add(f"rl: {cfg.rl}: {exc}")
+    else:
+        if spec.sync_ref_model and cfg.adapter:
+            add(f"rl: {cfg.rl}: trl.sync_ref_model with adapter: {cfg.adapter} is not supported (the reference is "
+                f"the base without the adapters, nothing to mix; TRL refuses it too): remove one of them")
     for key in _OFFLINE_ONLY + _KTO_ONLY:
         if getattr(cfg, key) is not None:
             add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
