@@ -52,12 +52,14 @@ def _shell(cls, **attrs):
 
 
 def dpo_loss(model: TableModel, input_ids, completion_mask, ref_chosen, ref_rejected, *, beta, loss_type,
-             label_smoothing=0.0):
+             label_smoothing=0.0, loss_weights=None, discopop_tau=0.05, use_weighting=False):
     """TRL ``DPOTrainer._compute_loss`` (reference log-probs precomputed) and its logged metrics;
-    ``input_ids`` are the chosen rows, then the rejected ones."""
+    ``input_ids`` are the chosen rows, then the rejected ones; ``loss_type`` one or a list."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     t = _shell(trl.DPOTrainer, model=model, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-               loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing,
-               use_weighting=False)
+               loss_types=types, loss_weights=list(loss_weights or [1.0] * len(types)), beta=beta,
+               label_smoothing=label_smoothing, use_weighting=use_weighting,
+               args=SimpleNamespace(discopop_tau=discopop_tau))
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
               "completion_mask": completion_mask, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
     loss = t._compute_loss(model, inputs, False)
@@ -71,9 +73,11 @@ def _logged(trainer) -> dict:
 
 
 def kto_loss(model: TableModel, input_ids, completion_mask, labels, ref_logps, kl_ids, kl_mask, ref_kl_logps, *,
-             beta, desirable_weight=1.0, undesirable_weight=1.0):
-    """TRL ``KTOTrainer._compute_loss`` (reference log-probs precomputed, the KL term on)."""
-    t = _shell(trl.KTOTrainer, model=model, precompute_ref_logps=True, calculate_KL=True, loss_type="kto",
+             beta, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto"):
+    """TRL ``KTOTrainer._compute_loss`` (reference log-probs precomputed; the KL term on for
+    ``loss_type='kto'``, off for ``apo_zero_unpaired``, as TRL sets it)."""
+    t = _shell(trl.KTOTrainer, model=model, precompute_ref_logps=True, calculate_KL=loss_type == "kto",
+               loss_type=loss_type,
                beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
               "completion_mask": completion_mask, "label": labels, "ref_logps": ref_logps,
@@ -114,7 +118,7 @@ def pair_trainer_loss(method: str, model, batch: dict, *, beta: float, simpo_gam
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, beta=0.0, loss_type="dapo",
               epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
-              max_completion_length=None, accumulation=1, processes=1, num_items=None):
+              max_completion_length=None, accumulation=1, processes=1, num_items=None, entropies=None):
     """TRL ``GRPOTrainer._compute_loss`` on given per-token log-probabilities of the completions
     (the model's forward replaced by them) and the batch's advantages; the loss and the logged
     metrics. With ``accumulation`` / ``processes``: one micro-batch of one process of such a
@@ -129,7 +133,8 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
                args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=accumulation))
     t.accelerator.num_processes = processes
     t.accelerator.reduce = lambda x, reduction="sum": x
-    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    ent = torch.zeros_like(logps) if entropies is None else entropies
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, ent, None)
     n = logps.size(0)
     inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
               "completion_ids": torch.zeros_like(completion_mask), "completion_mask": completion_mask,

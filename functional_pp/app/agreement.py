@@ -78,8 +78,18 @@ def run_fingerprint(cfg: Any, corpus: Any) -> dict[str, str]:
 
     from functional_pp.app.inputs import data_paths
     from functional_pp.version import __version__
-    return fingerprint(cfg.to_dict(), data_paths(cfg), getattr(corpus, "tokens", corpus),
+    return fingerprint(cfg.to_dict(), data_paths(cfg), _tokens_of(corpus),
                        {"functional_pp": __version__, "torch": torch.__version__})
+
+
+def _tokens_of(corpus: Any) -> Any:
+    """The corpus's tokens: its ``tokens``; for preference pairs / KTO completions (``sequences()``)
+    their ids in order; else the corpus itself."""
+    if hasattr(corpus, "tokens"):
+        return corpus.tokens
+    if hasattr(corpus, "sequences"):
+        return np.fromiter((t for seq in corpus.sequences() for t in seq), dtype=np.int64)
+    return corpus
 
 
 def check_agreement(mine: dict[str, str], exchange: Callable[[Any], list]) -> None:

@@ -166,7 +166,7 @@ class TrainRun:
         self.grpo = grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo
         # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
         self.pref = pref = grpo if grpo is not None else preference_spec(cfg)
-        self.grpo_policy = self.reward_funcs = None
+        self.grpo_policy = self.reward_funcs = self.precompute_reference = None
         if pref is None:
             self.loss_fn, self.decls, self.trainable = frozen_and_adapters(
                 cfg, lora, functools.partial(family.loss, cfg=model_cfg), base_decls)
@@ -175,8 +175,8 @@ class TrainRun:
                 cfg, grpo, family, model_cfg, lora, base_decls)
             self.reward_funcs = grpo_run.reward_functions(cfg, grpo)        # imported before any work
         else:
-            self.loss_fn, self.decls, self.trainable = preference_objective(cfg, pref, family, model_cfg, lora,
-                                                                            base_decls)
+            self.loss_fn, self.decls, self.trainable, self.precompute_reference = preference_objective(
+                cfg, pref, family, model_cfg, lora, base_decls)
         decls = self.decls
         self.reference_copy = pref is not None and REFERENCE in decls
         self.policy_decls = {k: v for k, v in decls.items() if k != REFERENCE} if self.reference_copy else decls
@@ -228,6 +228,12 @@ class TrainRun:
             raise ConfigError(str(exc)) from exc
         self.data = data = (load_data(cfg) if self.pref is None else grpo_run.load_prompts(cfg, grpo)
                             if grpo is not None else load_pairs(cfg))
+        if self.precompute_reference is not None and self.latest is not None:
+            from functional_pp.app.reference_logps import check_saved_reference_logps
+            try:
+                check_saved_reference_logps(self.load_dir.parent, data)
+            except (FileNotFoundError, ValueError) as exc:
+                raise ConfigError(str(exc)) from exc
         self.corpus = corpus = data.train
         if self.latest is not None and not self.allow_config_change:   # the checkpoint's tokens (or pairs)
             check_resume_tokens(self.load_dir / ck.format.step_dir_name(self.latest), corpus)
@@ -420,6 +426,7 @@ class DeviceLoop:
 
     def run(self) -> dict:
         self.init_state()
+        self.precompute_reference()
         self.open_loaders()
         if self.job.latest is not None:
             self.resume()
@@ -464,6 +471,18 @@ class DeviceLoop:
             with use_rules(rules):        # DoRA: each magnitude the norms of its weight (peft's init)
                 params = adapters.init_magnitudes(params, lora)
         self.state = r.step_fn.init(params)
+
+    def precompute_reference(self) -> None:
+        """``precompute_ref_log_probs``: the reference's log-probabilities of every pair, one pass
+        before the first step (a resumed run reads the fresh run's file), stored with the pairs
+        (app/reference_logps.py)."""
+        r = self.job
+        if r.precompute_reference is None:
+            return
+        from functional_pp.app.reference_logps import attach_reference_logps
+        run_dir = r.out_dir if r.latest is None else r.load_dir.parent      # (the resumed run's own)
+        attach_reference_logps(r.step_fn, r.whole(self.state), r.precompute_reference, r.data, r.mesh, r.rules,
+                               r.gb, r.cfg.sequence_len, run_dir, fresh=r.latest is None, lead=self.lead)
 
     def open_loaders(self) -> None:
         """This device's training and validation loaders (the rules own the split and order:
@@ -628,6 +647,9 @@ class DeviceLoop:
             m = self.train_step(batch)
             self.step += 1
             step = self.step
+            if r.grpo is not None and r.grpo.sync_ref_model and step % r.grpo.ref_model_sync_steps == 0:
+                from functional_pp.app.preference_run import sync_reference
+                sync_reference(self.state["params"], r.grpo.ref_model_mixup_alpha)     # TR-DPO (TRL's callback)
             self.unread.append((step, m, time.perf_counter() - t0))
             with_eval = self.has_val and (step % r.eval_every == 0 or step == cfg.max_steps)
             save_now = bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0

@@ -17,6 +17,7 @@ from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, t
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
 __all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference",
+           "sync_reference",
            "load_pairs", "pair_steps"]
 
 #: the key of the frozen reference copy in the parameter tree (full fine-tuning)
@@ -31,31 +32,56 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
     method = str(cfg.rl).lower()
     default_beta = {"simpo": 2.0}.get(method, 0.1)
     beta = cfg.orpo_alpha if method == "orpo" and cfg.orpo_alpha is not None else cfg.rl_beta
-    loss_type = {"ipo": "ipo", "simpo": "simpo"}.get(method, cfg.dpo_loss_type or "sigmoid")
-    if method == "ipo" and cfg.dpo_loss_type not in (None, "ipo"):
+    given = cfg.dpo_loss_type
+    given = tuple(given) if isinstance(given, list) else given
+    loss_type = {"ipo": "ipo", "simpo": "simpo"}.get(method, given or "sigmoid")
+    if method == "ipo" and given not in (None, "ipo", ("ipo",)):
         raise ConfigError(f"rl: ipo is dpo_loss_type ipo; remove dpo_loss_type: {cfg.dpo_loss_type}")
-    if method in ("dpo", "ipo") and cfg.dpo_label_smoothing and loss_type != "robust":
+    types = (loss_type,) if isinstance(loss_type, str) else loss_type
+    smoothed = {"robust", "exo_pair"} & set(types)
+    if method in ("dpo", "ipo") and cfg.dpo_label_smoothing and not smoothed:
         raise ConfigError(f"dpo_label_smoothing {cfg.dpo_label_smoothing}: TRL applies label smoothing in "
-                          f"dpo_loss_type robust only (its {loss_type} loss ignores it); set dpo_loss_type: robust "
-                          f"or remove it")
+                          f"dpo_loss_type robust and exo_pair only (its {', '.join(types)} loss ignores it); set "
+                          f"dpo_loss_type: robust (or exo_pair) or remove it")
+    if "exo_pair" in types and not cfg.dpo_label_smoothing > 0:
+        raise ConfigError("dpo_loss_type exo_pair needs dpo_label_smoothing > 0 (TRL's; the EXO paper's 1e-3)")
+    weights = cfg.dpo_loss_weights
+    if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise ConfigError(f"dpo_loss_weights must be a list of numbers, one per dpo_loss_type, got {weights!r}")
     try:
         return PreferenceSpec(method, beta=default_beta if beta is None else beta, loss_type=loss_type,
+                              loss_weights=None if weights is None else tuple(float(w) for w in weights),
                               label_smoothing=cfg.dpo_label_smoothing, simpo_gamma=cfg.simpo_gamma,
                               cpo_alpha=cfg.cpo_alpha,
                               desirable_weight=1.0 if cfg.kto_desirable_weight is None else cfg.kto_desirable_weight,
                               undesirable_weight=(1.0 if cfg.kto_undesirable_weight is None
-                                                  else cfg.kto_undesirable_weight))
+                                                  else cfg.kto_undesirable_weight),
+                              kto_loss_type=cfg.kto_loss_type or "kto", use_weighting=bool(cfg.dpo_use_weighting))
     except ValueError as exc:
         raise ConfigError(f"rl: {cfg.rl}: {exc}") from exc
 
 
 def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, model_cfg: Any, lora: Any,
                          base_decls: Any) -> tuple:
-    """``(loss, declarations, trainable mask)`` of a preference run: the policy's logits through
-    the adapters (if any), the reference as the module docstring says."""
-    policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference, family, model_cfg, lora,
-                                                               base_decls)
-    return preference_loss(spec, policy, reference), decls, trainable
+    """``(loss, declarations, trainable mask, reference for the precomputing pass or None)`` of
+    a preference run: the policy's logits through the adapters (if any), the reference as the
+    module docstring says. With ``precompute_ref_log_probs`` the reference runs once before
+    training (app/reference_logps.py) and is not held: no frozen copy (the initial parameters
+    are the policy's), the loss reads the batch's reference log-probabilities."""
+    precompute = bool(cfg.precompute_ref_log_probs) and spec.needs_reference
+    policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference and not precompute, family,
+                                                               model_cfg, lora, base_decls)
+    if not precompute:
+        return preference_loss(spec, policy, reference), decls, trainable, None
+    if lora is not None:         # the base without the adapters
+        from functional_pp import adapters
+        forward = functools.partial(family.forward, cfg=model_cfg)
+
+        def reference(params, tokens):
+            return forward(adapters.split(params)[0], tokens)
+    else:                        # the initial parameters, before any step
+        reference = policy
+    return preference_loss(spec, policy, None), decls, trainable, reference
 
 
 def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, model_cfg: Any, lora: Any,
@@ -114,6 +140,21 @@ def with_reference(params: dict, decls: dict) -> dict:
     paths = [p for p, _ in leaves_with_paths(params)]
     copies = [x.replace(data=x.data.detach().to(want[p].dtype, copy=True)) for p, x in zip(paths, leaves)]
     return {**params, REFERENCE: tree_unflatten(spec, copies)}
+
+
+def sync_reference(params: dict, alpha: float) -> None:
+    """TR-DPO's reference update (TRL's ``SyncRefModelCallback``), in place on this device's
+    shards: ``reference = alpha * policy + (1 - alpha) * reference``, leaf by leaf (the copy is
+    declared and sharded like the policy)."""
+    import torch
+    policy = {k: v for k, v in params.items() if k != REFERENCE}
+    ref_leaves, pol_leaves = tree_flatten(params[REFERENCE])[0], tree_flatten(policy)[0]
+    if len(ref_leaves) != len(pol_leaves):
+        raise ValueError(f"sync_reference: the reference has {len(ref_leaves)} leaves, the policy {len(pol_leaves)}")
+    with torch.no_grad():
+        for ref, pol in zip(ref_leaves, pol_leaves):
+            target = ref.data
+            target.mul_(1.0 - alpha).add_(pol.data.to(target.dtype), alpha=alpha)
 
 
 def load_pairs(cfg: TrainConfig):

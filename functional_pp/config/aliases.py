@@ -132,6 +132,8 @@ UNSUPPORTED: dict[str, str] = {
                                   "per-expert names (feed_forward.experts.gate_projs.N) are not read: train from "
                                   "the original Llama 4 checkpoint and remove the key"),
     "ebft": _RL,
+    "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
+                  "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
                             "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
@@ -192,6 +194,9 @@ NOT_USED: dict[str, str] = {
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
                                     "flash_attn_fuse_mlp")},
     "flash_attn_cross_entropy": "the head and cross-entropy are already fused (chunked)",
+    "dpo_use_liger_kernel": "Liger's fused DPO loss computes the same math as TRL's (docs/preference.md)",
+    "dpo_padding_free": ("TRL 1.16's DPOTrainer falls back to padded rows (padding-free DPO is 'temporarily "
+                         "unavailable' there); here each side of a pair is one padded row: the same math"),
     "flash_attn_rms_norm": "RMSNorm is a torch op: the same math",
     **{k: "LoRA is computed by the named einsum (base and adapter joined before the one TP collective): "
           "the same math" for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")},

@@ -93,8 +93,10 @@ RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
 RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
                    "which is not built (GRPO is: rl: grpo)"
                 for m in ("ebft", "online_dpo", "ppo")}
-_RL_KEYS = ("rl_beta", "dpo_loss_type", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
-_OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "orpo_alpha")
+_RL_KEYS = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha", "kto_desirable_weight",
+            "kto_undesirable_weight", "kto_loss_type")
+_OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha")
+_KTO_ONLY = ("kto_desirable_weight", "kto_undesirable_weight", "kto_loss_type")
 
 
 def check_preference(cfg: Any, add) -> None:
@@ -109,6 +111,12 @@ def check_preference(cfg: Any, add) -> None:
             if isinstance(entry.type, dict):
                 add(f"datasets[{i}].type is a mapping (Axolotl's user-defined preference type), read by "
                     f"rl: dpo / ipo / orpo / simpo only (this config has rl: {cfg.rl}): give a type name")
+    if cfg.precompute_ref_log_probs and str(cfg.rl).lower() not in ("dpo", "ipo"):
+        rl = str(cfg.rl).lower()
+        add(f"precompute_ref_log_probs is built for rl: dpo / ipo (this config has rl: {cfg.rl}"
+            f"{': it has no reference' if rl in ('orpo', 'simpo') else ''}): remove it")
+    if cfg.dpo_use_weighting and str(cfg.rl).lower() not in ("dpo", "ipo"):
+        add(f"dpo_use_weighting is read by rl: dpo / ipo only (this config has rl: {cfg.rl}): remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
@@ -128,12 +136,15 @@ def check_preference(cfg: Any, add) -> None:
         add(f"rl_beta must be > 0, got {cfg.rl_beta}")
     if cfg.orpo_alpha is not None and not cfg.orpo_alpha > 0:
         add(f"orpo_alpha must be > 0, got {cfg.orpo_alpha}")
-    for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+    for key in _KTO_ONLY:
         value = getattr(cfg, key)
         if value is not None and rl != "kto":
             add(f"{key} is read by rl: kto only (this config has rl: {cfg.rl}): remove it")
-        elif value is not None and not value > 0:
+        elif value is not None and key != "kto_loss_type" and not value > 0:
             add(f"{key} must be > 0, got {value}")
+    for key in ("dpo_loss_type", "dpo_loss_weights"):
+        if getattr(cfg, key) is not None and rl not in ("dpo", "ipo"):
+            add(f"{key} is read by rl: dpo only (this config has rl: {cfg.rl}): remove it")
     if not 0 <= cfg.dpo_label_smoothing < 0.5:
         add(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
     if cfg.pp_size > 1:
@@ -166,10 +177,14 @@ def _check_grpo(cfg: Any, add) -> None:
     from, no pipeline, no offline preference keys."""
     from functional_pp.preference.grpo_spec import grpo_spec
     try:
-        grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
+        spec = grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
     except ValueError as exc:
         add(f"rl: {cfg.rl}: {exc}")
-    for key in _OFFLINE_ONLY + ("kto_desirable_weight", "kto_undesirable_weight"):
+    else:
+        if spec.sync_ref_model and cfg.adapter:
+            add(f"rl: {cfg.rl}: trl.sync_ref_model with adapter: {cfg.adapter} is not supported (the reference is "
+                f"the base without the adapters, nothing to mix; TRL refuses it too): remove one of them")
+    for key in _OFFLINE_ONLY + _KTO_ONLY:
         if getattr(cfg, key) is not None:
             add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
     if cfg.pp_size > 1:

@@ -153,9 +153,14 @@ class TrainConfig:
                                "from unpaired completions labelled desirable or not: kto (TRL's losses; "
                                "docs/preference.md)")
     rl_beta: float | None = fld(None, "the preference loss's beta (TRL's; default 0.1, simpo 2.0)")
-    dpo_loss_type: str | None = fld(None, "rl: dpo: TRL's loss_type, sigmoid | hinge | ipo | robust "
-                                          "(default sigmoid; rl: ipo is ipo)")
-    dpo_label_smoothing: float = fld(0.0, "rl: dpo with dpo_loss_type robust: the label smoothing in [0, 0.5)")
+    dpo_loss_type: str | list | None = fld(None, "rl: dpo: TRL's loss_type, one or a list (summed, weighted by "
+                                                 "dpo_loss_weights): sigmoid | hinge | ipo | robust | exo_pair | "
+                                                 "nca_pair | bco_pair | sppo_hard | apo_zero | apo_down | discopop "
+                                                 "| sigmoid_norm | sft (default sigmoid; rl: ipo is ipo)")
+    dpo_loss_weights: list | None = fld(None, "rl: dpo: one weight per dpo_loss_type (TRL's loss_weights; "
+                                              "default 1.0 each)")
+    dpo_label_smoothing: float = fld(0.0, "rl: dpo with dpo_loss_type robust (in [0, 0.5)) or exo_pair (> 0): "
+                                          "the label smoothing")
     orpo_alpha: float | None = fld(None, "rl: orpo: the odds-ratio term's weight (TRL's beta; default 0.1)")
     simpo_gamma: float = fld(0.5, "rl: simpo: the target reward margin")
     cpo_alpha: float = fld(1.0, "rl: simpo: the weight of the chosen completions' NLL (TRL's cpo_alpha; 0: none)")
@@ -166,6 +171,12 @@ class TrainConfig:
                                                    "(TRL's desirable_weight; default 1.0)")
     kto_undesirable_weight: float | None = fld(None, "rl: kto: the weight of undesirable completions' losses "
                                                      "(TRL's undesirable_weight; default 1.0)")
+    dpo_use_weighting: bool | None = fld(None, "rl: dpo / ipo: WPO's weights of the pairs (TRL's use_weighting)")
+    precompute_ref_log_probs: bool | None = fld(None, "rl: dpo / ipo: the reference's log-probabilities of every "
+                                                      "pair computed once before training and stored with the pairs "
+                                                      "(the reference then not held; TRL's)")
+    kto_loss_type: str | None = fld(None, "rl: kto: TRL's loss_type, kto (default) | apo_zero_unpaired (APO-zero, "
+                                          "no KL term)")
     trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "
                                  "reward_weights, num_generations, max_completion_length, temperature, top_p, "
                                  "top_k, beta, epsilon, loss_type, scale_rewards, ...; docs/preference.md)")

@@ -68,10 +68,13 @@ class PairSet:
     dropped: int = 0                       # pairs longer than seq_len, left out
     stats: list = field(default_factory=list)
     duplicates: int = 0                    # pairs equal to an earlier one, left out (dataset_exact_deduplication)
+    ref_logps: np.ndarray | None = None    # [pairs, 2]: the reference's chosen / rejected log-probs, if precomputed
+    with_index: bool = False               # batches carry each row's pair index (``pair_index``)
 
     #: the named dimensions of a batch's tensors (the training step's ``batch_dims``)
     batch_dims = {k: "batch seq" for k in ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels",
-                                           "chosen_lm_labels", "pair_weight")}
+                                           "chosen_lm_labels", "pair_weight", "ref_chosen_logps",
+                                           "ref_rejected_logps", "pair_index")}
     unit = "preference pairs"
 
     def __len__(self) -> int:
@@ -90,6 +93,12 @@ class PairSet:
         for k in ("chosen_labels", "rejected_labels", "chosen_lm_labels"):
             out[k][w == 0] = -100
         out["pair_weight"] = np.repeat(w[:, None], seq_len, axis=1)
+        indices = np.asarray(indices)
+        if self.ref_logps is not None:       # precomputed: each row its pair's value along the row
+            for i, side in enumerate(("chosen", "rejected")):
+                out[f"ref_{side}_logps"] = np.repeat(self.ref_logps[indices, i][:, None], seq_len, axis=1)
+        if self.with_index:
+            out["pair_index"] = np.repeat(indices.astype(np.float64)[:, None], seq_len, axis=1)
         return out
 
     def split(self, n_val: int, seed: int) -> tuple["PairSet", "PairSet"]:

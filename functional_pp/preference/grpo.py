@@ -181,6 +181,7 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
     from functional_pp import ops
     from functional_pp.core import step_values
     from functional_pp.ops.elementwise import broadcast
+    from functional_pp.parallel.named import settle
 
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"grpo loss_type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
@@ -196,7 +197,8 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
 
     def loss(params, batch):
         labels = batch["labels"]
-        logps = ops.token_log_probs(policy(params, batch["tokens"]), labels)
+        logits = policy(params, batch["tokens"])
+        logps = ops.token_log_probs(logits, labels)
         mask = labels.map(lambda t: (t != ops.IGNORE_INDEX).to(logps.data.dtype))
         x = {"lp": logps, "adv": batch["advantages"], "m": mask}
         if batch.get("old_logps") is not None:
@@ -219,6 +221,10 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
         masked = broadcast(per_token, list(x.values()), "grpo")
         if step_values.active():
             _report_token_means(x, beta, epsilon, epsilon_high)
+            with torch.no_grad():               # TRL's entropy: the mean over the batch's completion tokens
+                ent = ops.sum(ops.sum(token_entropy(logits) * mask, "seq"), "batch") / clamp1(
+                    ops.sum(ops.sum(mask, "seq"), "batch"))
+            step_values.report("entropy", settle(ent).data.detach().float())
         count = ops.sum(ops.sum(mask, "seq"), "batch")
         rows, scale = float(labels.size("batch")), 1.0
         if "step_rows" in batch and loss_type != "dapo":
@@ -238,6 +244,17 @@ def grpo_objective(policy, *, loss_type: str = "dapo", beta: float = 0.0, epsilo
             return total / (rows * max_completion_length) * scale
         return total / clamp1(count)
     return loss
+
+
+def token_entropy(logits):
+    """Each position's entropy of the softmax of ``logits`` (named ``... vocab``; the vocabulary
+    possibly split), without gradient: ``logsumexp(x) - sum softmax(x) x``."""
+    from functional_pp import ops
+    with torch.no_grad():
+        x = logits.map(lambda t: t.detach())
+        x = x.astype(torch.float32) if x.data.dtype in (torch.float16, torch.bfloat16) else x
+        lse = ops.logsumexp(x, "vocab")
+        return lse - ops.sum((x - lse).map(torch.exp) * x, "vocab")
 
 
 def _constant(column):

@@ -21,11 +21,12 @@ ENGINE_KEYS = ("use_vllm", "vllm_mode", "vllm_device", "vllm_gpu_memory_utilizat
                "vllm_importance_sampling_correction", "async_prefetch")
 #: keys of TRL / Axolotl that change the math and are not built -> what they do
 NOT_BUILT = {
-    "sync_ref_model": "TR-DPO's reference updates", "ref_model_mixup_alpha": "TR-DPO's reference updates",
-    "ref_model_sync_steps": "TR-DPO's reference updates",
     "reward_processing_classes": "reward models (reward_funcs here are Python functions)",
     "min_p": "min-p sampling", "repetition_penalty": "a repetition penalty in sampling",
     "top_entropy_quantile": "training only the highest-entropy tokens",
+    **{k: "TRL's entropy bonus (the entropy metric is logged)" for k in (
+        "entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+        "entropy_coef_max")},
     "generation_batch_size": "generation batches larger than a step (one generation per step here)",
     "steps_per_generation": "generation batches larger than a step (one generation per step here)",
     "max_prompt_length": "cutting prompts (here a prompt longer than sequence_len - max_completion_length is "
@@ -60,6 +61,9 @@ class GRPOSpec:
     num_iterations: int = 1                                # updates per generation (old log-probs kept)
     importance_sampling_level: str = "token"               # sequence: GSPO
     num_generations_eval: int | None = None                # completions per held-out prompt (None: num_generations)
+    sync_ref_model: bool = False                           # TR-DPO: the reference mixed toward the policy
+    ref_model_mixup_alpha: float = 0.6                     # ... ref = alpha * policy + (1 - alpha) * ref
+    ref_model_sync_steps: int = 512                        # ... every this many steps
     engine_keys: tuple[str, ...] = field(default=())      # vLLM's and the like, accepted (in-process here)
 
     @property
@@ -132,6 +136,13 @@ def _check(spec: GRPOSpec, rl: str) -> None:
         bad.append(f"trl.top_k must be >= 0 (0: no limit), got {spec.top_k}")
     if spec.beta < 0:
         bad.append(f"trl.beta must be >= 0, got {spec.beta}")
+    if spec.sync_ref_model and not spec.beta:
+        bad.append("trl.sync_ref_model mixes the reference toward the policy, but trl.beta is 0 (no reference): "
+                   "set trl.beta > 0 or remove sync_ref_model")
+    if not 0 <= spec.ref_model_mixup_alpha <= 1:
+        bad.append(f"trl.ref_model_mixup_alpha must be in [0, 1], got {spec.ref_model_mixup_alpha}")
+    if spec.ref_model_sync_steps < 1:
+        bad.append(f"trl.ref_model_sync_steps must be >= 1, got {spec.ref_model_sync_steps}")
     if spec.loss_type not in GRPO_LOSS_TYPES:
         bad.append(f"trl.loss_type {spec.loss_type!r} is not built; choose one of {', '.join(GRPO_LOSS_TYPES)}")
     if spec.scale_rewards not in SCALE_REWARDS:

@@ -5,18 +5,27 @@ rewards TRL logs. Elementwise over the batch, so they apply unchanged to each de
 of a split batch (docs/preference.md)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DPO_LOSS_TYPES", "CPO_LOSS_TYPES", "PairLosses", "dpo_losses", "orpo_losses", "cpo_losses",
-           "kto_losses", "log1mexp"]
+__all__ = ["DPO_LOSS_TYPES", "DPO_PAIR_LOSSES", "DPO_NOT_BUILT", "CPO_LOSS_TYPES", "KTO_LOSS_TYPES", "PairLosses",
+           "dpo_loss_terms", "dpo_losses", "orpo_losses", "cpo_losses", "kto_losses", "log1mexp"]
 
-#: TRL DPOTrainer's loss types built here (``dpo_loss_type``; ``rl: ipo`` is ``ipo``)
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+#: TRL DPOTrainer's loss types built here (``dpo_loss_type``, one or a list; ``rl: ipo`` is ``ipo``):
+#: the per-pair ones of :data:`DPO_PAIR_LOSSES`, and ``sft`` (the chosen completions' token-mean NLL over
+#: the batch, added by the objective: it is not a per-pair loss)
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+                  "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft")
+#: TRL's loss types that sort the log-ratios over the batch (not per pair) -> not built
+DPO_NOT_BUILT = ("aot", "aot_unpaired")
 #: TRL CPOTrainer's loss types (``rl: simpo`` is ``simpo``)
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+#: TRL KTOTrainer's loss types (``kto_loss_type``): ``apo_zero_unpaired`` has no KL term
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
 @dataclass
@@ -33,32 +42,82 @@ def _check_choice(what: str, value: str, choices: tuple) -> None:
         raise ValueError(f"{what} {value!r} is not one of {', '.join(choices)}")
 
 
+def _dpo_terms(c, r, d, nc, nr, beta, eps, tau) -> dict:
+    """TRL 1.16 ``DPOTrainer._compute_loss``'s per-pair losses: ``c`` / ``r`` the chosen /
+    rejected log-ratios against the reference, ``d = c - r``, ``nc`` / ``nr`` the completions'
+    token counts (``ipo``, ``sigmoid_norm``), ``eps`` the label smoothing, ``tau`` DiscoPOP's."""
+    def per_token():
+        if nc is None or nr is None:
+            raise ValueError("dpo loss_type 'ipo' / 'sigmoid_norm' needs the completions' token counts "
+                             "(chosen_tokens, rejected_tokens)")
+        return c / nc.clamp(min=1.0) - r / nr.clamp(min=1.0)
+    ls = F.logsigmoid
+    return {
+        "sigmoid": lambda: -ls(beta * d),
+        "hinge": lambda: torch.relu(1 - beta * d),
+        "ipo": lambda: (per_token() - 1 / (2 * beta)) ** 2,
+        "robust": lambda: (-(1 - eps) * ls(beta * d) + eps * ls(-beta * d)) / (1 - 2 * eps),
+        "exo_pair": lambda: (torch.sigmoid(beta * d) * (ls(beta * d) - math.log1p(-eps))
+                             + torch.sigmoid(-beta * d) * (ls(-beta * d) - math.log(eps))),
+        "nca_pair": lambda: -ls(beta * c) - 0.5 * ls(-beta * c) - 0.5 * ls(-beta * r),
+        "bco_pair": lambda: -ls(beta * c) - ls(-beta * r),
+        "sppo_hard": lambda: (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2,
+        "apo_zero": lambda: 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r),
+        "apo_down": lambda: torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * d),
+        "discopop": lambda: (-ls(beta * d) * (1 - torch.sigmoid(beta * d / tau))
+                             + torch.exp(-beta * d) * torch.sigmoid(beta * d / tau)),
+        "sigmoid_norm": lambda: -ls(beta * per_token()),
+    }
+
+
+#: the per-pair DPO loss types (:func:`dpo_losses`)
+DPO_PAIR_LOSSES = tuple(t for t in DPO_LOSS_TYPES if t != "sft")
+
+
+def dpo_loss_terms(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None = None
+                   ) -> tuple[tuple[str, float], ...]:
+    """``(loss type, weight)`` pairs of TRL's ``loss_type`` (one or a list) and ``loss_weights``
+    (default 1.0 each); a :class:`ValueError` names an unknown type or a length mismatch."""
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    if not types:
+        raise ValueError("dpo loss_type is an empty list: give at least one loss type")
+    for t in types:
+        if t in DPO_NOT_BUILT:
+            raise ValueError(f"dpo loss_type {t!r} sorts the log-ratios over the batch (AOT), which is not built; "
+                             f"choose one of {', '.join(DPO_LOSS_TYPES)}")
+        _check_choice("dpo loss_type", t, DPO_LOSS_TYPES)
+    weights = (1.0,) * len(types) if loss_weights is None else tuple(float(w) for w in loss_weights)
+    if len(weights) != len(types):
+        raise ValueError(f"dpo loss_weights gives {len(weights)} weights for {len(types)} loss types "
+                         f"({', '.join(types)}): give one weight per loss type")
+    return tuple(zip(types, weights))
+
+
 def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-               ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
-               label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
+               ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str | Sequence[str] = "sigmoid",
+               loss_weights: Sequence[float] | None = None, label_smoothing: float = 0.0,
+               discopop_tau: float = 0.05, chosen_tokens: torch.Tensor | None = None,
                rejected_tokens: torch.Tensor | None = None) -> PairLosses:
-    """DPO (TRL ``DPOTrainer``, reverse KL): the log-ratios against the reference, and
-    ``sigmoid`` ``-logsigmoid(beta d)``, ``hinge`` ``relu(1 - beta d)``, ``robust`` (label
-    smoothing ``eps``: ``(-(1-eps) logsigmoid(beta d) + eps logsigmoid(-beta d)) / (1 - 2 eps)``)
-    or ``ipo`` ``(d / tokens - 1/(2 beta))^2`` with each log-ratio divided by its completion's
-    token count (``chosen_tokens``, ``rejected_tokens``), ``d`` the chosen minus the rejected
-    log-ratio."""
-    _check_choice("dpo loss_type", loss_type, DPO_LOSS_TYPES)
+    """DPO (TRL ``DPOTrainer``, reverse KL): the weighted sum of the per-pair losses of
+    ``loss_type`` (one of :data:`DPO_PAIR_LOSSES` or a list, weighted by ``loss_weights``; the
+    formulas in :func:`_dpo_terms` and docs/preference.md), and the rewards ``beta`` times the
+    log-ratios. ``sft`` is not a per-pair loss: the objective adds it (refused here); an empty
+    list (``sft`` alone) gives zeros."""
+    empty = not isinstance(loss_type, str) and len(loss_type) == 0
+    terms = () if empty else dpo_loss_terms(loss_type, loss_weights)
+    if any(t == "sft" for t, _ in terms):
+        raise ValueError("dpo loss_type 'sft' is the chosen completions' token mean over the batch, not a per-pair "
+                         "loss: preference_loss adds it (pass the other loss types here)")
+    if any(t == "exo_pair" for t, _ in terms) and not 0 < label_smoothing < 1:
+        raise ValueError(f"dpo loss_type 'exo_pair' needs a label smoothing in (0, 1) (TRL's; the EXO paper's "
+                         f"1e-3), got {label_smoothing}")
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * delta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif loss_type == "robust":
-        eps = label_smoothing
-        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
-    else:
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("dpo loss_type 'ipo' needs the completions' token counts (chosen_tokens, rejected_tokens)")
-        per_token = chosen_ratio / chosen_tokens.clamp(min=1.0) - rejected_ratio / rejected_tokens.clamp(min=1.0)
-        losses = (per_token - 1 / (2 * beta)) ** 2
+    formulas = _dpo_terms(chosen_ratio, rejected_ratio, chosen_ratio - rejected_ratio, chosen_tokens,
+                          rejected_tokens, beta, label_smoothing, discopop_tau)
+    losses = torch.zeros_like(chosen_ratio)
+    for name, weight in terms:
+        losses = losses + weight * formulas[name]()
     return PairLosses(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
@@ -100,14 +159,22 @@ def cpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *, beta
 
 
 def kto_losses(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, *,
-               beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple:
-    """KTO (TRL ``KTOTrainer``, ``loss_type='kto'``) of unpaired completions: ``desirable``
-    (bool ``[batch]``) ``1 - sigmoid(beta (ratio - kl))``, undesirable
-    ``1 - sigmoid(beta (kl - ratio))``, weighted; ``kl`` the batch's (detached, clamped at 0)
-    KL estimate. Returns ``(weighted losses, rewards)``, both ``[batch]``."""
+               beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+               loss_type: str = "kto") -> tuple:
+    """KTO (TRL ``KTOTrainer``) of unpaired completions, ``ratio`` each one's log-ratio against
+    the reference: ``loss_type='kto'`` a ``desirable`` (bool ``[batch]``) completion
+    ``1 - sigmoid(beta (ratio - kl))``, an undesirable one ``1 - sigmoid(beta (kl - ratio))``,
+    ``kl`` the batch's (detached, clamped at 0) KL estimate; ``'apo_zero_unpaired'`` (APO-zero,
+    no KL term) ``1 - sigmoid(beta ratio)`` and ``sigmoid(beta ratio)``; weighted by
+    ``desirable_weight`` / ``undesirable_weight``. Returns ``(weighted losses, rewards)``, both
+    ``[batch]``."""
+    _check_choice("kto loss_type", loss_type, KTO_LOSS_TYPES)
     ratio = logps - ref_logps
-    kl = kl.detach().clamp(min=0)
     good = desirable.bool()
-    losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
-                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    if loss_type == "kto":
+        kl = kl.detach().clamp(min=0)
+        good_loss, bad_loss = 1 - torch.sigmoid(beta * (ratio - kl)), 1 - torch.sigmoid(beta * (kl - ratio))
+    else:
+        good_loss, bad_loss = 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+    losses = torch.where(good, desirable_weight * good_loss, undesirable_weight * bad_loss)
     return losses, beta * ratio.detach()

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from functional_pp import cli
 from functional_pp.app.loop import train
@@ -273,7 +274,7 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
     out = tmp_path / "never"
     cases = [({"trl": {"reward_funcs": ["nowhere.reward"]}}, r"trl.reward_funcs\[0\]: cannot import module 'nowhere'"),
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
-             ({"trl": {"sync_ref_model": True}}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
+             ({"trl": {"min_p": 0.1}}, "trl.min_p: min-p sampling is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
              ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built"),
              ({"val_set_size": 2}, "val_set_size: 2 held-out prompts are fewer than one evaluation batch's 4"),
@@ -320,3 +321,40 @@ learning_rate: 1.0e-2
     for a, b in zip(real, sim):
         assert a["reward"] == b["reward"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
+
+
+def _params(out: Path, step: int) -> dict:
+    from functional_pp import checkpoint as ck
+    return ck.load_checkpoint(out / "checkpoints", step=step, keys=["params"]).tree["params"]
+
+
+@pytest.mark.parametrize("layout,simulate", [({}, 1), ({"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 8}, 4)])
+def test_sync_ref_model_mixes_the_reference_toward_the_policy(task, tmp_path, layout, simulate):
+    """trl.sync_ref_model (TR-DPO, TRL's SyncRefModelCallback): every ref_model_sync_steps steps
+    the reference becomes alpha * policy + (1 - alpha) * reference (checked on the checkpoints,
+    the copy sharded like the policy under FSDP x TP); the steps between leave it."""
+    from functional_pp.core.tree import leaves_with_paths
+    out = tmp_path / "run"
+    trl = {"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 0.3, "ref_model_sync_steps": 2}
+    train(config(task, out, trl=trl, max_steps=3, checkpoint={"save_every": 1}, **layout), simulate=simulate,
+          stream=io.StringIO())
+    p1, p2, p3 = (_params(out, s) for s in (1, 2, 3))
+    moved = 0
+    for (path, r1), (_, r2), (_, r3), (_, pol2) in zip(*(leaves_with_paths(p["reference"]) for p in (p1, p2, p3)),
+                                                      leaves_with_paths({k: v for k, v in p2.items()
+                                                                         if k != "reference"})):
+        torch.testing.assert_close(r2, 0.3 * pol2 + 0.7 * r1, rtol=1e-6, atol=1e-7, msg=lambda m: f"{path}: {m}")
+        assert torch.equal(r3, r2), path                 # step 3: no sync
+        moved += int(not torch.equal(r2, r1))
+    assert moved > 0
+
+
+def test_sync_ref_model_is_refused_where_it_cannot_apply(task, tmp_path):
+    with pytest.raises(ConfigError, match=r"trl.sync_ref_model mixes the reference toward the policy, but trl.beta"):
+        train(config(task, tmp_path / "a", trl={"sync_ref_model": True}), simulate=1, stream=io.StringIO())
+    with pytest.raises(ConfigError, match=r"trl.sync_ref_model with adapter: lora is not supported"):
+        train(config(task, tmp_path / "b", trl={"beta": 0.1, "sync_ref_model": True}, adapter="lora", lora_r=4,
+                     lora_alpha=8, lora_target_modules=["q_proj"]), simulate=1, stream=io.StringIO())
+    with pytest.raises(ConfigError, match=r"trl.ref_model_mixup_alpha must be in \[0, 1\], got 1.5"):
+        train(config(task, tmp_path / "c", trl={"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 1.5}),
+              simulate=1, stream=io.StringIO())

@@ -80,12 +80,15 @@ def _trl_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) -> t
     for d in (policy_dir, ref_dir):
         m = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
         m.config._attn_implementation = "eager"
-        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1",
+                                                        "log_sum_sq_probs"))
         models.append(m)
     policy, reference = models
     with torch.no_grad():
         ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
-        loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta, loss_type="sigmoid")
+        loss, metrics = dpo_loss(policy, ids, mask, ref[:gb], ref[gb:], beta=cfg.rl_beta,
+                                 loss_type=cfg.dpo_loss_type or "sigmoid", loss_weights=cfg.dpo_loss_weights,
+                                 label_smoothing=cfg.dpo_label_smoothing, use_weighting=bool(cfg.dpo_use_weighting))
     return float(loss), metrics
 
 
@@ -107,6 +110,43 @@ def test_dpo_run_equals_trl_past_the_first_step(base, pairs, tmp_path):
                  "logps/chosen", "logps/rejected"):
         assert m[2][name.replace("/", "_")] == pytest.approx(metrics[name], rel=1e-4, abs=1e-5), name
     assert r.final_step == 3
+
+
+@pytest.mark.parametrize("over", [dict(dpo_loss_type=["sigmoid", "bco_pair", "sft"], dpo_loss_weights=[0.8, 0.2, 1.0]),
+                                  dict(dpo_use_weighting=True, dpo_loss_type="robust", dpo_label_smoothing=0.1)])
+def test_dpo_loss_type_list_and_weighting_runs_equal_trl(base, pairs, tmp_path, over):
+    """TRL's MPO mix (dpo_loss_type [sigmoid, bco_pair, sft] with dpo_loss_weights) and WPO's
+    weighting (dpo_use_weighting) from the config: the loss past the first step equals TRL's
+    DPOTrainer with the same arguments."""
+    out = tmp_path / "run"
+    cfg = config(base, pairs, out, checkpoint={"save_every": 2}, **over)
+    train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    want, _ = _trl_loss(export_run(out, tmp_path / "hf-step2", step=2), base, cfg, step=2)
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    if "dpo_loss_weights" in over:
+        assert m[0]["loss"] > math.log(2) + 1                # the sft term counts
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"dpo_loss_type": "bogus"}, r"dpo loss_type 'bogus' is not one of sigmoid, hinge, ipo"),
+    ({"dpo_loss_type": ["sigmoid", "aot"]}, r"'aot' sorts the log-ratios over the batch \(AOT\), which is not built"),
+    ({"dpo_loss_type": ["sigmoid", "sft"], "dpo_loss_weights": [1.0]}, r"gives 1 weights for 2 loss types"),
+    ({"dpo_loss_type": ["sigmoid"], "dpo_loss_weights": ["a"]}, r"dpo_loss_weights must be a list of numbers"),
+    ({"dpo_loss_type": "exo_pair"}, r"exo_pair needs dpo_label_smoothing > 0"),
+    ({"dpo_label_smoothing": 0.1}, r"label smoothing in dpo_loss_type robust and exo_pair only"),
+    ({"rl": "kto", "dpo_loss_type": "hinge"}, r"dpo_loss_type is read by rl: dpo only"),
+    ({"kto_loss_type": "kto"}, r"kto_loss_type is read by rl: kto only"),
+    ({"rl": "kto", "kto_loss_type": "bco"}, r"kto_loss_type 'bco' is not one of kto, apo_zero_unpaired"),
+    ({"rl": "orpo", "dpo_use_weighting": True}, r"dpo_use_weighting is read by rl: dpo / ipo only"),
+    ({"dpo_use_weighting": True, "dpo_loss_type": ["sigmoid", "sft"]}, r"dpo_use_weighting with dpo_loss_type sft"),
+    ({"rpo_alpha": 0.5}, r"its RPO is dpo_loss_type \[sigmoid, sft\] with dpo_loss_weights \[1.0, alpha\]"),
+])
+def test_bad_loss_types_are_refused_before_any_work(base, pairs, tmp_path, over, message):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        train(config(base, pairs, out, **over), simulate=1, stream=io.StringIO())
+    assert not out.exists()
 
 
 def test_dpo_fsdp_tp_run_equals_one_device(base, pairs, tmp_path):
@@ -282,8 +322,18 @@ def _trl_kto_loss(policy_dir: Path, ref_dir: Path, cfg: TrainConfig, step: int) 
         loss, metrics = kto_loss(policy, batch["tokens"], masks[""], batch["desirable"][:, 0].bool(), ref_logps(""),
                                  batch["kl_tokens"], masks["kl_"], ref_logps("kl_"), beta=cfg.rl_beta,
                                  desirable_weight=cfg.kto_desirable_weight,
-                                 undesirable_weight=cfg.kto_undesirable_weight)
+                                 undesirable_weight=cfg.kto_undesirable_weight, loss_type=cfg.kto_loss_type or "kto")
     return float(loss), metrics
+
+
+def test_kto_apo_zero_unpaired_run_equals_trl(base, unpaired, tmp_path):
+    out = tmp_path / "run"
+    cfg = _kto_config(base, unpaired, out, checkpoint={"save_every": 2}, kto_loss_type="apo_zero_unpaired")
+    train(cfg, simulate=1, stream=io.StringIO())
+    m = read_metrics(out / "metrics.jsonl")
+    want, metrics = _trl_kto_loss(export_run(out, tmp_path / "hf-step2", step=2), base, cfg, step=2)
+    assert m[2]["loss"] == pytest.approx(want, rel=2e-5, abs=2e-6)
+    assert m[2]["kl"] == metrics["kl"] == 0.0            # no KL term
 
 
 def test_kto_run_equals_trl_past_the_first_step(base, unpaired, tmp_path):
@@ -412,3 +462,94 @@ def test_kto_resumes_exactly(base, unpaired, tmp_path):
     second = train(split, simulate=1, resume=True, stream=io.StringIO())
     assert first.stopped and second.start_step == 2
     assert first.losses + second.losses == whole.losses
+
+
+def _param_names(run_dir: Path) -> str:
+    """The checkpoint index's text (its parameter paths)."""
+    step = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return (step / "index.json").read_text()
+
+
+def test_precomputed_reference_equals_the_held_reference(base, pairs, tmp_path):
+    """precompute_ref_log_probs: one pass of the reference before training, stored with the
+    pairs (and written to reference_logps.npz), the reference not held: the stored values equal
+    transformers' log-probabilities of the pairs under the base model, and the run (training and
+    held-out evaluation, then a resume) equals the run that holds the reference, step by step."""
+    from functional_pp.app.preference_run import load_pairs
+    over = dict(val_set_size=3, max_steps=4, checkpoint={"save_every": 2})
+    held = train(config(base, pairs, tmp_path / "held", **over), simulate=1, stream=io.StringIO())
+    cfg = config(base, pairs, tmp_path / "pre", precompute_ref_log_probs=True, **over)
+    first = train(cfg, simulate=1, stop_after=2, stream=io.StringIO())
+    second = train(cfg, simulate=1, resume=True, stream=io.StringIO())
+    assert first.losses + second.losses == held.losses and held.losses[-1] < held.losses[0]
+    pre, want = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("pre", "held"))
+    assert [m.get("eval_loss") for m in pre] == [m.get("eval_loss") for m in want]
+    assert '"reference' in _param_names(tmp_path / "held") and '"reference' not in _param_names(tmp_path / "pre")
+    saved = np.load(tmp_path / "pre" / "reference_logps.npz")
+    data = load_pairs(cfg)
+    for name, pair_set in (("train", data.train), ("val", data.val)):
+        rows = pair_set.batch_rows(range(len(pair_set)), cfg.sequence_len)
+        model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        for col, side in enumerate(("chosen", "rejected")):
+            ids, labels = (torch.from_numpy(rows[f"{side}_{k}"]) for k in ("tokens", "labels"))
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits, -1)
+            mask = labels != -100
+            want_lp = (lp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask).sum(1)
+            np.testing.assert_allclose(saved[name][:, col], want_lp.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("over,simulate", [
+    ({"dp_shard_size": 2, "tp_size": 2, "micro_batch_size": 2}, 4),
+    ({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]}, 1)])
+def test_precomputed_reference_on_fsdp_tp_and_with_lora(base, pairs, tmp_path, over, simulate):
+    """Under FSDP x TP (the pass laid out as the step) and with LoRA (the reference: the base
+    without the adapters) a precomputed run equals one holding the reference on one device."""
+    lora = {k: v for k, v in over.items() if "lora" in k or k == "adapter"}
+    one = train(config(base, pairs, tmp_path / "one", **lora), simulate=1, stream=io.StringIO())
+    pre = train(config(base, pairs, tmp_path / "pre", precompute_ref_log_probs=True, **over), simulate=simulate,
+                stream=io.StringIO())
+    assert one.losses[-1] != one.losses[0]
+    torch.testing.assert_close(torch.tensor(pre.losses), torch.tensor(one.losses), rtol=2e-5, atol=2e-6)
+
+
+def test_precomputed_reference_is_refused_where_it_cannot_apply(base, pairs, unpaired, tmp_path):
+    with pytest.raises(ConfigError, match=r"precompute_ref_log_probs is built for rl: dpo / ipo .*rl: kto"):
+        train(_kto_config(base, unpaired, tmp_path / "kto", precompute_ref_log_probs=True), simulate=1,
+              stream=io.StringIO())
+    with pytest.raises(ConfigError, match=r"rl: orpo: it has no reference"):
+        train(config(base, pairs, tmp_path / "orpo", rl="orpo", precompute_ref_log_probs=True), simulate=1,
+              stream=io.StringIO())
+    cfg = config(base, pairs, tmp_path / "run", precompute_ref_log_probs=True, max_steps=2)
+    train(cfg, simulate=1, stop_after=1, stream=io.StringIO())
+    (tmp_path / "run" / "reference_logps.npz").unlink()
+    with pytest.raises(ConfigError, match=r"reference_logps.npz\), which is missing; start a new run"):
+        train(cfg, simulate=1, resume=True, stream=io.StringIO())
+
+
+@pytest.mark.multiprocess
+def test_precomputed_reference_on_two_gloo_processes_equals_simulation(base, pairs, tmp_path):
+    """torchrun, 2 real processes (FSDP): each computes its rows' reference log-probs and every
+    process gets them all; the stored values and the run equal the simulated one."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    d = {"base_model": str(base), "rl": "dpo", "rl_beta": 0.5, "precompute_ref_log_probs": True,
+         "datasets": [{"path": str(pairs), "type": "chatml.intel"}], "sequence_len": 64, "micro_batch_size": 2,
+         "dp_shard_size": 2, "max_steps": 2, "learning_rate": 5e-3, "lr_scheduler": "constant"}
+    cfg = tmp_path / "dpo.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "functional_pp", "train", str(cfg), "--output", str(tmp_path / "torchrun")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = train(TrainConfig.from_dict({**d, "logging": {"output_dir": str(tmp_path / "sim"), "plot": False}}),
+                simulate=2, stream=io.StringIO())
+    real = read_metrics(tmp_path / "torchrun" / "metrics.jsonl")
+    assert [m["loss"] for m in real] == pytest.approx(sim.losses, rel=1e-6, abs=1e-9)
+    a, b = (np.load(tmp_path / r / "reference_logps.npz")["train"] for r in ("torchrun", "sim"))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert (a < 0).all()

@@ -117,10 +117,11 @@ def _rollouts(seed: int):
     return batch, tokens, mask, adv
 
 
-def _trl_completion_logps(model, tokens, mask):
+def _trl_completion_logps(model, tokens, mask, entropy=False):
     labels = torch.full_like(tokens, -100)
     labels[:, P:] = tokens[:, P:].masked_fill(mask == 0, -100)
-    return model(input_ids=tokens, labels=labels, fused_lm_head=True).log_probs[:, P - 1:]
+    out = model(input_ids=tokens, labels=labels, fused_lm_head=True)
+    return (out.log_probs[:, P - 1:], out.entropy[:, P - 1:].detach()) if entropy else out.log_probs[:, P - 1:]
 
 
 @pytest.mark.parametrize("loss_type", grpo.GRPO_LOSS_TYPES)
@@ -145,18 +146,24 @@ def test_grpo_objective_equals_trl_on_transformers_llama(llama_pair, loss_type):
         for n, p in m.named_parameters():
             p.copy_(saved[n])
     m.zero_grad()
-    logps = _trl_completion_logps(m, tokens, mask)
+    logps, entropies = _trl_completion_logps(m, tokens, mask, entropy=True)
     want, metrics = grpo_loss(logps, mask, adv.float(), ref_logps=ref_logps, beta=0.05, loss_type=loss_type,
-                              max_completion_length=C)
+                              max_completion_length=C, entropies=entropies)
     want.backward()
     forward = functools.partial(llama.forward, cfg=cfg)
+    found = {}
 
     def loss_fn(p, b, _cfg):
+        from functional_pp.core import step_values
         ref = sharding.named_tree(ref_params, llama.init(cfg, torch.float64))
-        return grpo.grpo_objective(forward, loss_type=loss_type, beta=0.05, max_completion_length=C,
-                                   reference=lambda _p, t: forward(ref, t))(p, b)
+        with step_values.collecting() as values:
+            out = grpo.grpo_objective(forward, loss_type=loss_type, beta=0.05, max_completion_length=C,
+                                      reference=lambda _p, t: forward(ref, t))(p, b)
+        found.update({k: float(v) for k, (v, _) in values.items()})
+        return out
     loss, grads = single_device(cfg, tree_map(lambda x: x.double(), params), batch, loss_fn=loss_fn)
     assert abs(float(want)) > 1e-4
+    assert metrics["entropy"] > 1 and found["entropy"] == pytest.approx(metrics["entropy"], rel=1e-5)
     torch.testing.assert_close(loss.float(), want.detach(), rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(grads["lm_head"].float(), m.lm_head.weight.grad.T, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(grads["layers"][0]["mlp"]["down_proj"].float(),
@@ -174,13 +181,23 @@ def test_grpo_objective_fsdp_tp_equals_one_device(llama_pair):
     _, cfg, params = llama_pair
     batch, *_ = _rollouts(8)
     full = tree_map(lambda x: x.double(), params)
+    from functional_pp.core import step_values
     objective = grpo.grpo_objective(functools.partial(llama.forward, cfg=cfg), loss_type="dapo")
-    want, want_grads = single_device(cfg, full, batch, loss_fn=lambda p, b, _c: objective(p, b))
+    entropy = []               # (each device's: the entropy over the vocabulary split over tp)
+
+    def loss_fn(p, b, _c):
+        with step_values.collecting() as values:
+            out = objective(p, b)
+        entropy.append(float(values["entropy"][0]))
+        return out
+    want, want_grads = single_device(cfg, full, batch, loss_fn=loss_fn)
     for loss, grads, _ in parallel(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(),
-                                   loss_fn=lambda p, b, _c: objective(p, b)):
+                                   loss_fn=loss_fn):
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
         for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want_grads)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda msg: f"{p}: {msg}")
+    assert len(entropy) == 5 and entropy[0] > 1
+    assert all(e == pytest.approx(entropy[0], rel=1e-12) for e in entropy)
 
 
 M, ACCUM, PROCS = 2, 2, 2                     # TRL's per_device_train_batch_size, accumulation, processes

@@ -4,6 +4,7 @@ loss, the logged rewards (KTO: and its KL estimate) and the gradients; and a FSD
 (vocabulary split) equals one device, on simulated devices and on gloo processes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -47,7 +48,8 @@ def models(tmp_path_factory):
         m = _hf(seed, 0.2)
         d = tmp_path_factory.mktemp(f"pref-{seed}")
         m.save_pretrained(d, safe_serialization=True)
-        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "mean_logits", "is_top1",
+                                                        "log_sum_sq_probs"))
         cfg, params = hf.load_hf_llama(d)
         out += [m, params]
     return out[0], out[2], cfg, out[1], out[3]
@@ -76,21 +78,29 @@ def _pairs(seed: int = 0):
     return batch
 
 
-def _trl(policy, reference, batch, loss_type):
+#: TRL's MPO mix: per-pair losses and the batch's token-mean NLL (a mean over every rank's tokens)
+MPO = (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))
+#: a weighted list without sft (TRL 1.16 fails on sft with use_weighting: refused here)
+PAIRS_MIX = (("sigmoid", "bco_pair"), (0.8, 0.2))
+
+
+def _trl(policy, reference, batch, loss_type, loss_weights=None, use_weighting=False):
     ids = torch.cat([batch["chosen_tokens"], batch["rejected_tokens"]])
     mask = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
     with torch.no_grad():
         ref = reference(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True).log_probs.sum(1)
     policy.zero_grad()
-    loss, metrics = dpo_loss(policy, ids, mask, ref[:B], ref[B:], beta=0.5, loss_type=loss_type)
+    loss, metrics = dpo_loss(policy, ids, mask, ref[:B], ref[B:], beta=0.5, loss_type=loss_type,
+                             loss_weights=loss_weights, use_weighting=use_weighting)
     loss.backward()
     return loss.detach(), metrics, policy
 
 
-def _our_loss(cfg, ref_full, loss_type):
+def _our_loss(cfg, ref_full, loss_type, loss_weights=None, use_weighting=False):
     """``loss_fn(params, batch, cfg)`` for the harness: the reference the device's shards of
     ``ref_full``, the step metrics collected into ``found``."""
-    spec = PreferenceSpec("dpo", beta=0.5, loss_type=loss_type)
+    spec = PreferenceSpec("dpo", beta=0.5, loss_type=loss_type, loss_weights=loss_weights,
+                          use_weighting=use_weighting)
     forward = functools.partial(llama.forward, cfg=cfg)
     found = {}
 
@@ -108,12 +118,15 @@ def _our_loss(cfg, ref_full, loss_type):
     return loss_fn, found
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_objective_equals_trl_on_transformers_llama(models, loss_type):
+@pytest.mark.parametrize("loss_type,loss_weights,weighting", [("sigmoid", None, False), ("ipo", None, False),
+                                                               ("apo_down", None, False), (*MPO, False),
+                                                               ("sigmoid", None, True), (*PAIRS_MIX, True)])
+def test_dpo_objective_equals_trl_on_transformers_llama(models, loss_type, loss_weights, weighting):
+    """(``weighting``: WPO's per-pair weights, TRL's use_weighting.)"""
     policy, reference, cfg, ours, ref_ours = models
     batch = _pairs()
-    want, metrics, policy = _trl(policy, reference, batch, loss_type)
-    loss_fn, found = _our_loss(cfg, tree_map(lambda x: x.double(), ref_ours), loss_type)
+    want, metrics, policy = _trl(policy, reference, batch, loss_type, loss_weights, weighting)
+    loss_fn, found = _our_loss(cfg, tree_map(lambda x: x.double(), ref_ours), loss_type, loss_weights, weighting)
     loss, grads = single_device(cfg, tree_map(lambda x: x.double(), ours), batch, loss_fn=loss_fn)
     assert abs(float(want) - 0.693) > 1e-3 if loss_type == "sigmoid" else True     # policy != reference
     torch.testing.assert_close(loss.float(), want, rtol=2e-5, atol=2e-5)
@@ -127,12 +140,14 @@ def test_dpo_objective_equals_trl_on_transformers_llama(models, loss_type):
                                policy.model.layers[1].mlp.down_proj.weight.grad.T, rtol=1e-4, atol=1e-6)
 
 
-def test_dpo_objective_fsdp_tp_equals_one_device(models):
+@pytest.mark.parametrize("loss_type,loss_weights,weighting", [("sigmoid", None, False), (*MPO, False),
+                                                               (*PAIRS_MIX, True)])
+def test_dpo_objective_fsdp_tp_equals_one_device(models, loss_type, loss_weights, weighting):
     _, _, cfg, ours, ref_ours = models
     full = tree_map(lambda x: x.double(), ours)
     ref = tree_map(lambda x: x.double(), ref_ours)
     batch = _pairs(1)
-    loss_fn, _ = _our_loss(cfg, ref, "sigmoid")
+    loss_fn, _ = _our_loss(cfg, ref, loss_type, loss_weights, weighting)
     want, want_grads = single_device(cfg, full, batch, loss_fn=loss_fn)
     mesh = fpp.Mesh(dp_shard=2, tp=2)
     rules = llama.default_rules()
@@ -266,8 +281,10 @@ def _kto_loss_fn(cfg, ref_full, spec=KTO):
     return loss_fn, found
 
 
-def test_kto_objective_equals_trl_on_transformers_llama(models):
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_objective_equals_trl_on_transformers_llama(models, loss_type):
     policy, reference, cfg, ours, ref_ours = models
+    spec = dataclasses.replace(KTO, kto_loss_type=loss_type)
     batch = _kto_batch()
     ids, mask, kl_ids, kl_mask = (batch[k] for k in ("tokens", "completion_mask", "kl_tokens", "kl_completion_mask"))
     with torch.no_grad():
@@ -276,10 +293,11 @@ def test_kto_objective_equals_trl_on_transformers_llama(models):
                            fused_lm_head=True).log_probs.sum(1)
     policy.zero_grad()
     want, metrics = kto_loss(policy, ids, mask, batch["flags_mask"][:, 0], ref, kl_ids, kl_mask, ref_kl, beta=KTO.beta,
-                             desirable_weight=KTO.desirable_weight, undesirable_weight=KTO.undesirable_weight)
+                             desirable_weight=KTO.desirable_weight, undesirable_weight=KTO.undesirable_weight,
+                             loss_type=loss_type)
     want.backward()
-    assert metrics["kl"] > 0                       # the KL estimate acts (policy != reference)
-    loss_fn, found = _kto_loss_fn(cfg, tree_map(lambda x: x.double(), ref_ours))
+    assert (metrics["kl"] > 0) == (loss_type == "kto")     # the KL estimate acts (policy != reference)
+    loss_fn, found = _kto_loss_fn(cfg, tree_map(lambda x: x.double(), ref_ours), spec)
     loss, grads = single_device(cfg, tree_map(lambda x: x.double(), ours), batch, loss_fn=loss_fn)
     torch.testing.assert_close(loss.float(), want.detach(), rtol=2e-5, atol=2e-6)
     for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
