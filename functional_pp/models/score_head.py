@@ -4,17 +4,15 @@
 (a process reward model: every token's scores). The decoder's trunk is :func:`llama.hidden_states`,
 so every family, layout and adapter of the decoder serves both heads.
 
-The last token is chosen on the host (:func:`last_token_mask`, transformers' rule: the rightmost
+The last token is chosen on the host (``data/reward_data.py``'s ``last_token_mask``, transformers' rule: the rightmost
 token that is not the pad id) and enters as a one-hot ``batch seq`` mask, so the selection is an
 einsum that holds on any layout (a split sequence contributes its part and is summed)."""
 from __future__ import annotations
 
-import torch
-
 from functional_pp import ops
 from functional_pp.parallel.named import Named
 
-__all__ = ["HEADS", "token_scores", "sequence_scores", "last_token_mask", "head_from_hf", "head_to_hf"]
+__all__ = ["HEADS", "token_scores", "sequence_scores", "head_from_hf", "head_to_hf"]
 
 #: Config.score_head -> the suffix of transformers' class replacing ``ForCausalLM``
 HEADS = {"sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
@@ -35,7 +33,7 @@ def token_scores(params: dict, tokens: Named, cfg, layer_fn=None, segments: Name
 
 def sequence_scores(params: dict, tokens: Named, last: Named, cfg, layer_fn=None) -> Named:
     """Each sequence's scores (batch labels) at the position ``last`` (batch seq, one-hot:
-    :func:`last_token_mask`) marks: *ForSequenceClassification's pooled logits."""
+    ``data.reward_data.last_token_mask``) marks: *ForSequenceClassification's pooled logits."""
     from functional_pp.models import llama
     _need_head(cfg)
     x = llama.hidden_states(params, tokens, cfg, layer_fn)
@@ -47,19 +45,6 @@ def _need_head(cfg) -> None:
     if cfg.score_head is None:
         raise ValueError("the model has no score head (Config.score_head is None: an LM head); set score_head "
                          "'sequence' (reward model) or 'token' (process reward model)")
-
-
-def last_token_mask(tokens: torch.Tensor, pad_id: int | None) -> torch.Tensor:
-    """``[batch, seq]`` float one-hot of each row's rightmost token that is not ``pad_id``
-    (transformers' ``*ForSequenceClassification``: position 0 for a row of pads only; the last
-    position when ``pad_id`` is None)."""
-    n = tokens.shape[-1]
-    if pad_id is None:
-        idx = torch.full(tokens.shape[:-1], n - 1, dtype=torch.long)
-    else:
-        positions = torch.arange(n, dtype=torch.long)
-        idx = (positions * (tokens != pad_id).long()).argmax(-1)
-    return torch.nn.functional.one_hot(idx, n).float()
 
 
 def head_from_hf(hf: dict) -> dict:

@@ -11,6 +11,7 @@ import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.models import llama, score_head
 from functional_pp.core import tree
+from functional_pp.data.reward_data import last_token_mask
 from functional_pp.parallel import sharding
 
 _SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -28,7 +29,7 @@ def _ours(params, cfg, toks):
     named = sharding.named_tree(params, llama.init(cfg))
     with torch.no_grad():
         if cfg.score_head == "sequence":
-            last = fpp.wrap(score_head.last_token_mask(toks, cfg.pad_token_id), "batch seq")
+            last = fpp.wrap(torch.from_numpy(last_token_mask(toks.numpy(), cfg.pad_token_id)), "batch seq")
             return score_head.sequence_scores(named, fpp.wrap(toks, "batch seq"), last, cfg).value()
         return score_head.token_scores(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
@@ -63,7 +64,7 @@ def test_import_scores_and_export_round_trip(models, name, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the last non-pad token, not the last position, is read
     if name == "seq":
-        last_pos = fpp.wrap(score_head.last_token_mask(toks, None), "batch seq")
+        last_pos = fpp.wrap(torch.from_numpy(last_token_mask(toks.numpy(), None)), "batch seq")
         named = sharding.named_tree(params, llama.init(cfg))
         with torch.no_grad():
             other = score_head.sequence_scores(named, fpp.wrap(toks, "batch seq"), last_pos, cfg).value()
