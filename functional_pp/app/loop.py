@@ -229,6 +229,8 @@ class TrainRun:
         self.data = data = (load_data(cfg) if self.pref is None else grpo_run.load_prompts(cfg, grpo)
                             if grpo is not None else load_pairs(cfg))
         self.corpus = corpus = data.train
+        if getattr(self.model_cfg, "score_head", None) is not None:    # (the pad id the export names: the data's)
+            self.model_cfg = dataclasses.replace(self.model_cfg, pad_token_id=int(corpus.pad_id))
         if self.latest is not None and not self.allow_config_change:   # the checkpoint's tokens (or pairs)
             check_resume_tokens(self.load_dir / ck.format.step_dir_name(self.latest), corpus)
         vocab = self.family.vocab_size(self.model_cfg)

@@ -25,9 +25,11 @@ REFERENCE = "reference"
 
 def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
     """The run's preference method with its TRL arguments as Axolotl passes them (``rl_beta``;
-    ``orpo_alpha`` for ORPO; SimPO's beta 2.0 unless given), or None without ``rl``."""
+    ``orpo_alpha`` for ORPO; SimPO's beta 2.0 unless given), a reward model's objective
+    (``reward_model`` / ``process_reward_model``: app/reward_run.py), or None without them."""
+    from functional_pp.app.reward_run import reward_spec
     if cfg.rl is None:
-        return None
+        return reward_spec(cfg)
     method = str(cfg.rl).lower()
     default_beta = {"simpo": 2.0}.get(method, 0.1)
     beta = cfg.orpo_alpha if method == "orpo" and cfg.orpo_alpha is not None else cfg.rl_beta
@@ -52,7 +54,12 @@ def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
 def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, model_cfg: Any, lora: Any,
                          base_decls: Any) -> tuple:
     """``(loss, declarations, trainable mask)`` of a preference run: the policy's logits through
-    the adapters (if any), the reference as the module docstring says."""
+    the adapters (if any), the reference as the module docstring says; a reward model's
+    (app/reward_run.py)."""
+    from functional_pp.app.reward_run import reward_objective
+    from functional_pp.preference.reward import RewardSpec
+    if isinstance(spec, RewardSpec):
+        return reward_objective(cfg, spec, model_cfg, lora, base_decls)
     policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference, family, model_cfg, lora,
                                                                base_decls)
     return preference_loss(spec, policy, reference), decls, trainable
@@ -118,7 +125,11 @@ def with_reference(params: dict, decls: dict) -> dict:
 
 def load_pairs(cfg: TrainConfig):
     """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs, ``val_set_size``
-    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions."""
+    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions, or a reward
+    model's pairs / stepwise rows (app/reward_run.py)."""
+    from functional_pp.app.reward_run import is_reward_run, load_reward_data
+    if is_reward_run(cfg):
+        return load_reward_data(cfg)
     from functional_pp.app.inputs import RunData, load_tokenizer
     from functional_pp.data.pairs import build_pairs
     from functional_pp.data.unpaired import build_completions
