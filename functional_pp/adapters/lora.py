@@ -173,7 +173,8 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
             raise ValueError(f"LoRA: target {path!r} (dimensions {getattr(d, 'dims', None)}) is not a linear weight "
                              f"LoRA can adapt (two or more dimensions, none of them vocab); train it whole with "
                              f"modules_to_save (lora_modules_to_save) instead")
-        if linear and (named or cfg.target_linear):
+        saved = bool(cfg.modules_to_save) and _matches_module(path, cfg.modules_to_save)
+        if linear and (named or (cfg.target_linear and not saved)):     # (all-linear leaves the saved modules)
             found.append(path)
     if not found:
         names = sorted({p.rsplit(".", 1)[-1] for p in candidates})

@@ -163,6 +163,9 @@ class TrainRun:
                 raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
         self.base_decls = base_decls = family.param_decls(model_cfg)
         self.lora = lora = cfg.lora_config()
+        if lora is not None and getattr(model_cfg, "score_head", None) is not None:   # (a reward model's head: saved)
+            from functional_pp.app.reward_run import with_head_saved
+            self.lora = lora = with_head_saved(lora, base_decls)
         self.grpo = grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo
         # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
         self.pref = pref = grpo if grpo is not None else preference_spec(cfg)

@@ -13,7 +13,7 @@ from typing import Any
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.preference.reward import RewardSpec, process_reward_loss, reward_loss
 
-__all__ = ["is_reward_run", "reward_spec", "reward_objective", "load_reward_data"]
+__all__ = ["is_reward_run", "reward_spec", "with_head_saved", "reward_objective", "load_reward_data"]
 
 
 def is_reward_run(cfg: TrainConfig) -> bool:
@@ -28,8 +28,9 @@ def reward_spec(cfg: TrainConfig) -> RewardSpec | None:
                       center_rewards_coefficient=cfg.center_rewards_coefficient)
 
 
-def _with_head_saved(lora: Any, decls: dict) -> Any:
-    """The LoRA config with the score head among ``modules_to_save`` (and not adapted)."""
+def with_head_saved(lora: Any, decls: dict) -> Any:
+    """The LoRA config of a run with a score head: the head among ``modules_to_save`` (trained
+    whole, written to the PEFT directory; ``lora_target_linear`` leaves it)."""
     if lora is None:
         return None
     head = tuple(k for k in ("score", "score_bias") if k in decls)
@@ -37,11 +38,11 @@ def _with_head_saved(lora: Any, decls: dict) -> Any:
 
 
 def reward_objective(cfg: TrainConfig, spec: RewardSpec, model_cfg: Any, lora: Any, base_decls: Any) -> tuple:
-    """``(loss, declarations, trainable mask)`` of a reward-model run."""
+    """``(loss, declarations, trainable mask)`` of a reward-model run (``lora``: :func:`with_head_saved`'s)."""
     from functional_pp.app.inputs import frozen_and_adapters
     from functional_pp.models import score_head
     fn = score_head.sequence_scores if spec.kind == "reward" else score_head.token_scores
-    scores, decls, trainable = frozen_and_adapters(cfg, _with_head_saved(lora, base_decls),
+    scores, decls, trainable = frozen_and_adapters(cfg, lora,
                                                    functools.partial(fn, cfg=model_cfg), base_decls)
     loss = reward_loss(spec, scores) if spec.kind == "reward" else process_reward_loss(scores)
     return loss, decls, trainable

@@ -129,7 +129,7 @@ def test_process_reward_run_equals_token_classification(base, data, tmp_path):
 
 def test_lora_trains_the_score_head_whole(base, data, tmp_path):
     out = tmp_path / "lora"
-    cfg = config(base, data[0], out, adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
+    cfg = config(base, data[0], out, adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True,
                  max_steps=2, checkpoint={"save_every": 1, "keep_last": 2})
     r = train(cfg, simulate=1, stream=io.StringIO())
     assert len(r.losses) == 2 and r.losses[0] != r.losses[1]
@@ -142,6 +142,9 @@ def test_lora_trains_the_score_head_whole(base, data, tmp_path):
     before = load_checkpoint(out / "checkpoints", keys=["params"], step=1).tree["params"]
     assert not torch.equal(before["score"], got["score"])
     assert torch.equal(before["embed_tokens"], got["embed_tokens"])
+    assert "lora" not in got                          # (all-linear leaves the saved head unadapted, as peft)
+    peft = json.loads((export_run(out, tmp_path / "peft") / "adapter_config.json").read_text())
+    assert peft["modules_to_save"] == ["score"] and "score" not in peft["target_modules"]
 
 
 @pytest.mark.parametrize("over,match", [
