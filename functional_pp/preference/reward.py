@@ -70,7 +70,8 @@ def reward_loss(spec: RewardSpec, scores: Scores) -> Callable[[Any, dict], Named
         per_pair = broadcast(bradley_terry_losses, [chosen, rejected, margin], "bradley_terry")
         out = _weighted_mean(per_pair, rows)
         if spec.center_rewards_coefficient:
-            out = out + _weighted_mean((chosen + rejected) * (chosen + rejected), rows) * spec.center_rewards_coefficient
+            both = chosen + rejected
+            out = out + _weighted_mean(both * both, rows) * spec.center_rewards_coefficient
         if step_values.active():
             good, bad = chosen.map(lambda t: t.detach().float()), rejected.map(lambda t: t.detach().float())
             _report("accuracy", _weighted_mean(broadcast(lambda a, b: (a > b).float(), [good, bad], "accuracy"), rows))
