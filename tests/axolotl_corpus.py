@@ -223,7 +223,14 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
     kind = str(entry.get("type") or "")
     out = []
     for i in range(n):
-        if rl and kind.startswith("chat_template"):       # a conversation and two replies
+        if kind == "bradley_terry.chat_template":          # Axolotl's fields: system, input, chosen, rejected
+            out.append({"system": "You add numbers." if i % 2 else "", "input": f"What is {i} plus {i}?",
+                        "chosen": f"{i} plus {i} is {2 * i}.", "rejected": "I do not know."})
+        elif kind == "stepwise_supervised":                 # TRL's: prompt, completions (steps), labels
+            out.append({"prompt": f"What is {i} plus {i} plus 1?",
+                        "completions": [f"{i} plus {i} is {2 * i}.", f"{2 * i} plus 1 is {2 * i + (i % 3)}."],
+                        "labels": [True, i % 3 == 1]})
+        elif rl and kind.startswith("chat_template"):       # a conversation and two replies
             field, msgs = _messages(i, entry)
             role, content = list(msgs[1])
             out.append({field: msgs[:1], entry.get("field_chosen", "chosen"): msgs[1],

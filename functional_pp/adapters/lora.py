@@ -46,7 +46,8 @@ class LoraConfig:
     """What to adapt and how (the names of peft's ``LoraConfig`` and Axolotl's keys).
     ``target_modules``: module names (a weight whose path ends with one) or one regex matched
     against the whole path, as peft; ``target_linear``: every weight of two or more dimensions
-    without a ``vocab`` dimension (peft's ``all-linear``); ``modules_to_save``: modules trained
+    without a ``vocab`` dimension, nor a score head's ``labels`` (peft's ``all-linear``);
+    ``modules_to_save``: modules trained
     whole (e.g. ``lm_head``); ``unfrozen_parameters``: regexes (matched from the start of the
     path or of the Hugging Face name) of further parameters to train; ``dora``: DoRA (peft's
     ``use_dora``), a trained magnitude per output feature of each adapted weight."""
@@ -173,7 +174,8 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
             raise ValueError(f"LoRA: target {path!r} (dimensions {getattr(d, 'dims', None)}) is not a linear weight "
                              f"LoRA can adapt (two or more dimensions, none of them vocab); train it whole with "
                              f"modules_to_save (lora_modules_to_save) instead")
-        if linear and (named or cfg.target_linear):
+        head = "labels" in getattr(d, "dims", ())      # (a score head: peft's all-linear leaves the output layer)
+        if linear and (named or (cfg.target_linear and not head)):
             found.append(path)
     if not found:
         names = sorted({p.rsplit(".", 1)[-1] for p in candidates})

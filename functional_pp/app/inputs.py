@@ -176,9 +176,10 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     grow = bool(cfg.tokens or cfg.resize_token_embeddings_to_32x)
     quant = cfg.base_quantization()
     saved = _saved_modules(cfg, decls)        # lora_modules_to_save from lora_model_dir, whole
+    fresh = new_score_head(cfg, model_cfg)
     if quant is None:
         tensors = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=dtype_of, mesh=mesh,
-                                    rules=rules, device=device, grow_vocab=grow)
+                                    rules=rules, device=device, grow_vocab=grow, fresh=fresh, seed=cfg.seed)
         if saved:
             by_path = dict(leaves_with_paths(decls))
             mine = {p: x.to(dtype_of(p)) for p, x in saved.items()}
@@ -186,7 +187,8 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
             tensors = map_with_path(lambda p, x: mine[p].to(x.device) if p in mine else x, tensors)
     else:       # whole weights quantized (as bitsandbytes does), then this device's shards of the codes
         from functional_pp.models.quantize import quantize_linear_weights
-        full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow)
+        full = hf.load_hf_params(cfg.base_model, model_cfg, decls, dtype=torch.float32, grow_vocab=grow,
+                                 fresh=fresh, seed=cfg.seed)
         full = map_with_path(lambda p, x: saved.get(p, x), full)
         full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"],
                                               experts=quant["experts"])
@@ -198,6 +200,19 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
     return map_with_path(wrap, tensors, decls)
+
+
+def new_score_head(cfg: TrainConfig, model_cfg: Any) -> tuple[str, ...]:
+    """The score head's parameter paths when ``base_model`` is a causal LM read under one
+    (``reward_model`` / ``process_reward_model``): initialised from the run's seed, as
+    transformers initialises the head its files lack; empty otherwise."""
+    import json
+
+    from functional_pp.models.score_head import head_from_hf
+    if getattr(model_cfg, "score_head", None) is None:
+        return ()
+    hf_cfg = json.loads((Path(cfg.base_model) / "config.json").read_text())
+    return () if head_from_hf(hf_cfg) else ("score", "score_bias")
 
 
 def _saved_modules(cfg: TrainConfig, decls: Any) -> dict:

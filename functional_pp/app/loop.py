@@ -163,6 +163,9 @@ class TrainRun:
                 raise ConfigError(f"base_model {cfg.base_model!r}: {exc}") from exc
         self.base_decls = base_decls = family.param_decls(model_cfg)
         self.lora = lora = cfg.lora_config()
+        if lora is not None and getattr(model_cfg, "score_head", None) is not None:   # (a reward model's head: saved)
+            from functional_pp.app.reward_run import with_head_saved
+            self.lora = lora = with_head_saved(lora, base_decls)
         self.grpo = grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo
         # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
         self.pref = pref = grpo if grpo is not None else preference_spec(cfg)
@@ -235,6 +238,8 @@ class TrainRun:
             except (FileNotFoundError, ValueError) as exc:
                 raise ConfigError(str(exc)) from exc
         self.corpus = corpus = data.train
+        if getattr(self.model_cfg, "score_head", None) is not None:    # (the pad id the export names: the data's)
+            self.model_cfg = dataclasses.replace(self.model_cfg, pad_token_id=int(corpus.pad_id))
         if self.latest is not None and not self.allow_config_change:   # the checkpoint's tokens (or pairs)
             check_resume_tokens(self.load_dir / ck.format.step_dir_name(self.latest), corpus)
         vocab = self.family.vocab_size(self.model_cfg)

@@ -26,9 +26,11 @@ REFERENCE = "reference"
 
 def preference_spec(cfg: TrainConfig) -> PreferenceSpec | None:
     """The run's preference method with its TRL arguments as Axolotl passes them (``rl_beta``;
-    ``orpo_alpha`` for ORPO; SimPO's beta 2.0 unless given), or None without ``rl``."""
+    ``orpo_alpha`` for ORPO; SimPO's beta 2.0 unless given), a reward model's objective
+    (``reward_model`` / ``process_reward_model``: app/reward_run.py), or None without them."""
+    from functional_pp.app.reward_run import reward_spec
     if cfg.rl is None:
-        return None
+        return reward_spec(cfg)
     method = str(cfg.rl).lower()
     default_beta = {"simpo": 2.0}.get(method, 0.1)
     beta = cfg.orpo_alpha if method == "orpo" and cfg.orpo_alpha is not None else cfg.rl_beta
@@ -65,9 +67,14 @@ def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, mo
                          base_decls: Any) -> tuple:
     """``(loss, declarations, trainable mask, reference for the precomputing pass or None)`` of
     a preference run: the policy's logits through the adapters (if any), the reference as the
-    module docstring says. With ``precompute_ref_log_probs`` the reference runs once before
-    training (app/reference_logps.py) and is not held: no frozen copy (the initial parameters
-    are the policy's), the loss reads the batch's reference log-probabilities."""
+    module docstring says; a reward model's (app/reward_run.py). With ``precompute_ref_log_probs``
+    the reference runs once before training (app/reference_logps.py) and is not held: no frozen
+    copy (the initial parameters are the policy's), the loss reads the batch's reference
+    log-probabilities."""
+    from functional_pp.app.reward_run import reward_objective
+    from functional_pp.preference.reward import RewardSpec
+    if isinstance(spec, RewardSpec):
+        return (*reward_objective(cfg, spec, model_cfg, lora, base_decls), None)
     precompute = bool(cfg.precompute_ref_log_probs) and spec.needs_reference
     policy, reference, decls, trainable = policy_and_reference(cfg, spec.needs_reference and not precompute, family,
                                                                model_cfg, lora, base_decls)
@@ -159,7 +166,11 @@ def sync_reference(params: dict, alpha: float) -> None:
 
 def load_pairs(cfg: TrainConfig):
     """The run's :class:`~functional_pp.app.inputs.RunData` of preference pairs, ``val_set_size``
-    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions."""
+    of them held out (chosen by the seed), or (``rl: kto``) of unpaired completions, or a reward
+    model's pairs / stepwise rows (app/reward_run.py)."""
+    from functional_pp.app.reward_run import is_reward_run, load_reward_data
+    if is_reward_run(cfg):
+        return load_reward_data(cfg)
     from functional_pp.app.inputs import RunData, load_tokenizer
     from functional_pp.data.pairs import build_pairs
     from functional_pp.data.unpaired import build_completions

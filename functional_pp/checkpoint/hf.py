@@ -31,6 +31,7 @@ from functional_pp.checkpoint.load import _where
 from functional_pp.core.layout import Rules, block_slices
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
+from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
 
 __all__ = [
@@ -217,7 +218,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                    dtype: torch.dtype | Callable[[str], torch.dtype | None] | None = None,
                    mesh: Mesh | None = None, rules: Rules | None = None, rank: int | None = None,
                    device: torch.device | str | None = None, strict: bool = True,
-                   grow_vocab: bool = False) -> dict:
+                   grow_vocab: bool = False, fresh: tuple[str, ...] = (), seed: int = 0) -> dict:
     """The parameter tree of ``llama.init(cfg)`` (or ``decls``) from an HF Llama checkpoint.
 
     Without a mesh (or without rules) tensors come back whole; inside ``launch`` (mesh and rank
@@ -226,7 +227,9 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
     the parameter path gives each its own (a frozen base in the compute dtype, say).
     ``strict`` refuses HF tensors the table does not map (e.g. biases). ``grow_vocab``: a config
     vocabulary larger than the file's (added tokens) gives the embedding and head rows past the
-    file's the mean of its rows, as transformers' ``resize_token_embeddings`` (mean resizing)."""
+    file's the mean of its rows, as transformers' ``resize_token_embeddings`` (mean resizing).
+    ``fresh``: parameter paths not read but initialised from their declarations with ``seed`` (a
+    score head over a causal LM's files, as transformers initialises a head the files lack)."""
     from functional_pp.models import llama
 
     if decls is None:
@@ -237,6 +240,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
         for name, parts in _file_tensors(decls, cfg):
+            if all(p in fresh for p, _, _ in parts):
+                continue
             axis = _row_axis(parts)
             want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
@@ -270,8 +275,8 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                     problems.append(f"{const}: {got.tolist()}, but the functional decoder's is the constant {value}")
         ignorable = [re.compile(f"^{x}$") for x in IGNORED_HF + IGNORED_BY_TYPE.get(getattr(cfg, "model_type", ""), ())
                      + IGNORED_BY_TYPE.get(getattr(cfg, "text_of", None) or "", ())]
-        if cfg.tie_embeddings:
-            ignorable.append(re.compile(r"^lm_head\.weight$"))
+        if cfg.tie_embeddings or getattr(cfg, "score_head", None):     # (a score head: a causal LM's head unread)
+            ignorable.append(re.compile(r"^lm_head\.(weight|bias)$"))
         unexpected = sorted(n for n in reader.entries
                             if n not in used and not any(r.match(n) for r in ignorable))
         if missing or problems or (strict and unexpected):
@@ -285,12 +290,17 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
             raise CheckpointMismatchError(msg + "".join(f"\n  {x}" for x in problems))
 
         def read(p: str, d: Any) -> torch.Tensor:
-            name, kind, _, rows = plan[p]
             shape = tuple(d.shape)
             if mesh is not None and rules is not None:
                 region = block_slices(shape, rules.resolve(d.dims, shape, mesh, name=p), mesh, rank)
             else:
                 region = tuple(slice(0, n) for n in shape)
+            if p in fresh:
+                t = init_block(d, p, seed, region)
+                want = dtype(p) if callable(dtype) else dtype
+                t = t.to(want) if want is not None else t
+                return t.to(device) if device is not None else t
+            name, kind, _, rows = plan[p]
             try:
                 sl = reader.slice(name)
                 if rows is not None and rows[0] is _GROWN:

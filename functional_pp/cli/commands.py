@@ -82,13 +82,15 @@ def _validate(args: argparse.Namespace) -> int:
         mesh = cfg.mesh(world.size)
         rules = cfg.build_rules(mesh)
         from functional_pp.app import grpo_run
+        from functional_pp.app.reward_run import is_reward_run
         grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None
-        if cfg.rl is None:
+        pairs = cfg.rl is not None or is_reward_run(cfg)     # (a reward model's data: pairs or stepwise rows)
+        if not pairs:
             data = load_data(cfg)
         elif grpo is not None:         # prompts and reward functions (docs/preference.md "GRPO")
             grpo_run.reward_functions(cfg, grpo)
             data = grpo_run.load_prompts(cfg, grpo)
-        else:                          # preference pairs / KTO completions (docs/preference.md)
+        else:                          # preference pairs / KTO completions / reward-model data
             from functional_pp.app.preference_run import load_pairs, pair_steps, preference_spec
             preference_spec(cfg)
             data = load_pairs(cfg)
@@ -101,7 +103,7 @@ def _validate(args: argparse.Namespace) -> int:
             per_step = grpo_run.prompts_per_step(gb, grpo, data.train)
             cfg.set_epochs(grpo_run.steps_per_epoch(data.train, per_step, grpo))
         else:
-            cfg.set_epochs(check_batches(cfg, data, gb) if cfg.rl is None else pair_steps(data.train, gb, cfg))
+            cfg.set_epochs(check_batches(cfg, data, gb) if not pairs else pair_steps(data.train, gb, cfg))
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),

@@ -111,7 +111,6 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
        "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
-_REWARD = "reward-model training is not supported (causal LM fine-tuning only): remove it"
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
 _GENERATE = "sample generation during evaluation is not supported: remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
@@ -134,8 +133,6 @@ UNSUPPORTED: dict[str, str] = {
     "ebft": _RL,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
-    **{k: _REWARD for k in ("reward_model", "process_reward_model", "num_labels",
-                            "center_rewards_coefficient")},
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
     **{k: _GENERATE for k in ("do_causal_lm_eval",
                               "eval_causal_lm_metrics")},
@@ -157,8 +154,6 @@ UNSUPPORTED: dict[str, str] = {
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why
 DATASET_UNSUPPORTED: dict[str, str] = {
     **{k: _RL for k in ("chosen_key", "rejected_key")},
-    **{k: "process-reward (stepwise supervised) data is not supported: remove it" for k in (
-        "step_separator", "train_on_last_step_only", "max_completion_length")},
 }
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
@@ -452,8 +447,12 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
-            if key == "model_type" and isinstance(value, str) and re.fullmatch(r"[A-Z]\w*ForCausalLM", value):
-                continue                 # a transformers causal-LM class: the architecture is config.json's
+            if key == "model_type" and isinstance(value, str) and re.fullmatch(
+                    r"[A-Z]\w*For(CausalLM|SequenceClassification|TokenClassification)", value):
+                # a transformers causal-LM class: the architecture is config.json's; a classifier's
+                # head is reward_model's / process_reward_model's (checked with them: checks.py)
+                out["model_type"] = value
+                continue
             if value not in _ACCEPTED_VALUES[key]:
                 ok = ", ".join(repr(v) for v in _ACCEPTED_VALUES[key])
                 issues.add(f"{key}: {value!r} is not supported here (accepted: {ok}; only "

@@ -172,6 +172,73 @@ def check_preference(cfg: Any, add) -> None:
         add(f"rl: {cfg.rl} trains on {what}: give datasets: [{{path: data.jsonl}}] (docs/preference.md)")
 
 
+#: reward_model / process_reward_model -> (the Axolotl model class, the dataset types read)
+REWARD_KINDS = {"reward_model": ("AutoModelForSequenceClassification", ("bradley_terry.chat_template",)),
+                "process_reward_model": ("AutoModelForTokenClassification", ("stepwise_supervised",))}
+
+
+def check_reward(cfg: Any, add) -> None:
+    """``reward_model`` / ``process_reward_model`` (docs/reward_models.md): one of them, without
+    ``rl``, their model class and dataset types, their keys only with them, no pipeline (each
+    example is its own row, never packed); ``model_type`` a classifier only with its kind."""
+    on = [k for k in REWARD_KINDS if getattr(cfg, k)]
+    mt = cfg.model_type or ""
+    head = ("reward_model" if mt.endswith("ForSequenceClassification")
+            else "process_reward_model" if mt.endswith("ForTokenClassification") else None)
+    if head is not None and head not in on:
+        add(f"model_type: {mt} is {REWARD_KINDS[head][0]}'s head: set {head}: true (or a *ForCausalLM model_type)")
+    if not on:
+        for key in ("num_labels", "center_rewards_coefficient"):
+            if getattr(cfg, key) is not None:
+                add(f"{key} is set but reward_model / process_reward_model is not: add one, or remove it")
+        for i, entry in enumerate(cfg.datasets or []):
+            for key, kind in (("bradley_terry.chat_template", "reward_model"), ("stepwise_supervised",
+                                                                                "process_reward_model")):
+                if entry.type == key:
+                    add(f"datasets[{i}].type {key} is read by {kind}: true only: add it, or choose another type")
+            for key in ("step_separator", "max_completion_length"):
+                if getattr(entry, key) is not None:
+                    add(f"datasets[{i}].{key} is read by stepwise_supervised data (process_reward_model) only: "
+                        f"remove it")
+        return
+    if len(on) > 1:
+        add("reward_model and process_reward_model are both set: a run trains one head; keep one")
+        return
+    kind = on[0]
+    cls, types = REWARD_KINDS[kind]
+    if cfg.rl is not None:
+        add(f"{kind} with rl: {cfg.rl}: a reward model is trained on its own objective, not a preference method; "
+            f"remove rl (or {kind})")
+    if head is not None and head != kind:
+        add(f"{kind}: model_type {mt} is not its head ({cls}); set model_type: {cls}")
+    if kind == "reward_model" and cfg.num_labels not in (None, 1):
+        add(f"reward_model: num_labels {cfg.num_labels}: the Bradley-Terry loss scores each sequence with one "
+            f"number (TRL's RewardTrainer); set num_labels: 1")
+    if kind == "process_reward_model" and cfg.num_labels is not None and cfg.num_labels < 2:
+        add(f"process_reward_model: num_labels {cfg.num_labels}: the step labels need at least 2 classes")
+    if kind != "reward_model" and cfg.center_rewards_coefficient is not None:
+        add("center_rewards_coefficient is read by reward_model only: remove it")
+    if cfg.center_rewards_coefficient is not None and cfg.center_rewards_coefficient < 0:
+        add(f"center_rewards_coefficient must be >= 0, got {cfg.center_rewards_coefficient}")
+    if cfg.pp_size > 1:
+        add(f"{kind} with pp_size {cfg.pp_size}: reward models under a pipeline are not built; use dp / fsdp / tp / cp")
+    if cfg.base_model is None:
+        add(f"{kind} reads base_model's weights under a new score head: set base_model (a Hugging Face directory)")
+    if not cfg.datasets:
+        add(f"{kind} trains on {' / '.join(types)} data: give datasets: [{{path: data.jsonl, type: {types[0]}}}]")
+    for i, entry in enumerate(cfg.datasets or []):
+        if entry.type not in types:
+            add(f"{kind}: datasets[{i}].type {entry.type!r} is not read by it; choose {', '.join(types)}")
+        elif kind == "reward_model" and (entry.step_separator is not None or entry.max_completion_length is not None
+                                         or entry.train_on_last_step_only):
+            add(f"datasets[{i}]: step_separator / max_completion_length / train_on_last_step_only are "
+                f"stepwise_supervised keys: remove them")
+        elif entry.max_completion_length is not None and entry.max_completion_length < 1:
+            add(f"datasets[{i}].max_completion_length must be >= 1, got {entry.max_completion_length}")
+        elif entry.step_separator == "":
+            add(f"datasets[{i}].step_separator is empty: give the text that ends each step (e.g. \"\\n\")")
+
+
 def _check_grpo(cfg: Any, add) -> None:
     """``rl: grpo`` / ``gdpo``: the ``trl:`` section (preference/grpo_spec.py), prompts to sample
     from, no pipeline, no offline preference keys."""
@@ -269,6 +336,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")
     check_adapter(cfg, add)
     check_preference(cfg, add)
+    check_reward(cfg, add)
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():

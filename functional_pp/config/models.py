@@ -52,7 +52,7 @@ def model_config(cfg: Any) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         where = f" with overrides_of_model_config {overrides}" if overrides else ""
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
-    return _with_moe_options(cfg, _with_added_tokens(cfg, model))
+    return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))
 
 
 _MOE_OPTIONS = ("router_z_loss_coef", "capacity_factor", "expert_parallel_token_capacity")
@@ -72,6 +72,35 @@ def _with_moe_options(cfg: Any, model: Any) -> Any:
         return dataclasses.replace(model, **{_MODEL_FIELD.get(k, k): v for k, v in given.items()})
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _with_score_head(cfg: Any, model: Any) -> Any:
+    """``model`` with the score head of ``reward_model`` (each sequence's score: "sequence") or
+    ``process_reward_model`` (each token's: "token"; models/score_head.py), ``num_labels`` of
+    them; a base_model that is itself a classifier keeps its head, which must be that one."""
+    if not hasattr(model, "score_head"):
+        if getattr(cfg, "reward_model", False) or getattr(cfg, "process_reward_model", False):
+            raise ConfigError(f"reward_model / process_reward_model: model family {cfg.model.family!r} has no "
+                              f"score head (the decoder's llama.Config has)")
+        return model
+    kind = "sequence" if cfg.reward_model else "token" if cfg.process_reward_model else None
+    key = "reward_model" if cfg.reward_model else "process_reward_model"
+    if kind is None:
+        if model.score_head is not None:
+            raise ConfigError(f"base_model {cfg.base_model!r} is a {model.score_head} classifier (its "
+                              f"config.json's architectures), not a causal LM: set "
+                              f"{'reward_model' if model.score_head == 'sequence' else 'process_reward_model'}: "
+                              f"true to train it, or give a causal LM")
+        return model
+    if model.score_head not in (None, kind):
+        raise ConfigError(f"{key}: base_model {cfg.base_model!r} is a {model.score_head} classifier; {key} "
+                          f"trains a {kind} one: give a causal LM or a {kind} classifier")
+    labels = cfg.num_labels or (model.num_labels if model.score_head else 1 if kind == "sequence" else 2)
+    if model.score_head is not None and labels != model.num_labels:
+        raise ConfigError(f"num_labels {labels}, but base_model {cfg.base_model!r}'s head has {model.num_labels} "
+                          f"labels: set num_labels: {model.num_labels} (or train from the causal LM)")
+    bias = model.score_bias if model.score_head else kind == "token"     # (transformers' defaults)
+    return dataclasses.replace(model, score_head=kind, num_labels=labels, score_bias=bias)
 
 
 def _with_added_tokens(cfg: Any, model: Any) -> Any:

@@ -128,6 +128,10 @@ class DatasetConfig:
     field_rejected: str = fld("rejected", "rl (preference pairs, type omitted): the rejected completion's field")
     field_completion: str = fld("completion", "rl: kto (type omitted): the completion's field")
     field_label: str = fld("label", "rl: kto: the field saying whether the completion is desirable (true / false)")
+    step_separator: str | None = fld(None, "stepwise_supervised: the text after each step whose last token "
+                                           "carries the step's label (default \"\\n\")")
+    train_on_last_step_only: bool = fld(False, "stepwise_supervised: label only the last step (training rows)")
+    max_completion_length: int | None = fld(None, "stepwise_supervised: cut the steps' tokens to this many")
     split: str = fld("train", "HF `datasets` on disk: the split to read")
     pattern: str | None = fld(None, "directories: the file pattern (default *.txt)")
     dtype: str | None = fld(None, "pretokenized .bin: the token dtype (uint16 | uint32 | int32; default "

@@ -177,6 +177,21 @@ class TrainConfig:
                                                       "(the reference then not held; TRL's)")
     kto_loss_type: str | None = fld(None, "rl: kto: TRL's loss_type, kto (default) | apo_zero_unpaired (APO-zero, "
                                           "no KL term)")
+    # reward models (Axolotl / TRL names; docs/reward_models.md)
+    reward_model: bool = fld(False, "train a reward model: a score head over the decoder read at each sequence's "
+                                    "last token, TRL RewardTrainer's Bradley-Terry loss on "
+                                    "bradley_terry.chat_template pairs (model_type: "
+                                    "AutoModelForSequenceClassification)")
+    process_reward_model: bool = fld(False, "train a process reward model: a score head on every token, "
+                                            "cross-entropy of the step labels at the step separators of "
+                                            "stepwise_supervised data (model_type: AutoModelForTokenClassification)")
+    num_labels: int | None = fld(None, "reward_model: 1 (the default); process_reward_model: the step "
+                                       "labels' classes (default 2)")
+    center_rewards_coefficient: float | None = fld(None, "reward_model: TRL's weight of mean((r_chosen + "
+                                                         "r_rejected)^2) added to the loss (default none)")
+    model_type: str | None = fld(None, "Axolotl's model class: any *ForCausalLM (the architecture is "
+                                       "base_model's config.json), AutoModelForSequenceClassification "
+                                       "(reward_model), AutoModelForTokenClassification (process_reward_model)")
     trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "
                                  "reward_weights, num_generations, max_completion_length, temperature, top_p, "
                                  "top_k, beta, epsilon, loss_type, scale_rewards, ...; docs/preference.md)")

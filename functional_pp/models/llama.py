@@ -227,8 +227,21 @@ class Config:
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
+    # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
+    # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
+    # models), "token" every token (*ForTokenClassification: process reward models); ``score``
+    # hidden -> num_labels, with a bias where score_bias (token classification's default);
+    # pad_token_id the id the exported config names (transformers finds the last token by it)
+    score_head: str | None = None
+    num_labels: int = 1
+    score_bias: bool = False
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.score_head not in (None, "sequence", "token"):
+            raise ValueError(f"score_head: {self.score_head!r} is not one of sequence, token (or None: the LM head)")
+        if self.num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
         if isinstance(self.rope_scaling, dict):          # from YAML / JSON: the kind by its fields
             object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if self.layer_types is not None:
@@ -609,6 +622,11 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.learned_positions:                      # (GPT-2: one row per position, "positions" replicated)
         tree["embed_positions"] = dataclasses.replace(w((cfg.max_seq, cfg.hidden), "positions hidden"),
                                                       meta={"embedding": True})     # (a table, not a linear)
+    if cfg.score_head is not None:                  # a score head instead of the LM head (models/score_head.py)
+        tree["score"] = w((cfg.hidden, cfg.num_labels), "hidden labels")
+        if cfg.score_bias:
+            tree["score_bias"] = bias(cfg.num_labels, "labels")
+        return tree
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
     if cfg.lm_head_bias:

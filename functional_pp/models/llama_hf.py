@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf
+from functional_pp.models import afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, score_head
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -117,6 +117,9 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
+    # a score head (*ForSequenceClassification / *ForTokenClassification; models/score_head.py)
+    ("score.weight", "score", "linear"),
+    ("score.bias", "score_bias", "copy"),
     # learned absolute positions (GPT-2's wpe)
     ("model.embed_positions.weight", "embed_positions", "copy"),
     # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; models/mla.py) and a router's score
@@ -697,6 +700,16 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
 
 
 def config_from_hf_dict(hf: dict) -> Config:
+    """``llama.Config`` from the contents of an HF ``config.json`` (:func:`decoder_config_from_hf_dict`),
+    with the score head its ``architectures`` name (``*ForSequenceClassification``,
+    ``*ForTokenClassification``: models/score_head.py)."""
+    import dataclasses
+    cfg = decoder_config_from_hf_dict(hf)
+    head = score_head.head_from_hf(hf)
+    return dataclasses.replace(cfg, **head) if head else cfg
+
+
+def decoder_config_from_hf_dict(hf: dict) -> Config:
     """``llama.Config`` from the contents of an HF ``config.json`` of any family of
     :data:`MODEL_TYPES` (dispatching on ``model_type``); accepts both ``rope_parameters``
     (transformers 5) and ``rope_theta``/``rope_scaling`` (4.x). A model type or a setting the
@@ -993,6 +1006,12 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 
 
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
+    score head where it has one (models/score_head.py)."""
+    return score_head.head_to_hf(cfg, decoder_config_to_hf(cfg, dtype))
+
+
+def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg``, as its ``model_type``'s class (readable by
     transformers 4.x and 5.x); :func:`check_exportable` refuses a config that class cannot hold."""
     check_exportable(cfg)

@@ -2,7 +2,8 @@
 only in paths and sizes by tests/axolotl_corpus.py: the classification of every config (accepted,
 or the features that refuse it) equals the committed table expected.yaml; no refusal is a bare
 "unknown key"; every accepted config validates, and one per architecture (a LoRA one where there
-is one; not one that compiles, whose inductor compile alone takes minutes here) trains 2 steps on
+is one; not one that compiles, whose inductor compile alone takes minutes here) and every reward
+model trains 2 steps on
 simulated devices (a tiny model per architecture, shared); README's counts are the table's."""
 import json
 import re
@@ -52,11 +53,15 @@ def _steps(out: Path) -> list[int]:
 
 
 def _trained(accepted: dict) -> set[str]:
-    """One accepted config per architecture: a LoRA one where there is one, none that compiles."""
+    """One accepted config per architecture: a LoRA one where there is one, none that compiles;
+    and every reward-model config (a head and an objective of their own)."""
     chosen: dict[str, tuple[bool, str]] = {}
     for name in sorted(accepted):
         raw = yaml.safe_load((CORPUS / name).read_text())
         if raw.get("torch_compile"):
+            continue
+        if raw.get("reward_model") or raw.get("process_reward_model"):
+            chosen[name] = (True, name)
             continue
         arch, lora = MODEL_TYPES.get(raw["base_model"], raw["base_model"]), raw.get("adapter") == "lora"
         if arch not in chosen or (lora and not chosen[arch][0]):
