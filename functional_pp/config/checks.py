@@ -99,7 +99,7 @@ _OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "orpo_alpha")
 
 def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
-    the preference keys only with ``rl``; preference data unpacked, no pipeline."""
+    the preference keys only with ``rl``; preference data unpacked."""
     for key in ("trl", "vllm"):
         if getattr(cfg, key) is not None and str(cfg.rl).lower() not in ("grpo", "gdpo"):
             add(f"'{key}' is not supported with rl: {cfg.rl} (it holds the GRPO settings of rl: grpo / gdpo): "
@@ -136,9 +136,6 @@ def check_preference(cfg: Any, add) -> None:
             add(f"{key} must be > 0, got {value}")
     if not 0 <= cfg.dpo_label_smoothing < 0.5:
         add(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
-    if cfg.pp_size > 1:
-        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: preference training under a pipeline is not built; "
-            f"use dp / fsdp / tp / cp")
     from functional_pp.data.pairs import PAIR_TYPES, user_defined_problem
     from functional_pp.data.unpaired import KTO_TYPES
     types, fields = ((KTO_TYPES, "prompt / completion / label fields (field_prompt, field_completion, field_label)")
