@@ -275,6 +275,7 @@ class TrainRun:
         # their logical names (the others are empty there), evaluations see the whole (logical)
         # state (docs/pipelines.md)
         self.whole = getattr(step_fn, "logical_state", lambda state: state)
+        self.whole_params = getattr(step_fn, "logical_params", lambda params: params)   # (GRPO's sampling)
         self.mine = getattr(step_fn, "stage_state", lambda state: state)
         self.metrics_path = self.out_dir / METRICS
         self.eval_every = cfg.eval_steps or cfg.logging.log_every
@@ -529,8 +530,8 @@ class DeviceLoop:
         from functional_pp.app.evaluate import evaluate_metrics
         r = self.job
         if r.grpo is not None:
-            found = self.sampler.evaluate(r.step_fn, self.state["params"], r.data.val, r.eval_per_batch, done,
-                                          self.shard)
+            found = self.sampler.evaluate(r.step_fn, r.whole_params(self.state["params"]), r.data.val,
+                                          r.eval_per_batch, done, self.shard)
             return found["eval_loss"], found
         found = evaluate_metrics(r.step_fn, r.whole(self.state), self.val_loader)
         return found.pop("eval_loss"), found
@@ -591,7 +592,7 @@ class DeviceLoop:
         from functional_pp.data.loader import to_device
         if self.sampler is not None:
             batch, self.rollout_metrics[self.step + 1] = self.sampler.step_batch(
-                self.job.step_fn, self.state["params"], self.loader, self.step, self.shard)
+                self.job.step_fn, self.job.whole_params(self.state["params"]), self.loader, self.step, self.shard)
         else:
             batch = next(self.loader)
         return to_device(batch, self.job.device)        # pinned + non-blocking on CUDA

@@ -160,7 +160,7 @@ def check_preference(cfg: Any, add) -> None:
 
 def _check_grpo(cfg: Any, add) -> None:
     """``rl: grpo`` / ``gdpo``: the ``trl:`` section (preference/grpo_spec.py), prompts to sample
-    from, no pipeline, no offline preference keys."""
+    from, no offline preference keys."""
     from functional_pp.preference.grpo_spec import grpo_spec
     try:
         grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
@@ -169,10 +169,6 @@ def _check_grpo(cfg: Any, add) -> None:
     for key in _OFFLINE_ONLY + ("kto_desirable_weight", "kto_undesirable_weight"):
         if getattr(cfg, key) is not None:
             add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
-    if cfg.pp_size > 1:
-        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built (sampling would pass "
-            f"every new token through the stages one after another, and no pipelined KV cache is built); use "
-            f"dp / fsdp / tp / cp")
     if not cfg.datasets:
         add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
             f"(docs/preference.md)")

@@ -153,6 +153,17 @@ class PipelineStep(TrainStep):
         from the stage that holds them (a sum over ``pp`` with zeros elsewhere: exact). A layer
         keeps its name, so this state resumes on any pp size (:meth:`stage_state`) or without a
         pipeline."""
+        return self._map_param_leaves(state, self._whole_leaf())
+
+    def logical_params(self, params: Any) -> Any:
+        """The whole parameter tree on every stage (:meth:`logical_state`'s parameters, without
+        the optimizer state): what a forward of the whole model needs (GRPO's sampling)."""
+        whole = self._whole_leaf()
+        leaves, spec = tree_flatten(params)
+        return tree_unflatten(spec, [whole(i, x) for i, x in enumerate(leaves)])
+
+    def _whole_leaf(self):
+        """``fn(i, leaf)``: parameter ``i`` (or a leaf mirroring it) whole, from the stage holding it."""
         me = axis_index(PP) if self.stages > 1 else 0
 
         def whole(i: int, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +171,7 @@ class PipelineStep(TrainStep):
                 return x
             mine = x if self._held(i, me) else torch.zeros(self._shapes[i], dtype=x.dtype, device=x.device)
             return raw_all_reduce(mine, PP, "sum")
-        return self._map_param_leaves(state, whole)
+        return whole
 
     def stage_state(self, state: dict) -> dict:
         """This device's part of a whole training state (:meth:`logical_state` of a pipeline of
