@@ -3,7 +3,7 @@ forwards of one micro-batch: several passes through the stages, docs/pipelines.m
 forwards per micro-batch") on a tiny Llama whose layers, and the frozen reference copy's, are
 split over ``pp``, against ``train_step`` with the same micro-batches on one device: the loss,
 TRL's reported metrics, every gradient (SGD(lr=1)'s update) and AdamW's updated parameters;
-GPipe and 1F1B, pp x DP and pp x FSDP, the reference as LoRA's base (adapters left out), and
+GPipe, 1F1B and ZB-H1, pp x DP, pp x FSDP, pp x TP and pp x CP, the reference as LoRA's base (adapters left out), and
 one run on real gloo processes."""
 import functools
 
@@ -150,12 +150,16 @@ def test_dpo_pp2_equals_one_device(dpo, schedule):
                                      schedule=schedule))
 
 
-@pytest.mark.parametrize("what,mesh,rules", [
-    ("dp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp")),
-    ("fsdp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"))])
-def test_dpo_pp_composes(dpo, what, mesh, rules):
+@pytest.mark.parametrize("what,mesh,rules,schedule", [
+    ("dp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", layers="pp"), "1f1b"),
+    ("fsdp", fpp.Mesh(pp=2, dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp"), "1f1b"),
+    ("tp", fpp.Mesh(pp=2, tp=2), fpp.Rules(layers="pp", heads="tp", mlp="tp", vocab="tp"), "zb_h1"),
+    ("cp", fpp.Mesh(pp=2, cp=2), fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq"), layers="pp"),
+     "gpipe")])
+def test_dpo_pp_composes(dpo, what, mesh, rules, schedule):
     objective, data, one = dpo
-    _assert_equal(one["adamw"], _run(objective, mesh, rules, data, schedule="1f1b"))
+    tol = dict(rtol=1e-8, atol=1e-10) if what == "cp" else {}     # (CP's ring: another order of sums)
+    _assert_equal(one["adamw"], _run(objective, mesh, rules, data, schedule=schedule), **tol)
 
 
 def test_kto_and_lora_dpo_pp2_equal_one_device():
