@@ -259,6 +259,7 @@ class TrainRun:
 
     def build_step(self) -> None:
         """The optimizer, the device and the training step (a pipeline step with a ``pp`` axis)."""
+        from functional_pp.app.preference_run import REFERENCE
         from functional_pp.app.world import peak_flops, select_device
         from functional_pp.step.train import DEFAULT_BATCH_DIMS
         cfg, family, model_cfg = self.cfg, self.family, self.model_cfg
@@ -270,6 +271,7 @@ class TrainRun:
         batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if self.pref is None else self.corpus.batch_dims
         self.step_fn = step_fn = _build_step(
             cfg, self.mesh, self.rules, family, model_cfg, self.loss_fn, opt,
+            copies=(REFERENCE,) if self.reference_copy else (),
             trainable=self.trainable, grad_accum=self.accum, precision=cfg.precision,
             policy=cfg.policy(), compile=cfg.compile,
             **cfg.offload_options(),
@@ -284,6 +286,7 @@ class TrainRun:
         # their logical names (the others are empty there), evaluations see the whole (logical)
         # state (docs/pipelines.md)
         self.whole = getattr(step_fn, "logical_state", lambda state: state)
+        self.whole_params = getattr(step_fn, "logical_params", lambda params: params)   # (GRPO's sampling)
         self.mine = getattr(step_fn, "stage_state", lambda state: state)
         self.metrics_path = self.out_dir / METRICS
         self.eval_every = cfg.eval_steps or cfg.logging.log_every
@@ -551,8 +554,8 @@ class DeviceLoop:
         from functional_pp.app.evaluate import evaluate_metrics
         r = self.job
         if r.grpo is not None:
-            found = self.sampler.evaluate(r.step_fn, self.state["params"], r.data.val, r.eval_per_batch, done,
-                                          self.shard)
+            found = self.sampler.evaluate(r.step_fn, r.whole_params(self.state["params"]), r.data.val,
+                                          r.eval_per_batch, done, self.shard)
             return found["eval_loss"], found
         found = evaluate_metrics(r.step_fn, r.whole(self.state), self.val_loader)
         return found.pop("eval_loss"), found
@@ -613,7 +616,7 @@ class DeviceLoop:
         from functional_pp.data.loader import to_device
         if self.sampler is not None:
             batch, self.rollout_metrics[self.step + 1] = self.sampler.step_batch(
-                self.job.step_fn, self.state["params"], self.loader, self.step, self.shard)
+                self.job.step_fn, self.job.whole_params(self.state["params"]), self.loader, self.step, self.shard)
         else:
             batch = next(self.loader)
         return to_device(batch, self.job.device)        # pinned + non-blocking on CUDA
@@ -696,20 +699,25 @@ class DeviceLoop:
                                   f"{r.manager.path(self.step)}; continue with --resume")
 
 
-def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, **options):
+def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, copies: tuple[str, ...] = (),
+                **options):
     """The training step: :func:`~functional_pp.step.train.train_step`, or with a ``pp`` axis
     :func:`~functional_pp.step.pipeline.pipeline_step` (the config's schedule and virtual
-    stages, the family's first- and last-stage parameters)."""
+    stages, the family's first- and last-stage parameters); ``copies``: keys of whole copies of
+    the model in the tree (a preference run's frozen reference), split over the stages alike."""
     from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
     from functional_pp.step.train import train_step
     if "pp" not in mesh.shape:
         return train_step(loss, opt, mesh=mesh, rules=rules, **options)
     first, last = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
+    layers = ("layers", *(f"{c}.layers" for c in copies))
+    first, last = (tuple(ends) + tuple(f"{c}.{n}" for c in copies for n in ends) for ends in (first, last))
     try:
         with warnings.catch_warnings():     # the config check already warned (config/checks.py)
             warnings.simplefilter("ignore", FewMicroBatchesWarning)
             return pipeline_step(loss, opt, mesh=mesh, rules=rules, schedule=cfg.pp_schedule,
-                                 virtual_stages=cfg.pp_virtual_stages, first_stage=first, last_stage=last,
+                                 virtual_stages=cfg.pp_virtual_stages, layers=layers, first_stage=first,
+                                 last_stage=last,
                                  fsdp_gather=cfg.pp_fsdp_gather, **options)
     except ValueError as exc:
         raise ConfigError(f"pp_size {mesh.shape['pp']}: {exc}") from exc

@@ -101,7 +101,7 @@ _KTO_ONLY = ("kto_desirable_weight", "kto_undesirable_weight", "kto_loss_type")
 
 def check_preference(cfg: Any, add) -> None:
     """``rl:``: one of :data:`RL_METHODS`; a known method not built yet refused by name with why;
-    the preference keys only with ``rl``; preference data unpacked, no pipeline."""
+    the preference keys only with ``rl``; preference data unpacked."""
     for key in ("trl", "vllm"):
         if getattr(cfg, key) is not None and str(cfg.rl).lower() not in ("grpo", "gdpo"):
             add(f"'{key}' is not supported with rl: {cfg.rl} (it holds the GRPO settings of rl: grpo / gdpo): "
@@ -147,9 +147,6 @@ def check_preference(cfg: Any, add) -> None:
             add(f"{key} is read by rl: dpo only (this config has rl: {cfg.rl}): remove it")
     if not 0 <= cfg.dpo_label_smoothing < 0.5:
         add(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
-    if cfg.pp_size > 1:
-        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: preference training under a pipeline is not built; "
-            f"use dp / fsdp / tp / cp")
     from functional_pp.data.pairs import PAIR_TYPES, user_defined_problem
     from functional_pp.data.unpaired import KTO_TYPES
     types, fields = ((KTO_TYPES, "prompt / completion / label fields (field_prompt, field_completion, field_label)")
@@ -241,7 +238,7 @@ def check_reward(cfg: Any, add) -> None:
 
 def _check_grpo(cfg: Any, add) -> None:
     """``rl: grpo`` / ``gdpo``: the ``trl:`` section (preference/grpo_spec.py), prompts to sample
-    from, no pipeline, no offline preference keys."""
+    from, no offline preference keys."""
     from functional_pp.preference.grpo_spec import grpo_spec
     try:
         spec = grpo_spec(cfg.rl, cfg.trl, cfg.vllm)
@@ -254,10 +251,6 @@ def _check_grpo(cfg: Any, add) -> None:
     for key in _OFFLINE_ONLY + _KTO_ONLY:
         if getattr(cfg, key) is not None:
             add(f"{key} is not read by rl: {cfg.rl} (its beta is trl.beta): remove it")
-    if cfg.pp_size > 1:
-        add(f"rl: {cfg.rl} with pp_size {cfg.pp_size}: GRPO under a pipeline is not built (sampling would pass "
-            f"every new token through the stages one after another, and no pipelined KV cache is built); use "
-            f"dp / fsdp / tp / cp")
     if not cfg.datasets:
         add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
             f"(docs/preference.md)")

@@ -20,6 +20,7 @@ forward is one compiled graph."""
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from functional_pp.parallel.step_backend import step_backend
 from functional_pp.compile.gate import CompileGate
 from functional_pp.compile.layer_compile import split_mode
 from functional_pp.compile.recompute import backward_region
+from functional_pp.core import step_values
+from functional_pp.core.runtime import current_rank
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.devices import mesh_view
 from functional_pp.ops.token_ids import checks_apart
@@ -63,7 +66,8 @@ class PipelineStep(TrainStep):
 
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b | zb_h1
     virtual_stages: int = 1          # model chunks per device (interleaved_1f1b)
-    layers: str = "layers"           # the list of repeated layers in the parameter tree
+    layers: str | tuple[str, ...] = "layers"   # the list of repeated layers in the parameter tree; several
+    #                                  lists of one length (a frozen reference copy's) are split alike
     first_stage: tuple[str, ...] = ()   # parameters (path prefixes) only the first stage holds (embedding)
     last_stage: tuple[str, ...] = ()    # ... only the last stage holds (final norm, head); the others,
     #                                     and those named in both (a tied embedding), every stage holds
@@ -89,9 +93,10 @@ class PipelineStep(TrainStep):
         # reduced as each backward makes them)
         self.policy = self.policy.replace(fsdp_prefetch=False, bucket_mb=None)
         p = self.stages
-        if p > 1 and self.rules[self.layers] != (PP,):
+        self.layer_lists = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
+        if p > 1 and self.rules[self.layer_lists[0]] != (PP,):
             raise ValueError(f"pipeline_step: the mesh has pp={p} but the rules do not split the layers over it; "
-                             f"add the rule {self.layers}='pp' (Rules(..., {self.layers}='pp'))")
+                             f"add the rule {self.layer_lists[0]}='pp' (Rules(..., {self.layer_lists[0]}='pp'))")
         check_sizes(self.schedule, p, self.virtual_stages, self.grad_accum)
         if self.grad_accum < p:
             warnings.warn(f"pipeline_step: {self.grad_accum} micro-batches on {p} stages: raise grad_accum "
@@ -100,9 +105,10 @@ class PipelineStep(TrainStep):
         self.timeline: Timeline = simulate(build(self.schedule, p, self.grad_accum, self.virtual_stages))
         self._rounds = self._lock_step()
         self._stage_of: list[int | None] | None = None
-        self._layer_of: list[int | None] | None = None
+        self._layer_of: list[tuple[int, int] | None] | None = None   # (layer list, layer) of each leaf
         self._shapes: list[tuple] | None = None
         self._per = 0                # layers per virtual stage
+        self._probes: dict[tuple, Probe] = {}     # per device and micro-batch shapes: passes and metrics
 
     @property
     def stages(self) -> int:
@@ -116,9 +122,8 @@ class PipelineStep(TrainStep):
         n_layers = self._count_layers(params)
         check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
         per = n_layers // (self.stages * self.virtual_stages)
-        prefix = self.layers + "."
-        layer_of = [int(p[len(prefix):].split(".")[0]) if p.startswith(prefix) else None for p in paths]
-        stage_of = [n // per if n is not None else self._end_stage(p) for n, p in zip(layer_of, paths)]
+        layer_of = [self._layer_at(p) for p in paths]
+        stage_of = [n[1] // per if n is not None else self._end_stage(p) for n, p in zip(layer_of, paths)]
         for name in (*self.first_stage, *self.last_stage):
             if not any(_under(p, name) for p in paths):
                 raise ValueError(f"pipeline_step: no parameter at {name!r} (first_stage / last_stage name path "
@@ -132,8 +137,15 @@ class PipelineStep(TrainStep):
         leaves, spec = tree_flatten(state["params"])
         leaves = [x if self._held(i, me) else x.new_empty(0) for i, x in enumerate(leaves)]
         state["params"] = tree_unflatten(spec, leaves)
-        state["opt_state"] = self.optimizer.init(state["params"])
+        state["opt_state"] = self.optimizer.init(self.spec.trainable_tree(state["params"]))
         return state
+
+    def _layer_at(self, path: str) -> tuple[int, int] | None:
+        """(which layer list, which layer) of a parameter path, or None outside the layers."""
+        for n, name in enumerate(self.layer_lists):
+            if path.startswith(name + "."):
+                return n, int(path[len(name) + 1:].split(".")[0])
+        return None
 
     def logical_state(self, state: dict) -> dict:
         """The whole training state on every stage, as one device (or ``train_step`` on the same
@@ -141,6 +153,17 @@ class PipelineStep(TrainStep):
         from the stage that holds them (a sum over ``pp`` with zeros elsewhere: exact). A layer
         keeps its name, so this state resumes on any pp size (:meth:`stage_state`) or without a
         pipeline."""
+        return self._map_param_leaves(state, self._whole_leaf())
+
+    def logical_params(self, params: Any) -> Any:
+        """The whole parameter tree on every stage (:meth:`logical_state`'s parameters, without
+        the optimizer state): what a forward of the whole model needs (GRPO's sampling)."""
+        whole = self._whole_leaf()
+        leaves, spec = tree_flatten(params)
+        return tree_unflatten(spec, [whole(i, x) for i, x in enumerate(leaves)])
+
+    def _whole_leaf(self):
+        """``fn(i, leaf)``: parameter ``i`` (or a leaf mirroring it) whole, from the stage holding it."""
         me = axis_index(PP) if self.stages > 1 else 0
 
         def whole(i: int, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +171,7 @@ class PipelineStep(TrainStep):
                 return x
             mine = x if self._held(i, me) else torch.zeros(self._shapes[i], dtype=x.dtype, device=x.device)
             return raw_all_reduce(mine, PP, "sum")
-        return self._map_param_leaves(state, whole)
+        return whole
 
     def stage_state(self, state: dict) -> dict:
         """This device's part of a whole training state (:meth:`logical_state` of a pipeline of
@@ -159,28 +182,37 @@ class PipelineStep(TrainStep):
         me = axis_index(PP) if self.stages > 1 else 0
         return self._map_param_leaves(state, lambda i, x: x if self._held(i, me) else x.new_empty(0))
 
-    @staticmethod
-    def _map_param_leaves(state: dict, fn) -> dict:
+    def _map_param_leaves(self, state: dict, fn) -> dict:
         """``state`` with ``fn(i, leaf)`` applied to parameter ``i`` and to the optimizer state's
-        leaves that mirror it (Adam's moments; ``optim.state_like_params``)."""
+        leaves that mirror it (Adam's moments of the trained parameters; ``optim.state_like_params``)."""
         leaves, spec = tree_flatten(state["params"])
         params = tree_unflatten(spec, [fn(i, x) for i, x in enumerate(leaves)])
         opt_leaves, opt_spec = tree_flatten(state["opt_state"])
         like = tree_leaves(state_like_params(state["opt_state"]))
+        trained = [i for i, t in enumerate(self._trains(len(leaves))) if t]
         out, seen = [], 0
         for x, mirrors in zip(opt_leaves, like):
-            out.append(fn(seen % len(leaves), x) if mirrors else x)
+            out.append(fn(trained[seen % len(trained)], x) if mirrors else x)
             seen += bool(mirrors)
         return {**state, "params": params, "opt_state": tree_unflatten(opt_spec, out)}
 
+    def _trains(self, n: int) -> tuple[bool, ...]:
+        return self.spec.trainable or (True,) * n
+
     def _count_layers(self, params: Any) -> int:
-        node = params
-        for key in self.layers.split("."):
-            node = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(node, (list, tuple)) or not node:
-            raise ValueError(f"pipeline_step: the parameter tree has no list of layers at {self.layers!r} "
-                             f"(pass layers='path.to.list' naming the repeated layers)")
-        return len(node)
+        counts = []
+        for name in self.layer_lists:
+            node = params
+            for key in name.split("."):
+                node = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(node, (list, tuple)) or not node:
+                raise ValueError(f"pipeline_step: the parameter tree has no list of layers at {name!r} "
+                                 f"(pass layers='path.to.list' naming the repeated layers)")
+            counts.append(len(node))
+        if len(set(counts)) > 1:
+            raise ValueError(f"pipeline_step: the layer lists {', '.join(map(repr, self.layer_lists))} hold "
+                             f"{', '.join(map(str, counts))} layers; lists split alike need one length")
+        return counts[0]
 
     def _end_stage(self, path: str) -> int | None:
         """The virtual stage that alone holds a parameter outside the layers, or None (all do)."""
@@ -202,9 +234,11 @@ class PipelineStep(TrainStep):
         me = axis_index(PP) if p > 1 else 0
         leaves, treespec = tree_flatten(params)
         held = [self._held(i, me) for i in range(len(leaves))]
-        xs = [x.detach().requires_grad_(x.is_floating_point()) if h else
+        # frozen leaves enter without requires_grad: no gradient, no optimizer state (as train_step)
+        trains = self._trains(len(leaves))
+        xs = [x.detach().requires_grad_(x.is_floating_point() and t) if h else
               torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
-              for x, h, shape in zip(leaves, held, self._shapes)]
+              for x, h, t, shape in zip(leaves, held, trains, self._shapes)]
         micro = split_micro(batch, self.grad_accum)
         weights, tokens = self._micro_weights(micro)
         acc = acc_dtype([x for x, h in zip(leaves, held) if h])
@@ -228,16 +262,22 @@ class PipelineStep(TrainStep):
                 named = [once.named(i, compute) if i in once.full else x for i, x in enumerate(named)]
             return tree_unflatten(treespec, [x if h else gathered_stand_in(x) for x, h in zip(named, held)])
         # shapes only: every parameter a stand-in
-        boundary = self._boundary(stage_params([False] * len(xs)), micro[0]) if p > 1 else None
+        probe = self._probe(stage_params([False] * len(xs)), micro[0]) if p > 1 else None
+        boundary = probe.boundary if p > 1 else None
+        reported = []            # the values the last stage's loss reports (core/step_values.py), per micro-batch
 
         def forward(k: int, j: int) -> None:
             nonlocal total
             x_in = inbox.pop(("act", k - 1, j)).detach().requires_grad_() if k > 0 else None
             named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in micro[j].items()}
-            y, cut = self._stage(k)(stage_params(), x_in, named_batch)    # per micro-batch, as train_step
+            passes = probe.split(x_in) if x_in is not None else None
+            with step_values.collecting() as found:
+                y, cut = self._stage(k)(stage_params(), passes, named_batch,     # per micro-batch, as train_step
+                                        probe.passes if probe is not None else 1)
             if cut:
                 outbox[("act", k, j)] = y.detach()
             else:
+                reported.append(found)
                 y = y.to(acc) * weights[j].to(acc)
                 total = total + y.detach()
             saved[(k, j)] = (x_in, y, None)
@@ -249,7 +289,7 @@ class PipelineStep(TrainStep):
             wrt = wrt_of[k]
             want = ([x_in] if x_in is not None and part != "BW" else []) + \
                    ([once.target(i, xs[i]) if once else xs[i] for i in wrt] if part != "BI" else [])
-            if want:
+            if want and y.requires_grad:
                 with backward_region():
                     gs = resolve_pending(torch.autograd.grad(y, want, grad_outputs=g, allow_unused=True,
                                                              retain_graph=part == "BI"))
@@ -274,20 +314,29 @@ class PipelineStep(TrainStep):
         if once is not None:     # one reduce-scatter per unit, of the gradients of every micro-batch
             for i, g in once.reduce().items():
                 grads[i] = grads[i] + g.to(grads[i].dtype)
+        values = step_values.combine(reported)
         if p > 1:       # the parameters outside the layers: their gradients come from the first and last stage
-            grads = [raw_all_reduce(g, PP, "sum") if k is None and x.is_floating_point() else g
-                     for g, k, x in zip(grads, self._stage_of, leaves)]
+            grads = [raw_all_reduce(g, PP, "sum") if k is None and x.is_floating_point() and t else g
+                     for g, k, x, t in zip(grads, self._stage_of, leaves, trains)]
             total = raw_all_reduce(total, PP, "sum")
-        up = update_phase(self.optimizer, grads, treespec, params, opt_state, total, self._norm_groups(mesh),
+            # the loss's reported values come from the last stage: every stage gets them
+            values = {name: raw_all_reduce(values[name] if name in values else
+                                           torch.zeros(shape, dtype=dtype, device=total.device), PP, "sum")
+                      for name, (shape, dtype) in probe.reported.items()}
+        trained = self.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
+        up = update_phase(self.optimizer, [g for g, t in zip(grads, trains) if t], tree_flatten(trained)[1],
+                          trained, opt_state, total, self._norm_groups(mesh),
                           donate_state=self.donate_state if donate_state is None else donate_state,
                           params_finite=params_finite, peaks=peaks)
         # deferred: the skip chosen on the device (step/metrics_modes.py)
-        up.params, up.opt_state = self._metrics.chosen(up, leaves, opt_state)
+        up.params, up.opt_state = self._metrics.chosen(up, tree_leaves(trained), opt_state)
+        up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
         lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
         skip = (~up.finite).to(torch.int64)
         metrics = {"loss": total, "grad_norm": up.grad_norm,
                    "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
-                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()}}
+                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
+                   **values}
         return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
                                 up.peaks)
 
@@ -313,16 +362,20 @@ class PipelineStep(TrainStep):
                 return gate(k, *args)
         return run
 
-    def _stage_forward(self, k: int, params, x_in: torch.Tensor | None, named_batch: dict):
+    def _stage_forward(self, k: int, params, x_in: tuple[torch.Tensor, ...] | None, named_batch: dict,
+                       passes: int = 1):
         last, per = self.stages * self.virtual_stages - 1, self._per
         try:
-            with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last)):
+            with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last, layers=per * (last + 1),
+                                        passes=passes)):
                 out = self.loss_fn(params, named_batch)
         except StageOutput as done:
-            return done.value.data, True
+            if not isinstance(done.value, tuple):
+                return done.value.data, True
+            return torch.cat([x.data.reshape(-1) for x in done.value]), True     # every pass's, one message
         if k < last:
             raise ValueError(f"pipeline_step: the model called fewer than {(k + 1) * per} layers but "
-                             f"{self.layers!r} lists {per * (last + 1)}; call every layer once per forward")
+                             f"{self.layer_lists[0]!r} lists {per * (last + 1)}; call every layer once per forward")
         out = settle(out)
         check_scalar_loss(out, "pipeline_step")
         return out.data, False
@@ -330,7 +383,7 @@ class PipelineStep(TrainStep):
     def _gather_once(self, xs: list[torch.Tensor], held: list[bool]) -> GatheredOnce:
         """This device's FSDP units gathered for the whole step: one per held layer, one for
         the held parameters outside the layers (uncast: the gradients accumulate in fp32)."""
-        units: dict[int | None, list[int]] = {}
+        units: dict[tuple[int, int] | None, list[int]] = {}
         for i, h in enumerate(held):
             if h and xs[i].is_floating_point():
                 units.setdefault(self._layer_of[i], []).append(i)
@@ -342,9 +395,10 @@ class PipelineStep(TrainStep):
         if self.stages == 1:
             return self.spec.axis_groups(mesh)
         out = []
+        trained = [i for i, t in enumerate(self._trains(len(self._stage_of))) if t]   # (indices among them)
         for axes, idx in self.spec.axis_groups(mesh):
-            layer = [i for i in idx if self._stage_of[i] is not None]
-            other = [i for i in idx if self._stage_of[i] is None]
+            layer = [i for i in idx if self._stage_of[trained[i]] is not None]
+            other = [i for i in idx if self._stage_of[trained[i]] is None]
             if layer:
                 out.append((tuple(a for a in mesh.axis_names if a in axes or a == PP), layer))
             if other:
@@ -386,19 +440,64 @@ class PipelineStep(TrainStep):
                 if m[4] == me:
                     inbox[m[:3]] = got
 
-    def _boundary(self, named_params, mb: dict) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the residual stream at a stage boundary (what a receiver passes
-        in): the model run up to its first layer."""
-        named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in mb.items()}
-        with torch.no_grad():
-            try:
-                with running_stage(StageRun(0, -1, None, cut=True)):     # stops at the first layer
-                    self.loss_fn(named_params, named_batch)
-            except StageOutput as first:
-                x = first.value.data
-                return tuple(x.shape), x.dtype
-        raise ValueError("pipeline_step: the model called no functional_pp.layer; a pipeline cuts the model "
-                         "at its layers")
+    def _probe(self, named_params, mb: dict) -> "Probe":
+        """What the stages exchange for micro-batches shaped like ``mb`` (cached per shapes): the
+        loss run once without layers on the parameters' stand-ins, no gradient, recording each
+        layer call's residual stream (each pass's shape) and the values the loss reports."""
+        # per device: a device that found another's probe would skip the collectives its group runs
+        key = (current_rank(), tuple((name, tuple(v.shape), v.dtype) for name, v in mb.items()))
+        found = self._probes.get(key)
+        if found is not None:
+            return found
+        named_batch = {name: wrap(val, self.batch_dims[name]) for name, val in mb.items()}
+        seen: list = []
+        with torch.no_grad(), step_values.collecting() as reported, \
+                running_stage(StageRun(0, -1, None, cut=False, seen=seen)):
+            self.loss_fn(named_params, named_batch)
+        layers = self._per * self.stages * self.virtual_stages
+        if not seen:
+            raise ValueError("pipeline_step: the model called no functional_pp.layer; a pipeline cuts the model "
+                             "at its layers")
+        if len(seen) % layers:
+            raise ValueError(f"pipeline_step: the loss called {len(seen)} layers, not a multiple of the {layers} "
+                             f"listed at {self.layer_lists[0]!r}; each forward of the model must call every layer once")
+        firsts = [x.data for x in seen[::layers]]
+        if len({x.dtype for x in firsts}) > 1:
+            raise ValueError(f"pipeline_step: the loss's forwards carry residual streams of dtypes "
+                             f"{', '.join(str(x.dtype) for x in firsts)}; the stages send them in one message, "
+                             f"of one dtype")
+        found = Probe([tuple(x.shape) for x in firsts], firsts[0].dtype,
+                      {name: (tuple(v.shape), v.dtype) for name, (v, _) in sorted(reported.items())})
+        with self._compile_lock:
+            self._probes[key] = found
+        return found
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The residual stream each forward (pass) of a micro-batch sends between stages, and the
+    metrics its loss reports (name -> shape, dtype)."""
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    reported: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @property
+    def passes(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def boundary(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of one stage-to-stage message: one pass's stream, or every pass's flat."""
+        if self.passes == 1:
+            return self.shapes[0], self.dtype
+        return (sum(math.prod(s) for s in self.shapes),), self.dtype
+
+    def split(self, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each pass's stream from a received message (views: gradients flow back to it)."""
+        if self.passes == 1:
+            return (received,)
+        sizes = [math.prod(s) for s in self.shapes]
+        return tuple(x.view(s) for x, s in zip(received.split(sizes), self.shapes))
 
 
 def _under(path: str, prefix: str) -> bool:

@@ -109,6 +109,28 @@ def test_fsdp_tp_steps_equal_one_device(task, tmp_path):
     assert runs["one"][1]["clip_ratio_region_mean"] > 0  # the reused generation: ratios away from 1
 
 
+def test_pipeline_steps_equal_one_device(task, tmp_path):
+    """pp 2 (1F1B, two micro-batches): every device samples with the whole model (its stages'
+    layers gathered over pp, ``logical_params``), the step runs the policy's and the frozen
+    reference's forwards through the stages; beta > 0, two updates per generation, held-out
+    prompts evaluated at steps 0, 2 and 3: rewards, losses, KL and clip ratios equal one device's."""
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("pp", 2, {"pp_size": 2})):
+        out = tmp_path / name
+        train(config(task, out, trl={"beta": 0.04, "num_iterations": 2}, micro_batch_size=8,
+                     gradient_accumulation_steps=2, learning_rate=3e-2, val_set_size=4, eval_steps=2,
+                     model={"preset": "tiny", "hidden": 32, "mlp": 64, "layers": 2}, **mesh),
+              simulate=sim, stream=io.StringIO())
+        runs[name] = read_metrics(out / "metrics.jsonl")
+    assert runs["one"][-1]["kl"] > 0 and sum("eval_loss" in m for m in runs["one"]) == 3
+    for a, b in zip(runs["one"], runs["pp"], strict=True):
+        assert a.keys() == b.keys()
+        assert a.get("reward") == b.get("reward") and a.get("eval_reward") == b.get("eval_reward")
+        for key in ("loss", "kl", "clip_ratio_region_mean", "grad_norm", "eval_loss"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
 def test_context_parallel_and_gspo_steps_equal_one_device(task, tmp_path):
     """cp 2 (cp 2 x FSDP 2, cp 2 x tp 2 with sequence_parallel): sampling keeps each row's sequence whole on every device of its
     cp group, the step splits it (load-balanced); GSPO's per-sequence ratio sums over the split
@@ -276,7 +298,6 @@ def test_bad_reward_functions_and_settings_are_refused_before_any_work(task, tmp
              ({"trl": {"reward_funcs": ["toy_rewards.missing"]}}, "has no function 'missing'"),
              ({"trl": {"min_p": 0.1}}, "trl.min_p: min-p sampling is not built"),
              ({"micro_batch_size": 6}, "global batch of 6 completions .* not a multiple of trl.num_generations 4"),
-             ({"pp_size": 2}, "rl: grpo with pp_size 2: GRPO under a pipeline is not built"),
              ({"val_set_size": 2}, "val_set_size: 2 held-out prompts are fewer than one evaluation batch's 4"),
              ({"trl": {"num_generations_eval": 3}, "val_set_size": 4},
               "global batch of 16 completions is not a multiple of trl.num_generations_eval 3"),

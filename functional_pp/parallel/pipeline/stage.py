@@ -6,11 +6,17 @@ the other calls pass their residual stream (the layer's second argument) through
 stage's first layer the residual stream is replaced by the activation received from the
 previous stage (its gradient flows back to that tensor); after the stage's last layer the
 rest of the model is cut short by :class:`StageOutput`, carrying the activation to send on.
-The last stage runs to the loss (docs/pipelines.md)."""
+The last stage runs to the loss (docs/pipelines.md).
+
+A loss may run the layers several times per micro-batch (*passes*: a preference loss's policy
+and reference forwards): call ``n`` is layer ``n mod layers`` of pass ``n div layers``; each
+pass takes its own received activation, and a cut stage ends after the last pass, sending
+every pass's activation. A probe (``seen``) runs no layer and records each call's residual
+stream, which gives the passes and their shapes."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,13 +36,19 @@ class StageOutput(Exception):
 
 @dataclass
 class StageRun:
-    """The layers ``first .. last`` (call indices) of one forward; ``x_in`` the received
-    activation (None on the first stage); ``cut`` whether the model stops after ``last``."""
+    """The layers ``first .. last`` (layer indices) of one forward; ``x_in`` the received
+    activation of each pass (None on the first stage); ``cut`` whether the model stops after
+    ``last`` of the last pass; ``layers`` the layers of one pass (0: calls are not counted in
+    passes); ``seen`` (a probe): run no layer, record each call's residual stream."""
     first: int
     last: int
-    x_in: torch.Tensor | None
+    x_in: tuple[torch.Tensor, ...] | None
     cut: bool
+    layers: int = 0
+    passes: int = 1
     calls: int = 0
+    sent: list = field(default_factory=list)
+    seen: list | None = None
 
     def layer(self, run: Callable[..., Any], args: tuple) -> Any:
         i = self.calls
@@ -46,14 +58,22 @@ class StageRun:
                             f"layer is fn(params, x, ...) -> x, x the residual stream it passes on")
         if self.cut and self.last < self.first:       # no layers: stop at the first (a probe)
             raise StageOutput(args[1])
+        if self.seen is not None:                     # a probe: record, run nothing
+            self.seen.append(args[1])
+            return args[1]
+        n, i = divmod(i, self.layers) if self.layers else (0, i)
         if not self.first <= i <= self.last:
             return args[1]
         x = args[1]
         if i == self.first and self.x_in is not None:
-            if tuple(self.x_in.shape) != tuple(x.data.shape):
-                raise ValueError(f"pipeline: layer {i} receives an activation of shape {tuple(self.x_in.shape)} "
-                                 f"but its residual stream here has shape {tuple(x.data.shape)}")
-            x = x.replace(data=self.x_in, tied=False, gathered_from=None)
+            if n >= len(self.x_in):
+                raise ValueError(f"pipeline: the model ran its layers {n + 1} times in this forward but "
+                                 f"{len(self.x_in)} times when probed; run them equally often in every forward")
+            if tuple(self.x_in[n].shape) != tuple(x.data.shape):
+                raise ValueError(f"pipeline: layer {i} receives an activation of shape "
+                                 f"{tuple(self.x_in[n].shape)} but its residual stream here has shape "
+                                 f"{tuple(x.data.shape)}")
+            x = x.replace(data=self.x_in[n], tied=False, gathered_from=None)
             args = (args[0], x, *args[2:])
         out = run(*args)
         if i == self.last and self.cut:
@@ -62,7 +82,11 @@ class StageRun:
                 raise ValueError(f"pipeline: layer {i} returns a value laid out as {meta_out} but takes its "
                                  f"residual stream as {meta_in}; a stage boundary needs a layer whose result "
                                  f"is laid out like its input")
-            raise StageOutput(out)
+            if self.passes == 1:
+                raise StageOutput(out)
+            self.sent.append(out)
+            if n == self.passes - 1:
+                raise StageOutput(tuple(self.sent))
         return out
 
 
