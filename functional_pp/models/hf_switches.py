@@ -6,7 +6,8 @@ Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit 
 2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
 biases, partial rotary, GELU MLPs that are not gated, parallel blocks), Arcee (squared ReLU),
 Seed-OSS (its own output bias), Apertus (xIELU, q/k norms), Hunyuan dense (q/k norms after the
-rotary) and Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms).
+rotary), Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms) and
+Ministral 3 (Mistral with the queries scaled by position: attention temperature tuning in every layer).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -514,6 +515,54 @@ SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, La
     fixed=dict(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
                mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, head_dim=None, kv_heads=lambda cfg: cfg.heads))
 
+# --------------------------------------------------------------------------- Ministral 3
+_MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=16384,
+                        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)
+
+
+def _ministral3_prepare(hf: dict) -> dict:
+    """Ministral3Config's rope (YaRN with Llama 4's attention scaling) where config.json has none."""
+    if hf.get("rope_parameters") or hf.get("rope_scaling"):
+        return hf
+    return dict(hf, rope_parameters=dict(_MINISTRAL3_ROPE, max_position_embeddings=hf.get("max_position_embeddings",
+                                                                                            262144)))
+
+
+def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
+    # transformers: q times 1 + beta * log(1 + floor(pos / original_max_position_embeddings)) after the rotary
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None or not floor:
+        raise ValueError(f"{where}: rope_parameters needs llama_4_scaling_beta and original_max_position_embeddings "
+                         f"(Ministral 3's attention scaling by position), got {rope!r}")
+    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta))
+
+
+def _ministral3_write(cfg, out: dict) -> None:
+    out.pop("attention_bias", None)
+    floor = cfg.attn_temperature_floor
+    extra = dict(llama_4_scaling_beta=cfg.attn_temperature_scale,
+                 original_max_position_embeddings=int(floor) if float(floor).is_integer() else floor)
+    out["rope_parameters"].update(extra)
+    out["rope_scaling"] = dict(out["rope_scaling"] or {"rope_type": "default"}, **extra)
+    out["sliding_window"] = cfg.sliding_window
+
+
+def _ministral3_floor(cfg) -> float:
+    """The scaling's period export can write: YaRN's original_max_position_embeddings (one key in
+    rope_parameters for both), else the config's own (None: none to write, max_seq asked for)."""
+    original = getattr(cfg.rope_scaling, "original_max_position", None)
+    return float(original) if original is not None else cfg.attn_temperature_floor or float(cfg.max_seq)
+
+
+SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries scaled by position (every layer)
+    "Ministral3ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=262144, head_dim=128,
+                                  sliding_window=None, pad_token_id=11),
+    _ministral3_read, _ministral3_write, free=("attn_temperature_floor", "attn_temperature_scale"), windows=True,
+    prepare=_ministral3_prepare,
+    fixed=dict(attn_temperature_offset=0.0, attn_temperature_all_layers=True, qkv_bias=False, o_bias=False,
+               layer_types=None, attn_temperature_floor=_ministral3_floor))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -528,7 +577,7 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
-        ("mistral4", "Mistral Small 4"), ("ministral3", "Ministral 3"))},
+        ("mistral4", "Mistral Small 4"))},
     "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

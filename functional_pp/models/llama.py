@@ -201,10 +201,14 @@ class Config:
     attention_chunk: int | None = None
     # a weightless RMSNorm of q and k over head_dim after the rotary, in the rotating layers (Llama 4's use_qk_norm)
     qk_l2_norm: bool = False
-    # attention temperature tuning of the NoPE layers: q times log1p(floor((pos + 1) / floor)) * scale + 1
-    # (Llama 4's attn_temperature_tuning, floor_scale, attn_scale; None: off)
+    # attention temperature tuning: q times log1p(floor((pos + offset) / floor)) * scale + 1, in the NoPE
+    # layers (Llama 4's attn_temperature_tuning, floor_scale, attn_scale, offset 1) or, with
+    # attn_temperature_all_layers, in every layer after the rotary (Ministral 3's llama_4_scaling_beta over
+    # original_max_position_embeddings, offset 0); None: off
     attn_temperature_floor: float | None = None
     attn_temperature_scale: float = 0.1
+    attn_temperature_offset: float = 1.0
+    attn_temperature_all_layers: bool = False
     # the routing weights scale each expert's input instead of its output (Llama 4; ops.experts' weights_on_input)
     experts_scale_input: bool = False
     # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
@@ -653,14 +657,17 @@ def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments:
     return _attention(p, h, pos, cfg, segments, window, chunk)
 
 
-def _temperature(q: Named, cfg: Config) -> Named:
-    """Llama 4's attention temperature tuning of a NoPE layer's queries: times
-    ``log1p(floor((pos + 1) / floor)) * scale + 1`` of each query's position."""
-    if kv_cache.active() is not None:
-        raise ValueError("sampling with a key / value cache does not support attention temperature tuning yet "
-                         "(attn_temperature_floor)")
-    pos = ops.positions("seq", q.size("seq"), device=q.data.device)
-    t = torch.log1p(torch.floor((pos.data.float() + 1.0) / cfg.attn_temperature_floor)) * cfg.attn_temperature_scale + 1
+def _temperature(q: Named, pos: Named | None, cfg: Config) -> Named:
+    """Attention temperature tuning of the queries (Llama 4's NoPE layers, Ministral 3's every layer):
+    times ``log1p(floor((pos + offset) / floor)) * scale + 1`` of each query's position ``pos`` (None:
+    a NoPE layer's, from the sequence)."""
+    if pos is None:
+        if kv_cache.active() is not None:
+            raise ValueError("sampling with a key / value cache does not support attention temperature tuning of "
+                             "NoPE layers yet (attn_temperature_floor)")
+        pos = ops.positions("seq", q.size("seq"), device=q.data.device)
+    t = (torch.log1p(torch.floor((pos.data.float() + cfg.attn_temperature_offset) / cfg.attn_temperature_floor))
+         * cfg.attn_temperature_scale + 1)
     return (q * Named(t, list(pos.dims), list(pos.split))).astype(q.data.dtype)
 
 
@@ -694,8 +701,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
         q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
                 for x in (q, k))
-    if cfg.attn_temperature_floor is not None and pos is None:     # (Llama 4's NoPE layers)
-        q = _temperature(q, cfg)
+    if cfg.attn_temperature_floor is not None and (pos is None or cfg.attn_temperature_all_layers):
+        q = _temperature(q, pos, cfg)                     # (Llama 4's NoPE layers; Ministral 3's every layer)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache = True, kv_cache.active()
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)

@@ -878,7 +878,7 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
     if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
-    if mt in ("mistral", "phi3", "starcoder2"):     # every layer, when set (transformers ignores layer_types)
+    if mt in ("mistral", "phi3", "starcoder2", "ministral3"):   # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _class_defaults(mt)["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
@@ -944,8 +944,10 @@ def check_exportable(cfg: Config) -> None:
             return check_exportable(OWN_CONFIG[mt].as_llama(cfg))
         except ValueError as exc:
             raise UnsupportedHFConfig(str(exc)) from exc
-    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None,   # (theirs only)
-                             qk_l2_norm=False, attn_temperature_floor=None, experts_scale_input=False), where)
+    theirs = dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None, qk_l2_norm=False,
+                  attn_temperature_floor=None, experts_scale_input=False)     # (those families' only)
+    _refuse_unless(cfg, {k: v for k, v in theirs.items() if k not in (SWITCHES[mt].free if mt in SWITCHES else ())},
+                   where)
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,

@@ -1,0 +1,203 @@
+"""The gaps the families table named, each closed as an option of the one decoder
+(models/llama.py, models/hf_switches.py): Ministral 3 (Mistral with the queries scaled by
+position in every layer: the attention temperature tuning Llama 4 has in its NoPE layers, offset
+0). Tiny random models built by ``transformers`` from a config (no download) load through the HF
+import; logits equal transformers' (fp32), the loss and every gradient too (fp64); FSDP 2 x TP 2
+on a simulated mesh equals one device; export writes the same class, which loads with equal
+logits; LoRA's loss and adapter gradients equal peft's; what the classes cannot hold is refused
+by name; the new options train alike on real gloo processes."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_export_round_trip, fp64_beside_hf, make_batch, our_logits, parallel, single_device, tokens
+
+import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import llama
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=128, pad_token_id=None, bos_token_id=None,
+            eos_token_id=None)
+# YaRN over 4 positions with Llama 4's scaling: the queries of positions 4.. scaled (the 12-token batches)
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=4,
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.3)
+# name -> (model_type, config class, model class, config)
+FAMILIES = {
+    "ministral3": ("ministral3", "Ministral3Config", "Ministral3ForCausalLM", dict(
+        BASE, head_dim=16, rope_parameters=MINISTRAL3_ROPE)),
+    # a plain rope with the scaling (no YaRN), and a window in every layer
+    "ministral3_plain": ("ministral3", "Ministral3Config", "Ministral3ForCausalLM", dict(
+        BASE, head_dim=16, sliding_window=6, rope_parameters=dict(rope_type="default", rope_theta=1000.0,
+                                                                  original_max_position_embeddings=3,
+                                                                  llama_4_scaling_beta=0.5))),
+}
+# the switches whose removal must change the logits (they are not no-ops)
+SWITCHED_OFF = {"ministral3": [dict(attn_temperature_floor=None), dict(attn_temperature_offset=1.0)],
+                "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)]}
+LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+EAGER = dict(attn_implementation="eager")
+MESH = fpp.Mesh(dp_shard=2, tp=2)
+
+
+def _build(name: str):
+    _, conf, cls, kw = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**kw)).float().eval()
+    with torch.no_grad():               # O(1) logits, non-trivial norms and biases
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for name in FAMILIES:
+        model = _build(name)
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d, safe_serialization=True)
+        out[name] = (model, d)
+    return out
+
+
+def test_configs_read_each_family(saved):
+    cfg = hf.config_from_hf(saved["ministral3"][1])
+    assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale, cfg.attn_temperature_offset,
+            cfg.attn_temperature_all_layers, cfg.rope_scaling.original_max_position) == (4.0, 0.3, 0.0, True, 4)
+    cfg = hf.config_from_hf(saved["ministral3_plain"][1])
+    assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale, cfg.rope_scaling, cfg.sliding_window) == (
+        3.0, 0.5, None, 6)
+    # Ministral3Config's rope where config.json has none: YaRN 16 over 16384, base 1e6, beta 0.1
+    cfg = hf.config_from_hf(dict(BASE, model_type="ministral3"))
+    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.attn_temperature_floor, cfg.attn_temperature_scale,
+            cfg.dim_head) == (1e6, 16.0, 16384.0, 0.1, 128)
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_import_logits_equal_transformers(saved, name):
+    model, d = saved[name]
+    cfg, params = hf.load_hf_llama(d)
+    assert cfg.model_type == FAMILIES[name][0]
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    for change in SWITCHED_OFF[name]:
+        assert not torch.allclose(our_logits(params, dataclasses.replace(cfg, **change), toks), want, atol=1e-3), change
+
+
+def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, ours, transformers') of every gradient of the in-memory transformers model."""
+    ours = dict(tree.leaves_with_paths(grads))
+    files = {n: parts for n, parts in hf._file_tensors(llama.init(cfg), cfg)}
+    out = []
+    for name, p in model.named_parameters():
+        parts = files[name]
+        g = hf.fuse_rows([kind.to_hf(ours[q]) for q, kind, _ in parts], cfg, getattr(parts[0][1], "row_axis", 0))
+        out.append((name, g, p.grad))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_loss_and_gradients_equal_transformers(saved, name):
+    _, d = saved[name]
+    model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    got = _hf_grads(model, cfg, grads)
+    assert len(got) == len(list(model.parameters()))
+    for n, g, g0 in got:
+        torch.testing.assert_close(g, g0, rtol=1e-5, atol=max(1e-6 * g0.abs().max().item(), 1e-8),
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fsdp_tp_equals_one_device(saved, name):
+    """FSDP 2 x TP 2 on a simulated mesh: the loss and every gradient equal one device's (fp64)."""
+    cfg, full64 = hf.load_hf_llama(saved[name][1], dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss0, grads0 = single_device(cfg, full64, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, llama.default_rules())):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_export_round_trip_in_transformers(saved, tmp_path, name):
+    mt, _, cls, _ = FAMILIES[name]
+    assert_export_round_trip(saved[name][1], tmp_path / "out", mt, cls, **EAGER)
+
+
+@pytest.mark.parametrize("name", list(LORA))
+def test_lora_equals_peft(saved, name):
+    """LoRA (B nonzero) on the family's projections: the loss and every adapter gradient equal
+    peft's on transformers' model."""
+    peft = pytest.importorskip("peft")
+    from harness import train_adapters
+
+    from functional_pp import adapters
+    from functional_pp.adapters import peft_dir
+    targets, d = LORA[name], saved[name][1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    cfg = hf.config_from_hf(d)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=targets)
+    decls = adapters.init(llama.init(cfg), lc)
+    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(hf.load_hf_params(d, cfg), peft_dir.from_peft(state, decls))
+    batch = make_batch(cfg, batch=2, seq=12, seed=3)
+    ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
+    logits = pm(input_ids=batch["tokens"]).logits
+    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
+    grads = peft_dir.to_peft(ours[1])
+    want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
+    for k in want:
+        assert want[k].abs().max() > 0, k
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+
+
+def test_refused_by_name(saved, tmp_path):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF ministral3 config: rope_parameters needs "
+                                                         r"llama_4_scaling_beta and original_max_position_embeddings"):
+        hf.config_from_hf(dict(BASE, model_type="ministral3", rope_parameters=dict(rope_type="default",
+                                                                                   rope_theta=1e4)))
+    # export refuses what the class cannot hold, before writing anything
+    cfg = hf.config_from_hf(saved["ministral3"][1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    for change, msg in ((dict(attn_temperature_floor=8.0), r"attn_temperature_floor=8.0 has no Ministral3ForCausalLM "
+                                                           r"equivalent \(it needs 4.0\)"),
+                        (dict(attn_temperature_offset=1.0), r"attn_temperature_offset=1.0 has no"),
+                        (dict(qk_norm=True), r"qk_norm=True has no")):
+        with pytest.raises(ck.CheckpointMismatchError, match=rf"export as 'ministral3': {msg}"):
+            hf.save_hf_llama(params, dataclasses.replace(cfg, **change), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'mistral': attn_temperature_floor=4.0 has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="mistral"), tmp_path / "no")
+    assert not (tmp_path / "no").exists()
+
+
+def test_new_options_train_alike_on_real_processes():
+    """Two float64 AdamW steps with FSDP 2 x TP 2 on four real gloo processes of a tiny model with
+    every option of this file on equal one device: Ministral 3's scaled queries (each rank's own
+    positions)."""
+    from harness import assert_processes_equal_one_device
+    cfg = llama.Config.tiny(attn_temperature_floor=4.0, attn_temperature_scale=0.5, attn_temperature_offset=0.0,
+                            attn_temperature_all_layers=True)
+    assert_processes_equal_one_device(cfg)
