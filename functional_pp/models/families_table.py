@@ -61,7 +61,8 @@ ROWS: tuple[Row, ...] = (
     Row(("olmo2", "olmo3"), "norms after each block, q/k norms across heads; OLMo 3: sliding layers, a rope base "
                             "per layer type"),
     Row(("cohere", "cohere2"), "parallel attention + MLP, bias-free LayerNorm, interleaved rotary, logit scale; "
-                               "Cohere 2: sliding layers, NoPE full layers", "Command R+'s q/k LayerNorm (`use_qk_norm`)"),
+                               "Cohere 2: sliding layers, NoPE full layers; Command R+'s q/k LayerNorms of a weight per head "
+                               "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
                                      "biases, GELU MLP (Phi, GPT-J), parallel residual",
         "StableLM's per-head q/k LayerNorm (`qk_layernorm`)"),

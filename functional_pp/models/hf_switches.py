@@ -22,7 +22,7 @@ from typing import Any, Callable
 __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
-                             qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
+                             qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False)
 """The switches' values in Llama (and in every family that does not name them)."""
@@ -124,18 +124,20 @@ _OLMO = dict(fixed=dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_n
 
 # --------------------------------------------------------------------------- Cohere
 def _cohere_read(hf: dict, get: Get, where: str) -> dict:
-    if hf.get("use_qk_norm"):
-        raise ValueError(f"{where}: use_qk_norm=True (Command R+) is not supported yet (its per-head "
-                         f"LayerNorm of q and k); only Command R's use_qk_norm=False")
-    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")))
+    # Command R+ (use_qk_norm): a bias-free LayerNorm of q and k with a weight per head, before the rotary
+    qk = bool(hf.get("use_qk_norm"))
+    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")), qk_norm=qk,
+                qk_norm_per_head=qk)
 
 
 def _cohere_write(cfg, out: dict) -> None:
-    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
+    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=cfg.qk_norm)
 
 
 def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
-    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary
+    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary (no q/k norms)
+    if hf.get("use_qk_norm"):
+        raise ValueError(f"{where}: use_qk_norm=True is not supported (Cohere2ForCausalLM has no q/k norms)")
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                       for i in range(int(hf["num_hidden_layers"]))]
     return dict(_cohere_read(hf, get, where), nope_layers=tuple(i for i, t in enumerate(types)
@@ -144,6 +146,7 @@ def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
 
 def _cohere2_write(cfg, out: dict) -> None:
     _cohere_write(cfg, out)
+    out["use_qk_norm"] = False
     out.update(sliding_window=cfg.sliding_window,
                layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)])
 
@@ -223,8 +226,9 @@ SWITCHES: dict[str, Switches] = {
                       _no_fields, _olmo3_write, windows=True, **_OLMO),
     "cohere": Switches("CohereForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=8192,
                                                  logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
-                       _cohere_read, _cohere_write, free=("logit_scale",),
-                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True)),
+                       _cohere_read, _cohere_write, free=("logit_scale", "qk_norm"),
+                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True,
+                                  qk_norm_per_head=lambda cfg: cfg.qk_norm)),
     "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
                     _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
                     fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,

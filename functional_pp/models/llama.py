@@ -148,6 +148,9 @@ class Config:
     pre_norms: bool = True
     # q/k norms over every head at once (OLMo 2: weights heads x head_dim), not per head
     qk_norm_heads: bool = False
+    # q/k norms with a weight per head (heads x head_dim), each head normalised over head_dim (Command R+'s
+    # use_qk_norm, StableLM's qk_layernorm)
+    qk_norm_per_head: bool = False
     # Granite's multipliers: the embedding times embedding_multiplier, each residual branch
     # (attention, MLP) times residual_multiplier; the logits times logit_scale (Granite's
     # 1 / logits_scaling, Cohere's logit_scale)
@@ -311,6 +314,9 @@ class Config:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
             raise ValueError("qk_norm_heads=True needs qk_norm=True")
+        if self.qk_norm_per_head and (not self.qk_norm or self.qk_norm_heads):
+            raise ValueError("qk_norm_per_head=True needs qk_norm=True and qk_norm_heads=False (a weight per head, "
+                             "each head normalised over head_dim)")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.parallel_mlp_norm and not self.parallel_block:
@@ -569,7 +575,7 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
         if cfg.o_bias:
             a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
-        if cfg.qk_norm and cfg.qk_norm_heads:       # over every head (OLMo 2)
+        if cfg.qk_norm and (cfg.qk_norm_heads or cfg.qk_norm_per_head):   # over every head (OLMo 2) or per head
             a["q_norm"] = param((cfg.heads, D), "heads head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((cfg.kv_heads, D), "kv_heads head_dim", init=ones, dtype=dtype)
         elif cfg.qk_norm:
@@ -626,21 +632,23 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None) -> Named:
+def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None, over: str | None = None) -> Named:
     """RMSNorm (``cfg.norm_kind`` layer: LayerNorm, centred) over the weight's dimensions (all
-    of them: OLMo 2's q/k norms span the heads), scaled by ``cfg.norm_offset + weight``. With an
+    of them: OLMo 2's q/k norms span the heads; ``over``: that one only, a weight per head),
+    scaled by ``cfg.norm_offset + weight``. With an
     offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
     ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    dims = over or weight.dims
     if bias is not None:                                  # LayerNorm with a bias (Phi)
-        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=weight.dims,
+        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=dims,
                               eps=cfg.norm_eps)
     normalize = ops.layer_norm if cfg.norm_kind == "layer" else ops.rms_norm
     if not cfg.norm_offset:
-        return normalize(x, weight, dim=weight.dims, eps=cfg.norm_eps)
+        return normalize(x, weight, dim=dims, eps=cfg.norm_eps)
     dtype = x.data.dtype
     if dtype not in (torch.float16, torch.bfloat16):
-        return normalize(x, weight + cfg.norm_offset, dim=weight.dims, eps=cfg.norm_eps)
-    wide = normalize(x.astype(torch.float32), dim=weight.dims, eps=cfg.norm_eps)
+        return normalize(x, weight + cfg.norm_offset, dim=dims, eps=cfg.norm_eps)
+    wide = normalize(x.astype(torch.float32), dim=dims, eps=cfg.norm_eps)
     return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
@@ -671,6 +679,12 @@ def _temperature(q: Named, pos: Named | None, cfg: Config) -> Named:
     return (q * Named(t, list(pos.dims), list(pos.split))).astype(q.data.dtype)
 
 
+def _qk_norms(a: dict, q: Named, k: Named, cfg: Config) -> tuple[Named, Named]:
+    """The q/k norms: per head over head_dim (one weight for all, or one per head) or over every head."""
+    over = "head_dim" if cfg.qk_norm_per_head else None
+    return norm(q, a["q_norm"], cfg, over=over), norm(k, a["k_norm"], cfg, over=over)
+
+
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
                window: int | None, chunk: int | None = None) -> Named:
     a = p["self_attn"]
@@ -688,7 +702,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         c = cfg.clip_qkv
         q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
-        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
+        q, k = _qk_norms(a, q, k, cfg)
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
         theta, scaling = cfg.local_rope_theta, None
     else:
@@ -697,7 +711,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
         k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
-        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
+        q, k = _qk_norms(a, q, k, cfg)
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
         q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
                 for x in (q, k))

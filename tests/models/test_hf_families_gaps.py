@@ -1,7 +1,8 @@
 """The gaps the families table named, each closed as an option of the one decoder
 (models/llama.py, models/hf_switches.py): Ministral 3 (Mistral with the queries scaled by
 position in every layer: the attention temperature tuning Llama 4 has in its NoPE layers, offset
-0). Tiny random models built by ``transformers`` from a config (no download) load through the HF
+0); Command R+ (Cohere with ``use_qk_norm``: a LayerNorm of q and k with a weight per head,
+``qk_norm_per_head``). Tiny random models built by ``transformers`` from a config (no download) load through the HF
 import; logits equal transformers' (fp32), the loss and every gradient too (fp64); FSDP 2 x TP 2
 on a simulated mesh equals one device; export writes the same class, which loads with equal
 logits; LoRA's loss and adapter gradients equal peft's; what the classes cannot hold is refused
@@ -37,11 +38,15 @@ FAMILIES = {
         BASE, head_dim=16, sliding_window=6, rope_parameters=dict(rope_type="default", rope_theta=1000.0,
                                                                   original_max_position_embeddings=3,
                                                                   llama_4_scaling_beta=0.5))),
+    # Command R+: q/k LayerNorms of a weight per head (heads x head_dim), each head over head_dim
+    "cohere_qk": ("cohere", "CohereConfig", "CohereForCausalLM", dict(BASE, use_qk_norm=True, logit_scale=0.5)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"ministral3": [dict(attn_temperature_floor=None), dict(attn_temperature_offset=1.0)],
-                "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)]}
-LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+                "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)],
+                "cohere_qk": []}
+LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj")}
 EAGER = dict(attn_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -80,6 +85,9 @@ def test_configs_read_each_family(saved):
     assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.attn_temperature_floor, cfg.attn_temperature_scale,
             cfg.dim_head) == (1e6, 16.0, 16384.0, 0.1, 128)
     assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    cfg = hf.config_from_hf(saved["cohere_qk"][1])
+    assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind) == (True, True, "layer")
+    assert llama.init(cfg)["layers"][0]["self_attn"]["k_norm"].dims == ("kv_heads", "head_dim")
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -185,19 +193,47 @@ def test_refused_by_name(saved, tmp_path):
     for change, msg in ((dict(attn_temperature_floor=8.0), r"attn_temperature_floor=8.0 has no Ministral3ForCausalLM "
                                                            r"equivalent \(it needs 4.0\)"),
                         (dict(attn_temperature_offset=1.0), r"attn_temperature_offset=1.0 has no"),
-                        (dict(qk_norm=True), r"qk_norm=True has no")):
+                        (dict(qk_norm=True), r"qk_norm=True has no"), (dict(qk_norm=True, qk_norm_per_head=True),
+                                                                          r"qk_norm_per_head=True has no")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"export as 'ministral3': {msg}"):
             hf.save_hf_llama(params, dataclasses.replace(cfg, **change), tmp_path / "no")
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'mistral': attn_temperature_floor=4.0 has no"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="mistral"), tmp_path / "no")
+    cfg = hf.config_from_hf(saved["cohere_qk"][1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'cohere': qk_norm_per_head=False has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, qk_norm_per_head=False), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'cohere2': qk_norm=True has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="cohere2", nope_layers=(0, 1)), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF cohere2 config: use_qk_norm=True is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="cohere2", use_qk_norm=True))
     assert not (tmp_path / "no").exists()
+
+
+def test_qk_norm_per_head_is_each_heads_own(saved):
+    """Each head's q/k norm weight acts on that head only: a per-head weight that differs per head
+    (as the files') is needed for transformers' logits, and one head's weights change only what
+    its heads' norm gives."""
+    model, d = saved["cohere_qk"]
+    cfg, params = hf.load_hf_llama(d)
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    shared = tree.tree_map(lambda x: x, params)
+    for layer in shared["layers"]:
+        for n in ("q_norm", "k_norm"):
+            w = layer["self_attn"][n]
+            layer["self_attn"][n] = w.mean(0, keepdim=True).expand_as(w).clone()
+    assert not torch.allclose(our_logits(shared, cfg, toks), want, atol=1e-3)
+    with pytest.raises(ValueError, match=r"qk_norm_per_head=True needs qk_norm=True and qk_norm_heads=False"):
+        llama.Config.tiny(qk_norm_per_head=True)
 
 
 def test_new_options_train_alike_on_real_processes():
     """Two float64 AdamW steps with FSDP 2 x TP 2 on four real gloo processes of a tiny model with
     every option of this file on equal one device: Ministral 3's scaled queries (each rank's own
-    positions)."""
+    positions) and q/k LayerNorms of a weight per head (split with the heads over tp)."""
     from harness import assert_processes_equal_one_device
     cfg = llama.Config.tiny(attn_temperature_floor=4.0, attn_temperature_scale=0.5, attn_temperature_offset=0.0,
-                            attn_temperature_all_layers=True)
+                            attn_temperature_all_layers=True, norm_kind="layer", qk_norm=True, qk_norm_per_head=True)
     assert_processes_equal_one_device(cfg)
