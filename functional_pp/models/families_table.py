@@ -70,8 +70,7 @@ ROWS: tuple[Row, ...] = (
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
     Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",
         "dropout (`residual_dropout`, `embedding_dropout`: refused by name, set them to 0.0)"),
-    Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary",
-        "`mlp_bias`"),
+    Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary, `mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
                    "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
@@ -85,8 +84,8 @@ ROWS: tuple[Row, ...] = (
         "`query_key_value` (export merged)"),
     Row(("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared"),
         "a mixture of experts (dropless top-k or a static capacity that compiles, a per-device token cap, "
-        "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert); expert parallelism is a rule for "
-        "`experts` (docs/experts.md)", f"{_EXPERT_PEFT}; OLMoE's `clip_qkv`"),
+        "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert, "
+        "OLMoE's `clip_qkv`); expert parallelism is a rule for `experts` (docs/experts.md)", _EXPERT_PEFT),
     Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "

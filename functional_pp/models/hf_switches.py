@@ -467,18 +467,20 @@ SWITCHES["starcoder2"] = Switches(   # StarCoder 2: LayerNorms, a tanh-GELU MLP 
 
 # --------------------------------------------------------------------------- Nemotron
 def _nemotron_read(hf: dict, get: Get, where: str) -> dict:
-    return dict(norm_eps=float(get("norm_eps")),
+    return dict(norm_eps=float(get("norm_eps")), mlp_bias=bool(get("mlp_bias")),
                 partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")))
 
 
 def _nemotron_write(cfg, out: dict) -> None:
     out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-    out.update(norm_eps=out.pop("rms_norm_eps"), partial_rotary_factor=cfg.partial_rotary_factor, mlp_bias=False)
+    out.update(norm_eps=out.pop("rms_norm_eps"), partial_rotary_factor=cfg.partial_rotary_factor,
+               mlp_bias=cfg.mlp_bias)
 
 
 SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 + w, a bias), squared ReLU, partial rotary
-    "NemotronForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.5),
-    _nemotron_read, _nemotron_write, free=("partial_rotary_factor",), hidden_act="relu2",
+    "NemotronForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.5,
+                                mlp_bias=False),
+    _nemotron_read, _nemotron_write, free=("partial_rotary_factor", "mlp_bias"), hidden_act="relu2",
     fixed=dict(norm_kind="layer", norm_bias=True, norm_offset=1.0, mlp_gated=False, mlp_act="relu2"))
 
 # --------------------------------------------------------------------------- GPT-2

@@ -217,7 +217,8 @@ class Config:
     # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
     # embedding, and no rotary in any layer
     learned_positions: bool = False
-    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX's clip_qkv; None: no clamp)
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections and q/k norms (DBRX's, OLMoE's
+    # clip_qkv; None: no clamp)
     clip_qkv: float | None = None
     # Gemma 4: the full-attention layers' own head width and k/v heads (global_head_dim,
     # num_global_key_value_heads; None: head_dim, kv_heads), their v the k projection's output (k_eq_v:
@@ -698,11 +699,11 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         v = ops.rms_norm(v.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(v.data.dtype)
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
-    if cfg.clip_qkv is not None:                          # (DBRX: each entry clamped, its gradient 0 outside)
-        c = cfg.clip_qkv
-        q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
     if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
         q, k = _qk_norms(a, q, k, cfg)
+    if cfg.clip_qkv is not None:       # (DBRX, OLMoE after its q/k norms: each entry clamped, its gradient 0 outside)
+        c = cfg.clip_qkv
+        q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
         theta, scaling = cfg.local_rope_theta, None
     else:

@@ -2,7 +2,8 @@
 (models/llama.py, models/hf_switches.py): Ministral 3 (Mistral with the queries scaled by
 position in every layer: the attention temperature tuning Llama 4 has in its NoPE layers, offset
 0); Command R+ (Cohere with ``use_qk_norm``: a LayerNorm of q and k with a weight per head,
-``qk_norm_per_head``). Tiny random models built by ``transformers`` from a config (no download) load through the HF
+``qk_norm_per_head``); OLMoE's ``clip_qkv`` (DBRX's clamp, after the q/k norms); Nemotron's
+``mlp_bias``. Tiny random models built by ``transformers`` from a config (no download) load through the HF
 import; logits equal transformers' (fp32), the loss and every gradient too (fp64); FSDP 2 x TP 2
 on a simulated mesh equals one device; export writes the same class, which loads with equal
 logits; LoRA's loss and adapter gradients equal peft's; what the classes cannot hold is refused
@@ -40,14 +41,19 @@ FAMILIES = {
                                                                   llama_4_scaling_beta=0.5))),
     # Command R+: q/k LayerNorms of a weight per head (heads x head_dim), each head over head_dim
     "cohere_qk": ("cohere", "CohereConfig", "CohereForCausalLM", dict(BASE, use_qk_norm=True, logit_scale=0.5)),
+    # OLMoE: q, k and v clamped after the q/k norms (a bound the normed q/k entries pass)
+    "olmoe_clip": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
+        BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, clip_qkv=0.8)),
+    # Nemotron with the biases of its MLP's projections
+    "nemotron_bias": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(BASE, norm_eps=1e-5, mlp_bias=True)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"ministral3": [dict(attn_temperature_floor=None), dict(attn_temperature_offset=1.0)],
                 "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)],
-                "cohere_qk": []}
+                "cohere_qk": [], "olmoe_clip": [dict(clip_qkv=None)], "nemotron_bias": []}
 LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj")}
-EAGER = dict(attn_implementation="eager")
+EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
 
@@ -58,7 +64,7 @@ def _build(name: str):
     with torch.no_grad():               # O(1) logits, non-trivial norms and biases
         for n, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = model.config._experts_implementation = "eager"
     return model
 
 
@@ -85,6 +91,10 @@ def test_configs_read_each_family(saved):
     assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.attn_temperature_floor, cfg.attn_temperature_scale,
             cfg.dim_head) == (1e6, 16.0, 16384.0, 0.1, 128)
     assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    cfg = hf.config_from_hf(saved["olmoe_clip"][1])
+    assert (cfg.clip_qkv, cfg.experts, cfg.qk_norm_heads) == (0.8, 4, True)
+    cfg = hf.config_from_hf(saved["nemotron_bias"][1])
+    assert cfg.mlp_bias and "up_bias" in llama.init(cfg)["layers"][0]["mlp"]
     cfg = hf.config_from_hf(saved["cohere_qk"][1])
     assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind) == (True, True, "layer")
     assert llama.init(cfg)["layers"][0]["self_attn"]["k_norm"].dims == ("kv_heads", "head_dim")
@@ -110,6 +120,14 @@ def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]
     files = {n: parts for n, parts in hf._file_tensors(llama.init(cfg), cfg)}
     out = []
     for name, p in model.named_parameters():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):         # (transformers fuses them in memory: [E, 2F, H])
+            out.append((name, torch.cat([ours[f"layers.{layer}.mlp.{x}"].transpose(1, 2) for x in ("gate", "up")],
+                                        dim=1), p.grad))
+            continue
+        if name.endswith("experts.down_proj"):
+            out.append((name, ours[f"layers.{layer}.mlp.down"].transpose(1, 2), p.grad))
+            continue
         parts = files[name]
         g = hf.fuse_rows([kind.to_hf(ours[q]) for q, kind, _ in parts], cfg, getattr(parts[0][1], "row_axis", 0))
         out.append((name, g, p.grad))
@@ -121,7 +139,7 @@ def test_loss_and_gradients_equal_transformers(saved, name):
     _, d = saved[name]
     model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
     want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6 if cfg.experts else 1e-7, atol=0)
     got = _hf_grads(model, cfg, grads)
     assert len(got) == len(list(model.parameters()))
     for n, g, g0 in got:
@@ -135,7 +153,8 @@ def test_fsdp_tp_equals_one_device(saved, name):
     cfg, full64 = hf.load_hf_llama(saved[name][1], dtype=torch.float64)
     batch = make_batch(cfg, batch=4, seq=12, seed=3)
     loss0, grads0 = single_device(cfg, full64, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, llama.default_rules())):
+    rules = llama.default_rules().replace(experts="dp_shard") if cfg.experts else llama.default_rules()   # (EP)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, full64, batch, MESH, rules)):
         torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
         for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
             torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
@@ -232,8 +251,10 @@ def test_qk_norm_per_head_is_each_heads_own(saved):
 def test_new_options_train_alike_on_real_processes():
     """Two float64 AdamW steps with FSDP 2 x TP 2 on four real gloo processes of a tiny model with
     every option of this file on equal one device: Ministral 3's scaled queries (each rank's own
-    positions) and q/k LayerNorms of a weight per head (split with the heads over tp)."""
+    positions), q/k LayerNorms of a weight per head (split with the heads over tp), the q/k/v clamp after
+    them and the MLP's biases (the down projection's added after the TP partial sums)."""
     from harness import assert_processes_equal_one_device
     cfg = llama.Config.tiny(attn_temperature_floor=4.0, attn_temperature_scale=0.5, attn_temperature_offset=0.0,
-                            attn_temperature_all_layers=True, norm_kind="layer", qk_norm=True, qk_norm_per_head=True)
+                            attn_temperature_all_layers=True, norm_kind="layer", qk_norm=True, qk_norm_per_head=True,
+                            clip_qkv=1.5, mlp_bias=True)
     assert_processes_equal_one_device(cfg)
