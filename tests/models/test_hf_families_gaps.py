@@ -258,3 +258,21 @@ def test_new_options_train_alike_on_real_processes():
                             attn_temperature_all_layers=True, norm_kind="layer", qk_norm=True, qk_norm_per_head=True,
                             clip_qkv=1.5, mlp_bias=True)
     assert_processes_equal_one_device(cfg)
+
+
+def test_greedy_generation_with_the_cache_equals_transformers(saved):
+    """Sampling with the key / value cache (models/sampling.py): Ministral 3's scaled queries use each
+    new token's own position (past the cached ones), so the greedy tokens equal transformers'."""
+    import functools
+
+    from functional_pp.models.sampling import generate
+    from functional_pp.parallel import sharding
+    model, d = saved["ministral3"]
+    cfg, params = hf.load_hf_llama(d)
+    prompts = torch.randint(1, 256, (3, 6), generator=torch.Generator().manual_seed(1))
+    want = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    got = generate(functools.partial(llama.forward, cfg=cfg), sharding.named_tree(params, llama.init(cfg)), prompts,
+                   max_new_tokens=10)
+    assert torch.equal(got, want)
+    assert len(set(got[:, 6:].flatten().tolist())) > 3
