@@ -138,12 +138,11 @@ _GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, v
 _CONFIG_ONLY = {"gemma4_moe": {"model_type": "gemma4", "text_config": dict(
     _GEMMA4_TEXT, model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
     moe_intermediate_size=32)},
-    # Mistral 3 wrappers: Ministral 3's text decoder is ministral3 (not built); Mistral Medium 3.5's
-    # text_config is not known to this test (a stand-in without one, refused as such)
-    "mistral3_ministral3": {"model_type": "mistral3", "text_config": dict(_TINY, model_type="ministral3")},
+    # Mistral Medium 3.5's text_config is not known to this test (a stand-in without one, refused as such)
     "mistral3_unknown": {"model_type": "mistral3"}}
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
-#: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral)
+#: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral), Ministral 3
+#: (text ministral3: Ministral3Config's rope, YaRN with the queries scaled past 16384 positions)
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                patch_size=16)
 _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
@@ -153,6 +152,10 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
             "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="mistral", head_dim=64, pad_token_id=None, bos_token_id=None,
                                  eos_token_id=None, sliding_window=None),
+                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400)),
+            "mistral3_ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="ministral3", head_dim=64, pad_token_id=None, bos_token_id=None,
+                                 eos_token_id=None),
                 vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400))}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
@@ -176,7 +179,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
         return d
     from chat_tokenizer import make_tekken, make_tokenizer
     make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
-    if model_type in ("mistral", "mistral3"):     # (Mistral's repositories hold tekken.json too)
+    if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type in _CONFIG_ONLY:
         (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))

@@ -34,7 +34,11 @@ class Row:
 ROWS: tuple[Row, ...] = (
     Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
     Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
-                      "is `mistral` (Magistral Small 2509)", "image input; `mistral3` of `ministral3` text (refused)"),
+                      "is `mistral` (Magistral Small 2509)", "image input"),
+    Row(("ministral3",), "Mistral's layer with the queries scaled by position in every layer (Llama 4's "
+                         "temperature tuning: `llama_4_scaling_beta` over `original_max_position_embeddings`), "
+                         "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "
+                         "(Ministral 3)", "image input"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE"),
@@ -57,7 +61,8 @@ ROWS: tuple[Row, ...] = (
     Row(("olmo2", "olmo3"), "norms after each block, q/k norms across heads; OLMo 3: sliding layers, a rope base "
                             "per layer type"),
     Row(("cohere", "cohere2"), "parallel attention + MLP, bias-free LayerNorm, interleaved rotary, logit scale; "
-                               "Cohere 2: sliding layers, NoPE full layers", "Command R+'s q/k LayerNorm (`use_qk_norm`)"),
+                               "Cohere 2: sliding layers, NoPE full layers; Command R+'s q/k LayerNorms of a weight per head "
+                               "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
                                      "biases, GELU MLP (Phi, GPT-J), parallel residual",
         "StableLM's per-head q/k LayerNorm (`qk_layernorm`)"),
@@ -65,8 +70,7 @@ ROWS: tuple[Row, ...] = (
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
     Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",
         "dropout (`residual_dropout`, `embedding_dropout`: refused by name, set them to 0.0)"),
-    Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary",
-        "`mlp_bias`"),
+    Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary, `mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
                    "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
@@ -80,8 +84,8 @@ ROWS: tuple[Row, ...] = (
         "`query_key_value` (export merged)"),
     Row(("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared"),
         "a mixture of experts (dropless top-k or a static capacity that compiles, a per-device token cap, "
-        "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert); expert parallelism is a rule for "
-        "`experts` (docs/experts.md)", f"{_EXPERT_PEFT}; OLMoE's `clip_qkv`"),
+        "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert, "
+        "OLMoE's `clip_qkv`); expert parallelism is a rule for `experts` (docs/experts.md)", _EXPERT_PEFT),
     Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "

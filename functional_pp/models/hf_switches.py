@@ -6,7 +6,8 @@ Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit 
 2's full layers without rotary), Phi-1/2, GPT-NeoX, StableLM and GPT-J (LayerNorms with
 biases, partial rotary, GELU MLPs that are not gated, parallel blocks), Arcee (squared ReLU),
 Seed-OSS (its own output bias), Apertus (xIELU, q/k norms), Hunyuan dense (q/k norms after the
-rotary) and Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms).
+rotary), Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms) and
+Ministral 3 (Mistral with the queries scaled by position: attention temperature tuning in every layer).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -21,7 +22,7 @@ from typing import Any, Callable
 __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
 
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
-                             qk_norm_heads=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
+                             qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False)
 """The switches' values in Llama (and in every family that does not name them)."""
@@ -123,18 +124,20 @@ _OLMO = dict(fixed=dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_n
 
 # --------------------------------------------------------------------------- Cohere
 def _cohere_read(hf: dict, get: Get, where: str) -> dict:
-    if hf.get("use_qk_norm"):
-        raise ValueError(f"{where}: use_qk_norm=True (Command R+) is not supported yet (its per-head "
-                         f"LayerNorm of q and k); only Command R's use_qk_norm=False")
-    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")))
+    # Command R+ (use_qk_norm): a bias-free LayerNorm of q and k with a weight per head, before the rotary
+    qk = bool(hf.get("use_qk_norm"))
+    return dict(logit_scale=float(get("logit_scale")), norm_eps=float(get("layer_norm_eps")), qk_norm=qk,
+                qk_norm_per_head=qk)
 
 
 def _cohere_write(cfg, out: dict) -> None:
-    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=False)
+    out.update(logit_scale=cfg.logit_scale, layer_norm_eps=out.pop("rms_norm_eps"), use_qk_norm=cfg.qk_norm)
 
 
 def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
-    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary
+    # Command R7B / Command A: 3 sliding layers to 1 full, the full ones without rotary (no q/k norms)
+    if hf.get("use_qk_norm"):
+        raise ValueError(f"{where}: use_qk_norm=True is not supported (Cohere2ForCausalLM has no q/k norms)")
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                       for i in range(int(hf["num_hidden_layers"]))]
     return dict(_cohere_read(hf, get, where), nope_layers=tuple(i for i, t in enumerate(types)
@@ -143,6 +146,7 @@ def _cohere2_read(hf: dict, get: Get, where: str) -> dict:
 
 def _cohere2_write(cfg, out: dict) -> None:
     _cohere_write(cfg, out)
+    out["use_qk_norm"] = False
     out.update(sliding_window=cfg.sliding_window,
                layer_types=[("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.layers)])
 
@@ -222,8 +226,9 @@ SWITCHES: dict[str, Switches] = {
                       _no_fields, _olmo3_write, windows=True, **_OLMO),
     "cohere": Switches("CohereForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=8192,
                                                  logit_scale=0.0625, tie_word_embeddings=True, pad_token_id=0),
-                       _cohere_read, _cohere_write, free=("logit_scale",),
-                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True)),
+                       _cohere_read, _cohere_write, free=("logit_scale", "qk_norm"),
+                       fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True,
+                                  qk_norm_per_head=lambda cfg: cfg.qk_norm)),
     "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
                     _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
                     fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
@@ -462,18 +467,20 @@ SWITCHES["starcoder2"] = Switches(   # StarCoder 2: LayerNorms, a tanh-GELU MLP 
 
 # --------------------------------------------------------------------------- Nemotron
 def _nemotron_read(hf: dict, get: Get, where: str) -> dict:
-    return dict(norm_eps=float(get("norm_eps")),
+    return dict(norm_eps=float(get("norm_eps")), mlp_bias=bool(get("mlp_bias")),
                 partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")))
 
 
 def _nemotron_write(cfg, out: dict) -> None:
     out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
-    out.update(norm_eps=out.pop("rms_norm_eps"), partial_rotary_factor=cfg.partial_rotary_factor, mlp_bias=False)
+    out.update(norm_eps=out.pop("rms_norm_eps"), partial_rotary_factor=cfg.partial_rotary_factor,
+               mlp_bias=cfg.mlp_bias)
 
 
 SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 + w, a bias), squared ReLU, partial rotary
-    "NemotronForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.5),
-    _nemotron_read, _nemotron_write, free=("partial_rotary_factor",), hidden_act="relu2",
+    "NemotronForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.5,
+                                mlp_bias=False),
+    _nemotron_read, _nemotron_write, free=("partial_rotary_factor", "mlp_bias"), hidden_act="relu2",
     fixed=dict(norm_kind="layer", norm_bias=True, norm_offset=1.0, mlp_gated=False, mlp_act="relu2"))
 
 # --------------------------------------------------------------------------- GPT-2
@@ -514,6 +521,54 @@ SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, La
     fixed=dict(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
                mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, head_dim=None, kv_heads=lambda cfg: cfg.heads))
 
+# --------------------------------------------------------------------------- Ministral 3
+_MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=16384,
+                        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)
+
+
+def _ministral3_prepare(hf: dict) -> dict:
+    """Ministral3Config's rope (YaRN with Llama 4's attention scaling) where config.json has none."""
+    if hf.get("rope_parameters") or hf.get("rope_scaling"):
+        return hf
+    return dict(hf, rope_parameters=dict(_MINISTRAL3_ROPE, max_position_embeddings=hf.get("max_position_embeddings",
+                                                                                            262144)))
+
+
+def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
+    # transformers: q times 1 + beta * log(1 + floor(pos / original_max_position_embeddings)) after the rotary
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None or not floor:
+        raise ValueError(f"{where}: rope_parameters needs llama_4_scaling_beta and original_max_position_embeddings "
+                         f"(Ministral 3's attention scaling by position), got {rope!r}")
+    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta))
+
+
+def _ministral3_write(cfg, out: dict) -> None:
+    out.pop("attention_bias", None)
+    floor = cfg.attn_temperature_floor
+    extra = dict(llama_4_scaling_beta=cfg.attn_temperature_scale,
+                 original_max_position_embeddings=int(floor) if float(floor).is_integer() else floor)
+    out["rope_parameters"].update(extra)
+    out["rope_scaling"] = dict(out["rope_scaling"] or {"rope_type": "default"}, **extra)
+    out["sliding_window"] = cfg.sliding_window
+
+
+def _ministral3_floor(cfg) -> float:
+    """The scaling's period export can write: YaRN's original_max_position_embeddings (one key in
+    rope_parameters for both), else the config's own (None: none to write, max_seq asked for)."""
+    original = getattr(cfg.rope_scaling, "original_max_position", None)
+    return float(original) if original is not None else cfg.attn_temperature_floor or float(cfg.max_seq)
+
+
+SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries scaled by position (every layer)
+    "Ministral3ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=262144, head_dim=128,
+                                  sliding_window=None, pad_token_id=11),
+    _ministral3_read, _ministral3_write, free=("attn_temperature_floor", "attn_temperature_scale"), windows=True,
+    prepare=_ministral3_prepare,
+    fixed=dict(attn_temperature_offset=0.0, attn_temperature_all_layers=True, qkv_bias=False, o_bias=False,
+               layer_types=None, attn_temperature_floor=_ministral3_floor))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
@@ -528,7 +583,7 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
-        ("mistral4", "Mistral Small 4"), ("ministral3", "Ministral 3"))},
+        ("mistral4", "Mistral Small 4"))},
     "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

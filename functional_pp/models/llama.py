@@ -148,6 +148,9 @@ class Config:
     pre_norms: bool = True
     # q/k norms over every head at once (OLMo 2: weights heads x head_dim), not per head
     qk_norm_heads: bool = False
+    # q/k norms with a weight per head (heads x head_dim), each head normalised over head_dim (Command R+'s
+    # use_qk_norm, StableLM's qk_layernorm)
+    qk_norm_per_head: bool = False
     # Granite's multipliers: the embedding times embedding_multiplier, each residual branch
     # (attention, MLP) times residual_multiplier; the logits times logit_scale (Granite's
     # 1 / logits_scaling, Cohere's logit_scale)
@@ -201,16 +204,21 @@ class Config:
     attention_chunk: int | None = None
     # a weightless RMSNorm of q and k over head_dim after the rotary, in the rotating layers (Llama 4's use_qk_norm)
     qk_l2_norm: bool = False
-    # attention temperature tuning of the NoPE layers: q times log1p(floor((pos + 1) / floor)) * scale + 1
-    # (Llama 4's attn_temperature_tuning, floor_scale, attn_scale; None: off)
+    # attention temperature tuning: q times log1p(floor((pos + offset) / floor)) * scale + 1, in the NoPE
+    # layers (Llama 4's attn_temperature_tuning, floor_scale, attn_scale, offset 1) or, with
+    # attn_temperature_all_layers, in every layer after the rotary (Ministral 3's llama_4_scaling_beta over
+    # original_max_position_embeddings, offset 0); None: off
     attn_temperature_floor: float | None = None
     attn_temperature_scale: float = 0.1
+    attn_temperature_offset: float = 1.0
+    attn_temperature_all_layers: bool = False
     # the routing weights scale each expert's input instead of its output (Llama 4; ops.experts' weights_on_input)
     experts_scale_input: bool = False
     # learned absolute positions (GPT-2): a table of max_seq rows (embed_positions) added to the token
     # embedding, and no rotary in any layer
     learned_positions: bool = False
-    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (DBRX's clip_qkv; None: no clamp)
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections and q/k norms (DBRX's, OLMoE's
+    # clip_qkv; None: no clamp)
     clip_qkv: float | None = None
     # Gemma 4: the full-attention layers' own head width and k/v heads (global_head_dim,
     # num_global_key_value_heads; None: head_dim, kv_heads), their v the k projection's output (k_eq_v:
@@ -320,6 +328,9 @@ class Config:
             raise ValueError("qk_norm_after_rotary=True needs qk_norm=True")
         if self.qk_norm_heads and not self.qk_norm:
             raise ValueError("qk_norm_heads=True needs qk_norm=True")
+        if self.qk_norm_per_head and (not self.qk_norm or self.qk_norm_heads):
+            raise ValueError("qk_norm_per_head=True needs qk_norm=True and qk_norm_heads=False (a weight per head, "
+                             "each head normalised over head_dim)")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.parallel_mlp_norm and not self.parallel_block:
@@ -578,7 +589,7 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["v_bias"] = param((cfg.kv_heads, D), "kv_heads head_dim", init="zeros", dtype=dtype)
         if cfg.o_bias:
             a["o_bias"] = param((cfg.hidden,), "hidden", init="zeros", dtype=dtype)
-        if cfg.qk_norm and cfg.qk_norm_heads:       # over every head (OLMo 2)
+        if cfg.qk_norm and (cfg.qk_norm_heads or cfg.qk_norm_per_head):   # over every head (OLMo 2) or per head
             a["q_norm"] = param((cfg.heads, D), "heads head_dim", init=ones, dtype=dtype)
             a["k_norm"] = param((cfg.kv_heads, D), "kv_heads head_dim", init=ones, dtype=dtype)
         elif cfg.qk_norm:
@@ -640,21 +651,23 @@ attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 
-def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None) -> Named:
+def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None, over: str | None = None) -> Named:
     """RMSNorm (``cfg.norm_kind`` layer: LayerNorm, centred) over the weight's dimensions (all
-    of them: OLMo 2's q/k norms span the heads), scaled by ``cfg.norm_offset + weight``. With an
+    of them: OLMo 2's q/k norms span the heads; ``over``: that one only, a weight per head),
+    scaled by ``cfg.norm_offset + weight``. With an
     offset (Gemma) 16-bit activations are scaled in float32 and rounded once, as transformers'
     ``(norm(x.float()) * (1 + w.float())).type_as(x)``; Llama's ``w * norm(x).to(dtype)`` otherwise."""
+    dims = over or weight.dims
     if bias is not None:                                  # LayerNorm with a bias (Phi)
-        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=weight.dims,
+        return ops.layer_norm(x, weight + cfg.norm_offset if cfg.norm_offset else weight, bias, dim=dims,
                               eps=cfg.norm_eps)
     normalize = ops.layer_norm if cfg.norm_kind == "layer" else ops.rms_norm
     if not cfg.norm_offset:
-        return normalize(x, weight, dim=weight.dims, eps=cfg.norm_eps)
+        return normalize(x, weight, dim=dims, eps=cfg.norm_eps)
     dtype = x.data.dtype
     if dtype not in (torch.float16, torch.bfloat16):
-        return normalize(x, weight + cfg.norm_offset, dim=weight.dims, eps=cfg.norm_eps)
-    wide = normalize(x.astype(torch.float32), dim=weight.dims, eps=cfg.norm_eps)
+        return normalize(x, weight + cfg.norm_offset, dim=dims, eps=cfg.norm_eps)
+    wide = normalize(x.astype(torch.float32), dim=dims, eps=cfg.norm_eps)
     return (wide * (weight.astype(torch.float32) + cfg.norm_offset)).astype(dtype)
 
 
@@ -671,15 +684,24 @@ def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments:
     return _attention(p, h, pos, cfg, segments, window, chunk)
 
 
-def _temperature(q: Named, cfg: Config) -> Named:
-    """Llama 4's attention temperature tuning of a NoPE layer's queries: times
-    ``log1p(floor((pos + 1) / floor)) * scale + 1`` of each query's position."""
-    if kv_cache.active() is not None:
-        raise ValueError("sampling with a key / value cache does not support attention temperature tuning yet "
-                         "(attn_temperature_floor)")
-    pos = ops.positions("seq", q.size("seq"), device=q.data.device)
-    t = torch.log1p(torch.floor((pos.data.float() + 1.0) / cfg.attn_temperature_floor)) * cfg.attn_temperature_scale + 1
+def _temperature(q: Named, pos: Named | None, cfg: Config) -> Named:
+    """Attention temperature tuning of the queries (Llama 4's NoPE layers, Ministral 3's every layer):
+    times ``log1p(floor((pos + offset) / floor)) * scale + 1`` of each query's position ``pos`` (None:
+    a NoPE layer's, from the sequence)."""
+    if pos is None:
+        if kv_cache.active() is not None:
+            raise ValueError("sampling with a key / value cache does not support attention temperature tuning of "
+                             "NoPE layers yet (attn_temperature_floor)")
+        pos = ops.positions("seq", q.size("seq"), device=q.data.device)
+    t = (torch.log1p(torch.floor((pos.data.float() + cfg.attn_temperature_offset) / cfg.attn_temperature_floor))
+         * cfg.attn_temperature_scale + 1)
     return (q * Named(t, list(pos.dims), list(pos.split))).astype(q.data.dtype)
+
+
+def _qk_norms(a: dict, q: Named, k: Named, cfg: Config) -> tuple[Named, Named]:
+    """The q/k norms: per head over head_dim (one weight for all, or one per head) or over every head."""
+    over = "head_dim" if cfg.qk_norm_per_head else None
+    return norm(q, a["q_norm"], cfg, over=over), norm(k, a["k_norm"], cfg, over=over)
 
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
@@ -695,11 +717,11 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         v = ops.rms_norm(v.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(v.data.dtype)
     if cfg.qkv_bias:
         q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
-    if cfg.clip_qkv is not None:                          # (DBRX: each entry clamped, its gradient 0 outside)
+    if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
+        q, k = _qk_norms(a, q, k, cfg)
+    if cfg.clip_qkv is not None:       # (DBRX, OLMoE after its q/k norms: each entry clamped, its gradient 0 outside)
         c = cfg.clip_qkv
         q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
-    if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
-        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
         theta, scaling = cfg.local_rope_theta, None
     else:
@@ -708,12 +730,12 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
         k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
-        q, k = norm(q, a["q_norm"], cfg), norm(k, a["k_norm"], cfg)
+        q, k = _qk_norms(a, q, k, cfg)
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
         q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
                 for x in (q, k))
-    if cfg.attn_temperature_floor is not None and pos is None:     # (Llama 4's NoPE layers)
-        q = _temperature(q, cfg)
+    if cfg.attn_temperature_floor is not None and (pos is None or cfg.attn_temperature_all_layers):
+        q = _temperature(q, pos, cfg)                     # (Llama 4's NoPE layers; Ministral 3's every layer)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache = True, kv_cache.active()
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)

@@ -27,7 +27,8 @@ DEFAULTS: dict[str, Any] = dict(
 
 _FIXED = dict(rotary_interleaved=True, router_score="sigmoid", norm_topk_prob=False, shared_expert_gate=False,
               experts_scale_input=True, router_z_loss_coef=0.0)
-NEED: dict[str, Any] = dict(_FIXED, capacity_factor=None, sliding_window=None)
+NEED: dict[str, Any] = dict(_FIXED, capacity_factor=None, sliding_window=None, attn_temperature_offset=1.0,
+                            attn_temperature_all_layers=False)
 """The fields ``Llama4ForCausalLM`` has one value of (export refuses others by name)."""
 
 

@@ -674,9 +674,10 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
     for key in ("max_position_embeddings", "rms_norm_eps"):
         if hf.get(key) is None and key in d:
             dense[key] = d[key]
-    if hf.get("clip_qkv") is not None:
+    if hf.get("clip_qkv") is not None and mt != "olmoe":
         raise UnsupportedHFConfig(f"{where}: clip_qkv={hf['clip_qkv']!r} is not supported (q, k and v clamped; "
                                   f"only clip_qkv=null)")
+    clip = dict(clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"])) if mt == "olmoe" else {}
     if mt == "qwen2_moe" and hf.get("qkv_bias") is False:
         raise UnsupportedHFConfig(f"{where}: qkv_bias=False is not supported (Qwen2-MoE has q/k/v biases)")
     cfg = config_from_hf_dict(dense)
@@ -696,7 +697,7 @@ def _moe_config_from_hf(hf: dict, mt: str) -> Config:
         router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0,
         shared_expert_mlp=(int(get("shared_expert_intermediate_size")) if mt == "qwen2_moe" else
                            int(get("shared_intermediate_size")) if mt == "granitemoeshared" else 0),
-        shared_expert_gate=mt != "granitemoeshared", moe_layers=moe_layers, **_MOE_ATTENTION.get(mt, {}))
+        shared_expert_gate=mt != "granitemoeshared", moe_layers=moe_layers, **_MOE_ATTENTION.get(mt, {}), **clip)
 
 
 def config_from_hf_dict(hf: dict) -> Config:
@@ -783,7 +784,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
             raise UnsupportedHFConfig(f"{where}: use_bidirectional_attention=True is not supported "
                                       f"(causal attention only)")
     act = SWITCHES[mt].hidden_act if mt in SWITCHES else "silu"
-    for key, ok in ((("mlp_bias", False),) if gemma else (("hidden_act", act), ("mlp_bias", False))):
+    checked = (("mlp_bias", False),) if mt not in SWITCHES or "mlp_bias" not in SWITCHES[mt].free else ()
+    for key, ok in checked if gemma else (("hidden_act", act), *checked):
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
@@ -891,7 +893,7 @@ def _window(hf: dict, mt: str, get, layers: int, where: str) -> tuple[int | None
     """(sliding_window, layer_types) as transformers reads them for family ``mt``."""
     if mt == "llama" or (mt in SWITCHES and not SWITCHES[mt].windows):
         return None, None
-    if mt in ("mistral", "phi3", "starcoder2"):     # every layer, when set (transformers ignores layer_types)
+    if mt in ("mistral", "phi3", "starcoder2", "ministral3"):   # every layer, when set (transformers ignores layer_types)
         w = hf.get("sliding_window", _class_defaults(mt)["sliding_window"])
         return (None if w is None else int(w)), None
     # an explicit null sliding_window is no window (a missing key: the class default)
@@ -942,6 +944,8 @@ def _check_moe_exportable(cfg: Config) -> Config:
     if not cfg.experts:
         raise UnsupportedHFConfig(f"{where}: experts=0 is a dense model; export it as {MOE_BASE[mt]!r}")
     base = {k: getattr(Config(), k) for k in _MOE_ATTENTION.get(mt, {})}     # (the dense family's attention)
+    if mt == "olmoe":                          # (OLMoE's clamp, written by _moe_config_to_hf)
+        base["clip_qkv"] = None
     return dataclasses.replace(cfg, model_type=MOE_BASE[mt], **_DENSE_MOE, **base)
 
 
@@ -957,8 +961,10 @@ def check_exportable(cfg: Config) -> None:
             return check_exportable(OWN_CONFIG[mt].as_llama(cfg))
         except ValueError as exc:
             raise UnsupportedHFConfig(str(exc)) from exc
-    _refuse_unless(cfg, dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None,   # (theirs only)
-                             qk_l2_norm=False, attn_temperature_floor=None, experts_scale_input=False), where)
+    theirs = dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None, qk_l2_norm=False,
+                  attn_temperature_floor=None, experts_scale_input=False)     # (those families' only)
+    _refuse_unless(cfg, {k: v for k, v in theirs.items() if k not in (SWITCHES[mt].free if mt in SWITCHES else ())},
+                   where)
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,
@@ -1110,7 +1116,7 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
             out["shared_intermediate_size"] = cfg.shared_expert_mlp
         return out
     if mt == "olmoe":
-        out.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None)
+        out.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, clip_qkv=cfg.clip_qkv)
         return out
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]
     out.update(num_experts=cfg.experts, num_local_experts=cfg.experts, moe_intermediate_size=cfg.moe_mlp or cfg.mlp,

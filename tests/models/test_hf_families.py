@@ -276,12 +276,12 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
     # hybrid state-space / linear-attention models, and the families not yet here, by name
     for mt, why in (("jamba", "Jamba is a hybrid of attention and state-space"), ("qwen3_next", "Qwen3-Next is a hybrid"),
                     ("granitemoehybrid", "Granite 4 \\(hybrid\\) is a hybrid"), ("deepseek_v4", "DeepSeek-V4: not built"),
-                    ("ministral3", "Ministral 3: not built yet")):
+                    ("mistral4", "Mistral Small 4: not built yet")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"model_type '{mt}' is not supported \({why}.*\); "
                                                              rf"supported model types: llama, "):
             hf.config_from_hf(dict(BASE, model_type=mt))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF cohere config: use_qk_norm=True \(Command R\+\) is not"):
-        hf.config_from_hf(dict(BASE, model_type="cohere", use_qk_norm=True))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF cohere2 config: use_qk_norm=True is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="cohere2", use_qk_norm=True))
     with pytest.raises(ck.CheckpointMismatchError, match=r"rope type 'linear' of the sliding layers is not supported"):
         hf.config_from_hf(dict(BASE, model_type="gemma3_text", rope_parameters={
             "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 8.0}}))

@@ -250,8 +250,8 @@ def test_refused_by_name(saved, tmp_path):
         hf.config_from_hf(dict(FALCON, model_type="falcon", new_decoder_architecture=True, parallel_attn=False))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF apertus config: hidden_act='silu' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="apertus", hidden_act="silu"))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF olmoe config: clip_qkv=8.0 is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="olmoe", clip_qkv=8.0))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF qwen3_moe config: clip_qkv=8.0 is not supported"):
+        hf.config_from_hf(dict(BASE, model_type="qwen3_moe", clip_qkv=8.0))
     with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'qwen3_5' is not supported \(Qwen3.5 \(its "
                                                          r"gated DeltaNet layers\) is a hybrid"):
         hf.config_from_hf(dict(BASE, model_type="qwen3_5"))

@@ -1,9 +1,10 @@
 """The text decoders of multimodal checkpoints (``Gemma3ForConditionalGeneration``,
 ``Mistral3ForConditionalGeneration``): ``base_model`` of one loads its ``text_config``'s family
-(``gemma3_text``, ``mistral``) from the files' ``language_model.`` tensors, the vision tower and
-projector left aside (``Config.text_of``); logits of text-only input equal transformers' whole
-model's, and export writes the text decoder as its family's class with the same logits. A text
-family the decoder does not build (Ministral 3's ``ministral3``) is refused by name."""
+(``gemma3_text``, ``mistral``, Ministral 3's ``ministral3``) from the files' ``language_model.``
+tensors, the vision tower and projector left aside (``Config.text_of``); logits of text-only input
+equal transformers' whole model's, and export writes the text decoder as its family's class with
+the same logits. A text family the decoder does not build (Mistral Small 4's ``mistral4``) is
+refused by name."""
 import json
 
 import pytest
@@ -33,8 +34,17 @@ def _mistral3():
         vision_config=dict(VISION, model_type="pixtral", head_dim=16), image_token_index=300))
 
 
+def _ministral3():          # (Ministral 3: queries scaled past 4 positions, as the published files past 16384)
+    rope = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=4, beta_fast=32.0,
+                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.3)
+    return transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=dict(TEXT, model_type="ministral3", pad_token_id=None, rope_parameters=rope),
+        vision_config=dict(VISION, model_type="pixtral", head_dim=16), image_token_index=300))
+
+
 @pytest.mark.parametrize("build, family, text_class", [(_gemma3, "gemma3_text", "Gemma3ForCausalLM"),
-                                                       (_mistral3, "mistral", "MistralForCausalLM")])
+                                                       (_mistral3, "mistral", "MistralForCausalLM"),
+                                                       (_ministral3, "ministral3", "Ministral3ForCausalLM")])
 def test_text_decoder_loads_and_exports(build, family, text_class, tmp_path):
     torch.manual_seed(0)
     model = build().float().eval()
@@ -59,8 +69,8 @@ def test_text_decoder_loads_and_exports(build, family, text_class, tmp_path):
 
 
 def test_refusals_name_the_text_family():
-    with pytest.raises(ck.CheckpointMismatchError, match=r"mistral3's text decoder: model_type 'ministral3' is not "
-                                                         r"supported \(Ministral 3"):
-        hf.config_from_hf({"model_type": "mistral3", "text_config": dict(TEXT, model_type="ministral3")})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"mistral3's text decoder: model_type 'mistral4' is not "
+                                                         r"supported \(Mistral Small 4"):
+        hf.config_from_hf({"model_type": "mistral3", "text_config": dict(TEXT, model_type="mistral4")})
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral3 config: text_config=None is not supported"):
         hf.config_from_hf({"model_type": "mistral3", **TEXT})
