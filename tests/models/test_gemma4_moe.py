@@ -227,3 +227,18 @@ def test_refusals_name_the_option(saved, tmp_path):
     assert not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match=r"experts_beside_mlp=True .* needs experts > 0 in every layer"):
         dataclasses.replace(cfg, moe_layers=(0,))
+
+
+def test_experts_op_refuses_a_router_input_of_other_tokens_and_an_unknown_activation():
+    from functional_pp.ops.experts import experts
+    x = fpp.wrap(torch.randn(2, 3, 8), "batch seq hidden")
+    weights = dict(router=fpp.wrap(torch.randn(8, 4), "hidden experts"),
+                   gate=fpp.wrap(torch.randn(4, 8, 6), "experts hidden mlp"),
+                   up=fpp.wrap(torch.randn(4, 8, 6), "experts hidden mlp"),
+                   down=fpp.wrap(torch.randn(4, 6, 8), "experts mlp hidden"))
+    with pytest.raises(ValueError, match=r"router_x has dims \('seq', 'batch', 'hidden'\).*needs x's"):
+        experts(x, **weights, top_k=2, router_x=fpp.wrap(torch.randn(3, 2, 8), "seq batch hidden"))
+    with pytest.raises(ValueError, match=r"activation 'relu' is not one of silu, gelu_tanh"):
+        experts(x, **weights, top_k=2, activation="relu")
+    with pytest.raises(ValueError, match=r"expert_scale has dims \('hidden',\); it needs exactly \['experts'\]"):
+        experts(x, **weights, top_k=2, expert_scale=fpp.wrap(torch.ones(8), "hidden"))
