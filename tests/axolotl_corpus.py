@@ -129,15 +129,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
-#: 26B-A4B (experts beside the MLP: enable_moe_block) as its config.json only (refused when read)
+#: 26B-A4B (experts beside the MLP: enable_moe_block) the same with experts
 _GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
                     hidden_size_per_layer_input=0, final_logit_softcapping=30.0, sliding_window=128, pad_token_id=0,
                     bos_token_id=None, eos_token_id=None)
 _GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, video_token_id=403, boa_token_id=None,
                        eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
-_CONFIG_ONLY = {"gemma4_moe": {"model_type": "gemma4", "text_config": dict(
-    _GEMMA4_TEXT, model_type="gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2,
-    moe_intermediate_size=32)},
+_GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+_CONFIG_ONLY = {
     # Mistral Medium 3.5's text_config is not known to this test (a stand-in without one, refused as such)
     "mistral3_unknown": {"model_type": "mistral3"}}
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
@@ -159,7 +158,7 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400))}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
-        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>",
+        "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
         "gemma3": "<end_of_turn>"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
@@ -184,7 +183,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type in _CONFIG_ONLY:
         (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))
         return d
-    if model_type not in _HF and model_type not in ("gemma4", *_WRAPPED):
+    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
@@ -194,11 +193,12 @@ def tiny_model(model_type: str, root: Path) -> Path:
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d
-    if model_type == "gemma4":
+    if model_type in ("gemma4", "gemma4_moe"):
         torch.manual_seed(0)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16)
-        conf = transformers.Gemma4Config(text_config=_GEMMA4_TEXT, vision_config=vision, audio_config=None,
+        text = _GEMMA4_MOE_TEXT if model_type == "gemma4_moe" else _GEMMA4_TEXT
+        conf = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                                          **_GEMMA4_SPECIAL)
         transformers.Gemma4ForConditionalGeneration(conf).save_pretrained(d)
         return d

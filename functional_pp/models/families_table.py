@@ -51,9 +51,11 @@ ROWS: tuple[Row, ...] = (
     Row(("gemma4_text", "gemma4"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
                                    "full layers of their own head width and k/v heads whose v is the k projection "
                                    "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "
-                                   "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`)",
-        "per-layer input embeddings and k/v shared across layers (E2B / E4B), the experts beside the MLP "
-        "(26B-A4B: `enable_moe_block`), all refused by name; image and audio input"),
+                                   "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`); 26B-A4B's experts "
+                                   "beside the dense MLP (`enable_moe_block`: a router on the normed residual with its "
+                                   "scales, tanh-GELU experts, each output normed), EP, LoRA / QLoRA on them",
+        "per-layer input embeddings and k/v shared across layers (E2B / E4B), refused by name; image and audio "
+        "input"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),

@@ -12,8 +12,12 @@ proportional rope (``ProportionalScaling``), each layer's output times a scalar 
 ``config.json`` <-> :class:`~functional_pp.models.llama.Config` (:func:`config_from_hf`,
 :func:`config_to_hf`, :func:`check_exportable`). Refused by name: per-layer input embeddings
 (``hidden_size_per_layer_input``: Gemma 4 E2B / E4B), k/v shared across layers
-(``num_kv_shared_layers``), the double-wide MLP, the mixture-of-experts block beside the MLP
-(``enable_moe_block``: 26B-A4B), bidirectional attention, attention biases and dropout."""
+(``num_kv_shared_layers``), the double-wide MLP, bidirectional attention, attention biases and
+dropout. The experts beside the dense MLP (``enable_moe_block``: 26B-A4B) are
+``Config.experts_beside_mlp`` (models/moe.py's ``beside_mlp``): the router ``router.proj`` with its
+``router.scale`` and ``router.per_expert_scale``, the experts' ``experts.gate_up_proj`` (gate, then up,
+along its rows) and ``experts.down_proj``, one tensor each for all the experts (:data:`RENAMED`,
+:data:`FUSED`, :data:`KINDS`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,12 +28,25 @@ from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import ProportionalScaling
 
 __all__ = ["ARCHITECTURES", "DEFAULTS", "config_from_hf", "config_to_hf", "check_exportable", "RENAMED",
-           "IGNORED", "FIXED", "export_config"]
+           "IGNORED", "FIXED", "export_config", "FUSED", "KINDS"]
 
 ARCHITECTURES: dict[str, str] = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
 
-RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"gemma4": ((r"^model\.", "model.language_model."),)}
-"""The multimodal checkpoint's text decoder lives under ``model.language_model.``."""
+_MOE_NAMES = ((r"\.mlp\.gate\.weight$", ".router.proj.weight"),
+              (r"\.mlp\.experts\.down_proj\.weight$", ".experts.down_proj"), (r"\.mlp\.experts\.", ".experts."))
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"gemma4_text": _MOE_NAMES,
+                                                   "gemma4": _MOE_NAMES + ((r"^model\.", "model.language_model."),)}
+"""The experts' names in 26B-A4B's files (the router under ``router.``, the experts under
+``experts.``, not ``mlp.``); the multimodal checkpoint's text decoder lives under ``model.language_model.``."""
+
+FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    mt: ((f"{pre}.layers.{{i}}.experts.gate_up_proj",
+          (f"{pre}.layers.{{i}}.experts.gate_proj.weight", f"{pre}.layers.{{i}}.experts.up_proj.weight")),)
+    for mt, pre in (("gemma4_text", "model"), ("gemma4", "model.language_model"))}
+"""The experts' gate and up projections, one tensor ``[E, 2F, H]`` (gate, then up, along its rows)."""
+
+KINDS: dict[str, str] = {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}
+"""The experts' tensors: ``[E, out, in]``, one tensor for all the experts."""
 
 IGNORED: dict[str, tuple[str, ...]] = {
     "gemma4": (r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\..*",)}
@@ -84,9 +101,7 @@ def config_from_hf(hf: dict, mt: str) -> Config:
                        f"across layers); only 0")
     if get("use_double_wide_mlp") and int(get("num_kv_shared_layers")):
         _refuse(where, "use_double_wide_mlp=True is not supported yet")
-    if get("enable_moe_block"):
-        _refuse(where, "enable_moe_block=True is not supported yet (the experts beside the MLP: Gemma 4 "
-                       "26B-A4B, issue 40); only the dense Gemma 4")
+    moe = _experts(hf, get, where) if get("enable_moe_block") else {}
     if hf.get("use_bidirectional_attention"):
         _refuse(where, f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported "
                        f"(causal attention only)")
@@ -143,7 +158,17 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         sliding_window=None if window is None or "sliding_attention" not in types else int(window),
         layer_types=tuple(types) if window is not None and "sliding_attention" in types else None,
         final_softcap=None if cap is None else float(cap), global_head_dim=global_dim,
-        global_kv_heads=global_kv, k_eq_v=k_eq_v, **FIXED)
+        global_kv_heads=global_kv, k_eq_v=k_eq_v, **moe, **FIXED)
+
+
+def _experts(hf: dict, get, where: str) -> dict[str, Any]:
+    """The ``Config`` fields of 26B-A4B's experts beside the MLP (``enable_moe_block``)."""
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(k)]
+    if missing:
+        _refuse(where, f"enable_moe_block=True needs {', '.join(missing)} (the experts' number, each token's top-k "
+                       f"and their intermediate size)")
+    return dict(experts=int(hf["num_experts"]), experts_top_k=int(hf["top_k_experts"]),
+                moe_mlp=int(hf["moe_intermediate_size"]), norm_topk_prob=True, experts_beside_mlp=True)
 
 
 def export_config(cfg: Config) -> Config:
@@ -160,8 +185,14 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     """Refuse (``error``, naming the field) a config ``Gemma4ForCausalLM`` cannot hold; ``plain``:
     the switches' values in Llama."""
     where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["gemma4_text"]
-    need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "experts": 0, "kv_lora_rank": 0,
-            "tie_embeddings": True}
+    need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "kv_lora_rank": 0, "tie_embeddings": True}
+    if cfg.experts_beside_mlp:                    # (26B-A4B: its routing, nothing else of the MoE options)
+        need.update(norm_topk_prob=True, router_score="softmax", shared_expert_mlp=0, moe_layers=None,
+                    router_aux_loss_coef=0.0, router_z_loss_coef=0.0, capacity_factor=None, router_groups=1,
+                    router_bias=False, routed_scaling_factor=1.0, moe_bias=False, swiglu_limit=None,
+                    experts_scale_input=False)
+    else:
+        need["experts"] = 0
     for key in ("local_rope_theta", "final_softcap", "partial_rotary_factor"):
         need.pop(key, None)
     need["partial_rotary_factor"] = 1.0
@@ -199,8 +230,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "sliding_window": cfg.sliding_window or cfg.max_seq, "layer_types": types,
         "final_logit_softcapping": cfg.final_softcap, "use_bidirectional_attention": None,
         "hidden_size_per_layer_input": 0, "attention_k_eq_v": cfg.k_eq_v, "num_kv_shared_layers": 0,
-        "enable_moe_block": False, "use_double_wide_mlp": False, "num_experts": None, "top_k_experts": None,
-        "moe_intermediate_size": None, "global_head_dim": dim, "num_global_key_value_heads": kv,
+        "enable_moe_block": bool(cfg.experts_beside_mlp), "use_double_wide_mlp": False,
+        "num_experts": cfg.experts or None, "top_k_experts": cfg.experts_top_k if cfg.experts else None,
+        "moe_intermediate_size": (cfg.moe_mlp or cfg.mlp) if cfg.experts else None, "global_head_dim": dim, "num_global_key_value_heads": kv,
         "per_layer_config": {str(i): {"head_dim": dim, "num_key_value_heads": kv}
                              for i, t in enumerate(types) if t == "full_attention"},
         "dtype": dname, "torch_dtype": dname}

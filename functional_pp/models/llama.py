@@ -232,6 +232,10 @@ class Config:
     # an output gate of the attention: each head's output times sigmoid of its own projection of the layer's
     # input (``self_attn.gate_proj``, hidden -> heads x head_dim, no bias) before o_proj (AFMoE)
     attn_gate: bool = False
+    # Gemma 4 26B-A4B (enable_moe_block): the experts beside the dense MLP in every layer, the router scoring
+    # the residual stream (models/moe.py's beside_mlp), the MLP's and the experts' outputs each normed
+    # (post_feedforward_layernorm_1 / _2) and summed before post_feedforward_layernorm
+    experts_beside_mlp: bool = False
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
@@ -300,6 +304,9 @@ class Config:
             raise ValueError("lm_head_bias=True with tie_embeddings=True is not supported (a tied head has no bias)")
         if not self.mlp_gated and self.experts:
             raise ValueError("mlp_gated=False with experts is not supported (the experts are gated)")
+        if self.experts and self.mlp_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"mlp_act={self.mlp_act!r} with experts is not supported (the experts' activation: "
+                             f"silu or gelu_tanh)")
         if self.mlp_act == "xielu" and self.mlp_gated:
             raise ValueError("mlp_act='xielu' needs mlp_gated=False (Apertus: down(xielu(up(x))), the activation's "
                              "two scalars per layer)")
@@ -331,6 +338,10 @@ class Config:
         if self.qk_norm_per_head and (not self.qk_norm or self.qk_norm_heads):
             raise ValueError("qk_norm_per_head=True needs qk_norm=True and qk_norm_heads=False (a weight per head, "
                              "each head normalised over head_dim)")
+        if self.experts_beside_mlp and not (self.experts and self.sandwich_norms and self.pre_norms
+                                            and self.moe_layers is None and self.mlp_gated):
+            raise ValueError("experts_beside_mlp=True (Gemma 4's enable_moe_block) needs experts > 0 in every layer "
+                             "(moe_layers null), sandwich_norms, pre_norms and a gated MLP")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.parallel_mlp_norm and not self.parallel_block:
@@ -615,7 +626,11 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.mlp_act == "xielu":                 # its two scalars, at transformers' initial values
             p["mlp"].update({f"act_alpha_{k}": param((), (), init="constant", scale=math.log(math.expm1(a)), dtype=dtype)
                              for k, a in (("p", XIELU_ALPHA_P), ("n", XIELU_ALPHA_N - XIELU_BETA))})
-        if moe.is_moe_layer(cfg, i):
+        if moe.is_moe_layer(cfg, i) and cfg.experts_beside_mlp:     # (Gemma 4: beside the dense MLP)
+            p["mlp"].update(moe.init_mlp(cfg, w, out_std))
+            p.update({k: norm() for k in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                                          "post_feedforward_layernorm_2")})
+        elif moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
@@ -766,14 +781,16 @@ _GATES = {"silu": ops.swiglu, **{k: lambda gate, up, act=act: act(gate) * up for
 def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
-    if cfg.pre_norms:
-        x = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg)
-    return _mlp(p, ops.rename(x, res_seq="seq"), cfg)
+    h = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg) \
+        if cfg.pre_norms else x
+    return _mlp(p, ops.rename(h, res_seq="seq"), cfg, ops.rename(x, res_seq="seq"))
 
 
-def _mlp(p: dict, h: Named, cfg: Config) -> Named:
+def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
+    """The MLP branch of normed ``h``; with ``cfg.experts_beside_mlp`` (Gemma 4) plus the experts of
+    the residual stream ``x``."""
     m = p["mlp"]
-    if "router" in m:                                     # a mixture of experts (models/moe.py)
+    if "router" in m and not cfg.experts_beside_mlp:      # a mixture of experts (models/moe.py)
         out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
         return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
     up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["up_proj"])
@@ -788,6 +805,9 @@ def _mlp(p: dict, h: Named, cfg: Config) -> Named:
     out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
     if "down_bias" in m:                                  # (after the TP partial sums are combined)
         out = out + m["down_bias"]
+    if "router" in m:                                     # (Gemma 4: each output normed, then their sum)
+        beside = moe.beside_mlp(m, x, cfg, lambda name, v: norm_at(p, name, v, cfg))
+        out = norm_at(p, "post_feedforward_layernorm_1", out, cfg) + beside
     return norm_at(p, "post_feedforward_layernorm", out, cfg) if cfg.sandwich_norms else out
 
 
@@ -915,9 +935,10 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
+        dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
         if not moe.is_moe_layer(cfg, i):
-            return 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
-        return 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
+            return dense
+        return dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
                                                     + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)

@@ -131,8 +131,15 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.self_attn.kv_a_layernorm", "copy"),
     ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.self_attn.kv_b_proj", "heads_out"),
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router_bias", "copy"),
-    # Gemma 4: each layer's output scale (HF [1], ours without dimensions)
+    # Gemma 4: each layer's output scale (HF [1], ours without dimensions); 26B-A4B's experts beside the MLP:
+    # the router's input scale and per-expert weight scales, the norms of the MLP's and the experts' outputs
+    # and of the experts' input (the router and the experts' names: gemma4_hf.RENAMED)
     ("model.layers.{i}.layer_scalar", "layers.{i}.layer_scalar", "scalar"),
+    ("model.layers.{i}.router.scale", "layers.{i}.mlp.router_scale", "copy"),
+    ("model.layers.{i}.router.per_expert_scale", "layers.{i}.mlp.expert_scale", "copy"),
+    ("model.layers.{i}.post_feedforward_layernorm_1.weight", "layers.{i}.post_feedforward_layernorm_1", "copy"),
+    ("model.layers.{i}.pre_feedforward_layernorm_2.weight", "layers.{i}.pre_feedforward_layernorm_2", "copy"),
+    ("model.layers.{i}.post_feedforward_layernorm_2.weight", "layers.{i}.post_feedforward_layernorm_2", "copy"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -215,6 +222,7 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
 FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
                          ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
                           "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
+FUSED.update(gemma4_hf.FUSED)                # (26B-A4B: experts.gate_up_proj)
 FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
 FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
@@ -232,6 +240,7 @@ _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "expe
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
 _KIND_OVERRIDES["dbrx"] = {"mlp.gate": "experts_rows", "mlp.up": "experts_rows", "mlp.down": "experts_rows_in"}
+_KIND_OVERRIDES.update(dict.fromkeys(gemma4_hf.ARCHITECTURES, gemma4_hf.KINDS))
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -968,7 +977,7 @@ def check_exportable(cfg: Config) -> None:
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,
-                             layer_scalar=False), where)        # (Gemma 4's only)
+                             layer_scalar=False, experts_beside_mlp=False), where)        # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:

@@ -18,12 +18,15 @@ import dataclasses
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import torch
+
 from functional_pp import ops
 from functional_pp.core import step_values
 from functional_pp.ops.experts import RouterStats, experts, load_balancing_loss, router_z_loss, routing_counts
 from functional_pp.parallel.named import Named
 
-__all__ = ["init_mlp", "mlp_block", "collect", "aux_loss", "z_loss", "router_losses", "report_routing", "is_moe_layer"]
+__all__ = ["init_mlp", "mlp_block", "collect", "aux_loss", "z_loss", "router_losses", "report_routing", "is_moe_layer",
+           "beside_mlp"]
 
 _store = step_values.Collections()      # the open collect()s of each device (thread)
 
@@ -50,6 +53,9 @@ def init_mlp(cfg, w: Callable, out_std: float) -> dict:
         p["router_bias"] = dataclasses.replace(w((E,), "experts"), init="zeros")
     if getattr(cfg, "moe_bias", False):              # (gpt-oss) biases start at zero
         p.update(_biases(cfg, w))
+    if getattr(cfg, "experts_beside_mlp", False):    # (Gemma 4) the router's input scale, the weights' scales
+        p["router_scale"] = dataclasses.replace(w((H,), "hidden"), init="ones")
+        p["expert_scale"] = dataclasses.replace(w((E,), "experts"), init="ones")
     return p
 
 
@@ -60,9 +66,10 @@ def _biases(cfg, w: Callable) -> dict:
             "expert_up_bias": w((E, F), "experts mlp", 0.0), "expert_down_bias": w((E, H), "experts hidden", 0.0)}
 
 
-def mlp_block(m: dict, h: Named, cfg) -> Named:
+def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
     """The routed experts of ``h`` (batch seq hidden), plus the gated shared expert if any;
-    the layer's router statistics go to the active :func:`collect`."""
+    the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
+    router scores (None: ``h``; Gemma 4: the residual stream, :func:`beside_mlp`)."""
     out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
                          capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg),
@@ -71,7 +78,8 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
                                         if "router_logit_bias" in m else None),
                          clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit),
                          weights_on_input=getattr(cfg, "experts_scale_input", False),
-                         token_capacity=getattr(cfg, "token_capacity", None))
+                         token_capacity=getattr(cfg, "token_capacity", None), router_x=router_x,
+                         expert_scale=m.get("expert_scale"), activation=cfg.mlp_act)
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:
@@ -85,6 +93,20 @@ def mlp_block(m: dict, h: Named, cfg) -> Named:
         sigmoid = (ops.tanh(g * 0.5) + 1.0) * 0.5             # sigmoid(g), exactly as the identity
         out = out + shared * sigmoid
     return out
+
+
+def beside_mlp(m: dict, x: Named, cfg, norm: Callable[[str, Named], Named]) -> Named:
+    """Gemma 4's experts beside the dense MLP (``cfg.experts_beside_mlp``; 26B-A4B) of the
+    residual stream ``x`` (batch seq hidden): the router scores a weightless RMSNorm of ``x`` times
+    ``router_scale`` and ``hidden ** -0.5``; its renormalised top-k weights times ``expert_scale``
+    weigh the experts of ``pre_feedforward_layernorm_2(x)``, whose sum is normed by
+    ``post_feedforward_layernorm_2`` (returned along ``res_seq``, the residual stream's sequence);
+    ``norm(name, value)`` applies the layer's norm ``name``."""
+    dtype = x.data.dtype                               # (in float32 at least, as transformers)
+    wide = ops.rms_norm(x.astype(torch.promote_types(dtype, torch.float32)), dim="hidden", eps=cfg.norm_eps).astype(dtype)
+    scored = wide * m["router_scale"] * (cfg.hidden ** -0.5)
+    out = mlp_block(m, norm("pre_feedforward_layernorm_2", x), cfg, router_x=scored)
+    return norm("post_feedforward_layernorm_2", ops.rename(out, seq="res_seq"))
 
 
 def _grouping(cfg) -> dict:

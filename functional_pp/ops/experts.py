@@ -34,9 +34,11 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import Named, make_named, env, pvary, require_named, settle, varying_after
 from functional_pp.parallel.raw_collectives import axis_index as raw_axis_index
 
-__all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "routing_counts", "capacity", "SCORES"]
+__all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "routing_counts", "capacity", "SCORES",
+           "ACTIVATIONS"]
 
 SCORES = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             group_score: str = "top2_sum", weight_scale: float = 1.0, router_logit_bias: Named | None = None,
             expert_biases: tuple[Named, Named, Named] | None = None,
             clamp: tuple[float, float] | None = None, weights_on_input: bool = False,
-            token_capacity: int | None = None) -> tuple[Named, RouterStats]:
+            token_capacity: int | None = None, router_x: Named | None = None,
+            expert_scale: Named | None = None, activation: str = "silu") -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -157,7 +160,12 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     earlier choice), is dropped (weight zero), and each token's kept weights are scaled back to
     their sum before the drop (a token that keeps none gets zero). As Axolotl's expert-parallel
     plugin, it counts the tokens of one device, so it depends on how the batch is split; the
-    drops are counted in ``RouterStats.dropped``."""
+    drops are counted in ``RouterStats.dropped``.
+
+    Gemma 4's options: ``router_x`` (x's dimensions; None: x) is what the router scores, the
+    experts computing on x; ``expert_scale`` (``experts``, with gradient) multiplies each chosen
+    weight by its expert's entry, after any renormalisation; ``activation="gelu_tanh"`` makes
+    each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`)."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     # an adapted router (LoRA): its base weight here, its adapter added to the logits below
@@ -167,6 +175,8 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down))
     gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down), frozen))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
+    if activation not in ACTIVATIONS or (activation != "silu" and clamp is not None):
+        raise ValueError(f"experts: activation {activation!r} is not one of {', '.join(ACTIVATIONS)} (clamp: silu only)")
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
     biases = tuple(expert_biases or ())
@@ -175,6 +185,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     for name, w, dims in (("gate", gate, {expert_dim, hidden, mlp}), ("up", up, {expert_dim, hidden, mlp}),
                           ("down", down, {expert_dim, hidden, mlp}), ("router", router, {hidden, expert_dim}),
                           *(("router_logit_bias", router_logit_bias, {expert_dim}),) * (router_logit_bias is not None),
+                          *(("expert_scale", expert_scale, {expert_dim}),) * (expert_scale is not None),
                           *zip(("gate_bias", "up_bias", "down_bias"), biases,
                                ({expert_dim, mlp}, {expert_dim, mlp}, {expert_dim, hidden}))):
         require_named("experts", **{name: w})
@@ -182,6 +193,11 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             raise ValueError(f"experts: {name} has dims {w.dims}; it needs exactly {sorted(dims)}")
     if hidden not in x.dims:
         raise ValueError(f"experts: x has dims {x.dims}, without {hidden!r}")
+    if router_x is not None:
+        require_named("experts", router_x=router_x)
+        if router_x.dims != x.dims or router_x.size(hidden) != x.size(hidden):
+            raise ValueError(f"experts: router_x has dims {router_x.dims} (hidden {router_x.size(hidden)}); it "
+                             f"needs x's {x.dims} (hidden {x.size(hidden)}): the same tokens, scored by the router")
     n_experts = gate.size(expert_dim)
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"experts: top_k={top_k} must be between 1 and the number of experts ({n_experts})")
@@ -211,9 +227,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     # --- the router, whole, in the tokens' varying type
     router = _gather_invariant(settle(router), x.vary)
     t_router = _whole(router)
-    r_union = x.vary | varying_after(router, t_router)
+    scored = x if router_x is None else _tokens_like(router_x, x, hidden)
+    r_union = x.vary | scored.vary | varying_after(router, t_router)
     router = relayout(pvary(router, r_union - varying_after(router, t_router)), t_router, "experts router")
-    x_r = pvary(x, r_union - x.vary)
+    x_r = pvary(scored, r_union - scored.vary)
     X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
@@ -235,6 +252,10 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
         weights = weights + no_grad_term
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_scale is not None:               # (Gemma 4) whole, in the tokens' varying type as the router
+        es = _gather_invariant(settle(expert_scale), x.vary)
+        es = relayout(pvary(es, r_union - varying_after(es, _whole(es))), _whole(es), "experts expert_scale")
+        weights = weights * es.data[idx]
     if weight_scale != 1.0:
         weights = weights * weight_scale
     planning = idx.is_meta              # a dry-run (plan/): the routing is unknown, planned balanced
@@ -275,7 +296,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     n_local = n_experts // _prod(sizes)
     a2a = tuple(a for a in e_axes if a in x.vary)               # tokens differ there: dispatch
     part = tuple(a for a in e_axes if a not in x.vary)          # tokens equal there: a pending sum
-    ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]))
+    ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]), activation)
     if capacity_factor is not None:
         y, dropped = _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local,
                                        e_axes, sizes, a2a, part)
@@ -288,6 +309,13 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     split = [x.split[x.dims.index(d)] for d in tok_dims] + [()]
     out = _named_like(y.reshape(shape), tok_dims + (hidden,), split, union, set(m_axes) | set(part))
     return out, stats
+
+
+def _tokens_like(t: Named, x: Named, hidden: str) -> Named:
+    """``t`` laid out as the settled ``x`` (its dimensions in x's order, split as x, hidden whole)."""
+    if t.dims != x.dims:
+        raise ValueError(f"experts: router_x's dims {t.dims} are not in x's order {x.dims}")
+    return relayout(settle(t), tuple(x.split), "experts router_x")
 
 
 def _token_capacity(idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
@@ -371,13 +399,14 @@ class _ExpertMLP:
     hidden); with the biases (gpt-oss) after the projections, the down bias divided over the
     ``m_shards`` devices whose partial sums of ``mlp`` make the output (so it counts once)."""
 
-    def __init__(self, ws: list[Named], names, clamp, m_shards: int):
+    def __init__(self, ws: list[Named], names, clamp, m_shards: int, activation: str = "silu"):
         expert_dim, hidden, mlp = names
         self.named = ws
         dims = ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden),
                 (expert_dim, mlp), (expert_dim, mlp), (expert_dim, hidden))
         self.g, self.u, self.d, *self.b = (_local(w, d) for w, d in zip(ws, dims))
-        self.act = (swiglu_tensors if clamp is None else
+        self.act = (swiglu_tensors if clamp is None and activation == "silu" else
+                    _gelu_tanh_glu if clamp is None else
                     lambda g, u: clamped_swiglu_tensors(g, u, alpha=clamp[0], limit=clamp[1]))
         self.down_share = 1.0 / m_shards
 
@@ -397,6 +426,11 @@ class _ExpertMLP:
             return torch.bmm(self.act(g, u), self.d)
         gb, ub, db = self.b
         return torch.bmm(self.act(g + gb[:, None], u + ub[:, None]), self.d) + self._down_bias(db[:, None])
+
+
+def _gelu_tanh_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's gated MLP) of plain tensors."""
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, torch.Tensor]:
