@@ -52,6 +52,32 @@ def check_base_quantization(cfg: Any, add) -> None:
                 f"dequantized in the run's precision)")
 
 
+def check_model_quantization(cfg: Any, add) -> None:
+    """``model_quantization_config`` (Axolotl passes it to transformers' ``from_pretrained``):
+    ``Mxfp4Config`` with ``dequantize: true``, which is how an MXFP4 checkpoint is always read here."""
+    name, kw = cfg.model_quantization_config, cfg.model_quantization_config_kwargs
+    if name is None:
+        if kw:
+            add("model_quantization_config_kwargs without model_quantization_config: remove it")
+        return
+    if name != "Mxfp4Config":
+        add(f"'model_quantization_config: {name}' is not supported (only Mxfp4Config with dequantize: true, "
+            f"gpt-oss's MXFP4 experts read dequantized): remove it")
+        return
+    kw = kw or {}
+    if not isinstance(kw, dict):
+        add(f"model_quantization_config_kwargs must be a mapping (dequantize: true), got {kw!r}")
+        return
+    for k in kw:
+        if k != "dequantize":
+            add(f"model_quantization_config_kwargs.{k} is not supported (Mxfp4Config's option here is "
+                f"dequantize: true): remove it")
+    if kw.get("dequantize") is not True:
+        add(f"model_quantization_config: Mxfp4Config needs dequantize: true in model_quantization_config_kwargs "
+            f"(got dequantize: {kw.get('dequantize')!r}): training updates the experts' weights, which are "
+            f"read dequantized from MXFP4 (MXFP4 weights themselves cannot be trained)")
+
+
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
 
 
@@ -186,6 +212,7 @@ def check_adapter(cfg: Any, add) -> None:
     bad QLoRA settings refused with what to do instead."""
     import re
     check_base_quantization(cfg, add)
+    check_model_quantization(cfg, add)
     if cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}

@@ -187,6 +187,13 @@ class TrainConfig:
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
                                                "(the run's precision), llm_int8_has_fp16_weight (false)")
+    model_quantization_config: str | None = fld(None, "the transformers quantization config the base model "
+                                                      "loads with: Mxfp4Config (gpt-oss's MXFP4 experts, "
+                                                      "read dequantized, as every MXFP4 checkpoint is read "
+                                                      "here), with model_quantization_config_kwargs "
+                                                      "{dequantize: true}")
+    model_quantization_config_kwargs: dict | None = fld(None, "the options of model_quantization_config: "
+                                                              "dequantize: true")
     lora_r: int = fld(8, "LoRA rank")
     lora_alpha: float = fld(16, "LoRA alpha: the adapter is scaled by alpha / r")
     lora_dropout: float = fld(0.0, "dropout on the adapter's input")
