@@ -83,7 +83,8 @@ _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after
 
 def check_qat(cfg: Any, add) -> None:
     """``qat:`` (Axolotl's QATConfig): the schemes built here (int4 weights with int8 per-token
-    inputs; Axolotl's default weight_dtype int8 alone is refused by Axolotl too), full fine-tuning."""
+    inputs, or NVFP4 weights and inputs in blocks of 16; Axolotl's default weight_dtype int8 alone
+    is refused by Axolotl too), full fine-tuning."""
     q = cfg.qat
     if q is None:
         return
@@ -95,12 +96,16 @@ def check_qat(cfg: Any, add) -> None:
         if k not in _QAT_KEYS:
             add(f"qat.{k} is not a QAT option (options: {', '.join(_QAT_KEYS)}): remove it")
     w, a = q.get("weight_dtype", "int8"), q.get("activation_dtype")
-    if (w, a) != ("int4", "int8"):
+    if (w, a) not in (("int4", "int8"), ("nvfp4", "nvfp4")):
         add(f"'qat: weight_dtype {w}, activation_dtype {a}' is not supported (built: weight_dtype: int4 with "
-            f"activation_dtype: int8, torchao's Int8DynamicActivationInt4Weight): use those or remove qat")
+            f"activation_dtype: int8, torchao's Int8DynamicActivationInt4Weight; weight_dtype and "
+            f"activation_dtype nvfp4, its NVFP4DynamicActivationNVFP4Weight): use those or remove qat")
     g = q.get("group_size", 32)
     if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
         add(f"qat.group_size must be a positive whole number (input features per group), got {g!r}")
+    elif w == "nvfp4" and g not in (None, 16):
+        add(f"qat.group_size {g} with weight_dtype nvfp4: NVFP4's blocks are 16 inputs (as in Axolotl): "
+            f"set group_size: 16")
     n = q.get("fake_quant_after_n_steps")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         add(f"qat.fake_quant_after_n_steps must be a whole number of steps >= 0, got {n!r}")

@@ -215,7 +215,9 @@ class TrainConfig:
     qat: dict | None = fld(None, "quantization-aware training (Axolotl's / torchao's): {weight_dtype: int4, "
                                  "activation_dtype: int8, group_size: 32, fake_quant_after_n_steps: N}: the "
                                  "linear weights (groups of group_size inputs) and their inputs (per token) "
-                                 "fake-quantized in the forward, rounding straight through; exported unquantized")
+                                 "fake-quantized in the forward, rounding straight through; or weight_dtype "
+                                 "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
+                                 "unquantized")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
@@ -349,7 +351,7 @@ class TrainConfig:
             return None
         from functional_pp.ops.fake_quant import QatConfig
         q = self.qat
-        return QatConfig(weight_dtype="int4", activation_dtype=q.get("activation_dtype"),
+        return QatConfig(weight_dtype=q.get("weight_dtype", "int4"), activation_dtype=q.get("activation_dtype"),
                          group_size=int(q.get("group_size") or 32),
                          fake_quant_after_n_steps=q.get("fake_quant_after_n_steps"))
 

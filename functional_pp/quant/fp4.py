@@ -38,7 +38,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     (round-to-nearest-even of the 1-bit mantissa), the sign kept (-0.0 for small negatives)."""
     grid = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=x.device)
     mids = (grid[1:] + grid[:-1]) / 2
-    a = x.abs()
+    a = x.abs().contiguous()
     i = torch.bucketize(a, mids)                 # ties go to the lower code ...
     tie = a == mids[i.clamp(max=len(mids) - 1)]
     i = i + (tie & (i % 2 == 1)).long()          # ... unless it is odd
