@@ -162,6 +162,9 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
                   f"int4 in groups of {q.group_size} inputs, int8 inputs per token")
         lines.append(f"qat:        linear weights and the head fake-quantized{after} ({scheme}; torchao's "
                      f"numerics); exported unquantized")
+    if cfg.model_quantization_config:
+        lines.append("base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors of "
+                     "base_model (gpt-oss's experts) read dequantized, trained and exported unquantized")
     if device_text is not None:
         lines.insert(1, f"device:     {device_text}")
     if corpus is not None:

@@ -132,3 +132,20 @@ def test_axolotl_keys_accept_mxfp4_dequantized_and_refuse_the_rest():
                         ({"model_quantization_config": "GPTQConfig"}, "'model_quantization_config: GPTQConfig'")):
         with pytest.raises(ConfigError, match=match):
             _train(**{"model_quantization_config": "Mxfp4Config", **keys})
+
+
+def test_the_start_up_summary_says_the_mxfp4_tensors_are_read_dequantized(tmp_path, capsys):
+    import yaml
+    from axolotl_corpus import tiny_model
+
+    from functional_pp import cli
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Add {i} and {i}.", "input": "", "output": str(2 * i)}) + "\n"
+                            for i in range(16)))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "base_model": str(tiny_model("gpt_oss", tmp_path / "models")), "datasets": [{"path": str(data), "type": "alpaca"}],
+        "model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True},
+        "sequence_len": 64, "micro_batch_size": 1, "max_steps": 1, "output_dir": str(tmp_path / "out")}))
+    assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
+    assert "base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors" in capsys.readouterr().out
