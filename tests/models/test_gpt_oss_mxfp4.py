@@ -149,3 +149,17 @@ def test_the_start_up_summary_says_the_mxfp4_tensors_are_read_dequantized(tmp_pa
         "sequence_len": 64, "micro_batch_size": 1, "max_steps": 1, "output_dir": str(tmp_path / "out")}))
     assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
     assert "base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors" in capsys.readouterr().out
+
+
+def test_export_writes_the_dequantized_experts_transformers_loads_unquantized(mx_dir, tmp_path):
+    cfg, params = hf.load_hf_llama(mx_dir)
+    hf.save_hf_llama(params, cfg, tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in conf
+    written = load_file(tmp_path / "model.safetensors")
+    assert not any(k.endswith(("_blocks", "_scales")) for k in written)
+    model = transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
