@@ -98,6 +98,9 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                               "moe_intermediate_size": 32,
                                                               "shared_expert_intermediate_size": 64}),
+       # (the experts' weights written in MXFP4, as the hub's gpt-oss checkpoints hold them)
+       "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 64, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2, "intermediate_size": 64}),
        "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
        "phi": ("PhiConfig", "PhiForCausalLM", {"pad_token_id": None}),
        "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 64, "pad_token_id": None, "bos_token_id": None,
@@ -205,7 +208,26 @@ def tiny_model(model_type: str, root: Path) -> Path:
     conf, cls, extra = _HF[model_type]
     torch.manual_seed(0)
     getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **extra})).save_pretrained(d)
+    if model_type == "gpt_oss":
+        _experts_as_mxfp4(d)
     return d
+
+
+def _experts_as_mxfp4(d: Path) -> None:
+    """The experts' weights of the checkpoint in ``d`` replaced by MXFP4 blocks and scales (random
+    codes, scales near 2**-5), as transformers' Mxfp4 quantizer writes them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    sd = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = sd.pop(k).shape
+        sd[f"{k}_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g, dtype=torch.uint8)
+        sd[f"{k}_scales"] = torch.randint(120, 124, (experts, outputs, inputs // 32), generator=g, dtype=torch.uint8)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((d / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4"}
+    (d / "config.json").write_text(json.dumps(conf))
 
 
 def _messages(i: int, entry: dict) -> tuple[str, list[dict]]:

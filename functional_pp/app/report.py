@@ -157,8 +157,14 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     if cfg.qat:
         q = cfg.qat_config()
         after = (f" after {q.fake_quant_after_n_steps} steps" if q.fake_quant_after_n_steps else "")
-        lines.append(f"qat:        linear weights and the head fake-quantized{after} (int4 in groups of "
-                     f"{q.group_size} inputs, int8 inputs per token; torchao's numerics); exported unquantized")
+        scheme = ("NVFP4 weights and inputs: E2M1 in blocks of 16 inputs, E4M3 block scales, one fp32 scale "
+                  "per tensor" if q.weight_dtype == "nvfp4" else
+                  f"int4 in groups of {q.group_size} inputs, int8 inputs per token")
+        lines.append(f"qat:        linear weights and the head fake-quantized{after} ({scheme}; torchao's "
+                     f"numerics); exported unquantized")
+    if cfg.model_quantization_config:
+        lines.append("base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors of "
+                     "base_model (gpt-oss's experts) read dequantized, trained and exported unquantized")
     if device_text is not None:
         lines.insert(1, f"device:     {device_text}")
     if corpus is not None:

@@ -33,6 +33,7 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
+from functional_pp.quant.fp4 import dequantize_mxfp4
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
@@ -153,7 +154,28 @@ class _HFReader:
                     f"{self.root / 'model.safetensors.index.json'} lists tensors its files lack: "
                     f"{lost[:6]}{' ...' if len(lost) > 6 else ''}")
         self._stack_experts()
+        self._mxfp4_entries()
         return self
+
+    def _mxfp4_entries(self) -> None:
+        """One dequantized entry ``{name}`` [*lead, in, out] float32 for each MXFP4 pair
+        ``{name}_blocks`` (uint8 [*lead, out, in / 32, 16]) + ``{name}_scales`` (uint8
+        [*lead, out, in / 32]): gpt-oss's experts as its hub checkpoints store them, read as
+        transformers' ``Mxfp4Config(dequantize=True)`` reads them."""
+        self.mxfp4: dict[str, tuple[str, str]] = {}
+        for key in list(self.entries):
+            name = key.removesuffix("_blocks")
+            if name == key or f"{name}_scales" not in self.entries:
+                continue
+            (_, blocks, bt), (_, scales, st) = self.entries[key], self.entries[f"{name}_scales"]
+            if bt != "U8" or st != "U8" or len(blocks) < 3 or blocks[:-1] != scales:
+                raise CheckpointCorruptError(f"{self.root}: {key} {bt} {list(blocks)} with {name}_scales {st} "
+                                             f"{list(scales)} is not MXFP4 (uint8 blocks [..., out, in/32, 16] "
+                                             f"and uint8 scales [..., out, in/32])")
+            *lead, out, groups, half = blocks
+            self.entries[name] = (self.entries[key][0], (*lead, groups * half * 2, out), "F32")
+            self.members[name] = [key, f"{name}_scales"]
+            self.mxfp4[name] = (key, f"{name}_scales")
 
     def _stack_experts(self) -> None:
         """One stacked entry ``...experts.{name}`` [E, *shape] for the per-expert tensors
@@ -190,6 +212,9 @@ class _HFReader:
         return self.handles[f]
 
     def slice(self, name: str):
+        if name in self.mxfp4:
+            blocks, scales = (self._open(self.entries[k][0]).get_slice(k) for k in self.mxfp4[name])
+            return _Mxfp4(blocks, scales, self.entries[name][1])
         if name in self.members:
             return _Stacked([self._open(self.entries[k][0]).get_slice(k) for k in self.members[name]])
         return self._open(self.entries[name][0]).get_slice(name)
@@ -207,6 +232,26 @@ class _Stacked:
     def __getitem__(self, idx):
         first, rest = (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
         return torch.stack([self.slices[j][rest] for j in range(*first.indices(len(self.slices)))])
+
+
+class _Mxfp4:
+    """A slice handle of the dequantized ``[*lead, in, out]`` of MXFP4 ``blocks`` / ``scales``
+    (:class:`_HFReader`): reads only the blocks of the region's rows and groups of 32 inputs."""
+
+    def __init__(self, blocks, scales, shape: tuple[int, ...]):
+        self.blocks, self.scales, self.shape = blocks, scales, shape
+
+    def __getitem__(self, idx):
+        idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (len(self.shape) - len(idx))
+        ranges = [s.indices(n) for s, n in zip(idx, self.shape)]
+        if any(step != 1 for _, _, step in ranges):
+            raise ValueError("MXFP4 tensors are read in contiguous ranges")
+        *lead, (i0, i1, _), (o0, o1, _) = ranges
+        g0, g1 = i0 // 32, -(-i1 // 32)
+        rows = (*(slice(a, b) for a, b, _ in lead), slice(o0, o1), slice(g0, g1))
+        w = dequantize_mxfp4(self.blocks[rows], self.scales[rows])          # [*lead, out, groups * 32]
+        return w[..., i0 - g0 * 32:i1 - g0 * 32].transpose(-1, -2)
 
 
 def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):

@@ -122,7 +122,6 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _ADAPTER for k in ("peft",)},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
-                           "model_quantization_config", "model_quantization_config_kwargs",
                            "nvfp4_merge_aware")},
     "llama4_linearized_experts": ("Axolotl's linearized Llama 4 (each expert's gate / up / down as its own "
                                   "nn.Linear, so that peft and bitsandbytes reach them) is the same math as the "

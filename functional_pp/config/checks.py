@@ -52,12 +52,39 @@ def check_base_quantization(cfg: Any, add) -> None:
                 f"dequantized in the run's precision)")
 
 
+def check_model_quantization(cfg: Any, add) -> None:
+    """``model_quantization_config`` (Axolotl passes it to transformers' ``from_pretrained``):
+    ``Mxfp4Config`` with ``dequantize: true``, which is how an MXFP4 checkpoint is always read here."""
+    name, kw = cfg.model_quantization_config, cfg.model_quantization_config_kwargs
+    if name is None:
+        if kw:
+            add("model_quantization_config_kwargs without model_quantization_config: remove it")
+        return
+    if name != "Mxfp4Config":
+        add(f"'model_quantization_config: {name}' is not supported (only Mxfp4Config with dequantize: true, "
+            f"gpt-oss's MXFP4 experts read dequantized): remove it")
+        return
+    kw = kw or {}
+    if not isinstance(kw, dict):
+        add(f"model_quantization_config_kwargs must be a mapping (dequantize: true), got {kw!r}")
+        return
+    for k in kw:
+        if k != "dequantize":
+            add(f"model_quantization_config_kwargs.{k} is not supported (Mxfp4Config's option here is "
+                f"dequantize: true): remove it")
+    if kw.get("dequantize") is not True:
+        add(f"model_quantization_config: Mxfp4Config needs dequantize: true in model_quantization_config_kwargs "
+            f"(got dequantize: {kw.get('dequantize')!r}): training updates the experts' weights, which are "
+            f"read dequantized from MXFP4 (MXFP4 weights themselves cannot be trained)")
+
+
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
 
 
 def check_qat(cfg: Any, add) -> None:
     """``qat:`` (Axolotl's QATConfig): the schemes built here (int4 weights with int8 per-token
-    inputs; Axolotl's default weight_dtype int8 alone is refused by Axolotl too), full fine-tuning."""
+    inputs, or NVFP4 weights and inputs in blocks of 16; Axolotl's default weight_dtype int8 alone
+    is refused by Axolotl too), full fine-tuning."""
     q = cfg.qat
     if q is None:
         return
@@ -69,12 +96,16 @@ def check_qat(cfg: Any, add) -> None:
         if k not in _QAT_KEYS:
             add(f"qat.{k} is not a QAT option (options: {', '.join(_QAT_KEYS)}): remove it")
     w, a = q.get("weight_dtype", "int8"), q.get("activation_dtype")
-    if (w, a) != ("int4", "int8"):
+    if (w, a) not in (("int4", "int8"), ("nvfp4", "nvfp4")):
         add(f"'qat: weight_dtype {w}, activation_dtype {a}' is not supported (built: weight_dtype: int4 with "
-            f"activation_dtype: int8, torchao's Int8DynamicActivationInt4Weight): use those or remove qat")
+            f"activation_dtype: int8, torchao's Int8DynamicActivationInt4Weight; weight_dtype and "
+            f"activation_dtype nvfp4, its NVFP4DynamicActivationNVFP4Weight): use those or remove qat")
     g = q.get("group_size", 32)
     if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
         add(f"qat.group_size must be a positive whole number (input features per group), got {g!r}")
+    elif w == "nvfp4" and g not in (None, 16):
+        add(f"qat.group_size {g} with weight_dtype nvfp4: NVFP4's blocks are 16 inputs (as in Axolotl): "
+            f"set group_size: 16")
     n = q.get("fake_quant_after_n_steps")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         add(f"qat.fake_quant_after_n_steps must be a whole number of steps >= 0, got {n!r}")
@@ -261,6 +292,7 @@ def check_adapter(cfg: Any, add) -> None:
     bad QLoRA settings refused with what to do instead."""
     import re
     check_base_quantization(cfg, add)
+    check_model_quantization(cfg, add)
     if cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}

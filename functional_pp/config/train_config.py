@@ -213,6 +213,13 @@ class TrainConfig:
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
                                                "(the run's precision), llm_int8_has_fp16_weight (false)")
+    model_quantization_config: str | None = fld(None, "the transformers quantization config the base model "
+                                                      "loads with: Mxfp4Config (gpt-oss's MXFP4 experts, "
+                                                      "read dequantized, as every MXFP4 checkpoint is read "
+                                                      "here), with model_quantization_config_kwargs "
+                                                      "{dequantize: true}")
+    model_quantization_config_kwargs: dict | None = fld(None, "the options of model_quantization_config: "
+                                                              "dequantize: true")
     lora_r: int = fld(8, "LoRA rank")
     lora_alpha: float = fld(16, "LoRA alpha: the adapter is scaled by alpha / r")
     lora_dropout: float = fld(0.0, "dropout on the adapter's input")
@@ -234,7 +241,9 @@ class TrainConfig:
     qat: dict | None = fld(None, "quantization-aware training (Axolotl's / torchao's): {weight_dtype: int4, "
                                  "activation_dtype: int8, group_size: 32, fake_quant_after_n_steps: N}: the "
                                  "linear weights (groups of group_size inputs) and their inputs (per token) "
-                                 "fake-quantized in the forward, rounding straight through; exported unquantized")
+                                 "fake-quantized in the forward, rounding straight through; or weight_dtype "
+                                 "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
+                                 "unquantized")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
@@ -368,7 +377,7 @@ class TrainConfig:
             return None
         from functional_pp.ops.fake_quant import QatConfig
         q = self.qat
-        return QatConfig(weight_dtype="int4", activation_dtype=q.get("activation_dtype"),
+        return QatConfig(weight_dtype=q.get("weight_dtype", "int4"), activation_dtype=q.get("activation_dtype"),
                          group_size=int(q.get("group_size") or 32),
                          fake_quant_after_n_steps=q.get("fake_quant_after_n_steps"))
 

@@ -13,7 +13,15 @@ Mechanism: :func:`apply` wraps each linear weight of the parameter tree in a :cl
 (an einsum operand, as LoRA's): the einsum gathers the contracted dimensions whole (a group or a
 token's row is never cut by a shard), fake-quantizes weight and input there and contracts; the
 head goes through :func:`head_pair` under :func:`active` (the loss's own chunked head).
-:func:`set_enabled` switches it off before ``fake_quant_after_n_steps``."""
+:func:`set_enabled` switches it off before ``fake_quant_after_n_steps``.
+
+``weight_dtype: nvfp4`` with ``activation_dtype: nvfp4`` (torchao's
+``NVFP4FakeQuantizeConfig`` with the per-tensor scale, which
+``NVFP4DynamicActivationNVFP4WeightConfig`` prepares) is another dtype of the same mechanism:
+weight and input each NVFP4-quantized and dequantized (:func:`fake_quant_nvfp4`: E2M1 values in
+blocks of 16 contracted features with E4M3 scales, times one fp32 scale from the whole tensor's
+largest magnitude: a max over every device's part), gradients straight through, as torchao's
+backward computes them from the dequantized operands."""
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +34,13 @@ import torch
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import map_with_path
 from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
+from functional_pp.ops.reduce import max as named_max
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named
+from functional_pp.quant.fp4 import NVFP4_BLOCK, nvfp4_per_tensor_scale, nvfp4_round_trip
 
 __all__ = ["QatConfig", "QatWeight", "set_enabled", "enabled", "apply", "adapt", "active", "head_pair", "fake_quant_int4_weight",
-           "fake_quant_int8_tokens", "LINEAR_WEIGHTS"]
+           "fake_quant_int8_tokens", "fake_quant_nvfp4", "LINEAR_WEIGHTS", "DTYPES"]
 
 #: the decoder's linear weights (the names models/quantize.py quantizes, which are nn.Linear in
 #: transformers) fake-quantized by QAT
@@ -38,10 +48,15 @@ LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
                   "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
+#: the (weight_dtype, activation_dtype) pairs built: torchao's Int8DynamicActivationInt4Weight and
+#: NVFP4DynamicActivationNVFP4Weight (activation_dtype None: int4 weights alone)
+DTYPES = (("int4", "int8"), ("nvfp4", "nvfp4"))
+
+
 @dataclasses.dataclass(frozen=True)
 class QatConfig:
-    """Axolotl's ``qat:`` block: ``weight_dtype`` / ``activation_dtype`` / ``group_size`` /
-    ``fake_quant_after_n_steps`` (steps up to it train without fake quantization)."""
+    """Axolotl's ``qat:`` block: ``weight_dtype`` / ``activation_dtype`` (:data:`DTYPES`) /
+    ``group_size`` / ``fake_quant_after_n_steps`` (steps up to it train without fake quantization)."""
     weight_dtype: str = "int4"
     activation_dtype: str | None = "int8"
     group_size: int = 32
@@ -111,6 +126,34 @@ def fake_quant_int8_tokens(x: torch.Tensor) -> torch.Tensor:
     return ((q - zero) * scale).to(x.dtype)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """``fake`` in the forward, the gradient reaching ``x`` unchanged (torchao's NVFP4 QAT: its
+    backward multiplies by the other operand's dequantized values, nothing flows to the scales)."""
+    @staticmethod
+    def forward(ctx, x, fake):
+        return fake
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def fake_quant_nvfp4(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
+    """``x`` ([rows, K], blocks of 16 along K) through NVFP4 and back (``quant.fp4.nvfp4_round_trip``,
+    torchao's ``NVFP4Tensor.to_nvfp4(...).dequantize()``) with the gradient straight through."""
+    with torch.no_grad():
+        fake = nvfp4_round_trip(x.detach(), per_tensor_scale)
+    return _StraightThrough.apply(x, fake)
+
+
+def _per_tensor_scale(x: Named) -> torch.Tensor:
+    """NVFP4's per-tensor scale of the whole ``x`` (every device's part: a max across the axes
+    splitting it), outside autograd."""
+    with torch.no_grad():
+        amax = named_max(make_named(x.data.detach().abs(), x.dims, x.split, x.vary, x.partial, x._sizes))
+    return nvfp4_per_tensor_scale(amax.data)
+
+
 def _whole(x: Named, dims: Sequence[str]) -> Named:
     """``x`` with ``dims`` unsplit (gathered whole on every device) and no pending sum."""
     target = tuple(() if d in dims else s for d, s in zip(x.dims, x.split))
@@ -134,19 +177,24 @@ def _as_rows(x: Named, dims: Sequence[str]) -> tuple[torch.Tensor, Callable[[tor
     return flat, back
 
 
-def _fake_weight(w: Named, contracted: Sequence[str], group_size: int, where: str) -> Named:
+def _fake_weight(w: Named, contracted: Sequence[str], cfg: QatConfig, where: str) -> Named:
     w = _whole(w, contracted)
     flat, back = _as_rows(w, contracted)
-    if flat.shape[1] % group_size:
+    group = NVFP4_BLOCK if cfg.weight_dtype == "nvfp4" else cfg.group_size
+    if flat.shape[1] % group:
         sizes = {d: w._sizes[w.dims.index(d)] for d in contracted}
         raise ValueError(f"qat: {where}: {flat.shape[1]} input features ({sizes}) are not a multiple of "
-                         f"qat.group_size {group_size} (torchao's groups): choose a group_size dividing it")
-    return back(fake_quant_int4_weight(flat, group_size))
+                         f"qat.group_size {group} (torchao's groups): choose a group_size dividing it")
+    if cfg.weight_dtype == "nvfp4":
+        return back(fake_quant_nvfp4(flat, _per_tensor_scale(w)))
+    return back(fake_quant_int4_weight(flat, group))
 
 
-def _fake_input(x: Named, contracted: Sequence[str]) -> Named:
+def _fake_input(x: Named, contracted: Sequence[str], cfg: QatConfig) -> Named:
     x = _whole(x, contracted)
     flat, back = _as_rows(x, contracted)
+    if cfg.activation_dtype == "nvfp4":
+        return back(fake_quant_nvfp4(flat, _per_tensor_scale(x)))
     return back(fake_quant_int8_tokens(flat))
 
 
@@ -155,8 +203,7 @@ class QatWeight(NamedTuple):
     (groups along its contracted dimensions) and, with ``activations``, its other operand (per
     token), then contracts."""
     base: Named
-    group_size: int
-    activations: bool
+    cfg: QatConfig
     on: bool = True
     name: str = ""
 
@@ -167,10 +214,10 @@ class QatWeight(NamedTuple):
             return einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
         ins, out = parse_pattern(pattern, 2)
         contracted = [d for d in ins[i] if d not in out]
-        w = _fake_weight(self.base, contracted, self.group_size, self.name or pattern)
+        w = _fake_weight(self.base, contracted, self.cfg, self.name or pattern)
         x = operands[1 - i]
-        if self.activations:
-            x = _fake_input(x, contracted)
+        if self.cfg.activation_dtype is not None:
+            x = _fake_input(x, contracted, self.cfg)
         return einsum(pattern, *[w if j == i else x for j in range(2)])
 
 
@@ -181,7 +228,7 @@ def apply(params: Any, cfg: QatConfig, on: bool = True) -> Any:
     """``params`` with each decoder linear weight (:data:`LINEAR_WEIGHTS`) a :class:`QatWeight`."""
     def wrap(path: str, x: Any) -> Any:
         if isinstance(x, Named) and path.rpartition(".")[2] in LINEAR_WEIGHTS:
-            return QatWeight(x, cfg.group_size, cfg.activation_dtype is not None, on, path)
+            return QatWeight(x, cfg, on, path)
         return x
     return map_with_path(wrap, params)
 
@@ -203,8 +250,8 @@ def head_pair(x: Named, head: Named, contract: str = "hidden") -> tuple[Named, N
     cfg = getattr(_active, "cfg", None)
     if cfg is None:
         return x, head
-    w = _fake_weight(head, [contract], cfg.group_size, "lm_head")
-    return (_fake_input(x, [contract]) if cfg.activation_dtype is not None else x), w
+    w = _fake_weight(head, [contract], cfg, "lm_head")
+    return (_fake_input(x, [contract], cfg) if cfg.activation_dtype is not None else x), w
 
 
 def adapt(fn: Callable[..., Any], cfg: QatConfig) -> Callable[..., Any]:

@@ -130,7 +130,7 @@ def test_off_until_fake_quant_after_n_steps(tmp_path):
 
 
 @pytest.mark.parametrize("qat,match", [
-    ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16}, "qat: weight_dtype nvfp4"),
+    ({"weight_dtype": "int4", "activation_dtype": "nvfp4", "group_size": 16}, "qat: weight_dtype int4, activation_dtype nvfp4"),
     ({"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 0}, "qat.group_size"),
     ({"weight_dtype": "int4", "activation_dtype": "int8", "quantize_embedding": True}, "qat.quantize_embedding"),
     ({"weight_dtype": "int4", "activation_dtype": "int8", "bits": 4}, "qat.bits is not a QAT option"),

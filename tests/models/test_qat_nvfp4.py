@@ -1,0 +1,187 @@
+"""QAT with ``weight_dtype: nvfp4``, ``activation_dtype: nvfp4`` (issue 47), checked against
+torchao 0.18, which Axolotl delegates to: the round trip equals ``NVFP4Tensor.to_nvfp4(x,
+per_tensor_scale).dequantize()`` bit for bit on CPU; a tiny Llama under our QAT gives the logits
+and every gradient of the transformers model prepared by ``quantize_(model,
+QATConfig(NVFP4DynamicActivationNVFP4WeightConfig(), step="prepare"))``, whose forward multiplies
+NVFP4 operands with ``torch._scaled_mm`` (CUDA, Blackwell only): here that one call is emulated by
+the product of torchao's own dequantized operands in fp32 (what the kernel computes, up to the
+order of its fp32 sums); FSDP x TP (simulated) and FSDP on two gloo processes equal one device
+(the per-tensor scales a max over every device's part); bad options refused by name."""
+import functools
+
+import pytest
+import torch
+from harness import tokens
+from safetensors.torch import load_file
+
+import functional_pp as fpp
+from functional_pp.checkpoint import hf
+from functional_pp.config import ConfigError, TrainConfig
+from functional_pp.core import tree
+from functional_pp.core.layout import block_slices
+from functional_pp.models import llama
+from functional_pp.ops import fake_quant
+from functional_pp.parallel import sharding
+from functional_pp.parallel.named import settle
+from functional_pp.quant import fp4
+
+transformers = pytest.importorskip("transformers")
+nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+torchao_qat = pytest.importorskip("torchao.prototype.qat.nvfp4")
+
+CFG = fake_quant.QatConfig(weight_dtype="nvfp4", activation_dtype="nvfp4", group_size=16)
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=128)
+
+
+def _torchao_round_trip(x: torch.Tensor) -> torch.Tensor:
+    scale = nvfp4_tensor.per_tensor_amax_to_scale(torch.max(torch.abs(x)))
+    return nvfp4_tensor.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=scale).dequantize(x.dtype)
+
+
+def test_round_trip_equals_torchaos_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        wide = torch.randn(48, 128, generator=g) * torch.exp(3 * torch.randn(48, 1, generator=g))
+        ties = torch.randint(-24, 25, (48, 128), generator=g) / 4          # values on E2M1's midpoints
+        wide[0, :16] = 0.0                                                 # an all-zero block
+        for x in (wide.to(dtype), ties.to(dtype)):
+            want = _torchao_round_trip(x)
+            got = fp4.nvfp4_round_trip(x, fp4.nvfp4_per_tensor_scale(x.abs().max()))
+            assert torch.equal(got.view(bits), want.view(bits)) and not torch.equal(got, x)
+    x = torch.randn(8, 32, generator=g, requires_grad=True)
+    y = fake_quant.fake_quant_nvfp4(x, fp4.nvfp4_per_tensor_scale(x.detach().abs().max()))
+    up = torch.randn(8, 32, generator=g)
+    (y * up).sum().backward()
+    assert torch.equal(x.grad, up)                 # straight through
+
+
+def _emulated_scaled_mm(a, b, aten_op, bias=None):
+    """torchao's ``_addmm_nvfp4_dispatch`` with ``torch._scaled_mm`` (CUDA) replaced by the product
+    of the dequantized operands in fp32, cast as it casts its output."""
+    out = (a.dequantize(torch.float32) @ b.dequantize(torch.float32)).to(a.orig_dtype)
+    return out if bias is None else out + bias.to(a.orig_dtype)
+
+
+@pytest.fixture(scope="module")
+def torchao_model(tmp_path_factory):
+    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    d = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(d, safe_serialization=True)
+    quantize_(model, QATConfig(NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False), step="prepare"))
+    assert isinstance(model.lm_head, torchao_qat.NVFP4FakeQuantizedLinear)
+    return model, d
+
+
+def test_logits_and_gradients_equal_torchaos_nvfp4_qat_model(torchao_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(torchao_qat, "_addmm_nvfp4_dispatch", _emulated_scaled_mm)
+    model, d = torchao_model
+    model.zero_grad()
+    toks = tokens(batch=2, seq=12)
+    want = model(input_ids=toks).logits
+    up = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * up).sum().backward()
+    cfg, full = hf.load_hf_llama(d)
+    decls = llama.init(cfg)
+    leaves = tree.tree_map(lambda t: t.clone().requires_grad_(), full)
+    got = fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(leaves, decls), fpp.wrap(toks, "batch seq"), cfg)
+    got = got.value()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    plain = llama.forward(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg).value()
+    assert (plain - want).abs().max() > 1e-2           # (the fake quantization acts)
+    (got * up).sum().backward()
+    hf.save_hf_llama(tree.tree_map(lambda t: t.grad, leaves), cfg, tmp_path / "grads")
+    grads = load_file(str(tmp_path / "grads" / "model.safetensors"))
+    theirs = {n: p.grad for n, p in model.named_parameters()}
+    assert set(grads) == set(theirs)
+    for name, gr in grads.items():
+        torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)
+
+
+def test_sharded_fsdp_tp_logits_equal_one_device(torchao_model):
+    _, d = torchao_model
+    toks = tokens(batch=2, seq=12)
+    cfg, full = hf.load_hf_llama(d)
+    decls = llama.init(cfg)
+    with torch.no_grad():
+        want = fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"),
+                                                    cfg).value()
+    mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules()
+
+    def device():
+        with fpp.use_rules(rules):
+            local = sharding.shard(full, decls, mesh, rules, fpp.current_rank())
+            with torch.no_grad():
+                logits = settle(fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(local, decls),
+                                                                     fpp.named(toks, "batch seq"), cfg))
+            region = block_slices(tuple(want.shape), logits.split, mesh, fpp.current_rank())
+            torch.testing.assert_close(logits.data, want[region], atol=1e-5, rtol=1e-5)
+    fpp.launch(device, mesh)
+
+
+def _qat_steps(mesh, rules):
+    """Two AdamW steps of a tiny Llama under NVFP4 QAT on ``mesh``: losses and the parameters."""
+    from harness import make_batch
+    cfg = llama.Config.tiny()
+    decls = llama.init(cfg)
+    full = {p: x.data for p, x in tree.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
+    params = tree.map_with_path(lambda p, d: full[p], decls)
+    step = fpp.train_step(fake_quant.adapt(functools.partial(llama.loss, cfg=cfg), CFG), fpp.optim.adamw(1e-2),
+                          mesh=mesh, rules=rules)
+    batch_full = make_batch(cfg, batch=4, seq=8, seed=3)
+    with fpp.use_rules(rules):
+        local = sharding.shard(params, decls, mesh, rules, fpp.current_rank())
+        state = step.init(sharding.named_tree(local, decls))
+        batch = {k: fpp.named(v, "batch seq").data for k, v in batch_full.items()}
+    losses = []
+    for _ in range(2):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    with fpp.use_rules(rules):
+        out = fpp.gather_tree(state["params"], decls, rules)
+    return losses, {p: x.numpy() for p, x in tree.leaves_with_paths(out)}
+
+
+def _fsdp_device():
+    return _qat_steps(fpp.Mesh(dp_shard=2), llama.default_rules(tp=False))
+
+
+def _one_device():
+    return _qat_steps(fpp.Mesh(), llama.default_rules(tp=False))
+
+
+@pytest.mark.multiprocess
+def test_fsdp_on_two_gloo_processes_equals_one_device():
+    import numpy as np
+    real = fpp.launch(_fsdp_device, fpp.Mesh(dp_shard=2), processes=True, timeout=300)
+    (one,) = fpp.launch(_one_device, fpp.Mesh())
+    for losses, params in real:
+        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+        for p, x in params.items():
+            np.testing.assert_allclose(x, one[1][p], atol=2e-5, rtol=1e-4, err_msg=p)
+    assert one[0][1] < one[0][0]
+
+
+@pytest.mark.parametrize("qat,match", [
+    ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, "NVFP4's blocks are 16"),
+    ({"weight_dtype": "nvfp4", "activation_dtype": "int8", "group_size": 16}, "weight_dtype nvfp4, activation_dtype int8"),
+    ({"weight_dtype": "nvfp4", "group_size": 16}, "weight_dtype nvfp4, activation_dtype None"),
+])
+def test_bad_nvfp4_options_are_refused(qat, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.from_dict({"qat": qat})
+
+
+def test_axolotls_nvfp4_block_is_accepted():
+    q = TrainConfig.from_dict({"qat": {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4",
+                                       "group_size": 16}}).qat_config()
+    assert (q.weight_dtype, q.activation_dtype, q.group_size) == ("nvfp4", "nvfp4", 16)
