@@ -173,7 +173,6 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
                         "W&B): remove it",
     "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
     "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
-    "lisa_": "LISA (layer-wise sampling) is not supported: every layer is trained; remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "

@@ -205,6 +205,12 @@ class TrainConfig:
                                            "(adapter_config.json + adapter_model.safetensors)")
     unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "
                                                  "Hugging Face names); every other one frozen")
+    lisa_n_layers: int | None = fld(None, "LISA (Axolotl's): train only this many decoder layers at a time, drawn "
+                                          "as Axolotl draws them every lisa_step_interval steps; embeddings, "
+                                          "final norm and head train at every step (docs/optim.md \"LISA\")")
+    lisa_step_interval: int | None = fld(None, "LISA: steps between draws of the trained layers")
+    lisa_layers_attribute: str = fld("model.layers", "LISA: the model's list of decoder layers (Hugging Face's "
+                                                     "name; every family's is its decoder layers here)")
     qat: dict | None = fld(None, "quantization-aware training (Axolotl's / torchao's): {weight_dtype: int4, "
                                  "activation_dtype: int8, group_size: 32, fake_quant_after_n_steps: N}: the "
                                  "linear weights (groups of group_size inputs) and their inputs (per token) "
