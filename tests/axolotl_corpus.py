@@ -295,6 +295,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["max_packed_sequence_len"] = 256     # (Axolotl's old name of the packed length: a size)
     if isinstance(cfg.get("lisa_n_layers"), int):   # LISA's layers at a time and steps between draws: sizes
         cfg.update(lisa_n_layers=1, lisa_step_interval=1)    # (the tiny models have 2 layers, the run 2 steps)
+    if cfg.get("use_otel_metrics"):
+        cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):
         cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
     for key in ("warmup_steps", "save_steps", "eval_steps"):

@@ -161,16 +161,15 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
 _PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
-                    "swanlab_workspace")
+                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
     "swanlab_": "this SwanLab option is not supported (use_swanlab logs the metrics with swanlab_project, "
                 "swanlab_experiment_name, swanlab_description, swanlab_mode, swanlab_workspace): remove it",
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "otel_": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "use_otel_metrics": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, "
-                        "W&B): remove it",
+    "otel_": "this OpenTelemetry option is not supported (use_otel_metrics exports the metrics with "
+             "otel_metrics_host and otel_metrics_port): remove it",
     "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
     "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
 }

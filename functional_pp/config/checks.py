@@ -292,6 +292,8 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     check_adapter(cfg, add)
     check_preference(cfg, add)
     check_lisa(cfg, add)
+    if cfg.use_otel_metrics and not 0 <= cfg.otel_metrics_port <= 65535:
+        add(f"otel_metrics_port must be a port number 0-65535 (0: any free port), got {cfg.otel_metrics_port}")
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():

@@ -284,6 +284,11 @@ class TrainConfig:
     swanlab_mode: Literal["cloud", "local", "offline", "disabled"] | None = fld(
         None, "SwanLab mode (default cloud: needs swanlab login; offline and local need no network)")
     swanlab_workspace: str | None = fld(None, "SwanLab workspace (a team's)")
+    use_otel_metrics: bool = fld(False, "also export the metrics through OpenTelemetry, served to Prometheus "
+                                        "on otel_metrics_host:otel_metrics_port/metrics (Axolotl's gauges; "
+                                        "pip install 'functional_pp[otel]')")
+    otel_metrics_host: str = fld("localhost", "use_otel_metrics: the metrics server's address")
+    otel_metrics_port: int = fld(8000, "use_otel_metrics: the metrics server's port")
     # sections
     model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
                              factory=ModelConfig)
