@@ -231,8 +231,9 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
         elif kind.startswith("chat_template") or "field_messages" in entry:
             field, msgs = _messages(i, entry)
             out.append({field: msgs})
-        elif kind == "completion":
-            out.append({entry.get("field", "text"): f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})
+        elif kind in ("completion", "pretrain"):
+            field = entry.get("field" if kind == "completion" else "text_column") or "text"
+            out.append({field: f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})
         else:                                   # alpaca and its variants, and any other type
             out.append({"instruction": f"Add {i} and {i}.", "input": "", "output": f"{2 * i}"})
     return out
