@@ -263,8 +263,9 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
         elif kind.startswith("chat_template") or "field_messages" in entry:
             field, msgs = _messages(i, entry)
             out.append({field: msgs})
-        elif kind == "completion":
-            out.append({entry.get("field", "text"): f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})
+        elif kind in ("completion", "pretrain"):
+            field = entry.get("field" if kind == "completion" else "text_column") or "text"
+            out.append({field: f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})
         else:                                   # alpaca and its variants, and any other type
             out.append({"instruction": f"Add {i} and {i}.", "input": "", "output": f"{2 * i}"})
     return out
@@ -325,6 +326,10 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                logging_steps=1)
     if cfg.get("max_packed_sequence_len"):
         cfg["max_packed_sequence_len"] = 256     # (Axolotl's old name of the packed length: a size)
+    if isinstance(cfg.get("lisa_n_layers"), int):   # LISA's layers at a time and steps between draws: sizes
+        cfg.update(lisa_n_layers=1, lisa_step_interval=1)    # (the tiny models have 2 layers, the run 2 steps)
+    if cfg.get("use_otel_metrics"):
+        cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):
         cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
     for key in ("warmup_steps", "save_steps", "eval_steps"):

@@ -17,7 +17,8 @@ MODULE_OF = {"pytest": "pytest", "hypothesis": "hypothesis", "transformers": "tr
              "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "tokenizers": "tokenizers",
              "jinja2": "jinja2", "tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab", "jax": "jax",
              "bitsandbytes": "bitsandbytes", "torchao": "torchao", "peft": "peft", "trl": "trl", "mistral-common": "mistral_common",
-             "matplotlib": "matplotlib", "pyarrow": "pyarrow", "datasets": "datasets"}
+             "matplotlib": "matplotlib", "pyarrow": "pyarrow", "datasets": "datasets",
+             "opentelemetry-sdk": "opentelemetry.sdk", "opentelemetry-exporter-prometheus": "opentelemetry.exporter.prometheus"}
 TRAINING_NEEDS = {"torch", "optree", "numpy", "safetensors", "pyyaml"}
 
 

@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` (always), TensorBoard (``use_tensorboard: true``, the ``tensorboard``
 package), Weights & Biases (``wandb_project``; ``wandb_mode: offline`` needs no network) and SwanLab
-(``use_swanlab``; ``swanlab_mode: offline`` needs no network).
+(``use_swanlab``; ``swanlab_mode: offline`` needs no network) and OpenTelemetry
+(``use_otel_metrics``: Axolotl's gauges, served to Prometheus on ``otel_metrics_host:port``).
 The training loop logs training metrics and, at eval steps, ``eval_loss``; :func:`read_metrics`
 reads ``metrics.jsonl`` back (``docs/finetune.md``).
 """
@@ -17,7 +18,7 @@ from typing import Protocol
 
 from functional_pp.core.optional import require
 
-__all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "SwanLabLogger", "make_loggers",
+__all__ = ["MetricsLogger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "SwanLabLogger", "OtelLogger", "make_loggers",
            "MultiLogger", "read_metrics", "trim_metrics"]
 
 
@@ -120,6 +121,50 @@ class SwanLabLogger(WandbLogger):
                               f"SWANLAB_API_KEY) or set swanlab_mode: offline") from exc
 
 
+#: our metric -> Axolotl's OpenTelemetry gauge (its OpenTelemetryMetricsCallback's names)
+OTEL_GAUGES = {"loss": "axolotl_train_loss", "eval_loss": "axolotl_eval_loss", "lr": "axolotl_learning_rate",
+               "epoch": "axolotl_epoch", "grad_norm": "axolotl_gradient_norm"}
+
+
+class OtelLogger:
+    """OpenTelemetry metrics as Axolotl's callback exports them: gauges ``axolotl_train_loss``,
+    ``axolotl_eval_loss``, ``axolotl_learning_rate``, ``axolotl_epoch``, ``axolotl_gradient_norm``
+    and the counter ``axolotl_global_steps`` (one per logged training step), read by ``reader``
+    (default: a Prometheus reader served on ``http://host:port/metrics``, as Axolotl's)."""
+
+    def __init__(self, host: str = "localhost", port: int = 8000, reader=None):
+        sdk = require("opentelemetry.sdk.metrics", "otel", "use_otel_metrics")
+        if reader is None:
+            reader = require("opentelemetry.exporter.prometheus", "otel", "use_otel_metrics").PrometheusMetricReader()
+            from functional_pp.config import ConfigError
+            try:
+                require("prometheus_client", "otel", "use_otel_metrics").start_http_server(int(port), addr=str(host))
+            except OSError as exc:
+                raise ConfigError(f"use_otel_metrics: the metrics server cannot listen on {host}:{port} ({exc}): "
+                                  f"set otel_metrics_host / otel_metrics_port to a free address") from exc
+        self.provider = sdk.MeterProvider(metric_readers=[reader])
+        meter = self.provider.get_meter("functional_pp.training")
+        self.gauges = {k: meter.create_gauge(name=v, unit="1") for k, v in OTEL_GAUGES.items()}
+        self.steps = meter.create_counter(name="axolotl_global_steps", unit="1")
+
+    def log(self, step: int, metrics: dict) -> None:
+        values = _numbers(metrics)
+        for key, value in values.items():
+            if key in self.gauges:
+                self.gauges[key].set(value)
+            elif key.startswith("eval_"):       # other held-out metrics, as Axolotl's on_evaluate
+                self.gauges[key] = self.provider.get_meter("functional_pp.training").create_gauge(
+                    name=f"axolotl_{key}", unit="1")
+                self.gauges[key].set(value)
+        if "loss" in values:
+            self.steps.add(1)
+
+    def close(self) -> None:
+        """Flushed; the Prometheus endpoint keeps serving the last values until the process ends
+        (as Axolotl's)."""
+        self.provider.force_flush()
+
+
 class MultiLogger:
     """Sends every call to each logger."""
 
@@ -147,6 +192,8 @@ def make_loggers(cfg, out_dir: Path, metrics_path: Path, *, append: bool) -> Mul
         loggers.append(SwanLabLogger(cfg.swanlab_project or out_dir.name, out_dir, mode=cfg.swanlab_mode,
                                      name=cfg.swanlab_experiment_name, description=cfg.swanlab_description,
                                      workspace=cfg.swanlab_workspace, config=cfg.to_dict()))
+    if cfg.use_otel_metrics:
+        loggers.append(OtelLogger(cfg.otel_metrics_host, cfg.otel_metrics_port))
     return MultiLogger(loggers)
 
 

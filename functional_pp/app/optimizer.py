@@ -8,7 +8,7 @@ from functional_pp import optim
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.config.keys import ADAM_OPTIMIZERS
 
-__all__ = ["optimizer_from_config"]
+__all__ = ["optimizer_from_config", "check_lisa_layers"]
 
 
 # optimizer argument -> config key, so that a refused setting is named as the user wrote it
@@ -43,4 +43,34 @@ def _build_optimizer(cfg: TrainConfig):
                                    constant_ratio=cfg.cosine_constant_lr_ratio or None)
     if not callable(schedule):
         schedule = optim.schedules.constant(schedule)
+    if cfg.lisa_n_layers is not None:
+        return _lisa_adamw(cfg, schedule), schedule
     return optim.from_config(cfg.optimizer, **kw), schedule
+
+
+_MOMENTS = {"adamw": optim.scale_by_adam, "adamw_8bit": optim.scale_by_adam_8bit,
+            "adamw_4bit": optim.scale_by_adam_4bit}
+
+
+def _lisa_adamw(cfg: TrainConfig, schedule):
+    """``lisa_n_layers`` / ``lisa_step_interval``: the config's AdamW (its moments, decay, clipping
+    and schedule) with LISA's sampled layers (``optim.sample_layers``; docs/optim.md "LISA")."""
+    moments = _MOMENTS[cfg.optimizer](cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon)
+    sampled = optim.sample_layers(moments, n_layers=cfg.lisa_n_layers, interval=cfg.lisa_step_interval,
+                                  total_steps=cfg.max_steps, weight_decay=cfg.weight_decay,
+                                  mask=optim.decay_mask_by_ndim, clip_norm=cfg.max_grad_norm)
+    return optim.chain(sampled, optim.scale_by_learning_rate(schedule))
+
+
+def check_lisa_layers(cfg: TrainConfig, decls) -> None:
+    """LISA's draws need the model's decoder layers (``layers.N``) and at most as many to draw."""
+    if cfg.lisa_n_layers is None:
+        return
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.optim.layer_sampling import layer_of_path
+    found = {layer_of_path(p) for p, _ in leaves_with_paths(decls)} - {None}
+    if not found:
+        raise ConfigError("lisa_n_layers: this model has no decoder layers to draw (layers.N): remove the lisa_* keys")
+    if cfg.lisa_n_layers > len(found):
+        raise ConfigError(f"lisa_n_layers: {cfg.lisa_n_layers} but the model has {len(found)} decoder layers: give "
+                          f"at most {len(found)}")

@@ -152,7 +152,9 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         + f", precision {cfg.precision}"
         + ({True: ", activation checkpointing", "selective": ", selective activation checkpointing"}
            .get(cfg.activation_checkpointing, ""))
-        + (f", compile={cfg.compile}" if cfg.compile else ""),
+        + (f", compile={cfg.compile}" if cfg.compile else "")
+        + (f", LISA: {cfg.lisa_n_layers} decoder layers trained at a time, drawn every {cfg.lisa_step_interval} "
+           f"steps (Axolotl's draws)" if cfg.lisa_n_layers else ""),
     ]
     if cfg.qat:
         q = cfg.qat_config()

@@ -144,8 +144,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
-    "pretraining_dataset": "streaming pretraining datasets are not supported: give the files as "
-                           "datasets: [{path: ..., type: completion}]",
     "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
 }
@@ -157,19 +155,17 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
 _PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
-                    "swanlab_workspace")
+                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
     "swanlab_": "this SwanLab option is not supported (use_swanlab logs the metrics with swanlab_project, "
                 "swanlab_experiment_name, swanlab_description, swanlab_mode, swanlab_workspace): remove it",
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "otel_": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, W&B): remove it",
-    "use_otel_metrics": "OpenTelemetry metrics are not supported (metrics.jsonl, TensorBoard, "
-                        "W&B): remove it",
+    "otel_": "this OpenTelemetry option is not supported (use_otel_metrics exports the metrics with "
+             "otel_metrics_host and otel_metrics_port): remove it",
     "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
     "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
-    "lisa_": "LISA (layer-wise sampling) is not supported: every layer is trained; remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
@@ -339,6 +335,53 @@ def _batch_size_as_accumulation(d: dict, issues: Issues) -> dict:
     return d
 
 
+#: keys of a ``pretraining_dataset`` entry passed on to its ``datasets`` entry
+_PRETRAIN_KEYS = ("path", "data_files", "split", "name", "ds_type")
+
+
+def _pretraining_as_datasets(d: dict, issues: Issues, unused: list[str]) -> dict:
+    """Axolotl's ``pretraining_dataset`` (``type: pretrain``, the text in ``text_column``,
+    default ``text``) as ``datasets`` of ``type: completion`` packed to ``sequence_len``
+    (``sample_packing``, which Axolotl's pretraining always does): read from local files, not
+    streamed (docs/data.md "Pretraining data")."""
+    entries = d.get("pretraining_dataset")
+    if _off(entries):
+        return {k: v for k, v in d.items() if k != "pretraining_dataset"}
+    d = dict(d)
+    d.pop("pretraining_dataset")
+    if not _off(d.get("datasets")):
+        issues.add("pretraining_dataset and datasets are both set: Axolotl trains on pretraining_dataset alone; "
+                   "remove one")
+        return d
+    if d.get("sample_packing") is False:
+        issues.add("pretraining_dataset with sample_packing: false (Axolotl's concatenation across documents) is "
+                   "not supported: remove sample_packing (pretraining data is packed, each document its own)")
+        return d
+    out = []
+    for i, e in enumerate(entries if isinstance(entries, list) else [entries]):
+        e = {"path": e} if isinstance(e, str) else e
+        if not isinstance(e, dict) or not e.get("path"):
+            issues.add(f"pretraining_dataset[{i}] must be a path or a mapping with a path, got {e!r}")
+            continue
+        if e.get("type", "pretrain") != "pretrain":
+            issues.add(f"pretraining_dataset[{i}].type: {e['type']!r}: pretraining data is type: pretrain (for "
+                       f"other types use datasets)")
+            continue
+        other = sorted(set(e) - {*_PRETRAIN_KEYS, "type", "text_column", "skip", "trust_remote_code"})
+        if other:
+            issues.add(f"pretraining_dataset[{i}]: {', '.join(other)} not supported (supported: "
+                       f"{', '.join(_PRETRAIN_KEYS)}, text_column, type)")
+        if e.get("skip"):
+            issues.add(f"pretraining_dataset[{i}].skip: skipping the first rows is not supported: remove it")
+        out.append({**{k: e[k] for k in _PRETRAIN_KEYS if k in e}, "type": "completion",
+                    "field": e.get("text_column") or "text"})
+    d["datasets"] = out
+    d["sample_packing"] = True
+    unused.append("pretraining_dataset: read whole from its files (not streamed) as datasets of type completion, "
+                  "packed to sequence_len")
+    return d
+
+
 def _without_unused_lora_keys(d: dict, unused: list[str]) -> dict:
     """``adapter:`` written blank is full fine-tuning (as in Axolotl): the LoRA keys next to it
     are unused (noted). Without an ``adapter`` key they are refused (``check_adapter``)."""
@@ -358,6 +401,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     aliased: list[tuple[str, str, Any]] = []
     unused: list[str] = []
     d = _without_unused_lora_keys(_batch_size_as_accumulation(d, issues), unused)
+    d = _pretraining_as_datasets(d, issues, unused)
     if d.get("tokenizer_use_mistral_common") is None and any(
             "magistral" in str(d.get(k) or "").lower() for k in ("base_model", "base_model_config", "tokenizer_config")):
         d = {**d, "tokenizer_use_mistral_common": True}         # Axolotl's check_tokenizer_use_mistral_common

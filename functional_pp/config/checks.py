@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from functional_pp.config.keys import LORA_KEYS, MESH_KEYS
+from functional_pp.config.keys import ADAM_OPTIMIZERS, LORA_KEYS, MESH_KEYS
 from functional_pp.config.models import model_config, model_family
 from functional_pp.config.schema import ConfigError, Issues, suggest
 
@@ -320,6 +320,43 @@ def check_adapter(cfg: Any, add) -> None:
             add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
 
 
+#: Hugging Face's names of the decoder-layer list (``model.layers``, GPT-2 / Falcon ``transformer.h``,
+#: GPT-NeoX ``gpt_neox.layers``, DBRX ``transformer.blocks``): each family's decoder layers here
+_LISA_LAYER_LISTS = ("layers", "h", "blocks")
+
+
+def check_lisa(cfg: Any, add) -> None:
+    """``lisa_n_layers`` / ``lisa_step_interval`` / ``lisa_layers_attribute``: both numbers or
+    neither, at least 1, full fine-tuning of a model's decoder layers (not adapters, frozen
+    parameters, preference training or a pipeline)."""
+    n, every = cfg.lisa_n_layers, cfg.lisa_step_interval
+    if n is None and every is None:
+        return
+    if n is None or every is None:
+        given, missing = ("lisa_n_layers", "lisa_step_interval")[::1 if n is not None else -1]
+        add(f"{given} is set without {missing}: LISA needs both (the layers trained at once, and the steps "
+            f"between draws), or neither")
+        return
+    for key, v in (("lisa_n_layers", n), ("lisa_step_interval", every)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            add(f"{key} must be a whole number >= 1, got {v!r}")
+    attr = str(cfg.lisa_layers_attribute or "model.layers")
+    if attr.rpartition(".")[2] not in _LISA_LAYER_LISTS:
+        add(f"lisa_layers_attribute: {attr!r} is not a model's list of decoder layers (e.g. model.layers, "
+            f"transformer.h): LISA samples the decoder layers")
+    for key, why in (("adapter", cfg.adapter), ("unfrozen_parameters", cfg.unfrozen_parameters),
+                     ("rl", cfg.rl)):
+        if why:
+            add(f"lisa_n_layers with {key}: LISA trains whole decoder layers of a full fine-tuning (Axolotl "
+                f"turns on every weight of the drawn layers): remove {key} or the lisa_* keys")
+    if cfg.optimizer not in ADAM_OPTIMIZERS:
+        add(f"lisa_n_layers with optimizer {cfg.optimizer!r}: LISA is built on AdamW here (adamw, adamw_8bit, "
+            f"adamw_4bit)")
+    if cfg.pp_size > 1:
+        add("lisa_n_layers with pp_size > 1: LISA's draws over the layers of a pipeline are not supported: "
+            "remove pp_size or the lisa_* keys")
+
+
 def check_schedule_shape(cfg: Any, add) -> None:
     """``lr_quadratic_warmup`` / ``cosine_constant_lr_ratio`` shape Axolotl's cosine schedule;
     where Axolotl would ignore them (another scheduler, the constant tail without its
@@ -362,6 +399,9 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     check_adapter(cfg, add)
     check_preference(cfg, add)
     check_reward(cfg, add)
+    check_lisa(cfg, add)
+    if cfg.use_otel_metrics and not 0 <= cfg.otel_metrics_port <= 65535:
+        add(f"otel_metrics_port must be a port number 0-65535 (0: any free port), got {cfg.otel_metrics_port}")
     if cfg.warmup_steps < 0:
         add(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
     elif isinstance(cfg.warmup_steps, float) and cfg.warmup_steps >= 1 and not cfg.warmup_steps.is_integer():

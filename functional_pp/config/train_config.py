@@ -238,6 +238,12 @@ class TrainConfig:
                                            "(adapter_config.json + adapter_model.safetensors)")
     unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "
                                                  "Hugging Face names); every other one frozen")
+    lisa_n_layers: int | None = fld(None, "LISA (Axolotl's): train only this many decoder layers at a time, drawn "
+                                          "as Axolotl draws them every lisa_step_interval steps; embeddings, "
+                                          "final norm and head train at every step (docs/optim.md \"LISA\")")
+    lisa_step_interval: int | None = fld(None, "LISA: steps between draws of the trained layers")
+    lisa_layers_attribute: str = fld("model.layers", "LISA: the model's list of decoder layers (Hugging Face's "
+                                                     "name; every family's is its decoder layers here)")
     qat: dict | None = fld(None, "quantization-aware training (Axolotl's / torchao's): {weight_dtype: int4, "
                                  "activation_dtype: int8, group_size: 32, fake_quant_after_n_steps: N}: the "
                                  "linear weights (groups of group_size inputs) and their inputs (per token) "
@@ -313,6 +319,11 @@ class TrainConfig:
     swanlab_mode: Literal["cloud", "local", "offline", "disabled"] | None = fld(
         None, "SwanLab mode (default cloud: needs swanlab login; offline and local need no network)")
     swanlab_workspace: str | None = fld(None, "SwanLab workspace (a team's)")
+    use_otel_metrics: bool = fld(False, "also export the metrics through OpenTelemetry, served to Prometheus "
+                                        "on otel_metrics_host:otel_metrics_port/metrics (Axolotl's gauges; "
+                                        "pip install 'functional_pp[otel]')")
+    otel_metrics_host: str = fld("localhost", "use_otel_metrics: the metrics server's address")
+    otel_metrics_port: int = fld(8000, "use_otel_metrics: the metrics server's port")
     # sections
     model: ModelConfig = fld(help="model family, preset and overrides (training from scratch)",
                              factory=ModelConfig)
