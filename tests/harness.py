@@ -48,13 +48,15 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
     return fpp.launch(fn, mesh)
 
 
-def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=None, **step_kw):
+def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=None, wrap_loss=None, **step_kw):
     """A launchable function: ``len(data)`` steps of ``fpp.train_step`` (AdamW by default); per
     device the losses, the gathered parameters (numpy) and the collectives of the first step.
-    ``device``: where the parameters and batches live (default the CPU)."""
+    ``device``: where the parameters and batches live (default the CPU); ``wrap_loss``: applied to
+    the Llama loss (e.g. fake quantization's ``adapt``)."""
     import functools
     opt = opt or fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
-    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), opt, mesh=mesh, rules=rules, **step_kw)
+    loss = functools.partial(llama.loss, cfg=cfg)
+    step = fpp.train_step(wrap_loss(loss) if wrap_loss else loss, opt, mesh=mesh, rules=rules, **step_kw)
 
     def run():
         state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0, device=device))

@@ -148,52 +148,16 @@ def test_a_group_size_not_dividing_the_inputs_is_refused_with_the_sizes(tmp_path
             sharding.named_tree(full, llama.init(cfg)), fpp.wrap(tokens(batch=1, seq=4), "batch seq"), cfg)
 
 
-def _qat_steps(mesh, rules):
-    """Two AdamW steps of a tiny Llama under QAT (group 16) on ``mesh``: losses and the full
-    parameters after them."""
-    import functools
-
-    from harness import make_batch
-    cfg = llama.Config.tiny()
-    qat = fake_quant.QatConfig(group_size=16)
-    decls = llama.init(cfg)
-    full = {p: x.data for p, x in tree.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
-    params = tree.map_with_path(lambda p, d: full[p], decls)
-    step = fpp.train_step(fake_quant.adapt(functools.partial(llama.loss, cfg=cfg), qat), fpp.optim.adamw(1e-2),
-                          mesh=mesh, rules=rules)
-    batch_full = make_batch(cfg, batch=4, seq=8, seed=3)
-    with fpp.use_rules(rules):
-        local = sharding.shard(params, decls, mesh, rules, fpp.current_rank())
-        state = step.init(sharding.named_tree(local, decls))
-        batch = {k: fpp.named(v, "batch seq").data for k, v in batch_full.items()}
-    losses = []
-    for _ in range(2):
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-    with fpp.use_rules(rules):
-        out = fpp.gather_tree(state["params"], decls, rules)
-    return losses, {p: x.numpy() for p, x in tree.leaves_with_paths(out)}
-
-
-def _fsdp_device():
-    return _qat_steps(fpp.Mesh(dp_shard=2), llama.default_rules(tp=False))
-
-
-def _one_device():
-    return _qat_steps(fpp.Mesh(), llama.default_rules(tp=False))
-
-
 @pytest.mark.multiprocess
 def test_fsdp_on_two_gloo_processes_equals_simulated_and_one_device():
-    import numpy as np
-    mesh = fpp.Mesh(dp_shard=2)
-    real = fpp.launch(_fsdp_device, mesh, processes=True, timeout=300)
-    simulated = fpp.launch(_fsdp_device, mesh)
-    (one,) = fpp.launch(_one_device, fpp.Mesh())
-    for losses, params in list(real) + list(simulated):
-        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
-        for p, x in params.items():
-            np.testing.assert_allclose(x, one[1][p], atol=2e-5, rtol=1e-4, err_msg=p)
+    from harness import assert_same_run, launch_steps
+    cfg = llama.Config.tiny()
+    kw = dict(steps=2, dtype=torch.float64, opt=fpp.optim.adamw(1e-2), rules=llama.default_rules(tp=False),
+              wrap_loss=lambda f: fake_quant.adapt(f, fake_quant.QatConfig(group_size=16)))
+    (one,) = launch_steps(cfg, **kw)
+    for processes in (True, False):
+        for run in launch_steps(cfg, mesh=fpp.Mesh(dp_shard=2), processes=processes, **kw):
+            assert_same_run(run, one, rtol=1e-4, atol=2e-5)
     assert one[0][1] < one[0][0]
 
 
