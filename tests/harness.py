@@ -285,3 +285,36 @@ def run_lora_config(out):
     from functional_pp import checkpoint as ck
     meta = ck.format.read_index(ck.format.resolve_checkpoint(out / "checkpoints")).get("metadata")
     return adapters.LoraConfig(**meta["lora"])
+
+
+def assert_lora_step_equals_peft(model, hf_dir, targets) -> None:
+    """LoRA (r 4, B random and nonzero) on ``targets`` of transformers' ``model`` (loaded from
+    ``hf_dir``): our loss and every adapter gradient of one step equal peft's."""
+    import peft
+    import torch.nn.functional as F
+
+    from functional_pp import adapters
+    from functional_pp.adapters import peft_dir
+    from functional_pp.checkpoint import hf
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    cfg = hf.config_from_hf(hf_dir)
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=tuple(targets))
+    decls = adapters.init(llama.init(cfg), lc)
+    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(hf.load_hf_params(hf_dir, cfg), peft_dir.from_peft(state, decls))
+    batch = make_batch(cfg, batch=2, seq=12, seed=3)
+    ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
+    logits = pm(input_ids=batch["tokens"]).logits
+    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
+    grads = peft_dir.to_peft(ours[1])
+    want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
+    for k in want:
+        assert want[k].abs().max() > 0, k
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")

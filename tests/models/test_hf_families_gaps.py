@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import assert_export_round_trip, fp64_beside_hf, make_batch, our_logits, parallel, single_device, tokens
 
 import functional_pp as fpp
@@ -170,35 +169,11 @@ def test_export_round_trip_in_transformers(saved, tmp_path, name):
 def test_lora_equals_peft(saved, name):
     """LoRA (B nonzero) on the family's projections: the loss and every adapter gradient equal
     peft's on transformers' model."""
-    peft = pytest.importorskip("peft")
-    from harness import train_adapters
-
-    from functional_pp import adapters
-    from functional_pp.adapters import peft_dir
+    pytest.importorskip("peft")
+    from harness import assert_lora_step_equals_peft
     targets, d = LORA[name], saved[name][1]
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn_like(p))
-    cfg = hf.config_from_hf(d)
-    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=targets)
-    decls = adapters.init(llama.init(cfg), lc)
-    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(hf.load_hf_params(d, cfg), peft_dir.from_peft(state, decls))
-    batch = make_batch(cfg, batch=2, seq=12, seed=3)
-    ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
-    logits = pm(input_ids=batch["tokens"]).logits
-    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
-    grads = peft_dir.to_peft(ours[1])
-    want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
-    for k in want:
-        assert want[k].abs().max() > 0, k
-        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+    assert_lora_step_equals_peft(transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER),
+                                 d, targets)
 
 
 def test_refused_by_name(saved, tmp_path):
