@@ -783,7 +783,8 @@ def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
     h = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg) \
         if cfg.pre_norms else x
-    return _mlp(p, ops.rename(h, res_seq="seq"), cfg, ops.rename(x, res_seq="seq"))
+    beside = ops.rename(x, res_seq="seq") if cfg.experts_beside_mlp else None    # (Gemma 4's router reads x)
+    return _mlp(p, ops.rename(h, res_seq="seq"), cfg, beside)
 
 
 def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:

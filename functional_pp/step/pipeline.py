@@ -261,8 +261,10 @@ class PipelineStep(TrainStep):
             if once is not None:
                 named = [once.named(i, compute) if i in once.full else x for i, x in enumerate(named)]
             return tree_unflatten(treespec, [x if h else gathered_stand_in(x) for x, h in zip(named, held)])
-        # shapes only: every parameter a stand-in
-        probe = self._probe(stage_params([False] * len(xs)), micro[0]) if p > 1 else None
+        # shapes only: every parameter a stand-in, made apart from the forwards' values (the probe
+        # runs without gradients: what it derives from a value, e.g. a pvary, must not reach them)
+        probe = self._probe(tree_unflatten(treespec, [gathered_stand_in(x) for x in self._named_leaves(xs)]),
+                            micro[0]) if p > 1 else None
         boundary = probe.boundary if p > 1 else None
         reported = []            # the values the last stage's loss reports (core/step_values.py), per micro-batch
 
