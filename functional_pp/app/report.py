@@ -189,6 +189,17 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     return "\n".join(lines)
 
 
+def as_compiled(cfg: TrainConfig):
+    """The context a dry-run of ``cfg``'s step runs in: a whole-step compile widens the 16-bit
+    logits whole (``ops.loss.logits_widened_whole``), an eager step (or one whose layers alone
+    are compiled) by row chunks."""
+    from contextlib import nullcontext
+
+    from functional_pp.ops.loss import logits_widened_whole
+    whole_step = cfg.compile and not str(cfg.compile).startswith("per_layer")
+    return logits_widened_whole() if whole_step else nullcontext()
+
+
 def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     """:func:`functional_pp.plan.estimate` of one training step of ``cfg`` under ``mesh`` and
     ``rules``: the config's optimizer, precision, accumulation, remat, ``reshard_after_forward``
@@ -201,10 +212,12 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())
-    return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
-                    precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
-                    remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
-                    schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages, pp_fsdp_gather=cfg.pp_fsdp_gather)
+    with as_compiled(cfg):
+        return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
+                        precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
+                        remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
+                        schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
+                        pp_fsdp_gather=cfg.pp_fsdp_gather)
 
 
 def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:

@@ -1,9 +1,13 @@
 """Cross-entropy with the vocabulary split across devices: no full-vocabulary gather."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.core.runtime import per_thread
 
 from functional_pp.ops import reduce as R
 from functional_pp.parallel.fsdp.regather import relayout
@@ -14,6 +18,21 @@ from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import NO_AXES, Named, make_named, require_named, settle
 
 IGNORE_INDEX = -100
+
+_local = per_thread("ops.loss")
+
+
+@contextmanager
+def logits_widened_whole() -> Iterator[None]:
+    """Inside the block 16-bit logits are widened to fp32 whole, as a compiled step (and
+    torchtitan's and Megatron's losses) do, not by row chunks as an eager step does: what a
+    dry-run of a program measured that way runs (functional_pp.plan.references)."""
+    previous = getattr(_local, "whole", False)
+    _local.whole = True
+    try:
+        yield
+    finally:
+        _local.whole = previous
 
 
 def cross_entropy(logits: Named, labels: Named, vocab: str | None = None,
@@ -53,7 +72,8 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
     v_axes = logits.split[vi]
     # the rows are reduced in fp32: 16-bit logits are widened by row chunks eagerly
     # (ops/xent/rows.py nll_rows_wide), whole otherwise
-    chunked = not v_axes and not is_tracing() and logits.data.movedim(vi, -1).is_contiguous()
+    chunked = (not v_axes and not is_tracing() and not getattr(_local, "whole", False)
+               and logits.data.movedim(vi, -1).is_contiguous())
     if logits.data.dtype in (torch.float16, torch.bfloat16) and not chunked:
         logits = logits.astype(torch.float32)
     other = tuple(d for d in logits.dims if d != vocab)

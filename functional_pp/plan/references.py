@@ -24,6 +24,7 @@ import torch
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.models import llama
+from functional_pp.ops.loss import logits_widened_whole
 from functional_pp.plan.cluster import Cluster
 from functional_pp.plan.dryrun import LayoutEstimate, estimate
 from functional_pp.plan.timing import StepTime, cost
@@ -369,10 +370,11 @@ def reference_estimate(ref: Reference) -> LayoutEstimate:
         mesh = Mesh(**dict(ref.mesh)) if ref.mesh else Mesh()
         dp = mesh.shape.get("dp_replicate", 1) * mesh.shape.get("dp_shard", 1)
         batch = {k: ((ref.local_batch * dp, ref.seq), "batch seq") for k in ("tokens", "labels")}
-        _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
-                               rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
-                               grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
-                               virtual_stages=ref.virtual_stages)
+        with logits_widened_whole():     # (every row's program widened its logits whole)
+            _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
+                                   rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
+                                   grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
+                                   virtual_stages=ref.virtual_stages)
     return _cache[key]
 
 

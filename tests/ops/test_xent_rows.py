@@ -127,3 +127,27 @@ def test_eager_row_chunks_equal_the_whole_widened_logits_bitwise(monkeypatch, dt
         ref.backward()
         assert torch.equal(loss, ref), (b, s, v)
         assert a.grad.dtype == dtype and torch.equal(a.grad, w.grad), (b, s, v)
+
+
+def test_logits_widened_whole_as_a_compiled_step_does(monkeypatch):
+    """Eager 16-bit logits are widened by row chunks; inside ``logits_widened_whole`` (what a
+    dry-run of a whole-step compile runs) they are widened whole: the same loss and gradient."""
+    from functional_pp.ops import loss as loss_module
+    chunked = []
+    wide = loss_module.nll_rows_wide
+    monkeypatch.setattr(loss_module, "nll_rows_wide", lambda *a: chunked.append(1) or wide(*a))
+    logits, labels = _inputs()
+    logits = logits.to(torch.bfloat16).movedim(1, -1).contiguous()          # vocab last
+
+    def run():
+        x = logits.clone().requires_grad_()
+        loss = ops.cross_entropy(fpp.named(x, "batch seq vocab"), fpp.named(labels, "batch seq")).value()
+        loss.backward()
+        return loss.detach(), x.grad
+    eager = run()
+    assert chunked == [1]
+    with loss_module.logits_widened_whole():
+        whole = run()
+    assert chunked == [1]
+    torch.testing.assert_close(whole[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(whole[1], eager[1], rtol=0, atol=0)
