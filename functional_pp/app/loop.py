@@ -465,7 +465,10 @@ class DeviceLoop:
         if r.agreed is not None:    # every rank about to train on the same config, data and code
             ranks = tuple(range(mesh.size))
             check_agreement(r.agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
-        if cfg.base_model is not None and fresh:
+        if cfg.base_model is not None and fresh and lora is not None and cfg.loftq() is not None:
+            from functional_pp.app.inputs import loftq_params      # base and adapters from one LoftQ
+            params = per_device(lambda: loftq_params(cfg, r.model_cfg, r.base_decls, decls, mesh, rules, device))
+        elif cfg.base_model is not None and fresh:
             params = per_device(lambda: base_params(cfg, r.model_cfg, r.base_decls, mesh, rules, device, decls))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
                 params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))

@@ -99,8 +99,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = ("this LoRA option is not supported (peft's own config: the adapter is set by adapter, lora_* and "
-            "peft_use_* keys): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
@@ -119,7 +117,6 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("peft",)},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},

@@ -307,6 +307,7 @@ def check_adapter(cfg: Any, add) -> None:
             cfg.lora_config()
         except Exception as exc:       # (a ConfigError naming the key)
             add(str(exc))
+    check_loftq(cfg, add)
     if cfg.lora_model_dir is not None and cfg.base_model is None:
         add("lora_model_dir needs base_model: the adapter directory holds only the adapters of that base model")
     for p in cfg.unfrozen_parameters or ():
@@ -318,6 +319,45 @@ def check_adapter(cfg: Any, add) -> None:
             re.compile(p)
         except (re.error, TypeError) as exc:
             add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
+
+
+def check_loftq(cfg: Any, add) -> None:
+    """``peft:``: only ``loftq_config`` (``loftq_bits`` 4 or 8, ``loftq_iter`` >= 1), with
+    ``adapter: lora`` on an unquantized base from ``base_model`` (peft quantizes the base itself:
+    LoftQ on a bitsandbytes model is refused there too), plain LoRA (not DoRA), fresh adapters."""
+    if cfg.peft is None:
+        return
+    if not isinstance(cfg.peft, dict) or set(cfg.peft) - {"loftq_config"}:
+        extra = sorted(set(cfg.peft) - {"loftq_config"}) if isinstance(cfg.peft, dict) else [repr(cfg.peft)]
+        add(f"peft: {', '.join(map(str, extra))} is not supported: peft's own options here are loftq_config only "
+            f"(the adapter is set by adapter, lora_* and peft_use_* keys)")
+        return
+    conf = cfg.peft.get("loftq_config")
+    if conf is None:
+        return
+    if not isinstance(conf, dict) or set(conf) - {"loftq_bits", "loftq_iter"}:
+        extra = sorted(set(conf) - {"loftq_bits", "loftq_iter"}) if isinstance(conf, dict) else [repr(conf)]
+        add(f"peft.loftq_config: {', '.join(map(str, extra))} is not a LoftQ option (loftq_bits, loftq_iter)")
+        return
+    lq = cfg.loftq()
+    if lq["bits"] not in (4, 8):
+        add(f"peft.loftq_config.loftq_bits: {lq['bits']!r}: peft's LoftQ quantizes with 4 (NF4) or 8 (int8) bits")
+    if not isinstance(lq["iters"], int) or lq["iters"] < 1:
+        add(f"peft.loftq_config.loftq_iter: {lq['iters']!r}: give a number of iterations >= 1")
+    if cfg.adapter not in (None, "lora"):
+        add(f"peft.loftq_config (LoftQ) initialises adapter: lora, not {cfg.adapter!r}: LoftQ quantizes the base "
+            f"itself (peft refuses a bitsandbytes-quantized base): use adapter: lora without load_in_4bit")
+    for k in ("load_in_4bit", "load_in_8bit"):
+        if getattr(cfg, k):
+            add(f"peft.loftq_config (LoftQ) with {k}: LoftQ replaces the base by its own quantized form (peft "
+                f"refuses an already quantized model): remove {k}")
+    for k, why in (("peft_use_dora", "DoRA's magnitudes"), ("lora_model_dir", "adapters read from a directory"),
+                   ("lora_target_parameters", "the experts' adapters")):
+        if getattr(cfg, k):
+            add(f"peft.loftq_config (LoftQ) with {k}: LoftQ initialises plain LoRA adapters of linear weights, "
+                f"not {why}: remove one of them")
+    if cfg.base_model is None:
+        add("peft.loftq_config (LoftQ) needs base_model: it starts from the base model's weights")
 
 
 #: Hugging Face's names of the decoder-layer list (``model.layers``, GPT-2 / Falcon ``transformer.h``,
