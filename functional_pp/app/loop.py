@@ -518,6 +518,16 @@ class DeviceLoop:
         self.val_loader = None if r.data.val is None or r.grpo is not None else device_loader(lambda shard: kind(
             r.data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
             mesh, rules)
+        self.perplexity_loaders = []        # do_causal_lm_eval: one held-out loader per perplexity window
+        if cfg.do_causal_lm_eval and self.val_loader is not None and r.pref is None:
+            from functional_pp.app.evaluate import perplexity_streams
+            try:
+                streams = perplexity_streams(r.data.val, r.data.tokenizer, cfg.eval_max_new_tokens, cfg.sequence_len)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+            self.perplexity_loaders = [device_loader(lambda shard, t=t, m=m: DataLoader(
+                t, trained=m, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False,
+                **shard), mesh, rules) for t, m in streams]
 
     # ------------------------------------------------------------------ resume (device)
     def resume(self) -> None:
@@ -562,6 +572,9 @@ class DeviceLoop:
                                           r.eval_per_batch, done, self.shard)
             return found["eval_loss"], found
         found = evaluate_metrics(r.step_fn, r.whole(self.state), self.val_loader)
+        if self.perplexity_loaders:         # do_causal_lm_eval: Axolotl's eval_perplexity
+            from functional_pp.app.evaluate import perplexity
+            found["eval_perplexity"] = perplexity(r.step_fn, r.whole(self.state), self.perplexity_loaders)
         return found.pop("eval_loss"), found
 
     def first_eval(self) -> None:

@@ -110,7 +110,6 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
-_GENERATE = "sample generation during evaluation is not supported: remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
@@ -130,8 +129,6 @@ UNSUPPORTED: dict[str, str] = {
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
-    **{k: _GENERATE for k in ("do_causal_lm_eval",
-                              "eval_causal_lm_metrics")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
@@ -218,8 +215,7 @@ NOT_USED: dict[str, str] = {
     **{k: "base_model is a local directory: nothing is downloaded" for k in (
         "revision_of_model", "base_model_ignore_patterns")},
     "use_wandb": "W&B logs when wandb_project is set",
-    **{k: "no table of generated predictions is logged (the held-out loss is)" for k in (
-        "eval_table_size", "eval_max_new_tokens")},
+    "eval_table_size": "no table of generated predictions is logged (the held-out loss is)",
     "hf_use_auth_token": "base_model is a local directory: nothing is downloaded, no hub token is used",
     "lora_fan_in_fan_out": ("peft sets fan_in_fan_out to false for torch.nn.Linear weights, which every "
                             "family here has (it is for GPT-2's Conv1D): no effect"),

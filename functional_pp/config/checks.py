@@ -321,6 +321,33 @@ def check_adapter(cfg: Any, add) -> None:
             add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
 
 
+#: Axolotl's eval_causal_lm_metrics when do_causal_lm_eval gives none
+CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf", "perplexity")
+
+
+def check_causal_lm_eval(cfg: Any, add) -> None:
+    """``do_causal_lm_eval``: its metrics perplexity only (the others score generated text), a
+    held-out set of language-model rows, a window of at least 2 tokens within ``sequence_len``."""
+    if not cfg.do_causal_lm_eval:
+        return
+    metrics = list(cfg.eval_causal_lm_metrics or CAUSAL_LM_METRICS)
+    other = [m for m in metrics if m != "perplexity"]
+    if other:
+        add(f"eval_causal_lm_metrics: {', '.join(map(str, other))} score text generated during evaluation, which is "
+            f"not supported: give eval_causal_lm_metrics: [perplexity] (Axolotl's default is all five)")
+    if not cfg.val_set_size:
+        add("do_causal_lm_eval evaluates the held-out rows: set val_set_size > 0")
+    if cfg.rl or getattr(cfg, "reward_model", False) or getattr(cfg, "process_reward_model", False):
+        add("do_causal_lm_eval (perplexity of the held-out completions) is for supervised fine-tuning, not "
+            "preference or reward training: remove it")
+    if not isinstance(cfg.eval_max_new_tokens, int) or not 2 <= cfg.eval_max_new_tokens <= cfg.sequence_len:
+        add(f"eval_max_new_tokens={cfg.eval_max_new_tokens}: the perplexity window must be 2 to sequence_len "
+            f"({cfg.sequence_len}) tokens")
+    if cfg.tokenizer_use_mistral_common:
+        add("do_causal_lm_eval re-tokenizes the references with a Hugging Face tokenizer: not with "
+            "tokenizer_use_mistral_common")
+
+
 def check_loftq(cfg: Any, add) -> None:
     """``peft:``: only ``loftq_config`` (``loftq_bits`` 4 or 8, ``loftq_iter`` >= 1), with
     ``adapter: lora`` on an unquantized base from ``base_model`` (peft quantizes the base itself:
@@ -487,6 +514,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
             f"loss or eval_loss)")
     if cfg.checkpoint.save_best and not cfg.val_set_size:
         add("save_strategy: best saves at the best held-out loss: set val_set_size > 0")
+    check_causal_lm_eval(cfg, add)
     if cfg.early_stopping_patience is not None and not cfg.val_set_size:
         add("early_stopping_patience watches the held-out loss: set val_set_size > 0")
     if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:

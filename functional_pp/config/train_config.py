@@ -298,6 +298,13 @@ class TrainConfig:
                                       "the datasets keys below")
     val_set_size: float = fld(0.0, "held-out share of the data: a fraction < 1 or a count of "
                                    "sequences")
+    do_causal_lm_eval: bool = fld(False, "Axolotl's causal-LM evaluation: at each evaluation also the metrics of "
+                                         "eval_causal_lm_metrics on the held-out rows (perplexity only: the "
+                                         "metrics of generated text are not built; docs/finetune.md)")
+    eval_causal_lm_metrics: list | None = fld(None, "do_causal_lm_eval's metrics: [perplexity] (Axolotl's default "
+                                                    "adds sacrebleu, comet, ter, chrf: generated text, refused)")
+    eval_max_new_tokens: int = fld(128, "do_causal_lm_eval: the perplexity's window of tokens (Axolotl's "
+                                        "max_seq_len of its Perplexity metric; no text is generated here)")
     eval_steps: int | None = fld(None, "held-out loss every N steps (default: at log steps "
                                        "and at the end when val_set_size > 0)")
     evals_per_epoch: int | None = fld(None, "held-out loss N times per epoch: eval_steps = "
