@@ -343,7 +343,8 @@ class TrainRun:
         self.export_info = {"model_config": self.family.config_to_dict(self.model_cfg),
                             "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
                             "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
-                            "lora": dataclasses.asdict(lora) if lora is not None else None}
+                            "lora": dataclasses.asdict(lora) if lora is not None else None,
+                            "loftq": cfg.loftq() if lora is not None else None}
         # (processes: each read its own data; the ranks check they agree before training)
         self.agreed = None if self.world.simulate else run_fingerprint(cfg, self.corpus)
 

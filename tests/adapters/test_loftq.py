@@ -192,3 +192,32 @@ def test_bad_loftq_settings_refused_by_name(base, extra, message):
     from functional_pp.config import ConfigError, TrainConfig
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig.from_dict({**_conf(base, 4), **extra}).validate(1)
+
+
+def test_loftq_run_trains_and_exports_merged_only(tmp_path):
+    """The train command with peft.loftq_config (a tiny Llama with a tokenizer, examples/
+    make_tiny_hf_llama.py): it trains; its adapter directory is refused (the adapters belong to the
+    LoftQ base, not base_model's), its merged export holds the LoftQ base plus the adapters."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from functional_pp import cli
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_hf_llama", Path(__file__).resolve().parents[2] / "examples" / "make_tiny_hf_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    inputs = mod.main(tmp_path / "inputs")
+    conf = {**_conf(inputs / "tiny-llama", 4), "datasets": [{"path": str(inputs / "alpaca.jsonl"), "type": "alpaca"}],
+            "sequence_len": 32, "micro_batch_size": 2, "max_steps": 2, "save_steps": 2,
+            "output_dir": str(tmp_path / "run")}
+    (tmp_path / "loftq.yaml").write_text(json.dumps(conf))
+    assert cli.main(["train", str(tmp_path / "loftq.yaml"), "--simulate", "2"]) == 0
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "adapter")]) != 0
+    assert not (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert cli.main(["export", "--merge-adapter", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    orig = transformers.LlamaForCausalLM.from_pretrained(inputs / "tiny-llama", dtype=torch.float32)
+    w, w0 = merged.model.layers[0].mlp.up_proj.weight, orig.model.layers[0].mlp.up_proj.weight
+    q = loftq_matrix(w0.detach(), 4, R)[0]                     # LoftQ's base: the NF4 round trip of W
+    assert not torch.equal(w, w0) and torch.linalg.norm(w - w0) < torch.linalg.norm(q - w0) * 2
