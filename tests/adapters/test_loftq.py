@@ -194,7 +194,7 @@ def test_bad_loftq_settings_refused_by_name(base, extra, message):
         TrainConfig.from_dict({**_conf(base, 4), **extra}).validate(1)
 
 
-def test_loftq_run_trains_and_exports_merged_only(tmp_path):
+def test_loftq_run_trains_and_exports_merged_only(tmp_path, capsys):
     """The train command with peft.loftq_config (a tiny Llama with a tokenizer, examples/
     make_tiny_hf_llama.py): it trains; its adapter directory is refused (the adapters belong to the
     LoftQ base, not base_model's), its merged export holds the LoftQ base plus the adapters."""
@@ -213,6 +213,7 @@ def test_loftq_run_trains_and_exports_merged_only(tmp_path):
             "output_dir": str(tmp_path / "run")}
     (tmp_path / "loftq.yaml").write_text(json.dumps(conf))
     assert cli.main(["train", str(tmp_path / "loftq.yaml"), "--simulate", "2"]) == 0
+    assert "base:       LoftQ (peft.loftq_config): each adapted weight replaced by its 4-bit NF4" in capsys.readouterr().out
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "adapter")]) != 0
     assert not (tmp_path / "adapter" / "adapter_config.json").exists()
     assert cli.main(["export", "--merge-adapter", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
