@@ -523,11 +523,14 @@ class DeviceLoop:
         if cfg.do_causal_lm_eval and self.val_loader is not None and r.pref is None:
             from functional_pp.app.evaluate import perplexity_streams
             try:
-                streams = perplexity_streams(r.data.val, r.data.tokenizer, cfg.eval_max_new_tokens, cfg.sequence_len)
+                # rows just longer than the window, in a length every split of the sequence divides
+                unit = 2 * mesh.size
+                rows = min(cfg.sequence_len, -(-cfg.eval_max_new_tokens // unit) * unit)
+                streams = perplexity_streams(r.data.val, r.data.tokenizer, cfg.eval_max_new_tokens, rows)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
             self.perplexity_loaders = [device_loader(lambda shard, t=t, m=m: DataLoader(
-                t, trained=m, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False,
+                t, trained=m, global_batch_size=gb, seq_len=rows, seed=cfg.seed, drop_last=False,
                 **shard), mesh, rules) for t, m in streams]
 
     # ------------------------------------------------------------------ resume (device)

@@ -343,6 +343,9 @@ def check_causal_lm_eval(cfg: Any, add) -> None:
     if not isinstance(cfg.eval_max_new_tokens, int) or not 2 <= cfg.eval_max_new_tokens <= cfg.sequence_len:
         add(f"eval_max_new_tokens={cfg.eval_max_new_tokens}: the perplexity window must be 2 to sequence_len "
             f"({cfg.sequence_len}) tokens")
+    if cfg.base_model is None and cfg.tokenizer is None:
+        add("do_causal_lm_eval re-tokenizes the held-out references with a Hugging Face tokenizer: give "
+            "base_model (or tokenizer:)")
     if cfg.tokenizer_use_mistral_common:
         add("do_causal_lm_eval re-tokenizes the references with a Hugging Face tokenizer: not with "
             "tokenizer_use_mistral_common")
