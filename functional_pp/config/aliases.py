@@ -422,6 +422,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"special_tokens must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
                            f"tokens of the tokenizer, got {value!r}")
                 continue
+            if "pad_token" in value and value["pad_token"] is not None and not _off(d.get("do_causal_lm_eval")):
+                issues.add("special_tokens.pad_token with do_causal_lm_eval: the perplexity pads the references with "
+                           "the tokenizer's own pad token (else its EOS); setting another is not supported: remove "
+                           "special_tokens.pad_token or do_causal_lm_eval")
             if "pad_token" in value:
                 unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
                               "are padded with EOS whose labels are ignored)")
@@ -440,6 +444,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
+        elif key == "eval_max_new_tokens" and _off(d.get("do_causal_lm_eval")) and not _off(value):
+            unused.append(f"{key} (the perplexity window of do_causal_lm_eval, which is off; no text is generated)")
         elif key == "max_packed_sequence_len":          # Axolotl's old name of the packed length
             if d.get("sample_packing") is False:
                 issues.add("max_packed_sequence_len packs rows into sequences of that length, but sample_packing "

@@ -130,6 +130,7 @@ def test_eval_perplexity_equals_axolotls_metric_computed_with_transformers(input
     ({"eval_causal_lm_metrics": ["perplexity", "chrf"]}, "eval_causal_lm_metrics: chrf score text generated"),
     ({"val_set_size": 0}, "do_causal_lm_eval evaluates the held-out rows: set val_set_size > 0"),
     ({"eval_max_new_tokens": 64}, "eval_max_new_tokens=64: the perplexity window must be 2 to sequence_len"),
+    ({"special_tokens": {"pad_token": "<unk>"}}, "special_tokens.pad_token with do_causal_lm_eval"),
 ])
 def test_what_causal_lm_eval_cannot_do_is_refused_by_name(inputs, tmp_path, extra, message):
     from functional_pp.config import ConfigError, TrainConfig
