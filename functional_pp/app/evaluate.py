@@ -16,7 +16,7 @@ from functional_pp.parallel.named import settle, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step.train import TrainStep
 
-__all__ = ["evaluate", "evaluate_metrics", "eval_batches"]
+__all__ = ["evaluate", "evaluate_metrics", "eval_batches", "perplexity", "perplexity_streams"]
 
 
 def eval_batches(loader) -> int:
@@ -68,3 +68,24 @@ def evaluate_metrics(step: TrainStep, state: dict, loader, n_batches: int | None
             count += n
     count = max(count, 1.0)
     return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in reported.items()}}
+
+
+def perplexity_streams(val, tokenizer, max_seq_len: int, seq_len: int) -> list:
+    """Axolotl's perplexity windows of the held-out rows ``val`` (data/causal_lm_eval.py), each a
+    ``(tokens, trained)`` stream of rows of ``seq_len`` tokens for a held-out loader."""
+    from functional_pp.data.causal_lm_eval import perplexity_windows, reference_ids, references
+    from functional_pp.data.tokenizer import HFTokenizer
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ValueError("do_causal_lm_eval re-tokenizes the held-out references: it needs base_model's (or "
+                         "tokenizer:) Hugging Face tokenizer")
+    ids, pad_id = reference_ids(references(val, tokenizer), tokenizer)
+    return [(w.tokens, w.trained) for w in perplexity_windows(ids, max_seq_len, seq_len, pad_id)]
+
+
+def perplexity(step: TrainStep, state: dict, loaders: list) -> float:
+    """``exp`` of the mean over Axolotl's perplexity windows (``loaders``: one held-out loader per
+    window, :func:`perplexity_streams`) of each window's mean token loss: its ``Perplexity``
+    metric (``eval_perplexity``). Runs on every device of the mesh."""
+    import math
+    losses = [evaluate(step, state, loader) for loader in loaders]
+    return math.exp(sum(losses) / len(losses)) if losses else float("nan")

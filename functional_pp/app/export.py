@@ -70,6 +70,10 @@ def _write(ckpt: Path, out: Path, dtype, max_shard_size, merge_adapter: bool) ->
     elif merge_adapter:
         _export_merged(ckpt, out, meta, max_shard_size, dtype)
         what = "Hugging Face directory, adapters merged"
+    elif meta.get("loftq"):
+        raise ValueError(f"{ckpt}: a LoftQ run (peft.loftq_config) replaced base_model's adapted weights by their "
+                         f"quantized form: its adapters over base_model are not the trained model; export it "
+                         f"with --merge-adapter")
     else:
         _export_adapter(ckpt, out, meta)
         what = "PEFT adapter directory"

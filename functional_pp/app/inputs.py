@@ -202,6 +202,49 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     return map_with_path(wrap, tensors, decls)
 
 
+def loftq_params(cfg: TrainConfig, model_cfg, base_decls: Any, decls: Any, mesh, rules, device=None) -> Any:
+    """This device's shards of the base model and its adapters initialised by LoftQ (``peft:
+    {loftq_config: ...}``, adapters/loftq.py): every weight read whole in fp32, the adapted ones
+    replaced by their quantized form and their adapters by the SVD of the rest (peft's
+    ``init_lora_weights="loftq"``), then laid out by the rules as any other run's."""
+    from functional_pp.adapters import joined, split
+    from functional_pp.adapters.loftq import adapted_in_dims, loftq_init
+    from functional_pp.adapters.peft_fused import fused_module, model_type_of
+    from functional_pp.checkpoint import hf
+    from functional_pp.core.runtime import current_rank
+    from functional_pp.core.tree import leaves_with_paths, map_with_path
+    from functional_pp.parallel.named import Named
+    from functional_pp.parallel.sharding import shard
+    lq = cfg.loftq()
+    want = split(decls)[1]
+    model_type = model_type_of(cfg.base_model)
+    fused = sorted(p for p in want if fused_module(p, model_type) is not None)
+    if fused:
+        raise ConfigError(f"peft.loftq_config: {fused[0]} is a part of a fused Hugging Face module "
+                          f"({fused_module(fused[0], model_type)}), whose LoftQ factors the fused matrix: not "
+                          f"supported; remove peft.loftq_config or that target")
+    full = hf.load_hf_params(cfg.base_model, model_cfg, base_decls, dtype=torch.float32,
+                             grow_vocab=bool(cfg.tokens or cfg.resize_token_embeddings_to_32x),
+                             fresh=new_score_head(cfg, model_cfg), seed=cfg.seed)
+    flat = dict(leaves_with_paths(full))
+    adapter_shapes = {p: {k: d for k, d in ab.items()} for p, ab in want.items()}
+    try:
+        weights, factors = loftq_init(flat, adapter_shapes, adapted_in_dims(base_decls, want), lq["bits"],
+                                      lq["iters"])
+    except ValueError as exc:
+        raise ConfigError(f"peft.loftq_config: {exc}") from exc
+    dtypes = {p: d.dtype for p, d in leaves_with_paths(split(decls)[0])}
+    base = map_with_path(lambda p, x: weights.get(p, x).to(dtypes.get(p, torch.float32)), full)
+    params = joined(base, {p: {k: v.to(torch.float32) for k, v in ab.items()} for p, ab in factors.items()})
+    local = shard(params, decls, mesh, rules, current_rank()) if mesh is not None else params
+    if device is not None:
+        local = map_with_path(lambda p, x: x.to(device), local)
+
+    def wrap(p, x, d):
+        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
+    return map_with_path(wrap, local, decls)
+
+
 def new_score_head(cfg: TrainConfig, model_cfg: Any) -> tuple[str, ...]:
     """The score head's parameter paths when ``base_model`` is a causal LM read under one
     (``reward_model`` / ``process_reward_model``): initialised from the run's seed, as

@@ -343,7 +343,8 @@ class TrainRun:
         self.export_info = {"model_config": self.family.config_to_dict(self.model_cfg),
                             "tokenizer_dir": str(Path(tok_dir).resolve()) if tok_dir is not None else None,
                             "base_model": str(Path(cfg.base_model).resolve()) if cfg.base_model else None,
-                            "lora": dataclasses.asdict(lora) if lora is not None else None}
+                            "lora": dataclasses.asdict(lora) if lora is not None else None,
+                            "loftq": cfg.loftq() if lora is not None else None}
         # (processes: each read its own data; the ranks check they agree before training)
         self.agreed = None if self.world.simulate else run_fingerprint(cfg, self.corpus)
 
@@ -465,7 +466,10 @@ class DeviceLoop:
         if r.agreed is not None:    # every rank about to train on the same config, data and code
             ranks = tuple(range(mesh.size))
             check_agreement(r.agreed, lambda fp: current_context().backend.exchange_objects(fp, ranks))
-        if cfg.base_model is not None and fresh:
+        if cfg.base_model is not None and fresh and lora is not None and cfg.loftq() is not None:
+            from functional_pp.app.inputs import loftq_params      # base and adapters from one LoftQ
+            params = per_device(lambda: loftq_params(cfg, r.model_cfg, r.base_decls, decls, mesh, rules, device))
+        elif cfg.base_model is not None and fresh:
             params = per_device(lambda: base_params(cfg, r.model_cfg, r.base_decls, mesh, rules, device, decls))
             if lora is not None:      # the adapters: fresh (peft's init) or from lora_model_dir
                 params = adapters.joined(params, per_device(lambda: adapter_params(cfg, decls, mesh, rules, device)))
@@ -515,6 +519,19 @@ class DeviceLoop:
         self.val_loader = None if r.data.val is None or r.grpo is not None else device_loader(lambda shard: kind(
             r.data.val, global_batch_size=gb, seq_len=cfg.sequence_len, seed=cfg.seed, drop_last=False, **shard),
             mesh, rules)
+        self.perplexity_loaders = []        # do_causal_lm_eval: one held-out loader per perplexity window
+        if cfg.do_causal_lm_eval and self.val_loader is not None and r.pref is None:
+            from functional_pp.app.evaluate import perplexity_streams
+            try:
+                # rows just longer than the window, in a length every split of the sequence divides
+                unit = 2 * mesh.size
+                rows = min(cfg.sequence_len, -(-cfg.eval_max_new_tokens // unit) * unit)
+                streams = perplexity_streams(r.data.val, r.data.tokenizer, cfg.eval_max_new_tokens, rows)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+            self.perplexity_loaders = [device_loader(lambda shard, t=t, m=m: DataLoader(
+                t, trained=m, global_batch_size=gb, seq_len=rows, seed=cfg.seed, drop_last=False,
+                **shard), mesh, rules) for t, m in streams]
 
     # ------------------------------------------------------------------ resume (device)
     def resume(self) -> None:
@@ -559,6 +576,9 @@ class DeviceLoop:
                                           r.eval_per_batch, done, self.shard)
             return found["eval_loss"], found
         found = evaluate_metrics(r.step_fn, r.whole(self.state), self.val_loader)
+        if self.perplexity_loaders:         # do_causal_lm_eval: Axolotl's eval_perplexity
+            from functional_pp.app.evaluate import perplexity
+            found["eval_perplexity"] = perplexity(r.step_fn, r.whole(self.state), self.perplexity_loaders)
         return found.pop("eval_loss"), found
 
     def first_eval(self) -> None:

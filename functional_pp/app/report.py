@@ -164,6 +164,15 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
                   f"int4 in groups of {q.group_size} inputs, int8 inputs per token")
         lines.append(f"qat:        linear weights and the head fake-quantized{after} ({scheme}; torchao's "
                      f"numerics); exported unquantized")
+    if cfg.adapter == "lora" and cfg.loftq() is not None:
+        lq = cfg.loftq()
+        kind = "NF4" if lq["bits"] == 4 else "int8"
+        lines.append(f"base:       LoftQ (peft.loftq_config): each adapted weight replaced by its {lq['bits']}-bit "
+                     f"{kind} round trip and its adapters the rank-{cfg.lora_r} SVD of the rest ({lq['iters']} "
+                     f"iteration(s), peft's init); export with --merge-adapter")
+    if cfg.do_causal_lm_eval:
+        lines.append(f"eval:       do_causal_lm_eval: eval_perplexity of the held-out completions (Axolotl's "
+                     f"Perplexity: windows of {cfg.eval_max_new_tokens} tokens every 512) at each evaluation")
     if cfg.model_quantization_config:
         lines.append("base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors of "
                      "base_model (gpt-oss's experts) read dequantized, trained and exported unquantized")

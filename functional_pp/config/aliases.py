@@ -99,8 +99,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_ADAPTER = ("this LoRA option is not supported (peft's own config: the adapter is set by adapter, lora_* and "
-            "peft_use_* keys): remove it")
 _QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
@@ -112,14 +110,12 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
-_GENERATE = "sample generation during evaluation is not supported: remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _ADAPTER for k in ("peft",)},
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},
@@ -133,8 +129,6 @@ UNSUPPORTED: dict[str, str] = {
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
-    **{k: _GENERATE for k in ("do_causal_lm_eval",
-                              "eval_causal_lm_metrics")},
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
@@ -221,8 +215,7 @@ NOT_USED: dict[str, str] = {
     **{k: "base_model is a local directory: nothing is downloaded" for k in (
         "revision_of_model", "base_model_ignore_patterns")},
     "use_wandb": "W&B logs when wandb_project is set",
-    **{k: "no table of generated predictions is logged (the held-out loss is)" for k in (
-        "eval_table_size", "eval_max_new_tokens")},
+    "eval_table_size": "no table of generated predictions is logged (the held-out loss is)",
     "hf_use_auth_token": "base_model is a local directory: nothing is downloaded, no hub token is used",
     "lora_fan_in_fan_out": ("peft sets fan_in_fan_out to false for torch.nn.Linear weights, which every "
                             "family here has (it is for GPT-2's Conv1D): no effect"),
@@ -429,6 +422,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"special_tokens must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
                            f"tokens of the tokenizer, got {value!r}")
                 continue
+            if "pad_token" in value and value["pad_token"] is not None and not _off(d.get("do_causal_lm_eval")):
+                issues.add("special_tokens.pad_token with do_causal_lm_eval: the perplexity pads the references with "
+                           "the tokenizer's own pad token (else its EOS); setting another is not supported: remove "
+                           "special_tokens.pad_token or do_causal_lm_eval")
             if "pad_token" in value:
                 unused.append("special_tokens.pad_token (packed rows need no padding; unpacked rows "
                               "are padded with EOS whose labels are ignored)")
@@ -447,6 +444,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in NOT_USED:
             if not _off(value):
                 unused.append(f"{key} ({NOT_USED[key]})")
+        elif key == "eval_max_new_tokens" and _off(d.get("do_causal_lm_eval")) and not _off(value):
+            unused.append(f"{key} (the perplexity window of do_causal_lm_eval, which is off; no text is generated)")
         elif key == "max_packed_sequence_len":          # Axolotl's old name of the packed length
             if d.get("sample_packing") is False:
                 issues.add("max_packed_sequence_len packs rows into sequences of that length, but sample_packing "

@@ -307,6 +307,7 @@ def check_adapter(cfg: Any, add) -> None:
             cfg.lora_config()
         except Exception as exc:       # (a ConfigError naming the key)
             add(str(exc))
+    check_loftq(cfg, add)
     if cfg.lora_model_dir is not None and cfg.base_model is None:
         add("lora_model_dir needs base_model: the adapter directory holds only the adapters of that base model")
     for p in cfg.unfrozen_parameters or ():
@@ -318,6 +319,75 @@ def check_adapter(cfg: Any, add) -> None:
             re.compile(p)
         except (re.error, TypeError) as exc:
             add(f"unfrozen_parameters: {p!r} is not a regex ({exc})")
+
+
+#: Axolotl's eval_causal_lm_metrics when do_causal_lm_eval gives none
+CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf", "perplexity")
+
+
+def check_causal_lm_eval(cfg: Any, add) -> None:
+    """``do_causal_lm_eval``: its metrics perplexity only (the others score generated text), a
+    held-out set of language-model rows, a window of at least 2 tokens within ``sequence_len``."""
+    if not cfg.do_causal_lm_eval:
+        return
+    metrics = list(cfg.eval_causal_lm_metrics or CAUSAL_LM_METRICS)
+    other = [m for m in metrics if m != "perplexity"]
+    if other:
+        add(f"eval_causal_lm_metrics: {', '.join(map(str, other))} score text generated during evaluation, which is "
+            f"not supported: give eval_causal_lm_metrics: [perplexity] (Axolotl's default is all five)")
+    if not cfg.val_set_size:
+        add("do_causal_lm_eval evaluates the held-out rows: set val_set_size > 0")
+    if cfg.rl or getattr(cfg, "reward_model", False) or getattr(cfg, "process_reward_model", False):
+        add("do_causal_lm_eval (perplexity of the held-out completions) is for supervised fine-tuning, not "
+            "preference or reward training: remove it")
+    if not isinstance(cfg.eval_max_new_tokens, int) or not 2 <= cfg.eval_max_new_tokens <= cfg.sequence_len:
+        add(f"eval_max_new_tokens={cfg.eval_max_new_tokens}: the perplexity window must be 2 to sequence_len "
+            f"({cfg.sequence_len}) tokens")
+    if cfg.base_model is None and cfg.tokenizer is None:
+        add("do_causal_lm_eval re-tokenizes the held-out references with a Hugging Face tokenizer: give "
+            "base_model (or tokenizer:)")
+    if cfg.tokenizer_use_mistral_common:
+        add("do_causal_lm_eval re-tokenizes the references with a Hugging Face tokenizer: not with "
+            "tokenizer_use_mistral_common")
+
+
+def check_loftq(cfg: Any, add) -> None:
+    """``peft:``: only ``loftq_config`` (``loftq_bits`` 4 or 8, ``loftq_iter`` >= 1), with
+    ``adapter: lora`` on an unquantized base from ``base_model`` (peft quantizes the base itself:
+    LoftQ on a bitsandbytes model is refused there too), plain LoRA (not DoRA), fresh adapters."""
+    if cfg.peft is None:
+        return
+    if not isinstance(cfg.peft, dict) or set(cfg.peft) - {"loftq_config"}:
+        extra = sorted(set(cfg.peft) - {"loftq_config"}) if isinstance(cfg.peft, dict) else [repr(cfg.peft)]
+        add(f"peft: {', '.join(map(str, extra))} is not supported: peft's own options here are loftq_config only "
+            f"(the adapter is set by adapter, lora_* and peft_use_* keys)")
+        return
+    conf = cfg.peft.get("loftq_config")
+    if conf is None:
+        return
+    if not isinstance(conf, dict) or set(conf) - {"loftq_bits", "loftq_iter"}:
+        extra = sorted(set(conf) - {"loftq_bits", "loftq_iter"}) if isinstance(conf, dict) else [repr(conf)]
+        add(f"peft.loftq_config: {', '.join(map(str, extra))} is not a LoftQ option (loftq_bits, loftq_iter)")
+        return
+    lq = cfg.loftq()
+    if lq["bits"] not in (4, 8):
+        add(f"peft.loftq_config.loftq_bits: {lq['bits']!r}: peft's LoftQ quantizes with 4 (NF4) or 8 (int8) bits")
+    if not isinstance(lq["iters"], int) or lq["iters"] < 1:
+        add(f"peft.loftq_config.loftq_iter: {lq['iters']!r}: give a number of iterations >= 1")
+    if cfg.adapter not in (None, "lora"):
+        add(f"peft.loftq_config (LoftQ) initialises adapter: lora, not {cfg.adapter!r}: LoftQ quantizes the base "
+            f"itself (peft refuses a bitsandbytes-quantized base): use adapter: lora without load_in_4bit")
+    for k in ("load_in_4bit", "load_in_8bit"):
+        if getattr(cfg, k):
+            add(f"peft.loftq_config (LoftQ) with {k}: LoftQ replaces the base by its own quantized form (peft "
+                f"refuses an already quantized model): remove {k}")
+    for k, why in (("peft_use_dora", "DoRA's magnitudes"), ("lora_model_dir", "adapters read from a directory"),
+                   ("lora_target_parameters", "the experts' adapters")):
+        if getattr(cfg, k):
+            add(f"peft.loftq_config (LoftQ) with {k}: LoftQ initialises plain LoRA adapters of linear weights, "
+                f"not {why}: remove one of them")
+    if cfg.base_model is None:
+        add("peft.loftq_config (LoftQ) needs base_model: it starts from the base model's weights")
 
 
 #: Hugging Face's names of the decoder-layer list (``model.layers``, GPT-2 / Falcon ``transformer.h``,
@@ -447,6 +517,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
             f"loss or eval_loss)")
     if cfg.checkpoint.save_best and not cfg.val_set_size:
         add("save_strategy: best saves at the best held-out loss: set val_set_size > 0")
+    check_causal_lm_eval(cfg, add)
     if cfg.early_stopping_patience is not None and not cfg.val_set_size:
         add("early_stopping_patience watches the held-out loss: set val_set_size > 0")
     if cfg.collective_timeout is not None and not cfg.collective_timeout > 0:

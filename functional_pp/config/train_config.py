@@ -234,6 +234,9 @@ class TrainConfig:
                                                   "(e.g. [lm_head, embed_tokens])")
     peft_use_rslora: bool = fld(False, "rank-stabilised LoRA: scale by alpha / sqrt(r)")
     peft_use_dora: bool = fld(False, "DoRA: a trained magnitude per output of each adapted weight (peft's use_dora)")
+    peft: dict | None = fld(None, "peft's own LoRA options as Axolotl passes them: loftq_config: {loftq_bits: 4 | "
+                                  "8, loftq_iter: 1}: LoftQ initialisation (the base replaced by its quantized "
+                                  "form, the adapters the SVD of the rest; docs/adapters.md \"LoftQ\")")
     lora_model_dir: str | None = fld(None, "start from this PEFT adapter directory "
                                            "(adapter_config.json + adapter_model.safetensors)")
     unfrozen_parameters: list | None = fld(None, "regexes of the parameters to train (our paths or "
@@ -295,6 +298,13 @@ class TrainConfig:
                                       "the datasets keys below")
     val_set_size: float = fld(0.0, "held-out share of the data: a fraction < 1 or a count of "
                                    "sequences")
+    do_causal_lm_eval: bool = fld(False, "Axolotl's causal-LM evaluation: at each evaluation also the metrics of "
+                                         "eval_causal_lm_metrics on the held-out rows (perplexity only: the "
+                                         "metrics of generated text are not built; docs/finetune.md)")
+    eval_causal_lm_metrics: list | None = fld(None, "do_causal_lm_eval's metrics: [perplexity] (Axolotl's default "
+                                                    "adds sacrebleu, comet, ter, chrf: generated text, refused)")
+    eval_max_new_tokens: int = fld(128, "do_causal_lm_eval: the perplexity's window of tokens (Axolotl's "
+                                        "max_seq_len of its Perplexity metric; no text is generated here)")
     eval_steps: int | None = fld(None, "held-out loss every N steps (default: at log steps "
                                        "and at the end when val_set_size > 0)")
     evals_per_epoch: int | None = fld(None, "held-out loss N times per epoch: eval_steps = "
@@ -381,6 +391,14 @@ class TrainConfig:
                               unfrozen_parameters=tuple(self.unfrozen_parameters or ()))
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"adapter: {self.adapter}: {exc}") from exc
+
+    def loftq(self) -> dict | None:
+        """``{"bits", "iters"}`` of ``peft: {loftq_config: ...}`` (peft's ``LoftQConfig``: 4 bits, 1
+        iteration by default), else None."""
+        conf = (self.peft or {}).get("loftq_config")
+        if not isinstance(conf, dict):
+            return None
+        return {"bits": conf.get("loftq_bits", 4), "iters": conf.get("loftq_iter", 1)}
 
     def qat_config(self):
         """The run's :class:`functional_pp.ops.fake_quant.QatConfig` (``qat:``), else None."""

@@ -82,6 +82,10 @@ class HFTokenizer:
         self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")))
         self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")))
         self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
+        #: transformers' padding side and length limit of this tokenizer (tokenizer_config.json)
+        self.padding_side = str(tcfg.get("padding_side") or "right")
+        limit = tcfg.get("model_max_length")
+        self.model_max_length = int(limit) if isinstance(limit, (int, float)) and 0 < limit < 1e12 else None
         self.chat_template: str | None = _own_template(tcfg.get("chat_template"), self.dir)
         smap = {**_read_json(self.dir / "special_tokens_map.json"), **tcfg}
         #: the special tokens a chat template sees as variables (transformers' special_tokens_map)

@@ -57,7 +57,7 @@ def test_unfrozen_parameters_without_an_adapter():
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
-    ({"adapter": "lora", "lora_target_linear": True, "peft": {"loftq": True}}, "'peft' is not supported"),
+    ({"adapter": "lora", "lora_target_linear": True, "peft": {"loftq": True}}, "peft: loftq is not supported: peft's own options here are loftq_config"),
 ])
 def test_bad_adapter_settings_are_refused_by_name(d, message):
     with pytest.raises(ConfigError, match=message):

@@ -62,17 +62,18 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
         TrainConfig.from_yaml(path)
     text = str(info.value)
-    assert text.startswith(f"9 problems in {path}:") and len(info.value.problems) == 9
+    assert text.startswith(f"10 problems in {path}:") and len(info.value.problems) == 10
     for want in ("unknown key 'learning_rat'; did you mean 'learning_rate'?",
                  "unknown key 'micro_batchsize'; did you mean 'micro_batch_size'?",
-                 "'peft' is not supported: this LoRA option is not supported",
+                 "peft: loftq is not supported: peft's own options here are loftq_config only",
+                 "peft is set but adapter is not: add adapter: lora",
                  "load_in_8bit: a quantized base is frozen, so it trains only under an adapter",
                  "'deepspeed' is not supported",
                  "tp_size must be an integer, got 'two'",
                  "unknown key 'logging.outputdir'; did you mean 'output_dir'?",
                  "unknown key 'datasets[0].typ'; did you mean 'type'?", "max_steps must be >= 1, got 0"):
         assert want in text, want
-    assert "did you mean" not in text.split("'peft'")[1].splitlines()[0]
+    assert "did you mean" not in text.split("peft: loftq")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize("d, message", [
@@ -252,7 +253,7 @@ def test_axolotl_switch_keys_have_a_meaning_or_a_precise_refusal():
     assert any(m.startswith("rl: dpo trains on chosen / rejected pairs") for m in p)   # (no datasets)
     assert any(m.startswith("qat.x is not a QAT option") for m in p)
     assert any(m.startswith("'swanlab_lark_webhook_url' is not supported: this SwanLab option") for m in p)
-    assert any(m.startswith("'peft' is not supported: this LoRA option") for m in p)   # (peft: loftq_config, ...)
+    assert any(m.startswith("peft is set but adapter is not: add adapter: lora") for m in p)   # (LoftQ needs LoRA)
     assert not any("torchdistx_path" in m for m in p)                          # blank: unset
     unknown = [m for m in p if "totally_unknown_key" in m][0]
     assert "valid:" not in unknown and "--help" in unknown           # no 60-key list
