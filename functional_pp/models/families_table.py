@@ -66,8 +66,9 @@ ROWS: tuple[Row, ...] = (
                                "Cohere 2: sliding layers, NoPE full layers; Command R+'s q/k LayerNorms of a weight per head "
                                "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
-                                     "biases, GELU MLP (Phi, GPT-J), parallel residual",
-        "StableLM's per-head q/k LayerNorm (`qk_layernorm`)"),
+                                     "biases, GELU MLP (Phi, GPT-J), parallel residual; StableLM's q/k "
+                                     "LayerNorms of a weight per head (`qk_layernorm`)",
+        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`, refused by name)"),
     Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
     Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",

@@ -165,7 +165,12 @@ def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
 
 def _phi_read(hf: dict, get: Get, where: str) -> dict:
     if hf.get("qk_layernorm"):
-        raise ValueError(f"{where}: qk_layernorm=True (a LayerNorm per head of q and k) is not supported yet")
+        raise ValueError(f"{where}: qk_layernorm=True (Phi's LayerNorm of q and k, with a bias, shared by the "
+                         f"heads) is not supported yet")
+    return _rotary_and_eps(hf, get)
+
+
+def _rotary_and_eps(hf: dict, get: Get) -> dict:
     return dict(partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")),
                 norm_eps=float(get("layer_norm_eps")))
 
@@ -181,15 +186,17 @@ def _phi_write(cfg, out: dict) -> None:
 def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
     if float(hf.get("hidden_dropout") or 0.0):
         raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
-    return dict(_phi_read(hf, get, where), parallel_block=bool(get("use_parallel_residual")),
-                qkv_bias=bool(get("use_qkv_bias")))
+    # qk_layernorm: a bias-free LayerNorm of q and of k with a weight per head (Command R+'s), before the rotary
+    qk = bool(hf.get("qk_layernorm"))
+    return dict(_rotary_and_eps(hf, get), parallel_block=bool(get("use_parallel_residual")),
+                qkv_bias=bool(get("use_qkv_bias")), qk_norm=qk, qk_norm_per_head=qk)
 
 
 def _stablelm_write(cfg, out: dict) -> None:
     _phi_write(cfg, out)
     del out["resid_pdrop"], out["embd_pdrop"]
     out.update(hidden_act="silu", use_qkv_bias=cfg.qkv_bias, use_parallel_residual=cfg.parallel_block,
-               hidden_dropout=0.0)
+               hidden_dropout=0.0, qk_layernorm=cfg.qk_norm)
 
 
 # --------------------------------------------------------------------------- GPT-NeoX
@@ -249,8 +256,12 @@ SWITCHES["cohere2"] = Switches(
 SWITCHES["stablelm"] = Switches(
     "StableLmForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.25,
                                 use_qkv_bias=False, use_parallel_residual=False),
-    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias"),
-    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
+    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias", "qk_norm"),
+    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False, qk_norm_per_head=lambda cfg: cfg.qk_norm),
+    # its q/k norms: one LayerNorm per head in the files (self_attn.q_layernorm.norms.{h}.weight)
+    kinds={"self_attn.q_norm": "per_head", "self_attn.k_norm": "per_head"},
+    renames=lambda cfg: ((r"\.self_attn\.q_norm\.weight$", ".self_attn.q_layernorm.norms.weight"),
+                         (r"\.self_attn\.k_norm\.weight$", ".self_attn.k_layernorm.norms.weight")))
 
 SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is not gated, of squared ReLU
     "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _no_fields, _no_keys,

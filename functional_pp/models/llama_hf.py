@@ -501,6 +501,7 @@ class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
 
 class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, in] transposed per expert
     stacked = True                     # one HF tensor per expert in the files (checkpoint/hf.py)
+    stacked_at = ".experts."           # (named ``...experts.{j}...`` there)
     row_axis = 1                       # parts of a fused tensor follow each other along HF's out (Granite MoE)
 
     def hf_shape(self, shape):
@@ -516,6 +517,11 @@ class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, 
 
 class _ExpertsTensor(_ExpertsLinear):   # the same, one tensor for all the experts in the files (Granite MoE)
     stacked = False
+
+
+class _PerHead(_Copy):                 # ours [N, D] = HF one [D] tensor per head, ``...norms.{h}.weight`` (StableLM)
+    stacked = True
+    stacked_at = ".norms."
 
 
 class _Scalar(_Kind):                  # ours [] = HF [1] (xIELU's scalars)
@@ -555,7 +561,7 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead()}
 
 
 # --------------------------------------------------------------------------- rotary

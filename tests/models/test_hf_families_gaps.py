@@ -10,6 +10,7 @@ logits; LoRA's loss and adapter gradients equal peft's; what the classes cannot 
 by name; the new options train alike on real gloo processes."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -44,15 +45,18 @@ FAMILIES = {
     # OLMoE: q, k and v clamped after the q/k norms (a bound the normed q/k entries pass)
     "olmoe_clip": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
         BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, clip_qkv=0.8)),
+    # StableLM 2 (12B / Zephyr): a bias-free LayerNorm of q and k per head (qk_layernorm), a quarter of head_dim rotating
+    "stablelm_qk": ("stablelm", "StableLmConfig", "StableLmForCausalLM", dict(
+        BASE, qk_layernorm=True, use_qkv_bias=True, partial_rotary_factor=0.25)),
     # Nemotron with the biases of its MLP's projections
     "nemotron_bias": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(BASE, norm_eps=1e-5, mlp_bias=True)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"ministral3": [dict(attn_temperature_floor=None), dict(attn_temperature_offset=1.0)],
                 "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)],
-                "cohere_qk": [], "olmoe_clip": [dict(clip_qkv=None)], "nemotron_bias": []}
+                "cohere_qk": [], "stablelm_qk": [], "olmoe_clip": [dict(clip_qkv=None)], "nemotron_bias": []}
 LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj")}
+        "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj"), "stablelm_qk": ("q_proj", "k_proj", "v_proj", "o_proj")}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -98,6 +102,11 @@ def test_configs_read_each_family(saved):
     cfg = hf.config_from_hf(saved["cohere_qk"][1])
     assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind) == (True, True, "layer")
     assert llama.init(cfg)["layers"][0]["self_attn"]["k_norm"].dims == ("kv_heads", "head_dim")
+    cfg = hf.config_from_hf(saved["stablelm_qk"][1])
+    assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind, cfg.partial_rotary_factor) == (True, True, "layer", 0.25)
+    # the files hold one LayerNorm per head: q_layernorm.norms.{h}.weight, stacked into q_norm [heads, head_dim]
+    files = {n for n, _ in hf._file_tensors(llama.init(cfg), cfg)}
+    assert "model.layers.0.self_attn.q_layernorm.norms.weight" in files
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -127,6 +136,11 @@ def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]
             continue
         if name.endswith("experts.down_proj"):
             out.append((name, ours[f"layers.{layer}.mlp.down"].transpose(1, 2), p.grad))
+            continue
+        head = re.search(r"\.norms\.(\d+)\.", name)       # (StableLM: one LayerNorm per head, row h of ours)
+        if head:
+            (q, _, _), = files[name.replace(head.group(0), ".norms.")]
+            out.append((name, ours[q][int(head.group(1))], p.grad))
             continue
         parts = files[name]
         g = hf.fuse_rows([kind.to_hf(ours[q]) for q, kind, _ in parts], cfg, getattr(parts[0][1], "row_axis", 0))
@@ -226,14 +240,21 @@ def test_refused_by_name(saved, tmp_path):
         hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="cohere2", nope_layers=(0, 1)), tmp_path / "no")
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF cohere2 config: use_qk_norm=True is not supported"):
         hf.config_from_hf(dict(BASE, model_type="cohere2", use_qk_norm=True))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi config: qk_layernorm=True \(Phi's LayerNorm of q and "
+                                                         r"k, with a bias, shared by the heads\) is not supported yet"):
+        hf.config_from_hf(dict(BASE, model_type="phi", qk_layernorm=True))
+    cfg = hf.config_from_hf(saved["stablelm_qk"][1])
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'stablelm': qk_norm_per_head=False has no"):
+        hf.save_hf_llama(fpp.init_params(llama.init(dataclasses.replace(cfg, qk_norm_per_head=False)), seed=0),
+                         dataclasses.replace(cfg, qk_norm_per_head=False), tmp_path / "no")
     assert not (tmp_path / "no").exists()
 
 
-def test_qk_norm_per_head_is_each_heads_own(saved):
+@pytest.mark.parametrize("name", ["cohere_qk", "stablelm_qk"])
+def test_qk_norm_per_head_is_each_heads_own(saved, name):
     """Each head's q/k norm weight acts on that head only: a per-head weight that differs per head
-    (as the files') is needed for transformers' logits, and one head's weights change only what
-    its heads' norm gives."""
-    model, d = saved["cohere_qk"]
+    (as the files', StableLM's one LayerNorm per head) is needed for transformers' logits."""
+    model, d = saved[name]
     cfg, params = hf.load_hf_llama(d)
     toks = tokens()
     with torch.no_grad():
