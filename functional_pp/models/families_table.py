@@ -89,10 +89,11 @@ ROWS: tuple[Row, ...] = (
         "a mixture of experts (dropless top-k or a static capacity that compiles, a per-device token cap, "
         "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert, "
         "OLMoE's `clip_qkv`); expert parallelism is a rule for `experts` (docs/experts.md)", _EXPERT_PEFT),
-    Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
+    Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"),
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "
-        "scaled weights (V2: softmax, greedy / group-limited)",
+        "scaled weights (V2: softmax, greedy / group-limited); Mistral Small 4: every layer's queries scaled by "
+        "position (Ministral 3's), softmax routing over groups, the experts fused as transformers holds them",
         f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}"),
     Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
                    "stored `[E * F, H]`, renormalised top-k weights",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
+__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor", "position_scaling"]
 
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
@@ -545,14 +545,22 @@ def _ministral3_prepare(hf: dict) -> dict:
                                                                                             262144)))
 
 
-def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
-    # transformers: q times 1 + beta * log(1 + floor(pos / original_max_position_embeddings)) after the rotary
+def position_scaling(hf: dict, where: str) -> dict:
+    """The ``Config`` fields of Llama 4's attention scaling by position that Ministral 3 and Mistral
+    Small 4 apply in every layer (transformers' ``get_llama_4_attn_scale``: q times
+    ``1 + beta * log(1 + floor(pos / original_max_position_embeddings))`` after the rotary), from
+    ``rope_parameters``; refused by name without them."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
     if beta is None or not floor:
         raise ValueError(f"{where}: rope_parameters needs llama_4_scaling_beta and original_max_position_embeddings "
-                         f"(Ministral 3's attention scaling by position), got {rope!r}")
-    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta))
+                         f"(the attention scaling by position), got {rope!r}")
+    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta), attn_temperature_offset=0.0,
+                attn_temperature_all_layers=True)
+
+
+def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
+    return position_scaling(hf, where)
 
 
 def _ministral3_write(cfg, out: dict) -> None:
@@ -593,8 +601,7 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
-        ("mistral4", "Mistral Small 4"))},
+        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
     "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
