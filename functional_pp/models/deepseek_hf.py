@@ -38,8 +38,9 @@ RENAMED: tuple[tuple[str, str], ...] = ((r"\.mlp\.shared_expert\.", ".mlp.shared
 FREE: dict[str, tuple[str, ...]] = {"mistral4": ("attn_temperature_floor",)}
 """Fields other families refuse that these hold (:func:`check_exportable` checks their values)."""
 MISTRAL4_RENAMED = RENAMED + ((r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),)
-MISTRAL4_FUSED = (("model.layers.{i}.mlp.experts.gate_up_proj",
-                   ("model.layers.{i}.mlp.experts.gate_proj.weight", "model.layers.{i}.mlp.experts.up_proj.weight")),)
+MISTRAL4_FUSED = tuple((f"{pre}.layers.{{i}}.mlp.experts.gate_up_proj",      # (alone, or in its mistral3 wrapper)
+                        (f"{pre}.layers.{{i}}.mlp.experts.gate_proj.weight", f"{pre}.layers.{{i}}.mlp.experts.up_proj.weight"))
+                       for pre in ("model", "language_model.model"))
 MISTRAL4_KINDS = {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}
 """Mistral Small 4's experts in its files: one tensor for all the experts, ``[E, out, in]``, gate and
 up fused along the rows of ``experts.gate_up_proj`` (gate, then up)."""

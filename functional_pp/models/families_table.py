@@ -93,8 +93,10 @@ ROWS: tuple[Row, ...] = (
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "
         "scaled weights (V2: softmax, greedy / group-limited); Mistral Small 4: every layer's queries scaled by "
-        "position (Ministral 3's), softmax routing over groups, the experts fused as transformers holds them",
-        f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}"),
+        "position (Ministral 3's), softmax routing over groups, the experts fused as transformers holds them; the "
+        "text decoder of a multimodal `mistral3` whose `text_config` is `mistral4`",
+        f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}; Mistral "
+        f"Small 4's image input"),
     Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
                    "stored `[E * F, H]`, renormalised top-k weights",
         f"`moe_jitter_eps` (refused by name); {_EXPERT_PEFT}"),
