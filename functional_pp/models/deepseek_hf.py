@@ -203,8 +203,8 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
                             "shared_expert_gate": False, "router_score": "softmax" if softmax else "sigmoid",
                             "router_bias": not softmax, "attn_temperature_floor": None}
     if mt == "mistral4":              # (every layer's queries scaled by position over YaRN's original length)
-        need.update(attn_temperature_floor=float(getattr(cfg.rope_scaling, "original_max_position", 0) or 0) or None,
-                    attn_temperature_offset=0.0, attn_temperature_all_layers=True)
+        need.update(attn_temperature_floor=float(cfg.rope_scaling.original_max_position), attn_temperature_offset=0.0,
+                    attn_temperature_all_layers=True)
     del need["query_pre_attn_scalar"]
     if latent:
         need.update(qkv_bias=False, qk_norm=False)
