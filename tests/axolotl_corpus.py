@@ -125,6 +125,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+       # (Mistral Small 4: DeepSeek-V3's latent attention and experts, its default YaRN rope)
+       "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", {
+           "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
        # (a dense first layer, then experts; a sliding layer, then a full one)
        "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {
            "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

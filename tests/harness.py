@@ -122,14 +122,15 @@ def nan_on_second_call(loss_fn):
     return wrapped
 
 
-def fp64_beside_hf(hf_dir, **load_kw):
-    """One float64 step of ours and of transformers on the Hugging Face directory ``hf_dir`` and a
-    fixed batch: ``(model, cfg, loss, grads, out, want)``: transformers' model and output, our
-    config, loss and gradients by path, and transformers' cross-entropy (its backward not run)."""
+def fp64_beside_hf(hf_dir, hf_class: str = "AutoModelForCausalLM", **load_kw):
+    """One float64 step of ours and of transformers (its class ``hf_class``) on the Hugging Face
+    directory ``hf_dir`` and a fixed batch: ``(model, cfg, loss, grads, out, want)``: transformers'
+    model and output, our config, loss and gradients by path, and transformers' cross-entropy (its
+    backward not run)."""
     import torch.nn.functional as F
     import transformers
     from functional_pp.checkpoint import hf
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, **load_kw)
+    model = getattr(transformers, hf_class).from_pretrained(hf_dir, dtype=torch.float64, **load_kw)
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=3, seq=12, seed=2)
     loss, grads = single_device(cfg, params, batch)
@@ -193,7 +194,9 @@ def assert_export_round_trip(hf_dir, out_dir, model_type: str, hf_class: str, **
     out = hf.save_hf_llama(params, cfg, out_dir)
     written = json.loads((out / "config.json").read_text())
     assert (written["model_type"], written["architectures"]) == (model_type, [hf_class])
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **load_kw)
+    auto = transformers.AutoModelForCausalLM       # (5.25's does not map Mistral4Config: its class then)
+    loader = auto if hf_class != "Mistral4ForCausalLM" else getattr(transformers, hf_class)
+    back = loader.from_pretrained(out, dtype=torch.float32, **load_kw)
     assert type(back).__name__ == hf_class
     toks = tokens()
     with torch.no_grad():
@@ -305,14 +308,14 @@ def assert_lora_step_equals_peft(model, hf_dir, targets) -> None:
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=tuple(targets))
     decls = adapters.init(llama.init(cfg), lc)
     state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(hf.load_hf_params(hf_dir, cfg), peft_dir.from_peft(state, decls))
+    full = adapters.joined(hf.load_hf_params(hf_dir, cfg), peft_dir.from_peft(state, decls, cfg.model_type))
     batch = make_batch(cfg, batch=2, seq=12, seed=3)
     ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
     logits = pm(input_ids=batch["tokens"]).logits
     ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
     ref.backward()
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
-    grads = peft_dir.to_peft(ours[1])
+    grads = peft_dir.to_peft(ours[1], cfg.model_type)    # (Mistral Small 4: its shared expert's names)
     want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
     assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
     for k in want:

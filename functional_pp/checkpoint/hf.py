@@ -179,13 +179,14 @@ class _HFReader:
 
     def _stack_experts(self) -> None:
         """One stacked entry ``...experts.{name}`` [E, *shape] for the per-expert tensors
-        ``...experts.{j}.{name}`` j = 0..E-1 (the MoE rows of the table, kind ``experts_linear``)."""
+        ``...experts.{j}.{name}`` j = 0..E-1 (the MoE rows of the table, kind ``experts_linear``); the
+        same for per-head norms ``...norms.{j}.{name}`` (StableLM's q/k LayerNorms, kind ``per_head``)."""
         self.members: dict[str, list[str]] = {}
         groups: dict[str, dict[int, str]] = {}
         for key in self.entries:
             m = _EXPERT.match(key)
             if m:
-                groups.setdefault(f"{m['pre']}.experts.{m['post']}", {})[int(m["j"])] = key
+                groups.setdefault(f"{m['pre']}.{m['group']}.{m['post']}", {})[int(m["j"])] = key
         for name, by_index in groups.items():
             keys = [by_index.get(j) for j in range(len(by_index))]
             shapes = {self.entries[k][1] for k in keys if k is not None}
@@ -220,7 +221,7 @@ class _HFReader:
         return self._open(self.entries[name][0]).get_slice(name)
 
 
-_EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<j>\d+)\.(?P<post>.+)$")
+_EXPERT = re.compile(r"^(?P<pre>.+)\.(?P<group>experts|norms)\.(?P<j>\d+)\.(?P<post>.+)$")
 
 
 class _Stacked:
@@ -538,7 +539,7 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
             return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis,
                              alternating=getattr(produced[0][0], "alternating", False))
         shape = _fused_shape([s for *_, s in produced], axis)
-        if getattr(produced[0][0], "stacked", False):     # the experts: one tensor each in the files
+        if getattr(produced[0][0], "stacked", False):     # the experts (per-head norms): one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
 
             def expert(j, make=make, held=held, last=shape[0] - 1):
@@ -547,7 +548,8 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
                     held.clear()
                 return whole[j].contiguous()
             for j in range(shape[0]):
-                items.append((name.replace(".experts.", f".experts.{j}.", 1), dt, shape[1:],
+                at = produced[0][0].stacked_at          # (".experts." or ".norms.")
+                items.append((name.replace(at, f"{at}{j}.", 1), dt, shape[1:],
                               lambda j=j, expert=expert: expert(j)))
         else:
             items.append((name, dt, shape, make))

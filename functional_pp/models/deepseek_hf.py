@@ -2,7 +2,10 @@
 decoder (docs/models.md, "Decoder families"): DeepSeek-V2 and DeepSeek-V3 (multi-head latent
 attention, models/mla.py; shared + routed experts, dense layers first), GLM-4.5 (``glm4_moe``:
 Llama-style attention with partial rotary, q/k/v biases and optional q/k norms) and GLM-4.7-Flash
-(``glm4_moe_lite``: DeepSeek-V3's layer). Their routers: DeepSeek-V2's softmax (``topk_method``
+(``glm4_moe_lite``: DeepSeek-V3's layer) and Mistral Small 4 (``mistral4``: DeepSeek-V3's layer
+with every layer's queries scaled by position, Ministral 3's ``llama_4_scaling_beta``, and a
+softmax router with grouped top-k; its files hold the experts as transformers does, gate and up
+fused in ``experts.gate_up_proj``). Their routers: DeepSeek-V2's softmax (``topk_method``
 greedy or group_limited_greedy), the others' sigmoid with a score correction
 (``e_score_correction_bias``) and grouped top-k (``n_group``, ``topk_group``); the top-k weights
 renormalised (``norm_topk_prob``) and scaled (``routed_scaling_factor``).
@@ -18,19 +21,29 @@ from typing import Any, Callable
 
 import torch
 
-from functional_pp.models.hf_switches import partial_rotary_factor
+from functional_pp.models.hf_switches import partial_rotary_factor, position_scaling
 from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import LinearScaling, YarnScaling
 
-__all__ = ["ARCHITECTURES", "LATENT", "config_from_hf", "config_to_hf", "check_exportable", "RENAMED"]
+__all__ = ["ARCHITECTURES", "LATENT", "FREE", "config_from_hf", "config_to_hf", "check_exportable", "RENAMED"]
 
 ARCHITECTURES: dict[str, str] = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                                 "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
-LATENT: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+                                 "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+                                 "mistral4": "Mistral4ForCausalLM"}
+LATENT: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 """The families with multi-head latent attention."""
 
 RENAMED: tuple[tuple[str, str], ...] = ((r"\.mlp\.shared_expert\.", ".mlp.shared_experts."),)
 """Their tensor names beside the table's: the shared expert is ``shared_experts``."""
+FREE: dict[str, tuple[str, ...]] = {"mistral4": ("attn_temperature_floor",)}
+"""Fields other families refuse that these hold (:func:`check_exportable` checks their values)."""
+MISTRAL4_RENAMED = RENAMED + ((r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),)
+MISTRAL4_FUSED = tuple((f"{pre}.layers.{{i}}.mlp.experts.gate_up_proj",      # (alone, or in its mistral3 wrapper)
+                        (f"{pre}.layers.{{i}}.mlp.experts.gate_proj.weight", f"{pre}.layers.{{i}}.mlp.experts.up_proj.weight"))
+                       for pre in ("model", "language_model.model"))
+MISTRAL4_KINDS = {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}
+"""Mistral Small 4's experts in its files: one tensor for all the experts, ``[E, out, in]``, gate and
+up fused along the rows of ``experts.gate_up_proj`` (gate, then up)."""
 
 # transformers' config class defaults of the keys read here
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -52,7 +65,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                           q_lora_rank=768, qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, n_group=1,
                           topk_group=1, num_experts_per_tok=4, norm_topk_prob=True, rope_interleave=True,
                           tie_word_embeddings=False),
+    "mistral4": dict(rms_norm_eps=1e-6, max_position_embeddings=1048576, first_k_dense_replace=0, kv_lora_rank=256,
+                     q_lora_rank=1024, n_routed_experts=128, n_shared_experts=1, qk_nope_head_dim=64,
+                     qk_rope_head_dim=64, routed_scaling_factor=1.0, v_head_dim=128, moe_intermediate_size=2048,
+                     n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True, rope_interleave=True,
+                     tie_word_embeddings=False),
 }
+# Mistral4Config's rope where config.json has none (YaRN with Llama 4's attention scaling by position)
+_MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, original_max_position_embeddings=8192,
+                      beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
@@ -81,8 +102,16 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
         _refuse(where, f"attention_dropout={hf['attention_dropout']!r} is not supported (set it to 0.0)")
     latent = mt in LATENT
     layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+    if mt == "mistral4" and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+        hf = dict(hf, rope_parameters=_MISTRAL4_ROPE)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     partial = partial_rotary_factor(hf, 0.5 if mt == "glm4_moe" else 1.0)
+    if mt == "mistral4":               # (its rope is sized by head_dim * partial_rotary_factor = qk_rope_head_dim)
+        qk, rot = int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim")), int(get("qk_rope_head_dim"))
+        partial = partial_rotary_factor(hf, rot / qk) * qk / rot
+        if rope.get("rope_type", rope.get("type")) != "yarn":
+            _refuse(where, f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported (transformers' "
+                           f"Mistral4 sizes only YaRN's rotary by qk_rope_head_dim); only 'yarn'")
     if latent and partial != 1.0:
         _refuse(where, f"partial_rotary_factor={partial} is not supported with latent attention (it rotates "
                        f"all qk_rope_head_dim entries)")
@@ -112,6 +141,8 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
         m_all = float(rope.get("mscale_all_dim") or 0.0) if isinstance(scaling, YarnScaling) else 0.0
         if m_all:                         # transformers' yarn_apply_mscale: the softmax scale times mscale^2
             fields["query_pre_attn_scalar"] = (nope + rot) / _mscale(float(rope["factor"]), m_all) ** 4
+        if mt == "mistral4":
+            fields.update(position_scaling(hf, where))
     else:
         head_dim = hf.get("head_dim")
         fields.update(head_dim=None if head_dim is None else int(head_dim), partial_rotary_factor=partial,
@@ -139,7 +170,10 @@ def _experts(hf: dict, mt: str, get, layers: int, where: str) -> dict:
     out = dict(experts=int(get("n_routed_experts")), experts_top_k=int(get("num_experts_per_tok")), moe_mlp=moe_mlp,
                shared_expert_mlp=int(get("n_shared_experts") or 0) * moe_mlp, shared_expert_gate=False,
                moe_layers=None if len(moe) == layers else moe, routed_scaling_factor=float(get("routed_scaling_factor")))
-    if mt == "deepseek_v2":
+    if mt == "mistral4":               # softmax scores, the best topk_group of n_group groups (their 2 best summed)
+        out.update(router_score="softmax", norm_topk_prob=bool(get("norm_topk_prob")), router_group_score="top2_sum",
+                   router_groups=int(get("n_group") or 1), router_topk_groups=int(get("topk_group") or 1))
+    elif mt == "deepseek_v2":
         method = get("topk_method")
         if method not in _TOPK_METHODS:
             _refuse(where, f"topk_method={method!r} is not supported (only {', '.join(_TOPK_METHODS)}, as "
@@ -161,9 +195,16 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     mt, arch = cfg.model_type, ARCHITECTURES[cfg.model_type]
     where = f"export as {mt!r}"
     latent = mt in LATENT
+    if mt == "mistral4" and not isinstance(cfg.rope_scaling, YarnScaling):
+        raise UnsupportedHFConfig(f"{where}: rope_scaling {type(cfg.rope_scaling).__name__} is not exported for {mt} "
+                                  f"(only yarn: transformers' Mistral4 sizes only YaRN's rotary by qk_rope_head_dim)")
+    softmax = mt in ("deepseek_v2", "mistral4")
     need: dict[str, Any] = {**plain, "sliding_window": None, "o_bias": False,
-                            "shared_expert_gate": False, "router_score": "softmax" if mt == "deepseek_v2" else "sigmoid",
-                            "router_bias": mt != "deepseek_v2"}
+                            "shared_expert_gate": False, "router_score": "softmax" if softmax else "sigmoid",
+                            "router_bias": not softmax, "attn_temperature_floor": None}
+    if mt == "mistral4":              # (every layer's queries scaled by position over YaRN's original length)
+        need.update(attn_temperature_floor=float(cfg.rope_scaling.original_max_position), attn_temperature_offset=0.0,
+                    attn_temperature_all_layers=True)
     del need["query_pre_attn_scalar"]
     if latent:
         need.update(qkv_bias=False, qk_norm=False)
@@ -247,6 +288,11 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
         if mt != "deepseek_v2":
             out["rope_interleave"] = cfg.rotary_interleaved
+        if mt == "mistral4":          # (its rope sized by head_dim * partial_rotary_factor; the scaling by position)
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            out["head_dim"] = qk
+            out["rope_parameters"].update(partial_rotary_factor=cfg.qk_rope_head_dim / qk,
+                                          llama_4_scaling_beta=cfg.attn_temperature_scale)
     else:
         out.update(head_dim=cfg.dim_head, partial_rotary_factor=cfg.partial_rotary_factor, use_qk_norm=cfg.qk_norm)
     return out

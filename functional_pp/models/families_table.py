@@ -66,8 +66,9 @@ ROWS: tuple[Row, ...] = (
                                "Cohere 2: sliding layers, NoPE full layers; Command R+'s q/k LayerNorms of a weight per head "
                                "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
-                                     "biases, GELU MLP (Phi, GPT-J), parallel residual",
-        "StableLM's per-head q/k LayerNorm (`qk_layernorm`)"),
+                                     "biases, GELU MLP (Phi, GPT-J), parallel residual; StableLM's q/k "
+                                     "LayerNorms of a weight per head (`qk_layernorm`)",
+        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`, refused by name)"),
     Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
     Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",
@@ -88,11 +89,14 @@ ROWS: tuple[Row, ...] = (
         "a mixture of experts (dropless top-k or a static capacity that compiles, a per-device token cap, "
         "auxiliary and z-losses, LoRA on the experts and the router, Qwen2-MoE's gated and Granite's ungated shared expert, "
         "OLMoE's `clip_qkv`); expert parallelism is a rule for `experts` (docs/experts.md)", _EXPERT_PEFT),
-    Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite"),
+    Row(("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"),
         "multi-head latent attention (q/kv latents, a rotary key shared by every head, YaRN's softmax scale); dense "
         "layers first, then routed + shared experts; sigmoid routing with a score correction, grouped top-k, "
-        "scaled weights (V2: softmax, greedy / group-limited)",
-        f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}"),
+        "scaled weights (V2: softmax, greedy / group-limited); Mistral Small 4: every layer's queries scaled by "
+        "position (Ministral 3's), softmax routing over groups, the experts fused as transformers holds them; the "
+        "text decoder of a multimodal `mistral3` whose `text_config` is `mistral4`",
+        f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}; Mistral "
+        f"Small 4's image input"),
     Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
                    "stored `[E * F, H]`, renormalised top-k weights",
         f"`moe_jitter_eps` (refused by name); {_EXPERT_PEFT}"),

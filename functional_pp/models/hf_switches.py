@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor"]
+__all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotary_factor", "position_scaling"]
 
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
@@ -165,7 +165,12 @@ def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
 
 def _phi_read(hf: dict, get: Get, where: str) -> dict:
     if hf.get("qk_layernorm"):
-        raise ValueError(f"{where}: qk_layernorm=True (a LayerNorm per head of q and k) is not supported yet")
+        raise ValueError(f"{where}: qk_layernorm=True (Phi's LayerNorm of q and k, with a bias, shared by the "
+                         f"heads) is not supported yet")
+    return _rotary_and_eps(hf, get)
+
+
+def _rotary_and_eps(hf: dict, get: Get) -> dict:
     return dict(partial_rotary_factor=partial_rotary_factor(hf, get("partial_rotary_factor")),
                 norm_eps=float(get("layer_norm_eps")))
 
@@ -181,15 +186,17 @@ def _phi_write(cfg, out: dict) -> None:
 def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
     if float(hf.get("hidden_dropout") or 0.0):
         raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
-    return dict(_phi_read(hf, get, where), parallel_block=bool(get("use_parallel_residual")),
-                qkv_bias=bool(get("use_qkv_bias")))
+    # qk_layernorm: a bias-free LayerNorm of q and of k with a weight per head (Command R+'s), before the rotary
+    qk = bool(hf.get("qk_layernorm"))
+    return dict(_rotary_and_eps(hf, get), parallel_block=bool(get("use_parallel_residual")),
+                qkv_bias=bool(get("use_qkv_bias")), qk_norm=qk, qk_norm_per_head=qk)
 
 
 def _stablelm_write(cfg, out: dict) -> None:
     _phi_write(cfg, out)
     del out["resid_pdrop"], out["embd_pdrop"]
     out.update(hidden_act="silu", use_qkv_bias=cfg.qkv_bias, use_parallel_residual=cfg.parallel_block,
-               hidden_dropout=0.0)
+               hidden_dropout=0.0, qk_layernorm=cfg.qk_norm)
 
 
 # --------------------------------------------------------------------------- GPT-NeoX
@@ -249,8 +256,12 @@ SWITCHES["cohere2"] = Switches(
 SWITCHES["stablelm"] = Switches(
     "StableLmForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=4096, partial_rotary_factor=0.25,
                                 use_qkv_bias=False, use_parallel_residual=False),
-    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias"),
-    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False))
+    _stablelm_read, _stablelm_write, free=("partial_rotary_factor", "parallel_block", "qkv_bias", "qk_norm"),
+    fixed=dict(norm_kind="layer", norm_bias=True, o_bias=False, qk_norm_per_head=lambda cfg: cfg.qk_norm),
+    # its q/k norms: one LayerNorm per head in the files (self_attn.q_layernorm.norms.{h}.weight)
+    kinds={"self_attn.q_norm": "per_head", "self_attn.k_norm": "per_head"},
+    renames=lambda cfg: ((r"\.self_attn\.q_norm\.weight$", ".self_attn.q_layernorm.norms.weight"),
+                         (r"\.self_attn\.k_norm\.weight$", ".self_attn.k_layernorm.norms.weight")))
 
 SWITCHES["arcee"] = Switches(          # Arcee AFM: Llama with an MLP that is not gated, of squared ReLU
     "ArceeForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=4096), _no_fields, _no_keys,
@@ -534,14 +545,22 @@ def _ministral3_prepare(hf: dict) -> dict:
                                                                                             262144)))
 
 
-def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
-    # transformers: q times 1 + beta * log(1 + floor(pos / original_max_position_embeddings)) after the rotary
+def position_scaling(hf: dict, where: str) -> dict:
+    """The ``Config`` fields of Llama 4's attention scaling by position that Ministral 3 and Mistral
+    Small 4 apply in every layer (transformers' ``get_llama_4_attn_scale``: q times
+    ``1 + beta * log(1 + floor(pos / original_max_position_embeddings))`` after the rotary), from
+    ``rope_parameters``; refused by name without them."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
     if beta is None or not floor:
         raise ValueError(f"{where}: rope_parameters needs llama_4_scaling_beta and original_max_position_embeddings "
-                         f"(Ministral 3's attention scaling by position), got {rope!r}")
-    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta))
+                         f"(the attention scaling by position), got {rope!r}")
+    return dict(attn_temperature_floor=float(floor), attn_temperature_scale=float(beta), attn_temperature_offset=0.0,
+                attn_temperature_all_layers=True)
+
+
+def _ministral3_read(hf: dict, get: Get, where: str) -> dict:
+    return position_scaling(hf, where)
 
 
 def _ministral3_write(cfg, out: dict) -> None:
@@ -582,8 +601,7 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
-        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"),
-        ("mistral4", "Mistral Small 4"))},
+        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
     "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

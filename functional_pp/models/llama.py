@@ -27,7 +27,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, mla, moe
+from functional_pp.models import kv_cache, mla, moe, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -699,20 +699,6 @@ def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments:
     return _attention(p, h, pos, cfg, segments, window, chunk)
 
 
-def _temperature(q: Named, pos: Named | None, cfg: Config) -> Named:
-    """Attention temperature tuning of the queries (Llama 4's NoPE layers, Ministral 3's every layer):
-    times ``log1p(floor((pos + offset) / floor)) * scale + 1`` of each query's position ``pos`` (None:
-    a NoPE layer's, from the sequence)."""
-    if pos is None:
-        if kv_cache.active() is not None:
-            raise ValueError("sampling with a key / value cache does not support attention temperature tuning of "
-                             "NoPE layers yet (attn_temperature_floor)")
-        pos = ops.positions("seq", q.size("seq"), device=q.data.device)
-    t = (torch.log1p(torch.floor((pos.data.float() + cfg.attn_temperature_offset) / cfg.attn_temperature_floor))
-         * cfg.attn_temperature_scale + 1)
-    return (q * Named(t, list(pos.dims), list(pos.split))).astype(q.data.dtype)
-
-
 def _qk_norms(a: dict, q: Named, k: Named, cfg: Config) -> tuple[Named, Named]:
     """The q/k norms: per head over head_dim (one weight for all, or one per head) or over every head."""
     over = "head_dim" if cfg.qk_norm_per_head else None
@@ -749,8 +735,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
         q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
                 for x in (q, k))
-    if cfg.attn_temperature_floor is not None and (pos is None or cfg.attn_temperature_all_layers):
-        q = _temperature(q, pos, cfg)                     # (Llama 4's NoPE layers; Ministral 3's every layer)
+    if temperature.applies(cfg, pos):                     # (Llama 4's NoPE layers; Ministral 3's every layer)
+        q = temperature.scale_queries(q, pos, cfg)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache = True, kv_cache.active()
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)

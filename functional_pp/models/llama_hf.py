@@ -223,6 +223,7 @@ FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",  
                          ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
                           "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
 FUSED.update(gemma4_hf.FUSED)                # (26B-A4B: experts.gate_up_proj)
+FUSED["mistral4"] = deepseek_hf.MISTRAL4_FUSED      # (Mistral Small 4: experts.gate_up_proj)
 FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
 FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
@@ -241,6 +242,7 @@ _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "expe
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
 _KIND_OVERRIDES["dbrx"] = {"mlp.gate": "experts_rows", "mlp.up": "experts_rows", "mlp.down": "experts_rows_in"}
 _KIND_OVERRIDES.update(dict.fromkeys(gemma4_hf.ARCHITECTURES, gemma4_hf.KINDS))
+_KIND_OVERRIDES["mistral4"] = deepseek_hf.MISTRAL4_KINDS
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -305,6 +307,7 @@ RENAMED["dbrx"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.l
                    (r"\.mlp\.experts\.down_proj\.weight$", ".ffn.experts.mlp.w2"), (r"^model\.norm\.", "transformer.norm_f."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
+RENAMED["mistral4"] = deepseek_hf.MISTRAL4_RENAMED     # (and the experts as one tensor: experts.down_proj)
 RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts' tensors [E, in, out] as ours
     (r"\.mlp\.gate\.", ".mlp.router."), (r"\.mlp\.experts\.down_proj\.weight$", ".mlp.experts.down_proj"),
     (r"\.mlp\.experts\.down_proj\.bias$", ".mlp.experts.down_proj_bias"))
@@ -501,6 +504,7 @@ class _BiasHeads(_Kind):              # ours [N, D] = HF [N*D] reshaped
 
 class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, in] transposed per expert
     stacked = True                     # one HF tensor per expert in the files (checkpoint/hf.py)
+    stacked_at = ".experts."           # (named ``...experts.{j}...`` there)
     row_axis = 1                       # parts of a fused tensor follow each other along HF's out (Granite MoE)
 
     def hf_shape(self, shape):
@@ -516,6 +520,11 @@ class _ExpertsLinear(_Kind):          # ours [E, in, out] = HF stacked [E, out, 
 
 class _ExpertsTensor(_ExpertsLinear):   # the same, one tensor for all the experts in the files (Granite MoE)
     stacked = False
+
+
+class _PerHead(_Copy):                 # ours [N, D] = HF one [D] tensor per head, ``...norms.{h}.weight`` (StableLM)
+    stacked = True
+    stacked_at = ".norms."
 
 
 class _Scalar(_Kind):                  # ours [] = HF [1] (xIELU's scalars)
@@ -555,7 +564,7 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2)}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -972,8 +981,8 @@ def check_exportable(cfg: Config) -> None:
             raise UnsupportedHFConfig(str(exc)) from exc
     theirs = dict(attn_sinks=False, moe_bias=False, swiglu_limit=None, attention_chunk=None, qk_l2_norm=False,
                   attn_temperature_floor=None, experts_scale_input=False)     # (those families' only)
-    _refuse_unless(cfg, {k: v for k, v in theirs.items() if k not in (SWITCHES[mt].free if mt in SWITCHES else ())},
-                   where)
+    free = SWITCHES[mt].free if mt in SWITCHES else deepseek_hf.FREE.get(mt, ())    # (checked by the family)
+    _refuse_unless(cfg, {k: v for k, v in theirs.items() if k not in free}, where)
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,

@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from functional_pp import ops
-from functional_pp.models import kv_cache
+from functional_pp.models import kv_cache, temperature
 from functional_pp.parallel.named import Named
 
 __all__ = ["check_config", "init_attention", "attention", "projection_flops", "LATENT_NORM_EPS"]
@@ -119,6 +119,8 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     if pos is not None:
         q_rot, k_rot = _rotate(q_rot, pos, cfg), _rotate(k_rot, pos, cfg)
     q = ops.concat([q_pass, q_rot], "qk_dim")
+    if temperature.applies(cfg, pos):               # (Mistral Small 4: every layer's queries scaled by position)
+        q = temperature.scale_queries(q, pos, cfg)
     # the shared rotary key, one copy per head (a product with a constant of ones over kv_heads)
     every_head = Named(torch.ones(cfg.kv_heads, dtype=k_rot.data.dtype, device=k_rot.data.device), ("kv_heads",))
     k = ops.concat([ops.slice_dim(kvb, "kv_b", 0, Dn, into="qk_dim"), k_rot * every_head], "qk_dim")

@@ -10,6 +10,8 @@ logits; LoRA's loss and adapter gradients equal peft's; what the classes cannot 
 by name; the new options train alike on real gloo processes."""
 import dataclasses
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -44,15 +46,30 @@ FAMILIES = {
     # OLMoE: q, k and v clamped after the q/k norms (a bound the normed q/k entries pass)
     "olmoe_clip": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", dict(
         BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, clip_qkv=0.8)),
+    # StableLM 2 (12B / Zephyr): a bias-free LayerNorm of q and k per head (qk_layernorm), a quarter of head_dim rotating
+    "stablelm_qk": ("stablelm", "StableLmConfig", "StableLmForCausalLM", dict(
+        BASE, qk_layernorm=True, use_qkv_bias=True, partial_rotary_factor=0.25)),
+    # Mistral Small 4: DeepSeek-V3's latent attention (a q latent, interleaved rotary, YaRN's softmax scale) with
+    # Ministral 3's queries scaled by position (from position 4 on), a dense layer then routed + shared experts
+    # under a softmax router limited to the best 2 of 4 groups
+    "mistral4": ("mistral4", "Mistral4Config", "Mistral4ForCausalLM", dict(
+        BASE, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters=dict(MINISTRAL3_ROPE, factor=2.0))),
     # Nemotron with the biases of its MLP's projections
     "nemotron_bias": ("nemotron", "NemotronConfig", "NemotronForCausalLM", dict(BASE, norm_eps=1e-5, mlp_bias=True)),
 }
 # the switches whose removal must change the logits (they are not no-ops)
 SWITCHED_OFF = {"ministral3": [dict(attn_temperature_floor=None), dict(attn_temperature_offset=1.0)],
                 "ministral3_plain": [dict(attn_temperature_floor=None), dict(sliding_window=None)],
-                "cohere_qk": [], "olmoe_clip": [dict(clip_qkv=None)], "nemotron_bias": []}
+                "cohere_qk": [], "stablelm_qk": [], "olmoe_clip": [dict(clip_qkv=None)],
+                "mistral4": [dict(attn_temperature_floor=None), dict(router_groups=1, router_topk_groups=1),
+                             dict(rotary_interleaved=False)], "nemotron_bias": []}
 LORA = {"ministral3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj")}
+        "cohere_qk": ("q_proj", "k_proj", "v_proj", "o_proj"), "stablelm_qk": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "mistral4": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj")}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 
@@ -98,6 +115,24 @@ def test_configs_read_each_family(saved):
     cfg = hf.config_from_hf(saved["cohere_qk"][1])
     assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind) == (True, True, "layer")
     assert llama.init(cfg)["layers"][0]["self_attn"]["k_norm"].dims == ("kv_heads", "head_dim")
+    cfg = hf.config_from_hf(saved["mistral4"][1])
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.rotary_interleaved, cfg.partial_rotary_factor,
+            cfg.router_score, cfg.router_bias, cfg.router_groups, cfg.router_topk_groups, cfg.router_group_score,
+            cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.moe_layers, cfg.shared_expert_mlp) == (
+        16, 24, 8, True, 1.0, "softmax", False, 4, 2, "top2_sum", True, 1.5, (1,), 32)
+    assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale, cfg.attn_temperature_offset,
+            cfg.attn_temperature_all_layers, cfg.rope_scaling.original_max_position) == (4.0, 0.3, 0.0, True, 4)
+    # Mistral4Config's rope where config.json has none: YaRN 128 over 8192, beta 0.1, its softmax scale
+    cfg = hf.config_from_hf(dict(FAMILIES["mistral4"][3], model_type="mistral4", rope_parameters=None))
+    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.attn_temperature_floor, cfg.attn_temperature_scale) == (
+        1e4, 128.0, 8192.0, 0.1)
+    assert cfg.query_pre_attn_scalar == pytest.approx(20 / (0.1 * math.log(128.0) + 1) ** 4)
+    assert llama.Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    cfg = hf.config_from_hf(saved["stablelm_qk"][1])
+    assert (cfg.qk_norm, cfg.qk_norm_per_head, cfg.norm_kind, cfg.partial_rotary_factor) == (True, True, "layer", 0.25)
+    # the files hold one LayerNorm per head: q_layernorm.norms.{h}.weight, stacked into q_norm [heads, head_dim]
+    files = {n for n, _ in hf._file_tensors(llama.init(cfg), cfg)}
+    assert "model.layers.0.self_attn.q_layernorm.norms.weight" in files
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -122,6 +157,11 @@ def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]
         if name.endswith("experts.down_proj"):
             out.append((name, ours[f"layers.{layer}.mlp.down"].transpose(1, 2), p.grad))
             continue
+        head = re.search(r"\.norms\.(\d+)\.", name)       # (StableLM: one LayerNorm per head, row h of ours)
+        if head:
+            (q, _, _), = files[name.replace(head.group(0), ".norms.")]
+            out.append((name, ours[q][int(head.group(1))], p.grad))
+            continue
         parts = files[name]
         g = hf.fuse_rows([kind.to_hf(ours[q]) for q, kind, _ in parts], cfg, getattr(parts[0][1], "row_axis", 0))
         out.append((name, g, p.grad))
@@ -130,8 +170,8 @@ def _hf_grads(model, cfg, grads) -> list[tuple[str, torch.Tensor, torch.Tensor]]
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_equal_transformers(saved, name):
-    _, d = saved[name]
-    model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
+    _, d = saved[name]        # (by its class: transformers 5.25's AutoModelForCausalLM does not map Mistral4Config)
+    model, cfg, loss, grads, out, want = fp64_beside_hf(d, FAMILIES[name][2], **EAGER)
     want.backward()
     torch.testing.assert_close(loss, want.detach(), rtol=1e-6 if cfg.experts else 1e-7, atol=0)
     got = _hf_grads(model, cfg, grads)
@@ -167,8 +207,8 @@ def test_lora_equals_peft(saved, name):
     pytest.importorskip("peft")
     from harness import assert_lora_step_equals_peft
     targets, d = LORA[name], saved[name][1]
-    assert_lora_step_equals_peft(transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER),
-                                 d, targets)
+    assert_lora_step_equals_peft(getattr(transformers, FAMILIES[name][2]).from_pretrained(d, dtype=torch.float32,
+                                                                                          **EAGER), d, targets)
 
 
 def test_refused_by_name(saved, tmp_path):
@@ -196,14 +236,40 @@ def test_refused_by_name(saved, tmp_path):
         hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="cohere2", nope_layers=(0, 1)), tmp_path / "no")
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF cohere2 config: use_qk_norm=True is not supported"):
         hf.config_from_hf(dict(BASE, model_type="cohere2", use_qk_norm=True))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi config: qk_layernorm=True \(Phi's LayerNorm of q and "
+                                                         r"k, with a bias, shared by the heads\) is not supported yet"):
+        hf.config_from_hf(dict(BASE, model_type="phi", qk_layernorm=True))
+    cfg = hf.config_from_hf(saved["stablelm_qk"][1])
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'stablelm': qk_norm_per_head=False has no"):
+        hf.save_hf_llama(fpp.init_params(llama.init(dataclasses.replace(cfg, qk_norm_per_head=False)), seed=0),
+                         dataclasses.replace(cfg, qk_norm_per_head=False), tmp_path / "no")
+    m4 = FAMILIES["mistral4"][3]
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral4 config: rope type 'default' is not supported "
+                                                         r"\(transformers' Mistral4 sizes only YaRN's rotary"):
+        hf.config_from_hf(dict(m4, model_type="mistral4", rope_parameters=dict(rope_type="default", rope_theta=1e4)))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral4 config: rope_parameters needs "
+                                                         r"llama_4_scaling_beta and original_max_position_embeddings"):
+        rope = {k: v for k, v in m4["rope_parameters"].items() if k != "llama_4_scaling_beta"}
+        hf.config_from_hf(dict(m4, model_type="mistral4", rope_parameters=rope))
+    cfg = hf.config_from_hf(saved["mistral4"][1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    for change, msg in ((dict(attn_temperature_floor=8.0), r"attn_temperature_floor=8.0 has no Mistral4ForCausalLM "
+                                                           r"equivalent \(it needs 4.0\)"),
+                        (dict(router_score="sigmoid"), r"router_score='sigmoid' has no"),
+                        (dict(rope_scaling=None), r"rope_scaling NoneType is not exported for mistral4")):
+        with pytest.raises(ck.CheckpointMismatchError, match=rf"export as 'mistral4': {msg}"):
+            hf.save_hf_llama(params, dataclasses.replace(cfg, **change), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'deepseek_v3': attn_temperature_floor=4.0 has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="deepseek_v3", router_score="sigmoid",
+                                                     router_bias=True), tmp_path / "no")
     assert not (tmp_path / "no").exists()
 
 
-def test_qk_norm_per_head_is_each_heads_own(saved):
+@pytest.mark.parametrize("name", ["cohere_qk", "stablelm_qk"])
+def test_qk_norm_per_head_is_each_heads_own(saved, name):
     """Each head's q/k norm weight acts on that head only: a per-head weight that differs per head
-    (as the files') is needed for transformers' logits, and one head's weights change only what
-    its heads' norm gives."""
-    model, d = saved["cohere_qk"]
+    (as the files', StableLM's one LayerNorm per head) is needed for transformers' logits."""
+    model, d = saved[name]
     cfg, params = hf.load_hf_llama(d)
     toks = tokens()
     with torch.no_grad():
@@ -228,6 +294,20 @@ def test_new_options_train_alike_on_real_processes():
                             attn_temperature_all_layers=True, norm_kind="layer", qk_norm=True, qk_norm_per_head=True,
                             clip_qkv=1.5, mlp_bias=True)
     assert_processes_equal_one_device(cfg)
+
+
+def test_mistral4_trains_alike_on_real_processes():
+    """Two float64 AdamW steps with FSDP 2 x EP 2 x TP 2 (experts over dp_shard) on four real gloo
+    processes of a tiny Mistral Small 4 (latent attention with its queries scaled by position, a
+    dense layer, then a softmax router over groups with a shared expert) equal one device."""
+    from harness import assert_processes_equal_one_device
+    cfg = llama.Config.tiny(kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                            v_head_dim=16, rotary_interleaved=True, attn_temperature_floor=4.0,
+                            attn_temperature_scale=0.5, attn_temperature_offset=0.0, attn_temperature_all_layers=True,
+                            experts=4, experts_top_k=2, moe_mlp=32, moe_layers=(1,), router_groups=2,
+                            router_topk_groups=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+                            shared_expert_mlp=32, shared_expert_gate=False, model_type="mistral4")
+    assert_processes_equal_one_device(cfg, rules=llama.default_rules().replace(experts="dp_shard"))
 
 
 def test_greedy_generation_with_the_cache_equals_transformers(saved):
