@@ -1,8 +1,9 @@
 """Sampling from the model's pure function with a key / value cache (functional_pp/models/sampling.py,
 kv_cache.py): greedy tokens equal transformers' ``generate`` on the same tiny Llama; a FSDP x TP
 layout (vocabulary split) draws the same tokens as one device; the temperature / top-k / top-p
-filters equal transformers' logits warpers; rows stop at EOS and are padded; bad arguments are
-refused."""
+filters equal transformers' logits warpers; rows stop at EOS and are padded; prompts of different
+lengths in one left-padded batch equal transformers' left-padded ``generate`` and each prompt
+generated alone (one device and FSDP x TP); bad arguments are refused."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.core.runtime import current_context
 from functional_pp.models import llama
-from functional_pp.models.sampling import filtered_logits, generate
+from functional_pp.models.sampling import filtered_logits, generate, left_padded
 from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
@@ -109,3 +110,73 @@ def test_bad_arguments_are_refused(model):
         _ours(cfg, params, torch.ones(1, 2, dtype=torch.long), max_new_tokens=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         filtered_logits(torch.zeros(1, 4), top_p=0.0)
+
+
+RAGGED = [[5, 9, 17, 3, 40, 22, 8], [11, 2], [30, 31, 7, 12], [44]]
+
+
+def test_ragged_batch_equals_transformers_left_padded_and_each_prompt_alone(model):
+    m, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    assert mask.tolist()[1] == [0, 0, 0, 0, 0, 1, 1]
+    want = m.generate(tokens, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, want)
+    for i, p in enumerate(RAGGED):
+        alone = _ours(cfg, params, torch.tensor([p]), max_new_tokens=10)
+        assert got[i, 7:].tolist() == alone[0, len(p):].tolist(), i
+    unmasked = _ours(cfg, params, tokens, max_new_tokens=10)        # the padding seen: other tokens
+    assert not torch.equal(unmasked[:, 7:], got[:, 7:])
+
+
+def _device_ragged(cfg, params, tokens, mask):
+    rules = llama.default_rules()
+    with fpp.use_rules(rules):
+        decls = llama.init(cfg, torch.float32)
+        local = sharding.named_tree(sharding.shard(params, decls, current_context().mesh, rules,
+                                                   fpp.current_rank()), decls)
+        forward = functools.partial(llama.forward, cfg=cfg)
+        return (generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6),
+                generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2))
+
+
+def test_ragged_batch_under_fsdp_tp_equals_one_device(model):
+    _, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    greedy = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6)
+    sampled = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2)
+    for g, s in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask), fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(g, greedy) and torch.equal(s, sampled)
+
+
+def test_bad_attention_masks_are_refused(model):
+    _, cfg, params = model
+    tokens = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"rows \[1\] are not left-padded"):
+        _ours(cfg, params, tokens, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"must have the prompts' shape \(2, 3\)"):
+        _ours(cfg, params, tokens, attention_mask=torch.ones(2, 4), max_new_tokens=2)
+    with pytest.raises(ValueError, match="at least one token each"):
+        left_padded([[1, 2], []])
+
+
+def test_ragged_batch_counts_learned_positions_from_each_rows_first_token(tmp_path):
+    """GPT-2's learned positions (rotary is relative: only absolute positions show the count)."""
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)).eval()
+    with torch.no_grad():                         # position rows far apart: a wrong count changes the tokens
+        for name, p in m.named_parameters():
+            if "ln" not in name:
+                p.copy_((1.0 if "wpe" in name else 0.3) * torch.randn_like(p))
+    m.save_pretrained(tmp_path)
+    cfg, params = hf.load_hf_llama(tmp_path)
+    tokens, mask = left_padded(RAGGED)
+    want = m.generate(tokens, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, want)
+    for i, p in enumerate(RAGGED):
+        assert got[i, 7:].tolist() == _ours(cfg, params, torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist()
