@@ -175,9 +175,13 @@ def complete(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max
     every device drawing one device's tokens."""
     from functional_pp.models.sampling import left_padded
     pad = model.stop_ids[0] if model.stop_ids else 0
+    from functional_pp.app.world import select_device
+    from functional_pp.devices.launch import under_torchrun
     mesh = None if world_size == 1 else mesh_for({**model.layout, **(layout or {})}, world_size)
     tokens, mask = left_padded([list(p) for p in prompt_ids], pad)
-    run = functools.partial(_generate_on_device, model, tokens, mask, pad,
+    torchrun = simulate is False or (simulate is None and under_torchrun())
+    device = select_device(not torchrun and world_size > 1, world_size, torchrun)   # (None: the CPU)
+    run = functools.partial(_generate_on_device, model, tokens, mask, pad, device,
                             dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed))
     if mesh is None:
@@ -196,27 +200,33 @@ def complete(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max
 
 
 def _generate_on_device(model: GenerationModel, tokens: torch.Tensor, mask: torch.Tensor, pad: int,
-                        kw: dict) -> torch.Tensor:
-    """The batch's tokens on this device (its shards of the parameters under a launch)."""
+                        device: torch.device | None, kw: dict) -> torch.Tensor:
+    """The batch's tokens on this device (its shards of the parameters under a launch), the
+    parameters and prompts moved to ``device`` (None: kept on the CPU); returned on the CPU."""
     from functional_pp.core.runtime import current_context
+    from functional_pp.core.tree import tree_map
     from functional_pp.models import llama
     from functional_pp.models.sampling import generate
     from functional_pp.parallel import sharding
     decls = llama.init(model.cfg, torch.float32)
     ctx = current_context(required=False)
     forward = functools.partial(llama.forward, cfg=model.cfg)
+    tokens, mask = (tokens, mask) if device is None else (tokens.to(device), mask.to(device))
+
+    def placed(tree):
+        return tree if device is None else tree_map(lambda x: x.to(device), tree)
     if ctx is None:
-        params = sharding.named_tree(model.params, decls)
+        params = sharding.named_tree(placed(model.params), decls)
         return generate(forward, params, tokens, attention_mask=mask, eos_id=model.stop_ids or None, pad_id=pad,
-                        **kw)
+                        **kw).cpu()
     import functional_pp as fpp
     rules = llama.default_rules()
     if tokens.size(0) % ctx.mesh.axis_size(("dp_replicate", "dp_shard")):
         rules = rules.replace(batch=None)         # rows the data axes cannot split: every device computes all
     with fpp.use_rules(rules):
-        local = sharding.shard(model.params, decls, ctx.mesh, rules, fpp.current_rank())
+        local = placed(sharding.shard(model.params, decls, ctx.mesh, rules, fpp.current_rank()))
         return generate(forward, sharding.named_tree(local, decls), tokens, attention_mask=mask,
-                        eos_id=model.stop_ids or None, pad_id=pad, **kw)
+                        eos_id=model.stop_ids or None, pad_id=pad, **kw).cpu()
 
 
 def decode_completion(model: GenerationModel, ids: Sequence[int]) -> tuple[str, str]:
