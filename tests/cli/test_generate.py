@@ -128,6 +128,53 @@ def test_run_directory_equals_transformers_on_its_export(hf_dir, tmp_path):
     assert sim[0] == 0 and sim[1] == out, sim[2]
 
 
+def test_lora_run_generates_with_its_adapters_merged(hf_dir, tmp_path):
+    model_dir, data = hf_dir
+    run = tmp_path / "run"
+    assert cli.main(["train", str(EXAMPLES / "configs" / "finetune.yaml"), "--set", f"base_model={model_dir}",
+                     "--set", f"datasets=[{{path: {data}, type: alpaca}}]", "--set", "adapter=lora",
+                     "--set", "lora_r=4", "--set", "lora_alpha=8", "--set", "lora_target_linear=true",
+                     "--set", "learning_rate=0.05", "--set", "warmup_ratio=0", "--max-steps", "2",
+                     "--output", str(run)]) == 0
+    assert cli.main(["export", "--merge-adapter", str(run), str(tmp_path / "merged")]) == 0
+    args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--max-new-tokens", 10]
+    status, out, err = _cli(run, *args)
+    assert status == 0, err
+    assert out == "".join(w + "\n" for w in _transformers(tmp_path / "merged", [PROMPTS[0], PROMPTS[2]], 10))
+    assert out != _cli(model_dir, *args)[1]                                 # the adapters change the tokens
+
+
+def test_byte_level_run_generates_bytes(tmp_path):
+    """A run without a tokenizer (UTF-8 bytes, EOS byte 0): its completions are transformers' greedy
+    tokens on the run's export, decoded as bytes."""
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "bytes.yaml").write_text(f"""
+model: {{preset: tiny, hidden: 32, mlp: 64, layers: 2}}
+data: {{path: {tmp_path / 'corpus.txt'}}}
+sequence_len: 16
+micro_batch_size: 4
+global_batch_size: 4
+learning_rate: 0.01
+max_steps: 3
+""")
+    run = tmp_path / "run"
+    assert cli.main(["train", str(tmp_path / "bytes.yaml"), "--output", str(run)]) == 0
+    assert cli.main(["export", str(run), str(tmp_path / "hf")]) == 0
+    status, out, err = _cli(run, "--prompt", "the quick", "--prompt", "a", "--max-new-tokens", 8, "--json")
+    assert status == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.tensor([list(b"the quick"), [0] * 8 + list(b"a")])
+    mask = (torch.arange(9)[None, :] >= torch.tensor([[0], [8]])).long()
+    want = model.generate(tokens, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=0,
+                          pad_token_id=0)[:, 9:]
+    got = json.loads(out)["completions"]
+    for row, c in zip(want.tolist(), got):
+        row = row[:row.index(0) + 1] if 0 in row else row
+        assert c["completion_ids"] == row
+        assert c["completion"] == bytes(row[:-1] if row[-1:] == [0] else row).decode("utf-8", errors="replace")
+    assert sum(len(c["completion_ids"]) for c in got) > 8
+
+
 @pytest.mark.parametrize("args,message", [
     (["--prompt", ""], "--prompt 1 is empty"),
     (["--prompt", "What is 3 plus 4?", "--max-new-tokens", "60"], r"past the model's context of 64"),
