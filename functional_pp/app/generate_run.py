@@ -49,7 +49,8 @@ def load_model(source: str | os.PathLike, step: int | None = None) -> Generation
         raise ConfigError(f"{source}: no such directory (give a training run's output directory or a Hugging "
                           f"Face model directory)")
     from functional_pp.checkpoint import format as fmt
-    is_run = (p / "checkpoints").is_dir() or (p / fmt.INDEX).is_file() or any(p.glob("step_*"))
+    is_run = ((p / "checkpoints").is_dir() or (p / fmt.INDEX).is_file() or (p / fmt.LATEST).exists()
+              or any(fmt.STEP_RE.match(c.name) for c in p.iterdir() if c.is_dir()))
     if not is_run and (p / "config.json").is_file():
         return _hf_model(p)
     if not is_run:

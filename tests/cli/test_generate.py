@@ -126,6 +126,9 @@ def test_run_directory_equals_transformers_on_its_export(hf_dir, tmp_path):
     assert out != _cli(model_dir, *args)[1]                                 # the trained weights, not the base
     sim = _cli(run, *args, "--simulate", 4)                                 # the run's layout: FSDP 2 x TP 2
     assert sim[0] == 0 and sim[1] == out, sim[2]
+    step = _cli(run / "checkpoints" / "step-000002", *args)                  # a checkpoint directory
+    assert step[0] == 0 and step[1] == out, step[2]
+    assert _cli(run, *args, "--step", 1)[0] == 2                            # not saved: exit 2
 
 
 def test_lora_run_generates_with_its_adapters_merged(hf_dir, tmp_path):
