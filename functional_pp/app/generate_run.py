@@ -68,7 +68,7 @@ def _hf_model(p: Path) -> GenerationModel:
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{p}: {exc}") from exc
     tok = HFTokenizer(p) if (p / "tokenizer.json").is_file() else ByteTokenizer()
-    return GenerationModel(cfg, params, tok, tok.chat_template, _stops(tok, []), {}, str(p))
+    return GenerationModel(cfg, params, tok, tok.chat_template, _stops(tok, [], p), {}, str(p))
 
 
 def _run_model(p: Path, step: int | None) -> GenerationModel:
@@ -97,7 +97,8 @@ def _run_model(p: Path, step: int | None) -> GenerationModel:
         except ValueError:
             template = None                       # (refused with its reason only when --chat asks for it)
     layout = {k: run[k] for k in LAYOUT_KEYS + ("cp_size", "pp_size", "ep_size") if isinstance(run.get(k), int)}
-    return GenerationModel(cfg, params, tok, template, _stops(tok, run.get("eot_tokens") or []), layout, str(p))
+    return GenerationModel(cfg, params, tok, template, _stops(tok, run.get("eot_tokens") or [], meta.get("base_model")),
+                           layout, str(p))
 
 
 def _run_tokenizer(meta: dict, run: dict):
@@ -113,10 +114,17 @@ def _run_tokenizer(meta: dict, run: dict):
     return tok
 
 
-def _stops(tok: Any, eot_tokens: Sequence[str]) -> list[int]:
-    """The tokenizer's EOS, its chat end-of-turn token and the run's ``eot_tokens`` (one token each)."""
+def _stops(tok: Any, eot_tokens: Sequence[str], model_dir: str | os.PathLike | None = None) -> list[int]:
+    """The tokenizer's EOS, its chat end-of-turn token, the run's ``eot_tokens`` (one token each)
+    and every ``eos_token_id`` of the model's ``generation_config.json`` / ``config.json`` (a
+    list in Llama 3's: transformers' ``generate`` stops at each)."""
     ids = [getattr(tok, "eos_id", None), getattr(tok, "chat_eos_id", None)]
     ids += [tok.token_to_id(t) for t in eot_tokens]
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_dir) / name if model_dir is not None else None
+        if f is not None and f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
     return [int(i) for n, i in enumerate(ids) if i is not None and i not in ids[:n]]
 
 

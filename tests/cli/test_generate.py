@@ -100,6 +100,22 @@ def test_chat_renders_the_template_with_its_generation_prompt(hf_dir):
     assert all(c["finish_reason"] in ("stop", "length") and c["completion_ids"] for c in got)
 
 
+def test_stops_at_every_eos_of_the_generation_config(hf_dir, tmp_path):
+    """A list of EOS ids (Llama 3's generation_config.json): the completion ends at the first of them."""
+    import shutil
+    model_dir = tmp_path / "hf"
+    shutil.copytree(hf_dir[0], model_dir)
+    free = json.loads(_cli(model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 8, "--json")[1])["completions"][0]
+    stop = free["completion_ids"][3]
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], stop]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    got = json.loads(_cli(model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 8, "--json")[1])["completions"][0]
+    end = free["completion_ids"].index(stop) + 1
+    assert got["completion_ids"] == free["completion_ids"][:end] and got["finish_reason"] == "stop"
+    assert free["finish_reason"] == "length"
+
+
 def test_simulated_fsdp_tp_prints_what_one_device_prints(hf_dir):
     model_dir, _ = hf_dir
     args = [model_dir, *(a for p in PROMPTS for a in ("--prompt", p)), "--max-new-tokens", 6, "--temperature", 0.9,
