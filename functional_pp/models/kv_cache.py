@@ -21,7 +21,7 @@ from functional_pp import ops
 from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.named import Named
 
-__all__ = ["KVCache", "caching", "active"]
+__all__ = ["KVCache", "caching", "active", "cache_bytes"]
 
 _local = per_thread("models.kv_cache")         # simulated devices are threads: a cache each
 
@@ -77,6 +77,30 @@ class KVCache:
     def finish(self) -> None:
         """The forward ended: its tokens are cached."""
         self.offset += self._new
+
+    def nbytes(self) -> int:
+        """The bytes of the keys and values held on this device."""
+        return sum(t.data.numel() * t.data.element_size() for kv in self.layers for t in kv)
+
+
+def cache_bytes(cfg, batch: int, tokens: int, dtype: torch.dtype = torch.float32, *, batch_split: int = 1,
+                kv_heads_split: int = 1) -> int:
+    """Bytes of the keys and values a :class:`KVCache` holds on one device for ``batch`` rows of
+    ``tokens`` positions (prompt, padding included, and new tokens) of decoder config ``cfg``:
+    every layer's k and v, ``[batch / batch_split, tokens, kv_heads / kv_heads_split, head_dim]``
+    (each layer's own widths; latent attention's per-head keys and values padded to one width);
+    ``batch_split`` the devices the rows are split over (the data axes), ``kv_heads_split`` the
+    tensor-parallel size."""
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = -(-batch // batch_split)
+    total = 0
+    for layer in range(cfg.layers):
+        if cfg.kv_lora_rank:
+            kv_heads, width = cfg.kv_heads, max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+        else:
+            kv_heads, width = cfg.attn_shape(layer)
+        total += 2 * rows * tokens * (kv_heads // kv_heads_split) * width * item
+    return total
 
 
 def _real(shifted: Named) -> Named:

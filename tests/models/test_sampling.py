@@ -3,7 +3,8 @@ kv_cache.py): greedy tokens equal transformers' ``generate`` on the same tiny Ll
 layout (vocabulary split) draws the same tokens as one device; the temperature / top-k / top-p
 filters equal transformers' logits warpers; rows stop at EOS and are padded; prompts of different
 lengths in one left-padded batch equal transformers' left-padded ``generate`` and each prompt
-generated alone (one device and FSDP x TP); bad arguments are refused."""
+generated alone (one device and FSDP x TP); ``cache_bytes`` is what a cache holds on each device;
+bad arguments are refused."""
 from __future__ import annotations
 
 import functools
@@ -180,3 +181,42 @@ def test_ragged_batch_counts_learned_positions_from_each_rows_first_token(tmp_pa
     assert torch.equal(got, want)
     for i, p in enumerate(RAGGED):
         assert got[i, 7:].tolist() == _ours(cfg, params, torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist()
+
+
+def _cache_after(cfg, params, prompts, new, rules=None):
+    """The bytes a cache holds on this device after the prompts' forward and ``new`` more tokens."""
+    from functional_pp.models.kv_cache import KVCache, caching
+    from functional_pp.parallel.reshard import named
+    decls = llama.init(cfg, torch.float32)
+    ctx = current_context(required=False)
+    with fpp.use_rules(rules or fpp.Rules()), torch.no_grad():
+        local = params if ctx is None else sharding.shard(params, decls, ctx.mesh, rules, fpp.current_rank())
+        p = sharding.named_tree(local, decls)
+        cache = KVCache()
+        with caching(cache):
+            llama.forward(p, named(prompts, "batch seq"), cfg)
+            for _ in range(new):
+                llama.forward(p, named(prompts[:, :1], "batch seq"), cfg)
+        return cache.nbytes()
+
+
+@pytest.mark.parametrize("family", ["llama", "latent"])
+def test_cache_bytes_are_what_the_cache_holds_on_each_device(model, family):
+    from functional_pp.models.kv_cache import cache_bytes
+    _, cfg, params = model
+    if family == "latent":                       # DeepSeek's latent attention: other widths
+        cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=4, mlp=64, max_seq=64, kv_lora_rank=8,
+                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+        params = fpp.init(llama.init, cfg, seed=0)
+    prompts = torch.randint(1, 64, (4, 5), generator=torch.Generator().manual_seed(6))
+    one = _cache_after(cfg, _whole(params), prompts, 3)
+    assert one == cache_bytes(cfg, 4, 8) > 0
+    rules = llama.default_rules()
+    got = fpp.launch(functools.partial(_cache_after, cfg, _whole(params), prompts, 3, rules), fpp.Mesh(dp_shard=2, tp=2))
+    assert set(got) == {cache_bytes(cfg, 4, 8, batch_split=2, kv_heads_split=2)} == {one // 4}
+
+
+def _whole(params):
+    """Plain tensors of a parameter tree (named arrays unwrapped)."""
+    from functional_pp.core.tree import tree_map
+    return tree_map(lambda x: getattr(x, "data", x), params)
