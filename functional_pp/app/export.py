@@ -19,7 +19,7 @@ import torch
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.hf import export_checkpoint_to_hf
 
-__all__ = ["export_run", "resolve_run_checkpoint", "TOKENIZER_FILES", "EXPORT_FILES"]
+__all__ = ["export_run", "resolve_run_checkpoint", "full_params", "TOKENIZER_FILES", "EXPORT_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json", "tekken.json")
@@ -120,7 +120,7 @@ def _put_in_place(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def _full_params(ckpt: Path) -> dict:
+def full_params(ckpt: Path) -> dict:
     """The whole parameter tree of a checkpoint (base and adapters), on this process; a quantized
     frozen base (QLoRA, saved as its codes and scales) dequantized to fp32."""
     import optree
@@ -172,7 +172,7 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
     from functional_pp.adapters import LoraConfig, split
     from functional_pp.adapters.peft_dir import save_adapter
     lora = LoraConfig(**meta["lora"])
-    base, adapters = split(_full_params(ckpt))
+    base, adapters = split(full_params(ckpt))
     save_adapter(out, adapters, lora, meta.get("base_model"), base=base)
 
 
@@ -180,5 +180,5 @@ def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> 
     from functional_pp.adapters import LoraConfig, merge
     from functional_pp.checkpoint.hf import config_from_index, save_hf_llama
     cfg = config_from_index(fmt.read_index(ckpt))
-    merged = merge(_full_params(ckpt), LoraConfig(**meta["lora"]))
+    merged = merge(full_params(ckpt), LoraConfig(**meta["lora"]))
     save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype)

@@ -8,6 +8,7 @@ Examples::
     functional-pp train cfg.yaml --set learning_rate=1e-3 --set data.path=corpus.txt
     functional-pp train cfg.yaml --resume                           # continue from the newest checkpoint
     torchrun --nproc_per_node 8 -m functional_pp train cfg.yaml     # one process per device
+    functional-pp generate runs/try --prompt "Once upon a time"     # try what a run trained
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub)
     from functional_pp.cli.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from functional_pp.cli.generate import add_parser as add_generate_parser
+    add_generate_parser(sub)
     return parser
 
 
@@ -78,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":            # behind the one-line error handler too
         from functional_pp.cli.plan import run as plan_run
         return run_reporting_errors(lambda: plan_run(args), debug=getattr(args, "debug", False))
+    if args.command == "generate":
+        from functional_pp.cli.generate import run as generate_run
+        return run_reporting_errors(lambda: generate_run(args), debug=getattr(args, "debug", False))
     from functional_pp.cli.commands import run_command
     status = run_reporting_errors(lambda: run_command(args), debug=getattr(args, "debug", False))
     return 2 if status is None else status  # pragma: no cover - argparse rejects unknown commands

@@ -62,6 +62,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    encode_as_transformers = encode          # (no special tokens to add)
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         ids, offsets = [], []
         for i, ch in enumerate(text):

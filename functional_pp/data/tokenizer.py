@@ -145,6 +145,11 @@ class HFTokenizer:
         """Token ids of ``text`` (no special tokens added)."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_as_transformers(self, text: str) -> list[int]:
+        """Token ids of ``text`` as transformers' ``tokenizer(text)``: with the special tokens the
+        tokenizer's post-processor adds (a Llama tokenizer's BOS)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of ``text`` and each token's character span."""
         enc = self.tok.encode(text, add_special_tokens=False)

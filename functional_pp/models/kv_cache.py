@@ -4,17 +4,24 @@ sequences it holds: positions start after the cached tokens, each attention laye
 values are the cached ones followed by the new tokens', and the cache keeps them for the next
 forward. The first forward (the prompt) attends causally; a later one feeds one new token per
 row, which sees every cached key. The model's code calls :func:`active` at two places
-(``models/llama.py``: the positions, the keys and values); nothing else changes."""
+(``models/llama.py``: the positions, the keys and values); nothing else changes.
+
+Prompts of different lengths share one batch left-padded (``KVCache(left_pad=...)``): each
+row's positions count from its first real token and its padding keys are masked, in the
+prompt's forward and in every later one (segment ids of ``ops.attention``: 1 a real token, 0
+padding, so a real query sees only real keys), as transformers with ``padding_side="left"``."""
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
+import torch
+
 from functional_pp import ops
 from functional_pp.core.runtime import per_thread
 from functional_pp.parallel.named import Named
 
-__all__ = ["KVCache", "caching", "active"]
+__all__ = ["KVCache", "caching", "active", "cache_bytes"]
 
 _local = per_thread("models.kv_cache")         # simulated devices are threads: a cache each
 
@@ -22,35 +29,83 @@ _local = per_thread("models.kv_cache")         # simulated devices are threads: 
 class KVCache:
     """The keys and values of every attention layer for the tokens seen so far (``offset``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, left_pad: Named | None = None) -> None:
+        """``left_pad`` (``batch``): each row's padding tokens before its prompt (None: none)."""
         self.layers: list[tuple[Named, Named]] = []
         self.offset = 0
+        self.left_pad = left_pad
         self._layer = 0
         self._new = 0
+        self._segments: tuple[Named, Named] | None = None
 
     def start(self, positions: Named, new_tokens: int) -> Named:
-        """A forward of ``new_tokens`` begins: its positions, after the cached tokens."""
+        """A forward of ``new_tokens`` begins: its positions, after the cached tokens (with
+        ``left_pad``: ``seq batch``, each row's counted from its first real token, 0 on padding)."""
         if self.offset and new_tokens != 1:
             raise ValueError(f"KVCache: a forward after the prompt feeds one token per row, got {new_tokens}")
         self._layer, self._new = 0, new_tokens
-        return positions if self.offset == 0 else positions + self.offset
+        pos = positions if self.offset == 0 else positions + self.offset
+        if self.left_pad is None:
+            return pos
+        keys = ops.positions("seq", self.offset + new_tokens, device=positions.data.device)
+        self._segments = (_real(pos - self.left_pad), _real(keys - self.left_pad))
+        return (pos - self.left_pad).map(lambda t: t.clamp_min(0))
 
-    def extend(self, k: Named, v: Named) -> tuple[Named, Named, bool]:
-        """The next layer's keys and values with the cached ones before them, and whether its
-        attention is causal (the prompt's) or sees every key (a new token's)."""
+    def extend(self, k: Named, v: Named, segments: Named | None = None
+               ) -> tuple[Named, Named, bool, Named | None, Named | None]:
+        """The next layer's keys and values with the cached ones before them, whether its
+        attention is causal (the prompt's) or sees every key (a new token's), and the queries'
+        and the keys' segment ids for ``ops.attention`` (``segments``, None; with ``left_pad``
+        1 on real tokens and 0 on padding, the keys' None when they are the queries')."""
+        if self.left_pad is not None and segments is not None:
+            raise ValueError("KVCache: left-padded prompts cannot also be packed (segments); give one or the other")
         i = self._layer
         self._layer += 1
         if i < len(self.layers):
             pk, pv = self.layers[i]
             k, v = ops.concat([pk, k], "seq"), ops.concat([pv, v], "seq")
             self.layers[i] = (k, v)
-            return k, v, False
-        self.layers.append((k, v))
-        return k, v, True
+            causal = False
+        else:
+            self.layers.append((k, v))
+            causal = True
+        if self._segments is None:
+            return k, v, causal, segments, None
+        queries, keys = self._segments
+        return k, v, causal, queries, None if causal else keys
 
     def finish(self) -> None:
         """The forward ended: its tokens are cached."""
         self.offset += self._new
+
+    def nbytes(self) -> int:
+        """The bytes of the keys and values held on this device."""
+        return sum(t.data.numel() * t.data.element_size() for kv in self.layers for t in kv)
+
+
+def cache_bytes(cfg, batch: int, tokens: int, dtype: torch.dtype = torch.float32, *, batch_split: int = 1,
+                kv_heads_split: int = 1) -> int:
+    """Bytes of the keys and values a :class:`KVCache` holds on one device for ``batch`` rows of
+    ``tokens`` positions (prompt, padding included, and new tokens) of decoder config ``cfg``:
+    every layer's k and v, ``[batch / batch_split, tokens, kv_heads / kv_heads_split, head_dim]``
+    (each layer's own widths; latent attention's per-head keys and values padded to one width);
+    ``batch_split`` the devices the rows are split over (the data axes), ``kv_heads_split`` the
+    tensor-parallel size."""
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = -(-batch // batch_split)
+    total = 0
+    for layer in range(cfg.layers):
+        if cfg.kv_lora_rank:
+            kv_heads, width = cfg.kv_heads, max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+        else:
+            kv_heads, width = cfg.attn_shape(layer)
+        total += 2 * rows * tokens * (kv_heads // kv_heads_split) * width * item
+    return total
+
+
+def _real(shifted: Named) -> Named:
+    """1 where a position (minus its row's padding) is a real token, 0 on padding."""
+    return shifted.map(lambda t: (t >= 0).to(torch.int64))
 
 
 def active() -> KVCache | None:

@@ -738,9 +738,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if temperature.applies(cfg, pos):                     # (Llama 4's NoPE layers; Ministral 3's every layer)
         q = temperature.scale_queries(q, pos, cfg)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    causal, cache = True, kv_cache.active()
+    causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
-        k, v, causal = cache.extend(k, v)
+        k, v, causal, segments, kv_segments = cache.extend(k, v, segments)
         if window is not None and not causal:
             raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
                              f"(this model's layers attend within {window} tokens)")
@@ -748,7 +748,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
-               sinks=a.get("sinks"), chunk=chunk)
+               sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments)
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
         g = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["gate_proj"])
         o = o * ((ops.tanh(g * 0.5) + 1.0) * 0.5)         # sigmoid(g), exactly as the identity

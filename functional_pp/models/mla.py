@@ -128,13 +128,13 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     width = max(Dn + Dr, Dv)                        # (zeros added to q and k leave the scores as they are)
     q, k, v = _pad(q, "qk_dim", width), _pad(k, "qk_dim", width), _pad(v, "qk_dim", width)
     scale = (cfg.query_pre_attn_scalar or (Dn + Dr)) ** -0.5
-    causal, cache = True, kv_cache.active()
+    causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                           # sampling: the cached keys first (kv_cache.py)
-        k, v, causal = cache.extend(k, v)
+        k, v, causal, segments, kv_segments = cache.extend(k, v, segments)
         if window is not None and not causal:
             raise ValueError("sampling with a key / value cache does not support sliding-window attention yet")
     o = ops.attention(q, k, v, causal=causal, segments=segments, window=window, scale=scale, batch="batch",
-                      seq="seq", heads="heads", kv_heads="kv_heads", head_dim="qk_dim")
+                      seq="seq", heads="heads", kv_heads="kv_heads", head_dim="qk_dim", kv_segments=kv_segments)
     o = ops.slice_dim(o, "qk_dim", 0, Dv, into="v_dim") if width != Dv else ops.rename(o, qk_dim="v_dim")
     out = ops.einsum("batch seq heads v_dim, heads v_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")            # sequence parallelism: reduce-scatter

@@ -3,7 +3,8 @@ logits (batch seq vocab) is run once over the prompts and then once per new toke
 key / value cache (:mod:`functional_pp.models.kv_cache`) so that each step computes only the new
 token. Greedy (``temperature`` 0) or sampled with transformers' temperature, top-k and top-p
 filters, in that order; rows stop at ``eos_id`` (then padded with ``pad_id``), all of them at
-``max_new_tokens``.
+``max_new_tokens``. Prompts of different lengths go in one batch left-padded with an
+``attention_mask`` (:func:`left_padded` makes both), as transformers' ``padding_side="left"``.
 
 Under a layout (inside :func:`functional_pp.launch`), the same code runs on every device: the
 prompts are laid out by the rules as a training batch is, the last position's logits are
@@ -21,7 +22,7 @@ from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
-__all__ = ["filtered_logits", "generate"]
+__all__ = ["filtered_logits", "generate", "left_padded"]
 
 
 def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
@@ -55,23 +56,57 @@ def _last_logits(logits: Named) -> torch.Tensor:
         last.dims.index("batch"), last.dims.index("vocab"))
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, attention_mask)``, both ``[batch, longest]``: each prompt's token ids after
+    ``pad_id`` padding (mask 0) up to the longest prompt's length."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"left_padded: give one or more prompts of at least one token each (lengths "
+                         f"{[len(p) for p in prompts]})")
+    n = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), n), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, n - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, n - len(p):] = 1
+    return tokens, mask
+
+
+def _left_pad_counts(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Each row's padding tokens (``[batch]``), the mask checked: 0s then 1s, at least one 1."""
+    if tuple(attention_mask.shape) != shape:
+        raise ValueError(f"attention_mask must have the prompts' shape {shape}, got {tuple(attention_mask.shape)}")
+    m = attention_mask.detach().cpu().long()
+    if ((m != 0) & (m != 1)).any():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a prompt's token)")
+    bad = ((m[:, 1:] < m[:, :-1]).any(1) | (m[:, -1] == 0)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"attention_mask rows {bad} are not left-padded prompts (0s, then at least one 1): pad "
+                         f"on the left (left_padded(), or a tokenizer with padding_side='left')")
+    return (m == 0).sum(1)
+
+
 def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch.Tensor, *, max_new_tokens: int,
              eos_id: int | Sequence[int] | None = None, pad_id: int | None = None, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> torch.Tensor:
-    """``prompts`` (``[batch, length]`` token ids, one length for all rows) followed by up to
-    ``max_new_tokens`` new tokens per row (``[batch, length + n]``, ``n`` the steps taken); see
-    the module docstring. ``eos_id``: one stop token or several (a chat model's EOS and its
-    end-of-turn token); ``pad_id`` defaults to the first."""
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``prompts`` (``[batch, length]`` token ids) followed by up to ``max_new_tokens`` new
+    tokens per row (``[batch, length + n]``, ``n`` the steps taken); see the module docstring.
+    ``eos_id``: one stop token or several (a chat model's EOS and its end-of-turn token);
+    ``pad_id`` defaults to the first. ``attention_mask`` (``[batch, length]``, 0 on the padding
+    of left-padded prompts of different lengths, 1 on their tokens; None: all 1): each row's
+    positions count from its first token and no token sees the padding."""
     if prompts.dim() != 2 or prompts.size(1) == 0:
         raise ValueError(f"prompts must be [batch, length] token ids with length >= 1, got {tuple(prompts.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    pads = None if attention_mask is None else _left_pad_counts(attention_mask, tuple(prompts.shape))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
     pad = pad_id if pad_id is not None else int(stops[0]) if stops is not None and len(stops) else 0
     out = prompts
     done = torch.zeros(prompts.size(0), dtype=torch.bool)
-    cache = KVCache()
+    with torch.no_grad():
+        cache = KVCache(None if pads is None or not pads.any() else named(pads.to(prompts.device), "batch"))
     with torch.no_grad(), caching(cache):
         logits = forward(params, named(prompts, "batch seq"))
         for step in range(max_new_tokens):

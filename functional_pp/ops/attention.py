@@ -70,7 +70,8 @@ def _local_positions(size: int, split: tuple[str, ...], balanced: bool, device=N
 def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float | None = None,
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
-              softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None) -> Named:
+              softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
+              kv_segments: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -80,6 +81,9 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``segments`` (batch seq, integer document ids of packed rows): a position attends only to
     positions of its own segment (block-diagonal causal mask, ``docs/data.md``); under context
     parallelism this uses the K/V all-gather path with the gathered segment ids.
+    ``kv_segments`` (batch seq): the keys' own ids where the keys are not the queries' sequence
+    (a key / value cache: the cached keys then the new ones; ``segments`` the queries'); a
+    query sees the keys of its segment. Not with the sequence split over ``cp``.
 
     ``window`` (sliding-window attention, Mistral's ``sliding_window``): a query at position i
     sees keys at positions j with i - j < window (and |i - j| < window when not causal), as
@@ -139,10 +143,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     if chunk is not None and chunk >= q.size(seq):
         chunk = None                  # one block holds the whole sequence
     limits = (window, chunk)
+    if kv_segments is not None and (segments is None or seq_axes):
+        raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
+                         f"(it is split over {seq_axes})" if seq_axes else
+                         "attention: kv_segments needs segments (the queries' ids)")
     if segments is not None:
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
+        kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks)
+                                 sinks, kseg)
     elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks)
     elif window is not None or chunk is not None or softcap is not None or sinks is not None:
@@ -291,10 +300,11 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None):
-    """Block-diagonal (causal) attention: queries see keys of their own segment only. Under
-    context parallelism K/V and the segment ids are all-gathered."""
-    kseg, qpos, kpos = seg, None, None
+                       sinks=None, kseg=None):
+    """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
+    the keys' ids, when they are not the queries'). Under context parallelism K/V and the
+    segment ids are all-gathered."""
+    kseg, qpos, kpos = seg if kseg is None else kseg, None, None
     if seq_axes:
         if len(seq_axes) != 1:
             raise ValueError(f"context-parallel attention needs the sequence split over one mesh "
@@ -309,8 +319,9 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
     if causal or limits != (None, None):
-        if qpos is None:
-            qpos = kpos = torch.arange(q.shape[2], device=q.device)
+        if qpos is None:              # the queries are the last of the keys (all of them, or a cache's new ones)
+            kpos = torch.arange(k.shape[2], device=q.device)
+            qpos = kpos[k.shape[2] - q.shape[2]:]
         mask = mask & _visible(qpos, kpos, causal, *limits)
     if softcap is not None or sinks is not None:
         return _masked(q, k, v, mask, scale, softcap, sinks)

@@ -132,28 +132,34 @@ def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
            scaling: RopeScaling | None = None, seq: str | None = None, rotary_dim: int | None = None,
            interleaved: bool = False) -> Named:
     """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i; ``seq`` is the
-    dimension of ``positions`` (its only one) unless named. ``rotary_dim`` (partial rotary:
+    first dimension of ``positions`` unless named. ``positions`` may have more dimensions of
+    ``x`` after it (``seq batch``: each row's own positions, left-padded prompts counted from
+    their first token; docs/generation.md). ``rotary_dim`` (partial rotary:
     Phi-1/2, GPT-NeoX): only the first ``rotary_dim`` entries of ``head_dim`` rotate, as a
     head of that width (d = rotary_dim above); the others pass through. ``interleaved``
     (Cohere, GPT-J): the pairs are (2i, 2i + 1) instead, with the same frequencies."""
+    if not isinstance(positions, Named) or not positions.dims:
+        raise ValueError("rotary: positions must be a named array (ops.positions), its first dimension the "
+                         "sequence's")
     if seq is None:
-        seq = positions.dims[0] if isinstance(positions, Named) and len(positions.dims) == 1 else None
-        if seq is None:
-            raise ValueError("rotary: positions must be a named array with one dimension (ops.positions), "
-                             "or name the sequence dimension: rotary(..., seq='...')")
+        seq = positions.dims[0]
     if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
         x = settle(x)
     dims, split, data = x._dims, x._split, x._data
-    si, di = dims.index(seq), dims.index(head_dim)
+    missing = [d for d in positions.dims if d not in dims]
+    if missing or seq not in positions.dims:
+        raise ValueError(f"rotary: positions {positions.dims} must have the sequence dimension {seq!r} and only "
+                         f"dimensions of x {dims} (not {missing})")
+    at, di = tuple(dims.index(d) for d in positions.dims), dims.index(head_dim)
     if split[di]:
         raise ValueError(f"rotary: {head_dim!r} must not be split")
     seq_len = positions.size(seq) if isinstance(scaling, LongRopeScaling) else None
-    pos = relayout(positions, (split[si],))
+    pos = relayout(positions, tuple(split[i] for i in at))
     d = data.shape[di] if rotary_dim is None else rotary_dim
     if d % 2 or not 0 < d <= data.shape[di]:
         raise ValueError(f"rotary: rotary_dim={rotary_dim} must be even and at most {head_dim!r}'s size "
                          f"{data.shape[di]}")
-    cos, sin = _tables(pos, d, theta, scaling, data.device, si, di, data.ndim, seq_len, interleaved)
+    cos, sin = _tables(pos, d, theta, scaling, data.device, at, di, data.ndim, seq_len, interleaved)
     if d == data.shape[di]:
         out = _rotate(data, cos, sin, di, interleaved)
     else:                                   # partial rotary: the rest of head_dim passes through
@@ -173,28 +179,28 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int, inte
     return out if out.dtype == t.dtype else out.to(t.dtype)
 
 
-def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, device, si: int, di: int,
+def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, device, at: tuple[int, ...], di: int,
             ndim: int, seq_len: int | None = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles position * inv_freq computed in float64, float32 (sin negated in
     the first half: the sign of rotate-half, :func:`_rotate`), shaped to
-    broadcast against a block of ``ndim`` dimensions with the sequence at ``si`` and the head
-    dimension at ``di``; built once per positions value and reused by q and k of every layer
+    broadcast against a block of ``ndim`` dimensions with the positions' dimensions at ``at`` and
+    the head dimension at ``di``; built once per positions value and reused by q and k of every layer
     (memoised beside the positions value, docs/named_value.md). Traced (torch.compile), they are
     built once per trace of a positions value made in that trace and materialised, so that the
     compiled step computes them once and every layer reads them (docs/rotary.md)."""
     tracing = is_tracing()
     if not tracing:
-        key = ("rotary", d, theta, scaling, device, pos._data._version, si, di, ndim, seq_len, interleaved)
+        key = ("rotary", d, theta, scaling, device, pos._data._version, at, di, ndim, seq_len, interleaved)
         memo = memo_table(pos)
     else:   # only a value built in this trace holds tables (no tensors kept across traces)
-        key = ("rotary", d, theta, scaling, device, si, di, ndim, seq_len, interleaved)
+        key = ("rotary", d, theta, scaling, device, at, di, ndim, seq_len, interleaved)
         memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None
     if memo is not None:
         tables = memo.get(key)
         if tables is not None:
             return tables
     inv = inverse_frequencies(d, theta, scaling, seq_len, device=device)     # on the device: no host work
-    ang = pos.data.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = pos.data.to(device=device, dtype=torch.float64)[..., None] * inv
     cos, sin = ang.cos(), ang.sin()
     attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN
     if attention_factor != 1.0:
@@ -205,10 +211,10 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
         cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
     cos, sin = cos.to(torch.float32), sin.to(torch.float32)
     shape = [1] * ndim
-    shape[si], shape[di] = cos.shape[0], d
-    if si > di:
-        cos, sin = cos.T, sin.T
-    tables = cos.reshape(shape), sin.reshape(shape)
+    for i, n in zip(at + (di,), cos.shape):
+        shape[i] = n
+    order = sorted(range(len(at) + 1), key=(at + (di,)).__getitem__)    # the table's dims in x's order
+    tables = cos.permute(order).reshape(shape), sin.permute(order).reshape(shape)
     if memo is not None:
         if tracing:     # shared by every layer: an opaque copy, that the compiler cannot inline into each use
             tables = materialize(tables[0]), materialize(tables[1])

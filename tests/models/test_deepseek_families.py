@@ -261,6 +261,13 @@ def test_greedy_generation_with_the_cache_equals_transformers(saved):
                    max_new_tokens=10)
     assert torch.equal(got, want)
     assert len(set(got[:, 6:].flatten().tolist())) > 3
+    from functional_pp.models.sampling import left_padded       # prompts of different lengths, left-padded
+    tokens, mask = left_padded([prompts[0].tolist(), prompts[1, :2].tolist(), prompts[2, :4].tolist()])
+    want = model.generate(tokens, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    got = generate(functools.partial(llama.forward, cfg=cfg), sharding.named_tree(params, llama.init(cfg)), tokens,
+                   attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, want)
 
 
 def test_pipeline_of_dense_and_expert_layers_equals_one_device():

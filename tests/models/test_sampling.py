@@ -1,8 +1,10 @@
 """Sampling from the model's pure function with a key / value cache (functional_pp/models/sampling.py,
 kv_cache.py): greedy tokens equal transformers' ``generate`` on the same tiny Llama; a FSDP x TP
 layout (vocabulary split) draws the same tokens as one device; the temperature / top-k / top-p
-filters equal transformers' logits warpers; rows stop at EOS and are padded; bad arguments are
-refused."""
+filters equal transformers' logits warpers; rows stop at EOS and are padded; prompts of different
+lengths in one left-padded batch equal transformers' left-padded ``generate`` and each prompt
+generated alone (one device and FSDP x TP); ``cache_bytes`` is what a cache holds on each device;
+bad arguments are refused."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +16,7 @@ import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.core.runtime import current_context
 from functional_pp.models import llama
-from functional_pp.models.sampling import filtered_logits, generate
+from functional_pp.models.sampling import filtered_logits, generate, left_padded
 from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
@@ -109,3 +111,112 @@ def test_bad_arguments_are_refused(model):
         _ours(cfg, params, torch.ones(1, 2, dtype=torch.long), max_new_tokens=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         filtered_logits(torch.zeros(1, 4), top_p=0.0)
+
+
+RAGGED = [[5, 9, 17, 3, 40, 22, 8], [11, 2], [30, 31, 7, 12], [44]]
+
+
+def test_ragged_batch_equals_transformers_left_padded_and_each_prompt_alone(model):
+    m, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    assert mask.tolist()[1] == [0, 0, 0, 0, 0, 1, 1]
+    want = m.generate(tokens, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, want)
+    for i, p in enumerate(RAGGED):
+        alone = _ours(cfg, params, torch.tensor([p]), max_new_tokens=10)
+        assert got[i, 7:].tolist() == alone[0, len(p):].tolist(), i
+    unmasked = _ours(cfg, params, tokens, max_new_tokens=10)        # the padding seen: other tokens
+    assert not torch.equal(unmasked[:, 7:], got[:, 7:])
+
+
+def _device_ragged(cfg, params, tokens, mask):
+    rules = llama.default_rules()
+    with fpp.use_rules(rules):
+        decls = llama.init(cfg, torch.float32)
+        local = sharding.named_tree(sharding.shard(params, decls, current_context().mesh, rules,
+                                                   fpp.current_rank()), decls)
+        forward = functools.partial(llama.forward, cfg=cfg)
+        return (generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6),
+                generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2))
+
+
+def test_ragged_batch_under_fsdp_tp_equals_one_device(model):
+    _, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    greedy = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6)
+    sampled = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2)
+    for g, s in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask), fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(g, greedy) and torch.equal(s, sampled)
+
+
+def test_bad_attention_masks_are_refused(model):
+    _, cfg, params = model
+    tokens = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"rows \[1\] are not left-padded"):
+        _ours(cfg, params, tokens, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"must have the prompts' shape \(2, 3\)"):
+        _ours(cfg, params, tokens, attention_mask=torch.ones(2, 4), max_new_tokens=2)
+    with pytest.raises(ValueError, match="at least one token each"):
+        left_padded([[1, 2], []])
+
+
+def test_ragged_batch_counts_learned_positions_from_each_rows_first_token(tmp_path):
+    """GPT-2's learned positions (rotary is relative: only absolute positions show the count)."""
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)).eval()
+    with torch.no_grad():                         # position rows far apart: a wrong count changes the tokens
+        for name, p in m.named_parameters():
+            if "ln" not in name:
+                p.copy_((1.0 if "wpe" in name else 0.3) * torch.randn_like(p))
+    m.save_pretrained(tmp_path)
+    cfg, params = hf.load_hf_llama(tmp_path)
+    tokens, mask = left_padded(RAGGED)
+    want = m.generate(tokens, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, want)
+    for i, p in enumerate(RAGGED):
+        assert got[i, 7:].tolist() == _ours(cfg, params, torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist()
+
+
+def _cache_after(cfg, params, prompts, new, rules=None):
+    """The bytes a cache holds on this device after the prompts' forward and ``new`` more tokens."""
+    from functional_pp.models.kv_cache import KVCache, caching
+    from functional_pp.parallel.reshard import named
+    decls = llama.init(cfg, torch.float32)
+    ctx = current_context(required=False)
+    with fpp.use_rules(rules or fpp.Rules()), torch.no_grad():
+        local = params if ctx is None else sharding.shard(params, decls, ctx.mesh, rules, fpp.current_rank())
+        p = sharding.named_tree(local, decls)
+        cache = KVCache()
+        with caching(cache):
+            llama.forward(p, named(prompts, "batch seq"), cfg)
+            for _ in range(new):
+                llama.forward(p, named(prompts[:, :1], "batch seq"), cfg)
+        return cache.nbytes()
+
+
+@pytest.mark.parametrize("family", ["llama", "latent"])
+def test_cache_bytes_are_what_the_cache_holds_on_each_device(model, family):
+    from functional_pp.models.kv_cache import cache_bytes
+    _, cfg, params = model
+    if family == "latent":                       # DeepSeek's latent attention: other widths
+        cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=4, mlp=64, max_seq=64, kv_lora_rank=8,
+                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+        params = fpp.init(llama.init, cfg, seed=0)
+    prompts = torch.randint(1, 64, (4, 5), generator=torch.Generator().manual_seed(6))
+    one = _cache_after(cfg, _whole(params), prompts, 3)
+    assert one == cache_bytes(cfg, 4, 8) > 0
+    rules = llama.default_rules()
+    got = fpp.launch(functools.partial(_cache_after, cfg, _whole(params), prompts, 3, rules), fpp.Mesh(dp_shard=2, tp=2))
+    assert set(got) == {cache_bytes(cfg, 4, 8, batch_split=2, kv_heads_split=2)} == {one // 4}
+
+
+def _whole(params):
+    """Plain tensors of a parameter tree (named arrays unwrapped)."""
+    from functional_pp.core.tree import tree_map
+    return tree_map(lambda x: getattr(x, "data", x), params)

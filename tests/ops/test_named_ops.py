@@ -120,6 +120,25 @@ def test_attention_matches_torch_sdpa_single_device():
     torch.testing.assert_close(out, ref)
 
 
+def test_attention_with_the_keys_own_segment_ids():
+    """``kv_segments``: queries (the last of the keys, a cache's new token) see the keys of their
+    segment only, as SDPA under that mask; without ``segments`` it is refused."""
+    q, k, v = torch.randn(2, 1, 4, 4, dtype=torch.float64), *(torch.randn(2, 6, 2, 4, dtype=torch.float64) for _ in "kv")
+    qseg, kseg = torch.ones(2, 1, dtype=torch.long), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
+
+    def attend(**kw):
+        return ops.attention(fpp.named(q, "batch seq heads head_dim"), fpp.named(k, "batch seq kv_heads head_dim"),
+                             fpp.named(v, "batch seq kv_heads head_dim"), causal=False, batch="batch", seq="seq",
+                             heads="heads", kv_heads="kv_heads", head_dim="head_dim", **kw)
+    out = attend(segments=fpp.named(qseg, "batch seq"), kv_segments=fpp.named(kseg, "batch seq")).value()
+    mask = (kseg == 1)[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="kv_segments needs segments"):
+        attend(kv_segments=fpp.named(kseg, "batch seq"))
+
+
 def test_rotary_matches_reference_formula():
     x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
     pos = torch.arange(5)
@@ -129,6 +148,31 @@ def test_rotary_matches_reference_formula():
     cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]
     rot = torch.cat([-x[..., 4:], x[..., :4]], -1)
     torch.testing.assert_close(out, x * cos.float().double() + rot * sin.float().double())
+
+
+def test_rotary_with_positions_per_row_equals_each_row_rotated_alone():
+    """Positions ``seq batch`` (left-padded rows in generation): row b equals the row rotated by
+    its own 1-D positions; the batch split over dp_shard equals one device; a dimension x lacks
+    is refused."""
+    x = torch.randn(3, 5, 2, 8, dtype=torch.float64)
+    shift = torch.tensor([0, 2, 4])
+    pos = torch.arange(5)[:, None] - shift[None, :]                     # seq batch
+
+    def rotary(xn, pn):
+        return ops.rotary(xn, pn, theta=100.0, head_dim="head_dim")
+    out = rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq batch")).value()
+    for b in range(3):
+        alone = rotary(fpp.named(x[b:b + 1], "batch seq heads head_dim"), fpp.named(pos[:, b], "seq")).value()
+        torch.testing.assert_close(out[b:b + 1], alone, rtol=0, atol=0)
+    assert not torch.allclose(out[1], out[0])
+
+    def device():
+        with fpp.use_rules(fpp.Rules(batch="dp_shard")):
+            return rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq batch")).value()
+    for i, got in enumerate(fpp.launch(device, fpp.Mesh(dp_shard=3))):
+        torch.testing.assert_close(got, out[i:i + 1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"only dimensions of x"):
+        rotary(fpp.named(x, "batch seq heads head_dim"), fpp.named(pos, "seq rows"))
 
 
 def test_positions_follow_the_load_balanced_layout():
