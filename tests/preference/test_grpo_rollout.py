@@ -202,7 +202,8 @@ def test_trl_keys_that_change_the_math_are_refused_and_engine_keys_accepted():
     assert (spec.num_generations, spec.max_completion_length, spec.loss_type, spec.beta) == (8, 512, "dapo", 0.0)
     assert grpo_spec("gdpo", base).multi_objective_aggregation == "normalize_then_sum"
     assert grpo_spec("grpo", {**base, "importance_sampling_level": "sequence"}).importance_sampling_level == "sequence"
-    for extra, why in [({"sync_ref_model": True}, "trl.sync_ref_model: TR-DPO's reference updates is not built"),
+    for extra, why in [({"sync_ref_model": True}, "trl.sync_ref_model mixes the reference toward the policy, but "
+                                                  "trl.beta is 0"),
                        ({"num_iterations": 0}, "trl.num_iterations must be >= 1"),
                        ({"steps_per_generation": 2}, "trl.steps_per_generation: generation batches larger"),
                        ({"importance_sampling_level": "tokens"}, "trl.importance_sampling_level 'tokens' is not one"),
