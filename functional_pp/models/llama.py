@@ -27,7 +27,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, mla, moe, temperature
+from functional_pp.models import kv_cache, mla, moe, per_layer_inputs, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -236,6 +236,10 @@ class Config:
     # the residual stream (models/moe.py's beside_mlp), the MLP's and the experts' outputs each normed
     # (post_feedforward_layernorm_1 / _2) and summed before post_feedforward_layernorm
     experts_beside_mlp: bool = False
+    # Gemma 4 E2B / E4B's per-layer input embeddings (hidden_size_per_layer_input; 0: none): each token's
+    # vector of this width per layer, from its own table and a projection of the embedding, added by each
+    # layer through a gate after its MLP (models/per_layer_inputs.py)
+    per_layer_input: int = 0
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
@@ -342,6 +346,13 @@ class Config:
                                             and self.moe_layers is None and self.mlp_gated):
             raise ValueError("experts_beside_mlp=True (Gemma 4's enable_moe_block) needs experts > 0 in every layer "
                              "(moe_layers null), sandwich_norms, pre_norms and a gated MLP")
+        if isinstance(self.per_layer_input, bool) or not isinstance(self.per_layer_input, int) \
+                or self.per_layer_input < 0:
+            raise ValueError(f"per_layer_input must be a non-negative integer (0: no per-layer inputs), got "
+                             f"{self.per_layer_input!r}")
+        if self.per_layer_input and (self.parallel_block or self.mlp_act == "xielu"):
+            raise ValueError("per_layer_input > 0 (Gemma 4's per-layer input embeddings) with parallel_block or "
+                             "mlp_act='xielu' is not supported")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.parallel_mlp_norm and not self.parallel_block:
@@ -639,12 +650,16 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["input_layernorm"], p["pre_feedforward_layernorm"]
         if cfg.parallel_block and not cfg.parallel_mlp_norm:      # one input norm for attention and the MLP
             del p["post_attention_layernorm"]
+        if cfg.per_layer_input:                    # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
+            p.update(per_layer_inputs.init_layer(cfg, w, norm, out_std))
         if cfg.layer_scalar:                       # (Gemma 4: a fixed scalar of the files, 1 at init)
             p["layer_scalar"] = param((), (), init="ones", dtype=dtype)
         return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
     tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
+    if cfg.per_layer_input:                        # (Gemma 4 E2B / E4B: the per-layer input tables)
+        tree.update(per_layer_inputs.init_model(cfg, w, param, ones, dtype))
     if cfg.learned_positions:                      # (GPT-2: one row per position, "positions" replicated)
         tree["embed_positions"] = dataclasses.replace(w((cfg.max_seq, cfg.hidden), "positions hidden"),
                                                       meta={"embedding": True})     # (a table, not a linear)
@@ -800,9 +815,9 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
 
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
-          window: int | None = None, chunk: int | None = None) -> Named:
+          window: int | None = None, chunk: int | None = None, per_layer: Named | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
-    None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
+    None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
@@ -813,6 +828,9 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
                                           cfg))
     x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk), cfg))
     x = ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+    if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
+        x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
+                                                     lambda t, name, v: norm_at(t, name, v, cfg)))
     if cfg.layer_scalar:                     # (Gemma 4: a scalar of the files, not trained: its gradient 0)
         x = x * p["layer_scalar"].map(lambda t: t.detach() + 0 * t)
     return x
@@ -843,10 +861,13 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite
         x = x * cfg.embedding_multiplier
+    per_layer = (per_layer_inputs.inputs(params, tokens, x, cfg, lambda v, w: norm(v, w, cfg))
+                 if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
     x = ops.rename(ops.realized(x), seq="res_seq")
     for i, p in enumerate(params["layers"]):
         window, chunk = cfg.window(i), cfg.chunk(i)
-        extra = ((segments, window, chunk) if chunk is not None else (segments, window) if window is not None
+        extra = ((segments, window, chunk, per_layer[i]) if per_layer is not None else
+                 (segments, window, chunk) if chunk is not None else (segments, window) if window is not None
                  else () if segments is None else (segments,))
         x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
     x = norm_at(params, "norm", x, cfg)
@@ -945,7 +966,8 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     (final norm and LM head; a tied embedding is in both, so every stage holds it); GPT-2's table
     of positions is the first stage's too."""
     last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
-    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()) + (
+        per_layer_inputs.MODEL_PARAMS if cfg.per_layer_input else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 

@@ -1,0 +1,137 @@
+"""Gemma 4 E2B / E4B's text decoder (``gemma4_text`` with ``hidden_size_per_layer_input`` > 0) as a
+configuration of the one decoder (models/llama.py, models/per_layer_inputs.py): per-layer input
+embeddings (their own table, a projection of the embedding, a gate in every layer). A tiny random
+``Gemma4ForCausalLM`` transformers builds loads through the HF import; logits, loss and every
+gradient equal transformers'; export writes a directory transformers loads to the same logits;
+LoRA on the per-layer gate equals peft; FSDP x TP with sequence parallelism and CP on simulated
+devices, and FSDP x TP on real gloo processes, equal one device."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from harness import (assert_export_round_trip, assert_lora_step_equals_peft, fp64_beside_hf, import_logits_beside_hf,
+                     make_batch, our_logits, parallel, single_device)
+
+import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import llama
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Gemma4ForCausalLM"):
+    pytest.skip("transformers without Gemma 4", allow_module_level=True)
+
+# E2B's shape in small: per-layer inputs of 16 per layer, sliding layers with a window shorter than the sequence
+CONFIG = dict(vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              sliding_window=4, hidden_size_per_layer_input=16, final_logit_softcapping=30.0,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_kv_shared_layers=0,
+              pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=128)
+EAGER = dict(attn_implementation="eager")
+
+
+def _randomize(model) -> None:
+    """O(1) logits; q/k norms below 1 (no 1/sqrt(d) softmax scale); layer scalars off 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.4 + 0.05 * torch.randn_like(p) if ("q_norm" in name or "k_norm" in name) else
+                    1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.6 + 0.2 * torch.rand_like(b))
+
+
+def _build(d, **over):
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**dict(CONFIG, **over))).float().eval()
+    _randomize(model)
+    model.save_pretrained(d, safe_serialization=True)
+    model.config._attn_implementation = "eager"
+    return model, d
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("gemma4_e2b"))
+
+
+def test_config_and_parameters(saved):
+    cfg = hf.config_from_hf(saved[1])
+    assert (cfg.model_type, cfg.per_layer_input, cfg.layers) == ("gemma4_text", 16, 3)
+    decls = dict(tree.leaves_with_paths(llama.init(cfg)))
+    assert decls["embed_tokens_per_layer"].shape == (256, 3 * 16)
+    assert decls["per_layer_model_projection"].dims == ("hidden", "per_layer_all")
+    assert decls["layers.2.per_layer_input_gate"].shape == (64, 16)
+    assert decls["layers.2.per_layer_projection"].shape == (16, 64)
+
+
+def test_import_logits_equal_transformers(saved):
+    cfg, params, toks, want = import_logits_beside_hf(*saved)
+    zero = tree.tree_map(lambda t: t, params)             # (a new tree: the per-layer gates off)
+    for layer in zero["layers"]:
+        layer["per_layer_input_gate"] = torch.zeros_like(layer["per_layer_input_gate"])
+    assert not torch.allclose(our_logits(zero, cfg, toks), want, atol=1e-3)
+
+
+def test_loss_and_gradients_equal_transformers(saved):
+    model, cfg, loss, grads, out, want = fp64_beside_hf(saved[1], **EAGER)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=0)
+    ours = dict(tree.leaves_with_paths(grads))
+    seen = set()
+    for name, p in model.named_parameters():
+        path = hf.our_path(name)
+        seen.add(path)
+        got = hf.KINDS[hf.hf_kind(path, "gemma4_text")].to_hf(ours[path])
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+    assert {"embed_tokens_per_layer", "per_layer_model_projection", "layers.0.per_layer_projection"} <= seen
+
+
+def test_export_round_trip_in_transformers(saved, tmp_path):
+    assert_export_round_trip(saved[1], tmp_path / "out", "gemma4_text", "Gemma4ForCausalLM", **EAGER)
+
+
+def test_lora_equals_peft(saved):
+    """LoRA on q_proj and the per-layer gate and projection: the loss and every adapter gradient equal peft's."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved[1], dtype=torch.float32, **EAGER)
+    assert_lora_step_equals_peft(model, saved[1], ("q_proj", "per_layer_input_gate", "per_layer_projection"))
+
+
+@pytest.mark.parametrize("layout", ["fsdp_tp_sp", "cp"])
+def test_layouts_equal_one_device(saved, layout):
+    """FSDP x TP with sequence parallelism (the per-layer tables' vocabulary over tp, hidden over
+    dp_shard, the per-layer branch on the gathered sequence) and CP (the per-layer inputs split
+    with the sequence)."""
+    cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss, grads = single_device(cfg, params, batch)
+    mesh, rules = ((fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True))
+                   if layout == "fsdp_tp_sp" else (fpp.Mesh(cp=2), llama.default_rules(tp=False)))
+    p_loss, p_grads, _ = parallel(cfg, params, batch, mesh, rules)[0]
+    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+
+
+def test_fsdp_tp_on_real_processes_equal_one_device(saved):
+    """Two AdamW steps with FSDP x TP on four real gloo processes equal one device."""
+    from harness import assert_processes_equal_one_device
+    one = assert_processes_equal_one_device(hf.config_from_hf(saved[1]))
+    assert "embed_tokens_per_layer" in one[1]
+
+
+def test_refusals_name_the_option(saved, tmp_path):
+    conf = json.loads((saved[1] / "config.json").read_text())
+    with pytest.raises(ck.CheckpointMismatchError, match=r"vocab_size_per_layer_input=128 is not supported"):
+        hf.config_from_hf(dict(conf, vocab_size_per_layer_input=128))
+    cfg = hf.config_from_hf(saved[1])
+    params = fpp.init_params(llama.init(cfg), seed=0)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'gemma3_text': .*per_layer_input=16 has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="gemma3_text", global_head_dim=None,
+                                                      global_kv_heads=None, v_norm=False, layer_scalar=False),
+                         tmp_path / "no")
+    with pytest.raises(ValueError, match=r"per_layer_input must be a non-negative integer"):
+        dataclasses.replace(cfg, per_layer_input=-1)
