@@ -993,7 +993,8 @@ def check_exportable(cfg: Config) -> None:
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,
-                             layer_scalar=False, experts_beside_mlp=False, per_layer_input=0), where)   # (Gemma 4's only)
+                             layer_scalar=False, experts_beside_mlp=False, per_layer_input=0,
+                             kv_shared_layers=0, double_wide_mlp=False), where)   # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:
