@@ -1032,7 +1032,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
-        dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
+        dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp_width(i)
         if not moe.is_moe_layer(cfg, i):
             return dense
         return dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
@@ -1040,13 +1040,15 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
-    if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v:     # (Gemma 4: the full layers' own widths)
+    # Gemma 4 E2B / E4B's per-layer inputs: the projection of the embedding, each layer's gate and projection
+    ple = 6 * cfg.hidden * cfg.per_layer_input * cfg.layers
+    if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
         def proj_attn(i: int) -> float:
             kv, d = cfg.attn_shape(i)
-            return (2 * cfg.hidden * (2 * cfg.heads * d + (1 if cfg.v_shared(i) else 2) * kv * d)
-                    + 2 * 2 * seq * cfg.heads * d / 2)
-        return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab)
-    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
+            own = 0 if cfg.kv_source(i) not in (None, i) else 1 if cfg.v_shared(i) else 2    # (shared: no k/v)
+            return 2 * cfg.hidden * (2 * cfg.heads * d + own * kv * d) + 2 * 2 * seq * cfg.heads * d / 2
+        return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple)
+    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
 
 

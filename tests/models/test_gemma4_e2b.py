@@ -75,6 +75,25 @@ def test_config_and_parameters(saved):
     assert decls["layers.2.per_layer_projection"].shape == (16, 64)
 
 
+def test_files_with_the_shared_layers_own_kv_load(saved, tmp_path):
+    """The published files keep k/v projections and norms in the shared layers, which transformers does not
+    read: they load, unread, to the same parameters."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(saved[1] / "model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.{n}.weight": torch.randn(s) for i in (4, 5)
+             for n, s in (("k_proj", (32, 64)), ("v_proj", (32, 64)), ("k_norm", (16,)))}
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((saved[1] / "config.json").read_text())
+    cfg, params = hf.load_hf_llama(tmp_path)
+    want = hf.load_hf_llama(saved[1])[1]
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(want)):
+        assert torch.equal(a, b), path
+    save_file({**tensors, "model.layers.3.self_attn.q_norm.extra": torch.ones(2)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"unexpected tensors"):
+        hf.load_hf_llama(tmp_path)
+
+
 def test_import_logits_equal_transformers(saved):
     cfg, params, toks, want = import_logits_beside_hf(*saved)
     zero = tree.tree_map(lambda t: t, params)             # (a new tree: the per-layer gates off)
@@ -158,3 +177,23 @@ def test_refusals_name_the_option(saved, tmp_path):
                          tmp_path / "no")
     with pytest.raises(ValueError, match=r"per_layer_input must be a non-negative integer"):
         dataclasses.replace(cfg, per_layer_input=-1)
+    with pytest.raises(ValueError, match=r"kv_shared_layers must be an integer in \[0, layers=6\).*got 6"):
+        dataclasses.replace(cfg, kv_shared_layers=6)
+    with pytest.raises(ValueError, match=r"shared layers' type\(s\) \['full_attention'\] have no earlier layer"):
+        dataclasses.replace(cfg, layer_types=("sliding_attention",) * 5 + ("full_attention",))
+
+
+def test_pipelines_and_cached_sampling_are_refused_by_name(saved):
+    """A pipeline stage and a key / value cache name the options they cannot run yet, before any work."""
+    import functools
+
+    from functional_pp.models.sampling import generate
+    from functional_pp.parallel.pipeline.stage import StageRun, running_stage
+    from functional_pp.parallel import sharding
+    cfg, params = hf.load_hf_llama(saved[1])
+    params = sharding.named_tree(params, llama.init(cfg))
+    with running_stage(StageRun(0, 2, None, cut=True)), \
+            pytest.raises(ValueError, match=r"pipeline parallelism \(pp\) with per_layer_input=16, kv_shared_layers=2"):
+        llama.forward(params, fpp.wrap(tokens(), "batch seq"), cfg)
+    with pytest.raises(ValueError, match=r"key / value cache does not support kv_shared_layers=2"):
+        generate(functools.partial(llama.forward, cfg=cfg), params, tokens()[:1, :4], max_new_tokens=2)
