@@ -197,3 +197,19 @@ def test_pipelines_and_cached_sampling_are_refused_by_name(saved):
         llama.forward(params, fpp.wrap(tokens(), "batch seq"), cfg)
     with pytest.raises(ValueError, match=r"key / value cache does not support kv_shared_layers=2"):
         generate(functools.partial(llama.forward, cfg=cfg), params, tokens()[:1, :4], max_new_tokens=2)
+
+
+def test_plan_extrapolates_the_layers_as_the_whole_run(saved):
+    """``functional-pp plan``'s dry-run of FSDP x TP: extrapolated from the first layers (plain, k/v-making and
+    sharing ones differ) it counts the parameters and FLOPs of running every layer."""
+    import functools
+
+    from functional_pp import plan
+    cfg = hf.config_from_hf(saved[1])
+    loss, batch = functools.partial(llama.loss, cfg=cfg), {"tokens": ((4, 16), "batch seq"),
+                                                           "labels": ((4, 16), "batch seq")}
+    mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules()
+    fast = plan.estimate(loss, llama.init(cfg), mesh, rules, batch)
+    whole = plan.estimate(loss, llama.init(cfg), mesh, rules, batch, repeated=None)
+    assert (fast.param_bytes, fast.state_bytes, fast.flops) == (whole.param_bytes, whole.state_bytes, whole.flops)
+    assert fast.flops > 0 and whole.param_bytes > 0
