@@ -213,3 +213,12 @@ def test_plan_extrapolates_the_layers_as_the_whole_run(saved):
     whole = plan.estimate(loss, llama.init(cfg), mesh, rules, batch, repeated=None)
     assert (fast.param_bytes, fast.state_bytes, fast.flops) == (whole.param_bytes, whole.state_bytes, whole.flops)
     assert fast.flops > 0 and whole.param_bytes > 0
+
+
+@pytest.mark.parametrize("remat", [True, "selective"])
+def test_recomputed_layers_equal_kept_ones(saved, remat):
+    """Activation checkpointing recomputes each layer from its inputs, the per-layer input and the shared keys
+    and values among them: two AdamW steps bitwise equal to keeping the activations."""
+    from harness import assert_same_run, launch_steps
+    cfg = hf.config_from_hf(saved[1])
+    assert_same_run(launch_steps(cfg, dtype=torch.float64)[0], launch_steps(cfg, dtype=torch.float64, remat=remat)[0])
