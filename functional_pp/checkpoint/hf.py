@@ -323,6 +323,9 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                      + IGNORED_BY_TYPE.get(getattr(cfg, "text_of", None) or "", ())]
         if cfg.tie_embeddings or getattr(cfg, "score_head", None):     # (a score head: a causal LM's head unread)
             ignorable.append(re.compile(r"^lm_head\.(weight|bias)$"))
+        if getattr(cfg, "kv_shared_layers", 0):   # (Gemma 4 E2B / E4B's files: the shared layers' own k/v, unread
+            shared = "|".join(str(i) for i in range(cfg.layers - cfg.kv_shared_layers, cfg.layers))   # as by transformers)
+            ignorable.append(re.compile(rf"^(.*\.)?layers\.({shared})\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight$"))
         unexpected = sorted(n for n in reader.entries
                             if n not in used and not any(r.match(n) for r in ignorable))
         if missing or problems or (strict and unexpected):

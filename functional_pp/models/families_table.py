@@ -53,9 +53,10 @@ ROWS: tuple[Row, ...] = (
                                    "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "
                                    "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`); 26B-A4B's experts "
                                    "beside the dense MLP (`enable_moe_block`: a router on the normed residual with its "
-                                   "scales, tanh-GELU experts, each output normed), EP, LoRA / QLoRA on them",
-        "per-layer input embeddings and k/v shared across layers (E2B / E4B), refused by name; image and audio "
-        "input"),
+                                   "scales, tanh-GELU experts, each output normed), EP, LoRA / QLoRA on them; E2B / "
+                                   "E4B's per-layer input embeddings (`hidden_size_per_layer_input`) and keys / values "
+                                   "shared across layers (`num_kv_shared_layers`, the double-wide MLP)",
+        "pipelines (pp) and key / value-cache sampling of E2B / E4B (refused by name); image and audio input"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),

@@ -10,10 +10,12 @@ proportional rope (``ProportionalScaling``), each layer's output times a scalar 
 (``layer_scalar``), the final logits soft-capped.
 
 ``config.json`` <-> :class:`~functional_pp.models.llama.Config` (:func:`config_from_hf`,
-:func:`config_to_hf`, :func:`check_exportable`). Refused by name: per-layer input embeddings
-(``hidden_size_per_layer_input``: Gemma 4 E2B / E4B), k/v shared across layers
-(``num_kv_shared_layers``), the double-wide MLP, bidirectional attention, attention biases and
-dropout. The experts beside the dense MLP (``enable_moe_block``: 26B-A4B) are
+:func:`config_to_hf`, :func:`check_exportable`). Gemma 4 E2B / E4B's per-layer input embeddings
+(``hidden_size_per_layer_input``) are ``Config.per_layer_input`` (models/per_layer_inputs.py; their
+table's rows the vocabulary's: ``vocab_size_per_layer_input`` = ``vocab_size``). Their keys and values shared
+across layers (``num_kv_shared_layers``) are ``Config.kv_shared_layers`` (``Config.kv_source``), the
+shared layers' double-wide MLP ``Config.double_wide_mlp``. Refused by name: bidirectional attention,
+attention biases and dropout. The experts beside the dense MLP (``enable_moe_block``: 26B-A4B) are
 ``Config.experts_beside_mlp`` (models/moe.py's ``beside_mlp``): the router ``router.proj`` with its
 ``router.scale`` and ``router.per_expert_scale``, the experts' ``experts.gate_up_proj`` (gate, then up,
 along its rows) and ``experts.down_proj``, one tensor each for all the experts (:data:`RENAMED`,
@@ -93,14 +95,15 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         v = hf.get(key)
         return DEFAULTS.get(key) if v is None else v
     layers = int(get("num_hidden_layers"))
-    if int(hf.get("hidden_size_per_layer_input", DEFAULTS["hidden_size_per_layer_input"]) or 0):
-        _refuse(where, f"hidden_size_per_layer_input={get('hidden_size_per_layer_input')} is not supported yet "
-                       f"(per-layer input embeddings: Gemma 4 E2B / E4B); only 0 (Gemma 4 31B)")
-    if int(get("num_kv_shared_layers")):
-        _refuse(where, f"num_kv_shared_layers={get('num_kv_shared_layers')} is not supported yet (k/v shared "
-                       f"across layers); only 0")
-    if get("use_double_wide_mlp") and int(get("num_kv_shared_layers")):
-        _refuse(where, "use_double_wide_mlp=True is not supported yet")
+    ple = int(hf.get("hidden_size_per_layer_input", DEFAULTS["hidden_size_per_layer_input"]) or 0)
+    pl_vocab = hf.get("vocab_size_per_layer_input")
+    if ple and pl_vocab is not None and int(pl_vocab) != int(get("vocab_size")):
+        _refuse(where, f"vocab_size_per_layer_input={pl_vocab} is not supported: the per-layer embedding's rows must "
+                       f"be the vocabulary's (vocab_size={get('vocab_size')})")
+    shared = int(get("num_kv_shared_layers"))
+    if not 0 <= shared < layers:
+        _refuse(where, f"num_kv_shared_layers={shared} is not supported: the layers sharing keys and values must be "
+                       f"fewer than num_hidden_layers={layers} (at least one layer makes them)")
     moe = _experts(hf, get, where) if get("enable_moe_block") else {}
     if hf.get("use_bidirectional_attention"):
         _refuse(where, f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported "
@@ -158,7 +161,8 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         sliding_window=None if window is None or "sliding_attention" not in types else int(window),
         layer_types=tuple(types) if window is not None and "sliding_attention" in types else None,
         final_softcap=None if cap is None else float(cap), global_head_dim=global_dim,
-        global_kv_heads=global_kv, k_eq_v=k_eq_v, **moe, **FIXED)
+        global_kv_heads=global_kv, k_eq_v=k_eq_v, per_layer_input=ple, kv_shared_layers=shared,
+        double_wide_mlp=bool(get("use_double_wide_mlp")) and shared > 0, **moe, **FIXED)
 
 
 def _experts(hf: dict, get, where: str) -> dict[str, Any]:
@@ -229,8 +233,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "rope_parameters": {"full_attention": full, "sliding_attention": local},
         "sliding_window": cfg.sliding_window or cfg.max_seq, "layer_types": types,
         "final_logit_softcapping": cfg.final_softcap, "use_bidirectional_attention": None,
-        "hidden_size_per_layer_input": 0, "attention_k_eq_v": cfg.k_eq_v, "num_kv_shared_layers": 0,
-        "enable_moe_block": bool(cfg.experts_beside_mlp), "use_double_wide_mlp": False,
+        "hidden_size_per_layer_input": cfg.per_layer_input,
+        "vocab_size_per_layer_input": cfg.vocab, "attention_k_eq_v": cfg.k_eq_v, "num_kv_shared_layers": cfg.kv_shared_layers,
+        "enable_moe_block": bool(cfg.experts_beside_mlp), "use_double_wide_mlp": cfg.double_wide_mlp,
         "num_experts": cfg.experts or None, "top_k_experts": cfg.experts_top_k if cfg.experts else None,
         "moe_intermediate_size": (cfg.moe_mlp or cfg.mlp) if cfg.experts else None, "global_head_dim": dim, "num_global_key_value_heads": kv,
         "per_layer_config": {str(i): {"head_dim": dim, "num_key_value_heads": kv}

@@ -27,11 +27,12 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, mla, moe, temperature
+from functional_pp.models import kv_cache, mla, moe, per_layer_inputs, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
+from functional_pp.parallel.pipeline.stage import current_stage
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -236,6 +237,15 @@ class Config:
     # the residual stream (models/moe.py's beside_mlp), the MLP's and the experts' outputs each normed
     # (post_feedforward_layernorm_1 / _2) and summed before post_feedforward_layernorm
     experts_beside_mlp: bool = False
+    # Gemma 4 E2B / E4B's per-layer input embeddings (hidden_size_per_layer_input; 0: none): each token's
+    # vector of this width per layer, from its own table and a projection of the embedding, added by each
+    # layer through a gate after its MLP (models/per_layer_inputs.py)
+    per_layer_input: int = 0
+    # Gemma 4 E2B / E4B's k/v shared across layers (num_kv_shared_layers; 0: none): the last this many layers
+    # attend to the keys and values of the last earlier layer of their own layer type and have no k/v
+    # projections of their own (kv_source); double_wide_mlp: those layers' MLP twice mlp wide (use_double_wide_mlp)
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
@@ -342,6 +352,29 @@ class Config:
                                             and self.moe_layers is None and self.mlp_gated):
             raise ValueError("experts_beside_mlp=True (Gemma 4's enable_moe_block) needs experts > 0 in every layer "
                              "(moe_layers null), sandwich_norms, pre_norms and a gated MLP")
+        if isinstance(self.per_layer_input, bool) or not isinstance(self.per_layer_input, int) \
+                or self.per_layer_input < 0:
+            raise ValueError(f"per_layer_input must be a non-negative integer (0: no per-layer inputs), got "
+                             f"{self.per_layer_input!r}")
+        if self.per_layer_input and (self.parallel_block or self.mlp_act == "xielu"):
+            raise ValueError("per_layer_input > 0 (Gemma 4's per-layer input embeddings) with parallel_block or "
+                             "mlp_act='xielu' is not supported")
+        if isinstance(self.kv_shared_layers, bool) or not isinstance(self.kv_shared_layers, int) \
+                or not 0 <= self.kv_shared_layers < max(self.layers, 1):
+            raise ValueError(f"kv_shared_layers must be an integer in [0, layers={self.layers}) (the last layers "
+                             f"that reuse an earlier layer's keys and values), got {self.kv_shared_layers!r}")
+        if self.kv_shared_layers and self.kv_lora_rank:
+            raise ValueError("kv_shared_layers with latent attention (kv_lora_rank) is not supported")
+        first_shared = self.layers - self.kv_shared_layers
+        missing = sorted({self.layer_kind(i) for i in range(first_shared, self.layers)}
+                         - {self.layer_kind(i) for i in range(first_shared)}) if self.kv_shared_layers else []
+        if missing:
+            raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: the shared layers' type(s) {missing} have no "
+                             f"earlier layer of that type to take keys and values from (layer_types "
+                             f"{list(self.layer_types or [])}); share fewer layers")
+        if self.double_wide_mlp and (not self.kv_shared_layers or self.experts):
+            raise ValueError("double_wide_mlp=True needs kv_shared_layers > 0 (it widens the shared layers' MLP) "
+                             "and no experts")
         if self.parallel_block and (self.sandwich_norms or self.experts):
             raise ValueError("parallel_block=True with sandwich_norms or experts is not supported")
         if self.parallel_mlp_norm and not self.parallel_block:
@@ -408,6 +441,25 @@ class Config:
         if self.is_global(layer):
             return self.global_kv_heads or self.kv_heads, self.global_head_dim or self.dim_head
         return self.kv_heads, self.dim_head
+
+    def layer_kind(self, layer: int) -> str:
+        """Layer ``layer``'s entry of ``layer_types`` (full_attention where there are none)."""
+        return self.layer_types[layer] if self.layer_types is not None else "full_attention"
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer ``layer`` attends to when they are shared
+        (``kv_shared_layers``, transformers' rule): for the last ``kv_shared_layers`` layers the last
+        earlier layer of their type; that layer itself for it; None for the others (their own)."""
+        if not self.kv_shared_layers:
+            return None
+        first = self.layers - self.kv_shared_layers
+        kind = self.layer_kind(layer)
+        src = max((j for j in range(first) if self.layer_kind(j) == kind), default=None)
+        return src if layer >= first or layer == src else None
+
+    def mlp_width(self, layer: int) -> int:
+        """The dense MLP's intermediate size in layer ``layer`` (``double_wide_mlp``: twice in the shared layers)."""
+        return 2 * self.mlp if self.double_wide_mlp and layer >= self.layers - self.kv_shared_layers else self.mlp
 
     def v_shared(self, layer: int) -> bool:
         """Whether layer ``layer``'s v is its k projection's output (Gemma 4's attention_k_eq_v, full layers)."""
@@ -612,13 +664,17 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             a["gate_proj"] = w((cfg.hidden, cfg.heads, D), "hidden heads head_dim")
         if cfg.v_shared(i):                         # (Gemma 4: v is the k projection's output)
             del a["v_proj"]
+        if cfg.kv_source(i) not in (None, i):      # (Gemma 4 E2B / E4B: an earlier layer's k and v)
+            for key in ("k_proj", "v_proj", "k_norm", "k_bias", "v_bias"):
+                a.pop(key, None)
         return a
 
     def layer(i):
+        width = cfg.mlp_width(i)
         p = {"input_layernorm": norm(), "self_attn": attn(i), "post_attention_layernorm": norm(),
-             "mlp": {"gate_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-                     "up_proj": w((cfg.hidden, cfg.mlp), "hidden mlp"),
-                     "down_proj": w((cfg.mlp, cfg.hidden), "mlp hidden", out_std)}}
+             "mlp": {"gate_proj": w((cfg.hidden, width), "hidden mlp"),
+                     "up_proj": w((cfg.hidden, width), "hidden mlp"),
+                     "down_proj": w((width, cfg.hidden), "mlp hidden", out_std)}}
         if not cfg.mlp_gated:
             del p["mlp"]["gate_proj"]
         if cfg.mlp_bias:
@@ -639,12 +695,16 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["input_layernorm"], p["pre_feedforward_layernorm"]
         if cfg.parallel_block and not cfg.parallel_mlp_norm:      # one input norm for attention and the MLP
             del p["post_attention_layernorm"]
+        if cfg.per_layer_input:                    # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
+            p.update(per_layer_inputs.init_layer(cfg, w, norm, out_std))
         if cfg.layer_scalar:                       # (Gemma 4: a fixed scalar of the files, 1 at init)
             p["layer_scalar"] = param((), (), init="ones", dtype=dtype)
         return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
     tree = with_biases({"embed_tokens": w((cfg.vocab, cfg.hidden), "vocab hidden"), "layers": layers, "norm": norm()})
+    if cfg.per_layer_input:                        # (Gemma 4 E2B / E4B: the per-layer input tables)
+        tree.update(per_layer_inputs.init_model(cfg, w, param, ones, dtype))
     if cfg.learned_positions:                      # (GPT-2: one row per position, "positions" replicated)
         tree["embed_positions"] = dataclasses.replace(w((cfg.max_seq, cfg.hidden), "positions hidden"),
                                                       meta={"embedding": True})     # (a table, not a linear)
@@ -691,52 +751,75 @@ def norm_at(tree: dict, name: str, x: Named, cfg: Config) -> Named:
     return norm(x, tree[name], cfg, tree.get(f"{name}_bias"))
 
 
-def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
-                    window: int | None = None, chunk: int | None = None) -> Named:
-    """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary)."""
+def attention_input(p: dict, x: Named, cfg: Config) -> Named:
+    """The attention's input of the residual stream ``x``: normed, the sequence whole."""
     h = norm_at(p, "input_layernorm", x, cfg) if cfg.pre_norms else x
-    h = ops.rename(h, res_seq="seq")                      # sequence parallelism: all-gather
-    return _attention(p, h, pos, cfg, segments, window, chunk)
+    return ops.rename(h, res_seq="seq")                   # sequence parallelism: all-gather
 
 
-def _qk_norms(a: dict, q: Named, k: Named, cfg: Config) -> tuple[Named, Named]:
-    """The q/k norms: per head over head_dim (one weight for all, or one per head) or over every head."""
-    over = "head_dim" if cfg.qk_norm_per_head else None
-    return norm(q, a["q_norm"], cfg, over=over), norm(k, a["k_norm"], cfg, over=over)
+def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
+                    window: int | None = None, chunk: int | None = None,
+                    kv: tuple[Named, Named] | None = None) -> Named:
+    """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary; ``kv``: the keys
+    and values to attend to, :func:`_attention`)."""
+    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv)
 
 
-def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
-               window: int | None, chunk: int | None = None) -> Named:
-    a = p["self_attn"]
-    if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
-        return mla.attention(a, h, pos, cfg, segments, window)
-    q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
-    k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
-    v = (ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
-         if "v_proj" in a else k)                        # (Gemma 4's k_eq_v layers: v is k's projection)
-    if cfg.v_norm:                                        # (Gemma 4: weightless, over head_dim, in float32)
-        v = ops.rms_norm(v.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(v.data.dtype)
+def _qk_norm(a: dict, role: str, x: Named, cfg: Config) -> Named:
+    """The q or k norm (``role``): per head over head_dim (one weight for all, or one per head) or over every head."""
+    return norm(x, a[f"{role}_norm"], cfg, over="head_dim" if cfg.qk_norm_per_head else None)
+
+
+def _prepared(a: dict, role: str, x: Named, pos: Named | None, cfg: Config, window: int | None) -> Named:
+    """q, k or v (``role``) from its projection to the attention's input: v's norm (Gemma 4), the
+    biases, the q/k norms, the clamp, the rotary (``pos`` None: none), the norms after it, the
+    queries' temperature; each step acts on one of them alone."""
+    if role == "v" and cfg.v_norm:                        # (Gemma 4: weightless, over head_dim, 16 bits in float32)
+        wide = torch.float32 if x.data.dtype in (torch.float16, torch.bfloat16) else x.data.dtype
+        x = ops.rms_norm(x.astype(wide), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
     if cfg.qkv_bias:
-        q, k, v = q + a["q_bias"], k + a["k_bias"], v + a["v_bias"]
-    if cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim (the weight's dim)
-        q, k = _qk_norms(a, q, k, cfg)
+        x = x + a[f"{role}_bias"]
+    if role != "v" and cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim
+        x = _qk_norm(a, role, x, cfg)
     if cfg.clip_qkv is not None:       # (DBRX, OLMoE after its q/k norms: each entry clamped, its gradient 0 outside)
         c = cfg.clip_qkv
-        q, k, v = (x.map(lambda t: t.clamp(-c, c)) for x in (q, k, v))
+        x = x.map(lambda t: t.clamp(-c, c))
+    if role == "v":
+        return x
     if window is not None and cfg.local_rope_theta is not None:      # a local layer's own rope (Gemma 3)
         theta, scaling = cfg.local_rope_theta, None
     else:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
     if pos is not None:
-        q = rotate(q, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
-        k = rotate(k, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
+        x = rotate(x, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
-        q, k = _qk_norms(a, q, k, cfg)
+        x = _qk_norm(a, role, x, cfg)
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
-        q, k = (ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
-                for x in (q, k))
-    if temperature.applies(cfg, pos):                     # (Llama 4's NoPE layers; Ministral 3's every layer)
-        q = temperature.scale_queries(q, pos, cfg)
+        x = ops.rms_norm(x.astype(torch.float32), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
+    if role == "q" and temperature.applies(cfg, pos):    # (Llama 4's NoPE layers; Ministral 3's every layer)
+        x = temperature.scale_queries(x, pos, cfg)
+    return x
+
+
+def keys_values(a: dict, h: Named, pos: Named | None, cfg: Config, window: int | None) -> tuple[Named, Named]:
+    """The keys and values (``batch seq kv_heads head_dim``) of the attention ``a`` of normed input
+    ``h``, as attention reads them (:func:`_prepared`)."""
+    k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
+    v = (ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
+         if "v_proj" in a else k)                        # (Gemma 4's k_eq_v layers: v is k's projection)
+    return _prepared(a, "k", k, pos, cfg, window), _prepared(a, "v", v, pos, cfg, window)
+
+
+def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
+               window: int | None, chunk: int | None = None, kv: tuple[Named, Named] | None = None) -> Named:
+    """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
+    layer's, ``cfg.kv_shared_layers``) instead of this layer's own."""
+    a = p["self_attn"]
+    if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
+        return mla.attention(a, h, pos, cfg, segments, window)
+    q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
+    q = _prepared(a, "q", q, pos, cfg, window)
+    k, v = keys_values(a, h, pos, cfg, window) if kv is None else kv
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
@@ -800,19 +883,24 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
 
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
-          window: int | None = None, chunk: int | None = None) -> Named:
+          window: int | None = None, chunk: int | None = None, per_layer: Named | None = None,
+          kv: tuple[Named, Named] | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
-    None: a NoPE layer); recomputed in backward under ``train_step(remat=True)``. The residual
+    None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``; ``kv``: the
+    keys and values it attends to, ``cfg.kv_source(i)``'s, else its own); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk) + _mlp(p, h_mlp, cfg),
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv) + _mlp(p, h_mlp, cfg),
                                           cfg))
-    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk), cfg))
+    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
     x = ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+    if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
+        x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
+                                                     lambda t, name, v: norm_at(t, name, v, cfg)))
     if cfg.layer_scalar:                     # (Gemma 4: a scalar of the files, not trained: its gradient 0)
         x = x * p["layer_scalar"].map(lambda t: t.detach() + 0 * t)
     return x
@@ -830,6 +918,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"), device=tokens.data.device)
     cache = kv_cache.active()
+    _refuse_unshared(cfg, cache)
     if cache is not None:                                 # sampling: positions after the cached tokens
         pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
@@ -843,16 +932,37 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite
         x = x * cfg.embedding_multiplier
+    per_layer = (per_layer_inputs.inputs(params, tokens, x, cfg, lambda v, w: norm(v, w, cfg))
+                 if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
     x = ops.rename(ops.realized(x), seq="res_seq")
+    shared: dict[int, tuple[Named, Named]] = {}           # (cfg.kv_shared_layers: the kept keys and values)
     for i, p in enumerate(params["layers"]):
-        window, chunk = cfg.window(i), cfg.chunk(i)
-        extra = ((segments, window, chunk) if chunk is not None else (segments, window) if window is not None
+        window, chunk, src = cfg.window(i), cfg.chunk(i), cfg.kv_source(i)
+        at = pos if cfg.rotates(i) else None
+        if src == i:                 # the keys and values the later layers reuse: made here, passed in as data
+            shared[i] = keys_values(p["self_attn"], attention_input(p, x, cfg), at, cfg, window)
+        kv = shared[src] if src is not None else None
+        extra = ((segments, window, chunk, None if per_layer is None else per_layer[i], kv)
+                 if per_layer is not None or kv is not None else
+                 (segments, window, chunk) if chunk is not None else (segments, window) if window is not None
                  else () if segments is None else (segments,))
-        x = layer_fn(p, x, pos if cfg.rotates(i) else None, cfg, *extra)
+        x = layer_fn(p, x, at, cfg, *extra)
     x = norm_at(params, "norm", x, cfg)
     if cache is not None:
         cache.finish()
     return ops.rename(x, res_seq="seq")
+
+
+def _refuse_unshared(cfg: Config, cache) -> None:
+    """Refuse what Gemma 4 E2B / E4B's inputs shared between layers cannot run yet: a pipeline (the
+    per-layer inputs and shared keys and values would cross its stages) and a key / value cache."""
+    what = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("per_layer_input", "kv_shared_layers") if getattr(cfg, k))
+    if what and current_stage() is not None:
+        raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
+                         f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
+    if cfg.kv_shared_layers and cache is not None:
+        raise ValueError(f"sampling with a key / value cache does not support kv_shared_layers="
+                         f"{cfg.kv_shared_layers} (keys and values shared across layers) yet")
 
 
 def embedding(params: dict, cfg: Config) -> Named:
@@ -922,7 +1032,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
-        dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp
+        dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp_width(i)
         if not moe.is_moe_layer(cfg, i):
             return dense
         return dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
@@ -930,13 +1040,15 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
-    if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v:     # (Gemma 4: the full layers' own widths)
+    # Gemma 4 E2B / E4B's per-layer inputs: the projection of the embedding, each layer's gate and projection
+    ple = 6 * cfg.hidden * cfg.per_layer_input * cfg.layers
+    if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
         def proj_attn(i: int) -> float:
             kv, d = cfg.attn_shape(i)
-            return (2 * cfg.hidden * (2 * cfg.heads * d + (1 if cfg.v_shared(i) else 2) * kv * d)
-                    + 2 * 2 * seq * cfg.heads * d / 2)
-        return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab)
-    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab
+            own = 0 if cfg.kv_source(i) not in (None, i) else 1 if cfg.v_shared(i) else 2    # (shared: no k/v)
+            return 2 * cfg.hidden * (2 * cfg.heads * d + own * kv * d) + 2 * 2 * seq * cfg.heads * d / 2
+        return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple)
+    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
 
 
@@ -945,7 +1057,8 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     (final norm and LM head; a tied embedding is in both, so every stage holds it); GPT-2's table
     of positions is the first stage's too."""
     last = ("norm", "embed_tokens" if cfg.tie_embeddings else "lm_head")
-    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
+    return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()) + (
+        per_layer_inputs.MODEL_PARAMS if cfg.per_layer_input else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 

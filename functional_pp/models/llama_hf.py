@@ -140,6 +140,13 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.post_feedforward_layernorm_1.weight", "layers.{i}.post_feedforward_layernorm_1", "copy"),
     ("model.layers.{i}.pre_feedforward_layernorm_2.weight", "layers.{i}.pre_feedforward_layernorm_2", "copy"),
     ("model.layers.{i}.post_feedforward_layernorm_2.weight", "layers.{i}.post_feedforward_layernorm_2", "copy"),
+    # Gemma 4 E2B / E4B's per-layer input embeddings (models/per_layer_inputs.py)
+    ("model.embed_tokens_per_layer.weight", "embed_tokens_per_layer", "copy"),
+    ("model.per_layer_model_projection.weight", "per_layer_model_projection", "linear"),
+    ("model.per_layer_projection_norm.weight", "per_layer_projection_norm", "copy"),
+    ("model.layers.{i}.per_layer_input_gate.weight", "layers.{i}.per_layer_input_gate", "linear"),
+    ("model.layers.{i}.per_layer_projection.weight", "layers.{i}.per_layer_projection", "linear"),
+    ("model.layers.{i}.post_per_layer_input_norm.weight", "layers.{i}.post_per_layer_input_norm", "copy"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -986,7 +993,8 @@ def check_exportable(cfg: Config) -> None:
     if mt in gemma4_hf.ARCHITECTURES:
         return gemma4_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     _refuse_unless(cfg, dict(global_head_dim=None, global_kv_heads=None, k_eq_v=False, v_norm=False,
-                             layer_scalar=False, experts_beside_mlp=False), where)        # (Gemma 4's only)
+                             layer_scalar=False, experts_beside_mlp=False, per_layer_input=0,
+                             kv_shared_layers=0, double_wide_mlp=False), where)   # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:

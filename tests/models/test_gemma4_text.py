@@ -165,8 +165,7 @@ def test_multimodal_checkpoint_loads_its_text_decoder(multimodal, tmp_path):
 
 def test_refusals_name_the_option(saved, tmp_path):
     conf = json.loads((saved[1] / "config.json").read_text())
-    for key, value, what in (("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
-                             ("num_kv_shared_layers", 2, "k/v shared across layers"),
+    for key, value, what in (("num_kv_shared_layers", 4, "must be fewer than num_hidden_layers"),
                              ("use_bidirectional_attention", "all", "causal attention only"),
                              ("attention_dropout", 0.1, "set it to 0.0")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"HF gemma4_text config: {key}=.*{what}"):
