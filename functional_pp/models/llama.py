@@ -834,7 +834,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.learned_positions:                        # GPT-2: the rows of each token's position
-        last = tokens.size("seq") + (cache.offset if cache is not None else 0)
+        last = cache.end(tokens.size("seq")) if cache is not None else tokens.size("seq")
         if last > cfg.max_seq:
             raise ValueError(f"learned_positions: position {last - 1} is past the position table's max_seq="
                              f"{cfg.max_seq} rows (max_position_embeddings); shorten the sequence (sequence_len)")
