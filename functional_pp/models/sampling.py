@@ -24,13 +24,14 @@ import torch
 from functional_pp import ops
 from functional_pp.compile.backend import graph_backend
 from functional_pp.compile.gate import CompileGate
-from functional_pp._torch import compile_cache_limits
+from functional_pp.compile.recompute import reset_region_ids
+from functional_pp._torch import compile_backend_names, compile_cache_limits
 from functional_pp.models.kv_cache import KVCache, caching
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
-__all__ = ["filtered_logits", "generate", "left_padded"]
+__all__ = ["check_compile", "filtered_logits", "generate", "left_padded"]
 
 
 def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
@@ -93,20 +94,31 @@ def _left_pad_counts(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> to
     return (m == 0).sum(1)
 
 
-def _decode_step(forward: Callable[[Any, Named], Named], params: Any, token: torch.Tensor, position: torch.Tensor,
+def _decode_step(forward: Callable[[Any, Named], Named], params: Any, token: Named, position: torch.Tensor,
                  left_pad: Named, layers: list, capacity: int) -> tuple[torch.Tensor, list]:
     """One new token's forward over a static cache (what ``compile=`` compiles): the last
     position's logits, whole (``[batch, vocab]``), and the cache's buffers with its keys and
-    values written at ``position``."""
+    values written at ``position``. ``token`` (``batch seq``) is laid out before the call, so
+    the graph does not read the device's rank: simulated devices share it."""
     cache = KVCache.decoding(layers, position, left_pad, capacity)
     with caching(cache):
-        logits = forward(params, named(token, "batch seq"))
+        logits = forward(params, token)
     return _last_logits(logits), cache.layers
 
 
 # graphs the compiled step may hold: one per batch and cache shape, model and layout of a process
 COMPILED_DECODE_GRAPHS = 64
 _compiled: dict[Any, CompileGate] = {}          # per backend: one compiled step for every call and device
+
+
+def check_compile(compile: bool | str) -> None:
+    """Refuse a ``compile`` that is neither a bool nor a ``torch.compile`` backend name."""
+    if isinstance(compile, bool):
+        return
+    backends = compile_backend_names()
+    if not isinstance(compile, str) or compile not in backends:
+        raise ValueError(f"compile must be True, False or a torch.compile backend name ({', '.join(backends)}), "
+                         f"got {compile!r}")
 
 
 def decode_step(compile: bool | str) -> Callable[..., tuple[torch.Tensor, list]]:
@@ -116,7 +128,12 @@ def decode_step(compile: bool | str) -> Callable[..., tuple[torch.Tensor, list]]
     if gate is None:
         fn = torch.compile(_decode_step, backend=graph_backend(compile), fullgraph=True, dynamic=False)
         gate = _compiled.setdefault(compile, CompileGate(fn, _decode_step.__code__))
-    return gate
+
+    def step(*args):
+        reset_region_ids()               # (dynamo guards on the counter of traced regions)
+        with compile_cache_limits(COMPILED_DECODE_GRAPHS):
+            return gate(*args)
+    return step
 
 
 def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch.Tensor, *, max_new_tokens: int,
@@ -136,6 +153,7 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
         raise ValueError(f"prompts must be [batch, length] token ids with length >= 1, got {tuple(prompts.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_compile(compile)
     pads = None if attention_mask is None else _left_pad_counts(attention_mask, tuple(prompts.shape))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
@@ -169,7 +187,6 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 logits = _last_logits(forward(params, named(token, "batch seq")))
             else:
                 position = torch.tensor(prompts.size(1) + step, device=prompts.device)
-                with compile_cache_limits(COMPILED_DECODE_GRAPHS):
-                    logits, cache.layers = step_fn(forward, params, token, position, cache.left_pad, cache.layers,
-                                                   capacity)
+                logits, cache.layers = step_fn(forward, params, named(token, "batch seq"), position, cache.left_pad,
+                                               cache.layers, capacity)
     return out

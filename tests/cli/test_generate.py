@@ -127,6 +127,16 @@ def test_simulated_fsdp_tp_prints_what_one_device_prints(hf_dir):
     assert json.loads(greedy[1]) != json.loads(one[1])             # sampled: not the greedy tokens
 
 
+def test_compiled_decode_step_prints_what_eager_prints(hf_dir):
+    """``--compile``: the one-token forward compiled over a static cache; the same completions."""
+    model_dir, _ = hf_dir
+    args = [model_dir, *(a for p in PROMPTS for a in ("--prompt", p)), "--max-new-tokens", 6, "--json"]
+    eager, compiled = _cli(*args), _cli(*args, "--compile", "aot_eager")
+    assert eager[0] == compiled[0] == 0, eager[2] + compiled[2]
+    assert json.loads(compiled[1]) == json.loads(eager[1])
+    assert json.loads(eager[1])["completions"][0]["completion"] == _transformers(model_dir, PROMPTS, 6)[0]
+
+
 def test_run_directory_equals_transformers_on_its_export(hf_dir, tmp_path):
     model_dir, data = hf_dir
     run = tmp_path / "run"
@@ -199,6 +209,7 @@ max_steps: 3
     (["--prompt", "What is 3 plus 4?", "--max-new-tokens", "60"], r"past the model's context of 64"),
     (["--prompt", "x", "--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--prompt", "x", "--set", "cp_size=2"], "generate takes the layout keys"),
+    (["--prompt", "x", "--compile", "inductr"], "--compile: compile must be True, False or a torch.compile backend"),
     (["--prompt", "x", "--max-new-tokens", "4", "--simulate", "3", "--set", "tp_size=2"],
      "does not divide the 3 devices"),
 ])
