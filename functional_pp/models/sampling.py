@@ -31,7 +31,7 @@ from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
-__all__ = ["check_compile", "filtered_logits", "generate", "left_padded"]
+__all__ = ["check_compile", "filtered_logits", "generate", "last_logits", "left_padded"]
 
 
 def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
@@ -58,7 +58,7 @@ def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: in
     return x
 
 
-def _last_logits(logits: Named) -> torch.Tensor:
+def last_logits(logits: Named) -> torch.Tensor:
     """The last position's logits, whole on this device (``[batch, vocab]``)."""
     last = ops.take(logits, "seq", -1)
     return relayout(last, tuple(() for _ in last.dims), "generate").value().permute(
@@ -103,7 +103,7 @@ def _decode_step(forward: Callable[[Any, Named], Named], params: Any, token: Nam
     cache = KVCache.decoding(layers, position, left_pad, capacity)
     with caching(cache):
         logits = forward(params, token)
-    return _last_logits(logits), cache.layers
+    return last_logits(logits), cache.layers
 
 
 # graphs the compiled step may hold: one per batch and cache shape, model and layout of a process
@@ -168,7 +168,7 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                         else named(pads.to(prompts.device), "batch"), capacity)
     step_fn = decode_step(compile) if compile else None
     with torch.no_grad(), caching(cache):
-        logits = _last_logits(forward(params, named(prompts, "batch seq")))
+        logits = last_logits(forward(params, named(prompts, "batch seq")))
         for step in range(max_new_tokens):
             last = logits.float().cpu()
             if temperature == 0:
@@ -184,7 +184,7 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 break
             token = nxt[:, None].to(prompts.dtype).to(prompts.device)
             if step_fn is None:
-                logits = _last_logits(forward(params, named(token, "batch seq")))
+                logits = last_logits(forward(params, named(token, "batch seq")))
             else:
                 position = torch.tensor(prompts.size(1) + step, device=prompts.device)
                 logits, cache.layers = step_fn(forward, params, named(token, "batch seq"), position, cache.left_pad,
