@@ -241,6 +241,31 @@ def _generate_on_device(model: GenerationModel, tokens: torch.Tensor, mask: torc
                         eos_id=model.stop_ids or None, pad_id=pad, **kw).cpu()
 
 
+def generation_memory(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                      world_size: int = 1, layout: dict | None = None) -> str:
+    """The dry run of generating the prompts (one left-padded batch) on one device of the
+    layout ``complete`` would use (:func:`functional_pp.plan.estimate_generation`), as text:
+    weights, key / value cache, one forward's temporaries and the peak, per device."""
+    from functional_pp.app.report import human_bytes
+    from functional_pp.core.mesh import Mesh
+    from functional_pp.models import llama
+    from functional_pp.plan.generation import estimate_generation
+    mesh = Mesh() if world_size == 1 else mesh_for({**model.layout, **(layout or {})}, world_size)
+    batch, length = len(prompt_ids), max(len(p) for p in prompt_ids)
+    rules = llama.default_rules()
+    if batch % mesh.axis_size(("dp_replicate", "dp_shard")):
+        rules = rules.replace(batch=None)         # as complete(): every device computes all the rows
+    est = estimate_generation(functools.partial(llama.forward, cfg=model.cfg), llama.init(model.cfg, torch.float32),
+                              mesh, rules, batch=batch, prompt=length, new_tokens=max_new_tokens)
+    sizes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+    return "\n".join([
+        f"generation memory per device ({sizes}; {batch} rows x ({length} prompt + {max_new_tokens} new) tokens):",
+        f"  weights            {human_bytes(est.param_bytes)}",
+        f"  key / value cache  {human_bytes(est.cache_bytes)}",
+        f"  forward            {human_bytes(est.forward_bytes)}",
+        f"  peak               {human_bytes(est.peak_bytes)}"])
+
+
 def decode_completion(model: GenerationModel, ids: Sequence[int]) -> tuple[str, str]:
     """``(text, finish_reason)``: the completion decoded without its stop token and special
     tokens; ``"stop"`` when it ended at a stop token, else ``"length"``."""

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     g.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
                    help="each new token's forward one torch.compile graph over a static cache (default backend "
                         "inductor; or a backend name, e.g. aot_eager)")
+    g.add_argument("--memory", action="store_true",
+                   help="print the memory per device a generation would hold (weights, key / value cache, one "
+                        "forward; a dry run on meta tensors) instead of generating")
     g.add_argument("--step", type=int, default=None, help="a run's checkpoint of this step (default: the newest)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: {completions: [{prompt, completion, completion_ids, finish_reason}]}")
@@ -85,7 +88,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``generate``: the completions on stdout (rank 0 only under torchrun); exit status 0."""
-    from functional_pp.app.generate_run import as_json, complete, decode_completion, encode_prompts, load_model
+    from functional_pp.app.generate_run import (as_json, complete, decode_completion, encode_prompts,
+                                                generation_memory, load_model)
     from functional_pp.devices.launch import under_torchrun
     _check(args)
     layout = _layout(args.overrides)
@@ -95,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.source, args.step)
     prompt_ids = encode_prompts(model, args.prompts, args.chat, args.max_new_tokens)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.simulate or 1)
+    if args.memory:
+        if not torchrun or int(os.environ.get("RANK", "0")) == 0:
+            print(generation_memory(model, prompt_ids, max_new_tokens=args.max_new_tokens, world_size=world,
+                                    layout=layout))
+        return 0
     got = complete(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, world_size=world, layout=layout,
                    simulate=not torchrun, compile=args.compile)
