@@ -93,12 +93,30 @@ class KVCache:
         self._segments = (_real(pos - self.left_pad), _real(keys - self.left_pad))
         return (pos - self.left_pad).map(lambda t: t.clamp_min(0))
 
-    def extend(self, k: Named, v: Named, segments: Named | None = None
-               ) -> tuple[Named, Named, bool, Named | None, Named | None]:
+    def extend(self, k: Named, v: Named, segments: Named | None = None, window: int | None = None
+               ) -> tuple[Named, Named, bool, Named | None, Named | None, int | None]:
         """The next layer's keys and values with the cached ones before them, whether its
-        attention is causal (the prompt's) or sees every key (a new token's), and the queries'
+        attention is causal (the prompt's) or sees every key (a new token's), the queries'
         and the keys' segment ids for ``ops.attention`` (``segments``, None; with ``left_pad``
-        1 on real tokens and 0 on padding, the keys' None when they are the queries')."""
+        1 on real tokens and 0 on padding, the keys' None when they are the queries'), and the
+        window ``ops.attention`` still has to apply: a new token's sliding ``window`` (the
+        layer's) is the keys' segment 0 on the cached positions ``window`` or more before it,
+        as transformers' sliding cache, and None is returned for it."""
+        k, v, causal, queries, keys = self._extend(k, v, segments)
+        if window is None or causal:
+            return k, v, causal, queries, keys, window
+        now = self.position if self.position is not None else self.offset
+        n = k.size("seq")
+        inside = ops.positions("seq", n, device=k.data.device).map(lambda t: (t > now - window).to(torch.int64))
+        if keys is None:                                  # no padding: every query and key real
+            rows = named(torch.zeros(k.size("batch"), dtype=torch.int64, device=k.data.device), "batch")
+            queries = _real(ops.positions("seq", 1, device=k.data.device) - rows)
+            keys = _real(ops.positions("seq", n, device=k.data.device) - rows)
+        keys = keys * inside
+        return k, v, causal, queries, keys, None
+
+    def _extend(self, k: Named, v: Named, segments: Named | None
+                ) -> tuple[Named, Named, bool, Named | None, Named | None]:
         if self.left_pad is not None and segments is not None:
             raise ValueError("KVCache: left-padded prompts cannot also be packed (segments); give one or the other")
         i = self._layer

@@ -740,10 +740,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
-        k, v, causal, segments, kv_segments = cache.extend(k, v, segments)
-        if window is not None and not causal:
-            raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
-                             f"(this model's layers attend within {window} tokens)")
+        k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")

@@ -65,6 +65,19 @@ def test_compiled_tokens_equal_eager_and_one_graph_serves_every_token(params):
     assert _graphs() - before == 2                        # another batch shape: one more graph
 
 
+def test_compiled_sliding_window_equals_eager():
+    """A sliding window (Mistral's, 3 tokens) masks the static cache's positions before it."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, sliding_window=3)
+    params = _scaled(fpp.init(llama.init, cfg, seed=1))
+    tokens, mask = left_padded(RAGGED)
+    forward = functools.partial(llama.forward, cfg=cfg)
+    eager = generate(forward, params, tokens, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(generate(forward, params, tokens, attention_mask=mask, max_new_tokens=8, compile=BACKEND), eager)
+    assert not torch.equal(eager, generate(functools.partial(llama.forward, cfg=CFG), params, tokens,
+                                           attention_mask=mask, max_new_tokens=8))
+
+
 def test_static_cache_holds_cache_bytes_of_prompt_and_new_tokens(params):
     tokens, mask = left_padded(RAGGED)
     cache = KVCache(named(torch.tensor([0, 5, 3, 2]), "batch"), capacity=7 + 4)
