@@ -64,8 +64,8 @@ class KVCache:
 
     def end(self, new_tokens: int) -> int:
         """One past the last position a forward of ``new_tokens`` reaches (a static cache's
-        decode step: at most its capacity)."""
-        return self.capacity if self.position is not None else self.offset + new_tokens
+        decode step: at most its capacity less one, the last new token being drawn, never fed)."""
+        return self.capacity - 1 if self.position is not None else self.offset + new_tokens
 
     def start(self, positions: Named, new_tokens: int) -> Named:
         """A forward of ``new_tokens`` begins: its positions, after the cached tokens (with

@@ -78,6 +78,22 @@ def test_compiled_sliding_window_equals_eager():
                                            attention_mask=mask, max_new_tokens=8))
 
 
+def test_compiled_learned_positions_reach_the_table_end_as_eager(tmp_path):
+    """GPT-2's learned positions: prompt + new tokens one past the table (the last token drawn,
+    never fed) generate compiled as eagerly."""
+    transformers = pytest.importorskip("transformers")
+    from functional_pp.checkpoint import hf
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                         n_positions=12, attn_pdrop=0.0, resid_pdrop=0.0,
+                                                         embd_pdrop=0.0)).save_pretrained(tmp_path)
+    cfg, params = hf.load_hf_llama(tmp_path)
+    p = sharding.named_tree(params, llama.init(cfg, torch.float32))
+    forward, prompts = functools.partial(llama.forward, cfg=cfg), torch.tensor([[5, 17, 3, 40], [31, 7, 60, 2]])
+    eager = generate(forward, p, prompts, max_new_tokens=9)
+    assert torch.equal(generate(forward, p, prompts, max_new_tokens=9, compile=BACKEND), eager)
+
+
 def test_static_cache_holds_cache_bytes_of_prompt_and_new_tokens(params):
     tokens, mask = left_padded(RAGGED)
     cache = KVCache(named(torch.tensor([0, 5, 3, 2]), "batch"), capacity=7 + 4)
