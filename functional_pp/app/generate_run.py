@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from functional_pp.config import ConfigError
+from functional_pp.models.sampling import check_compile
 
 __all__ = ["GenerationModel", "load_model", "encode_prompts", "mesh_for", "complete", "decode_completion",
            "as_json", "LAYOUT_KEYS"]
@@ -176,12 +177,14 @@ def mesh_for(layout: dict, world_size: int):
 
 def complete(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, world_size: int = 1,
-             layout: dict | None = None, simulate: bool | None = None) -> list[list[int]]:
+             layout: dict | None = None, simulate: bool | None = None, compile: bool | str = False
+             ) -> list[list[int]]:
     """Each prompt's new tokens (up to ``max_new_tokens``, its stop token included when drawn):
     one left-padded batch, on one device or on ``world_size`` devices laid out by ``layout``
     (simulated, or this process's rank under torchrun: ``simulate`` False): the weights FSDP x
     TP, the rows split over the data axes when they divide them (else computed on every device),
-    every device drawing one device's tokens."""
+    every device drawing one device's tokens. ``compile``: a compiled decode step
+    (``generate(compile=...)``)."""
     from functional_pp.models.sampling import left_padded
     pad = model.stop_ids[0] if model.stop_ids else 0
     from functional_pp.app.world import select_device
@@ -192,7 +195,7 @@ def complete(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max
     device = select_device(not torchrun and world_size > 1, world_size, torchrun)   # (None: the CPU)
     run = functools.partial(_generate_on_device, model, tokens, mask, pad, device,
                             dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed))
+                                 seed=seed, compile=compile))
     if mesh is None:
         out = run()
     else:
@@ -236,6 +239,31 @@ def _generate_on_device(model: GenerationModel, tokens: torch.Tensor, mask: torc
         local = placed(sharding.shard(model.params, decls, ctx.mesh, rules, fpp.current_rank()))
         return generate(forward, sharding.named_tree(local, decls), tokens, attention_mask=mask,
                         eos_id=model.stop_ids or None, pad_id=pad, **kw).cpu()
+
+
+def generation_memory(model: GenerationModel, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                      world_size: int = 1, layout: dict | None = None) -> str:
+    """The dry run of generating the prompts (one left-padded batch) on one device of the
+    layout ``complete`` would use (:func:`functional_pp.plan.estimate_generation`), as text:
+    weights, key / value cache, one forward's temporaries and the peak, per device."""
+    from functional_pp.app.report import human_bytes
+    from functional_pp.core.mesh import Mesh
+    from functional_pp.models import llama
+    from functional_pp.plan.generation import estimate_generation
+    mesh = Mesh() if world_size == 1 else mesh_for({**model.layout, **(layout or {})}, world_size)
+    batch, length = len(prompt_ids), max(len(p) for p in prompt_ids)
+    rules = llama.default_rules()
+    if batch % mesh.axis_size(("dp_replicate", "dp_shard")):
+        rules = rules.replace(batch=None)         # as complete(): every device computes all the rows
+    est = estimate_generation(functools.partial(llama.forward, cfg=model.cfg), llama.init(model.cfg, torch.float32),
+                              mesh, rules, batch=batch, prompt=length, new_tokens=max_new_tokens)
+    sizes = " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+    return "\n".join([
+        f"generation memory per device ({sizes}; {batch} rows x ({length} prompt + {max_new_tokens} new) tokens):",
+        f"  weights            {human_bytes(est.param_bytes)}",
+        f"  key / value cache  {human_bytes(est.cache_bytes)}",
+        f"  forward            {human_bytes(est.forward_bytes)}",
+        f"  peak               {human_bytes(est.peak_bytes)}"])
 
 
 def decode_completion(model: GenerationModel, ids: Sequence[int]) -> tuple[str, str]:

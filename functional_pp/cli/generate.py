@@ -4,6 +4,7 @@
     functional-pp generate HF_DIR --prompt A --prompt B --chat --temperature 0.7 --top-p 0.9 --seed 1
     functional-pp generate runs/finetune --prompt A --simulate 4 --set tp_size=2 --json
     torchrun --nproc_per_node 2 -m functional_pp generate runs/finetune --prompt A --set tp_size=2
+    functional-pp generate runs/finetune --prompt A --compile                 # a compiled decode step
 """
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely (default 0: all)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0)")
+    g.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
+                   help="each new token's forward one torch.compile graph over a static cache (default backend "
+                        "inductor; or a backend name, e.g. aot_eager)")
+    g.add_argument("--memory", action="store_true",
+                   help="print the memory per device a generation would hold (weights, key / value cache, one "
+                        "forward; a dry run on meta tensors) instead of generating")
     g.add_argument("--step", type=int, default=None, help="a run's checkpoint of this step (default: the newest)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: {completions: [{prompt, completion, completion_ids, finish_reason}]}")
@@ -70,13 +77,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    from functional_pp.app.generate_run import check_compile
+    try:
+        check_compile(args.compile)
+    except ValueError as e:
+        raise ConfigError(f"--compile: {e}") from None
     if args.simulate is not None and args.simulate < 1:
         raise ConfigError(f"--simulate must be >= 1, got {args.simulate}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``generate``: the completions on stdout (rank 0 only under torchrun); exit status 0."""
-    from functional_pp.app.generate_run import as_json, complete, decode_completion, encode_prompts, load_model
+    from functional_pp.app.generate_run import (as_json, complete, decode_completion, encode_prompts,
+                                                generation_memory, load_model)
     from functional_pp.devices.launch import under_torchrun
     _check(args)
     layout = _layout(args.overrides)
@@ -86,9 +99,14 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.source, args.step)
     prompt_ids = encode_prompts(model, args.prompts, args.chat, args.max_new_tokens)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.simulate or 1)
+    if args.memory:
+        if not torchrun or int(os.environ.get("RANK", "0")) == 0:
+            print(generation_memory(model, prompt_ids, max_new_tokens=args.max_new_tokens, world_size=world,
+                                    layout=layout))
+        return 0
     got = complete(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, world_size=world, layout=layout,
-                   simulate=not torchrun)
+                   simulate=not torchrun, compile=args.compile)
     if torchrun and int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.json:

@@ -823,10 +823,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
-        k, v, causal, segments, kv_segments = cache.extend(k, v, segments)
-        if window is not None and not causal:
-            raise ValueError(f"sampling with a key / value cache does not support sliding-window attention yet "
-                             f"(this model's layers attend within {window} tokens)")
+        k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")
@@ -923,7 +920,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         pos = cache.start(pos, tokens.size("seq"))
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.learned_positions:                        # GPT-2: the rows of each token's position
-        last = tokens.size("seq") + (cache.offset if cache is not None else 0)
+        last = cache.end(tokens.size("seq")) if cache is not None else tokens.size("seq")
         if last > cfg.max_seq:
             raise ValueError(f"learned_positions: position {last - 1} is past the position table's max_seq="
                              f"{cfg.max_seq} rows (max_position_embeddings); shorten the sequence (sequence_len)")

@@ -130,9 +130,7 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     scale = (cfg.query_pre_attn_scalar or (Dn + Dr)) ** -0.5
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                           # sampling: the cached keys first (kv_cache.py)
-        k, v, causal, segments, kv_segments = cache.extend(k, v, segments)
-        if window is not None and not causal:
-            raise ValueError("sampling with a key / value cache does not support sliding-window attention yet")
+        k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     o = ops.attention(q, k, v, causal=causal, segments=segments, window=window, scale=scale, batch="batch",
                       seq="seq", heads="heads", kv_heads="kv_heads", head_dim="qk_dim", kv_segments=kv_segments)
     o = ops.slice_dim(o, "qk_dim", 0, Dv, into="v_dim") if width != Dv else ops.rename(o, qk_dim="v_dim")

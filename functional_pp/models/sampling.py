@@ -9,7 +9,12 @@ filters, in that order; rows stop at ``eos_id`` (then padded with ``pad_id``), a
 Under a layout (inside :func:`functional_pp.launch`), the same code runs on every device: the
 prompts are laid out by the rules as a training batch is, the last position's logits are
 gathered whole (batch and vocabulary) so every device draws the same next tokens from the same
-seeded generator."""
+seeded generator.
+
+``compile=True`` (or a backend name) runs each new token's forward as one ``torch.compile``
+graph over a static cache (:meth:`KVCache.decoding`: buffers of prompt + ``max_new_tokens``
+positions, the step's position a tensor), so the graph compiled for the first new token serves
+every later one; the prompt's forward runs eagerly."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -17,12 +22,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from functional_pp import ops
+from functional_pp.compile.backend import graph_backend
+from functional_pp.compile.gate import CompileGate
+from functional_pp.compile.recompute import reset_region_ids
+from functional_pp._torch import compile_backend_names, compile_cache_limits
 from functional_pp.models.kv_cache import KVCache, caching
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
-__all__ = ["filtered_logits", "generate", "left_padded"]
+__all__ = ["check_compile", "filtered_logits", "generate", "last_logits", "left_padded"]
 
 
 def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
@@ -49,7 +58,7 @@ def filtered_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: in
     return x
 
 
-def _last_logits(logits: Named) -> torch.Tensor:
+def last_logits(logits: Named) -> torch.Tensor:
     """The last position's logits, whole on this device (``[batch, vocab]``)."""
     last = ops.take(logits, "seq", -1)
     return relayout(last, tuple(() for _ in last.dims), "generate").value().permute(
@@ -85,32 +94,83 @@ def _left_pad_counts(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> to
     return (m == 0).sum(1)
 
 
+def _decode_step(forward: Callable[[Any, Named], Named], params: Any, token: Named, position: torch.Tensor,
+                 left_pad: Named, layers: list, capacity: int) -> tuple[torch.Tensor, list]:
+    """One new token's forward over a static cache (what ``compile=`` compiles): the last
+    position's logits, whole (``[batch, vocab]``), and the cache's buffers with its keys and
+    values written at ``position``. ``token`` (``batch seq``) is laid out before the call, so
+    the graph does not read the device's rank: simulated devices share it."""
+    cache = KVCache.decoding(layers, position, left_pad, capacity)
+    with caching(cache):
+        logits = forward(params, token)
+    return last_logits(logits), cache.layers
+
+
+# graphs the compiled step may hold: one per batch and cache shape, model and layout of a process
+COMPILED_DECODE_GRAPHS = 64
+_compiled: dict[Any, CompileGate] = {}          # per backend: one compiled step for every call and device
+
+
+def check_compile(compile: bool | str) -> None:
+    """Refuse a ``compile`` that is neither a bool nor a ``torch.compile`` backend name."""
+    if isinstance(compile, bool):
+        return
+    backends = compile_backend_names()
+    if not isinstance(compile, str) or compile not in backends:
+        raise ValueError(f"compile must be True, False or a torch.compile backend name ({', '.join(backends)}), "
+                         f"got {compile!r}")
+
+
+def decode_step(compile: bool | str) -> Callable[..., tuple[torch.Tensor, list]]:
+    """:func:`_decode_step` compiled with ``compile`` (True: inductor, or a backend name; static
+    shapes), shared by every ``generate`` call and simulated device."""
+    gate = _compiled.get(compile)
+    if gate is None:
+        fn = torch.compile(_decode_step, backend=graph_backend(compile), fullgraph=True, dynamic=False)
+        gate = _compiled.setdefault(compile, CompileGate(fn, _decode_step.__code__))
+
+    def step(*args):
+        reset_region_ids()               # (dynamo guards on the counter of traced regions)
+        with compile_cache_limits(COMPILED_DECODE_GRAPHS):
+            return gate(*args)
+    return step
+
+
 def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch.Tensor, *, max_new_tokens: int,
              eos_id: int | Sequence[int] | None = None, pad_id: int | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+             attention_mask: torch.Tensor | None = None, compile: bool | str = False) -> torch.Tensor:
     """``prompts`` (``[batch, length]`` token ids) followed by up to ``max_new_tokens`` new
     tokens per row (``[batch, length + n]``, ``n`` the steps taken); see the module docstring.
     ``eos_id``: one stop token or several (a chat model's EOS and its end-of-turn token);
     ``pad_id`` defaults to the first. ``attention_mask`` (``[batch, length]``, 0 on the padding
     of left-padded prompts of different lengths, 1 on their tokens; None: all 1): each row's
-    positions count from its first token and no token sees the padding."""
+    positions count from its first token and no token sees the padding. ``compile``: each new
+    token's forward one compiled graph (True: inductor, or a backend name such as
+    ``"aot_eager"``) over a static cache of ``length + max_new_tokens`` positions; the same
+    tokens as eager."""
     if prompts.dim() != 2 or prompts.size(1) == 0:
         raise ValueError(f"prompts must be [batch, length] token ids with length >= 1, got {tuple(prompts.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_compile(compile)
     pads = None if attention_mask is None else _left_pad_counts(attention_mask, tuple(prompts.shape))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
     pad = pad_id if pad_id is not None else int(stops[0]) if stops is not None and len(stops) else 0
     out = prompts
     done = torch.zeros(prompts.size(0), dtype=torch.bool)
+    capacity = prompts.size(1) + max_new_tokens if compile else None
     with torch.no_grad():
-        cache = KVCache(None if pads is None or not pads.any() else named(pads.to(prompts.device), "batch"))
+        if capacity is not None:        # every row's padding, zeros included: a static cache's step reads it
+            pads = torch.zeros(prompts.size(0), dtype=torch.long) if pads is None else pads
+        cache = KVCache(None if pads is None or not pads.any() and capacity is None
+                        else named(pads.to(prompts.device), "batch"), capacity)
+    step_fn = decode_step(compile) if compile else None
     with torch.no_grad(), caching(cache):
-        logits = forward(params, named(prompts, "batch seq"))
+        logits = last_logits(forward(params, named(prompts, "batch seq")))
         for step in range(max_new_tokens):
-            last = _last_logits(logits).float().cpu()
+            last = logits.float().cpu()
             if temperature == 0:
                 nxt = last.argmax(dim=-1)
             else:
@@ -122,5 +182,11 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 done |= torch.isin(nxt, stops)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            logits = forward(params, named(nxt[:, None].to(prompts.dtype).to(prompts.device), "batch seq"))
+            token = nxt[:, None].to(prompts.dtype).to(prompts.device)
+            if step_fn is None:
+                logits = last_logits(forward(params, named(token, "batch seq")))
+            else:
+                position = torch.tensor(prompts.size(1) + step, device=prompts.device)
+                logits, cache.layers = step_fn(forward, params, named(token, "batch seq"), position, cache.left_pad,
+                                               cache.layers, capacity)
     return out

@@ -127,6 +127,39 @@ def test_simulated_fsdp_tp_prints_what_one_device_prints(hf_dir):
     assert json.loads(greedy[1]) != json.loads(one[1])             # sampled: not the greedy tokens
 
 
+def test_compiled_decode_step_prints_what_eager_prints(hf_dir):
+    """``--compile``: the one-token forward compiled over a static cache; the same completions."""
+    model_dir, _ = hf_dir
+    args = [model_dir, *(a for p in PROMPTS for a in ("--prompt", p)), "--max-new-tokens", 6, "--json"]
+    eager, compiled = _cli(*args), _cli(*args, "--compile", "aot_eager")
+    assert eager[0] == compiled[0] == 0, eager[2] + compiled[2]
+    assert json.loads(compiled[1]) == json.loads(eager[1])
+    assert json.loads(eager[1])["completions"][0]["completion"] == _transformers(model_dir, PROMPTS, 6)[0]
+
+
+def test_memory_prints_the_dry_run_of_the_generation(hf_dir):
+    """``--memory``: the per-device dry run (plan.estimate_generation) instead of generating; its
+    cache is ``cache_bytes`` of the batch's prompt + new tokens, split by FSDP x TP."""
+    from functional_pp.app.report import human_bytes
+    from functional_pp.checkpoint import hf
+    from functional_pp.models.kv_cache import cache_bytes
+    model_dir, _ = hf_dir
+    cfg, _ = hf.load_hf_llama(model_dir)
+    prompts = [a for p in PROMPTS for a in ("--prompt", p)]
+    status, out, err = _cli(model_dir, *prompts, "--max-new-tokens", 6, "--memory")
+    assert status == 0, err
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    longest = max(len(tok(p)["input_ids"]) for p in PROMPTS)
+    assert f"key / value cache  {human_bytes(cache_bytes(cfg, len(PROMPTS), longest + 6))}" in out
+    assert "peak" in out and "one device" in out
+    status, four, err = _cli(model_dir, *prompts, "--max-new-tokens", 6, "--memory", "--simulate", 4, "--set",
+                             "tp_size=2")
+    assert status == 0, err
+    rows = 2 if len(PROMPTS) % 2 == 0 else 1
+    want = cache_bytes(cfg, len(PROMPTS), longest + 6, batch_split=rows, kv_heads_split=2)
+    assert f"key / value cache  {human_bytes(want)}" in four and "dp_shard=2 x tp=2" in four
+
+
 def test_run_directory_equals_transformers_on_its_export(hf_dir, tmp_path):
     model_dir, data = hf_dir
     run = tmp_path / "run"
@@ -199,6 +232,7 @@ max_steps: 3
     (["--prompt", "What is 3 plus 4?", "--max-new-tokens", "60"], r"past the model's context of 64"),
     (["--prompt", "x", "--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--prompt", "x", "--set", "cp_size=2"], "generate takes the layout keys"),
+    (["--prompt", "x", "--compile", "inductr"], "--compile: compile must be True, False or a torch.compile backend"),
     (["--prompt", "x", "--max-new-tokens", "4", "--simulate", "3", "--set", "tp_size=2"],
      "does not divide the 3 devices"),
 ])

@@ -220,3 +220,39 @@ def _whole(params):
     """Plain tensors of a parameter tree (named arrays unwrapped)."""
     from functional_pp.core.tree import tree_map
     return tree_map(lambda x: getattr(x, "data", x), params)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """(transformers' tiny Mistral with a 3-token sliding window, our config, our parameters)."""
+    torch.manual_seed(0)
+    m = transformers.MistralForCausalLM(transformers.MistralConfig(**KW, sliding_window=3)).float().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("gen-mistral")
+    m.save_pretrained(d)
+    cfg, params = hf.load_hf_llama(d)
+    assert cfg.window(0) == 3
+    return m, cfg, params
+
+
+def test_sliding_window_equals_transformers_sliding_cache(mistral):
+    """A new token sees the cached keys of its window only (transformers' sliding-window cache):
+    unpadded and left-padded, one device and FSDP x TP."""
+    import dataclasses
+    m, cfg, params = mistral
+    prompts = torch.randint(1, KW["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
+    want = m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert torch.equal(_ours(cfg, params, prompts, max_new_tokens=10), want)
+    whole = _ours(dataclasses.replace(cfg, sliding_window=None), params, prompts, max_new_tokens=10)
+    assert not torch.equal(whole, want)                        # the window changes the tokens
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    want = m.generate(tokens, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6)
+    assert torch.equal(got, want)
+    sampled = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2)
+    for g, s in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask), fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(g, got) and torch.equal(s, sampled)
