@@ -804,10 +804,19 @@ def _prepared(a: dict, role: str, x: Named, pos: Named | None, cfg: Config, wind
 def keys_values(a: dict, h: Named, pos: Named | None, cfg: Config, window: int | None) -> tuple[Named, Named]:
     """The keys and values (``batch seq kv_heads head_dim``) of the attention ``a`` of normed input
     ``h``, as attention reads them (:func:`_prepared`)."""
+    return _prepared_kv(a, _kv_projections(a, h), pos, cfg, window)
+
+
+def _kv_projections(a: dict, h: Named) -> tuple[Named, Named]:
     k = ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["k_proj"])
     v = (ops.einsum("batch seq hidden, hidden kv_heads head_dim -> batch seq kv_heads head_dim", h, a["v_proj"])
          if "v_proj" in a else k)                        # (Gemma 4's k_eq_v layers: v is k's projection)
-    return _prepared(a, "k", k, pos, cfg, window), _prepared(a, "v", v, pos, cfg, window)
+    return k, v
+
+
+def _prepared_kv(a: dict, kv: tuple[Named, Named], pos: Named | None, cfg: Config,
+                 window: int | None) -> tuple[Named, Named]:
+    return _prepared(a, "k", kv[0], pos, cfg, window), _prepared(a, "v", kv[1], pos, cfg, window)
 
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
@@ -818,8 +827,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
         return mla.attention(a, h, pos, cfg, segments, window)
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
-    q = _prepared(a, "q", q, pos, cfg, window)
-    k, v = keys_values(a, h, pos, cfg, window) if kv is None else kv
+    own = _kv_projections(a, h) if kv is None else None   # (every projection before the elementwise work:
+    q = _prepared(a, "q", q, pos, cfg, window)            # a compiler fuses q's and k's rotary as one)
+    k, v = _prepared_kv(a, own, pos, cfg, window) if kv is None else kv
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
