@@ -321,3 +321,32 @@ def assert_lora_step_equals_peft(model, hf_dir, targets) -> None:
     for k in want:
         assert want[k].abs().max() > 0, k
         torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+
+
+def assert_fake_quant_equals_hf(model, hf_dir, qat, out_dir, acts_by: float) -> None:
+    """Our logits and every gradient of the Hugging Face directory ``hf_dir`` under fake
+    quantization ``qat`` equal those of ``model`` (transformers with the library's fake-quantized
+    linears), and differ from the plain model's logits by more than ``acts_by`` (so it acts)."""
+    from safetensors.torch import load_file
+
+    from functional_pp.checkpoint import hf
+    from functional_pp.ops import fake_quant
+    toks = tokens(batch=2, seq=12)
+    want = model(input_ids=toks).logits
+    up = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * up).sum().backward()
+    cfg, full = hf.load_hf_llama(hf_dir)
+    decls = llama.init(cfg)
+    leaves = tree.tree_map(lambda t: t.clone().requires_grad_(), full)
+    got = fake_quant.adapt(llama.forward, qat)(sharding.named_tree(leaves, decls), fpp.wrap(toks, "batch seq"), cfg)
+    got = got.value()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    plain = llama.forward(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg).value()
+    assert (plain - want).abs().max() > acts_by
+    (got * up).sum().backward()
+    hf.save_hf_llama(tree.tree_map(lambda t: t.grad, leaves), cfg, out_dir / "grads")
+    grads = load_file(str(out_dir / "grads" / "model.safetensors"))
+    theirs = {n: p.grad for n, p in model.named_parameters()}
+    assert set(grads) == set(theirs)
+    for name, gr in grads.items():
+        torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)

@@ -167,7 +167,6 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
     from functional_pp.checkpoint import hf
     from functional_pp.core.runtime import current_rank
     from functional_pp.core.tree import leaves_with_paths, map_with_path
-    from functional_pp.parallel.named import Named
     from functional_pp.parallel.sharding import shard
     wanted = {p: d.dtype for p, d in leaves_with_paths(split(run_decls)[0])} if run_decls is not None else {}
 
@@ -193,9 +192,25 @@ def base_params(cfg: TrainConfig, model_cfg, decls: Any, mesh, rules, device=Non
         full, decls = quantize_linear_weights(full, decls, quant["kind"], double_quant=quant["double_quant"],
                                               experts=quant["experts"])
         full = map_with_path(lambda p, x: x.to(dtype_of(p)) if x.is_floating_point() else x, full)
-        tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
-        if device is not None:
-            tensors = map_with_path(lambda p, x: x.to(device), tensors)
+        return _this_devices(full, decls, mesh, rules, device)
+    return _named_params(tensors, decls, mesh, rules)
+
+
+def _this_devices(full: Any, decls: Any, mesh, rules, device=None) -> Any:
+    """This device's shards (on ``device``) of the whole tensors ``full``, as named parameters."""
+    from functional_pp.core.runtime import current_rank
+    from functional_pp.core.tree import map_with_path
+    from functional_pp.parallel.sharding import shard
+    tensors = shard(full, decls, mesh, rules, current_rank()) if mesh is not None else full
+    if device is not None:
+        tensors = map_with_path(lambda p, x: x.to(device), tensors)
+    return _named_params(tensors, decls, mesh, rules)
+
+
+def _named_params(tensors: Any, decls: Any, mesh, rules) -> Any:
+    """This device's tensors as the named parameters ``decls`` declare, laid out by ``rules``."""
+    from functional_pp.core.tree import map_with_path
+    from functional_pp.parallel.named import Named
 
     def wrap(p, x, d):
         return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
@@ -211,10 +226,7 @@ def loftq_params(cfg: TrainConfig, model_cfg, base_decls: Any, decls: Any, mesh,
     from functional_pp.adapters.loftq import adapted_in_dims, loftq_init
     from functional_pp.adapters.peft_fused import fused_module, model_type_of
     from functional_pp.checkpoint import hf
-    from functional_pp.core.runtime import current_rank
     from functional_pp.core.tree import leaves_with_paths, map_with_path
-    from functional_pp.parallel.named import Named
-    from functional_pp.parallel.sharding import shard
     lq = cfg.loftq()
     want = split(decls)[1]
     model_type = model_type_of(cfg.base_model)
@@ -227,22 +239,15 @@ def loftq_params(cfg: TrainConfig, model_cfg, base_decls: Any, decls: Any, mesh,
                              grow_vocab=bool(cfg.tokens or cfg.resize_token_embeddings_to_32x),
                              fresh=new_score_head(cfg, model_cfg), seed=cfg.seed)
     flat = dict(leaves_with_paths(full))
-    adapter_shapes = {p: {k: d for k, d in ab.items()} for p, ab in want.items()}
     try:
-        weights, factors = loftq_init(flat, adapter_shapes, adapted_in_dims(base_decls, want), lq["bits"],
+        weights, factors = loftq_init(flat, want, adapted_in_dims(base_decls, want), lq["bits"],
                                       lq["iters"])
     except ValueError as exc:
         raise ConfigError(f"peft.loftq_config: {exc}") from exc
     dtypes = {p: d.dtype for p, d in leaves_with_paths(split(decls)[0])}
     base = map_with_path(lambda p, x: weights.get(p, x).to(dtypes.get(p, torch.float32)), full)
     params = joined(base, {p: {k: v.to(torch.float32) for k, v in ab.items()} for p, ab in factors.items()})
-    local = shard(params, decls, mesh, rules, current_rank()) if mesh is not None else params
-    if device is not None:
-        local = map_with_path(lambda p, x: x.to(device), local)
-
-    def wrap(p, x, d):
-        return Named(x, d.dims, rules.resolve(d.dims, d.shape, mesh, name=p), sizes=d.shape, is_param=True)
-    return map_with_path(wrap, local, decls)
+    return _this_devices(params, decls, mesh, rules, device)
 
 
 def new_score_head(cfg: TrainConfig, model_cfg: Any) -> tuple[str, ...]:

@@ -11,12 +11,10 @@ order of its fp32 sums); FSDP x TP (simulated) and FSDP on two gloo processes eq
 import pytest
 import torch
 from harness import tokens
-from safetensors.torch import load_file
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.config import ConfigError, TrainConfig
-from functional_pp.core import tree
 from functional_pp.core.layout import block_slices
 from functional_pp.models import llama
 from functional_pp.ops import fake_quant
@@ -85,25 +83,8 @@ def test_logits_and_gradients_equal_torchaos_nvfp4_qat_model(torchao_model, monk
     monkeypatch.setattr(torchao_qat, "_addmm_nvfp4_dispatch", _emulated_scaled_mm)
     model, d = torchao_model
     model.zero_grad()
-    toks = tokens(batch=2, seq=12)
-    want = model(input_ids=toks).logits
-    up = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-    (want * up).sum().backward()
-    cfg, full = hf.load_hf_llama(d)
-    decls = llama.init(cfg)
-    leaves = tree.tree_map(lambda t: t.clone().requires_grad_(), full)
-    got = fake_quant.adapt(llama.forward, CFG)(sharding.named_tree(leaves, decls), fpp.wrap(toks, "batch seq"), cfg)
-    got = got.value()
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    plain = llama.forward(sharding.named_tree(full, decls), fpp.wrap(toks, "batch seq"), cfg).value()
-    assert (plain - want).abs().max() > 1e-2           # (the fake quantization acts)
-    (got * up).sum().backward()
-    hf.save_hf_llama(tree.tree_map(lambda t: t.grad, leaves), cfg, tmp_path / "grads")
-    grads = load_file(str(tmp_path / "grads" / "model.safetensors"))
-    theirs = {n: p.grad for n, p in model.named_parameters()}
-    assert set(grads) == set(theirs)
-    for name, gr in grads.items():
-        torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)
+    from harness import assert_fake_quant_equals_hf
+    assert_fake_quant_equals_hf(model, d, CFG, tmp_path, acts_by=1e-2)
 
 
 def test_sharded_fsdp_tp_logits_equal_one_device(torchao_model):
