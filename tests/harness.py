@@ -350,3 +350,19 @@ def assert_fake_quant_equals_hf(model, hf_dir, qat, out_dir, acts_by: float) -> 
     assert set(grads) == set(theirs)
     for name, gr in grads.items():
         torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)
+
+
+def assert_hf_layout_equals_one_device(hf_dir, layout: str) -> None:
+    """One float64 step of the Hugging Face directory ``hf_dir``'s model under ``layout``
+    ("fsdp_tp_sp": FSDP 2 x TP 2 with sequence parallelism; "cp": CP 2) on simulated devices:
+    the loss and every gradient equal one device's."""
+    from functional_pp.checkpoint import hf
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss, grads = single_device(cfg, params, batch)
+    mesh, rules = ((fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True))
+                   if layout == "fsdp_tp_sp" else (fpp.Mesh(cp=2), llama.default_rules(tp=False)))
+    p_loss, p_grads, _ = parallel(cfg, params, batch, mesh, rules)[0]
+    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")

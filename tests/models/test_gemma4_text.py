@@ -13,7 +13,8 @@ import json
 
 import pytest
 import torch
-from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens, fp64_beside_hf, import_logits_beside_hf
+from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, fp64_beside_hf,
+                     import_logits_beside_hf, our_logits, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -107,15 +108,7 @@ def test_layouts_equal_one_device(saved, layout):
     """FSDP x TP with sequence parallelism (heads of both widths, the k/v heads of the full
     layers and the vocabulary over tp, hidden over dp_shard) and CP (the windows over the
     load-balanced split sequence)."""
-    cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
-    batch = make_batch(cfg, batch=4, seq=12, seed=3)
-    loss, grads = single_device(cfg, params, batch)
-    mesh, rules = ((fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True))
-                   if layout == "fsdp_tp_sp" else (fpp.Mesh(cp=2), llama.default_rules(tp=False)))
-    p_loss, p_grads, _ = parallel(cfg, params, batch, mesh, rules)[0]
-    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
-    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+    assert_hf_layout_equals_one_device(saved[1], layout)
 
 
 def test_fsdp_tp_on_real_processes_equal_one_device(saved):
