@@ -131,3 +131,19 @@ def test_the_70b_rows_are_predicted_within_15_percent():
     assert t2 / t1 == pytest.approx(fused.tokens_per_s_per_gpu / sync.tokens_per_s_per_gpu, rel=0.01)
     tp = s1.by_collective["tp all_gather (intra)"] + s1.by_collective["tp reduce_scatter (intra)"]
     assert s1.step_s - s2.step_s == pytest.approx(plan.cluster("h100x8-gt").async_tp_overlap * tp, rel=1e-6)
+
+
+def test_fused_recompute_drops_exactly_what_the_checkpointed_regions_recompute():
+    """Under ``remat`` the dry-run counts the memory traffic of what backward recomputes
+    (``DeviceRun.recompute_traffic``; none without it); ``cost(..., fused_recompute=True)``
+    (XLA fusing it into the backward kernels that read it) charges all but that traffic."""
+    fn, decls = functools.partial(llama.loss, cfg=TINY), llama.init(TINY)
+    remat = plan.estimate(fn, decls, fpp.Mesh(), fpp.Rules(), BATCH, remat="selective")
+    plain = plan.estimate(fn, decls, fpp.Mesh(), fpp.Rules(), BATCH)
+    recomputed = remat.extrapolate(lambda r: r.recompute_traffic)
+    assert plain.extrapolate(lambda r: r.recompute_traffic) == 0
+    assert 0 < recomputed < remat.extrapolate(lambda r: r.traffic["backward"])
+    cl = plan.cluster("h100x8")
+    saved = plan.cost(remat, cl).compute_s - plan.cost(remat, cl, fused_recompute=True).compute_s
+    assert saved == pytest.approx(recomputed / (cl.memory_bandwidth * cl.memory_efficiency), rel=1e-9)
+    assert plan.cost(plain, cl, fused_recompute=True).step_s == plan.cost(plain, cl).step_s
