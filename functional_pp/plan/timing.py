@@ -361,6 +361,8 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     depends on keeps its value."""
     cl = as_cluster(base)
     samples = [(s[0], s[1], dict(s[2]) if len(s) > 2 else {}) for s in samples]
+    if "inter_overlap" in fit and cl.inter_overlap is None:     # unset: starts from overlap
+        cl = cl.with_(inter_overlap=cl.overlap)
     unknown = [k for k in fit if not isinstance(getattr(cl, k, None), (int, float))]
     if unknown:
         raise ValueError(f"fit_cluster: {unknown} are not numbers of a Cluster; fit some of "
