@@ -352,7 +352,8 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
                 rounds: int = 12) -> Cluster:
     """Fit ``base``'s numbers named in ``fit`` (any of Cluster's: ``compute_efficiency``,
     ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
-    ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
+    ``intra_bandwidth``, ``inter_bandwidth``, ``inter_overlap`` (from ``overlap`` when unset),
+    ...) to measured step times. ``samples`` are
     ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
     :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``, ``activation_sums``,
     ``async_tp``). Minimises the squared log ratio of :func:`cost`'s step time to the measured
