@@ -124,14 +124,17 @@ def distributed_optimizer_events(e: TaggedEvent, sent: int, mesh: Mesh, param_dt
 
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
                    compiled: bool = False, selective_ac: str | None = None, float8: bool = False,
-                   activation_sums: str | None = None, distributed_optimizer: bool = False) -> dict[str, float]:
+                   activation_sums: str | None = None, distributed_optimizer: bool = False,
+                   fused_recompute: bool = False) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
     phase, split into critical-path and weight traffic, per collective. ``float8``: the
     layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
     with dynamic tensorwise scaling; attention and the head stay bf16) and their activation
     all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`; ``distributed_optimizer``:
-    the data-parallel gradient all-reduces as :func:`distributed_optimizer_events`. ``async
+    the data-parallel gradient all-reduces as :func:`distributed_optimizer_events`;
+    ``fused_recompute``: what checkpointed regions recompute besides matmuls and attention moves
+    no memory of its own (fused into the backward kernels that read it, as XLA does). ``async
     {phase}``: the part of the critical path async TP can overlap (:func:`async_tp_event`)."""
     if activation_sums not in (None, "float32", "bfloat16"):
         raise ValueError(f"cost: activation_sums={activation_sums!r}; use None or 'float32' (as the step sends them) "
@@ -154,8 +157,9 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
         for phase, f in run.flops.items():
             attn = run.attention_flops.get(phase, 0.0)
             cast = FLOAT8_CAST_BYTES * run.linear_operands.get(phase, 0.0) if float8 else 0.0
+            fused = run.recompute_traffic if fused_recompute and phase == "backward" else 0.0
             add(f"compute {phase}", (f - attn) / mm_rate + attn / attn_rate - fp8_part(run.linear_flops.get(phase, 0.0))
-                + (run.traffic.get(phase, 0.0) + cast) / byte_rate)
+                + (run.traffic.get(phase, 0.0) - fused + cast) / byte_rate)
         if selective_ac == "op":     # torchtitan's: recompute every second matmul and the unsaved kernels
             add("compute backward", run.every_other_mm_forward / (fp8_rate if float8 else mm_rate)
                 + run.layer_forward_traffic / byte_rate)
@@ -184,6 +188,8 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
             grouped.add(key)
         kind = "weight" if e.weight_traffic else "critical"
         add(f"{kind} {e.phase}" if layer == "all" else kind, s)
+        if e.weight_traffic and where == "inter" and layer == "all":
+            add(f"weight inter {e.phase}", s)
         if e.weight_traffic and e.kind == "all_gather" and layer == "all":
             add(f"gather {e.phase}", s)
         if layer == "all" and async_tp_event(e):
@@ -197,9 +203,18 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     return out
 
 
+def hidable(cl: Cluster, weight: float, inter: float) -> float:
+    """Seconds of ``weight`` traffic (``inter`` of them across nodes) that can hide under compute:
+    ``overlap`` of the traffic inside nodes, ``inter_overlap`` of the traffic across nodes
+    (``overlap`` when not set)."""
+    across = cl.overlap if cl.inter_overlap is None else cl.inter_overlap
+    return cl.overlap * (weight - inter) + across * inter
+
+
 def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None,
          float8: bool = False, activation_sums: str | None = None, async_tp: bool = False,
-         tp_comm_overlap: bool = False, distributed_optimizer: bool = False) -> "StepTime":
+         tp_comm_overlap: bool = False, distributed_optimizer: bool = False,
+         fused_recompute: bool = False) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
@@ -219,7 +234,9 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     ``distributed_optimizer`` (Megatron's, ZeRO-1) reduce-scatters the data-parallel gradients
     in backward, all-gathers the updated parameters in the compute dtype before the next
     forward (weight traffic of the forward) and updates each rank's shard of the state
-    (:func:`distributed_optimizer_events`).
+    (:func:`distributed_optimizer_events`); ``fused_recompute`` charges no memory traffic for
+    what checkpointed regions recompute besides matmuls and attention (XLA fuses it into the
+    backward kernels that read it; MaxText's remat policies).
     A fraction ``overlap``
     of the weight traffic (FSDP gathers, gradient reductions) hides under the compute of its
     phase, the rest and the other collectives (TP/SP/CP activations, loss sums) add to it;
@@ -235,7 +252,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
                          f"this estimate ran remat={est.settings['remat']!r}, whose recomputation its backward "
                          f"already counts; drop selective_ac")
     comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8,
-                            activation_sums=activation_sums, distributed_optimizer=distributed_optimizer)
+                            activation_sums=activation_sums, distributed_optimizer=distributed_optimizer,
+                            fused_recompute=fused_recompute)
              for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
@@ -249,7 +267,7 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     for phase in ("forward", "backward"):
         w = total.get(f"weight {phase}", 0.0)
         c = total.get(f"compute {phase}", 0.0)
-        hide = min(cl.overlap * w, c)
+        hide = min(hidable(cl, w, total.get(f"weight inter {phase}", 0.0)), c)
         # async TP: a fraction of the TP activation collectives runs under the matmuls they feed
         tp = min(fraction * total.get(f"async {phase}", 0.0), c - hide)
         exposed += total.get(f"critical {phase}", 0.0) - tp + w - hide
@@ -269,7 +287,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
             weight = (scale * total.get("gather forward", 0.0) + total.get("weight forward", 0.0)
                       - total.get("gather forward", 0.0) + total.get("weight backward", 0.0)
                       - total.get("gather backward", 0.0))
-            hide = min(cl.overlap * weight, m * compute)
+            inter = sum(total.get(f"weight inter {ph}", 0.0) for ph in ("forward", "backward"))
+            hide = min(hidable(cl, weight, inter), m * compute)
             # the TP overlap's budget is the micro-batch's compute left once the step's weight
             # traffic, spread over the m micro-batches, has hidden under it (not the per-micro-batch
             # charge of that traffic, which the loop above assumed)
@@ -333,7 +352,8 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
                 rounds: int = 12) -> Cluster:
     """Fit ``base``'s numbers named in ``fit`` (any of Cluster's: ``compute_efficiency``,
     ``attention_efficiency``, ``memory_efficiency``, ``compiled_traffic``, ``overlap``,
-    ``intra_bandwidth``, ``inter_bandwidth``, ...) to measured step times. ``samples`` are
+    ``intra_bandwidth``, ``inter_bandwidth``, ``inter_overlap`` (from ``overlap`` when unset),
+    ...) to measured step times. ``samples`` are
     ``(estimate, measured_seconds)`` or ``(estimate, measured_seconds, cost_options)`` with
     :func:`cost`'s keywords (``compiled``, ``selective_ac``, ``float8``, ``activation_sums``,
     ``async_tp``). Minimises the squared log ratio of :func:`cost`'s step time to the measured
@@ -342,11 +362,14 @@ def fit_cluster(base: "Cluster | str", samples: list[tuple], fit: tuple[str, ...
     depends on keeps its value."""
     cl = as_cluster(base)
     samples = [(s[0], s[1], dict(s[2]) if len(s) > 2 else {}) for s in samples]
+    if "inter_overlap" in fit and cl.inter_overlap is None:     # unset: starts from overlap
+        cl = cl.with_(inter_overlap=cl.overlap)
     unknown = [k for k in fit if not isinstance(getattr(cl, k, None), (int, float))]
     if unknown:
         raise ValueError(f"fit_cluster: {unknown} are not numbers of a Cluster; fit some of "
                          f"{[k for k, v in vars(cl).items() if isinstance(v, float)]}")
     capped = {"compute_efficiency", "attention_efficiency", "memory_efficiency", "compiled_traffic", "overlap",
+              "inter_overlap",
               "float8_efficiency", "async_tp_overlap"}
 
     def loss(c: Cluster) -> float:

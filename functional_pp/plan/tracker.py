@@ -92,6 +92,7 @@ class DeviceRun:
     traffic_by_layer: dict = field(default_factory=dict)     # layer -> traffic (forward and backward)
     every_other_mm_forward: float = 0.0     # FLOPs of each layer's 2nd, 4th, ... forward matmul
     layer_forward_traffic: float = 0.0      # forward traffic inside the layers
+    recompute_traffic: float = 0.0          # backward traffic of what checkpointed regions recompute
     linear_flops: dict = field(default_factory=dict)         # phase -> matmul FLOPs inside the layers (Float8's)
     linear_operands: dict = field(default_factory=dict)      # phase -> elements those matmuls read (cast to fp8)
     linear_by_layer: dict = field(default_factory=dict)      # layer -> matmul FLOPs (forward and backward)
@@ -412,6 +413,8 @@ class MemoryTracker(TorchDispatchMode):
         self.run.traffic_by_layer[self.layer] = self.run.traffic_by_layer.get(self.layer, 0.0) + moved
         if self.phase == "forward" and self.layer is not None:
             self.run.layer_forward_traffic += moved
+        if self.recomputing:
+            self.run.recompute_traffic += moved
 
 
 def _flash_causal(func, args) -> bool:

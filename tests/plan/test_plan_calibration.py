@@ -131,3 +131,42 @@ def test_the_70b_rows_are_predicted_within_15_percent():
     assert t2 / t1 == pytest.approx(fused.tokens_per_s_per_gpu / sync.tokens_per_s_per_gpu, rel=0.01)
     tp = s1.by_collective["tp all_gather (intra)"] + s1.by_collective["tp reduce_scatter (intra)"]
     assert s1.step_s - s2.step_s == pytest.approx(plan.cluster("h100x8-gt").async_tp_overlap * tp, rel=1e-6)
+
+
+def test_fused_recompute_drops_exactly_what_the_checkpointed_regions_recompute():
+    """Under ``remat`` the dry-run counts the memory traffic of what backward recomputes
+    (``DeviceRun.recompute_traffic``; none without it); ``cost(..., fused_recompute=True)``
+    (XLA fusing it into the backward kernels that read it) charges all but that traffic."""
+    fn, decls = functools.partial(llama.loss, cfg=TINY), llama.init(TINY)
+    remat = plan.estimate(fn, decls, fpp.Mesh(), fpp.Rules(), BATCH, remat="selective")
+    plain = plan.estimate(fn, decls, fpp.Mesh(), fpp.Rules(), BATCH)
+    recomputed = remat.extrapolate(lambda r: r.recompute_traffic)
+    assert plain.extrapolate(lambda r: r.recompute_traffic) == 0
+    assert 0 < recomputed < remat.extrapolate(lambda r: r.traffic["backward"])
+    cl = plan.cluster("h100x8")
+    saved = plan.cost(remat, cl).compute_s - plan.cost(remat, cl, fused_recompute=True).compute_s
+    assert saved == pytest.approx(recomputed / (cl.memory_bandwidth * cl.memory_efficiency), rel=1e-9)
+    assert plan.cost(plain, cl, fused_recompute=True).step_s == plan.cost(plain, cl).step_s
+
+
+def test_inter_overlap_hides_its_fraction_of_the_traffic_across_nodes_only():
+    """``Cluster.inter_overlap``: the weight traffic that crosses nodes (here the data-parallel
+    all-reduce over ``dp_replicate``, one rank per node) hides by its own fraction, the
+    traffic inside a node (FSDP over ``dp_shard``) by ``overlap``; unset, both by ``overlap``."""
+    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
+    est = plan.estimate(functools.partial(llama.loss, cfg=TINY), llama.init(TINY), mesh,
+                        llama.default_rules(), {k: ((4, 32), "batch seq") for k in BATCH})
+    slow = plan.cluster("h100x8").with_(devices_per_node=2, peak_flops=1e9)     # compute hides everything it may
+    t = plan.cost(est, slow)
+    comps = [plan.timing.run_components(r, mesh, slow) for r in est.runs]
+
+    def total(key):
+        return est.extrapolate_values([c.get(key, 0.0) for c in comps])
+    inter = sum(total(f"weight inter {ph}") for ph in ("forward", "backward"))
+    intra = sum(total(f"weight {ph}") for ph in ("forward", "backward")) - inter
+    assert inter > 0 and intra > 0 and plan.cost(est, slow.with_(inter_overlap=slow.overlap)).step_s == t.step_s
+    for f in (0.0, 0.5):
+        exposed = plan.cost(est, slow.with_(inter_overlap=f)).exposed_comm_s - t.exposed_comm_s
+        assert exposed == pytest.approx((slow.overlap - f) * inter, rel=1e-6)
+    everything = plan.cost(est, slow.with_(overlap=1.0, inter_overlap=0.0))
+    assert everything.hidden_comm_s == pytest.approx(intra, rel=1e-6)

@@ -16,7 +16,7 @@ def predicted():
 def test_the_split_is_explicit_and_the_fitted_rows_are_held_to_five_percent():
     assert set(references.FITTED) | set(references.HELD_OUT) == set(references.ROWS)
     assert not set(references.FITTED) & set(references.HELD_OUT)
-    assert len(references.HELD_OUT) >= 8 and len(references.FITTED) == 11
+    assert len(references.HELD_OUT) >= 8 and len(references.FITTED) == 13
     for r in references.ROWS:
         assert r.cluster in plan.PRESETS and r.source, r.name
         assert r.tolerance == 0.05 or r.why, f"{r.name}: a tolerance over 5% must say why"
@@ -39,8 +39,12 @@ def test_the_tolerances_are_the_ones_achieved(predicted):
 
 
 def _samples(rows):
-    return [(references.reference_estimate(r), r.local_batch * r.seq * dict(r.mesh).get("dp_shard", 1)
-             / r.devices / r.tokens_per_s_per_gpu, r.cost_options()) for r in rows]
+    """(estimate, measured step seconds, cost options) of each row: its data-parallel ranks' tokens
+    over its devices' rate."""
+    def dp(r):
+        return dict(r.mesh).get("dp_shard", 1) * dict(r.mesh).get("dp_replicate", 1)
+    return [(references.reference_estimate(r), r.local_batch * r.seq * dp(r) / r.devices / r.tokens_per_s_per_gpu,
+             r.cost_options()) for r in rows]
 
 
 def test_the_fit_sees_only_the_fitted_rows_and_the_preset_is_its_result():
@@ -131,5 +135,24 @@ def test_maxtext_rows_convert_its_count_of_the_model_the_rows_run():
     count = sum(math.prod(d.shape) for d in tree_leaves(llama.init(cfg, torch.bfloat16)))
     assert count == references.LLAMA2_7B_PARAMETERS
     for r in references.MAXTEXT_A3:
-        assert dict(r.mesh)["dp_shard"] == 8 and r.devices % 8 == 0 and r.split == "held_out"
+        assert dict(r.mesh)["dp_shard"] == 8 and r.devices % 8 == 0
     assert references.MAXTEXT_A3[0].tokens_per_s_per_gpu == pytest.approx(492e12 / (6 * count + 6 * 32 * 128 * 32 * 4096))
+
+
+def test_the_a3_cross_vm_overlap_is_fitted_on_two_rows_and_carries_the_held_out_ones():
+    """``a3x8``'s ``inter_overlap`` (the cross-VM gradient all-reduce hidden under compute over
+    GPUDirect-TCPX) is the fit on MaxText's 2- and 16-VM rows alone: refitted there from
+    torchtitan's 0.94 it lands on the preset's 0.26. The 1-, 4- and 8-VM rows are held out; the
+    mechanisms carry them: with the cross-VM traffic hidden as over torchtitan's RDMA (0.94) the
+    4-VM row is >10% optimistic, and without XLA's fusion of what minimal_flash recomputes
+    (``fused_recompute``) the 1-VM row is >5% pessimistic."""
+    fitted = [r for r in references.MAXTEXT_A3 if r.split == "fitted"]
+    assert [r.devices for r in fitted] == [16, 128]
+    preset = plan.cluster("a3x8")
+    refit = plan.fit_cluster(preset.with_(inter_overlap=None), _samples(fitted), fit=("inter_overlap",), rounds=2)
+    assert refit.inter_overlap == pytest.approx(preset.inter_overlap, abs=0.01)
+    one, _, four, _, _ = references.MAXTEXT_A3
+    rdma = references.predict(four, preset.with_(inter_overlap=None))[0] / four.tokens_per_s_per_gpu - 1
+    assert rdma > 0.10, rdma
+    t = plan.cost(references.reference_estimate(one), "a3x8", **{**one.cost_options(), "fused_recompute": False})
+    assert one.local_batch * one.seq / t.step_s / one.tokens_per_s_per_gpu - 1 < -0.05
