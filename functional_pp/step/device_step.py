@@ -33,7 +33,7 @@ from functional_pp.step.buffers import acc_dtype, as_dtype, device_of
 from functional_pp.step.io import split_micro
 from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.settings import PRECISIONS
-from functional_pp.step.update import update_phase
+from functional_pp.step.update import UpdateStrategy
 
 StepParts = Any     # the TrainStep (step/train.py) a device function is bound to: its settings and parts
 
@@ -51,9 +51,10 @@ class DeviceFunction(Protocol):
     def init(self, params: Any) -> dict:
         """This device's training state from the named parameters."""
 
-    def __call__(self, params, opt_state, count, skipped, batch, params_finite=None, peaks=None, seed=None,
-                 donate_state: bool | None = None) -> DeviceStepResult:
-        """One step on this device: the new state and the metrics, still on the device."""
+    def __call__(self, params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                 update: UpdateStrategy) -> DeviceStepResult:
+        """One step on this device, updating with ``update`` (step/update.py): the new state and
+        the metrics, still on the device."""
 
     def logical_state(self, state: dict) -> dict:
         """The whole training state, as one device holds it."""
@@ -85,8 +86,8 @@ class PlainDeviceStep:
     def stage_state(self, state: dict) -> dict:
         return state
 
-    def __call__(self, params, opt_state, count, skipped, batch, params_finite=None, peaks=None, seed=None,
-                 donate_state: bool | None = None) -> DeviceStepResult:
+    def __call__(self, params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                 update: UpdateStrategy) -> DeviceStepResult:
         # seed: what the parameters are made differentiable with in a compiled step on a
         # torch whose dynamo cannot (_torch/grad_leaves.py); None otherwise
         s = self.step
@@ -152,22 +153,20 @@ class PlainDeviceStep:
             masters = [x for x, t in zip(leaves, trains) if t]
             grads = [offload.grad_to_host(g, x.dtype) for g, x in zip(grads, masters)]
             total = total.to(offload.HOST)
-        return finish_update(s, params, leaves, treespec, opt_state, grads, total, tokens, count, skipped,
+        return finish_update(s, update, params, leaves, treespec, opt_state, grads, total, tokens, count, skipped,
                              step_values.combine(reported), s.spec.axis_groups(env()[0]),
-                             donate_state=donate_state, params_finite=params_finite, peaks=peaks,
-                             reduce_on=compute_device)
+                             params_finite=params_finite, peaks=peaks, reduce_on=compute_device)
 
 
-def finish_update(s: StepParts, params, leaves: list, treespec, opt_state, grads: list, total: torch.Tensor,
-                  tokens: torch.Tensor, count, skipped, values: dict, groups: list, *, donate_state: bool | None,
+def finish_update(s: StepParts, update: UpdateStrategy, params, leaves: list, treespec, opt_state, grads: list,
+                  total: torch.Tensor, tokens: torch.Tensor, count, skipped, values: dict, groups: list, *,
                   params_finite=None, peaks=None, reduce_on: torch.device | None = None) -> DeviceStepResult:
-    """The end every device function shares: the step's update (its strategy, step/update.py)
-    of the trainable leaves by their gradients ``grads``, the deferred mode's device-side choice,
+    """The end every device function shares: ``update`` (the step's strategy, step/update.py)
+    applied to the trainable leaves with their gradients ``grads``, the deferred mode's device-side choice,
     the frozen leaves merged back, and the metrics (loss ``total``, gradient norm, learning
     rate, ``tokens``, flags, the loss's reported ``values``) as a :class:`DeviceStepResult`."""
     trained = s.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
-    up = update_phase(s.optimizer, grads, tree_flatten(trained)[1], trained, opt_state, total, groups,
-                      donate_state=s.donate_state if donate_state is None else donate_state,
+    up = update.apply(grads, tree_flatten(trained)[1], trained, opt_state, total, groups,
                       params_finite=params_finite, peaks=peaks, reduce_on=reduce_on)
     # deferred: the skip chosen on the device (step/metrics_modes.py)
     up.params, up.opt_state = s._metrics.chosen(up, tree_leaves(trained), opt_state)

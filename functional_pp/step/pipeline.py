@@ -52,6 +52,7 @@ from functional_pp.step.device_step import finish_update, micro_weights
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
 from functional_pp.step.result import DeviceStepResult
+from functional_pp.step.update import UpdateStrategy
 
 PP = "pp"
 
@@ -230,8 +231,8 @@ class PipelineSchedule:
         return k is None or k % self.stages == device
 
     # ------------------------------------------------------------- the step
-    def __call__(self, params, opt_state, count, skipped, batch, params_finite=None, peaks=None, seed=None,
-                 donate_state: bool | None = None) -> DeviceStepResult:
+    def __call__(self, params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                 update: UpdateStrategy) -> DeviceStepResult:
         _refuse_batched()      # (seed: None, no pipeline step is compiled whole)
         mesh = env()[0]
         p, v = self.stages, self.virtual_stages
@@ -330,10 +331,9 @@ class PipelineSchedule:
             values = {name: raw_all_reduce(values[name] if name in values else
                                            torch.zeros(shape, dtype=dtype, device=total.device), PP, "sum")
                       for name, (shape, dtype) in probe.reported.items()}
-        return finish_update(self.step, params, leaves, treespec, opt_state,
+        return finish_update(self.step, update, params, leaves, treespec, opt_state,
                              [g for g, t in zip(grads, trains) if t], total, tokens, count, skipped, values,
-                             self._norm_groups(mesh), donate_state=donate_state, params_finite=params_finite,
-                             peaks=peaks)
+                             self._norm_groups(mesh), params_finite=params_finite, peaks=peaks)
 
     def _stage(self, k: int):
         """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the

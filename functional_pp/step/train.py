@@ -6,6 +6,7 @@ gradients of sharded parameters arrive reduced exactly once over every mesh axis
 data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -42,7 +43,7 @@ from functional_pp.step.nonfinite import NonFiniteError  # noqa: F401 (public he
 from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.settings import (DEFAULT_BATCH_DIMS, METRICS_MODES, PER_WEIGHT, PRECISIONS, STEP_POLICY,
                                          ParamSpec, StepSettings, step_options, trainable_flags)
-from functional_pp.step.update import Updated
+from functional_pp.step.update import UpdateStrategy, choose_update
 
 # (imported from here by the planner, the pipeline step and the tests)
 __all__ = ["TrainStep", "train_step", "NoLayerWarning", "NonFiniteError", "ParamSpec", "StepSettings",
@@ -70,6 +71,8 @@ class TrainStep(StepSettings):
 
     def __post_init__(self):
         super().__post_init__()
+        self.device = self.device if self.device is not None else PlainDeviceStep()
+        self.device.bind(self)      # (first: it may check and adjust the settings; step/pipeline.py)
         self.spec: ParamSpec | None = None
         self._compile_lock = threading.Lock()   # simulated devices share one spec (and a pipeline's stages)
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
@@ -78,11 +81,13 @@ class TrainStep(StepSettings):
         self._compute = new_per_thread()        # offload_params: per device, where the step computes (step.init)
         self._said_not_offloaded: list = []     # activation_offloading off CUDA: said once (step/activation_offload.py)
         self._bound = DonatedBound(self.optimizer, self.donate_state)   # donated state: step/known_finite.py
+        # in place, in new buffers or written under a guard (step/update.py), chosen once
+        self._update = choose_update(self.optimizer, donate_state=self.donate_state,
+                                     compiled=bool(split_mode(self.compile)[0]), bound=self._bound.bound)
         self._metrics = metrics_mode(self.metrics, HostView(
             on_nonfinite=self.on_nonfinite, max_consecutive_skips=self.max_consecutive_skips,
-            host_values=self._host_values, compute_device=self._offloaded_to, redo=self._redo_without_donation))
-        self.device = self.device if self.device is not None else PlainDeviceStep()
-        self.device.bind(self)      # (last: it may check and adjust the settings; step/pipeline.py)
+            host_values=self._host_values, compute_device=self._offloaded_to,
+            redo=functools.partial(self._update.redo, self)))
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
@@ -193,7 +198,8 @@ class TrainStep(StepSettings):
         tensors, plan/dryrun.py); run it under :meth:`apply_policy` and the step's rules."""
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.trace")
-        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                                 update=self._update.eager)
 
     def _carried_peaks(self, state: dict) -> tuple[Any, list[torch.Tensor] | None]:
         """A compiled donated step whose optimizer's bound carries its terms' peaks (AdamW's first
@@ -242,22 +248,20 @@ class TrainStep(StepSettings):
         names = [d for dims in self.batch_dims.values() for d in (dims.split() if isinstance(dims, str) else dims)]
         return tuple(dict.fromkeys(names))
 
-    def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
-        """A held compiled donated step (its state passed in untouched: nothing was written) made
-        again by the compiled step without donation (a second graph, compiled at the first held
-        step): the update in new buffers, checked as such a step checks it."""
+    def run_without_donation(self, state: dict, batch: dict) -> DeviceStepResult:
+        """The compiled step without donation (a second graph, compiled at its first use, updating
+        as the step's strategy does without donation) run on ``state``: how a held compiled
+        donated step is made again (``WrittenUnderGuard.redo``, step/update.py)."""
         step_compile, layer_compile = split_mode(self.compile)
         compiled = self._compiled.new_buffers(self._device_step_new_buffers)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
-            out = compiled(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
-                           grad_seed(device_of(state["params"]), True))
-        m = out.metrics
-        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
-                       m["skipped"] == 0, False)
+            return compiled(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                            grad_seed(device_of(state["params"]), True))
 
-    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch, seed=None):
-        return self._device_step(params, opt_state, step, skipped, batch, seed=seed, donate_state=False)
+    def _device_step_new_buffers(self, params, opt_state, count, skipped, batch, seed=None):
+        return self._device_step(params, opt_state, count, skipped, batch, seed=seed,
+                                 update=self._update.without_donation)
 
     def resolved_policy(self) -> Policy:
         """The policy the step's ops run under: its ``policy`` (16-bit ``precision`` summing
@@ -329,10 +333,12 @@ class TrainStep(StepSettings):
         return device
 
     def _device_step(self, params, opt_state, count, skipped, batch, params_finite=None, peaks=None,
-                     seed=None, donate_state: bool | None = None) -> DeviceStepResult:
-        """The device function (step/device_step.py) the step was built with, run on this device:
-        the one function every compiled step compiles (docs/compile.md)."""
-        return self.device(params, opt_state, count, skipped, batch, params_finite, peaks, seed, donate_state)
+                     seed=None, update: UpdateStrategy | None = None) -> DeviceStepResult:
+        """The device function (step/device_step.py) the step was built with, run on this device
+        with the step's update strategy (or ``update``): the one function every compiled step
+        compiles (docs/compile.md)."""
+        return self.device(params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                           update if update is not None else self._update)
 
 
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,

@@ -55,6 +55,25 @@ def test_no_step_asks_which_kind_of_step_it_is():
     assert not asks, f"isinstance checks on the pipeline's step: {asks}"
 
 
+def test_the_update_strategy_is_chosen_when_the_step_is_built():
+    """In place, in new buffers or written under a guard: one object per step, from donate_state,
+    compile and what the optimizer declares (step/update.py); the redo of a held compiled step is
+    its method, the eager form of a compiled step's the strategy ``trace`` runs."""
+    from functional_pp.step.update import InNewBuffers, InPlace, WrittenUnderGuard
+    assert type(_step()._update) is InNewBuffers
+    assert type(_step(donate_state=True)._update) is InPlace          # adamw has an in-place step
+    compiled = _step(donate_state=True, compile="aot_eager")          # (nothing compiled until a step runs)
+    assert type(compiled._update) is WrittenUnderGuard and compiled._update.bound is compiled._bound.bound
+    assert type(compiled._update.eager) is InPlace and type(compiled._update.without_donation) is InNewBuffers
+    sgd = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.sgd(1e-2), donate_state=True)
+    assert type(sgd._update) is InNewBuffers                           # no in-place step: new buffers
+    pipe = pipeline_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2), grad_accum=2,
+                         donate_state=True, compile="aot_eager")      # stages compiled, the step eager
+    assert type(pipe._update) is InPlace
+    with pytest.raises(RuntimeError, match="never held"):
+        _step()._update.redo(None, {}, {})
+
+
 @pytest.mark.parametrize("options, words", [({"precision": "fp8"}, "precision 'fp8'"),
                                             ({"metrics": "lazy"}, "metrics 'lazy'"),
                                             ({"grad_accum": 0}, "grad_accum must be >= 1")])
