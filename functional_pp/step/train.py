@@ -28,6 +28,7 @@ from functional_pp.core.runtime import current_context, current_policy, new_per_
 from functional_pp.core.tree import leaves_with_paths, tree_leaves, tree_unflatten
 from functional_pp.devices import mesh_view
 from functional_pp.ops.token_ids import deferred_checks
+from functional_pp.parallel.fsdp.role import role as param_role
 from functional_pp.parallel.named import Named, make_named, env, wrap
 from functional_pp.parallel.shard_map import use_rules
 from functional_pp.step import offload
@@ -319,7 +320,7 @@ class TrainStep(StepSettings):
             # parameters an earlier forward gathered at several sites are tied (parallel/fsdp/param_uses.py)
             tied = getattr(self._shared, "tied", None) or ()
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
-            named = [make_named(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
+            named = [make_named(x, *t, role=param_role(True, i in tied)) for i, (x, t) in enumerate(zip(leaves, types))]
         return named
 
     def _offloaded_to(self) -> torch.device | None:

@@ -8,7 +8,7 @@ One of three strategies, chosen once when the step is built (:func:`choose_updat
   ``optim.adamw``): one fused pass writes the new parameters and optimizer state into the
   state passed in, unless the loss or the gradient norm is not finite (a scalar skip); a step
   the in-place step held back (its bound could not show it finite) is made again in new
-  buffers by the host (:meth:`InPlace.redo`, the result's ``retry``);
+  buffers by the host (:meth:`InPlace.redo_in_new_buffers`, the result's ``retry``);
 * :class:`InNewBuffers` (other eager steps, and traced steps without donation): the optimizer
   works in the step's own gradient buffers (docs/memory.md); the state passed in is untouched,
   and the host returns it for a skipped step after the step's one metrics read
@@ -113,7 +113,7 @@ class InNewBuffers(UpdateStrategy):
 
 class InPlace(UpdateStrategy):
     """Eager, donated: the optimizer's in-place step writes into the state passed in; a step
-    it held back is made in new buffers by :meth:`redo` (the result's ``retry``)."""
+    it held back is made in new buffers by :meth:`redo_in_new_buffers` (the result's ``retry``)."""
 
     def __init__(self, optimizer: optim.GradientTransformation, step_in_place: Callable[..., Any]):
         self.optimizer, self.step_in_place = optimizer, step_in_place
