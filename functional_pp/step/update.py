@@ -27,7 +27,7 @@ has already been written, and the host stops the run (``nonfinite.keep_or_raise`
 ``offload_params`` the update runs on the host and ``reduce_on`` names the device whose
 collectives complete its norms and checks.
 
-Mechanism: Optimizer update (the update phase: gradient norm, optimizer, device side of the guard).
+Mechanism: Optimizer update (the update strategies, chosen when the step is built: gradient norm, optimizer, device side of the guard).
 """
 from __future__ import annotations
 
