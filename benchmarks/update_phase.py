@@ -1,5 +1,5 @@
 """The update phase of one training step alone, on the parameter shapes of a Llama preset: our
-``step.update.update_phase`` (global gradient norm, optimizer, the update's finiteness check),
+``step.update`` strategies (global gradient norm, optimizer, the update's finiteness check),
 with donated state (AdamW's in-place step: one fused kernel pass) and without (the pure chain
 in the step's own gradient buffers), against ``torch.optim.AdamW(foreach=True).step()`` and
 ``fused=True``. Process CPU time per call, the variants interleaved, medians.
@@ -25,7 +25,7 @@ from single_device import OPT, make_config  # noqa: E402
 
 import functional_pp as fpp  # noqa: E402
 from functional_pp.models import llama  # noqa: E402
-from functional_pp.step.update import update_phase  # noqa: E402
+from functional_pp.step.update import choose_update  # noqa: E402
 
 
 def _adamw():
@@ -35,6 +35,7 @@ def _adamw():
 class Ours:
     def __init__(self, params: list[torch.Tensor], donate: bool):
         self.opt, self.donate = _adamw(), donate
+        self.update = choose_update(self.opt, donate_state=donate)
         self.params = [p.clone() for p in params]
         self.treespec = optree.tree_structure(self.params)
         self.state = self.opt.init(self.params)
@@ -43,8 +44,7 @@ class Ours:
     def __call__(self, grads: list[torch.Tensor]) -> float:
         grads = [g.clone() for g in grads]     # the step's own buffers (not timed)
         c0 = time.process_time()
-        up = update_phase(self.opt, grads, self.treespec, self.params, self.state, torch.tensor(1.0), self.groups,
-                          donate_state=self.donate)
+        up = self.update.apply(grads, self.treespec, self.params, self.state, torch.tensor(1.0), self.groups)
         bool(up.finite)                        # the step's metrics read
         seconds = time.process_time() - c0
         self.params, self.state = up.params, up.opt_state

@@ -286,9 +286,9 @@ class TrainRun:
         # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under
         # their logical names (the others are empty there), evaluations see the whole (logical)
         # state (docs/pipelines.md)
-        self.whole = getattr(step_fn, "logical_state", lambda state: state)
-        self.whole_params = getattr(step_fn, "logical_params", lambda params: params)   # (GRPO's sampling)
-        self.mine = getattr(step_fn, "stage_state", lambda state: state)
+        self.whole = step_fn.logical_state
+        self.whole_params = step_fn.logical_params      # (GRPO's sampling)
+        self.mine = step_fn.stage_state
         self.metrics_path = self.out_dir / METRICS
         self.eval_every = cfg.eval_steps or cfg.logging.log_every
 

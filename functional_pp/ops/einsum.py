@@ -8,6 +8,7 @@ import torch
 
 from functional_pp._torch import is_tracing
 from functional_pp.parallel.fsdp.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.role import is_gathered
 from functional_pp.parallel.named import Named, make_named, op_env, pvary, require_named, settle, varying_after
 
 
@@ -125,7 +126,7 @@ def einsum(pattern: str, *operands: Named) -> Named:
              for x, c, t in zip(operands, casts, targets)]
     gathered = False
     for x in ready:
-        gathered = gathered or x._gathered_from is not None
+        gathered = gathered or is_gathered(x.role)
     if gathered:        # a gathered weight: not saved for backward (parallel/fsdp/regather.py)
         with regather_scope(ready):
             data = _contract(spec, ready)

@@ -5,6 +5,7 @@ import torch
 
 from functional_pp.ops.einsum import _cache
 from functional_pp.parallel.fsdp.regather import regather_scope, relayout
+from functional_pp.parallel.fsdp.role import is_gathered
 from functional_pp.parallel.named import Named, make_named, env, op_env, pvary, settle, varying_after
 
 
@@ -50,7 +51,7 @@ def broadcast_binary(fn, a, b, name: str, keep_partial: bool = False) -> Named:
             plan = plans[key] = _binary_layout(a, b, name, mesh, rules)
     dims, ta, tb, out_split, out_sizes, align_a, align_b = plan or _binary_layout(a, b, name, mesh, rules)
     if (a._split == ta and b._split == tb and a._vary == b._vary and not a._partial and not b._partial
-            and a._gathered_from is None and b._gathered_from is None):
+            and not is_gathered(a.role) and not is_gathered(b.role)):
         # already laid out and typed alike: nothing to reconcile (docs/eager_overhead.md)
         data = fn(a._data if align_a is None else _align(a, dims, align_a),
                   b._data if align_b is None else _align(b, dims, align_b))

@@ -5,6 +5,7 @@ import re
 from typing import Mapping
 
 from functional_pp.parallel.fsdp.regather import relayout
+from functional_pp.parallel.fsdp.role import of_view
 from functional_pp.parallel.named import Named, make_named, env, op_env, require_named, settle, target_layout
 
 
@@ -25,7 +26,7 @@ def rename(x: Named, mapping: Mapping[str, str] | None = None, **kw: str) -> Nam
             memo[key] = plan
     dims, reorder, sizes, target = plan
     if reorder is None and not x._partial and x._split == target:   # a new name, nothing to move
-        return make_named(x._data, dims, x._split, x._vary, x._partial, sizes, x._is_param, x._tied, x._gathered_from)
+        return make_named(x._data, dims, x._split, x._vary, x._partial, sizes, x.role)
     if reorder is not None:     # the two names order the dimension differently: gather it under the old one
         x = relayout(x, reorder, f"rename {mapping}")
     y = _keep_param(x, x.data, dims, x.split, x.partial, sizes)
@@ -47,16 +48,11 @@ def _rename_plan(x: Named, mapping: dict, rules) -> tuple:
     return dims, layout, sizes, target_layout(dims, sizes, name=f"rename {mapping}")
 
 
-def _root(t):
-    return t._base if t._base is not None else t
-
-
 def _keep_param(x: Named, data, dims, split, partial=frozenset(), sizes=None) -> Named:
     """A value of ``data`` (a view of ``x``'s data under other names or shape), typed like
     ``x``, that stays a parameter if ``x`` is one: FSDP re-gathers it in backward instead of
     keeping it gathered (docs/layouts.md)."""
-    gathered = x.gathered_from if x.gathered_from is not None and _root(data) is _root(x.data) else None
-    return make_named(data, tuple(dims), tuple(split), x.vary, partial, sizes, x.is_param, x.tied, gathered)
+    return make_named(data, tuple(dims), tuple(split), x.vary, partial, sizes, of_view(x.role, data, x.data))
 
 
 def _contiguous_split(x: Named, i: int, what: str) -> Named:

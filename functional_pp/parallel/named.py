@@ -29,6 +29,7 @@ from functional_pp.core.runtime import (active_rules, configure, context_and_rul
 from functional_pp.devices.mesh_view import register_block_type
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.fsdp import param_uses
+from functional_pp.parallel.fsdp.role import ParamRole, role as param_role, tied as tied_role
 
 NO_AXES: frozenset[str] = frozenset()     # the ``vary`` / ``partial`` of a value over no mesh axis
 _TRIVIAL_MESH = Mesh()
@@ -100,7 +101,8 @@ class Named:
     ``split`` (per dimension, the mesh axes splitting it, outer first), ``vary`` (the axes the
     value varies over: always a superset of the splitting and partial axes), ``partial`` (the
     axes of a pending sum) and the global sizes are fixed at construction, and so is its
-    origin: ``is_param`` (a parameter: FSDP re-gathers it in backward instead of saving it),
+    part in FSDP, one record owned by parallel/fsdp/role.py (``role``, None for an ordinary
+    value): ``is_param`` (a parameter: FSDP re-gathers it in backward instead of saving it),
     ``tied`` (a parameter used at several sites, gathered once for all) and ``gathered_from``
     (``(shard, axes, dim, order)`` for a gathered parameter, so backward can re-gather it). Setting an
     attribute raises; :meth:`replace` returns a changed copy. Operations return new values.
@@ -110,8 +112,7 @@ class Named:
     node would silently turn every caller's named values into bare blocks (docs/named_value.md,
     "Pytrees")."""
 
-    __slots__ = ("_data", "_dims", "_split", "_vary", "_partial", "_sizes", "_is_param", "_tied",
-                 "_gathered_from", "_derived", "__weakref__")
+    __slots__ = ("_data", "_dims", "_split", "_vary", "_partial", "_sizes", "_role", "_derived", "__weakref__")
 
     def __init__(self, data: torch.Tensor, dims: Sequence[str], split: Layout | None = None,
                  vary: Iterable[str] = (), partial: Iterable[str] = (), *, sizes: Sequence[int] | None = None,
@@ -131,7 +132,7 @@ class Named:
             raise ValueError(f"sizes {tuple(sizes)} need one entry per dimension of {dims}")
         sizes = tuple(sizes) if sizes is not None else _global_sizes(data.shape, split)
         self._data, self._dims, self._split, self._vary, self._partial = data, dims, split, vary, partial
-        self._sizes, self._is_param, self._tied, self._gathered_from = sizes, bool(is_param), bool(tied), gathered_from
+        self._sizes, self._role = sizes, param_role(is_param, tied, gathered_from)
         self._derived = None
 
     def replace(self, **changes) -> "Named":
@@ -207,24 +208,27 @@ for _name, _get, _doc in (
         ("split", lambda self: self._split, "per dimension, the mesh axes splitting it"),
         ("vary", lambda self: self._vary, "mesh axes the value varies over (contains split and partial axes)"),
         ("partial", lambda self: self._partial, "mesh axes of a pending sum"),
-        ("is_param", lambda self: self._is_param, "a parameter (FSDP re-gathers it)"),
-        ("tied", lambda self: self._tied, "a parameter used at several sites"),
-        ("gathered_from", lambda self: self._gathered_from, "(shard, axes, dim, order) of a gathered parameter, else None")):
+        ("role", lambda self: self._role, "its part in FSDP (parallel/fsdp/role.py), None for an ordinary value"),
+        ("is_param", lambda self: self._role is not None and self._role.is_param, "a parameter (FSDP re-gathers it)"),
+        ("tied", lambda self: self._role is not None and self._role.tied, "a parameter used at several sites"),
+        ("gathered_from", lambda self: None if self._role is None else self._role.gathered_from,
+         "(shard, axes, dim, order) of a gathered parameter, else None")):
     setattr(Named, _name, property(_get, _refuse(_name), _refuse(_name), _doc))
 
 
 def make_named(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str, ...], ...], vary: frozenset,
-               partial: frozenset = NO_AXES, sizes: tuple[int, ...] | None = None, is_param: bool = False,
-               tied: bool = False, gathered_from: tuple | None = None) -> Named:
+               partial: frozenset = NO_AXES, sizes: tuple[int, ...] | None = None,
+               role: ParamRole | None = None) -> Named:
     """The ops' constructor (part of the toolkit ops are written with, docs/named_value.md): no
     validation or conversion, so an op's result costs one object. The caller guarantees what
     :class:`Named` checks (tuples, frozensets, ``vary`` covering split and partial axes); a
-    ``sizes`` of None is computed here. Outside an op, use :class:`Named` or :func:`wrap`."""
+    ``sizes`` of None is computed here; ``role``: its part in FSDP (parallel/fsdp/role.py).
+    Outside an op, use :class:`Named` or :func:`wrap`."""
     if sizes is None:
         sizes = _global_sizes(data.shape, split)
     x = object.__new__(Named)
     x._data, x._dims, x._split, x._vary, x._partial = data, dims, split, vary, partial
-    x._sizes, x._is_param, x._tied, x._gathered_from = sizes, is_param, tied, gathered_from
+    x._sizes, x._role = sizes, role
     x._derived = None
     return x
 
@@ -235,8 +239,8 @@ def make_named(data: torch.Tensor, dims: tuple[str, ...], split: tuple[tuple[str
 # docs/named_value.md, "Pytrees".
 optree.register_pytree_node(
     Named,
-    lambda x: ((x.data,), (x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)),
-    lambda meta, children: make_named(children[0], *meta[:4], meta[4], *meta[5:]),
+    lambda x: ((x.data,), (x.dims, x.split, x.vary, x.partial, x._sizes, x._role)),
+    lambda meta, children: make_named(children[0], *meta),
     namespace="functional_pp")
 
 
@@ -330,7 +334,7 @@ def pvary(x: Named, axes: Iterable[str]) -> Named:
     memo = memo_table(x)
     if key not in memo:
         memo[key] = make_named(C.pvary(x._data, axes), x._dims, x._split, x._vary.union(axes), x._partial, x._sizes,
-                               x._is_param, x._tied, x._gathered_from)
+                               x._role)
     return memo[key]
 
 
@@ -356,7 +360,7 @@ def tied(x: Named) -> Named:
     if not isinstance(x, Named):
         raise TypeError(f"tied: expected a named parameter, got {type(x).__name__}")
     param_uses.declare_tied(x._data)
-    return make_named(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, x._is_param, True, x._gathered_from)
+    return make_named(x._data, x._dims, x._split, x._vary, x._partial, x._sizes, tied_role(x._role))
 
 
 def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = None) -> Named:
@@ -383,7 +387,7 @@ def wrap(data: torch.Tensor, dims: Sequence[str] | str, split: Layout | None = N
 def _with_block(x: Named, data: torch.Tensor) -> Named:
     """``x`` around another block of the same shape (a batched simulation stacks and splits the
     blocks of every device: devices/batched_run.py)."""
-    return make_named(data, x.dims, x.split, x.vary, x.partial, x._sizes, x.is_param, x.tied, x.gathered_from)
+    return make_named(data, x.dims, x.split, x.vary, x.partial, x._sizes, x._role)
 
 
 register_block_type(Named, lambda x: x.data, _with_block)

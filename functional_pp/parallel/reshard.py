@@ -11,6 +11,7 @@ import torch
 from functional_pp.core.layout import Layout
 from functional_pp.core.order import from_balanced, to_balanced
 from functional_pp.parallel import collectives as C
+from functional_pp.parallel.fsdp.role import after_reshard, keeps_relayout
 from functional_pp.parallel.named import NO_AXES, Named, make_named, memo_table, env, settle, target_layout
 
 
@@ -55,7 +56,7 @@ def relayout_with(x: Named, target: Layout, change: Callable[[Named, Layout], Re
     if key in memo:
         return memo[key]
     out, gathers, _ = change(x, target)
-    if not (x._is_param and gathers) or x._tied:
+    if keeps_relayout(x.role, bool(gathers)):
         memo[key] = out
     return out
 
@@ -106,7 +107,7 @@ def reshard(x: Named, target: Layout, op: str = "relayout", gather: Gather = all
                 data = C.split_invariant(data, a, d)
                 vary.add(a)
             split[d] = split[d] + (a,)
-    out = make_named(data, x._dims, tuple(split), frozenset(vary), NO_AXES, x._sizes, x._is_param)
+    out = make_named(data, x._dims, tuple(split), frozenset(vary), NO_AXES, x._sizes, after_reshard(x.role))
     return Reshard(out, tuple(gathers), sliced)
 
 

@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-from functional_pp.core.tree import tree_map
+from functional_pp.core.tree import tree_leaves, tree_map
 from functional_pp.devices.mesh_view import physical
+
+
+def device_of(tree: Any) -> torch.device | None:
+    """The device of the first tensor of ``tree`` (None: no tensor)."""
+    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    return None if leaf is None else leaf.device
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

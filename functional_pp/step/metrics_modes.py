@@ -24,7 +24,7 @@ import torch
 from functional_pp.core.runtime import new_per_thread
 from functional_pp.core.tree import tree_flatten, tree_leaves, tree_unflatten
 from functional_pp.ops.token_ids import failed_flag, raise_if_bad
-from functional_pp.step.buffers import select_finite
+from functional_pp.step.buffers import device_of, select_finite
 from functional_pp.step.deferred_metrics import PendingSteps, StepMetrics
 from functional_pp.step.io import peak_memory, read_step_metrics
 from functional_pp.step.nonfinite import keep_or_raise
@@ -87,7 +87,7 @@ class PerStepMetrics:
                                                on_nonfinite=host.on_nonfinite,
                                                max_consecutive_skips=host.max_consecutive_skips)
         host.host_values(metrics, time.perf_counter() - started)
-        metrics["peak_memory_bytes"] = peak_memory(host.compute_device() or _device_of(params))
+        metrics["peak_memory_bytes"] = peak_memory(host.compute_device() or device_of(params))
         previous = metrics.get("consecutive_skips")
         metrics["consecutive_skips"] = run
         return {"params": params, "opt_state": opt_state, "step": step, "skipped": skipped,
@@ -157,11 +157,6 @@ class DeferredMetrics(PerStepMetrics):
 def metrics_mode(mode: str, host: HostView) -> PerStepMetrics:
     """The metrics mode ``mode`` ("per_step" or "deferred") of a step, built with it."""
     return DeferredMetrics(host) if mode == "deferred" else PerStepMetrics(host)
-
-
-def _device_of(tree: Any) -> torch.device | None:
-    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
-    return None if leaf is None else leaf.device
 
 
 def _run_tensor(run: int, previous: Any, old: Any, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@
 
 ``step = pipeline_step(loss_fn, optimizer, mesh=Mesh(pp=4, dp_shard=2), rules=Rules(...,
 layers="pp"), grad_accum=8, schedule="1f1b")`` is a :class:`~functional_pp.step.train.TrainStep`
-whose gradient phase runs the schedule: each device holds the layers of its stages (the other
+whose device function is a :class:`PipelineSchedule` (step/device_step.py): each device holds the layers of its stages (the other
 layers' parameters are empty in its state). The parameters outside the layers named in
 ``first_stage`` (the embedding) only the first stage holds, those in ``last_stage`` (final norm,
 head) only the last; the others, and those named in both (a tied embedding), every stage holds,
@@ -48,10 +48,11 @@ from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running
 from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
+from functional_pp.step.device_step import finish_update, micro_weights
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
 from functional_pp.step.result import DeviceStepResult
-from functional_pp.step.update import update_phase
+from functional_pp.step.update import UpdateStrategy
 
 PP = "pp"
 
@@ -61,8 +62,10 @@ class FewMicroBatchesWarning(UserWarning):
 
 
 @dataclass
-class PipelineStep(TrainStep):
-    """A :class:`TrainStep` whose micro-batches run through pipeline stages over ``pp``."""
+class PipelineSchedule:
+    """A step's device function (step/device_step.py) whose micro-batches run through pipeline
+    stages over ``pp``: its settings, checked when ``pipeline_step`` builds the step
+    (:meth:`bind`), the stages' layout of the parameters and the schedule's rounds."""
 
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b | zb_h1
     virtual_stages: int = 1          # model chunks per device (interleaved_1f1b)
@@ -74,35 +77,38 @@ class PipelineStep(TrainStep):
     fsdp_gather: str = "step"        # FSDP: "step" gathers a stage's units once per step and reduce-scatters
     #                                  them once; "micro" gathers (and re-gathers) them in every micro-batch
 
-    def __post_init__(self):
-        super().__post_init__()
+    def bind(self, step: TrainStep) -> None:
+        """Take the step's settings (checked: the rules split the layers over pp, the schedule's
+        sizes) and set the ones a pipeline runs with: no step-level compile (each virtual
+        stage's forward compiled instead), no FSDP prefetch, no gradient buckets."""
+        self.step = step
         for lever in ("offload_params", "activation_offloading"):
-            if getattr(self, lever):
+            if getattr(step, lever):
                 raise ValueError(f"pipeline_step({lever}=True): a pipeline step cannot offload yet; use train_step "
                                  f"(no pp axis) to offload, or remove {lever} (docs/memory.md)")
         # compile: each virtual stage's forward one torch.compile graph (its backward through AOT
         # autograd), the schedule and the stage-to-stage permutes eager; "per_layer" as train_step
-        self.stage_compile, _ = split_mode(self.compile)
+        self.stage_compile, _ = split_mode(self.step.compile)
         self._compiled_stages: dict[int, CompileGate] = {}
         if self.stage_compile:
-            self.compile = False
+            self.step.compile = False
         if self.fsdp_gather not in GATHER_POLICIES:
             raise ValueError(f"pipeline_step(fsdp_gather={self.fsdp_gather!r}): choose one of "
                              f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md, FSDP)")
         # no prefetch (it follows the previous forward's units: not a stage's); no buckets (gradients
         # reduced as each backward makes them)
-        self.policy = self.policy.replace(fsdp_prefetch=False, bucket_mb=None)
+        self.step.policy = self.step.policy.replace(fsdp_prefetch=False, bucket_mb=None)
         p = self.stages
         self.layer_lists = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
-        if p > 1 and self.rules[self.layer_lists[0]] != (PP,):
+        if p > 1 and self.step.rules[self.layer_lists[0]] != (PP,):
             raise ValueError(f"pipeline_step: the mesh has pp={p} but the rules do not split the layers over it; "
                              f"add the rule {self.layer_lists[0]}='pp' (Rules(..., {self.layer_lists[0]}='pp'))")
-        check_sizes(self.schedule, p, self.virtual_stages, self.grad_accum)
-        if self.grad_accum < p:
-            warnings.warn(f"pipeline_step: {self.grad_accum} micro-batches on {p} stages: raise grad_accum "
+        check_sizes(self.schedule, p, self.virtual_stages, self.step.grad_accum)
+        if self.step.grad_accum < p:
+            warnings.warn(f"pipeline_step: {self.step.grad_accum} micro-batches on {p} stages: raise grad_accum "
                           f"(gradient_accumulation_steps) to at least {p}, or most of each step is bubble",
-                          FewMicroBatchesWarning, stacklevel=3)
-        self.timeline: Timeline = simulate(build(self.schedule, p, self.grad_accum, self.virtual_stages))
+                          FewMicroBatchesWarning, stacklevel=4)
+        self.timeline: Timeline = simulate(build(self.schedule, p, self.step.grad_accum, self.virtual_stages))
         self._rounds = self._lock_step()
         self._stage_of: list[int | None] | None = None
         self._layer_of: list[tuple[int, int] | None] | None = None   # (layer list, layer) of each leaf
@@ -112,15 +118,15 @@ class PipelineStep(TrainStep):
 
     @property
     def stages(self) -> int:
-        return self.mesh.shape.get(PP, 1) if self.mesh is not None else 1
+        return self.step.mesh.shape.get(PP, 1) if self.step.mesh is not None else 1
 
     # ----------------------------------------------------------- the state
     def init(self, params: Any) -> dict:
-        """As :meth:`TrainStep.init`, with the parameters of other devices' layers left empty."""
+        """As ``TrainStep.initial_state``, with the parameters of other devices' layers left empty."""
         _refuse_batched()
         paths = [p for p, _ in leaves_with_paths(params)]
         n_layers = self._count_layers(params)
-        check_sizes(self.schedule, self.stages, self.virtual_stages, self.grad_accum, layers=n_layers)
+        check_sizes(self.schedule, self.stages, self.virtual_stages, self.step.grad_accum, layers=n_layers)
         per = n_layers // (self.stages * self.virtual_stages)
         layer_of = [self._layer_at(p) for p in paths]
         stage_of = [n[1] // per if n is not None else self._end_stage(p) for n, p in zip(layer_of, paths)]
@@ -129,15 +135,15 @@ class PipelineStep(TrainStep):
                 raise ValueError(f"pipeline_step: no parameter at {name!r} (first_stage / last_stage name path "
                                  f"prefixes of the parameter tree, e.g. {paths[0]!r})")
         shapes = [tuple(x.data.shape) for x in tree_flatten(params)[0]]
-        state = super().init(params)
-        with self._compile_lock:
+        state = self.step.initial_state(params)
+        with self.step._compile_lock:
             if self._stage_of is None:
                 self._stage_of, self._layer_of, self._shapes, self._per = stage_of, layer_of, shapes, per
         me = axis_index(PP) if self.stages > 1 else 0
         leaves, spec = tree_flatten(state["params"])
         leaves = [x if self._held(i, me) else x.new_empty(0) for i, x in enumerate(leaves)]
         state["params"] = tree_unflatten(spec, leaves)
-        state["opt_state"] = self.optimizer.init(self.spec.trainable_tree(state["params"]))
+        state["opt_state"] = self.step.optimizer.init(self.step.spec.trainable_tree(state["params"]))
         return state
 
     def _layer_at(self, path: str) -> tuple[int, int] | None:
@@ -197,7 +203,7 @@ class PipelineStep(TrainStep):
         return {**state, "params": params, "opt_state": tree_unflatten(opt_spec, out)}
 
     def _trains(self, n: int) -> tuple[bool, ...]:
-        return self.spec.trainable or (True,) * n
+        return self.step.spec.trainable or (True,) * n
 
     def _count_layers(self, params: Any) -> int:
         counts = []
@@ -225,12 +231,12 @@ class PipelineStep(TrainStep):
         return k is None or k % self.stages == device
 
     # ------------------------------------------------------------- the step
-    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     donate_state: bool | None = None) -> DeviceStepResult:
-        _refuse_batched()
+    def __call__(self, params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                 update: UpdateStrategy) -> DeviceStepResult:
+        _refuse_batched()      # (seed: None, no pipeline step is compiled whole)
         mesh = env()[0]
         p, v = self.stages, self.virtual_stages
-        last, per = p * v - 1, self._per
+        last = p * v - 1
         me = axis_index(PP) if p > 1 else 0
         leaves, treespec = tree_flatten(params)
         held = [self._held(i, me) for i in range(len(leaves))]
@@ -239,8 +245,8 @@ class PipelineStep(TrainStep):
         xs = [x.detach().requires_grad_(x.is_floating_point() and t) if h else
               torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
               for x, h, t, shape in zip(leaves, held, trains, self._shapes)]
-        micro = split_micro(batch, self.grad_accum)
-        weights, tokens = self._micro_weights(micro)
+        micro = split_micro(batch, self.step.grad_accum)
+        weights, tokens = micro_weights(micro, self.step.batch_dims)
         acc = acc_dtype([x for x, h in zip(leaves, held) if h])
         grads = [torch.zeros_like(x) for x in leaves]
         total = torch.zeros((), dtype=acc, device=leaves[0].device)
@@ -251,19 +257,19 @@ class PipelineStep(TrainStep):
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         once = self._gather_once(xs, held) if self.fsdp_gather == "step" else None
-        compute = PRECISIONS[self.precision]
+        compute = PRECISIONS[self.step.precision]
 
         def stage_params(held=held):
             """The parameters a forward sees: those gathered once per step (fsdp_gather="step")
             in place of their shards, and for the parameters this device does not hold zero
             stand-ins as gathered (no communication)."""
-            named = self._named_leaves(xs)
+            named = self.step._named_leaves(xs)
             if once is not None:
                 named = [once.named(i, compute) if i in once.full else x for i, x in enumerate(named)]
             return tree_unflatten(treespec, [x if h else gathered_stand_in(x) for x, h in zip(named, held)])
         # shapes only: every parameter a stand-in, made apart from the forwards' values (the probe
         # runs without gradients: what it derives from a value, e.g. a pvary, must not reach them)
-        probe = self._probe(tree_unflatten(treespec, [gathered_stand_in(x) for x in self._named_leaves(xs)]),
+        probe = self._probe(tree_unflatten(treespec, [gathered_stand_in(x) for x in self.step._named_leaves(xs)]),
                             micro[0]) if p > 1 else None
         boundary = probe.boundary if p > 1 else None
         reported = []            # the values the last stage's loss reports (core/step_values.py), per micro-batch
@@ -271,7 +277,7 @@ class PipelineStep(TrainStep):
         def forward(k: int, j: int) -> None:
             nonlocal total
             x_in = inbox.pop(("act", k - 1, j)).detach().requires_grad_() if k > 0 else None
-            named_batch = {key: wrap(val, self.batch_dims[key]) for key, val in micro[j].items()}
+            named_batch = {key: wrap(val, self.step.batch_dims[key]) for key, val in micro[j].items()}
             passes = probe.split(x_in) if x_in is not None else None
             with step_values.collecting() as found:
                 y, cut = self._stage(k)(stage_params(), passes, named_batch,     # per micro-batch, as train_step
@@ -325,22 +331,9 @@ class PipelineStep(TrainStep):
             values = {name: raw_all_reduce(values[name] if name in values else
                                            torch.zeros(shape, dtype=dtype, device=total.device), PP, "sum")
                       for name, (shape, dtype) in probe.reported.items()}
-        trained = self.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
-        up = update_phase(self.optimizer, [g for g, t in zip(grads, trains) if t], tree_flatten(trained)[1],
-                          trained, opt_state, total, self._norm_groups(mesh),
-                          donate_state=self.donate_state if donate_state is None else donate_state,
-                          params_finite=params_finite, peaks=peaks)
-        # deferred: the skip chosen on the device (step/metrics_modes.py)
-        up.params, up.opt_state = self._metrics.chosen(up, tree_leaves(trained), opt_state)
-        up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
-        skip = (~up.finite).to(torch.int64)
-        metrics = {"loss": total, "grad_norm": up.grad_norm,
-                   "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
-                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
-                   **values}
-        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
-                                up.peaks)
+        return finish_update(self.step, update, params, leaves, treespec, opt_state,
+                             [g for g, t in zip(grads, trains) if t], total, tokens, count, skipped, values,
+                             self._norm_groups(mesh), params_finite=params_finite, peaks=peaks)
 
     def _stage(self, k: int):
         """Virtual stage ``k``'s forward: ``(params, x_in, batch) -> (value, cut)``, the
@@ -348,13 +341,13 @@ class PipelineStep(TrainStep):
         virtual stage (``k`` a constant of the trace), shared by the devices that run it."""
         if not self.stage_compile:
             return functools.partial(self._stage_forward, k)
-        with self._compile_lock:
+        with self.step._compile_lock:
             gate = self._compiled_stages.get(k)
             if gate is None:
-                backend = step_backend(self.stage_compile, overlap=self.policy.overlap,
-                                       in_flight=self.policy.collectives_in_flight)
+                backend = step_backend(self.stage_compile, overlap=self.step.policy.overlap,
+                                       in_flight=self.step.policy.collectives_in_flight)
                 fn = torch.compile(self._stage_forward, backend=backend, fullgraph=True, dynamic=False)
-                gate = self._compiled_stages[k] = CompileGate(fn, type(self)._stage_forward.__code__)
+                gate = self._compiled_stages[k] = CompileGate(fn, PipelineSchedule._stage_forward.__code__)
 
         def run(*args):
             # a graph per stage and step object (docs/compile.md "Many steps in one process");
@@ -370,7 +363,7 @@ class PipelineStep(TrainStep):
         try:
             with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last, layers=per * (last + 1),
                                         passes=passes)):
-                out = self.loss_fn(params, named_batch)
+                out = self.step.loss_fn(params, named_batch)
         except StageOutput as done:
             if not isinstance(done.value, tuple):
                 return done.value.data, True
@@ -389,16 +382,16 @@ class PipelineStep(TrainStep):
         for i, h in enumerate(held):
             if h and xs[i].is_floating_point():
                 units.setdefault(self._layer_of[i], []).append(i)
-        return GatheredOnce(self._named_leaves(xs, cast=False), list(units.values()))
+        return GatheredOnce(self.step._named_leaves(xs, cast=False), list(units.values()))
 
     def _norm_groups(self, mesh) -> list:
         """The step's leaf groups for the gradient norm, the layers' completed over ``pp`` too
         (each stage holds its own layers; the parameters outside them are alike on every stage)."""
         if self.stages == 1:
-            return self.spec.axis_groups(mesh)
+            return self.step.spec.axis_groups(mesh)
         out = []
         trained = [i for i, t in enumerate(self._trains(len(self._stage_of))) if t]   # (indices among them)
-        for axes, idx in self.spec.axis_groups(mesh):
+        for axes, idx in self.step.spec.axis_groups(mesh):
             layer = [i for i in idx if self._stage_of[trained[i]] is not None]
             other = [i for i in idx if self._stage_of[trained[i]] is None]
             if layer:
@@ -451,11 +444,11 @@ class PipelineStep(TrainStep):
         found = self._probes.get(key)
         if found is not None:
             return found
-        named_batch = {name: wrap(val, self.batch_dims[name]) for name, val in mb.items()}
+        named_batch = {name: wrap(val, self.step.batch_dims[name]) for name, val in mb.items()}
         seen: list = []
         with torch.no_grad(), step_values.collecting() as reported, \
                 running_stage(StageRun(0, -1, None, cut=False, seen=seen)):
-            self.loss_fn(named_params, named_batch)
+            self.step.loss_fn(named_params, named_batch)
         layers = self._per * self.stages * self.virtual_stages
         if not seen:
             raise ValueError("pipeline_step: the model called no functional_pp.layer; a pipeline cuts the model "
@@ -470,7 +463,7 @@ class PipelineStep(TrainStep):
                              f"of one dtype")
         found = Probe([tuple(x.shape) for x in firsts], firsts[0].dtype,
                       {name: (tuple(v.shape), v.dtype) for name, (v, _) in sorted(reported.items())})
-        with self._compile_lock:
+        with self.step._compile_lock:
             self._probes[key] = found
         return found
 
@@ -513,12 +506,15 @@ def _refuse_batched() -> None:
 
 def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = "1f1b", virtual_stages: int = 1,
                   layers: str = "layers", first_stage: tuple[str, ...] = (), last_stage: tuple[str, ...] = (),
-                  **options) -> PipelineStep:
-    """Build a :class:`PipelineStep` (the options of :func:`~functional_pp.step.train.train_step`,
+                  fsdp_gather: str = "step", **options) -> TrainStep:
+    """Build a :class:`~functional_pp.step.train.TrainStep` whose device function is a
+    :class:`PipelineSchedule` (the options of :func:`~functional_pp.step.train.train_step`,
     ``grad_accum`` the number of micro-batches)."""
     from functional_pp.core.layout import Rules
     if rules is not None and mesh is not None:
         rules.check(mesh)
-    return PipelineStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), schedule=schedule,
-                        virtual_stages=virtual_stages, layers=layers, first_stage=tuple(first_stage),
-                        last_stage=tuple(last_stage), **step_options(dict(options), "pipeline_step"))
+    schedule_fn = PipelineSchedule(schedule=schedule, virtual_stages=virtual_stages, layers=layers,
+                                   first_stage=tuple(first_stage), last_stage=tuple(last_stage),
+                                   fsdp_gather=fsdp_gather)
+    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), device=schedule_fn,
+                     **step_options(dict(options), "pipeline_step"))

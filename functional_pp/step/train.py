@@ -6,43 +6,37 @@ gradients of sharded parameters arrive reduced exactly once over every mesh axis
 data varied (the named ops' transposes); optimizer state is sharded like the parameters."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from functional_pp import optim
 from functional_pp._torch import compile_cache_limits, is_tracing, trace_backward
-from functional_pp._torch.grad_leaves import differentiable, grad_seed
+from functional_pp._torch.grad_leaves import grad_seed
 from functional_pp.parallel.step_backend import step_backend
-from functional_pp.compile.barrier import materialize
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
-from functional_pp.compile.recompute import backward_region, recomputed_leaf, reset_region_ids
-from functional_pp.core import step_values
-from functional_pp.core.backward_thread import carry_to_backward
+from functional_pp.compile.recompute import reset_region_ids
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
-from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_leaves, tree_unflatten
+from functional_pp.core.tree import leaves_with_paths, tree_leaves, tree_unflatten
 from functional_pp.devices import mesh_view
-from functional_pp.ops.token_ids import checks_so_far, deferred_checks
-from functional_pp.parallel.fsdp import param_uses
-from functional_pp.parallel.buckets.eager import grad_buckets
-from functional_pp.parallel.buckets.pending import resolve_pending
-from functional_pp.parallel.collectives import psum as sum_over
-from functional_pp.parallel.fsdp.units import begin_forward
-from functional_pp.parallel.grads import check_scalar_loss
-from functional_pp.parallel.named import Named, make_named, env, settle, wrap
+from functional_pp.ops.token_ids import deferred_checks
+from functional_pp.parallel.fsdp.role import role as param_role
+from functional_pp.parallel.named import Named, make_named, env, wrap
 from functional_pp.parallel.shard_map import use_rules
-from functional_pp.step import activation_offload, offload
-from functional_pp.step.buffers import acc_dtype, as_dtype, master_copy
+from functional_pp.step import offload
+from functional_pp.step.buffers import device_of, master_copy
 from functional_pp.step.compiled_step import COMPILED_STEPS_PER_PROCESS, CompiledStep
 from functional_pp.step.deferred_metrics import StepMetrics
-from functional_pp.step.io import check_batch, split_micro
+from functional_pp.step.device_step import DeviceFunction, PlainDeviceStep
+from functional_pp.step.io import check_batch
 from functional_pp.step.known_finite import DonatedBound
 from functional_pp.step.layering import LayerUse, NoLayerWarning
 from functional_pp.step.metrics_modes import HostView, metrics_mode
@@ -50,18 +44,12 @@ from functional_pp.step.nonfinite import NonFiniteError  # noqa: F401 (public he
 from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.settings import (DEFAULT_BATCH_DIMS, METRICS_MODES, PER_WEIGHT, PRECISIONS, STEP_POLICY,
                                          ParamSpec, StepSettings, step_options, trainable_flags)
-from functional_pp.step.update import Updated, update_phase
+from functional_pp.step.update import UpdateStrategy, choose_update
 
 # (imported from here by the planner, the pipeline step and the tests)
 __all__ = ["TrainStep", "train_step", "NoLayerWarning", "NonFiniteError", "ParamSpec", "StepSettings",
            "DEFAULT_BATCH_DIMS", "METRICS_MODES", "PER_WEIGHT", "PRECISIONS", "STEP_POLICY",
            "COMPILED_STEPS_PER_PROCESS", "step_options", "trainable_flags"]
-
-
-def _device_of(tree: Any) -> torch.device | None:
-    """The device of the first tensor of ``tree`` (None: no tensor)."""
-    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
-    return None if leaf is None else leaf.device
 
 
 @dataclass
@@ -70,8 +58,9 @@ class TrainStep(StepSettings):
     (:class:`~functional_pp.step.settings.StepSettings`, checked when built) and the parts built
     from them once, when the step is built:
 
-    - the device function (:meth:`_device_step`: forward, backward and the update phase of
-      step/update.py), run eager, or compiled by a :class:`~functional_pp.step.compiled_step.CompiledStep`;
+    - the device function (``device``, step/device_step.py: :class:`~functional_pp.step.device_step.PlainDeviceStep`,
+      or the pipeline's schedule that ``pipeline_step`` gives it), run eager, or compiled by a
+      :class:`~functional_pp.step.compiled_step.CompiledStep`;
     - the metrics mode (step/metrics_modes.py): read every step, or the deferred wrapper;
     - what a donated step carries for its optimizer's bound (:class:`~functional_pp.step.known_finite.DonatedBound`);
     - what a forward showed of the model's layers under FSDP units, and the one warning for a
@@ -79,8 +68,12 @@ class TrainStep(StepSettings):
 
     Shared by every device thread: ``spec`` is set once by :meth:`init`."""
 
+    device: DeviceFunction | None = field(default=None, repr=False, compare=False)   # None: PlainDeviceStep()
+
     def __post_init__(self):
         super().__post_init__()
+        self.device = self.device if self.device is not None else PlainDeviceStep()
+        self.device.bind(self)      # (first: it may check and adjust the settings; step/pipeline.py)
         self.spec: ParamSpec | None = None
         self._compile_lock = threading.Lock()   # simulated devices share one spec (and a pipeline's stages)
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
@@ -89,15 +82,39 @@ class TrainStep(StepSettings):
         self._compute = new_per_thread()        # offload_params: per device, where the step computes (step.init)
         self._said_not_offloaded: list = []     # activation_offloading off CUDA: said once (step/activation_offload.py)
         self._bound = DonatedBound(self.optimizer, self.donate_state)   # donated state: step/known_finite.py
+        # in place, in new buffers or written under a guard (step/update.py), chosen once
+        self._update = choose_update(self.optimizer, donate_state=self.donate_state,
+                                     compiled=bool(split_mode(self.compile)[0]), bound=self._bound.bound)
         self._metrics = metrics_mode(self.metrics, HostView(
             on_nonfinite=self.on_nonfinite, max_consecutive_skips=self.max_consecutive_skips,
-            host_values=self._host_values, compute_device=self._offloaded_to, redo=self._redo_without_donation))
+            host_values=self._host_values, compute_device=self._offloaded_to,
+            redo=functools.partial(self._update.redo, self)))
 
     # -------------------------------------------------------------------- init
     def init(self, params: Any) -> dict:
         """Training state from a tree of named parameters (``functional_pp.init``): fp32
         master shards of the trained parameters (frozen ones keep their dtype), optimizer state
-        (sharded like the parameters), step counters."""
+        (sharded like the parameters), step counters; under a pipeline, this device's stages'
+        (its device function's ``init``)."""
+        return self.device.init(params)
+
+    def logical_state(self, state: dict) -> dict:
+        """The whole training state, as one device (``train_step`` without ``pp``) holds it: the
+        state itself, or under a pipeline every stage's layers gathered (step/pipeline.py)."""
+        return self.device.logical_state(state)
+
+    def logical_params(self, params: Any) -> Any:
+        """The whole parameter tree (:meth:`logical_state`'s parameters): what a forward of the
+        whole model needs (GRPO's sampling)."""
+        return self.device.logical_params(params)
+
+    def stage_state(self, state: dict) -> dict:
+        """This device's part of a whole training state (:meth:`logical_state`): the state
+        itself, or under a pipeline the other stages' layers left empty."""
+        return self.device.stage_state(state)
+
+    def initial_state(self, params: Any) -> dict:
+        """:meth:`init`'s state with every parameter held (what a device function starts from)."""
         import optree
         leaves, treespec = optree.tree_flatten(params, none_is_leaf=False)
         bad = [p for p, x in leaves_with_paths(params) if not isinstance(x, Named)]
@@ -126,7 +143,7 @@ class TrainStep(StepSettings):
             copies = [offload.to_host(x, compute) for x in copies]
         master = optree.tree_unflatten(treespec, copies)
         # the counters live with the parameters: a step adds to them there (no host copy)
-        device = _device_of(master)
+        device = device_of(master)
         return {"params": master, "opt_state": self.optimizer.init(self.spec.trainable_tree(master)),
                 "step": torch.zeros((), dtype=torch.int64, device=device),
                 "skipped": torch.zeros((), dtype=torch.int64, device=device),
@@ -167,7 +184,7 @@ class TrainStep(StepSettings):
                 deferred_checks() as id_checks:     # token-id checks, raised after the step
             out: DeviceStepResult = fn(
                 state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
-                grad_seed(_device_of(state["params"]), bool(step_compile)))
+                grad_seed(device_of(state["params"]), bool(step_compile)))
         # read every step, or kept unread (metrics="deferred"): step/metrics_modes.py
         new, metrics, peaks = self._metrics.finish(state, batch, out, id_checks, t0)
         out = None
@@ -182,7 +199,8 @@ class TrainStep(StepSettings):
         tensors, plan/dryrun.py); run it under :meth:`apply_policy` and the step's rules."""
         if self.spec is None:
             raise RuntimeError("call step.init(params) before step.trace")
-        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch)
+        return self._device_step(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                                 update=self._update.eager)
 
     def _carried_peaks(self, state: dict) -> tuple[Any, list[torch.Tensor] | None]:
         """A compiled donated step whose optimizer's bound carries its terms' peaks (AdamW's first
@@ -231,22 +249,20 @@ class TrainStep(StepSettings):
         names = [d for dims in self.batch_dims.values() for d in (dims.split() if isinstance(dims, str) else dims)]
         return tuple(dict.fromkeys(names))
 
-    def _redo_without_donation(self, state: dict, batch: dict) -> Updated:
-        """A held compiled donated step (its state passed in untouched: nothing was written) made
-        again by the compiled step without donation (a second graph, compiled at the first held
-        step): the update in new buffers, checked as such a step checks it."""
+    def run_without_donation(self, state: dict, batch: dict) -> DeviceStepResult:
+        """The compiled step without donation (a second graph, compiled at its first use, updating
+        as the step's strategy does without donation) run on ``state``: how a held compiled
+        donated step is made again (``WrittenUnderGuard.redo``, step/update.py)."""
         step_compile, layer_compile = split_mode(self.compile)
         compiled = self._compiled.new_buffers(self._device_step_new_buffers)
         reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
-            out = compiled(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
-                           grad_seed(_device_of(state["params"]), True))
-        m = out.metrics
-        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
-                       m["skipped"] == 0, False)
+            return compiled(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                            grad_seed(device_of(state["params"]), True))
 
-    def _device_step_new_buffers(self, params, opt_state, step, skipped, batch, seed=None):
-        return self._device_step(params, opt_state, step, skipped, batch, seed=seed, donate_state=False)
+    def _device_step_new_buffers(self, params, opt_state, count, skipped, batch, seed=None):
+        return self._device_step(params, opt_state, count, skipped, batch, seed=seed,
+                                 update=self._update.without_donation)
 
     def resolved_policy(self) -> Policy:
         """The policy the step's ops run under: its ``policy`` (16-bit ``precision`` summing
@@ -304,7 +320,7 @@ class TrainStep(StepSettings):
             # parameters an earlier forward gathered at several sites are tied (parallel/fsdp/param_uses.py)
             tied = getattr(self._shared, "tied", None) or ()
             types = self.spec.named_types(env()[0], tuple(x.shape for x in leaves))
-            named = [make_named(x, *t, is_param=True, tied=i in tied) for i, (x, t) in enumerate(zip(leaves, types))]
+            named = [make_named(x, *t, role=param_role(True, i in tied)) for i, (x, t) in enumerate(zip(leaves, types))]
         return named
 
     def _offloaded_to(self) -> torch.device | None:
@@ -317,110 +333,13 @@ class TrainStep(StepSettings):
                                "(it moves the state to the host and remembers the compute device)")
         return device
 
-    def _device_step(self, params, opt_state, step, skipped, batch, params_finite=None, peaks=None,
-                     seed=None, donate_state: bool | None = None) -> DeviceStepResult:
-        # seed: what the parameters are made differentiable with in a compiled step on a
-        # torch whose dynamo cannot (_torch/grad_leaves.py); None otherwise
-        leaves, treespec = tree_flatten(params)
-        trains = self.spec.trainable or (True,) * len(leaves)
-        micro = split_micro(batch, self.grad_accum)
-        weights, tokens = self._micro_weights(micro)
-        compute_device, work = self._offloaded_to(), leaves
-        if compute_device is not None:   # offload: the shards on the device for this step, in the compute precision
-            compute = PRECISIONS[self.precision]
-            work = [offload.to_compute(x, compute_device, compute if t else None) for x, t in zip(leaves, trains)]
-        grads = [torch.zeros_like(x, device=w.device) if len(micro) > 1 else w
-                 for x, w, t in zip(leaves, work, trains) if t]   # (dtype template)
-        acc = acc_dtype(leaves)
-        total = torch.zeros((), dtype=acc, device=work[0].device)
-        reported = []                    # the values the loss reports (core/step_values.py), per micro-batch
-        # a compiled 16-bit step keeps the gradients of declared-tied parameters out of its
-        # update kernel (compile/barrier.py; docs/compile.md "bf16 gradients and inductor")
-        keep_ties_apart = is_tracing() and PRECISIONS[self.precision] is not None
-        tied_leaves: set[int] = set()
-        for mb, w in zip(micro, weights):
-            # frozen leaves enter without requires_grad: autograd computes no gradient for them, so
-            # no transpose runs (no DP all-reduce, no FSDP reduce-scatter; docs/adapters.md)
-            xs = [_differentiable(x, seed, x.is_floating_point() and t) for x, t in zip(work, trains)]
-            named_batch = {k: wrap(v, self.batch_dims[k]) for k, v in mb.items()}
-            named_params = self._named_params(xs, treespec)
-            begin_forward(named_params)     # FSDP forward prefetch follows the last forward's units
-            checked = checks_so_far()
-            learning = not is_tracing() and getattr(self._shared, "tied", None) is None   # (eager steps)
-            acts = (activation_offload.offloading(_device_of(work), self._said_not_offloaded)
-                    if self.activation_offloading else nullcontext())
-            blocks = [x.data for x in tree_leaves(named_params)] if keep_ties_apart else ()
-            with step_values.collecting() as found, param_uses.counting(learning) as uses, acts, \
-                    param_uses.declaring() as declared:
-                loss_named = settle(self.loss_fn(named_params, named_batch))
-            tied_leaves |= param_uses.declared_positions(declared, blocks)
-            blocks = declared = None
-            if learning:                    # parameters gathered at several sites: tied from now on
-                self._shared.tied = param_uses.gathered_more_than_once(
-                    uses, [x.data for x in tree_leaves(named_params)])
-            reported.append(found)
-            named_params = None
-            check_scalar_loss(loss_named, "train_step")
-            loss = loss_named.data.to(acc) * w.to(acc)
-            loss = self._metrics.loss(loss, checked)      # deferred: a bad token id makes it non-finite
-            diff = [x for x in xs if x.requires_grad]
-            with backward_region(), grad_buckets(self.policy.bucket_mb) as buckets:   # docs/communication.md
-                # (CUDA runs backward on autograd's own thread: it gets this thread's state)
-                gs = torch.autograd.grad(carry_to_backward(loss), diff)
-                gs = iter(buckets.finish(gs) if buckets is not None else resolve_pending(gs))
-            xs = [x for x, t in zip(xs, trains) if t]
-            if len(micro) == 1:          # no accumulation buffer needed
-                grads = [as_dtype(next(gs), g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
-            else:
-                grads = [g + next(gs).to(g.dtype) if x.requires_grad else g for g, x in zip(grads, xs)]
-            gs = None                    # release the per-micro-batch gradients
-            total = total + loss.detach()
-        if tied_leaves:       # keep their 16-bit gradient math (two layouts summed) out of the update kernel
-            positions = [i for i, t in enumerate(trains) if t]     # (the leaves of ``grads``)
-            grads = [materialize(g) if i in tied_leaves else g for g, i in zip(grads, positions)]
-        if compute_device is not None:   # offload: the gradients and the update on the host
-            work = xs = None
-            masters = [x for x, t in zip(leaves, trains) if t]
-            grads = [offload.grad_to_host(g, x.dtype) for g, x in zip(grads, masters)]
-            total = total.to(offload.HOST)
-        # norm, optimizer and the device side of the non-finite guard (step/update.py)
-        trained = self.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
-        up = update_phase(self.optimizer, grads, tree_flatten(trained)[1], trained, opt_state, total,
-                          self.spec.axis_groups(env()[0]),
-                          donate_state=self.donate_state if donate_state is None else donate_state,
-                          params_finite=params_finite, peaks=peaks, reduce_on=compute_device)
-        # deferred: the skip chosen on the device (step/metrics_modes.py)
-        up.params, up.opt_state = self._metrics.chosen(up, tree_leaves(trained), opt_state)
-        up.params = self.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
-        lr = self.lr_schedule(step) if self.lr_schedule is not None else torch.zeros((), device=total.device)
-        skip = (~up.finite).to(torch.int64)
-        metrics = {"loss": total, "grad_norm": up.grad_norm,
-                   "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
-                   "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
-                   **step_values.combine(reported)}
-        return DeviceStepResult(up.params, up.opt_state, step + 1, skipped + skip, metrics, up.written, up.retry,
-                                up.peaks)
-
-    def _micro_weights(self, micro: list[dict]):
-        """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
-        accumulation equals one large batch. Also returns the global token count."""
-        counts = [self._token_count(mb) for mb in micro]
-        if len(counts) == 1:
-            # c / max(c, 1) in one op: 1, or 0 when every label is ignored (docs/eager_overhead.md)
-            return [counts[0].clamp_max(1)], counts[0]
-        total = sum(counts[1:], counts[0])
-        # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
-        return [c / total.clamp_min(1) for c in counts], total
-
-    def _token_count(self, mb: dict) -> torch.Tensor:
-        """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
-        first entry without labels): counted here, summed over the mesh axes splitting it."""
-        key = "labels" if "labels" in mb else next(iter(mb))
-        x = wrap(mb[key], self.batch_dims[key])
-        n = (torch.count_nonzero(x.data != -100) if key == "labels" else
-             torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)
-        axes = {a for s in x.split for a in s}
-        return sum_over(n, tuple(a for a in env()[0].axis_names if a in axes)) if axes else n
+    def _device_step(self, params, opt_state, count, skipped, batch, params_finite=None, peaks=None,
+                     seed=None, update: UpdateStrategy | None = None) -> DeviceStepResult:
+        """The device function (step/device_step.py) the step was built with, run on this device
+        with the step's update strategy (or ``update``): the one function every compiled step
+        compiles (docs/compile.md)."""
+        return self.device(params, opt_state, count, skipped, batch, params_finite, peaks, seed,
+                           update if update is not None else self._update)
 
 
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
@@ -435,13 +354,3 @@ def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientT
         rules.check(mesh)
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))
 
-
-def _differentiable(x, seed, requires):
-    """A leaf to differentiate against (_torch/grad_leaves.py). Where it is ``x + seed`` (a new
-    tensor in the traced graph, not the parameter's own storage), its backward uses read a copy
-    made again in backward, so the step does not keep a second copy of every parameter until
-    then (compile/recompute.py)."""
-    if seed is None or not requires:
-        return differentiable(x, seed, requires)
-    with recomputed_leaf():
-        return differentiable(x, seed, requires)

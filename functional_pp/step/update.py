@@ -1,26 +1,33 @@
 """The update phase of a training step: the global gradient norm, the optimizer and the device
 side of the non-finite guard (docs/eager_overhead.md "Update phase").
 
-One of three ways, per step:
+One of three strategies, chosen once when the step is built (:func:`choose_update`, from
+``donate_state``, ``compile`` and what the optimizer declares), each with one :meth:`apply`:
 
-* **in place** (eager, ``donate_state=True``, an optimizer with an in-place step such as
+* :class:`InPlace` (eager, ``donate_state=True``, an optimizer with an in-place step such as
   ``optim.adamw``): one fused pass writes the new parameters and optimizer state into the
-  state passed in, unless the loss or the gradient norm is not finite (a scalar skip);
-* **new buffers** (other eager steps): the optimizer works in the step's own gradient buffers
-  (docs/memory.md); the state passed in is untouched, and the host returns it for a skipped
-  step after the step's one metrics read (``nonfinite.keep_or_raise``);
-* **traced**: the pure update, returned as new tensors the host chooses between as above, or,
-  with donated state, written into the state passed in under the same scalar guard and, where
-  the optimizer has one, its pre-update bound (``optim.update_bound``): a step the bound
-  cannot show finite is held (nothing written) and redone by the host in new buffers, as an
-  in-place step is. Nothing the writes depend on needs the whole update first, so the
-  compiler makes one pass over the state (docs/compile.md "The update phase").
+  state passed in, unless the loss or the gradient norm is not finite (a scalar skip); a step
+  the in-place step held back (its bound could not show it finite) is made again in new
+  buffers by the host (:meth:`InPlace.redo_in_new_buffers`, the result's ``retry``);
+* :class:`InNewBuffers` (other eager steps, and traced steps without donation): the optimizer
+  works in the step's own gradient buffers (docs/memory.md); the state passed in is untouched,
+  and the host returns it for a skipped step after the step's one metrics read
+  (``nonfinite.keep_or_raise``); traced, the pure update returned as new tensors;
+* :class:`WrittenUnderGuard` (a compiled step with ``donate_state=True``): the pure update,
+  written into the state passed in under the same scalar guard and, where the optimizer has
+  one, its pre-update bound (``optim.update_bound``): a step the bound cannot show finite is
+  held (nothing written) and the host runs it again as the compiled step without donation
+  (:meth:`WrittenUnderGuard.redo`). Nothing the writes depend on needs the whole update
+  first, so the compiler makes one pass over the state (docs/compile.md "The update phase").
+  Run eager (``TrainStep.trace``), such a step updates as its eager strategy does (``eager``).
 
 A step that returns new buffers checks the update's finiteness after computing it. A donated
 compiled step of an optimizer without a bound checks the values written; one found non-finite
-has already been written, and the host stops the run (``nonfinite.keep_or_raise``).
+has already been written, and the host stops the run (``nonfinite.keep_or_raise``). Under
+``offload_params`` the update runs on the host and ``reduce_on`` names the device whose
+collectives complete its norms and checks.
 
-Mechanism: Optimizer update (the update phase: gradient norm, optimizer, device side of the guard).
+Mechanism: Optimizer update (the update strategies, chosen when the step is built: gradient norm, optimizer, device side of the guard).
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from functional_pp import optim
 from functional_pp._torch import is_tracing
 from functional_pp.core.tree import tree_leaves, tree_map, tree_unflatten
 from functional_pp.ops.realize import computed_once
-from functional_pp.optim.bounds import carried_norms, grad_and_bound_norms
+from functional_pp.optim.bounds import UpdateBound, carried_norms, grad_and_bound_norms
 from functional_pp.parallel.collectives import psum
 from functional_pp.step.buffers import acc_dtype, keep_if, own_buffers, write_into
 from functional_pp.step.nonfinite import nonfinite_flags
@@ -59,57 +66,109 @@ class Updated:
     peaks: list | None = None     # the carried peaks of the bound's terms after this step (given ``peaks``)
 
 
-def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tensor], treespec: Any, params: Any,
-                 opt_state: Any, loss: torch.Tensor, groups: AxisGroups, *, donate_state: bool,
-                 params_finite: torch.Tensor | None = None, peaks: list | None = None,
-                 reduce_on: torch.device | None = None) -> Updated:
-    """Apply ``optimizer`` to the reduced gradients ``grads`` (leaves in ``treespec`` order; the
+class UpdateStrategy:
+    """How a step applies its optimizer (chosen once, :func:`choose_update`). :meth:`apply`
+    applies ``optimizer`` to the reduced gradients ``grads`` (leaves in ``treespec`` order; the
     list is consumed: emptied, so that only the update holds them) of ``params``; ``loss`` is
     the step's loss and ``groups`` the leaves grouped by the mesh axes that split them (what
     completes a norm across devices). ``params_finite``: whether this device's ``params`` are
-    all finite, where the caller knows (``step/known_finite.py``; else a bound that needs it reads
-    them). ``peaks``: per leaf, a bound of the largest magnitude of the optimizer's bound terms on
-    this device (``optim.bounds.term_peaks``, carried from step to step: a traced donated step
-    then reads no term; docs/optim.md "Peaks carried instead of read"); the result's ``peaks``
-    are those after this step. ``reduce_on``: the device whose collectives complete the norms
-    and checks of an update running elsewhere (CPU offload: NCCL reduces no host tensor)."""
-    leaves = tree_leaves(params)
-    tracing = is_tracing()
-    groups = [(axes, group, reduce_on) for axes, group in groups]
+    all finite, where the caller knows (``step/known_finite.py``; else a bound that needs it
+    reads them). ``peaks``: per leaf, a bound of the largest magnitude of the optimizer's bound
+    terms on this device (``optim.bounds.term_peaks``, carried from step to step: a traced
+    donated step then reads no term; docs/optim.md "Peaks carried instead of read"); the
+    result's ``peaks`` are those after this step. ``reduce_on``: the device whose collectives
+    complete the norms and checks of an update running elsewhere (CPU offload: NCCL reduces no
+    host tensor)."""
 
-    def sq_reducer(sq_sums: Any) -> torch.Tensor:
-        return complete(tree_leaves(sq_sums), groups)
+    optimizer: optim.GradientTransformation
+    eager: "UpdateStrategy"                # this step's device function run eager: itself, but for a compiled step's
+    without_donation: "UpdateStrategy"     # the same step without donation (in new buffers)
 
-    # eager: the optimizer may overwrite the step's own gradient buffers
-    grad_tree = tree_unflatten(treespec, grads if tracing else own_buffers(grads, leaves))
-    grads.clear()
-    written = tracing and donate_state
-    bound = optim.update_bound(optimizer) if written else None
-    carry = bound is not None and peaks is not None and bound.carried is not None
-    if carry:               # the bound's norm from the gradients' sums and the carried peaks: no other read
-        grad_norm, bound_n, grad_sq = carried_norms(bound, tree_leaves(grad_tree), peaks, params, sq_reducer,
-                                                    params_finite)
-    elif bound is not None:   # the bound's norm, known before the update, read with the gradients' (one loop)
-        grad_norm, bound_n = grad_and_bound_norms(bound, tree_leaves(grad_tree), opt_state, params, sq_reducer,
-                                                  params_finite)
-    else:
+    def apply(self, grads: list[torch.Tensor], treespec: Any, params: Any, opt_state: Any, loss: torch.Tensor,
+              groups: AxisGroups, *, params_finite: torch.Tensor | None = None, peaks: list | None = None,
+              reduce_on: torch.device | None = None) -> Updated:
+        raise NotImplementedError
+
+    def redo(self, step: Any, state: dict, batch: dict) -> Updated:
+        """The host's redo of a held step (only :class:`WrittenUnderGuard`'s steps are held
+        without a ``retry``)."""
+        raise RuntimeError(f"an update {type(self).__name__} makes is never held without its retry")
+
+
+class InNewBuffers(UpdateStrategy):
+    """The pure update (eager: in the step's own gradient buffers), then its finiteness checked."""
+
+    def __init__(self, optimizer: optim.GradientTransformation):
+        self.optimizer, self.eager, self.without_donation = optimizer, self, self
+
+    def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
+              reduce_on=None) -> Updated:
+        groups, sq_reducer = _reduction(groups, reduce_on)
+        grad_tree = _grad_tree(grads, treespec, params)
         grad_norm = optim.global_norm(grad_tree, sq_reducer)
-    ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
-    in_place = optim.in_place_step(optimizer) if donate_state and not tracing else None
-    held = (in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm, norm_reducer=sq_reducer,
-                     params_finite=params_finite)
-            if in_place is not None else None)
-    if held is not None:        # written in place, or held back where it could not be shown finite
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
+                               sq_reducer)
+
+
+class InPlace(UpdateStrategy):
+    """Eager, donated: the optimizer's in-place step writes into the state passed in; a step
+    it held back is made in new buffers by :meth:`redo_in_new_buffers` (the result's ``retry``)."""
+
+    def __init__(self, optimizer: optim.GradientTransformation, step_in_place: Callable[..., Any]):
+        self.optimizer, self.step_in_place = optimizer, step_in_place
+        self.eager, self.without_donation = self, InNewBuffers(optimizer)
+
+    def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
+              reduce_on=None) -> Updated:
+        groups, sq_reducer = _reduction(groups, reduce_on)
+        grad_tree = _grad_tree(grads, treespec, params)
+        grad_norm = optim.global_norm(grad_tree, sq_reducer)
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
+        held = self.step_in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm,
+                                  norm_reducer=sq_reducer, params_finite=params_finite)
+        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
+                 "update_held": held}
 
         def retry() -> Updated:
-            return _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
-                                   sq_reducer)
-        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)), "update_held": held}
+            return self.redo_in_new_buffers(grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer)
         return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
-    shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
-    up = _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
-                         check=not written)
-    if written:
+
+    def redo_in_new_buffers(self, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer) -> Updated:
+        """A held step's update made in new buffers, as an eager step without donation makes it."""
+        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
+                               sq_reducer)
+
+
+class WrittenUnderGuard(UpdateStrategy):
+    """Traced, donated: the pure update written into the state passed in where the scalar guard
+    and the optimizer's ``bound`` (None: checked as written) allow; a held step made again by
+    the compiled step without donation (:meth:`redo`). ``eager``: the strategy the same step
+    updates with when its device function runs eager."""
+
+    def __init__(self, optimizer: optim.GradientTransformation, bound: UpdateBound | None,
+                 eager: UpdateStrategy):
+        self.optimizer, self.bound, self.eager = optimizer, bound, eager
+        self.without_donation = InNewBuffers(optimizer)
+
+    def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
+              reduce_on=None) -> Updated:
+        groups, sq_reducer = _reduction(groups, reduce_on)
+        grad_tree = _grad_tree(grads, treespec, params)
+        bound = self.bound
+        carry = bound is not None and peaks is not None and bound.carried is not None
+        if carry:               # the bound's norm from the gradients' sums and the carried peaks: no other read
+            grad_norm, bound_n, grad_sq = carried_norms(bound, tree_leaves(grad_tree), peaks, params, sq_reducer,
+                                                        params_finite)
+        elif bound is not None:   # the bound's norm, known before the update, read with the gradients' (one loop)
+            grad_norm, bound_n = grad_and_bound_norms(bound, tree_leaves(grad_tree), opt_state, params, sq_reducer,
+                                                      params_finite)
+        else:
+            grad_norm = optim.global_norm(grad_tree, sq_reducer)
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
+        shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
+        up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
+                             check=False)
         # scalars only: the writes wait for no reduction over the update (one pass)
         write = ok & shown if shown is not None else ok
         # computed once, not inside every leaf's update loop (docs/compile.md "The write guard computed once")
@@ -119,8 +178,7 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
                                                       opt_state))
         if shown is not None:
             # held (nothing written) where the bound could not show the update finite: the host
-            # makes it in new buffers, as after the eager in-place step (docs/optim.md "Bound
-            # before the update")
+            # makes it in new buffers (:meth:`redo`; docs/optim.md "Bound before the update")
             flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
                      "update_held": ok & ~shown}
             up.flags, up.finite, up.written = flags, write, True
@@ -132,7 +190,47 @@ def update_phase(optimizer: optim.GradientTransformation, grads: list[torch.Tens
         # stored parameters instead of computing the update a second time
         update_ok = all_finite(tree_leaves(up.params), groups)
         up.flags, up.finite, up.written = nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok, True
-    return up
+        return up
+
+    def redo(self, step: Any, state: dict, batch: dict) -> Updated:
+        """A held compiled donated step (its state passed in untouched: nothing was written) made
+        again by ``step``'s compiled step without donation (a second graph, compiled at the
+        first held step): the update in new buffers, checked as such a step checks it."""
+        out = step.run_without_donation(state, batch)     # (updating with :attr:`without_donation`)
+        m = out.metrics
+        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+                       m["skipped"] == 0, False)
+
+
+def choose_update(optimizer: optim.GradientTransformation, *, donate_state: bool, compiled: bool = False,
+                  bound: UpdateBound | None = None) -> UpdateStrategy:
+    """The update strategy of a step, chosen once when it is built: ``donate_state`` (the caller
+    gives up the state passed in), ``compiled`` (the step's device function compiled whole) and
+    what ``optimizer`` declares (an in-place step, ``optim.in_place_step``; ``bound``, its
+    pre-update bound, ``optim.update_bound``, looked up by the caller)."""
+    step_in_place = optim.in_place_step(optimizer) if donate_state else None
+    eager = InPlace(optimizer, step_in_place) if step_in_place is not None else InNewBuffers(optimizer)
+    if donate_state and compiled:
+        return WrittenUnderGuard(optimizer, bound, eager)
+    return eager
+
+
+def _reduction(groups: AxisGroups, reduce_on: torch.device | None):
+    """The groups with the device their collectives run on, and the squared-sums reducer the
+    optimizer's norms use (:func:`complete` over them)."""
+    groups = [(axes, group, reduce_on) for axes, group in groups]
+
+    def sq_reducer(sq_sums: Any) -> torch.Tensor:
+        return complete(tree_leaves(sq_sums), groups)
+    return groups, sq_reducer
+
+
+def _grad_tree(grads: list[torch.Tensor], treespec: Any, params: Any) -> Any:
+    """The gradients as a tree, the list emptied (eager: the optimizer may overwrite the step's
+    own gradient buffers)."""
+    tree = tree_unflatten(treespec, grads if is_tracing() else own_buffers(grads, tree_leaves(params)))
+    grads.clear()
+    return tree
 
 
 def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,

@@ -156,6 +156,7 @@ def test_token_bookkeeping_of_a_step_takes_a_few_ops():
     any), the loss's token count and a single micro-batch's weight and count are a handful of
     torch ops (docs/eager_overhead.md), with the same results."""
     from functional_pp.ops.token_ids import check_ids, deferred_checks
+    from functional_pp.step.device_step import micro_weights
     step, _ = _step()
     b = _batch()
     labels = b["labels"].clone()
@@ -166,7 +167,7 @@ def test_token_bookkeeping_of_a_step_takes_a_few_ops():
         with _Ops() as label_ops:
             checked = check_ids(labels, CFG.vocab, "cross_entropy", ("batch", "seq"), fpp.ops.IGNORE_INDEX)
         with _Ops() as weight_ops:
-            (w,), tokens = step._micro_weights([{"tokens": b["tokens"], "labels": labels}])
+            (w,), tokens = micro_weights([{"tokens": b["tokens"], "labels": labels}], step.batch_dims)
         logits = fpp.named(torch.randn(2, 8, CFG.vocab), "batch seq vocab")
         with _Ops() as loss_ops:
             loss = fpp.ops.cross_entropy(logits, fpp.named(labels, "batch seq"))

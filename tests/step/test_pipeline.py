@@ -16,7 +16,7 @@ from functional_pp._torch import cached_graph_count
 from functional_pp.checkpoint import format as ck_format
 from functional_pp.models import llama
 from functional_pp.parallel.raw_collectives import raw_all_gather
-from functional_pp.step.pipeline import FewMicroBatchesWarning, PipelineStep, pipeline_step
+from functional_pp.step.pipeline import FewMicroBatchesWarning, PipelineSchedule, pipeline_step
 
 CFG = llama.Config.tiny(layers=4)
 DTYPE = torch.float64
@@ -235,16 +235,16 @@ def _compiled_against_eager(reference, cfg, processes=False, **pp):
     eager = _run(mesh, rules, data, cfg=cfg, **pp)
     step = pipeline_step(functools.partial(llama.loss, cfg=cfg), _opt("adamw"), mesh=mesh, rules=rules,
                          grad_accum=M, compile="aot_eager", **pp)
-    before = cached_graph_count(PipelineStep._stage_forward.__code__)
+    before = cached_graph_count(PipelineSchedule._stage_forward.__code__)
 
     def device():      # (a process counts its own graphs: its cache is not the parent's)
-        start = cached_graph_count(PipelineStep._stage_forward.__code__) if processes else before
+        start = cached_graph_count(PipelineSchedule._stage_forward.__code__) if processes else before
         state = step.init(fpp.init(llama.init, cfg, DTYPE, mesh=mesh, rules=rules, seed=0))
         losses = []
         for b in data:
             state, m = step(state, b)
             losses.append(m["loss"])
-        graphs = cached_graph_count(PipelineStep._stage_forward.__code__) - start
+        graphs = cached_graph_count(PipelineSchedule._stage_forward.__code__) - start
         return losses, _held_and_gathered(state["params"], mesh, rules, cfg), graphs
     compiled = fpp.launch(device, mesh, **({"processes": True, "timeout": 300} if processes else {}))
     _assert_equal(ref, compiled)

@@ -16,7 +16,8 @@ from functional_pp.step.compiled_step import CompiledStep
 from functional_pp.step.known_finite import DonatedBound
 from functional_pp.step.layering import LayerUse, NoLayerWarning
 from functional_pp.step.metrics_modes import DeferredMetrics, PerStepMetrics
-from functional_pp.step.pipeline import PipelineStep
+from functional_pp.step.device_step import PlainDeviceStep
+from functional_pp.step.pipeline import PipelineSchedule, pipeline_step
 from functional_pp.step.settings import StepSettings
 from functional_pp.step.train import TrainStep
 
@@ -37,7 +38,40 @@ def test_the_parts_are_made_when_the_step_is_built():
     assert type(per_step._metrics) is PerStepMetrics and type(deferred._metrics) is DeferredMetrics
     # the bound is looked up once, for a donated step only
     assert per_step._bound.bound is None and deferred._bound.bound is not None
-    assert PipelineStep.__mro__[1] is TrainStep      # the pipeline's step has the same parts
+    # the pipeline's step is the same step, given the schedule's device function when built
+    pipe = pipeline_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2), grad_accum=2)
+    assert type(pipe) is TrainStep and type(pipe.device) is PipelineSchedule and pipe.device.step is pipe
+    assert type(per_step.device) is PlainDeviceStep and per_step.device.step is per_step
+    assert isinstance(pipe._compiled, CompiledStep) and isinstance(pipe._bound, DonatedBound)
+
+
+def test_no_step_asks_which_kind_of_step_it_is():
+    """The device function is a part chosen by the builder: no module asks a step for its class."""
+    pkg = pathlib.Path(fpp.__file__).parent
+    asks = [f"{f.relative_to(pkg)}:{n.lineno}" for f in sorted(pkg.rglob("*.py"))
+            for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) == "isinstance" and len(n.args) == 2
+            and "Pipeline" in ast.unparse(n.args[1])]
+    assert not asks, f"isinstance checks on the pipeline's step: {asks}"
+
+
+def test_the_update_strategy_is_chosen_when_the_step_is_built():
+    """In place, in new buffers or written under a guard: one object per step, from donate_state,
+    compile and what the optimizer declares (step/update.py); the redo of a held compiled step is
+    its method, the eager form of a compiled step's the strategy ``trace`` runs."""
+    from functional_pp.step.update import InNewBuffers, InPlace, WrittenUnderGuard
+    assert type(_step()._update) is InNewBuffers
+    assert type(_step(donate_state=True)._update) is InPlace          # adamw has an in-place step
+    compiled = _step(donate_state=True, compile="aot_eager")          # (nothing compiled until a step runs)
+    assert type(compiled._update) is WrittenUnderGuard and compiled._update.bound is compiled._bound.bound
+    assert type(compiled._update.eager) is InPlace and type(compiled._update.without_donation) is InNewBuffers
+    sgd = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.sgd(1e-2), donate_state=True)
+    assert type(sgd._update) is InNewBuffers                           # no in-place step: new buffers
+    pipe = pipeline_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-2), grad_accum=2,
+                         donate_state=True, compile="aot_eager")      # stages compiled, the step eager
+    assert type(pipe._update) is InPlace
+    with pytest.raises(RuntimeError, match="never held"):
+        _step()._update.redo(None, {}, {})
 
 
 @pytest.mark.parametrize("options, words", [({"precision": "fp8"}, "precision 'fp8'"),

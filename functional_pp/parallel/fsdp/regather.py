@@ -23,6 +23,7 @@ from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel.fsdp import param_uses
 from functional_pp.parallel.fsdp.graph import regather_region
 from functional_pp.parallel.collectives import raw_all_gather
+from functional_pp.parallel.fsdp.role import gathered
 from functional_pp.parallel.fsdp.units import keeps_gathered
 from functional_pp.parallel.named import Named, configure, current_policy, make_named
 from functional_pp.parallel.reshard import Reshard, all_gather_tiled, relayout_with, reshard
@@ -47,8 +48,8 @@ def _reshard_keeping_shard(x: Named, target: Layout, op: str) -> Reshard:
         param_uses.record(x.data)            # gathered at several sites: tied from the next forward
     if ((x.is_param or current_policy().regather_activations) and len(done.gathers) == 1
             and out.data.requires_grad and not done.sliced):
-        out = make_named(out.data, out.dims, out.split, out.vary, out.partial, out._sizes, out.is_param,
-                         out.tied, done.gathers[0])
+        out = make_named(out.data, out.dims, out.split, out.vary, out.partial, out._sizes,
+                         gathered(out.role, done.gathers[0]))
     return done._replace(value=out)
 
 
