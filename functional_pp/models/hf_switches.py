@@ -24,7 +24,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False)
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False,
+                             residual_dropout=0.0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -284,7 +285,7 @@ def _gptj_write(cfg, out: dict) -> None:
         out.pop(key, None)
     out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
                rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=cfg.attention_dropout)
 
 
 SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
@@ -306,19 +307,20 @@ def no_dropout(get: Get, where: str, *keys: str) -> None:
 
 
 def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
-    no_dropout(get, where, "attention_dropout", "residual_dropout")
-    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")))
+    rate = float(get("residual_dropout") or 0.0)     # (on the attention's and the MLP's outputs, in training)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: residual_dropout={rate!r} must be in [0, 1)")
+    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")), residual_dropout=rate)
 
 
 def _seed_oss_write(cfg, out: dict) -> None:
-    out.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias, attention_dropout=0.0,
-               residual_dropout=0.0)
+    out.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias, residual_dropout=cfg.residual_dropout)
 
 
 SWITCHES["seed_oss"] = Switches(   # Seed-OSS: Llama with q/k/v biases (attention_bias) apart from the output's
     "SeedOssForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=524288, head_dim=128, attention_bias=True,
                                attention_out_bias=False, attention_dropout=0.1, residual_dropout=0.1, pad_token_id=1),
-    _seed_oss_read, _seed_oss_write, free=("qkv_bias", "o_bias"))
+    _seed_oss_read, _seed_oss_write, free=("qkv_bias", "o_bias", "residual_dropout"))
 
 
 # --------------------------------------------------------------------------- Apertus

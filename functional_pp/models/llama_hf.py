@@ -814,7 +814,10 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
-    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+    attention_dropout = float(get("attention_dropout") or 0.0)       # (on the softmax probabilities, in training)
+    if not 0.0 <= attention_dropout < 1.0:
+        raise UnsupportedHFConfig(f"{where}: attention_dropout={attention_dropout!r} must be in [0, 1)")
+    for key in ("resid_pdrop", "embd_pdrop"):
         if float(hf.get(key) or 0.0) != 0.0:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
                                       f"has no dropout there; set it to 0.0)")
@@ -869,7 +872,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types), **extra})
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types,
+        attention_dropout=attention_dropout), **extra})
 
 
 def _rope(rope: dict, hf: dict, where: str, theta_default: float, partial_ok: bool = False):
@@ -1085,7 +1089,7 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": 0.0, "use_cache": True,
+        "attention_dropout": cfg.attention_dropout, "use_cache": True,
         "rope_parameters": rope,                                    # transformers 5
         "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
         "rope_scaling": (None if s is None else

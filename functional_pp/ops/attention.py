@@ -18,6 +18,7 @@ from functional_pp.devices import mesh_view
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.attention_ring import batched_ring_attention
+from functional_pp.ops.keep_mask import check_rate, keep_mask
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
@@ -71,7 +72,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
-              kv_segments: Named | None = None) -> Named:
+              kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -104,7 +105,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``chunk`` (Llama 4's ``attention_chunk_size``): a query at position i sees the keys of its
     own block of ``chunk`` positions only (i // chunk == j // chunk, and causal), as transformers'
     chunked causal mask; on every path like ``window`` (under context parallelism the all-gather
-    one)."""
+    one).
+
+    ``dropout`` (transformers' ``attention_dropout`` in training): each softmax probability is
+    zeroed with that rate and the others scaled by 1 / (1 - rate), the mask a counter-based hash
+    of ``dropout_seed`` and the entry's global (batch, head, query position, key position)
+    (:func:`functional_pp.ops.keep_mask.keep_mask`), so every layout drops what one device drops.
+    Explicit probabilities like ``softcap`` (no fused kernel takes this mask), on every path
+    (under context parallelism the all-gather one); 0: today's path, bit for bit."""
+    dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -143,6 +152,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     if chunk is not None and chunk >= q.size(seq):
         chunk = None                  # one block holds the whole sequence
     limits = (window, chunk)
+    drop = None
+    if dropout:                       # (rate, seed, this device's global batch rows and heads)
+        b_split, h_split = q.split[q.dims.index(batch)], q.split[q.dims.index(heads)]
+        drop = (dropout, dropout_seed,
+                _local_positions(q.size(batch), b_split, rules.splits_balanced(batch, b_split), qt.device),
+                _local_positions(q.size(heads), h_split, rules.splits_balanced(heads, h_split), qt.device))
     if kv_segments is not None and (segments is None or seq_axes):
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
@@ -151,12 +166,14 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
         kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks, kseg)
+                                 sinks, kseg, drop)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks)
-    elif window is not None or chunk is not None or softcap is not None or sinks is not None:
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
+                                drop)
+    elif window is not None or chunk is not None or softcap is not None or sinks is not None or drop is not None:
         pos = torch.arange(qt.shape[2], device=qt.device)
-        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks)
+        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks,
+                      _kept(drop, pos, pos, qt.dtype))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -211,11 +228,23 @@ def _sinks_like_heads(sinks: Named, q: Named, heads: str, vary) -> torch.Tensor:
     return sinks.data
 
 
-def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
+def _kept(drop, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
+    """The (batch, heads, q, k) factors of attention dropout ``drop`` (rate, seed, global batch
+    rows, global heads) at global query / key positions: 0 or 1 / (1 - rate); None: no dropout."""
+    if drop is None:
+        return None
+    rate, seed, rows, heads = drop
+    coords = [rows.reshape(-1, 1, 1, 1), heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
+              kpos.reshape(1, 1, 1, -1)]
+    return keep_mask(seed, coords, rate).to(dtype) / (1.0 - rate)
+
+
+def _masked(q, k, v, mask, scale, softcap=None, sinks=None, kept=None):
     """Attention of (batch, heads, seq, head_dim) blocks under a boolean ``mask`` (None: all
     keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked; with
-    ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped."""
-    if softcap is None and sinks is None:
+    ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped; with
+    ``kept`` (attention dropout's factors, :func:`_kept`) the probabilities times them."""
+    if softcap is None and sinks is None and kept is None:
         return sdpa_for(q)(q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))
     if k.shape[1] != q.shape[1]:                      # grouped-query: each kv head serves its group
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -229,9 +258,9 @@ def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
     if sinks is not None:                             # the sink's column joins the softmax, then goes
         column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, column], -1), dim=-1, dtype=wide)[..., :-1].to(q.dtype)
-        return torch.matmul(probs, v)
-    probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
-    return torch.matmul(probs, v)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
+    return torch.matmul(probs if kept is None else probs * kept, v)
 
 
 def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None,
@@ -252,7 +281,7 @@ def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int |
 
 
 def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                      sinks=None):
+                      sinks=None, drop=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -260,19 +289,17 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    # (the ring has neither a window nor chunks nor a softcap nor sinks)
+    # (the ring has neither a window nor chunks nor a softcap nor sinks nor dropout)
     if (current_policy().cp_attention == "allgather" or limits != (None, None) or softcap is not None
-            or sinks is not None):
+            or sinks is not None or drop is not None):
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
-        mask = None
-        if causal or limits != (None, None):
-            qpos = _local_positions(seq_size, axes, balanced, q.device)
-            kpos = torch.arange(seq_size, device=q.device)
-            if balanced:
-                kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
-            mask = _visible(qpos, kpos, causal, *limits)
-        return _masked(q, kf, vf, mask, scale, softcap, sinks)
+        qpos = _local_positions(seq_size, axes, balanced, q.device)
+        kpos = torch.arange(seq_size, device=q.device)
+        if balanced:
+            kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
+        mask = _visible(qpos, kpos, causal, *limits) if causal or limits != (None, None) else None
+        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype))
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -300,7 +327,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None, kseg=None):
+                       sinks=None, kseg=None, drop=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
     the keys' ids, when they are not the queries'). Under context parallelism K/V and the
     segment ids are all-gathered."""
@@ -318,12 +345,12 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
+    if qpos is None:                  # the queries are the last of the keys (all of them, or a cache's new ones)
+        kpos = torch.arange(k.shape[2], device=q.device)
+        qpos = kpos[k.shape[2] - q.shape[2]:]
     if causal or limits != (None, None):
-        if qpos is None:              # the queries are the last of the keys (all of them, or a cache's new ones)
-            kpos = torch.arange(k.shape[2], device=q.device)
-            qpos = kpos[k.shape[2] - q.shape[2]:]
         mask = mask & _visible(qpos, kpos, causal, *limits)
-    if softcap is not None or sinks is not None:
-        return _masked(q, k, v, mask, scale, softcap, sinks)
+    if softcap is not None or sinks is not None or drop is not None:
+        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))
