@@ -79,9 +79,9 @@ ROWS: tuple[Row, ...] = (
                    "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
-    Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases (Seed-OSS); q/k norms after the rotary, "
-                                          "NTK-alpha rope (Hunyuan)",
-        "Seed-OSS's dropout (refused by name, set it to 0.0)"),
+    Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases, attention and residual dropout in training "
+                                          "(Seed-OSS); q/k norms after the rotary, NTK-alpha rope (Hunyuan)",
+        "Seed-OSS's dropout under a compiled step or pipeline stages (refused by name)"),
     Row(("apertus",), "xIELU MLP (trainable scalars), q/k norms"),
     Row(("falcon",), "multi-query (7B) or grouped (40B/180B) fused q/k/v, parallel attention + MLP, LayerNorm",
         "ALiBi (Falcon-RW); TP of a multi-query model's heads; PEFT export of adapters on the fused "

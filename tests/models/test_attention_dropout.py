@@ -188,3 +188,18 @@ def test_compiled_step_refuses_dropout_by_name():
 def test_real_processes_equal_one_device():
     """Two AdamW steps on four gloo processes (FSDP x TP) equal one device's, dropout on."""
     assert_processes_equal_one_device(CFG)
+
+
+@pytest.mark.parametrize("key", ["torch_compile", "pp_size"])
+def test_config_refuses_dropout_with_compile_or_pipeline_before_any_work(tmp_path, key):
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.config.models import model_config
+    d = _seed_oss_dir(tmp_path)
+    cfg = TrainConfig.from_dict({"base_model": str(d), key: True if key == "torch_compile" else 2})
+    with pytest.raises(ConfigError, match=rf"config.json's attention_dropout=0.25, residual_dropout=0.125 with {key} "
+                                          r"is not supported .*overrides_of_model_config: \{attention_dropout: 0.0, "
+                                          r"residual_dropout: 0.0\}"):
+        model_config(cfg)
+    fine = TrainConfig.from_dict({"base_model": str(d), key: True if key == "torch_compile" else 2,
+                                  "overrides_of_model_config": {"attention_dropout": 0.0, "residual_dropout": 0.0}})
+    assert model_config(fine).attention_dropout == 0.0
