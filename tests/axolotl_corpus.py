@@ -60,7 +60,9 @@ MODEL_TYPES = {
     "mistralai/Mistral-7B-v0.1": "mistral", "mistralai/Ministral-8B-Instruct-2410": "mistral",
     "mistralai/Magistral-Small-2507": "mistral", "mistralai/Magistral-Small-2509": "mistral3",
     "mistralai/Ministral-3-3B-Reasoning-2512": "mistral3_ministral3",
-    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_unknown",
+    # (Mistral Medium 3.5: Mistral3ForConditionalGeneration, a Pixtral tower beside a dense Ministral 3 text
+    # decoder, Devstral 2's backbone: text_config model_type ministral3, as NVIDIA NeMo AutoModel's model page)
+    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_ministral3",
     "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
     "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
@@ -144,9 +146,6 @@ _GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_valu
 _GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, video_token_id=403, boa_token_id=None,
                        eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
 _GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-_CONFIG_ONLY = {
-    # Mistral Medium 3.5's text_config is not known to this test (a stand-in without one, refused as such)
-    "mistral3_unknown": {"model_type": "mistral3"}}
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
 #: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral), Ministral 3
 #: (text ministral3: Ministral3Config's rope, YaRN with the queries scaled past 16384 positions)
@@ -188,9 +187,6 @@ def tiny_model(model_type: str, root: Path) -> Path:
     make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type in _CONFIG_ONLY:
-        (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))
-        return d
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d

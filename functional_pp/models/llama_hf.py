@@ -746,9 +746,12 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         import dataclasses
         text = dict(hf.get("text_config") or {})
         if not text or (not text.get("model_type") and MULTIMODAL[mt] is None):
-            raise UnsupportedHFConfig(f"HF {mt} config: text_config={hf.get('text_config')!r} is not supported (its "
-                                      f"text decoder's family and sizes are unknown: give text_config with its "
-                                      f"model_type)")
+            missing = "no text_config" if not text else "a text_config without model_type"
+            raise UnsupportedHFConfig(f"HF {mt} config: text_config={hf.get('text_config')!r} is not supported: "
+                                      f"config.json has {missing}, so its text decoder's family and sizes are not "
+                                      f"in it (transformers would build its class's default text decoder, not this "
+                                      f"checkpoint's); give config.json's text_config as published, with its "
+                                      f"model_type (Mistral 3's: mistral, ministral3 or mistral4)")
         text.setdefault("model_type", MULTIMODAL[mt])
         if "tie_word_embeddings" in hf:
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
