@@ -590,12 +590,56 @@ SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries sca
     fixed=dict(attn_temperature_offset=0.0, attn_temperature_all_layers=True, qkv_bias=False, o_bias=False,
                layer_types=None, attn_temperature_floor=_ministral3_floor))
 
+# --------------------------------------------------------------------------- LFM2
+def _lfm2_prepare(hf: dict) -> dict:
+    """LFM2's config.json keys as the shared ones: ``norm_eps``, its layer types kept apart (read
+    by :func:`_lfm2_read`), Lfm2Config's rope base where none is given."""
+    out = dict(hf, rms_norm_eps=hf.get("norm_eps", 1e-5), lfm2_layer_types=hf.get("layer_types"), layer_types=None)
+    if not hf.get("rope_parameters") and not hf.get("rope_theta"):
+        out["rope_theta"] = 1_000_000.0
+    return out
+
+
+def _lfm2_read(hf: dict, get: Get, where: str) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("lfm2_layer_types")
+    if types is None:                    # Lfm2Config: full_attn_idxs (default every layer) attend, the others convolve
+        full = hf.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
+    bad = sorted(set(types) - {"full_attention", "conv"})
+    if bad or len(types) != layers:
+        raise ValueError(f"{where}: layer_types {list(types)} must be {layers} entries of 'full_attention' or 'conv'")
+    if get("conv_bias"):
+        raise ValueError(f"{where}: conv_bias=True is not supported (LFM2's convolution and projections without "
+                         f"biases only)")
+    mlp = int(hf["intermediate_size"])
+    if get("block_auto_adjust_ff_dim"):          # transformers' Lfm2MLP: 2/3, times the multiplier, rounded up
+        mlp = int(2 * mlp / 3)
+        if get("block_ffn_dim_multiplier") is not None:
+            multiple = int(get("block_multiple_of"))
+            mlp = multiple * ((int(float(get("block_ffn_dim_multiplier")) * mlp) + multiple - 1) // multiple)
+    return dict(layer_types=tuple(types), conv_kernel=int(get("conv_L_cache")), mlp=mlp)
+
+
+def _lfm2_write(cfg, out: dict) -> None:
+    out.pop("rms_norm_eps", None)
+    out.update(norm_eps=cfg.norm_eps, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.layers),
+               conv_L_cache=cfg.conv_kernel, conv_bias=False, block_auto_adjust_ff_dim=False)
+
+
+SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/short_conv.py) between attention layers
+    "Lfm2ForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=128000, tie_word_embeddings=True, conv_L_cache=3,
+                            conv_bias=False, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+                            block_auto_adjust_ff_dim=True),
+    _lfm2_read, _lfm2_write, fixed=dict(qk_norm=True, qkv_bias=False, o_bias=False), prepare=_lfm2_prepare,
+    free=("layer_types", "conv_kernel"))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
         ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
+        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
         ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
         ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),
         ("qwen3_5_moe", "Qwen3.5-MoE (its gated DeltaNet layers)"))},

@@ -27,14 +27,14 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import dropout_seeds, kv_cache, mla, moe, per_layer_inputs, temperature
+from functional_pp.models import dropout_seeds, kv_cache, mla, moe, per_layer_inputs, short_conv, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv")
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -117,6 +117,9 @@ class Config:
     # coordinates, the same on every layout (models/dropout_seeds.py)
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
+    # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
+    # positions (conv_L_cache; models/short_conv.py), not attention
+    conv_kernel: int = 3
     # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
     local_rope_theta: float | None = None
     # mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; models/moe.py, docs/experts.md): the
@@ -693,6 +696,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                                           "post_feedforward_layernorm_2")})
         elif moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
+        if cfg.layer_kind(i) in MIXERS:             # (LFM2's short convolution in place of attention)
+            del p["self_attn"]
+            p[cfg.layer_kind(i)] = MIXERS[cfg.layer_kind(i)][0](cfg.hidden, cfg.conv_kernel, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
@@ -830,6 +836,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
     layer's, ``cfg.kv_shared_layers``) instead of this layer's own; ``seed``: the layer's dropout
     seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`)."""
+    mixer = next((kind for kind in MIXERS if kind in p), None)
+    if mixer is not None:                                 # a layer whose tokens mix otherwise (layer_types)
+        return MIXERS[mixer][1](p[mixer], h, cfg)
     a = p["self_attn"]
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
         if seed is not None and cfg.attention_dropout:
@@ -868,6 +877,11 @@ def _dropped(out: Named, cfg: Config, seed: int | None, site: int) -> Named:
         return out
     return ops.dropout(out, cfg.residual_dropout, seed + site)
 
+
+MIXERS: dict[str, tuple] = {"conv": (short_conv.init, short_conv.mixer)}
+"""``layer_types`` entries whose layers mix tokens by another op than attention -> (the
+declarations of its parameters, ``init(hidden, kernel, w, out_std)``, held under that key of the
+layer; its mixer, ``mixer(params, normed input, cfg)`` -> ``batch res_seq hidden``)."""
 
 _ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
          "relu2": lambda x: ops.square(ops.relu(x))}             # (Arcee's squared ReLU)
@@ -1049,7 +1063,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", conv="tp", conv_gates=None, conv_kernel=None)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:

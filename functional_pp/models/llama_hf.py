@@ -115,6 +115,10 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.experts.gate_proj.bias", "layers.{i}.mlp.expert_gate_bias", "copy"),
     ("model.layers.{i}.mlp.experts.up_proj.bias", "layers.{i}.mlp.expert_up_bias", "copy"),
     ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
+    # LFM2's short convolution (models/short_conv.py): in_proj's rows the B, C and x gates in turn
+    ("model.layers.{i}.conv.in_proj.weight", "layers.{i}.conv.in_proj", "heads_out"),
+    ("model.layers.{i}.conv.conv.weight", "layers.{i}.conv.conv", "depthwise"),
+    ("model.layers.{i}.conv.out_proj.weight", "layers.{i}.conv.out_proj", "linear"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
     # a score head (*ForSequenceClassification / *ForTokenClassification; models/score_head.py)
@@ -312,6 +316,11 @@ RENAMED["dbrx"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.l
                    (r"\.mlp\.experts\.gate_proj\.weight$", ".ffn.experts.mlp.w1"),
                    (r"\.mlp\.experts\.up_proj\.weight$", ".ffn.experts.mlp.v1"),
                    (r"\.mlp\.experts\.down_proj\.weight$", ".ffn.experts.mlp.w2"), (r"^model\.norm\.", "transformer.norm_f."))
+RENAMED["lfm2"] = ((r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+                   (r"^model\.norm\.", "model.embedding_norm."), (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."),
+                   (r"\.self_attn\.q_norm\.", ".self_attn.q_layernorm."),
+                   (r"\.self_attn\.k_norm\.", ".self_attn.k_layernorm."), (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
+                   (r"\.mlp\.up_proj\.", ".feed_forward.w3."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["mistral4"] = deepseek_hf.MISTRAL4_RENAMED     # (and the experts as one tensor: experts.down_proj)
@@ -556,6 +565,17 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
         return sl[0:1, region[0]][0]
 
 
+class _Depthwise(_Kind):               # ours [C, K] = HF Conv1d(groups=C) [C, 1, K]
+    def hf_shape(self, shape):
+        return (shape[0], 1, shape[1])
+
+    def to_hf(self, t):
+        return t.unsqueeze(1)
+
+    def read(self, sl, region, shape):
+        return sl[region[0], 0:1, region[1]][:, 0, :]
+
+
 class _Along(_Copy):
     """Ours as HF's, one part of a tensor whose parts follow each other along dimension
     ``row_axis`` (Llama 4's ``gate_up_proj``: gate, then up), or alternate there entry by entry
@@ -571,7 +591,8 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead()}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
+                           "depthwise": _Depthwise()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -987,6 +1008,9 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
+        raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
+                                  f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:

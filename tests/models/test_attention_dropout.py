@@ -80,7 +80,6 @@ def _hashed_dropout(model, p_attn: float, p_res: float):
     """transformers' ``nn.functional.dropout`` in Seed-OSS's module made ours: the probabilities
     (batch, heads, q, k) and each branch output (batch, seq, hidden; coordinates in name order
     batch, hidden, res_seq) masked by the hash of the layer's seed of the first forward."""
-    from transformers.models.seed_oss import modeling_seed_oss as m
     state = {"layer": None, "calls": 0}
 
     def dropout(x, p=0.5, training=True, inplace=False):
