@@ -121,8 +121,11 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                                  "moe_top_k": 2}}),
        "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 8}),     # (no GQA)
-       # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
+       # (SeedOssConfig's dropouts, 0.1 as in the published files: trained with them)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
+       # (a short-convolution layer, then an attention layer, as LFM2's; tied embeddings)
+       "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "pad_token_id": None,
+                                                  "bos_token_id": None, "eos_token_id": None}),
        # (latent attention: a k/v head per head)
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
