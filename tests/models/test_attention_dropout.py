@@ -140,11 +140,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cp_packed"])
 def test_layouts_equal_one_device(layout):
-    mesh, rules = LAYOUTS[layout]
+    mesh, rules = LAYOUTS["cp_balanced" if layout == "cp_packed" else layout]
     params = fpp.init_params(llama.init(CFG, torch.float64), seed=0)
     batch = make_batch(CFG, batch=4, seq=8)
+    if layout == "cp_packed":                      # packed documents: the segments' path
+        batch["segments"] = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]] * 4)
     loss0, grads0, _ = parallel(CFG, params, batch, fpp.Mesh(), fpp.Rules())[0]
     for rank, (loss, grads, _) in enumerate(parallel(CFG, params, batch, mesh, rules)):
         torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
