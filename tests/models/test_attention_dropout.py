@@ -204,3 +204,41 @@ def test_config_refuses_dropout_with_compile_or_pipeline_before_any_work(tmp_pat
     fine = TrainConfig.from_dict({"base_model": str(d), key: True if key == "torch_compile" else 2,
                                   "overrides_of_model_config": {"attention_dropout": 0.0, "residual_dropout": 0.0}})
     assert model_config(fine).attention_dropout == 0.0
+
+
+def test_a_named_step_fixes_the_seeds_whatever_ran_before():
+    """The training loop names each step (``dropout_seeds.begin_step``): a resumed run, whose process
+    ran no earlier forward, draws the masks of the uninterrupted one."""
+    def seeds(warmup: int):
+        def device():
+            for _ in range(warmup):             # forwards of earlier steps (the uninterrupted run)
+                dropout_seeds.forward_seed(0.1, 0.0, cached=False)
+            dropout_seeds.begin_step(7)
+            return [dropout_seeds.forward_seed(0.1, 0.0, cached=False) for _ in range(2)]
+        return fpp.launch(device, fpp.Mesh())[0]
+    assert seeds(0) == seeds(5) == [7 << 16, (7 << 16) + 1]
+
+
+def test_training_run_with_dropout_resumes_bit_exactly(tmp_path):
+    """A run of a model with dropout stopped after step 1 and resumed ends with the losses and
+    parameters of the uninterrupted run (its masks follow the step, not the process's forwards);
+    without the dropout the losses differ."""
+    import io
+
+    from functional_pp.app.loop import train
+    from functional_pp.app.metrics import read_metrics
+    from functional_pp.config import TrainConfig
+
+    def config(out, **model):
+        return TrainConfig.from_dict({"dp_shard_size": 2, "micro_batch_size": 2, "sequence_len": 16, "max_steps": 3,
+                                      "learning_rate": 3e-3, "data": {"max_bytes": 20_000},
+                                      "model": {"preset": "tiny", "layers": 1, **model},
+                                      "logging": {"log_every": 1, "output_dir": str(out)}}, name="t")
+    drop = dict(attention_dropout=0.3, residual_dropout=0.2)
+    full, split, plain = tmp_path / "full", tmp_path / "split", tmp_path / "plain"
+    train(config(full, **drop), stream=io.StringIO())
+    train(config(split, **drop), stop_after=1, stream=io.StringIO())
+    assert train(config(split, **drop), resume=True, stream=io.StringIO()).start_step == 1
+    train(config(plain), stream=io.StringIO())
+    loss = [[m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m] for out in (full, split, plain)]
+    assert len(loss[0]) == 3 and loss[0] == loss[1] and loss[0] != loss[2]
