@@ -1094,7 +1094,11 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             own = 0 if cfg.kv_source(i) not in (None, i) else 1 if cfg.v_shared(i) else 2    # (shared: no k/v)
             return 2 * cfg.hidden * (2 * cfg.heads * d + own * kv * d) + 2 * 2 * seq * cfg.heads * d / 2
         return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple)
-    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
+    def mixer(i: int) -> float:                 # LFM2's short convolution: in_proj, the kernel, out_proj
+        if cfg.layer_kind(i) == "conv":
+            return 2 * cfg.hidden * (4 * cfg.hidden + cfg.conv_kernel)
+        return proj + attn
+    fwd = sum(mixer(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
 
 

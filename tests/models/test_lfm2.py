@@ -136,3 +136,12 @@ def test_real_processes_equal_one_device():
     cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, max_seq=32, qk_norm=True,
                        layer_types=("conv", "full_attention"), tie_embeddings=True, model_type="lfm2")
     assert_processes_equal_one_device(cfg, rules=llama.default_rules(sequence_parallel=True))
+
+
+def test_flops_count_the_convolution_layers_as_such():
+    cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, max_seq=32, qk_norm=True,
+                       layer_types=("conv", "full_attention"))
+    attention_only = dataclasses.replace(cfg, layer_types=None)
+    conv = 2 * 32 * (4 * 32 + 3)                            # in_proj (3 gates), out_proj, the kernel
+    attention = 2 * 32 * (4 * 8 + 2 * 2 * 8 + 4 * 8) + 2 * 16 * 4 * 8     # q, k, v, o; causal scores and values
+    assert llama.flops_per_token(cfg, 16) - llama.flops_per_token(attention_only, 16) == 3 * (conv - attention)
