@@ -123,6 +123,9 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 8}),     # (no GQA)
        # (SeedOssConfig's dropouts, 0.1 as in the published files: trained with them)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
+       # (transformers' MptForCausalLM: ALiBi, q/k/v fused in Wqkv; Replit's own remote code names its MLP
+       # mlp_up / mlp_down, which its Axolotl example targets: refused by those names)
+       "mpt": ("MptConfig", "MptForCausalLM", {"bos_token_id": None, "eos_token_id": None, "max_seq_len": 512}),
        # (a short-convolution layer, then an attention layer, as LFM2's; tied embeddings)
        "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "pad_token_id": None,
                                                   "bos_token_id": None, "eos_token_id": None}),
@@ -359,6 +362,7 @@ _BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
 _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
+_TARGETS = re.compile(r"LoRA: target_modules \(lora_target_modules\) \[([^\]]*)\] match no parameter")
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
@@ -369,6 +373,8 @@ def reason(problem: str, cfg: dict) -> str:
     ``optimizer: adamw_bnb_8bit``, ``model_type qwen3_moe``, ``plugin LigerPlugin``, ..."""
     if _UNFROZEN.match(problem):         # (patterns of the family's own tensor names: not matched yet)
         return "unfrozen_parameters"
+    if m := _TARGETS.search(problem):    # (module names the model does not have: another modelling code's)
+        return "lora_target_modules " + ", ".join(n.strip(" '") for n in m.group(1).split(","))
     if m := _KEY.match(problem):
         key = re.sub(r"\[\d+\]", "", m.group(1))          # datasets[0].x -> datasets.x
         value = cfg.get(key)

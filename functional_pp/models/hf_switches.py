@@ -590,6 +590,56 @@ SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries sca
     fixed=dict(attn_temperature_offset=0.0, attn_temperature_all_layers=True, qkv_bias=False, o_bias=False,
                layer_types=None, attn_temperature_floor=_ministral3_floor))
 
+# --------------------------------------------------------------------------- MPT
+def _mpt_attn(hf: dict) -> dict:
+    """MPT's ``attn_config`` with MptAttentionConfig's defaults where left out."""
+    return {"attn_pdrop": 0.0, "clip_qkv": None, "softmax_scale": None, "qk_ln": False, "alibi": True,
+            "alibi_bias_max": 8, **(hf.get("attn_config") or {})}
+
+
+def _mpt_prepare(hf: dict) -> dict:
+    """MPT's config.json keys as the shared ones (MptConfig's defaults where left out); its MLP is
+    4 x d_model in transformers' MptMLP whatever ``expansion_ratio`` says (checked in the read)."""
+    hidden, heads = int(hf.get("d_model", 2048)), int(hf.get("n_heads", 16))
+    rate = _mpt_attn(hf)["attn_pdrop"]
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layers", 24), num_attention_heads=heads,
+                num_key_value_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=hf.get("max_seq_len", 2048),
+                hidden_act="gelu", attention_dropout=rate, rope_theta=10000.0)
+
+
+def _mpt_read(hf: dict, get: Get, where: str) -> dict:
+    attn = _mpt_attn(hf)
+    for key, ok in (("clip_qkv", None), ("softmax_scale", None), ("qk_ln", False), ("alibi", True)):
+        if attn[key] != ok:
+            raise ValueError(f"{where}: attn_config.{key}={attn[key]!r} is not supported (only {ok!r})")
+    for key, ok in (("no_bias", True), ("logit_scale", None), ("expansion_ratio", 4)):
+        if hf.get(key, ok) != ok:
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r}: transformers' MptForCausalLM)")
+    rate = float(attn["attn_pdrop"] or 0.0)      # (transformers: on the probabilities, the attention's and the MLP's outputs)
+    return dict(norm_eps=float(get("layer_norm_epsilon")), alibi_max=float(attn["alibi_bias_max"]),
+                residual_dropout=rate, nope_layers=None)
+
+
+def _mpt_write(cfg, out: dict) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "attention_dropout",
+                "attention_bias", "rope_parameters", "rope_scaling", "rope_theta"):
+        out.pop(key, None)
+    out.update(d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, expansion_ratio=4, max_seq_len=cfg.max_seq,
+               layer_norm_epsilon=cfg.norm_eps, no_bias=True, logit_scale=None, resid_pdrop=0, emb_pdrop=0,
+               # (transformers 5.25 types attn_pdrop and alibi_bias_max as ints: whole numbers written so)
+               attn_config={"attn_pdrop": cfg.attention_dropout or 0, "clip_qkv": None, "softmax_scale": None,
+                            "qk_ln": False, "alibi": True,
+                            "alibi_bias_max": int(cfg.alibi_max) if float(cfg.alibi_max).is_integer() else cfg.alibi_max})
+
+
+SWITCHES["mpt"] = Switches(        # MPT (Replit code): ALiBi, bias-free LayerNorms, q/k/v fused in Wqkv, GELU MLP
+    "MptForCausalLM", dict(layer_norm_epsilon=1e-5, tie_word_embeddings=True), _mpt_read, _mpt_write,
+    hidden_act="gelu", prepare=_mpt_prepare, free=("residual_dropout",),
+    fixed=dict(norm_kind="layer", norm_bias=False, mlp_gated=False, mlp_act="gelu", qkv_bias=False, o_bias=False,
+               head_dim=None, kv_heads=lambda cfg: cfg.heads, mlp=lambda cfg: 4 * cfg.hidden,
+               residual_dropout=lambda cfg: cfg.attention_dropout, tie_embeddings=True))
+
 # --------------------------------------------------------------------------- LFM2
 def _lfm2_prepare(hf: dict) -> dict:
     """LFM2's config.json keys as the shared ones: ``norm_eps``, its layer types kept apart (read
@@ -648,7 +698,6 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
-    "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }

@@ -120,6 +120,9 @@ class Config:
     # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
     # positions (conv_L_cache; models/short_conv.py), not attention
     conv_kernel: int = 3
+    # MPT's ALiBi (alibi_bias_max): the attention scores plus a per-head slope times the key's
+    # distance (ops.attention's alibi_max); no rotary then
+    alibi_max: float | None = None
     # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
     local_rope_theta: float | None = None
     # mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; models/moe.py, docs/experts.md): the
@@ -413,7 +416,8 @@ class Config:
 
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
-        return not self.learned_positions and (self.nope_layers is None or layer not in self.nope_layers)
+        return (not self.learned_positions and self.alibi_max is None
+                and (self.nope_layers is None or layer not in self.nope_layers))
 
     @property
     def rotary_dim(self) -> int | None:
@@ -856,10 +860,12 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")
-    drop = {} if seed is None or not cfg.attention_dropout else dict(
+    extra = {} if seed is None or not cfg.attention_dropout else dict(
         dropout=cfg.attention_dropout, dropout_seed=seed + dropout_seeds.ATTENTION)
+    if cfg.alibi_max is not None:                         # (MPT)
+        extra["alibi_max"] = cfg.alibi_max
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
-               sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments, **drop)
+               sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments, **extra)
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
         g = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["gate_proj"])
         o = o * ((ops.tanh(g * 0.5) + 1.0) * 0.5)         # sigmoid(g), exactly as the identity

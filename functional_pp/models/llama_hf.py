@@ -241,6 +241,8 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
     for t in ("weight", "bias"))
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
+FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
+                 tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -321,6 +323,11 @@ RENAMED["lfm2"] = ((r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attent
                    (r"\.self_attn\.q_norm\.", ".self_attn.q_layernorm."),
                    (r"\.self_attn\.k_norm\.", ".self_attn.k_layernorm."), (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
                    (r"\.mlp\.up_proj\.", ".feed_forward.w3."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."))
+# MPT: transformer.blocks.{i}, norm_1, attn.Wqkv (fused) / out_proj, norm_2, ffn.up_proj / down_proj, wte, norm_f
+RENAMED["mpt"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
+                  (r"\.input_layernorm\.", ".norm_1."), (r"\.post_attention_layernorm\.", ".norm_2."),
+                  (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
+                  (r"^model\.norm\.", "transformer.norm_f."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["mistral4"] = deepseek_hf.MISTRAL4_RENAMED     # (and the experts as one tensor: experts.down_proj)

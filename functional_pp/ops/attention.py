@@ -7,6 +7,7 @@ Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,8 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
-              kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0) -> Named:
+              kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0,
+              alibi_max: float | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -112,7 +114,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     of ``dropout_seed`` and the entry's global (batch, head, query position, key position)
     (:func:`functional_pp.ops.keep_mask.keep_mask`), so every layout drops what one device drops.
     Explicit probabilities like ``softcap`` (no fused kernel takes this mask), on every path
-    (under context parallelism the all-gather one); 0: today's path, bit for bit."""
+    (under context parallelism the all-gather one); 0: today's path, bit for bit.
+
+    ``alibi_max`` (MPT's ALiBi, ``alibi_bias_max``): the scaled scores plus ``slope_h * (j - i)`` of
+    query i and key j, head h's slope ``2 ** (-alibi_max * (h + 1) / n)`` over the heads' power of
+    two n (odd ones first when the heads are fewer, as MPT's table); explicit scores like ``softcap``,
+    on every path (under context parallelism the all-gather one), global heads and positions."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
@@ -153,11 +160,12 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         chunk = None                  # one block holds the whole sequence
     limits = (window, chunk)
     drop = None
-    if dropout:                       # (rate, seed, this device's global batch rows and heads)
+    if dropout or alibi_max is not None:       # (this device's global batch rows and heads)
         b_split, h_split = q.split[q.dims.index(batch)], q.split[q.dims.index(heads)]
-        drop = (dropout, dropout_seed,
-                _local_positions(q.size(batch), b_split, rules.splits_balanced(batch, b_split), qt.device),
-                _local_positions(q.size(heads), h_split, rules.splits_balanced(heads, h_split), qt.device))
+        own_heads = _local_positions(q.size(heads), h_split, rules.splits_balanced(heads, h_split), qt.device)
+        drop = Explicit(dropout, dropout_seed,
+                        _local_positions(q.size(batch), b_split, rules.splits_balanced(batch, b_split), qt.device),
+                        own_heads, None if alibi_max is None else alibi_slopes(q.size(heads), alibi_max)[own_heads])
     if kv_segments is not None and (segments is None or seq_axes):
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
@@ -173,7 +181,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     elif window is not None or chunk is not None or softcap is not None or sinks is not None or drop is not None:
         pos = torch.arange(qt.shape[2], device=qt.device)
         out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks,
-                      _kept(drop, pos, pos, qt.dtype))
+                      _kept(drop, pos, pos, qt.dtype), _biased(drop, pos, pos))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -228,28 +236,56 @@ def _sinks_like_heads(sinks: Named, q: Named, heads: str, vary) -> torch.Tensor:
     return sinks.data
 
 
-def _kept(drop, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
-    """The (batch, heads, q, k) factors of attention dropout ``drop`` (rate, seed, global batch
-    rows, global heads) at global query / key positions: 0 or 1 / (1 - rate); None: no dropout."""
-    if drop is None:
+class Explicit(NamedTuple):
+    """What explicit scores and probabilities add: dropout of ``rate`` (0: none) hashed from ``seed``,
+    this device's global batch ``rows`` and ``heads``, and their ALiBi ``slopes`` (None: none)."""
+    rate: float
+    seed: int
+    rows: torch.Tensor
+    heads: torch.Tensor
+    slopes: torch.Tensor | None
+
+
+def alibi_slopes(heads: int, alibi_max: float) -> torch.Tensor:
+    """ALiBi's slope of every head (MPT's ``build_mpt_alibi_tensor``): ``2 ** (-alibi_max * i / n)``
+    for i = 1..n, n the heads' power of two; with fewer heads the odd entries, then the even ones."""
+    n = 2 ** math.ceil(math.log2(heads))
+    slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1, dtype=torch.float32) * (alibi_max / n))
+    return slopes if n == heads else torch.cat([slopes[1::2], slopes[::2]])[:heads]
+
+
+def _kept(drop: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
+    """The (batch, heads, q, k) factors of the attention dropout of ``drop`` at global query / key
+    positions: 0 or 1 / (1 - rate); None: no dropout."""
+    if drop is None or not drop.rate:
         return None
-    rate, seed, rows, heads = drop
-    coords = [rows.reshape(-1, 1, 1, 1), heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
+    coords = [drop.rows.reshape(-1, 1, 1, 1), drop.heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
               kpos.reshape(1, 1, 1, -1)]
-    return keep_mask(seed, coords, rate).to(dtype) / (1.0 - rate)
+    return keep_mask(drop.seed, coords, drop.rate).to(dtype) / (1.0 - drop.rate)
 
 
-def _masked(q, k, v, mask, scale, softcap=None, sinks=None, kept=None):
+def _biased(drop: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor):
+    """The (1, heads, q, k) ALiBi term of ``drop``'s slopes at global positions; None: none."""
+    if drop is None or drop.slopes is None:
+        return None
+    rel = (kpos.reshape(1, -1) - qpos.reshape(-1, 1)).to(drop.slopes.device)
+    return drop.slopes.to(rel.device).reshape(1, -1, 1, 1) * rel
+
+
+def _masked(q, k, v, mask, scale, softcap=None, sinks=None, kept=None, bias=None):
     """Attention of (batch, heads, seq, head_dim) blocks under a boolean ``mask`` (None: all
     keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked; with
     ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped; with
-    ``kept`` (attention dropout's factors, :func:`_kept`) the probabilities times them."""
-    if softcap is None and sinks is None and kept is None:
+    ``kept`` (attention dropout's factors, :func:`_kept`) the probabilities times them; with
+    ``bias`` (ALiBi's, :func:`_biased`) added to the scaled scores."""
+    if softcap is None and sinks is None and kept is None and bias is None:
         return sdpa_for(q)(q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))
     if k.shape[1] != q.shape[1]:                      # grouped-query: each kv head serves its group
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -299,7 +335,8 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
         mask = _visible(qpos, kpos, causal, *limits) if causal or limits != (None, None) else None
-        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype))
+        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype),
+                       _biased(drop, qpos, kpos))
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -351,6 +388,7 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
     if causal or limits != (None, None):
         mask = mask & _visible(qpos, kpos, causal, *limits)
     if softcap is not None or sinks is not None or drop is not None:
-        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype))
+        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype),
+                       _biased(drop, qpos, kpos))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))
