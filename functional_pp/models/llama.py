@@ -857,6 +857,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
+    if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
+        raise ValueError("sampling with a static key / value cache (generate(compile=...)) does not support ALiBi "
+                         "(MPT's alibi_bias_max) yet: its keys are not the last positions; sample without compile")
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")

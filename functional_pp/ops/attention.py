@@ -179,9 +179,10 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
                                 drop)
     elif window is not None or chunk is not None or softcap is not None or sinks is not None or drop is not None:
-        pos = torch.arange(qt.shape[2], device=qt.device)
-        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks,
-                      _kept(drop, pos, pos, qt.dtype), _biased(drop, pos, pos))
+        kpos = torch.arange(kt.shape[2], device=qt.device)
+        qpos = kpos[kt.shape[2] - qt.shape[2]:]       # (a cache's new queries: the last of the keys)
+        out = _masked(qt, kt, vt, _visible(qpos, kpos, causal, *limits), scale, softcap, sinks,
+                      _kept(drop, qpos, kpos, qt.dtype), _biased(drop, qpos, kpos))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))

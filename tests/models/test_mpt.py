@@ -108,6 +108,24 @@ def test_layouts_equal_one_device(saved, layout):
     assert_hf_layout_equals_one_device(saved[1], layout)
 
 
+def test_greedy_sampling_with_the_cache_equals_transformers_generate(saved):
+    """The new tokens' ALiBi distances to the cached keys: greedy tokens equal transformers'
+    ``generate``; the static cache (``compile``) is refused by name."""
+    import functools
+
+    from functional_pp.models import sampling
+    from functional_pp.parallel import sharding
+    model, d = saved
+    cfg, params = hf.load_hf_llama(d)
+    named = sharding.named_tree(params, llama.init(cfg))
+    prompts = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    forward = functools.partial(llama.forward, cfg=cfg)
+    ours = sampling.generate(forward, named, prompts, max_new_tokens=6)
+    assert torch.equal(ours, model.generate(prompts, max_new_tokens=6, do_sample=False))
+    with pytest.raises(ValueError, match=r"static key / value cache .* does not support ALiBi"):
+        sampling.generate(forward, named, prompts, max_new_tokens=2, compile="aot_eager")
+
+
 def test_config_reads_and_refuses_by_name():
     base = dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, vocab_size=256)
     cfg = hf.config_from_hf(dict(base, attn_config={"attn_pdrop": 0.1, "alibi_bias_max": 16}))
