@@ -159,11 +159,11 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     if chunk is not None and chunk >= q.size(seq):
         chunk = None                  # one block holds the whole sequence
     limits = (window, chunk)
-    drop = None
+    explicit = None
     if dropout or alibi_max is not None:       # (this device's global batch rows and heads)
         b_split, h_split = q.split[q.dims.index(batch)], q.split[q.dims.index(heads)]
         own_heads = _local_positions(q.size(heads), h_split, rules.splits_balanced(heads, h_split), qt.device)
-        drop = Explicit(dropout, dropout_seed,
+        explicit = Explicit(dropout, dropout_seed,
                         _local_positions(q.size(batch), b_split, rules.splits_balanced(batch, b_split), qt.device),
                         own_heads, None if alibi_max is None else alibi_slopes(q.size(heads), alibi_max)[own_heads])
     if kv_segments is not None and (segments is None or seq_axes):
@@ -174,15 +174,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
         kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks, kseg, drop)
+                                 sinks, kseg, explicit)
     elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
-                                drop)
-    elif window is not None or chunk is not None or softcap is not None or sinks is not None or drop is not None:
+                                explicit)
+    elif window is not None or chunk is not None or softcap is not None or sinks is not None or explicit is not None:
         kpos = torch.arange(kt.shape[2], device=qt.device)
         qpos = kpos[kt.shape[2] - qt.shape[2]:]       # (a cache's new queries: the last of the keys)
         out = _masked(qt, kt, vt, _visible(qpos, kpos, causal, *limits), scale, softcap, sinks,
-                      _kept(drop, qpos, kpos, qt.dtype), _biased(drop, qpos, kpos))
+                      _kept(explicit, qpos, kpos, qt.dtype), _biased(explicit, qpos, kpos))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -255,22 +255,22 @@ def alibi_slopes(heads: int, alibi_max: float) -> torch.Tensor:
     return slopes if n == heads else torch.cat([slopes[1::2], slopes[::2]])[:heads]
 
 
-def _kept(drop: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
-    """The (batch, heads, q, k) factors of the attention dropout of ``drop`` at global query / key
+def _kept(explicit: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
+    """The (batch, heads, q, k) factors of the attention dropout of ``explicit`` at global query / key
     positions: 0 or 1 / (1 - rate); None: no dropout."""
-    if drop is None or not drop.rate:
+    if explicit is None or not explicit.rate:
         return None
-    coords = [drop.rows.reshape(-1, 1, 1, 1), drop.heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
+    coords = [explicit.rows.reshape(-1, 1, 1, 1), explicit.heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
               kpos.reshape(1, 1, 1, -1)]
-    return keep_mask(drop.seed, coords, drop.rate).to(dtype) / (1.0 - drop.rate)
+    return keep_mask(explicit.seed, coords, explicit.rate).to(dtype) / (1.0 - explicit.rate)
 
 
-def _biased(drop: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor):
-    """The (1, heads, q, k) ALiBi term of ``drop``'s slopes at global positions; None: none."""
-    if drop is None or drop.slopes is None:
+def _biased(explicit: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor):
+    """The (1, heads, q, k) ALiBi term of ``explicit``'s slopes at global positions; None: none."""
+    if explicit is None or explicit.slopes is None:
         return None
-    rel = (kpos.reshape(1, -1) - qpos.reshape(-1, 1)).to(drop.slopes.device)
-    return drop.slopes.to(rel.device).reshape(1, -1, 1, 1) * rel
+    rel = (kpos.reshape(1, -1) - qpos.reshape(-1, 1)).to(explicit.slopes.device)
+    return explicit.slopes.to(rel.device).reshape(1, -1, 1, 1) * rel
 
 
 def _masked(q, k, v, mask, scale, softcap=None, sinks=None, kept=None, bias=None):
@@ -318,7 +318,7 @@ def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int |
 
 
 def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                      sinks=None, drop=None):
+                      sinks=None, explicit=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -328,7 +328,7 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
     # (the ring has neither a window nor chunks nor a softcap nor sinks nor dropout)
     if (current_policy().cp_attention == "allgather" or limits != (None, None) or softcap is not None
-            or sinks is not None or drop is not None):
+            or sinks is not None or explicit is not None):
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
         qpos = _local_positions(seq_size, axes, balanced, q.device)
@@ -336,8 +336,8 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
         mask = _visible(qpos, kpos, causal, *limits) if causal or limits != (None, None) else None
-        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype),
-                       _biased(drop, qpos, kpos))
+        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
+                       _biased(explicit, qpos, kpos))
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -365,7 +365,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None, kseg=None, drop=None):
+                       sinks=None, kseg=None, explicit=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
     the keys' ids, when they are not the queries'). Under context parallelism K/V and the
     segment ids are all-gathered."""
@@ -388,8 +388,8 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         qpos = kpos[k.shape[2] - q.shape[2]:]
     if causal or limits != (None, None):
         mask = mask & _visible(qpos, kpos, causal, *limits)
-    if softcap is not None or sinks is not None or drop is not None:
-        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(drop, qpos, kpos, q.dtype),
-                       _biased(drop, qpos, kpos))
+    if softcap is not None or sinks is not None or explicit is not None:
+        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
+                       _biased(explicit, qpos, kpos))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))
