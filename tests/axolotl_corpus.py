@@ -60,7 +60,9 @@ MODEL_TYPES = {
     "mistralai/Mistral-7B-v0.1": "mistral", "mistralai/Ministral-8B-Instruct-2410": "mistral",
     "mistralai/Magistral-Small-2507": "mistral", "mistralai/Magistral-Small-2509": "mistral3",
     "mistralai/Ministral-3-3B-Reasoning-2512": "mistral3_ministral3",
-    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_unknown",
+    # (Mistral Medium 3.5: Mistral3ForConditionalGeneration, a Pixtral tower beside a dense Ministral 3 text
+    # decoder, Devstral 2's backbone: text_config model_type ministral3, as NVIDIA NeMo AutoModel's model page)
+    "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_ministral3",
     "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
     "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
@@ -119,8 +121,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                                  "moe_top_k": 2}}),
        "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"bos_token_id": None, "eos_token_id": None}),
        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 8}),     # (no GQA)
-       # (SeedOssConfig's dropout, 0.1 as in the published files, is refused by name)
+       # (SeedOssConfig's dropouts, 0.1 as in the published files: trained with them)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
+       # (transformers' MptForCausalLM: ALiBi, q/k/v fused in Wqkv; Replit's own remote code names its MLP
+       # mlp_up / mlp_down, which its Axolotl example targets: refused by those names)
+       "mpt": ("MptConfig", "MptForCausalLM", {"bos_token_id": None, "eos_token_id": None, "max_seq_len": 512}),
+       # (a short-convolution layer, then an attention layer, as LFM2's; tied embeddings)
+       "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "pad_token_id": None,
+                                                  "bos_token_id": None, "eos_token_id": None}),
        # (latent attention: a k/v head per head)
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -144,9 +152,6 @@ _GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_valu
 _GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, video_token_id=403, boa_token_id=None,
                        eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
 _GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-_CONFIG_ONLY = {
-    # Mistral Medium 3.5's text_config is not known to this test (a stand-in without one, refused as such)
-    "mistral3_unknown": {"model_type": "mistral3"}}
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
 #: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral), Ministral 3
 #: (text ministral3: Ministral3Config's rope, YaRN with the queries scaled past 16384 positions)
@@ -188,9 +193,6 @@ def tiny_model(model_type: str, root: Path) -> Path:
     make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type in _CONFIG_ONLY:
-        (d / "config.json").write_text(json.dumps(_CONFIG_ONLY[model_type]))
-        return d
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
@@ -360,6 +362,7 @@ _BAD_VALUE = re.compile(r"^([\w.]+): '([^']+)' is not")
 _PLUGIN = re.compile(r"^plugins: '([^']+)' is not supported")
 _UNKNOWN = re.compile(r"^unknown key '([^']+)'")
 _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA: name the weights ..."
+_TARGETS = re.compile(r"LoRA: target_modules \(lora_target_modules\) \[([^\]]*)\] match no parameter")
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
@@ -370,6 +373,8 @@ def reason(problem: str, cfg: dict) -> str:
     ``optimizer: adamw_bnb_8bit``, ``model_type qwen3_moe``, ``plugin LigerPlugin``, ..."""
     if _UNFROZEN.match(problem):         # (patterns of the family's own tensor names: not matched yet)
         return "unfrozen_parameters"
+    if m := _TARGETS.search(problem):    # (module names the model does not have: another modelling code's)
+        return "lora_target_modules " + ", ".join(n.strip(" '") for n in m.group(1).split(","))
     if m := _KEY.match(problem):
         key = re.sub(r"\[\d+\]", "", m.group(1))          # datasets[0].x -> datasets.x
         value = cfg.get(key)

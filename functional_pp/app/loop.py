@@ -53,6 +53,7 @@ from functional_pp.config import ConfigError, TrainConfig, model_family
 from functional_pp.core.runtime import current_context
 from functional_pp.core.seeds import check_seed
 from functional_pp.devices.launch import launch, under_torchrun
+from functional_pp.models import dropout_seeds
 from functional_pp.ops import fake_quant
 from functional_pp.devices.mesh_view import per_device
 
@@ -673,6 +674,7 @@ class DeviceLoop:
             batch = self.next_batch()
             if qat_after is not None:                # qat.fake_quant_after_n_steps: off until then
                 fake_quant.set_enabled(self.step >= qat_after)
+            dropout_seeds.begin_step(self.step)      # (dropout masks of this step: the same after a resume)
             m = self.train_step(batch)
             self.step += 1
             step = self.step

@@ -52,7 +52,22 @@ def model_config(cfg: Any) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         where = f" with overrides_of_model_config {overrides}" if overrides else ""
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
+    _refuse_dropout_where_unbuilt(cfg, model)
     return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))
+
+
+def _refuse_dropout_where_unbuilt(cfg: Any, model: Any) -> None:
+    """A model with dropout (config.json's ``attention_dropout`` / ``residual_dropout``) under a
+    compiled step or pipeline stages, refused before any work (models/dropout_seeds.py)."""
+    rates = {k: getattr(model, k, 0.0) for k in ("attention_dropout", "residual_dropout") if getattr(model, k, 0.0)}
+    where = ("torch_compile" if getattr(cfg, "compile", False) else
+             "pp_size" if getattr(cfg, "pp_size", 1) != 1 else None)
+    if rates and where:
+        what = ", ".join(f"{k}={v}" for k, v in rates.items())
+        raise ConfigError(f"base_model {cfg.base_model!r}: config.json's {what} with {where} is not supported "
+                          f"(dropout's mask seed advances on the host every forward); set {where} off, or "
+                          f"overrides_of_model_config: {{{', '.join(f'{k}: 0.0' for k in rates)}}} to train "
+                          f"without dropout")
 
 
 _MOE_OPTIONS = ("router_z_loss_coef", "capacity_factor", "expert_parallel_token_capacity")

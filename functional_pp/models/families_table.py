@@ -38,7 +38,7 @@ ROWS: tuple[Row, ...] = (
     Row(("ministral3",), "Mistral's layer with the queries scaled by position in every layer (Llama 4's "
                          "temperature tuning: `llama_4_scaling_beta` over `original_max_position_embeddings`), "
                          "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "
-                         "(Ministral 3)", "image input"),
+                         "(Ministral 3, Mistral Medium 3.5)", "image input"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE"),
@@ -79,9 +79,9 @@ ROWS: tuple[Row, ...] = (
                    "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
-    Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases (Seed-OSS); q/k norms after the rotary, "
-                                          "NTK-alpha rope (Hunyuan)",
-        "Seed-OSS's dropout (refused by name, set it to 0.0)"),
+    Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases, attention and residual dropout in training "
+                                          "(Seed-OSS); q/k norms after the rotary, NTK-alpha rope (Hunyuan)",
+        "Seed-OSS's dropout under a compiled step or pipeline stages (refused by name)"),
     Row(("apertus",), "xIELU MLP (trainable scalars), q/k norms"),
     Row(("falcon",), "multi-query (7B) or grouped (40B/180B) fused q/k/v, parallel attention + MLP, LayerNorm",
         "ALiBi (Falcon-RW); TP of a multi-query model's heads; PEFT export of adapters on the fused "
@@ -111,6 +111,14 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
+    Row(("mpt",), "ALiBi attention (`alibi_bias_max`: a slope per head times the key's distance, explicit scores, "
+                  "every layout), bias-free LayerNorms, q/k/v fused in `Wqkv`, GELU MLP not gated, tied embeddings, "
+                  "`attn_pdrop` as attention and residual dropout", "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi "
+                  "(refused by name); Replit's remote-code checkpoints (their own tensor names)"),
+    Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
+                   "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
+                   "tied embeddings", "context parallelism and key / value-cache sampling of the convolution layers "
+                   "(refused by name); `conv_bias`"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -24,7 +24,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False)
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False,
+                             residual_dropout=0.0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -284,7 +285,7 @@ def _gptj_write(cfg, out: dict) -> None:
         out.pop(key, None)
     out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
                rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=cfg.attention_dropout)
 
 
 SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
@@ -306,19 +307,20 @@ def no_dropout(get: Get, where: str, *keys: str) -> None:
 
 
 def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
-    no_dropout(get, where, "attention_dropout", "residual_dropout")
-    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")))
+    rate = float(get("residual_dropout") or 0.0)     # (on the attention's and the MLP's outputs, in training)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: residual_dropout={rate!r} must be in [0, 1)")
+    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")), residual_dropout=rate)
 
 
 def _seed_oss_write(cfg, out: dict) -> None:
-    out.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias, attention_dropout=0.0,
-               residual_dropout=0.0)
+    out.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias, residual_dropout=cfg.residual_dropout)
 
 
 SWITCHES["seed_oss"] = Switches(   # Seed-OSS: Llama with q/k/v biases (attention_bias) apart from the output's
     "SeedOssForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=524288, head_dim=128, attention_bias=True,
                                attention_out_bias=False, attention_dropout=0.1, residual_dropout=0.1, pad_token_id=1),
-    _seed_oss_read, _seed_oss_write, free=("qkv_bias", "o_bias"))
+    _seed_oss_read, _seed_oss_write, free=("qkv_bias", "o_bias", "residual_dropout"))
 
 
 # --------------------------------------------------------------------------- Apertus
@@ -588,12 +590,106 @@ SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries sca
     fixed=dict(attn_temperature_offset=0.0, attn_temperature_all_layers=True, qkv_bias=False, o_bias=False,
                layer_types=None, attn_temperature_floor=_ministral3_floor))
 
+# --------------------------------------------------------------------------- MPT
+def _mpt_attn(hf: dict) -> dict:
+    """MPT's ``attn_config`` with MptAttentionConfig's defaults where left out."""
+    return {"attn_pdrop": 0.0, "clip_qkv": None, "softmax_scale": None, "qk_ln": False, "alibi": True,
+            "alibi_bias_max": 8, **(hf.get("attn_config") or {})}
+
+
+def _mpt_prepare(hf: dict) -> dict:
+    """MPT's config.json keys as the shared ones (MptConfig's defaults where left out); its MLP is
+    4 x d_model in transformers' MptMLP whatever ``expansion_ratio`` says (checked in the read)."""
+    hidden, heads = int(hf.get("d_model", 2048)), int(hf.get("n_heads", 16))
+    rate = _mpt_attn(hf)["attn_pdrop"]
+    return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layers", 24), num_attention_heads=heads,
+                num_key_value_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=hf.get("max_seq_len", 2048),
+                hidden_act="gelu", attention_dropout=rate, rope_theta=10000.0)
+
+
+def _mpt_read(hf: dict, get: Get, where: str) -> dict:
+    attn = _mpt_attn(hf)
+    for key, ok in (("clip_qkv", None), ("softmax_scale", None), ("qk_ln", False), ("alibi", True)):
+        if attn[key] != ok:
+            raise ValueError(f"{where}: attn_config.{key}={attn[key]!r} is not supported (only {ok!r})")
+    for key, ok in (("no_bias", True), ("logit_scale", None), ("expansion_ratio", 4)):
+        if hf.get(key, ok) != ok:
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r}: transformers' MptForCausalLM)")
+    rate = float(attn["attn_pdrop"] or 0.0)      # (transformers: on the probabilities, the attention's and the MLP's outputs)
+    return dict(norm_eps=float(get("layer_norm_epsilon")), alibi_max=float(attn["alibi_bias_max"]),
+                residual_dropout=rate, nope_layers=None)
+
+
+def _mpt_write(cfg, out: dict) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "attention_dropout",
+                "attention_bias", "rope_parameters", "rope_scaling", "rope_theta"):
+        out.pop(key, None)
+    out.update(d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, expansion_ratio=4, max_seq_len=cfg.max_seq,
+               layer_norm_epsilon=cfg.norm_eps, no_bias=True, logit_scale=None, resid_pdrop=0, emb_pdrop=0,
+               # (transformers 5.25 types attn_pdrop and alibi_bias_max as ints: whole numbers written so)
+               attn_config={"attn_pdrop": cfg.attention_dropout or 0, "clip_qkv": None, "softmax_scale": None,
+                            "qk_ln": False, "alibi": True,
+                            "alibi_bias_max": int(cfg.alibi_max) if float(cfg.alibi_max).is_integer() else cfg.alibi_max})
+
+
+SWITCHES["mpt"] = Switches(        # MPT (Replit code): ALiBi, bias-free LayerNorms, q/k/v fused in Wqkv, GELU MLP
+    "MptForCausalLM", dict(layer_norm_epsilon=1e-5, tie_word_embeddings=True), _mpt_read, _mpt_write,
+    hidden_act="gelu", prepare=_mpt_prepare, free=("residual_dropout",),
+    fixed=dict(norm_kind="layer", norm_bias=False, mlp_gated=False, mlp_act="gelu", qkv_bias=False, o_bias=False,
+               head_dim=None, kv_heads=lambda cfg: cfg.heads, mlp=lambda cfg: 4 * cfg.hidden,
+               residual_dropout=lambda cfg: cfg.attention_dropout, tie_embeddings=True))
+
+# --------------------------------------------------------------------------- LFM2
+def _lfm2_prepare(hf: dict) -> dict:
+    """LFM2's config.json keys as the shared ones: ``norm_eps``, its layer types kept apart (read
+    by :func:`_lfm2_read`), Lfm2Config's rope base where none is given."""
+    out = dict(hf, rms_norm_eps=hf.get("norm_eps", 1e-5), lfm2_layer_types=hf.get("layer_types"), layer_types=None)
+    if not hf.get("rope_parameters") and not hf.get("rope_theta"):
+        out["rope_theta"] = 1_000_000.0
+    return out
+
+
+def _lfm2_read(hf: dict, get: Get, where: str) -> dict:
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("lfm2_layer_types")
+    if types is None:                    # Lfm2Config: full_attn_idxs (default every layer) attend, the others convolve
+        full = hf.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
+    bad = sorted(set(types) - {"full_attention", "conv"})
+    if bad or len(types) != layers:
+        raise ValueError(f"{where}: layer_types {list(types)} must be {layers} entries of 'full_attention' or 'conv'")
+    if get("conv_bias"):
+        raise ValueError(f"{where}: conv_bias=True is not supported (LFM2's convolution and projections without "
+                         f"biases only)")
+    mlp = int(hf["intermediate_size"])
+    if get("block_auto_adjust_ff_dim"):          # transformers' Lfm2MLP: 2/3, times the multiplier, rounded up
+        mlp = int(2 * mlp / 3)
+        if get("block_ffn_dim_multiplier") is not None:
+            multiple = int(get("block_multiple_of"))
+            mlp = multiple * ((int(float(get("block_ffn_dim_multiplier")) * mlp) + multiple - 1) // multiple)
+    return dict(layer_types=tuple(types), conv_kernel=int(get("conv_L_cache")), mlp=mlp)
+
+
+def _lfm2_write(cfg, out: dict) -> None:
+    out.pop("rms_norm_eps", None)
+    out.update(norm_eps=cfg.norm_eps, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.layers),
+               conv_L_cache=cfg.conv_kernel, conv_bias=False, block_auto_adjust_ff_dim=False)
+
+
+SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/short_conv.py) between attention layers
+    "Lfm2ForCausalLM", dict(norm_eps=1e-5, max_position_embeddings=128000, tie_word_embeddings=True, conv_L_cache=3,
+                            conv_bias=False, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+                            block_auto_adjust_ff_dim=True),
+    _lfm2_read, _lfm2_write, fixed=dict(qk_norm=True, qkv_bias=False, o_bias=False), prepare=_lfm2_prepare,
+    free=("layer_types", "conv_kernel"))
+
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
         ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
+        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
         ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
         ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),
         ("qwen3_5_moe", "Qwen3.5-MoE (its gated DeltaNet layers)"))},
@@ -602,7 +698,6 @@ REFUSED: dict[str, str] = {
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
-    "mpt": "MPT: ALiBi position biases are not built",
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }

@@ -27,14 +27,14 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, mla, moe, per_layer_inputs, temperature
+from functional_pp.models import dropout_seeds, kv_cache, mla, moe, per_layer_inputs, short_conv, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv")
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -112,6 +112,17 @@ class Config:
     # softcap * tanh(x / softcap) of the attention scores and of the final logits (Gemma 2)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # dropout in training (transformers' attention_dropout on the softmax probabilities; Seed-OSS's
+    # residual_dropout on the attention's and the MLP's outputs): masks hashed from the global
+    # coordinates, the same on every layout (models/dropout_seeds.py)
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
+    # positions (conv_L_cache; models/short_conv.py), not attention
+    conv_kernel: int = 3
+    # MPT's ALiBi (alibi_bias_max): the attention scores plus a per-head slope times the key's
+    # distance (ops.attention's alibi_max); no rotary then
+    alibi_max: float | None = None
     # the rope base of the sliding-window layers (Gemma 3's local base); None: rope_theta
     local_rope_theta: float | None = None
     # mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; models/moe.py, docs/experts.md): the
@@ -405,7 +416,8 @@ class Config:
 
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
-        return not self.learned_positions and (self.nope_layers is None or layer not in self.nope_layers)
+        return (not self.learned_positions and self.alibi_max is None
+                and (self.nope_layers is None or layer not in self.nope_layers))
 
     @property
     def rotary_dim(self) -> int | None:
@@ -688,6 +700,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                                           "post_feedforward_layernorm_2")})
         elif moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
+        if cfg.layer_kind(i) in MIXERS:             # (LFM2's short convolution in place of attention)
+            del p["self_attn"]
+            p[cfg.layer_kind(i)] = MIXERS[cfg.layer_kind(i)][0](cfg.hidden, cfg.conv_kernel, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
@@ -759,10 +774,10 @@ def attention_input(p: dict, x: Named, cfg: Config) -> Named:
 
 def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None, chunk: int | None = None,
-                    kv: tuple[Named, Named] | None = None) -> Named:
+                    kv: tuple[Named, Named] | None = None, seed: int | None = None) -> Named:
     """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary; ``kv``: the keys
-    and values to attend to, :func:`_attention`)."""
-    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv)
+    and values to attend to, :func:`_attention`; ``seed``: its dropout's, None: no dropout)."""
+    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv, seed)
 
 
 def _qk_norm(a: dict, role: str, x: Named, cfg: Config) -> Named:
@@ -820,11 +835,19 @@ def _prepared_kv(a: dict, kv: tuple[Named, Named], pos: Named | None, cfg: Confi
 
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
-               window: int | None, chunk: int | None = None, kv: tuple[Named, Named] | None = None) -> Named:
+               window: int | None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
+               seed: int | None = None) -> Named:
     """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
-    layer's, ``cfg.kv_shared_layers``) instead of this layer's own."""
+    layer's, ``cfg.kv_shared_layers``) instead of this layer's own; ``seed``: the layer's dropout
+    seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`)."""
+    mixer = next((kind for kind in MIXERS if kind in p), None)
+    if mixer is not None:                                 # a layer whose tokens mix otherwise (layer_types)
+        return MIXERS[mixer][1](p[mixer], h, cfg)
     a = p["self_attn"]
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
+        if seed is not None and cfg.attention_dropout:
+            raise ValueError(f"attention_dropout={cfg.attention_dropout} with latent attention (kv_lora_rank) is "
+                             f"not supported; set it to 0.0")
         return mla.attention(a, h, pos, cfg, segments, window)
     q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     own = _kv_projections(a, h) if kv is None else None   # (every projection before the elementwise work:
@@ -834,11 +857,18 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     causal, cache, kv_segments = True, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
+    if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
+        raise ValueError("sampling with a static key / value cache (generate(compile=...)) does not support ALiBi "
+                         "(MPT's alibi_bias_max) yet: its keys are not the last positions; sample without compile")
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")
+    extra = {} if seed is None or not cfg.attention_dropout else dict(
+        dropout=cfg.attention_dropout, dropout_seed=seed + dropout_seeds.ATTENTION)
+    if cfg.alibi_max is not None:                         # (MPT)
+        extra["alibi_max"] = cfg.alibi_max
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
-               sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments)
+               sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments, **extra)
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
         g = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["gate_proj"])
         o = o * ((ops.tanh(g * 0.5) + 1.0) * 0.5)         # sigmoid(g), exactly as the identity
@@ -846,26 +876,39 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
         out = out + a["o_bias"]
+    out = _dropped(out, cfg, seed, dropout_seeds.ATTENTION_OUT)
     return norm_at(p, "post_attention_layernorm", out, cfg) if cfg.sandwich_norms else out
 
+
+def _dropped(out: Named, cfg: Config, seed: int | None, site: int) -> Named:
+    """A branch's output under ``cfg.residual_dropout`` in training (Seed-OSS), the layout-free mask."""
+    if seed is None or not cfg.residual_dropout:
+        return out
+    return ops.dropout(out, cfg.residual_dropout, seed + site)
+
+
+MIXERS: dict[str, tuple] = {"conv": (short_conv.init, short_conv.mixer)}
+"""``layer_types`` entries whose layers mix tokens by another op than attention -> (the
+declarations of its parameters, ``init(hidden, kernel, w, out_std)``, held under that key of the
+layer; its mixer, ``mixer(params, normed input, cfg)`` -> ``batch res_seq hidden``)."""
 
 _ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
          "relu2": lambda x: ops.square(ops.relu(x))}             # (Arcee's squared ReLU)
 _GATES = {"silu": ops.swiglu, **{k: lambda gate, up, act=act: act(gate) * up for k, act in _ACTS.items() if k != "silu"}}
 
 
-def mlp_block(p: dict, x: Named, cfg: Config) -> Named:
+def mlp_block(p: dict, x: Named, cfg: Config, seed: int | None = None) -> Named:
     # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2)
     # that is pre_feedforward_layernorm and post_attention_layernorm normed the attention's output
     h = norm_at(p, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm", x, cfg) \
         if cfg.pre_norms else x
     beside = ops.rename(x, res_seq="seq") if cfg.experts_beside_mlp else None    # (Gemma 4's router reads x)
-    return _mlp(p, ops.rename(h, res_seq="seq"), cfg, beside)
+    return _mlp(p, ops.rename(h, res_seq="seq"), cfg, beside, seed)
 
 
-def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
+def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None, seed: int | None = None) -> Named:
     """The MLP branch of normed ``h``; with ``cfg.experts_beside_mlp`` (Gemma 4) plus the experts of
-    the residual stream ``x``."""
+    the residual stream ``x``; ``seed``: the layer's dropout seed (``cfg.residual_dropout``)."""
     m = p["mlp"]
     if "router" in m and not cfg.experts_beside_mlp:      # a mixture of experts (models/moe.py)
         out = ops.rename(moe.mlp_block(m, h, cfg), seq="res_seq")
@@ -882,6 +925,7 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
     out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
     if "down_bias" in m:                                  # (after the TP partial sums are combined)
         out = out + m["down_bias"]
+    out = _dropped(out, cfg, seed, dropout_seeds.MLP_OUT)
     if "router" in m:                                     # (Gemma 4: each output normed, then their sum)
         beside = moe.beside_mlp(m, x, cfg, lambda name, v: norm_at(p, name, v, cfg))
         out = norm_at(p, "post_feedforward_layernorm_1", out, cfg) + beside
@@ -891,20 +935,21 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
           window: int | None = None, chunk: int | None = None, per_layer: Named | None = None,
-          kv: tuple[Named, Named] | None = None) -> Named:
+          kv: tuple[Named, Named] | None = None, seed: int | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
     None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``; ``kv``: the
-    keys and values it attends to, ``cfg.kv_source(i)``'s, else its own); recomputed in backward under ``train_step(remat=True)``. The residual
+    keys and values it attends to, ``cfg.kv_source(i)``'s, else its own; ``seed``: its dropout seed,
+    ``dropout_seeds.site_seed``, None: none); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv) + _mlp(p, h_mlp, cfg),
-                                          cfg))
-    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
-    x = ops.realized(x + _residual(mlp_block(p, x, cfg), cfg))
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed)
+                                          + _mlp(p, h_mlp, cfg, None, seed), cfg))
+    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed), cfg))
+    x = ops.realized(x + _residual(mlp_block(p, x, cfg, seed), cfg))
     if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
         x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
                                                      lambda t, name, v: norm_at(t, name, v, cfg)))
@@ -943,13 +988,16 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
                  if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
     x = ops.rename(ops.realized(x), seq="res_seq")
     shared: dict[int, tuple[Named, Named]] = {}           # (cfg.kv_shared_layers: the kept keys and values)
+    forward = dropout_seeds.forward_seed(cfg.attention_dropout, cfg.residual_dropout, cache is not None)
     for i, p in enumerate(params["layers"]):
         window, chunk, src = cfg.window(i), cfg.chunk(i), cfg.kv_source(i)
         at = pos if cfg.rotates(i) else None
         if src == i:                 # the keys and values the later layers reuse: made here, passed in as data
             shared[i] = keys_values(p["self_attn"], attention_input(p, x, cfg), at, cfg, window)
         kv = shared[src] if src is not None else None
-        extra = ((segments, window, chunk, None if per_layer is None else per_layer[i], kv)
+        extra = ((segments, window, chunk, None if per_layer is None else per_layer[i], kv,
+                  dropout_seeds.site_seed(forward, i, 0)) if forward is not None else
+                 (segments, window, chunk, None if per_layer is None else per_layer[i], kv)
                  if per_layer is not None or kv is not None else
                  (segments, window, chunk) if chunk is not None else (segments, window) if window is not None
                  else () if segments is None else (segments,))
@@ -1024,7 +1072,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", conv="tp", conv_gates=None, conv_kernel=None)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:
@@ -1055,7 +1103,11 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             own = 0 if cfg.kv_source(i) not in (None, i) else 1 if cfg.v_shared(i) else 2    # (shared: no k/v)
             return 2 * cfg.hidden * (2 * cfg.heads * d + own * kv * d) + 2 * 2 * seq * cfg.heads * d / 2
         return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple)
-    fwd = sum(proj + attn + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
+    def mixer(i: int) -> float:                 # LFM2's short convolution: in_proj, the kernel, out_proj
+        if cfg.layer_kind(i) == "conv":
+            return 2 * cfg.hidden * (4 * cfg.hidden + cfg.conv_kernel)
+        return proj + attn
+    fwd = sum(mixer(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
 
 

@@ -115,6 +115,10 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.experts.gate_proj.bias", "layers.{i}.mlp.expert_gate_bias", "copy"),
     ("model.layers.{i}.mlp.experts.up_proj.bias", "layers.{i}.mlp.expert_up_bias", "copy"),
     ("model.layers.{i}.mlp.experts.down_proj.bias", "layers.{i}.mlp.expert_down_bias", "copy"),
+    # LFM2's short convolution (models/short_conv.py): in_proj's rows the B, C and x gates in turn
+    ("model.layers.{i}.conv.in_proj.weight", "layers.{i}.conv.in_proj", "heads_out"),
+    ("model.layers.{i}.conv.conv.weight", "layers.{i}.conv.conv", "depthwise"),
+    ("model.layers.{i}.conv.out_proj.weight", "layers.{i}.conv.out_proj", "linear"),
     ("model.norm.weight", "norm", "copy"),
     ("lm_head.weight", "lm_head", "linear"),
     # a score head (*ForSequenceClassification / *ForTokenClassification; models/score_head.py)
@@ -237,6 +241,8 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
     for t in ("weight", "bias"))
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
+FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
+                 tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
@@ -312,6 +318,16 @@ RENAMED["dbrx"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.l
                    (r"\.mlp\.experts\.gate_proj\.weight$", ".ffn.experts.mlp.w1"),
                    (r"\.mlp\.experts\.up_proj\.weight$", ".ffn.experts.mlp.v1"),
                    (r"\.mlp\.experts\.down_proj\.weight$", ".ffn.experts.mlp.w2"), (r"^model\.norm\.", "transformer.norm_f."))
+RENAMED["lfm2"] = ((r"\.input_layernorm\.", ".operator_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+                   (r"^model\.norm\.", "model.embedding_norm."), (r"\.self_attn\.o_proj\.", ".self_attn.out_proj."),
+                   (r"\.self_attn\.q_norm\.", ".self_attn.q_layernorm."),
+                   (r"\.self_attn\.k_norm\.", ".self_attn.k_layernorm."), (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
+                   (r"\.mlp\.up_proj\.", ".feed_forward.w3."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."))
+# MPT: transformer.blocks.{i}, norm_1, attn.Wqkv (fused) / out_proj, norm_2, ffn.up_proj / down_proj, wte, norm_f
+RENAMED["mpt"] = ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
+                  (r"\.input_layernorm\.", ".norm_1."), (r"\.post_attention_layernorm\.", ".norm_2."),
+                  (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
+                  (r"^model\.norm\.", "transformer.norm_f."))
 RENAMED["starcoder2"] = ((r"\.mlp\.up_proj\.", ".mlp.c_fc."), (r"\.mlp\.down_proj\.", ".mlp.c_proj."))
 RENAMED.update(dict.fromkeys(deepseek_hf.ARCHITECTURES, deepseek_hf.RENAMED))     # (mlp.shared_experts)
 RENAMED["mistral4"] = deepseek_hf.MISTRAL4_RENAMED     # (and the experts as one tensor: experts.down_proj)
@@ -556,6 +572,17 @@ class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one o
         return sl[0:1, region[0]][0]
 
 
+class _Depthwise(_Kind):               # ours [C, K] = HF Conv1d(groups=C) [C, 1, K]
+    def hf_shape(self, shape):
+        return (shape[0], 1, shape[1])
+
+    def to_hf(self, t):
+        return t.unsqueeze(1)
+
+    def read(self, sl, region, shape):
+        return sl[region[0], 0:1, region[1]][:, 0, :]
+
+
 class _Along(_Copy):
     """Ours as HF's, one part of a tensor whose parts follow each other along dimension
     ``row_axis`` (Llama 4's ``gate_up_proj``: gate, then up), or alternate there entry by entry
@@ -571,7 +598,8 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead()}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
+                           "depthwise": _Depthwise()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -746,9 +774,12 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         import dataclasses
         text = dict(hf.get("text_config") or {})
         if not text or (not text.get("model_type") and MULTIMODAL[mt] is None):
-            raise UnsupportedHFConfig(f"HF {mt} config: text_config={hf.get('text_config')!r} is not supported (its "
-                                      f"text decoder's family and sizes are unknown: give text_config with its "
-                                      f"model_type)")
+            missing = "no text_config" if not text else "a text_config without model_type"
+            raise UnsupportedHFConfig(f"HF {mt} config: text_config={hf.get('text_config')!r} is not supported: "
+                                      f"config.json has {missing}, so its text decoder's family and sizes are not "
+                                      f"in it (transformers would build its class's default text decoder, not this "
+                                      f"checkpoint's); give config.json's text_config as published, with its "
+                                      f"model_type (Mistral 3's: mistral, ministral3 or mistral4)")
         text.setdefault("model_type", MULTIMODAL[mt])
         if "tie_word_embeddings" in hf:
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
@@ -814,7 +845,10 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         if hf.get(key, ok) != ok:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported "
                                       f"(the functional decoder needs {ok!r})")
-    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+    attention_dropout = float(get("attention_dropout") or 0.0)       # (on the softmax probabilities, in training)
+    if not 0.0 <= attention_dropout < 1.0:
+        raise UnsupportedHFConfig(f"{where}: attention_dropout={attention_dropout!r} must be in [0, 1)")
+    for key in ("resid_pdrop", "embd_pdrop"):
         if float(hf.get(key) or 0.0) != 0.0:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
                                       f"has no dropout there; set it to 0.0)")
@@ -869,7 +903,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types), **extra})
+        qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types,
+        attention_dropout=attention_dropout), **extra})
 
 
 def _rope(rope: dict, hf: dict, where: str, theta_default: float, partial_ok: bool = False):
@@ -980,6 +1015,9 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
+        raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
+                                  f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
@@ -1085,7 +1123,7 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": 0.0, "use_cache": True,
+        "attention_dropout": cfg.attention_dropout, "use_cache": True,
         "rope_parameters": rope,                                    # transformers 5
         "rope_theta": float(cfg.rope_theta),                        # transformers 4.x
         "rope_scaling": (None if s is None else

@@ -7,6 +7,7 @@ Attention, :func:`positions`, ``named()`` and every gather follow that order."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from functional_pp.devices import mesh_view
 from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.attention_ring import batched_ring_attention
+from functional_pp.ops.keep_mask import check_rate, keep_mask
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
@@ -71,7 +73,8 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               batch: str, seq: str, heads: str, kv_heads: str, head_dim: str,
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
-              kv_segments: Named | None = None) -> Named:
+              kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0,
+              alibi_max: float | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -104,7 +107,20 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``chunk`` (Llama 4's ``attention_chunk_size``): a query at position i sees the keys of its
     own block of ``chunk`` positions only (i // chunk == j // chunk, and causal), as transformers'
     chunked causal mask; on every path like ``window`` (under context parallelism the all-gather
-    one)."""
+    one).
+
+    ``dropout`` (transformers' ``attention_dropout`` in training): each softmax probability is
+    zeroed with that rate and the others scaled by 1 / (1 - rate), the mask a counter-based hash
+    of ``dropout_seed`` and the entry's global (batch, head, query position, key position)
+    (:func:`functional_pp.ops.keep_mask.keep_mask`), so every layout drops what one device drops.
+    Explicit probabilities like ``softcap`` (no fused kernel takes this mask), on every path
+    (under context parallelism the all-gather one); 0: today's path, bit for bit.
+
+    ``alibi_max`` (MPT's ALiBi, ``alibi_bias_max``): the scaled scores plus ``slope_h * (j - i)`` of
+    query i and key j, head h's slope ``2 ** (-alibi_max * (h + 1) / n)`` over the heads' power of
+    two n (odd ones first when the heads are fewer, as MPT's table); explicit scores like ``softcap``,
+    on every path (under context parallelism the all-gather one), global heads and positions."""
+    dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -143,6 +159,13 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     if chunk is not None and chunk >= q.size(seq):
         chunk = None                  # one block holds the whole sequence
     limits = (window, chunk)
+    explicit = None
+    if dropout or alibi_max is not None:       # (this device's global batch rows and heads)
+        b_split, h_split = q.split[q.dims.index(batch)], q.split[q.dims.index(heads)]
+        own_heads = _local_positions(q.size(heads), h_split, rules.splits_balanced(heads, h_split), qt.device)
+        explicit = Explicit(dropout, dropout_seed,
+                        _local_positions(q.size(batch), b_split, rules.splits_balanced(batch, b_split), qt.device),
+                        own_heads, None if alibi_max is None else alibi_slopes(q.size(heads), alibi_max)[own_heads])
     if kv_segments is not None and (segments is None or seq_axes):
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
@@ -151,12 +174,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
         kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks, kseg)
+                                 sinks, kseg, explicit)
     elif seq_axes:
-        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks)
-    elif window is not None or chunk is not None or softcap is not None or sinks is not None:
-        pos = torch.arange(qt.shape[2], device=qt.device)
-        out = _masked(qt, kt, vt, _visible(pos, pos, causal, *limits), scale, softcap, sinks)
+        out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
+                                explicit)
+    elif window is not None or chunk is not None or softcap is not None or sinks is not None or explicit is not None:
+        kpos = torch.arange(kt.shape[2], device=qt.device)
+        qpos = kpos[kt.shape[2] - qt.shape[2]:]       # (a cache's new queries: the last of the keys)
+        out = _masked(qt, kt, vt, _visible(qpos, kpos, causal, *limits), scale, softcap, sinks,
+                      _kept(explicit, qpos, kpos, qt.dtype), _biased(explicit, qpos, kpos))
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
@@ -211,16 +237,56 @@ def _sinks_like_heads(sinks: Named, q: Named, heads: str, vary) -> torch.Tensor:
     return sinks.data
 
 
-def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
+class Explicit(NamedTuple):
+    """What explicit scores and probabilities add: dropout of ``rate`` (0: none) hashed from ``seed``,
+    this device's global batch ``rows`` and ``heads``, and their ALiBi ``slopes`` (None: none)."""
+    rate: float
+    seed: int
+    rows: torch.Tensor
+    heads: torch.Tensor
+    slopes: torch.Tensor | None
+
+
+def alibi_slopes(heads: int, alibi_max: float) -> torch.Tensor:
+    """ALiBi's slope of every head (MPT's ``build_mpt_alibi_tensor``): ``2 ** (-alibi_max * i / n)``
+    for i = 1..n, n the heads' power of two; with fewer heads the odd entries, then the even ones."""
+    n = 2 ** math.ceil(math.log2(heads))
+    slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1, dtype=torch.float32) * (alibi_max / n))
+    return slopes if n == heads else torch.cat([slopes[1::2], slopes[::2]])[:heads]
+
+
+def _kept(explicit: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor, dtype) -> torch.Tensor | None:
+    """The (batch, heads, q, k) factors of the attention dropout of ``explicit`` at global query / key
+    positions: 0 or 1 / (1 - rate); None: no dropout."""
+    if explicit is None or not explicit.rate:
+        return None
+    coords = [explicit.rows.reshape(-1, 1, 1, 1), explicit.heads.reshape(1, -1, 1, 1), qpos.reshape(1, 1, -1, 1),
+              kpos.reshape(1, 1, 1, -1)]
+    return keep_mask(explicit.seed, coords, explicit.rate).to(dtype) / (1.0 - explicit.rate)
+
+
+def _biased(explicit: Explicit | None, qpos: torch.Tensor, kpos: torch.Tensor):
+    """The (1, heads, q, k) ALiBi term of ``explicit``'s slopes at global positions; None: none."""
+    if explicit is None or explicit.slopes is None:
+        return None
+    rel = (kpos.reshape(1, -1) - qpos.reshape(-1, 1)).to(explicit.slopes.device)
+    return explicit.slopes.to(rel.device).reshape(1, -1, 1, 1) * rel
+
+
+def _masked(q, k, v, mask, scale, softcap=None, sinks=None, kept=None, bias=None):
     """Attention of (batch, heads, seq, head_dim) blocks under a boolean ``mask`` (None: all
     keys): torch's SDPA, or with ``softcap`` explicit scores, soft-capped, then masked; with
-    ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped."""
-    if softcap is None and sinks is None:
+    ``sinks`` (heads,) one more logit per head in each softmax, its column then dropped; with
+    ``kept`` (attention dropout's factors, :func:`_kept`) the probabilities times them; with
+    ``bias`` (ALiBi's, :func:`_biased`) added to the scaled scores."""
+    if softcap is None and sinks is None and kept is None and bias is None:
         return sdpa_for(q)(q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))
     if k.shape[1] != q.shape[1]:                      # grouped-query: each kv head serves its group
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -229,9 +295,9 @@ def _masked(q, k, v, mask, scale, softcap=None, sinks=None):
     if sinks is not None:                             # the sink's column joins the softmax, then goes
         column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, column], -1), dim=-1, dtype=wide)[..., :-1].to(q.dtype)
-        return torch.matmul(probs, v)
-    probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
-    return torch.matmul(probs, v)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
+    return torch.matmul(probs if kept is None else probs * kept, v)
 
 
 def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None,
@@ -252,7 +318,7 @@ def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int |
 
 
 def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                      sinks=None):
+                      sinks=None, explicit=None):
     if len(axes) != 1:
         raise ValueError(f"context-parallel attention needs the sequence split over one mesh axis; "
                          f"it is split over {axes}")
@@ -260,19 +326,18 @@ def _context_parallel(q, k, v, axes, causal, scale, seq_size, balanced, limits=(
     if causal and balanced and seq_size % (2 * n):
         raise ValueError(f"causal context-parallel attention needs the sequence length ({seq_size}) "
                          f"divisible by 2 x {axes[0]} = {2 * n} (load-balanced chunks)")
-    # (the ring has neither a window nor chunks nor a softcap nor sinks)
+    # (the ring has neither a window nor chunks nor a softcap nor sinks nor dropout)
     if (current_policy().cp_attention == "allgather" or limits != (None, None) or softcap is not None
-            or sinks is not None):
+            or sinks is not None or explicit is not None):
         kf = C.all_gather(k, axes, axis=2, tiled=True)
         vf = C.all_gather(v, axes, axis=2, tiled=True)
-        mask = None
-        if causal or limits != (None, None):
-            qpos = _local_positions(seq_size, axes, balanced, q.device)
-            kpos = torch.arange(seq_size, device=q.device)
-            if balanced:
-                kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
-            mask = _visible(qpos, kpos, causal, *limits)
-        return _masked(q, kf, vf, mask, scale, softcap, sinks)
+        qpos = _local_positions(seq_size, axes, balanced, q.device)
+        kpos = torch.arange(seq_size, device=q.device)
+        if balanced:
+            kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
+        mask = _visible(qpos, kpos, causal, *limits) if causal or limits != (None, None) else None
+        return _masked(q, kf, vf, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
+                       _biased(explicit, qpos, kpos))
     if causal and not balanced:
         uneven_work(f"causal ring attention over a contiguous split of the sequence over {axes[0]!r}: "
                     f"device i of {n} computes i + 1/2 of the {n * n / 2:g} unmasked query-key blocks "
@@ -300,7 +365,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None, kseg=None):
+                       sinks=None, kseg=None, explicit=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
     the keys' ids, when they are not the queries'). Under context parallelism K/V and the
     segment ids are all-gathered."""
@@ -318,12 +383,13 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
     mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
+    if qpos is None:                  # the queries are the last of the keys (all of them, or a cache's new ones)
+        kpos = torch.arange(k.shape[2], device=q.device)
+        qpos = kpos[k.shape[2] - q.shape[2]:]
     if causal or limits != (None, None):
-        if qpos is None:              # the queries are the last of the keys (all of them, or a cache's new ones)
-            kpos = torch.arange(k.shape[2], device=q.device)
-            qpos = kpos[k.shape[2] - q.shape[2]:]
         mask = mask & _visible(qpos, kpos, causal, *limits)
-    if softcap is not None or sinks is not None:
-        return _masked(q, k, v, mask, scale, softcap, sinks)
+    if softcap is not None or sinks is not None or explicit is not None:
+        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
+                       _biased(explicit, qpos, kpos))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=bool(q.shape[1] != k.shape[1]))

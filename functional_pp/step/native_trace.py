@@ -74,10 +74,28 @@ def run_compiled(compiled: Callable[..., list], step: NativeStep, args: tuple) -
     the tensors of ``args`` go in, the outputs are rebuilt here, on the host, and the token-id
     checks the step deferred join the caller's list."""
     tensors = [x for x in optree.tree_leaves(args, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-    flat = compiled(step, *tensors)          # (the first call traces: then out_skeleton is known)
+    try:
+        flat = compiled(step, *tensors)      # (the first call traces: then out_skeleton is known)
+    except Exception as exc:                 # a refusal the trace wrapped: raised as it was written
+        refusal = _refusal_in(exc)
+        if refusal is None:
+            raise
+        raise ValueError(str(refusal)) from None
     out, checks = _refill(step.out_skeleton, iter(flat))
     defer_collected(checks)
     return out
+
+
+def _refusal_in(exc: BaseException) -> ValueError | None:
+    """The ValueError (the model's refusal of an input or an option, naming it) that the
+    compiler's own exception wraps in its chain, if any; None for ``exc`` itself one."""
+    seen, inner = set(), exc.__cause__ or exc.__context__
+    while inner is not None and id(inner) not in seen:
+        if type(inner) is ValueError:
+            return inner
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return None
 
 
 def call_natively(step: NativeStep, *tensors: torch.Tensor) -> list[torch.Tensor]:

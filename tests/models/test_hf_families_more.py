@@ -230,15 +230,12 @@ def test_export_round_trip_in_transformers(saved, tmp_path, name):
 
 
 def test_refused_by_name(saved, tmp_path):
-    # Seed-OSS's dropout (SeedOssConfig's 0.1 where config.json leaves it out)
-    for extra, key in (({}, "attention_dropout"), (dict(attention_dropout=0.0), "residual_dropout"),
-                       (dict(attention_dropout=0.0, residual_dropout=0.2), "residual_dropout")):
-        with pytest.raises(ck.CheckpointMismatchError, match=rf"HF seed_oss config: {key}=0\.[12] is not supported: "
-                                                             rf"the functional decoder has no dropout there .*set {key} "
-                                                             rf"to 0.0 in config.json"):
-            hf.config_from_hf(dict(BASE, model_type="seed_oss", **extra))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF seed_oss config: attention_dropout=0.1 is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="seed_oss", attention_dropout=0.1, residual_dropout=0.0))
+    # Seed-OSS's dropout: SeedOssConfig's 0.1 where config.json leaves it out; a rate outside [0, 1) refused
+    cfg = hf.config_from_hf(dict(BASE, model_type="seed_oss"))
+    assert (cfg.attention_dropout, cfg.residual_dropout) == (0.1, 0.1)
+    for key in ("attention_dropout", "residual_dropout"):
+        with pytest.raises(ck.CheckpointMismatchError, match=rf"HF seed_oss config: {key}=1.5 must be in \[0, 1\)"):
+            hf.config_from_hf(dict(BASE, model_type="seed_oss", **{key: 1.5}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF falcon config: alibi=True \(ALiBi"):
         hf.config_from_hf(dict(FALCON, model_type="falcon", alibi=True))
     with pytest.raises(ck.CheckpointMismatchError, match=r"new_decoder_architecture=True with parallel_attn=False"):
@@ -261,8 +258,9 @@ def test_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"moe_normalize_expert_weights=2.0 is not supported"):
         hf.config_from_hf(dict(dbrx, model_type="dbrx", ffn_config=dict(moe_normalize_expert_weights=2.0)))
     gpt2 = {k: v for k, v in FAMILIES["gpt2"][3].items() if not k.endswith("pdrop")}
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: attention_dropout=0.1 is not supported"):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: resid_pdrop=0.1 is not supported"):
         hf.config_from_hf(dict(gpt2, model_type="gpt2"))          # (GPT2Config's default dropouts)
+    assert hf.config_from_hf(dict(gpt2, model_type="gpt2", resid_pdrop=0.0, embd_pdrop=0.0)).attention_dropout == 0.1
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: scale_attn_by_inverse_layer_idx=True"):
         hf.config_from_hf(dict(FAMILIES["gpt2"][3], model_type="gpt2", scale_attn_by_inverse_layer_idx=True))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=0.1 is not supported"):

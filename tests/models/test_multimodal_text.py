@@ -83,5 +83,9 @@ def test_refusals_name_the_text_family():
     with pytest.raises(ck.CheckpointMismatchError, match=r"mistral3's text decoder: model_type 'deepseek_v4' is not "
                                                          r"supported \(DeepSeek-V4"):
         hf.config_from_hf({"model_type": "mistral3", "text_config": dict(TEXT, model_type="deepseek_v4")})
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral3 config: text_config=None is not supported"):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mistral3 config: text_config=None is not supported: "
+                                                         r"config.json has no text_config.*give config.json's "
+                                                         r"text_config as published, with its model_type"):
         hf.config_from_hf({"model_type": "mistral3", **TEXT})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"config.json has a text_config without model_type"):
+        hf.config_from_hf({"model_type": "mistral3", "text_config": dict(TEXT)})
