@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, score_head
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, qwen3_5_hf,
+                                  score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -147,6 +148,17 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.per_layer_input_gate.weight", "layers.{i}.per_layer_input_gate", "linear"),
     ("model.layers.{i}.per_layer_projection.weight", "layers.{i}.per_layer_projection", "linear"),
     ("model.layers.{i}.post_per_layer_input_norm.weight", "layers.{i}.post_per_layer_input_norm", "copy"),
+    # Gated DeltaNet (models/gated_deltanet.py; q / k / v fused in the files' in_proj_qkv and conv1d: FUSED)
+    *((f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight", f"layers.{{i}}.linear_attn.in_proj_{x}", "heads_out")
+      for x in "qkvz"),
+    *((f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight", f"layers.{{i}}.linear_attn.in_proj_{x}", "linear")
+      for x in "ba"),
+    *((f"model.layers.{{i}}.linear_attn.conv_{x}.weight", f"layers.{{i}}.linear_attn.conv_{x}", "conv_taps")
+      for x in "qkv"),
+    ("model.layers.{i}.linear_attn.dt_bias", "layers.{i}.linear_attn.dt_bias", "copy"),
+    ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", "copy"),
+    ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm", "copy"),
+    ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj", "heads_in"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -235,6 +247,7 @@ FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fu
 FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
     for t in ("weight", "bias"))
+FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
@@ -323,11 +336,13 @@ RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
+RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
-IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **{mt: (_TOWERS,) for mt in MULTIMODAL}}
+IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
+                                               **{mt: (_TOWERS,) for mt in MULTIMODAL}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -470,6 +485,20 @@ class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] resh
         return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
 
 
+class _ConvTaps(_Kind):               # ours [N, D, K] = HF depthwise Conv1d [N*D, 1, K] (Gated DeltaNet's conv1d)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], 1, shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, 1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        rn, rd, rk = region
+        D = shape[1]
+        x = sl[rn.start * D:rn.stop * D, 0:1, rk]             # [n*D, 1, k]
+        return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
+
+
 class _ExpertsRows(_Kind):             # ours [E, H, F] = HF [E*F, H]: each expert's [F, H] rows in turn (DBRX's w1, v1)
     def hf_shape(self, shape):
         return (shape[0] * shape[2], shape[1])
@@ -571,7 +600,8 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead()}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
+                           "conv_taps": _ConvTaps()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -613,7 +643,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
-                                 **afmoe_hf.ARCHITECTURES}
+                                 **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -771,6 +801,13 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     if mt in afmoe_hf.ARCHITECTURES:                              # (Arcee AFMoE)
         try:
             return afmoe_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in qwen3_5_hf.ARCHITECTURES:                            # (Qwen3.5: Gated DeltaNet + gated attention)
+        try:
+            return qwen3_5_hf.config_from_hf(hf, mt, _rope)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -980,6 +1017,10 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt not in qwen3_5_hf.ARCHITECTURES and (cfg.q_gate or "linear_attention" in (cfg.layer_types or ())):
+        raise UnsupportedHFConfig(f"{where}: q_gate={cfg.q_gate}, layer_types={list(cfg.layer_types or [])} (Gated "
+                                  f"DeltaNet layers, the gate in q_proj) have no {ARCHITECTURES[mt]} equivalent; "
+                                  f"choose model_type {' or '.join(qwen3_5_hf.ARCHITECTURES)}")
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
@@ -999,6 +1040,8 @@ def check_exportable(cfg: Config) -> None:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in qwen3_5_hf.ARCHITECTURES:
+        return qwen3_5_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1053,6 +1096,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return gemma4_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in qwen3_5_hf.ARCHITECTURES:
+        return qwen3_5_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

@@ -1,0 +1,147 @@
+"""Qwen3.5 (``qwen3_5_text``: ``Qwen3_5ForCausalLM``; the text decoder of the multimodal ``qwen3_5``,
+``Qwen3_5ForConditionalGeneration``) as a configuration of the one decoder (docs/models.md,
+"Decoder families"): Gated DeltaNet layers (``layer_types`` "linear_attention",
+models/gated_deltanet.py) interleaved with full-attention layers whose q_proj also holds each
+head's output gate (``q_gate``), per-head q/k RMSNorms, (1 + w) RMSNorms (``norm_offset: 1``),
+partial rotary (``partial_rotary_factor``, 0.25 by default; the multimodal rotary's sections
+coincide for text, whose three position ids are equal).
+
+Files: HF's fused ``linear_attn.in_proj_qkv`` [q | k | v rows] and the depthwise
+``linear_attn.conv1d.weight`` [channels, 1, K] (its channels the same q | k | v) are split on
+import into ``in_proj_{q,k,v}`` and ``conv_{q,k,v}`` (each device reading its heads' rows) and
+fused on export (:data:`FUSED`); the multimodal checkpoint's decoder lives under
+``model.language_model.``, its vision tower and multi-token-prediction layers are left aside."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from functional_pp.models.llama import Config
+
+__all__ = ["ARCHITECTURES", "DEFAULTS", "FIXED", "RENAMED", "FUSED", "IGNORED", "TEXT_TYPES", "config_from_hf",
+           "config_to_hf", "check_exportable"]
+
+ARCHITECTURES: dict[str, str] = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+
+TEXT_TYPES: dict[str, str] = {"qwen3_5": "qwen3_5_text"}
+"""The multimodal model types whose text decoder export writes as its text class."""
+
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"qwen3_5": ((r"^model\.", "model.language_model."),)}
+"""The multimodal checkpoint's text decoder lives under ``model.language_model.``."""
+
+FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    mt: tuple((f"{pre}.layers.{{i}}.linear_attn.{fused}.weight",
+               tuple(f"{pre}.layers.{{i}}.linear_attn.{part}_{x}.weight" for x in "qkv"))
+              for fused, part in (("in_proj_qkv", "in_proj"), ("conv1d", "conv")))
+    for mt, pre in (("qwen3_5_text", "model"), ("qwen3_5", "model.language_model"))}
+"""q, k and v along the rows of ``in_proj_qkv`` and along the channels of the convolution."""
+
+IGNORED: dict[str, tuple[str, ...]] = {mt: (r"mtp\..*", r"model\.visual\..*") for mt in ARCHITECTURES}
+"""Tensors the text decoder does not read: the vision tower, the multi-token-prediction layers."""
+
+DEFAULTS: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768, initializer_range=0.02,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, head_dim=256,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, full_attention_interval=4)
+"""``Qwen3_5TextConfig``'s defaults of the keys read here."""
+
+FIXED: dict[str, Any] = dict(q_gate=True, qk_norm=True, norm_offset=1.0, mlp_act="silu")
+"""The fields ``Qwen3_5ForCausalLM`` has one value of."""
+
+_TYPES = ("linear_attention", "full_attention")
+
+
+def text_config(hf: dict, mt: str) -> dict:
+    """The text decoder's keys: a multimodal ``qwen3_5``'s ``text_config`` (its tying from the top level)."""
+    if mt in TEXT_TYPES:
+        text = dict(hf.get("text_config") or {})
+        if not text:
+            raise ValueError(f"HF {mt} config: text_config is missing (the text decoder's sizes are unknown)")
+        if "tie_word_embeddings" in hf:
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        return text
+    return hf
+
+
+def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
+    """``Config`` of a ``qwen3_5_text`` / ``qwen3_5`` ``config.json`` (``rope_of(rope, hf, where,
+    theta_default, partial_ok=)``: its rope's theta and scaling); a ValueError names what the decoder
+    cannot reproduce."""
+    where = f"HF {mt} config"
+    hf = text_config(hf, mt)
+
+    def get(key: str) -> Any:
+        v = hf.get(key)
+        return DEFAULTS.get(key) if v is None else v
+    if get("hidden_act") != "silu":
+        raise ValueError(f"{where}: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
+    if float(get("attention_dropout") or 0.0):
+        raise ValueError(f"{where}: attention_dropout={hf['attention_dropout']!r} is not supported (set it to 0.0)")
+    if get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=True is not supported (Qwen3.5's attention has no biases)")
+    layers = int(get("num_hidden_layers"))
+    every = int(get("full_attention_interval"))
+    types = tuple(hf.get("layer_types") or [_TYPES[0] if (i + 1) % every else _TYPES[1] for i in range(layers)])
+    if len(types) != layers or set(types) - set(_TYPES):
+        raise ValueError(f"{where}: layer_types {list(types)} must be {layers} entries of {' / '.join(_TYPES)}")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    for key in ("mrope_section", "mrope_interleaved"):      # (text positions: every section rotates alike)
+        rope.pop(key, None)
+    theta, scaling = rope_of(rope, {**hf, "rope_parameters": rope}, where, float(hf.get("rope_theta") or 10000.0),
+                             partial_ok=True)
+    heads = int(get("num_attention_heads"))
+    kv = hf.get("num_key_value_heads")
+    try:
+        return Config(
+            model_type=mt, vocab=int(get("vocab_size")), hidden=int(get("hidden_size")), layers=layers, heads=heads,
+            kv_heads=int(kv) if kv is not None else heads, mlp=int(get("intermediate_size")),
+            head_dim=int(get("head_dim")), rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
+            tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
+            max_seq=int(get("max_position_embeddings")), layer_types=types,
+            partial_rotary_factor=float(rope["partial_rotary_factor"]),
+            linear_heads=int(get("linear_num_value_heads")), linear_kv_heads=int(get("linear_num_key_heads")),
+            linear_head_dim=int(get("linear_key_head_dim")), linear_v_head_dim=int(get("linear_value_head_dim")),
+            linear_conv_kernel=int(get("linear_conv_kernel_dim")), **FIXED)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
+    """Refuse (``error``, naming the field) a config ``Qwen3_5ForCausalLM`` cannot hold; ``plain``: the
+    switches' values in Llama."""
+    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["qwen3_5_text"]
+    need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "kv_lora_rank": 0, "experts": 0,
+            "sliding_window": None, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None,
+            "local_rope_theta": None, "scale_embeddings": False, "sandwich_norms": False}
+    need.pop("partial_rotary_factor", None)
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise error(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs {want!r}); "
+                        f"choose another model_type")
+    if cfg.layer_types is None or set(cfg.layer_types) - set(_TYPES):
+        raise error(f"{where}: layer_types={cfg.layer_types!r} has no {arch} equivalent (each layer "
+                    f"{' or '.join(_TYPES)})")
+    if cfg.rope_scaling is not None:
+        raise error(f"{where}: rope_scaling {type(cfg.rope_scaling).__name__} is not exported for {cfg.model_type} "
+                    f"(only the default rope)")
+
+
+def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``Qwen3_5ForCausalLM`` ``config.json`` of ``cfg`` (checked by :func:`check_exportable` before)."""
+    dname = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": [ARCHITECTURES["qwen3_5_text"]], "model_type": "qwen3_5_text", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq, "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps, "use_cache": True, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta),
+                            "partial_rotary_factor": cfg.partial_rotary_factor},
+        "attention_bias": False, "attention_dropout": 0.0, "layer_types": list(cfg.layer_types),
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel, "linear_key_head_dim": cfg.linear_head_dim,
+        "linear_value_head_dim": cfg.linear_v_head_dim, "linear_num_key_heads": cfg.linear_kv_heads,
+        "linear_num_value_heads": cfg.linear_heads, "dtype": dname, "torch_dtype": dname}

@@ -1,0 +1,163 @@
+"""Qwen3.5 (``qwen3_5_text``, and the text decoder of the multimodal ``qwen3_5``) as a configuration
+of the one decoder (models/llama.py, models/gated_deltanet.py, models/qwen3_5_hf.py): Gated
+DeltaNet layers beside full-attention layers whose q_proj holds each head's output gate. A tiny
+random model transformers builds from a config loads through the HF import (in_proj_qkv and the
+convolution split into q / k / v); logits, loss and every gradient equal transformers'; export
+writes ``Qwen3_5ForCausalLM``, which loads with equal logits; LoRA on Axolotl's targets equals
+peft; FSDP x TP with sequence parallelism on simulated devices and FSDP x TP on real gloo
+processes equal one device; CP, packed sequences and the k/v cache are refused by name."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
+                     fp64_beside_hf, import_logits_beside_hf, our_logits, tokens)
+
+import functional_pp as fpp
+from functional_pp import checkpoint as ck
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import llama
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3.5", allow_module_level=True)
+
+# 2 key heads serving 4 value heads; value heads narrower than key heads; one full-attention layer of three
+CONFIG = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention"], initializer_range=0.2,
+              pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=128)
+EAGER = dict(attn_implementation="eager")
+
+
+def _randomize(model) -> None:
+    """The norms and dt_bias off their initial values (so a wrong offset or a missing bias shows)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG)).float().eval()
+    _randomize(model)
+    d = tmp_path_factory.mktemp("qwen3_5_text")
+    model.save_pretrained(d, safe_serialization=True)
+    model.config._attn_implementation = "eager"
+    return model, d
+
+
+def test_config_reads_qwen3_5_text(saved):
+    cfg = hf.config_from_hf(saved[1])
+    assert (cfg.model_type, cfg.layer_types, cfg.q_gate, cfg.qk_norm, cfg.norm_offset) == (
+        "qwen3_5_text", ("linear_attention", "full_attention", "linear_attention"), True, True, 1.0)
+    assert (cfg.linear_heads, cfg.linear_kv_heads, cfg.linear_head_dim, cfg.linear_v_head_dim,
+            cfg.linear_conv_kernel, cfg.partial_rotary_factor) == (4, 2, 8, 6, 4, 0.25)
+    decls = dict(tree.leaves_with_paths(llama.init(cfg)))
+    assert "layers.0.self_attn.q_proj" not in decls and decls["layers.1.self_attn.q_proj"].shape == (32, 4, 16)
+    assert decls["layers.0.linear_attn.conv_v"].shape == (4, 6, 4)
+
+
+def test_import_logits_equal_transformers(saved):
+    cfg, params, toks, want = import_logits_beside_hf(*saved, atol=3e-5)
+    # the gate and the partial rotary change the result (so the equality above covers them)
+    for change in (dict(partial_rotary_factor=0.5), dict(norm_eps=1e-2)):
+        assert not torch.allclose(our_logits(params, dataclasses.replace(cfg, **change), toks), want, atol=1e-3), change
+
+
+def test_loss_and_gradients_equal_transformers(saved):
+    """float64 (transformers computes the delta rule and the norms in float32: equal to its precision)."""
+    _, d = saved
+    model, cfg, loss, grads, out, want = fp64_beside_hf(d, **EAGER)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=0)
+    ours = dict(tree.leaves_with_paths(grads))
+    fused = hf.save_hf_llama(grads, cfg, d.parent / "grads")          # (in_proj_qkv and conv1d fused again)
+    from safetensors.torch import load_file
+    files = load_file(str(fused / "model.safetensors"))
+    assert ours["layers.0.linear_attn.A_log"].abs().max() > 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(files[name], p.grad, rtol=1e-3, atol=1e-4 * p.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_export_round_trip_in_transformers(saved, tmp_path):
+    assert_export_round_trip(saved[1], tmp_path / "out", "qwen3_5_text", "Qwen3_5ForCausalLM", **EAGER)
+
+
+def test_lora_on_axolotls_targets_equals_peft(saved):
+    """Axolotl's Qwen3.5 targets (attention's q/k/v/o, the MLP's up/down) and the linear attention's
+    z gate and output projection (``linear_attn.in_proj_z`` / ``out_proj``)."""
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(saved[1], dtype=torch.float32, **EAGER)
+    assert_lora_step_equals_peft(model, saved[1], ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj",
+                                                   "in_proj_z", "out_proj"], count=2 * (4 + 2 * 3 + 2 * 2))
+
+
+def test_fsdp_tp_sp_equals_one_device(saved):
+    """FSDP x TP with sequence parallelism: the value and key heads of the linear layers over tp (the
+    convolution's channels with them), the sequence gathered before each mixer."""
+    assert_hf_layout_equals_one_device(saved[1], "fsdp_tp_sp")
+
+
+def test_fsdp_tp_on_real_processes_equal_one_device(saved):
+    from harness import assert_processes_equal_one_device
+    assert_processes_equal_one_device(hf.config_from_hf(saved[1]))
+
+
+def test_refusals_name_the_option(saved, tmp_path):
+    with pytest.raises(Exception, match=r"sequence dimension 'seq' is split over \('cp',\)"):
+        assert_hf_layout_equals_one_device(saved[1], "cp")
+    cfg, params = hf.load_hf_llama(saved[1])
+    from functional_pp.parallel import sharding
+    named = sharding.named_tree(params, llama.init(cfg))
+    toks = fpp.wrap(tokens(batch=2), "batch seq")
+    with pytest.raises(ValueError, match=r"packed sequences .* linear_attention .* sample_packing: false"):
+        llama.forward(named, toks, cfg, segments=fpp.wrap(torch.zeros(2, 12, dtype=torch.long), "batch seq"))
+    conf = json.loads((saved[1] / "config.json").read_text())
+    for key, value, what in (("attention_bias", True, "has no biases"), ("attention_dropout", 0.1, "set it to 0.0"),
+                             ("layer_types", ["linear_attention"] * 2, "must be 3 entries"),
+                             ("linear_num_value_heads", 3, "must be a multiple of linear_kv_heads=2")):
+        with pytest.raises(ck.CheckpointMismatchError, match=rf"HF qwen3_5_text config: .*{what}"):
+            hf.config_from_hf(dict(conf, **{key: value}))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'qwen3_5_text': q_gate=False has no"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, q_gate=False), tmp_path / "no")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'qwen3': .*Gated DeltaNet layers.*choose model_type qwen3_5_text"):
+        hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="qwen3", q_gate=False), tmp_path / "no")
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """A tiny ``Qwen3_5ForConditionalGeneration`` (a one-block vision tower beside the text decoder)."""
+    torch.manual_seed(1)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    conf = transformers.Qwen3_5Config(text_config=CONFIG, vision_config=vision, image_token_id=250,
+                                      video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    model = transformers.Qwen3_5ForConditionalGeneration(conf).float().eval()
+    _randomize(model)
+    d = tmp_path_factory.mktemp("qwen3_5")
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d
+
+
+def test_multimodal_checkpoint_loads_its_text_decoder(multimodal, tmp_path):
+    """``model_type: qwen3_5``: the text decoder under ``model.language_model.`` loads (the vision
+    tower left aside) with transformers' logits of text-only input; export writes it as
+    ``Qwen3_5ForCausalLM`` with the same logits."""
+    model, d = multimodal
+    cfg, params = hf.load_hf_llama(d)
+    assert cfg.model_type == "qwen3_5" and cfg.linear_heads == 4
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    out = hf.save_hf_llama(params, cfg, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **EAGER)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=toks).logits, want, atol=1e-5, rtol=1e-5)
