@@ -65,17 +65,14 @@ def init_layer(cfg, w, out_std: float, dtype: torch.dtype) -> dict:
     }
 
 
-def _conv_silu(x: Named, weight: Named) -> Named:
-    return ops.silu(causal_conv1d(x, weight, seq="seq", kernel="kernel"))
+def _conv_silu(x: Named, weight: Named, segments: Named | None) -> Named:
+    return ops.silu(causal_conv1d(x, weight, seq="seq", kernel="kernel", segments=segments))
 
 
 def mixer(a: dict, h: Named, cfg, segments: Named | None = None) -> Named:
     """Gated DeltaNet of the normed input ``h`` (batch seq hidden, the sequence whole); the output
-    batch seq hidden (before the residual's layout)."""
-    if segments is not None:
-        raise ValueError(f"packed sequences (segments, e.g. sample_packing: true) are not supported with "
-                         f"{KIND} layers yet (their recurrence and convolution would cross documents); set "
-                         f"sample_packing: false")
+    batch seq hidden (before the residual's layout). ``segments`` (packed documents): each document
+    runs as if alone (no convolution tap or state crosses into the next)."""
     if kv_cache.active() is not None:
         raise ValueError(f"sampling with a key / value cache does not support {KIND} (Gated DeltaNet) layers: they "
                          f"need a recurrent state cache, not built yet")
@@ -85,12 +82,12 @@ def mixer(a: dict, h: Named, cfg, segments: Named | None = None) -> Named:
     q, k = proj("in_proj_q", "kv_heads head_dim"), proj("in_proj_k", "kv_heads head_dim")
     v, z = proj("in_proj_v", "heads v_head_dim"), proj("in_proj_z", "heads v_head_dim")
     b, dt = proj("in_proj_b", "heads"), proj("in_proj_a", "heads")
-    q, k, v = _conv_silu(q, a["conv_q"]), _conv_silu(k, a["conv_k"]), _conv_silu(v, a["conv_v"])
+    q, k, v = (_conv_silu(t, a[f"conv_{x}"], segments) for t, x in ((q, "q"), (k, "k"), (v, "v")))
     beta = (ops.tanh(b * 0.5) + 1.0) * 0.5                          # sigmoid(b)
     wide = torch.float32 if dt.data.dtype in (torch.float16, torch.bfloat16) else dt.data.dtype
     decay = (dt.astype(wide) + a["dt_bias"].astype(wide)).map(F.softplus) * -ops.exp(a["A_log"].astype(wide))
     o = gated_delta_rule(q, k, v, decay, beta, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads",
-                         head_dim="head_dim", v_head_dim="v_head_dim")
+                         head_dim="head_dim", v_head_dim="v_head_dim", segments=segments)
     o = ops.rms_norm(o, a["norm"], dim="v_head_dim", eps=cfg.norm_eps) * ops.silu(z)
     return ops.einsum("batch seq heads v_head_dim, heads v_head_dim hidden -> batch seq hidden", o, a["out_proj"])
 

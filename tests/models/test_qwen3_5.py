@@ -98,6 +98,24 @@ def test_lora_on_axolotls_targets_equals_peft(saved):
                                                    "in_proj_z", "out_proj"], count=2 * (4 + 2 * 3 + 2 * 2))
 
 
+def test_packed_documents_equal_transformers_on_each(saved):
+    """Packed rows (``segments``, Axolotl's sample_packing): each document's logits equal transformers'
+    logits of that document alone (the convolution and the recurrence restart, attention stays inside)."""
+    model, d = saved
+    cfg, params = hf.load_hf_llama(d)
+    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
+    from functional_pp.parallel import sharding
+    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
+                        segments=fpp.wrap(seg, "batch seq")).value()
+    with torch.no_grad():
+        for b in range(2):
+            for doc in seg[b].unique():
+                at = (seg[b] == doc).nonzero().flatten()
+                want = model(input_ids=toks[b:b + 1, at]).logits
+                torch.testing.assert_close(got[b:b + 1, at], want, atol=3e-5, rtol=1e-5)
+        assert not torch.allclose(got[0, 5:], model(input_ids=toks[:1]).logits[0, 5:], atol=1e-3)
+
+
 def test_fsdp_tp_sp_equals_one_device(saved):
     """FSDP x TP with sequence parallelism: the value and key heads of the linear layers over tp (the
     convolution's channels with them), the sequence gathered before each mixer."""
@@ -116,8 +134,9 @@ def test_refusals_name_the_option(saved, tmp_path):
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg))
     toks = fpp.wrap(tokens(batch=2), "batch seq")
-    with pytest.raises(ValueError, match=r"packed sequences .* linear_attention .* sample_packing: false"):
-        llama.forward(named, toks, cfg, segments=fpp.wrap(torch.zeros(2, 12, dtype=torch.long), "batch seq"))
+    with pytest.raises(ValueError, match=r"key / value cache does not support linear_attention"):
+        from functional_pp.models import sampling
+        sampling.generate(lambda p, t: llama.forward(p, t, cfg), named, tokens(batch=1, seq=4), max_new_tokens=2)
     conf = json.loads((saved[1] / "config.json").read_text())
     for key, value, what in (("attention_bias", True, "has no biases"), ("attention_dropout", 0.1, "set it to 0.0"),
                              ("layer_types", ["linear_attention"] * 2, "must be 3 entries"),

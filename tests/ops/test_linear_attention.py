@@ -25,10 +25,21 @@ def _inputs(dtype, seed=0):
     return [t.requires_grad_() for t in (q, k, v, decay, beta)]
 
 
-def _ours(q, k, v, decay, beta, chunk=64):
+def _ours(q, k, v, decay, beta, chunk=64, segments=None):
+    seg = None if segments is None else fpp.wrap(segments, "batch seq")
     return gated_delta_rule(fpp.wrap(q, "batch seq kv_heads head_dim"), fpp.wrap(k, "batch seq kv_heads head_dim"),
                             fpp.wrap(v, "batch seq heads v_head_dim"), fpp.wrap(decay, "batch seq heads"),
-                            fpp.wrap(beta, "batch seq heads"), chunk=chunk, **DIMS).value()
+                            fpp.wrap(beta, "batch seq heads"), chunk=chunk, segments=seg, **DIMS).value()
+
+
+# packed rows: documents of 3, 5 and 5 positions, and of 6 and 7 (boundaries inside and at the edges of chunks of 4)
+SEGMENTS = torch.tensor([[0] * 3 + [1] * 5 + [2] * 5, [4] * 6 + [7] * 7])
+
+
+def _documents(segments):
+    for b in range(B):
+        for doc in segments[b].unique():
+            yield b, (segments[b] == doc).nonzero().flatten()
 
 
 @pytest.mark.parametrize("chunk", [4, 64])
@@ -58,6 +69,26 @@ def test_float64_chunking_is_the_recurrence():
     torch.testing.assert_close(one, rec.to(torch.float64), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_packed_documents_each_equal_transformers_alone(chunk):
+    """With ``segments`` each document of a packed row equals transformers' rule on that document
+    alone, values and gradients."""
+    ours_in, theirs_in = _inputs(torch.float32), _inputs(torch.float32)
+    got = _ours(*ours_in, chunk=chunk, segments=SEGMENTS)
+    up = torch.randn(got.shape, generator=torch.Generator().manual_seed(3))
+    (got * up).sum().backward()
+    for b, at in _documents(SEGMENTS):
+        part = [t[b:b + 1, at] for t in theirs_in]
+        want, _ = qwen.torch_chunk_gated_delta_rule(*part[:3], g=part[3], beta=part[4], chunk_size=chunk,
+                                                    use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(got[b:b + 1, at], want, rtol=1e-5, atol=1e-5)
+        (want * up[b:b + 1, at]).sum().backward()
+    for name, a, b in zip("q k v g beta".split(), ours_in, theirs_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+    plain = _ours(*[t.detach() for t in ours_in], chunk=chunk)
+    assert not torch.allclose(plain, got.detach(), atol=1e-3)          # (the documents do mix without segments)
+
+
 def test_causal_conv1d_equals_transformers():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, HK, DK, generator=g, dtype=torch.float64, requires_grad=True)
@@ -68,6 +99,12 @@ def test_causal_conv1d_equals_transformers():
     torch.testing.assert_close(got.reshape(B, S, -1), want, rtol=1e-12, atol=1e-12)
     got.sum().backward()
     assert w.grad.abs().max() > 0
+    packed = causal_conv1d(fpp.wrap(x, "batch seq kv_heads head_dim"), fpp.wrap(w, "kv_heads head_dim kernel"),
+                           seq="seq", kernel="kernel", segments=fpp.wrap(SEGMENTS, "batch seq")).value()
+    for b, at in _documents(SEGMENTS):
+        alone = qwen.causal_conv1d_fn(x[b:b + 1, at].reshape(1, len(at), -1).transpose(1, 2), w.reshape(-1, K))
+        torch.testing.assert_close(packed[b:b + 1, at].reshape(1, len(at), -1), alone.transpose(1, 2), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def _on_mesh(mesh, rules, x):
