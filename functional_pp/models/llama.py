@@ -1108,6 +1108,14 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
+def whole_sequence(cfg: Config) -> str | None:
+    """Why the sequence may not be split over devices (context parallelism): the layers that are a
+    recurrence along it (``layer_types``' linear_attention); None where every layer is attention."""
+    linear = [i for i in range(cfg.layers) if cfg.layer_kind(i) == gated_deltanet.KIND]
+    return (f"layers {linear} are {gated_deltanet.KIND} (Gated DeltaNet), a recurrence along the whole sequence"
+            if linear else None)
+
+
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
     """The residual stream's layouts (global sizes) that must split evenly on the mesh: the
     sequence gathered for attention and the MLP, and split again (sequence parallelism)."""

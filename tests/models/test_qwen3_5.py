@@ -214,3 +214,21 @@ def test_pipeline_stages_equal_one_device():
     for got in losses(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
                                     schedule="1f1b", first_stage=first, last_stage=last)):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-12, atol=1e-13)
+
+
+def test_context_parallelism_is_refused_before_any_work(saved, tmp_path, capsys):
+    """``cp_size: 2`` with a Qwen3.5 base model: a config error naming the linear-attention layers
+    and the fix, before any work; the same config with cp_size 1 (FSDP x TP) validates."""
+    import yaml
+
+    from functional_pp import cli
+    conf = {"base_model": str(saved[1]), "micro_batch_size": 1, "sequence_len": 32, "max_steps": 1,
+            "data": {"max_bytes": 20_000}, "logging": {"output_dir": str(tmp_path / "out")}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(conf, cp_size=2)))
+    assert cli.main(["train", str(path), "--simulate", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "layers [0, 2] are linear_attention (Gated DeltaNet)" in err and "use cp_size 1" in err
+    assert not (tmp_path / "out").exists()
+    path.write_text(yaml.safe_dump(dict(conf, dp_shard_size=2, tp_size=2)))
+    assert cli.main(["validate", str(path), "--simulate", "4"]) == 0
