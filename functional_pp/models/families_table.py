@@ -111,12 +111,14 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
-    Row(("qwen3_5_text", "qwen3_5"), "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise "
-        "convolution, the chunked gated delta rule, a gated RMSNorm; heads over tp) beside full-attention layers "
-        "whose `q_proj` holds each head's output gate (`q_gate`), per-head q/k norms, (1 + w) RMSNorms, partial "
-        "rotary; the multimodal `qwen3_5`'s text decoder (export: `Qwen3_5ForCausalLM`)",
-        "context parallelism, packed sequences (`sample_packing`) and key / value-cache sampling with Gated "
-        "DeltaNet layers (refused by name); LoRA on the fused `linear_attn.in_proj_qkv`; image input"),
+    Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"), "Gated DeltaNet layers (`layer_types` "
+        "`linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "
+        "tp; packed sequences) beside full-attention layers whose `q_proj` holds each head's output gate (`q_gate`), "
+        "per-head q/k norms, (1 + w) RMSNorms, partial rotary; the multimodal `qwen3_5` / `qwen3_5_moe`'s text "
+        "decoder (export: its `*ForCausalLM`); Qwen3.5-MoE: experts in every layer with Qwen2-MoE's gated shared "
+        "expert",
+        "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); LoRA on "
+        f"the fused `linear_attn.in_proj_qkv`; image input; {_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -4,7 +4,11 @@
 models/gated_deltanet.py) interleaved with full-attention layers whose q_proj also holds each
 head's output gate (``q_gate``), per-head q/k RMSNorms, (1 + w) RMSNorms (``norm_offset: 1``),
 partial rotary (``partial_rotary_factor``, 0.25 by default; the multimodal rotary's sections
-coincide for text, whose three position ids are equal).
+coincide for text, whose three position ids are equal). Qwen3.5-MoE (``qwen3_5_moe_text``,
+``qwen3_5_moe``): the same layers with experts in every layer (softmax routing, the top-k weights
+renormalised, a shared expert behind a sigmoid gate: Qwen2-MoE's, models/moe.py), one tensor per
+expert and projection in the files (``mlp.experts.{j}.gate_proj.weight``, as transformers saves them
+and the published checkpoints hold them; transformers fuses them in memory only).
 
 Files: HF's fused ``linear_attn.in_proj_qkv`` [q | k | v rows] and the depthwise
 ``linear_attn.conv1d.weight`` [channels, 1, K] (its channels the same q | k | v) are split on
@@ -19,22 +23,29 @@ import torch
 
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "DEFAULTS", "FIXED", "RENAMED", "FUSED", "IGNORED", "TEXT_TYPES", "config_from_hf",
-           "config_to_hf", "check_exportable"]
+__all__ = ["ARCHITECTURES", "DEFAULTS", "MOE_DEFAULTS", "FIXED", "MOE_FIXED", "MOE", "RENAMED", "FUSED",
+           "IGNORED", "TEXT_TYPES", "config_from_hf", "config_to_hf", "check_exportable"]
 
-ARCHITECTURES: dict[str, str] = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+ARCHITECTURES: dict[str, str] = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
-TEXT_TYPES: dict[str, str] = {"qwen3_5": "qwen3_5_text"}
+TEXT_TYPES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 """The multimodal model types whose text decoder export writes as its text class."""
 
-RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"qwen3_5": ((r"^model\.", "model.language_model."),)}
+MOE: tuple[str, ...] = ("qwen3_5_moe_text", "qwen3_5_moe")
+"""The model types with experts in every layer."""
+
+_PREFIX = {"qwen3_5_text": "model", "qwen3_5": "model.language_model", "qwen3_5_moe_text": "model",
+           "qwen3_5_moe": "model.language_model"}
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {mt: ((r"^model\.", "model.language_model."),) for mt in TEXT_TYPES}
 """The multimodal checkpoint's text decoder lives under ``model.language_model.``."""
 
 FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     mt: tuple((f"{pre}.layers.{{i}}.linear_attn.{fused}.weight",
                tuple(f"{pre}.layers.{{i}}.linear_attn.{part}_{x}.weight" for x in "qkv"))
               for fused, part in (("in_proj_qkv", "in_proj"), ("conv1d", "conv")))
-    for mt, pre in (("qwen3_5_text", "model"), ("qwen3_5", "model.language_model"))}
+    for mt, pre in _PREFIX.items()}
 """q, k and v along the rows of ``in_proj_qkv`` and along the channels of the convolution."""
 
 IGNORED: dict[str, tuple[str, ...]] = {mt: (r"mtp\..*", r"model\.visual\..*") for mt in ARCHITECTURES}
@@ -47,6 +58,14 @@ DEFAULTS: dict[str, Any] = dict(
     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
     linear_num_value_heads=32, full_attention_interval=4)
 """``Qwen3_5TextConfig``'s defaults of the keys read here."""
+
+MOE_DEFAULTS: dict[str, Any] = dict(DEFAULTS, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2,
+                                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                    num_experts_per_tok=8, num_experts=256, router_aux_loss_coef=0.001)
+"""``Qwen3_5MoeTextConfig``'s."""
+
+MOE_FIXED: dict[str, Any] = dict(norm_topk_prob=True, router_score="softmax", shared_expert_gate=True, moe_layers=None)
+"""The expert options ``Qwen3_5MoeForCausalLM`` has one value of."""
 
 FIXED: dict[str, Any] = dict(q_gate=True, qk_norm=True, norm_offset=1.0, mlp_act="silu")
 """The fields ``Qwen3_5ForCausalLM`` has one value of."""
@@ -72,10 +91,11 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
     cannot reproduce."""
     where = f"HF {mt} config"
     hf = text_config(hf, mt)
+    defaults = MOE_DEFAULTS if mt in MOE else DEFAULTS
 
     def get(key: str) -> Any:
         v = hf.get(key)
-        return DEFAULTS.get(key) if v is None else v
+        return defaults.get(key) if v is None else v
     if get("hidden_act") != "silu":
         raise ValueError(f"{where}: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
     if float(get("attention_dropout") or 0.0):
@@ -94,18 +114,24 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
     theta, scaling = rope_of(rope, {**hf, "rope_parameters": rope}, where, float(hf.get("rope_theta") or 10000.0),
                              partial_ok=True)
     heads = int(get("num_attention_heads"))
-    kv = hf.get("num_key_value_heads")
+    kv = get("num_key_value_heads")
+    moe: dict[str, Any] = {}
+    if mt in MOE:
+        moe = dict(MOE_FIXED, experts=int(get("num_experts")), experts_top_k=int(get("num_experts_per_tok")),
+                   moe_mlp=int(get("moe_intermediate_size")), shared_expert_mlp=int(get("shared_expert_intermediate_size")),
+                   router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0)
     try:
         return Config(
             model_type=mt, vocab=int(get("vocab_size")), hidden=int(get("hidden_size")), layers=layers, heads=heads,
-            kv_heads=int(kv) if kv is not None else heads, mlp=int(get("intermediate_size")),
+            kv_heads=int(kv) if kv is not None else heads,
+            mlp=int(get("moe_intermediate_size") if mt in MOE else get("intermediate_size")),
             head_dim=int(get("head_dim")), rope_theta=theta, rope_scaling=scaling, norm_eps=float(get("rms_norm_eps")),
             tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
             max_seq=int(get("max_position_embeddings")), layer_types=types,
             partial_rotary_factor=float(rope["partial_rotary_factor"]),
             linear_heads=int(get("linear_num_value_heads")), linear_kv_heads=int(get("linear_num_key_heads")),
             linear_head_dim=int(get("linear_key_head_dim")), linear_v_head_dim=int(get("linear_value_head_dim")),
-            linear_conv_kernel=int(get("linear_conv_kernel_dim")), **FIXED)
+            linear_conv_kernel=int(get("linear_conv_kernel_dim")), **FIXED, **moe)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
 
@@ -113,9 +139,10 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
 def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
     """Refuse (``error``, naming the field) a config ``Qwen3_5ForCausalLM`` cannot hold; ``plain``: the
     switches' values in Llama."""
-    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["qwen3_5_text"]
-    need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "kv_lora_rank": 0, "experts": 0,
-            "sliding_window": None, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None,
+    moe = cfg.model_type in MOE
+    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["qwen3_5_moe_text" if moe else "qwen3_5_text"]
+    need = {**plain, **FIXED, **(MOE_FIXED if moe else {"experts": 0}), "qkv_bias": False, "o_bias": False,
+            "kv_lora_rank": 0, "sliding_window": None, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None,
             "local_rope_theta": None, "scale_embeddings": False, "sandwich_norms": False}
     need.pop("partial_rotary_factor", None)
     for key, want in need.items():
@@ -125,6 +152,11 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     if cfg.layer_types is None or set(cfg.layer_types) - set(_TYPES):
         raise error(f"{where}: layer_types={cfg.layer_types!r} has no {arch} equivalent (each layer "
                     f"{' or '.join(_TYPES)})")
+    if moe and not (cfg.experts and cfg.moe_mlp and cfg.shared_expert_mlp):
+        raise error(f"{where}: experts={cfg.experts}, moe_mlp={cfg.moe_mlp}, shared_expert_mlp={cfg.shared_expert_mlp} "
+                    f"have no {arch} equivalent (experts in every layer beside a gated shared expert)")
+    if moe and (cfg.capacity_factor is not None or cfg.router_z_loss_coef):
+        raise error(f"{where}: capacity_factor / router_z_loss_coef have no {arch} equivalent (dropless, no z-loss)")
     if cfg.rope_scaling is not None:
         raise error(f"{where}: rope_scaling {type(cfg.rope_scaling).__name__} is not exported for {cfg.model_type} "
                     f"(only the default rope)")
@@ -133,8 +165,9 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """The ``Qwen3_5ForCausalLM`` ``config.json`` of ``cfg`` (checked by :func:`check_exportable` before)."""
     dname = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": [ARCHITECTURES["qwen3_5_text"]], "model_type": "qwen3_5_text", "vocab_size": cfg.vocab,
+    mt = "qwen3_5_moe_text" if cfg.model_type in MOE else "qwen3_5_text"
+    out = {
+        "architectures": [ARCHITECTURES[mt]], "model_type": mt, "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq, "initializer_range": cfg.init_std,
@@ -145,3 +178,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "linear_conv_kernel_dim": cfg.linear_conv_kernel, "linear_key_head_dim": cfg.linear_head_dim,
         "linear_value_head_dim": cfg.linear_v_head_dim, "linear_num_key_heads": cfg.linear_kv_heads,
         "linear_num_value_heads": cfg.linear_heads, "dtype": dname, "torch_dtype": dname}
+    if mt in MOE:
+        del out["intermediate_size"]
+        out.update(num_experts=cfg.experts, num_experts_per_tok=cfg.experts_top_k, moe_intermediate_size=cfg.moe_mlp,
+                   shared_expert_intermediate_size=cfg.shared_expert_mlp, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                   output_router_logits=bool(cfg.router_aux_loss_coef))
+    return out
