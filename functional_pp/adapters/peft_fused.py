@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import FUSED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
+from functional_pp.models.llama_hf import FUSED, HEAD_GROUPED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
@@ -79,7 +80,7 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
         adapted = [p for p in paths if p in lora]
         if not adapted:
             continue
-        if model_type in HEAD_INTERLEAVED:
+        if model_type in HEAD_INTERLEAVED or any(re.search(p, module) for p, _ in HEAD_GROUPED.get(model_type, ())):
             raise ValueError(f"PEFT adapter: {module} of {model_type} holds q, k and v head by head; adapters of it "
                              f"are not supported yet: export the merged model (functional-pp export --merge-adapter)")
         k = lora[adapted[0]]["lora_A"].ndim - 1            # (the parts share their input dimensions)

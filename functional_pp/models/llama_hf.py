@@ -58,7 +58,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
-    "HEAD_INTERLEAVED",
+    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups",
 ]
 
 
@@ -252,6 +252,9 @@ FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
+# per model type, fused HF tensors (a pattern of the name) that hold their parts group by group, and the
+# config field counting the groups (Qwen3-Next: in_proj_qkvz / in_proj_ba, one group per linear-attention key head)
+HEAD_GROUPED: dict[str, tuple[tuple[str, str], ...]] = dict(qwen3_5_hf.HEAD_GROUPED)
 # per model type, our path suffix -> transform kind where its files differ from the table's
 _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
@@ -376,6 +379,16 @@ def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[st
             if m:
                 return fused.format(**m.groupdict()), j
     return name, 0
+
+
+def head_groups(name: str, cfg: Any) -> int | None:
+    """How many groups of rows the fused HF tensor ``name`` holds its parts in, one after the other
+    within each (:data:`HEAD_INTERLEAVED`: one per k/v head; :data:`HEAD_GROUPED`: its config field);
+    None: the parts one after the other."""
+    mt = getattr(cfg, "model_type", "llama")
+    if mt in HEAD_INTERLEAVED:
+        return cfg.kv_heads
+    return next((getattr(cfg, field) for pattern, field in HEAD_GROUPED.get(mt, ()) if re.search(pattern, name)), None)
 
 
 def hf_kind(path: str, model_type: str = "llama") -> str | None:

@@ -8,7 +8,11 @@ coincide for text, whose three position ids are equal). Qwen3.5-MoE (``qwen3_5_m
 ``qwen3_5_moe``): the same layers with experts in every layer (softmax routing, the top-k weights
 renormalised, a shared expert behind a sigmoid gate: Qwen2-MoE's, models/moe.py), one tensor per
 expert and projection in the files (``mlp.experts.{j}.gate_proj.weight``, as transformers saves them
-and the published checkpoints hold them; transformers fuses them in memory only).
+and the published checkpoints hold them; transformers fuses them in memory only). Qwen3-Next
+(``qwen3_next``: ``Qwen3NextForCausalLM``): the same layers, experts every ``decoder_sparse_step``-th
+layer but ``mlp_only_layers`` (the others dense), ``norm_topk_prob`` read; its files hold q, k, v and
+z in ``linear_attn.in_proj_qkvz`` and b and a in ``in_proj_ba`` group by group, one group per key head
+(:data:`HEAD_GROUPED`: each device reads its heads' rows of each part).
 
 Files: HF's fused ``linear_attn.in_proj_qkv`` [q | k | v rows] and the depthwise
 ``linear_attn.conv1d.weight`` [channels, 1, K] (its channels the same q | k | v) are split on
@@ -23,18 +27,19 @@ import torch
 
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "DEFAULTS", "MOE_DEFAULTS", "FIXED", "MOE_FIXED", "MOE", "RENAMED", "FUSED",
+__all__ = ["ARCHITECTURES", "DEFAULTS", "MOE_DEFAULTS", "FIXED", "MOE_FIXED", "MOE", "NEXT_DEFAULTS", "HEAD_GROUPED", "RENAMED", "FUSED",
            "IGNORED", "TEXT_TYPES", "config_from_hf", "config_to_hf", "check_exportable"]
 
 ARCHITECTURES: dict[str, str] = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                                 "qwen3_next": "Qwen3NextForCausalLM"}
 
 TEXT_TYPES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 """The multimodal model types whose text decoder export writes as its text class."""
 
 MOE: tuple[str, ...] = ("qwen3_5_moe_text", "qwen3_5_moe")
-"""The model types with experts in every layer."""
+"""The model types with experts in every layer (Qwen3-Next: where its config puts them)."""
 
 _PREFIX = {"qwen3_5_text": "model", "qwen3_5": "model.language_model", "qwen3_5_moe_text": "model",
            "qwen3_5_moe": "model.language_model"}
@@ -46,7 +51,18 @@ FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                tuple(f"{pre}.layers.{{i}}.linear_attn.{part}_{x}.weight" for x in "qkv"))
               for fused, part in (("in_proj_qkv", "in_proj"), ("conv1d", "conv")))
     for mt, pre in _PREFIX.items()}
-"""q, k and v along the rows of ``in_proj_qkv`` and along the channels of the convolution."""
+FUSED["qwen3_next"] = (
+    ("model.layers.{i}.linear_attn.in_proj_qkvz.weight",
+     tuple(f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight" for x in "qkvz")),
+    ("model.layers.{i}.linear_attn.in_proj_ba.weight",
+     tuple(f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight" for x in "ba")),
+    ("model.layers.{i}.linear_attn.conv1d.weight", tuple(f"model.layers.{{i}}.linear_attn.conv_{x}.weight" for x in "qkv")))
+"""q, k and v along the rows of ``in_proj_qkv`` and along the channels of the convolution (Qwen3-Next:
+q, k, v and z in ``in_proj_qkvz``, b and a in ``in_proj_ba``, held key head by key head)."""
+
+HEAD_GROUPED: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3_next": ((r"\.linear_attn\.in_proj_(qkvz|ba)\.", "linear_kv_heads"),)}
+"""Qwen3-Next's fused projections: their parts group by group, one group per linear-attention key head."""
 
 IGNORED: dict[str, tuple[str, ...]] = {mt: (r"mtp\..*", r"model\.visual\..*") for mt in ARCHITECTURES}
 """Tensors the text decoder does not read: the vision tower, the multi-token-prediction layers."""
@@ -63,6 +79,11 @@ MOE_DEFAULTS: dict[str, Any] = dict(DEFAULTS, hidden_size=2048, num_hidden_layer
                                     moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                     num_experts_per_tok=8, num_experts=256, router_aux_loss_coef=0.001)
 """``Qwen3_5MoeTextConfig``'s."""
+
+NEXT_DEFAULTS: dict[str, Any] = dict(
+    MOE_DEFAULTS, vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+    num_experts_per_tok=10, num_experts=512, norm_topk_prob=True, decoder_sparse_step=1)
+"""``Qwen3NextConfig``'s."""
 
 MOE_FIXED: dict[str, Any] = dict(norm_topk_prob=True, router_score="softmax", shared_expert_gate=True, moe_layers=None)
 """The expert options ``Qwen3_5MoeForCausalLM`` has one value of."""
@@ -91,7 +112,7 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
     cannot reproduce."""
     where = f"HF {mt} config"
     hf = text_config(hf, mt)
-    defaults = MOE_DEFAULTS if mt in MOE else DEFAULTS
+    defaults = NEXT_DEFAULTS if mt == "qwen3_next" else MOE_DEFAULTS if mt in MOE else DEFAULTS
 
     def get(key: str) -> Any:
         v = hf.get(key)
@@ -116,10 +137,17 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
     heads = int(get("num_attention_heads"))
     kv = get("num_key_value_heads")
     moe: dict[str, Any] = {}
-    if mt in MOE:
+    chosen = tuple(range(layers))
+    if mt == "qwen3_next":          # experts every decoder_sparse_step-th layer but mlp_only_layers
+        step, dense = int(get("decoder_sparse_step")), set(hf.get("mlp_only_layers") or ())
+        chosen = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0) if int(get("num_experts")) \
+            else ()
+    if chosen and (mt in MOE or mt == "qwen3_next"):
         moe = dict(MOE_FIXED, experts=int(get("num_experts")), experts_top_k=int(get("num_experts_per_tok")),
                    moe_mlp=int(get("moe_intermediate_size")), shared_expert_mlp=int(get("shared_expert_intermediate_size")),
                    router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0)
+        if mt == "qwen3_next":
+            moe.update(norm_topk_prob=bool(get("norm_topk_prob")), moe_layers=None if len(chosen) == layers else chosen)
     try:
         return Config(
             model_type=mt, vocab=int(get("vocab_size")), hidden=int(get("hidden_size")), layers=layers, heads=heads,
@@ -139,9 +167,11 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
 def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
     """Refuse (``error``, naming the field) a config ``Qwen3_5ForCausalLM`` cannot hold; ``plain``: the
     switches' values in Llama."""
-    moe = cfg.model_type in MOE
-    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["qwen3_5_moe_text" if moe else "qwen3_5_text"]
-    need = {**plain, **FIXED, **(MOE_FIXED if moe else {"experts": 0}), "qkv_bias": False, "o_bias": False,
+    moe, nxt = cfg.model_type in MOE, cfg.model_type == "qwen3_next"
+    where = f"export as {cfg.model_type!r}"
+    arch = ARCHITECTURES["qwen3_5_moe_text" if moe else cfg.model_type if nxt else "qwen3_5_text"]
+    fixed = {k: v for k, v in MOE_FIXED.items() if k not in ("norm_topk_prob", "moe_layers")} if nxt else MOE_FIXED
+    need = {**plain, **FIXED, **(fixed if moe or nxt and cfg.experts else {"experts": 0}), "qkv_bias": False, "o_bias": False,
             "kv_lora_rank": 0, "sliding_window": None, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None,
             "local_rope_theta": None, "scale_embeddings": False, "sandwich_norms": False}
     need.pop("partial_rotary_factor", None)
@@ -152,10 +182,10 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     if cfg.layer_types is None or set(cfg.layer_types) - set(_TYPES):
         raise error(f"{where}: layer_types={cfg.layer_types!r} has no {arch} equivalent (each layer "
                     f"{' or '.join(_TYPES)})")
-    if moe and not (cfg.experts and cfg.moe_mlp and cfg.shared_expert_mlp):
+    if (moe or nxt and cfg.experts) and not (cfg.experts and cfg.moe_mlp and cfg.shared_expert_mlp):
         raise error(f"{where}: experts={cfg.experts}, moe_mlp={cfg.moe_mlp}, shared_expert_mlp={cfg.shared_expert_mlp} "
                     f"have no {arch} equivalent (experts in every layer beside a gated shared expert)")
-    if moe and (cfg.capacity_factor is not None or cfg.router_z_loss_coef):
+    if (moe or nxt) and (cfg.capacity_factor is not None or cfg.router_z_loss_coef):
         raise error(f"{where}: capacity_factor / router_z_loss_coef have no {arch} equivalent (dropless, no z-loss)")
     if cfg.rope_scaling is not None:
         raise error(f"{where}: rope_scaling {type(cfg.rope_scaling).__name__} is not exported for {cfg.model_type} "
@@ -165,7 +195,8 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """The ``Qwen3_5ForCausalLM`` ``config.json`` of ``cfg`` (checked by :func:`check_exportable` before)."""
     dname = str(dtype).removeprefix("torch.")
-    mt = "qwen3_5_moe_text" if cfg.model_type in MOE else "qwen3_5_text"
+    mt = "qwen3_5_moe_text" if cfg.model_type in MOE else cfg.model_type if cfg.model_type == "qwen3_next" \
+        else "qwen3_5_text"
     out = {
         "architectures": [ARCHITECTURES[mt]], "model_type": mt, "vocab_size": cfg.vocab,
         "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp, "num_hidden_layers": cfg.layers,
@@ -183,4 +214,11 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         out.update(num_experts=cfg.experts, num_experts_per_tok=cfg.experts_top_k, moe_intermediate_size=cfg.moe_mlp,
                    shared_expert_intermediate_size=cfg.shared_expert_mlp, router_aux_loss_coef=cfg.router_aux_loss_coef,
                    output_router_logits=bool(cfg.router_aux_loss_coef))
+    if mt == "qwen3_next":
+        moe = [i for i in range(cfg.layers) if cfg.experts and (cfg.moe_layers is None or i in cfg.moe_layers)]
+        out.update(num_experts=cfg.experts, num_experts_per_tok=cfg.experts_top_k,
+                   moe_intermediate_size=cfg.moe_mlp or cfg.mlp, shared_expert_intermediate_size=cfg.shared_expert_mlp,
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(cfg.layers) if i not in moe],
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=bool(cfg.router_aux_loss_coef))
     return out

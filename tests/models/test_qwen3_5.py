@@ -87,7 +87,8 @@ def test_loss_and_gradients_equal_transformers(saved):
 
 
 def test_export_round_trip_in_transformers(saved, tmp_path):
-    assert_export_round_trip(saved[1], tmp_path / "out", "qwen3_5_text", "Qwen3_5ForCausalLM", **EAGER)
+    assert_export_round_trip(saved[1], tmp_path / "out", "qwen3_5_text", "Qwen3_5ForCausalLM", atol=5e-5,
+                             **EAGER)
 
 
 def test_lora_on_axolotls_targets_equals_peft(saved):

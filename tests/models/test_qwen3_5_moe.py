@@ -78,7 +78,8 @@ def test_loss_and_gradients_equal_transformers(saved):
 
 
 def test_export_round_trip_in_transformers(saved, tmp_path):
-    assert_export_round_trip(saved[1], tmp_path / "out", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", **EAGER)
+    assert_export_round_trip(saved[1], tmp_path / "out", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", atol=5e-5,
+                             **EAGER)
 
 
 def test_layouts_equal_one_device(saved):
