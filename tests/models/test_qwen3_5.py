@@ -233,3 +233,9 @@ def test_context_parallelism_is_refused_before_any_work(saved, tmp_path, capsys)
     assert not (tmp_path / "out").exists()
     path.write_text(yaml.safe_dump(dict(conf, dp_shard_size=2, tp_size=2)))
     assert cli.main(["validate", str(path), "--simulate", "4"]) == 0
+    from functional_pp.cli.plan import config_space          # (plan / layout: auto search no cp for it)
+    from functional_pp.config import TrainConfig
+    long = dict(conf, sequence_len=4096, max_steps=1)
+    assert config_space(TrainConfig.from_dict(long)).max_axis["cp"] == 1
+    del long["base_model"]
+    assert config_space(TrainConfig.from_dict(long)).max_axis["cp"] == 4        # (a Llama preset: it may)
