@@ -17,7 +17,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from functional_pp import ops
 from functional_pp.core.tree import param
@@ -65,6 +64,12 @@ def init_layer(cfg, w, out_std: float, dtype: torch.dtype) -> dict:
     }
 
 
+def _softplus(t: torch.Tensor) -> torch.Tensor:
+    """torch's softplus (beta 1, threshold 20) from log1p and exp: the fused kernel's backward gives a
+    block whose strides a compiled step's views do not expect."""
+    return torch.where(t > 20, t, torch.log1p(torch.exp(t.clamp(max=20))))
+
+
 def _conv_silu(x: Named, weight: Named, segments: Named | None) -> Named:
     return ops.silu(causal_conv1d(x, weight, seq="seq", kernel="kernel", segments=segments))
 
@@ -85,7 +90,7 @@ def mixer(a: dict, h: Named, cfg, segments: Named | None = None) -> Named:
     q, k, v = (_conv_silu(t, a[f"conv_{x}"], segments) for t, x in ((q, "q"), (k, "k"), (v, "v")))
     beta = (ops.tanh(b * 0.5) + 1.0) * 0.5                          # sigmoid(b)
     wide = torch.float32 if dt.data.dtype in (torch.float16, torch.bfloat16) else dt.data.dtype
-    decay = (dt.astype(wide) + a["dt_bias"].astype(wide)).map(F.softplus) * -ops.exp(a["A_log"].astype(wide))
+    decay = (dt.astype(wide) + a["dt_bias"].astype(wide)).map(_softplus) * -ops.exp(a["A_log"].astype(wide))
     o = gated_delta_rule(q, k, v, decay, beta, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads",
                          head_dim="head_dim", v_head_dim="v_head_dim", segments=segments)
     o = ops.rms_norm(o, a["norm"], dim="v_head_dim", eps=cfg.norm_eps) * ops.silu(z)

@@ -164,7 +164,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     H, Dv = v.shape[-2:]
     if H != Hk:
         q, k = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2)
-    q, k, v, beta, g = (x.transpose(1, 2).to(wide) for x in (q, k, v, beta, g))     # [B, H, S, ...]
+    q, k, v, beta, g = (x.transpose(1, 2).to(wide, memory_format=torch.contiguous_format)   # [B, H, S, ...]
+                        for x in (q, k, v, beta, g))
     if l2_normalize_qk:
         q, k = _l2norm(q), _l2norm(k)
     q = q * Dk ** -0.5
@@ -203,4 +204,4 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, 2).reshape(B, H, n * chunk, Dv)[:, :, :S]
-    return out.transpose(1, 2).to(dtype)
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)

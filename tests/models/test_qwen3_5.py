@@ -239,3 +239,10 @@ def test_context_parallelism_is_refused_before_any_work(saved, tmp_path, capsys)
     assert config_space(TrainConfig.from_dict(long)).max_axis["cp"] == 1
     del long["base_model"]
     assert config_space(TrainConfig.from_dict(long)).max_axis["cp"] == 4        # (a Llama preset: it may)
+
+
+def test_compiled_step_equals_eager(saved):
+    """The whole step compiled (aot_eager, the native trace: the chunk loop unrolled) trains as eager."""
+    from harness import assert_same_run, launch_steps
+    cfg = hf.config_from_hf(saved[1])
+    assert_same_run(launch_steps(cfg)[0], launch_steps(cfg, compile="aot_eager")[0], rtol=1e-5, atol=1e-6)
