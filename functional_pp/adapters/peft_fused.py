@@ -52,7 +52,8 @@ def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
     """Module names of ``model_type``'s model in ours: fused ones replaced by their parts'
     (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``,
     ``up_proj``), renamed ones by ours (Phi's ``dense`` -> ``o_proj``, ``fc1`` -> ``up_proj``; GPT-2's
-    ``c_proj``, a module of attention and of the MLP, -> ``o_proj`` and ``down_proj``)."""
+    ``c_proj``, a module of attention and of the MLP, -> ``o_proj`` and ``down_proj``); a dotted name
+    keeps its prefix (``linear_attn.in_proj_qkv`` -> ``linear_attn.in_proj_q``, ...)."""
     fused = {f.rsplit(".", 2)[-2]: [p.rsplit(".", 2)[-2] for p in parts] for f, parts in FUSED.get(model_type, ())}
     ours: dict[str, list[str]] = {}
     for llama_name, path, _ in LLAMA_TABLE:          # each module the family's files rename -> ours
@@ -61,7 +62,11 @@ def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
             names = ours.setdefault(name.rsplit(".", 2)[-2], [])
             if path.rsplit(".", 1)[-1] not in names:
                 names.append(path.rsplit(".", 1)[-1])
-    return tuple(dict.fromkeys(o for m in modules for p in fused.get(m, [m]) for o in ours.get(p, [p])))
+
+    def parts(m: str) -> list[str]:
+        head, dot, leaf = m.rpartition(".")
+        return [head + dot + o for p in fused.get(leaf, [leaf]) for o in ours.get(p, [p])]
+    return tuple(dict.fromkeys(o for m in modules for o in parts(m)))
 
 
 def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: bool) -> tuple[dict, dict, dict]:

@@ -118,8 +118,9 @@ ROWS: tuple[Row, ...] = (
         "decoder (export: its `*ForCausalLM`); Qwen3.5-MoE: experts in every layer with Qwen2-MoE's gated shared "
         "expert; Qwen3-Next: experts where `decoder_sparse_step` / `mlp_only_layers` put them, q/k/v/z and b/a "
         "fused key head by key head in its files",
-        "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); LoRA on "
-        f"the fused `linear_attn.in_proj_qkv` / `in_proj_qkvz`; image input; {_EXPERT_PEFT}"),
+        "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
+        f"export of adapters on Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (export merged); image input; "
+        f"{_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -279,3 +279,35 @@ def test_nf4_base_equals_transformers_with_bitsandbytes(tmp_path):
         got = llama.forward(sharding.named_tree(qp, qd), fpp.wrap(tokens(), "batch seq"), cfg).value()
     assert (want - full).abs().max() > 0.01
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_adapters_of_the_fused_in_proj_qkv_export_as_one_peft_adapter(saved, tmp_path):
+    """Axolotl's optional ``linear_attn.in_proj_qkv`` target names its parts (in_proj_q / k / v, an
+    adapter each); the PEFT directory holds one exact adapter of the fused module (A stacked, B
+    block-diagonal), which peft loads on ``Qwen3_5ForCausalLM`` with our logits."""
+    import peft
+
+    from functional_pp import adapters
+    from functional_pp.adapters import peft_dir
+    from functional_pp.adapters.peft_fused import part_names
+    from harness import adapted_logits, random_lora
+    model, d = saved
+    cfg = hf.config_from_hf(d)
+    names = part_names(["linear_attn.in_proj_qkv", "linear_attn.out_proj", "q_proj"], "qwen3_5_text")
+    assert names == ("linear_attn.in_proj_q", "linear_attn.in_proj_k", "linear_attn.in_proj_v", "linear_attn.out_proj",
+                     "q_proj")
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=names)
+    decls, base = adapters.init(llama.init(cfg), lc), hf.load_hf_params(d, cfg)
+    lora = random_lora(decls, torch.Generator().manual_seed(1))
+    toks = tokens(batch=2)
+    ours = adapted_logits(base, lora, decls, lc, cfg, toks)
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d), base=base)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert "in_proj_qkv" in conf["target_modules"] and "in_proj_q" not in conf["target_modules"]
+    plain = transformers.Qwen3_5ForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER)
+    loaded = peft.PeftModel.from_pretrained(transformers.Qwen3_5ForCausalLM.from_pretrained(
+        d, dtype=torch.float32, **EAGER), str(out)).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=toks).logits
+        assert (theirs - plain(input_ids=toks).logits).abs().max() > 1e-3
+    torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-5)
