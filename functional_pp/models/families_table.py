@@ -111,8 +111,8 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
-    Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"), "Gated DeltaNet layers (`layer_types` "
-        "`linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "
+    Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
+        "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "
         "tp; packed sequences) beside full-attention layers whose `q_proj` holds each head's output gate (`q_gate`), "
         "per-head q/k norms, (1 + w) RMSNorms, partial rotary; the multimodal `qwen3_5` / `qwen3_5_moe`'s text "
         "decoder (export: its `*ForCausalLM`); Qwen3.5-MoE: experts in every layer with Qwen2-MoE's gated shared "

@@ -613,8 +613,8 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
-                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "conv_taps": _ConvTaps()}
+                           "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2),
+                           "per_head": _PerHead(), "conv_taps": _ConvTaps()}
 
 
 # --------------------------------------------------------------------------- rotary

@@ -27,7 +27,8 @@ import torch
 
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "DEFAULTS", "MOE_DEFAULTS", "FIXED", "MOE_FIXED", "MOE", "NEXT_DEFAULTS", "HEAD_GROUPED", "RENAMED", "FUSED",
+__all__ = ["ARCHITECTURES", "DEFAULTS", "MOE_DEFAULTS", "FIXED", "MOE_FIXED", "MOE", "NEXT_DEFAULTS", "HEAD_GROUPED",
+           "RENAMED", "FUSED",
            "IGNORED", "TEXT_TYPES", "config_from_hf", "config_to_hf", "check_exportable"]
 
 ARCHITECTURES: dict[str, str] = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
@@ -56,7 +57,8 @@ FUSED["qwen3_next"] = (
      tuple(f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight" for x in "qkvz")),
     ("model.layers.{i}.linear_attn.in_proj_ba.weight",
      tuple(f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight" for x in "ba")),
-    ("model.layers.{i}.linear_attn.conv1d.weight", tuple(f"model.layers.{{i}}.linear_attn.conv_{x}.weight" for x in "qkv")))
+    ("model.layers.{i}.linear_attn.conv1d.weight",
+     tuple(f"model.layers.{{i}}.linear_attn.conv_{x}.weight" for x in "qkv")))
 """q, k and v along the rows of ``in_proj_qkv`` and along the channels of the convolution (Qwen3-Next:
 q, k, v and z in ``in_proj_qkvz``, b and a in ``in_proj_ba``, held key head by key head)."""
 
@@ -144,7 +146,8 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
             else ()
     if chosen and (mt in MOE or mt == "qwen3_next"):
         moe = dict(MOE_FIXED, experts=int(get("num_experts")), experts_top_k=int(get("num_experts_per_tok")),
-                   moe_mlp=int(get("moe_intermediate_size")), shared_expert_mlp=int(get("shared_expert_intermediate_size")),
+                   moe_mlp=int(get("moe_intermediate_size")),
+                   shared_expert_mlp=int(get("shared_expert_intermediate_size")),
                    router_aux_loss_coef=float(get("router_aux_loss_coef")) if hf.get("output_router_logits") else 0.0)
         if mt == "qwen3_next":
             moe.update(norm_topk_prob=bool(get("norm_topk_prob")), moe_layers=None if len(chosen) == layers else chosen)
@@ -171,8 +174,9 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     where = f"export as {cfg.model_type!r}"
     arch = ARCHITECTURES["qwen3_5_moe_text" if moe else cfg.model_type if nxt else "qwen3_5_text"]
     fixed = {k: v for k, v in MOE_FIXED.items() if k not in ("norm_topk_prob", "moe_layers")} if nxt else MOE_FIXED
-    need = {**plain, **FIXED, **(fixed if moe or nxt and cfg.experts else {"experts": 0}), "qkv_bias": False, "o_bias": False,
-            "kv_lora_rank": 0, "sliding_window": None, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None,
+    need = {**plain, **FIXED, **(fixed if moe or nxt and cfg.experts else {"experts": 0}), "qkv_bias": False,
+            "o_bias": False, "kv_lora_rank": 0, "sliding_window": None, "query_pre_attn_scalar": None,
+            "attn_softcap": None, "final_softcap": None,
             "local_rope_theta": None, "scale_embeddings": False, "sandwich_norms": False}
     need.pop("partial_rotary_factor", None)
     for key, want in need.items():

@@ -146,7 +146,8 @@ def test_refusals_name_the_option(saved, tmp_path):
             hf.config_from_hf(dict(conf, **{key: value}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'qwen3_5_text': q_gate=False has no"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, q_gate=False), tmp_path / "no")
-    with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'qwen3': .*Gated DeltaNet layers.*choose model_type qwen3_5_text"):
+    with pytest.raises(ck.CheckpointMismatchError,
+                       match=r"export as 'qwen3': .*Gated DeltaNet layers.*choose model_type qwen3_5_text"):
         hf.save_hf_llama(params, dataclasses.replace(cfg, model_type="qwen3", q_gate=False), tmp_path / "no")
 
 
