@@ -312,3 +312,20 @@ def test_adapters_of_the_fused_in_proj_qkv_export_as_one_peft_adapter(saved, tmp
         theirs = loaded(input_ids=toks).logits
         assert (theirs - plain(input_ids=toks).logits).abs().max() > 1e-3
     torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-5)
+
+
+def test_packed_documents_under_fsdp_tp_sp_equal_one_device(saved):
+    """Packed rows (``segments``) under FSDP x TP with sequence parallelism: the document ids laid
+    out with the batch, the loss and every gradient equal one device's."""
+    from harness import make_batch, parallel, single_device
+    cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    batch["segments"] = torch.tensor([[0] * 5 + [1] * 7, [2] * 12, [3] * 3 + [4] * 9, [5] * 8 + [6] * 4])
+    loss, grads = single_device(cfg, params, batch)
+    unpacked, _ = single_device(cfg, params, {k: v for k, v in batch.items() if k != "segments"})
+    assert abs(float(loss) - float(unpacked)) > 1e-4                     # (the documents are kept apart)
+    p_loss, p_grads, _ = parallel(cfg, params, batch, fpp.Mesh(dp_shard=2, tp=2),
+                                  llama.default_rules(sequence_parallel=True))[0]
+    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
