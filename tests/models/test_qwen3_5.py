@@ -329,3 +329,19 @@ def test_packed_documents_under_fsdp_tp_sp_equal_one_device(saved):
     torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
     for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+
+
+def test_flops_per_token_of_a_gated_deltanet_layer_match_the_counted_ones():
+    """MFU's count of a Gated DeltaNet mixer (``gated_deltanet.flops``: projections and the chunked
+    rule's matmuls) within 10% of torch's FlopCounterMode on its forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from functional_pp.models import gated_deltanet
+    cfg = llama.Config(model_type="qwen3_5_text", vocab=256, hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64,
+                       mlp=64, rope_scaling=None, q_gate=True, qk_norm=True, norm_offset=1.0, linear_heads=8,
+                       linear_kv_heads=4, linear_head_dim=64, linear_v_head_dim=64, layer_types=("linear_attention",))
+    p = fpp.init(lambda: llama.init(cfg), seed=0)
+    seq = 256
+    with FlopCounterMode(display=False) as counted:
+        gated_deltanet.mixer(p["layers"][0]["linear_attn"], fpp.wrap(torch.randn(2, seq, 256), "batch seq hidden"), cfg)
+    assert gated_deltanet.flops(cfg, seq) == pytest.approx(counted.get_total_flops() / (2 * seq), rel=0.1)
