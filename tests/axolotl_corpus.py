@@ -142,7 +142,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {
            "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "num_shared_experts": 1, "global_attn_every_n_layers": 2, "sliding_window": 128, "pad_token_id": None,
-           "bos_token_id": None, "eos_token_id": None})}
+           "bos_token_id": None, "eos_token_id": None}),
+       # (a Gated DeltaNet layer, then a full-attention one; experts in both)
+       "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+           **(_GDN := dict(head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                           linear_value_head_dim=64, layer_types=["linear_attention", "full_attention"],
+                           pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+           "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 64})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
 #: 26B-A4B (experts beside the MLP: enable_moe_block) the same with experts
@@ -157,6 +164,9 @@ _GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_
 #: (text ministral3: Ministral3Config's rope, YaRN with the queries scaled past 16384 positions)
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                patch_size=16)
+_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512, patch_size=16,
+                       num_position_embeddings=16)
+_QWEN3_5_SPECIAL = dict(image_token_id=380, video_token_id=381, vision_start_token_id=382, vision_end_token_id=383)
 _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="gemma3_text", head_dim=64, pad_token_id=0, bos_token_id=None,
                                  eos_token_id=None), vision_config=_VISION, mm_tokens_per_image=4,
@@ -168,7 +178,14 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
             "mistral3_ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="ministral3", head_dim=64, pad_token_id=None, bos_token_id=None,
                                  eos_token_id=None),
-                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400))}
+                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400)),
+            # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
+            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+                text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
+            "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+                text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
+                **_QWEN3_5_SPECIAL))}
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import FUSED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
+from functional_pp.models.llama_hf import FUSED, HEAD_GROUPED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
@@ -51,7 +52,8 @@ def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
     """Module names of ``model_type``'s model in ours: fused ones replaced by their parts'
     (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``,
     ``up_proj``), renamed ones by ours (Phi's ``dense`` -> ``o_proj``, ``fc1`` -> ``up_proj``; GPT-2's
-    ``c_proj``, a module of attention and of the MLP, -> ``o_proj`` and ``down_proj``)."""
+    ``c_proj``, a module of attention and of the MLP, -> ``o_proj`` and ``down_proj``); a dotted name
+    keeps its prefix (``linear_attn.in_proj_qkv`` -> ``linear_attn.in_proj_q``, ...)."""
     fused = {f.rsplit(".", 2)[-2]: [p.rsplit(".", 2)[-2] for p in parts] for f, parts in FUSED.get(model_type, ())}
     ours: dict[str, list[str]] = {}
     for llama_name, path, _ in LLAMA_TABLE:          # each module the family's files rename -> ours
@@ -60,7 +62,11 @@ def part_names(modules: Any, model_type: str) -> tuple[str, ...]:
             names = ours.setdefault(name.rsplit(".", 2)[-2], [])
             if path.rsplit(".", 1)[-1] not in names:
                 names.append(path.rsplit(".", 1)[-1])
-    return tuple(dict.fromkeys(o for m in modules for p in fused.get(m, [m]) for o in ours.get(p, [p])))
+
+    def parts(m: str) -> list[str]:
+        head, dot, leaf = m.rpartition(".")
+        return [head + dot + o for p in fused.get(leaf, [leaf]) for o in ours.get(p, [p])]
+    return tuple(dict.fromkeys(o for m in modules for o in parts(m)))
 
 
 def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: bool) -> tuple[dict, dict, dict]:
@@ -79,7 +85,7 @@ def fused_peft(lora: dict, base: Any, model_type: str, scale: float, rslora: boo
         adapted = [p for p in paths if p in lora]
         if not adapted:
             continue
-        if model_type in HEAD_INTERLEAVED:
+        if model_type in HEAD_INTERLEAVED or any(re.search(p, module) for p, _ in HEAD_GROUPED.get(model_type, ())):
             raise ValueError(f"PEFT adapter: {module} of {model_type} holds q, k and v head by head; adapters of it "
                              f"are not supported yet: export the merged model (functional-pp export --merge-adapter)")
         k = lora[adapted[0]]["lora_A"].ndim - 1            # (the parts share their input dimensions)

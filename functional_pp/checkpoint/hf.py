@@ -42,9 +42,10 @@ __all__ = [
 ]
 
 from functional_pp.models.gemma4_hf import export_config
-from functional_pp.models.llama_hf import (HEAD_INTERLEAVED, IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
+from functional_pp.models.llama_hf import (IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
                                            UnsupportedHFConfig, check_exportable, constants_of,
-                                           config_from_hf_dict, config_to_hf, file_name, hf_kind, hf_name, our_path,
+                                           config_from_hf_dict, config_to_hf, file_name, head_groups, hf_kind,
+                                           hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 
@@ -282,7 +283,6 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
         decls = llama.init(cfg, dtype if isinstance(dtype, torch.dtype) else torch.float32)
     mesh, rules, rank = _placement(mesh, rules, rank)
     root, weight_map, files = _hf_files(Path(path))
-    interleaved = getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED
     with _HFReader(root, weight_map, files) as reader:
         plan, missing, problems, used = {}, [], [], set()
         for name, parts in _file_tensors(decls, cfg):
@@ -303,7 +303,9 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
                 problems.append(f"{name}: shape mismatch: file {have}, expected {want} (for " + ", ".join(
                     f"{p} {tuple(d.shape)} [{' '.join(d.dims)}]" for p, _, d in parts) + " from the config)")
             offset = 0
-            groups = [kind.hf_shape(tuple(d.shape))[axis] // cfg.kv_heads for _, kind, d in parts] if interleaved else None
+            n = head_groups(name, cfg)                   # (parts held group by group: GPT-NeoX, Qwen3-Next)
+            interleaved = n is not None
+            groups = [kind.hf_shape(tuple(d.shape))[axis] // n for _, kind, d in parts] if interleaved else None
             alternating = getattr(parts[0][1], "alternating", False)   # (gpt-oss's gate_up_proj)
             for j, (p, kind, d) in enumerate(parts):     # a part of a fused tensor: its rows from ``offset``
                 rows = kind.hf_shape(tuple(d.shape))[axis]   # (or, k/v head by k/v head, part j's rows of each)
@@ -538,9 +540,9 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
 
         axis = getattr(produced[0][0], "row_axis", 0)
 
-        def make(produced=produced, dt=dt, axis=axis):      # one tensor, or the parts fused along the rows
+        def make(produced=produced, dt=dt, axis=axis, name=name):     # one tensor, or the parts fused along the rows
             return fuse_rows([kind.to_hf(produce()).to(dt) for kind, produce, _ in produced], cfg, axis,
-                             alternating=getattr(produced[0][0], "alternating", False))
+                             alternating=getattr(produced[0][0], "alternating", False), name=name)
         shape = _fused_shape([s for *_, s in produced], axis)
         if getattr(produced[0][0], "stacked", False):     # the experts (per-head norms): one tensor each in the files
             held: dict = {}                  # the stacked tensor, made once for its experts in turn
@@ -561,17 +563,19 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
 
 
-def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool = False) -> torch.Tensor:
+def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool = False,
+              name: str | None = None) -> torch.Tensor:
     """The HF tensor of ``parts`` (each in HF's layout) fused along the rows (dimension ``axis``:
     1 for the experts' ``[E, out, in]``): one part after the other (Phi-3, Granite MoE), or head
     by k/v head (:data:`~functional_pp.models.llama_hf.HEAD_INTERLEAVED`: each k/v head's rows of every
-    part in turn), or entry by entry (``alternating``: gpt-oss's ``gate_up_proj``); one part is itself."""
+    part in turn; :data:`~functional_pp.models.llama_hf.HEAD_GROUPED`: by the groups of the tensor ``name``), or
+    entry by entry (``alternating``: gpt-oss's ``gate_up_proj``); one part is itself."""
     if len(parts) == 1:
         return parts[0]
     if alternating:
         return torch.stack(parts, axis + 1).flatten(axis, axis + 1)
-    if getattr(cfg, "model_type", "llama") in HEAD_INTERLEAVED:      # one group of rows per k/v head
-        k = cfg.kv_heads
+    k = head_groups(name or "", cfg)
+    if k is not None:                                                # one group of rows per k/v head
         return torch.cat([t.reshape(k, -1, *t.shape[1:]) for t in parts], 1).reshape(-1, *parts[0].shape[1:])
     return torch.cat(parts, axis)
 

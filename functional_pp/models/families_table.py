@@ -119,6 +119,16 @@ ROWS: tuple[Row, ...] = (
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
                    "tied embeddings", "context parallelism and key / value-cache sampling of the convolution layers "
                    "(refused by name); `conv_bias`"),
+    Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
+        "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "
+        "tp; packed sequences) beside full-attention layers whose `q_proj` holds each head's output gate (`q_gate`), "
+        "per-head q/k norms, (1 + w) RMSNorms, partial rotary; the multimodal `qwen3_5` / `qwen3_5_moe`'s text "
+        "decoder (export: its `*ForCausalLM`); Qwen3.5-MoE: experts in every layer with Qwen2-MoE's gated shared "
+        "expert; Qwen3-Next: experts where `decoder_sparse_step` / `mlp_only_layers` put them, q/k/v/z and b/a "
+        "fused key head by key head in its files",
+        "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
+        f"export of adapters on Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (export merged); image input; "
+        f"{_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -34,7 +34,9 @@ class ModelFamily:
     ``layers`` on every stage) the parameter path prefixes only the first and only the last
     pipeline stage hold (``pipeline_step``'s ``first_stage`` / ``last_stage``); ``forward(params,
     tokens, cfg=...)`` (or None) the logits (batch seq vocab), which preference training
-    (``rl:``, docs/preference.md) needs."""
+    (``rl:``, docs/preference.md) needs; ``whole_sequence(cfg)`` (or None) why the model's sequence may
+    not be split over devices (a layer that is a recurrence along it), None where it may (checked
+    against the config's context parallelism before any work)."""
 
     name: str
     config_class: type
@@ -49,6 +51,7 @@ class ModelFamily:
     hf_config_from_dict: Callable[[dict], Any] | None = None
     pipeline_ends: Callable[[Any], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
     forward: Callable[..., Any] | None = None
+    whole_sequence: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

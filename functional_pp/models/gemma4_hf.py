@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from functional_pp.models import qwen3_5_hf
 from functional_pp.models.llama import Config
 from functional_pp.ops.rotary import ProportionalScaling
 
@@ -182,7 +183,8 @@ def export_config(cfg: Config) -> Config:
     import dataclasses
     if cfg.text_of is not None:                   # (Gemma 3, Mistral 3: their text decoder's own class)
         cfg = dataclasses.replace(cfg, text_of=None)
-    return dataclasses.replace(cfg, model_type="gemma4_text") if cfg.model_type == "gemma4" else cfg
+    text = {"gemma4": "gemma4_text", **qwen3_5_hf.TEXT_TYPES}.get(cfg.model_type)    # (and the multimodal Qwen3.5's)
+    return dataclasses.replace(cfg, model_type=text) if text else cfg
 
 
 def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:

@@ -688,11 +688,8 @@ _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a d
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
-        ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
-        ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
-        ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),
-        ("qwen3_5_moe", "Qwen3.5-MoE (its gated DeltaNet layers)"))},
+        ("nemotron_h", "Nemotron-H"), ("kimi_linear", "Kimi-Linear"),
+        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (

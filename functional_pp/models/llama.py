@@ -27,14 +27,14 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import dropout_seeds, kv_cache, mla, moe, per_layer_inputs, short_conv, temperature
+from functional_pp.models import dropout_seeds, gated_deltanet, kv_cache, mla, moe, per_layer_inputs, short_conv, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND)
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -244,6 +244,18 @@ class Config:
     # an output gate of the attention: each head's output times sigmoid of its own projection of the layer's
     # input (``self_attn.gate_proj``, hidden -> heads x head_dim, no bias) before o_proj (AFMoE)
     attn_gate: bool = False
+    # the same output gate fused into q_proj (Qwen3-Next, Qwen3.5): each head's 2 x head_dim outputs are its
+    # query, then its gate (``self_attn.q_proj`` hidden -> heads x 2 head_dim)
+    q_gate: bool = False
+    # Gated DeltaNet, the token mixer of the layers ``layer_types`` marks "linear_attention" (Qwen3-Next,
+    # Qwen3.5; models/gated_deltanet.py): its value heads, key heads, key and value head widths and the
+    # causal convolution's taps (linear_num_value_heads, linear_num_key_heads, linear_key_head_dim,
+    # linear_value_head_dim, linear_conv_kernel_dim)
+    linear_heads: int = 0
+    linear_kv_heads: int = 0
+    linear_head_dim: int = 128
+    linear_v_head_dim: int = 128
+    linear_conv_kernel: int = 4
     # Gemma 4 26B-A4B (enable_moe_block): the experts beside the dense MLP in every layer, the router scoring
     # the residual stream (models/moe.py's beside_mlp), the MLP's and the experts' outputs each normed
     # (post_feedforward_layernorm_1 / _2) and summed before post_feedforward_layernorm
@@ -288,6 +300,8 @@ class Config:
                 raise ValueError("layer_types marks sliding_attention layers but sliding_window is not set")
             if "chunked_attention" in self.layer_types and self.attention_chunk is None:
                 raise ValueError("layer_types marks chunked_attention layers but attention_chunk is not set")
+            if gated_deltanet.KIND in self.layer_types:
+                gated_deltanet.check_config(self)
         if self.attention_chunk is not None and (isinstance(self.attention_chunk, bool) or not isinstance(
                 self.attention_chunk, int) or self.attention_chunk < 1):
             raise ValueError(f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}")
@@ -339,6 +353,9 @@ class Config:
             raise ValueError(f"clip_qkv must be a positive number (or null: no clamp), got {self.clip_qkv!r}")
         if self.attn_gate and self.kv_lora_rank:
             raise ValueError("attn_gate with latent attention (kv_lora_rank) is not supported")
+        if self.q_gate and (self.attn_gate or self.kv_lora_rank):
+            raise ValueError("q_gate (the output gate inside q_proj) with attn_gate (its own gate_proj) or latent "
+                             "attention (kv_lora_rank) is not supported: choose one gate")
         if self.clip_qkv is not None and self.kv_lora_rank:
             raise ValueError("clip_qkv with latent attention (kv_lora_rank) is not supported")
         for key in ("global_head_dim", "global_kv_heads"):
@@ -651,7 +668,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             return mla.init_attention(cfg, w, out_std)
         kv_heads, D = cfg.attn_shape(i)             # (Gemma 4's full layers: their own widths)
         a = {
-            "q_proj": w((cfg.hidden, cfg.heads, D), "hidden heads head_dim"),
+            "q_proj": (w((cfg.hidden, cfg.heads, 2 * D), "hidden heads q_gate") if cfg.q_gate else
+                       w((cfg.hidden, cfg.heads, D), "hidden heads head_dim")),
             "k_proj": w((cfg.hidden, kv_heads, D), "hidden kv_heads head_dim"),
             "v_proj": w((cfg.hidden, kv_heads, D), "hidden kv_heads head_dim"),
             # (meta in_dims: the leading dimensions a linear contracts; 1 where not given, docs/adapters.md)
@@ -683,7 +701,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
 
     def layer(i):
         width = cfg.mlp_width(i)
-        p = {"input_layernorm": norm(), "self_attn": attn(i), "post_attention_layernorm": norm(),
+        mixer = ({"linear_attn": gated_deltanet.init_layer(cfg, w, out_std, dtype)}
+                 if cfg.layer_kind(i) == gated_deltanet.KIND else {"self_attn": attn(i)})
+        p = {"input_layernorm": norm(), **mixer, "post_attention_layernorm": norm(),
              "mlp": {"gate_proj": w((cfg.hidden, width), "hidden mlp"),
                      "up_proj": w((cfg.hidden, width), "hidden mlp"),
                      "down_proj": w((width, cfg.hidden), "mlp hidden", out_std)}}
@@ -849,7 +869,12 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
             raise ValueError(f"attention_dropout={cfg.attention_dropout} with latent attention (kv_lora_rank) is "
                              f"not supported; set it to 0.0")
         return mla.attention(a, h, pos, cfg, segments, window)
-    q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
+    if cfg.q_gate:                                        # (Qwen3.5: each head's query, then its gate)
+        qg = ops.einsum("batch seq hidden, hidden heads q_gate -> batch seq heads q_gate", h, a["q_proj"])
+        D = qg.size("q_gate") // 2
+        q, gate = (ops.slice_dim(qg, "q_gate", at, at + D, into="head_dim") for at in (0, D))
+    else:
+        q = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["q_proj"])
     own = _kv_projections(a, h) if kv is None else None   # (every projection before the elementwise work:
     q = _prepared(a, "q", q, pos, cfg, window)            # a compiler fuses q's and k's rotary as one)
     k, v = _prepared_kv(a, own, pos, cfg, window) if kv is None else kv
@@ -872,6 +897,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
         g = ops.einsum("batch seq hidden, hidden heads head_dim -> batch seq heads head_dim", h, a["gate_proj"])
         o = o * ((ops.tanh(g * 0.5) + 1.0) * 0.5)         # sigmoid(g), exactly as the identity
+    if cfg.q_gate:
+        o = o * ((ops.tanh(gate * 0.5) + 1.0) * 0.5)
     out = ops.einsum("batch seq heads head_dim, heads head_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")                  # sequence parallelism: reduce-scatter
     if cfg.o_bias:                                        # (after the TP partial sums are combined)
@@ -948,7 +975,7 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
         return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed)
                                           + _mlp(p, h_mlp, cfg, None, seed), cfg))
-    x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed), cfg))
+    x = ops.realized(x + _residual(mixer_block(p, x, pos, cfg, segments, window, chunk, kv, seed), cfg))
     x = ops.realized(x + _residual(mlp_block(p, x, cfg, seed), cfg))
     if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
         x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
@@ -956,6 +983,18 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     if cfg.layer_scalar:                     # (Gemma 4: a scalar of the files, not trained: its gradient 0)
         x = x * p["layer_scalar"].map(lambda t: t.detach() + 0 * t)
     return x
+
+
+def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
+                window: int | None = None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
+                seed: int | None = None) -> Named:
+    """The token-mixing branch of a layer: the mixer its parameters hold (``layer_types`` chose it at
+    init: ``linear_attn``, Gated DeltaNet, models/gated_deltanet.py), else attention (or a
+    :data:`MIXERS` entry: LFM2's convolution)."""
+    if "linear_attn" in p:
+        out = gated_deltanet.mixer(p["linear_attn"], attention_input(p, x, cfg), cfg, segments)
+        return ops.rename(out, seq="res_seq")             # sequence parallelism: reduce-scatter
+    return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed)
 
 
 def _residual(branch: Named, cfg: Config) -> Named:
@@ -1083,7 +1122,8 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
 def flops_per_token(cfg: Config, seq: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), attention included."""
     D = cfg.dim_head
-    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D * (2 if cfg.attn_gate else 1))
+    proj = 2 * cfg.hidden * (cfg.heads * D + 2 * cfg.kv_heads * D + cfg.heads * D * (2 if cfg.attn_gate or cfg.q_gate
+                                                                                        else 1))
     attn = 2 * 2 * seq * cfg.heads * D / 2      # causal: half of QK^T and AV
 
     def mlp(i: int) -> float:                   # a MoE layer: the router and the top-k active experts
@@ -1103,9 +1143,11 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             own = 0 if cfg.kv_source(i) not in (None, i) else 1 if cfg.v_shared(i) else 2    # (shared: no k/v)
             return 2 * cfg.hidden * (2 * cfg.heads * d + own * kv * d) + 2 * 2 * seq * cfg.heads * d / 2
         return 3.0 * (sum(proj_attn(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple)
-    def mixer(i: int) -> float:                 # LFM2's short convolution: in_proj, the kernel, out_proj
-        if cfg.layer_kind(i) == "conv":
+    def mixer(i: int) -> float:                 # the token mixer: LFM2's short convolution (in_proj, the kernel,
+        if cfg.layer_kind(i) == "conv":         # out_proj), Gated DeltaNet, or attention
             return 2 * cfg.hidden * (4 * cfg.hidden + cfg.conv_kernel)
+        if cfg.layer_kind(i) == gated_deltanet.KIND:
+            return gated_deltanet.flops(cfg, seq)
         return proj + attn
     fwd = sum(mixer(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
@@ -1119,6 +1161,14 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("embed_tokens",) + (("embed_positions",) if cfg.learned_positions else ()) + (
         per_layer_inputs.MODEL_PARAMS if cfg.per_layer_input else ()), last + (("norm_bias",) if cfg.norm_bias else ()) + (
         ("lm_head_bias",) if cfg.lm_head_bias else ())
+
+
+def whole_sequence(cfg: Config) -> str | None:
+    """Why the sequence may not be split over devices (context parallelism): the layers that are a
+    recurrence along it (``layer_types``' linear_attention); None where every layer is attention."""
+    linear = [i for i in range(cfg.layers) if cfg.layer_kind(i) == gated_deltanet.KIND]
+    return (f"layers {linear} are {gated_deltanet.KIND} (Gated DeltaNet), a recurrence along the whole sequence"
+            if linear else None)
 
 
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:

@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, score_head
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, qwen3_5_hf,
+                                  score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -57,7 +58,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
-    "HEAD_INTERLEAVED",
+    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups",
 ]
 
 
@@ -151,6 +152,17 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.per_layer_input_gate.weight", "layers.{i}.per_layer_input_gate", "linear"),
     ("model.layers.{i}.per_layer_projection.weight", "layers.{i}.per_layer_projection", "linear"),
     ("model.layers.{i}.post_per_layer_input_norm.weight", "layers.{i}.post_per_layer_input_norm", "copy"),
+    # Gated DeltaNet (models/gated_deltanet.py; q / k / v fused in the files' in_proj_qkv and conv1d: FUSED)
+    *((f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight", f"layers.{{i}}.linear_attn.in_proj_{x}", "heads_out")
+      for x in "qkvz"),
+    *((f"model.layers.{{i}}.linear_attn.in_proj_{x}.weight", f"layers.{{i}}.linear_attn.in_proj_{x}", "linear")
+      for x in "ba"),
+    *((f"model.layers.{{i}}.linear_attn.conv_{x}.weight", f"layers.{{i}}.linear_attn.conv_{x}", "conv_taps")
+      for x in "qkv"),
+    ("model.layers.{i}.linear_attn.dt_bias", "layers.{i}.linear_attn.dt_bias", "copy"),
+    ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", "copy"),
+    ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm", "copy"),
+    ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj", "heads_in"),
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -239,12 +251,16 @@ FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fu
 FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v along c_attn's columns)
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
     for t in ("weight", "bias"))
+FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
                  tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight" for x in "qkv")),)
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
+# per model type, fused HF tensors (a pattern of the name) that hold their parts group by group, and the
+# config field counting the groups (Qwen3-Next: in_proj_qkvz / in_proj_ba, one group per linear-attention key head)
+HEAD_GROUPED: dict[str, tuple[tuple[str, str], ...]] = dict(qwen3_5_hf.HEAD_GROUPED)
 # per model type, our path suffix -> transform kind where its files differ from the table's
 _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
@@ -339,11 +355,13 @@ RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
+RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
-IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **{mt: (_TOWERS,) for mt in MULTIMODAL}}
+IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
+                                               **{mt: (_TOWERS,) for mt in MULTIMODAL}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -377,6 +395,16 @@ def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[st
             if m:
                 return fused.format(**m.groupdict()), j
     return name, 0
+
+
+def head_groups(name: str, cfg: Any) -> int | None:
+    """How many groups of rows the fused HF tensor ``name`` holds its parts in, one after the other
+    within each (:data:`HEAD_INTERLEAVED`: one per k/v head; :data:`HEAD_GROUPED`: its config field);
+    None: the parts one after the other."""
+    mt = getattr(cfg, "model_type", "llama")
+    if mt in HEAD_INTERLEAVED:
+        return cfg.kv_heads
+    return next((getattr(cfg, field) for pattern, field in HEAD_GROUPED.get(mt, ()) if re.search(pattern, name)), None)
 
 
 def hf_kind(path: str, model_type: str = "llama") -> str | None:
@@ -483,6 +511,20 @@ class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] resh
         rn, rd, rh = region
         D = shape[1]
         x = sl[rn.start * D:rn.stop * D, rh]                    # [n*D, h]
+        return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
+
+
+class _ConvTaps(_Kind):               # ours [N, D, K] = HF depthwise Conv1d [N*D, 1, K] (Gated DeltaNet's conv1d)
+    def hf_shape(self, shape):
+        return (shape[0] * shape[1], 1, shape[2])
+
+    def to_hf(self, t):
+        return t.reshape(-1, 1, t.shape[2])
+
+    def read(self, sl, region, shape):
+        rn, rd, rk = region
+        D = shape[1]
+        x = sl[rn.start * D:rn.stop * D, 0:1, rk]             # [n*D, 1, k]
         return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
 
 
@@ -599,7 +641,7 @@ KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _H
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "depthwise": _Depthwise()}
+                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -641,7 +683,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
-                                 **afmoe_hf.ARCHITECTURES}
+                                 **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -802,6 +844,13 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     if mt in afmoe_hf.ARCHITECTURES:                              # (Arcee AFMoE)
         try:
             return afmoe_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in qwen3_5_hf.ARCHITECTURES:                            # (Qwen3.5: Gated DeltaNet + gated attention)
+        try:
+            return qwen3_5_hf.config_from_hf(hf, mt, _rope)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -1018,6 +1067,10 @@ def check_exportable(cfg: Config) -> None:
     if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
         raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
                                   f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")
+    if mt not in qwen3_5_hf.ARCHITECTURES and (cfg.q_gate or "linear_attention" in (cfg.layer_types or ())):
+        raise UnsupportedHFConfig(f"{where}: q_gate={cfg.q_gate}, layer_types={list(cfg.layer_types or [])} (Gated "
+                                  f"DeltaNet layers, the gate in q_proj) have no {ARCHITECTURES[mt]} equivalent; "
+                                  f"choose model_type {' or '.join(qwen3_5_hf.ARCHITECTURES)}")
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
@@ -1037,6 +1090,8 @@ def check_exportable(cfg: Config) -> None:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in qwen3_5_hf.ARCHITECTURES:
+        return qwen3_5_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1091,6 +1146,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return gemma4_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in qwen3_5_hf.ARCHITECTURES:
+        return qwen3_5_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

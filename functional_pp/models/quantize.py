@@ -24,7 +24,9 @@ LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
                      "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp",
                      # multi-head latent attention (models/mla.py; its o_proj's input is v_dim)
                      "q_a_proj": "hidden", "q_b_proj": "q_rank", "kv_a_proj_with_mqa": "hidden",
-                     "kv_b_proj": "kv_rank"}
+                     "kv_b_proj": "kv_rank",
+                     # Gated DeltaNet (models/gated_deltanet.py; in_proj_q / k / v: the rows of HF's in_proj_qkv)
+                     **{f"in_proj_{x}": "hidden" for x in "qkvzba"}, "out_proj": "v_head_dim"}
 #: the experts' stacked weights (models/moe.py: ``experts hidden mlp`` / ``experts mlp hidden``)
 #: -> their input dimension; quantized with ``experts=True``, the :data:`EXPERTS` dimension first
 EXPERT_BLOCK_DIMS = {"gate": "hidden", "up": "hidden", "down": "mlp"}
