@@ -290,9 +290,10 @@ def run_lora_config(out):
     return adapters.LoraConfig(**meta["lora"])
 
 
-def assert_lora_step_equals_peft(model, hf_dir, targets) -> None:
+def assert_lora_step_equals_peft(model, hf_dir, targets, layers: int | None = None) -> None:
     """LoRA (r 4, B random and nonzero) on ``targets`` of transformers' ``model`` (loaded from
-    ``hf_dir``): our loss and every adapter gradient of one step equal peft's."""
+    ``hf_dir``): our loss and every adapter gradient of one step equal peft's (``layers``: the
+    layers holding the targets, default every layer)."""
     import peft
     import torch.nn.functional as F
 
@@ -317,7 +318,7 @@ def assert_lora_step_equals_peft(model, hf_dir, targets) -> None:
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
     grads = peft_dir.to_peft(ours[1], cfg.model_type)    # (Mistral Small 4: its shared expert's names)
     want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
+    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * (layers or cfg.layers)
     for k in want:
         assert want[k].abs().max() > 0, k
         torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")

@@ -111,6 +111,11 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
+    Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
+                         "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads with their groups), "
+                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`",
+        "Nemotron 3's experts (`E` layers), CP, packed sequences, pipelines (pp) and key / value-cache sampling "
+        "of the Mamba2 layers (refused by name)"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

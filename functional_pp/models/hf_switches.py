@@ -24,7 +24,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False)
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, layer_blocks=None,
+                             mamba_heads=0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -592,7 +593,7 @@ _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a d
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
         ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
-        ("nemotron_h", "Nemotron-H"), ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
+        ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
         ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
         ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),
         ("qwen3_5_moe_text", "Qwen3.5-MoE (its gated DeltaNet layers)"),

@@ -27,7 +27,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import kv_cache, mla, moe, per_layer_inputs, temperature
+from functional_pp.models import kv_cache, mamba2, mla, moe, per_layer_inputs, temperature
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -35,6 +35,10 @@ from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "attention", "mamba2", "mlp")
+"""A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
+residual stream: Llama's attention then MLP; a Mamba2 mixer (models/mamba2.py) where attention is;
+or one block alone (Nemotron-H's layers)."""
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -258,8 +262,23 @@ class Config:
     num_labels: int = 1
     score_bias: bool = False
     pad_token_id: int | None = None
+    # hybrids of attention and state-space layers: each layer's blocks (an entry of LAYER_BLOCKS; None:
+    # attention+mlp in every layer) and the Mamba2 mixers' shape (models/mamba2.py: mamba_num_heads,
+    # mamba_head_dim, n_groups, ssm_state_size, conv_kernel, chunk_size, time_step_limit (None: no limit),
+    # use_conv_bias, use_bias)
+    layer_blocks: tuple[str, ...] | None = None
+    mamba_heads: int = 0
+    mamba_head_dim: int = 64
+    mamba_groups: int = 1
+    ssm_state: int = 128
+    conv_kernel: int = 4
+    mamba_chunk: int = 128
+    mamba_dt_limit: tuple[float, float] | None = None
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
 
     def __post_init__(self) -> None:
+        self._check_blocks()
         if self.score_head not in (None, "sequence", "token"):
             raise ValueError(f"score_head: {self.score_head!r} is not one of sequence, token (or None: the LM head)")
         if self.num_labels < 1:
@@ -403,6 +422,48 @@ class Config:
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
                              "to null")
 
+    def _check_blocks(self) -> None:
+        """Refuse (naming the field) ``layer_blocks`` / Mamba2 settings this decoder cannot run."""
+        if self.layer_blocks is None:
+            if self.mamba_heads:
+                raise ValueError(f"mamba_heads={self.mamba_heads} needs layer_blocks naming the Mamba2 layers "
+                                 f"(entries of {', '.join(LAYER_BLOCKS)})")
+            return
+        blocks = tuple(self.layer_blocks)
+        object.__setattr__(self, "layer_blocks", blocks)
+        if self.mamba_dt_limit is not None:
+            object.__setattr__(self, "mamba_dt_limit", tuple(float(v) for v in self.mamba_dt_limit))
+        bad = sorted(set(blocks) - set(LAYER_BLOCKS))
+        if bad:
+            raise ValueError(f"layer_blocks: unknown entries {bad}; known: {', '.join(LAYER_BLOCKS)}")
+        if len(blocks) != self.layers:
+            raise ValueError(f"layer_blocks has {len(blocks)} entries for {self.layers} layers")
+        if any("mamba2" in b for b in blocks):
+            if self.mamba_heads < 1:
+                raise ValueError("layer_blocks has mamba2 layers but mamba_heads is 0 (set mamba_num_heads)")
+            self.mamba                               # (its own checks: groups dividing the heads, ...)
+        other = [k for k, v in (("experts", self.experts), ("parallel_block", self.parallel_block),
+                                ("sandwich_norms", self.sandwich_norms), ("per_layer_input", self.per_layer_input),
+                                ("kv_shared_layers", self.kv_shared_layers), ("kv_lora_rank", self.kv_lora_rank),
+                                ("pre_norms=False", not self.pre_norms)) if v]
+        if other:
+            raise ValueError(f"layer_blocks with {', '.join(other)} is not supported (a hybrid's layers are "
+                             f"pre-norm blocks of attention, Mamba2 or a dense MLP)")
+
+    @property
+    def mamba(self) -> mamba2.Mamba2 | None:
+        """The Mamba2 mixers' shape (None: no Mamba2 layers)."""
+        if not self.mamba_heads:
+            return None
+        return mamba2.Mamba2(heads=self.mamba_heads, head_dim=self.mamba_head_dim, groups=self.mamba_groups,
+                             state=self.ssm_state, conv_kernel=self.conv_kernel, chunk=self.mamba_chunk,
+                             dt_limit=self.mamba_dt_limit or (0.0, math.inf), eps=self.norm_eps,
+                             conv_bias=self.mamba_conv_bias, proj_bias=self.mamba_proj_bias)
+
+    def blocks(self, layer: int) -> tuple[str, ...]:
+        """Layer ``layer``'s blocks in order (``("attention", "mlp")`` where ``layer_blocks`` is None)."""
+        return tuple((self.layer_blocks[layer] if self.layer_blocks is not None else "attention+mlp").split("+"))
+
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
         return not self.learned_positions and (self.nope_layers is None or layer not in self.nope_layers)
@@ -508,6 +569,8 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
+        for key in ("layer_blocks", "mamba_dt_limit"):
+            d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         for key in ("moe_layers", "nope_layers"):
             d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         return d
@@ -699,6 +762,18 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             p.update(per_layer_inputs.init_layer(cfg, w, norm, out_std))
         if cfg.layer_scalar:                       # (Gemma 4: a fixed scalar of the files, 1 at init)
             p["layer_scalar"] = param((), (), init="ones", dtype=dtype)
+        blocks = cfg.blocks(i)
+        if blocks != ("attention", "mlp"):         # a hybrid's layer: its blocks, a norm before each
+            q = {"input_layernorm": p["input_layernorm"]}
+            if blocks[0] == "attention":
+                q["self_attn"] = p["self_attn"]
+            elif blocks[0] == "mamba2":
+                q["mamba"] = mamba2.init(cfg.mamba, cfg.hidden, dtype, std, out_std)
+            if len(blocks) == 2:
+                q["post_attention_layernorm"] = p["post_attention_layernorm"]
+            if blocks[-1] == "mlp":
+                q["mlp"] = p["mlp"]
+            p = q
         return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
@@ -898,6 +973,8 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
+    if "self_attn" not in p or "mlp" not in p:      # a hybrid's layer (cfg.layer_blocks)
+        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv)
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
@@ -911,6 +988,30 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     if cfg.layer_scalar:                     # (Gemma 4: a scalar of the files, not trained: its gradient 0)
         x = x * p["layer_scalar"].map(lambda t: t.detach() + 0 * t)
     return x
+
+
+def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None,
+                  window: int | None, chunk: int | None, kv: tuple[Named, Named] | None) -> Named:
+    """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention or
+    Mamba2) and / or its MLP, each after its norm (the first block's ``input_layernorm``), added to
+    the residual stream."""
+    if "self_attn" in p:
+        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
+    elif "mamba" in p:
+        x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
+    if "mlp" in p:
+        h = norm_at(p, "post_attention_layernorm" if "post_attention_layernorm" in p else "input_layernorm", x, cfg)
+        x = ops.realized(x + _residual(_mlp(p, ops.rename(h, res_seq="seq"), cfg), cfg))
+    return x
+
+
+def mamba_block(p: dict, x: Named, cfg: Config, segments: Named | None = None) -> Named:
+    """The Mamba2 branch of a layer (models/mamba2.py): the normed residual stream, its sequence
+    whole (sequence parallelism gathers it as for attention), through the mixer."""
+    if segments is not None:
+        raise ValueError("packed sequences (sample_packing, segments) with Mamba2 layers are not supported: the "
+                         "scan would carry its state from one document into the next; set sample_packing: false")
+    return ops.rename(mamba2.mixer(p["mamba"], attention_input(p, x, cfg), cfg.mamba), seq="res_seq")
 
 
 def _residual(branch: Named, cfg: Config) -> Named:
@@ -967,6 +1068,12 @@ def _refuse_unshared(cfg: Config, cache) -> None:
     if what and current_stage() is not None:
         raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
                          f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
+    if cfg.mamba_heads and current_stage() is not None:
+        raise ValueError("pipeline parallelism (pp) with Mamba2 layers (a hybrid's layer_blocks) is not supported "
+                         "yet; use FSDP or TP (pp_size 1)")
+    if cfg.mamba_heads and cache is not None:
+        raise ValueError("sampling with a key / value cache does not support Mamba2 layers (their recurrent state "
+                         "and convolution window are not cached); generate without the cache")
     if cfg.kv_shared_layers and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support kv_shared_layers="
                          f"{cfg.kv_shared_layers} (keys and values shared across layers) yet")
@@ -1020,11 +1127,11 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
     """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
     (load-balanced for causal attention; the residual stream's res_seq inherits it),
-    heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
+    heads/kv_heads/mlp/vocab (and Mamba2's groups of heads) over tp, FSDP over dp_shard x cp along hidden."""
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", ssm_groups="tp")   # (Mamba2: heads by group)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:

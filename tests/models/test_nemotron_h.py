@@ -1,0 +1,130 @@
+"""Nemotron-H (``nemotron_h``) as a configuration of the one decoder (models/nemotron_h_hf.py,
+models/mamba2.py): layers of one block each, Mamba2 / attention without a rotary / squared-ReLU MLP.
+A tiny random model transformers builds from a config loads through the HF import (its files under
+``backbone.``, in_proj and conv1d fused); logits, the fp64 loss and every gradient equal
+transformers'; export writes ``NemotronHForCausalLM``, which loads with equal logits; LoRA on the
+attention's q/k/v/o (Axolotl's targets) equals peft; FSDP x TP with sequence parallelism on
+simulated devices and FSDP x TP on real gloo processes equal one device; CP, packing, pipelines,
+the key / value cache and the mixture-of-experts layers refused by name."""
+import contextlib
+
+import pytest
+import torch
+from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
+                     assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch,
+                     parallel)
+
+import functional_pp as fpp
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import llama
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "NemotronHForCausalLM"):
+    pytest.skip("transformers without Nemotron-H", allow_module_level=True)
+
+# Mamba2 (8 heads in 2 groups, chunks of 4 of the 12-token sequences), attention, MLP, Mamba2
+CONFIG = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=4,
+              time_step_limit=(0.0, 2.0), pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+@contextlib.contextmanager
+def fp64_scan():
+    """transformers' scan and gated norm cast to float32 (``.float()``, ``.to(torch.float32)``): kept in
+    float64 here, so the oracle is float64 throughout."""
+    with pytest.MonkeyPatch.context() as mp:
+        real_float, real_to = torch.Tensor.float, torch.Tensor.to
+        mp.setattr(torch.Tensor, "float", lambda t: t if t.dtype == torch.float64 else real_float(t))
+        mp.setattr(torch.Tensor, "to", lambda t, *a, **kw: t if t.dtype == torch.float64 and a == (torch.float32,)
+                   else real_to(t, *a, **kw))
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**CONFIG))
+    with torch.no_grad():                       # the scan's and the norms' parameters off their initial values
+        for n, p in model.named_parameters():
+            if n.endswith(("A_log", "D", "dt_bias", "conv1d.bias")) or "norm" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp("nemotron_h")
+    model.save_pretrained(out)
+    return out
+
+
+def test_config_and_files_read(hf_dir):
+    cfg = hf.config_from_hf(hf_dir)
+    assert cfg.layer_blocks == ("mamba2", "attention", "mlp", "mamba2")
+    assert (cfg.mamba_heads, cfg.mamba_groups, cfg.ssm_state, cfg.mamba_chunk, cfg.mamba_dt_limit) == (8, 2, 8, 4,
+                                                                                                      (0.0, 2.0))
+    assert not any(cfg.rotates(i) for i in range(cfg.layers)) and cfg.mlp_act == "relu2" and not cfg.mlp_gated
+
+
+def test_logits_equal_transformers(hf_dir):
+    model = transformers.NemotronHForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    import_logits_beside_hf(model, hf_dir)
+
+
+def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path):
+    from safetensors.torch import load_file
+    with fp64_scan():
+        model, cfg, loss, grads, out, want = fp64_beside_hf(hf_dir, "NemotronHForCausalLM")
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
+    want.backward()
+    hf.save_hf_llama(grads, cfg, tmp_path / "grads")
+    ours = load_file(str(tmp_path / "grads" / "model.safetensors"))
+    theirs = {n.replace("model.", "backbone.", 1): p.grad for n, p in model.named_parameters()}
+    assert set(ours) == set(theirs)
+    for name, g in ours.items():
+        assert theirs[name].abs().max() > 0, name
+        torch.testing.assert_close(g, theirs[name], rtol=1e-8, atol=1e-11, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_export_round_trip(hf_dir, tmp_path):
+    assert_export_round_trip(hf_dir, tmp_path / "out", "nemotron_h", "NemotronHForCausalLM")
+
+
+def test_lora_on_attention_equals_peft(hf_dir):
+    model = transformers.NemotronHForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert_lora_step_equals_peft(model, hf_dir, ["q_proj", "k_proj", "v_proj", "o_proj"], layers=1)
+
+
+def test_fsdp_tp_sp_equals_one_device(hf_dir):
+    assert_hf_layout_equals_one_device(hf_dir, "fsdp_tp_sp")
+
+
+def test_tp_over_the_heads_of_each_group_equals_one_device(hf_dir):
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    batch = make_batch(cfg, batch=2, seq=12, seed=4)
+    one = parallel(cfg, params, batch, fpp.Mesh(), fpp.Rules())[0]
+    rules = fpp.Rules(batch=("dp_replicate", "dp_shard"), heads="tp", kv_heads="tp", mlp="tp", vocab="tp",
+                      ssm_group_heads="tp")
+    two = parallel(cfg, params, batch, fpp.Mesh(tp=2), rules)[0]
+    torch.testing.assert_close(two[0], one[0], rtol=1e-10, atol=1e-12)
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(two[1]), tree.leaves_with_paths(one[1])):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, p=p: f"{p}: {m}")
+
+
+def test_fsdp_tp_real_processes_equal_one_device(hf_dir):
+    assert_processes_equal_one_device(hf.config_from_hf(hf_dir))
+
+
+def test_refused_by_name(hf_dir):
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    batch = make_batch(cfg, batch=2, seq=8, seed=5)
+    with pytest.raises(Exception, match=r"whole sequence.*cp_size: 1"):
+        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
+    seg = {**batch, "segments": torch.zeros_like(batch["tokens"])}
+    with pytest.raises(Exception, match="sample_packing: false"):
+        parallel(cfg, params, seg, fpp.Mesh(), fpp.Rules(), loss_fn=lambda p, b, c: llama.loss(
+            p, {**b, "segments": fpp.named(seg["segments"], "batch seq")}, c))
+    with pytest.raises(Exception, match="layers of type 'moe'"):
+        hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "layers_block_type": None,
+                           "hybrid_override_pattern": "M*E-"})
+    with pytest.raises(Exception, match="residual_in_fp32=True is not supported"):
+        hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "residual_in_fp32": True})
+    with pytest.raises(ValueError, match="n_groups=3 must divide"):
+        hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "n_groups": 3})
