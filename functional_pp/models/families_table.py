@@ -113,9 +113,10 @@ ROWS: tuple[Row, ...] = (
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
                          "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads with their groups), "
-                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`",
-        "Nemotron 3's experts (`E` layers), CP, packed sequences, pipelines (pp) and key / value-cache sampling "
-        "of the Mamba2 layers (refused by name)"),
+                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; pipelines split "
+                         "the layers as any others",
+        "Nemotron 3's experts (`E` layers), CP, packed sequences and key / value-cache sampling of the Mamba2 "
+        "layers (refused by name)"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -1068,9 +1068,6 @@ def _refuse_unshared(cfg: Config, cache) -> None:
     if what and current_stage() is not None:
         raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
                          f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
-    if cfg.mamba_heads and current_stage() is not None:
-        raise ValueError("pipeline parallelism (pp) with Mamba2 layers (a hybrid's layer_blocks) is not supported "
-                         "yet; use FSDP or TP (pp_size 1)")
     if cfg.mamba_heads and cache is not None:
         raise ValueError("sampling with a key / value cache does not support Mamba2 layers (their recurrent state "
                          "and convolution window are not cached); generate without the cache")
@@ -1156,6 +1153,11 @@ def flops_per_token(cfg: Config, seq: int) -> float:
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     # Gemma 4 E2B / E4B's per-layer inputs: the projection of the embedding, each layer's gate and projection
     ple = 6 * cfg.hidden * cfg.per_layer_input * cfg.layers
+    if cfg.layer_blocks is not None:            # a hybrid: each layer's blocks (Mamba2's: models/mamba2.py)
+        block = {"attention": lambda i: proj + attn, "mlp": mlp,
+                 "mamba2": lambda i: mamba2.flops_per_token(cfg.mamba, cfg.hidden)}
+        return 3.0 * (sum(block[b](i) for i in range(cfg.layers) for b in cfg.blocks(i))
+                      + 2 * cfg.hidden * cfg.vocab + ple)
     if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
         def proj_attn(i: int) -> float:
             kv, d = cfg.attn_shape(i)

@@ -108,6 +108,15 @@ def init(m: Mamba2, hidden: int, dtype: torch.dtype = torch.float32, std: float 
     return p
 
 
+def flops_per_token(m: Mamba2, hidden: int) -> float:
+    """Forward FLOPs per token of one mixer: its projections and, in a chunk of ``m.chunk``
+    positions, the scan's C.B scores and their product with x (half of it: causal), the chunk's
+    state and its output (the convolution and elementwise work left out)."""
+    proj = 2 * hidden * (2 * m.inner + 2 * m.groups * m.state + m.heads) + 2 * m.inner * hidden
+    scan = 2 * m.chunk * (m.groups * m.state + m.inner) / 2 + 2 * 2 * m.inner * m.state
+    return proj + scan
+
+
 def refuse_split_sequence(h: Named, where: str = "mamba2") -> None:
     """Refuse a sequence split over devices (context parallelism): the scan runs along the whole sequence."""
     axes = h.split[h.dims.index("seq")]

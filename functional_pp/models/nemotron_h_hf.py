@@ -56,13 +56,12 @@ def _float(v: Any) -> float:
 
 
 def layer_types(hf: dict) -> list[str]:
-    """Each layer's type: ``layers_block_type``, else ``hybrid_override_pattern``'s characters."""
+    """Each layer's type: ``layers_block_type``, else ``hybrid_override_pattern``'s characters, else
+    ``NemotronHConfig``'s default (Mamba2, MoE, attention, MLP)."""
     types = hf.get("layers_block_type") or hf.get("layer_types")
     if types:
         return list(types)
-    pattern = hf.get("hybrid_override_pattern")
-    if not pattern:
-        raise ValueError("HF nemotron_h config: neither layers_block_type nor hybrid_override_pattern is given")
+    pattern = hf.get("hybrid_override_pattern") or "ME*-"
     bad = sorted(set(pattern) - set(PATTERN))
     if bad:
         raise ValueError(f"HF nemotron_h config: hybrid_override_pattern {pattern!r} has characters {bad}; known: "
@@ -80,9 +79,10 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         return DEFAULTS.get(key) if v is None else v
     types = layer_types(hf)
     if "moe" in types:
-        raise ValueError(f"{where}: layers of type 'moe' ('E' in hybrid_override_pattern: Nemotron 3's squared-ReLU "
-                         f"experts with sigmoid grouped routing and a shared expert) are not built yet; only Mamba2 "
-                         f"('M'), attention ('*') and MLP ('-') layers are (Nemotron-H, Nemotron Nano 2)")
+        raise ValueError(f"{where}: layers_block_type=moe is not supported (its layers of type 'moe', 'E' in "
+                         f"hybrid_override_pattern: Nemotron 3's squared-ReLU experts with sigmoid grouped routing and "
+                         f"a shared expert, are not built yet; Mamba2 ('M'), attention ('*') and MLP ('-') layers are: "
+                         f"Nemotron-H, Nemotron Nano 2)")
     bad = sorted(set(types) - set(BLOCKS))
     if bad:
         raise ValueError(f"{where}: layer types {bad} are not known; known: {', '.join(BLOCKS)}")

@@ -4,8 +4,8 @@ A tiny random model transformers builds from a config loads through the HF impor
 ``backbone.``, in_proj and conv1d fused); logits, the fp64 loss and every gradient equal
 transformers'; export writes ``NemotronHForCausalLM``, which loads with equal logits; LoRA on the
 attention's q/k/v/o (Axolotl's targets) equals peft; FSDP x TP with sequence parallelism on
-simulated devices and FSDP x TP on real gloo processes equal one device; CP, packing, pipelines,
-the key / value cache and the mixture-of-experts layers refused by name."""
+simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one device; CP,
+packing, the key / value cache and the mixture-of-experts layers refused by name."""
 import contextlib
 
 import pytest
@@ -112,6 +112,45 @@ def test_fsdp_tp_real_processes_equal_one_device(hf_dir):
     assert_processes_equal_one_device(hf.config_from_hf(hf_dir))
 
 
+def test_pipeline_equals_one_device(hf_dir):
+    """1F1B over pp 2 (layers of different blocks on each stage) equals one device's two steps."""
+    import functools
+
+    from functional_pp.step.pipeline import pipeline_step
+    cfg = hf.config_from_hf(hf_dir)
+    data = [make_batch(cfg, batch=8, seq=8, seed=s) for s in range(2)]
+    loss = functools.partial(llama.loss, cfg=cfg)
+
+    def run(step):
+        def device():
+            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0, mesh=step.mesh, rules=step.rules))
+            losses = []
+            for b in data:
+                with fpp.use_rules(step.rules):
+                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+                state, m = step(state, local)
+                losses.append(float(m["loss"]))
+            return losses
+        return fpp.launch(device, step.mesh)
+    opt = fpp.optim.adamw(3e-3, weight_decay=0.1)
+    one = run(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=4))[0]
+    first, last = llama.pipeline_ends(cfg)
+    for losses in run(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
+                                    schedule="1f1b", first_stage=first, last_stage=last)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=0)
+    assert one[0] != one[1]
+
+
+def test_config_refuses_packing_and_cp_before_any_work(hf_dir):
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.config.models import model_config
+    base = dict(base_model=str(hf_dir), datasets=[{"path": "x.jsonl", "type": "completion"}], micro_batch_size=1)
+    with pytest.raises(ConfigError, match=r"sample_packing: true: .*set sample_packing: false") as err:
+        model_config(TrainConfig.from_dict({**base, "context_parallel_size": 2}, name="t"))
+    assert any("cp_size) 2" in p for p in err.value.problems) and len(err.value.problems) == 2
+    assert model_config(TrainConfig.from_dict({**base, "sample_packing": False}, name="t")).mamba_heads == 8
+
+
 def test_refused_by_name(hf_dir):
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
@@ -121,7 +160,12 @@ def test_refused_by_name(hf_dir):
     with pytest.raises(Exception, match="sample_packing: false"):
         parallel(cfg, params, seg, fpp.Mesh(), fpp.Rules(), loss_fn=lambda p, b, c: llama.loss(
             p, {**b, "segments": fpp.named(seg["segments"], "batch seq")}, c))
-    with pytest.raises(Exception, match="layers of type 'moe'"):
+    from functional_pp.models import sampling
+    from functional_pp.parallel import sharding
+    named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+    with pytest.raises(ValueError, match="key / value cache does not support Mamba2 layers"):
+        sampling.generate(lambda p, t: llama.forward(p, t, cfg), named, batch["tokens"][:, :4], max_new_tokens=2)
+    with pytest.raises(Exception, match="layers_block_type=moe is not supported.*'E' in hybrid_override_pattern"):
         hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "layers_block_type": None,
                            "hybrid_override_pattern": "M*E-"})
     with pytest.raises(Exception, match="residual_in_fp32=True is not supported"):
