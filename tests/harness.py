@@ -1,6 +1,8 @@
 """Shared oracle machinery: run a named-axis loss on one device and under a layout."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import functional_pp as fpp
@@ -120,6 +122,20 @@ def nan_on_second_call(loss_fn):
         loss = loss_fn(params, batch)
         return loss * float("nan") if calls["n"] == 2 else loss
     return wrapped
+
+
+@contextlib.contextmanager
+def hf_scan_in_fp64():
+    """transformers' Mamba2 scan and gated norm cast to float32 (``.float()``, ``.to(torch.float32)``):
+    kept in float64 inside this context, so a float64 model of a hybrid family is an oracle to
+    float64 rounding (with the casts: ~1e-6)."""
+    real_float, real_to = torch.Tensor.float, torch.Tensor.to
+    torch.Tensor.float = lambda t: t if t.dtype == torch.float64 else real_float(t)
+    torch.Tensor.to = lambda t, *a, **kw: t if t.dtype == torch.float64 and a == (torch.float32,) else real_to(t, *a, **kw)
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = real_float, real_to
 
 
 def fp64_beside_hf(hf_dir, hf_class: str = "AutoModelForCausalLM", **load_kw):

@@ -117,6 +117,11 @@ ROWS: tuple[Row, ...] = (
                          "the layers as any others",
         "Nemotron 3's experts (`E` layers), CP, packed sequences and key / value-cache sampling of the Mamba2 "
         "layers (refused by name)"),
+    Row(("granitemoehybrid",), "a hybrid: Granite's layers and multipliers whose token mixer is a Mamba2 mixer "
+                               "(`layer_types` `mamba`) or attention, then the shared MLP (`shared_mlp`) and, with "
+                               "`num_local_experts`, Granite MoE's experts; the rotary only with "
+                               "`position_embedding_type: rope`",
+        f"CP, packed sequences and key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

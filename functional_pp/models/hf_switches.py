@@ -592,7 +592,7 @@ SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries sca
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
+        ("falcon_h1", "Falcon-H1"), ("jamba", "Jamba"),
         ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
         ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
         ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),

@@ -442,7 +442,7 @@ class Config:
             if self.mamba_heads < 1:
                 raise ValueError("layer_blocks has mamba2 layers but mamba_heads is 0 (set mamba_num_heads)")
             self.mamba                               # (its own checks: groups dividing the heads, ...)
-        other = [k for k, v in (("experts", self.experts), ("parallel_block", self.parallel_block),
+        other = [k for k, v in (("parallel_block", self.parallel_block),
                                 ("sandwich_norms", self.sandwich_norms), ("per_layer_input", self.per_layer_input),
                                 ("kv_shared_layers", self.kv_shared_layers), ("kv_lora_rank", self.kv_lora_rank),
                                 ("pre_norms=False", not self.pre_norms)) if v]

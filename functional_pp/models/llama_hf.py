@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, mamba2_hf,
-                                  nemotron_h_hf, score_head)
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, granitemoehybrid_hf, llama4_hf,
+                                  mamba2_hf, nemotron_h_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -242,13 +242,14 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["nemotron_h"] = mamba2_hf.fused("backbone.layers.{i}.mixer")     # (names after RENAMED: in_proj, conv1d)
+FUSED["granitemoehybrid"] = FUSED["granitemoeshared"] + granitemoehybrid_hf.FUSED + mamba2_hf.fused("model.layers.{i}.mamba")
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, our path suffix -> transform kind where its files differ from the table's
 _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
-_KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoehybrid"] = _KIND_OVERRIDES["granitemoe"]
 _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
@@ -338,6 +339,7 @@ IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **{mt: (_TOW
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
+RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
@@ -689,7 +691,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
-                                 **afmoe_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES}
+                                 **afmoe_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
+                                 **granitemoehybrid_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -840,6 +843,13 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
         try:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in granitemoehybrid_hf.ARCHITECTURES:                   # (Granite 4: Granite's layers, Mamba2 or attention)
+        try:
+            return granitemoehybrid_hf.config_from_hf(hf, mt, config_from_hf_dict)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -1063,6 +1073,8 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if mt in granitemoehybrid_hf.ARCHITECTURES:
+        return granitemoehybrid_hf.check_exportable(cfg, check_exportable, UnsupportedHFConfig)
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
@@ -1140,6 +1152,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return afmoe_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in nemotron_h_hf.ARCHITECTURES:
         return nemotron_h_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in granitemoehybrid_hf.ARCHITECTURES:
+        return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

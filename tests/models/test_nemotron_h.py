@@ -6,13 +6,11 @@ transformers'; export writes ``NemotronHForCausalLM``, which loads with equal lo
 attention's q/k/v/o (Axolotl's targets) equals peft; FSDP x TP with sequence parallelism on
 simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one device; CP,
 packing, the key / value cache and the mixture-of-experts layers refused by name."""
-import contextlib
-
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
-                     assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch,
-                     parallel)
+                     assert_processes_equal_one_device, fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf,
+                     make_batch, parallel)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -28,18 +26,6 @@ CONFIG = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_val
               layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
               intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=4,
               time_step_limit=(0.0, 2.0), pad_token_id=None, bos_token_id=None, eos_token_id=None)
-
-
-@contextlib.contextmanager
-def fp64_scan():
-    """transformers' scan and gated norm cast to float32 (``.float()``, ``.to(torch.float32)``): kept in
-    float64 here, so the oracle is float64 throughout."""
-    with pytest.MonkeyPatch.context() as mp:
-        real_float, real_to = torch.Tensor.float, torch.Tensor.to
-        mp.setattr(torch.Tensor, "float", lambda t: t if t.dtype == torch.float64 else real_float(t))
-        mp.setattr(torch.Tensor, "to", lambda t, *a, **kw: t if t.dtype == torch.float64 and a == (torch.float32,)
-                   else real_to(t, *a, **kw))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +56,7 @@ def test_logits_equal_transformers(hf_dir):
 
 def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path):
     from safetensors.torch import load_file
-    with fp64_scan():
+    with hf_scan_in_fp64():
         model, cfg, loss, grads, out, want = fp64_beside_hf(hf_dir, "NemotronHForCausalLM")
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     want.backward()
