@@ -134,6 +134,12 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {
            "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "num_shared_experts": 1, "global_attn_every_n_layers": 2, "sliding_window": 128, "pad_token_id": None,
+           "bos_token_id": None, "eos_token_id": None}),
+       # (Granite 4 tiny's layout: a Mamba2 layer, then an attention one, experts and the shared MLP, NoPE)
+       "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+           "layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "intermediate_size": 32, "shared_intermediate_size": 128, "mamba_n_heads": 16, "mamba_n_groups": 2,
+           "mamba_d_state": 16, "mamba_chunk_size": 32, "position_embedding_type": None, "pad_token_id": None,
            "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the

@@ -56,8 +56,8 @@ def model_config(cfg: Any) -> Any:
 
 
 def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
-    """``model``, unless it has Mamba2 layers (a hybrid's ``layer_blocks``) and the run splits or packs
-    the sequences their scan runs along: refused by name before any work (the forward would refuse at
+    """``model``, unless it has Mamba2 layers (a hybrid's ``layer_blocks``) and the run splits the
+    sequences their scan runs along (CP): refused by name before any work (the forward would refuse at
     the first step)."""
     if not getattr(model, "mamba_heads", 0):
         return model
@@ -65,9 +65,6 @@ def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
     if getattr(cfg, "cp_size", 1) > 1:
         problems.append(f"context_parallel_size (cp_size) {cfg.cp_size}: the Mamba2 layers' scan needs the whole "
                         f"sequence on each device; set it to 1")
-    if getattr(cfg, "sample_packing", False):
-        problems.append("sample_packing: true: the Mamba2 layers' scan would carry its state from one packed "
-                        "document into the next; set sample_packing: false")
     if problems:
         raise ConfigError("; ".join(problems), problems)
     return model

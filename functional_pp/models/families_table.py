@@ -113,15 +113,15 @@ ROWS: tuple[Row, ...] = (
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
                          "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads with their groups), "
-                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; pipelines split "
-                         "the layers as any others",
-        "Nemotron 3's experts (`E` layers), CP, packed sequences and key / value-cache sampling of the Mamba2 "
-        "layers (refused by name)"),
+                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; packed "
+                         "documents each with its own state; pipelines split the layers as any others",
+        "Nemotron 3's experts (`E` layers), CP and key / value-cache sampling of the Mamba2 layers (refused by "
+        "name)"),
     Row(("granitemoehybrid",), "a hybrid: Granite's layers and multipliers whose token mixer is a Mamba2 mixer "
                                "(`layer_types` `mamba`) or attention, then the shared MLP (`shared_mlp`) and, with "
                                "`num_local_experts`, Granite MoE's experts; the rotary only with "
                                "`position_embedding_type: rope`",
-        f"CP, packed sequences and key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
+        f"CP and key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -1007,11 +1007,9 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
 
 def mamba_block(p: dict, x: Named, cfg: Config, segments: Named | None = None) -> Named:
     """The Mamba2 branch of a layer (models/mamba2.py): the normed residual stream, its sequence
-    whole (sequence parallelism gathers it as for attention), through the mixer."""
-    if segments is not None:
-        raise ValueError("packed sequences (sample_packing, segments) with Mamba2 layers are not supported: the "
-                         "scan would carry its state from one document into the next; set sample_packing: false")
-    return ops.rename(mamba2.mixer(p["mamba"], attention_input(p, x, cfg), cfg.mamba), seq="res_seq")
+    whole (sequence parallelism gathers it as for attention), through the mixer; ``segments``:
+    each packed document's state its own."""
+    return ops.rename(mamba2.mixer(p["mamba"], attention_input(p, x, cfg), cfg.mamba, segments), seq="res_seq")
 
 
 def _residual(branch: Named, cfg: Config) -> Named:
@@ -1128,7 +1126,8 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", ssm_groups="tp")   # (Mamba2: heads by group)
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", ssm_groups="tp",      # (Mamba2: heads by group,
+                     ssm_group_heads=None)                                          # a group's heads whole)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:

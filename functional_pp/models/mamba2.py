@@ -126,10 +126,14 @@ def refuse_split_sequence(h: Named, where: str = "mamba2") -> None:
                          f"with Mamba2 layers")
 
 
-def mixer(p: dict, h: Named, m: Mamba2) -> Named:
+def mixer(p: dict, h: Named, m: Mamba2, segments: Named | None = None) -> Named:
     """The mixer of normed input ``h`` (``batch seq hidden``, the sequence whole): ``batch seq
-    hidden``, with the out projection's pending sum where the heads are split (TP)."""
+    hidden``, with the out projection's pending sum where the heads are split (TP). ``segments``
+    (``batch seq`` document ids of packed rows, each document contiguous): nothing flows from one
+    document into the next, neither through the convolution nor through the state (as each alone)."""
     refuse_split_sequence(h)
+    if segments is not None:
+        refuse_split_sequence(segments, "mamba2 segments")
 
     def proj(name: str, out: str, bias: str) -> Named:
         y = ops.einsum(f"batch seq hidden, hidden {out} -> batch seq {out}", h, p[name])
@@ -139,25 +143,35 @@ def mixer(p: dict, h: Named, m: Mamba2) -> Named:
     b = proj("b_proj", "ssm_groups ssm_state", "b_bias")
     c = proj("c_proj", "ssm_groups ssm_state", "c_bias")
     dt = proj("dt_proj", HEADS, "dt_proj_bias")
-    x, b, c = (ops.silu(causal_conv(v, p[f"conv_{k}"], p.get(f"conv_{k}_bias"))) for v, k in ((x, "x"), (b, "b"),
-                                                                                           (c, "c")))
-    y = scan(x, dt, b, c, p["A_log"], p["D"], p["dt_bias"], m)
+    x, b, c = (ops.silu(causal_conv(v, p[f"conv_{k}"], p.get(f"conv_{k}_bias"), segments))
+               for v, k in ((x, "x"), (b, "b"), (c, "c")))
+    y = scan(x, dt, b, c, p["A_log"], p["D"], p["dt_bias"], m, segments)
     y = gated_norm(y, z, p["norm"], m.eps)
     out = ops.einsum(f"{X}, {HEADS} ssm_head_dim hidden -> batch seq hidden", y, p["out_proj"])
     return out + p["out_bias"] if "out_bias" in p else out
 
 
-def causal_conv(x: Named, weight: Named, bias: Named | None) -> Named:
+def _same(a: Named, b: Named, dtype: torch.dtype) -> Named:
+    """1 where two arrays of document ids are equal, else 0 (in ``dtype``)."""
+    return (a - b).map(lambda t: (t == 0).to(dtype))
+
+
+def causal_conv(x: Named, weight: Named, bias: Named | None, segments: Named | None = None) -> Named:
     """The causal depthwise convolution along ``seq`` of every channel of ``x`` (its dimensions
     besides batch and seq), ``weight`` the channels' taps along ``conv_kernel``: position t sees
     positions t - K + 1 ... t, the ones before the sequence zero (``nn.Conv1d`` with K - 1 padding,
-    its first outputs kept)."""
+    its first outputs kept), and, with ``segments``, those of another document zero too."""
     K, S = weight.size("conv_kernel"), x.size("seq")
     zero = ops.slice_dim(x, "seq", 0, 1) * 0.0
     padded = ops.concat([zero] * (K - 1) + [x], "seq")
+    if segments is not None:         # (before the row: an id no document has)
+        none = ops.slice_dim(segments, "seq", 0, 1).map(lambda t: torch.full_like(t, -1))
+        seg_padded = ops.concat([none] * (K - 1) + [segments], "seq")
     out = None
     for k in range(K):
         term = ops.slice_dim(padded, "seq", k, k + S) * ops.take(weight, "conv_kernel", k)
+        if segments is not None and k < K - 1:
+            term = term * _same(ops.slice_dim(seg_padded, "seq", k, k + S), segments, x.data.dtype)
         out = term if out is None else out + term
     return out if bias is None else out + bias
 
@@ -175,11 +189,15 @@ def _tril(n: int, diagonal: int, rows: str, cols: str, device) -> Named:
     return wrap(torch.ones(n, n, dtype=torch.bool, device=device).tril(-diagonal), f"{rows} {cols}")
 
 
-def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bias: Named, m: Mamba2) -> Named:
+def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bias: Named, m: Mamba2,
+         segments: Named | None = None) -> Named:
     """The SSD scan: per head, the state ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T`` and the
     output ``y_t = s_t C_t + D x_t`` with ``dt = clamp(softplus(dt + dt_bias), *dt_limit)`` and
     ``A = -exp(A_log)``, computed in chunks of ``m.chunk`` positions (quadratic inside a chunk,
-    states passed between chunks), in float32 for 16-bit inputs (as transformers)."""
+    states passed between chunks), in float32 for 16-bit inputs (as transformers). With
+    ``segments`` the state starts from zero at each document: source s reaches target l only in
+    the same document, which (documents contiguous) holds at every step between them: inside a
+    chunk, s to its chunk's end, one chunk's end to a later chunk's start, that start to l."""
     dtype = x.data.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     x, dt, b, c = (v.astype(wide) for v in (x, dt, b, c))
@@ -201,26 +219,37 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
     # 1. inside each chunk: y_l = sum_{s <= l} (C_l . B_s) exp(acum_l - acum_s) dt_s x_s
     seg = ops.exp(ops.where(_tril(L, 0, "ssd_pos", "ssd_src", dev),
                             acum - ops.rename(acum, ssd_pos="ssd_src"), -math.inf))
+    if segments is not None:        # (document ids per chunk and position; the padding's: the last one's)
+        ids = chunked(segments) if not pad else ops.split_dim(ops.concat(
+            [segments] + [ops.slice_dim(segments, "seq", S - 1, S)] * pad, "seq"), "seq", {"ssd_chunk": n, "ssd_pos": L})
+        seg = seg * _same(ids, ops.rename(ids, ssd_pos="ssd_src"), wide)
+        end, start = ops.take(ids, "ssd_pos", L - 1), ops.take(ids, "ssd_pos", 0)
     scores = ops.einsum("batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk ssd_src ssm_groups ssm_state "
                         "-> batch ssd_chunk ssm_groups ssd_pos ssd_src", cs, ops.rename(bs, ssd_pos="ssd_src"))
     y = ops.einsum(f"batch ssd_chunk {HEADS} ssd_pos ssd_src, batch ssd_chunk ssd_src {HEADS} ssm_head_dim "
                    f"-> batch ssd_chunk ssd_pos {HEADS} ssm_head_dim", scores * seg, ops.rename(xs, ssd_pos="ssd_src"))
     # 2. each chunk's own contribution to the state at its end
     last = ops.take(acum, "ssd_pos", L - 1)                            # batch ssd_chunk heads
+    to_end = ops.exp(last - acum)
+    if segments is not None:
+        to_end = to_end * _same(ids, end, wide)
     states = ops.einsum(f"batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk {HEADS} ssd_pos, "
                         f"batch ssd_chunk ssd_pos {HEADS} ssm_head_dim "
-                        f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", bs, ops.exp(last - acum), xs)
+                        f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", bs, to_end, xs)
     # 3. the state at each chunk's start: the earlier chunks' states, decayed through the chunks between
     if n > 1:
         total = ops.cumsum(last, "ssd_chunk")
         decay = ops.exp(ops.where(_tril(n, 1, "ssd_chunk", "ssd_from", dev),
                                   (total - last) - ops.rename(total, ssd_chunk="ssd_from"), -math.inf))
-        start = ops.einsum(f"batch ssd_chunk ssd_from {HEADS}, batch ssd_from {HEADS} ssm_head_dim ssm_state "
+        if segments is not None:
+            decay = decay * _same(start, ops.rename(end, ssd_chunk="ssd_from"), wide)
+        state_in = ops.einsum(f"batch ssd_chunk ssd_from {HEADS}, batch ssd_from {HEADS} ssm_head_dim ssm_state "
                            f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", decay,
                            ops.rename(states, ssd_chunk="ssd_from"))
         # 4. the start state's output in each chunk, decayed to each position
+        from_start = ops.exp(acum) if segments is None else ops.exp(acum) * _same(ids, start, wide)
         y = y + ops.einsum(f"batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk {HEADS} ssm_head_dim "
-                           f"ssm_state -> batch ssd_chunk ssd_pos {HEADS} ssm_head_dim", cs, start) * ops.exp(acum)
+                           f"ssm_state -> batch ssd_chunk ssd_pos {HEADS} ssm_head_dim", cs, state_in) * from_start
     y = ops.merge_dims(ops.transpose(y, "batch", "ssd_chunk", "ssd_pos", *HEADS.split(), "ssm_head_dim"),
                        ("ssd_chunk", "ssd_pos"), "seq")
     if pad:

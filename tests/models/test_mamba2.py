@@ -1,7 +1,7 @@
 """The functional Mamba2 mixer (models/mamba2.py) against transformers' ``NemotronHMamba2Mixer``
 (its ``torch_forward`` path: in_proj split into z / xBC / dt, the causal depthwise conv1d, the
 chunked SSD scan, the gated RMSNorm over groups, out_proj): fp64 outputs and every gradient, with
-several chunks and a padded last chunk; the same under tensor parallelism sharding the groups
+several chunks and a padded last chunk; packed documents each as alone; the same under tensor parallelism sharding the groups
 with their heads, or the heads of each group, on simulated devices; a sequence split over cp refused."""
 import math
 
@@ -85,7 +85,7 @@ def hf_reference(mod, h, r):
     return out.detach(), h.grad, _hf_grads(mod)
 
 
-def ours(params: dict, h: torch.Tensor, r: torch.Tensor, mesh=None, rules=None):
+def ours(params: dict, h: torch.Tensor, r: torch.Tensor, mesh=None, rules=None, segments=None):
     """Our mixer's output, the input's gradient and the parameters' (whole), on one device or a mesh."""
     decls = mamba2.init(M, HIDDEN, torch.float64)
 
@@ -96,7 +96,8 @@ def ours(params: dict, h: torch.Tensor, r: torch.Tensor, mesh=None, rules=None):
                                   sharding.shard(params, decls, mesh, rules, rank) if mesh is not None else params)
             named = sharding.named_tree(local, decls)
             hn = fpp.named(h.clone().requires_grad_(), "batch seq hidden")
-            out = mamba2.mixer(named, hn, M)
+            seg = None if segments is None else fpp.named(segments, "batch seq")
+            out = mamba2.mixer(named, hn, M, seg)
             loss = fpp.ops.sum(out * fpp.named(r, "batch seq hidden"))
             loss.value().backward()
             grads = tree.tree_map(lambda t: t.grad, local)
@@ -146,3 +147,28 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="time_step_limit"):
         mamba2.Mamba2(heads=8, head_dim=4, groups=2, state=8, dt_limit=(1.0, 0.0))
     assert math.isinf(mamba2.Mamba2(heads=8, head_dim=4, groups=2, state=8).dt_limit[1])
+
+
+def test_packed_documents_each_as_alone():
+    """A row of three packed documents (``segments``; one longer than a chunk, one shorter than the
+    convolution) equals transformers' mixer on each document alone: outputs and every gradient."""
+    mod = hf_mixer(seed=4)
+    lengths = [6, 2, 5]
+    h, r = inputs(sum(lengths), seed=5)
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1).contiguous()
+    outs, grads = [], []
+    start = 0
+    for n in lengths:                                    # transformers, one document at a time
+        mod.zero_grad()
+        o, _, g = hf_reference(mod, h[:, start:start + n], r[:, start:start + n])
+        outs.append(o)
+        grads.append(g)
+        start += n
+    params = {k: v.detach() for k, v in ours_from_hf(mod).items()}
+    out, got = ours(params, h, r, segments=seg)
+    torch.testing.assert_close(out, torch.cat(outs, dim=1), rtol=1e-10, atol=1e-10)
+    for k in got:
+        torch.testing.assert_close(got[k], sum(g[k] for g in grads), rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    plain, _ = ours(params, h, r)                       # (and without segments, the documents mix)
+    assert (plain - out).abs().max() > 1e-3

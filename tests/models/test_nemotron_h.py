@@ -4,13 +4,13 @@ A tiny random model transformers builds from a config loads through the HF impor
 ``backbone.``, in_proj and conv1d fused); logits, the fp64 loss and every gradient equal
 transformers'; export writes ``NemotronHForCausalLM``, which loads with equal logits; LoRA on the
 attention's q/k/v/o (Axolotl's targets) equals peft; FSDP x TP with sequence parallelism on
-simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one device; CP,
-packing, the key / value cache and the mixture-of-experts layers refused by name."""
+simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one device; packed
+documents each as alone; CP, the key / value cache and the mixture-of-experts layers refused by name."""
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
                      assert_processes_equal_one_device, fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf,
-                     make_batch, parallel)
+                     make_batch, parallel, single_device)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -127,14 +127,38 @@ def test_pipeline_equals_one_device(hf_dir):
     assert one[0] != one[1]
 
 
-def test_config_refuses_packing_and_cp_before_any_work(hf_dir):
+def test_config_refuses_cp_before_any_work(hf_dir):
     from functional_pp.config import ConfigError, TrainConfig
     from functional_pp.config.models import model_config
     base = dict(base_model=str(hf_dir), datasets=[{"path": "x.jsonl", "type": "completion"}], micro_batch_size=1)
-    with pytest.raises(ConfigError, match=r"sample_packing: true: .*set sample_packing: false") as err:
+    with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: .*whole sequence.*set it to 1"):
         model_config(TrainConfig.from_dict({**base, "context_parallel_size": 2}, name="t"))
-    assert any("cp_size) 2" in p for p in err.value.problems) and len(err.value.problems) == 2
-    assert model_config(TrainConfig.from_dict({**base, "sample_packing": False}, name="t")).mamba_heads == 8
+    assert model_config(TrainConfig.from_dict(base, name="t")).mamba_heads == 8      # (packed rows: each document alone)
+
+
+def test_packed_documents_each_as_alone_and_under_fsdp_tp_sp(hf_dir):
+    """A row of packed documents (``segments``) gives each document's logits alone (attention and
+    the Mamba2 state kept inside each); its loss and gradients under FSDP x TP + SP equal one device's."""
+    from functional_pp.parallel import sharding
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+    lengths = [7, 2, 7]
+    toks = torch.randint(0, 256, (2, sum(lengths)), generator=torch.Generator().manual_seed(6))
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1).contiguous()
+    with torch.no_grad():
+        packed = llama.forward(named, fpp.wrap(toks, "batch seq"), cfg, segments=fpp.wrap(seg, "batch seq")).value()
+        start = 0
+        for n in lengths:
+            alone = llama.forward(named, fpp.wrap(toks[:, start:start + n], "batch seq"), cfg).value()
+            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-10, atol=1e-10)
+            start += n
+    batch = {**make_batch(cfg, batch=4, seq=16, seed=7), "segments": seg[:1].expand(4, -1).contiguous()}
+    loss, grads = single_device(cfg, params, batch)
+    p_loss, p_grads, _ = parallel(cfg, params, batch, fpp.Mesh(dp_shard=2, tp=2),
+                                  llama.default_rules(sequence_parallel=True))[0]
+    torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, path=path: f"{path}: {m}")
 
 
 def test_refused_by_name(hf_dir):
@@ -142,10 +166,6 @@ def test_refused_by_name(hf_dir):
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
     with pytest.raises(Exception, match=r"whole sequence.*cp_size: 1"):
         parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
-    seg = {**batch, "segments": torch.zeros_like(batch["tokens"])}
-    with pytest.raises(Exception, match="sample_packing: false"):
-        parallel(cfg, params, seg, fpp.Mesh(), fpp.Rules(), loss_fn=lambda p, b, c: llama.loss(
-            p, {**b, "segments": fpp.named(seg["segments"], "batch seq")}, c))
     from functional_pp.models import sampling
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))
