@@ -135,6 +135,10 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "num_shared_experts": 1, "global_attn_every_n_layers": 2, "sliding_window": 128, "pad_token_id": None,
            "bos_token_id": None, "eos_token_id": None}),
+       # (Falcon-H1: a Mamba2 mixer of 8 heads of 64 in 2 groups beside attention in each layer)
+       "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {
+           "head_dim": 64, "mamba_d_ssm": 512, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+           "mamba_chunk_size": 32, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
        # (Granite 4 tiny's layout: a Mamba2 layer, then an attention one, experts and the shared MLP, NoPE)
        "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
            "layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -117,6 +117,12 @@ ROWS: tuple[Row, ...] = (
                          "documents each with its own state; pipelines split the layers as any others",
         "Nemotron 3's experts (`E` layers), CP and key / value-cache sampling of the Mamba2 layers (refused by "
         "name)"),
+    Row(("falcon_h1",), "a hybrid: a Mamba2 mixer and attention in parallel from one norm in every layer, then a "
+                        "SwiGLU MLP; its muP multipliers (embedding, the mixer's input / projections / output, the "
+                        "attention's input / output, keys, the MLP's gate and output, logits); the mixer's output "
+                        "gated without a norm or normed before or after the gate; LoRA on the fused `in_proj` as adapters of its "
+                        "parts, exported as one PEFT adapter",
+        "CP and key / value-cache sampling of the Mamba2 layers (refused by name)"),
     Row(("granitemoehybrid",), "a hybrid: Granite's layers and multipliers whose token mixer is a Mamba2 mixer "
                                "(`layer_types` `mamba`) or attention, then the shared MLP (`shared_mlp`) and, with "
                                "`num_local_experts`, Granite MoE's experts; the rotary only with "

@@ -131,7 +131,8 @@ def config_to_hf(cfg: Config, write: Callable[[Config, torch.dtype], dict], dtyp
     out.update(architectures=[ARCHITECTURES["granitemoehybrid"]], model_type="granitemoehybrid",
                layer_types=[names[b] for b in (cfg.layer_blocks or ("attention+mlp",) * cfg.layers)],
                position_embedding_type="nope" if cfg.nope_layers else "rope",
-               num_local_experts=cfg.experts, shared_intermediate_size=cfg.shared_expert_mlp if cfg.experts else cfg.mlp)
+               num_local_experts=cfg.experts,
+               shared_intermediate_size=cfg.shared_expert_mlp if cfg.experts else cfg.mlp)
     if not cfg.experts:
         out["intermediate_size"] = cfg.mlp
     if m is not None:

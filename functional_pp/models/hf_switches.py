@@ -25,7 +25,10 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
                              mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, layer_blocks=None,
-                             mamba_heads=0)
+                             mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
+                             mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
+                             attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
+                             mlp_down_multiplier=1.0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -592,7 +595,7 @@ SWITCHES["ministral3"] = Switches(   # Ministral 3: Mistral with the queries sca
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("falcon_h1", "Falcon-H1"), ("jamba", "Jamba"),
+        ("jamba", "Jamba"),
         ("qwen3_next", "Qwen3-Next"), ("kimi_linear", "Kimi-Linear"),
         ("lfm2", "LFM2"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"),
         ("qwen3_5_text", "Qwen3.5 (its gated DeltaNet layers)"), ("qwen3_5", "Qwen3.5 (its gated DeltaNet layers)"),

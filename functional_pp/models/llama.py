@@ -35,10 +35,11 @@ from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "attention", "mamba2", "mlp")
+LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp")
 """A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
 residual stream: Llama's attention then MLP; a Mamba2 mixer (models/mamba2.py) where attention is;
-or one block alone (Nemotron-H's layers)."""
+a Mamba2 mixer and attention in parallel from one norm (Falcon-H1); or one block alone
+(Nemotron-H's layers)."""
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -276,6 +277,20 @@ class Config:
     mamba_dt_limit: tuple[float, float] | None = None
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
+    # Falcon-H1's muP multipliers: the Mamba2 mixer's input (ssm_in_multiplier), its projections z, x, B, C,
+    # dt (ssm_multipliers; None: 1s), its output (ssm_out_multiplier), the attention's input and output
+    # (attention_in / out_multiplier), the keys (key_multiplier), the MLP's gate before its activation and its
+    # output (mlp_multipliers); the mixer's output norm (models/mamba2.py's NORMS: Falcon-H1's mamba_rms_norm
+    # false is "none", its mamba_norm_before_gate "before_gate")
+    mamba_in_multiplier: float = 1.0
+    mamba_part_multipliers: tuple[float, ...] | None = None
+    mamba_out_multiplier: float = 1.0
+    mamba_norm: str = "gated"
+    attn_in_multiplier: float = 1.0
+    attn_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_blocks()
@@ -431,8 +446,9 @@ class Config:
             return
         blocks = tuple(self.layer_blocks)
         object.__setattr__(self, "layer_blocks", blocks)
-        if self.mamba_dt_limit is not None:
-            object.__setattr__(self, "mamba_dt_limit", tuple(float(v) for v in self.mamba_dt_limit))
+        for key in ("mamba_dt_limit", "mamba_part_multipliers"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(float(v) for v in getattr(self, key)))
         bad = sorted(set(blocks) - set(LAYER_BLOCKS))
         if bad:
             raise ValueError(f"layer_blocks: unknown entries {bad}; known: {', '.join(LAYER_BLOCKS)}")
@@ -458,7 +474,9 @@ class Config:
         return mamba2.Mamba2(heads=self.mamba_heads, head_dim=self.mamba_head_dim, groups=self.mamba_groups,
                              state=self.ssm_state, conv_kernel=self.conv_kernel, chunk=self.mamba_chunk,
                              dt_limit=self.mamba_dt_limit or (0.0, math.inf), eps=self.norm_eps,
-                             conv_bias=self.mamba_conv_bias, proj_bias=self.mamba_proj_bias)
+                             conv_bias=self.mamba_conv_bias, proj_bias=self.mamba_proj_bias,
+                             in_scale=self.mamba_in_multiplier, part_scales=self.mamba_part_multipliers or (1.0,) * 5,
+                             norm=self.mamba_norm)
 
     def blocks(self, layer: int) -> tuple[str, ...]:
         """Layer ``layer``'s blocks in order (``("attention", "mlp")`` where ``layer_blocks`` is None)."""
@@ -569,7 +587,7 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
-        for key in ("layer_blocks", "mamba_dt_limit"):
+        for key in ("layer_blocks", "mamba_dt_limit", "mamba_part_multipliers"):
             d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         for key in ("moe_layers", "nope_layers"):
             d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
@@ -765,9 +783,9 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         blocks = cfg.blocks(i)
         if blocks != ("attention", "mlp"):         # a hybrid's layer: its blocks, a norm before each
             q = {"input_layernorm": p["input_layernorm"]}
-            if blocks[0] == "attention":
+            if "attention" in blocks[0].split("|"):
                 q["self_attn"] = p["self_attn"]
-            elif blocks[0] == "mamba2":
+            if "mamba2" in blocks[0].split("|"):
                 q["mamba"] = mamba2.init(cfg.mamba, cfg.hidden, dtype, std, out_std)
             if len(blocks) == 2:
                 q["post_attention_layernorm"] = p["post_attention_layernorm"]
@@ -854,6 +872,8 @@ def _prepared(a: dict, role: str, x: Named, pos: Named | None, cfg: Config, wind
         x = ops.rms_norm(x.astype(wide), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
     if cfg.qkv_bias:
         x = x + a[f"{role}_bias"]
+    if role == "k" and cfg.key_multiplier != 1:          # (Falcon-H1: the keys times key_multiplier)
+        x = x * cfg.key_multiplier
     if role != "v" and cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim
         x = _qk_norm(a, role, x, cfg)
     if cfg.clip_qkv is not None:       # (DBRX, OLMoE after its q/k norms: each entry clamped, its gradient 0 outside)
@@ -949,12 +969,15 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None) -> Named:
     if "up_bias" in m:
         up = up + m["up_bias"]
     if cfg.mlp_gated:
-        act = _GATES[cfg.mlp_act](ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"]), up)
+        gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+        act = _GATES[cfg.mlp_act](gate if cfg.mlp_gate_multiplier == 1 else gate * cfg.mlp_gate_multiplier, up)
     elif cfg.mlp_act == "xielu":                          # Apertus: its two scalars per layer
         act = ops.xielu(up, m["act_alpha_p"], m["act_alpha_n"], beta=XIELU_BETA, eps=XIELU_EPS)
     else:                                                 # Phi-1/2: down(act(up(x)))
         act = _ACTS[cfg.mlp_act](up)
     out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
+    if cfg.mlp_down_multiplier != 1:                      # (Falcon-H1)
+        out = out * cfg.mlp_down_multiplier
     if "down_bias" in m:                                  # (after the TP partial sums are combined)
         out = out + m["down_bias"]
     if "router" in m:                                     # (Gemma 4: each output normed, then their sum)
@@ -973,7 +996,7 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
-    if "self_attn" not in p or "mlp" not in p:      # a hybrid's layer (cfg.layer_blocks)
+    if "self_attn" not in p or "mlp" not in p or "mamba" in p:      # a hybrid's layer (cfg.layer_blocks)
         return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv)
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
@@ -995,7 +1018,14 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
     """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention or
     Mamba2) and / or its MLP, each after its norm (the first block's ``input_layernorm``), added to
     the residual stream."""
-    if "self_attn" in p:
+    if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
+        h = attention_input(p, x, cfg)
+        a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
+                       window, chunk, kv)
+        m = ops.rename(mamba2.mixer(p["mamba"], h, cfg.mamba, segments), seq="res_seq")
+        a = a if cfg.attn_out_multiplier == 1 else a * cfg.attn_out_multiplier
+        x = ops.realized(x + _residual(a + (m if cfg.mamba_out_multiplier == 1 else m * cfg.mamba_out_multiplier), cfg))
+    elif "self_attn" in p:
         x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
     elif "mamba" in p:
         x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
@@ -1155,7 +1185,7 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     if cfg.layer_blocks is not None:            # a hybrid: each layer's blocks (Mamba2's: models/mamba2.py)
         block = {"attention": lambda i: proj + attn, "mlp": mlp,
                  "mamba2": lambda i: mamba2.flops_per_token(cfg.mamba, cfg.hidden)}
-        return 3.0 * (sum(block[b](i) for i in range(cfg.layers) for b in cfg.blocks(i))
+        return 3.0 * (sum(block[k](i) for i in range(cfg.layers) for b in cfg.blocks(i) for k in b.split("|"))
                       + 2 * cfg.hidden * cfg.vocab + ple)
     if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
         def proj_attn(i: int) -> float:

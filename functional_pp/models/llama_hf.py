@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, granitemoehybrid_hf, llama4_hf,
-                                  mamba2_hf, nemotron_h_hf, score_head)
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
+                                  granitemoehybrid_hf, llama4_hf, mamba2_hf, nemotron_h_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -242,6 +242,7 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["nemotron_h"] = mamba2_hf.fused("backbone.layers.{i}.mixer")     # (names after RENAMED: in_proj, conv1d)
+FUSED["falcon_h1"] = mamba2_hf.fused("model.layers.{i}.mamba")
 FUSED["granitemoehybrid"] = FUSED["granitemoeshared"] + granitemoehybrid_hf.FUSED + mamba2_hf.fused("model.layers.{i}.mamba")
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
@@ -340,6 +341,7 @@ IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **{mt: (_TOW
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
+RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
@@ -692,7 +694,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
-                                 **granitemoehybrid_hf.ARCHITECTURES}
+                                 **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -843,6 +845,13 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
         try:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in falcon_h1_hf.ARCHITECTURES:                          # (Falcon-H1: Mamba2 and attention in parallel)
+        try:
+            return falcon_h1_hf.config_from_hf(hf, mt, _rope)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -1096,6 +1105,8 @@ def check_exportable(cfg: Config) -> None:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in nemotron_h_hf.ARCHITECTURES:
         return nemotron_h_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in falcon_h1_hf.ARCHITECTURES:
+        return falcon_h1_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1154,6 +1165,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return nemotron_h_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in granitemoehybrid_hf.ARCHITECTURES:
         return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
+    if cfg.model_type in falcon_h1_hf.ARCHITECTURES:
+        return falcon_h1_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

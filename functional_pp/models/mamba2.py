@@ -33,6 +33,9 @@ X = f"batch seq {HEADS} ssm_head_dim"
 BC = "batch seq ssm_groups ssm_state"
 
 
+NORMS = ("gated", "before_gate", "none")
+
+
 @dataclass(frozen=True)
 class Mamba2:
     """The shape and constants of a Mamba2 mixer: ``heads`` heads of ``head_dim`` in ``groups``
@@ -50,6 +53,13 @@ class Mamba2:
     eps: float = 1e-5
     conv_bias: bool = True
     proj_bias: bool = False
+    # Falcon-H1's muP multipliers: of the input (ssm_in_multiplier) and of the projections' outputs z, x, B, C
+    # and dt (ssm_multipliers, transformers' mup_vector); the gate and norm of the output: "gated"
+    # (norm(y * silu(z)) * w over each group: MambaRMSNormGated), "before_gate" (norm(y) * w * silu(z)), "none"
+    # (y * silu(z), no weight: Falcon-H1's mamba_rms_norm false)
+    in_scale: float = 1.0
+    part_scales: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    norm: str = "gated"
 
     def __post_init__(self) -> None:
         for key in ("heads", "head_dim", "groups", "state", "conv_kernel", "chunk"):
@@ -62,6 +72,11 @@ class Mamba2:
         object.__setattr__(self, "dt_limit", tuple(float(x) for x in self.dt_limit))
         if len(self.dt_limit) != 2 or not self.dt_limit[0] <= self.dt_limit[1]:
             raise ValueError(f"mamba2: time_step_limit {self.dt_limit} must be (low, high) with low <= high")
+        object.__setattr__(self, "part_scales", tuple(float(x) for x in self.part_scales))
+        if len(self.part_scales) != 5:
+            raise ValueError(f"mamba2: ssm_multipliers {list(self.part_scales)} must be 5 numbers (z, x, B, C, dt)")
+        if self.norm not in NORMS:
+            raise ValueError(f"mamba2: norm {self.norm!r} is not one of {', '.join(NORMS)}")
 
     @property
     def group_heads(self) -> int:
@@ -94,11 +109,12 @@ def init(m: Mamba2, hidden: int, dtype: torch.dtype = torch.float32, std: float 
          # A = -exp(A_log) = -1, D = 1 and dt = softplus(dt_bias) = the geometric middle of 1e-3 and 1e-1
          "A_log": const((G, H), HEADS, "zeros"), "D": const((G, H), HEADS, "ones"),
          "dt_bias": const((G, H), HEADS, "constant", math.log(math.expm1(0.01))),
-         "norm": const((G, H, P), heads, "ones"),
+         **({"norm": const((G, H, P), heads, "ones")} if m.norm != "none" else {}),
          # (meta in_dims: the leading dimensions the out projection contracts, docs/adapters.md)
          "out_proj": dataclasses.replace(w((G, H, P, hidden), f"{heads} hidden", out_std or std), meta={"in_dims": 3})}
     if m.conv_bias:
-        p.update(conv_x_bias=const((G, H, P), heads, "zeros"), conv_b_bias=const((G, N), "ssm_groups ssm_state", "zeros"),
+        p.update(conv_x_bias=const((G, H, P), heads, "zeros"),
+                 conv_b_bias=const((G, N), "ssm_groups ssm_state", "zeros"),
                  conv_c_bias=const((G, N), "ssm_groups ssm_state", "zeros"))
     if m.proj_bias:
         p.update(z_bias=const((G, H, P), heads, "zeros"), x_bias=const((G, H, P), heads, "zeros"),
@@ -134,19 +150,21 @@ def mixer(p: dict, h: Named, m: Mamba2, segments: Named | None = None) -> Named:
     refuse_split_sequence(h)
     if segments is not None:
         refuse_split_sequence(segments, "mamba2 segments")
+    if m.in_scale != 1:
+        h = h * m.in_scale
 
-    def proj(name: str, out: str, bias: str) -> Named:
+    def proj(name: str, out: str, bias: str, scale: float) -> Named:
         y = ops.einsum(f"batch seq hidden, hidden {out} -> batch seq {out}", h, p[name])
-        return y + p[bias] if bias in p else y
-    z = proj("z_proj", f"{HEADS} ssm_head_dim", "z_bias")
-    x = proj("x_proj", f"{HEADS} ssm_head_dim", "x_bias")
-    b = proj("b_proj", "ssm_groups ssm_state", "b_bias")
-    c = proj("c_proj", "ssm_groups ssm_state", "c_bias")
-    dt = proj("dt_proj", HEADS, "dt_proj_bias")
+        y = y + p[bias] if bias in p else y
+        return y if scale == 1 else y * scale
+    z, x, b, c, dt = (proj(name, out, bias, scale) for (name, out, bias), scale in zip((
+        ("z_proj", f"{HEADS} ssm_head_dim", "z_bias"), ("x_proj", f"{HEADS} ssm_head_dim", "x_bias"),
+        ("b_proj", "ssm_groups ssm_state", "b_bias"), ("c_proj", "ssm_groups ssm_state", "c_bias"),
+        ("dt_proj", HEADS, "dt_proj_bias")), m.part_scales))
     x, b, c = (ops.silu(causal_conv(v, p[f"conv_{k}"], p.get(f"conv_{k}_bias"), segments))
                for v, k in ((x, "x"), (b, "b"), (c, "c")))
     y = scan(x, dt, b, c, p["A_log"], p["D"], p["dt_bias"], m, segments)
-    y = gated_norm(y, z, p["norm"], m.eps)
+    y = gated_norm(y, z, p.get("norm"), m.eps, m.norm)
     out = ops.einsum(f"{X}, {HEADS} ssm_head_dim hidden -> batch seq hidden", y, p["out_proj"])
     return out + p["out_bias"] if "out_bias" in p else out
 
@@ -220,8 +238,9 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
     seg = ops.exp(ops.where(_tril(L, 0, "ssd_pos", "ssd_src", dev),
                             acum - ops.rename(acum, ssd_pos="ssd_src"), -math.inf))
     if segments is not None:        # (document ids per chunk and position; the padding's: the last one's)
-        ids = chunked(segments) if not pad else ops.split_dim(ops.concat(
-            [segments] + [ops.slice_dim(segments, "seq", S - 1, S)] * pad, "seq"), "seq", {"ssd_chunk": n, "ssd_pos": L})
+        last_id = ops.slice_dim(segments, "seq", S - 1, S)
+        ids = ops.split_dim(ops.concat([segments] + [last_id] * pad, "seq") if pad else segments, "seq",
+                            {"ssd_chunk": n, "ssd_pos": L})
         seg = seg * _same(ids, ops.rename(ids, ssd_pos="ssd_src"), wide)
         end, start = ops.take(ids, "ssd_pos", L - 1), ops.take(ids, "ssd_pos", 0)
     scores = ops.einsum("batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk ssd_src ssm_groups ssm_state "
@@ -257,9 +276,15 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
     return y + x * d.astype(wide)
 
 
-def gated_norm(y: Named, z: Named, weight: Named, eps: float) -> Named:
-    """transformers' ``MambaRMSNormGated``: ``y * silu(z)`` RMS-normed over each group of heads
-    (``ssm_group_heads x ssm_head_dim``), in float32 for 16-bit inputs, times ``weight``."""
+def gated_norm(y: Named, z: Named, weight: Named | None, eps: float, norm: str = "gated") -> Named:
+    """transformers' ``MambaRMSNormGated`` (``norm`` "gated"): ``y * silu(z)`` RMS-normed over each
+    group of heads (``ssm_group_heads x ssm_head_dim``), in float32 for 16-bit inputs, times
+    ``weight``; "before_gate": ``norm(y) * weight * silu(z)``; "none": ``y * silu(z)``."""
     wide = torch.float32 if z.data.dtype in (torch.float16, torch.bfloat16) else z.data.dtype
-    g = y.astype(wide) * ops.silu(z.astype(wide))
-    return ops.rms_norm(g, dim=("ssm_group_heads", "ssm_head_dim"), eps=eps).astype(z.data.dtype) * weight
+    gate = ops.silu(z.astype(wide))
+    if norm == "none":
+        return (y.astype(wide) * gate).astype(z.data.dtype)
+    group = ("ssm_group_heads", "ssm_head_dim")
+    if norm == "before_gate":
+        return ((ops.rms_norm(y.astype(wide), dim=group, eps=eps) * weight) * gate).astype(z.data.dtype)
+    return ops.rms_norm(y.astype(wide) * gate, dim=group, eps=eps).astype(z.data.dtype) * weight

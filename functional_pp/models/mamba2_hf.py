@@ -9,22 +9,25 @@ from __future__ import annotations
 _M = "model.layers.{i}.mamba"
 _OURS = "layers.{i}.mamba"
 
+PROJECTIONS = ("z_proj", "x_proj", "b_proj", "c_proj", "dt_proj")
+"""The parts of ``in_proj`` along its rows, in order (our parameters' names, and the parts' in the table)."""
+
 TABLE: tuple[tuple[str, str, str], ...] = (
-    *((f"{_M}.in_proj_{part}.weight", f"{_OURS}.{ours}", "flat_out")
-      for part, ours in (("z", "z_proj"), ("x", "x_proj"), ("b", "b_proj"), ("c", "c_proj"), ("dt", "dt_proj"))),
-    *((f"{_M}.conv1d_{part}.weight", f"{_OURS}.conv_{part}", "conv_taps") for part in "xbc"),
-    *((f"{_M}.conv1d_{part}.bias", f"{_OURS}.conv_{part}_bias", "flat") for part in "xbc"),
+    *((f"{_M}.{part}.weight", f"{_OURS}.{part}", "flat_out") for part in PROJECTIONS),
+    *((f"{_M}.conv_{part}.weight", f"{_OURS}.conv_{part}", "conv_taps") for part in "xbc"),
+    *((f"{_M}.conv_{part}.bias", f"{_OURS}.conv_{part}_bias", "flat") for part in "xbc"),
     (f"{_M}.A_log", f"{_OURS}.A_log", "flat"), (f"{_M}.D", f"{_OURS}.D", "flat"),
     (f"{_M}.dt_bias", f"{_OURS}.dt_bias", "flat"), (f"{_M}.norm.weight", f"{_OURS}.norm", "flat"),
     (f"{_M}.out_proj.weight", f"{_OURS}.out_proj", "flat_in"),
 )
 """``(HF name, our path, kind)`` of a Mamba2 mixer's parameters; the parts of the fused tensors under
-names of their own (``in_proj_z``, ``conv1d_x``, ...) that :func:`fused` joins."""
+our names (``z_proj``, ``conv_x``, ...), which :func:`fused` joins (and a LoRA target ``in_proj`` is
+read as its parts, as Phi-3's ``qkv_proj``)."""
 
 
 def fused(prefix: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The fused tensors of a mixer whose files name it ``prefix`` (after the family's renames, e.g.
     ``backbone.layers.{i}.mixer``): each with its parts' names in order along its rows."""
-    return ((f"{prefix}.in_proj.weight", tuple(f"{prefix}.in_proj_{p}.weight" for p in ("z", "x", "b", "c", "dt"))),
-            (f"{prefix}.conv1d.weight", tuple(f"{prefix}.conv1d_{p}.weight" for p in "xbc")),
-            (f"{prefix}.conv1d.bias", tuple(f"{prefix}.conv1d_{p}.bias" for p in "xbc")))
+    return ((f"{prefix}.in_proj.weight", tuple(f"{prefix}.{p}.weight" for p in PROJECTIONS)),
+            (f"{prefix}.conv1d.weight", tuple(f"{prefix}.conv_{p}.weight" for p in "xbc")),
+            (f"{prefix}.conv1d.bias", tuple(f"{prefix}.conv_{p}.bias" for p in "xbc")))

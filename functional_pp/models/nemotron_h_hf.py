@@ -17,7 +17,8 @@ import torch
 
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "DEFAULTS", "RENAMED", "MODULE_NAMES", "IGNORED", "config_from_hf", "config_to_hf", "check_exportable"]
+__all__ = ["ARCHITECTURES", "DEFAULTS", "RENAMED", "MODULE_NAMES", "IGNORED", "config_from_hf", "config_to_hf",
+           "check_exportable"]
 
 ARCHITECTURES: dict[str, str] = {"nemotron_h": "NemotronHForCausalLM"}
 

@@ -1,8 +1,9 @@
 """The functional Mamba2 mixer (models/mamba2.py) against transformers' ``NemotronHMamba2Mixer``
 (its ``torch_forward`` path: in_proj split into z / xBC / dt, the causal depthwise conv1d, the
 chunked SSD scan, the gated RMSNorm over groups, out_proj): fp64 outputs and every gradient, with
-several chunks and a padded last chunk; packed documents each as alone; the same under tensor parallelism sharding the groups
-with their heads, or the heads of each group, on simulated devices; a sequence split over cp refused."""
+several chunks and a padded last chunk; packed documents each as alone; the same under tensor
+parallelism sharding the groups with their heads, or the heads of each group, on simulated devices;
+a sequence split over cp refused."""
 import math
 
 import pytest

@@ -133,7 +133,7 @@ def test_config_refuses_cp_before_any_work(hf_dir):
     base = dict(base_model=str(hf_dir), datasets=[{"path": "x.jsonl", "type": "completion"}], micro_batch_size=1)
     with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: .*whole sequence.*set it to 1"):
         model_config(TrainConfig.from_dict({**base, "context_parallel_size": 2}, name="t"))
-    assert model_config(TrainConfig.from_dict(base, name="t")).mamba_heads == 8      # (packed rows: each document alone)
+    assert model_config(TrainConfig.from_dict(base, name="t")).mamba_heads == 8     # (packing: each document alone)
 
 
 def test_packed_documents_each_as_alone_and_under_fsdp_tp_sp(hf_dir):
