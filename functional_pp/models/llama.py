@@ -439,6 +439,15 @@ class Config:
 
     def _check_blocks(self) -> None:
         """Refuse (naming the field) ``layer_blocks`` / Mamba2 settings this decoder cannot run."""
+        parallel = self.layer_blocks is not None and any("|" in b for b in self.layer_blocks)
+        unused = [f"{k}={getattr(self, k)}" for k in ("attn_in_multiplier", "attn_out_multiplier", "mamba_out_multiplier")
+                  if getattr(self, k) != 1 and not parallel]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: these multipliers act in layers of mamba2|attention+mlp blocks "
+                             f"(Falcon-H1), which this config has none of; set them to 1")
+        if self.experts and (self.mlp_gate_multiplier != 1 or self.mlp_down_multiplier != 1):
+            raise ValueError("mlp_gate_multiplier / mlp_down_multiplier with experts is not supported (they scale "
+                             "the dense MLP only); set them to 1")
         if self.layer_blocks is None:
             if self.mamba_heads:
                 raise ValueError(f"mamba_heads={self.mamba_heads} needs layer_blocks naming the Mamba2 layers "
@@ -1015,9 +1024,9 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
 
 def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None,
                   window: int | None, chunk: int | None, kv: tuple[Named, Named] | None) -> Named:
-    """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention or
-    Mamba2) and / or its MLP, each after its norm (the first block's ``input_layernorm``), added to
-    the residual stream."""
+    """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention,
+    Mamba2, or both in parallel from one norm, each times its multipliers) and / or its MLP, each
+    after its norm (the first block's ``input_layernorm``), added to the residual stream."""
     if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
         h = attention_input(p, x, cfg)
         a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
@@ -1097,8 +1106,8 @@ def _refuse_unshared(cfg: Config, cache) -> None:
         raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
                          f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
     if cfg.mamba_heads and cache is not None:
-        raise ValueError("sampling with a key / value cache does not support Mamba2 layers (their recurrent state "
-                         "and convolution window are not cached); generate without the cache")
+        raise ValueError("sampling (generate) with Mamba2 layers is not supported yet: it needs their recurrent "
+                         "state and convolution window cached beside the keys and values")
     if cfg.kv_shared_layers and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support kv_shared_layers="
                          f"{cfg.kv_shared_layers} (keys and values shared across layers) yet")

@@ -161,6 +161,23 @@ def test_packed_documents_each_as_alone_and_under_fsdp_tp_sp(hf_dir):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, path=path: f"{path}: {m}")
 
 
+def test_flops_count_each_layers_blocks(hf_dir):
+    """The hybrid's training FLOPs are its layers' blocks': attention + MLP layers count as Llama's,
+    a Mamba2 layer as its mixer's (models/mamba2.py), an MLP layer as the MLP alone."""
+    import dataclasses
+
+    from functional_pp.models import mamba2
+    cfg = hf.config_from_hf(hf_dir)                          # mamba2, attention, mlp, mamba2
+    full = dataclasses.replace(cfg, layer_blocks=None, mamba_heads=0)
+    as_blocks = dataclasses.replace(cfg, layer_blocks=("attention+mlp",) * cfg.layers)
+    assert llama.flops_per_token(as_blocks, 12) == llama.flops_per_token(full, 12)
+    head = 2 * cfg.hidden * cfg.vocab                       # (forward FLOPs per token below; training 3x)
+    layer = (llama.flops_per_token(full, 12) / 3 - head) / cfg.layers      # attention + MLP
+    mlp = 2 * 2 * cfg.hidden * cfg.mlp                       # (up and down: not gated)
+    want = 3 * (2 * mamba2.flops_per_token(cfg.mamba, cfg.hidden) + (layer - mlp) + mlp + head)
+    assert llama.flops_per_token(cfg, 12) == pytest.approx(want)
+
+
 def test_refused_by_name(hf_dir):
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
@@ -169,12 +186,15 @@ def test_refused_by_name(hf_dir):
     from functional_pp.models import sampling
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))
-    with pytest.raises(ValueError, match="key / value cache does not support Mamba2 layers"):
+    with pytest.raises(ValueError, match=r"sampling \(generate\) with Mamba2 layers is not supported yet"):
         sampling.generate(lambda p, t: llama.forward(p, t, cfg), named, batch["tokens"][:, :4], max_new_tokens=2)
     with pytest.raises(Exception, match="layers_block_type=moe is not supported.*'E' in hybrid_override_pattern"):
         hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "layers_block_type": None,
                            "hybrid_override_pattern": "M*E-"})
     with pytest.raises(Exception, match="residual_in_fp32=True is not supported"):
         hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "residual_in_fp32": True})
+    with pytest.raises(ValueError, match=r"attn_in_multiplier=2.0: these multipliers act in layers of "
+                                         r"mamba2\|attention\+mlp blocks"):
+        llama.Config.tiny(attn_in_multiplier=2.0)
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
         hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "n_groups": 3})
