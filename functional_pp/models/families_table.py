@@ -112,7 +112,7 @@ ROWS: tuple[Row, ...] = (
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
-                         "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads with their groups), "
+                         "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads), "
                          "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; packed "
                          "documents each with its own state; pipelines split the layers as any others",
         "Nemotron 3's experts (`E` layers), CP and key / value-cache sampling of the Mamba2 layers (refused by "

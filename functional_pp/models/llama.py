@@ -1161,12 +1161,12 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
     """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
     (load-balanced for causal attention; the residual stream's res_seq inherits it),
-    heads/kv_heads/mlp/vocab (and Mamba2's groups of heads) over tp, FSDP over dp_shard x cp along hidden."""
+    heads/kv_heads/mlp/vocab (and Mamba2's heads) over tp, FSDP over dp_shard x cp along hidden."""
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", ssm_groups="tp",      # (Mamba2: heads by group,
-                     ssm_group_heads=None)                                          # a group's heads whole)
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp",      # (Mamba2: each group's heads, whatever
+                     ssm_group_heads="tp", ssm_groups=None)          # n_groups, even 1; ssm_groups="tp" where it divides)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:

@@ -5,10 +5,11 @@ transformers' ``torch_forward`` path (``NemotronHMamba2Mixer``, ``Mamba2Mixer``)
 The input projection is one parameter per role (HF fuses them in ``in_proj``: gate z, x, B, C,
 dt, in that order along its rows), so every head's weights carry their dimensions by name:
 heads are ``ssm_groups x ssm_group_heads`` (the heads sharing one group's B and C), each of
-``ssm_head_dim`` entries; B and C are ``ssm_groups x ssm_state``. A rule ``ssm_groups="tp"``
-shards the heads together with their groups (tensor parallelism without communication inside
-the mixer: the out projection's partial sums complete as attention's do); ``ssm_group_heads="tp"``
-shards the heads of each group (the gated norm, over a group, then sums across devices).
+``ssm_head_dim`` entries; B and C are ``ssm_groups x ssm_state``. A rule ``ssm_group_heads="tp"``
+(``llama.default_rules``) shards the heads of each group, whatever ``n_groups`` (the gated norm,
+over a group, then sums across devices; B and C whole on each); ``ssm_groups="tp"`` shards whole
+groups with their heads where ``n_groups`` divides (no communication inside the mixer). Either way
+the out projection's partial sums complete as attention's do.
 
 The causal depthwise convolution and the chunked scan are written from the public ops
 (slices, a cumulative sum, einsums with masks), so their gradients are autograd's. The scan needs

@@ -28,14 +28,15 @@ CONFIG = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention
               mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=1.2,
               attention_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.1,
               ssm_out_multiplier=0.7, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-NORMS = {"none": dict(mamba_rms_norm=False), "before_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True),
+NORMS = {"none": dict(mamba_rms_norm=False, mamba_n_groups=1),          # (one group, as the published ones)
+         "before_gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=True),
          "gated": dict(mamba_rms_norm=True, mamba_norm_before_gate=False)}
 
 
 @pytest.fixture(scope="module", params=sorted(NORMS))
 def hf_dir(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**CONFIG, **NORMS[request.param]))
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{**CONFIG, **NORMS[request.param]}))
     with torch.no_grad():                       # the scan's and the norms' parameters off their initial values
         for n, p in model.named_parameters():
             if n.endswith(("A_log", "D", "dt_bias", "conv1d.bias")) or "norm" in n:

@@ -82,12 +82,14 @@ def test_fsdp_tp_sp_equals_one_device(hf_dir):
     assert_hf_layout_equals_one_device(hf_dir, "fsdp_tp_sp")
 
 
-def test_tp_over_the_heads_of_each_group_equals_one_device(hf_dir):
+def test_tp_over_the_groups_with_their_heads_equals_one_device(hf_dir):
+    """``ssm_groups="tp"`` (whole groups per device: no all-reduce in the gated norm; the default
+    rules shard each group's heads, which works for any n_groups)."""
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=12, seed=4)
     one = parallel(cfg, params, batch, fpp.Mesh(), fpp.Rules())[0]
     rules = fpp.Rules(batch=("dp_replicate", "dp_shard"), heads="tp", kv_heads="tp", mlp="tp", vocab="tp",
-                      ssm_group_heads="tp")
+                      ssm_groups="tp", ssm_group_heads=None)
     two = parallel(cfg, params, batch, fpp.Mesh(tp=2), rules)[0]
     torch.testing.assert_close(two[0], one[0], rtol=1e-10, atol=1e-12)
     for (p, a), (_, b) in zip(tree.leaves_with_paths(two[1]), tree.leaves_with_paths(one[1])):
