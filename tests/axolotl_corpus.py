@@ -149,7 +149,17 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                            linear_value_head_dim=64, layer_types=["linear_attention", "full_attention"],
                            pad_token_id=None, bos_token_id=None, eos_token_id=None)),
            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-           "shared_expert_intermediate_size": 64})}
+           "shared_expert_intermediate_size": 64}),
+       # (Falcon-H1: a Mamba2 mixer of 8 heads of 64 in 2 groups beside attention in each layer)
+       "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {
+           "head_dim": 64, "mamba_d_ssm": 512, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+           "mamba_chunk_size": 32, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+       # (Granite 4 tiny's layout: a Mamba2 layer, then an attention one, experts and the shared MLP, NoPE)
+       "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+           "layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "intermediate_size": 32, "shared_intermediate_size": 128, "mamba_n_heads": 16, "mamba_n_groups": 2,
+           "mamba_d_state": 16, "mamba_chunk_size": 32, "position_embedding_type": None, "pad_token_id": None,
+           "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
 #: 26B-A4B (experts beside the MLP: enable_moe_block) the same with experts

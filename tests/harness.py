@@ -1,6 +1,8 @@
 """Shared oracle machinery: run a named-axis loss on one device and under a layout."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import functional_pp as fpp
@@ -120,6 +122,20 @@ def nan_on_second_call(loss_fn):
         loss = loss_fn(params, batch)
         return loss * float("nan") if calls["n"] == 2 else loss
     return wrapped
+
+
+@contextlib.contextmanager
+def hf_scan_in_fp64():
+    """transformers' Mamba2 scan and gated norm cast to float32 (``.float()``, ``.to(torch.float32)``):
+    kept in float64 inside this context, so a float64 model of a hybrid family is an oracle to
+    float64 rounding (with the casts: ~1e-6)."""
+    real_float, real_to = torch.Tensor.float, torch.Tensor.to
+    torch.Tensor.float = lambda t: t if t.dtype == torch.float64 else real_float(t)
+    torch.Tensor.to = lambda t, *a, **kw: t if t.dtype == torch.float64 and a == (torch.float32,) else real_to(t, *a, **kw)
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = real_float, real_to
 
 
 def fp64_beside_hf(hf_dir, hf_class: str = "AutoModelForCausalLM", **load_kw):
@@ -290,10 +306,10 @@ def run_lora_config(out):
     return adapters.LoraConfig(**meta["lora"])
 
 
-def assert_lora_step_equals_peft(model, hf_dir, targets, count: int | None = None) -> None:
+def assert_lora_step_equals_peft(model, hf_dir, targets, count: int | None = None, layers: int | None = None) -> None:
     """LoRA (r 4, B random and nonzero) on ``targets`` of transformers' ``model`` (loaded from
     ``hf_dir``): our loss and every adapter gradient of one step equal peft's; ``count``: how many
-    adapter tensors that makes (default: every target in every layer)."""
+    adapter tensors that makes (default: every target in each of ``layers``, default every layer)."""
     import peft
     import torch.nn.functional as F
 
@@ -318,7 +334,7 @@ def assert_lora_step_equals_peft(model, hf_dir, targets, count: int | None = Non
     torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
     grads = peft_dir.to_peft(ours[1], cfg.model_type)    # (Mistral Small 4: its shared expert's names)
     want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert grads.keys() == want.keys() and len(want) == (count or 2 * len(targets) * cfg.layers)
+    assert grads.keys() == want.keys() and len(want) == (count or 2 * len(targets) * (layers or cfg.layers))
     for k in want:
         assert want[k].abs().max() > 0, k
         torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")

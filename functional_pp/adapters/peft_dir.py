@@ -17,7 +17,7 @@ import torch
 from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.adapters.peft_fused import model_type_of, part_names
-from functional_pp.models.llama_hf import hf_name, renamed
+from functional_pp.models.llama_hf import hf_name, module_renamed
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -36,7 +36,7 @@ def module_name(path: str, model_type: str = "llama") -> str:
                          f"(functional-pp export, docs/adapters.md)")
     if name is None or not name.endswith(".weight"):
         raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")
-    return renamed(path, model_type)[:-len(".weight")]
+    return module_renamed(path, model_type)[:-len(".weight")]
 
 
 def to_peft(lora: dict, model_type: str = "llama") -> dict[str, torch.Tensor]:

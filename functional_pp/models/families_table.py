@@ -129,6 +129,23 @@ ROWS: tuple[Row, ...] = (
         "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
         f"export of adapters on Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (export merged); image input; "
         f"{_EXPERT_PEFT}"),
+    Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
+                         "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads), "
+                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; packed "
+                         "documents each with its own state; pipelines split the layers as any others",
+        "Nemotron 3's experts (`E` layers), CP and key / value-cache sampling of the Mamba2 layers (refused by "
+        "name)"),
+    Row(("falcon_h1",), "a hybrid: a Mamba2 mixer and attention in parallel from one norm in every layer, then a "
+                        "SwiGLU MLP; its muP multipliers (embedding, the mixer's input / projections / output, the "
+                        "attention's input / output, keys, the MLP's gate and output, logits); the mixer's output "
+                        "gated without a norm or normed before or after the gate; LoRA on the fused `in_proj` as adapters of its "
+                        "parts, exported as one PEFT adapter",
+        "CP and key / value-cache sampling of the Mamba2 layers (refused by name)"),
+    Row(("granitemoehybrid",), "a hybrid: Granite's layers and multipliers whose token mixer is a Mamba2 mixer "
+                               "(`layer_types` `mamba`) or attention, then the shared MLP (`shared_mlp`) and, with "
+                               "`num_local_experts`, Granite MoE's experts; the rotary only with "
+                               "`position_embedding_type: rope`",
+        f"CP and key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

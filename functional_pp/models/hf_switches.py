@@ -24,8 +24,11 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False,
-                             residual_dropout=0.0)
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, residual_dropout=0.0, layer_blocks=None,
+                             mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
+                             mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
+                             attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
+                             mlp_down_multiplier=1.0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -687,9 +690,7 @@ SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/shor
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("falcon_h1", "Falcon-H1"), ("granitemoehybrid", "Granite 4 (hybrid)"), ("jamba", "Jamba"),
-        ("nemotron_h", "Nemotron-H"), ("kimi_linear", "Kimi-Linear"),
-        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("jamba", "Jamba"), ("kimi_linear", "Kimi-Linear"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (

@@ -27,7 +27,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import dropout_seeds, gated_deltanet, kv_cache, mla, moe, per_layer_inputs, short_conv, temperature
+from functional_pp.models import (dropout_seeds, gated_deltanet, kv_cache, mamba2, mla, moe, per_layer_inputs,
+                                   short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -35,6 +36,11 @@ from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND)
+LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp")
+"""A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
+residual stream: Llama's attention then MLP; a Mamba2 mixer (models/mamba2.py) where attention is;
+a Mamba2 mixer and attention in parallel from one norm (Falcon-H1); or one block alone
+(Nemotron-H's layers)."""
 
 
 _SCALINGS = {"llama3": Llama3Scaling, "longrope": LongRopeScaling, "linear": LinearScaling, "yarn": YarnScaling,
@@ -118,7 +124,7 @@ class Config:
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
     # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
-    # positions (conv_L_cache; models/short_conv.py), not attention
+    # positions (conv_L_cache; models/short_conv.py), not attention; also Mamba2's conv1d width (d_conv)
     conv_kernel: int = 3
     # MPT's ALiBi (alibi_bias_max): the attention scores plus a per-head slope times the key's
     # distance (ops.attention's alibi_max); no rotary then
@@ -281,8 +287,36 @@ class Config:
     num_labels: int = 1
     score_bias: bool = False
     pad_token_id: int | None = None
+    # hybrids of attention and state-space layers: each layer's blocks (an entry of LAYER_BLOCKS; None:
+    # attention+mlp in every layer) and the Mamba2 mixers' shape (models/mamba2.py: mamba_num_heads,
+    # mamba_head_dim, n_groups, ssm_state_size, conv_kernel, chunk_size, time_step_limit (None: no limit),
+    # use_conv_bias, use_bias)
+    layer_blocks: tuple[str, ...] | None = None
+    mamba_heads: int = 0
+    mamba_head_dim: int = 64
+    mamba_groups: int = 1
+    ssm_state: int = 128               # (its conv1d's width: conv_kernel, above, as LFM2's)
+    mamba_chunk: int = 128
+    mamba_dt_limit: tuple[float, float] | None = None
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    # Falcon-H1's muP multipliers: the Mamba2 mixer's input (ssm_in_multiplier), its projections z, x, B, C,
+    # dt (ssm_multipliers; None: 1s), its output (ssm_out_multiplier), the attention's input and output
+    # (attention_in / out_multiplier), the keys (key_multiplier), the MLP's gate before its activation and its
+    # output (mlp_multipliers); the mixer's output norm (models/mamba2.py's NORMS: Falcon-H1's mamba_rms_norm
+    # false is "none", its mamba_norm_before_gate "before_gate")
+    mamba_in_multiplier: float = 1.0
+    mamba_part_multipliers: tuple[float, ...] | None = None
+    mamba_out_multiplier: float = 1.0
+    mamba_norm: str = "gated"
+    attn_in_multiplier: float = 1.0
+    attn_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
+        self._check_blocks()
         if self.score_head not in (None, "sequence", "token"):
             raise ValueError(f"score_head: {self.score_head!r} is not one of sequence, token (or None: the LM head)")
         if self.num_labels < 1:
@@ -431,6 +465,60 @@ class Config:
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
                              "to null")
 
+    def _check_blocks(self) -> None:
+        """Refuse (naming the field) ``layer_blocks`` / Mamba2 settings this decoder cannot run."""
+        parallel = self.layer_blocks is not None and any("|" in b for b in self.layer_blocks)
+        unused = [f"{k}={getattr(self, k)}" for k in ("attn_in_multiplier", "attn_out_multiplier", "mamba_out_multiplier")
+                  if getattr(self, k) != 1 and not parallel]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: these multipliers act in layers of mamba2|attention+mlp blocks "
+                             f"(Falcon-H1), which this config has none of; set them to 1")
+        if self.experts and (self.mlp_gate_multiplier != 1 or self.mlp_down_multiplier != 1):
+            raise ValueError("mlp_gate_multiplier / mlp_down_multiplier with experts is not supported (they scale "
+                             "the dense MLP only); set them to 1")
+        if self.layer_blocks is None:
+            if self.mamba_heads:
+                raise ValueError(f"mamba_heads={self.mamba_heads} needs layer_blocks naming the Mamba2 layers "
+                                 f"(entries of {', '.join(LAYER_BLOCKS)})")
+            return
+        blocks = tuple(self.layer_blocks)
+        object.__setattr__(self, "layer_blocks", blocks)
+        for key in ("mamba_dt_limit", "mamba_part_multipliers"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(float(v) for v in getattr(self, key)))
+        bad = sorted(set(blocks) - set(LAYER_BLOCKS))
+        if bad:
+            raise ValueError(f"layer_blocks: unknown entries {bad}; known: {', '.join(LAYER_BLOCKS)}")
+        if len(blocks) != self.layers:
+            raise ValueError(f"layer_blocks has {len(blocks)} entries for {self.layers} layers")
+        if any("mamba2" in b for b in blocks):
+            if self.mamba_heads < 1:
+                raise ValueError("layer_blocks has mamba2 layers but mamba_heads is 0 (set mamba_num_heads)")
+            self.mamba                               # (its own checks: groups dividing the heads, ...)
+        other = [k for k, v in (("parallel_block", self.parallel_block),
+                                ("sandwich_norms", self.sandwich_norms), ("per_layer_input", self.per_layer_input),
+                                ("kv_shared_layers", self.kv_shared_layers), ("kv_lora_rank", self.kv_lora_rank),
+                                ("pre_norms=False", not self.pre_norms)) if v]
+        if other:
+            raise ValueError(f"layer_blocks with {', '.join(other)} is not supported (a hybrid's layers are "
+                             f"pre-norm blocks of attention, Mamba2 or a dense MLP)")
+
+    @property
+    def mamba(self) -> mamba2.Mamba2 | None:
+        """The Mamba2 mixers' shape (None: no Mamba2 layers)."""
+        if not self.mamba_heads:
+            return None
+        return mamba2.Mamba2(heads=self.mamba_heads, head_dim=self.mamba_head_dim, groups=self.mamba_groups,
+                             state=self.ssm_state, conv_kernel=self.conv_kernel, chunk=self.mamba_chunk,
+                             dt_limit=self.mamba_dt_limit or (0.0, math.inf), eps=self.norm_eps,
+                             conv_bias=self.mamba_conv_bias, proj_bias=self.mamba_proj_bias,
+                             in_scale=self.mamba_in_multiplier, part_scales=self.mamba_part_multipliers or (1.0,) * 5,
+                             norm=self.mamba_norm)
+
+    def blocks(self, layer: int) -> tuple[str, ...]:
+        """Layer ``layer``'s blocks in order (``("attention", "mlp")`` where ``layer_blocks`` is None)."""
+        return tuple((self.layer_blocks[layer] if self.layer_blocks is not None else "attention+mlp").split("+"))
+
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer``'s attention applies the rotary (False: a NoPE layer, or learned positions)."""
         return (not self.learned_positions and self.alibi_max is None
@@ -537,6 +625,8 @@ class Config:
         d = asdict(self)
         d["rope_scaling"] = _scaling_to_dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
+        for key in ("layer_blocks", "mamba_dt_limit", "mamba_part_multipliers"):
+            d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         for key in ("moe_layers", "nope_layers"):
             d[key] = list(getattr(self, key)) if getattr(self, key) is not None else None
         return d
@@ -734,6 +824,18 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             p.update(per_layer_inputs.init_layer(cfg, w, norm, out_std))
         if cfg.layer_scalar:                       # (Gemma 4: a fixed scalar of the files, 1 at init)
             p["layer_scalar"] = param((), (), init="ones", dtype=dtype)
+        blocks = cfg.blocks(i)
+        if blocks != ("attention", "mlp"):         # a hybrid's layer: its blocks, a norm before each
+            q = {"input_layernorm": p["input_layernorm"]}
+            if "attention" in blocks[0].split("|"):
+                q["self_attn"] = p["self_attn"]
+            if "mamba2" in blocks[0].split("|"):
+                q["mamba"] = mamba2.init(cfg.mamba, cfg.hidden, dtype, std, out_std)
+            if len(blocks) == 2:
+                q["post_attention_layernorm"] = p["post_attention_layernorm"]
+            if blocks[-1] == "mlp":
+                q["mlp"] = p["mlp"]
+            p = q
         return with_biases(p)
 
     layers = [layer(i) for i in range(cfg.layers)]
@@ -814,6 +916,8 @@ def _prepared(a: dict, role: str, x: Named, pos: Named | None, cfg: Config, wind
         x = ops.rms_norm(x.astype(wide), dim="head_dim", eps=cfg.norm_eps).astype(x.data.dtype)
     if cfg.qkv_bias:
         x = x + a[f"{role}_bias"]
+    if role == "k" and cfg.key_multiplier != 1:          # (Falcon-H1: the keys times key_multiplier)
+        x = x * cfg.key_multiplier
     if role != "v" and cfg.qk_norm and not cfg.qk_norm_after_rotary:     # per head, over head_dim
         x = _qk_norm(a, role, x, cfg)
     if cfg.clip_qkv is not None:       # (DBRX, OLMoE after its q/k norms: each entry clamped, its gradient 0 outside)
@@ -944,12 +1048,15 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None, seed: int | Non
     if "up_bias" in m:
         up = up + m["up_bias"]
     if cfg.mlp_gated:
-        act = _GATES[cfg.mlp_act](ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"]), up)
+        gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+        act = _GATES[cfg.mlp_act](gate if cfg.mlp_gate_multiplier == 1 else gate * cfg.mlp_gate_multiplier, up)
     elif cfg.mlp_act == "xielu":                          # Apertus: its two scalars per layer
         act = ops.xielu(up, m["act_alpha_p"], m["act_alpha_n"], beta=XIELU_BETA, eps=XIELU_EPS)
     else:                                                 # Phi-1/2: down(act(up(x)))
         act = _ACTS[cfg.mlp_act](up)
     out = ops.rename(ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, m["down_proj"]), seq="res_seq")
+    if cfg.mlp_down_multiplier != 1:                      # (Falcon-H1)
+        out = out * cfg.mlp_down_multiplier
     if "down_bias" in m:                                  # (after the TP partial sums are combined)
         out = out + m["down_bias"]
     out = _dropped(out, cfg, seed, dropout_seeds.MLP_OUT)
@@ -970,6 +1077,8 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
+    if "mamba" in p or (cfg.layer_blocks is not None and ("self_attn" not in p or "mlp" not in p)):   # (cfg.layer_blocks)
+        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv)
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
@@ -995,6 +1104,35 @@ def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Nam
         out = gated_deltanet.mixer(p["linear_attn"], attention_input(p, x, cfg), cfg, segments)
         return ops.rename(out, seq="res_seq")             # sequence parallelism: reduce-scatter
     return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed)
+
+
+def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None,
+                  window: int | None, chunk: int | None, kv: tuple[Named, Named] | None) -> Named:
+    """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention,
+    Mamba2, or both in parallel from one norm, each times its multipliers) and / or its MLP, each
+    after its norm (the first block's ``input_layernorm``), added to the residual stream."""
+    if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
+        h = attention_input(p, x, cfg)
+        a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
+                       window, chunk, kv)
+        m = ops.rename(mamba2.mixer(p["mamba"], h, cfg.mamba, segments), seq="res_seq")
+        a = a if cfg.attn_out_multiplier == 1 else a * cfg.attn_out_multiplier
+        x = ops.realized(x + _residual(a + (m if cfg.mamba_out_multiplier == 1 else m * cfg.mamba_out_multiplier), cfg))
+    elif "self_attn" in p:
+        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
+    elif "mamba" in p:
+        x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
+    if "mlp" in p:
+        h = norm_at(p, "post_attention_layernorm" if "post_attention_layernorm" in p else "input_layernorm", x, cfg)
+        x = ops.realized(x + _residual(_mlp(p, ops.rename(h, res_seq="seq"), cfg), cfg))
+    return x
+
+
+def mamba_block(p: dict, x: Named, cfg: Config, segments: Named | None = None) -> Named:
+    """The Mamba2 branch of a layer (models/mamba2.py): the normed residual stream, its sequence
+    whole (sequence parallelism gathers it as for attention), through the mixer; ``segments``:
+    each packed document's state its own."""
+    return ops.rename(mamba2.mixer(p["mamba"], attention_input(p, x, cfg), cfg.mamba, segments), seq="res_seq")
 
 
 def _residual(branch: Named, cfg: Config) -> Named:
@@ -1054,6 +1192,9 @@ def _refuse_unshared(cfg: Config, cache) -> None:
     if what and current_stage() is not None:
         raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
                          f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
+    if cfg.mamba_heads and cache is not None:
+        raise ValueError("sampling (generate) with Mamba2 layers is not supported yet: it needs their recurrent "
+                         "state and convolution window cached beside the keys and values")
     if cfg.kv_shared_layers and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support kv_shared_layers="
                          f"{cfg.kv_shared_layers} (keys and values shared across layers) yet")
@@ -1107,11 +1248,13 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
 def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = False):
     """Rules for Accelerate-style meshes: batch over dp_replicate x dp_shard, seq over cp
     (load-balanced for causal attention; the residual stream's res_seq inherits it),
-    heads/kv_heads/mlp/vocab over tp, FSDP over dp_shard x cp along hidden."""
+    heads/kv_heads/mlp/vocab (and Mamba2's heads) over tp, FSDP over dp_shard x cp along hidden."""
     from functional_pp.core.layout import Rules, balanced, inherit
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
-        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", conv="tp", conv_gates=None, conv_kernel=None)
+        rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", conv="tp", conv_gates=None, conv_kernel=None,
+                     ssm_group_heads="tp", ssm_groups=None)   # (Mamba2: each group's heads, whatever n_groups, even 1;
+                                                              # ssm_groups="tp" where it divides)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:
@@ -1137,6 +1280,11 @@ def flops_per_token(cfg: Config, seq: int) -> float:
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     # Gemma 4 E2B / E4B's per-layer inputs: the projection of the embedding, each layer's gate and projection
     ple = 6 * cfg.hidden * cfg.per_layer_input * cfg.layers
+    if cfg.layer_blocks is not None:            # a hybrid: each layer's blocks (Mamba2's: models/mamba2.py)
+        block = {"attention": lambda i: proj + attn, "mlp": mlp,
+                 "mamba2": lambda i: mamba2.flops_per_token(cfg.mamba, cfg.hidden)}
+        return 3.0 * (sum(block[k](i) for i in range(cfg.layers) for b in cfg.blocks(i) for k in b.split("|"))
+                      + 2 * cfg.hidden * cfg.vocab + ple)
     if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
         def proj_attn(i: int) -> float:
             kv, d = cfg.attn_shape(i)
@@ -1165,10 +1313,12 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def whole_sequence(cfg: Config) -> str | None:
     """Why the sequence may not be split over devices (context parallelism): the layers that are a
-    recurrence along it (``layer_types``' linear_attention); None where every layer is attention."""
+    recurrence along it (``layer_types``' linear_attention, ``layer_blocks``' mamba2); None where every layer is attention."""
     linear = [i for i in range(cfg.layers) if cfg.layer_kind(i) == gated_deltanet.KIND]
-    return (f"layers {linear} are {gated_deltanet.KIND} (Gated DeltaNet), a recurrence along the whole sequence"
-            if linear else None)
+    scans = [i for i in range(cfg.layers) if any("mamba2" in b for b in cfg.blocks(i))]
+    why = ([f"layers {linear} are {gated_deltanet.KIND} (Gated DeltaNet)"] if linear else []) + (
+        [f"layers {scans} hold Mamba2 mixers (layer_blocks)"] if scans else [])
+    return f"{' and '.join(why)}, a recurrence along the whole sequence" if why else None
 
 
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, gemma4_hf, gpt_oss_hf, llama4_hf, qwen3_5_hf,
-                                  score_head)
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
+                                  granitemoehybrid_hf, llama4_hf, mamba2_hf, nemotron_h_hf, qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -163,6 +163,9 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", "copy"),
     ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm", "copy"),
     ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj", "heads_in"),
+    # a Mamba2 mixer (models/mamba2.py): in the files in_proj fuses z, x, B, C and dt along its rows and conv1d
+    # x, B and C (mamba2_hf.FUSED); the parts' names here are the table's own
+    *mamba2_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -256,6 +259,9 @@ FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
                  tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight" for x in "qkv")),)
+FUSED["nemotron_h"] = mamba2_hf.fused("backbone.layers.{i}.mixer")     # (names after RENAMED: in_proj, conv1d)
+FUSED["falcon_h1"] = mamba2_hf.fused("model.layers.{i}.mamba")
+FUSED["granitemoehybrid"] = FUSED["granitemoeshared"] + granitemoehybrid_hf.FUSED + mamba2_hf.fused("model.layers.{i}.mamba")
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
 # per model type, fused HF tensors (a pattern of the name) that hold their parts group by group, and the
@@ -265,7 +271,7 @@ HEAD_GROUPED: dict[str, tuple[tuple[str, str], ...]] = dict(qwen3_5_hf.HEAD_GROU
 _KIND_OVERRIDES: dict[str, dict[str, str]] = {
     **{mt: sw.kinds for mt, sw in SWITCHES.items()},
     "granitemoe": {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}}
-_KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoe"]
+_KIND_OVERRIDES["granitemoeshared"] = _KIND_OVERRIDES["granitemoehybrid"] = _KIND_OVERRIDES["granitemoe"]
 _KIND_OVERRIDES["gpt_oss"] = {"mlp.gate": "experts_alternating", "mlp.up": "experts_alternating", "mlp.down": "copy",
                               "mlp.expert_gate_bias": "alternating_rows", "mlp.expert_up_bias": "alternating_rows"}
 _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "experts_columns", "mlp.down": "copy"}
@@ -353,6 +359,7 @@ RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts
 RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
+RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one norm and mixer)
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
@@ -361,11 +368,27 @@ MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
-                                               **{mt: (_TOWERS,) for mt in MULTIMODAL}}
+                                               **{mt: (_TOWERS,) for mt in MULTIMODAL},
+                                               "nemotron_h": nemotron_h_hf.IGNORED}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
+RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
+RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
+
+
+MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES}
+"""Per model type, (pattern, replacement) from a tensor's name in the files to its module's name in
+transformers' model, where they differ (its load-time renames: Nemotron-H's ``backbone.`` is ``model.``)."""
+
+
+def module_renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None:
+    """The name in transformers' model (what peft names adapters by) of our tree path's tensor."""
+    name = renamed(path, model_type, cfg)
+    for pattern, repl in MODULE_NAMES.get(model_type, ()) if name is not None else ():
+        name = re.sub(pattern, repl, name)
+    return name
 
 
 def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None:
@@ -634,7 +657,63 @@ class _Along(_Copy):
         self.row_axis, self.alternating = row_axis, alternating
 
 
-KINDS: dict[str, _Kind] = {"copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
+class _FlatOut(_Kind):                 # ours [in, A, B, ...] = HF [A*B*..., in].T reshaped (a Mamba2 projection)
+    def hf_shape(self, shape):
+        return (math.prod(shape[1:]), shape[0])
+
+    def to_hf(self, t):
+        return t.reshape(t.shape[0], -1).T
+
+    def read(self, sl, region, shape):
+        rin, r0, *rest = region
+        inner = math.prod(shape[2:])
+        x = sl[r0.start * inner:r0.stop * inner, rin].T
+        return x.reshape(x.shape[0], r0.stop - r0.start, *shape[2:])[(slice(None), slice(None), *rest)]
+
+
+class _FlatIn(_Kind):                  # ours [A, B, ..., out] = HF [out, A*B*...].T reshaped (Mamba2's out_proj)
+    def hf_shape(self, shape):
+        return (shape[-1], math.prod(shape[:-1]))
+
+    def to_hf(self, t):
+        return t.reshape(-1, t.shape[-1]).T
+
+    def read(self, sl, region, shape):
+        r0, *rest, rout = region
+        inner = math.prod(shape[1:-1])
+        x = sl[rout, r0.start * inner:r0.stop * inner].T
+        return x.reshape(r0.stop - r0.start, *shape[1:-1], x.shape[-1])[(slice(None), *rest, slice(None))]
+
+
+class _Flat(_Kind):                    # ours [A, B, ...] = HF [A*B*...] reshaped (Mamba2's A_log, D, norm)
+    def hf_shape(self, shape):
+        return (math.prod(shape),)
+
+    def to_hf(self, t):
+        return t.reshape(-1)
+
+    def read(self, sl, region, shape):
+        r0, *rest = region
+        inner = math.prod(shape[1:])
+        return sl[r0.start * inner:r0.stop * inner].reshape(r0.stop - r0.start, *shape[1:])[(slice(None), *rest)]
+
+
+class _ConvTaps(_Kind):                # ours [A, B, ..., K] = HF [A*B*..., 1, K] (a depthwise nn.Conv1d's weight)
+    def hf_shape(self, shape):
+        return (math.prod(shape[:-1]), 1, shape[-1])
+
+    def to_hf(self, t):
+        return t.reshape(-1, 1, t.shape[-1])
+
+    def read(self, sl, region, shape):
+        r0, *rest, rk = region
+        inner = math.prod(shape[1:-1])
+        x = sl[r0.start * inner:r0.stop * inner, 0:1, rk][:, 0]
+        return x.reshape(r0.stop - r0.start, *shape[1:-1], x.shape[-1])[(slice(None), *rest, slice(None))]
+
+
+KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat": _Flat(), "conv_taps": _ConvTaps(),
+                           "copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
                            "experts_tensor": _ExpertsTensor(), "conv_heads_out": _ConvHeadsOut(),
                            "conv_heads_in": _ConvHeadsIn(), "experts_rows": _ExpertsRows(),
@@ -683,7 +762,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  "dbrx": "DbrxForCausalLM",
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
-                                 **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES}
+                                 **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
+                                 **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -837,6 +917,27 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
         try:
             return deepseek_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in falcon_h1_hf.ARCHITECTURES:                          # (Falcon-H1: Mamba2 and attention in parallel)
+        try:
+            return falcon_h1_hf.config_from_hf(hf, mt, _rope)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in granitemoehybrid_hf.ARCHITECTURES:                   # (Granite 4: Granite's layers, Mamba2 or attention)
+        try:
+            return granitemoehybrid_hf.config_from_hf(hf, mt, config_from_hf_dict)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
+    if mt in nemotron_h_hf.ARCHITECTURES:                         # (Nemotron-H: Mamba2, attention, MLP layers)
+        try:
+            return nemotron_h_hf.config_from_hf(hf, mt)
         except UnsupportedHFConfig:
             raise
         except ValueError as exc:
@@ -1071,6 +1172,8 @@ def check_exportable(cfg: Config) -> None:
         raise UnsupportedHFConfig(f"{where}: q_gate={cfg.q_gate}, layer_types={list(cfg.layer_types or [])} (Gated "
                                   f"DeltaNet layers, the gate in q_proj) have no {ARCHITECTURES[mt]} equivalent; "
                                   f"choose model_type {' or '.join(qwen3_5_hf.ARCHITECTURES)}")
+    if mt in granitemoehybrid_hf.ARCHITECTURES:
+        return granitemoehybrid_hf.check_exportable(cfg, check_exportable, UnsupportedHFConfig)
     if mt in OWN_CONFIG:
         _refuse_unless(cfg, OWN_CONFIG[mt].NEED, where)
         try:
@@ -1092,6 +1195,10 @@ def check_exportable(cfg: Config) -> None:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in qwen3_5_hf.ARCHITECTURES:
         return qwen3_5_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in nemotron_h_hf.ARCHITECTURES:
+        return nemotron_h_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in falcon_h1_hf.ARCHITECTURES:
+        return falcon_h1_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1148,6 +1255,12 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return afmoe_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in qwen3_5_hf.ARCHITECTURES:
         return qwen3_5_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in nemotron_h_hf.ARCHITECTURES:
+        return nemotron_h_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in granitemoehybrid_hf.ARCHITECTURES:
+        return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
+    if cfg.model_type in falcon_h1_hf.ARCHITECTURES:
+        return falcon_h1_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

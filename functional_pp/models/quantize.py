@@ -26,7 +26,8 @@ LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
                      "q_a_proj": "hidden", "q_b_proj": "q_rank", "kv_a_proj_with_mqa": "hidden",
                      "kv_b_proj": "kv_rank",
                      # Gated DeltaNet (models/gated_deltanet.py; in_proj_q / k / v: the rows of HF's in_proj_qkv)
-                     **{f"in_proj_{x}": "hidden" for x in "qkvzba"}, "out_proj": "v_head_dim"}
+                     **{f"in_proj_{x}": "hidden" for x in "qkvzba"},
+                     "out_proj": ("v_head_dim", "ssm_head_dim")}   # (Mamba2's out_proj: models/mamba2.py)
 #: the experts' stacked weights (models/moe.py: ``experts hidden mlp`` / ``experts mlp hidden``)
 #: -> their input dimension; quantized with ``experts=True``, the :data:`EXPERTS` dimension first
 EXPERT_BLOCK_DIMS = {"gate": "hidden", "up": "hidden", "down": "mlp"}

@@ -1,0 +1,153 @@
+"""NVIDIA's Nemotron-H (``nemotron_h``: ``NemotronHForCausalLM``) as a configuration of the one
+decoder (docs/models.md, "Decoder families"): layers of one block each (``layer_blocks``), a
+Mamba2 mixer (``M`` in ``hybrid_override_pattern``, ``linear_attention`` in ``layers_block_type``;
+models/mamba2.py), attention without a rotary (``*``, ``full_attention``: every layer a NoPE
+layer) or a squared-ReLU MLP not gated (``-``, ``mlp``), each after an RMSNorm; the files under
+``backbone.`` (``embeddings``, ``layers.{i}.norm``, ``layers.{i}.mixer``, ``norm_f``). The mixture-of-
+experts layers of Nemotron 3 (``E``, ``moe``) and ``residual_in_fp32`` are refused by name.
+
+``config.json`` <-> :class:`~functional_pp.models.llama.Config` (:func:`config_from_hf`,
+:func:`config_to_hf`, :func:`check_exportable`); the tensor names are the table's with :data:`RENAMED`."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from functional_pp.models.llama import Config
+
+__all__ = ["ARCHITECTURES", "DEFAULTS", "RENAMED", "MODULE_NAMES", "IGNORED", "config_from_hf", "config_to_hf",
+           "check_exportable"]
+
+ARCHITECTURES: dict[str, str] = {"nemotron_h": "NemotronHForCausalLM"}
+
+RENAMED: tuple[tuple[str, str], ...] = (
+    (r"^model\.embed_tokens\.", "backbone.embeddings."), (r"^model\.norm\.", "backbone.norm_f."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"backbone.layers.\1.norm."),
+    (r"^model\.layers\.(\d+)\.(self_attn|mlp|mamba)\.", r"backbone.layers.\1.mixer."))
+"""Nemotron-H's tensor names beside the table's: one norm and one mixer per layer, under ``backbone.``."""
+
+MODULE_NAMES: tuple[tuple[str, str], ...] = ((r"^backbone\.", "model."),)
+"""The files' ``backbone.`` is ``model.`` in transformers' model (its modules, peft's adapter names)."""
+
+IGNORED: tuple[str, ...] = (r"(backbone\.)?mtp\..*",)
+"""The multi-token-prediction layers' tensors (unread, as by transformers)."""
+
+BLOCKS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "mlp"}
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+DEFAULTS: dict[str, Any] = dict(
+    vocab_size=131072, hidden_size=4096, tie_word_embeddings=False, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=4096, attention_bias=False, attention_dropout=0.0, sliding_window=None,
+    intermediate_size=21504, mlp_hidden_act="relu2", mlp_bias=False, ssm_state_size=128, mamba_num_heads=128,
+    mamba_head_dim=64, mamba_hidden_act="silu", n_groups=8, conv_kernel=4, time_step_limit=(0.0, math.inf),
+    use_conv_bias=True, chunk_size=128, mamba_proj_bias=False, use_bias=False, initializer_range=0.02,
+    layer_norm_epsilon=1e-5, residual_in_fp32=False, hidden_dropout=0.0, num_nextn_predict_layers=0)
+"""``NemotronHConfig``'s defaults of the keys read here (a config.json may leave them out)."""
+
+LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
+          "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
+"""Older key names ``NemotronHConfig`` still reads."""
+
+
+def _float(v: Any) -> float:
+    """A number of config.json, transformers' ``{"__float__": "Infinity"}`` included."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
+def layer_types(hf: dict) -> list[str]:
+    """Each layer's type: ``layers_block_type``, else ``hybrid_override_pattern``'s characters, else
+    ``NemotronHConfig``'s default (Mamba2, MoE, attention, MLP)."""
+    types = hf.get("layers_block_type") or hf.get("layer_types")
+    if types:
+        return list(types)
+    pattern = hf.get("hybrid_override_pattern") or "ME*-"
+    bad = sorted(set(pattern) - set(PATTERN))
+    if bad:
+        raise ValueError(f"HF nemotron_h config: hybrid_override_pattern {pattern!r} has characters {bad}; known: "
+                         f"{', '.join(PATTERN)}")
+    return [PATTERN[c] for c in pattern]
+
+
+def config_from_hf(hf: dict, mt: str) -> Config:
+    """``Config`` of a ``nemotron_h`` ``config.json``; a ValueError names what the decoder cannot reproduce."""
+    where = f"HF {mt} config"
+    hf = {LEGACY.get(k, k): v for k, v in hf.items()}
+
+    def get(key: str) -> Any:
+        v = hf.get(key)
+        return DEFAULTS.get(key) if v is None else v
+    types = layer_types(hf)
+    if "moe" in types:
+        raise ValueError(f"{where}: layers_block_type=moe is not supported (its layers of type 'moe', 'E' in "
+                         f"hybrid_override_pattern: Nemotron 3's squared-ReLU experts with sigmoid grouped routing and "
+                         f"a shared expert, are not built yet; Mamba2 ('M'), attention ('*') and MLP ('-') layers are: "
+                         f"Nemotron-H, Nemotron Nano 2)")
+    bad = sorted(set(types) - set(BLOCKS))
+    if bad:
+        raise ValueError(f"{where}: layer types {bad} are not known; known: {', '.join(BLOCKS)}")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"), ("attention_bias", False),
+                      ("use_bias", False), ("mamba_proj_bias", False), ("residual_in_fp32", False),
+                      ("sliding_window", None)):
+        if get(key) != want:
+            raise ValueError(f"{where}: {key}={get(key)!r} is not supported (only {want!r})")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if float(get(key) or 0.0):
+            raise ValueError(f"{where}: {key}={get(key)!r} is not supported (set it to 0.0)")
+    heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+    kv = get("num_key_value_heads")
+    lo, hi = (_float(v) for v in get("time_step_limit"))
+    return Config(
+        model_type=mt, vocab=int(get("vocab_size")), hidden=hidden, layers=len(types), heads=heads,
+        kv_heads=int(kv) if kv is not None else heads, mlp=int(get("intermediate_size")),
+        head_dim=int(get("head_dim") or hidden // heads), rope_scaling=None, norm_eps=float(get("layer_norm_epsilon")),
+        tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
+        max_seq=int(get("max_position_embeddings")), nope_layers=tuple(range(len(types))), mlp_gated=False,
+        mlp_act="relu2", mlp_bias=bool(get("mlp_bias")), layer_blocks=tuple(BLOCKS[t] for t in types),
+        mamba_heads=int(get("mamba_num_heads")), mamba_head_dim=int(get("mamba_head_dim")),
+        mamba_groups=int(get("n_groups")), ssm_state=int(get("ssm_state_size")), conv_kernel=int(get("conv_kernel")),
+        mamba_chunk=int(get("chunk_size")), mamba_dt_limit=None if (lo, hi) == (0.0, math.inf) else (lo, hi),
+        mamba_conv_bias=bool(get("use_conv_bias")))
+
+
+def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
+    """Refuse (``error``, naming the field) a config ``NemotronHForCausalLM`` cannot hold; ``plain``: the
+    switches' values in Llama."""
+    where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["nemotron_h"]
+    need = {**plain, "nope_layers": tuple(range(cfg.layers)), "mlp_gated": False, "mlp_act": "relu2",
+            "qkv_bias": False, "o_bias": False, "qk_norm": False, "norm_offset": 0.0, "scale_embeddings": False,
+            "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None, "sliding_window": None,
+            "mamba_proj_bias": False, "mlp_bias": cfg.mlp_bias}
+    need.pop("layer_blocks"), need.pop("mamba_heads")
+    for key, want in need.items():
+        if getattr(cfg, key) != want:
+            raise error(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs {want!r}); choose "
+                        f"another model_type")
+    blocks = cfg.layer_blocks or ("attention+mlp",) * cfg.layers
+    bad = sorted(set(blocks) - {"mamba2", "attention", "mlp"})
+    if bad:
+        raise error(f"{where}: layer_blocks entries {bad} have no {arch} equivalent (its layers are one block each: "
+                    f"mamba2, attention or mlp)")
+
+
+def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``NemotronHForCausalLM`` ``config.json`` of ``cfg`` (checked by :func:`check_exportable` before)."""
+    dname = str(dtype).removeprefix("torch.")
+    names = {v: k for k, v in BLOCKS.items()}
+    m = cfg.mamba
+    limit = list(cfg.mamba_dt_limit) if cfg.mamba_dt_limit is not None else [0.0, math.inf]
+    out = {"architectures": [ARCHITECTURES["nemotron_h"]], "model_type": "nemotron_h", "vocab_size": cfg.vocab,
+           "hidden_size": cfg.hidden, "layers_block_type": [names[b] for b in cfg.layer_blocks],
+           "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
+           "intermediate_size": cfg.mlp, "mlp_hidden_act": "relu2", "mlp_bias": cfg.mlp_bias,
+           "max_position_embeddings": cfg.max_seq, "initializer_range": cfg.init_std,
+           "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+           "use_bias": False, "mamba_proj_bias": False, "residual_in_fp32": False, "num_nextn_predict_layers": 0,
+           "dtype": dname, "torch_dtype": dname}
+    if m is not None:
+        out.update(mamba_num_heads=m.heads, mamba_head_dim=m.head_dim, n_groups=m.groups, ssm_state_size=m.state,
+                   conv_kernel=m.conv_kernel, chunk_size=m.chunk, use_conv_bias=m.conv_bias,
+                   time_step_limit=[v if math.isfinite(v) else {"__float__": "Infinity"} for v in limit],
+                   mamba_hidden_act="silu")
+    return out
