@@ -94,3 +94,20 @@ def test_generate_is_refused_before_the_weights_load(project, capsys):
     err = capsys.readouterr().err
     assert f"functional-pp generate samples completions with a key / value cache, which this model cannot use yet " \
            f"({GDN}" in err and "use a model whose layers are all attention" in err
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_processes_refuse_before_any_work(project, tmp_path):
+    """Under torchrun (2 real processes) every rank refuses at the config check, exit 2, no hang."""
+    import os
+    import subprocess
+    import sys
+    path = tmp_path / "qwen.yaml"
+    path.write_text(yaml.safe_dump(grpo(project, base_model=str(project / "qwen3_5"), dp_shard_size=2,
+                                        logging={"output_dir": str(tmp_path / "out")})))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "functional_pp", "train", str(path)], capture_output=True, text=True, timeout=300,
+                          cwd=project, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"rl: grpo samples completions with a key / value cache") == 2, proc.stderr[-3000:]
+    assert GDN in proc.stderr and not (tmp_path / "out").exists()
