@@ -61,10 +61,9 @@ def load_model(source: str | os.PathLike, step: int | None = None) -> Generation
 
 
 def _hf_model(p: Path) -> GenerationModel:
-    from functional_pp.checkpoint.hf import load_hf_llama
+    from functional_pp.checkpoint.hf import config_from_hf, load_hf_llama
     from functional_pp.data.formats import ByteTokenizer
     from functional_pp.data.tokenizer import HFTokenizer
-    from functional_pp.checkpoint.hf import config_from_hf
     try:
         _refuse_uncached(config_from_hf(p), p)        # (config.json alone: before the weights load)
         cfg, params = load_hf_llama(p, dtype=torch.float32)
