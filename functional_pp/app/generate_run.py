@@ -61,11 +61,14 @@ def load_model(source: str | os.PathLike, step: int | None = None) -> Generation
 
 
 def _hf_model(p: Path) -> GenerationModel:
-    from functional_pp.checkpoint.hf import load_hf_llama
+    from functional_pp.checkpoint.hf import config_from_hf, load_hf_llama
     from functional_pp.data.formats import ByteTokenizer
     from functional_pp.data.tokenizer import HFTokenizer
     try:
+        _refuse_uncached(config_from_hf(p), p)        # (config.json alone: before the weights load)
         cfg, params = load_hf_llama(p, dtype=torch.float32)
+    except ConfigError:
+        raise
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{p}: {exc}") from exc
     tok = HFTokenizer(p) if (p / "tokenizer.json").is_file() else ByteTokenizer()
@@ -83,6 +86,7 @@ def _run_model(p: Path, step: int | None) -> GenerationModel:
         cfg = config_from_index(index)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"{p}: {exc} (train first, or name a step that was saved)") from exc
+    _refuse_uncached(cfg, p)
     meta, run = index.get("metadata") or {}, index.get("config") or {}
     params = full_params(ckpt)
     if meta.get("lora") is not None:              # the adapters merged: a plain model, as export does
@@ -100,6 +104,15 @@ def _run_model(p: Path, step: int | None) -> GenerationModel:
     layout = {k: run[k] for k in LAYOUT_KEYS + ("cp_size", "pp_size", "ep_size") if isinstance(run.get(k), int)}
     return GenerationModel(cfg, params, tok, template, _stops(tok, run.get("eot_tokens") or [], meta.get("base_model")),
                            layout, str(p))
+
+
+def _refuse_uncached(cfg: Any, source: Path) -> None:
+    """Refuse, before the weights load, a model that cannot sample with a key / value cache
+    (``ModelFamily.sampling_refusal``: LFM2's conv layers, Gated DeltaNet layers)."""
+    from functional_pp.models import LLAMA
+    refusal = LLAMA.sampling_refusal(cfg, "functional-pp generate")
+    if refusal:
+        raise ConfigError(f"{source}: {refusal}")
 
 
 def _run_tokenizer(meta: dict, run: dict):

@@ -120,6 +120,8 @@ def check_qat(cfg: Any, add) -> None:
 
 #: ``rl:`` methods trained here (docs/preference.md); grpo / gdpo: the online loop
 RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
+#: ``rl:`` methods that sample completions from the policy (with a key / value cache) while training
+SAMPLING_RL = ("grpo", "gdpo")
 #: ``rl:`` methods of Axolotl not built yet -> why
 RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
                    "which is not built (GRPO is: rl: grpo)"
@@ -707,6 +709,11 @@ def _check_batch_and_sequence(cfg: Any, mesh, rules) -> None:
             f"2 x cp_size chunks); use a multiple of {2 * cp}")
 
 
+def sampling_key(cfg: Any) -> str | None:
+    """The config key that makes the run sample from the model (``rl: grpo``), or None."""
+    return f"rl: {cfg.rl}" if cfg.rl is not None and str(cfg.rl).lower() in SAMPLING_RL else None
+
+
 def _check_model_layout(cfg: Any, mesh, rules) -> None:
     """The model's parameters and activations split evenly on the mesh."""
     from functional_pp.core.tree import leaves_with_paths
@@ -722,6 +729,11 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
         raise ConfigError(f"the sequence is split over {s_axes} (context parallelism, cp_size "
                           f"{mesh.shape[s_axes[0]]}), but the model's {why}: use cp_size 1 (FSDP, TP and "
                           f"sequence parallelism keep it whole for these layers)")
+    what = sampling_key(cfg)
+    refusal = family.sampling_refusal(model, what, instead=", or an offline method that does not sample (rl: dpo, "
+                                      "ipo, orpo, simpo or kto on preference pairs)") if what else None
+    if refusal:
+        raise ConfigError(refusal)
     try:
         micro_global = cfg.micro_batch_size * cfg.dp_size(mesh, rules)
         for dims, shape in family.activations(model, micro_global, cfg.sequence_len).items():

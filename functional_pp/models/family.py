@@ -36,7 +36,10 @@ class ModelFamily:
     tokens, cfg=...)`` (or None) the logits (batch seq vocab), which preference training
     (``rl:``, docs/preference.md) needs; ``whole_sequence(cfg)`` (or None) why the model's sequence may
     not be split over devices (a layer that is a recurrence along it), None where it may (checked
-    against the config's context parallelism before any work)."""
+    against the config's context parallelism before any work); ``uncached_layers(cfg)`` (or None)
+    why the model cannot sample with a key / value cache (layers whose state it does not hold),
+    None where it can (checked before any work against every config and command that samples:
+    ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`)."""
 
     name: str
     config_class: type
@@ -52,6 +55,7 @@ class ModelFamily:
     pipeline_ends: Callable[[Any], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
     forward: Callable[..., Any] | None = None
     whole_sequence: Callable[[Any], str | None] | None = None
+    uncached_layers: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -71,6 +75,16 @@ class ModelFamily:
         """A JSON-able dict of ``cfg`` (its ``to_dict`` when it has one)."""
         to_dict = getattr(cfg, "to_dict", None)
         return to_dict() if callable(to_dict) else dataclasses.asdict(cfg)
+
+    def sampling_refusal(self, cfg: Any, what: str, instead: str = "") -> str | None:
+        """Why ``what`` (the config key or command that samples, e.g. ``"rl: grpo"``) cannot run on
+        the model ``cfg``, with the fix (``instead``: a further one); None where the model samples
+        with a key / value cache."""
+        why = self.uncached_layers(cfg) if self.uncached_layers is not None else None
+        if why is None:
+            return None
+        return (f"{what} samples completions with a key / value cache, which this model cannot use yet ({why}: "
+                f"their state is not cached); use a model whose layers are all attention{instead}")
 
     def dim_names(self, cfg: Any) -> set[str]:
         """Every dimension name of the parameters and of the checked activations."""

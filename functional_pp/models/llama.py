@@ -1321,6 +1321,24 @@ def whole_sequence(cfg: Config) -> str | None:
     return f"{' and '.join(why)}, a recurrence along the whole sequence" if why else None
 
 
+#: the layer kinds (``layer_types``) whose state the key / value cache does not hold, and what they are
+UNCACHED_KINDS = {"conv": "LFM2's short convolution", gated_deltanet.KIND: "Gated DeltaNet"}
+
+
+def uncached_layers(cfg: Config) -> str | None:
+    """Why the model cannot sample with a key / value cache (generation, GRPO's rollouts): the
+    layers whose kind keeps a state the cache does not hold (:data:`UNCACHED_KINDS`), or keys and
+    values shared across layers (``kv_shared_layers``); None where every layer can use it."""
+    why = []
+    for kind, what in UNCACHED_KINDS.items():
+        layers = [i for i in range(cfg.layers) if cfg.layer_kind(i) == kind]
+        if layers:
+            why.append(f"layers {layers} are {kind} ({what})")
+    if cfg.kv_shared_layers:
+        why.append(f"kv_shared_layers={cfg.kv_shared_layers} (keys and values shared across layers)")
+    return "; ".join(why) or None
+
+
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
     """The residual stream's layouts (global sizes) that must split evenly on the mesh: the
     sequence gathered for attention and the MLP, and split again (sequence parallelism)."""
