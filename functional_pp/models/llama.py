@@ -1313,27 +1313,35 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def whole_sequence(cfg: Config) -> str | None:
     """Why the sequence may not be split over devices (context parallelism): the layers that are a
-    recurrence along it (``layer_types``' linear_attention, ``layer_blocks``' mamba2); None where every layer is attention."""
-    linear = [i for i in range(cfg.layers) if cfg.layer_kind(i) == gated_deltanet.KIND]
-    scans = [i for i in range(cfg.layers) if any("mamba2" in b for b in cfg.blocks(i))]
-    why = ([f"layers {linear} are {gated_deltanet.KIND} (Gated DeltaNet)"] if linear else []) + (
-        [f"layers {scans} hold Mamba2 mixers (layer_blocks)"] if scans else [])
-    return f"{' and '.join(why)}, a recurrence along the whole sequence" if why else None
+    recurrence or a convolution along it (:func:`recurrent_layers`); None where every layer is attention."""
+    why = recurrent_layers(cfg)
+    return f"{'; '.join(why)}: each runs along the whole sequence" if why else None
 
 
 #: the layer kinds (``layer_types``) whose state the key / value cache does not hold, and what they are
 UNCACHED_KINDS = {"conv": "LFM2's short convolution", gated_deltanet.KIND: "Gated DeltaNet"}
 
 
-def uncached_layers(cfg: Config) -> str | None:
-    """Why the model cannot sample with a key / value cache (generation, GRPO's rollouts): the
-    layers whose kind keeps a state the cache does not hold (:data:`UNCACHED_KINDS`), or keys and
-    values shared across layers (``kv_shared_layers``); None where every layer can use it."""
+def recurrent_layers(cfg: Config) -> list[str]:
+    """The layers that mix tokens by a state carried along the sequence (``layer_types``'
+    :data:`UNCACHED_KINDS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: they need the
+    whole sequence on a device and a state the key / value cache does not hold."""
     why = []
     for kind, what in UNCACHED_KINDS.items():
         layers = [i for i in range(cfg.layers) if cfg.layer_kind(i) == kind]
         if layers:
             why.append(f"layers {layers} are {kind} ({what})")
+    scans = [i for i in range(cfg.layers) if any("mamba2" in b for b in cfg.blocks(i))]
+    if scans:
+        why.append(f"layers {scans} hold Mamba2 mixers (layer_blocks)")
+    return why
+
+
+def uncached_layers(cfg: Config) -> str | None:
+    """Why the model cannot sample with a key / value cache (generation, GRPO's rollouts): the
+    layers whose kind keeps a state the cache does not hold (:data:`UNCACHED_KINDS`), or keys and
+    values shared across layers (``kv_shared_layers``); None where every layer can use it."""
+    why = recurrent_layers(cfg)
     if cfg.kv_shared_layers:
         why.append(f"kv_shared_layers={cfg.kv_shared_layers} (keys and values shared across layers)")
     return "; ".join(why) or None
