@@ -42,8 +42,8 @@ __all__ = ["DeviceFunction", "PlainDeviceStep", "micro_weights", "finish_update"
 
 class DeviceFunction(Protocol):
     """What a step asks of its device function. :meth:`bind` is called once, when the step is
-    built (it may check and adjust the step's settings, refusing a bad one by name); the others
-    on every device."""
+    built (it may check the step's settings, refusing a bad one by name, and changes none of
+    them); the others on every device."""
 
     def bind(self, step: StepParts) -> None:
         """Take the step whose settings and parts this function uses."""
@@ -177,8 +177,7 @@ def finish_update(s: StepParts, update: UpdateStrategy, params, leaves: list, tr
                "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
                **values}
-    return DeviceStepResult(up.params, up.opt_state, count + 1, skipped + skip, metrics, up.written, up.retry,
-                            up.peaks)
+    return DeviceStepResult(up.params, up.opt_state, count + 1, skipped + skip, metrics, up.written, up.peaks)
 
 
 def micro_weights(micro: list[dict], batch_dims: dict):

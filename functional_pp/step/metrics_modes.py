@@ -15,7 +15,6 @@ choices (:meth:`loss`, :meth:`chosen`).
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Callable
 
@@ -38,8 +37,8 @@ class HostView:
     """What a metrics mode needs of its step, given when the step is built: its settings
     (``on_nonfinite``, ``max_consecutive_skips``), ``host_values(metrics, seconds,
     window_steps)`` (the host's figures: tokens/s, MFU), ``compute_device()`` (where the step
-    computes, for its peak memory) and ``redo(state, batch)`` (a held compiled step made again
-    without donation)."""
+    computes, for its peak memory) and ``redo(state, batch)`` (a held donated step made again
+    without donation: its update strategy's ``redo``)."""
 
     def __init__(self, *, on_nonfinite: str, max_consecutive_skips: int | None,
                  host_values: Callable[..., None], compute_device: Callable[[], torch.device | None],
@@ -70,17 +69,15 @@ class PerStepMetrics:
         the bound's carried peaks of the state returned (None: unknown, read at the next step)."""
         host = self.host
         params, opt_state, step, skipped, m = out.params, out.opt_state, out.step, out.skipped, out.metrics
-        written, retry, peaks = out.written, out.retry, out.peaks
+        written, peaks = out.written, out.peaks
         out = None
         if "consecutive_skips" in state:     # read with the metrics: one transfer
             m = {**m, "consecutive_skips": torch.as_tensor(state["consecutive_skips"])}
         metrics, bad_ids = read_step_metrics(m, step, id_checks)    # the step's one device-to-host read
         if bad_ids:
             raise_if_bad(id_checks)      # out-of-range token ids / labels (docs/bad_inputs.md §1)
-        if metrics.pop("update_held", 0):     # rare: nothing written in place; update in new buffers
-            if retry is None:    # a compiled step: run again without donation (docs/compile.md)
-                retry = functools.partial(host.redo, state, batch)
-            params, opt_state, skipped, metrics = redo_held(retry, state["skipped"], metrics)
+        if metrics.pop("update_held", 0):     # rare: nothing written; run again without donation (docs/compile.md)
+            params, opt_state, skipped, metrics = redo_held(host.redo(state, batch), state["skipped"], metrics)
             written, peaks = False, None     # (new buffers, or the old state: read at the next step)
         # the state to return, or a NonFiniteError: chosen after the one read (step/nonfinite.py)
         params, opt_state, run = keep_or_raise(metrics, state, params, opt_state, written=written,

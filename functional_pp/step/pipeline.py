@@ -76,28 +76,29 @@ class PipelineSchedule:
     #                                     and those named in both (a tied embedding), every stage holds
     fsdp_gather: str = "step"        # FSDP: "step" gathers a stage's units once per step and reduce-scatters
     #                                  them once; "micro" gathers (and re-gathers) them in every micro-batch
+    stage_compile: bool | str = False   # each virtual stage's forward compiled with this (the step's
+    #                                     ``compile``, taken by pipeline_step: :func:`pipeline_settings`)
 
     def bind(self, step: TrainStep) -> None:
-        """Take the step's settings (checked: the rules split the layers over pp, the schedule's
-        sizes) and set the ones a pipeline runs with: no step-level compile (each virtual
-        stage's forward compiled instead), no FSDP prefetch, no gradient buckets."""
+        """Take the step's settings, checked (the rules split the layers over pp, the schedule's
+        sizes, the settings a pipeline runs with: :func:`pipeline_settings`); nothing of the
+        step is changed."""
         self.step = step
         for lever in ("offload_params", "activation_offloading"):
             if getattr(step, lever):
                 raise ValueError(f"pipeline_step({lever}=True): a pipeline step cannot offload yet; use train_step "
                                  f"(no pp axis) to offload, or remove {lever} (docs/memory.md)")
-        # compile: each virtual stage's forward one torch.compile graph (its backward through AOT
-        # autograd), the schedule and the stage-to-stage permutes eager; "per_layer" as train_step
-        self.stage_compile, _ = split_mode(self.step.compile)
+        given = {"compile": split_mode(step.compile)[0], "fsdp_prefetch": step.policy.fsdp_prefetch,
+                 "bucket_mb": step.policy.bucket_mb}
+        unfit = {k: v for k, v in given.items() if v not in (False, None)}
+        if unfit:
+            raise ValueError(f"PipelineSchedule: a pipeline step runs without {', '.join(unfit)} (given "
+                             f"{unfit}); build it with pipeline_step, which compiles each virtual stage's forward "
+                             f"instead of the step and turns FSDP prefetch and gradient buckets off")
         self._compiled_stages: dict[int, CompileGate] = {}
-        if self.stage_compile:
-            self.step.compile = False
         if self.fsdp_gather not in GATHER_POLICIES:
             raise ValueError(f"pipeline_step(fsdp_gather={self.fsdp_gather!r}): choose one of "
                              f"{', '.join(map(repr, GATHER_POLICIES))} (docs/pipelines.md, FSDP)")
-        # no prefetch (it follows the previous forward's units: not a stage's); no buckets (gradients
-        # reduced as each backward makes them)
-        self.step.policy = self.step.policy.replace(fsdp_prefetch=False, bucket_mb=None)
         p = self.stages
         self.layer_lists = (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
         if p > 1 and self.step.rules[self.layer_lists[0]] != (PP,):
@@ -513,8 +514,19 @@ def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = 
     from functional_pp.core.layout import Rules
     if rules is not None and mesh is not None:
         rules.check(mesh)
+    options, stage_compile = pipeline_settings(step_options(dict(options), "pipeline_step"))
     schedule_fn = PipelineSchedule(schedule=schedule, virtual_stages=virtual_stages, layers=layers,
                                    first_stage=tuple(first_stage), last_stage=tuple(last_stage),
-                                   fsdp_gather=fsdp_gather)
-    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), device=schedule_fn,
-                     **step_options(dict(options), "pipeline_step"))
+                                   fsdp_gather=fsdp_gather, stage_compile=stage_compile)
+    return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), device=schedule_fn, **options)
+
+
+def pipeline_settings(options: dict) -> tuple[dict, bool | str]:
+    """A pipeline step's options (``step_options``'s) as the pipeline runs them, and the compile
+    of its stages: ``compile`` compiles each virtual stage's forward (one torch.compile graph,
+    its backward through AOT autograd; the schedule and the stage-to-stage permutes eager), not
+    the step ("per_layer" as train_step); no FSDP prefetch (it follows the previous forward's
+    units: not a stage's); no gradient buckets (gradients reduced as each backward makes them)."""
+    stage_compile, _ = split_mode(options.get("compile", False))
+    policy = options["policy"].replace(fsdp_prefetch=False, bucket_mb=None)
+    return {**options, "policy": policy, **({"compile": False} if stage_compile else {})}, stage_compile

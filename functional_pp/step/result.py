@@ -1,7 +1,7 @@
 """What a training step's device function returns, by name (eager, compiled or traced alike)."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,7 +23,5 @@ class DeviceStepResult(NamedTuple):
     """Loss, gradient norm, learning rate, tokens and flags, as device tensors."""
     written: bool
     """The update was written into the state passed in (a donated state)."""
-    retry: Callable[[], Any] | None
-    """Eager, in place: makes the update in new buffers for a step that held itself back."""
     peaks: list | None
     """A compiled donated step's carried peaks of the update bound's terms."""

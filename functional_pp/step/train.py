@@ -73,7 +73,7 @@ class TrainStep(StepSettings):
     def __post_init__(self):
         super().__post_init__()
         self.device = self.device if self.device is not None else PlainDeviceStep()
-        self.device.bind(self)      # (first: it may check and adjust the settings; step/pipeline.py)
+        self.device.bind(self)      # (first: it may refuse a setting by name; step/pipeline.py)
         self.spec: ParamSpec | None = None
         self._compile_lock = threading.Lock()   # simulated devices share one spec (and a pipeline's stages)
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
@@ -250,15 +250,17 @@ class TrainStep(StepSettings):
         return tuple(dict.fromkeys(names))
 
     def run_without_donation(self, state: dict, batch: dict) -> DeviceStepResult:
-        """The compiled step without donation (a second graph, compiled at its first use, updating
-        as the step's strategy does without donation) run on ``state``: how a held compiled
-        donated step is made again (``WrittenUnderGuard.redo``, step/update.py)."""
+        """The step without donation (updating as the step's strategy does without donation) run
+        on ``state``: compiled where the step is (a second graph, compiled at its first use), else
+        eager. How a held donated step is made again (``UpdateStrategy.redo``, step/update.py)."""
         step_compile, layer_compile = split_mode(self.compile)
-        compiled = self._compiled.new_buffers(self._device_step_new_buffers)
-        reset_region_ids()
+        fn = self._device_step_new_buffers
+        if step_compile:
+            fn = self._compiled.new_buffers(fn)
+            reset_region_ids()
         with self._settings(step_compile, layer_compile), deferred_checks():   # (ids checked by the step)
-            return compiled(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
-                            grad_seed(device_of(state["params"]), True))
+            return fn(state["params"], state["opt_state"], state["step"], state["skipped"], batch,
+                      grad_seed(device_of(state["params"]), bool(step_compile)))
 
     def _device_step_new_buffers(self, params, opt_state, count, skipped, batch, seed=None):
         return self._device_step(params, opt_state, count, skipped, batch, seed=seed,

@@ -7,8 +7,8 @@ One of three strategies, chosen once when the step is built (:func:`choose_updat
 * :class:`InPlace` (eager, ``donate_state=True``, an optimizer with an in-place step such as
   ``optim.adamw``): one fused pass writes the new parameters and optimizer state into the
   state passed in, unless the loss or the gradient norm is not finite (a scalar skip); a step
-  the in-place step held back (its bound could not show it finite) is made again in new
-  buffers by the host (:meth:`InPlace.redo_in_new_buffers`, the result's ``retry``);
+  the in-place step held back (its bound could not show it finite) is made again by the host
+  as the eager step without donation (:meth:`UpdateStrategy.redo`);
 * :class:`InNewBuffers` (other eager steps, and traced steps without donation): the optimizer
   works in the step's own gradient buffers (docs/memory.md); the state passed in is untouched,
   and the host returns it for a skipped step after the step's one metrics read
@@ -17,8 +17,9 @@ One of three strategies, chosen once when the step is built (:func:`choose_updat
   written into the state passed in under the same scalar guard and, where the optimizer has
   one, its pre-update bound (``optim.update_bound``): a step the bound cannot show finite is
   held (nothing written) and the host runs it again as the compiled step without donation
-  (:meth:`WrittenUnderGuard.redo`). Nothing the writes depend on needs the whole update
-  first, so the compiler makes one pass over the state (docs/compile.md "The update phase").
+  (:meth:`UpdateStrategy.redo`, the eager in-place step's redo too). Nothing the writes depend
+  on needs the whole update first, so the compiler makes one pass over the state
+  (docs/compile.md "The update phase").
   Run eager (``TrainStep.trace``), such a step updates as its eager strategy does (``eager``).
 
 A step that returns new buffers checks the update's finiteness after computing it. A donated
@@ -53,16 +54,14 @@ AxisGroups = list   # [(mesh axes, leaf indices)]: the leaves split over exactly
 class Updated:
     """What the update phase returns: the new parameters and optimizer state (the very tensors
     passed in when ``written``), the global gradient norm, the non-finite flags and whether
-    the step counts as finite. ``retry`` (eager in place only): makes the update in new
-    buffers instead, for a step whose in-place step held itself back (``flags["update_held"]``;
-    a held compiled step has none: the host runs the whole step again without donation)."""
+    the step counts as finite. A step held back (``flags["update_held"]``: nothing written) is
+    made again by the host (:meth:`UpdateStrategy.redo`)."""
     params: Any
     opt_state: Any
     grad_norm: torch.Tensor
     flags: dict
     finite: torch.Tensor
     written: bool
-    retry: Callable[[], "Updated"] | None = None
     peaks: list | None = None     # the carried peaks of the bound's terms after this step (given ``peaks``)
 
 
@@ -90,9 +89,16 @@ class UpdateStrategy:
         raise NotImplementedError
 
     def redo(self, step: Any, state: dict, batch: dict) -> Updated:
-        """The host's redo of a held step (only :class:`WrittenUnderGuard`'s steps are held
-        without a ``retry``)."""
-        raise RuntimeError(f"an update {type(self).__name__} makes is never held without its retry")
+        """The host's redo of a step this strategy held back (``flags["update_held"]``: nothing
+        written, the state passed in untouched): ``step``'s device function run again on
+        ``state`` without donation (``TrainStep.run_without_donation``: compiled where the step
+        is, a second graph compiled at the first held step, else eager), updating with
+        :attr:`without_donation`: the update in new buffers, checked as such a step checks it.
+        The one redo of :class:`InPlace` and :class:`WrittenUnderGuard`."""
+        out = step.run_without_donation(state, batch)
+        m = out.metrics
+        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
+                       m["skipped"] == 0, False)
 
 
 class InNewBuffers(UpdateStrategy):
@@ -100,6 +106,10 @@ class InNewBuffers(UpdateStrategy):
 
     def __init__(self, optimizer: optim.GradientTransformation):
         self.optimizer, self.eager, self.without_donation = optimizer, self, self
+
+    def redo(self, step: Any, state: dict, batch: dict) -> Updated:
+        """Never called: an update in new buffers is never held (its state passed in untouched)."""
+        raise RuntimeError(f"an update {type(self).__name__} makes is never held, so never redone")
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
               reduce_on=None) -> Updated:
@@ -113,7 +123,7 @@ class InNewBuffers(UpdateStrategy):
 
 class InPlace(UpdateStrategy):
     """Eager, donated: the optimizer's in-place step writes into the state passed in; a step
-    it held back is made in new buffers by :meth:`redo_in_new_buffers` (the result's ``retry``)."""
+    it held back is made again by the host as the eager step without donation (:meth:`redo`)."""
 
     def __init__(self, optimizer: optim.GradientTransformation, step_in_place: Callable[..., Any]):
         self.optimizer, self.step_in_place = optimizer, step_in_place
@@ -129,15 +139,7 @@ class InPlace(UpdateStrategy):
                                   norm_reducer=sq_reducer, params_finite=params_finite)
         flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
                  "update_held": held}
-
-        def retry() -> Updated:
-            return self.redo_in_new_buffers(grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer)
-        return Updated(params, opt_state, grad_norm, flags, ok & ~held, True, retry)
-
-    def redo_in_new_buffers(self, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer) -> Updated:
-        """A held step's update made in new buffers, as an eager step without donation makes it."""
-        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
-                               sq_reducer)
+        return Updated(params, opt_state, grad_norm, flags, ok & ~held, True)
 
 
 class WrittenUnderGuard(UpdateStrategy):
@@ -191,15 +193,6 @@ class WrittenUnderGuard(UpdateStrategy):
         update_ok = all_finite(tree_leaves(up.params), groups)
         up.flags, up.finite, up.written = nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok, True
         return up
-
-    def redo(self, step: Any, state: dict, batch: dict) -> Updated:
-        """A held compiled donated step (its state passed in untouched: nothing was written) made
-        again by ``step``'s compiled step without donation (a second graph, compiled at the
-        first held step): the update in new buffers, checked as such a step checks it."""
-        out = step.run_without_donation(state, batch)     # (updating with :attr:`without_donation`)
-        m = out.metrics
-        return Updated(out.params, out.opt_state, m["grad_norm"], {"nonfinite_update": m["nonfinite_update"]},
-                       m["skipped"] == 0, False)
 
 
 def choose_update(optimizer: optim.GradientTransformation, *, donate_state: bool, compiled: bool = False,
@@ -282,12 +275,11 @@ def all_finite(leaves: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:
     return torch.isfinite(complete(values, groups))
 
 
-def redo_held(retry: Callable[[], Updated], skipped_before: torch.Tensor, metrics: dict) -> tuple:
-    """Host side, after the step's metrics read, for a step whose in-place step held itself
-    back (nothing was written): the update made in new buffers instead, as an eager step
-    without donation makes it, and its flags read (a second transfer, for such steps only).
-    Returns the new parameters, optimizer state, skipped-step counter and metrics."""
-    up = retry()
+def redo_held(up: Updated, skipped_before: torch.Tensor, metrics: dict) -> tuple:
+    """Host side, after the step's metrics read, for a held step (nothing was written) made
+    again without donation (``up``, :meth:`UpdateStrategy.redo`): its flags read (a second
+    transfer, for such steps only). Returns the new parameters, optimizer state, skipped-step
+    counter and metrics."""
     skip = (~up.finite).to(torch.int64)
     skipped, nonfinite_update = torch.stack([skip, up.flags["nonfinite_update"].to(torch.int64)]).tolist()
     metrics = {**metrics, "skipped": skipped, "nonfinite_update": nonfinite_update}

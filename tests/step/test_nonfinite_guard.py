@@ -154,3 +154,57 @@ def test_the_held_decision_of_a_sharded_compiled_step_is_the_same_on_every_gloo_
     simulated = _three_steps(False, mesh, rules, compile="aot_eager")
     for r, s in zip(real, simulated):
         _assert_held_and_redone(r, s, exact=False)
+
+
+def _held_beside_new_buffers(mesh=None, rules=None, processes=False):
+    """Three eager steps of ``_three_steps``' AdamW, donated (the fused in-place step), each beside
+    the step without donation run on a copy of the same state: per step, both metrics, whether the
+    donated step returned the tensors it was given, and both new states."""
+    mesh, rules = mesh or fpp.Mesh(), rules or fpp.Rules()
+    donated, plain = (fpp.train_step(LOSS, fpp.optim.adamw(_rates, weight_decay=0.1), mesh=mesh, rules=rules,
+                                     donate_state=d, max_consecutive_skips=None) for d in (True, False))
+
+    def device():
+        params = fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=0)
+        state, _ = donated.init(params), plain.init(params)
+        out = []
+        for _ in range(3):
+            with fpp.use_rules(rules):
+                batch = {k: fpp.named(v, "batch seq").data for k, v in _batch().items()}
+            copy = optree.tree_map(torch.clone, state)
+            given = optree.tree_leaves([state["params"], state["opt_state"]])
+            state, m = donated(state, batch)
+            ref, mr = plain(copy, batch)
+            new = optree.tree_leaves([state["params"], state["opt_state"]])
+            out.append((m, mr, all(a is b for a, b in zip(given, new) if a.dim()), [t.clone() for t in new],
+                        optree.tree_leaves([ref["params"], ref["opt_state"]])))
+        return out
+    return fpp.launch(device, mesh, processes=processes, timeout=600)
+
+
+def _assert_held_steps_are_the_steps_without_donation(steps):
+    # lr 1e-3: written in place (the fused kernel: as without donation to its rounding); lr 20 and
+    # inf: held (nothing written), run again by the host as the eager step without donation
+    # (UpdateStrategy.redo): kept in new buffers, then skipped (the state given), bitwise its result
+    keys = ("loss", "skipped", "nonfinite_update", "nonfinite_grad")
+    assert [same for _, _, same, _, _ in steps] == [True, False, True]
+    assert [(m["skipped"], m["nonfinite_update"]) for m, *_ in steps] == [(0, 0), (0, 0), (1, 1)]
+    for k, (m, mr, _, new, ref) in enumerate(steps):
+        assert {x: m[x] for x in keys} == {x: mr[x] for x in keys}
+        for x, y in zip(new, ref):
+            torch.testing.assert_close(x, y, **(dict(rtol=1e-6, atol=1e-7) if k == 0 else dict(rtol=0, atol=0)))
+
+
+def test_a_held_eager_in_place_step_is_redone_as_the_step_without_donation():
+    _assert_held_steps_are_the_steps_without_donation(_held_beside_new_buffers()[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_held_eager_in_place_step_is_redone_on_every_gloo_rank():
+    # dp_shard: both ranks hold the same steps (the bound's norm completed over the mesh) and run
+    # them again without donation, their collectives included
+    real = _held_beside_new_buffers(fpp.Mesh(dp_shard=2), llama.default_rules(), processes=True)
+    assert len(real) == 2
+    for steps in real:
+        _assert_held_steps_are_the_steps_without_donation(steps)

@@ -74,6 +74,25 @@ def test_the_update_strategy_is_chosen_when_the_step_is_built():
         _step()._update.redo(None, {}, {})
 
 
+def test_the_pipeline_builder_sets_what_a_pipeline_runs_with_and_binding_changes_nothing_of_the_step():
+    """pipeline_step computes the settings a pipeline runs with (step/pipeline.py
+    ``pipeline_settings``: the stages' forwards compiled, not the step; no FSDP prefetch, no
+    gradient buckets) before the step is made; its device function's ``bind`` only checks them."""
+    import dataclasses
+    loss = functools.partial(llama.loss, cfg=CFG)
+    pipe = pipeline_step(loss, fpp.optim.adamw(1e-2), grad_accum=2, compile="aot_eager", bucket_mb=25,
+                         fsdp_prefetch=True)
+    assert pipe.compile is False and pipe.device.stage_compile == "aot_eager"
+    assert pipe.policy.bucket_mb is None and pipe.policy.fsdp_prefetch is False
+    settings = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(StepSettings)}
+    pipe.device.bind(pipe)
+    assert {f.name: getattr(pipe, f.name) for f in dataclasses.fields(StepSettings)} == settings
+    assert pipe.device.stage_compile == "aot_eager"
+    for given in ({"compile": "aot_eager"}, {"policy": pipe.policy.replace(bucket_mb=25)}):
+        with pytest.raises(ValueError, match="build it with pipeline_step"):
+            TrainStep(loss, fpp.optim.adamw(1e-2), device=PipelineSchedule(), **given)
+
+
 @pytest.mark.parametrize("options, words", [({"precision": "fp8"}, "precision 'fp8'"),
                                             ({"metrics": "lazy"}, "metrics 'lazy'"),
                                             ({"grad_accum": 0}, "grad_accum must be >= 1")])
