@@ -1,0 +1,72 @@
+"""The parameters cast to the compute precision in one op, and their gradients back to the
+masters' precision in one (docs/gpu.md "Ops of the eager step"). Cast leaf by leaf, an eager
+16-bit step launched one copy kernel per parameter leaf each way (the H200 trace's 282
+``direct_copy`` kernels of a 147-leaf model); here a foreach copy writes every cast into one
+flat buffer (one multi-tensor kernel on a GPU). The numbers are a cast's either way."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from functional_pp._torch import is_tracing
+
+
+def _cast_into_one_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``xs`` (on one device) cast to ``dtype``: contiguous views of one flat buffer, written
+    by one foreach copy."""
+    flat = torch.empty(sum(x.numel() for x in xs), dtype=dtype, device=xs[0].device)
+    outs, at = [], 0
+    for x in xs:
+        outs.append(flat[at:at + x.numel()].view(x.shape))
+        at += x.numel()
+    torch._foreach_copy_(outs, list(xs))
+    return outs
+
+
+class _CastAll(torch.autograd.Function):
+    """Every input cast to ``dtype`` in one op; in backward, every gradient cast back to its
+    input's dtype in one op (a gradient still in flight, a bucket's or an FSDP unit's
+    placeholder, is cast on its own: it stays pending until the optimizer)."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *xs: torch.Tensor):
+        ctx.set_materialize_grads(False)       # an unused parameter keeps no gradient (autograd.grad says so)
+        ctx.dtypes = [x.dtype for x in xs]
+        return tuple(_cast_into_one_buffer(xs, dtype))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        plain = [i for i, g in enumerate(gs) if type(g) is torch.Tensor]
+        out: list = [g if g is None or type(g) is torch.Tensor else g.to(d) for g, d in zip(gs, ctx.dtypes)]
+        for dtype in {ctx.dtypes[i] for i in plain}:
+            same = [i for i in plain if ctx.dtypes[i] == dtype]
+            for i, g in zip(same, _cast_into_one_buffer([gs[i] for i in same], dtype)):
+                out[i] = g
+        return (None, *out)
+
+
+def cast_floating(leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``leaves`` with every floating-point one of another dtype cast to ``dtype``, as
+    ``x.to(dtype)`` would (differentiable: the gradient comes back in the leaf's dtype). Eager:
+    one foreach copy for the leaves that need gradients and one for the others (per device);
+    traced: leaf by leaf, where the compiler fuses each cast with its neighbours."""
+    leaves = list(leaves)
+    todo = [i for i, x in enumerate(leaves) if x.is_floating_point() and x.dtype != dtype]
+    if is_tracing() or len(todo) < 2:
+        for i in todo:
+            leaves[i] = leaves[i].to(dtype)
+        return leaves
+    groups: dict[tuple, list[int]] = {}
+    for i in todo:
+        groups.setdefault((leaves[i].device, leaves[i].requires_grad), []).append(i)
+    for (_, grad), idx in groups.items():
+        xs = [leaves[i] for i in idx]
+        if grad and torch.is_grad_enabled():
+            cast = _CastAll.apply(dtype, *xs)
+        else:
+            with torch.no_grad():
+                cast = _cast_into_one_buffer(xs, dtype)
+        for i, y in zip(idx, cast):
+            leaves[i] = y
+    return leaves
