@@ -15,11 +15,14 @@ from functional_pp._torch import is_tracing
 def _cast_into_one_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``xs`` (on one device) cast to ``dtype``: contiguous views of one flat buffer, written
     by one foreach copy."""
-    flat = torch.empty(sum(x.numel() for x in xs), dtype=dtype, device=xs[0].device)
-    outs, at = [], 0
-    for x in xs:
-        outs.append(flat[at:at + x.numel()].view(x.shape))
-        at += x.numel()
+    if is_tracing():
+        outs = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
+    else:
+        flat = torch.empty(sum(x.numel() for x in xs), dtype=dtype, device=xs[0].device)
+        outs, at = [], 0
+        for x in xs:
+            outs.append(flat[at:at + x.numel()].view(x.shape))
+            at += x.numel()
     torch._foreach_copy_(outs, list(xs))
     return outs
 
@@ -53,7 +56,7 @@ def cast_floating(leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> list[to
     traced: leaf by leaf, where the compiler fuses each cast with its neighbours."""
     leaves = list(leaves)
     todo = [i for i, x in enumerate(leaves) if x.is_floating_point() and x.dtype != dtype]
-    if is_tracing() or len(todo) < 2:
+    if len(todo) < 2:
         for i in todo:
             leaves[i] = leaves[i].to(dtype)
         return leaves
