@@ -13,8 +13,8 @@ from functional_pp._torch import is_tracing
 
 
 def _cast_into_one_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """``xs`` (on one device) cast to ``dtype``: contiguous views of one flat buffer, written
-    by one foreach copy."""
+    """``xs`` (on one device) cast to ``dtype`` by one foreach copy: contiguous views of one
+    flat buffer (eager), or a buffer each (traced: allocations are the compiler's)."""
     if is_tracing():
         outs = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
     else:
@@ -51,9 +51,10 @@ class _CastAll(torch.autograd.Function):
 
 def cast_floating(leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``leaves`` with every floating-point one of another dtype cast to ``dtype``, as
-    ``x.to(dtype)`` would (differentiable: the gradient comes back in the leaf's dtype). Eager:
-    one foreach copy for the leaves that need gradients and one for the others (per device);
-    traced: leaf by leaf, where the compiler fuses each cast with its neighbours."""
+    ``x.to(dtype)`` would (differentiable: the gradient comes back in the leaf's dtype): one
+    foreach copy for the leaves that need gradients and one for the others (per device). Traced,
+    the casts are separate buffers (no flat one) and inductor fuses the copy into the kernels
+    that first read them (the norms'), the gradients' into the update's."""
     leaves = list(leaves)
     todo = [i for i, x in enumerate(leaves) if x.is_floating_point() and x.dtype != dtype]
     if len(todo) < 2:
