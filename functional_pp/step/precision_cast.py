@@ -18,11 +18,9 @@ def _cast_into_one_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> lis
     if is_tracing():
         outs = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
     else:
-        flat = torch.empty(sum(x.numel() for x in xs), dtype=dtype, device=xs[0].device)
-        outs, at = [], 0
-        for x in xs:
-            outs.append(flat[at:at + x.numel()].view(x.shape))
-            at += x.numel()
+        sizes = [x.numel() for x in xs]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=xs[0].device)
+        outs = [part.view(x.shape) for part, x in zip(flat.split(sizes), xs)]
     torch._foreach_copy_(outs, list(xs))
     return outs
 
