@@ -130,12 +130,18 @@ def test_the_update_moves_the_parameters_as_often_as_fused_adamw_and_the_guard(c
             (functional.bytes["update"] / master_bytes, functional.names["update"])
 
 
+# the update's ops: one fused AdamW, the non-finite guard's scalar checks and bound, the
+# counters and metrics (plain torch: 6); measured 78 (was 90: the loss's and the norm's
+# finiteness computed twice, the flags cast to integers one by one)
+UPDATE_OPS = 78
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_update_launches_as_many_ops_at_any_depth(counts, precision):
     """The update's ops (fused kernel, guard, counters) do not grow with the number of
     parameter leaves: on a GPU each would be a launch per leaf (the 1B model has 147)."""
     few, many = (counts[layers, precision][0] for layers in LAYERS)
-    assert many.ops["update"] == few.ops["update"], (few.names["update"], many.names["update"])
+    assert many.ops["update"] == few.ops["update"] <= UPDATE_OPS, (few.names["update"], many.names["update"])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
