@@ -280,9 +280,6 @@ class MemoryTracker(TorchDispatchMode):
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
         for t in _tensors(out):
             self._allocate(t, name, derived, func, inputs)
-        if func is _aten._foreach_copy_.default and self.phase != "update" and all(
-                self._param_derived(a) for a in args[1]):
-            self._copied_from_params(args[0])
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
             self.mark_logits(args[0])
             self.mark_logits(out)
@@ -290,24 +287,6 @@ class MemoryTracker(TorchDispatchMode):
             self.run.timeline.append((self._seq, name, self.phase, self.layer, self._current))
         self._seq += 1
         return out
-
-    def _param_derived(self, t: torch.Tensor) -> bool:
-        key = id(t.untyped_storage())
-        alloc = self._live.get(key)
-        return key in self._param_ids or (alloc is not None and alloc.param_derived)
-
-    def _copied_from_params(self, dests) -> None:
-        """Buffers a foreach copy filled with parameters (the step's casts to the compute
-        precision, step/precision_cast.py: views of one buffer allocated empty) are weights in
-        flight, as a cast's result is."""
-        for t in dests:
-            alloc = self._live.get(id(t.untyped_storage()))
-            if alloc is None:
-                continue
-            if not alloc.param_derived:
-                alloc.param_derived = True
-                self._move(alloc, "weights in flight")
-            self._weight_shapes.add(tuple(t.shape))
 
     def _tag_events(self, op: str, derived: bool, inputs, widened: bool = False) -> None:
         for e in self._report.events[self._n_events:]:

@@ -23,7 +23,7 @@ LAYERS = (2, 4)
 
 
 # ops that launch nothing on a GPU: aliases and allocations (views are not counted either)
-NO_LAUNCH = frozenset(("detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_strided"))
+NO_LAUNCH = frozenset(("detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_strided", "empty_like"))
 # in-place ops that write their destination without reading it
 WRITE_ONLY = frozenset(("copy_", "_foreach_copy_"))
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.step import precision_cast, train
-from tests.harness import assert_same_run, launch_steps
+from tests.harness import assert_same_run, launch_steps, local_batch, make_batch
 
 
 class _Ops(TorchDispatchMode):
@@ -85,6 +85,38 @@ def test_a_bf16_step_is_bitwise_the_step_that_cast_leaf_by_leaf(monkeypatch, acc
     assert_same_run(ours, theirs)
 
 
+@pytest.mark.parametrize("mesh", [fpp.Mesh(dp_replicate=2), fpp.Mesh(dp_shard=2)], ids=["dp", "fsdp"])
+def test_simulated_dp_and_fsdp_steps_issue_the_collectives_of_casting_leaf_by_leaf(monkeypatch, mesh):
+    """DP: the gradients still go to the buckets (one flat all-reduce); FSDP: each parameter is
+    still told apart (its own block), so no parameter passes for tied and the units are kept."""
+    ours = fpp.launch(_later_steps_collectives(mesh), mesh)
+    monkeypatch.setattr(train, "cast_floating", _leaf_by_leaf)
+    theirs = fpp.launch(_later_steps_collectives(mesh), mesh)
+    assert ours == theirs
+
+
+def _later_steps_collectives(mesh):
+    """Per step of three, the collectives (from the second step on, FSDP hands parameters it
+    saw gathered twice to the model as tied) and the loss."""
+    import functools
+    rules = llama.default_rules()
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), fpp.optim.adamw(1e-3), mesh=mesh, rules=rules,
+                          precision="bf16")
+    data = [make_batch(CFG, batch=4, seq=16, seed=i) for i in range(3)]
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=0))
+        out = []
+        for b in data:
+            with fpp.use_rules(rules):
+                local = {k: v.data for k, v in local_batch(b, mesh, rules).items()}
+            with fpp.comm_report() as rep:
+                state, m = step(state, local)
+            out.append((float(m["loss"]), sorted((e.kind, e.axes, tuple(e.shape)) for e in rep.events)))
+        return out
+    return device
+
+
 @pytest.mark.multiprocess
 def test_bf16_steps_on_gloo_processes_equal_casting_leaf_by_leaf(monkeypatch):
     """FSDP x TP on 4 real processes (gradients reduce-scattered and all-reduced in fp32 inside
@@ -95,3 +127,14 @@ def test_bf16_steps_on_gloo_processes_equal_casting_leaf_by_leaf(monkeypatch):
     simulated = launch_steps(CFG, mesh=mesh, rules=rules, precision="bf16")
     for a, b in zip(real, simulated):
         assert_same_run(a, b)
+        assert sorted(map(repr, a[2])) == sorted(map(repr, b[2]))     # the same collectives (FSDP units)
+
+
+def test_a_leaf_of_other_strides_keeps_them_as_to_does():
+    x = torch.randn(4, 6).t().requires_grad_()          # (6, 4), strides (1, 6)
+    y = torch.randn(5).requires_grad_()
+    z = torch.randn(3).requires_grad_()
+    out = precision_cast.cast_floating([x, y, z], torch.bfloat16)
+    assert out[0].stride() == x.to(torch.bfloat16).stride() and torch.equal(out[0], x.to(torch.bfloat16))
+    gs = torch.autograd.grad(sum(o.float().sum() for o in out), [x, y, z])
+    assert [g.dtype for g in gs] == [torch.float32] * 3
