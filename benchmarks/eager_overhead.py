@@ -7,6 +7,7 @@ values, layout reconciliation, optimizer transforms), not arithmetic.
 
     python benchmarks/eager_overhead.py                    # ratio + Python call counts
     python benchmarks/eager_overhead.py --steps 200 --threads 1 --json out.json
+    python benchmarks/eager_overhead.py --precision bf16     # fp32 masters / autocast
 
 Both sides start from the same weights (the plain module is loaded from the functional
 parameters; the first-step losses are printed and checked to agree). Steps are interleaved
@@ -73,15 +74,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: ours with fp32 masters, plain torch under autocast (default fp32)")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = make_config("tiny", args.seq)
     params = fpp.init(llama.init, cfg, seed=0)
     batch = make_batch(cfg, args.batch, args.seq, "cpu")
-    fn = FunctionalRunner(cfg, params, False, "fp32", "cpu")
-    plain = PlainRunner(cfg, params, False, "fp32", "cpu", args.seq)
-    print(f"eager overhead: Llama hidden {cfg.hidden}, {cfg.layers} layers, {fpp.count_params(llama.init(cfg))} params, "
+    fn = FunctionalRunner(cfg, params, False, args.precision, "cpu")
+    plain = PlainRunner(cfg, params, False, args.precision, "cpu", args.seq)
+    print(f"eager overhead ({args.precision}): Llama hidden {cfg.hidden}, {cfg.layers} layers, "
+          f"{fpp.count_params(llama.init(cfg))} params, "
           f"batch {args.batch} x seq {args.seq}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
 
     first = {"functional": float(fn.step(batch)), "plain": float(plain.step(batch))}
@@ -97,7 +101,8 @@ def main(argv=None) -> dict:
             times[name].append(_timed(runner.step, batch))
     calls = {name: call_counts(r, batch, args.profile_steps) for name, r in (("functional", fn), ("plain", plain))}
 
-    result = {"first_loss": first, "first_loss_rel_diff": rel, "steps": args.steps, "threads": args.threads}
+    result = {"first_loss": first, "first_loss_rel_diff": rel, "steps": args.steps, "threads": args.threads,
+              "precision": args.precision}
     for name in times:
         result[name] = {"median_wall_ms": 1e3 * statistics.median(t[0] for t in times[name]),
                         "median_cpu_ms": 1e3 * statistics.median(t[1] for t in times[name]),

@@ -186,8 +186,10 @@ def measure(side_cls, cfg, precision: str, batch, warmup: int = 2) -> tuple[Laun
 # --------------------------------------------------------------------------- phases
 def is_update(name: str) -> bool:
     """An update launch: plain torch's optimizer ops, or a compiled kernel fusing foreach ops
-    (ours traces the optimizer as foreach ops; its gradient-norm sums fuse where they fit)."""
-    return "foreach" in name or "fused_adam" in name
+    (ours traces the optimizer as foreach ops; its gradient-norm sums fuse where they fit) other
+    than the parameters' casts to the compute precision (``_foreach_copy_``, fused into the
+    layers' kernels; step/precision_cast.py)."""
+    return "foreach" in name.replace("_foreach_copy", "") or "fused_adam" in name
 
 
 def phases(few: Launches, many: Launches, layers: tuple[int, int]) -> dict:

@@ -65,10 +65,14 @@ def set_gradient_sink(sink: Callable[[torch.Tensor, tuple[str, ...]], torch.Tens
 
 
 def _feeds_leaf(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a leaf that requires grad (a parameter) or a dtype cast of one."""
+    """Whether ``x`` is a leaf that requires grad (a parameter) or a dtype cast of one: by
+    ``x.to`` or by an autograd function that casts leaves only and says so (``casts_leaves``:
+    the step's one foreach copy of every parameter, step/precision_cast.py)."""
     if x.is_leaf:
         return x.requires_grad
     fn = x.grad_fn
+    if getattr(getattr(fn, "_forward_cls", None), "casts_leaves", False):
+        return all(type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions if f is not None)
     return (type(fn).__name__ == "ToCopyBackward0" and len(fn.next_functions) == 1
             and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad")
 

@@ -172,10 +172,11 @@ def finish_update(s: StepParts, update: UpdateStrategy, params, leaves: list, tr
     up.params, up.opt_state = s._metrics.chosen(up, tree_leaves(trained), opt_state)
     up.params = s.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
     lr = s.lr_schedule(count) if s.lr_schedule is not None else torch.zeros((), device=total.device)
-    skip = (~up.finite).to(torch.int64)
+    # the skip and the flags as integers in one cast (one launch, not one per flag)
+    skip, *flags = torch.stack([~up.finite, *up.flags.values()]).to(torch.int64).unbind()
     metrics = {"loss": total, "grad_norm": up.grad_norm,
                "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
-               "tokens": tokens, "skipped": skip, **{k: v.to(torch.int64) for k, v in up.flags.items()},
+               "tokens": tokens, "skipped": skip, **dict(zip(up.flags, flags)),
                **values}
     return DeviceStepResult(up.params, up.opt_state, count + 1, skipped + skip, metrics, up.written, up.peaks)
 

@@ -40,6 +40,7 @@ from functional_pp.step.io import check_batch
 from functional_pp.step.known_finite import DonatedBound
 from functional_pp.step.layering import LayerUse, NoLayerWarning
 from functional_pp.step.metrics_modes import HostView, metrics_mode
+from functional_pp.step.precision_cast import cast_floating
 from functional_pp.step.nonfinite import NonFiniteError  # noqa: F401 (public here too)
 from functional_pp.step.result import DeviceStepResult
 from functional_pp.step.settings import (DEFAULT_BATCH_DIMS, METRICS_MODES, PER_WEIGHT, PRECISIONS, STEP_POLICY,
@@ -311,8 +312,8 @@ class TrainStep(StepSettings):
         device = self._offloaded_to()
         if device is not None:      # offload: host shards (evaluation, step.gradients) to the compute device
             leaves = [x.to(device) if x.device != device else x for x in leaves]
-        if compute is not None:
-            leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
+        if compute is not None:      # (eager: one op each way for all the leaves; step/precision_cast.py)
+            leaves = cast_floating(leaves, compute)
         elif cast:      # fp32 compute: a frozen 16-bit parameter (kept in its dtype by init) is upcast
             leaves = [x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x for x in leaves]
         if is_tracing():

@@ -116,8 +116,9 @@ class InNewBuffers(UpdateStrategy):
         groups, sq_reducer = _reduction(groups, reduce_on)
         grad_tree = _grad_tree(grads, treespec, params)
         grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok,
+        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
+        ok = finite[0] & finite[1]
+        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok,
                                sq_reducer)
 
 
@@ -134,11 +135,11 @@ class InPlace(UpdateStrategy):
         groups, sq_reducer = _reduction(groups, reduce_on)
         grad_tree = _grad_tree(grads, treespec, params)
         grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
+        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
+        ok = finite[0] & finite[1]
         held = self.step_in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm,
                                   norm_reducer=sq_reducer, params_finite=params_finite)
-        flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
-                 "update_held": held}
+        flags = {**nonfinite_flags(*finite), "update_held": held}
         return Updated(params, opt_state, grad_norm, flags, ok & ~held, True)
 
 
@@ -167,9 +168,10 @@ class WrittenUnderGuard(UpdateStrategy):
                                                       params_finite)
         else:
             grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)     # known before the update
+        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
+        ok = finite[0] & finite[1]
         shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
-        up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
+        up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok, sq_reducer,
                              check=False)
         # scalars only: the writes wait for no reduction over the update (one pass)
         write = ok & shown if shown is not None else ok
@@ -181,8 +183,7 @@ class WrittenUnderGuard(UpdateStrategy):
         if shown is not None:
             # held (nothing written) where the bound could not show the update finite: the host
             # makes it in new buffers (:meth:`redo`; docs/optim.md "Bound before the update")
-            flags = {**nonfinite_flags(loss, grad_norm, torch.ones((), dtype=torch.bool, device=ok.device)),
-                     "update_held": ok & ~shown}
+            flags = {**nonfinite_flags(*finite), "update_held": ok & ~shown}
             up.flags, up.finite, up.written = flags, write, True
             if carry:     # advanced where written; a held or skipped step leaves the terms as they were
                 up.peaks = [torch.where(write, new, old)
@@ -191,7 +192,7 @@ class WrittenUnderGuard(UpdateStrategy):
         # no bound: checked as written (the old values where skipped), a reduction that reads the
         # stored parameters instead of computing the update a second time
         update_ok = all_finite(tree_leaves(up.params), groups)
-        up.flags, up.finite, up.written = nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok, True
+        up.flags, up.finite, up.written = nonfinite_flags(*finite, update_ok), ok & update_ok, True
         return up
 
 
@@ -226,17 +227,19 @@ def _grad_tree(grads: list[torch.Tensor], treespec: Any, params: Any) -> Any:
     return tree
 
 
-def _in_new_buffers(optimizer, grad_tree, params, opt_state, loss, groups, grad_norm, ok, sq_reducer,
+def _in_new_buffers(optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok, sq_reducer,
                     check: bool = True) -> Updated:
-    """The pure update (eager: in the step's own gradient buffers), then (``check``) its finiteness."""
+    """The pure update (eager: in the step's own gradient buffers), then (``check``) its finiteness
+    (``finite``: whether the loss and the gradients' norm are finite)."""
     donate = not is_tracing()
     updates, new_opt = optim.update_with(optimizer, grad_tree, opt_state, params, norm_reducer=sq_reducer,
                                          donate_updates=donate, grad_norm=grad_norm)
     new_params = optim.apply_updates(params, updates, donate_updates=optim.returns_fresh(optimizer, donate))
     updates = None
-    update_ok = all_finite(tree_leaves(new_params), groups) if check else torch.ones((), dtype=torch.bool, device=ok.device)
-    return Updated(new_params, new_opt, grad_norm, nonfinite_flags(loss, grad_norm, update_ok), ok & update_ok,
-                   False)
+    if not check:
+        return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*finite), ok, False)
+    update_ok = all_finite(tree_leaves(new_params), groups)
+    return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*finite, update_ok), ok & update_ok, False)
 
 
 def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The GPU-speed proxies that need no GPU (docs/gpu.md): a one-device eager step of the Llama
 model against the same model as a plain ``nn.Module`` with ``torch.optim.AdamW(fused=True)``,
 both counted op by op on the CPU. An op here is a kernel launch there; bytes read and written
-by an op are what an unfused kernel moves through memory. Views are free and not counted."""
+by an op are what an unfused kernel moves through memory. Views and allocations are free and not
+counted; a copy writes its destination without reading it."""
 import collections
 import functools
 import sys
@@ -21,6 +22,12 @@ from single_device import OPT, PlainLlama, load_from_functional, make_batch, pla
 LAYERS = (2, 4)
 
 
+# ops that launch nothing on a GPU: aliases and allocations (views are not counted either)
+NO_LAUNCH = frozenset(("detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_strided", "empty_like"))
+# in-place ops that write their destination without reading it
+WRITE_ONLY = frozenset(("copy_", "_foreach_copy_"))
+
+
 class OpTraffic(TorchDispatchMode):
     """Per phase (forward, backward, update: what runs after backward), the ops launched and
     the bytes they read and write (an in-place op writes what it mutates)."""
@@ -38,13 +45,15 @@ class OpTraffic(TorchDispatchMode):
         if in_backward():
             self._backward_seen = True
         phase = "backward" if in_backward() else "update" if self._backward_seen else "forward"
-        if func.is_view or func.overloadpacket.__name__ in ("detach", "alias", "_unsafe_view", "lift_fresh"):
+        if func.is_view or func.overloadpacket.__name__ in NO_LAUNCH:
             return out
         schema = func._schema
+        written = [a for a, s in zip(args, schema.arguments) if s.alias_info is not None and s.alias_info.is_write]
         moved = sum(_nbytes(a) for a in list(args) + list(kwargs.values()))
+        if func.overloadpacket.__name__ in WRITE_ONLY:     # a copy reads its source, not its destination
+            moved -= sum(_nbytes(a) for a in written)
         if schema.is_mutable:
-            moved += sum(_nbytes(a) for a, s in zip(args, schema.arguments)
-                         if s.alias_info is not None and s.alias_info.is_write)
+            moved += sum(_nbytes(a) for a in written)
         else:
             moved += _nbytes(out)
         self.ops[phase] += 1
@@ -121,25 +130,32 @@ def test_the_update_moves_the_parameters_as_often_as_fused_adamw_and_the_guard(c
             (functional.bytes["update"] / master_bytes, functional.names["update"])
 
 
+# the update's ops: one fused AdamW, the non-finite guard's scalar checks and bound, the
+# counters and metrics (plain torch: 6); measured 78 (was 90: the loss's and the norm's
+# finiteness computed twice, the flags cast to integers one by one)
+UPDATE_OPS = 78
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_update_launches_as_many_ops_at_any_depth(counts, precision):
     """The update's ops (fused kernel, guard, counters) do not grow with the number of
     parameter leaves: on a GPU each would be a launch per leaf (the 1B model has 147)."""
     few, many = (counts[layers, precision][0] for layers in LAYERS)
-    assert many.ops["update"] == few.ops["update"], (few.names["update"], many.names["update"])
+    assert many.ops["update"] == few.ops["update"] <= UPDATE_OPS, (few.names["update"], many.names["update"])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_layer_costs_no_more_ops_and_bytes_than_the_plain_modules(counts, precision):
-    """Per added layer (4 layers minus 2), forward and backward: ops launched within 5% of the
-    plain module's, bytes moved within 10% (in bf16 the functional rotary multiplies q and k
-    in fp32, where the plain module's stays in bf16: +7% of a layer's forward bytes); for the
-    whole step's forward and backward within 15% (the embedding, loss and bookkeeping around
-    the layers)."""
+    """Per added layer (4 layers minus 2), forward and backward: no more ops launched than the
+    plain module's (bf16: 40 and 67 against 48 and 77, the parameters cast in one foreach copy
+    each way, step/precision_cast.py), bytes moved within 10% (in bf16 the functional rotary
+    multiplies q and k in fp32, where the plain module's stays in bf16: +7% of a layer's
+    forward bytes); for the whole step's forward and backward within 15% (the embedding, loss
+    and bookkeeping around the layers)."""
     (f2, p2, _), (f4, p4, _) = counts[2, precision], counts[4, precision]
     for phase in ("forward", "backward"):
         for what in ("ops", "bytes"):
             ours = (getattr(f4, what)[phase] - getattr(f2, what)[phase]) / 2
             theirs = (getattr(p4, what)[phase] - getattr(p2, what)[phase]) / 2
-            assert ours <= (1.05 if what == "ops" else 1.10) * theirs, (phase, what, ours, theirs)
+            assert ours <= (1.00 if what == "ops" else 1.10) * theirs, (phase, what, ours, theirs)
             assert getattr(f4, what)[phase] <= 1.15 * getattr(p4, what)[phase], (phase, what)
