@@ -914,53 +914,19 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
                                   f"types: {', '.join(MODEL_TYPES)}")
     if mt in MOE_BASE:
         return _moe_config_from_hf(hf, mt)
-    if mt in deepseek_hf.ARCHITECTURES:                           # (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash)
-        try:
-            return deepseek_hf.config_from_hf(hf, mt, _rope)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in falcon_h1_hf.ARCHITECTURES:                          # (Falcon-H1: Mamba2 and attention in parallel)
-        try:
-            return falcon_h1_hf.config_from_hf(hf, mt, _rope)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in granitemoehybrid_hf.ARCHITECTURES:                   # (Granite 4: Granite's layers, Mamba2 or attention)
-        try:
-            return granitemoehybrid_hf.config_from_hf(hf, mt, config_from_hf_dict)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in nemotron_h_hf.ARCHITECTURES:                         # (Nemotron-H: Mamba2, attention, MLP layers)
-        try:
-            return nemotron_h_hf.config_from_hf(hf, mt)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in afmoe_hf.ARCHITECTURES:                              # (Arcee AFMoE)
-        try:
-            return afmoe_hf.config_from_hf(hf, mt, _rope)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in qwen3_5_hf.ARCHITECTURES:                            # (Qwen3.5: Gated DeltaNet + gated attention)
-        try:
-            return qwen3_5_hf.config_from_hf(hf, mt, _rope)
-        except UnsupportedHFConfig:
-            raise
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
-    if mt in gemma4_hf.ARCHITECTURES:                             # (Gemma 4's text decoder)
-        try:
-            return gemma4_hf.config_from_hf(hf, mt)
-        except ValueError as exc:
-            raise UnsupportedHFConfig(str(exc)) from exc
+    # the families whose config.json a module of its own reads (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash;
+    # Falcon-H1: Mamba2 and attention in parallel; Granite 4: Granite's layers, Mamba2 or attention;
+    # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
+    # attention; Gemma 4's text decoder), each given what it reads with
+    for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
+                                (nemotron_h_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,)):
+        if mt in module.ARCHITECTURES:
+            try:
+                return module.config_from_hf(hf, mt, *reads_with)
+            except UnsupportedHFConfig:
+                raise
+            except ValueError as exc:
+                raise UnsupportedHFConfig(str(exc)) from exc
     if mt in OWN_CONFIG:                       # Llama's attention and norms, the rest its own
         import dataclasses
         own = OWN_CONFIG[mt]

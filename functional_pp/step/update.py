@@ -113,11 +113,8 @@ class InNewBuffers(UpdateStrategy):
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
               reduce_on=None) -> Updated:
-        groups, sq_reducer = _reduction(groups, reduce_on)
-        grad_tree = _grad_tree(grads, treespec, params)
-        grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
-        ok = finite[0] & finite[1]
+        groups, sq_reducer, grad_tree, grad_norm, finite, ok = _norm_and_checks(grads, treespec, params, loss, groups,
+                                                                                reduce_on)
         return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok,
                                sq_reducer)
 
@@ -132,11 +129,8 @@ class InPlace(UpdateStrategy):
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
               reduce_on=None) -> Updated:
-        groups, sq_reducer = _reduction(groups, reduce_on)
-        grad_tree = _grad_tree(grads, treespec, params)
-        grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
-        ok = finite[0] & finite[1]
+        groups, sq_reducer, grad_tree, grad_norm, finite, ok = _norm_and_checks(grads, treespec, params, loss, groups,
+                                                                                reduce_on)
         held = self.step_in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm,
                                   norm_reducer=sq_reducer, params_finite=params_finite)
         flags = {**nonfinite_flags(*finite), "update_held": held}
@@ -207,6 +201,18 @@ def choose_update(optimizer: optim.GradientTransformation, *, donate_state: bool
     if donate_state and compiled:
         return WrittenUnderGuard(optimizer, bound, eager)
     return eager
+
+
+def _norm_and_checks(grads: list[torch.Tensor], treespec: Any, params: Any, loss: torch.Tensor, groups: AxisGroups,
+                     reduce_on: torch.device | None):
+    """What an update without a bound knows before it runs: the groups and the squared-sums reducer
+    (:func:`_reduction`), the gradients' tree (:func:`_grad_tree`), their global norm, whether the
+    loss and the norm are finite (computed once: the flags' too) and both."""
+    groups, sq_reducer = _reduction(groups, reduce_on)
+    grad_tree = _grad_tree(grads, treespec, params)
+    grad_norm = optim.global_norm(grad_tree, sq_reducer)
+    finite = torch.isfinite(loss), torch.isfinite(grad_norm)
+    return groups, sq_reducer, grad_tree, grad_norm, finite, finite[0] & finite[1]
 
 
 def _reduction(groups: AxisGroups, reduce_on: torch.device | None):
