@@ -168,6 +168,21 @@ def import_logits_beside_hf(model, hf_dir, atol=1e-5):
     return cfg, params, toks, want
 
 
+def saved_hf_model(model, out_dir, perturb: tuple[str, ...] = ("norm", "dt_bias")):
+    """``(model, out_dir)``: transformers' ``model`` with the parameters whose names hold one of
+    ``perturb`` moved off their initial values (ones, zeros: a test then sees them), saved to
+    ``out_dir`` as safetensors, then set to transformers' eager attention and experts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in perturb):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.config._attn_implementation = "eager"
+    if hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"
+    return model, out_dir
+
+
 def tokens(batch=4, seq=12, seed=1):
     """Random token ids below 256 (the tiny Hugging Face models' vocabulary)."""
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))

@@ -8,7 +8,7 @@ sequence parallelism on simulated devices and FSDP x TP on real gloo processes e
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
-                     fp64_beside_hf, import_logits_beside_hf)
+                     fp64_beside_hf, import_logits_beside_hf, saved_hf_model)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -33,14 +33,7 @@ EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 def saved(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("qwen3_next")
-    model.save_pretrained(d, safe_serialization=True)
-    model.config._attn_implementation = model.config._experts_implementation = "eager"
-    return model, d
+    return saved_hf_model(model, tmp_path_factory.mktemp("qwen3_next"))
 
 
 def test_config_reads_qwen3_next(saved):
