@@ -27,7 +27,9 @@ LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
                      "kv_b_proj": "kv_rank",
                      # Gated DeltaNet (models/gated_deltanet.py; in_proj_q / k / v: the rows of HF's in_proj_qkv)
                      **{f"in_proj_{x}": "hidden" for x in "qkvzba"},
-                     "out_proj": ("v_head_dim", "ssm_head_dim")}   # (Mamba2's out_proj: models/mamba2.py)
+                     # Mamba2 (models/mamba2.py; z / x / B / C / dt: the rows of HF's in_proj)
+                     **{f"{x}_proj": "hidden" for x in ("z", "x", "b", "c", "dt")},
+                     "out_proj": ("v_head_dim", "ssm_head_dim")}
 #: the experts' stacked weights (models/moe.py: ``experts hidden mlp`` / ``experts mlp hidden``)
 #: -> their input dimension; quantized with ``experts=True``, the :data:`EXPERTS` dimension first
 EXPERT_BLOCK_DIMS = {"gate": "hidden", "up": "hidden", "down": "mlp"}
