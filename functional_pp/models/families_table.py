@@ -72,8 +72,9 @@ ROWS: tuple[Row, ...] = (
         "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`, refused by name)"),
     Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
-    Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",
-        "dropout (`residual_dropout`, `embedding_dropout`: refused by name, set them to 0.0)"),
+    Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every "
+                         "layer, residual and embedding dropout in training",
+        "its dropout under a compiled step or pipeline stages (refused by name)"),
     Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary, `mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
                    "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",

@@ -24,7 +24,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, residual_dropout=0.0, layer_blocks=None,
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, residual_dropout=0.0, embedding_dropout=0.0,
+                             layer_blocks=None,
                              mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
                              mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
                              attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
@@ -298,22 +299,18 @@ SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention
                kv_heads=lambda cfg: cfg.heads))
 
 # --------------------------------------------------------------------------- Seed-OSS
-def no_dropout(get: Get, where: str, *keys: str) -> None:
-    """Refuse a nonzero dropout rate of ``keys`` (read with the class default where config.json
-    leaves one out: SeedOssConfig's are 0.1)."""
-    for key in keys:
-        rate = float(get(key) or 0.0)
-        if rate:
-            raise ValueError(f"{where}: {key}={rate!r} is not supported: the functional decoder has no dropout "
-                             f"there (transformers applies it while training); set {key} to 0.0 in config.json to "
-                             f"fine-tune without it (a key left out is the class default)")
+def dropout_rate(get: Get, where: str, key: str) -> float:
+    """``config.json``'s dropout rate ``key`` (or the class default), checked to be in [0, 1)."""
+    rate = float(get(key) or 0.0)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: {key}={rate!r} must be in [0, 1)")
+    return rate
 
 
 def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
-    rate = float(get("residual_dropout") or 0.0)     # (on the attention's and the MLP's outputs, in training)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{where}: residual_dropout={rate!r} must be in [0, 1)")
-    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")), residual_dropout=rate)
+    # (residual_dropout on the attention's and the MLP's outputs, in training)
+    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")),
+                residual_dropout=dropout_rate(get, where, "residual_dropout"))
 
 
 def _seed_oss_write(cfg, out: dict) -> None:
@@ -460,22 +457,26 @@ SWITCHES["glm4"] = Switches("Glm4ForCausalLM", **_GLM,
 
 # --------------------------------------------------------------------------- StarCoder 2
 def _starcoder2_read(hf: dict, get: Get, where: str) -> dict:
-    no_dropout(get, where, "residual_dropout", "embedding_dropout")
     bias = bool(get("use_bias"))
-    return dict(norm_eps=float(get("norm_epsilon")), qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    # (transformers, in training: residual_dropout on the attention's output after o_proj and on the
+    # MLP's after c_proj, embedding_dropout on the token embedding)
+    return dict(norm_eps=float(get("norm_epsilon")), qkv_bias=bias, o_bias=bias, mlp_bias=bias,
+                residual_dropout=dropout_rate(get, where, "residual_dropout"),
+                embedding_dropout=dropout_rate(get, where, "embedding_dropout"))
 
 
 def _starcoder2_write(cfg, out: dict) -> None:
     out.pop("attention_bias", None)
     out.update(norm_epsilon=out.pop("rms_norm_eps"), use_bias=cfg.o_bias, sliding_window=cfg.sliding_window,
-               residual_dropout=0.0, embedding_dropout=0.0)
+               residual_dropout=cfg.residual_dropout, embedding_dropout=cfg.embedding_dropout)
 
 
 SWITCHES["starcoder2"] = Switches(   # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases, a window
     "Starcoder2ForCausalLM", dict(norm_epsilon=1e-5, max_position_embeddings=4096, use_bias=True,
                                   tie_word_embeddings=True, sliding_window=None, residual_dropout=0.0,
                                   embedding_dropout=0.0),
-    _starcoder2_read, _starcoder2_write, free=("qkv_bias", "o_bias", "mlp_bias"), windows=True,
+    _starcoder2_read, _starcoder2_write,
+    free=("qkv_bias", "o_bias", "mlp_bias", "residual_dropout", "embedding_dropout"), windows=True,
     hidden_act="gelu_pytorch_tanh",
     fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_act="gelu_tanh",
                qkv_bias=lambda cfg: cfg.o_bias, mlp_bias=lambda cfg: cfg.o_bias, layer_types=None))

@@ -262,8 +262,8 @@ def test_refused_by_name(saved, tmp_path):
     assert hf.config_from_hf(dict(gpt2, model_type="gpt2", resid_pdrop=0.0, embd_pdrop=0.0)).attention_dropout == 0.1
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: scale_attn_by_inverse_layer_idx=True"):
         hf.config_from_hf(dict(FAMILIES["gpt2"][3], model_type="gpt2", scale_attn_by_inverse_layer_idx=True))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=0.1 is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="starcoder2", residual_dropout=0.1))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=1.5 must be in \[0, 1\)"):
+        hf.config_from_hf(dict(BASE, model_type="starcoder2", residual_dropout=1.5))
     cfg = hf.config_from_hf(saved["gpt2"][1])         # (a table of 32 positions)
     with pytest.raises(ValueError, match=r"learned_positions: position 32 is past the position table's max_seq=32"):
         our_logits(fpp.init_params(llama.init(cfg), seed=0), cfg, torch.zeros(1, 33, dtype=torch.long))

@@ -1,0 +1,138 @@
+"""StarCoder 2's ``residual_dropout`` (the attention's output after ``o_proj``, the MLP's after
+``c_proj``) and ``embedding_dropout`` (the token embedding), in training: masks hashed from global
+coordinates (``models/dropout_seeds.py``). Oracles: transformers' ``Starcoder2ForCausalLM`` in
+training mode with the same masks in place of torch's random ones; one device for the layouts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+import torch
+from harness import assert_processes_equal_one_device, make_batch, parallel
+
+import functional_pp as fpp
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.models import dropout_seeds, llama
+from functional_pp.ops.keep_mask import keep_mask
+
+transformers = pytest.importorskip("transformers")
+
+P_ATTN, P_RES, P_EMB = 0.25, 0.125, 0.375
+
+
+def _coords(*sizes: int) -> list[torch.Tensor]:
+    """``arange`` of each size, shaped to broadcast along its own axis."""
+    return [torch.arange(n).reshape([-1 if i == j else 1 for j in range(len(sizes))]) for i, n in enumerate(sizes)]
+
+
+def _starcoder2_dir(tmp_path):
+    torch.manual_seed(0)
+    conf = transformers.Starcoder2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, norm_epsilon=1e-5,
+                                         max_position_embeddings=128, use_bias=True, sliding_window=None,
+                                         attention_dropout=P_ATTN, residual_dropout=P_RES, embedding_dropout=P_EMB)
+    model = transformers.Starcoder2ForCausalLM(conf)
+    with torch.no_grad():
+        for n, w in model.named_parameters():
+            w.copy_(1 + 0.1 * torch.randn_like(w) if "norm" in n and n.endswith("weight") else 0.1 * torch.randn_like(w))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+def _hashed_dropout(model):
+    """transformers' ``nn.functional.dropout`` in StarCoder 2's module made ours: the probabilities
+    (batch, heads, q, k), each branch output and the embedding (batch, seq, hidden; coordinates in
+    name order batch, hidden, seq) masked by the hash of the first forward's seeds."""
+    state = {"layer": None, "calls": 0}
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or not p:
+            return x
+        b, s, h = _coords(*x.shape[:3])
+        if state["layer"] is None:                    # (before the first layer: the embedding)
+            assert p == P_EMB
+            keep = keep_mask(dropout_seeds.site_seed(0, 0, dropout_seeds.EMBEDDING), [b, h, s], p)
+        elif x.dim() == 4:
+            assert p == P_ATTN
+            base = dropout_seeds.site_seed(0, state["layer"], 0)
+            keep = keep_mask(base + dropout_seeds.ATTENTION, _coords(*x.shape), p)
+        else:
+            assert p == P_RES
+            site = (dropout_seeds.ATTENTION_OUT, dropout_seeds.MLP_OUT)[state["calls"]]
+            state["calls"] += 1
+            keep = keep_mask(dropout_seeds.site_seed(0, state["layer"], 0) + site, [b, h, s], p)
+        return x * keep.to(x.dtype) / (1 - p)
+
+    def enter(i):
+        def hook(*_):
+            state.update(layer=i, calls=0)
+        return hook
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(enter(i))
+    functional = types.SimpleNamespace(softmax=torch.nn.functional.softmax, dropout=dropout)
+    return types.SimpleNamespace(functional=functional)
+
+
+def test_starcoder2_training_equals_transformers_with_the_same_masks(tmp_path, monkeypatch):
+    from transformers.models.starcoder2 import modeling_starcoder2 as m
+    d = _starcoder2_dir(tmp_path)
+    model = transformers.Starcoder2ForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
+    model.train()
+    monkeypatch.setattr(m, "nn", _hashed_dropout(model))
+    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
+    assert (cfg.attention_dropout, cfg.residual_dropout, cfg.embedding_dropout) == (P_ATTN, P_RES, P_EMB)
+    batch = make_batch(cfg, batch=3, seq=12, seed=2)
+    loss, grads, _ = parallel(cfg, params, batch, fpp.Mesh(), fpp.Rules())[0]   # (a fresh launch: forward 0)
+    out = model(input_ids=batch["tokens"])
+    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)    # (transformers' rotary tables: fp32)
+    ours = dict(tree.leaves_with_paths(grads))
+    files = dict(hf._file_tensors(llama.init(cfg), cfg))
+    for name, w in model.named_parameters():
+        (path, kind, _), = files[name]
+        torch.testing.assert_close(kind.to_hf(ours[path]), w.grad, rtol=1e-5, atol=1e-6 * w.grad.abs().max().item(),
+                                   msg=lambda s: f"{name}: {s}")
+    # each dropout matters: without it the loss differs
+    for key in ("residual_dropout", "embedding_dropout"):
+        other = dataclasses.replace(cfg, **{key: 0.0})
+        assert abs(parallel(other, params, batch, fpp.Mesh(), fpp.Rules())[0][0] - loss) > 1e-4, key
+
+
+def test_starcoder2_exports_its_dropouts_and_checks_them(tmp_path):
+    cfg, params = hf.load_hf_llama(_starcoder2_dir(tmp_path / "in"), dtype=torch.float64)
+    hf.save_hf_llama(params, cfg, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["residual_dropout"], written["embedding_dropout"]) == (P_RES, P_EMB)
+    assert hf.config_from_hf(written) == cfg
+    with pytest.raises(Exception, match=r"HF starcoder2 config: embedding_dropout=1.0 must be in \[0, 1\)"):
+        hf.config_from_hf(dict(written, embedding_dropout=1.0))
+    # a family that has no embedding dropout refuses to export one by name
+    llama_cfg = dataclasses.replace(llama.Config(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, mlp=64),
+                                    embedding_dropout=0.1)
+    with pytest.raises(Exception, match=r"embedding_dropout"):
+        hf.save_hf_llama(fpp.init_params(llama.init(llama_cfg), seed=0), llama_cfg, tmp_path / "llama")
+
+
+CFG = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, max_seq=32, norm_kind="layer",
+                   norm_bias=True, mlp_gated=False, mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, mlp_bias=True,
+                   attention_dropout=P_ATTN, residual_dropout=P_RES, embedding_dropout=P_EMB)
+
+
+def test_fsdp_tp_simulated_equals_one_device():
+    params = fpp.init_params(llama.init(CFG, torch.float64), seed=0)
+    batch = make_batch(CFG, batch=4, seq=8)
+    loss0, grads0, _ = parallel(CFG, params, batch, fpp.Mesh(), fpp.Rules())[0]
+    mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True)
+    for rank, (loss, grads, _) in enumerate(parallel(CFG, params, batch, mesh, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+def test_real_processes_equal_one_device():
+    """Two AdamW steps on four gloo processes (FSDP x TP) equal one device's, every dropout on."""
+    assert_processes_equal_one_device(CFG)
