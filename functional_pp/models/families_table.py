@@ -68,9 +68,12 @@ ROWS: tuple[Row, ...] = (
                                "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
                                      "biases, GELU MLP (Phi, GPT-J), parallel residual; StableLM's q/k "
-                                     "LayerNorms of a weight per head (`qk_layernorm`)",
-        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`, refused by name)"),
-    Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head",
+                                     "LayerNorms of a weight per head (`qk_layernorm`); Phi's residual and "
+                                     "embedding dropout in training",
+        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`); StableLM's `hidden_dropout` (on the MLP's "
+        "output only); GPT-J's `resid_pdrop` / `embd_pdrop` (refused by name)"),
+    Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head, "
+                       "residual and embedding dropout (`hidden_dropout`) in training",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
     Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every "
                          "layer, residual and embedding dropout in training",

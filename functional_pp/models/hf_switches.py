@@ -35,6 +35,14 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
 Get = Callable[..., Any]          # a config.json key, or its class default
 
 
+def dropout_rate(get: Get, where: str, key: str) -> float:
+    """``config.json``'s dropout rate ``key`` (or the class default), checked to be in [0, 1)."""
+    rate = float(get(key) or 0.0)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: {key}={rate!r} must be in [0, 1)")
+    return rate
+
+
 @dataclass(frozen=True)
 class Switches:
     """One family: ``read(hf, get, where)`` the Config fields it takes from ``config.json``
@@ -169,6 +177,12 @@ def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
 
 
 def _phi_read(hf: dict, get: Get, where: str) -> dict:
+    # (transformers, in training: resid_pdrop on the attention's and the MLP's outputs, embd_pdrop on the embedding)
+    return dict(_phi_layer(hf, get, where), residual_dropout=dropout_rate(get, where, "resid_pdrop"),
+                embedding_dropout=dropout_rate(get, where, "embd_pdrop"))
+
+
+def _phi_layer(hf: dict, get: Get, where: str) -> dict:
     if hf.get("qk_layernorm"):
         raise ValueError(f"{where}: qk_layernorm=True (Phi's LayerNorm of q and k, with a bias, shared by the "
                          f"heads) is not supported yet")
@@ -183,14 +197,17 @@ def _rotary_and_eps(hf: dict, get: Get) -> dict:
 def _phi_write(cfg, out: dict) -> None:
     out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     out.update(layer_norm_eps=out.pop("rms_norm_eps"), hidden_act="gelu_new", qk_layernorm=False,
-               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
+               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=cfg.residual_dropout,
+               embd_pdrop=cfg.embedding_dropout)
     out.pop("attention_bias", None)
 
 
 # --------------------------------------------------------------------------- StableLM
 def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
     if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported: transformers' StableLM "
+                         f"drops only the MLP's output, a site the functional decoder has no dropout at (its "
+                         f"residual_dropout drops the attention's output too); set it to 0.0")
     # qk_layernorm: a bias-free LayerNorm of q and of k with a weight per head (Command R+'s), before the rotary
     qk = bool(hf.get("qk_layernorm"))
     return dict(_rotary_and_eps(hf, get), parallel_block=bool(get("use_parallel_residual")),
@@ -206,11 +223,11 @@ def _stablelm_write(cfg, out: dict) -> None:
 
 # --------------------------------------------------------------------------- GPT-NeoX
 def _neox_read(hf: dict, get: Get, where: str) -> dict:
-    if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
     parallel, bias = bool(get("use_parallel_residual")), bool(get("attention_bias"))
+    # (transformers, in training: hidden_dropout on the attention's and the MLP's outputs and on the embedding)
+    rate = dropout_rate(get, where, "hidden_dropout")
     return dict(partial_rotary_factor=partial_rotary_factor(hf, hf.get("rotary_pct") or get("partial_rotary_factor")),
-                norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
+                residual_dropout=rate, embedding_dropout=rate, norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
                 qkv_bias=bias, o_bias=bias)
 
 
@@ -218,7 +235,7 @@ def _neox_write(cfg, out: dict) -> None:
     _phi_write(cfg, out)
     del out["qk_layernorm"], out["resid_pdrop"], out["embd_pdrop"]
     out.update(hidden_act="gelu", use_parallel_residual=cfg.parallel_block, attention_bias=cfg.o_bias,
-               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=0.0)
+               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=cfg.residual_dropout)
 
 
 SWITCHES: dict[str, Switches] = {
@@ -242,14 +259,17 @@ SWITCHES: dict[str, Switches] = {
                        fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True,
                                   qk_norm_per_head=lambda cfg: cfg.qk_norm)),
     "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
-                    _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
+                    _phi_read, _phi_write, free=("partial_rotary_factor", "residual_dropout", "embedding_dropout"),
+                    hidden_act="gelu_new",
                     fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
                                mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
     "gpt_neox": Switches("GPTNeoXForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048,
                                                     partial_rotary_factor=0.25, use_parallel_residual=True,
                                                     attention_bias=True),
-                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block"), hidden_act="gelu",
+                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block", "residual_dropout"),
+                         hidden_act="gelu",
                          fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu",
+                                    embedding_dropout=lambda cfg: cfg.residual_dropout,
                                     parallel_mlp_norm=lambda cfg: cfg.parallel_block, qkv_bias=lambda cfg: cfg.o_bias,
                                     kv_heads=lambda cfg: cfg.heads)),
 }
@@ -293,20 +313,12 @@ def _gptj_write(cfg, out: dict) -> None:
 
 
 SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
-    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write, free=("partial_rotary_factor",),
+    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_layer, _gptj_write, free=("partial_rotary_factor",),
     hidden_act="gelu_new", prepare=_gptj_prepare,
     fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
                kv_heads=lambda cfg: cfg.heads))
 
 # --------------------------------------------------------------------------- Seed-OSS
-def dropout_rate(get: Get, where: str, key: str) -> float:
-    """``config.json``'s dropout rate ``key`` (or the class default), checked to be in [0, 1)."""
-    rate = float(get(key) or 0.0)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{where}: {key}={rate!r} must be in [0, 1)")
-    return rate
-
-
 def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
     # (residual_dropout on the attention's and the MLP's outputs, in training)
     return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")),
