@@ -68,10 +68,10 @@ ROWS: tuple[Row, ...] = (
                                "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
                                      "biases, GELU MLP (Phi, GPT-J), parallel residual; StableLM's q/k "
-                                     "LayerNorms of a weight per head (`qk_layernorm`); Phi's residual and "
-                                     "embedding dropout in training",
+                                     "LayerNorms of a weight per head (`qk_layernorm`); Phi's and GPT-J's "
+                                     "residual and embedding dropout in training",
         "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`); StableLM's `hidden_dropout` (on the MLP's "
-        "output only); GPT-J's `resid_pdrop` / `embd_pdrop` (refused by name)"),
+        "output only; refused by name)"),
     Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head, "
                        "residual and embedding dropout (`hidden_dropout`) in training",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
@@ -80,7 +80,8 @@ ROWS: tuple[Row, ...] = (
         "its dropout under a compiled step or pipeline stages (refused by name)"),
     Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary, `mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
-                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
+                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it); "
+                   "attention, residual and embedding dropout in training",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
     Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases, attention and residual dropout in training "

@@ -309,11 +309,12 @@ def _gptj_write(cfg, out: dict) -> None:
         out.pop(key, None)
     out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
                rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=cfg.attention_dropout)
+               resid_pdrop=cfg.residual_dropout, embd_pdrop=cfg.embedding_dropout, attn_pdrop=cfg.attention_dropout)
 
 
 SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
-    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_layer, _gptj_write, free=("partial_rotary_factor",),
+    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write,
+    free=("partial_rotary_factor", "residual_dropout", "embedding_dropout"),
     hidden_act="gelu_new", prepare=_gptj_prepare,
     fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
                kv_heads=lambda cfg: cfg.heads))
@@ -514,8 +515,8 @@ SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 +
 
 # --------------------------------------------------------------------------- GPT-2
 def _gpt2_prepare(hf: dict) -> dict:
-    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out; its
-    dropouts' default 0.1, refused unless config.json sets them to 0)."""
+    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out: its
+    dropouts' 0.1, applied in training as transformers does)."""
     hidden = int(hf.get("n_embd", 768))
     heads = hf.get("n_head", 12)
     return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 12), num_attention_heads=heads,
@@ -531,7 +532,10 @@ def _gpt2_read(hf: dict, get: Get, where: str) -> dict:
                     ("add_cross_attention", False)):
         if hf.get(key, ok) != ok:
             raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {key}={ok!r})")
-    return dict(norm_eps=float(get("layer_norm_eps")))
+    # (transformers, in training: resid_pdrop on the attention's and the MLP's outputs, embd_pdrop on the
+    # token embedding plus the positions')
+    return dict(norm_eps=float(get("layer_norm_eps")), residual_dropout=dropout_rate(get, where, "resid_pdrop"),
+                embedding_dropout=dropout_rate(get, where, "embd_pdrop"))
 
 
 def _gpt2_write(cfg, out: dict) -> None:
@@ -543,7 +547,7 @@ def _gpt2_write(cfg, out: dict) -> None:
 
 SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, LayerNorms, biases, Conv1D weights
     "GPT2LMHeadModel", dict(layer_norm_eps=1e-5, tie_word_embeddings=True), _gpt2_read, _gpt2_write,
-    hidden_act="gelu_new", prepare=_gpt2_prepare,
+    hidden_act="gelu_new", prepare=_gpt2_prepare, free=("residual_dropout", "embedding_dropout"),
     kinds={"self_attn.q_proj": "conv_heads_out", "self_attn.k_proj": "conv_heads_out",
            "self_attn.v_proj": "conv_heads_out", "self_attn.o_proj": "conv_heads_in", "mlp.up_proj": "copy",
            "mlp.down_proj": "copy"},

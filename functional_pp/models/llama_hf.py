@@ -964,7 +964,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     attention_dropout = float(get("attention_dropout") or 0.0)       # (on the softmax probabilities, in training)
     if not 0.0 <= attention_dropout < 1.0:
         raise UnsupportedHFConfig(f"{where}: attention_dropout={attention_dropout!r} must be in [0, 1)")
-    for key in ("resid_pdrop", "embd_pdrop") if mt != "phi" else ():    # (Phi's: residual / embedding dropout)
+    # (Phi's, GPT-J's and GPT-2's: residual / embedding dropout, read by hf_switches)
+    for key in ("resid_pdrop", "embd_pdrop") if mt not in ("phi", "gptj", "gpt2") else ():
         if float(hf.get(key) or 0.0) != 0.0:
             raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
                                       f"has no dropout there; set it to 0.0)")

@@ -257,9 +257,8 @@ def test_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"moe_normalize_expert_weights=2.0 is not supported"):
         hf.config_from_hf(dict(dbrx, model_type="dbrx", ffn_config=dict(moe_normalize_expert_weights=2.0)))
     gpt2 = {k: v for k, v in FAMILIES["gpt2"][3].items() if not k.endswith("pdrop")}
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: resid_pdrop=0.1 is not supported"):
-        hf.config_from_hf(dict(gpt2, model_type="gpt2"))          # (GPT2Config's default dropouts)
-    assert hf.config_from_hf(dict(gpt2, model_type="gpt2", resid_pdrop=0.0, embd_pdrop=0.0)).attention_dropout == 0.1
+    read = hf.config_from_hf(dict(gpt2, model_type="gpt2"))           # (GPT2Config's default dropouts: 0.1)
+    assert (read.attention_dropout, read.residual_dropout, read.embedding_dropout) == (0.1, 0.1, 0.1)
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: scale_attn_by_inverse_layer_idx=True"):
         hf.config_from_hf(dict(FAMILIES["gpt2"][3], model_type="gpt2", scale_attn_by_inverse_layer_idx=True))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=1.5 must be in \[0, 1\)"):

@@ -1,7 +1,7 @@
 """Residual dropout (the attention's output after its output projection, the MLP's after its down
 projection) and embedding dropout (the token embedding) read from StarCoder 2's
-``residual_dropout`` / ``embedding_dropout``, Phi's ``resid_pdrop`` / ``embd_pdrop`` and GPT-NeoX's
-``hidden_dropout`` (both sites), in training: masks hashed from global coordinates
+``residual_dropout`` / ``embedding_dropout``, Phi's, GPT-J's and GPT-2's ``resid_pdrop`` /
+``embd_pdrop`` and GPT-NeoX's ``hidden_dropout`` (both sites), in training: masks hashed from global coordinates
 (``models/dropout_seeds.py``). Oracles: transformers' model in training mode with the same masks in
 place of torch's random ones; one device for the layouts."""
 from __future__ import annotations
@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 P_ATTN, P_RES, P_EMB = 0.25, 0.125, 0.375
 SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              max_position_embeddings=128)
+GPT = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=128)
 # family -> (its config, its rates: residual, embedding)
 FAMILIES = {
     "starcoder2": (lambda: transformers.Starcoder2Config(
@@ -34,6 +35,10 @@ FAMILIES = {
                                            resid_pdrop=P_RES, embd_pdrop=P_EMB), (P_RES, P_EMB)),
     "gpt_neox": (lambda: transformers.GPTNeoXConfig(**SIZES, rotary_pct=0.25, attention_dropout=P_ATTN,
                                                     hidden_dropout=P_RES), (P_RES, P_RES)),
+    "gptj": (lambda: transformers.GPTJConfig(**GPT, rotary_dim=8, attn_pdrop=P_ATTN, resid_pdrop=P_RES,
+                                             embd_pdrop=P_EMB), (P_RES, P_EMB)),
+    "gpt2": (lambda: transformers.GPT2Config(**GPT, attn_pdrop=P_ATTN, resid_pdrop=P_RES, embd_pdrop=P_EMB),
+             (P_RES, P_EMB)),
 }
 
 
@@ -91,7 +96,8 @@ def _hashed_dropout(model, res: float, emb: float):
         def hook(*_):
             state.update(layer=i, calls=0)
         return hook
-    for i, layer in enumerate(model.base_model.layers):
+    base = model.base_model
+    for i, layer in enumerate(base.layers if hasattr(base, "layers") else base.h):
         layer.register_forward_pre_hook(enter(i))
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Dropout) and module.p:
