@@ -41,7 +41,9 @@ ROWS: tuple[Row, ...] = (
                          "(Ministral 3, Mistral Medium 3.5)", "image input"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
-    Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE"),
+    Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE; residual "
+                   "dropout (`resid_pdrop`) in training",
+        "`embd_pdrop` (transformers never applies it; refused by name)"),
     Row(("gemma",), "tanh-GELU GLU, (1 + w) RMSNorms, scaled embedding"),
     Row(("gemma2",), "Gemma's, plus sandwich norms, `query_pre_attn_scalar`, alternating windows, attention and "
                      "logit soft-capping"),

@@ -35,6 +35,8 @@ FAMILIES = {
                                            resid_pdrop=P_RES, embd_pdrop=P_EMB), (P_RES, P_EMB)),
     "gpt_neox": (lambda: transformers.GPTNeoXConfig(**SIZES, rotary_pct=0.25, attention_dropout=P_ATTN,
                                                     hidden_dropout=P_RES), (P_RES, P_RES)),
+    "phi3": (lambda: transformers.Phi3Config(**SIZES, num_key_value_heads=2, pad_token_id=None,
+                                             attention_dropout=P_ATTN, resid_pdrop=P_RES), (P_RES, 0.0)),
     "gptj": (lambda: transformers.GPTJConfig(**GPT, rotary_dim=8, attn_pdrop=P_ATTN, resid_pdrop=P_RES,
                                              embd_pdrop=P_EMB), (P_RES, P_EMB)),
     "gpt2": (lambda: transformers.GPT2Config(**GPT, attn_pdrop=P_ATTN, resid_pdrop=P_RES, embd_pdrop=P_EMB),
@@ -134,7 +136,7 @@ def test_training_equals_transformers_with_the_same_masks(tmp_path, monkeypatch,
                                    atol=max(1e-6 * hf_grads[name].abs().max().item(), 1e-8),
                                    msg=lambda s: f"{name}: {s}")
     # each dropout matters: without it the loss differs
-    for key in ("residual_dropout", "embedding_dropout"):
+    for key in ("residual_dropout", "embedding_dropout") if emb else ("residual_dropout",):
         other = dataclasses.replace(cfg, **{key: 0.0})
         assert abs(parallel(other, params, batch, fpp.Mesh(), fpp.Rules())[0][0] - loss) > 1e-4, key
 
@@ -147,6 +149,10 @@ def test_starcoder2_exports_its_dropouts_and_checks_them(tmp_path):
     assert hf.config_from_hf(written) == cfg
     with pytest.raises(Exception, match=r"HF starcoder2 config: embedding_dropout=1.0 must be in \[0, 1\)"):
         hf.config_from_hf(dict(written, embedding_dropout=1.0))
+    # Phi-3's resid_pdrop written back
+    phi3, phi3_params = hf.load_hf_llama(_saved(tmp_path / "phi3", "phi3"), dtype=torch.float64)
+    hf.save_hf_llama(phi3_params, phi3, tmp_path / "phi3_out")
+    assert json.loads((tmp_path / "phi3_out" / "config.json").read_text())["resid_pdrop"] == P_RES
     # GPT-NeoX's one hidden_dropout holds both rates: two others refused on export by name
     neox, neox_params = hf.load_hf_llama(_saved(tmp_path / "neox", "gpt_neox"), dtype=torch.float64)
     hf.save_hf_llama(neox_params, neox, tmp_path / "neox_out")
