@@ -388,8 +388,14 @@ def _falcon_read(hf: dict, get: Get, where: str) -> dict:
         raise ValueError(f"{where}: alibi=True (ALiBi position biases: Falcon-RW) is not supported; only the "
                          f"rotary Falcons")
     if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported: transformers' Falcon "
+                         f"drops the MLP's output (with the attention's added, in parallel layers: one mask for both), "
+                         f"not a site of the functional decoder; set it to 0.0")
     new, parallel = bool(hf.get("new_decoder_architecture")), bool(get("parallel_attn"))
+    if not (new or parallel) and float(get("attention_dropout") or 0.0):
+        raise ValueError(f"{where}: attention_dropout={get('attention_dropout')!r} with sequential layers "
+                         f"(parallel_attn=False) is not supported: transformers' Falcon drops the attention's output "
+                         f"at that rate too, apart from the MLP's; set it to 0.0 (or use parallel_attn=True)")
     norms = hf.get("num_ln_in_parallel_attn") or (2 if new else 1)
     if (new and not parallel) or (not new and parallel and norms == 2):
         raise ValueError(f"{where}: new_decoder_architecture={new} with parallel_attn={parallel} and "

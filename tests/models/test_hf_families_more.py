@@ -238,6 +238,14 @@ def test_refused_by_name(saved, tmp_path):
             hf.config_from_hf(dict(BASE, model_type="seed_oss", **{key: 1.5}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF falcon config: alibi=True \(ALiBi"):
         hf.config_from_hf(dict(FALCON, model_type="falcon", alibi=True))
+    # (transformers' sequential Falcon drops the attention's output at attention_dropout too: no site of ours)
+    seq = dict(FAMILIES["falcon_seq"][3], model_type="falcon")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF falcon config: attention_dropout=0.1 with sequential "
+                                                         r"layers \(parallel_attn=False\) is not supported"):
+        hf.config_from_hf(dict(seq, attention_dropout=0.1))
+    assert hf.config_from_hf(dict(FALCON, model_type="falcon", attention_dropout=0.1)).attention_dropout == 0.1
+    with pytest.raises(ck.CheckpointMismatchError, match=r"hidden_dropout=0.1 is not supported: transformers' Falcon"):
+        hf.config_from_hf(dict(FALCON, model_type="falcon", hidden_dropout=0.1))
     with pytest.raises(ck.CheckpointMismatchError, match=r"new_decoder_architecture=True with parallel_attn=False"):
         hf.config_from_hf(dict(FALCON, model_type="falcon", new_decoder_architecture=True, parallel_attn=False))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF apertus config: hidden_act='silu' is not supported"):
