@@ -185,3 +185,15 @@ def test_fsdp_tp_simulated_equals_one_device():
 def test_real_processes_equal_one_device():
     """Two AdamW steps on four gloo processes (FSDP x TP) equal one device's, every dropout on."""
     assert_processes_equal_one_device(CFG)
+
+
+def test_config_refuses_embedding_dropout_with_compile_before_any_work(tmp_path):
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.config.models import model_config
+    d = _saved(tmp_path, "starcoder2")
+    with pytest.raises(ConfigError, match=r"config.json's attention_dropout=0.25, residual_dropout=0.125, "
+                                          r"embedding_dropout=0.375 with torch_compile is not supported"):
+        model_config(TrainConfig.from_dict({"base_model": str(d), "torch_compile": True}))
+    off = {k: 0.0 for k in ("attention_dropout", "residual_dropout", "embedding_dropout")}
+    fine = TrainConfig.from_dict({"base_model": str(d), "torch_compile": True, "overrides_of_model_config": off})
+    assert model_config(fine).embedding_dropout == 0.0
