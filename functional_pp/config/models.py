@@ -72,9 +72,11 @@ def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
 
 
 def _refuse_dropout_where_unbuilt(cfg: Any, model: Any) -> None:
-    """A model with dropout (config.json's ``attention_dropout`` / ``residual_dropout``) under a
-    compiled step or pipeline stages, refused before any work (models/dropout_seeds.py)."""
-    rates = {k: getattr(model, k, 0.0) for k in ("attention_dropout", "residual_dropout") if getattr(model, k, 0.0)}
+    """A model with dropout (config.json's ``attention_dropout`` / ``residual_dropout`` /
+    ``embedding_dropout``) under a compiled step or pipeline stages, refused before any work
+    (models/dropout_seeds.py)."""
+    keys = ("attention_dropout", "residual_dropout", "embedding_dropout")
+    rates = {k: getattr(model, k, 0.0) for k in keys if getattr(model, k, 0.0)}
     where = ("torch_compile" if getattr(cfg, "compile", False) else
              "pp_size" if getattr(cfg, "pp_size", 1) != 1 else None)
     if rates and where:

@@ -1,6 +1,7 @@
 """The decoder's dropout seeds: one per training forward, one per layer and call site from it.
 
-transformers applies ``attention_dropout`` (and Seed-OSS's ``residual_dropout``) in training only:
+transformers applies ``attention_dropout`` (and ``residual_dropout`` / ``embedding_dropout`` of
+Seed-OSS, StarCoder 2, ...) in training only:
 here a forward trains when gradients are enabled and no key / value cache samples (evaluation and
 generation run under ``torch.no_grad``). Each training forward takes the next number of a counter
 kept with the device's context (a new launch starts at 0; one device outside a launch counts per
@@ -22,16 +23,19 @@ from functional_pp.parallel.pipeline.stage import current_stage
 _outside = per_thread("models.dropout_seeds")
 _KEY, _STEP = "dropout_forwards", "dropout_step"
 _PER_STEP = 1 << 16            # (forwards of one step: micro-batches, a preference loss's passes)
-#: the call sites of a layer: attention's probabilities, the attention's and the MLP's outputs
-ATTENTION, ATTENTION_OUT, MLP_OUT = 1, 2, 3
+#: the call sites of a layer: attention's probabilities, the attention's and the MLP's outputs;
+#: the embedding's output is site EMBEDDING of layer 0 (a site no layer uses)
+EMBEDDING, ATTENTION, ATTENTION_OUT, MLP_OUT = 0, 1, 2, 3
 
 
-def forward_seed(attention_dropout: float, residual_dropout: float, cached: bool) -> int | None:
-    """The seed of this forward's dropout masks, or None when it applies none (both rates 0,
+def forward_seed(attention_dropout: float, residual_dropout: float, cached: bool,
+                 embedding_dropout: float = 0.0) -> int | None:
+    """The seed of this forward's dropout masks, or None when it applies none (every rate 0,
     gradients off, or sampling with a cache: ``cached``)."""
-    if not (attention_dropout or residual_dropout) or cached or not torch.is_grad_enabled():
+    if not (attention_dropout or residual_dropout or embedding_dropout) or cached or not torch.is_grad_enabled():
         return None
     what = f"attention_dropout={attention_dropout}, residual_dropout={residual_dropout}"
+    what += f", embedding_dropout={embedding_dropout}" if embedding_dropout else ""
     if is_tracing():
         raise ValueError(f"dropout ({what}) under a compiled step is not supported (its mask seed advances on the "
                          f"host every forward); set compile: false (torch_compile: false) or the dropout to 0.0")

@@ -41,7 +41,9 @@ ROWS: tuple[Row, ...] = (
                          "(Ministral 3, Mistral Medium 3.5)", "image input"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
-    Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE"),
+    Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE; residual "
+                   "dropout (`resid_pdrop`) in training",
+        "`embd_pdrop` (transformers never applies it; refused by name)"),
     Row(("gemma",), "tanh-GELU GLU, (1 + w) RMSNorms, scaled embedding"),
     Row(("gemma2",), "Gemma's, plus sandwich norms, `query_pre_attn_scalar`, alternating windows, attention and "
                      "logit soft-capping"),
@@ -68,15 +70,20 @@ ROWS: tuple[Row, ...] = (
                                "(`use_qk_norm`)"),
     Row(("phi", "stablelm", "gptj"), "LayerNorm with bias, partial rotary (GPT-J interleaved), q/k/v (and head) "
                                      "biases, GELU MLP (Phi, GPT-J), parallel residual; StableLM's q/k "
-                                     "LayerNorms of a weight per head (`qk_layernorm`)",
-        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`, refused by name)"),
-    Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head",
+                                     "LayerNorms of a weight per head (`qk_layernorm`); Phi's and GPT-J's "
+                                     "residual and embedding dropout in training",
+        "Phi's q/k LayerNorm shared by the heads (`qk_layernorm`); StableLM's `hidden_dropout` (on the MLP's "
+        "output only; refused by name)"),
+    Row(("gpt_neox",), "parallel attention + MLP with a norm each, partial rotary, q/k/v fused head by head, "
+                       "residual and embedding dropout (`hidden_dropout`) in training",
         "PEFT export of adapters on the fused `query_key_value` (export merged)"),
-    Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every layer",
-        "dropout (`residual_dropout`, `embedding_dropout`: refused by name, set them to 0.0)"),
+    Row(("starcoder2",), "LayerNorm with bias, tanh-GELU MLP not gated, biases everywhere, a window in every "
+                         "layer, residual and embedding dropout in training",
+        "its dropout under a compiled step or pipeline stages (refused by name)"),
     Row(("nemotron",), "LayerNorm1P (1 + w, with a bias), squared-ReLU MLP not gated, partial rotary, `mlp_bias`"),
     Row(("gpt2",), "learned absolute positions (no rotary), LayerNorm with bias, biases, tanh-GELU MLP not "
-                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it)",
+                   "gated; Conv1D weights, q/k/v fused in `c_attn` (their adapters: one PEFT adapter of it); "
+                   "attention, residual and embedding dropout in training",
         "files of a bare `GPT2Model` (names without `transformer.`)"),
     Row(("arcee",), "squared-ReLU MLP, not gated"),
     Row(("seed_oss", "hunyuan_v1_dense"), "q/k/v and output biases, attention and residual dropout in training "

@@ -24,7 +24,8 @@ __all__ = ["Switches", "SWITCHES", "PLAIN", "REFUSED", "refusal", "partial_rotar
 PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers=None, partial_rotary_factor=1.0, rotary_interleaved=False, pre_norms=True,
                              qk_norm_heads=False, qk_norm_per_head=False, embedding_multiplier=1.0, residual_multiplier=1.0, logit_scale=1.0,
                              parallel_block=False, parallel_mlp_norm=False, norm_kind="rms", norm_bias=False,
-                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, residual_dropout=0.0, layer_blocks=None,
+                             mlp_gated=True, mlp_bias=False, lm_head_bias=False, attn_gate=False, residual_dropout=0.0, embedding_dropout=0.0,
+                             layer_blocks=None,
                              mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
                              mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
                              attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
@@ -32,6 +33,14 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
+
+
+def dropout_rate(get: Get, where: str, key: str) -> float:
+    """``config.json``'s dropout rate ``key`` (or the class default), checked to be in [0, 1)."""
+    rate = float(get(key) or 0.0)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: {key}={rate!r} must be in [0, 1)")
+    return rate
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,12 @@ def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
 
 
 def _phi_read(hf: dict, get: Get, where: str) -> dict:
+    # (transformers, in training: resid_pdrop on the attention's and the MLP's outputs, embd_pdrop on the embedding)
+    return dict(_phi_layer(hf, get, where), residual_dropout=dropout_rate(get, where, "resid_pdrop"),
+                embedding_dropout=dropout_rate(get, where, "embd_pdrop"))
+
+
+def _phi_layer(hf: dict, get: Get, where: str) -> dict:
     if hf.get("qk_layernorm"):
         raise ValueError(f"{where}: qk_layernorm=True (Phi's LayerNorm of q and k, with a bias, shared by the "
                          f"heads) is not supported yet")
@@ -182,14 +197,17 @@ def _rotary_and_eps(hf: dict, get: Get) -> dict:
 def _phi_write(cfg, out: dict) -> None:
     out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     out.update(layer_norm_eps=out.pop("rms_norm_eps"), hidden_act="gelu_new", qk_layernorm=False,
-               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
+               partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=cfg.residual_dropout,
+               embd_pdrop=cfg.embedding_dropout)
     out.pop("attention_bias", None)
 
 
 # --------------------------------------------------------------------------- StableLM
 def _stablelm_read(hf: dict, get: Get, where: str) -> dict:
     if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported: transformers' StableLM "
+                         f"drops only the MLP's output, a site the functional decoder has no dropout at (its "
+                         f"residual_dropout drops the attention's output too); set it to 0.0")
     # qk_layernorm: a bias-free LayerNorm of q and of k with a weight per head (Command R+'s), before the rotary
     qk = bool(hf.get("qk_layernorm"))
     return dict(_rotary_and_eps(hf, get), parallel_block=bool(get("use_parallel_residual")),
@@ -205,11 +223,11 @@ def _stablelm_write(cfg, out: dict) -> None:
 
 # --------------------------------------------------------------------------- GPT-NeoX
 def _neox_read(hf: dict, get: Get, where: str) -> dict:
-    if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
     parallel, bias = bool(get("use_parallel_residual")), bool(get("attention_bias"))
+    # (transformers, in training: hidden_dropout on the attention's and the MLP's outputs and on the embedding)
+    rate = dropout_rate(get, where, "hidden_dropout")
     return dict(partial_rotary_factor=partial_rotary_factor(hf, hf.get("rotary_pct") or get("partial_rotary_factor")),
-                norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
+                residual_dropout=rate, embedding_dropout=rate, norm_eps=float(get("layer_norm_eps")), parallel_block=parallel, parallel_mlp_norm=parallel,
                 qkv_bias=bias, o_bias=bias)
 
 
@@ -217,7 +235,7 @@ def _neox_write(cfg, out: dict) -> None:
     _phi_write(cfg, out)
     del out["qk_layernorm"], out["resid_pdrop"], out["embd_pdrop"]
     out.update(hidden_act="gelu", use_parallel_residual=cfg.parallel_block, attention_bias=cfg.o_bias,
-               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=0.0)
+               rotary_pct=cfg.partial_rotary_factor, hidden_dropout=cfg.residual_dropout)
 
 
 SWITCHES: dict[str, Switches] = {
@@ -241,14 +259,17 @@ SWITCHES: dict[str, Switches] = {
                        fixed=dict(parallel_block=True, norm_kind="layer", rotary_interleaved=True,
                                   qk_norm_per_head=lambda cfg: cfg.qk_norm)),
     "phi": Switches("PhiForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048, partial_rotary_factor=0.5),
-                    _phi_read, _phi_write, free=("partial_rotary_factor",), hidden_act="gelu_new",
+                    _phi_read, _phi_write, free=("partial_rotary_factor", "residual_dropout", "embedding_dropout"),
+                    hidden_act="gelu_new",
                     fixed=dict(parallel_block=True, norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True,
                                mlp_act="gelu_tanh", lm_head_bias=True, qkv_bias=True, o_bias=True)),
     "gpt_neox": Switches("GPTNeoXForCausalLM", dict(layer_norm_eps=1e-5, max_position_embeddings=2048,
                                                     partial_rotary_factor=0.25, use_parallel_residual=True,
                                                     attention_bias=True),
-                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block"), hidden_act="gelu",
+                         _neox_read, _neox_write, free=("partial_rotary_factor", "parallel_block", "residual_dropout"),
+                         hidden_act="gelu",
                          fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_bias=True, mlp_act="gelu",
+                                    embedding_dropout=lambda cfg: cfg.residual_dropout,
                                     parallel_mlp_norm=lambda cfg: cfg.parallel_block, qkv_bias=lambda cfg: cfg.o_bias,
                                     kv_heads=lambda cfg: cfg.heads)),
 }
@@ -288,32 +309,21 @@ def _gptj_write(cfg, out: dict) -> None:
         out.pop(key, None)
     out.update(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_inner=cfg.mlp, n_positions=cfg.max_seq,
                rotary_dim=cfg.rotary_dim or cfg.dim_head, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=cfg.attention_dropout)
+               resid_pdrop=cfg.residual_dropout, embd_pdrop=cfg.embedding_dropout, attn_pdrop=cfg.attention_dropout)
 
 
 SWITCHES["gptj"] = Switches(     # GPT-J: Phi's parallel block without attention biases, interleaved partial rotary
-    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write, free=("partial_rotary_factor",),
+    "GPTJForCausalLM", dict(layer_norm_eps=1e-5), _phi_read, _gptj_write,
+    free=("partial_rotary_factor", "residual_dropout", "embedding_dropout"),
     hidden_act="gelu_new", prepare=_gptj_prepare,
     fixed=dict(SWITCHES["phi"].fixed, qkv_bias=False, o_bias=False, rotary_interleaved=True, head_dim=None,
                kv_heads=lambda cfg: cfg.heads))
 
 # --------------------------------------------------------------------------- Seed-OSS
-def no_dropout(get: Get, where: str, *keys: str) -> None:
-    """Refuse a nonzero dropout rate of ``keys`` (read with the class default where config.json
-    leaves one out: SeedOssConfig's are 0.1)."""
-    for key in keys:
-        rate = float(get(key) or 0.0)
-        if rate:
-            raise ValueError(f"{where}: {key}={rate!r} is not supported: the functional decoder has no dropout "
-                             f"there (transformers applies it while training); set {key} to 0.0 in config.json to "
-                             f"fine-tune without it (a key left out is the class default)")
-
-
 def _seed_oss_read(hf: dict, get: Get, where: str) -> dict:
-    rate = float(get("residual_dropout") or 0.0)     # (on the attention's and the MLP's outputs, in training)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{where}: residual_dropout={rate!r} must be in [0, 1)")
-    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")), residual_dropout=rate)
+    # (residual_dropout on the attention's and the MLP's outputs, in training)
+    return dict(qkv_bias=bool(get("attention_bias")), o_bias=bool(get("attention_out_bias")),
+                residual_dropout=dropout_rate(get, where, "residual_dropout"))
 
 
 def _seed_oss_write(cfg, out: dict) -> None:
@@ -378,8 +388,14 @@ def _falcon_read(hf: dict, get: Get, where: str) -> dict:
         raise ValueError(f"{where}: alibi=True (ALiBi position biases: Falcon-RW) is not supported; only the "
                          f"rotary Falcons")
     if float(hf.get("hidden_dropout") or 0.0):
-        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported (set it to 0.0)")
+        raise ValueError(f"{where}: hidden_dropout={hf['hidden_dropout']!r} is not supported: transformers' Falcon "
+                         f"drops the MLP's output (with the attention's added, in parallel layers: one mask for both), "
+                         f"not a site of the functional decoder; set it to 0.0")
     new, parallel = bool(hf.get("new_decoder_architecture")), bool(get("parallel_attn"))
+    if not (new or parallel) and float(get("attention_dropout") or 0.0):
+        raise ValueError(f"{where}: attention_dropout={get('attention_dropout')!r} with sequential layers "
+                         f"(parallel_attn=False) is not supported: transformers' Falcon drops the attention's output "
+                         f"at that rate too, apart from the MLP's; set it to 0.0 (or use parallel_attn=True)")
     norms = hf.get("num_ln_in_parallel_attn") or (2 if new else 1)
     if (new and not parallel) or (not new and parallel and norms == 2):
         raise ValueError(f"{where}: new_decoder_architecture={new} with parallel_attn={parallel} and "
@@ -460,22 +476,26 @@ SWITCHES["glm4"] = Switches("Glm4ForCausalLM", **_GLM,
 
 # --------------------------------------------------------------------------- StarCoder 2
 def _starcoder2_read(hf: dict, get: Get, where: str) -> dict:
-    no_dropout(get, where, "residual_dropout", "embedding_dropout")
     bias = bool(get("use_bias"))
-    return dict(norm_eps=float(get("norm_epsilon")), qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    # (transformers, in training: residual_dropout on the attention's output after o_proj and on the
+    # MLP's after c_proj, embedding_dropout on the token embedding)
+    return dict(norm_eps=float(get("norm_epsilon")), qkv_bias=bias, o_bias=bias, mlp_bias=bias,
+                residual_dropout=dropout_rate(get, where, "residual_dropout"),
+                embedding_dropout=dropout_rate(get, where, "embedding_dropout"))
 
 
 def _starcoder2_write(cfg, out: dict) -> None:
     out.pop("attention_bias", None)
     out.update(norm_epsilon=out.pop("rms_norm_eps"), use_bias=cfg.o_bias, sliding_window=cfg.sliding_window,
-               residual_dropout=0.0, embedding_dropout=0.0)
+               residual_dropout=cfg.residual_dropout, embedding_dropout=cfg.embedding_dropout)
 
 
 SWITCHES["starcoder2"] = Switches(   # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases, a window
     "Starcoder2ForCausalLM", dict(norm_epsilon=1e-5, max_position_embeddings=4096, use_bias=True,
                                   tie_word_embeddings=True, sliding_window=None, residual_dropout=0.0,
                                   embedding_dropout=0.0),
-    _starcoder2_read, _starcoder2_write, free=("qkv_bias", "o_bias", "mlp_bias"), windows=True,
+    _starcoder2_read, _starcoder2_write,
+    free=("qkv_bias", "o_bias", "mlp_bias", "residual_dropout", "embedding_dropout"), windows=True,
     hidden_act="gelu_pytorch_tanh",
     fixed=dict(norm_kind="layer", norm_bias=True, mlp_gated=False, mlp_act="gelu_tanh",
                qkv_bias=lambda cfg: cfg.o_bias, mlp_bias=lambda cfg: cfg.o_bias, layer_types=None))
@@ -501,8 +521,8 @@ SWITCHES["nemotron"] = Switches(   # Nemotron (Minitron): LayerNorm1P (scale 1 +
 
 # --------------------------------------------------------------------------- GPT-2
 def _gpt2_prepare(hf: dict) -> dict:
-    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out; its
-    dropouts' default 0.1, refused unless config.json sets them to 0)."""
+    """GPT-2's config.json keys as the shared ones (GPT2Config's defaults where left out: its
+    dropouts' 0.1, applied in training as transformers does)."""
     hidden = int(hf.get("n_embd", 768))
     heads = hf.get("n_head", 12)
     return dict(hf, hidden_size=hidden, num_hidden_layers=hf.get("n_layer", 12), num_attention_heads=heads,
@@ -518,7 +538,10 @@ def _gpt2_read(hf: dict, get: Get, where: str) -> dict:
                     ("add_cross_attention", False)):
         if hf.get(key, ok) != ok:
             raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (only {key}={ok!r})")
-    return dict(norm_eps=float(get("layer_norm_eps")))
+    # (transformers, in training: resid_pdrop on the attention's and the MLP's outputs, embd_pdrop on the
+    # token embedding plus the positions')
+    return dict(norm_eps=float(get("layer_norm_eps")), residual_dropout=dropout_rate(get, where, "resid_pdrop"),
+                embedding_dropout=dropout_rate(get, where, "embd_pdrop"))
 
 
 def _gpt2_write(cfg, out: dict) -> None:
@@ -530,7 +553,7 @@ def _gpt2_write(cfg, out: dict) -> None:
 
 SWITCHES["gpt2"] = Switches(       # GPT-2 (Cerebras-GPT): learned positions, LayerNorms, biases, Conv1D weights
     "GPT2LMHeadModel", dict(layer_norm_eps=1e-5, tie_word_embeddings=True), _gpt2_read, _gpt2_write,
-    hidden_act="gelu_new", prepare=_gpt2_prepare,
+    hidden_act="gelu_new", prepare=_gpt2_prepare, free=("residual_dropout", "embedding_dropout"),
     kinds={"self_attn.q_proj": "conv_heads_out", "self_attn.k_proj": "conv_heads_out",
            "self_attn.v_proj": "conv_heads_out", "self_attn.o_proj": "conv_heads_in", "mlp.up_proj": "copy",
            "mlp.down_proj": "copy"},

@@ -119,10 +119,12 @@ class Config:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     # dropout in training (transformers' attention_dropout on the softmax probabilities; Seed-OSS's
-    # residual_dropout on the attention's and the MLP's outputs): masks hashed from the global
-    # coordinates, the same on every layout (models/dropout_seeds.py)
+    # residual_dropout on the attention's and the MLP's outputs; StarCoder 2's embedding_dropout on
+    # the embedding's output): masks hashed from the global coordinates, the same on every layout
+    # (models/dropout_seeds.py)
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
     # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
     # positions (conv_L_cache; models/short_conv.py), not attention; also Mamba2's conv1d width (d_conv)
     conv_kernel: int = 3
@@ -1150,6 +1152,8 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     _refuse_unshared(cfg, cache)
     if cache is not None:                                 # sampling: positions after the cached tokens
         pos = cache.start(pos, tokens.size("seq"))
+    forward = dropout_seeds.forward_seed(cfg.attention_dropout, cfg.residual_dropout, cache is not None,
+                                         cfg.embedding_dropout)
     x = ops.embed(embedding(params, cfg) if emb is None else emb, tokens)
     if cfg.learned_positions:                        # GPT-2: the rows of each token's position
         last = cache.end(tokens.size("seq")) if cache is not None else tokens.size("seq")
@@ -1163,9 +1167,10 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * cfg.embedding_multiplier
     per_layer = (per_layer_inputs.inputs(params, tokens, x, cfg, lambda v, w: norm(v, w, cfg))
                  if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
+    if forward is not None and cfg.embedding_dropout:
+        x = ops.dropout(x, cfg.embedding_dropout, dropout_seeds.site_seed(forward, 0, dropout_seeds.EMBEDDING))
     x = ops.rename(ops.realized(x), seq="res_seq")
     shared: dict[int, tuple[Named, Named]] = {}           # (cfg.kv_shared_layers: the kept keys and values)
-    forward = dropout_seeds.forward_seed(cfg.attention_dropout, cfg.residual_dropout, cache is not None)
     for i, p in enumerate(params["layers"]):
         window, chunk, src = cfg.window(i), cfg.chunk(i), cfg.kv_source(i)
         at = pos if cfg.rotates(i) else None

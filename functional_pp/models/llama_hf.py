@@ -964,10 +964,16 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     attention_dropout = float(get("attention_dropout") or 0.0)       # (on the softmax probabilities, in training)
     if not 0.0 <= attention_dropout < 1.0:
         raise UnsupportedHFConfig(f"{where}: attention_dropout={attention_dropout!r} must be in [0, 1)")
-    for key in ("resid_pdrop", "embd_pdrop"):
-        if float(hf.get(key) or 0.0) != 0.0:
-            raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported (the functional decoder "
-                                      f"has no dropout there; set it to 0.0)")
+    # (Phi's, GPT-J's and GPT-2's: residual / embedding dropout, read by hf_switches; Phi-3's resid_pdrop drops
+    # the attention's and the MLP's outputs, its embd_pdrop transformers never applies)
+    residual_dropout = float(get("resid_pdrop") or 0.0) if mt == "phi3" else 0.0
+    if not 0.0 <= residual_dropout < 1.0:
+        raise UnsupportedHFConfig(f"{where}: resid_pdrop={residual_dropout!r} must be in [0, 1)")
+    for key in ("resid_pdrop", "embd_pdrop") if mt not in ("phi", "gptj", "gpt2") else ():
+        if (mt, key) != ("phi3", "resid_pdrop") and float(hf.get(key) or 0.0) != 0.0:
+            why = ("transformers' Phi3ForCausalLM never applies it" if mt == "phi3" else
+                   "the functional decoder has no dropout there")
+            raise UnsupportedHFConfig(f"{where}: {key}={hf[key]!r} is not supported ({why}; set it to 0.0)")
     local_theta = None
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if mt in ("gemma3_text", "olmo3"):     # a rope per layer type: global (full) and local (sliding) bases
@@ -1020,7 +1026,7 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         init_std=float(hf.get("initializer_range", 0.02)),
         max_seq=int(get("max_position_embeddings")), model_type=mt, qkv_bias=qkv_bias, o_bias=o_bias,
         qk_norm=mt in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=layer_types,
-        attention_dropout=attention_dropout), **extra})
+        attention_dropout=attention_dropout, residual_dropout=residual_dropout), **extra})
 
 
 def _rope(rope: dict, hf: dict, where: str, theta_default: float, partial_ok: bool = False):
@@ -1183,7 +1189,8 @@ def check_exportable(cfg: Config) -> None:
                             "mistral": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
                             "qwen2": dict(qkv_bias=True, o_bias=False, qk_norm=False),
                             "qwen3": dict(qkv_bias=cfg.o_bias, qk_norm=True),
-                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None),
+                            "phi3": dict(qkv_bias=False, o_bias=False, qk_norm=False, layer_types=None,
+                                         residual_dropout=cfg.residual_dropout),
                             "gemma2": dict(qkv_bias=cfg.o_bias, qk_norm=False, local_rope_theta=None, **_GEMMA2),
                             "gemma3_text": dict(qkv_bias=cfg.o_bias, qk_norm=True, **_GEMMA2)}[mt]
     if mt in _GEMMA:
@@ -1292,7 +1299,7 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         out["sliding_window"] = cfg.sliding_window
     if mt == "phi3":
         # Phi3Config's pad_token_id defaults to 32000, which an embedding of fewer rows cannot hold
-        out.update(resid_pdrop=0.0, embd_pdrop=0.0,
+        out.update(resid_pdrop=cfg.residual_dropout, embd_pdrop=0.0,
                    original_max_position_embeddings=(s.original_max_position if isinstance(s, LongRopeScaling)
                                                      else cfg.max_seq),
                    pad_token_id=32000 if cfg.vocab > 32000 else None)

@@ -287,8 +287,12 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
             "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 8.0}}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: rope type 'dynamic' is not supported"):
         hf.config_from_hf(dict(BASE, model_type="phi3", rope_scaling={"type": "dynamic", "factor": 2.0}))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"resid_pdrop=0.1"):
-        hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1))
+    assert hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=0.1)).residual_dropout == 0.1
+    with pytest.raises(ck.CheckpointMismatchError, match=r"embd_pdrop=0.1 is not supported \(transformers' "
+                                                         r"Phi3ForCausalLM never applies it; set it to 0.0\)"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", embd_pdrop=0.1))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF phi3 config: resid_pdrop=1.0 must be in \[0, 1\)"):
+        hf.config_from_hf(dict(BASE, model_type="phi3", resid_pdrop=1.0))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gemma2 config: hidden_activation='gelu' is not"):
         hf.config_from_hf(dict(BASE, model_type="gemma2", hidden_activation="gelu"))
     with pytest.raises(ValueError, match=r"final_softcap with loss_chunk_bytes"):

@@ -238,6 +238,14 @@ def test_refused_by_name(saved, tmp_path):
             hf.config_from_hf(dict(BASE, model_type="seed_oss", **{key: 1.5}))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF falcon config: alibi=True \(ALiBi"):
         hf.config_from_hf(dict(FALCON, model_type="falcon", alibi=True))
+    # (transformers' sequential Falcon drops the attention's output at attention_dropout too: no site of ours)
+    seq = dict(FAMILIES["falcon_seq"][3], model_type="falcon")
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF falcon config: attention_dropout=0.1 with sequential "
+                                                         r"layers \(parallel_attn=False\) is not supported"):
+        hf.config_from_hf(dict(seq, attention_dropout=0.1))
+    assert hf.config_from_hf(dict(FALCON, model_type="falcon", attention_dropout=0.1)).attention_dropout == 0.1
+    with pytest.raises(ck.CheckpointMismatchError, match=r"hidden_dropout=0.1 is not supported: transformers' Falcon"):
+        hf.config_from_hf(dict(FALCON, model_type="falcon", hidden_dropout=0.1))
     with pytest.raises(ck.CheckpointMismatchError, match=r"new_decoder_architecture=True with parallel_attn=False"):
         hf.config_from_hf(dict(FALCON, model_type="falcon", new_decoder_architecture=True, parallel_attn=False))
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF apertus config: hidden_act='silu' is not supported"):
@@ -257,13 +265,12 @@ def test_refused_by_name(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"moe_normalize_expert_weights=2.0 is not supported"):
         hf.config_from_hf(dict(dbrx, model_type="dbrx", ffn_config=dict(moe_normalize_expert_weights=2.0)))
     gpt2 = {k: v for k, v in FAMILIES["gpt2"][3].items() if not k.endswith("pdrop")}
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: resid_pdrop=0.1 is not supported"):
-        hf.config_from_hf(dict(gpt2, model_type="gpt2"))          # (GPT2Config's default dropouts)
-    assert hf.config_from_hf(dict(gpt2, model_type="gpt2", resid_pdrop=0.0, embd_pdrop=0.0)).attention_dropout == 0.1
+    read = hf.config_from_hf(dict(gpt2, model_type="gpt2"))           # (GPT2Config's default dropouts: 0.1)
+    assert (read.attention_dropout, read.residual_dropout, read.embedding_dropout) == (0.1, 0.1, 0.1)
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF gpt2 config: scale_attn_by_inverse_layer_idx=True"):
         hf.config_from_hf(dict(FAMILIES["gpt2"][3], model_type="gpt2", scale_attn_by_inverse_layer_idx=True))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=0.1 is not supported"):
-        hf.config_from_hf(dict(BASE, model_type="starcoder2", residual_dropout=0.1))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF starcoder2 config: residual_dropout=1.5 must be in \[0, 1\)"):
+        hf.config_from_hf(dict(BASE, model_type="starcoder2", residual_dropout=1.5))
     cfg = hf.config_from_hf(saved["gpt2"][1])         # (a table of 32 positions)
     with pytest.raises(ValueError, match=r"learned_positions: position 32 is past the position table's max_seq=32"):
         our_logits(fpp.init_params(llama.init(cfg), seed=0), cfg, torch.zeros(1, 33, dtype=torch.long))
