@@ -43,10 +43,14 @@ def init_mlp(cfg, w: Callable, out_std: float) -> dict:
          "gate": w((E, H, F), "experts hidden mlp"),
          "up": w((E, H, F), "experts hidden mlp"),
          "down": w((E, F, H), "experts mlp hidden", out_std)}
+    if not cfg.mlp_gated:                           # (Nemotron 3) experts not gated: down(act(up x))
+        del p["gate"]
     if cfg.shared_expert_mlp:
         S = cfg.shared_expert_mlp
         p["shared_expert"] = {"gate_proj": w((H, S), "hidden mlp"), "up_proj": w((H, S), "hidden mlp"),
                               "down_proj": w((S, H), "mlp hidden", out_std)}
+        if not cfg.mlp_gated:
+            del p["shared_expert"]["gate_proj"]
         if cfg.shared_expert_gate:
             p["shared_expert_gate"] = w((H,), "hidden")
     if getattr(cfg, "router_bias", False):          # DeepSeek-V3's score correction: chooses, not trained
@@ -70,7 +74,7 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
     """The routed experts of ``h`` (batch seq hidden), plus the gated shared expert if any;
     the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
     router scores (None: ``h``; Gemma 4: the residual stream, :func:`beside_mlp`)."""
-    out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
+    out, stats = experts(h, m["router"], m.get("gate"), m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
                          capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg),
                          router_logit_bias=m.get("router_logit_bias"),
@@ -84,9 +88,13 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
         found.append(stats)
     if "shared_expert" in m:
         s = m["shared_expert"]
-        gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["gate_proj"])
         up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["up_proj"])
-        shared = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), s["down_proj"])
+        if "gate_proj" in s:
+            gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["gate_proj"])
+            act = ops.swiglu(gate, up)
+        else:                                               # (Nemotron 3) not gated
+            act = _ACTS[cfg.mlp_act](up)
+        shared = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, s["down_proj"])
         if "shared_expert_gate" not in m:                   # DeepSeek-V3, GLM-4.5: added as it is
             return out + shared
         g = ops.einsum("batch seq hidden, hidden -> batch seq", h, m["shared_expert_gate"])
@@ -107,6 +115,11 @@ def beside_mlp(m: dict, x: Named, cfg, norm: Callable[[str, Named], Named]) -> N
     scored = wide * m["router_scale"] * (cfg.hidden ** -0.5)
     out = mlp_block(m, norm("pre_feedforward_layernorm_2", x), cfg, router_x=scored)
     return norm("post_feedforward_layernorm_2", ops.rename(out, seq="res_seq"))
+
+
+_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"),
+         "relu2": lambda x: ops.square(ops.relu(x))}
+"""A shared expert's activation when not gated (the experts' :data:`~functional_pp.ops.experts.ACTIVATIONS`)."""
 
 
 def _grouping(cfg) -> dict:
