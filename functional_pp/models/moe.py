@@ -10,7 +10,9 @@ Parameters of one MoE MLP (``E`` experts of intermediate size ``F``, hidden ``H`
     down          [E, F, H]  experts mlp hidden   (HF ``mlp.experts.{j}.down_proj.weight`` [H, F])
 
 and with a shared expert (Qwen2-MoE) ``shared_expert.{gate_proj, up_proj, down_proj}`` (a dense
-MLP, ``hidden mlp``) and ``shared_expert_gate`` [H] (its sigmoid gate). ``experts`` is the
+MLP, ``hidden mlp``) and ``shared_expert_gate`` [H] (its sigmoid gate). With ``mlp_gated=False``
+(Nemotron 3) there is no ``gate`` (nor the shared expert's ``gate_proj``): each expert is
+``down(act(up x))``, ``act`` the config's ``mlp_act``. ``experts`` is the
 dimension that a rule splits for expert parallelism (``Rules(experts="ep")``)."""
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def _biases(cfg, w: Callable) -> dict:
 
 
 def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
-    """The routed experts of ``h`` (batch seq hidden), plus the gated shared expert if any;
+    """The routed experts of ``h`` (batch seq hidden), plus the shared expert if any;
     the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
     router scores (None: ``h``; Gemma 4: the residual stream, :func:`beside_mlp`)."""
     out, stats = experts(h, m["router"], m.get("gate"), m["up"], m["down"], top_k=cfg.experts_top_k,
