@@ -158,6 +158,9 @@ class Config:
     # a shared expert's sigmoid gate (Qwen2-MoE: True); False: the shared expert adds as it is
     # (Granite MoE with shared experts, DeepSeek-V3, GLM-4.5)
     shared_expert_gate: bool = True
+    # the experts' latent width (Nemotron 3 Super's moe_latent_size; 0: none): the routed experts
+    # compute on latent_in(x) and their sum goes through latent_out, the router and the shared expert on x
+    moe_latent: int = 0
     # NoPE layers: the layers whose attention has no rotary (SmolLM3's every 4th; None: all rotate)
     nope_layers: tuple[int, ...] | None = None
     # partial rotary: the share of head_dim that rotates (its first entries; Phi-1/2, GPT-NeoX)
@@ -377,6 +380,8 @@ class Config:
         if self.experts and self.mlp_act not in EXPERT_ACTS:
             raise ValueError(f"mlp_act={self.mlp_act!r} with experts is not supported (the experts' activation: "
                              f"{', '.join(EXPERT_ACTS)})")
+        if self.moe_latent and (not self.experts or self.experts_beside_mlp or self.mlp_bias):
+            raise ValueError(f"moe_latent={self.moe_latent} needs experts > 0, without experts_beside_mlp or mlp_bias")
         if not self.mlp_gated and self.experts and (self.moe_bias or self.swiglu_limit is not None
                                                     or self.experts_beside_mlp):
             raise ValueError("mlp_gated=False (experts not gated: Nemotron 3) with moe_bias, swiglu_limit or "

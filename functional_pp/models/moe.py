@@ -41,10 +41,13 @@ def is_moe_layer(cfg, i: int) -> bool:
 def init_mlp(cfg, w: Callable, out_std: float) -> dict:
     """The declarations of one MoE MLP; ``w(shape, dims, std)`` declares one weight."""
     E, H, F = cfg.experts, cfg.hidden, cfg.moe_mlp or cfg.mlp
+    L = getattr(cfg, "moe_latent", 0) or H          # (Nemotron 3 Super: the experts on a latent width)
     p = {"router": w((H, E), "hidden experts"),
-         "gate": w((E, H, F), "experts hidden mlp"),
-         "up": w((E, H, F), "experts hidden mlp"),
-         "down": w((E, F, H), "experts mlp hidden", out_std)}
+         "gate": w((E, L, F), "experts hidden mlp"),
+         "up": w((E, L, F), "experts hidden mlp"),
+         "down": w((E, F, L), "experts mlp hidden", out_std)}
+    if L != H:
+        p.update(latent_in=w((H, L), "hidden latent"), latent_out=w((L, H), "latent hidden", out_std))
     if not cfg.mlp_gated:                           # (Nemotron 3) experts not gated: down(act(up x))
         del p["gate"]
     if cfg.shared_expert_mlp:
@@ -76,7 +79,12 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
     """The routed experts of ``h`` (batch seq hidden), plus the shared expert if any;
     the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
     router scores (None: ``h``; Gemma 4: the residual stream, :func:`beside_mlp`)."""
-    out, stats = experts(h, m["router"], m.get("gate"), m["up"], m["down"], top_k=cfg.experts_top_k,
+    x = h
+    if "latent_in" in m:                             # (Nemotron 3 Super) the experts on latent_in(h), named hidden
+        x = ops.rename(ops.einsum("batch seq hidden, hidden latent -> batch seq latent", h, m["latent_in"]),
+                       latent="hidden")
+        router_x = h if router_x is None else router_x
+    out, stats = experts(x, m["router"], m.get("gate"), m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
                          capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg),
                          router_logit_bias=m.get("router_logit_bias"),
@@ -86,6 +94,9 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
                          weights_on_input=getattr(cfg, "experts_scale_input", False),
                          token_capacity=getattr(cfg, "token_capacity", None), router_x=router_x,
                          expert_scale=m.get("expert_scale"), activation=cfg.mlp_act)
+    if "latent_out" in m:
+        out = ops.einsum("batch seq latent, latent hidden -> batch seq hidden", ops.rename(out, hidden="latent"),
+                         m["latent_out"])
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:

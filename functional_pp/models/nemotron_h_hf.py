@@ -6,8 +6,9 @@ layer), a squared-ReLU MLP not gated (``-``, ``mlp``) or Nemotron 3's mixture of
 ``moe``: an ``mlp`` block of ``Config.moe_layers``, models/moe.py: squared-ReLU experts not gated,
 DeepSeek-V3's sigmoid router with its score correction and groups, a squared-ReLU shared expert),
 each after an RMSNorm; the files under ``backbone.`` (``embeddings``, ``layers.{i}.norm``,
-``layers.{i}.mixer``, ``norm_f``; the experts one tensor each, ``mixer.experts.{j}.up_proj``). The
-experts' latent projection (``moe_latent_size``) and ``residual_in_fp32`` are refused by name.
+``layers.{i}.mixer``, ``norm_f``; the experts one tensor each, ``mixer.experts.{j}.up_proj``; Nemotron
+3 Super's latent experts, ``moe_latent_size``: ``mixer.fc1_latent_proj`` / ``fc2_latent_proj``).
+``residual_in_fp32`` is refused by name.
 
 ``config.json`` <-> :class:`~functional_pp.models.llama.Config` (:func:`config_from_hf`,
 :func:`config_to_hf`, :func:`check_exportable`); the tensor names are the table's with :data:`RENAMED`."""
@@ -117,15 +118,13 @@ def _experts(types: list[str], get: Any, where: str) -> dict[str, Any]:
     moe = tuple(i for i, t in enumerate(types) if t == "moe")
     if not moe:
         return {}
-    if get("moe_latent_size") is not None:
-        raise ValueError(f"{where}: moe_latent_size={get('moe_latent_size')!r} is not supported (the experts' latent "
-                         f"projection, fc1_latent_proj / fc2_latent_proj, is not built; set it to null)")
     return dict(moe_layers=moe, experts=int(get("n_routed_experts")), experts_top_k=int(get("num_experts_per_tok")),
                 moe_mlp=int(get("moe_intermediate_size")),
                 shared_expert_mlp=int(get("moe_shared_expert_intermediate_size")), shared_expert_gate=False,
                 router_score="sigmoid", router_bias=True, norm_topk_prob=bool(get("norm_topk_prob")),
                 router_groups=int(get("n_group") or 1), router_topk_groups=int(get("topk_group") or 1),
-                router_group_score="top2_sum", routed_scaling_factor=float(get("routed_scaling_factor")))
+                router_group_score="top2_sum", routed_scaling_factor=float(get("routed_scaling_factor")),
+                moe_latent=int(get("moe_latent_size") or 0))
 
 
 def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
@@ -184,5 +183,5 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         out.update(n_routed_experts=cfg.experts, num_experts_per_tok=cfg.experts_top_k, moe_intermediate_size=cfg.moe_mlp
                    or cfg.mlp, moe_shared_expert_intermediate_size=cfg.shared_expert_mlp, n_group=cfg.router_groups,
                    topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.norm_topk_prob,
-                   routed_scaling_factor=cfg.routed_scaling_factor, moe_latent_size=None)
+                   routed_scaling_factor=cfg.routed_scaling_factor, moe_latent_size=cfg.moe_latent or None)
     return out

@@ -165,7 +165,8 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     plugin, it counts the tokens of one device, so it depends on how the batch is split; the
     drops are counted in ``RouterStats.dropped``.
 
-    Gemma 4's options: ``router_x`` (x's dimensions; None: x) is what the router scores, the
+    Gemma 4's options (and Nemotron 3's latent experts, x narrower than router_x): ``router_x`` (x's
+    dimensions; None: x) is what the router scores, the
     experts computing on x; ``expert_scale`` (``experts``, with gradient) multiplies each chosen
     weight by its expert's entry, after any renormalisation; ``activation="gelu_tanh"`` makes
     each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`).
@@ -206,9 +207,13 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
         raise ValueError(f"experts: x has dims {x.dims}, without {hidden!r}")
     if router_x is not None:
         require_named("experts", router_x=router_x)
-        if router_x.dims != x.dims or router_x.size(hidden) != x.size(hidden):
+        if router_x.dims != x.dims or router_x.size(hidden) != router.size(hidden):
             raise ValueError(f"experts: router_x has dims {router_x.dims} (hidden {router_x.size(hidden)}); it "
-                             f"needs x's {x.dims} (hidden {x.size(hidden)}): the same tokens, scored by the router")
+                             f"needs x's {x.dims} and the router's hidden {router.size(hidden)}: the same tokens, "
+                             f"scored by the router")
+    elif router.size(hidden) != x.size(hidden):
+        raise ValueError(f"experts: router has hidden {router.size(hidden)} but x {x.size(hidden)}; pass router_x "
+                         f"(what the router scores) when the experts compute on another width")
     n_experts = gate.size(expert_dim)
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"experts: top_k={top_k} must be between 1 and the number of experts ({n_experts})")
@@ -242,7 +247,7 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     r_union = x.vary | scored.vary | varying_after(router, t_router)
     router = relayout(pvary(router, r_union - varying_after(router, t_router)), t_router, "experts router")
     x_r = pvary(scored, r_union - scored.vary)
-    X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
+    X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x_r.data.shape[x_r.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
     if router_lora is not None:               # LoRA's scale (dropout(x) A) B, A and B whole as the router
@@ -299,7 +304,7 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
           relayout(pvary(w, union - varying_after(w, t)), t, "experts")
           for w, t, q in zip(ws, targets, frozen + (None,) * len(biases))]
     x_e = pvary(x, union - x.vary)
-    X = _local(x_e, tok_dims + (hidden,)).reshape(X_r.shape)
+    X = _local(x_e, tok_dims + (hidden,)).reshape(X_r.shape[0], -1)
     w_e = C.pvary(weights, tuple(a for a in mesh.axis_names if a in union - r_union)) if union - r_union else weights
 
     # --- which device holds each chosen expert: its block of the experts split

@@ -5,8 +5,8 @@ scaled top-k weights, a squared-ReLU shared expert. A tiny random model transfor
 (Mamba2, MoE, attention, MoE layers) loads through the HF import (the experts one tensor each in
 the files, stacked in ours); logits, the fp64 loss and every gradient equal transformers'; export
 writes ``NemotronHForCausalLM`` with equal logits; FSDP x TP + SP and EP (borrowing dp_shard, and
-over ``ep`` x FSDP) on simulated devices and EP x FSDP on real gloo processes equal one device; the
-latent projection is refused by name."""
+over ``ep`` x FSDP) on simulated devices and EP x FSDP on real gloo processes equal one device;
+Nemotron 3 Super's latent experts (``moe_latent_size``) equal transformers and one device too."""
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
@@ -32,13 +32,24 @@ CONFIG = dict(vocab_size=256, hidden_size=32, num_attention_heads=4, num_key_val
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
+    return _tiny(tmp_path_factory, CONFIG)
+
+
+@pytest.fixture(scope="module")
+def latent_dir(tmp_path_factory):
+    """Nemotron 3 Super's latent experts: on fc1_latent_proj(x) of width 16, summed through fc2_latent_proj."""
+    return _tiny(tmp_path_factory, {**CONFIG, "moe_latent_size": 16,
+                                    "layers_block_type": ["full_attention", "moe", "moe"]})
+
+
+def _tiny(tmp_path_factory, config):
     torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**CONFIG))
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config))
     with torch.no_grad():                       # the scan's, the norms', the experts' and the score correction off init
         for n, p in model.named_parameters():
             if n.endswith(("A_log", "D", "dt_bias", "conv1d.bias")) or "norm" in n:
                 p.add_(0.3 * torch.randn_like(p))
-            if "experts" in n or "gate.weight" in n:
+            if "experts" in n or "gate.weight" in n or "latent_proj" in n or n.startswith("lm_head"):
                 p.copy_(0.2 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
@@ -65,6 +76,10 @@ def test_logits_equal_transformers(hf_dir):
 
 
 def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path, monkeypatch):
+    _assert_fp64_gradients_equal(hf_dir, tmp_path, monkeypatch)
+
+
+def _assert_fp64_gradients_equal(hf_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     # transformers keeps the router's weight in float32 and computes it there (.type(torch.float32)):
     # computed in float64 here, an oracle to fp64 rounding (the weight's gradient kept in float32)
@@ -75,8 +90,8 @@ def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path, monke
         model, cfg, loss, grads, out, want = fp64_beside_hf(hf_dir, "NemotronHForCausalLM", experts_implementation="eager")
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     want.backward()
-    grads["layers"][1]["mlp"]["router_bias"] = torch.zeros(8, dtype=torch.float64)   # (a buffer in transformers)
-    grads["layers"][3]["mlp"]["router_bias"] = torch.zeros(8, dtype=torch.float64)
+    for i in cfg.moe_layers:                                                 # (a buffer in transformers)
+        grads["layers"][i]["mlp"]["router_bias"] = torch.zeros(8, dtype=torch.float64)
     hf.save_hf_llama(grads, cfg, tmp_path / "grads")
     ours = {k: v for k, v in load_file(str(tmp_path / "grads" / "model.safetensors")).items()
             if not k.endswith("e_score_correction_bias")}
@@ -93,7 +108,8 @@ def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path, monke
         fp32 = name.endswith("gate.weight")
         torch.testing.assert_close(g, theirs[name].to(g.dtype), rtol=1e-6 if fp32 else 1e-8, atol=1e-9 if fp32 else 1e-11,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    assert all(theirs[f"backbone.layers.1.mixer.{k}"].abs().max() > 0 for k in ("gate.weight", "experts.0.up_proj.weight"))
+    i = cfg.moe_layers[0]
+    assert all(theirs[f"backbone.layers.{i}.mixer.{k}"].abs().max() > 0 for k in ("gate.weight", "experts.0.up_proj.weight"))
 
 
 def test_export_round_trip(hf_dir, tmp_path):
@@ -125,6 +141,22 @@ def test_expert_parallel_x_fsdp_real_processes_equal_one_device(hf_dir):
                                       rules=fpp.Rules(batch="ep", experts="ep", hidden="ep"))
 
 
-def test_latent_projection_refused_by_name():
-    with pytest.raises(Exception, match=r"moe_latent_size=8 is not supported \(the experts' latent projection"):
-        hf.config_from_hf({**CONFIG, "model_type": "nemotron_h", "moe_latent_size": 8})
+def test_latent_experts_equal_transformers_and_one_device(latent_dir, tmp_path, monkeypatch):
+    """Nemotron 3 Super's latent experts: the logits, the fp64 loss and every gradient equal
+    transformers'; export round trip; EP x FSDP on simulated devices equals one device."""
+    cfg, params = hf.load_hf_llama(latent_dir)
+    assert cfg.moe_latent == 16 and params["layers"][1]["mlp"]["up"].shape == (8, 16, 16)
+    assert params["layers"][1]["mlp"]["latent_in"].shape == (32, 16)
+    model = transformers.NemotronHForCausalLM.from_pretrained(latent_dir, dtype=torch.float32)
+    import_logits_beside_hf(model, latent_dir)
+    _assert_fp64_gradients_equal(latent_dir, tmp_path, monkeypatch)
+    monkeypatch.undo()
+    assert_export_round_trip(latent_dir, tmp_path / "out", "nemotron_h", "NemotronHForCausalLM")
+    cfg, params = hf.load_hf_llama(latent_dir, dtype=torch.float64)
+    batch = make_batch(cfg, batch=4, seq=12, seed=3)
+    loss, grads = single_device(cfg, params, batch)
+    rules = fpp.Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard", latent="dp_shard")
+    for p_loss, p_grads, _ in parallel(cfg, params, batch, fpp.Mesh(dp_shard=2, ep=2), rules):
+        torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+        for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, path=path: f"{path}: {m}")
