@@ -1283,8 +1283,12 @@ def flops_per_token(cfg: Config, seq: int) -> float:
         dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp_width(i)
         if not moe.is_moe_layer(cfg, i):
             return dense
-        return dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + (3 if cfg.mlp_gated else 2) * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
-                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+        mats = 3 if cfg.mlp_gated else 2
+        width = cfg.moe_latent or cfg.hidden      # (the routed experts' input width; latent: its two projections)
+        return (dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + mats * cfg.shared_expert_mlp
+                                                                    + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+                + 2 * mats * width * cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
+                + (2 * 2 * cfg.hidden * cfg.moe_latent if cfg.moe_latent else 0))
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2

@@ -160,3 +160,19 @@ def test_latent_experts_equal_transformers_and_one_device(latent_dir, tmp_path, 
         torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
         for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, path=path: f"{path}: {m}")
+
+
+def test_flops_count_the_experts_not_gated_and_latent(hf_dir, latent_dir):
+    """A MoE layer's forward FLOPs per token: the router, top-k experts of two matrices (not gated)
+    on the latent width, the latent projections and the shared expert."""
+    import dataclasses
+
+    from functional_pp.models import llama
+    cfg = hf.config_from_hf(latent_dir)                           # attention, moe, moe
+    dense = dataclasses.replace(cfg, layer_blocks=("attention", "attention", "attention"), moe_layers=None,
+                                experts=0, moe_latent=0, experts_top_k=1)
+    H, L, E, k, F, S = 32, 16, 8, 2, 16, 24
+    moe_layer = 2 * H * E + 2 * 2 * L * k * F + 2 * 2 * H * L + 2 * 2 * H * S
+    want = llama.flops_per_token(dense, 12) / 3 + 2 * moe_layer - 2 * (llama.flops_per_token(dense, 12) / 3
+                                                                       - 2 * H * cfg.vocab) / 3
+    assert llama.flops_per_token(cfg, 12) == pytest.approx(3 * want)
