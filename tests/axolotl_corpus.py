@@ -159,7 +159,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
            "intermediate_size": 32, "shared_intermediate_size": 128, "mamba_n_heads": 16, "mamba_n_groups": 2,
            "mamba_d_state": 16, "mamba_chunk_size": 32, "position_embedding_type": None, "pad_token_id": None,
-           "bos_token_id": None, "eos_token_id": None})}
+           "bos_token_id": None, "eos_token_id": None}),
+       # (Nemotron 3 Nano's layer kinds: Mamba2, experts not gated in grouped sigmoid routing, attention)
+       "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+           "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"], "num_hidden_layers": 4,
+           "head_dim": 64, "mamba_num_heads": 8, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 16,
+           "chunk_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "moe_shared_expert_intermediate_size": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
 #: 26B-A4B (experts beside the MLP: enable_moe_block) the same with experts
@@ -200,6 +207,9 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
         "gemma3": "<end_of_turn>"}
+#: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
+#: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
+_TEMPLATES = {"nemotron_h": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
 
@@ -217,7 +227,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if (d / "config.json").is_file():
         return d
     from chat_tokenizer import make_tekken, make_tokenizer
-    make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"))
+    from functional_pp.data.chat import template_text
+    make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
+                   template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None)
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
@@ -393,6 +405,7 @@ _TARGETS = re.compile(r"LoRA: target_modules \(lora_target_modules\) \[([^\]]*)\
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
+_ALIASED = re.compile(r"^(\w+) \(\w+\) (\S+): ")      # "context_parallel_size (cp_size) 2: the Mamba2 layers' ..."
 
 
 def reason(problem: str, cfg: dict) -> str:
@@ -423,6 +436,8 @@ def reason(problem: str, cfg: dict) -> str:
         return f"config.json {m.group(1)}: {m.group(2)}"
     if m := _MODEL_TYPE.search(problem):
         return f"model_type {m.group(1)}"
+    if m := _ALIASED.match(problem):
+        return f"{m.group(1)} {m.group(2)}"
     return problem.split(";")[0][:100]
 
 

@@ -32,6 +32,7 @@ from functional_pp.models import (dropout_seeds, gated_deltanet, kv_cache, mamba
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
+from functional_pp.ops.experts import ACTIVATIONS
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
@@ -67,6 +68,8 @@ def _scaling_to_dict(s) -> dict | None:
 # xIELU's initial a_p, a_n and its fixed beta and eps (transformers' XIELUActivation defaults)
 XIELU_ALPHA_P, XIELU_ALPHA_N, XIELU_BETA, XIELU_EPS = 0.8, 0.8, 0.5, -1e-6
 MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2", "xielu")
+EXPERT_ACTS = ACTIVATIONS
+"""The experts' activations (ops/experts.py; ``mlp_gated=False``: experts not gated, Nemotron 3)."""
 NORM_KINDS = ("rms", "layer")
 
 
@@ -157,6 +160,9 @@ class Config:
     # a shared expert's sigmoid gate (Qwen2-MoE: True); False: the shared expert adds as it is
     # (Granite MoE with shared experts, DeepSeek-V3, GLM-4.5)
     shared_expert_gate: bool = True
+    # the experts' latent width (Nemotron 3 Super's moe_latent_size; 0: none): the routed experts
+    # compute on latent_in(x) and their sum goes through latent_out, the router and the shared expert on x
+    moe_latent: int = 0
     # NoPE layers: the layers whose attention has no rotary (SmolLM3's every 4th; None: all rotate)
     nope_layers: tuple[int, ...] | None = None
     # partial rotary: the share of head_dim that rotates (its first entries; Phi-1/2, GPT-NeoX)
@@ -373,11 +379,15 @@ class Config:
             raise ValueError("norm_bias=True needs norm_kind='layer' (an RMSNorm has no bias)")
         if self.lm_head_bias and self.tie_embeddings:
             raise ValueError("lm_head_bias=True with tie_embeddings=True is not supported (a tied head has no bias)")
-        if not self.mlp_gated and self.experts:
-            raise ValueError("mlp_gated=False with experts is not supported (the experts are gated)")
-        if self.experts and self.mlp_act not in ("silu", "gelu_tanh"):
+        if self.experts and self.mlp_act not in EXPERT_ACTS:
             raise ValueError(f"mlp_act={self.mlp_act!r} with experts is not supported (the experts' activation: "
-                             f"silu or gelu_tanh)")
+                             f"{', '.join(EXPERT_ACTS)})")
+        if self.moe_latent and (not self.experts or self.experts_beside_mlp or self.mlp_bias):
+            raise ValueError(f"moe_latent={self.moe_latent} needs experts > 0, without experts_beside_mlp or mlp_bias")
+        if not self.mlp_gated and self.experts and (self.moe_bias or self.swiglu_limit is not None
+                                                    or self.experts_beside_mlp):
+            raise ValueError("mlp_gated=False (experts not gated: Nemotron 3) with moe_bias, swiglu_limit or "
+                             "experts_beside_mlp is not supported (those options are of gated experts)")
         if self.mlp_act == "xielu" and self.mlp_gated:
             raise ValueError("mlp_act='xielu' needs mlp_gated=False (Apertus: down(xielu(up(x))), the activation's "
                              "two scalars per layer)")
@@ -1278,8 +1288,12 @@ def flops_per_token(cfg: Config, seq: int) -> float:
         dense = 2 * (3 if cfg.mlp_gated else 2) * cfg.hidden * cfg.mlp_width(i)
         if not moe.is_moe_layer(cfg, i):
             return dense
-        return dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + 3 * (cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
-                                                    + cfg.shared_expert_mlp) + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+        mats = 3 if cfg.mlp_gated else 2
+        width = cfg.moe_latent or cfg.hidden      # (the routed experts' input width; latent: its two projections)
+        return (dense * cfg.experts_beside_mlp + 2 * cfg.hidden * (cfg.experts + mats * cfg.shared_expert_mlp
+                                                                    + (1 if cfg.shared_expert_mlp and cfg.shared_expert_gate else 0))
+                + 2 * mats * width * cfg.experts_top_k * (cfg.moe_mlp or cfg.mlp)
+                + (2 * 2 * cfg.hidden * cfg.moe_latent if cfg.moe_latent else 0))
     if cfg.kv_lora_rank:                        # latent attention: its projections, its head widths
         proj = mla.projection_flops(cfg)
         attn = 2 * seq * cfg.heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2

@@ -108,6 +108,9 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.up_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared_expert.down_proj", "linear"),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate", "row"),
+    # Nemotron 3 Super: the experts' latent projections
+    ("model.layers.{i}.mlp.fc1_latent_proj.weight", "layers.{i}.mlp.latent_in", "linear"),
+    ("model.layers.{i}.mlp.fc2_latent_proj.weight", "layers.{i}.mlp.latent_out", "linear"),
     # gpt-oss: attention sinks, the router's bias, the experts' biases (its names: RENAMED / FUSED)
     ("model.layers.{i}.self_attn.sinks", "layers.{i}.self_attn.sinks", "copy"),
     # AFMoE: the attention's output gate (``attn_gate``)

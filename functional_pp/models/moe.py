@@ -10,7 +10,9 @@ Parameters of one MoE MLP (``E`` experts of intermediate size ``F``, hidden ``H`
     down          [E, F, H]  experts mlp hidden   (HF ``mlp.experts.{j}.down_proj.weight`` [H, F])
 
 and with a shared expert (Qwen2-MoE) ``shared_expert.{gate_proj, up_proj, down_proj}`` (a dense
-MLP, ``hidden mlp``) and ``shared_expert_gate`` [H] (its sigmoid gate). ``experts`` is the
+MLP, ``hidden mlp``) and ``shared_expert_gate`` [H] (its sigmoid gate). With ``mlp_gated=False``
+(Nemotron 3) there is no ``gate`` (nor the shared expert's ``gate_proj``): each expert is
+``down(act(up x))``, ``act`` the config's ``mlp_act``. ``experts`` is the
 dimension that a rule splits for expert parallelism (``Rules(experts="ep")``)."""
 from __future__ import annotations
 
@@ -39,14 +41,21 @@ def is_moe_layer(cfg, i: int) -> bool:
 def init_mlp(cfg, w: Callable, out_std: float) -> dict:
     """The declarations of one MoE MLP; ``w(shape, dims, std)`` declares one weight."""
     E, H, F = cfg.experts, cfg.hidden, cfg.moe_mlp or cfg.mlp
+    L = getattr(cfg, "moe_latent", 0) or H          # (Nemotron 3 Super: the experts on a latent width)
     p = {"router": w((H, E), "hidden experts"),
-         "gate": w((E, H, F), "experts hidden mlp"),
-         "up": w((E, H, F), "experts hidden mlp"),
-         "down": w((E, F, H), "experts mlp hidden", out_std)}
+         "gate": w((E, L, F), "experts hidden mlp"),
+         "up": w((E, L, F), "experts hidden mlp"),
+         "down": w((E, F, L), "experts mlp hidden", out_std)}
+    if L != H:
+        p.update(latent_in=w((H, L), "hidden latent"), latent_out=w((L, H), "latent hidden", out_std))
+    if not cfg.mlp_gated:                           # (Nemotron 3) experts not gated: down(act(up x))
+        del p["gate"]
     if cfg.shared_expert_mlp:
         S = cfg.shared_expert_mlp
         p["shared_expert"] = {"gate_proj": w((H, S), "hidden mlp"), "up_proj": w((H, S), "hidden mlp"),
                               "down_proj": w((S, H), "mlp hidden", out_std)}
+        if not cfg.mlp_gated:
+            del p["shared_expert"]["gate_proj"]
         if cfg.shared_expert_gate:
             p["shared_expert_gate"] = w((H,), "hidden")
     if getattr(cfg, "router_bias", False):          # DeepSeek-V3's score correction: chooses, not trained
@@ -67,10 +76,15 @@ def _biases(cfg, w: Callable) -> dict:
 
 
 def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
-    """The routed experts of ``h`` (batch seq hidden), plus the gated shared expert if any;
+    """The routed experts of ``h`` (batch seq hidden), plus the shared expert if any;
     the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
     router scores (None: ``h``; Gemma 4: the residual stream, :func:`beside_mlp`)."""
-    out, stats = experts(h, m["router"], m["gate"], m["up"], m["down"], top_k=cfg.experts_top_k,
+    x = h
+    if "latent_in" in m:                             # (Nemotron 3 Super) the experts on latent_in(h), named hidden
+        x = ops.rename(ops.einsum("batch seq hidden, hidden latent -> batch seq latent", h, m["latent_in"]),
+                       latent="hidden")
+        router_x = h if router_x is None else router_x
+    out, stats = experts(x, m["router"], m.get("gate"), m["up"], m["down"], top_k=cfg.experts_top_k,
                          normalize=cfg.norm_topk_prob, score=cfg.router_score,
                          capacity_factor=cfg.capacity_factor, bias=m.get("router_bias"), **_grouping(cfg),
                          router_logit_bias=m.get("router_logit_bias"),
@@ -80,13 +94,20 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
                          weights_on_input=getattr(cfg, "experts_scale_input", False),
                          token_capacity=getattr(cfg, "token_capacity", None), router_x=router_x,
                          expert_scale=m.get("expert_scale"), activation=cfg.mlp_act)
+    if "latent_out" in m:
+        out = ops.einsum("batch seq latent, latent hidden -> batch seq hidden", ops.rename(out, hidden="latent"),
+                         m["latent_out"])
     for found in _store.stack:
         found.append(stats)
     if "shared_expert" in m:
         s = m["shared_expert"]
-        gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["gate_proj"])
         up = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["up_proj"])
-        shared = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", ops.swiglu(gate, up), s["down_proj"])
+        if "gate_proj" in s:
+            gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, s["gate_proj"])
+            act = ops.swiglu(gate, up)
+        else:                                               # (Nemotron 3) not gated
+            act = _ACTS[cfg.mlp_act](up)
+        shared = ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act, s["down_proj"])
         if "shared_expert_gate" not in m:                   # DeepSeek-V3, GLM-4.5: added as it is
             return out + shared
         g = ops.einsum("batch seq hidden, hidden -> batch seq", h, m["shared_expert_gate"])
@@ -107,6 +128,11 @@ def beside_mlp(m: dict, x: Named, cfg, norm: Callable[[str, Named], Named]) -> N
     scored = wide * m["router_scale"] * (cfg.hidden ** -0.5)
     out = mlp_block(m, norm("pre_feedforward_layernorm_2", x), cfg, router_x=scored)
     return norm("post_feedforward_layernorm_2", ops.rename(out, seq="res_seq"))
+
+
+_ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"),
+         "relu2": lambda x: ops.square(ops.relu(x))}
+"""A shared expert's activation when not gated (the experts' :data:`~functional_pp.ops.experts.ACTIVATIONS`)."""
 
 
 def _grouping(cfg) -> dict:

@@ -38,7 +38,10 @@ __all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "ro
            "ACTIVATIONS"]
 
 SCORES = ("softmax", "sigmoid")
-ACTIVATIONS = ("silu", "gelu_tanh")
+UNARY = {"silu": torch.nn.functional.silu,
+         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+         "relu2": lambda t: torch.relu(t).square()}                    # (Nemotron 3's squared ReLU)
+ACTIVATIONS = tuple(UNARY)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def _gather_invariant(router: Named, token_vary: frozenset) -> Named:
     return make_named(data, router.dims, tuple(split), frozenset(vary), frozenset(), router._sizes)
 
 
-def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top_k: int,
+def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named, *, top_k: int,
             normalize: bool = False, score: str = "softmax", bias: Named | None = None,
             hidden: str = "hidden", expert_dim: str = "experts", mlp: str = "mlp",
             capacity_factor: float | None = None, groups: int = 1, topk_groups: int = 1,
@@ -162,21 +165,30 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     plugin, it counts the tokens of one device, so it depends on how the batch is split; the
     drops are counted in ``RouterStats.dropped``.
 
-    Gemma 4's options: ``router_x`` (x's dimensions; None: x) is what the router scores, the
+    Gemma 4's options (and Nemotron 3's latent experts, x narrower than router_x): ``router_x`` (x's
+    dimensions; None: x) is what the router scores, the
     experts computing on x; ``expert_scale`` (``experts``, with gradient) multiplies each chosen
     weight by its expert's entry, after any renormalisation; ``activation="gelu_tanh"`` makes
-    each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`)."""
+    each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`).
+
+    ``gate=None`` (Nemotron 3): the experts are not gated, each ``down(act(up x))`` with
+    ``activation`` (``"relu2"``: the squared ReLU), without ``clamp`` or ``expert_biases``."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
     gate, up, down = (w.__named_weight__() if hasattr(type(w), "__named_weight__") else w for w in (gate, up, down))
     # an adapted router (LoRA): its base weight here, its adapter added to the logits below
     router_lora = router if hasattr(type(router), "__named_weight__") else None
     router = router_lora.base if router_lora is not None else router
     # a quantized stack (quantize_moe_experts) planned as its stand-in, dequantized where it is used
-    frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down))
-    gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down), frozen))
+    gated = gate is not None
+    frozen = tuple(w if is_quantized(w) else None for w in (gate, up, down) if w is not None)
+    gate, up, down = (stand_in(w) if q is not None else w for w, q in zip((gate, up, down) if gated else (up, up, down),
+                                                                          frozen if gated else frozen[:1] + frozen))
     require_named("experts", x=x, router=router, gate=gate, up=up, down=down)
     if activation not in ACTIVATIONS or (activation != "silu" and clamp is not None):
         raise ValueError(f"experts: activation {activation!r} is not one of {', '.join(ACTIVATIONS)} (clamp: silu only)")
+    if not gated and (clamp is not None or expert_biases is not None):
+        raise ValueError("experts: gate=None (experts not gated) takes no clamp and no expert_biases (gpt-oss's "
+                         "options are for gated experts); pass a gate weight or drop them")
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
     biases = tuple(expert_biases or ())
@@ -195,9 +207,13 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
         raise ValueError(f"experts: x has dims {x.dims}, without {hidden!r}")
     if router_x is not None:
         require_named("experts", router_x=router_x)
-        if router_x.dims != x.dims or router_x.size(hidden) != x.size(hidden):
+        if router_x.dims != x.dims or router_x.size(hidden) != router.size(hidden):
             raise ValueError(f"experts: router_x has dims {router_x.dims} (hidden {router_x.size(hidden)}); it "
-                             f"needs x's {x.dims} (hidden {x.size(hidden)}): the same tokens, scored by the router")
+                             f"needs x's {x.dims} and the router's hidden {router.size(hidden)}: the same tokens, "
+                             f"scored by the router")
+    elif router.size(hidden) != x.size(hidden):
+        raise ValueError(f"experts: router has hidden {router.size(hidden)} but x {x.size(hidden)}; pass router_x "
+                         f"(what the router scores) when the experts compute on another width")
     n_experts = gate.size(expert_dim)
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"experts: top_k={top_k} must be between 1 and the number of experts ({n_experts})")
@@ -231,7 +247,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     r_union = x.vary | scored.vary | varying_after(router, t_router)
     router = relayout(pvary(router, r_union - varying_after(router, t_router)), t_router, "experts router")
     x_r = pvary(scored, r_union - scored.vary)
-    X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x.data.shape[x.dims.index(hidden)])
+    X_r = _local(x_r, tok_dims + (hidden,)).reshape(-1, x_r.data.shape[x_r.dims.index(hidden)])
     with regather_scope([router]):
         logits = X_r @ _local(router, (hidden, expert_dim))
     if router_lora is not None:               # LoRA's scale (dropout(x) A) B, A and B whole as the router
@@ -278,7 +294,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
             raise ValueError(f"experts: {name} splits {expert_dim!r} over {w.split[w.dims.index(expert_dim)]} and "
                              f"{mlp!r} over {w.split[w.dims.index(mlp)]}, but gate over {e_axes} and {m_axes}: "
                              f"the three expert weights need one layout (give them the same dimension names)")
-    ws = [settle(w) for w in (gate, up, down, *biases)]
+    ws = [settle(w) for w in ((gate,) if gated else ()) + (up, down, *biases)]
     targets = [_whole(w, {expert_dim: e_axes, mlp: m_axes}) for w in ws]
     union = set(r_union)
     for w, t in zip(ws, targets):
@@ -288,7 +304,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
           relayout(pvary(w, union - varying_after(w, t)), t, "experts")
           for w, t, q in zip(ws, targets, frozen + (None,) * len(biases))]
     x_e = pvary(x, union - x.vary)
-    X = _local(x_e, tok_dims + (hidden,)).reshape(X_r.shape)
+    X = _local(x_e, tok_dims + (hidden,)).reshape(X_r.shape[0], -1)
     w_e = C.pvary(weights, tuple(a for a in mesh.axis_names if a in union - r_union)) if union - r_union else weights
 
     # --- which device holds each chosen expert: its block of the experts split
@@ -296,7 +312,7 @@ def experts(x: Named, router: Named, gate: Named, up: Named, down: Named, *, top
     n_local = n_experts // _prod(sizes)
     a2a = tuple(a for a in e_axes if a in x.vary)               # tokens differ there: dispatch
     part = tuple(a for a in e_axes if a not in x.vary)          # tokens equal there: a pending sum
-    ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]), activation)
+    ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]), activation, gated)
     if capacity_factor is not None:
         y, dropped = _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local,
                                        e_axes, sizes, a2a, part)
@@ -397,40 +413,41 @@ class _ExpertMLP:
     """This device's experts as plain tensors: ``one(rows, j)`` runs local expert ``j`` on its
     rows, ``batched(rows)`` every local expert on its block of ``rows`` (local experts, n,
     hidden); with the biases (gpt-oss) after the projections, the down bias divided over the
-    ``m_shards`` devices whose partial sums of ``mlp`` make the output (so it counts once)."""
+    ``m_shards`` devices whose partial sums of ``mlp`` make the output (so it counts once).
+    Not ``gated``: ``ws`` without the gate, each expert ``down(act(up rows))``."""
 
-    def __init__(self, ws: list[Named], names, clamp, m_shards: int, activation: str = "silu"):
+    def __init__(self, ws: list[Named], names, clamp, m_shards: int, activation: str = "silu", gated: bool = True):
         expert_dim, hidden, mlp = names
         self.named = ws
         dims = ((expert_dim, hidden, mlp), (expert_dim, hidden, mlp), (expert_dim, mlp, hidden),
                 (expert_dim, mlp), (expert_dim, mlp), (expert_dim, hidden))
-        self.g, self.u, self.d, *self.b = (_local(w, d) for w, d in zip(ws, dims))
-        self.act = (swiglu_tensors if clamp is None and activation == "silu" else
-                    _gelu_tanh_glu if clamp is None else
+        self.g, self.u, self.d, *self.b = (_local(w, d) for w, d in zip(ws if gated else ws[:1] + ws, dims))
+        unary = UNARY[activation]
+        self.act = ((lambda g, u: unary(u)) if not gated else
+                    swiglu_tensors if clamp is None and activation == "silu" else
+                    (lambda g, u: unary(g) * u) if clamp is None else
                     lambda g, u: clamped_swiglu_tensors(g, u, alpha=clamp[0], limit=clamp[1]))
+        self.gated = gated
         self.down_share = 1.0 / m_shards
 
     def _down_bias(self, db: torch.Tensor) -> torch.Tensor:
         return db if self.down_share == 1 else db * self.down_share
 
     def one(self, rows: torch.Tensor, j: int) -> torch.Tensor:
-        g, u = rows @ self.g[j], rows @ self.u[j]
+        u = rows @ self.u[j]
+        g = rows @ self.g[j] if self.gated else u
         if not self.b:
             return self.act(g, u) @ self.d[j]
         gb, ub, db = self.b
         return (self.act(g + gb[j], u + ub[j]) @ self.d[j]) + self._down_bias(db[j])
 
     def batched(self, rows: torch.Tensor) -> torch.Tensor:
-        g, u = torch.bmm(rows, self.g), torch.bmm(rows, self.u)
+        u = torch.bmm(rows, self.u)
+        g = torch.bmm(rows, self.g) if self.gated else u
         if not self.b:
             return torch.bmm(self.act(g, u), self.d)
         gb, ub, db = self.b
         return torch.bmm(self.act(g + gb[:, None], u + ub[:, None]), self.d) + self._down_bias(db[:, None])
-
-
-def _gelu_tanh_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` (Gemma's gated MLP) of plain tensors."""
-    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def _block_coords(idx: torch.Tensor, n_local: int, e_axes, sizes) -> dict[str, torch.Tensor]:

@@ -248,3 +248,46 @@ def test_token_capacity_equals_the_reference_rule(cap):
     assert stats.dropped.value().item() == 0
     with pytest.raises(ValueError, match=r"token_capacity must be a positive int with dropless routing"):
         experts(fpp.wrap(x, "batch seq hidden"), *named, top_k=2, token_capacity=0)
+
+
+def test_not_gated_experts_equal_nemotron_h_moe_block(monkeypatch):
+    """``gate=None`` (Nemotron 3): squared-ReLU experts not gated, DeepSeek-V3's grouped sigmoid
+    router with its score correction, renormalised and scaled, equal transformers' NemotronHMoE
+    (its shared expert subtracted) in the output and the gradients of x, router, up and down."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+    conf = transformers.NemotronHConfig(hidden_size=H, n_routed_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=F_, moe_shared_expert_intermediate_size=F_, n_group=4,
+                                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    torch.manual_seed(6)
+    blk = NemotronHMoE(conf).double()
+    with torch.no_grad():
+        for p in (*blk.parameters(), blk.gate.e_score_correction_bias):
+            p.copy_(0.3 * torch.randn_like(p))
+    real_type = torch.Tensor.type                   # (its router computes in float32: in float64 here)
+    monkeypatch.setattr(torch.Tensor, "type", lambda t, *a: real_type(t, torch.float64) if a == (torch.float32,)
+                        else real_type(t, *a))
+    blk.experts.config._experts_implementation = "eager"
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    want = blk(x) - blk.shared_experts(x)
+    want.pow(2).sum().backward()
+    xs = x.detach().clone().requires_grad_()
+    router, up, down = (blk.gate.weight.detach().T.clone().requires_grad_(),
+                        blk.experts.up_proj.detach().transpose(1, 2).clone().requires_grad_(),
+                        blk.experts.down_proj.detach().transpose(1, 2).clone().requires_grad_())
+
+    def ours(activation="relu2"):
+        return experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), None,
+                       fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2,
+                       normalize=True, score="sigmoid", bias=fpp.wrap(blk.gate.e_score_correction_bias, "experts"),
+                       groups=4, topk_groups=2, weight_scale=2.5, activation=activation)[0].value()
+    out = ours()
+    torch.testing.assert_close(out, want.detach(), rtol=1e-10, atol=1e-12)
+    out.pow(2).sum().backward()
+    for ours_g, theirs in ((xs.grad, x.grad), (router.grad, blk.gate.weight.grad.T),
+                           (up.grad, blk.experts.up_proj.grad.transpose(1, 2)),
+                           (down.grad, blk.experts.down_proj.grad.transpose(1, 2))):
+        torch.testing.assert_close(ours_g, theirs, rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(ours("silu"), out.detach(), atol=1e-3)            # the activation matters
+    with pytest.raises(ValueError, match=r"gate=None \(experts not gated\) takes no clamp"):
+        experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), None,
+                fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2, clamp=(1.7, 7.0))
