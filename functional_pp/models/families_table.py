@@ -138,10 +138,12 @@ ROWS: tuple[Row, ...] = (
         f"{_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
                          "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads), "
-                         "attention without a rotary (`*`) or a squared-ReLU MLP (`-`); files under `backbone.`; packed "
-                         "documents each with its own state; pipelines split the layers as any others",
-        "Nemotron 3's experts (`E` layers), CP and key / value-cache sampling of the Mamba2 layers (refused by "
-        "name)"),
+                         "attention without a rotary (`*`), a squared-ReLU MLP (`-`) or Nemotron 3's experts (`E`: "
+                         "squared-ReLU experts not gated, DeepSeek-V3's grouped sigmoid router with its score "
+                         "correction, a squared-ReLU shared expert, Nemotron 3 Super's latent experts "
+                         "`moe_latent_size`; EP as other MoE families); files under `backbone.`; packed documents "
+                         "each with its own state; pipelines split the layers as any others",
+        "CP and key / value-cache sampling of the Mamba2 layers (refused by name)"),
     Row(("falcon_h1",), "a hybrid: a Mamba2 mixer and attention in parallel from one norm in every layer, then a "
                         "SwiGLU MLP; its muP multipliers (embedding, the mixer's input / projections / output, the "
                         "attention's input / output, keys, the MLP's gate and output, logits); the mixer's output "
