@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -803,8 +804,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
 
     def layer(i):
         width = cfg.mlp_width(i)
-        mixer = ({"linear_attn": gated_deltanet.init_layer(cfg, w, out_std, dtype)}
-                 if cfg.layer_kind(i) == gated_deltanet.KIND else {"self_attn": attn(i)})
+        kind = TOKEN_MIXERS.get(cfg.layer_kind(i))     # (layer_types: a token mixer in place of attention)
+        mixer = {kind.key: kind.init(cfg, w, out_std, dtype)} if kind is not None else {"self_attn": attn(i)}
         p = {"input_layernorm": norm(), **mixer, "post_attention_layernorm": norm(),
              "mlp": {"gate_proj": w((cfg.hidden, width), "hidden mlp"),
                      "up_proj": w((cfg.hidden, width), "hidden mlp"),
@@ -822,9 +823,6 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                                           "post_feedforward_layernorm_2")})
         elif moe.is_moe_layer(cfg, i):
             p["mlp"] = moe.init_mlp(cfg, w, out_std)
-        if cfg.layer_kind(i) in MIXERS:             # (LFM2's short convolution in place of attention)
-            del p["self_attn"]
-            p[cfg.layer_kind(i)] = MIXERS[cfg.layer_kind(i)][0](cfg.hidden, cfg.conv_kernel, w, out_std)
         if cfg.sandwich_norms:
             p["pre_feedforward_layernorm"] = norm()
             p["post_feedforward_layernorm"] = norm()
@@ -976,9 +974,6 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
     layer's, ``cfg.kv_shared_layers``) instead of this layer's own; ``seed``: the layer's dropout
     seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`)."""
-    mixer = next((kind for kind in MIXERS if kind in p), None)
-    if mixer is not None:                                 # a layer whose tokens mix otherwise (layer_types)
-        return MIXERS[mixer][1](p[mixer], h, cfg)
     a = p["self_attn"]
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
         if seed is not None and cfg.attention_dropout:
@@ -1030,10 +1025,27 @@ def _dropped(out: Named, cfg: Config, seed: int | None, site: int) -> Named:
     return ops.dropout(out, cfg.residual_dropout, seed + site)
 
 
-MIXERS: dict[str, tuple] = {"conv": (short_conv.init, short_conv.mixer)}
-"""``layer_types`` entries whose layers mix tokens by another op than attention -> (the
-declarations of its parameters, ``init(hidden, kernel, w, out_std)``, held under that key of the
-layer; its mixer, ``mixer(params, normed input, cfg)`` -> ``batch res_seq hidden``)."""
+class TokenMixer(NamedTuple):
+    """A layer kind (``layer_types``) whose tokens mix by another op than attention: its parameters
+    held under ``key`` in place of ``self_attn`` (HF's name), declared by ``init(cfg, w, out_std,
+    dtype)``; ``mix(params, normed input, cfg, segments)`` -> ``batch res_seq hidden``; ``what`` it
+    is, for messages. Each keeps a state along the sequence: it needs the whole sequence on a
+    device and has no key / value cache (:func:`recurrent_layers`)."""
+    key: str
+    init: Callable[..., dict]
+    mix: Callable[..., Named]
+    what: str
+
+
+TOKEN_MIXERS: dict[str, TokenMixer] = {
+    "conv": TokenMixer("conv", lambda cfg, w, out_std, dtype: short_conv.init(cfg.hidden, cfg.conv_kernel, w, out_std),
+                       lambda c, h, cfg, segments: short_conv.mixer(c, h, cfg), "LFM2's short convolution"),
+    gated_deltanet.KIND: TokenMixer(
+        "linear_attn", gated_deltanet.init_layer,
+        lambda a, h, cfg, segments: ops.rename(gated_deltanet.mixer(a, h, cfg, segments), seq="res_seq"),
+        "Gated DeltaNet")}
+"""``layer_types`` entries -> their :class:`TokenMixer` (models/short_conv.py, models/gated_deltanet.py);
+Mamba2 mixers are blocks of ``layer_blocks`` instead (:func:`mamba_block`)."""
 
 _ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
          "relu2": lambda x: ops.square(ops.relu(x))}             # (Arcee's squared ReLU)
@@ -1109,12 +1121,12 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
 def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                 window: int | None = None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
                 seed: int | None = None) -> Named:
-    """The token-mixing branch of a layer: the mixer its parameters hold (``layer_types`` chose it at
-    init: ``linear_attn``, Gated DeltaNet, models/gated_deltanet.py), else attention (or a
-    :data:`MIXERS` entry: LFM2's convolution)."""
-    if "linear_attn" in p:
-        out = gated_deltanet.mixer(p["linear_attn"], attention_input(p, x, cfg), cfg, segments)
-        return ops.rename(out, seq="res_seq")             # sequence parallelism: reduce-scatter
+    """The token-mixing branch of a layer: the :data:`TOKEN_MIXERS` entry its parameters hold
+    (``layer_types`` chose it at init), else attention; either reads the normed input, its sequence
+    whole (sequence parallelism: gathered, then reduce-scattered)."""
+    mixer = next((m for m in TOKEN_MIXERS.values() if m.key in p), None)
+    if mixer is not None:
+        return mixer.mix(p[mixer.key], attention_input(p, x, cfg), cfg, segments)
     return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed)
 
 
@@ -1338,18 +1350,17 @@ def whole_sequence(cfg: Config) -> str | None:
 
 
 #: the layer kinds (``layer_types``) whose state the key / value cache does not hold, and what they are
-UNCACHED_KINDS = {"conv": "LFM2's short convolution", gated_deltanet.KIND: "Gated DeltaNet"}
 
 
 def recurrent_layers(cfg: Config) -> list[str]:
     """The layers that mix tokens by a state carried along the sequence (``layer_types``'
-    :data:`UNCACHED_KINDS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: they need the
+    :data:`TOKEN_MIXERS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: they need the
     whole sequence on a device and a state the key / value cache does not hold."""
     why = []
-    for kind, what in UNCACHED_KINDS.items():
+    for kind, mixer in TOKEN_MIXERS.items():
         layers = [i for i in range(cfg.layers) if cfg.layer_kind(i) == kind]
         if layers:
-            why.append(f"layers {layers} are {kind} ({what})")
+            why.append(f"layers {layers} are {kind} ({mixer.what})")
     scans = [i for i in range(cfg.layers) if any("mamba2" in b for b in cfg.blocks(i))]
     if scans:
         why.append(f"layers {scans} hold Mamba2 mixers (layer_blocks)")
@@ -1358,7 +1369,7 @@ def recurrent_layers(cfg: Config) -> list[str]:
 
 def uncached_layers(cfg: Config) -> str | None:
     """Why the model cannot sample with a key / value cache (generation, GRPO's rollouts): the
-    layers whose kind keeps a state the cache does not hold (:data:`UNCACHED_KINDS`), or keys and
+    layers whose kind keeps a state the cache does not hold (:data:`TOKEN_MIXERS`), or keys and
     values shared across layers (``kv_shared_layers``); None where every layer can use it."""
     why = recurrent_layers(cfg)
     if cfg.kv_shared_layers:
