@@ -183,6 +183,36 @@ def saved_hf_model(model, out_dir, perturb: tuple[str, ...] = ("norm", "dt_bias"
     return model, out_dir
 
 
+def assert_nf4_base_equals_bitsandbytes(model, out_dir, **load_kw) -> dict:
+    """QLoRA's base (``load_in_4bit``, NF4 without double quantization): transformers' ``model``
+    saved to ``out_dir`` and loaded by transformers + bitsandbytes gives our logits of the same
+    checkpoint with :func:`quantize_linear_weights`; the quantization acts (the logits move off the
+    full model's). Returns our quantized parameters (for the caller's check of which are)."""
+    from functional_pp.checkpoint import hf
+    from functional_pp.models.quantize import quantize_linear_weights
+    from functional_pp.parallel import sharding
+    model.save_pretrained(out_dir)
+    with torch.no_grad():
+        full = model(input_ids=tokens()).logits
+    import transformers
+    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                                          bnb_4bit_compute_dtype=torch.float32)
+    q = transformers.AutoModelForCausalLM.from_pretrained(out_dir, quantization_config=bnb, dtype=torch.float32,
+                                                          device_map="cpu", **load_kw).eval()
+    for module in q.modules():           # (bitsandbytes' bf16 CPU path off: the fp32 compute asked for)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        want = q(input_ids=tokens()).logits
+    cfg, params = hf.load_hf_llama(out_dir)
+    qp, qd = quantize_linear_weights(params, llama.init(cfg), "nf4", double_quant=False)
+    with torch.no_grad():
+        got = llama.forward(sharding.named_tree(qp, qd), fpp.wrap(tokens(), "batch seq"), cfg).value()
+    assert (want - full).abs().max() > 0.01
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    return qp
+
+
 def tokens(batch=4, seq=12, seed=1):
     """Random token ids below 256 (the tiny Hugging Face models' vocabulary)."""
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))

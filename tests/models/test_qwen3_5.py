@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
-                     fp64_beside_hf, import_logits_beside_hf, our_logits, tokens)
+                     assert_nf4_base_equals_bitsandbytes, fp64_beside_hf, import_logits_beside_hf, our_logits, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -254,32 +254,13 @@ def test_nf4_base_equals_transformers_with_bitsandbytes(tmp_path):
     parts, in_proj_z / b / a, out_proj), of the gated attention and of the MLP quantized as
     transformers + bitsandbytes quantize them gives the same logits. Sizes hold whole blocks of 64."""
     pytest.importorskip("bitsandbytes")
-    from functional_pp.models.quantize import quantize_linear_weights
-    from functional_pp.parallel import sharding
     torch.manual_seed(0)
     conf = dict(CONFIG, hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
                 linear_value_head_dim=64, initializer_range=0.1)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**conf)).float().eval()
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        full = model(input_ids=tokens()).logits
-    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
-                                          bnb_4bit_compute_dtype=torch.float32)
-    q = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb, dtype=torch.float32,
-                                                          device_map="cpu", **EAGER).eval()
-    for module in q.modules():           # (bitsandbytes' bf16 CPU path off: the fp32 compute asked for)
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-    with torch.no_grad():
-        want = q(input_ids=tokens()).logits
-    cfg, params = hf.load_hf_llama(tmp_path)
-    qp, qd = quantize_linear_weights(params, llama.init(cfg), "nf4", double_quant=False)
+    qp = assert_nf4_base_equals_bitsandbytes(model, tmp_path, **EAGER)
     assert type(qp["layers"][0]["linear_attn"]["out_proj"]).__name__ == "QuantizedWeight"
-    with torch.no_grad():
-        got = llama.forward(sharding.named_tree(qp, qd), fpp.wrap(tokens(), "batch seq"), cfg).value()
-    assert (want - full).abs().max() > 0.01
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_adapters_of_the_fused_in_proj_qkv_export_as_one_peft_adapter(saved, tmp_path):
