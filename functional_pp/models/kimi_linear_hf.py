@@ -23,7 +23,7 @@ import torch
 from functional_pp.models import kimi_delta
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "RENAMED", "MODULE_NAMES", "config_from_hf", "config_to_hf", "check_exportable"]
+__all__ = ["ARCHITECTURES", "RENAMED", "MODULE_NAMES", "ALSO_READ", "config_from_hf", "config_to_hf", "check_exportable"]
 
 ARCHITECTURES: dict[str, str] = {"kimi_linear": "KimiLinearForCausalLM"}
 
@@ -36,6 +36,10 @@ RENAMED: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.experts\.down_proj\.weight$", ".block_sparse_moe.experts.w2.weight"),
     (r"\.mlp\.shared_expert\.", ".block_sparse_moe.shared_experts."))
 """The table's names (models/llama_hf.py) in Kimi Linear's files."""
+
+ALSO_READ: tuple[tuple[str, str], ...] = ((r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r".block_sparse_moe.\1.weight"),)
+"""transformers' save writes the dense layers' MLP under ``block_sparse_moe`` too (its load-time rename
+reversed); import reads it there where ``mlp`` is absent."""
 
 MODULE_NAMES: tuple[tuple[str, str], ...] = (
     (r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1."))

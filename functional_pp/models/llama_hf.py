@@ -59,7 +59,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
-    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups",
+    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups", "ALSO_READ", "also_read",
 ]
 
 
@@ -419,6 +419,17 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     if getattr(cfg, "text_of", None):          # a multimodal checkpoint's text decoder (its files' layout)
         name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
+
+
+ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ}
+"""Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
+under where the files lack the first (transformers' own save of a family that differs from its
+published checkpoint's)."""
+
+
+def also_read(name: str, model_type: str = "llama") -> list[str]:
+    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files may be saved under."""
+    return [re.sub(pattern, repl, name) for pattern, repl in ALSO_READ.get(model_type, ()) if re.search(pattern, name)]
 
 
 def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
