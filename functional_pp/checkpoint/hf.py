@@ -44,8 +44,8 @@ __all__ = [
 from functional_pp.models.gemma4_hf import export_config
 from functional_pp.models.llama_hf import (IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
                                            UnsupportedHFConfig, check_exportable, constants_of,
-                                           also_read, config_from_hf_dict, config_to_hf, file_name, head_groups, hf_kind,
-                                           hf_name, our_path,
+                                           also_read, config_from_hf_dict, config_to_hf, file_name, head_groups,
+                                           hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 

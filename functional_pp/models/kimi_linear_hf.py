@@ -23,7 +23,8 @@ import torch
 from functional_pp.models import kimi_delta
 from functional_pp.models.llama import Config
 
-__all__ = ["ARCHITECTURES", "RENAMED", "MODULE_NAMES", "ALSO_READ", "config_from_hf", "config_to_hf", "check_exportable"]
+__all__ = ["ARCHITECTURES", "RENAMED", "MODULE_NAMES", "ALSO_READ", "config_from_hf", "config_to_hf",
+           "check_exportable"]
 
 ARCHITECTURES: dict[str, str] = {"kimi_linear": "KimiLinearForCausalLM"}
 
@@ -37,7 +38,8 @@ RENAMED: tuple[tuple[str, str], ...] = (
     (r"\.mlp\.shared_expert\.", ".block_sparse_moe.shared_experts."))
 """The table's names (models/llama_hf.py) in Kimi Linear's files."""
 
-ALSO_READ: tuple[tuple[str, str], ...] = ((r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r".block_sparse_moe.\1.weight"),)
+ALSO_READ: tuple[tuple[str, str], ...] = (
+    (r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r".block_sparse_moe.\1.weight"),)
 """transformers' save writes the dense layers' MLP under ``block_sparse_moe`` too (its load-time rename
 reversed); import reads it there where ``mlp`` is absent."""
 
@@ -114,7 +116,8 @@ def config_from_hf(hf: dict, mt: str) -> Config:
                    shared_expert_gate=False, moe_layers=None if len(moe) == layers else moe,
                    routed_scaling_factor=float(get("routed_scaling_factor")), router_score="sigmoid",
                    router_bias=True, norm_topk_prob=bool(get("norm_topk_prob")),
-                   router_groups=int(get("n_group") or 1), router_topk_groups=int(get("topk_group") or 1)) if moe else {}
+                   router_groups=int(get("n_group") or 1),
+                   router_topk_groups=int(get("topk_group") or 1)) if moe else {}
     linear_heads = int(lin.get("num_heads", get("linear_num_heads")))
     linear_dim = int(lin.get("head_dim", get("linear_head_dim")))
     try:

@@ -170,7 +170,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     # Kimi Delta Attention (models/kimi_delta.py; its files' names: kimi_linear_hf.RENAMED)
     *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "heads_out")
       for x in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj")),
-    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "linear") for x in ("f_a_proj", "g_a_proj", "b_proj")),
+    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "linear")
+      for x in ("f_a_proj", "g_a_proj", "b_proj")),
     *((f"model.layers.{{i}}.kda.conv_{x}.weight", f"layers.{{i}}.kda.conv_{x}", "conv_taps") for x in "qkv"),
     ("model.layers.{i}.kda.dt_bias", "layers.{i}.kda.dt_bias", "bias_heads"),
     ("model.layers.{i}.kda.A_log", "layers.{i}.kda.A_log", "heads_4d"),

@@ -161,10 +161,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              segments: torch.Tensor | None = None) -> torch.Tensor:
     """The chunked gated delta rule of plain blocks, ``q``/``k`` [B, S, Hk, Dk], ``v`` [B, S, H, Dv],
     ``beta`` [B, S, H], ``g`` [B, S, H] or, a decay per key channel (Kimi Delta Attention, as
-    transformers' ``chunk_kimi_delta_attention``), [B, S, H, Dk]; [B, S, H, Dv] in v's dtype. ``segments`` [B, S]: document ids; a pair
-    of positions of different documents neither mixes within a chunk nor through the state (each
-    position reads the carried state only if it continues the document the previous chunk ended in,
-    and only the positions of the chunk's last document write the state it carries on)."""
+    transformers' ``chunk_kimi_delta_attention``), [B, S, H, Dk]; [B, S, H, Dv] in v's dtype.
+    ``segments`` [B, S]: document ids; a pair of positions of different documents neither mixes
+    within a chunk nor through the state (each position reads the carried state only if it continues
+    the document the previous chunk ended in, and only the positions of the chunk's last document
+    write the state it carries on)."""
     dtype = v.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     B, S, Hk, Dk = k.shape
