@@ -133,6 +133,13 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+       # (Kimi Linear: a Kimi Delta Attention layer, then a latent attention one; a dense MLP, then experts)
+       "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", {
+           "num_key_value_heads": 8, "layer_types": ["linear_attention", "full_attention"],
+           "mlp_layer_types": ["dense", "sparse"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": None,
+           "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "linear_num_heads": 8,
+           "linear_head_dim": 64, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
        # (Mistral Small 4: DeepSeek-V3's latent attention and experts, its default YaRN rope)
        "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

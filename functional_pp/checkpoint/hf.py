@@ -44,8 +44,8 @@ __all__ = [
 from functional_pp.models.gemma4_hf import export_config
 from functional_pp.models.llama_hf import (IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
                                            UnsupportedHFConfig, check_exportable, constants_of,
-                                           config_from_hf_dict, config_to_hf, file_name, head_groups, hf_kind,
-                                           hf_name, our_path,
+                                           also_read, config_from_hf_dict, config_to_hf, file_name, head_groups,
+                                           hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 
@@ -291,6 +291,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
             axis = _row_axis(parts)
             want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
+            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama")) if n in reader.entries), name)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
                 continue

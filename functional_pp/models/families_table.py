@@ -136,6 +136,14 @@ ROWS: tuple[Row, ...] = (
         "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
         f"export of adapters on Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (export merged); image input; "
         f"{_EXPERT_PEFT}"),
+    Row(("kimi_linear",), "Kimi Delta Attention layers (`layer_types` `linear_attention`: Gated DeltaNet with a "
+                          "decay per key channel from a low-rank gate, a convolution on each of q / k / v, an output "
+                          "gated by a low-rank sigmoid gate; heads over tp; packed sequences) beside latent attention "
+                          "layers without rotary; DeepSeek-V3's experts (grouped sigmoid routing with its score "
+                          "correction, shared experts) after dense first layers (`mlp_layer_types`, "
+                          "`first_k_dense_replace`); EP as other MoE families; the checkpoint's `linear_attn_config`",
+        f"context parallelism and key / value-cache sampling of the delta attention layers (refused by name); "
+        f"{_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
                          "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads), "
                          "attention without a rotary (`*`), a squared-ReLU MLP (`-`) or Nemotron 3's experts (`E`: "

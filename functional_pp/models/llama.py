@@ -28,8 +28,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, kv_cache, mamba2, mla, moe, per_layer_inputs,
-                                   short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba2, mla, moe,
+                                   per_layer_inputs, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -37,7 +37,7 @@ from functional_pp.ops.experts import ACTIVATIONS
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND, kimi_delta.KIND)
 LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp")
 """A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
 residual stream: Llama's attention then MLP; a Mamba2 mixer (models/mamba2.py) where attention is;
@@ -265,7 +265,9 @@ class Config:
     # Gated DeltaNet, the token mixer of the layers ``layer_types`` marks "linear_attention" (Qwen3-Next,
     # Qwen3.5; models/gated_deltanet.py): its value heads, key heads, key and value head widths and the
     # causal convolution's taps (linear_num_value_heads, linear_num_key_heads, linear_key_head_dim,
-    # linear_value_head_dim, linear_conv_kernel_dim)
+    # linear_value_head_dim, linear_conv_kernel_dim); Kimi Delta Attention, the mixer of the layers marked
+    # "kimi_delta_attention" (Kimi Linear; models/kimi_delta.py), reads linear_heads, linear_head_dim (its
+    # q, k and v heads' width) and linear_conv_kernel
     linear_heads: int = 0
     linear_kv_heads: int = 0
     linear_head_dim: int = 128
@@ -345,6 +347,8 @@ class Config:
                 raise ValueError("layer_types marks chunked_attention layers but attention_chunk is not set")
             if gated_deltanet.KIND in self.layer_types:
                 gated_deltanet.check_config(self)
+            if kimi_delta.KIND in self.layer_types:
+                kimi_delta.check_config(self)
         if self.attention_chunk is not None and (isinstance(self.attention_chunk, bool) or not isinstance(
                 self.attention_chunk, int) or self.attention_chunk < 1):
             raise ValueError(f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}")
@@ -1043,8 +1047,13 @@ TOKEN_MIXERS: dict[str, TokenMixer] = {
     gated_deltanet.KIND: TokenMixer(
         "linear_attn", gated_deltanet.init_layer,
         lambda a, h, cfg, segments: ops.rename(gated_deltanet.mixer(a, h, cfg, segments), seq="res_seq"),
-        "Gated DeltaNet")}
-"""``layer_types`` entries -> their :class:`TokenMixer` (models/short_conv.py, models/gated_deltanet.py);
+        "Gated DeltaNet"),
+    kimi_delta.KIND: TokenMixer(
+        "kda", kimi_delta.init_layer,
+        lambda a, h, cfg, segments: ops.rename(kimi_delta.mixer(a, h, cfg, segments), seq="res_seq"),
+        "Kimi Delta Attention")}
+"""``layer_types`` entries -> their :class:`TokenMixer` (models/short_conv.py, models/gated_deltanet.py,
+models/kimi_delta.py);
 Mamba2 mixers are blocks of ``layer_blocks`` instead (:func:`mamba_block`)."""
 
 _ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
@@ -1327,6 +1336,8 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             return 2 * cfg.hidden * (4 * cfg.hidden + cfg.conv_kernel)
         if cfg.layer_kind(i) == gated_deltanet.KIND:
             return gated_deltanet.flops(cfg, seq)
+        if cfg.layer_kind(i) == kimi_delta.KIND:
+            return kimi_delta.flops(cfg, seq)
         return proj + attn
     fwd = sum(mixer(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd

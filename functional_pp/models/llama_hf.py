@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, llama4_hf, mamba2_hf, nemotron_h_hf, qwen3_5_hf, score_head)
+                                  granitemoehybrid_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf, nemotron_h_hf,
+                                  qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -58,7 +59,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
-    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups",
+    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups", "ALSO_READ", "also_read",
 ]
 
 
@@ -166,6 +167,16 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", "copy"),
     ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm", "copy"),
     ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj", "heads_in"),
+    # Kimi Delta Attention (models/kimi_delta.py; its files' names: kimi_linear_hf.RENAMED)
+    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "heads_out")
+      for x in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj")),
+    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "linear")
+      for x in ("f_a_proj", "g_a_proj", "b_proj")),
+    *((f"model.layers.{{i}}.kda.conv_{x}.weight", f"layers.{{i}}.kda.conv_{x}", "conv_taps") for x in "qkv"),
+    ("model.layers.{i}.kda.dt_bias", "layers.{i}.kda.dt_bias", "bias_heads"),
+    ("model.layers.{i}.kda.A_log", "layers.{i}.kda.A_log", "heads_4d"),
+    ("model.layers.{i}.kda.o_norm.weight", "layers.{i}.kda.o_norm", "copy"),
+    ("model.layers.{i}.kda.o_proj.weight", "layers.{i}.kda.o_proj", "heads_in"),
     # a Mamba2 mixer (models/mamba2.py): in the files in_proj fuses z, x, B, C and dt along its rows and conv1d
     # x, B and C (mamba2_hf.FUSED); the parts' names here are the table's own
     *mamba2_hf.TABLE,
@@ -378,10 +389,12 @@ RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared ex
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
 RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
+RENAMED["kimi_linear"] = kimi_linear_hf.RENAMED     # (self_attn, block_sparse_moe, experts w1 / w3 / w2)
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
-MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES}
+MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES,
+                                                        "kimi_linear": kimi_linear_hf.MODULE_NAMES}
 """Per model type, (pattern, replacement) from a tensor's name in the files to its module's name in
 transformers' model, where they differ (its load-time renames: Nemotron-H's ``backbone.`` is ``model.``)."""
 
@@ -407,6 +420,17 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     if getattr(cfg, "text_of", None):          # a multimodal checkpoint's text decoder (its files' layout)
         name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
+
+
+ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ}
+"""Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
+under where the files lack the first (transformers' own save of a family that differs from its
+published checkpoint's)."""
+
+
+def also_read(name: str, model_type: str = "llama") -> list[str]:
+    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files may be saved under."""
+    return [re.sub(pattern, repl, name) for pattern, repl in ALSO_READ.get(model_type, ()) if re.search(pattern, name)]
 
 
 def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
@@ -629,6 +653,17 @@ class _Scalar(_Kind):                  # ours [] = HF [1] (xIELU's scalars)
         return sl[0:1].reshape(())
 
 
+class _Heads4d(_Kind):                 # ours [H] = HF [1, 1, H, 1] (Kimi Delta Attention's A_log)
+    def hf_shape(self, shape):
+        return (1, 1, shape[0], 1)
+
+    def to_hf(self, t):
+        return t.reshape(1, 1, -1, 1)
+
+    def read(self, sl, region, shape):
+        return sl[0:1, 0:1, region[0], 0:1].reshape(-1)
+
+
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
     def hf_shape(self, shape):
         return (1, shape[0])
@@ -723,7 +758,7 @@ KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat":
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps()}
+                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -766,7 +801,8 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **{mt: sw.architecture for mt, sw in SWITCHES.items()},
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
-                                 **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES}
+                                 **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES,
+                                 **kimi_linear_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -922,7 +958,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
     # attention; Gemma 4's text decoder), each given what it reads with
     for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
-                                (nemotron_h_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,)):
+                                (nemotron_h_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,),
+                                (kimi_linear_hf,)):
         if mt in module.ARCHITECTURES:
             try:
                 return module.config_from_hf(hf, mt, *reads_with)
@@ -1147,6 +1184,9 @@ def check_exportable(cfg: Config) -> None:
         raise UnsupportedHFConfig(f"{where}: q_gate={cfg.q_gate}, layer_types={list(cfg.layer_types or [])} (Gated "
                                   f"DeltaNet layers, the gate in q_proj) have no {ARCHITECTURES[mt]} equivalent; "
                                   f"choose model_type {' or '.join(qwen3_5_hf.ARCHITECTURES)}")
+    if mt not in kimi_linear_hf.ARCHITECTURES and kimi_delta.KIND in (cfg.layer_types or ()):
+        raise UnsupportedHFConfig(f"{where}: layer_types={list(cfg.layer_types)} (Kimi Delta Attention layers) have no "
+                                  f"{ARCHITECTURES[mt]} equivalent; choose model_type kimi_linear")
     if mt in granitemoehybrid_hf.ARCHITECTURES:
         return granitemoehybrid_hf.check_exportable(cfg, check_exportable, UnsupportedHFConfig)
     if mt in OWN_CONFIG:
@@ -1166,6 +1206,8 @@ def check_exportable(cfg: Config) -> None:
                              kv_shared_layers=0, double_wide_mlp=False), where)   # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
+    if mt in kimi_linear_hf.ARCHITECTURES:
+        return kimi_linear_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in qwen3_5_hf.ARCHITECTURES:
@@ -1237,6 +1279,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
     if cfg.model_type in falcon_h1_hf.ARCHITECTURES:
         return falcon_h1_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in kimi_linear_hf.ARCHITECTURES:
+        return kimi_linear_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

@@ -108,8 +108,10 @@ def gated_delta_rule(q: Named, k: Named, v: Named, g: Named, beta: Named, *, bat
     """The gated delta rule: per value head a state S (head_dim x v_head_dim) decayed by ``exp(g)``,
     corrected towards ``v`` by ``beta`` (S <- exp(g) S + k beta (v - k exp(g) S)^T), read by the
     queries scaled by head_dim^-1/2; ``q``/``k``: batch seq kv_heads head_dim (each serving
-    heads / kv_heads consecutive value heads), ``v``: batch seq heads v_head_dim, ``g`` (the log
-    decay, <= 0) and ``beta``: batch seq heads. ``l2_normalize_qk``: q and k L2-normalised over
+    heads / kv_heads consecutive value heads), ``v``: batch seq heads v_head_dim, ``beta``: batch
+    seq heads, ``g`` (the log decay, <= 0): batch seq heads (one decay per head: Gated DeltaNet) or
+    batch seq heads head_dim (one per key channel, decaying the state's rows: Kimi Delta Attention,
+    exp(g) S read as diag(exp(g)) S). ``l2_normalize_qk``: q and k L2-normalised over
     head_dim first (transformers' ``use_qk_l2norm_in_kernel``). Computed in chunks of ``chunk``
     positions as transformers' ``torch_chunk_gated_delta_rule`` (16-bit inputs in float32, others
     in their own dtype); returns batch seq heads v_head_dim, laid out as ``v``. ``segments`` (batch
@@ -135,8 +137,12 @@ def gated_delta_rule(q: Named, k: Named, v: Named, g: Named, beta: Named, *, bat
                              f"{vs[heads]} that split {heads} ({H}); use {kv_heads} divisible by {n}")
     like = {batch: vs.get(batch, ()), heads: vs.get(heads, ()), kv_heads: vs.get(heads, ())}
     qk_dims, v_dims, s_dims = (batch, seq, kv_heads, head_dim), (batch, seq, heads, v_head_dim), (batch, seq, heads)
+    g_dims = s_dims + (head_dim,) if head_dim in g.dims else s_dims         # (a decay per key channel: KDA)
+    if head_dim in g.dims and g.split[g.dims.index(head_dim)]:
+        raise ValueError(f"gated_delta_rule: g's {head_dim!r} must not be split (it is split over "
+                         f"{g.split[g.dims.index(head_dim)]})")
     (qb, kb, vb, gb, bb), vary = _aligned(
-        "gated_delta_rule", [("q", q, qk_dims), ("k", k, qk_dims), ("v", v, v_dims), ("g", g, s_dims),
+        "gated_delta_rule", [("q", q, qk_dims), ("k", k, qk_dims), ("v", v, v_dims), ("g", g, g_dims),
                              ("beta", beta, s_dims)], like)
     seg = _segment_block(segments, batch, seq, like[batch])
     out = chunked_gated_delta_rule(qb, kb, vb, gb, bb, chunk, l2_normalize_qk, seg)
@@ -154,14 +160,17 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              chunk: int = 64, l2_normalize_qk: bool = True,
                              segments: torch.Tensor | None = None) -> torch.Tensor:
     """The chunked gated delta rule of plain blocks, ``q``/``k`` [B, S, Hk, Dk], ``v`` [B, S, H, Dv],
-    ``g``/``beta`` [B, S, H]; [B, S, H, Dv] in v's dtype. ``segments`` [B, S]: document ids; a pair
-    of positions of different documents neither mixes within a chunk nor through the state (each
-    position reads the carried state only if it continues the document the previous chunk ended in,
-    and only the positions of the chunk's last document write the state it carries on)."""
+    ``beta`` [B, S, H], ``g`` [B, S, H] or, a decay per key channel (Kimi Delta Attention, as
+    transformers' ``chunk_kimi_delta_attention``), [B, S, H, Dk]; [B, S, H, Dv] in v's dtype.
+    ``segments`` [B, S]: document ids; a pair of positions of different documents neither mixes
+    within a chunk nor through the state (each position reads the carried state only if it continues
+    the document the previous chunk ended in, and only the positions of the chunk's last document
+    write the state it carries on)."""
     dtype = v.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     B, S, Hk, Dk = k.shape
     H, Dv = v.shape[-2:]
+    per_channel = g.dim() == 4
     if H != Hk:
         q, k = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2)
     q, k, v, beta, g = (x.transpose(1, 2).to(wide, memory_format=torch.contiguous_format)   # [B, H, S, ...]
@@ -171,32 +180,47 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q = q * Dk ** -0.5
     pad = (chunk - S % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad))
     n = (S + pad) // chunk
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     q, k, k_beta, v_beta = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    decay = g.reshape(B, H, n, chunk).cumsum(-1)
+    # the cumulative log decay within each chunk, [B, H, n, chunk] and a trailing channel dim where per channel
+    decay = g.reshape(B, H, n, chunk, *g.shape[3:]).cumsum(3)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    if per_channel:             # pair[i, j, d] = exp(decay_i - decay_j) of channel d (j <= i)
+        pair = (decay.unsqueeze(4) - decay.unsqueeze(3)).masked_fill(upper[..., None], float("-inf")).exp()
+    else:
+        pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     reads = writes = carried = None
     if segments is not None:
         seg = F.pad(segments, (0, pad), value=-1).reshape(B, 1, n, chunk)       # (padding: a document of its own)
-        pair = pair * (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(wide)
+        same = (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(wide)
+        pair = pair * (same[..., None] if per_channel else same)
         before = torch.cat([torch.full_like(seg[:, :, :1, -1:], -2), seg[:, :, :-1, -1:]], 2)   # previous chunk's end
         reads = (seg == before).to(wide)                                   # [B, 1, n, chunk]
         writes = (seg == seg[..., -1:]).to(wide)
         carried = (seg[..., -1:] == before).to(wide)                       # no document starts in the chunk
-    system = (k_beta @ k.transpose(-1, -2)) * pair             # unit lower triangular with its diagonal
+        if per_channel:
+            reads, writes = reads[..., None], writes[..., None]
+    if per_channel:             # the channels decay apart: each score sums its channels' decayed products
+        system = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k_beta, k, pair)
+        intra = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, pair)
+        per = lambda t: t                                      # noqa: E731  (decays already per channel)
+    else:
+        system = (k_beta @ k.transpose(-1, -2)) * pair         # unit lower triangular with its diagonal
+        intra = (q @ k.transpose(-1, -2)) * pair
+        per = lambda t: t.unsqueeze(-1)                        # noqa: E731  (one decay for every channel)
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     read_decay = decay.exp() if reads is None else decay.exp() * reads
-    k_cum = torch.linalg.solve_triangular(system, k_beta * read_decay.unsqueeze(-1), upper=False,
-                                          unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pair
-    q = q * read_decay.unsqueeze(-1)
-    write_decay = (decay[..., -1:] - decay).exp()
-    k = k * (write_decay if writes is None else write_decay * writes).unsqueeze(-1)
-    chunk_decay = decay[..., -1].exp() if carried is None else decay[..., -1].exp() * carried.squeeze(-1)
-    chunk_decay = chunk_decay[..., None, None]
+    k_cum = torch.linalg.solve_triangular(system, k_beta * per(read_decay), upper=False, unitriangular=True)
+    q = q * per(read_decay)
+    last = decay[:, :, :, -1:]
+    write_decay = (last - decay).exp()
+    k = k * per(write_decay if writes is None else write_decay * writes)
+    chunk_decay = last.squeeze(3).exp()                        # [B, H, n] (per channel: [B, H, n, Dk])
+    if carried is not None:
+        chunk_decay = chunk_decay * (carried.squeeze(-1)[..., None] if per_channel else carried.squeeze(-1))
+    chunk_decay = chunk_decay[..., None] if per_channel else chunk_decay[..., None, None]
     state = torch.zeros(B, H, Dk, Dv, dtype=wide, device=v.device)
     outs = []
     for i in range(n):
