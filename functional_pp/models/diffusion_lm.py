@@ -89,6 +89,20 @@ class DiffusionSpec:
             raise ValueError(f"diffusion.mask_token_id must be a token id (an integer >= 0), got "
                              f"{self.mask_token_id!r}")
 
+    @classmethod
+    def from_mapping(cls, d: dict) -> "DiffusionSpec":
+        """The spec of a config's ``diffusion:`` mapping; numbers YAML reads as text (``1e-3``) read
+        as numbers, as Axolotl's pydantic model reads them."""
+        floats = ("eps", "min_mask_ratio", "max_mask_ratio", "generation_temperature")
+        out = dict(d)
+        for key in floats:
+            if isinstance(out.get(key), str):
+                try:
+                    out[key] = float(out[key])
+                except ValueError:
+                    pass                  # (refused by name in __post_init__)
+        return cls(**out)
+
     def check_vocab(self, vocab: int) -> None:
         """Refuse a ``mask_token_id`` the model's vocabulary does not hold (or none at all)."""
         if self.mask_token_id is None:
