@@ -285,6 +285,7 @@ class TrainRun:
             flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
             peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
             batch_dims=batch_dims,
+            micro_weighting="labels" if cfg.diffusion is None else "rows",   # (the diffusion loss: a mean over rows)
             donate_state=True,   # the loop never reads a step's input state again
             metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
         # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under

@@ -15,7 +15,7 @@ from functional_pp.core.tree import leaves_with_paths
 
 PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
 BASE = {"dp_shard_size": 2, "micro_batch_size": 2, "sequence_len": 16, "learning_rate": 3e-3, "max_steps": 4,
-        "model": "tiny", "data": {"max_bytes": 50_000}, "logging": {"log_every": 1},
+        "model": "tiny", "data": {"max_bytes": 50_000}, "logging": {"log_every": 1}, "gradient_accumulation_steps": 2,
         "plugins": [PLUGIN], "diffusion": {"mask_token_id": 255, "eps": "1e-3", "generation_interval": 250},
         "checkpoint": {"save_every": 2}}
 

@@ -173,3 +173,31 @@ def test_bidirectional_attention_refused_with_recurrent_or_local_layers():
     with pytest.raises(ValueError, match=r"bidirectional attention \(causal=False, the diffusion objective\) is not "
                                          r"supported with sliding-window or chunked attention \(layers \[0, 1\]\)"):
         dataclasses.replace(CFG, sliding_window=4, causal=False)
+
+
+@pytest.mark.parametrize("weighting", ["rows", "labels"])
+def test_accumulated_micro_batches_weigh_equally_by_rows(weighting):
+    """Two micro-batches of different answer counts: the step's loss is the mean of their row means
+    (``micro_weighting="rows"``, what a ``diffusion:`` run uses), not their label-weighted mean."""
+    from functional_pp.models import dropout_seeds
+    batch = _rows()["batch"]
+    batch = {k: torch.cat([v[:1], v]) for k, v in batch.items()}          # rows 0, 0 | rows 1, 2
+    forward = functools.partial(llama.forward, cfg=dataclasses.replace(CFG, causal=False))
+    objective = functools.partial(diffusion_loss, forward=forward, spec=SPEC, special_ids=(BOS, EOS), seed=SEED)
+    step = fpp.train_step(objective, fpp.optim.adamw(1e-3), mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=2,
+                          micro_weighting=weighting, batch_dims={"tokens": "batch seq", "labels": "batch seq",
+                                                                 "segments": "batch seq"})
+
+    def run():
+        params = named = fpp.init(llama.init, CFG, torch.float64, seed=0)
+        dropout_seeds.begin_step(0)
+        halves = [objective(named, {k: fpp.wrap(v[i:i + 2], "batch seq") for k, v in batch.items()}).value()
+                  for i in (0, 2)]
+        dropout_seeds.begin_step(0)
+        _, m = step(step.init(params), batch)
+        return float(m["loss"]), [float(h) for h in halves]
+    loss, (a, b) = fpp.launch(run, fpp.Mesh())[0]
+    counts = [int((batch["labels"][i:i + 2] != -100).sum()) for i in (0, 2)]     # (what "labels" counts)
+    assert counts[0] != counts[1]
+    want = (a + b) / 2 if weighting == "rows" else (counts[0] * a + counts[1] * b) / sum(counts)
+    assert abs(loss - want) < 1e-10 * abs(want) and abs((a + b) / 2 - (counts[0] * a + counts[1] * b) / sum(counts)) > 1e-4
