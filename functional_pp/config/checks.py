@@ -105,8 +105,8 @@ def check_diffusion(cfg: Any, add) -> None:
     if spec.mask_token_id is None:
         add("diffusion.mask_token_id is not set: give the id of a token of the vocabulary to mask with (adding a "
             "token, mask_token_str, is not supported)")
-    elif spec.mask_token_str is not None:
-        add("diffusion.mask_token_str with mask_token_id: the id is used; remove mask_token_str")
+    elif spec.mask_token_str is not None and "diffusion.mask_token_str" not in " ".join(cfg.notes):
+        cfg.notes.append("diffusion.mask_token_str (mask_token_id is given: the id is used, as in Axolotl)")
     for key, on in (("rl", cfg.rl), ("reward_model", cfg.reward_model),
                     ("process_reward_model", cfg.process_reward_model)):
         if on:

@@ -24,10 +24,11 @@ from typing import Any, Callable
 import torch
 
 from functional_pp import ops
+from functional_pp.core import step_values
 from functional_pp.models import dropout_seeds
 from functional_pp.ops.elementwise import broadcast
 from functional_pp.ops.keep_mask import uniform
-from functional_pp.parallel.named import Named
+from functional_pp.parallel.named import Named, settle
 
 __all__ = ["DiffusionSpec", "diffusion_loss", "NOISE_SCHEDULES", "SAMPLING_KEYS"]
 
@@ -168,4 +169,18 @@ def diffusion_loss(params: Any, batch: dict, *, forward: Callable[..., Named], s
     nll = -ops.token_log_probs(logits, target)                                               # 0 where not masked
     weight = p.map(lambda q: (1.0 / q if spec.importance_weighting else torch.ones_like(q)).to(nll.data.dtype))
     per_row = ops.sum(nll * weight, "seq") / answers.map(lambda a: a.clamp(min=1.0).to(nll.data.dtype))
+    if step_values.active():
+        _report(nll, target)
     return ops.mean(per_row, "batch")
+
+
+def _report(nll: Named, target: Named) -> None:
+    """Axolotl's metrics of the masking, over the whole batch: ``diffusion_masked_tokens`` (their
+    number), ``diffusion_mask_ratio`` (of the batch's tokens) and ``diffusion_ce_loss`` (their mean
+    cross-entropy, unweighted)."""
+    masked = target.map(lambda t: (t != ops.IGNORE_INDEX).to(torch.float64))
+    count = settle(ops.sum(masked)).data
+    ce = settle(ops.sum(nll.map(lambda t: t.detach().to(torch.float64)))).data
+    step_values.report("diffusion_masked_tokens", count, "sum")
+    step_values.report("diffusion_mask_ratio", count / (target.size("batch") * target.size("seq")))
+    step_values.report("diffusion_ce_loss", ce / count.clamp(min=1.0))

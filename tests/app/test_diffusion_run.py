@@ -39,6 +39,8 @@ def test_diffusion_run_trains_and_resumes_bit_exactly(tmp_path):
     assert second.start_step == 2 and second.final_step == 4
     loss = [[m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m] for out in (full, split)]
     assert loss[0] == loss[1] and len(loss[0]) == 4
+    first = next(m for m in read_metrics(full / "metrics.jsonl") if "loss" in m)
+    assert 0 < first["diffusion_mask_ratio"] < 1 and first["diffusion_masked_tokens"] >= 1, first
     a, b = params_at(full, 4), params_at(split, 4)
     assert all(np.array_equal(a[p].numpy(), b[p].numpy()) for p in a)
     # the objective is not the causal loss

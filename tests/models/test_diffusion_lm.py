@@ -92,6 +92,8 @@ def _axolotl_loss(model, rows: dict, spec: DiffusionSpec, forward: int = 0) -> t
     lengths = answer.sum(1).to(logits.dtype)
     per_row = torch.stack([weighted[b == i].sum() / lengths[i].clamp(min=1.0) for i in range(B)])
     assert masked.any() and masked.sum() < answer.sum()
+    _axolotl_loss.metrics = {"diffusion_masked_tokens": masked.sum().item(), "diffusion_mask_ratio":
+                             masked.float().mean().item(), "diffusion_ce_loss": token_loss.mean().item()}
     return per_row.mean()
 
 
@@ -104,7 +106,18 @@ def test_loss_and_gradients_equal_axolotls_formula_on_transformers(tmp_path, wei
     rows = _rows()
     want = _axolotl_loss(model, rows, spec)
     want.backward()
-    loss, grads, _ = parallel(cfg, params, rows["batch"], fpp.Mesh(), fpp.Rules(), loss_fn=_ours(cfg, spec))[0]
+    found = {}
+
+    def collected(named, b, c):
+        from functional_pp.core import step_values
+        with step_values.collecting() as values:
+            out = _ours(cfg, spec)(named, b, c)
+        found.update({k: v.item() for k, (v, _) in values.items()})
+        return out
+    loss, grads, _ = parallel(cfg, params, rows["batch"], fpp.Mesh(), fpp.Rules(), loss_fn=collected)[0]
+    assert found.keys() == _axolotl_loss.metrics.keys()       # Axolotl's metrics of the masking
+    for k, v in _axolotl_loss.metrics.items():
+        assert abs(found[k] - v) <= 1e-7 * abs(v), (k, found[k], v)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)    # (transformers' rotary tables: fp32)
     ours = dict(tree.leaves_with_paths(grads))
     files = dict(hf._file_tensors(llama.init(cfg), cfg))
