@@ -57,6 +57,7 @@ def test_diffusion_run_trains_and_resumes_bit_exactly(tmp_path):
     ({"diffusion": None}, r"diffusion.mask_token_id is not set"),           # the plugin alone: Axolotl's defaults
     ({"rl": "dpo"}, r"diffusion with rl: dpo is not supported"),
     ({"torch_compile": True}, r"diffusion with torch_compile is not supported"),
+    ({"pp_size": 2}, r"diffusion with pp_size > 1 is not supported yet"),
     ({"plugins": [PLUGIN, "axolotl.integrations.foo.FooPlugin"]}, r"plugins: 'axolotl.integrations.foo.FooPlugin'"),
 ])
 def test_bad_diffusion_settings_are_refused_by_name(tmp_path, change, message):

@@ -18,6 +18,7 @@ from functional_pp.checkpoint import hf
 from functional_pp.core import tree
 from functional_pp.models import llama
 from functional_pp.models.diffusion_lm import DiffusionSpec, diffusion_loss
+from functional_pp.parallel import sharding
 from functional_pp.ops.keep_mask import uniform
 
 transformers = pytest.importorskip("transformers")
@@ -214,3 +215,34 @@ def test_accumulated_micro_batches_weigh_equally_by_rows(weighting):
     assert counts[0] != counts[1]
     want = (a + b) / 2 if weighting == "rows" else (counts[0] * a + counts[1] * b) / sum(counts)
     assert abs(loss - want) < 1e-10 * abs(want) and abs((a + b) / 2 - (counts[0] * a + counts[1] * b) / sum(counts)) > 1e-4
+
+
+def test_latent_attention_bidirectional_equals_transformers(tmp_path):
+    """DeepSeek-V3's latent attention takes the same option: logits equal transformers' with the
+    block-diagonal 4D mask (sdpa)."""
+    torch.manual_seed(0)
+    conf = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        rms_norm_eps=1e-5, max_position_embeddings=32, intermediate_size=48, moe_intermediate_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    model = transformers.DeepseekV3ForCausalLM(conf)
+    with torch.no_grad():
+        for n, w in model.named_parameters():
+            w.copy_(1 + 0.1 * torch.randn_like(w) if "norm" in n else 0.2 * torch.randn_like(w))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float64,
+                                                                attn_implementation="sdpa",
+                                                                experts_implementation="eager").eval()
+    cfg, params = hf.load_hf_llama(tmp_path, dtype=torch.float64)
+    rows = _rows()
+    seg = rows["segments"] + 1
+    with torch.no_grad():
+        want = model(input_ids=rows["ids"], attention_mask=(seg[:, :, None] == seg[:, None, :]).unsqueeze(1)).logits
+        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+        got = llama.forward(named, fpp.wrap(rows["ids"], "batch seq"), dataclasses.replace(cfg, causal=False),
+                            segments=fpp.wrap(rows["segments"], "batch seq")).value()
+        causal = llama.forward(named, fpp.wrap(rows["ids"], "batch seq"), cfg,
+                               segments=fpp.wrap(rows["segments"], "batch seq")).value()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (causal - want).abs().max() > 1e-2
