@@ -142,17 +142,17 @@ def noisy_batch(tokens: Named, labels: Named, spec: DiffusionSpec, special_ids: 
     # (shifted along a name no rule splits: under context parallelism the labels are gathered, the
     # rename back takes this device's positions)
     whole = ops.rename(labels, seq=_WHOLE)
-    before = ops.rename(ops.concat([ops.slice_dim(whole, _WHOLE, 0, 1).map(lambda t: torch.full_like(t, ops.IGNORE_INDEX)),
-                                    ops.slice_dim(whole, _WHOLE, 0, S - 1)], _WHOLE), {_WHOLE: "seq"})
-    masked = broadcast(lambda prev, t, r, i, q: (prev != ops.IGNORE_INDEX) & ~special(t)
-                           & (draw(_TOKENS, r, i) < q), [before, tokens, rows, pos, p], "diffusion mask")
+    none = ops.slice_dim(whole, _WHOLE, 0, 1).map(lambda t: torch.full_like(t, ops.IGNORE_INDEX))
+    before = ops.rename(ops.concat([none, ops.slice_dim(whole, _WHOLE, 0, S - 1)], _WHOLE), {_WHOLE: "seq"})
+    masked = broadcast(lambda prev, t, r, i, q: (prev != ops.IGNORE_INDEX) & ~special(t) & (draw(_TOKENS, r, i) < q),
+                       [before, tokens, rows, pos, p], "diffusion mask")
     noisy = ops.where(masked, spec.mask_token_id, tokens)
     # position j predicts token j + 1: masked when maskable (its label trained, not special) and drawn
     target = broadcast(lambda lab, r, i, q: torch.where(
         (lab != ops.IGNORE_INDEX) & ~special(lab) & (draw(_TOKENS, r, i + 1) < q) & (i + 1 < S), lab,
         ops.IGNORE_INDEX), [labels, rows, pos, p], "diffusion targets")
     answers = ops.sum(broadcast(lambda lab, i: ((lab != ops.IGNORE_INDEX) & (i + 1 < S)).to(torch.float64),
-                                    [labels, pos], "diffusion answers"), "seq")
+                                [labels, pos], "diffusion answers"), "seq")
     return noisy, target, p, answers
 
 

@@ -101,7 +101,8 @@ def _axolotl_loss(model, rows: dict, spec: DiffusionSpec, forward: int = 0) -> t
 @pytest.mark.parametrize("weighting", [True, False])
 def test_loss_and_gradients_equal_axolotls_formula_on_transformers(tmp_path, weighting):
     d = _hf_dir(tmp_path)
-    model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="sdpa")   # (Axolotl: sdpa; eager adds a bool mask)
+    # (sdpa, as Axolotl's config: transformers' eager attention adds a boolean 4D mask to the scores)
+    model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="sdpa")
     cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
     spec = dataclasses.replace(SPEC, importance_weighting=weighting)
     rows = _rows()
@@ -164,7 +165,8 @@ def test_real_processes_equal_one_device():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(min_mask_ratio=0.8, max_mask_ratio=0.2), r"diffusion.min_mask_ratio \(0.8\) must be <= max_mask_ratio \(0.2\)"),
+    (dict(min_mask_ratio=0.8, max_mask_ratio=0.2),
+     r"diffusion.min_mask_ratio \(0.8\) must be <= max_mask_ratio \(0.2\)"),
     (dict(eps=1.5), r"diffusion.eps must be a number in \[0.0, 1.0\], got 1.5"),
     (dict(noise_schedule="sqrt"), r"diffusion.noise_schedule 'sqrt' is not one of linear, cosine"),
     (dict(mask_token_id=-1), r"diffusion.mask_token_id must be a token id"),
@@ -214,7 +216,8 @@ def test_accumulated_micro_batches_weigh_equally_by_rows(weighting):
     counts = [int((batch["labels"][i:i + 2] != -100).sum()) for i in (0, 2)]     # (what "labels" counts)
     assert counts[0] != counts[1]
     want = (a + b) / 2 if weighting == "rows" else (counts[0] * a + counts[1] * b) / sum(counts)
-    assert abs(loss - want) < 1e-10 * abs(want) and abs((a + b) / 2 - (counts[0] * a + counts[1] * b) / sum(counts)) > 1e-4
+    assert abs(loss - want) < 1e-10 * abs(want)
+    assert abs((a + b) / 2 - (counts[0] * a + counts[1] * b) / sum(counts)) > 1e-4       # (the weightings differ)
 
 
 def test_latent_attention_bidirectional_equals_transformers(tmp_path):
