@@ -381,6 +381,10 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["max_packed_sequence_len"] = 256     # (Axolotl's old name of the packed length: a size)
     if isinstance(cfg.get("lisa_n_layers"), int):   # LISA's layers at a time and steps between draws: sizes
         cfg.update(lisa_n_layers=1, lisa_step_interval=1)    # (the tiny models have 2 layers, the run 2 steps)
+    if isinstance(cfg.get("diffusion"), dict) and isinstance(cfg["diffusion"].get("mask_token_id"), int):
+        # a token id of the real model's vocabulary (Llama 3's reserved special token 0): the tiny
+        # model's last id instead, as base_model is the tiny model
+        cfg["diffusion"] = {**cfg["diffusion"], "mask_token_id": _TINY["vocab_size"] - 1}
     if cfg.get("use_otel_metrics"):
         cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):

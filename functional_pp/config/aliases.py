@@ -138,7 +138,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
-    "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
 }
 
@@ -247,6 +246,9 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
                     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
                     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
+
+#: Axolotl's diffusion plugin: it switches on the ``diffusion:`` objective (models/diffusion_lm.py)
+DIFFUSION_PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -401,6 +403,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         unused.append("tokenizer_use_mistral_common unset: true for a Magistral model, as Axolotl infers it "
                       "(set it false to read tokenizer.json)")
     launcher: list[str] = []
+    diffusion_plugin = False
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
         prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)
@@ -476,11 +479,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 unused.append(f"attn_implementation: {value} ({_SAME_ATTENTION})")
         elif key == "plugins":
             for name in value if isinstance(value, list) else [value]:
-                if name in ACCEPTED_PLUGINS:
+                if name == DIFFUSION_PLUGIN:            # its options: the diffusion key (its defaults when absent)
+                    diffusion_plugin = True
+                elif name in ACCEPTED_PLUGINS:
                     unused.append(f"plugin {name} ({ACCEPTED_PLUGINS[name]})")
                 else:
                     issues.add(f"plugins: {name!r} is not supported (accepted: "
-                               f"{', '.join(ACCEPTED_PLUGINS)}): remove it")
+                               f"{', '.join([*ACCEPTED_PLUGINS, DIFFUSION_PLUGIN])}): remove it")
         elif key == "tokenizer_type":
             if isinstance(value, str) and value.endswith(("Tokenizer", "TokenizerFast")):
                 unused.append(f"tokenizer_type: {value} (the tokenizer.json is read by the tokenizers "
@@ -519,6 +524,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             aliased.append((key, canonical, translate(value)))
         else:
             out[key] = value
+    if diffusion_plugin and out.get("diffusion") is None:
+        out["diffusion"] = {}
     fsdp, fsdp_notes = fsdp_settings(d, issues)
     unused += fsdp_notes
     for why, keys in refused.items():             # one problem per feature, not per key

@@ -81,6 +81,53 @@ def check_model_quantization(cfg: Any, add) -> None:
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
 
 
+def check_diffusion(cfg: Any, add) -> None:
+    """``diffusion:`` (Axolotl's DiffusionPlugin): a mapping of its options, each in range; what the
+    objective cannot run with refused by name. Its keys that do not change training are noted."""
+    d = cfg.diffusion
+    if d is None:
+        return
+    if not isinstance(d, dict):
+        add(f"diffusion must be a mapping (mask_token_id, eps, importance_weighting, ...), got {d!r}")
+        return
+    import dataclasses
+    from functional_pp.models.diffusion_lm import SAMPLING_KEYS, DiffusionSpec
+    options = [f.name for f in dataclasses.fields(DiffusionSpec)]
+    unknown = sorted(set(d) - set(options))
+    if unknown:
+        add(f"diffusion.{unknown[0]} is not an option of diffusion (options: {', '.join(options)}): remove it")
+        return
+    try:
+        spec = DiffusionSpec.from_mapping(d)
+    except ValueError as exc:
+        add(str(exc))
+        return
+    if spec.mask_token_id is None:
+        add("diffusion.mask_token_id is not set: give the id of a token of the vocabulary to mask with (adding a "
+            "token, mask_token_str, is not supported)")
+    elif spec.mask_token_str is not None and "diffusion.mask_token_str" not in " ".join(cfg.notes):
+        cfg.notes.append("diffusion.mask_token_str (mask_token_id is given: the id is used, as in Axolotl)")
+    for key, on in (("rl", cfg.rl), ("reward_model", cfg.reward_model),
+                    ("process_reward_model", cfg.process_reward_model)):
+        if on:
+            add(f"diffusion with {key}: {on} is not supported (the diffusion objective replaces the causal "
+                f"language-model loss): remove one of them")
+    if (cfg.pp_size or 1) > 1:
+        add("diffusion with pp_size > 1 is not supported yet (its masks are drawn per forward, which a "
+            "pipeline's stages count apart): use FSDP, TP or CP (pp_size 1)")
+    if cfg.compile:
+        add("diffusion with torch_compile is not supported (its mask seed advances on the host every forward): "
+            "set torch_compile: false")
+    if cfg.qat:
+        add("diffusion with qat is not supported: remove one of them")
+    sampling = [k for k in SAMPLING_KEYS if k in d]
+    note = (f"diffusion: {', '.join(sampling) + ' (' if sampling else ''}no samples are generated during "
+                     f"training{')' if sampling else ''}; noise_schedule, min_mask_ratio and max_mask_ratio do not "
+                     f"change the masking (p = (1 - eps) t + eps, t uniform: as Axolotl's trainer)")
+    if note not in cfg.notes:
+        cfg.notes.append(note)
+
+
 def check_qat(cfg: Any, add) -> None:
     """``qat:`` (Axolotl's QATConfig): the schemes built here (int4 weights with int8 per-token
     inputs, or NVFP4 weights and inputs in blocks of 16; Axolotl's default weight_dtype int8 alone
@@ -554,6 +601,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     if cfg.datasets and cfg.data.path is not None:
         add("give either datasets (a list) or data.path, not both")
     check_qat(cfg, add)
+    check_diffusion(cfg, add)
     if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
         for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
             if getattr(cfg, k):

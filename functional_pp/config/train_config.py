@@ -253,6 +253,11 @@ class TrainConfig:
                                  "fake-quantized in the forward, rounding straight through; or weight_dtype "
                                  "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
                                  "unquantized")
+    diffusion: dict | None = fld(None, "masked-diffusion language-model training (Axolotl's DiffusionPlugin, LLaDA): "
+                                       "{mask_token_id: ID, eps: 1e-3, importance_weighting: true, ...}; each "
+                                       "row's answer tokens masked with probability (1 - eps) t + eps, t uniform, "
+                                       "bidirectional attention inside each document, the loss on the masked "
+                                       "tokens (docs/finetune.md \"Diffusion language models\")")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
@@ -399,6 +404,13 @@ class TrainConfig:
         if not isinstance(conf, dict):
             return None
         return {"bits": conf.get("loftq_bits", 4), "iters": conf.get("loftq_iter", 1)}
+
+    def diffusion_spec(self):
+        """The run's :class:`functional_pp.models.diffusion_lm.DiffusionSpec` (``diffusion:``), else None."""
+        if self.diffusion is None:
+            return None
+        from functional_pp.models.diffusion_lm import DiffusionSpec
+        return DiffusionSpec.from_mapping(self.diffusion)
 
     def qat_config(self):
         """The run's :class:`functional_pp.ops.fake_quant.QatConfig` (``qat:``), else None."""

@@ -129,6 +129,9 @@ class Config:
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
     embedding_dropout: float = 0.0
+    # False: attention sees every position of its document, before and after (bidirectional: the
+    # masked-diffusion objective, models/diffusion_lm.py); True: causal
+    causal: bool = True
     # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
     # positions (conv_L_cache; models/short_conv.py), not attention; also Mamba2's conv1d width (d_conv)
     conv_kernel: int = 3
@@ -481,6 +484,20 @@ class Config:
             raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
                              "to null")
+        if not self.causal:
+            self._check_bidirectional()
+
+    def _check_bidirectional(self) -> None:
+        """Refuse what bidirectional attention (``causal=False``) cannot run: layers that mix tokens
+        by a state carried forward (causal by construction), sliding windows and chunks (whose
+        non-causal mask no oracle defines)."""
+        why = recurrent_layers(self)
+        local = [i for i in range(self.layers) if self.window(i) is not None or self.chunk(i) is not None]
+        if local:
+            why.append(f"sliding-window or chunked attention (layers {local})")
+        if why:
+            raise ValueError(f"bidirectional attention (causal=False, the diffusion objective) is not supported with "
+                             f"{'; '.join(why)}; train this model with the causal objective")
 
     def _check_blocks(self) -> None:
         """Refuse (naming the field) ``layer_blocks`` / Mamba2 settings this decoder cannot run."""
@@ -994,7 +1011,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     q = _prepared(a, "q", q, pos, cfg, window)            # a compiler fuses q's and k's rotary as one)
     k, v = _prepared_kv(a, own, pos, cfg, window) if kv is None else kv
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    causal, cache, kv_segments = True, kv_cache.active(), None
+    causal, cache, kv_segments = cfg.causal, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
