@@ -490,8 +490,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
             if key == "model_type" and isinstance(value, str) and re.fullmatch(
-                    r"[A-Z]\w*For(CausalLM|SequenceClassification|TokenClassification)", value):
-                # a transformers causal-LM class: the architecture is config.json's; a classifier's
+                    r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
+                    value):
+                # a transformers causal-LM class: the architecture is config.json's (a multimodal
+                # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
                 # head is reward_model's / process_reward_model's (checked with them: checks.py)
                 out["model_type"] = value
                 continue

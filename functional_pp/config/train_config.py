@@ -189,8 +189,9 @@ class TrainConfig:
                                        "labels' classes (default 2)")
     center_rewards_coefficient: float | None = fld(None, "reward_model: TRL's weight of mean((r_chosen + "
                                                          "r_rejected)^2) added to the loss (default none)")
-    model_type: str | None = fld(None, "Axolotl's model class: any *ForCausalLM (the architecture is "
-                                       "base_model's config.json), AutoModelForSequenceClassification "
+    model_type: str | None = fld(None, "Axolotl's model class: any *ForCausalLM or *ForConditionalGeneration "
+                                       "(the architecture is base_model's config.json; a multimodal one's text "
+                                       "decoder is trained), AutoModelForSequenceClassification "
                                        "(reward_model), AutoModelForTokenClassification (process_reward_model)")
     trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "
                                  "reward_weights, num_generations, max_completion_length, temperature, top_p, "
