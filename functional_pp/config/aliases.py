@@ -119,12 +119,6 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},
-    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 (each expert's gate / up / down as its own "
-                                  "nn.Linear, so that peft and bitsandbytes reach them) is the same math as the "
-                                  "stacked experts here, whose LoRA is already one adapter per expert "
-                                  "(lora_target_modules: [gate, up, down], docs/adapters.md); its checkpoints' "
-                                  "per-expert names (feed_forward.experts.gate_projs.N) are not read: train from "
-                                  "the original Llama 4 checkpoint and remove the key"),
     "ebft": _RL,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),

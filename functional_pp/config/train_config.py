@@ -210,6 +210,12 @@ class TrainConfig:
                                             "stacked weights too, each stack as bitsandbytes quantizes "
                                             "the stacked [experts, out, in] tensor (Axolotl's; "
                                             "docs/quantization.md)")
+    llama4_linearized_experts: bool = fld(False, "Axolotl's linearized Llama 4 checkpoints (each expert's gate / "
+                                                 "up / down its own nn.Linear: feed_forward.experts.gate_projs.N): "
+                                                 "read into the stacked experts (the same math), written back "
+                                                 "under those names; with load_in_4bit / load_in_8bit the experts "
+                                                 "are quantized too, as bitsandbytes reaches each expert's linear "
+                                                 "(docs/models.md)")
     bnb_config_kwargs: dict | None = fld(None, "bitsandbytes' options as Axolotl passes them: "
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
@@ -416,7 +422,7 @@ class TrainConfig:
         "double_quant": bool, "experts": bool}`` (``adapter: qlora`` or ``load_in_4bit``;
         ``load_in_8bit``; ``experts``: ``quantize_moe_experts``), else None."""
         kw = dict(self.bnb_config_kwargs or {})
-        experts = bool(self.quantize_moe_experts)
+        experts = bool(self.quantize_moe_experts or self.llama4_linearized_experts)
         if self.load_in_8bit:
             return {"kind": "int8", "double_quant": False, "experts": experts}
         if self.adapter == "qlora" or self.load_in_4bit:

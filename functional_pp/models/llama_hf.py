@@ -1141,6 +1141,9 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if cfg.experts_linearized and mt != "llama4_text":
+        raise UnsupportedHFConfig(f"{where}: experts_linearized=True (Axolotl's linearized Llama 4 experts) has no "
+                                  f"{ARCHITECTURES[mt]} equivalent; export as 'llama4_text'")
     if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
         raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
                                   f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")

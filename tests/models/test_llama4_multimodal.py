@@ -3,6 +3,7 @@ model_type ``llama4``) read as its ``llama4_text`` decoder (``text_config``; the
 ``language_model.``, the vision model and projector left aside) with logits, fp64 loss and every
 gradient equal to transformers' whole model's, and exported as ``Llama4ForCausalLM`` (the way the
 Gemma 3 / Mistral 3 wrappers are)."""
+import dataclasses
 import json
 
 import pytest
@@ -99,3 +100,125 @@ def test_export_writes_the_text_decoder(wrapped, tmp_path):
     assert (cfg2.model_type, cfg2.text_of) == ("llama4_text", None)
     for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(again)):
         assert torch.equal(a, b), p
+
+
+# ------------------------------------------------------------------ Axolotl's linearized experts
+def _linearized(sd: dict) -> dict:
+    """The state dict ``sd`` with each layer's stacked experts as Axolotl's linearized Llama 4
+    holds them (its ``Llama4TextExperts``: one ``nn.Linear`` [out, in] per expert's gate / up / down)."""
+    out = {}
+    for k, t in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            pre, f = k.removesuffix(".gate_up_proj"), t.shape[-1] // 2
+            for j in range(t.shape[0]):
+                out[f"{pre}.gate_projs.{j}.weight"] = t[j, :, :f].T.contiguous()
+                out[f"{pre}.up_projs.{j}.weight"] = t[j, :, f:].T.contiguous()
+        elif k.endswith("experts.down_proj"):
+            for j in range(t.shape[0]):
+                out[f"{k.removesuffix('.down_proj')}.down_projs.{j}.weight"] = t[j].T.contiguous()
+        else:
+            out[k] = t
+    return out
+
+
+def _save(sd: dict, config: dict, d):
+    from safetensors.torch import save_file
+    d.mkdir()
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.fixture(scope="module")
+def linearized(wrapped, tmp_path_factory):
+    from safetensors.torch import load_file
+    _, d = wrapped
+    sd = _linearized(load_file(str(d / "model.safetensors")))
+    return sd, _save(sd, json.loads((d / "config.json").read_text()), tmp_path_factory.mktemp("lin") / "m")
+
+
+def test_linearized_experts_read_stacked_and_written_back(wrapped, linearized, tmp_path):
+    """Read into our stacked experts (logits equal transformers' model of the stacked file);
+    export writes each expert's linear back under its linearized name, bit for bit."""
+    from safetensors.torch import load_file
+    model, d = wrapped
+    sd, lin = linearized
+    assert any(".experts.gate_projs.3.weight" in k for k in sd) and not any("gate_up_proj" in k for k in sd)
+    cfg, params = hf.load_hf_llama(lin)
+    assert (cfg.experts_linearized, cfg.text_of) == (True, "llama4")
+    _, want = hf.load_hf_llama(d)
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(want)):
+        assert torch.equal(a, b), p
+    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
+    back = load_file(str(out / "model.safetensors"))
+    text = {k.removeprefix("language_model."): t for k, t in sd.items() if k.startswith("language_model.")}
+    assert back.keys() == text.keys()
+    for k, t in back.items():
+        assert torch.equal(t, text[k]), k
+    stacked = hf.save_hf_llama(params, dataclasses.replace(cfg, experts_linearized=False), tmp_path / "stacked")
+    assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(str(stacked / "model.safetensors"))
+
+
+def _bnb_nf4(sd: dict, double_quant: bool) -> dict:
+    """``sd`` with its linear weights (not the router, norms, embedding or head) as bitsandbytes
+    serializes a 4-bit ``Params4bit``: the packed codes and ``quant_state.as_dict(packed=True)``."""
+    import bitsandbytes.functional as F
+    out = {}
+    for k, t in sd.items():
+        if t.ndim == 2 and k.endswith("_proj.weight") or "_projs." in k:
+            packed, qs = F.quantize_4bit(t.to(torch.bfloat16), blocksize=64, quant_type="nf4",
+                                         compress_statistics=double_quant)
+            out[k] = packed
+            out.update({f"{k}.{c}": v for c, v in qs.as_dict(packed=True).items()})
+        else:
+            out[k] = t.to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_prequantized_nf4_checkpoint_reads_as_bitsandbytes_dequantizes(wrapped, linearized, double_quant, tmp_path):
+    """Axolotl's ``...-Linearized-bnb-nf4-bf16`` checkpoints: every linear (each expert's too)
+    serialized 4-bit by bitsandbytes; read by dequantizing, bit for bit bitsandbytes' own
+    ``dequantize_4bit`` of each weight."""
+    import bitsandbytes.functional as F
+    sd, _ = linearized
+    q = _bnb_nf4(sd, double_quant)
+    conf = json.loads((wrapped[1] / "config.json").read_text())
+    conf["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                       bnb_4bit_use_double_quant=double_quant)
+    d = _save(q, conf, tmp_path / "q")
+    cfg, params = hf.load_hf_llama(d)
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    want, native = {}, 0
+    for k in sd:
+        if f"{k}.quant_state.bitsandbytes__nf4" not in q:
+            want[k] = q[k]
+            continue
+        s = F.QuantState.from_dict({c[len(k) + 1:]: v for c, v in q.items() if c.startswith(k + ".")}, "cpu")
+        absmax = F.dequantize_blockwise(s.absmax, s.state2) + s.offset if s.nested else s.absmax
+        # bitsandbytes' reference dequantization (its CUDA kernel's flat blocks); its native CPU kernel
+        # equals it where each row holds whole blocks (it blocks row by row: the dense down_proj's 96)
+        want[k] = _dequantize_4bit_compute(q[k].reshape(-1), absmax, s.code, s.blocksize, s.shape, s.dtype)
+        if s.shape[-1] % s.blocksize == 0:
+            assert torch.equal(F.dequantize_4bit(q[k], s), want[k]), k
+            native += 1
+    assert native == 20     # (not the down projections of fewer than 64 inputs: the shared and routed experts', the dense 96)
+    deq = _save(want, json.loads((wrapped[1] / "config.json").read_text()), tmp_path / "deq")
+    _, same = hf.load_hf_llama(deq)
+    assert (want["language_model.model.layers.0.self_attn.q_proj.weight"].float()
+            - sd["language_model.model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-3    # (it acts)
+    for (p, a), (_, b) in zip(tree.leaves_with_paths(params), tree.leaves_with_paths(same)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), p
+
+
+def test_broken_quantized_or_linearized_files_are_refused(linearized, tmp_path):
+    from functional_pp import checkpoint as ck
+    sd, lin = linearized
+    conf = json.loads((lin / "config.json").read_text())
+    gone = {k: t for k, t in sd.items() if not k.endswith("experts.up_projs.2.weight")}
+    with pytest.raises(ck.CheckpointCorruptError, match=r"linearized experts of .*layers.1.feed_forward.experts are not"):
+        hf.load_hf_llama(_save(gone, conf, tmp_path / "gone"))
+    q = _bnb_nf4(sd, False)
+    q.pop("language_model.model.layers.0.self_attn.q_proj.weight.absmax")
+    with pytest.raises(ck.CheckpointCorruptError, match=r"q_proj.weight.quant_state.bitsandbytes__nf4 without"):
+        hf.load_hf_llama(_save(q, conf, tmp_path / "q"))
