@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
-from harness import fp64_beside_hf, our_logits, tokens
+from harness import bnb_nf4_serialized, fp64_beside_hf, linearized_llama4, our_logits, tokens
 
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
+from functional_pp.core.layout import Rules
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,10 +27,10 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_att
 EAGER = dict(attn_implementation="eager")
 
 
-def build_wrapped() -> "transformers.Llama4ForConditionalGeneration":
+def build_wrapped(**text) -> "transformers.Llama4ForConditionalGeneration":
     """A tiny random multimodal Llama 4 (a one-layer vision model beside a dense and an MoE layer)."""
     torch.manual_seed(0)
-    conf = transformers.Llama4Config(text_config=TEXT, vision_config=VISION, image_token_index=300,
+    conf = transformers.Llama4Config(text_config=dict(TEXT, **text), vision_config=VISION, image_token_index=300,
                                      boi_token_index=301, eoi_token_index=302)       # (past the vocabulary)
     model = transformers.Llama4ForConditionalGeneration(conf).float().eval()
     with torch.no_grad():              # O(1) logits, routers far from uniform
@@ -103,24 +104,6 @@ def test_export_writes_the_text_decoder(wrapped, tmp_path):
 
 
 # ------------------------------------------------------------------ Axolotl's linearized experts
-def _linearized(sd: dict) -> dict:
-    """The state dict ``sd`` with each layer's stacked experts as Axolotl's linearized Llama 4
-    holds them (its ``Llama4TextExperts``: one ``nn.Linear`` [out, in] per expert's gate / up / down)."""
-    out = {}
-    for k, t in sd.items():
-        if k.endswith("experts.gate_up_proj"):
-            pre, f = k.removesuffix(".gate_up_proj"), t.shape[-1] // 2
-            for j in range(t.shape[0]):
-                out[f"{pre}.gate_projs.{j}.weight"] = t[j, :, :f].T.contiguous()
-                out[f"{pre}.up_projs.{j}.weight"] = t[j, :, f:].T.contiguous()
-        elif k.endswith("experts.down_proj"):
-            for j in range(t.shape[0]):
-                out[f"{k.removesuffix('.down_proj')}.down_projs.{j}.weight"] = t[j].T.contiguous()
-        else:
-            out[k] = t
-    return out
-
-
 def _save(sd: dict, config: dict, d):
     from safetensors.torch import save_file
     d.mkdir()
@@ -133,7 +116,7 @@ def _save(sd: dict, config: dict, d):
 def linearized(wrapped, tmp_path_factory):
     from safetensors.torch import load_file
     _, d = wrapped
-    sd = _linearized(load_file(str(d / "model.safetensors")))
+    sd = linearized_llama4(load_file(str(d / "model.safetensors")))
     return sd, _save(sd, json.loads((d / "config.json").read_text()), tmp_path_factory.mktemp("lin") / "m")
 
 
@@ -159,22 +142,6 @@ def test_linearized_experts_read_stacked_and_written_back(wrapped, linearized, t
     assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(str(stacked / "model.safetensors"))
 
 
-def _bnb_nf4(sd: dict, double_quant: bool) -> dict:
-    """``sd`` with its linear weights (not the router, norms, embedding or head) as bitsandbytes
-    serializes a 4-bit ``Params4bit``: the packed codes and ``quant_state.as_dict(packed=True)``."""
-    import bitsandbytes.functional as F
-    out = {}
-    for k, t in sd.items():
-        if t.ndim == 2 and k.endswith("_proj.weight") or "_projs." in k:
-            packed, qs = F.quantize_4bit(t.to(torch.bfloat16), blocksize=64, quant_type="nf4",
-                                         compress_statistics=double_quant)
-            out[k] = packed
-            out.update({f"{k}.{c}": v for c, v in qs.as_dict(packed=True).items()})
-        else:
-            out[k] = t.to(torch.bfloat16)
-    return out
-
-
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_prequantized_nf4_checkpoint_reads_as_bitsandbytes_dequantizes(wrapped, linearized, double_quant, tmp_path):
     """Axolotl's ``...-Linearized-bnb-nf4-bf16`` checkpoints: every linear (each expert's too)
@@ -182,7 +149,7 @@ def test_prequantized_nf4_checkpoint_reads_as_bitsandbytes_dequantizes(wrapped, 
     ``dequantize_4bit`` of each weight."""
     import bitsandbytes.functional as F
     sd, _ = linearized
-    q = _bnb_nf4(sd, double_quant)
+    q = bnb_nf4_serialized(sd, double_quant)
     conf = json.loads((wrapped[1] / "config.json").read_text())
     conf["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                        bnb_4bit_use_double_quant=double_quant)
@@ -218,7 +185,92 @@ def test_broken_quantized_or_linearized_files_are_refused(linearized, tmp_path):
     gone = {k: t for k, t in sd.items() if not k.endswith("experts.up_projs.2.weight")}
     with pytest.raises(ck.CheckpointCorruptError, match=r"linearized experts of .*layers.1.feed_forward.experts are not"):
         hf.load_hf_llama(_save(gone, conf, tmp_path / "gone"))
-    q = _bnb_nf4(sd, False)
+    q = bnb_nf4_serialized(sd, False)
     q.pop("language_model.model.layers.0.self_attn.q_proj.weight.absmax")
     with pytest.raises(ck.CheckpointCorruptError, match=r"q_proj.weight.quant_state.bitsandbytes__nf4 without"):
         hf.load_hf_llama(_save(q, conf, tmp_path / "q"))
+
+
+# ------------------------------------------------------------------ Axolotl's configs: LoRA targets, QLoRA runs
+TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "shared_expert.gate_proj",
+           "shared_expert.up_proj", "shared_expert.down_proj")
+
+
+def test_axolotl_lora_targets_equal_peft(wrapped, tmp_path):
+    """The targets of Axolotl's Llama 4 configs (attention, the shared expert's projections): our
+    loss and every adapter gradient of one step equal peft's on transformers' Llama 4."""
+    from harness import assert_lora_step_equals_peft
+    cfg, params = hf.load_hf_llama(wrapped[1])
+    text = hf.save_hf_llama(params, cfg, tmp_path / "text")
+    model = transformers.Llama4ForCausalLM.from_pretrained(text, dtype=torch.float32, **EAGER)
+    assert_lora_step_equals_peft(model, text, TARGETS, count=2 * (4 + 4 + 3))    # (the dense layer has no shared_expert)
+
+
+def test_qlora_run_on_linearized_nf4_checkpoint_exports_linearized(tmp_path):
+    """``llama4_linearized_experts: true`` with QLoRA on a pre-quantized linearized checkpoint, FSDP 2 x
+    EP 2 on 4 simulated devices: the experts are quantized too (bitsandbytes reaches each expert's
+    linear), and the merged export (learning rate 1e-12: the base itself) writes the linearized names
+    with the checkpoint's values (within the NF4 re-quantization of its bf16 dequantized weights)."""
+    from safetensors.torch import load_file
+
+    from functional_pp import cli
+    model = build_wrapped(hidden_size=256)           # (4 blocks of 64 along hidden: FSDP x EP splits it 4 ways)
+    model.save_pretrained(tmp_path / "mm")
+    q = bnb_nf4_serialized(linearized_llama4(load_file(str(tmp_path / "mm" / "model.safetensors"))), double_quant=True)
+    base = _save(q, json.loads((tmp_path / "mm" / "config.json").read_text()), tmp_path / "base")
+    config = tmp_path / "qlora.yaml"
+    config.write_text(f"base_model: {base}\nmodel_type: Llama4ForConditionalGeneration\nllama4_linearized_experts: true\n"
+                      f"adapter: qlora\nload_in_4bit: true\nlora_target_modules: [{', '.join(TARGETS)}]\n"
+                      "lora_r: 4\nlora_alpha: 8\nexpert_parallel_size: 2\ndp_shard_size: 2\nsequence_len: 16\n"
+                      "micro_batch_size: 1\ngradient_accumulation_steps: 1\nmax_steps: 1\nsave_steps: 1\n"
+                      "learning_rate: 1.0e-12\nlr_scheduler: constant\nwarmup_steps: 0\n"
+                      "data: {path: null, max_bytes: 4000}\nlogging: {log_every: 1, plot: false}\n")
+    out = tmp_path / "run"
+    assert cli.main(["train", str(config), "--simulate", "4", "--output", str(out)]) == 0
+    index = json.loads((out / "checkpoints" / "step-000001" / "index.json").read_text())
+    assert "params.layers.1.mlp.down.codes" in index["tensors"]           # (the experts quantized)
+    assert cli.main(["export", str(out), str(tmp_path / "merged"), "--merge-adapter"]) == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    cfg, want = hf.load_hf_llama(base)         # (the bnb-dequantized base, stacked)
+    again = hf.save_hf_llama(want, cfg, tmp_path / "want")
+    want = load_file(str(again / "model.safetensors"))
+    assert merged.keys() == want.keys() and "model.layers.1.feed_forward.experts.down_projs.3.weight" in merged
+    for k, t in merged.items():
+        torch.testing.assert_close(t.float(), want[k].float(), rtol=0, atol=2e-2 * want[k].float().abs().max().item(),
+                                   msg=lambda m: f"{k}: {m}")
+
+
+SHARD_RULES = Rules(experts="dp_shard", mlp="tp", heads="tp", kv_heads="tp", vocab="tp")
+
+
+def _shards(path: str) -> dict:
+    """This device's parameters read from the checkpoint at ``path`` under :data:`SHARD_RULES`, with
+    their global regions."""
+    import functional_pp as fpp
+    from functional_pp.core.layout import block_slices
+    from functional_pp.models import llama
+    cfg = hf.config_from_hf(path)
+    with fpp.use_rules(SHARD_RULES):
+        local = hf.load_hf_params(path, cfg)
+    mesh, rank = fpp.current_mesh(), fpp.current_rank()
+    return {p: (x, block_slices(tuple(d.shape), SHARD_RULES.resolve(d.dims, tuple(d.shape), mesh, name=p), mesh, rank))
+            for (p, x), (_, d) in zip(tree.leaves_with_paths(local), tree.leaves_with_paths(llama.init(cfg)))}
+
+
+@pytest.mark.multiprocess
+def test_real_gloo_processes_read_their_shards_of_linearized_nf4_experts(linearized, wrapped, tmp_path):
+    """EP x TP on four gloo processes: each reads only its experts' rows and its columns of the
+    linearized, NF4-serialized experts (and its heads of the attention), equal to the whole tensor's block."""
+    import functools
+
+    import functional_pp as fpp
+    sd, _ = linearized
+    d = _save(bnb_nf4_serialized(sd, True), json.loads((wrapped[1] / "config.json").read_text()), tmp_path / "q")
+    _, whole = hf.load_hf_llama(d)
+    flat, split = dict(tree.leaves_with_paths(whole)), set()
+    for shards in fpp.launch(functools.partial(_shards, str(d)), fpp.Mesh(dp_shard=2, tp=2), processes=True,
+                             timeout=300):
+        for p, (x, region) in shards.items():
+            assert torch.equal(x, flat[p][region]), p
+            split.update([p] if x.shape != flat[p].shape else [])
+    assert {"layers.1.mlp.gate", "layers.1.mlp.up", "layers.1.mlp.down", "layers.0.self_attn.q_proj"} <= split
