@@ -428,3 +428,37 @@ def assert_hf_layout_equals_one_device(hf_dir, layout: str) -> None:
     torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
     for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+
+
+def linearized_llama4(sd: dict) -> dict:
+    """The state dict ``sd`` with each layer's stacked experts as Axolotl's linearized Llama 4
+    holds them (its ``Llama4TextExperts``: one ``nn.Linear`` [out, in] per expert's gate / up / down)."""
+    out = {}
+    for k, t in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            pre, f = k.removesuffix(".gate_up_proj"), t.shape[-1] // 2
+            for j in range(t.shape[0]):
+                out[f"{pre}.gate_projs.{j}.weight"] = t[j, :, :f].T.contiguous()
+                out[f"{pre}.up_projs.{j}.weight"] = t[j, :, f:].T.contiguous()
+        elif k.endswith("experts.down_proj"):
+            for j in range(t.shape[0]):
+                out[f"{k.removesuffix('.down_proj')}.down_projs.{j}.weight"] = t[j].T.contiguous()
+        else:
+            out[k] = t
+    return out
+
+
+def bnb_nf4_serialized(sd: dict, double_quant: bool = False) -> dict:
+    """``sd`` with its linear weights (not the router, norms, embedding or head) as bitsandbytes
+    serializes a 4-bit ``Params4bit``: the packed codes and ``quant_state.as_dict(packed=True)``."""
+    import bitsandbytes.functional as F
+    out = {}
+    for k, t in sd.items():
+        if t.ndim == 2 and k.endswith("_proj.weight") or "_projs." in k:
+            packed, qs = F.quantize_4bit(t.to(torch.bfloat16), blocksize=64, quant_type="nf4",
+                                         compress_statistics=double_quant)
+            out[k] = packed
+            out.update({f"{k}.{c}": v for c, v in qs.as_dict(packed=True).items()})
+        else:
+            out[k] = t.to(torch.bfloat16)
+    return out

@@ -119,12 +119,6 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},
-    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 (each expert's gate / up / down as its own "
-                                  "nn.Linear, so that peft and bitsandbytes reach them) is the same math as the "
-                                  "stacked experts here, whose LoRA is already one adapter per expert "
-                                  "(lora_target_modules: [gate, up, down], docs/adapters.md); its checkpoints' "
-                                  "per-expert names (feed_forward.experts.gate_projs.N) are not read: train from "
-                                  "the original Llama 4 checkpoint and remove the key"),
     "ebft": _RL,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
@@ -495,8 +489,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
             if key == "model_type" and isinstance(value, str) and re.fullmatch(
-                    r"[A-Z]\w*For(CausalLM|SequenceClassification|TokenClassification)", value):
-                # a transformers causal-LM class: the architecture is config.json's; a classifier's
+                    r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
+                    value):
+                # a transformers causal-LM class: the architecture is config.json's (a multimodal
+                # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
                 # head is reward_model's / process_reward_model's (checked with them: checks.py)
                 out["model_type"] = value
                 continue

@@ -53,7 +53,31 @@ def model_config(cfg: Any) -> Any:
         where = f" with overrides_of_model_config {overrides}" if overrides else ""
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
     _refuse_dropout_where_unbuilt(cfg, model)
+    model = _with_linearized_experts(cfg, model)
     return _refuse_for_recurrent_layers(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+
+
+def _with_linearized_experts(cfg: Any, model: Any) -> Any:
+    """``model`` marked ``experts_linearized`` where base_model's files hold Axolotl's linearized
+    Llama 4 experts (export writes them back so); ``llama4_linearized_experts: true`` refused by
+    name for other files (Axolotl's patch would not find its per-expert linears there)."""
+    if getattr(model, "model_type", None) != "llama4_text":
+        if getattr(cfg, "llama4_linearized_experts", False):
+            raise ConfigError(f"llama4_linearized_experts: base_model {cfg.base_model!r} is "
+                              f"{getattr(model, 'model_type', None)!r}, not Llama 4 (llama4 / llama4_text): "
+                              f"remove the key")
+        return model
+    from functional_pp.checkpoint.format import CheckpointError
+    from functional_pp.checkpoint.hf import experts_linearized
+    try:
+        linear = experts_linearized(cfg.base_model)
+    except CheckpointError:             # (no weights: the loader names what is missing, before any work)
+        linear = None
+    if getattr(cfg, "llama4_linearized_experts", False) and linear is False:
+        raise ConfigError(f"llama4_linearized_experts: base_model {cfg.base_model!r} holds the stacked experts "
+                          f"(feed_forward.experts.gate_up_proj), not Axolotl's linearized ones "
+                          f"(feed_forward.experts.gate_projs.N): remove the key (they are read as they are)")
+    return dataclasses.replace(model, experts_linearized=True) if linear else model
 
 
 def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:

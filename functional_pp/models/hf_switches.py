@@ -717,7 +717,6 @@ REFUSED: dict[str, str] = {
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
-        ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

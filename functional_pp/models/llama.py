@@ -292,6 +292,10 @@ class Config:
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
+    # Llama 4's experts in the files one nn.Linear per expert (Axolotl's llama4_linearized_experts:
+    # feed_forward.experts.gate_projs.N / up_projs.N / down_projs.N): the same math, stacked here;
+    # export writes them under those names
+    experts_linearized: bool = False
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``

@@ -259,9 +259,10 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
     (f"model.layers.{{i}}.mlp.experts.gate_up_proj{t}",
      tuple(f"model.layers.{{i}}.mlp.experts.{x}_proj.{w}" for x in ("gate", "up"))) for t, w in (("", "weight"),
                                                                                               ("_bias", "bias")))
-FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
-                         ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
-                          "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
+FUSED["llama4_text"] = tuple(          # gate, then up, along the last dim (alone, or in its llama4 wrapper)
+    (f"{pre}.layers.{{i}}.feed_forward.experts.gate_up_proj", (f"{pre}.layers.{{i}}.feed_forward.experts.gate_proj.weight",
+                                                              f"{pre}.layers.{{i}}.feed_forward.experts.up_proj.weight"))
+    for pre in ("model", "language_model.model"))
 FUSED.update(gemma4_hf.FUSED)                # (26B-A4B: experts.gate_up_proj)
 FUSED["mistral4"] = deepseek_hf.MISTRAL4_FUSED      # (Mistral Small 4: experts.gate_up_proj)
 FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
@@ -377,10 +378,10 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
-_TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
+_TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED}
@@ -931,7 +932,7 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
     mt = hf.get("model_type", "llama")
-    if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3: their text decoder)
+    if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
         if not text or (not text.get("model_type") and MULTIMODAL[mt] is None):
@@ -1177,6 +1178,9 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if cfg.experts_linearized and mt != "llama4_text":
+        raise UnsupportedHFConfig(f"{where}: experts_linearized=True (Axolotl's linearized Llama 4 experts) has no "
+                                  f"{ARCHITECTURES[mt]} equivalent; export as 'llama4_text'")
     if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
         raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
                                   f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")
