@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import optree
 import torch
 
+from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.fsdp.regather import relayout
@@ -116,7 +117,8 @@ class _Spec:
             named.append(None if x is None else self.block(x, next(it)))
         shared_named = [make_named(t, p.dims, p.split, p.vary, p.partial) for p, t in zip(self.shared, shared)]
         state_in = optree.tree_unflatten(self.state_tree, state)
-        outs, state_out = self.step(named, shared_named, state_in)
+        with use_rules(env()[1].replace(**{self.seq: ()})):      # (what the step makes of seq: whole, as its block)
+            outs, state_out = self.step(named, shared_named, state_in)
         outs = [settle(o) for o in outs]
         self.meta["outs"] = [(o.dims, o.split, o.vary) for o in outs]
         self.meta["seq_at"] = [o.dims.index(self.seq) for o in outs]
