@@ -1,14 +1,15 @@
 """LFM2 (``model_type: lfm2``): short-convolution layers (models/short_conv.py) between attention
 layers with q/k norms, against a tiny random ``Lfm2ForCausalLM`` built by transformers: logits,
-fp64 loss and every gradient, export, LoRA = peft, FSDP x TP + SP = one device (simulated and gloo
-processes), and the refusals (CP, sampling with a cache, export as another class)."""
+fp64 loss and every gradient, export, LoRA = peft, FSDP x TP + SP and CP x TP (plain and packed rows)
+= one device (simulated; FSDP x TP + SP also on gloo processes), and the refusals (sampling with a
+cache, export as another class)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device,
+from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
                      assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch, our_logits,
                      parallel, tokens)
 
@@ -114,11 +115,15 @@ def test_fsdp_tp_equals_one_device(saved, layout):
     assert_hf_layout_equals_one_device(saved[1], layout)
 
 
+def test_context_parallelism_equals_one_device(saved):
+    """The short convolutions under CP 2 x TP 2: each block's first positions read the last inputs of the
+    block before (a halo handed on, ops/sequence_chain.py); packed rows read none of another document."""
+    assert_cp_equals_one_device(saved[1])
+
+
 def test_refusals_name_the_conv_layers(saved):
     cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8)
-    with pytest.raises(DeviceError, match=r"short-convolution layers .* need the whole sequence .* split over \('cp',\): use cp_size 1"):
-        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
     from functional_pp.models import sampling
     import functools
     from functional_pp.parallel import sharding
