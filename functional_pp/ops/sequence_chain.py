@@ -130,6 +130,10 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
+def _same_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _zero_if_none(g, like: torch.Tensor):
     return g if g is not None or not like.is_floating_point() else torch.zeros_like(like)
 
@@ -147,7 +151,10 @@ class _Chain(torch.autograd.Function):
         outs: dict[int, list] = {}
         for j, (dev, k) in enumerate(spec.order):
             if dev == spec.rank:
-                with torch.enable_grad():
+                # the block's graph keeps its own tensors (no activation checkpointing or offloading hook):
+                # a hook unpacked in backward would recompute the layer, communication included, at a
+                # point of the chain that differs from device to device
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
                     blocks = [_leaf(spec.slot(x, t, k)) for x, t in zip(present, data)]
                     sh, st = [_leaf(t) for t in shared], [_leaf(t) for t in state]
                     o, new = spec.run(k, blocks, sh, st)

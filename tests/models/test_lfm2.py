@@ -138,6 +138,21 @@ def test_packed_documents_equal_transformers_on_each(saved):
                                            rtol=1e-5)
 
 
+def test_cp_training_with_whole_layer_remat_equals_one_device():
+    """Two AdamW steps under CP 2 with whole-layer activation checkpointing (the layer recomputed in
+    backward, the chain's sends with it, in the same order on every device) equal one device's."""
+    from harness import launch_steps
+    cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, max_seq=32, qk_norm=True,
+                       layer_types=("conv", "full_attention"), tie_embeddings=True, model_type="lfm2")
+    one = launch_steps(cfg, dtype=torch.float64)[0]
+    for losses, params, _ in launch_steps(cfg, mesh=fpp.Mesh(cp=2), rules=llama.default_rules(tp=False),
+                                          dtype=torch.float64, remat=True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m, p=p: f"{p}: {m}")
+
+
 def test_refusals_name_the_conv_layers(saved):
     cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8)
