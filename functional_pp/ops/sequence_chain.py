@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import optree
 import torch
 
+from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
 from functional_pp.parallel import collectives as C
@@ -48,6 +49,10 @@ def along_sequence(step: Step, inputs: Sequence[Named | None], state: Sequence, 
     axes = seq_axes(first, seq)
     if not axes:
         return tuple(step(inputs, list(shared), list(state))[0])
+    if is_tracing():
+        raise ValueError(f"{op}: a recurrence along a sequence split over {axes} (context parallelism) runs its "
+                         f"blocks device after device, which torch.compile does not trace yet; run the step "
+                         f"eagerly (compile off) or do not split {seq!r}")
     if len(axes) != 1:
         raise ValueError(f"{op}: the sequence {seq!r} is split over {axes}; a recurrence along it runs over one "
                          f"mesh axis (context parallelism: Rules(seq=balanced('cp'))); split {seq!r} over one axis")
@@ -143,6 +148,7 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: _Spec, *tensors):
+        ctx.grad = any(ctx.needs_input_grad)            # (no graph where nothing asks for gradients: eval)
         n_in = sum(x is not None for x in spec.inputs)
         n_sh = len(spec.shared)
         data, shared, state = list(tensors[:n_in]), list(tensors[n_in:n_in + n_sh]), list(tensors[n_in + n_sh:])
@@ -154,7 +160,8 @@ class _Chain(torch.autograd.Function):
                 # the block's graph keeps its own tensors (no activation checkpointing or offloading hook):
                 # a hook unpacked in backward would recompute the layer, communication included, at a
                 # point of the chain that differs from device to device
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
+                with torch.set_grad_enabled(ctx.grad), torch.autograd.graph.saved_tensors_hooks(_same_tensor,
+                                                                                                  _same_tensor):
                     blocks = [_leaf(spec.slot(x, t, k)) for x, t in zip(present, data)]
                     sh, st = [_leaf(t) for t in shared], [_leaf(t) for t in state]
                     o, new = spec.run(k, blocks, sh, st)

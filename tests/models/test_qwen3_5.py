@@ -225,7 +225,8 @@ def test_pipeline_stages_equal_one_device():
 
 def test_context_parallelism_validates_and_the_batched_simulator_names_the_layers(saved, tmp_path, capsys):
     """``cp_size: 2`` with a Qwen3.5 base model validates; the batched simulator (every device at once)
-    cannot run the chain of blocks and refuses before any work, naming the layers and the fix."""
+    and torch.compile cannot run the chain of blocks yet: refused before any work, naming the layers and
+    the fix."""
     import yaml
 
     from functional_pp import cli
@@ -238,6 +239,9 @@ def test_context_parallelism_validates_and_the_batched_simulator_names_the_layer
     err = capsys.readouterr().err
     assert "layers [0, 2] are linear_attention (Gated DeltaNet)" in err and "simulation: threaded" in err
     assert not (tmp_path / "out").exists()
+    path.write_text(yaml.safe_dump(dict(conf, cp_size=2, compile=True)))      # (nor does torch.compile trace it yet)
+    assert cli.main(["validate", str(path), "--simulate", "2"]) == 2
+    assert "is not traced by torch.compile yet; use compile: false, or cp_size 1" in capsys.readouterr().err
     from functional_pp.cli.plan import config_space          # (plan / layout: auto search no cp for it: serial)
     from functional_pp.config import TrainConfig
     long = dict(conf, sequence_len=4096, max_steps=1)
