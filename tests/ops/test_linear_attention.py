@@ -183,3 +183,21 @@ def test_sequence_split_over_cp_equals_one_device(order, packed):
                          "batch seq kv_heads head_dim", seg, fpp.Mesh(cp=2), fpp.Rules(seq=seq)):
         for name, a, b in zip(("x", "weight"), grads, (xc, w)):
             torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"conv grad {name}: {m}")
+
+
+def test_the_chain_sends_each_hop_the_state_once_each_way():
+    """docs/communication.md: under load-balanced cp=2 the chain has 2 hops (device 0 to 1, then 1 to 0):
+    each device sends the state (batch x heads x head_dim x v_head_dim) once forward and its gradient
+    once backward, and nothing else over cp."""
+    x = _cp_inputs()
+
+    def device():
+        with fpp.use_rules(fpp.Rules(seq=fpp.balanced("cp"))):
+            named = [fpp.named(t.detach().clone().requires_grad_(), d) for t, d in zip(x, QKVGB)]
+            with fpp.comm_report() as rep:
+                out = gated_delta_rule(*named, chunk=4, **DIMS)
+                out.data.sum().backward()
+            return [(e.kind, e.bytes_sent, e.backward) for e in rep.events if e.kind == "permute"]
+    state = B * H * DK * DV * 8
+    for events in fpp.launch(device, fpp.Mesh(cp=2)):
+        assert sorted(events) == [("permute", state, False), ("permute", state, True)]
