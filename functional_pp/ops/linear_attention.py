@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from functional_pp.ops.sequence_chain import along_sequence, seq_axes
+from functional_pp.ops.sequence_chain import along_sequence
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, pvary, require_named, settle, varying_after
 

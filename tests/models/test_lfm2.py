@@ -11,13 +11,12 @@ import pytest
 import torch
 from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
                      assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch, our_logits,
-                     parallel, tokens)
+                     tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
-from functional_pp.devices.launch import DeviceError
 from functional_pp.models import llama
 
 transformers = pytest.importorskip("transformers")
@@ -155,7 +154,6 @@ def test_cp_training_with_whole_layer_remat_equals_one_device():
 
 def test_refusals_name_the_conv_layers(saved):
     cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
-    batch = make_batch(cfg, batch=2, seq=8)
     from functional_pp.models import sampling
     import functools
     from functional_pp.parallel import sharding

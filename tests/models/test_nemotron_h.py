@@ -105,9 +105,10 @@ def test_cp_tp_real_processes_equal_one_device(hf_dir):
 
 
 def test_context_parallelism_equals_one_device(hf_dir):
-    """The Mamba2 layers under CP 2 x TP 2 (ops/sequence_chain.py: each device scans its blocks from the
+    """The Mamba2 layers under CP 2 x TP 2, and with sequence parallelism (ops/sequence_chain.py: each device scans its blocks from the
     state of the block before, the balanced split's blocks in sequence order), plain and packed rows."""
     assert_cp_equals_one_device(hf_dir)
+    assert_cp_equals_one_device(hf_dir, rules=llama.default_rules(sequence_parallel=True))     # (SP: res_seq over cp x tp)
 
 
 def test_pipeline_equals_one_device(hf_dir):

@@ -133,6 +133,7 @@ def test_context_parallelism_equals_one_device(saved):
     """The Gated DeltaNet layers under CP 2 x TP 2 (the convolution's halo and the rule's state handed from
     block to block, ops/sequence_chain.py), plain and packed rows."""
     assert_cp_equals_one_device(saved[1])
+    assert_cp_equals_one_device(saved[1], rules=llama.default_rules(sequence_parallel=True))     # (SP: res_seq over cp x tp)
 
 
 def test_refusals_name_the_option(saved, tmp_path):
