@@ -771,12 +771,12 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
                           f"directory with config.json and safetensors (nothing is downloaded)")
     family, model = model_family(cfg), model_config(cfg)
     _check_sequence_fits(cfg, model)
-    why = family.whole_sequence(model) if family.whole_sequence is not None else None
+    serial = family.serial_under_cp(model) if family.serial_under_cp is not None else None
     s_axes = cfg.seq_axes(mesh, rules)
-    if why and s_axes:
-        raise ConfigError(f"the sequence is split over {s_axes} (context parallelism, cp_size "
-                          f"{mesh.shape[s_axes[0]]}), but the model's {why}: use cp_size 1 (FSDP, TP and "
-                          f"sequence parallelism keep it whole for these layers)")
+    if serial and s_axes and cfg.compile:
+        raise ConfigError(f"compile: {cfg.compile} with the sequence split over {s_axes} (context parallelism, cp_size "
+                          f"{mesh.shape[s_axes[0]]}): the model's {serial}, whose blocks run device after device, "
+                          f"is not traced by torch.compile yet; use compile: false, or cp_size 1")
     what = sampling_key(cfg)
     refusal = family.sampling_refusal(model, what, instead=", or an offline method that does not sample (rl: dpo, "
                                       "ipo, orpo, simpo or kto on preference pairs)") if what else None

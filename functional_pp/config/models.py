@@ -30,7 +30,7 @@ def model_config(cfg: Any) -> Any:
         if overrides:
             raise ConfigError("overrides_of_model_config (model_config) replaces keys of base_model's config.json; "
                               "without base_model give them in the model section (model: {preset: ..., KEY: ...})")
-        return _refuse_for_recurrent_layers(cfg, _with_moe_options(cfg, cfg.model.build()))
+        return _with_moe_options(cfg, cfg.model.build())
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
         raise ConfigError(f"base_model: model family {family.name!r} has no Hugging Face mapping; "
@@ -54,7 +54,7 @@ def model_config(cfg: Any) -> Any:
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
     _refuse_dropout_where_unbuilt(cfg, model)
     model = _with_linearized_experts(cfg, model)
-    return _refuse_for_recurrent_layers(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+    return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))
 
 
 def _with_linearized_experts(cfg: Any, model: Any) -> Any:
@@ -78,21 +78,6 @@ def _with_linearized_experts(cfg: Any, model: Any) -> Any:
                           f"(feed_forward.experts.gate_up_proj), not Axolotl's linearized ones "
                           f"(feed_forward.experts.gate_projs.N): remove the key (they are read as they are)")
     return dataclasses.replace(model, experts_linearized=True) if linear else model
-
-
-def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
-    """``model``, unless it has Mamba2 layers (a hybrid's ``layer_blocks``) and the run splits the
-    sequences their scan runs along (CP): refused by name before any work (the forward would refuse at
-    the first step)."""
-    if not getattr(model, "mamba_heads", 0):
-        return model
-    problems = []
-    if getattr(cfg, "cp_size", 1) > 1:
-        problems.append(f"context_parallel_size (cp_size) {cfg.cp_size}: the Mamba2 layers' scan needs the whole "
-                        f"sequence on each device; set it to 1")
-    if problems:
-        raise ConfigError("; ".join(problems), problems)
-    return model
 
 
 def _refuse_dropout_where_unbuilt(cfg: Any, model: Any) -> None:

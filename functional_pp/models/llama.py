@@ -1054,8 +1054,9 @@ class TokenMixer(NamedTuple):
     """A layer kind (``layer_types``) whose tokens mix by another op than attention: its parameters
     held under ``key`` in place of ``self_attn`` (HF's name), declared by ``init(cfg, w, out_std,
     dtype)``; ``mix(params, normed input, cfg, segments)`` -> ``batch res_seq hidden``; ``what`` it
-    is, for messages. Each keeps a state along the sequence: it needs the whole sequence on a
-    device and has no key / value cache (:func:`recurrent_layers`)."""
+    is, for messages. Each keeps a state along the sequence (handed from block to block where the
+    sequence is split over cp: ops/sequence_chain.py) that the key / value cache does not hold
+    (:func:`recurrent_layers`)."""
     key: str
     init: Callable[..., dict]
     mix: Callable[..., Named]
@@ -1064,7 +1065,7 @@ class TokenMixer(NamedTuple):
 
 TOKEN_MIXERS: dict[str, TokenMixer] = {
     "conv": TokenMixer("conv", lambda cfg, w, out_std, dtype: short_conv.init(cfg.hidden, cfg.conv_kernel, w, out_std),
-                       lambda c, h, cfg, segments: short_conv.mixer(c, h, cfg), "LFM2's short convolution"),
+                       short_conv.mixer, "LFM2's short convolution"),
     gated_deltanet.KIND: TokenMixer(
         "linear_attn", gated_deltanet.init_layer,
         lambda a, h, cfg, segments: ops.rename(gated_deltanet.mixer(a, h, cfg, segments), seq="res_seq"),
@@ -1374,11 +1375,12 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
-def whole_sequence(cfg: Config) -> str | None:
-    """Why the sequence may not be split over devices (context parallelism): the layers that are a
-    recurrence or a convolution along it (:func:`recurrent_layers`); None where every layer is attention."""
+def serial_under_cp(cfg: Config) -> str | None:
+    """The layers that are a recurrence or a convolution along the sequence (:func:`recurrent_layers`),
+    whose blocks run device after device under context parallelism (ops/sequence_chain.py); None where
+    every layer is attention."""
     why = recurrent_layers(cfg)
-    return f"{'; '.join(why)}: each runs along the whole sequence" if why else None
+    return f"{'; '.join(why)}: a recurrence along the sequence" if why else None
 
 
 #: the layer kinds (``layer_types``) whose state the key / value cache does not hold, and what they are
@@ -1386,8 +1388,9 @@ def whole_sequence(cfg: Config) -> str | None:
 
 def recurrent_layers(cfg: Config) -> list[str]:
     """The layers that mix tokens by a state carried along the sequence (``layer_types``'
-    :data:`TOKEN_MIXERS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: they need the
-    whole sequence on a device and a state the key / value cache does not hold."""
+    :data:`TOKEN_MIXERS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: a state the key /
+    value cache does not hold, handed from block to block where the sequence is split (context
+    parallelism)."""
     why = []
     for kind, mixer in TOKEN_MIXERS.items():
         layers = [i for i in range(cfg.layers) if cfg.layer_kind(i) == kind]

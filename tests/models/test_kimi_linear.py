@@ -242,11 +242,15 @@ def _assert_int8_base_equals_bitsandbytes(model, out_dir) -> dict:
     return qp
 
 
+def test_context_parallel_equals_one_device(saved):
+    """CP 2: the delta attention's state (a decay per key channel) handed from block to block along the
+    sequence (ops/sequence_chain.py) = one device in the loss and every gradient."""
+    assert_hf_layout_equals_one_device(saved[1], "cp")
+
+
 def test_refusals_name_the_option(saved, tmp_path):
-    """Context parallelism and sampling with a k/v cache (the delta attention's state is not cached),
-    and config.json values the decoder cannot reproduce, are refused by name before any work."""
-    with pytest.raises(Exception, match=r"sequence dimension 'seq' is split over \('cp',\)"):
-        assert_hf_layout_equals_one_device(saved[1], "cp")
+    """Sampling with a k/v cache (the delta attention's state is not cached) and config.json values
+    the decoder cannot reproduce are refused by name before any work."""
     cfg, params = hf.load_hf_llama(saved[1])
     from functional_pp.models import families_table, sampling  # noqa: F401
     from functional_pp.parallel import sharding
@@ -254,7 +258,7 @@ def test_refusals_name_the_option(saved, tmp_path):
     with pytest.raises(ValueError, match=r"key / value cache does not support kimi_delta_attention"):
         sampling.generate(lambda p, t: llama.forward(p, t, cfg), named, tokens(batch=1, seq=4), max_new_tokens=2)
     assert "layers [0, 2] are kimi_delta_attention (Kimi Delta Attention)" in llama.uncached_layers(cfg)
-    assert "layers [0, 2] are kimi_delta_attention" in llama.whole_sequence(cfg)
+    assert "layers [0, 2] are kimi_delta_attention" in llama.serial_under_cp(cfg)
     conf = json.loads((saved[1] / "config.json").read_text())
     for key, value, what in (("attention_bias", True, "has no biases"), ("attention_dropout", 0.1, "set it to 0.0"),
                              ("hidden_act", "gelu", "only 'silu'"),
