@@ -109,6 +109,9 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
        "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
+_EBFT = ("Axolotl's EBFT settings (rl: ebft, energy-based fine-tuning: rewards from how the hidden-state features "
+         "of sampled continuations match the data's own) are not built; docs/preference.md \"EBFT\" says what is "
+         "missing: remove it")
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
@@ -119,7 +122,7 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},
-    "ebft": _RL,
+    "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},

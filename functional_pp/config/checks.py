@@ -172,7 +172,14 @@ SAMPLING_RL = ("grpo", "gdpo")
 #: ``rl:`` methods of Axolotl not built yet -> why
 RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
                    "which is not built (GRPO is: rl: grpo)"
-                for m in ("ebft", "online_dpo", "ppo")}
+                for m in ("online_dpo", "ppo")}
+RL_NOT_BUILT["ebft"] = (
+    "EBFT (energy-based fine-tuning) samples n_samples_per_prompt continuations of generate_max_len tokens at "
+    "anchors every stride tokens of each document, rewards each by how its hidden-state features at "
+    "feature_layers (of the frozen starting model) align with the document's own continuation, less their "
+    "similarity to each other, and trains by REINFORCE with RLOO advantages plus ce_coef x cross-entropy; the "
+    "strided rollout, the features, their whitening, these rewards and this loss are not built "
+    "(docs/preference.md \"EBFT\")")
 _RL_KEYS = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha", "kto_desirable_weight",
             "kto_undesirable_weight", "kto_loss_type")
 _OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha")
