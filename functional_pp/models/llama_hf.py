@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
+from functional_pp.models import (afmoe_hf, dbrx_hf, pixtral_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
                                   granitemoehybrid_hf, llama4_hf, mamba2_hf, nemotron_h_hf, qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
@@ -169,6 +169,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     # a Mamba2 mixer (models/mamba2.py): in the files in_proj fuses z, x, B, C and dt along its rows and conv1d
     # x, B and C (mamba2_hf.FUSED); the parts' names here are the table's own
     *mamba2_hf.TABLE,
+    # a vision-language model's Pixtral encoder and Mistral 3's projector (models/pixtral.py)
+    *pixtral_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
