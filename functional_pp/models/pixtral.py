@@ -71,8 +71,8 @@ def init(v: VisionConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
     def layer():
         return {"attention_norm": ones(v.hidden, "vision"), "ffn_norm": ones(v.hidden, "vision"),
                 "attention": {"q_proj": w((v.hidden, H, D), "vision vheads vhead_dim"),
-                              "k_proj": w((v.hidden, H, D), "vision vkv_heads vhead_dim"),
-                              "v_proj": w((v.hidden, H, D), "vision vkv_heads vhead_dim"),
+                              "k_proj": w((v.hidden, H, D), "vision vheads vhead_dim"),
+                              "v_proj": w((v.hidden, H, D), "vision vheads vhead_dim"),
                               "o_proj": w((H, D, v.hidden), "vheads vhead_dim vision")},
                 "feed_forward": {"gate_proj": w((v.hidden, v.mlp), "vision vmlp"),
                                  "up_proj": w((v.hidden, v.mlp), "vision vmlp"),
@@ -115,11 +115,11 @@ def _layer(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: Vision
     h = ops.rms_norm(x, p["attention_norm"], eps=1e-5)
     q = _rotate(ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
                            a["q_proj"]), cos, sin, v.head_dim)
-    k = _rotate(ops.einsum("batch patch vision, vision vkv_heads vhead_dim -> batch patch vkv_heads vhead_dim", h,
+    k = _rotate(ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
                            a["k_proj"]), cos, sin, v.head_dim)
-    val = ops.einsum("batch patch vision, vision vkv_heads vhead_dim -> batch patch vkv_heads vhead_dim", h,
+    val = ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
                      a["v_proj"])
-    o = ops.attention(q, k, val, causal=False, batch="batch", seq="patch", heads="vheads", kv_heads="vkv_heads",
+    o = ops.attention(q, k, val, causal=False, batch="batch", seq="patch", heads="vheads", kv_heads="vheads",
                       head_dim="vhead_dim", segments=segments)
     x = x + ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o, a["o_proj"])
     f = p["feed_forward"]
