@@ -109,7 +109,8 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
        "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
-_MULTIMODAL = "multimodal models are not supported (text models only): remove it"
+_MULTIMODAL = ("freezing a vision-language model's encoder and projector is not built yet (they train with a "
+               "full fine-tune, and stay frozen under adapter: lora / qlora): remove it")
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
@@ -128,7 +129,7 @@ UNSUPPORTED: dict[str, str] = {
     "ebft": _RL,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
-    **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
+    "freeze_mm_modules": _MULTIMODAL,
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "
