@@ -203,6 +203,9 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
                 **_QWEN3_5_SPECIAL))}
+#: the wrappers whose stand-in holds a Pixtral processor (images: processor_type) and its image tokens
+_PIXTRAL = ("mistral3", "mistral3_ministral3")
+_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
@@ -226,10 +229,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import make_tekken, make_tokenizer
+    from chat_tokenizer import make_tekken, make_tokenizer, write_pixtral_processor_files
     from functional_pp.data.chat import template_text
-    make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
-                   template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None)
+    tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
+                         template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
+                         extra=_IMAGE_TOKENS if model_type in _PIXTRAL else ())
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
@@ -239,6 +243,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
     import transformers
     if model_type in _WRAPPED:
         conf, cls, kw = _WRAPPED[model_type]
+        if model_type in _PIXTRAL:       # (Mistral 3: its processor's files, [IMG] the tokenizer's own id)
+            kw = dict(kw, image_token_index=tok.tok.token_to_id("[IMG]"))
+            write_pixtral_processor_files(d, _VISION["patch_size"], 2, 64)
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d
@@ -317,6 +324,23 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
     return out
 
 
+def _image_rows(entry: dict, n: int, tmp: Path) -> list[dict]:
+    """``n`` chat rows with an image each (HuggingFaceH4/llava-instruct-mix-vsft's layout: ``messages``
+    whose user turn holds a bare ``{"type": "image"}``, the picture in an ``images`` column), the
+    pictures tiny PNG files of a few sizes beside the data."""
+    import numpy as np
+    from PIL import Image
+    field, _ = _messages(0, entry)
+    rng = np.random.default_rng(0)
+    names = []
+    for k, (h, w) in enumerate(((40, 24), (20, 30), (64, 64))):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(tmp / f"image_{k}.png")
+        names.append(f"image_{k}.png")
+    return [{field: [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is {i}?"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": f"It shows {i}."}]}],
+             "images": [names[i % len(names)]]} for i in range(n)]
+
+
 def _stand_in_modules(cfg: dict, tmp: Path) -> None:
     """GRPO's user modules (``trl.reward_funcs``, a ``datasets`` type ``module.function``) as local
     stand-ins beside the edited config, as the user writes them: each reward the completion's
@@ -358,7 +382,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows, cfg.get("rl"))))
+            made = _image_rows(e, rows, tmp) if cfg.get("processor_type") else _rows(e, rows, cfg.get("rl"))
+            path.write_text("".join(json.dumps(r) + "\n" for r in made))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)

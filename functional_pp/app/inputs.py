@@ -97,6 +97,9 @@ class RunData:
 def load_data(cfg: TrainConfig) -> RunData:
     """Read ``datasets`` (or the single ``data`` corpus) into training and held-out tokens."""
     tok = load_tokenizer(cfg)
+    if cfg.processor_type:                 # (images: the processor's own tokenizer encodes the rows)
+        from functional_pp.data.tokenizer import HFTokenizer
+        tok = HFTokenizer(cfg.base_model, model_dir=cfg.base_model)
     try:
         if cfg.datasets:
             from functional_pp.data.formats import build_streams

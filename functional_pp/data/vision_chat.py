@@ -51,8 +51,9 @@ class ImageChatProcessor:
 
 def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
     """The image chat processor of the model directory ``path`` (its ``processor_config.json``,
-    ``preprocessor_config.json``, tokenizer and chat template), read with transformers'
-    ``AutoTokenizer`` and ``AutoImageProcessor`` (its PIL backend where torchvision is missing)."""
+    ``preprocessor_config.json``, ``tokenizer.json`` and chat template), read with transformers'
+    ``PreTrainedTokenizerFast`` (the tokenizer the run's token stream uses) and
+    ``AutoImageProcessor`` (its PIL backend where torchvision is missing)."""
     import json
     try:
         import transformers
@@ -66,7 +67,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) only")
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(root))
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc

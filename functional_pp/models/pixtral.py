@@ -25,6 +25,8 @@ from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
 IMAGE_KEYS = ("patches", "patch_positions", "patch_images", "image_slots")
+TOWERS = ("vision_tower", "multi_modal_projector")
+"""The parameter subtrees of the image side (beside the text decoder's)."""
 """The batch entries that carry images (all or none)."""
 
 
