@@ -429,6 +429,7 @@ _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA:
 _TARGETS = re.compile(r"LoRA: target_modules \(lora_target_modules\) \[([^\]]*)\] match no parameter")
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
+_VISION_TOWER = re.compile(r"images of model_type '([^']+)' \(processor_type; vision tower '([^']+)'\) are not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
 _ALIASED = re.compile(r"^(\w+) \(\w+\) (\S+): ")      # "context_parallel_size (cp_size) 2: the Mamba2 layers' ..."
 
@@ -461,6 +462,8 @@ def reason(problem: str, cfg: dict) -> str:
         return f"config.json {m.group(1)}: {m.group(2)}"
     if m := _MODEL_TYPE.search(problem):
         return f"model_type {m.group(1)}"
+    if m := _VISION_TOWER.search(problem):       # (a text decoder that loads, its vision tower not built yet)
+        return f"processor_type: vision tower {m.group(2)} of {m.group(1)}"
     if m := _ALIASED.match(problem):
         return f"{m.group(1)} {m.group(2)}"
     return problem.split(";")[0][:100]

@@ -58,7 +58,7 @@ def model_config(cfg: Any) -> Any:
         try:
             model = dataclasses.replace(model, vision=vision_from_hf(hf))
         except ValueError as exc:
-            raise ConfigError(f"processor_type with base_model {cfg.base_model!r}: {exc}") from exc
+            raise ConfigError(f"processor_type: {exc}") from exc
     _refuse_dropout_where_unbuilt(cfg, model)
     return _refuse_for_recurrent_layers(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
 

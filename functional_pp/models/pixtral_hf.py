@@ -34,9 +34,10 @@ def vision_from_hf(hf: dict) -> VisionConfig:
     v = dict(hf.get("vision_config") or {})
     where = f"HF {mt} config"
     if mt not in WRAPPERS:
-        raise ValueError(f"{where}: images (processor_type) are supported for model_type {', '.join(WRAPPERS)} "
-                         f"(Pixtral's encoder and Mistral 3's projector) only; {mt!r}'s vision tower is not built "
-                         f"yet: train it on text (drop processor_type and the image columns)")
+        raise ValueError(f"images of model_type {mt!r} (processor_type; vision tower "
+                         f"{v.get('model_type', 'unknown')!r}) are not supported yet: images are read for model_type "
+                         f"{', '.join(WRAPPERS)} (Pixtral's encoder and Mistral 3's projector); train {mt!r} on text "
+                         f"(drop processor_type and the image columns)")
     tower = v.get("model_type", "pixtral")
     checks = {"vision_config.model_type": (tower, "pixtral"),
               "vision_feature_layer": (hf.get("vision_feature_layer", -1), -1),

@@ -170,7 +170,8 @@ def test_bad_image_inputs_are_refused_by_name(saved):
                     image_token_id=IMAGE)
     with pytest.raises(ValueError, match="vision_feature_layer=-2 is not supported"):
         pixtral_hf.vision_from_hf({"model_type": "mistral3", "vision_feature_layer": -2, "vision_config": {}})
-    with pytest.raises(ValueError, match="'llava''s vision tower is not built yet"):
+    with pytest.raises(ValueError, match="images of model_type 'llava' \\(processor_type; vision tower "
+                                         "'clip_vision_model'\\) are not supported yet"):
         pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
     text = dataclasses.replace(cfg, vision=None)
     with pytest.raises(ValueError, match="the batch carries images but the model has no vision encoder"):
