@@ -360,7 +360,8 @@ def check_images(cfg: Any, add) -> None:
     if cfg.processor_type is None:
         return
     if cfg.processor_type != "AutoProcessor":
-        add(f"processor_type {cfg.processor_type!r}: only AutoProcessor (base_model's own processor files)")
+        add(f"processor_type: {cfg.processor_type!r} is not supported: only AutoProcessor (base_model's own "
+            f"processor files)")
     if cfg.base_model is None:
         add("processor_type reads base_model's processor files and vision weights: give base_model")
     if cfg.sample_packing:
