@@ -368,7 +368,7 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llava": "llama"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"

@@ -26,6 +26,7 @@ from functional_pp.parallel.reshard import named
 
 IMAGE_KEYS = ("patches", "patch_positions", "patch_images", "image_slots")
 TOWERS = ("vision_tower", "multi_modal_projector")
+PROJECTORS = ("mistral3", "llava")
 """The parameter subtrees of the image side (beside the text decoder's)."""
 """The batch entries that carry images (all or none)."""
 
@@ -48,8 +49,14 @@ class VisionConfig:
     projector_bias: bool = False
     projector_eps: float = 1e-5
     tower: str = "pixtral"
+    # the projector: "mistral3" (RMSNorm, the patch merger, linear-GELU-linear: Mistral3MultiModalProjector) or
+    # "llava" (linear-GELU-linear: LlavaMultiModalProjector, Pixtral 12B; merge 1)
+    projector: str = "mistral3"
 
     def __post_init__(self) -> None:
+        if self.projector not in PROJECTORS or (self.projector == "llava" and self.merge != 1):
+            raise ValueError(f"vision projector {self.projector!r} (merge {self.merge}): choose mistral3, or llava "
+                             f"with merge 1 (it merges no patches)")
         if self.hidden % self.heads or (self.hidden // self.heads) % 4:
             raise ValueError(f"vision_config: hidden_size={self.hidden} must be num_attention_heads={self.heads} "
                              f"times a head width divisible by 4 (Pixtral's 2D rotary: a quarter each for rows "
@@ -82,10 +89,10 @@ def init(v: VisionConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
 
     tower = {"patch_conv": w((v.hidden, v.channels, v.patch_size, v.patch_size), "vision channel patch_y patch_x"),
              "ln_pre": ones(v.hidden, "vision"), "layers": [layer() for _ in range(v.layers)]}
-    projector = {"norm": ones(v.hidden, "vision"),
-                 "merging_layer": w((v.hidden * v.merge ** 2, v.hidden), "vision_merge vision"),
-                 "linear_1": w((v.hidden, text_hidden), "vision mm"),
-                 "linear_2": w((text_hidden, text_hidden), "mm hidden")}
+    projector = {"linear_1": w((v.hidden, text_hidden), "vision mm"), "linear_2": w((text_hidden, text_hidden), "mm hidden")}
+    if v.projector == "mistral3":
+        projector.update(norm=ones(v.hidden, "vision"),
+                         merging_layer=w((v.hidden * v.merge ** 2, v.hidden), "vision_merge vision"))
     if v.projector_bias:
         projector["linear_1_bias"] = param((text_hidden,), "mm", init="zeros", dtype=dtype)
         projector["linear_2_bias"] = param((text_hidden,), "hidden", init="zeros", dtype=dtype)
@@ -145,14 +152,18 @@ def encode(tower: dict, images: dict, v: VisionConfig) -> Named:
 
 
 def project(proj: dict, x: Named, v: VisionConfig) -> Named:
-    """Mistral 3's projector: RMSNorm, the patch merger (each ``merge``² consecutive patches, in the
-    order of ``torch.nn.functional.unfold``'s channels-first columns, through ``merging_layer``),
-    then linear-GELU-linear to the decoder's width (batch merged hidden)."""
-    k = v.merge ** 2
-    x = ops.rms_norm(x, proj["norm"], eps=v.projector_eps)
-    x = ops.split_dim(x, "patch", {"merged": x.size("patch") // k, "merge": k})
-    x = ops.merge_dims(ops.transpose(x, "batch", "merged", "vision", "merge"), ("vision", "merge"), "vision_merge")
-    x = ops.einsum("batch merged vision_merge, vision_merge vision -> batch merged vision", x, proj["merging_layer"])
+    """The projector to the decoder's width (batch merged hidden): Mistral 3's RMSNorm and patch merger
+    (each ``merge``² consecutive patches, in the order of ``torch.nn.functional.unfold``'s
+    channels-first columns, through ``merging_layer``), then linear-GELU-linear (LLaVA's alone)."""
+    if v.projector == "llava":
+        x = ops.rename(x, patch="merged")
+    else:
+        k = v.merge ** 2
+        x = ops.rms_norm(x, proj["norm"], eps=v.projector_eps)
+        x = ops.split_dim(x, "patch", {"merged": x.size("patch") // k, "merge": k})
+        x = ops.merge_dims(ops.transpose(x, "batch", "merged", "vision", "merge"), ("vision", "merge"), "vision_merge")
+        x = ops.einsum("batch merged vision_merge, vision_merge vision -> batch merged vision", x,
+                       proj["merging_layer"])
     h = ops.einsum("batch merged vision, vision mm -> batch merged mm", x, proj["linear_1"])
     if "linear_1_bias" in proj:
         h = h + proj["linear_1_bias"]

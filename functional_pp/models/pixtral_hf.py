@@ -23,8 +23,8 @@ TABLE = (
 )
 """``(HF name pattern, our path pattern, transform kind)`` rows of the decoder table (llama_hf.LLAMA_TABLE)."""
 
-WRAPPERS = ("mistral3",)
-"""The multimodal ``model_type`` values whose images this module reads."""
+WRAPPERS = ("mistral3", "llava")
+"""The multimodal ``model_type`` values whose images this module reads (LLaVA: with a Pixtral tower, Pixtral 12B)."""
 
 
 def vision_from_hf(hf: dict) -> VisionConfig:
@@ -33,12 +33,11 @@ def vision_from_hf(hf: dict) -> VisionConfig:
     mt = hf.get("model_type")
     v = dict(hf.get("vision_config") or {})
     where = f"HF {mt} config"
-    if mt not in WRAPPERS:
-        raise ValueError(f"images of model_type {mt!r} (processor_type; vision tower "
-                         f"{v.get('model_type', 'unknown')!r}) are not supported yet: images are read for model_type "
-                         f"{', '.join(WRAPPERS)} (Pixtral's encoder and Mistral 3's projector); train {mt!r} on text "
-                         f"(drop processor_type and the image columns)")
-    tower = v.get("model_type", "pixtral")
+    tower = v.get("model_type", "pixtral" if mt == "mistral3" else "clip_vision_model")   # (the classes' defaults)
+    if mt not in WRAPPERS or tower != "pixtral":
+        raise ValueError(f"images of model_type {mt!r} (processor_type; vision tower {tower!r}) are not supported "
+                         f"yet: images are read for model_type {', '.join(WRAPPERS)} with a Pixtral tower (Mistral "
+                         f"3's projector, LLaVA's); train {mt!r} on text (drop processor_type and the image columns)")
     checks = {"vision_config.model_type": (tower, "pixtral"),
               "vision_feature_layer": (hf.get("vision_feature_layer", -1), -1),
               "vision_config.hidden_act": (v.get("hidden_act", "gelu"), "gelu"),
@@ -48,12 +47,18 @@ def vision_from_hf(hf: dict) -> VisionConfig:
     for key, (have, want) in checks.items():
         if have != want:
             raise ValueError(f"{where}: {key}={have!r} is not supported (the functional encoder has {want!r})")
+    if mt == "llava" and hf.get("vision_feature_select_strategy", "default") != "full":
+        raise ValueError(f"{where}: vision_feature_select_strategy="
+                         f"{hf.get('vision_feature_select_strategy', 'default')!r} with a Pixtral tower is not "
+                         f"supported ('default' drops the first patch as if it were CLIP's class token; Pixtral 12B's "
+                         f"is 'full')")
     theta = (v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0))
     text = hf.get("text_config") or {}
     return VisionConfig(hidden=v.get("hidden_size", 1024), layers=v.get("num_hidden_layers", 24),
                         heads=v.get("num_attention_heads", 16), mlp=v.get("intermediate_size", 4096),
                         patch_size=v.get("patch_size", 16), channels=v.get("num_channels", 3), rope_theta=theta,
-                        merge=hf.get("spatial_merge_size", 2),
+                        merge=hf.get("spatial_merge_size", 2) if mt == "mistral3" else 1,
                         image_token_id=hf.get("image_token_index", hf.get("image_token_id", 10)),
-                        projector_bias=hf.get("multimodal_projector_bias", False),
+                        projector_bias=hf.get("multimodal_projector_bias", mt == "llava"),
+                        projector="llava" if mt == "llava" else "mistral3",
                         projector_eps=text.get("rms_norm_eps", 1e-5))

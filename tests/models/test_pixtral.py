@@ -191,3 +191,43 @@ def test_dp_fsdp_on_real_processes_equal_one_device(saved):
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
                                        msg=lambda m: f"{p}: {m}")
     assert any(p.startswith("vision_tower.") for p in one[1])
+
+
+def test_llava_with_a_pixtral_tower_equals_transformers(tmp_path):
+    """Pixtral 12B's layout (``LlavaForConditionalGeneration`` with a Pixtral tower: no patch merger, the
+    projector linear-GELU-linear with biases, ``vision_feature_select_strategy: full``): logits and the
+    fp64 loss and every gradient equal transformers'."""
+    torch.manual_seed(1)
+    conf = transformers.LlavaConfig(text_config=TEXT, vision_config=dict(VISION, num_hidden_layers=1),
+                                    image_token_index=IMAGE, vision_feature_layer=-1,
+                                    vision_feature_select_strategy="full", initializer_range=0.2)
+    transformers.LlavaForConditionalGeneration(conf).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=pixtral_hf.vision_from_hf(raw))
+    assert (cfg.vision.projector, cfg.vision.merge, cfg.text_of) == ("llava", 1, "llava")
+    sizes = [[(8, 8), (4, 8)], [(8, 4)]]                   # 4 and 2 patches, 2 patches: one token each
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (2, 12), generator=g)
+    ids[0, 2:6], ids[0, 7:9], ids[1, 4:6] = IMAGE, IMAGE, IMAGE
+    pixels = [torch.randn(len(s), 3, 8, 8, generator=g, dtype=torch.float64) for s in sizes]
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float64,
+                                                                       attn_implementation="eager")
+    logits = model(input_ids=ids, pixel_values=torch.cat(pixels),
+                   image_sizes=torch.tensor([x for s in sizes for x in s])).logits[:, :-1]
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    want.backward()
+    ent = image_batch(ids, pixels, [torch.tensor(s) for s in sizes], patch=4, merge=1, image_token_id=IMAGE)
+    batch = {"tokens": ids[:, :-1], "labels": labels_of(ids),
+             **{k: v[:, :-1] if k == "image_slots" else v for k, v in ent.items()}}
+    loss, grads = single_device(cfg, hf.load_hf_params(tmp_path, cfg, dtype=torch.float64), batch)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    ours = dict(tree.leaves_with_paths(grads))
+    files = hf._file_tensors(llama.init(cfg), cfg)
+    assert len(files) == len(hf_grads) and any(n.startswith("multi_modal_projector.linear_1.bias") for n, _ in files)
+    for name, ((p, kind, _),) in files:
+        module = {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
+                  "multi_modal_projector.": "model.multi_modal_projector.", "language_model.lm_head.": "lm_head."}
+        key = next(name.replace(a, b, 1) for a, b in module.items() if name.startswith(a))
+        torch.testing.assert_close(kind.to_hf(ours[p]), hf_grads[key], rtol=1e-5,
+                                   atol=max(1e-6 * hf_grads[key].abs().max().item(), 1e-9), msg=lambda m: f"{name}: {m}")
