@@ -65,7 +65,7 @@ MODEL_TYPES = {
     "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_ministral3",
     "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
-    "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
+    "mistral-community/pixtral-12b": "llava_pixtral", "llava-hf/llava-1.5-7b-hf": "llava",
     "THUDM/GLM-4-32B-0414": "glm4", "zai-org/GLM-4.6V-Flash": "glm4v",
     "zai-org/GLM-4.7-Flash": "glm4_moe_lite", "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa",
     "openai/gpt-oss-20b": "gpt_oss", "ibm-granite/granite-4.0-tiny-preview": "granitemoehybrid",
@@ -196,6 +196,16 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="ministral3", head_dim=64, pad_token_id=None, bos_token_id=None,
                                  eos_token_id=None),
                 vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400)),
+            # Pixtral 12B: LLaVA's wrapper around a Pixtral tower (no patch merger) and a Mistral decoder;
+            # LLaVA-1.5: a CLIP tower and a Llama decoder
+            "llava_pixtral": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="mistral", head_dim=64, pad_token_id=None, bos_token_id=None,
+                                 eos_token_id=None, sliding_window=None),
+                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400,
+                vision_feature_layer=-1, vision_feature_select_strategy="full")),
+            "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="llama", pad_token_id=None, bos_token_id=None, eos_token_id=None),
+                vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=400)),
             # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
             "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
@@ -204,12 +214,12 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
                 **_QWEN3_5_SPECIAL))}
 #: the wrappers whose stand-in holds a Pixtral processor (images: processor_type) and its image tokens
-_PIXTRAL = ("mistral3", "mistral3_ministral3")
+_PIXTRAL = {"mistral3": 2, "mistral3_ministral3": 2, "llava_pixtral": 1}     # (-> spatial_merge_size)
 _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
-        "gemma3": "<end_of_turn>"}
+        "gemma3": "<end_of_turn>", "llava_pixtral": "</s>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
 _TEMPLATES = {"nemotron_h": "chatml"}
@@ -245,7 +255,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
         conf, cls, kw = _WRAPPED[model_type]
         if model_type in _PIXTRAL:       # (Mistral 3: its processor's files, [IMG] the tokenizer's own id)
             kw = dict(kw, image_token_index=tok.tok.token_to_id("[IMG]"))
-            write_pixtral_processor_files(d, _VISION["patch_size"], 2, 64)
+            write_pixtral_processor_files(d, _VISION["patch_size"], _PIXTRAL[model_type], 64)
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d

@@ -148,9 +148,18 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     if not cfg.processor_type:
         return None
     from functional_pp.config.models import model_config
+    from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
+    name = cfg.chat_template
+    if name == "jinja" or (name and name in template_names()):    # (Axolotl: the named template renders the rows)
+        import dataclasses
+        text = template_text(name) if name != "jinja" else cfg.chat_template_jinja
+        if name == "jinja" and Path(str(text)).is_file():
+            text = Path(text).read_text()
+        replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
+        proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "

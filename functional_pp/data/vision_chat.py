@@ -9,7 +9,8 @@ a record's ``messages`` (or ``conversations``: ``from`` / ``value``) with string
 content lists; its ``images`` (or ``image``) column's first image placed at the first bare
 ``{"type": "image"}`` entry, else appended to the first user turn; the labels every token but the
 padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``: Axolotl's Mistral 3
-strategy, which masks no role)."""
+strategy, which masks no role); with ``chat_template: pixtral`` that template renders the rows
+and only the assistant's replies train (its Pixtral strategy)."""
 from __future__ import annotations
 
 import copy
@@ -37,6 +38,9 @@ class ImageChatProcessor:
     image_token: str = "[IMG]"
     image_break_token: str = "[IMG_BREAK]"
     image_end_token: str = "[IMG_END]"
+    # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
+    # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
+    reply_after: str | None = None
 
     def image_tokens(self, height: int, width: int) -> str:
         row = [self.image_token] * (width // self.patch) + [self.image_break_token]
@@ -164,7 +168,22 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
     if pad is not None:
         masked.add(pad)
     mask = [0 if i in masked else 1 for i in ids]
+    if processor.reply_after is not None:
+        mask = [m & r for m, r in zip(mask, _replies(ids, processor.tokenizer.convert_tokens_to_ids(
+            processor.reply_after), processor.tokenizer.eos_token_id))]
     return ids, mask, None if pixels is None else (pixels.float(), sizes)
+
+
+def _replies(ids: list[int], opener: int, eos: int | None) -> list[int]:
+    """1 on each reply's tokens: after an ``opener`` through the next ``eos`` (included), else 0."""
+    out, inside = [], False
+    for i in ids:
+        out.append(int(inside))
+        if i == opener:
+            inside = True
+        elif i == eos:
+            inside = False
+    return out
 
 
 @dataclass

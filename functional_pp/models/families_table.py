@@ -34,8 +34,8 @@ class Row:
 ROWS: tuple[Row, ...] = (
     Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
     Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
-                      "is `mistral` (Magistral Small 2509), with its Pixtral encoder and projector under "
-                      "`processor_type` (images)", "export of the multimodal config (the text class is written)"),
+                      "is `mistral` (Magistral Small 2509) and of Pixtral 12B's `llava`, with its Pixtral encoder "
+                      "and projector under `processor_type` (images)", "export of the multimodal config (the text class is written)"),
     Row(("ministral3",), "Mistral's layer with the queries scaled by position in every layer (Llama 4's "
                          "temperature tuning: `llama_4_scaling_beta` over `original_max_position_embeddings`), "
                          "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "

@@ -132,3 +132,18 @@ def test_what_cannot_carry_images_is_refused_by_name(files, tmp_path):
     with pytest.raises(ConfigError, match="processor_type: images of model_type 'gemma3' \\(processor_type; vision "
                                           "tower 'siglip_vision_model'\\) are not supported yet"):
         model_config(TrainConfig.from_yaml(train_yaml(tmp_path, gemma, data)))
+
+
+def test_chat_template_pixtral_trains_the_replies_only(files):
+    """``chat_template: pixtral``: Axolotl's template renders the row and its Pixtral strategy trains the
+    assistant's reply through its EOS, nothing of the user turn (the image tokens included)."""
+    import dataclasses
+    from functional_pp.data.chat import template_text
+    d, data = files
+    proc = dataclasses.replace(load_processor(d), chat_template=template_text("pixtral"), reply_after="[/INST]")
+    rec = json.loads(data.read_text().splitlines()[1])
+    ids, mask, _ = encode(proc, rec, data.parent, "row 1")
+    text = proc.tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert text == "a picture 1</s>"
+    assert IMG in ids and ids[-1] == 257
+
