@@ -1218,6 +1218,10 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
     score head where it has one (models/score_head.py)."""
+    if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
+        import dataclasses
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
+        return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
     return score_head.head_to_hf(cfg, decoder_config_to_hf(cfg, dtype))
 
 

@@ -49,6 +49,7 @@ class VisionConfig:
     projector_bias: bool = False
     projector_eps: float = 1e-5
     tower: str = "pixtral"
+    image_size: int = 1024             # (the largest image side the checkpoint's config names; written on export)
     # the projector: "mistral3" (RMSNorm, the patch merger, linear-GELU-linear: Mistral3MultiModalProjector) or
     # "llava" (linear-GELU-linear: LlavaMultiModalProjector, Pixtral 12B; merge 1)
     projector: str = "mistral3"

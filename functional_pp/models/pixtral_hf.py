@@ -61,4 +61,27 @@ def vision_from_hf(hf: dict) -> VisionConfig:
                         image_token_id=hf.get("image_token_index", hf.get("image_token_id", 10)),
                         projector_bias=hf.get("multimodal_projector_bias", mt == "llava"),
                         projector="llava" if mt == "llava" else "mistral3",
-                        projector_eps=text.get("rms_norm_eps", 1e-5))
+                        projector_eps=text.get("rms_norm_eps", 1e-5), image_size=v.get("image_size", 1024))
+
+
+CLASSES = {"mistral3": "Mistral3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
+
+
+def config_to_hf(mt: str, text: dict, v: VisionConfig) -> dict:
+    """The multimodal ``config.json`` of ``mt`` around the text decoder's (``text``) and ``v``."""
+    vision = {"model_type": "pixtral", "hidden_size": v.hidden, "intermediate_size": v.mlp,
+              "num_hidden_layers": v.layers, "num_attention_heads": v.heads, "head_dim": v.head_dim,
+              "patch_size": v.patch_size, "num_channels": v.channels, "image_size": v.image_size,
+              "hidden_act": "gelu", "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+    text = {k: x for k, x in text.items() if k != "architectures"}
+    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": text, "vision_config": vision,
+           "image_token_index": v.image_token_id, "projector_hidden_act": "gelu",
+           "multimodal_projector_bias": v.projector_bias, "vision_feature_layer": -1,
+           "tie_word_embeddings": text.get("tie_word_embeddings", False)}
+    if "dtype" in text:
+        out["dtype"] = text["dtype"]
+    if mt == "mistral3":
+        out["spatial_merge_size"] = v.merge
+    else:
+        out["vision_feature_select_strategy"] = "full"
+    return out

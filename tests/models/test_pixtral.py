@@ -231,3 +231,25 @@ def test_llava_with_a_pixtral_tower_equals_transformers(tmp_path):
         key = next(name.replace(a, b, 1) for a, b in module.items() if name.startswith(a))
         torch.testing.assert_close(kind.to_hf(ours[p]), hf_grads[key], rtol=1e-5,
                                    atol=max(1e-6 * hf_grads[key].abs().max().item(), 1e-9), msg=lambda m: f"{name}: {m}")
+
+
+def test_export_writes_the_multimodal_class(saved, tmp_path):
+    """A vision-language model's export is its multimodal class (config and tensors under their HF
+    names), which transformers loads with our logits, images and all; read back, the same config."""
+    model, d, cfg = saved
+    params = hf.load_hf_params(d, cfg)
+    g = torch.Generator().manual_seed(5)
+    moved = tree.tree_map(lambda t: t + 0.01 * torch.randn(t.shape, generator=g), params)
+    out = hf.save_hf_llama(moved, cfg, tmp_path / "hf")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Mistral3ForConditionalGeneration"]
+    again = dataclasses.replace(hf.config_from_hf(raw), vision=pixtral_hf.vision_from_hf(raw))
+    assert again == cfg
+    loaded = transformers.Mistral3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    ids, pixels = rows()
+    with torch.no_grad():
+        want = loaded(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(moved, llama.init(cfg))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
