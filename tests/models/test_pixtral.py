@@ -1,6 +1,6 @@
 """A vision-language model (Mistral 3: Pixtral's encoder, the projector with its patch merger, the
 text decoder; models/pixtral.py) equals transformers' ``Mistral3ForConditionalGeneration`` on a
-tiny random checkpoint: logits, fp64 loss and every gradient; FSDP and TP on two simulated
+tiny random checkpoint: logits, fp64 loss and every gradient; FSDP, TP and CP on two simulated
 devices and DP x FSDP on real gloo processes equal one device; bad image inputs are refused."""
 import dataclasses
 import json
@@ -121,12 +121,12 @@ def test_loss_and_every_gradient_equal_transformers(saved):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"), (fpp.Mesh(cp=2), "cp")])
+def test_fsdp_tp_and_cp_equal_one_device(saved, mesh, rules):
     _, d, cfg = saved
     params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    ids, pixels = rows(seed=2, dtype=torch.float64)
+    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")     # (cp: the sequence over cp, balanced)
+    ids, pixels = rows(seed=2, seq=17, dtype=torch.float64)
     batch = batch_of(ids, pixels)
     loss0, grads0 = single_device(cfg, params, batch)
     for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
