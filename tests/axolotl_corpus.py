@@ -65,7 +65,7 @@ MODEL_TYPES = {
     "axolotl-ai-co/Mistral-Medium-3.5-128B-BF16": "mistral3_ministral3",
     "axolotl-ai-co/Mistral-Small-4-119B-2603-BF16": "mistral4",
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
-    "mistral-community/pixtral-12b": "llava", "llava-hf/llava-1.5-7b-hf": "llava",
+    "mistral-community/pixtral-12b": "llava_pixtral", "llava-hf/llava-1.5-7b-hf": "llava",
     "THUDM/GLM-4-32B-0414": "glm4", "zai-org/GLM-4.6V-Flash": "glm4v",
     "zai-org/GLM-4.7-Flash": "glm4_moe_lite", "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa",
     "openai/gpt-oss-20b": "gpt_oss", "ibm-granite/granite-4.0-tiny-preview": "granitemoehybrid",
@@ -203,6 +203,16 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="ministral3", head_dim=64, pad_token_id=None, bos_token_id=None,
                                  eos_token_id=None),
                 vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400)),
+            # Pixtral 12B: LLaVA's wrapper around a Pixtral tower (no patch merger) and a Mistral decoder;
+            # LLaVA-1.5: a CLIP tower and a Llama decoder
+            "llava_pixtral": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="mistral", head_dim=64, pad_token_id=None, bos_token_id=None,
+                                 eos_token_id=None, sliding_window=None),
+                vision_config=dict(_VISION, model_type="pixtral", head_dim=16), image_token_index=400,
+                vision_feature_layer=-1, vision_feature_select_strategy="full")),
+            "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="llama", pad_token_id=None, bos_token_id=None, eos_token_id=None),
+                vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=400)),
             # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
             "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
@@ -218,10 +228,13 @@ _LLAMA4 = dict(text_config=dict(_TINY, head_dim=64, intermediate_size=64, interm
                                eos_token_id=None),
                vision_config=dict(_VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64),
                image_token_index=400, boi_token_index=401, eoi_token_index=402)
+#: the wrappers whose stand-in holds a Pixtral processor (images: processor_type) and its image tokens
+_PIXTRAL = {"mistral3": 2, "mistral3_ministral3": 2, "llava_pixtral": 1}     # (-> spatial_merge_size)
+_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
-        "gemma3": "<end_of_turn>"}
+        "gemma3": "<end_of_turn>", "llava_pixtral": "</s>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
 _TEMPLATES = {"nemotron_h": "chatml"}
@@ -241,10 +254,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import make_tekken, make_tokenizer
+    from chat_tokenizer import make_tekken, make_tokenizer, write_pixtral_processor_files
     from functional_pp.data.chat import template_text
-    make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
-                   template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None)
+    tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
+                         template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
+                         extra=_IMAGE_TOKENS if model_type in _PIXTRAL else ())
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", *_WRAPPED):
@@ -254,6 +268,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
     import transformers
     if model_type in _WRAPPED:
         conf, cls, kw = _WRAPPED[model_type]
+        if model_type in _PIXTRAL:       # (Mistral 3: its processor's files, [IMG] the tokenizer's own id)
+            kw = dict(kw, image_token_index=tok.tok.token_to_id("[IMG]"))
+            write_pixtral_processor_files(d, _VISION["patch_size"], _PIXTRAL[model_type], 64)
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d
@@ -352,6 +369,23 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
     return out
 
 
+def _image_rows(entry: dict, n: int, tmp: Path) -> list[dict]:
+    """``n`` chat rows with an image each (HuggingFaceH4/llava-instruct-mix-vsft's layout: ``messages``
+    whose user turn holds a bare ``{"type": "image"}``, the picture in an ``images`` column), the
+    pictures tiny PNG files of a few sizes beside the data."""
+    import numpy as np
+    from PIL import Image
+    field, _ = _messages(0, entry)
+    rng = np.random.default_rng(0)
+    names = []
+    for k, (h, w) in enumerate(((40, 24), (20, 30), (64, 64))):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(tmp / f"image_{k}.png")
+        names.append(f"image_{k}.png")
+    return [{field: [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is {i}?"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": f"It shows {i}."}]}],
+             "images": [names[i % len(names)]]} for i in range(n)]
+
+
 def _stand_in_modules(cfg: dict, tmp: Path) -> None:
     """GRPO's user modules (``trl.reward_funcs``, a ``datasets`` type ``module.function``) as local
     stand-ins beside the edited config, as the user writes them: each reward the completion's
@@ -393,7 +427,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
                    (entries if isinstance(entries, list) else [entries])]
         for i, e in enumerate(entries):
             path = tmp / f"{key}_{i}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in _rows(e, rows, cfg.get("rl"))))
+            made = _image_rows(e, rows, tmp) if cfg.get("processor_type") else _rows(e, rows, cfg.get("rl"))
+            path.write_text("".join(json.dumps(r) + "\n" for r in made))
             e["path"] = str(path)
             for hub in ("data_files", "name", "revision", "split"):     # the hub copy's selection
                 e.pop(hub, None)
@@ -443,6 +478,7 @@ _VALUE_PROBLEM = re.compile(r"^(\w+): (\w+): ")          # "adapter: lora: LoRA:
 _TARGETS = re.compile(r"LoRA: target_modules \(lora_target_modules\) \[([^\]]*)\] match no parameter")
 _UNFROZEN = re.compile(r"^unfrozen_parameters \[.*\] match no parameter")
 _MODEL_TYPE = re.compile(r"model_type '([^']+)' is not supported")
+_VISION_TOWER = re.compile(r"images of model_type '([^']+)' \(processor_type; vision tower '([^']+)'\) are not supported")
 _HF_OPTION = re.compile(r"^HF \w+ config: (\w+)=(\S+) is not supported")   # a config.json option of the base model
 _ALIASED = re.compile(r"^(\w+) \(\w+\) (\S+): ")      # "context_parallel_size (cp_size) 2: the Mamba2 layers' ..."
 
@@ -475,6 +511,8 @@ def reason(problem: str, cfg: dict) -> str:
         return f"config.json {m.group(1)}: {m.group(2)}"
     if m := _MODEL_TYPE.search(problem):
         return f"model_type {m.group(1)}"
+    if m := _VISION_TOWER.search(problem):       # (a text decoder that loads, its vision tower not built yet)
+        return f"processor_type: vision tower {m.group(2)} of {m.group(1)}"
     if m := _ALIASED.match(problem):
         return f"{m.group(1)} {m.group(2)}"
     return problem.split(";")[0][:100]

@@ -18,14 +18,14 @@ def special_tokens() -> list[str]:
     return sorted(found) + EXTRA
 
 
-def make_tokenizer(d, bos, eos, template=None):
-    """A byte-level tokenizer (no merges) with every template marker as one special token."""
+def make_tokenizer(d, bos, eos, template=None, extra=()):
+    """A byte-level tokenizer (no merges) with every template marker (and ``extra``) as one special token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()
-    markers = [*special_tokens(), *(s for s in dict.fromkeys((bos, eos)) if s and s not in special_tokens())]
+    markers = [*special_tokens(), *(s for s in dict.fromkeys((bos, eos, *extra)) if s and s not in special_tokens())]
     t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in markers])
     d.mkdir(parents=True, exist_ok=True)
     t.save(str(d / "tokenizer.json"))
@@ -84,3 +84,44 @@ def make_tekken(d, version: str = "v7", specials: int = 100):
     d.mkdir(parents=True, exist_ok=True)
     (d / "tekken.json").write_text(json.dumps(data))
     return d / "tekken.json"
+
+
+#: the tiny Pixtral processor's special tokens, in id order after the 256 bytes
+PIXTRAL_SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+#: a Mistral-style chat template rendering an image entry as the processor's image token
+PIXTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST]{% if m.content is string %}"
+                    "{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}[IMG]{% else %}"
+                    "{{ c.text }}{% endif %}{% endfor %}{% endif %}[/INST]{% else %}{% if m.content is string %}"
+                    "{{ m.content }}{% else %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endif %}"
+                    "{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def write_pixtral_processor_files(d, patch, merge, longest_edge):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``PixtralImageProcessor``,
+    PIL backend) and ``chat_template.jinja`` of a Pixtral processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.PixtralImageProcessorPil(size={"longest_edge": longest_edge},
+                                          patch_size={"height": patch * merge, "width": patch * merge}
+                                          ).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": patch, "spatial_merge_size": merge,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    (d / "chat_template.jinja").write_text(PIXTRAL_TEMPLATE)
+
+
+def make_pixtral_processor(d, patch=4, merge=2, longest_edge=32):
+    """A tiny Pixtral processor's files in ``d`` (as ``PixtralProcessor.save_pretrained`` writes them):
+    a byte-level tokenizer with Mistral's image tokens ([IMG] is id 260), the real
+    ``PixtralImageProcessor`` (PIL backend) resizing to at most ``longest_edge`` pixels in multiples
+    of ``patch * merge``, ``processor_config.json`` and :data:`PIXTRAL_TEMPLATE`."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in PIXTRAL_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>")
+    tok.save_pretrained(str(d))
+    write_pixtral_processor_files(d, patch, merge, longest_edge)

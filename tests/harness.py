@@ -18,15 +18,18 @@ def make_batch(cfg, batch=4, seq=16, seed=0):
 
 
 def local_batch(full, mesh, rules):
-    """This device's block of a global batch, laid out (and ordered) by the rules."""
-    return {k: fpp.named(v, "batch seq") for k, v in full.items()}
+    """This device's block of a global batch, laid out (and ordered) by the rules (a
+    vision-language batch's image entries by their own dimensions, data/images.py)."""
+    from functional_pp.data.images import IMAGE_DIMS
+    return {k: fpp.named(v, IMAGE_DIMS.get(k, "batch seq")) for k, v in full.items()}
 
 
 def single_device(cfg, full_params, batch, loss_fn=llama.loss, dtype=torch.float64):
     decls = llama.init(cfg, dtype)
     params = tree.tree_map(lambda x: x.clone().requires_grad_(), full_params)
     named = sharding.named_tree(params, decls)
-    b = {k: fpp.wrap(v, "batch seq") for k, v in batch.items()}
+    from functional_pp.data.images import IMAGE_DIMS
+    b = {k: fpp.wrap(v, IMAGE_DIMS.get(k, "batch seq")) for k, v in batch.items()}
     loss = loss_fn(named, b, cfg).value()
     loss.backward()
     return loss.detach(), tree.tree_map(lambda p: p.grad, params)

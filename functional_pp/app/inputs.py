@@ -97,6 +97,9 @@ class RunData:
 def load_data(cfg: TrainConfig) -> RunData:
     """Read ``datasets`` (or the single ``data`` corpus) into training and held-out tokens."""
     tok = load_tokenizer(cfg)
+    if cfg.processor_type:                 # (images: the processor's own tokenizer encodes the rows)
+        from functional_pp.data.tokenizer import HFTokenizer
+        tok = HFTokenizer(cfg.base_model, model_dir=cfg.base_model)
     try:
         if cfg.datasets:
             from functional_pp.data.formats import build_streams
@@ -112,8 +115,9 @@ def load_data(cfg: TrainConfig) -> RunData:
                                      chat_template_kwargs=cfg.chat_template_kwargs,
                                      excess_length_strategy=cfg.excess_length_strategy,
                                      min_sample_len=cfg.min_sample_len,
-                                     deduplicate=cfg.dataset_exact_deduplication)
-            if cfg.dataset_prepared_path is None:
+                                     deduplicate=cfg.dataset_exact_deduplication,
+                                     vision=image_settings(cfg))
+            if cfg.dataset_prepared_path is None or cfg.processor_type:    # (images: encoded at each start)
                 train, val = build()
             else:
                 from functional_pp.data.prepared import load_or_build
@@ -137,6 +141,31 @@ def load_data(cfg: TrainConfig) -> RunData:
         return RunData(corpus, val, tok)
     except (FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
         raise ConfigError(f"data: {exc}") from exc
+
+
+def image_settings(cfg: TrainConfig) -> dict | None:
+    """``processor_type``: base_model's processor and how its model cuts images (build_streams' ``vision``)."""
+    if not cfg.processor_type:
+        return None
+    from functional_pp.config.models import model_config
+    from functional_pp.data.chat import template_names, template_text
+    from functional_pp.data.vision_chat import load_processor
+    v = model_config(cfg).vision
+    proc = load_processor(cfg.base_model)
+    name = cfg.chat_template
+    if name == "jinja" or (name and name in template_names()):    # (Axolotl: the named template renders the rows)
+        import dataclasses
+        text = template_text(name) if name != "jinja" else cfg.chat_template_jinja
+        if name == "jinja" and Path(str(text)).is_file():
+            text = Path(text).read_text()
+        replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
+        proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
+    token = proc.media_ids()[0]
+    if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
+                         f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "
+                         f"spatial_merge_size) with image_token_index {v.image_token_id}: the files disagree")
+    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id}
 
 
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:

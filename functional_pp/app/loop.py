@@ -274,6 +274,9 @@ class TrainRun:
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
             torch.backends.cudnn.allow_tf32 = cfg.tf32
         batch_dims = {**DEFAULT_BATCH_DIMS, "segments": "batch seq"} if self.pref is None else self.corpus.batch_dims
+        if getattr(model_cfg, "vision", None) is not None:       # (processor_type: the rows' images)
+            from functional_pp.data.images import IMAGE_DIMS
+            batch_dims = {**batch_dims, **IMAGE_DIMS}
         self.step_fn = step_fn = _build_step(
             cfg, self.mesh, self.rules, family, model_cfg, self.loss_fn, opt,
             copies=(REFERENCE,) if self.reference_copy else (),

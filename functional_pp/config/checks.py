@@ -407,6 +407,29 @@ def check_causal_lm_eval(cfg: Any, add) -> None:
             "tokenizer_use_mistral_common")
 
 
+def check_images(cfg: Any, add) -> None:
+    """``processor_type`` (images in the data, a vision-language base_model: docs/data.md, "Images"):
+    ``AutoProcessor`` from ``base_model``, rows not packed, no pipeline stages, supervised
+    fine-tuning only."""
+    if cfg.processor_type is None:
+        return
+    if cfg.processor_type != "AutoProcessor":
+        add(f"processor_type: {cfg.processor_type!r} is not supported: only AutoProcessor (base_model's own "
+            f"processor files)")
+    if cfg.base_model is None:
+        add("processor_type reads base_model's processor files and vision weights: give base_model")
+    if cfg.sample_packing:
+        add("sample_packing: true with processor_type: rows with images are not packed (Axolotl sets "
+            "sample_packing: false for them); set sample_packing: false")
+    if cfg.pp_size > 1:
+        add(f"pp_size {cfg.pp_size} with processor_type: the vision encoder is not placed on pipeline stages yet; "
+            f"use FSDP, TP or CP (pp_size 1)")
+    if cfg.rl or getattr(cfg, "reward_model", False) or getattr(cfg, "process_reward_model", False):
+        add("processor_type with rl / reward_model: images are read for supervised fine-tuning only")
+    if not cfg.datasets:
+        add("processor_type needs datasets: (chat_template rows with an images column)")
+
+
 def check_loftq(cfg: Any, add) -> None:
     """``peft:``: only ``loftq_config`` (``loftq_bits`` 4 or 8, ``loftq_iter`` >= 1), with
     ``adapter: lora`` on an unquantized base from ``base_model`` (peft quantizes the base itself:
@@ -609,6 +632,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
         add("give either datasets (a list) or data.path, not both")
     check_qat(cfg, add)
     check_diffusion(cfg, add)
+    check_images(cfg, add)
     if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
         for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
             if getattr(cfg, k):

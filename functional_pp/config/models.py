@@ -52,6 +52,13 @@ def model_config(cfg: Any) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         where = f" with overrides_of_model_config {overrides}" if overrides else ""
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
+    if getattr(cfg, "processor_type", None):            # images: the vision encoder and projector too
+        import dataclasses
+        from functional_pp.models.pixtral_hf import vision_from_hf
+        try:
+            model = dataclasses.replace(model, vision=vision_from_hf(hf))
+        except ValueError as exc:
+            raise ConfigError(f"processor_type: {exc}") from exc
     _refuse_dropout_where_unbuilt(cfg, model)
     model = _with_linearized_experts(cfg, model)
     return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))

@@ -270,6 +270,10 @@ class TrainConfig:
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
+    processor_type: str | None = fld(None, "AutoProcessor: a vision-language base_model (Mistral 3: Pixtral's "
+                                           "encoder and the projector) trained on chat_template datasets with "
+                                           "images, encoded by base_model's processor files (docs/data.md, "
+                                           "\"Images\"); needs sample_packing: false")
     tokenizer_use_mistral_common: bool = fld(False, "read the tokenizer with mistral-common (tekken.json or "
                                                     "tokenizer.model.v*: pip install 'functional_pp[mistral]'); "
                                                     "chats encoded by mistral-common, not a chat template")

@@ -100,6 +100,7 @@ class TokenStream:
     documents: int
     stats: list = field(default_factory=list)      # DatasetStats of each datasets entry
     prepared: str = ""                             # dataset_prepared_path: reused or saved (data/prepared.py)
+    images: Any = None                             # each row's images (data/vision_chat.py's RowImages) or None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -394,12 +395,14 @@ class _StreamWriter:
         self.n = 0
         self.documents = 0
         self.all_trained = True
+        self.row_images: list = []                # (one example per row) each row's images or None
 
     def length(self, ids: list[int], eos_trained: bool = True) -> int:
         """How many tokens :meth:`add` writes for ``ids`` (with its EOS, before padding)."""
         return len(ids) + int(eos_trained or not ids or ids[-1] != self.eos)
 
-    def add(self, ids: list[int], mask: list[int] | None, eos_trained: bool = True, cut: int | None = None) -> int:
+    def add(self, ids: list[int], mask: list[int] | None, eos_trained: bool = True, cut: int | None = None,
+            images: Any = None) -> int:
         """One example and the EOS after it, trained unless ``eos_trained`` is false (chat data:
         Axolotl trains no token its template did not write; an example that already ends with
         EOS gets none more). ``cut``: keep only that many tokens, the last of them an untrained
@@ -420,6 +423,8 @@ class _StreamWriter:
             ids, m = ids + [self.eos] * pad, m + [0] * pad
         self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
         self.documents += 1
+        if self.row is not None:
+            self.row_images.append(images)
         return trained
 
     def _put(self, ids: np.ndarray, m: np.ndarray) -> None:
@@ -481,7 +486,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                   spill_bytes: int = 64 << 20, excess_length_strategy: str | None = None,
                   min_trained_share: float = 0.5, min_sample_len: int | None = None,
                   deduplicate: bool = False, progress_stream: TextIO | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> tuple[TokenStream, TokenStream | None]:
+                  clock: Callable[[], float] = time.monotonic,
+                  vision: dict | None = None) -> tuple[TokenStream, TokenStream | None]:
     """``(train, validation or None)`` streams from ``datasets:`` entries (DatasetConfig).
     Examples are tokenized one at a time; past ``spill_bytes`` the streams live in unlinked
     temporary files, memory-mapped (bounded memory for corpora of any size).
@@ -501,7 +507,12 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
 
     ``min_sample_len`` (Axolotl's): a row of fewer tokens (with its EOS) is left out and counted.
     ``deduplicate`` (Axolotl's ``dataset_exact_deduplication``): a row equal to an earlier one of
-    any dataset (the same tokens and trained positions) is left out and counted."""
+    any dataset (the same tokens and trained positions) is left out and counted.
+
+    ``vision`` (``processor_type``: a vision-language model): ``{"processor": transformers'
+    processor, "patch": ..., "merge": ..., "image_token_id": ...}``; chat records are encoded by
+    the processor with their images (data/vision_chat.py), one per row (no packing), and each
+    stream holds its rows' images (``TokenStream.images``)."""
     tok = tokenizer or ByteTokenizer()
     repeats = ExactDuplicates(deduplicate)
     eos = tok.eos_id
@@ -533,6 +544,9 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         raise ValueError(f"val_set_size={val_set_size} holds out {n_val} of {n} examples: "
                          f"nothing is left to train on")
     val_idx = set(np.random.default_rng([seed, 7]).permutation(n)[n - n_val:].tolist()) if n_val else set()
+    if vision is not None and sample_packing:
+        raise ValueError("sample_packing: true with images (processor_type): rows with images are not packed "
+                         "(Axolotl sets sample_packing: false for them); set sample_packing: false")
     row = None if sample_packing else seq_len
     strategy = excess_length_strategy or (None if sample_packing else "drop")
     if strategy not in (None, *EXCESS_LENGTH_STRATEGIES):
@@ -551,14 +565,18 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         st = DatasetStats(where, str(entry.path), kind, spec.template_name if spec else None,
                           spec.describe_roles() if spec else "", spec.warning if spec else "", seq_len=seq_len)
         eos_trained = spec is None and kind != "input_output"
-        records = _examples(entry, tok, train_on_inputs, spec, f"{where} ({entry.path})")   # errors name the file
-        for n, (ids, mask, rec) in enumerate(records, start=1):
+        if vision is not None and kind == "chat_template":     # (images: the model's processor renders them)
+            records = _image_examples(entry, vision["processor"], f"{where} ({entry.path})")
+        else:
+            records = ((ids, mask, rec, None) for ids, mask, rec in
+                       _examples(entry, tok, train_on_inputs, spec, f"{where} ({entry.path})"))   # errors name the file
+        for n, (ids, mask, rec, images) in enumerate(records, start=1):
             length, cut = train.length(ids, eos_trained), None
             if min_sample_len is not None and length < min_sample_len:
                 st.short += 1
                 j += 1
                 continue
-            if repeats.is_repeat(ids, mask):
+            if images is None and repeats.is_repeat(ids, mask):
                 st.duplicates += 1
                 j += 1
                 continue
@@ -577,7 +595,12 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                     cut = seq_len
                 else:                            # packed, unset: the document spans windows
                     st.spanning += 1
-            trained = (val if j in val_idx else train).add(ids, mask, eos_trained=eos_trained, cut=cut)
+            if cut is not None and images is not None:
+                raise ValueError(f"{where} ({entry.path}): {_record_name(rec, n)} has {length} tokens with its "
+                                 f"image tokens, more than sequence_len={seq_len}: a row with images cannot be cut "
+                                 f"(excess_length_strategy: truncate); raise sequence_len or use drop")
+            trained = (val if j in val_idx else train).add(ids, mask, eos_trained=eos_trained and images is None,
+                                                           cut=cut, images=images)
             j += 1
             st.rows += 1
             st.tokens += min(length, cut or length)
@@ -604,7 +627,24 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
     progress.finish()
     out = train.finish()
     out.stats = stats
-    return out, (val.finish() if val is not None else None)
+    held = val.finish() if val is not None else None
+    if vision is not None:
+        from functional_pp.data.vision_chat import RowImages
+        for stream, writer in ((out, train), (held, val)):
+            if stream is not None:
+                stream.images = RowImages(writer.row_images, vision["patch"], vision["merge"],
+                                          vision["image_token_id"])
+    return out, held
+
+
+def _image_examples(entry, processor, where: str) -> Iterator[tuple[list[int], list[int], Any, Any]]:
+    """``(ids, trained flags, the record, its images)`` of each chat record of ``entry``, encoded by
+    the model's processor (data/vision_chat.py); image paths are relative to the dataset's folder."""
+    from functional_pp.data.vision_chat import encode
+    base = Path(entry.path) if Path(entry.path).is_dir() else Path(entry.path).parent
+    for n, rec in enumerate(_items(entry, where), start=1):
+        ids, mask, images = encode(processor, rec, base, f"{where}: record {n}")
+        yield ids, mask, rec, images
 
 
 @dataclass

@@ -256,6 +256,7 @@ class DataLoader:
         self.tokens = _as_numpy_tokens(corpus_tokens)
         self.eos_id = eos_id if eos_id is not None else getattr(corpus_tokens, "eos_id", None)
         self.trained = trained if trained is not None else getattr(corpus_tokens, "trained", None)
+        self.images = getattr(corpus_tokens, "images", None)     # (a vision-language model's rows: RowImages)
         if self.trained is not None and len(self.trained) != len(self.tokens):
             raise ValueError(f"trained flags ({len(self.trained)}) and tokens ({len(self.tokens)}) "
                              f"differ in length")
@@ -272,6 +273,10 @@ class DataLoader:
             )
         self.num_windows = (n - 1) // seq_len
         self._slack = (n - 1) - self.num_windows * seq_len
+        if self.images is not None and (self._slack or self.num_windows != len(self.images.rows)):
+            raise ValueError(f"rows with images need one example per window of seq_len={seq_len}: the stream has "
+                             f"{n} tokens for {len(self.images.rows)} rows (build it with sample_packing: false "
+                             f"and this sequence_len)")
         if drop_last and self.num_windows < global_batch_size:
             raise ValueError(
                 f"corpus has {n} tokens = {self.num_windows} windows of seq_len={seq_len}, "
@@ -343,9 +348,18 @@ class DataLoader:
         return {"tokens": torch.from_numpy(np.ascontiguousarray(tokens)),
                 "labels": torch.from_numpy(labels), **out}
 
+    def _image_entries(self, starts: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows' image entries (data/images.py), ``image_slots`` for the windows' input tokens."""
+        if self.images is None:
+            return {}
+        idx = starts[:, None] + np.arange(self.seq_len, dtype=np.int64)[None, :]
+        ids = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        return self.images.entries((starts // self.seq_len).tolist(), ids)
+
     def global_batch(self, step: int) -> dict[str, torch.Tensor]:
         """The full, unsharded batch of ``step`` (single-device oracle)."""
-        out = self._gather(self.window_starts(step))
+        starts = self.window_starts(step)
+        out = {**self._gather(starts), **self._image_entries(starts)}
         out["positions"] = torch.arange(self.seq_len, dtype=torch.long)
         return out
 
@@ -357,6 +371,8 @@ class DataLoader:
         rows = slice(self._row_start, self._row_start + self.local_batch_size)
         cp = (self.cp_size, self.cp_rank, self.cp_balanced)
         out = {k: shard_sequence(v, 1, *cp).contiguous() for k, v in self._gather(starts[rows]).items()}
+        for k, v in self._image_entries(starts[rows]).items():        # (only image_slots runs along seq)
+            out[k] = shard_sequence(v, 1, *cp).contiguous() if k == "image_slots" else v
         out["positions"] = self._positions.clone()
         if each_window_once:
             out["labels"][torch.from_numpy(self._repeated(step)[rows])] = IGNORE_INDEX

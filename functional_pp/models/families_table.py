@@ -34,11 +34,13 @@ class Row:
 ROWS: tuple[Row, ...] = (
     Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
     Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
-                      "is `mistral` (Magistral Small 2509)", "image input"),
+                      "is `mistral` (Magistral Small 2509) and of Pixtral 12B's `llava`, with its Pixtral encoder "
+                      "and projector under `processor_type` (images)"),
     Row(("ministral3",), "Mistral's layer with the queries scaled by position in every layer (Llama 4's "
                          "temperature tuning: `llama_4_scaling_beta` over `original_max_position_embeddings`), "
                          "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "
-                         "(Ministral 3, Mistral Medium 3.5)", "image input"),
+                         "(Ministral 3, Mistral Medium 3.5), with its Pixtral encoder and projector under "
+                         "`processor_type` (images)"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE; residual "

@@ -29,7 +29,7 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba2, mla, moe,
-                                   per_layer_inputs, short_conv, temperature)
+                                   per_layer_inputs, pixtral, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -296,6 +296,9 @@ class Config:
     # feed_forward.experts.gate_projs.N / up_projs.N / down_projs.N): the same math, stacked here;
     # export writes them under those names
     experts_linearized: bool = False
+    # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower), its
+    # features written into the embeddings at the image tokens of batches that carry images (None: text only)
+    vision: "pixtral.VisionConfig | None" = None
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -671,6 +674,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        if isinstance(d.get("vision"), dict):
+            d = {**d, "vision": pixtral.VisionConfig(**d["vision"])}
         return cls(**d)                              # __post_init__ reads rope_scaling
 
 
@@ -885,6 +890,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.score_bias:
             tree["score_bias"] = bias(cfg.num_labels, "labels")
         return tree
+    if cfg.vision is not None:                     # (a vision-language model: models/pixtral.py)
+        tree.update(pixtral.init(cfg.vision, cfg.hidden, dtype, std))
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
     if cfg.lm_head_bias:
@@ -1196,9 +1203,10 @@ def _residual(branch: Named, cfg: Config) -> Named:
 
 
 def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
-                  emb: Named | None = None) -> Named:
+                  emb: Named | None = None, images: dict | None = None) -> Named:
     """The final normed hidden states (batch seq hidden), the LM head's input; ``emb`` the
-    embedding to use (:func:`embedding`, passed so a tied one is one value for both uses)."""
+    embedding to use (:func:`embedding`, passed so a tied one is one value for both uses);
+    ``images`` a batch's image entries (``pixtral.image_inputs``), written at the image tokens."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"), device=tokens.data.device)
     cache = kv_cache.active()
@@ -1218,6 +1226,11 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite
         x = x * cfg.embedding_multiplier
+    if images is not None:                           # a vision-language model: image features at the image tokens
+        if cfg.vision is None:
+            raise ValueError("the batch carries images but the model has no vision encoder (Config.vision; a "
+                             "text-only checkpoint): give a vision-language base_model or drop the images")
+        x = pixtral.with_images(params, x, images, cfg.vision)
     per_layer = (per_layer_inputs.inputs(params, tokens, x, cfg, lambda v, w: norm(v, w, cfg))
                  if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
     if forward is not None and cfg.embedding_dropout:
@@ -1263,16 +1276,19 @@ def embedding(params: dict, cfg: Config) -> Named:
     return tied(params["embed_tokens"]) if cfg.tie_embeddings else params["embed_tokens"]
 
 
-def _trunk_and_head(params: dict, tokens: Named, cfg: Config, layer_fn, segments) -> tuple[Named, Named]:
+def _trunk_and_head(params: dict, tokens: Named, cfg: Config, layer_fn, segments,
+                    images: dict | None = None) -> tuple[Named, Named]:
     emb = embedding(params, cfg)
-    x = hidden_states(params, tokens, cfg, layer_fn, segments, emb)
+    x = hidden_states(params, tokens, cfg, layer_fn, segments, emb, images)
     return x, (emb if cfg.tie_embeddings else params["lm_head"])
 
 
-def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None) -> Named:
+def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
+            images: dict | None = None) -> Named:
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
-    document ids of packed rows) keeps attention inside each document."""
-    x, head = fake_quant.head_pair(*_trunk_and_head(params, tokens, cfg, layer_fn, segments))
+    document ids of packed rows) keeps attention inside each document; ``images`` (a
+    vision-language model) the batch's image entries (``pixtral.image_inputs``)."""
+    x, head = fake_quant.head_pair(*_trunk_and_head(params, tokens, cfg, layer_fn, segments, images))
     return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg, params)
 
 
@@ -1292,7 +1308,8 @@ def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` the head and the loss
     run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
     with moe.collect() if cfg.experts else contextlib.nullcontext([]) as stats:
-        x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"))
+        x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"),
+                                  pixtral.image_inputs(batch))
     x, head = fake_quant.head_pair(x, head)         # (under QAT: the head is a linear too)
     if not cfg.loss_chunk_bytes:
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)

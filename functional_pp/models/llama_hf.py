@@ -50,7 +50,7 @@ import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
                                   granitemoehybrid_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf, nemotron_h_hf,
-                                  qwen3_5_hf, score_head)
+                                  pixtral_hf, qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -180,6 +180,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     # a Mamba2 mixer (models/mamba2.py): in the files in_proj fuses z, x, B, C and dt along its rows and conv1d
     # x, B and C (mamba2_hf.FUSED); the parts' names here are the table's own
     *mamba2_hf.TABLE,
+    # a vision-language model's Pixtral encoder and Mistral 3's projector (models/pixtral.py)
+    *pixtral_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -378,7 +380,7 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text"}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
@@ -1262,6 +1264,10 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
     score head where it has one (models/score_head.py)."""
+    if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
+        import dataclasses
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
+        return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
     return score_head.head_to_hf(cfg, decoder_config_to_hf(cfg, dtype))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from functional_pp.core.tree import Param, map_with_path
+from functional_pp.models.pixtral import TOWERS
 from functional_pp.quant.weights import (FLAT_BLOCKS, FLAT_SCALES, INT8_BLOCK, NF4_BLOCK, QuantizedWeight, flat_block_dim,
                                         flat_scale_name, quantize_int8, quantize_nf4)
 
@@ -42,6 +43,11 @@ KINDS = ("nf4", "int8")
 #: row (``absmax``'s last dimension shorter than 256): its size is 1, it is never split (each
 #: device's part of a row uses the row's one scale), whatever splits the weight's last dimension
 ROW_SCALE = "scale_row"
+
+
+#: the subtrees left unquantized: a vision-language model's encoder and projector (models/pixtral.py), kept
+#: frozen in the compute dtype under QLoRA (bitsandbytes would quantize their linears too)
+UNQUANTIZED = tuple(f"{k}." for k in TOWERS)
 
 
 def block_dim(name: str, dims: tuple[str, ...], table: dict | None = None) -> str | None:
@@ -102,7 +108,7 @@ def quantize_linear_weights(params: Any, decls: Any, kind: str = "nf4", *, doubl
 
     def one(path: str, x: torch.Tensor, d: Any):
         name = path.rsplit(".", 1)[-1]
-        if name not in table:
+        if name not in table or path.startswith(UNQUANTIZED):
             out_decls[path] = d
             return x
         dims = tuple(d.dims)

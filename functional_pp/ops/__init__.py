@@ -3,10 +3,11 @@ from functional_pp.ops import quantized as _quantized  # noqa: F401  (registers 
 from functional_pp.ops.attention import attention, positions
 from functional_pp.ops.dropout import dropout
 from functional_pp.ops.einsum import einsum
-from functional_pp.ops.elementwise import (add, div, exp, gelu, log, mul, relu, rsqrt, silu, square, sub, tanh, where,
+from functional_pp.ops.elementwise import (add, cos, div, exp, gelu, log, mul, relu, rsqrt, silu, sin, square, sub, tanh, where,
                                           xielu)
 from functional_pp.ops.embedding import embed
 from functional_pp.ops.indexing import concat, cumsum, slice_dim, take, unbind
+from functional_pp.ops.scatter import masked_scatter
 from functional_pp.ops.loss import IGNORE_INDEX, cross_entropy, token_log_probs
 from functional_pp.ops.norms import layer_norm, rms_norm
 from functional_pp.ops.realize import realized
@@ -23,4 +24,5 @@ __all__ = ["attention", "positions", "einsum", "add", "sub", "mul", "div", "exp"
            "Llama3Scaling", "LongRopeScaling", "LinearScaling", "YarnScaling", "ProportionalScaling",
            "inverse_frequencies", "rename",
            "split_dim", "merge_dims", "rearrange",
-           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized", "xielu"]
+           "transpose", "dropout", "concat", "cumsum", "slice_dim", "take", "unbind", "swiglu", "realized", "xielu",
+           "cos", "sin", "masked_scatter"]

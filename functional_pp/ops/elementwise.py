@@ -161,6 +161,8 @@ log = _unary(torch.log, "log")
 tanh = _unary(torch.tanh, "tanh")
 rsqrt = _unary(torch.rsqrt, "rsqrt")
 square = _unary(torch.square, "square")
+cos = _unary(torch.cos, "cos")
+sin = _unary(torch.sin, "sin")
 
 
 def gelu(x: Named, approximate: str = "none") -> Named:

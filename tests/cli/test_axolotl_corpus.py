@@ -54,7 +54,8 @@ def _steps(out: Path) -> list[int]:
 
 def _trained(accepted: dict) -> set[str]:
     """One accepted config per architecture: a LoRA one where there is one, none that compiles;
-    and every reward-model config (a head and an objective of their own)."""
+    every reward-model config (a head and an objective of their own); and one config with images
+    (``processor_type``: the vision encoder and its data) per architecture."""
     chosen: dict[str, tuple[bool, str]] = {}
     for name in sorted(accepted):
         raw = yaml.safe_load((CORPUS / name).read_text())
@@ -64,6 +65,8 @@ def _trained(accepted: dict) -> set[str]:
             chosen[name] = (True, name)
             continue
         arch, lora = MODEL_TYPES.get(raw["base_model"], raw["base_model"]), raw.get("adapter") == "lora"
+        if raw.get("processor_type"):
+            arch += " with images"
         if arch not in chosen or (lora and not chosen[arch][0]):
             chosen[arch] = (lora, name)
     return {name for _, name in chosen.values()}

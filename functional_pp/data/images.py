@@ -1,0 +1,85 @@
+"""Images as batch entries of a vision-language model (models/pixtral.py): each example's images,
+as its processor made them (``pixel_values`` and ``image_sizes``: transformers' image processor
+does the resizing and normalising), cut into patches in the projector's merge order, with their
+positions, their image and the merged token each image token of the text takes.
+
+Entries (global tensors; ``P`` patches per example, padded to one count for the batch):
+``patches`` (B, P, channels, patch, patch), ``patch_positions`` (B, P, 2: row and column in its
+image), ``patch_images`` (B, P: the image's index in its example; pads one past the last),
+``image_slots`` (B, S: the merged token the k-th image token takes, k; -1 at other tokens)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+IMAGE_DIMS = {"patches": "batch patch channel patch_y patch_x", "patch_positions": "batch patch axis",
+              "patch_images": "batch patch", "image_slots": "batch seq"}
+"""The dimension names of each entry (``fpp.named(entry, IMAGE_DIMS[key])``)."""
+
+
+def _patches(pixels: torch.Tensor, size: Sequence[int], patch: int, merge: int, where: str):
+    """One image's patches (n, C, patch, patch) in merge order and their (row, column)."""
+    h, w = int(size[0]), int(size[1])
+    gh, gw = h // patch, w // patch
+    if gh % merge or gw % merge or not gh or not gw:
+        raise ValueError(f"{where}: an image of {h} x {w} pixels is {gh} x {gw} patches of {patch}, not a positive "
+                         f"multiple of spatial_merge_size={merge} each way; use the model's own processor "
+                         f"(processor_type: AutoProcessor), whose image processor resizes to multiples of "
+                         f"{patch * merge}")
+    c = pixels.shape[0]
+    grid = pixels[:, :gh * patch, :gw * patch].reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    # (rows of merged tokens, their columns, row in the merge, column in the merge, C, py, px)
+    grid = grid.permute(1, 4, 2, 5, 0, 3, 6).reshape(-1, c, patch, patch)
+    r = torch.arange(gh).reshape(gh // merge, merge, 1, 1).expand(gh // merge, merge, gw // merge, merge)
+    col = torch.arange(gw).reshape(1, 1, gw // merge, merge).expand(gh // merge, merge, gw // merge, merge)
+    pos = torch.stack([r.permute(0, 2, 1, 3).reshape(-1), col.permute(0, 2, 1, 3).reshape(-1)], -1)
+    return grid, pos
+
+
+def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
+                image_sizes: Sequence[torch.Tensor | None], *, patch: int, merge: int, image_token_id: int,
+                patches: int | None = None) -> dict[str, torch.Tensor]:
+    """The image entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``:
+    n_b x C x H x W, padded; ``image_sizes[b]``: n_b x 2, each image's height and width; None: no
+    image). ``patches`` pads every row to that many patches (default: the batch's most, at least
+    one merged token). A row whose image tokens do not number its images' merged tokens is
+    refused, naming the row and both counts."""
+    rows = []
+    for b in range(ids.shape[0]):
+        px, sizes = pixel_values[b], image_sizes[b]
+        grids, poss, owners = [], [], []
+        for j in range(0 if px is None else len(px)):
+            g, p = _patches(px[j], sizes[j], patch, merge, f"row {b}, image {j}")
+            grids.append(g)
+            poss.append(p)
+            owners.append(torch.full((len(g),), j, dtype=torch.long))
+        n_tokens = int((ids[b] == image_token_id).sum())
+        n_merged = sum(len(g) for g in grids) // merge ** 2
+        if n_tokens != n_merged:
+            raise ValueError(f"images: row {b} holds {n_tokens} image tokens (id {image_token_id}) but its "
+                             f"{len(grids)} images make {n_merged} merged patches; the processor expands each "
+                             f"image into its tokens, so a row cut short (sequence_len) or a template that drops "
+                             f"them does this: raise sequence_len or check the chat template")
+        rows.append((grids, poss, owners))
+    k = merge ** 2
+    width = max([k] + [sum(len(g) for g in grids) for grids, _, _ in rows])
+    P = width if patches is None else patches
+    if P < width or P % k:
+        raise ValueError(f"images: patches={patches} must be a multiple of {k} and at least {width}")
+    c = next((g[0].shape[0] for grids, _, _ in rows for g in grids), 3)
+    dtype = next((px.dtype for px in pixel_values if px is not None), torch.float32)
+    out = {"patches": torch.zeros(len(rows), P, c, patch, patch, dtype=dtype),
+           "patch_positions": torch.zeros(len(rows), P, 2, dtype=torch.long),
+           "patch_images": torch.zeros(len(rows), P, dtype=torch.long),
+           "image_slots": torch.full(ids.shape, -1, dtype=torch.long)}
+    for b, (grids, poss, owners) in enumerate(rows):
+        n = sum(len(g) for g in grids)
+        if n:
+            out["patches"][b, :n] = torch.cat(grids)
+            out["patch_positions"][b, :n] = torch.cat(poss)
+            out["patch_images"][b, :n] = torch.cat(owners)
+        out["patch_images"][b, n:] = len(grids)               # the pads: a segment of their own
+        at = (ids[b] == image_token_id).nonzero().flatten()
+        out["image_slots"][b, at] = torch.arange(len(at))
+    return out

@@ -1,0 +1,210 @@
+"""Chat records with images (``processor_type``: Axolotl's multimodal chat data), encoded by the
+model's own processor (transformers' ``AutoProcessor``: its chat template renders the
+conversation, it expands each image into its image tokens and its image processor resizes and
+normalises the pixels); the images of each row kept beside the token stream (:class:`RowImages`)
+for the loader to cut into patches (data/images.py).
+
+As Axolotl's ``MultiModalChatDataCollator`` and processing strategies (``processing_strategies.py``):
+a record's ``messages`` (or ``conversations``: ``from`` / ``value``) with string contents made
+content lists; its ``images`` (or ``image``) column's first image placed at the first bare
+``{"type": "image"}`` entry, else appended to the first user turn; the labels every token but the
+padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``: Axolotl's Mistral 3
+strategy, which masks no role); with ``chat_template: pixtral`` that template renders the rows
+and only the assistant's replies train (its Pixtral strategy)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from functional_pp.data.images import image_batch
+
+
+@dataclass
+class ImageChatProcessor:
+    """The parts of a Pixtral-style processor (transformers' ``PixtralProcessor``, Mistral 3's): the
+    tokenizer with its chat template, the image processor (transformers' own class: it resizes to
+    multiples of ``patch`` and normalises), and how an image of ``h`` x ``w`` pixels becomes tokens
+    (``PixtralProcessor.replace_image_token``: ``w / patch`` image tokens and a break per row of
+    ``patch`` pixels, the last break the end token)."""
+
+    tokenizer: Any
+    image_processor: Any
+    chat_template: str
+    patch: int
+    image_token: str = "[IMG]"
+    image_break_token: str = "[IMG_BREAK]"
+    image_end_token: str = "[IMG_END]"
+    # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
+    # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
+    reply_after: str | None = None
+
+    def image_tokens(self, height: int, width: int) -> str:
+        row = [self.image_token] * (width // self.patch) + [self.image_break_token]
+        tokens = row * (height // self.patch)
+        tokens[-1] = self.image_end_token
+        return "".join(tokens)
+
+    def media_ids(self) -> list[int]:
+        return [self.tokenizer.convert_tokens_to_ids(t)
+                for t in (self.image_token, self.image_break_token, self.image_end_token)]
+
+
+def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
+    """The image chat processor of the model directory ``path`` (its ``processor_config.json``,
+    ``preprocessor_config.json``, ``tokenizer.json`` and chat template), read with transformers'
+    ``PreTrainedTokenizerFast`` (the tokenizer the run's token stream uses) and
+    ``AutoImageProcessor`` (its PIL backend where torchvision is missing)."""
+    import json
+    try:
+        import transformers
+    except ImportError as exc:      # pragma: no cover - the hf extra
+        raise ImportError(f"{where}: reading images needs transformers: pip install 'functional_pp[hf]'") from exc
+    root = Path(path)
+    conf_file = root / "processor_config.json"
+    conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
+    kind = conf.get("processor_class", "")
+    if kind != "PixtralProcessor":
+        raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
+                         f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) only")
+    try:
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
+        images = transformers.AutoImageProcessor.from_pretrained(str(root))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc
+    template = conf.get("chat_template") or getattr(tok, "chat_template", None)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if template is None and (root / name).is_file():
+            text = (root / name).read_text()
+            template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+    if not template:
+        raise ValueError(f"{where}: base_model {path} has no chat template (processor_config.json, "
+                         f"chat_template.jinja or the tokenizer's)")
+    patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
+    names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
+    proc = ImageChatProcessor(tok, images, template, patch, **names)
+    unknown = [t for t, i in zip(names.values() or ("[IMG]",), proc.media_ids()) if i in (None, tok.unk_token_id)]
+    if unknown:
+        raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
+    return proc
+
+
+def media_token_ids(processor: ImageChatProcessor) -> list[int]:
+    """The ids of the processor's image tokens (image, row break, end)."""
+    return processor.media_ids()
+
+
+def _messages(rec: dict, where: str) -> list[dict]:
+    if isinstance(rec.get("messages"), list):
+        turns = copy.deepcopy(rec["messages"])
+    elif isinstance(rec.get("conversations"), list):
+        roles = {"human": "user", "gpt": "assistant"}
+        turns = [{"role": roles.get(t["from"], t["from"]), "content": t["value"]} for t in rec["conversations"]]
+    else:
+        raise ValueError(f"{where}: a chat record with images needs 'messages' (or 'conversations'); it has "
+                         f"{sorted(rec)}")
+    for t in turns:
+        if isinstance(t.get("content"), str):
+            t["content"] = [{"type": "text", "text": t["content"]}]
+        t["content"] = [{k: v for k, v in c.items() if v is not None} for c in t["content"]]
+    return turns
+
+
+def _image(value: Any, base: Path, where: str):
+    from PIL import Image
+    if isinstance(value, dict):                   # a datasets Image feature as stored: bytes or path
+        if value.get("bytes"):
+            import io
+            return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+        value = value.get("path")
+    if isinstance(value, str):
+        p = Path(value) if Path(value).is_absolute() else base / value
+        if not p.is_file():
+            raise ValueError(f"{where}: image {value!r} is not a file (paths are relative to the dataset's folder "
+                             f"{base})")
+        return Image.open(p).convert("RGB")
+    if hasattr(value, "convert"):
+        return value.convert("RGB")
+    raise ValueError(f"{where}: an image is {type(value).__name__}; give a path, bytes or a PIL image")
+
+
+def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], list[int], tuple | None]:
+    """``(ids, trained flags, (pixel_values, image_sizes) or None)`` of one chat record with images."""
+    turns = _messages(rec, where)
+    key = next((k for k in ("images", "image") if rec.get(k) is not None), None)
+    if key is not None:
+        images = rec[key] if isinstance(rec[key], list) else [rec[key]]
+        if images:
+            img = _image(images[0], base, where)      # (Axolotl: the first image of a row)
+            bare = next(((t, i) for t in turns for i, c in enumerate(t["content"])
+                         if c.get("type") == "image" and not any(k in c for k in ("image", "url", "path", "base64"))),
+                        None)
+            if bare is not None:
+                bare[0]["content"][bare[1]]["image"] = img
+            else:
+                user = next((t for t in turns if t["role"] == "user"), turns[0])
+                user["content"].append({"type": "image", "image": img})
+    for t in turns:                                  # (bare placeholders left over: no image to show)
+        t["content"] = [c for c in t["content"] if c.get("type") != "image" or "image" in c]
+    pictures = [c["image"] for t in turns for c in t["content"] if c.get("type") == "image"]
+    text = processor.tokenizer.apply_chat_template(turns, chat_template=processor.chat_template, tokenize=False)
+    pixels = sizes = None
+    if pictures:
+        out = processor.image_processor(pictures, patch_size={"height": processor.patch, "width": processor.patch},
+                                        return_tensors="pt")
+        pixels, sizes = out["pixel_values"], torch.as_tensor(out["image_sizes"])
+        parts = text.split(processor.image_token)
+        if len(parts) != len(pictures) + 1:
+            raise ValueError(f"{where}: the chat template wrote {len(parts) - 1} image tokens "
+                             f"{processor.image_token!r} for {len(pictures)} images")
+        text = parts[0] + "".join(processor.image_tokens(int(h), int(w)) + rest
+                                  for (h, w), rest in zip(sizes.tolist(), parts[1:]))
+    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    masked = set(media_token_ids(processor))
+    pad = getattr(processor.tokenizer, "pad_token_id", None)
+    if pad is not None:
+        masked.add(pad)
+    mask = [0 if i in masked else 1 for i in ids]
+    if processor.reply_after is not None:
+        mask = [m & r for m, r in zip(mask, _replies(ids, processor.tokenizer.convert_tokens_to_ids(
+            processor.reply_after), processor.tokenizer.eos_token_id))]
+    return ids, mask, None if pixels is None else (pixels.float(), sizes)
+
+
+def _replies(ids: list[int], opener: int, eos: int | None) -> list[int]:
+    """1 on each reply's tokens: after an ``opener`` through the next ``eos`` (included), else 0."""
+    out, inside = [], False
+    for i in ids:
+        out.append(int(inside))
+        if i == opener:
+            inside = True
+        elif i == eos:
+            inside = False
+    return out
+
+
+@dataclass
+class RowImages:
+    """Each row's images (``(pixel_values, image_sizes)`` or None) of a stream of one example per
+    row, and how the model cuts them (its patch size, ``spatial_merge_size`` and image token)."""
+
+    rows: list
+    patch: int
+    merge: int
+    image_token_id: int
+
+    def __post_init__(self) -> None:
+        k = self.merge ** 2
+        counts = [sum((int(h) // self.patch) * (int(w) // self.patch) for h, w in r[1].tolist())
+                  for r in self.rows if r is not None]
+        self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
+
+    def entries(self, rows: Sequence[int], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The image entries (data/images.py) of stream rows ``rows`` whose tokens are ``ids``."""
+        picked = [self.rows[r] if 0 <= r < len(self.rows) else None for r in rows]
+        return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
+                           patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
+                           patches=self.patches)
