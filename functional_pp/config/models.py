@@ -54,7 +54,7 @@ def model_config(cfg: Any) -> Any:
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
     if getattr(cfg, "processor_type", None):            # images: the vision encoder and projector too
         import dataclasses
-        from functional_pp.models.pixtral_hf import vision_from_hf
+        from functional_pp.models.llama_hf import vision_from_hf
         try:
             model = dataclasses.replace(model, vision=vision_from_hf(hf))
         except ValueError as exc:

@@ -14,7 +14,10 @@ from typing import Sequence
 import torch
 
 IMAGE_DIMS = {"patches": "batch patch channel patch_y patch_x", "patch_positions": "batch patch axis",
-              "patch_images": "batch patch", "image_slots": "batch seq"}
+              "patch_images": "batch patch", "image_slots": "batch seq",
+              # the entries Qwen's tower reads beside them (data/qwen_images.py)
+              "patch_taps": "batch patch tap", "patch_tap_weights": "batch patch tap",
+              "mrope_positions": "batch seq mrope"}
 """The dimension names of each entry (``fpp.named(entry, IMAGE_DIMS[key])``)."""
 
 

@@ -29,7 +29,7 @@ import torch
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba2, mla, moe,
-                                   per_layer_inputs, pixtral, short_conv, temperature)
+                                   per_layer_inputs, pixtral, qwen_vision, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -173,6 +173,11 @@ class Config:
     partial_rotary_factor: float = 1.0
     # the rotary's pairs are (2i, 2i + 1) of head_dim (Cohere), not (i, i + head_dim / 2)
     rotary_interleaved: bool = False
+    # the multimodal rotary (M-RoPE: Qwen2-VL, Qwen3.5; rope_parameters' mrope_section): the rotating pairs per
+    # position component (temporal, height, width), contiguous or mrope_interleaved (ops.rotary_sections); it
+    # applies to batches with mrope_positions (images), text positions rotating as the plain rotary
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
     # norms before attention and before the MLP (False: OLMo 2, whose only norms are
     # sandwich_norms' after attention and after the MLP)
     pre_norms: bool = True
@@ -296,9 +301,10 @@ class Config:
     # feed_forward.experts.gate_projs.N / up_projs.N / down_projs.N): the same math, stacked here;
     # export writes them under those names
     experts_linearized: bool = False
-    # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower), its
-    # features written into the embeddings at the image tokens of batches that carry images (None: text only)
-    vision: "pixtral.VisionConfig | None" = None
+    # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
+    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's), its features written into the embeddings at the image tokens
+    # of batches that carry images (None: text only)
+    vision: "pixtral.VisionConfig | qwen_vision.QwenVisionConfig | None" = None
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -675,7 +681,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         if isinstance(d.get("vision"), dict):
-            d = {**d, "vision": pixtral.VisionConfig(**d["vision"])}
+            d = {**d, "vision": vision_tower(d["vision"]["tower"]).VISION_CONFIG(**d["vision"])}
+        if d.get("mrope_section") is not None:
+            d = {**d, "mrope_section": tuple(d["mrope_section"])}
         return cls(**d)                              # __post_init__ reads rope_scaling
 
 
@@ -891,7 +899,7 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             tree["score_bias"] = bias(cfg.num_labels, "labels")
         return tree
     if cfg.vision is not None:                     # (a vision-language model: models/pixtral.py)
-        tree.update(pixtral.init(cfg.vision, cfg.hidden, dtype, std))
+        tree.update(vision_tower(cfg.vision.tower).init(cfg.vision, cfg.hidden, dtype, std))
     if not cfg.tie_embeddings:
         tree["lm_head"] = w((cfg.hidden, cfg.vocab), "hidden vocab")
     if cfg.lm_head_bias:
@@ -903,6 +911,14 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
 attend = functools.partial(ops.attention, batch="batch", seq="seq", heads="heads", kv_heads="kv_heads",
                            head_dim="head_dim")
 rotate = functools.partial(ops.rotary, head_dim="head_dim")
+
+
+def vision_tower(name: str):
+    """The module of vision tower ``name`` (``init``, ``with_images``, ``VISION_CONFIG``): one entry each."""
+    towers = {pixtral.TOWER: pixtral, qwen_vision.TOWER: qwen_vision}
+    if name not in towers:
+        raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
+    return towers[name]
 
 
 def norm(x: Named, weight: Named, cfg: Config, bias: Named | None = None, over: str | None = None) -> Named:
@@ -972,7 +988,10 @@ def _prepared(a: dict, role: str, x: Named, pos: Named | None, cfg: Config, wind
     else:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
     if pos is not None:
-        x = rotate(x, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved)
+        sections = (ops.mrope_sections(cfg.mrope_section, cfg.mrope_interleaved, (cfg.rotary_dim or cfg.dim_head) // 2)
+                    if cfg.mrope_section is not None and "mrope" in pos.dims else None)
+        x = rotate(x, pos, theta=theta, scaling=scaling, rotary_dim=cfg.rotary_dim, interleaved=cfg.rotary_interleaved,
+                   sections=sections)
     if cfg.qk_norm_after_rotary:                          # (Hunyuan)
         x = _qk_norm(a, role, x, cfg)
     if cfg.qk_l2_norm and pos is not None:               # (Llama 4: weightless, the rotating layers)
@@ -1230,7 +1249,12 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         if cfg.vision is None:
             raise ValueError("the batch carries images but the model has no vision encoder (Config.vision; a "
                              "text-only checkpoint): give a vision-language base_model or drop the images")
-        x = pixtral.with_images(params, x, images, cfg.vision)
+        x = vision_tower(cfg.vision.tower).with_images(params, x, images, cfg.vision)
+        if cfg.mrope_section is not None and "mrope_positions" in images:   # (M-RoPE: the images' 3D positions)
+            if cache is not None:
+                raise ValueError("sampling with images under the multimodal rotary (mrope_section) is not supported "
+                                 "yet: give text prompts")
+            pos = ops.transpose(images["mrope_positions"], "seq", "batch", "mrope")
     per_layer = (per_layer_inputs.inputs(params, tokens, x, cfg, lambda v, w: norm(v, w, cfg))
                  if cfg.per_layer_input else None)          # (Gemma 4 E2B / E4B: each layer's own input)
     if forward is not None and cfg.embedding_dropout:

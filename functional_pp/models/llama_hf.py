@@ -50,7 +50,7 @@ import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
                                   granitemoehybrid_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf, nemotron_h_hf,
-                                  pixtral_hf, qwen3_5_hf, score_head)
+                                  pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -182,6 +182,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *mamba2_hf.TABLE,
     # a vision-language model's Pixtral encoder and Mistral 3's projector (models/pixtral.py)
     *pixtral_hf.TABLE,
+    # Qwen3.5's vision tower and patch merger (models/qwen_vision.py)
+    *qwen_vision_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -272,6 +274,8 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
     for t in ("weight", "bias"))
 FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
+for _mt in qwen_vision_hf.WRAPPERS:          # (its vision tower: q / k / v in each block's attn.qkv)
+    FUSED[_mt] = FUSED[_mt] + qwen_vision_hf.FUSED
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
@@ -380,6 +384,8 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
+for _mt in qwen_vision_hf.WRAPPERS:   # (its vision tower: model.visual.)
+    RENAMED[_mt] = RENAMED[_mt] + qwen_vision_hf.RENAMED
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
@@ -1391,3 +1397,11 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     if mt == "qwen2_moe":
         out.update(shared_expert_intermediate_size=cfg.shared_expert_mlp, qkv_bias=True)
     return out
+
+
+def vision_from_hf(hf: dict):
+    """The vision tower config (models/pixtral.py's or models/qwen_vision.py's) of a multimodal
+    ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
+    if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
+        return qwen_vision_hf.vision_from_hf(hf)
+    return pixtral_hf.vision_from_hf(hf)

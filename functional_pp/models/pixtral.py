@@ -25,10 +25,13 @@ from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
 IMAGE_KEYS = ("patches", "patch_positions", "patch_images", "image_slots")
-TOWERS = ("vision_tower", "multi_modal_projector")
-PROJECTORS = ("mistral3", "llava")
-"""The parameter subtrees of the image side (beside the text decoder's)."""
 """The batch entries that carry images (all or none)."""
+EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions")
+"""The entries some towers read beside them (models/qwen_vision.py), passed on when the batch has them."""
+TOWERS = ("vision_tower", "multi_modal_projector")
+"""The parameter subtrees of the image side (beside the text decoder's)."""
+PROJECTORS = ("mistral3", "llava")
+TOWER = "pixtral"
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def image_inputs(batch: dict) -> dict | None:
     if len(have) != len(IMAGE_KEYS):
         raise ValueError(f"image inputs: the batch has {have} but not {[k for k in IMAGE_KEYS if k not in have]}; "
                          f"give all of {IMAGE_KEYS} (data/images.py's image_batch makes them)")
-    return {k: batch[k] for k in IMAGE_KEYS}
+    return {k: batch[k] for k in IMAGE_KEYS + EXTRA_KEYS if k in batch}
 
 
 def with_images(params: dict, x: Named, images: dict, v: VisionConfig) -> Named:
@@ -192,3 +195,7 @@ def with_images(params: dict, x: Named, images: dict, v: VisionConfig) -> Named:
                          f"{v.merge ** 2} (data/images.py pads them so)")
     features = project(params["multi_modal_projector"], encode(params["vision_tower"], images, v), v)
     return ops.masked_scatter(x, features.astype(x.data.dtype), images["image_slots"], "merged")
+
+
+VISION_CONFIG = VisionConfig
+"""The config class of this tower (models/llama.py's ``vision_tower``)."""

@@ -132,8 +132,10 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
         raise ValueError(f"{where}: layer_types {list(types)} must be {layers} entries of {' / '.join(_TYPES)}")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    for key in ("mrope_section", "mrope_interleaved"):      # (text positions: every section rotates alike)
-        rope.pop(key, None)
+    # the multimodal rotary (read by batches with images' 3D positions; text positions rotate alike in every
+    # section): transformers interleaves Qwen3.5's sections whatever mrope_interleaved says
+    mrope = tuple(int(x) for x in rope.pop("mrope_section", None) or (11, 11, 10)) if mt != "qwen3_next" else None
+    rope.pop("mrope_interleaved", None)
     theta, scaling = rope_of(rope, {**hf, "rope_parameters": rope}, where, float(hf.get("rope_theta") or 10000.0),
                              partial_ok=True)
     heads = int(get("num_attention_heads"))
@@ -162,7 +164,8 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
             partial_rotary_factor=float(rope["partial_rotary_factor"]),
             linear_heads=int(get("linear_num_value_heads")), linear_kv_heads=int(get("linear_num_key_heads")),
             linear_head_dim=int(get("linear_key_head_dim")), linear_v_head_dim=int(get("linear_value_head_dim")),
-            linear_conv_kernel=int(get("linear_conv_kernel_dim")), **FIXED, **moe)
+            linear_conv_kernel=int(get("linear_conv_kernel_dim")), mrope_section=mrope,
+            mrope_interleaved=mrope is not None, **FIXED, **moe)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
 
@@ -178,7 +181,8 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
             "o_bias": False, "kv_lora_rank": 0, "sliding_window": None, "query_pre_attn_scalar": None,
             "attn_softcap": None, "final_softcap": None,
             "local_rope_theta": None, "scale_embeddings": False, "sandwich_norms": False}
-    need.pop("partial_rotary_factor", None)
+    for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        need.pop(key, None)
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise error(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs {want!r}); "
@@ -208,7 +212,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq, "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps, "use_cache": True, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta),
-                            "partial_rotary_factor": cfg.partial_rotary_factor},
+                            "partial_rotary_factor": cfg.partial_rotary_factor,
+                            **({"mrope_section": list(cfg.mrope_section), "mrope_interleaved": True}
+                               if cfg.mrope_section is not None else {})},
         "attention_bias": False, "attention_dropout": 0.0, "layer_types": list(cfg.layer_types),
         "linear_conv_kernel_dim": cfg.linear_conv_kernel, "linear_key_head_dim": cfg.linear_head_dim,
         "linear_value_head_dim": cfg.linear_v_head_dim, "linear_num_key_heads": cfg.linear_kv_heads,

@@ -128,38 +128,65 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
 
 
+def mrope_sections(section: tuple[int, ...], interleaved: bool, pairs: int) -> tuple[int, ...]:
+    """The position component (0 temporal, 1 height, 2 width) of each of ``pairs`` rotating pairs of
+    a multimodal rotary of ``mrope_section`` pairs per component: contiguous (Qwen2-VL: the first
+    ``section[0]`` pairs temporal, then height, then width; they must add up to ``pairs``) or
+    ``interleaved`` (Qwen3-VL, Qwen3.5: pair i of ``i % 3 == 1`` below ``3 * section[1]`` height, of
+    ``i % 3 == 2`` below ``3 * section[2]`` width, the others temporal, as transformers)."""
+    n = pairs
+    if len(section) != 3:
+        raise ValueError(f"mrope_section {list(section)} must have 3 entries (temporal, height, width)")
+    if not interleaved:
+        if sum(section) != pairs:
+            raise ValueError(f"mrope_section {list(section)} adds up to {sum(section)} pairs, the rotary has {pairs}")
+        return tuple(c for c, k in enumerate(section) for _ in range(k))
+    return tuple(1 if i % 3 == 1 and i < 3 * section[1] else 2 if i % 3 == 2 and i < 3 * section[2] else 0
+                 for i in range(n))
+
+
 def rotary(x: Named, positions: Named, *, head_dim: str, theta: float = 10000.0,
            scaling: RopeScaling | None = None, seq: str | None = None, rotary_dim: int | None = None,
-           interleaved: bool = False) -> Named:
+           interleaved: bool = False, sections: tuple[int, ...] | None = None) -> Named:
     """Rotate pairs (i, i + d/2) of ``head_dim`` by angle position * inv_freq_i; ``seq`` is the
     first dimension of ``positions`` unless named. ``positions`` may have more dimensions of
     ``x`` after it (``seq batch``: each row's own positions, left-padded prompts counted from
     their first token; docs/generation.md). ``rotary_dim`` (partial rotary:
     Phi-1/2, GPT-NeoX): only the first ``rotary_dim`` entries of ``head_dim`` rotate, as a
     head of that width (d = rotary_dim above); the others pass through. ``interleaved``
-    (Cohere, GPT-J): the pairs are (2i, 2i + 1) instead, with the same frequencies."""
+    (Cohere, GPT-J): the pairs are (2i, 2i + 1) instead, with the same frequencies. ``sections``
+    (multimodal rotary, M-RoPE: Qwen2-VL, Qwen3.5): the positions' last dimension holds several
+    components (temporal, height, width) and pair i rotates by component ``sections[i]``
+    (:func:`mrope_sections`); positions whose components are equal rotate as plain positions."""
     if not isinstance(positions, Named) or not positions.dims:
         raise ValueError("rotary: positions must be a named array (ops.positions), its first dimension the "
                          "sequence's")
     if seq is None:
         seq = positions.dims[0]
+    component = positions.dims[-1] if sections is not None else None
     if not isinstance(x, Named) or x._partial:     # (settle names an unnamed operand)
         x = settle(x)
     dims, split, data = x._dims, x._split, x._data
-    missing = [d for d in positions.dims if d not in dims]
+    missing = [d for d in positions.dims if d not in dims and d != component]
     if missing or seq not in positions.dims:
         raise ValueError(f"rotary: positions {positions.dims} must have the sequence dimension {seq!r} and only "
                          f"dimensions of x {dims} (not {missing})")
-    at, di = tuple(dims.index(d) for d in positions.dims), dims.index(head_dim)
+    at, di = tuple(dims.index(d) for d in positions.dims if d != component), dims.index(head_dim)
     if split[di]:
         raise ValueError(f"rotary: {head_dim!r} must not be split")
     seq_len = positions.size(seq) if isinstance(scaling, LongRopeScaling) else None
-    pos = relayout(positions, tuple(split[i] for i in at))
+    pos = relayout(positions, tuple(split[i] for i in at) + (((),) if component is not None else ()))
     d = data.shape[di] if rotary_dim is None else rotary_dim
     if d % 2 or not 0 < d <= data.shape[di]:
         raise ValueError(f"rotary: rotary_dim={rotary_dim} must be even and at most {head_dim!r}'s size "
                          f"{data.shape[di]}")
-    cos, sin = _tables(pos, d, theta, scaling, data.device, at, di, data.ndim, seq_len, interleaved)
+    if sections is not None and (len(sections) != d // 2 or not all(0 <= c < positions.size(component)
+                                                                      for c in sections)):
+        raise ValueError(f"rotary: sections has {len(sections)} entries for {d // 2} rotating pairs, each the index "
+                         f"of a component of positions' {component!r} ({positions.size(component)}); check "
+                         f"mrope_section against the rotary width")
+    cos, sin = _tables(pos, d, theta, scaling, data.device, at, di, data.ndim, seq_len, interleaved,
+                       None if sections is None else tuple(sections))
     if d == data.shape[di]:
         out = _rotate(data, cos, sin, di, interleaved)
     else:                                   # partial rotary: the rest of head_dim passes through
@@ -180,7 +207,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, di: int, inte
 
 
 def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, device, at: tuple[int, ...], di: int,
-            ndim: int, seq_len: int | None = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            ndim: int, seq_len: int | None = None, interleaved: bool = False,
+            sections: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles position * inv_freq computed in float64, float32 (sin negated in
     the first half: the sign of rotate-half, :func:`_rotate`), shaped to
     broadcast against a block of ``ndim`` dimensions with the positions' dimensions at ``at`` and
@@ -190,10 +218,10 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
     compiled step computes them once and every layer reads them (docs/rotary.md)."""
     tracing = is_tracing()
     if not tracing:
-        key = ("rotary", d, theta, scaling, device, pos._data._version, at, di, ndim, seq_len, interleaved)
+        key = ("rotary", d, theta, scaling, device, pos._data._version, at, di, ndim, seq_len, interleaved, sections)
         memo = memo_table(pos)
     else:   # only a value built in this trace holds tables (no tensors kept across traces)
-        key = ("rotary", d, theta, scaling, device, at, di, ndim, seq_len, interleaved)
+        key = ("rotary", d, theta, scaling, device, at, di, ndim, seq_len, interleaved, sections)
         memo = pos._derived if pos._derived is not None and pos._derived.get(TRACED_POSITIONS) else None
     if memo is not None:
         tables = memo.get(key)
@@ -201,6 +229,9 @@ def _tables(pos: Named, d: int, theta: float, scaling: RopeScaling | None, devic
             return tables
     inv = inverse_frequencies(d, theta, scaling, seq_len, device=device)     # on the device: no host work
     ang = pos.data.to(device=device, dtype=torch.float64)[..., None] * inv
+    if sections is not None:    # M-RoPE: pair i's angle from component sections[i] (the positions' last dimension)
+        pick = torch.tensor(sections, device=device).expand(*ang.shape[:-2], 1, -1)
+        ang = ang.gather(-2, pick).squeeze(-2)
     cos, sin = ang.cos(), ang.sin()
     attention_factor = getattr(scaling, "attention_factor", 1.0)      # LongRoPE, YaRN
     if attention_factor != 1.0:

@@ -1,0 +1,218 @@
+"""Qwen3.5's vision-language model (models/qwen_vision.py: the vision tower and its patch merger;
+the multimodal rotary, ops.rotary's ``sections``; data/qwen_images.py's entries) equals
+transformers' ``Qwen3_5ForConditionalGeneration`` on a tiny random checkpoint: logits, fp64 loss
+and every gradient; FSDP and TP on two simulated devices and DP x FSDP on real gloo processes equal
+one device; text positions rotate bitwise as the plain rotary; bad inputs are refused by name."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import parallel, single_device, train_steps
+
+import functional_pp as fpp
+from functional_pp import ops
+from functional_pp.checkpoint import hf
+from functional_pp.core import tree
+from functional_pp.data.images import IMAGE_DIMS
+from functional_pp.data.qwen_images import mrope_positions, qwen_image_batch
+from functional_pp.models import llama, llama_hf, qwen_vision_hf
+from functional_pp.parallel import sharding
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+    pytest.skip("transformers without Qwen3.5", allow_module_level=True)
+
+IMAGE = 250
+TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"], initializer_range=0.2, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None, max_position_embeddings=128,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                 mrope_section=[2, 1, 1], mrope_interleaved=True))
+VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=9, initializer_range=0.2)
+GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]   # per row: its images' (t, h, w) in patches
+PATCH = 3 * 2 * 4 * 4                                              # channels x temporal x patch x patch
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.manual_seed(0)
+    conf = transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE,
+                                      video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    model = transformers.Qwen3_5ForConditionalGeneration(conf).float().eval()
+    with torch.no_grad():                       # the norms and biases off their initial values
+        for n, p in model.named_parameters():
+            if p.ndim == 1 or "norm" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("qwen3_5_vl")
+    model.save_pretrained(d, safe_serialization=True)
+    raw = json.loads((d / "config.json").read_text())
+    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
+    return model, d, cfg
+
+
+def rows(seed=0, seq=16, dtype=torch.float32):
+    """Token rows with each row's image tokens (one per 2 x 2 patches) and its patches' pixels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
+    ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = IMAGE, IMAGE, IMAGE, IMAGE
+    pixels = [torch.randn(sum(t * h * w for t, h, w in gr), PATCH, generator=g, dtype=dtype) if gr else None
+              for gr in GRIDS]
+    return ids, pixels
+
+
+def hf_inputs(ids, pixels):
+    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
+                image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]),
+                mm_token_type_ids=(ids == IMAGE).int())
+
+
+def entries(ids, pixels, cfg):
+    v = cfg.vision
+    return qwen_image_batch(ids, pixels, [torch.tensor(gr) if gr else None for gr in GRIDS], merge=v.merge,
+                            image_token_id=IMAGE, side=v.side, channels=v.channels, temporal_patch=v.temporal_patch,
+                            patch=v.patch_size)
+
+
+def labels_of(ids):
+    """Next-token labels with the image tokens masked (-100), as Axolotl's multimodal collator."""
+    lab = ids[:, 1:].clone()
+    lab[lab == IMAGE] = -100
+    return lab
+
+
+def batch_of(ids, pixels, cfg):
+    cut = {"image_slots", "mrope_positions"}
+    b = {k: v[:, :-1] if k in cut else v for k, v in entries(ids, pixels, cfg).items()}
+    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
+
+
+def test_config_reads_the_tower_and_the_multimodal_rotary(saved):
+    _, _, cfg = saved
+    assert (cfg.model_type, cfg.mrope_section, cfg.mrope_interleaved) == ("qwen3_5", (2, 1, 1), True)
+    v = cfg.vision
+    assert (v.tower, v.layers, v.hidden, v.heads, v.temporal_patch, v.side) == ("qwen3_vl", 2, 16, 2, 2, 3)
+
+
+def test_positions_equal_transformers_rope_index(saved):
+    model, _, cfg = saved
+    ids, _ = rows()
+    inputs = hf_inputs(ids, rows()[1])
+    want, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    got = entries(ids, rows()[1], cfg)["mrope_positions"]
+    torch.testing.assert_close(got.permute(2, 0, 1), want, rtol=0, atol=0)
+    assert (got[2, :, 0] == got[2, :, 1]).all() and (got[0, 2:8, 1] != got[0, 2:8, 2]).any()
+
+
+def test_logits_equal_transformers(saved):
+    model, d, cfg = saved
+    params = hf.load_hf_params(d, cfg)
+    ids, pixels = rows()
+    with torch.no_grad():
+        want = model(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(params, llama.init(cfg))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+        flat = {k: v for k, v in images.items() if k != "mrope_positions"}      # (images, text positions)
+        no_mrope = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=flat).value()
+        text_only = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg).value()
+    # (float32 rounding through the tower: 3e-5 at most on logits up to 5; the float64 loss agrees to 1e-8)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+    assert (text_only - want).abs().max() > 0.1          # the images matter
+    assert (no_mrope - want).abs().max() > 1e-3          # so do their 3D positions
+    torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+
+
+def test_equal_positions_rotate_bitwise_as_the_plain_rotary():
+    g = torch.Generator().manual_seed(0)
+    x = fpp.wrap(torch.randn(2, 5, 3, 8, generator=g), "batch seq heads head_dim")
+    pos = ops.positions("seq", 5)
+    three = fpp.wrap(torch.arange(5)[:, None, None].expand(5, 2, 3).clone(), "seq batch mrope")
+    plain = ops.rotary(x, pos, head_dim="head_dim").value()
+    for interleaved in (False, True):
+        sections = ops.mrope_sections((2, 1, 1), interleaved, 4)
+        got = ops.rotary(x, three, head_dim="head_dim", sections=sections).value()
+        assert torch.equal(got, plain)
+    assert ops.mrope_sections((11, 11, 10), True, 32)[:6] == (0, 1, 2, 0, 1, 2)
+    assert ops.mrope_sections((2, 1, 1), False, 4) == (0, 0, 1, 2)
+
+
+def test_loss_and_every_gradient_equal_transformers(saved):
+    _, d, cfg = saved
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
+                                                                         attn_implementation="eager")
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    ids, pixels = rows(seed=1, dtype=torch.float64)
+    loss, grads = single_device(cfg, params, batch_of(ids, pixels, cfg))
+    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    want.backward()
+    # (transformers' vision rotary runs in float32 whatever the dtype: float32's precision, not float64's)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ours = dict(tree.leaves_with_paths(grads))
+    files = hf._file_tensors(llama.init(cfg), cfg)
+    assert any(name.startswith("model.visual.blocks.1.attn.qkv") for name, _ in files)
+    seen = 0
+    for name, parts in files:
+        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        want_g = hf_grads[name]
+        torch.testing.assert_close(got, want_g, rtol=1e-4, atol=max(1e-5 * want_g.abs().max().item(), 1e-9),
+                                   msg=lambda m: f"{name}: {m}")
+        seen += 1
+    assert seen == len(hf_grads)
+
+
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
+def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
+    _, d, cfg = saved
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
+    ids, pixels = rows(seed=2, dtype=torch.float64)
+    batch = batch_of(ids, pixels, cfg)
+    loss0, grads0 = single_device(cfg, params, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+def test_bad_inputs_are_refused_by_name(saved):
+    _, _, cfg = saved
+    ids, pixels = rows()
+    ids[0, 10] = 5                                  # one image token too few in row 0
+    with pytest.raises(ValueError, match=r"row 0 holds 6 image tokens \(id 250\) but its 2 images make 7"):
+        entries(ids, pixels, cfg)
+    with pytest.raises(ValueError, match="image token at position 3 past the row's 0 images"):
+        mrope_positions(torch.tensor([1, 2, 3, IMAGE]), None, IMAGE, 2)
+    with pytest.raises(ValueError, match="deepstack_visual_indexes=\\[1\\] is not supported"):
+        qwen_vision_hf.vision_from_hf({"model_type": "qwen3_5", "text_config": {"hidden_size": 32},
+                                       "vision_config": dict(VISION, deepstack_visual_indexes=[1])})
+    with pytest.raises(ValueError, match="sections has 3 entries for 4 rotating pairs"):
+        x = fpp.wrap(torch.zeros(1, 2, 1, 8), "batch seq heads head_dim")
+        ops.rotary(x, fpp.wrap(torch.zeros(2, 1, 3, dtype=torch.long), "seq batch mrope"), head_dim="head_dim",
+                   sections=(0, 1, 2))
+    with pytest.raises(ValueError, match="needs \\['patch_taps', 'patch_tap_weights'\\] too"):
+        batch = batch_of(*rows(), cfg)
+        del batch["patch_taps"], batch["patch_tap_weights"]
+        single_device(cfg, hf.load_hf_params(saved[1], cfg, dtype=torch.float64), batch)
+
+
+def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    _, _, cfg = saved
+    small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
+    data = [batch_of(*rows(seed=s, dtype=torch.float64), small) for s in range(2)]
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
+    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
+    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
+                                        mesh, processes=True, timeout=600):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m: f"{p}: {m}")
+    assert any(p.startswith("vision_tower.blocks.") for p in one[1])
