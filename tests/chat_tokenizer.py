@@ -125,3 +125,42 @@ def make_pixtral_processor(d, patch=4, merge=2, longest_edge=32):
                                                pad_token="<pad>")
     tok.save_pretrained(str(d))
     write_pixtral_processor_files(d, patch, merge, longest_edge)
+
+
+#: the tiny Qwen processor's special tokens, in id order after the 256 bytes (<|image_pad|> is id 260)
+QWEN_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
+                    "<|vision_end|>"]
+#: a ChatML chat template rendering an image entry as Qwen's vision_start, image_pad, vision_end
+QWEN_VL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+                    "{% else %}{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|>"
+                    "<|vision_end|>{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def write_qwen_vl_processor_files(d, patch=4, merge=2, temporal=2, max_pixels=1024, processor="Qwen3VLProcessor"):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``Qwen2VLImageProcessor``,
+    PIL backend: resizes to multiples of ``patch * merge`` within ``max_pixels``) and
+    ``chat_template.jinja`` of a Qwen processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
+                                          min_pixels=(patch * merge) ** 2, max_pixels=max_pixels
+                                          ).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": processor,
+                                                          "image_token": "<|image_pad|>"}))
+    (d / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+
+
+def make_qwen_vl_processor(d, **kw):
+    """A tiny Qwen processor's files in ``d``: a byte-level tokenizer with :data:`QWEN_VL_SPECIALS`
+    (``<|endoftext|>`` its end of sequence and padding, as Qwen's base tokenizers: documents end there, not
+    at each turn's ``<|im_end|>``) and :func:`write_qwen_vl_processor_files`."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_VL_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
+                                               pad_token="<|endoftext|>")
+    tok.save_pretrained(str(d))
+    write_qwen_vl_processor_files(d, **kw)

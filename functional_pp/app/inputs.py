@@ -161,6 +161,19 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
+    qwen = getattr(v, "tower", "pixtral") != "pixtral"
+    if qwen != (proc.layout == "qwen"):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
+                         f"its model's vision tower is {v.tower}: the files disagree")
+    if qwen:
+        if (proc.patch, proc.merge, token) != (v.patch_size, v.merge, v.image_token_id) or \
+                getattr(proc.image_processor, "temporal_patch_size", v.temporal_patch) != v.temporal_patch:
+            raise ValueError(f"processor_type: base_model {cfg.base_model}'s image processor cuts {proc.patch}-pixel "
+                             f"patches merged {proc.merge} x {proc.merge} with image token id {token}, its model "
+                             f"{v.patch_size}-pixel patches (patch_size) merged {v.merge} x {v.merge} "
+                             f"(spatial_merge_size) with image_token_id {v.image_token_id}: the files disagree")
+        return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch}}
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "

@@ -633,7 +633,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         for stream, writer in ((out, train), (held, val)):
             if stream is not None:
                 stream.images = RowImages(writer.row_images, vision["patch"], vision["merge"],
-                                          vision["image_token_id"])
+                                          vision["image_token_id"], vision.get("qwen"))
     return out, held
 
 

@@ -10,7 +10,11 @@ content lists; its ``images`` (or ``image``) column's first image placed at the 
 ``{"type": "image"}`` entry, else appended to the first user turn; the labels every token but the
 padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``: Axolotl's Mistral 3
 strategy, which masks no role); with ``chat_template: pixtral`` that template renders the rows
-and only the assistant's replies train (its Pixtral strategy)."""
+and only the assistant's replies train (its Pixtral strategy). Qwen's processors (``Qwen2VLProcessor``,
+``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
+(``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
+gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
+(Axolotl's Qwen2-VL strategy)."""
 from __future__ import annotations
 
 import copy
@@ -21,6 +25,10 @@ from typing import Any, Sequence
 import torch
 
 from functional_pp.data.images import image_batch
+from functional_pp.data.qwen_images import qwen_image_batch
+
+QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
+"""The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
 
 
 @dataclass
@@ -41,6 +49,22 @@ class ImageChatProcessor:
     # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
     # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
     reply_after: str | None = None
+    # "pixtral" (rows of [IMG] and breaks) or "qwen" (one image_token per merged patch; Qwen2VLImageProcessor's
+    # patches and image_grid_thw); merge: Qwen's merge_size
+    layout: str = "pixtral"
+    merge: int = 1
+
+    def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
+        if self.layout == "qwen":
+            out = self.image_processor(pictures, return_tensors="pt")
+            grids = torch.as_tensor(out["image_grid_thw"])
+            return (out["pixel_values"], grids,
+                    [self.image_token * (int(g.prod()) // self.merge ** 2) for g in grids])
+        out = self.image_processor(pictures, patch_size={"height": self.patch, "width": self.patch},
+                                   return_tensors="pt")
+        sizes = torch.as_tensor(out["image_sizes"])
+        return out["pixel_values"], sizes, [self.image_tokens(int(h), int(w)) for h, w in sizes.tolist()]
 
     def image_tokens(self, height: int, width: int) -> str:
         row = [self.image_token] * (width // self.patch) + [self.image_break_token]
@@ -49,8 +73,9 @@ class ImageChatProcessor:
         return "".join(tokens)
 
     def media_ids(self) -> list[int]:
-        return [self.tokenizer.convert_tokens_to_ids(t)
-                for t in (self.image_token, self.image_break_token, self.image_end_token)]
+        names = (self.image_token,) if self.layout == "qwen" else (self.image_token, self.image_break_token,
+                                                                   self.image_end_token)
+        return [self.tokenizer.convert_tokens_to_ids(t) for t in names]
 
 
 def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
@@ -67,9 +92,10 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     conf_file = root / "processor_config.json"
     conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
     kind = conf.get("processor_class", "")
-    if kind != "PixtralProcessor":
+    if kind != "PixtralProcessor" and kind not in QWEN_PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
-                         f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) only")
+                         f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) or Qwen's "
+                         f"({', '.join(QWEN_PROCESSORS)}) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
@@ -83,10 +109,16 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if not template:
         raise ValueError(f"{where}: base_model {path} has no chat template (processor_config.json, "
                          f"chat_template.jinja or the tokenizer's)")
-    patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
-    names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
-    proc = ImageChatProcessor(tok, images, template, patch, **names)
-    unknown = [t for t, i in zip(names.values() or ("[IMG]",), proc.media_ids()) if i in (None, tok.unk_token_id)]
+    if kind in QWEN_PROCESSORS:
+        merge = int(getattr(images, "merge_size", 2))
+        proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
+                                  image_token=conf.get("image_token", "<|image_pad|>"), layout="qwen", merge=merge)
+    else:
+        patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
+        names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
+        proc = ImageChatProcessor(tok, images, template, patch, **names)
+    named = (proc.image_token,) if proc.layout == "qwen" else tuple(names.values()) or ("[IMG]",)
+    unknown = [t for t, i in zip(named, proc.media_ids()) if i in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
     return proc
@@ -132,7 +164,8 @@ def _image(value: Any, base: Path, where: str):
 
 
 def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], list[int], tuple | None]:
-    """``(ids, trained flags, (pixel_values, image_sizes) or None)`` of one chat record with images."""
+    """``(ids, trained flags, (pixel_values, image_sizes or image_grid_thw) or None)`` of one chat record
+    with images."""
     turns = _messages(rec, where)
     key = next((k for k in ("images", "image") if rec.get(k) is not None), None)
     if key is not None:
@@ -153,15 +186,12 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
     text = processor.tokenizer.apply_chat_template(turns, chat_template=processor.chat_template, tokenize=False)
     pixels = sizes = None
     if pictures:
-        out = processor.image_processor(pictures, patch_size={"height": processor.patch, "width": processor.patch},
-                                        return_tensors="pt")
-        pixels, sizes = out["pixel_values"], torch.as_tensor(out["image_sizes"])
+        pixels, sizes, expanded = processor.process(pictures)
         parts = text.split(processor.image_token)
         if len(parts) != len(pictures) + 1:
             raise ValueError(f"{where}: the chat template wrote {len(parts) - 1} image tokens "
                              f"{processor.image_token!r} for {len(pictures)} images")
-        text = parts[0] + "".join(processor.image_tokens(int(h), int(w)) + rest
-                                  for (h, w), rest in zip(sizes.tolist(), parts[1:]))
+        text = parts[0] + "".join(tokens + rest for tokens, rest in zip(expanded, parts[1:]))
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     masked = set(media_token_ids(processor))
     pad = getattr(processor.tokenizer, "pad_token_id", None)
@@ -195,16 +225,24 @@ class RowImages:
     patch: int
     merge: int
     image_token_id: int
+    # Qwen's tower (data/qwen_images.py: side, channels, temporal_patch): the rows hold its patches and
+    # image_grid_thw (None: Pixtral's, pixels and image_sizes)
+    qwen: dict | None = None
 
     def __post_init__(self) -> None:
         k = self.merge ** 2
-        counts = [sum((int(h) // self.patch) * (int(w) // self.patch) for h, w in r[1].tolist())
+        counts = [int(r[1].prod(-1).sum()) if self.qwen is not None else
+                  sum((int(h) // self.patch) * (int(w) // self.patch) for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
         self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
 
     def entries(self, rows: Sequence[int], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The image entries (data/images.py) of stream rows ``rows`` whose tokens are ``ids``."""
         picked = [self.rows[r] if 0 <= r < len(self.rows) else None for r in rows]
+        if self.qwen is not None:
+            return qwen_image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
+                                    merge=self.merge, image_token_id=self.image_token_id, patch=self.patch,
+                                    patches=self.patches, **self.qwen)
         return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                            patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
                            patches=self.patches)
