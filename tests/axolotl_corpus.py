@@ -216,6 +216,12 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
             # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
             "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
+            # Qwen2-VL: its vision tower (no learned positions) beside a Qwen2 decoder (the multimodal rotary)
+            "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", dict(
+                text_config=dict(_TINY, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                 rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])),
+                vision_config=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=512, patch_size=16),
+                **_QWEN3_5_SPECIAL)),
             "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
@@ -232,7 +238,7 @@ _LLAMA4 = dict(text_config=dict(_TINY, head_dim=64, intermediate_size=64, interm
 _PIXTRAL = {"mistral3": 2, "mistral3_ministral3": 2, "llava_pixtral": 1}     # (-> spatial_merge_size)
 _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the wrappers whose stand-in holds a Qwen processor (Qwen2VLImageProcessor, <|image_pad|> its image token)
-_QWEN_VL = ("qwen3_5",)
+_QWEN_VL = {"qwen3_5": "Qwen3VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
 _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
@@ -277,7 +283,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
             write_pixtral_processor_files(d, _VISION["patch_size"], _PIXTRAL[model_type], 64)
         if model_type in _QWEN_VL:       # (Qwen3.5: its processor's files, <|image_pad|> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image_pad|>"))
-            write_qwen_vl_processor_files(d, _QWEN3_5_VISION["patch_size"], 2, 2, 64 * 64)
+            write_qwen_vl_processor_files(d, _QWEN3_5_VISION["patch_size"], 2, 2, 64 * 64, _QWEN_VL[model_type])
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d

@@ -98,6 +98,8 @@ def _module_names(path: str) -> tuple[str, ...]:
     (``model.layers.0.self_attn.q_proj``) and that module inside a multimodal checkpoint's text
     decoder (``model.language_model.layers.0...``: Axolotl's Gemma 4 examples)."""
     hf = _hf_name(path)
+    if hf is not None and not hf.endswith(".weight"):   # (a bias belongs to its module; peft adapts the weight)
+        return (path,)
     if hf is None or not hf.startswith("model."):
         return (path,) if hf is None else (path, hf.rsplit(".", 1)[0])
     module = hf.rsplit(".", 1)[0]

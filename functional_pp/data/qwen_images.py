@@ -77,9 +77,10 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
            "patch_positions": torch.zeros(B, P, 2, dtype=torch.long),
            "patch_images": torch.zeros(B, P, dtype=torch.long),
            "image_slots": torch.full((B, S), -1, dtype=torch.long),
-           "patch_taps": torch.zeros(B, P, 4, dtype=torch.long),
-           "patch_tap_weights": torch.zeros(B, P, 4, dtype=torch.float32),
            "mrope_positions": torch.zeros(B, S, 3, dtype=torch.long)}
+    if side:                  # (a learned position table to resample: Qwen3-VL / Qwen3.5; Qwen2-VL has none)
+        out.update(patch_taps=torch.zeros(B, P, 4, dtype=torch.long),
+                   patch_tap_weights=torch.zeros(B, P, 4, dtype=torch.float32))
     for b in range(B):
         g, n = grids[b], counts[b]
         n_tokens = int((ids[b] == image_token_id).sum())
@@ -101,8 +102,9 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
             pos = _grid_positions(h, w, merge).repeat(t, 1)
             out["patch_positions"][b, start:start + m] = pos
             out["patch_images"][b, start:start + m] = j
-            (hr, hw_), (cr, cw) = _taps(pos[:, 0], h, side), _taps(pos[:, 1], w, side)
-            out["patch_taps"][b, start:start + m] = (hr[:, :, None] * side + cr[:, None, :]).reshape(m, 4)
-            out["patch_tap_weights"][b, start:start + m] = (hw_[:, :, None] * cw[:, None, :]).reshape(m, 4)
+            if side:
+                (hr, hw_), (cr, cw) = _taps(pos[:, 0], h, side), _taps(pos[:, 1], w, side)
+                out["patch_taps"][b, start:start + m] = (hr[:, :, None] * side + cr[:, None, :]).reshape(m, 4)
+                out["patch_tap_weights"][b, start:start + m] = (hw_[:, :, None] * cw[:, None, :]).reshape(m, 4)
             start += m
     return out

@@ -915,7 +915,7 @@ rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 def vision_tower(name: str):
     """The module of vision tower ``name`` (``init``, ``with_images``, ``VISION_CONFIG``): one entry each."""
-    towers = {pixtral.TOWER: pixtral, qwen_vision.TOWER: qwen_vision}
+    towers = {pixtral.TOWER: pixtral, **{name: qwen_vision for name in qwen_vision.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]

@@ -274,8 +274,8 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
     (f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
     for t in ("weight", "bias"))
 FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
-for _mt in qwen_vision_hf.WRAPPERS:          # (its vision tower: q / k / v in each block's attn.qkv)
-    FUSED[_mt] = FUSED[_mt] + qwen_vision_hf.FUSED
+FUSED["qwen3_5"] = FUSED["qwen3_5"] + qwen_vision_hf.FUSED     # (its vision tower: q / k / v in attn.qkv)
+FUSED[qwen_vision_hf.QWEN2_VL_TEXT] = FUSED.get(qwen_vision_hf.QWEN2_VL_TEXT, ()) + qwen_vision_hf.QWEN2_VL_FUSED
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
@@ -384,15 +384,17 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
-for _mt in qwen_vision_hf.WRAPPERS:   # (its vision tower: model.visual.)
-    RENAMED[_mt] = RENAMED[_mt] + qwen_vision_hf.RENAMED
+RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its vision tower: model.visual.)
+RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
+                                         + qwen_vision_hf.QWEN2_VL_RENAMED)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
-                                               "nemotron_h": nemotron_h_hf.IGNORED}
+                                               "nemotron_h": nemotron_h_hf.IGNORED,
+                                               **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -413,6 +415,9 @@ def module_renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str
     name = renamed(path, model_type, cfg)
     for pattern, repl in MODULE_NAMES.get(model_type, ()) if name is not None else ():
         name = re.sub(pattern, repl, name)
+    if name is not None and getattr(cfg, "text_of", None) in qwen_vision_hf.TEXT_LAYOUT:   # (Qwen2-VL's modules)
+        for pattern, repl in qwen_vision_hf.MODULE_NAMES:
+            name = re.sub(pattern, repl, name)
     return name
 
 
@@ -426,7 +431,8 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
-    if getattr(cfg, "text_of", None):          # a multimodal checkpoint's text decoder (its files' layout)
+    if getattr(cfg, "text_of", None) and cfg.text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
+        # checkpoint's text decoder, its files' layout; Qwen2-VL's files keep the text model's)
         name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
 
@@ -940,6 +946,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
     mt = hf.get("model_type", "llama")
+    if mt == "qwen2_vl":                       # (Qwen2-VL: a Qwen2 decoder under model., the multimodal rotary)
+        return qwen_vision_hf.qwen2_vl_text(hf, config_from_hf_dict)
     if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
@@ -1270,6 +1278,9 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
     score head where it has one (models/score_head.py)."""
+    if cfg.vision is not None and cfg.text_of in qwen_vision_hf.TEXT_LAYOUT:
+        raise UnsupportedHFConfig(f"export of {cfg.text_of}'s multimodal class (its vision tower) is not built yet; "
+                                  f"export its text decoder (a text-only run of the checkpoint)")
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         import dataclasses
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)

@@ -1,6 +1,8 @@
 """Images into a Qwen decoder: the vision tower of Qwen3-VL / Qwen3.5 (transformers'
-``Qwen3_5VisionModel``: its patch merger is the projector) as pure functions over named arrays,
-the same entries and mechanism as models/pixtral.py (one tower of ``Config.vision``).
+``Qwen3_5VisionModel``: its patch merger is the projector) and Qwen2-VL's (``Qwen2VisionTransformerPretrainedModel``:
+the same without the convolution's bias and the learned positions, a QuickGELU MLP) as pure
+functions over named arrays, the same entries and mechanism as models/pixtral.py (one tower of
+``Config.vision``).
 
 The data path (``data/qwen_images.py``) gives each example's patches as Qwen's image processor
 cuts them (``patches``: batch patch channel patch_y patch_x, the channels ``in_channels x
@@ -27,8 +29,15 @@ from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
 TOWER = "qwen3_vl"
+TOWERS = (TOWER, "qwen2_vl")
+"""The tower names this module builds (Qwen3-VL / Qwen3.5's; Qwen2-VL's)."""
 EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions")
 """The batch entries this tower reads beside models/pixtral.py's ``IMAGE_KEYS`` (its ``EXTRA_KEYS``)."""
+
+
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda h: ops.gelu(h, approximate="tanh"), "gelu": ops.gelu,
+               "quick_gelu": lambda h: h.map(lambda t: t * torch.sigmoid(1.702 * t))}
+"""The vision MLP's activations (``hidden_act``; QuickGELU: Qwen2-VL's)."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,12 @@ class QwenVisionConfig:
     temporal_patch: int = 2
     channels: int = 3
     merge: int = 2
-    positions: int = 2304              # num_position_embeddings: a square table, side x side
+    positions: int = 2304              # num_position_embeddings: a square table, side x side (0: none, Qwen2-VL)
     rope_theta: float = 10000.0
     hidden_act: str = "gelu_pytorch_tanh"
     image_token_id: int = 248056
     tower: str = TOWER
+    patch_bias: bool = True            # (Qwen2-VL: its patch convolution has no bias)
 
     def __post_init__(self) -> None:
         side = int(self.positions ** 0.5)
@@ -58,9 +68,9 @@ class QwenVisionConfig:
         if self.hidden % self.heads or (self.hidden // self.heads) % 4:
             raise ValueError(f"vision_config: hidden_size={self.hidden} must be num_heads={self.heads} times a head "
                              f"width divisible by 4 (the 2D rotary: a quarter each for rows and columns, twice)")
-        if self.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"vision_config: hidden_act={self.hidden_act!r} is not supported (gelu_pytorch_tanh, "
-                             f"gelu)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config: hidden_act={self.hidden_act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
 
     @property
     def head_dim(self) -> int:
@@ -96,9 +106,11 @@ def init(v: QwenVisionConfig, text_hidden: int, dtype: torch.dtype, std: float) 
 
     tower = {"patch_embed": w((v.hidden, v.channels, v.temporal_patch, v.patch_size, v.patch_size),
                               "vision channel patch_t patch_y patch_x"),
-             "patch_bias": zeros((v.hidden,), "vision"),
-             "pos_embed": w((v.positions, v.hidden), "vpositions vision"),
              "blocks": [block() for _ in range(v.layers)]}
+    if v.patch_bias:
+        tower["patch_bias"] = zeros((v.hidden,), "vision")
+    if v.positions:
+        tower["pos_embed"] = w((v.positions, v.hidden), "vpositions vision")
     merger = {"ln": ones(v.hidden, "vision"), "ln_bias": zeros((v.hidden,), "vision"),
               "fc1": w((M, M), "vision_merge mm"), "fc1_bias": zeros((M,), "mm"),
               "fc2": w((M, text_hidden), "mm hidden"), "fc2_bias": zeros((text_hidden,), "hidden")}
@@ -133,21 +145,23 @@ def _block(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: QwenVi
     f = p["mlp"]
     h = ops.layer_norm(x, p["norm2"], p["norm2_bias"], eps=1e-6)
     h = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["fc1"]) + f["fc1_bias"]
-    h = ops.gelu(h, approximate="tanh" if v.hidden_act == "gelu_pytorch_tanh" else "none")
+    h = ACTIVATIONS[v.hidden_act](h)
     return x + ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, f["fc2"]) + f["fc2_bias"]
 
 
 def encode(tower: dict, images: dict, v: QwenVisionConfig) -> Named:
     """The tower's last hidden states (batch patch vision) of the batch's patches."""
-    dtype = tower["patch_bias"].data.dtype
+    dtype = tower["patch_embed"].data.dtype
     patches = ops.split_dim(images["patches"].astype(dtype), "channel",
                             {"pchannel": v.channels, "patch_t": v.temporal_patch})
     x = ops.einsum("batch patch pchannel patch_t patch_y patch_x, vision pchannel patch_t patch_y patch_x -> "
                    "batch patch vision", patches, ops.rename(tower["patch_embed"], channel="pchannel"))
-    x = x + tower["patch_bias"]
-    rows = ops.embed(tower["pos_embed"], images["patch_taps"], vocab="vpositions")      # batch patch tap vision
-    x = x + ops.einsum("batch patch tap vision, batch patch tap -> batch patch vision", rows,
-                       images["patch_tap_weights"].astype(dtype))
+    if "patch_bias" in tower:
+        x = x + tower["patch_bias"]
+    if "pos_embed" in tower:
+        rows = ops.embed(tower["pos_embed"], images["patch_taps"], vocab="vpositions")      # batch patch tap vision
+        x = x + ops.einsum("batch patch tap vision, batch patch tap -> batch patch vision", rows,
+                           images["patch_tap_weights"].astype(dtype))
     cos, sin = _rotary_tables(images["patch_positions"], v, x.data.dtype)
     for p in tower["blocks"]:
         x = _block(p, x, cos, sin, images["patch_images"], v)
@@ -170,7 +184,7 @@ def project(merger: dict, x: Named, v: QwenVisionConfig) -> Named:
 def with_images(params: dict, x: Named, images: dict, v: QwenVisionConfig) -> Named:
     """The token embeddings ``x`` (batch seq hidden) with the merged image features written at the
     image tokens."""
-    missing = [k for k in EXTRA_KEYS[:2] if k not in images]
+    missing = [k for k in EXTRA_KEYS[:2] if k not in images] if v.positions else []
     if missing:
         raise ValueError(f"image inputs: the {v.tower} tower needs {missing} too (data/qwen_images.py's "
                          f"qwen_image_batch makes them)")

@@ -216,3 +216,61 @@ def test_dp_fsdp_on_real_processes_equal_one_device(saved):
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
                                        msg=lambda m: f"{p}: {m}")
     assert any(p.startswith("vision_tower.blocks.") for p in one[1])
+
+
+def test_qwen2_vl_equals_transformers(tmp_path):
+    """Qwen2-VL (``Qwen2VLForConditionalGeneration``): the same tower without the patch bias and the
+    learned positions, a QuickGELU MLP, beside a Qwen2 decoder whose multimodal rotary's sections are
+    contiguous: logits, the fp64 loss and every gradient equal transformers'."""
+    torch.manual_seed(2)
+    text = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                            mrope_section=[1, 2, 1]))
+    conf = transformers.Qwen2VLConfig(text_config=text, image_token_id=IMAGE, video_token_id=251,
+                                      vision_start_token_id=252, vision_end_token_id=253,
+                                      vision_config=dict(depth=2, embed_dim=16, num_heads=2, mlp_ratio=2,
+                                                         hidden_size=32, patch_size=4, initializer_range=0.2))
+    model = transformers.Qwen2VLForConditionalGeneration(conf).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim == 1 or "norm" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
+    assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.vision.tower, cfg.vision.positions) == (
+        (1, 2, 1), False, "qwen2_vl", 0)
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float64,
+                                                                       attn_implementation="eager")
+    params = hf.load_hf_params(tmp_path, cfg, dtype=torch.float64)
+    ids, pixels = rows(seed=3, dtype=torch.float64)
+    batch = batch_of(ids, pixels, cfg)
+    assert "patch_taps" not in batch
+    loss, grads = single_device(cfg, params, batch)
+    inputs = hf_inputs(ids, pixels)
+    want_pos, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    torch.testing.assert_close(entries(ids, pixels, cfg)["mrope_positions"].permute(2, 0, 1), want_pos, rtol=0, atol=0)
+    logits = model(**inputs).logits[:, :-1]
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual."): p.grad
+                for n, p in model.named_parameters()}    # (transformers 5's module names; the files' are these)
+    ours = dict(tree.leaves_with_paths(grads))
+    files = hf._file_tensors(llama.init(cfg), cfg)
+    assert {name for name, _ in files} == set(hf_grads) and "visual.merger.mlp.0.weight" in hf_grads
+    for name, parts in files:
+        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        torch.testing.assert_close(got, hf_grads[name], rtol=1e-4,
+                                   atol=max(1e-5 * hf_grads[name].abs().max().item(), 1e-9),
+                                   msg=lambda m: f"{name}: {m}")
+    # text alone: the checkpoint's decoder loads without its tower (visual.* left aside), transformers' text logits
+    text_cfg, text_params = hf.load_hf_llama(tmp_path, dtype=torch.float64)
+    assert text_cfg.vision is None and text_cfg.text_of == "qwen2_vl"
+    with torch.no_grad():
+        named = sharding.named_tree(text_params, llama.init(text_cfg, torch.float64))
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), text_cfg).value()
+        # (transformers' text rotary tables are float32 whatever the dtype: 4e-8 apart at most)
+        torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="export of qwen2_vl's multimodal class \\(its vision tower\\) is not built"):
+        hf.save_hf_llama(params, cfg, tmp_path / "out")
