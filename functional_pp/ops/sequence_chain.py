@@ -23,12 +23,16 @@ from typing import Callable, Sequence
 import optree
 import torch
 
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
 from functional_pp._torch import is_tracing
+from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
+from functional_pp.compile.selective import selective_contexts
 from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.fsdp.regather import relayout
-from functional_pp.parallel.named import Named, env, make_named, settle
+from functional_pp.parallel.named import Named, current_policy, env, make_named, settle
 
 Step = Callable[[list, list, list], tuple]
 
@@ -130,6 +134,24 @@ class _Spec:
         return [o.data for o in outs], optree.tree_leaves(state_out, namespace="functional_pp")
 
 
+def _run_block(spec: _Spec, k: int, blocks: list, shared: list, state: list, remat) -> tuple[list, list]:
+    """``spec.run`` of local block ``k``; under ``remat`` (True, "selective") checkpointed as a layer
+    is: the block keeps its inputs (selective: and its matrix products' results) and its backward
+    recomputes the rest. The step does not communicate, so the recomputation is the device's own."""
+    if not remat:
+        return spec.run(k, blocks, shared, state)
+    n_out = []
+
+    def flat(*tensors):
+        o, new = spec.run(k, list(tensors[:len(blocks)]), list(tensors[len(blocks):len(blocks) + len(shared)]),
+                          list(tensors[len(blocks) + len(shared):]))
+        n_out[:] = [len(o)]
+        return (*o, *new)
+    out = checkpoint(flat, *blocks, *shared, *state, use_reentrant=False,
+                     context_fn=selective_contexts if remat == "selective" else noop_context_fn)
+    return list(out[:n_out[0]]), list(out[n_out[0]:])
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     """A fresh leaf of ``t``'s values, requiring grad where it can (floating point)."""
     return t.detach().requires_grad_(t.is_floating_point())
@@ -155,16 +177,18 @@ class _Chain(torch.autograd.Function):
         present = [x for x in spec.inputs if x is not None]
         leaves = {}
         outs: dict[int, list] = {}
+        remat = current_policy().remat if ctx.grad else False
         for j, (dev, k) in enumerate(spec.order):
             if dev == spec.rank:
-                # the block's graph keeps its own tensors (no activation checkpointing or offloading hook):
-                # a hook unpacked in backward would recompute the layer, communication included, at a
-                # point of the chain that differs from device to device
-                with torch.set_grad_enabled(ctx.grad), torch.autograd.graph.saved_tensors_hooks(_same_tensor,
-                                                                                                  _same_tensor):
+                # the block's graph is its own: no hook of the enclosing layer's checkpoint or offloading
+                # (unpacked in backward, it would recompute the layer, communication included, at a point
+                # of the chain that differs from device to device) and unseen by its selective modes; under
+                # remat the block is checkpointed by itself, recomputed locally in the chain's backward
+                with torch.set_grad_enabled(ctx.grad), outside_selective_checkpoint(), \
+                        torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
                     blocks = [_leaf(spec.slot(x, t, k)) for x, t in zip(present, data)]
                     sh, st = [_leaf(t) for t in shared], [_leaf(t) for t in state]
-                    o, new = spec.run(k, blocks, sh, st)
+                    o, new = _run_block(spec, k, blocks, sh, st, remat)
                 leaves[j] = (blocks, sh, st, o, new)
                 outs[k] = [t.detach() for t in o]
                 state = [t.detach() for t in new]
