@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from functional_pp._torch import is_tracing
 from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
 from functional_pp.compile.selective import selective_contexts
+from functional_pp.core.observers import serial_work
 from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
 from functional_pp.parallel import collectives as C
@@ -104,6 +105,7 @@ class _Spec:
     def __init__(self, step, inputs, shared, state_tree, seq, axes, order, rank, parts, meta):
         self.step, self.inputs, self.shared, self.state_tree = step, inputs, shared, state_tree
         self.seq, self.axes, self.order, self.rank, self.parts, self.meta = seq, axes, order, rank, parts, meta
+        self.devices = len(order) // parts      # (taking turns: a device's blocks wait for the others')
 
     def block(self, x: Named, data: torch.Tensor) -> Named:
         """``x``'s local block ``data`` as a value whose ``seq`` is whole (it varies over the chain's axis)."""
@@ -188,7 +190,8 @@ class _Chain(torch.autograd.Function):
                         torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
                     blocks = [_leaf(spec.slot(x, t, k)) for x, t in zip(present, data)]
                     sh, st = [_leaf(t) for t in shared], [_leaf(t) for t in state]
-                    o, new = _run_block(spec, k, blocks, sh, st, remat)
+                    with serial_work(spec.devices):
+                        o, new = _run_block(spec, k, blocks, sh, st, remat)
                 leaves[j] = (blocks, sh, st, o, new)
                 outs[k] = [t.detach() for t in o]
                 state = [t.detach() for t in new]
@@ -220,8 +223,9 @@ class _Chain(torch.autograd.Function):
             blocks, sh, st, o, new = leaves[j]
             pairs = [(t, g) for t, g in zip(o + new, g_outs[k] + g_state) if g is not None and t.requires_grad]
             wrt = [t for t in blocks + sh + st if t.requires_grad]
-            got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs and wrt else [None] * len(wrt))
+            with serial_work(spec.devices):
+                got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                           if pairs and wrt else [None] * len(wrt))
             got = [next(got) if t.requires_grad else None for t in blocks + sh + st]
             g_blocks[k] = [_zero_if_none(g, b) for b, g in zip(blocks, got[:len(blocks)])]
             for i, g in enumerate(got[len(blocks):len(blocks) + n_sh]):
