@@ -15,7 +15,9 @@ the same sends in the same order whatever it computes. A serial chain: the devic
 
 The step runs on local blocks only and must not communicate: the op aligns its operands before (every
 collective outside the chain) and gives the parameters the step reads as ``shared`` (their gradients
-are summed over the blocks)."""
+are summed over the blocks). Under remat (full or selective) each block is checkpointed by itself and
+recomputed on its device in the chain's backward; each block's work is announced as serial
+(``core/observers.serial_work``) so that the planner counts the other devices' turns."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
