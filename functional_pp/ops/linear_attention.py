@@ -250,9 +250,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     chunk_decay = chunk_decay[..., None] if per_channel else chunk_decay[..., None, None]
     state = torch.zeros(B, H, Dk, Dv, dtype=wide, device=v.device) if initial_state is None else initial_state.to(wide)
     outs = []
-    for i in range(n):
-        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
-        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    # each operand split into its chunks once (unbind: one stack in backward; indexing chunk i would
+    # allocate the whole operand's gradient per chunk, a backward quadratic in the chunks)
+    for v_i, kc_i, q_i, in_i, d_i, k_i in zip(*(x.unbind(2) for x in (new_v, k_cum, q, intra, chunk_decay, k))):
+        v_new = v_i - kc_i @ state
+        outs.append(q_i @ state + in_i @ v_new)
+        state = state * d_i + k_i.transpose(-1, -2) @ v_new
     out = torch.stack(outs, 2).reshape(B, H, n * chunk, Dv)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
