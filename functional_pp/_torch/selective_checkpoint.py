@@ -24,6 +24,8 @@ import functools
 from typing import Any, Callable
 
 import torch
+
+from functional_pp._torch import is_tracing
 from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, _CachedTorchDispatchMode,
@@ -94,7 +96,11 @@ def _is_selective_mode(mode: Any) -> bool:
 def outside_selective_checkpoint():
     """The block runs with this thread's selective-checkpoint dispatch modes (forward caching and
     recomputation) taken off the mode stack, every other mode (a planner's tracker, fake tensors)
-    left in place and in order; they are put back after it."""
+    left in place and in order; they are put back after it. Traced (torch.compile), nothing: there
+    the selective policy is a graph pass, not dispatch modes (and the mode stack is not traceable)."""
+    if is_tracing():
+        yield
+        return
     stack = _get_current_dispatch_mode_stack()
     first = next((i for i, m in enumerate(stack) if _is_selective_mode(m)), None)
     if first is None:
