@@ -53,18 +53,29 @@ def model_config(cfg: Any) -> Any:
         where = f" with overrides_of_model_config {overrides}" if overrides else ""
         raise ConfigError(f"base_model {cfg.base_model!r}{where}: {exc}") from exc
     _refuse_dropout_where_unbuilt(cfg, model)
+    named = getattr(cfg, "model_type", None)
+    if named in AXOLOTL_CLASSES and getattr(model, "model_type", None) != AXOLOTL_CLASSES[named]:
+        raise ConfigError(f"model_type: {named} is a {AXOLOTL_CLASSES[named]} model, but base_model "
+                          f"{cfg.base_model!r}'s config.json has model_type {getattr(model, 'model_type', None)!r}; "
+                          f"remove model_type (the architecture is config.json's)")
     return _refuse_for_recurrent_layers(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+
+
+AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}
+"""Axolotl's ``model_type`` class names that are not a transformers ``*ForCausalLM`` (mamba_ssm's
+``MambaLMHeadModel``) -> the ``config.json`` ``model_type`` they must name."""
 
 
 def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
     """``model``, unless it has Mamba2 layers (a hybrid's ``layer_blocks``) and the run splits the
     sequences their scan runs along (CP): refused by name before any work (the forward would refuse at
     the first step)."""
-    if not getattr(model, "mamba_heads", 0):
+    if not getattr(model, "mamba_heads", 0) and not getattr(model, "mamba1_inner", 0):
         return model
     problems = []
+    which = "Mamba2" if getattr(model, "mamba_heads", 0) else "Mamba (v1)"
     if getattr(cfg, "cp_size", 1) > 1:
-        problems.append(f"context_parallel_size (cp_size) {cfg.cp_size}: the Mamba2 layers' scan needs the whole "
+        problems.append(f"context_parallel_size (cp_size) {cfg.cp_size}: the {which} layers' scan needs the whole "
                         f"sequence on each device; set it to 1")
     if problems:
         raise ConfigError("; ".join(problems), problems)
