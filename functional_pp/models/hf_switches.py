@@ -713,7 +713,7 @@ SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/shor
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("jamba", "Jamba"), ("kimi_linear", "Kimi-Linear"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("kimi_linear", "Kimi-Linear"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, llama4_hf, mamba2_hf, mamba_hf, nemotron_h_hf, qwen3_5_hf,
+                                  granitemoehybrid_hf, jamba_hf, llama4_hf, mamba2_hf, mamba_hf, nemotron_h_hf, qwen3_5_hf,
                                   score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
@@ -382,6 +382,7 @@ RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared ex
 RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
 RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
 RENAMED["mamba"] = mamba_hf.RENAMED
+RENAMED["jamba"] = jamba_hf.RENAMED
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
@@ -771,7 +772,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
                                  **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES,
-                                 **mamba_hf.ARCHITECTURES}
+                                 **mamba_hf.ARCHITECTURES, **jamba_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -927,7 +928,7 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
     # attention; Gemma 4's text decoder), each given what it reads with
     for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
-                                (nemotron_h_hf,), (mamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,)):
+                                (nemotron_h_hf,), (mamba_hf,), (jamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,)):
         if mt in module.ARCHITECTURES:
             try:
                 return module.config_from_hf(hf, mt, *reads_with)
@@ -1181,6 +1182,8 @@ def check_exportable(cfg: Config) -> None:
         return falcon_h1_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in mamba_hf.ARCHITECTURES:
         return mamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in jamba_hf.ARCHITECTURES:
+        return jamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1246,6 +1249,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return falcon_h1_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in mamba_hf.ARCHITECTURES:
         return mamba_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in jamba_hf.ARCHITECTURES:
+        return jamba_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

@@ -66,12 +66,14 @@ def init(m: Mamba1, hidden: int, dtype: torch.dtype = torch.float32, std: float 
     def const(shape, dims, init, scale=0.0):
         return param(shape, dims, init=init, scale=scale, dtype=dtype)
     p = {"in_proj": w((hidden, 2, I), f"hidden mamba_gates {INNER}"),
-         "conv": w((I, K), f"{INNER} conv_kernel", 0.5),
+         # (meta linear False: not a linear weight, so not an all-linear LoRA target, as peft's nn.Conv1d / Parameter)
+         "conv": dataclasses.replace(w((I, K), f"{INNER} conv_kernel", 0.5), meta={"linear": False}),
          "x_proj": w((I, R + 2 * N), f"{INNER} ssm_xproj"),
          "dt_proj": w((R, I), f"mamba_dt_rank {INNER}", R ** -0.5),
          # dt = softplus(dt_bias) = 0.01; A = -(1, 2, ..., N) for every channel (S4D-real), D = 1
          "dt_bias": const((I,), INNER, "constant", math.log(math.expm1(0.01))),
-         "A_log": param((I, N), f"{INNER} ssm_state", init="zeros", dtype=dtype),
+         "A_log": dataclasses.replace(param((I, N), f"{INNER} ssm_state", init="zeros", dtype=dtype),
+                                      meta={"linear": False}),
          "D": const((I,), INNER, "ones"),
          "out_proj": dataclasses.replace(w((I, hidden), f"{INNER} hidden", out_std or std), meta={"in_dims": 1})}
     if m.conv_bias:
