@@ -131,11 +131,38 @@ def mixer(p: dict, h: Named, m: Mamba1, segments: Named | None = None) -> Named:
     return out + p["out_bias"] if "out_bias" in p else out
 
 
-def _continues(segments: Named, t: int, dtype: torch.dtype) -> Named:
-    """``batch seq`` (one position, ``t``): 1 where position t continues the document of t - 1, else 0."""
-    now = ops.slice_dim(segments, "seq", t, t + 1)
-    before = ops.slice_dim(segments, "seq", t - 1, t)
-    return (now - before).map(lambda v: (v == 0).to(dtype))
+def _continues(segments: Named, dtype: torch.dtype) -> Named:
+    """``batch seq``: 0 where a position starts another document than the one before it, else 1."""
+    S = segments.size("seq")
+    first = ops.slice_dim(segments, "seq", 0, 1).map(lambda v: torch.ones_like(v, dtype=dtype))
+    if S == 1:
+        return first
+    same = (ops.slice_dim(segments, "seq", 1, S) - ops.slice_dim(segments, "seq", 0, S - 1)).map(
+        lambda v: (v == 0).to(dtype))
+    return ops.concat([first, same], "seq")
+
+
+def _states(decay: Named, inputs: Named) -> Named:
+    """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` (``h_0 = inputs_0``), both
+    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where both are laid out alike
+    (as the scan's einsums make them), else over named slices."""
+    if (decay.dims, decay.split, decay.vary, decay.partial) == (inputs.dims, inputs.split, inputs.vary,
+                                                                 inputs.partial) and not inputs.partial:
+        s, a = inputs.dims.index("seq"), decay.data
+
+        def run(u: torch.Tensor) -> torch.Tensor:
+            h, out = u.select(s, 0), [u.select(s, 0)]
+            for t in range(1, u.shape[s]):
+                h = a.select(s, t) * h + u.select(s, t)
+                out.append(h)
+            return torch.stack(out, s)
+        return inputs.map(run)
+    state, out = None, []
+    for t in range(inputs.size("seq")):
+        u = ops.slice_dim(inputs, "seq", t, t + 1)
+        state = u if state is None else ops.slice_dim(decay, "seq", t, t + 1) * state + u
+        out.append(state)
+    return ops.concat(out, "seq") if len(out) > 1 else out[0]
 
 
 def selective_scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bias: Named,
@@ -143,24 +170,18 @@ def selective_scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Nam
     """The selective scan of every channel of ``x`` (``batch seq mamba_inner``): with ``dt =
     softplus(dt + dt_bias)`` and ``A = -exp(A_log)`` (``mamba_inner ssm_state``), the state
     ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t`` (``B``, ``C``: ``batch seq ssm_state``, shared by the
-    channels), the output ``y_t = h_t . C_t + D x_t``; position by position, in float32 for 16-bit
-    inputs (as transformers). ``segments``: the state starts from zero at each document."""
+    channels), the output ``y_t = h_t . C_t + D x_t``; sequentially along the sequence (every state
+    kept for the backward, ``batch seq mamba_inner ssm_state`` as transformers' reference), in float32
+    for 16-bit inputs (as transformers). ``segments``: the state starts from zero at each document
+    (the decay into a document's first position is zero)."""
     dtype = x.data.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     x, dt, b, c = (v.astype(wide) for v in (x, dt, b, c))
     dt = (dt + dt_bias.astype(wide)).map(F.softplus)
     a = -ops.exp(a_log.astype(wide))
     decay = ops.exp(ops.einsum(f"batch seq {INNER}, {INNER} ssm_state -> batch seq {INNER} ssm_state", dt, a))
+    if segments is not None:
+        decay = decay * _continues(segments, wide)
     inputs = ops.einsum(f"batch seq {INNER}, batch seq ssm_state -> batch seq {INNER} ssm_state", dt * x, b)
-    state, ys = None, []
-    for t in range(x.size("seq")):
-        u = ops.slice_dim(inputs, "seq", t, t + 1)
-        if state is None:
-            state = u
-        else:
-            kept = ops.slice_dim(decay, "seq", t, t + 1) * state
-            state = (kept if segments is None else kept * _continues(segments, t, wide)) + u
-        ys.append(ops.einsum(f"batch seq {INNER} ssm_state, batch seq ssm_state -> batch seq {INNER}", state,
-                             ops.slice_dim(c, "seq", t, t + 1)))
-    y = ops.concat(ys, "seq") if len(ys) > 1 else ys[0]
+    y = ops.einsum(f"batch seq {INNER} ssm_state, batch seq ssm_state -> batch seq {INNER}", _states(decay, inputs), c)
     return y + x * d.astype(wide)

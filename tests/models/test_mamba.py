@@ -147,3 +147,11 @@ def test_selective_scan_matches_the_recurrence():
         h = (delta[:, t, :, None] * a).exp() * h + delta[:, t, :, None] * b[:, t, None, :] * x[:, t, :, None]
         want.append((h * c[:, t, None, :]).sum(-1) + d * x[:, t])
     torch.testing.assert_close(y, torch.stack(want, 1), rtol=1e-12, atol=1e-12)
+    # the loop over named slices (operands laid out differently) gives the same states as the local loop
+    decay = fpp.wrap(torch.rand(B, S, I, N, generator=g, dtype=torch.float64), "batch seq mamba_inner ssm_state")
+    inputs = fpp.wrap(torch.randn(B, S, I, N, generator=g, dtype=torch.float64), "batch seq mamba_inner ssm_state")
+    from functional_pp import ops
+    fast = mamba1._states(decay, inputs).value()
+    slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"))
+    torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(), fast)
+    assert torch.equal(fast[:, 0], inputs.value()[:, 0]) and not torch.allclose(fast[:, 1], inputs.value()[:, 1])
