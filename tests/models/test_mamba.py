@@ -155,3 +155,23 @@ def test_selective_scan_matches_the_recurrence():
     slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"))
     torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(), fast)
     assert torch.equal(fast[:, 0], inputs.value()[:, 0]) and not torch.allclose(fast[:, 1], inputs.value()[:, 1])
+
+
+def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
+    """Axolotl's ``model_type: MambaLMHeadModel`` (mamba_ssm's class) reads base_model's config.json as
+    the mamba family; a config.json of another model_type is refused by name before any work; CP too."""
+    import json
+
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.config.models import model_config
+    base = dict(datasets=[{"path": "x.jsonl", "type": "completion"}], micro_batch_size=1,
+                model_type="MambaLMHeadModel")
+    assert model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir)}, name="t")).mamba1_inner == 64
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 4, "intermediate_size": 64,
+                                                      "vocab_size": 256}))
+    with pytest.raises(ConfigError, match=r"model_type: MambaLMHeadModel is a mamba model, but base_model .* "
+                                          r"model_type 'llama'"):
+        model_config(TrainConfig.from_dict({**base, "base_model": str(tmp_path)}, name="t"))
+    with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: the Mamba \(v1\) layers' scan"):
+        model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t"))
