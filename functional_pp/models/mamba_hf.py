@@ -65,7 +65,8 @@ def config_from_hf(hf: dict, mt: str) -> Config:
     return Config(model_type=mt, vocab=int(get("vocab_size")), hidden=hidden, layers=layers, heads=1, kv_heads=1,
                   mlp=inner, rope_scaling=None, norm_eps=float(get("layer_norm_epsilon")),
                   tie_embeddings=bool(get("tie_word_embeddings")), init_std=float(get("initializer_range")),
-                  max_seq=int(hf.get("max_position_embeddings") or 2048), layer_blocks=("mamba1",) * layers,
+                  # (no positions, so no length it was built for: 0, no limit on sequence_len)
+                  max_seq=int(hf.get("max_position_embeddings") or 0), layer_blocks=("mamba1",) * layers,
                   mamba1_inner=inner, mamba1_dt_rank=rank, ssm_state=int(get("state_size")),
                   conv_kernel=int(get("conv_kernel")), mamba_conv_bias=bool(get("use_conv_bias")),
                   mamba_proj_bias=bool(get("use_bias")))

@@ -40,6 +40,7 @@ def hf_dir(tmp_path_factory):
 def test_config_and_files_read(hf_dir):
     cfg = hf.config_from_hf(hf_dir)
     assert cfg.layer_blocks == ("mamba1", "mamba1") and cfg.tie_embeddings
+    assert cfg.max_seq == 0                    # (no positions: sequence_len is not limited by them)
     m = cfg.mamba1
     assert (m.inner, m.state, m.dt_rank, m.conv_kernel, m.conv_bias, m.proj_bias, m.dt_norms) == (64, 8, 6, 4, True,
                                                                                                   False, False)
