@@ -3,16 +3,15 @@ its selective scan in models/mamba1.py): a tiny random ``MambaForCausalLM`` tran
 from a config loads through the HF import (files under ``backbone.``, tied embeddings); logits,
 the fp64 loss and every gradient equal transformers' (its scan's float32 casts kept in float64);
 export writes ``MambaForCausalLM``, which loads with equal logits; FSDP x TP with sequence
-parallelism on simulated devices and FSDP x TP on real gloo processes equal one device; packed
-documents each as alone; CP, the key / value cache and Jamba-only options refused by name."""
+parallelism on simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one
+device; packed documents each as alone; CP, the key / value cache and Jamba-only options refused by name."""
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
-                     fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf, make_batch, parallel, single_device)
+                     fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf, make_batch, parallel)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
-from functional_pp.core import tree
 from functional_pp.models import llama
 
 transformers = pytest.importorskip("transformers")
@@ -176,3 +175,32 @@ def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
         model_config(TrainConfig.from_dict({**base, "base_model": str(tmp_path)}, name="t"))
     with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: the Mamba \(v1\) layers' scan"):
         model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t"))
+
+
+def test_pipeline_equals_one_device(hf_dir):
+    """1F1B over pp 2 (a Mamba layer on each stage, the tied embedding on both ends) equals one device's two steps."""
+    import functools
+
+    from functional_pp.step.pipeline import pipeline_step
+    cfg = hf.config_from_hf(hf_dir)
+    data = [make_batch(cfg, batch=4, seq=8, seed=s) for s in range(2)]
+    loss = functools.partial(llama.loss, cfg=cfg)
+
+    def run(step):
+        def device():
+            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0, mesh=step.mesh, rules=step.rules))
+            losses = []
+            for b in data:
+                with fpp.use_rules(step.rules):
+                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+                state, m = step(state, local)
+                losses.append(float(m["loss"]))
+            return losses
+        return fpp.launch(device, step.mesh)
+    opt = fpp.optim.adamw(3e-3, weight_decay=0.1)
+    one = run(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=2))[0]
+    first, last = llama.pipeline_ends(cfg)
+    for losses in run(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2,
+                                    schedule="1f1b", first_stage=first, last_stage=last)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=0)
+    assert one[0] != one[1]
