@@ -133,6 +133,13 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+       # (Kimi Linear: a Kimi Delta Attention layer, then a latent attention one; a dense MLP, then experts)
+       "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", {
+           "num_key_value_heads": 8, "layer_types": ["linear_attention", "full_attention"],
+           "mlp_layer_types": ["dense", "sparse"], "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": None,
+           "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "linear_num_heads": 8,
+           "linear_head_dim": 64, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
        # (Mistral Small 4: DeepSeek-V3's latent attention and experts, its default YaRN rope)
        "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -211,8 +218,16 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
                 **_QWEN3_5_SPECIAL))}
+#: Llama 4 Scout / Maverick as Axolotl's linearized bnb-nf4 repositories hold them: the multimodal
+#: Llama4ForConditionalGeneration (a one-layer vision model), a dense layer then an MoE one, each
+#: expert's gate / up / down its own linear, every linear serialized 4-bit by bitsandbytes
+_LLAMA4 = dict(text_config=dict(_TINY, head_dim=64, intermediate_size=64, intermediate_size_mlp=256,
+                                num_local_experts=4, interleave_moe_layer_step=2, pad_token_id=None, bos_token_id=None,
+                               eos_token_id=None),
+               vision_config=dict(_VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64),
+               image_token_index=400, boi_token_index=401, eoi_token_index=402)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
-_EOS = {"llama": "<|eot_id|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
+_EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
         "gemma3": "<end_of_turn>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
@@ -240,7 +255,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
                    template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None)
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", *_WRAPPED):
+    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
@@ -249,6 +264,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         conf, cls, kw = _WRAPPED[model_type]
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
+        return d
+    if model_type == "llama4":
+        _linearized_nf4_llama4(d)
         return d
     if model_type in ("gemma4", "gemma4_moe"):
         torch.manual_seed(0)
@@ -265,6 +283,23 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type == "gpt_oss":
         _experts_as_mxfp4(d)
     return d
+
+
+def _linearized_nf4_llama4(d: Path) -> None:
+    """A tiny ``Llama-4-*-Linearized-bnb-nf4-bf16`` in ``d`` (:data:`_LLAMA4`)."""
+    import torch
+    import transformers
+    from harness import bnb_nf4_serialized, linearized_llama4
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(**_LLAMA4))
+    model.save_pretrained(d)
+    sd = bnb_nf4_serialized(linearized_llama4(dict(model.state_dict())), double_quant=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, d / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((d / "config.json").read_text())
+    conf["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                       bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="bfloat16")
+    (d / "config.json").write_text(json.dumps(conf))
 
 
 def _experts_as_mxfp4(d: Path) -> None:
@@ -382,6 +417,10 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["max_packed_sequence_len"] = 256     # (Axolotl's old name of the packed length: a size)
     if isinstance(cfg.get("lisa_n_layers"), int):   # LISA's layers at a time and steps between draws: sizes
         cfg.update(lisa_n_layers=1, lisa_step_interval=1)    # (the tiny models have 2 layers, the run 2 steps)
+    if isinstance(cfg.get("diffusion"), dict) and isinstance(cfg["diffusion"].get("mask_token_id"), int):
+        # a token id of the real model's vocabulary (Llama 3's reserved special token 0): the tiny
+        # model's last id instead, as base_model is the tiny model
+        cfg["diffusion"] = {**cfg["diffusion"], "mask_token_id": _TINY["vocab_size"] - 1}
     if cfg.get("use_otel_metrics"):
         cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):

@@ -414,6 +414,22 @@ def assert_fake_quant_equals_hf(model, hf_dir, qat, out_dir, acts_by: float) -> 
         torch.testing.assert_close(gr, theirs[name], atol=2e-4, rtol=1e-4, msg=name)
 
 
+def assert_cp_equals_one_device(hf_dir, lengths=(5, 9, 10), mesh=None, rules=None) -> None:
+    """One float64 step of ``hf_dir``'s model with the sequence (24) split over cp (default: CP 2 x TP 2,
+    load-balanced, FSDP over cp): plain rows, and rows of packed documents of ``lengths`` (``segments``,
+    crossing the blocks' boundaries); the loss and every gradient equal one device's."""
+    from functional_pp.checkpoint import hf
+    cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(4, -1).contiguous()
+    plain = make_batch(cfg, batch=4, seq=seg.shape[1], seed=3)
+    for batch in (plain, {**plain, "segments": seg}):
+        loss, grads = single_device(cfg, params, batch)
+        p_loss, p_grads, _ = parallel(cfg, params, batch, mesh or fpp.Mesh(cp=2, tp=2), rules or llama.default_rules())[0]
+        torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
+        for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, path=path: f"{path}: {m}")
+
+
 def assert_hf_layout_equals_one_device(hf_dir, layout: str) -> None:
     """One float64 step of the Hugging Face directory ``hf_dir``'s model under ``layout``
     ("fsdp_tp_sp": FSDP 2 x TP 2 with sequence parallelism; "cp": CP 2) on simulated devices:
@@ -428,3 +444,37 @@ def assert_hf_layout_equals_one_device(hf_dir, layout: str) -> None:
     torch.testing.assert_close(p_loss, loss, rtol=1e-10, atol=1e-12)
     for (path, a), (_, b) in zip(tree.leaves_with_paths(p_grads), tree.leaves_with_paths(grads)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m: f"{path}: {m}")
+
+
+def linearized_llama4(sd: dict) -> dict:
+    """The state dict ``sd`` with each layer's stacked experts as Axolotl's linearized Llama 4
+    holds them (its ``Llama4TextExperts``: one ``nn.Linear`` [out, in] per expert's gate / up / down)."""
+    out = {}
+    for k, t in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            pre, f = k.removesuffix(".gate_up_proj"), t.shape[-1] // 2
+            for j in range(t.shape[0]):
+                out[f"{pre}.gate_projs.{j}.weight"] = t[j, :, :f].T.contiguous()
+                out[f"{pre}.up_projs.{j}.weight"] = t[j, :, f:].T.contiguous()
+        elif k.endswith("experts.down_proj"):
+            for j in range(t.shape[0]):
+                out[f"{k.removesuffix('.down_proj')}.down_projs.{j}.weight"] = t[j].T.contiguous()
+        else:
+            out[k] = t
+    return out
+
+
+def bnb_nf4_serialized(sd: dict, double_quant: bool = False) -> dict:
+    """``sd`` with its linear weights (not the router, norms, embedding or head) as bitsandbytes
+    serializes a 4-bit ``Params4bit``: the packed codes and ``quant_state.as_dict(packed=True)``."""
+    import bitsandbytes.functional as F
+    out = {}
+    for k, t in sd.items():
+        if t.ndim == 2 and k.endswith("_proj.weight") or "_projs." in k:
+            packed, qs = F.quantize_4bit(t.to(torch.bfloat16), blocksize=64, quant_type="nf4",
+                                         compress_statistics=double_quant)
+            out[k] = packed
+            out.update({f"{k}.{c}": v for c, v in qs.as_dict(packed=True).items()})
+        else:
+            out[k] = t.to(torch.bfloat16)
+    return out

@@ -138,7 +138,10 @@ def full_params(ckpt: Path) -> dict:
         if not quantized(x):
             return x
         q = QuantizedWeight(*x)
-        return dequantize(q, block_dim=_flat_block_dim(path, dims) if q.flat else None)
+        if not q.flat:
+            return dequantize(q)
+        dim, lead = _flat_block_dim(path, dims)
+        return dequantize(q, block_dim=dim, lead=lead)
     from functional_pp.core.tree import path_str
     return optree.tree_map_with_path(lambda p, x: one(path_str(p), x), tree, is_leaf=quantized, none_is_leaf=False)
 
@@ -158,14 +161,17 @@ def _weight_dims(ckpt: Path, tree, quantized) -> dict:
     return {p: tuple(d.dims) for p, d in leaves_with_paths(llama.init(config_from_index(fmt.read_index(ckpt))))}
 
 
-def _flat_block_dim(path: str, dims: dict) -> int:
-    """The block dimension of the flat quantized weight at ``path`` (models.quantize.LINEAR_BLOCK_DIMS)."""
-    from functional_pp.models.quantize import LINEAR_BLOCK_DIMS, block_dim
+def _flat_block_dim(path: str, dims: dict) -> tuple[int, int]:
+    """``(block dimension, leading stack dimensions)`` of the flat quantized weight at ``path``
+    (models.quantize.LINEAR_BLOCK_DIMS; an experts' stack, EXPERT_BLOCK_DIMS: its ``experts`` first)."""
+    from functional_pp.models.quantize import EXPERT_BLOCK_DIMS, EXPERTS, LINEAR_BLOCK_DIMS, block_dim
     name = path.rsplit(".", 1)[-1]
-    if path not in dims or name not in LINEAR_BLOCK_DIMS:
+    stack = path in dims and name in EXPERT_BLOCK_DIMS and dims[path][:1] == (EXPERTS,)
+    table = EXPERT_BLOCK_DIMS if stack else LINEAR_BLOCK_DIMS
+    if path not in dims or name not in table:
         raise ValueError(f"{path}: a flat quantized weight this export cannot place (no declaration of it in the "
                          f"checkpoint's model config)")
-    return dims[path].index(block_dim(name, dims[path]))
+    return dims[path].index(block_dim(name, dims[path], table)), int(stack)
 
 
 def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:

@@ -148,7 +148,8 @@ class TrainRun:
     def setup(self) -> None:
         """The world, mesh and rules; the model family, its parameters and the objective."""
         from functional_pp.app import grpo_run
-        from functional_pp.app.inputs import frozen_and_adapters, model_config
+        from functional_pp.app.diffusion_run import diffusion_objective
+        from functional_pp.app.inputs import frozen_and_adapters, load_tokenizer, model_config
         from functional_pp.app.preference_run import REFERENCE, preference_objective, preference_spec
         cfg = self.cfg
         self.world = world = resolve_world(cfg, self.simulate)
@@ -172,8 +173,10 @@ class TrainRun:
         self.pref = pref = grpo if grpo is not None else preference_spec(cfg)
         self.grpo_policy = self.reward_funcs = self.precompute_reference = None
         if pref is None:
-            self.loss_fn, self.decls, self.trainable = frozen_and_adapters(
-                cfg, lora, functools.partial(family.loss, cfg=model_cfg), base_decls)
+            diffusion = cfg.diffusion_spec()          # (docs/finetune.md "Diffusion language models")
+            loss = (functools.partial(family.loss, cfg=model_cfg) if diffusion is None else
+                    diffusion_objective(cfg, diffusion, family, model_cfg, load_tokenizer(cfg)))
+            self.loss_fn, self.decls, self.trainable = frozen_and_adapters(cfg, lora, loss, base_decls)
         elif grpo is not None:
             self.loss_fn, self.decls, self.trainable, self.grpo_policy = grpo_run.grpo_objective_of(
                 cfg, grpo, family, model_cfg, lora, base_decls)
@@ -282,6 +285,7 @@ class TrainRun:
             flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
             peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
             batch_dims=batch_dims,
+            micro_weighting="labels" if cfg.diffusion is None else "rows",   # (the diffusion loss: a mean over rows)
             donate_state=True,   # the loop never reads a step's input state again
             metrics="deferred")  # read every log_every steps (docs/eager_overhead.md)
         # a pipeline's device holds only its stages' layers: each writes them to the checkpoint under

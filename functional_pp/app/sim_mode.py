@@ -21,7 +21,19 @@ def needs_threads(cfg: TrainConfig) -> list[str]:
         reasons.append(f"rl: {cfg.rl} (each device samples the step's completions: one thread per device)")
     if cfg.pp_size > 1:
         reasons.append(f"pp_size: {cfg.pp_size} (each pipeline stage runs its own actions: one thread per device)")
+    if cfg.cp_size > 1:
+        serial = _serial_under_cp(cfg)
+        if serial:
+            reasons.append(f"cp_size: {cfg.cp_size} with a recurrence along the sequence ({serial}; each device "
+                           f"runs its blocks from the state of the block before: one thread per device)")
     return reasons
+
+
+def _serial_under_cp(cfg: TrainConfig) -> str | None:
+    """The model's layers whose blocks run device after device under cp (``ModelFamily.serial_under_cp``)."""
+    from functional_pp.config.models import model_config, model_family
+    family = model_family(cfg)
+    return family.serial_under_cp(model_config(cfg)) if family.serial_under_cp is not None else None
 
 
 def simulation_mode(cfg: TrainConfig, world_size: int) -> str:

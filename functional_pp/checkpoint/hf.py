@@ -33,19 +33,20 @@ from functional_pp.core.mesh import Mesh
 from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
+from functional_pp.quant import bnb_serialized
 from functional_pp.quant.fp4 import dequantize_mxfp4
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
-    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows",
+    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows", "experts_linearized",
 ]
 
 from functional_pp.models.gemma4_hf import export_config
 from functional_pp.models.llama_hf import (IGNORED_BY_TYPE, IGNORED_HF, KINDS, LLAMA_TABLE,
                                            UnsupportedHFConfig, check_exportable, constants_of,
-                                           config_from_hf_dict, config_to_hf, file_name, head_groups, hf_kind,
-                                           hf_name, our_path,
+                                           also_read, config_from_hf_dict, config_to_hf, file_name, head_groups,
+                                           hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
 
 
@@ -154,9 +155,75 @@ class _HFReader:
                 raise CheckpointCorruptError(
                     f"{self.root / 'model.safetensors.index.json'} lists tensors its files lack: "
                     f"{lost[:6]}{' ...' if len(lost) > 6 else ''}")
+        self.members: dict[str, list[str]] = {}
+        self.hidden: dict[str, tuple[str, tuple[int, ...], str]] = {}    # entries folded into another's
+        self._bnb4_entries()
+        self._linearized_entries()
         self._stack_experts()
         self._mxfp4_entries()
         return self
+
+    def _fold(self, key: str) -> str:
+        """Take ``key`` out of the entries (read as part of another one); its file."""
+        self.hidden[key] = self.entries.pop(key)
+        return self.hidden[key][0]
+
+    def _file(self, key: str) -> str:
+        return (self.entries.get(key) or self.hidden[key])[0]
+
+    def _bnb4_entries(self) -> None:
+        """One dequantized entry ``{name}`` (the weight's shape and dtype) for each serialized
+        bitsandbytes 4-bit weight (quant/bnb_serialized.py: a pre-quantized checkpoint, such as
+        Axolotl's ``...-bnb-nf4-bf16``), its codes, scales and quant state folded into it."""
+        self.bnb4: dict[str, tuple[dict, dict[str, str]]] = {}
+        fp4 = [k for k in self.entries if k.endswith(bnb_serialized.STATE_SUFFIX["fp4"])]
+        if fp4:
+            raise CheckpointMismatchError(f"{self.root}: {fp4[0]}: bitsandbytes FP4 weights are not read (NF4 "
+                                          f"checkpoints are, dequantized); use the checkpoint before quantization")
+        suffix = bnb_serialized.STATE_SUFFIX["nf4"]
+        for key in [k for k in self.entries if k.endswith(suffix)]:
+            name = key[:-len(suffix)]
+            parts = {s: name + s for s in bnb_serialized.COMPONENTS if name + s in self.entries}
+            if name not in self.entries or not {".absmax", ".quant_map"} <= set(parts):
+                raise CheckpointCorruptError(f"{self.root}: {key} without {name} and its .absmax / .quant_map "
+                                             f"(a bitsandbytes 4-bit weight is all of them)")
+            try:
+                state = bnb_serialized.read_state(self._open(self.entries[key][0]).get_tensor(key), name)
+            except ValueError as exc:
+                raise CheckpointMismatchError(f"{self.root}: {exc}") from exc
+            for k in (key, *parts.values()):
+                self._fold(k)
+            self.bnb4[name] = (state, parts)
+            self.entries[name] = (self.entries[name][0], tuple(state["shape"]), _SAFETENSORS_DTYPE[state["dtype"]])
+
+    def _linearized_entries(self) -> None:
+        """Axolotl's linearized Llama 4 experts (``...experts.{gate,up,down}_projs.{j}.weight``, each
+        expert's projection an ``nn.Linear`` [out, in]) as transformers' stacked tensors:
+        ``...experts.gate_up_proj`` [E, in, 2 * out] (gate, then up) and ``...experts.down_proj`` [E, in, out]."""
+        self.linearized: dict[str, list[list[str]]] = {}
+        groups: dict[str, dict[str, dict[int, str]]] = {}
+        for key in self.entries:
+            m = _LINEARIZED.match(key)
+            if m:
+                groups.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["j"])] = key
+        for pre, by_proj in groups.items():
+            n = {len(by_proj.get(p, ())) for p in ("gate", "up", "down")}
+            keys = {p: [by_proj.get(p, {}).get(j) for j in range(max(n))] for p in ("gate", "up", "down")}
+            shapes = {p: {self.entries[k][1] for k in ks if k is not None} for p, ks in keys.items()}
+            if len(n) != 1 or any(None in ks for ks in keys.values()) or any(len(v) != 1 for v in shapes.values()) \
+                    or shapes["gate"] != shapes["up"]:
+                raise CheckpointCorruptError(
+                    f"{self.root}: the linearized experts of {pre} are not gate_projs / up_projs / down_projs "
+                    f"numbered 0..E-1 alike with one shape each: "
+                    f"{ {p: (sorted(v), sorted(shapes[p])) for p, v in by_proj.items()} }")
+            (out, inp), = shapes["gate"]
+            (h, f), = shapes["down"]
+            dt = self.entries[keys["gate"][0]][2]
+            files = [self._fold(k) for ks in keys.values() for k in ks]
+            self.entries[f"{pre}.gate_up_proj"] = (files[0], (max(n), inp, 2 * out), dt)
+            self.entries[f"{pre}.down_proj"] = (files[0], (max(n), f, h), dt)
+            self.linearized[f"{pre}.gate_up_proj"] = [keys["gate"], keys["up"]]
+            self.linearized[f"{pre}.down_proj"] = [keys["down"]]
 
     def _mxfp4_entries(self) -> None:
         """One dequantized entry ``{name}`` [*lead, in, out] float32 for each MXFP4 pair
@@ -182,7 +249,6 @@ class _HFReader:
         """One stacked entry ``...experts.{name}`` [E, *shape] for the per-expert tensors
         ``...experts.{j}.{name}`` j = 0..E-1 (the MoE rows of the table, kind ``experts_linear``); the
         same for per-head norms ``...norms.{j}.{name}`` (StableLM's q/k LayerNorms, kind ``per_head``)."""
-        self.members: dict[str, list[str]] = {}
         groups: dict[str, dict[int, str]] = {}
         for key in self.entries:
             m = _EXPERT.match(key)
@@ -217,12 +283,68 @@ class _HFReader:
         if name in self.mxfp4:
             blocks, scales = (self._open(self.entries[k][0]).get_slice(k) for k in self.mxfp4[name])
             return _Mxfp4(blocks, scales, self.entries[name][1])
+        if name in self.bnb4:
+            state, parts = self.bnb4[name]
+            get = lambda k: self._open(self._file(k)).get_tensor(k)        # noqa: E731
+            absmax, quant_map, nested_absmax, nested_map = (get(parts[s]) if s in parts else None
+                                                            for s in bnb_serialized.COMPONENTS)
+            return _Whole(lambda: bnb_serialized.dequantize_bnb4(get(name), absmax, quant_map, state, nested_absmax,
+                                                                 nested_map))
+        if name in self.linearized:
+            return _Linearized([[self.slice(k) for k in ks] for ks in self.linearized[name]], self.entries[name][1])
         if name in self.members:
-            return _Stacked([self._open(self.entries[k][0]).get_slice(k) for k in self.members[name]])
-        return self._open(self.entries[name][0]).get_slice(name)
+            return _Stacked([self.slice(k) for k in self.members[name]])
+        return self._open(self._file(name)).get_slice(name)
 
 
 _EXPERT = re.compile(r"^(?P<pre>.+)\.(?P<group>experts|norms)\.(?P<j>\d+)\.(?P<post>.+)$")
+_LINEARIZED = re.compile(r"^(?P<pre>.+\.experts)\.(?P<proj>gate|up|down)_projs\.(?P<j>\d+)\.weight$")
+_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def experts_linearized(path: str | os.PathLike) -> bool:
+    """Whether the HF checkpoint at ``path`` holds Axolotl's linearized Llama 4 experts (one
+    ``nn.Linear`` per expert: ``...experts.gate_projs.{j}.weight``); reads the headers only."""
+    root, weight_map, files = _hf_files(Path(path))
+    names = set(weight_map or ())
+    for f in files if weight_map is None else ():
+        with safe_open(str(fmt.inside(root, f, str(root))), framework="pt") as h:
+            names.update(h.keys())
+    return any(_LINEARIZED.match(k) for k in names)
+
+
+class _Whole:
+    """A slice handle of a tensor made whole on first use (a dequantized weight)."""
+
+    def __init__(self, make: Callable[[], torch.Tensor]):
+        self.make, self.t = make, None
+
+    def __getitem__(self, idx):
+        if self.t is None:
+            self.t = self.make()
+        return self.t[idx]
+
+
+class _Linearized:
+    """A slice handle of ``[E, in, sum(out)]`` from per-expert ``[out, in]`` linear weights, each
+    part's experts in turn along the last dimension (gate, then up: ``gate_up_proj``)."""
+
+    def __init__(self, parts: list[list], shape: tuple[int, ...]):
+        self.parts, self.shape = parts, shape
+
+    def __getitem__(self, idx):
+        idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (3 - len(idx))
+        (e0, e1, es), (i0, i1, is_), (o0, o1, os_) = (s.indices(n) for s, n in zip(idx, self.shape))
+        if es != 1 or is_ != 1 or os_ != 1:
+            raise ValueError("linearized experts are read in contiguous ranges")
+        width = self.shape[2] // len(self.parts)
+        out = []
+        for j in range(e0, e1):
+            cols = [part[j][max(o0, b) - b:min(o1, b + width) - b, i0:i1].T
+                    for part, b in zip(self.parts, range(0, self.shape[2], width)) if max(o0, b) < min(o1, b + width)]
+            out.append(torch.cat(cols, -1))
+        return torch.stack(out)
 
 
 class _Stacked:
@@ -291,6 +413,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
             axis = _row_axis(parts)
             want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
+            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama")) if n in reader.entries), name)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
                 continue
@@ -485,6 +608,9 @@ def load_hf_llama(path: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     p = Path(path)
     root = p if p.is_dir() else p.parent
     cfg = config_from_hf(root / "config.json")
+    if cfg.model_type == "llama4_text" and experts_linearized(p):      # (Axolotl's: written back so on export)
+        import dataclasses
+        cfg = dataclasses.replace(cfg, experts_linearized=True)
     return cfg, load_hf_params(p, cfg, dtype=dtype, mesh=mesh, rules=rules, rank=rank, device=device,
                                strict=strict)
 
@@ -560,7 +686,38 @@ def _items(cfg, get: Callable[[str], tuple[tuple[int, ...], torch.dtype, Callabl
             items.append((name, dt, shape, make))
         for const, value in constants_of(parts[0][0], getattr(cfg, "model_type", "llama"), cfg):     # (xIELU's beta and eps)
             items.append((const, dt, (), lambda value=value, dt=dt: torch.tensor(value, dtype=dt)))
+    if getattr(cfg, "experts_linearized", False):
+        items = _linearized_items(items)
     return items, (dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32))
+
+
+def _linearized_items(items: list) -> list:
+    """``items`` with each ``...experts.gate_up_proj`` [E, in, 2 * out] / ``...experts.down_proj``
+    [E, in, out] written as Axolotl's linearized experts: ``...experts.{gate,up,down}_projs.{j}.weight``
+    [out, in], one per expert (the stacked tensor made once for all of them)."""
+    out = []
+    for name, dt, shape, make in items:
+        m = re.match(r"^(?P<pre>.+\.experts)\.(?P<what>gate_up|down)_proj$", name)
+        if m is None:
+            out.append((name, dt, shape, make))
+            continue
+        experts, inp, width = shape
+        projs = ("gate", "up") if m["what"] == "gate_up" else ("down",)
+        w = width // len(projs)
+        held = {"left": experts * len(projs)}
+
+        def part(j, k, make=make, held=held, w=w):
+            if "t" not in held:
+                held["t"] = make()
+            t = held["t"][j, :, k * w:(k + 1) * w].T.contiguous()
+            held["left"] -= 1
+            if not held["left"]:
+                held.clear()
+            return t
+        for k, proj in enumerate(projs):
+            for j in range(experts):
+                out.append((f"{m['pre']}.{proj}_projs.{j}.weight", dt, (w, inp), lambda j=j, k=k, part=part: part(j, k)))
+    return out
 
 
 def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool = False,

@@ -51,10 +51,11 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     mesh, FSDP axes and sequence parallelism; only options a config can express (so the chosen
     layout can be pasted: :func:`layout_keys`). ``max_axis`` caps axis sizes (default: cp up to
     :data:`CP_MIN_TOKENS` tokens per device, a shorter split only adds ring steps; none for a model whose
-    layers need the whole sequence, ``ModelFamily.whole_sequence``)."""
+    layers are a recurrence along the sequence, run device after device under cp,
+    ``ModelFamily.serial_under_cp``)."""
     from functional_pp.config.models import model_config, model_family
     family = model_family(cfg)
-    whole = family.whole_sequence is not None and family.whole_sequence(model_config(cfg)) is not None
+    whole = family.serial_under_cp is not None and family.serial_under_cp(model_config(cfg)) is not None
     given = cfg._given
     remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", True)
     micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"

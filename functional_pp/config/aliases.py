@@ -109,6 +109,9 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
        "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
+_EBFT = ("Axolotl's EBFT settings (rl: ebft, energy-based fine-tuning: rewards from how the hidden-state features "
+         "of sampled continuations match the data's own) are not built; docs/preference.md \"EBFT\" says what is "
+         "missing: remove it")
 _MULTIMODAL = "multimodal models are not supported (text models only): remove it"
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
@@ -119,13 +122,7 @@ UNSUPPORTED: dict[str, str] = {
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
                            "nvfp4_merge_aware")},
-    "llama4_linearized_experts": ("Axolotl's linearized Llama 4 (each expert's gate / up / down as its own "
-                                  "nn.Linear, so that peft and bitsandbytes reach them) is the same math as the "
-                                  "stacked experts here, whose LoRA is already one adapter per expert "
-                                  "(lora_target_modules: [gate, up, down], docs/adapters.md); its checkpoints' "
-                                  "per-expert names (feed_forward.experts.gate_projs.N) are not read: train from "
-                                  "the original Llama 4 checkpoint and remove the key"),
-    "ebft": _RL,
+    "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _MULTIMODAL for k in ("processor_type", "freeze_mm_modules")},
@@ -138,7 +135,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
-    "diffusion": "diffusion language-model training is not supported: remove it",
     "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
 }
 
@@ -247,6 +243,9 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
                     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
                     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
+
+#: Axolotl's diffusion plugin: it switches on the ``diffusion:`` objective (models/diffusion_lm.py)
+DIFFUSION_PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
 
 #: Accelerate config-file keys that describe how ``accelerate launch`` starts processes; they
 #: are shown as "not used" in the start-up summary (torchrun / --simulate launch here)
@@ -401,6 +400,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         unused.append("tokenizer_use_mistral_common unset: true for a Magistral model, as Axolotl infers it "
                       "(set it false to read tokenizer.json)")
     launcher: list[str] = []
+    diffusion_plugin = False
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
         prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)
@@ -476,11 +476,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 unused.append(f"attn_implementation: {value} ({_SAME_ATTENTION})")
         elif key == "plugins":
             for name in value if isinstance(value, list) else [value]:
-                if name in ACCEPTED_PLUGINS:
+                if name == DIFFUSION_PLUGIN:            # its options: the diffusion key (its defaults when absent)
+                    diffusion_plugin = True
+                elif name in ACCEPTED_PLUGINS:
                     unused.append(f"plugin {name} ({ACCEPTED_PLUGINS[name]})")
                 else:
                     issues.add(f"plugins: {name!r} is not supported (accepted: "
-                               f"{', '.join(ACCEPTED_PLUGINS)}): remove it")
+                               f"{', '.join([*ACCEPTED_PLUGINS, DIFFUSION_PLUGIN])}): remove it")
         elif key == "tokenizer_type":
             if isinstance(value, str) and value.endswith(("Tokenizer", "TokenizerFast")):
                 unused.append(f"tokenizer_type: {value} (the tokenizer.json is read by the tokenizers "
@@ -490,9 +492,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
             if key == "model_type" and isinstance(value, str) and (re.fullmatch(
-                    r"[A-Z]\w*For(CausalLM|SequenceClassification|TokenClassification)", value)
-                    or value == "MambaLMHeadModel"):
-                # a transformers causal-LM class: the architecture is config.json's; a classifier's
+                    r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
+                    value) or value == "MambaLMHeadModel"):
+                # a transformers causal-LM class: the architecture is config.json's (a multimodal
+                # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
                 # head is reward_model's / process_reward_model's (checked with them: checks.py);
                 # mamba_ssm's MambaLMHeadModel: config.json's model_type must be mamba (models.py)
                 out["model_type"] = value
@@ -521,6 +524,8 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             aliased.append((key, canonical, translate(value)))
         else:
             out[key] = value
+    if diffusion_plugin and out.get("diffusion") is None:
+        out["diffusion"] = {}
     fsdp, fsdp_notes = fsdp_settings(d, issues)
     unused += fsdp_notes
     for why, keys in refused.items():             # one problem per feature, not per key

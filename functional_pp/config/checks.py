@@ -81,6 +81,53 @@ def check_model_quantization(cfg: Any, add) -> None:
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
 
 
+def check_diffusion(cfg: Any, add) -> None:
+    """``diffusion:`` (Axolotl's DiffusionPlugin): a mapping of its options, each in range; what the
+    objective cannot run with refused by name. Its keys that do not change training are noted."""
+    d = cfg.diffusion
+    if d is None:
+        return
+    if not isinstance(d, dict):
+        add(f"diffusion must be a mapping (mask_token_id, eps, importance_weighting, ...), got {d!r}")
+        return
+    import dataclasses
+    from functional_pp.models.diffusion_lm import SAMPLING_KEYS, DiffusionSpec
+    options = [f.name for f in dataclasses.fields(DiffusionSpec)]
+    unknown = sorted(set(d) - set(options))
+    if unknown:
+        add(f"diffusion.{unknown[0]} is not an option of diffusion (options: {', '.join(options)}): remove it")
+        return
+    try:
+        spec = DiffusionSpec.from_mapping(d)
+    except ValueError as exc:
+        add(str(exc))
+        return
+    if spec.mask_token_id is None:
+        add("diffusion.mask_token_id is not set: give the id of a token of the vocabulary to mask with (adding a "
+            "token, mask_token_str, is not supported)")
+    elif spec.mask_token_str is not None and "diffusion.mask_token_str" not in " ".join(cfg.notes):
+        cfg.notes.append("diffusion.mask_token_str (mask_token_id is given: the id is used, as in Axolotl)")
+    for key, on in (("rl", cfg.rl), ("reward_model", cfg.reward_model),
+                    ("process_reward_model", cfg.process_reward_model)):
+        if on:
+            add(f"diffusion with {key}: {on} is not supported (the diffusion objective replaces the causal "
+                f"language-model loss): remove one of them")
+    if (cfg.pp_size or 1) > 1:
+        add("diffusion with pp_size > 1 is not supported yet (its masks are drawn per forward, which a "
+            "pipeline's stages count apart): use FSDP, TP or CP (pp_size 1)")
+    if cfg.compile:
+        add("diffusion with torch_compile is not supported (its mask seed advances on the host every forward): "
+            "set torch_compile: false")
+    if cfg.qat:
+        add("diffusion with qat is not supported: remove one of them")
+    sampling = [k for k in SAMPLING_KEYS if k in d]
+    note = (f"diffusion: {', '.join(sampling) + ' (' if sampling else ''}no samples are generated during "
+                     f"training{')' if sampling else ''}; noise_schedule, min_mask_ratio and max_mask_ratio do not "
+                     f"change the masking (p = (1 - eps) t + eps, t uniform: as Axolotl's trainer)")
+    if note not in cfg.notes:
+        cfg.notes.append(note)
+
+
 def check_qat(cfg: Any, add) -> None:
     """``qat:`` (Axolotl's QATConfig): the schemes built here (int4 weights with int8 per-token
     inputs, or NVFP4 weights and inputs in blocks of 16; Axolotl's default weight_dtype int8 alone
@@ -125,7 +172,14 @@ SAMPLING_RL = ("grpo", "gdpo")
 #: ``rl:`` methods of Axolotl not built yet -> why
 RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
                    "which is not built (GRPO is: rl: grpo)"
-                for m in ("ebft", "online_dpo", "ppo")}
+                for m in ("online_dpo", "ppo")}
+RL_NOT_BUILT["ebft"] = (
+    "EBFT (energy-based fine-tuning) samples n_samples_per_prompt continuations of generate_max_len tokens at "
+    "anchors every stride tokens of each document, rewards each by how its hidden-state features at "
+    "feature_layers (of the frozen starting model) align with the document's own continuation, less their "
+    "similarity to each other, and trains by REINFORCE with RLOO advantages plus ce_coef x cross-entropy; the "
+    "strided rollout, the features, their whitening, these rewards and this loss are not built "
+    "(docs/preference.md \"EBFT\")")
 _RL_KEYS = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha", "kto_desirable_weight",
             "kto_undesirable_weight", "kto_loss_type")
 _OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha")
@@ -554,6 +608,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     if cfg.datasets and cfg.data.path is not None:
         add("give either datasets (a list) or data.path, not both")
     check_qat(cfg, add)
+    check_diffusion(cfg, add)
     if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
         for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
             if getattr(cfg, k):
@@ -723,12 +778,12 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
                           f"directory with config.json and safetensors (nothing is downloaded)")
     family, model = model_family(cfg), model_config(cfg)
     _check_sequence_fits(cfg, model)
-    why = family.whole_sequence(model) if family.whole_sequence is not None else None
+    serial = family.serial_under_cp(model) if family.serial_under_cp is not None else None
     s_axes = cfg.seq_axes(mesh, rules)
-    if why and s_axes:
-        raise ConfigError(f"the sequence is split over {s_axes} (context parallelism, cp_size "
-                          f"{mesh.shape[s_axes[0]]}), but the model's {why}: use cp_size 1 (FSDP, TP and "
-                          f"sequence parallelism keep it whole for these layers)")
+    if serial and s_axes and cfg.compile:
+        raise ConfigError(f"compile: {cfg.compile} with the sequence split over {s_axes} (context parallelism, cp_size "
+                          f"{mesh.shape[s_axes[0]]}): the model's {serial}, whose blocks run device after device, "
+                          f"is not traced by torch.compile yet; use compile: false, or cp_size 1")
     what = sampling_key(cfg)
     refusal = family.sampling_refusal(model, what, instead=", or an offline method that does not sample (rl: dpo, "
                                       "ipo, orpo, simpo or kto on preference pairs)") if what else None

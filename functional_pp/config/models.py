@@ -30,7 +30,7 @@ def model_config(cfg: Any) -> Any:
         if overrides:
             raise ConfigError("overrides_of_model_config (model_config) replaces keys of base_model's config.json; "
                               "without base_model give them in the model section (model: {preset: ..., KEY: ...})")
-        return _refuse_for_recurrent_layers(cfg, _with_moe_options(cfg, cfg.model.build()))
+        return _refuse_cp_for_mamba1(cfg, _with_moe_options(cfg, cfg.model.build()))
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
         raise ConfigError(f"base_model: model family {family.name!r} has no Hugging Face mapping; "
@@ -58,7 +58,8 @@ def model_config(cfg: Any) -> Any:
         raise ConfigError(f"model_type: {named} is a {AXOLOTL_CLASSES[named]} model, but base_model "
                           f"{cfg.base_model!r}'s config.json has model_type {getattr(model, 'model_type', None)!r}; "
                           f"remove model_type (the architecture is config.json's)")
-    return _refuse_for_recurrent_layers(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+    model = _with_linearized_experts(cfg, model)
+    return _refuse_cp_for_mamba1(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
 
 
 AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}
@@ -66,20 +67,38 @@ AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}
 ``MambaLMHeadModel``) -> the ``config.json`` ``model_type`` they must name."""
 
 
-def _refuse_for_recurrent_layers(cfg: Any, model: Any) -> Any:
-    """``model``, unless it has Mamba2 layers (a hybrid's ``layer_blocks``) and the run splits the
-    sequences their scan runs along (CP): refused by name before any work (the forward would refuse at
-    the first step)."""
-    if not getattr(model, "mamba_heads", 0) and not getattr(model, "mamba1_inner", 0):
-        return model
-    problems = []
-    which = "Mamba2" if getattr(model, "mamba_heads", 0) else "Mamba (v1)"
-    if getattr(cfg, "cp_size", 1) > 1:
-        problems.append(f"context_parallel_size (cp_size) {cfg.cp_size}: the {which} layers' scan needs the whole "
-                        f"sequence on each device; set it to 1")
-    if problems:
-        raise ConfigError("; ".join(problems), problems)
+def _refuse_cp_for_mamba1(cfg: Any, model: Any) -> Any:
+    """``model``, unless it has Mamba (v1) layers (Mamba, Jamba) and the run splits the sequence their
+    scan runs along (CP): refused by name before any work (the forward would refuse at the first step;
+    the other recurrences hand their state along the sequence, ops/sequence_chain.py, this one not yet)."""
+    if getattr(model, "mamba1_inner", 0) and getattr(cfg, "cp_size", 1) > 1:
+        problem = (f"context_parallel_size (cp_size) {cfg.cp_size}: the Mamba (v1) layers' scan needs the whole "
+                   f"sequence on each device; set it to 1")
+        raise ConfigError(problem, [problem])
     return model
+
+
+def _with_linearized_experts(cfg: Any, model: Any) -> Any:
+    """``model`` marked ``experts_linearized`` where base_model's files hold Axolotl's linearized
+    Llama 4 experts (export writes them back so); ``llama4_linearized_experts: true`` refused by
+    name for other files (Axolotl's patch would not find its per-expert linears there)."""
+    if getattr(model, "model_type", None) != "llama4_text":
+        if getattr(cfg, "llama4_linearized_experts", False):
+            raise ConfigError(f"llama4_linearized_experts: base_model {cfg.base_model!r} is "
+                              f"{getattr(model, 'model_type', None)!r}, not Llama 4 (llama4 / llama4_text): "
+                              f"remove the key")
+        return model
+    from functional_pp.checkpoint.format import CheckpointError
+    from functional_pp.checkpoint.hf import experts_linearized
+    try:
+        linear = experts_linearized(cfg.base_model)
+    except CheckpointError:             # (no weights: the loader names what is missing, before any work)
+        linear = None
+    if getattr(cfg, "llama4_linearized_experts", False) and linear is False:
+        raise ConfigError(f"llama4_linearized_experts: base_model {cfg.base_model!r} holds the stacked experts "
+                          f"(feed_forward.experts.gate_up_proj), not Axolotl's linearized ones "
+                          f"(feed_forward.experts.gate_projs.N): remove the key (they are read as they are)")
+    return dataclasses.replace(model, experts_linearized=True) if linear else model
 
 
 def _refuse_dropout_where_unbuilt(cfg: Any, model: Any) -> None:

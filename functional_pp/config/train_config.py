@@ -189,8 +189,9 @@ class TrainConfig:
                                        "labels' classes (default 2)")
     center_rewards_coefficient: float | None = fld(None, "reward_model: TRL's weight of mean((r_chosen + "
                                                          "r_rejected)^2) added to the loss (default none)")
-    model_type: str | None = fld(None, "Axolotl's model class: any *ForCausalLM (the architecture is "
-                                       "base_model's config.json), AutoModelForSequenceClassification "
+    model_type: str | None = fld(None, "Axolotl's model class: any *ForCausalLM or *ForConditionalGeneration "
+                                       "(the architecture is base_model's config.json; a multimodal one's text "
+                                       "decoder is trained), AutoModelForSequenceClassification "
                                        "(reward_model), AutoModelForTokenClassification (process_reward_model)")
     trl: dict | None = fld(None, "rl: grpo / gdpo: TRL's GRPO arguments as Axolotl writes them (reward_funcs, "
                                  "reward_weights, num_generations, max_completion_length, temperature, top_p, "
@@ -209,6 +210,12 @@ class TrainConfig:
                                             "stacked weights too, each stack as bitsandbytes quantizes "
                                             "the stacked [experts, out, in] tensor (Axolotl's; "
                                             "docs/quantization.md)")
+    llama4_linearized_experts: bool = fld(False, "Axolotl's linearized Llama 4 checkpoints (each expert's gate / "
+                                                 "up / down its own nn.Linear: feed_forward.experts.gate_projs.N): "
+                                                 "read into the stacked experts (the same math), written back "
+                                                 "under those names; with load_in_4bit / load_in_8bit the experts "
+                                                 "are quantized too, as bitsandbytes reaches each expert's linear "
+                                                 "(docs/models.md)")
     bnb_config_kwargs: dict | None = fld(None, "bitsandbytes' options as Axolotl passes them: "
                                                "bnb_4bit_use_double_quant (default true), "
                                                "bnb_4bit_quant_type (nf4 only), bnb_4bit_compute_dtype "
@@ -253,6 +260,11 @@ class TrainConfig:
                                  "fake-quantized in the forward, rounding straight through; or weight_dtype "
                                  "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
                                  "unquantized")
+    diffusion: dict | None = fld(None, "masked-diffusion language-model training (Axolotl's DiffusionPlugin, LLaDA): "
+                                       "{mask_token_id: ID, eps: 1e-3, importance_weighting: true, ...}; each "
+                                       "row's answer tokens masked with probability (1 - eps) t + eps, t uniform, "
+                                       "bidirectional attention inside each document, the loss on the masked "
+                                       "tokens (docs/finetune.md \"Diffusion language models\")")
     # model and data
     base_model: str | None = fld(None, "a local Hugging Face Llama directory (config.json + "
                                        "safetensors) to start from; its tokenizer is used")
@@ -400,6 +412,13 @@ class TrainConfig:
             return None
         return {"bits": conf.get("loftq_bits", 4), "iters": conf.get("loftq_iter", 1)}
 
+    def diffusion_spec(self):
+        """The run's :class:`functional_pp.models.diffusion_lm.DiffusionSpec` (``diffusion:``), else None."""
+        if self.diffusion is None:
+            return None
+        from functional_pp.models.diffusion_lm import DiffusionSpec
+        return DiffusionSpec.from_mapping(self.diffusion)
+
     def qat_config(self):
         """The run's :class:`functional_pp.ops.fake_quant.QatConfig` (``qat:``), else None."""
         if not self.qat:
@@ -415,7 +434,7 @@ class TrainConfig:
         "double_quant": bool, "experts": bool}`` (``adapter: qlora`` or ``load_in_4bit``;
         ``load_in_8bit``; ``experts``: ``quantize_moe_experts``), else None."""
         kw = dict(self.bnb_config_kwargs or {})
-        experts = bool(self.quantize_moe_experts)
+        experts = bool(self.quantize_moe_experts or self.llama4_linearized_experts)
         if self.load_in_8bit:
             return {"kind": "int8", "double_quant": False, "experts": experts}
         if self.adapter == "qlora" or self.load_in_4bit:

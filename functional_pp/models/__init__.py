@@ -16,5 +16,5 @@ LLAMA = register(ModelFamily(
     activations=llama.activations,
     summary_fields=("model_type", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
     hf_config_from_dict=llama_hf.config_from_hf_dict, pipeline_ends=llama.pipeline_ends,
-    forward=llama.forward, whole_sequence=llama.whole_sequence,
+    forward=llama.forward, serial_under_cp=llama.serial_under_cp,
     uncached_layers=llama.uncached_layers))

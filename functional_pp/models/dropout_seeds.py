@@ -48,6 +48,23 @@ def forward_seed(attention_dropout: float, residual_dropout: float, cached: bool
     return store.get(_STEP, 0) * _PER_STEP + n
 
 
+def noise_seed(what: str) -> int:
+    """The count of this training forward for random draws other than dropout (``what`` names
+    them: the diffusion objective's masks, models/diffusion_lm.py): taken from the same counter as
+    :func:`forward_seed`, so every layout and a resumed run draw the same; refused under a compiled
+    step and a pipeline for the same reasons."""
+    if is_tracing():
+        raise ValueError(f"{what} under a compiled step is not supported (its seed advances on the host every "
+                         f"forward); set compile: false (torch_compile: false)")
+    if current_stage() is not None:
+        raise ValueError(f"{what} under pipeline parallelism (pp) is not supported yet; use FSDP, TP or CP "
+                         f"(pp_size 1)")
+    store = _store()
+    n = store.get(_KEY, 0)
+    store[_KEY] = n + 1
+    return store.get(_STEP, 0) * _PER_STEP + n
+
+
 def begin_step(step: int) -> None:
     """The forwards that follow belong to training step ``step`` (the loop's count, which a resumed
     run continues): their seeds depend on it and on their order within it, not on the forwards

@@ -113,7 +113,8 @@ ROWS: tuple[Row, ...] = (
     Row(("gpt_oss",), "attention sinks, alternating sliding / full layers, biased router and experts, clamped "
                       "SwiGLU, YaRN", f"sinks in ring attention (CP all-gathers k/v); {_EXPERT_PEFT}"),
     Row(("llama4_text",), "chunked attention, NoPE layers with temperature tuning, q/k L2 norm, top-1 sigmoid "
-                          "experts scaling their input, a shared expert", f"the multimodal `llama4`; {_EXPERT_PEFT}"),
+                          "experts scaling their input, a shared expert; the text decoder of the multimodal `llama4` "
+                          "(`Llama4ForConditionalGeneration`)", f"image input; {_EXPERT_PEFT}"),
     Row(("afmoe",), "per-head q/k norms, a sigmoid output gate of the attention (`attn_gate`), sliding layers with "
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
@@ -124,7 +125,7 @@ ROWS: tuple[Row, ...] = (
                   "(refused by name); Replit's remote-code checkpoints (their own tensor names)"),
     Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
-                   "tied embeddings", "context parallelism and key / value-cache sampling of the convolution layers "
+                   "tied embeddings", "key / value-cache sampling of the convolution layers "
                    "(refused by name); `conv_bias`"),
     Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
         "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "
@@ -133,9 +134,16 @@ ROWS: tuple[Row, ...] = (
         "decoder (export: its `*ForCausalLM`); Qwen3.5-MoE: experts in every layer with Qwen2-MoE's gated shared "
         "expert; Qwen3-Next: experts where `decoder_sparse_step` / `mlp_only_layers` put them, q/k/v/z and b/a "
         "fused key head by key head in its files",
-        "context parallelism and key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
+        "key / value-cache sampling with Gated DeltaNet layers (refused by name); PEFT "
         f"export of adapters on Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (export merged); image input; "
         f"{_EXPERT_PEFT}"),
+    Row(("kimi_linear",), "Kimi Delta Attention layers (`layer_types` `linear_attention`: Gated DeltaNet with a "
+                          "decay per key channel from a low-rank gate, a convolution on each of q / k / v, an output "
+                          "gated by a low-rank sigmoid gate; heads over tp; packed sequences) beside latent attention "
+                          "layers without rotary; DeepSeek-V3's experts (grouped sigmoid routing with its score "
+                          "correction, shared experts) after dense first layers (`mlp_layer_types`, "
+                          "`first_k_dense_replace`); EP as other MoE families; the checkpoint's `linear_attn_config`",
+        f"key / value-cache sampling of the delta attention layers (refused by name); {_EXPERT_PEFT}"),
     Row(("nemotron_h",), "a hybrid: layers of one block each (`hybrid_override_pattern`), a Mamba2 mixer (`M`: the "
                          "chunked SSD scan, grouped B/C, the gated RMSNorm; TP shards the heads), "
                          "attention without a rotary (`*`), a squared-ReLU MLP (`-`) or Nemotron 3's experts (`E`: "
@@ -143,18 +151,18 @@ ROWS: tuple[Row, ...] = (
                          "correction, a squared-ReLU shared expert, Nemotron 3 Super's latent experts "
                          "`moe_latent_size`; EP as other MoE families); files under `backbone.`; packed documents "
                          "each with its own state; pipelines split the layers as any others",
-        "CP and key / value-cache sampling of the Mamba2 layers (refused by name)"),
+        "key / value-cache sampling of the Mamba2 layers (refused by name)"),
     Row(("falcon_h1",), "a hybrid: a Mamba2 mixer and attention in parallel from one norm in every layer, then a "
                         "SwiGLU MLP; its muP multipliers (embedding, the mixer's input / projections / output, the "
                         "attention's input / output, keys, the MLP's gate and output, logits); the mixer's output "
                         "gated without a norm or normed before or after the gate; LoRA on the fused `in_proj` as adapters of its "
                         "parts, exported as one PEFT adapter",
-        "CP and key / value-cache sampling of the Mamba2 layers (refused by name)"),
+        "key / value-cache sampling of the Mamba2 layers (refused by name)"),
     Row(("granitemoehybrid",), "a hybrid: Granite's layers and multipliers whose token mixer is a Mamba2 mixer "
                                "(`layer_types` `mamba`) or attention, then the shared MLP (`shared_mlp`) and, with "
                                "`num_local_experts`, Granite MoE's experts; the rotary only with "
                                "`position_embedding_type: rope`",
-        f"CP and key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
+        f"key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
     Row(("mamba",), "Mamba (v1): a Mamba mixer after an RMSNorm in every layer, no attention, no MLP (the selective "
                     "scan of every channel, its causal convolution, the low-rank time step; TP splits the channels), "
                     "tied embeddings; files under `backbone.`; packed documents each with its own state; Axolotl's "

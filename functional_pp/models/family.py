@@ -34,9 +34,10 @@ class ModelFamily:
     ``layers`` on every stage) the parameter path prefixes only the first and only the last
     pipeline stage hold (``pipeline_step``'s ``first_stage`` / ``last_stage``); ``forward(params,
     tokens, cfg=...)`` (or None) the logits (batch seq vocab), which preference training
-    (``rl:``, docs/preference.md) needs; ``whole_sequence(cfg)`` (or None) why the model's sequence may
-    not be split over devices (a layer that is a recurrence along it), None where it may (checked
-    against the config's context parallelism before any work); ``uncached_layers(cfg)`` (or None)
+    (``rl:``, docs/preference.md) needs; ``serial_under_cp(cfg)`` (or None) the model's layers that
+    are a recurrence along the sequence, None where there are none: under context parallelism their
+    blocks run device after device (ops/sequence_chain.py), so the planner does not split the sequence
+    for them and the batched simulator (every device at once) cannot run them; ``uncached_layers(cfg)`` (or None)
     why the model cannot sample with a key / value cache (layers whose state it does not hold),
     None where it can (checked before any work against every config and command that samples:
     ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`)."""
@@ -54,7 +55,7 @@ class ModelFamily:
     hf_config_from_dict: Callable[[dict], Any] | None = None
     pipeline_ends: Callable[[Any], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
     forward: Callable[..., Any] | None = None
-    whole_sequence: Callable[[Any], str | None] | None = None
+    serial_under_cp: Callable[[Any], str | None] | None = None
     uncached_layers: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:

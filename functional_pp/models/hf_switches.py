@@ -713,11 +713,10 @@ SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/shor
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("kimi_linear", "Kimi-Linear"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
-        ("llama4", "Llama 4 (multimodal; its text model as llama4_text)"),
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
     **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
        for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},

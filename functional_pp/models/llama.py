@@ -28,8 +28,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, kv_cache, mamba1, mamba2, mla, moe,
-                                   per_layer_inputs, short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba1, mamba2, mla,
+                                   moe, per_layer_inputs, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -37,7 +37,7 @@ from functional_pp.ops.experts import ACTIVATIONS
 from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND, kimi_delta.KIND)
 LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp", "mamba1",
                 "mamba1+mlp")
 """A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
@@ -130,6 +130,9 @@ class Config:
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
     embedding_dropout: float = 0.0
+    # False: attention sees every position of its document, before and after (bidirectional: the
+    # masked-diffusion objective, models/diffusion_lm.py); True: causal
+    causal: bool = True
     # the layers ``layer_types`` marks "conv" mix tokens by LFM2's short convolution of this many
     # positions (conv_L_cache; models/short_conv.py), not attention; also Mamba2's conv1d width (d_conv)
     conv_kernel: int = 3
@@ -266,7 +269,9 @@ class Config:
     # Gated DeltaNet, the token mixer of the layers ``layer_types`` marks "linear_attention" (Qwen3-Next,
     # Qwen3.5; models/gated_deltanet.py): its value heads, key heads, key and value head widths and the
     # causal convolution's taps (linear_num_value_heads, linear_num_key_heads, linear_key_head_dim,
-    # linear_value_head_dim, linear_conv_kernel_dim)
+    # linear_value_head_dim, linear_conv_kernel_dim); Kimi Delta Attention, the mixer of the layers marked
+    # "kimi_delta_attention" (Kimi Linear; models/kimi_delta.py), reads linear_heads, linear_head_dim (its
+    # q, k and v heads' width) and linear_conv_kernel
     linear_heads: int = 0
     linear_kv_heads: int = 0
     linear_head_dim: int = 128
@@ -288,6 +293,10 @@ class Config:
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
+    # Llama 4's experts in the files one nn.Linear per expert (Axolotl's llama4_linearized_experts:
+    # feed_forward.experts.gate_projs.N / up_projs.N / down_projs.N): the same math, stacked here;
+    # export writes them under those names
+    experts_linearized: bool = False
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -353,6 +362,8 @@ class Config:
                 raise ValueError("layer_types marks chunked_attention layers but attention_chunk is not set")
             if gated_deltanet.KIND in self.layer_types:
                 gated_deltanet.check_config(self)
+            if kimi_delta.KIND in self.layer_types:
+                kimi_delta.check_config(self)
         if self.attention_chunk is not None and (isinstance(self.attention_chunk, bool) or not isinstance(
                 self.attention_chunk, int) or self.attention_chunk < 1):
             raise ValueError(f"attention_chunk must be a positive integer or null, got {self.attention_chunk!r}")
@@ -485,6 +496,20 @@ class Config:
             raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
                              "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
                              "to null")
+        if not self.causal:
+            self._check_bidirectional()
+
+    def _check_bidirectional(self) -> None:
+        """Refuse what bidirectional attention (``causal=False``) cannot run: layers that mix tokens
+        by a state carried forward (causal by construction), sliding windows and chunks (whose
+        non-causal mask no oracle defines)."""
+        why = recurrent_layers(self)
+        local = [i for i in range(self.layers) if self.window(i) is not None or self.chunk(i) is not None]
+        if local:
+            why.append(f"sliding-window or chunked attention (layers {local})")
+        if why:
+            raise ValueError(f"bidirectional attention (causal=False, the diffusion objective) is not supported with "
+                             f"{'; '.join(why)}; train this model with the causal objective")
 
     def _check_blocks(self) -> None:
         """Refuse (naming the field) ``layer_blocks`` / Mamba2 settings this decoder cannot run."""
@@ -1014,7 +1039,7 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     q = _prepared(a, "q", q, pos, cfg, window)            # a compiler fuses q's and k's rotary as one)
     k, v = _prepared_kv(a, own, pos, cfg, window) if kv is None else kv
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    causal, cache, kv_segments = True, kv_cache.active(), None
+    causal, cache, kv_segments = cfg.causal, kv_cache.active(), None
     if cache is not None:                                 # sampling: the cached keys first (kv_cache.py)
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
@@ -1053,8 +1078,9 @@ class TokenMixer(NamedTuple):
     """A layer kind (``layer_types``) whose tokens mix by another op than attention: its parameters
     held under ``key`` in place of ``self_attn`` (HF's name), declared by ``init(cfg, w, out_std,
     dtype)``; ``mix(params, normed input, cfg, segments)`` -> ``batch res_seq hidden``; ``what`` it
-    is, for messages. Each keeps a state along the sequence: it needs the whole sequence on a
-    device and has no key / value cache (:func:`recurrent_layers`)."""
+    is, for messages. Each keeps a state along the sequence (handed from block to block where the
+    sequence is split over cp: ops/sequence_chain.py) that the key / value cache does not hold
+    (:func:`recurrent_layers`)."""
     key: str
     init: Callable[..., dict]
     mix: Callable[..., Named]
@@ -1063,12 +1089,17 @@ class TokenMixer(NamedTuple):
 
 TOKEN_MIXERS: dict[str, TokenMixer] = {
     "conv": TokenMixer("conv", lambda cfg, w, out_std, dtype: short_conv.init(cfg.hidden, cfg.conv_kernel, w, out_std),
-                       lambda c, h, cfg, segments: short_conv.mixer(c, h, cfg), "LFM2's short convolution"),
+                       short_conv.mixer, "LFM2's short convolution"),
     gated_deltanet.KIND: TokenMixer(
         "linear_attn", gated_deltanet.init_layer,
         lambda a, h, cfg, segments: ops.rename(gated_deltanet.mixer(a, h, cfg, segments), seq="res_seq"),
-        "Gated DeltaNet")}
-"""``layer_types`` entries -> their :class:`TokenMixer` (models/short_conv.py, models/gated_deltanet.py);
+        "Gated DeltaNet"),
+    kimi_delta.KIND: TokenMixer(
+        "kda", kimi_delta.init_layer,
+        lambda a, h, cfg, segments: ops.rename(kimi_delta.mixer(a, h, cfg, segments), seq="res_seq"),
+        "Kimi Delta Attention")}
+"""``layer_types`` entries -> their :class:`TokenMixer` (models/short_conv.py, models/gated_deltanet.py,
+models/kimi_delta.py);
 Mamba2 mixers are blocks of ``layer_blocks`` instead (:func:`mamba_block`)."""
 
 _ACTS = {"silu": ops.silu, "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"), "gelu": ops.gelu,
@@ -1357,6 +1388,8 @@ def flops_per_token(cfg: Config, seq: int) -> float:
             return 2 * cfg.hidden * (4 * cfg.hidden + cfg.conv_kernel)
         if cfg.layer_kind(i) == gated_deltanet.KIND:
             return gated_deltanet.flops(cfg, seq)
+        if cfg.layer_kind(i) == kimi_delta.KIND:
+            return kimi_delta.flops(cfg, seq)
         return proj + attn
     fwd = sum(mixer(i) + mlp(i) for i in range(cfg.layers)) + 2 * cfg.hidden * cfg.vocab + ple
     return 3.0 * fwd
@@ -1372,11 +1405,12 @@ def pipeline_ends(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
         ("lm_head_bias",) if cfg.lm_head_bias else ())
 
 
-def whole_sequence(cfg: Config) -> str | None:
-    """Why the sequence may not be split over devices (context parallelism): the layers that are a
-    recurrence or a convolution along it (:func:`recurrent_layers`); None where every layer is attention."""
+def serial_under_cp(cfg: Config) -> str | None:
+    """The layers that are a recurrence or a convolution along the sequence (:func:`recurrent_layers`),
+    whose blocks run device after device under context parallelism (ops/sequence_chain.py); None where
+    every layer is attention."""
     why = recurrent_layers(cfg)
-    return f"{'; '.join(why)}: each runs along the whole sequence" if why else None
+    return f"{'; '.join(why)}: a recurrence along the sequence" if why else None
 
 
 #: the layer kinds (``layer_types``) whose state the key / value cache does not hold, and what they are
@@ -1384,8 +1418,9 @@ def whole_sequence(cfg: Config) -> str | None:
 
 def recurrent_layers(cfg: Config) -> list[str]:
     """The layers that mix tokens by a state carried along the sequence (``layer_types``'
-    :data:`TOKEN_MIXERS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: they need the
-    whole sequence on a device and a state the key / value cache does not hold."""
+    :data:`TOKEN_MIXERS`, ``layer_blocks``' Mamba2 mixers), one phrase per kind: a state the key /
+    value cache does not hold, handed from block to block where the sequence is split (context
+    parallelism)."""
     why = []
     for kind, mixer in TOKEN_MIXERS.items():
         layers = [i for i in range(cfg.layers) if cfg.layer_kind(i) == kind]

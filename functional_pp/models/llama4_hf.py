@@ -84,7 +84,8 @@ def as_llama(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model_type="llama", rotary_interleaved=False, nope_layers=None, layer_types=None,
                                attention_chunk=None, qk_l2_norm=False, attn_temperature_floor=None, experts=0,
                                moe_mlp=None, shared_expert_mlp=0, moe_layers=None, router_score="softmax",
-                               shared_expert_gate=True, experts_scale_input=False, router_aux_loss_coef=0.0)
+                               shared_expert_gate=True, experts_scale_input=False, router_aux_loss_coef=0.0,
+                               experts_linearized=False)
 
 
 def write(cfg: Config, out: dict) -> None:

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, jamba_hf, llama4_hf, mamba2_hf, mamba_hf, nemotron_h_hf, qwen3_5_hf,
-                                  score_head)
+                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
+                                  mamba_hf, nemotron_h_hf, qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -59,7 +59,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "KINDS", "hf_name", "our_path", "hf_kind", "config_from_hf_dict",
     "config_to_hf", "permute_for_rotate_half", "unpermute_from_rotate_half", "UnsupportedHFConfig",
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
-    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups",
+    "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups", "ALSO_READ", "also_read",
 ]
 
 
@@ -167,6 +167,16 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", "copy"),
     ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm", "copy"),
     ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj", "heads_in"),
+    # Kimi Delta Attention (models/kimi_delta.py; its files' names: kimi_linear_hf.RENAMED)
+    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "heads_out")
+      for x in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj")),
+    *((f"model.layers.{{i}}.kda.{x}.weight", f"layers.{{i}}.kda.{x}", "linear")
+      for x in ("f_a_proj", "g_a_proj", "b_proj")),
+    *((f"model.layers.{{i}}.kda.conv_{x}.weight", f"layers.{{i}}.kda.conv_{x}", "conv_taps") for x in "qkv"),
+    ("model.layers.{i}.kda.dt_bias", "layers.{i}.kda.dt_bias", "bias_heads"),
+    ("model.layers.{i}.kda.A_log", "layers.{i}.kda.A_log", "heads_4d"),
+    ("model.layers.{i}.kda.o_norm.weight", "layers.{i}.kda.o_norm", "copy"),
+    ("model.layers.{i}.kda.o_proj.weight", "layers.{i}.kda.o_proj", "heads_in"),
     # a Mamba2 mixer (models/mamba2.py): in the files in_proj fuses z, x, B, C and dt along its rows and conv1d
     # x, B and C (mamba2_hf.FUSED); the parts' names here are the table's own
     *mamba2_hf.TABLE,
@@ -251,9 +261,10 @@ FUSED["gpt_oss"] = tuple(          # gate and up alternate along the last dimens
     (f"model.layers.{{i}}.mlp.experts.gate_up_proj{t}",
      tuple(f"model.layers.{{i}}.mlp.experts.{x}_proj.{w}" for x in ("gate", "up"))) for t, w in (("", "weight"),
                                                                                               ("_bias", "bias")))
-FUSED["llama4_text"] = (("model.layers.{i}.feed_forward.experts.gate_up_proj",     # gate, then up, along the last dim
-                         ("model.layers.{i}.feed_forward.experts.gate_proj.weight",
-                          "model.layers.{i}.feed_forward.experts.up_proj.weight")),)
+FUSED["llama4_text"] = tuple(          # gate, then up, along the last dim (alone, or in its llama4 wrapper)
+    (f"{pre}.layers.{{i}}.feed_forward.experts.gate_up_proj", (f"{pre}.layers.{{i}}.feed_forward.experts.gate_proj.weight",
+                                                              f"{pre}.layers.{{i}}.feed_forward.experts.up_proj.weight"))
+    for pre in ("model", "language_model.model"))
 FUSED.update(gemma4_hf.FUSED)                # (26B-A4B: experts.gate_up_proj)
 FUSED["mistral4"] = deepseek_hf.MISTRAL4_FUSED      # (Mistral Small 4: experts.gate_up_proj)
 FUSED["glm"] = FUSED["glm4"] = (FUSED["phi3"][1],)      # (GLM-4: gate and up fused as Phi-3's, q/k/v apart)
@@ -369,10 +380,10 @@ RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
-_TOWERS = r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
+_TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED}
@@ -383,10 +394,12 @@ RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.
 RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
 RENAMED["mamba"] = mamba_hf.RENAMED
 RENAMED["jamba"] = jamba_hf.RENAMED
+RENAMED["kimi_linear"] = kimi_linear_hf.RENAMED     # (self_attn, block_sparse_moe, experts w1 / w3 / w2)
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
-MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES}
+MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES,
+                                                        "kimi_linear": kimi_linear_hf.MODULE_NAMES}
 """Per model type, (pattern, replacement) from a tensor's name in the files to its module's name in
 transformers' model, where they differ (its load-time renames: Nemotron-H's ``backbone.`` is ``model.``)."""
 
@@ -412,6 +425,17 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     if getattr(cfg, "text_of", None):          # a multimodal checkpoint's text decoder (its files' layout)
         name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
+
+
+ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ}
+"""Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
+under where the files lack the first (transformers' own save of a family that differs from its
+published checkpoint's)."""
+
+
+def also_read(name: str, model_type: str = "llama") -> list[str]:
+    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files may be saved under."""
+    return [re.sub(pattern, repl, name) for pattern, repl in ALSO_READ.get(model_type, ()) if re.search(pattern, name)]
 
 
 def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
@@ -634,6 +658,17 @@ class _Scalar(_Kind):                  # ours [] = HF [1] (xIELU's scalars)
         return sl[0:1].reshape(())
 
 
+class _Heads4d(_Kind):                 # ours [H] = HF [1, 1, H, 1] (Kimi Delta Attention's A_log)
+    def hf_shape(self, shape):
+        return (1, 1, shape[0], 1)
+
+    def to_hf(self, t):
+        return t.reshape(1, 1, -1, 1)
+
+    def read(self, sl, region, shape):
+        return sl[0:1, 0:1, region[0], 0:1].reshape(-1)
+
+
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
     def hf_shape(self, shape):
         return (1, shape[0])
@@ -728,7 +763,7 @@ KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat":
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps()}
+                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d()}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -772,7 +807,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
                                  **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES,
-                                 **mamba_hf.ARCHITECTURES, **jamba_hf.ARCHITECTURES}
+                                 **kimi_linear_hf.ARCHITECTURES, **mamba_hf.ARCHITECTURES, **jamba_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -901,7 +936,7 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     functional decoder cannot reproduce raises :class:`UnsupportedHFConfig` naming it."""
     where = "HF config"
     mt = hf.get("model_type", "llama")
-    if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3: their text decoder)
+    if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
         if not text or (not text.get("model_type") and MULTIMODAL[mt] is None):
@@ -928,7 +963,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
     # attention; Gemma 4's text decoder), each given what it reads with
     for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
-                                (nemotron_h_hf,), (mamba_hf,), (jamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,)):
+                                (nemotron_h_hf,), (mamba_hf,), (jamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope),
+                                (gemma4_hf,), (kimi_linear_hf,)):
         if mt in module.ARCHITECTURES:
             try:
                 return module.config_from_hf(hf, mt, *reads_with)
@@ -1146,6 +1182,9 @@ def check_exportable(cfg: Config) -> None:
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
                                   f"{', '.join(MODEL_TYPES)}")
+    if cfg.experts_linearized and mt != "llama4_text":
+        raise UnsupportedHFConfig(f"{where}: experts_linearized=True (Axolotl's linearized Llama 4 experts) has no "
+                                  f"{ARCHITECTURES[mt]} equivalent; export as 'llama4_text'")
     if "conv" in (cfg.layer_types or ()) and mt != "lfm2":
         raise UnsupportedHFConfig(f"{where}: layer_types with 'conv' layers (LFM2's short convolution) have no "
                                   f"{ARCHITECTURES[mt]} equivalent; export as 'lfm2'")
@@ -1153,6 +1192,9 @@ def check_exportable(cfg: Config) -> None:
         raise UnsupportedHFConfig(f"{where}: q_gate={cfg.q_gate}, layer_types={list(cfg.layer_types or [])} (Gated "
                                   f"DeltaNet layers, the gate in q_proj) have no {ARCHITECTURES[mt]} equivalent; "
                                   f"choose model_type {' or '.join(qwen3_5_hf.ARCHITECTURES)}")
+    if mt not in kimi_linear_hf.ARCHITECTURES and kimi_delta.KIND in (cfg.layer_types or ()):
+        raise UnsupportedHFConfig(f"{where}: layer_types={list(cfg.layer_types)} (Kimi Delta Attention layers) have no "
+                                  f"{ARCHITECTURES[mt]} equivalent; choose model_type kimi_linear")
     if mt in granitemoehybrid_hf.ARCHITECTURES:
         return granitemoehybrid_hf.check_exportable(cfg, check_exportable, UnsupportedHFConfig)
     if mt in OWN_CONFIG:
@@ -1172,6 +1214,8 @@ def check_exportable(cfg: Config) -> None:
                              kv_shared_layers=0, double_wide_mlp=False), where)   # (Gemma 4's only)
     if mt in deepseek_hf.ARCHITECTURES:
         return deepseek_hf.check_exportable(cfg, {**PLAIN, **_NOT_GEMMA}, UnsupportedHFConfig)
+    if mt in kimi_linear_hf.ARCHITECTURES:
+        return kimi_linear_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in afmoe_hf.ARCHITECTURES:
         return afmoe_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in qwen3_5_hf.ARCHITECTURES:
@@ -1251,6 +1295,8 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return mamba_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in jamba_hf.ARCHITECTURES:
         return jamba_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in kimi_linear_hf.ARCHITECTURES:
+        return kimi_linear_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
         return _moe_config_to_hf(cfg, dtype)
     if cfg.model_type in OWN_CONFIG:

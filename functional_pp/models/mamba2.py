@@ -11,10 +11,12 @@ over a group, then sums across devices; B and C whole on each); ``ssm_groups="tp
 groups with their heads where ``n_groups`` divides (no communication inside the mixer). Either way
 the out projection's partial sums complete as attention's do.
 
-The causal depthwise convolution and the chunked scan are written from the public ops
-(slices, a cumulative sum, einsums with masks), so their gradients are autograd's. The scan needs
-the whole sequence on each device: a sequence split over ``cp`` is refused by name (sequence
-parallelism gathers the sequence before the mixer, as before attention)."""
+The causal depthwise convolution is ``ops.linear_attention.causal_conv1d`` and the chunked scan is
+written from the public ops (slices, a cumulative sum, einsums with masks), so their gradients are
+autograd's. The scan takes the state before its first position and gives the one after its last,
+so a sequence split over ``cp`` (context parallelism) runs as a chain of blocks, each from the state
+the block before it ended in (ops/sequence_chain.py); sequence parallelism gathers the sequence
+before the mixer, as before attention."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +28,9 @@ import torch.nn.functional as F
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.parallel.named import Named, wrap
+from functional_pp.ops.linear_attention import causal_conv1d
+from functional_pp.ops.sequence_chain import along_sequence
+from functional_pp.parallel.named import Named, make_named, wrap
 
 HEADS = "ssm_groups ssm_group_heads"
 """The dimensions of the heads (groups, then the heads of each group)."""
@@ -137,23 +141,11 @@ def flops_per_token(m: Mamba2, hidden: int) -> float:
     return proj + scan
 
 
-def refuse_split_sequence(h: Named, where: str = "mamba2") -> None:
-    """Refuse a sequence split over devices (context parallelism): the scan runs along the whole sequence."""
-    axes = h.split[h.dims.index("seq")]
-    if axes:
-        raise ValueError(f"{where}: the Mamba2 scan needs the whole sequence on each device, but 'seq' is split "
-                         f"over {axes} (context parallelism); set cp_size: 1 (context_parallel_size) for models "
-                         f"with Mamba2 layers")
-
-
 def mixer(p: dict, h: Named, m: Mamba2, segments: Named | None = None) -> Named:
-    """The mixer of normed input ``h`` (``batch seq hidden``, the sequence whole): ``batch seq
-    hidden``, with the out projection's pending sum where the heads are split (TP). ``segments``
-    (``batch seq`` document ids of packed rows, each document contiguous): nothing flows from one
-    document into the next, neither through the convolution nor through the state (as each alone)."""
-    refuse_split_sequence(h)
-    if segments is not None:
-        refuse_split_sequence(segments, "mamba2 segments")
+    """The mixer of normed input ``h`` (``batch seq hidden``; the sequence whole, or split over ``cp``):
+    ``batch seq hidden``, with the out projection's pending sum where the heads are split (TP).
+    ``segments`` (``batch seq`` document ids of packed rows, each document contiguous): nothing flows
+    from one document into the next, neither through the convolution nor through the state (as each alone)."""
     if m.in_scale != 1:
         h = h * m.in_scale
 
@@ -180,21 +172,10 @@ def _same(a: Named, b: Named, dtype: torch.dtype) -> Named:
 
 def causal_conv(x: Named, weight: Named, bias: Named | None, segments: Named | None = None) -> Named:
     """The causal depthwise convolution along ``seq`` of every channel of ``x`` (its dimensions
-    besides batch and seq), ``weight`` the channels' taps along ``conv_kernel``: position t sees
-    positions t - K + 1 ... t, the ones before the sequence zero (``nn.Conv1d`` with K - 1 padding,
-    its first outputs kept), and, with ``segments``, those of another document zero too."""
-    K, S = weight.size("conv_kernel"), x.size("seq")
-    zero = ops.slice_dim(x, "seq", 0, 1) * 0.0
-    padded = ops.concat([zero] * (K - 1) + [x], "seq")
-    if segments is not None:         # (before the row: an id no document has)
-        none = ops.slice_dim(segments, "seq", 0, 1).map(lambda t: torch.full_like(t, -1))
-        seg_padded = ops.concat([none] * (K - 1) + [segments], "seq")
-    out = None
-    for k in range(K):
-        term = ops.slice_dim(padded, "seq", k, k + S) * ops.take(weight, "conv_kernel", k)
-        if segments is not None and k < K - 1:
-            term = term * _same(ops.slice_dim(seg_padded, "seq", k, k + S), segments, x.data.dtype)
-        out = term if out is None else out + term
+    besides batch and seq), ``weight`` the channels' taps along ``conv_kernel``
+    (``ops.linear_attention.causal_conv1d``: ``nn.Conv1d`` with K - 1 padding, its first outputs
+    kept; with ``segments`` the taps of another document read zero), plus ``bias``."""
+    out = causal_conv1d(x, weight, seq="seq", kernel="conv_kernel", segments=segments)
     return out if bias is None else out + bias
 
 
@@ -215,11 +196,9 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
          segments: Named | None = None) -> Named:
     """The SSD scan: per head, the state ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T`` and the
     output ``y_t = s_t C_t + D x_t`` with ``dt = clamp(softplus(dt + dt_bias), *dt_limit)`` and
-    ``A = -exp(A_log)``, computed in chunks of ``m.chunk`` positions (quadratic inside a chunk,
-    states passed between chunks), in float32 for 16-bit inputs (as transformers). With
-    ``segments`` the state starts from zero at each document: source s reaches target l only in
-    the same document, which (documents contiguous) holds at every step between them: inside a
-    chunk, s to its chunk's end, one chunk's end to a later chunk's start, that start to l."""
+    ``A = -exp(A_log)``, in float32 for 16-bit inputs (as transformers); along the sequence by
+    :func:`ops.sequence_chain.along_sequence` (the blocks of a split sequence in order, the state
+    handed on), each block by :func:`scan_block`."""
     dtype = x.data.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     x, dt, b, c = (v.astype(wide) for v in (x, dt, b, c))
@@ -228,16 +207,51 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
         lo, hi = m.dt_limit
         dt = dt.map(lambda t: t.clamp(lo, hi))
     a = -ops.exp(a_log.astype(wide))
-    S = x.size("seq")
-    L = min(m.chunk, S)                      # (a shorter chunk: the same sums, no padding to m.chunk)
+    xs, adt = x * dt, dt * a
+
+    def step(blocks, shared, state):
+        y, final, last_id = scan_block(*blocks, state[0], state[1] if len(state) > 1 else None, m.chunk)
+        return (y,), [final] + ([] if last_id is None else [last_id])
+    state = [_zero_state(xs, b)]
+    if segments is not None:            # (the document before the row: an id no document has)
+        split = segments.split[segments.dims.index("batch")]
+        local = segments.data.shape[segments.dims.index("batch")]
+        state.append(make_named(torch.full((local,), -2, dtype=segments.data.dtype, device=segments.data.device),
+                                ("batch",), (split,), segments.vary))
+    y = along_sequence(step, [xs, b, c, adt, segments], state, seq="seq", op="mamba2 scan")[0]
+    return y + x * d.astype(wide)
+
+
+def _zero_state(xs: Named, b: Named) -> Named:
+    """The zero state (``batch heads ssm_head_dim ssm_state``), laid out as the scan's heads and ``b``'s state."""
+    dims = ("batch", *HEADS.split(), "ssm_head_dim", "ssm_state")
+    lay = {**dict(zip(b.dims, zip(b.data.shape, b.split))), **dict(zip(xs.dims, zip(xs.data.shape, xs.split)))}
+    return make_named(xs.data.new_zeros([lay[n][0] for n in dims]), dims,
+                      tuple(lay[n][1] for n in dims),
+                      xs.vary | b.vary)
+
+
+def scan_block(xs: Named, b: Named, c: Named, adt: Named, segments: Named | None, start_state: Named,
+               start_id: Named | None, chunk: int) -> tuple[Named, Named, Named | None]:
+    """The scan of one block of the sequence (``xs`` = dt x, ``adt`` = dt A, the sequence whole) from
+    ``start_state`` (``batch heads ssm_head_dim ssm_state``, the state before the block; with ``segments``
+    it belongs to document ``start_id``, ``batch``): its output without the D term, the state after its
+    last position and that position's document id. In chunks of ``chunk`` positions (quadratic inside a
+    chunk, states passed between chunks). With ``segments`` the state starts from zero at each
+    document: source s reaches target l only in the same document, which (documents contiguous) holds
+    at every step between them: inside a chunk, s to its chunk's end, one chunk's end to a later chunk's
+    start, that start to l."""
+    S = xs.size("seq")
+    L = min(chunk, S)                      # (a shorter chunk: the same sums, no padding to m.chunk)
     pad = -S % L
     n = (S + pad) // L
+    wide = xs.data.dtype
 
     def chunked(v: Named) -> Named:
         return ops.split_dim(_pad_seq(v, pad), "seq", {"ssd_chunk": n, "ssd_pos": L})
-    xs, bs, cs, adt = (chunked(v) for v in (x * dt, b, c, dt * a))
+    xs, bs, cs, adt = (chunked(v) for v in (xs, b, c, adt))
     acum = ops.cumsum(adt, "ssd_pos")                                  # batch ssd_chunk ssm_groups ... ssd_pos
-    dev = x.data.device
+    dev = xs.data.device
     # 1. inside each chunk: y_l = sum_{s <= l} (C_l . B_s) exp(acum_l - acum_s) dt_s x_s
     seg = ops.exp(ops.where(_tril(L, 0, "ssd_pos", "ssd_src", dev),
                             acum - ops.rename(acum, ssd_pos="ssd_src"), -math.inf))
@@ -259,25 +273,35 @@ def scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Named, dt_bia
     states = ops.einsum(f"batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk {HEADS} ssd_pos, "
                         f"batch ssd_chunk ssd_pos {HEADS} ssm_head_dim "
                         f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", bs, to_end, xs)
-    # 3. the state at each chunk's start: the earlier chunks' states, decayed through the chunks between
-    if n > 1:
-        total = ops.cumsum(last, "ssd_chunk")
-        decay = ops.exp(ops.where(_tril(n, 1, "ssd_chunk", "ssd_from", dev),
-                                  (total - last) - ops.rename(total, ssd_chunk="ssd_from"), -math.inf))
-        if segments is not None:
-            decay = decay * _same(start, ops.rename(end, ssd_chunk="ssd_from"), wide)
-        state_in = ops.einsum(f"batch ssd_chunk ssd_from {HEADS}, batch ssd_from {HEADS} ssm_head_dim ssm_state "
-                           f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", decay,
-                           ops.rename(states, ssd_chunk="ssd_from"))
-        # 4. the start state's output in each chunk, decayed to each position
-        from_start = ops.exp(acum) if segments is None else ops.exp(acum) * _same(ids, start, wide)
-        y = y + ops.einsum(f"batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk {HEADS} ssm_head_dim "
-                           f"ssm_state -> batch ssd_chunk ssd_pos {HEADS} ssm_head_dim", cs, state_in) * from_start
+    # 3. the state at each chunk's start (and after the last): the block's start state and the earlier
+    # chunks' states, decayed through the chunks between
+    total = ops.cumsum(last, "ssd_chunk")                              # log decay from the block's start to a chunk's end
+    ends = ops.concat([total - last, ops.slice_dim(total, "ssd_chunk", n - 1, n)], "ssd_chunk")    # n + 1 points
+    from_block = ops.exp(ends)
+    if segments is not None:                                           # (the document at each of those points)
+        firsts = ops.concat([start, ops.slice_dim(end, "ssd_chunk", n - 1, n)], "ssd_chunk")
+        from_block = from_block * _same(firsts, start_id, wide)
+    state_in = ops.einsum(f"batch ssd_chunk {HEADS}, batch {HEADS} ssm_head_dim ssm_state "
+                          f"-> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", from_block, start_state)
+    earlier = wrap(torch.ones(n + 1, n, dtype=torch.bool, device=dev).tril(-1), "ssd_chunk ssd_from")
+    decay = ops.exp(ops.where(earlier,
+                              ends - ops.rename(total, ssd_chunk="ssd_from"), -math.inf))
+    if segments is not None:
+        decay = decay * _same(firsts, ops.rename(end, ssd_chunk="ssd_from"), wide)
+    state_in = state_in + ops.einsum(f"batch ssd_chunk ssd_from {HEADS}, batch ssd_from {HEADS} ssm_head_dim "
+                                     f"ssm_state -> batch ssd_chunk {HEADS} ssm_head_dim ssm_state", decay,
+                                     ops.rename(states, ssd_chunk="ssd_from"))
+    final = ops.take(state_in, "ssd_chunk", n)
+    state_in = ops.slice_dim(state_in, "ssd_chunk", 0, n)
+    # 4. the start state's output in each chunk, decayed to each position
+    from_start = ops.exp(acum) if segments is None else ops.exp(acum) * _same(ids, start, wide)
+    y = y + ops.einsum(f"batch ssd_chunk ssd_pos ssm_groups ssm_state, batch ssd_chunk {HEADS} ssm_head_dim "
+                       f"ssm_state -> batch ssd_chunk ssd_pos {HEADS} ssm_head_dim", cs, state_in) * from_start
     y = ops.merge_dims(ops.transpose(y, "batch", "ssd_chunk", "ssd_pos", *HEADS.split(), "ssm_head_dim"),
                        ("ssd_chunk", "ssd_pos"), "seq")
     if pad:
         y = ops.slice_dim(y, "seq", 0, S)
-    return y + x * d.astype(wide)
+    return y, final, None if segments is None else ops.take(segments, "seq", S - 1)
 
 
 def gated_norm(y: Named, z: Named, weight: Named | None, eps: float, norm: str = "gated") -> Named:

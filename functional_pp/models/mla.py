@@ -128,7 +128,7 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     width = max(Dn + Dr, Dv)                        # (zeros added to q and k leave the scores as they are)
     q, k, v = _pad(q, "qk_dim", width), _pad(k, "qk_dim", width), _pad(v, "qk_dim", width)
     scale = (cfg.query_pre_attn_scalar or (Dn + Dr)) ** -0.5
-    causal, cache, kv_segments = True, kv_cache.active(), None
+    causal, cache, kv_segments = cfg.causal, kv_cache.active(), None
     if cache is not None:                           # sampling: the cached keys first (kv_cache.py)
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     o = ops.attention(q, k, v, causal=causal, segments=segments, window=window, scale=scale, batch="batch",

@@ -20,13 +20,16 @@ __all__ = ["LINEAR_BLOCK_DIMS", "EXPERT_BLOCK_DIMS", "EXPERTS", "block_dim", "qu
 
 #: the decoder's linear weights -> the dimension bitsandbytes' blocks run along (the innermost
 #: input feature of the Hugging Face weight: o_proj's in_features are (heads head_dim))
-LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden", "o_proj": ("head_dim", "v_dim"),
+LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
+                     "o_proj": ("head_dim", "v_dim", "v_head_dim"),
                      "gate_proj": "hidden", "up_proj": "hidden", "down_proj": "mlp",
                      # multi-head latent attention (models/mla.py; its o_proj's input is v_dim)
                      "q_a_proj": "hidden", "q_b_proj": "q_rank", "kv_a_proj_with_mqa": "hidden",
                      "kv_b_proj": "kv_rank",
                      # Gated DeltaNet (models/gated_deltanet.py; in_proj_q / k / v: the rows of HF's in_proj_qkv)
                      **{f"in_proj_{x}": "hidden" for x in "qkvzba"},
+                     # Kimi Delta Attention (models/kimi_delta.py): the low-rank decay and output gates (b_proj: below)
+                     "f_a_proj": "hidden", "f_b_proj": "gate_rank", "g_a_proj": "hidden", "g_b_proj": "gate_rank",
                      # Mamba2 (models/mamba2.py; z / x / B / C / dt: the rows of HF's in_proj)
                      **{f"{x}_proj": "hidden" for x in ("z", "x", "b", "c", "dt")},
                      # Mamba (v1) (models/mamba1.py: in_proj x and z, x_proj dt / B / C of the channels, dt_proj of

@@ -1,6 +1,6 @@
 """Counter-based keep masks: a hash (splitmix64's finaliser) of a seed and each entry's global
 coordinates, so the same entry gets the same bit on every layout (``ops.dropout``, attention's
-``dropout``)."""
+``dropout``, the masked-diffusion objective's noise: ``models/diffusion_lm.py``)."""
 from __future__ import annotations
 
 import torch
@@ -27,16 +27,22 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ shr(z, 31)
 
 
-def keep_mask(seed: int | torch.Tensor, coords: list[torch.Tensor], rate: float) -> torch.Tensor:
-    """The boolean keep mask (True with probability 1 - ``rate``) of a counter-based hash of
-    ``seed`` and each entry's global coordinates ``coords`` (integer tensors broadcasting to the
-    mask's shape, taken in order): the same entry gets the same bit on every layout."""
+def uniform(seed: int | torch.Tensor, coords: list[torch.Tensor]) -> torch.Tensor:
+    """A uniform draw in [0, 1) (float64, 53 bits) per entry: a counter-based hash of ``seed`` and
+    each entry's global coordinates ``coords`` (integer tensors broadcasting to the result's
+    shape, taken in order), so the same entry draws the same number on every layout."""
     z = torch.zeros((), dtype=torch.int64, device=coords[0].device if coords else None)
     z = z + torch.as_tensor(seed, dtype=torch.int64) * _GOLDEN
     for idx in coords:
         z = _mix(z + (idx.to(torch.int64) + 1) * _GOLDEN)
-    u = ((z >> 11) & ((1 << 53) - 1)).to(torch.float64) / float(1 << 53)
-    return u >= rate
+    return ((z >> 11) & ((1 << 53) - 1)).to(torch.float64) / float(1 << 53)
+
+
+def keep_mask(seed: int | torch.Tensor, coords: list[torch.Tensor], rate: float) -> torch.Tensor:
+    """The boolean keep mask (True with probability 1 - ``rate``) of :func:`uniform`'s draws at
+    ``seed`` and the entries' global coordinates ``coords``: the same entry gets the same bit on
+    every layout."""
+    return uniform(seed, coords) >= rate
 
 
 def check_rate(rate: float, where: str = "dropout") -> float:

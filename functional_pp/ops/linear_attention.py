@@ -3,30 +3,20 @@ gated delta rule (Gated DeltaNet: Qwen3-Next's and Qwen3.5's "linear_attention" 
 chunked training form of transformers' ``torch_chunk_gated_delta_rule``.
 
 Heads are independent, so both ops run on each device's block of heads (tensor parallelism splits
-the heads, the convolution's channels with them); the sequence is a recurrence and must be whole:
-an operand whose sequence dimension is split (context parallelism, or a sequence-parallel residual
-not gathered first) is refused by name before any work. ``segments`` (batch seq document ids of
-packed rows) keep each document to itself: no convolution tap and no state crosses a boundary, as
-if each document ran alone."""
+the heads, the convolution's channels with them). Along the sequence both are recurrences: the
+convolution carries its last ``kernel - 1`` inputs, the rule its state; a sequence split over devices
+(context parallelism) runs as a chain of blocks, each starting from the state the block before it
+ended in (ops/sequence_chain.py). ``segments`` (batch seq document ids of packed rows) keep each
+document to itself: no convolution tap and no state crosses a boundary, as if each document ran
+alone, across devices too."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from functional_pp.ops.sequence_chain import along_sequence
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, pvary, require_named, settle, varying_after
-
-
-def _whole_sequence(op: str, seq: str, **operands: Named) -> None:
-    for name, x in operands.items():
-        if seq not in x.dims:
-            raise ValueError(f"{op}: {name} has dimensions {x.dims}, which lack the sequence dimension {seq!r}")
-        axes = x.split[x.dims.index(seq)]
-        if axes:
-            raise ValueError(f"{op}: {name}'s sequence dimension {seq!r} is split over {axes}; this layer is a "
-                             f"recurrence along the whole sequence: gather it first (as attention's input is "
-                             f"gathered under sequence parallelism) or do not split {seq!r} (no context "
-                             f"parallelism, cp_size 1, for models with these layers)")
 
 
 def _aligned(op: str, operands: list[tuple[str, Named, tuple[str, ...]]], like: dict[str, tuple[str, ...]]):
@@ -47,18 +37,20 @@ def _aligned(op: str, operands: list[tuple[str, Named, tuple[str, ...]]], like: 
     return blocks, frozenset(union)
 
 
-def _segment_block(segments: Named | None, batch: str, seq: str, batch_split: tuple[str, ...]) -> torch.Tensor | None:
-    """This device's [batch, seq] block of the document ids, laid out as the operands' batch."""
+def _segments_like(segments: Named | None, batch: str, seq: str, batch_split: tuple[str, ...],
+                   seq_split: tuple[str, ...]) -> Named | None:
+    """The document ids (``batch seq``) laid out as the operands' batch and sequence."""
     if segments is None:
         return None
     segments = settle(segments)
     if sorted(segments.dims) != sorted((batch, seq)):
         raise ValueError(f"segments have dimensions {segments.dims}, expected ({batch!r}, {seq!r})")
-    _whole_sequence("segments", seq, segments=segments)
-    t = tuple(batch_split if d == batch else () for d in segments.dims)
+    want = {batch: batch_split, seq: seq_split}
+    t = tuple(want[d] for d in segments.dims)
     if segments._split != t:
         segments = relayout(segments, t, "segments")
-    return segments.data.permute([segments.dims.index(d) for d in (batch, seq)])
+    return segments if segments.dims == (batch, seq) else make_named(
+        segments.data.t(), (batch, seq), (batch_split, seq_split), segments.vary)
 
 
 def causal_conv1d(x: Named, weight: Named, *, seq: str, kernel: str, batch: str = "batch",
@@ -70,36 +62,47 @@ def causal_conv1d(x: Named, weight: Named, *, seq: str, kernel: str, batch: str 
     (``batch`` ``seq``) the taps before a document's start read zeros."""
     require_named("causal_conv1d", x=x, weight=weight)
     x, weight = settle(x), settle(weight)
-    _whole_sequence("causal_conv1d", seq, x=x)
+    if seq not in x.dims:
+        raise ValueError(f"causal_conv1d: x has dimensions {x.dims}, which lack the sequence dimension {seq!r}")
     channels = tuple(d for d in weight.dims if d != kernel)
     if kernel not in weight.dims or not set(channels) <= set(x.dims):
         raise ValueError(f"causal_conv1d: weight has dimensions {weight.dims}, expected x's channel dimensions "
                          f"(of {x.dims}) and {kernel!r}")
     lead = tuple(d for d in x.dims if d not in channels)
+    if segments is not None and batch not in lead:
+        raise ValueError(f"causal_conv1d: segments need x's batch dimension {batch!r} (x has {x.dims})")
     like = dict(zip(x.dims, x.split))
     (xb, wb), vary = _aligned("causal_conv1d", [("x", x, lead + channels), ("weight", weight, channels + (kernel,))],
                               like)
-    s_at, K = lead.index(seq), wb.shape[-1]
-    xb = xb.movedim(s_at, -1)                                   # [..., channels..., seq]
-    xp = F.pad(xb, (K - 1, 0))
-    S = xb.shape[-1]
-    w = wb.reshape(*((1,) * (xb.ndim - wb.ndim)), *wb.shape)     # broadcast over the leading dims
-    seg = _segment_block(segments, batch, seq, like.get(batch, ()))
-    if seg is None:
-        out = sum(xp[..., j:j + S] * w[..., j:j + 1] for j in range(K))
-    else:                                                        # a tap of another document reads zero
-        if batch not in lead:
-            raise ValueError(f"causal_conv1d: segments need x's batch dimension {batch!r} (x has {x.dims})")
-        sp = F.pad(seg, (K - 1, 0), value=-1)
-        b_at, shape = lead.index(batch), [1] * (xb.ndim - 1)
-        shape[b_at] = seg.shape[0]
+    dims = lead + channels
+    split = tuple(like.get(d, ()) for d in dims)
+    xa, wa = make_named(xb, dims, split, vary), make_named(wb, channels + (kernel,), tuple(like.get(d, ()) for d in
+                                                                                         channels) + ((),), vary)
+    seg = _segments_like(segments, batch, seq, like.get(batch, ()), like[seq])
+    s_at, b_at, K = lead.index(seq), lead.index(batch) if segments is not None else 0, wb.shape[-1]
 
-        def same(j: int) -> torch.Tensor:                       # [batch, seq] -> x's layout
-            return (sp[:, j:j + S] == seg).to(xb.dtype).reshape(*shape, S)
-        out = sum(xp[..., j:j + S] * w[..., j:j + 1] * same(j) for j in range(K))
-    out = out.movedim(-1, s_at)
-    split = tuple(like.get(d, ()) for d in lead + channels)
-    return make_named(out, lead + channels, split, vary)
+    def step(blocks, shared, state):
+        xs, ids = blocks
+        xt, w = xs.data.movedim(s_at, -1), shared[0].data              # [..., channels..., seq]; [channels..., K]
+        S = xt.shape[-1]
+        xp = torch.cat([state[0], xt], -1)                             # the K - 1 inputs before the block first
+        w = w.reshape(*((1,) * (xt.ndim - w.ndim)), *w.shape)        # broadcast over the leading dims
+        if ids is None:
+            out, after = sum(xp[..., j:j + S] * w[..., j:j + 1] for j in range(K)), []
+        else:                                                          # a tap of another document reads zero
+            sp = torch.cat([state[1], ids.data], -1)
+            shape = [1] * (xt.ndim - 1)
+            shape[b_at] = sp.shape[0]
+
+            def same(j: int) -> torch.Tensor:                          # [batch, seq] -> x's layout
+                return (sp[:, j:j + S] == ids.data).to(xt.dtype).reshape(*shape, S)
+            out, after = sum(xp[..., j:j + S] * w[..., j:j + 1] * same(j) for j in range(K)), [sp[:, S:]]
+        return (make_named(out.movedim(-1, s_at), dims, xs.split, xs.vary),), [xp[..., S:], *after]
+    local = xb.movedim(s_at, -1)
+    state = [local.new_zeros(*local.shape[:-1], K - 1)]            # (before the row: zeros, of no document)
+    if seg is not None:
+        state.append(torch.full((seg.data.shape[0], K - 1), -1, dtype=seg.data.dtype, device=seg.data.device))
+    return along_sequence(step, [xa, seg], state, seq=seq, op="causal_conv1d", shared=[wa])[0]
 
 
 def gated_delta_rule(q: Named, k: Named, v: Named, g: Named, beta: Named, *, batch: str, seq: str, heads: str,
@@ -108,17 +111,23 @@ def gated_delta_rule(q: Named, k: Named, v: Named, g: Named, beta: Named, *, bat
     """The gated delta rule: per value head a state S (head_dim x v_head_dim) decayed by ``exp(g)``,
     corrected towards ``v`` by ``beta`` (S <- exp(g) S + k beta (v - k exp(g) S)^T), read by the
     queries scaled by head_dim^-1/2; ``q``/``k``: batch seq kv_heads head_dim (each serving
-    heads / kv_heads consecutive value heads), ``v``: batch seq heads v_head_dim, ``g`` (the log
-    decay, <= 0) and ``beta``: batch seq heads. ``l2_normalize_qk``: q and k L2-normalised over
+    heads / kv_heads consecutive value heads), ``v``: batch seq heads v_head_dim, ``beta``: batch
+    seq heads, ``g`` (the log decay, <= 0): batch seq heads (one decay per head: Gated DeltaNet) or
+    batch seq heads head_dim (one per key channel, decaying the state's rows: Kimi Delta Attention,
+    exp(g) S read as diag(exp(g)) S). ``l2_normalize_qk``: q and k L2-normalised over
     head_dim first (transformers' ``use_qk_l2norm_in_kernel``). Computed in chunks of ``chunk``
     positions as transformers' ``torch_chunk_gated_delta_rule`` (16-bit inputs in float32, others
     in their own dtype); returns batch seq heads v_head_dim, laid out as ``v``. ``segments`` (batch
-    seq document ids): the state starts afresh at each document's first position."""
+    seq document ids): the state starts afresh at each document's first position. A sequence split
+    over a mesh axis runs as a chain of blocks (ops/sequence_chain.py), the state handed on."""
     require_named("gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"gated_delta_rule: chunk must be a positive integer, got {chunk!r}")
     q, k, v, g, beta = (settle(x) for x in (q, k, v, g, beta))
-    _whole_sequence("gated_delta_rule", seq, q=q, k=k, v=v, g=g, beta=beta)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if seq not in x.dims:
+            raise ValueError(f"gated_delta_rule: {name} has dimensions {x.dims}, which lack the sequence dimension "
+                             f"{seq!r}")
     for name, x, d in (("q", q, head_dim), ("k", k, head_dim), ("v", v, v_head_dim)):
         if d in x.dims and x.split[x.dims.index(d)]:
             raise ValueError(f"gated_delta_rule: {name}'s {d!r} must not be split (it is split over "
@@ -133,17 +142,34 @@ def gated_delta_rule(q: Named, k: Named, v: Named, g: Named, beta: Named, *, bat
         if Hk % n:
             raise ValueError(f"gated_delta_rule: {kv_heads} ({Hk}) is not divisible by the {n} devices of "
                              f"{vs[heads]} that split {heads} ({H}); use {kv_heads} divisible by {n}")
-    like = {batch: vs.get(batch, ()), heads: vs.get(heads, ()), kv_heads: vs.get(heads, ())}
+    like = {batch: vs.get(batch, ()), seq: vs[seq], heads: vs.get(heads, ()), kv_heads: vs.get(heads, ())}
     qk_dims, v_dims, s_dims = (batch, seq, kv_heads, head_dim), (batch, seq, heads, v_head_dim), (batch, seq, heads)
-    (qb, kb, vb, gb, bb), vary = _aligned(
-        "gated_delta_rule", [("q", q, qk_dims), ("k", k, qk_dims), ("v", v, v_dims), ("g", g, s_dims),
+    g_dims = s_dims + (head_dim,) if head_dim in g.dims else s_dims         # (a decay per key channel: KDA)
+    if head_dim in g.dims and g.split[g.dims.index(head_dim)]:
+        raise ValueError(f"gated_delta_rule: g's {head_dim!r} must not be split (it is split over "
+                         f"{g.split[g.dims.index(head_dim)]})")
+    dims = (qk_dims, qk_dims, v_dims, g_dims, s_dims)
+    blocks, vary = _aligned(
+        "gated_delta_rule", [("q", q, qk_dims), ("k", k, qk_dims), ("v", v, v_dims), ("g", g, g_dims),
                              ("beta", beta, s_dims)], like)
-    seg = _segment_block(segments, batch, seq, like[batch])
-    out = chunked_gated_delta_rule(qb, kb, vb, gb, bb, chunk, l2_normalize_qk, seg)
-    split = tuple(like.get(d, ()) for d in v_dims)
-    out = make_named(out, v_dims, split, vary)
+    ready = [make_named(b, d, tuple(like.get(n, ()) for n in d), vary) for b, d in zip(blocks, dims)]
+    seg = _segments_like(segments, batch, seq, like[batch], like[seq])
+
+    def step(parts, shared, state):
+        *qkvgb, ids = parts
+        out, final = chunked_gated_delta_rule(*(x.data for x in qkvgb), chunk, l2_normalize_qk,
+                                              None if ids is None else ids.data, *state)
+        block = qkvgb[2]
+        return (make_named(out, v_dims, block.split, block.vary),), [final] + ([] if ids is None else [ids.data[:, -1]])
+    vb = blocks[2]
+    wide = torch.float32 if vb.dtype in (torch.float16, torch.bfloat16) else vb.dtype
+    state = [vb.new_zeros(vb.shape[0], vb.shape[2], blocks[0].shape[-1], vb.shape[-1], dtype=wide)]
+    if seg is not None:                  # (the document before the row: an id no document has)
+        state.append(torch.full((vb.shape[0],), -2, dtype=seg.data.dtype, device=seg.data.device))
+    out = along_sequence(step, ready + [seg], state, seq=seq, op="gated_delta_rule")[0]
+    split = out.split
     return out if out.dims == v.dims else make_named(out.data.permute([v_dims.index(d) for d in v.dims]), v.dims,
-                                                     tuple(split[v_dims.index(d)] for d in v.dims), vary)
+                                                     tuple(split[v_dims.index(d)] for d in v.dims), out.vary)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -152,16 +178,23 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                              chunk: int = 64, l2_normalize_qk: bool = True,
-                             segments: torch.Tensor | None = None) -> torch.Tensor:
+                             segments: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                             initial_id: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule of plain blocks, ``q``/``k`` [B, S, Hk, Dk], ``v`` [B, S, H, Dv],
-    ``g``/``beta`` [B, S, H]; [B, S, H, Dv] in v's dtype. ``segments`` [B, S]: document ids; a pair
-    of positions of different documents neither mixes within a chunk nor through the state (each
-    position reads the carried state only if it continues the document the previous chunk ended in,
-    and only the positions of the chunk's last document write the state it carries on)."""
+    ``beta`` [B, S, H], ``g`` [B, S, H] or, a decay per key channel (Kimi Delta Attention, as
+    transformers' ``chunk_kimi_delta_attention``), [B, S, H, Dk]; [B, S, H, Dv] in v's dtype.
+    ``segments`` [B, S]: document ids; a pair of positions of different documents neither mixes
+    within a chunk nor through the state (each position reads the carried state only if it continues
+    the document the previous chunk ended in, and only the positions of the chunk's last document
+    write the state it carries on). ``initial_state`` [B, H, Dk, Dv] (in float32 for 16-bit inputs;
+    default zeros): the state before the first position, read (with ``segments``) only by positions
+    of ``initial_id`` [B], the document it belongs to. Returns the output and the state after the
+    last position."""
     dtype = v.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     B, S, Hk, Dk = k.shape
     H, Dv = v.shape[-2:]
+    per_channel = g.dim() == 4
     if H != Hk:
         q, k = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2)
     q, k, v, beta, g = (x.transpose(1, 2).to(wide, memory_format=torch.contiguous_format)   # [B, H, S, ...]
@@ -171,37 +204,55 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q = q * Dk ** -0.5
     pad = (chunk - S % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad))
     n = (S + pad) // chunk
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     q, k, k_beta, v_beta = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    decay = g.reshape(B, H, n, chunk).cumsum(-1)
+    # the cumulative log decay within each chunk, [B, H, n, chunk] and a trailing channel dim where per channel
+    decay = g.reshape(B, H, n, chunk, *g.shape[3:]).cumsum(3)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    if per_channel:             # pair[i, j, d] = exp(decay_i - decay_j) of channel d (j <= i)
+        pair = (decay.unsqueeze(4) - decay.unsqueeze(3)).masked_fill(upper[..., None], float("-inf")).exp()
+    else:
+        pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     reads = writes = carried = None
     if segments is not None:
-        seg = F.pad(segments, (0, pad), value=-1).reshape(B, 1, n, chunk)       # (padding: a document of its own)
-        pair = pair * (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(wide)
-        before = torch.cat([torch.full_like(seg[:, :, :1, -1:], -2), seg[:, :, :-1, -1:]], 2)   # previous chunk's end
+        # (padding: the last document's id; its k, v and beta are zero, so it writes nothing)
+        seg = torch.cat([segments, segments[:, -1:].expand(B, pad)], 1).reshape(B, 1, n, chunk)
+        same = (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(wide)
+        pair = pair * (same[..., None] if per_channel else same)
+        first = (torch.full_like(seg[:, :, :1, -1:], -2) if initial_id is None
+                 else initial_id.reshape(B, 1, 1, 1).to(seg.dtype))
+        before = torch.cat([first, seg[:, :, :-1, -1:]], 2)                   # previous chunk's end
         reads = (seg == before).to(wide)                                   # [B, 1, n, chunk]
         writes = (seg == seg[..., -1:]).to(wide)
         carried = (seg[..., -1:] == before).to(wide)                       # no document starts in the chunk
-    system = (k_beta @ k.transpose(-1, -2)) * pair             # unit lower triangular with its diagonal
+        if per_channel:
+            reads, writes = reads[..., None], writes[..., None]
+    if per_channel:             # the channels decay apart: each score sums its channels' decayed products
+        system = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k_beta, k, pair)
+        intra = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, pair)
+        per = lambda t: t                                      # noqa: E731  (decays already per channel)
+    else:
+        system = (k_beta @ k.transpose(-1, -2)) * pair         # unit lower triangular with its diagonal
+        intra = (q @ k.transpose(-1, -2)) * pair
+        per = lambda t: t.unsqueeze(-1)                        # noqa: E731  (one decay for every channel)
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     read_decay = decay.exp() if reads is None else decay.exp() * reads
-    k_cum = torch.linalg.solve_triangular(system, k_beta * read_decay.unsqueeze(-1), upper=False,
-                                          unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pair
-    q = q * read_decay.unsqueeze(-1)
-    write_decay = (decay[..., -1:] - decay).exp()
-    k = k * (write_decay if writes is None else write_decay * writes).unsqueeze(-1)
-    chunk_decay = decay[..., -1].exp() if carried is None else decay[..., -1].exp() * carried.squeeze(-1)
-    chunk_decay = chunk_decay[..., None, None]
-    state = torch.zeros(B, H, Dk, Dv, dtype=wide, device=v.device)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * per(read_decay), upper=False, unitriangular=True)
+    q = q * per(read_decay)
+    last = decay[:, :, :, -1:]
+    write_decay = (last - decay).exp()
+    k = k * per(write_decay if writes is None else write_decay * writes)
+    chunk_decay = last.squeeze(3).exp()                        # [B, H, n] (per channel: [B, H, n, Dk])
+    if carried is not None:
+        chunk_decay = chunk_decay * (carried.squeeze(-1)[..., None] if per_channel else carried.squeeze(-1))
+    chunk_decay = chunk_decay[..., None] if per_channel else chunk_decay[..., None, None]
+    state = torch.zeros(B, H, Dk, Dv, dtype=wide, device=v.device) if initial_state is None else initial_state.to(wide)
     outs = []
     for i in range(n):
         v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
         outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, 2).reshape(B, H, n * chunk, Dv)[:, :, :S]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state

@@ -94,7 +94,7 @@ class PlainDeviceStep:
         leaves, treespec = tree_flatten(params)
         trains = s.spec.trainable or (True,) * len(leaves)
         micro = split_micro(batch, s.grad_accum)
-        weights, tokens = micro_weights(micro, s.batch_dims)
+        weights, tokens = micro_weights(micro, s.batch_dims, s.micro_weighting)
         compute_device, work = s._offloaded_to(), leaves
         if compute_device is not None:   # offload: the shards on the device for this step, in the compute precision
             compute = PRECISIONS[s.precision]
@@ -181,10 +181,11 @@ def finish_update(s: StepParts, update: UpdateStrategy, params, leaves: list, tr
     return DeviceStepResult(up.params, up.opt_state, count + 1, skipped + skip, metrics, up.written, up.peaks)
 
 
-def micro_weights(micro: list[dict], batch_dims: dict):
-    """Weight of each micro-batch: its share of the (global) non-ignored labels, so that
-    accumulation equals one large batch. Also returns the global token count."""
-    counts = [_token_count(mb, batch_dims) for mb in micro]
+def micro_weights(micro: list[dict], batch_dims: dict, by: str = "labels"):
+    """Weight of each micro-batch: its share of the (global) non-ignored labels (``by`` labels; rows:
+    of the elements of its first entry, equal shares), so that accumulation equals one large
+    batch. Also returns the global count."""
+    counts = [_token_count(mb, batch_dims, by) for mb in micro]
     if len(counts) == 1:
         # c / max(c, 1) in one op: 1, or 0 when every label is ignored (docs/eager_overhead.md)
         return [counts[0].clamp_max(1)], counts[0]
@@ -193,10 +194,10 @@ def micro_weights(micro: list[dict], batch_dims: dict):
     return [c / total.clamp_min(1) for c in counts], total
 
 
-def _token_count(mb: dict, batch_dims: dict) -> torch.Tensor:
+def _token_count(mb: dict, batch_dims: dict, by: str = "labels") -> torch.Tensor:
     """The global number (float64) of non-ignored labels of a micro-batch (of elements of its
-    first entry without labels): counted here, summed over the mesh axes splitting it."""
-    key = "labels" if "labels" in mb else next(iter(mb))
+    first entry without labels or ``by`` rows): counted here, summed over the mesh axes splitting it."""
+    key = "labels" if "labels" in mb and by == "labels" else next(iter(mb))
     x = wrap(mb[key], batch_dims[key])
     n = (torch.count_nonzero(x.data != -100) if key == "labels" else
          torch.full((), x.data.numel(), device=x.data.device)).to(torch.float64)

@@ -247,7 +247,7 @@ class PipelineSchedule:
               torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
               for x, h, t, shape in zip(leaves, held, trains, self._shapes)]
         micro = split_micro(batch, self.step.grad_accum)
-        weights, tokens = micro_weights(micro, self.step.batch_dims)
+        weights, tokens = micro_weights(micro, self.step.batch_dims, self.step.micro_weighting)
         acc = acc_dtype([x for x, h in zip(leaves, held) if h])
         grads = [torch.zeros_like(x) for x in leaves]
         total = torch.zeros((), dtype=acc, device=leaves[0].device)

@@ -95,6 +95,10 @@ class ParamSpec:
         return cached
 
 
+#: how a step's accumulated micro-batches weigh (StepSettings.micro_weighting)
+MICRO_WEIGHTINGS = ("labels", "rows")
+
+
 @dataclass
 class StepSettings:
     """A training step's settings, checked when it is built: the loss and optimizer, numerics
@@ -118,6 +122,9 @@ class StepSettings:
     max_consecutive_skips: int | None = 10  # stop after this many skipped steps in a row (None: never)
     lr_schedule: Callable | None = None   # reported in the metrics
     batch_dims: dict = field(default_factory=lambda: dict(DEFAULT_BATCH_DIMS))
+    micro_weighting: str = "labels"       # how accumulated micro-batches weigh: labels (by their non-ignored
+    #                                       labels: one large batch of a mean over tokens) | rows (equally: one
+    #                                       large batch of a mean over rows, the diffusion objective's)
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
     donate_state: bool = False            # the caller gives up the state passed in: compiled steps
@@ -149,6 +156,8 @@ class StepSettings:
                              f"(read at step.read() or when a value is used)")
         if not isinstance(self.policy, Policy):
             raise TypeError(f"TrainStep(policy=...) needs a functional_pp.Policy, got {type(self.policy).__name__}")
+        if self.micro_weighting not in MICRO_WEIGHTINGS:
+            raise ValueError(f"micro_weighting {self.micro_weighting!r}: choose one of {', '.join(MICRO_WEIGHTINGS)}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         for lever in ("offload_params", "activation_offloading"):

@@ -6,7 +6,7 @@ import pytest
 
 from functional_pp import adapters
 from functional_pp.adapters import lora
-from functional_pp.models import llama
+from functional_pp.models import kimi_delta, llama
 
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, mlp=96, vocab=256)
 CASES = {
@@ -17,7 +17,10 @@ CASES = {
     "gated_deltanet": (dict(layer_types=("linear_attention", "full_attention"), linear_heads=4, linear_kv_heads=2,
                             linear_head_dim=16, linear_v_head_dim=16), "linear_attn",
                        {f"in_proj_{x}" for x in "qkvzba"} | {"out_proj"}),
-    "short_conv": (dict(layer_types=("conv", "full_attention")), "conv", {"in_proj", "out_proj"})}
+    "short_conv": (dict(layer_types=("conv", "full_attention")), "conv", {"in_proj", "out_proj"}),
+    "kimi_delta": (dict(layer_types=(kimi_delta.KIND, "full_attention"), linear_heads=4, linear_head_dim=16),
+                   "kda", {"q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj",
+                                   "g_b_proj", "o_proj"})}
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))

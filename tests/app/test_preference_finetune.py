@@ -170,11 +170,24 @@ def test_other_methods_train(base, pairs, tmp_path, method, over):
 
 
 @pytest.mark.parametrize("rl,why", [("ppo", "another objective than GRPO's"),
-                                    ("ebft", "another objective than GRPO's")])
+                                    ("ebft", "EBFT \\(energy-based fine-tuning\\) samples .* the strided rollout, "
+                                             "the features, their whitening, these rewards and this loss are not "
+                                             "built \\(docs/preference.md \"EBFT\"\\)")])
 def test_unsupported_methods_are_refused_by_name_before_any_work(base, pairs, tmp_path, rl, why):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=f"'rl: {rl}' is not supported yet: .*{why}"):
         train(config(base, pairs, out, rl=rl), simulate=1, stream=io.StringIO())
+    assert not out.exists()
+
+
+def test_ebft_section_is_refused_saying_what_it_is(base, pairs, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:
+        train(config(base, pairs, out, rl="ebft", ebft={"mode": "strided", "stride": 8, "rl_coef": 1.0}), simulate=1,
+              stream=io.StringIO())
+    section = [p for p in err.value.problems if p.startswith("'ebft' is not supported")]
+    assert len(section) == 1 and "energy-based fine-tuning" in section[0] and "docs/preference.md" in section[0]
+    assert any(p.startswith("'rl: ebft' is not supported yet: EBFT") for p in err.value.problems)
     assert not out.exists()
 
 

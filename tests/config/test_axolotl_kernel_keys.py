@@ -30,8 +30,6 @@ def test_kernel_choices_are_accepted_and_named_in_the_summary():
     ({"activation_offloading": "disk"}, "activation_offloading: disk is not supported: use true"),
     ({"gradient_checkpointing": "offload_disk"}, "offload_disk: activations offloaded to disk are not supported"),
     ({"liger_use_token_scaling": True}, "'liger_use_token_scaling' is not supported: .*another loss"),
-    ({"llama4_linearized_experts": True}, "'llama4_linearized_experts' is not supported: Axolotl's linearized "
-                                          r"Llama 4 .* one adapter per expert .* remove the key"),
     ({"attn_implementation": "flash_attn"}, "not an attention implementation .*or a hub kernel ORG/NAME"),
 ])
 def test_what_changes_the_math_or_is_not_built_is_refused_by_name(d, message):

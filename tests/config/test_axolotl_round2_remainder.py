@@ -1,6 +1,6 @@
 """Axolotl keys of issue 47's remainder that are bookkeeping: a transformers ``*ForCausalLM``
-class as ``model_type`` (the architecture is base_model's config.json, as in Axolotl, where the
-class must load that config); ``unfrozen_parameters`` matched as Axolotl's ``LayerNamePattern``
+(or multimodal ``*ForConditionalGeneration``: its text decoder) class as ``model_type`` (the
+architecture is base_model's config.json, as in Axolotl, where the class must load that config); ``unfrozen_parameters`` matched as Axolotl's ``LayerNamePattern``
 (dots literal, from the start) against the Hugging Face names of the base model's own files
 (DBRX's ``transformer.blocks.N``), compared with Axolotl's rule on transformers' parameter names."""
 import json
@@ -13,12 +13,13 @@ from functional_pp.config import ConfigError, TrainConfig
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("cls", ["GPTNeoXForCausalLM", "GemmaForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("cls", ["GPTNeoXForCausalLM", "GemmaForCausalLM", "LlamaForCausalLM",
+                                 "Llama4ForConditionalGeneration"])
 def test_a_causal_lm_class_as_model_type_is_accepted(cls):
     assert TrainConfig.from_dict({"model_type": cls, "model": {"preset": "tiny"}}).model.preset == "tiny"
 
 
-@pytest.mark.parametrize("cls", ["BertForMaskedLM", "Llama4ForConditionalGeneration", "forcausallm"])
+@pytest.mark.parametrize("cls", ["BertForMaskedLM", "T5Model", "forcausallm"])
 def test_other_model_classes_are_refused(cls):
     with pytest.raises(ConfigError, match=f"model_type: '{cls}' is not supported"):
         TrainConfig.from_dict({"model_type": cls})

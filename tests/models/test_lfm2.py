@@ -1,22 +1,22 @@
 """LFM2 (``model_type: lfm2``): short-convolution layers (models/short_conv.py) between attention
 layers with q/k norms, against a tiny random ``Lfm2ForCausalLM`` built by transformers: logits,
-fp64 loss and every gradient, export, LoRA = peft, FSDP x TP + SP = one device (simulated and gloo
-processes), and the refusals (CP, sampling with a cache, export as another class)."""
+fp64 loss and every gradient, export, LoRA = peft, FSDP x TP + SP and CP x TP (plain and packed rows)
+= one device (simulated; FSDP x TP + SP also on gloo processes), and the refusals (sampling with a
+cache, export as another class)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device,
+from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
                      assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch, our_logits,
-                     parallel, tokens)
+                     tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
-from functional_pp.devices.launch import DeviceError
 from functional_pp.models import llama
 
 transformers = pytest.importorskip("transformers")
@@ -114,11 +114,46 @@ def test_fsdp_tp_equals_one_device(saved, layout):
     assert_hf_layout_equals_one_device(saved[1], layout)
 
 
+def test_context_parallelism_equals_one_device(saved):
+    """The short convolutions under CP 2 x TP 2: each block's first positions read the last inputs of the
+    block before (a halo handed on, ops/sequence_chain.py); packed rows read none of another document."""
+    assert_cp_equals_one_device(saved[1])
+
+
+def test_packed_documents_equal_transformers_on_each(saved):
+    """Packed rows (``segments``): each document's logits equal transformers' logits of that document
+    alone (no convolution tap reads the document before; attention stays inside)."""
+    model, d = saved
+    cfg, params = hf.load_hf_llama(d)
+    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
+    from functional_pp.parallel import sharding
+    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
+                        segments=fpp.wrap(seg, "batch seq")).value()
+    with torch.no_grad():
+        for b in range(2):
+            for doc in seg[b].unique():
+                at = (seg[b] == doc).nonzero().flatten()
+                torch.testing.assert_close(got[b:b + 1, at], model(input_ids=toks[b:b + 1, at]).logits, atol=3e-5,
+                                           rtol=1e-5)
+
+
+def test_cp_training_with_whole_layer_remat_equals_one_device():
+    """Two AdamW steps under CP 2 with whole-layer activation checkpointing (the layer recomputed in
+    backward, the chain's sends with it, in the same order on every device) equal one device's."""
+    from harness import launch_steps
+    cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, max_seq=32, qk_norm=True,
+                       layer_types=("conv", "full_attention"), tie_embeddings=True, model_type="lfm2")
+    one = launch_steps(cfg, dtype=torch.float64)[0]
+    for losses, params, _ in launch_steps(cfg, mesh=fpp.Mesh(cp=2), rules=llama.default_rules(tp=False),
+                                          dtype=torch.float64, remat=True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m, p=p: f"{p}: {m}")
+
+
 def test_refusals_name_the_conv_layers(saved):
     cfg, params = hf.load_hf_llama(saved[1], dtype=torch.float64)
-    batch = make_batch(cfg, batch=2, seq=8)
-    with pytest.raises(DeviceError, match=r"short-convolution layers .* need the whole sequence .* split over \('cp',\): use cp_size 1"):
-        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
     from functional_pp.models import sampling
     import functools
     from functional_pp.parallel import sharding

@@ -124,8 +124,9 @@ def test_refusals_name_the_option(saved, tmp_path):
     conf = json.loads((saved[1] / "config.json").read_text())
     with pytest.raises(ck.CheckpointMismatchError, match=r"HF llama4_text config: router_jitter_noise=0.1"):
         hf.config_from_hf(dict(conf, router_jitter_noise=0.1))
-    with pytest.raises(ck.CheckpointMismatchError, match=r"model_type 'llama4' is not supported \(Llama 4 \(multimodal"):
-        hf.config_from_hf(dict(conf, model_type="llama4"))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF llama4 config: text_config=None is not supported: "
+                                                         r"config.json has no text_config"):
+        hf.config_from_hf(dict(conf, model_type="llama4"))      # (the multimodal one: its text_config is read)
     cfg = hf.config_from_hf(saved[1])
     params = fpp.init_params(llama.init(cfg), seed=0)
     with pytest.raises(ck.CheckpointMismatchError, match=r"export as 'llama4_text': experts_scale_input=False has no"):

@@ -119,7 +119,7 @@ def test_refused_by_name(hf_dir):
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))
     with pytest.raises(ValueError, match=r"sampling \(generate\) with Mamba \(v1\) layers is not supported yet"):
         sampling.generate(lambda p, t: llama.forward(p, t, cfg), named, batch["tokens"][:, :4], max_new_tokens=2)
-    assert "Mamba (v1) mixers" in llama.uncached_layers(cfg) and "Mamba (v1)" in llama.whole_sequence(cfg)
+    assert "Mamba (v1) mixers" in llama.uncached_layers(cfg) and "Mamba (v1)" in llama.serial_under_cp(cfg)
     with pytest.raises(Exception, match="hidden_act='gelu' is not supported"):
         hf.config_from_hf({**CONFIG, "model_type": "mamba", "hidden_act": "gelu"})
     import dataclasses

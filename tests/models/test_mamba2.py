@@ -3,7 +3,7 @@
 chunked SSD scan, the gated RMSNorm over groups, out_proj): fp64 outputs and every gradient, with
 several chunks and a padded last chunk; packed documents each as alone; the same under tensor
 parallelism sharding the groups with their heads, or the heads of each group, on simulated devices;
-a sequence split over cp refused."""
+the sequence split over cp (balanced or contiguous, packed or not) equal to one device."""
 import math
 
 import pytest
@@ -134,12 +134,26 @@ def test_mixer_tensor_parallel_equals_one_device(rules):
         torch.testing.assert_close(grads[k], want[k], rtol=1e-9, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_sequence_split_over_cp_is_refused():
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rules", [dict(seq=fpp.balanced("cp")), dict(seq="cp"),
+                                   dict(seq=fpp.balanced("cp"), ssm_group_heads="tp")])
+def test_sequence_split_over_cp_equals_one_device(rules, packed):
+    """The sequence split over cp (load-balanced: blocks 0 and 3 on device 0, 1 and 2 on device 1; or
+    contiguous; with the heads over tp): each device scans its blocks from the state the block before
+    ended in (ops/sequence_chain.py), the state's gradient handed back; blocks of 6 in chunks of 4 (a
+    padded chunk), packed documents crossing the blocks' boundaries: output and every gradient equal one
+    device's."""
     mod = hf_mixer()
-    h, r = inputs(8)
+    h, r = inputs(24)
     params = {k: v.detach() for k, v in ours_from_hf(mod).items()}
-    with pytest.raises(Exception, match=r"whole sequence.*'seq' is split over \('cp',\).*cp_size: 1"):
-        ours(params, h, r, fpp.Mesh(cp=2), fpp.Rules(seq="cp"))
+    seg = torch.tensor([[0] * 5 + [1] * 9 + [2] * 10, [3] * 24]) if packed else None
+    want_out, want = ours(params, h, r, segments=seg)
+    mesh = fpp.Mesh(cp=2, tp=2) if "ssm_group_heads" in rules else fpp.Mesh(cp=2)
+    out, grads = ours(params, h, r, mesh, fpp.Rules(**rules), segments=seg)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    for k in want:
+        assert want[k].abs().max() > 0, k
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-9, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_bad_shapes_are_refused():

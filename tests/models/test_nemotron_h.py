@@ -4,12 +4,13 @@ A tiny random model transformers builds from a config loads through the HF impor
 ``backbone.``, in_proj and conv1d fused); logits, the fp64 loss and every gradient equal
 transformers'; export writes ``NemotronHForCausalLM``, which loads with equal logits; LoRA on the
 attention's q/k/v/o (Axolotl's targets) equals peft; FSDP x TP with sequence parallelism on
-simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one device; packed
-documents each as alone; CP and the key / value cache refused by name (the mixture-of-experts
-layers: tests/models/test_nemotron_h_moe.py)."""
+simulated devices, CP x TP (FSDP over cp) on simulated devices (plain and packed rows) and on real
+gloo processes, and a 1F1B pipeline equal one device; packed documents each as alone; the key /
+value cache refused by name (the mixture-of-experts layers: tests/models/test_nemotron_h_moe.py)."""
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
+from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
+                     assert_lora_step_equals_peft,
                      assert_processes_equal_one_device, fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf,
                      make_batch, parallel, single_device)
 
@@ -97,8 +98,17 @@ def test_tp_over_the_groups_with_their_heads_equals_one_device(hf_dir):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=lambda m, p=p: f"{p}: {m}")
 
 
-def test_fsdp_tp_real_processes_equal_one_device(hf_dir):
-    assert_processes_equal_one_device(hf.config_from_hf(hf_dir))
+def test_cp_tp_real_processes_equal_one_device(hf_dir):
+    """CP 2 x TP 2 (the sequence load-balanced over cp, the Mamba2 state handed between the processes;
+    FSDP over cp) on four gloo processes: two AdamW steps equal one device's."""
+    assert_processes_equal_one_device(hf.config_from_hf(hf_dir), mesh=fpp.Mesh(cp=2, tp=2), rules=llama.default_rules())
+
+
+def test_context_parallelism_equals_one_device(hf_dir):
+    """The Mamba2 layers under CP 2 x TP 2, and with sequence parallelism (ops/sequence_chain.py: each device scans its blocks from the
+    state of the block before, the balanced split's blocks in sequence order), plain and packed rows."""
+    assert_cp_equals_one_device(hf_dir)
+    assert_cp_equals_one_device(hf_dir, rules=llama.default_rules(sequence_parallel=True))     # (SP: res_seq over cp x tp)
 
 
 def test_pipeline_equals_one_device(hf_dir):
@@ -130,13 +140,16 @@ def test_pipeline_equals_one_device(hf_dir):
     assert one[0] != one[1]
 
 
-def test_config_refuses_cp_before_any_work(hf_dir):
-    from functional_pp.config import ConfigError, TrainConfig
+def test_config_with_cp_is_accepted_and_the_batched_simulator_names_the_layers(hf_dir):
+    from functional_pp.app.sim_mode import needs_threads
+    from functional_pp.config import TrainConfig
     from functional_pp.config.models import model_config
     base = dict(base_model=str(hf_dir), datasets=[{"path": "x.jsonl", "type": "completion"}], micro_batch_size=1)
-    with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: .*whole sequence.*set it to 1"):
-        model_config(TrainConfig.from_dict({**base, "context_parallel_size": 2}, name="t"))
-    assert model_config(TrainConfig.from_dict(base, name="t")).mamba_heads == 8     # (packing: each document alone)
+    cfg = TrainConfig.from_dict({**base, "context_parallel_size": 2}, name="t")
+    assert model_config(cfg).mamba_heads == 8
+    assert any("cp_size: 2 with a recurrence along the sequence (layers [0, 3] hold Mamba2 mixers" in r
+               for r in needs_threads(cfg))
+    assert needs_threads(TrainConfig.from_dict(base, name="t")) == []
 
 
 def test_packed_documents_each_as_alone_and_under_fsdp_tp_sp(hf_dir):
@@ -184,8 +197,6 @@ def test_flops_count_each_layers_blocks(hf_dir):
 def test_refused_by_name(hf_dir):
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
-    with pytest.raises(Exception, match=r"whole sequence.*cp_size: 1"):
-        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
     from functional_pp.models import sampling
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))

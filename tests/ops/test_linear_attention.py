@@ -1,7 +1,8 @@
 """The gated delta rule and the causal convolution (ops/linear_attention.py) against transformers'
 torch fallbacks (``torch_chunk_gated_delta_rule``, which computes in float32, and
 ``causal_conv1d_fn``), their gradients, the chunking, tensor parallelism over the heads on
-simulated devices, and the sequence split refused by name."""
+simulated devices, and the sequence split over context parallelism (cp=2, balanced or contiguous,
+packed rows) equal to one device."""
 import pytest
 import torch
 
@@ -127,7 +128,76 @@ def test_heads_split_over_tp_equal_one_device():
         torch.testing.assert_close(out.data, want[b:b + 1, :, 2 * t:2 * t + 2], rtol=1e-12, atol=1e-12)
 
 
-def test_sequence_split_is_refused_by_name():
-    x = [t[:, :12] for t in _inputs(torch.float64)]
-    with pytest.raises(Exception, match="sequence dimension 'seq' is split over \\('cp',\\).*cp_size 1"):
-        _on_mesh(fpp.Mesh(cp=2), fpp.Rules(seq="cp"), x)
+# packed rows of 16: a document crossing each block boundary (4 blocks of 4 under balanced cp=2), one that does not
+CP_SEGMENTS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [4] * 8 + [7] * 8])
+QKVGB = ("batch seq kv_heads head_dim",) * 2 + ("batch seq heads v_head_dim", "batch seq heads", "batch seq heads")
+
+
+def _cp_inputs():
+    return [torch.cat([t, t[:, :3] * 0.5], 1).detach().requires_grad_() for t in _inputs(torch.float64)]   # seq 16
+
+
+def _cp_run(op, x, dims, up, out_dims, segments, mesh, rules):
+    """Per device: ``op``'s output block and the gradients of (output . up) for the whole inputs."""
+    def device():
+        with fpp.use_rules(rules):
+            leaves = [t.detach().clone().requires_grad_() for t in x]
+            out = op(*(fpp.named(t, d) for t, d in zip(leaves, dims)),
+                     segments=None if segments is None else fpp.named(segments, "batch seq"))
+            u = fpp.named(up, out_dims)
+            assert out.split == u.split
+            (out.data * u.data).sum().backward()
+            return [l.grad for l in leaves]
+    return fpp.launch(device, mesh)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("order", ["balanced", "contiguous"])
+def test_sequence_split_over_cp_equals_one_device(order, packed):
+    """The rule and the convolution with the sequence split over cp (the chain of blocks, each from the
+    state the block before ended in: ops/sequence_chain.py), load-balanced or contiguous, packed rows or
+    not, and with the heads over tp: the gradients of every input equal one device's."""
+    seg = CP_SEGMENTS if packed else None
+    seq = fpp.balanced("cp") if order == "balanced" else "cp"
+    up = torch.randn(B, 16, H, DV, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x = _cp_inputs()
+    (_ours(*x, chunk=4, segments=seg) * up).sum().backward()
+
+    def rule(*t, segments):
+        return gated_delta_rule(*t, chunk=4, segments=segments, **DIMS)
+    for mesh, rules in ((fpp.Mesh(cp=2), fpp.Rules(seq=seq)), (fpp.Mesh(cp=2, tp=2),
+                                                               fpp.Rules(seq=seq, heads="tp", kv_heads="tp"))):
+        for grads in _cp_run(rule, x, QKVGB, up, "batch seq heads v_head_dim", seg, mesh, rules):
+            for name, a, b in zip("q k v g beta".split(), grads, x):
+                torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"grad {name}: {m}")
+    xc = torch.randn(B, 16, HK, DK, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(HK, DK, K, dtype=torch.float64, requires_grad=True)
+    upc = torch.randn(B, 16, HK, DK, dtype=torch.float64)
+    conv = (causal_conv1d(fpp.wrap(xc, "batch seq kv_heads head_dim"), fpp.wrap(w, "kv_heads head_dim kernel"),
+                          seq="seq", kernel="kernel", segments=None if seg is None else fpp.wrap(seg, "batch seq")))
+    (conv.value() * upc).sum().backward()
+
+    def conv_op(x, w, segments):
+        return causal_conv1d(x, w, seq="seq", kernel="kernel", segments=segments)
+    for grads in _cp_run(conv_op, [xc, w], ("batch seq kv_heads head_dim", "kv_heads head_dim kernel"), upc,
+                         "batch seq kv_heads head_dim", seg, fpp.Mesh(cp=2), fpp.Rules(seq=seq)):
+        for name, a, b in zip(("x", "weight"), grads, (xc, w)):
+            torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"conv grad {name}: {m}")
+
+
+def test_the_chain_sends_each_hop_the_state_once_each_way():
+    """docs/communication.md: under load-balanced cp=2 the chain has 2 hops (device 0 to 1, then 1 to 0):
+    each device sends the state (batch x heads x head_dim x v_head_dim) once forward and its gradient
+    once backward, and nothing else over cp."""
+    x = _cp_inputs()
+
+    def device():
+        with fpp.use_rules(fpp.Rules(seq=fpp.balanced("cp"))):
+            named = [fpp.named(t.detach().clone().requires_grad_(), d) for t, d in zip(x, QKVGB)]
+            with fpp.comm_report() as rep:
+                out = gated_delta_rule(*named, chunk=4, **DIMS)
+                out.data.sum().backward()
+            return [(e.kind, e.bytes_sent, e.backward) for e in rep.events if e.kind == "permute"]
+    state = B * H * DK * DV * 8
+    for events in fpp.launch(device, fpp.Mesh(cp=2)):
+        assert sorted(events) == [("permute", state, False), ("permute", state, True)]
