@@ -173,6 +173,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "head_dim": 64, "mamba_num_heads": 8, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 16,
            "chunk_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "moe_shared_expert_intermediate_size": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+       # (Mamba (v1): two layers of the selective scan, 256 channels, tied embeddings)
+       "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 16, "time_step_rank": 32, "pad_token_id": None,
+                                                     "bos_token_id": None, "eos_token_id": None}),
+       # (Jamba: a Mamba layer with the MLP, then attention with experts; a time step of rank 64: whole NF4 blocks)
+       "jamba": ("JambaConfig", "JambaForCausalLM", {
+           "num_experts": 4, "num_experts_per_tok": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+           "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 64,
            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the

@@ -492,12 +492,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
-            if key == "model_type" and isinstance(value, str) and re.fullmatch(
+            if key == "model_type" and isinstance(value, str) and (re.fullmatch(
                     r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
-                    value):
+                    value) or value == "MambaLMHeadModel"):
                 # a transformers causal-LM class: the architecture is config.json's (a multimodal
                 # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
-                # head is reward_model's / process_reward_model's (checked with them: checks.py)
+                # head is reward_model's / process_reward_model's (checked with them: checks.py);
+                # mamba_ssm's MambaLMHeadModel: config.json's model_type must be mamba (models.py)
                 out["model_type"] = value
                 continue
             if value not in _ACCEPTED_VALUES[key]:

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf, nemotron_h_hf,
-                                  pixtral_hf, qwen3_5_hf, score_head)
+                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
+                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -182,6 +182,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *mamba2_hf.TABLE,
     # a vision-language model's Pixtral encoder and Mistral 3's projector (models/pixtral.py)
     *pixtral_hf.TABLE,
+    # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
+    *mamba_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -392,6 +394,8 @@ RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared ex
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
 RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
+RENAMED["mamba"] = mamba_hf.RENAMED
+RENAMED["jamba"] = jamba_hf.RENAMED
 RENAMED["kimi_linear"] = kimi_linear_hf.RENAMED     # (self_attn, block_sparse_moe, experts w1 / w3 / w2)
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
@@ -805,7 +809,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
                                  **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES,
-                                 **kimi_linear_hf.ARCHITECTURES}
+                                 **kimi_linear_hf.ARCHITECTURES, **mamba_hf.ARCHITECTURES, **jamba_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -961,8 +965,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
     # attention; Gemma 4's text decoder), each given what it reads with
     for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
-                                (nemotron_h_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,),
-                                (kimi_linear_hf,)):
+                                (nemotron_h_hf,), (mamba_hf,), (jamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope),
+                                (gemma4_hf,), (kimi_linear_hf,)):
         if mt in module.ARCHITECTURES:
             try:
                 return module.config_from_hf(hf, mt, *reads_with)
@@ -1222,6 +1226,10 @@ def check_exportable(cfg: Config) -> None:
         return nemotron_h_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in falcon_h1_hf.ARCHITECTURES:
         return falcon_h1_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in mamba_hf.ARCHITECTURES:
+        return mamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in jamba_hf.ARCHITECTURES:
+        return jamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1289,6 +1297,10 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
     if cfg.model_type in falcon_h1_hf.ARCHITECTURES:
         return falcon_h1_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in mamba_hf.ARCHITECTURES:
+        return mamba_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in jamba_hf.ARCHITECTURES:
+        return jamba_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in kimi_linear_hf.ARCHITECTURES:
         return kimi_linear_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:
