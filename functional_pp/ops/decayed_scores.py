@@ -15,11 +15,15 @@ itself is below it), as one matmul. Halving the blocks again down to single posi
 pair below the diagonal once (the diagonal's decay is exp(0) = 1): memory of order
 ``chunk x channels x log2(chunk)`` per chunk instead of ``chunk^2 x channels``. It is the
 sub-chunk scheme of flash-linear-attention's KDA / GLA kernels (a reference point per sub-chunk)
-applied at every scale, so that no block needs the per-pair tensor."""
+applied at every scale, so that no block needs the per-pair tensor. Eagerly the halving keeps
+only its inputs for backward and computes its blocks again there (:class:`_Halving`); traced
+(torch.compile) it is plain autograd, the compiler choosing what to keep."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from functional_pp._torch import apply_function, is_tracing
 
 
 def decayed_scores(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.Tensor) -> list[torch.Tensor]:
@@ -32,6 +36,35 @@ def decayed_scores(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.
         upper = torch.ones(C, C, dtype=torch.bool, device=right.device).triu(1)
         pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
         return [(left @ right.transpose(-1, -2)) * pair for left in lefts]
+    if is_tracing():
+        return _halving(lefts, right, decay)
+    return list(apply_function(_Halving, right, decay, *lefts))
+
+
+class _Halving(torch.autograd.Function):
+    """:func:`_halving` keeping only its inputs: the backward computes the blocks again (their
+    scaled operands, a few ``chunk x head_dim`` per level, live only then)."""
+
+    @staticmethod
+    def forward(ctx, right: torch.Tensor, decay: torch.Tensor, *lefts: torch.Tensor):
+        ctx.save_for_backward(right, decay, *lefts)
+        return tuple(_halving(list(lefts), right, decay))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            outs = _halving(leaves[2:], leaves[0], leaves[1])
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        if not pairs:
+            return (None,) * len(leaves)
+        return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
+                                   create_graph=torch.is_grad_enabled())
+
+
+def _halving(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.Tensor) -> list[torch.Tensor]:
+    """The per-channel scores by halving (the module's docstring)."""
+    C = right.shape[-2]
     P = 1 << (C - 1).bit_length()                              # halving wants a power of two: pad with
     if P != C:                                                 # zero rows and a constant decay
         lefts, right = [F.pad(x, (0, 0, 0, P - C)) for x in lefts], F.pad(right, (0, 0, 0, P - C))
