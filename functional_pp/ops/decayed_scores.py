@@ -15,9 +15,11 @@ itself is below it), as one matmul. Halving the blocks again down to single posi
 pair below the diagonal once (the diagonal's decay is exp(0) = 1): memory of order
 ``chunk x channels x log2(chunk)`` per chunk instead of ``chunk^2 x channels``. It is the
 sub-chunk scheme of flash-linear-attention's KDA / GLA kernels (a reference point per sub-chunk)
-applied at every scale, so that no block needs the per-pair tensor. Eagerly the halving keeps
-only its inputs for backward and computes its blocks again there (:class:`_Halving`); traced
-(torch.compile) it is plain autograd, the compiler choosing what to keep."""
+applied at every scale, so that no block needs the per-pair tensor.
+
+Eagerly either form keeps only its inputs for backward (the rule keeps them anyway) and computes
+the scores again there; traced (torch.compile) it is plain autograd, the compiler choosing what
+to keep."""
 from __future__ import annotations
 
 import torch
@@ -30,36 +32,43 @@ def decayed_scores(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.
     """For each ``left`` [..., C, D] the scores [..., C, C] against ``right`` [..., C, D] (lower
     triangular with the diagonal), the pair (i, j) decayed by ``exp(decay_i - decay_j)``; ``decay``
     [..., C] (one per head: the direct product) or [..., C, D] (one per channel: halving, no
-    [C, C, D] tensor)."""
-    C = right.shape[-2]
-    if decay.dim() == right.dim() - 1:                         # one decay for every channel
-        upper = torch.ones(C, C, dtype=torch.bool, device=right.device).triu(1)
-        pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-        return [(left @ right.transpose(-1, -2)) * pair for left in lefts]
+    [C, C, D] tensor). Eagerly only the inputs are kept for backward, which computes the scores
+    again (:class:`_Recomputed`)."""
+    form = _direct if decay.dim() == right.dim() - 1 else _halving
     if is_tracing():
-        return _halving(lefts, right, decay)
-    return list(apply_function(_Halving, right, decay, *lefts))
+        return form(lefts, right, decay)
+    return list(apply_function(_Recomputed, form, right, decay, *lefts))
 
 
-class _Halving(torch.autograd.Function):
-    """:func:`_halving` keeping only its inputs: the backward computes the blocks again (their
-    scaled operands, a few ``chunk x head_dim`` per level, live only then)."""
+class _Recomputed(torch.autograd.Function):
+    """``form(lefts, right, decay)`` keeping only its inputs: the backward computes the scores again
+    (the halving's scaled operands, a few ``chunk x head_dim`` per level, or the direct form's
+    ``chunk x chunk`` products live only then)."""
 
     @staticmethod
-    def forward(ctx, right: torch.Tensor, decay: torch.Tensor, *lefts: torch.Tensor):
+    def forward(ctx, form, right: torch.Tensor, decay: torch.Tensor, *lefts: torch.Tensor):
+        ctx.form = form
         ctx.save_for_backward(right, decay, *lefts)
-        return tuple(_halving(list(lefts), right, decay))
+        return tuple(form(list(lefts), right, decay))
 
     @staticmethod
     def backward(ctx, *grads):
         leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors]
         with torch.enable_grad():
-            outs = _halving(leaves[2:], leaves[0], leaves[1])
+            outs = ctx.form(leaves[2:], leaves[0], leaves[1])
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
         if not pairs:
-            return (None,) * len(leaves)
-        return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
-                                   create_graph=torch.is_grad_enabled())
+            return (None,) * (len(leaves) + 1)
+        return (None, *torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
+                                           create_graph=torch.is_grad_enabled()))
+
+
+def _direct(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.Tensor) -> list[torch.Tensor]:
+    """One decay per head factors out: ``(left @ right^T) * exp(decay_i - decay_j)``."""
+    C = right.shape[-2]
+    upper = torch.ones(C, C, dtype=torch.bool, device=right.device).triu(1)
+    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    return [(left @ right.transpose(-1, -2)) * pair for left in lefts]
 
 
 def _halving(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.Tensor) -> list[torch.Tensor]:

@@ -184,3 +184,17 @@ def test_initial_state_equals_transformers_recurrence_and_chunk_sizes_agree():
                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(want[0], rec.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(want[1], final.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_by_torch_compile_equals_eager():
+    """Traced (torch.compile, aot_eager) the halving is plain autograd (no recomputing function):
+    the same values and gradients as eager."""
+    from functional_pp.ops.linear_attention import chunked_gated_delta_rule
+    x, y = _inputs(torch.float64), _inputs(torch.float64)
+    compiled = torch.compile(chunked_gated_delta_rule, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*x, chunk=4)[0], chunked_gated_delta_rule(*y, chunk=4)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.sum().backward()
+    want.sum().backward()
+    for name, a, b in zip("q k v g beta".split(), x, y):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad {name}: {m}")

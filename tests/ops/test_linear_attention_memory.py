@@ -51,7 +51,7 @@ def test_benchmark_smoke_measures_both_forms_and_they_agree():
     rows = bench.run(args)
     kda, gdn, branch = rows
     assert kda["old_peak"] > 4 * kda["new_peak"] and kda["old_saved"] > 3 * kda["new_saved"]
-    assert gdn["old_peak"] == gdn["new_peak"] > 0                       # (the per-head branch is unchanged)
-    assert branch["new_peak"] < branch["old_peak"]               # (why the per-head decay keeps its own branch)
+    assert gdn["old_saved"] > 1.3 * gdn["new_saved"]                  # (its scores recomputed in backward too)
+    assert branch["new_peak"] < branch["old_peak"] and branch["new_saved"] < branch["old_saved"]  # (own branch)
     assert all(r["max_diff"] < 1e-5 for r in rows)
     assert "| Kimi Delta Attention" in bench.table(rows, args)
