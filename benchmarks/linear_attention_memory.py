@@ -1,7 +1,8 @@
 """Peak memory of the gated delta rule's forward + backward (``ops.linear_attention.chunked_gated_delta_rule``),
-the intra-chunk scores in today's form (ops/decayed_scores.py: halving, no chunk x chunk x head_dim
-tensor) beside the direct form it replaced (``cubic_scores``: the per-pair decay tensor, as
-transformers' torch ``chunk_kimi_delta_attention``), for a decay per key channel (Kimi Delta
+the intra-chunk scores as today ("now": ops/decayed_scores.py, per channel by halving without a
+chunk x chunk x head_dim tensor, either form recomputed in backward) beside the form they replaced
+("before": ``cubic_scores``, the per-pair decay tensor as transformers' torch
+``chunk_kimi_delta_attention``, kept by autograd), for a decay per key channel (Kimi Delta
 Attention) and one per head (Gated DeltaNet), side by side in one run.
 
     python benchmarks/linear_attention_memory.py                 # heads 8, head_dim 128, seq 2048, batch 1, fp32
@@ -10,8 +11,8 @@ Attention) and one per head (Gated DeltaNet), side by side in one run.
 Measured on the CPU with torch's memory profiler (tests/memtrack.py): ``peak`` is the most memory
 allocated at once during forward + backward beyond the inputs; ``saved`` what the forward leaves
 allocated (the activations kept for backward, and the output). The last row compares, for the
-per-head decay, its own branch (second column) with the per-channel path given the decay repeated
-over head_dim (first). Both forms give the same output and gradients (checked: the largest
+per-head decay, its own branch ("now") with today's per-channel path given the decay repeated
+over head_dim ("before"). Both forms give the same output and gradients (checked: the largest
 difference is printed)."""
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ from memtrack import window_peaks  # noqa: E402
 
 
 def cubic_scores(lefts: list[torch.Tensor], right: torch.Tensor, decay: torch.Tensor) -> list[torch.Tensor]:
-    """The direct form of ``decayed_scores`` (the op's before the halving form): per channel, the
-    pair decays exp(decay_i - decay_j) as a [..., C, C, D] tensor, as transformers' torch form."""
+    """The direct form of ``decayed_scores`` (the op's before the halving form), plain autograd: per
+    channel, the pair decays exp(decay_i - decay_j) as a [..., C, C, D] tensor, as transformers' torch form."""
     C = right.shape[-2]
     upper = torch.ones(C, C, dtype=torch.bool, device=right.device).triu(1)
     if decay.dim() == right.dim() - 1:
@@ -107,7 +108,7 @@ def run(args) -> list[dict]:
 def table(rows: list[dict], args) -> str:
     head = (f"batch {args.batch}, seq {args.seq}, heads {args.heads}, head_dim {args.head_dim}, chunk {args.chunk}, "
             "fp32, CPU, forward + backward\n\n"
-            "| rule | peak, direct form | peak, halving | ratio | saved, direct | saved, halving | ratio | "
+            "| rule | peak, before | peak, now | ratio | saved, before | saved, now | ratio | "
             "max difference |\n|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(
         f"| {r['rule']} | {human_bytes(r['old_peak'])} | {human_bytes(r['new_peak'])} | "
