@@ -190,7 +190,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     write the state it carries on). ``initial_state`` [B, H, Dk, Dv] (in float32 for 16-bit inputs;
     default zeros): the state before the first position, read (with ``segments``) only by positions
     of ``initial_id`` [B], the document it belongs to. Returns the output and the state after the
-    last position."""
+    last position. The scores within a chunk: ops/decayed_scores.py (per channel without a
+    chunk x chunk x Dk tensor, recomputed in backward)."""
     dtype = v.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     B, S, Hk, Dk = k.shape

@@ -2,7 +2,8 @@
 head_dim, ops/linear_attention.py) against transformers' torch fallbacks of Kimi Linear
 (``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``, which compute in float32):
 values and gradients, every chunk size the recurrence in float64, packed documents each as if
-alone, the heads split over tp on simulated devices."""
+alone, the heads split over tp on simulated devices; at Kimi's gate with large decays (the
+halving of ops/decayed_scores.py stays exact), with an initial state, and traced by torch.compile."""
 import sys
 from pathlib import Path
 
