@@ -92,6 +92,19 @@ def test_zeros_stay_zero_others_train_and_resume_is_bit_exact(inputs, tmp_path):
     assert checked == 14
 
 
+def test_pipeline_stages_keep_the_zeros(inputs, tmp_path):
+    """(pp_size 2: each stage's optimizer holds its layers' masks)"""
+    train(config(inputs, tmp_path, dp_shard_size=1, pp_size=2, max_steps=2,
+                 gradient_accumulation_steps=2), stream=io.StringIO())
+    hf = dict(transformers.LlamaForCausalLM.from_pretrained(inputs[0]).named_parameters())
+    end = params_at(tmp_path, 2)
+    for p, x in end.items():
+        if p.rsplit(".", 1)[-1] in TARGETED:
+            loaded = hf["model." + p + ".weight"].detach()
+            assert int((x == 0).sum()) == int((loaded == 0).sum()) and not torch.equal(x.flatten().sort()[0],
+                                                                                       loaded.flatten().sort()[0]), p
+
+
 @pytest.mark.parametrize("change, message", [
     ({"plugins": []}, "go together"),
     ({"llmcompressor": {"recipe": {"s": {"finetuning_modifiers": {"GPTQModifier": {"targets": "Linear"}}}}}},

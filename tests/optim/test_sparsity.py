@@ -61,9 +61,9 @@ def oracle(full: dict, data: list) -> tuple[list, dict]:
     return losses, {p: x.detach() for p, x in leaves.items()}
 
 
-def run(full, data, mesh, rules, opt, processes=False):
+def run(full, data, mesh, rules, opt, processes=False, **step_kw):
     loss = functools.partial(llama.loss, cfg=CFG)
-    step = fpp.train_step(loss, opt, mesh=mesh, rules=rules)
+    step = fpp.train_step(loss, opt, mesh=mesh, rules=rules, **step_kw)
     decls = llama.init(CFG, torch.float64)
 
     def device():
@@ -124,6 +124,13 @@ def test_fsdp_x_tp_equals_one_device_simulated_and_in_processes(case):
     for result in run(full, data, mesh, rules, sparse_adamw()):
         assert_run(result, ref, full)
     for result in run(full, data, mesh, rules, sparse_adamw(), processes=True):
+        assert_run(result, ref, full)
+
+
+def test_compiled_fsdp_equals_one_device(case):
+    full, data, ref = case
+    for result in run(full, data, fpp.Mesh(dp_shard=2), llama.default_rules(tp=False), sparse_adamw(),
+                      compile="aot_eager"):
         assert_run(result, ref, full)
 
 
