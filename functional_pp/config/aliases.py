@@ -119,12 +119,11 @@ UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
     **{k: _QUANT for k in ("gptq",
                            "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama")},
-    "nvfp4_merge_aware": ("merge-aware NVFP4 LoRA is not built: it reads a ModelOpt NVFP4 base checkpoint (uint8 "
-                          "E2M1 pairs, float8 weight_scale per 16 inputs, weight_scale_2 per tensor; not read here) "
-                          "and trains the adapter through the merged weight re-quantized to NVFP4 with fresh block "
-                          "scales (Q(W + s B A), straight-through gradients), which merge-lora then writes as "
-                          "NVFP4; the LoRA here trains on W + s B A unquantized: remove it and give a bf16 base "
-                          "(plain LoRA)"),
+    "nvfp4_merge_aware": ("merge-aware NVFP4 LoRA is not built: it trains the adapter through the merged weight "
+                          "re-quantized to NVFP4 with fresh block scales (Q(W + s B A), straight-through gradients) "
+                          "so that merge-lora writes an NVFP4 checkpoint back losslessly; here the ModelOpt NVFP4 "
+                          "base is read dequantized and LoRA trains on W + s B A unquantized, and nothing is "
+                          "exported as NVFP4: remove it (plain LoRA on the dequantized base)"),
     "ebft": _RL,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
