@@ -34,7 +34,7 @@ from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
 from functional_pp.quant import bnb_serialized
-from functional_pp.quant.fp4 import dequantize_mxfp4
+from functional_pp.quant.fp4 import NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
@@ -159,6 +159,7 @@ class _HFReader:
         self.hidden: dict[str, tuple[str, tuple[int, ...], str]] = {}    # entries folded into another's
         self._bnb4_entries()
         self._linearized_entries()
+        self._nvfp4_entries()
         self._stack_experts()
         self._mxfp4_entries()
         return self
@@ -225,6 +226,30 @@ class _HFReader:
             self.linearized[f"{pre}.gate_up_proj"] = [keys["gate"], keys["up"]]
             self.linearized[f"{pre}.down_proj"] = [keys["down"]]
 
+    def _nvfp4_entries(self) -> None:
+        """One dequantized entry ``{name}.weight`` [out, in] float32 for each NVFP4 linear of a
+        ModelOpt checkpoint (``quant_algo: NVFP4``): ``weight`` (uint8 [out, in / 2]: E2M1 codes, the
+        even input in the low nibble), ``weight_scale`` (float8_e4m3fn [out, in / 16]) and
+        ``weight_scale_2`` (fp32, one per tensor), as torchao's ``NVFP4Tensor.dequantize``; the
+        activations' ``input_scale`` is not used (the inputs are not quantized here)."""
+        self.nvfp4: dict[str, tuple[str, str, str]] = {}
+        for key in [k for k in self.entries if k.endswith(".weight_scale_2")]:
+            pre = key.removesuffix("_scale_2")
+            name, scale = pre, pre + "_scale"
+            if name not in self.entries or scale not in self.entries:
+                raise CheckpointCorruptError(f"{self.root}: {key} without {name} and {scale} (a ModelOpt NVFP4 "
+                                             f"weight is all three)")
+            (_, codes, ct), (_, scales, st) = self.entries[name], self.entries[scale]
+            if ct != "U8" or st != "F8_E4M3" or len(codes) < 2 or tuple(scales) != (
+                    *codes[:-1], codes[-1] * 2 // NVFP4_BLOCK):
+                raise CheckpointCorruptError(f"{self.root}: {name} {ct} {list(codes)} with {scale} {st} {list(scales)} "
+                                             f"is not NVFP4 (uint8 codes [..., in/2], float8_e4m3fn scales [..., in/16])")
+            for k in (key, scale, *([pre.removesuffix(".weight") + ".input_scale"]
+                                    if pre.removesuffix(".weight") + ".input_scale" in self.entries else [])):
+                self._fold(k)
+            self.entries[name] = (self.entries[name][0], (*codes[:-1], codes[-1] * 2), "F32")
+            self.nvfp4[name] = (name, scale, key)
+
     def _mxfp4_entries(self) -> None:
         """One dequantized entry ``{name}`` [*lead, in, out] float32 for each MXFP4 pair
         ``{name}_blocks`` (uint8 [*lead, out, in / 32, 16]) + ``{name}_scales`` (uint8
@@ -280,6 +305,9 @@ class _HFReader:
         return self.handles[f]
 
     def slice(self, name: str):
+        if name in self.nvfp4:
+            get = lambda k: self._open(self._file(k)).get_tensor(k)        # noqa: E731
+            return _Whole(lambda: dequantize_nvfp4(*(get(k) for k in self.nvfp4[name])))
         if name in self.mxfp4:
             blocks, scales = (self._open(self.entries[k][0]).get_slice(k) for k in self.mxfp4[name])
             return _Mxfp4(blocks, scales, self.entries[name][1])

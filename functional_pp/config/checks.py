@@ -81,6 +81,26 @@ def check_model_quantization(cfg: Any, add) -> None:
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
 
 
+def check_llmcompressor(cfg: Any, add) -> None:
+    """``llmcompressor:`` (Axolotl's LLMCompressorPlugin): a recipe of ConstantPruningModifier only
+    (config/sparse_recipe.py), on the full weights (no adapter); ``save_compressed`` noted."""
+    if cfg.llmcompressor is None:
+        return
+    from functional_pp.config.sparse_recipe import read_recipe
+    try:
+        recipe = read_recipe(cfg.llmcompressor)
+    except ValueError as exc:
+        add(str(exc))
+        return
+    if cfg.adapter:
+        add(f"llmcompressor with adapter: {cfg.adapter} is not supported (the recipe keeps the zeros of the trained "
+            f"weights; an adapter trains others, and merging it fills the zeros): remove one of them")
+    note = ("llmcompressor.save_compressed (checkpoints and exports are written dense, the zeros kept; "
+            "compressed-tensors' sparse format is not written)")
+    if recipe.save_compressed and note not in cfg.notes:
+        cfg.notes.append(note)
+
+
 def check_diffusion(cfg: Any, add) -> None:
     """``diffusion:`` (Axolotl's DiffusionPlugin): a mapping of its options, each in range; what the
     objective cannot run with refused by name. Its keys that do not change training are noted."""
@@ -633,6 +653,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     check_qat(cfg, add)
     check_diffusion(cfg, add)
     check_images(cfg, add)
+    check_llmcompressor(cfg, add)
     if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
         for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
             if getattr(cfg, k):

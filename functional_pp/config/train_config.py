@@ -260,6 +260,11 @@ class TrainConfig:
                                  "fake-quantized in the forward, rounding straight through; or weight_dtype "
                                  "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
                                  "unquantized")
+    llmcompressor: dict | None = fld(None, "sparse fine-tuning (Axolotl's LLMCompressorPlugin): {recipe: {STAGE: "
+                                           "{finetuning_modifiers: {ConstantPruningModifier: {targets: ['re:.*q_proj"
+                                           ".weight', ...], start: 0}}}}, save_compressed: true}: the targeted "
+                                           "weights' zeros (|w| <= 1e-8 when loaded) stay zero through training "
+                                           "(docs/finetune.md \"Sparse fine-tuning\"); weights written dense")
     diffusion: dict | None = fld(None, "masked-diffusion language-model training (Axolotl's DiffusionPlugin, LLaDA): "
                                        "{mask_token_id: ID, eps: 1e-3, importance_weighting: true, ...}; each "
                                        "row's answer tokens masked with probability (1 - eps) t + eps, t uniform, "
