@@ -226,7 +226,8 @@ _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
 _TEMPLATES = {"nemotron_h": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
-              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
+              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size",
+              "ray_num_workers")
 
 
 def corpus_files() -> list[str]:

@@ -119,9 +119,9 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _QUANT for k in ("gptq",
-                           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
-                           "nvfp4_merge_aware")},
+    **{k: _QUANT for k in ("nvfp4_merge_aware",)},
+    **{k: ("the GPTQ format (bits, group size, checkpoint_format) is read from base_model's config.json "
+           "quantization_config: remove it") for k in ("gptq_groupsize", "gptq_model_v1")},
     "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
@@ -145,7 +145,7 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
 _PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
-                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port")
+                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port", "ray_num_workers")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
@@ -154,8 +154,8 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "otel_": "this OpenTelemetry option is not supported (use_otel_metrics exports the metrics with "
              "otel_metrics_host and otel_metrics_port): remove it",
-    "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
-    "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
+    "ray_": "this Ray option is not supported (use_ray with ray_num_workers and resources_per_worker: the "
+            "processes come from torchrun or --simulate): remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
@@ -169,6 +169,7 @@ _HUB_KERNELS = ("Hugging Face hub kernels (the kernels package) replace modules'
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
+    "gptq_disable_exllama": "a GPTQ base is dequantized once here (docs/quantization.md): no exllama kernel",
     "eval_sample_packing": "held-out data is packed like the training data",
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
