@@ -141,3 +141,30 @@ def test_fsdp_x_tp_gloo_processes_read_their_blocks_of_the_gptq_weights(tmp_path
             assert torch.equal(x, flat[p][region]), p
             split.update([p] if x.shape != flat[p].shape else [])
     assert {"layers.0.mlp.gate_proj", "layers.0.mlp.down_proj", "layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj"} <= split
+
+
+def test_lora_run_on_a_gptq_base_exports_the_adapter_and_the_merged_dequantized_weights(gptq_dir, tmp_path):
+    """``gptq: true`` with LoRA on q/k/v/o (Axolotl's llama-2/gptq-lora.yml), FSDP x TP on 4 simulated
+    devices, one step at learning rate 1e-12: the PEFT export holds the adapters of the targets, the
+    merged export (an unquantized HF directory) the checkpoint's dequantized weights."""
+    from safetensors.torch import load_file
+
+    from functional_pp import cli
+    d, _, deq = gptq_dir
+    config = tmp_path / "gptq.yaml"
+    config.write_text(f"base_model: {d}\ngptq: true\ngptq_disable_exllama: true\nadapter: lora\n"
+                      f"lora_target_modules: [{', '.join(TARGETS)}]\nlora_r: 4\nlora_alpha: 8\ndp_shard_size: 2\n"
+                      "tp_size: 2\nsequence_len: 16\nmicro_batch_size: 1\ngradient_accumulation_steps: 1\nmax_steps: 1\n"
+                      "save_steps: 1\nlearning_rate: 1.0e-12\nlr_scheduler: constant\nwarmup_steps: 0\n"
+                      "data: {path: null, max_bytes: 4000}\nlogging: {log_every: 1, plot: false}\n")
+    out = tmp_path / "run"
+    assert cli.main(["train", str(config), "--simulate", "4", "--output", str(out)]) == 0
+    assert cli.main(["export", str(out), str(tmp_path / "adapter")]) == 0
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * len(TARGETS) and all("lora_" in k for k in adapter)
+    assert cli.main(["export", str(out), str(tmp_path / "merged"), "--merge-adapter"]) == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert not any(k.endswith(("qweight", "qzeros", "scales", "g_idx")) for k in merged)
+    for k in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        torch.testing.assert_close(merged[k].float(), deq[k].float(), rtol=0, atol=1e-6)
