@@ -59,11 +59,13 @@ def test_v1_zero_points_are_stored_minus_one():
     assert torch.equal(v2.float(), 0.5 * (codes - 5).float()) and torch.equal(v1.float(), v2.float() - 0.5)
 
 
-def _write(tmp, bits=4, group=32, desc_act=True, v1=True, conf_kw=None):
+def _write(tmp, bits=4, group=32, desc_act=True, v1=True, conf_kw=None, g_idx=True):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**KW)).float().eval()
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     tensors, deq, qc = gptq_serialized(sd, bits, group, desc_act, v1)
+    if not g_idx:                                # (older checkpoints: row i in group i // group_size)
+        tensors = {k: v for k, v in tensors.items() if not k.endswith(".g_idx")}
     d = tmp / f"gptq{bits}"
     d.mkdir()
     save_file(tensors, str(d / "model.safetensors"))
@@ -87,6 +89,15 @@ def test_tiny_llama_reads_the_dequantized_weights_and_equals_transformers(gptq_d
     with torch.no_grad():
         want = model(input_ids=tokens()).logits
     torch.testing.assert_close(our_logits(params, cfg, tokens()), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [16, -1])
+def test_a_checkpoint_without_g_idx_reads_rows_in_order_of_groups(tmp_path, group):
+    d, _, deq = _write(tmp_path, bits=8, group=group, desc_act=False, v1=False, g_idx=False)
+    _, params = hf.load_hf_llama(d, dtype=torch.float32)
+    flat = dict(tree.leaves_with_paths(params))
+    for p, k in (("layers.0.mlp.down_proj", "mlp.down_proj"), ("layers.0.self_attn.o_proj", "self_attn.o_proj")):
+        assert torch.equal(flat[p], deq[f"model.layers.0.{k}.weight"].float().T.reshape(flat[p].shape)), p
 
 
 def test_lora_step_on_the_gptq_base_equals_peft(gptq_dir):
