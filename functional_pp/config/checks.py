@@ -4,6 +4,7 @@ values, run while parsing so that all problems of a file are reported at once) a
 work). Every problem raises :class:`ConfigError` saying what to change (``docs/config.md``)."""
 from __future__ import annotations
 
+import json
 import math
 import stat
 from pathlib import Path
@@ -65,7 +66,6 @@ def check_gptq(cfg: Any, add) -> None:
             add(f"gptq: true with {key}: a GPTQ base is read dequantized, not quantized again: remove {key}")
     conf = Path(str(cfg.base_model or "")) / "config.json"
     if cfg.base_model and conf.is_file():
-        import json
         try:
             qc = json.loads(conf.read_text()).get("quantization_config") or {}
         except (OSError, ValueError):

@@ -179,3 +179,18 @@ def test_lora_run_on_a_gptq_base_exports_the_adapter_and_the_merged_dequantized_
     assert not any(k.endswith(("qweight", "qzeros", "scales", "g_idx")) for k in merged)
     for k in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         torch.testing.assert_close(merged[k].float(), deq[k].float(), rtol=0, atol=1e-6)
+
+
+def test_gptq_config_keys_are_checked_before_any_work(tmp_path):
+    from functional_pp.config import ConfigError, TrainConfig
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "awq"}}))
+    lora = {"adapter": "lora", "lora_target_linear": True}
+    for raw, message in [({"base_model": str(tmp_path), **lora}, r"has no GPTQ quantization_config \(quant_method: gptq; "
+                                                                 r"found 'awq'\)"),
+                         ({}, r"gptq: true with adapter: None: the GPTQ base is frozen"),
+                         ({"load_in_8bit": True, **lora}, r"gptq: true with load_in_8bit: a GPTQ base is read dequantized"),
+                         ({"gptq_groupsize": 128, **lora}, r"'gptq_groupsize' is not supported: the GPTQ format")]:
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_dict({"gptq": True, **raw})
+    assert any(n.startswith("gptq_disable_exllama") for n in
+               TrainConfig.from_dict({"gptq": True, "gptq_disable_exllama": True, **lora}).notes)
