@@ -33,7 +33,7 @@ MODEL_TYPES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": "llama", "NousResearch/Meta-Llama-3-8B-Instruct": "llama",
     "NousResearch/Meta-Llama-3-8B": "llama", "NousResearch/Meta-Llama-3.1-8B": "llama",
     "NousResearch/Llama-3.2-1B": "llama", "NousResearch/Llama-2-7b-hf": "llama",
-    "TheBloke/Llama-2-7B-GPTQ": "llama", "casperhansen/llama-3-70b-fp16": "llama",
+    "TheBloke/Llama-2-7B-GPTQ": "llama_gptq", "casperhansen/llama-3-70b-fp16": "llama",
     "neuralmagic/Sparse-Llama-3.1-8B-2of4": "llama", "codellama/CodeLlama-13b-hf": "llama",
     "codellama/CodeLlama-34b-hf": "llama", "codellama/CodeLlama-7b-hf": "llama",
     "openlm-research/open_llama_3b_v2": "llama", "TinyLlama/TinyLlama_v1.1": "llama",
@@ -247,7 +247,8 @@ _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
 _TEMPLATES = {"nemotron_h": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
-              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
+              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size",
+              "ray_num_workers")
 
 
 def corpus_files() -> list[str]:
@@ -269,7 +270,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
                          extra=_IMAGE_TOKENS if model_type in _PIXTRAL else ())
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", *_WRAPPED):
+    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
@@ -284,6 +285,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         return d
     if model_type == "llama4":
         _linearized_nf4_llama4(d)
+        return d
+    if model_type == "llama_gptq":
+        _gptq_llama(d)
         return d
     if model_type in ("gemma4", "gemma4_moe"):
         torch.manual_seed(0)
@@ -316,6 +320,25 @@ def _linearized_nf4_llama4(d: Path) -> None:
     conf = json.loads((d / "config.json").read_text())
     conf["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                        bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="bfloat16")
+    (d / "config.json").write_text(json.dumps(conf))
+
+
+def _gptq_llama(d: Path) -> None:
+    """A tiny ``TheBloke/Llama-2-7B-GPTQ`` in ``d``: the tiny Llama's linears as a 4-bit GPTQ
+    checkpoint (groups of 128, act order, checkpoint_format gptq: v1), the rest fp16, as the hub's."""
+    import torch
+    import transformers
+    from harness import gptq_serialized
+    from safetensors.torch import save_file
+    conf, cls, extra = _HF["llama"]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **extra}))
+    model.save_pretrained(d)
+    sd, _, qc = gptq_serialized({k: v.contiguous() for k, v in model.state_dict().items()}, bits=4, group=128)
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    conf = json.loads((d / "config.json").read_text())
+    conf["quantization_config"] = qc
     (d / "config.json").write_text(json.dumps(conf))
 
 

@@ -35,6 +35,7 @@ from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
 from functional_pp.quant import bnb_serialized
 from functional_pp.quant.fp4 import NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
+from functional_pp.quant.gptq import dequantize_gptq, gptq_format
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
@@ -158,6 +159,7 @@ class _HFReader:
         self.members: dict[str, list[str]] = {}
         self.hidden: dict[str, tuple[str, tuple[int, ...], str]] = {}    # entries folded into another's
         self._bnb4_entries()
+        self._gptq_entries()
         self._linearized_entries()
         self._nvfp4_entries()
         self._stack_experts()
@@ -196,6 +198,47 @@ class _HFReader:
                 self._fold(k)
             self.bnb4[name] = (state, parts)
             self.entries[name] = (self.entries[name][0], tuple(state["shape"]), _SAFETENSORS_DTYPE[state["dtype"]])
+
+    def _gptq_entries(self) -> None:
+        """One dequantized entry ``{prefix}.weight`` (HF ``[out, in]``, the scales' dtype) for each
+        GPTQ linear ``{prefix}.qweight`` / ``.qzeros`` / ``.scales`` (/ ``.g_idx``), read per
+        ``config.json``'s ``quantization_config`` (quant/gptq.py)."""
+        self.gptq: dict[str, tuple[str, ...]] = {}
+        prefixes = [k[:-len(".qweight")] for k in self.entries if k.endswith(".qweight")]
+        if not prefixes:
+            return
+        conf = self.root / "config.json"
+        try:
+            qc = json.loads(conf.read_text()).get("quantization_config")
+            self.gptq_format = gptq_format(qc, str(conf))
+        except (OSError, ValueError) as exc:
+            raise CheckpointMismatchError(f"{self.root}: {prefixes[0]}.qweight: {exc}") from exc
+        bits, group = self.gptq_format.bits, self.gptq_format.group_size
+        per = 32 // bits
+        for pre in prefixes:
+            parts = [f"{pre}.{c}" for c in ("qweight", "qzeros", "scales")]
+            lost = [k for k in parts if k not in self.entries]
+            if lost or f"{pre}.weight" in self.entries:
+                raise CheckpointCorruptError(f"{self.root}: {pre}.qweight with {lost or f'{pre}.weight'}: a GPTQ "
+                                             f"linear is its qweight, qzeros and scales (and g_idx), no weight")
+            (qw, qwt), (qz, qzt), (sc, sct) = ((self.entries[k][1], self.entries[k][2]) for k in parts)
+            inp, out = (qw[0] * per, qw[1]) if len(qw) == 2 else (0, 0)
+            groups = 1 if group == -1 else -(-inp // group)
+            gi = self.entries.get(f"{pre}.g_idx")
+            if (qwt, qzt) != ("I32", "I32") or qw != (inp // per, out) or qz != (groups, out // per) \
+                    or sc != (groups, out) or out % per or (gi is not None and gi[1] != (inp,)):
+                raise CheckpointCorruptError(
+                    f"{self.root}: {pre}: qweight {qwt} {list(qw)}, qzeros {qzt} {list(qz)}, scales {list(sc)}"
+                    f"{'' if gi is None else f', g_idx {list(gi[1])}'} are not a {bits}-bit GPTQ linear of group "
+                    f"size {group} (int32 qweight [in*{bits}/32, out], int32 qzeros [groups, out*{bits}/32], "
+                    f"scales [groups, out], g_idx [in])")
+            if gi is not None:
+                parts.append(f"{pre}.g_idx")
+            file = self.entries[parts[0]][0]
+            for k in parts:
+                self._fold(k)
+            self.entries[f"{pre}.weight"] = (file, (out, inp), sct)
+            self.gptq[f"{pre}.weight"] = tuple(parts)
 
     def _linearized_entries(self) -> None:
         """Axolotl's linearized Llama 4 experts (``...experts.{gate,up,down}_projs.{j}.weight``, each
@@ -311,6 +354,9 @@ class _HFReader:
         if name in self.mxfp4:
             blocks, scales = (self._open(self.entries[k][0]).get_slice(k) for k in self.mxfp4[name])
             return _Mxfp4(blocks, scales, self.entries[name][1])
+        if name in self.gptq:
+            return _Gptq([self._open(self._file(k)).get_slice(k) for k in self.gptq[name]], self.gptq_format,
+                         self.entries[name][1])
         if name in self.bnb4:
             state, parts = self.bnb4[name]
             get = lambda k: self._open(self._file(k)).get_tensor(k)        # noqa: E731
@@ -404,6 +450,31 @@ class _Mxfp4:
         rows = (*(slice(a, b) for a, b, _ in lead), slice(o0, o1), slice(g0, g1))
         w = dequantize_mxfp4(self.blocks[rows], self.scales[rows])          # [*lead, out, groups * 32]
         return w[..., i0 - g0 * 32:i1 - g0 * 32].transpose(-1, -2)
+
+
+class _Gptq:
+    """A slice handle of the dequantized HF ``[out, in]`` weight of a GPTQ linear
+    (:class:`_HFReader`): reads only the int32s, zero points, scales and groups of the region."""
+
+    def __init__(self, parts: list, fmt, shape: tuple[int, int]):
+        self.parts, self.fmt, self.shape = parts, fmt, shape
+
+    def __getitem__(self, idx):
+        idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (2 - len(idx))
+        (o0, o1, os_), (i0, i1, is_) = (s.indices(n) for s, n in zip(idx, self.shape))
+        if os_ != 1 or is_ != 1:
+            raise ValueError("GPTQ weights are read in contiguous ranges")
+        per = 32 // self.fmt.bits
+        qweight, qzeros, scales, *g_idx = self.parts
+        if g_idx:
+            groups = g_idx[0][i0:i1]
+        else:
+            group = self.shape[1] if self.fmt.group_size == -1 else self.fmt.group_size
+            groups = torch.arange(i0, i1, dtype=torch.int32) // group
+        w = dequantize_gptq(qweight[i0 // per:-(-i1 // per), o0:o1], qzeros[:, o0 // per:-(-o1 // per)],
+                            scales[:, o0:o1], groups, self.fmt, i0 % per, o0 % per)       # [in, out]
+        return w.T
 
 
 def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):

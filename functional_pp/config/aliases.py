@@ -100,7 +100,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
@@ -121,13 +120,13 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _QUANT for k in ("gptq",
-                           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama")},
     "nvfp4_merge_aware": ("merge-aware NVFP4 LoRA is not built: it trains the adapter through the merged weight "
                           "re-quantized to NVFP4 with fresh block scales (Q(W + s B A), straight-through gradients) "
                           "so that merge-lora writes an NVFP4 checkpoint back losslessly; here the ModelOpt NVFP4 "
                           "base is read dequantized and LoRA trains on W + s B A unquantized, and nothing is "
                           "exported as NVFP4: remove it (plain LoRA on the dequantized base)"),
+    **{k: ("the GPTQ format (bits, group size, checkpoint_format) is read from base_model's config.json "
+           "quantization_config: remove it") for k in ("gptq_groupsize", "gptq_model_v1")},
     "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
@@ -150,7 +149,7 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
 _PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
-                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port")
+                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port", "ray_num_workers")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
@@ -159,8 +158,8 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "otel_": "this OpenTelemetry option is not supported (use_otel_metrics exports the metrics with "
              "otel_metrics_host and otel_metrics_port): remove it",
-    "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
-    "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
+    "ray_": "this Ray option is not supported (use_ray with ray_num_workers and resources_per_worker: the "
+            "processes come from torchrun or --simulate): remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
@@ -174,6 +173,7 @@ _HUB_KERNELS = ("Hugging Face hub kernels (the kernels package) replace modules'
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
+    "gptq_disable_exllama": "a GPTQ base is dequantized once here (docs/quantization.md): no exllama kernel",
     "eval_sample_packing": "held-out data is packed like the training data",
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
