@@ -171,8 +171,8 @@ def test_bad_image_inputs_are_refused_by_name(saved):
     with pytest.raises(ValueError, match="vision_feature_layer=-2 is not supported"):
         pixtral_hf.vision_from_hf({"model_type": "mistral3", "vision_feature_layer": -2, "vision_config": {}})
     with pytest.raises(ValueError, match="images of model_type 'llava' \\(processor_type; vision tower "
-                                         "'clip_vision_model'\\) are not supported yet"):
-        pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
+                                         "'siglip_vision_model'\\) are not supported yet"):
+        pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "siglip_vision_model"}})
     text = dataclasses.replace(cfg, vision=None)
     with pytest.raises(ValueError, match="the batch carries images but the model has no vision encoder"):
         single_device(text, hf.load_hf_params(saved[1], text, dtype=torch.float64), batch_of(*rows()))
