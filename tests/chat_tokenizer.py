@@ -152,6 +152,13 @@ def make_llava_processor(d, patch=4, image_size=8, strategy="default"):
     t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LLAVA_SPECIALS])
     transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
                                          pad_token="<pad>").save_pretrained(str(d))
+    write_llava_processor_files(d, patch, image_size, strategy)
+
+
+def write_llava_processor_files(d, patch, image_size, strategy):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``CLIPImageProcessor``, PIL
+    backend) and ``chat_template.jinja`` of a LLaVA-1.5 processor in ``d``, beside its tokenizer."""
+    import transformers
     transformers.CLIPImageProcessorPil(size={"shortest_edge": image_size},
                                        crop_size={"height": image_size, "width": image_size}).save_pretrained(str(d))
     (d / "processor_config.json").write_text(json.dumps({
