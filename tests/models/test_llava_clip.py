@@ -1,7 +1,8 @@
 """LLaVA-1.5 (CLIP's vision tower, LLaVA's projector, the text decoder; models/clip.py) equals
 transformers' ``LlavaForConditionalGeneration`` on a tiny random checkpoint: logits, fp64 loss and
 every gradient, with ``vision_feature_select_strategy`` default (class token dropped) and full;
-FSDP and TP on two simulated devices equal one device; export loads in transformers."""
+FSDP, TP and CP on two simulated devices equal one device (DP x FSDP on gloo processes:
+tests/models/test_pixtral.py's launch); export loads in transformers."""
 import dataclasses
 import json
 
@@ -121,12 +122,12 @@ def test_loss_logits_and_every_gradient_equal_transformers(tmp_path, strategy):
     assert all(g is None and ("layers.2." in n or "post_layernorm" in n) for n, g in hf_grads.items())
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved_default, mesh, rules):
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"), (fpp.Mesh(cp=2), "cp")])
+def test_fsdp_tp_and_cp_equal_one_device(saved_default, mesh, rules):
     _, d, cfg = saved_default
     params = hf.load_hf_params(d, cfg, dtype=torch.float64)
     rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    ids, pixels = rows("default", seed=2, dtype=torch.float64)
+    ids, pixels = rows("default", seed=2, seq=17, dtype=torch.float64)
     batch = batch_of(ids, pixels, "default")
     loss0, grads0 = single_device(cfg, params, batch)
     for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
