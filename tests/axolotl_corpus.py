@@ -261,7 +261,8 @@ def tiny_model(model_type: str, root: Path) -> Path:
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
-                         extra=_IMAGE_TOKENS if model_type in _PIXTRAL else ("<image>",) if model_type in _LLAVA else ())
+                         extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
+                                ("<image>",) if model_type in _LLAVA else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", *_WRAPPED):

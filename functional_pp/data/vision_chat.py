@@ -114,7 +114,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     proc = ImageChatProcessor(tok, images, template, patch, **names)
     given = [names.get(k, d) for k, d in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
                                           ("image_end_token", "[IMG_END]"))]
-    unknown = [t for t, i in zip([t for t in given if t is not None], proc.media_ids()) if i in (None, tok.unk_token_id)]
+    unknown = [t for t, i in zip([t for t in given if t is not None], proc.media_ids())
+               if i in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
     return proc

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from functional_pp import ops
-from functional_pp.core.tree import param
 from functional_pp.parallel.named import Named
 
 ACTS = ("quick_gelu", "gelu")

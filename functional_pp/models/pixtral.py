@@ -12,7 +12,9 @@ patches into one vector (a linear of their concatenation) and maps it to the dec
 linear-GELU-linear. The features are written into the token embeddings at the image tokens
 (``image_slots``: batch seq, the merged token of each image token, -1 elsewhere) by
 ``ops.masked_scatter``. The vision dimensions have names of their own (``vision``, ``vheads``,
-``vmlp``, ``mm``, ...), replicated unless the rules name them; ``batch`` splits as the text's."""
+``vmlp``, ``mm``, ...), replicated unless the rules name them; ``batch`` splits as the text's.
+The encoder is one of :data:`VISION_TOWERS` (``VisionConfig.tower``): Pixtral's, or CLIP's
+(models/clip.py: LLaVA-1.5), the projector and the scatter the same for each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,7 +67,8 @@ class VisionConfig:
     def __post_init__(self) -> None:
         if self.tower not in VISION_TOWERS:
             raise ValueError(f"vision tower {self.tower!r}: choose one of {tuple(VISION_TOWERS)}")
-        if self.select_strategy not in ("default", "full") or (self.tower == "pixtral" and self.select_strategy != "full"):
+        if self.select_strategy not in ("default", "full") or (self.tower == "pixtral"
+                                                               and self.select_strategy != "full"):
             raise ValueError(f"vision_feature_select_strategy={self.select_strategy!r} with a {self.tower} tower: "
                              f"'full' (every patch), or 'default' (CLIP's class token dropped) for a clip tower")
         if self.tower == "clip":
@@ -194,7 +197,8 @@ def _pixtral_encode(tower: dict, images: dict, v: VisionConfig) -> Named:
 
 
 VISION_TOWERS = {"pixtral": _pixtral_encode, "clip": clip.encode}
-"""The vision towers by ``VisionConfig.tower``: each a function (tower params, image entries, config) -> hidden states."""
+"""The vision towers by ``VisionConfig.tower``: each a function (tower params, image entries, config)
+-> hidden states (batch patch vision)."""
 
 
 def project(proj: dict, x: Named, v: VisionConfig) -> Named:

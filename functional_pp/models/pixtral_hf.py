@@ -91,7 +91,7 @@ def vision_from_hf(hf: dict) -> VisionConfig:
                         mlp=v.get("intermediate_size", defaults["mlp"]),
                         patch_size=v.get("patch_size", defaults["patch"]), channels=v.get("num_channels", 3),
                         rope_theta=theta, merge=hf.get("spatial_merge_size", 2) if mt == "mistral3" else 1,
-                        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 10 if not clip else 32000)),
+                        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000 if clip else 10)),
                         projector_bias=hf.get("multimodal_projector_bias", mt == "llava"),
                         projector="llava" if mt == "llava" else "mistral3",
                         projector_eps=text.get("rms_norm_eps", 1e-5),

@@ -122,7 +122,8 @@ def test_loss_logits_and_every_gradient_equal_transformers(tmp_path, strategy):
     assert all(g is None and ("layers.2." in n or "post_layernorm" in n) for n, g in hf_grads.items())
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"), (fpp.Mesh(cp=2), "cp")])
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"),
+                                         (fpp.Mesh(cp=2), "cp")])
 def test_fsdp_tp_and_cp_equal_one_device(saved_default, mesh, rules):
     _, d, cfg = saved_default
     params = hf.load_hf_params(d, cfg, dtype=torch.float64)
