@@ -220,7 +220,8 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 vision_feature_layer=-1, vision_feature_select_strategy="full")),
             "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="llama", pad_token_id=None, bos_token_id=None, eos_token_id=None),
-                vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=400)),
+                vision_config=dict(_VISION, model_type="clip_vision_model", num_hidden_layers=2),
+                image_token_index=400)),
             # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
             "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
@@ -239,6 +240,8 @@ _LLAMA4 = dict(text_config=dict(_TINY, head_dim=64, intermediate_size=64, interm
 #: the wrappers whose stand-in holds a Pixtral processor (images: processor_type) and its image tokens
 _PIXTRAL = {"mistral3": 2, "mistral3_ministral3": 2, "llava_pixtral": 1}     # (-> spatial_merge_size)
 _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+#: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
+_LLAVA = ("llava",)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
@@ -263,11 +266,12 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import make_tekken, make_tokenizer, write_pixtral_processor_files
+    from chat_tokenizer import make_tekken, make_tokenizer, write_llava_processor_files, write_pixtral_processor_files
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
-                         extra=_IMAGE_TOKENS if model_type in _PIXTRAL else ())
+                         extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
+                                ("<image>",) if model_type in _LLAVA else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
@@ -280,6 +284,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _PIXTRAL:       # (Mistral 3: its processor's files, [IMG] the tokenizer's own id)
             kw = dict(kw, image_token_index=tok.tok.token_to_id("[IMG]"))
             write_pixtral_processor_files(d, _VISION["patch_size"], _PIXTRAL[model_type], 64)
+        if model_type in _LLAVA:         # (LLaVA-1.5: its processor's files, <image> the tokenizer's own id)
+            kw = dict(kw, image_token_index=tok.tok.token_to_id("<image>"))
+            write_llava_processor_files(d, _VISION["patch_size"], _VISION["image_size"], "default")
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d

@@ -512,7 +512,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
             axis = _row_axis(parts)
             want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
-            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama")) if n in reader.entries), name)
+            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama"), cfg) if n in reader.entries), name)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
                 continue

@@ -8,8 +8,8 @@ As Axolotl's ``MultiModalChatDataCollator`` and processing strategies (``process
 a record's ``messages`` (or ``conversations``: ``from`` / ``value``) with string contents made
 content lists; its ``images`` (or ``image``) column's first image placed at the first bare
 ``{"type": "image"}`` entry, else appended to the first user turn; the labels every token but the
-padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``: Axolotl's Mistral 3
-strategy, which masks no role); with ``chat_template: pixtral`` that template renders the rows
+padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``; LLaVA's ``<image>``:
+Axolotl's Mistral 3 strategy and its base strategy for ``chat_template: llava``, which mask no role); with ``chat_template: pixtral`` that template renders the rows
 and only the assistant's replies train (its Pixtral strategy)."""
 from __future__ import annotations
 
@@ -23,26 +23,36 @@ import torch
 from functional_pp.data.images import image_batch
 
 
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor")
+"""The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
+
+
 @dataclass
 class ImageChatProcessor:
-    """The parts of a Pixtral-style processor (transformers' ``PixtralProcessor``, Mistral 3's): the
-    tokenizer with its chat template, the image processor (transformers' own class: it resizes to
-    multiples of ``patch`` and normalises), and how an image of ``h`` x ``w`` pixels becomes tokens
-    (``PixtralProcessor.replace_image_token``: ``w / patch`` image tokens and a break per row of
-    ``patch`` pixels, the last break the end token)."""
+    """The parts of an image chat processor: the tokenizer with its chat template, the image
+    processor (transformers' own class: it resizes and normalises) and how an image of ``h`` x
+    ``w`` pixels becomes tokens: ``PixtralProcessor``'s (Mistral 3, Pixtral: ``w / patch`` image
+    tokens and a break per row of ``patch`` pixels, the last break the end token) or
+    ``LlavaProcessor``'s (``kind="llava"``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image
+    tokens, ``extra`` its ``num_additional_image_tokens`` less one when the class token's features
+    are dropped, ``vision_feature_select_strategy: default``)."""
 
     tokenizer: Any
     image_processor: Any
     chat_template: str
     patch: int
     image_token: str = "[IMG]"
-    image_break_token: str = "[IMG_BREAK]"
-    image_end_token: str = "[IMG_END]"
+    image_break_token: str | None = "[IMG_BREAK]"
+    image_end_token: str | None = "[IMG_END]"
+    kind: str = "pixtral"
+    extra: int = 0
     # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
     # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
     reply_after: str | None = None
 
     def image_tokens(self, height: int, width: int) -> str:
+        if self.kind == "llava":
+            return self.image_token * ((height // self.patch) * (width // self.patch) + self.extra)
         row = [self.image_token] * (width // self.patch) + [self.image_break_token]
         tokens = row * (height // self.patch)
         tokens[-1] = self.image_end_token
@@ -50,7 +60,17 @@ class ImageChatProcessor:
 
     def media_ids(self) -> list[int]:
         return [self.tokenizer.convert_tokens_to_ids(t)
-                for t in (self.image_token, self.image_break_token, self.image_end_token)]
+                for t in (self.image_token, self.image_break_token, self.image_end_token) if t is not None]
+
+    def pixels(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values, image_sizes)`` of the images, by the image processor (LLaVA's: every
+        image resized and cropped to one size)."""
+        if self.kind == "llava":
+            px = self.image_processor(pictures, return_tensors="pt")["pixel_values"]
+            return px, torch.tensor([list(px.shape[-2:])] * len(px))
+        out = self.image_processor(pictures, patch_size={"height": self.patch, "width": self.patch},
+                                   return_tensors="pt")
+        return out["pixel_values"], torch.as_tensor(out["image_sizes"])
 
 
 def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
@@ -67,9 +87,10 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     conf_file = root / "processor_config.json"
     conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
     kind = conf.get("processor_class", "")
-    if kind != "PixtralProcessor":
+    if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
-                         f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) only")
+                         f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
+                         f"LLaVA-1.5) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
@@ -85,8 +106,16 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
                          f"chat_template.jinja or the tokenizer's)")
     patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
     names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
+    if kind == "LlavaProcessor":
+        extra = int(conf.get("num_additional_image_tokens", 0))
+        extra -= conf.get("vision_feature_select_strategy", "default") == "default"
+        names = {"image_token": conf.get("image_token", "<image>"), "image_break_token": None,
+                 "image_end_token": None, "kind": "llava", "extra": extra}
     proc = ImageChatProcessor(tok, images, template, patch, **names)
-    unknown = [t for t, i in zip(names.values() or ("[IMG]",), proc.media_ids()) if i in (None, tok.unk_token_id)]
+    given = [names.get(k, d) for k, d in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
+                                          ("image_end_token", "[IMG_END]"))]
+    unknown = [t for t, i in zip([t for t in given if t is not None], proc.media_ids())
+               if i in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
     return proc
@@ -153,9 +182,7 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
     text = processor.tokenizer.apply_chat_template(turns, chat_template=processor.chat_template, tokenize=False)
     pixels = sizes = None
     if pictures:
-        out = processor.image_processor(pictures, patch_size={"height": processor.patch, "width": processor.patch},
-                                        return_tensors="pt")
-        pixels, sizes = out["pixel_values"], torch.as_tensor(out["image_sizes"])
+        pixels, sizes = processor.pixels(pictures)
         parts = text.split(processor.image_token)
         if len(parts) != len(pictures) + 1:
             raise ValueError(f"{where}: the chat template wrote {len(parts) - 1} image tokens "
@@ -195,10 +222,13 @@ class RowImages:
     patch: int
     merge: int
     image_token_id: int
+    class_token: str | None = None           # (a CLIP tower: data/images.py's image_batch)
+    image_size: int | None = None
 
     def __post_init__(self) -> None:
         k = self.merge ** 2
-        counts = [sum((int(h) // self.patch) * (int(w) // self.patch) for h, w in r[1].tolist())
+        lead = 1 if self.class_token else 0
+        counts = [sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
         self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
 
@@ -207,4 +237,4 @@ class RowImages:
         picked = [self.rows[r] if 0 <= r < len(self.rows) else None for r in rows]
         return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                            patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
-                           patches=self.patches)
+                           patches=self.patches, class_token=self.class_token, image_size=self.image_size)

@@ -32,7 +32,8 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
+    Row(("llama",), "Llama 3 rope scaling, `attention_bias`; the text decoder of LLaVA-1.5's `llava`, with its "
+                    "CLIP encoder and projector under `processor_type` (images)"),
     Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
                       "is `mistral` (Magistral Small 2509) and of Pixtral 12B's `llava`, with its Pixtral encoder "
                       "and projector under `processor_type` (images)"),

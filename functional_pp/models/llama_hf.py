@@ -429,15 +429,18 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     return name
 
 
-ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ}
+ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
+                                                    "llava": pixtral_hf.ALSO_READ}
 """Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
 under where the files lack the first (transformers' own save of a family that differs from its
 published checkpoint's)."""
 
 
-def also_read(name: str, model_type: str = "llama") -> list[str]:
-    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files may be saved under."""
-    return [re.sub(pattern, repl, name) for pattern, repl in ALSO_READ.get(model_type, ()) if re.search(pattern, name)]
+def also_read(name: str, model_type: str = "llama", cfg: Any = None) -> list[str]:
+    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files (or of the
+    multimodal wrapper ``cfg.text_of``'s) may be saved under."""
+    rows = ALSO_READ.get(model_type, ()) + ALSO_READ.get(getattr(cfg, "text_of", None) or "", ())
+    return [re.sub(pattern, repl, name) for pattern, repl in rows if re.search(pattern, name)]
 
 
 def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
