@@ -33,7 +33,7 @@ MODEL_TYPES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": "llama", "NousResearch/Meta-Llama-3-8B-Instruct": "llama",
     "NousResearch/Meta-Llama-3-8B": "llama", "NousResearch/Meta-Llama-3.1-8B": "llama",
     "NousResearch/Llama-3.2-1B": "llama", "NousResearch/Llama-2-7b-hf": "llama",
-    "TheBloke/Llama-2-7B-GPTQ": "llama", "casperhansen/llama-3-70b-fp16": "llama",
+    "TheBloke/Llama-2-7B-GPTQ": "llama_gptq", "casperhansen/llama-3-70b-fp16": "llama",
     "neuralmagic/Sparse-Llama-3.1-8B-2of4": "llama", "codellama/CodeLlama-13b-hf": "llama",
     "codellama/CodeLlama-34b-hf": "llama", "codellama/CodeLlama-7b-hf": "llama",
     "openlm-research/open_llama_3b_v2": "llama", "TinyLlama/TinyLlama_v1.1": "llama",
@@ -173,6 +173,14 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
            "head_dim": 64, "mamba_num_heads": 8, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 16,
            "chunk_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "moe_shared_expert_intermediate_size": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+       # (Mamba (v1): two layers of the selective scan, 256 channels, tied embeddings)
+       "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 16, "time_step_rank": 32, "pad_token_id": None,
+                                                     "bos_token_id": None, "eos_token_id": None}),
+       # (Jamba: a Mamba layer with the MLP, then attention with experts; a time step of rank 64: whole NF4 blocks)
+       "jamba": ("JambaConfig", "JambaForCausalLM", {
+           "num_experts": 4, "num_experts_per_tok": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+           "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_dt_rank": 64,
            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None})}
 #: Gemma 4 (31B's text decoder: full layers of their own widths, v their k projection, no per-layer
 #: embeddings) inside the multimodal Gemma4ForConditionalGeneration with a one-layer vision tower; the
@@ -212,7 +220,8 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 vision_feature_layer=-1, vision_feature_select_strategy="full")),
             "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="llama", pad_token_id=None, bos_token_id=None, eos_token_id=None),
-                vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=400)),
+                vision_config=dict(_VISION, model_type="clip_vision_model", num_hidden_layers=2),
+                image_token_index=400)),
             # Qwen3.5 / Qwen3.5-MoE (27B, 35B-A3B, 122B-A10B: the multimodal wrapper, a one-block vision tower)
             "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN), vision_config=_QWEN3_5_VISION, **_QWEN3_5_SPECIAL)),
@@ -240,6 +249,8 @@ _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the wrappers whose stand-in holds a Qwen processor (Qwen2VLImageProcessor, <|image_pad|> its image token)
 _QWEN_VL = {"qwen3_5": "Qwen3VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
 _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+#: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
+_LLAVA = ("llava",)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
@@ -248,7 +259,8 @@ _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
 _TEMPLATES = {"nemotron_h": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
-              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size")
+              "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size",
+              "ray_num_workers")
 
 
 def corpus_files() -> list[str]:
@@ -263,15 +275,17 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import make_tekken, make_tokenizer, write_pixtral_processor_files, write_qwen_vl_processor_files
+    from chat_tokenizer import (make_tekken, make_tokenizer, write_llava_processor_files, write_pixtral_processor_files,
+                                write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
-                         extra=_IMAGE_TOKENS if model_type in _PIXTRAL else
-                         _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else ())
+                         extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
+                                _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
+                                ("<image>",) if model_type in _LLAVA else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
-    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", *_WRAPPED):
+    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
@@ -284,11 +298,17 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _QWEN_VL:       # (Qwen3.5: its processor's files, <|image_pad|> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image_pad|>"))
             write_qwen_vl_processor_files(d, _QWEN3_5_VISION["patch_size"], 2, 2, 64 * 64, _QWEN_VL[model_type])
+        if model_type in _LLAVA:         # (LLaVA-1.5: its processor's files, <image> the tokenizer's own id)
+            kw = dict(kw, image_token_index=tok.tok.token_to_id("<image>"))
+            write_llava_processor_files(d, _VISION["patch_size"], _VISION["image_size"], "default")
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d
     if model_type == "llama4":
         _linearized_nf4_llama4(d)
+        return d
+    if model_type == "llama_gptq":
+        _gptq_llama(d)
         return d
     if model_type in ("gemma4", "gemma4_moe"):
         torch.manual_seed(0)
@@ -321,6 +341,25 @@ def _linearized_nf4_llama4(d: Path) -> None:
     conf = json.loads((d / "config.json").read_text())
     conf["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                        bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="bfloat16")
+    (d / "config.json").write_text(json.dumps(conf))
+
+
+def _gptq_llama(d: Path) -> None:
+    """A tiny ``TheBloke/Llama-2-7B-GPTQ`` in ``d``: the tiny Llama's linears as a 4-bit GPTQ
+    checkpoint (groups of 128, act order, checkpoint_format gptq: v1), the rest fp16, as the hub's."""
+    import torch
+    import transformers
+    from harness import gptq_serialized
+    from safetensors.torch import save_file
+    conf, cls, extra = _HF["llama"]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **extra}))
+    model.save_pretrained(d)
+    sd, _, qc = gptq_serialized({k: v.contiguous() for k, v in model.state_dict().items()}, bits=4, group=128)
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    conf = json.loads((d / "config.json").read_text())
+    conf["quantization_config"] = qc
     (d / "config.json").write_text(json.dumps(conf))
 
 

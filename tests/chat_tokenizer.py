@@ -164,3 +164,43 @@ def make_qwen_vl_processor(d, **kw):
                                                pad_token="<|endoftext|>")
     tok.save_pretrained(str(d))
     write_qwen_vl_processor_files(d, **kw)
+
+
+#: the tiny LLaVA processor's special tokens, in id order after the 256 bytes (<image> is id 258)
+LLAVA_SPECIALS = ["<s>", "</s>", "<image>", "<pad>"]
+#: LLaVA-1.5's chat template (its processor's): USER / ASSISTANT turns, each image as <image> and a newline
+LLAVA_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+                  "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+                  "{% if c.type == 'image' %}<image>\n{% endif %}{% endfor %}{% for c in m.content %}"
+                  "{% if c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}"
+                  "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %} {% endfor %}")
+
+
+def make_llava_processor(d, patch=4, image_size=8, strategy="default"):
+    """A tiny LLaVA-1.5 processor's files in ``d`` (as ``LlavaProcessor.save_pretrained`` writes them):
+    a byte-level tokenizer with ``<image>`` (id 258), the real ``CLIPImageProcessor`` (PIL backend)
+    resizing the shortest edge to ``image_size`` and cropping the centre square,
+    ``processor_config.json`` (one additional image token: the class token's) and
+    :data:`LLAVA_TEMPLATE`."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LLAVA_SPECIALS])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                         pad_token="<pad>").save_pretrained(str(d))
+    write_llava_processor_files(d, patch, image_size, strategy)
+
+
+def write_llava_processor_files(d, patch, image_size, strategy):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``CLIPImageProcessor``, PIL
+    backend) and ``chat_template.jinja`` of a LLaVA-1.5 processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                       crop_size={"height": image_size, "width": image_size}).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaProcessor", "patch_size": patch, "image_token": "<image>",
+        "num_additional_image_tokens": 1, "vision_feature_select_strategy": strategy}))
+    (d / "chat_template.jinja").write_text(LLAVA_TEMPLATE)

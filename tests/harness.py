@@ -481,3 +481,58 @@ def bnb_nf4_serialized(sd: dict, double_quant: bool = False) -> dict:
         else:
             out[k] = t.to(torch.bfloat16)
     return out
+
+
+def gptq_pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """GPTQ's packing, written from the format's description: ``32 / bits`` codes (ints in
+    ``[0, 2**bits)``) per int32 along ``dim``, entry ``j`` of each run in bits ``[j*bits, (j+1)*bits)``."""
+    per = 32 // bits
+    c = codes.to(torch.int64).movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
+    word = sum(c[..., j] << (bits * j) for j in range(per))
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def gptq_quantize(w_hf: torch.Tensor, bits: int = 4, group: int = 32, desc_act: bool = True, v1: bool = True,
+                  seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """``({qweight, qzeros, scales, g_idx}, weight)``: HF linear weight ``w_hf`` [out, in] rounded
+    to asymmetric ``bits``-bit codes per group of input rows (act order: the rows of a group picked
+    by a random permutation, ``g_idx`` the group of each row), packed as a GPTQ checkpoint stores
+    them (v1: zero points minus one), and the fp16 ``[out, in]`` weight the codes stand for:
+    ``scale * (code - zero)`` rounded once."""
+    w = w_hf.T.double()                                       # [in, out]
+    inp, out = w.shape
+    size = inp if group == -1 else group
+    order = torch.randperm(inp, generator=torch.Generator().manual_seed(seed)) if desc_act else torch.arange(inp)
+    g_idx = torch.empty(inp, dtype=torch.int64)
+    g_idx[order] = torch.arange(inp) // size
+    groups, maxq = -(-inp // size), 2 ** bits - 1
+    scales, zeros = torch.empty(groups, out, dtype=torch.float16), torch.empty(groups, out, dtype=torch.int64)
+    for k in range(groups):
+        rows = w[g_idx == k]
+        lo, hi = rows.min(0).values.clamp(max=0), rows.max(0).values.clamp(min=0)
+        scales[k] = ((hi - lo) / maxq).clamp(min=1e-4).half()
+        zeros[k] = torch.round(-lo / scales[k].double()).clamp(1 if v1 else 0, maxq).long()
+    codes = (torch.round(w / scales[g_idx].double()) + zeros[g_idx]).clamp(0, maxq).long()
+    weight = (scales[g_idx].double() * (codes - zeros[g_idx])).half().T.contiguous()
+    stored = zeros - 1 if v1 else zeros
+    return {"qweight": gptq_pack(codes, bits, 0), "qzeros": gptq_pack(stored, bits, 1), "scales": scales,
+            "g_idx": g_idx.to(torch.int32)}, weight
+
+
+def gptq_serialized(sd: dict, bits: int = 4, group: int = 32, desc_act: bool = True, v1: bool = True
+                    ) -> tuple[dict, dict, dict]:
+    """``(tensors, dequantized, quantization_config)``: ``sd`` with its linear weights (``*_proj.weight``)
+    as a GPTQ checkpoint's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` (:func:`gptq_quantize`),
+    the other tensors as they are; ``dequantized``: ``sd`` with the weights the codes stand for; and
+    the ``quantization_config`` of its config.json."""
+    out, deq = {}, {}
+    for i, (k, t) in enumerate(sd.items()):
+        if t.ndim == 2 and k.endswith("_proj.weight"):
+            parts, deq[k] = gptq_quantize(t, bits, group, desc_act, v1, seed=i)
+            out.update({k.removesuffix("weight") + c: v for c, v in parts.items()})
+        else:
+            out[k], deq[k] = t, t
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": False,
+          "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    return out, deq, qc

@@ -10,16 +10,26 @@ no activation for a selective region (tests/plan/test_plan_selective.py).
 :func:`selective_checkpoint_contexts` gives torch's contexts where the capability
 :func:`checkpoint_policy_sees_outputs` holds; elsewhere its forward context also asks the policy
 again after each op, with ``op_output`` set, its answer unused (torch's own call decides what is
-kept). Tested in tests/_torch/test_selective_checkpoint.py."""
+kept). Tested in tests/_torch/test_selective_checkpoint.py.
+
+:func:`outside_selective_checkpoint` runs a block unseen by the selective-checkpoint modes of the
+enclosing regions: torch matches a region's recomputation to its forward by counting each op's
+calls, so work that a region's forward and its recomputation do differently (an FSDP unit's
+gathers, prefetched by the previous layer in forward and issued by the layer itself when
+recomputed) must not be counted."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
-                                    create_selective_checkpoint_contexts)
+
+from functional_pp._torch import is_tracing
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                          _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, _CachedTorchDispatchMode,
+                                    _CachingTorchDispatchMode, checkpoint, create_selective_checkpoint_contexts)
 
 
 @functools.cache
@@ -76,3 +86,34 @@ def selective_checkpoint_contexts(policy: Callable[..., Any]) -> tuple[TorchDisp
     if checkpoint_policy_sees_outputs():
         return forward, recompute
     return _ShowOutputsToPolicy(forward, policy), recompute
+
+
+def _is_selective_mode(mode: Any) -> bool:
+    return isinstance(mode, (_CachingTorchDispatchMode, _CachedTorchDispatchMode, _ShowOutputsToPolicy))
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """The block runs with this thread's selective-checkpoint dispatch modes (forward caching and
+    recomputation) taken off the mode stack, every other mode (a planner's tracker, fake tensors)
+    left in place and in order; they are put back after it. Traced (torch.compile), nothing: there
+    the selective policy is a graph pass, not dispatch modes (and the mode stack is not traceable)."""
+    if is_tracing():
+        yield
+        return
+    stack = _get_current_dispatch_mode_stack()
+    first = next((i for i, m in enumerate(stack) if _is_selective_mode(m)), None)
+    if first is None:
+        yield
+        return
+    above = [_pop_mode() for _ in range(len(stack) - first)][::-1]
+    kept = [m for m in above if not _is_selective_mode(m)]
+    for m in kept:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in above:
+            _push_mode(m)

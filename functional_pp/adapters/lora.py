@@ -164,7 +164,8 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
     for path, d in leaves_with_paths(decls):
         bias = path.rsplit(".", 1)[-1].endswith("bias")     # (q_bias: heads head_dim, two dims, no matrix)
         linear = (isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims and not bias
-                  and not d.meta.get("embedding"))        # (a table of rows: GPT-2's positions)
+                  and not d.meta.get("embedding")         # (a table of rows: GPT-2's positions)
+                  and d.meta.get("linear", True))         # (declared not a linear: a scan's A_log, conv taps)
         named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
         if linear and EXPERTS in d.dims:             # stacked experts and the router: by name only
             if named:                                # (peft's all-linear leaves them too)

@@ -178,7 +178,15 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "
                          f"spatial_merge_size) with image_token_index {v.image_token_id}: the files disagree")
-    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id}
+    clip = v.tower == "clip"
+    if clip and (proc.layout != "llava" or proc.extra != (v.select_strategy == "full")):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor ({proc.layout}) writes {proc.extra} "
+                         f"image tokens beyond the patches, its model's CLIP tower gives "
+                         f"{int(v.select_strategy == 'full')} (vision_feature_select_strategy "
+                         f"{v.select_strategy!r}): the files disagree")
+    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+            "class_token": ("kept" if v.select_strategy == "full" else "dropped") if clip else None,
+            "image_size": v.image_size if clip else None}
 
 
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:

@@ -39,7 +39,7 @@ from functional_pp import checkpoint as ck
 from functional_pp.app.agreement import check_agreement, run_fingerprint
 from functional_pp.app.host_view import agree_to_stop, device_loader, is_lead, lead_value, save_on_devices
 from functional_pp.app.metrics import read_metrics, trim_metrics
-from functional_pp.app.optimizer import check_lisa_layers, optimizer_from_config
+from functional_pp.app.optimizer import check_lisa_layers, check_sparse_targets, optimizer_from_config
 from functional_pp.app.plot import plot_losses
 from functional_pp.app.progress import Progress
 from functional_pp.app.report import comm_report_text, describe, mesh_label, param_memory
@@ -268,6 +268,7 @@ class TrainRun:
         from functional_pp.step.train import DEFAULT_BATCH_DIMS
         cfg, family, model_cfg = self.cfg, self.family, self.model_cfg
         check_lisa_layers(cfg, self.decls)
+        check_sparse_targets(cfg, self.decls)
         opt, schedule = optimizer_from_config(cfg)
         self.device = device = select_device(self.world.simulate, self.world.size, under_torchrun())
         if cfg.tf32 is not None:                   # TF32 matmuls on CUDA (no effect on the CPU)

@@ -8,7 +8,7 @@ from functional_pp import optim
 from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.config.keys import ADAM_OPTIMIZERS
 
-__all__ = ["optimizer_from_config", "check_lisa_layers"]
+__all__ = ["optimizer_from_config", "check_lisa_layers", "check_sparse_targets"]
 
 
 # optimizer argument -> config key, so that a refused setting is named as the user wrote it
@@ -43,9 +43,45 @@ def _build_optimizer(cfg: TrainConfig):
                                    constant_ratio=cfg.cosine_constant_lr_ratio or None)
     if not callable(schedule):
         schedule = optim.schedules.constant(schedule)
-    if cfg.lisa_n_layers is not None:
-        return _lisa_adamw(cfg, schedule), schedule
-    return optim.from_config(cfg.optimizer, **kw), schedule
+    opt = _lisa_adamw(cfg, schedule) if cfg.lisa_n_layers is not None else optim.from_config(cfg.optimizer, **kw)
+    if cfg.llmcompressor is not None:           # sparse fine-tuning: the targeted zeros kept after each update
+        opt = optim.chain(opt, optim.keep_zeros(_sparse_targets(cfg)))
+    return opt, schedule
+
+
+def _hf_names(cfg: TrainConfig):
+    """``path -> its Hugging Face parameter name`` in the files of the config's model (None: none)."""
+    from functional_pp.adapters.peft_fused import model_type_of
+    from functional_pp.models.llama_hf import file_name
+    model_type = model_type_of(cfg.base_model)
+
+    def name(path: str) -> str | None:
+        try:
+            found = file_name(path, model_type)
+        except (KeyError, ValueError):
+            return None
+        return found[0] if found else None
+    return name
+
+
+def _sparse_targets(cfg: TrainConfig):
+    from functional_pp.config.sparse_recipe import read_recipe
+    return read_recipe(cfg.llmcompressor).predicate(_hf_names(cfg))
+
+
+def check_sparse_targets(cfg: TrainConfig, decls) -> None:
+    """Each target of ``llmcompressor``'s ConstantPruningModifier names a parameter of the model (a
+    misspelt one would leave its weights' zeros free to train, silently)."""
+    if cfg.llmcompressor is None:
+        return
+    from functional_pp.config.sparse_recipe import SparseRecipe, read_recipe
+    from functional_pp.core.tree import leaves_with_paths
+    recipe, name = read_recipe(cfg.llmcompressor), _hf_names(cfg)
+    names = [n for n in (name(p) for p, _ in leaves_with_paths(decls)) if n is not None]
+    for target in recipe.targets:
+        if not any(SparseRecipe([target], False).matches(n) for n in names):
+            raise ConfigError(f"llmcompressor: the ConstantPruningModifier target {target!r} names no parameter of "
+                              f"this model (its Hugging Face names: {', '.join(names[:4])}, ...): correct or remove it")
 
 
 _MOMENTS = {"adamw": optim.scale_by_adam, "adamw_8bit": optim.scale_by_adam_8bit,

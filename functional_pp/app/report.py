@@ -173,6 +173,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     if cfg.do_causal_lm_eval:
         lines.append(f"eval:       do_causal_lm_eval: eval_perplexity of the held-out completions (Axolotl's "
                      f"Perplexity: windows of {cfg.eval_max_new_tokens} tokens every 512) at each evaluation")
+    if cfg.gptq:
+        lines.append("base:       gptq: the GPTQ linears of base_model (qweight / qzeros / scales / g_idx) read "
+                     "dequantized (scale x (code - zero), the scales' dtype), frozen under the adapters; "
+                     "--merge-adapter exports them unquantized")
     if cfg.model_quantization_config:
         lines.append("base:       model_quantization_config: Mxfp4Config (dequantize: true): MXFP4 tensors of "
                      "base_model (gpt-oss's experts) read dequantized, trained and exported unquantized")

@@ -34,7 +34,8 @@ from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
 from functional_pp.quant import bnb_serialized
-from functional_pp.quant.fp4 import dequantize_mxfp4
+from functional_pp.quant.fp4 import NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
+from functional_pp.quant.gptq import dequantize_gptq, gptq_format
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
@@ -158,7 +159,9 @@ class _HFReader:
         self.members: dict[str, list[str]] = {}
         self.hidden: dict[str, tuple[str, tuple[int, ...], str]] = {}    # entries folded into another's
         self._bnb4_entries()
+        self._gptq_entries()
         self._linearized_entries()
+        self._nvfp4_entries()
         self._stack_experts()
         self._mxfp4_entries()
         return self
@@ -196,6 +199,47 @@ class _HFReader:
             self.bnb4[name] = (state, parts)
             self.entries[name] = (self.entries[name][0], tuple(state["shape"]), _SAFETENSORS_DTYPE[state["dtype"]])
 
+    def _gptq_entries(self) -> None:
+        """One dequantized entry ``{prefix}.weight`` (HF ``[out, in]``, the scales' dtype) for each
+        GPTQ linear ``{prefix}.qweight`` / ``.qzeros`` / ``.scales`` (/ ``.g_idx``), read per
+        ``config.json``'s ``quantization_config`` (quant/gptq.py)."""
+        self.gptq: dict[str, tuple[str, ...]] = {}
+        prefixes = [k[:-len(".qweight")] for k in self.entries if k.endswith(".qweight")]
+        if not prefixes:
+            return
+        conf = self.root / "config.json"
+        try:
+            qc = json.loads(conf.read_text()).get("quantization_config")
+            self.gptq_format = gptq_format(qc, str(conf))
+        except (OSError, ValueError) as exc:
+            raise CheckpointMismatchError(f"{self.root}: {prefixes[0]}.qweight: {exc}") from exc
+        bits, group = self.gptq_format.bits, self.gptq_format.group_size
+        per = 32 // bits
+        for pre in prefixes:
+            parts = [f"{pre}.{c}" for c in ("qweight", "qzeros", "scales")]
+            lost = [k for k in parts if k not in self.entries]
+            if lost or f"{pre}.weight" in self.entries:
+                raise CheckpointCorruptError(f"{self.root}: {pre}.qweight with {lost or f'{pre}.weight'}: a GPTQ "
+                                             f"linear is its qweight, qzeros and scales (and g_idx), no weight")
+            (qw, qwt), (qz, qzt), (sc, sct) = ((self.entries[k][1], self.entries[k][2]) for k in parts)
+            inp, out = (qw[0] * per, qw[1]) if len(qw) == 2 else (0, 0)
+            groups = 1 if group == -1 else -(-inp // group)
+            gi = self.entries.get(f"{pre}.g_idx")
+            if (qwt, qzt) != ("I32", "I32") or qw != (inp // per, out) or qz != (groups, out // per) \
+                    or sc != (groups, out) or out % per or (gi is not None and gi[1] != (inp,)):
+                raise CheckpointCorruptError(
+                    f"{self.root}: {pre}: qweight {qwt} {list(qw)}, qzeros {qzt} {list(qz)}, scales {list(sc)}"
+                    f"{'' if gi is None else f', g_idx {list(gi[1])}'} are not a {bits}-bit GPTQ linear of group "
+                    f"size {group} (int32 qweight [in*{bits}/32, out], int32 qzeros [groups, out*{bits}/32], "
+                    f"scales [groups, out], g_idx [in])")
+            if gi is not None:
+                parts.append(f"{pre}.g_idx")
+            file = self.entries[parts[0]][0]
+            for k in parts:
+                self._fold(k)
+            self.entries[f"{pre}.weight"] = (file, (out, inp), sct)
+            self.gptq[f"{pre}.weight"] = tuple(parts)
+
     def _linearized_entries(self) -> None:
         """Axolotl's linearized Llama 4 experts (``...experts.{gate,up,down}_projs.{j}.weight``, each
         expert's projection an ``nn.Linear`` [out, in]) as transformers' stacked tensors:
@@ -224,6 +268,30 @@ class _HFReader:
             self.entries[f"{pre}.down_proj"] = (files[0], (max(n), f, h), dt)
             self.linearized[f"{pre}.gate_up_proj"] = [keys["gate"], keys["up"]]
             self.linearized[f"{pre}.down_proj"] = [keys["down"]]
+
+    def _nvfp4_entries(self) -> None:
+        """One dequantized entry ``{name}.weight`` [out, in] float32 for each NVFP4 linear of a
+        ModelOpt checkpoint (``quant_algo: NVFP4``): ``weight`` (uint8 [out, in / 2]: E2M1 codes, the
+        even input in the low nibble), ``weight_scale`` (float8_e4m3fn [out, in / 16]) and
+        ``weight_scale_2`` (fp32, one per tensor), as torchao's ``NVFP4Tensor.dequantize``; the
+        activations' ``input_scale`` is not used (the inputs are not quantized here)."""
+        self.nvfp4: dict[str, tuple[str, str, str]] = {}
+        for key in [k for k in self.entries if k.endswith(".weight_scale_2")]:
+            pre = key.removesuffix("_scale_2")
+            name, scale = pre, pre + "_scale"
+            if name not in self.entries or scale not in self.entries:
+                raise CheckpointCorruptError(f"{self.root}: {key} without {name} and {scale} (a ModelOpt NVFP4 "
+                                             f"weight is all three)")
+            (_, codes, ct), (_, scales, st) = self.entries[name], self.entries[scale]
+            if ct != "U8" or st != "F8_E4M3" or len(codes) < 2 or tuple(scales) != (
+                    *codes[:-1], codes[-1] * 2 // NVFP4_BLOCK):
+                raise CheckpointCorruptError(f"{self.root}: {name} {ct} {list(codes)} with {scale} {st} {list(scales)} "
+                                             f"is not NVFP4 (uint8 codes [..., in/2], float8_e4m3fn scales [..., in/16])")
+            for k in (key, scale, *([pre.removesuffix(".weight") + ".input_scale"]
+                                    if pre.removesuffix(".weight") + ".input_scale" in self.entries else [])):
+                self._fold(k)
+            self.entries[name] = (self.entries[name][0], (*codes[:-1], codes[-1] * 2), "F32")
+            self.nvfp4[name] = (name, scale, key)
 
     def _mxfp4_entries(self) -> None:
         """One dequantized entry ``{name}`` [*lead, in, out] float32 for each MXFP4 pair
@@ -280,9 +348,15 @@ class _HFReader:
         return self.handles[f]
 
     def slice(self, name: str):
+        if name in self.nvfp4:
+            get = lambda k: self._open(self._file(k)).get_tensor(k)        # noqa: E731
+            return _Whole(lambda: dequantize_nvfp4(*(get(k) for k in self.nvfp4[name])))
         if name in self.mxfp4:
             blocks, scales = (self._open(self.entries[k][0]).get_slice(k) for k in self.mxfp4[name])
             return _Mxfp4(blocks, scales, self.entries[name][1])
+        if name in self.gptq:
+            return _Gptq([self._open(self._file(k)).get_slice(k) for k in self.gptq[name]], self.gptq_format,
+                         self.entries[name][1])
         if name in self.bnb4:
             state, parts = self.bnb4[name]
             get = lambda k: self._open(self._file(k)).get_tensor(k)        # noqa: E731
@@ -378,6 +452,31 @@ class _Mxfp4:
         return w[..., i0 - g0 * 32:i1 - g0 * 32].transpose(-1, -2)
 
 
+class _Gptq:
+    """A slice handle of the dequantized HF ``[out, in]`` weight of a GPTQ linear
+    (:class:`_HFReader`): reads only the int32s, zero points, scales and groups of the region."""
+
+    def __init__(self, parts: list, fmt, shape: tuple[int, int]):
+        self.parts, self.fmt, self.shape = parts, fmt, shape
+
+    def __getitem__(self, idx):
+        idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+        idx += (slice(None),) * (2 - len(idx))
+        (o0, o1, os_), (i0, i1, is_) = (s.indices(n) for s, n in zip(idx, self.shape))
+        if os_ != 1 or is_ != 1:
+            raise ValueError("GPTQ weights are read in contiguous ranges")
+        per = 32 // self.fmt.bits
+        qweight, qzeros, scales, *g_idx = self.parts
+        if g_idx:
+            groups = g_idx[0][i0:i1]
+        else:
+            group = self.shape[1] if self.fmt.group_size == -1 else self.fmt.group_size
+            groups = torch.arange(i0, i1, dtype=torch.int32) // group
+        w = dequantize_gptq(qweight[i0 // per:-(-i1 // per), o0:o1], qzeros[:, o0 // per:-(-o1 // per)],
+                            scales[:, o0:o1], groups, self.fmt, i0 % per, o0 % per)       # [in, out]
+        return w.T
+
+
 def _placement(mesh: Mesh | None, rules: Rules | None, rank: int | None):
     mesh, rank = _where(mesh, rank)
     return mesh, rules if rules is not None else active_rules(required=False), rank
@@ -413,7 +512,7 @@ def load_hf_params(path: str | os.PathLike, cfg, decls: Any = None, *,
             axis = _row_axis(parts)
             want = _fused_shape([kind.hf_shape(tuple(d.shape)) for _, kind, d in parts], axis)
             for_ = " + ".join(p for p, _, _ in parts)
-            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama")) if n in reader.entries), name)
+            name = next((n for n in also_read(name, getattr(cfg, "model_type", "llama"), cfg) if n in reader.entries), name)
             if name not in reader.entries:
                 missing.append(f"{name} (for {for_})")
                 continue

@@ -50,12 +50,9 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     every micro-batch size that divides the local batch; FSDP re-gathering or not), with the
     mesh, FSDP axes and sequence parallelism; only options a config can express (so the chosen
     layout can be pasted: :func:`layout_keys`). ``max_axis`` caps axis sizes (default: cp up to
-    :data:`CP_MIN_TOKENS` tokens per device, a shorter split only adds ring steps; none for a model whose
-    layers are a recurrence along the sequence, run device after device under cp,
-    ``ModelFamily.serial_under_cp``)."""
-    from functional_pp.config.models import model_config, model_family
-    family = model_family(cfg)
-    whole = family.serial_under_cp is not None and family.serial_under_cp(model_config(cfg)) is not None
+    :data:`CP_MIN_TOKENS` tokens per device, a shorter split only adds ring steps; a model whose layers are
+    a recurrence along the sequence is searched too: the time model runs their blocks device after device,
+    ``plan.timing.run_components``)."""
     given = cfg._given
     remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", True)
     micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"
@@ -63,7 +60,7 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
                  keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
                  offload_params=(cfg.offload_params,), activation_offloading=(cfg.activation_offloading,),
-                 max_axis={"cp": 1 if whole else max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
+                 max_axis={"cp": max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
 
 
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from functional_pp.config import sparse_recipe
 from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_settings, fsdp_settings
 from functional_pp.config.keys import LORA_KEYS
 from functional_pp.config.schema import Issues
@@ -99,7 +100,6 @@ REFUSED_VALUES: dict[str, dict[str, str]] = {
                                "rex", "log_sweep", "warmup_stable_decay")},
 }
 
-_QUANT = "quantized (8-/4-bit) loading is not supported: remove it (bf16: true trains in bf16)"
 _MOE = ("this mixture-of-experts option is not supported (experts are the (dropless, or capacity_factor) "
         "block of functional_pp/ops/experts.py; expert parallelism is ep_size / expert_parallel_size, "
         "docs/experts.md): remove it")
@@ -120,9 +120,13 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    **{k: _QUANT for k in ("gptq",
-                           "gptq_groupsize", "gptq_model_v1", "gptq_disable_exllama",
-                           "nvfp4_merge_aware")},
+    "nvfp4_merge_aware": ("merge-aware NVFP4 LoRA is not built: it trains the adapter through the merged weight "
+                          "re-quantized to NVFP4 with fresh block scales (Q(W + s B A), straight-through gradients) "
+                          "so that merge-lora writes an NVFP4 checkpoint back losslessly; here the ModelOpt NVFP4 "
+                          "base is read dequantized and LoRA trains on W + s B A unquantized, and nothing is "
+                          "exported as NVFP4: remove it (plain LoRA on the dequantized base)"),
+    **{k: ("the GPTQ format (bits, group size, checkpoint_format) is read from base_model's config.json "
+           "quantization_config: remove it") for k in ("gptq_groupsize", "gptq_model_v1")},
     "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
@@ -136,7 +140,6 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
-    "llmcompressor": "LLM Compressor sparse fine-tuning is not supported: remove it",
 }
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why
@@ -146,7 +149,7 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 #: keys under a refused prefix that are config fields (the SwanLab sink's)
 _PREFIXED_FIELDS = ("swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode",
-                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port")
+                    "swanlab_workspace", "otel_metrics_host", "otel_metrics_port", "ray_num_workers")
 
 #: key prefixes of features that are not supported -> why (Axolotl's integrations)
 UNSUPPORTED_PREFIXES: dict[str, str] = {
@@ -155,8 +158,8 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
     "trackio_": "Trackio logging is not supported (metrics.jsonl, TensorBoard, W&B): remove it",
     "otel_": "this OpenTelemetry option is not supported (use_otel_metrics exports the metrics with "
              "otel_metrics_host and otel_metrics_port): remove it",
-    "ray_": "Ray launching is not supported (torchrun or --simulate): remove it",
-    "use_ray": "Ray launching is not supported (torchrun or --simulate): remove it",
+    "ray_": "this Ray option is not supported (use_ray with ray_num_workers and resources_per_worker: the "
+            "processes come from torchrun or --simulate): remove it",
 }
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
@@ -170,6 +173,7 @@ _HUB_KERNELS = ("Hugging Face hub kernels (the kernels package) replace modules'
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
+    "gptq_disable_exllama": "a GPTQ base is dequantized once here (docs/quantization.md): no exllama kernel",
     "eval_sample_packing": "held-out data is packed like the training data",
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
@@ -244,6 +248,9 @@ ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
                     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
                     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
+
+#: Axolotl's LLMCompressorPlugin: it applies the ``llmcompressor:`` recipe (sparse fine-tuning)
+SPARSE_PLUGIN = sparse_recipe.PLUGIN
 
 #: Axolotl's diffusion plugin: it switches on the ``diffusion:`` objective (models/diffusion_lm.py)
 DIFFUSION_PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
@@ -401,7 +408,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         unused.append("tokenizer_use_mistral_common unset: true for a Magistral model, as Axolotl infers it "
                       "(set it false to read tokenizer.json)")
     launcher: list[str] = []
-    diffusion_plugin = False
+    diffusion_plugin = sparse_plugin = False
     refused: dict[str, list[str]] = {}           # reason -> the keys refused for it
     for key, value in d.items():
         prefix = next((p for p in UNSUPPORTED_PREFIXES if key.startswith(p)
@@ -479,11 +486,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             for name in value if isinstance(value, list) else [value]:
                 if name == DIFFUSION_PLUGIN:            # its options: the diffusion key (its defaults when absent)
                     diffusion_plugin = True
+                elif name == SPARSE_PLUGIN:             # its options: the llmcompressor key (checks.py)
+                    sparse_plugin = True
                 elif name in ACCEPTED_PLUGINS:
                     unused.append(f"plugin {name} ({ACCEPTED_PLUGINS[name]})")
                 else:
                     issues.add(f"plugins: {name!r} is not supported (accepted: "
-                               f"{', '.join([*ACCEPTED_PLUGINS, DIFFUSION_PLUGIN])}): remove it")
+                               f"{', '.join([*ACCEPTED_PLUGINS, DIFFUSION_PLUGIN, SPARSE_PLUGIN])}): remove it")
         elif key == "tokenizer_type":
             if isinstance(value, str) and value.endswith(("Tokenizer", "TokenizerFast")):
                 unused.append(f"tokenizer_type: {value} (the tokenizer.json is read by the tokenizers "
@@ -492,12 +501,13 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
                 issues.add(f"tokenizer_type: {value!r} is not a tokenizer class (e.g. AutoTokenizer, "
                            f"LlamaTokenizerFast)")
         elif key in _ACCEPTED_VALUES:
-            if key == "model_type" and isinstance(value, str) and re.fullmatch(
+            if key == "model_type" and isinstance(value, str) and (re.fullmatch(
                     r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
-                    value):
+                    value) or value == "MambaLMHeadModel"):
                 # a transformers causal-LM class: the architecture is config.json's (a multimodal
                 # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
-                # head is reward_model's / process_reward_model's (checked with them: checks.py)
+                # head is reward_model's / process_reward_model's (checked with them: checks.py);
+                # mamba_ssm's MambaLMHeadModel: config.json's model_type must be mamba (models.py)
                 out["model_type"] = value
                 continue
             if value not in _ACCEPTED_VALUES[key]:
@@ -526,6 +536,9 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
             out[key] = value
     if diffusion_plugin and out.get("diffusion") is None:
         out["diffusion"] = {}
+    if sparse_plugin != (out.get("llmcompressor") is not None):
+        issues.add(f"plugins: {SPARSE_PLUGIN} and the llmcompressor key go together (the plugin reads its recipe "
+                   f"from llmcompressor; without the plugin Axolotl ignores the key): give both or neither")
     fsdp, fsdp_notes = fsdp_settings(d, issues)
     unused += fsdp_notes
     for why, keys in refused.items():             # one problem per feature, not per key

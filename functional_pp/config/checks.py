@@ -4,6 +4,7 @@ values, run while parsing so that all problems of a file are reported at once) a
 work). Every problem raises :class:`ConfigError` saying what to change (``docs/config.md``)."""
 from __future__ import annotations
 
+import json
 import math
 import stat
 from pathlib import Path
@@ -38,6 +39,8 @@ def check_base_quantization(cfg: Any, add) -> None:
                                                              or cfg.adapter == "qlora"):
         add("quantize_moe_experts quantizes the experts as the frozen base is quantized: add load_in_4bit: true "
             "with adapter: qlora (or load_in_8bit: true with adapter: lora), or remove quantize_moe_experts")
+    if cfg.gptq:
+        check_gptq(cfg, add)
     kw = cfg.bnb_config_kwargs or {}
     if not isinstance(kw, dict):
         add(f"bnb_config_kwargs must be a mapping, got {kw!r}")
@@ -50,6 +53,26 @@ def check_base_quantization(cfg: Any, add) -> None:
         elif _BNB_KEYS[k] not in (None, (bool,)) and v not in _BNB_KEYS[k]:
             add(f"bnb_config_kwargs.{k}: {v!r} is not supported (only {_BNB_KEYS[k][0]!r}: NF4 codes, "
                 f"dequantized in the run's precision)")
+
+
+def check_gptq(cfg: Any, add) -> None:
+    """``gptq: true``: a GPTQ base (read dequantized), frozen under ``adapter: lora``, not
+    re-quantized; a local ``base_model`` must say ``quant_method: gptq`` in its config.json."""
+    if cfg.adapter != "lora":
+        add(f"gptq: true with adapter: {cfg.adapter}: the GPTQ base is frozen, so it trains under adapter: lora "
+            f"(as in Axolotl): set adapter: lora")
+    for key in ("load_in_4bit", "load_in_8bit"):
+        if getattr(cfg, key):
+            add(f"gptq: true with {key}: a GPTQ base is read dequantized, not quantized again: remove {key}")
+    conf = Path(str(cfg.base_model or "")) / "config.json"
+    if cfg.base_model and conf.is_file():
+        try:
+            qc = json.loads(conf.read_text()).get("quantization_config") or {}
+        except (OSError, ValueError):
+            return                                  # (an unreadable config.json is reported where it is read)
+        if not isinstance(qc, dict) or qc.get("quant_method") != "gptq":
+            add(f"gptq: true but {conf} has no GPTQ quantization_config (quant_method: gptq; found "
+                f"{qc.get('quant_method') if isinstance(qc, dict) else qc!r}): remove gptq or use a GPTQ checkpoint")
 
 
 def check_model_quantization(cfg: Any, add) -> None:
@@ -79,6 +102,26 @@ def check_model_quantization(cfg: Any, add) -> None:
 
 
 _QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "fake_quant_after_n_steps", "quantize_embedding")
+
+
+def check_llmcompressor(cfg: Any, add) -> None:
+    """``llmcompressor:`` (Axolotl's LLMCompressorPlugin): a recipe of ConstantPruningModifier only
+    (config/sparse_recipe.py), on the full weights (no adapter); ``save_compressed`` noted."""
+    if cfg.llmcompressor is None:
+        return
+    from functional_pp.config.sparse_recipe import read_recipe
+    try:
+        recipe = read_recipe(cfg.llmcompressor)
+    except ValueError as exc:
+        add(str(exc))
+        return
+    if cfg.adapter:
+        add(f"llmcompressor with adapter: {cfg.adapter} is not supported (the recipe keeps the zeros of the trained "
+            f"weights; an adapter trains others, and merging it fills the zeros): remove one of them")
+    note = ("llmcompressor.save_compressed (checkpoints and exports are written dense, the zeros kept; "
+            "compressed-tensors' sparse format is not written)")
+    if recipe.save_compressed and note not in cfg.notes:
+        cfg.notes.append(note)
 
 
 def check_diffusion(cfg: Any, add) -> None:
@@ -474,6 +517,31 @@ def check_loftq(cfg: Any, add) -> None:
 _LISA_LAYER_LISTS = ("layers", "h", "blocks")
 
 
+def check_ray(cfg: Any, add) -> None:
+    """``use_ray`` / ``ray_num_workers`` / ``resources_per_worker`` (Axolotl runs its trainer in Ray
+    workers): a launcher choice here, where the processes come from torchrun or ``--simulate``
+    (one rank per device). ``ray_num_workers`` is the world size the config expects (checked in
+    :func:`check_world`); ``resources_per_worker.GPU`` must be 1; a start-up note says so."""
+    n, res = cfg.ray_num_workers, cfg.resources_per_worker
+    if not cfg.use_ray:
+        for key, v in (("ray_num_workers", n), ("resources_per_worker", res)):
+            if v is not None:
+                add(f"{key} without use_ray: true has no effect: remove it (or set use_ray: true)")
+        return
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        add(f"ray_num_workers must be a whole number >= 1 (the processes, one per device), got {n!r}")
+    if res is not None and not isinstance(res, dict):
+        add(f"resources_per_worker must be a mapping of Ray resources (GPU: 1), got {res!r}")
+    elif res is not None and res.get("GPU", 1) != 1:
+        add(f"resources_per_worker.GPU: {res['GPU']!r}: each process drives one device here (one rank per GPU, "
+            f"as torchrun starts them): use GPU: 1, and ray_num_workers (or --nproc_per_node) for more GPUs")
+    note = (f"use_ray (ray_num_workers: {n if n is not None else 'unset'}): the processes come from torchrun "
+            f"or --simulate, one rank per device, not from Ray; ray_num_workers is checked against their number"
+            + ("; resources_per_worker only schedules Ray workers: no effect" if res else ""))
+    if note not in cfg.notes:
+        cfg.notes.append(note)
+
+
 def check_lisa(cfg: Any, add) -> None:
     """``lisa_n_layers`` / ``lisa_step_interval`` / ``lisa_layers_attribute``: both numbers or
     neither, at least 1, full fine-tuning of a model's decoder layers (not adapters, frozen
@@ -549,6 +617,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     check_preference(cfg, add)
     check_reward(cfg, add)
     check_lisa(cfg, add)
+    check_ray(cfg, add)
     if cfg.use_otel_metrics and not 0 <= cfg.otel_metrics_port <= 65535:
         add(f"otel_metrics_port must be a port number 0-65535 (0: any free port), got {cfg.otel_metrics_port}")
     if cfg.warmup_steps < 0:
@@ -633,6 +702,7 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     check_qat(cfg, add)
     check_diffusion(cfg, add)
     check_images(cfg, add)
+    check_llmcompressor(cfg, add)
     if cfg.tokenizer_use_mistral_common:      # (Axolotl's check_mistral_common_incompatible_options)
         for k in ("special_tokens", "tokens", "chat_template", "chat_template_jinja"):
             if getattr(cfg, k):
@@ -726,12 +796,21 @@ def check_world(cfg: Any, world_size: int | None = None, launcher: str = "") -> 
     if cfg.num_processes is not None and world_size is not None and cfg.num_processes != world_size:
         raise ConfigError(f"num_processes: {cfg.num_processes} but {launcher or 'the world size'} "
                           f"gives {world_size} devices; fix one of them")
+    workers = cfg.ray_num_workers if cfg.use_ray else None
+    if workers is not None and world_size is not None and workers != world_size:
+        raise ConfigError(f"ray_num_workers: {workers} but {launcher or 'the world size'} gives {world_size} "
+                          f"devices (the processes come from torchrun / --simulate here, one per device): "
+                          f"start {workers} (torchrun --nproc_per_node {workers}, --simulate {workers}) or "
+                          f"set ray_num_workers: {world_size}")
     if world_size is not None and not cfg.sizes_given() and world_size > 1:
         cfg.dp_shard_size = world_size      # no sizes: every device data parallel (FSDP),
         cfg._given.add("dp_shard_size")     # recorded so checkpoints keep the mesh
         cfg.auto_dp = world_size
     sizes = cfg.mesh_sizes(world_size)
     product = math.prod(sizes.values())
+    if workers is not None and world_size is None and cfg.sizes_given() and product != workers:
+        raise ConfigError(f"ray_num_workers: {workers} but the mesh's sizes need {product} devices: make them "
+                          f"agree (one process per device)")
     if world_size is not None and product != world_size:
         shown = {"pp_size": "pp", **MESH_KEYS}     # pp and ep named only when used
         dims = " x ".join(f"{k}={getattr(cfg, k) if getattr(cfg, k) != -1 else sizes[a]}"

@@ -62,6 +62,12 @@ class TrainConfig:
     sequence_parallel: bool = fld(False, "split the residual stream's sequence over tp too")
     num_processes: int | None = fld(None, "Accelerate: the world size the config expects "
                                           "(checked against torchrun / --simulate)")
+    use_ray: bool = fld(False, "Axolotl's Ray launch: here the processes come from torchrun / --simulate "
+                               "(one rank per device); ray_num_workers is then checked against their number")
+    ray_num_workers: int | None = fld(None, "use_ray: the world size the config expects (checked against "
+                                            "torchrun / --simulate, as num_processes)")
+    resources_per_worker: dict | None = fld(None, "use_ray: Ray's resources per worker; GPU must be 1 (one "
+                                                  "device per process), the others only schedule Ray workers")
     # batch (Axolotl names)
     micro_batch_size: int = fld(1, "sequences per data-parallel rank per micro-step")
     gradient_accumulation_steps: int = fld(1, "micro-steps per optimizer step")
@@ -206,6 +212,9 @@ class TrainConfig:
                                     "docs/quantization.md); with an adapter only")
     load_in_8bit: bool = fld(False, "hold the adapted weights' frozen base as blockwise int8; with "
                                     "an adapter only")
+    gptq: bool = fld(False, "base_model is a GPTQ checkpoint (qweight / qzeros / scales / g_idx, 2-, 4- or "
+                            "8-bit, checkpoint_format gptq or gptq_v2): its linears read dequantized, frozen "
+                            "under adapter: lora (docs/quantization.md)")
     quantize_moe_experts: bool = fld(False, "with load_in_4bit / load_in_8bit: quantize the experts' "
                                             "stacked weights too, each stack as bitsandbytes quantizes "
                                             "the stacked [experts, out, in] tensor (Axolotl's; "
@@ -260,6 +269,11 @@ class TrainConfig:
                                  "fake-quantized in the forward, rounding straight through; or weight_dtype "
                                  "and activation_dtype nvfp4 (group_size 16: NVFP4's blocks); exported "
                                  "unquantized")
+    llmcompressor: dict | None = fld(None, "sparse fine-tuning (Axolotl's LLMCompressorPlugin): {recipe: {STAGE: "
+                                           "{finetuning_modifiers: {ConstantPruningModifier: {targets: ['re:.*q_proj"
+                                           ".weight', ...], start: 0}}}}, save_compressed: true}: the targeted "
+                                           "weights' zeros (|w| <= 1e-8 when loaded) stay zero through training "
+                                           "(docs/finetune.md \"Sparse fine-tuning\"); weights written dense")
     diffusion: dict | None = fld(None, "masked-diffusion language-model training (Axolotl's DiffusionPlugin, LLaDA): "
                                        "{mask_token_id: ID, eps: 1e-3, importance_weighting: true, ...}; each "
                                        "row's answer tokens masked with probability (1 - eps) t + eps, t uniform, "

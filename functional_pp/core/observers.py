@@ -7,7 +7,9 @@ work that depends on the device's position in the mesh (:func:`uneven_work`), wh
 the planner that one device does not stand for all (docs/planning.md); and a checkpointed
 region running, first in forward and again when backward recomputes it (:func:`checkpointed`),
 which tells the planner which layer the recomputation belongs to and that its collectives are
-recomputation's. The collectives'
+recomputation's; and work the devices of a mesh axis run one after another (:func:`serial_work`: the
+blocks of a chain along a split sequence), which the planner's time model counts once per device. The
+collectives'
 counterpart is :mod:`functional_pp.core.comm` (docs/architecture.md)."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 _saved_observers: list[Callable[[torch.Tensor], None]] = []
 _uneven_observers: list[Callable[[str, Mapping[str, int]], None]] = []
 _region_observers: list[Callable[[object, bool, bool], None]] = []
+_serial_observers: list[Callable[[int], None]] = []
 
 
 def on_saved_for_backward(observer: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -68,3 +71,25 @@ def checkpointed(region: object, recompute: bool) -> Iterator[None]:
     finally:
         for observer in reversed(_region_observers):
             observer(region, recompute, False)
+
+
+def on_serial_work(observer: Callable[[int], None]) -> Callable[[int], None]:
+    """Subscribe ``observer(devices)`` to serial work entering (``devices``, see :func:`serial_work`)
+    and leaving (1); returns it."""
+    if observer not in _serial_observers:
+        _serial_observers.append(observer)
+    return observer
+
+
+@contextmanager
+def serial_work(devices: int) -> Iterator[None]:
+    """Announce that the block's work is this device's turn of a serial chain over ``devices`` devices
+    (the other devices wait, then each does the like for its own part in turn): it takes ``devices``
+    times its own time (ops/sequence_chain.py's blocks)."""
+    for observer in _serial_observers:
+        observer(devices)
+    try:
+        yield
+    finally:
+        for observer in reversed(_serial_observers):
+            observer(1)

@@ -633,7 +633,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
         for stream, writer in ((out, train), (held, val)):
             if stream is not None:
                 stream.images = RowImages(writer.row_images, vision["patch"], vision["merge"],
-                                          vision["image_token_id"], vision.get("qwen"))
+                                          vision["image_token_id"], vision.get("qwen"),
+                                          class_token=vision.get("class_token"), image_size=vision.get("image_size"))
     return out, held
 
 

@@ -5,7 +5,8 @@ positions, their image and the merged token each image token of the text takes.
 
 Entries (global tensors; ``P`` patches per example, padded to one count for the batch):
 ``patches`` (B, P, channels, patch, patch), ``patch_positions`` (B, P, 2: row and column in its
-image), ``patch_images`` (B, P: the image's index in its example; pads one past the last),
+image), ``patch_images`` (B, P: the image's index in its example; pads one past the last); a CLIP
+tower's images each led by a class token's slot (``class_token``: zero pixels, position (0, -1)),
 ``image_slots`` (B, S: the merged token the k-th image token takes, k; -1 at other tokens)."""
 from __future__ import annotations
 
@@ -40,25 +41,43 @@ def _patches(pixels: torch.Tensor, size: Sequence[int], patch: int, merge: int, 
     return grid, pos
 
 
+def _with_class_slot(grid: torch.Tensor, pos: torch.Tensor, size: Sequence[int], image_size: int, where: str):
+    """A CLIP image's patches led by its class token's slot (zero pixels, position (0, -1))."""
+    if [int(size[0]), int(size[1])] != [image_size, image_size]:
+        raise ValueError(f"{where}: an image of {int(size[0])} x {int(size[1])} pixels; a CLIP tower takes "
+                         f"{image_size} x {image_size} (its position table; image_size); use the model's own "
+                         f"processor (processor_type: AutoProcessor), whose image processor resizes and crops to it")
+    return torch.cat([grid.new_zeros((1, *grid.shape[1:])), grid]), torch.cat([torch.tensor([[0, -1]]), pos])
+
+
 def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
                 image_sizes: Sequence[torch.Tensor | None], *, patch: int, merge: int, image_token_id: int,
-                patches: int | None = None) -> dict[str, torch.Tensor]:
+                patches: int | None = None, class_token: str | None = None,
+                image_size: int | None = None) -> dict[str, torch.Tensor]:
     """The image entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``:
     n_b x C x H x W, padded; ``image_sizes[b]``: n_b x 2, each image's height and width; None: no
     image). ``patches`` pads every row to that many patches (default: the batch's most, at least
-    one merged token). A row whose image tokens do not number its images' merged tokens is
-    refused, naming the row and both counts."""
+    one merged token). ``class_token`` (a CLIP tower, ``merge`` 1, images of ``image_size``
+    pixels each way): each image led by its class token's slot, whose features the image tokens
+    take first (``"kept"``: ``vision_feature_select_strategy: full``) or skip (``"dropped"``:
+    ``default``). A row whose image tokens do not number its images' merged tokens is refused,
+    naming the row and both counts."""
+    if class_token not in (None, "kept", "dropped") or (class_token and (merge != 1 or not image_size)):
+        raise ValueError(f"images: class_token={class_token!r} must be None, 'kept' or 'dropped', the latter two "
+                         f"with merge 1 (got {merge}) and the tower's image_size (got {image_size})")
     rows = []
     for b in range(ids.shape[0]):
         px, sizes = pixel_values[b], image_sizes[b]
         grids, poss, owners = [], [], []
         for j in range(0 if px is None else len(px)):
             g, p = _patches(px[j], sizes[j], patch, merge, f"row {b}, image {j}")
+            if class_token:
+                g, p = _with_class_slot(g, p, sizes[j], image_size, f"row {b}, image {j}")
             grids.append(g)
             poss.append(p)
             owners.append(torch.full((len(g),), j, dtype=torch.long))
         n_tokens = int((ids[b] == image_token_id).sum())
-        n_merged = sum(len(g) for g in grids) // merge ** 2
+        n_merged = sum(len(g) for g in grids) // merge ** 2 - (len(grids) if class_token == "dropped" else 0)
         if n_tokens != n_merged:
             raise ValueError(f"images: row {b} holds {n_tokens} image tokens (id {image_token_id}) but its "
                              f"{len(grids)} images make {n_merged} merged patches; the processor expands each "
@@ -84,5 +103,8 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
             out["patch_images"][b, :n] = torch.cat(owners)
         out["patch_images"][b, n:] = len(grids)               # the pads: a segment of their own
         at = (ids[b] == image_token_id).nonzero().flatten()
-        out["image_slots"][b, at] = torch.arange(len(at))
+        slots = torch.arange(len(at))                          # (the merged tokens in order)
+        if class_token == "dropped":                           # (the patches in order, the class slots skipped)
+            slots = (out["patch_positions"][b, :n, 1] >= 0).nonzero().flatten()
+        out["image_slots"][b, at] = slots
     return out

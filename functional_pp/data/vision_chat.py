@@ -8,8 +8,9 @@ As Axolotl's ``MultiModalChatDataCollator`` and processing strategies (``process
 a record's ``messages`` (or ``conversations``: ``from`` / ``value``) with string contents made
 content lists; its ``images`` (or ``image``) column's first image placed at the first bare
 ``{"type": "image"}`` entry, else appended to the first user turn; the labels every token but the
-padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``: Axolotl's Mistral 3
-strategy, which masks no role); with ``chat_template: pixtral`` that template renders the rows
+padding and the image tokens (``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]``; LLaVA's ``<image>``:
+Axolotl's Mistral 3 strategy and its base strategy for ``chat_template: llava``, which mask no
+role); with ``chat_template: pixtral`` that template renders the rows
 and only the assistant's replies train (its Pixtral strategy). Qwen's processors (``Qwen2VLProcessor``,
 ``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
@@ -29,30 +30,36 @@ from functional_pp.data.qwen_images import qwen_image_batch
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS)
+"""The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
 @dataclass
 class ImageChatProcessor:
-    """The parts of a Pixtral-style processor (transformers' ``PixtralProcessor``, Mistral 3's): the
-    tokenizer with its chat template, the image processor (transformers' own class: it resizes to
-    multiples of ``patch`` and normalises), and how an image of ``h`` x ``w`` pixels becomes tokens
-    (``PixtralProcessor.replace_image_token``: ``w / patch`` image tokens and a break per row of
-    ``patch`` pixels, the last break the end token)."""
+    """The parts of an image chat processor: the tokenizer with its chat template, the image
+    processor (transformers' own class: it resizes and normalises) and how an image of ``h`` x
+    ``w`` pixels becomes tokens (``layout``): ``PixtralProcessor``'s (Mistral 3, Pixtral: ``w / patch``
+    image tokens and a break per row of ``patch`` pixels, the last break the end token),
+    ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
+    ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
+    dropped, ``vision_feature_select_strategy: default``) or Qwen's (``qwen``: one image token per
+    merged patch)."""
 
     tokenizer: Any
     image_processor: Any
     chat_template: str
     patch: int
     image_token: str = "[IMG]"
-    image_break_token: str = "[IMG_BREAK]"
-    image_end_token: str = "[IMG_END]"
+    image_break_token: str | None = "[IMG_BREAK]"
+    image_end_token: str | None = "[IMG_END]"
     # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
     # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
     reply_after: str | None = None
-    # "pixtral" (rows of [IMG] and breaks) or "qwen" (one image_token per merged patch; Qwen2VLImageProcessor's
-    # patches and image_grid_thw); merge: Qwen's merge_size
+    # "pixtral" (rows of [IMG] and breaks), "llava" (one image_token per patch, + extra) or "qwen" (one
+    # image_token per merged patch; Qwen2VLImageProcessor's patches and image_grid_thw); merge: Qwen's merge_size
     layout: str = "pixtral"
     merge: int = 1
+    extra: int = 0
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
@@ -61,21 +68,26 @@ class ImageChatProcessor:
             grids = torch.as_tensor(out["image_grid_thw"])
             return (out["pixel_values"], grids,
                     [self.image_token * (int(g.prod()) // self.merge ** 2) for g in grids])
+        if self.layout == "llava":                   # (LLaVA's: every image resized and cropped to one size)
+            px = self.image_processor(pictures, return_tensors="pt")["pixel_values"]
+            sizes = torch.tensor([list(px.shape[-2:])] * len(px))
+            return px, sizes, [self.image_tokens(int(h), int(w)) for h, w in sizes.tolist()]
         out = self.image_processor(pictures, patch_size={"height": self.patch, "width": self.patch},
                                    return_tensors="pt")
         sizes = torch.as_tensor(out["image_sizes"])
         return out["pixel_values"], sizes, [self.image_tokens(int(h), int(w)) for h, w in sizes.tolist()]
 
     def image_tokens(self, height: int, width: int) -> str:
+        if self.layout == "llava":
+            return self.image_token * ((height // self.patch) * (width // self.patch) + self.extra)
         row = [self.image_token] * (width // self.patch) + [self.image_break_token]
         tokens = row * (height // self.patch)
         tokens[-1] = self.image_end_token
         return "".join(tokens)
 
     def media_ids(self) -> list[int]:
-        names = (self.image_token,) if self.layout == "qwen" else (self.image_token, self.image_break_token,
-                                                                   self.image_end_token)
-        return [self.tokenizer.convert_tokens_to_ids(t) for t in names]
+        return [self.tokenizer.convert_tokens_to_ids(t)
+                for t in (self.image_token, self.image_break_token, self.image_end_token) if t is not None]
 
 
 def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
@@ -92,10 +104,10 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     conf_file = root / "processor_config.json"
     conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
     kind = conf.get("processor_class", "")
-    if kind != "PixtralProcessor" and kind not in QWEN_PROCESSORS:
+    if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
-                         f"images are read with a PixtralProcessor's layout (Mistral 3, Pixtral) or Qwen's "
-                         f"({', '.join(QWEN_PROCESSORS)}) only")
+                         f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
@@ -112,12 +124,19 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind in QWEN_PROCESSORS:
         merge = int(getattr(images, "merge_size", 2))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
-                                  image_token=conf.get("image_token", "<|image_pad|>"), layout="qwen", merge=merge)
+                                  image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
+                                  image_end_token=None, layout="qwen", merge=merge)
+    elif kind == "LlavaProcessor":
+        extra = int(conf.get("num_additional_image_tokens", 0))
+        extra -= conf.get("vision_feature_select_strategy", "default") == "default"
+        proc = ImageChatProcessor(tok, images, template, int(conf.get("patch_size", 16)),
+                                  image_token=conf.get("image_token", "<image>"), image_break_token=None,
+                                  image_end_token=None, layout="llava", extra=extra)
     else:
         patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
         names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
         proc = ImageChatProcessor(tok, images, template, patch, **names)
-    named = (proc.image_token,) if proc.layout == "qwen" else tuple(names.values()) or ("[IMG]",)
+    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token) if t is not None]
     unknown = [t for t, i in zip(named, proc.media_ids()) if i in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
@@ -228,11 +247,14 @@ class RowImages:
     # Qwen's tower (data/qwen_images.py: side, channels, temporal_patch): the rows hold its patches and
     # image_grid_thw (None: Pixtral's, pixels and image_sizes)
     qwen: dict | None = None
+    class_token: str | None = None           # (a CLIP tower: data/images.py's image_batch)
+    image_size: int | None = None
 
     def __post_init__(self) -> None:
         k = self.merge ** 2
+        lead = 1 if self.class_token else 0
         counts = [int(r[1].prod(-1).sum()) if self.qwen is not None else
-                  sum((int(h) // self.patch) * (int(w) // self.patch) for h, w in r[1].tolist())
+                  sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
         self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
 
@@ -245,4 +267,4 @@ class RowImages:
                                     patches=self.patches, **self.qwen)
         return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                            patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
-                           patches=self.patches)
+                           patches=self.patches, class_token=self.class_token, image_size=self.image_size)

@@ -32,7 +32,8 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row(("llama",), "Llama 3 rope scaling, `attention_bias`"),
+    Row(("llama",), "Llama 3 rope scaling, `attention_bias`; the text decoder of LLaVA-1.5's `llava`, with its "
+                    "CLIP encoder and projector under `processor_type` (images)"),
     Row(("mistral",), "sliding-window attention; the text decoder of a multimodal `mistral3` whose `text_config` "
                       "is `mistral` (Magistral Small 2509) and of Pixtral 12B's `llava`, with its Pixtral encoder "
                       "and projector under `processor_type` (images)"),
@@ -165,6 +166,18 @@ ROWS: tuple[Row, ...] = (
                                "`num_local_experts`, Granite MoE's experts; the rotary only with "
                                "`position_embedding_type: rope`",
         f"key / value-cache sampling of the Mamba2 layers (refused by name); {_EXPERT_PEFT}"),
+    Row(("mamba",), "Mamba (v1): a Mamba mixer after an RMSNorm in every layer, no attention, no MLP (the selective "
+                    "scan of every channel, its causal convolution, the low-rank time step; TP splits the channels), "
+                    "tied embeddings; files under `backbone.`; packed documents each with its own state; Axolotl's "
+                    "`model_type: MambaLMHeadModel`",
+        "CP and key / value-cache sampling (refused by name); mamba_ssm's own checkpoint format (`d_model`, "
+        "`n_layer`: its `-hf` conversion reads); `residual_in_fp32` under bf16 (the residual stays in the compute "
+        "dtype)"),
+    Row(("jamba",), "a hybrid: Mamba (v1) layers with RMSNorms of the time step, B and C, attention without "
+                    "positions every `attn_layer_period`-th layer, a SwiGLU MLP or, every `expert_layer_period`-th "
+                    "layer, experts (softmax router, top-k weights not renormalised; EP as other MoE families); LoRA / "
+                    "QLoRA on the mixers' projections (`lora_target_linear`)",
+        f"CP and key / value-cache sampling of the Mamba layers (refused by name); {_EXPERT_PEFT}"),
 )
 """The table's rows, in its order (the most used families first within each kind)."""
 

@@ -36,8 +36,8 @@ class ModelFamily:
     tokens, cfg=...)`` (or None) the logits (batch seq vocab), which preference training
     (``rl:``, docs/preference.md) needs; ``serial_under_cp(cfg)`` (or None) the model's layers that
     are a recurrence along the sequence, None where there are none: under context parallelism their
-    blocks run device after device (ops/sequence_chain.py), so the planner does not split the sequence
-    for them and the batched simulator (every device at once) cannot run them; ``uncached_layers(cfg)`` (or None)
+    blocks run device after device (ops/sequence_chain.py), which the planner's time model counts
+    (plan/timing.py) and the batched simulator (every device at once) cannot run them; ``uncached_layers(cfg)`` (or None)
     why the model cannot sample with a key / value cache (layers whose state it does not hold),
     None where it can (checked before any work against every config and command that samples:
     ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`)."""

@@ -53,9 +53,10 @@ def init_layer(cfg, w, out_std: float, dtype: torch.dtype) -> dict:
         "in_proj_z": w((cfg.hidden, H, Dv), "hidden heads v_head_dim"),
         "in_proj_b": w((cfg.hidden, H), "hidden heads"),
         "in_proj_a": w((cfg.hidden, H), "hidden heads"),
-        "conv_q": w((Hk, Dk, K), "kv_heads head_dim kernel", conv_std),
-        "conv_k": w((Hk, Dk, K), "kv_heads head_dim kernel", conv_std),
-        "conv_v": w((H, Dv, K), "heads v_head_dim kernel", conv_std),
+        # (meta linear False: convolution taps, not a linear: no all-linear LoRA target, as peft's nn.Conv1d)
+        "conv_q": dataclasses.replace(w((Hk, Dk, K), "kv_heads head_dim kernel", conv_std), meta={"linear": False}),
+        "conv_k": dataclasses.replace(w((Hk, Dk, K), "kv_heads head_dim kernel", conv_std), meta={"linear": False}),
+        "conv_v": dataclasses.replace(w((H, Dv, K), "heads v_head_dim kernel", conv_std), meta={"linear": False}),
         "dt_bias": param((H,), "heads", init="ones", dtype=dtype),
         "A_log": param((H,), "heads", init="uniform", scale=math.log(16.0), dtype=dtype),
         "norm": param((Dv,), "v_head_dim", init="ones", dtype=dtype),

@@ -29,7 +29,7 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
                              mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
                              mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
                              attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
-                             mlp_down_multiplier=1.0)
+                             mlp_down_multiplier=1.0, mamba1_inner=0, mamba1_dt_rank=0, mamba1_dt_norms=False)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -713,7 +713,7 @@ SWITCHES["lfm2"] = Switches(       # LFM2: short-convolution layers (models/shor
 _HYBRID = "a hybrid of attention and state-space or linear-attention layers, a different kind of layer this decoder does not have"
 REFUSED: dict[str, str] = {
     **{mt: f"{name} is {_HYBRID}" for mt, name in (
-        ("jamba", "Jamba"), ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
+        ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (

@@ -28,8 +28,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba2, mla, moe,
-                                   per_layer_inputs, pixtral, qwen_vision, short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba1, mamba2, mla,
+                                   moe, per_layer_inputs, pixtral, qwen_vision, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -38,7 +38,8 @@ from functional_pp.parallel.named import Named, tied
 from functional_pp.parallel.pipeline.stage import current_stage
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", gated_deltanet.KIND, kimi_delta.KIND)
-LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp")
+LAYER_BLOCKS = ("attention+mlp", "mamba2+mlp", "mamba2|attention+mlp", "attention", "mamba2", "mlp", "mamba1",
+                "mamba1+mlp")
 """A layer's blocks (``Config.layer_blocks``), each after a norm of its own and added to the
 residual stream: Llama's attention then MLP; a Mamba2 mixer (models/mamba2.py) where attention is;
 a Mamba2 mixer and attention in parallel from one norm (Falcon-H1); or one block alone
@@ -336,6 +337,13 @@ class Config:
     mamba_part_multipliers: tuple[float, ...] | None = None
     mamba_out_multiplier: float = 1.0
     mamba_norm: str = "gated"
+    # the Mamba (v1) mixers of layer_blocks' mamba1 entries (models/mamba1.py: Mamba, Jamba): their channels
+    # (intermediate_size; Jamba's mamba_expand x hidden_size), the time step's rank (time_step_rank,
+    # mamba_dt_rank), Jamba's RMSNorms of dt, B and C; the state (ssm_state), the convolution (conv_kernel,
+    # mamba_conv_bias) and the projections' biases (mamba_proj_bias) as Mamba2's
+    mamba1_inner: int = 0
+    mamba1_dt_rank: int = 0
+    mamba1_dt_norms: bool = False
     attn_in_multiplier: float = 1.0
     attn_out_multiplier: float = 1.0
     key_multiplier: float = 1.0
@@ -542,6 +550,11 @@ class Config:
             if self.mamba_heads < 1:
                 raise ValueError("layer_blocks has mamba2 layers but mamba_heads is 0 (set mamba_num_heads)")
             self.mamba                               # (its own checks: groups dividing the heads, ...)
+        if any("mamba1" in b for b in blocks):
+            if self.mamba1_inner < 1 or self.mamba1_dt_rank < 1:
+                raise ValueError(f"layer_blocks has mamba1 layers but mamba1_inner={self.mamba1_inner}, "
+                                 f"mamba1_dt_rank={self.mamba1_dt_rank} (set intermediate_size and time_step_rank)")
+            self.mamba1                              # (its own checks)
         other = [k for k, v in (("parallel_block", self.parallel_block),
                                 ("sandwich_norms", self.sandwich_norms), ("per_layer_input", self.per_layer_input),
                                 ("kv_shared_layers", self.kv_shared_layers), ("kv_lora_rank", self.kv_lora_rank),
@@ -561,6 +574,15 @@ class Config:
                              conv_bias=self.mamba_conv_bias, proj_bias=self.mamba_proj_bias,
                              in_scale=self.mamba_in_multiplier, part_scales=self.mamba_part_multipliers or (1.0,) * 5,
                              norm=self.mamba_norm)
+
+    @property
+    def mamba1(self) -> mamba1.Mamba1 | None:
+        """The Mamba (v1) mixers' shape (None: no Mamba (v1) layers)."""
+        if not self.mamba1_inner:
+            return None
+        return mamba1.Mamba1(inner=self.mamba1_inner, state=self.ssm_state, dt_rank=self.mamba1_dt_rank,
+                             conv_kernel=self.conv_kernel, conv_bias=self.mamba_conv_bias,
+                             proj_bias=self.mamba_proj_bias, dt_norms=self.mamba1_dt_norms, eps=self.norm_eps)
 
     def blocks(self, layer: int) -> tuple[str, ...]:
         """Layer ``layer``'s blocks in order (``("attention", "mlp")`` where ``layer_blocks`` is None)."""
@@ -879,6 +901,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
                 q["self_attn"] = p["self_attn"]
             if "mamba2" in blocks[0].split("|"):
                 q["mamba"] = mamba2.init(cfg.mamba, cfg.hidden, dtype, std, out_std)
+            if blocks[0] == "mamba1":
+                q["mamba1"] = mamba1.init(cfg.mamba1, cfg.hidden, dtype, std, out_std)
             if len(blocks) == 2:
                 q["post_attention_layernorm"] = p["post_attention_layernorm"]
             if blocks[-1] == "mlp":
@@ -915,7 +939,7 @@ rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 def vision_tower(name: str):
     """The module of vision tower ``name`` (``init``, ``with_images``, ``VISION_CONFIG``): one entry each."""
-    towers = {pixtral.TOWER: pixtral, **{name: qwen_vision for name in qwen_vision.TOWERS}}
+    towers = {**{name: pixtral for name in pixtral.VISION_TOWERS}, **{name: qwen_vision for name in qwen_vision.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]
@@ -1203,6 +1227,10 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
         x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
     elif "mamba" in p:
         x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
+    elif "mamba1" in p:                         # (Mamba, Jamba: models/mamba1.py)
+        h = attention_input(p, x, cfg)
+        x = ops.realized(x + _residual(ops.rename(mamba1.mixer(p["mamba1"], h, cfg.mamba1, segments), seq="res_seq"),
+                                       cfg))
     if "mlp" in p:
         h = norm_at(p, "post_attention_layernorm" if "post_attention_layernorm" in p else "input_layernorm", x, cfg)
         x = ops.realized(x + _residual(_mlp(p, ops.rename(h, res_seq="seq"), cfg), cfg))
@@ -1287,9 +1315,10 @@ def _refuse_unshared(cfg: Config, cache) -> None:
     if what and current_stage() is not None:
         raise ValueError(f"pipeline parallelism (pp) with {what} (Gemma 4 E2B / E4B: per-layer inputs and keys / "
                          f"values shared across layers) is not supported yet; use FSDP, TP or CP (pp_size 1)")
-    if cfg.mamba_heads and cache is not None:
-        raise ValueError("sampling (generate) with Mamba2 layers is not supported yet: it needs their recurrent "
-                         "state and convolution window cached beside the keys and values")
+    if (cfg.mamba_heads or cfg.mamba1_inner) and cache is not None:
+        which = "Mamba2" if cfg.mamba_heads else "Mamba (v1)"
+        raise ValueError(f"sampling (generate) with {which} layers is not supported yet: it needs their recurrent "
+                         f"state and convolution window cached beside the keys and values")
     if cfg.kv_shared_layers and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support kv_shared_layers="
                          f"{cfg.kv_shared_layers} (keys and values shared across layers) yet")
@@ -1352,7 +1381,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
     rules = dict(batch=("dp_replicate", "dp_shard"), seq=balanced("cp"), res_seq=inherit("seq"))
     if tp:
         rules.update(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", conv="tp", conv_gates=None, conv_kernel=None,
-                     ssm_group_heads="tp", ssm_groups=None)   # (Mamba2: each group's heads, whatever n_groups, even 1;
+                     ssm_group_heads="tp", ssm_groups=None, mamba_inner="tp")   # (Mamba2: each group's heads, whatever n_groups, even 1;
                                                               # ssm_groups="tp" where it divides)
     if fsdp:
         rules["hidden"] = ("dp_shard", "cp")
@@ -1385,7 +1414,8 @@ def flops_per_token(cfg: Config, seq: int) -> float:
     ple = 6 * cfg.hidden * cfg.per_layer_input * cfg.layers
     if cfg.layer_blocks is not None:            # a hybrid: each layer's blocks (Mamba2's: models/mamba2.py)
         block = {"attention": lambda i: proj + attn, "mlp": mlp,
-                 "mamba2": lambda i: mamba2.flops_per_token(cfg.mamba, cfg.hidden)}
+                 "mamba2": lambda i: mamba2.flops_per_token(cfg.mamba, cfg.hidden),
+                 "mamba1": lambda i: mamba1.flops_per_token(cfg.mamba1, cfg.hidden)}
         return 3.0 * (sum(block[k](i) for i in range(cfg.layers) for b in cfg.blocks(i) for k in b.split("|"))
                       + 2 * cfg.hidden * cfg.vocab + ple)
     if cfg.global_head_dim or cfg.global_kv_heads or cfg.k_eq_v or cfg.kv_shared_layers:   # (Gemma 4's own widths)
@@ -1440,6 +1470,9 @@ def recurrent_layers(cfg: Config) -> list[str]:
     scans = [i for i in range(cfg.layers) if any("mamba2" in b for b in cfg.blocks(i))]
     if scans:
         why.append(f"layers {scans} hold Mamba2 mixers (layer_blocks)")
+    scans = [i for i in range(cfg.layers) if cfg.blocks(i)[0] == "mamba1"]
+    if scans:
+        why.append(f"layers {scans} hold Mamba (v1) mixers (layer_blocks)")
     return why
 
 

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf, nemotron_h_hf,
-                                  pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
+                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
+                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -184,6 +184,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *pixtral_hf.TABLE,
     # Qwen3.5's vision tower and patch merger (models/qwen_vision.py)
     *qwen_vision_hf.TABLE,
+    # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
+    *mamba_hf.TABLE,
 )
 """``(HF name pattern, our path pattern, transform kind)``; ``{i}`` is the layer index."""
 
@@ -400,6 +402,8 @@ RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared ex
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
 RENAMED["granitemoehybrid"] = RENAMED["granitemoeshared"] + granitemoehybrid_hf.RENAMED
 RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
+RENAMED["mamba"] = mamba_hf.RENAMED
+RENAMED["jamba"] = jamba_hf.RENAMED
 RENAMED["kimi_linear"] = kimi_linear_hf.RENAMED     # (self_attn, block_sparse_moe, experts w1 / w3 / w2)
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
@@ -437,15 +441,18 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     return name
 
 
-ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ}
+ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
+                                                    "llava": pixtral_hf.ALSO_READ}
 """Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
 under where the files lack the first (transformers' own save of a family that differs from its
 published checkpoint's)."""
 
 
-def also_read(name: str, model_type: str = "llama") -> list[str]:
-    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files may be saved under."""
-    return [re.sub(pattern, repl, name) for pattern, repl in ALSO_READ.get(model_type, ()) if re.search(pattern, name)]
+def also_read(name: str, model_type: str = "llama", cfg: Any = None) -> list[str]:
+    """The other names (:data:`ALSO_READ`) the tensor ``name`` of ``model_type``'s files (or of the
+    multimodal wrapper ``cfg.text_of``'s) may be saved under."""
+    rows = ALSO_READ.get(model_type, ()) + ALSO_READ.get(getattr(cfg, "text_of", None) or "", ())
+    return [re.sub(pattern, repl, name) for pattern, repl in rows if re.search(pattern, name)]
 
 
 def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[str, int] | None:
@@ -817,7 +824,7 @@ ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "Mistra
                                  **deepseek_hf.ARCHITECTURES, **gemma4_hf.ARCHITECTURES,
                                  **afmoe_hf.ARCHITECTURES, **qwen3_5_hf.ARCHITECTURES, **nemotron_h_hf.ARCHITECTURES,
                                  **granitemoehybrid_hf.ARCHITECTURES, **falcon_h1_hf.ARCHITECTURES,
-                                 **kimi_linear_hf.ARCHITECTURES}
+                                 **kimi_linear_hf.ARCHITECTURES, **mamba_hf.ARCHITECTURES, **jamba_hf.ARCHITECTURES}
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 OWN_CONFIG = {"gpt_oss": gpt_oss_hf, "llama4_text": llama4_hf, "dbrx": dbrx_hf}
 """The families whose ``config.json`` a module of their own reads and writes around Llama's
@@ -975,8 +982,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     # Nemotron-H: Mamba2, attention, MLP layers; Arcee AFMoE; Qwen3.5: Gated DeltaNet + gated
     # attention; Gemma 4's text decoder), each given what it reads with
     for module, *reads_with in ((deepseek_hf, _rope), (falcon_h1_hf, _rope), (granitemoehybrid_hf, config_from_hf_dict),
-                                (nemotron_h_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope), (gemma4_hf,),
-                                (kimi_linear_hf,)):
+                                (nemotron_h_hf,), (mamba_hf,), (jamba_hf,), (afmoe_hf, _rope), (qwen3_5_hf, _rope),
+                                (gemma4_hf,), (kimi_linear_hf,)):
         if mt in module.ARCHITECTURES:
             try:
                 return module.config_from_hf(hf, mt, *reads_with)
@@ -1236,6 +1243,10 @@ def check_exportable(cfg: Config) -> None:
         return nemotron_h_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if mt in falcon_h1_hf.ARCHITECTURES:
         return falcon_h1_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in mamba_hf.ARCHITECTURES:
+        return mamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
+    if mt in jamba_hf.ARCHITECTURES:
+        return jamba_hf.check_exportable(cfg, PLAIN, UnsupportedHFConfig)
     if cfg.kv_lora_rank:
         raise UnsupportedHFConfig(f"{where}: kv_lora_rank={cfg.kv_lora_rank} (latent attention) has no "
                                   f"{ARCHITECTURES[mt]} equivalent; choose model_type "
@@ -1306,6 +1317,10 @@ def decoder_config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dic
         return granitemoehybrid_hf.config_to_hf(cfg, decoder_config_to_hf, dtype)
     if cfg.model_type in falcon_h1_hf.ARCHITECTURES:
         return falcon_h1_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in mamba_hf.ARCHITECTURES:
+        return mamba_hf.config_to_hf(cfg, dtype)
+    if cfg.model_type in jamba_hf.ARCHITECTURES:
+        return jamba_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in kimi_linear_hf.ARCHITECTURES:
         return kimi_linear_hf.config_to_hf(cfg, dtype)
     if cfg.model_type in MOE_BASE:

@@ -126,6 +126,9 @@ def init(m: Mamba2, hidden: int, dtype: torch.dtype = torch.float32, std: float 
                  b_bias=const((G, N), "ssm_groups ssm_state", "zeros"),
                  c_bias=const((G, N), "ssm_groups ssm_state", "zeros"), dt_proj_bias=const((G, H), HEADS, "zeros"),
                  out_bias=const((hidden,), "hidden", "zeros"))
+    for key in ("conv_x", "conv_b", "conv_c", "A_log", "D", "dt_bias", "norm"):    # (not linears: no all-linear
+        if key in p:                                                             # LoRA target, as peft's)
+            p[key] = dataclasses.replace(p[key], meta={"linear": False})
     return p
 
 

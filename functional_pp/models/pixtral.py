@@ -12,7 +12,9 @@ patches into one vector (a linear of their concatenation) and maps it to the dec
 linear-GELU-linear. The features are written into the token embeddings at the image tokens
 (``image_slots``: batch seq, the merged token of each image token, -1 elsewhere) by
 ``ops.masked_scatter``. The vision dimensions have names of their own (``vision``, ``vheads``,
-``vmlp``, ``mm``, ...), replicated unless the rules name them; ``batch`` splits as the text's."""
+``vmlp``, ``mm``, ...), replicated unless the rules name them; ``batch`` splits as the text's.
+The encoder is one of :data:`VISION_TOWERS` (``VisionConfig.tower``): Pixtral's, or CLIP's
+(models/clip.py: LLaVA-1.5), the projector and the scatter the same for each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
+from functional_pp.models import clip
 from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
@@ -56,8 +59,33 @@ class VisionConfig:
     # the projector: "mistral3" (RMSNorm, the patch merger, linear-GELU-linear: Mistral3MultiModalProjector) or
     # "llava" (linear-GELU-linear: LlavaMultiModalProjector, Pixtral 12B; merge 1)
     projector: str = "mistral3"
+    # CLIP's tower (tower="clip", models/clip.py): the layers run (vision_feature_layer), whether the class token's
+    # features go to the decoder ("full") or not ("default": vision_feature_select_strategy), its LayerNorms' eps
+    # and its MLP's activation (hidden_act)
+    feature_layer: int = -1
+    select_strategy: str = "full"
+    norm_eps: float = 1e-5
+    act: str = "gelu"
 
     def __post_init__(self) -> None:
+        if self.tower not in VISION_TOWERS:
+            raise ValueError(f"vision tower {self.tower!r}: choose one of {tuple(VISION_TOWERS)}")
+        if self.select_strategy not in ("default", "full") or (self.tower == "pixtral"
+                                                               and self.select_strategy != "full"):
+            raise ValueError(f"vision_feature_select_strategy={self.select_strategy!r} with a {self.tower} tower: "
+                             f"'full' (every patch), or 'default' (CLIP's class token dropped) for a clip tower")
+        if self.tower == "clip":
+            if not -self.layers - 1 <= self.feature_layer <= self.layers or self.act not in clip.ACTS:
+                raise ValueError(f"clip tower: vision_feature_layer={self.feature_layer} must index its "
+                                 f"{self.layers} layers' hidden states and hidden_act={self.act!r} be one of "
+                                 f"{clip.ACTS}")
+            if self.image_size % self.patch_size or self.hidden % self.heads:
+                raise ValueError(f"clip tower: image_size={self.image_size} is not a multiple of "
+                                 f"patch_size={self.patch_size} or hidden_size={self.hidden} not a multiple of "
+                                 f"num_attention_heads={self.heads}")
+            return
+        if self.feature_layer != -1:
+            raise ValueError(f"vision_feature_layer={self.feature_layer} is not supported with a Pixtral tower (-1)")
         if self.projector not in PROJECTORS or (self.projector == "llava" and self.merge != 1):
             raise ValueError(f"vision projector {self.projector!r} (merge {self.merge}): choose mistral3, or llava "
                              f"with merge 1 (it merges no patches)")
@@ -91,8 +119,12 @@ def init(v: VisionConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
                                  "up_proj": w((v.hidden, v.mlp), "vision vmlp"),
                                  "down_proj": w((v.mlp, v.hidden), "vmlp vision")}}
 
-    tower = {"patch_conv": w((v.hidden, v.channels, v.patch_size, v.patch_size), "vision channel patch_y patch_x"),
-             "ln_pre": ones(v.hidden, "vision"), "layers": [layer() for _ in range(v.layers)]}
+    if v.tower == "clip":
+        def vec(n, dims, how):
+            return param(n if isinstance(n, tuple) else (n,), dims, init=how, dtype=dtype)
+        tower = clip.init(v, w, vec)
+    else:
+        tower = _pixtral_init(v, w, ones, layer)
     projector = {"linear_1": w((v.hidden, text_hidden), "vision mm"), "linear_2": w((text_hidden, text_hidden), "mm hidden")}
     if v.projector == "mistral3":
         projector.update(norm=ones(v.hidden, "vision"),
@@ -101,6 +133,12 @@ def init(v: VisionConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
         projector["linear_1_bias"] = param((text_hidden,), "mm", init="zeros", dtype=dtype)
         projector["linear_2_bias"] = param((text_hidden,), "hidden", init="zeros", dtype=dtype)
     return {"vision_tower": tower, "multi_modal_projector": projector}
+
+
+def _pixtral_init(v: VisionConfig, w, ones, layer) -> dict:
+    tower = {"patch_conv": w((v.hidden, v.channels, v.patch_size, v.patch_size), "vision channel patch_y patch_x"),
+             "ln_pre": ones(v.hidden, "vision"), "layers": [layer() for _ in range(v.layers)]}
+    return tower
 
 
 def _rotary_tables(pos: Named, v: VisionConfig, dtype: torch.dtype) -> tuple[Named, Named]:
@@ -143,7 +181,13 @@ def _layer(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: Vision
 
 
 def encode(tower: dict, images: dict, v: VisionConfig) -> Named:
-    """The vision encoder's last hidden states (batch patch vision) of the batch's patches."""
+    """The vision encoder's hidden states (batch patch vision) of the batch's patches: its
+    tower's (:data:`VISION_TOWERS`)."""
+    return VISION_TOWERS[v.tower](tower, images, v)
+
+
+def _pixtral_encode(tower: dict, images: dict, v: VisionConfig) -> Named:
+    """Pixtral's last hidden states (batch patch vision) of the batch's patches."""
     patches = images["patches"]
     dtype = tower["ln_pre"].data.dtype
     x = ops.einsum("batch patch channel patch_y patch_x, vision channel patch_y patch_x -> batch patch vision",
@@ -153,6 +197,11 @@ def encode(tower: dict, images: dict, v: VisionConfig) -> Named:
     for p in tower["layers"]:
         x = _layer(p, x, cos, sin, images["patch_images"], v)
     return x
+
+
+VISION_TOWERS = {"pixtral": _pixtral_encode, "clip": clip.encode}
+"""The vision towers by ``VisionConfig.tower``: each a function (tower params, image entries, config)
+-> hidden states (batch patch vision)."""
 
 
 def project(proj: dict, x: Named, v: VisionConfig) -> Named:

@@ -33,7 +33,10 @@ LINEAR_BLOCK_DIMS = {"q_proj": "hidden", "k_proj": "hidden", "v_proj": "hidden",
                      "f_a_proj": "hidden", "f_b_proj": "gate_rank", "g_a_proj": "hidden", "g_b_proj": "gate_rank",
                      # Mamba2 (models/mamba2.py; z / x / B / C / dt: the rows of HF's in_proj)
                      **{f"{x}_proj": "hidden" for x in ("z", "x", "b", "c", "dt")},
-                     "out_proj": ("v_head_dim", "ssm_head_dim")}
+                     # Mamba (v1) (models/mamba1.py: in_proj x and z, x_proj dt / B / C of the channels, dt_proj of
+                     # the time step's rank, out_proj of the channels)
+                     "in_proj": "hidden", "x_proj": ("hidden", "mamba_inner"), "dt_proj": ("hidden", "mamba_dt_rank"),
+                     "out_proj": ("v_head_dim", "ssm_head_dim", "mamba_inner")}
 #: the experts' stacked weights (models/moe.py: ``experts hidden mlp`` / ``experts mlp hidden``)
 #: -> their input dimension; quantized with ``experts=True``, the :data:`EXPERTS` dimension first
 EXPERT_BLOCK_DIMS = {"gate": "hidden", "up": "hidden", "down": "mlp"}

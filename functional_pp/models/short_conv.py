@@ -24,7 +24,8 @@ def init(hidden: int, kernel: int, w: Callable[..., Any], out_std: float) -> dic
     """The mixer's declarations: ``in_proj`` (hidden -> B, C, x gates of ``conv`` channels), the
     depthwise kernel (``conv conv_kernel``) and ``out_proj``."""
     return {"in_proj": w((hidden, 3, hidden), "hidden conv_gates conv"),
-            "conv": w((hidden, kernel), "conv conv_kernel"),
+            # (meta linear False: convolution taps, not a linear: no all-linear LoRA target, as peft's nn.Conv1d)
+            "conv": dataclasses.replace(w((hidden, kernel), "conv conv_kernel"), meta={"linear": False}),
             "out_proj": dataclasses.replace(w((hidden, hidden), "conv hidden", out_std), meta={"in_dims": 1})}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from functional_pp.ops.decayed_scores import decayed_scores
 from functional_pp.ops.sequence_chain import along_sequence
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.parallel.named import Named, make_named, pvary, require_named, settle, varying_after
@@ -189,7 +190,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     write the state it carries on). ``initial_state`` [B, H, Dk, Dv] (in float32 for 16-bit inputs;
     default zeros): the state before the first position, read (with ``segments``) only by positions
     of ``initial_id`` [B], the document it belongs to. Returns the output and the state after the
-    last position."""
+    last position. The scores within a chunk: ops/decayed_scores.py (per channel without a
+    chunk x chunk x Dk tensor, recomputed in backward)."""
     dtype = v.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     B, S, Hk, Dk = k.shape
@@ -210,17 +212,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, k_beta, v_beta = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
     # the cumulative log decay within each chunk, [B, H, n, chunk] and a trailing channel dim where per channel
     decay = g.reshape(B, H, n, chunk, *g.shape[3:]).cumsum(3)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    if per_channel:             # pair[i, j, d] = exp(decay_i - decay_j) of channel d (j <= i)
-        pair = (decay.unsqueeze(4) - decay.unsqueeze(3)).masked_fill(upper[..., None], float("-inf")).exp()
-    else:
-        pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    reads = writes = carried = None
+    reads = writes = carried = same = None
     if segments is not None:
         # (padding: the last document's id; its k, v and beta are zero, so it writes nothing)
         seg = torch.cat([segments, segments[:, -1:].expand(B, pad)], 1).reshape(B, 1, n, chunk)
         same = (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(wide)
-        pair = pair * (same[..., None] if per_channel else same)
         first = (torch.full_like(seg[:, :, :1, -1:], -2) if initial_id is None
                  else initial_id.reshape(B, 1, 1, 1).to(seg.dtype))
         before = torch.cat([first, seg[:, :, :-1, -1:]], 2)                   # previous chunk's end
@@ -229,14 +225,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         carried = (seg[..., -1:] == before).to(wide)                       # no document starts in the chunk
         if per_channel:
             reads, writes = reads[..., None], writes[..., None]
-    if per_channel:             # the channels decay apart: each score sums its channels' decayed products
-        system = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k_beta, k, pair)
-        intra = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, pair)
-        per = lambda t: t                                      # noqa: E731  (decays already per channel)
-    else:
-        system = (k_beta @ k.transpose(-1, -2)) * pair         # unit lower triangular with its diagonal
-        intra = (q @ k.transpose(-1, -2)) * pair
-        per = lambda t: t.unsqueeze(-1)                        # noqa: E731  (one decay for every channel)
+    # scores within each chunk, each pair of positions decayed from j to i (lower triangular with the diagonal)
+    system, intra = decayed_scores([k_beta, q], k, decay)
+    if same is not None:
+        system, intra = system * same, intra * same
+    per = (lambda t: t) if per_channel else (lambda t: t.unsqueeze(-1))    # noqa: E731  (one decay for every channel)
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     read_decay = decay.exp() if reads is None else decay.exp() * reads
     k_cum = torch.linalg.solve_triangular(system, k_beta * per(read_decay), upper=False, unitriangular=True)
@@ -250,9 +243,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     chunk_decay = chunk_decay[..., None] if per_channel else chunk_decay[..., None, None]
     state = torch.zeros(B, H, Dk, Dv, dtype=wide, device=v.device) if initial_state is None else initial_state.to(wide)
     outs = []
-    for i in range(n):
-        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
-        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    # each operand split into its chunks once (unbind: one stack in backward; indexing chunk i would
+    # allocate the whole operand's gradient per chunk, a backward quadratic in the chunks)
+    for v_i, kc_i, q_i, in_i, d_i, k_i in zip(*(x.unbind(2) for x in (new_v, k_cum, q, intra, chunk_decay, k))):
+        v_new = v_i - kc_i @ state
+        outs.append(q_i @ state + in_i @ v_new)
+        state = state * d_i + k_i.transpose(-1, -2) @ v_new
     out = torch.stack(outs, 2).reshape(B, H, n * chunk, Dv)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state

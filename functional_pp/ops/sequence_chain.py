@@ -15,7 +15,9 @@ the same sends in the same order whatever it computes. A serial chain: the devic
 
 The step runs on local blocks only and must not communicate: the op aligns its operands before (every
 collective outside the chain) and gives the parameters the step reads as ``shared`` (their gradients
-are summed over the blocks)."""
+are summed over the blocks). Under remat (full or selective) each block is checkpointed by itself and
+recomputed on its device in the chain's backward; each block's work is announced as serial
+(``core/observers.serial_work``) so that the planner counts the other devices' turns."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -23,12 +25,17 @@ from typing import Callable, Sequence
 import optree
 import torch
 
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
 from functional_pp._torch import is_tracing
+from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
+from functional_pp.compile.selective import selective_contexts
+from functional_pp.core.observers import serial_work
 from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.fsdp.regather import relayout
-from functional_pp.parallel.named import Named, env, make_named, settle
+from functional_pp.parallel.named import Named, current_policy, env, make_named, settle
 
 Step = Callable[[list, list, list], tuple]
 
@@ -100,6 +107,7 @@ class _Spec:
     def __init__(self, step, inputs, shared, state_tree, seq, axes, order, rank, parts, meta):
         self.step, self.inputs, self.shared, self.state_tree = step, inputs, shared, state_tree
         self.seq, self.axes, self.order, self.rank, self.parts, self.meta = seq, axes, order, rank, parts, meta
+        self.devices = len(order) // parts      # (taking turns: a device's blocks wait for the others')
 
     def block(self, x: Named, data: torch.Tensor) -> Named:
         """``x``'s local block ``data`` as a value whose ``seq`` is whole (it varies over the chain's axis)."""
@@ -130,6 +138,24 @@ class _Spec:
         return [o.data for o in outs], optree.tree_leaves(state_out, namespace="functional_pp")
 
 
+def _run_block(spec: _Spec, k: int, blocks: list, shared: list, state: list, remat) -> tuple[list, list]:
+    """``spec.run`` of local block ``k``; under ``remat`` (True, "selective") checkpointed as a layer
+    is: the block keeps its inputs (selective: and its matrix products' results) and its backward
+    recomputes the rest. The step does not communicate, so the recomputation is the device's own."""
+    if not remat:
+        return spec.run(k, blocks, shared, state)
+    n_out = []
+
+    def flat(*tensors):
+        o, new = spec.run(k, list(tensors[:len(blocks)]), list(tensors[len(blocks):len(blocks) + len(shared)]),
+                          list(tensors[len(blocks) + len(shared):]))
+        n_out[:] = [len(o)]
+        return (*o, *new)
+    out = checkpoint(flat, *blocks, *shared, *state, use_reentrant=False,
+                     context_fn=selective_contexts if remat == "selective" else noop_context_fn)
+    return list(out[:n_out[0]]), list(out[n_out[0]:])
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     """A fresh leaf of ``t``'s values, requiring grad where it can (floating point)."""
     return t.detach().requires_grad_(t.is_floating_point())
@@ -155,16 +181,19 @@ class _Chain(torch.autograd.Function):
         present = [x for x in spec.inputs if x is not None]
         leaves = {}
         outs: dict[int, list] = {}
+        remat = current_policy().remat if ctx.grad else False
         for j, (dev, k) in enumerate(spec.order):
             if dev == spec.rank:
-                # the block's graph keeps its own tensors (no activation checkpointing or offloading hook):
-                # a hook unpacked in backward would recompute the layer, communication included, at a
-                # point of the chain that differs from device to device
-                with torch.set_grad_enabled(ctx.grad), torch.autograd.graph.saved_tensors_hooks(_same_tensor,
-                                                                                                  _same_tensor):
+                # the block's graph is its own: no hook of the enclosing layer's checkpoint or offloading
+                # (unpacked in backward, it would recompute the layer, communication included, at a point
+                # of the chain that differs from device to device) and unseen by its selective modes; under
+                # remat the block is checkpointed by itself, recomputed locally in the chain's backward
+                with torch.set_grad_enabled(ctx.grad), outside_selective_checkpoint(), \
+                        torch.autograd.graph.saved_tensors_hooks(_same_tensor, _same_tensor):
                     blocks = [_leaf(spec.slot(x, t, k)) for x, t in zip(present, data)]
                     sh, st = [_leaf(t) for t in shared], [_leaf(t) for t in state]
-                    o, new = spec.run(k, blocks, sh, st)
+                    with serial_work(spec.devices):
+                        o, new = _run_block(spec, k, blocks, sh, st, remat)
                 leaves[j] = (blocks, sh, st, o, new)
                 outs[k] = [t.detach() for t in o]
                 state = [t.detach() for t in new]
@@ -196,8 +225,9 @@ class _Chain(torch.autograd.Function):
             blocks, sh, st, o, new = leaves[j]
             pairs = [(t, g) for t, g in zip(o + new, g_outs[k] + g_state) if g is not None and t.requires_grad]
             wrt = [t for t in blocks + sh + st if t.requires_grad]
-            got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs and wrt else [None] * len(wrt))
+            with serial_work(spec.devices):
+                got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                           if pairs and wrt else [None] * len(wrt))
             got = [next(got) if t.requires_grad else None for t in blocks + sh + st]
             g_blocks[k] = [_zero_if_none(g, b) for b, g in zip(blocks, got[:len(blocks)])]
             for i, g in enumerate(got[len(blocks):len(blocks) + n_sh]):

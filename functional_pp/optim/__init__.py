@@ -2,7 +2,7 @@
 
 ``base`` (the transformation type, scaling, momentum, applying updates), ``combine``
 (``chain``), ``adam`` (``scale_by_adam``), ``adam8bit`` (8-bit moments), ``clipping`` (global norm), ``masking`` (masks,
-weight decay), ``schedules`` (learning-rate schedules), ``layer_sampling`` (LISA), ``optimizers`` (``sgd``, ``adamw``,
+weight decay), ``schedules`` (learning-rate schedules), ``layer_sampling`` (LISA), ``sparsity`` (zeros kept: sparse fine-tuning), ``optimizers`` (``sgd``, ``adamw``,
 ``from_config``), ``fused`` (in-place steps on torch's fused kernels), ``bounds`` (pre-update
 bounds: new parameters shown finite before they are written)."""
 
@@ -17,6 +17,7 @@ from functional_pp.optim.clipping import NormReducer, clip_by_global_norm, globa
 from functional_pp.optim.combine import chain
 from functional_pp.optim.layer_sampling import LayerSamplingState, sample_layers
 from functional_pp.optim.masking import add_decayed_weights, decay_mask_by_ndim, mask_by_path, resolve_mask
+from functional_pp.optim.sparsity import KeepZerosState, keep_zeros
 from functional_pp.optim.optimizers import (CONFIG_KEYS, adamw, adamw_4bit, adamw_8bit, from_config, make_schedule, scale_by_adamw,
                                             sgd)
 
@@ -27,7 +28,7 @@ __all__ = [
     "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
     "state_like_params", "sgd", "adamw", "adamw_8bit", "scale_by_adam_8bit", "ScaleByAdam8bitState", "Quantized8",
     "adamw_4bit", "scale_by_adam_4bit", "Quantized4",
-    "make_schedule", "from_config", "CONFIG_KEYS", "sample_layers", "LayerSamplingState",
+    "make_schedule", "from_config", "CONFIG_KEYS", "sample_layers", "LayerSamplingState", "keep_zeros", "KeepZerosState",
 ]
 
 _REMOVED = {

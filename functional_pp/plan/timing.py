@@ -128,7 +128,9 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
                    fused_recompute: bool = False) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
-    phase, split into critical-path and weight traffic, per collective. ``float8``: the
+    phase, split into critical-path and weight traffic, per collective. Work the devices of a mesh axis
+    take turns at (a chain of blocks along a sequence split over cp, ``DeviceRun.serial_flops``) counts
+    once per device: this device waits while the others do theirs. ``float8``: the
     layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
     with dynamic tensorwise scaling; attention and the head stay bf16) and their activation
     all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`; ``distributed_optimizer``:
@@ -159,7 +161,8 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
             cast = FLOAT8_CAST_BYTES * run.linear_operands.get(phase, 0.0) if float8 else 0.0
             fused = run.recompute_traffic if fused_recompute and phase == "backward" else 0.0
             add(f"compute {phase}", (f - attn) / mm_rate + attn / attn_rate - fp8_part(run.linear_flops.get(phase, 0.0))
-                + (run.traffic.get(phase, 0.0) - fused + cast) / byte_rate)
+                + (run.traffic.get(phase, 0.0) - fused + cast) / byte_rate
+                + run.serial_flops.get(phase, 0.0) / mm_rate + run.serial_traffic.get(phase, 0.0) / byte_rate)
         if selective_ac == "op":     # torchtitan's: recompute every second matmul and the unsaved kernels
             add("compute backward", run.every_other_mm_forward / (fp8_rate if float8 else mm_rate)
                 + run.layer_forward_traffic / byte_rate)
@@ -170,8 +173,10 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
             + run.dense_attention_forward)
     else:
         attn = run.attention_by_layer.get(layer, 0.0)
+        serial = run.serial_by_layer.get(layer, (0.0, 0.0))
         add("compute", (run.flops_by_layer.get(layer, 0.0) - attn) / mm_rate + attn / attn_rate
-            - fp8_part(run.linear_by_layer.get(layer, 0.0)) + run.traffic_by_layer.get(layer, 0.0) / byte_rate)
+            - fp8_part(run.linear_by_layer.get(layer, 0.0)) + run.traffic_by_layer.get(layer, 0.0) / byte_rate
+            + serial[0] / mm_rate + serial[1] / byte_rate)
     grouped: set = set()
     parts = []
     for e in run.events:

@@ -15,7 +15,7 @@ import torch
 from functional_pp._torch import TorchDispatchMode, in_backward
 from functional_pp._torch.meta_cache import call_meta
 from functional_pp.core.comm import CommReport
-from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_uneven_work
+from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_serial_work, on_uneven_work
 from functional_pp.core.runtime import per_thread
 from functional_pp.plan.allocator import CachingAllocator
 
@@ -103,6 +103,11 @@ class DeviceRun:
     # with what the lever keeps on the host counted there (:meth:`MemoryTracker.split`)
     offload_peaks: dict = field(default_factory=dict)
     uneven: dict[str, dict] = field(default_factory=dict)    # what -> busiest coordinates (observers.uneven_work)
+    # the other devices' turns of serial work (observers.serial_work: a chain of blocks under cp), which this
+    # device waits for: (devices - 1) x its own FLOPs and traffic there, per phase and per layer
+    serial_flops: dict = field(default_factory=dict)
+    serial_traffic: dict = field(default_factory=dict)
+    serial_by_layer: dict = field(default_factory=dict)       # layer -> (FLOPs, traffic) waited for
 
     @property
     def saved_bytes(self) -> int:
@@ -157,6 +162,14 @@ def note_region(region: object, recompute: bool, entering: bool) -> None:
         tracker.region(region, recompute, entering)
 
 
+@on_serial_work
+def note_serial(devices: int) -> None:
+    """Serial work enters (its devices) or leaves (1): the tracker counts the other devices' turns."""
+    tracker = getattr(_active, "tracker", None)
+    if tracker is not None:
+        tracker.serial = devices
+
+
 @on_uneven_work
 def note_uneven(what: str, busiest) -> None:
     """Record that an op's work depends on the device (the representative is not typical)."""
@@ -201,6 +214,7 @@ class MemoryTracker(TorchDispatchMode):
         self._outer_regions: list = []
         self.recomputing = False
         self._activations_by_layer: dict = {}
+        self.serial = 1         # devices taking turns at the work running now (observers.serial_work)
 
     def __enter__(self):
         self._outer = getattr(_active, "tracker", None)
@@ -398,7 +412,17 @@ class MemoryTracker(TorchDispatchMode):
         self.run.flops[self.phase] = self.run.flops.get(self.phase, 0.0) + flops
         key = self.layer if self.phase != "update" else None
         self.run.flops_by_layer[key] = self.run.flops_by_layer.get(key, 0.0) + flops
+        self._waited(flops, 0.0)
         return True
+
+    def _waited(self, flops: float, traffic: float) -> None:
+        """Inside serial work, the other devices' turns at the like: ``serial - 1`` times this op's."""
+        if self.serial > 1 and self.phase != "update":
+            n, r = self.serial - 1, self.run
+            r.serial_flops[self.phase] = r.serial_flops.get(self.phase, 0.0) + n * flops
+            r.serial_traffic[self.phase] = r.serial_traffic.get(self.phase, 0.0) + n * traffic
+            f, t = r.serial_by_layer.get(self.layer, (0.0, 0.0))
+            r.serial_by_layer[self.layer] = (f + n * flops, t + n * traffic)
 
     def _count_traffic(self, func, name: str, inputs, out) -> None:
         """Bytes an unfused kernel moves: its tensor inputs read, its new outputs written
@@ -415,6 +439,7 @@ class MemoryTracker(TorchDispatchMode):
             self.run.layer_forward_traffic += moved
         if self.recomputing:
             self.run.recompute_traffic += moved
+        self._waited(0.0, moved)
 
 
 def _flash_causal(func, args) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1", "dequantize_mxfp4", "round_to_e2m1", "nvfp4_per_tensor_scale", "nvfp4_round_trip",
-           "NVFP4_BLOCK"]
+__all__ = ["E2M1", "dequantize_mxfp4", "dequantize_nvfp4", "round_to_e2m1", "nvfp4_per_tensor_scale",
+           "nvfp4_round_trip", "NVFP4_BLOCK"]
 
 #: the values of the 16 E2M1 codes (sign bit 3), as transformers' ``FP4_VALUES``
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -31,6 +31,25 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     out[..., 1::2] = lut[(blocks >> 4).long()]
     out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1))
     return out.flatten(-2)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[..., K]`` of NVFP4 ``packed`` codes (uint8 ``[..., K / 2]``, the even entry in
+    the low nibble) with ``block_scales`` (float8_e4m3fn ``[..., K / 16]``) and the fp32
+    ``per_tensor_scale``: ``code * (block_scale * per_tensor_scale)``, as torchao's
+    ``NVFP4Tensor.dequantize`` (ModelOpt's checkpoints: ``weight``, ``weight_scale``, ``weight_scale_2``)."""
+    k = packed.shape[-1] * 2
+    if (packed.dtype != torch.uint8 or block_scales.dtype != torch.float8_e4m3fn
+            or block_scales.shape != (*packed.shape[:-1], k // NVFP4_BLOCK) or per_tensor_scale.numel() != 1):
+        raise ValueError(f"NVFP4: codes uint8 [..., K/2], block scales float8_e4m3fn [..., K/16] and one fp32 scale "
+                         f"expected, got {packed.dtype} {tuple(packed.shape)}, {block_scales.dtype} "
+                         f"{tuple(block_scales.shape)} and {tuple(per_tensor_scale.shape)}")
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    codes = torch.empty(*packed.shape[:-1], k, dtype=torch.float32, device=packed.device)
+    codes[..., 0::2] = lut[(packed & 0x0F).long()]
+    codes[..., 1::2] = lut[(packed >> 4).long()]
+    scales = block_scales.to(torch.float32) * per_tensor_scale.to(torch.float32).reshape(())
+    return (codes.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:

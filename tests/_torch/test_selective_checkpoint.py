@@ -43,3 +43,37 @@ def test_the_capability_on_this_torch():
     sees = checkpoint_policy_sees_outputs()
     assert isinstance(sees, bool)
     print(f"torch {torch.__version__}: the selective checkpoint policy sees op_output={sees}")
+
+
+def test_work_outside_the_selective_modes_is_not_matched_between_forward_and_recomputation():
+    """A region whose recomputation does an extra ``cat`` that its forward does not (an FSDP unit's
+    gather: prefetched by the layer before in forward, issued in the recomputation) fails torch's op matching, unless the
+    extra work runs :func:`outside_selective_checkpoint`; then the gradient is the plain one."""
+    import contextlib
+
+    import pytest
+
+    from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def grad(outside):
+        calls = []
+
+        def region(x):
+            with outside() if outside else contextlib.nullcontext():
+                if calls:                              # (the recomputation only)
+                    torch.cat([x, x])
+                w = torch.cat([x, x], 0)[:2]
+            calls.append(1)
+            return (torch.cat([x, x], 1)[:, :2] @ w).sin().sum()
+        x = torch.arange(4.0).reshape(2, 2).requires_grad_()
+        y = checkpoint(region, x, use_reentrant=False,
+                       context_fn=functools.partial(selective_checkpoint_contexts, policy))
+        return torch.autograd.grad(y, x)[0]
+    with pytest.raises(RuntimeError, match="cat.* not found in storage"):
+        grad(None)
+    x = torch.arange(4.0).reshape(2, 2).requires_grad_()
+    torch.testing.assert_close(grad(outside_selective_checkpoint),
+                               torch.autograd.grad((x @ x).sin().sum(), x)[0])

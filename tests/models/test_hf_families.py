@@ -274,8 +274,8 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
                                                          r"model types: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"):
         hf.config_from_hf(dict(BASE, model_type="bert"))
     # hybrid state-space / linear-attention models, and the families not yet here, by name
-    for mt, why in (("jamba", "Jamba is a hybrid of attention and state-space"),
-                    ("kimi_linear", "Kimi-Linear is a hybrid"), ("deepseek_v4", "DeepSeek-V4: not built"),
+    for mt, why in (("lfm2_moe", "LFM2-MoE is a hybrid of attention and state-space"),
+                    ("olmo_hybrid", "OLMo hybrid is a hybrid"), ("deepseek_v4", "DeepSeek-V4: not built"),
                     ("glm_moe_dsa", "GLM-5 \\(DeepSeek sparse attention\\): not built yet")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"model_type '{mt}' is not supported \({why}.*\); "
                                                              rf"supported model types: llama, "):

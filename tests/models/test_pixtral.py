@@ -1,7 +1,8 @@
 """A vision-language model (Mistral 3: Pixtral's encoder, the projector with its patch merger, the
 text decoder; models/pixtral.py) equals transformers' ``Mistral3ForConditionalGeneration`` on a
 tiny random checkpoint: logits, fp64 loss and every gradient; FSDP, TP and CP on two simulated
-devices and DP x FSDP on real gloo processes equal one device; bad image inputs are refused."""
+devices and DP x FSDP on real gloo processes equal one device (LLaVA-1.5's CLIP tower in the same
+launch: models/clip.py); bad image inputs are refused."""
 import dataclasses
 import json
 import os
@@ -16,7 +17,7 @@ from functional_pp import ops
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
 from functional_pp.data.images import IMAGE_DIMS, image_batch
-from functional_pp.models import llama, pixtral_hf
+from functional_pp.models import llama, pixtral, pixtral_hf
 from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
@@ -171,26 +172,52 @@ def test_bad_image_inputs_are_refused_by_name(saved):
     with pytest.raises(ValueError, match="vision_feature_layer=-2 is not supported"):
         pixtral_hf.vision_from_hf({"model_type": "mistral3", "vision_feature_layer": -2, "vision_config": {}})
     with pytest.raises(ValueError, match="images of model_type 'llava' \\(processor_type; vision tower "
-                                         "'clip_vision_model'\\) are not supported yet"):
-        pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
+                                         "'siglip_vision_model'\\) are not supported yet"):
+        pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "siglip_vision_model"}})
     text = dataclasses.replace(cfg, vision=None)
     with pytest.raises(ValueError, match="the batch carries images but the model has no vision encoder"):
         single_device(text, hf.load_hf_params(saved[1], text, dtype=torch.float64), batch_of(*rows()))
 
 
+def _clip_case(cfg):
+    """LLaVA-1.5's layout (a CLIP tower, its class token dropped, the second-to-last layer's states)
+    around the same decoder, and two batches of 8 x 8 images (4 image tokens each)."""
+    vision = pixtral.VisionConfig(hidden=32, layers=2, heads=2, mlp=64, patch_size=4, image_size=8, merge=1,
+                                  projector="llava", projector_bias=True, tower="clip", feature_layer=-2,
+                                  select_strategy="default", act="quick_gelu", image_token_id=IMAGE)
+    data = []
+    for seed in range(2):
+        g = torch.Generator().manual_seed(10 + seed)
+        ids = torch.randint(0, 300, (4, 14), generator=g)
+        ids[0, 1:5], ids[0, 7:11], ids[2, 3:7] = IMAGE, IMAGE, IMAGE
+        pixels = [torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64) if n else None for n in (2, 0, 1, 0)]
+        ent = image_batch(ids, pixels, [torch.tensor([[8, 8]] * n) if n else None for n in (2, 0, 1, 0)], patch=4,
+                          merge=1, image_token_id=IMAGE, class_token="dropped", image_size=8)
+        data.append({"tokens": ids[:, :-1], "labels": labels_of(ids),
+                     **{k: v[:, :-1] if k == "image_slots" else v for k, v in ent.items()}})
+    return dataclasses.replace(cfg, vision=vision, text_of="llava"), data
+
+
 def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    """Mistral 3 (a Pixtral tower) and LLaVA-1.5 (a CLIP tower) in one launch of 4 gloo processes."""
     _, d, cfg = saved
     small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
-    data = [batch_of(*rows(seed=s, dtype=torch.float64)) for s in range(2)]
-    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims={"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}), fpp.Mesh())[0]
+    cases = [(small, [batch_of(*rows(seed=s, dtype=torch.float64)) for s in range(2)]), _clip_case(cfg)]
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+
+    def both(mesh, rules):
+        runs = [train_steps(c, data, mesh, rules, batch_dims=dims) for c, data in cases]
+        return lambda: [run() for run in runs]
+    ones = fpp.launch(both(fpp.Mesh(), fpp.Rules()), fpp.Mesh())[0]
     mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims={"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}), mesh,
-                                        processes=True, timeout=600):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
-    assert any(p.startswith("vision_tower.") for p in one[1])
+    for got in fpp.launch(both(mesh, llama.default_rules(tp=False)), mesh, processes=True, timeout=600):
+        for (losses, params, _), one in zip(got, ones):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+            for p, x in params.items():
+                torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                           msg=lambda m: f"{p}: {m}")
+    assert all(any(p.startswith("vision_tower.") for p in one[1]) for one in ones)
+    assert any(p.startswith("vision_tower.class_embedding") for p in ones[1][1])
 
 
 def test_llava_with_a_pixtral_tower_equals_transformers(tmp_path):

@@ -2,13 +2,18 @@
 head_dim, ops/linear_attention.py) against transformers' torch fallbacks of Kimi Linear
 (``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``, which compute in float32):
 values and gradients, every chunk size the recurrence in float64, packed documents each as if
-alone, the heads split over tp on simulated devices."""
+alone, the heads split over tp on simulated devices; at Kimi's gate with large decays (the
+halving of ops/decayed_scores.py stays exact), with an initial state, and traced by torch.compile."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import functional_pp as fpp
 from functional_pp.ops.linear_attention import gated_delta_rule
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 B, S, H, DK = 2, 13, 4, 8
@@ -104,3 +109,93 @@ def test_heads_split_over_tp_equal_one_device_and_split_channels_refused():
         torch.testing.assert_close(out.data, want[b:b + 1, :, 2 * t:2 * t + 2], rtol=1e-12, atol=1e-12)
     with pytest.raises(Exception, match="'head_dim' must not be split"):
         run(fpp.Rules(head_dim="tp", batch="dp_shard"))
+
+
+def _kimi_gate(dtype, seed=1, shape=(B, S, H, DK)):
+    """g as Kimi's layer makes it, -exp(A_log) softplus(.), with decay rates A per head from 0.01 to 100
+    (a step's log decay down to about -1000: exp(decay_i - decay_j) over a chunk spans far beyond
+    float64's range)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.logspace(-2, 2, shape[2], dtype=dtype)
+    return -torch.nn.functional.softplus(torch.randn(shape, generator=gen, dtype=dtype) * 3) * a[:, None]
+
+
+@pytest.mark.parametrize("segments", [None, SEGMENTS])
+def test_large_decays_equal_the_recurrence_and_the_direct_form_in_float64(segments):
+    """With Kimi's gate at large decay rates the halving form (ops/decayed_scores.py) stays finite and
+    equals the recurrence (chunk 1) and the direct per-pair form it replaced (benchmarks/
+    linear_attention_memory.py's ``cubic_scores``), values and gradients, packed documents too."""
+    from linear_attention_memory import cubic_scores, scores_form
+    x = _inputs(torch.float64)
+    with torch.no_grad():
+        x[3].copy_(_kimi_gate(torch.float64))
+    assert x[3].min() < -300
+
+    def run(chunk, form=None):
+        for t in x:
+            t.grad = None
+        if form is None:
+            out = _ours(*x, chunk=chunk, segments=segments)
+        else:
+            with scores_form(form):
+                out = _ours(*x, chunk=chunk, segments=segments)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        return [out.detach()] + [t.grad.clone() for t in x]
+    want = run(1)
+    assert all(t.isfinite().all() for t in want) and want[0].abs().max() > 0.1
+    for got in (run(4), run(5), run(64), run(64, cubic_scores)):
+        for name, a, b in zip("out q k v g beta".split(), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_large_decays_equal_transformers_recurrence_in_float32():
+    x = _inputs(torch.float32)
+    with torch.no_grad():
+        x[3].copy_(_kimi_gate(torch.float32))
+    got = _ours(*x, chunk=64)
+    rec, _ = kimi.recurrent_kimi_delta_attention(*x[:3], g=x[3], beta=x[4], initial_state=None,
+                                                 output_final_state=False, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(got, rec, rtol=1e-5, atol=1e-5)
+
+
+def test_initial_state_equals_transformers_recurrence_and_chunk_sizes_agree():
+    """The state handed in (context parallelism's chain passes one): read by the first positions,
+    decayed per channel; the output, the final state and their gradients (the state's too) agree at
+    every chunk size in float64 and with transformers' recurrence (float32) given the same state."""
+    from functional_pp.ops.linear_attention import chunked_gated_delta_rule
+    x = _inputs(torch.float64)
+    with torch.no_grad():
+        x[3].copy_(_kimi_gate(torch.float64) / 20)               # decays that keep the state alive a while
+    state0 = torch.randn(B, H, DK, DK, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    state0.requires_grad_()
+
+    def run(chunk):
+        for t in x + [state0]:
+            t.grad = None
+        out, final = chunked_gated_delta_rule(*x, chunk=chunk, initial_state=state0)
+        (out.sum() + (final * final).sum()).backward()
+        return [out.detach(), final.detach()] + [t.grad.clone() for t in x + [state0]]
+    want = run(1)
+    assert state0.grad.abs().max() > 1e-3
+    for chunk in (4, 16):
+        for name, a, b in zip("out final q k v g beta state".split(), run(chunk), want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    rec, final = kimi.recurrent_kimi_delta_attention(*(t.detach().float() for t in x[:3]), g=x[3].detach().float(),
+                                                     beta=x[4].detach().float(), initial_state=state0.detach().float(),
+                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(want[0], rec.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(want[1], final.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_by_torch_compile_equals_eager():
+    """Traced (torch.compile, aot_eager) the halving is plain autograd (no recomputing function):
+    the same values and gradients as eager."""
+    from functional_pp.ops.linear_attention import chunked_gated_delta_rule
+    x, y = _inputs(torch.float64), _inputs(torch.float64)
+    compiled = torch.compile(chunked_gated_delta_rule, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*x, chunk=4)[0], chunked_gated_delta_rule(*y, chunk=4)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.sum().backward()
+    want.sum().backward()
+    for name, a, b in zip("q k v g beta".split(), x, y):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad {name}: {m}")

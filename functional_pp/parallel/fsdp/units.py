@@ -28,6 +28,7 @@ import optree
 import torch
 
 from functional_pp._torch import in_backward, is_tracing
+from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core import comm
 from functional_pp.core.policy import DEFAULT_IN_FLIGHT
@@ -415,7 +416,10 @@ def as_unit(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (a model's layer, ``functional_pp.layer``) called with its FSDP parameters
     gathered as one unit (:func:`gather_unit`) and run in the unit's context."""
     def unit(*args):
-        args, context = gather_unit(args)
+        # (unseen by selective checkpointing, which matches a recomputation to its forward by counting
+        # ops: the forward takes the gathers the previous layer prefetched, the recomputation issues them)
+        with outside_selective_checkpoint():
+            args, context = gather_unit(args)
         with context:
             return fn(*args)
     return unit
