@@ -150,6 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
+    from functional_pp.models import qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -161,7 +162,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
-    qwen = getattr(v, "tower", "pixtral") != "pixtral"
+    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     if qwen != (proc.layout == "qwen"):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
