@@ -27,11 +27,15 @@ __all__ = ["STRIDE", "references", "reference_ids", "perplexity_windows", "Perpl
 STRIDE = 512
 
 
-def _documents(tokens: np.ndarray, eos_id: int | None) -> list[slice]:
-    """Each document of a held-out stream (documents end with ``eos_id``; a last one may not)."""
-    if eos_id is None:
+def _documents(tokens: np.ndarray, eos_id: int | None, first: np.ndarray | None = None) -> list[slice]:
+    """Each document of a held-out stream (documents end with ``eos_id``, a last one may not; or,
+    ``first`` given, each starts where it is 1)."""
+    if first is not None:
+        ends = np.flatnonzero(np.asarray(first)[1:] != 0) + 1
+    elif eos_id is None:
         return [slice(0, len(tokens))]
-    ends = np.flatnonzero(tokens == eos_id) + 1
+    else:
+        ends = np.flatnonzero(tokens == eos_id) + 1
     starts = np.concatenate([[0], ends])
     stops = np.concatenate([ends, [len(tokens)]])
     return [slice(int(a), int(b)) for a, b in zip(starts, stops) if b > a]
@@ -44,7 +48,7 @@ def references(val, tokenizer) -> list[str]:
     tokens = np.asarray(val.tokens)
     trained = None if val.trained is None else np.asarray(val.trained)
     out = []
-    for doc in _documents(tokens, val.eos_id):
+    for doc in _documents(tokens, val.eos_id, getattr(val, "starts", None)):
         ids = tokens[doc] if trained is None else tokens[doc][trained[doc] != 0]
         out.append(tokenizer.decode(ids, skip_special_tokens=True))
     return out

@@ -90,7 +90,8 @@ class ByteTokenizer:
 @dataclass
 class TokenStream:
     """Token ids back to back (``tokens``, possibly a memory map), which of them are trained
-    as labels (``trained``, None: all), and the end-of-document id."""
+    as labels (``trained``, None: all), the end-of-document id and, where examples hold that id
+    inside them, where each document starts (``starts``: an EOS inside an example does not end it)."""
 
     tokens: np.ndarray
     trained: np.ndarray | None
@@ -101,6 +102,9 @@ class TokenStream:
     stats: list = field(default_factory=list)      # DatasetStats of each datasets entry
     prepared: str = ""                             # dataset_prepared_path: reused or saved (data/prepared.py)
     images: Any = None                             # each row's images (data/vision_chat.py's RowImages) or None
+    # 1 at each document's first token, where an example holds the EOS id inside it (a chat template's
+    # turn end that is also the model's EOS: Qwen's <|im_end|>, Mistral's </s>); None: each EOS ends one
+    starts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -389,7 +393,8 @@ class _StreamWriter:
         self.eos, self.row, self.name, self.vocab = eos, row, name, vocab
         self.dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
         self.spill = spill_bytes
-        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.inner_eos = False                    # an example holds the EOS id before its end: starts kept
         self.pending = 0
         self.files = None
         self.n = 0
@@ -417,20 +422,22 @@ class _StreamWriter:
             cut = self.row                        # (build_streams drops or cuts such rows first)
         if cut is not None and len(ids) > cut:
             ids, m = ids[:cut - 1] + [self.eos], m[:cut - 1] + [0]
-        trained = sum(1 for p in range(1, len(ids)) if m[p] and ids[p - 1] != self.eos)
-        if self.row is not None:
+        self.inner_eos |= self.eos in ids[:-1]
+        trained = sum(m[1:])                      # (the document's first token is never a label)
+        st = [1] + [0] * (len(ids) - 1)
+        if self.row is not None:                  # (each padding EOS a document of its own, as after any EOS)
             pad = self.row - len(ids)
-            ids, m = ids + [self.eos] * pad, m + [0] * pad
-        self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8))
+            ids, m, st = ids + [self.eos] * pad, m + [0] * pad, st + [1] * pad
+        self._put(np.asarray(ids, dtype=self.dtype), np.asarray(m, dtype=np.uint8), np.asarray(st, dtype=np.uint8))
         self.documents += 1
         if self.row is not None:
             self.row_images.append(images)
         return trained
 
-    def _put(self, ids: np.ndarray, m: np.ndarray) -> None:
+    def _put(self, ids: np.ndarray, m: np.ndarray, st: np.ndarray) -> None:
         self.all_trained &= bool(m.all())
-        self.parts.append((ids, m))
-        self.pending += ids.nbytes + m.nbytes
+        self.parts.append((ids, m, st))
+        self.pending += ids.nbytes + m.nbytes + st.nbytes
         self.n += len(ids)
         if self.pending >= self.spill:
             self._flush()
@@ -440,25 +447,28 @@ class _StreamWriter:
         if not self.parts:
             return
         if self.files is None:
-            self.files = [tempfile.TemporaryFile(prefix="fpp-tokens-"), tempfile.TemporaryFile(prefix="fpp-mask-")]
-        for f, k in zip(self.files, (0, 1)):
+            self.files = [tempfile.TemporaryFile(prefix="fpp-tokens-"), tempfile.TemporaryFile(prefix="fpp-mask-"),
+                          tempfile.TemporaryFile(prefix="fpp-starts-")]
+        for f, k in zip(self.files, (0, 1, 2)):
             f.write(np.concatenate([p[k] for p in self.parts]).tobytes())
         self.parts, self.pending = [], 0
 
     def finish(self) -> TokenStream:
         if self.row is not None:                  # the loader's windows overlap by one token
-            self._put(np.asarray([self.eos], self.dtype), np.zeros(1, np.uint8))
+            self._put(np.asarray([self.eos], self.dtype), np.zeros(1, np.uint8), np.ones(1, np.uint8))
         if self.files is None:
             tokens = np.concatenate([p[0] for p in self.parts]) if self.parts else np.zeros(0, self.dtype)
             trained = np.concatenate([p[1] for p in self.parts]) if self.parts else np.zeros(0, np.uint8)
+            starts = np.concatenate([p[2] for p in self.parts]) if self.parts else np.zeros(0, np.uint8)
         else:
             self._flush()
             for f in self.files:
                 f.flush()
             tokens = np.memmap(self.files[0], dtype=self.dtype, mode="r", shape=(self.n,))
             trained = np.memmap(self.files[1], dtype=np.uint8, mode="r", shape=(self.n,))
+            starts = np.memmap(self.files[2], dtype=np.uint8, mode="r", shape=(self.n,))
         return TokenStream(tokens, None if self.all_trained else trained, self.eos, self.vocab,
-                           self.name, self.documents)
+                           self.name, self.documents, starts=starts if self.inner_eos else None)
 
 
 def held_out_count(val_set_size: float, n: int) -> int:

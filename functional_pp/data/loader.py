@@ -20,7 +20,9 @@ Documents (``eos_id`` given): a label whose input token is EOS (the next
 document's first token) is -100, tokens not ``trained`` are -100 as labels, and
 ``"segments": int64 [b_local, s_local]`` numbers the documents of each row (the
 count of EOS tokens before a position) so attention stays inside a document
-(``docs/data.md``).
+(``docs/data.md``). A stream whose examples hold the EOS id inside them (a chat
+template's turn end that is also the model's EOS) carries ``starts`` (1 at each
+document's first token): documents then start there, not after every EOS.
 
 Context parallelism with ``balanced=True`` (causal load balancing) cuts the
 sequence into ``2 * cp_size`` chunks; rank ``i`` holds chunks ``i`` and
@@ -257,6 +259,9 @@ class DataLoader:
         self.eos_id = eos_id if eos_id is not None else getattr(corpus_tokens, "eos_id", None)
         self.trained = trained if trained is not None else getattr(corpus_tokens, "trained", None)
         self.images = getattr(corpus_tokens, "images", None)     # (a vision-language model's rows: RowImages)
+        self.starts = getattr(corpus_tokens, "starts", None)     # (documents' first tokens, where not after EOS)
+        if self.starts is not None and len(self.starts) != len(self.tokens):
+            raise ValueError(f"document starts ({len(self.starts)}) and tokens ({len(self.tokens)}) differ in length")
         if self.trained is not None and len(self.trained) != len(self.tokens):
             raise ValueError(f"trained flags ({len(self.trained)}) and tokens ({len(self.tokens)}) "
                              f"differ in length")
@@ -341,10 +346,13 @@ class DataLoader:
         out = {}
         if self.trained is not None:
             labels[self.trained[idx][:, 1:] == 0] = IGNORE_INDEX
-        if self.eos_id is not None:
-            is_eos = tokens == self.eos_id
-            labels[is_eos] = IGNORE_INDEX                 # the next document's first token
-            out["segments"] = torch.from_numpy(np.cumsum(is_eos, axis=1) - is_eos)
+        if self.starts is not None:                       # (1 where the next token starts a document)
+            ends = self.starts[idx][:, 1:] != 0
+        elif self.eos_id is not None:
+            ends = tokens == self.eos_id
+        if self.starts is not None or self.eos_id is not None:
+            labels[ends] = IGNORE_INDEX                   # the next document's first token
+            out["segments"] = torch.from_numpy(np.cumsum(ends, axis=1) - ends)
         return {"tokens": torch.from_numpy(np.ascontiguousarray(tokens)),
                 "labels": torch.from_numpy(labels), **out}
 

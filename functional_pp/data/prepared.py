@@ -22,7 +22,7 @@ from functional_pp.data.formats import DatasetStats, TokenStream
 
 __all__ = ["fingerprint", "code_version", "load_or_build"]
 
-_VERSION = 3          # 3: keyed on the files' contents and the tokenizing code
+_VERSION = 4          # 3: keyed on the files' contents and the tokenizing code; 4: document starts kept
 
 
 def _files(path: Path) -> list[Path]:
@@ -66,18 +66,22 @@ def _save(d: Path, tag: str, s: TokenStream) -> dict:
     np.save(d / f"{tag}_tokens.npy", np.asarray(s.tokens))
     if s.trained is not None:
         np.save(d / f"{tag}_trained.npy", np.asarray(s.trained))
+    if s.starts is not None:
+        np.save(d / f"{tag}_starts.npy", np.asarray(s.starts))
     stats = [{**dataclasses.asdict(st), "sample": None} for st in s.stats]
     return {"eos_id": s.eos_id, "vocab_size": s.vocab_size, "name": s.name, "documents": s.documents,
-            "trained": s.trained is not None, "stats": stats}
+            "trained": s.trained is not None, "starts": s.starts is not None, "stats": stats}
 
 
 def _load(d: Path, tag: str, meta: dict) -> TokenStream:
     tokens = _array(d / f"{tag}_tokens.npy")
     trained = _array(d / f"{tag}_trained.npy") if meta["trained"] else None
-    if trained is not None and trained.shape != tokens.shape:
-        raise ValueError(f"{d / f'{tag}_trained.npy'} holds {trained.shape[0]} flags for {tokens.shape[0]} tokens")
+    starts = _array(d / f"{tag}_starts.npy") if meta.get("starts") else None
+    for name, flags in (("trained", trained), ("starts", starts)):
+        if flags is not None and flags.shape != tokens.shape:
+            raise ValueError(f"{d / f'{tag}_{name}.npy'} holds {flags.shape[0]} flags for {tokens.shape[0]} tokens")
     return TokenStream(tokens, trained, meta["eos_id"], meta["vocab_size"], meta["name"], meta["documents"],
-                       [DatasetStats(**st) for st in meta["stats"]])
+                       [DatasetStats(**st) for st in meta["stats"]], starts=starts)
 
 
 def _array(path: Path) -> np.ndarray:
