@@ -57,8 +57,9 @@ def unheld_items(base_model: str | Path | None, cfg: Any, written: list[str]) ->
 
 
 def summary(names: list[str]) -> str:
-    """``names`` by module: ``vision_tower.vision_model.post_layernorm (2), ...``."""
-    modules = Counter(n.rsplit(".", 1)[0] for n in names)
+    """``names`` by layer or module: ``vision_tower.vision_model.encoder.layers.1 (16), ...post_layernorm (2)``."""
+    modules = Counter(m.group(1) if (m := re.match(r"^(.*\.layers\.\d+)\.", n)) else n.rsplit(".", 1)[0]
+                      for n in names)
     return ", ".join(f"{m} ({k})" for m, k in modules.items())
 
 

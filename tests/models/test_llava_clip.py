@@ -191,3 +191,28 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="vision_config.hidden_act='relu' is not supported"):
         pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model",
                                                                             "hidden_act": "relu"}})
+
+
+def test_cli_export_of_a_full_fine_tune_copies_the_unheld_layers_and_names_them(tmp_path, capsys):
+    """Axolotl's LLaVA-1.5 example as a full fine-tune (one step through ``functional-pp train``), then
+    ``functional-pp export``: the summary names the tower's layer after ``vision_feature_layer`` and
+    ``post_layernorm`` as copied from base_model unchanged, and transformers loads the export whole."""
+    import yaml
+    from axolotl_corpus import classify
+
+    from functional_pp import cli
+    (tmp_path / "models").mkdir()
+    verdict, path, _ = classify("llava/lora-7b.yaml", tmp_path, tmp_path / "models")
+    assert verdict == "accepted"
+    conf = {k: v for k, v in yaml.safe_load(path.read_text()).items() if not k.startswith(("lora_", "adapter"))}
+    conf.update(max_steps=1, val_set_size=0, micro_batch_size=1, gradient_accumulation_steps=1)
+    path.write_text(yaml.safe_dump(conf))
+    assert cli.main(["train", str(path), "--simulate", "1", "--output", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    assert "tensors of base_model it does not hold copied unchanged" in said, said
+    assert ("18 tensors of base_model it does not hold copied unchanged: vision_tower.vision_model.encoder.layers.1 "
+            "(16), vision_tower.vision_model.post_layernorm (2)") in said, said
+    _, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
