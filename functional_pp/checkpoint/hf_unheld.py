@@ -26,7 +26,8 @@ from functional_pp.models.llama_hf import ALSO_READ, IGNORED_HF, also_read, conf
 
 __all__ = ["unheld_items", "summary"]
 
-Item = tuple  # (name, dtype, shape, make): what consolidate.write_sharded_set writes
+Item = tuple
+"""``(name, dtype, shape, make)``: a lazy tensor as ``consolidate.write_sharded_set`` writes it."""
 
 
 def unheld_items(base_model: str | Path | None, cfg: Any, written: list[str]) -> list[Item]:
