@@ -343,6 +343,18 @@ def unfrozen(patterns: Sequence[str], modules: Sequence[str] = (), model_type: s
     return mask
 
 
+def frozen_under(mask: Callable[[Any], Any] | None, roots: Sequence[str]) -> Callable[[Any], Any]:
+    """``mask`` (a trainable mask; None: every parameter trains) with every parameter under one of
+    ``roots`` (a top-level module, e.g. ``vision_tower``; its adapters too) frozen as well."""
+    def frozen(path: str) -> bool:
+        return path.split(".", 1)[0] in roots
+
+    def masked(params: Any) -> Any:
+        base = map_with_path(lambda path, x: True, params) if mask is None else mask(params)
+        return map_with_path(lambda path, t: bool(t) and not frozen(path), base)
+    return masked
+
+
 def trainable(cfg: LoraConfig, model_type: str = "llama") -> Callable[[Any], Any]:
     """The trainable mask of a LoRA run: the adapters, the ``modules_to_save`` and the
     ``unfrozen_parameters`` (Hugging Face names of ``model_type``'s files); every other parameter frozen."""

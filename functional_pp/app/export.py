@@ -18,6 +18,7 @@ import torch
 
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.hf import export_checkpoint_to_hf
+from functional_pp.checkpoint.hf_unheld import summary
 
 __all__ = ["export_run", "resolve_run_checkpoint", "full_params", "TOKENIZER_FILES", "EXPORT_FILES"]
 
@@ -62,13 +63,15 @@ def export_run(src: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 def _write(ckpt: Path, out: Path, dtype, max_shard_size, merge_adapter: bool) -> str:
     """Write the export of ``ckpt`` into the empty directory ``out``; returns what it is."""
     meta = fmt.read_index(ckpt).get("metadata") or {}
+    copied: list[str] = []               # base_model's tensors the model does not hold (checkpoint/hf_unheld.py)
     if meta.get("lora") is None:
         if merge_adapter:
             raise ValueError(f"{ckpt}: --merge-adapter: the run trained no adapter (it is a full model already)")
-        export_checkpoint_to_hf(ckpt, out, max_shard_size=max_shard_size, dtype=dtype)
+        export_checkpoint_to_hf(ckpt, out, max_shard_size=max_shard_size, dtype=dtype,
+                                base_model=meta.get("base_model"), copied=copied)
         what = "Hugging Face directory"
     elif merge_adapter:
-        _export_merged(ckpt, out, meta, max_shard_size, dtype)
+        _export_merged(ckpt, out, meta, max_shard_size, dtype, copied)
         what = "Hugging Face directory, adapters merged"
     elif meta.get("loftq"):
         raise ValueError(f"{ckpt}: a LoftQ run (peft.loftq_config) replaced base_model's adapted weights by their "
@@ -90,6 +93,8 @@ def _write(ckpt: Path, out: Path, dtype, max_shard_size, merge_adapter: bool) ->
             f = Path(folder) / name
             if f.is_file() and not (out / name).exists():
                 shutil.copy2(f, out / name)
+    if copied:
+        what += f"; {len(copied)} tensors of base_model it does not hold copied unchanged: {summary(copied)}"
     return what
 
 
@@ -182,9 +187,10 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
     save_adapter(out, adapters, lora, meta.get("base_model"), base=base)
 
 
-def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype) -> None:
+def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype, copied: list) -> None:
     from functional_pp.adapters import LoraConfig, merge
     from functional_pp.checkpoint.hf import config_from_index, save_hf_llama
     cfg = config_from_index(fmt.read_index(ckpt))
     merged = merge(full_params(ckpt), LoraConfig(**meta["lora"]))
-    save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype)
+    save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype, base_model=meta.get("base_model"),
+                  copied=copied)

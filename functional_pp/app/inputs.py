@@ -375,9 +375,14 @@ def adapter_params(cfg: TrainConfig, decls: dict, mesh, rules, device=None) -> A
 def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
     """``(loss, declarations, trainable mask)`` of the run: with ``adapter: lora`` the adapted
     loss, the declarations with the adapters and the LoRA mask; with ``unfrozen_parameters``
-    alone the base loss and only those parameters trained; else everything trained. The frozen
+    alone the base loss and only those parameters trained; else everything trained;
+    ``freeze_mm_modules`` freezes the vision encoder and projector besides. The frozen
     parameters are declared in the run's compute dtype (:func:`frozen_in_compute_dtype`)."""
     loss, decls, trainable = _frozen_and_adapters(cfg, lora, loss_fn, decls)
+    if getattr(cfg, "freeze_mm_modules", False):
+        from functional_pp import adapters
+        from functional_pp.models.pixtral import TOWERS
+        trainable = adapters.frozen_under(trainable, TOWERS)
     return loss, frozen_in_compute_dtype(decls, trainable, cfg.resolved_precision()), trainable
 
 

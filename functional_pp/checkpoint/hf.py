@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from functional_pp.checkpoint import format as fmt
 from functional_pp.checkpoint.consolidate import write_sharded_set
+from functional_pp.checkpoint.hf_unheld import unheld_items
 from functional_pp.checkpoint.format import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                                              CheckpointNotFoundError, UnsafeFormatError)
 from functional_pp.checkpoint.load import _where
@@ -837,11 +838,14 @@ def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool =
 
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
-                  dtype: torch.dtype | None = None) -> Path:
+                  dtype: torch.dtype | None = None, base_model: str | os.PathLike | None = None,
+                  copied: list | None = None) -> Path:
     """Write a FULL parameter tree (single device, or ``gather_tree``-ed) as an HF directory
     loadable by ``from_pretrained`` of the class of ``cfg.model_type`` (``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
-    ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored)."""
+    ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored).
+    ``base_model``: its tensors the model does not hold are copied in unchanged
+    (checkpoint/hf_unheld.py), their names appended to ``copied``."""
     flat = dict(leaves_with_paths(params))
     cfg = export_config(cfg)                  # (a multimodal Gemma 4's text decoder: Gemma4ForCausalLM)
 
@@ -852,7 +856,15 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
         t = getattr(t, "data", t) if not isinstance(t, torch.Tensor) else t
         return tuple(t.shape), t.dtype, (lambda t=t: t.detach())
     items, dt = _items(cfg, get, dtype)
-    return _write_hf(Path(out), cfg, items, max_shard_size, dt)
+    return _write_hf(Path(out), cfg, _with_unheld(items, cfg, base_model, copied), max_shard_size, dt)
+
+
+def _with_unheld(items: list, cfg, base_model, copied: list | None) -> list:
+    """``items`` and base_model's tensors that they do not hold (:func:`hf_unheld.unheld_items`)."""
+    extra = unheld_items(base_model, cfg, [name for name, *_ in items])
+    if copied is not None:
+        copied.extend(name for name, *_ in extra)
+    return items + extra
 
 
 def config_from_index(index: dict):
@@ -877,12 +889,14 @@ def config_from_index(index: dict):
 def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, cfg=None, *,
                             key: str = "params", step: int | None = None,
                             max_shard_size: int | str | None = None,
-                            dtype: torch.dtype | None = None) -> Path:
+                            dtype: torch.dtype | None = None, base_model: str | os.PathLike | None = None,
+                            copied: list | None = None) -> Path:
     """Export a sharded functional_pp checkpoint (a step directory or a root) as an HF
     directory: :func:`~functional_pp.checkpoint.consolidate` (with :func:`hf_name` as name map)
     into a scratch folder, then each tensor is transformed to HF's layout one at a time.
     ``cfg`` defaults to the ``config`` saved with the checkpoint (``cfg.to_dict()``, or under
-    ``"model"``)."""
+    ``"model"``). ``base_model``: its tensors the model does not hold are copied in unchanged
+    (checkpoint/hf_unheld.py), their names appended to ``copied``."""
     from functional_pp.checkpoint.consolidate import consolidate
 
     ckpt = fmt.resolve_checkpoint(checkpoint, step)
@@ -906,7 +920,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out: str | os.PathLik
                 return (tuple(sl.get_shape()), fmt.dtype_from_name(_st_name(sl.get_dtype())),
                         lambda name=name: h.get_tensor(name))
             items, dt = _items(cfg, get, dtype)
-            return _write_hf(out, cfg, items, max_shard_size, dt)
+            return _write_hf(out, cfg, _with_unheld(items, cfg, base_model, copied), max_shard_size, dt)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -112,8 +112,6 @@ _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | 
 _EBFT = ("Axolotl's EBFT settings (rl: ebft, energy-based fine-tuning: rewards from how the hidden-state features "
          "of sampled continuations match the data's own) are not built; docs/preference.md \"EBFT\" says what is "
          "missing: remove it")
-_MULTIMODAL = ("freezing a vision-language model's encoder and projector is not built yet (they train with a "
-               "full fine-tune, and stay frozen under adapter: lora / qlora): remove it")
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
@@ -130,7 +128,6 @@ UNSUPPORTED: dict[str, str] = {
     "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
-    "freeze_mm_modules": _MULTIMODAL,
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",
                          "push_dataset_to_hub")},
     "liger_use_token_scaling": "Liger's token scaling weights each token's loss by its predicted probability "

@@ -461,6 +461,8 @@ def check_images(cfg: Any, add) -> None:
             f"processor files)")
     if cfg.base_model is None:
         add("processor_type reads base_model's processor files and vision weights: give base_model")
+    else:
+        _check_vision_tower(Path(str(cfg.base_model)) / "config.json", add)
     if cfg.sample_packing:
         add("sample_packing: true with processor_type: rows with images are not packed (Axolotl sets "
             "sample_packing: false for them); set sample_packing: false")
@@ -471,6 +473,24 @@ def check_images(cfg: Any, add) -> None:
         add("processor_type with rl / reward_model: images are read for supervised fine-tuning only")
     if not cfg.datasets:
         add("processor_type needs datasets: (chat_template rows with an images column)")
+
+
+def _check_vision_tower(conf: Path, add) -> None:
+    """A local base_model's vision tower must be one that is built (models/pixtral_hf.py), named
+    here with the config's other problems (whatever else refuses it: another processor_type)."""
+    if not conf.is_file():
+        return
+    try:
+        hf = json.loads(conf.read_text())
+    except (OSError, ValueError):
+        return                                  # (an unreadable config.json is reported where it is read)
+    if not isinstance(hf, dict) or not isinstance(hf.get("vision_config"), dict):
+        return                                  # (no tower declared: reading the model refuses it)
+    from functional_pp.models.pixtral_hf import vision_from_hf
+    try:
+        vision_from_hf(hf)
+    except ValueError as exc:
+        add(f"processor_type: {exc}")
 
 
 def check_loftq(cfg: Any, add) -> None:

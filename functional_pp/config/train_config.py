@@ -288,6 +288,9 @@ class TrainConfig:
                                            "encoder and the projector) trained on chat_template datasets with "
                                            "images, encoded by base_model's processor files (docs/data.md, "
                                            "\"Images\"); needs sample_packing: false")
+    freeze_mm_modules: bool = fld(False, "with processor_type: the vision encoder and projector are frozen (no "
+                                         "gradient, no optimizer state), only the text decoder trains (under "
+                                         "adapter: lora / qlora they are frozen already)")
     tokenizer_use_mistral_common: bool = fld(False, "read the tokenizer with mistral-common (tekken.json or "
                                                     "tokenizer.model.v*: pip install 'functional_pp[mistral]'); "
                                                     "chats encoded by mistral-common, not a chat template")

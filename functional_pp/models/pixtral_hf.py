@@ -57,7 +57,7 @@ def vision_from_hf(hf: dict) -> VisionConfig:
     mt = hf.get("model_type")
     v = dict(hf.get("vision_config") or {})
     where = f"HF {mt} config"
-    tower = v.get("model_type", "pixtral" if mt == "mistral3" else "clip_vision_model")   # (the classes' defaults)
+    tower = v.get("model_type", {"mistral3": "pixtral", "llava": "clip_vision_model"}.get(mt))   # (classes' defaults)
     if mt not in WRAPPERS or tower not in TOWER_TYPES or (mt == "mistral3" and tower != "pixtral"):
         raise ValueError(f"images of model_type {mt!r} (processor_type; vision tower {tower!r}) are not supported "
                          f"yet: images are read for model_type mistral3 with a Pixtral tower and llava with a Pixtral "

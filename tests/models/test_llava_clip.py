@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from harness import parallel, single_device
 
 import functional_pp as fpp
@@ -142,12 +143,32 @@ def test_export_loads_in_transformers_with_our_logits(saved_default, tmp_path):
     params = hf.load_hf_params(d, cfg)
     g = torch.Generator().manual_seed(5)
     moved = tree.tree_map(lambda t: t + 0.01 * torch.randn(t.shape, generator=g), params)
-    out = hf.save_hf_llama(moved, cfg, tmp_path / "hf")
+    copied = []
+    out = hf.save_hf_llama(moved, cfg, tmp_path / "hf", base_model=d, copied=copied)
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["LlavaForConditionalGeneration"]
     assert raw["vision_config"]["model_type"] == "clip_vision_model"
     assert dataclasses.replace(hf.config_from_hf(raw), vision=pixtral_hf.vision_from_hf(raw)) == cfg
-    loaded = transformers.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    loaded, info = transformers.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
+                                                                              output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info     # (nothing newly initialised)
+    assert sorted(copied) == sorted(f"vision_tower.vision_model.{n}" for n in (
+        *(f"encoder.layers.2.{m}.{w}" for m in ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2",
+                                                *(f"self_attn.{x}_proj" for x in ("q", "k", "v", "out")))
+          for w in ("weight", "bias")), "post_layernorm.weight", "post_layernorm.bias"))
+    with safe_open(str(d / "model.safetensors"), framework="pt") as b, \
+            safe_open(str(out / "model.safetensors"), framework="pt") as e:
+        exported = set(e.keys())
+        for name in b.keys():                  # every tensor of the checkpoint (transformers 5 saves vision_tower.X)
+            ours = name if name in exported else name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            assert ours in exported, name
+            if ours in copied:                 # the layers not held: bit for bit
+                assert torch.equal(e.get_tensor(ours), b.get_tensor(name)), name
+    text_only = dataclasses.replace(cfg, vision=None)
+    none = []
+    hf.save_hf_llama(hf.load_hf_params(d, text_only), text_only, tmp_path / "text", base_model=d, copied=none)
+    assert none == []                          # (another class: nothing of the towers copied)
+    loaded.eval()
     ids, pixels = rows("default")
     with torch.no_grad():
         want = loaded(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
@@ -170,3 +191,28 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="vision_config.hidden_act='relu' is not supported"):
         pixtral_hf.vision_from_hf({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model",
                                                                             "hidden_act": "relu"}})
+
+
+def test_cli_export_of_a_full_fine_tune_copies_the_unheld_layers_and_names_them(tmp_path, capsys):
+    """Axolotl's LLaVA-1.5 example as a full fine-tune (one step through ``functional-pp train``), then
+    ``functional-pp export``: the summary names the tower's layer after ``vision_feature_layer`` and
+    ``post_layernorm`` as copied from base_model unchanged, and transformers loads the export whole."""
+    import yaml
+    from axolotl_corpus import classify
+
+    from functional_pp import cli
+    (tmp_path / "models").mkdir()
+    verdict, path, _ = classify("llava/lora-7b.yaml", tmp_path, tmp_path / "models")
+    assert verdict == "accepted"
+    conf = {k: v for k, v in yaml.safe_load(path.read_text()).items() if not k.startswith(("lora_", "adapter"))}
+    conf.update(max_steps=1, val_set_size=0, micro_batch_size=1, gradient_accumulation_steps=1)
+    path.write_text(yaml.safe_dump(conf))
+    assert cli.main(["train", str(path), "--simulate", "1", "--output", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    assert "tensors of base_model it does not hold copied unchanged" in said, said
+    assert ("18 tensors of base_model it does not hold copied unchanged: vision_tower.vision_model.encoder.layers.1 "
+            "(16), vision_tower.vision_model.post_layernorm (2)") in said, said
+    _, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
