@@ -536,3 +536,31 @@ def gptq_serialized(sd: dict, bits: int = 4, group: int = 32, desc_act: bool = T
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": False,
           "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     return out, deq, qc
+
+
+def assert_1f1b_equals_one_device(cfg, batch=8, grad_accum=4, lr=3e-3, rtol=1e-10, atol=0.0) -> list[float]:
+    """Two AdamW steps of ``cfg``'s model (float64) with its layers over pp 2 under 1F1B
+    (``grad_accum`` micro-batches of ``batch`` rows of 8 tokens) give one device's losses; those."""
+    import functools
+
+    from functional_pp.step.pipeline import pipeline_step
+    data = [make_batch(cfg, batch=batch, seq=8, seed=s) for s in range(2)]
+    loss, opt = functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(lr, weight_decay=0.1)
+
+    def run(step):
+        def device():
+            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0, mesh=step.mesh, rules=step.rules))
+            losses = []
+            for b in data:
+                with fpp.use_rules(step.rules):
+                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+                state, m = step(state, local)
+                losses.append(float(m["loss"]))
+            return losses
+        return fpp.launch(device, step.mesh)
+    one = run(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=grad_accum))[0]
+    first, last = llama.pipeline_ends(cfg)
+    for losses in run(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"),
+                                    grad_accum=grad_accum, schedule="1f1b", first_stage=first, last_stage=last)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=rtol, atol=atol)
+    return one

@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_export_round_trip, make_batch, our_logits, parallel, single_device, tokens
+from harness import (assert_1f1b_equals_one_device, assert_export_round_trip, make_batch, our_logits, parallel,
+                     single_device, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -274,34 +275,12 @@ def test_pipeline_of_dense_and_expert_layers_equals_one_device():
     """PP 2 (1F1B, 4 micro-batches) of latent-attention layers, a dense one first and experts with
     DeepSeek-V3's router after it: the losses of two AdamW steps (the second after the update)
     equal one device's."""
-    import functools
-
-    from functional_pp.step.pipeline import pipeline_step
     cfg = llama.Config.tiny(layers=4, kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=16, rotary_interleaved=True, experts=4, experts_top_k=2,
                             moe_mlp=16, shared_expert_mlp=16, shared_expert_gate=False, router_score="sigmoid",
                             router_bias=True, router_groups=2, router_topk_groups=1, routed_scaling_factor=2.5,
                             moe_layers=(1, 2, 3), model_type="deepseek_v3")
-    data = [make_batch(cfg, batch=8, seq=8, seed=s) for s in range(2)]
-    loss = functools.partial(llama.loss, cfg=cfg)
-
-    def run(step):
-        def device():
-            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0, mesh=step.mesh, rules=step.rules))
-            losses = []
-            for b in data:
-                with fpp.use_rules(step.rules):
-                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
-                state, m = step(state, local)
-                losses.append(float(m["loss"]))
-            return losses
-        return fpp.launch(device, step.mesh)
-    opt = fpp.optim.adamw(3e-3, weight_decay=0.1)
-    one = run(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=4))[0]
-    first, last = llama.pipeline_ends(cfg)
-    for losses in run(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
-                                    schedule="1f1b", first_stage=first, last_stage=last)):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=0)
+    one = assert_1f1b_equals_one_device(cfg)
     assert one[0] != one[1]
 
 

@@ -14,8 +14,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from harness import (assert_export_round_trip, fp64_beside_hf, import_logits_beside_hf, make_batch, our_logits, parallel,
-                     single_device, tokens)
+from harness import (assert_1f1b_equals_one_device, assert_export_round_trip, fp64_beside_hf,
+                     import_logits_beside_hf, make_batch, our_logits, parallel, single_device, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -361,29 +361,8 @@ def test_new_options_on_pipeline_stages():
     """xIELU's scalars and q/k norms after the rotary with the layers over pp = 2 (1F1B, four
     micro-batches): two AdamW steps give one device's losses (the second after an update of
     every parameter, the scalars' included)."""
-    import functools
-
-    from functional_pp.step.pipeline import pipeline_step
     cfg = llama.Config.tiny(layers=4, mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True)
-    data = [make_batch(cfg, batch=8, seq=8, seed=i) for i in range(2)]
-    loss, opt = functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(3e-2, weight_decay=0.1)
-    first, last = llama.pipeline_ends(cfg)
-
-    def losses(step):
-        def device():
-            state = step.init(fpp.init(llama.init, cfg, torch.float64, mesh=step.mesh, rules=step.rules, seed=0))
-            out = []
-            for b in data:
-                with fpp.use_rules(step.rules):
-                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
-                state, m = step(state, local)
-                out.append(float(m["loss"]))
-            return out
-        return fpp.launch(device, step.mesh)
-    one = losses(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=4))[0]
-    for got in losses(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
-                                    schedule="1f1b", first_stage=first, last_stage=last)):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-12, atol=1e-13)
+    assert_1f1b_equals_one_device(cfg, lr=3e-2, rtol=1e-12, atol=1e-13)
 
 
 def test_new_options_compiled_equal_eager():

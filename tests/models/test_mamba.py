@@ -7,8 +7,9 @@ parallelism on simulated devices, FSDP x TP on real gloo processes and a 1F1B pi
 device; packed documents each as alone; CP, the key / value cache and Jamba-only options refused by name."""
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
-                     fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf, make_batch, parallel)
+from harness import (assert_1f1b_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
+                     assert_processes_equal_one_device, fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf,
+                     make_batch, parallel)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -179,28 +180,5 @@ def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
 
 def test_pipeline_equals_one_device(hf_dir):
     """1F1B over pp 2 (a Mamba layer on each stage, the tied embedding on both ends) equals one device's two steps."""
-    import functools
-
-    from functional_pp.step.pipeline import pipeline_step
-    cfg = hf.config_from_hf(hf_dir)
-    data = [make_batch(cfg, batch=4, seq=8, seed=s) for s in range(2)]
-    loss = functools.partial(llama.loss, cfg=cfg)
-
-    def run(step):
-        def device():
-            state = step.init(fpp.init(llama.init, cfg, torch.float64, seed=0, mesh=step.mesh, rules=step.rules))
-            losses = []
-            for b in data:
-                with fpp.use_rules(step.rules):
-                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
-                state, m = step(state, local)
-                losses.append(float(m["loss"]))
-            return losses
-        return fpp.launch(device, step.mesh)
-    opt = fpp.optim.adamw(3e-3, weight_decay=0.1)
-    one = run(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=2))[0]
-    first, last = llama.pipeline_ends(cfg)
-    for losses in run(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=2,
-                                    schedule="1f1b", first_stage=first, last_stage=last)):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=1e-10, atol=0)
+    one = assert_1f1b_equals_one_device(hf.config_from_hf(hf_dir), batch=4, grad_accum=2)
     assert one[0] != one[1]

@@ -12,8 +12,10 @@ import json
 
 import pytest
 import torch
-from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
-                     assert_nf4_base_equals_bitsandbytes, fp64_beside_hf, import_logits_beside_hf, our_logits, tokens)
+from harness import (assert_1f1b_equals_one_device, assert_cp_equals_one_device, assert_export_round_trip,
+                     assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
+                     assert_nf4_base_equals_bitsandbytes, fp64_beside_hf, import_logits_beside_hf, our_logits,
+                     tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -193,35 +195,12 @@ def test_multimodal_checkpoint_loads_its_text_decoder(multimodal, tmp_path):
 def test_pipeline_stages_equal_one_device():
     """The layers over pp = 2 (1F1B, four micro-batches; each stage a linear-attention and a full
     layer): two AdamW steps give one device's losses."""
-    import functools
-
-    from harness import make_batch
-
-    from functional_pp.step.pipeline import pipeline_step
     cfg = llama.Config(model_type="qwen3_5_text", vocab=256, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8,
                        mlp=64, rope_theta=10000.0, rope_scaling=None, q_gate=True, qk_norm=True, norm_offset=1.0,
                        partial_rotary_factor=0.25, linear_heads=4, linear_kv_heads=2, linear_head_dim=8,
                        linear_v_head_dim=6, layer_types=("linear_attention", "full_attention") * 2)
-    data = [make_batch(cfg, batch=8, seq=8, seed=i) for i in range(2)]
-    loss, opt = functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(3e-2, weight_decay=0.1)
-    first, last = llama.pipeline_ends(cfg)
-
-    def losses(step):
-        def device():
-            state = step.init(fpp.init(llama.init, cfg, torch.float64, mesh=step.mesh, rules=step.rules, seed=0))
-            out = []
-            for b in data:
-                with fpp.use_rules(step.rules):
-                    local = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
-                state, m = step(state, local)
-                out.append(float(m["loss"]))
-            return out
-        return fpp.launch(device, step.mesh)
-    one = losses(fpp.train_step(loss, opt, mesh=fpp.Mesh(), rules=fpp.Rules(), grad_accum=4))[0]
+    one = assert_1f1b_equals_one_device(cfg, lr=3e-2, rtol=1e-12, atol=1e-13)
     assert one[1] < one[0]
-    for got in losses(pipeline_step(loss, opt, mesh=fpp.Mesh(pp=2), rules=fpp.Rules(layers="pp"), grad_accum=4,
-                                    schedule="1f1b", first_stage=first, last_stage=last)):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-12, atol=1e-13)
 
 
 def test_context_parallelism_validates_and_the_batched_simulator_names_the_layers(saved, tmp_path, capsys):
