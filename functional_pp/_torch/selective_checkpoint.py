@@ -99,6 +99,7 @@ class SelectiveRecomputeMismatch(RuntimeError):
 _storage_key = getattr(_checkpoint, "_sac_storage_key", lambda func, args: func)
 _RECOMPUTE, _CONSUMED = getattr(_checkpoint, "_RECOMPUTE", None), getattr(_checkpoint, "_CONSUMED", None)
 _IGNORED = getattr(_checkpoint, "SAC_IGNORED_OPS", frozenset())
+_is_compiling = getattr(_checkpoint, "_is_compiling", lambda func, args, kwargs: False)
 
 
 def _inputs_signature(args: tuple, kwargs: dict) -> tuple:
@@ -135,7 +136,7 @@ class _GuardedCaching(_CachingTorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _IGNORED or _checkpoint._is_compiling(func, args, kwargs):
+        if func in _IGNORED or _is_compiling(func, args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
         key = _storage_key(func, args)
         idx, position = self.func_counter[key], self.calls
@@ -173,7 +174,7 @@ class _GuardedCached(_CachedTorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _IGNORED or _checkpoint._is_compiling(func, args, kwargs):
+        if func in _IGNORED or _is_compiling(func, args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
         key = _storage_key(func, args)
         idx, position = self.func_counter[key], self.calls
@@ -189,11 +190,13 @@ class _GuardedCached(_CachedTorchDispatchMode):
 
 
 @functools.cache
-def _guardable() -> bool:
-    """Whether this torch's selective-checkpoint modes keep the layout the guard reads (torch 2.13:
-    per op a dict from call index to cached result or a recompute marker)."""
+def checkpoint_modes_index_calls() -> bool:
+    """Capability: whether torch's selective-checkpoint modes keep the layout the guard reads: per
+    op a dict from call index to the cached result or a recompute marker, and a per-op call counter
+    (torch 2.13 on). Without it the contexts are torch's own, unguarded."""
     forward, _ = create_selective_checkpoint_contexts([])
-    return _RECOMPUTE is not None and hasattr(forward, "func_counter") and isinstance(forward.storage, dict)
+    return (_RECOMPUTE is not None and _CONSUMED is not None and hasattr(forward, "func_counter")
+            and getattr(forward.storage, "default_factory", None) is dict)
 
 
 def selective_checkpoint_contexts(policy: Callable[..., Any],
@@ -202,11 +205,12 @@ def selective_checkpoint_contexts(policy: Callable[..., Any],
     forward calls see ``ctx.op_output`` on every supported torch, guarded: a recomputation that
     issues a kept op differently from the forward raises :class:`SelectiveRecomputeMismatch`
     (naming ``region``, e.g. the layer's function) instead of taking another call's result."""
-    if checkpoint_policy_sees_outputs() and _guardable():
+    if checkpoint_modes_index_calls():
         storage: dict = defaultdict(dict)
         signatures: dict = defaultdict(dict)
-        return _GuardedCaching(policy, storage, signatures), _GuardedCached(storage, signatures, region)
-    forward, recompute = create_selective_checkpoint_contexts(policy)
+        forward, recompute = _GuardedCaching(policy, storage, signatures), _GuardedCached(storage, signatures, region)
+    else:
+        forward, recompute = create_selective_checkpoint_contexts(policy)
     if checkpoint_policy_sees_outputs():
         return forward, recompute
     return _ShowOutputsToPolicy(forward, policy), recompute
