@@ -65,7 +65,8 @@ def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def selective_contexts():
+def selective_contexts(region: str | None = None):
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward context
-    caches :data:`SAVED_OPS`' results, the recomputation context replays them."""
-    return selective_checkpoint_contexts(policy)
+    caches :data:`SAVED_OPS`' results, the recomputation context replays them (and raises,
+    naming ``region``, where it issues them differently from the forward)."""
+    return selective_checkpoint_contexts(policy, region)

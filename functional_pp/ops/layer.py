@@ -53,7 +53,8 @@ def remat(fn: Callable[..., Named], out_like: int | None = None, *,
     ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
     residual block); it is checked. ``selective=True`` keeps the results of matrix products
     and attention and recomputes only the other ops (:mod:`functional_pp.compile.selective`)."""
-    context_fn = selective_contexts if selective else noop_context_fn
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    context_fn = functools.partial(selective_contexts, name) if selective else noop_context_fn
 
     @functools.wraps(fn)
     def wrapped(*args):

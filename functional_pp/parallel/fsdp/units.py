@@ -422,6 +422,7 @@ def as_unit(fn: Callable[..., Any]) -> Callable[..., Any]:
             args, context = gather_unit(args)
         with context:
             return fn(*args)
+    unit.__qualname__ = getattr(fn, "__qualname__", unit.__qualname__)   # (errors name the model's layer)
     return unit
 
 
