@@ -4,10 +4,12 @@ from a config loads through the HF import (files under ``backbone.``, tied embed
 the fp64 loss and every gradient equal transformers' (its scan's float32 casts kept in float64);
 export writes ``MambaForCausalLM``, which loads with equal logits; FSDP x TP with sequence
 parallelism on simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one
-device; packed documents each as alone; CP, the key / value cache and Jamba-only options refused by name."""
+device; CP 2 (load-balanced, the state handed between the devices; plain and packed rows, CP x TP) on
+simulated devices and CP 2 on real gloo processes equal one device; packed documents each as alone;
+the key / value cache and Jamba-only options refused by name."""
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
+from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device, assert_processes_equal_one_device,
                      fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf, make_batch, parallel)
 
 import functional_pp as fpp
@@ -82,6 +84,20 @@ def test_fsdp_tp_real_processes_equal_one_device(hf_dir):
     assert_processes_equal_one_device(hf.config_from_hf(hf_dir))
 
 
+def test_cp_equals_one_device(hf_dir):
+    """CP 2 (the scan's state and the convolution's last inputs handed from block to block, the
+    balanced split's blocks in sequence order), alone and with TP 2, plain and packed rows whose
+    documents cross the blocks' boundaries: the loss and every gradient equal one device's."""
+    assert_hf_layout_equals_one_device(hf_dir, "cp")
+    assert_cp_equals_one_device(hf_dir)
+    assert_cp_equals_one_device(hf_dir, lengths=(6, 7, 11))   # (a document starting at a block's start: state reset)
+
+
+def test_cp_real_processes_equal_one_device(hf_dir):
+    """CP 2 on two gloo processes (the state permuted between them): two AdamW steps equal one device's."""
+    assert_processes_equal_one_device(hf.config_from_hf(hf_dir), mesh=fpp.Mesh(cp=2), rules=llama.default_rules(tp=False))
+
+
 def test_packed_documents_each_as_alone(hf_dir):
     """A row of packed documents (``segments``) gives each document's logits alone (the convolution
     and the state restart at each document); one long document is not (the test can fail)."""
@@ -112,8 +128,6 @@ def test_flops_count_the_mixers(hf_dir):
 def test_refused_by_name(hf_dir):
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
-    with pytest.raises(Exception, match=r"Mamba \(v1\) selective scan needs the whole sequence.*cp_size: 1"):
-        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
     from functional_pp.models import sampling
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))
@@ -159,7 +173,7 @@ def test_selective_scan_matches_the_recurrence():
 
 def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
     """Axolotl's ``model_type: MambaLMHeadModel`` (mamba_ssm's class) reads base_model's config.json as
-    the mamba family; a config.json of another model_type is refused by name before any work; CP too."""
+    the mamba family; a config.json of another model_type is refused by name before any work; CP is accepted."""
     import json
 
     from functional_pp.config import ConfigError, TrainConfig
@@ -173,8 +187,8 @@ def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"model_type: MambaLMHeadModel is a mamba model, but base_model .* "
                                           r"model_type 'llama'"):
         model_config(TrainConfig.from_dict({**base, "base_model": str(tmp_path)}, name="t"))
-    with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: the Mamba \(v1\) layers' scan"):
-        model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t"))
+    assert model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2},
+                                              name="t")).mamba1_inner == 64
 
 
 def test_pipeline_equals_one_device(hf_dir):
