@@ -187,8 +187,11 @@ def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"model_type: MambaLMHeadModel is a mamba model, but base_model .* "
                                           r"model_type 'llama'"):
         model_config(TrainConfig.from_dict({**base, "base_model": str(tmp_path)}, name="t"))
-    assert model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2},
-                                              name="t")).mamba1_inner == 64
+    with_cp = TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t")
+    assert model_config(with_cp).mamba1_inner == 64
+    from functional_pp.app.sim_mode import needs_threads         # (the batched simulator names the layers)
+    assert any("cp_size: 2 with a recurrence along the sequence (layers [0, 1] hold Mamba (v1) mixers" in r
+               for r in needs_threads(with_cp))
 
 
 def test_pipeline_equals_one_device(hf_dir):
