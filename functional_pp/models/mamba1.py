@@ -133,22 +133,30 @@ def _continues(segments: Named, start_id: Named, dtype: torch.dtype) -> Named:
         lambda v: (v == 0).to(dtype))], "seq")
 
 
-def _states(decay: Named, inputs: Named) -> Named:
-    """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` (``h_0 = inputs_0``), both
-    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where both are laid out alike
+def _states(decay: Named, inputs: Named, start: Named | None = None) -> Named:
+    """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` from ``h_{-1} = start``
+    (``batch mamba_inner ssm_state``; None: zero, ``h_0 = inputs_0``), ``decay`` and ``inputs``
+    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where all are laid out alike
     (as the scan's einsums make them), else over named slices."""
+    rest = [d for d in inputs.dims if d != "seq"]
+    if start is not None and sorted(start.dims) == sorted(rest):
+        start = ops.transpose(start, *rest)
+    s = inputs.dims.index("seq")
     if (decay.dims, decay.split, decay.vary, decay.partial) == (inputs.dims, inputs.split, inputs.vary,
-                                                                 inputs.partial) and not inputs.partial:
-        s, a = inputs.dims.index("seq"), decay.data
+                                                                 inputs.partial) and not inputs.partial and (
+            start is None or (start.dims, start.split, start.vary, start.partial) == (
+                tuple(rest), inputs.split[:s] + inputs.split[s + 1:], inputs.vary, inputs.partial)):
+        a = decay.data
 
         def run(u: torch.Tensor) -> torch.Tensor:
-            h, out = u.select(s, 0), [u.select(s, 0)]
+            h = u.select(s, 0) if start is None else a.select(s, 0) * start.data + u.select(s, 0)
+            out = [h]
             for t in range(1, u.shape[s]):
                 h = a.select(s, t) * h + u.select(s, t)
                 out.append(h)
             return torch.stack(out, s)
         return inputs.map(run)
-    state, out = None, []
+    state, out = start, []
     for t in range(inputs.size("seq")):
         u = ops.slice_dim(inputs, "seq", t, t + 1)
         state = u if state is None else ops.slice_dim(decay, "seq", t, t + 1) * state + u
@@ -205,8 +213,6 @@ def scan_block(decay: Named, inputs: Named, c: Named, segments: Named | None, st
     S = inputs.size("seq")
     if segments is not None:
         decay = decay * _continues(segments, start_id, decay.data.dtype)
-    first = ops.slice_dim(decay, "seq", 0, 1) * start_state + ops.slice_dim(inputs, "seq", 0, 1)
-    inputs = ops.concat([first, ops.slice_dim(inputs, "seq", 1, S)], "seq") if S > 1 else first
-    states = _states(decay, ops.transpose(inputs, *decay.dims))
+    states = _states(decay, inputs, start_state)
     y = ops.einsum(f"batch seq {INNER} ssm_state, batch seq ssm_state -> batch seq {INNER}", states, c)
     return y, ops.take(states, "seq", S - 1), None if segments is None else ops.take(segments, "seq", S - 1)

@@ -169,6 +169,17 @@ def test_selective_scan_matches_the_recurrence():
     slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"))
     torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(), fast)
     assert torch.equal(fast[:, 0], inputs.value()[:, 0]) and not torch.allclose(fast[:, 1], inputs.value()[:, 1])
+    # from a start state (a block's under cp), both loops against the recurrence
+    start = torch.randn(B, I, N, generator=g, dtype=torch.float64)
+    h, want = start, []
+    for t in range(S):
+        h = decay.value()[:, t] * h + inputs.value()[:, t]
+        want.append(h)
+    begin = fpp.wrap(start, "batch mamba_inner ssm_state")
+    torch.testing.assert_close(mamba1._states(decay, inputs, begin).value(), torch.stack(want, 1), rtol=1e-12, atol=0)
+    slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"), begin)
+    torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(),
+                               torch.stack(want, 1), rtol=1e-12, atol=0)
 
 
 def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
