@@ -30,7 +30,7 @@ def model_config(cfg: Any) -> Any:
         if overrides:
             raise ConfigError("overrides_of_model_config (model_config) replaces keys of base_model's config.json; "
                               "without base_model give them in the model section (model: {preset: ..., KEY: ...})")
-        return _refuse_cp_for_mamba1(cfg, _with_moe_options(cfg, cfg.model.build()))
+        return _with_moe_options(cfg, cfg.model.build())
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
         raise ConfigError(f"base_model: model family {family.name!r} has no Hugging Face mapping; "
@@ -66,23 +66,12 @@ def model_config(cfg: Any) -> Any:
                           f"{cfg.base_model!r}'s config.json has model_type {getattr(model, 'model_type', None)!r}; "
                           f"remove model_type (the architecture is config.json's)")
     model = _with_linearized_experts(cfg, model)
-    return _refuse_cp_for_mamba1(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+    return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))
 
 
 AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}
 """Axolotl's ``model_type`` class names that are not a transformers ``*ForCausalLM`` (mamba_ssm's
 ``MambaLMHeadModel``) -> the ``config.json`` ``model_type`` they must name."""
-
-
-def _refuse_cp_for_mamba1(cfg: Any, model: Any) -> Any:
-    """``model``, unless it has Mamba (v1) layers (Mamba, Jamba) and the run splits the sequence their
-    scan runs along (CP): refused by name before any work (the forward would refuse at the first step;
-    the other recurrences hand their state along the sequence, ops/sequence_chain.py, this one not yet)."""
-    if getattr(model, "mamba1_inner", 0) and getattr(cfg, "cp_size", 1) > 1:
-        problem = (f"context_parallel_size (cp_size) {cfg.cp_size}: the Mamba (v1) layers' scan needs the whole "
-                   f"sequence on each device; set it to 1")
-        raise ConfigError(problem, [problem])
-    return model
 
 
 def _with_linearized_experts(cfg: Any, model: Any) -> Any:

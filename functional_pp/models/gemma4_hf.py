@@ -180,10 +180,12 @@ def export_config(cfg: Config) -> Config:
     """The config export writes: a multimodal ``gemma4``'s text decoder as ``gemma4_text``
     (``Gemma4ForCausalLM``), a multimodal Gemma 3's or Mistral 3's (``Config.text_of``) as its text
     family's class (the vision and audio encoders are not trained or written here); one read with its
-    vision side (``Config.vision``: Mistral 3, Pixtral 12B) as its multimodal class."""
+    vision side (``Config.vision``: Mistral 3, Pixtral 12B, LLaVA, Qwen3.5, Qwen2-VL) as its multimodal class."""
     import dataclasses
     if cfg.text_of is not None and cfg.vision is None:    # (Gemma 3, Mistral 3: their text decoder's own class;
         cfg = dataclasses.replace(cfg, text_of=None)       # with its vision side: the multimodal class)
+    if cfg.vision is not None:                              # (Qwen3.5 with its tower: its multimodal class)
+        return cfg
     text = {"gemma4": "gemma4_text", **qwen3_5_hf.TEXT_TYPES}.get(cfg.model_type)    # (and the multimodal Qwen3.5's)
     return dataclasses.replace(cfg, model_type=text) if text else cfg
 

@@ -1289,11 +1289,13 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
     score head where it has one (models/score_head.py)."""
-    if cfg.vision is not None and cfg.text_of in qwen_vision_hf.TEXT_LAYOUT:
-        raise UnsupportedHFConfig(f"export of {cfg.text_of}'s multimodal class (its vision tower) is not built yet; "
-                                  f"export its text decoder (a text-only run of the checkpoint)")
+    import dataclasses
+    wrapper = cfg.text_of or cfg.model_type
+    if cfg.vision is not None and wrapper in qwen_vision_hf.WRAPPERS:    # Qwen3.5's, Qwen2-VL's multimodal class
+        plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, **plain), dtype)
+        return qwen_vision_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
-        import dataclasses
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
     return score_head.head_to_hf(cfg, decoder_config_to_hf(cfg, dtype))

@@ -12,9 +12,11 @@ each of the three); ``dt = softplus(dt_proj(dt_low) + dt_bias)``; per channel d 
 Channels are independent: a rule ``mamba_inner="tp"`` (``llama.default_rules``) splits them with
 their convolution taps, ``A_log``, ``D`` and the time step's projection (``x_proj`` is then
 row-parallel: dt, B and C are completed by a sum over ``tp``; ``out_proj`` row-parallel as
-attention's). The scan runs along the sequence, position by position, so the sequence must be
-whole on each device: a split one (context parallelism) is refused by name. Packed rows
-(``segments``) restart the state and the convolution at each document."""
+attention's). The scan runs along the sequence, position by position, through
+:func:`ops.sequence_chain.along_sequence`: a sequence split over devices (context parallelism) runs
+block after block, the state (``batch mamba_inner ssm_state``) handed on, the convolution's last
+inputs too (``causal_conv1d``). Packed rows (``segments``) restart the state and the convolution
+at each document, across the blocks too."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import mamba2
-from functional_pp.parallel.named import Named
+from functional_pp.ops.sequence_chain import along_sequence
+from functional_pp.parallel.named import Named, make_named
 
 INNER = "mamba_inner"
 """The mixer's channels (transformers' ``intermediate_size``), split over ``tp``."""
@@ -94,23 +97,11 @@ def flops_per_token(m: Mamba1, hidden: int) -> float:
     return proj + 3 * 2 * m.inner * m.state
 
 
-def refuse_split_sequence(h: Named, where: str = "mamba1") -> None:
-    """Refuse a sequence split over devices (context parallelism): the scan runs along the whole sequence."""
-    axes = h.split[h.dims.index("seq")]
-    if axes:
-        raise ValueError(f"{where}: the Mamba (v1) selective scan needs the whole sequence on each device, but "
-                         f"'seq' is split over {axes} (context parallelism); set cp_size: 1 "
-                         f"(context_parallel_size) for models with Mamba layers")
-
-
 def mixer(p: dict, h: Named, m: Mamba1, segments: Named | None = None) -> Named:
-    """The mixer of normed input ``h`` (``batch seq hidden``, the sequence whole): ``batch seq
+    """The mixer of normed input ``h`` (``batch seq hidden``; the sequence whole or split, CP): ``batch seq
     hidden``, with the out projection's pending sum where the channels are split (TP). ``segments``
     (``batch seq`` document ids of packed rows, each document contiguous): nothing flows from one
     document into the next, neither through the convolution nor through the state."""
-    refuse_split_sequence(h)
-    if segments is not None:
-        refuse_split_sequence(segments, "mamba1 segments")
     xz = ops.einsum(f"batch seq hidden, hidden mamba_gates {INNER} -> batch seq mamba_gates {INNER}", h,
                     p["in_proj"])
     if "in_bias" in p:
@@ -131,33 +122,41 @@ def mixer(p: dict, h: Named, m: Mamba1, segments: Named | None = None) -> Named:
     return out + p["out_bias"] if "out_bias" in p else out
 
 
-def _continues(segments: Named, dtype: torch.dtype) -> Named:
-    """``batch seq``: 0 where a position starts another document than the one before it, else 1."""
+def _continues(segments: Named, start_id: Named, dtype: torch.dtype) -> Named:
+    """``batch seq``: 0 where a position starts another document than the one before it (the first
+    position: than ``start_id``, ``batch``, the document the block's start state belongs to), else 1."""
     S = segments.size("seq")
-    first = ops.slice_dim(segments, "seq", 0, 1).map(lambda v: torch.ones_like(v, dtype=dtype))
+    same = (ops.slice_dim(segments, "seq", 0, 1) - start_id).map(lambda v: (v == 0).to(dtype))
     if S == 1:
-        return first
-    same = (ops.slice_dim(segments, "seq", 1, S) - ops.slice_dim(segments, "seq", 0, S - 1)).map(
-        lambda v: (v == 0).to(dtype))
-    return ops.concat([first, same], "seq")
+        return same
+    return ops.concat([same, (ops.slice_dim(segments, "seq", 1, S) - ops.slice_dim(segments, "seq", 0, S - 1)).map(
+        lambda v: (v == 0).to(dtype))], "seq")
 
 
-def _states(decay: Named, inputs: Named) -> Named:
-    """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` (``h_0 = inputs_0``), both
-    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where both are laid out alike
+def _states(decay: Named, inputs: Named, start: Named | None = None) -> Named:
+    """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` from ``h_{-1} = start``
+    (``batch mamba_inner ssm_state``; None: zero, ``h_0 = inputs_0``), ``decay`` and ``inputs``
+    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where all are laid out alike
     (as the scan's einsums make them), else over named slices."""
+    rest = [d for d in inputs.dims if d != "seq"]
+    if start is not None and sorted(start.dims) == sorted(rest):
+        start = ops.transpose(start, *rest)
+    s = inputs.dims.index("seq")
     if (decay.dims, decay.split, decay.vary, decay.partial) == (inputs.dims, inputs.split, inputs.vary,
-                                                                 inputs.partial) and not inputs.partial:
-        s, a = inputs.dims.index("seq"), decay.data
+                                                                 inputs.partial) and not inputs.partial and (
+            start is None or (start.dims, start.split, start.vary, start.partial) == (
+                tuple(rest), inputs.split[:s] + inputs.split[s + 1:], inputs.vary, inputs.partial)):
+        a = decay.data
 
         def run(u: torch.Tensor) -> torch.Tensor:
-            h, out = u.select(s, 0), [u.select(s, 0)]
+            h = u.select(s, 0) if start is None else a.select(s, 0) * start.data + u.select(s, 0)
+            out = [h]
             for t in range(1, u.shape[s]):
                 h = a.select(s, t) * h + u.select(s, t)
                 out.append(h)
             return torch.stack(out, s)
         return inputs.map(run)
-    state, out = None, []
+    state, out = start, []
     for t in range(inputs.size("seq")):
         u = ops.slice_dim(inputs, "seq", t, t + 1)
         state = u if state is None else ops.slice_dim(decay, "seq", t, t + 1) * state + u
@@ -170,18 +169,50 @@ def selective_scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Nam
     """The selective scan of every channel of ``x`` (``batch seq mamba_inner``): with ``dt =
     softplus(dt + dt_bias)`` and ``A = -exp(A_log)`` (``mamba_inner ssm_state``), the state
     ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t`` (``B``, ``C``: ``batch seq ssm_state``, shared by the
-    channels), the output ``y_t = h_t . C_t + D x_t``; sequentially along the sequence (every state
-    kept for the backward, ``batch seq mamba_inner ssm_state`` as transformers' reference), in float32
-    for 16-bit inputs (as transformers). ``segments``: the state starts from zero at each document
-    (the decay into a document's first position is zero)."""
+    channels; ``h_{-1} = 0``), the output ``y_t = h_t . C_t + D x_t``; sequentially along the sequence
+    (every state kept for the backward, ``batch seq mamba_inner ssm_state`` as transformers' reference),
+    in float32 for 16-bit inputs (as transformers). Along the sequence by
+    :func:`ops.sequence_chain.along_sequence` (the blocks of a split sequence in order, the state
+    handed on), each block by :func:`scan_block`. ``segments``: the state starts from zero at each
+    document (the decay into a document's first position is zero)."""
     dtype = x.data.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     x, dt, b, c = (v.astype(wide) for v in (x, dt, b, c))
     dt = (dt + dt_bias.astype(wide)).map(F.softplus)
     a = -ops.exp(a_log.astype(wide))
     decay = ops.exp(ops.einsum(f"batch seq {INNER}, {INNER} ssm_state -> batch seq {INNER} ssm_state", dt, a))
-    if segments is not None:
-        decay = decay * _continues(segments, wide)
     inputs = ops.einsum(f"batch seq {INNER}, batch seq ssm_state -> batch seq {INNER} ssm_state", dt * x, b)
-    y = ops.einsum(f"batch seq {INNER} ssm_state, batch seq ssm_state -> batch seq {INNER}", _states(decay, inputs), c)
+
+    def step(blocks, shared, state):
+        y, final, last_id = scan_block(*blocks, state[0], state[1] if len(state) > 1 else None)
+        return (y,), [final] + ([] if last_id is None else [last_id])
+    state = [_zero_state(inputs)]
+    if segments is not None:            # (the document before the row: an id no document has)
+        split = segments.split[segments.dims.index("batch")]
+        local = segments.data.shape[segments.dims.index("batch")]
+        state.append(make_named(torch.full((local,), -2, dtype=segments.data.dtype, device=segments.data.device),
+                                ("batch",), (split,), segments.vary))
+    y = along_sequence(step, [decay, inputs, c, segments], state, seq="seq", op="mamba1 selective scan")[0]
     return y + x * d.astype(wide)
+
+
+def _zero_state(inputs: Named) -> Named:
+    """The zero state (``batch mamba_inner ssm_state``), laid out as ``inputs``' (``batch seq mamba_inner ssm_state``)."""
+    dims = ("batch", INNER, "ssm_state")
+    at = [inputs.dims.index(n) for n in dims]
+    return make_named(inputs.data.new_zeros([inputs.data.shape[i] for i in at]), dims,
+                      tuple(inputs.split[i] for i in at), inputs.vary)
+
+
+def scan_block(decay: Named, inputs: Named, c: Named, segments: Named | None, start_state: Named,
+               start_id: Named | None) -> tuple[Named, Named, Named | None]:
+    """The scan of one block of the sequence (the sequence whole; ``decay`` = exp(dt A), ``inputs`` =
+    dt x B, ``batch seq mamba_inner ssm_state``) from ``start_state`` (``batch mamba_inner ssm_state``,
+    the state before the block; with ``segments`` it belongs to document ``start_id``, ``batch``): its
+    output without the D term, the state after its last position and that position's document id."""
+    S = inputs.size("seq")
+    if segments is not None:
+        decay = decay * _continues(segments, start_id, decay.data.dtype)
+    states = _states(decay, inputs, start_state)
+    y = ops.einsum(f"batch seq {INNER} ssm_state, batch seq ssm_state -> batch seq {INNER}", states, c)
+    return y, ops.take(states, "seq", S - 1), None if segments is None else ops.take(segments, "seq", S - 1)

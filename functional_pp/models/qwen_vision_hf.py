@@ -120,3 +120,35 @@ def vision_from_hf(hf: dict) -> QwenVisionConfig:
                             rope_theta=float(rope.get("rope_theta", 10000.0)),
                             hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
                             image_token_id=hf.get("image_token_id", 248056))
+
+
+CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+"""The multimodal class export writes for each wrapper."""
+
+
+def config_to_hf(mt: str, text: dict, v: QwenVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
+    """The multimodal ``config.json`` of ``mt`` (``qwen3_5``, ``qwen2_vl``) around the text decoder's
+    (``text``: its text class's config; Qwen2-VL's: a Qwen2's, given its multimodal rotary's
+    ``mrope_section`` here) and the tower ``v``."""
+    text = {k: x for k, x in text.items() if k != "architectures"}
+    if mt == "qwen2_vl":
+        rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.pop("rope_theta", 1e4)})
+        if mrope_section is not None:
+            rope["mrope_section"] = list(mrope_section)
+        text.update(model_type="qwen2_vl_text", rope_parameters=rope)
+        if v.mlp % v.hidden:
+            raise ValueError(f"export as {CLASSES[mt]}: the tower's MLP width {v.mlp} is not a multiple of its width "
+                             f"{v.hidden} (Qwen2-VL's vision_config holds an integer mlp_ratio)")
+        vision = {"model_type": "qwen2_vl_vision", "depth": v.layers, "embed_dim": v.hidden, "num_heads": v.heads,
+                  "mlp_ratio": v.mlp // v.hidden, "hidden_size": text["hidden_size"], "hidden_act": v.hidden_act}
+    else:
+        vision = {"model_type": "qwen3_5_vision", "depth": v.layers, "hidden_size": v.hidden, "num_heads": v.heads,
+                  "intermediate_size": v.mlp, "out_hidden_size": text["hidden_size"], "hidden_act": v.hidden_act,
+                  "num_position_embeddings": v.positions, "deepstack_visual_indexes": []}
+    vision.update(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch, in_channels=v.channels,
+                  spatial_merge_size=v.merge, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": text, "vision_config": vision,
+           "image_token_id": v.image_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
+    if "dtype" in text:
+        out["dtype"] = text["dtype"]
+    return out

@@ -3,12 +3,12 @@ with the dt / B / C norms in models/mamba1.py): a tiny random ``JambaForCausalLM
 builds from a config (a Mamba layer with experts, an attention layer with the MLP, a Mamba layer
 with the MLP) loads through the HF import; logits, the fp64 loss and every gradient equal
 transformers'; export writes ``JambaForCausalLM``, which loads with equal logits; FSDP x TP with
-sequence parallelism and EP on simulated devices and FSDP x TP on real gloo processes equal one
-device; LoRA on every linear (Axolotl's ``lora_target_linear``) equals peft's ``all-linear``; QLoRA's
+sequence parallelism, EP and CP (CP 2, CP 2 x TP 2; plain and packed rows) on simulated devices and
+FSDP x TP on real gloo processes equal one device; LoRA on every linear (Axolotl's ``lora_target_linear``) equals peft's ``all-linear``; QLoRA's
 NF4 base equals transformers + bitsandbytes."""
 import pytest
 import torch
-from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
+from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
                      assert_nf4_base_equals_bitsandbytes, assert_processes_equal_one_device, fp64_beside_hf,
                      hf_scan_in_fp64, import_logits_beside_hf, make_batch, parallel, saved_hf_model, single_device)
 
@@ -88,6 +88,13 @@ def test_export_round_trip(hf_dir, tmp_path):
 
 def test_fsdp_tp_sp_equals_one_device(hf_dir):
     assert_hf_layout_equals_one_device(hf_dir, "fsdp_tp_sp")
+
+
+def test_cp_equals_one_device(hf_dir):
+    """CP 2 and CP 2 x TP 2 (the Mamba layers' state handed from block to block, attention's ring),
+    plain and packed rows (a document starting at a block's start): loss and every gradient equal one device's."""
+    assert_hf_layout_equals_one_device(hf_dir, "cp")
+    assert_cp_equals_one_device(hf_dir, lengths=(6, 7, 11))
 
 
 def test_expert_parallel_x_tp_equals_one_device(hf_dir):

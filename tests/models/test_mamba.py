@@ -4,12 +4,14 @@ from a config loads through the HF import (files under ``backbone.``, tied embed
 the fp64 loss and every gradient equal transformers' (its scan's float32 casts kept in float64);
 export writes ``MambaForCausalLM``, which loads with equal logits; FSDP x TP with sequence
 parallelism on simulated devices, FSDP x TP on real gloo processes and a 1F1B pipeline equal one
-device; packed documents each as alone; CP, the key / value cache and Jamba-only options refused by name."""
+device; CP 2 (load-balanced, the state handed between the devices; plain and packed rows, CP x TP) on
+simulated devices and CP 2 on real gloo processes equal one device; packed documents each as alone;
+the key / value cache and Jamba-only options refused by name."""
 import pytest
 import torch
-from harness import (assert_1f1b_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
-                     assert_processes_equal_one_device, fp64_beside_hf, hf_scan_in_fp64, import_logits_beside_hf,
-                     make_batch, parallel)
+from harness import (assert_1f1b_equals_one_device, assert_cp_equals_one_device, assert_export_round_trip,
+                     assert_hf_layout_equals_one_device, assert_processes_equal_one_device, fp64_beside_hf,
+                     hf_scan_in_fp64, import_logits_beside_hf, make_batch)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -83,6 +85,20 @@ def test_fsdp_tp_real_processes_equal_one_device(hf_dir):
     assert_processes_equal_one_device(hf.config_from_hf(hf_dir))
 
 
+def test_cp_equals_one_device(hf_dir):
+    """CP 2 (the scan's state and the convolution's last inputs handed from block to block, the
+    balanced split's blocks in sequence order), alone and with TP 2, plain and packed rows whose
+    documents cross the blocks' boundaries: the loss and every gradient equal one device's."""
+    assert_hf_layout_equals_one_device(hf_dir, "cp")
+    assert_cp_equals_one_device(hf_dir)
+    assert_cp_equals_one_device(hf_dir, lengths=(6, 7, 11))   # (a document starting at a block's start: state reset)
+
+
+def test_cp_real_processes_equal_one_device(hf_dir):
+    """CP 2 on two gloo processes (the state permuted between them): two AdamW steps equal one device's."""
+    assert_processes_equal_one_device(hf.config_from_hf(hf_dir), mesh=fpp.Mesh(cp=2), rules=llama.default_rules(tp=False))
+
+
 def test_packed_documents_each_as_alone(hf_dir):
     """A row of packed documents (``segments``) gives each document's logits alone (the convolution
     and the state restart at each document); one long document is not (the test can fail)."""
@@ -113,8 +129,6 @@ def test_flops_count_the_mixers(hf_dir):
 def test_refused_by_name(hf_dir):
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
     batch = make_batch(cfg, batch=2, seq=8, seed=5)
-    with pytest.raises(Exception, match=r"Mamba \(v1\) selective scan needs the whole sequence.*cp_size: 1"):
-        parallel(cfg, params, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False))
     from functional_pp.models import sampling
     from functional_pp.parallel import sharding
     named = sharding.named_tree(params, llama.init(cfg, torch.float64))
@@ -156,11 +170,22 @@ def test_selective_scan_matches_the_recurrence():
     slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"))
     torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(), fast)
     assert torch.equal(fast[:, 0], inputs.value()[:, 0]) and not torch.allclose(fast[:, 1], inputs.value()[:, 1])
+    # from a start state (a block's under cp), both loops against the recurrence
+    start = torch.randn(B, I, N, generator=g, dtype=torch.float64)
+    h, want = start, []
+    for t in range(S):
+        h = decay.value()[:, t] * h + inputs.value()[:, t]
+        want.append(h)
+    begin = fpp.wrap(start, "batch mamba_inner ssm_state")
+    torch.testing.assert_close(mamba1._states(decay, inputs, begin).value(), torch.stack(want, 1), rtol=1e-12, atol=0)
+    slow = mamba1._states(decay, ops.transpose(inputs, "seq", "batch", "mamba_inner", "ssm_state"), begin)
+    torch.testing.assert_close(ops.transpose(slow, "batch", "seq", "mamba_inner", "ssm_state").value(),
+                               torch.stack(want, 1), rtol=1e-12, atol=0)
 
 
 def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
     """Axolotl's ``model_type: MambaLMHeadModel`` (mamba_ssm's class) reads base_model's config.json as
-    the mamba family; a config.json of another model_type is refused by name before any work; CP too."""
+    the mamba family; a config.json of another model_type is refused by name before any work; CP is accepted."""
     import json
 
     from functional_pp.config import ConfigError, TrainConfig
@@ -174,8 +199,11 @@ def test_axolotl_mamba_lm_head_model_needs_a_mamba_config(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"model_type: MambaLMHeadModel is a mamba model, but base_model .* "
                                           r"model_type 'llama'"):
         model_config(TrainConfig.from_dict({**base, "base_model": str(tmp_path)}, name="t"))
-    with pytest.raises(ConfigError, match=r"context_parallel_size \(cp_size\) 2: the Mamba \(v1\) layers' scan"):
-        model_config(TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t"))
+    with_cp = TrainConfig.from_dict({**base, "base_model": str(hf_dir), "context_parallel_size": 2}, name="t")
+    assert model_config(with_cp).mamba1_inner == 64
+    from functional_pp.app.sim_mode import needs_threads         # (the batched simulator names the layers)
+    assert any("cp_size: 2 with a recurrence along the sequence (layers [0, 1] hold Mamba (v1) mixers" in r
+               for r in needs_threads(with_cp))
 
 
 def test_pipeline_equals_one_device(hf_dir):

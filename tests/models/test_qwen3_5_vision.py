@@ -2,7 +2,8 @@
 the multimodal rotary, ops.rotary's ``sections``; data/qwen_images.py's entries) equals
 transformers' ``Qwen3_5ForConditionalGeneration`` on a tiny random checkpoint: logits, fp64 loss
 and every gradient; FSDP and TP on two simulated devices and DP x FSDP on real gloo processes equal
-one device; text positions rotate bitwise as the plain rotary; bad inputs are refused by name."""
+one device; text positions rotate bitwise as the plain rotary; bad inputs are refused by name; export
+writes the multimodal class (Qwen3.5's and Qwen2-VL's), which transformers loads with our logits."""
 import dataclasses
 import json
 
@@ -272,5 +273,39 @@ def test_qwen2_vl_equals_transformers(tmp_path):
         got = llama.forward(named, fpp.wrap(ids, "batch seq"), text_cfg).value()
         # (transformers' text rotary tables are float32 whatever the dtype: 4e-8 apart at most)
         torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="export of qwen2_vl's multimodal class \\(its vision tower\\) is not built"):
-        hf.save_hf_llama(params, cfg, tmp_path / "out")
+    assert_export_is_the_multimodal_class(tmp_path, cfg, tmp_path / "out", "Qwen2VLForConditionalGeneration")
+
+
+def assert_export_is_the_multimodal_class(src, cfg, out, cls: str) -> None:
+    """Parameters of ``src`` moved off the checkpoint's values, exported: the config is ``cls``'s and
+    reads back as ``cfg``; the files hold the checkpoint's tensor names (the tower's ``attn.qkv`` fused
+    back) and import as the exported values; transformers' ``cls`` loads them with our logits on rows
+    with images (float64)."""
+    from safetensors.torch import load_file
+    params = hf.load_hf_params(src, cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
+    hf.save_hf_llama(params, cfg, out)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == [cls] and raw["model_type"] == cfg.text_of or cfg.model_type
+    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(src / "model.safetensors")))
+    back = dict(tree.leaves_with_paths(hf.load_hf_params(out, cfg, dtype=torch.float64)))
+    for path, t in tree.leaves_with_paths(params):
+        assert torch.equal(back[path], t), path
+    model = getattr(transformers, cls).from_pretrained(out, dtype=torch.float64, attn_implementation="eager").eval()
+    ids, pixels = rows(seed=4, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    # (transformers' rotary tables, and Qwen3.5's delta rule and norms, are float32 whatever the dtype)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+
+
+def test_export_writes_the_multimodal_class(saved, tmp_path):
+    """Qwen3.5 with its tower exports as ``Qwen3_5ForConditionalGeneration`` (its text decoder alone
+    was written before), which transformers loads with our logits."""
+    _, d, cfg = saved
+    assert_export_is_the_multimodal_class(d, cfg, tmp_path / "out", "Qwen3_5ForConditionalGeneration")
