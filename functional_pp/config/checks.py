@@ -476,7 +476,8 @@ def check_images(cfg: Any, add) -> None:
 
 
 def _check_vision_tower(conf: Path, add) -> None:
-    """A local base_model's vision tower must be one that is built (models/pixtral_hf.py), named
+    """A local base_model's vision tower must be one that is built (models/llama_hf.py's
+    ``vision_from_hf``: Pixtral's, CLIP's, Qwen's), named
     here with the config's other problems (whatever else refuses it: another processor_type)."""
     if not conf.is_file():
         return
@@ -486,7 +487,7 @@ def _check_vision_tower(conf: Path, add) -> None:
         return                                  # (an unreadable config.json is reported where it is read)
     if not isinstance(hf, dict) or not isinstance(hf.get("vision_config"), dict):
         return                                  # (no tower declared: reading the model refuses it)
-    from functional_pp.models.pixtral_hf import vision_from_hf
+    from functional_pp.models.llama_hf import vision_from_hf
     try:
         vision_from_hf(hf)
     except ValueError as exc:
