@@ -564,3 +564,21 @@ def assert_1f1b_equals_one_device(cfg, batch=8, grad_accum=4, lr=3e-3, rtol=1e-1
                                     grad_accum=grad_accum, schedule="1f1b", first_stage=first, last_stage=last)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one), rtol=rtol, atol=atol)
     return one
+
+
+def assert_packed_documents_equal_hf(model, hf_dir, atol=3e-5) -> None:
+    """Packed rows (``segments``: two documents per row) of ``hf_dir``'s model: each document's
+    logits equal the transformers ``model``'s logits of that document alone, and the second
+    document of the first row differs from transformers' unpacked row (the documents do separate)."""
+    from functional_pp.checkpoint import hf
+    cfg, params = hf.load_hf_llama(hf_dir)
+    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
+    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
+                        segments=fpp.wrap(seg, "batch seq")).value()
+    with torch.no_grad():
+        for b in range(2):
+            for doc in seg[b].unique():
+                at = (seg[b] == doc).nonzero().flatten()
+                torch.testing.assert_close(got[b:b + 1, at], model(input_ids=toks[b:b + 1, at]).logits, atol=atol,
+                                           rtol=1e-5)
+        assert not torch.allclose(got[0, 5:], model(input_ids=toks[:1]).logits[0, 5:], atol=1e-3)

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 from harness import (assert_export_round_trip, assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
-                     assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch,
-                     our_logits, parallel, single_device, tokens)
+                     assert_packed_documents_equal_hf, assert_processes_equal_one_device, fp64_beside_hf,
+                     import_logits_beside_hf, make_batch, our_logits, parallel, single_device, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -151,19 +151,7 @@ def test_lora_on_axolotls_targets_equals_peft(saved):
 def test_packed_documents_equal_transformers_on_each(saved):
     """Packed rows (``segments``, Axolotl's sample_packing): each document's logits equal transformers'
     logits of that document alone (the convolutions and the recurrence restart, attention stays inside)."""
-    model, d = saved
-    cfg, params = hf.load_hf_llama(d)
-    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
-    from functional_pp.parallel import sharding
-    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
-                        segments=fpp.wrap(seg, "batch seq")).value()
-    with torch.no_grad():
-        for b in range(2):
-            for doc in seg[b].unique():
-                at = (seg[b] == doc).nonzero().flatten()
-                torch.testing.assert_close(got[b:b + 1, at], model(input_ids=toks[b:b + 1, at]).logits, atol=3e-5,
-                                           rtol=1e-5)
-        assert not torch.allclose(got[0, 5:], model(input_ids=toks[:1]).logits[0, 5:], atol=1e-3)
+    assert_packed_documents_equal_hf(*saved)
 
 
 def test_layouts_equal_one_device(saved):

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 from harness import (assert_cp_equals_one_device, assert_export_round_trip, assert_hf_layout_equals_one_device,
-                     assert_processes_equal_one_device, fp64_beside_hf, import_logits_beside_hf, make_batch, our_logits,
-                     tokens)
+                     assert_packed_documents_equal_hf, assert_processes_equal_one_device, fp64_beside_hf,
+                     import_logits_beside_hf, make_batch, our_logits, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -123,18 +123,7 @@ def test_context_parallelism_equals_one_device(saved):
 def test_packed_documents_equal_transformers_on_each(saved):
     """Packed rows (``segments``): each document's logits equal transformers' logits of that document
     alone (no convolution tap reads the document before; attention stays inside)."""
-    model, d = saved
-    cfg, params = hf.load_hf_llama(d)
-    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
-    from functional_pp.parallel import sharding
-    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
-                        segments=fpp.wrap(seg, "batch seq")).value()
-    with torch.no_grad():
-        for b in range(2):
-            for doc in seg[b].unique():
-                at = (seg[b] == doc).nonzero().flatten()
-                torch.testing.assert_close(got[b:b + 1, at], model(input_ids=toks[b:b + 1, at]).logits, atol=3e-5,
-                                           rtol=1e-5)
+    assert_packed_documents_equal_hf(*saved)
 
 
 def test_cp_training_with_whole_layer_remat_equals_one_device():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from harness import (assert_1f1b_equals_one_device, assert_cp_equals_one_device, assert_export_round_trip,
                      assert_hf_layout_equals_one_device, assert_lora_step_equals_peft,
-                     assert_nf4_base_equals_bitsandbytes, fp64_beside_hf, import_logits_beside_hf, our_logits,
-                     tokens)
+                     assert_nf4_base_equals_bitsandbytes, assert_packed_documents_equal_hf, fp64_beside_hf,
+                     import_logits_beside_hf, our_logits, tokens)
 
 import functional_pp as fpp
 from functional_pp import checkpoint as ck
@@ -105,19 +105,7 @@ def test_lora_on_axolotls_targets_equals_peft(saved):
 def test_packed_documents_equal_transformers_on_each(saved):
     """Packed rows (``segments``, Axolotl's sample_packing): each document's logits equal transformers'
     logits of that document alone (the convolution and the recurrence restart, attention stays inside)."""
-    model, d = saved
-    cfg, params = hf.load_hf_llama(d)
-    toks, seg = tokens(batch=2, seq=12), torch.tensor([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])
-    from functional_pp.parallel import sharding
-    got = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg,
-                        segments=fpp.wrap(seg, "batch seq")).value()
-    with torch.no_grad():
-        for b in range(2):
-            for doc in seg[b].unique():
-                at = (seg[b] == doc).nonzero().flatten()
-                want = model(input_ids=toks[b:b + 1, at]).logits
-                torch.testing.assert_close(got[b:b + 1, at], want, atol=3e-5, rtol=1e-5)
-        assert not torch.allclose(got[0, 5:], model(input_ids=toks[:1]).logits[0, 5:], atol=1e-3)
+    assert_packed_documents_equal_hf(*saved)
 
 
 def test_fsdp_tp_sp_equals_one_device(saved):
