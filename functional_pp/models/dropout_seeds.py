@@ -36,16 +36,7 @@ def forward_seed(attention_dropout: float, residual_dropout: float, cached: bool
         return None
     what = f"attention_dropout={attention_dropout}, residual_dropout={residual_dropout}"
     what += f", embedding_dropout={embedding_dropout}" if embedding_dropout else ""
-    if is_tracing():
-        raise ValueError(f"dropout ({what}) under a compiled step is not supported (its mask seed advances on the "
-                         f"host every forward); set compile: false (torch_compile: false) or the dropout to 0.0")
-    if current_stage() is not None:
-        raise ValueError(f"dropout ({what}) under pipeline parallelism (pp) is not supported yet; use FSDP, TP or "
-                         f"CP (pp_size 1) or set the dropout to 0.0")
-    store = _store()
-    n = store.get(_KEY, 0)
-    store[_KEY] = n + 1
-    return store.get(_STEP, 0) * _PER_STEP + n
+    return _next_seed(f"dropout ({what})", "mask seed", "the dropout to 0.0")
 
 
 def noise_seed(what: str) -> int:
@@ -53,12 +44,18 @@ def noise_seed(what: str) -> int:
     them: the diffusion objective's masks, models/diffusion_lm.py): taken from the same counter as
     :func:`forward_seed`, so every layout and a resumed run draw the same; refused under a compiled
     step and a pipeline for the same reasons."""
+    return _next_seed(what, "seed", None)
+
+
+def _next_seed(what: str, seed: str, instead: str | None) -> int:
+    """The next forward's seed of this step; ``what`` refused by name (``instead``: what else to set
+    to do without it) under a compiled step (its ``seed`` advances on the host) and under pipeline stages."""
     if is_tracing():
-        raise ValueError(f"{what} under a compiled step is not supported (its seed advances on the host every "
-                         f"forward); set compile: false (torch_compile: false)")
+        raise ValueError(f"{what} under a compiled step is not supported (its {seed} advances on the host every "
+                         f"forward); set compile: false (torch_compile: false){f' or {instead}' if instead else ''}")
     if current_stage() is not None:
         raise ValueError(f"{what} under pipeline parallelism (pp) is not supported yet; use FSDP, TP or CP "
-                         f"(pp_size 1)")
+                         f"(pp_size 1){f' or set {instead}' if instead else ''}")
     store = _store()
     n = store.get(_KEY, 0)
     store[_KEY] = n + 1
