@@ -1,5 +1,7 @@
 """A tiny local tokenizer for chat tests: UTF-8 bytes (byte-level BPE without merges) plus every
-marker of the named chat templates as one special token; no hub."""
+marker of the named chat templates as one special token; no hub. The byte alphabet is sorted:
+``tokenizers`` returns it in a different order in every process, which gave every test a different
+vocabulary (and different numbers) from run to run."""
 import json
 import re
 
@@ -21,7 +23,7 @@ def special_tokens() -> list[str]:
 def make_tokenizer(d, bos, eos, template=None, extra=()):
     """A byte-level tokenizer (no merges) with every template marker (and ``extra``) as one special token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()
@@ -46,7 +48,7 @@ def make_bpe_tokenizer(d, bos, eos, texts, vocab_size=600):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()),
                                   show_progress=False)
     t.train_from_iterator(texts, trainer)
     t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens()])
@@ -116,7 +118,7 @@ def make_pixtral_processor(d, patch=4, merge=2, longest_edge=32):
     of ``patch * merge``, ``processor_config.json`` and :data:`PIXTRAL_TEMPLATE`."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()
@@ -155,7 +157,7 @@ def make_qwen_vl_processor(d, **kw):
     at each turn's ``<|im_end|>``) and :func:`write_qwen_vl_processor_files`."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()
@@ -184,7 +186,7 @@ def make_llava_processor(d, patch=4, image_size=8, strategy="default"):
     :data:`LLAVA_TEMPLATE`."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     t.decoder = decoders.ByteLevel()

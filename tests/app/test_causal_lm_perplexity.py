@@ -41,7 +41,7 @@ def inputs(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([r["instruction"] + r["output"] for r in rows],
                             trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                                 unk_token="<unk>")
