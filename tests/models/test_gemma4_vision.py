@@ -163,3 +163,127 @@ def test_loss_and_every_gradient_equal_transformers(saved):
                                    msg=lambda m: f"{name}: {m}")
         seen += 1
     assert seen == len(hf_grads)
+
+
+AXOLOTL_TARGETS = r"model.language_model.layers.[\d]+.(_checkpoint_wrapped_module.)?(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+"""The example's lora_target_modules (gemma4-unified/12b-vision-lora.yaml): the text decoder's linears."""
+
+
+def test_lora_on_the_text_decoder_equals_peft(saved):
+    """LoRA with the example's regex on the text decoder, a batch with images: the loss and every
+    adapter gradient of one step equal peft's on transformers' multimodal model (float64)."""
+    import peft
+
+    from functional_pp import adapters
+    from functional_pp.adapters import peft_dir
+    from harness import train_adapters
+    _, d, cfg = saved
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
+                                                                        attn_implementation="eager")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=AXOLOTL_TARGETS))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=AXOLOTL_TARGETS)
+    decls = adapters.init(llama.init(cfg, torch.float64), lc)
+    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64),
+                           peft_dir.from_peft(state, decls, cfg.model_type))
+    ids, pixels = rows(seed=6, dtype=torch.float64)
+    ours = train_adapters(cfg, lc, decls, full, [batch_of(ids, pixels)], fpp.Mesh(), fpp.Rules(),
+                          batch_dims={"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS})[0]
+    logits = pm(**hf_inputs(ids, pixels)).logits[:, :-1]
+    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(torch.tensor(float(ours[0][0]), dtype=torch.float64), ref.detach(), rtol=1e-6, atol=0)
+    grads = peft_dir.to_peft(ours[1], cfg.model_type)
+    want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    assert grads.keys() == want.keys() and len(want) == 2 * 7 * cfg.layers
+    assert not any("vision" in k for k in want)
+    for k in want:
+        assert want[k].abs().max() > 0, k
+        # (float32's precision where transformers' vision rotary and pooler run in float32)
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-5 * want[k].abs().max().item(),
+                                   msg=lambda m: f"grad {k}: {m}")
+
+
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
+def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
+    _, d, cfg = saved
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
+    ids, pixels = rows(seed=2, dtype=torch.float64)
+    batch = batch_of(ids, pixels)
+    loss0, grads0 = single_device(cfg, params, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+def test_export_writes_the_multimodal_class(saved, tmp_path):
+    """Parameters moved off the checkpoint's values, exported: ``Gemma4ForConditionalGeneration``'s
+    config, reading back as ours; the checkpoint's tensor names; transformers loads them with our
+    logits on rows with images (float64)."""
+    from safetensors.torch import load_file
+    _, d, cfg = saved
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
+    out = tmp_path / "out"
+    hf.save_hf_llama(params, cfg, out)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Gemma4ForConditionalGeneration"] and raw["model_type"] == "gemma4"
+    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(out, dtype=torch.float64,
+                                                                        attn_implementation="eager").eval()
+    ids, pixels = rows(seed=4, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+
+
+def test_bad_inputs_are_refused_by_name(saved):
+    _, d, cfg = saved
+    ids, pixels = rows()
+    ids[0, 11] = 5                                  # one image token too few in row 0
+    with pytest.raises(ValueError, match=r"row 0 holds 6 image tokens \(id 250\) but its 2 images make 7"):
+        entries(ids, pixels)
+    raw = json.loads((d / "config.json").read_text())
+    for key, value, match in (("use_clipped_linears", True, "vision_config.use_clipped_linears=True is not supported"),
+                              ("standardize", True, "vision_config.standardize=True is not supported"),
+                              ("num_key_value_heads", 1, "vision_config.num_key_value_heads=1 is not supported"),
+                              ("hidden_activation", "silu", "hidden_activation='silu' is not supported")):
+        with pytest.raises(ValueError, match=match):
+            gemma4_vision_hf.vision_from_hf({**raw, "vision_config": {**raw["vision_config"], key: value}})
+    with pytest.raises(ValueError, match=r"hidden_size_per_layer_input \(with images\)=256 is not supported"):
+        gemma4_vision_hf.vision_from_hf({**raw, "text_config": {**raw["text_config"],
+                                                                 "hidden_size_per_layer_input": 256}})
+    with pytest.raises(ValueError, match="not a multiple of pooling_kernel_size² = 4"):
+        batch = batch_of(*rows())
+        batch = {k: v[:, :-1] if k.startswith("patch") else v for k, v in batch.items()}
+        single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), batch)
+
+
+def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    """Two AdamW steps with images on DP x FSDP over four gloo processes equal one device."""
+    _, _, cfg = saved
+    small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
+    data = [batch_of(*rows(seed=s, dtype=torch.float64)) for s in range(2)]
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
+    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
+    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
+                                        mesh, processes=True, timeout=600):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m: f"{p}: {m}")
+    assert any(p.startswith("vision_tower.encoder.") for p in one[1])
