@@ -276,7 +276,8 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if (d / "config.json").is_file():
         return d
     from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, make_tekken, make_tokenizer, write_gemma4_processor_files,
-                                write_llava_processor_files, write_pixtral_processor_files, write_qwen_vl_processor_files)
+                                write_llava_processor_files, write_pixtral_processor_files,
+                                write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,

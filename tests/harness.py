@@ -287,7 +287,8 @@ def train_adapters(cfg, lc, decls, full, data, mesh, rules, lr=1e-2, wd=0.1, bat
     from functional_pp import adapters
     loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)
     step = fpp.train_step(loss, fpp.optim.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd), mesh=mesh,
-                          rules=rules, trainable=adapters.trainable(lc), **({"batch_dims": batch_dims} if batch_dims else {}))
+                          rules=rules, trainable=adapters.trainable(lc),
+                          **({"batch_dims": batch_dims} if batch_dims else {}))
 
     def device():
         with fpp.use_rules(rules):

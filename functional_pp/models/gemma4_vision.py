@@ -89,7 +89,8 @@ def init(v: Gemma4VisionConfig, text_hidden: int, dtype: torch.dtype, std: float
                 "self_attn": {**{f"{x}_proj": w((v.hidden, H, D), "vision vheads vhead_dim") for x in "qkv"},
                               "o_proj": w((H, D, v.hidden), "vheads vhead_dim vision"),
                               "q_norm": ones(D, "vhead_dim"), "k_norm": ones(D, "vhead_dim")},
-                "mlp": {"gate_proj": w((v.hidden, v.mlp), "vision vmlp"), "up_proj": w((v.hidden, v.mlp), "vision vmlp"),
+                "mlp": {"gate_proj": w((v.hidden, v.mlp), "vision vmlp"),
+                        "up_proj": w((v.hidden, v.mlp), "vision vmlp"),
                         "down_proj": w((v.mlp, v.hidden), "vmlp vision")}}
 
     pixels = v.patch_size * v.patch_size * v.channels

@@ -12,8 +12,9 @@ _OURS = "vision_tower.encoder.{i}."
 TABLE = (
     ("vision_tower.patch_embedder.input_proj.weight", "vision_tower.input_proj", "linear"),
     ("vision_tower.patch_embedder.position_embedding_table", "vision_tower.position_table", "copy"),
-    *((_LAYER + f"{n}.weight", _OURS + n, "copy") for n in ("input_layernorm", "post_attention_layernorm",
-                                                             "pre_feedforward_layernorm", "post_feedforward_layernorm")),
+    *((_LAYER + f"{n}.weight", _OURS + n, "copy")
+      for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")),
     *((_LAYER + f"self_attn.{x}_proj.linear.weight", _OURS + f"self_attn.{x}_proj", "heads_out") for x in "qkv"),
     (_LAYER + "self_attn.o_proj.linear.weight", _OURS + "self_attn.o_proj", "heads_in"),
     *((_LAYER + f"self_attn.{x}_norm.weight", _OURS + f"self_attn.{x}_norm", "copy") for x in "qk"),
@@ -57,14 +58,16 @@ def vision_from_hf(hf: dict) -> Gemma4VisionConfig:
                              f"{want!r}); train this checkpoint on text (drop processor_type and the image columns)")
     act = v.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in ACTIVATIONS:
-        raise ValueError(f"{where}: vision_config.hidden_activation={act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        raise ValueError(f"{where}: vision_config.hidden_activation={act!r} is not supported "
+                         f"({', '.join(ACTIVATIONS)})")
     return Gemma4VisionConfig(hidden=v.get("hidden_size", 768), layers=v.get("num_hidden_layers", 16), heads=heads,
                               head_dim=v.get("head_dim", 64), mlp=v.get("intermediate_size", 3072),
                               patch_size=v.get("patch_size", 16), pool=v.get("pooling_kernel_size", 3),
                               positions=v.get("position_embedding_size", 10 * 1024),
                               rope_theta=float(rope.get("rope_theta", 100.0)), norm_eps=v.get("rms_norm_eps", 1e-6),
                               hidden_act=act, image_token_id=hf.get("image_token_id", 258_880),
-                              boi_token_id=hf.get("boi_token_id", 255_999), eoi_token_id=hf.get("eoi_token_id", 258_882))
+                              boi_token_id=hf.get("boi_token_id", 255_999),
+                              eoi_token_id=hf.get("eoi_token_id", 258_882))
 
 
 def config_to_hf(text: dict, v: Gemma4VisionConfig) -> dict:

@@ -303,8 +303,8 @@ class Config:
     # export writes them under those names
     experts_linearized: bool = False
     # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
-    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/gemma4_vision.py: Gemma 4's), its features written into the embeddings at the image tokens
-    # of batches that carry images (None: text only)
+    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/gemma4_vision.py: Gemma 4's), its features written into
+    # the embeddings at the image tokens of batches that carry images (None: text only)
     vision: "pixtral.VisionConfig | qwen_vision.QwenVisionConfig | gemma4_vision.Gemma4VisionConfig | None" = None
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward

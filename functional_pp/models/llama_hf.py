@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
-                                  gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
-                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
+                                  gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf,
+                                  mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling

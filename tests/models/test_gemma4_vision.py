@@ -165,7 +165,8 @@ def test_loss_and_every_gradient_equal_transformers(saved):
     assert seen == len(hf_grads)
 
 
-AXOLOTL_TARGETS = r"model.language_model.layers.[\d]+.(_checkpoint_wrapped_module.)?(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+AXOLOTL_TARGETS = (r"model.language_model.layers.[\d]+.(_checkpoint_wrapped_module.)?(mlp|self_attn)."
+                   r"(up|down|gate|q|k|v|o)_proj")
 """The example's lora_target_modules (gemma4-unified/12b-vision-lora.yaml): the text decoder's linears."""
 
 
