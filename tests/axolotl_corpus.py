@@ -188,8 +188,8 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
 _GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
                     hidden_size_per_layer_input=0, final_logit_softcapping=30.0, sliding_window=128, pad_token_id=0,
                     bos_token_id=None, eos_token_id=None)
-_GEMMA4_SPECIAL = dict(image_token_id=400, boi_token_id=401, eoi_token_id=402, video_token_id=403, boa_token_id=None,
-                       eoa_token_index=None, audio_token_id=None)         # (past the tiny vocabulary)
+_GEMMA4_SPECIAL = dict(video_token_id=403, boa_token_id=None, eoa_token_index=None,
+                       audio_token_id=None)         # (past the tiny vocabulary; the image's: the tokenizer's)
 _GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
 #: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral), Ministral 3
@@ -275,14 +275,16 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import (make_tekken, make_tokenizer, write_llava_processor_files, write_pixtral_processor_files,
+    from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, make_tekken, make_tokenizer, write_gemma4_processor_files,
+                                write_llava_processor_files, write_pixtral_processor_files,
                                 write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
                          extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
-                                ("<image>",) if model_type in _LLAVA else ()))
+                                ("<image>",) if model_type in _LLAVA else
+                                GEMMA4_IMAGE_TOKENS if model_type in ("gemma4", "gemma4_moe") else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
@@ -315,8 +317,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16)
         text = _GEMMA4_MOE_TEXT if model_type == "gemma4_moe" else _GEMMA4_TEXT
+        ids = dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"),     # (images: Gemma 4's processor, its
+                       map(tok.tok.token_to_id, GEMMA4_IMAGE_TOKENS)))         # tokens the tokenizer's own ids)
         conf = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
-                                         **_GEMMA4_SPECIAL)
+                                         **{**_GEMMA4_SPECIAL, **ids})
+        write_gemma4_processor_files(d)
         transformers.Gemma4ForConditionalGeneration(conf).save_pretrained(d)
         return d
     conf, cls, extra = _HF[model_type]

@@ -111,6 +111,25 @@ def write_pixtral_processor_files(d, patch, merge, longest_edge):
     (d / "chat_template.jinja").write_text(PIXTRAL_TEMPLATE)
 
 
+GEMMA4_IMAGE_TOKENS = ("<|image|>", "<|image>", "<image|>")
+"""Gemma 4's image token, begin-of-image and end-of-image tokens."""
+
+
+def write_gemma4_processor_files(d, patch=16, pool=3, max_soft_tokens=70):
+    """``processor_config.json`` and ``preprocessor_config.json`` (the real ``Gemma4ImageProcessor``,
+    PIL backend: resizes within ``max_soft_tokens`` soft tokens of ``pool``² patches) of a Gemma 4
+    processor in ``d``, beside its tokenizer, and its ``chat_template.jinja`` (Axolotl's ``gemma4_unified``)."""
+    import transformers
+
+    from functional_pp.data.chat import template_text
+    transformers.Gemma4ImageProcessorPil(patch_size=patch, pooling_kernel_size=pool,
+                                        max_soft_tokens=max_soft_tokens).save_pretrained(str(d))
+    image, boi, eoi = GEMMA4_IMAGE_TOKENS
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor", "image_token": image,
+                                                          "boi_token": boi, "eoi_token": eoi}))
+    (d / "chat_template.jinja").write_text(template_text("gemma4_unified"))
+
+
 def make_pixtral_processor(d, patch=4, merge=2, longest_edge=32):
     """A tiny Pixtral processor's files in ``d`` (as ``PixtralProcessor.save_pretrained`` writes them):
     a byte-level tokenizer with Mistral's image tokens ([IMG] is id 260), the real

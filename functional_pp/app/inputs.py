@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import qwen_vision
+    from functional_pp.models import gemma4_vision, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -163,7 +163,9 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
     qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
-    if qwen != (proc.layout == "qwen"):
+    # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
+    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4")}
+    if own.get(v.tower, proc.layout) != proc.layout or (v.tower not in own and proc.layout in own.values()):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
     if qwen:

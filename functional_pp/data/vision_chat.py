@@ -15,7 +15,11 @@ and only the assistant's replies train (its Pixtral strategy). Qwen's processors
 ``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
 gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
-(Axolotl's Qwen2-VL strategy)."""
+(Axolotl's Qwen2-VL strategy). Gemma 4's (``Gemma4Processor``) writes each image as its begin token,
+one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kernel_size``² block of
+patches each) and its end token; its image processor (``Gemma4ImageProcessor``, resizing within
+``max_soft_tokens``) gives the patches as rows of pixels, put back into each image's pixels here
+for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens."""
 from __future__ import annotations
 
 import copy
@@ -30,7 +34,7 @@ from functional_pp.data.qwen_images import qwen_image_batch
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS)
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor")
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -60,9 +64,15 @@ class ImageChatProcessor:
     layout: str = "pixtral"
     merge: int = 1
     extra: int = 0
+    image_begin_token: str | None = None      # (Gemma 4's: before each image's tokens, as its end token after)
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
+        if self.layout == "gemma4":
+            out = self.image_processor(pictures, return_tensors="pt")
+            px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], self.patch // self.merge)
+            return px, sizes, [self.image_begin_token + self.image_token * int(n) + self.image_end_token
+                               for n in out["num_soft_tokens_per_image"]]
         if self.layout == "qwen":
             out = self.image_processor(pictures, return_tensors="pt")
             grids = torch.as_tensor(out["image_grid_thw"])
@@ -86,8 +96,30 @@ class ImageChatProcessor:
         return "".join(tokens)
 
     def media_ids(self) -> list[int]:
-        return [self.tokenizer.convert_tokens_to_ids(t)
-                for t in (self.image_token, self.image_break_token, self.image_end_token) if t is not None]
+        """The ids of the image tokens (the image's own first)."""
+        return [self.tokenizer.convert_tokens_to_ids(t) for t in (self.image_token, self.image_break_token,
+                                                                  self.image_end_token, self.image_begin_token)
+                if t is not None]
+
+
+def _gemma4_pixels(rows: torch.Tensor, positions: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's pixels (n, C, H, W; padded to the largest) and sizes (n, 2) from Gemma 4's image
+    processor's rows of patches (n, P, patch * patch * C in (y, x, channel) order) and their (x, y)
+    positions (-1: padding)."""
+    images, sizes = [], []
+    for r, pos in zip(rows, positions):
+        real = (pos >= 0).all(-1)
+        gw, gh = int(pos[real, 0].max()) + 1, int(pos[real, 1].max()) + 1
+        c = r.shape[-1] // (patch * patch)
+        order = torch.argsort(pos[real, 1] * gw + pos[real, 0])          # (row by row, as the processor cuts)
+        grid = r[real][order].reshape(gh, gw, patch, patch, c).permute(4, 0, 2, 1, 3)
+        images.append(grid.reshape(c, gh * patch, gw * patch))
+        sizes.append([gh * patch, gw * patch])
+    h, w = max(s[0] for s in sizes), max(s[1] for s in sizes)
+    out = rows.new_zeros(len(images), images[0].shape[0], h, w)
+    for j, im in enumerate(images):
+        out[j, :, :im.shape[1], :im.shape[2]] = im
+    return out, torch.tensor(sizes)
 
 
 def load_processor(path: str | Path, where: str = "processor_type") -> ImageChatProcessor:
@@ -107,7 +139,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
@@ -121,7 +153,13 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if not template:
         raise ValueError(f"{where}: base_model {path} has no chat template (processor_config.json, "
                          f"chat_template.jinja or the tokenizer's)")
-    if kind in QWEN_PROCESSORS:
+    if kind == "Gemma4Processor":              # (a token per pooling_kernel_size² patches, between begin and end)
+        pool = int(getattr(images, "pooling_kernel_size", 3))
+        proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)) * pool,
+                                  image_token=conf.get("image_token", "<|image|>"), image_break_token=None,
+                                  image_end_token=conf.get("eoi_token", "<image|>"), layout="gemma4", merge=pool,
+                                  image_begin_token=conf.get("boi_token", "<|image>"))
+    elif kind in QWEN_PROCESSORS:
         merge = int(getattr(images, "merge_size", 2))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
                                   image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
@@ -136,7 +174,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
         names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
         proc = ImageChatProcessor(tok, images, template, patch, **names)
-    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token) if t is not None]
+    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token, proc.image_begin_token)
+             if t is not None]
     unknown = [t for t, i in zip(named, proc.media_ids()) if i in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")

@@ -56,12 +56,16 @@ ROWS: tuple[Row, ...] = (
     Row(("gemma4_text", "gemma4"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
                                    "full layers of their own head width and k/v heads whose v is the k projection "
                                    "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "
-                                   "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`); 26B-A4B's experts "
+                                   "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`), with its vision encoder and "
+                                   "embedder under `processor_type` (images; export: `Gemma4ForConditionalGeneration`); "
+                                   "26B-A4B's experts "
                                    "beside the dense MLP (`enable_moe_block`: a router on the normed residual with its "
                                    "scales, tanh-GELU experts, each output normed), EP, LoRA / QLoRA on them; E2B / "
                                    "E4B's per-layer input embeddings (`hidden_size_per_layer_input`) and keys / values "
                                    "shared across layers (`num_kv_shared_layers`, the double-wide MLP)",
-        "pipelines (pp) and key / value-cache sampling of E2B / E4B (refused by name); image and audio input"),
+        "pipelines (pp) and key / value-cache sampling of E2B / E4B (refused by name); bidirectional attention "
+        "among an image's tokens (`use_bidirectional_attention`), images with E2B / E4B's per-layer inputs; audio "
+        "input; `gemma4_unified` (Gemma 4 12B)"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),

@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
-                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
+                                  gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf,
+                                  mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -184,6 +184,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *pixtral_hf.TABLE,
     # Qwen3.5's vision tower and patch merger (models/qwen_vision.py)
     *qwen_vision_hf.TABLE,
+    # Gemma 4's vision tower and multimodal embedder (models/gemma4_vision.py)
+    *gemma4_vision_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -387,6 +389,7 @@ RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
 RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its vision tower: model.visual.)
+RENAMED["gemma4"] = RENAMED["gemma4"] + gemma4_vision_hf.RENAMED       # (its vision tower: model.vision_tower.)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
@@ -1295,6 +1298,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, **plain), dtype)
         return qwen_vision_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
+    if cfg.vision is not None and wrapper in gemma4_vision_hf.WRAPPERS:   # Gemma 4's multimodal class
+        text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text"), dtype)
+        return gemma4_vision_hf.config_to_hf(text, cfg.vision)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1428,8 +1434,10 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 
 def vision_from_hf(hf: dict):
-    """The vision tower config (models/pixtral.py's or models/qwen_vision.py's) of a multimodal
-    ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
+    """The vision tower config (models/pixtral.py's, models/qwen_vision.py's or models/gemma4_vision.py's)
+    of a multimodal ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
     if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
         return qwen_vision_hf.vision_from_hf(hf)
+    if hf.get("model_type") in gemma4_vision_hf.WRAPPERS:
+        return gemma4_vision_hf.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)
