@@ -198,3 +198,63 @@ def test_axolotl_lora_targets_with_images_equal_peft(saved):
         assert g.abs().max() > 0, k
         torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(),   # (q / k: the rotary
                                    msg=lambda m: f"grad {k}: {m}")                          # in float32)
+
+
+def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    """Two AdamW steps with images on 4 gloo processes (DP x FSDP) equal one device."""
+    _, _, cfg = saved
+    data = [batch_of(*rows(seed=s, dtype=torch.float64)) for s in (5, 6)]
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+    one = fpp.launch(train_steps(cfg, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
+    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
+    got = fpp.launch(train_steps(cfg, data, mesh, llama.default_rules(tp=False), batch_dims=dims), mesh,
+                     processes=True, timeout=600)
+    assert any(p.startswith("vision_tower.encoder.") for p in one[1])
+    for losses, params, _ in got:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
+                                       msg=lambda m: f"{p}: {m}")
+
+
+def test_export_writes_the_multimodal_class(saved, tmp_path):
+    """The export is ``Llama4ForConditionalGeneration`` (config and tensors under their HF names), which
+    transformers loads whole with our logits, images and all; read back, the same config."""
+    _, d, cfg = saved
+    g = torch.Generator().manual_seed(5)
+    moved = tree.tree_map(lambda t: t + 0.01 * torch.randn(t.shape, generator=g), hf.load_hf_params(d, cfg))
+    out = hf.save_hf_llama(moved, cfg, tmp_path / "hf")
+    raw = json.loads((out / "config.json").read_text())
+    assert (raw["architectures"], raw["vision_config"]["model_type"]) == (["Llama4ForConditionalGeneration"],
+                                                                          "llama4_vision_model")
+    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama4_vision_hf.vision_from_hf(raw)) == cfg
+    loaded, info = transformers.Llama4ForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
+                                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids, pixels = rows(seed=7)
+    with torch.no_grad():
+        want = loaded.eval()(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
+    torch.testing.assert_close(our_logits(moved, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused_by_name(saved):
+    _, _, cfg = saved
+    ids, pixels = rows()
+    with pytest.raises(ValueError, match=r"row 0 holds 8 image tokens \(id 200\) but its 1 images make 4"):
+        image_batch(ids, [pixels[0][:1], *pixels[1:]], [torch.tensor([[16, 16]] * n) if n else None
+                                                         for n in (1, 1, 0, 1)], patch=4, merge=2,
+                    image_token_id=IMAGE, class_token="trailing", image_size=16)
+    with pytest.raises(ValueError, match=r"an image of 16 x 8 pixels; a Llama 4 tower takes tiles of 16 x 16"):
+        image_batch(ids[:1], [torch.zeros(1, 3, 16, 16)], [torch.tensor([[16, 8]])], patch=4, merge=2,
+                    image_token_id=IMAGE, class_token="trailing", image_size=16)
+    raw = {"model_type": "llama4", "vision_config": dict(VISION, intermediate_size=64)}
+    with pytest.raises(ValueError, match=r"intermediate_size=64 must be hidden_size=32 x \(1 / pixel_shuffle_ratio\)"):
+        llama4_vision_hf.vision_from_hf(raw)
+    raw["vision_config"] = dict(VISION, vision_output_dim=32)
+    with pytest.raises(ValueError, match="must be equal"):
+        llama4_vision_hf.vision_from_hf(raw)
+    named = sharding.named_tree(hf.load_hf_params(saved[1], cfg), llama.init(cfg))
+    images = {k: fpp.wrap(v[:, :-1] if k.startswith("patch") else v, IMAGE_DIMS[k])
+              for k, v in entries(ids, pixels).items()}
+    with pytest.raises(ValueError, match=r"not a whole number of llama4 tiles of 17"):
+        llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images)
