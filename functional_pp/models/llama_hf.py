@@ -385,6 +385,8 @@ RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
     (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"),
     (r"^(model\.layers\.\d+)\.mlp\.", r"\1.feed_forward."))      # (not the vision model's mlp)
+RENAMED["llama4"] = RENAMED["llama4_text"] + ((r"^(model|lm_head)\.", r"language_model.\1."),)   # (the multimodal
+# model's names, what an adapter of a run from its files names: its text model under language_model.)
 RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one norm and mixer)
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)

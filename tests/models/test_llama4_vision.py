@@ -178,20 +178,18 @@ def test_axolotl_lora_targets_with_images_equal_peft(saved):
     want = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
     want.backward()
 
-    def ours_name(k):       # (our module names of the text decoder: its Llama4ForCausalLM's)
-        return k.replace(".default", "").replace("base_model.model.language_model.", "base_model.model.")
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=TARGETS)
     decls = adapters.init(llama.init(cfg, torch.float64), lc)
-    state = {ours_name(k): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64),
-                           peft_dir.from_peft(state, decls, cfg.model_type))
+    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64),     # (the multimodal model's names:
+                           peft_dir.from_peft(state, decls, "llama4"))        # what base_model's files name)
     params = tree.tree_map(lambda x: x.clone().requires_grad_(), full)
     b = {k: fpp.wrap(v, IMAGE_DIMS.get(k, "batch seq")) for k, v in batch_of(ids, pixels).items()}
     loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)(sharding.named_tree(params, decls), b).value()
     loss.backward()
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-7, atol=0)
-    grads = peft_dir.to_peft(adapters.split(tree.tree_map(lambda p: p.grad, params))[1], cfg.model_type)
-    theirs = {ours_name(k): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    grads = peft_dir.to_peft(adapters.split(tree.tree_map(lambda p: p.grad, params))[1], "llama4")
+    theirs = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
     assert grads.keys() == theirs.keys()
     assert len(theirs) == 2 * (4 * 2 + 4 * 2 + 3 + 2)     # (2 text + 2 vision layers' attention, 1 shared expert)
     for k, g in theirs.items():
