@@ -1,7 +1,7 @@
 """Llama 4 with images (models/llama4_vision.py: the vision model's tiles, pixel shuffle, adapter MLP
 and projector; one tower of ``Config.vision``) equals transformers' ``Llama4ForConditionalGeneration``
 on a tiny random checkpoint: logits, the fp64 loss and every gradient; LoRA on the text decoder
-equals peft's; FSDP and TP on two simulated devices, and DP x FSDP on gloo processes, equal one
+equals peft's; FSDP, TP and CP on two simulated devices, and DP x FSDP on gloo processes, equal one
 device; export writes the multimodal class, which transformers loads with our logits."""
 import dataclasses
 import functools
@@ -138,12 +138,13 @@ def test_loss_and_every_gradient_equal_transformers(saved):
     assert sorted(hf_grads) == fused
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"),
+                                         (fpp.Mesh(cp=2), "cp")])
+def test_fsdp_tp_and_cp_equal_one_device(saved, mesh, rules):
     _, d, cfg = saved
     params = hf.load_hf_params(d, cfg, dtype=torch.float64)
     rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    batch = batch_of(*rows(seed=2, dtype=torch.float64))
+    batch = batch_of(*rows(seed=2, seq=17, dtype=torch.float64))
     loss0, grads0 = single_device(cfg, params, batch)
     for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
         torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
