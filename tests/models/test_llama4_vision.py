@@ -1,8 +1,9 @@
 """Llama 4 with images (models/llama4_vision.py: the vision model's tiles, pixel shuffle, adapter MLP
 and projector; one tower of ``Config.vision``) equals transformers' ``Llama4ForConditionalGeneration``
-on a tiny random checkpoint: logits, the fp64 loss and every gradient; LoRA on the text decoder
-equals peft's; FSDP, TP and CP on two simulated devices, and DP x FSDP on gloo processes, equal one
-device; export writes the multimodal class, which transformers loads with our logits."""
+on a tiny random checkpoint: logits, the fp64 loss and every gradient; LoRA on Axolotl's Scout
+targets (text and vision) equals peft's; FSDP, TP and CP on two simulated devices, and DP x FSDP on
+gloo processes, equal one device; export writes the multimodal class, which transformers loads with
+our logits."""
 import dataclasses
 import functools
 import json
