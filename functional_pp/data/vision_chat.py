@@ -16,7 +16,7 @@ and only the assistant's replies train (its Pixtral strategy). Qwen's processors
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
 gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
 (Axolotl's Qwen2-VL strategy). ``Llama4Processor`` tiles each image (data/llama4_images.py: its image
-processor's steps, with or without torchvision) and writes each as ``<|image_start|>``, the tiles'
+processor's steps on torch tensors; transformers' class needs torchvision) and writes each as ``<|image_start|>``, the tiles'
 ``<|patch|>`` tokens with their separators and ``<|image_end|>``; the labels mask the padding and
 ``<|image|>`` (Axolotl's base strategy, ``chat_template: llama4``: its processor's image token)."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ImageChatProcessor:
     image tokens and a break per row of ``patch`` pixels, the last break the end token),
     ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
     ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
-    dropped, ``vision_feature_select_strategy: default``) or Qwen's (``qwen``: one image token per
+    dropped, ``vision_feature_select_strategy: default``), Qwen's (``qwen``: one image token per
     merged patch) or Llama 4's (``llama4``: tiles, ``<|patch|>`` per merged patch of each, :func:`image_text`;
     ``extra`` then the merged patches per tile)."""
 
