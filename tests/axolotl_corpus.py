@@ -241,8 +241,12 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
 _LLAMA4 = dict(text_config=dict(_TINY, head_dim=64, intermediate_size=64, intermediate_size_mlp=256,
                                 num_local_experts=4, interleave_moe_layer_step=2, pad_token_id=None, bos_token_id=None,
                                eos_token_id=None),
-               vision_config=dict(_VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64),
+               vision_config=dict(_VISION, intermediate_size=128, vision_output_dim=64, projector_input_dim=64,
+                                  projector_output_dim=64),     # (intermediate: the pixel shuffle's width, 4 x 32)
                image_token_index=400, boi_token_index=401, eoi_token_index=402)
+#: Llama4Processor's tokens (its stand-in's processor files: tiles of the vision model's image_size)
+_LLAMA4_IMAGE_TOKENS = ("<|image_start|>", "<|image|>", "<|patch|>", "<|image_end|>", "<|tile_x_separator|>",
+                        "<|tile_y_separator|>")
 #: the wrappers whose stand-in holds a Pixtral processor (images: processor_type) and its image tokens
 _PIXTRAL = {"mistral3": 2, "mistral3_ministral3": 2, "llava_pixtral": 1}     # (-> spatial_merge_size)
 _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
@@ -276,15 +280,16 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if (d / "config.json").is_file():
         return d
     from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, make_tekken, make_tokenizer, write_gemma4_processor_files,
-                                write_llava_processor_files, write_pixtral_processor_files,
-                                write_qwen_vl_processor_files)
+                                write_llama4_processor_files, write_llava_processor_files,
+                                write_pixtral_processor_files, write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
                          extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
                                 ("<image>",) if model_type in _LLAVA else
-                                GEMMA4_IMAGE_TOKENS if model_type in ("gemma4", "gemma4_moe") else ()))
+                                GEMMA4_IMAGE_TOKENS if model_type in ("gemma4", "gemma4_moe") else
+                                _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
@@ -306,8 +311,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d
-    if model_type == "llama4":
-        _linearized_nf4_llama4(d)
+    if model_type == "llama4":       # (its processor's files, <|patch|> the tokenizer's own id)
+        write_llama4_processor_files(d, _VISION["patch_size"], _VISION["image_size"], template_text("llama4"))
+        _linearized_nf4_llama4(d, image_token_index=tok.tok.token_to_id("<|patch|>"))
         return d
     if model_type == "llama_gptq":
         _gptq_llama(d)
@@ -332,14 +338,14 @@ def tiny_model(model_type: str, root: Path) -> Path:
     return d
 
 
-def _linearized_nf4_llama4(d: Path) -> None:
-    """A tiny ``Llama-4-*-Linearized-bnb-nf4-bf16`` in ``d`` (:data:`_LLAMA4`)."""
+def _linearized_nf4_llama4(d: Path, **kw) -> None:
+    """A tiny ``Llama-4-*-Linearized-bnb-nf4-bf16`` in ``d`` (:data:`_LLAMA4`, ``kw`` set)."""
     import torch
     import transformers
     from harness import bnb_nf4_serialized, linearized_llama4
     from safetensors.torch import save_file
     torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(**_LLAMA4))
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(**dict(_LLAMA4, **kw)))
     model.save_pretrained(d)
     sd = bnb_nf4_serialized(linearized_llama4(dict(model.state_dict())), double_quant=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, d / "model.safetensors", metadata={"format": "pt"})

@@ -225,3 +225,16 @@ def write_llava_processor_files(d, patch, image_size, strategy):
         "processor_class": "LlavaProcessor", "patch_size": patch, "image_token": "<image>",
         "num_additional_image_tokens": 1, "vision_feature_select_strategy": strategy}))
     (d / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
+
+
+def write_llama4_processor_files(d, patch, image_size, template, max_patches=16):
+    """``processor_config.json``, ``preprocessor_config.json`` (``Llama4ImageProcessor``'s settings: tiles of
+    ``image_size``) and ``chat_template.jinja`` of a Llama 4 processor in ``d``, beside its tokenizer."""
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Llama4ImageProcessor", "size": {"height": image_size, "width": image_size},
+        "max_patches": max_patches, "resize_to_max_canvas": False, "resample": 2, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Llama4Processor", "patch_size": patch, "pixel_shuffle_ratio": 0.5,
+        "image_token": "<|image|>", "patch_token": "<|patch|>"}))
+    (d / "chat_template.jinja").write_text(template)

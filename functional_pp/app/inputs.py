@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import gemma4_vision, qwen_vision
+    from functional_pp.models import gemma4_vision, llama4_vision, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -161,13 +161,16 @@ def image_settings(cfg: TrainConfig) -> dict | None:
             text = Path(text).read_text()
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
-    token = proc.media_ids()[0]
-    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
-    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4")}
+    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4"),
+           **dict.fromkeys(llama4_vision.TOWERS, "llama4")}
     if own.get(v.tower, proc.layout) != proc.layout or (v.tower not in own and proc.layout in own.values()):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
+    if proc.layout == "llama4":
+        return _llama4_settings(cfg, proc, v)
+    token = proc.media_ids()[0]
+    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     if qwen:
         if (proc.patch, proc.merge, token) != (v.patch_size, v.merge, v.image_token_id) or \
                 getattr(proc.image_processor, "temporal_patch_size", v.temporal_patch) != v.temporal_patch:
@@ -190,6 +193,21 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
             "class_token": ("kept" if v.select_strategy == "full" else "dropped") if clip else None,
             "image_size": v.image_size if clip else None}
+
+
+def _llama4_settings(cfg: TrainConfig, proc: Any, v: Any) -> dict:
+    """Llama 4's image settings: its tiles (each with a trailing class token's slot), once the
+    processor's files and the model's agree on the tile, the patch, the merge and ``<|patch|>``."""
+    patch_id = proc.tokenizer.convert_tokens_to_ids(proc.patch_token)
+    have = (proc.image_processor.size, proc.patch, proc.extra, patch_id)
+    want = (v.image_size, v.patch_size, v.grid ** 2 // v.merge ** 2, v.image_token_id)
+    if have != want:
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor makes tiles of {have[0]} pixels, "
+                         f"{have[1]}-pixel patches, {have[2]} {proc.patch_token} tokens (id {have[3]}) per tile; its "
+                         f"model {want[0]} (image_size), {want[1]} (patch_size), {want[2]} (pixel_shuffle_ratio) with "
+                         f"image_token_index {want[3]}: the files disagree")
+    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+            "class_token": "trailing", "image_size": v.image_size}
 
 
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:

@@ -456,9 +456,12 @@ def check_images(cfg: Any, add) -> None:
     fine-tuning only."""
     if cfg.processor_type is None:
         return
-    if cfg.processor_type != "AutoProcessor":
-        add(f"processor_type: {cfg.processor_type!r} is not supported: only AutoProcessor (base_model's own "
-            f"processor files)")
+    from functional_pp.data.vision_chat import PROCESSORS
+    if cfg.processor_type != "AutoProcessor" and cfg.processor_type not in PROCESSORS:
+        add(f"processor_type: {cfg.processor_type!r} is not supported: AutoProcessor (base_model's own "
+            f"processor files) or the class they name, one of {PROCESSORS}")
+    elif cfg.processor_type != "AutoProcessor" and cfg.base_model is not None:
+        _check_processor_class(Path(str(cfg.base_model)) / "processor_config.json", cfg.processor_type, add)
     if cfg.base_model is None:
         add("processor_type reads base_model's processor files and vision weights: give base_model")
     else:
@@ -473,6 +476,18 @@ def check_images(cfg: Any, add) -> None:
         add("processor_type with rl / reward_model: images are read for supervised fine-tuning only")
     if not cfg.datasets:
         add("processor_type needs datasets: (chat_template rows with an images column)")
+
+
+def _check_processor_class(conf: Path, named: str, add) -> None:
+    """A processor class named by ``processor_type`` must be the one base_model's files name
+    (Axolotl loads that class from them)."""
+    try:
+        kind = json.loads(conf.read_text()).get("processor_class")
+    except (OSError, ValueError, AttributeError):
+        return                                  # (missing or unreadable files are reported where they are read)
+    if kind != named:
+        add(f"processor_type: {named} but base_model's processor_config.json names {kind!r}; name that class or "
+            f"AutoProcessor")
 
 
 def _check_vision_tower(conf: Path, add) -> None:

@@ -284,9 +284,10 @@ class TrainConfig:
                                        "safetensors) to start from; its tokenizer is used")
     tokenizer: str | None = fld(None, "tokenizer.json or a directory holding it (default: "
                                       "base_model's)")
-    processor_type: str | None = fld(None, "AutoProcessor: a vision-language base_model (Mistral 3: Pixtral's "
-                                           "encoder and the projector) trained on chat_template datasets with "
-                                           "images, encoded by base_model's processor files (docs/data.md, "
+    processor_type: str | None = fld(None, "AutoProcessor (or the processor class base_model's files name: "
+                                           "Llama4Processor, ...): a vision-language base_model (Mistral 3: "
+                                           "Pixtral's encoder and the projector) trained on chat_template datasets "
+                                           "with images, encoded by base_model's processor files (docs/data.md, "
                                            "\"Images\"); needs sample_packing: false")
     freeze_mm_modules: bool = fld(False, "with processor_type: the vision encoder and projector are frozen (no "
                                          "gradient, no optimizer state), only the text decoder trains (under "

@@ -7,6 +7,7 @@ Entries (global tensors; ``P`` patches per example, padded to one count for the 
 ``patches`` (B, P, channels, patch, patch), ``patch_positions`` (B, P, 2: row and column in its
 image), ``patch_images`` (B, P: the image's index in its example; pads one past the last); a CLIP
 tower's images each led by a class token's slot (``class_token``: zero pixels, position (0, -1)),
+Llama 4's tiles each followed by one (``"trailing"``: every example's patches whole tiles, pads too),
 ``image_slots`` (B, S: the merged token the k-th image token takes, k; -1 at other tokens)."""
 from __future__ import annotations
 
@@ -41,13 +42,20 @@ def _patches(pixels: torch.Tensor, size: Sequence[int], patch: int, merge: int, 
     return grid, pos
 
 
-def _with_class_slot(grid: torch.Tensor, pos: torch.Tensor, size: Sequence[int], image_size: int, where: str):
-    """A CLIP image's patches led by its class token's slot (zero pixels, position (0, -1))."""
+def _with_class_slot(grid: torch.Tensor, pos: torch.Tensor, size: Sequence[int], image_size: int, where: str,
+                     trailing: bool = False):
+    """A CLIP image's patches led by its class token's slot (zero pixels, position (0, -1)); a Llama 4
+    tile's followed by it (``trailing``)."""
     if [int(size[0]), int(size[1])] != [image_size, image_size]:
-        raise ValueError(f"{where}: an image of {int(size[0])} x {int(size[1])} pixels; a CLIP tower takes "
-                         f"{image_size} x {image_size} (its position table; image_size); use the model's own "
-                         f"processor (processor_type: AutoProcessor), whose image processor resizes and crops to it")
-    return torch.cat([grid.new_zeros((1, *grid.shape[1:])), grid]), torch.cat([torch.tensor([[0, -1]]), pos])
+        tower, what = ("Llama 4", "tiles of ") if trailing else ("CLIP", "")
+        raise ValueError(f"{where}: an image of {int(size[0])} x {int(size[1])} pixels; a {tower} tower takes "
+                         f"{what}{image_size} x {image_size} (its position table; image_size); use the model's own "
+                         f"processor (processor_type: AutoProcessor), whose image processor resizes and "
+                         f"{'tiles' if trailing else 'crops'} to it")
+    slot, at = grid.new_zeros((1, *grid.shape[1:])), torch.tensor([[0, -1]])
+    if trailing:
+        return torch.cat([grid, slot]), torch.cat([pos, at])
+    return torch.cat([slot, grid]), torch.cat([at, pos])
 
 
 def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
@@ -60,11 +68,15 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
     one merged token). ``class_token`` (a CLIP tower, ``merge`` 1, images of ``image_size``
     pixels each way): each image led by its class token's slot, whose features the image tokens
     take first (``"kept"``: ``vision_feature_select_strategy: full``) or skip (``"dropped"``:
-    ``default``). A row whose image tokens do not number its images' merged tokens is refused,
-    naming the row and both counts."""
-    if class_token not in (None, "kept", "dropped") or (class_token and (merge != 1 or not image_size)):
-        raise ValueError(f"images: class_token={class_token!r} must be None, 'kept' or 'dropped', the latter two "
-                         f"with merge 1 (got {merge}) and the tower's image_size (got {image_size})")
+    ``default``); ``"trailing"`` (Llama 4's tiles of ``image_size``, any ``merge``): each tile
+    followed by it, the tower drops it before merging, and the patches are padded to whole tiles.
+    A row whose image tokens do not number its images' merged tokens is refused, naming the row
+    and both counts."""
+    trailing = class_token == "trailing"
+    if class_token not in (None, "kept", "dropped", "trailing") or (class_token and not image_size) or (
+            class_token in ("kept", "dropped") and merge != 1):
+        raise ValueError(f"images: class_token={class_token!r} must be None, 'kept' or 'dropped' (with merge 1, got "
+                         f"{merge}) or 'trailing', the latter three with the tower's image_size (got {image_size})")
     rows = []
     for b in range(ids.shape[0]):
         px, sizes = pixel_values[b], image_sizes[b]
@@ -72,19 +84,20 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
         for j in range(0 if px is None else len(px)):
             g, p = _patches(px[j], sizes[j], patch, merge, f"row {b}, image {j}")
             if class_token:
-                g, p = _with_class_slot(g, p, sizes[j], image_size, f"row {b}, image {j}")
+                g, p = _with_class_slot(g, p, sizes[j], image_size, f"row {b}, image {j}", trailing)
             grids.append(g)
             poss.append(p)
             owners.append(torch.full((len(g),), j, dtype=torch.long))
         n_tokens = int((ids[b] == image_token_id).sum())
-        n_merged = sum(len(g) for g in grids) // merge ** 2 - (len(grids) if class_token == "dropped" else 0)
+        n_merged = ((sum(len(g) for g in grids) - len(grids)) // merge ** 2 if trailing else
+                    sum(len(g) for g in grids) // merge ** 2 - (len(grids) if class_token == "dropped" else 0))
         if n_tokens != n_merged:
             raise ValueError(f"images: row {b} holds {n_tokens} image tokens (id {image_token_id}) but its "
                              f"{len(grids)} images make {n_merged} merged patches; the processor expands each "
                              f"image into its tokens, so a row cut short (sequence_len) or a template that drops "
                              f"them does this: raise sequence_len or check the chat template")
         rows.append((grids, poss, owners))
-    k = merge ** 2
+    k = (image_size // patch) ** 2 + 1 if trailing else merge ** 2       # (the unit the patches pad to)
     width = max([k] + [sum(len(g) for g in grids) for grids, _, _ in rows])
     P = width if patches is None else patches
     if P < width or P % k:

@@ -19,7 +19,11 @@ gives the patches' rows (data/qwen_images.py); the labels mask the padding and `
 one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kernel_size``² block of
 patches each) and its end token; its image processor (``Gemma4ImageProcessor``, resizing within
 ``max_soft_tokens``) gives the patches as rows of pixels, put back into each image's pixels here
-for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens."""
+for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens.
+``Llama4Processor`` tiles each image (data/llama4_images.py: its image
+processor's steps on torch tensors; transformers' class needs torchvision) and writes each as ``<|image_start|>``, the tiles'
+``<|patch|>`` tokens with their separators and ``<|image_end|>``; the labels mask the padding and
+``<|image|>`` (Axolotl's base strategy, ``chat_template: llama4``: its processor's image token)."""
 from __future__ import annotations
 
 import copy
@@ -30,11 +34,12 @@ from typing import Any, Sequence
 import torch
 
 from functional_pp.data.images import image_batch
+from functional_pp.data.llama4_images import Llama4Tiler, image_text
 from functional_pp.data.qwen_images import qwen_image_batch
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor")
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor", "Llama4Processor")
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -46,8 +51,10 @@ class ImageChatProcessor:
     image tokens and a break per row of ``patch`` pixels, the last break the end token),
     ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
     ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
-    dropped, ``vision_feature_select_strategy: default``) or Qwen's (``qwen``: one image token per
-    merged patch)."""
+    dropped, ``vision_feature_select_strategy: default``), Qwen's (``qwen``: one image token per
+    merged patch), Gemma 4's (``gemma4``: a begin token, one image token per pooled block, an end token)
+    or Llama 4's (``llama4``: tiles, ``<|patch|>`` per merged patch of each, :func:`image_text`;
+    ``extra`` then the merged patches per tile)."""
 
     tokenizer: Any
     image_processor: Any
@@ -59,9 +66,11 @@ class ImageChatProcessor:
     # Axolotl's PixtralProcessingStrategy (chat_template: pixtral): only the assistant's replies trained, each
     # from after the [/INST] that opens it through the EOS that ends it (None: every token, its Mistral 3 strategy)
     reply_after: str | None = None
-    # "pixtral" (rows of [IMG] and breaks), "llava" (one image_token per patch, + extra) or "qwen" (one
-    # image_token per merged patch; Qwen2VLImageProcessor's patches and image_grid_thw); merge: Qwen's merge_size
+    # "pixtral" (rows of [IMG] and breaks), "llava" (one image_token per patch, + extra), "qwen" (one
+    # image_token per merged patch; Qwen2VLImageProcessor's patches and image_grid_thw) or "llama4" (tiles;
+    # patch_token the features' token); merge: Qwen's merge_size
     layout: str = "pixtral"
+    patch_token: str | None = None
     merge: int = 1
     extra: int = 0
     image_begin_token: str | None = None      # (Gemma 4's: before each image's tokens, as its end token after)
@@ -78,6 +87,10 @@ class ImageChatProcessor:
             grids = torch.as_tensor(out["image_grid_thw"])
             return (out["pixel_values"], grids,
                     [self.image_token * (int(g.prod()) // self.merge ** 2) for g in grids])
+        if self.layout == "llama4":                  # (tiles of one size, and the whole image's)
+            tiled = [self.image_processor.tiles(p) for p in pictures]
+            px = torch.cat([t for t, _ in tiled])
+            return px, torch.tensor([list(px.shape[-2:])] * len(px)), [image_text(r, self.extra) for _, r in tiled]
         if self.layout == "llava":                   # (LLaVA's: every image resized and cropped to one size)
             px = self.image_processor(pictures, return_tensors="pt")["pixel_values"]
             sizes = torch.tensor([list(px.shape[-2:])] * len(px))
@@ -139,10 +152,10 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Llama 4) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
-        images = transformers.AutoImageProcessor.from_pretrained(str(root))
+        images = None if kind == "Llama4Processor" else transformers.AutoImageProcessor.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc
     template = conf.get("chat_template") or getattr(tok, "chat_template", None)
@@ -153,6 +166,15 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if not template:
         raise ValueError(f"{where}: base_model {path} has no chat template (processor_config.json, "
                          f"chat_template.jinja or the tokenizer's)")
+    if kind == "Llama4Processor":
+        tiler = Llama4Tiler.from_file(root / "preprocessor_config.json")
+        patch, ratio = int(conf.get("patch_size", 14)), float(conf.get("pixel_shuffle_ratio", 0.5))
+        per_tile = (tiler.size // patch) ** 2 // int(round(1 / ratio ** 2))
+        names = {"image_token": conf.get("image_token", "<|image|>"), "patch_token": conf.get("patch_token",
+                                                                                             "<|patch|>")}
+        return _known_tokens(ImageChatProcessor(tok, tiler, template, patch, image_break_token=None,
+                                                image_end_token=None, layout="llama4", extra=per_tile, **names),
+                             tok, path, where)
     if kind == "Gemma4Processor":              # (a token per pooling_kernel_size² patches, between begin and end)
         pool = int(getattr(images, "pooling_kernel_size", 3))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)) * pool,
@@ -174,9 +196,14 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
         names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
         proc = ImageChatProcessor(tok, images, template, patch, **names)
-    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token, proc.image_begin_token)
-             if t is not None]
-    unknown = [t for t, i in zip(named, proc.media_ids()) if i in (None, tok.unk_token_id)]
+    return _known_tokens(proc, tok, path, where)
+
+
+def _known_tokens(proc: ImageChatProcessor, tok: Any, path: Any, where: str) -> ImageChatProcessor:
+    """``proc``, once its tokenizer is found to hold each of its image tokens (else refused by name)."""
+    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token, proc.image_begin_token,
+                         proc.patch_token) if t is not None]
+    unknown = [t for t in named if tok.convert_tokens_to_ids(t) in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
     return proc
@@ -286,11 +313,11 @@ class RowImages:
     # Qwen's tower (data/qwen_images.py: side, channels, temporal_patch): the rows hold its patches and
     # image_grid_thw (None: Pixtral's, pixels and image_sizes)
     qwen: dict | None = None
-    class_token: str | None = None           # (a CLIP tower: data/images.py's image_batch)
+    class_token: str | None = None           # (a CLIP tower, Llama 4's tiles: data/images.py's image_batch)
     image_size: int | None = None
 
     def __post_init__(self) -> None:
-        k = self.merge ** 2
+        k = (self.image_size // self.patch) ** 2 + 1 if self.class_token == "trailing" else self.merge ** 2
         lead = 1 if self.class_token else 0
         counts = [int(r[1].prod(-1).sum()) if self.qwen is not None else
                   sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())

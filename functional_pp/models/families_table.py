@@ -121,7 +121,8 @@ ROWS: tuple[Row, ...] = (
                       "SwiGLU, YaRN", f"sinks in ring attention (CP all-gathers k/v); {_EXPERT_PEFT}"),
     Row(("llama4_text",), "chunked attention, NoPE layers with temperature tuning, q/k L2 norm, top-1 sigmoid "
                           "experts scaling their input, a shared expert; the text decoder of the multimodal `llama4` "
-                          "(`Llama4ForConditionalGeneration`)", f"image input; {_EXPERT_PEFT}"),
+                          "(`Llama4ForConditionalGeneration`), with its vision model and projector under "
+                          "`processor_type` (images)", _EXPERT_PEFT),
     Row(("afmoe",), "per-head q/k norms, a sigmoid output gate of the attention (`attn_gate`), sliding layers with "
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "

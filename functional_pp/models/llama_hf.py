@@ -50,6 +50,7 @@ import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
                                   gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf,
+                                  llama4_vision_hf,
                                   mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
@@ -186,6 +187,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *qwen_vision_hf.TABLE,
     # Gemma 4's vision tower and multimodal embedder (models/gemma4_vision.py)
     *gemma4_vision_hf.TABLE,
+    # Llama 4's vision model and adapter MLP (models/llama4_vision.py; the projector: Pixtral's linear_1 row)
+    *llama4_vision_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -383,7 +386,10 @@ RENAMED["gpt_oss"] = (            # the router a Linear with a bias; the experts
     (r"\.mlp\.experts\.down_proj\.bias$", ".mlp.experts.down_proj_bias"))
 RENAMED["llama4_text"] = (        # the MLP is feed_forward, its router a Linear, the experts [E, in, out] as ours
     (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
-    (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"), (r"\.mlp\.", ".feed_forward."))
+    (r"\.mlp\.experts\.down_proj\.weight$", ".feed_forward.experts.down_proj"),
+    (r"^(model\.layers\.\d+)\.mlp\.", r"\1.feed_forward."))      # (not the vision model's mlp)
+RENAMED["llama4"] = RENAMED["llama4_text"] + ((r"^(model|lm_head)\.", r"language_model.\1."),)   # (the multimodal
+# model's names, what an adapter of a run from its files names: its text model under language_model.)
 RENAMED["nemotron_h"] = nemotron_h_hf.RENAMED     # (backbone., each layer's one norm and mixer)
 RENAMED["afmoe"] = afmoe_hf.RENAMED      # (the router under mlp.router, pre_mlp / post_mlp norms, shared_experts)
 RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder: model.language_model.)
@@ -1301,6 +1307,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.vision is not None and wrapper in gemma4_vision_hf.WRAPPERS:   # Gemma 4's multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text"), dtype)
         return gemma4_vision_hf.config_to_hf(text, cfg.vision)
+    if cfg.vision is not None and wrapper in llama4_vision_hf.WRAPPERS:   # Llama 4's multimodal class
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
+        return llama4_vision_hf.config_to_hf(text, cfg.vision)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1434,10 +1443,12 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 
 def vision_from_hf(hf: dict):
-    """The vision tower config (models/pixtral.py's, models/qwen_vision.py's or models/gemma4_vision.py's)
+    """The vision tower config (models/pixtral.py's, qwen_vision.py's, gemma4_vision.py's or llama4_vision.py's)
     of a multimodal ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
     if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
         return qwen_vision_hf.vision_from_hf(hf)
     if hf.get("model_type") in gemma4_vision_hf.WRAPPERS:
         return gemma4_vision_hf.vision_from_hf(hf)
+    if hf.get("model_type") in llama4_vision_hf.WRAPPERS:
+        return llama4_vision_hf.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)

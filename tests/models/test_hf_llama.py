@@ -269,3 +269,14 @@ def test_missing_tensor_and_shape_mismatch_are_named(saved, tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match=r"unexpected.*q_proj\.bias"):
         hf.load_hf_llama(tmp_path)
     hf.load_hf_llama(tmp_path, strict=False)
+
+
+def test_every_row_of_the_name_table_has_its_own_paths():
+    """The decoder's name table is one list for every family and vision tower: a tree path (or HF name)
+    in two rows would read one tower's tensors under another's names (the first row wins)."""
+    from collections import Counter
+
+    from functional_pp.models.llama_hf import LLAMA_TABLE
+    for column in (0, 1):
+        twice = [k for k, n in Counter(row[column] for row in LLAMA_TABLE).items() if n > 1]
+        assert not twice, f"in more than one row of LLAMA_TABLE: {twice}"
