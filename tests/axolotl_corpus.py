@@ -285,6 +285,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
                                 ("<image>",) if model_type in _LLAVA else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
+    if model_type in _REMOTE:
+        _remote_code_model(model_type, d)
+        return d
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
@@ -325,6 +328,23 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type == "gpt_oss":
         _experts_as_mxfp4(d)
     return d
+
+
+#: remote-code checkpoints (trust_remote_code): a tiny transformers model of the same math written in the hub
+#: repository's layout (tests/remote_layouts.py): Qwen (v1) from a Qwen2 of one k/v head per head, MiMo from a
+#: Qwen2 plus one multi-token-prediction layer
+_REMOTE = {"qwen": dict(num_key_value_heads=8, tie_word_embeddings=False), "mimo": dict(tie_word_embeddings=False)}
+
+
+def _remote_code_model(model_type: str, d: Path) -> None:
+    """A tiny ``model_type`` checkpoint in its remote code's layout in ``d`` (:data:`_REMOTE`)."""
+    import torch
+    import transformers
+    from remote_layouts import mimo_from_qwen2, qwen_v1_from_qwen2
+    torch.manual_seed(0)
+    conf = transformers.Qwen2Config(**{**_TINY, **_REMOTE[model_type], "bos_token_id": None, "eos_token_id": None})
+    model = transformers.Qwen2ForCausalLM(conf)
+    (qwen_v1_from_qwen2 if model_type == "qwen" else mimo_from_qwen2)(model, d)
 
 
 def _linearized_nf4_llama4(d: Path) -> None:

@@ -718,8 +718,6 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
-    **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
-       for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

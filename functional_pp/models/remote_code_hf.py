@@ -1,0 +1,131 @@
+"""Checkpoints whose modelling code is not in transformers but in their repository
+(``trust_remote_code: true``), each read onto a family this decoder already has, its math
+unchanged: only its ``config.json`` keys and its tensor names differ (docs/models.md, "Remote code").
+
+- Qwen (v1) (``model_type: qwen``, ``QWenLMHeadModel``): Qwen2's layer (q/k/v biases, no output
+  bias, RMSNorm, SwiGLU, rotate-half rotary). Files under ``transformer.``: ``wte``, ``h.{i}.ln_1``,
+  ``attn.c_attn`` (q, k and v fused along the rows, weight and bias), ``attn.c_proj``, ``ln_2``,
+  ``mlp.w1`` (up: ``QWenMLP`` is ``c_proj(w1(x) * silu(w2(x)))``, so ``w2`` is the gate),
+  ``mlp.w2``, ``mlp.c_proj`` (down), ``ln_f``; ``lm_head``. ``intermediate_size`` counts both
+  halves (the MLP's width is half of it), ``kv_channels`` is the head width, ``rotary_emb_base`` the
+  rotary base. ``use_dynamic_ntk`` / ``use_logn_attn`` act only in inference past ``seq_length``
+  (the remote model applies neither in training), so the positions are ``seq_length`` when either is on.
+- MiMo (``model_type: mimo``, ``MiMoForCausalLM``): Qwen2's decoder and names, plus
+  ``num_nextn_predict_layers`` multi-token-prediction layers (``model.mtp_layers.{j}``) that the
+  remote model's forward never calls (its ``MiMoForCausalLM`` is ``Qwen2ForCausalLM``'s forward): they
+  are not read, not trained, and copied unchanged into an export (checkpoint/hf_unheld.py).
+
+Each is the :class:`~functional_pp.models.hf_switches.Switches` record of its ``model_type``, with
+:data:`RENAMED` / :data:`FUSED` its files' names and :data:`IGNORED` the tensors it does not read."""
+from __future__ import annotations
+
+from functional_pp.models.hf_switches import Get, Switches
+
+__all__ = ["SWITCHES", "RENAMED", "FUSED", "IGNORED", "AUTO_MAP"]
+
+AUTO_MAP: dict[str, dict[str, str]] = {
+    "qwen": {"AutoConfig": "configuration_qwen.QWenConfig", "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+    "mimo": {"AutoConfig": "configuration_mimo.MiMoConfig", "AutoModel": "modeling_mimo.MiMoModel",
+             "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"},
+}
+"""Per model type, the ``auto_map`` of its hub ``config.json`` (the remote classes), written on export."""
+
+# the shared keys (llama_hf's) that an exported config.json of these families does not carry
+_LLAMA_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_dropout", "attention_bias",
+               "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "intermediate_size",
+               "pad_token_id")
+
+
+# --------------------------------------------------------------------------- Qwen (v1)
+_QWEN_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      emb_dropout_prob=0.0, attn_dropout_prob=0.0, layer_norm_epsilon=1e-6, initializer_range=0.02,
+                      max_position_embeddings=8192, seq_length=8192, scale_attn_weights=True, kv_channels=128,
+                      rotary_pct=1.0, rotary_emb_base=10000, use_dynamic_ntk=True, use_logn_attn=True,
+                      intermediate_size=22016, no_bias=True, tie_word_embeddings=False)
+"""``QWenConfig``'s defaults (configuration_qwen.py) of the keys read."""
+
+
+def _qwen_prepare(hf: dict) -> dict:
+    """Qwen (v1)'s config.json keys as the shared ones (QWenConfig's defaults where left out)."""
+    d = {**_QWEN_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    heads = int(d["num_attention_heads"])
+    return dict(hf, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=int(d["intermediate_size"]) // 2,
+                rms_norm_eps=d["layer_norm_epsilon"], rope_theta=float(d["rotary_emb_base"]), hidden_act="silu",
+                attention_dropout=d["attn_dropout_prob"], max_position_embeddings=d["max_position_embeddings"],
+                tie_word_embeddings=d["tie_word_embeddings"])
+
+
+def _qwen_read(hf: dict, get: Get, where: str) -> dict:
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    for key, ok in (("no_bias", True), ("scale_attn_weights", True), ("rotary_pct", 1.0), ("emb_dropout_prob", 0.0)):
+        if get(key) != ok:
+            raise ValueError(f"{where}: {key}={get(key)!r} is not supported (only {ok!r}: Qwen-7B / 14B / 72B's "
+                             f"QWenLMHeadModel)")
+    if int(get("kv_channels")) * heads != hidden:   # (its attention splits c_attn by hidden_size: q, k, v each that wide)
+        raise ValueError(f"{where}: kv_channels={get('kv_channels')} x num_attention_heads={heads} must equal "
+                         f"hidden_size={hidden} (QWenAttention splits c_attn's rows in three of hidden_size)")
+    if hf.get("rope_scaling") or hf.get("rope_parameters"):
+        raise ValueError(f"{where}: rope_scaling={hf.get('rope_scaling') or hf.get('rope_parameters')!r} is not "
+                         f"supported (Qwen (v1) has rotary_emb_base and its inference-only dynamic NTK)")
+    # (dynamic NTK and log-n scaling: inference past seq_length only; within it, and in training, plain attention)
+    extends = bool(get("use_dynamic_ntk")) or bool(get("use_logn_attn"))
+    return dict(max_seq=int(get("seq_length")) if extends else int(get("max_position_embeddings")))
+
+
+def _qwen_write(cfg, out: dict) -> None:
+    for key in _LLAMA_KEYS:
+        out.pop(key, None)
+    out.update(auto_map=AUTO_MAP["qwen"], intermediate_size=2 * cfg.mlp, kv_channels=cfg.dim_head,
+               layer_norm_epsilon=cfg.norm_eps, rotary_emb_base=cfg.rope_theta, rotary_pct=1.0,
+               seq_length=cfg.max_seq, max_position_embeddings=cfg.max_seq, use_dynamic_ntk=True, use_logn_attn=True,
+               no_bias=True, scale_attn_weights=True, emb_dropout_prob=0.0, attn_dropout_prob=cfg.attention_dropout,
+               use_flash_attn="auto", bf16=False, fp16=False, fp32=False, tokenizer_class="QWenTokenizer")
+
+
+# --------------------------------------------------------------------------- MiMo
+def _mimo_read(hf: dict, get: Get, where: str) -> dict:
+    if get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=True is not supported (MiMo's published configs attend "
+                         f"over every position)")
+    return dict(mtp_layers=int(get("num_nextn_predict_layers") or 0))
+
+
+def _mimo_write(cfg, out: dict) -> None:
+    out.pop("attention_bias", None)
+    types = ["full_attention"] * cfg.layers
+    out.update(auto_map=AUTO_MAP["mimo"], num_nextn_predict_layers=cfg.mtp_layers, use_sliding_window=False,
+               sliding_window=None, max_window_layers=cfg.layers, layer_types=types)
+
+
+SWITCHES: dict[str, Switches] = {
+    "qwen": Switches("QWenLMHeadModel", _QWEN_DEFAULTS, _qwen_read, _qwen_write, prepare=_qwen_prepare,
+                     free=("attention_dropout",),
+                     fixed=dict(qkv_bias=True, o_bias=False, head_dim=None, kv_heads=lambda cfg: cfg.heads,
+                                rope_scaling=None)),
+    "mimo": Switches("MiMoForCausalLM", dict(rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False,
+                                             sliding_window=4096, max_window_layers=28, tie_word_embeddings=False,
+                                             num_nextn_predict_layers=0),
+                     _mimo_read, _mimo_write, free=("mtp_layers",), fixed=dict(qkv_bias=True, o_bias=False)),
+}
+"""The remote-code families as switches of the decoder (merged into ``hf_switches.SWITCHES``)."""
+
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
+    # Qwen (v1): transformer.h.{i}, ln_1 / ln_2, attn.c_attn (fused) / c_proj, mlp.w1 (up) / w2 (gate) / c_proj, wte, ln_f
+    "qwen": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.h."),
+             (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
+             (r"\.self_attn\.o_proj\.", ".attn.c_proj."), (r"\.self_attn\.", ".attn."),
+             (r"\.mlp\.gate_proj\.", ".mlp.w2."), (r"\.mlp\.up_proj\.", ".mlp.w1."),
+             (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f.")),
+}
+"""Per model type, (pattern, replacement) of the decoder table's names in its files."""
+
+FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "qwen": tuple((f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
+                  for t in ("weight", "bias")),
+}
+"""Per model type, fused tensors (names after :data:`RENAMED`) and their parts along the rows."""
+
+IGNORED: dict[str, tuple[str, ...]] = {"mimo": (r"model\.mtp_layers\..*",)}
+"""Per model type, tensors of the files the decoder does not read (MiMo's multi-token-prediction layers)."""
+
