@@ -5,7 +5,8 @@ tests/models/test_remote_code.py and the stand-ins of tests/axolotl_corpus.py.
 - Qwen (v1) from a ``Qwen2ForCausalLM`` (modeling_qwen.py's names: ``transformer.h.{i}.attn.c_attn``
   = q, k, v stacked along the rows, ``mlp.w1`` = up, ``mlp.w2`` = gate, ``mlp.c_proj`` = down).
 - MiMo from a ``Qwen2ForCausalLM``: its tensors as they are, plus ``model.mtp_layers.{j}`` (random,
-  modeling_mimo.py's ``MiMoMTPLayers``: never called by the forward)."""
+  modeling_mimo.py's ``MiMoMTPLayers``: never called by the forward).
+- Replit's MPT from an ``MptForCausalLM`` (``ln_1`` / ``ln_2``, ``mlp.mlp_up`` / ``mlp.mlp_down``, ``ln_f``)."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,25 @@ def mimo_from_qwen2(model, d: Path, mtp_layers: int = 1, seed: int = 0) -> Path:
     conf.update(architectures=["MiMoForCausalLM"], auto_map=MIMO_AUTO_MAP, model_type="mimo",
                 num_nextn_predict_layers=mtp_layers)
     return _save(sd, conf, d)
+
+
+REPLIT_AUTO_MAP = {"AutoConfig": "configuration_mpt.MPTConfig", "AutoModelForCausalLM": "modeling_mpt.MPTForCausalLM"}
+#: transformers' MptForCausalLM names -> replit-code-v1-3b's (its original Hub files, as ggml's Replit converter reads them)
+_REPLIT_NAMES = ((r"\.norm_1\.", ".ln_1."), (r"\.norm_2\.", ".ln_2."), (r"\.ffn\.up_proj\.", ".mlp.mlp_up."),
+                 (r"\.ffn\.down_proj\.", ".mlp.mlp_down."), (r"^transformer\.norm_f\.", "transformer.ln_f."))
+
+
+def replit_from_mpt(model, d: Path) -> Path:
+    """``model`` (transformers' ``MptForCausalLM``) as replit-code-v1-3b's files in ``d``: Replit's
+    module names, the head tied (not stored), ``config.json`` the remote ``MPTForCausalLM``'s."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        for pattern, repl in _REPLIT_NAMES:
+            k = re.sub(pattern, repl, k)
+        out[k] = v
+    conf = {k: v for k, v in json.loads(model.config.to_json_string()).items() if k != "transformers_version"}
+    conf.update(architectures=["MPTForCausalLM"], auto_map=REPLIT_AUTO_MAP, model_type="mpt",
+                norm_type="low_precision_layernorm")
+    return _save(out, conf, d)

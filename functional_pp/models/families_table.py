@@ -132,10 +132,13 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
-    Row(("mpt",), "ALiBi attention (`alibi_bias_max`: a slope per head times the key's distance, explicit scores, "
-                  "every layout), bias-free LayerNorms, q/k/v fused in `Wqkv`, GELU MLP not gated, tied embeddings, "
-                  "`attn_pdrop` as attention and residual dropout", "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi "
-                  "(refused by name); Replit's remote-code checkpoints (their own tensor names)"),
+    Row(("mpt", "replit_mpt"), "ALiBi attention (`alibi_bias_max`: a slope per head times the key's distance, "
+                               "explicit scores, every layout), bias-free LayerNorms, q/k/v fused in `Wqkv`, GELU MLP "
+                               "not gated, tied embeddings, `attn_pdrop` as attention and residual dropout; "
+                               "`replit_mpt`: an `mpt` whose files hold Replit's remote-code names (`ln_1`, "
+                               "`mlp.mlp_up`, `mlp.mlp_down`, `ln_f`; `lora_target_modules` by them too), exported "
+                               "back so with its `auto_map`",
+        "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi (refused by name)"),
     Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
                    "tied embeddings", "key / value-cache sampling of the convolution layers "

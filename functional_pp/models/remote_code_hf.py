@@ -15,15 +15,32 @@ unchanged: only its ``config.json`` keys and its tensor names differ (docs/model
   remote model's forward never calls (its ``MiMoForCausalLM`` is ``Qwen2ForCausalLM``'s forward): they
   are not read, not trained, and copied unchanged into an export (checkpoint/hf_unheld.py).
 
+- Replit's MPT (``replit/replit-code-v1-3b``: ``model_type: mpt`` with ``auto_map``, the remote
+  ``MPTForCausalLM`` of MosaicML's examples v0.0.4): transformers' MPT (ALiBi, bias-free LayerNorms,
+  ``attn.Wqkv``, ``attn.out_proj``, a GELU MLP, tied embeddings) under other module names:
+  ``transformer.blocks.{i}.ln_1`` / ``ln_2``, ``mlp.mlp_up`` / ``mlp.mlp_down``, ``transformer.ln_f``.
+  ``config.json`` cannot tell it from MosaicML's later remote MPTs (whose names are transformers'),
+  so the files do: a checkpoint of ``model_type: mpt`` holding ``mlp.mlp_up`` reads as the internal
+  family ``replit_mpt`` (:func:`with_file_layout`), whose export writes ``model_type: mpt``, Replit's
+  class and ``auto_map``, and its names back; LoRA targets written with its module names
+  (``mlp_up``) are its weights.
+
 Each is the :class:`~functional_pp.models.hf_switches.Switches` record of its ``model_type``, with
 :data:`RENAMED` / :data:`FUSED` its files' names and :data:`IGNORED` the tensors it does not read."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from functional_pp.models.hf_switches import SWITCHES as _DECODER_SWITCHES
 from functional_pp.models.hf_switches import Get, Switches
 
-__all__ = ["SWITCHES", "RENAMED", "FUSED", "IGNORED", "AUTO_MAP"]
+__all__ = ["SWITCHES", "RENAMED", "FUSED", "IGNORED", "AUTO_MAP", "FILE_LAYOUTS", "with_file_layout", "tensor_names"]
 
 AUTO_MAP: dict[str, dict[str, str]] = {
+    "replit_mpt": {"AutoConfig": "configuration_mpt.MPTConfig", "AutoModelForCausalLM": "modeling_mpt.MPTForCausalLM"},
     "qwen": {"AutoConfig": "configuration_qwen.QWenConfig", "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
     "mimo": {"AutoConfig": "configuration_mimo.MiMoConfig", "AutoModel": "modeling_mimo.MiMoModel",
              "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"},
@@ -98,7 +115,14 @@ def _mimo_write(cfg, out: dict) -> None:
                sliding_window=None, max_window_layers=cfg.layers, layer_types=types)
 
 
+# --------------------------------------------------------------------------- Replit's MPT
+def _replit_write(cfg, out: dict) -> None:
+    _DECODER_SWITCHES["mpt"].write(cfg, out)
+    out.update(model_type="mpt", auto_map=AUTO_MAP["replit_mpt"], norm_type="low_precision_layernorm")
+
+
 SWITCHES: dict[str, Switches] = {
+    "replit_mpt": dataclasses.replace(_DECODER_SWITCHES["mpt"], architecture="MPTForCausalLM", write=_replit_write),
     "qwen": Switches("QWenLMHeadModel", _QWEN_DEFAULTS, _qwen_read, _qwen_write, prepare=_qwen_prepare,
                      free=("attention_dropout",),
                      fixed=dict(qkv_bias=True, o_bias=False, head_dim=None, kv_heads=lambda cfg: cfg.heads,
@@ -117,15 +141,59 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
              (r"\.self_attn\.o_proj\.", ".attn.c_proj."), (r"\.self_attn\.", ".attn."),
              (r"\.mlp\.gate_proj\.", ".mlp.w2."), (r"\.mlp\.up_proj\.", ".mlp.w1."),
              (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f.")),
+    # Replit's MPT: transformer.blocks.{i}, ln_1 / ln_2, attn.Wqkv (fused: FUSED) / out_proj, mlp.mlp_up / mlp_down, wte, ln_f
+    "replit_mpt": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
+                   (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
+                   (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."),
+                   (r"\.mlp\.up_proj\.", ".mlp.mlp_up."), (r"\.mlp\.down_proj\.", ".mlp.mlp_down."),
+                   (r"^model\.norm\.", "transformer.ln_f.")),
 }
 """Per model type, (pattern, replacement) of the decoder table's names in its files."""
 
 FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "qwen": tuple((f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
                   for t in ("weight", "bias")),
+    "replit_mpt": (("transformer.blocks.{i}.attn.Wqkv.weight", tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight"
+                                                                      for x in "qkv")),),
 }
 """Per model type, fused tensors (names after :data:`RENAMED`) and their parts along the rows."""
 
 IGNORED: dict[str, tuple[str, ...]] = {"mimo": (r"model\.mtp_layers\..*",)}
 """Per model type, tensors of the files the decoder does not read (MiMo's multi-token-prediction layers)."""
 
+
+FILE_LAYOUTS: dict[str, tuple[str, re.Pattern]] = {
+    "replit_mpt": ("mpt", re.compile(r"^transformer\.blocks\.\d+\.mlp\.mlp_up\.weight$"))}
+"""Internal family -> (the ``config.json`` ``model_type`` it shares, a tensor name only its files hold)."""
+
+
+def tensor_names(folder: str | Path) -> list[str]:
+    """The tensor names of a Hugging Face directory's safetensors (its index, or the single file's
+    header); empty where it holds neither."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text()).get("weight_map") or {})
+        except (OSError, ValueError, AttributeError):
+            return []
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return []
+    from safetensors import safe_open
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return list(f.keys())
+    except Exception:             # noqa: BLE001 - a damaged file: the loader names it when it reads the weights
+        return []
+
+
+def with_file_layout(hf: dict, folder: str | Path | None) -> dict:
+    """``config.json``'s contents ``hf`` with ``model_type`` the internal family (:data:`FILE_LAYOUTS`)
+    whose names the safetensors of ``folder`` hold (Replit's MPT: ``replit_mpt``); ``hf`` unchanged
+    where none matches or there is no folder."""
+    candidates = [(mt, marker) for mt, (base, marker) in FILE_LAYOUTS.items() if base == hf.get("model_type")]
+    if not candidates or folder is None:
+        return hf
+    names = tensor_names(folder)
+    return next((dict(hf, model_type=mt) for mt, marker in candidates if any(marker.match(n) for n in names)), hf)

@@ -1,9 +1,10 @@
 """Remote-code checkpoints (``trust_remote_code``) read onto the decoder (models/remote_code_hf.py):
-Qwen (v1) (``QWenLMHeadModel``: ``c_attn``, ``w1`` / ``w2`` / ``c_proj``) and MiMo (``MiMoForCausalLM``:
-Qwen2 plus multi-token-prediction layers its forward never calls), each written in its hub layout
-(tests/remote_layouts.py) from a tiny random ``Qwen2ForCausalLM`` of the same math, which is the
-oracle: logits, fp64 loss and every gradient, LoRA written with the remote module names = peft on
-the Qwen2 model, export back to the remote layout bit-exact (MiMo's MTP layers copied), the
+Qwen (v1) (``QWenLMHeadModel``: ``c_attn``, ``w1`` / ``w2`` / ``c_proj``), MiMo (``MiMoForCausalLM``:
+Qwen2 plus multi-token-prediction layers its forward never calls) and Replit's MPT (``ln_1``,
+``mlp.mlp_up``, ...), each written in its hub layout (tests/remote_layouts.py) from a tiny random
+transformers model of the same math (``Qwen2ForCausalLM``, ``MptForCausalLM``), which is the oracle:
+logits, fp64 loss and every gradient, LoRA written with the remote module names = peft on the
+transformers model, export back to the remote layout bit-exact (MiMo's MTP layers copied), the
 refusals, and two AdamW steps on gloo processes (FSDP x TP) = one device."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import assert_processes_equal_one_device, make_batch, our_logits, single_device, tokens
-from remote_layouts import mimo_from_qwen2, qwen_v1_from_qwen2
+from remote_layouts import mimo_from_qwen2, qwen_v1_from_qwen2, replit_from_mpt
 from safetensors import safe_open
 
 import functional_pp as fpp
@@ -50,6 +51,22 @@ def mimo(tmp_path_factory):
     return model, mimo_from_qwen2(model, tmp_path_factory.mktemp("mimo") / "m", mtp_layers=1)
 
 
+@pytest.fixture(scope="module")
+def replit(tmp_path_factory):
+    torch.manual_seed(0)
+    conf = transformers.MptConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=128,
+                                  bos_token_id=None, eos_token_id=None)
+    model = transformers.MptForCausalLM(conf).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
+    return model, replit_from_mpt(model, tmp_path_factory.mktemp("replit") / "m")
+
+
+REFERENCE = {"qwen": "qwen2", "mimo": "qwen2", "replit": "mpt"}     # (the transformers family of the same math)
+INTERNAL = {"qwen": "qwen", "mimo": "mimo", "replit": "replit_mpt"}
+
+
 def _tensors(d) -> dict[str, torch.Tensor]:
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
@@ -79,19 +96,19 @@ def test_qwen_refusals_name_the_key(extra, msg):
         hf.config_from_hf(dict(base, **extra))
 
 
-@pytest.mark.parametrize("which", ["qwen", "mimo"])
-def test_logits_equal_qwen2(which, request):
+@pytest.mark.parametrize("which", ["qwen", "mimo", "replit"])
+def test_logits_equal_transformers(which, request):
     model, d = request.getfixturevalue(which)
     cfg, params = hf.load_hf_llama(d)
-    assert cfg.model_type == which and (cfg.mtp_layers == (1 if which == "mimo" else 0))
+    assert cfg.model_type == INTERNAL[which] and (cfg.mtp_layers == (1 if which == "mimo" else 0))
     toks = tokens()
     with torch.no_grad():
         want = model(input_ids=toks).logits
     torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["qwen", "mimo"])
-def test_fp64_loss_and_every_gradient_equal_qwen2(which, request):
+@pytest.mark.parametrize("which", ["qwen", "mimo", "replit"])
+def test_fp64_loss_and_every_gradient_equal_transformers(which, request):
     import copy
     import dataclasses
     model, d = request.getfixturevalue(which)
@@ -103,16 +120,17 @@ def test_fp64_loss_and_every_gradient_equal_qwen2(which, request):
     want.backward()
     torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)     # (transformers' rotary table: fp32)
     ours = dict(tree.leaves_with_paths(grads))
-    as_qwen2 = dataclasses.replace(cfg, model_type="qwen2", max_seq=64, mtp_layers=0)   # (Qwen2's names of our paths)
-    files = dict(hf._file_tensors(llama.init(as_qwen2), as_qwen2))
+    as_ref = dataclasses.replace(cfg, model_type=REFERENCE[which], mtp_layers=0)   # (transformers' names of our paths)
+    files = dict(hf._file_tensors(llama.init(as_ref), as_ref))
     for name, p in ref.named_parameters():
-        (q, kind, _), = files[name]
+        parts = files[name]
+        g = hf.fuse_rows([kind.to_hf(ours[q]) for q, kind, _ in parts], as_ref, getattr(parts[0][1], "row_axis", 0))
         assert p.grad.abs().max() > 0, name
-        torch.testing.assert_close(kind.to_hf(ours[q]), p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item(),
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("which", ["qwen", "mimo"])
+@pytest.mark.parametrize("which", ["qwen", "mimo", "replit"])
 def test_export_writes_the_remote_layout_back_bit_exactly(which, request, tmp_path):
     """Import then export: the same tensor names and bits (MiMo's MTP layers, unread, copied from
     ``base_model``), the config's keys as the hub's, ``auto_map`` included."""
@@ -124,52 +142,79 @@ def test_export_writes_the_remote_layout_back_bit_exactly(which, request, tmp_pa
     assert before.keys() == after.keys()
     for k in before:
         assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
-    assert sorted(copied) == sorted(k for k in before if ".mtp_layers." in k) and (which == "qwen") == (not copied)
+    assert sorted(copied) == sorted(k for k in before if ".mtp_layers." in k) and (which == "mimo") == bool(copied)
     theirs, ours = json.loads((d / "config.json").read_text()), json.loads((out / "config.json").read_text())
-    keys = (["architectures", "auto_map", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "vocab_size", "intermediate_size", "tie_word_embeddings"]
-            + (["kv_channels", "layer_norm_epsilon", "rotary_emb_base", "seq_length", "no_bias"] if which == "qwen"
-               else ["num_nextn_predict_layers", "rms_norm_eps", "num_key_value_heads"]))
+    keys = ["architectures", "auto_map", "model_type", "vocab_size"] + {
+        "qwen": ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "tie_word_embeddings",
+                 "kv_channels", "layer_norm_epsilon", "rotary_emb_base", "seq_length", "no_bias"],
+        "mimo": ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "tie_word_embeddings",
+                 "num_nextn_predict_layers", "rms_norm_eps", "num_key_value_heads"],
+        "replit": ["d_model", "n_layers", "n_heads", "expansion_ratio", "no_bias", "max_seq_len", "norm_type"]}[which]
     assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
     assert hf.load_hf_llama(out)[0] == cfg
 
 
-def test_qwen_lora_on_remote_names_equals_peft_on_qwen2(qwen):
-    """``lora_target_modules: [c_attn, c_proj, w1, w2]`` (Qwen (v1)'s modules) adapt q, k, v, o, up,
-    gate and down: one step's loss and every adapter gradient equal peft's on the Qwen2 model."""
+@pytest.mark.parametrize("which, remote, ours", [
+    ("qwen", ["c_attn", "c_proj", "w1", "w2"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"]),
+    ("replit", ["out_proj", "mlp_up", "mlp_down"], ["out_proj", "up_proj", "down_proj"])])
+def test_lora_on_remote_names_equals_peft_on_transformers(which, remote, ours, request):
+    """``lora_target_modules`` written with the remote module names (Qwen (v1)'s ``c_attn`` ... ``w2``,
+    Replit's ``mlp_up`` / ``mlp_down``) adapt those weights: one step's loss and every adapter gradient
+    equal peft's on the transformers model with its own names."""
     import copy
 
     import peft
 
     from functional_pp import adapters
     from functional_pp.adapters import peft_dir
-    from functional_pp.adapters.peft_fused import part_names
+    from functional_pp.adapters.peft_fused import model_type_of, part_names
     from harness import train_adapters
-    model, d = qwen
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model, d = request.getfixturevalue(which)
+    pm = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ours))
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.1 * torch.randn_like(p))
     cfg = hf.config_from_hf(d)
-    names = part_names(["c_attn", "c_proj", "w1", "w2"], "qwen")
-    assert sorted(names) == sorted(targets)
+    assert model_type_of(str(d)) == cfg.model_type == INTERNAL[which]
+    names = part_names(remote, cfg.model_type)
+    assert sorted(names) == sorted(n.replace("out_proj", "o_proj") for n in ours)
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=names)
     decls = adapters.init(llama.init(cfg), lc)
     state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(hf.load_hf_params(d, cfg), peft_dir.from_peft(state, decls, "qwen2"))
+    full = adapters.joined(hf.load_hf_params(d, cfg), peft_dir.from_peft(state, decls, REFERENCE[which]))
     batch = make_batch(cfg, batch=2, seq=12, seed=3)
-    ours = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
+    got = train_adapters(cfg, lc, decls, full, [batch], fpp.Mesh(), fpp.Rules(), 1e-2, 0.1)[0]
     logits = pm(input_ids=batch["tokens"]).logits
     ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
     ref.backward()
-    torch.testing.assert_close(torch.tensor(float(ours[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
-    grads = peft_dir.to_peft(ours[1], "qwen2")
+    torch.testing.assert_close(torch.tensor(float(got[0][0])), ref.detach().reshape(()), rtol=1e-5, atol=1e-6)
+    grads = peft_dir.to_peft(got[1], REFERENCE[which])
     want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert grads.keys() == want.keys() and len(want) == 2 * len(targets) * cfg.layers
+    assert grads.keys() == want.keys() and len(want) == 2 * len(ours) * cfg.layers
     for k in want:
         torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+    if which == "replit":        # (the adapters' PEFT names are the remote model's modules: mlp.mlp_up; Qwen's
+        remote_names = peft_dir.to_peft(got[1], cfg.model_type)     # c_attn: one fused adapter, adapters/peft_fused.py)
+        assert all(any(f".{r}." in k for r in remote) for k in remote_names), sorted(remote_names)[:4]
+
+
+def test_an_mpt_with_transformers_names_stays_mpt(tmp_path):
+    """The files decide: an ``mpt`` config.json (with ``auto_map`` too) over transformers' names is
+    ``mpt``; over Replit's, ``replit_mpt``."""
+    import shutil
+
+    from remote_layouts import REPLIT_AUTO_MAP
+    torch.manual_seed(0)
+    model = transformers.MptForCausalLM(transformers.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4))
+    model.save_pretrained(tmp_path / "t")
+    conf = json.loads((tmp_path / "t" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps(dict(conf, auto_map=REPLIT_AUTO_MAP)))
+    assert hf.config_from_hf(tmp_path / "t").model_type == "mpt"
+    replit_from_mpt(model, tmp_path / "r")
+    assert hf.config_from_hf(tmp_path / "r").model_type == "replit_mpt"
+    shutil.rmtree(tmp_path / "r")
 
 
 def test_real_processes_equal_one_device(qwen):
