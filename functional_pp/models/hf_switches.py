@@ -29,7 +29,8 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
                              mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
                              mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
                              attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
-                             mlp_down_multiplier=1.0, mamba1_inner=0, mamba1_dt_rank=0, mamba1_dt_norms=False)
+                             mlp_down_multiplier=1.0, mamba1_inner=0, mamba1_dt_rank=0, mamba1_dt_norms=False,
+                             mtp_layers=0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default

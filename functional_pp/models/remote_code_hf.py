@@ -97,7 +97,7 @@ def _qwen_write(cfg, out: dict) -> None:
                layer_norm_epsilon=cfg.norm_eps, rotary_emb_base=cfg.rope_theta, rotary_pct=1.0,
                seq_length=cfg.max_seq, max_position_embeddings=cfg.max_seq, use_dynamic_ntk=True, use_logn_attn=True,
                no_bias=True, scale_attn_weights=True, emb_dropout_prob=0.0, attn_dropout_prob=cfg.attention_dropout,
-               use_flash_attn="auto", bf16=False, fp16=False, fp32=False, tokenizer_class="QWenTokenizer")
+               use_flash_attn="auto", bf16=False, fp16=False, fp32=False)   # (not tokenizer_class: the export's is tokenizer.json)
 
 
 # --------------------------------------------------------------------------- MiMo

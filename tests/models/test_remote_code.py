@@ -230,3 +230,16 @@ def test_a_tiktoken_vocabulary_alone_is_refused_naming_it(tmp_path):
     (tmp_path / "qwen.tiktoken").write_text("")
     with pytest.raises(FileNotFoundError, match=r"holds qwen.tiktoken, a tiktoken vocabulary read by remote code"):
         find_tokenizer_file(tmp_path)
+
+
+def test_mimo_refusals_and_its_mtp_layers_only_in_its_class():
+    """MiMo with sliding windows is refused by name; MTP layers have no Qwen2ForCausalLM equivalent."""
+    import dataclasses
+    base = dict(model_type="mimo", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                vocab_size=256, intermediate_size=96, num_nextn_predict_layers=1)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"HF mimo config: use_sliding_window=True is not supported"):
+        hf.config_from_hf(dict(base, use_sliding_window=True))
+    cfg = hf.config_from_hf(base)
+    assert cfg.mtp_layers == 1 and hf.config_to_hf(cfg)["num_nextn_predict_layers"] == 1
+    with pytest.raises(ValueError, match=r"mtp_layers=1 has no Qwen2ForCausalLM equivalent"):
+        hf.config_to_hf(dataclasses.replace(cfg, model_type="qwen2"))
