@@ -526,6 +526,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):
         cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
+    if cfg.get("wandb_project"):
+        cfg["wandb_mode"] = "offline"        # (the same for Weights & Biases)
     for key in ("warmup_steps", "save_steps", "eval_steps"):
         if isinstance(cfg.get(key), int) and cfg[key] > 1:
             cfg[key] = 1
