@@ -74,7 +74,8 @@ def mimo_from_qwen2(model, d: Path, mtp_layers: int = 1, seed: int = 0) -> Path:
               "mlp.up_proj.weight": (c.intermediate_size, H), "mlp.down_proj.weight": (H, c.intermediate_size)}
     for j in range(mtp_layers):
         for name, shape in shapes.items():
-            sd[f"model.mtp_layers.{j}.{name}"] = torch.randn(shape, generator=g).to(torch.bfloat16)   # (their own dtype)
+            # (in a dtype of their own: an export copies them with their bits and dtype)
+            sd[f"model.mtp_layers.{j}.{name}"] = torch.randn(shape, generator=g).to(torch.bfloat16)
     if c.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     conf = {k: v for k, v in json.loads(c.to_json_string()).items() if not re.match(r"^(transformers_version)$", k)}
@@ -84,7 +85,8 @@ def mimo_from_qwen2(model, d: Path, mtp_layers: int = 1, seed: int = 0) -> Path:
 
 
 REPLIT_AUTO_MAP = {"AutoConfig": "configuration_mpt.MPTConfig", "AutoModelForCausalLM": "modeling_mpt.MPTForCausalLM"}
-#: transformers' MptForCausalLM names -> replit-code-v1-3b's (its original Hub files, as ggml's Replit converter reads them)
+#: transformers' MptForCausalLM names -> replit-code-v1-3b's (its original Hub files, as ggml's Replit example
+#: reads them)
 _REPLIT_NAMES = ((r"\.norm_1\.", ".ln_1."), (r"\.norm_2\.", ".ln_2."), (r"\.ffn\.up_proj\.", ".mlp.mlp_up."),
                  (r"\.ffn\.down_proj\.", ".mlp.mlp_down."), (r"^transformer\.norm_f\.", "transformer.ln_f."))
 

@@ -15,10 +15,11 @@ unchanged: only its ``config.json`` keys and its tensor names differ (docs/model
   remote model's forward never calls (its ``MiMoForCausalLM`` is ``Qwen2ForCausalLM``'s forward): they
   are not read, not trained, and copied unchanged into an export (checkpoint/hf_unheld.py).
 
-- Replit's MPT (``replit/replit-code-v1-3b``: ``model_type: mpt`` with ``auto_map``, the remote
-  ``MPTForCausalLM`` of MosaicML's examples v0.0.4): transformers' MPT (ALiBi, bias-free LayerNorms,
-  ``attn.Wqkv``, ``attn.out_proj``, a GELU MLP, tied embeddings) under other module names:
-  ``transformer.blocks.{i}.ln_1`` / ``ln_2``, ``mlp.mlp_up`` / ``mlp.mlp_down``, ``transformer.ln_f``.
+- Replit's MPT (``replit/replit-code-v1-3b``: ``model_type: mpt`` with ``auto_map``, its remote
+  ``MPTForCausalLM``): transformers' MPT (ALiBi, bias-free LayerNorms, ``attn.Wqkv``,
+  ``attn.out_proj``, a GELU MLP, tied embeddings) under other module names, as its original Hub
+  files hold them (ggml's Replit example reads them so): ``transformer.blocks.{i}.ln_1`` / ``ln_2``,
+  ``mlp.mlp_up`` / ``mlp.mlp_down``, ``transformer.ln_f``.
   ``config.json`` cannot tell it from MosaicML's later remote MPTs (whose names are transformers'),
   so the files do: a checkpoint of ``model_type: mpt`` holding ``mlp.mlp_up`` reads as the internal
   family ``replit_mpt`` (:func:`with_file_layout`), whose export writes ``model_type: mpt``, Replit's
@@ -67,7 +68,8 @@ def _qwen_prepare(hf: dict) -> dict:
     d = {**_QWEN_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     heads = int(d["num_attention_heads"])
     return dict(hf, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=int(d["intermediate_size"]) // 2,
+                num_attention_heads=heads, num_key_value_heads=heads,
+                intermediate_size=int(d["intermediate_size"]) // 2,
                 rms_norm_eps=d["layer_norm_epsilon"], rope_theta=float(d["rotary_emb_base"]), hidden_act="silu",
                 attention_dropout=d["attn_dropout_prob"], max_position_embeddings=d["max_position_embeddings"],
                 tie_word_embeddings=d["tie_word_embeddings"])
@@ -79,7 +81,7 @@ def _qwen_read(hf: dict, get: Get, where: str) -> dict:
         if get(key) != ok:
             raise ValueError(f"{where}: {key}={get(key)!r} is not supported (only {ok!r}: Qwen-7B / 14B / 72B's "
                              f"QWenLMHeadModel)")
-    if int(get("kv_channels")) * heads != hidden:   # (its attention splits c_attn by hidden_size: q, k, v each that wide)
+    if int(get("kv_channels")) * heads != hidden:   # (its attention splits c_attn in three of hidden_size)
         raise ValueError(f"{where}: kv_channels={get('kv_channels')} x num_attention_heads={heads} must equal "
                          f"hidden_size={hidden} (QWenAttention splits c_attn's rows in three of hidden_size)")
     if hf.get("rope_scaling") or hf.get("rope_parameters"):
@@ -97,7 +99,8 @@ def _qwen_write(cfg, out: dict) -> None:
                layer_norm_epsilon=cfg.norm_eps, rotary_emb_base=cfg.rope_theta, rotary_pct=1.0,
                seq_length=cfg.max_seq, max_position_embeddings=cfg.max_seq, use_dynamic_ntk=True, use_logn_attn=True,
                no_bias=True, scale_attn_weights=True, emb_dropout_prob=0.0, attn_dropout_prob=cfg.attention_dropout,
-               use_flash_attn="auto", bf16=False, fp16=False, fp32=False)   # (not tokenizer_class: the export's is tokenizer.json)
+               use_flash_attn="auto", bf16=False, fp16=False, fp32=False)
+    # (no tokenizer_class: the export's tokenizer is a tokenizer.json, not the remote QWenTokenizer)
 
 
 # --------------------------------------------------------------------------- MiMo
@@ -135,13 +138,15 @@ SWITCHES: dict[str, Switches] = {
 """The remote-code families as switches of the decoder (merged into ``hf_switches.SWITCHES``)."""
 
 RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
-    # Qwen (v1): transformer.h.{i}, ln_1 / ln_2, attn.c_attn (fused) / c_proj, mlp.w1 (up) / w2 (gate) / c_proj, wte, ln_f
+    # Qwen (v1): transformer.h.{i}, ln_1 / ln_2, attn.c_attn (fused) / c_proj, mlp.w1 (up) / w2 (gate) / c_proj,
+    # wte, ln_f
     "qwen": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.h."),
              (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
              (r"\.self_attn\.o_proj\.", ".attn.c_proj."), (r"\.self_attn\.", ".attn."),
              (r"\.mlp\.gate_proj\.", ".mlp.w2."), (r"\.mlp\.up_proj\.", ".mlp.w1."),
              (r"\.mlp\.down_proj\.", ".mlp.c_proj."), (r"^model\.norm\.", "transformer.ln_f.")),
-    # Replit's MPT: transformer.blocks.{i}, ln_1 / ln_2, attn.Wqkv (fused: FUSED) / out_proj, mlp.mlp_up / mlp_down, wte, ln_f
+    # Replit's MPT: transformer.blocks.{i}, ln_1 / ln_2, attn.Wqkv (fused) / out_proj, mlp.mlp_up / mlp_down,
+    # wte, ln_f
     "replit_mpt": ((r"^model\.embed_tokens\.", "transformer.wte."), (r"^model\.layers\.", "transformer.blocks."),
                    (r"\.input_layernorm\.", ".ln_1."), (r"\.post_attention_layernorm\.", ".ln_2."),
                    (r"\.self_attn\.o_proj\.", ".attn.out_proj."), (r"\.self_attn\.", ".attn."),
@@ -151,8 +156,8 @@ RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
 """Per model type, (pattern, replacement) of the decoder table's names in its files."""
 
 FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "qwen": tuple((f"transformer.h.{{i}}.attn.c_attn.{t}", tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv"))
-                  for t in ("weight", "bias")),
+    "qwen": tuple((f"transformer.h.{{i}}.attn.c_attn.{t}",
+                   tuple(f"transformer.h.{{i}}.attn.{x}_proj.{t}" for x in "qkv")) for t in ("weight", "bias")),
     "replit_mpt": (("transformer.blocks.{i}.attn.Wqkv.weight", tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight"
                                                                       for x in "qkv")),),
 }
