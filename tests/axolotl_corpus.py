@@ -54,7 +54,7 @@ MODEL_TYPES = {
     "google/gemma-3n-E2B-it": "gemma3n", "google/gemma-4-12B-it": "gemma4",
     "google/gemma-4-26B-A4B": "gemma4_moe", "google/gemma-4-31B": "gemma4",
     "EleutherAI/pythia-12b-deduped": "gpt_neox", "EleutherAI/pythia-1.4b-deduped": "gpt_neox",
-    "replit/replit-code-v1-3b": "mpt", "stabilityai/stablelm-2-1_6b": "stablelm",
+    "replit/replit-code-v1-3b": "replit_mpt", "stabilityai/stablelm-2-1_6b": "stablelm",
     "bigcode/starcoder2-3b": "starcoder2", "CohereForAI/c4ai-command-r7b-12-2024": "cohere2",
     "nvidia/DeepSeek-V4-Flash-NVFP4": "deepseek_v4", "mistralai/Devstral-Small-2507": "mistral",
     "mistralai/Mistral-7B-v0.1": "mistral", "mistralai/Ministral-8B-Instruct-2410": "mistral",
@@ -123,8 +123,7 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": 8}),     # (no GQA)
        # (SeedOssConfig's dropouts, 0.1 as in the published files: trained with them)
        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 64}),
-       # (transformers' MptForCausalLM: ALiBi, q/k/v fused in Wqkv; Replit's own remote code names its MLP
-       # mlp_up / mlp_down, which its Axolotl example targets: refused by those names)
+       # (transformers' MptForCausalLM: ALiBi, q/k/v fused in Wqkv; Replit's remote-code files: _REMOTE)
        "mpt": ("MptConfig", "MptForCausalLM", {"bos_token_id": None, "eos_token_id": None, "max_seq_len": 512}),
        # (a short-convolution layer, then an attention layer, as LFM2's; tied embeddings)
        "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "pad_token_id": None,
@@ -292,6 +291,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
                                 _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
+    if model_type in _REMOTE:
+        _remote_code_model(model_type, d)
+        return d
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
@@ -336,6 +338,26 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type == "gpt_oss":
         _experts_as_mxfp4(d)
     return d
+
+
+#: remote-code checkpoints (trust_remote_code): a tiny transformers model of the same math written in the hub
+#: repository's layout (tests/remote_layouts.py): Qwen (v1) from a Qwen2 of one k/v head per head, MiMo from a
+#: Qwen2 plus one multi-token-prediction layer, Replit's MPT from transformers' MPT
+_REMOTE = {"qwen": ("qwen2", dict(num_key_value_heads=8, tie_word_embeddings=False)),
+           "mimo": ("qwen2", dict(tie_word_embeddings=False)), "replit_mpt": ("mpt", {})}
+
+
+def _remote_code_model(model_type: str, d: Path) -> None:
+    """A tiny ``model_type`` checkpoint in its remote code's layout in ``d`` (:data:`_REMOTE`)."""
+    import torch
+    import transformers
+    from remote_layouts import mimo_from_qwen2, qwen_v1_from_qwen2, replit_from_mpt
+    base, extra = _REMOTE[model_type]
+    conf, cls, more = _HF[base]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**{**_TINY, **more, **extra, "bos_token_id": None,
+                                                                       "eos_token_id": None}))
+    {"qwen": qwen_v1_from_qwen2, "mimo": mimo_from_qwen2, "replit_mpt": replit_from_mpt}[model_type](model, d)
 
 
 def _linearized_nf4_llama4(d: Path, **kw) -> None:
@@ -515,6 +537,8 @@ def edit(cfg: dict, tmp: Path, models: Path) -> tuple[dict, int]:
         cfg["otel_metrics_port"] = 0         # an address: any free port (8000 may be taken on a shared machine)
     if cfg.get("use_swanlab"):
         cfg["swanlab_mode"] = "offline"      # no network here (a cloud run needs a login)
+    if cfg.get("wandb_project"):
+        cfg["wandb_mode"] = "offline"        # (the same for Weights & Biases)
     for key in ("warmup_steps", "save_steps", "eval_steps"):
         if isinstance(cfg.get(key), int) and cfg[key] > 1:
             cfg[key] = 1

@@ -29,6 +29,7 @@ import torch
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
 from functional_pp.models.llama_hf import FUSED, HEAD_GROUPED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
+from functional_pp.models.remote_code_hf import with_file_layout
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
 
@@ -43,9 +44,13 @@ def fused_module(path: str, model_type: str) -> str | None:
 
 
 def model_type_of(base_model: str | None) -> str:
-    """``model_type`` of a Hugging Face model directory's ``config.json`` (``llama`` without one)."""
+    """``model_type`` of a Hugging Face model directory's ``config.json`` (``llama`` without one), or the
+    internal family whose names its files hold (Replit's MPT: ``replit_mpt``)."""
     f = Path(base_model) / "config.json" if base_model else None
-    return json.loads(f.read_text()).get("model_type", "llama") if f is not None and f.is_file() else "llama"
+    if f is None or not f.is_file():
+        return "llama"
+    hf = json.loads(f.read_text())
+    return with_file_layout(hf, base_model).get("model_type", "llama") if isinstance(hf, dict) else "llama"
 
 
 def part_names(modules: Any, model_type: str) -> tuple[str, ...]:

@@ -50,6 +50,7 @@ from functional_pp.models.llama_hf import (IGNORED_BY_TYPE, IGNORED_HF, KINDS, L
                                            also_read, config_from_hf_dict, config_to_hf, file_name, head_groups,
                                            hf_kind, hf_name, our_path,
                                            permute_for_rotate_half, unpermute_from_rotate_half)
+from functional_pp.models.remote_code_hf import with_file_layout
 
 
 def _kind_of(path: str, model_type: str = "llama") -> str:
@@ -72,6 +73,8 @@ def config_from_hf(hf: dict | str | os.PathLike):
             raise CheckpointNotFoundError(f"cannot read {p}: {exc.strerror or exc}") from exc
         except ValueError as exc:
             raise CheckpointCorruptError(f"{p} is not valid JSON: {exc}") from exc
+        if isinstance(hf, dict):              # (the names its files hold: Replit's MPT)
+            hf = with_file_layout(hf, p.parent)
     try:
         return config_from_hf_dict(hf)
     except UnsupportedHFConfig as exc:

@@ -43,6 +43,9 @@ def model_config(cfg: Any) -> Any:
                           f"{exc.strerror or exc}") from exc
     except ValueError as exc:
         raise ConfigError(f"base_model {cfg.base_model!r}: {path} is not valid JSON: {exc}") from exc
+    if isinstance(hf, dict):                       # (the names its files hold: Replit's MPT)
+        from functional_pp.models.remote_code_hf import with_file_layout
+        hf = with_file_layout(hf, cfg.base_model)
     if overrides:
         if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
             raise ConfigError(f"overrides_of_model_config must map config.json keys to values, got {overrides!r}")

@@ -29,8 +29,12 @@ def find_tokenizer_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     f = p / "tokenizer.json" if p.is_dir() else p
     if not f.is_file():
+        tiktoken = sorted(c.name for c in p.glob("*.tiktoken")) if p.is_dir() else []
+        hint = (f"; {p} holds {tiktoken[0]}, a tiktoken vocabulary read by remote code (Qwen (v1)'s "
+                f"QWenTokenizer), which is not run: save it once as tokenizer.json (transformers' "
+                f"PreTrainedTokenizerFast) and point tokenizer_config at it" if tiktoken else "")
         raise FileNotFoundError(f"no tokenizer.json at {p} (give a tokenizer.json or a Hugging Face "
-                                f"directory holding one)")
+                                f"directory holding one){hint}")
     return f
 
 

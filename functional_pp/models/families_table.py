@@ -44,6 +44,16 @@ ROWS: tuple[Row, ...] = (
                          "`processor_type` (images)"),
     Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
     Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
+    Row(("qwen",), "Qwen (v1), remote code (`trust_remote_code`) read onto Qwen2's layer: files under `transformer.` "
+                   "(`c_attn` fused q/k/v with biases split on import, fused on export; `w1` up, `w2` gate, `c_proj`), "
+                   "`kv_channels`, `rotary_emb_base`, positions `seq_length` (dynamic NTK and log-n scaling act only "
+                   "past it, in inference); export writes `QWenLMHeadModel`'s files and `auto_map`",
+        "`use_dynamic_ntk` / `use_logn_attn` past `seq_length` (positions limited to it); `no_bias: false`; the "
+        "tiktoken tokenizer (`qwen.tiktoken`: give a `tokenizer.json`)"),
+    Row(("mimo",), "MiMo, remote code read onto Qwen2's decoder; its multi-token-prediction layers "
+                   "(`num_nextn_predict_layers`, `model.mtp_layers.N`), which its forward never calls, are not read or "
+                   "trained and are copied unchanged into an export (`MiMoForCausalLM`, `auto_map`)",
+        "training the multi-token-prediction layers (as the remote model, which never calls them)"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE; residual "
                    "dropout (`resid_pdrop`) in training",
         "`embd_pdrop` (transformers never applies it; refused by name)"),
@@ -127,10 +137,13 @@ ROWS: tuple[Row, ...] = (
                     "the rotary and full layers without (NoPE), norms before and after attention and the MLP, dense "
                     "layers first, then sigmoid routing with a choosing bias, scaled top-k weights, shared experts; "
                     "muP's scaled embedding", f"a k/v cache with sliding windows; {_EXPERT_PEFT}"),
-    Row(("mpt",), "ALiBi attention (`alibi_bias_max`: a slope per head times the key's distance, explicit scores, "
-                  "every layout), bias-free LayerNorms, q/k/v fused in `Wqkv`, GELU MLP not gated, tied embeddings, "
-                  "`attn_pdrop` as attention and residual dropout", "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi "
-                  "(refused by name); Replit's remote-code checkpoints (their own tensor names)"),
+    Row(("mpt", "replit_mpt"), "ALiBi attention (`alibi_bias_max`: a slope per head times the key's distance, "
+                               "explicit scores, every layout), bias-free LayerNorms, q/k/v fused in `Wqkv`, GELU MLP "
+                               "not gated, tied embeddings, `attn_pdrop` as attention and residual dropout; "
+                               "`replit_mpt`: an `mpt` whose files hold Replit's remote-code names (`ln_1`, "
+                               "`mlp.mlp_up`, `mlp.mlp_down`, `ln_f`; `lora_target_modules` by them too), exported "
+                               "back so with its `auto_map`",
+        "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi (refused by name)"),
     Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
                    "tied embeddings", "key / value-cache sampling of the convolution layers "

@@ -29,7 +29,8 @@ PLAIN: dict[str, Any] = dict(learned_positions=False, clip_qkv=None, nope_layers
                              mamba_heads=0, mamba_in_multiplier=1.0, mamba_part_multipliers=None,
                              mamba_out_multiplier=1.0, mamba_norm="gated", attn_in_multiplier=1.0,
                              attn_out_multiplier=1.0, key_multiplier=1.0, mlp_gate_multiplier=1.0,
-                             mlp_down_multiplier=1.0, mamba1_inner=0, mamba1_dt_rank=0, mamba1_dt_norms=False)
+                             mlp_down_multiplier=1.0, mamba1_inner=0, mamba1_dt_rank=0, mamba1_dt_norms=False,
+                             mtp_layers=0)
 """The switches' values in Llama (and in every family that does not name them)."""
 
 Get = Callable[..., Any]          # a config.json key, or its class default
@@ -718,8 +719,6 @@ REFUSED: dict[str, str] = {
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
     **{mt: f"{name}: not built yet, issue 40" for mt, name in (
         ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
-    **{mt: f"{name}: its modelling code is not in transformers (trust_remote_code), no oracle to build it against"
-       for mt, name in (("qwen", "Qwen (v1)"), ("mimo", "MiMo"))},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

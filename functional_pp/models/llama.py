@@ -299,6 +299,9 @@ class Config:
     # the multimodal checkpoint (gemma3, mistral3) whose text decoder this is: its tensors under
     # model.language_model. (the vision tower's left aside); export writes the text decoder alone
     text_of: str | None = None
+    # multi-token-prediction layers the files hold beside the decoder that its forward never calls (MiMo's
+    # num_nextn_predict_layers, model.mtp_layers.N): not read, not trained, copied unchanged into an export
+    mtp_layers: int = 0
     # Llama 4's experts in the files one nn.Linear per expert (Axolotl's llama4_linearized_experts:
     # feed_forward.experts.gate_projs.N / up_projs.N / down_projs.N): the same math, stacked here;
     # export writes them under those names

@@ -50,8 +50,8 @@ import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
                                   gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf,
-                                  llama4_vision_hf,
-                                  mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
+                                  llama4_vision_hf, mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf,
+                                  qwen_vision_hf, remote_code_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -62,6 +62,9 @@ __all__ = [
     "MODEL_TYPES", "ARCHITECTURES", "check_exportable", "FUSED", "file_name", "RENAMED", "MOE_BASE", "renamed",
     "HEAD_INTERLEAVED", "HEAD_GROUPED", "head_groups", "ALSO_READ", "also_read",
 ]
+
+
+SWITCHES.update(remote_code_hf.SWITCHES)     # (Qwen (v1), MiMo: remote-code checkpoints as switches of the decoder)
 
 
 class UnsupportedHFConfig(ValueError):
@@ -289,6 +292,7 @@ FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after R
                  tuple(f"transformer.blocks.{{i}}.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["nemotron_h"] = mamba2_hf.fused("backbone.layers.{i}.mixer")     # (names after RENAMED: in_proj, conv1d)
 FUSED["falcon_h1"] = mamba2_hf.fused("model.layers.{i}.mamba")
+FUSED.update(remote_code_hf.FUSED)           # (Qwen (v1): q / k / v in c_attn, weight and bias)
 FUSED["granitemoehybrid"] = FUSED["granitemoeshared"] + granitemoehybrid_hf.FUSED + mamba2_hf.fused("model.layers.{i}.mamba")
 _FUSED = {mt: [(fused, [_pattern(part) for part in parts]) for fused, parts in rows] for mt, rows in FUSED.items()}
 HEAD_INTERLEAVED: frozenset[str] = frozenset({"gpt_neox", "falcon"})
@@ -405,7 +409,8 @@ _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tow
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED,
-                                               **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT}}
+                                               **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT},
+                                               **remote_code_hf.IGNORED}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -414,6 +419,7 @@ RENAMED["falcon_h1"] = falcon_h1_hf.RENAMED
 RENAMED["mamba"] = mamba_hf.RENAMED
 RENAMED["jamba"] = jamba_hf.RENAMED
 RENAMED["kimi_linear"] = kimi_linear_hf.RENAMED     # (self_attn, block_sparse_moe, experts w1 / w3 / w2)
+RENAMED.update(remote_code_hf.RENAMED)       # (Qwen (v1): transformer.h., c_attn, w1 / w2 / c_proj)
 """Per model type, (pattern, replacement) of the table's HF names in that family's files."""
 
 
