@@ -387,7 +387,7 @@ def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -
 
 
 def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
-    from functional_pp.adapters.peft_fused import model_type_of
+    from functional_pp.adapters.peft_fused import decoder_type_of, model_type_of
     qat = cfg.qat_config()
     if qat is not None:             # (full fine-tuning only: checks.check_qat)
         from functional_pp.config import ConfigError
@@ -402,7 +402,7 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
     from functional_pp.core.tree import leaves_with_paths
     if lora is not None:
         try:
-            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora),
+            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora, decoder_type_of(cfg.base_model)),
                    adapters.trainable(lora, model_type_of(cfg.base_model)))
         except ValueError as exc:
             raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
+                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, lfm2_vl_hf, llama4_hf, mamba2_hf,
                                   mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
@@ -184,6 +184,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *pixtral_hf.TABLE,
     # Qwen3.5's vision tower and patch merger (models/qwen_vision.py)
     *qwen_vision_hf.TABLE,
+    # LFM2-VL's SigLIP2 tower and projector norm (models/lfm2_vl.py)
+    *lfm2_vl_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -389,7 +391,8 @@ RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder:
 RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its vision tower: model.visual.)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama",
+                                     lfm2_vl_hf.WRAPPER: lfm2_vl_hf.TEXT}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
@@ -435,14 +438,21 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
-    if getattr(cfg, "text_of", None) and cfg.text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
-        # checkpoint's text decoder, its files' layout; Qwen2-VL's files keep the text model's)
-        name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
+    text_of = getattr(cfg, "text_of", None)
+    if text_of and text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal checkpoint's text decoder,
+        # its files' layout; Qwen2-VL's files keep the text model's; LFM2-VL's are transformers 5's)
+        for pattern, repl in WRAPPER_RENAMED.get(text_of, ((r"^(model|lm_head)\.", r"language_model.\1."),)):
+            name = re.sub(pattern, repl, name)
     return name
 
 
+WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {lfm2_vl_hf.WRAPPER: lfm2_vl_hf.RENAMED}
+"""Per multimodal wrapper (``Config.text_of``), the renames of its files' layout where it is not
+LLaVA's older one (``language_model.model.``, ``vision_tower.``)."""
+
 ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
-                                                    "llava": pixtral_hf.ALSO_READ}
+                                                    "llava": pixtral_hf.ALSO_READ,
+                                                    lfm2_vl_hf.WRAPPER: lfm2_vl_hf.ALSO_READ}
 """Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
 under where the files lack the first (transformers' own save of a family that differs from its
 published checkpoint's)."""
@@ -1295,6 +1305,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, **plain), dtype)
         return qwen_vision_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
+    if cfg.vision is not None and cfg.text_of == lfm2_vl_hf.WRAPPER:     # LFM2-VL's multimodal class
+        return lfm2_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
+                                                            dtype), cfg.vision)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1428,8 +1441,10 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 
 def vision_from_hf(hf: dict):
-    """The vision tower config (models/pixtral.py's or models/qwen_vision.py's) of a multimodal
-    ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
+    """The vision tower config (models/pixtral.py's, models/qwen_vision.py's or models/lfm2_vl.py's) of a
+    multimodal ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
     if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
         return qwen_vision_hf.vision_from_hf(hf)
+    if hf.get("model_type") == lfm2_vl_hf.WRAPPER:
+        return lfm2_vl_hf.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)
