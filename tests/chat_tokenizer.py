@@ -204,3 +204,37 @@ def write_llava_processor_files(d, patch, image_size, strategy):
         "processor_class": "LlavaProcessor", "patch_size": patch, "image_token": "<image>",
         "num_additional_image_tokens": 1, "vision_feature_select_strategy": strategy}))
     (d / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
+
+
+#: the tiny LFM2-VL processor's special tokens, in id order after the 256 bytes (<image> is id 261)
+LFM2_VL_SPECIALS = ["<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|image_start|>", "<image>",
+                    "<|image_end|>", "<|img_thumbnail|>",
+                    *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5))]
+#: LFM2-VL's chat template, shortened: ChatML turns, each image as <image> before the turn's text
+LFM2_VL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+                    "{% if c.type == 'image' %}<image>{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}"
+                    "{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def make_lfm2_vl_processor(d, patch=4, merge=2, tile=16, max_tokens=4):
+    """A tiny LFM2-VL processor's files in ``d`` (as ``Lfm2VlProcessor.save_pretrained`` writes them): a
+    byte-level tokenizer with :data:`LFM2_VL_SPECIALS`, ``preprocessor_config.json`` (images of up to
+    ``max_tokens`` tokens whole, larger ones in ``tile``-pixel tiles and a thumbnail) and the template."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LFM2_VL_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|startoftext|>", eos_token="<|im_end|>",
+                                               pad_token="<|pad|>")
+    tok.save_pretrained(str(d))
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Lfm2VlImageProcessor", "downsample_factor": merge, "encoder_patch_size": patch,
+        "tile_size": tile, "min_image_tokens": 1, "max_image_tokens": max_tokens, "min_tiles": 2, "max_tiles": 4,
+        "max_pixels_tolerance": 2.0, "do_image_splitting": True, "use_thumbnail": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
+    (d / "chat_template.jinja").write_text(LFM2_VL_TEMPLATE)

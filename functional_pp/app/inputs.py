@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import qwen_vision
+    from functional_pp.models import lfm2_vl, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -162,6 +162,17 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
+    if (getattr(v, "tower", "pixtral") in lfm2_vl.TOWERS) != (proc.layout == "lfm2_vl"):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
+                         f"its model's vision tower is {v.tower}: the files disagree")
+    if proc.layout == "lfm2_vl":
+        if (proc.patch, proc.merge, token) != (v.patch_size, v.merge, v.image_token_id):
+            raise ValueError(f"processor_type: base_model {cfg.base_model}'s image processor cuts {proc.patch}-pixel "
+                             f"patches downsampled {proc.merge} x {proc.merge} with image token id {token}, its model "
+                             f"{v.patch_size}-pixel patches (patch_size) downsampled {v.merge} x {v.merge} "
+                             f"(downsample_factor) with image_token_id {v.image_token_id}: the files disagree")
+        return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+                "siglip2": {"side": v.side, "channels": v.channels}}
     qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     if qwen != (proc.layout == "qwen"):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "

@@ -15,7 +15,10 @@ and only the assistant's replies train (its Pixtral strategy). Qwen's processors
 ``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
 gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
-(Axolotl's Qwen2-VL strategy)."""
+(Axolotl's Qwen2-VL strategy). LFM2-VL's (``Lfm2VlProcessor``: data/lfm2_vl_processor.py, its image
+processor on PIL) expands each ``<image>`` into its tiles' and thumbnail's tokens, one per
+``downsample_factor``² patches, between its markers; the labels mask the padding and ``<image>``
+(Axolotl's base strategy)."""
 from __future__ import annotations
 
 import copy
@@ -27,10 +30,12 @@ import torch
 
 from functional_pp.data.images import image_batch
 from functional_pp.data.qwen_images import qwen_image_batch
+from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS)
+LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, LFM2_VL_PROCESSOR)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -43,7 +48,7 @@ class ImageChatProcessor:
     ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
     ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
     dropped, ``vision_feature_select_strategy: default``) or Qwen's (``qwen``: one image token per
-    merged patch)."""
+    merged patch) or LFM2-VL's (``lfm2_vl``: tiles, a thumbnail and their markers; data/lfm2_vl_processor.py)."""
 
     tokenizer: Any
     image_processor: Any
@@ -62,7 +67,12 @@ class ImageChatProcessor:
     extra: int = 0
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
+        """``(pixel_values, image_sizes or image_grid_thw or spatial_shapes, each image's tokens)`` of ``pictures``."""
+        if self.layout == "lfm2_vl":                 # (each picture one or more tiles: a row of pixel_values each)
+            out = self.image_processor(pictures)
+            return (out["pixel_values"], out["spatial_shapes"],
+                    [self.image_processor.image_tokens(r, c, size) for r, c, size in
+                     zip(out["image_rows"], out["image_cols"], out["image_sizes"])])
         if self.layout == "qwen":
             out = self.image_processor(pictures, return_tensors="pt")
             grids = torch.as_tensor(out["image_grid_thw"])
@@ -110,7 +120,11 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
                          f"LLaVA-1.5, Qwen2-VL, Qwen3.5) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
-        images = transformers.AutoImageProcessor.from_pretrained(str(root))
+        if kind == LFM2_VL_PROCESSOR:          # (transformers' image processor needs torchvision: ours on PIL)
+            from functional_pp.data.lfm2_vl_processor import Lfm2VlImages
+            images = Lfm2VlImages.from_dir(root)
+        else:
+            images = transformers.AutoImageProcessor.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc
     template = conf.get("chat_template") or getattr(tok, "chat_template", None)
@@ -126,6 +140,10 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
                                   image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
                                   image_end_token=None, layout="qwen", merge=merge)
+    elif kind == LFM2_VL_PROCESSOR:
+        proc = ImageChatProcessor(tok, images, template, images.encoder_patch_size, image_token="<image>",
+                                  image_break_token=None, image_end_token=None, layout="lfm2_vl",
+                                  merge=images.downsample_factor)
     elif kind == "LlavaProcessor":
         extra = int(conf.get("num_additional_image_tokens", 0))
         extra -= conf.get("vision_feature_select_strategy", "default") == "default"
@@ -249,11 +267,16 @@ class RowImages:
     qwen: dict | None = None
     class_token: str | None = None           # (a CLIP tower: data/images.py's image_batch)
     image_size: int | None = None
+    # a SigLIP2 tower (data/siglip2_images.py: side, channels): the rows hold its tiles' patches and
+    # spatial_shapes; every batch reads as many position taps as the stream's images need
+    siglip2: dict | None = None
 
     def __post_init__(self) -> None:
         k = self.merge ** 2
         lead = 1 if self.class_token else 0
-        counts = [int(r[1].prod(-1).sum()) if self.qwen is not None else
+        self.taps = max([1] + [tap_count(r[1], self.siglip2["side"]) for r in self.rows if r is not None]) \
+            if self.siglip2 is not None else None
+        counts = [int(r[1].prod(-1).sum()) if self.qwen is not None or self.siglip2 is not None else
                   sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
         self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
@@ -261,6 +284,10 @@ class RowImages:
     def entries(self, rows: Sequence[int], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The image entries (data/images.py) of stream rows ``rows`` whose tokens are ``ids``."""
         picked = [self.rows[r] if 0 <= r < len(self.rows) else None for r in rows]
+        if self.siglip2 is not None:
+            return siglip2_image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
+                                       merge=self.merge, image_token_id=self.image_token_id, patch=self.patch,
+                                       patches=self.patches, taps=self.taps, **self.siglip2)
         if self.qwen is not None:
             return qwen_image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                                     merge=self.merge, image_token_id=self.image_token_id, patch=self.patch,
