@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import lfm2_vl, qwen_vision
+    from functional_pp.models import internvl, lfm2_vl, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -173,6 +173,17 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                              f"(downsample_factor) with image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
                 "siglip2": {"side": v.side, "channels": v.channels}}
+    if (getattr(v, "tower", "pixtral") in internvl.TOWERS) != (proc.layout == "internvl"):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
+                         f"its model's vision tower is {v.tower}: the files disagree")
+    if proc.layout == "internvl":
+        if (proc.patch, proc.extra, token) != (v.image_size, (v.grid // v.merge) ** 2, v.image_token_id):
+            raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts {proc.patch}-pixel tiles of "
+                             f"{proc.extra} image tokens (image_seq_length) with image token id {token}, its model "
+                             f"{v.image_size}-pixel tiles (image_size) of {(v.grid // v.merge) ** 2} with "
+                             f"image_token_id {v.image_token_id}: the files disagree")
+        return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+                "class_token": "dropped", "image_size": v.image_size}
     qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     if qwen != (proc.layout == "qwen"):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "

@@ -18,7 +18,9 @@ gives the patches' rows (data/qwen_images.py); the labels mask the padding and `
 (Axolotl's Qwen2-VL strategy). LFM2-VL's (``Lfm2VlProcessor``: data/lfm2_vl_processor.py, its image
 processor on PIL) expands each ``<image>`` into its tiles' and thumbnail's tokens, one per
 ``downsample_factor``² patches, between its markers; the labels mask the padding and ``<image>``
-(Axolotl's base strategy)."""
+(Axolotl's base strategy). InternVL's (``InternVLProcessor``) expands each ``<IMG_CONTEXT>`` into
+``<img>``, ``image_seq_length`` of it per tile of ``GotOcr2ImageProcessor`` (its PIL backend), ``</img>``;
+the labels mask the padding and ``<IMG_CONTEXT>``."""
 from __future__ import annotations
 
 import copy
@@ -35,7 +37,8 @@ from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
 LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, LFM2_VL_PROCESSOR)
+INTERNVL_PROCESSOR = "InternVLProcessor"
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, LFM2_VL_PROCESSOR, INTERNVL_PROCESSOR)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -48,7 +51,9 @@ class ImageChatProcessor:
     ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
     ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
     dropped, ``vision_feature_select_strategy: default``) or Qwen's (``qwen``: one image token per
-    merged patch) or LFM2-VL's (``lfm2_vl``: tiles, a thumbnail and their markers; data/lfm2_vl_processor.py)."""
+    merged patch), LFM2-VL's (``lfm2_vl``: tiles, a thumbnail and their markers; data/lfm2_vl_processor.py) or
+    InternVL's (``internvl``: ``GotOcr2ImageProcessor``'s tiles of ``image_size`` pixels, ``extra`` image tokens
+    each, between the ``bounds``)."""
 
     tokenizer: Any
     image_processor: Any
@@ -65,9 +70,15 @@ class ImageChatProcessor:
     layout: str = "pixtral"
     merge: int = 1
     extra: int = 0
+    bounds: tuple[str, str] = ("", "")       # (InternVL: <img> and </img> around an image's tokens)
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(pixel_values, image_sizes or image_grid_thw or spatial_shapes, each image's tokens)`` of ``pictures``."""
+        if self.layout == "internvl":                # (each picture one or more tiles of image_size pixels)
+            out = self.image_processor(pictures, crop_to_patches=True, return_tensors="pt")
+            px, counts = out["pixel_values"], [int(n) for n in out["num_patches"]]
+            return (px, torch.tensor([list(px.shape[-2:])] * len(px)),
+                    [self.bounds[0] + self.image_token * (self.extra * n) + self.bounds[1] for n in counts])
         if self.layout == "lfm2_vl":                 # (each picture one or more tiles: a row of pixel_values each)
             out = self.image_processor(pictures)
             return (out["pixel_values"], out["spatial_shapes"],
@@ -140,6 +151,15 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
                                   image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
                                   image_end_token=None, layout="qwen", merge=merge)
+    elif kind == INTERNVL_PROCESSOR:          # (its tokenizer names the markers: tokenizer_config.json)
+        tc_file = root / "tokenizer_config.json"
+        tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
+        names = {**tc, **(tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {})}
+        size = getattr(images, "size", None) or {"height": 448}
+        proc = ImageChatProcessor(tok, images, template, int(size["height"]),
+                                  image_token=names.get("context_image_token", "<IMG_CONTEXT>"), image_break_token=None,
+                                  image_end_token=None, layout="internvl", extra=int(conf.get("image_seq_length", 256)),
+                                  bounds=(names.get("start_image_token", "<img>"), names.get("end_image_token", "</img>")))
     elif kind == LFM2_VL_PROCESSOR:
         proc = ImageChatProcessor(tok, images, template, images.encoder_patch_size, image_token="<image>",
                                   image_break_token=None, image_end_token=None, layout="lfm2_vl",
@@ -154,8 +174,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         patch = int(conf.get("patch_size", 16)) * int(conf.get("spatial_merge_size", 1))
         names = {k: conf[k] for k in ("image_token", "image_break_token", "image_end_token") if conf.get(k)}
         proc = ImageChatProcessor(tok, images, template, patch, **names)
-    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token) if t is not None]
-    unknown = [t for t, i in zip(named, proc.media_ids()) if i in (None, tok.unk_token_id)]
+    named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token, *proc.bounds) if t]
+    unknown = [t for t in named if tok.convert_tokens_to_ids(t) in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
     return proc
@@ -279,7 +299,8 @@ class RowImages:
         counts = [int(r[1].prod(-1).sum()) if self.qwen is not None or self.siglip2 is not None else
                   sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
-        self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
+        self.patches = -(-max([k] + counts) // k) * k   # every batch padded alike (whole merged tokens): mesh- and
+        #                                                 step-independent
 
     def entries(self, rows: Sequence[int], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The image entries (data/images.py) of stream rows ``rows`` whose tokens are ``ids``."""

@@ -56,20 +56,25 @@ def layer_params(v, w, vec) -> dict:
 
 
 def encoder_layer(p: dict, x: Named, segments: Named, v) -> Named:
-    """One encoder layer (batch patch vision): LayerNorm, attention with biases inside each image
-    (``segments``), LayerNorm, the MLP of ``v.act``; CLIP's and SigLIP's."""
+    """One encoder layer (batch patch vision): LayerNorm, attention inside each image (``segments``;
+    q / k / v biases where declared), LayerNorm, the MLP of ``v.act``; CLIP's and SigLIP's, and
+    InternViT's with its layer scales (``lambda_1``, ``lambda_2``: each branch scaled per channel)."""
     a = p["self_attn"]
     h = ops.layer_norm(x, p["layer_norm1"], p["layer_norm1_bias"], eps=v.norm_eps)
-    q, k, val = (ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
-                            a[f"{n}_proj"]) + a[f"{n}_bias"] for n in "qkv")
-    o = ops.attention(q, k, val, causal=False, batch="batch", seq="patch", heads="vheads", kv_heads="vheads",
-                      head_dim="vhead_dim", segments=segments)
-    x = x + ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o,
-                       a["out_proj"]) + a["out_bias"]
+
+    def proj(n):
+        y = ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h, a[f"{n}_proj"])
+        return y + a[f"{n}_bias"] if f"{n}_bias" in a else y
+    o = ops.attention(proj("q"), proj("k"), proj("v"), causal=False, batch="batch", seq="patch", heads="vheads",
+                      kv_heads="vheads", head_dim="vhead_dim", segments=segments)
+    o = ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o,
+                   a["out_proj"]) + a["out_bias"]
+    x = x + (o * p["lambda_1"] if "lambda_1" in p else o)
     m = p["mlp"]
     h = ops.layer_norm(x, p["layer_norm2"], p["layer_norm2_bias"], eps=v.norm_eps)
     h = _act(ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, m["fc1"]) + m["fc1_bias"], v.act)
-    return x + ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, m["fc2"]) + m["fc2_bias"]
+    h = ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, m["fc2"]) + m["fc2_bias"]
+    return x + (h * p["lambda_2"] if "lambda_2" in p else h)
 
 
 def used_layers(v) -> int:

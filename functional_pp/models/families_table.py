@@ -42,8 +42,10 @@ ROWS: tuple[Row, ...] = (
                          "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "
                          "(Ministral 3, Mistral Medium 3.5), with its Pixtral encoder and projector under "
                          "`processor_type` (images)"),
-    Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
-    Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
+    Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`; the text decoder of InternVL's "
+                    "`internvl`, with its InternViT encoder and projector under `processor_type` (images)"),
+    Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`; the text decoder of InternVL 3.5's `internvl`, with "
+                    "its InternViT encoder and projector under `processor_type` (images)"),
     Row(("phi3",), "fused `qkv_proj` / `gate_up_proj` split on import, fused on export; LongRoPE; residual "
                    "dropout (`resid_pdrop`) in training",
         "`embd_pdrop` (transformers never applies it; refused by name)"),
@@ -128,7 +130,8 @@ ROWS: tuple[Row, ...] = (
                   "(refused by name); Replit's remote-code checkpoints (their own tensor names)"),
     Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
-                   "tied embeddings", "key / value-cache sampling of the convolution layers "
+                   "tied embeddings; the text decoder of LFM2-VL's `lfm2_vl`, with its SigLIP2 encoder and projector "
+                   "under `processor_type` (images)", "key / value-cache sampling of the convolution layers "
                    "(refused by name); `conv_bias`"),
     Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
         "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "

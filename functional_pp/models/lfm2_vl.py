@@ -79,6 +79,12 @@ def init(v: Lfm2VlConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
     def vec(n, dims, how):
         return param(n if isinstance(n, tuple) else (n,), dims, init=how, dtype=dtype)
 
+    return {"vision_tower": siglip2.init(v, w, vec), "multi_modal_projector": projector_params(v, text_hidden, w, vec)}
+
+
+def projector_params(v, text_hidden: int, w, vec) -> dict:
+    """The pixel-unshuffle projector's declarations (LFM2-VL's, InternVL's): ``v.merge``, ``v.projector_hidden``,
+    ``v.projector_norm``, ``v.projector_bias``."""
     merged = v.hidden * v.merge ** 2
     proj = {"linear_1": w((merged, v.projector_hidden), "vision_merge mm"),
             "linear_2": w((v.projector_hidden, text_hidden), "mm hidden")}
@@ -86,12 +92,12 @@ def init(v: Lfm2VlConfig, text_hidden: int, dtype: torch.dtype, std: float) -> d
         proj.update(layer_norm=vec(merged, "vision_merge", "ones"), layer_norm_bias=vec(merged, "vision_merge", "zeros"))
     if v.projector_bias:
         proj.update(linear_1_bias=vec(v.projector_hidden, "mm", "zeros"), linear_2_bias=vec(text_hidden, "hidden", "zeros"))
-    return {"vision_tower": siglip2.init(v, w, vec), "multi_modal_projector": proj}
+    return proj
 
 
 def project(proj: dict, x: Named, v: Lfm2VlConfig) -> Named:
     """The projector (batch merged hidden): each ``merge``² consecutive patches' vectors one after the
-    other (the pixel unshuffle), LayerNorm, linear-GELU-linear."""
+    other (the pixel unshuffle; InternVL's pixel shuffle is the same order), LayerNorm, linear-GELU-linear."""
     k = v.merge ** 2
     x = ops.split_dim(x, "patch", {"merged": x.size("patch") // k, "merge": k})
     x = ops.merge_dims(ops.transpose(x, "batch", "merged", "merge", "vision"), ("merge", "vision"), "vision_merge")

@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
-                                  granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, lfm2_vl_hf, llama4_hf, mamba2_hf,
+                                  granitemoehybrid_hf, internvl_hf, jamba_hf, kimi_delta, kimi_linear_hf, lfm2_vl_hf, llama4_hf,
+                                  mamba2_hf,
                                   mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
@@ -186,6 +187,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *qwen_vision_hf.TABLE,
     # LFM2-VL's SigLIP2 tower and projector norm (models/lfm2_vl.py)
     *lfm2_vl_hf.TABLE,
+    # InternVL's InternViT tower (models/internvl.py; its projector the rows above)
+    *internvl_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -392,7 +395,7 @@ RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its visi
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama",
-                                     lfm2_vl_hf.WRAPPER: lfm2_vl_hf.TEXT}
+                                     lfm2_vl_hf.WRAPPER: lfm2_vl_hf.TEXT, internvl_hf.WRAPPER: internvl_hf.TEXT}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
@@ -696,6 +699,20 @@ class _Heads4d(_Kind):                 # ours [H] = HF [1, 1, H, 1] (Kimi Delta 
         return sl[0:1, 0:1, region[0], 0:1].reshape(-1)
 
 
+class _Lead(_Kind):                    # ours = HF without its n leading 1-dims (InternViT's cls_token, positions)
+    def __init__(self, n: int):
+        self.n = n
+
+    def hf_shape(self, shape):
+        return (1,) * self.n + tuple(shape)
+
+    def to_hf(self, t):
+        return t.reshape((1,) * self.n + tuple(t.shape))
+
+    def read(self, sl, region, shape):
+        return sl[(slice(0, 1),) * self.n + tuple(region)][(0,) * self.n]
+
+
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
     def hf_shape(self, shape):
         return (1, shape[0])
@@ -790,7 +807,8 @@ KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat":
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d()}
+                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d(),
+                           "lead_1": _Lead(1), "lead_2": _Lead(2)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -1308,6 +1326,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.vision is not None and cfg.text_of == lfm2_vl_hf.WRAPPER:     # LFM2-VL's multimodal class
         return lfm2_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
                                                             dtype), cfg.vision)
+    if cfg.vision is not None and cfg.text_of == internvl_hf.WRAPPER:    # InternVL's multimodal class
+        return internvl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
+                                                             dtype), cfg.vision)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1441,10 +1462,12 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 
 def vision_from_hf(hf: dict):
-    """The vision tower config (models/pixtral.py's, models/qwen_vision.py's or models/lfm2_vl.py's) of a
+    """The vision tower config (models/pixtral.py's, qwen_vision.py's, lfm2_vl.py's or internvl.py's) of a
     multimodal ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
     if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
         return qwen_vision_hf.vision_from_hf(hf)
     if hf.get("model_type") == lfm2_vl_hf.WRAPPER:
         return lfm2_vl_hf.vision_from_hf(hf)
+    if hf.get("model_type") == internvl_hf.WRAPPER:
+        return internvl_hf.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)
