@@ -178,8 +178,9 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                          f"its model's vision tower is {v.tower}: the files disagree")
     if proc.layout == "internvl":
         if (proc.patch, proc.extra, token) != (v.image_size, (v.grid // v.merge) ** 2, v.image_token_id):
-            raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts {proc.patch}-pixel tiles of "
-                             f"{proc.extra} image tokens (image_seq_length) with image token id {token}, its model "
+            raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts {proc.patch}-pixel "
+                             f"tiles of {proc.extra} image tokens (image_seq_length) with image token id {token}, "
+                             f"its model "
                              f"{v.image_size}-pixel tiles (image_size) of {(v.grid // v.merge) ** 2} with "
                              f"image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,

@@ -64,7 +64,8 @@ class Lfm2VlImages:
         conf = json.loads((root / "preprocessor_config.json").read_text())
         proc = root / "processor_config.json"
         if proc.is_file():
-            conf.setdefault("use_image_special_tokens", json.loads(proc.read_text()).get("use_image_special_tokens", True))
+            special = json.loads(proc.read_text()).get("use_image_special_tokens", True)
+            conf.setdefault("use_image_special_tokens", special)
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in conf.items() if k in names})
 
@@ -98,7 +99,8 @@ class Lfm2VlImages:
         """``(rows, cols, height, width)``: the tile grid (1 x 1: not split) and the resized size."""
         f = self.patch * self.downsample_factor
         h, w = max(self.patch, round(height / f) * f), max(self.patch, round(width / f) * f)
-        large = h * w > self.max_image_tokens * self.patch ** 2 * self.downsample_factor ** 2 * self.max_pixels_tolerance
+        most = self.max_image_tokens * self.patch ** 2 * self.downsample_factor ** 2
+        large = h * w > most * self.max_pixels_tolerance
         new_h, new_w = self.smart_resize(height, width)
         lo, hi = self._tiles_range()
         if not (large and not lo == hi == 1):
