@@ -268,3 +268,39 @@ def test_dp_fsdp_on_real_processes_equal_one_device(saved):
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
                                        msg=lambda m: f"{p}: {m}")
     assert any(p.startswith("vision_tower.encoder.layers.") for p in one[1])
+
+
+def test_peft_adapter_export_loads_in_peft_with_our_logits(saved, tmp_path):
+    """LoRA on the decoder (Axolotl's regex: q / k / v) and on the tower's and projector's linears, written as
+    a PEFT directory for base_model: peft loads it into transformers' Lfm2VlForConditionalGeneration (the
+    modules of transformers 5: ``model.language_model.``, ``model.vision_tower.``) with our logits on rows
+    with images, and it reads back as the same adapters."""
+    import peft
+
+    from functional_pp.adapters import peft_dir
+    from harness import random_lora
+    _, d, cfg = saved
+    regex = (r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj|"
+             r"vision_tower.encoder.layers.[\d]+.mlp.fc1|multi_modal_projector.linear_1")
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=regex)
+    decls = adapters.init(llama.init(cfg), lc, cfg.model_type)
+    lora = random_lora(decls, torch.Generator().manual_seed(9))
+    assert len(lora) == 3 + 2 + 1
+    out = peft_dir.save_adapter(tmp_path / "adapter", lora, lc, str(d))
+    model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(model, str(out)).eval()
+    ids, pixels = rows(seed=6)
+    with torch.no_grad():
+        want = pm(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(adapters.joined(hf.load_hf_params(d, cfg), lora), decls)
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
+        got = adapters.adapt(llama.forward, lc)(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        base = our_logits(hf.load_hf_params(d, cfg), cfg, ids, pixels)
+    assert (base - want).abs().max() > 1e-3                          # (the adapters act)
+    from safetensors.torch import load_file
+    back = peft_dir.from_peft(load_file(str(out / peft_dir.WEIGHTS)), decls, "lfm2_vl")
+    for p, ab in lora.items():
+        for part in ("lora_A", "lora_B"):
+            torch.testing.assert_close(back[p][part], ab[part], rtol=0, atol=0)
