@@ -230,6 +230,20 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])),
                 vision_config=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=512, patch_size=16),
                 **_QWEN3_5_SPECIAL)),
+            # LFM2-VL: a one-layer SigLIP2 tower and the pixel-unshuffle projector beside an LFM2 decoder
+            "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="lfm2", layer_types=["conv", "full_attention"], pad_token_id=None,
+                                 bos_token_id=None, eos_token_id=None),
+                vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2, patch_size=16, num_patches=16,
+                                   vision_use_head=False), projector_hidden_size=64, image_token_id=400)),
+            # InternVL 3.5 (-HF): a one-layer InternViT (64-pixel tiles, 4 tokens each) beside a Qwen3 decoder
+            "internvl": ("InternVLConfig", "InternVLForConditionalGeneration", dict(
+                text_config=dict(_TINY, model_type="qwen3", head_dim=64, pad_token_id=None, bos_token_id=None,
+                                 eos_token_id=None),
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=64, patch_size=16, attention_bias=True), image_seq_length=4,
+                image_token_id=400)),
             "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
@@ -254,6 +268,10 @@ _QWEN_VL = {"qwen3_5": "Qwen3VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
 _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
 _LLAVA = ("llava",)
+#: the wrappers whose stand-in holds an LFM2-VL processor (<image> per 2 x 2 patches, tiles and their markers)
+_LFM2_VL = ("lfm2_vl",)
+#: the wrappers whose stand-in holds an InternVL processor (<img>, <IMG_CONTEXT> per token of each tile, </img>)
+_INTERNVL = ("internvl",)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
@@ -278,9 +296,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, make_tekken, make_tokenizer, write_gemma4_processor_files,
-                                write_llama4_processor_files, write_llava_processor_files,
-                                write_pixtral_processor_files, write_qwen_vl_processor_files)
+    from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, INTERNVL_SPECIALS, LFM2_VL_SPECIALS, make_tekken, make_tokenizer,
+                                write_gemma4_processor_files, write_internvl_processor_files,
+                                write_lfm2_vl_processor_files, write_llama4_processor_files,
+                                write_llava_processor_files, write_pixtral_processor_files,
+                                write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
@@ -288,7 +308,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
                                 ("<image>",) if model_type in _LLAVA else
                                 GEMMA4_IMAGE_TOKENS if model_type in ("gemma4", "gemma4_moe") else
-                                _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else ()))
+                                _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else
+                                tuple(LFM2_VL_SPECIALS) if model_type in _LFM2_VL else
+                                tuple(INTERNVL_SPECIALS) if model_type in _INTERNVL else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type in _REMOTE:
@@ -310,6 +332,12 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _LLAVA:         # (LLaVA-1.5: its processor's files, <image> the tokenizer's own id)
             kw = dict(kw, image_token_index=tok.tok.token_to_id("<image>"))
             write_llava_processor_files(d, _VISION["patch_size"], _VISION["image_size"], "default")
+        if model_type in _LFM2_VL:       # (LFM2-VL: its processor's files, <image> the tokenizer's own id)
+            kw = dict(kw, image_token_id=tok.tok.token_to_id("<image>"))
+            write_lfm2_vl_processor_files(d, 16, 2, 64, 16)
+        if model_type in _INTERNVL:      # (InternVL: its processor's files, <IMG_CONTEXT> the tokenizer's own id)
+            kw = dict(kw, image_token_id=tok.tok.token_to_id("<IMG_CONTEXT>"))
+            write_internvl_processor_files(d, 64, 4, 4)
         torch.manual_seed(0)
         getattr(transformers, cls)(getattr(transformers, conf)(**kw)).save_pretrained(d)
         return d

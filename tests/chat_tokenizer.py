@@ -238,3 +238,87 @@ def write_llama4_processor_files(d, patch, image_size, template, max_patches=16)
         "processor_class": "Llama4Processor", "patch_size": patch, "pixel_shuffle_ratio": 0.5,
         "image_token": "<|image|>", "patch_token": "<|patch|>"}))
     (d / "chat_template.jinja").write_text(template)
+#: the tiny LFM2-VL processor's special tokens, in id order after the 256 bytes (<image> is id 261)
+LFM2_VL_SPECIALS = ["<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|image_start|>", "<image>",
+                    "<|image_end|>", "<|img_thumbnail|>",
+                    *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5))]
+#: LFM2-VL's chat template, shortened: ChatML turns, each image as <image> before the turn's text
+LFM2_VL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+                    "{% if c.type == 'image' %}<image>{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}"
+                    "{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def make_lfm2_vl_processor(d, patch=4, merge=2, tile=16, max_tokens=4):
+    """A tiny LFM2-VL processor's files in ``d`` (as ``Lfm2VlProcessor.save_pretrained`` writes them): a
+    byte-level tokenizer with :data:`LFM2_VL_SPECIALS`, ``preprocessor_config.json`` (images of up to
+    ``max_tokens`` tokens whole, larger ones in ``tile``-pixel tiles and a thumbnail) and the template."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LFM2_VL_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|startoftext|>", eos_token="<|im_end|>",
+                                               pad_token="<|pad|>")
+    tok.save_pretrained(str(d))
+    write_lfm2_vl_processor_files(d, patch, merge, tile, max_tokens)
+
+
+def write_lfm2_vl_processor_files(d, patch=4, merge=2, tile=16, max_tokens=4):
+    """``preprocessor_config.json``, ``processor_config.json`` and ``chat_template.jinja`` of a tiny
+    LFM2-VL processor in ``d``, beside its tokenizer (:func:`make_lfm2_vl_processor`)."""
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Lfm2VlImageProcessor", "downsample_factor": merge, "encoder_patch_size": patch,
+        "tile_size": tile, "min_image_tokens": 1, "max_image_tokens": max_tokens, "min_tiles": 2, "max_tiles": 4,
+        "max_pixels_tolerance": 2.0, "do_image_splitting": True, "use_thumbnail": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}))
+    (d / "chat_template.jinja").write_text(LFM2_VL_TEMPLATE)
+
+
+#: the tiny InternVL processor's special tokens, in id order after the 256 bytes (<IMG_CONTEXT> is id 261)
+INTERNVL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+#: InternVL's chat template, shortened: ChatML turns, each image as <IMG_CONTEXT> and a newline first
+INTERNVL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                     "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+                     "{% if c.type == 'image' %}<IMG_CONTEXT>\n{% endif %}{% endfor %}{% for c in m.content %}"
+                     "{% if c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def make_internvl_processor(d, image_size=16, seq=4, max_patches=4):
+    """A tiny InternVL processor's files in ``d``: a byte-level tokenizer with :data:`INTERNVL_SPECIALS` (its
+    ``tokenizer_config.json`` naming the image markers, as the ``-HF`` repositories'), the real
+    ``GotOcr2ImageProcessor`` (PIL backend: tiles of ``image_size`` pixels, up to ``max_patches`` and a
+    thumbnail), ``image_seq_length`` ``seq`` and the template."""
+    write_internvl_tokenizer(d)
+    write_internvl_processor_files(d, image_size, seq, max_patches)
+
+
+def write_internvl_tokenizer(d):
+    """The tiny InternVL tokenizer (:data:`INTERNVL_SPECIALS`) in ``d``, its config naming the image markers."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in INTERNVL_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.save_pretrained(str(d))
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    conf["extra_special_tokens"] = {"start_image_token": "<img>", "end_image_token": "</img>",
+                                    "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(conf))
+
+
+def write_internvl_processor_files(d, image_size=16, seq=4, max_patches=4):
+    """``preprocessor_config.json``, ``processor_config.json`` and ``chat_template.jinja`` of a tiny InternVL
+    processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size}, crop_to_patches=True,
+                                          min_patches=1, max_patches=max_patches).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
+                                                          "image_seq_length": seq}))
+    (d / "chat_template.jinja").write_text(INTERNVL_TEMPLATE)

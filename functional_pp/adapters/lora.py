@@ -87,17 +87,18 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
 
 
-def _matches_module(path: str, names: tuple[str, ...] | str) -> bool:
+def _matches_module(path: str, names: tuple[str, ...] | str, model_type: str = "llama") -> bool:
     if isinstance(names, str):                       # peft: one regex, matched against the whole name
-        return any(re.fullmatch(names, name) is not None for name in _module_names(path))
+        return any(re.fullmatch(names, name) is not None for name in _module_names(path, model_type))
     return any(path == n or path.endswith("." + n) for n in names)
 
 
-def _module_names(path: str) -> tuple[str, ...]:
-    """The names a peft regex may be written against: our path, its Hugging Face module name
-    (``model.layers.0.self_attn.q_proj``) and that module inside a multimodal checkpoint's text
-    decoder (``model.language_model.layers.0...``: Axolotl's Gemma 4 examples)."""
-    hf = _hf_name(path)
+def _module_names(path: str, model_type: str = "llama") -> tuple[str, ...]:
+    """The names a peft regex may be written against: our path, its Hugging Face module name in
+    ``model_type``'s model (``model.layers.0.self_attn.q_proj``; LFM2's ``feed_forward.w1``) and that
+    module inside a multimodal checkpoint's text decoder (``model.language_model.layers.0...``:
+    Axolotl's Gemma 4 and LFM2-VL examples)."""
+    hf = _hf_name(path, model_type)
     if hf is not None and not hf.endswith(".weight"):   # (a bias belongs to its module; peft adapts the weight)
         return (path,)
     if hf is None or not hf.startswith("model."):
@@ -155,9 +156,10 @@ def _absent_linear_names(unmatched: Sequence[str], target_modules: Sequence[str]
     return known if len(unmatched) < len(target_modules) else []
 
 
-def targets(decls: Any, cfg: LoraConfig) -> list[str]:
-    """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order; a name
-    that matches no parameter is refused (:func:`check_names`)."""
+def targets(decls: Any, cfg: LoraConfig, model_type: str = "llama") -> list[str]:
+    """The paths of the weights ``cfg`` adapts (declarations ``decls``), in tree order, a regex
+    matched against the module names of ``model_type``'s model; a name that matches no parameter is
+    refused (:func:`check_names`)."""
     check_names(decls, cfg.target_modules if isinstance(cfg.target_modules, tuple) else (),
                 cfg.modules_to_save, cfg.unfrozen_parameters)
     found, candidates = [], []
@@ -166,7 +168,7 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
         linear = (isinstance(d, Param) and len(d.dims) >= 2 and "vocab" not in d.dims and not bias
                   and not d.meta.get("embedding")         # (a table of rows: GPT-2's positions)
                   and d.meta.get("linear", True))         # (declared not a linear: a scan's A_log, conv taps)
-        named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules)
+        named = cfg.target_modules is not None and _matches_module(path, cfg.target_modules, model_type)
         if linear and EXPERTS in d.dims:             # stacked experts and the router: by name only
             if named:                                # (peft's all-linear leaves them too)
                 found.append(path)
@@ -187,7 +189,7 @@ def targets(decls: Any, cfg: LoraConfig) -> list[str]:
     return found
 
 
-def init(decls: Any, cfg: LoraConfig) -> Any:
+def init(decls: Any, cfg: LoraConfig, model_type: str = "llama") -> Any:
     """``decls`` with the adapters' declarations beside the targeted weights (``...lora.NAME``):
     ``lora_A`` over ``in... lora_r`` (uniform +-1/sqrt(fan_in), peft's Kaiming) and ``lora_B`` over
     ``lora_r out...`` (zeros); the leading ``in_dims`` dimensions (the declaration's ``meta``,
@@ -195,10 +197,11 @@ def init(decls: Any, cfg: LoraConfig) -> Any:
     (``experts hidden mlp``) gets one adapter per expert: ``experts`` leads both ``lora_A``
     (``experts hidden lora_r``) and ``lora_B`` (``experts lora_r mlp``), so the rule that splits
     the experts (expert parallelism) splits their adapters too. With DoRA also ``lora_magnitude``
-    over ``out...``, declared as ones: :func:`init_magnitudes` sets it to the weight's norms."""
+    over ``out...``, declared as ones: :func:`init_magnitudes` sets it to the weight's norms. A regex of
+    ``target_modules`` names the modules of ``model_type``'s model (:func:`targets`)."""
     by_path = dict(leaves_with_paths(decls))
     lora = {}
-    found = targets(decls, cfg)
+    found = targets(decls, cfg, model_type)
     owners = _owners(found, cfg)
     for path in found:
         d = by_path[path]

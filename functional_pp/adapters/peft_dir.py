@@ -17,7 +17,7 @@ import torch
 from functional_pp.adapters.dora import MAGNITUDE
 from functional_pp.adapters.lora import LoraConfig, split
 from functional_pp.adapters.peft_fused import model_type_of, part_names
-from functional_pp.models.llama_hf import hf_name, module_renamed
+from functional_pp.models.llama_hf import MULTIMODAL, RENAMED, hf_name, module_renamed
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -27,7 +27,9 @@ PEFT_MAGNITUDE = "lora_magnitude_vector"
 def module_name(path: str, model_type: str = "llama") -> str:
     """The Hugging Face module of our weight path in ``model_type``'s model
     (``layers.0.self_attn.q_proj`` -> ``model.layers.0.self_attn.q_proj``; Phi's ``o_proj`` ->
-    ``model.layers.0.self_attn.dense``)."""
+    ``model.layers.0.self_attn.dense``); in a multimodal wrapper's (``llama_hf.MULTIMODAL``: LFM2-VL,
+    InternVL, Mistral 3, LLaVA, ...) transformers 5's: its text family's module under
+    ``model.language_model.``, the tower's and projector's under ``model.``."""
     name = hf_name(path)
     if name is not None and ".experts." in name:
         raise ValueError(f"PEFT adapter: {path!r} adapts the experts ({name}), which transformers 5 fuses into "
@@ -36,6 +38,10 @@ def module_name(path: str, model_type: str = "llama") -> str:
                          f"(functional-pp export, docs/adapters.md)")
     if name is None or not name.endswith(".weight"):
         raise ValueError(f"PEFT adapter: our weight {path!r} has no Hugging Face module (not in the mapping table)")
+    if model_type in MULTIMODAL and model_type not in RENAMED:    # (a wrapper with its own names: RENAMED, Llama 4)
+        name = module_renamed(path, MULTIMODAL[model_type] or "llama")
+        name = re.sub(r"^(vision_tower|multi_modal_projector)\.", r"model.\1.", name)
+        return re.sub(r"^model\.(?!vision_tower\.|multi_modal_projector\.)", "model.language_model.", name)[:-len(".weight")]
     return module_renamed(path, model_type)[:-len(".weight")]
 
 

@@ -28,7 +28,8 @@ import torch
 
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm
 from functional_pp.core.tree import leaves_with_paths
-from functional_pp.models.llama_hf import FUSED, HEAD_GROUPED, HEAD_INTERLEAVED, LLAMA_TABLE, file_name, renamed
+from functional_pp.models.llama_hf import (FUSED, HEAD_GROUPED, HEAD_INTERLEAVED, LLAMA_TABLE, MULTIMODAL, file_name,
+                                          renamed)
 from functional_pp.models.remote_code_hf import with_file_layout
 
 __all__ = ["fused_module", "fused_peft", "model_type_of", "part_names", "split_fused_peft"]
@@ -51,6 +52,16 @@ def model_type_of(base_model: str | None) -> str:
         return "llama"
     hf = json.loads(f.read_text())
     return with_file_layout(hf, base_model).get("model_type", "llama") if isinstance(hf, dict) else "llama"
+
+
+def decoder_type_of(base_model: str | None) -> str:
+    """The text decoder's ``model_type`` of a Hugging Face model directory (:func:`model_type_of`; a
+    multimodal wrapper's ``text_config`` one, or its default family: models/llama_hf.py's ``MULTIMODAL``)."""
+    mt = model_type_of(base_model)
+    if mt not in MULTIMODAL:
+        return mt
+    hf = json.loads((Path(base_model) / "config.json").read_text())
+    return (hf.get("text_config") or {}).get("model_type") or MULTIMODAL[mt] or mt
 
 
 def part_names(modules: Any, model_type: str) -> tuple[str, ...]:

@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import gemma4_vision, llama4_vision, qwen_vision
+    from functional_pp.models import gemma4_vision, internvl, lfm2_vl, llama4_vision, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -163,12 +163,13 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
     own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4"),
-           **dict.fromkeys(llama4_vision.TOWERS, "llama4")}
+           **dict.fromkeys(llama4_vision.TOWERS, "llama4"), **dict.fromkeys(lfm2_vl.TOWERS, "lfm2_vl"),
+           **dict.fromkeys(internvl.TOWERS, "internvl")}
     if own.get(v.tower, proc.layout) != proc.layout or (v.tower not in own and proc.layout in own.values()):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
-    if proc.layout == "llama4":
-        return _llama4_settings(cfg, proc, v)
+    if proc.layout in _OWN_SETTINGS:
+        return _OWN_SETTINGS[proc.layout](cfg, proc, v)
     token = proc.media_ids()[0]
     qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     if qwen:
@@ -208,6 +209,34 @@ def _llama4_settings(cfg: TrainConfig, proc: Any, v: Any) -> dict:
                          f"image_token_index {want[3]}: the files disagree")
     return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
             "class_token": "trailing", "image_size": v.image_size}
+
+def _lfm2_vl_settings(cfg: TrainConfig, proc: Any, v: Any) -> dict:
+    """LFM2-VL's image settings (SigLIP2's patches, downsampled), once its processor's files and the model's agree."""
+    token = proc.media_ids()[0]
+    if (proc.patch, proc.merge, token) != (v.patch_size, v.merge, v.image_token_id):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s image processor cuts {proc.patch}-pixel "
+                         f"patches downsampled {proc.merge} x {proc.merge} with image token id {token}, its model "
+                         f"{v.patch_size}-pixel patches (patch_size) downsampled {v.merge} x {v.merge} "
+                         f"(downsample_factor) with image_token_id {v.image_token_id}: the files disagree")
+    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+            "siglip2": {"side": v.side, "channels": v.channels}}
+
+
+def _internvl_settings(cfg: TrainConfig, proc: Any, v: Any) -> dict:
+    """InternVL's image settings (tiles, each class slot dropped), once its processor's files and the model's agree."""
+    token = proc.media_ids()[0]
+    if (proc.patch, proc.extra, token) != (v.image_size, (v.grid // v.merge) ** 2, v.image_token_id):
+        raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts {proc.patch}-pixel "
+                         f"tiles of {proc.extra} image tokens (image_seq_length) with image token id {token}, "
+                         f"its model {v.image_size}-pixel tiles (image_size) of {(v.grid // v.merge) ** 2} with "
+                         f"image_token_id {v.image_token_id}: the files disagree")
+    return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
+            "class_token": "dropped", "image_size": v.image_size}
+
+
+#: the layouts whose image settings their own function gives (the others: Qwen's, Pixtral's, LLaVA's, below)
+_OWN_SETTINGS = {"llama4": _llama4_settings, "lfm2_vl": _lfm2_vl_settings, "internvl": _internvl_settings}
+
 
 
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:
@@ -407,7 +436,7 @@ def frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -
 
 
 def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) -> tuple:
-    from functional_pp.adapters.peft_fused import model_type_of
+    from functional_pp.adapters.peft_fused import decoder_type_of, model_type_of
     qat = cfg.qat_config()
     if qat is not None:             # (full fine-tuning only: checks.check_qat)
         from functional_pp.config import ConfigError
@@ -422,7 +451,7 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
     from functional_pp.core.tree import leaves_with_paths
     if lora is not None:
         try:
-            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora),
+            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora, decoder_type_of(cfg.base_model)),
                    adapters.trainable(lora, model_type_of(cfg.base_model)))
         except ValueError as exc:
             raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc

@@ -500,9 +500,10 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
         elif key in _ACCEPTED_VALUES:
             if key == "model_type" and isinstance(value, str) and (re.fullmatch(
                     r"[A-Z]\w*For(CausalLM|ConditionalGeneration|SequenceClassification|TokenClassification)",
-                    value) or value == "MambaLMHeadModel"):
+                    value) or value in ("MambaLMHeadModel", "AutoModelForImageTextToText")):
                 # a transformers causal-LM class: the architecture is config.json's (a multimodal
-                # *ForConditionalGeneration: its text decoder, docs/models.md); a classifier's
+                # *ForConditionalGeneration or AutoModelForImageTextToText: its text decoder, or with
+                # processor_type the whole vision-language model, docs/models.md); a classifier's
                 # head is reward_model's / process_reward_model's (checked with them: checks.py);
                 # mamba_ssm's MambaLMHeadModel: config.json's model_type must be mamba (models.py)
                 out["model_type"] = value

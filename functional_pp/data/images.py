@@ -65,40 +65,50 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
     """The image entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``:
     n_b x C x H x W, padded; ``image_sizes[b]``: n_b x 2, each image's height and width; None: no
     image). ``patches`` pads every row to that many patches (default: the batch's most, at least
-    one merged token). ``class_token`` (a CLIP tower, ``merge`` 1, images of ``image_size``
-    pixels each way): each image led by its class token's slot, whose features the image tokens
-    take first (``"kept"``: ``vision_feature_select_strategy: full``) or skip (``"dropped"``:
-    ``default``); ``"trailing"`` (Llama 4's tiles of ``image_size``, any ``merge``): each tile
-    followed by it, the tower drops it before merging, and the patches are padded to whole tiles.
-    A row whose image tokens do not number its images' merged tokens is refused, naming the row
-    and both counts."""
+    one merged token). ``class_token`` (a CLIP tower, images of ``image_size`` pixels each way):
+    each image led by its class token's slot, whose features the image tokens take first (``"kept"``:
+    ``vision_feature_select_strategy: full``, merge 1) or skip (``"dropped"``: ``default``; with a
+    ``merge`` above 1, InternVL, every class slot after all the images' patches, so that the merged
+    tokens are the images' ``merge x merge`` blocks); ``"trailing"`` (Llama 4's tiles of ``image_size``,
+    any ``merge``): each tile followed by it, the tower drops it before merging, and the patches are
+    padded to whole tiles. A row whose image tokens do not number its images' merged tokens is
+    refused, naming the row and both counts."""
     trailing = class_token == "trailing"
-    if class_token not in (None, "kept", "dropped", "trailing") or (class_token and not image_size) or (
-            class_token in ("kept", "dropped") and merge != 1):
-        raise ValueError(f"images: class_token={class_token!r} must be None, 'kept' or 'dropped' (with merge 1, got "
-                         f"{merge}) or 'trailing', the latter three with the tower's image_size (got {image_size})")
+    if class_token not in (None, "kept", "dropped", "trailing") or (class_token and not image_size) or \
+            (class_token == "kept" and merge != 1):
+        raise ValueError(f"images: class_token={class_token!r} must be None, 'kept' (merge 1, got {merge}), "
+                         f"'dropped' or 'trailing', the latter three with the tower's image_size (got {image_size})")
+    last = class_token == "dropped" and merge > 1
     rows = []
     for b in range(ids.shape[0]):
         px, sizes = pixel_values[b], image_sizes[b]
-        grids, poss, owners = [], [], []
+        grids, poss, owners, slots = [], [], [], []
         for j in range(0 if px is None else len(px)):
             g, p = _patches(px[j], sizes[j], patch, merge, f"row {b}, image {j}")
             if class_token:
                 g, p = _with_class_slot(g, p, sizes[j], image_size, f"row {b}, image {j}", trailing)
+            if last:                                 # (the class slot after every image's patches)
+                slots.append((g[:1], p[:1], j))
+                g, p = g[1:], p[1:]
             grids.append(g)
             poss.append(p)
             owners.append(torch.full((len(g),), j, dtype=torch.long))
-        n_tokens = int((ids[b] == image_token_id).sum())
-        n_merged = ((sum(len(g) for g in grids) - len(grids)) // merge ** 2 if trailing else
-                    sum(len(g) for g in grids) // merge ** 2 - (len(grids) if class_token == "dropped" else 0))
+        n_tokens, n_images = int((ids[b] == image_token_id).sum()), len(grids)
+        n_merged = ((sum(len(g) for g in grids) - n_images) // merge ** 2 if trailing else
+                    sum(len(g) for g in grids) // merge ** 2 - (n_images if class_token == "dropped" and not last
+                                                                 else 0))
+        for g, p, j in slots:
+            grids.append(g)
+            poss.append(p)
+            owners.append(torch.full((1,), j, dtype=torch.long))
         if n_tokens != n_merged:
             raise ValueError(f"images: row {b} holds {n_tokens} image tokens (id {image_token_id}) but its "
-                             f"{len(grids)} images make {n_merged} merged patches; the processor expands each "
+                             f"{n_images} images make {n_merged} merged patches; the processor expands each "
                              f"image into its tokens, so a row cut short (sequence_len) or a template that drops "
                              f"them does this: raise sequence_len or check the chat template")
         rows.append((grids, poss, owners))
     k = (image_size // patch) ** 2 + 1 if trailing else merge ** 2       # (the unit the patches pad to)
-    width = max([k] + [sum(len(g) for g in grids) for grids, _, _ in rows])
+    width = -(-max([k] + [sum(len(g) for g in grids) for grids, _, _ in rows]) // k) * k   # (whole units)
     P = width if patches is None else patches
     if P < width or P % k:
         raise ValueError(f"images: patches={patches} must be a multiple of {k} and at least {width}")
@@ -117,7 +127,7 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
         out["patch_images"][b, n:] = len(grids)               # the pads: a segment of their own
         at = (ids[b] == image_token_id).nonzero().flatten()
         slots = torch.arange(len(at))                          # (the merged tokens in order)
-        if class_token == "dropped":                           # (the patches in order, the class slots skipped)
+        if class_token == "dropped" and not last:              # (the patches in order, the class slots skipped)
             slots = (out["patch_positions"][b, :n, 1] >= 0).nonzero().flatten()
         out["image_slots"][b, at] = slots
     return out

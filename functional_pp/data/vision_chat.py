@@ -20,10 +20,16 @@ one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kerne
 patches each) and its end token; its image processor (``Gemma4ImageProcessor``, resizing within
 ``max_soft_tokens``) gives the patches as rows of pixels, put back into each image's pixels here
 for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens.
-``Llama4Processor`` tiles each image (data/llama4_images.py: its image
-processor's steps on torch tensors; transformers' class needs torchvision) and writes each as ``<|image_start|>``, the tiles'
+``Llama4Processor`` tiles each image (data/llama4_images.py: its image processor's steps on torch
+tensors; transformers' class needs torchvision) and writes each as ``<|image_start|>``, the tiles'
 ``<|patch|>`` tokens with their separators and ``<|image_end|>``; the labels mask the padding and
-``<|image|>`` (Axolotl's base strategy, ``chat_template: llama4``: its processor's image token)."""
+``<|image|>`` (Axolotl's base strategy, ``chat_template: llama4``: its processor's image token).
+LFM2-VL's (``Lfm2VlProcessor``: data/lfm2_vl_processor.py, its image processor on PIL) expands each
+``<image>`` into its tiles' and thumbnail's tokens, one per ``downsample_factor``² patches, between
+its markers; the labels mask the padding and ``<image>`` (Axolotl's base strategy). InternVL's
+(``InternVLProcessor``) expands each ``<IMG_CONTEXT>`` into ``<img>``, ``image_seq_length`` of it per
+tile of ``GotOcr2ImageProcessor`` (its PIL backend), ``</img>``; the labels mask the padding and
+``<IMG_CONTEXT>``."""
 from __future__ import annotations
 
 import copy
@@ -36,10 +42,14 @@ import torch
 from functional_pp.data.images import image_batch
 from functional_pp.data.llama4_images import Llama4Tiler, image_text
 from functional_pp.data.qwen_images import qwen_image_batch
+from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor", "Llama4Processor")
+LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
+INTERNVL_PROCESSOR = "InternVLProcessor"
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor", "Llama4Processor",
+              LFM2_VL_PROCESSOR, INTERNVL_PROCESSOR)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -52,9 +62,11 @@ class ImageChatProcessor:
     ``LlavaProcessor``'s (``llava``, LLaVA-1.5: ``(h / patch) * (w / patch) + extra`` image tokens,
     ``extra`` its ``num_additional_image_tokens`` less one when the class token's features are
     dropped, ``vision_feature_select_strategy: default``), Qwen's (``qwen``: one image token per
-    merged patch), Gemma 4's (``gemma4``: a begin token, one image token per pooled block, an end token)
-    or Llama 4's (``llama4``: tiles, ``<|patch|>`` per merged patch of each, :func:`image_text`;
-    ``extra`` then the merged patches per tile)."""
+    merged patch), Gemma 4's (``gemma4``: a begin token, one image token per pooled block, an end token),
+    Llama 4's (``llama4``: tiles, ``<|patch|>`` per merged patch of each, :func:`image_text`;
+    ``extra`` then the merged patches per tile), LFM2-VL's (``lfm2_vl``: tiles, a thumbnail and their
+    markers; data/lfm2_vl_processor.py) or InternVL's (``internvl``: ``GotOcr2ImageProcessor``'s tiles of
+    ``image_size`` pixels, ``extra`` image tokens each, between the ``bounds``)."""
 
     tokenizer: Any
     image_processor: Any
@@ -74,14 +86,25 @@ class ImageChatProcessor:
     merge: int = 1
     extra: int = 0
     image_begin_token: str | None = None      # (Gemma 4's: before each image's tokens, as its end token after)
+    bounds: tuple[str, str] = ("", "")       # (InternVL: <img> and </img> around an image's tokens)
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
+        """``(pixel_values, image_sizes or image_grid_thw or spatial_shapes, each image's tokens)`` of ``pictures``."""
         if self.layout == "gemma4":
             out = self.image_processor(pictures, return_tensors="pt")
             px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], self.patch // self.merge)
             return px, sizes, [self.image_begin_token + self.image_token * int(n) + self.image_end_token
                                for n in out["num_soft_tokens_per_image"]]
+        if self.layout == "internvl":                # (each picture one or more tiles of image_size pixels)
+            out = self.image_processor(pictures, crop_to_patches=True, return_tensors="pt")
+            px, counts = out["pixel_values"], [int(n) for n in out["num_patches"]]
+            return (px, torch.tensor([list(px.shape[-2:])] * len(px)),
+                    [self.bounds[0] + self.image_token * (self.extra * n) + self.bounds[1] for n in counts])
+        if self.layout == "lfm2_vl":                 # (each picture one or more tiles: a row of pixel_values each)
+            out = self.image_processor(pictures)
+            return (out["pixel_values"], out["spatial_shapes"],
+                    [self.image_processor.image_tokens(r, c, size) for r, c, size in
+                     zip(out["image_rows"], out["image_cols"], out["image_sizes"])])
         if self.layout == "qwen":
             out = self.image_processor(pictures, return_tensors="pt")
             grids = torch.as_tensor(out["image_grid_thw"])
@@ -152,10 +175,16 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Llama 4) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Llama 4, LFM2-VL, InternVL) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
-        images = None if kind == "Llama4Processor" else transformers.AutoImageProcessor.from_pretrained(str(root))
+        if kind == "Llama4Processor":           # (its tiles: data/llama4_images.py, below)
+            images = None
+        elif kind == LFM2_VL_PROCESSOR:          # (transformers' image processor needs torchvision: ours on PIL)
+            from functional_pp.data.lfm2_vl_processor import Lfm2VlImages
+            images = Lfm2VlImages.from_dir(root)
+        else:
+            images = transformers.AutoImageProcessor.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc
     template = conf.get("chat_template") or getattr(tok, "chat_template", None)
@@ -186,6 +215,19 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
                                   image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
                                   image_end_token=None, layout="qwen", merge=merge)
+    elif kind == INTERNVL_PROCESSOR:          # (its tokenizer names the markers: tokenizer_config.json)
+        tc_file = root / "tokenizer_config.json"
+        tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
+        names = {**tc, **(tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {})}
+        size = getattr(images, "size", None) or {"height": 448}
+        proc = ImageChatProcessor(tok, images, template, int(size["height"]),
+                                  image_token=names.get("context_image_token", "<IMG_CONTEXT>"), image_break_token=None,
+                                  image_end_token=None, layout="internvl", extra=int(conf.get("image_seq_length", 256)),
+                                  bounds=(names.get("start_image_token", "<img>"), names.get("end_image_token", "</img>")))
+    elif kind == LFM2_VL_PROCESSOR:
+        proc = ImageChatProcessor(tok, images, template, images.encoder_patch_size, image_token="<image>",
+                                  image_break_token=None, image_end_token=None, layout="lfm2_vl",
+                                  merge=images.downsample_factor)
     elif kind == "LlavaProcessor":
         extra = int(conf.get("num_additional_image_tokens", 0))
         extra -= conf.get("vision_feature_select_strategy", "default") == "default"
@@ -202,7 +244,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
 def _known_tokens(proc: ImageChatProcessor, tok: Any, path: Any, where: str) -> ImageChatProcessor:
     """``proc``, once its tokenizer is found to hold each of its image tokens (else refused by name)."""
     named = [t for t in (proc.image_token, proc.image_break_token, proc.image_end_token, proc.image_begin_token,
-                         proc.patch_token) if t is not None]
+                         proc.patch_token, *proc.bounds) if t]
     unknown = [t for t in named if tok.convert_tokens_to_ids(t) in (None, tok.unk_token_id)]
     if unknown:
         raise ValueError(f"{where}: the tokenizer of {path} has no token {unknown[0]!r}")
@@ -315,18 +357,28 @@ class RowImages:
     qwen: dict | None = None
     class_token: str | None = None           # (a CLIP tower, Llama 4's tiles: data/images.py's image_batch)
     image_size: int | None = None
+    # a SigLIP2 tower (data/siglip2_images.py: side, channels): the rows hold its tiles' patches and
+    # spatial_shapes; every batch reads as many position taps as the stream's images need
+    siglip2: dict | None = None
 
     def __post_init__(self) -> None:
         k = (self.image_size // self.patch) ** 2 + 1 if self.class_token == "trailing" else self.merge ** 2
         lead = 1 if self.class_token else 0
-        counts = [int(r[1].prod(-1).sum()) if self.qwen is not None else
+        self.taps = max([1] + [tap_count(r[1], self.siglip2["side"]) for r in self.rows if r is not None]) \
+            if self.siglip2 is not None else None
+        counts = [int(r[1].prod(-1).sum()) if self.qwen is not None or self.siglip2 is not None else
                   sum((int(h) // self.patch) * (int(w) // self.patch) + lead for h, w in r[1].tolist())
                   for r in self.rows if r is not None]
-        self.patches = max([k] + counts)          # every batch padded alike: mesh- and step-independent
+        self.patches = -(-max([k] + counts) // k) * k   # every batch padded alike (whole merged tokens): mesh- and
+        #                                                 step-independent
 
     def entries(self, rows: Sequence[int], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The image entries (data/images.py) of stream rows ``rows`` whose tokens are ``ids``."""
         picked = [self.rows[r] if 0 <= r < len(self.rows) else None for r in rows]
+        if self.siglip2 is not None:
+            return siglip2_image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
+                                       merge=self.merge, image_token_id=self.image_token_id, patch=self.patch,
+                                       patches=self.patches, taps=self.taps, **self.siglip2)
         if self.qwen is not None:
             return qwen_image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                                     merge=self.merge, image_token_id=self.image_token_id, patch=self.patch,

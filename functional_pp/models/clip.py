@@ -18,14 +18,14 @@ import torch
 from functional_pp import ops
 from functional_pp.parallel.named import Named
 
-ACTS = ("quick_gelu", "gelu")
-"""The MLP activations of CLIP's ``hidden_act`` the tower computes."""
+ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
+"""The MLP activations of ``hidden_act`` the encoder layer computes (SigLIP's: the tanh GELU)."""
 
 
 def _act(x: Named, name: str) -> Named:
     if name == "quick_gelu":
         return x.map(lambda t: t * torch.sigmoid(1.702 * t))
-    return ops.gelu(x)
+    return ops.gelu(x, approximate="tanh") if name == "gelu_pytorch_tanh" else ops.gelu(x)
 
 
 def grid(v) -> int:
@@ -35,38 +35,46 @@ def grid(v) -> int:
 
 def init(v, w, vec) -> dict:
     """The tower's declarations; ``w(shape, dims)`` a random weight, ``vec(n, dims, init)`` a vector."""
-    H, D = v.heads, v.head_dim
-
-    def layer():
-        return {"layer_norm1": vec(v.hidden, "vision", "ones"), "layer_norm1_bias": vec(v.hidden, "vision", "zeros"),
-                "layer_norm2": vec(v.hidden, "vision", "ones"), "layer_norm2_bias": vec(v.hidden, "vision", "zeros"),
-                "self_attn": {**{f"{x}_proj": w((v.hidden, H, D), "vision vheads vhead_dim") for x in "qkv"},
-                              **{f"{x}_bias": vec((H, D), "vheads vhead_dim", "zeros") for x in "qkv"},
-                              "out_proj": w((H, D, v.hidden), "vheads vhead_dim vision"),
-                              "out_bias": vec(v.hidden, "vision", "zeros")},
-                "mlp": {"fc1": w((v.hidden, v.mlp), "vision vmlp"), "fc1_bias": vec(v.mlp, "vmlp", "zeros"),
-                        "fc2": w((v.mlp, v.hidden), "vmlp vision"), "fc2_bias": vec(v.hidden, "vision", "zeros")}}
-
     return {"patch_embedding": w((v.hidden, v.channels, v.patch_size, v.patch_size), "vision channel patch_y patch_x"),
             "class_embedding": w((v.hidden,), "vision"),
             "position_embedding": w((grid(v) ** 2 + 1, v.hidden), "vpos vision"),
             "pre_layrnorm": vec(v.hidden, "vision", "ones"), "pre_layrnorm_bias": vec(v.hidden, "vision", "zeros"),
-            "layers": [layer() for _ in range(used_layers(v))]}
+            "layers": [layer_params(v, w, vec) for _ in range(used_layers(v))]}
 
 
-def _layer(p: dict, x: Named, segments: Named, v) -> Named:
+def layer_params(v, w, vec) -> dict:
+    """One encoder layer's declarations (CLIP's, SigLIP's: the same layer; models/siglip2.py)."""
+    H, D = v.heads, v.head_dim
+    return {"layer_norm1": vec(v.hidden, "vision", "ones"), "layer_norm1_bias": vec(v.hidden, "vision", "zeros"),
+            "layer_norm2": vec(v.hidden, "vision", "ones"), "layer_norm2_bias": vec(v.hidden, "vision", "zeros"),
+            "self_attn": {**{f"{x}_proj": w((v.hidden, H, D), "vision vheads vhead_dim") for x in "qkv"},
+                          **{f"{x}_bias": vec((H, D), "vheads vhead_dim", "zeros") for x in "qkv"},
+                          "out_proj": w((H, D, v.hidden), "vheads vhead_dim vision"),
+                          "out_bias": vec(v.hidden, "vision", "zeros")},
+            "mlp": {"fc1": w((v.hidden, v.mlp), "vision vmlp"), "fc1_bias": vec(v.mlp, "vmlp", "zeros"),
+                    "fc2": w((v.mlp, v.hidden), "vmlp vision"), "fc2_bias": vec(v.hidden, "vision", "zeros")}}
+
+
+def encoder_layer(p: dict, x: Named, segments: Named, v) -> Named:
+    """One encoder layer (batch patch vision): LayerNorm, attention inside each image (``segments``;
+    q / k / v biases where declared), LayerNorm, the MLP of ``v.act``; CLIP's and SigLIP's, and
+    InternViT's with its layer scales (``lambda_1``, ``lambda_2``: each branch scaled per channel)."""
     a = p["self_attn"]
     h = ops.layer_norm(x, p["layer_norm1"], p["layer_norm1_bias"], eps=v.norm_eps)
-    q, k, val = (ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
-                            a[f"{n}_proj"]) + a[f"{n}_bias"] for n in "qkv")
-    o = ops.attention(q, k, val, causal=False, batch="batch", seq="patch", heads="vheads", kv_heads="vheads",
-                      head_dim="vhead_dim", segments=segments)
-    x = x + ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o,
-                       a["out_proj"]) + a["out_bias"]
+
+    def proj(n):
+        y = ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h, a[f"{n}_proj"])
+        return y + a[f"{n}_bias"] if f"{n}_bias" in a else y
+    o = ops.attention(proj("q"), proj("k"), proj("v"), causal=False, batch="batch", seq="patch", heads="vheads",
+                      kv_heads="vheads", head_dim="vhead_dim", segments=segments)
+    o = ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o,
+                   a["out_proj"]) + a["out_bias"]
+    x = x + (o * p["lambda_1"] if "lambda_1" in p else o)
     m = p["mlp"]
     h = ops.layer_norm(x, p["layer_norm2"], p["layer_norm2_bias"], eps=v.norm_eps)
     h = _act(ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, m["fc1"]) + m["fc1_bias"], v.act)
-    return x + ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, m["fc2"]) + m["fc2_bias"]
+    h = ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, m["fc2"]) + m["fc2_bias"]
+    return x + (h * p["lambda_2"] if "lambda_2" in p else h)
 
 
 def used_layers(v) -> int:
@@ -85,5 +93,5 @@ def encode(tower: dict, images: dict, v) -> Named:
     x = x + ops.embed(tower["position_embedding"], row * grid(v) + col + 1)
     x = ops.layer_norm(x, tower["pre_layrnorm"], tower["pre_layrnorm_bias"], eps=v.norm_eps)
     for p in tower["layers"]:
-        x = _layer(p, x, images["patch_images"], v)
+        x = encoder_layer(p, x, images["patch_images"], v)
     return x

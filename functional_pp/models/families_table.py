@@ -42,8 +42,10 @@ ROWS: tuple[Row, ...] = (
                          "YaRN; the text decoder of a multimodal `mistral3` whose `text_config` is `ministral3` "
                          "(Ministral 3, Mistral Medium 3.5), with its Pixtral encoder and projector under "
                          "`processor_type` (images)"),
-    Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`"),
-    Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`"),
+    Row(("qwen2",), "q/k/v biases, tied embeddings, windows from `max_window_layers`; the text decoder of InternVL's "
+                    "`internvl`, with its InternViT encoder and projector under `processor_type` (images)"),
+    Row(("qwen3",), "per-head q/k RMSNorm, explicit `head_dim`; the text decoder of InternVL 3.5's `internvl`, with "
+                    "its InternViT encoder and projector under `processor_type` (images)"),
     Row(("qwen",), "Qwen (v1), remote code (`trust_remote_code`) read onto Qwen2's layer: files under `transformer.` "
                    "(`c_attn` fused q/k/v with biases split on import, fused on export; `w1` up, `w2` gate, `c_proj`), "
                    "`kv_channels`, `rotary_emb_base`, positions `seq_length` (dynamic NTK and log-n scaling act only "
@@ -146,7 +148,8 @@ ROWS: tuple[Row, ...] = (
         "`qk_ln`, `clip_qkv`, `softmax_scale`, no ALiBi (refused by name)"),
     Row(("lfm2",), "short-convolution layers (`layer_types` `conv`: gated causal depthwise convolution of "
                    "`conv_L_cache` positions, its channels split by TP) between attention layers with q/k norms, "
-                   "tied embeddings", "key / value-cache sampling of the convolution layers "
+                   "tied embeddings; the text decoder of LFM2-VL's `lfm2_vl`, with its SigLIP2 encoder and projector "
+                   "under `processor_type` (images)", "key / value-cache sampling of the convolution layers "
                    "(refused by name); `conv_bias`"),
     Row(("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"),
         "Gated DeltaNet layers (`layer_types` `linear_attention`: causal depthwise convolution, the chunked gated delta rule, a gated RMSNorm; heads over "

@@ -28,9 +28,9 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_vision, kimi_delta, kv_cache, llama4_vision,
-                                   mamba1, mamba2, mla, moe, per_layer_inputs, pixtral, qwen_vision, short_conv,
-                                   temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_vision, internvl, kimi_delta, kv_cache, lfm2_vl,
+                                   llama4_vision, mamba1, mamba2, mla, moe, per_layer_inputs, pixtral, qwen_vision,
+                                   short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -308,10 +308,10 @@ class Config:
     experts_linearized: bool = False
     # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
     # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/gemma4_vision.py: Gemma 4's; models/llama4_vision.py:
-    # Llama 4's), its features written into the embeddings at the image tokens of batches that carry images
-    # (None: text only)
+    # Llama 4's; models/lfm2_vl.py: LFM2-VL's SigLIP2; models/internvl.py: InternViT), its features written into
+    # the embeddings at the image tokens of batches that carry images (None: text only)
     vision: ("pixtral.VisionConfig | qwen_vision.QwenVisionConfig | gemma4_vision.Gemma4VisionConfig | "
-             "llama4_vision.Llama4VisionConfig | None") = None
+             "llama4_vision.Llama4VisionConfig | lfm2_vl.Lfm2VlConfig | internvl.InternVLConfig | None") = None
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -947,7 +947,8 @@ def vision_tower(name: str):
     """The module of vision tower ``name`` (``init``, ``with_images``, ``VISION_CONFIG``): one entry each."""
     towers = {**{name: pixtral for name in pixtral.VISION_TOWERS}, **{name: qwen_vision for name in qwen_vision.TOWERS},
               **{name: gemma4_vision for name in gemma4_vision.TOWERS},
-              **{name: llama4_vision for name in llama4_vision.TOWERS}}
+              **{name: llama4_vision for name in llama4_vision.TOWERS},
+              **{name: lfm2_vl for name in lfm2_vl.TOWERS}, **{name: internvl for name in internvl.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]

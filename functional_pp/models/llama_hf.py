@@ -49,9 +49,9 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
-                                  gpt_oss_hf, granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf,
-                                  llama4_vision_hf, mamba2_hf, mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf,
-                                  qwen_vision_hf, remote_code_hf, score_head)
+                                  gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf, kimi_delta, kimi_linear_hf,
+                                  lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf, mamba_hf, nemotron_h_hf,
+                                  pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -192,6 +192,10 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *gemma4_vision_hf.TABLE,
     # Llama 4's vision model and adapter MLP (models/llama4_vision.py; the projector: Pixtral's linear_1 row)
     *llama4_vision_hf.TABLE,
+    # LFM2-VL's SigLIP2 tower and projector norm (models/lfm2_vl.py)
+    *lfm2_vl_hf.TABLE,
+    # InternVL's InternViT tower (models/internvl.py; its projector the rows above)
+    *internvl_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -402,7 +406,8 @@ RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its visi
 RENAMED["gemma4"] = RENAMED["gemma4"] + gemma4_vision_hf.RENAMED       # (its vision tower: model.vision_tower.)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
-MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
+MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama",
+                                     lfm2_vl_hf.WRAPPER: lfm2_vl_hf.TEXT, internvl_hf.WRAPPER: internvl_hf.TEXT}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
 _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|embed_vision|embed_audio)\..*"
@@ -450,14 +455,21 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
-    if getattr(cfg, "text_of", None) and cfg.text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
-        # checkpoint's text decoder, its files' layout; Qwen2-VL's files keep the text model's)
-        name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
+    text_of = getattr(cfg, "text_of", None)
+    if text_of and text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal checkpoint's text decoder,
+        # its files' layout; Qwen2-VL's files keep the text model's; LFM2-VL's are transformers 5's)
+        for pattern, repl in WRAPPER_RENAMED.get(text_of, ((r"^(model|lm_head)\.", r"language_model.\1."),)):
+            name = re.sub(pattern, repl, name)
     return name
 
 
+WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {lfm2_vl_hf.WRAPPER: lfm2_vl_hf.RENAMED}
+"""Per multimodal wrapper (``Config.text_of``), the renames of its files' layout where it is not
+LLaVA's older one (``language_model.model.``, ``vision_tower.``)."""
+
 ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
-                                                    "llava": pixtral_hf.ALSO_READ}
+                                                    "llava": pixtral_hf.ALSO_READ,
+                                                    lfm2_vl_hf.WRAPPER: lfm2_vl_hf.ALSO_READ}
 """Per model type, (pattern, replacement) of a file name giving another name import reads the tensor
 under where the files lack the first (transformers' own save of a family that differs from its
 published checkpoint's)."""
@@ -701,6 +713,20 @@ class _Heads4d(_Kind):                 # ours [H] = HF [1, 1, H, 1] (Kimi Delta 
         return sl[0:1, 0:1, region[0], 0:1].reshape(-1)
 
 
+class _Lead(_Kind):                    # ours = HF without its n leading 1-dims (InternViT's cls_token, positions)
+    def __init__(self, n: int):
+        self.n = n
+
+    def hf_shape(self, shape):
+        return (1,) * self.n + tuple(shape)
+
+    def to_hf(self, t):
+        return t.reshape((1,) * self.n + tuple(t.shape))
+
+    def read(self, sl, region, shape):
+        return sl[(slice(0, 1),) * self.n + tuple(region)][(0,) * self.n]
+
+
 class _Row(_Kind):                     # ours [H] = HF [1, H] (a Linear to one output: a gate)
     def hf_shape(self, shape):
         return (1, shape[0])
@@ -795,7 +821,8 @@ KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat":
                            "experts_rows_in": _ExpertsRowsIn(), "row": _Row(), "scalar": _Scalar(),
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
-                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d()}
+                           "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d(),
+                           "lead_1": _Lead(1), "lead_2": _Lead(2)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -1316,6 +1343,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.vision is not None and wrapper in llama4_vision_hf.WRAPPERS:   # Llama 4's multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return llama4_vision_hf.config_to_hf(text, cfg.vision)
+    if cfg.vision is not None and cfg.text_of == lfm2_vl_hf.WRAPPER:     # LFM2-VL's multimodal class
+        return lfm2_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
+                                                            dtype), cfg.vision)
+    if cfg.vision is not None and cfg.text_of == internvl_hf.WRAPPER:    # InternVL's multimodal class
+        return internvl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
+                                                             dtype), cfg.vision)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1448,13 +1481,15 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     return out
 
 
+VISION_HF = (qwen_vision_hf, gemma4_vision_hf, llama4_vision_hf, lfm2_vl_hf, internvl_hf)
+"""The modules of the vision towers read from their own multimodal ``config.json`` (``WRAPPERS``, ``vision_from_hf``);
+every other one is Pixtral's or CLIP's (pixtral_hf)."""
+
+
 def vision_from_hf(hf: dict):
-    """The vision tower config (models/pixtral.py's, qwen_vision.py's, gemma4_vision.py's or llama4_vision.py's)
-    of a multimodal ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
-    if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
-        return qwen_vision_hf.vision_from_hf(hf)
-    if hf.get("model_type") in gemma4_vision_hf.WRAPPERS:
-        return gemma4_vision_hf.vision_from_hf(hf)
-    if hf.get("model_type") in llama4_vision_hf.WRAPPERS:
-        return llama4_vision_hf.vision_from_hf(hf)
+    """The vision tower config (models/pixtral.py's or its own tower's: :data:`VISION_HF`) of a multimodal
+    ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
+    for module in VISION_HF:
+        if hf.get("model_type") in module.WRAPPERS:
+            return module.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)
