@@ -1,0 +1,168 @@
+"""Merge-aware NVFP4 LoRA (Axolotl's ``nvfp4_merge_aware``): each adapted weight trains as
+``Q(W + scale A B)``, the merged weight through NVFP4 and back (16-input blocks, fresh E4M3 block
+scales, the base's fp32 per-tensor scale), the gradient straight through to A and B. The quantizer
+equals torchao's ``nvfp4_quantize`` bit for bit; the forward equals the merged weights' (bit for bit
+in the weights); A's and B's gradients equal a hand-written straight-through reference built on
+torchao's ``NVFP4Tensor``; FSDP x TP and EP (simulated, and FSDP x TP on gloo processes) equal one
+device."""
+import dataclasses
+
+import pytest
+import torch
+from harness import make_batch
+
+import functional_pp as fpp
+from functional_pp import adapters
+from functional_pp.core import tree
+from functional_pp.core.layout import Rules
+from functional_pp.core.tree import map_with_path
+from functional_pp.models import llama
+from functional_pp.parallel import sharding
+from functional_pp.quant import fp4
+
+nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+
+CFG = llama.Config.tiny(model_type="qwen3_moe", experts=4, experts_top_k=2, moe_mlp=32, norm_topk_prob=True,
+                        hidden=32, mlp=64, layers=1)
+LORA = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "o_proj", "gate", "up", "down"),
+                           nvfp4_merge_aware=True)
+BATCH = make_batch(CFG, batch=4, seq=8)
+
+
+def test_the_quantizer_equals_torchao_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(24, 64, generator=g) * 3).to(dtype)
+        x[0, :16], x[1, :3] = 0.0, -1e-4                    # an all-zero block; entries rounding to -0
+        pts = nvfp4.per_tensor_amax_to_scale(x.abs().max().float())
+        scales, codes = nvfp4.nvfp4_quantize(x.contiguous(), 16, pts)
+        mine, my_scales = fp4.quantize_nvfp4(x, pts)
+        assert torch.equal(mine, codes.view(torch.uint8)) and torch.equal(my_scales.view(torch.uint8),
+                                                                          scales.view(torch.uint8)), dtype
+        want = nvfp4.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=pts).dequantize(torch.float32)
+        assert torch.equal(fp4.nvfp4_round_trip(x.float(), pts), want)
+        assert torch.equal(fp4.dequantize_nvfp4(mine, my_scales, pts), want)
+    per_row = torch.tensor([0.01, 0.002, 0.03]).repeat_interleave(8).reshape(24, 1)   # one scale per expert
+    rows = torch.cat([nvfp4.NVFP4Tensor.to_nvfp4(x.float()[i:i + 8].contiguous(), per_tensor_scale=per_row[i, 0])
+                      .dequantize(torch.float32) for i in (0, 8, 16)])
+    assert torch.equal(fp4.nvfp4_round_trip(x.float(), per_row), rows)
+
+
+def _setup():
+    decls = adapters.init(llama.init(CFG), LORA)
+    g = torch.Generator().manual_seed(3)
+    flat = {p: (0.05 * torch.randn(x.data.shape, generator=g) if p.endswith("lora_B") else x.data)
+            for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0))}
+    return decls, map_with_path(lambda p, d: flat[p], decls)
+
+
+DECLS, FULL = _setup()
+
+
+def _torchao_snap(w_eff: torch.Tensor, base: torch.Tensor, in_ndim: int, experts: bool) -> torch.Tensor:
+    """The straight-through reference: ``w_eff`` through torchao's NVFP4 (Hugging Face's rows
+    ``[out, in]``, one tensor per expert, the per-tensor scale from ``base``'s largest magnitude)
+    in the forward, the identity in backward."""
+    def one(w, b):
+        n_in = w.shape[:in_ndim].numel()
+        rows = w.detach().reshape(n_in, -1).T.contiguous()
+        pts = nvfp4.per_tensor_amax_to_scale(b.abs().max().float())
+        q = nvfp4.NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=pts).dequantize(torch.float32)
+        return q.T.reshape(w.shape)
+    q = torch.stack([one(w, b) for w, b in zip(w_eff, base)]) if experts else one(w_eff, base)
+    return w_eff + (q - w_eff).detach()
+
+
+def _reference():
+    """Loss and the adapters' gradients of the model over hand-made ``Q(W + scale A B)`` weights."""
+    full = map_with_path(lambda p, x: x.clone().requires_grad_() if ".lora." in p else x, FULL)
+    leaves = {p: x for p, x in tree.leaves_with_paths(full) if ".lora." in p}
+    base, lora = adapters.split(full)
+    lora = adapters.with_shared_a(lora, LORA)
+    weights = {}
+    for path, ab in lora.items():
+        w = dict(tree.leaves_with_paths(base))[path]
+        experts = ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == w.ndim
+        eff = w + adapters.lora.delta(ab["lora_A"], ab["lora_B"], LORA.scale, experts)
+        weights[path] = _torchao_snap(eff, w, ab["lora_A"].ndim - 1 - int(experts), experts)
+    snapped = map_with_path(lambda p, x: weights.get(p, x), base)
+    loss = llama.loss(sharding.named_tree(snapped, llama.init(CFG)),
+                      {k: fpp.named(v, "batch seq") for k, v in BATCH.items()}, CFG).value()
+    loss.backward()
+    return loss.detach(), {p: x.grad for p, x in leaves.items()}
+
+
+def _adapted(mesh=None, rules=None, processes=False):
+    """Per device: the merge-aware loss and the adapters' gathered gradients."""
+    mesh, rules = mesh or fpp.Mesh(), rules or Rules()
+    loss_fn = adapters.adapt(llama.loss, LORA)
+
+    def device():
+        with fpp.use_rules(rules):
+            local = tree.tree_map(lambda t: t.clone().requires_grad_(),
+                                  sharding.shard(FULL, DECLS, mesh, rules, fpp.current_rank()))
+            loss = loss_fn(sharding.named_tree(local, DECLS), {k: fpp.named(v, "batch seq") for k, v in BATCH.items()},
+                           CFG).value()
+            loss.backward()
+            grads = fpp.gather_tree(tree.tree_map(lambda t: t.grad, local), DECLS, rules)
+        return loss.detach(), {p: g for p, g in fpp.leaves_with_paths(grads) if ".lora." in p}
+    return fpp.launch(device, mesh, processes=processes, **({"timeout": 300} if processes else {}))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _adapted()[0]
+
+
+def test_the_forward_is_the_merged_weights_forward():
+    """The forward computes ``Q(W + scale A B)``: ``adapters.merge`` (the merged export's weights)
+    gives them bit for bit; they differ from plain LoRA's ``W + scale A B``."""
+    merged = adapters.merge(FULL, LORA)
+    plain = adapters.merge(FULL, dataclasses.replace(LORA, nvfp4_merge_aware=False))
+    applied = adapters.apply(sharding.named_tree(FULL, DECLS), LORA)
+    q, up = applied["layers"][0]["self_attn"]["q_proj"], applied["layers"][0]["mlp"]["up"]
+    eye = fpp.named(torch.eye(CFG.hidden)[None], "batch seq hidden")      # (x = I: the weight itself, exactly)
+    got = {"layers.0.self_attn.q_proj": q.__named_einsum__("batch seq hidden, hidden heads head_dim -> batch seq "
+                                                           "heads head_dim", [eye, q], 1).value()[0],
+           "layers.0.mlp.up": up.__named_weight__().value()}
+    for path, w in got.items():
+        want = dict(tree.leaves_with_paths(merged))[path]
+        assert torch.equal(w, want), path
+        assert not torch.equal(want, dict(tree.leaves_with_paths(plain))[path]), path
+    toks = fpp.wrap(BATCH["tokens"], "batch seq")
+    with torch.no_grad():
+        adapted = adapters.adapt(llama.forward, LORA)(sharding.named_tree(FULL, DECLS), toks, CFG).value()
+        want = llama.forward(sharding.named_tree(merged, llama.init(CFG)), toks, CFG).value()
+    torch.testing.assert_close(adapted, want, rtol=0, atol=1e-6)
+
+
+def test_gradients_are_straight_through(one_device):
+    loss, grads = one_device
+    want_loss, want = _reference()
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert set(grads) == set(want)
+    for p, g in grads.items():
+        torch.testing.assert_close(g, want[p], rtol=1e-4, atol=1e-6, msg=p)
+        assert g.abs().max() > 0, p
+
+
+LAYOUTS = {
+    "fsdp_x_tp": (fpp.Mesh(dp_shard=2, tp=2), Rules(batch="dp_shard", hidden="dp_shard", heads="tp", kv_heads="tp",
+                                                    mlp="tp", vocab="tp")),
+    "ep_x_fsdp": (fpp.Mesh(dp_shard=2, ep=2), Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard")),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_equal_one_device(one_device, layout):
+    mesh, rules = LAYOUTS[layout]
+    loss, grads = one_device
+    for got_loss, got in _adapted(mesh, rules, processes=layout == "fsdp_x_tp"):
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+        for p, g in got.items():
+            torch.testing.assert_close(g, grads[p], rtol=1e-4, atol=1e-6, msg=p)
+
+
+def test_dora_is_refused_by_name():
+    with pytest.raises(ValueError, match="nvfp4_merge_aware with DoRA"):
+        adapters.LoraConfig(target_modules=("q_proj",), dora=True, nvfp4_merge_aware=True)
