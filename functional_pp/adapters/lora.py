@@ -532,6 +532,16 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = Fal
     return torch.tensordot(a, b, dims=([a.ndim - 1], [0])) * scale
 
 
+def nvfp4_scales(params: Any, cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """``{weight path: NVFP4 per-tensor scale}`` of each adapted weight of ``params`` (full tensors
+    of a tree with adapters): the scales ``nvfp4_merge_aware`` snaps the merged weights with (0-dim,
+    or one per expert of an expert weight), which its export writes as ``weight_scale_2``."""
+    base, lora = split(params)
+    weights = dict(leaves_with_paths(base))
+    return {p: nvfp4_merge.per_tensor_scale(weights[p], ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == weights[p].ndim)
+            for p, ab in with_shared_a(lora, cfg).items()}
+
+
 def merge(params: Any, cfg: LoraConfig) -> Any:
     """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
     weight (``W + scale * A B``; with DoRA times ``magnitude / ||W + scale * A B||`` per output

@@ -95,7 +95,8 @@ def quantize_nvfp4(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[tor
     low nibble); :func:`dequantize_nvfp4` reads them back."""
     values, scale = _nvfp4_codes(x, per_tensor_scale)
     lut = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=x.device)
-    codes = torch.searchsorted(lut, values.abs().contiguous()).to(torch.uint8) | (torch.signbit(values).to(torch.uint8) << 3)
+    sign = torch.signbit(values).to(torch.uint8) << 3                    # (-0.0 too: code 8)
+    codes = torch.searchsorted(lut, values.abs().contiguous()).to(torch.uint8) | sign
     codes = codes.reshape(x.shape)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
 

@@ -6,13 +6,16 @@ in the weights); A's and B's gradients equal a hand-written straight-through ref
 torchao's ``NVFP4Tensor``; FSDP x TP and EP (simulated, and FSDP x TP on gloo processes) equal one
 device."""
 import dataclasses
+import json
 
 import pytest
 import torch
 from harness import make_batch
+from safetensors.torch import load_file, save_file
 
 import functional_pp as fpp
 from functional_pp import adapters
+from functional_pp.checkpoint import hf
 from functional_pp.core import tree
 from functional_pp.core.layout import Rules
 from functional_pp.core.tree import map_with_path
@@ -22,8 +25,8 @@ from functional_pp.quant import fp4
 
 nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 
-CFG = llama.Config.tiny(model_type="qwen3_moe", experts=4, experts_top_k=2, moe_mlp=32, norm_topk_prob=True,
-                        hidden=32, mlp=64, layers=1)
+CFG = llama.Config.tiny(model_type="qwen3_moe", qk_norm=True, experts=4, experts_top_k=2, moe_mlp=32,
+                        norm_topk_prob=True, hidden=32, mlp=64, layers=1)
 LORA = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "o_proj", "gate", "up", "down"),
                            nvfp4_merge_aware=True)
 BATCH = make_batch(CFG, batch=4, seq=8)
@@ -166,3 +169,70 @@ def test_layouts_equal_one_device(one_device, layout):
 def test_dora_is_refused_by_name():
     with pytest.raises(ValueError, match="nvfp4_merge_aware with DoRA"):
         adapters.LoraConfig(target_modules=("q_proj",), dora=True, nvfp4_merge_aware=True)
+
+
+@pytest.fixture(scope="module")
+def modelopt_base(tmp_path_factory):
+    """The base model of FULL as a ModelOpt NVFP4 checkpoint (every linear but the router quantized
+    by torchao, one tensor per expert), and the same model read back (dequantized)."""
+    dense = hf.save_hf_llama(adapters.split(FULL)[0], CFG, tmp_path_factory.mktemp("dense"))
+    sd = load_file(dense / "model.safetensors")
+    quantized = dict(sd)
+    for k in [k for k in sd if k.endswith("_proj.weight")]:
+        t = nvfp4.NVFP4Tensor.to_nvfp4(sd[k], per_tensor_scale=nvfp4.per_tensor_amax_to_scale(sd[k].abs().max()))
+        quantized.update({k: t.qdata.view(torch.uint8).contiguous(), f"{k}_scale": t.scale.contiguous(),
+                          f"{k}_scale_2": t.per_tensor_scale.reshape(()).float(),
+                          k.removesuffix(".weight") + ".input_scale": torch.tensor(0.01)})
+    out = tmp_path_factory.mktemp("modelopt")
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((dense / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    (out / "config.json").write_text(json.dumps(conf))
+    return out, hf.load_hf_llama(out)
+
+
+def test_the_nvfp4_merged_export_reads_back_to_the_trained_forward(modelopt_base, tmp_path):
+    """Trained on the ModelOpt checkpoint, exported merged in its layout: the adapted weights as
+    NVFP4 (torchao's ``NVFP4Tensor`` reads them as the weights training computed with), the others
+    copied; read back, every weight equals the trained model's bit for bit and the logits the
+    merge-aware forward's."""
+    path, (cfg, base) = modelopt_base
+    assert cfg == CFG
+    full = adapters.joined(base, adapters.split(FULL)[1])
+    out = hf.save_hf_llama(adapters.merge(full, LORA), cfg, tmp_path / "merged", base_model=path,
+                           nvfp4=adapters.nvfp4_scales(full, LORA))
+    files, source = load_file(out / "model.safetensors"), load_file(path / "model.safetensors")
+    assert set(files) == set(source) and json.loads((out / "config.json").read_text())["quantization_config"][
+        "quant_algo"] == "NVFP4"
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert files[q].dtype == torch.uint8 and not torch.equal(files[q], source[q])       # adapted: new codes
+    assert all(torch.equal(files[k + s], source[k + s]) for s in ("", "_scale", "_scale_2"))   # not adapted: copied
+    _, back = hf.load_hf_llama(out)
+    trained = adapters.merge(full, LORA)
+    for p, w in tree.leaves_with_paths(back):
+        assert torch.equal(w, dict(tree.leaves_with_paths(trained))[p]), p
+    ao = nvfp4.NVFP4Tensor(files[q], files[q + "_scale"], 16, torch.float32, per_tensor_scale=files[q + "_scale_2"])
+    assert torch.equal(ao.dequantize(torch.float32).T.reshape(CFG.hidden, CFG.heads, -1),
+                       dict(tree.leaves_with_paths(back))["layers.0.self_attn.q_proj"])
+    toks = fpp.wrap(BATCH["tokens"], "batch seq")
+    with torch.no_grad():
+        want = adapters.adapt(llama.forward, LORA)(sharding.named_tree(full, DECLS), toks, CFG).value()
+        got = llama.forward(sharding.named_tree(back, llama.init(CFG)), toks, CFG).value()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_an_adapted_weight_base_model_does_not_quantize_is_refused(modelopt_base, tmp_path):
+    path, (cfg, base) = modelopt_base
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    sd = load_file(path / "model.safetensors")
+    for s in ("_scale", "_scale_2"):
+        del sd["model.layers.0.self_attn.o_proj.weight" + s]
+    sd["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(CFG.hidden, CFG.hidden)
+    save_file(sd, plain / "model.safetensors")
+    (plain / "config.json").write_text((path / "config.json").read_text())
+    full = adapters.joined(base, adapters.split(FULL)[1])
+    with pytest.raises(ValueError, match=r"o_proj\.weight \[32, 32\] is adapted but base_model does not store it as "
+                                         r"an NVFP4 weight"):
+        hf.save_hf_llama(adapters.merge(full, LORA), cfg, tmp_path / "m", base_model=plain,
+                         nvfp4=adapters.nvfp4_scales(full, LORA))
