@@ -236,3 +236,25 @@ def test_an_adapted_weight_base_model_does_not_quantize_is_refused(modelopt_base
                                          r"an NVFP4 weight"):
         hf.save_hf_llama(adapters.merge(full, LORA), cfg, tmp_path / "m", base_model=plain,
                          nvfp4=adapters.nvfp4_scales(full, LORA))
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"adapter": "qlora", "load_in_4bit": True}, "nvfp4_merge_aware with adapter: qlora.*set adapter: lora"),
+    ({"qat": {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16}},
+     "nvfp4_merge_aware with qat"),
+    ({"nvfp4_merge_aware_start_step": 0.1}, "nvfp4_merge_aware_start_step.*remove it"),
+])
+def test_the_config_key_and_its_refusals(extra, message):
+    from functional_pp.config.train_config import TrainConfig
+    d = {"adapter": "lora", "lora_target_modules": ["q_proj"], "nvfp4_merge_aware": True}
+    assert TrainConfig.from_dict(d).lora_config().nvfp4_merge_aware
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict({**d, **extra})
+
+
+def test_a_base_without_nvfp4_is_refused_by_the_config(tmp_path):
+    from functional_pp.config.train_config import TrainConfig
+    hf.save_hf_llama(adapters.split(FULL)[0], CFG, tmp_path)
+    with pytest.raises(ValueError, match=r"nvfp4_merge_aware but .*config\.json has no ModelOpt NVFP4"):
+        TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": ["q_proj"], "nvfp4_merge_aware": True,
+                               "base_model": str(tmp_path)})
