@@ -258,3 +258,45 @@ def test_a_base_without_nvfp4_is_refused_by_the_config(tmp_path):
     with pytest.raises(ValueError, match=r"nvfp4_merge_aware but .*config\.json has no ModelOpt NVFP4"):
         TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": ["q_proj"], "nvfp4_merge_aware": True,
                                "base_model": str(tmp_path)})
+
+
+def test_qwen3_next_as_axolotl_targets_it(tmp_path):
+    """Axolotl's example (qwen3-next-80b-a3b-nvfp4-lora.yaml: q/k/v/o and the experts' gate_up_proj /
+    down_proj) on a tiny Qwen3-Next made by transformers, written as a ModelOpt checkpoint (one tensor
+    per expert): its NVFP4 merged export reads back to the trained weights bit for bit and the
+    merge-aware forward's logits."""
+    transformers = pytest.importorskip("transformers")
+    from axolotl_corpus import _modelopt_nvfp4
+
+    from functional_pp.adapters.target_parameters import expert_targets
+    torch.manual_seed(0)
+    conf = transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=64)
+    transformers.Qwen3NextForCausalLM(conf).save_pretrained(tmp_path / "dense")
+    (tmp_path / "nvfp4").mkdir()
+    _modelopt_nvfp4(tmp_path / "dense", tmp_path / "nvfp4")
+    cfg, base = hf.load_hf_llama(tmp_path / "nvfp4")
+    experts, shared = expert_targets(["experts.gate_up_proj", "experts.down_proj"])
+    lora = adapters.LoraConfig(r=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj") + experts,
+                               shared_a=shared, nvfp4_merge_aware=True)
+    decls = adapters.init(llama.init(cfg), lora)
+    g = torch.Generator().manual_seed(1)
+    ab = {p: (0.05 * torch.randn(x.data.shape, generator=g) if p.endswith("lora_B") else x.data)
+          for p, x in fpp.leaves_with_paths(fpp.init(lambda: decls, seed=0)) if ".lora." in p}
+    full = adapters.joined(base, adapters.split(map_with_path(lambda p, d: ab.get(p), decls))[1])
+    out = hf.save_hf_llama(adapters.merge(full, lora), cfg, tmp_path / "merged", base_model=tmp_path / "nvfp4",
+                           nvfp4=adapters.nvfp4_scales(full, lora))
+    assert load_file(out / "model.safetensors")["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == torch.uint8
+    _, back = hf.load_hf_llama(out)
+    trained = dict(tree.leaves_with_paths(adapters.merge(full, lora)))
+    for p, w in tree.leaves_with_paths(back):
+        assert torch.equal(w, trained[p]), p
+    toks = fpp.wrap(torch.randint(0, cfg.vocab, (2, 12), generator=g), "batch seq")
+    with torch.no_grad():
+        want = adapters.adapt(llama.forward, lora)(sharding.named_tree(full, decls), toks, cfg).value()
+        got = llama.forward(sharding.named_tree(back, llama.init(cfg)), toks, cfg).value()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
