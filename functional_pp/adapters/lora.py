@@ -392,14 +392,14 @@ class LoraWeight(NamedTuple):
             raise ValueError(f"LoRA: einsum {pattern!r} with an adapted weight needs exactly two operands")
         x, x_dims = operands[1 - i], ins[1 - i]
         contracted = [d for d in ins[i] if d not in out]
-        if self.nvfp4:
-            return self._nvfp4_einsum(pattern, x, x_dims, out, i, contracted)
-        y = einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
         a_in = list(self.lora_A.dims[:-1])
         if sorted(contracted) != sorted(a_in):
             raise ValueError(f"LoRA: einsum {pattern!r} contracts {contracted} of the adapted weight, but its "
                              f"lora_A has {a_in}: declare the weight's meta in_dims={len(contracted)} "
                              f"(its leading dimensions that a linear contracts)")
+        if self.nvfp4:
+            return self._nvfp4_einsum(pattern, x, x_dims, out, i, contracted)
+        y = einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
         if self.dropout:
             x = drop(x, self.dropout, self.seed)
         delta = einsum(f"{' '.join(x_dims)}, {' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
@@ -538,8 +538,8 @@ def nvfp4_scales(params: Any, cfg: LoraConfig) -> dict[str, torch.Tensor]:
     or one per expert of an expert weight), which its export writes as ``weight_scale_2``."""
     base, lora = split(params)
     weights = dict(leaves_with_paths(base))
-    return {p: nvfp4_merge.per_tensor_scale(weights[p], ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == weights[p].ndim)
-            for p, ab in with_shared_a(lora, cfg).items()}
+    return {p: nvfp4_merge.per_tensor_scale(w, ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == w.ndim)
+            for p, ab in with_shared_a(lora, cfg).items() for w in (weights[p],)}
 
 
 def merge(params: Any, cfg: LoraConfig) -> Any:

@@ -43,6 +43,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
     "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows", "experts_linearized", "nvfp4_names",
+    "check_nvfp4_targets",
 ]
 
 from functional_pp.models.gemma4_hf import export_config
@@ -873,25 +874,42 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
 
 def nvfp4_names(cfg, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{Hugging Face tensor name: 0-dim per-tensor scale}`` of ``scales`` (our parameter path: a
-    0-dim scale, or one per expert of an expert stack, whose files hold one tensor per expert); a
-    part of a fused tensor (several of our weights in one of the files) is refused by name: its
-    parts would need one per-tensor scale."""
-    from functional_pp.models import llama
+    0-dim scale, or one per expert of an expert stack, whose files hold one tensor per expert)."""
     out = {}
+    for path, (names, stacked) in _nvfp4_file_names(cfg, list(scales)).items():
+        out.update(zip(names, scales[path]) if stacked else {names[0]: scales[path]})
+    return out
+
+
+def check_nvfp4_targets(base_model: str | os.PathLike, paths: list[str]) -> None:
+    """Refuse, before any work, an ``nvfp4_merge_aware`` target (our weight paths ``paths``) that its
+    merged export could not write in base_model's NVFP4 layout: a part of a fused tensor of the files,
+    or a weight base_model does not store as NVFP4 (naming it)."""
+    from functional_pp.checkpoint.hf_nvfp4 import check_stored
+    names = _nvfp4_file_names(config_from_hf(base_model), paths)
+    check_stored(base_model, [n for ns, _ in names.values() for n in ns])
+
+
+def _nvfp4_file_names(cfg, paths: list[str]) -> dict[str, tuple[list[str], bool]]:
+    """``{our path: (its Hugging Face tensor names, whether one per expert)}`` of ``paths``; a part
+    of a fused tensor (several of our weights in one of the files) is refused by name: ModelOpt
+    quantizes it with one per-tensor scale."""
+    from functional_pp.models import llama
+    out, wanted = {}, set(paths)
     for name, parts in _file_tensors(llama.init(cfg), cfg):
-        mine = [p for p, _, _ in parts if p in scales]
+        mine = [p for p, _, _ in parts if p in wanted]
         if not mine:
             continue
         if len(parts) > 1 or getattr(cfg, "experts_linearized", False):
             raise CheckpointMismatchError(f"nvfp4_merge_aware: {mine[0]} is a part of the fused tensor {name} of the "
                                           f"Hugging Face files ({', '.join(p for p, _, _ in parts)}), which ModelOpt "
                                           f"quantizes with one per-tensor scale: not supported; target other weights")
-        pts, kind = scales[mine[0]], parts[0][1]
+        kind, decl = parts[0][1], parts[0][2]
         if getattr(kind, "stacked", False):
             at = kind.stacked_at
-            out.update({name.replace(at, f"{at}{j}.", 1): pts[j] for j in range(pts.shape[0])})
+            out[mine[0]] = ([name.replace(at, f"{at}{j}.", 1) for j in range(decl.shape[0])], True)
         else:
-            out[name] = pts
+            out[mine[0]] = ([name], False)
     return out
 
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from functional_pp.checkpoint.format import CheckpointMismatchError
 from functional_pp.quant.fp4 import quantize_nvfp4
 
-__all__ = ["nvfp4_items", "nvfp4_quantization_config"]
+__all__ = ["nvfp4_items", "nvfp4_quantization_config", "check_stored"]
 
 _SCALES = ("_scale", "_scale_2")
 _DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16,
@@ -58,6 +58,18 @@ def _copy(files: dict[str, Path], name: str) -> tuple:
         with safe_open(str(f), framework="pt") as h:
             return h.get_tensor(name)
     return name, dtype, shape, read
+
+
+def check_stored(base_model: str | Path, names: list[str]) -> None:
+    """Refuse the first of the weights ``names`` that base_model (a ModelOpt NVFP4 checkpoint) does
+    not store as NVFP4."""
+    nvfp4_quantization_config(base_model)
+    files = _files(Path(base_model))
+    for name in names:
+        if not all(name + s in files for s in _SCALES):
+            raise CheckpointMismatchError(f"nvfp4_merge_aware: {name} is adapted but base_model does not store it as "
+                                          f"an NVFP4 weight ({name}_scale_2 missing): target only the weights its "
+                                          f"quantization_config quantizes")
 
 
 def nvfp4_items(items: list, base_model: str | Path, scales: dict[str, torch.Tensor]) -> list:

@@ -21,7 +21,11 @@ head goes through :func:`head_pair` under :func:`active` (the loss's own chunked
 weight and input each NVFP4-quantized and dequantized (:func:`fake_quant_nvfp4`: E2M1 values in
 blocks of 16 contracted features with E4M3 scales, times one fp32 scale from the whole tensor's
 largest magnitude: a max over every device's part), gradients straight through, as torchao's
-backward computes them from the dequantized operands."""
+backward computes them from the dequantized operands.
+
+:func:`snap_nvfp4` is the same round trip for LoRA's merge-aware NVFP4 (``nvfp4_merge_aware``,
+adapters/lora.py): the merged weight ``W + s A B`` snapped with the frozen base's per-tensor scale
+(:func:`nvfp4_scale_of`), one per expert for expert stacks."""
 from __future__ import annotations
 
 import contextlib

@@ -232,6 +232,9 @@ def test_an_adapted_weight_base_model_does_not_quantize_is_refused(modelopt_base
     save_file(sd, plain / "model.safetensors")
     (plain / "config.json").write_text((path / "config.json").read_text())
     full = adapters.joined(base, adapters.split(FULL)[1])
+    with pytest.raises(ValueError, match=r"o_proj\.weight is adapted but base_model does not store it as an NVFP4"):
+        hf.check_nvfp4_targets(plain, adapters.targets(llama.init(cfg), LORA))      # (before training)
+    hf.check_nvfp4_targets(path, adapters.targets(llama.init(cfg), LORA))
     with pytest.raises(ValueError, match=r"o_proj\.weight \[32, 32\] is adapted but base_model does not store it as "
                                          r"an NVFP4 weight"):
         hf.save_hf_llama(adapters.merge(full, LORA), cfg, tmp_path / "m", base_model=plain,
@@ -295,6 +298,8 @@ def test_qwen3_next_as_axolotl_targets_it(tmp_path):
     trained = dict(tree.leaves_with_paths(adapters.merge(full, lora)))
     for p, w in tree.leaves_with_paths(back):
         assert torch.equal(w, trained[p]), p
+    with pytest.raises(ValueError, match=r"in_proj_q is a part of the fused tensor .*in_proj_qkvz"):
+        hf.check_nvfp4_targets(tmp_path / "nvfp4", ["layers.0.linear_attn.in_proj_q"])
     toks = fpp.wrap(torch.randint(0, cfg.vocab, (2, 12), generator=g), "batch seq")
     with torch.no_grad():
         want = adapters.adapt(llama.forward, lora)(sharding.named_tree(full, decls), toks, cfg).value()
