@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -46,7 +47,7 @@ MODEL_TYPES = {
     "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe", "Qwen/Qwen3.5-4B": "qwen3_5",
     "Qwen/Qwen3.5-9B": "qwen3_5", "Qwen/Qwen3.5-27B": "qwen3_5", "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe",
     "Qwen/Qwen3.5-122B-A10B": "qwen3_5_moe", "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl",
-    "nvidia/Qwen3-Next-80B-A3B-Instruct-NVFP4": "qwen3_next",
+    "nvidia/Qwen3-Next-80B-A3B-Instruct-NVFP4": "qwen3_next_nvfp4",
     "tiiuae/falcon-7b": "falcon", "tiiuae/Falcon-H1-1.5B-Base": "falcon_h1",
     "tiiuae/Falcon-H1-0.5B-Instruct": "falcon_h1", "mhenrichsen/gemma-7b": "gemma",
     "google/gemma-2-9b": "gemma2", "google/gemma-3-270m-it": "gemma3_text",
@@ -278,7 +279,7 @@ _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "
         "gemma3": "<end_of_turn>", "llava_pixtral": "</s>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
-_TEMPLATES = {"nemotron_h": "chatml"}
+_TEMPLATES = {"nemotron_h": "chatml", "qwen3_next_nvfp4": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size",
               "ray_num_workers")
@@ -315,6 +316,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         make_tekken(d)
     if model_type in _REMOTE:
         _remote_code_model(model_type, d)
+        return d
+    if model_type == "qwen3_next_nvfp4":
+        _modelopt_nvfp4(tiny_model("qwen3_next", root), d)
         return d
     if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
@@ -421,6 +425,36 @@ def _gptq_llama(d: Path) -> None:
               metadata={"format": "pt"})
     conf = json.loads((d / "config.json").read_text())
     conf["quantization_config"] = qc
+    (d / "config.json").write_text(json.dumps(conf))
+
+
+def _modelopt_nvfp4(src: Path, d: Path) -> None:
+    """A tiny ``nvidia/...-NVFP4`` (ModelOpt) in ``d`` (beside its tokenizer) from the model in ``src``:
+    its experts one tensor per expert (``experts.{j}.{gate,up,down}_proj.weight``), every ``*_proj``
+    linear as NVFP4 (torchao's quantizer: uint8 ``weight``, ``weight_scale``, ``weight_scale_2``,
+    ``input_scale``)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    for f in src.iterdir():              # (the tokenizer is d's own: the Instruct model's holds a template)
+        if f.name != "model.safetensors" and not (d / f.name).exists():
+            shutil.copy2(f, d / f.name)
+    sd = load_file(src / "model.safetensors")
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stack, pre = sd.pop(k), k.rsplit(".", 1)[0]
+        for j, w in enumerate(stack):
+            parts = {"gate_proj": w[:w.shape[0] // 2], "up_proj": w[w.shape[0] // 2:]} if k.endswith("gate_up_proj") \
+                else {"down_proj": w}
+            sd.update({f"{pre}.{j}.{name}.weight": t.contiguous() for name, t in parts.items()})
+    for k in [k for k in sd if k.endswith("_proj.weight")]:
+        w = sd[k].float()
+        t = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=per_tensor_amax_to_scale(w.abs().max()))
+        sd.update({k: t.qdata.view(torch.uint8).contiguous(), f"{k}_scale": t.scale.contiguous(),
+                   f"{k}_scale_2": t.per_tensor_scale.reshape(()).float(),
+                   k.removesuffix(".weight") + ".input_scale": torch.tensor(0.01)})
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((src / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     (d / "config.json").write_text(json.dumps(conf))
 
 

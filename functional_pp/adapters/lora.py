@@ -26,11 +26,13 @@ import optree
 import torch
 
 from functional_pp._torch import is_tracing
+from functional_pp.adapters import nvfp4_merge
 from functional_pp.adapters.dora import MAGNITUDE, full_row_norm, row_norm
 from functional_pp.core.runtime import per_thread
 from functional_pp.core.tree import Param, leaves_with_paths, map_with_path, param, path_str
 from functional_pp.ops.dropout import dropout as drop
 from functional_pp.ops.einsum import einsum, parse_pattern, register_operand
+from functional_pp.ops.fake_quant import nvfp4_scale_of, snap_nvfp4
 from functional_pp.ops.quantized import is_quantized, realize, stand_in
 from functional_pp.parallel.named import Named, make_named
 from functional_pp.quant.weights import QuantizedWeight
@@ -64,6 +66,9 @@ class LoraConfig:
     #: beside it (its own ``lora_B``): peft's one adapter of a fused weight, e.g. transformers 5's
     #: ``experts.gate_up_proj`` (``target_parameters``) is ``(("gate", "up"),)``
     shared_a: tuple[tuple[str, str], ...] = ()
+    #: Axolotl's ``nvfp4_merge_aware``: each adapted weight trains as ``Q(W + scale A B)``, the merged
+    #: weight through NVFP4 and back (adapters/nvfp4_merge.py), what the merged export writes
+    nvfp4_merge_aware: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -80,6 +85,9 @@ class LoraConfig:
         object.__setattr__(self, "shared_a", tuple(tuple(pair) for pair in self.shared_a))
         if any(len(pair) != 2 for pair in self.shared_a):
             raise ValueError(f"LoRA: shared_a must hold (owner, borrower) module-name pairs, got {self.shared_a!r}")
+        if self.nvfp4_merge_aware and self.dora:
+            raise ValueError("LoRA: nvfp4_merge_aware with DoRA (use_dora) is not supported (Axolotl skips DoRA "
+                             "modules): turn one of them off")
 
     @property
     def scale(self) -> float:
@@ -375,6 +383,7 @@ class LoraWeight(NamedTuple):
     dropout: float = 0.0
     seed: int = 0
     magnitude: Named | None = None
+    nvfp4: bool = False
 
     def __named_einsum__(self, pattern: str, operands: Sequence[Any], i: int) -> Named:
         """``einsum(pattern, ...)`` with this weight as operand ``i``: the base contraction plus
@@ -384,7 +393,6 @@ class LoraWeight(NamedTuple):
         ins, out = parse_pattern(pattern, len(operands))
         if len(operands) != 2:
             raise ValueError(f"LoRA: einsum {pattern!r} with an adapted weight needs exactly two operands")
-        y = einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
         x, x_dims = operands[1 - i], ins[1 - i]
         contracted = [d for d in ins[i] if d not in out]
         a_in = list(self.lora_A.dims[:-1])
@@ -392,6 +400,9 @@ class LoraWeight(NamedTuple):
             raise ValueError(f"LoRA: einsum {pattern!r} contracts {contracted} of the adapted weight, but its "
                              f"lora_A has {a_in}: declare the weight's meta in_dims={len(contracted)} "
                              f"(its leading dimensions that a linear contracts)")
+        if self.nvfp4:
+            return self._nvfp4_einsum(pattern, x, x_dims, out, i, contracted)
+        y = einsum(pattern, *[self.base if j == i else x for j, x in enumerate(operands)])
         if self.dropout:
             x = drop(x, self.dropout, self.seed)
         delta = einsum(f"{' '.join(x_dims)}, {' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
@@ -404,6 +415,29 @@ class LoraWeight(NamedTuple):
         dropped = einsum(pattern, *[self.base if j == i else x for j in range(2)])
         return y + dropped * (g - 1) + delta * g
 
+    def _nvfp4_einsum(self, pattern: str, x: Named, x_dims: Sequence[str], out: Sequence[str], i: int,
+                      contracted: Sequence[str]) -> Named:
+        """Merge-aware NVFP4 (``nvfp4_merge_aware``): ``x Q(W + scale A B)``; with dropout plus
+        ``scale (dropout(x) - x) A B``, which vanishes in evaluation (Axolotl's ``merge_aware_linear``)."""
+        if self.magnitude is not None:
+            raise ValueError("LoRA: nvfp4_merge_aware with DoRA (use_dora) is not supported: turn one of them off")
+        w = snap_nvfp4(self._merged(), nvfp4_scale_of(self.base), contracted, pattern)
+        y = einsum(pattern, *[w if j == i else x for j in range(2)])
+        if not self.dropout:
+            return y
+        rest = drop(x, self.dropout, self.seed) - x
+        return y + einsum(f"{' '.join(x_dims)}, {' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
+                          f"{' '.join(out)}", rest, self.lora_A, self.lora_B) * self.scale
+
+    def _merged(self) -> Named:
+        """``W + scale A B`` (contracted over the rank, per expert for expert weights)."""
+        base = self.base
+        if is_quantized(base):          # a quantized stack (quantize_moe_experts): in its codes' layout
+            base = realize(base, stand_in(base).split, self.lora_A.data.dtype, "LoRA expert weight")
+        pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
+                   f"{' '.join(base.dims)}")
+        return base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+
     def __named_weight__(self) -> Named:
         """The adapted weight as one named value, ``W + scale * A B`` (contracted over the rank,
         per expert for expert weights): for ops that take the weight itself rather than an
@@ -412,12 +446,11 @@ class LoraWeight(NamedTuple):
             raise ValueError("LoRA: lora_dropout > 0 on expert weights is not supported (their adapters are "
                              "merged into the weight for the experts' grouped matmuls, which drops no input); "
                              "set lora_dropout: 0 or target no expert weights")
-        base = self.base
-        if is_quantized(base):          # a quantized stack (quantize_moe_experts): in its codes' layout
-            base = realize(base, stand_in(base).split, self.lora_A.data.dtype, "LoRA expert weight")
-        pattern = (f"{' '.join(self.lora_A.dims)}, {' '.join(self.lora_B.dims)} -> "
-                   f"{' '.join(base.dims)}")
-        return base + einsum(pattern, self.lora_A, self.lora_B) * self.scale
+        if not self.nvfp4:
+            return self._merged()
+        lead = self.base.dims[:1] if self.base.dims[0] == EXPERTS and self.lora_A.dims[0] == EXPERTS else ()
+        contracted = [d for d in self.lora_A.dims[:-1] if d not in lead]
+        return snap_nvfp4(self._merged(), nvfp4_scale_of(self.base, lead), contracted, "LoRA expert weight")
 
 
 def _summed(y: Named, delta: Named) -> Named:
@@ -456,7 +489,7 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
                              f"dora={cfg.dora}: initialise the adapters with adapters.init(decls, cfg) of this "
                              f"config")
         node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
-                                seed * 1_000_003 + i + 1, ab.get(MAGNITUDE))
+                                seed * 1_000_003 + i + 1, ab.get(MAGNITUDE), cfg.nvfp4_merge_aware)
     return out
 
 
@@ -502,6 +535,16 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = Fal
     return torch.tensordot(a, b, dims=([a.ndim - 1], [0])) * scale
 
 
+def nvfp4_scales(params: Any, cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """``{weight path: NVFP4 per-tensor scale}`` of each adapted weight of ``params`` (full tensors
+    of a tree with adapters): the scales ``nvfp4_merge_aware`` snaps the merged weights with (0-dim,
+    or one per expert of an expert weight), which its export writes as ``weight_scale_2``."""
+    base, lora = split(params)
+    weights = dict(leaves_with_paths(base))
+    return {p: nvfp4_merge.per_tensor_scale(w, ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == w.ndim)
+            for p, ab in with_shared_a(lora, cfg).items() for w in (weights[p],)}
+
+
 def merge(params: Any, cfg: LoraConfig) -> Any:
     """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
     weight (``W + scale * A B``; with DoRA times ``magnitude / ||W + scale * A B||`` per output
@@ -517,6 +560,8 @@ def merge(params: Any, cfg: LoraConfig) -> Any:
         a, b = ab["lora_A"].to(wide), ab["lora_B"].to(wide)
         per_expert = a.ndim + b.ndim - 3 == w.ndim          # (experts lead A and B: counted once)
         new = w.to(wide) + delta(a, b, cfg.scale, per_expert)
+        if cfg.nvfp4_merge_aware:               # what training's forward computed: Q(W + scale A B)
+            new = nvfp4_merge.snapped(w.to(wide), new, a.ndim - 1 - int(per_expert), per_expert)
         if MAGNITUDE in ab:
             new = new * (ab[MAGNITUDE].to(wide) / full_row_norm(w.to(wide), a, b, cfg.scale))
         return new.to(w.dtype)

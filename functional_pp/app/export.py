@@ -188,9 +188,11 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
 
 
 def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype, copied: list) -> None:
-    from functional_pp.adapters import LoraConfig, merge
+    from functional_pp.adapters import LoraConfig, merge, nvfp4_scales
     from functional_pp.checkpoint.hf import config_from_index, save_hf_llama
     cfg = config_from_index(fmt.read_index(ckpt))
-    merged = merge(full_params(ckpt), LoraConfig(**meta["lora"]))
-    save_hf_llama(merged, cfg, out, max_shard_size=max_shard_size, dtype=dtype, base_model=meta.get("base_model"),
-                  copied=copied)
+    lora, full = LoraConfig(**meta["lora"]), full_params(ckpt)
+    # (nvfp4_merge_aware: the adapted weights in base_model's NVFP4 layout, with the scales training snapped with)
+    scales = nvfp4_scales(full, lora) if lora.nvfp4_merge_aware else None
+    save_hf_llama(merge(full, lora), cfg, out, max_shard_size=max_shard_size, dtype=dtype,
+                  base_model=meta.get("base_model"), copied=copied, nvfp4=scales)

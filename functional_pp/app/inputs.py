@@ -453,6 +453,9 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
         try:
             out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora, decoder_type_of(cfg.base_model)),
                    adapters.trainable(lora, model_type_of(cfg.base_model)))
+            if lora.nvfp4_merge_aware and cfg.base_model is not None:   # (what its merged export can write)
+                from functional_pp.checkpoint.hf import check_nvfp4_targets
+                check_nvfp4_targets(cfg.base_model, adapters.targets(decls, lora))
         except ValueError as exc:
             raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc
         quant = cfg.base_quantization()

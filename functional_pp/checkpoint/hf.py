@@ -35,13 +35,15 @@ from functional_pp.core.tree import leaves_with_paths, map_with_path
 from functional_pp.parallel.init import init_block
 from functional_pp.parallel.shard_map import active_rules
 from functional_pp.quant import bnb_serialized
+from functional_pp.checkpoint.hf_nvfp4 import nvfp4_items, nvfp4_quantization_config
 from functional_pp.quant.fp4 import NVFP4_BLOCK, dequantize_mxfp4, dequantize_nvfp4
 from functional_pp.quant.gptq import dequantize_gptq, gptq_format
 
 __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
-    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows", "experts_linearized",
+    "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows", "experts_linearized", "nvfp4_names",
+    "check_nvfp4_targets",
 ]
 
 from functional_pp.models.gemma4_hf import export_config
@@ -842,13 +844,15 @@ def fuse_rows(parts: list[torch.Tensor], cfg, axis: int = 0, alternating: bool =
 
 def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: int | str | None = None,
                   dtype: torch.dtype | None = None, base_model: str | os.PathLike | None = None,
-                  copied: list | None = None) -> Path:
+                  copied: list | None = None, nvfp4: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a FULL parameter tree (single device, or ``gather_tree``-ed) as an HF directory
     loadable by ``from_pretrained`` of the class of ``cfg.model_type`` (``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); sharded with an index when
     ``max_shard_size`` (bytes or ``"2GB"``) is given. ``dtype`` casts (default: as stored).
     ``base_model``: its tensors the model does not hold are copied in unchanged
-    (checkpoint/hf_unheld.py), their names appended to ``copied``."""
+    (checkpoint/hf_unheld.py), their names appended to ``copied``. ``nvfp4`` (parameter path ->
+    per-tensor scale, :func:`nvfp4_names`): those weights written in ModelOpt's NVFP4 layout and
+    base_model's other NVFP4 weights copied from it (checkpoint/hf_nvfp4.py)."""
     flat = dict(leaves_with_paths(params))
     cfg = export_config(cfg)                  # (a multimodal Gemma 4's text decoder: Gemma4ForCausalLM)
 
@@ -859,7 +863,57 @@ def save_hf_llama(params: dict, cfg, out: str | os.PathLike, *, max_shard_size: 
         t = getattr(t, "data", t) if not isinstance(t, torch.Tensor) else t
         return tuple(t.shape), t.dtype, (lambda t=t: t.detach())
     items, dt = _items(cfg, get, dtype)
-    return _write_hf(Path(out), cfg, _with_unheld(items, cfg, base_model, copied), max_shard_size, dt)
+    if nvfp4 is None:
+        return _write_hf(Path(out), cfg, _with_unheld(items, cfg, base_model, copied), max_shard_size, dt)
+    if base_model is None:
+        raise CheckpointMismatchError("nvfp4_merge_aware: the NVFP4 merged export needs base_model (its NVFP4 "
+                                      "layout and quantization_config)")
+    out = _write_hf(Path(out), cfg, nvfp4_items(items, base_model, nvfp4_names(cfg, nvfp4)), max_shard_size, dt)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = nvfp4_quantization_config(base_model)
+    fmt.write_text_atomic(out / "config.json", json.dumps(config, indent=2))
+    return out
+
+
+def nvfp4_names(cfg, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{Hugging Face tensor name: 0-dim per-tensor scale}`` of ``scales`` (our parameter path: a
+    0-dim scale, or one per expert of an expert stack, whose files hold one tensor per expert)."""
+    out = {}
+    for path, (names, stacked) in _nvfp4_file_names(cfg, list(scales)).items():
+        out.update(zip(names, scales[path]) if stacked else {names[0]: scales[path]})
+    return out
+
+
+def check_nvfp4_targets(base_model: str | os.PathLike, paths: list[str]) -> None:
+    """Refuse, before any work, an ``nvfp4_merge_aware`` target (our weight paths ``paths``) that its
+    merged export could not write in base_model's NVFP4 layout: a part of a fused tensor of the files,
+    or a weight base_model does not store as NVFP4 (naming it)."""
+    from functional_pp.checkpoint.hf_nvfp4 import check_stored
+    names = _nvfp4_file_names(config_from_hf(base_model), paths)
+    check_stored(base_model, [n for ns, _ in names.values() for n in ns])
+
+
+def _nvfp4_file_names(cfg, paths: list[str]) -> dict[str, tuple[list[str], bool]]:
+    """``{our path: (its Hugging Face tensor names, whether one per expert)}`` of ``paths``; a part
+    of a fused tensor (several of our weights in one of the files) is refused by name: ModelOpt
+    quantizes it with one per-tensor scale."""
+    from functional_pp.models import llama
+    out, wanted = {}, set(paths)
+    for name, parts in _file_tensors(llama.init(cfg), cfg):
+        mine = [p for p, _, _ in parts if p in wanted]
+        if not mine:
+            continue
+        if len(parts) > 1 or getattr(cfg, "experts_linearized", False):
+            raise CheckpointMismatchError(f"nvfp4_merge_aware: {mine[0]} is a part of the fused tensor {name} of the "
+                                          f"Hugging Face files ({', '.join(p for p, _, _ in parts)}), which ModelOpt "
+                                          f"quantizes with one per-tensor scale: not supported; target other weights")
+        kind, decl = parts[0][1], parts[0][2]
+        if getattr(kind, "stacked", False):
+            at = kind.stacked_at
+            out[mine[0]] = ([name.replace(at, f"{at}{j}.", 1) for j in range(decl.shape[0])], True)
+        else:
+            out[mine[0]] = ([name], False)
+    return out
 
 
 def _with_unheld(items: list, cfg, base_model, copied: list | None) -> list:

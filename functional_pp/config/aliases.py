@@ -118,11 +118,8 @@ _HUB = ("nothing is uploaded (no network): write an HF directory with `functiona
 #: keys with no meaning here -> why, and what to do instead
 UNSUPPORTED: dict[str, str] = {
     "s2_attention": "shifted-sparse attention (LongLoRA's S2) is not supported: remove it",
-    "nvfp4_merge_aware": ("merge-aware NVFP4 LoRA is not built: it trains the adapter through the merged weight "
-                          "re-quantized to NVFP4 with fresh block scales (Q(W + s B A), straight-through gradients) "
-                          "so that merge-lora writes an NVFP4 checkpoint back losslessly; here the ModelOpt NVFP4 "
-                          "base is read dequantized and LoRA trains on W + s B A unquantized, and nothing is "
-                          "exported as NVFP4: remove it (plain LoRA on the dequantized base)"),
+    "nvfp4_merge_aware_start_step": ("a warm-up before merge-aware NVFP4 is not built: nvfp4_merge_aware "
+                                     "snaps the merged weight from the first step: remove it"),
     **{k: ("the GPTQ format (bits, group size, checkpoint_format) is read from base_model's config.json "
            "quantization_config: remove it") for k in ("gptq_groupsize", "gptq_model_v1")},
     "ebft": _EBFT,

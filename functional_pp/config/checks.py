@@ -41,6 +41,8 @@ def check_base_quantization(cfg: Any, add) -> None:
             "with adapter: qlora (or load_in_8bit: true with adapter: lora), or remove quantize_moe_experts")
     if cfg.gptq:
         check_gptq(cfg, add)
+    if cfg.nvfp4_merge_aware:
+        check_nvfp4_merge_aware(cfg, add)
     kw = cfg.bnb_config_kwargs or {}
     if not isinstance(kw, dict):
         add(f"bnb_config_kwargs must be a mapping, got {kw!r}")
@@ -73,6 +75,31 @@ def check_gptq(cfg: Any, add) -> None:
         if not isinstance(qc, dict) or qc.get("quant_method") != "gptq":
             add(f"gptq: true but {conf} has no GPTQ quantization_config (quant_method: gptq; found "
                 f"{qc.get('quant_method') if isinstance(qc, dict) else qc!r}): remove gptq or use a GPTQ checkpoint")
+
+
+def check_nvfp4_merge_aware(cfg: Any, add) -> None:
+    """``nvfp4_merge_aware`` (Axolotl's): plain LoRA (``adapter: lora``, as Axolotl requires) of a
+    ModelOpt NVFP4 base; a local ``base_model`` must say ``quant_algo: NVFP4`` in its config.json."""
+    if cfg.adapter not in (None, "lora"):        # (None: refused with the other LoRA keys)
+        add(f"nvfp4_merge_aware with adapter: {cfg.adapter}: it trains LoRA adapters through the merged weight "
+            f"re-quantized to NVFP4 (as in Axolotl, adapter: lora): set adapter: lora")
+    for key in ("load_in_4bit", "load_in_8bit", "gptq"):
+        if getattr(cfg, key):
+            add(f"nvfp4_merge_aware with {key}: its base is the ModelOpt NVFP4 checkpoint, read dequantized: "
+                f"remove {key}")
+    if cfg.qat:
+        add("nvfp4_merge_aware with qat: both fake-quantize the adapted weights (merge-aware NVFP4 the merged "
+            "weight with the base's scale): remove one of them")
+    conf = Path(str(cfg.base_model or "")) / "config.json"
+    if cfg.base_model and conf.is_file():
+        try:
+            qc = json.loads(conf.read_text()).get("quantization_config") or {}
+        except (OSError, ValueError):
+            return                                  # (an unreadable config.json is reported where it is read)
+        if not isinstance(qc, dict) or (qc.get("quant_method"), qc.get("quant_algo")) != ("modelopt", "NVFP4"):
+            add(f"nvfp4_merge_aware but {conf} has no ModelOpt NVFP4 quantization_config (quant_method: modelopt, "
+                f"quant_algo: NVFP4): its merged export writes that checkpoint's NVFP4 layout; remove "
+                f"nvfp4_merge_aware or use a ModelOpt NVFP4 checkpoint")
 
 
 def check_model_quantization(cfg: Any, add) -> None:

@@ -11,7 +11,8 @@ SGD_KEYS = ("momentum",)
 ADAM_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
 SECTION_KEYS = ("model", "data", "logging", "checkpoint")
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters", "lora_target_linear",
-             "lora_modules_to_save", "peft_use_rslora", "peft_use_dora", "lora_model_dir", "peft")
+             "lora_modules_to_save", "peft_use_rslora", "peft_use_dora", "lora_model_dir", "peft",
+             "nvfp4_merge_aware")
 
 
 def foreign_optimizer_keys(optimizer: str) -> tuple[str, ...]:

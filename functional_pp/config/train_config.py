@@ -250,6 +250,10 @@ class TrainConfig:
                                                   "(e.g. [lm_head, embed_tokens])")
     peft_use_rslora: bool = fld(False, "rank-stabilised LoRA: scale by alpha / sqrt(r)")
     peft_use_dora: bool = fld(False, "DoRA: a trained magnitude per output of each adapted weight (peft's use_dora)")
+    nvfp4_merge_aware: bool = fld(False, "Axolotl's merge-aware NVFP4 LoRA on a ModelOpt NVFP4 base: each adapted "
+                                         "weight trains as Q(W + s B A), the merged weight through NVFP4, gradients "
+                                         "straight through; --merge-adapter exports that NVFP4 checkpoint "
+                                         "(docs/adapters.md)")
     peft: dict | None = fld(None, "peft's own LoRA options as Axolotl passes them: loftq_config: {loftq_bits: 4 | "
                                   "8, loftq_iter: 1}: LoftQ initialisation (the base replaced by its quantized "
                                   "form, the adapters the SVD of the rest; docs/adapters.md \"LoftQ\")")
@@ -422,6 +426,7 @@ class TrainConfig:
                               target_linear=self.lora_target_linear,
                               modules_to_save=tuple(self.lora_modules_to_save or ()),
                               rslora=self.peft_use_rslora, dora=self.peft_use_dora,
+                              nvfp4_merge_aware=self.nvfp4_merge_aware,
                               unfrozen_parameters=tuple(self.unfrozen_parameters or ()))
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"adapter: {self.adapter}: {exc}") from exc

@@ -21,7 +21,11 @@ head goes through :func:`head_pair` under :func:`active` (the loss's own chunked
 weight and input each NVFP4-quantized and dequantized (:func:`fake_quant_nvfp4`: E2M1 values in
 blocks of 16 contracted features with E4M3 scales, times one fp32 scale from the whole tensor's
 largest magnitude: a max over every device's part), gradients straight through, as torchao's
-backward computes them from the dequantized operands."""
+backward computes them from the dequantized operands.
+
+:func:`snap_nvfp4` is the same round trip for LoRA's merge-aware NVFP4 (``nvfp4_merge_aware``,
+adapters/lora.py): the merged weight ``W + s A B`` snapped with the frozen base's per-tensor scale
+(:func:`nvfp4_scale_of`), one per expert for expert stacks."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +44,7 @@ from functional_pp.parallel.named import Named, make_named
 from functional_pp.quant.fp4 import NVFP4_BLOCK, nvfp4_per_tensor_scale, nvfp4_round_trip
 
 __all__ = ["QatConfig", "QatWeight", "set_enabled", "enabled", "apply", "adapt", "active", "head_pair", "fake_quant_int4_weight",
-           "fake_quant_int8_tokens", "fake_quant_nvfp4", "LINEAR_WEIGHTS", "DTYPES"]
+           "fake_quant_int8_tokens", "fake_quant_nvfp4", "snap_nvfp4", "nvfp4_scale_of", "LINEAR_WEIGHTS", "DTYPES"]
 
 #: the decoder's linear weights (the names models/quantize.py quantizes, which are nn.Linear in
 #: transformers) fake-quantized by QAT
@@ -196,6 +200,41 @@ def _fake_input(x: Named, contracted: Sequence[str], cfg: QatConfig) -> Named:
     if cfg.activation_dtype == "nvfp4":
         return back(fake_quant_nvfp4(flat, _per_tensor_scale(x)))
     return back(fake_quant_int8_tokens(flat))
+
+
+def nvfp4_scale_of(base: Named, lead: Sequence[str] = ()) -> Named:
+    """The fp32 NVFP4 per-tensor scale of the frozen ``base`` (torchao's ``per_tensor_amax_to_scale``
+    of its largest magnitude: a max over every device's part), one per index of its ``lead``
+    dimensions (a stack of experts: one per expert, as ModelOpt stores one tensor per expert);
+    outside autograd."""
+    with torch.no_grad():
+        b = make_named(base.data.detach().abs(), base.dims, base.split, base.vary, base.partial, base._sizes)
+        amax = named_max(b, [d for d in base.dims if d not in lead])
+    return amax.replace(data=nvfp4_per_tensor_scale(amax.data))
+
+
+def snap_nvfp4(w: Named, scale: Named, contracted: Sequence[str], where: str = "") -> Named:
+    """``w`` (a weight whose ``contracted`` dimensions are its input features) quantized to NVFP4 and
+    dequantized with the per-tensor ``scale`` (:func:`nvfp4_scale_of`: 0-dim, or over ``w``'s
+    leading dimensions, e.g. ``experts``): blocks of 16 input features (gathered whole), fresh
+    E4M3 block scales; the gradient straight through to ``w`` (Axolotl's ``nvfp4_merge_aware``).
+    The result has ``w``'s layout (each device cuts its part of the gathered blocks)."""
+    lead, layout = scale.dims, w.split
+    if tuple(w.dims[:len(lead)]) != tuple(lead):
+        raise ValueError(f"nvfp4_merge_aware: {where}: the per-tensor scales over {lead} must lead the weight's "
+                         f"dimensions {w.dims}")
+    w = _whole(w, contracted)
+    scale = relayout(scale, tuple(w.split[:len(lead)]), "nvfp4_merge_aware")
+    flat, back = _as_rows(w, contracted)
+    if flat.shape[1] % NVFP4_BLOCK:
+        sizes = {d: w._sizes[w.dims.index(d)] for d in contracted}
+        raise ValueError(f"nvfp4_merge_aware: {where}: {flat.shape[1]} input features ({sizes}) are not a multiple "
+                         f"of NVFP4's block of {NVFP4_BLOCK}: target only weights whose input features it divides")
+    pts = scale.data.to(torch.float32).reshape(-1, 1)
+    pts = pts.repeat_interleave(flat.shape[0] // pts.shape[0], dim=0) if lead else pts.reshape(())
+    with torch.no_grad():
+        fake = nvfp4_round_trip(flat.detach(), pts)
+    return relayout(back(_StraightThrough.apply(flat, fake)), layout, "nvfp4_merge_aware")
 
 
 class QatWeight(NamedTuple):

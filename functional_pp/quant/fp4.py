@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["E2M1", "dequantize_mxfp4", "dequantize_nvfp4", "round_to_e2m1", "nvfp4_per_tensor_scale",
-           "nvfp4_round_trip", "NVFP4_BLOCK"]
+           "nvfp4_round_trip", "quantize_nvfp4", "NVFP4_BLOCK"]
 
 #: the values of the 16 E2M1 codes (sign bit 3), as transformers' ``FP4_VALUES``
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -70,20 +70,43 @@ def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.to(torch.float32) / (_E4M3_MAX * _E2M1_MAX)
 
 
-def nvfp4_round_trip(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
-    """``x`` ([rows, K], K a multiple of 16) quantized to NVFP4 and dequantized, in ``x``'s dtype:
-    torchao 0.18's ``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=...).dequantize()``, operation for
-    operation (block scales ``amax / 6 / per_tensor_scale`` rounded to E4M3, entries times
-    ``(1 / per_tensor_scale) / scale`` rounded to E2M1, back as ``code * (per_tensor_scale * scale)``)."""
+def _nvfp4_codes(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(E2M1 values [rows, K / 16, 16] float32, block scales [rows, K / 16] float8_e4m3fn)`` of
+    ``x`` [rows, K] with ``per_tensor_scale`` (0-dim, or one per row: [rows, 1]), torchao 0.18's
+    ``nvfp4_quantize`` operation for operation."""
     rows, k = x.shape
     if k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4: the last dimension ({k}) must be a multiple of {NVFP4_BLOCK}")
+    pts = per_tensor_scale.to(torch.float32)
     data = x.float().reshape(rows, -1, NVFP4_BLOCK)
     block_scale = torch.amax(data.abs(), dim=-1) / _E2M1_MAX
     tiny = torch.finfo(torch.float8_e4m3fn).tiny
-    scale = torch.clamp(block_scale / per_tensor_scale, min=tiny, max=_E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = scale.to(torch.float32)
-    scaled = data * ((1.0 / per_tensor_scale) / scale).unsqueeze(-1)
-    codes = round_to_e2m1(torch.clamp(scaled, -_E2M1_MAX, _E2M1_MAX))
-    out = codes * (per_tensor_scale * scale).unsqueeze(-1)
-    return out.reshape(rows, k).to(x.dtype)
+    scale = torch.clamp(block_scale / pts, min=tiny, max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    scaled = data * ((1.0 / pts) / scale.to(torch.float32)).unsqueeze(-1)
+    return round_to_e2m1(torch.clamp(scaled, -_E2M1_MAX, _E2M1_MAX)), scale
+
+
+def quantize_nvfp4(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [rows, K / 2], block scales float8_e4m3fn [rows, K / 16])`` of ``x`` [rows, K]
+    in NVFP4 with the fp32 ``per_tensor_scale`` (0-dim, or [rows, 1]): ModelOpt's ``weight`` and
+    ``weight_scale`` (``weight_scale_2`` is the per-tensor scale), bit for bit torchao 0.18's
+    ``nvfp4_quantize`` (block scales ``amax / 6 / per_tensor_scale`` rounded to E4M3, fresh from
+    ``x``; entries times ``(1 / per_tensor_scale) / scale`` rounded to E2M1, the even entry in the
+    low nibble); :func:`dequantize_nvfp4` reads them back."""
+    values, scale = _nvfp4_codes(x, per_tensor_scale)
+    lut = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=x.device)
+    sign = torch.signbit(values).to(torch.uint8) << 3                    # (-0.0 too: code 8)
+    codes = torch.searchsorted(lut, values.abs().contiguous()).to(torch.uint8) | sign
+    codes = codes.reshape(x.shape)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale
+
+
+def nvfp4_round_trip(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> torch.Tensor:
+    """``x`` ([rows, K], K a multiple of 16) quantized to NVFP4 and dequantized, in ``x``'s dtype:
+    torchao 0.18's ``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=...).dequantize()``, operation for
+    operation (:func:`quantize_nvfp4`, back as ``code * (per_tensor_scale * scale)``: the values
+    :func:`dequantize_nvfp4` reads from those codes and scales). ``per_tensor_scale``: 0-dim, or
+    one per row ([rows, 1]: a stack of experts, one scale each)."""
+    values, scale = _nvfp4_codes(x, per_tensor_scale)
+    out = values * (per_tensor_scale.to(torch.float32) * scale.to(torch.float32)).unsqueeze(-1)
+    return out.reshape(x.shape).to(x.dtype)
