@@ -145,7 +145,8 @@ def _saved_per_step(cfg, mesh, rules, batch_shape) -> int:
     step = fpp.train_step(loss, optim.adamw(1e-4), mesh=mesh, rules=rules, compile="per_layer")
     with fpp.use_rules(rules):
         state = step.init(init(lambda: decls, mesh=mesh, rules=rules, seed=0))
-        data = torch.randint(0, cfg.vocab, (batch_shape[0], batch_shape[1] + 1), generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, cfg.vocab, (batch_shape[0], batch_shape[1] + 1), generator=g)
         batch = {"tokens": fpp.named(data[:, :-1], "batch seq"), "labels": fpp.named(data[:, 1:], "batch seq")}
     step(state, batch)             # (compiles)
     # weights and their gathers aside (no activation here has a weight's number of elements): the
