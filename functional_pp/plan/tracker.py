@@ -47,6 +47,7 @@ class _Alloc:
     recomputed: bool = False     # created by backward's recomputation of a checkpointed region
     widened: bool = False        # a 16-bit tensor cast up to float32 (mixed precision's wide sums)
     key: int = 0                 # its storage's key in MemoryTracker._live
+    kept_for: int | None = None  # kept by that compiled layer (not saved in eager) until its backward
     discounted: bool = False     # saved in eager, recomputed by a compiled layer (held in the compiled curve: no)
 
 
@@ -210,6 +211,7 @@ class MemoryTracker(TorchDispatchMode):
         self._held: dict = {}                # id -> _Alloc of those values (kept: ids stay unique)
         self._pending: dict = {}             # layer -> (discounted allocs, surcharge bytes) until its backward
         self._adjust = 0                     # compiled curve minus eager curve now
+        self._freed_kept: dict = {}          # layer -> bytes it keeps that eager freed
         self.run = DeviceRun(dict(baseline))
         self.allocator = CachingAllocator()
         self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
@@ -407,6 +409,9 @@ class MemoryTracker(TorchDispatchMode):
         if alloc is not None:
             if alloc.discounted:
                 alloc.discounted, self._adjust = False, self._adjust + alloc.nbytes
+            if alloc.kept_for is not None:       # eager frees what the compiled layer keeps until its backward
+                self._adjust += alloc.nbytes
+                self._freed_kept[alloc.kept_for] = self._freed_kept.get(alloc.kept_for, 0) + alloc.nbytes
             self.allocator.free(key)
             self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
@@ -427,7 +432,8 @@ class MemoryTracker(TorchDispatchMode):
             for alloc in allocs:
                 if alloc.discounted:
                     alloc.discounted, self._adjust = False, self._adjust + alloc.nbytes
-            self._adjust -= surcharge
+                alloc.kept_for = None
+            self._adjust -= surcharge + self._freed_kept.pop(self.layer, 0)
             self._compiled_peak()
 
     def _value(self, t: torch.Tensor, alloc: _Alloc | None) -> Value:
@@ -497,9 +503,13 @@ class MemoryTracker(TorchDispatchMode):
                     allocs.append(alloc)
                     self._adjust -= alloc.nbytes
                     self.run.compiled_saved_delta -= alloc.nbytes
-            else:                            # kept when compiled, not saved in eager
-                surcharge += v.nbytes
+            else:                            # kept when compiled, not saved in eager: counted once eager frees it
                 self.run.compiled_saved_delta += v.nbytes
+                if alloc is not None and self._live.get(alloc.key) is alloc:
+                    alloc.kept_for = layer
+                    allocs.append(alloc)
+                else:
+                    surcharge += v.nbytes
         self._adjust += surcharge
         was = self._pending.get(layer, ([], 0))
         self._pending[layer] = (was[0] + allocs, was[1] + surcharge)

@@ -119,7 +119,9 @@ def test_the_estimate_follows_the_compiled_layers():
     eager, compiled = run(), run(compiled=True)
     assert compiled.activation_bytes < 0.85 * eager.activation_bytes
     assert compiled.peak_bytes < eager.peak_bytes
-    assert eager.peak_bytes - compiled.peak_bytes == eager.activation_bytes - compiled.activation_bytes
+    # (what the compiled layers keep and eager still holds at the peak, the positions, counts once)
+    dropped = eager.activation_bytes - compiled.activation_bytes
+    assert dropped <= eager.peak_bytes - compiled.peak_bytes <= 1.01 * dropped
     assert compiled.comm.events == eager.comm.events and compiled.flops == eager.flops
     one, two = (r.compiled_layer_saved for r in compiled.runs)
     assert one[0] == two[0]
