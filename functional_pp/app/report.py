@@ -213,6 +213,13 @@ def as_compiled(cfg: TrainConfig):
     return logits_widened_whole() if whole_step else nullcontext()
 
 
+def compiled_layers(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` compiles each layer on its own (``compile: per_layer``): its layers save what
+    AOTAutograd's partitioner keeps (``plan.estimate(compiled=True)``; a whole-step compile traces
+    forward and backward into one graph, no partition: the dry-run counts what eager saves)."""
+    return str(cfg.compile).startswith("per_layer")
+
+
 def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     """:func:`functional_pp.plan.estimate` of one training step of ``cfg`` under ``mesh`` and
     ``rules``: the config's optimizer, precision, accumulation, remat, ``reshard_after_forward``
@@ -230,7 +237,7 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
                         precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
                         remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
                         schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
-                        pp_fsdp_gather=cfg.pp_fsdp_gather)
+                        pp_fsdp_gather=cfg.pp_fsdp_gather, compiled=compiled_layers(cfg))
 
 
 def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:

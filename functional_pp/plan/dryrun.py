@@ -231,7 +231,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
              virtual_stages: int = 1, pp_fsdp_gather: str = "step",
-             extrapolate_micro_steps: bool = True) -> LayoutEstimate:
+             extrapolate_micro_steps: bool = True, compiled: bool = False) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -261,12 +261,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
     ``extrapolate_micro_steps``: 7 or more micro-steps (``grad_accum`` without pp) are run as
     2 and 3 and extrapolated (exact: every micro-step after the first is the same); False runs
-    them all."""
+    them all.
+
+    ``compiled``: each layer compiled on its own (``torch.compile`` of the block, as torchtitan
+    and ``train_step(compile="per_layer")`` do): AOTAutograd's min-cut partitioner chooses what a
+    layer's forward saves for backward, recomputing cheap pointwise ops (norms, SiLU products,
+    rotary, casts) from what it keeps; the peak, its split and ``activation_bytes`` follow it
+    (plan/partition.py; docs/planning.md, "Compiled layers"). Same flag as ``cost(..., compiled=True)``."""
     rules.check(mesh)
     if mesh.shape.get(PP, 1) > 1:
         return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
             options=options, optimizer=optimizer, precision=precision, remat=remat, bandwidth=bandwidth,
-            rank=rank, timeline=timeline, label=label, trainable=trainable),
+            rank=rank, timeline=timeline, label=label, trainable=trainable, compiled=compiled),
             grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
     remat = options.pop("remat", remat)
@@ -282,7 +288,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
                     keep_gathered=bool(options.get("keep_gathered", False)),
                     regather_activations=bool(options.get("regather_activations", False)),
                     cp_attention=options.get("cp_attention", "ring") if mesh.shape.get("cp", 1) > 1 else None,
-                    offload_params=offload[0], activation_offloading=offload[1], label=label)
+                    offload_params=offload[0], activation_offloading=offload[1], label=label,
+                    compiled_layers=bool(compiled))
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     n_layers = len(layers_list) if isinstance(layers_list, list) else 1
     lengths, layer_w = layer_plan(layer_kinds(layers_list)) if n_layers > 2 else ((n_layers,), None)
@@ -304,7 +311,10 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
-                            repeated, device, timeline, trainable) for g, b in steps for d in variants]
+                            repeated, device, timeline, trainable, compiled,
+                            _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
+                                          device, trainable) if compiled and remat == "selective" else None)
+                for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
     uneven = {what: busiest for r in results for what, busiest in r[0].uneven.items()}
@@ -323,15 +333,17 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     weights = ext(lambda r: r[0].baseline["weights"])
     opt_state = ext(lambda r: r[0].baseline["optimizer state"])
     grads = ext(lambda r: r[2])                  # frozen parameters have none
+    split = (lambda r: r.compiled_breakdown) if compiled else (lambda r: r.peak_breakdown)
     memory = {}
-    for cat in set().union(*(r.peak_breakdown for r in runs)):
-        v = extrapolate([r.peak_breakdown.get(cat, 0) for r in runs], n_layers, micro, layer_w)
+    for cat in set().union(*(split(r) for r in runs)):
+        v = extrapolate([split(r).get(cat, 0) for r in runs], n_layers, micro, layer_w)
         if v:
             memory[cat] = int(round(v))
+    peak = (lambda r: r.compiled_peak_bytes) if compiled else (lambda r: r.peak_bytes)
     est = LayoutEstimate(
         mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
-        activation_bytes=ext(lambda r: r[0].saved_bytes),
-        peak_bytes=ext(lambda r: r[0].peak_bytes),
+        activation_bytes=ext(lambda r: r[0].saved_bytes + (r[0].compiled_saved_delta if compiled else 0)),
+        peak_bytes=ext(lambda r: peak(r[0])),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro, layer_w),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro,
         reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes),
@@ -478,8 +490,17 @@ def _boundary(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, precis
                      "layers")
 
 
+def _learn_needed(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, repeated, rank,
+                  trainable) -> dict:
+    """What backward reads of each layer's forward values (by position) when nothing is checkpointed:
+    what a compiled, selectively checkpointed layer must keep or recompute (plan/partition.py)."""
+    run = _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, False,
+                      repeated, rank, False, trainable, True)[0]
+    return run.needed_positions
+
+
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                repeated, rank, timeline, trainable=None):
+                repeated, rank, timeline, trainable=None, compiled=False, needed=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -495,7 +516,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
         with comm_report() as rep:
             held = masters + optree.tree_leaves(state["opt_state"], none_is_leaf=False)
             sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
-            tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes)
+            tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
+                                    needed=needed)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

@@ -80,9 +80,11 @@ class Reference:
                 "distributed_optimizer": self.distributed_optimizer, "fused_recompute": self.fused_recompute}
 
 
-#: why the compiled 8B rows' memory is outside 10%: the dry-run runs the eager step
-COMPILED_MEMORY = ("torch.compile's fusion frees temporaries eager keeps (torchtitan measured 5.4 and 5.0 GiB less "
-                   "than eager); the dry-run runs the eager step")
+#: why the compiled FSDP 128 row's memory is outside 10%
+COMPILED_MEMORY = ("the compiled layers' saved tensors are modelled (the partitioner drops the last matmul's result "
+                   "the selective policy keeps: 4.0 GiB of torchtitan's measured 5.4 and 5.0 GiB less than eager); "
+                   "the rest of the eager row's +9.4% remains: the stand-in policy keeps 19 GiB more than "
+                   "torchtitan's, the allocator model misses what torchtitan holds beyond it (docs/planning.md)")
 
 
 def _table(name: str, tps: float, mesh, compiled: bool, table: str, float8: bool = False,
@@ -92,8 +94,8 @@ def _table(name: str, tps: float, mesh, compiled: bool, table: str, float8: bool
                      selective_ac="op", float8=float8,
                      notes=f"FSDP, {'Float8' if float8 else 'bf16 (no Float8)'}, selective op-level AC",
                      memory_gib=memory, memory_remat="selective",
-                     memory_tolerance=(0.20 if fsdp128 else 0.12) if compiled else 0.10,
-                     memory_why=COMPILED_MEMORY if compiled else
+                     memory_tolerance=0.14 if compiled and fsdp128 else 0.10,
+                     memory_why=COMPILED_MEMORY if compiled and fsdp128 else
                      "remat='selective' keeps every matmul's result where torchtitan's op policy recomputes "
                      "every second one: the dry-run's program keeps more (docs/planning.md)")
 
@@ -361,9 +363,11 @@ def rules_for(ref: Reference) -> Rules:
 _cache: dict = {}
 
 
-def reference_estimate(ref: Reference) -> LayoutEstimate:
-    """The dry-run of ``ref``'s setup (cached: the rows share meshes)."""
-    key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages)
+def reference_estimate(ref: Reference, compiled_layers: bool = False) -> LayoutEstimate:
+    """The dry-run of ``ref``'s setup (cached: the rows share meshes); ``compiled_layers``: its
+    layers saving what a compiled layer saves (``estimate(compiled=True)``, for the memory)."""
+    key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages,
+           compiled_layers)
     if key not in _cache:
         cfg = ref.model if isinstance(ref.model, llama.Config) else CONFIGS[ref.model]()
         mesh = Mesh(**dict(ref.mesh)) if ref.mesh else Mesh()
@@ -373,16 +377,18 @@ def reference_estimate(ref: Reference) -> LayoutEstimate:
             _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
                                    rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
                                    grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
-                                   virtual_stages=ref.virtual_stages)
+                                   virtual_stages=ref.virtual_stages, compiled=compiled_layers)
     return _cache[key]
 
 
 def memory_estimate(ref: Reference) -> LayoutEstimate:
     """The dry-run whose memory stands for ``ref``'s: its own, or with ``memory_remat`` (the 8B
-    rows' selective checkpointing, which the time model costs as ``selective_ac="op"``)."""
+    rows' selective checkpointing, which the time model costs as ``selective_ac="op"``); a
+    compiled row's layers save what torch.compile's partitioner keeps (torchtitan compiles each
+    block on its own)."""
     if ref.memory_remat is None:
-        return reference_estimate(ref)
-    return reference_estimate(replace(ref, remat=ref.memory_remat, selective_ac=None))
+        return reference_estimate(ref, ref.compiled)
+    return reference_estimate(replace(ref, remat=ref.memory_remat, selective_ac=None), ref.compiled)
 
 
 def predicted_memory(ref: Reference) -> int:

@@ -341,7 +341,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            memory_limit_bytes: float | None = None, strategy=None, cost_model=cost,
            bandwidth=None, options: dict | None = None, precision: str | None = None,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
-           pp_fsdp_gather: str = "step", optimizer: Any = None) -> Ranking:
+           pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -353,7 +353,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     returns a StepTime. ``progress(i, n, layout)`` is called before each estimate. ``trainable``:
     the step's mask (:func:`estimate`'s; adapters, frozen or quantized bases), for every layout;
     ``pp_fsdp_gather``: FSDP under a pipeline gathers once per "step" or per "micro"-batch;
-    ``optimizer``: the step's (default AdamW), whose state is part of the memory."""
+    ``optimizer``: the step's (default AdamW), whose state is part of the memory; ``compiled``:
+    each layer compiled on its own (``estimate(compiled=True)``: what a compiled layer saves)."""
     cl = as_cluster(cluster) if cluster is not None else None
     limit = memory_limit_bytes if memory_limit_bytes is not None else (cl.memory_bytes if cl else None)
     space = space or Space(precision=precision or "bf16")
@@ -373,7 +374,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
             e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
                          label=c.label, schedule=c.schedule, virtual_stages=c.virtual, trainable=trainable,
-                         pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer)
+                         pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer, compiled=compiled)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
             rejected.append((name, f"{type(cause).__name__}: {cause}".splitlines()[0]))

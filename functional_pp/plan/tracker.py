@@ -14,10 +14,12 @@ import torch
 
 from functional_pp._torch import TorchDispatchMode, in_backward
 from functional_pp._torch.meta_cache import call_meta
+from functional_pp.compile.selective import SAVED_OPS
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_serial_work, on_uneven_work
 from functional_pp.core.runtime import per_thread
 from functional_pp.plan.allocator import CachingAllocator
+from functional_pp.plan.partition import Value, partition_saved, recomputable
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
               "logits grad", "forward temporaries", "gradients and backward temporaries",
@@ -44,6 +46,9 @@ class _Alloc:
     param_derived: bool
     recomputed: bool = False     # created by backward's recomputation of a checkpointed region
     widened: bool = False        # a 16-bit tensor cast up to float32 (mixed precision's wide sums)
+    key: int = 0                 # its storage's key in MemoryTracker._live
+    kept_for: int | None = None  # kept by that compiled layer (not saved in eager) until its backward
+    discounted: bool = False     # saved in eager, recomputed by a compiled layer (held in the compiled curve: no)
 
 
 @dataclass
@@ -108,6 +113,14 @@ class DeviceRun:
     serial_flops: dict = field(default_factory=dict)
     serial_traffic: dict = field(default_factory=dict)
     serial_by_layer: dict = field(default_factory=dict)       # layer -> (FLOPs, traffic) waited for
+    # with compiled layers (MemoryTracker(compiled=True); plan/partition.py): the peak when each layer's
+    # forward saves what AOTAutograd's partitioner keeps, its split, the saved bytes that changes (compiled
+    # minus eager, every micro-step), and each layer's compiled saved bytes (its inputs counted, parameters not)
+    compiled_peak_bytes: int = 0
+    compiled_breakdown: dict = field(default_factory=dict)
+    compiled_saved_delta: int = 0
+    compiled_layer_saved: dict = field(default_factory=dict)
+    needed_positions: dict = field(default_factory=dict)     # layer -> positions of the values backward read
 
     @property
     def saved_bytes(self) -> int:
@@ -183,11 +196,22 @@ class MemoryTracker(TorchDispatchMode):
     before (weights, optimizer state); ``param_storages``: storages of the parameters, whose
     casts, views and gathers are "weights in flight". ``baseline_sizes``: the bytes of each
     tensor held before the step, allocated first in the caching allocator's model (without
-    them the baseline counts as reserved exactly)."""
+    them the baseline counts as reserved exactly). ``compiled``: also follow the step as if each
+    layer were compiled (``torch.compile``, AOTAutograd's partitioner choosing what its forward
+    saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
-                 timeline: bool = True, baseline_sizes=None):
+                 timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None):
         super().__init__()
+        self.compiled = compiled
+        self._needed = needed                # selective layers: layer -> positions read in backward without
+        self._seen_sigs: dict = {}           # checkpointing (DeviceRun.needed_positions of such a run)
+        self._open: int | None = None        # the layer whose forward ops are being recorded (compiled)
+        self._values: dict = {}              # its values (plan/partition.py Value), by id of their _Alloc
+        self._held: dict = {}                # id -> _Alloc of those values (kept: ids stay unique)
+        self._pending: dict = {}             # layer -> (discounted allocs, surcharge bytes) until its backward
+        self._adjust = 0                     # compiled curve minus eager curve now
+        self._freed_kept: dict = {}          # layer -> bytes it keeps that eager freed
         self.run = DeviceRun(dict(baseline))
         self.allocator = CachingAllocator()
         self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
@@ -197,8 +221,9 @@ class MemoryTracker(TorchDispatchMode):
         self._totals = {c: 0 for c in CATEGORIES}
         self._totals.update(baseline)
         self._current = sum(baseline.values())
-        self.run.peak_bytes = self._current
+        self.run.peak_bytes = self.run.compiled_peak_bytes = self._current
         self.run.peak_breakdown = dict(self._totals)
+        self.run.compiled_breakdown = dict(self._totals)
         self._live: dict[int, _Alloc] = {}
         self._param_ids = {id(t.untyped_storage()) for t in param_tensors}
         self._weight_shapes: set = {tuple(t.shape) for t in param_tensors}
@@ -222,6 +247,7 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self.close_layer()
         _active.tracker = self._outer
         return super().__exit__(*exc)
 
@@ -242,6 +268,10 @@ class MemoryTracker(TorchDispatchMode):
     # -------------------------------------------------------------- autograd hooks
     def pack(self, t: torch.Tensor):
         alloc = self._live.get(id(t.untyped_storage()))
+        if self.compiled:
+            self._follow_compiled()
+            if self._open is not None:
+                self._value(t, alloc).needed = True
         if alloc is not None and alloc.phase == "forward" and not getattr(alloc, "_saved", False):
             alloc._saved = True
             if alloc.category == "forward temporaries":
@@ -284,6 +314,8 @@ class MemoryTracker(TorchDispatchMode):
                       if a is not None and (a.phase == "forward" or a.recomputed) and a.layer is not None]
             if layers:
                 self.layer = max(layers)
+        if self.compiled:
+            self._follow_compiled()
         out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if not self._count_flops(func, args, out):
@@ -295,6 +327,8 @@ class MemoryTracker(TorchDispatchMode):
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
         for t in _tensors(out):
             self._allocate(t, name, derived, func, inputs)
+        if self._open is not None:
+            self._record(func, inputs, in_allocs, out)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
             self.mark_logits(args[0])
             self.mark_logits(out)
@@ -332,7 +366,7 @@ class MemoryTracker(TorchDispatchMode):
             category = "update temporaries"
         widened = (func is _aten._to_copy.default and t.dtype == torch.float32 and len(inputs) == 1
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
-        alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened)
+        alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
         self._live[key] = alloc
         self.allocator.malloc(key, nbytes)
         self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
@@ -343,6 +377,7 @@ class MemoryTracker(TorchDispatchMode):
             device, host = self.split(*levers)
             was = self.run.offload_peaks.get(levers, (0, 0))
             self.run.offload_peaks[levers] = (max(was[0], device), max(was[1], host))
+        self._compiled_peak()
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
@@ -372,10 +407,120 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
         if alloc is not None:
+            if alloc.discounted:
+                alloc.discounted, self._adjust = False, self._adjust + alloc.nbytes
+            if alloc.kept_for is not None:       # eager frees what the compiled layer keeps until its backward
+                self._adjust += alloc.nbytes
+                self._freed_kept[alloc.kept_for] = self._freed_kept.get(alloc.kept_for, 0) + alloc.nbytes
             self.allocator.free(key)
             self._count_activation(alloc, -1)
             self._totals[alloc.category] -= alloc.nbytes
             self._current -= alloc.nbytes
+
+    # -------------------------------------------------------------- compiled layers
+    def _follow_compiled(self) -> None:
+        """Before an op: open or close the layer whose forward is recorded; at a layer's first
+        backward op its recomputed values are back (the compiled backward remakes them)."""
+        forward = self.phase == "forward" and not self.recomputing
+        if self._open is not None and (not forward or self.layer != self._open):
+            self.close_layer()
+        if forward and self.layer is not None and self._open is None:
+            self._open, self._values, self._held = self.layer, {}, {}
+            self._seen_sigs = {}
+        if self.phase == "backward" and self.layer in self._pending:
+            allocs, surcharge = self._pending.pop(self.layer)
+            for alloc in allocs:
+                if alloc.discounted:
+                    alloc.discounted, self._adjust = False, self._adjust + alloc.nbytes
+                alloc.kept_for = None
+            self._adjust -= surcharge + self._freed_kept.pop(self.layer, 0)
+            self._compiled_peak()
+
+    def _value(self, t: torch.Tensor, alloc: _Alloc | None) -> Value:
+        """The recorded value of ``t`` in the open layer: made there, or one of its inputs."""
+        key = id(alloc) if alloc is not None else ("outside", id(t.untyped_storage()))
+        v = self._values.get(key)
+        if v is None:
+            free = id(t.untyped_storage()) in self._param_ids or (alloc is not None and alloc.param_derived)
+            v = self._values[key] = Value(t.untyped_storage().nbytes(), primal=True, free=free,
+                                          position=self._position("input", t))
+            if alloc is not None:
+                self._held[key] = alloc
+        return v
+
+    def _position(self, op: str, t: torch.Tensor) -> tuple:
+        """A value's name in its layer, the same with and without checkpointing: its op, shape and
+        dtype and how many such values came before it (other ops in between do not shift it)."""
+        sig = (op, tuple(t.shape), t.dtype)
+        n = self._seen_sigs[sig] = self._seen_sigs.get(sig, -1) + 1
+        return (*sig, n)
+
+    def _record(self, func, inputs, in_allocs, out) -> None:
+        """One forward op of the open layer: its new outputs become values read from its inputs."""
+        fusible = recomputable(func)
+        read = []
+        for a, al in zip(inputs, in_allocs):
+            v = self._value(a, al)
+            read.append(id(al) if al is not None else ("outside", id(a.untyped_storage())))
+            if not fusible:
+                v.read_by_unfusible = True
+        in_bytes = sum(a.untyped_storage().nbytes() for a in inputs)
+        for t in _tensors(out):
+            alloc = self._live.get(id(t.untyped_storage()))
+            if alloc is None or id(alloc) in self._values:       # a view or an in-place result: the same value
+                continue
+            forced = self._needed is not None and func not in SAVED_OPS
+            self._values[id(alloc)] = Value(alloc.nbytes, fusible, tuple(read), free=alloc.param_derived,
+                                            input_bytes=in_bytes, forced=forced,
+                                            position=self._position(func.__name__, t))
+            self._held[id(alloc)] = alloc
+            for k in read:
+                self._values[k].users.append(id(alloc))
+
+    def close_layer(self) -> None:
+        """The open layer's forward is done: keep what the partitioner saves; the values eager saved
+        and it recomputes leave the compiled curve until the layer's backward begins."""
+        layer, values, held = self._open, self._values, self._held
+        self._open, self._values, self._held = None, {}, {}
+        if layer is None or not values:
+            return
+        self.run.needed_positions[layer] = {v.position for v in values.values() if v.needed}
+        saved = {k for k, v in values.items() if v.needed}      # what this (eager) run keeps
+        if self._needed is not None:         # a selective layer: backward reads what it reads without checkpointing
+            learnt = self._needed.get(layer, set())
+            for v in values.values():
+                v.needed = v.position in learnt
+        kept = partition_saved(values)
+        self.run.compiled_layer_saved[layer] = sum(values[k].nbytes for k in kept if not values[k].free)
+        allocs, surcharge = [], 0
+        for k, v in values.items():
+            if v.free or (k in saved) == (k in kept):
+                continue
+            alloc = held.get(k)
+            if k in saved:                   # saved in eager, recomputed when compiled
+                if alloc is not None and not alloc.discounted and self._live.get(alloc.key) is alloc:
+                    alloc.discounted = True
+                    allocs.append(alloc)
+                    self._adjust -= alloc.nbytes
+                    self.run.compiled_saved_delta -= alloc.nbytes
+            else:                            # kept when compiled, not saved in eager: counted once eager frees it
+                self.run.compiled_saved_delta += v.nbytes
+                if alloc is not None and self._live.get(alloc.key) is alloc:
+                    alloc.kept_for = layer
+                    allocs.append(alloc)
+                else:
+                    surcharge += v.nbytes
+        self._adjust += surcharge
+        was = self._pending.get(layer, ([], 0))
+        self._pending[layer] = (was[0] + allocs, was[1] + surcharge)
+
+    def _compiled_peak(self) -> None:
+        now = self._current + self._adjust
+        if self.compiled and now > self.run.compiled_peak_bytes:
+            self.run.compiled_peak_bytes = now
+            split = dict(self._totals)
+            split["activations"] = split.get("activations", 0) + self._adjust
+            self.run.compiled_breakdown = {c: v for c, v in split.items() if v}
 
     # -------------------------------------------------------------- flops
     def _count_flops(self, func, args, out) -> bool:

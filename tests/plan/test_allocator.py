@@ -50,15 +50,19 @@ def test_fragmentation_a_freed_block_too_small_or_in_another_segment_is_not_reus
     assert with_rest.reserved == 12 * MiB + 20 * MiB
 
 
-def test_validate_memory_and_plan_give_the_same_reserved_bytes(tmp_path, capsys):
+@pytest.mark.parametrize("compile", [False, "per_layer"])
+def test_validate_memory_and_plan_give_the_same_reserved_bytes(tmp_path, capsys, compile):
+    """(``compile: per_layer``: both estimate the compiled layers' saved tensors, plan.estimate(compiled=True).)"""
     raw = {"model": "tiny", "sequence_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "optimizer": "sgd",
-           "momentum": 0.9, "lr_scheduler": "constant", "max_grad_norm": None, "data": {"max_bytes": 100_000}}
+           "momentum": 0.9, "lr_scheduler": "constant", "max_grad_norm": None, "data": {"max_bytes": 100_000},
+           "compile": compile}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
     cfg = TrainConfig.from_yaml(str(path))
     space = plan.Space(**{**vars(config_space(cfg)), "remat": (False,), "micro_batch_sizes": (2,)})
     best = rank_layouts(cfg, 2, "h100x8", space=space).fitting()[0]
     assert best.reserved_bytes > best.peak_bytes
+    assert best.settings["compiled_layers"] == bool(compile)
     pasted = tmp_path / "pasted.yaml"
     pasted.write_text(yaml.safe_dump({**raw, **yaml.safe_load(layout_yaml(cfg, best, 2))}))
     assert cli.main(["validate", str(pasted), "--simulate", "2", "--memory"]) == 0
