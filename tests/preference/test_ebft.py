@@ -1,6 +1,9 @@
 """EBFT's strided mode (docs/preference.md "EBFT"): the hidden states of chosen layers
 (``llama.layer_states``, a recording layer wrapper) equal transformers' ``output_hidden_states``
-on a tiny Llama."""
+on a tiny Llama; the anchors, block features, whitening, rewards and advantages
+(functional_pp/preference/ebft.py) of fixed samples equal the paper's formulas re-derived here
+from transformers' hidden states (the whitening through an eigendecomposition of the samples'
+Gram matrix, the rewards and advantages sample by sample)."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
+from functional_pp.preference import ebft
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,3 +48,118 @@ def test_layer_states_equal_transformers_hidden_states(model):
         torch.testing.assert_close(g.value(), want[i], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"layers \[5\] are outside 0..4"):
         llama.layer_states(params, fpp.wrap(toks, "batch seq"), cfg, [5])
+
+
+# a document of S tokens, blocks of GEN tokens every STRIDE from CTX, N samples per block
+S, CTX, STRIDE, GEN, N = 20, 4, 4, 4, 3
+FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def test_strided_anchors():
+    assert ebft.strided_anchors(S, stride=STRIDE, context_length=CTX, generate_max_len=GEN) == [4, 8, 12, 16]
+    assert ebft.strided_anchors(S, stride=3, context_length=5, generate_max_len=4) == [5, 8, 11, 14]
+    # with a prompt: from max(prompt + min_completion_prefix, context_length)
+    assert ebft.strided_anchors(S, stride=4, context_length=4, generate_max_len=4, prompt_length=6,
+                                min_completion_prefix=2) == [8, 12, 16]
+    assert ebft.strided_anchors(S, stride=4, context_length=12, generate_max_len=4, prompt_length=2) == [12, 16]
+    assert ebft.strided_anchors(7, stride=4, context_length=4, generate_max_len=4) == []
+    with pytest.raises(ValueError, match="ebft.stride must be >= 1"):
+        ebft.strided_anchors(S, stride=0, context_length=4, generate_max_len=4)
+    assert ebft.feature_layer_indices(FRACTIONS, 4) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"ebft.feature_layers must be fractions"):
+        ebft.feature_layer_indices([0.5, 1.5], 4)
+
+
+def _hf_block_feature(m, toks, start, layers, method):
+    """The paper's feature of tokens ``start .. start + GEN - 1`` of ``toks``, from transformers."""
+    with torch.no_grad():
+        hs = m(input_ids=toks[None], output_hidden_states=True).hidden_states
+    per_token = torch.cat([torch.nn.functional.normalize(hs[i][0, start:start + GEN].double(), dim=-1)
+                           for i in layers], -1)
+    return per_token[-1] if method == "last_token" else per_token.mean(0)
+
+
+def _whitening(phi, tol=1e-5):
+    """The pseudo-inverse square root of the samples' Gram matrix ``phi^T phi`` (eigenvalues
+    ``s^2``), the directions of singular values below ``tol * max s`` dropped."""
+    lam, u = torch.linalg.eigh(phi.T @ phi)
+    s = lam.clamp(min=0).sqrt()
+    keep = s > tol * s.max()
+    return (u[:, keep] / s[keep]) @ u[:, keep].T
+
+
+def _expected(feats, refs, whitening, estimator, align=1.0, div=1.0):
+    """Rewards and advantages of one block, sample by sample."""
+    if whitening:
+        w = _whitening(feats)
+        feats, refs = feats @ w, refs @ w
+    n = len(feats)
+    r = []
+    for j in range(n):
+        cos = feats[j] @ refs / (feats[j].norm() * refs.norm())
+        others = sum(feats[j] @ feats[k] for k in range(n) if k != j) if n > 1 else torch.tensor(0.0)
+        r.append(align * 2 * cos - div * 2 * others / max(n - 1, 1))
+    r = torch.stack(r)
+    if n == 1 or estimator == "reinforce":
+        return r, r
+    if estimator == "rloo":
+        return r, torch.stack([r[j] - (r.sum() - r[j]) / (n - 1) for j in range(n)])
+    mean = r.mean()
+    std = ((r - mean) ** 2).sum().div(n - 1).sqrt()
+    return r, (r - mean) / (std + 1e-8)
+
+
+@pytest.mark.parametrize("method,whitening,estimator", [("last_token", True, "rloo"),
+                                                        ("mean_pooling", False, "group_norm"),
+                                                        ("last_token", False, "reinforce")])
+def test_rewards_and_advantages_equal_the_formulas_on_transformers_features(model, method, whitening, estimator):
+    m, cfg, params = model
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(0, 64, (S,), generator=g)
+    anchors = ebft.strided_anchors(S, stride=STRIDE, context_length=CTX, generate_max_len=GEN)
+    samples = torch.randint(0, 64, (len(anchors), N, GEN), generator=g)
+    layers = ebft.feature_layer_indices(FRACTIONS, cfg.layers)
+    # ours: every block's samples as rows doc[:a] + sample (padded), and the document itself
+    rows = torch.zeros(len(anchors) * N + 1, S, dtype=torch.long)
+    for b, a in enumerate(anchors):
+        for j in range(N):
+            rows[b * N + j, :a + GEN] = torch.cat([doc[:a], samples[b, j]])
+    rows[-1] = doc
+    with torch.no_grad():
+        states = [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+    starts = torch.tensor(anchors).repeat_interleave(N)
+    phi = ebft.row_block_features([h[:-1] for h in states], starts, GEN, method).view(len(anchors), N, -1)
+    ref = ebft.row_block_features([h[-1:].expand(len(anchors), -1, -1) for h in states], torch.tensor(anchors), GEN,
+                                  method)
+    rewards, _, _ = ebft.block_rewards(phi, ref, use_whitening=whitening)
+    advantages = ebft.block_advantages(rewards, estimator)
+    for b, a in enumerate(anchors):
+        feats = torch.stack([_hf_block_feature(m, torch.cat([doc[:a], samples[b, j]]), a, layers, method)
+                             for j in range(N)])
+        refs = _hf_block_feature(m, doc, a, layers, method)
+        torch.testing.assert_close(phi[b].double(), feats, rtol=0, atol=1e-5)
+        want_r, want_a = _expected(feats, refs, whitening, estimator)
+        torch.testing.assert_close(rewards[b].double(), want_r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(advantages[b].double(), want_a, rtol=1e-4, atol=1e-4)
+
+
+def test_one_sample_has_no_diversity_and_its_reward_is_its_advantage():
+    g = torch.Generator().manual_seed(0)
+    phi, ref = torch.randn(2, 1, 6, generator=g, dtype=torch.float64), torch.randn(2, 6, generator=g,
+                                                                                 dtype=torch.float64)
+    rewards, alignment, diversity = ebft.block_rewards(phi, ref, alignment_coef=0.5, diversity_coef=3.0)
+    assert torch.equal(diversity, torch.zeros(2, 1))
+    cos = (phi[:, 0] * ref).sum(-1) / (phi[:, 0].norm(dim=-1) * ref.norm(dim=-1))
+    torch.testing.assert_close(rewards[:, 0], 0.5 * 2 * cos)
+    for estimator in ebft.ADVANTAGE_ESTIMATORS:
+        torch.testing.assert_close(ebft.block_advantages(rewards, estimator), rewards)
+
+
+def test_bad_settings_are_refused_by_name():
+    x = torch.zeros(2, 3, 4, 8)
+    with pytest.raises(ValueError, match="ebft.embed_method 'concat' is not one of last_token, mean_pooling"):
+        ebft.block_features([x], "concat")
+    with pytest.raises(ValueError, match="ebft.advantage_estimator 'ppo' is not one of rloo"):
+        ebft.block_advantages(torch.zeros(2, 3), "ppo")
+    with pytest.raises(ValueError, match=r"reference's features \(2, 5\) do not match"):
+        ebft.block_rewards(torch.zeros(2, 3, 4), torch.zeros(2, 5))
