@@ -12,7 +12,11 @@ import torch
 import functional_pp as fpp
 from functional_pp.models import llama
 from functional_pp.parallel import sharding
+from functional_pp.core.tree import leaves_with_paths, tree_map
 from functional_pp.preference import ebft
+from functional_pp.preference.ebft_rollout import Document, ebft_batch, ebft_metrics, score_samples
+from functional_pp.preference.ebft_spec import EBFTSpec, ebft_spec
+from functional_pp.preference.weighted_logps import weighted_logps_objective
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,11 +37,11 @@ def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("ebft-llama")
     m.save_pretrained(d)
     cfg, params = hf.load_hf_llama(d)
-    return m, cfg, sharding.named_tree(params, llama.init(cfg))
+    return m, cfg, sharding.named_tree(params, llama.init(cfg)), params
 
 
 def test_layer_states_equal_transformers_hidden_states(model):
-    m, cfg, params = model
+    m, cfg, params, _ = model
     toks = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = m(input_ids=toks, output_hidden_states=True).hidden_states
@@ -113,7 +117,7 @@ def _expected(feats, refs, whitening, estimator, align=1.0, div=1.0):
                                                         ("mean_pooling", False, "group_norm"),
                                                         ("last_token", False, "reinforce")])
 def test_rewards_and_advantages_equal_the_formulas_on_transformers_features(model, method, whitening, estimator):
-    m, cfg, params = model
+    m, cfg, params, _ = model
     g = torch.Generator().manual_seed(5)
     doc = torch.randint(0, 64, (S,), generator=g)
     anchors = ebft.strided_anchors(S, stride=STRIDE, context_length=CTX, generate_max_len=GEN)
@@ -163,3 +167,144 @@ def test_bad_settings_are_refused_by_name():
         ebft.block_advantages(torch.zeros(2, 3), "ppo")
     with pytest.raises(ValueError, match=r"reference's features \(2, 5\) do not match"):
         ebft.block_rewards(torch.zeros(2, 3, 4), torch.zeros(2, 5))
+
+
+SPEC = EBFTSpec(stride=STRIDE, context_length=CTX, generate_max_len=GEN, n_samples_per_prompt=N,
+                feature_layers=FRACTIONS, use_whitening=True, rl_coef=1.5, ce_coef=0.5, min_completion_prefix=2)
+PAD = 0
+
+
+def _documents():
+    """A raw-text document (every token trained by the cross-entropy, its padding too) and a
+    prompt + completion (labels on the completion only; anchors from the prompt + 2)."""
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randint(1, 64, (S,), generator=g).tolist()
+    structured = torch.randint(1, 64, (16,), generator=g).tolist() + [PAD] * (S - 16)
+    labels = [-100] * 6 + structured[6:16] + [-100] * (S - 16)
+    return [Document(tuple(raw), tuple(raw)), Document(tuple(structured), tuple(labels), prompt_length=6)]
+
+
+def _samples(docs):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 64, (len(ebft.strided_anchors(S, stride=STRIDE, context_length=CTX, generate_max_len=GEN,
+                                                            prompt_length=d.prompt_length, min_completion_prefix=2)),
+                                   N, GEN), generator=g) for d in docs]
+
+
+def _our_batch(cfg, params, row_multiple=4):
+    docs = _documents()
+    layers = ebft.feature_layer_indices(SPEC.feature_layers, cfg.layers)
+
+    def feature_states(rows):
+        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+    r = score_samples(docs, _samples(docs), SPEC, feature_states, pad_id=PAD)
+    return r, ebft_batch(r, SPEC, PAD, row_multiple=row_multiple)
+
+
+def _hf_loss(m, docs, samples):
+    """The strided EBFT loss re-derived on transformers: per document, the mean over its sampled
+    tokens of -A log p (each token's log-probability at the position that sampled it) times
+    rl_coef, plus ce_coef times the cross-entropy of its labelled tokens; the documents' mean."""
+    layers = ebft.feature_layer_indices(FRACTIONS, KW["num_hidden_layers"])
+    total = 0
+    for doc, s in zip(docs, samples):
+        toks = torch.tensor(doc.tokens)
+        anchors = ebft.strided_anchors(S, stride=STRIDE, context_length=CTX, generate_max_len=GEN,
+                                       prompt_length=doc.prompt_length, min_completion_prefix=2)
+        rl = 0
+        for b, a in enumerate(anchors):
+            rows = torch.stack([torch.cat([toks[:a], s[b, j]]) for j in range(N)])
+            out = m(input_ids=rows, output_hidden_states=True)
+            feats = torch.cat([torch.nn.functional.normalize(out.hidden_states[i][:, a + GEN - 1].double(), dim=-1)
+                               for i in layers], -1)
+            _, adv = _expected(feats.detach(), _hf_block_feature(m, toks, a, layers, "last_token"), True, "rloo")
+            logp = torch.log_softmax(out.logits.double(), -1)
+            for j in range(N):
+                rl = rl - adv[j] * sum(logp[j, a - 1 + k, s[b, j, k]] for k in range(GEN))
+        logp = torch.log_softmax(m(input_ids=toks[None]).logits[0].double(), -1)
+        targets = [(t, lab) for t, lab in enumerate(doc.labels) if t > 0 and lab != -100]
+        ce = -sum(logp[t - 1, lab] for t, lab in targets) / len(targets)
+        total = total + SPEC.rl_coef * rl / (len(anchors) * N * GEN) + SPEC.ce_coef * ce
+    return total / len(docs)
+
+
+def test_the_loss_and_gradients_equal_the_re_derivation_on_transformers(model):
+    m, cfg, named, full = model
+    r, batch = _our_batch(cfg, named)
+    assert [len(a) for a in r.anchors] == [4, 3] and batch["tokens"].shape[0] % 4 == 0
+    decls = llama.init(cfg)
+    local = tree_map(lambda x: x.clone().requires_grad_(), full)
+    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    loss = objective(sharding.named_tree(local, decls), {k: fpp.wrap(v, "batch seq") for k, v in batch.items()})
+    loss = loss.value()
+    loss.backward()
+    m.zero_grad()
+    want = _hf_loss(m, r.documents, r.samples)
+    want.backward()
+    assert abs(float(want)) > 1e-3
+    assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(local["lm_head"].grad, m.lm_head.weight.grad.T, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(local["layers"][0]["mlp"]["down_proj"].grad,
+                               m.model.layers[0].mlp.down_proj.weight.grad.T, rtol=1e-3, atol=1e-6)
+    metrics = ebft_metrics(r)
+    assert metrics["ebft_blocks"] == 7.0
+    assert metrics["ebft_mean_reward"] == pytest.approx(float(torch.cat([x.reshape(-1) for x in r.rewards]).mean()))
+
+
+def _step(cfg, full, batch, mesh, rules, accum=1, processes=False):
+    """One SGD step (lr 1) of the EBFT objective from ``full`` on ``mesh``: the loss and the
+    gradients (the update), float64."""
+    decls = llama.init(cfg, torch.float64)
+    full = tree_map(lambda x: x.double(), full)
+    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    step = fpp.train_step(objective, fpp.optim.sgd(1.0), mesh=mesh, rules=rules, grad_accum=accum,
+                          batch_dims={k: "batch seq" for k in batch})
+
+    def run():
+        from harness import local_batch
+        with fpp.use_rules(rules):
+            state = step.init(sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls))
+            local = {k: v.data for k, v in local_batch(batch, mesh, rules).items()}
+        state, metrics = step(state, local)
+        with fpp.use_rules(rules):
+            new = fpp.gather_tree(state["params"], decls, rules)
+        return float(metrics["loss"]), tree_map(lambda x: getattr(x, "data", x).detach().clone(), new)
+    out = fpp.launch(run, mesh, processes=processes, timeout=600)
+    return [(loss, tree_map(lambda w, n: w - n, full, new)) for loss, new in out]
+
+
+def _assert_same(got, want):
+    for loss, grads in got:
+        assert loss == pytest.approx(want[0], rel=1e-10)
+        for (p, g), (_, w) in zip(leaves_with_paths(grads), leaves_with_paths(want[1])):
+            torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12, msg=lambda msg: f"{p}: {msg}")
+
+
+@pytest.fixture(scope="module")
+def one_device(model):
+    _, cfg, named, full = model
+    _, batch = _our_batch(cfg, named)
+    return cfg, full, batch, _step(cfg, full, batch, fpp.Mesh(), fpp.Rules())[0]
+
+
+def test_fsdp_x_tp_with_accumulation_equals_one_device(one_device):
+    cfg, full, batch, want = one_device
+    _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(), accum=2), want)
+
+
+@pytest.mark.multiprocess
+def test_a_step_on_two_gloo_processes_equals_one_device(one_device):
+    cfg, full, batch, want = one_device
+    _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2), llama.default_rules(), processes=True), want)
+
+
+def test_the_ebft_section_is_read_and_the_structured_mode_refused():
+    spec = ebft_spec({"mode": "strided", "stride": 4, "feature_layers": [0.5], "ce_coef": 0.03,
+                      "adaptive_max_tokens": True})
+    assert spec.stride == 4 and spec.feature_layers == (0.5,) and spec.ce_coef == 0.03
+    with pytest.raises(ValueError, match="ebft.mode 'structured' is not built: only the strided mode"):
+        ebft_spec({"stride": 4})
+    with pytest.raises(ValueError, match="ebft: unknown key.s. strid "):
+        ebft_spec({"mode": "strided", "strid": 4})
+    with pytest.raises(ValueError, match="ebft.embed_method 'concat' is not built for the strided mode"):
+        ebft_spec({"mode": "strided", "embed_method": "concat"})
