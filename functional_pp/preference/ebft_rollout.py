@@ -11,7 +11,11 @@ Each sampled token's log-probability is taken from the position that sampled it 
 its interleaved layout (another block's); the loss is each document's mean over its sampled
 tokens of ``-A log p`` times ``rl_coef`` plus ``ce_coef`` times its cross-entropy (the labelled
 tokens of the document), averaged over the step's documents (Axolotl's with one document per
-micro-batch, as its examples run)."""
+micro-batch, as its examples run).
+
+A document is any object with ``tokens`` (``sequence_len`` ids), ``labels`` (the tokens the
+cross-entropy trains, -100 elsewhere; position ``t``'s label is predicted at ``t - 1``) and
+``prompt_length`` (None: no prompt): :class:`functional_pp.data.ebft_documents.Document`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,18 +26,7 @@ import torch
 from functional_pp.preference.ebft import block_advantages, block_rewards, row_block_features, strided_anchors
 from functional_pp.preference.rollout import sample_completions
 
-__all__ = ["Document", "EBFTRollout", "ebft_rollout", "score_samples", "ebft_batch", "ebft_metrics"]
-
-
-@dataclass(frozen=True)
-class Document:
-    """One training document: ``tokens`` (``sequence_len`` ids, padded as its dataset type pads),
-    ``labels`` (the tokens the cross-entropy trains, -100 elsewhere; position ``t``'s label is
-    predicted at ``t - 1``) and ``prompt_length`` (None: no prompt)."""
-
-    tokens: tuple[int, ...]
-    labels: tuple[int, ...]
-    prompt_length: int | None = None
+__all__ = ["EBFTRollout", "ebft_rollout", "score_samples", "ebft_batch", "ebft_metrics"]
 
 
 @dataclass
@@ -42,7 +35,7 @@ class EBFTRollout:
     ``[B_d, n, generate_max_len]``, ``rewards`` / ``alignment`` / ``diversity`` / ``advantages``
     ``[B_d, n]``."""
 
-    documents: list[Document]
+    documents: list
     anchors: list[list[int]]
     samples: list[torch.Tensor]
     rewards: list[torch.Tensor]
@@ -51,13 +44,13 @@ class EBFTRollout:
     advantages: list[torch.Tensor]
 
 
-def _anchors(doc: Document, spec: Any) -> list[int]:
+def _anchors(doc: Any, spec: Any) -> list[int]:
     return strided_anchors(len(doc.tokens), stride=spec.stride, context_length=spec.context_length,
                            generate_max_len=spec.generate_max_len, prompt_length=doc.prompt_length,
                            min_completion_prefix=spec.min_completion_prefix)
 
 
-def ebft_rollout(policy: Callable, params: Any, documents: Sequence[Document], spec: Any,
+def ebft_rollout(policy: Callable, params: Any, documents: Sequence[Any], spec: Any,
                  feature_states: Callable[[torch.Tensor], list[torch.Tensor]], *, pad_id: int, key: int, step: int,
                  row_multiple: int = 1, stream: int = 0) -> EBFTRollout:
     """Sample and score one step's ``documents`` with ``spec``'s
@@ -80,7 +73,7 @@ def ebft_rollout(policy: Callable, params: Any, documents: Sequence[Document], s
     return score_samples(documents, samples, spec, feature_states, pad_id=pad_id)
 
 
-def score_samples(documents: Sequence[Document], samples: Sequence[torch.Tensor], spec: Any,
+def score_samples(documents: Sequence[Any], samples: Sequence[torch.Tensor], spec: Any,
                   feature_states: Callable[[torch.Tensor], list[torch.Tensor]], *, pad_id: int) -> EBFTRollout:
     """The rewards and advantages of given samples (``samples[d]`` ``[B_d, n, generate_max_len]``,
     at document ``d``'s anchors): the feature model runs once over every sample's row ``doc[:a] +

@@ -14,7 +14,8 @@ from functional_pp.models import llama
 from functional_pp.parallel import sharding
 from functional_pp.core.tree import leaves_with_paths, tree_map
 from functional_pp.preference import ebft
-from functional_pp.preference.ebft_rollout import Document, ebft_batch, ebft_metrics, score_samples
+from functional_pp.data.ebft_documents import Document
+from functional_pp.preference.ebft_rollout import ebft_batch, ebft_metrics, score_samples
 from functional_pp.preference.ebft_spec import EBFTSpec, ebft_spec
 from functional_pp.preference.weighted_logps import weighted_logps_objective
 
