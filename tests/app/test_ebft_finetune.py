@@ -33,12 +33,15 @@ def data(tmp_path_factory) -> Path:
 
 def config(data: Path, out: Path, file: str = "text.jsonl", kind: str = "ebft_pretrain.transform",
            **over) -> TrainConfig:
-    d = {"rl": "ebft", "ebft": {**EBFT, **over.pop("ebft", {})},
+    return TrainConfig.from_dict(_raw(data, out, file, kind, **over), name="ebft")
+
+
+def _raw(data: Path, out: Path, file: str = "text.jsonl", kind: str = "ebft_pretrain.transform", **over) -> dict:
+    return {"rl": "ebft", "ebft": {**EBFT, **over.pop("ebft", {})},
          "datasets": [{"path": str(data / file), "type": kind}],
          "model": {"preset": "tiny", "hidden": 32, "mlp": 64, "layers": 2}, "sequence_len": 16,
          "micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-2, "lr_scheduler": "constant",
          "optimizer": "adamw", "logging": {"log_every": 1, "output_dir": str(out), "plot": False}, **over}
-    return TrainConfig.from_dict(d, name="ebft")
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -68,6 +71,17 @@ def test_structured_documents_train_with_lora(data, tmp_path):
           simulate=1, stream=io.StringIO())
     m = _metrics(out)
     assert len(m) == 2 and all(x["ebft_blocks"] > 0 for x in m)
+
+
+def test_validate_reads_the_documents_and_prints_the_ebft_line(data, tmp_path, capsys):
+    import yaml
+
+    from functional_pp import cli
+    path = tmp_path / "ebft.yaml"
+    path.write_text(yaml.safe_dump(_raw(data, tmp_path / "out", "pairs.jsonl", "ebft_strided_structured.transform")))
+    assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
+    assert "ebft:       strided, 4 documents per step" in capsys.readouterr().out     # 2 x dp 2
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("over,why", [
