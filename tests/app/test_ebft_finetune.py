@@ -2,7 +2,8 @@
 config on raw-text documents (``ebft_pretrain.transform``, full fine-tuning: the frozen feature
 copy) and on prompt + completion documents (``ebft_strided_structured.transform``, LoRA: the base
 without the adapters); a FSDP x TP run equals one device step by step (the same samples, the
-same rewards and loss); the structured mode and bad settings are refused before any work."""
+same rewards and loss); a resumed run equals an uninterrupted one; ``validate`` reads the
+documents; the structured mode and bad settings are refused before any work."""
 from __future__ import annotations
 
 import io
@@ -62,6 +63,20 @@ def test_fsdp_tp_steps_equal_one_device(data, tmp_path):
         for key in ("loss", "ebft_mean_reward", "ebft_alignment", "ebft_diversity", "ebft_advantages_std"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert runs["one"][0]["ebft_blocks"] == 2 * 3                 # (16 - 4 - 4) // 4 + 1 blocks per document
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
+    """The checkpoint holds the loader's position and the generation key: the resumed steps
+    sample the same blocks (the same rewards) and their losses are bit for bit the same."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(config(data, whole, max_steps=3), simulate=1, stream=io.StringIO())
+    train(config(data, parts, max_steps=3), simulate=1, stop_after=2, stream=io.StringIO())
+    train(config(data, parts, max_steps=3), simulate=1, resume=True, stream=io.StringIO())
+    a, b = _metrics(whole), _metrics(parts)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "ebft_mean_reward", "ebft_alignment"):
+            assert x[key] == y[key], (x["step"], key)
 
 
 def test_structured_documents_train_with_lora(data, tmp_path):
