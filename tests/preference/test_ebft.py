@@ -3,7 +3,10 @@
 on a tiny Llama; the anchors, block features, whitening, rewards and advantages
 (functional_pp/preference/ebft.py) of fixed samples equal the paper's formulas re-derived here
 from transformers' hidden states (the whitening through an eigendecomposition of the samples'
-Gram matrix, the rewards and advantages sample by sample)."""
+Gram matrix, the rewards and advantages sample by sample); the rollout samples each block from the
+document before its anchor (transformers' greedy continuation at a temperature near 0); the loss
+and gradients of the batch equal their re-derivation on transformers, and FSDP x TP with
+accumulation and two gloo processes equal one device."""
 from __future__ import annotations
 
 import pytest
@@ -309,3 +312,27 @@ def test_the_ebft_section_is_read_and_the_structured_mode_refused():
         ebft_spec({"mode": "strided", "strid": 4})
     with pytest.raises(ValueError, match="ebft.embed_method 'concat' is not built for the strided mode"):
         ebft_spec({"mode": "strided", "embed_method": "concat"})
+
+
+def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(model):
+    """At a temperature near 0 every sample is transformers' greedy continuation of ``doc[:a]``."""
+    import dataclasses
+
+    from functional_pp.preference.ebft_rollout import ebft_rollout
+    m, cfg, params, _ = model
+    spec = dataclasses.replace(SPEC, temperature=1e-6, n_samples_per_prompt=2)
+    docs = _documents()
+    layers = ebft.feature_layer_indices(spec.feature_layers, cfg.layers)
+
+    def feature_states(rows):
+        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+    with torch.no_grad():
+        r = ebft_rollout(lambda p, t: llama.forward(p, t, cfg), params, docs, spec, feature_states, pad_id=PAD,
+                         key=3, step=1)
+    assert [tuple(s.shape) for s in r.samples] == [(4, 2, GEN), (3, 2, GEN)]
+    for doc, anchors, samples in zip(docs, r.anchors, r.samples):
+        for b, a in enumerate(anchors):
+            want = m.generate(torch.tensor([doc.tokens[:a]]), max_new_tokens=GEN, do_sample=False,
+                              eos_token_id=None, pad_token_id=PAD)[0, a:]
+            for j in range(2):
+                assert samples[b, j].tolist() == want.tolist(), (a, j)
