@@ -508,6 +508,10 @@ def _rows(entry: dict, n: int, rl: str | None = None) -> list[dict]:
         elif kind.startswith("chat_template") or "field_messages" in entry:
             field, msgs = _messages(i, entry)
             out.append({field: msgs})
+        elif kind == "ebft_pretrain.transform":           # Axolotl's example transform: question or text
+            out.append({"text": f"def add_{i}(x):\n    return x + {i}\n"})
+        elif kind == "ebft_strided_structured.transform":  # input (prompt), output (completion)
+            out.append({"input": f"Write a function adding {i}.", "output": f"def add_{i}(x):\n    return x + {i}\n"})
         elif kind in ("completion", "pretrain"):
             field = entry.get("field" if kind == "completion" else "text_column") or "text"
             out.append({field: f"Counting on: {i}, {i + 1}, {i + 2}, {i + 3}."})

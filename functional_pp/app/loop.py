@@ -147,7 +147,7 @@ class TrainRun:
     # ------------------------------------------------------------------ setup (host)
     def setup(self) -> None:
         """The world, mesh and rules; the model family, its parameters and the objective."""
-        from functional_pp.app import grpo_run
+        from functional_pp.app import ebft_run, grpo_run
         from functional_pp.app.diffusion_run import diffusion_objective
         from functional_pp.app.inputs import frozen_and_adapters, load_tokenizer, model_config
         from functional_pp.app.preference_run import REFERENCE, preference_objective, preference_spec
@@ -170,8 +170,9 @@ class TrainRun:
             self.lora = lora = with_head_saved(lora, base_decls)
         self.grpo = grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None    # rl: grpo | gdpo
         # rl: dpo | ipo | orpo | simpo | kto (docs/preference.md); pref is also set (to grpo's spec) for GRPO
-        self.pref = pref = grpo if grpo is not None else preference_spec(cfg)
-        self.grpo_policy = self.reward_funcs = self.precompute_reference = None
+        self.ebft = ebft = ebft_run.ebft_settings(cfg) if ebft_run.is_ebft(cfg) else None     # rl: ebft
+        self.pref = pref = grpo if grpo is not None else ebft if ebft is not None else preference_spec(cfg)
+        self.grpo_policy = self.reward_funcs = self.precompute_reference = self.ebft_features = None
         if pref is None:
             diffusion = cfg.diffusion_spec()          # (docs/finetune.md "Diffusion language models")
             loss = (functools.partial(family.loss, cfg=model_cfg) if diffusion is None else
@@ -181,6 +182,9 @@ class TrainRun:
             self.loss_fn, self.decls, self.trainable, self.grpo_policy = grpo_run.grpo_objective_of(
                 cfg, grpo, family, model_cfg, lora, base_decls)
             self.reward_funcs = grpo_run.reward_functions(cfg, grpo)        # imported before any work
+        elif ebft is not None:
+            self.loss_fn, self.decls, self.trainable, self.grpo_policy, self.ebft_features = (
+                ebft_run.ebft_objective_of(cfg, ebft, family, model_cfg, lora, base_decls))
         else:
             self.loss_fn, self.decls, self.trainable, self.precompute_reference = preference_objective(
                 cfg, pref, family, model_cfg, lora, base_decls)
@@ -225,7 +229,7 @@ class TrainRun:
     def load_data(self) -> None:
         """The corpus (text, pairs or prompts), checked against the checkpoint and the model; the
         global batch, the accumulation and the epochs."""
-        from functional_pp.app import grpo_run
+        from functional_pp.app import ebft_run, grpo_run
         from functional_pp.app.inputs import check_batches, load_data
         from functional_pp.app.preference_run import load_pairs, pair_steps
         cfg, grpo, mesh, rules = self.cfg, self.grpo, self.mesh, self.rules
@@ -234,7 +238,8 @@ class TrainRun:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.data = data = (load_data(cfg) if self.pref is None else grpo_run.load_prompts(cfg, grpo)
-                            if grpo is not None else load_pairs(cfg))
+                            if grpo is not None else ebft_run.load_documents(cfg) if self.ebft is not None
+                            else load_pairs(cfg))
         if self.precompute_reference is not None and self.latest is not None:
             from functional_pp.app.reference_logps import check_saved_reference_logps
             try:
@@ -258,6 +263,8 @@ class TrainRun:
             if data.val is not None:
                 self.eval_per_batch = grpo_run.eval_prompts_per_batch(gb, grpo, data.val)
             cfg.set_epochs(grpo_run.steps_per_epoch(corpus, self.prompts_per_step, grpo))
+        elif self.ebft is not None:            # documents per step: the global batch
+            cfg.set_epochs(ebft_run.steps_per_epoch(corpus, gb))
         else:
             cfg.set_epochs(check_batches(cfg, data, gb) if self.pref is None else pair_steps(corpus, gb, cfg))
 
@@ -324,6 +331,9 @@ class TrainRun:
         if self.grpo is not None:
             print(grpo_run.summary_line(self.grpo, self.prompts_per_step, self.data.val,
                                                           self.eval_per_batch), file=out, flush=True)
+        if self.ebft is not None:
+            from functional_pp.app import ebft_run
+            print(ebft_run.summary_line(self.ebft, self.gb, len(self.base_decls["layers"])), file=out, flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         if latest is not None:
             bad = trim_metrics(self.metrics_path, latest)
@@ -522,6 +532,11 @@ class DeviceLoop:
                                                 grpo_run.GRPOSampler.stops_of(r.data.tokenizer), cfg.seed,
                                                 cfg.max_steps, chunk_rows=cfg.micro_batch_size)
             self.shard = batch_shard(mesh, rules)
+        elif r.ebft is not None:       # every device: the step's documents, then its block of the rollout's batch
+            from functional_pp.app.ebft_run import EBFTSampler
+            self.loader = grpo_run.prompt_steps(corpus, gb, cfg.seed)
+            self.sampler = EBFTSampler(r.ebft, r.grpo_policy, r.ebft_features, corpus.pad_id, cfg.seed, r.accum)
+            self.shard = batch_shard(mesh, rules)
         else:
             self.loader = device_loader(lambda shard: kind(corpus, global_batch_size=gb, seq_len=cfg.sequence_len,
                                                            seed=cfg.seed, **shard), mesh, rules)
@@ -562,7 +577,7 @@ class DeviceLoop:
         except ValueError as exc:     # other data than the checkpoint's: resuming would mix them
             raise ConfigError(f"resuming from {load_dir}: {exc}. Restore the data, start a new run (another "
                               f"output_dir), or pass --allow-config-change to continue on these tokens") from exc
-        if r.grpo is not None:             # the checkpoint's generation key: the same samples follow
+        if self.sampler is not None:       # the checkpoint's generation key: the same samples follow
             self.sampler.key = self.loader.generation_key
         try:
             ck.set_rng_state(lead_value(lambda: ck.load_checkpoint(load_dir, step=latest, keys=["rng"]).tree["rng"]))

@@ -92,10 +92,11 @@ def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, mo
 
 
 def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, model_cfg: Any, lora: Any,
-                         base_decls: Any) -> tuple:
+                         base_decls: Any, reference_fn: Any = None) -> tuple:
     """``(policy, reference or None, declarations, trainable mask)``: ``policy(params, tokens)``
     the trained model's logits through the adapters (if any), ``reference(params, tokens)`` the
-    model the run starts from (module docstring) when ``needs_reference``."""
+    model the run starts from (module docstring) when ``needs_reference``: its logits, or
+    ``reference_fn(its params, tokens)`` where given (EBFT: its hidden states)."""
     from functional_pp import adapters
     from functional_pp.app.inputs import frozen_and_adapters
     if family.forward is None:
@@ -107,9 +108,10 @@ def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, m
                           f"lora_modules_to_save / unfrozen_parameters train base weights: remove them")
     policy, decls, trainable = frozen_and_adapters(cfg, lora, forward, base_decls)
     reference = None
+    ref_fn = forward if reference_fn is None else reference_fn
     if needs_reference and lora is not None:
         def reference(params, tokens):
-            return forward(adapters.split(params)[0], tokens)
+            return ref_fn(adapters.split(params)[0], tokens)
     elif needs_reference:
         frozen_decls = frozen_and_adapters(cfg, None, forward, base_decls)[1]
         decls = {**decls, REFERENCE: _frozen(frozen_decls, cfg)}
@@ -120,7 +122,7 @@ def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, m
             return inner({k: v for k, v in params.items() if k != REFERENCE}, tokens)
 
         def reference(params, tokens):
-            return forward(params[REFERENCE], tokens)
+            return ref_fn(params[REFERENCE], tokens)
     return policy, reference, decls, trainable
 
 

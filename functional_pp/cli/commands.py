@@ -81,15 +81,18 @@ def _validate(args: argparse.Namespace) -> int:
         cfg.validate(world.size, launcher=world.launcher)
         mesh = cfg.mesh(world.size)
         rules = cfg.build_rules(mesh)
-        from functional_pp.app import grpo_run
+        from functional_pp.app import ebft_run, grpo_run
         from functional_pp.app.reward_run import is_reward_run
         grpo = grpo_run.grpo_settings(cfg) if grpo_run.is_grpo(cfg) else None
+        ebft = ebft_run.ebft_settings(cfg) if ebft_run.is_ebft(cfg) else None
         pairs = cfg.rl is not None or is_reward_run(cfg)     # (a reward model's data: pairs or stepwise rows)
         if not pairs:
             data = load_data(cfg)
         elif grpo is not None:         # prompts and reward functions (docs/preference.md "GRPO")
             grpo_run.reward_functions(cfg, grpo)
             data = grpo_run.load_prompts(cfg, grpo)
+        elif ebft is not None:         # documents (docs/preference.md "EBFT")
+            data = ebft_run.load_documents(cfg)
         else:                          # preference pairs / KTO completions / reward-model data
             from functional_pp.app.preference_run import load_pairs, pair_steps, preference_spec
             preference_spec(cfg)
@@ -102,6 +105,8 @@ def _validate(args: argparse.Namespace) -> int:
         if grpo is not None:
             per_step = grpo_run.prompts_per_step(gb, grpo, data.train)
             cfg.set_epochs(grpo_run.steps_per_epoch(data.train, per_step, grpo))
+        elif ebft is not None:
+            cfg.set_epochs(ebft_run.steps_per_epoch(data.train, gb))
         else:
             cfg.set_epochs(check_batches(cfg, data, gb) if not pairs else pair_steps(data.train, gb, cfg))
         device = select_device(world.simulate, world.size, under_torchrun())
@@ -110,6 +115,8 @@ def _validate(args: argparse.Namespace) -> int:
                        val=data.val, verbose_data=True))
         if grpo is not None:
             print(grpo_run.summary_line(grpo, per_step))
+        if ebft is not None:
+            print(ebft_run.summary_line(ebft, gb, model_cfg.layers))
         if args.memory:
             print(planned_memory(cfg, mesh, rules, model_cfg))
     except ConfigError as exc:

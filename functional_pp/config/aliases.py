@@ -109,9 +109,6 @@ _EP = ("expert parallelism is ep_size / expert_parallel_size here (docs/experts.
        "the ep axis, tokens exchanged all-to-all")
 _RL = ("this RL option is not supported (preference training is rl: dpo | ipo | orpo | simpo with the TRL "
        "options of docs/preference.md): remove it")
-_EBFT = ("Axolotl's EBFT settings (rl: ebft, energy-based fine-tuning: rewards from how the hidden-state features "
-         "of sampled continuations match the data's own) are not built; docs/preference.md \"EBFT\" says what is "
-         "missing: remove it")
 _HUB = ("nothing is uploaded (no network): write an HF directory with `functional-pp export "
         "RUN_DIR OUT_DIR` and upload it yourself; remove it")
 
@@ -122,7 +119,6 @@ UNSUPPORTED: dict[str, str] = {
                                      "snaps the merged weight from the first step: remove it"),
     **{k: ("the GPTQ format (bits, group size, checkpoint_format) is read from base_model's config.json "
            "quantization_config: remove it") for k in ("gptq_groupsize", "gptq_model_v1")},
-    "ebft": _EBFT,
     "rpo_alpha": ("TRL 1.16's DPO has no rpo_alpha: its RPO is dpo_loss_type [sigmoid, sft] with "
                   "dpo_loss_weights [1.0, alpha] (docs/preference.md); write that instead"),
     **{k: _HUB for k in ("hub_model_id", "push_to_hub", "hub_strategy",

@@ -236,20 +236,13 @@ def check_qat(cfg: Any, add) -> None:
 
 
 #: ``rl:`` methods trained here (docs/preference.md); grpo / gdpo: the online loop
-RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
+RL_METHODS = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo", "ebft")
 #: ``rl:`` methods that sample completions from the policy (with a key / value cache) while training
-SAMPLING_RL = ("grpo", "gdpo")
+SAMPLING_RL = ("grpo", "gdpo", "ebft")
 #: ``rl:`` methods of Axolotl not built yet -> why
 RL_NOT_BUILT = {m: "it trains on completions sampled from the policy with another objective than GRPO's, "
                    "which is not built (GRPO is: rl: grpo)"
                 for m in ("online_dpo", "ppo")}
-RL_NOT_BUILT["ebft"] = (
-    "EBFT (energy-based fine-tuning) samples n_samples_per_prompt continuations of generate_max_len tokens at "
-    "anchors every stride tokens of each document, rewards each by how its hidden-state features at "
-    "feature_layers (of the frozen starting model) align with the document's own continuation, less their "
-    "similarity to each other, and trains by REINFORCE with RLOO advantages plus ce_coef x cross-entropy; the "
-    "strided rollout, the features, their whitening, these rewards and this loss are not built "
-    "(docs/preference.md \"EBFT\")")
 _RL_KEYS = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha", "kto_desirable_weight",
             "kto_undesirable_weight", "kto_loss_type")
 _OFFLINE_ONLY = ("rl_beta", "dpo_loss_type", "dpo_loss_weights", "orpo_alpha")
@@ -274,6 +267,8 @@ def check_preference(cfg: Any, add) -> None:
             f"{': it has no reference' if rl in ('orpo', 'simpo') else ''}): remove it")
     if cfg.dpo_use_weighting and str(cfg.rl).lower() not in ("dpo", "ipo"):
         add(f"dpo_use_weighting is read by rl: dpo / ipo only (this config has rl: {cfg.rl}): remove it")
+    if cfg.ebft is not None and str(cfg.rl).lower() != "ebft":
+        add(f"'ebft' is read by rl: ebft only (this config has rl: {cfg.rl}): remove it")
     if cfg.rl is None:
         given = [k for k in _RL_KEYS if getattr(cfg, k) is not None]
         if given:
@@ -288,6 +283,9 @@ def check_preference(cfg: Any, add) -> None:
         return
     if rl in ("grpo", "gdpo"):
         _check_grpo(cfg, add)
+        return
+    if rl == "ebft":
+        _check_ebft(cfg, add)
         return
     if cfg.rl_beta is not None and not cfg.rl_beta > 0:
         add(f"rl_beta must be > 0, got {cfg.rl_beta}")
@@ -411,6 +409,33 @@ def _check_grpo(cfg: Any, add) -> None:
     if not cfg.datasets:
         add(f"rl: {cfg.rl} samples completions of prompts: give datasets: [{{path: prompts.jsonl}}] "
             f"(docs/preference.md)")
+
+
+def _check_ebft(cfg: Any, add) -> None:
+    """``rl: ebft``: the ``ebft:`` section's strided mode (preference/ebft_spec.py), documents of
+    its two dataset types, no offline preference keys, no held-out set, no pipeline."""
+    from functional_pp.data.ebft_documents import EBFT_TYPES
+    from functional_pp.preference.ebft_spec import ebft_spec
+    try:
+        ebft_spec(cfg.ebft)
+    except ValueError as exc:
+        add(f"rl: ebft: {exc}")
+    for key in _OFFLINE_ONLY + _KTO_ONLY:
+        if getattr(cfg, key) is not None:
+            add(f"{key} is not read by rl: ebft (its settings are the ebft: section): remove it")
+    if not cfg.datasets:
+        add("rl: ebft trains on documents: give datasets: [{path: docs.jsonl, type: ebft_pretrain.transform}] "
+            "(docs/preference.md \"EBFT\")")
+    for i, entry in enumerate(cfg.datasets or []):
+        if entry.type not in EBFT_TYPES:
+            add(f"rl: ebft: datasets[{i}].type {entry.type!r} is not an EBFT dataset type built here; choose one of "
+                f"{', '.join(EBFT_TYPES)}")
+    if cfg.val_set_size:
+        add(f"rl: ebft with val_set_size {cfg.val_set_size}: held-out EBFT evaluation is not built; remove "
+            f"val_set_size")
+    if (cfg.pp_size or 1) > 1:
+        add(f"rl: ebft with pp_size {cfg.pp_size}: the feature model's hidden states under a pipeline are not "
+            f"built; use dp / fsdp / tp (pp_size 1)")
 
 
 def check_adapter(cfg: Any, add) -> None:

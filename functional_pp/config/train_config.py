@@ -204,6 +204,10 @@ class TrainConfig:
                                  "top_k, beta, epsilon, loss_type, scale_rewards, ...; docs/preference.md)")
     vllm: dict | None = fld(None, "rl: grpo / gdpo: Axolotl's vLLM server settings, accepted and unused "
                                   "(generation runs in-process here)")
+    ebft: dict | None = fld(None, "rl: ebft: Axolotl's EBFT settings, the strided mode (mode: strided, stride, "
+                                  "context_length, generate_max_len, n_samples_per_prompt, feature_layers, "
+                                  "embed_method, use_whitening, alignment_coef, diversity_coef, rl_coef, ce_coef, "
+                                  "advantage_estimator, ...; docs/preference.md \"EBFT\")")
     # adapters and frozen parameters (Axolotl / peft names; docs/adapters.md)
     adapter: Literal["lora", "qlora"] | None = fld(None, "lora: train LoRA adapters of the targeted "
                                                          "weights, the rest frozen; qlora: lora on an NF4 "

@@ -40,7 +40,9 @@ class ModelFamily:
     (plan/timing.py) and the batched simulator (every device at once) cannot run them; ``uncached_layers(cfg)`` (or None)
     why the model cannot sample with a key / value cache (layers whose state it does not hold),
     None where it can (checked before any work against every config and command that samples:
-    ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`)."""
+    ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`); ``layer_states(params,
+    tokens, cfg, layers)`` (or None) the hidden states after the given numbers of layers (transformers'
+    ``hidden_states[i]``), which ``rl: ebft``'s features need."""
 
     name: str
     config_class: type
@@ -57,6 +59,7 @@ class ModelFamily:
     forward: Callable[..., Any] | None = None
     serial_under_cp: Callable[[Any], str | None] | None = None
     uncached_layers: Callable[[Any], str | None] | None = None
+    layer_states: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

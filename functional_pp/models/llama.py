@@ -30,7 +30,7 @@ from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_vision, internvl, kimi_delta, kv_cache, lfm2_vl,
                                    llama4_vision, mamba1, mamba2, mla, moe, per_layer_inputs, pixtral, qwen_vision,
-                                   short_conv, temperature)
+                                   recording, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -1315,6 +1315,22 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
     if cache is not None:
         cache.finish()
     return ops.rename(x, res_seq="seq")
+
+
+def layer_states(params: dict, tokens: Named, cfg: Config, layers: list[int] | tuple[int, ...],
+                 layer_fn=None, segments: Named | None = None) -> list[Named]:
+    """The hidden states after each of ``layers`` layers (batch seq hidden), as transformers'
+    ``output_hidden_states=True`` gives ``hidden_states[i]``: 0 the embeddings, ``i`` the residual
+    stream after layer ``i``, ``n_layers`` the final normed states. Recorded by wrapping the
+    layer function (:class:`~functional_pp.models.recording.LayerRecorder`), in one forward."""
+    n = len(params["layers"])
+    bad = [i for i in layers if not 0 <= i <= n]
+    if bad:
+        raise ValueError(f"layer_states: layers {bad} are outside 0..{n} (0: the embeddings, {n}: the last "
+                         f"layer's normed output); this model has {n} layers")
+    rec = recording.LayerRecorder(layer if layer_fn is None else layer_fn)
+    last = hidden_states(params, tokens, cfg, rec, segments)
+    return [last if i == n else ops.rename(rec.states[i], res_seq="seq") for i in layers]
 
 
 def _refuse_unshared(cfg: Config, cache) -> None:

@@ -1,0 +1,112 @@
+"""``rl: ebft`` end to end (docs/preference.md "EBFT"): Axolotl's strided mode trains from a
+config on raw-text documents (``ebft_pretrain.transform``, full fine-tuning: the frozen feature
+copy) and on prompt + completion documents (``ebft_strided_structured.transform``, LoRA: the base
+without the adapters); a FSDP x TP run equals one device step by step (the same samples, the
+same rewards and loss); a resumed run equals an uninterrupted one; ``validate`` reads the
+documents; the structured mode and bad settings are refused before any work."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from functional_pp.app.loop import train
+from functional_pp.app.metrics import read_metrics
+from functional_pp.config import ConfigError, TrainConfig
+
+EBFT = {"mode": "strided", "stride": 4, "context_length": 4, "generate_max_len": 4, "n_samples_per_prompt": 2,
+        "temperature": 0.9, "feature_layers": [0.5, 1.0], "use_whitening": True, "ce_coef": 0.1}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ebft-data")
+    with open(d / "text.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * 3}\n"}) + "\n")
+    with open(d / "pairs.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"input": f"add {i}", "output": f"{i} + {i} = {2 * i}, twice {i}"}) + "\n")
+    return d
+
+
+def config(data: Path, out: Path, file: str = "text.jsonl", kind: str = "ebft_pretrain.transform",
+           **over) -> TrainConfig:
+    return TrainConfig.from_dict(_raw(data, out, file, kind, **over), name="ebft")
+
+
+def _raw(data: Path, out: Path, file: str = "text.jsonl", kind: str = "ebft_pretrain.transform", **over) -> dict:
+    return {"rl": "ebft", "ebft": {**EBFT, **over.pop("ebft", {})},
+         "datasets": [{"path": str(data / file), "type": kind}],
+         "model": {"preset": "tiny", "hidden": 32, "mlp": 64, "layers": 2}, "sequence_len": 16,
+         "micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-2, "lr_scheduler": "constant",
+         "optimizer": "adamw", "logging": {"log_every": 1, "output_dir": str(out), "plot": False}, **over}
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+
+
+def test_fsdp_tp_steps_equal_one_device(data, tmp_path):
+    runs = {}
+    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
+        out = tmp_path / name
+        text = io.StringIO()
+        train(config(data, out, micro_batch_size=2 // mesh.get("dp_shard_size", 1), **mesh), simulate=sim,
+              stream=text)
+        runs[name] = _metrics(out)
+        assert "ebft:       strided, 2 documents per step" in text.getvalue()
+    assert len(runs["one"]) == 2
+    for a, b in zip(runs["one"], runs["fsdp_tp"]):
+        for key in ("loss", "ebft_mean_reward", "ebft_alignment", "ebft_diversity", "ebft_advantages_std"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert runs["one"][0]["ebft_blocks"] == 2 * 3                 # (16 - 4 - 4) // 4 + 1 blocks per document
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
+    """The checkpoint holds the loader's position and the generation key: the resumed steps
+    sample the same blocks (the same rewards) and their losses are bit for bit the same."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(config(data, whole, max_steps=3), simulate=1, stream=io.StringIO())
+    train(config(data, parts, max_steps=3), simulate=1, stop_after=2, stream=io.StringIO())
+    train(config(data, parts, max_steps=3), simulate=1, resume=True, stream=io.StringIO())
+    a, b = _metrics(whole), _metrics(parts)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "ebft_mean_reward", "ebft_alignment"):
+            assert x[key] == y[key], (x["step"], key)
+
+
+def test_structured_documents_train_with_lora(data, tmp_path):
+    out = tmp_path / "lora"
+    train(config(data, out, "pairs.jsonl", "ebft_strided_structured.transform", adapter="lora", lora_r=4,
+                 lora_alpha=8, lora_target_linear=True, ebft={"min_completion_prefix": 1}, max_steps=2),
+          simulate=1, stream=io.StringIO())
+    m = _metrics(out)
+    assert len(m) == 2 and all(x["ebft_blocks"] > 0 for x in m)
+
+
+def test_validate_reads_the_documents_and_prints_the_ebft_line(data, tmp_path, capsys):
+    import yaml
+
+    from functional_pp import cli
+    path = tmp_path / "ebft.yaml"
+    path.write_text(yaml.safe_dump(_raw(data, tmp_path / "out", "pairs.jsonl", "ebft_strided_structured.transform")))
+    assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
+    assert "ebft:       strided, 4 documents per step" in capsys.readouterr().out     # 2 x dp 2
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"ebft": {"mode": "structured"}}, "ebft.mode 'structured' is not built: only the strided mode"),
+    ({"ebft": {"embed_method": "concat"}}, "ebft.embed_method 'concat' is not built for the strided mode"),
+    ({"datasets_type": "alpaca"}, "datasets\\[0\\].type 'alpaca' is not an EBFT dataset type"),
+    ({"val_set_size": 0.25}, "held-out EBFT evaluation is not built")])
+def test_bad_settings_are_refused_before_any_work(data, tmp_path, over, why):
+    out = tmp_path / "bad"
+    kind = over.pop("datasets_type", "ebft_pretrain.transform")
+    with pytest.raises(ConfigError, match=why):
+        train(config(data, out, kind=kind, **over), simulate=1, stream=io.StringIO())
+    assert not out.exists()
