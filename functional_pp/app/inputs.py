@@ -150,8 +150,9 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import gemma4_vision, qwen_vision
-    v = model_config(cfg).vision
+    from functional_pp.models import gemma4_unified, gemma4_vision, qwen_vision
+    mc = model_config(cfg)
+    v = mc.vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
     if name == "jinja" or (name and name in template_names()):    # (Axolotl: the named template renders the rows)
@@ -164,7 +165,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     token = proc.media_ids()[0]
     qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
     # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
-    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4")}
+    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"),
+           **dict.fromkeys(gemma4_vision.TOWERS + gemma4_unified.TOWERS, "gemma4")}
     if own.get(v.tower, proc.layout) != proc.layout or (v.tower not in own and proc.layout in own.values()):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
@@ -189,7 +191,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                          f"{v.select_strategy!r}): the files disagree")
     return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
             "class_token": ("kept" if v.select_strategy == "full" else "dropped") if clip else None,
-            "image_size": v.image_size if clip else None}
+            "image_size": v.image_size if clip else None, "groups": mc.image_groups_attend}
 
 
 def check_batches(cfg: TrainConfig, data: RunData, global_batch: int) -> int:

@@ -644,7 +644,8 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
             if stream is not None:
                 stream.images = RowImages(writer.row_images, vision["patch"], vision["merge"],
                                           vision["image_token_id"], vision.get("qwen"),
-                                          class_token=vision.get("class_token"), image_size=vision.get("image_size"))
+                                          class_token=vision.get("class_token"), image_size=vision.get("image_size"),
+                                          groups=bool(vision.get("groups")))
     return out, held
 
 

@@ -19,7 +19,12 @@ gives the patches' rows (data/qwen_images.py); the labels mask the padding and `
 one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kernel_size``² block of
 patches each) and its end token; its image processor (``Gemma4ImageProcessor``, resizing within
 ``max_soft_tokens``) gives the patches as rows of pixels, put back into each image's pixels here
-for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens."""
+for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens.
+Gemma 4 unified's (``Gemma4UnifiedProcessor``: Gemma 4 12B) lays the text out alike; its image processor
+(``Gemma4UnifiedImageProcessor``, torchvision only) gives each soft token's pooled block as one row
+of pixels: where torchvision is missing Gemma 4's PIL image processor is read from the same
+``preprocessor_config.json`` (the same resize and rescale; the model merges the patches itself).
+Audio in a record (an ``audio`` column or content entry) is refused by name."""
 from __future__ import annotations
 
 import copy
@@ -34,7 +39,9 @@ from functional_pp.data.qwen_images import qwen_image_batch
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor")
+GEMMA4_PROCESSORS = ("Gemma4Processor", "Gemma4UnifiedProcessor")
+"""The processor classes of Gemma 4's layout (begin token, a token per soft token, end token)."""
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, *GEMMA4_PROCESSORS)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
 
@@ -70,7 +77,8 @@ class ImageChatProcessor:
         """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
         if self.layout == "gemma4":
             out = self.image_processor(pictures, return_tensors="pt")
-            px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], self.patch // self.merge)
+            side = self.patch if _merges(self.image_processor) else self.patch // self.merge   # (the rows' patch side)
+            px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], side)
             return px, sizes, [self.image_begin_token + self.image_token * int(n) + self.image_end_token
                                for n in out["num_soft_tokens_per_image"]]
         if self.layout == "qwen":
@@ -100,6 +108,21 @@ class ImageChatProcessor:
         return [self.tokenizer.convert_tokens_to_ids(t) for t in (self.image_token, self.image_break_token,
                                                                   self.image_end_token, self.image_begin_token)
                 if t is not None]
+
+
+def _merges(image_processor) -> bool:
+    """Whether the image processor gives each soft token's pooled block as one row (Gemma 4 unified's)."""
+    return type(image_processor).__name__ == "Gemma4UnifiedImageProcessor"
+
+
+def _gemma4_unified_images(root: Path, transformers):
+    """Gemma 4 unified's image processor, or where torchvision is missing (its only backend) Gemma 4's
+    PIL one read from the same ``preprocessor_config.json`` (the same resize and rescale, unmerged rows)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return transformers.Gemma4ImageProcessorPil.from_pretrained(str(root))
+    return transformers.AutoImageProcessor.from_pretrained(str(root))
 
 
 def _gemma4_pixels(rows: torch.Tensor, positions: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +162,11 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Gemma 4 unified) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
-        images = transformers.AutoImageProcessor.from_pretrained(str(root))
+        images = (_gemma4_unified_images(root, transformers) if kind == "Gemma4UnifiedProcessor" else
+                  transformers.AutoImageProcessor.from_pretrained(str(root)))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: base_model {path}: cannot load its tokenizer / image processor: {exc}") from exc
     template = conf.get("chat_template") or getattr(tok, "chat_template", None)
@@ -153,7 +177,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if not template:
         raise ValueError(f"{where}: base_model {path} has no chat template (processor_config.json, "
                          f"chat_template.jinja or the tokenizer's)")
-    if kind == "Gemma4Processor":              # (a token per pooling_kernel_size² patches, between begin and end)
+    if kind in GEMMA4_PROCESSORS:              # (a token per pooling_kernel_size² patches, between begin and end)
         pool = int(getattr(images, "pooling_kernel_size", 3))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)) * pool,
                                   image_token=conf.get("image_token", "<|image|>"), image_break_token=None,
@@ -225,6 +249,11 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
     """``(ids, trained flags, (pixel_values, image_sizes or image_grid_thw) or None)`` of one chat record
     with images."""
     turns = _messages(rec, where)
+    audio = [k for k in ("audio", "audios") if rec.get(k)] + sorted(
+        {c["type"] for t in turns for c in t["content"] if c.get("type") in ("audio", "input_audio")})
+    if audio:
+        raise ValueError(f"{where}: audio inputs ({', '.join(audio)}) are not supported (images only): drop the "
+                         f"audio from the records")
     key = next((k for k in ("images", "image") if rec.get(k) is not None), None)
     if key is not None:
         images = rec[key] if isinstance(rec[key], list) else [rec[key]]
@@ -288,6 +317,7 @@ class RowImages:
     qwen: dict | None = None
     class_token: str | None = None           # (a CLIP tower: data/images.py's image_batch)
     image_size: int | None = None
+    groups: bool = False                     # (image_groups: Gemma 4 unified's bidirectional image tokens)
 
     def __post_init__(self) -> None:
         k = self.merge ** 2
@@ -306,4 +336,5 @@ class RowImages:
                                     patches=self.patches, **self.qwen)
         return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                            patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
-                           patches=self.patches, class_token=self.class_token, image_size=self.image_size)
+                           patches=self.patches, class_token=self.class_token, image_size=self.image_size,
+                           groups=self.groups)
