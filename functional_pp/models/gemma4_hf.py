@@ -119,8 +119,8 @@ def config_from_hf(hf: dict, mt: str) -> Config:
     # (Gemma4UnifiedTextConfig's default is "vision": an image's tokens attend to each other, in every layer)
     bidirectional = hf.get("use_bidirectional_attention", "vision" if mt == "gemma4_unified" else None)
     if bidirectional and (bidirectional != "vision" or mt != "gemma4_unified"):
-        _refuse(where, f"use_bidirectional_attention={bidirectional!r} is not supported (only 'vision' of "
-                       f"gemma4_unified: an image's tokens attending to each other)")
+        _refuse(where, f"use_bidirectional_attention={bidirectional!r} is not supported (causal attention only, "
+                       f"but for gemma4_unified's 'vision': an image's tokens attending to each other)")
     if mt == "gemma4_unified" and (ple or get("enable_moe_block") or shared):
         _refuse(where, "hidden_size_per_layer_input, enable_moe_block and num_kv_shared_layers are not "
                        "Gemma4UnifiedTextConfig keys: give 0 / false")

@@ -34,11 +34,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4_unified_chat")
     d = root / "model"
     tok = make_tokenizer(d, "<bos>", "<turn|>", extra=GEMMA4_IMAGE_TOKENS)
-    write_gemma4_processor_files(d, patch=P, pool=K, max_soft_tokens=70)
-    for name, key, value in (("processor_config.json", "processor_class", "Gemma4UnifiedProcessor"),
-                             ("preprocessor_config.json", "image_processor_type", "Gemma4UnifiedImageProcessor")):
-        conf = json.loads((d / name).read_text())      # (as Gemma4UnifiedProcessor.save_pretrained names them)
-        (d / name).write_text(json.dumps({**conf, key: value}))
+    write_gemma4_processor_files(d, patch=P, pool=K, max_soft_tokens=70, unified=True)
     ids = [tok.tok.token_to_id(t) for t in GEMMA4_IMAGE_TOKENS]
     text = dict(vocab_size=tok.tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=8,
