@@ -1080,6 +1080,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
         raise ValueError("sampling with a static key / value cache (generate(compile=...)) does not support ALiBi "
                          "(MPT's alibi_bias_max) yet: its keys are not the last positions; sample without compile")
+    if groups is not None and cache is not None:
+        raise ValueError("sampling with a key / value cache does not support image_groups_attend (an image's tokens "
+                         "attending to each other, Gemma 4 unified) yet: give text prompts")
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")

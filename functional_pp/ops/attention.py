@@ -401,6 +401,9 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
     if causal or limits != (None, None):
         mask = _visible(qpos, kpos, causal, *limits)[None, None]                # 1 1 q k
     if groups is not None:            # (transformers: OR-ed after the causal / sliding mask, before the documents)
+        if kgroups.shape[-1] != k.shape[2]:
+            raise ValueError(f"attention: groups cover {kgroups.shape[-1]} keys, the keys are {k.shape[2]} (groups "
+                             f"are the queries' and the keys' own ids: the same sequence)")
         own = (groups[:, None, :, None] == kgroups[:, None, None, :]) & (groups >= 0)[:, None, :, None]
         mask = own if mask is None else mask | own
     if seg is not None:
