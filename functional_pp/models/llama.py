@@ -1063,6 +1063,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         if seed is not None and cfg.attention_dropout:
             raise ValueError(f"attention_dropout={cfg.attention_dropout} with latent attention (kv_lora_rank) is "
                              f"not supported; set it to 0.0")
+        if groups is not None:
+            raise ValueError("bidirectional image groups (image_groups_attend) with latent attention (kv_lora_rank) "
+                             "is not supported")
         return mla.attention(a, h, pos, cfg, segments, window)
     if cfg.q_gate:                                        # (Qwen3.5: each head's query, then its gate)
         qg = ops.einsum("batch seq hidden, hidden heads q_gate -> batch seq heads q_gate", h, a["q_proj"])
@@ -1235,8 +1238,9 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
     """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention,
     Mamba2, or both in parallel from one norm, each times its multipliers) and / or its MLP, each
     after its norm (the first block's ``input_layernorm``), added to the residual stream."""
-    if groups is not None and not ("self_attn" in p and "mamba" not in p and "mamba1" not in p):
-        raise ValueError("bidirectional image groups (image_groups_attend) are supported in attention layers only")
+    if groups is not None and ("mamba" in p or "mamba1" in p):
+        raise ValueError("bidirectional image groups (image_groups_attend) with Mamba layers is not supported (their "
+                         "state runs forward only)")
     if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
         h = attention_input(p, x, cfg)
         a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
