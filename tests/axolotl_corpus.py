@@ -52,7 +52,7 @@ MODEL_TYPES = {
     "tiiuae/Falcon-H1-0.5B-Instruct": "falcon_h1", "mhenrichsen/gemma-7b": "gemma",
     "google/gemma-2-9b": "gemma2", "google/gemma-3-270m-it": "gemma3_text",
     "google/gemma-3-12b-it": "gemma3", "google/gemma-3-27b-it": "gemma3",
-    "google/gemma-3n-E2B-it": "gemma3n", "google/gemma-4-12B-it": "gemma4",
+    "google/gemma-3n-E2B-it": "gemma3n", "google/gemma-4-12B-it": "gemma4_unified",
     "google/gemma-4-26B-A4B": "gemma4_moe", "google/gemma-4-31B": "gemma4",
     "EleutherAI/pythia-12b-deduped": "gpt_neox", "EleutherAI/pythia-1.4b-deduped": "gpt_neox",
     "replit/replit-code-v1-3b": "replit_mpt", "stabilityai/stablelm-2-1_6b": "stablelm",
@@ -190,6 +190,10 @@ _GEMMA4_TEXT = dict(_TINY, head_dim=64, global_head_dim=128, num_global_key_valu
                     bos_token_id=None, eos_token_id=None)
 _GEMMA4_SPECIAL = dict(video_token_id=403, boa_token_id=None, eoa_token_index=None,
                        audio_token_id=None)         # (past the tiny vocabulary; the image's: the tokenizer's)
+#: Gemma 4 unified (12B, Gemma4UnifiedForConditionalGeneration): Gemma 4's text decoder, no vision encoder
+_UNIFIED_VISION = dict(patch_size=16, pooling_kernel_size=3, mm_embed_dim=32, mm_posemb_size=64, output_proj_dims=32)
+#: the Gemma 4 stand-ins (their tokenizers hold Gemma 4's image tokens)
+_GEMMA4 = ("gemma4", "gemma4_moe", "gemma4_unified")
 _GEMMA4_MOE_TEXT = dict(_GEMMA4_TEXT, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 #: multimodal wrappers built as such (a one-layer vision tower beside the text decoder): Gemma 3
 #: (12B / 27B: text gemma3_text), Magistral Small 2509 (Mistral Small 3.2's layout: text mistral), Ministral 3
@@ -276,6 +280,7 @@ _INTERNVL = ("internvl",)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
 _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>",
         "phi3": "<|end|>", "mistral": "</s>", "falcon": "<|endoftext|>", "gemma4": "<turn|>", "gemma4_moe": "<turn|>",
+        "gemma4_unified": "<turn|>",
         "gemma3": "<end_of_turn>", "llava_pixtral": "</s>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
@@ -308,7 +313,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
                          extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
                                 ("<image>",) if model_type in _LLAVA else
-                                GEMMA4_IMAGE_TOKENS if model_type in ("gemma4", "gemma4_moe") else
+                                GEMMA4_IMAGE_TOKENS if model_type in _GEMMA4 else
                                 _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else
                                 tuple(LFM2_VL_SPECIALS) if model_type in _LFM2_VL else
                                 tuple(INTERNVL_SPECIALS) if model_type in _INTERNVL else ()))
@@ -320,7 +325,7 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type == "qwen3_next_nvfp4":
         _modelopt_nvfp4(tiny_model("qwen3_next", root), d)
         return d
-    if model_type not in _HF and model_type not in ("gemma4", "gemma4_moe", "llama4", "llama_gptq", *_WRAPPED):
+    if model_type not in _HF and model_type not in (*_GEMMA4, "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))
         return d
     import torch
@@ -363,6 +368,15 @@ def tiny_model(model_type: str, root: Path) -> Path:
                                          **{**_GEMMA4_SPECIAL, **ids})
         write_gemma4_processor_files(d)
         transformers.Gemma4ForConditionalGeneration(conf).save_pretrained(d)
+        return d
+    if model_type == "gemma4_unified":       # (Gemma 4 12B: no vision encoder, the unified embedder)
+        torch.manual_seed(0)
+        text = {k: v for k, v in _GEMMA4_TEXT.items() if k != "hidden_size_per_layer_input"}
+        ids = dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"), map(tok.tok.token_to_id, GEMMA4_IMAGE_TOKENS)))
+        conf = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=_UNIFIED_VISION, audio_config=None,
+                                                **{**_GEMMA4_SPECIAL, **ids})
+        write_gemma4_processor_files(d, unified=True)
+        transformers.Gemma4UnifiedForConditionalGeneration(conf).save_pretrained(d)
         return d
     conf, cls, extra = _HF[model_type]
     torch.manual_seed(0)

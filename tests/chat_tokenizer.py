@@ -115,18 +115,25 @@ GEMMA4_IMAGE_TOKENS = ("<|image|>", "<|image>", "<image|>")
 """Gemma 4's image token, begin-of-image and end-of-image tokens."""
 
 
-def write_gemma4_processor_files(d, patch=16, pool=3, max_soft_tokens=70):
+def write_gemma4_processor_files(d, patch=16, pool=3, max_soft_tokens=70, unified=False):
     """``processor_config.json`` and ``preprocessor_config.json`` (the real ``Gemma4ImageProcessor``,
     PIL backend: resizes within ``max_soft_tokens`` soft tokens of ``pool``² patches) of a Gemma 4
-    processor in ``d``, beside its tokenizer, and its ``chat_template.jinja`` (Axolotl's ``gemma4_unified``)."""
+    processor in ``d``, beside its tokenizer, and its ``chat_template.jinja`` (Axolotl's ``gemma4_unified``);
+    ``unified``: named as Gemma 4 unified's (``Gemma4UnifiedProcessor``, ``Gemma4UnifiedImageProcessor``:
+    the same keys)."""
     import transformers
 
     from functional_pp.data.chat import template_text
     transformers.Gemma4ImageProcessorPil(patch_size=patch, pooling_kernel_size=pool,
                                         max_soft_tokens=max_soft_tokens).save_pretrained(str(d))
     image, boi, eoi = GEMMA4_IMAGE_TOKENS
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor", "image_token": image,
-                                                          "boi_token": boi, "eoi_token": eoi}))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4UnifiedProcessor" if unified else "Gemma4Processor", "image_token": image,
+        "boi_token": boi, "eoi_token": eoi}))
+    if unified:
+        conf = json.loads((d / "preprocessor_config.json").read_text())
+        (d / "preprocessor_config.json").write_text(json.dumps({**conf,
+                                                                "image_processor_type": "Gemma4UnifiedImageProcessor"}))
     (d / "chat_template.jinja").write_text(template_text("gemma4_unified"))
 
 

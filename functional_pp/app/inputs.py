@@ -150,8 +150,9 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import gemma4_vision, internvl, lfm2_vl, llama4_vision, qwen_vision
-    v = model_config(cfg).vision
+    from functional_pp.models import gemma4_unified, gemma4_vision, internvl, lfm2_vl, llama4_vision, qwen_vision
+    mc = model_config(cfg)
+    v = mc.vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
     if name == "jinja" or (name and name in template_names()):    # (Axolotl: the named template renders the rows)
@@ -162,7 +163,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
-    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"), **dict.fromkeys(gemma4_vision.TOWERS, "gemma4"),
+    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"),
+           **dict.fromkeys(gemma4_vision.TOWERS + gemma4_unified.TOWERS, "gemma4"),
            **dict.fromkeys(llama4_vision.TOWERS, "llama4"), **dict.fromkeys(lfm2_vl.TOWERS, "lfm2_vl"),
            **dict.fromkeys(internvl.TOWERS, "internvl")}
     if own.get(v.tower, proc.layout) != proc.layout or (v.tower not in own and proc.layout in own.values()):
@@ -193,7 +195,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                          f"{v.select_strategy!r}): the files disagree")
     return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
             "class_token": ("kept" if v.select_strategy == "full" else "dropped") if clip else None,
-            "image_size": v.image_size if clip else None}
+            "image_size": v.image_size if clip else None, "groups": mc.image_groups_attend}
 
 
 def _llama4_settings(cfg: TrainConfig, proc: Any, v: Any) -> dict:

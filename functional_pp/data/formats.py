@@ -645,7 +645,7 @@ def build_streams(entries: list, tokenizer: Any, *, seq_len: int, sample_packing
                 stream.images = RowImages(writer.row_images, vision["patch"], vision["merge"],
                                           vision["image_token_id"], vision.get("qwen"),
                                           class_token=vision.get("class_token"), image_size=vision.get("image_size"),
-                                          siglip2=vision.get("siglip2"))
+                                          siglip2=vision.get("siglip2"), groups=bool(vision.get("groups")))
     return out, held
 
 

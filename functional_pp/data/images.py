@@ -8,7 +8,10 @@ Entries (global tensors; ``P`` patches per example, padded to one count for the 
 image), ``patch_images`` (B, P: the image's index in its example; pads one past the last); a CLIP
 tower's images each led by a class token's slot (``class_token``: zero pixels, position (0, -1)),
 Llama 4's tiles each followed by one (``"trailing"``: every example's patches whole tiles, pads too),
-``image_slots`` (B, S: the merged token the k-th image token takes, k; -1 at other tokens)."""
+``image_slots`` (B, S: the merged token the k-th image token takes, k; -1 at other tokens); with
+``groups`` ``image_groups`` (B, S: the run of consecutive image tokens each token is in, numbered
+from 0 in its row, -1 elsewhere: transformers' ``get_block_sequence_ids_for_mask``, the tokens of
+one image attending to each other under Gemma 4 unified's bidirectional mask)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,7 +19,7 @@ from typing import Sequence
 import torch
 
 IMAGE_DIMS = {"patches": "batch patch channel patch_y patch_x", "patch_positions": "batch patch axis",
-              "patch_images": "batch patch", "image_slots": "batch seq",
+              "patch_images": "batch patch", "image_slots": "batch seq", "image_groups": "batch seq",
               # the entries Qwen's tower reads beside them (data/qwen_images.py)
               "patch_taps": "batch patch tap", "patch_tap_weights": "batch patch tap",
               "mrope_positions": "batch seq mrope"}
@@ -61,7 +64,7 @@ def _with_class_slot(grid: torch.Tensor, pos: torch.Tensor, size: Sequence[int],
 def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
                 image_sizes: Sequence[torch.Tensor | None], *, patch: int, merge: int, image_token_id: int,
                 patches: int | None = None, class_token: str | None = None,
-                image_size: int | None = None) -> dict[str, torch.Tensor]:
+                image_size: int | None = None, groups: bool = False) -> dict[str, torch.Tensor]:
     """The image entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``:
     n_b x C x H x W, padded; ``image_sizes[b]``: n_b x 2, each image's height and width; None: no
     image). ``patches`` pads every row to that many patches (default: the batch's most, at least
@@ -130,4 +133,15 @@ def image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
         if class_token == "dropped" and not last:              # (the patches in order, the class slots skipped)
             slots = (out["patch_positions"][b, :n, 1] >= 0).nonzero().flatten()
         out["image_slots"][b, at] = slots
+    if groups:
+        out["image_groups"] = image_groups(ids == image_token_id)
     return out
+
+
+def image_groups(is_image: torch.Tensor) -> torch.Tensor:
+    """(B, S) the run of consecutive image tokens (``is_image``) each token is in, from 0 in its row;
+    -1 at other tokens (transformers' ``get_block_sequence_ids_for_mask``)."""
+    prev = torch.zeros_like(is_image)
+    prev[:, 1:] = is_image[:, :-1]
+    runs = torch.cumsum((is_image & ~prev).long(), 1) - 1
+    return torch.where(is_image, runs, torch.full_like(runs, -1))

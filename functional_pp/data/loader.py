@@ -379,8 +379,8 @@ class DataLoader:
         rows = slice(self._row_start, self._row_start + self.local_batch_size)
         cp = (self.cp_size, self.cp_rank, self.cp_balanced)
         out = {k: shard_sequence(v, 1, *cp).contiguous() for k, v in self._gather(starts[rows]).items()}
-        for k, v in self._image_entries(starts[rows]).items():        # (only image_slots runs along seq)
-            out[k] = shard_sequence(v, 1, *cp).contiguous() if k == "image_slots" else v
+        for k, v in self._image_entries(starts[rows]).items():        # (only image_slots / _groups run along seq)
+            out[k] = shard_sequence(v, 1, *cp).contiguous() if k in ("image_slots", "image_groups") else v
         out["positions"] = self._positions.clone()
         if each_window_once:
             out["labels"][torch.from_numpy(self._repeated(step)[rows])] = IGNORE_INDEX

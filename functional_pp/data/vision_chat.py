@@ -29,7 +29,11 @@ LFM2-VL's (``Lfm2VlProcessor``: data/lfm2_vl_processor.py, its image processor o
 its markers; the labels mask the padding and ``<image>`` (Axolotl's base strategy). InternVL's
 (``InternVLProcessor``) expands each ``<IMG_CONTEXT>`` into ``<img>``, ``image_seq_length`` of it per
 tile of ``GotOcr2ImageProcessor`` (its PIL backend), ``</img>``; the labels mask the padding and
-``<IMG_CONTEXT>``."""
+``<IMG_CONTEXT>``. Gemma 4 unified's (``Gemma4UnifiedProcessor``: Gemma 4 12B) lays the text out as
+Gemma 4's; its image processor (``Gemma4UnifiedImageProcessor``, torchvision only) gives each soft
+token's pooled block as one row of pixels: where torchvision is missing Gemma 4's PIL image processor
+is read from the same ``preprocessor_config.json`` (the same resize and rescale; the model merges the
+patches itself). Audio in a record (an ``audio`` column or content entry) is refused by name."""
 from __future__ import annotations
 
 import copy
@@ -46,9 +50,11 @@ from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
 QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
 """The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
+GEMMA4_PROCESSORS = ("Gemma4Processor", "Gemma4UnifiedProcessor")
+"""The processor classes of Gemma 4's layout (begin token, a token per soft token, end token)."""
 LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
 INTERNVL_PROCESSOR = "InternVLProcessor"
-PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor", "Llama4Processor",
+PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, *GEMMA4_PROCESSORS, "Llama4Processor",
               LFM2_VL_PROCESSOR, INTERNVL_PROCESSOR)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
@@ -92,7 +98,8 @@ class ImageChatProcessor:
         """``(pixel_values, image_sizes or image_grid_thw or spatial_shapes, each image's tokens)`` of ``pictures``."""
         if self.layout == "gemma4":
             out = self.image_processor(pictures, return_tensors="pt")
-            px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], self.patch // self.merge)
+            side = self.patch if _merges(self.image_processor) else self.patch // self.merge   # (the rows' patch side)
+            px, sizes = _gemma4_pixels(out["pixel_values"], out["image_position_ids"], side)
             return px, sizes, [self.image_begin_token + self.image_token * int(n) + self.image_end_token
                                for n in out["num_soft_tokens_per_image"]]
         if self.layout == "internvl":                # (each picture one or more tiles of image_size pixels)
@@ -138,6 +145,21 @@ class ImageChatProcessor:
                 if t is not None]
 
 
+def _merges(image_processor) -> bool:
+    """Whether the image processor gives each soft token's pooled block as one row (Gemma 4 unified's)."""
+    return type(image_processor).__name__ == "Gemma4UnifiedImageProcessor"
+
+
+def _gemma4_unified_images(root: Path, transformers):
+    """Gemma 4 unified's image processor, or where torchvision is missing (its only backend) Gemma 4's
+    PIL one read from the same ``preprocessor_config.json`` (the same resize and rescale, unmerged rows)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return transformers.Gemma4ImageProcessorPil.from_pretrained(str(root))
+    return transformers.AutoImageProcessor.from_pretrained(str(root))
+
+
 def _gemma4_pixels(rows: torch.Tensor, positions: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's pixels (n, C, H, W; padded to the largest) and sizes (n, 2) from Gemma 4's image
     processor's rows of patches (n, P, patch * patch * C in (y, x, channel) order) and their (x, y)
@@ -175,7 +197,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Llama 4, LFM2-VL, InternVL) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Gemma 4 unified, Llama 4, LFM2-VL, InternVL) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         if kind == "Llama4Processor":           # (its tiles: data/llama4_images.py, below)
@@ -183,6 +205,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         elif kind == LFM2_VL_PROCESSOR:          # (transformers' image processor needs torchvision: ours on PIL)
             from functional_pp.data.lfm2_vl_processor import Lfm2VlImages
             images = Lfm2VlImages.from_dir(root)
+        elif kind == "Gemma4UnifiedProcessor":
+            images = _gemma4_unified_images(root, transformers)
         else:
             images = transformers.AutoImageProcessor.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
@@ -204,7 +228,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
         return _known_tokens(ImageChatProcessor(tok, tiler, template, patch, image_break_token=None,
                                                 image_end_token=None, layout="llama4", extra=per_tile, **names),
                              tok, path, where)
-    if kind == "Gemma4Processor":              # (a token per pooling_kernel_size² patches, between begin and end)
+    if kind in GEMMA4_PROCESSORS:              # (a token per pooling_kernel_size² patches, between begin and end)
         pool = int(getattr(images, "pooling_kernel_size", 3))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)) * pool,
                                   image_token=conf.get("image_token", "<|image|>"), image_break_token=None,
@@ -294,6 +318,11 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
     """``(ids, trained flags, (pixel_values, image_sizes or image_grid_thw) or None)`` of one chat record
     with images."""
     turns = _messages(rec, where)
+    audio = [k for k in ("audio", "audios") if rec.get(k)] + sorted(
+        {c["type"] for t in turns for c in t["content"] if c.get("type") in ("audio", "input_audio")})
+    if audio:
+        raise ValueError(f"{where}: audio inputs ({', '.join(audio)}) are not supported (images only): drop the "
+                         f"audio from the records")
     key = next((k for k in ("images", "image") if rec.get(k) is not None), None)
     if key is not None:
         images = rec[key] if isinstance(rec[key], list) else [rec[key]]
@@ -360,6 +389,7 @@ class RowImages:
     # a SigLIP2 tower (data/siglip2_images.py: side, channels): the rows hold its tiles' patches and
     # spatial_shapes; every batch reads as many position taps as the stream's images need
     siglip2: dict | None = None
+    groups: bool = False                     # (image_groups: Gemma 4 unified's bidirectional image tokens)
 
     def __post_init__(self) -> None:
         k = (self.image_size // self.patch) ** 2 + 1 if self.class_token == "trailing" else self.merge ** 2
@@ -385,4 +415,5 @@ class RowImages:
                                     patches=self.patches, **self.qwen)
         return image_batch(ids, [p[0] if p else None for p in picked], [p[1] if p else None for p in picked],
                            patch=self.patch, merge=self.merge, image_token_id=self.image_token_id,
-                           patches=self.patches, class_token=self.class_token, image_size=self.image_size)
+                           patches=self.patches, class_token=self.class_token, image_size=self.image_size,
+                           groups=self.groups)

@@ -65,7 +65,7 @@ ROWS: tuple[Row, ...] = (
     Row(("gemma3_text",), "Gemma 2's, plus q/k norms, 5:1 local/global layers, a rope base per layer type; the "
                           "text decoder of the multimodal `gemma3` (`Gemma3ForConditionalGeneration`)",
         "image input"),
-    Row(("gemma4_text", "gemma4"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
+    Row(("gemma4_text", "gemma4", "gemma4_unified"), "Gemma 3's layer with norms scaling by w, a weightless v norm, no softmax scale, "
                                    "full layers of their own head width and k/v heads whose v is the k projection "
                                    "(`attention_k_eq_v`), proportional rope, a per-layer output scalar; the "
                                    "multimodal `gemma4`'s text decoder (export: `Gemma4ForCausalLM`), with its vision encoder and "
@@ -74,10 +74,14 @@ ROWS: tuple[Row, ...] = (
                                    "beside the dense MLP (`enable_moe_block`: a router on the normed residual with its "
                                    "scales, tanh-GELU experts, each output normed), EP, LoRA / QLoRA on them; E2B / "
                                    "E4B's per-layer input embeddings (`hidden_size_per_layer_input`) and keys / values "
-                                   "shared across layers (`num_kv_shared_layers`, the double-wide MLP)",
-        "pipelines (pp) and key / value-cache sampling of E2B / E4B (refused by name); bidirectional attention "
-        "among an image's tokens (`use_bidirectional_attention`), images with E2B / E4B's per-layer inputs; audio "
-        "input; `gemma4_unified` (Gemma 4 12B)"),
+                                   "shared across layers (`num_kv_shared_layers`, the double-wide MLP); Gemma 4 "
+                                   "unified (12B, `Gemma4UnifiedForConditionalGeneration`): the same decoder, no "
+                                   "vision encoder, its image embedder (LayerNorm, linear, LayerNorm, learned "
+                                   "positions) under `processor_type`, an image's tokens attending to each other "
+                                   "in every layer (`use_bidirectional_attention: vision`)",
+        "pipelines (pp) and key / value-cache sampling of E2B / E4B (refused by name); `gemma4`'s bidirectional "
+        "image attention (`use_bidirectional_attention`), images with E2B / E4B's per-layer inputs; audio input "
+        "(refused by name); sampling with images"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),

@@ -33,26 +33,30 @@ from functional_pp.ops.rotary import ProportionalScaling
 __all__ = ["ARCHITECTURES", "DEFAULTS", "config_from_hf", "config_to_hf", "check_exportable", "RENAMED",
            "IGNORED", "FIXED", "export_config", "FUSED", "KINDS"]
 
-ARCHITECTURES: dict[str, str] = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+ARCHITECTURES: dict[str, str] = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
+                                 "gemma4_unified": "Gemma4UnifiedForConditionalGeneration"}
+MULTIMODAL = ("gemma4", "gemma4_unified")
+"""The multimodal ``model_type`` values whose ``text_config`` is the decoder (``model.language_model.``)."""
 
 _MOE_NAMES = ((r"\.mlp\.gate\.weight$", ".router.proj.weight"),
               (r"\.mlp\.experts\.down_proj\.weight$", ".experts.down_proj"), (r"\.mlp\.experts\.", ".experts."))
 RENAMED: dict[str, tuple[tuple[str, str], ...]] = {"gemma4_text": _MOE_NAMES,
-                                                   "gemma4": _MOE_NAMES + ((r"^model\.", "model.language_model."),)}
+                                                   **{mt: _MOE_NAMES + ((r"^model\.", "model.language_model."),)
+                                                      for mt in MULTIMODAL}}
 """The experts' names in 26B-A4B's files (the router under ``router.``, the experts under
 ``experts.``, not ``mlp.``); the multimodal checkpoint's text decoder lives under ``model.language_model.``."""
 
 FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     mt: ((f"{pre}.layers.{{i}}.experts.gate_up_proj",
           (f"{pre}.layers.{{i}}.experts.gate_proj.weight", f"{pre}.layers.{{i}}.experts.up_proj.weight")),)
-    for mt, pre in (("gemma4_text", "model"), ("gemma4", "model.language_model"))}
+    for mt, pre in (("gemma4_text", "model"), *((mt, "model.language_model") for mt in MULTIMODAL))}
 """The experts' gate and up projections, one tensor ``[E, 2F, H]`` (gate, then up, along its rows)."""
 
 KINDS: dict[str, str] = {"mlp.gate": "experts_tensor", "mlp.up": "experts_tensor", "mlp.down": "experts_tensor"}
 """The experts' tensors: ``[E, out, in]``, one tensor for all the experts."""
 
 IGNORED: dict[str, tuple[str, ...]] = {
-    "gemma4": (r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\..*",)}
+    mt: (r"model\.(vision_tower|audio_tower|embed_vision|embed_audio|vision_embedder)\..*",) for mt in MULTIMODAL}
 """The tensors of the multimodal checkpoint that the text decoder does not read (its encoders)."""
 
 DEFAULTS: dict[str, Any] = dict(
@@ -62,6 +66,10 @@ DEFAULTS: dict[str, Any] = dict(
     sliding_window=512, final_logit_softcapping=None, hidden_size_per_layer_input=256, attention_k_eq_v=False,
     num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, global_head_dim=512)
 """``Gemma4TextConfig``'s defaults of the keys read here."""
+
+UNIFIED_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=262_144, sliding_window=1024,
+                                        hidden_size_per_layer_input=0)
+"""``Gemma4UnifiedTextConfig``'s defaults where they differ (it has no per-layer inputs)."""
 
 _ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -89,14 +97,16 @@ def config_from_hf(hf: dict, mt: str) -> Config:
     """``Config`` of a ``gemma4_text`` ``config.json`` (``gemma4``: of its ``text_config``);
     a ValueError names what the functional decoder does not do."""
     where = f"HF {mt} config"
-    if mt == "gemma4":
+    if mt in MULTIMODAL:
         hf = text_config(hf)
+
+    defaults = {**DEFAULTS, **UNIFIED_DEFAULTS} if mt == "gemma4_unified" else DEFAULTS
 
     def get(key: str) -> Any:
         v = hf.get(key)
-        return DEFAULTS.get(key) if v is None else v
+        return defaults.get(key) if v is None else v
     layers = int(get("num_hidden_layers"))
-    ple = int(hf.get("hidden_size_per_layer_input", DEFAULTS["hidden_size_per_layer_input"]) or 0)
+    ple = int(hf.get("hidden_size_per_layer_input", defaults["hidden_size_per_layer_input"]) or 0)
     pl_vocab = hf.get("vocab_size_per_layer_input")
     if ple and pl_vocab is not None and int(pl_vocab) != int(get("vocab_size")):
         _refuse(where, f"vocab_size_per_layer_input={pl_vocab} is not supported: the per-layer embedding's rows must "
@@ -106,9 +116,14 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         _refuse(where, f"num_kv_shared_layers={shared} is not supported: the layers sharing keys and values must be "
                        f"fewer than num_hidden_layers={layers} (at least one layer makes them)")
     moe = _experts(hf, get, where) if get("enable_moe_block") else {}
-    if hf.get("use_bidirectional_attention"):
-        _refuse(where, f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported "
-                       f"(causal attention only)")
+    # (Gemma4UnifiedTextConfig's default is "vision": an image's tokens attend to each other, in every layer)
+    bidirectional = hf.get("use_bidirectional_attention", "vision" if mt == "gemma4_unified" else None)
+    if bidirectional and (bidirectional != "vision" or mt != "gemma4_unified"):
+        _refuse(where, f"use_bidirectional_attention={bidirectional!r} is not supported (causal attention only, "
+                       f"but for gemma4_unified's 'vision': an image's tokens attending to each other)")
+    if mt == "gemma4_unified" and (ple or get("enable_moe_block") or shared):
+        _refuse(where, "hidden_size_per_layer_input, enable_moe_block and num_kv_shared_layers are not "
+                       "Gemma4UnifiedTextConfig keys: give 0 / false")
     if get("attention_bias"):
         _refuse(where, "attention_bias=True is not supported (Gemma 4 has no attention biases)")
     if float(get("attention_dropout") or 0.0):
@@ -163,7 +178,8 @@ def config_from_hf(hf: dict, mt: str) -> Config:
         layer_types=tuple(types) if window is not None and "sliding_attention" in types else None,
         final_softcap=None if cap is None else float(cap), global_head_dim=global_dim,
         global_kv_heads=global_kv, k_eq_v=k_eq_v, per_layer_input=ple, kv_shared_layers=shared,
-        double_wide_mlp=bool(get("use_double_wide_mlp")) and shared > 0, **moe, **FIXED)
+        double_wide_mlp=bool(get("use_double_wide_mlp")) and shared > 0, image_groups_attend=bool(bidirectional),
+        **moe, **FIXED)
 
 
 def _experts(hf: dict, get, where: str) -> dict[str, Any]:
@@ -186,14 +202,21 @@ def export_config(cfg: Config) -> Config:
         cfg = dataclasses.replace(cfg, text_of=None)       # with its vision side: the multimodal class)
     if cfg.vision is not None:                              # (Qwen3.5 with its tower: its multimodal class)
         return cfg
-    text = {"gemma4": "gemma4_text", **qwen3_5_hf.TEXT_TYPES}.get(cfg.model_type)    # (and the multimodal Qwen3.5's)
-    return dataclasses.replace(cfg, model_type=text) if text else cfg
+    text = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_text",
+            **qwen3_5_hf.TEXT_TYPES}.get(cfg.model_type)    # (and the multimodal Qwen3.5's)
+    return dataclasses.replace(cfg, model_type=text, image_groups_attend=False) if text else cfg
 
 
 def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueError) -> None:
     """Refuse (``error``, naming the field) a config ``Gemma4ForCausalLM`` cannot hold; ``plain``:
     the switches' values in Llama."""
     where, arch = f"export as {cfg.model_type!r}", ARCHITECTURES["gemma4_text"]
+    if cfg.model_type == "gemma4_unified":
+        arch = ARCHITECTURES["gemma4_unified"]
+        for key in ("per_layer_input", "kv_shared_layers", "experts"):
+            if getattr(cfg, key):
+                raise error(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs 0); choose "
+                            f"model_type gemma4")
     need = {**plain, **FIXED, "qkv_bias": False, "o_bias": False, "kv_lora_rank": 0, "tie_embeddings": True}
     if cfg.experts_beside_mlp:                    # (26B-A4B: its routing, nothing else of the MoE options)
         need.update(norm_topk_prob=True, router_score="softmax", shared_expert_mlp=0, moe_layers=None,

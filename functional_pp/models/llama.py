@@ -28,9 +28,9 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_vision, internvl, kimi_delta, kv_cache, lfm2_vl,
-                                   llama4_vision, mamba1, mamba2, mla, moe, per_layer_inputs, pixtral, qwen_vision,
-                                   recording, short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_unified, gemma4_vision, internvl, kimi_delta,
+                                   kv_cache, lfm2_vl, llama4_vision, mamba1, mamba2, mla, moe, per_layer_inputs,
+                                   pixtral, qwen_vision, recording, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -308,10 +308,15 @@ class Config:
     experts_linearized: bool = False
     # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
     # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/gemma4_vision.py: Gemma 4's; models/llama4_vision.py:
-    # Llama 4's; models/lfm2_vl.py: LFM2-VL's SigLIP2; models/internvl.py: InternViT), its features written into
+    # Llama 4's; models/lfm2_vl.py: LFM2-VL's SigLIP2; models/internvl.py: InternViT; models/gemma4_unified.py:
+    # Gemma 4 unified's encoder-free embedder), its features written into
     # the embeddings at the image tokens of batches that carry images (None: text only)
     vision: ("pixtral.VisionConfig | qwen_vision.QwenVisionConfig | gemma4_vision.Gemma4VisionConfig | "
-             "llama4_vision.Llama4VisionConfig | lfm2_vl.Lfm2VlConfig | internvl.InternVLConfig | None") = None
+             "llama4_vision.Llama4VisionConfig | lfm2_vl.Lfm2VlConfig | internvl.InternVLConfig | "
+             "gemma4_unified.UnifiedVisionConfig | None") = None
+    # the tokens of one image attend to each other, before and after, in every layer (Gemma 4 unified's
+    # use_bidirectional_attention: vision; ops.attention's groups from the batch's image_groups)
+    image_groups_attend: bool = False
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -948,7 +953,8 @@ def vision_tower(name: str):
     towers = {**{name: pixtral for name in pixtral.VISION_TOWERS}, **{name: qwen_vision for name in qwen_vision.TOWERS},
               **{name: gemma4_vision for name in gemma4_vision.TOWERS},
               **{name: llama4_vision for name in llama4_vision.TOWERS},
-              **{name: lfm2_vl for name in lfm2_vl.TOWERS}, **{name: internvl for name in internvl.TOWERS}}
+              **{name: lfm2_vl for name in lfm2_vl.TOWERS}, **{name: internvl for name in internvl.TOWERS},
+              **{name: gemma4_unified for name in gemma4_unified.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]
@@ -987,10 +993,12 @@ def attention_input(p: dict, x: Named, cfg: Config) -> Named:
 
 def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None, chunk: int | None = None,
-                    kv: tuple[Named, Named] | None = None, seed: int | None = None) -> Named:
+                    kv: tuple[Named, Named] | None = None, seed: int | None = None,
+                    groups: Named | None = None) -> Named:
     """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary; ``kv``: the keys
-    and values to attend to, :func:`_attention`; ``seed``: its dropout's, None: no dropout)."""
-    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv, seed)
+    and values to attend to, :func:`_attention`; ``seed``: its dropout's, None: no dropout;
+    ``groups``: ops.attention's bidirectional groups, an image's tokens)."""
+    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv, seed, groups)
 
 
 def _qk_norm(a: dict, role: str, x: Named, cfg: Config) -> Named:
@@ -1054,7 +1062,7 @@ def _prepared_kv(a: dict, kv: tuple[Named, Named], pos: Named | None, cfg: Confi
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
                window: int | None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
-               seed: int | None = None) -> Named:
+               seed: int | None = None, groups: Named | None = None) -> Named:
     """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
     layer's, ``cfg.kv_shared_layers``) instead of this layer's own; ``seed``: the layer's dropout
     seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`)."""
@@ -1063,6 +1071,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         if seed is not None and cfg.attention_dropout:
             raise ValueError(f"attention_dropout={cfg.attention_dropout} with latent attention (kv_lora_rank) is "
                              f"not supported; set it to 0.0")
+        if groups is not None:
+            raise ValueError("bidirectional image groups (image_groups_attend) with latent attention (kv_lora_rank) "
+                             "is not supported")
         return mla.attention(a, h, pos, cfg, segments, window)
     if cfg.q_gate:                                        # (Qwen3.5: each head's query, then its gate)
         qg = ops.einsum("batch seq hidden, hidden heads q_gate -> batch seq heads q_gate", h, a["q_proj"])
@@ -1080,6 +1091,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
         raise ValueError("sampling with a static key / value cache (generate(compile=...)) does not support ALiBi "
                          "(MPT's alibi_bias_max) yet: its keys are not the last positions; sample without compile")
+    if groups is not None and cache is not None:
+        raise ValueError("sampling with a key / value cache does not support image_groups_attend (an image's tokens "
+                         "attending to each other, Gemma 4 unified) yet: give text prompts")
     if chunk is not None and cache is not None:
         raise ValueError(f"sampling with a key / value cache does not support chunked attention yet (this model's "
                          f"layers attend within chunks of {chunk} tokens)")
@@ -1087,6 +1101,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         dropout=cfg.attention_dropout, dropout_seed=seed + dropout_seeds.ATTENTION)
     if cfg.alibi_max is not None:                         # (MPT)
         extra["alibi_max"] = cfg.alibi_max
+    if groups is not None:                                # (an image's tokens see each other: Gemma 4 unified)
+        extra["groups"] = groups
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
                sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments, **extra)
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
@@ -1183,22 +1199,23 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None, seed: int | Non
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
           window: int | None = None, chunk: int | None = None, per_layer: Named | None = None,
-          kv: tuple[Named, Named] | None = None, seed: int | None = None) -> Named:
+          kv: tuple[Named, Named] | None = None, seed: int | None = None, groups: Named | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
     None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``; ``kv``: the
     keys and values it attends to, ``cfg.kv_source(i)``'s, else its own; ``seed``: its dropout seed,
-    ``dropout_seeds.site_seed``, None: none); recomputed in backward under ``train_step(remat=True)``. The residual
+    ``dropout_seeds.site_seed``, None: none; ``groups``: the attention's bidirectional groups of
+    tokens, ``cfg.image_groups_attend``); recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
     if "mamba" in p or (cfg.layer_blocks is not None and ("self_attn" not in p or "mlp" not in p)):   # (cfg.layer_blocks)
-        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv)
+        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv, groups)
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed)
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed, groups)
                                           + _mlp(p, h_mlp, cfg, None, seed), cfg))
-    x = ops.realized(x + _residual(mixer_block(p, x, pos, cfg, segments, window, chunk, kv, seed), cfg))
+    x = ops.realized(x + _residual(mixer_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups), cfg))
     x = ops.realized(x + _residual(mlp_block(p, x, cfg, seed), cfg))
     if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
         x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
@@ -1210,21 +1227,28 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
 
 def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                 window: int | None = None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
-                seed: int | None = None) -> Named:
+                seed: int | None = None, groups: Named | None = None) -> Named:
     """The token-mixing branch of a layer: the :data:`TOKEN_MIXERS` entry its parameters hold
     (``layer_types`` chose it at init), else attention; either reads the normed input, its sequence
     whole (sequence parallelism: gathered, then reduce-scattered)."""
     mixer = next((m for m in TOKEN_MIXERS.values() if m.key in p), None)
     if mixer is not None:
+        if groups is not None:
+            raise ValueError(f"bidirectional image groups (image_groups_attend) with {mixer.what} layers is not "
+                             f"supported (their state runs forward only)")
         return mixer.mix(p[mixer.key], attention_input(p, x, cfg), cfg, segments)
-    return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed)
+    return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups)
 
 
 def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None,
-                  window: int | None, chunk: int | None, kv: tuple[Named, Named] | None) -> Named:
+                  window: int | None, chunk: int | None, kv: tuple[Named, Named] | None,
+                  groups: Named | None = None) -> Named:
     """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention,
     Mamba2, or both in parallel from one norm, each times its multipliers) and / or its MLP, each
     after its norm (the first block's ``input_layernorm``), added to the residual stream."""
+    if groups is not None and ("mamba" in p or "mamba1" in p):
+        raise ValueError("bidirectional image groups (image_groups_attend) with Mamba layers is not supported (their "
+                         "state runs forward only)")
     if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
         h = attention_input(p, x, cfg)
         a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
@@ -1233,7 +1257,8 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
         a = a if cfg.attn_out_multiplier == 1 else a * cfg.attn_out_multiplier
         x = ops.realized(x + _residual(a + (m if cfg.mamba_out_multiplier == 1 else m * cfg.mamba_out_multiplier), cfg))
     elif "self_attn" in p:
-        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv), cfg))
+        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv, None, groups),
+                                       cfg))
     elif "mamba" in p:
         x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
     elif "mamba1" in p:                         # (Mamba, Jamba: models/mamba1.py)
@@ -1282,11 +1307,13 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         x = x * torch.tensor(cfg.hidden ** 0.5, dtype=x.data.dtype).item()
     if cfg.embedding_multiplier != 1:                # Granite
         x = x * cfg.embedding_multiplier
+    groups = None                                    # (cfg.image_groups_attend: each image's tokens, a group)
     if images is not None:                           # a vision-language model: image features at the image tokens
         if cfg.vision is None:
             raise ValueError("the batch carries images but the model has no vision encoder (Config.vision; a "
                              "text-only checkpoint): give a vision-language base_model or drop the images")
         x = vision_tower(cfg.vision.tower).with_images(params, x, images, cfg.vision)
+        groups = image_groups(images, cfg)
         if cfg.mrope_section is not None and "mrope_positions" in images:   # (M-RoPE: the images' 3D positions)
             if cache is not None:
                 raise ValueError("sampling with images under the multimodal rotary (mrope_section) is not supported "
@@ -1304,12 +1331,10 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
         if src == i:                 # the keys and values the later layers reuse: made here, passed in as data
             shared[i] = keys_values(p["self_attn"], attention_input(p, x, cfg), at, cfg, window)
         kv = shared[src] if src is not None else None
-        extra = ((segments, window, chunk, None if per_layer is None else per_layer[i], kv,
-                  dropout_seeds.site_seed(forward, i, 0)) if forward is not None else
-                 (segments, window, chunk, None if per_layer is None else per_layer[i], kv)
-                 if per_layer is not None or kv is not None else
-                 (segments, window, chunk) if chunk is not None else (segments, window) if window is not None
-                 else () if segments is None else (segments,))
+        extra = [segments, window, chunk, None if per_layer is None else per_layer[i], kv,
+                 dropout_seeds.site_seed(forward, i, 0) if forward is not None else None, groups]
+        while extra and extra[-1] is None:           # (the layer's defaults: only the arguments it is given)
+            extra.pop()
         x = layer_fn(p, x, at, cfg, *extra)
     x = norm_at(params, "norm", x, cfg)
     if cache is not None:
@@ -1331,6 +1356,17 @@ def layer_states(params: dict, tokens: Named, cfg: Config, layers: list[int] | t
     rec = recording.LayerRecorder(layer if layer_fn is None else layer_fn)
     last = hidden_states(params, tokens, cfg, rec, segments)
     return [last if i == n else ops.rename(rec.states[i], res_seq="seq") for i in layers]
+
+
+def image_groups(images: dict, cfg: Config) -> Named | None:
+    """The bidirectional groups of a batch with images (``image_groups``: the run of image tokens
+    each token is in, -1 elsewhere) where ``cfg.image_groups_attend``; else None."""
+    if not cfg.image_groups_attend:
+        return None
+    if "image_groups" not in images:
+        raise ValueError("image_groups_attend (Gemma 4 unified: an image's tokens attend to each other) needs the "
+                         "batch's image_groups (data/images.py's image_batch(..., groups=True) makes them)")
+    return images["image_groups"]
 
 
 def _refuse_unshared(cfg: Config, cache) -> None:

@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_vision_hf,
-                                  gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf, kimi_delta, kimi_linear_hf,
-                                  lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf, mamba_hf, nemotron_h_hf,
-                                  pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf, score_head)
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_unified_hf,
+                                  gemma4_vision_hf, gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf, kimi_delta,
+                                  kimi_linear_hf, lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf, mamba_hf,
+                                  nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -196,6 +196,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *lfm2_vl_hf.TABLE,
     # InternVL's InternViT tower (models/internvl.py; its projector the rows above)
     *internvl_hf.TABLE,
+    # Gemma 4 unified's encoder-free image embedder (models/gemma4_unified.py)
+    *gemma4_unified_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -404,6 +406,8 @@ RENAMED.update(gemma4_hf.RENAMED)      # (the multimodal Gemma 4's text decoder:
 RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder: model.language_model.)
 RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its vision tower: model.visual.)
 RENAMED["gemma4"] = RENAMED["gemma4"] + gemma4_vision_hf.RENAMED       # (its vision tower: model.vision_tower.)
+RENAMED["gemma4_unified"] = (RENAMED["gemma4_unified"] + gemma4_vision_hf.RENAMED   # (its embedder: model.embed_vision.)
+                             + gemma4_unified_hf.RENAMED)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama",
@@ -429,7 +433,8 @@ RENAMED.update(remote_code_hf.RENAMED)       # (Qwen (v1): transformer.h., c_att
 
 
 MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"nemotron_h": nemotron_h_hf.MODULE_NAMES,
-                                                        "kimi_linear": kimi_linear_hf.MODULE_NAMES}
+                                                        "kimi_linear": kimi_linear_hf.MODULE_NAMES,
+                                                        "gemma4_unified": gemma4_unified_hf.MODULE_NAMES}
 """Per model type, (pattern, replacement) from a tensor's name in the files to its module's name in
 transformers' model, where they differ (its load-time renames: Nemotron-H's ``backbone.`` is ``model.``)."""
 
@@ -1349,6 +1354,10 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.vision is not None and cfg.text_of == internvl_hf.WRAPPER:    # InternVL's multimodal class
         return internvl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
                                                              dtype), cfg.vision)
+    if cfg.vision is not None and wrapper in gemma4_unified_hf.WRAPPERS:   # Gemma 4 unified's (encoder-free)
+        text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text",
+                                                        image_groups_attend=False), dtype)
+        return gemma4_unified_hf.config_to_hf(text, cfg.vision, cfg.image_groups_attend)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1481,7 +1490,7 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     return out
 
 
-VISION_HF = (qwen_vision_hf, gemma4_vision_hf, llama4_vision_hf, lfm2_vl_hf, internvl_hf)
+VISION_HF = (qwen_vision_hf, gemma4_vision_hf, gemma4_unified_hf, llama4_vision_hf, lfm2_vl_hf, internvl_hf)
 """The modules of the vision towers read from their own multimodal ``config.json`` (``WRAPPERS``, ``vision_from_hf``);
 every other one is Pixtral's or CLIP's (pixtral_hf)."""
 

@@ -29,7 +29,7 @@ from functional_pp.parallel.reshard import named
 
 IMAGE_KEYS = ("patches", "patch_positions", "patch_images", "image_slots")
 """The batch entries that carry images (all or none)."""
-EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions")
+EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions", "image_groups")
 """The entries some towers read beside them (models/qwen_vision.py), passed on when the batch has them."""
 TOWERS = ("vision_tower", "multi_modal_projector")
 """The parameter subtrees of the image side (beside the text decoder's)."""

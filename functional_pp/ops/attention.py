@@ -74,7 +74,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
               kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0,
-              alibi_max: float | None = None) -> Named:
+              alibi_max: float | None = None, groups: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -119,7 +119,13 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``alibi_max`` (MPT's ALiBi, ``alibi_bias_max``): the scaled scores plus ``slope_h * (j - i)`` of
     query i and key j, head h's slope ``2 ** (-alibi_max * (h + 1) / n)`` over the heads' power of
     two n (odd ones first when the heads are fewer, as MPT's table); explicit scores like ``softcap``,
-    on every path (under context parallelism the all-gather one), global heads and positions."""
+    on every path (under context parallelism the all-gather one), global heads and positions.
+
+    ``groups`` (batch seq, integer ids; -1: none): a query also sees every key of its own group,
+    before or after it and whatever the window (tokens of one image attending to each other:
+    Gemma 4 unified's ``use_bidirectional_attention: vision``, transformers' ``blockwise_overlay``
+    OR-ed onto the causal / sliding mask), still only inside its segment. On every path like
+    ``segments`` (under context parallelism the ids all-gathered); not with ``kv_segments``."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
@@ -170,11 +176,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
                          "attention: kv_segments needs segments (the queries' ids)")
-    if segments is not None:
-        seg = _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
+    if groups is not None and kv_segments is not None:
+        raise ValueError("attention: groups (bidirectional groups of tokens, e.g. an image's) with kv_segments (a "
+                         "key / value cache) is not supported: sample without images")
+    if segments is not None or groups is not None:
+        seg = None if segments is None else _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
         kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
+        grp = None if groups is None else _segment_ids(groups, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks, kseg, explicit)
+                                 sinks, kseg, explicit, grp)
     elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
                                 explicit)
@@ -357,7 +367,7 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
     """This device's segment ids (batch, seq) laid out like the queries."""
     segments = settle(segments)
     if sorted(segments.dims) != sorted((batch, seq)):
-        raise ValueError(f"attention: segments must have dimensions ({batch}, {seq}), got {segments.dims}")
+        raise ValueError(f"attention: segments / groups must have dimensions ({batch}, {seq}), got {segments.dims}")
     want = {batch: batch_split, seq: seq_axes}
     seg = relayout(segments, tuple(want[d] for d in segments.dims), "attention segments")
     data = seg.data if seg.dims == (batch, seq) else seg.data.t()
@@ -365,11 +375,12 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None, kseg=None, explicit=None):
+                       sinks=None, kseg=None, explicit=None, groups=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
-    the keys' ids, when they are not the queries'). Under context parallelism K/V and the
-    segment ids are all-gathered."""
-    kseg, qpos, kpos = seg if kseg is None else kseg, None, None
+    the keys' ids, when they are not the queries'; ``seg`` None: one segment), and with ``groups``
+    (batch, seq; -1 none) every key of their own group besides. Under context parallelism K/V and
+    the ids are all-gathered."""
+    kseg, qpos, kpos, kgroups = seg if kseg is None else kseg, None, None, groups
     if seq_axes:
         if len(seq_axes) != 1:
             raise ValueError(f"context-parallel attention needs the sequence split over one mesh "
@@ -377,17 +388,27 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         n, i = C.axis_size(seq_axes), C.axis_index(seq_axes)
         k = C.all_gather(k, seq_axes, axis=2, tiled=True)
         v = C.all_gather(v, seq_axes, axis=2, tiled=True)
-        kseg = C.raw_all_gather(seg.contiguous(), seq_axes, 1)
+        kseg = None if seg is None else C.raw_all_gather(seg.contiguous(), seq_axes, 1)
+        kgroups = None if groups is None else C.raw_all_gather(groups.contiguous(), seq_axes, 1)
         qpos = _local_positions(seq_size, seq_axes, balanced, q.device)
         kpos = torch.arange(seq_size, device=q.device)
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
-    mask = seg[:, None, :, None] == kseg[:, None, None, :]          # batch 1 q k
     if qpos is None:                  # the queries are the last of the keys (all of them, or a cache's new ones)
         kpos = torch.arange(k.shape[2], device=q.device)
         qpos = kpos[k.shape[2] - q.shape[2]:]
+    mask = None
     if causal or limits != (None, None):
-        mask = mask & _visible(qpos, kpos, causal, *limits)
+        mask = _visible(qpos, kpos, causal, *limits)[None, None]                # 1 1 q k
+    if groups is not None:            # (transformers: OR-ed after the causal / sliding mask, before the documents)
+        if kgroups.shape[-1] != k.shape[2]:
+            raise ValueError(f"attention: groups cover {kgroups.shape[-1]} keys, the keys are {k.shape[2]} (groups "
+                             f"are the queries' and the keys' own ids: the same sequence)")
+        own = (groups[:, None, :, None] == kgroups[:, None, None, :]) & (groups >= 0)[:, None, :, None]
+        mask = own if mask is None else mask | own
+    if seg is not None:
+        same = seg[:, None, :, None] == kseg[:, None, None, :]                  # batch 1 q k
+        mask = same if mask is None else mask & same
     if softcap is not None or sinks is not None or explicit is not None:
         return _masked(q, k, v, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
                        _biased(explicit, qpos, kpos))
