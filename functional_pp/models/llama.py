@@ -28,8 +28,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, kimi_delta, kv_cache, mamba1, mamba2, mla,
-                                   moe, per_layer_inputs, pixtral, qwen_vision, short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, glm4v_vision, kimi_delta, kv_cache, mamba1, mamba2,
+                                   mla, moe, per_layer_inputs, pixtral, qwen_vision, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -303,9 +303,10 @@ class Config:
     # export writes them under those names
     experts_linearized: bool = False
     # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
-    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's), its features written into the embeddings at the image tokens
+    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/glm4v_vision.py: GLM-4V's), its features written into
+    # the embeddings at the image tokens
     # of batches that carry images (None: text only)
-    vision: "pixtral.VisionConfig | qwen_vision.QwenVisionConfig | None" = None
+    vision: "pixtral.VisionConfig | qwen_vision.QwenVisionConfig | glm4v_vision.Glm4vVisionConfig | None" = None
     # a score head in place of the LM head (models/score_head.py, docs/reward_models.md): "sequence"
     # scores each sequence at its last non-pad token (transformers' *ForSequenceClassification: reward
     # models), "token" every token (*ForTokenClassification: process reward models); ``score``
@@ -939,7 +940,8 @@ rotate = functools.partial(ops.rotary, head_dim="head_dim")
 
 def vision_tower(name: str):
     """The module of vision tower ``name`` (``init``, ``with_images``, ``VISION_CONFIG``): one entry each."""
-    towers = {**{name: pixtral for name in pixtral.VISION_TOWERS}, **{name: qwen_vision for name in qwen_vision.TOWERS}}
+    towers = {**{name: pixtral for name in pixtral.VISION_TOWERS}, **{name: qwen_vision for name in qwen_vision.TOWERS},
+              **{name: glm4v_vision for name in glm4v_vision.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]

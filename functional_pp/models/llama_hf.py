@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gpt_oss_hf,
+from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, glm4v_hf, gpt_oss_hf,
                                   granitemoehybrid_hf, jamba_hf, kimi_delta, kimi_linear_hf, llama4_hf, mamba2_hf,
                                   mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
@@ -184,6 +184,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *pixtral_hf.TABLE,
     # Qwen3.5's vision tower and patch merger (models/qwen_vision.py)
     *qwen_vision_hf.TABLE,
+    # GLM-4V's own tensors of its tower (models/glm4v_vision.py; the others are Qwen's rows, renamed)
+    *glm4v_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -278,6 +280,7 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
 FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
 FUSED["qwen3_5"] = FUSED["qwen3_5"] + qwen_vision_hf.FUSED     # (its vision tower: q / k / v in attn.qkv)
 FUSED[qwen_vision_hf.QWEN2_VL_TEXT] = FUSED.get(qwen_vision_hf.QWEN2_VL_TEXT, ()) + qwen_vision_hf.QWEN2_VL_FUSED
+FUSED.update({mt: glm4v_hf.FUSED for mt in glm4v_hf.WRAPPERS})     # (GLM-4V's files: read by the wrapper, text_of)
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
@@ -396,7 +399,8 @@ _TOWERS = r"(model\.)?(vision_tower|vision_model|multi_modal_projector|audio_tow
 IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf.IGNORED,
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED,
-                                               **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT}}
+                                               **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT},
+                                               **{mt: glm4v_hf.IGNORED for mt in glm4v_hf.WRAPPERS}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -435,10 +439,19 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
-    if getattr(cfg, "text_of", None) and cfg.text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
+    wrapper = getattr(cfg, "text_of", None)
+    if wrapper in WRAPPER_RENAMED:                        # (a wrapper whose files name its own layout: GLM-4V)
+        for pattern, repl in WRAPPER_RENAMED[wrapper]:
+            name = re.sub(pattern, repl, name)
+    elif wrapper and wrapper not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
         # checkpoint's text decoder, its files' layout; Qwen2-VL's files keep the text model's)
         name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
+
+
+WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {mt: glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS}
+"""Per multimodal wrapper (``Config.text_of``), (pattern, replacement) of the text family's names
+(after :data:`RENAMED`) to the wrapper's files' (GLM-4V: ``model.language_model.``, ``model.visual.``)."""
 
 
 ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
@@ -461,7 +474,7 @@ def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[st
     name = renamed(path, model_type, cfg)
     if name is None:
         return None
-    for fused, parts in _FUSED.get(model_type, ()):
+    for fused, parts in _FUSED.get(model_type, []) + _FUSED.get(getattr(cfg, "text_of", None) or "", []):
         for j, pat in enumerate(parts):
             m = pat.match(name)
             if m:
@@ -955,6 +968,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     mt = hf.get("model_type", "llama")
     if mt == "qwen2_vl":                       # (Qwen2-VL: a Qwen2 decoder under model., the multimodal rotary)
         return qwen_vision_hf.qwen2_vl_text(hf, config_from_hf_dict)
+    if mt in glm4v_hf.WRAPPERS:                # (GLM-4V: a GLM-4-0414 decoder, the multimodal rotary)
+        return glm4v_hf.text_config(hf, config_from_hf_dict)
     if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
@@ -1295,6 +1310,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, **plain), dtype)
         return qwen_vision_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
+    if cfg.vision is not None and wrapper in glm4v_hf.WRAPPERS:      # GLM-4V's multimodal class
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, mrope_section=None), dtype)
+        return glm4v_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1432,4 +1450,6 @@ def vision_from_hf(hf: dict):
     ``config.json``, by its ``model_type``; a ValueError names what is not reproduced."""
     if hf.get("model_type") in qwen_vision_hf.WRAPPERS:
         return qwen_vision_hf.vision_from_hf(hf)
+    if hf.get("model_type") in glm4v_hf.WRAPPERS:
+        return glm4v_hf.vision_from_hf(hf)
     return pixtral_hf.vision_from_hf(hf)
