@@ -27,7 +27,7 @@ if not hasattr(transformers, "Glm4vForConditionalGeneration"):
 
 IMAGE = 250
 TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, initializer_range=0.2, max_position_embeddings=128,
+            num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=128,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                  mrope_section=[2, 1, 1]))
 VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=4,
@@ -145,3 +145,132 @@ def test_logits_equal_transformers(saved):
     assert (text_only - want).abs().max() > 0.1          # the images matter
     assert (no_mrope - want).abs().max() > 1e-3          # so do their 3D positions
     torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+
+
+def test_loss_and_every_gradient_equal_transformers(saved):
+    _, d, cfg = saved
+    model = transformers.Glm4vForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
+                                                                       attn_implementation="eager")
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    ids, pixels = rows(seed=1, dtype=torch.float64)
+    loss, grads = single_device(cfg, params, batch_of(ids, pixels, cfg))
+    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
+    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    want.backward()
+    # (transformers' rotary tables and position resampling run in float32 whatever the dtype)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    ours = dict(tree.leaves_with_paths(grads))
+    files = hf._file_tensors(llama.init(cfg), cfg)
+    assert {name for name, _ in files} == set(hf_grads)
+    assert "model.visual.downsample.weight" in hf_grads and "model.visual.blocks.1.attn.qkv.weight" in hf_grads
+    for name, parts in files:
+        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
+        want_g = hf_grads[name]
+        assert want_g.abs().max() > 0, name
+        torch.testing.assert_close(got, want_g, rtol=1e-4, atol=max(1e-5 * want_g.abs().max().item(), 1e-9),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
+def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
+    _, d, cfg = saved
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
+    ids, pixels = rows(seed=2, dtype=torch.float64)
+    batch = batch_of(ids, pixels, cfg)
+    loss0, grads0 = single_device(cfg, params, batch)
+    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
+        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+
+
+def test_bad_inputs_are_refused_by_name(saved):
+    _, d, cfg = saved
+    ids, pixels = rows()
+    batch = batch_of(ids, pixels, cfg)
+    bilinear = qwen_image_batch(ids, pixels, [torch.tensor(gr) if gr else None for gr in GRIDS], merge=2,
+                                image_token_id=IMAGE, side=3, channels=3, temporal_patch=2, patch=4)
+    batch.update(patch_taps=bilinear["patch_taps"], patch_tap_weights=bilinear["patch_tap_weights"])
+    with pytest.raises(ValueError, match="resamples its position table bicubically \\(16 taps per patch\\), the "
+                                         "batch has 4"):
+        single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), batch)
+    with pytest.raises(ValueError, match="resample='nearest' is not one of"):
+        qwen_image_batch(ids, pixels, [None] * 4, merge=2, image_token_id=IMAGE, side=3, channels=3,
+                         temporal_patch=2, patch=4, resample="nearest")
+    raw = json.loads((d / "config.json").read_text())
+    with pytest.raises(ValueError, match="vision_config.patch_size=\\[4, 4\\] is not supported"):
+        llama_hf.vision_from_hf({**raw, "vision_config": {**raw["vision_config"], "patch_size": [4, 4]}})
+    with pytest.raises(ValueError, match="out_hidden_size=16 \\(the merger's output\\) is not the text decoder's "
+                                         "hidden_size=32"):
+        llama.init(dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, out_hidden=16)))
+
+
+def test_export_writes_the_multimodal_class(saved, tmp_path):
+    """Parameters moved off the checkpoint's values, exported: the config is Glm4vForConditionalGeneration's
+    and reads back as ours; the files hold the checkpoint's names and import as the exported values;
+    transformers loads them with our logits on rows with images (float64)."""
+    from safetensors.torch import load_file
+    _, d, cfg = saved
+    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
+    out = tmp_path / "out"
+    hf.save_hf_llama(params, cfg, out)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Glm4vForConditionalGeneration"] and raw["model_type"] == "glm4v"
+    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
+    back = dict(tree.leaves_with_paths(hf.load_hf_params(out, cfg, dtype=torch.float64)))
+    for path, t in tree.leaves_with_paths(params):
+        assert torch.equal(back[path], t), path
+    model = transformers.Glm4vForConditionalGeneration.from_pretrained(out, dtype=torch.float64,
+                                                                       attn_implementation="eager").eval()
+    ids, pixels = rows(seed=4, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+
+
+def test_glm46v_and_the_text_decoder_alone(tmp_path):
+    """transformers' ``Glm46VForConditionalGeneration`` (the same model) reads as glm46v and equals
+    ours; the checkpoint's text decoder loads alone (its tower left aside) with transformers' text logits."""
+    if not hasattr(transformers, "Glm46VForConditionalGeneration"):
+        pytest.skip("transformers without Glm46V")
+    model, cfg = build(tmp_path, transformers.Glm46VForConditionalGeneration, transformers.Glm46VConfig, seed=1)
+    assert (cfg.text_of, cfg.vision.tower) == ("glm46v", "glm4v")
+    params = hf.load_hf_params(tmp_path, cfg)
+    ids, pixels = rows(seed=5)
+    with torch.no_grad():
+        want = model(**hf_inputs(ids, pixels)).logits
+        named = sharding.named_tree(params, llama.init(cfg))
+        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+        text_cfg, text_params = hf.load_hf_llama(tmp_path)
+        assert text_cfg.vision is None and text_cfg.text_of == "glm46v"
+        named = sharding.named_tree(text_params, llama.init(text_cfg))
+        got = llama.forward(named, fpp.wrap(ids, "batch seq"), text_cfg).value()
+        torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    _, _, cfg = saved
+    small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
+    data = [batch_of(*rows(seed=s, dtype=torch.float64), small) for s in range(2)]
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
+    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
+    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
+                                        mesh, processes=True, timeout=600):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+        for p, x in params.items():
+            # (atol: the key biases' gradient is 0 up to rounding, softmax ignoring a shift common to every key,
+            # and Adam's step of that rounding differs by 3e-12 between the layouts)
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-10,
+                                       msg=lambda m: f"{p}: {m}")
+    assert any(p.startswith("vision_tower.downsample") for p in one[1])
