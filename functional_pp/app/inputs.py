@@ -150,7 +150,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import qwen_vision
+    from functional_pp.models import glm4v_vision, qwen_vision
     v = model_config(cfg).vision
     proc = load_processor(cfg.base_model)
     name = cfg.chat_template
@@ -162,7 +162,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     token = proc.media_ids()[0]
-    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
+    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS + glm4v_vision.TOWERS     # (Qwen's layout)
     if qwen != (proc.layout == "qwen"):
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor lays images out as {proc.layout}'s, "
                          f"its model's vision tower is {v.tower}: the files disagree")
@@ -174,7 +174,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                              f"{v.patch_size}-pixel patches (patch_size) merged {v.merge} x {v.merge} "
                              f"(spatial_merge_size) with image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
-                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch}}
+                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch,
+                         "resample": v.resample}}
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "

@@ -15,7 +15,9 @@ and only the assistant's replies train (its Pixtral strategy). Qwen's processors
 ``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
 gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
-(Axolotl's Qwen2-VL strategy)."""
+(Axolotl's Qwen2-VL strategy). GLM-4V's (``Glm4vProcessor``, ``Glm46VProcessor``) lay images out as
+Qwen's, ``<|image|>`` their image token; the labels mask it, the padding and the image and video
+markers (:data:`GLM_MARKERS`: Axolotl's GLM-4V strategy)."""
 from __future__ import annotations
 
 import copy
@@ -28,8 +30,11 @@ import torch
 from functional_pp.data.images import image_batch
 from functional_pp.data.qwen_images import qwen_image_batch
 
-QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
-"""The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
+QWEN_PROCESSORS = {"Qwen2VLProcessor": "<|image_pad|>", "Qwen3VLProcessor": "<|image_pad|>",
+                   "Glm4vProcessor": "<|image|>", "Glm46VProcessor": "<|image|>"}
+"""The processor classes of Qwen's layout (one image token per merged patch) and their image token."""
+GLM_MARKERS = ("<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")
+"""The tokens GLM-4V's labels mask beside its image token (those its tokenizer has)."""
 PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS)
 """The processor classes whose layout :class:`ImageChatProcessor` reproduces."""
 
@@ -60,6 +65,8 @@ class ImageChatProcessor:
     layout: str = "pixtral"
     merge: int = 1
     extra: int = 0
+    # more tokens the labels mask where the tokenizer has them (GLM-4V: its image and video markers)
+    also_masked: tuple[str, ...] = ()
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(pixel_values, image_sizes or image_grid_thw, each image's tokens)`` of ``pictures``."""
@@ -107,7 +114,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, GLM-4V) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         images = transformers.AutoImageProcessor.from_pretrained(str(root))
@@ -124,8 +131,9 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind in QWEN_PROCESSORS:
         merge = int(getattr(images, "merge_size", 2))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
-                                  image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
-                                  image_end_token=None, layout="qwen", merge=merge)
+                                  image_token=conf.get("image_token", QWEN_PROCESSORS[kind]), image_break_token=None,
+                                  image_end_token=None, layout="qwen", merge=merge,
+                                  also_masked=GLM_MARKERS if kind.startswith("Glm") else ())
     elif kind == "LlavaProcessor":
         extra = int(conf.get("num_additional_image_tokens", 0))
         extra -= conf.get("vision_feature_select_strategy", "default") == "default"
@@ -213,6 +221,8 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
         text = parts[0] + "".join(tokens + rest for tokens, rest in zip(expanded, parts[1:]))
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     masked = set(media_token_ids(processor))
+    known = {processor.tokenizer.convert_tokens_to_ids(t) for t in processor.also_masked}
+    masked |= known - {None, getattr(processor.tokenizer, "unk_token_id", None)}
     pad = getattr(processor.tokenizer, "pad_token_id", None)
     if pad is not None:
         masked.add(pad)
