@@ -231,6 +231,13 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])),
                 vision_config=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=512, patch_size=16),
                 **_QWEN3_5_SPECIAL)),
+            # GLM-4.6V-Flash: GLM-4V's tower (one block) beside a GLM-4-0414 decoder (the multimodal rotary)
+            "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(
+                text_config=dict(_TINY, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                             partial_rotary_factor=0.5, mrope_section=[4, 6, 6])),
+                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
+                                   patch_size=16, image_size=64), image_start_token_id=382, image_end_token_id=383,
+                image_token_id=380, video_token_id=381)),
             "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
@@ -249,6 +256,9 @@ _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the wrappers whose stand-in holds a Qwen processor (Qwen2VLImageProcessor, <|image_pad|> its image token)
 _QWEN_VL = {"qwen3_5": "Qwen3VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
 _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+#: the wrappers whose stand-in holds a GLM-4V processor (Glm4vImageProcessor, <|image|> its image token)
+_GLM_VL = {"glm4v": "Glm4vProcessor"}
+_GLM_IMAGE_TOKENS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>")
 #: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
 _LLAVA = ("llava",)
 #: the end-of-turn token of each family's tokenizer (the tiny tokenizer's EOS)
@@ -275,13 +285,14 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import (make_tekken, make_tokenizer, write_llava_processor_files, write_pixtral_processor_files,
-                                write_qwen_vl_processor_files)
+    from chat_tokenizer import (make_tekken, make_tokenizer, write_glm4v_processor_files, write_llava_processor_files,
+                                write_pixtral_processor_files, write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
                          extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
+                                _GLM_IMAGE_TOKENS if model_type in _GLM_VL else
                                 ("<image>",) if model_type in _LLAVA else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
@@ -298,6 +309,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _QWEN_VL:       # (Qwen3.5: its processor's files, <|image_pad|> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image_pad|>"))
             write_qwen_vl_processor_files(d, _QWEN3_5_VISION["patch_size"], 2, 2, 64 * 64, _QWEN_VL[model_type])
+        if model_type in _GLM_VL:        # (GLM-4V: its processor's files, <|image|> the tokenizer's own id)
+            kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image|>"),
+                      image_start_token_id=tok.tok.token_to_id("<|begin_of_image|>"),
+                      image_end_token_id=tok.tok.token_to_id("<|end_of_image|>"))
+            write_glm4v_processor_files(d, 16, 2, 2, 64 * 64, _GLM_VL[model_type])
         if model_type in _LLAVA:         # (LLaVA-1.5: its processor's files, <image> the tokenizer's own id)
             kw = dict(kw, image_token_index=tok.tok.token_to_id("<image>"))
             write_llava_processor_files(d, _VISION["patch_size"], _VISION["image_size"], "default")

@@ -177,11 +177,21 @@ GLM4V_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{% if m.
                   "<|end_of_image|>{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}{% endfor %}")
 
 
-def make_glm4v_processor(d, patch=4, merge=2, temporal=2, max_pixels=1024, processor="Glm4vProcessor"):
+def write_glm4v_processor_files(d, patch=4, merge=2, temporal=2, max_pixels=1024, processor="Glm4vProcessor"):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``Glm4vImageProcessor``, PIL
+    backend: resizes to multiples of ``patch * merge`` within ``max_pixels``) and
+    ``chat_template.jinja`` of a GLM-4V processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.Glm4vImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
+                                        size={"shortest_edge": (patch * merge) ** 2, "longest_edge": max_pixels}
+                                        ).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    (d / "chat_template.jinja").write_text(GLM4V_TEMPLATE)
+
+
+def make_glm4v_processor(d, **kw):
     """A tiny GLM-4V processor's files in ``d``: a byte-level tokenizer with :data:`GLM4V_SPECIALS`
-    (``<|endoftext|>`` its end of sequence and padding), the real ``Glm4vImageProcessor`` (PIL
-    backend: resizes to multiples of ``patch * merge`` within ``max_pixels``), ``processor_config.json``
-    and ``chat_template.jinja``."""
+    (``<|endoftext|>`` its end of sequence and padding) and :func:`write_glm4v_processor_files`."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
@@ -192,11 +202,7 @@ def make_glm4v_processor(d, patch=4, merge=2, temporal=2, max_pixels=1024, proce
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
                                                pad_token="<|endoftext|>")
     tok.save_pretrained(str(d))
-    transformers.Glm4vImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
-                                        size={"shortest_edge": (patch * merge) ** 2, "longest_edge": max_pixels}
-                                        ).save_pretrained(str(d))
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
-    (d / "chat_template.jinja").write_text(GLM4V_TEMPLATE)
+    write_glm4v_processor_files(d, **kw)
 
 
 #: the tiny LLaVA processor's special tokens, in id order after the 256 bytes (<image> is id 258)

@@ -27,9 +27,9 @@ TABLE = (
     ("visual.post_layernorm.weight", "vision_tower.post_norm", "copy"),
     ("visual.downsample.weight", "vision_tower.downsample", "copy"),
     ("visual.downsample.bias", "vision_tower.downsample_bias", "copy"),
-    *((_BLOCK + f"mlp.{x}_proj.weight", _OURS + f"mlp.{x}", "linear") for x in ("gate", "up", "down")),
+    *((_BLOCK + f"mlp.{x}_proj.weight", _OURS + f"mlp.{x}_proj", "linear") for x in ("gate", "up", "down")),
     ("visual.merger.proj.weight", "multi_modal_projector.proj", "linear"),
-    *((f"visual.merger.{x}_proj.weight", f"multi_modal_projector.{x}", "linear") for x in ("gate", "up", "down")),
+    *((f"visual.merger.{x}_proj.weight", f"multi_modal_projector.{x}_proj", "linear") for x in ("gate", "up", "down")),
 )
 """GLM's own rows of the decoder table (llama_hf.LLAMA_TABLE); the patch convolution, the position
 table, the blocks' norms and attention and the merger's LayerNorm are Qwen's rows."""

@@ -11,6 +11,7 @@ downsampling convolution over each ``merge`` x ``merge`` block of patches to the
 and a merger of a linear map, LayerNorm, GELU and a gated MLP."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +90,12 @@ def init(v: Glm4vVisionConfig, text_hidden: int, dtype: torch.dtype, std: float)
         attn = {f"{x}_proj": w((v.hidden, H, D), "vision vheads vhead_dim") for x in "qkv"}
         if v.attention_bias:
             attn.update({f"{x}_bias": param((H, D), "vheads vhead_dim", init="zeros", dtype=dtype) for x in "qkv"})
-        attn["o_proj"] = w((H, D, v.hidden), "vheads vhead_dim vision")
+        # (meta in_dims: the leading dimensions a linear contracts, docs/adapters.md)
+        attn["o_proj"] = dataclasses.replace(w((H, D, v.hidden), "vheads vhead_dim vision"), meta={"in_dims": 2})
         return {"norm1": ones(v.hidden, "vision"), "norm2": ones(v.hidden, "vision"), "attn": attn,
-                "mlp": {"gate": w((v.hidden, v.out_hidden), "vision vmlp"), "up": w((v.hidden, v.out_hidden),
-                                                                                     "vision vmlp"),
-                        "down": w((v.out_hidden, v.hidden), "vmlp vision")}}
+                "mlp": {"gate_proj": w((v.hidden, v.out_hidden), "vision vmlp"),
+                        "up_proj": w((v.hidden, v.out_hidden), "vision vmlp"),
+                        "down_proj": w((v.out_hidden, v.hidden), "vmlp vision")}}
 
     tower = {"patch_embed": w((v.hidden, v.channels, v.temporal_patch, v.patch_size, v.patch_size),
                               "vision channel patch_t patch_y patch_x"),
@@ -106,8 +108,8 @@ def init(v: Glm4vVisionConfig, text_hidden: int, dtype: torch.dtype, std: float)
              "downsample_bias": param((v.out_hidden,), "vout", init="zeros", dtype=dtype)}
     merger = {"proj": w((v.out_hidden, text_hidden), "vout hidden"), "ln": ones(text_hidden, "hidden"),
               "ln_bias": param((text_hidden,), "hidden", init="zeros", dtype=dtype),
-              "gate": w((text_hidden, v.merger_mlp), "hidden mm"), "up": w((text_hidden, v.merger_mlp), "hidden mm"),
-              "down": w((v.merger_mlp, text_hidden), "mm hidden")}
+              "gate_proj": w((text_hidden, v.merger_mlp), "hidden mm"),
+              "up_proj": w((text_hidden, v.merger_mlp), "hidden mm"), "down_proj": w((v.merger_mlp, text_hidden), "mm hidden")}
     return {"vision_tower": tower, "multi_modal_projector": merger}
 
 
@@ -116,10 +118,10 @@ def _block(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: Glm4vV
     x = x + qwen_vision.attend(p["attn"], h, cos, sin, segments, v)
     f = p["mlp"]
     h = ops.rms_norm(x, p["norm2"], eps=v.norm_eps)
-    gate = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["gate"])
-    up = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["up"])
+    gate = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["gate_proj"])
+    up = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["up_proj"])
     return x + ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", qwen_vision.ACTIVATIONS[v.hidden_act](gate) * up,
-                          f["down"])
+                          f["down_proj"])
 
 
 def encode(tower: dict, images: dict, v: Glm4vVisionConfig) -> Named:
@@ -142,10 +144,10 @@ def project(merger: dict, x: Named, v: Glm4vVisionConfig) -> Named:
     """The merger (batch merged hidden): linear, LayerNorm, GELU, then a gated MLP."""
     h = ops.einsum("batch merged vout, vout hidden -> batch merged hidden", x, merger["proj"])
     h = ops.gelu(ops.layer_norm(h, merger["ln"], merger["ln_bias"], eps=1e-5))
-    gate = ops.einsum("batch merged hidden, hidden mm -> batch merged mm", h, merger["gate"])
-    up = ops.einsum("batch merged hidden, hidden mm -> batch merged mm", h, merger["up"])
+    gate = ops.einsum("batch merged hidden, hidden mm -> batch merged mm", h, merger["gate_proj"])
+    up = ops.einsum("batch merged hidden, hidden mm -> batch merged mm", h, merger["up_proj"])
     return ops.einsum("batch merged mm, mm hidden -> batch merged hidden", qwen_vision.ACTIVATIONS[v.hidden_act](gate) * up,
-                      merger["down"])
+                      merger["down_proj"])
 
 
 def with_images(params: dict, x: Named, images: dict, v: Glm4vVisionConfig) -> Named:
