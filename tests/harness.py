@@ -277,16 +277,17 @@ ADAPTER_LAYOUTS = {"dp": (fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard")),
                    "fsdp_tp": (fpp.Mesh(dp_shard=2, tp=2), llama.default_rules())}
 
 
-def train_adapters(cfg, lc, decls, full, data, mesh, rules, lr=1e-2, wd=0.1):
+def train_adapters(cfg, lc, decls, full, data, mesh, rules, lr=1e-2, wd=0.1, batch_dims=None):
     """AdamW steps of adapter training (``lc``: LoRA / DoRA) from the full tree ``full``, one per
     batch of ``data``; per device the losses, the first step's adapter gradients and the full
-    adapters after the steps."""
+    adapters after the steps. ``batch_dims``: the dimension names of entries other than
+    ``batch seq`` (images: data/images.py's ``IMAGE_DIMS``)."""
     import functools
 
     from functional_pp import adapters
     loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)
     step = fpp.train_step(loss, fpp.optim.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd), mesh=mesh,
-                          rules=rules, trainable=adapters.trainable(lc))
+                          rules=rules, trainable=adapters.trainable(lc), **({"batch_dims": batch_dims} if batch_dims else {}))
 
     def device():
         with fpp.use_rules(rules):
@@ -294,7 +295,7 @@ def train_adapters(cfg, lc, decls, full, data, mesh, rules, lr=1e-2, wd=0.1):
         grads, losses = None, []
         for b in data:
             with fpp.use_rules(rules):
-                lb = {k: fpp.named(v, "batch seq").data for k, v in b.items()}
+                lb = {k: fpp.named(v, (batch_dims or {}).get(k, "batch seq")).data for k, v in b.items()}
             if grads is None:
                 _, g = step.gradients(state, lb)
                 with fpp.use_rules(rules):

@@ -274,3 +274,51 @@ def test_dp_fsdp_on_real_processes_equal_one_device(saved):
             torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-10,
                                        msg=lambda m: f"{p}: {m}")
     assert any(p.startswith("vision_tower.downsample") for p in one[1])
+
+
+def test_lora_step_equals_peft(saved):
+    """LoRA (r 4, B random and nonzero) on the modules peft's regex names (the decoder's attention
+    and down projections, the tower's and the merger's gated MLPs) of transformers' model: our loss
+    with images and every adapter gradient of one step equal peft's (float64)."""
+    import peft
+    from harness import train_adapters
+
+    from functional_pp import adapters
+    from functional_pp.adapters import peft_dir
+    _, d, cfg = saved
+    targets = (r"(model\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj|down_proj))"
+               r"|((model\.)?visual\.(blocks\.\d+\.mlp|merger)\.(gate_proj|up_proj|down_proj))")
+    model = transformers.Glm4vForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
+                                                                       attn_implementation="eager")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+
+    def ours(name):        # (peft's module names -> those of the files of the decoder's family, peft_dir's)
+        return name.replace(".default", "").replace("model.model.language_model.", "model.model.").replace(
+            "model.model.visual.", "model.visual.")
+    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=targets)
+    decls = adapters.init(llama.init(cfg, torch.float64), lc)
+    state = {ours(k): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
+    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64),
+                           peft_dir.from_peft(state, decls, cfg.model_type))
+    ids, pixels = rows(seed=6, dtype=torch.float64)
+    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
+    losses, grads, _ = train_adapters(cfg, lc, decls, full, [batch_of(ids, pixels, cfg)], fpp.Mesh(), fpp.Rules(),
+                                      batch_dims=dims)[0]
+    logits = pm(**hf_inputs(ids, pixels)).logits[:, :-1]
+    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(torch.tensor(losses[0], dtype=torch.float64), ref.detach(), rtol=1e-7, atol=0)
+    got = peft_dir.to_peft(grads, cfg.model_type)
+    want = {ours(k): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and len(want) == 2 * (5 * 2 + 3 * 2 + 3)
+    assert any(".visual.merger.gate_proj." in k for k in want) and not any(".attn." in k for k in want)
+    for k in want:
+        assert want[k].abs().max() > 0, k
+        # (transformers' rotary tables and position resampling are float32 whatever the dtype)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=max(1e-5 * want[k].abs().max().item(), 1e-9),
+                                   msg=lambda m: f"grad {k}: {m}")
