@@ -477,7 +477,7 @@ def check_images(cfg: Any, add) -> None:
 
 def _check_vision_tower(conf: Path, add) -> None:
     """A local base_model's vision tower must be one that is built (models/llama_hf.py's
-    ``vision_from_hf``: Pixtral's, CLIP's, Qwen's), named
+    ``vision_from_hf``: Pixtral's, CLIP's, Qwen's, GLM-4V's), named
     here with the config's other problems (whatever else refuses it: another processor_type)."""
     if not conf.is_file():
         return

@@ -7,7 +7,8 @@ Entries (global tensors; ``P`` patches per example, padded to one count for the 
 data/images.py (``patches`` B, P, C*T, patch, patch; ``patch_positions``; ``patch_images``;
 ``image_slots``) plus ``patch_taps`` and ``patch_tap_weights`` (B, P, 4: the rows of the learned
 side x side position table each patch reads and their bilinear weights, align_corners, as
-transformers' ``get_vision_interpolation_indices_and_weights``) and ``mrope_positions`` (B, S, 3:
+transformers' ``get_vision_interpolation_indices_and_weights``; B, P, 16 bicubic for GLM-4V's tower,
+:data:`RESAMPLING`) and ``mrope_positions`` (B, S, 3:
 each token's temporal, height and width position, transformers' ``get_rope_index``: text tokens
 count on, all three equal; an image's tokens sit at the count it starts at plus their merged row
 and column, and the count goes on from its start plus the larger of its merged rows and columns)."""
