@@ -392,6 +392,8 @@ RENAMED.update(qwen3_5_hf.RENAMED)     # (the multimodal Qwen3.5's text decoder:
 RENAMED["qwen3_5"] = RENAMED["qwen3_5"] + qwen_vision_hf.RENAMED     # (its vision tower: model.visual.)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
+RENAMED.update({mt: RENAMED["glm4"] + glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS})   # (GLM-4V's files by their
+# own model_type: what a PEFT adapter of a glm4v base names, peft_dir)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama"}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
 ``model_type``, or this default) imports as that family, ``Config.text_of`` naming the wrapper."""
