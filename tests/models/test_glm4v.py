@@ -276,10 +276,11 @@ def test_dp_fsdp_on_real_processes_equal_one_device(saved):
     assert any(p.startswith("vision_tower.downsample") for p in one[1])
 
 
-def test_lora_step_equals_peft(saved):
+def test_lora_step_equals_peft(saved, tmp_path):
     """LoRA (r 4, B random and nonzero) on the modules peft's regex names (the decoder's attention
     and down projections, the tower's and the merger's gated MLPs) of transformers' model: our loss
-    with images and every adapter gradient of one step equal peft's (float64)."""
+    with images and every adapter gradient of one step equal peft's (float64); the adapters written
+    as a PEFT directory load in peft with the same logits."""
     import peft
     from harness import train_adapters
 
@@ -316,6 +317,12 @@ def test_lora_step_equals_peft(saved):
     want = {ours(k): p.grad for k, p in pm.named_parameters() if p.requires_grad}
     assert got.keys() == want.keys() and len(want) == 2 * (5 * 2 + 3 * 2 + 3)
     assert any(".visual.merger.gate_proj." in k for k in want) and not any(".attn." in k for k in want)
+    out = peft_dir.save_adapter(tmp_path / "adapter", adapters.split(full)[1], lc, str(d))
+    plain = transformers.Glm4vForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
+                                                                       attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(plain, str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**hf_inputs(ids, pixels)).logits[:, :-1], logits.detach(), rtol=0, atol=0)
     for k in want:
         assert want[k].abs().max() > 0, k
         # (transformers' rotary tables and position resampling are float32 whatever the dtype)
