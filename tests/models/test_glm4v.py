@@ -328,3 +328,24 @@ def test_lora_step_equals_peft(saved, tmp_path):
         # (transformers' rotary tables and position resampling are float32 whatever the dtype)
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=max(1e-5 * want[k].abs().max().item(), 1e-9),
                                    msg=lambda m: f"grad {k}: {m}")
+
+
+def test_a_published_layout_config_reads():
+    """GLM-4.6V-Flash's config.json shape (transformers 4.x keys: ``rope_scaling`` holding
+    ``mrope_section``, ``partial_rotary_factor`` and ``rope_theta`` at the text config's top level):
+    the decoder's rotary is 64 of 128 dims in 8 + 12 + 12 pairs, the tower reads its sizes."""
+    raw = {"model_type": "glm4v", "image_token_id": 151363,
+           "text_config": {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
+                           "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                           "partial_rotary_factor": 0.5, "rope_theta": 10000, "rms_norm_eps": 1e-05,
+                           "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]},
+                           "attention_bias": True, "model_type": "glm4v_text", "pad_token_id": 151329},
+           "vision_config": {"hidden_size": 1536, "depth": 24, "num_heads": 12, "intermediate_size": 10944,
+                             "image_size": 336, "patch_size": 14, "out_hidden_size": 4096, "spatial_merge_size": 2}}
+    cfg, v = hf.config_from_hf(raw), llama_hf.vision_from_hf(raw)
+    assert (cfg.text_of, cfg.dim_head, cfg.rotary_dim, cfg.mrope_section, cfg.rope_theta) == ("glm4v", 128, 64,
+                                                                                             (8, 12, 12), 10000.0)
+    assert (cfg.kv_heads, cfg.norm_eps, cfg.qkv_bias, cfg.sandwich_norms, cfg.rotary_interleaved) == (2, 1e-5, True,
+                                                                                                    True, True)
+    assert (v.side, v.out_hidden, v.merger_mlp, v.image_token_id, v.resample) == (24, 4096, 10944, 151363, "bicubic")
+    assert glm4v_hf.CLASSES[raw["model_type"]] == "Glm4vForConditionalGeneration"
