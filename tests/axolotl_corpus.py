@@ -249,6 +249,13 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=64, patch_size=16, attention_bias=True), image_seq_length=4,
                 image_token_id=400)),
+            # GLM-4.6V-Flash: GLM-4V's tower (one block) beside a GLM-4-0414 decoder (the multimodal rotary)
+            "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(
+                text_config=dict(_TINY, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                             partial_rotary_factor=0.5, mrope_section=[4, 6, 6])),
+                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
+                                   patch_size=16, image_size=64), image_start_token_id=382, image_end_token_id=383,
+                image_token_id=380, video_token_id=381)),
             "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
                 text_config=dict(_TINY, **_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64), vision_config=_QWEN3_5_VISION,
@@ -271,6 +278,9 @@ _IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 #: the wrappers whose stand-in holds a Qwen processor (Qwen2VLImageProcessor, <|image_pad|> its image token)
 _QWEN_VL = {"qwen3_5": "Qwen3VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
 _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+#: the wrappers whose stand-in holds a GLM-4V processor (Glm4vImageProcessor, <|image|> its image token)
+_GLM_VL = {"glm4v": "Glm4vProcessor"}
+_GLM_IMAGE_TOKENS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>")
 #: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
 _LLAVA = ("llava",)
 #: the wrappers whose stand-in holds an LFM2-VL processor (<image> per 2 x 2 patches, tiles and their markers)
@@ -303,15 +313,16 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if (d / "config.json").is_file():
         return d
     from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, INTERNVL_SPECIALS, LFM2_VL_SPECIALS, make_tekken, make_tokenizer,
-                                write_gemma4_processor_files, write_internvl_processor_files,
-                                write_lfm2_vl_processor_files, write_llama4_processor_files,
-                                write_llava_processor_files, write_pixtral_processor_files,
-                                write_qwen_vl_processor_files)
+                                write_gemma4_processor_files, write_glm4v_processor_files,
+                                write_internvl_processor_files, write_lfm2_vl_processor_files,
+                                write_llama4_processor_files, write_llava_processor_files,
+                                write_pixtral_processor_files, write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
                          extra=(_IMAGE_TOKENS if model_type in _PIXTRAL else
                                 _QWEN_IMAGE_TOKENS if model_type in _QWEN_VL else
+                                _GLM_IMAGE_TOKENS if model_type in _GLM_VL else
                                 ("<image>",) if model_type in _LLAVA else
                                 GEMMA4_IMAGE_TOKENS if model_type in _GEMMA4 else
                                 _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else
@@ -338,6 +349,11 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _QWEN_VL:       # (Qwen3.5: its processor's files, <|image_pad|> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image_pad|>"))
             write_qwen_vl_processor_files(d, _QWEN3_5_VISION["patch_size"], 2, 2, 64 * 64, _QWEN_VL[model_type])
+        if model_type in _GLM_VL:        # (GLM-4V: its processor's files, <|image|> the tokenizer's own id)
+            kw = dict(kw, image_token_id=tok.tok.token_to_id("<|image|>"),
+                      image_start_token_id=tok.tok.token_to_id("<|begin_of_image|>"),
+                      image_end_token_id=tok.tok.token_to_id("<|end_of_image|>"))
+            write_glm4v_processor_files(d, 16, 2, 2, 64 * 64, _GLM_VL[model_type])
         if model_type in _LLAVA:         # (LLaVA-1.5: its processor's files, <image> the tokenizer's own id)
             kw = dict(kw, image_token_index=tok.tok.token_to_id("<image>"))
             write_llava_processor_files(d, _VISION["patch_size"], _VISION["image_size"], "default")

@@ -194,6 +194,43 @@ def make_qwen_vl_processor(d, **kw):
     write_qwen_vl_processor_files(d, **kw)
 
 
+#: the tiny GLM-4V processor's special tokens, in id order after the 256 bytes (<|image|> is id 262)
+GLM4V_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
+                  "<|end_of_image|>"]
+#: GLM-4V's chat template's shape: [gMASK]<sop>, <|role|> turns, each image between its begin and end markers
+GLM4V_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{% if m.content is string %}{{ m.content }}"
+                  "{% else %}{% for c in m.content %}{% if c.type == 'image' %}<|begin_of_image|><|image|>"
+                  "<|end_of_image|>{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}{% endfor %}")
+
+
+def write_glm4v_processor_files(d, patch=4, merge=2, temporal=2, max_pixels=1024, processor="Glm4vProcessor"):
+    """``processor_config.json``, ``preprocessor_config.json`` (the real ``Glm4vImageProcessor``, PIL
+    backend: resizes to multiples of ``patch * merge`` within ``max_pixels``) and
+    ``chat_template.jinja`` of a GLM-4V processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.Glm4vImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
+                                        size={"shortest_edge": (patch * merge) ** 2, "longest_edge": max_pixels}
+                                        ).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    (d / "chat_template.jinja").write_text(GLM4V_TEMPLATE)
+
+
+def make_glm4v_processor(d, **kw):
+    """A tiny GLM-4V processor's files in ``d``: a byte-level tokenizer with :data:`GLM4V_SPECIALS`
+    (``<|endoftext|>`` its end of sequence and padding) and :func:`write_glm4v_processor_files`."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in GLM4V_SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
+                                               pad_token="<|endoftext|>")
+    tok.save_pretrained(str(d))
+    write_glm4v_processor_files(d, **kw)
+
+
 #: the tiny LLaVA processor's special tokens, in id order after the 256 bytes (<image> is id 258)
 LLAVA_SPECIALS = ["<s>", "</s>", "<image>", "<pad>"]
 #: LLaVA-1.5's chat template (its processor's): USER / ASSISTANT turns, each image as <image> and a newline

@@ -150,7 +150,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     from functional_pp.config.models import model_config
     from functional_pp.data.chat import template_names, template_text
     from functional_pp.data.vision_chat import load_processor
-    from functional_pp.models import gemma4_unified, gemma4_vision, internvl, lfm2_vl, llama4_vision, qwen_vision
+    from functional_pp.models import (gemma4_unified, gemma4_vision, glm4v_vision, internvl, lfm2_vl, llama4_vision,
+                                      qwen_vision)
     mc = model_config(cfg)
     v = mc.vision
     proc = load_processor(cfg.base_model)
@@ -163,7 +164,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
         replies = "[/INST]" if name == "pixtral" and not cfg.train_on_inputs else None   # (its Pixtral strategy)
         proc = dataclasses.replace(proc, chat_template=text, reply_after=replies)
     # (the towers whose processor lays images out its own way; the others read Pixtral's or LLaVA's)
-    own = {**dict.fromkeys(qwen_vision.TOWERS, "qwen"),
+    own = {**dict.fromkeys(qwen_vision.TOWERS + glm4v_vision.TOWERS, "qwen"),
            **dict.fromkeys(gemma4_vision.TOWERS + gemma4_unified.TOWERS, "gemma4"),
            **dict.fromkeys(llama4_vision.TOWERS, "llama4"), **dict.fromkeys(lfm2_vl.TOWERS, "lfm2_vl"),
            **dict.fromkeys(internvl.TOWERS, "internvl")}
@@ -173,8 +174,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
     if proc.layout in _OWN_SETTINGS:
         return _OWN_SETTINGS[proc.layout](cfg, proc, v)
     token = proc.media_ids()[0]
-    qwen = getattr(v, "tower", "pixtral") in qwen_vision.TOWERS
-    if qwen:
+    if own.get(v.tower) == "qwen":
         if (proc.patch, proc.merge, token) != (v.patch_size, v.merge, v.image_token_id) or \
                 getattr(proc.image_processor, "temporal_patch_size", v.temporal_patch) != v.temporal_patch:
             raise ValueError(f"processor_type: base_model {cfg.base_model}'s image processor cuts {proc.patch}-pixel "
@@ -182,7 +182,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                              f"{v.patch_size}-pixel patches (patch_size) merged {v.merge} x {v.merge} "
                              f"(spatial_merge_size) with image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
-                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch}}
+                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch,
+                         "resample": v.resample}}
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "

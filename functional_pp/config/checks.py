@@ -544,7 +544,7 @@ def _check_processor_class(conf: Path, named: str, add) -> None:
 
 def _check_vision_tower(conf: Path, add) -> None:
     """A local base_model's vision tower must be one that is built (models/llama_hf.py's
-    ``vision_from_hf``: Pixtral's, CLIP's, Qwen's, SigLIP2's, InternViT's), named
+    ``vision_from_hf``: Pixtral's, CLIP's, Qwen's, GLM-4V's, SigLIP2's, InternViT's, Gemma 4's, Llama 4's), named
     here with the config's other problems (whatever else refuses it: another processor_type)."""
     if not conf.is_file():
         return

@@ -7,7 +7,8 @@ Entries (global tensors; ``P`` patches per example, padded to one count for the 
 data/images.py (``patches`` B, P, C*T, patch, patch; ``patch_positions``; ``patch_images``;
 ``image_slots``) plus ``patch_taps`` and ``patch_tap_weights`` (B, P, 4: the rows of the learned
 side x side position table each patch reads and their bilinear weights, align_corners, as
-transformers' ``get_vision_interpolation_indices_and_weights``) and ``mrope_positions`` (B, S, 3:
+transformers' ``get_vision_interpolation_indices_and_weights``; B, P, 16 bicubic for GLM-4V's tower,
+:data:`RESAMPLING`) and ``mrope_positions`` (B, S, 3:
 each token's temporal, height and width position, transformers' ``get_rope_index``: text tokens
 count on, all three equal; an image's tokens sit at the count it starts at plus their merged row
 and column, and the count goes on from its start plus the larger of its merged rows and columns)."""
@@ -26,14 +27,33 @@ def _grid_positions(gh: int, gw: int, merge: int) -> torch.Tensor:
     return torch.stack([r.permute(0, 2, 1, 3).reshape(-1), c.permute(0, 2, 1, 3).reshape(-1)], -1)
 
 
-def _taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bilinear taps (floor, floor + 1, clamped) into ``side`` rows for ``index`` of ``size``, align_corners,
-    and their weights, in float32."""
+    and their weights, in float32 (Qwen3-VL's ``get_vision_interpolation_indices_and_weights``)."""
     src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
     floor = torch.floor(src)
     offsets = torch.arange(2)
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
     return taps, (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+
+
+def _bicubic_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bicubic taps (floor - 1 to floor + 2, clamped: border padding) into ``side`` rows for the
+    centres of ``index`` of ``size`` (align_corners False) and their weights (A = -0.75), in float32:
+    ``F.grid_sample(mode="bicubic", padding_mode="border")`` along one axis (GLM-4V's)."""
+    src = (index.to(torch.float32) + 0.5) * side / size - 0.5
+    floor = torch.floor(src)
+    t = (src - floor)[:, None]
+    a = -0.75
+    near = lambda d: ((a + 2) * d - (a + 3)) * d * d + 1                 # noqa: E731  |d| <= 1
+    far = lambda d: ((a * d - 5 * a) * d + 8 * a) * d - 4 * a             # noqa: E731  1 < |d| < 2
+    weights = torch.cat([far(t + 1), near(t), near(1 - t), far(2 - t)], 1)
+    return (floor.long()[:, None] + torch.arange(-1, 3)).clamp(0, side - 1), weights
+
+
+RESAMPLING = {"bilinear": _bilinear_taps, "bicubic": _bicubic_taps}
+"""How a tower resamples its learned position table to an image's grid (its config's ``resample``):
+the taps along one axis; a patch reads their products along both."""
 
 
 def mrope_positions(ids: torch.Tensor, grids: torch.Tensor | None, image_token_id: int, merge: int) -> torch.Tensor:
@@ -60,12 +80,17 @@ def mrope_positions(ids: torch.Tensor, grids: torch.Tensor | None, image_token_i
 
 def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
                      grids: Sequence[torch.Tensor | None], *, merge: int, image_token_id: int, side: int,
-                     channels: int, temporal_patch: int, patch: int, patches: int | None = None) -> dict:
+                     channels: int, temporal_patch: int, patch: int, patches: int | None = None,
+                     resample: str = "bilinear") -> dict:
     """The entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``: its
     patches' rows, n_b x (C*T*patch*patch); ``grids[b]``: n_b x 3 ``image_grid_thw``; None: no
-    image). ``patches`` pads every row to that many patches (default: the batch's most). A row
+    image). ``patches`` pads every row to that many patches (default: the batch's most);
+    ``resample`` the position table's resampling (:data:`RESAMPLING`: 4 taps, 16 bicubic). A row
     whose image tokens do not number its images' merged tokens is refused, naming the row and both
     counts."""
+    if resample not in RESAMPLING:
+        raise ValueError(f"images: resample={resample!r} is not one of {sorted(RESAMPLING)}")
+    taps_of, n_taps = RESAMPLING[resample], (2 if resample == "bilinear" else 4) ** 2
     k = merge ** 2
     counts = [0 if g is None else int(g.prod(-1).sum()) for g in grids]
     P = max([k] + counts) if patches is None else patches
@@ -79,8 +104,8 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
            "image_slots": torch.full((B, S), -1, dtype=torch.long),
            "mrope_positions": torch.zeros(B, S, 3, dtype=torch.long)}
     if side:                  # (a learned position table to resample: Qwen3-VL / Qwen3.5; Qwen2-VL has none)
-        out.update(patch_taps=torch.zeros(B, P, 4, dtype=torch.long),
-                   patch_tap_weights=torch.zeros(B, P, 4, dtype=torch.float32))
+        out.update(patch_taps=torch.zeros(B, P, n_taps, dtype=torch.long),
+                   patch_tap_weights=torch.zeros(B, P, n_taps, dtype=torch.float32))
     for b in range(B):
         g, n = grids[b], counts[b]
         n_tokens = int((ids[b] == image_token_id).sum())
@@ -103,8 +128,8 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
             out["patch_positions"][b, start:start + m] = pos
             out["patch_images"][b, start:start + m] = j
             if side:
-                (hr, hw_), (cr, cw) = _taps(pos[:, 0], h, side), _taps(pos[:, 1], w, side)
-                out["patch_taps"][b, start:start + m] = (hr[:, :, None] * side + cr[:, None, :]).reshape(m, 4)
-                out["patch_tap_weights"][b, start:start + m] = (hw_[:, :, None] * cw[:, None, :]).reshape(m, 4)
+                (hr, hw_), (cr, cw) = taps_of(pos[:, 0], h, side), taps_of(pos[:, 1], w, side)
+                out["patch_taps"][b, start:start + m] = (hr[:, :, None] * side + cr[:, None, :]).reshape(m, n_taps)
+                out["patch_tap_weights"][b, start:start + m] = (hw_[:, :, None] * cw[:, None, :]).reshape(m, n_taps)
             start += m
     return out

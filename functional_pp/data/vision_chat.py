@@ -15,8 +15,10 @@ and only the assistant's replies train (its Pixtral strategy). Qwen's processors
 ``Qwen3VLProcessor``: Qwen2-VL, Qwen3.5) expand each ``<|image_pad|>`` into one per merged patch
 (``image_grid_thw``'s product over ``merge_size``²) and their image processor (``Qwen2VLImageProcessor``)
 gives the patches' rows (data/qwen_images.py); the labels mask the padding and ``<|image_pad|>``
-(Axolotl's Qwen2-VL strategy). Gemma 4's (``Gemma4Processor``) writes each image as its begin token,
-one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kernel_size``² block of
+(Axolotl's Qwen2-VL strategy). GLM-4V's (``Glm4vProcessor``, ``Glm46VProcessor``) lay images out as
+Qwen's, ``<|image|>`` their image token; the labels mask it, the padding and the image and video
+markers (:data:`GLM_MARKERS`: Axolotl's GLM-4V strategy). Gemma 4's (``Gemma4Processor``) writes
+each image as its begin token, one image token per soft token (``num_soft_tokens_per_image``: a ``pooling_kernel_size``² block of
 patches each) and its end token; its image processor (``Gemma4ImageProcessor``, resizing within
 ``max_soft_tokens``) gives the patches as rows of pixels, put back into each image's pixels here
 for data/images.py to cut in pooling order; the labels mask the padding and the three image tokens.
@@ -48,8 +50,11 @@ from functional_pp.data.llama4_images import Llama4Tiler, image_text
 from functional_pp.data.qwen_images import qwen_image_batch
 from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
-QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
-"""The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
+QWEN_PROCESSORS = {"Qwen2VLProcessor": "<|image_pad|>", "Qwen3VLProcessor": "<|image_pad|>",
+                   "Glm4vProcessor": "<|image|>", "Glm46VProcessor": "<|image|>"}
+"""The processor classes of Qwen's layout (one image token per merged patch) and their image token."""
+GLM_MARKERS = ("<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")
+"""The tokens GLM-4V's labels mask beside its image token (those its tokenizer has)."""
 GEMMA4_PROCESSORS = ("Gemma4Processor", "Gemma4UnifiedProcessor")
 """The processor classes of Gemma 4's layout (begin token, a token per soft token, end token)."""
 LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
@@ -93,6 +98,8 @@ class ImageChatProcessor:
     extra: int = 0
     image_begin_token: str | None = None      # (Gemma 4's: before each image's tokens, as its end token after)
     bounds: tuple[str, str] = ("", "")       # (InternVL: <img> and </img> around an image's tokens)
+    # more tokens the labels mask where the tokenizer has them (GLM-4V: its image and video markers)
+    also_masked: tuple[str, ...] = ()
 
     def process(self, pictures: list) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(pixel_values, image_sizes or image_grid_thw or spatial_shapes, each image's tokens)`` of ``pictures``."""
@@ -197,7 +204,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Gemma 4 unified, Llama 4, LFM2-VL, InternVL) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, GLM-4V, Gemma 4, Gemma 4 unified, Llama 4, LFM2-VL, "
+                         f"InternVL) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         if kind == "Llama4Processor":           # (its tiles: data/llama4_images.py, below)
@@ -237,8 +245,9 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     elif kind in QWEN_PROCESSORS:
         merge = int(getattr(images, "merge_size", 2))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
-                                  image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
-                                  image_end_token=None, layout="qwen", merge=merge)
+                                  image_token=conf.get("image_token", QWEN_PROCESSORS[kind]), image_break_token=None,
+                                  image_end_token=None, layout="qwen", merge=merge,
+                                  also_masked=GLM_MARKERS if kind.startswith("Glm") else ())
     elif kind == INTERNVL_PROCESSOR:          # (its tokenizer names the markers: tokenizer_config.json)
         tc_file = root / "tokenizer_config.json"
         tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
@@ -350,6 +359,8 @@ def encode(processor, rec: dict, base: Path, where: str) -> tuple[list[int], lis
         text = parts[0] + "".join(tokens + rest for tokens, rest in zip(expanded, parts[1:]))
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     masked = set(media_token_ids(processor))
+    known = {processor.tokenizer.convert_tokens_to_ids(t) for t in processor.also_masked}
+    masked |= known - {None, getattr(processor.tokenizer, "unk_token_id", None)}
     pad = getattr(processor.tokenizer, "pad_token_id", None)
     if pad is not None:
         masked.add(pad)

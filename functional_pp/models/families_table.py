@@ -83,7 +83,10 @@ ROWS: tuple[Row, ...] = (
         "image attention (`use_bidirectional_attention`), images with E2B / E4B's per-layer inputs; audio input "
         "(refused by name); sampling with images"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
-                         "attention and after the MLP too"),
+                         "attention and after the MLP too; the multimodal `glm4v` / `glm46v` (GLM-4.1V, GLM-4.6V-Flash:"
+                         " `Glm4vForConditionalGeneration`): that decoder with the multimodal rotary (contiguous "
+                         "`mrope_section`) and GLM-4V's vision tower (images; export: the multimodal class)",
+        "GLM-4V's video input"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),
     Row(("granite",), "embedding / residual / attention / logit multipliers"),
     Row(("olmo2", "olmo3"), "norms after each block, q/k norms across heads; OLMo 3: sliding layers, a rope base "

@@ -28,9 +28,9 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_unified, gemma4_vision, internvl, kimi_delta,
-                                   kv_cache, lfm2_vl, llama4_vision, mamba1, mamba2, mla, moe, per_layer_inputs,
-                                   pixtral, qwen_vision, recording, short_conv, temperature)
+from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_unified, gemma4_vision, glm4v_vision, internvl,
+                                   kimi_delta, kv_cache, lfm2_vl, llama4_vision, mamba1, mamba2, mla, moe,
+                                   per_layer_inputs, pixtral, qwen_vision, recording, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, ProportionalScaling, YarnScaling
@@ -307,13 +307,13 @@ class Config:
     # export writes them under those names
     experts_linearized: bool = False
     # a vision-language model's image encoder and projector (models/pixtral.py: Mistral 3's Pixtral tower;
-    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/gemma4_vision.py: Gemma 4's; models/llama4_vision.py:
-    # Llama 4's; models/lfm2_vl.py: LFM2-VL's SigLIP2; models/internvl.py: InternViT; models/gemma4_unified.py:
-    # Gemma 4 unified's encoder-free embedder), its features written into
+    # models/qwen_vision.py: Qwen3-VL / Qwen3.5's; models/glm4v_vision.py: GLM-4V's; models/gemma4_vision.py:
+    # Gemma 4's; models/llama4_vision.py: Llama 4's; models/lfm2_vl.py: LFM2-VL's SigLIP2; models/internvl.py:
+    # InternViT; models/gemma4_unified.py: Gemma 4 unified's encoder-free embedder), its features written into
     # the embeddings at the image tokens of batches that carry images (None: text only)
-    vision: ("pixtral.VisionConfig | qwen_vision.QwenVisionConfig | gemma4_vision.Gemma4VisionConfig | "
-             "llama4_vision.Llama4VisionConfig | lfm2_vl.Lfm2VlConfig | internvl.InternVLConfig | "
-             "gemma4_unified.UnifiedVisionConfig | None") = None
+    vision: ("pixtral.VisionConfig | qwen_vision.QwenVisionConfig | glm4v_vision.Glm4vVisionConfig | "
+             "gemma4_vision.Gemma4VisionConfig | llama4_vision.Llama4VisionConfig | lfm2_vl.Lfm2VlConfig | "
+             "internvl.InternVLConfig | gemma4_unified.UnifiedVisionConfig | None") = None
     # the tokens of one image attend to each other, before and after, in every layer (Gemma 4 unified's
     # use_bidirectional_attention: vision; ops.attention's groups from the batch's image_groups)
     image_groups_attend: bool = False
@@ -954,7 +954,8 @@ def vision_tower(name: str):
               **{name: gemma4_vision for name in gemma4_vision.TOWERS},
               **{name: llama4_vision for name in llama4_vision.TOWERS},
               **{name: lfm2_vl for name in lfm2_vl.TOWERS}, **{name: internvl for name in internvl.TOWERS},
-              **{name: gemma4_unified for name in gemma4_unified.TOWERS}}
+              **{name: gemma4_unified for name in gemma4_unified.TOWERS},
+              **{name: glm4v_vision for name in glm4v_vision.TOWERS}}
     if name not in towers:
         raise ValueError(f"vision tower {name!r} is not supported; choose one of {sorted(towers)}")
     return towers[name]

@@ -49,9 +49,10 @@ from typing import Any
 import torch
 
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_unified_hf,
-                                  gemma4_vision_hf, gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf, kimi_delta,
-                                  kimi_linear_hf, lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf, mamba_hf,
-                                  nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf, score_head)
+                                  gemma4_vision_hf, glm4v_hf, gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf,
+                                  kimi_delta, kimi_linear_hf, lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf,
+                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf,
+                                  score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -198,6 +199,8 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     *internvl_hf.TABLE,
     # Gemma 4 unified's encoder-free image embedder (models/gemma4_unified.py)
     *gemma4_unified_hf.TABLE,
+    # GLM-4V's own tensors of its tower (models/glm4v_vision.py; the others are Qwen's rows, renamed)
+    *glm4v_hf.TABLE,
     # a Mamba (v1) mixer (models/mamba1.py; Mamba, Jamba): our names under layers.{i}.mamba1, renamed per family
     *mamba_hf.TABLE,
 )
@@ -292,6 +295,7 @@ FUSED["gpt2"] = tuple(                       # (names after RENAMED: q, k and v 
 FUSED.update(qwen3_5_hf.FUSED)               # (Qwen3.5: q / k / v in in_proj_qkv and in conv1d)
 FUSED["qwen3_5"] = FUSED["qwen3_5"] + qwen_vision_hf.FUSED     # (its vision tower: q / k / v in attn.qkv)
 FUSED[qwen_vision_hf.QWEN2_VL_TEXT] = FUSED.get(qwen_vision_hf.QWEN2_VL_TEXT, ()) + qwen_vision_hf.QWEN2_VL_FUSED
+FUSED.update({mt: glm4v_hf.FUSED for mt in glm4v_hf.WRAPPERS})     # (GLM-4V's files: read by the wrapper, text_of)
 FUSED["dbrx"] = (("transformer.blocks.{i}.norm_attn_norm.attn.Wqkv.weight",     # (names after RENAMED)
                   tuple(f"transformer.blocks.{{i}}.norm_attn_norm.attn.{x}_proj.weight" for x in "qkv")),)
 FUSED["mpt"] = (("transformer.blocks.{i}.attn.Wqkv.weight",     # (names after RENAMED)
@@ -410,6 +414,8 @@ RENAMED["gemma4_unified"] = (RENAMED["gemma4_unified"] + gemma4_vision_hf.RENAME
                              + gemma4_unified_hf.RENAMED)
 RENAMED[qwen_vision_hf.QWEN2_VL_TEXT] = (RENAMED.get(qwen_vision_hf.QWEN2_VL_TEXT, ())   # (Qwen2-VL's tower: visual.)
                                          + qwen_vision_hf.QWEN2_VL_RENAMED)
+RENAMED.update({mt: RENAMED["glm4"] + glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS})   # (GLM-4V's files by their
+# own model_type: what a PEFT adapter of a glm4v base names, peft_dir)
 MULTIMODAL: dict[str, str | None] = {"gemma3": "gemma3_text", "mistral3": None, "llama4": "llama4_text", "llava": "llama",
                                      lfm2_vl_hf.WRAPPER: lfm2_vl_hf.TEXT, internvl_hf.WRAPPER: internvl_hf.TEXT}
 """The multimodal ``model_type`` values whose text decoder (``text_config``; its own
@@ -419,7 +425,8 @@ IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED,
                                                **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT},
-                                               **remote_code_hf.IGNORED}
+                                               **remote_code_hf.IGNORED,
+                                               **{mt: glm4v_hf.IGNORED for mt in glm4v_hf.WRAPPERS}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
 RENAMED["granitemoeshared"] = RENAMED["granitemoe"] + (          # its shared expert: shared_mlp, gate and up fused
     (r"\.mlp\.shared_expert\.down_proj\.", ".shared_mlp.output_linear."), (r"\.mlp\.shared_expert\.", ".shared_mlp."))
@@ -460,17 +467,21 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
     more = SWITCHES[model_type].renames if model_type in SWITCHES else None
     for pattern, repl in RENAMED.get(model_type, ()) + (more(cfg) if more is not None else ()):
         name = re.sub(pattern, repl, name)
-    text_of = getattr(cfg, "text_of", None)
-    if text_of and text_of not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal checkpoint's text decoder,
-        # its files' layout; Qwen2-VL's files keep the text model's; LFM2-VL's are transformers 5's)
-        for pattern, repl in WRAPPER_RENAMED.get(text_of, ((r"^(model|lm_head)\.", r"language_model.\1."),)):
+    wrapper = getattr(cfg, "text_of", None)
+    if wrapper in WRAPPER_RENAMED:                        # (a wrapper whose files name its own layout)
+        for pattern, repl in WRAPPER_RENAMED[wrapper]:
             name = re.sub(pattern, repl, name)
+    elif wrapper and wrapper not in qwen_vision_hf.TEXT_LAYOUT:   # (a multimodal
+        # checkpoint's text decoder, its files' layout; Qwen2-VL's files keep the text model's)
+        name = re.sub(r"^(model|lm_head)\.", r"language_model.\1.", name)
     return name
 
 
-WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {lfm2_vl_hf.WRAPPER: lfm2_vl_hf.RENAMED}
-"""Per multimodal wrapper (``Config.text_of``), the renames of its files' layout where it is not
-LLaVA's older one (``language_model.model.``, ``vision_tower.``)."""
+WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {lfm2_vl_hf.WRAPPER: lfm2_vl_hf.RENAMED,
+                                                           **{mt: glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS}}
+"""Per multimodal wrapper (``Config.text_of``), (pattern, replacement) of the text family's names
+(after :data:`RENAMED`) to the wrapper's files' where they are not LLaVA's older layout
+(``language_model.model.``): LFM2-VL's and GLM-4V's transformers 5 names (``model.language_model.``, ...)."""
 
 ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
                                                     "llava": pixtral_hf.ALSO_READ,
@@ -493,7 +504,7 @@ def file_name(path: str, model_type: str = "llama", cfg: Any = None) -> tuple[st
     name = renamed(path, model_type, cfg)
     if name is None:
         return None
-    for fused, parts in _FUSED.get(model_type, ()):
+    for fused, parts in _FUSED.get(model_type, []) + _FUSED.get(getattr(cfg, "text_of", None) or "", []):
         for j, pat in enumerate(parts):
             m = pat.match(name)
             if m:
@@ -1002,6 +1013,8 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
     mt = hf.get("model_type", "llama")
     if mt == "qwen2_vl":                       # (Qwen2-VL: a Qwen2 decoder under model., the multimodal rotary)
         return qwen_vision_hf.qwen2_vl_text(hf, config_from_hf_dict)
+    if mt in glm4v_hf.WRAPPERS:                # (GLM-4V: a GLM-4-0414 decoder, the multimodal rotary)
+        return glm4v_hf.text_config(hf, config_from_hf_dict)
     if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
@@ -1358,6 +1371,9 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text",
                                                         image_groups_attend=False), dtype)
         return gemma4_unified_hf.config_to_hf(text, cfg.vision, cfg.image_groups_attend)
+    if cfg.vision is not None and wrapper in glm4v_hf.WRAPPERS:      # GLM-4V's multimodal class
+        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, mrope_section=None), dtype)
+        return glm4v_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
     if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
@@ -1490,7 +1506,8 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
     return out
 
 
-VISION_HF = (qwen_vision_hf, gemma4_vision_hf, gemma4_unified_hf, llama4_vision_hf, lfm2_vl_hf, internvl_hf)
+VISION_HF = (qwen_vision_hf, glm4v_hf, gemma4_vision_hf, gemma4_unified_hf, llama4_vision_hf, lfm2_vl_hf,
+             internvl_hf)
 """The modules of the vision towers read from their own multimodal ``config.json`` (``WRAPPERS``, ``vision_from_hf``);
 every other one is Pixtral's or CLIP's (pixtral_hf)."""
 

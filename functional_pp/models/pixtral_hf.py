@@ -61,8 +61,8 @@ def vision_from_hf(hf: dict) -> VisionConfig:
     if mt not in WRAPPERS or tower not in TOWER_TYPES or (mt == "mistral3" and tower != "pixtral"):
         raise ValueError(f"images of model_type {mt!r} (processor_type; vision tower {tower!r}) are not supported "
                          f"yet: images are read for model_type mistral3 with a Pixtral tower, llava with a Pixtral "
-                         f"or CLIP tower, qwen3_5, qwen2_vl, gemma4, llama4, lfm2_vl and internvl with their own; "
-                         f"train {mt!r} on text (drop "
+                         f"or CLIP tower, qwen3_5, qwen2_vl, glm4v / glm46v, gemma4, gemma4_unified, llama4, lfm2_vl "
+                         f"and internvl with their own; train {mt!r} on text (drop "
                          f"processor_type and the image columns)")
     clip = tower == "clip_vision_model"
     layer = hf.get("vision_feature_layer", -2 if mt == "llava" else -1)

@@ -36,8 +36,8 @@ EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions")
 
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda h: ops.gelu(h, approximate="tanh"), "gelu": ops.gelu,
-               "quick_gelu": lambda h: h.map(lambda t: t * torch.sigmoid(1.702 * t))}
-"""The vision MLP's activations (``hidden_act``; QuickGELU: Qwen2-VL's)."""
+               "quick_gelu": lambda h: h.map(lambda t: t * torch.sigmoid(1.702 * t)), "silu": ops.silu}
+"""The vision MLP's activations (``hidden_act``; QuickGELU: Qwen2-VL's; SiLU: GLM-4V's gated MLPs)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class QwenVisionConfig:
     image_token_id: int = 248056
     tower: str = TOWER
     patch_bias: bool = True            # (Qwen2-VL: its patch convolution has no bias)
+
+    resample = "bilinear"              # (the position table's resampling: data/qwen_images.py)
 
     def __post_init__(self) -> None:
         side = int(self.positions ** 0.5)
@@ -130,18 +132,24 @@ def _rotary_tables(pos: Named, v: QwenVisionConfig, dtype: torch.dtype) -> tuple
     return ops.cos(angles).astype(dtype), ops.sin(angles).astype(dtype)
 
 
-def _block(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: QwenVisionConfig) -> Named:
-    a = p["attn"]
-    h = ops.layer_norm(x, p["norm1"], p["norm1_bias"], eps=1e-6)
-
+def attend(a: dict, h: Named, cos: Named, sin: Named, segments: Named, v) -> Named:
+    """The tower's attention of normed patches ``h`` (batch patch vision) inside each image
+    (``segments``): q, k and v (their biases where ``a`` has them), the 2D rotary, the output
+    projection (and its bias); Qwen's and GLM-4V's towers (models/glm4v_vision.py) alike."""
     def proj(role):
-        return ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
-                          a[f"{role}_proj"]) + a[f"{role}_bias"]
+        x = ops.einsum("batch patch vision, vision vheads vhead_dim -> batch patch vheads vhead_dim", h,
+                       a[f"{role}_proj"])
+        return x + a[f"{role}_bias"] if f"{role}_bias" in a else x
     q, k = _rotate(proj("q"), cos, sin, v.head_dim), _rotate(proj("k"), cos, sin, v.head_dim)
     o = ops.attention(q, k, proj("v"), causal=False, batch="batch", seq="patch", heads="vheads", kv_heads="vheads",
                       head_dim="vhead_dim", segments=segments)
-    x = x + ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o,
-                       a["o_proj"]) + a["o_bias"]
+    o = ops.einsum("batch patch vheads vhead_dim, vheads vhead_dim vision -> batch patch vision", o, a["o_proj"])
+    return o + a["o_bias"] if "o_bias" in a else o
+
+
+def _block(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: QwenVisionConfig) -> Named:
+    h = ops.layer_norm(x, p["norm1"], p["norm1_bias"], eps=1e-6)
+    x = x + attend(p["attn"], h, cos, sin, segments, v)
     f = p["mlp"]
     h = ops.layer_norm(x, p["norm2"], p["norm2_bias"], eps=1e-6)
     h = ops.einsum("batch patch vision, vision vmlp -> batch patch vmlp", h, f["fc1"]) + f["fc1_bias"]
@@ -149,19 +157,30 @@ def _block(p: dict, x: Named, cos: Named, sin: Named, segments: Named, v: QwenVi
     return x + ops.einsum("batch patch vmlp, vmlp vision -> batch patch vision", h, f["fc2"]) + f["fc2_bias"]
 
 
-def encode(tower: dict, images: dict, v: QwenVisionConfig) -> Named:
-    """The tower's last hidden states (batch patch vision) of the batch's patches."""
+def patch_embedding(tower: dict, images: dict, v) -> Named:
+    """The patch convolution (a Conv3d over temporal x patch x patch, as a contraction; its bias
+    where the tower has one) of the batch's patches: batch patch vision."""
     dtype = tower["patch_embed"].data.dtype
     patches = ops.split_dim(images["patches"].astype(dtype), "channel",
                             {"pchannel": v.channels, "patch_t": v.temporal_patch})
     x = ops.einsum("batch patch pchannel patch_t patch_y patch_x, vision pchannel patch_t patch_y patch_x -> "
                    "batch patch vision", patches, ops.rename(tower["patch_embed"], channel="pchannel"))
-    if "patch_bias" in tower:
-        x = x + tower["patch_bias"]
+    return x + tower["patch_bias"] if "patch_bias" in tower else x
+
+
+def learned_positions(table: Named, images: dict) -> Named:
+    """The learned position table (vpositions vision) resampled to each patch: its rows
+    ``patch_taps`` weighted by ``patch_tap_weights`` (bilinear: 4 taps; bicubic: 16)."""
+    rows = ops.embed(table, images["patch_taps"], vocab="vpositions")      # batch patch tap vision
+    return ops.einsum("batch patch tap vision, batch patch tap -> batch patch vision", rows,
+                      images["patch_tap_weights"].astype(table.data.dtype))
+
+
+def encode(tower: dict, images: dict, v: QwenVisionConfig) -> Named:
+    """The tower's last hidden states (batch patch vision) of the batch's patches."""
+    x = patch_embedding(tower, images, v)
     if "pos_embed" in tower:
-        rows = ops.embed(tower["pos_embed"], images["patch_taps"], vocab="vpositions")      # batch patch tap vision
-        x = x + ops.einsum("batch patch tap vision, batch patch tap -> batch patch vision", rows,
-                           images["patch_tap_weights"].astype(dtype))
+        x = x + learned_positions(tower["pos_embed"], images)
     cos, sin = _rotary_tables(images["patch_positions"], v, x.data.dtype)
     for p in tower["blocks"]:
         x = _block(p, x, cos, sin, images["patch_images"], v)
