@@ -29,11 +29,15 @@ CONF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_h
             kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
             index_topk=4, index_n_heads=4, index_head_dim=16, routed_scaling_factor=2.5)
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
+# DeepSeek-V3.2: the same layer, the indexer's rotary on halves, DeepSeek-V3's grouped router
+FAMILIES = {"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {}),
+            "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(n_group=4, topk_group=2))}
 
 
-def _build(tmp, **more):
+def _build(tmp, family="glm_moe_dsa", **more):
+    conf, cls, kw = FAMILIES[family]
     torch.manual_seed(0)
-    model = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**{**CONF, **more})).float().eval()
+    model = getattr(transformers, cls)(getattr(transformers, conf)(**{**CONF, **kw, **more})).float().eval()
     with torch.no_grad():              # O(1) logits, routers far from uniform, a score correction that matters
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
@@ -49,6 +53,12 @@ def _build(tmp, **more):
 def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("glm_moe_dsa")
     return _build(d), d
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deepseek_v32")
+    return _build(d, "deepseek_v32"), d
 
 
 def test_config_reads_the_indexer(saved):
@@ -130,6 +140,21 @@ def test_packed_documents_equal_transformers(saved):
 
 def test_export_round_trip_in_transformers(saved, tmp_path):
     assert_export_round_trip(saved[1], tmp_path / "out", "glm_moe_dsa", "GlmMoeDsaForCausalLM", **EAGER)
+
+
+def test_deepseek_v32_equals_transformers(v32, tmp_path):
+    """DeepSeek-V3.2 (the same sparse attention, its indexer's rotary on halves): logits and the
+    exported checkpoint equal transformers'."""
+    model, d = v32
+    cfg, params = hf.load_hf_llama(d)
+    assert (cfg.model_type, cfg.index_rotary_interleaved, cfg.router_groups) == ("deepseek_v32", False, 4)
+    toks = tokens()
+    with torch.no_grad():
+        want = model(input_ids=toks).logits
+    torch.testing.assert_close(our_logits(params, cfg, toks), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(our_logits(params, dataclasses.replace(cfg, index_rotary_interleaved=True), toks), want,
+                              atol=1e-3)
+    assert_export_round_trip(d, tmp_path / "out", "deepseek_v32", "DeepseekV32ForCausalLM", **EAGER)
 
 
 def test_lora_on_the_latent_attention_equals_peft(tmp_path):
