@@ -205,3 +205,13 @@ def test_refusals_name_the_setting(saved):
         hf.config_from_hf(dict(conf, indexer_types=["full", "shared"]))
     with pytest.raises(ValueError, match=r"index_topk=4 \(DeepSeek sparse attention\) needs .* a q latent"):
         dataclasses.replace(cfg, q_lora_rank=None)
+
+
+def test_context_parallelism_is_refused_before_training(saved):
+    """A training config with cp_size 2 for a sparse-attention model: refused by name at the check
+    of the world, before any model is built."""
+    from functional_pp.config import ConfigError, TrainConfig
+    from functional_pp.config.checks import check_world
+    cfg = TrainConfig.from_dict({"base_model": str(saved[1]), "cp_size": 2, "sequence_len": 16})
+    with pytest.raises(ConfigError, match=r"cp_size 2: the model's DeepSeek sparse attention \(index_topk=4"):
+        check_world(cfg, 2)
