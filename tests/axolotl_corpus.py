@@ -68,7 +68,7 @@ MODEL_TYPES = {
     "mistral-community/Mixtral-8x22B-v0.1": "mixtral", "mistralai/Mixtral-8x7B-v0.1": "mixtral",
     "mistral-community/pixtral-12b": "llava_pixtral", "llava-hf/llava-1.5-7b-hf": "llava",
     "THUDM/GLM-4-32B-0414": "glm4", "zai-org/GLM-4.6V-Flash": "glm4v",
-    "zai-org/GLM-4.7-Flash": "glm4_moe_lite", "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa",
+    "zai-org/GLM-4.7-Flash": "glm4_moe_lite", "Mapika/GLM-5.2-NVFP4": "glm_moe_dsa_nvfp4",
     "openai/gpt-oss-20b": "gpt_oss", "ibm-granite/granite-4.0-tiny-preview": "granitemoehybrid",
     "tencent/Hunyuan-0.5B-Instruct": "hunyuan_v1_dense", "OpenGVLab/InternVL3_5-8B-HF": "internvl",
     "ai21labs/Jamba-v0.1": "jamba", "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi_linear",
@@ -133,6 +133,13 @@ _HF = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {
            "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+       # (GLM-5: DeepSeek sparse attention, a top-k of 4 keys that bites at the edited lengths; a dense
+       # layer, then experts)
+       "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {
+           "num_key_value_heads": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+           "index_topk": 4, "index_n_heads": 2, "index_head_dim": 32, "first_k_dense_replace": 1,
+           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
        # (Kimi Linear: a Kimi Delta Attention layer, then a latent attention one; a dense MLP, then experts)
        "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", {
            "num_key_value_heads": 8, "layer_types": ["linear_attention", "full_attention"],
@@ -294,7 +301,7 @@ _EOS = {"llama": "<|eot_id|>", "llama4": "<|eot|>", "gemma2": "<end_of_turn>", "
         "gemma3": "<end_of_turn>", "llava_pixtral": "</s>"}
 #: the families whose repositories' tokenizers hold a chat template (``chat_template: tokenizer_default``):
 #: the tiny tokenizer holds that named template (Nemotron 3's is ChatML's markers)
-_TEMPLATES = {"nemotron_h": "chatml", "qwen3_next_nvfp4": "chatml"}
+_TEMPLATES = {"nemotron_h": "chatml", "qwen3_next_nvfp4": "chatml", "glm_moe_dsa_nvfp4": "chatml"}
 _SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "tp_size",
               "context_parallel_size", "cp_size", "expert_parallel_size", "ep_size",
               "ray_num_workers")
@@ -333,8 +340,8 @@ def tiny_model(model_type: str, root: Path) -> Path:
     if model_type in _REMOTE:
         _remote_code_model(model_type, d)
         return d
-    if model_type == "qwen3_next_nvfp4":
-        _modelopt_nvfp4(tiny_model("qwen3_next", root), d)
+    if model_type in ("qwen3_next_nvfp4", "glm_moe_dsa_nvfp4"):
+        _modelopt_nvfp4(tiny_model(model_type.removesuffix("_nvfp4"), root), d)
         return d
     if model_type not in _HF and model_type not in (*_GEMMA4, "llama4", "llama_gptq", *_WRAPPED):
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **_TINY}))

@@ -971,6 +971,10 @@ def _check_model_layout(cfg: Any, mesh, rules) -> None:
     _check_sequence_fits(cfg, model)
     serial = family.serial_under_cp(model) if family.serial_under_cp is not None else None
     s_axes = cfg.seq_axes(mesh, rules)
+    if s_axes and getattr(model, "index_topk", 0):
+        raise ConfigError(f"context_parallel_size / cp_size {mesh.shape[s_axes[0]]}: the model's DeepSeek sparse "
+                          f"attention (index_topk={model.index_topk}, models/dsa.py) picks each query's top-k over "
+                          f"every earlier key, which is not split across cp ranks exactly yet; use cp_size 1")
     if serial and s_axes and cfg.compile:
         raise ConfigError(f"compile: {cfg.compile} with the sequence split over {s_axes} (context parallelism, cp_size "
                           f"{mesh.shape[s_axes[0]]}): the model's {serial}, whose blocks run device after device, "

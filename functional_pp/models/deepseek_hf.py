@@ -29,8 +29,11 @@ __all__ = ["ARCHITECTURES", "LATENT", "FREE", "config_from_hf", "config_to_hf", 
 
 ARCHITECTURES: dict[str, str] = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                                  "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
-                                 "mistral4": "Mistral4ForCausalLM"}
-LATENT: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+                                 "mistral4": "Mistral4ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                                 "deepseek_v32": "DeepseekV32ForCausalLM"}
+LATENT: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "glm_moe_dsa", "deepseek_v32")
+SPARSE: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v32")
+"""The families with DeepSeek sparse attention (models/dsa.py); their dense layers by ``mlp_layer_types``."""
 """The families with multi-head latent attention."""
 
 RENAMED: tuple[tuple[str, str], ...] = ((r"\.mlp\.shared_expert\.", ".mlp.shared_experts."),)
@@ -65,6 +68,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                           q_lora_rank=768, qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, n_group=1,
                           topk_group=1, num_experts_per_tok=4, norm_topk_prob=True, rope_interleave=True,
                           tie_word_embeddings=False),
+    "glm_moe_dsa": dict(rms_norm_eps=1e-5, max_position_embeddings=202752, moe_intermediate_size=2048,
+                        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                        q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, n_group=1,
+                        topk_group=1, num_experts_per_tok=8, norm_topk_prob=True, rope_interleave=True,
+                        tie_word_embeddings=False, first_k_dense_replace=3, index_topk=2048, index_head_dim=128,
+                        index_n_heads=32),
+    "deepseek_v32": dict(rms_norm_eps=1e-6, max_position_embeddings=163840, moe_intermediate_size=2048,
+                         n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                         q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+                         topk_group=4, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+                         first_k_dense_replace=3, index_topk=2048, index_head_dim=128, index_n_heads=64),
     "mistral4": dict(rms_norm_eps=1e-6, max_position_embeddings=1048576, first_k_dense_replace=0, kv_lora_rank=256,
                      q_lora_rank=1024, n_routed_experts=128, n_shared_experts=1, qk_nope_head_dim=64,
                      qk_rope_head_dim=64, routed_scaling_factor=1.0, v_head_dim=128, moe_intermediate_size=2048,
@@ -143,6 +157,8 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
             fields["query_pre_attn_scalar"] = (nope + rot) / _mscale(float(rope["factor"]), m_all) ** 4
         if mt == "mistral4":
             fields.update(position_scaling(hf, where))
+        if mt in SPARSE:
+            fields.update(_indexer(hf, mt, get, layers, where))
     else:
         head_dim = hf.get("head_dim")
         fields.update(head_dim=None if head_dim is None else int(head_dim), partial_rotary_factor=partial,
@@ -154,11 +170,28 @@ def config_from_hf(hf: dict, mt: str, rope_of: Callable) -> Config:
         raise ValueError(f"{where}: {exc}") from exc
 
 
+def _indexer(hf: dict, mt: str, get, layers: int, where: str) -> dict:
+    """GLM-5's and DeepSeek-V3.2's sparse attention fields (models/dsa.py): the main attention's
+    rotary pairs interleaved (transformers rotates them so whatever ``rope_interleave`` says), the
+    indexer's interleaved in GLM-5 and halves in DeepSeek-V3.2."""
+    types = hf.get("indexer_types")
+    if types is None and (int(hf.get("index_topk_freq") or 1) > 1 or hf.get("index_topk_pattern") is not None):
+        _refuse(where, "index_topk_freq / index_topk_pattern with 'shared' layers (reusing an earlier layer's "
+                       "top-k) is not supported; only every layer its own indexer ('full')")
+    if types is not None and (len(types) != layers or set(types) != {"full"}):
+        _refuse(where, f"indexer_types {types} is not supported: only 'full' in every layer ({layers}; 'shared' "
+                       f"layers reuse an earlier layer's top-k)")
+    return dict(index_topk=int(get("index_topk")), index_heads=int(get("index_n_heads")),
+                index_head_dim=int(get("index_head_dim")), index_rotary_interleaved=mt == "glm_moe_dsa",
+                rotary_interleaved=True)
+
+
 def _experts(hf: dict, mt: str, get, layers: int, where: str) -> dict:
     """The experts' Config fields: sizes, the layers with experts, the router."""
     moe_mlp = int(get("moe_intermediate_size"))
-    if mt == "glm4_moe_lite":
-        types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if mt in ("glm4_moe_lite", *SPARSE):
+        first = 1 if mt == "glm4_moe_lite" else min(int(get("first_k_dense_replace")), layers)
+        types = hf.get("mlp_layer_types") or ["dense"] * first + ["sparse"] * (layers - first)
         if len(types) != layers or set(types) - {"dense", "sparse"}:
             _refuse(where, f"mlp_layer_types {types} must be one of 'dense' / 'sparse' per layer ({layers})")
         moe = tuple(i for i, t in enumerate(types) if t == "sparse")
@@ -216,7 +249,12 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     else:
         need.update(router_group_score="top2_sum")
         if latent:
-            need["rotary_interleaved"] = cfg.rotary_interleaved
+            need["rotary_interleaved"] = True if mt in SPARSE else cfg.rotary_interleaved
+    need.update(index_topk=cfg.index_topk if mt in SPARSE else 0,
+                index_rotary_interleaved=mt != "deepseek_v32")
+    if mt in SPARSE and not cfg.index_topk:
+        raise UnsupportedHFConfig(f"{where}: index_topk=0 has no {arch} equivalent (every layer has its indexer); "
+                                  f"choose another model_type")
     for key, want in need.items():
         if getattr(cfg, key) != want:
             raise UnsupportedHFConfig(f"{where}: {key}={getattr(cfg, key)!r} has no {arch} equivalent (it needs "
@@ -227,7 +265,7 @@ def check_exportable(cfg: Config, plain: dict[str, Any], error: type = ValueErro
     if not cfg.experts:
         raise UnsupportedHFConfig(f"{where}: experts=0 has no {arch} equivalent (it has routed experts)")
     moe = [i for i in range(cfg.layers) if cfg.moe_layers is None or i in cfg.moe_layers]
-    if mt != "glm4_moe_lite" and moe != list(range(cfg.layers - len(moe), cfg.layers)):
+    if mt not in ("glm4_moe_lite", *SPARSE) and moe != list(range(cfg.layers - len(moe), cfg.layers)):
         raise UnsupportedHFConfig(f"{where}: moe_layers={cfg.moe_layers} has no {arch} equivalent (dense layers "
                                   f"first, then experts in every layer: first_k_dense_replace)")
     if (cfg.moe_mlp is None) or cfg.shared_expert_mlp % cfg.moe_mlp:
@@ -277,7 +315,7 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
         "moe_intermediate_size": cfg.moe_mlp, "n_shared_experts": cfg.shared_expert_mlp // cfg.moe_mlp,
         "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
         "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups}
-    if mt == "glm4_moe_lite":
+    if mt in ("glm4_moe_lite", *SPARSE):
         out["mlp_layer_types"] = ["sparse" if i in moe else "dense" for i in range(cfg.layers)]
     else:
         out["first_k_dense_replace"] = cfg.layers - len(moe)
@@ -286,8 +324,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if mt in LATENT:
         out.update(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
-        if mt != "deepseek_v2":
+        if mt not in ("deepseek_v2", *SPARSE):
             out["rope_interleave"] = cfg.rotary_interleaved
+        if mt in SPARSE:
+            out.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
+        if mt == "glm_moe_dsa":
+            out["indexer_types"] = ["full"] * cfg.layers
         if mt == "mistral4":          # (its rope sized by head_dim * partial_rotary_factor; the scaling by position)
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             out["head_dim"] = qk

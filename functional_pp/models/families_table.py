@@ -131,6 +131,13 @@ ROWS: tuple[Row, ...] = (
         "text decoder of a multimodal `mistral3` whose `text_config` is `mistral4`",
         f"multi-token-prediction layers; a k/v cache of the latent; `attention_bias`; {_EXPERT_PEFT}; Mistral "
         f"Small 4's image input"),
+    Row(("glm_moe_dsa", "deepseek_v32"),
+        "DeepSeek sparse attention: the latent attention with the lightning indexer (per query, its `index_topk` "
+        "best earlier keys by ReLU scores of `index_n_heads` heads weighted per token; no gradient, as "
+        "transformers); packed documents; DeepSeek-V3's experts and router; GLM-5's indexer rotary interleaved, "
+        "DeepSeek-V3.2's on halves; ModelOpt NVFP4 checkpoints read dequantized",
+        f"context parallelism (refused by name); 'shared' indexer layers (`indexer_types`, refused by name); a k/v "
+        f"cache; the indexer's KL loss of DeepSeek's recipe (not in transformers); {_EXPERT_PEFT}"),
     Row(("dbrx",), "LayerNorms without bias, q/k/v fused in `Wqkv` and clamped (`clip_qkv`), experts in every layer "
                    "stored `[E * F, H]`, renormalised top-k weights",
         f"`moe_jitter_eps` (refused by name); {_EXPERT_PEFT}"),

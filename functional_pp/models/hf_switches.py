@@ -717,8 +717,7 @@ REFUSED: dict[str, str] = {
         ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
-    **{mt: f"{name}: not built yet, issue 40" for mt, name in (
-        ("deepseek_v4", "DeepSeek-V4"), ("glm_moe_dsa", "GLM-5 (DeepSeek sparse attention)"))},
+    **{mt: f"{name}: not built yet, issue 40" for mt, name in (("deepseek_v4", "DeepSeek-V4"),)},
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -28,8 +28,8 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core.tree import param
-from functional_pp.models import (dropout_seeds, gated_deltanet, gemma4_unified, gemma4_vision, glm4v_vision, internvl,
-                                   kimi_delta, kv_cache, lfm2_vl, llama4_vision, mamba1, mamba2, mla, moe,
+from functional_pp.models import (dropout_seeds, dsa, gated_deltanet, gemma4_unified, gemma4_vision, glm4v_vision,
+                                   internvl, kimi_delta, kv_cache, lfm2_vl, llama4_vision, mamba1, mamba2, mla, moe,
                                    per_layer_inputs, pixtral, qwen_vision, recording, short_conv, temperature)
 from functional_pp.ops import fake_quant
 from functional_pp.ops.layer import layer as remat_layer
@@ -218,6 +218,13 @@ class Config:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; models/dsa.py): index_topk > 0 adds the lightning
+    # indexer to the latent attention (index_heads heads of index_head_dim; its rotary pairs interleaved
+    # or halves): each query attends to its index_topk best-scored earlier keys only
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rotary_interleaved: bool = True
     # grouped, scaled routing (DeepSeek-V2/V3, GLM-4.5; ops/experts.py): the experts in router_groups
     # groups, each token's experts from its router_topk_groups best groups (a group's score:
     # router_group_score, "top2_sum" of its two best scores or its "max"); router_bias: a per-expert
@@ -506,6 +513,7 @@ class Config:
             raise ValueError(f"experts_top_k={self.experts_top_k} must be between 1 and experts={self.experts}")
         if self.kv_lora_rank:
             mla.check_config(self)
+        dsa.check_config(self)
         if self.experts and (self.router_groups < 1 or self.experts % self.router_groups
                              or not 1 <= self.router_topk_groups <= self.router_groups):
             raise ValueError(f"router_groups={self.router_groups} must divide experts={self.experts} and "

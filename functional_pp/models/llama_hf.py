@@ -145,6 +145,12 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.self_attn.kv_a_layernorm", "copy"),
     ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.self_attn.kv_b_proj", "heads_out"),
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router_bias", "copy"),
+    # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5; models/dsa.py)
+    ("model.layers.{i}.self_attn.indexer.wq_b.weight", "layers.{i}.self_attn.indexer_wq_b", "heads_out"),
+    ("model.layers.{i}.self_attn.indexer.wk.weight", "layers.{i}.self_attn.indexer_wk", "linear"),
+    ("model.layers.{i}.self_attn.indexer.k_norm.weight", "layers.{i}.self_attn.indexer_k_norm", "copy"),
+    ("model.layers.{i}.self_attn.indexer.k_norm.bias", "layers.{i}.self_attn.indexer_k_norm_bias", "copy"),
+    ("model.layers.{i}.self_attn.indexer.weights_proj.weight", "layers.{i}.self_attn.indexer_weights_proj", "linear"),
     # Gemma 4: each layer's output scale (HF [1], ours without dimensions); 26B-A4B's experts beside the MLP:
     # the router's input scale and per-expert weight scales, the norms of the MLP's and the experts' outputs
     # and of the experts' input (the router and the experts' names: gemma4_hf.RENAMED)

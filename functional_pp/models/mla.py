@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from functional_pp import ops
-from functional_pp.models import kv_cache, temperature
+from functional_pp.models import dsa, kv_cache, temperature
 from functional_pp.parallel.named import Named
 
 __all__ = ["check_config", "init_attention", "attention", "projection_flops", "LATENT_NORM_EPS"]
@@ -77,6 +77,8 @@ def init_attention(cfg, w, out_std: float) -> dict:
              kv_b_proj=w((L, N, cfg.qk_nope_head_dim + cfg.v_head_dim), "kv_rank kv_heads kv_b"),
              o_proj=dataclasses.replace(w((N, cfg.v_head_dim, H), "heads v_dim hidden", out_std),
                                         meta={"in_dims": 2}))
+    if cfg.index_topk:                              # DeepSeek sparse attention (models/dsa.py)
+        a.update(dsa.init_indexer(cfg, w))
     if cfg.o_bias:
         a["o_bias"] = dataclasses.replace(w((H,), "hidden"), init="zeros")
     return a
@@ -119,6 +121,11 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     if pos is not None:
         q_rot, k_rot = _rotate(q_rot, pos, cfg), _rotate(k_rot, pos, cfg)
     q = ops.concat([q_pass, q_rot], "qk_dim")
+    kept = None
+    if cfg.index_topk:                              # DeepSeek sparse attention: each query's top-k keys (models/dsa.py)
+        if pos is None or not cfg.q_lora_rank:
+            raise ValueError("DeepSeek sparse attention (index_topk) needs rotary positions and a q latent")
+        kept = dsa.kept_keys(a, h, c, pos, cfg, segments)
     if temperature.applies(cfg, pos):               # (Mistral Small 4: every layer's queries scaled by position)
         q = temperature.scale_queries(q, pos, cfg)
     # the shared rotary key, one copy per head (a product with a constant of ones over kv_heads)
@@ -130,12 +137,17 @@ def attention(a: dict, h: Named, pos: Named | None, cfg, segments: Named | None 
     scale = (cfg.query_pre_attn_scalar or (Dn + Dr)) ** -0.5
     causal, cache, kv_segments = cfg.causal, kv_cache.active(), None
     if cache is not None:                           # sampling: the cached keys first (kv_cache.py)
+        if kept is not None:
+            raise ValueError("DeepSeek sparse attention (index_topk) with a key / value cache is not supported yet")
         k, v, causal, segments, kv_segments, window = cache.extend(k, v, segments, window)
     o = ops.attention(q, k, v, causal=causal, segments=segments, window=window, scale=scale, batch="batch",
-                      seq="seq", heads="heads", kv_heads="kv_heads", head_dim="qk_dim", kv_segments=kv_segments)
+                      seq="seq", heads="heads", kv_heads="kv_heads", head_dim="qk_dim", kv_segments=kv_segments,
+                      kept_keys=kept)
     o = ops.slice_dim(o, "qk_dim", 0, Dv, into="v_dim") if width != Dv else ops.rename(o, qk_dim="v_dim")
     out = ops.einsum("batch seq heads v_dim, heads v_dim hidden -> batch seq hidden", o, a["o_proj"])
     out = ops.rename(out, seq="res_seq")            # sequence parallelism: reduce-scatter
+    if kept is not None:                            # (the indexer's gradient: zeros, models/dsa.py)
+        out = out + dsa.zero_of_indexer(a)
     return out + a["o_bias"] if "o_bias" in a else out
 
 

@@ -74,7 +74,7 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
               kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0,
-              alibi_max: float | None = None, groups: Named | None = None) -> Named:
+              alibi_max: float | None = None, groups: Named | None = None, kept_keys: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -125,7 +125,11 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     before or after it and whatever the window (tokens of one image attending to each other:
     Gemma 4 unified's ``use_bidirectional_attention: vision``, transformers' ``blockwise_overlay``
     OR-ed onto the causal / sliding mask), still only inside its segment. On every path like
-    ``segments`` (under context parallelism the ids all-gathered); not with ``kv_segments``."""
+    ``segments`` (under context parallelism the ids all-gathered); not with ``kv_segments``.
+    ``kept_keys`` (DeepSeek sparse attention's top-k, models/dsa.py): a boolean ``batch seq K``
+    array, K any third name over the keys' positions; query i sees key j only where it is true
+    (and the causal mask allows). One device's whole sequence only (not with ``segments``, a
+    key / value cache or the sequence split)."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
@@ -176,6 +180,13 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
                          "attention: kv_segments needs segments (the queries' ids)")
+    if kept_keys is not None:
+        if groups is not None:
+            raise ValueError("attention: kept_keys (sparse attention's top-k) with groups (bidirectional groups of "
+                             "tokens) is not supported")
+        seg = None if segments is None else _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
+        return _kept_keys_attention(q, qt, kt, vt, kept_keys, batch, seq, causal, scale, seq_axes, seg,
+                                    kv_segments is not None, limits, softcap, sinks, explicit, back, vary)
     if groups is not None and kv_segments is not None:
         raise ValueError("attention: groups (bidirectional groups of tokens, e.g. an image's) with kv_segments (a "
                          "key / value cache) is not supported: sample without images")
@@ -196,6 +207,36 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     else:
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
+    return make_named(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
+
+
+def _kept_keys_attention(q: Named, qt, kt, vt, kept_keys: Named, batch: str, seq: str, causal: bool, scale: float,
+                         seq_axes, seg, cached: bool, limits, softcap, sinks, explicit, back, vary) -> Named:
+    """Attention where each query sees only the keys ``kept_keys`` marks (and the causal mask and
+    its segment, ``seg`` (batch, seq) or None, allow)."""
+    if seq_axes or cached:
+        raise ValueError("attention: kept_keys (sparse attention's top-k) needs the whole sequence on each device "
+                         f"and no key / value cache; the sequence is split over {seq_axes}" if seq_axes else
+                         "attention: kept_keys (sparse attention's top-k) is not supported with a key / value cache")
+    if not isinstance(kept_keys, Named) or len(kept_keys.dims) != 3 or kept_keys.dims[:2] != (batch, seq):
+        raise ValueError(f"attention: kept_keys must be a named boolean array ({batch}, {seq}, keys), got "
+                         f"{getattr(kept_keys, 'dims', type(kept_keys).__name__)}")
+    b_split = q.split[q.dims.index(batch)]
+    if kept_keys.split[0] != b_split or any(kept_keys.split[1:]):
+        raise ValueError(f"attention: kept_keys must be laid out like the queries' batch ({b_split}) with its "
+                         f"sequences whole, got splits {kept_keys.split}")
+    keep = kept_keys.data.to(torch.bool)
+    if keep.shape[1:] != (qt.shape[2], kt.shape[2]):
+        raise ValueError(f"attention: kept_keys has sizes {tuple(keep.shape)}, expected (batch, {qt.shape[2]}, "
+                         f"{kt.shape[2]})")
+    kpos = torch.arange(kt.shape[2], device=qt.device)
+    qpos = kpos[kt.shape[2] - qt.shape[2]:]
+    seen = _visible(qpos, kpos, causal, *limits)
+    mask = keep[:, None] if seen is None else keep[:, None] & seen
+    if seg is not None:                                 # (packed rows: each query within its document)
+        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+    out = _masked(qt, kt, vt, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, qt.dtype),
+                  _biased(explicit, qpos, kpos))
     return make_named(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
 
 
