@@ -152,10 +152,12 @@ def dynamo_marks_backward_nodes() -> bool:
     return any(found)
 
 
-def compile_backend(name: str, graph_pass):
+def compile_backend(name: str, graph_pass, joint_pass=None):
     """A ``torch.compile`` backend: ``name`` ("inductor" or an AOT-eager-like backend) with
     ``graph_pass(graph)`` run on the ATen graph that will execute. ``graph_pass`` may return a
-    function ``wrap(compiled) -> compiled`` applied to the compiled callable."""
+    function ``wrap(compiled) -> compiled`` applied to the compiled callable. ``joint_pass(graph)``,
+    when given, runs on a differentiated function's joint forward-backward graph before AOT
+    autograd's partitioner splits it (where :func:`recompute_in_backward` marks take effect)."""
     from torch._dynamo.backends.common import aot_autograd
 
     if name == "inductor":
@@ -175,8 +177,17 @@ def compile_backend(name: str, graph_pass):
                 def uuid(self):
                     return None          # never reuse a cached graph: the pass must see it
 
+            class JointPass(CustomGraphPass):
+                def __call__(self, graph):
+                    joint_pass(graph)
+
+                def uuid(self):
+                    return None
+
             # kernels in graph order: weight gradients not sunk to the optimizer (docs/compile.md)
             patches = {"post_grad_custom_pre_pass": Pass(), **inductor_patches()}
+            if joint_pass is not None:
+                patches["joint_custom_pre_pass"] = JointPass()
             # matmul outputs overwritten in place past the donated update (docs/compile.md)
             with reuse_past_ordering_deps():
                 compiled = compile_fx(gm, example_inputs, config_patches=patches)
@@ -185,13 +196,45 @@ def compile_backend(name: str, graph_pass):
         return backend
     if name not in ("aot_eager", "eager_with_passes"):
         return None
-    from functorch.compile import make_boxed_func
+    from functorch.compile import default_partition, make_boxed_func
 
     def fw(gm, example_inputs):
         wrap = graph_pass(gm.graph)
         gm.recompile()
         return make_boxed_func(wrap(gm) if wrap is not None else gm)
-    return aot_autograd(fw_compiler=fw, inference_compiler=fw)
+
+    def partition(joint, joint_inputs, **kwargs):
+        joint_pass(joint.graph)
+        joint.recompile()
+        return default_partition(joint, joint_inputs, **kwargs)
+    if joint_pass is None:
+        return aot_autograd(fw_compiler=fw, inference_compiler=fw)
+    return aot_autograd(fw_compiler=fw, inference_compiler=fw, partition_fn=partition)
+
+
+def joint_forward_nodes(graph) -> list:
+    """The nodes of AOT autograd's joint graph that its forward computes: those that read no
+    incoming gradient (``tangents_*`` placeholders), directly or through other nodes."""
+    backward: set = set()
+    out = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                a in backward for a in node.all_input_nodes):
+            backward.add(node)
+        elif node.op != "placeholder":
+            out.append(node)
+    return out
+
+
+def recompute_in_backward(node) -> None:
+    """Mark a node of a joint graph for AOT autograd's partitioner: backward computes it again
+    instead of the forward saving its result, collectives included (what
+    ``torch.utils.checkpoint``'s selective policy ``CheckpointPolicy.MUST_RECOMPUTE`` sets;
+    SimpleFSDP's way of re-gathering FSDP weights in backward)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def runs_eagerly(x: torch.Tensor) -> bool:

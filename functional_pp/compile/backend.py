@@ -11,7 +11,10 @@
    graph form, then FSDP's overlap of collectives);
 3. :func:`functional_pp.compile.reinplace.reinplace` (graphs run op by op, not inductor):
    elementwise results are written into the buffers that die there;
-4. the collectives of the final graph (recomputed gathers included) are read from their
+4. (a function compiled on its own and differentiated by autograd, a ``compile="per_layer"``
+   layer) :func:`functional_pp.compile.recompute.regather_in_backward` on the joint graph
+   before AOT autograd's partition: FSDP weights gathered again in backward, not saved;
+5. the collectives of the final graph (recomputed gathers included) are read from their
    tags, and every run of the compiled graph records them in the active
    :func:`functional_pp.comm_report`, as eager execution does.
 
@@ -26,7 +29,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from functional_pp._torch import compile_backend
-from functional_pp.compile.recompute import in_backward_region, probe_backward_marks, reissue_for_backward
+from functional_pp.compile.recompute import (in_backward_region, probe_backward_marks, regather_in_backward,
+                                             reissue_for_backward)
 from functional_pp.compile.reinplace import reinplace
 from functional_pp.core import comm
 from functional_pp.core.runtime import per_thread, thread_local_value
@@ -44,8 +48,8 @@ def graph_backend(compile: bool | str, passes: Sequence[GraphPass] = ()) -> str 
     name = "inductor" if compile is True else compile
     probe_backward_marks()
     # inductor plans buffer reuse itself; graphs run op by op write in place through reinplace
-    return compile_backend(name, functools.partial(run_passes, passes=tuple(passes),
-                                                   in_place=name != "inductor")) or name
+    return compile_backend(name, functools.partial(run_passes, passes=tuple(passes), in_place=name != "inductor"),
+                           joint_pass=regather_in_backward) or name
 
 
 def _is_collective(node: torch.fx.Node) -> bool:

@@ -20,6 +20,14 @@ forward/backward partition.
 
 The pass is FSDP's and activation checkpointing's alike: it knows tags, not mechanisms.
 
+A function compiled on its own and differentiated by autograd (a ``compile="per_layer"``
+layer) is split into a forward and a backward graph by AOT autograd's partitioner, which
+never recomputes a collective on its own: it would save every gathered weight from the
+layer's forward to its backward. :func:`regather_in_backward` runs on that joint graph before
+the partition and marks the ``REGATHER`` regions (the gather and its views and casts) as
+must-recompute, as SimpleFSDP's selective checkpoint policy does: the forward saves the shard
+and the backward gathers it again (ZeRO-3), as eager does.
+
 Mechanism: Activation checkpointing (remat regions recomputed; compiled).
 """
 from __future__ import annotations
@@ -29,7 +37,8 @@ from contextlib import nullcontext
 
 import torch
 
-from functional_pp._torch import annotate, dynamo_marks_backward_nodes, is_backward_node, is_tracing
+from functional_pp._torch import (annotate, dynamo_marks_backward_nodes, is_backward_node, is_tracing,
+                                  joint_forward_nodes, recompute_in_backward)
 from functional_pp.compile.selective import saves
 from functional_pp.core.graph_tags import (BACKWARD, LEAF, RECOMPUTED, REGATHER, REMAT,  # noqa: F401 (re-exported)
                                            SELECTIVE)
@@ -164,6 +173,23 @@ def _selectively_kept(members: list[torch.fx.Node]) -> set[torch.fx.Node]:
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in node.all_input_nodes]
+
+
+def regather_in_backward(graph: torch.fx.Graph) -> int:
+    """In AOT autograd's joint graph of a compiled function, mark the forward's ``REGATHER``
+    regions (FSDP weights' all-gathers, and the views and casts of their results) so that the
+    partitioner recomputes them in backward instead of saving the gathered weights (see the
+    module docstring). Returns the number of nodes marked."""
+    marked: set = set()
+    for n in joint_forward_nodes(graph):
+        if n.op != "call_function":
+            continue
+        ins = _tensor_inputs(n)
+        if REGATHER in (n.meta.get("custom") or {}) or (
+                op_name(n) in VIEW_OR_CAST and ins and all(a in marked for a in ins)):
+            recompute_in_backward(n)
+            marked.add(n)
+    return len(marked)
 
 
 def reissue_for_backward(graph: torch.fx.Graph) -> int:

@@ -156,3 +156,33 @@ def test_vmap_level_batches_an_op_from_inside_a_torch_dispatch():
     with Once():
         x.sum()
     assert torch.equal(seen[0], x.sum(1))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_joint_pass_marks_nodes_that_the_partitioner_recomputes(backend):
+    """``compile_backend(joint_pass=)`` runs on AOT autograd's joint graph before the partition;
+    a forward node marked by ``recompute_in_backward`` is computed again in backward instead of
+    saved (sin(x @ w): the forward keeps only x and w, not the product, which either partitioner
+    saves unmarked: a matmul is never recomputed on its own)."""
+    from functional_pp._torch import compile_backend, joint_forward_nodes, recompute_in_backward
+
+    def mark(graph):
+        forward = joint_forward_nodes(graph)
+        assert not any(n.name.startswith("tangents") for n in forward)
+        for n in forward:
+            if n.op == "call_function" and "mm" in str(n.target):
+                recompute_in_backward(n)
+
+    def only_inputs_saved(joint_pass) -> bool:
+        torch._dynamo.reset()
+        x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+        fn = torch.compile(lambda a, b: torch.sin(a @ b), backend=compile_backend(backend, lambda g: None, joint_pass),
+                           fullgraph=True)
+        out = fn(x, w)
+        kept = out.grad_fn.saved_tensors
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, torch.cos(x.detach() @ w.detach()) @ w.detach().T)
+        return all(t.data_ptr() in (x.data_ptr(), w.data_ptr()) for t in kept)
+    assert only_inputs_saved(mark)
+    assert not only_inputs_saved(None)
+    torch._dynamo.reset()
