@@ -291,3 +291,59 @@ def test_not_gated_experts_equal_nemotron_h_moe_block(monkeypatch):
     with pytest.raises(ValueError, match=r"gate=None \(experts not gated\) takes no clamp"):
         experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), None,
                 fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2, clamp=(1.7, 7.0))
+
+
+def test_sqrtsoftplus_routing_and_silu_clamp_equal_deepseek_v4_moe_block():
+    """DeepSeek-V4's top-k MoE layer (``mlp_layer_types`` ``moe``): sqrt(softplus) scores, the score
+    correction only choosing, renormalised, times ``routed_scaling_factor``; experts and shared
+    expert ``silu(min(g, limit)) * clamp(u)`` (``clamp=(1, limit, 0)``, ``ops.clamped_swiglu``
+    with ``up_offset=0``). Equal to transformers' DeepseekV4SparseMoeBlock in float64: the output
+    and the gradients of x, router, gate, up, down and the shared expert."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+    from functional_pp import ops
+    from functional_pp.ops.swiglu import clamped_swiglu
+    conf = transformers.DeepseekV4Config(hidden_size=H, moe_intermediate_size=F_, n_routed_experts=E,
+                                         num_experts_per_tok=2, num_hidden_layers=1, mlp_layer_types=["moe"],
+                                         routed_scaling_factor=1.5, swiglu_limit=0.4, vocab_size=32)
+    torch.manual_seed(8)
+    blk = DeepseekV4SparseMoeBlock(conf, 0).double()
+    blk.experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        for p in (*blk.parameters(), blk.gate.e_score_correction_bias):
+            p.copy_(0.5 * torch.randn_like(p))
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    want = blk(x)
+    want.pow(2).sum().backward()
+    gu = blk.experts.gate_up_proj.detach()
+    xs = x.detach().clone().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (
+        blk.gate.weight.detach().T, gu[:, :F_].transpose(1, 2), gu[:, F_:].transpose(1, 2),
+        blk.experts.down_proj.detach().transpose(1, 2), blk.shared_experts.gate_proj.weight.detach().T,
+        blk.shared_experts.up_proj.weight.detach().T, blk.shared_experts.down_proj.weight.detach().T)]
+    router, gate, up, down, s_gate, s_up, s_down = leaves
+
+    def ours(score="sqrtsoftplus", clamp=(1.0, 0.4, 0.0)):
+        h = fpp.wrap(xs, "batch seq hidden")
+        routed, _ = experts(h, fpp.wrap(router, "hidden experts"), fpp.wrap(gate, "experts hidden mlp"),
+                            fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2,
+                            normalize=True, score=score, bias=fpp.wrap(blk.gate.e_score_correction_bias, "experts"),
+                            weight_scale=1.5, clamp=clamp)
+        act = clamped_swiglu(*(ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, fpp.wrap(w, "hidden mlp"))
+                               for w in (s_gate, s_up)), alpha=1.0, limit=0.4, up_offset=0.0)
+        return (routed + ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act,
+                                    fpp.wrap(s_down, "mlp hidden"))).value()
+    out = ours()
+    torch.testing.assert_close(out, want.detach(), rtol=1e-10, atol=1e-12)
+    out.pow(2).sum().backward()
+    theirs = (blk.gate.weight.grad.T, blk.experts.gate_up_proj.grad[:, :F_].transpose(1, 2),
+              blk.experts.gate_up_proj.grad[:, F_:].transpose(1, 2), blk.experts.down_proj.grad.transpose(1, 2),
+              blk.shared_experts.gate_proj.weight.grad.T, blk.shared_experts.up_proj.weight.grad.T,
+              blk.shared_experts.down_proj.weight.grad.T)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=1e-9, atol=1e-12)
+    for mine, other in zip(leaves, theirs):
+        torch.testing.assert_close(mine.grad, other, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():                                   # each switch matters
+        assert not torch.allclose(ours(score="sigmoid"), out.detach(), atol=1e-3)
+        assert not torch.allclose(ours(clamp=(1.0, 0.4)), out.detach(), atol=1e-3)
+    with pytest.raises(ValueError, match=r"clamp must be \(alpha, limit\) or \(alpha, limit, up_offset\) numbers"):
+        ours(clamp=(1.0,))
