@@ -126,7 +126,8 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
             expert_biases: tuple[Named, Named, Named] | None = None,
             clamp: tuple[float, ...] | None = None, weights_on_input: bool = False,
             token_capacity: int | None = None, router_x: Named | None = None,
-            expert_scale: Named | None = None, activation: str = "silu") -> tuple[Named, RouterStats]:
+            expert_scale: Named | None = None, activation: str = "silu",
+            chosen: Named | None = None) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -176,6 +177,10 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     weight by its expert's entry, after any renormalisation; ``activation="gelu_tanh"`` makes
     each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`).
 
+    ``chosen`` (DeepSeek-V4's hash routing: ``tid2eid[input_ids]``): each token's ``top_k``
+    experts given (integers; x's token dimensions and one more of size ``top_k``); the router's
+    scores of them only weigh them (renormalised, scaled as above); no ``bias`` or ``groups``.
+
     ``gate=None`` (Nemotron 3): the experts are not gated, each ``down(act(up x))`` with
     ``activation`` (``"relu2"``: the squared ReLU), without ``clamp`` or ``expert_biases``."""
     # an adapted weight (LoRA, functional_pp/adapters/lora.py) as the one named weight it stands for
@@ -197,6 +202,9 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     if clamp is not None and (len(clamp) not in (2, 3)
                               or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in clamp)):
         raise ValueError(f"experts: clamp must be (alpha, limit) or (alpha, limit, up_offset) numbers, got {clamp!r}")
+    if chosen is not None and (bias is not None or groups > 1):
+        raise ValueError("experts: chosen (experts given per token) takes no bias and no groups, which only choose "
+                         "experts; drop them")
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
     biases = tuple(expert_biases or ())
@@ -267,10 +275,13 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))       # (transformers: in float32)
     probs = _SCORE_FNS[score](wide)
     correction, no_grad_term = _whole_bias(bias, x.vary) if bias is not None else (None, None)
-    choose = probs if bias is None else probs + correction
-    if groups > 1:
-        choose = _within_best_groups(choose, groups, topk_groups, group_score)
-    _, idx = torch.topk(choose, top_k, dim=-1)
+    if chosen is not None:                          # (DeepSeek-V4's hash routing) the experts given
+        idx = _chosen_rows(chosen, x, tok_dims, top_k, n_experts)
+    else:
+        choose = probs if bias is None else probs + correction
+        if groups > 1:
+            choose = _within_best_groups(choose, groups, topk_groups, group_score)
+        _, idx = torch.topk(choose, top_k, dim=-1)
     weights = probs.gather(1, idx)
     if no_grad_term is not None:                    # (the correction gets a gradient of zeros, not none)
         weights = weights + no_grad_term
@@ -340,6 +351,21 @@ def _tokens_like(t: Named, x: Named, hidden: str) -> Named:
     if t.dims != x.dims:
         raise ValueError(f"experts: router_x's dims {t.dims} are not in x's order {x.dims}")
     return relayout(settle(t), tuple(x.split), "experts router_x")
+
+
+def _chosen_rows(chosen: Named, x: Named, tok_dims: tuple[str, ...], top_k: int, n_experts: int) -> torch.Tensor:
+    """The given experts of this device's tokens as a (tokens, top_k) index tensor, in x's token
+    order: ``chosen`` laid out as x along the token dimensions, its extra dimension whole."""
+    require_named("experts", chosen=chosen)
+    extra = [d for d in chosen.dims if d not in tok_dims]
+    if (set(tok_dims) - set(chosen.dims) or len(extra) != 1 or chosen.size(extra[0]) != top_k
+            or chosen.data.is_floating_point() or chosen.data.is_complex()):
+        raise ValueError(f"experts: chosen has dims {chosen.dims} (sizes {tuple(chosen.data.shape)}, "
+                         f"{chosen.data.dtype}); it needs x's token dims {tok_dims} and one more of size top_k="
+                         f"{top_k}, integer expert indices below {n_experts}")
+    c = settle(chosen)
+    c = relayout(c, tuple(x.split[x.dims.index(d)] if d in tok_dims else () for d in c.dims), "experts chosen")
+    return _local(c, tok_dims + (extra[0],)).reshape(-1, top_k).long()
 
 
 def _token_capacity(idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
