@@ -724,8 +724,9 @@ REFUSED: dict[str, str] = {
         "collapsed by a hyper-head), compressed key/value entries appended to the attention (HCA: softmax-gated "
         "pooling of compress_rates windows, CSA: overlapping windows whose entries a lightning indexer keeps by "
         "top index_topk per query), single-head shared key/value attention with its rotary undone on the output "
-        "and a grouped low-rank output projection (o_groups, o_lora_rank), hash-routed MoE layers "
-        "(mlp_layer_types hash_moe: experts from tid2eid[input_ids]) and sqrtsoftplus router scores"),
+        "and a grouped low-rank output projection (o_groups, o_lora_rank), and the token ids passed to its "
+        "hash-routed MoE layers (mlp_layer_types hash_moe: experts from tid2eid[input_ids]; its routing itself, "
+        "sqrtsoftplus scores and the given experts, is ops.experts')"),
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 
