@@ -365,7 +365,11 @@ def _chosen_rows(chosen: Named, x: Named, tok_dims: tuple[str, ...], top_k: int,
                          f"{top_k}, integer expert indices below {n_experts}")
     c = settle(chosen)
     c = relayout(c, tuple(x.split[x.dims.index(d)] if d in tok_dims else () for d in c.dims), "experts chosen")
-    return _local(c, tok_dims + (extra[0],)).reshape(-1, top_k).long()
+    idx = _local(c, tok_dims + (extra[0],)).reshape(-1, top_k).long()
+    if idx.numel() and not idx.is_meta and not is_tracing() and not 0 <= int(idx.min()) <= int(idx.max()) < n_experts:
+        raise ValueError(f"experts: chosen holds expert indices {int(idx.min())}..{int(idx.max())}; each must be "
+                         f"below the number of experts ({n_experts}) and not negative (a hash table of this model?)")
+    return idx
 
 
 def _token_capacity(idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,

@@ -387,6 +387,9 @@ def test_chosen_experts_equal_deepseek_v4_hash_moe_block():
         assert not torch.allclose(ours(None), out, atol=1e-3)                  # the given choice matters
     with pytest.raises(ValueError, match=r"chosen has dims \('batch', 'seq'\).*one more of size top_k=2"):
         ours(fpp.wrap(ids, "batch seq"))
+    with pytest.raises(ValueError, match=r"chosen holds expert indices 0\.\.4; each must be below the number of "
+                                         r"experts \(4\)"):
+        ours(fpp.wrap(torch.full((2, 5, 2), 4).index_fill(0, torch.tensor([0]), 0), "batch seq top_k"))
     with pytest.raises(ValueError, match=r"chosen \(experts given per token\) takes no bias"):
         experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), *named, top_k=2,
                 bias=fpp.wrap(torch.zeros(E, dtype=torch.float64), "experts"),
