@@ -81,3 +81,30 @@ def test_equals_transformers(monkeypatch):
     torch.testing.assert_close(leaves["head"]["fn"].grad.reshape(HC, HC * H), hc_head.hc_fn.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(leaves["head"]["base"].grad, hc_head.hc_base.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(leaves["head"]["scale"].grad, hc_head.hc_scale.grad, rtol=1e-9, atol=1e-12)
+
+
+def _run(mesh, rules, processes=False):
+    full = _full()
+
+    def device():
+        with fpp.use_rules(rules):
+            local = tree.tree_map(lambda t: t.clone().requires_grad_(),
+                                  sharding.shard(full, DECLS, mesh, rules, fpp.current_rank()))
+            with fpp.comm_report() as rep:
+                out = _ours(sharding.named_tree(local, DECLS), fpp.named(STREAMS, "batch seq hc hidden"))
+                loss = ops.sum(ops.square(out)).value()
+                loss.backward()
+            return (loss.detach(), fpp.gather_tree(tree.tree_map(lambda t: t.grad, local), DECLS, rules),
+                    rep.bytes("all_gather"))
+    return fpp.launch(device, mesh, processes=processes)
+
+
+def test_fsdp_equals_one_device():
+    (loss0, grads0, _), = _run(fpp.Mesh(), fpp.Rules())
+    mesh, rules = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", hidden_out=None)
+    for processes in (False, True):
+        for loss, grads, gathered in _run(mesh, rules, processes):
+            assert gathered > 0                                  # the weights' hidden gathered (FSDP)
+            torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
+            for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
+                torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=p)
