@@ -277,7 +277,7 @@ def test_unsupported_types_and_options_are_refused_by_name(saved, tmp_path):
     for mt, why in (("lfm2_moe", "LFM2-MoE is a hybrid of attention and state-space"),
                     ("olmo_hybrid", "OLMo hybrid is a hybrid"),
                     ("deepseek_v4", "DeepSeek-V4: not built yet \\(issue 47\\), as it adds to DeepSeek-V3 .*"
-                                    "hyper-connections.*compressed key/value entries.*lightning indexer.*"
+                                    "hyper-connection streams.*compressed key/value entries.*lightning indexer.*"
                                     "hash-routed MoE layers"),
                     ("glm_moe_dsa", "GLM-5 \\(DeepSeek sparse attention\\): not built yet")):
         with pytest.raises(ck.CheckpointMismatchError, match=rf"model_type '{mt}' is not supported \({why}.*\); "
