@@ -721,8 +721,8 @@ REFUSED: dict[str, str] = {
     "deepseek_v4": (
         "DeepSeek-V4: not built yet (issue 47), as it adds to DeepSeek-V3 what this decoder does not have: "
         "its layers on hyper-connection streams (hc_mult residual streams mixed by Sinkhorn-projected matrices, "
-        "collapsed by a hyper-head; their mixing itself is models/hyper_connections.py), compressed key/value entries appended to the attention (HCA: softmax-gated "
-        "pooling of compress_rates windows, CSA: overlapping windows whose entries a lightning indexer keeps by "
+        "collapsed by a hyper-head; their mixing itself is models/hyper_connections.py), compressed key/value "
+        "entries appended to the attention (HCA: softmax-gated pooling of compress_rates windows, CSA: overlapping windows whose entries a lightning indexer keeps by "
         "top index_topk per query), single-head shared key/value attention with its rotary undone on the output "
         "and a grouped low-rank output projection (o_groups, o_lora_rank), and the token ids passed to its "
         "hash-routed MoE layers (mlp_layer_types hash_moe: experts from tid2eid[input_ids]; its routing itself, "

@@ -47,8 +47,8 @@ def test_equals_transformers(monkeypatch):
     conf = transformers.DeepseekV4Config(hidden_size=H, hc_mult=HC, hc_sinkhorn_iters=ITERS, hc_eps=EPS,
                                          rms_norm_eps=NORM_EPS, num_hidden_layers=1, vocab_size=32)
     full = _full()
-    attn_hc, ffn_hc, hc_head = (v4.DeepseekV4HyperConnection(conf).double(), v4.DeepseekV4HyperConnection(conf).double(),
-                                v4.DeepseekV4HyperHead(conf).double())
+    attn_hc, ffn_hc = (v4.DeepseekV4HyperConnection(conf).double() for _ in range(2))
+    hc_head = v4.DeepseekV4HyperHead(conf).double()
     with torch.no_grad():
         for mod, name in ((attn_hc, "attn"), (ffn_hc, "ffn")):
             mod.fn.copy_(full[name]["fn"].reshape(-1, HC * H))
@@ -99,6 +99,7 @@ def _run(mesh, rules, processes=False):
     return fpp.launch(device, mesh, processes=processes)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_equals_one_device():
     (loss0, grads0, _), = _run(fpp.Mesh(), fpp.Rules())
     mesh, rules = fpp.Mesh(dp_shard=2), fpp.Rules(batch="dp_shard", hidden="dp_shard", hidden_out=None)

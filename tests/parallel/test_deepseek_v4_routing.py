@@ -7,6 +7,7 @@ the op's output and gradients under EP x FSDP (simulated) and on two gloo proces
 device's. The op itself equals transformers' DeepseekV4SparseMoeBlock (tests/ops/test_experts.py)."""
 import dataclasses
 
+import pytest
 import torch
 from harness import assert_processes_equal_one_device, make_batch, parallel, single_device
 
@@ -38,6 +39,7 @@ def test_ep_x_fsdp_equals_one_device():
         assert rep.bytes("all_to_all") > 0                              # the tokens were dispatched
 
 
+@pytest.mark.multiprocess
 def test_gloo_processes_equal_one_device():
     assert_processes_equal_one_device(CFG, mesh=fpp.Mesh(dp_shard=2),
                                       rules=Rules(batch="dp_shard", experts="dp_shard", hidden="dp_shard"))
@@ -48,7 +50,8 @@ DECLS = {"router": fpp.param((H, E), "hidden experts"), "gate": fpp.param((E, H,
          "up": fpp.param((E, H, F_), "experts hidden mlp"), "down": fpp.param((E, F_, H), "experts mlp hidden")}
 FULL = tree.tree_map(lambda t: t.double(), fpp.init_params(DECLS, seed=0))
 X = torch.randn(4, 4, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-CHOSEN = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i))[:2] for i in range(16)]).view(4, 4, 2)
+CHOSEN = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i))[:2]
+                      for i in range(16)]).view(4, 4, 2)
 
 
 def _hash_routed(mesh, rules, processes=False):
@@ -68,6 +71,7 @@ def _hash_routed(mesh, rules, processes=False):
     return fpp.launch(device, mesh, processes=processes)
 
 
+@pytest.mark.multiprocess
 def test_hash_routing_under_ep_equals_one_device():
     (want, _, grads0), = _hash_routed(fpp.Mesh(), Rules())
     ep_fsdp = (fpp.Mesh(dp_shard=2, ep=2), Rules(batch=("dp_shard", "ep"), experts="ep", hidden="dp_shard"))
