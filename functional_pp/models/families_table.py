@@ -261,8 +261,10 @@ def refused_line() -> str:
 
     def names(group: dict[str, list[str]]) -> str:
         return ", ".join(f"{name} ({', '.join(f'`{mt}`' for mt in mts)})" for name, mts in group.items())
-    return (f"Refused by name: the hybrids of attention and state-space or linear-attention layers: {names(hybrid)}; "
-            f"not built yet: {names(later)}; and {'; '.join(names({why: mts}) for why, mts in other.items())}.")
+    parts = [f"the hybrids of attention and state-space or linear-attention layers: {names(hybrid)}" if hybrid else "",
+             f"not built yet: {names(later)}" if later else "",
+             *(names({why if len(why) <= 200 else why.split(", as ")[0]: mts}) for why, mts in other.items())]
+    return "Refused by name: " + "; ".join(p for p in parts if p) + "."
 
 
 def block() -> str:

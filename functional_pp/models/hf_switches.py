@@ -717,7 +717,15 @@ REFUSED: dict[str, str] = {
         ("lfm2_moe", "LFM2-MoE"), ("olmo_hybrid", "OLMo hybrid"))},
     **{mt: ("Gemma 3n: its layers carry per-layer input embeddings, AltUp and LAuReL blocks and k/v shared "
             "across layers, which are not switches of this decoder (issue 40)") for mt in ("gemma3n_text", "gemma3n")},
-    **{mt: f"{name}: not built yet, issue 40" for mt, name in (("deepseek_v4", "DeepSeek-V4"),)},
+    "deepseek_v4": (
+        "DeepSeek-V4: not built yet (issue 47), as it adds to DeepSeek-V3 what this decoder does not have: "
+        "its layers on hyper-connection streams (hc_mult residual streams mixed by Sinkhorn-projected matrices, "
+        "collapsed by a hyper-head; their mixing itself is models/hyper_connections.py), compressed key/value "
+        "entries appended to the attention (HCA: softmax-gated pooling of compress_rates windows, CSA: overlapping "
+        "windows whose entries a lightning indexer keeps by top index_topk per query), single-head shared key/value "
+        "attention with its rotary undone on the output and a grouped low-rank output projection (o_groups, "
+        "o_lora_rank), and the token ids passed to its hash-routed MoE layers (mlp_layer_types hash_moe: experts "
+        "from tid2eid[input_ids]; its routing itself, sqrtsoftplus scores and the given experts, is ops.experts')"),
 }
 """``model_type`` -> why it is refused (named in the error before any work)."""
 

@@ -37,7 +37,9 @@ from functional_pp.parallel.raw_collectives import axis_index as raw_axis_index
 __all__ = ["experts", "RouterStats", "load_balancing_loss", "router_z_loss", "routing_counts", "capacity", "SCORES",
            "ACTIVATIONS"]
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+_SCORE_FNS = {"softmax": lambda t: torch.softmax(t, dim=-1), "sigmoid": torch.sigmoid,
+              "sqrtsoftplus": lambda t: torch.nn.functional.softplus(t).sqrt()}     # (DeepSeek-V4)
 UNARY = {"silu": torch.nn.functional.silu,
          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
          "relu2": lambda t: torch.relu(t).square()}                    # (Nemotron 3's squared ReLU)
@@ -122,16 +124,18 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
             capacity_factor: float | None = None, groups: int = 1, topk_groups: int = 1,
             group_score: str = "top2_sum", weight_scale: float = 1.0, router_logit_bias: Named | None = None,
             expert_biases: tuple[Named, Named, Named] | None = None,
-            clamp: tuple[float, float] | None = None, weights_on_input: bool = False,
+            clamp: tuple[float, ...] | None = None, weights_on_input: bool = False,
             token_capacity: int | None = None, router_x: Named | None = None,
-            expert_scale: Named | None = None, activation: str = "silu") -> tuple[Named, RouterStats]:
+            expert_scale: Named | None = None, activation: str = "silu",
+            chosen: Named | None = None) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
     ``router`` is ``hidden experts``; ``gate`` and ``up`` are ``experts hidden mlp`` and
     ``down`` ``experts mlp hidden`` (in any order of those names). Each token's router
     probabilities (``score="softmax"``, Mixtral / Qwen-MoE; ``"sigmoid"``, DeepSeek-V3, whose
-    ``bias`` (``experts``, no gradient) only chooses the experts) pick its ``top_k`` experts,
+    ``bias`` (``experts``, no gradient) only chooses the experts; ``"sqrtsoftplus"``,
+    ``sqrt(softplus(logits))``, DeepSeek-V4, with that ``bias``) pick its ``top_k`` experts,
     whose weights are renormalised to sum to 1 with ``normalize``; each expert computes
     ``down(silu(gate x) * up x)`` for exactly its tokens. Returns the weighted sum (x's
     dimensions) and the layer's :class:`RouterStats`.
@@ -152,7 +156,9 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     gpt-oss's options: ``router_logit_bias`` (``experts``, with gradient) is added to the router's
     logits; ``expert_biases`` (gate and up ``experts mlp``, down ``experts hidden``) are added
     after each expert's projections; ``clamp=(alpha, limit)`` makes each expert's activation
-    the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`).
+    the clamped SwiGLU (:func:`~functional_pp.ops.swiglu.clamped_swiglu_tensors`);
+    ``clamp=(alpha, limit, up_offset)`` sets its offset of ``up`` (gpt-oss 1, the default;
+    DeepSeek-V4's experts ``(1.0, swiglu_limit, 0.0)``: ``silu(min(g, limit)) * clamp(u)``).
 
     ``weights_on_input`` (Llama 4): each expert computes ``expert(weight * x)`` and the outputs
     are summed as they are (dropless only).
@@ -170,6 +176,10 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     experts computing on x; ``expert_scale`` (``experts``, with gradient) multiplies each chosen
     weight by its expert's entry, after any renormalisation; ``activation="gelu_tanh"`` makes
     each expert ``down(gelu_tanh(gate x) * up x)`` (one of :data:`ACTIVATIONS`).
+
+    ``chosen`` (DeepSeek-V4's hash routing: ``tid2eid[input_ids]``): each token's ``top_k``
+    experts given (integers; x's token dimensions and one more of size ``top_k``); the router's
+    scores of them only weigh them (renormalised, scaled as above); no ``bias`` or ``groups``.
 
     ``gate=None`` (Nemotron 3): the experts are not gated, each ``down(act(up x))`` with
     ``activation`` (``"relu2"``: the squared ReLU), without ``clamp`` or ``expert_biases``."""
@@ -189,6 +199,12 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     if not gated and (clamp is not None or expert_biases is not None):
         raise ValueError("experts: gate=None (experts not gated) takes no clamp and no expert_biases (gpt-oss's "
                          "options are for gated experts); pass a gate weight or drop them")
+    if clamp is not None and (len(clamp) not in (2, 3)
+                              or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in clamp)):
+        raise ValueError(f"experts: clamp must be (alpha, limit) or (alpha, limit, up_offset) numbers, got {clamp!r}")
+    if chosen is not None and (bias is not None or groups > 1):
+        raise ValueError("experts: chosen (experts given per token) takes no bias and no groups, which only choose "
+                         "experts; drop them")
     if score not in SCORES:
         raise ValueError(f"experts: score {score!r} is not one of {', '.join(SCORES)}")
     biases = tuple(expert_biases or ())
@@ -257,12 +273,15 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
         rb = relayout(pvary(rb, r_union - varying_after(rb, _whole(rb))), _whole(rb), "experts router bias")
         logits = logits + rb.data
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))       # (transformers: in float32)
-    probs = torch.softmax(wide, dim=-1) if score == "softmax" else torch.sigmoid(wide)
+    probs = _SCORE_FNS[score](wide)
     correction, no_grad_term = _whole_bias(bias, x.vary) if bias is not None else (None, None)
-    choose = probs if bias is None else probs + correction
-    if groups > 1:
-        choose = _within_best_groups(choose, groups, topk_groups, group_score)
-    _, idx = torch.topk(choose, top_k, dim=-1)
+    if chosen is not None:                          # (DeepSeek-V4's hash routing) the experts given
+        idx = _chosen_rows(chosen, x, tok_dims, top_k, n_experts)
+    else:
+        choose = probs if bias is None else probs + correction
+        if groups > 1:
+            choose = _within_best_groups(choose, groups, topk_groups, group_score)
+        _, idx = torch.topk(choose, top_k, dim=-1)
     weights = probs.gather(1, idx)
     if no_grad_term is not None:                    # (the correction gets a gradient of zeros, not none)
         weights = weights + no_grad_term
@@ -332,6 +351,25 @@ def _tokens_like(t: Named, x: Named, hidden: str) -> Named:
     if t.dims != x.dims:
         raise ValueError(f"experts: router_x's dims {t.dims} are not in x's order {x.dims}")
     return relayout(settle(t), tuple(x.split), "experts router_x")
+
+
+def _chosen_rows(chosen: Named, x: Named, tok_dims: tuple[str, ...], top_k: int, n_experts: int) -> torch.Tensor:
+    """The given experts of this device's tokens as a (tokens, top_k) index tensor, in x's token
+    order: ``chosen`` laid out as x along the token dimensions, its extra dimension whole."""
+    require_named("experts", chosen=chosen)
+    extra = [d for d in chosen.dims if d not in tok_dims]
+    if (set(tok_dims) - set(chosen.dims) or len(extra) != 1 or chosen.size(extra[0]) != top_k
+            or chosen.data.is_floating_point() or chosen.data.is_complex()):
+        raise ValueError(f"experts: chosen has dims {chosen.dims} (sizes {tuple(chosen.data.shape)}, "
+                         f"{chosen.data.dtype}); it needs x's token dims {tok_dims} and one more of size top_k="
+                         f"{top_k}, integer expert indices below {n_experts}")
+    c = settle(chosen)
+    c = relayout(c, tuple(x.split[x.dims.index(d)] if d in tok_dims else () for d in c.dims), "experts chosen")
+    idx = _local(c, tok_dims + (extra[0],)).reshape(-1, top_k).long()
+    if idx.numel() and not idx.is_meta and not is_tracing() and not 0 <= int(idx.min()) <= int(idx.max()) < n_experts:
+        raise ValueError(f"experts: chosen holds expert indices {int(idx.min())}..{int(idx.max())}; each must be "
+                         f"below the number of experts ({n_experts}) and not negative (a hash table of this model?)")
+    return idx
 
 
 def _token_capacity(idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
@@ -426,7 +464,8 @@ class _ExpertMLP:
         self.act = ((lambda g, u: unary(u)) if not gated else
                     swiglu_tensors if clamp is None and activation == "silu" else
                     (lambda g, u: unary(g) * u) if clamp is None else
-                    lambda g, u: clamped_swiglu_tensors(g, u, alpha=clamp[0], limit=clamp[1]))
+                    lambda g, u: clamped_swiglu_tensors(g, u, alpha=clamp[0], limit=clamp[1],
+                                                        up_offset=clamp[2] if len(clamp) > 2 else 1.0))
         self.gated = gated
         self.down_share = 1.0 / m_shards
 

@@ -65,18 +65,21 @@ def swiglu(gate: Named, up: Named) -> Named:
     return broadcast_binary(swiglu_tensors, gate, up, "swiglu")
 
 
-def clamped_swiglu_tensors(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU: ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``
-    and ``u = clamp(up, -limit, limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+def clamped_swiglu_tensors(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float,
+                           up_offset: float = 1.0) -> torch.Tensor:
+    """The clamped SwiGLU ``g * sigmoid(alpha * g) * (u + up_offset)`` with ``g = min(gate, limit)``
+    and ``u = clamp(up, -limit, limit)``: gpt-oss's (``up_offset=1``, transformers'
+    ``GptOssExperts._apply_gate``) and DeepSeek-V4's (``alpha=1, up_offset=0``: ``silu(g) * u``,
+    ``DeepseekV4Experts._apply_gate``)."""
     if gate.shape != up.shape:
         raise ValueError(f"clamped_swiglu: gate has shape {tuple(gate.shape)} and up {tuple(up.shape)}; they "
                          f"must be equal (the two projections of one gated MLP)")
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return gate * torch.sigmoid(gate * alpha) * (up + up_offset)
 
 
-def clamped_swiglu(gate: Named, up: Named, *, alpha: float, limit: float) -> Named:
+def clamped_swiglu(gate: Named, up: Named, *, alpha: float, limit: float, up_offset: float = 1.0) -> Named:
     """:func:`clamped_swiglu_tensors` of two named arrays of the same dimensions (elementwise:
     a layout sharding ``mlp`` needs no communication)."""
     if not isinstance(gate, Named) or not isinstance(up, Named):
@@ -84,5 +87,6 @@ def clamped_swiglu(gate: Named, up: Named, *, alpha: float, limit: float) -> Nam
                         f"{type(up).__name__}")
     if set(gate.dims) != set(up.dims):
         raise ValueError(f"clamped_swiglu: gate has dims {gate.dims} and up {up.dims}; they must be the same")
-    return broadcast_binary(lambda g, u: clamped_swiglu_tensors(g, u, alpha=alpha, limit=limit), gate, up,
+    return broadcast_binary(lambda g, u: clamped_swiglu_tensors(g, u, alpha=alpha, limit=limit, up_offset=up_offset),
+                            gate, up,
                             "clamped_swiglu")

@@ -291,3 +291,106 @@ def test_not_gated_experts_equal_nemotron_h_moe_block(monkeypatch):
     with pytest.raises(ValueError, match=r"gate=None \(experts not gated\) takes no clamp"):
         experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), None,
                 fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2, clamp=(1.7, 7.0))
+
+
+def test_sqrtsoftplus_routing_and_silu_clamp_equal_deepseek_v4_moe_block():
+    """DeepSeek-V4's top-k MoE layer (``mlp_layer_types`` ``moe``): sqrt(softplus) scores, the score
+    correction only choosing, renormalised, times ``routed_scaling_factor``; experts and shared
+    expert ``silu(min(g, limit)) * clamp(u)`` (``clamp=(1, limit, 0)``, ``ops.clamped_swiglu``
+    with ``up_offset=0``). Equal to transformers' DeepseekV4SparseMoeBlock in float64: the output
+    and the gradients of x, router, gate, up, down and the shared expert."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+    from functional_pp import ops
+    from functional_pp.ops.swiglu import clamped_swiglu
+    conf = transformers.DeepseekV4Config(hidden_size=H, moe_intermediate_size=F_, n_routed_experts=E,
+                                         num_experts_per_tok=2, num_hidden_layers=1, mlp_layer_types=["moe"],
+                                         routed_scaling_factor=1.5, swiglu_limit=0.4, vocab_size=32)
+    torch.manual_seed(8)
+    blk = DeepseekV4SparseMoeBlock(conf, 0).double()
+    blk.experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        for p in (*blk.parameters(), blk.gate.e_score_correction_bias):
+            p.copy_(0.5 * torch.randn_like(p))
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    want = blk(x)
+    want.pow(2).sum().backward()
+    gu = blk.experts.gate_up_proj.detach()
+    xs = x.detach().clone().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (
+        blk.gate.weight.detach().T, gu[:, :F_].transpose(1, 2), gu[:, F_:].transpose(1, 2),
+        blk.experts.down_proj.detach().transpose(1, 2), blk.shared_experts.gate_proj.weight.detach().T,
+        blk.shared_experts.up_proj.weight.detach().T, blk.shared_experts.down_proj.weight.detach().T)]
+    router, gate, up, down, s_gate, s_up, s_down = leaves
+
+    def ours(score="sqrtsoftplus", clamp=(1.0, 0.4, 0.0)):
+        h = fpp.wrap(xs, "batch seq hidden")
+        routed, _ = experts(h, fpp.wrap(router, "hidden experts"), fpp.wrap(gate, "experts hidden mlp"),
+                            fpp.wrap(up, "experts hidden mlp"), fpp.wrap(down, "experts mlp hidden"), top_k=2,
+                            normalize=True, score=score, bias=fpp.wrap(blk.gate.e_score_correction_bias, "experts"),
+                            weight_scale=1.5, clamp=clamp)
+        act = clamped_swiglu(*(ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, fpp.wrap(w, "hidden mlp"))
+                               for w in (s_gate, s_up)), alpha=1.0, limit=0.4, up_offset=0.0)
+        return (routed + ops.einsum("batch seq mlp, mlp hidden -> batch seq hidden", act,
+                                    fpp.wrap(s_down, "mlp hidden"))).value()
+    out = ours()
+    torch.testing.assert_close(out, want.detach(), rtol=1e-10, atol=1e-12)
+    out.pow(2).sum().backward()
+    theirs = (blk.gate.weight.grad.T, blk.experts.gate_up_proj.grad[:, :F_].transpose(1, 2),
+              blk.experts.gate_up_proj.grad[:, F_:].transpose(1, 2), blk.experts.down_proj.grad.transpose(1, 2),
+              blk.shared_experts.gate_proj.weight.grad.T, blk.shared_experts.up_proj.weight.grad.T,
+              blk.shared_experts.down_proj.weight.grad.T)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=1e-9, atol=1e-12)
+    for mine, other in zip(leaves, theirs):
+        torch.testing.assert_close(mine.grad, other, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():                                   # each switch matters
+        assert not torch.allclose(ours(score="sigmoid"), out.detach(), atol=1e-3)
+        assert not torch.allclose(ours(clamp=(1.0, 0.4)), out.detach(), atol=1e-3)
+    with pytest.raises(ValueError, match=r"clamp must be \(alpha, limit\) or \(alpha, limit, up_offset\) numbers"):
+        ours(clamp=(1.0,))
+
+
+def test_chosen_experts_equal_deepseek_v4_hash_moe_block():
+    """DeepSeek-V4's hash-routed layers (``mlp_layer_types`` ``hash_moe``): each token's experts
+    ``tid2eid[input_ids]`` given (``chosen``), the router's sqrt(softplus) scores of them
+    renormalised and scaled. Equal to transformers' DeepseekV4SparseMoeBlock (its shared expert
+    subtracted) in float64: the output and the gradients of x and the router."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+    conf = transformers.DeepseekV4Config(hidden_size=H, moe_intermediate_size=F_, n_routed_experts=E,
+                                         num_experts_per_tok=2, num_hidden_layers=1, mlp_layer_types=["hash_moe"],
+                                         routed_scaling_factor=1.5, swiglu_limit=0.4, vocab_size=32)
+    torch.manual_seed(10)
+    blk = DeepseekV4SparseMoeBlock(conf, 0).double()
+    blk.experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.copy_(0.5 * torch.randn_like(p))
+        blk.gate.tid2eid.copy_(torch.stack([torch.randperm(E)[:2] for _ in range(32)]))
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(11))
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(12), requires_grad=True)
+    want = blk(x, input_ids=ids) - blk.shared_experts(x)
+    want.pow(2).sum().backward()
+    gu = blk.experts.gate_up_proj.detach()
+    xs, router = x.detach().clone().requires_grad_(), blk.gate.weight.detach().T.clone().requires_grad_()
+    named = (fpp.wrap(gu[:, :F_].transpose(1, 2), "experts hidden mlp"), fpp.wrap(gu[:, F_:].transpose(1, 2),
+             "experts hidden mlp"), fpp.wrap(blk.experts.down_proj.detach().transpose(1, 2), "experts mlp hidden"))
+
+    def ours(chosen):
+        return experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), *named, top_k=2,
+                       normalize=True, score="sqrtsoftplus", weight_scale=1.5, clamp=(1.0, 0.4, 0.0),
+                       chosen=chosen)[0].value()
+    out = ours(fpp.wrap(blk.gate.tid2eid[ids].transpose(0, 1), "seq batch top_k"))     # (any order of the dims)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-10, atol=1e-12)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(xs.grad, x.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(router.grad, blk.gate.weight.grad.T, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        assert not torch.allclose(ours(None), out, atol=1e-3)                  # the given choice matters
+    with pytest.raises(ValueError, match=r"chosen has dims \('batch', 'seq'\).*one more of size top_k=2"):
+        ours(fpp.wrap(ids, "batch seq"))
+    with pytest.raises(ValueError, match=r"chosen holds expert indices 0\.\.4; each must be below the number of "
+                                         r"experts \(4\)"):
+        ours(fpp.wrap(torch.full((2, 5, 2), 4).index_fill(0, torch.tensor([0]), 0), "batch seq top_k"))
+    with pytest.raises(ValueError, match=r"chosen \(experts given per token\) takes no bias"):
+        experts(fpp.wrap(xs, "batch seq hidden"), fpp.wrap(router, "hidden experts"), *named, top_k=2,
+                bias=fpp.wrap(torch.zeros(E, dtype=torch.float64), "experts"),
+                chosen=fpp.wrap(blk.gate.tid2eid[ids], "batch seq top_k"))
