@@ -80,6 +80,8 @@ ROWS: tuple[Row, ...] = (
         "input; `gemma4_unified` (Gemma 4 12B)"),
     Row(("glm", "glm4"), "q/k/v biases, interleaved partial rotary, gate / up fused; GLM-4-0414: norms after "
                          "attention and after the MLP too"),
+    Row(("ernie4_5",), "pairs (2i, 2i+1) rotating over the whole head (interleaved rotary), one `use_bias` for every "
+                       "linear (q/k/v, output, gate, up, down)"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),
     Row(("granite",), "embedding / residual / attention / logit multipliers"),
     Row(("olmo2", "olmo3"), "norms after each block, q/k norms across heads; OLMo 3: sliding layers, a rope base "

@@ -93,6 +93,7 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
     # biases (Phi-1/2): of the MLP's projections, of LayerNorms, of the LM head
+    ("model.layers.{i}.mlp.gate_proj.bias", "layers.{i}.mlp.gate_bias", "copy"),
     ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_bias", "copy"),
     ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_bias", "copy"),
     # xIELU's two scalars (Apertus; HF [1], ours without dimensions)
