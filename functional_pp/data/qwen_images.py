@@ -26,10 +26,11 @@ def _grid_positions(gh: int, gw: int, merge: int) -> torch.Tensor:
     return torch.stack([r.permute(0, 2, 1, 3).reshape(-1), c.permute(0, 2, 1, 3).reshape(-1)], -1)
 
 
-def _taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bilinear taps (floor, floor + 1, clamped) into ``side`` rows for ``index`` of ``size``, align_corners,
-    and their weights, in float32."""
-    src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+def _taps(index: torch.Tensor, size: int, side: int, align_corners: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps (floor, floor + 1, clamped) into ``side`` rows for ``index`` of ``size``, align_corners
+    (or at half-pixel centres), and their weights, in float32."""
+    index = index.to(torch.float32)
+    src = index * (side - 1) / max(size - 1, 1) if align_corners else (index + 0.5) * side / size - 0.5
     floor = torch.floor(src)
     offsets = torch.arange(2)
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
@@ -60,10 +61,13 @@ def mrope_positions(ids: torch.Tensor, grids: torch.Tensor | None, image_token_i
 
 def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
                      grids: Sequence[torch.Tensor | None], *, merge: int, image_token_id: int, side: int,
-                     channels: int, temporal_patch: int, patch: int, patches: int | None = None) -> dict:
+                     channels: int, temporal_patch: int, patch: int, patches: int | None = None,
+                     align_corners: bool = True, raster: bool = False) -> dict:
     """The entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``: its
     patches' rows, n_b x (C*T*patch*patch); ``grids[b]``: n_b x 3 ``image_grid_thw``; None: no
-    image). ``patches`` pads every row to that many patches (default: the batch's most). A row
+    image). ``patches`` pads every row to that many patches (default: the batch's most);
+    ``align_corners``: the position table's resampling; ``raster``: the rows come in raster order
+    (PaddleOCR-VL's image processor), put here into merge order. A row
     whose image tokens do not number its images' merged tokens is refused, naming the row and both
     counts."""
     k = merge ** 2
@@ -95,15 +99,18 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
         out["patch_images"][b, n:] = 0 if g is None else len(g)     # the pads: a segment of their own
         if not n:
             continue
-        out["patches"][b, :n] = pixel_values[b].reshape(n, channels * temporal_patch, patch, patch)
+        rows = pixel_values[b].reshape(n, channels * temporal_patch, patch, patch)
         start = 0
         for j, (t, h, w) in enumerate(tuple(int(x) for x in row) for row in g):
             m = t * h * w
             pos = _grid_positions(h, w, merge).repeat(t, 1)
+            order = torch.arange(m) if not raster else \
+                (torch.arange(t).repeat_interleave(h * w) * h * w + (pos[:, 0] * w + pos[:, 1]))
+            out["patches"][b, start:start + m] = rows[start + order]
             out["patch_positions"][b, start:start + m] = pos
             out["patch_images"][b, start:start + m] = j
             if side:
-                (hr, hw_), (cr, cw) = _taps(pos[:, 0], h, side), _taps(pos[:, 1], w, side)
+                (hr, hw_), (cr, cw) = _taps(pos[:, 0], h, side, align_corners), _taps(pos[:, 1], w, side, align_corners)
                 out["patch_taps"][b, start:start + m] = (hr[:, :, None] * side + cr[:, None, :]).reshape(m, 4)
                 out["patch_tap_weights"][b, start:start + m] = (hw_[:, :, None] * cw[:, None, :]).reshape(m, 4)
             start += m
