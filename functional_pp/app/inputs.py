@@ -180,7 +180,8 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                              f"{v.patch_size}-pixel patches (patch_size) merged {v.merge} x {v.merge} "
                              f"(spatial_merge_size) with image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
-                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch}}
+                "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch,
+                         "align_corners": v.align_corners, "raster": v.tower == "paddleocr_vl"}}
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "

@@ -44,8 +44,11 @@ from functional_pp.data.llama4_images import Llama4Tiler, image_text
 from functional_pp.data.qwen_images import qwen_image_batch
 from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
-QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor")
-"""The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch)."""
+QWEN_PROCESSORS = ("Qwen2VLProcessor", "Qwen3VLProcessor", "PaddleOCRVLProcessor")
+"""The processor classes of Qwen's layout (one ``<|image_pad|>`` per merged patch; PaddleOCR-VL's
+``<|IMAGE_PLACEHOLDER|>``, its image processor's patches in raster order)."""
+IMAGE_TOKENS = {"PaddleOCRVLProcessor": "<|IMAGE_PLACEHOLDER|>"}
+"""The image token of a processor class whose ``processor_config.json`` does not name it (default ``<|image_pad|>``)."""
 LFM2_VL_PROCESSOR = "Lfm2VlProcessor"
 INTERNVL_PROCESSOR = "InternVLProcessor"
 PROCESSORS = ("PixtralProcessor", "LlavaProcessor", *QWEN_PROCESSORS, "Gemma4Processor", "Llama4Processor",
@@ -175,7 +178,7 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, Gemma 4, Llama 4, LFM2-VL, InternVL) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, PaddleOCR-VL, Gemma 4, Llama 4, LFM2-VL, InternVL) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         if kind == "Llama4Processor":           # (its tiles: data/llama4_images.py, below)
@@ -213,8 +216,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     elif kind in QWEN_PROCESSORS:
         merge = int(getattr(images, "merge_size", 2))
         proc = ImageChatProcessor(tok, images, template, int(getattr(images, "patch_size", 16)),
-                                  image_token=conf.get("image_token", "<|image_pad|>"), image_break_token=None,
-                                  image_end_token=None, layout="qwen", merge=merge)
+                                  image_token=conf.get("image_token", IMAGE_TOKENS.get(kind, "<|image_pad|>")),
+                                  image_break_token=None, image_end_token=None, layout="qwen", merge=merge)
     elif kind == INTERNVL_PROCESSOR:          # (its tokenizer names the markers: tokenizer_config.json)
         tc_file = root / "tokenizer_config.json"
         tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
