@@ -345,6 +345,13 @@ def make_paddleocr_vl_processor(d, patch=4, merge=2, max_pixels=1024):
     t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in PADDLEOCR_VL_SPECIALS])
     transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
                                          pad_token="<|endoftext|>").save_pretrained(str(d))
+    write_paddleocr_vl_processor_files(d, patch, merge, max_pixels)
+
+
+def write_paddleocr_vl_processor_files(d, patch=4, merge=2, max_pixels=1024):
+    """``processor_config.json``, ``preprocessor_config.json`` (PIL backend) and ``chat_template.jinja``
+    of a PaddleOCR-VL processor in ``d``, beside its tokenizer."""
+    import transformers
     transformers.PaddleOCRVLImageProcessorPil(patch_size=patch, merge_size=merge, min_pixels=(patch * merge) ** 2,
                                               max_pixels=max_pixels).save_pretrained(str(d))
     (d / "processor_config.json").write_text(json.dumps({"processor_class": "PaddleOCRVLProcessor"}))
