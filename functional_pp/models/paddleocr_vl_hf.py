@@ -30,9 +30,6 @@ RENAMED = ((r"^visual\.patch_embed\.proj\.", _V + "embeddings.patch_embedding.")
            (r"^visual\.merger\.norm\.", "mlp_AR.pre_norm."),
            (r"^visual\.merger\.linear_fc(\d)\.", r"mlp_AR.linear_\1."))
 """Qwen's names of the tower's tensors as PaddleOCR-VL's files hold them (the decoder's as they are)."""
-MODULE_NAMES = ((r"^model\.", "model.language_model."), (r"^visual\.vision_model\.", "model.visual.vision_model."),
-                (r"^mlp_AR\.", "model.projector."))
-"""The files' names as transformers 5's modules (what peft's targets name)."""
 
 KINDS = {"patch_embed": "squeeze_2"}
 """The patch convolution: an ``nn.Conv2d`` in the files (ours: Qwen's Conv3d of one frame)."""
