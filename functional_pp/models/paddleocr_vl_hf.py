@@ -35,13 +35,18 @@ KINDS = {"patch_embed": "squeeze_2"}
 """The patch convolution: an ``nn.Conv2d`` in the files (ours: Qwen's Conv3d of one frame)."""
 
 
+_NOT_TEXT = ("model_type", "architectures", "auto_map", "vision_config", "text_config")
+
+
 def text_config(hf: dict, read: Callable) -> Any:
     """The ``Config`` of a ``paddleocr_vl`` ``config.json``'s text decoder (``read``: the reader of an
     ``ernie4_5`` config): ERNIE 4.5's layers with the rotate-half multimodal rotary."""
     import dataclasses
-    text = dict(hf.get("text_config") or {})
-    if not text:
-        raise ValueError("HF paddleocr_vl config: text_config is missing (the text decoder's sizes are unknown)")
+    # (the hub's files: a flat config.json, the decoder's keys beside vision_config, as transformers reads them)
+    text = dict(hf.get("text_config") or {k: x for k, x in hf.items() if k not in _NOT_TEXT})
+    if "hidden_size" not in text:
+        raise ValueError("HF paddleocr_vl config: neither text_config nor the decoder's keys (hidden_size, ...) "
+                         "are in it (the text decoder's sizes are unknown)")
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})

@@ -90,6 +90,13 @@ def test_config_and_positions(saved):
     v = cfg.vision
     assert (v.tower, v.temporal_patch, v.side, v.post_norm, v.merger_eps, v.align_corners) == (
         "paddleocr_vl", 1, 3, True, 1e-5, False)
+    # the hub's flat config.json (the decoder's keys at the top, rope_scaling and rope_theta) reads alike
+    raw = json.loads((saved[1] / "config.json").read_text())
+    text = raw.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **raw, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "default", "mrope_section": rope["mrope_section"]}}
+    assert dataclasses.replace(hf.config_from_hf(flat), vision=llama_hf.vision_from_hf(flat)) == cfg
     ids, pixels = rows()
     inputs = hf_inputs(ids, pixels)
     want, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
