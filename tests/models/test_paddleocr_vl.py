@@ -14,6 +14,7 @@ from harness import parallel, single_device, train_steps
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
+from functional_pp.checkpoint.format import CheckpointMismatchError
 from functional_pp.core import tree
 from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.qwen_images import qwen_image_batch
@@ -210,3 +211,20 @@ def test_export_writes_the_multimodal_class(saved, tmp_path):
 def test_bad_config_refused_by_name():
     with pytest.raises(ValueError, match=r"vision_config.layer_norm_eps=1e-05 is not supported"):
         paddleocr_vl_hf.vision_from_hf({"model_type": "paddleocr_vl", "vision_config": dict(VISION, layer_norm_eps=1e-5)})
+
+
+def test_text_alone_loads_and_its_export_is_refused_by_name(saved, tmp_path):
+    """The decoder alone (no processor_type: the tower and projector left aside) = transformers' text
+    logits; exporting it alone is refused naming the rotary (Ernie4_5ForCausalLM rotates pairs)."""
+    model, d, _ = saved
+    cfg, params = hf.load_hf_llama(d, dtype=torch.float64)
+    assert cfg.vision is None and cfg.text_of == "paddleocr_vl"
+    ids, _ = rows()
+    model = transformers.PaddleOCRVLForConditionalGeneration.from_pretrained(d, dtype=torch.float64).eval()
+    with torch.no_grad():
+        got = llama.forward(sharding.named_tree(params, llama.init(cfg, torch.float64)), fpp.wrap(ids, "batch seq"),
+                            cfg).value()
+        # (transformers' text rotary tables are float32 whatever the dtype)
+        torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(CheckpointMismatchError, match="rotary_interleaved=False has no Ernie4_5ForCausalLM equivalent"):
+        hf.save_hf_llama(params, cfg, tmp_path / "text")
