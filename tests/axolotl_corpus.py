@@ -242,6 +242,12 @@ _WRAPPED = {"gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
                                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])),
                 vision_config=dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=512, patch_size=16),
                 **_QWEN3_5_SPECIAL)),
+            # PaddleOCR-VL: a one-layer NaViT SigLIP tower (raster patches) beside an ERNIE 4.5 decoder
+            "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration", dict(
+                text_config=dict(_TINY, head_dim=64, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                 rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[8, 12, 12])),
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   patch_size=16, image_size=64, spatial_merge_size=2), image_token_id=400)),
             # LFM2-VL: a one-layer SigLIP2 tower and the pixel-unshuffle projector beside an LFM2 decoder
             "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", dict(
                 text_config=dict(_TINY, model_type="lfm2", layer_types=["conv", "full_attention"], pad_token_id=None,
@@ -288,6 +294,8 @@ _QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: the wrappers whose stand-in holds a GLM-4V processor (Glm4vImageProcessor, <|image|> its image token)
 _GLM_VL = {"glm4v": "Glm4vProcessor"}
 _GLM_IMAGE_TOKENS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>")
+#: the wrappers whose stand-in holds a PaddleOCR-VL processor (<|IMAGE_PLACEHOLDER|> per merged patch)
+_PADDLEOCR_VL = ("paddleocr_vl",)
 #: the wrappers whose stand-in holds a LLaVA-1.5 processor (a CLIP tower: ``<image>`` per patch)
 _LLAVA = ("llava",)
 #: the wrappers whose stand-in holds an LFM2-VL processor (<image> per 2 x 2 patches, tiles and their markers)
@@ -319,11 +327,12 @@ def tiny_model(model_type: str, root: Path) -> Path:
     d = root / model_type
     if (d / "config.json").is_file():
         return d
-    from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, INTERNVL_SPECIALS, LFM2_VL_SPECIALS, make_tekken, make_tokenizer,
-                                write_gemma4_processor_files, write_glm4v_processor_files,
+    from chat_tokenizer import (GEMMA4_IMAGE_TOKENS, INTERNVL_SPECIALS, LFM2_VL_SPECIALS, PADDLEOCR_VL_SPECIALS,
+                                make_tekken, make_tokenizer, write_gemma4_processor_files, write_glm4v_processor_files,
                                 write_internvl_processor_files, write_lfm2_vl_processor_files,
                                 write_llama4_processor_files, write_llava_processor_files,
-                                write_pixtral_processor_files, write_qwen_vl_processor_files)
+                                write_paddleocr_vl_processor_files, write_pixtral_processor_files,
+                                write_qwen_vl_processor_files)
     from functional_pp.data.chat import template_text
     tok = make_tokenizer(d, "<|begin_of_text|>", _EOS.get(model_type, "<|im_end|>"),
                          template_text(_TEMPLATES[model_type]) if model_type in _TEMPLATES else None,
@@ -334,7 +343,8 @@ def tiny_model(model_type: str, root: Path) -> Path:
                                 GEMMA4_IMAGE_TOKENS if model_type in _GEMMA4 else
                                 _LLAMA4_IMAGE_TOKENS if model_type == "llama4" else
                                 tuple(LFM2_VL_SPECIALS) if model_type in _LFM2_VL else
-                                tuple(INTERNVL_SPECIALS) if model_type in _INTERNVL else ()))
+                                tuple(INTERNVL_SPECIALS) if model_type in _INTERNVL else
+                                tuple(PADDLEOCR_VL_SPECIALS[1:]) if model_type in _PADDLEOCR_VL else ()))
     if model_type in ("mistral", "mistral3", "mistral3_ministral3"):     # (Mistral's repositories hold tekken.json too)
         make_tekken(d)
     if model_type in _REMOTE:
@@ -367,6 +377,9 @@ def tiny_model(model_type: str, root: Path) -> Path:
         if model_type in _LFM2_VL:       # (LFM2-VL: its processor's files, <image> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<image>"))
             write_lfm2_vl_processor_files(d, 16, 2, 64, 16)
+        if model_type in _PADDLEOCR_VL:  # (PaddleOCR-VL: its processor's files, its placeholder the tokenizer's id)
+            kw = dict(kw, image_token_id=tok.tok.token_to_id("<|IMAGE_PLACEHOLDER|>"))
+            write_paddleocr_vl_processor_files(d, 16, 2, 64 * 64)
         if model_type in _INTERNVL:      # (InternVL: its processor's files, <IMG_CONTEXT> the tokenizer's own id)
             kw = dict(kw, image_token_id=tok.tok.token_to_id("<IMG_CONTEXT>"))
             write_internvl_processor_files(d, 64, 4, 4)

@@ -366,3 +366,37 @@ def write_internvl_processor_files(d, image_size=16, seq=4, max_patches=4):
     (d / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
                                                           "image_seq_length": seq}))
     (d / "chat_template.jinja").write_text(INTERNVL_TEMPLATE)
+
+
+#: the tiny PaddleOCR-VL processor's special tokens, in id order after the 256 bytes (<|IMAGE_PLACEHOLDER|> is 258)
+PADDLEOCR_VL_SPECIALS = ["<|endoftext|>", "<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"]
+#: a chat template rendering an image entry as PaddleOCR-VL's IMAGE_START, IMAGE_PLACEHOLDER, IMAGE_END
+PADDLEOCR_VL_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+                         "{% for c in m.content %}{% if c.type == 'image' %}<|IMAGE_START|><|IMAGE_PLACEHOLDER|>"
+                         "<|IMAGE_END|>{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
+
+
+def make_paddleocr_vl_processor(d, patch=4, merge=2, max_pixels=1024):
+    """A tiny PaddleOCR-VL processor's files in ``d``: a byte-level tokenizer with
+    :data:`PADDLEOCR_VL_SPECIALS`, the real ``PaddleOCRVLImageProcessor`` (PIL backend: resizes to
+    multiples of ``patch * merge`` within ``max_pixels``, raster-ordered patches), its chat template."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in PADDLEOCR_VL_SPECIALS])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
+                                         pad_token="<|endoftext|>").save_pretrained(str(d))
+    write_paddleocr_vl_processor_files(d, patch, merge, max_pixels)
+
+
+def write_paddleocr_vl_processor_files(d, patch=4, merge=2, max_pixels=1024):
+    """``processor_config.json``, ``preprocessor_config.json`` (PIL backend) and ``chat_template.jinja``
+    of a PaddleOCR-VL processor in ``d``, beside its tokenizer."""
+    import transformers
+    transformers.PaddleOCRVLImageProcessorPil(patch_size=patch, merge_size=merge, min_pixels=(patch * merge) ** 2,
+                                              max_pixels=max_pixels).save_pretrained(str(d))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "PaddleOCRVLProcessor"}))
+    (d / "chat_template.jinja").write_text(PADDLEOCR_VL_TEMPLATE)

@@ -183,7 +183,7 @@ def image_settings(cfg: TrainConfig) -> dict | None:
                              f"(spatial_merge_size) with image_token_id {v.image_token_id}: the files disagree")
         return {"processor": proc, "patch": v.patch_size, "merge": v.merge, "image_token_id": v.image_token_id,
                 "qwen": {"side": v.side, "channels": v.channels, "temporal_patch": v.temporal_patch,
-                         "resample": v.resample}}
+                         "resample": v.resample, "raster": v.tower == "paddleocr_vl"}}
     if proc.patch != v.patch_size * v.merge or token != v.image_token_id:
         raise ValueError(f"processor_type: base_model {cfg.base_model}'s processor cuts images in {proc.patch}-pixel "
                          f"tokens with image token id {token}, its model in {v.patch_size * v.merge} (patch_size x "

@@ -14,6 +14,8 @@ count on, all three equal; an image's tokens sit at the count it starts at plus 
 and column, and the count goes on from its start plus the larger of its merged rows and columns)."""
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import torch
@@ -27,10 +29,13 @@ def _grid_positions(gh: int, gw: int, merge: int) -> torch.Tensor:
     return torch.stack([r.permute(0, 2, 1, 3).reshape(-1), c.permute(0, 2, 1, 3).reshape(-1)], -1)
 
 
-def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bilinear taps (floor, floor + 1, clamped) into ``side`` rows for ``index`` of ``size``, align_corners,
-    and their weights, in float32 (Qwen3-VL's ``get_vision_interpolation_indices_and_weights``)."""
-    src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+def _bilinear_taps(index: torch.Tensor, size: int, side: int, align_corners: bool = True) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """Bilinear taps (floor, floor + 1, clamped) into ``side`` rows for ``index`` of ``size``, align_corners
+    (Qwen3-VL's ``get_vision_interpolation_indices_and_weights``) or at half-pixel centres (PaddleOCR-VL's),
+    and their weights, in float32."""
+    index = index.to(torch.float32)
+    src = index * (side - 1) / max(size - 1, 1) if align_corners else (index + 0.5) * side / size - 0.5
     floor = torch.floor(src)
     offsets = torch.arange(2)
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
@@ -51,7 +56,8 @@ def _bicubic_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tens
     return (floor.long()[:, None] + torch.arange(-1, 3)).clamp(0, side - 1), weights
 
 
-RESAMPLING = {"bilinear": _bilinear_taps, "bicubic": _bicubic_taps}
+RESAMPLING = {"bilinear": _bilinear_taps, "bilinear_half": functools.partial(_bilinear_taps, align_corners=False),
+              "bicubic": _bicubic_taps}
 """How a tower resamples its learned position table to an image's grid (its config's ``resample``):
 the taps along one axis; a patch reads their products along both."""
 
@@ -81,16 +87,17 @@ def mrope_positions(ids: torch.Tensor, grids: torch.Tensor | None, image_token_i
 def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | None],
                      grids: Sequence[torch.Tensor | None], *, merge: int, image_token_id: int, side: int,
                      channels: int, temporal_patch: int, patch: int, patches: int | None = None,
-                     resample: str = "bilinear") -> dict:
+                     resample: str = "bilinear", raster: bool = False) -> dict:
     """The entries for token rows ``ids`` (B, S) and each row's images (``pixel_values[b]``: its
     patches' rows, n_b x (C*T*patch*patch); ``grids[b]``: n_b x 3 ``image_grid_thw``; None: no
     image). ``patches`` pads every row to that many patches (default: the batch's most);
-    ``resample`` the position table's resampling (:data:`RESAMPLING`: 4 taps, 16 bicubic). A row
+    ``resample`` the position table's resampling (:data:`RESAMPLING`: 4 taps, 16 bicubic); ``raster``:
+    the rows come in raster order (PaddleOCR-VL's image processor), put here into merge order. A row
     whose image tokens do not number its images' merged tokens is refused, naming the row and both
     counts."""
     if resample not in RESAMPLING:
         raise ValueError(f"images: resample={resample!r} is not one of {sorted(RESAMPLING)}")
-    taps_of, n_taps = RESAMPLING[resample], (2 if resample == "bilinear" else 4) ** 2
+    taps_of, n_taps = RESAMPLING[resample], (4 if resample == "bicubic" else 2) ** 2
     k = merge ** 2
     counts = [0 if g is None else int(g.prod(-1).sum()) for g in grids]
     P = max([k] + counts) if patches is None else patches
@@ -120,11 +127,14 @@ def qwen_image_batch(ids: torch.Tensor, pixel_values: Sequence[torch.Tensor | No
         out["patch_images"][b, n:] = 0 if g is None else len(g)     # the pads: a segment of their own
         if not n:
             continue
-        out["patches"][b, :n] = pixel_values[b].reshape(n, channels * temporal_patch, patch, patch)
+        rows = pixel_values[b].reshape(n, channels * temporal_patch, patch, patch)
         start = 0
         for j, (t, h, w) in enumerate(tuple(int(x) for x in row) for row in g):
             m = t * h * w
             pos = _grid_positions(h, w, merge).repeat(t, 1)
+            order = torch.arange(m) if not raster else \
+                (torch.arange(t).repeat_interleave(h * w) * h * w + (pos[:, 0] * w + pos[:, 1]))
+            out["patches"][b, start:start + m] = rows[start + order]
             out["patch_positions"][b, start:start + m] = pos
             out["patch_images"][b, start:start + m] = j
             if side:

@@ -51,8 +51,11 @@ from functional_pp.data.qwen_images import qwen_image_batch
 from functional_pp.data.siglip2_images import siglip2_image_batch, tap_count
 
 QWEN_PROCESSORS = {"Qwen2VLProcessor": "<|image_pad|>", "Qwen3VLProcessor": "<|image_pad|>",
-                   "Glm4vProcessor": "<|image|>", "Glm46VProcessor": "<|image|>"}
-"""The processor classes of Qwen's layout (one image token per merged patch) and their image token."""
+                   "Glm4vProcessor": "<|image|>", "Glm46VProcessor": "<|image|>",
+                   "PaddleOCRVLProcessor": "<|IMAGE_PLACEHOLDER|>"}
+"""The processor classes of Qwen's layout (one image token per merged patch; PaddleOCR-VL's image
+processor gives its patches in raster order) and their image token where ``processor_config.json``
+does not name it."""
 GLM_MARKERS = ("<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")
 """The tokens GLM-4V's labels mask beside its image token (those its tokenizer has)."""
 GEMMA4_PROCESSORS = ("Gemma4Processor", "Gemma4UnifiedProcessor")
@@ -204,8 +207,8 @@ def load_processor(path: str | Path, where: str = "processor_type") -> ImageChat
     if kind not in PROCESSORS:
         raise ValueError(f"{where}: base_model {path}'s processor is {kind or 'missing (no processor_config.json)'}; "
                          f"images are read with the layout of {' or '.join(PROCESSORS)} (Mistral 3, Pixtral, "
-                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, GLM-4V, Gemma 4, Gemma 4 unified, Llama 4, LFM2-VL, "
-                         f"InternVL) only")
+                         f"LLaVA-1.5, Qwen2-VL, Qwen3.5, GLM-4V, PaddleOCR-VL, Gemma 4, Gemma 4 unified, Llama 4, "
+                         f"LFM2-VL, InternVL) only")
     try:
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(root))    # (tokenizer.json: the run's)
         if kind == "Llama4Processor":           # (its tiles: data/llama4_images.py, below)

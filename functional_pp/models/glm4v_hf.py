@@ -24,7 +24,7 @@ _BLOCK = "visual.blocks.{i}."
 _OURS = "vision_tower.blocks.{i}."
 TABLE = (
     ("visual.post_conv_layernorm.weight", "vision_tower.post_conv_norm", "copy"),
-    ("visual.post_layernorm.weight", "vision_tower.post_norm", "copy"),
+    # (its post_layernorm: the Qwen tower's row, qwen_vision_hf.TABLE)
     ("visual.downsample.weight", "vision_tower.downsample", "copy"),
     ("visual.downsample.bias", "vision_tower.downsample_bias", "copy"),
     *((_BLOCK + f"mlp.{x}_proj.weight", _OURS + f"mlp.{x}_proj", "linear") for x in ("gate", "up", "down")),

@@ -7,7 +7,8 @@ Cohere 2 (attention and MLP in parallel, LayerNorm, interleaved rotary, a logit 
 biases, partial rotary, GELU MLPs that are not gated, parallel blocks), Arcee (squared ReLU),
 Seed-OSS (its own output bias), Apertus (xIELU, q/k norms), Hunyuan dense (q/k norms after the
 rotary), Falcon (multi-query or grouped k/v, parallel or sequential layers, LayerNorms) and
-Ministral 3 (Mistral with the queries scaled by position: attention temperature tuning in every layer).
+Ministral 3 (Mistral with the queries scaled by position: attention temperature tuning in every layer)
+and ERNIE 4.5 (interleaved rotary, one ``use_bias`` for every linear).
 
 Per family, one :class:`Switches` record: its class, its config class's defaults, the fields
 that have one value in the family, the fields ``config.json`` carries (read and written here),
@@ -473,6 +474,24 @@ SWITCHES["glm"] = Switches("GlmForCausalLM", **_GLM, fixed=dict(rotary_interleav
 # GLM-4-0414 (glm4): GLM's layer with a norm after attention and after the MLP too (sandwich_norms)
 SWITCHES["glm4"] = Switches("Glm4ForCausalLM", **_GLM,
                             fixed=dict(rotary_interleaved=True, o_bias=False, sandwich_norms=True))
+
+
+# --------------------------------------------------------------------------- ERNIE 4.5 (dense)
+def _ernie_read(hf: dict, get: Get, where: str) -> dict:
+    bias = bool(get("use_bias"))
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
+def _ernie_write(cfg, out: dict) -> None:
+    out.pop("attention_bias", None)
+    out["use_bias"] = cfg.o_bias
+
+
+SWITCHES["ernie4_5"] = Switches(   # ERNIE 4.5 (0.3B): Llama rotating pairs (2i, 2i+1), one use_bias for every linear
+    "Ernie4_5ForCausalLM", dict(rms_norm_eps=1e-5, max_position_embeddings=131072, head_dim=128, use_bias=False,
+                                tie_word_embeddings=True, pad_token_id=0),
+    _ernie_read, _ernie_write, free=("qkv_bias", "o_bias", "mlp_bias"),
+    fixed=dict(rotary_interleaved=True, qkv_bias=lambda cfg: cfg.o_bias, mlp_bias=lambda cfg: cfg.o_bias))
 
 
 # --------------------------------------------------------------------------- StarCoder 2

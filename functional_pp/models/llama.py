@@ -893,6 +893,8 @@ def init(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
             del p["mlp"]["gate_proj"]
         if cfg.mlp_bias:
             p["mlp"].update(up_bias=bias(cfg.mlp, "mlp"), down_bias=bias(cfg.hidden, "hidden"))
+            if cfg.mlp_gated:                      # (ERNIE 4.5: the gate's bias too)
+                p["mlp"]["gate_bias"] = bias(cfg.mlp, "mlp")
         if cfg.mlp_act == "xielu":                 # its two scalars, at transformers' initial values
             p["mlp"].update({f"act_alpha_{k}": param((), (), init="constant", scale=math.log(math.expm1(a)), dtype=dtype)
                              for k, a in (("p", XIELU_ALPHA_P), ("n", XIELU_ALPHA_N - XIELU_BETA))})
@@ -1188,6 +1190,8 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None, seed: int | Non
         up = up + m["up_bias"]
     if cfg.mlp_gated:
         gate = ops.einsum("batch seq hidden, hidden mlp -> batch seq mlp", h, m["gate_proj"])
+        if "gate_bias" in m:
+            gate = gate + m["gate_bias"]
         act = _GATES[cfg.mlp_act](gate if cfg.mlp_gate_multiplier == 1 else gate * cfg.mlp_gate_multiplier, up)
     elif cfg.mlp_act == "xielu":                          # Apertus: its two scalars per layer
         act = ops.xielu(up, m["act_alpha_p"], m["act_alpha_n"], beta=XIELU_BETA, eps=XIELU_EPS)

@@ -51,8 +51,8 @@ import torch
 from functional_pp.models import (afmoe_hf, dbrx_hf, deepseek_hf, falcon_h1_hf, gemma4_hf, gemma4_unified_hf,
                                   gemma4_vision_hf, glm4v_hf, gpt_oss_hf, granitemoehybrid_hf, internvl_hf, jamba_hf,
                                   kimi_delta, kimi_linear_hf, lfm2_vl_hf, llama4_hf, llama4_vision_hf, mamba2_hf,
-                                  mamba_hf, nemotron_h_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf, remote_code_hf,
-                                  score_head)
+                                  mamba_hf, nemotron_h_hf, paddleocr_vl_hf, pixtral_hf, qwen3_5_hf, qwen_vision_hf,
+                                  remote_code_hf, score_head)
 from functional_pp.models.hf_switches import PLAIN, SWITCHES, partial_rotary_factor, refusal
 from functional_pp.models.llama import XIELU_BETA, XIELU_EPS, Config
 from functional_pp.ops.rotary import LinearScaling, Llama3Scaling, LongRopeScaling, YarnScaling
@@ -94,6 +94,7 @@ LLAMA_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj", "linear"),
     # biases (Phi-1/2): of the MLP's projections, of LayerNorms, of the LM head
+    ("model.layers.{i}.mlp.gate_proj.bias", "layers.{i}.mlp.gate_bias", "copy"),
     ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_bias", "copy"),
     ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_bias", "copy"),
     # xIELU's two scalars (Apertus; HF [1], ours without dimensions)
@@ -326,6 +327,8 @@ _KIND_OVERRIDES["llama4_text"] = {"mlp.gate": "experts_columns", "mlp.up": "expe
 _KIND_OVERRIDES["dbrx"] = {"mlp.gate": "experts_rows", "mlp.up": "experts_rows", "mlp.down": "experts_rows_in"}
 _KIND_OVERRIDES.update(dict.fromkeys(gemma4_hf.ARCHITECTURES, gemma4_hf.KINDS))
 _KIND_OVERRIDES["mistral4"] = deepseek_hf.MISTRAL4_KINDS
+# (PaddleOCR-VL's ERNIE 4.5 decoder: its tower's patch convolution a Conv2d in the files)
+_KIND_OVERRIDES[paddleocr_vl_hf.TEXT] = {**_KIND_OVERRIDES.get(paddleocr_vl_hf.TEXT, {}), **paddleocr_vl_hf.KINDS}
 _KIND_OVERRIDES["olmoe"] = {"self_attn.q_norm": "bias_heads", "self_attn.k_norm": "bias_heads"}   # (over every head)
 """Model types whose fused tensors hold their parts k/v head by k/v head (GPT-NeoX's
 ``query_key_value``: the rows of head n are its q, then its k, then its v; Falcon's: the q heads
@@ -431,6 +434,7 @@ IGNORED_BY_TYPE: dict[str, tuple[str, ...]] = {**gemma4_hf.IGNORED, **qwen3_5_hf
                                                **{mt: (_TOWERS,) for mt in MULTIMODAL},
                                                "nemotron_h": nemotron_h_hf.IGNORED,
                                                **{mt: (r"visual\..*",) for mt in qwen_vision_hf.TEXT_LAYOUT},
+                                               paddleocr_vl_hf.WRAPPER: (r"(visual|mlp_AR)\..*",),
                                                **remote_code_hf.IGNORED,
                                                **{mt: glm4v_hf.IGNORED for mt in glm4v_hf.WRAPPERS}}
 """Per model type, HF tensors its text decoder does not read (a multimodal checkpoint's encoders)."""
@@ -484,10 +488,11 @@ def renamed(path: str, model_type: str = "llama", cfg: Any = None) -> str | None
 
 
 WRAPPER_RENAMED: dict[str, tuple[tuple[str, str], ...]] = {lfm2_vl_hf.WRAPPER: lfm2_vl_hf.RENAMED,
-                                                           **{mt: glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS}}
+                                                           **{mt: glm4v_hf.RENAMED for mt in glm4v_hf.WRAPPERS},
+                                                           paddleocr_vl_hf.WRAPPER: paddleocr_vl_hf.RENAMED}
 """Per multimodal wrapper (``Config.text_of``), (pattern, replacement) of the text family's names
 (after :data:`RENAMED`) to the wrapper's files' where they are not LLaVA's older layout
-(``language_model.model.``): LFM2-VL's and GLM-4V's transformers 5 names (``model.language_model.``, ...)."""
+(``language_model.model.``): LFM2-VL's, GLM-4V's and PaddleOCR-VL's."""
 
 ALSO_READ: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": kimi_linear_hf.ALSO_READ,
                                                     "llava": pixtral_hf.ALSO_READ,
@@ -780,6 +785,20 @@ class _Along(_Copy):
         self.row_axis, self.alternating = row_axis, alternating
 
 
+class _Squeeze(_Kind):                 # ours = HF with a dimension of size 1 at ``axis`` (a Conv2d as a Conv3d of one frame)
+    def __init__(self, axis: int):
+        self.axis = axis
+
+    def hf_shape(self, shape):
+        return tuple(shape[:self.axis]) + tuple(shape[self.axis + 1:])
+
+    def to_hf(self, t):
+        return t.squeeze(self.axis)
+
+    def read(self, sl, region, shape):
+        return sl[tuple(region[:self.axis]) + tuple(region[self.axis + 1:])].unsqueeze(self.axis)
+
+
 class _FlatOut(_Kind):                 # ours [in, A, B, ...] = HF [A*B*..., in].T reshaped (a Mamba2 projection)
     def hf_shape(self, shape):
         return (math.prod(shape[1:]), shape[0])
@@ -844,7 +863,7 @@ KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat":
                            "experts_alternating": _Along(2, alternating=True),
                            "alternating_rows": _Along(1, alternating=True), "experts_columns": _Along(2), "per_head": _PerHead(),
                            "depthwise": _Depthwise(), "conv_taps": _ConvTaps(), "heads_4d": _Heads4d(),
-                           "lead_1": _Lead(1), "lead_2": _Lead(2)}
+                           "lead_1": _Lead(1), "lead_2": _Lead(2), "squeeze_2": _Squeeze(2)}
 
 
 # --------------------------------------------------------------------------- rotary
@@ -1021,6 +1040,13 @@ def decoder_config_from_hf_dict(hf: dict) -> Config:
         return qwen_vision_hf.qwen2_vl_text(hf, config_from_hf_dict)
     if mt in glm4v_hf.WRAPPERS:                # (GLM-4V: a GLM-4-0414 decoder, the multimodal rotary)
         return glm4v_hf.text_config(hf, config_from_hf_dict)
+    if mt == paddleocr_vl_hf.WRAPPER:          # (PaddleOCR-VL: ERNIE 4.5 with the rotate-half multimodal rotary)
+        try:
+            return paddleocr_vl_hf.text_config(hf, config_from_hf_dict)
+        except UnsupportedHFConfig:
+            raise
+        except ValueError as exc:
+            raise UnsupportedHFConfig(str(exc)) from exc
     if mt in MULTIMODAL:                       # (Gemma 3, Mistral 3, Llama 4: their text decoder)
         import dataclasses
         text = dict(hf.get("text_config") or {})
@@ -1263,6 +1289,9 @@ def _check_moe_exportable(cfg: Config) -> Config:
 
 def check_exportable(cfg: Config) -> None:
     """Refuse (naming the option) a config that its ``model_type``'s HF class cannot hold."""
+    if cfg.text_of == paddleocr_vl_hf.WRAPPER and cfg.vision is not None:    # (its multimodal class rotates halves
+        import dataclasses                                          # where Ernie4_5ForCausalLM rotates pairs)
+        cfg = dataclasses.replace(cfg, rotary_interleaved=True)
     mt, where = cfg.model_type, f"export as {cfg.model_type!r}"
     if mt not in ARCHITECTURES:
         raise UnsupportedHFConfig(f"{where}: model_type {mt!r} is not supported; supported model types: "
@@ -1367,6 +1396,10 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.vision is not None and wrapper in llama4_vision_hf.WRAPPERS:   # Llama 4's multimodal class
         text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
         return llama4_vision_hf.config_to_hf(text, cfg.vision)
+    if cfg.vision is not None and cfg.text_of == paddleocr_vl_hf.WRAPPER:     # PaddleOCR-VL's multimodal class
+        plain = dict(text_of=None, vision=None, rotary_interleaved=True, mrope_section=None, mrope_interleaved=False)
+        return paddleocr_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, **plain), dtype),
+                                            cfg.vision, cfg.mrope_section)
     if cfg.vision is not None and cfg.text_of == lfm2_vl_hf.WRAPPER:     # LFM2-VL's multimodal class
         return lfm2_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
                                                             dtype), cfg.vision)
@@ -1513,7 +1546,7 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 
 VISION_HF = (qwen_vision_hf, glm4v_hf, gemma4_vision_hf, gemma4_unified_hf, llama4_vision_hf, lfm2_vl_hf,
-             internvl_hf)
+             internvl_hf, paddleocr_vl_hf)
 """The modules of the vision towers read from their own multimodal ``config.json`` (``WRAPPERS``, ``vision_from_hf``);
 every other one is Pixtral's or CLIP's (pixtral_hf)."""
 

@@ -29,8 +29,10 @@ from functional_pp.parallel.named import Named
 from functional_pp.parallel.reshard import named
 
 TOWER = "qwen3_vl"
-TOWERS = (TOWER, "qwen2_vl")
-"""The tower names this module builds (Qwen3-VL / Qwen3.5's; Qwen2-VL's)."""
+TOWERS = (TOWER, "qwen2_vl", "paddleocr_vl")
+"""The tower names this module builds (Qwen3-VL / Qwen3.5's; Qwen2-VL's; PaddleOCR-VL's NaViT SigLIP:
+Qwen3-VL's with one frame per patch, a LayerNorm after the last block and the position table
+resampled at half-pixel centres)."""
 EXTRA_KEYS = ("patch_taps", "patch_tap_weights", "mrope_positions")
 """The batch entries this tower reads beside models/pixtral.py's ``IMAGE_KEYS`` (its ``EXTRA_KEYS``)."""
 
@@ -59,8 +61,10 @@ class QwenVisionConfig:
     image_token_id: int = 248056
     tower: str = TOWER
     patch_bias: bool = True            # (Qwen2-VL: its patch convolution has no bias)
+    post_norm: bool = False            # (PaddleOCR-VL: a LayerNorm after the last block, post_layernorm)
+    merger_eps: float = 1e-6           # the merger's LayerNorm epsilon (PaddleOCR-VL's projector: 1e-5)
+    align_corners: bool = True         # the position table's resampling (PaddleOCR-VL: half-pixel, False)
 
-    resample = "bilinear"              # (the position table's resampling: data/qwen_images.py)
 
     def __post_init__(self) -> None:
         side = int(self.positions ** 0.5)
@@ -77,6 +81,11 @@ class QwenVisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def resample(self) -> str:
+        """The position table's resampling (data/qwen_images.py's ``RESAMPLING``)."""
+        return "bilinear" if self.align_corners else "bilinear_half"
 
     @property
     def side(self) -> int:
@@ -113,6 +122,8 @@ def init(v: QwenVisionConfig, text_hidden: int, dtype: torch.dtype, std: float) 
         tower["patch_bias"] = zeros((v.hidden,), "vision")
     if v.positions:
         tower["pos_embed"] = w((v.positions, v.hidden), "vpositions vision")
+    if v.post_norm:
+        tower.update(post_norm=ones(v.hidden, "vision"), post_norm_bias=zeros((v.hidden,), "vision"))
     merger = {"ln": ones(v.hidden, "vision"), "ln_bias": zeros((v.hidden,), "vision"),
               "fc1": w((M, M), "vision_merge mm"), "fc1_bias": zeros((M,), "mm"),
               "fc2": w((M, text_hidden), "mm hidden"), "fc2_bias": zeros((text_hidden,), "hidden")}
@@ -184,6 +195,8 @@ def encode(tower: dict, images: dict, v: QwenVisionConfig) -> Named:
     cos, sin = _rotary_tables(images["patch_positions"], v, x.data.dtype)
     for p in tower["blocks"]:
         x = _block(p, x, cos, sin, images["patch_images"], v)
+    if "post_norm" in tower:
+        x = ops.layer_norm(x, tower["post_norm"], tower["post_norm_bias"], eps=1e-6)
     return x
 
 
@@ -191,7 +204,7 @@ def project(merger: dict, x: Named, v: QwenVisionConfig) -> Named:
     """The patch merger (batch merged hidden): LayerNorm, each ``merge``² consecutive patches'
     vectors one after the other, linear-GELU-linear."""
     k = v.merge ** 2
-    x = ops.layer_norm(x, merger["ln"], merger["ln_bias"], eps=1e-6)
+    x = ops.layer_norm(x, merger["ln"], merger["ln_bias"], eps=v.merger_eps)
     x = ops.split_dim(x, "patch", {"merged": x.size("patch") // k, "merge": k})
     x = ops.merge_dims(ops.transpose(x, "batch", "merged", "merge", "vision"), ("merge", "vision"), "vision_merge")
     h = ops.einsum("batch merged vision_merge, vision_merge mm -> batch merged mm", x, merger["fc1"])

@@ -16,6 +16,8 @@ TABLE = (
     ("visual.patch_embed.proj.weight", "vision_tower.patch_embed", "copy"),
     ("visual.patch_embed.proj.bias", "vision_tower.patch_bias", "copy"),
     ("visual.pos_embed.weight", "vision_tower.pos_embed", "copy"),
+    ("visual.post_layernorm.weight", "vision_tower.post_norm", "copy"),         # (PaddleOCR-VL's)
+    ("visual.post_layernorm.bias", "vision_tower.post_norm_bias", "copy"),
     *((_BLOCK + f"{n}.{x}", _OURS + (n if x == "weight" else f"{n}_bias"), "copy")
       for n in ("norm1", "norm2") for x in ("weight", "bias")),
     *((_BLOCK + f"attn.{x}.weight", _OURS + f"attn.{x}_proj", "heads_out") for x in "qkv"),

@@ -36,6 +36,9 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", BASE),
             # LayerNorms, biases, an MLP not gated (c_fc / c_proj); LayerNorm1P, squared ReLU
             "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
             "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+            # ERNIE 4.5: interleaved rotary over the whole head, biases on every linear (the gate's too)
+            "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(BASE, head_dim=16, use_bias=True,
+                                                                       pad_token_id=None)),
             "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
                 BASE, bos_token_id=None, eos_token_id=None)),     # (its window: test_hf_families_more.py)
             "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(BASE, bos_token_id=None, eos_token_id=None)),
@@ -55,7 +58,7 @@ PEFT_NAMES = {"starcoder2": {"up_proj": "c_fc", "down_proj": "c_proj", "gate_pro
               "nemotron": {"gate_proj": None},
               "gpt2": {"gate_proj": None, "up_proj": "c_fc", "down_proj": "mlp.c_proj", "o_proj": "attn.c_proj",
                        "q_proj": None, "k_proj": None, "v_proj": None}, "glm4": {"gate_proj": None, "up_proj": None}}
-MODEL_TYPES = {"gpt2": "gpt2", "gemma": "gemma", "glm4": "glm4", "starcoder2": "starcoder2", "nemotron": "nemotron"}
+MODEL_TYPES = {"gpt2": "gpt2", "gemma": "gemma", "glm4": "glm4", "ernie4_5": "ernie4_5", "starcoder2": "starcoder2", "nemotron": "nemotron"}
 
 
 def _targets(family: str) -> tuple[tuple[str, ...], list[str]]:

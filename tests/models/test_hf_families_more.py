@@ -70,6 +70,9 @@ FAMILIES = {
     "glm": ("glm", "GlmConfig", "GlmForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
     # GLM-4-0414: GLM's layer with norms after attention and after the MLP too
     "glm4": ("glm4", "Glm4Config", "Glm4ForCausalLM", dict(BASE, head_dim=16, pad_token_id=None)),
+    # ERNIE 4.5: pairs (2i, 2i+1) rotating over the whole head, biases on every linear (use_bias)
+    "ernie4_5": ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", dict(BASE, head_dim=16, use_bias=True,
+                                                                          pad_token_id=None)),
     # StarCoder 2: LayerNorms, a tanh-GELU MLP not gated, biases everywhere, a window in every layer
     "starcoder2": ("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(
         BASE, sliding_window=5, bos_token_id=None, eos_token_id=None)),
@@ -94,6 +97,7 @@ SWITCHED_OFF = {"seed_oss": [], "apertus": [], "hunyuan_v1_dense": [dict(qk_norm
                 "gemma": [dict(norm_offset=0.0), dict(scale_embeddings=False)],
                 "glm": [dict(rotary_interleaved=False), dict(partial_rotary_factor=1.0)],
                 "glm4": [dict(rotary_interleaved=False)],
+                "ernie4_5": [dict(rotary_interleaved=False)],
                 "gpt2": [], "dbrx": [dict(clip_qkv=None), dict(norm_topk_prob=False)], "starcoder2": [dict(sliding_window=None)], "nemotron": [dict(norm_offset=0.0),
                                                                       dict(partial_rotary_factor=1.0)]}
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
@@ -313,16 +317,20 @@ def test_refused_by_name(saved, tmp_path):
 def test_new_options_train_alike_on_real_processes():
     """xIELU (its scalars' gradients summed over the devices that split ``mlp``), q/k norms
     after the rotary and DBRX's q/k/v clamp: two AdamW steps with TP 2 on two gloo processes
-    equal one device; GPT-2's learned positions (each process's rows of the table) with CP 2."""
+    equal one device; GPT-2's learned positions (each process's rows of the table) with CP 2; ERNIE 4.5's
+    gate bias (split over ``mlp`` by TP 2) and interleaved rotary."""
     from harness import launch_steps
     cfg = llama.Config.tiny(mlp_gated=False, mlp_act="xielu", qk_norm=True, qk_norm_after_rotary=True, clip_qkv=0.1)
     gpt2 = llama.Config.tiny(learned_positions=True, norm_kind="layer", norm_bias=True, mlp_gated=False,
                              mlp_act="gelu_tanh", qkv_bias=True, o_bias=True, max_seq=16)
+    ernie = llama.Config.tiny(qkv_bias=True, o_bias=True, mlp_bias=True, rotary_interleaved=True)
     for cfg, mesh, rules in ((cfg, fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
+                             (ernie, fpp.Mesh(tp=2), llama.default_rules(fsdp=False)),
                              (gpt2, fpp.Mesh(cp=2), fpp.Rules(seq=fpp.balanced("cp"), res_seq=fpp.inherit("seq")))):
         one = launch_steps(cfg, dtype=torch.float64)[0]
         real = launch_steps(cfg, mesh=mesh, rules=rules, dtype=torch.float64, processes=True)
-        trained = "embed_positions" if cfg.learned_positions else "layers.0.mlp.act_alpha_p"
+        trained = ("embed_positions" if cfg.learned_positions else "layers.0.mlp.gate_bias" if cfg.mlp_bias
+                   else "layers.0.mlp.act_alpha_p")
         assert not np.array_equal(one[1][trained], launch_steps(cfg, dtype=torch.float64, steps=0)[0][1][trained])
         for losses, params, _ in real:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
