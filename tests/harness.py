@@ -228,6 +228,19 @@ def our_logits(params, cfg, toks):
         return llama.forward(named, fpp.wrap(toks, "batch seq"), cfg).value()
 
 
+def peft_lora(model, targets, seed: int):
+    """peft's LoRA (r 4, alpha 8, no dropout) on the transformers ``model`` at ``targets``, its B
+    matrices random (0.1 N(0, 1) from a generator seeded ``seed``, so that the adapters act)."""
+    import peft
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return pm
+
+
 def random_lora(decls, g: torch.Generator) -> dict:
     """Full adapters of ``decls`` (``adapters.init``): A as initialised, B random (nonzero, so
     that the adapters act)."""

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import parallel, single_device, train_steps
+from harness import parallel, peft_lora, single_device, train_steps
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -183,7 +183,6 @@ AXOLOTL_TARGETS = (r"model.language_model.layers.[\d]+.(_checkpoint_wrapped_modu
 def test_lora_with_the_examples_regex_equals_peft(saved):
     """LoRA with the example's regex, a batch with images: the loss and every adapter gradient of one
     step equal peft's on transformers' unified model (float64)."""
-    import peft
 
     from functional_pp import adapters
     from functional_pp.adapters import peft_dir
@@ -191,13 +190,7 @@ def test_lora_with_the_examples_regex_equals_peft(saved):
     _, d, cfg = saved
     model = transformers.Gemma4UnifiedForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
                                                                                attn_implementation="eager")
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                    target_modules=AXOLOTL_TARGETS))
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn_like(p))
+    pm = peft_lora(model, AXOLOTL_TARGETS, seed=5)
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=AXOLOTL_TARGETS)
     decls = adapters.init(llama.init(cfg, torch.float64), lc)
     state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import parallel, single_device, train_steps
+from harness import parallel, peft_lora, single_device, train_steps
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -291,12 +291,7 @@ def test_lora_step_equals_peft(saved, tmp_path):
                r"|((model\.)?visual\.(blocks\.\d+\.mlp|merger)\.(gate_proj|up_proj|down_proj))")
     model = transformers.Glm4vForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
                                                                        attn_implementation="eager")
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn_like(p))
+    pm = peft_lora(model, targets, seed=3)
 
     def ours(name):
         return name.replace(".default", "")

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import parallel, single_device, train_adapters, train_steps
+from harness import parallel, peft_lora, single_device, train_adapters, train_steps
 
 import functional_pp as fpp
 from functional_pp import adapters
@@ -160,17 +160,11 @@ def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
 def test_lora_on_axolotls_targets_equals_peft(saved):
     """The example config's ``lora_target_modules`` regex (the decoder's q / k / v) on rows with images:
     our loss and every adapter gradient of one step equal peft's on transformers' model."""
-    import peft
     _, d, cfg = saved
     regex = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"
     model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
                                                                         attn_implementation="eager")
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=regex))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    pm = peft_lora(model, regex, seed=3)
     lc = adapters.LoraConfig(r=4, alpha=8, target_modules=regex)
     decls = adapters.init(llama.init(cfg, torch.float64), lc, cfg.model_type)
     state = {k: v for k, v in pm.state_dict().items() if "lora_" in k}

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import parallel, single_device, train_steps
+from harness import parallel, peft_lora, single_device, train_steps
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -162,19 +162,13 @@ model's self_attn too)."""
 def test_axolotl_lora_targets_with_images_equal_peft(saved):
     """LoRA (r 4, B random) on the example's targets: our loss and every adapter gradient of a batch
     with images equal peft's on transformers' model (the text decoder's and the vision model's)."""
-    import peft
 
     from functional_pp import adapters
     from functional_pp.adapters import peft_dir
     _, d, cfg = saved
     model = transformers.Llama4ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
                                                                         attn_implementation="eager")
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS)))
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn_like(p))
+    pm = peft_lora(model, list(TARGETS), seed=4)
     ids, pixels = rows(seed=3, dtype=torch.float64)
     logits = pm(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
     want = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
