@@ -9,11 +9,12 @@ fail in seconds. Once one has made contact, the rest of the ranks are waited for
 :data:`UNMANAGED_WAIT` seconds (a launcher such as srun starts its ranks together)."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
 
-__all__ = ["RendezvousError", "join_from_env", "UNMANAGED_WAIT", "FIRST_CONTACT", "ENV"]
+__all__ = ["RendezvousError", "join_from_env", "leave", "UNMANAGED_WAIT", "FIRST_CONTACT", "ENV"]
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 UNMANAGED_WAIT = 30.0        # seconds the ranks of a launch without torchrun's agent wait for each other
@@ -33,6 +34,7 @@ def join_from_env(backend: str, timeout: float) -> None:
     long = datetime.timedelta(seconds=timeout)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         dist.init_process_group(backend, timeout=long)
+        atexit.register(leave)
         return
     named = ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in ENV)
     how = ("to train in this process alone, unset them (unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT); to run "
@@ -63,6 +65,16 @@ def join_from_env(backend: str, timeout: float) -> None:
         _wait_for_ranks(store, world - 1, contact, wait, port, refuse)
     store.set_timeout(long)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=long)
+    atexit.register(leave)
+
+
+def leave() -> None:
+    """Destroy the process group this module joined, if it is still there (registered with
+    :mod:`atexit` on joining): a group left to the interpreter's teardown can abort the process
+    ("terminate called without an active exception", exit status -6) after its work is done."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _wait_for_ranks(store, others: int, contact: float, wait: float, port: int, refuse) -> None:

@@ -87,3 +87,24 @@ def test_simulate_with_stray_torchrun_variables_names_them(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")                 # under torchrun's agent: as before
     with pytest.raises(ConfigError, match="cannot be used under torchrun"):
         resolve_world(TrainConfig.from_dict({"model": "tiny"}), simulate=1)
+
+
+def test_a_joined_process_group_is_destroyed_when_the_process_exits():
+    """A process group left to the interpreter's teardown aborted a torchrun rank after its work
+    ("terminate called without an active exception", exit -6: `functional-pp generate` under
+    torchrun in CI): joining registers its destruction at exit."""
+    script = ("import torch.distributed as dist\n"
+              "from functional_pp.devices.rendezvous import join_from_env\n"
+              "real = dist.destroy_process_group\n"
+              "def destroy(*a, **k):\n"
+              "    print('destroyed', flush=True)\n"
+              "    return real(*a, **k)\n"
+              "dist.destroy_process_group = destroy\n"
+              "join_from_env('gloo', 60)\n"
+              "print('joined', dist.get_world_size(), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["joined", "1", "destroyed"], res.stdout
