@@ -195,12 +195,22 @@ def _samples(docs):
                                    N, GEN), generator=g) for d in docs]
 
 
+def _layer_states(params, cfg, layers, rows):
+    """``llama.layer_states`` of block-parallel rows (their tokens and layout)."""
+    named = {k: fpp.wrap(v, "batch seq") for k, v in rows.items()}
+    return [h.value() for h in llama.layer_states(params, named.pop("tokens"), cfg, layers, **named)]
+
+
+def _policy(cfg):
+    return lambda p, t, **layout: llama.forward(p, t, cfg, **layout)
+
+
 def _our_batch(cfg, params, row_multiple=4):
     docs = _documents()
     layers = ebft.feature_layer_indices(SPEC.feature_layers, cfg.layers)
 
     def feature_states(rows):
-        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+        return _layer_states(params, cfg, layers, rows)
     r = score_samples(docs, _samples(docs), SPEC, feature_states, pad_id=PAD)
     return r, ebft_batch(r, SPEC, PAD, row_multiple=row_multiple)
 
@@ -238,7 +248,7 @@ def test_the_loss_and_gradients_equal_the_re_derivation_on_transformers(model):
     assert [len(a) for a in r.anchors] == [4, 3] and batch["tokens"].shape[0] % 4 == 0
     decls = llama.init(cfg)
     local = tree_map(lambda x: x.clone().requires_grad_(), full)
-    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    objective = weighted_logps_objective(_policy(cfg))
     loss = objective(sharding.named_tree(local, decls), {k: fpp.wrap(v, "batch seq") for k, v in batch.items()})
     loss = loss.value()
     loss.backward()
@@ -260,7 +270,7 @@ def _step(cfg, full, batch, mesh, rules, accum=1, processes=False):
     gradients (the update), float64."""
     decls = llama.init(cfg, torch.float64)
     full = tree_map(lambda x: x.double(), full)
-    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    objective = weighted_logps_objective(_policy(cfg))
     step = fpp.train_step(objective, fpp.optim.sgd(1.0), mesh=mesh, rules=rules, grad_accum=accum,
                           batch_dims={k: "batch seq" for k in batch})
 
@@ -325,7 +335,7 @@ def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(mode
     layers = ebft.feature_layer_indices(spec.feature_layers, cfg.layers)
 
     def feature_states(rows):
-        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+        return _layer_states(params, cfg, layers, rows)
     with torch.no_grad():
         r = ebft_rollout(lambda p, t: llama.forward(p, t, cfg), params, docs, spec, feature_states, pad_id=PAD,
                          key=3, step=1)
