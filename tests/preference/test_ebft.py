@@ -306,6 +306,13 @@ def test_fsdp_x_tp_with_accumulation_equals_one_device(one_device):
     _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(), accum=2), want)
 
 
+def test_context_parallel_block_parallel_rows_equal_one_device(one_device):
+    """The rows split over cp (balanced): the shared context seen by row index, positions as given."""
+    cfg, full, batch, want = one_device
+    assert batch["tokens"].shape[1] % 4 == 0 and int(batch["prefix"].max()) > 0
+    _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2, cp=2), llama.default_rules(tp=False)), want)
+
+
 @pytest.mark.multiprocess
 def test_a_step_on_two_gloo_processes_equals_one_device(one_device):
     cfg, full, batch, want = one_device
