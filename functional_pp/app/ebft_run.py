@@ -42,6 +42,11 @@ def ebft_objective_of(cfg: TrainConfig, spec: Any, family: Any, model_cfg: Any, 
     if family.layer_states is None:
         raise ConfigError(f"rl: ebft: model family {family.name!r} gives no hidden states of chosen layers; register "
                           f"it with ModelFamily(layer_states=...)")
+    why = "no block-parallel rows (ModelFamily.prefix_refusal)" if family.prefix_refusal is None else \
+        family.prefix_refusal(model_cfg)
+    if why:
+        raise ConfigError(f"rl: ebft scores each document's samples in one block-parallel row (continuations "
+                          f"packed after their shared context), which this model cannot take: {why}")
     layers = feature_layer_indices(spec.feature_layers, len(base_decls["layers"]))
     states = functools.partial(family.layer_states, cfg=model_cfg, layers=layers)
     policy, features, decls, trainable = policy_and_reference(

@@ -1596,6 +1596,23 @@ def uncached_layers(cfg: Config) -> str | None:
     return "; ".join(why) or None
 
 
+def prefix_refusal(cfg: Config) -> str | None:
+    """Why the model cannot score continuations packed after their shared context (attention's
+    ``prefix`` with ``position_ids``: EBFT's block-parallel rows): recurrent layers (their state
+    runs through the row in order), masks measured in row indices (sliding windows, chunks,
+    ALiBi), latent attention, learned absolute positions; None where it can."""
+    why = recurrent_layers(cfg)
+    for what, layers in (("sliding-window attention", [i for i in range(cfg.layers) if cfg.window(i)]),
+                         ("chunked attention", [i for i in range(cfg.layers) if cfg.chunk(i)])):
+        if layers:
+            why.append(f"layers {layers} have {what} (it measures row indices, not positions)")
+    for field, what in (("alibi_max", "ALiBi"), ("kv_lora_rank", "latent attention"),
+                        ("learned_positions", "learned absolute positions")):
+        if getattr(cfg, field):
+            why.append(f"{field}={getattr(cfg, field)} ({what})")
+    return "; ".join(why) or None
+
+
 def activations(cfg: Config, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
     """The residual stream's layouts (global sizes) that must split evenly on the mesh: the
     sequence gathered for attention and the MLP, and split again (sequence parallelism)."""

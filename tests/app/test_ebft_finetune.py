@@ -105,7 +105,9 @@ def test_validate_reads_the_documents_and_prints_the_ebft_line(data, tmp_path, c
     ({"ebft": {"mode": "structured"}}, "ebft.mode 'structured' is not built: only the strided mode"),
     ({"ebft": {"embed_method": "concat"}}, "ebft.embed_method 'concat' is not built for the strided mode"),
     ({"datasets_type": "alpaca"}, "datasets\\[0\\].type 'alpaca' is not an EBFT dataset type"),
-    ({"val_set_size": 0.25}, "held-out EBFT evaluation is not built")])
+    ({"val_set_size": 0.25}, "held-out EBFT evaluation is not built"),
+    ({"model": {"preset": "tiny", "hidden": 32, "mlp": 64, "layers": 2, "sliding_window": 4}},
+     "block-parallel row .* cannot take: layers \\[0, 1\\] have sliding-window attention")])
 def test_bad_settings_are_refused_before_any_work(data, tmp_path, over, why):
     out = tmp_path / "bad"
     kind = over.pop("datasets_type", "ebft_pretrain.transform")

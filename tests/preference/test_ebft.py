@@ -353,3 +353,16 @@ def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(mode
                               eos_token_id=None, pad_token_id=PAD)[0, a:]
             for j in range(2):
                 assert samples[b, j].tolist() == want.tolist(), (a, j)
+
+
+def test_models_the_block_parallel_rows_cannot_take_are_named(model):
+    """``llama.prefix_refusal`` (checked before any work) and the forward's own refusal."""
+    _, cfg, params, _ = model
+    base = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64)
+    assert llama.prefix_refusal(llama.Config(**base)) is None
+    why = llama.prefix_refusal(llama.Config(**base, alibi_max=8.0, learned_positions=True, max_seq=32))
+    assert "alibi_max=8.0 (ALiBi)" in why and "learned_positions=True (learned absolute positions)" in why
+    assert "layers [0, 1] have sliding-window attention" in llama.prefix_refusal(llama.Config(**base, sliding_window=4))
+    toks = fpp.wrap(torch.zeros(1, 4, dtype=torch.long), "batch seq")
+    with pytest.raises(ValueError, match="prefix .each query's shared context. needs segments"):
+        llama.forward(params, toks, cfg, prefix=fpp.wrap(torch.zeros(1, 4, dtype=torch.long), "batch seq"))
