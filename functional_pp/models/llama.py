@@ -1228,7 +1228,8 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
     None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``; ``kv``: the
     keys and values it attends to, ``cfg.kv_source(i)``'s, else its own; ``seed``: its dropout seed,
     ``dropout_seeds.site_seed``, None: none; ``groups``: the attention's bidirectional groups of
-    tokens, ``cfg.image_groups_attend``; ``prefix``: each query's shared context, ops.attention's); recomputed in backward under ``train_step(remat=True)``. The residual
+    tokens, ``cfg.image_groups_attend``; ``prefix``: each query's shared context, ops.attention's);
+    recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""

@@ -119,7 +119,8 @@ def score_samples(documents: Sequence[Any], samples: Sequence[torch.Tensor], spe
         own = [h[i:i + 1] for h in states]
         starts = sample_starts(seq_len, b, n, gen).reshape(-1) + 1
         phi = row_block_features(own, starts, gen, spec.embed_method, torch.zeros_like(starts))
-        ref = row_block_features(own, torch.tensor(anchors[d]), gen, spec.embed_method, torch.zeros(b, dtype=torch.long))
+        ref = row_block_features(own, torch.tensor(anchors[d]), gen, spec.embed_method,
+                                 torch.zeros(b, dtype=torch.long))
         r, al, dv = block_rewards(phi.view(b, n, -1), ref, alignment_coef=spec.alignment_coef,
                                   diversity_coef=spec.diversity_coef, use_whitening=spec.use_whitening)
         out.rewards.append(r)
