@@ -33,18 +33,24 @@ def ebft_settings(cfg: TrainConfig):
 
 
 def ebft_objective_of(cfg: TrainConfig, spec: Any, family: Any, model_cfg: Any, lora: Any, base_decls: Any) -> tuple:
-    """``(loss, declarations, trainable mask, policy, features)``: ``features(params, tokens)``
-    the frozen model's hidden states at ``ebft.feature_layers`` (a list, ``batch seq hidden``)."""
+    """``(loss, declarations, trainable mask, policy, features)``: ``features(params, tokens,
+    **layout)`` the frozen model's hidden states at ``ebft.feature_layers`` (a list, ``batch seq
+    hidden``) of block-parallel rows (``layout``: their segments, position ids and prefix)."""
     from functional_pp.app.preference_run import policy_and_reference
     from functional_pp.preference.ebft import feature_layer_indices
     from functional_pp.preference.weighted_logps import weighted_logps_objective
     if family.layer_states is None:
         raise ConfigError(f"rl: ebft: model family {family.name!r} gives no hidden states of chosen layers; register "
                           f"it with ModelFamily(layer_states=...)")
+    why = "no block-parallel rows (ModelFamily.prefix_refusal)" if family.prefix_refusal is None else \
+        family.prefix_refusal(model_cfg)
+    if why:
+        raise ConfigError(f"rl: ebft scores each document's samples in one block-parallel row (continuations "
+                          f"packed after their shared context), which this model cannot take: {why}")
     layers = feature_layer_indices(spec.feature_layers, len(base_decls["layers"]))
     states = functools.partial(family.layer_states, cfg=model_cfg, layers=layers)
     policy, features, decls, trainable = policy_and_reference(
-        cfg, True, family, model_cfg, lora, base_decls, reference_fn=lambda p, t: states(p, t))
+        cfg, True, family, model_cfg, lora, base_decls, reference_fn=lambda p, t, **layout: states(p, t, **layout))
     return weighted_logps_objective(policy), decls, trainable, policy, features
 
 
@@ -107,19 +113,23 @@ class EBFTSampler:
             r = ebft_rollout(self.policy, named_params, docs, self.spec,
                              functools.partial(self._states, named_params, shard.dp_size), pad_id=self.pad_id,
                              key=self.key, step=step, row_multiple=shard.dp_size)
-        whole = ebft_batch(r, self.spec, self.pad_id, row_multiple=shard.dp_size * self.accum)
+        whole = ebft_batch(r, self.spec, self.pad_id, row_multiple=shard.dp_size * self.accum,
+                           length_multiple=shard.cp_size * (2 if shard.balanced else 1))
         return {k: v.contiguous() for k, v in shard.cut(whole).items()}, ebft_metrics(r)
 
-    def _states(self, named_params: Any, dp_size: int, rows: torch.Tensor) -> list[torch.Tensor]:
-        """The feature model's hidden states of ``rows`` (``[N, S, H]`` each, whole, on the host),
-        the rows padded to a multiple of the data-parallel size for the forward."""
+    def _states(self, named_params: Any, dp_size: int, rows: dict) -> list[torch.Tensor]:
+        """The feature model's hidden states of block-parallel ``rows`` (``tokens`` and their
+        layout, ``[N, L]`` each; ``[N, L, H]`` each, whole, on the host), the rows padded to a
+        multiple of the data-parallel size for the forward."""
         from functional_pp.parallel.fsdp.regather import relayout
         from functional_pp.parallel.reshard import named
         from functional_pp.preference.rollout import params_device
-        n = rows.shape[0]
-        padded = torch.cat([rows, rows[-1:].expand(-n % dp_size, -1)]) if n % dp_size else rows
+        n = rows["tokens"].shape[0]
+        device = params_device(named_params)
+        ins = {k: named((torch.cat([v, v[-1:].expand(-n % dp_size, -1)]) if n % dp_size else v).to(device),
+                        "batch seq") for k, v in rows.items()}
         with torch.no_grad():
-            states = self.features(named_params, named(padded.to(params_device(named_params)), "batch seq"))
+            states = self.features(named_params, ins.pop("tokens"), **ins)
             out = []
             for h in states:
                 full = relayout(h, tuple(() for _ in h.dims), "ebft features").value()

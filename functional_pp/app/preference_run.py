@@ -93,8 +93,9 @@ def preference_objective(cfg: TrainConfig, spec: PreferenceSpec, family: Any, mo
 
 def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, model_cfg: Any, lora: Any,
                          base_decls: Any, reference_fn: Any = None) -> tuple:
-    """``(policy, reference or None, declarations, trainable mask)``: ``policy(params, tokens)``
-    the trained model's logits through the adapters (if any), ``reference(params, tokens)`` the
+    """``(policy, reference or None, declarations, trainable mask)``: ``policy(params, tokens,
+    **layout)`` the trained model's logits (``layout``: the forward's keyword inputs, e.g. EBFT's
+    block-parallel rows') through the adapters (if any), ``reference(params, tokens)`` the
     model the run starts from (module docstring) when ``needs_reference``: its logits, or
     ``reference_fn(its params, tokens)`` where given (EBFT: its hidden states)."""
     from functional_pp import adapters
@@ -110,19 +111,19 @@ def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, m
     reference = None
     ref_fn = forward if reference_fn is None else reference_fn
     if needs_reference and lora is not None:
-        def reference(params, tokens):
-            return ref_fn(adapters.split(params)[0], tokens)
+        def reference(params, tokens, **layout):
+            return ref_fn(adapters.split(params)[0], tokens, **layout)
     elif needs_reference:
         frozen_decls = frozen_and_adapters(cfg, None, forward, base_decls)[1]
         decls = {**decls, REFERENCE: _frozen(frozen_decls, cfg)}
         trainable = _reference_frozen(trainable)
         inner = policy
 
-        def policy(params, tokens):
-            return inner({k: v for k, v in params.items() if k != REFERENCE}, tokens)
+        def policy(params, tokens, **layout):
+            return inner({k: v for k, v in params.items() if k != REFERENCE}, tokens, **layout)
 
-        def reference(params, tokens):
-            return ref_fn(params[REFERENCE], tokens)
+        def reference(params, tokens, **layout):
+            return ref_fn(params[REFERENCE], tokens, **layout)
     return policy, reference, decls, trainable
 
 

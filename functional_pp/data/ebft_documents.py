@@ -51,7 +51,8 @@ class DocumentSet:
     duplicates: int = 0
     unit = "documents"
     #: the named dimensions of an EBFT batch's tensors (the training step's ``batch_dims``)
-    batch_dims = {k: "batch seq" for k in ("tokens", "labels", "weights", "step_tokens")}
+    batch_dims = {k: "batch seq" for k in ("tokens", "labels", "weights", "step_tokens", "segments", "position_ids",
+                                           "prefix")}
 
     def __len__(self) -> int:
         return len(self.prompts)

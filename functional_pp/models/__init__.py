@@ -17,4 +17,4 @@ LLAMA = register(ModelFamily(
     summary_fields=("model_type", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab"),
     hf_config_from_dict=llama_hf.config_from_hf_dict, pipeline_ends=llama.pipeline_ends,
     forward=llama.forward, serial_under_cp=llama.serial_under_cp,
-    uncached_layers=llama.uncached_layers, layer_states=llama.layer_states))
+    uncached_layers=llama.uncached_layers, layer_states=llama.layer_states, prefix_refusal=llama.prefix_refusal))

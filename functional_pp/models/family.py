@@ -42,7 +42,10 @@ class ModelFamily:
     None where it can (checked before any work against every config and command that samples:
     ``rl: grpo``, ``functional-pp generate``; :meth:`ModelFamily.sampling_refusal`); ``layer_states(params,
     tokens, cfg, layers)`` (or None) the hidden states after the given numbers of layers (transformers'
-    ``hidden_states[i]``), which ``rl: ebft``'s features need."""
+    ``hidden_states[i]``), which ``rl: ebft``'s features need; ``prefix_refusal(cfg)`` (or None:
+    never) why the model's forward cannot take continuations packed after their shared context
+    (``position_ids`` and attention's ``prefix``: ``rl: ebft``'s block-parallel rows), None where it
+    can (checked before any work)."""
 
     name: str
     config_class: type
@@ -60,6 +63,7 @@ class ModelFamily:
     serial_under_cp: Callable[[Any], str | None] | None = None
     uncached_layers: Callable[[Any], str | None] | None = None
     layer_states: Callable[..., Any] | None = None
+    prefix_refusal: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -1005,11 +1005,12 @@ def attention_input(p: dict, x: Named, cfg: Config) -> Named:
 def attention_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                     window: int | None = None, chunk: int | None = None,
                     kv: tuple[Named, Named] | None = None, seed: int | None = None,
-                    groups: Named | None = None) -> Named:
+                    groups: Named | None = None, prefix: Named | None = None) -> Named:
     """The attention branch of a layer (``pos`` None: a NoPE layer, no rotary; ``kv``: the keys
     and values to attend to, :func:`_attention`; ``seed``: its dropout's, None: no dropout;
-    ``groups``: ops.attention's bidirectional groups, an image's tokens)."""
-    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv, seed, groups)
+    ``groups``: ops.attention's bidirectional groups, an image's tokens; ``prefix``: its shared
+    context of packed continuations)."""
+    return _attention(p, attention_input(p, x, cfg), pos, cfg, segments, window, chunk, kv, seed, groups, prefix)
 
 
 def _qk_norm(a: dict, role: str, x: Named, cfg: Config) -> Named:
@@ -1073,12 +1074,16 @@ def _prepared_kv(a: dict, kv: tuple[Named, Named], pos: Named | None, cfg: Confi
 
 def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Named | None,
                window: int | None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
-               seed: int | None = None, groups: Named | None = None) -> Named:
+               seed: int | None = None, groups: Named | None = None, prefix: Named | None = None) -> Named:
     """The attention of normed input ``h``; ``kv``: the keys and values to attend to (an earlier
     layer's, ``cfg.kv_shared_layers``) instead of this layer's own; ``seed``: the layer's dropout
-    seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`)."""
+    seed (None: no dropout, :mod:`functional_pp.models.dropout_seeds`); ``prefix``: each query's
+    shared context (ops.attention's, continuations packed after it)."""
     a = p["self_attn"]
     if cfg.kv_lora_rank:                                  # multi-head latent attention (models/mla.py)
+        if prefix is not None:
+            raise ValueError("continuations packed after a shared context (attention prefix) with latent attention "
+                             "(kv_lora_rank) are not supported")
         if seed is not None and cfg.attention_dropout:
             raise ValueError(f"attention_dropout={cfg.attention_dropout} with latent attention (kv_lora_rank) is "
                              f"not supported; set it to 0.0")
@@ -1102,6 +1107,9 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
     if cfg.alibi_max is not None and cache is not None and cache.capacity is not None:
         raise ValueError("sampling with a static key / value cache (generate(compile=...)) does not support ALiBi "
                          "(MPT's alibi_bias_max) yet: its keys are not the last positions; sample without compile")
+    if prefix is not None and cache is not None:
+        raise ValueError("sampling with a key / value cache does not take a shared-context prefix (packed "
+                         "continuations are scored, not sampled)")
     if groups is not None and cache is not None:
         raise ValueError("sampling with a key / value cache does not support image_groups_attend (an image's tokens "
                          "attending to each other, Gemma 4 unified) yet: give text prompts")
@@ -1114,6 +1122,8 @@ def _attention(p: dict, h: Named, pos: Named | None, cfg: Config, segments: Name
         extra["alibi_max"] = cfg.alibi_max
     if groups is not None:                                # (an image's tokens see each other: Gemma 4 unified)
         extra["groups"] = groups
+    if prefix is not None:                                # (packed continuations: their shared context)
+        extra["prefix"] = prefix
     o = attend(q, k, v, causal=causal, segments=segments, window=window, scale=scale, softcap=cfg.attn_softcap,
                sinks=a.get("sinks"), chunk=chunk, kv_segments=kv_segments, **extra)
     if cfg.attn_gate:                                     # (AFMoE: o times sigmoid(h gate_proj), per entry)
@@ -1212,23 +1222,26 @@ def _mlp(p: dict, h: Named, cfg: Config, x: Named | None = None, seed: int | Non
 @remat_layer
 def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
           window: int | None = None, chunk: int | None = None, per_layer: Named | None = None,
-          kv: tuple[Named, Named] | None = None, seed: int | None = None, groups: Named | None = None) -> Named:
+          kv: tuple[Named, Named] | None = None, seed: int | None = None, groups: Named | None = None,
+          prefix: Named | None = None) -> Named:
     """One decoder layer (``window``: its sliding attention window, ``cfg.window(i)``; ``pos``
     None: a NoPE layer; ``per_layer``: its per-layer input, ``cfg.per_layer_input``; ``kv``: the
     keys and values it attends to, ``cfg.kv_source(i)``'s, else its own; ``seed``: its dropout seed,
     ``dropout_seeds.site_seed``, None: none; ``groups``: the attention's bidirectional groups of
-    tokens, ``cfg.image_groups_attend``); recomputed in backward under ``train_step(remat=True)``. The residual
+    tokens, ``cfg.image_groups_attend``; ``prefix``: each query's shared context, ops.attention's);
+    recomputed in backward under ``train_step(remat=True)``. The residual
     stream is computed once per sum in a compiled step (``ops.realized``; docs/compile.md).
     ``cfg.parallel_block``: attention and the MLP read the same normed input (Cohere, Phi), or
     each its own norm of it (``parallel_mlp_norm``: GPT-NeoX)."""
     if "mamba" in p or (cfg.layer_blocks is not None and ("self_attn" not in p or "mlp" not in p)):   # (cfg.layer_blocks)
-        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv, groups)
+        return _blocks_layer(p, x, pos, cfg, segments, window, chunk, kv, groups, prefix)
     if cfg.parallel_block:
         h = ops.rename(norm_at(p, "input_layernorm", x, cfg), res_seq="seq")
         h_mlp = ops.rename(norm_at(p, "post_attention_layernorm", x, cfg), res_seq="seq") if cfg.parallel_mlp_norm else h
-        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed, groups)
-                                          + _mlp(p, h_mlp, cfg, None, seed), cfg))
-    x = ops.realized(x + _residual(mixer_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups), cfg))
+        return ops.realized(x + _residual(_attention(p, h, pos, cfg, segments, window, chunk, kv, seed, groups,
+                                                     prefix) + _mlp(p, h_mlp, cfg, None, seed), cfg))
+    x = ops.realized(x + _residual(mixer_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups, prefix),
+                                   cfg))
     x = ops.realized(x + _residual(mlp_block(p, x, cfg, seed), cfg))
     if per_layer is not None:                # (Gemma 4 E2B / E4B: models/per_layer_inputs.py)
         x = ops.realized(x + per_layer_inputs.branch(p, x, per_layer, _ACTS[cfg.mlp_act],
@@ -1240,7 +1253,7 @@ def layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | N
 
 def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None = None,
                 window: int | None = None, chunk: int | None = None, kv: tuple[Named, Named] | None = None,
-                seed: int | None = None, groups: Named | None = None) -> Named:
+                seed: int | None = None, groups: Named | None = None, prefix: Named | None = None) -> Named:
     """The token-mixing branch of a layer: the :data:`TOKEN_MIXERS` entry its parameters hold
     (``layer_types`` chose it at init), else attention; either reads the normed input, its sequence
     whole (sequence parallelism: gathered, then reduce-scattered)."""
@@ -1249,29 +1262,32 @@ def mixer_block(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Nam
         if groups is not None:
             raise ValueError(f"bidirectional image groups (image_groups_attend) with {mixer.what} layers is not "
                              f"supported (their state runs forward only)")
+        _refuse_prefix(prefix, mixer.what)
         return mixer.mix(p[mixer.key], attention_input(p, x, cfg), cfg, segments)
-    return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups)
+    return attention_block(p, x, pos, cfg, segments, window, chunk, kv, seed, groups, prefix)
 
 
 def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: Named | None,
                   window: int | None, chunk: int | None, kv: tuple[Named, Named] | None,
-                  groups: Named | None = None) -> Named:
+                  groups: Named | None = None, prefix: Named | None = None) -> Named:
     """A layer of ``cfg.layer_blocks`` other than attention + MLP: its token mixer (attention,
     Mamba2, or both in parallel from one norm, each times its multipliers) and / or its MLP, each
     after its norm (the first block's ``input_layernorm``), added to the residual stream."""
     if groups is not None and ("mamba" in p or "mamba1" in p):
         raise ValueError("bidirectional image groups (image_groups_attend) with Mamba layers is not supported (their "
                          "state runs forward only)")
+    if "mamba" in p or "mamba1" in p:
+        _refuse_prefix(prefix, "Mamba")
     if "self_attn" in p and "mamba" in p:      # in parallel from one norm, each times its multipliers (Falcon-H1)
         h = attention_input(p, x, cfg)
         a = _attention(p, h if cfg.attn_in_multiplier == 1 else h * cfg.attn_in_multiplier, pos, cfg, segments,
-                       window, chunk, kv)
+                       window, chunk, kv, None, None, prefix)
         m = ops.rename(mamba2.mixer(p["mamba"], h, cfg.mamba, segments), seq="res_seq")
         a = a if cfg.attn_out_multiplier == 1 else a * cfg.attn_out_multiplier
         x = ops.realized(x + _residual(a + (m if cfg.mamba_out_multiplier == 1 else m * cfg.mamba_out_multiplier), cfg))
     elif "self_attn" in p:
-        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv, None, groups),
-                                       cfg))
+        x = ops.realized(x + _residual(attention_block(p, x, pos, cfg, segments, window, chunk, kv, None, groups,
+                                                       prefix), cfg))
     elif "mamba" in p:
         x = ops.realized(x + _residual(mamba_block(p, x, cfg, segments), cfg))
     elif "mamba1" in p:                         # (Mamba, Jamba: models/mamba1.py)
@@ -1282,6 +1298,13 @@ def _blocks_layer(p: dict, x: Named, pos: Named | None, cfg: Config, segments: N
         h = norm_at(p, "post_attention_layernorm" if "post_attention_layernorm" in p else "input_layernorm", x, cfg)
         x = ops.realized(x + _residual(_mlp(p, ops.rename(h, res_seq="seq"), cfg), cfg))
     return x
+
+
+def _refuse_prefix(prefix: Named | None, what: str) -> None:
+    """Refuse a shared-context prefix (continuations packed after their context) on a recurrent layer."""
+    if prefix is not None:
+        raise ValueError(f"continuations packed after a shared context (attention prefix) with {what} layers are not "
+                         f"supported (their state runs through the row in order); score them one row each")
 
 
 def mamba_block(p: dict, x: Named, cfg: Config, segments: Named | None = None) -> Named:
@@ -1297,14 +1320,24 @@ def _residual(branch: Named, cfg: Config) -> Named:
 
 
 def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
-                  emb: Named | None = None, images: dict | None = None) -> Named:
+                  emb: Named | None = None, images: dict | None = None, position_ids: Named | None = None,
+                  prefix: Named | None = None) -> Named:
     """The final normed hidden states (batch seq hidden), the LM head's input; ``emb`` the
     embedding to use (:func:`embedding`, passed so a tied one is one value for both uses);
-    ``images`` a batch's image entries (``pixtral.image_inputs``), written at the image tokens."""
+    ``images`` a batch's image entries (``pixtral.image_inputs``), written at the image tokens;
+    ``position_ids`` (batch seq) each token's rotary position where it is not its row index,
+    ``prefix`` (batch seq, with ``segments``) each query's shared context (ops.attention's):
+    continuations packed after the context they share (preference/ebft_layout.py)."""
     layer_fn = layer if layer_fn is None else layer_fn
     pos = ops.positions("seq", tokens.size("seq"), device=tokens.data.device)
     cache = kv_cache.active()
     _refuse_unshared(cfg, cache)
+    if position_ids is not None:
+        if cache is not None or cfg.learned_positions:
+            raise ValueError("position_ids (each token's own position) with " + (
+                "a key / value cache (sampling)" if cache is not None else "learned positions (GPT-2's table)")
+                + " is not supported")
+        pos = ops.transpose(position_ids, "seq", "batch")
     if cache is not None:                                 # sampling: positions after the cached tokens
         pos = cache.start(pos, tokens.size("seq"))
     forward = dropout_seeds.forward_seed(cfg.attention_dropout, cfg.residual_dropout, cache is not None,
@@ -1345,7 +1378,7 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
             shared[i] = keys_values(p["self_attn"], attention_input(p, x, cfg), at, cfg, window)
         kv = shared[src] if src is not None else None
         extra = [segments, window, chunk, None if per_layer is None else per_layer[i], kv,
-                 dropout_seeds.site_seed(forward, i, 0) if forward is not None else None, groups]
+                 dropout_seeds.site_seed(forward, i, 0) if forward is not None else None, groups, prefix]
         while extra and extra[-1] is None:           # (the layer's defaults: only the arguments it is given)
             extra.pop()
         x = layer_fn(p, x, at, cfg, *extra)
@@ -1356,18 +1389,20 @@ def hidden_states(params: dict, tokens: Named, cfg: Config, layer_fn=None, segme
 
 
 def layer_states(params: dict, tokens: Named, cfg: Config, layers: list[int] | tuple[int, ...],
-                 layer_fn=None, segments: Named | None = None) -> list[Named]:
+                 layer_fn=None, segments: Named | None = None, position_ids: Named | None = None,
+                 prefix: Named | None = None) -> list[Named]:
     """The hidden states after each of ``layers`` layers (batch seq hidden), as transformers'
     ``output_hidden_states=True`` gives ``hidden_states[i]``: 0 the embeddings, ``i`` the residual
     stream after layer ``i``, ``n_layers`` the final normed states. Recorded by wrapping the
-    layer function (:class:`~functional_pp.models.recording.LayerRecorder`), in one forward."""
+    layer function (:class:`~functional_pp.models.recording.LayerRecorder`), in one forward
+    (``segments``, ``position_ids``, ``prefix``: :func:`hidden_states`'s)."""
     n = len(params["layers"])
     bad = [i for i in layers if not 0 <= i <= n]
     if bad:
         raise ValueError(f"layer_states: layers {bad} are outside 0..{n} (0: the embeddings, {n}: the last "
                          f"layer's normed output); this model has {n} layers")
     rec = recording.LayerRecorder(layer if layer_fn is None else layer_fn)
-    last = hidden_states(params, tokens, cfg, rec, segments)
+    last = hidden_states(params, tokens, cfg, rec, segments, position_ids=position_ids, prefix=prefix)
     return [last if i == n else ops.rename(rec.states[i], res_seq="seq") for i in layers]
 
 
@@ -1404,18 +1439,20 @@ def embedding(params: dict, cfg: Config) -> Named:
 
 
 def _trunk_and_head(params: dict, tokens: Named, cfg: Config, layer_fn, segments,
-                    images: dict | None = None) -> tuple[Named, Named]:
+                    images: dict | None = None, **layout: Named | None) -> tuple[Named, Named]:
     emb = embedding(params, cfg)
-    x = hidden_states(params, tokens, cfg, layer_fn, segments, emb, images)
+    x = hidden_states(params, tokens, cfg, layer_fn, segments, emb, images, **layout)
     return x, (emb if cfg.tie_embeddings else params["lm_head"])
 
 
 def forward(params: dict, tokens: Named, cfg: Config, layer_fn=None, segments: Named | None = None,
-            images: dict | None = None) -> Named:
+            images: dict | None = None, position_ids: Named | None = None, prefix: Named | None = None) -> Named:
     """Logits (batch seq vocab) for integer ``tokens`` (batch seq); ``segments`` (batch seq,
     document ids of packed rows) keeps attention inside each document; ``images`` (a
-    vision-language model) the batch's image entries (``pixtral.image_inputs``)."""
-    x, head = fake_quant.head_pair(*_trunk_and_head(params, tokens, cfg, layer_fn, segments, images))
+    vision-language model) the batch's image entries (``pixtral.image_inputs``);
+    ``position_ids`` and ``prefix``: :func:`hidden_states`'s."""
+    x, head = fake_quant.head_pair(*_trunk_and_head(params, tokens, cfg, layer_fn, segments, images,
+                                                    position_ids=position_ids, prefix=prefix))
     return _capped(ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head), cfg, params)
 
 
@@ -1557,6 +1594,23 @@ def uncached_layers(cfg: Config) -> str | None:
     why = recurrent_layers(cfg)
     if cfg.kv_shared_layers:
         why.append(f"kv_shared_layers={cfg.kv_shared_layers} (keys and values shared across layers)")
+    return "; ".join(why) or None
+
+
+def prefix_refusal(cfg: Config) -> str | None:
+    """Why the model cannot score continuations packed after their shared context (attention's
+    ``prefix`` with ``position_ids``: EBFT's block-parallel rows): recurrent layers (their state
+    runs through the row in order), masks measured in row indices (sliding windows, chunks,
+    ALiBi), latent attention, learned absolute positions; None where it can."""
+    why = recurrent_layers(cfg)
+    for what, layers in (("sliding-window attention", [i for i in range(cfg.layers) if cfg.window(i)]),
+                         ("chunked attention", [i for i in range(cfg.layers) if cfg.chunk(i)])):
+        if layers:
+            why.append(f"layers {layers} have {what} (it measures row indices, not positions)")
+    for field, what in (("alibi_max", "ALiBi"), ("kv_lora_rank", "latent attention"),
+                        ("learned_positions", "learned absolute positions")):
+        if getattr(cfg, field):
+            why.append(f"{field}={getattr(cfg, field)} ({what})")
     return "; ".join(why) or None
 
 

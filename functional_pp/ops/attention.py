@@ -74,7 +74,8 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
               segments: Named | None = None, window: int | None = None,
               softcap: float | None = None, sinks: Named | None = None, chunk: int | None = None,
               kv_segments: Named | None = None, dropout: float = 0.0, dropout_seed: int = 0,
-              alibi_max: float | None = None, groups: Named | None = None, kept_keys: Named | None = None) -> Named:
+              alibi_max: float | None = None, groups: Named | None = None, kept_keys: Named | None = None,
+              prefix: Named | None = None) -> Named:
     """Softmax attention; ``q``: batch seq heads head_dim, ``k``/``v``: batch seq kv_heads head_dim
     (grouped-query when kv_heads < heads), the five dimension names given by the model (bind
     them once, e.g. ``functools.partial(attention, batch="batch", seq="seq", ...)``). With
@@ -129,7 +130,15 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     ``kept_keys`` (DeepSeek sparse attention's top-k, models/dsa.py): a boolean ``batch seq K``
     array, K any third name over the keys' positions; query i sees key j only where it is true
     (and the causal mask allows). One device's whole sequence only (not with ``segments``, a
-    key / value cache or the sequence split)."""
+    key / value cache or the sequence split).
+
+    ``prefix`` (batch seq, integers; with ``segments``): a query also sees every key at a row
+    index below its own ``prefix``, whatever the key's segment (the causal mask still applies):
+    continuations packed after the context they share, each seeing that context and its own
+    earlier tokens (EBFT's block-parallel rows, preference/ebft_layout.py); 0: its segment only.
+    On every path like ``segments`` (under context parallelism the keys' global row indices);
+    not with ``window``, ``chunk`` or ``alibi_max`` (they measure row indices, not the rows'
+    positions), ``kv_segments`` or ``kept_keys``."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
@@ -180,6 +189,8 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         raise ValueError("attention: kv_segments needs segments (the queries' ids) and the sequence unsplit "
                          f"(it is split over {seq_axes})" if seq_axes else
                          "attention: kv_segments needs segments (the queries' ids)")
+    if prefix is not None:
+        _check_prefix(segments, limits, alibi_max, kv_segments, kept_keys)
     if kept_keys is not None:
         if groups is not None:
             raise ValueError("attention: kept_keys (sparse attention's top-k) with groups (bidirectional groups of "
@@ -194,8 +205,9 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         seg = None if segments is None else _segment_ids(segments, batch_split, seq_axes, batch, seq, qt.device)
         kseg = None if kv_segments is None else _segment_ids(kv_segments, batch_split, seq_axes, batch, seq, qt.device)
         grp = None if groups is None else _segment_ids(groups, batch_split, seq_axes, batch, seq, qt.device)
+        pre = None if prefix is None else _segment_ids(prefix, batch_split, seq_axes, batch, seq, qt.device)
         out = _segment_attention(qt, kt, vt, seg, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap,
-                                 sinks, kseg, explicit, grp)
+                                 sinks, kseg, explicit, grp, pre)
     elif seq_axes:
         out = _context_parallel(qt, kt, vt, seq_axes, causal, scale, q.size(seq), balanced, limits, softcap, sinks,
                                 explicit)
@@ -208,6 +220,19 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
         out = sdpa_for(qt)(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=bool(qt.shape[1] != kt.shape[1]))
     return make_named(out.permute(back), q._dims, q._split, vary, sizes=q._sizes)
+
+
+def _check_prefix(segments, limits, alibi_max, kv_segments, kept_keys) -> None:
+    """Refuse what ``prefix`` (shared context by row index) cannot be combined with, by name."""
+    clash = [name for name, v in (("window", limits[0]), ("chunk", limits[1]), ("alibi_max", alibi_max),
+                                  ("kv_segments", kv_segments), ("kept_keys", kept_keys)) if v is not None]
+    if segments is None:
+        raise ValueError("attention: prefix (each query's shared context) needs segments (the ids of the "
+                         "continuations packed after it)")
+    if clash:
+        raise ValueError(f"attention: prefix (continuations packed after a shared context) with {', '.join(clash)} "
+                         f"is not supported: those measure distances in row indices, which packed continuations "
+                         f"do not keep (or need a key / value cache); score the continuations one row each")
 
 
 def _kept_keys_attention(q: Named, qt, kt, vt, kept_keys: Named, batch: str, seq: str, causal: bool, scale: float,
@@ -416,11 +441,12 @@ def _segment_ids(segments: Named, batch_split, seq_axes, batch: str, seq: str, d
 
 
 def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced, limits=(None, None), softcap=None,
-                       sinks=None, kseg=None, explicit=None, groups=None):
+                       sinks=None, kseg=None, explicit=None, groups=None, prefix=None):
     """Block-diagonal (causal) attention: queries see keys of their own segment only (``kseg``
     the keys' ids, when they are not the queries'; ``seg`` None: one segment), and with ``groups``
-    (batch, seq; -1 none) every key of their own group besides. Under context parallelism K/V and
-    the ids are all-gathered."""
+    (batch, seq; -1 none) every key of their own group besides; with ``prefix`` (batch, seq) also
+    every key at a (global) row index below the query's. Under context parallelism K/V and the
+    ids are all-gathered."""
     kseg, qpos, kpos, kgroups = seg if kseg is None else kseg, None, None, groups
     if seq_axes:
         if len(seq_axes) != 1:
@@ -449,6 +475,8 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         mask = own if mask is None else mask | own
     if seg is not None:
         same = seg[:, None, :, None] == kseg[:, None, None, :]                  # batch 1 q k
+        if prefix is not None:        # (and the shared context before the query's prefix)
+            same = same | (kpos[None, None, None, :] < prefix[:, None, :, None])
         mask = same if mask is None else mask & same
     if softcap is not None or sinks is not None or explicit is not None:
         return _masked(q, k, v, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),

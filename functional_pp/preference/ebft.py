@@ -61,14 +61,17 @@ def block_features(states: Sequence[torch.Tensor], embed_method: str) -> torch.T
 
 
 def row_block_features(states: Sequence[torch.Tensor], starts: torch.Tensor, length: int,
-                       embed_method: str) -> torch.Tensor:
-    """Each row's block feature ``[N, D]`` (:func:`block_features`) from its hidden states
-    (``[N, S, H]`` per feature layer) at positions ``starts[i] .. starts[i] + length - 1``."""
+                       embed_method: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The block features ``[M, D]`` (:func:`block_features`) of the hidden states (``[N, S, H]``
+    per feature layer) at positions ``starts[i] .. starts[i] + length - 1`` of row ``rows[i]``
+    (None: row ``i``, one block per row)."""
     pos = starts.to(torch.long).view(-1, 1) + torch.arange(length, device=starts.device)
-    if int(pos.max()) >= states[0].shape[1] or int(starts.min()) < 0:
-        raise ValueError(f"row_block_features: blocks of {length} tokens from {starts.tolist()} leave the rows of "
-                         f"{states[0].shape[1]} tokens")
-    picked = [torch.gather(h, 1, pos.unsqueeze(-1).expand(-1, -1, h.shape[-1])) for h in states]
+    rows = torch.arange(len(starts)) if rows is None else rows.to(torch.long)
+    if (int(pos.max()) >= states[0].shape[1] or int(starts.min()) < 0 or len(rows) != len(starts)
+            or int(rows.max()) >= states[0].shape[0]):
+        raise ValueError(f"row_block_features: blocks of {length} tokens from {starts.tolist()} in rows "
+                         f"{rows.tolist()} leave the {states[0].shape[0]} rows of {states[0].shape[1]} tokens")
+    picked = [h[rows.view(-1, 1).to(h.device), pos.to(h.device)] for h in states]
     return block_features(picked, embed_method)
 
 

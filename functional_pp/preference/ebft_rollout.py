@@ -6,9 +6,11 @@ samples and of the document, the rewards and advantages per block, and the train
 loss is one weighted sum of token log-probabilities
 (:func:`~functional_pp.preference.weighted_logps.weighted_logps_objective`).
 
-Each sampled token's log-probability is taken from the position that sampled it (its row is
-``doc[:a] + sample``), where Axolotl's strided forward reads the position before the token in
-its interleaved layout (another block's); the loss is each document's mean over its sampled
+The feature model and the policy see each document once, as one block-parallel row holding
+every sample (:mod:`.ebft_layout`), which computes what a row ``doc[:a] + sample`` per sample
+would. Each sampled token's log-probability is taken from the position that sampled it, where
+Axolotl's strided forward reads the position before the token in its interleaved layout
+(another block's); the loss is each document's mean over its sampled
 tokens of ``-A log p`` times ``rl_coef`` plus ``ce_coef`` times its cross-entropy (the labelled
 tokens of the document), averaged over the step's documents (Axolotl's with one document per
 micro-batch, as its examples run).
@@ -24,9 +26,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from functional_pp.preference.ebft import block_advantages, block_rewards, row_block_features, strided_anchors
+from functional_pp.preference.ebft_layout import block_parallel_row, empty_row, row_length, sample_starts
 from functional_pp.preference.rollout import sample_completions
 
-__all__ = ["EBFTRollout", "ebft_rollout", "score_samples", "ebft_batch", "ebft_metrics"]
+__all__ = ["EBFTRollout", "ebft_rollout", "row_length_of", "score_samples", "ebft_batch", "ebft_metrics"]
 
 
 @dataclass
@@ -73,11 +76,27 @@ def ebft_rollout(policy: Callable, params: Any, documents: Sequence[Any], spec: 
     return score_samples(documents, samples, spec, feature_states, pad_id=pad_id)
 
 
+def row_length_of(spec: Any, seq_len: int, multiple: int = 1) -> int:
+    """The block-parallel rows' length of documents of ``seq_len`` tokens under ``spec``: room for
+    the most blocks a document can have (its anchors from ``context_length``), rounded up to a
+    multiple of ``multiple`` (context parallelism's chunks)."""
+    most = len(strided_anchors(seq_len, stride=spec.stride, context_length=spec.context_length,
+                               generate_max_len=spec.generate_max_len))
+    length = row_length(seq_len, most, spec.n_samples_per_prompt, spec.generate_max_len)
+    return -(-length // multiple) * multiple
+
+
+def _stacked(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
 def score_samples(documents: Sequence[Any], samples: Sequence[torch.Tensor], spec: Any,
-                  feature_states: Callable[[torch.Tensor], list[torch.Tensor]], *, pad_id: int) -> EBFTRollout:
+                  feature_states: Callable[[dict], list[torch.Tensor]], *, pad_id: int) -> EBFTRollout:
     """The rewards and advantages of given samples (``samples[d]`` ``[B_d, n, generate_max_len]``,
-    at document ``d``'s anchors): the feature model runs once over every sample's row ``doc[:a] +
-    sample`` and every document; each block's features are pooled from its tokens' positions."""
+    at document ``d``'s anchors): the feature model runs once over each document's
+    block-parallel row (:mod:`.ebft_layout`: ``feature_states(rows)`` of the rows' ``tokens``,
+    ``segments``, ``position_ids`` and ``prefix``, ``[N, L]`` each); each block's features are
+    pooled from its tokens' positions, the reference's from the document's own."""
     n, gen = spec.n_samples_per_prompt, spec.generate_max_len
     anchors = [_anchors(d, spec) for d in documents]
     for d, (a, s) in enumerate(zip(anchors, samples)):
@@ -85,80 +104,78 @@ def score_samples(documents: Sequence[Any], samples: Sequence[torch.Tensor], spe
             raise ValueError(f"ebft: document {d}'s samples are {tuple(s.shape)}, expected {(len(a), n, gen)} (blocks "
                              f"x n_samples_per_prompt x generate_max_len)")
     out = EBFTRollout(list(documents), anchors, list(samples), [], [], [], [])
-    total = sum(len(a) for a in anchors)
-    if not total:
+    scored = [d for d, a in enumerate(anchors) if a]
+    if not scored:
         out.rewards = out.alignment = out.diversity = out.advantages = [torch.zeros(0, n) for _ in documents]
         return out
     seq_len = len(documents[0].tokens)
-    rows = torch.full((total * n + len(documents), seq_len), pad_id, dtype=torch.long)
-    i = 0
-    for doc, doc_anchors, s in zip(documents, anchors, samples):
-        for b, a in enumerate(doc_anchors):
-            for j in range(n):
-                rows[i, :a] = torch.tensor(doc.tokens[:a])
-                rows[i, a:a + gen] = s[b, j]
-                i += 1
-    for d, doc in enumerate(documents):
-        rows[total * n + d] = torch.tensor(doc.tokens)
+    length = row_length_of(spec, seq_len)
+    rows = _stacked([block_parallel_row(documents[d].tokens, anchors[d], samples[d], length, pad_id)
+                     for d in scored])
     with torch.no_grad():
         states = [h.detach().to(torch.float32) for h in feature_states(rows)]
-    starts = torch.tensor([a for doc_anchors in anchors for a in doc_anchors])
-    phi = row_block_features([h[:total * n] for h in states], starts.repeat_interleave(n), gen, spec.embed_method)
-    doc_rows = torch.tensor([total * n + d for d, doc_anchors in enumerate(anchors) for _ in doc_anchors])
-    ref = row_block_features([h[doc_rows] for h in states], starts, gen, spec.embed_method)
-    row = 0
-    for doc_anchors in anchors:
-        b = len(doc_anchors)
-        r, al, dv = block_rewards(phi[row * n:(row + b) * n].view(b, n, -1), ref[row:row + b],
-                                  alignment_coef=spec.alignment_coef, diversity_coef=spec.diversity_coef,
-                                  use_whitening=spec.use_whitening)
+    for i, d in enumerate(scored):
+        b = len(anchors[d])
+        own = [h[i:i + 1] for h in states]
+        starts = sample_starts(seq_len, b, n, gen).reshape(-1) + 1
+        phi = row_block_features(own, starts, gen, spec.embed_method, torch.zeros_like(starts))
+        ref = row_block_features(own, torch.tensor(anchors[d]), gen, spec.embed_method,
+                                 torch.zeros(b, dtype=torch.long))
+        r, al, dv = block_rewards(phi.view(b, n, -1), ref, alignment_coef=spec.alignment_coef,
+                                  diversity_coef=spec.diversity_coef, use_whitening=spec.use_whitening)
         out.rewards.append(r)
         out.alignment.append(al)
         out.diversity.append(dv)
         out.advantages.append(block_advantages(r, spec.advantage_estimator))
-        row += b
+    for d in range(len(documents)):      # (documents without a block: no rewards, in their place)
+        if not anchors[d]:
+            for xs in (out.rewards, out.alignment, out.diversity, out.advantages):
+                xs.insert(d, torch.zeros(0, n))
     return out
 
 
-def ebft_batch(r: EBFTRollout, spec: Any, pad_id: int, row_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """The step's training batch (``batch seq`` each): a row per sample, ``doc[:a] + sample``
-    padded with ``pad_id``, its labels the sample's tokens at the positions that sampled them,
-    weighted ``rl_coef * A / (the document's sampled tokens) / documents``; with ``ce_coef`` a row
-    per document, its labelled tokens weighted ``ce_coef / (the document's labelled tokens) /
-    documents``; empty rows (no labels) up to a multiple of ``row_multiple``; ``step_tokens`` the
-    labelled tokens of the whole batch."""
-    docs, gen = r.documents, spec.generate_max_len
+def ebft_batch(r: EBFTRollout, spec: Any, pad_id: int, row_multiple: int = 1,
+               length_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The step's training batch (``batch seq`` each): a block-parallel row per document with
+    blocks (:mod:`.ebft_layout`), each sample's tokens labelled at the positions that sampled
+    them (its segment's copied context token, then its own tokens but the last), weighted
+    ``rl_coef * A / (the document's sampled tokens) / documents``; with ``ce_coef`` the
+    document's labelled tokens too, weighted ``ce_coef / (the document's labelled tokens) /
+    documents``; empty rows (no labels) up to a multiple of ``row_multiple``, the rows' length a
+    multiple of ``length_multiple``; ``step_tokens`` the labelled tokens of the whole batch."""
+    docs, n, gen = r.documents, spec.n_samples_per_prompt, spec.generate_max_len
     seq_len = len(docs[0].tokens)
-    tokens, labels, weights = [], [], []
+    length = row_length_of(spec, seq_len, length_multiple)
+    rows = []
 
-    def add(tok: list[int], lab: list[tuple[int, int]], w: float) -> None:
-        t = torch.full((seq_len,), pad_id, dtype=torch.long)
-        t[:len(tok)] = torch.tensor(tok, dtype=torch.long)
-        lb = torch.full((seq_len,), -100, dtype=torch.long)
-        wt = torch.zeros(seq_len, dtype=torch.float32)
+    def labelled(row: dict, lab: list[tuple[int, int]], w: float) -> dict:
+        row["labels"] = torch.full((length,), -100, dtype=torch.long)
+        row["weights"] = torch.zeros(length, dtype=torch.float32)
         for pos, label in lab:
-            lb[pos], wt[pos] = label, w
-        tokens.append(t)
-        labels.append(lb)
-        weights.append(wt)
+            row["labels"][pos], row["weights"][pos] = label, w
+        return row
     for d, doc in enumerate(docs):
-        count = len(r.anchors[d]) * spec.n_samples_per_prompt * gen
-        for b, a in enumerate(r.anchors[d]):
-            for j in range(spec.n_samples_per_prompt):
-                sample = r.samples[d][b, j].tolist()
-                add(list(doc.tokens[:a]) + sample, [(a - 1 + k, t) for k, t in enumerate(sample)],
-                    spec.rl_coef * float(r.advantages[d][b, j]) / count / len(docs))
-        if spec.ce_coef and r.anchors[d]:
+        b = len(r.anchors[d])
+        if not b:
+            continue
+        row = labelled(block_parallel_row(doc.tokens, r.anchors[d], r.samples[d], length, pad_id), [], 0.0)
+        starts = sample_starts(seq_len, b, n, gen)
+        per_token = spec.rl_coef * r.advantages[d].to(torch.float32) / (b * n * gen) / len(docs)
+        at = (starts.unsqueeze(-1) + torch.arange(gen)).reshape(-1)
+        row["labels"][at] = r.samples[d].reshape(-1).to(torch.long)
+        row["weights"][at] = per_token.unsqueeze(-1).expand(b, n, gen).reshape(-1)
+        if spec.ce_coef:
             targets = [(t - 1, lab) for t, lab in enumerate(doc.labels) if t > 0 and lab != -100]
-            if targets:
-                add(list(doc.tokens), targets, spec.ce_coef / len(targets) / len(docs))
-    if not tokens:
+            for pos, lab in targets:
+                row["labels"][pos], row["weights"][pos] = lab, spec.ce_coef / len(targets) / len(docs)
+        rows.append(row)
+    if not rows:
         raise ValueError(f"ebft: none of the step's {len(docs)} documents has a block (a document needs "
                          f"context_length {spec.context_length} (or its prompt and min_completion_prefix) + "
                          f"generate_max_len {gen} tokens); lengthen sequence_len or shorten the blocks")
-    while len(tokens) % max(1, row_multiple):
-        add([], [], 0.0)
-    out = {"tokens": torch.stack(tokens), "labels": torch.stack(labels), "weights": torch.stack(weights)}
+    while len(rows) % max(1, row_multiple):
+        rows.append(labelled(empty_row(length, pad_id), [], 0.0))
+    out = _stacked(rows)
     out["step_tokens"] = torch.full(out["tokens"].shape, float((out["labels"] != -100).sum()))
     return out
 

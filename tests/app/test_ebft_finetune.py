@@ -2,7 +2,8 @@
 config on raw-text documents (``ebft_pretrain.transform``, full fine-tuning: the frozen feature
 copy) and on prompt + completion documents (``ebft_strided_structured.transform``, LoRA: the base
 without the adapters); a FSDP x TP run equals one device step by step (the same samples, the
-same rewards and loss); a resumed run equals an uninterrupted one; ``validate`` reads the
+same rewards and loss), and so does a context-parallel one (block-parallel rows split over cp);
+a resumed run equals an uninterrupted one; ``validate`` reads the
 documents; the structured mode and bad settings are refused before any work."""
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _metrics(out: Path) -> list[dict]:
 
 def test_fsdp_tp_steps_equal_one_device(data, tmp_path):
     runs = {}
-    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2})):
+    for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2}),
+                            ("cp", 2, {"cp_size": 2})):
         out = tmp_path / name
         text = io.StringIO()
         train(config(data, out, micro_batch_size=2 // mesh.get("dp_shard_size", 1), **mesh), simulate=sim,
@@ -59,7 +61,7 @@ def test_fsdp_tp_steps_equal_one_device(data, tmp_path):
         runs[name] = _metrics(out)
         assert "ebft:       strided, 2 documents per step" in text.getvalue()
     assert len(runs["one"]) == 2
-    for a, b in zip(runs["one"], runs["fsdp_tp"]):
+    for a, b in [(a, b) for other in ("fsdp_tp", "cp") for a, b in zip(runs["one"], runs[other])]:
         for key in ("loss", "ebft_mean_reward", "ebft_alignment", "ebft_diversity", "ebft_advantages_std"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert runs["one"][0]["ebft_blocks"] == 2 * 3                 # (16 - 4 - 4) // 4 + 1 blocks per document
@@ -103,7 +105,9 @@ def test_validate_reads_the_documents_and_prints_the_ebft_line(data, tmp_path, c
     ({"ebft": {"mode": "structured"}}, "ebft.mode 'structured' is not built: only the strided mode"),
     ({"ebft": {"embed_method": "concat"}}, "ebft.embed_method 'concat' is not built for the strided mode"),
     ({"datasets_type": "alpaca"}, "datasets\\[0\\].type 'alpaca' is not an EBFT dataset type"),
-    ({"val_set_size": 0.25}, "held-out EBFT evaluation is not built")])
+    ({"val_set_size": 0.25}, "held-out EBFT evaluation is not built"),
+    ({"model": {"preset": "tiny", "hidden": 32, "mlp": 64, "layers": 2, "sliding_window": 4}},
+     "block-parallel row .* cannot take: layers \\[0, 1\\] have sliding-window attention")])
 def test_bad_settings_are_refused_before_any_work(data, tmp_path, over, why):
     out = tmp_path / "bad"
     kind = over.pop("datasets_type", "ebft_pretrain.transform")

@@ -195,12 +195,22 @@ def _samples(docs):
                                    N, GEN), generator=g) for d in docs]
 
 
+def _layer_states(params, cfg, layers, rows):
+    """``llama.layer_states`` of block-parallel rows (their tokens and layout)."""
+    named = {k: fpp.wrap(v, "batch seq") for k, v in rows.items()}
+    return [h.value() for h in llama.layer_states(params, named.pop("tokens"), cfg, layers, **named)]
+
+
+def _policy(cfg):
+    return lambda p, t, **layout: llama.forward(p, t, cfg, **layout)
+
+
 def _our_batch(cfg, params, row_multiple=4):
     docs = _documents()
     layers = ebft.feature_layer_indices(SPEC.feature_layers, cfg.layers)
 
     def feature_states(rows):
-        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+        return _layer_states(params, cfg, layers, rows)
     r = score_samples(docs, _samples(docs), SPEC, feature_states, pad_id=PAD)
     return r, ebft_batch(r, SPEC, PAD, row_multiple=row_multiple)
 
@@ -238,7 +248,7 @@ def test_the_loss_and_gradients_equal_the_re_derivation_on_transformers(model):
     assert [len(a) for a in r.anchors] == [4, 3] and batch["tokens"].shape[0] % 4 == 0
     decls = llama.init(cfg)
     local = tree_map(lambda x: x.clone().requires_grad_(), full)
-    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    objective = weighted_logps_objective(_policy(cfg))
     loss = objective(sharding.named_tree(local, decls), {k: fpp.wrap(v, "batch seq") for k, v in batch.items()})
     loss = loss.value()
     loss.backward()
@@ -260,7 +270,7 @@ def _step(cfg, full, batch, mesh, rules, accum=1, processes=False):
     gradients (the update), float64."""
     decls = llama.init(cfg, torch.float64)
     full = tree_map(lambda x: x.double(), full)
-    objective = weighted_logps_objective(lambda p, t: llama.forward(p, t, cfg))
+    objective = weighted_logps_objective(_policy(cfg))
     step = fpp.train_step(objective, fpp.optim.sgd(1.0), mesh=mesh, rules=rules, grad_accum=accum,
                           batch_dims={k: "batch seq" for k in batch})
 
@@ -296,6 +306,13 @@ def test_fsdp_x_tp_with_accumulation_equals_one_device(one_device):
     _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(), accum=2), want)
 
 
+def test_context_parallel_block_parallel_rows_equal_one_device(one_device):
+    """The rows split over cp (balanced): the shared context seen by row index, positions as given."""
+    cfg, full, batch, want = one_device
+    assert batch["tokens"].shape[1] % 4 == 0 and int(batch["prefix"].max()) > 0
+    _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2, cp=2), llama.default_rules(tp=False)), want)
+
+
 @pytest.mark.multiprocess
 def test_a_step_on_two_gloo_processes_equals_one_device(one_device):
     cfg, full, batch, want = one_device
@@ -325,7 +342,7 @@ def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(mode
     layers = ebft.feature_layer_indices(spec.feature_layers, cfg.layers)
 
     def feature_states(rows):
-        return [h.value() for h in llama.layer_states(params, fpp.wrap(rows, "batch seq"), cfg, layers)]
+        return _layer_states(params, cfg, layers, rows)
     with torch.no_grad():
         r = ebft_rollout(lambda p, t: llama.forward(p, t, cfg), params, docs, spec, feature_states, pad_id=PAD,
                          key=3, step=1)
@@ -336,3 +353,16 @@ def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(mode
                               eos_token_id=None, pad_token_id=PAD)[0, a:]
             for j in range(2):
                 assert samples[b, j].tolist() == want.tolist(), (a, j)
+
+
+def test_models_the_block_parallel_rows_cannot_take_are_named(model):
+    """``llama.prefix_refusal`` (checked before any work) and the forward's own refusal."""
+    _, cfg, params, _ = model
+    base = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64)
+    assert llama.prefix_refusal(llama.Config(**base)) is None
+    why = llama.prefix_refusal(llama.Config(**base, alibi_max=8.0, learned_positions=True, max_seq=32))
+    assert "alibi_max=8.0 (ALiBi)" in why and "learned_positions=True (learned absolute positions)" in why
+    assert "layers [0, 1] have sliding-window attention" in llama.prefix_refusal(llama.Config(**base, sliding_window=4))
+    toks = fpp.wrap(torch.zeros(1, 4, dtype=torch.long), "batch seq")
+    with pytest.raises(ValueError, match="prefix .each query's shared context. needs segments"):
+        llama.forward(params, toks, cfg, prefix=fpp.wrap(torch.zeros(1, 4, dtype=torch.long), "batch seq"))
