@@ -41,6 +41,8 @@ def launches_kernel(func, name: str) -> bool:
     return not getattr(func, "is_view", False) and name.split(".")[0] not in _NO_TRAFFIC
 
 
+_LAUNCHES: dict = {}     # op -> launches_kernel(op): asked once per op, not once per call
+
 _FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
 
@@ -328,7 +330,10 @@ class MemoryTracker(TorchDispatchMode):
             self._follow_compiled()
         out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
-        if launches_kernel(func, name):
+        launch = _LAUNCHES.get(func)
+        if launch is None:
+            launch = _LAUNCHES[func] = launches_kernel(func, name)
+        if launch:
             self.run.launches[self.phase] = self.run.launches.get(self.phase, 0) + 1
         if not self._count_flops(func, args, out):
             self._count_traffic(func, name, inputs, out)
