@@ -12,6 +12,13 @@ STEPS = {"all_reduce": lambda g: 2 * (g - 1), "all_gather": lambda g: g - 1, "re
          "all_to_all": lambda g: g - 1, "permute": lambda g: 1}
 
 
+#: measured on this project's CPU machine by benchmarks/host_dispatch.py (2026-12-07, torch 2.13, one
+#: thread, load average about 7 on 2 cores): the host's CPU seconds per launched op of the eager
+#: functional step (bf16, AdamW, donated state) with Llama-3.2-1B's structure and tiny tensors,
+#: 18-21 us; CUDA's own launch call (a few us) is not in it, nor the GPU host's faster or slower CPU
+LAUNCH_SECONDS = 20e-6
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Per-device numbers of a cluster of identical nodes (docs/planning.md, "Calibration").
@@ -33,7 +40,8 @@ class Cluster:
     tensor-parallel activation collectives asynchronous TP hides under compute
     (``cost(..., async_tp=True)``). ``host_bandwidth``: bytes/s one device copies to or from
     pinned host memory; ``host_memory_bandwidth``: what an update on the host reaches per device
-    (offload_params, activation_offloading; docs/memory.md)."""
+    (offload_params, activation_offloading; docs/memory.md). ``launch_seconds``: the host's
+    seconds per op an eager step launches (the step takes at least its launches' host time)."""
     name: str
     devices_per_node: int
     intra_bandwidth: float
@@ -56,6 +64,7 @@ class Cluster:
     async_tp_overlap: float = 0.0
     host_bandwidth: float = 25e9        # bytes/s between one device and pinned host memory, each way (PCIe)
     host_memory_bandwidth: float = 50e9  # bytes/s of host memory one device's offloaded update reaches
+    launch_seconds: float = LAUNCH_SECONDS   # host seconds per op an eager step launches (0: not charged)
     efficiency: dict = field(default_factory=dict, hash=False, compare=False)
     about: str = field(default="", hash=False, compare=False)     # what the preset is, in words
 

@@ -28,11 +28,12 @@ class StepTime:
     placement: dict[str, str] = field(default_factory=dict)
     bubble_s: float = 0.0           # a pipeline's idle time (its schedule's timeline)
     p2p_s: float = 0.0              # a pipeline's stage-to-stage transfers (part of exposed_comm_s)
+    host_s: float = 0.0             # the host's time launching an eager step's ops (:func:`host_seconds`)
 
     def row(self) -> dict:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "hidden_comm_s": self.hidden_comm_s, "update_s": self.update_s, "mfu": self.mfu,
-                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s,
+                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s, "host_s": self.host_s,
                 "by_collective": dict(self.by_collective), "per_layer": dict(self.per_layer),
                 "placement": dict(self.placement)}
 
@@ -248,7 +249,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     the update is a memory-bound pass over the state. A pipeline (``est.pipeline``) repeats
     one micro-batch's time over its micro-batches, adds the stage-to-stage transfers on the
     link ``pp`` crosses, and stretches the whole by its timeline's makespan over one device's
-    work (the bubble). MFU is torchtitan's: 6 x parameters
+    work (the bubble). An eager step takes at least the host's time launching its ops
+    (:func:`host_seconds`). MFU is torchtitan's: 6 x parameters
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
@@ -322,7 +324,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     if offloaded:
         exposed += offloaded
         by_coll["host copies (offload)"] = offloaded
-    step = compute + exposed + bubble + update
+    host = host_seconds(est, cl, compiled, pipe.micro if pipe is not None else 1)
+    step = max(compute + exposed + bubble + update, host)
     mfu = 3 * model_flops / (step * cl.peak_flops) if step > 0 else 0.0
     per_layer = {}
     if est.layers > 1:
@@ -331,7 +334,19 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         if layer is not None:
             per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8,
                                        activation_sums=activation_sums, distributed_optimizer=distributed_optimizer)
-    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble, p2p)
+    return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble,
+                    p2p, host)
+
+
+def host_seconds(est, cl: Cluster, compiled: bool = False, micro_batches: int = 1) -> float:
+    """The host's seconds launching ``est``'s eager step: every op that runs a kernel
+    (``DeviceRun.launches``) at ``cl.launch_seconds`` each, ``micro_batches`` times for a pipeline's
+    runs (one micro-batch of a stage). The device runs them from its queue while the host launches
+    the next, so the step takes the larger of the two (``cost``). A compiled step (few, fused
+    launches, which the dry-run of eager ops does not count) is not charged: 0."""
+    if compiled or not cl.launch_seconds:
+        return 0.0
+    return micro_batches * est.extrapolate(lambda r: sum(r.launches.values())) * cl.launch_seconds
 
 
 def host_copies(est, cl: Cluster, update: float) -> tuple[float, float]:

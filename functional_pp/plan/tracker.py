@@ -32,6 +32,17 @@ _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backwar
                 _aten.nll_loss2d_backward.default}
 _NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
                "lift_fresh", "_local_scalar_dense"}
+
+
+def launches_kernel(func, name: str) -> bool:
+    """Whether an ATen op runs a kernel (one launch on a GPU): not a view, an allocation, a
+    detach or a host read. The host dispatches each such op of an eager step
+    (``Cluster.launch_seconds``, docs/planning.md "Time model")."""
+    return not getattr(func, "is_view", False) and name.split(".")[0] not in _NO_TRAFFIC
+
+
+_LAUNCHES: dict = {}     # op -> launches_kernel(op): asked once per op, not once per call
+
 _FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
 
@@ -101,6 +112,7 @@ class DeviceRun:
     linear_flops: dict = field(default_factory=dict)         # phase -> matmul FLOPs inside the layers (Float8's)
     linear_operands: dict = field(default_factory=dict)      # phase -> elements those matmuls read (cast to fp8)
     linear_by_layer: dict = field(default_factory=dict)      # layer -> matmul FLOPs (forward and backward)
+    launches: dict = field(default_factory=dict)             # phase -> ops that run a kernel (:func:`launches_kernel`)
     saved: list[SavedTensor] = field(default_factory=list)
     events: list[TaggedEvent] = field(default_factory=list)
     timeline: list[tuple[int, str, str, int | None, int]] = field(default_factory=list)
@@ -318,6 +330,11 @@ class MemoryTracker(TorchDispatchMode):
             self._follow_compiled()
         out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
+        launch = _LAUNCHES.get(func)
+        if launch is None:
+            launch = _LAUNCHES[func] = launches_kernel(func, name)
+        if launch:
+            self.run.launches[self.phase] = self.run.launches.get(self.phase, 0) + 1
         if not self._count_flops(func, args, out):
             self._count_traffic(func, name, inputs, out)
         derived = self.phase != "update" and bool(inputs) and all(

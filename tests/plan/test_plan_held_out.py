@@ -38,6 +38,24 @@ def test_the_tolerances_are_the_ones_achieved(predicted):
             assert r.tolerance - error < 0.03, f"{r.name}: {error:.1%} achieved, {r.tolerance:.0%} stated"
 
 
+def test_the_hosts_launches_move_no_row():
+    """The host term (an eager step's launches at ``Cluster.launch_seconds``) hides under the
+    device's work on every row: the eager ones' predictions are the device's (the 8B rows' host
+    time is 4% of their step, the H200 1B row's a quarter), the compiled ones are not charged. The
+    H200 row's 38 ms of idle GPU per step would need 4x the measured cost per launch."""
+    for r in references.ROWS:
+        tps, t = references.predict(r)
+        device = plan.cluster(r.cluster).with_(launch_seconds=0.0)
+        assert tps == references.predict(r, device)[0], r.name
+        assert (t.host_s > 0) == (not r.compiled), r.name
+    (own,) = references.OWN_GPU
+    t = references.predict(own)[1]
+    launches = t.host_s / plan.cluster(own.cluster).launch_seconds
+    assert 0.2 < t.host_s / t.step_s < 0.3
+    measured = own.local_batch * own.seq / own.tokens_per_s_per_gpu
+    assert measured / launches > 4 * plan.cluster(own.cluster).launch_seconds
+
+
 def _samples(rows):
     """(estimate, measured step seconds, cost options) of each row: its data-parallel ranks' tokens
     over its devices' rate."""

@@ -20,6 +20,8 @@ LOSS = functools.partial(llama.loss, cfg=CFG)
 BATCH = {"tokens": ((8, 16), "batch seq"), "labels": ((8, 16), "batch seq")}
 RULES = fpp.Rules(batch="dp_shard", hidden="dp_shard", layers="pp")
 M = 4
+#: the device's work alone: these tiny steps would be their host's launches (launch_seconds)
+DEVICE = plan.cluster("h100x8").with_(launch_seconds=0.0)
 
 
 def _stage(layers):
@@ -56,8 +58,8 @@ def test_pipeline_estimate_from_the_schedule(stage, schedule, v):
     # activations: the held (virtual stage, micro-batch) pairs, each 2 / v layers of one micro-batch
     assert est.activation_bytes == stage.activation_bytes + (held - v) * per_layer * 2 // v
     assert est.peak_bytes - stage.peak_bytes == est.activation_bytes - stage.activation_bytes
-    t = plan.cost(est, "h100x8")
-    comps = [run_components(r, est.mesh, plan.cluster("h100x8")) for r in est.runs]
+    t = plan.cost(est, DEVICE)
+    comps = [run_components(r, est.mesh, DEVICE) for r in est.runs]
     once = est.extrapolate_values([c.get("critical update", 0) + c.get("weight update", 0) for c in comps])
     busy = t.compute_s + t.exposed_comm_s - once                 # the micro-batches and the transfers
     assert t.bubble_s == pytest.approx(busy * pipe.bubble / (1 - pipe.bubble), rel=1e-9)
@@ -107,7 +109,7 @@ def test_fsdp_gathered_once_per_step_equals_a_real_pipeline_step():
     stage = {**llama.init(cfg), "layers": llama.init(cfg)["layers"][:2]}
     sharded = sum(torch.Size(d.shape).numel() for _, d in fpp.leaves_with_paths(stage) if "hidden" in d.dims)
     assert est.peak_bytes - micro.peak_bytes == 2 * sharded * 4 // 2
-    t_step, t_micro = plan.cost(est, "h100x8"), plan.cost(micro, "h100x8")
+    t_step, t_micro = plan.cost(est, DEVICE), plan.cost(micro, DEVICE)
     assert t_step.compute_s == pytest.approx(t_micro.compute_s) and t_step.step_s < t_micro.step_s
 
 

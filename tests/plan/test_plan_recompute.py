@@ -16,7 +16,7 @@ BATCH = {"tokens": ((6, 32), "batch seq"), "labels": ((6, 32), "batch seq")}
 MESH = fpp.Mesh(dp_shard=2, tp=2)
 RULES = llama.default_rules(fsdp=True, sequence_parallel=True)
 #: no latency: every collective's seconds are its bytes over the link's bandwidth
-FLAT = plan.cluster("h100x8-gt").with_(intra_latency=0.0, inter_latency=0.0)
+FLAT = plan.cluster("h100x8-gt").with_(intra_latency=0.0, inter_latency=0.0, launch_seconds=0.0)   # the device alone
 
 
 def _estimate(remat: bool, repeated="layers", **kw):

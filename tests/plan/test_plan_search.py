@@ -12,6 +12,8 @@ from functional_pp.models import llama
 CFG = llama.Config.tiny()
 LOSS = functools.partial(llama.loss, cfg=CFG)
 BATCH = {"tokens": ((8, 16), "batch seq"), "labels": ((8, 16), "batch seq")}
+#: the device's work alone: the tiny model's eager step is the host's (launch_seconds, tests/plan/test_host_launches.py)
+DEVICE = plan.cluster("h100x8").with_(launch_seconds=0.0)
 
 
 def test_axes_are_placed_on_nodes_by_mesh_order():
@@ -27,7 +29,7 @@ def test_axes_are_placed_on_nodes_by_mesh_order():
 
 
 def test_cost_overlaps_weight_traffic_and_charges_tp_on_the_critical_path():
-    cl = plan.cluster("h100x8")
+    cl = DEVICE
     fsdp = plan.estimate(LOSS, llama.init(CFG), fpp.Mesh(dp_shard=4), plan.standard_rules(("dp_shard",)), BATCH)
     tp = plan.estimate(LOSS, llama.init(CFG), fpp.Mesh(tp=2), plan.standard_rules((), True), BATCH)
     t_fsdp, t_tp = plan.cost(fsdp, cl), plan.cost(tp, cl)
@@ -45,11 +47,11 @@ def test_cost_overlaps_weight_traffic_and_charges_tp_on_the_critical_path():
 
 
 def test_fit_cluster_recovers_the_constants_that_made_the_times():
-    truth = plan.cluster("h100x8").with_(compute_efficiency=0.42, intra_bandwidth=123e9)
+    truth = DEVICE.with_(compute_efficiency=0.42, intra_bandwidth=123e9)
     ests = [plan.estimate(LOSS, llama.init(CFG), m, plan.standard_rules(("dp_shard",) if m.shape["dp_shard"] > 1 else ()), b)
             for m, b in [(fpp.Mesh(dp_shard=2), BATCH), (fpp.Mesh(tp=2), BATCH),
                          (fpp.Mesh(dp_shard=4), {k: ((16, 32), d) for k, (s, d) in BATCH.items()})]]
-    fitted = plan.fit_cluster("h100x8", [(e, plan.cost(e, truth).step_s) for e in ests],
+    fitted = plan.fit_cluster(DEVICE, [(e, plan.cost(e, truth).step_s) for e in ests],
                               fit=("compute_efficiency", "intra_bandwidth"))
     assert fitted.compute_efficiency == pytest.approx(0.42, rel=1e-2)
     assert fitted.intra_bandwidth == pytest.approx(123e9, rel=1e-2)
