@@ -13,11 +13,16 @@ The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default se
   a block not split is handed out whole;
 * a freed block returns to its pool and merges with its free neighbours in the same segment;
   segments are never returned (reserved memory only grows within a step), and a request no
-  free block fits allocates a new segment.
+  free block fits allocates a new segment;
+* every CUDA stream has pools of its own: a block is cached for the stream that allocated it
+  and reused only by requests on that stream (``BlockPool`` is keyed by stream in the C++).
+  FSDP2 allocates its all-gather outputs on its all-gather copy-in stream and its
+  reduce-scatter outputs on its reduce-scatter stream, so what those buffers leave cached is
+  not reused by the compute stream, nor the compute stream's blocks by them
+  (:data:`COMPUTE`; plan/tracker.py tells which buffers those are).
 
-What the model leaves out: one pool per CUDA stream (FSDP's all-gather stream keeps its own
-blocks), ``expandable_segments``, ``max_split_size_mb`` and the release of cached segments
-when ``cudaMalloc`` fails."""
+What the model leaves out: ``expandable_segments``, ``max_split_size_mb`` and the release of
+cached segments when ``cudaMalloc`` fails."""
 from __future__ import annotations
 
 import bisect
@@ -29,6 +34,8 @@ SMALL_SEGMENT = 2 << 20
 LARGE_SEGMENT = 20 << 20         # for requests under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+#: the default (compute) stream
+COMPUTE = "compute"
 
 
 def rounded(nbytes: int) -> int:
@@ -51,6 +58,7 @@ class _Block:
     offset: int
     size: int
     small: bool                  # in the small pool (its segment is 2 MiB of small requests)
+    stream: str = COMPUTE        # the stream whose pools the block belongs to
     free: bool = True
     prev: "_Block | None" = None
     next: "_Block | None" = None
@@ -61,65 +69,68 @@ class _Block:
 
 class CachingAllocator:
     """Replays allocations and frees (by key) through the caching allocator's rules and
-    tracks reserved bytes and their peak."""
+    tracks reserved bytes and their peak, in all and per stream."""
 
     def __init__(self) -> None:
-        self._free = {True: [], False: []}          # small pool?: sorted keys of free blocks
+        self._free: dict[tuple[str, bool], list] = {}   # (stream, small pool?): sorted keys of free blocks
         self._blocks: dict[tuple, _Block] = {}      # key of a free block -> block
         self._live: dict[object, _Block] = {}
         self._segments = 0
         self.reserved = 0
         self.peak_reserved = 0
+        self.reserved_by_stream: dict[str, int] = {}
 
-    def malloc(self, key: object, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key`` (a tensor's storage)."""
+    def malloc(self, key: object, nbytes: int, stream: str = COMPUTE) -> None:
+        """Allocate ``nbytes`` for ``key`` (a tensor's storage) on ``stream``."""
         size = rounded(nbytes)
         small = size <= SMALL_REQUEST
-        pool = self._free[small]
+        pool = self._free.setdefault((stream, small), [])
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i < len(pool):
             block = self._blocks.pop(pool.pop(i))
         else:
-            seg = segment_size(size)
-            block = _Block(self._segments, 0, seg, small)
+            block = _Block(self._segments, 0, self._reserve(stream, segment_size(size)), small, stream=stream)
             self._segments += 1
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_REQUEST:
-            tail = _Block(block.segment, block.offset + size, rest, small, True, block, block.next)
+            tail = _Block(block.segment, block.offset + size, rest, small, block.stream, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
             block.next, block.size = tail, size
-            self._cache(tail, small)
+            self._cache(tail)
         block.free = False
         self._live[key] = block
+
+    def _reserve(self, stream: str, nbytes: int) -> int:
+        self.reserved += nbytes
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return nbytes
 
     def free(self, key: object) -> None:
         """Return ``key``'s block to its pool, merged with its free neighbours."""
         block = self._live.pop(key, None)
         if block is None:
             return
-        small = block.small
         block.free = True
         for other in (block.prev, block.next):
             if other is not None and other.free:
-                self._uncache(other, small)
+                self._uncache(other)
         if block.prev is not None and block.prev.free:
             block = _absorb(block.prev, block)
         if block.next is not None and block.next.free:
             block = _absorb(block, block.next)
-        self._cache(block, small)
+        self._cache(block)
 
-    def _cache(self, block: _Block, small: bool) -> None:
+    def _cache(self, block: _Block) -> None:
         k = block.key()
         self._blocks[k] = block
-        bisect.insort(self._free[small], k)
+        bisect.insort(self._free.setdefault((block.stream, block.small), []), k)
 
-    def _uncache(self, block: _Block, small: bool) -> None:
+    def _uncache(self, block: _Block) -> None:
         k = block.key()
         self._blocks.pop(k, None)
-        pool = self._free[small]
+        pool = self._free[(block.stream, block.small)]
         i = bisect.bisect_left(pool, k)
         if i < len(pool) and pool[i] == k:
             pool.pop(i)

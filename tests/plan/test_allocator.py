@@ -1,13 +1,19 @@
 """The caching allocator's model (plan/allocator.py) against the rules of PyTorch's
-CUDACachingAllocator.cpp, and ``validate --memory`` and ``plan`` printing the same reserved
-bytes for the same layout."""
+CUDACachingAllocator.cpp (and FSDP2's streams, torch/distributed/fsdp/_fully_shard), and
+``validate --memory`` and ``plan`` printing the same reserved bytes for the same layout."""
+import functools
+import math
+
 import pytest
 import yaml
 
+import functional_pp as fpp
 from functional_pp import cli, plan
 from functional_pp.app.report import human_bytes
 from functional_pp.cli.plan import config_space, layout_yaml, rank_layouts
 from functional_pp.config import TrainConfig
+from functional_pp.core.tree import tree_leaves
+from functional_pp.models import llama
 from functional_pp.plan.allocator import CachingAllocator, rounded, segment_size
 
 MiB = 1 << 20
@@ -48,6 +54,41 @@ def test_fragmentation_a_freed_block_too_small_or_in_another_segment_is_not_reus
     with_rest.malloc("d", 11 * MiB + 1)       # a 12 MiB segment handed out whole: its rest is under 1 MiB
     with_rest.malloc("e", 2 * MiB)            # so the next request takes a new 20 MiB segment
     assert with_rest.reserved == 12 * MiB + 20 * MiB
+
+
+def test_each_stream_has_pools_of_its_own():
+    """A block freed on FSDP's all-gather stream is cached for that stream: the compute stream
+    takes a new segment for the same size, the all-gather stream reuses it."""
+    a = CachingAllocator()
+    a.malloc("gathered", 12 * MiB, "all_gather")
+    a.free("gathered")
+    a.malloc("x", 12 * MiB)
+    assert a.reserved == 24 * MiB
+    assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 12 * MiB}
+    a.malloc("next", 12 * MiB, "all_gather")
+    assert a.reserved == 24 * MiB
+    a.free("x")
+    a.malloc("s", 100, "reduce_scatter")        # small pools are per stream too
+    a.malloc("t", 100)
+    assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 14 * MiB, "reduce_scatter": 2 * MiB}
+
+
+def test_fsdp_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_the_next():
+    """In the dry-run each layer's gathered weights are one FSDP unit whose flat all-gather
+    buffer fills the all-gather stream's pool, and the reduce-scatter outputs the reduce-scatter
+    stream's. Fully checkpointed, backward gathers one unit at a time, so the all-gather pool
+    holds two units' bytes only because forward keeps a unit's buffer until the next unit's is
+    allocated (FSDP2's ``AllGatherState``)."""
+    cfg = llama.Config.tiny(layers=3, hidden=1024, heads=8, kv_heads=4, mlp=4096, vocab=512)
+    decls = llama.init(cfg)
+    batch = {k: ((4, 64), "batch seq") for k in ("tokens", "labels")}
+    est = plan.estimate(functools.partial(llama.loss, cfg=cfg), decls, fpp.Mesh(dp_shard=2),
+                        plan.standard_rules(("dp_shard",)), batch, precision="bf16", remat=True)
+    unit = 2 * sum(math.prod(d.shape) for d in tree_leaves(decls["layers"][0]))     # one layer, bf16
+    streams = est.runs[-1].reserved_by_stream
+    assert set(streams) == {"compute", "all_gather", "reduce_scatter"}
+    assert 2 * unit <= streams["all_gather"] < 3 * unit
+    assert est.runs[-1].peak_reserved == sum(streams.values())      # (segments are never returned)
 
 
 @pytest.mark.parametrize("compile", [False, "per_layer"])

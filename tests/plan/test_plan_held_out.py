@@ -94,13 +94,14 @@ def test_published_peak_memory_is_predicted_within_its_tolerance(row):
 
 
 def test_reserved_memory_is_the_peak_and_the_allocators_overhead():
-    """The allocator model adds what rounding and cached blocks cost: positive, a few GiB on the
-    8B rows, and the reason the eager 8B rows come within 10% (the allocated peak alone is
-    3.8% and 0% below the measured 82.4 and 67.0 GiB)."""
+    """The allocator model adds what rounding and cached blocks cost, and FSDP2's all-gather
+    stream's pool (its flat buffers, two units held at a time): positive, a few GiB on the 8B
+    rows (the allocated peak alone is 3.8% and 0% below the measured 82.4 and 67.0 GiB)."""
     for r in references.LLAMA3_8B:
         est = references.memory_estimate(r)
         assert est.reserved_bytes == est.peak_bytes + est.reserved_overhead
-        assert 2 * 2 ** 30 < est.reserved_overhead < 0.1 * est.peak_bytes, r.name
+        assert 2 * 2 ** 30 < est.reserved_overhead < 12 * 2 ** 30, r.name
+        assert 2 ** 30 < est.runs[-1].reserved_by_stream["all_gather"] < est.reserved_overhead, r.name
 
 
 def test_benchmarks_gpu_results_become_held_out_rows():
