@@ -367,7 +367,9 @@ _cache: dict = {}
 
 def reference_estimate(ref: Reference, compiled_layers: bool = False) -> LayoutEstimate:
     """The dry-run of ``ref``'s setup (cached: the rows share meshes); ``compiled_layers``: its
-    layers saving what a compiled layer saves (``estimate(compiled=True)``, for the memory)."""
+    layers saving what a compiled layer saves (``estimate(compiled=True)``, for the memory). Its
+    reserved memory is FSDP2's (``fsdp2_streams``): every row with FSDP ran torch's ``fully_shard``
+    (torchtitan's), with no effect on the others."""
     key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages,
            compiled_layers)
     if key not in _cache:
@@ -379,7 +381,8 @@ def reference_estimate(ref: Reference, compiled_layers: bool = False) -> LayoutE
             _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
                                    rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
                                    grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
-                                   virtual_stages=ref.virtual_stages, compiled=compiled_layers)
+                                   virtual_stages=ref.virtual_stages, compiled=compiled_layers,
+                                   fsdp2_streams=True)
     return _cache[key]
 
 

@@ -205,11 +205,15 @@ class MemoryTracker(TorchDispatchMode):
     tensor held before the step, allocated first in the caching allocator's model (without
     them the baseline counts as reserved exactly). ``compiled``: also follow the step as if each
     layer were compiled (``torch.compile``, AOTAutograd's partitioner choosing what its forward
-    saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields."""
+    saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields.
+    ``fsdp2_streams``: replay the weight collectives' buffers as FSDP2 allocates them, on its
+    all-gather and reduce-scatter streams (:data:`ALL_GATHER_STREAM`)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
-                 timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None):
+                 timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
+                 fsdp2_streams: bool = False):
         super().__init__()
+        self.fsdp2_streams = fsdp2_streams
         self.compiled = compiled
         self._needed = needed                # selective layers: layer -> positions read in backward without
         self._seen_sigs: dict = {}           # checkpointing (DeviceRun.needed_positions of such a run)
@@ -357,7 +361,7 @@ class MemoryTracker(TorchDispatchMode):
                 weight = False     # gradient-norm and token-count sums: scalars
             self.run.events.append(TaggedEvent(e.kind, e.axes, e.group_size, e.bytes_sent, e.shape, e.dtype,
                                                self.phase, self.layer, op, weight, self.recomputing, widened))
-            if weight and e.kind in ("all_gather", "reduce_scatter"):
+            if weight and self.fsdp2_streams and e.kind in ("all_gather", "reduce_scatter"):
                 self._collective = e.kind
         self._n_events = len(self._report.events)
 

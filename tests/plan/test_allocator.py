@@ -73,8 +73,8 @@ def test_each_stream_has_pools_of_its_own():
     assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 14 * MiB, "reduce_scatter": 2 * MiB}
 
 
-def test_fsdp_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_the_next():
-    """In the dry-run each layer's gathered weights are one FSDP unit whose flat all-gather
+def test_fsdp2_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_the_next():
+    """With ``fsdp2_streams`` each layer's gathered weights are one FSDP unit whose flat all-gather
     buffer fills the all-gather stream's pool, and the reduce-scatter outputs the reduce-scatter
     stream's. Fully checkpointed, backward gathers one unit at a time, so the all-gather pool
     holds two units' bytes only because forward keeps a unit's buffer until the next unit's is
@@ -82,13 +82,17 @@ def test_fsdp_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_th
     cfg = llama.Config.tiny(layers=3, hidden=1024, heads=8, kv_heads=4, mlp=4096, vocab=512)
     decls = llama.init(cfg)
     batch = {k: ((4, 64), "batch seq") for k in ("tokens", "labels")}
-    est = plan.estimate(functools.partial(llama.loss, cfg=cfg), decls, fpp.Mesh(dp_shard=2),
-                        plan.standard_rules(("dp_shard",)), batch, precision="bf16", remat=True)
+    run = functools.partial(plan.estimate, functools.partial(llama.loss, cfg=cfg), decls, fpp.Mesh(dp_shard=2),
+                            plan.standard_rules(("dp_shard",)), batch, precision="bf16", remat=True)
+    est = run(fsdp2_streams=True)
     unit = 2 * sum(math.prod(d.shape) for d in tree_leaves(decls["layers"][0]))     # one layer, bf16
     streams = est.runs[-1].reserved_by_stream
     assert set(streams) == {"compute", "all_gather", "reduce_scatter"}
     assert 2 * unit <= streams["all_gather"] < 3 * unit
     assert est.runs[-1].peak_reserved == sum(streams.values())      # (segments are never returned)
+    own = run()                   # this framework's step: its collectives' buffers on the compute stream
+    assert set(own.runs[-1].reserved_by_stream) == {"compute"} and own.peak_bytes == est.peak_bytes
+    assert own.reserved_bytes < est.reserved_bytes
 
 
 @pytest.mark.parametrize("compile", [False, "per_layer"])
