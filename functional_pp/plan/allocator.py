@@ -21,8 +21,16 @@ The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default se
   not reused by the compute stream, nor the compute stream's blocks by them
   (:data:`COMPUTE`; plan/tracker.py tells which buffers those are).
 
-What the model leaves out: ``expandable_segments``, ``max_split_size_mb`` and the release of
-cached segments when ``cudaMalloc`` fails."""
+With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
+torchtitan's launcher sets) each pool of each stream is one segment that grows at its end:
+a request no free block fits takes the free block at the segment's end, if there is one, and
+maps as many more pages as it lacks (2 MiB pages for the small pool, 20 MiB for the large);
+any rest of at least 512 bytes is split off, and a freed block merges with its neighbours as
+before. So blocks freed in the middle are reused by whatever fits, and the end grows only by
+what is missing: far less is cached unused than with a segment per large request.
+
+What the model leaves out: ``max_split_size_mb`` and the release of cached segments (or, with
+expandable segments, their pages) when ``cudaMalloc`` fails."""
 from __future__ import annotations
 
 import bisect
@@ -71,7 +79,9 @@ class CachingAllocator:
     """Replays allocations and frees (by key) through the caching allocator's rules and
     tracks reserved bytes and their peak, in all and per stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, expandable_segments: bool = False) -> None:
+        self.expandable = expandable_segments
+        self._ends: dict[tuple[str, bool], _Block] = {}   # expandable: (stream, small) -> its segment's last block
         self._free: dict[tuple[str, bool], list] = {}   # (stream, small pool?): sorted keys of free blocks
         self._blocks: dict[tuple, _Block] = {}      # key of a free block -> block
         self._live: dict[object, _Block] = {}
@@ -88,14 +98,18 @@ class CachingAllocator:
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i < len(pool):
             block = self._blocks.pop(pool.pop(i))
+        elif self.expandable:
+            block = self._expand(stream, small, size)
         else:
             block = _Block(self._segments, 0, self._reserve(stream, segment_size(size)), small, stream=stream)
             self._segments += 1
         rest = block.size - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_REQUEST:
+        if rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_REQUEST:
             tail = _Block(block.segment, block.offset + size, rest, small, block.stream, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
+            elif self.expandable:
+                self._ends[(stream, small)] = tail
             block.next, block.size = tail, size
             self._cache(tail)
         block.free = False
@@ -107,6 +121,26 @@ class CachingAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return nbytes
 
+    def _expand(self, stream: str, small: bool, size: int) -> _Block:
+        """Grow the pool's expandable segment at its end by the pages ``size`` lacks beyond the
+        free block there (if any); that block, grown, is the new one."""
+        end = self._ends.get((stream, small))
+        have = end.size if end is not None and end.free else 0
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        grown = self._reserve(stream, -(-(size - have) // page) * page)
+        if have:
+            self._uncache(end)
+            end.size += grown
+            return end
+        if end is None:
+            block = _Block(self._segments, 0, grown, small, stream=stream)
+            self._segments += 1
+        else:
+            block = _Block(end.segment, end.offset + end.size, grown, small, stream, True, end)
+            end.next = block
+        self._ends[(stream, small)] = block
+        return block
+
     def free(self, key: object) -> None:
         """Return ``key``'s block to its pool, merged with its free neighbours."""
         block = self._live.pop(key, None)
@@ -116,9 +150,14 @@ class CachingAllocator:
         for other in (block.prev, block.next):
             if other is not None and other.free:
                 self._uncache(other)
+        end = (block.stream, block.small)
         if block.prev is not None and block.prev.free:
+            if self._ends.get(end) is block:
+                self._ends[end] = block.prev
             block = _absorb(block.prev, block)
         if block.next is not None and block.next.free:
+            if self._ends.get(end) is block.next:
+                self._ends[end] = block
             block = _absorb(block, block.next)
         self._cache(block)
 

@@ -365,13 +365,15 @@ def rules_for(ref: Reference) -> Rules:
 _cache: dict = {}
 
 
-def reference_estimate(ref: Reference, compiled_layers: bool = False) -> LayoutEstimate:
+def reference_estimate(ref: Reference, compiled_layers: bool = False,
+                       expandable_segments: bool = False) -> LayoutEstimate:
     """The dry-run of ``ref``'s setup (cached: the rows share meshes); ``compiled_layers``: its
     layers saving what a compiled layer saves (``estimate(compiled=True)``, for the memory). Its
     reserved memory is FSDP2's (``fsdp2_streams``): every row with FSDP ran torch's ``fully_shard``
-    (torchtitan's), with no effect on the others."""
+    (torchtitan's), with no effect on the others. ``expandable_segments``: the allocator's setting
+    (torchtitan's launcher sets it; the published rows do not say: off, CUDA's default)."""
     key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages,
-           compiled_layers)
+           compiled_layers, expandable_segments)
     if key not in _cache:
         cfg = ref.model if isinstance(ref.model, llama.Config) else CONFIGS[ref.model]()
         mesh = Mesh(**dict(ref.mesh)) if ref.mesh else Mesh()
@@ -382,7 +384,7 @@ def reference_estimate(ref: Reference, compiled_layers: bool = False) -> LayoutE
                                    rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
                                    grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",
                                    virtual_stages=ref.virtual_stages, compiled=compiled_layers,
-                                   fsdp2_streams=True)
+                                   fsdp2_streams=True, expandable_segments=expandable_segments)
     return _cache[key]
 
 

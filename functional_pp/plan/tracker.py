@@ -207,11 +207,12 @@ class MemoryTracker(TorchDispatchMode):
     layer were compiled (``torch.compile``, AOTAutograd's partitioner choosing what its forward
     saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields.
     ``fsdp2_streams``: replay the weight collectives' buffers as FSDP2 allocates them, on its
-    all-gather and reduce-scatter streams (:data:`ALL_GATHER_STREAM`)."""
+    all-gather and reduce-scatter streams (:data:`ALL_GATHER_STREAM`); ``expandable_segments``:
+    the allocator's setting of that name (plan/allocator.py)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
-                 fsdp2_streams: bool = False):
+                 fsdp2_streams: bool = False, expandable_segments: bool = False):
         super().__init__()
         self.fsdp2_streams = fsdp2_streams
         self.compiled = compiled
@@ -224,7 +225,7 @@ class MemoryTracker(TorchDispatchMode):
         self._adjust = 0                     # compiled curve minus eager curve now
         self._freed_kept: dict = {}          # layer -> bytes it keeps that eager freed
         self.run = DeviceRun(dict(baseline))
-        self.allocator = CachingAllocator()
+        self.allocator = CachingAllocator(expandable_segments)
         self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
         for i, n in enumerate(baseline_sizes or ()):
             self.allocator.malloc(("baseline", i), n)

@@ -56,6 +56,33 @@ def test_fragmentation_a_freed_block_too_small_or_in_another_segment_is_not_reus
     assert with_rest.reserved == 12 * MiB + 20 * MiB
 
 
+def test_expandable_segments_grow_at_the_end_and_reuse_what_is_freed():
+    """``expandable_segments:True``: a pool is one segment mapped in 20 MiB pages (large
+    requests); a request no free block fits extends the free block at the end by the pages it
+    lacks. The fragmentation above (44 MiB reserved for 20 live) does not arise: 40 MiB, and
+    a 30 MiB request then adds one page, not a 30 MiB segment."""
+    a = CachingAllocator(expandable_segments=True)
+    a.malloc("a", 12 * MiB)                   # one page: 8 MiB free at the end
+    a.malloc("b", 12 * MiB)                   # the free 8 MiB and one more page; 16 MiB free at the end
+    assert a.reserved == 40 * MiB
+    a.free("a")
+    a.free("b")
+    a.malloc("c", 20 * MiB)
+    assert a.reserved == 40 * MiB
+    a.malloc("d", 30 * MiB)                   # 20 MiB free at the end, one more page
+    assert a.reserved == 60 * MiB
+    a.malloc("s", 100)                        # the small pool grows in 2 MiB pages
+    assert a.reserved == 62 * MiB and a.reserved_by_stream == {"compute": 62 * MiB}
+    default = CachingAllocator()
+    for k, n in (("a", 12), ("b", 12)):
+        default.malloc(k, n * MiB)
+    default.free("a")
+    default.free("b")
+    default.malloc("c", 20 * MiB)
+    default.malloc("d", 30 * MiB)
+    assert default.reserved == 74 * MiB
+
+
 def test_each_stream_has_pools_of_its_own():
     """A block freed on FSDP's all-gather stream is cached for that stream: the compute stream
     takes a new segment for the same size, the all-gather stream reuses it."""
