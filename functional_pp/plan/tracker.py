@@ -18,6 +18,7 @@ from functional_pp.compile.selective import SAVED_OPS
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_serial_work, on_uneven_work
 from functional_pp.core.runtime import per_thread
+from functional_pp.plan import fsdp2
 from functional_pp.plan.allocator import COMPUTE, CachingAllocator
 from functional_pp.plan.partition import Value, partition_saved, recomputable
 
@@ -32,12 +33,6 @@ _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backwar
                 _aten.nll_loss2d_backward.default}
 _NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
                "lift_fresh", "_local_scalar_dense"}
-#: FSDP2's streams (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): a unit's (a layer's)
-#: all-gather output is one flat buffer allocated on the all-gather copy-in stream, copied out
-#: into the parameters on the compute stream and then freed, in forward only once the next unit's
-#: has been allocated (``AllGatherState``: the copy-out overlaps the next all-gather); the
-#: reduce-scatter output is allocated on the reduce-scatter stream (plan/allocator.py)
-ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "all_gather", "reduce_scatter"
 _FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
 
@@ -207,7 +202,7 @@ class MemoryTracker(TorchDispatchMode):
     layer were compiled (``torch.compile``, AOTAutograd's partitioner choosing what its forward
     saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields.
     ``fsdp2_streams``: replay the weight collectives' buffers as FSDP2 allocates them, on its
-    all-gather and reduce-scatter streams (:data:`ALL_GATHER_STREAM`); ``expandable_segments``:
+    all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
     the allocator's setting of that name (plan/allocator.py)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
@@ -242,9 +237,7 @@ class MemoryTracker(TorchDispatchMode):
         self._report = report
         self._n_events = 0
         self._collective: str | None = None  # a weight collective whose output is the next new storage
-        self._unit: tuple | None = None      # the FSDP unit gathering now: ((layer, phase, recomputing), bytes)
-        self._unit_held: object = None       # the forward unit's flat all-gather buffer kept until the next
-        self._n_units = 0
+        self._gathers: list = []             # fsdp2_streams: ((layer, phase, recomputing), bytes) of each gather
         self._seq = 0
         self._keep_timeline = timeline
         self.layer: int | None = None
@@ -263,7 +256,9 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._close_unit()
+        if self._gathers:                    # (FSDP2's all-gather stream: a pool of its own, replayed apart)
+            fsdp2.replay(self.allocator, self._gathers)
+            self._note_reserved()
         self.close_layer()
         _active.tracker = self._outer
         return super().__exit__(*exc)
@@ -388,9 +383,9 @@ class MemoryTracker(TorchDispatchMode):
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
         self._live[key] = alloc
         kind, self._collective = self._collective, None        # (the collective's output is its first)
-        if kind == "all_gather":
-            self._gathered(nbytes)
-        self.allocator.malloc(key, nbytes, REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
+            self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
+        self.allocator.malloc(key, nbytes, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
         self._note_reserved()
         self._totals[category] += nbytes
         self._current += nbytes
@@ -408,36 +403,6 @@ class MemoryTracker(TorchDispatchMode):
     def _note_reserved(self) -> None:
         self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
         self.run.reserved_by_stream = dict(self.allocator.reserved_by_stream)
-
-    # -------------------------------------------------------------- FSDP2's all-gather stream
-    def _gathered(self, nbytes: int) -> None:
-        """A weight's all-gather output (the dry-run gathers per weight; on the compute stream it
-        stands for FSDP2's copy-out): it joins its unit, the weights gathered by one layer in one
-        phase, whose flat buffer FSDP2 allocates on its all-gather stream."""
-        unit = (self.layer, self.phase, self.recomputing)
-        if self._unit is not None and self._unit[0] != unit:
-            self._close_unit()
-        self._unit = (unit, nbytes + (self._unit[1] if self._unit is not None else 0))
-
-    def _close_unit(self) -> None:
-        """The unit's gathers are done: replay its flat buffer on the all-gather stream. The forward
-        unit before it is freed now (its buffer was kept until this one was allocated); a forward
-        unit is kept in turn, a backward one freed at once (FSDP2 frees it after its copy-out, and
-        prefetches the next unit only then)."""
-        if self._unit is None:
-            return
-        (layer, phase, recomputing), nbytes = self._unit
-        self._unit, self._n_units = None, self._n_units + 1
-        key = ("fsdp unit", self._n_units)
-        self.allocator.malloc(key, nbytes, ALL_GATHER_STREAM)
-        self._note_reserved()
-        if self._unit_held is not None:
-            self.allocator.free(self._unit_held)
-            self._unit_held = None
-        if phase == "forward" and not recomputing:
-            self._unit_held = key
-        else:
-            self.allocator.free(key)
 
     def split(self, params: bool, activations: bool) -> tuple[int, int]:
         """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer

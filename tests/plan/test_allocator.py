@@ -14,6 +14,7 @@ from functional_pp.cli.plan import config_space, layout_yaml, rank_layouts
 from functional_pp.config import TrainConfig
 from functional_pp.core.tree import tree_leaves
 from functional_pp.models import llama
+from functional_pp.plan import fsdp2
 from functional_pp.plan.allocator import CachingAllocator, rounded, segment_size
 
 MiB = 1 << 20
@@ -98,6 +99,18 @@ def test_each_stream_has_pools_of_its_own():
     a.malloc("s", 100, "reduce_scatter")        # small pools are per stream too
     a.malloc("t", 100)
     assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 14 * MiB, "reduce_scatter": 2 * MiB}
+
+
+def test_fsdp2_units_from_the_dry_runs_gathers():
+    """A layer's gathers in one phase are one unit; the weights outside the layers (the
+    embedding first, the head after the layers) are one root unit at the start of each forward
+    and are not gathered again in backward (FSDP2 does not reshard its root after forward)."""
+    f, b = "forward", "backward"
+    gathers = [((None, f, False), 4), ((0, f, False), 2), ((0, f, False), 3), ((1, f, False), 5),
+               ((None, f, False), 6), ((None, b, False), 6), ((1, b, False), 5), ((0, b, False), 5),
+               ((0, f, False), 5), ((None, f, False), 4), ((0, b, True), 5)]
+    assert fsdp2.units(gathers) == [(10, True), (5, True), (5, True), (5, False), (5, False),
+                                    (4, True), (5, True), (5, False)]
 
 
 def test_fsdp2_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_the_next():
