@@ -19,7 +19,7 @@ The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default se
   FSDP2 allocates its all-gather outputs on its all-gather copy-in stream and its
   reduce-scatter outputs on its reduce-scatter stream, so what those buffers leave cached is
   not reused by the compute stream, nor the compute stream's blocks by them
-  (:data:`COMPUTE`; plan/tracker.py tells which buffers those are).
+  (:data:`COMPUTE`; plan/fsdp2.py replays those buffers).
 
 With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
 torchtitan's launcher sets) each pool of each stream is one segment that grows at its end:
