@@ -13,11 +13,24 @@ The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default se
   a block not split is handed out whole;
 * a freed block returns to its pool and merges with its free neighbours in the same segment;
   segments are never returned (reserved memory only grows within a step), and a request no
-  free block fits allocates a new segment.
+  free block fits allocates a new segment;
+* every CUDA stream has pools of its own: a block is cached for the stream that allocated it
+  and reused only by requests on that stream (``BlockPool`` is keyed by stream in the C++).
+  FSDP2 allocates its all-gather outputs on its all-gather copy-in stream and its
+  reduce-scatter outputs on its reduce-scatter stream, so what those buffers leave cached is
+  not reused by the compute stream, nor the compute stream's blocks by them
+  (:data:`COMPUTE`; plan/fsdp2.py replays those buffers).
 
-What the model leaves out: one pool per CUDA stream (FSDP's all-gather stream keeps its own
-blocks), ``expandable_segments``, ``max_split_size_mb`` and the release of cached segments
-when ``cudaMalloc`` fails."""
+With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which
+torchtitan's launcher sets) each pool of each stream is one segment that grows at its end:
+a request no free block fits takes the free block at the segment's end, if there is one, and
+maps as many more pages as it lacks (2 MiB pages for the small pool, 20 MiB for the large);
+any rest of at least 512 bytes is split off, and a freed block merges with its neighbours as
+before. So blocks freed in the middle are reused by whatever fits, and the end grows only by
+what is missing: far less is cached unused than with a segment per large request.
+
+What the model leaves out: ``max_split_size_mb`` and the release of cached segments (or, with
+expandable segments, their pages) when ``cudaMalloc`` fails."""
 from __future__ import annotations
 
 import bisect
@@ -29,6 +42,8 @@ SMALL_SEGMENT = 2 << 20
 LARGE_SEGMENT = 20 << 20         # for requests under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+#: the default (compute) stream
+COMPUTE = "compute"
 
 
 def rounded(nbytes: int) -> int:
@@ -51,6 +66,7 @@ class _Block:
     offset: int
     size: int
     small: bool                  # in the small pool (its segment is 2 MiB of small requests)
+    stream: str = COMPUTE        # the stream whose pools the block belongs to
     free: bool = True
     prev: "_Block | None" = None
     next: "_Block | None" = None
@@ -61,65 +77,99 @@ class _Block:
 
 class CachingAllocator:
     """Replays allocations and frees (by key) through the caching allocator's rules and
-    tracks reserved bytes and their peak."""
+    tracks reserved bytes and their peak, in all and per stream."""
 
-    def __init__(self) -> None:
-        self._free = {True: [], False: []}          # small pool?: sorted keys of free blocks
+    def __init__(self, expandable_segments: bool = False) -> None:
+        self.expandable = expandable_segments
+        self._ends: dict[tuple[str, bool], _Block] = {}   # expandable: (stream, small) -> its segment's last block
+        self._free: dict[tuple[str, bool], list] = {}   # (stream, small pool?): sorted keys of free blocks
         self._blocks: dict[tuple, _Block] = {}      # key of a free block -> block
         self._live: dict[object, _Block] = {}
         self._segments = 0
         self.reserved = 0
         self.peak_reserved = 0
+        self.reserved_by_stream: dict[str, int] = {}
 
-    def malloc(self, key: object, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key`` (a tensor's storage)."""
+    def malloc(self, key: object, nbytes: int, stream: str = COMPUTE) -> None:
+        """Allocate ``nbytes`` for ``key`` (a tensor's storage) on ``stream``."""
         size = rounded(nbytes)
         small = size <= SMALL_REQUEST
-        pool = self._free[small]
+        pool = self._free.setdefault((stream, small), [])
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i < len(pool):
             block = self._blocks.pop(pool.pop(i))
+        elif self.expandable:
+            block = self._expand(stream, small, size)
         else:
-            seg = segment_size(size)
-            block = _Block(self._segments, 0, seg, small)
+            block = _Block(self._segments, 0, self._reserve(stream, segment_size(size)), small, stream=stream)
             self._segments += 1
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = block.size - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_REQUEST:
-            tail = _Block(block.segment, block.offset + size, rest, small, True, block, block.next)
+        if rest >= MIN_BLOCK if small or self.expandable else rest > SMALL_REQUEST:
+            tail = _Block(block.segment, block.offset + size, rest, small, block.stream, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
+            elif self.expandable:
+                self._ends[(stream, small)] = tail
             block.next, block.size = tail, size
-            self._cache(tail, small)
+            self._cache(tail)
         block.free = False
         self._live[key] = block
+
+    def _reserve(self, stream: str, nbytes: int) -> int:
+        self.reserved += nbytes
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return nbytes
+
+    def _expand(self, stream: str, small: bool, size: int) -> _Block:
+        """Grow the pool's expandable segment at its end by the pages ``size`` lacks beyond the
+        free block there (if any); that block, grown, is the new one."""
+        end = self._ends.get((stream, small))
+        have = end.size if end is not None and end.free else 0
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        grown = self._reserve(stream, -(-(size - have) // page) * page)
+        if have:
+            self._uncache(end)
+            end.size += grown
+            return end
+        if end is None:
+            block = _Block(self._segments, 0, grown, small, stream=stream)
+            self._segments += 1
+        else:
+            block = _Block(end.segment, end.offset + end.size, grown, small, stream, True, end)
+            end.next = block
+        self._ends[(stream, small)] = block
+        return block
 
     def free(self, key: object) -> None:
         """Return ``key``'s block to its pool, merged with its free neighbours."""
         block = self._live.pop(key, None)
         if block is None:
             return
-        small = block.small
         block.free = True
         for other in (block.prev, block.next):
             if other is not None and other.free:
-                self._uncache(other, small)
+                self._uncache(other)
+        end = (block.stream, block.small)
         if block.prev is not None and block.prev.free:
+            if self._ends.get(end) is block:
+                self._ends[end] = block.prev
             block = _absorb(block.prev, block)
         if block.next is not None and block.next.free:
+            if self._ends.get(end) is block.next:
+                self._ends[end] = block
             block = _absorb(block, block.next)
-        self._cache(block, small)
+        self._cache(block)
 
-    def _cache(self, block: _Block, small: bool) -> None:
+    def _cache(self, block: _Block) -> None:
         k = block.key()
         self._blocks[k] = block
-        bisect.insort(self._free[small], k)
+        bisect.insort(self._free.setdefault((block.stream, block.small), []), k)
 
-    def _uncache(self, block: _Block, small: bool) -> None:
+    def _uncache(self, block: _Block) -> None:
         k = block.key()
         self._blocks.pop(k, None)
-        pool = self._free[small]
+        pool = self._free[(block.stream, block.small)]
         i = bisect.bisect_left(pool, k)
         if i < len(pool) and pool[i] == k:
             pool.pop(i)

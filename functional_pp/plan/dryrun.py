@@ -231,7 +231,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              bandwidth: dict[str, float] | float | None = None, rank: int | None = None, timeline: bool = True,
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
              virtual_stages: int = 1, pp_fsdp_gather: str = "step",
-             extrapolate_micro_steps: bool = True, compiled: bool = False) -> LayoutEstimate:
+             extrapolate_micro_steps: bool = True, compiled: bool = False,
+             fsdp2_streams: bool = False, expandable_segments: bool = False) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -267,12 +268,21 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     and ``train_step(compile="per_layer")`` do): AOTAutograd's min-cut partitioner chooses what a
     layer's forward saves for backward, recomputing cheap pointwise ops (norms, SiLU products,
     rotary, casts) from what it keeps; the peak, its split and ``activation_bytes`` follow it
-    (plan/partition.py; docs/planning.md, "Compiled layers"). Same flag as ``cost(..., compiled=True)``."""
+    (plan/partition.py; docs/planning.md, "Compiled layers"). Same flag as ``cost(..., compiled=True)``.
+
+    ``fsdp2_streams``: reserved memory as torch's FSDP2 (``fully_shard``, torchtitan's) allocates
+    its collectives' buffers: each unit's flat all-gather buffer on its all-gather stream, the
+    reduce-scatter outputs on its reduce-scatter stream, each stream with pools of its own
+    (plan/allocator.py; docs/planning.md, "Reserved memory"). Off: every buffer on the compute
+    stream, as this framework's own step allocates them. ``expandable_segments``: reserved memory
+    under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each pool one segment growing at
+    its end; torchtitan's launcher sets it) instead of CUDA's default."""
     rules.check(mesh)
     if mesh.shape.get(PP, 1) > 1:
         return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
             options=options, optimizer=optimizer, precision=precision, remat=remat, bandwidth=bandwidth,
-            rank=rank, timeline=timeline, label=label, trainable=trainable, compiled=compiled),
+            rank=rank, timeline=timeline, label=label, trainable=trainable, compiled=compiled,
+            fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments),
             grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
     remat = options.pop("remat", remat)
@@ -311,7 +321,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
-                            repeated, device, timeline, trainable, compiled,
+                            repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
                                           device, trainable) if compiled and remat == "selective" else None)
                 for g, b in steps for d in variants]
@@ -500,7 +510,8 @@ def _learn_needed(loss_fn, decls, mesh, rules, batch, options, optimizer, precis
 
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
-                repeated, rank, timeline, trainable=None, compiled=False, needed=None):
+                repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
+                expandable_segments=False, needed=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -517,6 +528,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             held = masters + optree.tree_leaves(state["opt_state"], none_is_leaf=False)
             sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
+                                    fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
                                     needed=needed)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \

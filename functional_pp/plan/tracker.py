@@ -18,7 +18,8 @@ from functional_pp.compile.selective import SAVED_OPS
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_serial_work, on_uneven_work
 from functional_pp.core.runtime import per_thread
-from functional_pp.plan.allocator import CachingAllocator
+from functional_pp.plan import fsdp2
+from functional_pp.plan.allocator import COMPUTE, CachingAllocator
 from functional_pp.plan.partition import Value, partition_saved, recomputable
 
 CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", "logits",
@@ -96,6 +97,7 @@ class DeviceRun:
     baseline: dict[str, int]
     peak_bytes: int = 0
     peak_reserved: int = 0       # the caching allocator's reserved bytes at their peak (plan/allocator.py)
+    reserved_by_stream: dict = field(default_factory=dict)   # stream -> bytes its pools reserved (at the end)
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: str = ""
     flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
@@ -210,11 +212,16 @@ class MemoryTracker(TorchDispatchMode):
     tensor held before the step, allocated first in the caching allocator's model (without
     them the baseline counts as reserved exactly). ``compiled``: also follow the step as if each
     layer were compiled (``torch.compile``, AOTAutograd's partitioner choosing what its forward
-    saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields."""
+    saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields.
+    ``fsdp2_streams``: replay the weight collectives' buffers as FSDP2 allocates them, on its
+    all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
+    the allocator's setting of that name (plan/allocator.py)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
-                 timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None):
+                 timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
+                 fsdp2_streams: bool = False, expandable_segments: bool = False):
         super().__init__()
+        self.fsdp2_streams = fsdp2_streams
         self.compiled = compiled
         self._needed = needed                # selective layers: layer -> positions read in backward without
         self._seen_sigs: dict = {}           # checkpointing (DeviceRun.needed_positions of such a run)
@@ -225,7 +232,7 @@ class MemoryTracker(TorchDispatchMode):
         self._adjust = 0                     # compiled curve minus eager curve now
         self._freed_kept: dict = {}          # layer -> bytes it keeps that eager freed
         self.run = DeviceRun(dict(baseline))
-        self.allocator = CachingAllocator()
+        self.allocator = CachingAllocator(expandable_segments)
         self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
         for i, n in enumerate(baseline_sizes or ()):
             self.allocator.malloc(("baseline", i), n)
@@ -241,6 +248,8 @@ class MemoryTracker(TorchDispatchMode):
         self._weight_shapes: set = {tuple(t.shape) for t in param_tensors}
         self._report = report
         self._n_events = 0
+        self._collective: str | None = None  # a weight collective whose output is the next new storage
+        self._gathers: list = []             # fsdp2_streams: ((layer, phase, recomputing), bytes) of each gather
         self._seq = 0
         self._keep_timeline = timeline
         self.layer: int | None = None
@@ -259,6 +268,9 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if self._gathers:                    # (FSDP2's all-gather stream: a pool of its own, replayed apart)
+            fsdp2.replay(self.allocator, self._gathers)
+            self._note_reserved()
         self.close_layer()
         _active.tracker = self._outer
         return super().__exit__(*exc)
@@ -362,6 +374,8 @@ class MemoryTracker(TorchDispatchMode):
                 weight = False     # gradient-norm and token-count sums: scalars
             self.run.events.append(TaggedEvent(e.kind, e.axes, e.group_size, e.bytes_sent, e.shape, e.dtype,
                                                self.phase, self.layer, op, weight, self.recomputing, widened))
+            if weight and self.fsdp2_streams and e.kind in ("all_gather", "reduce_scatter"):
+                self._collective = e.kind
         self._n_events = len(self._report.events)
 
     def _allocate(self, t: torch.Tensor, op: str, derived: bool, func, inputs=()) -> None:
@@ -385,8 +399,11 @@ class MemoryTracker(TorchDispatchMode):
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
         self._live[key] = alloc
-        self.allocator.malloc(key, nbytes)
-        self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
+        kind, self._collective = self._collective, None        # (the collective's output is its first)
+        if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
+            self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
+        self.allocator.malloc(key, nbytes, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        self._note_reserved()
         self._totals[category] += nbytes
         self._current += nbytes
         weakref.finalize(storage, self._free, key)
@@ -399,6 +416,10 @@ class MemoryTracker(TorchDispatchMode):
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
             self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    def _note_reserved(self) -> None:
+        self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
+        self.run.reserved_by_stream = dict(self.allocator.reserved_by_stream)
 
     def split(self, params: bool, activations: bool) -> tuple[int, int]:
         """The live bytes now as (device, host) with ``params`` offloaded (weights and optimizer

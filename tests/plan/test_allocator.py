@@ -1,13 +1,20 @@
 """The caching allocator's model (plan/allocator.py) against the rules of PyTorch's
-CUDACachingAllocator.cpp, and ``validate --memory`` and ``plan`` printing the same reserved
-bytes for the same layout."""
+CUDACachingAllocator.cpp (and FSDP2's streams, torch/distributed/fsdp/_fully_shard), and
+``validate --memory`` and ``plan`` printing the same reserved bytes for the same layout."""
+import functools
+import math
+
 import pytest
 import yaml
 
+import functional_pp as fpp
 from functional_pp import cli, plan
 from functional_pp.app.report import human_bytes
 from functional_pp.cli.plan import config_space, layout_yaml, rank_layouts
 from functional_pp.config import TrainConfig
+from functional_pp.core.tree import tree_leaves
+from functional_pp.models import llama
+from functional_pp.plan import fsdp2
 from functional_pp.plan.allocator import CachingAllocator, rounded, segment_size
 
 MiB = 1 << 20
@@ -48,6 +55,84 @@ def test_fragmentation_a_freed_block_too_small_or_in_another_segment_is_not_reus
     with_rest.malloc("d", 11 * MiB + 1)       # a 12 MiB segment handed out whole: its rest is under 1 MiB
     with_rest.malloc("e", 2 * MiB)            # so the next request takes a new 20 MiB segment
     assert with_rest.reserved == 12 * MiB + 20 * MiB
+
+
+def test_expandable_segments_grow_at_the_end_and_reuse_what_is_freed():
+    """``expandable_segments:True``: a pool is one segment mapped in 20 MiB pages (large
+    requests); a request no free block fits extends the free block at the end by the pages it
+    lacks. The fragmentation above (44 MiB reserved for 20 live) does not arise: 40 MiB, and
+    a 30 MiB request then adds one page, not a 30 MiB segment."""
+    a = CachingAllocator(expandable_segments=True)
+    a.malloc("a", 12 * MiB)                   # one page: 8 MiB free at the end
+    a.malloc("b", 12 * MiB)                   # the free 8 MiB and one more page; 16 MiB free at the end
+    assert a.reserved == 40 * MiB
+    a.free("a")
+    a.free("b")
+    a.malloc("c", 20 * MiB)
+    assert a.reserved == 40 * MiB
+    a.malloc("d", 30 * MiB)                   # 20 MiB free at the end, one more page
+    assert a.reserved == 60 * MiB
+    a.malloc("s", 100)                        # the small pool grows in 2 MiB pages
+    assert a.reserved == 62 * MiB and a.reserved_by_stream == {"compute": 62 * MiB}
+    default = CachingAllocator()
+    for k, n in (("a", 12), ("b", 12)):
+        default.malloc(k, n * MiB)
+    default.free("a")
+    default.free("b")
+    default.malloc("c", 20 * MiB)
+    default.malloc("d", 30 * MiB)
+    assert default.reserved == 74 * MiB
+
+
+def test_each_stream_has_pools_of_its_own():
+    """A block freed on FSDP's all-gather stream is cached for that stream: the compute stream
+    takes a new segment for the same size, the all-gather stream reuses it."""
+    a = CachingAllocator()
+    a.malloc("gathered", 12 * MiB, "all_gather")
+    a.free("gathered")
+    a.malloc("x", 12 * MiB)
+    assert a.reserved == 24 * MiB
+    assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 12 * MiB}
+    a.malloc("next", 12 * MiB, "all_gather")
+    assert a.reserved == 24 * MiB
+    a.free("x")
+    a.malloc("s", 100, "reduce_scatter")        # small pools are per stream too
+    a.malloc("t", 100)
+    assert a.reserved_by_stream == {"all_gather": 12 * MiB, "compute": 14 * MiB, "reduce_scatter": 2 * MiB}
+
+
+def test_fsdp2_units_from_the_dry_runs_gathers():
+    """A layer's gathers in one phase are one unit; the weights outside the layers (the
+    embedding first, the head after the layers) are one root unit at the start of each forward
+    and are not gathered again in backward (FSDP2 does not reshard its root after forward)."""
+    f, b = "forward", "backward"
+    gathers = [((None, f, False), 4), ((0, f, False), 2), ((0, f, False), 3), ((1, f, False), 5),
+               ((None, f, False), 6), ((None, b, False), 6), ((1, b, False), 5), ((0, b, False), 5),
+               ((0, f, False), 5), ((None, f, False), 4), ((0, b, True), 5)]
+    assert fsdp2.units(gathers) == [(10, True), (5, True), (5, True), (5, False), (5, False),
+                                    (4, True), (5, True), (5, False)]
+
+
+def test_fsdp2_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_the_next():
+    """With ``fsdp2_streams`` each layer's gathered weights are one FSDP unit whose flat all-gather
+    buffer fills the all-gather stream's pool, and the reduce-scatter outputs the reduce-scatter
+    stream's. Fully checkpointed, backward gathers one unit at a time, so the all-gather pool
+    holds two units' bytes only because forward keeps a unit's buffer until the next unit's is
+    allocated (FSDP2's ``AllGatherState``)."""
+    cfg = llama.Config.tiny(layers=3, hidden=1024, heads=8, kv_heads=4, mlp=4096, vocab=512)
+    decls = llama.init(cfg)
+    batch = {k: ((4, 64), "batch seq") for k in ("tokens", "labels")}
+    run = functools.partial(plan.estimate, functools.partial(llama.loss, cfg=cfg), decls, fpp.Mesh(dp_shard=2),
+                            plan.standard_rules(("dp_shard",)), batch, precision="bf16", remat=True)
+    est = run(fsdp2_streams=True)
+    unit = 2 * sum(math.prod(d.shape) for d in tree_leaves(decls["layers"][0]))     # one layer, bf16
+    streams = est.runs[-1].reserved_by_stream
+    assert set(streams) == {"compute", "all_gather", "reduce_scatter"}
+    assert 2 * unit <= streams["all_gather"] < 3 * unit
+    assert est.runs[-1].peak_reserved == sum(streams.values())      # (segments are never returned)
+    own = run()                   # this framework's step: its collectives' buffers on the compute stream
+    assert set(own.runs[-1].reserved_by_stream) == {"compute"} and own.peak_bytes == est.peak_bytes
+    assert own.reserved_bytes < est.reserved_bytes
 
 
 @pytest.mark.parametrize("compile", [False, "per_layer"])

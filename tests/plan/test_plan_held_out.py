@@ -112,13 +112,29 @@ def test_published_peak_memory_is_predicted_within_its_tolerance(row):
 
 
 def test_reserved_memory_is_the_peak_and_the_allocators_overhead():
-    """The allocator model adds what rounding and cached blocks cost: positive, a few GiB on the
-    8B rows, and the reason the eager 8B rows come within 10% (the allocated peak alone is
-    3.8% and 0% below the measured 82.4 and 67.0 GiB)."""
+    """The allocator model adds what rounding and cached blocks cost, and FSDP2's all-gather
+    stream's pool (its flat buffers, two units held at a time): positive, a few GiB on the 8B
+    rows (the allocated peak alone is 3.8% and 0% below the measured 82.4 and 67.0 GiB)."""
     for r in references.LLAMA3_8B:
         est = references.memory_estimate(r)
         assert est.reserved_bytes == est.peak_bytes + est.reserved_overhead
-        assert 2 * 2 ** 30 < est.reserved_overhead < 0.1 * est.peak_bytes, r.name
+        assert 2 * 2 ** 30 < est.reserved_overhead < 12 * 2 ** 30, r.name
+        assert 2 ** 30 < est.runs[-1].reserved_by_stream["all_gather"] < est.reserved_overhead, r.name
+
+
+def test_the_70b_rows_overhead_is_fragmentation_that_expandable_segments_avoid():
+    """docs/planning.md, "Reserved memory": of the sync 70B row's overhead, FSDP2's stream pools
+    are under 1 GiB; the rest is freed 4 GiB blocks (this framework's fp32 sequence-parallel
+    sums) that the loss's 7.8 GiB requests cannot use. Under expandable segments (torchtitan's
+    launcher's setting) it falls under 2 GiB and the row is over 20% under: the agreement within
+    12% leans on fragmentation torchtitan's run would not have."""
+    (row,) = [r for r in references.LLAMA3_70B if not r.async_tp]
+    est = references.memory_estimate(row)
+    pools = sum(v for k, v in est.runs[-1].reserved_by_stream.items() if k != "compute")
+    assert pools < 2 ** 30 and est.reserved_overhead > 8 * 2 ** 30
+    grown = references.reference_estimate(row, row.compiled, expandable_segments=True)
+    assert grown.peak_bytes == est.peak_bytes and grown.reserved_overhead < 2 * 2 ** 30
+    assert grown.reserved_bytes / 2 ** 30 / row.memory_gib - 1 < -0.20
 
 
 def test_benchmarks_gpu_results_become_held_out_rows():
