@@ -7,7 +7,11 @@ of its ``config.json``. The audio embedder stays unread (models/gemma4_hf.py's `
 inputs are refused by the data path."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.gemma4_unified import UnifiedVisionConfig
+from functional_pp.models.llama import Config
 
 _OURS = "multi_modal_projector."
 TABLE = (
@@ -58,9 +62,11 @@ def vision_from_hf(hf: dict) -> UnifiedVisionConfig:
                                eoi_token_id=hf.get("eoi_token_id", 258_882))
 
 
-def config_to_hf(text: dict, v: UnifiedVisionConfig, bidirectional: bool) -> dict:
-    """The ``gemma4_unified`` ``config.json`` around the text decoder's (``text``: a ``gemma4_text``
-    one) and the embedder ``v`` (no audio)."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``gemma4_unified`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``gemma4_text`` one) and its embedder's (no audio)."""
+    v, bidirectional = cfg.vision, cfg.image_groups_attend
+    text = write(dataclasses.replace(cfg, vision=None, model_type="gemma4_text", image_groups_attend=False))
     text = {k: x for k, x in text.items() if k not in ("architectures",) + _TEXT_ONLY}
     text.update(model_type="gemma4_unified_text", use_bidirectional_attention="vision" if bidirectional else None)
     vision = {"model_type": "gemma4_unified_vision", "patch_size": v.patch_size, "pooling_kernel_size": v.pool,

@@ -5,7 +5,11 @@ and the :class:`~functional_pp.models.gemma4_vision.Gemma4VisionConfig` of its `
 The audio tower and its embedder stay unread (models/gemma4_hf.py's ``IGNORED``)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.gemma4_vision import ACTIVATIONS, Gemma4VisionConfig
+from functional_pp.models.llama import Config
 
 _LAYER = "vision_tower.encoder.layers.{i}."
 _OURS = "vision_tower.encoder.{i}."
@@ -70,9 +74,11 @@ def vision_from_hf(hf: dict) -> Gemma4VisionConfig:
                               eoi_token_id=hf.get("eoi_token_id", 258_882))
 
 
-def config_to_hf(text: dict, v: Gemma4VisionConfig) -> dict:
-    """The multimodal ``gemma4`` ``config.json`` around the text decoder's (``text``: a ``gemma4_text``
-    one) and the tower ``v`` (no audio tower)."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``gemma4`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``gemma4_text`` one) and its tower's (no audio tower)."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, vision=None, model_type="gemma4_text"))
     text = {k: x for k, x in text.items() if k != "architectures"}
     vision = {"model_type": "gemma4_vision", "hidden_size": v.hidden, "intermediate_size": v.mlp,
               "num_hidden_layers": v.layers, "num_attention_heads": v.heads, "num_key_value_heads": v.heads,

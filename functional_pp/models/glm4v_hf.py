@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from functional_pp.models import qwen_vision_hf
 from functional_pp.models.glm4v_vision import Glm4vVisionConfig
+from functional_pp.models.llama import Config
 
 WRAPPERS = ("glm4v", "glm46v")
 """The multimodal ``model_type`` values this module reads (``Config.text_of``)."""
@@ -104,9 +105,11 @@ def vision_from_hf(hf: dict) -> Glm4vVisionConfig:
                              image_token_id=hf.get("image_token_id", 151343))
 
 
-def config_to_hf(mt: str, text: dict, v: Glm4vVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
-    """The multimodal ``config.json`` of ``mt`` around the text decoder's (``text``: a ``glm4``
-    config, its multimodal rotary's ``mrope_section`` given here) and the tower ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a ``glm4``
+    config, its multimodal rotary's ``mrope_section`` added here) and its tower's."""
+    mt, v, mrope_section = cfg.text_of or cfg.model_type, cfg.vision, cfg.mrope_section
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None, mrope_section=None))
     if text["head_dim"] != text["hidden_size"] // text["num_attention_heads"]:
         raise ValueError(f"export as {CLASSES[mt]}: head_dim={text['head_dim']} is not hidden_size / heads = "
                          f"{text['hidden_size'] // text['num_attention_heads']} (its text config has no head_dim)")

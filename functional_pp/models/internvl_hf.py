@@ -4,7 +4,11 @@
 :class:`~functional_pp.models.internvl.InternVLConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.internvl import InternVLConfig
+from functional_pp.models.llama import Config
 
 _LAYER = "vision_tower.encoder.layer.{i}."
 TABLE = (
@@ -76,8 +80,10 @@ def vision_from_hf(hf: dict) -> InternVLConfig:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def config_to_hf(text: dict, v: InternVLConfig) -> dict:
-    """The ``internvl`` ``config.json`` around the text decoder's (``text``) and ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``internvl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a Qwen one) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     text = {k: x for k, x in text.items() if k != "architectures"}
     vision = {"model_type": "internvl_vision", "hidden_size": v.hidden, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "intermediate_size": v.mlp, "patch_size": [v.patch_size] * 2,

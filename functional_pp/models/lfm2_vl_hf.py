@@ -5,7 +5,11 @@ projector under ``model.multi_modal_projector.``, and the
 :class:`~functional_pp.models.lfm2_vl.Lfm2VlConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.lfm2_vl import Lfm2VlConfig
+from functional_pp.models.llama import Config
 
 _LAYER = "vision_tower.encoder.layers.{i}."
 _OURS = "vision_tower.encoder.layers.{i}."
@@ -69,8 +73,10 @@ def vision_from_hf(hf: dict) -> Lfm2VlConfig:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def config_to_hf(text: dict, v: Lfm2VlConfig) -> dict:
-    """The ``lfm2_vl`` ``config.json`` around the text decoder's (``text``: an ``lfm2`` config) and ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``lfm2_vl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: an ``lfm2`` config) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     text = {k: x for k, x in text.items() if k != "architectures"}
     vision = {"model_type": "siglip2_vision_model", "hidden_size": v.hidden, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "intermediate_size": v.mlp, "patch_size": v.patch_size,

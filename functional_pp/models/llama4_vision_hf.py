@@ -4,6 +4,10 @@
 :class:`~functional_pp.models.llama4_vision.Llama4VisionConfig` of a ``llama4`` ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
+from functional_pp.models.llama import Config
 from functional_pp.models.llama4_vision import Llama4VisionConfig
 
 _LAYER = "vision_model.model.layers.{i}."
@@ -72,8 +76,11 @@ CLASSES = {"llama4": "Llama4ForConditionalGeneration"}
 """The multimodal class export writes."""
 
 
-def config_to_hf(text: dict, v: Llama4VisionConfig) -> dict:
-    """The ``llama4`` ``config.json`` around the text decoder's (``text``: a ``Llama4ForCausalLM`` one) and ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``llama4`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``Llama4ForCausalLM`` one) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     text = {k: x for k, x in text.items() if k != "architectures"}
     d = v.projector_dim
     vision = {"model_type": "llama4_vision_model", "hidden_size": v.hidden, "num_hidden_layers": v.layers,

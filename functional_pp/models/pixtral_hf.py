@@ -3,6 +3,10 @@
 :class:`~functional_pp.models.pixtral.VisionConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
+from functional_pp.models.llama import Config
 from functional_pp.models.pixtral import VisionConfig
 
 _LAYER = "vision_tower.transformer.layers.{i}."
@@ -105,8 +109,11 @@ def vision_from_hf(hf: dict) -> VisionConfig:
 CLASSES = {"mistral3": "Mistral3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
 
 
-def config_to_hf(mt: str, text: dict, v: VisionConfig) -> dict:
-    """The multimodal ``config.json`` of ``mt`` around the text decoder's (``text``) and ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` (its ``text_of``) around its text decoder's (``write``'s)
+    and its tower's."""
+    mt, v = cfg.text_of, cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     vision = {"hidden_size": v.hidden, "intermediate_size": v.mlp, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "patch_size": v.patch_size, "num_channels": v.channels,
               "image_size": v.image_size}

@@ -6,8 +6,10 @@
 layout: the decoder reads as ``qwen2``, its rotary the multimodal one, :func:`qwen2_vl_text`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from functional_pp.models.llama import Config
 from functional_pp.models.qwen_vision import QwenVisionConfig
 
 _BLOCK = "visual.blocks.{i}."
@@ -128,10 +130,13 @@ CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen2_vl": "Qwen2VLFor
 """The multimodal class export writes for each wrapper."""
 
 
-def config_to_hf(mt: str, text: dict, v: QwenVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
-    """The multimodal ``config.json`` of ``mt`` (``qwen3_5``, ``qwen2_vl``) around the text decoder's
-    (``text``: its text class's config; Qwen2-VL's: a Qwen2's, given its multimodal rotary's
-    ``mrope_section`` here) and the tower ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` (``qwen3_5``, ``qwen2_vl``) around its text decoder's
+    (``write``'s: its text class's config; Qwen2-VL's: a Qwen2's, its multimodal rotary's
+    ``mrope_section`` added here) and its tower's."""
+    mt, v, mrope_section = cfg.text_of or cfg.model_type, cfg.vision, cfg.mrope_section
+    plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None, **plain))
     text = {k: x for k, x in text.items() if k != "architectures"}
     if mt == "qwen2_vl":
         rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.pop("rope_theta", 1e4)})
