@@ -98,17 +98,18 @@ def _agree(got: torch.Tensor, want: torch.Tensor, rtol: float, scale: float, flo
                                msg=lambda m: f"{what}: {m}")
 
 
-def assert_loss_and_grads_equal_hf(case: ImageRows, d, cfg, *, loss_rtol: float = 1e-7, rtol: float = 1e-4,
+def assert_loss_and_grads_equal_hf(case: ImageRows, d, cfg, *, seed: int = 1, loss_rtol: float = 1e-7,
+                                   rtol: float = 1e-4,
                                    scale: float = 1e-5, floor: float = 1e-9,
                                    module: Callable[[str, str], str] | None = None,
                                    constants: tuple[str, ...] = ()) -> set[str]:
-    """One fp64 step on rows of seed 1: our loss equals transformers' (``loss_rtol``), and the
+    """One fp64 step on rows of ``seed``: our loss equals transformers' (``loss_rtol``), and the
     gradient of each of the files' tensors (its parts fused) equals transformers' of its module
     (``module(file name, our path)``; default the file name) within ``rtol`` and atol = ``scale`` x
     its largest (at least ``floor``); files' tensors ending in ``constants`` have none there (ours
     zero). Every gradient transformers has is compared. Returns the files' names."""
     model = case.hf_model(d)
-    ids, pixels = case.rows(seed=1, dtype=torch.float64)
+    ids, pixels = case.rows(seed=seed, dtype=torch.float64)
     loss, grads = single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), case.batch(ids, pixels, cfg))
     torch.testing.assert_close(loss, case.hf_loss(model, ids, pixels), rtol=loss_rtol, atol=0)
     theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
