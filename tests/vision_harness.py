@@ -93,6 +93,29 @@ class ImageRows:
         return loss.detach()
 
 
+def padded_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """Images (C, H, W) stacked, each padded with zeros at the bottom and right to the largest."""
+    h, w = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
+    return torch.stack([F.pad(im, (0, w - im.shape[2], 0, h - im.shape[1])) for im in images])
+
+
+def flat_patches(images: list[torch.Tensor], side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's image processors' pixels: each image's ``side`` x ``side`` patches row by row, each
+    as its (y, x, channel) pixels, and their (x, y) positions, padded to the most patches (positions
+    -1)."""
+    most = max(im.shape[1] * im.shape[2] // side ** 2 for im in images)
+    values, positions = [], []
+    for im in images:
+        c, h, w = im.shape
+        patches = im.reshape(c, h // side, side, w // side, side).permute(1, 3, 2, 4, 0).reshape(-1, side * side * c)
+        y, x = torch.meshgrid(torch.arange(h // side), torch.arange(w // side), indexing="ij")
+        pos = torch.stack([x.reshape(-1), y.reshape(-1)], -1)
+        pad = most - len(patches)
+        values.append(torch.cat([patches, patches.new_zeros(pad, patches.shape[1])]))
+        positions.append(torch.cat([pos, torch.full((pad, 2), -1)]))
+    return torch.stack(values), torch.stack(positions)
+
+
 def _agree(got: torch.Tensor, want: torch.Tensor, rtol: float, scale: float, floor: float, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=rtol, atol=max(scale * want.abs().max().item(), floor),
                                msg=lambda m: f"{what}: {m}")
