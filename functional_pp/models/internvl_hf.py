@@ -81,7 +81,8 @@ def vision_from_hf(hf: dict) -> InternVLConfig:
 
 
 def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
-    """The ``internvl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a Qwen one) and its tower's."""
+    """The ``internvl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a Qwen
+    one) and its tower's."""
     v = cfg.vision
     text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     text = {k: x for k, x in text.items() if k != "architectures"}

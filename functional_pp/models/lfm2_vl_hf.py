@@ -74,7 +74,8 @@ def vision_from_hf(hf: dict) -> Lfm2VlConfig:
 
 
 def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
-    """The ``lfm2_vl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: an ``lfm2`` config) and its tower's."""
+    """The ``lfm2_vl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: an
+    ``lfm2`` config) and its tower's."""
     v = cfg.vision
     text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     text = {k: x for k, x in text.items() if k != "architectures"}

@@ -70,7 +70,8 @@ def rows(seed=0, seq=16, dtype=torch.float32):
 def hf_inputs(ids, pixels):
     """transformers' inputs: each image's patches and positions as Gemma 4's image processor gives them."""
     values, positions = flat_patches([im for row in pixels for im in row], P)
-    return dict(input_ids=ids, pixel_values=values, image_position_ids=positions, mm_token_type_ids=(ids == IMAGE).int())
+    return dict(input_ids=ids, pixel_values=values, image_position_ids=positions,
+                mm_token_type_ids=(ids == IMAGE).int())
 
 
 def entries(ids, pixels, cfg=None):

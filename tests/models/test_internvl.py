@@ -94,7 +94,8 @@ def test_loss_and_every_gradient_equal_transformers(saved):
     _, d, cfg = saved
     # (transformers' rotary tables are float32 whatever the dtype: float32's precision, not float64's)
     module = renaming(("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
-                      ("multi_modal_projector.", "model.multi_modal_projector."), ("language_model.lm_head.", "lm_head."))
+                      ("multi_modal_projector.", "model.multi_modal_projector."),
+                      ("language_model.lm_head.", "lm_head."))
     names = assert_loss_and_grads_equal_hf(CASE, d, cfg, rtol=1e-5, scale=1e-6, module=module)
     assert "vision_tower.embeddings.cls_token" in names
 

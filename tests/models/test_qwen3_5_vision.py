@@ -197,8 +197,8 @@ def test_qwen2_vl_equals_transformers(tmp_path):
     want_pos, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
     torch.testing.assert_close(entries(ids, pixels, cfg)["mrope_positions"].permute(2, 0, 1), want_pos, rtol=0, atol=0)
     # (transformers 5's module names; the files' are these)
-    names = assert_loss_and_grads_equal_hf(QWEN2_VL, tmp_path, cfg, seed=3,
-                                           module=renaming(("model.", "model.language_model."), ("visual.", "model.visual.")))
+    module = renaming(("model.", "model.language_model."), ("visual.", "model.visual."))
+    names = assert_loss_and_grads_equal_hf(QWEN2_VL, tmp_path, cfg, seed=3, module=module)
     assert "visual.merger.mlp.0.weight" in names
     # text alone: the checkpoint's decoder loads without its tower (visual.* left aside), transformers' text logits
     text_cfg, text_params = hf.load_hf_llama(tmp_path, dtype=torch.float64)
