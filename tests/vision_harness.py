@@ -93,6 +93,30 @@ class ImageRows:
         return loss.detach()
 
 
+GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]
+"""The images of :func:`grid_case`'s four rows: their (t, h, w) in patches (6 + 1, 2, 0 and 3 image tokens
+of 2 x 2 merged patches)."""
+
+
+def grid_case(hf_class: str, image_token_id: int, patch_shape: tuple[int, ...], entries: Callable) -> ImageRows:
+    """The rows of the towers that take a grid of patches per image (Qwen's, GLM-4V's, PaddleOCR-VL's):
+    four rows with the images of :data:`GRIDS` (each patch's pixels of ``patch_shape``); transformers
+    takes them as ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``; ``entries``: ours."""
+    def rows(seed=0, seq=16, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
+        ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = (image_token_id,) * 4
+        pixels = [torch.randn(sum(t * h * w for t, h, w in gr), *patch_shape, generator=g, dtype=dtype) if gr else None
+                  for gr in GRIDS]
+        return ids, pixels
+
+    def hf_inputs(ids, pixels):
+        return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
+                    image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]),
+                    mm_token_type_ids=(ids == image_token_id).int())
+    return ImageRows(hf_class, image_token_id, rows, hf_inputs, entries)
+
+
 def padded_images(images: list[torch.Tensor]) -> torch.Tensor:
     """Images (C, H, W) stacked, each padded with zeros at the bottom and right to the largest."""
     h, w = max(im.shape[1] for im in images), max(im.shape[2] for im in images)

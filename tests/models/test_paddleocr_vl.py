@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
-from vision_harness import (ImageRows, assert_export_equals_hf, assert_lora_equals_peft,
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_lora_equals_peft,
                             assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
-                            assert_rows_layout_equals_one_device, config_of, renaming, saved_config)
+                            assert_rows_layout_equals_one_device, grid_case, config_of, renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -32,7 +32,6 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
             eos_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
               spatial_merge_size=2, image_size=12)
-GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]   # per row: its images' (t, h, w) in patches
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +46,6 @@ def saved(tmp_path_factory):
     return model, d, saved_config(model, d)
 
 
-def rows(seed=0, seq=16, dtype=torch.float32):
-    """Token rows with each row's image tokens (one per 2 x 2 patches) and its patches' pixels (raster order)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
-    ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = IMAGE, IMAGE, IMAGE, IMAGE
-    pixels = [torch.randn(sum(t * h * w for t, h, w in gr), 3, 4, 4, generator=g, dtype=dtype) if gr else None
-              for gr in GRIDS]
-    return ids, pixels
-
-
-def hf_inputs(ids, pixels):
-    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
-                image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]), mm_token_type_ids=(ids == IMAGE).int())
-
-
 def entries(ids, pixels, cfg):
     v = cfg.vision
     return qwen_image_batch(ids, [None if p is None else p.reshape(len(p), -1) for p in pixels],
@@ -70,7 +54,8 @@ def entries(ids, pixels, cfg):
                             resample=v.resample, raster=True)
 
 
-CASE = ImageRows("PaddleOCRVLForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
+CASE = grid_case("PaddleOCRVLForConditionalGeneration", IMAGE, (3, 4, 4), entries)
+rows, hf_inputs = CASE.rows, CASE.hf_inputs
 MODULES = renaming(("model.", "model.language_model."), ("visual.", "model.visual."), ("mlp_AR.", "model.projector."))
 """The files' names -> transformers 5's modules'."""
 

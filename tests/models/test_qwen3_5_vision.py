@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 from harness import single_device
-from vision_harness import (ImageRows, assert_export_equals_hf, assert_loss_and_grads_equal_hf,
-                            assert_processes_equal_one_device, assert_rows_layout_equals_one_device, renaming,
-                            saved_config)
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_loss_and_grads_equal_hf,
+                            assert_processes_equal_one_device, assert_rows_layout_equals_one_device, grid_case,
+                            renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp import ops
@@ -35,7 +35,6 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
                                  mrope_section=[2, 1, 1], mrope_interleaved=True))
 VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=9, initializer_range=0.2)
-GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]   # per row: its images' (t, h, w) in patches
 PATCH = 3 * 2 * 4 * 4                                              # channels x temporal x patch x patch
 
 
@@ -53,22 +52,6 @@ def saved(tmp_path_factory):
     return model, d, saved_config(model, d)
 
 
-def rows(seed=0, seq=16, dtype=torch.float32):
-    """Token rows with each row's image tokens (one per 2 x 2 patches) and its patches' pixels."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
-    ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = IMAGE, IMAGE, IMAGE, IMAGE
-    pixels = [torch.randn(sum(t * h * w for t, h, w in gr), PATCH, generator=g, dtype=dtype) if gr else None
-              for gr in GRIDS]
-    return ids, pixels
-
-
-def hf_inputs(ids, pixels):
-    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
-                image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]),
-                mm_token_type_ids=(ids == IMAGE).int())
-
-
 def entries(ids, pixels, cfg):
     v = cfg.vision
     return qwen_image_batch(ids, pixels, [torch.tensor(gr) if gr else None for gr in GRIDS], merge=v.merge,
@@ -76,7 +59,8 @@ def entries(ids, pixels, cfg):
                             patch=v.patch_size)
 
 
-CASE = ImageRows("Qwen3_5ForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
+CASE = grid_case("Qwen3_5ForConditionalGeneration", IMAGE, (PATCH,), entries)
+rows, hf_inputs = CASE.rows, CASE.hf_inputs
 QWEN2_VL = dataclasses.replace(CASE, hf_class="Qwen2VLForConditionalGeneration")
 
 
