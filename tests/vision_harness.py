@@ -145,6 +145,41 @@ def _agree(got: torch.Tensor, want: torch.Tensor, rtol: float, scale: float, flo
                                msg=lambda m: f"{what}: {m}")
 
 
+POOLED = [[(4, 6), (2, 2)], [(2, 4)], [], [(6, 2)]]
+"""The images of :func:`pooled_case`'s four rows: their (rows, columns) of patches."""
+
+
+def pooled_case(hf_class: str, tokens: tuple[int, int, int], patch: int, pool: int, hf_patch: int,
+                groups: bool = False) -> ImageRows:
+    """The rows of Gemma 4's towers (its encoder's, the unified embedder's): four rows with the images
+    of :data:`POOLED` (``patch``-pixel patches, C x H x W in [0, 1]), each image's ``tokens`` (image,
+    begin, end: one image token per ``pool`` x ``pool`` patches); transformers takes each image's
+    ``hf_patch``-pixel patches (:func:`flat_patches`), ours data/images.py's entries (``groups``: the
+    image tokens' groups)."""
+    from functional_pp.data.images import image_batch
+    image, boi, eoi = tokens
+
+    def rows(seed=0, seq=16, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, 240, (len(POOLED), seq), generator=g)
+        ids[0, 1], ids[0, 2:8], ids[0, 8], ids[0, 10], ids[0, 11], ids[0, 12] = boi, image, eoi, boi, image, eoi
+        ids[1, 4], ids[1, 5:7], ids[1, 7] = boi, image, eoi
+        ids[3, 8], ids[3, 9:12], ids[3, 12] = boi, image, eoi
+        pixels = [[torch.rand(3, h * patch, w * patch, generator=g, dtype=dtype) for h, w in gr] for gr in POOLED]
+        return ids, pixels
+
+    def hf_inputs(ids, pixels):
+        values, positions = flat_patches([im for row in pixels for im in row], hf_patch)
+        return dict(input_ids=ids, pixel_values=values, image_position_ids=positions,
+                    mm_token_type_ids=(ids == image).int())
+
+    def entries(ids, pixels, cfg=None):
+        sizes = [torch.tensor([im.shape[1:] for im in row]) if row else None for row in pixels]
+        return image_batch(ids, [padded_images(row) if row else None for row in pixels], sizes, patch=patch,
+                           merge=pool, image_token_id=image, groups=groups)
+    return ImageRows(hf_class, image, rows, hf_inputs, entries)
+
+
 def assert_loss_and_grads_equal_hf(case: ImageRows, d, cfg, *, seed: int = 1, loss_rtol: float = 1e-7,
                                    rtol: float = 1e-4,
                                    scale: float = 1e-5, floor: float = 1e-9,

@@ -10,12 +10,11 @@ import json
 import pytest
 import torch
 from harness import single_device
-from vision_harness import (ImageRows, assert_export_equals_hf, assert_lora_equals_peft,
+from vision_harness import (assert_export_equals_hf, assert_lora_equals_peft,
                             assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
-                            assert_rows_layout_equals_one_device, flat_patches, padded_images, saved_config)
+                            assert_rows_layout_equals_one_device, pooled_case, saved_config)
 
 from functional_pp.checkpoint import hf
-from functional_pp.data.images import image_batch
 from functional_pp.models import gemma4_vision_hf
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +29,6 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
               head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=8)
 P, K = 4, 2                                                    # patch side, pooling kernel
-GRIDS = [[(4, 6), (2, 2)], [(2, 4)], [], [(6, 2)]]             # per row: its images' (rows, columns) of patches
 
 
 @pytest.fixture(scope="module")
@@ -55,32 +53,8 @@ def saved(tmp_path_factory):
     return model, d, saved_config(model, d)
 
 
-def rows(seed=0, seq=16, dtype=torch.float32):
-    """Token rows with each row's image tokens (one per 2 x 2 patches, between begin / end of image
-    tokens) and its images' pixels (C, H, W in [0, 1])."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 240, (len(GRIDS), seq), generator=g)
-    ids[0, 1], ids[0, 2:8], ids[0, 8], ids[0, 10], ids[0, 11], ids[0, 12] = BOI, IMAGE, EOI, BOI, IMAGE, EOI
-    ids[1, 4], ids[1, 5:7], ids[1, 7] = BOI, IMAGE, EOI
-    ids[3, 8], ids[3, 9:12], ids[3, 12] = BOI, IMAGE, EOI
-    pixels = [[torch.rand(3, h * P, w * P, generator=g, dtype=dtype) for h, w in gr] for gr in GRIDS]
-    return ids, pixels
-
-
-def hf_inputs(ids, pixels):
-    """transformers' inputs: each image's patches and positions as Gemma 4's image processor gives them."""
-    values, positions = flat_patches([im for row in pixels for im in row], P)
-    return dict(input_ids=ids, pixel_values=values, image_position_ids=positions,
-                mm_token_type_ids=(ids == IMAGE).int())
-
-
-def entries(ids, pixels, cfg=None):
-    sizes = [torch.tensor([im.shape[1:] for im in row]) if row else None for row in pixels]
-    return image_batch(ids, [padded_images(row) if row else None for row in pixels], sizes, patch=P, merge=K,
-                       image_token_id=IMAGE)
-
-
-CASE = ImageRows("Gemma4ForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
+CASE = pooled_case("Gemma4ForConditionalGeneration", (IMAGE, BOI, EOI), P, K, P)
+rows, hf_inputs, entries = CASE.rows, CASE.hf_inputs, CASE.entries
 
 
 def test_config_reads_the_tower(saved):
