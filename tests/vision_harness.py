@@ -180,6 +180,27 @@ def pooled_case(hf_class: str, tokens: tuple[int, int, int], patch: int, pool: i
     return ImageRows(hf_class, image, rows, hf_inputs, entries)
 
 
+def assert_logits_equal_hf(case: ImageRows, model, d, cfg, atol: float, rtol: float = 1e-5):
+    """Our float32 logits of rows of seed 0 equal transformers' ``model``'s (``atol`` / ``rtol``); without
+    the images they differ (by more than 0.1), and without their 3D positions where the entries hold
+    them (1e-3); a row without images is its text alone's (1e-5). Returns the parameters, the rows and
+    transformers' logits."""
+    params = hf.load_hf_params(d, cfg)
+    ids, pixels = case.rows()
+    with torch.no_grad():
+        want = model(**case.hf_inputs(ids, pixels)).logits
+    got, text_only = case.logits(params, cfg, ids, pixels), case.logits(params, cfg, ids)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert (text_only - want).abs().max() > 0.1                                      # the images matter
+    if "mrope_positions" in case.entries(ids, pixels, cfg):                         # so do their 3D positions
+        flat = dataclasses.replace(case, entries=lambda *a: {k: v for k, v in case.entries(*a).items()
+                                                             if k != "mrope_positions"})
+        assert (flat.logits(params, cfg, ids, pixels) - want).abs().max() > 1e-3
+    for row in (i for i, p in enumerate(pixels) if p is None or not len(p)):
+        torch.testing.assert_close(text_only[row], want[row], atol=1e-5, rtol=1e-5)
+    return params, (ids, pixels), want
+
+
 def assert_loss_and_grads_equal_hf(case: ImageRows, d, cfg, *, seed: int = 1, loss_rtol: float = 1e-7,
                                    rtol: float = 1e-4,
                                    scale: float = 1e-5, floor: float = 1e-9,

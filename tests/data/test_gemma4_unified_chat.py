@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 from chat_tokenizer import GEMMA4_IMAGE_TOKENS, make_tokenizer, write_gemma4_processor_files
-from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss,
-                        random_sizes, write_image_rows, write_train_yaml)
+from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss, random_sizes,
+                        write_image_rows, write_train_yaml)
 from vision_harness import flat_patches
 
 from functional_pp.data.vision_chat import encode, load_processor

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from harness import single_device
-from vision_harness import (assert_export_equals_hf, assert_lora_equals_peft,
+from vision_harness import (assert_export_equals_hf, assert_logits_equal_hf, assert_lora_equals_peft,
                             assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
                             assert_rows_layout_equals_one_device, pooled_case, saved_config)
 
@@ -66,15 +66,7 @@ def test_config_reads_the_tower(saved):
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-    got, text_only = CASE.logits(params, cfg, ids, pixels), CASE.logits(params, cfg, ids)
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
-    torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+    assert_logits_equal_hf(CASE, *saved, atol=5e-5)
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):

@@ -12,16 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import single_device
-from vision_harness import (GRIDS, assert_export_equals_hf, assert_lora_equals_peft,
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_logits_equal_hf, assert_lora_equals_peft,
                             assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
                             assert_rows_layout_equals_one_device, grid_case, saved_config)
 
-import functional_pp as fpp
 from functional_pp.checkpoint import hf
-from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.qwen_images import RESAMPLING, qwen_image_batch
 from functional_pp.models import glm4v_hf, llama, llama_hf
-from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Glm4vForConditionalGeneration"):
@@ -104,21 +101,7 @@ def test_positions_equal_transformers_rope_index(saved):
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(params, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-        flat = {k: v for k, v in images.items() if k != "mrope_positions"}      # (images, text positions)
-        no_mrope = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=flat).value()
-        text_only = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg).value()
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
-    assert (no_mrope - want).abs().max() > 1e-3          # so do their 3D positions
-    torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+    assert_logits_equal_hf(CASE, *saved, atol=5e-5)
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from vision_harness import (ImageRows, assert_export_equals_hf, assert_lora_equals_peft,
+from vision_harness import (ImageRows, assert_export_equals_hf, assert_logits_equal_hf, assert_lora_equals_peft,
                             assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
                             assert_rows_layout_equals_one_device, renaming, saved_config)
 
@@ -68,14 +68,9 @@ CASE = ImageRows("InternVLForConditionalGeneration", IMAGE, rows, hf_inputs, ent
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
+    cfg = saved[2]
     assert (cfg.model_type, cfg.text_of, cfg.vision.tower, cfg.vision.merge) == ("qwen3", "internvl", "internvit", 2)
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-    torch.testing.assert_close(CASE.logits(params, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
-    assert (CASE.logits(params, cfg, ids) - want).abs().max() > 0.1          # the images matter
+    assert_logits_equal_hf(CASE, *saved, atol=1e-5)
 
 
 def test_an_earlier_layers_features_and_the_final_norm_equal_transformers(tmp_path):

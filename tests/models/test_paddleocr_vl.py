@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
-from vision_harness import (GRIDS, assert_export_equals_hf, assert_lora_equals_peft,
-                            assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
-                            assert_rows_layout_equals_one_device, grid_case, config_of, renaming, saved_config)
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_lora_equals_peft, assert_loss_and_grads_equal_hf,
+                            assert_processes_equal_one_device, assert_rows_layout_equals_one_device, config_of,
+                            grid_case, renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf

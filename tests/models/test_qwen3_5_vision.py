@@ -9,17 +9,15 @@ import dataclasses
 import pytest
 import torch
 from harness import single_device
-from vision_harness import (GRIDS, assert_export_equals_hf, assert_loss_and_grads_equal_hf,
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_logits_equal_hf, assert_loss_and_grads_equal_hf,
                             assert_processes_equal_one_device, assert_rows_layout_equals_one_device, grid_case,
                             renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.checkpoint import hf
-from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.qwen_images import mrope_positions, qwen_image_batch
-from functional_pp.models import llama, qwen_vision_hf
-from functional_pp.parallel import sharding
+from functional_pp.models import qwen_vision_hf
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
@@ -82,22 +80,8 @@ def test_positions_equal_transformers_rope_index(saved):
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(params, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-        flat = {k: v for k, v in images.items() if k != "mrope_positions"}      # (images, text positions)
-        no_mrope = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=flat).value()
-        text_only = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg).value()
     # (float32 rounding through the tower: 3e-5 at most on logits up to 5; the float64 loss agrees to 1e-8)
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
-    assert (no_mrope - want).abs().max() > 1e-3          # so do their 3D positions
-    torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+    assert_logits_equal_hf(CASE, *saved, atol=5e-5)
 
 
 def test_equal_positions_rotate_bitwise_as_the_plain_rotary():
