@@ -12,6 +12,7 @@ from typing import Callable
 
 from functional_pp.models.gemma4_unified import UnifiedVisionConfig
 from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _OURS = "multi_modal_projector."
 TABLE = (
@@ -72,9 +73,5 @@ def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
     vision = {"model_type": "gemma4_unified_vision", "patch_size": v.patch_size, "pooling_kernel_size": v.pool,
               "mm_embed_dim": v.embed, "mm_posemb_size": v.positions, "rms_norm_eps": v.norm_eps,
               "output_proj_dims": v.embed}
-    out = {"model_type": "gemma4_unified", "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "audio_config": None, "image_token_id": v.image_token_id, "boi_token_id": v.boi_token_id,
-           "eoi_token_id": v.eoi_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config("gemma4_unified", CLASS, text, vision, True, audio_config=None,
+                          image_token_id=v.image_token_id, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from functional_pp.models import qwen_vision_hf
 from functional_pp.models.glm4v_vision import Glm4vVisionConfig
 from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 WRAPPERS = ("glm4v", "glm46v")
 """The multimodal ``model_type`` values this module reads (``Config.text_of``)."""
@@ -130,8 +131,4 @@ def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
               "patch_size": v.patch_size, "image_size": image, "temporal_patch_size": v.temporal_patch,
               "in_channels": v.channels, "spatial_merge_size": v.merge, "rms_norm_eps": v.norm_eps,
               "attention_bias": v.attention_bias, "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
-    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": out_text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(mt, CLASSES[mt], text, vision, False, out_text, image_token_id=v.image_token_id)
