@@ -90,7 +90,8 @@ ROWS: tuple[Row, ...] = (
     Row(("ernie4_5",), "pairs (2i, 2i+1) rotating over the whole head (interleaved rotary), one `use_bias` for every "
                        "linear (q/k/v, output, gate, up, down); the text decoder of PaddleOCR-VL's `paddleocr_vl` (rotate-half "
                        "multimodal rotary), with its NaViT SigLIP encoder and projector under `processor_type` (images)",
-        "LoRA on `paddleocr_vl` (not tested against peft); a text-only export of `paddleocr_vl`'s decoder"),
+        "a PEFT directory of `paddleocr_vl`'s adapters checked in peft; a text-only export of "
+        "`paddleocr_vl`'s decoder"),
     Row(("smollm3",), "NoPE layers (no rotary every few layers)"),
     Row(("granite",), "embedding / residual / attention / logit multipliers"),
     Row(("olmo2", "olmo3"), "norms after each block, q/k norms across heads; OLMo 3: sliding layers, a rope base "

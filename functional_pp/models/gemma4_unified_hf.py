@@ -7,7 +7,12 @@ of its ``config.json``. The audio embedder stays unread (models/gemma4_hf.py's `
 inputs are refused by the data path."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.gemma4_unified import UnifiedVisionConfig
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _OURS = "multi_modal_projector."
 TABLE = (
@@ -58,17 +63,15 @@ def vision_from_hf(hf: dict) -> UnifiedVisionConfig:
                                eoi_token_id=hf.get("eoi_token_id", 258_882))
 
 
-def config_to_hf(text: dict, v: UnifiedVisionConfig, bidirectional: bool) -> dict:
-    """The ``gemma4_unified`` ``config.json`` around the text decoder's (``text``: a ``gemma4_text``
-    one) and the embedder ``v`` (no audio)."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``gemma4_unified`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``gemma4_text`` one) and its embedder's (no audio)."""
+    v, bidirectional = cfg.vision, cfg.image_groups_attend
+    text = write(dataclasses.replace(cfg, vision=None, model_type="gemma4_text", image_groups_attend=False))
     text = {k: x for k, x in text.items() if k not in ("architectures",) + _TEXT_ONLY}
     text.update(model_type="gemma4_unified_text", use_bidirectional_attention="vision" if bidirectional else None)
     vision = {"model_type": "gemma4_unified_vision", "patch_size": v.patch_size, "pooling_kernel_size": v.pool,
               "mm_embed_dim": v.embed, "mm_posemb_size": v.positions, "rms_norm_eps": v.norm_eps,
               "output_proj_dims": v.embed}
-    out = {"model_type": "gemma4_unified", "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "audio_config": None, "image_token_id": v.image_token_id, "boi_token_id": v.boi_token_id,
-           "eoi_token_id": v.eoi_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config("gemma4_unified", CLASS, text, vision, True, audio_config=None,
+                          image_token_id=v.image_token_id, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id)

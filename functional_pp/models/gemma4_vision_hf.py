@@ -5,7 +5,12 @@ and the :class:`~functional_pp.models.gemma4_vision.Gemma4VisionConfig` of its `
 The audio tower and its embedder stay unread (models/gemma4_hf.py's ``IGNORED``)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.gemma4_vision import ACTIVATIONS, Gemma4VisionConfig
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _LAYER = "vision_tower.encoder.layers.{i}."
 _OURS = "vision_tower.encoder.{i}."
@@ -70,19 +75,16 @@ def vision_from_hf(hf: dict) -> Gemma4VisionConfig:
                               eoi_token_id=hf.get("eoi_token_id", 258_882))
 
 
-def config_to_hf(text: dict, v: Gemma4VisionConfig) -> dict:
-    """The multimodal ``gemma4`` ``config.json`` around the text decoder's (``text``: a ``gemma4_text``
-    one) and the tower ``v`` (no audio tower)."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``gemma4`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``gemma4_text`` one) and its tower's (no audio tower)."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, vision=None, model_type="gemma4_text"))
     vision = {"model_type": "gemma4_vision", "hidden_size": v.hidden, "intermediate_size": v.mlp,
               "num_hidden_layers": v.layers, "num_attention_heads": v.heads, "num_key_value_heads": v.heads,
               "head_dim": v.head_dim, "hidden_activation": v.hidden_act, "rms_norm_eps": v.norm_eps,
               "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
               "pooling_kernel_size": v.pool, "patch_size": v.patch_size, "position_embedding_size": v.positions,
               "use_clipped_linears": False, "standardize": False}
-    out = {"model_type": "gemma4", "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "audio_config": None, "image_token_id": v.image_token_id, "boi_token_id": v.boi_token_id,
-           "eoi_token_id": v.eoi_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config("gemma4", CLASS, text, vision, True, audio_config=None, image_token_id=v.image_token_id,
+                          boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id)

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 from functional_pp.models import qwen_vision_hf
 from functional_pp.models.glm4v_vision import Glm4vVisionConfig
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 WRAPPERS = ("glm4v", "glm46v")
 """The multimodal ``model_type`` values this module reads (``Config.text_of``)."""
@@ -104,9 +106,11 @@ def vision_from_hf(hf: dict) -> Glm4vVisionConfig:
                              image_token_id=hf.get("image_token_id", 151343))
 
 
-def config_to_hf(mt: str, text: dict, v: Glm4vVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
-    """The multimodal ``config.json`` of ``mt`` around the text decoder's (``text``: a ``glm4``
-    config, its multimodal rotary's ``mrope_section`` given here) and the tower ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a ``glm4``
+    config, its multimodal rotary's ``mrope_section`` added here) and its tower's."""
+    mt, v, mrope_section = cfg.text_of or cfg.model_type, cfg.vision, cfg.mrope_section
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None, mrope_section=None))
     if text["head_dim"] != text["hidden_size"] // text["num_attention_heads"]:
         raise ValueError(f"export as {CLASSES[mt]}: head_dim={text['head_dim']} is not hidden_size / heads = "
                          f"{text['hidden_size'] // text['num_attention_heads']} (its text config has no head_dim)")
@@ -127,8 +131,4 @@ def config_to_hf(mt: str, text: dict, v: Glm4vVisionConfig, mrope_section: tuple
               "patch_size": v.patch_size, "image_size": image, "temporal_patch_size": v.temporal_patch,
               "in_channels": v.channels, "spatial_merge_size": v.merge, "rms_norm_eps": v.norm_eps,
               "attention_bias": v.attention_bias, "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
-    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": out_text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(mt, CLASSES[mt], text, vision, False, out_text, image_token_id=v.image_token_id)

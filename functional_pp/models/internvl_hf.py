@@ -4,7 +4,12 @@
 :class:`~functional_pp.models.internvl.InternVLConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.internvl import InternVLConfig
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _LAYER = "vision_tower.encoder.layer.{i}."
 TABLE = (
@@ -76,18 +81,17 @@ def vision_from_hf(hf: dict) -> InternVLConfig:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def config_to_hf(text: dict, v: InternVLConfig) -> dict:
-    """The ``internvl`` ``config.json`` around the text decoder's (``text``) and ``v``."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``internvl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a Qwen
+    one) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     vision = {"model_type": "internvl_vision", "hidden_size": v.hidden, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "intermediate_size": v.mlp, "patch_size": [v.patch_size] * 2,
               "image_size": [v.image_size] * 2, "num_channels": v.channels, "layer_norm_eps": v.norm_eps,
               "hidden_act": v.act, "attention_bias": v.attention_bias, "use_mean_pooling": not v.final_norm,
               "use_qk_norm": False, "norm_type": "layer_norm"}
-    out = {"model_type": WRAPPER, "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "downsample_ratio": 1 / v.merge, "projector_hidden_act": v.projector_act,
-           "vision_feature_layer": v.feature_layer, "vision_feature_select_strategy": "default",
-           "image_seq_length": (v.grid // v.merge) ** 2, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(WRAPPER, CLASS, text, vision, True, image_token_id=v.image_token_id,
+                          downsample_ratio=1 / v.merge, projector_hidden_act=v.projector_act,
+                          vision_feature_layer=v.feature_layer, vision_feature_select_strategy="default",
+                          image_seq_length=(v.grid // v.merge) ** 2)

@@ -5,7 +5,12 @@ projector under ``model.multi_modal_projector.``, and the
 :class:`~functional_pp.models.lfm2_vl.Lfm2VlConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from functional_pp.models.lfm2_vl import Lfm2VlConfig
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _LAYER = "vision_tower.encoder.layers.{i}."
 _OURS = "vision_tower.encoder.layers.{i}."
@@ -69,18 +74,16 @@ def vision_from_hf(hf: dict) -> Lfm2VlConfig:
         raise ValueError(f"{where}: {exc}") from exc
 
 
-def config_to_hf(text: dict, v: Lfm2VlConfig) -> dict:
-    """The ``lfm2_vl`` ``config.json`` around the text decoder's (``text``: an ``lfm2`` config) and ``v``."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``lfm2_vl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: an
+    ``lfm2`` config) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     vision = {"model_type": "siglip2_vision_model", "hidden_size": v.hidden, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "intermediate_size": v.mlp, "patch_size": v.patch_size,
               "num_channels": v.channels, "num_patches": v.positions, "layer_norm_eps": v.norm_eps,
               "hidden_act": v.act, "vision_use_head": False}
-    out = {"model_type": WRAPPER, "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "downsample_factor": v.merge,
-           "projector_hidden_size": v.projector_hidden, "projector_bias": v.projector_bias,
-           "projector_use_layernorm": v.projector_norm, "projector_hidden_act": v.projector_act,
-           "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(WRAPPER, CLASS, text, vision, True, image_token_id=v.image_token_id,
+                          downsample_factor=v.merge, projector_hidden_size=v.projector_hidden,
+                          projector_bias=v.projector_bias, projector_use_layernorm=v.projector_norm,
+                          projector_hidden_act=v.projector_act)

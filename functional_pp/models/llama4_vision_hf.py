@@ -4,7 +4,12 @@
 :class:`~functional_pp.models.llama4_vision.Llama4VisionConfig` of a ``llama4`` ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
+from functional_pp.models.llama import Config
 from functional_pp.models.llama4_vision import Llama4VisionConfig
+from functional_pp.models.multimodal_hf import wrapped_config
 
 _LAYER = "vision_model.model.layers.{i}."
 _OURS = "vision_tower.encoder_layers.{i}."
@@ -72,9 +77,11 @@ CLASSES = {"llama4": "Llama4ForConditionalGeneration"}
 """The multimodal class export writes."""
 
 
-def config_to_hf(text: dict, v: Llama4VisionConfig) -> dict:
-    """The ``llama4`` ``config.json`` around the text decoder's (``text``: a ``Llama4ForCausalLM`` one) and ``v``."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``llama4`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: a
+    ``Llama4ForCausalLM`` one) and its tower's."""
+    v = cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     d = v.projector_dim
     vision = {"model_type": "llama4_vision_model", "hidden_size": v.hidden, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "intermediate_size": v.mlp, "patch_size": v.patch_size,
@@ -82,9 +89,4 @@ def config_to_hf(text: dict, v: Llama4VisionConfig) -> dict:
               "pixel_shuffle_ratio": 1 / v.merge, "projector_input_dim": d, "projector_output_dim": d,
               "vision_output_dim": d, "multi_modal_projector_bias": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": v.rope_theta}}
-    out = {"model_type": "llama4", "architectures": [CLASSES["llama4"]], "text_config": text,
-           "vision_config": vision, "image_token_index": v.image_token_id,
-           "tie_word_embeddings": text.get("tie_word_embeddings", False)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config("llama4", CLASSES["llama4"], text, vision, False, image_token_index=v.image_token_id)

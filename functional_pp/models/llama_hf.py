@@ -1382,40 +1382,12 @@ def _refuse_unless(cfg: Config, need: dict[str, Any], where: str) -> None:
 
 
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict:
-    """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`), as the class of its
-    score head where it has one (models/score_head.py)."""
-    import dataclasses
-    wrapper = cfg.text_of or cfg.model_type
-    if cfg.vision is not None and wrapper in qwen_vision_hf.WRAPPERS:    # Qwen3.5's, Qwen2-VL's multimodal class
-        plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
-        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, **plain), dtype)
-        return qwen_vision_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
-    if cfg.vision is not None and wrapper in gemma4_vision_hf.WRAPPERS:   # Gemma 4's multimodal class
-        text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text"), dtype)
-        return gemma4_vision_hf.config_to_hf(text, cfg.vision)
-    if cfg.vision is not None and wrapper in llama4_vision_hf.WRAPPERS:   # Llama 4's multimodal class
-        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
-        return llama4_vision_hf.config_to_hf(text, cfg.vision)
-    if cfg.vision is not None and cfg.text_of == paddleocr_vl_hf.WRAPPER:     # PaddleOCR-VL's multimodal class
-        plain = dict(text_of=None, vision=None, rotary_interleaved=True, mrope_section=None, mrope_interleaved=False)
-        return paddleocr_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, **plain), dtype),
-                                            cfg.vision, cfg.mrope_section)
-    if cfg.vision is not None and cfg.text_of == lfm2_vl_hf.WRAPPER:     # LFM2-VL's multimodal class
-        return lfm2_vl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
-                                                            dtype), cfg.vision)
-    if cfg.vision is not None and cfg.text_of == internvl_hf.WRAPPER:    # InternVL's multimodal class
-        return internvl_hf.config_to_hf(decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None),
-                                                             dtype), cfg.vision)
-    if cfg.vision is not None and wrapper in gemma4_unified_hf.WRAPPERS:   # Gemma 4 unified's (encoder-free)
-        text = decoder_config_to_hf(dataclasses.replace(cfg, vision=None, model_type="gemma4_text",
-                                                        image_groups_attend=False), dtype)
-        return gemma4_unified_hf.config_to_hf(text, cfg.vision, cfg.image_groups_attend)
-    if cfg.vision is not None and wrapper in glm4v_hf.WRAPPERS:      # GLM-4V's multimodal class
-        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None, mrope_section=None), dtype)
-        return glm4v_hf.config_to_hf(wrapper, text, cfg.vision, cfg.mrope_section)
-    if cfg.vision is not None and cfg.text_of:      # a vision-language model: its multimodal class
-        text = decoder_config_to_hf(dataclasses.replace(cfg, text_of=None, vision=None), dtype)
-        return pixtral_hf.config_to_hf(cfg.text_of, text, cfg.vision)
+    """HF ``config.json`` contents for ``cfg`` (:func:`decoder_config_to_hf`): its multimodal class's
+    where it has a vision tower (:func:`vision_hf_of`), else its score head's class where it has one
+    (models/score_head.py)."""
+    module = vision_hf_of(cfg)
+    if module is not None:
+        return module.config_to_hf(cfg, lambda text: decoder_config_to_hf(text, dtype))
     return score_head.head_to_hf(cfg, decoder_config_to_hf(cfg, dtype))
 
 
@@ -1547,8 +1519,19 @@ def _moe_config_to_hf(cfg: Config, dtype: torch.dtype) -> dict:
 
 VISION_HF = (qwen_vision_hf, glm4v_hf, gemma4_vision_hf, gemma4_unified_hf, llama4_vision_hf, lfm2_vl_hf,
              internvl_hf, paddleocr_vl_hf)
-"""The modules of the vision towers read from their own multimodal ``config.json`` (``WRAPPERS``, ``vision_from_hf``);
-every other one is Pixtral's or CLIP's (pixtral_hf)."""
+"""The modules of the vision families with their own multimodal ``config.json``, one row each: the
+wrapper ``model_type`` they hold (``WRAPPERS``), their reader (``vision_from_hf(hf)``: the tower's
+config) and their writer (``config_to_hf(cfg, write)``: the multimodal config around ``write``'s of
+the text decoder); every other one is Pixtral's or CLIP's (pixtral_hf)."""
+
+
+def vision_hf_of(cfg: Config):
+    """The module (a row of :data:`VISION_HF`, or pixtral_hf for another ``text_of``) that writes the
+    multimodal ``config.json`` of ``cfg``; None for a config without a vision tower or a wrapper."""
+    if cfg.vision is None:
+        return None
+    wrapper = cfg.text_of or cfg.model_type
+    return next((m for m in VISION_HF if wrapper in m.WRAPPERS), pixtral_hf if cfg.text_of else None)
 
 
 def vision_from_hf(hf: dict):

@@ -8,8 +8,11 @@ LayerNorm of epsilon 1e-5, the position table resampled at half-pixel centres), 
 Qwen's table rows (models/qwen_vision_hf.py) renamed here (:data:`RENAMED`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 from functional_pp.models.qwen_vision import QwenVisionConfig
 
 WRAPPER = "paddleocr_vl"
@@ -80,10 +83,12 @@ def vision_from_hf(hf: dict) -> QwenVisionConfig:
                             merger_eps=1e-5, align_corners=False)
 
 
-def config_to_hf(text: dict, v: QwenVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
-    """The ``paddleocr_vl`` ``config.json`` around the text decoder's (``text``: an ``ernie4_5`` config)
-    and ``v``."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The ``paddleocr_vl`` ``config.json`` of ``cfg`` around its text decoder's (``write``'s: an
+    ``ernie4_5`` config, its multimodal rotary's ``mrope_section`` added here) and its tower's."""
+    v, mrope_section = cfg.vision, cfg.mrope_section
+    plain = dict(text_of=None, vision=None, rotary_interleaved=True, mrope_section=None, mrope_interleaved=False)
+    text = write(dataclasses.replace(cfg, **plain))
     rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.get("rope_theta", 5e5)})
     rope["mrope_section"] = list(mrope_section or (16, 24, 24))
     text.update(model_type="paddleocr_vl_text", rope_parameters=rope)
@@ -93,8 +98,4 @@ def config_to_hf(text: dict, v: QwenVisionConfig, mrope_section: tuple[int, ...]
               "image_size": side * v.patch_size, "num_channels": v.channels, "hidden_act": v.hidden_act,
               "layer_norm_eps": 1e-6, "spatial_merge_size": v.merge,
               "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
-    out = {"model_type": WRAPPER, "architectures": [CLASS], "text_config": text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(WRAPPER, CLASS, text, vision, True, image_token_id=v.image_token_id)

@@ -3,6 +3,11 @@
 :class:`~functional_pp.models.pixtral.VisionConfig` of its ``config.json``."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 from functional_pp.models.pixtral import VisionConfig
 
 _LAYER = "vision_tower.transformer.layers.{i}."
@@ -105,8 +110,11 @@ def vision_from_hf(hf: dict) -> VisionConfig:
 CLASSES = {"mistral3": "Mistral3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
 
 
-def config_to_hf(mt: str, text: dict, v: VisionConfig) -> dict:
-    """The multimodal ``config.json`` of ``mt`` around the text decoder's (``text``) and ``v``."""
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` (its ``text_of``) around its text decoder's (``write``'s)
+    and its tower's."""
+    mt, v = cfg.text_of, cfg.vision
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None))
     vision = {"hidden_size": v.hidden, "intermediate_size": v.mlp, "num_hidden_layers": v.layers,
               "num_attention_heads": v.heads, "patch_size": v.patch_size, "num_channels": v.channels,
               "image_size": v.image_size}
@@ -115,15 +123,7 @@ def config_to_hf(mt: str, text: dict, v: VisionConfig) -> dict:
     else:
         vision.update(model_type="pixtral", head_dim=v.head_dim, hidden_act="gelu",
                       rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    text = {k: x for k, x in text.items() if k != "architectures"}
-    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": text, "vision_config": vision,
-           "image_token_index": v.image_token_id, "projector_hidden_act": "gelu",
-           "multimodal_projector_bias": v.projector_bias, "vision_feature_layer": v.feature_layer,
-           "tie_word_embeddings": text.get("tie_word_embeddings", False)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    if mt == "mistral3":
-        out["spatial_merge_size"] = v.merge
-    else:
-        out["vision_feature_select_strategy"] = v.select_strategy
-    return out
+    own = {"spatial_merge_size": v.merge} if mt == "mistral3" else {"vision_feature_select_strategy": v.select_strategy}
+    return wrapped_config(mt, CLASSES[mt], text, vision, False, image_token_index=v.image_token_id,
+                          projector_hidden_act="gelu", multimodal_projector_bias=v.projector_bias,
+                          vision_feature_layer=v.feature_layer, **own)

@@ -6,8 +6,11 @@
 layout: the decoder reads as ``qwen2``, its rotary the multimodal one, :func:`qwen2_vl_text`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from functional_pp.models.llama import Config
+from functional_pp.models.multimodal_hf import wrapped_config
 from functional_pp.models.qwen_vision import QwenVisionConfig
 
 _BLOCK = "visual.blocks.{i}."
@@ -128,11 +131,13 @@ CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen2_vl": "Qwen2VLFor
 """The multimodal class export writes for each wrapper."""
 
 
-def config_to_hf(mt: str, text: dict, v: QwenVisionConfig, mrope_section: tuple[int, ...] | None) -> dict:
-    """The multimodal ``config.json`` of ``mt`` (``qwen3_5``, ``qwen2_vl``) around the text decoder's
-    (``text``: its text class's config; Qwen2-VL's: a Qwen2's, given its multimodal rotary's
-    ``mrope_section`` here) and the tower ``v``."""
-    text = {k: x for k, x in text.items() if k != "architectures"}
+def config_to_hf(cfg: Config, write: Callable[[Config], dict]) -> dict:
+    """The multimodal ``config.json`` of ``cfg`` (``qwen3_5``, ``qwen2_vl``) around its text decoder's
+    (``write``'s: its text class's config; Qwen2-VL's: a Qwen2's, its multimodal rotary's
+    ``mrope_section`` added here) and its tower's."""
+    mt, v, mrope_section = cfg.text_of or cfg.model_type, cfg.vision, cfg.mrope_section
+    plain = {"mrope_section": None, "mrope_interleaved": False} if cfg.text_of else {}   # (Qwen2-VL: a Qwen2)
+    text = write(dataclasses.replace(cfg, text_of=None, vision=None, **plain))
     if mt == "qwen2_vl":
         rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.pop("rope_theta", 1e4)})
         if mrope_section is not None:
@@ -149,8 +154,4 @@ def config_to_hf(mt: str, text: dict, v: QwenVisionConfig, mrope_section: tuple[
                   "num_position_embeddings": v.positions, "deepstack_visual_indexes": []}
     vision.update(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch, in_channels=v.channels,
                   spatial_merge_size=v.merge, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    out = {"model_type": mt, "architectures": [CLASSES[mt]], "text_config": text, "vision_config": vision,
-           "image_token_id": v.image_token_id, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
-    if "dtype" in text:
-        out["dtype"] = text["dtype"]
-    return out
+    return wrapped_config(mt, CLASSES[mt], text, vision, False, image_token_id=v.image_token_id)

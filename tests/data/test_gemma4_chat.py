@@ -6,15 +6,13 @@ and image tokens masked, and ``functional-pp train`` of a tiny Gemma 4 on two si
 whose first loss equals transformers' ``Gemma4ForConditionalGeneration`` on the loader's first batch."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import GEMMA4_IMAGE_TOKENS, make_tokenizer, write_gemma4_processor_files
+from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss, random_sizes,
+                        write_image_rows, write_train_yaml)
+from vision_harness import flat_patches
 
-from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -44,33 +42,16 @@ def files(tmp_path_factory):
                                      boi_token_id=ids[1], eoi_token_id=ids[2], video_token_id=None,
                                      audio_token_id=None, boa_token_id=None, eoa_token_index=None)
     transformers.Gemma4ForConditionalGeneration(conf).save_pretrained(d)
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = int(rng.integers(6, 30)), int(rng.integers(6, 30))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"{i}?"}]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"pic {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return d, data / "train.jsonl", ids
+    data = write_image_rows(root / "data", random_sizes(6, 30), count=8, question="{i}?", answer="pic {i}",
+                            image_first=lambda i: True, without_image=False)
+    return d, data, ids
 
 
-def hf_images(pixels, sizes):
-    """transformers' image inputs of images (n, C, H, W; padded) of ``sizes``: each image's patches as
-    rows of (y, x, channel) pixels and their (x, y) positions, padded with -1 to the most patches."""
-    most = max(int(h) * int(w) // P ** 2 for h, w in sizes.tolist())
-    values, positions = [], []
-    for im, (h, w) in zip(pixels, sizes.tolist()):
-        c = im.shape[0]
-        patches = im[:, :h, :w].reshape(c, h // P, P, w // P, P).permute(1, 3, 2, 4, 0).reshape(-1, P * P * c)
-        y, x = torch.meshgrid(torch.arange(h // P), torch.arange(w // P), indexing="ij")
-        pad = most - len(patches)
-        values.append(torch.cat([patches, patches.new_zeros(pad, patches.shape[1])]))
-        positions.append(torch.cat([torch.stack([x.reshape(-1), y.reshape(-1)], -1), torch.full((pad, 2), -1)]))
-    return torch.stack(values), torch.stack(positions)
+def hf_images(rows):
+    """transformers' image inputs of the images of ``rows`` (each its images (n, C, H, W; padded) and
+    their sizes): each image's patches as rows of (y, x, channel) pixels and their (x, y) positions,
+    padded with -1 to the most patches."""
+    return flat_patches([im[:, :h, :w] for pixels, sizes in rows for im, (h, w) in zip(pixels, sizes.tolist())], P)
 
 
 def test_rows_are_encoded_as_the_gemma4_processor_encodes_them(files):
@@ -85,7 +66,7 @@ def test_rows_are_encoded_as_the_gemma4_processor_encodes_them(files):
     at = ids.index(boi)
     assert ids[at:at + n + 2] == [boi] + [image] * n + [eoi] and ids.count(image) == n
     # the processor's patches, put back into pixels, cut again as transformers' model reads them
-    rows, positions = hf_images(pixels, sizes)
+    rows, positions = hf_images([(pixels, sizes)])
     real = int((want["image_position_ids"][0] >= 0).all(-1).sum())          # (its rows: the real patches first)
     assert rows.shape[1] == real and 0 < real < want["pixel_values"].shape[1]
     torch.testing.assert_close(rows[0], want["pixel_values"][0, :real].float(), rtol=0, atol=0)
@@ -112,33 +93,8 @@ def test_cli_first_loss_equals_transformers(files, tmp_path):
     LoRA on the text decoder): the first step's loss (LoRA's B starts at zero) equals transformers' on
     the loader's first global batch."""
     d, data, (image, _, _) = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False, "chat_template": "gemma4_unified",
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 128,
-           "learning_rate": 1e-3, "max_steps": 1, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
-           "lora_target_modules": r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj",
-           "dp_shard_size": 2, "logging": {"log_every": 1, "plot": False}}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    train_cfg = TrainConfig.from_yaml(path)
-    vision = image_settings(train_cfg)
-    train, _ = build_streams(train_cfg.datasets, load_tokenizer(train_cfg), seq_len=128, sample_packing=False,
-                             vision=vision)
-    loader = DataLoader(train, global_batch_size=4, seq_len=128, seed=train_cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 128).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(path), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    path = write_train_yaml(tmp_path, d, data, 128, chat_template="gemma4_unified", dp_shard_size=2, **DECODER_LORA)
+    step = cli_first_step(path)
     model = transformers.Gemma4ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    pixels, positions = zip(*(hf_images(*train.images.rows[r]) for r in rows))
-    most = max(p.shape[1] for p in pixels)
-    pixels = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, most - p.shape[1])) for p in pixels])
-    positions = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, most - p.shape[1]), value=-1) for p in positions])
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=pixels, image_position_ids=positions).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == image).sum() == 0 and (batch["tokens"] == image).sum() > 0
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    pixels, positions = hf_images(step.images)
+    assert_first_loss_equals(step, hf_loss(model, step.batch, pixel_values=pixels, image_position_ids=positions), image)

@@ -6,15 +6,12 @@ first loss of ``functional-pp train`` on two simulated FSDP devices equals trans
 ``Glm4vForConditionalGeneration`` on the loader's first batch."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import GLM4V_TEMPLATE, make_glm4v_processor
+from image_chat import (assert_first_loss_equals, cli_first_step, hf_loss, random_sizes, write_image_rows,
+                        write_train_yaml)
 
-from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -40,21 +37,8 @@ def files(tmp_path_factory):
                                     video_token_id=264, image_start_token_id=BEGIN, image_end_token_id=END)
     transformers.Glm4vForConditionalGeneration(conf).save_pretrained(d)
     make_glm4v_processor(d)
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = (20, 13) if i == 0 else (int(rng.integers(8, 30)), int(rng.integers(8, 30)))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        user = [{"type": "text", "text": f"what is {i}?"}, {"type": "image"}]
-        rows.append({"messages": [{"role": "user", "content": user if i % 2 else user[::-1]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"a picture {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    rows.append({"messages": [{"role": "user", "content": "no image here"},
-                              {"role": "assistant", "content": "fine"}]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return d, data / "train.jsonl"
+    data = write_image_rows(root / "data", random_sizes(8, 30, first=(20, 13)), count=8)
+    return d, data
 
 
 class _Processor(transformers.Glm4vProcessor):
@@ -63,16 +47,6 @@ class _Processor(transformers.Glm4vProcessor):
 
     def check_argument_for_proper_class(self, name, arg):
         return None
-
-
-def train_yaml(tmp_path, d, data, **extra):
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False,
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 96,
-           "learning_rate": 1e-3, "max_steps": 1, "logging": {"log_every": 1, "plot": False}, **extra}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def test_rows_equal_transformers_processor_and_labels_mask_the_markers(files):
@@ -99,25 +73,13 @@ def test_rows_equal_transformers_processor_and_labels_mask_the_markers(files):
 
 def test_loader_entries_and_cli_first_loss_equal_transformers(files, tmp_path):
     d, data = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, d, data, dp_shard_size=2))
-    vision = image_settings(cfg)
-    assert vision["qwen"]["resample"] == "bicubic"
-    train, _ = build_streams(cfg.datasets, load_tokenizer(cfg), seq_len=96, sample_packing=False, vision=vision)
-    assert sum(r is not None for r in train.images.rows) == 8 and train.images.rows[8] is None
-    loader = DataLoader(train, global_batch_size=4, seq_len=96, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 96).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(write_train_yaml(tmp_path, d, data, 96, dp_shard_size=2))
+    assert step.vision["qwen"]["resample"] == "bicubic"
+    assert sum(r is not None for r in step.train.images.rows) == 8 and step.train.images.rows[8] is None
     model = transformers.Glm4vForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    have = [train.images.rows[r] for r in rows if train.images.rows[r] is not None]
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=torch.cat([p for p, _ in have]),
-                       image_grid_thw=torch.cat([g for _, g in have]),
-                       mm_token_type_ids=(batch["tokens"] == IMAGE).int()).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == IMAGE).sum() == 0 and (batch["tokens"] == IMAGE).sum() > 0
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    want = hf_loss(model, step.batch, pixel_values=torch.cat([p for p, _ in step.images]),
+                   image_grid_thw=torch.cat([g for _, g in step.images]),
+                   mm_token_type_ids=(step.batch["tokens"] == IMAGE).int())
+    assert_first_loss_equals(step, want, IMAGE)
+
+

@@ -13,13 +13,12 @@ from functools import lru_cache
 import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import make_tokenizer, write_llama4_processor_files
+from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss, write_image_rows,
+                        write_train_yaml)
 
 from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
 from functional_pp.data.chat import template_text
-from functional_pp.data.formats import build_streams
 from functional_pp.data.llama4_images import _fitted, best_fit, image_text, resolutions
 from functional_pp.data.vision_chat import encode, load_processor
 
@@ -85,19 +84,10 @@ def make(root):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama4_chat")
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i, (h, w) in enumerate(((20, 40), (12, 12), (40, 18), (30, 30))):
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        rows.append({"messages": [{"role": "user", "content": [{"type": "image"},
-                                                               {"type": "text", "text": f"what is {i}?"}]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"a picture {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = write_image_rows(root / "data", ((20, 40), (12, 12), (40, 18), (30, 30)), image_first=lambda i: True,
+                            without_image=False)
     d, tok = make(root)
-    return d, tok, data / "train.jsonl"
+    return d, tok, data
 
 
 def test_rows_are_encoded_as_llama4_processor_and_axolotl_encode_them(files):
@@ -133,41 +123,24 @@ def test_rows_are_encoded_as_llama4_processor_and_axolotl_encode_them(files):
 
 
 def train_yaml(tmp_path, d, data, **extra):
-    cfg = {"base_model": str(d), "processor_type": "Llama4Processor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False, "chat_template": "llama4",
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 96,
-           "learning_rate": 1e-3, "max_steps": 1, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
-           "lora_target_modules": ["self_attn.q_proj", "vision_adapter.mlp.fc1"],
-           "logging": {"log_every": 1, "plot": False}, **extra}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_train_yaml(tmp_path, d, data, 96, **{
+        "processor_type": "Llama4Processor", "chat_template": "llama4", **DECODER_LORA,
+        "lora_target_modules": ["self_attn.q_proj", "vision_adapter.mlp.fc1"], **extra})
 
 
 def test_cli_first_loss_equals_transformers(files, tmp_path):
     """Two simulated FSDP devices through ``functional-pp train``: the first step's loss (LoRA's B
     starts at zero) equals transformers' on the loader's first global batch, its tiles and all."""
     d, _, data = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, d, data, dp_shard_size=2))
-    vision = image_settings(cfg)
-    assert (vision["class_token"], vision["image_size"], vision["merge"]) == ("trailing", 16, 2)
-    train, _ = build_streams(cfg.datasets, load_tokenizer(cfg), seq_len=96, sample_packing=False, vision=vision)
-    loader = DataLoader(train, global_batch_size=4, seq_len=96, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 96).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(train_yaml(tmp_path, d, data, dp_shard_size=2))
+    assert (step.vision["class_token"], step.vision["image_size"], step.vision["merge"]) == ("trailing", 16, 2)
     model = transformers.Llama4ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    pixels = torch.cat([train.images.rows[r][0] for r in rows])
+    pixels = torch.cat([p for p, _ in step.images])
+    assert_first_loss_equals(step, hf_loss(model, step.batch, pixel_values=pixels),
+                             load_processor(d).tokenizer.convert_tokens_to_ids("<|image|>"))
     with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=pixels).logits
-        text_only = model(input_ids=batch["tokens"]).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (logits - text_only).abs().max() > 0.1             # (the tiles matter)
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+        tiles = model(input_ids=step.batch["tokens"], pixel_values=pixels).logits
+        assert (tiles - model(input_ids=step.batch["tokens"]).logits).abs().max() > 0.1     # (the tiles matter)
 
 
 def test_a_processor_that_disagrees_with_its_model_is_refused(files, tmp_path):

@@ -6,15 +6,13 @@ processing strategy encodes them (the pad and image tokens masked), ``chat_templ
 transformers' ``LlavaForConditionalGeneration`` on the loader's first batch."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import make_llava_processor
+from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss, random_sizes,
+                        write_image_rows, write_train_yaml)
 
 from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -41,31 +39,13 @@ def make(root, strategy):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("llava")
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = int(rng.integers(6, 30)), int(rng.integers(6, 30))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        rows.append({"messages": [{"role": "user", "content": [{"type": "text", "text": f"what is {i}?"},
-                                                               {"type": "image"}]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"a picture {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return {s: make(root, s) for s in ("default", "full")}, data / "train.jsonl"
+    data = write_image_rows(root / "data", random_sizes(6, 30), count=8, image_first=lambda i: False,
+                            without_image=False)
+    return {s: make(root, s) for s in ("default", "full")}, data
 
 
 def train_yaml(tmp_path, d, data, **extra):
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False, "chat_template": "llava",
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 64,
-           "learning_rate": 1e-3, "max_steps": 1, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
-           "lora_target_modules": r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj",
-           "logging": {"log_every": 1, "plot": False}, **extra}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_train_yaml(tmp_path, d, data, 64, chat_template="llava", **DECODER_LORA, **extra)
 
 
 @pytest.mark.parametrize("strategy, tokens", [("default", 4), ("full", 5)])
@@ -99,25 +79,12 @@ def test_cli_first_loss_equals_transformers(files, tmp_path):
     loss (LoRA's B starts at zero) equals transformers' on the loader's first global batch."""
     models, data = files
     d = models["default"]
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, d, data, dp_shard_size=2))
-    vision = image_settings(cfg)
-    assert (vision["class_token"], vision["image_size"]) == ("dropped", 8)
-    train, _ = build_streams(cfg.datasets, load_tokenizer(cfg), seq_len=64, sample_packing=False, vision=vision)
-    loader = DataLoader(train, global_batch_size=4, seq_len=64, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 64).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(train_yaml(tmp_path, d, data, dp_shard_size=2))
+    assert (step.vision["class_token"], step.vision["image_size"]) == ("dropped", 8)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    pixels = torch.cat([train.images.rows[r][0] for r in rows])
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=pixels).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == IMG).sum() == 0 and (batch["tokens"] == IMG).sum() == 16
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    want = hf_loss(model, step.batch, pixel_values=torch.cat([p for p, _ in step.images]))
+    assert_first_loss_equals(step, want, IMG)
+    assert (step.batch["tokens"] == IMG).sum() == 16
 
 
 def test_a_processor_that_disagrees_with_its_model_is_refused(files, tmp_path):

@@ -6,15 +6,12 @@ strategy with a processor), the raster-ordered patches put in merge order; the f
 ``PaddleOCRVLForConditionalGeneration`` on the loader's first batch."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import make_paddleocr_vl_processor
+from image_chat import (assert_first_loss_equals, cli_first_step, hf_loss, random_sizes, write_image_rows,
+                        write_train_yaml)
 
-from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -42,19 +39,9 @@ def files(tmp_path_factory):
             p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 or "norm" in n else p.normal_(0, 0.2)
     model.save_pretrained(d)
     make_paddleocr_vl_processor(d)
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = (20, 13) if i == 0 else (int(rng.integers(8, 30)), int(rng.integers(8, 30)))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        user = [{"type": "text", "text": f"read {i}"}, {"type": "image"}]
-        rows.append({"messages": [{"role": "user", "content": user if i % 2 else user[::-1]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"text {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return d, data / "train.jsonl"
+    data = write_image_rows(root / "data", random_sizes(8, 30, first=(20, 13)), count=8, question="read {i}",
+                            answer="text {i}", without_image=False)
+    return d, data
 
 
 def test_rows_are_encoded_as_the_processor_expands_them(files):
@@ -73,29 +60,10 @@ def test_rows_are_encoded_as_the_processor_expands_them(files):
 
 def test_cli_full_finetune_first_loss_equals_transformers(files, tmp_path):
     d, data = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False, "full_finetune": True,
-           "skip_prepare_dataset": True, "remove_unused_columns": False,
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 64,
-           "learning_rate": 1e-3, "max_steps": 1, "dp_shard_size": 2, "logging": {"log_every": 1, "plot": False}}
-    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
-    cfg = TrainConfig.from_yaml(tmp_path / "train.yaml")
-    vision = image_settings(cfg)
-    assert vision["qwen"]["raster"] and vision["qwen"]["resample"] == "bilinear_half"
-    train, _ = build_streams(cfg.datasets, load_tokenizer(cfg), seq_len=64, sample_packing=False, vision=vision)
-    loader = DataLoader(train, global_batch_size=4, seq_len=64, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 64).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(write_train_yaml(tmp_path, d, data, 64, full_finetune=True, dp_shard_size=2))
+    assert step.vision["qwen"]["raster"] and step.vision["qwen"]["resample"] == "bilinear_half"
     model = transformers.PaddleOCRVLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    have = [train.images.rows[r] for r in rows if train.images.rows[r] is not None]
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=torch.cat([p for p, _ in have]),
-                       image_grid_thw=torch.cat([g for _, g in have]),
-                       mm_token_type_ids=(batch["tokens"] == PAD).int()).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == PAD).sum() == 0 and (batch["tokens"] == PAD).sum() > 0
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    want = hf_loss(model, step.batch, pixel_values=torch.cat([p for p, _ in step.images]),
+                   image_grid_thw=torch.cat([g for _, g in step.images]),
+                   mm_token_type_ids=(step.batch["tokens"] == PAD).int())
+    assert_first_loss_equals(step, want, PAD)

@@ -5,15 +5,13 @@ padding (Axolotl's Qwen2-VL strategy); the first loss of ``functional-pp train``
 FSDP devices equals transformers' ``Qwen3_5ForConditionalGeneration`` on the loader's first batch."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import make_qwen_vl_processor
+from image_chat import (assert_first_loss_equals, cli_first_step, hf_loss, random_sizes, write_image_rows,
+                        write_train_yaml)
 
 from functional_pp.config import TrainConfig
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -41,31 +39,8 @@ def files(tmp_path_factory):
                                       video_token_id=262, vision_start_token_id=START, vision_end_token_id=END)
     transformers.Qwen3_5ForConditionalGeneration(conf).save_pretrained(d)
     make_qwen_vl_processor(d)
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = (20, 13) if i == 0 else (int(rng.integers(8, 30)), int(rng.integers(8, 30)))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        user = [{"type": "text", "text": f"what is {i}?"}, {"type": "image"}]
-        rows.append({"messages": [{"role": "user", "content": user if i % 2 else user[::-1]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"a picture {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    rows.append({"messages": [{"role": "user", "content": "no image here"},
-                              {"role": "assistant", "content": "fine"}]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return d, data / "train.jsonl"
-
-
-def train_yaml(tmp_path, d, data, **extra):
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False,
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 96,
-           "learning_rate": 1e-3, "max_steps": 1, "logging": {"log_every": 1, "plot": False}, **extra}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    data = write_image_rows(root / "data", random_sizes(8, 30, first=(20, 13)), count=8)
+    return d, data
 
 
 def test_rows_are_encoded_as_axolotl_encodes_them(files):
@@ -83,27 +58,13 @@ def test_rows_are_encoded_as_axolotl_encodes_them(files):
 
 def test_loader_entries_and_cli_first_loss_equal_transformers(files, tmp_path):
     d, data = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings, load_tokenizer
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, d, data, dp_shard_size=2))
-    vision = image_settings(cfg)
-    train, _ = build_streams(cfg.datasets, load_tokenizer(cfg), seq_len=96, sample_packing=False, vision=vision)
-    assert sum(r is not None for r in train.images.rows) == 8 and train.images.rows[8] is None
-    loader = DataLoader(train, global_batch_size=4, seq_len=96, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 96).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(write_train_yaml(tmp_path, d, data, 96, dp_shard_size=2))
+    assert sum(r is not None for r in step.train.images.rows) == 8 and step.train.images.rows[8] is None
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    have = [train.images.rows[r] for r in rows if train.images.rows[r] is not None]
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=torch.cat([p for p, _ in have]),
-                       image_grid_thw=torch.cat([g for _, g in have]),
-                       mm_token_type_ids=(batch["tokens"] == PAD).int()).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == PAD).sum() == 0 and (batch["tokens"] == PAD).sum() > 0
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    want = hf_loss(model, step.batch, pixel_values=torch.cat([p for p, _ in step.images]),
+                   image_grid_thw=torch.cat([g for _, g in step.images]),
+                   mm_token_type_ids=(step.batch["tokens"] == PAD).int())
+    assert_first_loss_equals(step, want, PAD)
 
 
 def test_a_processor_of_another_layout_is_refused_by_name(files, tmp_path):
@@ -115,6 +76,6 @@ def test_a_processor_of_another_layout_is_refused_by_name(files, tmp_path):
         shutil.copy(f, tmp_path / "m" / f.name)
     conf = json.loads((tmp_path / "m" / "preprocessor_config.json").read_text())
     (tmp_path / "m" / "preprocessor_config.json").write_text(json.dumps(dict(conf, merge_size=1)))
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, tmp_path / "m", data))
+    cfg = TrainConfig.from_yaml(write_train_yaml(tmp_path, tmp_path / "m", data, 96))
     with pytest.raises(ValueError, match="merged 1 x 1 with image token id 260, its model 4-pixel patches"):
         image_settings(cfg)

@@ -5,15 +5,13 @@ tiny Mistral 3 on two simulated devices whose first loss equals transformers' on
 what cannot carry images yet is refused by name before any work."""
 import json
 
-import numpy as np
 import pytest
 import torch
-import yaml
 from chat_tokenizer import make_pixtral_processor
+from image_chat import (DECODER_LORA, assert_first_loss_equals, cli_first_step, hf_loss, random_sizes,
+                        write_image_rows, write_train_yaml)
 
 from functional_pp.config import ConfigError, TrainConfig, model_config
-from functional_pp.data import DataLoader
-from functional_pp.data.formats import build_streams
 from functional_pp.data.vision_chat import encode, load_processor
 
 transformers = pytest.importorskip("transformers")
@@ -35,33 +33,12 @@ def files(tmp_path_factory):
                                        spatial_merge_size=2, initializer_range=0.2)
     transformers.Mistral3ForConditionalGeneration(conf).save_pretrained(d)
     make_pixtral_processor(d)
-    data = root / "data"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(8):
-        h, w = (20, 13) if i == 0 else (int(rng.integers(8, 30)), int(rng.integers(8, 30)))
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(data / f"img{i}.png")
-        user = [{"type": "text", "text": f"what is {i}?"}, {"type": "image"}]
-        rows.append({"messages": [{"role": "user", "content": user if i % 2 else user[::-1]},
-                                  {"role": "assistant", "content": [{"type": "text", "text": f"a picture {i}"}]}],
-                     "images": [f"img{i}.png"]})
-    rows.append({"messages": [{"role": "user", "content": "no image here"},
-                              {"role": "assistant", "content": "fine"}]})
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return d, data / "train.jsonl"
+    data = write_image_rows(root / "data", random_sizes(8, 30, first=(20, 13)), count=8)
+    return d, data
 
 
 def train_yaml(tmp_path, d, data, **extra):
-    cfg = {"base_model": str(d), "processor_type": "AutoProcessor", "sample_packing": False,
-           "skip_prepare_dataset": True, "remove_unused_columns": False,
-           "datasets": [{"path": str(data), "type": "chat_template"}], "micro_batch_size": 2, "sequence_len": 48,
-           "learning_rate": 1e-3, "max_steps": 1, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
-           "lora_target_modules": r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj",
-           "logging": {"log_every": 1, "plot": False}, **extra}
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_train_yaml(tmp_path, d, data, 48, **DECODER_LORA, **extra)
 
 
 def test_rows_are_encoded_as_axolotl_encodes_them(files):
@@ -84,30 +61,14 @@ def test_loader_entries_and_cli_first_loss_equal_transformers(files, tmp_path):
     starts at zero: the base model's) equals transformers' Mistral3ForConditionalGeneration on the
     loader's first global batch, pixels and all."""
     d, data = files
-    from functional_pp import cli
-    from functional_pp.app.inputs import image_settings
-    cfg = TrainConfig.from_yaml(train_yaml(tmp_path, d, data, dp_shard_size=2))
-    vision = image_settings(cfg)
-    train, _ = build_streams(cfg.datasets, _tokenizer(cfg), seq_len=48,
-                             sample_packing=False, vision=vision)
-    assert sum(r is not None for r in train.images.rows) == 8 and train.images.rows[8] is None
-    loader = DataLoader(train, global_batch_size=4, seq_len=48, seed=cfg.seed)
-    batch = loader.global_batch(0)
-    rows = (loader.window_starts(0) // 48).tolist()
-    out = tmp_path / "run"
-    assert cli.main(["train", str(tmp_path / "train.yaml"), "--simulate", "2", "--output", str(out)]) == 0
-    got = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    step = cli_first_step(train_yaml(tmp_path, d, data, dp_shard_size=2), _tokenizer)
+    assert sum(r is not None for r in step.train.images.rows) == 8 and step.train.images.rows[8] is None
     model = transformers.Mistral3ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    have = [train.images.rows[r] for r in rows if train.images.rows[r] is not None]
-    H = max(p.shape[-2] for p, _ in have)
-    W = max(p.shape[-1] for p, _ in have)
-    pixels = torch.cat([torch.nn.functional.pad(p, (0, W - p.shape[-1], 0, H - p.shape[-2])) for p, _ in have])
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"], pixel_values=pixels,
-                       image_sizes=torch.cat([s for _, s in have])).logits
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-    assert (batch["labels"] == IMG).sum() == 0 and (batch["tokens"] == IMG).sum() > 0
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())
+    H = max(p.shape[-2] for p, _ in step.images)
+    W = max(p.shape[-1] for p, _ in step.images)
+    pixels = torch.cat([torch.nn.functional.pad(p, (0, W - p.shape[-1], 0, H - p.shape[-2])) for p, _ in step.images])
+    want = hf_loss(model, step.batch, pixel_values=pixels, image_sizes=torch.cat([s for _, s in step.images]))
+    assert_first_loss_equals(step, want, IMG)
 
 
 def _tokenizer(cfg):

@@ -1,23 +1,20 @@
 """InternVL (models/internvl.py: the InternViT tower, CLIP's layers with layer scales; the pixel-shuffle
 projector of models/lfm2_vl.py; a Qwen decoder) equals transformers' ``InternVLForConditionalGeneration``
 on a tiny random checkpoint: logits, fp64 loss and every gradient, LoRA on the decoder equal to
-peft's; FSDP and TP on two simulated devices equal one device; export writes the multimodal class,
-which transformers loads with our logits; bad inputs are refused by name."""
+peft's; FSDP and TP on two simulated devices and DP x FSDP on real gloo processes equal one device;
+export writes the multimodal class, which transformers loads with our logits; bad inputs are refused
+by name."""
 import dataclasses
-import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import parallel, peft_lora, single_device, train_adapters
+from vision_harness import (ImageRows, assert_export_equals_hf, assert_logits_equal_hf, assert_lora_equals_peft,
+                            assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
+                            assert_rows_layout_equals_one_device, renaming, saved_config)
 
-import functional_pp as fpp
-from functional_pp import adapters
 from functional_pp.checkpoint import hf
-from functional_pp.core import tree
-from functional_pp.data.images import IMAGE_DIMS, image_batch
-from functional_pp.models import internvl_hf, llama, llama_hf
-from functional_pp.parallel import sharding
+from functional_pp.data.images import image_batch
+from functional_pp.models import internvl_hf
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "InternVLForConditionalGeneration"):
@@ -40,9 +37,7 @@ def build(d, **kw):
         for n, p in model.named_parameters():
             if p.ndim == 1 or "embeddings." in n:
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(d)
-    raw = json.loads((d / "config.json").read_text())
-    return model, dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
+    return model, saved_config(model, d)
 
 
 @pytest.fixture(scope="module")
@@ -64,40 +59,18 @@ def hf_inputs(ids, pixels):
     return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]))
 
 
-def entries(ids, pixels):
+def entries(ids, pixels, cfg=None):
     return image_batch(ids, pixels, [torch.tensor([[16, 16]] * n) if n else None for n in TILES], patch=4, merge=2,
                        image_token_id=IMAGE, class_token="dropped", image_size=16)
 
 
-def labels_of(ids):
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
-
-
-def batch_of(ids, pixels):
-    b = {k: v[:, :-1] if k == "image_slots" else v for k, v in entries(ids, pixels).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
-
-
-def our_logits(params, cfg, ids, pixels):
-    with torch.no_grad():
-        named = sharding.named_tree(params, llama.init(cfg, params["embed_tokens"].dtype))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
-        return llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+CASE = ImageRows("InternVLForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
+    cfg = saved[2]
     assert (cfg.model_type, cfg.text_of, cfg.vision.tower, cfg.vision.merge) == ("qwen3", "internvl", "internvit", 2)
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        text_only = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(ids, "batch seq"),
-                                  cfg).value()
-    torch.testing.assert_close(our_logits(params, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
+    assert_logits_equal_hf(CASE, *saved, atol=1e-5)
 
 
 def test_an_earlier_layers_features_and_the_final_norm_equal_transformers(tmp_path):
@@ -108,46 +81,30 @@ def test_an_earlier_layers_features_and_the_final_norm_equal_transformers(tmp_pa
     ids, pixels = rows(seed=3)
     with torch.no_grad():
         want = model(**hf_inputs(ids, pixels)).logits
-    torch.testing.assert_close(our_logits(hf.load_hf_params(tmp_path, cfg), cfg, ids, pixels), want, atol=1e-5,
+    torch.testing.assert_close(CASE.logits(hf.load_hf_params(tmp_path, cfg), cfg, ids, pixels), want, atol=1e-5,
                                rtol=1e-5)
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):
     _, d, cfg = saved
-    model = transformers.InternVLForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                          attn_implementation="eager")
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    ids, pixels = rows(seed=1, dtype=torch.float64)
-    loss, grads = single_device(cfg, params, batch_of(ids, pixels))
-    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
-    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
     # (transformers' rotary tables are float32 whatever the dtype: float32's precision, not float64's)
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    module = {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
-              "multi_modal_projector.": "model.multi_modal_projector.", "language_model.lm_head.": "lm_head."}
-    hf_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    assert len(files) == len(hf_grads) and any(n == "vision_tower.embeddings.cls_token" for n, _ in files)
-    for name, ((p, kind, _),) in files:
-        key = next(name.replace(a, b, 1) for a, b in module.items() if name.startswith(a))
-        torch.testing.assert_close(kind.to_hf(ours[p]), hf_grads[key], rtol=1e-5,
-                                   atol=max(1e-6 * hf_grads[key].abs().max().item(), 1e-9),
-                                   msg=lambda m: f"{name}: {m}")
+    module = renaming(("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector."),
+                      ("language_model.lm_head.", "lm_head."))
+    names = assert_loss_and_grads_equal_hf(CASE, d, cfg, rtol=1e-5, scale=1e-6, module=module)
+    assert "vision_tower.embeddings.cls_token" in names
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    batch = batch_of(*rows(seed=2, dtype=torch.float64))
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tp_equal_one_device(saved, layout):
+    assert_rows_layout_equals_one_device(CASE, saved[1], saved[2], layout)
+
+
+def test_dp_fsdp_on_real_processes_equal_one_device(saved):
+    """Two AdamW steps with images on DP x FSDP over four gloo processes equal one device (a one-layer tower)."""
+    cfg = saved[2]
+    small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
+    assert any(p.startswith("vision_tower.encoder.") for p in assert_processes_equal_one_device(CASE, small))
 
 
 def test_lora_on_axolotls_targets_equals_peft(saved):
@@ -155,54 +112,12 @@ def test_lora_on_axolotls_targets_equals_peft(saved):
     rows with images: our loss and every adapter gradient of one step equal peft's."""
     _, d, cfg = saved
     regex = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"
-    model = transformers.InternVLForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                          attn_implementation="eager")
-    pm = peft_lora(model, regex, seed=3)
-    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=regex)
-    decls = adapters.init(llama.init(cfg, torch.float64), lc, cfg.model_type)
-    state = {k: v for k, v in pm.state_dict().items() if "lora_" in k}
-
-    def module(path):         # (transformers 5's module names: the decoder under model.language_model.)
-        return "base_model.model." + llama_hf.hf_name(path)[:-len(".weight")].replace("model.", "model.language_model.", 1)
-    lora = {path: {"lora_A": state[f"{module(path)}.lora_A.default.weight"].T.reshape(ab["lora_A"].shape),
-                   "lora_B": state[f"{module(path)}.lora_B.default.weight"].T.reshape(ab["lora_B"].shape)}
-            for path, ab in adapters.split(decls)[1].items()}
-    assert len(lora) == 2 * 7
-    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64), lora)
-    ids, pixels = rows(seed=5, dtype=torch.float64)
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    losses, grads, _ = train_adapters(cfg, lc, decls, full, [batch_of(ids, pixels)], fpp.Mesh(), fpp.Rules(),
-                                      batch_dims=dims)[0]
-    logits = pm(**hf_inputs(ids, pixels)).logits[:, :-1]
-    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(losses[0], dtype=torch.float64), ref.detach(), rtol=1e-7, atol=0)
-    want = {k: p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert len(want) == 28 and all(w.abs().max() > 0 for w in want.values())
-    for path, ab in grads.items():
-        for part in ("lora_A", "lora_B"):
-            w = want[f"{module(path)}.{part}.default.weight"]
-            torch.testing.assert_close(ab[part].reshape(w.T.shape).T, w, rtol=1e-5, atol=1e-6 * w.abs().max().item(),
-                                       msg=lambda m: f"{path} {part}: {m}")
+    assert_lora_equals_peft(CASE, d, cfg, regex, seed=3, rows_seed=5, count=2 * 2 * 7, rtol=1e-5, scale=1e-6)
 
 
 def test_export_writes_the_multimodal_class(saved, tmp_path):
-    from safetensors.torch import load_file
     _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
-    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
-    raw = json.loads((out / "config.json").read_text())
-    assert raw["architectures"] == ["InternVLForConditionalGeneration"] and raw["model_type"] == "internvl"
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
-    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
-    model = transformers.InternVLForConditionalGeneration.from_pretrained(out, dtype=torch.float64,
-                                                                          attn_implementation="eager").eval()
-    ids, pixels = rows(seed=4, dtype=torch.float64)
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-    torch.testing.assert_close(our_logits(params, cfg, ids, pixels), want, rtol=1e-5, atol=5e-5)   # (float32 rotary)
+    assert_export_equals_hf(CASE, d, cfg, tmp_path / "out", "internvl")     # (atol: transformers' float32 rotary)
 
 
 def test_bad_inputs_are_refused_by_name(saved):

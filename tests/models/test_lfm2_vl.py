@@ -4,22 +4,18 @@ the pixel-unshuffle projector; the LFM2 decoder; data/siglip2_images.py's entrie
 LoRA on the decoder equal to peft's; FSDP and TP on two simulated devices and DP x FSDP on real gloo
 processes equal one device; the hub's file names read; export writes the multimodal class, which
 transformers loads with our logits; bad inputs are refused by name."""
-import dataclasses
-import json
-
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import parallel, peft_lora, single_device, train_adapters, train_steps
+from harness import single_device
+from vision_harness import (ImageRows, assert_export_equals_hf, assert_logits_equal_hf, assert_lora_equals_peft,
+                            assert_loss_and_grads_equal_hf, assert_processes_equal_one_device,
+                            assert_rows_layout_equals_one_device, saved_config)
 
-import functional_pp as fpp
 from functional_pp import adapters
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
-from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.siglip2_images import position_weights, siglip2_image_batch
-from functional_pp.models import lfm2_vl_hf, llama, llama_hf
-from functional_pp.parallel import sharding
+from functional_pp.models import lfm2_vl_hf, llama
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Lfm2VlForConditionalGeneration"):
@@ -46,10 +42,7 @@ def saved(tmp_path_factory):
             if p.ndim == 1:
                 p.add_(0.3 * torch.randn_like(p))
     d = tmp_path_factory.mktemp("lfm2_vl")
-    model.save_pretrained(d)
-    raw = json.loads((d / "config.json").read_text())
-    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
-    return model, d, cfg
+    return model, d, saved_config(model, d)
 
 
 def rows(seed=0, seq=16, dtype=torch.float32):
@@ -74,41 +67,19 @@ def hf_inputs(ids, pixels):
                 pixel_attention_mask=mask)
 
 
-def entries(ids, pixels):
+def entries(ids, pixels, cfg=None):
     return siglip2_image_batch(ids, pixels, [torch.tensor(s) if s else None for s in SHAPES], merge=2,
                                image_token_id=IMAGE, side=4, channels=3, patch=4)
 
 
-def labels_of(ids):
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
-
-
-def batch_of(ids, pixels):
-    b = {k: v[:, :-1] if k == "image_slots" else v for k, v in entries(ids, pixels).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
-
-
-def our_logits(params, cfg, ids, pixels):
-    with torch.no_grad():
-        named = sharding.named_tree(params, llama.init(cfg, params["embed_tokens"].dtype))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
-        return llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+CASE = ImageRows("Lfm2VlForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
+    cfg = saved[2]
     assert (cfg.model_type, cfg.text_of, cfg.vision.tower, cfg.vision.projector_hidden) == ("lfm2", "lfm2_vl",
                                                                                           "siglip2", 48)
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        text_only = llama.forward(sharding.named_tree(params, llama.init(cfg)), fpp.wrap(ids, "batch seq"),
-                                  cfg).value()
-    torch.testing.assert_close(our_logits(params, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
+    assert_logits_equal_hf(CASE, *saved, atol=1e-5)
 
 
 def test_position_weights_resample_the_table_as_transformers():
@@ -121,40 +92,15 @@ def test_position_weights_resample_the_table_as_transformers():
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):
-    _, d, cfg = saved
-    model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                        attn_implementation="eager")
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    ids, pixels = rows(seed=1, dtype=torch.float64)
-    loss, grads = single_device(cfg, params, batch_of(ids, pixels))
-    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
-    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
     # (transformers resamples the position table in float32 whatever the dtype: the k biases' gradients, zero
-    # in exact arithmetic, are 1e-9 there)
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    assert {name for name, _ in files} == set(hf_grads)      # (the files' names are the modules')
-    assert any(name.startswith("model.vision_tower.encoder.layers.1.") for name, _ in files)
-    for name, ((p, kind, _),) in files:
-        torch.testing.assert_close(kind.to_hf(ours[p]), hf_grads[name], rtol=1e-4,
-                                   atol=max(1e-5 * hf_grads[name].abs().max().item(), 1e-8),
-                                   msg=lambda m: f"{name}: {m}")
+    # in exact arithmetic, are 1e-9 there; the files' names are the modules')
+    names = assert_loss_and_grads_equal_hf(CASE, saved[1], saved[2], floor=1e-8)
+    assert any(name.startswith("model.vision_tower.encoder.layers.1.") for name in names)
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    batch = batch_of(*rows(seed=2, dtype=torch.float64))
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tp_equal_one_device(saved, layout):
+    assert_rows_layout_equals_one_device(CASE, saved[1], saved[2], layout)
 
 
 def test_lora_on_axolotls_targets_equals_peft(saved):
@@ -162,35 +108,9 @@ def test_lora_on_axolotls_targets_equals_peft(saved):
     our loss and every adapter gradient of one step equal peft's on transformers' model."""
     _, d, cfg = saved
     regex = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"
-    model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                        attn_implementation="eager")
-    pm = peft_lora(model, regex, seed=3)
-    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=regex)
-    decls = adapters.init(llama.init(cfg, torch.float64), lc, cfg.model_type)
-    state = {k: v for k, v in pm.state_dict().items() if "lora_" in k}
-    lora = {}
-    for path, ab in adapters.split(decls)[1].items():
-        module = "base_model.model." + llama_hf.module_renamed(path, cfg.model_type, cfg)[:-len(".weight")]
-        lora[path] = {"lora_A": state[f"{module}.lora_A.default.weight"].T.reshape(ab["lora_A"].shape),
-                      "lora_B": state[f"{module}.lora_B.default.weight"].T.reshape(ab["lora_B"].shape)}
-    assert sorted(lora) == ["layers.1.self_attn.k_proj", "layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"]
-    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64), lora)
-    ids, pixels = rows(seed=5, dtype=torch.float64)
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    losses, grads, _ = train_adapters(cfg, lc, decls, full, [batch_of(ids, pixels)], fpp.Mesh(), fpp.Rules(),
-                                      batch_dims=dims)[0]
-    logits = pm(**hf_inputs(ids, pixels)).logits[:, :-1]
-    ref = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(losses[0], dtype=torch.float64), ref.detach(), rtol=1e-7, atol=0)
-    want = {k: p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert len(want) == 6 and all(w.abs().max() > 0 for w in want.values())
-    for path, ab in grads.items():
-        module = "base_model.model." + llama_hf.module_renamed(path, cfg.model_type, cfg)[:-len(".weight")]
-        for part in ("lora_A", "lora_B"):
-            w = want[f"{module}.{part}.default.weight"]
-            torch.testing.assert_close(ab[part].reshape(w.T.shape).T, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(),
-                                       msg=lambda m: f"{path} {part}: {m}")
+    peft = assert_lora_equals_peft(CASE, d, cfg, regex, seed=3, rows_seed=5, count=6, rtol=1e-5)
+    assert sorted({k.split(".lora_")[0] for k in peft.grads}) == [
+        f"base_model.model.model.language_model.layers.1.self_attn.{m}_proj" for m in "kqv"]
 
 
 def test_the_hubs_file_names_read(saved, tmp_path):
@@ -210,22 +130,7 @@ def test_the_hubs_file_names_read(saved, tmp_path):
 def test_export_writes_the_multimodal_class(saved, tmp_path):
     """Moved off the checkpoint, exported: ``Lfm2VlForConditionalGeneration``'s config (read back as the
     same), the checkpoint's tensor names, and transformers loads it with our logits on rows with images."""
-    from safetensors.torch import load_file
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
-    out = hf.save_hf_llama(params, cfg, tmp_path / "out")
-    raw = json.loads((out / "config.json").read_text())
-    assert raw["architectures"] == ["Lfm2VlForConditionalGeneration"] and raw["model_type"] == "lfm2_vl"
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
-    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(d / "model.safetensors")))
-    model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(out, dtype=torch.float64,
-                                                                        attn_implementation="eager").eval()
-    ids, pixels = rows(seed=4, dtype=torch.float64)
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-    torch.testing.assert_close(our_logits(params, cfg, ids, pixels), want, rtol=1e-5, atol=5e-5)
+    assert_export_equals_hf(CASE, saved[1], saved[2], tmp_path / "out", "lfm2_vl")
 
 
 def test_bad_inputs_are_refused_by_name(saved):
@@ -244,24 +149,13 @@ def test_bad_inputs_are_refused_by_name(saved):
     with pytest.raises(ValueError, match="num_patches=15 must be a square"):
         lfm2_vl_hf.vision_from_hf({"model_type": "lfm2_vl", "vision_config": dict(VISION, num_patches=15)})
     with pytest.raises(ValueError, match="needs \\['patch_taps', 'patch_tap_weights'\\] too"):
-        batch = batch_of(*rows())
+        batch = CASE.batch(*rows(), cfg)
         del batch["patch_taps"], batch["patch_tap_weights"]
         single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), batch)
 
 
 def test_dp_fsdp_on_real_processes_equal_one_device(saved):
-    _, _, cfg = saved
-    data = [batch_of(*rows(seed=s, dtype=torch.float64)) for s in range(2)]
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    one = fpp.launch(train_steps(cfg, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
-    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    for losses, params, _ in fpp.launch(train_steps(cfg, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
-                                        mesh, processes=True, timeout=600):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
-    assert any(p.startswith("vision_tower.encoder.layers.") for p in one[1])
+    assert any(p.startswith("vision_tower.encoder.layers.") for p in assert_processes_equal_one_device(CASE, saved[2]))
 
 
 def test_peft_adapter_export_loads_in_peft_with_our_logits(saved, tmp_path):
@@ -286,12 +180,9 @@ def test_peft_adapter_export_loads_in_peft_with_our_logits(saved, tmp_path):
     ids, pixels = rows(seed=6)
     with torch.no_grad():
         want = pm(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(adapters.joined(hf.load_hf_params(d, cfg), lora), decls)
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
-        got = adapters.adapt(llama.forward, lc)(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+    got = CASE.logits(adapters.joined(hf.load_hf_params(d, cfg), lora), cfg, ids, pixels, lc=lc)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        base = our_logits(hf.load_hf_params(d, cfg), cfg, ids, pixels)
+    base = CASE.logits(hf.load_hf_params(d, cfg), cfg, ids, pixels)
     assert (base - want).abs().max() > 1e-3                          # (the adapters act)
     from safetensors.torch import load_file
     back = peft_dir.from_peft(load_file(str(out / peft_dir.WEIGHTS)), decls, "lfm2_vl")

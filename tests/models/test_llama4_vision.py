@@ -4,14 +4,13 @@ on a tiny random checkpoint: logits, the fp64 loss and every gradient; LoRA on A
 targets (text and vision) equals peft's; FSDP, TP and CP on two simulated devices, and DP x FSDP on
 gloo processes, equal one device; export writes the multimodal class, which transformers loads with
 our logits."""
-import dataclasses
-import functools
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import parallel, peft_lora, single_device, train_steps
+from harness import single_device
+from vision_harness import (ImageRows, assert_lora_equals_peft, assert_processes_equal_one_device,
+                            assert_rows_layout_equals_one_device, config_of, saved_config)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
@@ -48,10 +47,7 @@ def build():
 def saved(tmp_path_factory):
     model = build()
     d = tmp_path_factory.mktemp("llama4_vision")
-    model.save_pretrained(d)
-    raw = json.loads((d / "config.json").read_text())
-    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama4_vision_hf.vision_from_hf(raw))
-    return model, d, cfg
+    return model, d, saved_config(model, d)
 
 
 def rows(seed=0, seq=14, dtype=torch.float32):
@@ -65,31 +61,16 @@ def rows(seed=0, seq=14, dtype=torch.float32):
     return ids, pixels
 
 
-def entries(ids, pixels):
+def entries(ids, pixels, cfg=None):
     return image_batch(ids, pixels, [torch.tensor([[16, 16]] * n) if n else None for n in TILES], patch=4, merge=2,
                        image_token_id=IMAGE, class_token="trailing", image_size=16)
 
 
-def labels_of(ids):
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
+def hf_inputs(ids, pixels):
+    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]))
 
 
-def batch_of(ids, pixels):
-    b = {k: v[:, :-1] if k == "image_slots" else v for k, v in entries(ids, pixels).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
-
-
-def hf_pixels(pixels):
-    return torch.cat([p for p in pixels if p is not None])
-
-
-def our_logits(params, cfg, ids, pixels):
-    with torch.no_grad():
-        named = sharding.named_tree(params, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels).items()}
-        return llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
+CASE = ImageRows("Llama4ForConditionalGeneration", IMAGE, rows, hf_inputs, entries)
 
 
 def test_config_reads_the_tower(saved):
@@ -104,22 +85,19 @@ def test_logits_equal_transformers(saved):
     params = hf.load_hf_params(d, cfg)
     ids, pixels = rows()
     with torch.no_grad():
-        want = model(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
+        want = model(**hf_inputs(ids, pixels)).logits
         text_only = model(input_ids=ids).logits
     assert (text_only - want).abs().max() > 0.1             # the images matter
-    torch.testing.assert_close(our_logits(params, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(CASE.logits(params, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):
     _, d, cfg = saved
-    model = transformers.Llama4ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                        attn_implementation="eager")
+    model = CASE.hf_model(d)
     ids, pixels = rows(seed=1, dtype=torch.float64)
-    logits = model(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
-    want = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
-    loss, grads = single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), batch_of(ids, pixels))
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)   # (its rotary in float32, as ours)
+    want = CASE.hf_loss(model, ids, pixels)
+    loss, grads = single_device(cfg, hf.load_hf_params(d, cfg, dtype=torch.float64), CASE.batch(ids, pixels, cfg))
+    torch.testing.assert_close(loss, want, rtol=1e-7, atol=0)   # (its rotary in float32, as ours)
     hf_grads = {n: p.grad for n, p in model.named_parameters()}
     ours = dict(tree.leaves_with_paths(grads))
     files = hf._file_tensors(llama.init(cfg), cfg)
@@ -139,18 +117,9 @@ def test_loss_and_every_gradient_equal_transformers(saved):
     assert sorted(hf_grads) == fused
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"),
-                                         (fpp.Mesh(cp=2), "cp")])
-def test_fsdp_tp_and_cp_equal_one_device(saved, mesh, rules):
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    batch = batch_of(*rows(seed=2, seq=17, dtype=torch.float64))
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "cp"])
+def test_fsdp_tp_and_cp_equal_one_device(saved, layout):
+    assert_rows_layout_equals_one_device(CASE, saved[1], saved[2], layout, seq=17)
 
 
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "shared_expert.gate_proj",
@@ -162,53 +131,16 @@ model's self_attn too)."""
 def test_axolotl_lora_targets_with_images_equal_peft(saved):
     """LoRA (r 4, B random) on the example's targets: our loss and every adapter gradient of a batch
     with images equal peft's on transformers' model (the text decoder's and the vision model's)."""
-
-    from functional_pp import adapters
-    from functional_pp.adapters import peft_dir
     _, d, cfg = saved
-    model = transformers.Llama4ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                        attn_implementation="eager")
-    pm = peft_lora(model, list(TARGETS), seed=4)
-    ids, pixels = rows(seed=3, dtype=torch.float64)
-    logits = pm(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
-    want = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
-
-    lc = adapters.LoraConfig(r=4, alpha=8, target_modules=TARGETS)
-    decls = adapters.init(llama.init(cfg, torch.float64), lc)
-    state = {k.replace(".default", ""): v.detach().clone() for k, v in pm.state_dict().items() if "lora_" in k}
-    full = adapters.joined(hf.load_hf_params(d, cfg, dtype=torch.float64),     # (the multimodal model's names:
-                           peft_dir.from_peft(state, decls, "llama4"))        # what base_model's files name)
-    params = tree.tree_map(lambda x: x.clone().requires_grad_(), full)
-    b = {k: fpp.wrap(v, IMAGE_DIMS.get(k, "batch seq")) for k, v in batch_of(ids, pixels).items()}
-    loss = adapters.adapt(functools.partial(llama.loss, cfg=cfg), lc)(sharding.named_tree(params, decls), b).value()
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-7, atol=0)
-    grads = peft_dir.to_peft(adapters.split(tree.tree_map(lambda p: p.grad, params))[1], "llama4")
-    theirs = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    assert grads.keys() == theirs.keys()
-    assert len(theirs) == 2 * (4 * 2 + 4 * 2 + 3 + 2)     # (2 text + 2 vision layers' attention, 1 shared expert)
-    for k, g in theirs.items():
-        assert g.abs().max() > 0, k
-        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(),   # (q / k: the rotary
-                                   msg=lambda m: f"grad {k}: {m}")                          # in float32)
+    # (2 text + 2 vision layers' attention, 1 shared expert; q / k: the rotary in float32)
+    run = assert_lora_equals_peft(CASE, d, cfg, list(TARGETS), seed=4, rows_seed=3, count=2 * (4 * 2 + 4 * 2 + 3 + 2))
+    assert any("vision_model." in k for k in run.grads)
 
 
 def test_dp_fsdp_on_real_processes_equal_one_device(saved):
     """Two AdamW steps with images on 4 gloo processes (DP x FSDP) equal one device."""
-    _, _, cfg = saved
-    data = [batch_of(*rows(seed=s, dtype=torch.float64)) for s in (5, 6)]
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    one = fpp.launch(train_steps(cfg, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
-    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    got = fpp.launch(train_steps(cfg, data, mesh, llama.default_rules(tp=False), batch_dims=dims), mesh,
-                     processes=True, timeout=600)
-    assert any(p.startswith("vision_tower.encoder_layers.") for p in one[1])
-    for losses, params, _ in got:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
+    params = assert_processes_equal_one_device(CASE, saved[2], seeds=(5, 6))
+    assert any(p.startswith("vision_tower.encoder_layers.") for p in params)
 
 
 def test_export_writes_the_multimodal_class(saved, tmp_path):
@@ -221,14 +153,14 @@ def test_export_writes_the_multimodal_class(saved, tmp_path):
     raw = json.loads((out / "config.json").read_text())
     assert (raw["architectures"], raw["vision_config"]["model_type"]) == (["Llama4ForConditionalGeneration"],
                                                                           "llama4_vision_model")
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama4_vision_hf.vision_from_hf(raw)) == cfg
+    assert config_of(raw) == cfg
     loaded, info = transformers.Llama4ForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
                                                                                output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ids, pixels = rows(seed=7)
     with torch.no_grad():
-        want = loaded.eval()(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
-    torch.testing.assert_close(our_logits(moved, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
+        want = loaded.eval()(**hf_inputs(ids, pixels)).logits
+    torch.testing.assert_close(CASE.logits(moved, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_are_refused_by_name(saved):

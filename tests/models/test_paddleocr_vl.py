@@ -2,23 +2,24 @@
 multimodal rotary, its NaViT SigLIP tower (models/qwen_vision.py's ``paddleocr_vl``: one frame per
 patch, a LayerNorm after the last block, the position table resampled at half-pixel centres) and
 its projector equal transformers on a tiny random checkpoint: the 3D positions, logits, fp64 loss
-and every gradient; FSDP and TP on two simulated devices and DP x FSDP on real gloo processes equal
-one device; export writes the multimodal class, which transformers loads with our logits."""
+and every gradient; LoRA on the decoder equals peft's; FSDP and TP on two simulated devices and DP x
+FSDP on real gloo processes equal one device; export writes the multimodal class, which transformers
+loads with our logits."""
 import dataclasses
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import parallel, single_device, train_steps
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_lora_equals_peft, assert_loss_and_grads_equal_hf,
+                            assert_processes_equal_one_device, assert_rows_layout_equals_one_device, config_of,
+                            grid_case, renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.checkpoint.format import CheckpointMismatchError
-from functional_pp.core import tree
 from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.qwen_images import qwen_image_batch
-from functional_pp.models import llama, llama_hf, paddleocr_vl_hf
+from functional_pp.models import llama, paddleocr_vl_hf
 from functional_pp.parallel import sharding
 
 transformers = pytest.importorskip("transformers")
@@ -31,7 +32,6 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
             eos_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
               spatial_merge_size=2, image_size=12)
-GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]   # per row: its images' (t, h, w) in patches
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +43,7 @@ def saved(tmp_path_factory):
         for n, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 or "norm" in n else p.normal_(0, 0.2)
     d = tmp_path_factory.mktemp("paddleocr_vl")
-    model.save_pretrained(d, safe_serialization=True)
-    raw = json.loads((d / "config.json").read_text())
-    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
-    return model, d, cfg
-
-
-def rows(seed=0, seq=16, dtype=torch.float32):
-    """Token rows with each row's image tokens (one per 2 x 2 patches) and its patches' pixels (raster order)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
-    ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = IMAGE, IMAGE, IMAGE, IMAGE
-    pixels = [torch.randn(sum(t * h * w for t, h, w in gr), 3, 4, 4, generator=g, dtype=dtype) if gr else None
-              for gr in GRIDS]
-    return ids, pixels
-
-
-def hf_inputs(ids, pixels):
-    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
-                image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]), mm_token_type_ids=(ids == IMAGE).int())
+    return model, d, saved_config(model, d)
 
 
 def entries(ids, pixels, cfg):
@@ -72,16 +54,10 @@ def entries(ids, pixels, cfg):
                             resample=v.resample, raster=True)
 
 
-def labels_of(ids):
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
-
-
-def batch_of(ids, pixels, cfg):
-    cut = {"image_slots", "mrope_positions"}
-    b = {k: v[:, :-1] if k in cut else v for k, v in entries(ids, pixels, cfg).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
+CASE = grid_case("PaddleOCRVLForConditionalGeneration", IMAGE, (3, 4, 4), entries)
+rows, hf_inputs = CASE.rows, CASE.hf_inputs
+MODULES = renaming(("model.", "model.language_model."), ("visual.", "model.visual."), ("mlp_AR.", "model.projector."))
+"""The files' names -> transformers 5's modules'."""
 
 
 def test_config_and_positions(saved):
@@ -97,7 +73,7 @@ def test_config_and_positions(saved):
     rope = text.pop("rope_parameters")
     flat = {**text, **raw, "rope_theta": rope["rope_theta"],
             "rope_scaling": {"type": "default", "mrope_section": rope["mrope_section"]}}
-    assert dataclasses.replace(hf.config_from_hf(flat), vision=llama_hf.vision_from_hf(flat)) == cfg
+    assert config_of(flat) == cfg
     ids, pixels = rows()
     inputs = hf_inputs(ids, pixels)
     want, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
@@ -126,86 +102,36 @@ def test_logits_equal_transformers(saved):
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):
-    _, d, cfg = saved
-    model = transformers.PaddleOCRVLForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                             attn_implementation="eager")
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    ids, pixels = rows(seed=1, dtype=torch.float64)
-    loss, grads = single_device(cfg, params, batch_of(ids, pixels, cfg))
-    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
-    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
     # (transformers' vision rotary and its interpolation weights are float32 whatever the dtype)
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {}
-    for n, p in model.named_parameters():     # (transformers 5's module names -> the files')
-        for pattern, repl in ((r"model.language_model.", "model."), ("model.visual.", "visual."),
-                              ("model.projector.", "mlp_AR.")):
-            n = n.replace(pattern, repl)
-        hf_grads[n] = p.grad
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    names = {name for name, _ in files}
-    assert names == set(hf_grads) and "visual.vision_model.post_layernorm.weight" in names
-    for name, parts in files:
-        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
-        torch.testing.assert_close(got, hf_grads[name], rtol=1e-4,
-                                   atol=max(1e-5 * hf_grads[name].abs().max().item(), 1e-9),
-                                   msg=lambda m: f"{name}: {m}")
+    names = assert_loss_and_grads_equal_hf(CASE, saved[1], saved[2], module=MODULES)
+    assert "visual.vision_model.post_layernorm.weight" in names
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    batch = batch_of(*rows(seed=2, dtype=torch.float64), cfg)
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tp_equal_one_device(saved, layout):
+    assert_rows_layout_equals_one_device(CASE, saved[1], saved[2], layout)
 
 
 def test_dp_fsdp_on_real_processes_equal_one_device(saved):
-    _, _, cfg = saved
+    cfg = saved[2]
     small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
-    data = [batch_of(*rows(seed=s, dtype=torch.float64), small) for s in range(2)]
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
-    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
-                                        mesh, processes=True, timeout=600):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
-    assert "vision_tower.post_norm" in one[1]
+    assert "vision_tower.post_norm" in assert_processes_equal_one_device(CASE, small)
+
+
+def test_lora_on_the_decoder_equals_peft(saved):
+    """LoRA on the decoder's attention and MLP projections (transformers 5's module names, as Axolotl's
+    examples write them for a multimodal model) on rows with images: our loss and every adapter
+    gradient of one step equal peft's (its adapters' names: transformers 5's modules, here mapped to
+    the files')."""
+    _, d, cfg = saved
+    regex = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+    peft = assert_lora_equals_peft(CASE, d, cfg, regex, seed=3, rows_seed=5, count=2 * 2 * 7,
+                                   peft_name=lambda k: k.replace("model.language_model.", "model.", 1))
+    assert all(k.startswith("base_model.model.model.layers.") for k in peft.grads)
 
 
 def test_export_writes_the_multimodal_class(saved, tmp_path):
-    """Parameters moved off the checkpoint's values, exported: ``PaddleOCRVLForConditionalGeneration``'s
-    config, reading back as ours; the files' tensor names; transformers loads them with our logits."""
-    from safetensors.torch import load_file
-    _, src, cfg = saved
-    out = tmp_path / "out"
-    params = hf.load_hf_params(src, cfg, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
-    hf.save_hf_llama(params, cfg, out)
-    raw = json.loads((out / "config.json").read_text())
-    assert raw["architectures"] == [paddleocr_vl_hf.CLASS] and raw["model_type"] == "paddleocr_vl"
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
-    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(src / "model.safetensors")))
-    model = transformers.PaddleOCRVLForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float64, attn_implementation="eager").eval()
-    ids, pixels = rows(seed=4, dtype=torch.float64)
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+    assert_export_equals_hf(CASE, saved[1], saved[2], tmp_path / "out", "paddleocr_vl")
 
 
 def test_bad_config_refused_by_name():

@@ -5,21 +5,19 @@ and every gradient; FSDP and TP on two simulated devices and DP x FSDP on real g
 one device; text positions rotate bitwise as the plain rotary; bad inputs are refused by name; export
 writes the multimodal class (Qwen3.5's and Qwen2-VL's), which transformers loads with our logits."""
 import dataclasses
-import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from harness import parallel, single_device, train_steps
+from harness import single_device
+from vision_harness import (GRIDS, assert_export_equals_hf, assert_logits_equal_hf, assert_loss_and_grads_equal_hf,
+                            assert_processes_equal_one_device, assert_rows_layout_equals_one_device, grid_case,
+                            renaming, saved_config)
 
 import functional_pp as fpp
 from functional_pp import ops
 from functional_pp.checkpoint import hf
-from functional_pp.core import tree
-from functional_pp.data.images import IMAGE_DIMS
 from functional_pp.data.qwen_images import mrope_positions, qwen_image_batch
-from functional_pp.models import llama, llama_hf, qwen_vision_hf
-from functional_pp.parallel import sharding
+from functional_pp.models import qwen_vision_hf
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
@@ -35,7 +33,6 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
                                  mrope_section=[2, 1, 1], mrope_interleaved=True))
 VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=9, initializer_range=0.2)
-GRIDS = [[(1, 4, 6), (1, 2, 2)], [(1, 2, 4)], [], [(1, 6, 2)]]   # per row: its images' (t, h, w) in patches
 PATCH = 3 * 2 * 4 * 4                                              # channels x temporal x patch x patch
 
 
@@ -50,26 +47,7 @@ def saved(tmp_path_factory):
             if p.ndim == 1 or "norm" in n:
                 p.add_(0.3 * torch.randn_like(p))
     d = tmp_path_factory.mktemp("qwen3_5_vl")
-    model.save_pretrained(d, safe_serialization=True)
-    raw = json.loads((d / "config.json").read_text())
-    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
-    return model, d, cfg
-
-
-def rows(seed=0, seq=16, dtype=torch.float32):
-    """Token rows with each row's image tokens (one per 2 x 2 patches) and its patches' pixels."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 240, (len(GRIDS), seq), generator=g)
-    ids[0, 2:8], ids[0, 10], ids[1, 5:7], ids[3, 9:12] = IMAGE, IMAGE, IMAGE, IMAGE
-    pixels = [torch.randn(sum(t * h * w for t, h, w in gr), PATCH, generator=g, dtype=dtype) if gr else None
-              for gr in GRIDS]
-    return ids, pixels
-
-
-def hf_inputs(ids, pixels):
-    return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]),
-                image_grid_thw=torch.tensor([x for gr in GRIDS for x in gr]),
-                mm_token_type_ids=(ids == IMAGE).int())
+    return model, d, saved_config(model, d)
 
 
 def entries(ids, pixels, cfg):
@@ -79,17 +57,9 @@ def entries(ids, pixels, cfg):
                             patch=v.patch_size)
 
 
-def labels_of(ids):
-    """Next-token labels with the image tokens masked (-100), as Axolotl's multimodal collator."""
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
-
-
-def batch_of(ids, pixels, cfg):
-    cut = {"image_slots", "mrope_positions"}
-    b = {k: v[:, :-1] if k in cut else v for k, v in entries(ids, pixels, cfg).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
+CASE = grid_case("Qwen3_5ForConditionalGeneration", IMAGE, (PATCH,), entries)
+rows, hf_inputs = CASE.rows, CASE.hf_inputs
+QWEN2_VL = dataclasses.replace(CASE, hf_class="Qwen2VLForConditionalGeneration")
 
 
 def test_config_reads_the_tower_and_the_multimodal_rotary(saved):
@@ -110,22 +80,8 @@ def test_positions_equal_transformers_rope_index(saved):
 
 
 def test_logits_equal_transformers(saved):
-    model, d, cfg = saved
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = rows()
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(params, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-        flat = {k: v for k, v in images.items() if k != "mrope_positions"}      # (images, text positions)
-        no_mrope = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=flat).value()
-        text_only = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg).value()
     # (float32 rounding through the tower: 3e-5 at most on logits up to 5; the float64 loss agrees to 1e-8)
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
-    assert (text_only - want).abs().max() > 0.1          # the images matter
-    assert (no_mrope - want).abs().max() > 1e-3          # so do their 3D positions
-    torch.testing.assert_close(text_only[2], want[2], atol=1e-5, rtol=1e-5)     # (row 2: no image)
+    assert_logits_equal_hf(CASE, *saved, atol=5e-5)
 
 
 def test_equal_positions_rotate_bitwise_as_the_plain_rotary():
@@ -143,43 +99,14 @@ def test_equal_positions_rotate_bitwise_as_the_plain_rotary():
 
 
 def test_loss_and_every_gradient_equal_transformers(saved):
-    _, d, cfg = saved
-    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(d, dtype=torch.float64,
-                                                                         attn_implementation="eager")
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    ids, pixels = rows(seed=1, dtype=torch.float64)
-    loss, grads = single_device(cfg, params, batch_of(ids, pixels, cfg))
-    logits = model(**hf_inputs(ids, pixels)).logits[:, :-1]
-    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
     # (transformers' vision rotary runs in float32 whatever the dtype: float32's precision, not float64's)
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    assert any(name.startswith("model.visual.blocks.1.attn.qkv") for name, _ in files)
-    seen = 0
-    for name, parts in files:
-        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
-        want_g = hf_grads[name]
-        torch.testing.assert_close(got, want_g, rtol=1e-4, atol=max(1e-5 * want_g.abs().max().item(), 1e-9),
-                                   msg=lambda m: f"{name}: {m}")
-        seen += 1
-    assert seen == len(hf_grads)
+    names = assert_loss_and_grads_equal_hf(CASE, saved[1], saved[2])
+    assert "model.visual.blocks.1.attn.qkv.weight" in names
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp")])
-def test_fsdp_and_tp_equal_one_device(saved, mesh, rules):
-    _, d, cfg = saved
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    ids, pixels = rows(seed=2, dtype=torch.float64)
-    batch = batch_of(ids, pixels, cfg)
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tp_equal_one_device(saved, layout):
+    assert_rows_layout_equals_one_device(CASE, saved[1], saved[2], layout)
 
 
 def test_bad_inputs_are_refused_by_name(saved):
@@ -198,25 +125,18 @@ def test_bad_inputs_are_refused_by_name(saved):
         ops.rotary(x, fpp.wrap(torch.zeros(2, 1, 3, dtype=torch.long), "seq batch mrope"), head_dim="head_dim",
                    sections=(0, 1, 2))
     with pytest.raises(ValueError, match="needs \\['patch_taps', 'patch_tap_weights'\\] too"):
-        batch = batch_of(*rows(), cfg)
+        batch = CASE.batch(*rows(), cfg)
         del batch["patch_taps"], batch["patch_tap_weights"]
         single_device(cfg, hf.load_hf_params(saved[1], cfg, dtype=torch.float64), batch)
 
 
 def test_dp_fsdp_on_real_processes_equal_one_device(saved):
-    _, _, cfg = saved
+    cfg = saved[2]
     small = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=1))
-    data = [batch_of(*rows(seed=s, dtype=torch.float64), small) for s in range(2)]
-    dims = {"tokens": "batch seq", "labels": "batch seq", **IMAGE_DIMS}
-    one = fpp.launch(train_steps(small, data, fpp.Mesh(), fpp.Rules(), batch_dims=dims), fpp.Mesh())[0]
-    mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    for losses, params, _ in fpp.launch(train_steps(small, data, mesh, llama.default_rules(tp=False), batch_dims=dims),
-                                        mesh, processes=True, timeout=600):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=1e-12,
-                                       msg=lambda m: f"{p}: {m}")
-    assert any(p.startswith("vision_tower.blocks.") for p in one[1])
+    # (atol: the key biases' gradient is 0 up to rounding, softmax ignoring a shift common to every key,
+    # and Adam's step of that rounding differs by 3e-12 between the layouts)
+    params = assert_processes_equal_one_device(CASE, small, atol=1e-10)
+    assert any(p.startswith("vision_tower.blocks.") for p in params)
 
 
 def test_qwen2_vl_equals_transformers(tmp_path):
@@ -236,76 +156,31 @@ def test_qwen2_vl_equals_transformers(tmp_path):
         for n, p in model.named_parameters():
             if p.ndim == 1 or "norm" in n:
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    cfg = dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw))
+    cfg = saved_config(model, tmp_path)
     assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.vision.tower, cfg.vision.positions) == (
         (1, 2, 1), False, "qwen2_vl", 0)
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float64,
-                                                                       attn_implementation="eager")
-    params = hf.load_hf_params(tmp_path, cfg, dtype=torch.float64)
     ids, pixels = rows(seed=3, dtype=torch.float64)
-    batch = batch_of(ids, pixels, cfg)
-    assert "patch_taps" not in batch
-    loss, grads = single_device(cfg, params, batch)
+    assert "patch_taps" not in QWEN2_VL.batch(ids, pixels, cfg)
     inputs = hf_inputs(ids, pixels)
     want_pos, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], inputs["image_grid_thw"])
     torch.testing.assert_close(entries(ids, pixels, cfg)["mrope_positions"].permute(2, 0, 1), want_pos, rtol=0, atol=0)
-    logits = model(**inputs).logits[:, :-1]
-    want = F.cross_entropy(logits.reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual."): p.grad
-                for n, p in model.named_parameters()}    # (transformers 5's module names; the files' are these)
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    assert {name for name, _ in files} == set(hf_grads) and "visual.merger.mlp.0.weight" in hf_grads
-    for name, parts in files:
-        got = torch.cat([kind.to_hf(ours[p]) for p, kind, _ in parts])
-        torch.testing.assert_close(got, hf_grads[name], rtol=1e-4,
-                                   atol=max(1e-5 * hf_grads[name].abs().max().item(), 1e-9),
-                                   msg=lambda m: f"{name}: {m}")
+    # (transformers 5's module names; the files' are these)
+    module = renaming(("model.", "model.language_model."), ("visual.", "model.visual."))
+    names = assert_loss_and_grads_equal_hf(QWEN2_VL, tmp_path, cfg, seed=3, module=module)
+    assert "visual.merger.mlp.0.weight" in names
     # text alone: the checkpoint's decoder loads without its tower (visual.* left aside), transformers' text logits
     text_cfg, text_params = hf.load_hf_llama(tmp_path, dtype=torch.float64)
     assert text_cfg.vision is None and text_cfg.text_of == "qwen2_vl"
+    model = QWEN2_VL.hf_model(tmp_path)
     with torch.no_grad():
-        named = sharding.named_tree(text_params, llama.init(text_cfg, torch.float64))
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), text_cfg).value()
         # (transformers' text rotary tables are float32 whatever the dtype: 4e-8 apart at most)
-        torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
-    assert_export_is_the_multimodal_class(tmp_path, cfg, tmp_path / "out", "Qwen2VLForConditionalGeneration")
-
-
-def assert_export_is_the_multimodal_class(src, cfg, out, cls: str) -> None:
-    """Parameters of ``src`` moved off the checkpoint's values, exported: the config is ``cls``'s and
-    reads back as ``cfg``; the files hold the checkpoint's tensor names (the tower's ``attn.qkv`` fused
-    back) and import as the exported values; transformers' ``cls`` loads them with our logits on rows
-    with images (float64)."""
-    from safetensors.torch import load_file
-    params = hf.load_hf_params(src, cfg, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    params = tree.tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype), params)
-    hf.save_hf_llama(params, cfg, out)
-    raw = json.loads((out / "config.json").read_text())
-    assert raw["architectures"] == [cls] and raw["model_type"] == cfg.text_of or cfg.model_type
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=llama_hf.vision_from_hf(raw)) == cfg
-    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(src / "model.safetensors")))
-    back = dict(tree.leaves_with_paths(hf.load_hf_params(out, cfg, dtype=torch.float64)))
-    for path, t in tree.leaves_with_paths(params):
-        assert torch.equal(back[path], t), path
-    model = getattr(transformers, cls).from_pretrained(out, dtype=torch.float64, attn_implementation="eager").eval()
-    ids, pixels = rows(seed=4, dtype=torch.float64)
-    with torch.no_grad():
-        want = model(**hf_inputs(ids, pixels)).logits
-        named = sharding.named_tree(params, llama.init(cfg, torch.float64))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, cfg).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-    # (transformers' rotary tables, and Qwen3.5's delta rule and norms, are float32 whatever the dtype)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+        torch.testing.assert_close(QWEN2_VL.logits(text_params, text_cfg, ids), model(input_ids=ids).logits,
+                                   rtol=1e-6, atol=1e-6)
+    assert_export_equals_hf(QWEN2_VL, tmp_path, cfg, tmp_path / "out", "qwen2_vl")
 
 
 def test_export_writes_the_multimodal_class(saved, tmp_path):
     """Qwen3.5 with its tower exports as ``Qwen3_5ForConditionalGeneration`` (its text decoder alone
-    was written before), which transformers loads with our logits."""
-    _, d, cfg = saved
-    assert_export_is_the_multimodal_class(d, cfg, tmp_path / "out", "Qwen3_5ForConditionalGeneration")
+    was written before), which transformers loads with our logits (5e-5: its delta rule and norms run
+    in float32 whatever the dtype)."""
+    assert_export_equals_hf(CASE, saved[1], saved[2], tmp_path / "out", "qwen3_5")
