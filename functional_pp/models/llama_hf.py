@@ -640,20 +640,6 @@ class _ConvHeadsIn(_HeadsIn):         # ours [N, D, H] = HF Conv1D [N*D, H] resh
         return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
 
 
-class _ConvTaps(_Kind):               # ours [N, D, K] = HF depthwise Conv1d [N*D, 1, K] (Gated DeltaNet's conv1d)
-    def hf_shape(self, shape):
-        return (shape[0] * shape[1], 1, shape[2])
-
-    def to_hf(self, t):
-        return t.reshape(-1, 1, t.shape[2])
-
-    def read(self, sl, region, shape):
-        rn, rd, rk = region
-        D = shape[1]
-        x = sl[rn.start * D:rn.stop * D, 0:1, rk]             # [n*D, 1, k]
-        return x.reshape(rn.stop - rn.start, D, -1)[:, rd, :]
-
-
 class _ExpertsRows(_Kind):             # ours [E, H, F] = HF [E*F, H]: each expert's [F, H] rows in turn (DBRX's w1, v1)
     def hf_shape(self, shape):
         return (shape[0] * shape[2], shape[1])
@@ -854,7 +840,7 @@ class _ConvTaps(_Kind):                # ours [A, B, ..., K] = HF [A*B*..., 1, K
         return x.reshape(r0.stop - r0.start, *shape[1:-1], x.shape[-1])[(slice(None), *rest, slice(None))]
 
 
-KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat": _Flat(), "conv_taps": _ConvTaps(),
+KINDS: dict[str, _Kind] = {"flat_out": _FlatOut(), "flat_in": _FlatIn(), "flat": _Flat(),
                            "copy": _Copy(), "linear": _Linear(), "heads_out": _HeadsOut(),
                            "heads_in": _HeadsIn(), "bias_heads": _BiasHeads(), "experts_linear": _ExpertsLinear(),
                            "experts_tensor": _ExpertsTensor(), "conv_heads_out": _ConvHeadsOut(),
