@@ -141,17 +141,17 @@ def hf_scan_in_fp64():
         torch.Tensor.float, torch.Tensor.to = real_float, real_to
 
 
-def fp64_beside_hf(hf_dir, hf_class: str = "AutoModelForCausalLM", **load_kw):
+def fp64_beside_hf(hf_dir, hf_class: str = "AutoModelForCausalLM", seq: int = 12, **load_kw):
     """One float64 step of ours and of transformers (its class ``hf_class``) on the Hugging Face
-    directory ``hf_dir`` and a fixed batch: ``(model, cfg, loss, grads, out, want)``: transformers'
-    model and output, our config, loss and gradients by path, and transformers' cross-entropy (its
-    backward not run)."""
+    directory ``hf_dir`` and a fixed batch (3 rows of ``seq`` tokens): ``(model, cfg, loss, grads,
+    out, want)``: transformers' model and output, our config, loss and gradients by path, and
+    transformers' cross-entropy (its backward not run)."""
     import torch.nn.functional as F
     import transformers
     from functional_pp.checkpoint import hf
     model = getattr(transformers, hf_class).from_pretrained(hf_dir, dtype=torch.float64, **load_kw)
     cfg, params = hf.load_hf_llama(hf_dir, dtype=torch.float64)
-    batch = make_batch(cfg, batch=3, seq=12, seed=2)
+    batch = make_batch(cfg, batch=3, seq=seq, seed=2)
     loss, grads = single_device(cfg, params, batch)
     out = model(input_ids=batch["tokens"])
     want = F.cross_entropy(out.logits.reshape(-1, cfg.vocab), batch["labels"].reshape(-1))

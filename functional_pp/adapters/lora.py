@@ -384,6 +384,9 @@ class LoraWeight(NamedTuple):
     seed: int = 0
     magnitude: Named | None = None
     nvfp4: bool = False
+    #: merge-aware NVFP4's per-tensor scale as the checkpoint stores it (``weight_scale_2``: 0-dim,
+    #: or one per expert), replicated; None: computed from ``base`` (:func:`nvfp4_scale_of`)
+    nvfp4_scale: Named | None = None
 
     def __named_einsum__(self, pattern: str, operands: Sequence[Any], i: int) -> Named:
         """``einsum(pattern, ...)`` with this weight as operand ``i``: the base contraction plus
@@ -421,7 +424,7 @@ class LoraWeight(NamedTuple):
         ``scale (dropout(x) - x) A B``, which vanishes in evaluation (Axolotl's ``merge_aware_linear``)."""
         if self.magnitude is not None:
             raise ValueError("LoRA: nvfp4_merge_aware with DoRA (use_dora) is not supported: turn one of them off")
-        w = snap_nvfp4(self._merged(), nvfp4_scale_of(self.base), contracted, pattern)
+        w = snap_nvfp4(self._merged(), self._nvfp4_scale(()), contracted, pattern)
         y = einsum(pattern, *[w if j == i else x for j in range(2)])
         if not self.dropout:
             return y
@@ -450,7 +453,11 @@ class LoraWeight(NamedTuple):
             return self._merged()
         lead = self.base.dims[:1] if self.base.dims[0] == EXPERTS and self.lora_A.dims[0] == EXPERTS else ()
         contracted = [d for d in self.lora_A.dims[:-1] if d not in lead]
-        return snap_nvfp4(self._merged(), nvfp4_scale_of(self.base, lead), contracted, "LoRA expert weight")
+        return snap_nvfp4(self._merged(), self._nvfp4_scale(lead), contracted, "LoRA expert weight")
+
+    def _nvfp4_scale(self, lead: Sequence[str]) -> Named:
+        """The per-tensor scale(s) the merged weight is snapped with: the stored ones, else the base's."""
+        return nvfp4_scale_of(self.base, lead) if self.nvfp4_scale is None else self.nvfp4_scale
 
 
 def _summed(y: Named, delta: Named) -> Named:
@@ -464,9 +471,12 @@ def _summed(y: Named, delta: Named) -> Named:
 register_operand(LoraWeight, lambda pattern, operands, i: operands[i].__named_einsum__(pattern, operands, i))
 
 
-def apply(params: Any, cfg: LoraConfig) -> Any:
+def apply(params: Any, cfg: LoraConfig, nvfp4_scales: dict[str, torch.Tensor] | None = None) -> Any:
     """The base tree of ``params`` (a tree with adapters, :func:`init`) with each adapted weight
-    replaced by its :class:`LoraWeight` (what :func:`adapt` hands the model)."""
+    replaced by its :class:`LoraWeight` (what :func:`adapt` hands the model). ``nvfp4_scales``
+    (``nvfp4_merge_aware``; weight path -> the base checkpoint's stored per-tensor scale, 0-dim or
+    one per expert: ``checkpoint.hf.nvfp4_stored_scales``): the scales the merged weights are
+    snapped with; None: each computed from its base weight."""
     base, lora = split(params)
     if not lora:
         raise ValueError("LoRA: the parameters hold no adapter: initialise them from adapters.init(decls, cfg)")
@@ -488,9 +498,31 @@ def apply(params: Any, cfg: LoraConfig) -> Any:
             raise ValueError(f"LoRA: the adapter of {path} {'has no' if cfg.dora else 'has a'} {MAGNITUDE} but "
                              f"dora={cfg.dora}: initialise the adapters with adapters.init(decls, cfg) of this "
                              f"config")
+        stored = _stored_scale(path, node[name], ab["lora_A"], nvfp4_scales) if cfg.nvfp4_merge_aware else None
         node[name] = LoraWeight(node[name], ab["lora_A"], ab["lora_B"], cfg.scale, float(cfg.dropout),
-                                seed * 1_000_003 + i + 1, ab.get(MAGNITUDE), cfg.nvfp4_merge_aware)
+                                seed * 1_000_003 + i + 1, ab.get(MAGNITUDE), cfg.nvfp4_merge_aware, stored)
     return out
+
+
+def _stored_scale(path: str, base: Any, lora_a: Named, scales: dict[str, torch.Tensor] | None) -> Named | None:
+    """The stored NVFP4 per-tensor scale of the adapted weight ``path`` as a replicated named value
+    (``experts`` for an expert stack: snapping takes each device's experts), on ``base``'s device;
+    None without ``scales``. A weight ``scales`` misses, or a scale of the wrong size, is refused."""
+    if scales is None:
+        return None
+    if path not in scales:
+        raise ValueError(f"LoRA: nvfp4_merge_aware: no stored per-tensor scale for the adapted weight {path} "
+                         f"(the scales hold {sorted(scales)[:3]}...): read them for every target "
+                         f"(checkpoint.hf.nvfp4_stored_scales)")
+    per_expert = base.dims[0] == EXPERTS and lora_a.dims[0] == EXPERTS
+    want = (base._sizes[0],) if per_expert else ()
+    t = scales[path]
+    if tuple(t.shape) != want:
+        raise ValueError(f"LoRA: nvfp4_merge_aware: the stored per-tensor scale of {path} has shape "
+                         f"{tuple(t.shape)}, expected {want} ({'one per expert' if per_expert else 'one'})")
+    data = t.to(device=base.data.device, dtype=torch.float32)
+    dims = (EXPERTS,) if per_expert else ()
+    return make_named(data, dims, ((),) * len(dims), frozenset(), sizes=want)
 
 
 def _weight_paths(tree: Any) -> set[str]:
@@ -500,11 +532,24 @@ def _weight_paths(tree: Any) -> set[str]:
     return {path_str(p) for p in paths}
 
 
-def adapt(fn: Callable[..., Any], cfg: LoraConfig) -> Callable[..., Any]:
+def adapt(fn: Callable[..., Any], cfg: LoraConfig,
+          nvfp4_scales: dict[str, torch.Tensor] | None = None) -> Callable[..., Any]:
     """``fn(params, ...)`` (a loss or forward over the base tree) as a function of the tree with
-    adapters (:func:`init`): each targeted weight applied with its adapter."""
+    adapters (:func:`init`): each targeted weight applied with its adapter (``nvfp4_scales``:
+    :func:`apply`'s, moved to the parameters' device once)."""
+    placed: dict = {}
+
+    def on_device(params: Any) -> dict[str, torch.Tensor] | None:
+        if nvfp4_scales is None:
+            return None
+        device = next((x.data.device for x in optree.tree_leaves(params, none_is_leaf=False)
+                       if isinstance(x, Named)), torch.device("cpu"))
+        if device not in placed:                # (once: a copy to the device per step would sync the host)
+            placed[device] = {p: t.to(device=device, dtype=torch.float32) for p, t in nvfp4_scales.items()}
+        return placed[device]
+
     def adapted(params: dict, *args: Any, **kwargs: Any) -> Any:
-        return fn(apply(params, cfg), *args, **kwargs)
+        return fn(apply(params, cfg, on_device(params)), *args, **kwargs)
     adapted.__name__ = getattr(fn, "__name__", "adapted")
     return adapted
 
@@ -538,17 +583,19 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float, per_expert: bool = Fal
 def nvfp4_scales(params: Any, cfg: LoraConfig) -> dict[str, torch.Tensor]:
     """``{weight path: NVFP4 per-tensor scale}`` of each adapted weight of ``params`` (full tensors
     of a tree with adapters): the scales ``nvfp4_merge_aware`` snaps the merged weights with (0-dim,
-    or one per expert of an expert weight), which its export writes as ``weight_scale_2``."""
+    or one per expert of an expert weight), computed from the base weights: where the base
+    checkpoint stores them (``checkpoint.hf.nvfp4_stored_scales``) training uses those instead."""
     base, lora = split(params)
     weights = dict(leaves_with_paths(base))
     return {p: nvfp4_merge.per_tensor_scale(w, ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == w.ndim)
             for p, ab in with_shared_a(lora, cfg).items() for w in (weights[p],)}
 
 
-def merge(params: Any, cfg: LoraConfig) -> Any:
+def merge(params: Any, cfg: LoraConfig, nvfp4_scales: dict[str, torch.Tensor] | None = None) -> Any:
     """Full tensors of a tree with adapters -> the base tree with every adapter merged into its
     weight (``W + scale * A B``; with DoRA times ``magnitude / ||W + scale * A B||`` per output
-    feature): a plain model."""
+    feature): a plain model. ``nvfp4_merge_aware``: ``Q(W + scale A B)`` with the scales of
+    ``nvfp4_scales`` (:func:`apply`'s; None: :func:`nvfp4_scales`, computed from the base)."""
     base, lora = split(params)
     lora = with_shared_a(lora, cfg)
 
@@ -561,7 +608,10 @@ def merge(params: Any, cfg: LoraConfig) -> Any:
         per_expert = a.ndim + b.ndim - 3 == w.ndim          # (experts lead A and B: counted once)
         new = w.to(wide) + delta(a, b, cfg.scale, per_expert)
         if cfg.nvfp4_merge_aware:               # what training's forward computed: Q(W + scale A B)
-            new = nvfp4_merge.snapped(w.to(wide), new, a.ndim - 1 - int(per_expert), per_expert)
+            if nvfp4_scales is not None and path not in nvfp4_scales:
+                raise ValueError(f"LoRA: nvfp4_merge_aware: no stored per-tensor scale for the adapted weight {path}")
+            stored = None if nvfp4_scales is None else nvfp4_scales[path]
+            new = nvfp4_merge.snapped(w.to(wide), new, a.ndim - 1 - int(per_expert), per_expert, stored)
         if MAGNITUDE in ab:
             new = new * (ab[MAGNITUDE].to(wide) / full_row_norm(w.to(wide), a, b, cfg.scale))
         return new.to(w.dtype)

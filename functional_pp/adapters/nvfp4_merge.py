@@ -5,7 +5,10 @@ adapted weight (docs/adapters.md "Merge-aware NVFP4").
 
 A weight here has our layout, its input dimensions first (``lora_A``'s but the rank) and then its
 output dimensions, an expert stack with ``experts`` before both: Hugging Face's ``[out, in]`` is
-its transpose, whose rows hold NVFP4's blocks of 16 input features."""
+its transpose, whose rows hold NVFP4's blocks of 16 input features.
+
+The per-tensor scale is the base checkpoint's stored ``weight_scale_2`` where the caller has it
+(``checkpoint.hf.nvfp4_stored_scales``, as Axolotl uses it), else computed from the base weight."""
 from __future__ import annotations
 
 import math
@@ -32,11 +35,13 @@ def per_tensor_scale(base: torch.Tensor, per_expert: bool) -> torch.Tensor:
     return nvfp4_per_tensor_scale(a.flatten(1).amax(1) if per_expert else a.amax())
 
 
-def snapped(base: torch.Tensor, merged: torch.Tensor, in_ndim: int, per_expert: bool) -> torch.Tensor:
-    """``merged`` (``W + scale A B`` of ``base``) through NVFP4 and back with ``base``'s per-tensor
-    scale, blocks of 16 input features, in ``merged``'s layout and dtype."""
+def snapped(base: torch.Tensor, merged: torch.Tensor, in_ndim: int, per_expert: bool,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``merged`` (``W + scale A B`` of ``base``) through NVFP4 and back with the per-tensor ``scale``
+    (0-dim, or [E]: a checkpoint's stored ``weight_scale_2``; None: :func:`per_tensor_scale` of
+    ``base``), blocks of 16 input features, in ``merged``'s layout and dtype."""
     rows = hf_rows(merged, in_ndim, per_expert)
-    pts = per_tensor_scale(base, per_expert)
+    pts = per_tensor_scale(base, per_expert) if scale is None else scale.to(torch.float32)
     pts = pts.repeat_interleave(rows.shape[0] // pts.shape[0]).reshape(-1, 1) if per_expert else pts
     back = nvfp4_round_trip(rows, pts)
     lead = merged.shape[:1] if per_expert else ()

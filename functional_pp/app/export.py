@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -188,11 +189,24 @@ def _export_adapter(ckpt: Path, out: Path, meta: dict) -> None:
 
 
 def _export_merged(ckpt: Path, out: Path, meta: dict, max_shard_size, dtype, copied: list) -> None:
-    from functional_pp.adapters import LoraConfig, merge, nvfp4_scales
+    from functional_pp.adapters import LoraConfig, merge
     from functional_pp.checkpoint.hf import config_from_index, save_hf_llama
     cfg = config_from_index(fmt.read_index(ckpt))
     lora, full = LoraConfig(**meta["lora"]), full_params(ckpt)
     # (nvfp4_merge_aware: the adapted weights in base_model's NVFP4 layout, with the scales training snapped with)
-    scales = nvfp4_scales(full, lora) if lora.nvfp4_merge_aware else None
-    save_hf_llama(merge(full, lora), cfg, out, max_shard_size=max_shard_size, dtype=dtype,
+    scales = run_nvfp4_scales(full, lora, meta.get("base_model"))
+    save_hf_llama(merge(full, lora, scales), cfg, out, max_shard_size=max_shard_size, dtype=dtype,
                   base_model=meta.get("base_model"), copied=copied, nvfp4=scales)
+
+
+def run_nvfp4_scales(full: Any, lora: Any, base_model: str | None) -> dict | None:
+    """The per-tensor scales a run's ``nvfp4_merge_aware`` training snapped with (``full``: its
+    parameters with adapters): base_model's stored ``weight_scale_2``, as training read them, or
+    without base_model each computed from its base weight; None without ``nvfp4_merge_aware``."""
+    from functional_pp import adapters
+    if not lora.nvfp4_merge_aware:
+        return None
+    if base_model is None:
+        return adapters.nvfp4_scales(full, lora)
+    from functional_pp.checkpoint.hf import nvfp4_stored_scales
+    return nvfp4_stored_scales(base_model, list(adapters.split(full)[1]))

@@ -91,7 +91,9 @@ def _run_model(p: Path, step: int | None) -> GenerationModel:
     params = full_params(ckpt)
     if meta.get("lora") is not None:              # the adapters merged: a plain model, as export does
         from functional_pp.adapters import LoraConfig, merge
-        params = merge(params, LoraConfig(**meta["lora"]))
+        from functional_pp.app.export import run_nvfp4_scales
+        lora = LoraConfig(**meta["lora"])
+        params = merge(params, lora, run_nvfp4_scales(params, lora, meta.get("base_model")))
     tok = _run_tokenizer(meta, run)
     template = None
     if tok.chat_template is not None or run.get("chat_template") or run.get("chat_template_jinja"):

@@ -454,11 +454,13 @@ def _frozen_and_adapters(cfg: TrainConfig, lora: Any, loss_fn: Any, decls: Any) 
     from functional_pp.core.tree import leaves_with_paths
     if lora is not None:
         try:
-            out = (adapters.adapt(loss_fn, lora), adapters.init(decls, lora, decoder_type_of(cfg.base_model)),
-                   adapters.trainable(lora, model_type_of(cfg.base_model)))
+            scales = None
             if lora.nvfp4_merge_aware and cfg.base_model is not None:   # (what its merged export can write)
-                from functional_pp.checkpoint.hf import check_nvfp4_targets
-                check_nvfp4_targets(cfg.base_model, adapters.targets(decls, lora))
+                from functional_pp.checkpoint.hf import nvfp4_stored_scales   # (Axolotl's: weight_scale_2)
+                scales = nvfp4_stored_scales(cfg.base_model, adapters.targets(decls, lora))
+            out = (adapters.adapt(loss_fn, lora, scales),
+                   adapters.init(decls, lora, decoder_type_of(cfg.base_model)),
+                   adapters.trainable(lora, model_type_of(cfg.base_model)))
         except ValueError as exc:
             raise ConfigError(f"adapter: {cfg.adapter}: {exc}") from exc
         quant = cfg.base_quantization()

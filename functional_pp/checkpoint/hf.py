@@ -43,7 +43,7 @@ __all__ = [
     "LLAMA_TABLE", "IGNORED_HF", "hf_name", "our_path", "config_from_hf", "config_to_hf",
     "load_hf_llama", "load_hf_params", "save_hf_llama", "export_checkpoint_to_hf",
     "permute_for_rotate_half", "unpermute_from_rotate_half", "fuse_rows", "experts_linearized", "nvfp4_names",
-    "check_nvfp4_targets",
+    "check_nvfp4_targets", "nvfp4_stored_scales",
 ]
 
 from functional_pp.models.gemma4_hf import export_config
@@ -891,6 +891,17 @@ def check_nvfp4_targets(base_model: str | os.PathLike, paths: list[str]) -> None
     from functional_pp.checkpoint.hf_nvfp4 import check_stored
     names = _nvfp4_file_names(config_from_hf(base_model), paths)
     check_stored(base_model, [n for ns, _ in names.values() for n in ns])
+
+
+def nvfp4_stored_scales(base_model: str | os.PathLike, paths: list[str]) -> dict[str, torch.Tensor]:
+    """``{our weight path: base_model's stored per-tensor scale}`` of the ``nvfp4_merge_aware``
+    targets ``paths`` (ModelOpt's ``weight_scale_2``: 0-dim, or stacked one per expert, whose files
+    hold one tensor per expert): the scales Axolotl snaps with. Refused as :func:`check_nvfp4_targets`."""
+    from functional_pp.checkpoint.hf_nvfp4 import stored_scales
+    names = _nvfp4_file_names(config_from_hf(base_model), paths)
+    stored = stored_scales(base_model, [n for ns, _ in names.values() for n in ns])
+    return {p: torch.stack([stored[n] for n in ns]) if stacked else stored[ns[0]]
+            for p, (ns, stacked) in names.items()}
 
 
 def _nvfp4_file_names(cfg, paths: list[str]) -> dict[str, tuple[list[str], bool]]:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from functional_pp.checkpoint.format import CheckpointMismatchError
 from functional_pp.quant.fp4 import quantize_nvfp4
 
-__all__ = ["nvfp4_items", "nvfp4_quantization_config", "check_stored"]
+__all__ = ["nvfp4_items", "nvfp4_quantization_config", "check_stored", "stored_scales"]
 
 _SCALES = ("_scale", "_scale_2")
 _DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16,
@@ -70,6 +70,23 @@ def check_stored(base_model: str | Path, names: list[str]) -> None:
             raise CheckpointMismatchError(f"nvfp4_merge_aware: {name} is adapted but base_model does not store it as "
                                           f"an NVFP4 weight ({name}_scale_2 missing): target only the weights its "
                                           f"quantization_config quantizes")
+
+
+def stored_scales(base_model: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """``{name: its stored per-tensor scale}`` (``{name}_scale_2``, 0-dim fp32) of the weights
+    ``names`` of base_model (a ModelOpt NVFP4 checkpoint); one it does not store as NVFP4, or a
+    scale that is not one positive finite number, is refused by name."""
+    check_stored(base_model, names)
+    files, out = _files(Path(base_model)), {}
+    for name in names:
+        key = name + "_scale_2"
+        with safe_open(str(files[key]), framework="pt") as h:
+            t = h.get_tensor(key)
+        if t.numel() != 1 or not t.is_floating_point() or not (torch.isfinite(t).all() and (t > 0).all()):
+            raise CheckpointMismatchError(f"{files[key]}: {key} {t.dtype} {list(t.shape)} is not one positive "
+                                          f"finite per-tensor scale (ModelOpt's NVFP4 weight_scale_2)")
+        out[name] = t.to(torch.float32).reshape(())
+    return out
 
 
 def nvfp4_items(items: list, base_model: str | Path, scales: dict[str, torch.Tensor]) -> list:

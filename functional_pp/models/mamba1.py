@@ -7,12 +7,13 @@ x then z); x passes the causal depthwise convolution and SiLU; ``x_proj`` gives 
 low-rank time step, B and C (``mamba_inner ssm_xproj``, HF's rows in that order; Jamba RMS-norms
 each of the three); ``dt = softplus(dt_proj(dt_low) + dt_bias)``; per channel d and state entry n
 ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``, ``y_t = h_t . C_t + D x_t`` with ``A = -exp(A_log)``;
-``out_proj(y * silu(z))``.
+``out_proj(y * silu(z))``. The recurrence runs in chunks (:func:`ops.linear_scan.linear_scan`:
+about ``2 sqrt(S)`` vectorized steps, the states of the loop position by position to rounding).
 
 Channels are independent: a rule ``mamba_inner="tp"`` (``llama.default_rules``) splits them with
 their convolution taps, ``A_log``, ``D`` and the time step's projection (``x_proj`` is then
 row-parallel: dt, B and C are completed by a sum over ``tp``; ``out_proj`` row-parallel as
-attention's). The scan runs along the sequence, position by position, through
+attention's). The scan runs along the sequence through
 :func:`ops.sequence_chain.along_sequence`: a sequence split over devices (context parallelism) runs
 block after block, the state (``batch mamba_inner ssm_state``) handed on, the convolution's last
 inputs too (``causal_conv1d``). Packed rows (``segments``) restart the state and the convolution
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from functional_pp import ops
 from functional_pp.core.tree import param
 from functional_pp.models import mamba2
+from functional_pp.ops.linear_scan import linear_scan
 from functional_pp.ops.sequence_chain import along_sequence
 from functional_pp.parallel.named import Named, make_named
 
@@ -136,8 +138,9 @@ def _continues(segments: Named, start_id: Named, dtype: torch.dtype) -> Named:
 def _states(decay: Named, inputs: Named, start: Named | None = None) -> Named:
     """Every position's state ``h_t = decay_t h_{t-1} + inputs_t`` from ``h_{-1} = start``
     (``batch mamba_inner ssm_state``; None: zero, ``h_0 = inputs_0``), ``decay`` and ``inputs``
-    ``batch seq mamba_inner ssm_state``: a loop over the local blocks where all are laid out alike
-    (as the scan's einsums make them), else over named slices."""
+    ``batch seq mamba_inner ssm_state``: the chunked scan of the local blocks
+    (:func:`ops.linear_scan.linear_scan`) where all are laid out alike (as the scan's einsums make
+    them), else a loop over named slices."""
     rest = [d for d in inputs.dims if d != "seq"]
     if start is not None and sorted(start.dims) == sorted(rest):
         start = ops.transpose(start, *rest)
@@ -146,16 +149,7 @@ def _states(decay: Named, inputs: Named, start: Named | None = None) -> Named:
                                                                  inputs.partial) and not inputs.partial and (
             start is None or (start.dims, start.split, start.vary, start.partial) == (
                 tuple(rest), inputs.split[:s] + inputs.split[s + 1:], inputs.vary, inputs.partial)):
-        a = decay.data
-
-        def run(u: torch.Tensor) -> torch.Tensor:
-            h = u.select(s, 0) if start is None else a.select(s, 0) * start.data + u.select(s, 0)
-            out = [h]
-            for t in range(1, u.shape[s]):
-                h = a.select(s, t) * h + u.select(s, t)
-                out.append(h)
-            return torch.stack(out, s)
-        return inputs.map(run)
+        return inputs.map(lambda u: linear_scan(decay.data, u, s, None if start is None else start.data))
     state, out = start, []
     for t in range(inputs.size("seq")):
         u = ops.slice_dim(inputs, "seq", t, t + 1)
@@ -169,8 +163,9 @@ def selective_scan(x: Named, dt: Named, b: Named, c: Named, a_log: Named, d: Nam
     """The selective scan of every channel of ``x`` (``batch seq mamba_inner``): with ``dt =
     softplus(dt + dt_bias)`` and ``A = -exp(A_log)`` (``mamba_inner ssm_state``), the state
     ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t`` (``B``, ``C``: ``batch seq ssm_state``, shared by the
-    channels; ``h_{-1} = 0``), the output ``y_t = h_t . C_t + D x_t``; sequentially along the sequence
-    (every state kept for the backward, ``batch seq mamba_inner ssm_state`` as transformers' reference),
+    channels; ``h_{-1} = 0``), the output ``y_t = h_t . C_t + D x_t``; by a chunked scan along the
+    sequence (every state kept for the backward, ``batch seq mamba_inner ssm_state`` as transformers'
+    reference, and the chunks' decay products),
     in float32 for 16-bit inputs (as transformers). Along the sequence by
     :func:`ops.sequence_chain.along_sequence` (the blocks of a split sequence in order, the state
     handed on), each block by :func:`scan_block`. ``segments``: the state starts from zero at each

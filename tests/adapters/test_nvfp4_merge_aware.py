@@ -62,23 +62,30 @@ def _setup():
 DECLS, FULL = _setup()
 
 
-def _torchao_snap(w_eff: torch.Tensor, base: torch.Tensor, in_ndim: int, experts: bool) -> torch.Tensor:
+def _torchao_snap(w_eff: torch.Tensor, base: torch.Tensor, in_ndim: int, experts: bool,
+                  stored: torch.Tensor | None = None) -> torch.Tensor:
     """The straight-through reference: ``w_eff`` through torchao's NVFP4 (Hugging Face's rows
-    ``[out, in]``, one tensor per expert, the per-tensor scale from ``base``'s largest magnitude)
-    in the forward, the identity in backward."""
-    def one(w, b):
+    ``[out, in]``, one tensor per expert, the per-tensor scale ``stored`` or from ``base``'s
+    largest magnitude) in the forward, the identity in backward."""
+    def one(w, b, s):
         n_in = w.shape[:in_ndim].numel()
         rows = w.detach().reshape(n_in, -1).T.contiguous()
-        pts = nvfp4.per_tensor_amax_to_scale(b.abs().max().float())
+        pts = nvfp4.per_tensor_amax_to_scale(b.abs().max().float()) if s is None else s
         q = nvfp4.NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=pts).dequantize(torch.float32)
         return q.T.reshape(w.shape)
-    q = torch.stack([one(w, b) for w, b in zip(w_eff, base)]) if experts else one(w_eff, base)
+    if experts:
+        q = torch.stack([one(w, b, None if stored is None else stored[e])
+                         for e, (w, b) in enumerate(zip(w_eff, base))])
+    else:
+        q = one(w_eff, base, stored)
     return w_eff + (q - w_eff).detach()
 
 
-def _reference():
-    """Loss and the adapters' gradients of the model over hand-made ``Q(W + scale A B)`` weights."""
-    full = map_with_path(lambda p, x: x.clone().requires_grad_() if ".lora." in p else x, FULL)
+def _reference(params=None, stored=None):
+    """Loss and the adapters' gradients of the model over hand-made ``Q(W + scale A B)`` weights
+    (``params``: FULL; ``stored``: per-tensor scales by weight path, else from the base)."""
+    full = map_with_path(lambda p, x: x.clone().requires_grad_() if ".lora." in p else x,
+                         FULL if params is None else params)
     leaves = {p: x for p, x in tree.leaves_with_paths(full) if ".lora." in p}
     base, lora = adapters.split(full)
     lora = adapters.with_shared_a(lora, LORA)
@@ -87,7 +94,8 @@ def _reference():
         w = dict(tree.leaves_with_paths(base))[path]
         experts = ab["lora_A"].ndim + ab["lora_B"].ndim - 3 == w.ndim
         eff = w + adapters.lora.delta(ab["lora_A"], ab["lora_B"], LORA.scale, experts)
-        weights[path] = _torchao_snap(eff, w, ab["lora_A"].ndim - 1 - int(experts), experts)
+        weights[path] = _torchao_snap(eff, w, ab["lora_A"].ndim - 1 - int(experts), experts,
+                                      None if stored is None else stored[path])
     snapped = map_with_path(lambda p, x: weights.get(p, x), base)
     loss = llama.loss(sharding.named_tree(snapped, llama.init(CFG)),
                       {k: fpp.named(v, "batch seq") for k, v in BATCH.items()}, CFG).value()
@@ -95,15 +103,17 @@ def _reference():
     return loss.detach(), {p: x.grad for p, x in leaves.items()}
 
 
-def _adapted(mesh=None, rules=None, processes=False):
-    """Per device: the merge-aware loss and the adapters' gathered gradients."""
+def _adapted(mesh=None, rules=None, processes=False, stored=None, params=None):
+    """Per device: the merge-aware loss and the adapters' gathered gradients (``params``: FULL;
+    ``stored``: the per-tensor scales by weight path, else from the base)."""
     mesh, rules = mesh or fpp.Mesh(), rules or Rules()
-    loss_fn = adapters.adapt(llama.loss, LORA)
+    loss_fn = adapters.adapt(llama.loss, LORA, stored)
+    params = FULL if params is None else params
 
     def device():
         with fpp.use_rules(rules):
             local = tree.tree_map(lambda t: t.clone().requires_grad_(),
-                                  sharding.shard(FULL, DECLS, mesh, rules, fpp.current_rank()))
+                                  sharding.shard(params, DECLS, mesh, rules, fpp.current_rank()))
             loss = loss_fn(sharding.named_tree(local, DECLS), {k: fpp.named(v, "batch seq") for k, v in BATCH.items()},
                            CFG).value()
             loss.backward()
@@ -171,15 +181,18 @@ def test_dora_is_refused_by_name():
         adapters.LoraConfig(target_modules=("q_proj",), dora=True, nvfp4_merge_aware=True)
 
 
-@pytest.fixture(scope="module")
-def modelopt_base(tmp_path_factory):
+def _modelopt(tmp_path_factory, scales=None):
     """The base model of FULL as a ModelOpt NVFP4 checkpoint (every linear but the router quantized
-    by torchao, one tensor per expert), and the same model read back (dequantized)."""
+    by torchao, one tensor per expert; ``scales``: Hugging Face name -> the per-tensor scale to
+    quantize and store it with, else its own ``amax / (448 * 6)``), and the same model read back
+    (dequantized)."""
+    scales = scales or {}
     dense = hf.save_hf_llama(adapters.split(FULL)[0], CFG, tmp_path_factory.mktemp("dense"))
     sd = load_file(dense / "model.safetensors")
     quantized = dict(sd)
     for k in [k for k in sd if k.endswith("_proj.weight")]:
-        t = nvfp4.NVFP4Tensor.to_nvfp4(sd[k], per_tensor_scale=nvfp4.per_tensor_amax_to_scale(sd[k].abs().max()))
+        pts = scales.get(k, nvfp4.per_tensor_amax_to_scale(sd[k].abs().max()))
+        t = nvfp4.NVFP4Tensor.to_nvfp4(sd[k], per_tensor_scale=pts)
         quantized.update({k: t.qdata.view(torch.uint8).contiguous(), f"{k}_scale": t.scale.contiguous(),
                           f"{k}_scale_2": t.per_tensor_scale.reshape(()).float(),
                           k.removesuffix(".weight") + ".input_scale": torch.tensor(0.01)})
@@ -189,6 +202,11 @@ def modelopt_base(tmp_path_factory):
     conf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     (out / "config.json").write_text(json.dumps(conf))
     return out, hf.load_hf_llama(out)
+
+
+@pytest.fixture(scope="module")
+def modelopt_base(tmp_path_factory):
+    return _modelopt(tmp_path_factory)
 
 
 def test_the_nvfp4_merged_export_reads_back_to_the_trained_forward(modelopt_base, tmp_path):
@@ -305,3 +323,93 @@ def test_qwen3_next_as_axolotl_targets_it(tmp_path):
         want = adapters.adapt(llama.forward, lora)(sharding.named_tree(full, decls), toks, cfg).value()
         got = llama.forward(sharding.named_tree(back, llama.init(cfg)), toks, cfg).value()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def modelopt_stored(tmp_path_factory):
+    """FULL's base as a ModelOpt NVFP4 checkpoint whose adapted weights were quantized with (and
+    store) per-tensor scales 1.25 times their own ``amax / (448 * 6)`` (a calibrated amax, as
+    ModelOpt's): ``(path, (cfg, base read back), FULL's adapters on that base, the stored scales
+    read by weight path, one device's loss and adapter gradients with them)``."""
+    own = adapters.nvfp4_scales(FULL, LORA)
+    path, (cfg, base) = _modelopt(tmp_path_factory, hf.nvfp4_names(CFG, {p: s * 1.25 for p, s in own.items()}))
+    full = adapters.joined(base, adapters.split(FULL)[1])
+    stored = hf.nvfp4_stored_scales(path, adapters.targets(llama.init(cfg), LORA))
+    return path, (cfg, base), full, stored, _adapted(stored=stored, params=full)[0]
+
+
+def test_the_stored_per_tensor_scale_is_the_one_trained_with(modelopt_stored):
+    """Axolotl snaps with the checkpoint's stored ``weight_scale_2``: read by weight path (one per
+    expert for the experts), the loss and A's and B's gradients equal the straight-through
+    reference on torchao's ``NVFP4Tensor`` with those scales, not with the scales recomputed from
+    the dequantized base (which differ)."""
+    path, _, full, stored, (loss, grads) = modelopt_stored
+    files = load_file(path / "model.safetensors")
+    assert torch.equal(stored["layers.0.self_attn.q_proj"], files["model.layers.0.self_attn.q_proj.weight_scale_2"])
+    assert stored["layers.0.mlp.up"].shape == (CFG.experts,)
+    assert torch.equal(stored["layers.0.mlp.up"][3], files["model.layers.0.mlp.experts.3.up_proj.weight_scale_2"])
+    computed = adapters.nvfp4_scales(full, LORA)
+    assert all(not torch.equal(stored[p], computed[p]) for p in stored)
+    want_loss, want = _reference(full, stored)
+    recomputed_loss, recomputed = _reference(full)
+    assert (recomputed_loss - want_loss).abs() > 1e-4 * want_loss        # (the test tells the two apart)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for p, g in grads.items():
+        torch.testing.assert_close(g, want[p], rtol=1e-4, atol=1e-6, msg=p)
+
+
+def test_a_run_on_a_modelopt_base_trains_with_its_stored_scales(modelopt_stored):
+    """The train command's loss (app.inputs.frozen_and_adapters with base_model) is the loss with
+    base_model's stored scales (the straight-through reference's)."""
+    from functional_pp.app.inputs import frozen_and_adapters
+    from functional_pp.config.train_config import TrainConfig
+    path, (cfg, _), full, stored, _ = modelopt_stored
+    run = TrainConfig.from_dict({"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "nvfp4_merge_aware": True,
+                                 "lora_target_modules": list(LORA.target_modules), "base_model": str(path)})
+    loss_fn, decls, _ = frozen_and_adapters(run, run.lora_config(), llama.loss, llama.init(cfg))
+    with torch.no_grad():
+        got = loss_fn(sharding.named_tree(full, DECLS), {k: fpp.named(v, "batch seq") for k, v in BATCH.items()},
+                      cfg).value()
+    torch.testing.assert_close(got, _reference(full, stored)[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stored_scales_layouts_equal_one_device(modelopt_stored, layout):
+    """The stored scales (replicated, one per expert taken by each device's experts) under FSDP x TP
+    (gloo processes) and EP x FSDP equal one device."""
+    mesh, rules = LAYOUTS[layout]
+    *_, full, stored, (loss, grads) = modelopt_stored
+    for got_loss, got in _adapted(mesh, rules, processes=layout == "fsdp_x_tp", stored=stored, params=full):
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+        for p, g in got.items():
+            torch.testing.assert_close(g, grads[p], rtol=1e-4, atol=1e-6, msg=p)
+
+
+def test_the_merged_export_writes_the_stored_scales(modelopt_stored, tmp_path):
+    """Exported merged with the stored scales: each adapted weight's ``weight_scale_2`` is
+    base_model's, bit for bit; read back, the weights are the trained ``Q(W + s A B)`` and the
+    logits the merge-aware forward's."""
+    path, (cfg, _), full, stored, _ = modelopt_stored
+    out = hf.save_hf_llama(adapters.merge(full, LORA, stored), cfg, tmp_path / "merged", base_model=path,
+                           nvfp4=stored)
+    files, source = load_file(out / "model.safetensors"), load_file(path / "model.safetensors")
+    for k in [k for k in source if k.endswith("_scale_2")]:
+        assert torch.equal(files[k], source[k]), k
+    _, back = hf.load_hf_llama(out)
+    trained = dict(tree.leaves_with_paths(adapters.merge(full, LORA, stored)))
+    for p, w in tree.leaves_with_paths(back):
+        assert torch.equal(w, trained[p]), p
+    toks = fpp.wrap(BATCH["tokens"], "batch seq")
+    with torch.no_grad():
+        want = adapters.adapt(llama.forward, LORA, stored)(sharding.named_tree(full, DECLS), toks, CFG).value()
+        got = llama.forward(sharding.named_tree(back, llama.init(CFG)), toks, CFG).value()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_stored_scale_missing_or_misshapen_is_refused(modelopt_stored):
+    *_, full, stored, _ = modelopt_stored
+    params = sharding.named_tree(full, DECLS)
+    with pytest.raises(ValueError, match=r"no stored per-tensor scale for the adapted weight layers\.0\.mlp\.up"):
+        adapters.apply(params, LORA, {p: s for p, s in stored.items() if p != "layers.0.mlp.up"})
+    with pytest.raises(ValueError, match=r"scale of layers\.0\.mlp\.up has shape \(\), expected \(4,\)"):
+        adapters.apply(params, LORA, {**stored, "layers.0.mlp.up": stored["layers.0.mlp.up"][0]})

@@ -2,7 +2,8 @@
 written as a ModelOpt NVFP4 checkpoint by torchao, 2 steps of merge-aware LoRA on FSDP x TP (4
 simulated devices), then ``export --merge-adapter``: an NVFP4 checkpoint in ModelOpt's layout whose
 adapted weights, read back, are the trained ``Q(W + scale A B)`` bit for bit, its other weights
-base_model's, and whose logits equal the trained model's merge-aware forward."""
+base_model's, and whose logits equal the trained model's merge-aware forward; the per-tensor scales
+are base_model's stored ``weight_scale_2`` (which differ from the dequantized weights' own), as Axolotl's."""
 import importlib.util
 import json
 import shutil
@@ -77,13 +78,15 @@ def test_the_merged_nvfp4_export_is_the_trained_model(run):
     q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
     assert files[q].dtype == torch.uint8 and not torch.equal(files[q], source[q])
     assert torch.equal(files[k], source[k]) and torch.equal(files[k + "_scale"], source[k + "_scale"])
+    assert torch.equal(files[q + "_scale_2"], source[q + "_scale_2"])      # (the stored scale trained with)
+    stored = hf.nvfp4_stored_scales(base, list(adapters.split(params)[1]))
     _, back = hf.load_hf_llama(merged)
-    trained = dict(tree.leaves_with_paths(adapters.merge(params, lc)))
+    trained = dict(tree.leaves_with_paths(adapters.merge(params, lc, stored)))
     for p, w in tree.leaves_with_paths(back):
         assert torch.equal(w, trained[p]), p
     toks = torch.randint(0, cfg.vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = adapters.adapt(llama.forward, lc)(sharding.named_tree(params, decls), fpp.wrap(toks, "batch seq"),
-                                                 cfg).value()
+        ours = adapters.adapt(llama.forward, lc, stored)(sharding.named_tree(params, decls),
+                                                         fpp.wrap(toks, "batch seq"), cfg).value()
         theirs = llama.forward(sharding.named_tree(back, llama.init(cfg)), fpp.wrap(toks, "batch seq"), cfg).value()
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)

@@ -57,10 +57,12 @@ def test_logits_equal_transformers(hf_dir):
     import_logits_beside_hf(model, hf_dir)
 
 
-def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path):
+@pytest.mark.parametrize("seq", [12, 70])
+def test_fp64_loss_and_every_gradient_equal_transformers(hf_dir, tmp_path, seq):
+    """(12 positions: chunks of 4; 70: chunks of 9, padded, whose 8 chunk ends are chunked again.)"""
     from safetensors.torch import load_file
     with hf_scan_in_fp64():
-        model, cfg, loss, grads, out, want = fp64_beside_hf(hf_dir, "MambaForCausalLM")
+        model, cfg, loss, grads, out, want = fp64_beside_hf(hf_dir, "MambaForCausalLM", seq=seq)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     with hf_scan_in_fp64():
         want.backward()
