@@ -157,11 +157,12 @@ def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT
     import torch.distributed as dist
 
     from functional_pp.devices.dist import DistBackend
-    from functional_pp.devices.rendezvous import join_from_env
+    from functional_pp.devices.rendezvous import join_from_env, leave_at_exit
 
     gpu = use_local_gpu() if local_gpu else None    # also when the caller initialised the process group
     if not dist.is_initialized():
         join_from_env("nccl" if gpu is not None else "gloo", timeout)     # (outside torchrun: bounded)
+    leave_at_exit()     # a group the caller initialised too: destroyed before the interpreter's teardown
     mesh.validate_world_size(dist.get_world_size())
     rank = dist.get_rank()
     ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank, timeout=timeout), simulated=False)
