@@ -34,7 +34,7 @@ def test_a_busy_thread_is_named_when_it_outlasts_the_bound():
     work = _NativeWork(mb=200)
     work.start()
     work.started.wait()
-    busy = fork_quiesce.quiesce_before_fork(limit=0.05)
+    busy = fork_quiesce.quiesce_before_fork(limit=0.02)
     assert work.native_id in busy, (busy, work.done_at)
     work.join()
     assert fork_quiesce.quiesce_before_fork(limit=5) == []
