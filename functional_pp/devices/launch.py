@@ -273,10 +273,10 @@ def _quiesce_then(fork: Callable[[], None]) -> None:
     """``fork()`` once every other thread of this process sleeps (``fork_quiesce``): a thread that
     runs native code at the fork can leave the child a lock held or a structure half-written.
     Threads still busy after the bound are named in a warning and the fork goes ahead."""
-    busy = quiesce_before_fork()
+    busy = quiesce_before_fork(QUIESCE_LIMIT)
     if busy:
         warnings.warn(f"launch(processes=True): forking while thread(s) {busy} of this process (native ids) kept "
-                      f"running for {QUIESCE_LIMIT:.0f}s: a lock one of them holds at the fork stays held in the "
+                      f"running for {QUIESCE_LIMIT:g}s: a lock one of them holds at the fork stays held in the "
                       f"child (a hang or an abort there); stop or pause such threads before launching",
                       RuntimeWarning, stacklevel=4)
     fork()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import functional_pp as fpp
-from functional_pp.devices import fork_quiesce
+from functional_pp.devices import fork_quiesce, launch
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread states are read from /proc (Linux)")
 
@@ -47,3 +47,13 @@ def test_processes_are_forked_after_the_parents_native_work_ends():
     forked_at = fpp.launch(time.monotonic, fpp.Mesh(), processes=True, timeout=120)[0]
     work.join()
     assert forked_at >= work.done_at, f"the child ran {work.done_at - forked_at:.3f}s before the parent's thread ended"
+
+
+def test_a_thread_busy_past_the_bound_is_named_in_a_warning_and_the_launch_goes_on(monkeypatch):
+    monkeypatch.setattr(launch, "QUIESCE_LIMIT", 0.02)
+    work = _NativeWork(mb=200)
+    work.start()
+    work.started.wait()
+    with pytest.warns(RuntimeWarning, match=rf"forking while thread\(s\) \[{work.native_id}\]"):
+        assert fpp.launch(lambda: 7, fpp.Mesh(), processes=True, timeout=120) == [7]
+    work.join()
