@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ from functional_pp._torch import (compile_cache_limits, compile_despite_peers_fx
                                   dynamo_settings_are_thread_local, reset_compile_workers_after_fork)
 from functional_pp.core.mesh import Mesh
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
+from functional_pp.devices.fork_quiesce import QUIESCE_LIMIT, quiesce_before_fork
 from functional_pp.devices.process_watch import (DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure,
                                                  supervise)
 from functional_pp.devices.sim import SimAborted, SimBackend, SimWorld
@@ -157,11 +159,12 @@ def _launch_distributed(fn, mesh: Mesh, timeout: float = DEFAULT_PROCESS_TIMEOUT
     import torch.distributed as dist
 
     from functional_pp.devices.dist import DistBackend
-    from functional_pp.devices.rendezvous import join_from_env
+    from functional_pp.devices.rendezvous import join_from_env, leave_at_exit
 
     gpu = use_local_gpu() if local_gpu else None    # also when the caller initialised the process group
     if not dist.is_initialized():
         join_from_env("nccl" if gpu is not None else "gloo", timeout)     # (outside torchrun: bounded)
+    leave_at_exit()     # a group the caller initialised too: destroyed before the interpreter's teardown
     mesh.validate_world_size(dist.get_world_size())
     rank = dist.get_rank()
     ctx = DeviceContext(mesh, rank, DistBackend(mesh, rank, timeout=timeout), simulated=False)
@@ -266,6 +269,19 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _quiesce_then(fork: Callable[[], None]) -> None:
+    """``fork()`` once every other thread of this process sleeps (``fork_quiesce``): a thread that
+    runs native code at the fork can leave the child a lock held or a structure half-written.
+    Threads still busy after the bound are named in a warning and the fork goes ahead."""
+    busy = quiesce_before_fork(QUIESCE_LIMIT)
+    if busy:
+        warnings.warn(f"launch(processes=True): forking while thread(s) {busy} of this process (native ids) kept "
+                      f"running for {QUIESCE_LIMIT:g}s: a lock one of them holds at the fork stays held in the "
+                      f"child (a hang or an abort there); stop or pause such threads before launching",
+                      RuntimeWarning, stacklevel=4)
+    fork()
+
+
 def _launch_processes(fn, mesh: Mesh, timeout: float) -> list:
     import multiprocessing as mp
 
@@ -275,7 +291,7 @@ def _launch_processes(fn, mesh: Mesh, timeout: float) -> list:
     procs = [ctx.Process(target=_process_main, args=(fn, mesh, r, port, q, timeout), daemon=True)
              for r in range(mesh.size)]
     for p in procs:
-        p.start()
+        _quiesce_then(p.start)
     results = None
     try:
         results = supervise(procs, _ReportQueue(q), mesh.size, timeout,

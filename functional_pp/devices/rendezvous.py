@@ -14,12 +14,13 @@ import datetime
 import os
 import time
 
-__all__ = ["RendezvousError", "join_from_env", "leave", "UNMANAGED_WAIT", "FIRST_CONTACT", "ENV"]
+__all__ = ["RendezvousError", "join_from_env", "leave", "leave_at_exit", "UNMANAGED_WAIT", "FIRST_CONTACT", "ENV"]
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 UNMANAGED_WAIT = 30.0        # seconds the ranks of a launch without torchrun's agent wait for each other
 FIRST_CONTACT = 5.0          # seconds until a rank reaches rank 0's store (rank 0: until one rank has)
 _JOINED = "functional_pp/rendezvous/joined"
+_leave_registered = False
 
 
 class RendezvousError(RuntimeError):
@@ -34,7 +35,7 @@ def join_from_env(backend: str, timeout: float) -> None:
     long = datetime.timedelta(seconds=timeout)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         dist.init_process_group(backend, timeout=long)
-        atexit.register(leave)
+        leave_at_exit()
         return
     named = ", ".join(f"{k}={os.environ.get(k, '<unset>')}" for k in ENV)
     how = ("to train in this process alone, unset them (unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT); to run "
@@ -65,12 +66,21 @@ def join_from_env(backend: str, timeout: float) -> None:
         _wait_for_ranks(store, world - 1, contact, wait, port, refuse)
     store.set_timeout(long)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=long)
-    atexit.register(leave)
+    leave_at_exit()
+
+
+def leave_at_exit() -> None:
+    """Have :func:`leave` run when the interpreter exits (once per process, however often called):
+    on joining, and by ``launch`` for a process group the caller initialised itself."""
+    global _leave_registered
+    if not _leave_registered:
+        atexit.register(leave)
+        _leave_registered = True
 
 
 def leave() -> None:
-    """Destroy the process group this module joined, if it is still there (registered with
-    :mod:`atexit` on joining): a group left to the interpreter's teardown can abort the process
+    """Destroy the default process group, if it is still there (registered with :mod:`atexit`
+    by :func:`leave_at_exit`): a group left to the interpreter's teardown can abort the process
     ("terminate called without an active exception", exit status -6) after its work is done."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():

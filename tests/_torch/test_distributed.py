@@ -25,6 +25,12 @@ import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 def run(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:       # a failed check still destroys the group: one left to the teardown can abort the process
+        check(rank)
+    finally:
+        dist.destroy_process_group()
+
+def check(rank):
     from functional_pp._torch.distributed import all_gather_single, funcol, reduce_scatter_single
     pg = dist.group.WORLD
     x = torch.arange(6.).reshape(2, 3) + 10 * rank
@@ -38,7 +44,6 @@ def run(rank, port):
     y = torch.arange(8.).reshape(2, 4) * (rank + 1)
     s = funcol.wait_tensor(reduce_scatter_single(y, "sum", 1, pg))
     assert torch.equal(s, (torch.arange(8.).reshape(2, 4) * 3)[:, 2 * rank:2 * rank + 2]), s
-    dist.destroy_process_group()
 
 if __name__ == "__main__":
     import socket

@@ -89,22 +89,41 @@ def test_simulate_with_stray_torchrun_variables_names_them(monkeypatch):
         resolve_world(TrainConfig.from_dict({"model": "tiny"}), simulate=1)
 
 
+_COUNT_DESTROY = ("import torch.distributed as dist\n"
+                  "real = dist.destroy_process_group\n"
+                  "def destroy(*a, **k):\n"
+                  "    print('destroyed', flush=True)\n"
+                  "    return real(*a, **k)\n"
+                  "dist.destroy_process_group = destroy\n")
+
+
+def _run_rank_alone(body: str) -> subprocess.CompletedProcess:
+    """``body`` as rank 0 of 1 (variables set, no torchrun agent), destroy_process_group announcing itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", _COUNT_DESTROY + body], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
 def test_a_joined_process_group_is_destroyed_when_the_process_exits():
     """A process group left to the interpreter's teardown aborted a torchrun rank after its work
     ("terminate called without an active exception", exit -6: `functional-pp generate` under
     torchrun in CI): joining registers its destruction at exit."""
-    script = ("import torch.distributed as dist\n"
-              "from functional_pp.devices.rendezvous import join_from_env\n"
-              "real = dist.destroy_process_group\n"
-              "def destroy(*a, **k):\n"
-              "    print('destroyed', flush=True)\n"
-              "    return real(*a, **k)\n"
-              "dist.destroy_process_group = destroy\n"
-              "join_from_env('gloo', 60)\n"
-              "print('joined', dist.get_world_size(), flush=True)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
-    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    res = _run_rank_alone("from functional_pp.devices.rendezvous import join_from_env\n"
+                          "join_from_env('gloo', 60)\n"
+                          "print('joined', dist.get_world_size(), flush=True)\n")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["joined", "1", "destroyed"], res.stdout
+
+
+def test_a_process_group_the_caller_initialised_is_destroyed_when_the_process_exits():
+    """User code that initialises the process group itself and then launches (``launch`` does not
+    join then) left the group to the interpreter's teardown, as above: ``launch`` registers its
+    destruction at exit too, once."""
+    res = _run_rank_alone("import functional_pp as fpp\n"
+                          "dist.init_process_group('gloo')\n"
+                          "for _ in range(2):\n"
+                          "    print('ran', fpp.launch(lambda: fpp.current_rank(), fpp.Mesh(), simulate=False), flush=True)\n")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["ran", "0", "ran", "0", "destroyed"], res.stdout
