@@ -273,7 +273,7 @@ def add_parser(sub) -> None:
                    help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B)")
     p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
     p.add_argument("--max-axis", default="", metavar="AXIS=N,...",
-                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to sequence_len / "
+                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to a row's tokens / "
                         f"{CP_MIN_TOKENS})")
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
