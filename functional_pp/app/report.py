@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from functional_pp.app.row_tokens import layout_seq_multiple, row_tokens
+from functional_pp.app.row_tokens import row_tokens
 from functional_pp.app.world import World
 from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
@@ -123,7 +123,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     dp = cfg.dp_size(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
-    row = row_tokens(cfg, layout_seq_multiple(mesh, rules))
+    row = row_tokens(cfg, mesh, rules)
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
     rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
@@ -231,7 +231,7 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     with the same arguments, so both give the same peak)."""
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.plan import estimate
-    gb, row = cfg.global_batch(mesh, rules), row_tokens(cfg, layout_seq_multiple(mesh, rules))
+    gb, row = cfg.global_batch(mesh, rules), row_tokens(cfg, mesh, rules)
     batch = {k: ((gb, row), "batch seq") for k in ("tokens", "labels")}
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}

@@ -23,12 +23,15 @@ def layout_seq_multiple(mesh, rules) -> int:
     return seq_multiple(shard.cp_size, shard.balanced)
 
 
-def row_tokens(cfg: TrainConfig, multiple: int = 1) -> int:
-    """The tokens of each row of ``cfg``'s training batch, its length rounded up to a multiple of
-    ``multiple`` where the objective pads its rows (:func:`seq_multiple`); ``sequence_len`` for
-    objectives whose rows are the data's own."""
+def row_tokens(cfg: TrainConfig, mesh=None, rules=None, *, multiple: int | None = None) -> int:
+    """The tokens of each row of ``cfg``'s training batch; where the objective pads its rows, its
+    length rounded up to a multiple of ``multiple`` (default: :func:`layout_seq_multiple` of
+    ``mesh`` and ``rules``, 1 without them); ``sequence_len`` for objectives whose rows are the
+    data's own (the layout then not asked)."""
     from functional_pp.app.ebft_run import ebft_settings, is_ebft
     if is_ebft(cfg):
         from functional_pp.preference.ebft_rollout import row_length_of
+        if multiple is None:
+            multiple = 1 if mesh is None else layout_seq_multiple(mesh, rules)
         return row_length_of(ebft_settings(cfg), cfg.sequence_len, multiple)
     return cfg.sequence_len

@@ -78,7 +78,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
     space = space or config_space(cfg, orders=orders)
-    row = row_tokens(cfg, _cp_multiple(n_devices, space.max_axis.get("cp", n_devices)))
+    row = row_tokens(cfg, multiple=_cp_multiple(n_devices, space.max_axis.get("cp", n_devices)))
     batch = {"tokens": ((gb, row), "batch seq"), "labels": ((gb, row), "batch seq")}
     strat = {"exhaustive": exhaustive, "beam": beam(4), "auto": None}[strategy]
     out = stream or sys.stderr
