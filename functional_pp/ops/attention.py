@@ -139,8 +139,9 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     earlier tokens (EBFT's block-parallel rows, preference/ebft_layout.py); 0: its segment only.
     On every path like ``segments`` (under context parallelism the keys' global row indices),
     computed by blocks of queries (``ops/query_chunks.py``: the mask of one block at a time, each
-    recomputed in backward; memory linear in the row); not with ``window``, ``chunk`` or ``alibi_max`` (they measure row indices, not the rows'
-    positions), ``kv_segments`` or ``kept_keys``."""
+    recomputed in backward; memory linear in the row); not with ``window``, ``chunk`` or
+    ``alibi_max`` (they measure row indices, not the rows' positions), ``kv_segments`` or
+    ``kept_keys``."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")

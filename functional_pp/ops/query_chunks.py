@@ -22,8 +22,9 @@ def by_query_chunks(block: Callable[[int, int, int], torch.Tensor], n_queries: i
                     causal_keys: bool, chunk: int | None = None) -> torch.Tensor:
     """``block(start, stop, keys)``: the attention output (batch, heads, stop - start, head_dim)
     of queries ``start .. stop - 1`` against the first ``keys`` keys; concatenated over blocks of
-    ``chunk`` queries (default :data:`QUERY_CHUNK`). ``causal_keys``: the queries are the last ``n_queries`` of ``n_keys`` keys in
-    row order under a causal mask, so a block needs the keys up to its last query only."""
+    ``chunk`` queries (default :data:`QUERY_CHUNK`). ``causal_keys``: the queries are the last
+    ``n_queries`` of ``n_keys`` keys in row order under a causal mask, so a block needs the keys
+    up to its last query only."""
     chunk = chunk or QUERY_CHUNK
     if n_queries <= chunk:
         return block(0, n_queries, n_keys)
